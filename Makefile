@@ -1,0 +1,27 @@
+# The two commands of README.md: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch first: on the project's machines its CPU wheel is local and a bare `torch`
+# would pull gigabytes of CUDA packages. Override with TORCH_SPEC=torch elsewhere.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	HF_HUB_OFFLINE=1 $(VENV)/bin/headlab demo
+
+test: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,5 @@
+"""Foundation subcommands: `headlab heads`, `headlab prune`."""
+
+
+def register(subparsers) -> None:
+    pass

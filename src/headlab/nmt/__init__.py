@@ -1,0 +1,1 @@
+"""Transformer translation models: tokenizer, config, training, translation, BLEU."""
