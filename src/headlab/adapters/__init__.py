@@ -1,0 +1,238 @@
+"""The canonical view of a model's attention heads, whatever its family.
+
+:func:`attention_blocks` returns one :class:`AttentionBlock` per attention layer, in forward
+order, with its kind, layer, head counts and projection modules. Known ``model_type`` values
+use the declarative tables of :mod:`headlab.adapters.families`; any other model goes through
+one generic discovery path. Either way every block is checked against its weight shapes, so
+a model gets the right answer or a :class:`~headlab.errors.HeadlabError` naming what could not
+be found, never a silent wrong one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from headlab.adapters.families import FAMILIES, Family
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS
+
+__all__ = ["AttentionBlock", "attention_blocks", "find_block", "n_layers_per_kind", "Family", "FAMILIES"]
+
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """One attention layer: what it is and where its projections live.
+
+    ``q``, ``k`` and ``v`` are ``None`` when the family fuses them into ``qkv`` (GPT-2).
+    ``core`` is the module whose forward computes the attention probabilities.
+    """
+
+    kind: str
+    layer: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    name: str
+    module: nn.Module
+    core: nn.Module
+    q: nn.Module | None
+    k: nn.Module | None
+    v: nn.Module | None
+    o: nn.Module
+    qkv: nn.Module | None
+    family: Family
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.kind, self.layer)
+
+    @property
+    def o_is_inside_core(self) -> bool:
+        return any(module is self.o for module in self.core.modules())
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionBlock({self.kind}, layer={self.layer}, n_heads={self.n_heads}, "
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, name={self.name!r})"
+        )
+
+
+def out_features(module: nn.Module) -> int:
+    """Output width of a Linear or of transformers' Conv1D (whose weight is [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if hasattr(module, "nf"):
+        return int(module.nf)
+    raise HeadlabError(f"cannot read the output width of {type(module).__name__}")
+
+
+def in_features(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if hasattr(module, "nf"):  # Conv1D: weight [in, out]
+        return int(module.weight.shape[0])
+    raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
+
+
+def _get(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split(".") if path else ():
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+# -- generic discovery ---------------------------------------------------------------------
+# Projection naming schemes seen across transformers: (q, k, v, o, core).
+_GENERIC_SCHEMES = (
+    ("q_proj", "k_proj", "v_proj", "out_proj", ""),
+    ("q_proj", "k_proj", "v_proj", "o_proj", ""),
+    ("q", "k", "v", "o", ""),
+    ("q_lin", "k_lin", "v_lin", "out_lin", ""),
+    ("self.query", "self.key", "self.value", "output.dense", "self"),
+)
+_D_HEAD_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_head")
+_CROSS_WORDS = ("encoder_attn", "cross", "encdec")
+
+
+def _generic_candidates(model: nn.Module):
+    """Yield ``(kind, layer, name, module, family)`` for modules that look like attention."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    for name, module in model.named_modules():
+        for q, k, v, o, core in _GENERIC_SCHEMES:
+            if not all(_get(module, path) is not None for path in (q, k, v, o)):
+                continue
+            core_module = _get(module, core) if core else module
+            d_attr = next((a for a in _D_HEAD_ATTRS if isinstance(getattr(core_module, a, None), int)), None)
+            layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
+            if d_attr is None or not layer:
+                continue
+            family = Family(
+                name=f"generic:{model_type}", patterns=(), q=q, k=k, v=v, o=o,
+                d_head_attr=d_attr, core=core, probs_index=-1,
+            )
+            yield _guess_kind(name, module, config), int(layer[-1]), name, module, family
+            break
+
+
+def _guess_kind(name: str, module: nn.Module, config) -> str:
+    lowered = name.lower()
+    if "decoder" in lowered:
+        last = lowered.rsplit(".", 1)[-1]
+        return "dec_cross" if any(word in last for word in _CROSS_WORDS) else "dec_self"
+    if "encoder" in lowered and getattr(config, "is_encoder_decoder", False):
+        return "enc_self"
+    causal = getattr(module, "is_causal", None)
+    if causal is None:
+        causal = bool(getattr(config, "is_decoder", False))
+    return "dec_self" if causal else "enc_self"
+
+
+def _table_candidates(model: nn.Module, family: Family):
+    compiled = [(kind, re.compile(pattern)) for kind, pattern in family.patterns]
+    for name, module in model.named_modules():
+        for kind, pattern in compiled:
+            match = pattern.search(name)
+            if match:
+                yield kind, int(match.group(1)), name, module, family
+
+
+def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Family) -> AttentionBlock:
+    where = f"{name} ({family.name})"
+    core = _get(module, family.core) if family.core else module
+    o = _get(module, family.o)
+    if core is None or o is None:
+        raise HeadlabError(f"{where}: no {'core ' + family.core if core is None else family.o!r} module")
+    d_head = getattr(core, family.d_head_attr, None)
+    if not isinstance(d_head, int) or d_head <= 0:
+        raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
+    if family.qkv:
+        qkv = _get(module, family.qkv)
+        if qkv is None:
+            raise HeadlabError(f"{where}: no fused projection {family.qkv!r}")
+        width = out_features(qkv)
+        if width % 3:
+            raise HeadlabError(f"{where}: fused projection width {width} is not 3 x (q, k, v)")
+        q_width = kv_width = width // 3
+        q = k = v = None
+    else:
+        qkv = None
+        q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
+        if q is None or k is None or v is None:
+            raise HeadlabError(f"{where}: missing one of {family.q}, {family.k}, {family.v}")
+        q_width, kv_width = out_features(q), out_features(k)
+        if out_features(v) != kv_width:
+            raise HeadlabError(f"{where}: key width {kv_width} differs from value width {out_features(v)}")
+    o_width = in_features(o)
+    if q_width % d_head or kv_width % d_head or o_width != q_width:
+        raise HeadlabError(
+            f"{where}: projection widths do not split into heads of size {d_head} "
+            f"(q {q_width}, k/v {kv_width}, output input {o_width})"
+        )
+    n_heads, n_kv_heads = q_width // d_head, kv_width // d_head
+    if n_kv_heads and n_heads % n_kv_heads:
+        raise HeadlabError(f"{where}: {n_heads} query heads do not group over {n_kv_heads} key/value heads")
+    if family.kv_groups_attr and n_kv_heads:
+        groups = getattr(core, family.kv_groups_attr, None)
+        if groups is not None and groups != n_heads // n_kv_heads:
+            raise HeadlabError(f"{where}: {family.kv_groups_attr}={groups} but weights give {n_heads}/{n_kv_heads}")
+    return AttentionBlock(kind, layer, n_heads, n_kv_heads, d_head, name, module, core, q, k, v, o, qkv, family)
+
+
+_KIND_ORDER = {"enc_self": (0, 0), "dec_self": (1, 0), "dec_cross": (1, 1)}
+
+
+def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
+    """One block per attention layer of ``model``, in forward order.
+
+    Encoder layers come first; in the decoder each layer's self-attention precedes its
+    cross-attention. Raises :class:`HeadlabError` when the model has no attention this
+    adapter understands, or when what it found does not add up.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    candidates = list(_table_candidates(model, family) if family else _generic_candidates(model))
+    if not candidates:
+        raise HeadlabError(
+            f"{type(model).__name__} (model_type {model_type!r}): found no attention block "
+            + ("matching its table entry." if family else
+               "with q/k/v/output projections (looked for q_proj/k_proj/v_proj/out_proj|o_proj, "
+               "q/k/v/o, q_lin/k_lin/v_lin/out_lin and self.query/key/value with output.dense). "
+               "Add an entry for it to headlab.adapters.families.FAMILIES.")
+        )
+    blocks = [_make_block(*candidate) for candidate in candidates]
+    blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
+    seen: dict[tuple[str, int], str] = {}
+    for block in blocks:
+        if block.key in seen:
+            raise HeadlabError(
+                f"two modules claim {block.kind} layer {block.layer}: {seen[block.key]} and {block.name}"
+            )
+        seen[block.key] = block.name
+    return blocks
+
+
+def find_block(blocks: list[AttentionBlock], kind: str, layer: int) -> AttentionBlock:
+    """The block for ``(kind, layer)``, or an error that lists what exists."""
+    for block in blocks:
+        if block.kind == kind and block.layer == layer:
+            return block
+    if kind not in KINDS:
+        raise HeadlabError(f"unknown attention kind {kind!r}; expected one of {', '.join(KINDS)}")
+    layers = sorted(b.layer for b in blocks if b.kind == kind)
+    if not layers:
+        have = sorted({b.kind for b in blocks}, key=KINDS.index)
+        raise HeadlabError(f"the model has no {kind} attention (it has {', '.join(have)})")
+    raise HeadlabError(f"{kind} has no layer {layer} (layers {layers[0]}..{layers[-1]})")
+
+
+def n_layers_per_kind(blocks: list[AttentionBlock]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for block in blocks:
+        counts[block.kind] = max(counts.get(block.kind, 0), block.layer + 1)
+    return counts

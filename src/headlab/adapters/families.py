@@ -1,0 +1,107 @@
+"""Declarative tables: where each model family keeps its attention projections.
+
+Each entry names, per attention kind, a regular expression over module paths whose group 1 is
+the layer index, and the attribute paths (relative to the matched module) of the q, k, v and
+output projections. ``core`` is the sub-module whose forward computes the attention
+probabilities and returns them at ``probs_index`` of its output tuple (the eager path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    patterns: tuple[tuple[str, str], ...]
+    """(kind, regex over the module path; group 1 is the layer)."""
+    q: str | None
+    k: str | None
+    v: str | None
+    o: str
+    d_head_attr: str
+    """Attribute of ``core`` that holds the head size."""
+    qkv: str | None = None
+    """A fused q/k/v projection (GPT-2's ``c_attn``), columns ordered [q | k | v]."""
+    core: str = ""
+    """Path of the module that computes the attention probabilities ("" = the matched one)."""
+    probs_index: int = 1
+    """Where that module's output tuple holds the probabilities."""
+    head_count_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding a head count, kept in step by physical pruning."""
+    kv_groups_attr: str | None = None
+    """Attribute of ``core`` holding query heads per key/value head (grouped-query attention)."""
+
+
+def _seq2seq(prefix_enc: str, prefix_dec: str) -> tuple[tuple[str, str], ...]:
+    return (
+        ("enc_self", rf"(?:^|\.){prefix_enc}\.(\d+)\.self_attn$"),
+        ("dec_self", rf"(?:^|\.){prefix_dec}\.(\d+)\.self_attn$"),
+        ("dec_cross", rf"(?:^|\.){prefix_dec}\.(\d+)\.encoder_attn$"),
+    )
+
+
+BART_LIKE = Family(
+    name="bart-like",
+    patterns=_seq2seq(r"encoder\.layers", r"decoder\.layers"),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+)
+
+BERT_LIKE = Family(
+    name="bert-like",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+)
+
+DISTILBERT = Family(
+    name="distilbert",
+    patterns=(("enc_self", r"(?:^|\.)transformer\.layer\.(\d+)\.attention$"),),
+    q="q_lin", k="k_lin", v="v_lin", o="out_lin",
+    d_head_attr="attention_head_size",
+    head_count_attrs=("n_heads",),
+)
+
+GPT2 = Family(
+    name="gpt2",
+    patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="c_proj", qkv="c_attn",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+)
+
+T5 = Family(
+    name="t5",
+    patterns=(
+        ("enc_self", r"(?:^|\.)encoder\.block\.(\d+)\.layer\.0\.SelfAttention$"),
+        ("dec_self", r"(?:^|\.)decoder\.block\.(\d+)\.layer\.0\.SelfAttention$"),
+        ("dec_cross", r"(?:^|\.)decoder\.block\.(\d+)\.layer\.1\.EncDecAttention$"),
+    ),
+    q="q", k="k", v="v", o="o",
+    d_head_attr="key_value_proj_dim",
+    probs_index=2,
+    head_count_attrs=("n_heads",),
+)
+
+LLAMA_LIKE = Family(
+    name="llama-like",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    d_head_attr="head_dim",
+    kv_groups_attr="num_key_value_groups",
+)
+
+FAMILIES: dict[str, Family] = {
+    **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
+    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
+    "distilbert": DISTILBERT,
+    "gpt2": GPT2,
+    **dict.fromkeys(["t5", "mt5"], T5),
+    **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
+}
+"""Model types with a declarative entry; any other goes through generic discovery."""

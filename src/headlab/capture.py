@@ -1,0 +1,169 @@
+"""The one place that registers hooks on a model.
+
+Two seams, both taken without copying any modeling code:
+
+* the input of each block's output projection, viewed as ``[batch, pos, n_heads, d_head]``:
+  per-head outputs, where gates and masks act (Voita et al. 2019, Sec. 6.1:
+  MultiHead = Concat_i(g_i * head_i) W^O);
+* the output of each block's attention core in eager mode, which holds the attention
+  probabilities ``[batch, n_heads, q_len, k_len]``.
+
+Every context manager here removes its hooks and restores the model's attention
+implementation in ``finally``, so an exception inside leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+
+ProbsCallback = Callable[[AttentionBlock, torch.Tensor], None]
+HeadOutputFn = Callable[[AttentionBlock, torch.Tensor], torch.Tensor]
+
+
+def _configs(model: nn.Module) -> list:
+    """Every distinct config object that an attention module of ``model`` may read."""
+    found: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` with eager attention inside, the only path that returns probabilities.
+
+    The implementation each config had (SDPA, flash, ...) is restored on exit, also on error.
+    """
+    configs = _configs(model)
+    previous = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = "eager"
+        yield model
+    finally:
+        for config, value in zip(configs, previous):
+            config._attn_implementation = value
+
+
+def _find_probs(block: AttentionBlock, output) -> torch.Tensor:
+    """The attention probabilities in a core module's output tuple, shape-checked."""
+    items = output if isinstance(output, tuple) else (output,)
+    index = block.family.probs_index
+    candidates = [items[index]] if 0 <= index < len(items) else list(items)
+    for item in candidates:
+        if isinstance(item, torch.Tensor) and item.dim() == 4 and item.shape[1] == block.n_heads:
+            return item
+    raise RuntimeError(
+        f"{block.name}: its forward returned no attention probabilities [batch, {block.n_heads}, q, k]; "
+        "is it running in eager mode?"
+    )
+
+
+class AttentionRecord(dict):
+    """``{(kind, layer): probs [batch, n_heads, q_len, k_len]}`` of the latest forward call.
+
+    ``calls[(kind, layer)]`` counts the calls seen (several during generation).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[tuple[str, int], int] = {}
+
+
+@contextmanager
+def capture_attention(
+    model: nn.Module,
+    callback: ProbsCallback | None = None,
+    *,
+    blocks: list[AttentionBlock] | None = None,
+    detach: bool = True,
+) -> Iterator[AttentionRecord]:
+    """Record the attention probabilities of every block during forward passes.
+
+    Without ``callback`` the record maps ``(kind, layer)`` to the probabilities of the latest
+    call. With ``callback(block, probs)`` nothing is kept: each block's probabilities go to the
+    callback as soon as they exist, so corpus statistics can stream in constant memory.
+    The model runs in eager mode inside and gets its own implementation back on exit.
+    """
+    blocks = attention_blocks(model) if blocks is None else blocks
+    record = AttentionRecord()
+    handles = []
+
+    def make_hook(block: AttentionBlock):
+        def hook(module, args, output):
+            if block.n_heads == 0:
+                return
+            probs = _find_probs(block, output)
+            if detach:
+                probs = probs.detach()
+            record.calls[block.key] = record.calls.get(block.key, 0) + 1
+            if callback is not None:
+                callback(block, probs)
+            else:
+                record[block.key] = probs
+
+        return hook
+
+    with eager_attention(model):
+        try:
+            for block in blocks:
+                handles.append(block.core.register_forward_hook(make_hook(block)))
+            yield record
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class HookHandles(list):
+    """Handles of hooks registered together; ``remove()`` takes them all off."""
+
+    def remove(self) -> None:
+        while self:
+            self.pop().remove()
+
+
+def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> HookHandles:
+    """Let ``fn(block, heads)`` rewrite each block's per-head outputs before ``W^O``.
+
+    ``heads`` is the input of the output projection viewed as ``[batch, pos, n_heads, d_head]``;
+    ``fn`` returns a tensor of the same shape. Works whatever attention implementation runs,
+    since the concatenated head outputs always enter the output projection. Blocks pruned to
+    zero heads are left alone. Call ``remove()`` on the result to take the hooks off.
+    """
+    handles = HookHandles()
+
+    def make_hook(block: AttentionBlock):
+        def pre_hook(module, args):
+            if block.n_heads == 0:
+                return None
+            x = args[0]
+            heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
+            return (fn(block, heads).reshape(x.shape), *args[1:])
+
+        return pre_hook
+
+    try:
+        for block in blocks:
+            handles.append(block.o.register_forward_pre_hook(make_hook(block)))
+    except BaseException:
+        handles.remove()
+        raise
+    return handles
+
+
+@contextmanager
+def head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> Iterator[None]:
+    """:func:`register_head_output_hooks` as a context manager."""
+    handles = register_head_output_hooks(blocks, fn)
+    try:
+        yield
+    finally:
+        handles.remove()

@@ -1,0 +1,146 @@
+"""Parallel text: two line-aligned files (plain or gzipped), one sentence per line.
+
+Errors are :class:`~headlab.errors.HeadlabError` with the file (and line) to fix, because a
+corpus that loads wrongly would silently spoil every statistic computed from it.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headlab.errors import HeadlabError
+
+__all__ = ["ParallelCorpus", "read_lines", "read_parallel"]
+
+
+@dataclass(frozen=True)
+class ParallelCorpus:
+    """Sentence pairs with what loading did to them.
+
+    ``n_empty`` counts the pairs dropped because either side was empty (after stripping);
+    ``n_truncated`` counts the pairs in which at least one side was cut to ``max_tokens``
+    whitespace-separated tokens.
+    """
+
+    sources: list[str]
+    targets: list[str]
+    source_path: str = ""
+    target_path: str = ""
+    n_empty: int = 0
+    n_truncated: int = 0
+    max_tokens: int | None = None
+    line_numbers: list[int] = field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __iter__(self):
+        return iter(zip(self.sources, self.targets))
+
+    def subset(self, n: int) -> "ParallelCorpus":
+        """The first ``n`` pairs (for tests and quick runs)."""
+        return ParallelCorpus(
+            self.sources[:n], self.targets[:n], self.source_path, self.target_path,
+            self.n_empty, self.n_truncated, self.max_tokens, self.line_numbers[:n],
+        )
+
+    def summary(self) -> str:
+        text = f"{len(self)} sentence pairs from {self.source_path} / {self.target_path}"
+        if self.n_empty:
+            text += f"; {self.n_empty} pairs with an empty side skipped"
+        if self.n_truncated:
+            text += f"; {self.n_truncated} pairs truncated to {self.max_tokens} tokens"
+        return text
+
+
+def _open_text(path: Path):
+    # Binary mode: we decode each line ourselves to report the line number of bad bytes.
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """All lines of a UTF-8 text file (plain or ``.gz``), without line ends.
+
+    Raises HeadlabError naming the file if it is missing, and the file and 1-based line
+    number if a line is not valid UTF-8.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise HeadlabError(f"file not found: {path}")
+    lines: list[str] = []
+    try:
+        with _open_text(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise HeadlabError(
+                        f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte {error.start})"
+                    ) from None
+                lines.append(line.rstrip("\r\n"))
+    except (OSError, EOFError) as error:  # e.g. a truncated or non-gzip .gz file
+        raise HeadlabError(f"cannot read {path}: {error}") from None
+    return lines
+
+
+def _truncate(sentence: str, max_tokens: int | None) -> tuple[str, bool]:
+    if max_tokens is None:
+        return sentence, False
+    tokens = sentence.split()
+    if len(tokens) <= max_tokens:
+        return sentence, False
+    return " ".join(tokens[:max_tokens]), True
+
+
+def read_parallel(
+    source_path: str | Path,
+    target_path: str | Path,
+    *,
+    max_tokens: int | None = None,
+    allow_empty: bool = False,
+) -> ParallelCorpus:
+    """Read a line-aligned parallel corpus.
+
+    Pairs where either side is empty (or only whitespace) are skipped and counted. With
+    ``max_tokens`` each side is cut to that many whitespace-separated tokens and the number of
+    pairs cut is counted. Differing line counts, a missing file, a non-UTF-8 line and (unless
+    ``allow_empty``) a corpus with no pair left are errors.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise HeadlabError(f"max_tokens must be at least 1, got {max_tokens}")
+    source_path, target_path = Path(source_path), Path(target_path)
+    source_lines = read_lines(source_path)
+    target_lines = read_lines(target_path)
+    if len(source_lines) != len(target_lines):
+        raise HeadlabError(
+            f"parallel files differ in length: {source_path} has {len(source_lines)} lines, "
+            f"{target_path} has {len(target_lines)} lines"
+        )
+    sources: list[str] = []
+    targets: list[str] = []
+    numbers: list[int] = []
+    n_empty = n_truncated = 0
+    for number, (source, target) in enumerate(zip(source_lines, target_lines), start=1):
+        source, target = source.strip(), target.strip()
+        if not source or not target:
+            n_empty += 1
+            continue
+        source, cut_source = _truncate(source, max_tokens)
+        target, cut_target = _truncate(target, max_tokens)
+        n_truncated += cut_source or cut_target
+        sources.append(source)
+        targets.append(target)
+        numbers.append(number)
+    if not sources and not allow_empty:
+        raise HeadlabError(
+            f"empty corpus: no sentence pair in {source_path} / {target_path}"
+            + (f" ({n_empty} pairs with an empty side)" if n_empty else "")
+        )
+    return ParallelCorpus(
+        sources, targets, str(source_path), str(target_path),
+        n_empty, n_truncated, max_tokens, numbers,
+    )

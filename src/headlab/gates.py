@@ -1,0 +1,189 @@
+"""Gates on heads: fixed masks and learnable per-head gates, one mechanism for both.
+
+A gate multiplies a head's output at the input of the output projection, where Voita et al.
+2019 (Sec. 6.1) put it: MultiHead(Q, K, V) = Concat_i(g_i * head_i) W^O. A gate module is a
+registered sub-module of the model while attached, so learnable gates appear in
+``model.parameters()`` and ``model.state_dict()``; detaching removes module and hooks.
+The Hard Concrete gates of the pruning package subclass :class:`HeadGates`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks, find_block
+from headlab.capture import HookHandles, register_head_output_hooks
+from headlab.errors import HeadlabError
+from headlab.heads import HeadSpec
+
+GATES_ATTRIBUTE = "headlab_gates"
+BlockKey = tuple[str, int]
+
+
+def block_name(key: BlockKey) -> str:
+    """A parameter-name-safe key: ("enc_self", 3) -> "enc_self_3"."""
+    return f"{key[0]}_{key[1]}"
+
+
+def validate_heads(blocks: list[AttentionBlock], heads: HeadSpec) -> dict[BlockKey, list[int]]:
+    """Check a head spec against the model; return it sorted and deduplicated.
+
+    Raises :class:`HeadlabError` for an unknown kind, layer or head index.
+    """
+    clean: dict[BlockKey, list[int]] = {}
+    for key, indices in heads.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise HeadlabError(f"head spec keys must be (kind, layer), got {key!r}")
+        block = find_block(blocks, key[0], int(key[1]))
+        chosen = sorted({int(h) for h in indices})
+        bad = [h for h in chosen if not 0 <= h < block.n_heads]
+        if bad:
+            raise HeadlabError(
+                f"{block.kind} layer {block.layer} has heads 0..{block.n_heads - 1}; no head {bad[0]}"
+            )
+        if chosen:
+            clean[block.key] = chosen
+    return clean
+
+
+class HeadGates(nn.Module):
+    """Base class: one gate per head for a set of blocks.
+
+    ``n_heads`` maps ``(kind, layer)`` to the number of heads. Subclasses implement
+    :meth:`gate`, returning ``[n_heads]`` (one value per head for the whole batch) or
+    ``[batch, n_heads]``. It is called once per forward call of each block, so a stochastic
+    gate draws a fresh sample for every batch.
+    """
+
+    def __init__(self, n_heads: Mapping[BlockKey, int]):
+        super().__init__()
+        self.n_heads = dict(n_heads)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, kinds: tuple[str, ...] | None = None, **kwargs) -> "HeadGates":
+        blocks = attention_blocks(model)
+        return cls({b.key: b.n_heads for b in blocks if kinds is None or b.kind in kinds}, **kwargs)
+
+    def gate(self, key: BlockKey) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+        """``heads`` [batch, pos, n_heads, d_head] times the gates of ``block``."""
+        if block.key not in self.n_heads:
+            return heads
+        g = self.gate(block.key).to(device=heads.device, dtype=heads.dtype)
+        if g.dim() == 1:
+            return heads * g[:, None]  # [n_heads, 1] broadcasts over batch, pos, d_head
+        return heads * g[:, None, :, None]  # [batch, 1, n_heads, 1]
+
+
+class ConstantGates(HeadGates):
+    """Fixed gate values (a mask when they are 0 and 1). Buffers, not parameters."""
+
+    def __init__(self, values: Mapping[BlockKey, torch.Tensor]):
+        super().__init__({key: int(v.shape[-1]) for key, v in values.items()})
+        for key, value in values.items():
+            self.register_buffer(block_name(key), torch.as_tensor(value, dtype=torch.float32).clone())
+
+    @classmethod
+    def from_mask(cls, blocks: list[AttentionBlock], heads: HeadSpec, value: float = 0.0) -> "ConstantGates":
+        """Gates at 1, except ``value`` for the heads named in ``heads``."""
+        heads = validate_heads(blocks, heads)
+        values = {}
+        for key, indices in heads.items():
+            gate = torch.ones(find_block(blocks, *key).n_heads)
+            gate[indices] = value
+            values[key] = gate
+        return cls(values)
+
+    def gate(self, key: BlockKey) -> torch.Tensor:
+        return getattr(self, block_name(key))
+
+
+class ScalarGates(HeadGates):
+    """One learnable scalar per head, initialised to ``init`` (1.0 changes nothing).
+
+    Used for gradient importance (Michel et al. 2019, Eq. 4: I_h = |dL/dg_h| at g = 1).
+    """
+
+    def __init__(self, n_heads: Mapping[BlockKey, int], init: float = 1.0):
+        super().__init__(n_heads)
+        self.values = nn.ParameterDict(
+            {block_name(key): nn.Parameter(torch.full((n,), float(init))) for key, n in self.n_heads.items()}
+        )
+
+    def gate(self, key: BlockKey) -> torch.Tensor:
+        return self.values[block_name(key)]
+
+
+def _check_gates_fit(blocks: list[AttentionBlock], gates: HeadGates) -> list[AttentionBlock]:
+    chosen = []
+    for key, n in gates.n_heads.items():
+        block = find_block(blocks, *key)
+        if block.n_heads != n:
+            raise HeadlabError(
+                f"gates for {block.kind} layer {block.layer} have {n} heads; the model has {block.n_heads}"
+            )
+        chosen.append(block)
+    return chosen
+
+
+def attach_gates(model: nn.Module, gates: HeadGates) -> HookHandles:
+    """Register ``gates`` as ``model.headlab_gates`` and hook them into every gated block.
+
+    Returns the hook handles; :func:`detach_gates` undoes everything. A model holds one gate
+    module at a time.
+    """
+    if hasattr(model, GATES_ATTRIBUTE):
+        raise HeadlabError("the model already has gates attached; detach them first")
+    blocks = _check_gates_fit(attention_blocks(model), gates)
+    try:
+        parameter = next(model.parameters())
+        gates.to(parameter.device)
+    except StopIteration:
+        pass
+    model.add_module(GATES_ATTRIBUTE, gates)
+    try:
+        handles = register_head_output_hooks(blocks, gates.apply)
+    except BaseException:
+        delattr(model, GATES_ATTRIBUTE)
+        raise
+    model._headlab_gate_handles = handles
+    return handles
+
+
+def detach_gates(model: nn.Module) -> HeadGates | None:
+    """Remove the attached gate module and its hooks; return the module (or None)."""
+    handles = model.__dict__.pop("_headlab_gate_handles", None)
+    if handles is not None:
+        handles.remove()
+    gates = getattr(model, GATES_ATTRIBUTE, None)
+    if gates is not None:
+        delattr(model, GATES_ATTRIBUTE)
+    return gates
+
+
+@contextmanager
+def gates_attached(model: nn.Module, gates: HeadGates) -> Iterator[HeadGates]:
+    """Attach ``gates`` for the duration of the block; always detach on exit."""
+    attach_gates(model, gates)
+    try:
+        yield gates
+    finally:
+        detach_gates(model)
+
+
+@contextmanager
+def mask_heads(model: nn.Module, heads: HeadSpec) -> Iterator[None]:
+    """Switch off the heads in ``heads`` (``{(kind, layer): [head, ...]}``) inside the block.
+
+    Each named head's output is multiplied by 0 at the input of the output projection.
+    Bad specs raise :class:`HeadlabError` before anything is attached.
+    """
+    gates = ConstantGates.from_mask(attention_blocks(model), heads)
+    with gates_attached(model, gates):
+        yield

@@ -1,0 +1,188 @@
+"""Attention kinds and HeadScores, the one table every analysis speaks.
+
+A HeadScores holds one float array ``[n_layers, n_heads]`` per attention kind. NaN marks a
+head that was not scored (or that a pruned layer no longer has). It never references a model,
+so any analysis can be saved, reloaded and re-plotted without re-running it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from headlab.errors import HeadlabError
+
+KINDS = ("enc_self", "dec_self", "dec_cross")
+"""Attention kinds, in the order the paper discusses them."""
+
+HeadSpec = Mapping[tuple[str, int], "list[int] | tuple[int, ...] | set[int]"]
+"""Heads per block: ``{(kind, layer): [head, ...]}``."""
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise HeadlabError(f"unknown attention kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` so that a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True)
+class HeadScores:
+    """One score per head, per attention kind.
+
+    ``scores[kind]`` is a float array ``[n_layers, n_heads]`` (layer outer, head inner).
+    ``signature`` records what produced the numbers (data, token count, options, version),
+    in the spirit of sacreBLEU's signatures, so that a table can be reproduced.
+    """
+
+    scores: Mapping[str, np.ndarray]
+    method: str
+    model: str = ""
+    signature: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clean = {}
+        for kind, values in self.scores.items():
+            check_kind(kind)
+            array = np.array(values, dtype=np.float64)
+            if array.ndim != 2:
+                raise HeadlabError(
+                    f"HeadScores[{kind!r}] must be [n_layers, n_heads], got shape {array.shape}"
+                )
+            array.setflags(write=False)
+            clean[kind] = array
+        # Keep kinds in canonical order whatever order they came in.
+        ordered = {kind: clean[kind] for kind in KINDS if kind in clean}
+        object.__setattr__(self, "scores", ordered)
+        object.__setattr__(self, "signature", dict(self.signature))
+
+    # -- access ---------------------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.scores)
+
+    def __getitem__(self, kind: str) -> np.ndarray:
+        if kind not in self.scores:
+            raise HeadlabError(f"{self.method} scores have no kind {kind!r} (have {', '.join(self.kinds)})")
+        return self.scores[kind]
+
+    def items(self) -> Iterator[tuple[tuple[str, int, int], float]]:
+        """Every scored head as ``((kind, layer, head), score)``, NaN heads skipped."""
+        for kind, array in self.scores.items():
+            for layer, head in zip(*np.nonzero(~np.isnan(array))):
+                yield (kind, int(layer), int(head)), float(array[layer, head])
+
+    def with_scores(self, scores: Mapping[str, np.ndarray], method: str | None = None) -> "HeadScores":
+        return HeadScores(scores, method or self.method, self.model, self.signature)
+
+    # -- operations ------------------------------------------------------------------------
+    def normalize_per_layer(self) -> "HeadScores":
+        """Divide each layer's scores by their sum (Voita et al. 2019, Sec. 4: relevance is
+        normalised over the heads of a layer). Layers summing to zero stay as they are."""
+        out = {}
+        for kind, array in self.scores.items():
+            totals = np.nansum(array, axis=1, keepdims=True)
+            safe = np.where(totals == 0, 1.0, totals)
+            out[kind] = array / safe
+        return self.with_scores(out)
+
+    def rank(self, descending: bool = True) -> list[tuple[str, int, int]]:
+        """All scored heads as ``(kind, layer, head)``, most important first."""
+        ordered = sorted(self.items(), key=lambda item: item[1], reverse=descending)
+        return [key for key, _ in ordered]
+
+    def top_mask(self, keep: int, kinds: tuple[str, ...] | None = None) -> dict[tuple[str, int], list[int]]:
+        """The heads to *remove* so that the ``keep`` best-scored heads (over ``kinds``) remain.
+
+        The result is a head spec for :func:`headlab.mask_heads` / :func:`headlab.prune_heads`.
+        """
+        kinds = kinds or self.kinds
+        ranked = [key for key in self.rank() if key[0] in kinds]
+        if not 0 <= keep <= len(ranked):
+            raise HeadlabError(f"cannot keep {keep} heads: {len(ranked)} are scored in {', '.join(kinds)}")
+        removed: dict[tuple[str, int], list[int]] = {}
+        for kind, layer, head in ranked[keep:]:
+            removed.setdefault((kind, layer), []).append(head)
+        return {block: sorted(heads) for block, heads in sorted(removed.items())}
+
+    # -- files -----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        def encode(value: float) -> float | None:
+            return None if math.isnan(value) else float(value)
+
+        return {
+            "method": self.method,
+            "model": self.model,
+            "signature": self.signature,
+            "scores": {
+                kind: [[encode(v) for v in row] for row in array.tolist()]
+                for kind, array in self.scores.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping, source: str = "<json>") -> "HeadScores":
+        try:
+            scores = {
+                kind: np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=np.float64)
+                for kind, rows in data["scores"].items()
+            }
+            return cls(scores, data["method"], data.get("model", ""), data.get("signature", {}))
+        except (KeyError, TypeError, ValueError) as error:
+            raise HeadlabError(f"{source}: not a HeadScores file ({error})") from error
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HeadScores":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as error:
+            raise HeadlabError(f"{path}: no such HeadScores file") from error
+        except json.JSONDecodeError as error:
+            raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+        return cls.from_json(data, str(path))
+
+    def save_csv(self, path: str | os.PathLike) -> Path:
+        """One row per head: kind, layer, head, score (empty when not scored)."""
+        path = Path(path)
+        rows = [["kind", "layer", "head", self.method]]
+        for kind, array in self.scores.items():
+            for layer in range(array.shape[0]):
+                for head in range(array.shape[1]):
+                    value = array[layer, head]
+                    rows.append([kind, layer, head, "" if math.isnan(value) else repr(float(value))])
+        import io
+
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(rows)
+        atomic_write_text(path, buffer.getvalue())
+        return path

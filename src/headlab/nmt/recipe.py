@@ -1,0 +1,67 @@
+"""The translation recipe end to end: read data, train a tokenizer, build the model, train."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headlab.data import read_parallel
+from headlab.errors import HeadlabError
+from headlab.nmt.model import ModelConfig, build_marian_config, create_model
+from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
+from headlab.nmt.train import TrainConfig, TrainResult, has_model, train
+
+__all__ = ["TrainRecipe", "run_recipe"]
+
+
+@dataclass
+class TrainRecipe:
+    train_src: str
+    train_tgt: str
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    tokenizer: str | None = None  # a saved tokenizer; None trains one on the training data
+    vocab_size: int = 8000
+    max_sentence_tokens: int | None = 100
+    limit: int | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
+    """Train a translation model as ``headlab nmt train`` does; ``hooks`` go to :func:`train`."""
+    from accelerate import Accelerator
+
+    accelerator = accelerator or Accelerator()
+    log = accelerator.print
+    out_dir = Path(recipe.train.out_dir)
+    config = recipe.train
+    # Refuse early, before any work, if the output holds a model.
+    if has_model(out_dir) and not (config.overwrite or config.resume):
+        raise HeadlabError(f"{out_dir} already holds a model or a training run; pass --overwrite to replace it "
+                           "or --resume to continue it")
+    corpus = read_parallel(recipe.train_src, recipe.train_tgt, max_tokens=recipe.max_sentence_tokens)
+    if recipe.limit:
+        corpus = corpus.subset(recipe.limit)
+    log(f"training data: {corpus.summary()}")
+    valid = None
+    if recipe.valid_src:
+        valid = read_parallel(recipe.valid_src, recipe.valid_tgt)
+        log(f"validation data: {valid.summary()}")
+
+    saved_tokenizer = out_dir / "tokenizer"
+    if recipe.tokenizer:
+        tokenizer = load_tokenizer(recipe.tokenizer)
+    elif config.resume and (saved_tokenizer / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(saved_tokenizer)
+    else:
+        # Every rank trains the same (deterministic) vocabulary; no file race between ranks.
+        tokenizer = train_tokenizer(corpus.sources + corpus.targets, recipe.vocab_size)
+        log(f"trained a joint BPE vocabulary of {len(tokenizer)} subwords")
+    marian_config = build_marian_config(recipe.model, tokenizer)
+    model = create_model(marian_config, seed=config.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: MarianMTModel, d_model {recipe.model.d_model}, FFN {recipe.model.ffn_dim}, "
+        f"{recipe.model.encoder_layers}+{recipe.model.decoder_layers} layers x {recipe.model.n_heads} heads, "
+        f"{n_params / 1e6:.1f}M parameters")
+    return train(model, tokenizer, corpus, valid, config, accelerator=accelerator, **hooks)

@@ -1,0 +1,72 @@
+"""A joint source+target subword vocabulary trained with HF ``tokenizers``.
+
+BPE over a Metaspace pre-tokenizer (SentencePiece-style "▁" word boundaries), so that
+``encoding.word_ids()`` maps each subword back to its whitespace word and ``decode`` gives
+detokenized text. ``</s>`` is appended to every sequence (source and target) by the
+post-processor; ``<pad>`` doubles as Marian's decoder start token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from headlab.errors import HeadlabError
+
+__all__ = ["PAD", "EOS", "UNK", "train_tokenizer", "load_tokenizer"]
+
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 8000,
+    *,
+    min_frequency: int = 2,
+    save_dir: str | Path | None = None,
+) -> PreTrainedTokenizerFast:
+    """Train a joint BPE vocabulary on ``texts`` (give it source and target sentences).
+
+    Returns a fast tokenizer with pad/eos/unk set; with ``save_dir`` it is also saved there so
+    that ``AutoTokenizer.from_pretrained(save_dir)`` loads it.
+    """
+    if vocab_size < len(SPECIAL_TOKENS) + 10:
+        raise HeadlabError(f"vocab_size {vocab_size} is too small")
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    eos_id = tok.token_to_id(EOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}", special_tokens=[(EOS, eos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        model_max_length=256,
+    )
+    if save_dir is not None:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        fast.save_pretrained(str(save_dir))
+    return fast
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved by :func:`train_tokenizer` (or any fast HF tokenizer)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise HeadlabError(f"no tokenizer in {path} (expected tokenizer.json)")
+    return AutoTokenizer.from_pretrained(str(path))

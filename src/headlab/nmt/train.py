@@ -1,0 +1,652 @@
+"""The training loop: Accelerate, token-based batches, checkpoints that survive a kill.
+
+One loop serves the translation recipe (``headlab nmt train``) and, later, pruning with Hard
+Concrete gates, which reuses it through three seams:
+
+- ``extra_loss(model, batch, step) -> tensor``: added to the loss (e.g. the L0 penalty);
+- ``trainable``: a predicate ``(name, param) -> bool`` or a collection of parameter names;
+  everything else is frozen (``requires_grad=False``) and left out of the optimizer;
+- ``callback(model, step, info)`` every ``callback_every`` steps, for diagnostics.
+
+The loss itself is one swappable function, ``compute_loss(model, batch, config) ->
+(loss_sum, n_tokens)``; the default is label-smoothed cross-entropy of a seq2seq model.
+
+Recipe (Vaswani et al. 2017, Sec. 5.3-5.4): Adam with beta=(0.9, 0.98), eps=1e-9; learning
+rate rising linearly for ``warmup_steps`` then decaying with the inverse square root of the
+step; label smoothing 0.1; batches of about ``max_tokens`` target tokens grouped by length.
+
+Checkpoints (all written to a temporary directory first, then renamed into place):
+
+- ``last/``: everything to resume (weights in safetensors, optimizer state and RNG state via
+  ``torch.save`` of tensors/primitives only and loaded with ``weights_only=True``, the loop's
+  position as JSON);
+- ``epochs/epoch-NNN/``: the weights after each epoch (loadable with ``from_pretrained``);
+- ``best/``: the weights with the best validation score, plus the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from headlab.errors import HeadlabError
+
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "EncodedCorpus",
+    "encode_corpus",
+    "make_batches",
+    "collate",
+    "label_smoothed_loss",
+    "inverse_sqrt_lr",
+    "train",
+    "average_checkpoints",
+    "load_weights",
+    "has_model",
+]
+
+STATE_FILE = "trainer_state.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class TrainConfig:
+    """Options of the training loop. ``headlab nmt train`` maps its flags onto these fields."""
+
+    out_dir: str = "runs/nmt"
+    max_tokens: int = 4096  # target tokens per batch and rank (padding not counted)
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    warmup_steps: int = 400  # Vaswani et al. 2017 use 4000 for WMT; scaled to the data size
+    schedule: str = "inverse_sqrt"  # or "constant" (after the same linear warm-up)
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0 turns gradient clipping off
+    max_epochs: int = 12
+    max_steps: int | None = None  # stop after this many updates (all epochs together)
+    max_time_minutes: float | None = None  # stop (after checkpointing) past this wall time
+    save_every_steps: int | None = None  # extra resume checkpoints inside an epoch
+    validate: bool = True  # validation BLEU after each epoch (needs validation data)
+    valid_beam: int = 1  # greedy validation is ~4x faster than beam 4 and ranks epochs alike
+    valid_batch_size: int = 100
+    average_last: int = 0  # average the last N epoch checkpoints at the end (0: off)
+    keep_epoch_checkpoints: bool = True
+    seed: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    epoch: int  # epochs completed
+    best_score: float | None
+    best_epoch: int | None
+    history: list[dict]
+    stopped: str  # "finished", "max_steps", "max_time", "diverged"
+    out_dir: str
+    message: str = ""
+    averaged_score: float | None = None
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class EncodedCorpus:
+    """Token ids of sentence pairs (each ending in ``</s>``)."""
+
+    sources: list[list[int]]
+    targets: list[list[int]]
+    n_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def encode_corpus(tokenizer, corpus, max_positions: int = 256) -> EncodedCorpus:
+    """Tokenize a :class:`~headlab.data.ParallelCorpus`; sequences longer than the model's
+    positions are cut (keeping ``</s>``) and counted."""
+    sources = tokenizer(list(corpus.sources), add_special_tokens=True)["input_ids"]
+    targets = tokenizer(list(corpus.targets), add_special_tokens=True)["input_ids"]
+    eos = tokenizer.eos_token_id
+    n_truncated = 0
+    for seqs in (sources, targets):
+        for i, ids in enumerate(seqs):
+            if len(ids) > max_positions:
+                seqs[i] = ids[: max_positions - 1] + [eos]
+                n_truncated += 1
+    return EncodedCorpus(sources, targets, n_truncated)
+
+
+def make_batches(
+    corpus: EncodedCorpus,
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
+    """This rank's batches (lists of pair indices) for one epoch; deterministic in (seed, epoch).
+
+    Pairs are sorted by (target length, source length, random tie-break), cut into batches of
+    at most ``max_tokens`` target tokens, and the batch order shuffled. The batch list is cut
+    to a multiple of ``world_size`` and dealt out round-robin, so every rank runs the same
+    number of steps on different data.
+    """
+    n = len(corpus)
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    noise = torch.rand(n, generator=generator).tolist()
+    order = sorted(range(n), key=lambda i: (len(corpus.targets[i]), len(corpus.sources[i]), noise[i]))
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    tokens = 0
+    for i in order:
+        size = len(corpus.targets[i])
+        if batch and tokens + size > max_tokens:
+            batches.append(batch)
+            batch, tokens = [], 0
+        batch.append(i)
+        tokens += size
+    if batch:
+        batches.append(batch)
+    permutation = torch.randperm(len(batches), generator=generator).tolist()
+    batches = [batches[j] for j in permutation]
+    usable = len(batches) // world_size * world_size
+    if usable == 0:
+        raise HeadlabError(
+            f"too little data for {world_size} processes: {len(batches)} batches of {max_tokens} tokens"
+        )
+    return batches[:usable][rank::world_size]
+
+
+def collate(corpus: EncodedCorpus, indices: Sequence[int], pad_id: int, decoder_start_id: int) -> dict:
+    """Padded tensors for a batch: encoder input, decoder input (targets shifted right,
+    starting with ``decoder_start_id``) and labels (padding as -100)."""
+    n = len(indices)
+    src_width = max(len(corpus.sources[i]) for i in indices)
+    tgt_width = max(len(corpus.targets[i]) for i in indices)
+    input_ids = torch.full((n, src_width), pad_id, dtype=torch.long)  # [batch, src_len]
+    attention_mask = torch.zeros((n, src_width), dtype=torch.long)
+    labels = torch.full((n, tgt_width), -100, dtype=torch.long)  # [batch, tgt_len]
+    decoder_input_ids = torch.full((n, tgt_width), pad_id, dtype=torch.long)
+    for row, i in enumerate(indices):
+        src, tgt = corpus.sources[i], corpus.targets[i]
+        input_ids[row, : len(src)] = torch.tensor(src)
+        attention_mask[row, : len(src)] = 1
+        labels[row, : len(tgt)] = torch.tensor(tgt)
+        decoder_input_ids[row, 0] = decoder_start_id
+        decoder_input_ids[row, 1 : len(tgt)] = torch.tensor(tgt[:-1])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "decoder_input_ids": decoder_input_ids,
+        "labels": labels,
+    }
+
+
+# ----------------------------------------------------------------------------- loss, schedule
+
+
+def label_smoothed_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Sum of label-smoothed cross-entropy over target tokens, and their number.
+
+    Label smoothing as in Szegedy et al. 2016 / Vaswani et al. 2017, Sec. 5.4 (epsilon 0.1).
+    Swap this function (``train(..., compute_loss=...)``) for another kind of model.
+    """
+    outputs = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        decoder_input_ids=batch["decoder_input_ids"],
+        use_cache=False,
+    )
+    logits = outputs.logits  # [batch, tgt_len, vocab]
+    labels = batch["labels"]  # [batch, tgt_len]
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=config.label_smoothing,
+        reduction="sum",
+    )
+    return loss_sum, int((labels != -100).sum())
+
+
+def inverse_sqrt_lr(step: int, peak: float, warmup_steps: int, schedule: str = "inverse_sqrt") -> float:
+    """Learning rate at update ``step`` (1-based): linear warm-up to ``peak``, then
+    ``peak * sqrt(warmup / step)`` (Vaswani et al. 2017, Eq. 3, written with the peak rate)."""
+    step = max(step, 1)
+    if warmup_steps > 0 and step < warmup_steps:
+        return peak * step / warmup_steps
+    if schedule == "constant":
+        return peak
+    if schedule != "inverse_sqrt":
+        raise HeadlabError(f"unknown schedule {schedule!r} (inverse_sqrt, constant)")
+    return peak * math.sqrt(max(warmup_steps, 1) / step)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def has_model(path: str | Path) -> bool:
+    """Whether ``path`` already holds a trained model or a training run."""
+    path = Path(path)
+    return any((path / name).exists() for name in ("last", "best", WEIGHTS_FILE, STATE_FILE))
+
+
+def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name, then swap it into place.
+
+    The old directory is first renamed to ``<name>.old`` and removed only after the new one is
+    in place, so a kill at any moment leaves either the old or the new one complete.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
+    old = final.parent / f"{final.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _save_weights(model, directory: Path) -> None:
+    # save_pretrained handles tied weights and writes config.json + generation_config.json.
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside the training bar
+    try:
+        model.save_pretrained(str(directory), safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_weights(model, path: str | Path) -> None:
+    """Load safetensors weights saved by the trainer into ``model`` (no pickle involved).
+
+    Keys left out of the file must be tied to a key present in it (shared embeddings).
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / WEIGHTS_FILE
+    if not path.is_file():
+        raise HeadlabError(f"no weights at {path}")
+    state = load_file(str(path))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise HeadlabError(f"{path} does not fit the model: unexpected keys {result.unexpected_keys[:5]}")
+    current = model.state_dict()
+    loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
+    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
+    if untied:
+        raise HeadlabError(f"{path} does not fit the model: missing keys {untied[:5]}")
+
+
+def _resume_dir(out_dir: Path) -> Path | None:
+    for name in ("last", "last.old"):
+        candidate = out_dir / name
+        if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
+            return candidate
+    return None
+
+
+def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of the weights in ``paths`` (Vaswani et al. 2017, Sec. 6.1)."""
+    if not paths:
+        raise HeadlabError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        path = Path(path)
+        state = load_file(str(path / WEIGHTS_FILE if path.is_dir() else path))
+        for key, value in state.items():
+            if key in total:
+                total[key] += value.double()
+            else:
+                total[key] = value.double()
+    return {key: (value / len(paths)).to(torch.float32) for key, value in total.items()}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _select_trainable(model, trainable) -> list[torch.nn.Parameter]:
+    if trainable is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    if callable(trainable):
+        keep = trainable
+    else:
+        names = set(trainable)
+        unknown = names - {name for name, _ in model.named_parameters()}
+        if unknown:
+            raise HeadlabError(f"unknown parameter names in trainable: {sorted(unknown)[:5]}")
+        keep = lambda name, param: name in names  # noqa: E731
+    params = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(bool(keep(name, param)))
+        if param.requires_grad:
+            params.append(param)
+    if not params:
+        raise HeadlabError("no trainable parameters selected")
+    return params
+
+
+def _default_validate(model, tokenizer, valid, config: TrainConfig) -> dict:
+    from headlab.nmt.bleu import compute_scores
+    from headlab.nmt.translate import translate
+
+    hypotheses = translate(model, tokenizer, valid.sources, beam=config.valid_beam, batch_size=config.valid_batch_size)
+    scores = compute_scores(hypotheses, valid.targets)
+    return {"score": scores.bleu, "bleu": scores.bleu, "chrf": scores.chrf, "beam": config.valid_beam}
+
+
+def train(
+    model,
+    tokenizer,
+    train_data,
+    valid_data=None,
+    config: TrainConfig | None = None,
+    *,
+    compute_loss: Callable[[Any, dict, TrainConfig], tuple[torch.Tensor, int]] = label_smoothed_loss,
+    extra_loss: Callable[[Any, dict, int], torch.Tensor] | None = None,
+    trainable: Callable[[str, torch.nn.Parameter], bool] | Collection[str] | None = None,
+    callback: Callable[[Any, int, dict], None] | None = None,
+    callback_every: int = 100,
+    validate_fn: Callable[[Any, Any, Any, TrainConfig], dict] | None = None,
+    optimizer_factory: Callable[[list[torch.nn.Parameter], TrainConfig], torch.optim.Optimizer] | None = None,
+    accelerator=None,
+    log: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train ``model`` on ``train_data`` with Accelerate; checkpoint into ``config.out_dir``.
+
+    ``train_data`` is a :class:`~headlab.data.ParallelCorpus` or an :class:`EncodedCorpus`;
+    ``valid_data`` a ParallelCorpus (raw references for BLEU) or None. Runs unchanged under
+    ``accelerate launch`` / ``torchrun``: each rank gets its own share of the batches.
+
+    Hooks (see the module docstring): ``compute_loss``, ``extra_loss``, ``trainable``,
+    ``callback``/``callback_every``, ``validate_fn(model, tokenizer, valid_data, config) ->
+    {"score": higher-is-better, ...}`` and ``optimizer_factory(params, config)``. Models are
+    passed to hooks unwrapped (not the DDP wrapper).
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    config = config or TrainConfig()
+    accelerator = accelerator or Accelerator()
+    log = log or accelerator.print
+    out_dir = Path(config.out_dir)
+    main = accelerator.is_main_process
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+
+    resume_from = _resume_dir(out_dir) if config.resume else None
+    if resume_from is None and has_model(out_dir) and not config.overwrite:
+        raise HeadlabError(
+            f"{out_dir} already holds a model or a training run; pass --overwrite to replace it"
+            + ("" if config.resume else " or --resume to continue it")
+        )
+    if config.resume and resume_from is None:
+        log(f"nothing to resume in {out_dir}; starting from scratch")
+    if resume_from is None and config.overwrite and main:
+        for name in ("last", "last.old", "best", "epochs", "averaged", STATE_FILE, "history.json"):
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    accelerator.wait_for_everyone()
+
+    if not isinstance(train_data, EncodedCorpus):
+        train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
+        if train_data.n_truncated:
+            log(f"{train_data.n_truncated} training sequences cut to the model's {model.config.max_position_embeddings} positions")
+    pad_id = tokenizer.pad_token_id
+    decoder_start_id = getattr(model.config, "decoder_start_token_id", None)
+    decoder_start_id = pad_id if decoder_start_id is None else decoder_start_id
+
+    params = _select_trainable(model, trainable)
+    if optimizer_factory is not None:
+        optimizer = optimizer_factory(params, config)
+    else:
+        optimizer = torch.optim.Adam(
+            params, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps, weight_decay=config.weight_decay
+        )
+
+    state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
+             "history": [], "tokens": 0, "world_size": world_size, "elapsed_s": 0.0}
+    if resume_from is not None:
+        saved = json.loads((resume_from / STATE_FILE).read_text())
+        if saved.get("world_size", 1) != world_size:
+            raise HeadlabError(
+                f"{resume_from} was written by {saved.get('world_size')} processes; resume with the same number "
+                f"(now {world_size}) so the data order is the same"
+            )
+        state.update(saved)
+        load_weights(model, resume_from)
+        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=True))
+        rng_file = resume_from / f"rng-{rank}.pt"
+        if rng_file.is_file():
+            torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+        log(f"resuming from {resume_from}: epoch {state['epoch'] + 1}, batch {state['batch_in_epoch']}, step {state['step']}")
+    else:
+        torch.manual_seed(config.seed + rank)  # dropout differs per rank; weights come from rank 0
+        if main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+            tokenizer.save_pretrained(str(out_dir / "tokenizer"))
+
+    prepared_model, optimizer = accelerator.prepare(model, optimizer)
+    raw_model = accelerator.unwrap_model(prepared_model)
+    prepared_model.train()
+
+    def save_last() -> None:
+        # Every rank writes its own RNG state; rank 0 writes the rest.
+        accelerator.wait_for_everyone()
+        if main:
+            def write(tmp: Path) -> None:
+                _save_weights(raw_model, tmp)
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+                torch.save({"torch": torch.get_rng_state()}, tmp / "rng-0.pt")
+            _atomic_dir(out_dir / "last", write)
+        accelerator.wait_for_everyone()
+        if not main:
+            rng_tmp = out_dir / "last" / f".rng-{rank}.pt.tmp"
+            torch.save({"torch": torch.get_rng_state()}, rng_tmp)
+            os.replace(rng_tmp, out_dir / "last" / f"rng-{rank}.pt")
+        accelerator.wait_for_everyone()
+
+    def any_rank(flag: bool) -> bool:
+        if world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(value, reduction="sum").item() > 0)
+
+    start_time = time.time()
+    elapsed_before = state["elapsed_s"]
+    stopped = "finished"
+    message = ""
+    ema_loss = None
+    interactive = sys.stderr.isatty()
+
+    while state["epoch"] < config.max_epochs and stopped == "finished":
+        epoch = state["epoch"]
+        batches = make_batches(train_data, config.max_tokens, seed=config.seed, epoch=epoch, rank=rank, world_size=world_size)
+        epoch_start = time.time()
+        epoch_tokens = 0
+        epoch_loss, epoch_loss_tokens = 0.0, 0
+        bar = tqdm(
+            total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {epoch + 1}/{config.max_epochs}",
+            unit="step", disable=not (main and config.progress), mininterval=1.0 if interactive else 30.0,
+            file=sys.stderr, dynamic_ncols=True,
+        )
+        while state["batch_in_epoch"] < len(batches):
+            indices = batches[state["batch_in_epoch"]]
+            batch = collate(train_data, indices, pad_id, decoder_start_id)
+            batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+            step = state["step"] + 1
+            lr = inverse_sqrt_lr(step, config.lr, config.warmup_steps, config.schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+
+            loss_sum, n_tokens = compute_loss(prepared_model, batch, config)
+            loss = loss_sum / max(n_tokens, 1)
+            if extra_loss is not None:
+                loss = loss + extra_loss(raw_model, batch, step)
+            if any_rank(not torch.isfinite(loss).item()):
+                stopped = "diverged"
+                break
+            accelerator.backward(loss)
+            if config.clip_norm and config.clip_norm > 0:
+                grad_norm = accelerator.clip_grad_norm_(params, config.clip_norm)
+                if any_rank(not torch.isfinite(torch.as_tensor(grad_norm)).item()):
+                    stopped = "diverged"
+                    optimizer.zero_grad(set_to_none=True)
+                    break
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            state["step"] = step
+            state["batch_in_epoch"] += 1
+            state["tokens"] += n_tokens * world_size
+            epoch_tokens += n_tokens * world_size
+            loss_value = loss_sum.item() / max(n_tokens, 1)
+            epoch_loss += loss_sum.item()
+            epoch_loss_tokens += n_tokens
+            ema_loss = loss_value if ema_loss is None else 0.98 * ema_loss + 0.02 * loss_value
+            speed = epoch_tokens / max(time.time() - epoch_start, 1e-9)
+            bar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{speed:.0f}", refresh=False)
+            bar.update(1)
+
+            if callback is not None and callback_every > 0 and step % callback_every == 0:
+                callback(raw_model, step, {"loss": loss_value, "lr": lr, "epoch": epoch, "tokens": state["tokens"],
+                                           "is_main_process": main, "accelerator": accelerator})
+            if config.max_steps is not None and step >= config.max_steps:
+                stopped = "max_steps"
+            elif config.max_time_minutes is not None and any_rank(time.time() - start_time > 60 * config.max_time_minutes):
+                stopped = "max_time"
+            if stopped != "finished" or (config.save_every_steps and step % config.save_every_steps == 0):
+                state["elapsed_s"] = elapsed_before + time.time() - start_time
+                if state["batch_in_epoch"] < len(batches):
+                    save_last()
+                if stopped != "finished":
+                    break
+        bar.close()
+        if stopped == "diverged":
+            break
+        if state["batch_in_epoch"] < len(batches):
+            break  # stopped inside the epoch; `last/` holds the position
+
+        # ---- end of epoch: weights, validation, best, resume point
+        record = {
+            "epoch": epoch + 1,
+            "step": state["step"],
+            "train_loss": epoch_loss / max(epoch_loss_tokens, 1),
+            "epoch_minutes": (time.time() - epoch_start) / 60,
+            "tokens_per_s": epoch_tokens / max(time.time() - epoch_start, 1e-9),
+        }
+        accelerator.wait_for_everyone()
+        if main:
+            if config.keep_epoch_checkpoints:
+                _atomic_dir(out_dir / "epochs" / f"epoch-{epoch + 1:03d}", lambda tmp: _save_weights(raw_model, tmp))
+            if valid_data is not None and config.validate:
+                valid_start = time.time()
+                metrics = (validate_fn or _default_validate)(raw_model, tokenizer, valid_data, config)
+                raw_model.train()
+                record.update({f"valid_{k}": v for k, v in metrics.items()})
+                record["valid_minutes"] = (time.time() - valid_start) / 60
+                score = metrics["score"]
+                if state["best_score"] is None or score > state["best_score"]:
+                    state["best_score"], state["best_epoch"] = score, epoch + 1
+
+                    def write_best(tmp: Path) -> None:
+                        _save_weights(raw_model, tmp)
+                        tokenizer.save_pretrained(str(tmp))
+                        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+                    _atomic_dir(out_dir / "best", write_best)
+        accelerator.wait_for_everyone()
+        state["history"].append(record)
+        state["epoch"] = epoch + 1
+        state["batch_in_epoch"] = 0
+        state["elapsed_s"] = elapsed_before + time.time() - start_time
+        save_last()
+        if main:
+            (out_dir / "history.json").write_text(json.dumps(state["history"], indent=2) + "\n")
+            valid_text = ""
+            if "valid_score" in record:
+                valid_text = (f", valid BLEU {record['valid_bleu']:.2f} (beam {record['valid_beam']}),"
+                              f" best {state['best_score']:.2f} at epoch {state['best_epoch']}")
+            log(f"epoch {epoch + 1}: step {state['step']}, train loss {record['train_loss']:.3f}, "
+                f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
+
+    if stopped == "diverged":
+        last = _resume_dir(out_dir)
+        message = (f"training diverged (loss or gradient not finite) at step {state['step'] + 1}; "
+                   f"stopped without updating the weights. Last good checkpoint: {last if last else 'none written yet'}")
+        log(message)
+    elif stopped == "max_time":
+        message = f"stopped after the time limit of {config.max_time_minutes} min at step {state['step']}; continue with --resume"
+        log(message)
+    elif stopped == "max_steps":
+        message = f"stopped at max_steps={config.max_steps}"
+
+    averaged_score = None
+    if config.average_last and stopped == "finished" and config.keep_epoch_checkpoints:
+        averaged_score = _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_dir,
+                                               validate_fn, accelerator, log)
+    accelerator.wait_for_everyone()
+    return TrainResult(
+        step=state["step"], epoch=state["epoch"], best_score=state["best_score"], best_epoch=state["best_epoch"],
+        history=state["history"], stopped=stopped, out_dir=str(out_dir), message=message, averaged_score=averaged_score,
+    )
+
+
+def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_dir, validate_fn, accelerator, log):
+    """Average the last N epoch checkpoints into ``averaged/`` and validate it (main rank)."""
+    epochs = sorted((out_dir / "epochs").glob("epoch-*"))[-config.average_last:]
+    score = None
+    if accelerator.is_main_process and epochs:
+        import copy
+
+        model = copy.deepcopy(raw_model)
+        averaged = average_checkpoints(epochs)
+        result = model.load_state_dict(averaged, strict=False)
+        if result.unexpected_keys:
+            raise HeadlabError(f"checkpoints do not fit the model: {result.unexpected_keys[:5]}")
+        record = {"averaged_epochs": [int(p.name.split("-")[1]) for p in epochs]}
+        if valid_data is not None and config.validate:
+            metrics = (validate_fn or _default_validate)(model, tokenizer, valid_data, config)
+            record.update({f"valid_{k}": v for k, v in metrics.items()})
+            score = metrics["score"]
+
+        def write(tmp: Path) -> None:
+            _save_weights(model, tmp)
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+        _atomic_dir(out_dir / "averaged", write)
+        log(f"averaged epochs {record['averaged_epochs']} into {out_dir / 'averaged'}"
+            + (f": valid score {score:.2f} (best single epoch {state['best_score']:.2f})" if score is not None else ""))
+    return score

@@ -1,0 +1,76 @@
+"""Batched translation with ``model.generate`` (beam search by default)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["translate"]
+
+
+def translate(
+    model,
+    tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam: int = 4,
+    batch_size: int = 64,
+    max_length_a: float = 1.5,
+    max_length_b: int = 10,
+    progress: bool = False,
+) -> list[str]:
+    """Translate ``sentences``; one output per input, same order.
+
+    Empty (or whitespace-only) inputs give empty outputs without running the model. Inputs
+    are sorted by length into batches of ``batch_size`` sentences (little padding) and the
+    outputs put back in input order. At most ``max_length_a * source_len + max_length_b``
+    tokens are generated per batch (capped by the model's positions). ``beam=1`` is greedy.
+    """
+    if beam < 1:
+        raise ValueError(f"beam must be at least 1, got {beam}")
+    outputs = [""] * len(sentences)
+    todo = [i for i, s in enumerate(sentences) if s.strip()]
+    if not todo:
+        return outputs
+    max_source = max(tokenizer.model_max_length, 1)
+    max_positions = getattr(model.config, "max_position_embeddings", 1024)
+    encoded = tokenizer([sentences[i].strip() for i in todo], truncation=True, max_length=min(max_source, max_positions))["input_ids"]
+    lengths = {i: len(ids) for i, ids in zip(todo, encoded)}
+    by_index = dict(zip(todo, encoded))
+    order = sorted(todo, key=lambda i: lengths[i], reverse=True)
+    pad_id = tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="translate", unit="batch")
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                width = max(lengths[i] for i in batch)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, i in enumerate(batch):
+                    ids = by_index[i]
+                    input_ids[row, : len(ids)] = torch.tensor(ids)
+                    attention_mask[row, : len(ids)] = 1
+                # Decoder length includes the start token; Marian's positions cap it.
+                max_length = min(int(max_length_a * width + max_length_b) + 1, max_positions)
+                generated = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    num_beams=beam,
+                    do_sample=False,
+                    max_length=max_length,
+                    early_stopping=True if beam > 1 else False,
+                )
+                texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+                for i, text in zip(batch, texts):
+                    outputs[i] = text.strip()
+    finally:
+        model.train(was_training)
+    return outputs

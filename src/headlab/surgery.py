@@ -1,0 +1,368 @@
+"""Physical head removal, and saving/loading pruned models.
+
+transformers v5 dropped ``prune_heads``; this module puts it back for every family the
+adapter knows. Removing head h of a block slices rows h*d_head:(h+1)*d_head out of q (and of
+k and v when the head owns its key/value head) and the same columns out of the output
+projection. The attention forwards of transformers v5 infer the head count from tensor
+shapes, so layers may keep different numbers of heads. A layer left with no head is replaced
+by :class:`ZeroHeadAttention`, which keeps only the output projection's bias and the residual
+path (Voita et al. 2019, footnote 9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks, find_block
+from headlab.errors import HeadlabError
+from headlab.gates import validate_heads
+from headlab.heads import KINDS, HeadSpec, atomic_write_text
+
+PRUNING_FILE = "headlab_pruning.json"
+FORMAT_VERSION = 1
+
+# Attributes on an attention core that record what pruning kept, in original numbering.
+KEPT_ATTR = "_headlab_kept_heads"
+KV_KEPT_ATTR = "_headlab_kept_kv_heads"
+ORIGINAL_ATTR = "_headlab_original"
+
+
+# -- slicing -------------------------------------------------------------------------------
+def _head_index(heads: list[int], d_head: int, device) -> torch.Tensor:
+    """Feature indices of ``heads``: h*d_head .. (h+1)*d_head-1 for each h, in order."""
+    index = [h * d_head + i for h in heads for i in range(d_head)]
+    return torch.tensor(index, dtype=torch.long, device=device)
+
+
+def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
+
+
+def _slice_outputs(module: nn.Module, index: torch.Tensor) -> None:
+    """Keep output features ``index`` of a Linear or a Conv1D (weight [in, out])."""
+    index = index.to(module.weight.device)
+    if isinstance(module, nn.Linear):
+        _replace(module, "weight", module.weight.index_select(0, index))
+        module.out_features = len(index)
+    else:
+        _replace(module, "weight", module.weight.index_select(1, index))
+        module.nf = len(index)
+    if module.bias is not None:
+        _replace(module, "bias", module.bias.index_select(0, index.to(module.bias.device)))
+
+
+def _slice_inputs(module: nn.Module, index: torch.Tensor) -> None:
+    index = index.to(module.weight.device)
+    if isinstance(module, nn.Linear):
+        _replace(module, "weight", module.weight.index_select(1, index))
+        module.in_features = len(index)
+    else:
+        _replace(module, "weight", module.weight.index_select(0, index))
+        if hasattr(module, "nx"):
+            module.nx = len(index)
+
+
+# -- the plan for one block ----------------------------------------------------------------
+def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
+    """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
+
+    Under grouped-query attention a key/value head goes only when all its query heads are
+    gone. If the surviving groups have unequal sizes, the forward's ``repeat_kv`` cannot map
+    them, so each kept query head gets its own copy of its key/value head (group size 1).
+    """
+    if block.n_kv_heads == block.n_heads:
+        return list(keep), 1
+    group = block.n_heads // block.n_kv_heads
+    counts: dict[int, int] = {}
+    for h in keep:
+        counts[h // group] = counts.get(h // group, 0) + 1
+    sizes = set(counts.values())
+    if len(sizes) <= 1:
+        return sorted(counts), (sizes.pop() if sizes else group)
+    return [h // group for h in keep], 1
+
+
+def _original(block: AttentionBlock) -> tuple[list[int], list[int], int]:
+    """Kept query heads and key/value heads in the model's original numbering, and the original count."""
+    core = block.core
+    kept = getattr(core, KEPT_ATTR, None)
+    if kept is None:
+        return list(range(block.n_heads)), list(range(block.n_kv_heads)), block.n_heads
+    return list(kept), list(getattr(core, KV_KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)
+
+
+def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int) -> None:
+    family, core, d = block.family, block.core, block.d_head
+    device = block.o.weight.device
+    q_index = _head_index(keep, d, device)
+    kv_index = _head_index(kv_keep, d, device)
+    if block.qkv is not None:  # fused [q | k | v] columns (GPT-2's c_attn)
+        width = block.n_heads * d
+        _slice_outputs(block.qkv, torch.cat([q_index, width + kv_index, 2 * width + kv_index]))
+        if hasattr(core, "split_size"):
+            core.split_size = len(keep) * d
+    else:
+        _slice_outputs(block.q, q_index)
+        _slice_outputs(block.k, kv_index)
+        _slice_outputs(block.v, kv_index)
+    _slice_inputs(block.o, q_index)
+    for attr in family.head_count_attrs:
+        if hasattr(core, attr):
+            setattr(core, attr, len(keep))
+    for attr in ("all_head_size", "inner_dim"):
+        if hasattr(core, attr):
+            setattr(core, attr, len(keep) * d)
+    if family.kv_groups_attr and hasattr(core, family.kv_groups_attr):
+        setattr(core, family.kv_groups_attr, groups)
+
+    kept, kv_kept, original = _original(block)
+    setattr(core, KEPT_ATTR, [kept[h] for h in keep])
+    setattr(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
+    setattr(core, ORIGINAL_ATTR, original)
+    if not keep:
+        _replace_with_zero_heads(model, block)
+
+
+# -- layers with no head left --------------------------------------------------------------
+class ZeroHeadAttention(nn.Module):
+    """Stands in for an attention core whose heads were all pruned.
+
+    With no head, MultiHead(Q, K, V) = Concat() W^O + b = b: the block adds the output
+    projection's bias (zero if it has none) and the residual path carries the rest (Voita
+    et al. 2019, footnote 9). The original's sub-modules are adopted under the same names, so
+    ``state_dict`` keys do not change, and the key/value cache is kept in step (with empty
+    tensors) so that generation still counts positions correctly.
+    """
+
+    def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int):
+        super().__init__()
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name, value in vars(original).items():
+            if not name.startswith("_") and name != "training" and isinstance(value, (int, float, bool, str)):
+                setattr(self, name, value)
+        for name in (KEPT_ATTR, KV_KEPT_ATTR, ORIGINAL_ATTR):
+            setattr(self, name, getattr(original, name))
+        self.config = getattr(original, "config", None)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.zero_head_o_name = o_name
+        self.zero_head_n_outputs = n_outputs
+        self.zero_head_d_head = d_head
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        context = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # [batch, pos, 0 heads x d_head]
+        out = getattr(self, self.zero_head_o_name)(context) if self.zero_head_o_name else context
+        self._keep_cache_in_step(hidden_states, kwargs)
+        extras = [None] * (self.zero_head_n_outputs - 1)
+        if self.zero_head_n_outputs == 3:  # T5: (output, position_bias, probs)
+            extras[0] = kwargs.get("position_bias")
+        return (out, *extras)
+
+    def _keep_cache_in_step(self, hidden_states: torch.Tensor, kwargs) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is None or self.layer_idx is None:
+            return
+        memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
+        is_cross = memory is not None
+        target = cache
+        if hasattr(cache, "self_attention_cache"):  # EncoderDecoderCache
+            if is_cross and cache.is_updated.get(self.layer_idx):
+                return
+            target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
+        length = (memory if is_cross else hidden_states).shape[1]
+        empty = hidden_states.new_zeros(hidden_states.shape[0], 0, length, self.zero_head_d_head)
+        target.update(empty, empty, self.layer_idx)
+        if is_cross and hasattr(cache, "is_updated"):
+            cache.is_updated[self.layer_idx] = True
+
+
+def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock) -> None:
+    core_path = block.name + (f".{block.family.core}" if block.family.core else "")
+    parent_path, _, attr = core_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
+    n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
+    setattr(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head))
+
+
+# -- T5: one relative position bias shared by the layers of a stack --------------------------
+def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock]) -> None:
+    """T5 computes its position bias [1, n_heads, q, k] in the first layer of a stack and
+    hands it to the others, which breaks once layers keep different heads. In a pruned stack
+    each layer instead gets the full bias recomputed from the first layer's table, sliced to
+    the heads it kept (cross-attention has no position bias: zeros)."""
+    stacks = {"enc_self": "encoder", "dec_self": "decoder", "dec_cross": "decoder"}
+    pruned_stacks = {stacks[b.kind] for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+    for stack in pruned_stacks:
+        members = [b for b in blocks if stacks[b.kind] == stack]
+        source = next(b.core for b in members if b.kind != "dec_cross" and b.layer == 0)
+        for block in members:
+            core = block.core
+            if getattr(core, "_headlab_t5_hooked", False) or isinstance(core, ZeroHeadAttention):
+                continue
+            if getattr(core, KEPT_ATTR, None) is None:
+                setattr(core, KEPT_ATTR, list(range(block.n_heads)))
+                setattr(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
+                setattr(core, ORIGINAL_ATTR, block.n_heads)
+            core.register_forward_pre_hook(_t5_bias_hook(source), with_kwargs=True)
+            core._headlab_t5_hooked = True
+
+
+def _t5_bias_hook(source: nn.Module):
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kept = getattr(module, KEPT_ATTR)
+        q_len = hidden.shape[1]
+        memory = kwargs.get("key_value_states")
+        if memory is not None:
+            bias = hidden.new_zeros(1, len(kept), q_len, memory.shape[1])
+        else:
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            full = source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
+            bias = full[:, kept]  # [1, kept heads, q_len, k_len]
+        kwargs["position_bias"] = bias
+        return args, kwargs
+
+    return hook
+
+
+# -- public API ----------------------------------------------------------------------------
+def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list[int]]:
+    """Remove ``heads`` (``{(kind, layer): [head, ...]}``, current numbering) in place.
+
+    Validates everything before changing anything. Returns the heads each pruned block now
+    keeps, in the model's original numbering.
+    """
+    blocks = attention_blocks(model)
+    spec = validate_heads(blocks, heads)
+    for key, removed in spec.items():
+        block = find_block(blocks, *key)
+        keep = [h for h in range(block.n_heads) if h not in set(removed)]
+        kv_keep, groups = _kv_plan(block, keep)
+        _prune_block(model, block, keep, kv_keep, groups)
+    blocks = attention_blocks(model)
+    if blocks and blocks[0].family.name == "t5":
+        _install_t5_bias_hooks(model, blocks)
+    return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+
+
+def pruning_record(model: nn.Module) -> dict:
+    """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
+    blocks = {}
+    for block in attention_blocks(model):
+        kept = getattr(block.core, KEPT_ATTR, None)
+        if kept is None:
+            continue
+        blocks.setdefault(block.kind, {})[str(block.layer)] = {
+            "n_heads": getattr(block.core, ORIGINAL_ATTR),
+            "kept_heads": list(kept),
+            "kept_kv_heads": list(getattr(block.core, KV_KEPT_ATTR)),
+        }
+    return {"format": FORMAT_VERSION, "blocks": blocks}
+
+
+def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNING_FILE) -> None:
+    """Prune a freshly built (unpruned) model exactly as ``record`` says."""
+    if record.get("format") != FORMAT_VERSION:
+        raise HeadlabError(f"{source}: unsupported format {record.get('format')!r} (expected {FORMAT_VERSION})")
+    blocks = attention_blocks(model)
+    plans = []
+    try:
+        for kind, layers in record["blocks"].items():
+            for layer, entry in layers.items():
+                block = find_block(blocks, kind, int(layer))
+                keep, kv_keep = [int(h) for h in entry["kept_heads"]], [int(h) for h in entry["kept_kv_heads"]]
+                if entry["n_heads"] != block.n_heads or any(not 0 <= h < block.n_heads for h in keep) \
+                        or any(not 0 <= h < block.n_kv_heads for h in kv_keep):
+                    raise HeadlabError(
+                        f"{source}: {kind} layer {layer} does not fit the model "
+                        f"({block.n_heads} heads, {block.n_kv_heads} key/value heads)"
+                    )
+                groups = len(keep) // len(kv_keep) if kv_keep and len(keep) % len(kv_keep) == 0 else 1
+                plans.append((block, keep, kv_keep, groups))
+    except (KeyError, TypeError, ValueError) as error:
+        raise HeadlabError(f"{source}: malformed pruning record ({error!r})") from error
+    for block, keep, kv_keep, groups in plans:
+        _prune_block(model, block, keep, kv_keep, groups)
+    blocks = attention_blocks(model)
+    if blocks and blocks[0].family.name == "t5":
+        _install_t5_bias_hooks(model, blocks)
+
+
+def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write standard safetensors weights, the (unchanged) config and ``headlab_pruning.json``."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise HeadlabError(f"{path}: exists and is not a directory")
+    model.save_pretrained(path, safe_serialization=True)
+    atomic_write_text(path / PRUNING_FILE, json.dumps(pruning_record(model), indent=1) + "\n")
+    return path
+
+
+def load_pruned(path: str | os.PathLike, model_class: type | None = None, **config_overrides) -> nn.Module:
+    """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
+
+    Weights are read with safetensors only; no code from the directory is run.
+    """
+    import transformers
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    record_path = path / PRUNING_FILE
+    if not record_path.is_file():
+        raise HeadlabError(f"{path}: no {PRUNING_FILE}; is this a directory written by save_pruned?")
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    config = transformers.AutoConfig.from_pretrained(path, **config_overrides)
+    if model_class is None:
+        architectures = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, architectures[0], None) if architectures else None
+        if model_class is None:
+            raise HeadlabError(f"{path}/config.json names no known architecture ({architectures}); pass model_class")
+    model = model_class(config)
+    apply_pruning_record(model, record, str(record_path))
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HeadlabError(f"{path}: no .safetensors weights")
+    state = {}
+    for file in files:
+        state.update(load_file(file))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:
+        raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
+    if unexpected:
+        raise HeadlabError(f"{path}: weights hold tensors the model does not have: {unexpected[:3]}")
+    model.tie_weights()
+    loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
+    untied = [name for name in missing if model.state_dict()[name].data_ptr() not in loaded]
+    if untied:
+        raise HeadlabError(f"{path}: weights lack {untied[:3]}")
+    return model.eval()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    seen, total = set(), 0
+    for parameter in model.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            total += parameter.numel()
+    return total
+
+
+__all__ = [
+    "prune_heads", "save_pruned", "load_pruned", "pruning_record", "apply_pruning_record",
+    "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS",
+]
