@@ -16,6 +16,8 @@ from headlab.errors import HeadlabError
 COMMAND_MODULES = (
     "headlab.commands",
     "headlab.nmt.cli",
+    "headlab.importance.cli",
+    "headlab.functions.cli",
 )
 
 

@@ -1,0 +1,5 @@
+"""CLI for functions."""
+
+
+def register(subparsers) -> None:
+    pass

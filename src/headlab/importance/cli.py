@@ -1,0 +1,5 @@
+"""CLI for importance."""
+
+
+def register(subparsers) -> None:
+    pass

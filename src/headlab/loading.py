@@ -1,0 +1,85 @@
+"""Loading a model and its tokenizer for analysis: local directory or hub id, safely.
+
+Weights load from safetensors only (``use_safetensors=True``), ``trust_remote_code`` stays off
+unless the caller asks, and a directory written by :func:`headlab.save_pruned` is rebuilt
+with its pruning applied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headlab.errors import HeadlabError
+from headlab.surgery import PRUNING_FILE, load_pruned
+
+# Model classes to try, most specific head first: analyses need an LM head when there is one.
+_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel")
+
+
+def model_class_for(config) -> type:
+    """The transformers class with a language-model head for ``config`` (or the bare model)."""
+    import transformers
+
+    for name in _AUTO_CLASSES:
+        auto = getattr(transformers, name)
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
+    raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False):
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise HeadlabError(f"{name_or_path}: cannot read a model config ({error})") from error
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_map: str | dict | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """Load ``name_or_path`` in eval mode with its language-model head when it has one."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / PRUNING_FILE).is_file():
+        model = load_pruned(path)
+        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+    config = load_config(name_or_path, trust_remote_code)
+    cls = model_class_for(config)
+    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = cls.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({error})") from error
+    return model.eval()
+
+
+def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
+    """The model's structure without its weights (on the meta device): enough to list heads."""
+    config = load_config(name_or_path, trust_remote_code)
+    cls = model_class_for(config)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
