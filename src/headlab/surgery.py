@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -157,13 +158,22 @@ class ZeroHeadAttention(nn.Module):
         self.zero_head_d_head = d_head
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        context = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # [batch, pos, 0 heads x d_head]
-        out = getattr(self, self.zero_head_o_name)(context) if self.zero_head_o_name else context
+        if self.zero_head_o_name:
+            out = self._bias_only(hidden_states)
+        else:  # the output projection lives outside this module and gets an empty input
+            out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # [batch, pos, 0 heads x d_head]
         self._keep_cache_in_step(hidden_states, kwargs)
         extras = [None] * (self.zero_head_n_outputs - 1)
         if self.zero_head_n_outputs == 3:  # T5: (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
         return (out, *extras)
+
+    def _bias_only(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Concat() W^O + b for zero heads: b at every position (zeros without a bias)."""
+        o = getattr(self, self.zero_head_o_name)
+        width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
+        out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+        return out + o.bias.to(out.dtype) if o.bias is not None else out
 
     def _keep_cache_in_step(self, hidden_states: torch.Tensor, kwargs) -> None:
         cache = kwargs.get("past_key_values")
@@ -346,7 +356,12 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
         raise HeadlabError(f"{path}: weights hold tensors the model does not have: {unexpected[:3]}")
     model.tie_weights()
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
-    untied = [name for name in missing if model.state_dict()[name].data_ptr() not in loaded]
+    # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
+    rebuilt = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    untied = [
+        name for name in missing
+        if model.state_dict()[name].data_ptr() not in loaded and not any(re.search(p, name) for p in rebuilt)
+    ]
     if untied:
         raise HeadlabError(f"{path}: weights lack {untied[:3]}")
     return model.eval()

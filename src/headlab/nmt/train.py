@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -289,7 +290,9 @@ def _save_weights(model, directory: Path) -> None:
 def load_weights(model, path: str | Path) -> None:
     """Load safetensors weights saved by the trainer into ``model`` (no pickle involved).
 
-    Keys left out of the file must be tied to a key present in it (shared embeddings).
+    Keys left out of the file must be tied to a key present in it (shared embeddings) or be
+    ones the model never saves (``_keys_to_ignore_on_save``, e.g. Marian's sinusoidal positions,
+    which are recomputed at construction).
     """
     path = Path(path)
     if path.is_dir():
@@ -302,7 +305,11 @@ def load_weights(model, path: str | Path) -> None:
         raise HeadlabError(f"{path} does not fit the model: unexpected keys {result.unexpected_keys[:5]}")
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
-    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
+    never_saved = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
+    untied = [
+        k for k in result.missing_keys
+        if current[k].data_ptr() not in loaded_ptrs and not any(p.search(k) for p in never_saved)
+    ]
     if untied:
         raise HeadlabError(f"{path} does not fit the model: missing keys {untied[:5]}")
 
@@ -597,8 +604,11 @@ def train(
             (out_dir / "history.json").write_text(json.dumps(state["history"], indent=2) + "\n")
             valid_text = ""
             if "valid_score" in record:
-                valid_text = (f", valid BLEU {record['valid_bleu']:.2f} (beam {record['valid_beam']}),"
-                              f" best {state['best_score']:.2f} at epoch {state['best_epoch']}")
+                if "valid_bleu" in record:
+                    valid_text = f", valid BLEU {record['valid_bleu']:.2f} (beam {record.get('valid_beam', '?')})"
+                else:
+                    valid_text = f", valid score {record['valid_score']:.4g}"
+                valid_text += f", best {state['best_score']:.4g} at epoch {state['best_epoch']}"
             log(f"epoch {epoch + 1}: step {state['step']}, train loss {record['train_loss']:.3f}, "
                 f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
 

@@ -1,0 +1,217 @@
+"""The training loop on a tiny Marian model (d_model 32, 2+2 layers, 4 heads) and 300 pairs."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from headlab.cli import main
+from headlab.data import read_parallel
+from headlab.errors import HeadlabError
+from headlab.nmt.model import ModelConfig, build_marian_config, create_model
+from headlab.nmt.tokenizer import train_tokenizer
+from headlab.nmt.train import (
+    TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss, make_batches, train,
+)
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
+TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic and light on a 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return train_tokenizer(corpus.sources + corpus.targets, vocab_size=400)
+
+
+def tiny_model(tokenizer, seed=0):
+    return create_model(build_marian_config(TINY, tokenizer), seed=seed)
+
+
+def config(out_dir, **overrides):
+    options = dict(out_dir=str(out_dir), max_tokens=400, lr=3e-3, warmup_steps=5, max_epochs=1,
+                   validate=False, progress=False, seed=3)
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_batches_are_token_bounded_deterministic_and_sharded(corpus, tokenizer):
+    encoded = encode_corpus(tokenizer, corpus)
+    batches = make_batches(encoded, 300, seed=1, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(encoded)))
+    assert all(sum(len(encoded.targets[i]) for i in b) <= 300 for b in batches)
+    assert batches == make_batches(encoded, 300, seed=1, epoch=0)
+    assert batches != make_batches(encoded, 300, seed=1, epoch=1)
+    rank0 = make_batches(encoded, 300, seed=1, epoch=0, rank=0, world_size=2)
+    rank1 = make_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
+    assert len(rank0) == len(rank1) == len(batches) // 2
+    assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
+
+
+def test_collate_shifts_targets_and_masks_padding(corpus, tokenizer):
+    encoded = encode_corpus(tokenizer, corpus)
+    batch = collate(encoded, [0, 1], pad_id=tokenizer.pad_token_id, decoder_start_id=tokenizer.pad_token_id)
+    target = encoded.targets[0]
+    assert target[-1] == tokenizer.eos_token_id and encoded.sources[0][-1] == tokenizer.eos_token_id
+    assert batch["labels"][0, : len(target)].tolist() == target
+    assert batch["decoder_input_ids"][0, 0] == tokenizer.pad_token_id
+    assert batch["decoder_input_ids"][0, 1 : len(target)].tolist() == target[:-1]
+    assert (batch["labels"] == -100).sum() == batch["labels"].numel() - len(target) - len(encoded.targets[1])
+    assert batch["attention_mask"].sum() == len(encoded.sources[0]) + len(encoded.sources[1])
+
+
+def test_schedule_warms_up_then_decays():
+    assert inverse_sqrt_lr(1, 1e-3, 400) == pytest.approx(2.5e-6)
+    assert inverse_sqrt_lr(400, 1e-3, 400) == pytest.approx(1e-3)
+    assert inverse_sqrt_lr(1600, 1e-3, 400) == pytest.approx(5e-4)
+    assert inverse_sqrt_lr(1600, 1e-3, 400, "constant") == pytest.approx(1e-3)
+
+
+def test_a_few_steps_lower_the_loss(tmp_path, corpus, tokenizer):
+    model = tiny_model(tokenizer)
+    encoded = encode_corpus(tokenizer, corpus)
+    batch = collate(encoded, list(range(32)), tokenizer.pad_token_id, tokenizer.pad_token_id)
+    cfg = config(tmp_path / "run", max_epochs=3)
+
+    def loss_now():
+        model.eval()
+        with torch.no_grad():
+            total, n = label_smoothed_loss(model, batch, cfg)
+        return total.item() / n
+
+    before = loss_now()
+    seen = []
+    result = train(model, tokenizer, corpus, None, cfg, callback=lambda m, step, info: seen.append(info["loss"]),
+                   callback_every=1)
+    after = loss_now()
+    assert result.stopped == "finished" and result.epoch == 3
+    assert after < before - 0.5, (before, after)
+    assert seen[-1] < seen[0]
+    assert [record["epoch"] for record in result.history] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "run" / "epochs").iterdir()) == ["epoch-001", "epoch-002", "epoch-003"]
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokenizer):
+    # Reference: 10 uninterrupted steps over an epoch boundary (epoch = ~8 steps here).
+    reference = tiny_model(tokenizer)
+    full = train(reference, tokenizer, corpus, None, config(tmp_path / "full", max_epochs=3, max_steps=10))
+    assert full.step == 10
+
+    # "Killed" run: stops at step 6 (mid-epoch); its resume checkpoint holds that position.
+    first = tiny_model(tokenizer)
+    stopped = train(first, tokenizer, corpus, None, config(tmp_path / "cut", max_epochs=3, max_steps=6, save_every_steps=3))
+    assert stopped.stopped == "max_steps"
+    state = json.loads((tmp_path / "cut" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["epoch"] == 0 and state["batch_in_epoch"] == 6
+    saved = load_file(str(tmp_path / "cut" / "last" / "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in first.state_dict().items() if k in saved)
+
+    # A fresh process would build a fresh model: its weights must come from the checkpoint.
+    second = tiny_model(tokenizer, seed=123)
+    resumed = train(second, tokenizer, corpus, None, config(tmp_path / "cut", max_epochs=3, max_steps=10, resume=True))
+    assert resumed.step == 10
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(second.state_dict()[key], value, atol=1e-6), key
+
+
+def test_output_directory_with_a_model_is_refused(tmp_path, corpus, tokenizer):
+    out = tmp_path / "run"
+    train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_steps=2))
+    with pytest.raises(HeadlabError, match="--overwrite"):
+        train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_steps=2))
+    result = train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_steps=2, overwrite=True))
+    assert result.step == 2
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus, tokenizer):
+    model = tiny_model(tokenizer)
+
+    def poison(model, batch, step):  # the extra-loss hook turns the loss into NaN at step 5
+        return torch.tensor(float("nan")) if step == 5 else torch.tensor(0.0)
+
+    result = train(model, tokenizer, corpus, None, config(tmp_path / "run", save_every_steps=2), extra_loss=poison)
+    assert result.stopped == "diverged" and result.step == 4
+    assert "diverged" in result.message and "last" in result.message
+    state = json.loads((tmp_path / "run" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_only_selected_parameters_train_and_extra_loss_is_added(tmp_path, corpus, tokenizer):
+    model = tiny_model(tokenizer)
+    before = weights(model)
+    selected = lambda name, param: name.startswith("model.encoder.layers.0.")  # noqa: E731
+    calls = []
+
+    def extra(model, batch, step):
+        calls.append(step)
+        return 0.0 * sum(p.sum() for p in model.model.encoder.layers[0].parameters())
+
+    train(model, tokenizer, corpus, None, config(tmp_path / "run", max_steps=3), trainable=selected, extra_loss=extra)
+    after = weights(model)
+    assert calls == [1, 2, 3]
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.encoder.layers.0.") for k in changed)
+
+
+def test_validation_keeps_the_best_checkpoint_and_averages(tmp_path, corpus, tokenizer):
+    valid = corpus.subset(20)
+    scores = iter([1.0, 3.0, 2.0, 0.5])  # a stand-in validation metric, then the average's
+    result = train(
+        tiny_model(tokenizer), tokenizer, corpus, valid,
+        config(tmp_path / "run", max_epochs=3, validate=True, average_last=2),
+        validate_fn=lambda model, tok, data, cfg: {"score": next(scores)},
+    )
+    assert result.best_epoch == 2 and result.best_score == 3.0 and result.averaged_score == 0.5
+    best = json.loads((tmp_path / "run" / "best" / "metrics.json").read_text())
+    assert best["epoch"] == 2
+    assert (tmp_path / "run" / "best" / "tokenizer.json").is_file()
+    averaged = json.loads((tmp_path / "run" / "averaged" / "metrics.json").read_text())
+    assert averaged["averaged_epochs"] == [2, 3]
+
+
+def test_default_validation_is_bleu(tmp_path, corpus, tokenizer):
+    valid = corpus.subset(10)
+    result = train(tiny_model(tokenizer), tokenizer, corpus, valid,
+                   config(tmp_path / "run", validate=True, valid_batch_size=10))
+    record = result.history[0]
+    assert record["valid_beam"] == 1 and 0.0 <= record["valid_bleu"] <= 100.0 and "valid_chrf" in record
+
+
+def test_cli_train_then_refuses_existing_output(tmp_path, capsys):
+    args = ["nmt", "train", "--train-src", str(DATA / "val.en.gz"), "--train-tgt", str(DATA / "val.de.gz"),
+            "--out", str(tmp_path / "run"), "--limit", "100", "--vocab-size", "300", "--d-model", "32",
+            "--ffn", "64", "--layers", "2", "--heads", "4", "--max-positions", "64", "--max-steps", "2",
+            "--max-tokens", "300", "--no-progress"]
+    assert main(args) == 0
+    assert (tmp_path / "run" / "last" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+    assert main(args) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_cli_train_reports_bad_input(tmp_path, capsys):
+    args = ["nmt", "train", "--train-src", str(tmp_path / "missing.en"), "--train-tgt", str(DATA / "val.de.gz"),
+            "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "missing.en" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
