@@ -1,5 +1,80 @@
-"""Foundation subcommands: `headlab heads`, `headlab prune`."""
+"""Foundation subcommands: ``headlab heads`` and ``headlab prune``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from headlab.adapters import attention_blocks
+from headlab.errors import HeadlabError
+from headlab.headspec import parse_heads
+from headlab.loading import build_from_config, load_model, load_tokenizer
+from headlab.surgery import count_parameters, prune_heads, save_pruned
+
+
+def _add_model_options(parser) -> None:
+    parser.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow code from the model repository to run (off by default)")
 
 
 def register(subparsers) -> None:
-    pass
+    heads = subparsers.add_parser("heads", help="list the attention blocks of a model")
+    _add_model_options(heads)
+    heads.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    heads.set_defaults(func=run_heads)
+
+    prune = subparsers.add_parser("prune", help="physically remove heads and save the smaller model")
+    _add_model_options(prune)
+    prune.add_argument("--heads", required=True,
+                       help='heads to remove: "enc_self:0:1,2 dec_cross:5:*" or a JSON mask file')
+    prune.add_argument("--out", required=True, help="directory for the pruned model")
+    prune.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    prune.set_defaults(func=run_prune)
+
+
+def heads_table(blocks) -> str:
+    lines = [f"{'kind':<10}{'layer':>6}{'heads':>7}{'kv heads':>10}{'d_head':>8}  module"]
+    for b in blocks:
+        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}")
+    totals = {}
+    for b in blocks:
+        totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
+    lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items()) + f"; {sum(totals.values())} heads")
+    return "\n".join(lines)
+
+
+def run_heads(args) -> int:
+    path = Path(args.model)
+    if path.is_dir() and (path / "headlab_pruning.json").is_file():
+        model = load_model(args.model)  # pruned: the weights define the head counts
+    else:
+        model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
+    blocks = attention_blocks(model)
+    if args.json:
+        rows = [{"kind": b.kind, "layer": b.layer, "n_heads": b.n_heads, "n_kv_heads": b.n_kv_heads,
+                 "d_head": b.d_head, "module": b.name} for b in blocks]
+        print(json.dumps(rows, indent=1))
+    else:
+        print(heads_table(blocks))
+    return 0
+
+
+def run_prune(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise HeadlabError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    spec = parse_heads(args.heads, attention_blocks(model))
+    before = count_parameters(model)
+    prune_heads(model, spec)
+    save_pruned(model, out)
+    source = Path(args.model)
+    if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        load_tokenizer(args.model).save_pretrained(out)  # keep the pruned directory self-contained
+    removed = sum(len(h) for h in spec.values())
+    after = count_parameters(model)
+    print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
+    return 0

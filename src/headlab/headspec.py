@@ -1,0 +1,94 @@
+"""Head specs a person can type, and JSON mask files.
+
+Typed: items ``KIND:LAYER:HEADS`` separated by spaces or semicolons, where HEADS is a comma
+list of indices and ranges, or ``*`` for every head::
+
+    enc_self:0:1,2  enc_self:3:0-5  dec_cross:5:*
+
+JSON: either ``{"enc_self": {"0": [1, 2]}}`` (heads to remove per layer), or a keep-matrix
+``{"enc_self": [[1, 0, 1, ...], ...]}`` with layer outer, head inner, 0 = remove (the form of
+Michel et al.'s and Voita et al.'s masks). A HeadScores-style ``{"scores": {...}}`` wrapper
+around either form is accepted too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from headlab.adapters import AttentionBlock, find_block
+from headlab.errors import HeadlabError
+from headlab.heads import check_kind
+
+_ITEM = re.compile(r"^(?P<kind>[a-z_]+):(?P<layer>\d+):(?P<heads>\*|[\d,\-]+)$")
+
+
+def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
+    """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file."""
+    if text.endswith(".json") or Path(text).is_file():
+        return load_mask_file(text, blocks)
+    spec: dict[tuple[str, int], list[int]] = {}
+    items = [item for item in re.split(r"[;\s]+", text.strip()) if item]
+    if not items:
+        raise HeadlabError("--heads: empty head spec")
+    for item in items:
+        match = _ITEM.match(item)
+        if not match:
+            raise HeadlabError(f"--heads: cannot read {item!r}; expected KIND:LAYER:HEADS, e.g. enc_self:0:1,2 or dec_cross:5:*")
+        kind, layer = check_kind(match["kind"]), int(match["layer"])
+        block = find_block(blocks, kind, layer)
+        heads = spec.setdefault((kind, layer), [])
+        if match["heads"] == "*":
+            heads.extend(range(block.n_heads))
+            continue
+        for part in match["heads"].split(","):
+            if "-" in part:
+                start, _, end = part.partition("-")
+                if not (start.isdigit() and end.isdigit()) or int(end) < int(start):
+                    raise HeadlabError(f"--heads: bad range {part!r} in {item!r}")
+                heads.extend(range(int(start), int(end) + 1))
+            elif part.isdigit():
+                heads.append(int(part))
+            else:
+                raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
+    return {key: sorted(set(value)) for key, value in spec.items()}
+
+
+def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise HeadlabError(f"{path}: no such mask file") from error
+    except json.JSONDecodeError as error:
+        raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    if isinstance(data, dict) and "scores" in data:
+        data = data["scores"]
+    if not isinstance(data, dict):
+        raise HeadlabError(f"{path}: expected an object keyed by attention kind")
+    spec: dict[tuple[str, int], list[int]] = {}
+    for kind, value in data.items():
+        check_kind(kind)
+        if isinstance(value, dict):
+            for layer, heads in value.items():
+                if not str(layer).isdigit() or not isinstance(heads, list):
+                    raise HeadlabError(f"{path}: {kind}: expected {{layer: [heads to remove]}}")
+                spec[(kind, int(layer))] = [int(h) for h in heads]
+        elif isinstance(value, list):
+            n_layers = sum(1 for b in blocks if b.kind == kind)
+            if len(value) != n_layers:
+                raise HeadlabError(f"{path}: {kind} mask has {len(value)} layers; the model has {n_layers}")
+            for layer, row in enumerate(value):
+                block = find_block(blocks, kind, layer)
+                if not isinstance(row, list) or len(row) != block.n_heads:
+                    raise HeadlabError(
+                        f"{path}: {kind} layer {layer} mask has {len(row) if isinstance(row, list) else row!r} "
+                        f"entries; the layer has {block.n_heads} heads"
+                    )
+                if any(v not in (0, 1, 0.0, 1.0, True, False) for v in row):
+                    raise HeadlabError(f"{path}: {kind} layer {layer}: a keep-mask holds only 0 and 1")
+                spec[(kind, layer)] = [h for h, keep in enumerate(row) if not keep]
+        else:
+            raise HeadlabError(f"{path}: {kind}: expected a keep-matrix or {{layer: [heads]}}")
+    return {key: heads for key, heads in spec.items() if heads}

@@ -1,0 +1,50 @@
+"""HeadScores: the table every analysis writes and every figure reads."""
+
+import csv
+
+import numpy as np
+import pytest
+
+from headlab import HeadlabError, HeadScores
+
+
+def _scores():
+    enc = np.array([[0.1, 0.5, np.nan], [0.2, 0.2, 0.6]])
+    return HeadScores({"enc_self": enc, "dec_cross": np.ones((1, 3))}, "confidence", "tiny", {"tokens": 12})
+
+
+def test_json_round_trip_keeps_nan_and_order(tmp_path):
+    scores = _scores()
+    assert scores.kinds == ("enc_self", "dec_cross")
+    path = scores.save(tmp_path / "s.json")
+    text = path.read_text()
+    assert "null" in text and "NaN" not in text  # strict JSON
+    again = HeadScores.load(path)
+    np.testing.assert_array_equal(again["enc_self"], scores["enc_self"])
+    assert again.signature == {"tokens": 12} and again.method == "confidence"
+
+
+def test_normalise_rank_and_mask():
+    scores = _scores()
+    normal = scores.normalize_per_layer()
+    np.testing.assert_allclose(np.nansum(normal["enc_self"], axis=1), [1.0, 1.0])
+    assert scores.rank()[0] == ("dec_cross", 0, 0)
+    assert scores.rank(descending=False)[0] == ("enc_self", 0, 0)
+    removed = scores.top_mask(keep=2, kinds=("enc_self",))
+    assert removed == {("enc_self", 0): [0], ("enc_self", 1): [0, 1]}
+    with pytest.raises(HeadlabError, match="cannot keep 9 heads"):
+        scores.top_mask(keep=9, kinds=("enc_self",))
+
+
+def test_csv_and_bad_input(tmp_path):
+    rows = list(csv.reader(_scores().save_csv(tmp_path / "s.csv").open()))
+    assert rows[0] == ["kind", "layer", "head", "confidence"]
+    assert rows[3] == ["enc_self", "0", "2", ""]
+    with pytest.raises(HeadlabError, match="must be \\[n_layers, n_heads\\]"):
+        HeadScores({"enc_self": np.ones(3)}, "x")
+    with pytest.raises(HeadlabError, match="unknown attention kind"):
+        HeadScores({"encoder": np.ones((1, 1))}, "x")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"method": "x",\n "scores": }')
+    with pytest.raises(HeadlabError, match="line 2"):
+        HeadScores.load(bad)
