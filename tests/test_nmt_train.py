@@ -215,3 +215,41 @@ def test_cli_train_reports_bad_input(tmp_path, capsys):
     assert main(args) == 2
     assert "missing.en" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_weights(tmp_path, corpus, tokenizer):
+    model = tiny_model(tokenizer)
+    seen = []
+    train(model, tokenizer, corpus, None, config(tmp_path / "run", max_epochs=2, mixed_precision="bf16"),
+          callback=lambda m, step, info: seen.append(info["loss"]), callback_every=1)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert sum(seen[-3:]) / 3 < sum(seen[:3]) / 3
+    with pytest.raises(HeadlabError, match="mixed_precision"):
+        train(tiny_model(tokenizer), tokenizer, corpus, None, config(tmp_path / "x", mixed_precision="fp16"))
+
+
+def test_adaptive_threads_keeps_the_faster_setting_and_probes_rarely(monkeypatch):
+    from headlab.nmt import threads as module
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(module.torch, "set_num_threads", lambda n: None)
+    speed = {1: 1000.0, 2: 100.0}  # target tokens/s with n threads on a busy machine
+    adaptive = module.AdaptiveThreads([1, 2], probe_steps=2, first_interval=8)
+    used = []
+    tokens = 0
+    for step in range(1, 401):
+        used.append(adaptive.current)  # the setting this step runs with
+        clock["now"] += 400 / speed[adaptive.current]
+        tokens += 400
+        adaptive(None, step, {"tokens": tokens, "epoch": 0})
+    assert adaptive.best == 1 and adaptive.rates[1] == pytest.approx(1000.0)
+    assert adaptive.rates[2] == pytest.approx(100.0)
+    assert 3 <= used.count(2) <= 20  # probed now and then, with growing gaps
+
+    speed = {1: 500.0, 2: 1000.0}  # the load changes: two threads now win
+    for step in range(401, 1001):
+        clock["now"] += 400 / speed[adaptive.current]
+        tokens += 400
+        adaptive(None, step, {"tokens": tokens, "epoch": 0})
+    assert adaptive.best == 2

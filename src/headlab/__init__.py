@@ -5,6 +5,7 @@ The foundation every analysis plugs into:
 * :func:`attention_blocks` - the canonical view of a model's attention layers;
 * :func:`capture_attention` - attention probabilities ``[batch, n_heads, q_len, k_len]``;
 * :func:`mask_heads`, :func:`attach_gates` - switch heads off or gate them (Voita et al. 2019, Sec. 6.1);
+  :class:`HardConcreteGates` - the stochastic gates of the paper's pruning (Louizos et al. 2018);
 * :func:`prune_heads`, :func:`save_pruned`, :func:`load_pruned` - physical removal;
 * :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind.
 """
@@ -22,6 +23,7 @@ from headlab.gates import (
     mask_heads,
 )
 from headlab.heads import KINDS, HeadScores
+from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.surgery import count_parameters, load_pruned, prune_heads, pruning_record, save_pruned
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionBlock",
     "ConstantGates",
+    "HardConcreteGates",
     "HeadGates",
     "HeadScores",
     "HeadlabError",

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "headlab.nmt.cli",
     "headlab.importance.cli",
     "headlab.functions.cli",
+    "headlab.pruning.cli",
 )
 
 
@@ -35,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A command module may define rewrite_argv(argv) -> argv to keep an older command form
+    # working (headlab.pruning.cli: `prune MODEL ...` -> `prune apply MODEL ...`).
+    for name in COMMAND_MODULES:
+        rewrite = getattr(importlib.import_module(name), "rewrite_argv", None)
+        if rewrite is not None:
+            argv = rewrite(argv)
     args = parser.parse_args(argv)
     try:
         result = args.func(args)

@@ -1,4 +1,4 @@
-"""Foundation subcommands: ``headlab heads`` and ``headlab prune``."""
+"""Foundation subcommands: ``headlab heads`` and physical pruning (``headlab prune apply``)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,17 @@ def register(subparsers) -> None:
     heads.add_argument("--json", action="store_true", help="print JSON instead of a table")
     heads.set_defaults(func=run_heads)
 
-    prune = subparsers.add_parser("prune", help="physically remove heads and save the smaller model")
+    # `headlab prune` is a command group registered by headlab.pruning.cli; its `apply`
+    # sub-command (also reached as `headlab prune MODEL --heads ...`) uses the two functions below.
+
+
+def add_prune_arguments(prune) -> None:
+    """Arguments of physical pruning (``headlab prune apply``)."""
     _add_model_options(prune)
     prune.add_argument("--heads", required=True,
                        help='heads to remove: "enc_self:0:1,2 dec_cross:5:*" or a JSON mask file')
     prune.add_argument("--out", required=True, help="directory for the pruned model")
     prune.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    prune.set_defaults(func=run_prune)
 
 
 def heads_table(blocks) -> str:

@@ -146,6 +146,7 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> HookHandles:
         gates.to(parameter.device)
     except StopIteration:
         pass
+    gates.train(model.training)  # a stochastic gate follows the model's mode: sampled in training only
     model.add_module(GATES_ATTRIBUTE, gates)
     try:
         handles = register_head_output_hooks(blocks, gates.apply)

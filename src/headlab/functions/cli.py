@@ -1,5 +1,125 @@
-"""CLI for functions."""
+"""`headlab functions` and `headlab aggregate`: parse, call :func:`analyze_heads`, print."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from headlab.errors import HeadlabError
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="local model directory (or hub id in the cache)")
+    parser.add_argument("--conllu", help="CoNLL-U treebank (source side for a translation model)")
+    parser.add_argument("--out", required=True, help="output directory (HeadScores JSON, tables, figures)")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    parser.add_argument("--target-conllu", help="target-side parses: also analyse decoder self-attention")
+    parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
+                                              "(when the source side has no CoNLL-U)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass")
+    parser.add_argument("--max-sentences", type=int, help="analyse only the first N sentences")
+    parser.add_argument("--max-length", type=int, help="tokens per sentence (default: the model's maximum)")
+    parser.add_argument("--spacing", choices=("words", "text"), default="words",
+                        help="words: join the treebank's words by spaces; text: keep its SpaceAfter=No")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def _aggregate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-weight", type=float, default=0.0,
+                        help="distance/POS/dependency proportions over weights above this only")
+    parser.add_argument("--window", type=int, default=10, help="variability over the first N words")
+    parser.add_argument("--top-k", type=int, default=5, help="exemplars per head")
 
 
 def register(subparsers) -> None:
-    pass
+    p = subparsers.add_parser(
+        "functions", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="positional, syntactic and rare-token heads over a treebank (Voita et al. 2019, Sec. 5)")
+    _common(p)
+    p.add_argument("--relations", default="nsubj,dobj,amod,advmod",
+                   help="comma-separated dependency relations (dobj = UD obj; X:* = X and its subtypes)")
+    p.add_argument("--positional-threshold", type=float, default=0.90,
+                   help="share of maxima at one offset for a positional head")
+    p.add_argument("--syntactic-margin", type=float, default=0.10,
+                   help="accuracy over the offset baseline for a syntactic head")
+    p.add_argument("--train-text", action="append",
+                   help="training text for token frequencies (rare-token heads); repeatable")
+    p.add_argument("--frequencies", help="token<TAB>count file instead of --train-text")
+    p.add_argument("--top-frequent", type=int, default=500,
+                   help="rare-token sentences: least frequent token outside the N most frequent")
+    p.add_argument("--aggregate", action="store_true",
+                   help="also compute the aggregate statistics in the same pass")
+    _aggregate_options(p)
+    p.set_defaults(func=run_functions)
+
+    p = subparsers.add_parser(
+        "aggregate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="attention distance, entropy, variability, exemplars, POS and dependency shares (Vig & Belinkov 2019)")
+    _common(p)
+    _aggregate_options(p)
+    p.set_defaults(func=run_aggregate)
+
+
+def _run(args, functions: bool, aggregate: bool) -> int:
+    import torch
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions.analysis import AnalysisConfig, analyze_heads, describe_heads
+    from headlab.loading import load_model, load_tokenizer
+
+    if args.conllu is None and args.target_conllu is None:
+        raise HeadlabError("give --conllu FILE (and/or --target-conllu FILE)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
+    config = AnalysisConfig(
+        relations=relations or AnalysisConfig.relations,
+        positional_threshold=getattr(args, "positional_threshold", 0.9),
+        syntactic_margin=getattr(args, "syntactic_margin", 0.1),
+        top_frequent=getattr(args, "top_frequent", 500),
+        functions=functions,
+        aggregate=aggregate,
+        min_weight=args.min_weight,
+        window=args.window,
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        max_sentences=args.max_sentences,
+        spacing=args.spacing,
+        max_length=args.max_length,
+    )
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    frequencies = None
+    if functions and getattr(args, "frequencies", None):
+        frequencies = TokenFrequencies.from_file(tokenizer, args.frequencies)
+    elif functions and getattr(args, "train_text", None):
+        frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
+    analysis = analyze_heads(
+        model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source_text,
+        frequencies=frequencies, config=config, model_name=Path(args.model).name, progress=not args.no_progress,
+    )
+    out = Path(args.out)
+    analysis.save(out, figures=not args.no_figures)
+    print(analysis.report.describe())
+    if functions:
+        lines = describe_heads(analysis)
+        print("\n".join(lines) if lines else "no head passes the positional or syntactic test")
+        if analysis.syntactic is not None:
+            print(analysis.syntactic.table_markdown())
+        if frequencies is None:
+            print("rare-token heads skipped: give --train-text FILE or --frequencies FILE")
+    if aggregate and analysis.aggregate is not None:
+        print(analysis.aggregate.summary_markdown())
+    print(f"wrote {out}/")
+    return 0
+
+
+def run_functions(args) -> int:
+    return _run(args, functions=True, aggregate=args.aggregate)
+
+
+def run_aggregate(args) -> int:
+    return _run(args, functions=False, aggregate=True)

@@ -1,5 +1,106 @@
-"""CLI for importance."""
+"""`headlab importance MODEL --data FILE --method ... --out DIR`: parse, call the library, print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from headlab.importance.pipeline import METHODS, ImportanceConfig
+
+# Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
+# encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
+_LM_HEAD_SUFFIXES = (
+    "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
+    "ForSeq2SeqLM",
+)
 
 
 def register(subparsers) -> None:
-    pass
+    h = ImportanceConfig.help
+    p = subparsers.add_parser(
+        "importance",
+        help="score every head: confidence, LRP, gradient importance, ablation, and their agreement",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")
+    p.add_argument("--data", required=True,
+                   help="text file, one sentence per line (plain or .gz): a translation model's source side, "
+                        "otherwise the text itself")
+    p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
+    p.add_argument("--method", default="all",
+                   help=h("methods") + f"; comma-separated, from {', '.join(METHODS)}, all")
+    p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
+    p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
+    p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens (default: the model's maximum)")
+    p.add_argument("--batch-size", type=int, default=32, help=h("batch_size"))
+    p.add_argument("--metric", choices=["loss", "bleu"], default="loss", help=h("metric"))
+    p.add_argument("--beam", type=int, default=1, help=h("beam"))
+    p.add_argument("--lrp-strategy", choices=["vmap", "loop", "jacobian"], default="vmap", help=h("lrp_strategy"))
+    p.add_argument("--ablation-rows", type=int, default=256, help=h("ablation_rows"))
+    p.add_argument("--kinds", help="comma-separated attention kinds to score (enc_self, dec_self, dec_cross)")
+    p.add_argument("--plots", action="store_true", help="also write a heatmap PNG per method")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow code from the model repository to run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_importance_command)
+
+
+def _checkpoint_has_lm_head(config) -> bool:
+    architectures = getattr(config, "architectures", None) or []
+    return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
+
+
+def run_importance_command(args) -> int:
+    import torch
+
+    from headlab.importance.data import describe_model, read_data
+    from headlab.importance.pipeline import run_importance, save_results
+    from headlab.loading import load_model, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
+    config = ImportanceConfig(
+        methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
+        batch_size=args.batch_size, metric=args.metric, beam=args.beam, lrp_strategy=args.lrp_strategy,
+        ablation_rows=args.ablation_rows, kinds=kinds, progress=not args.no_progress,
+    )
+    config.resolved_methods()  # fail on a bad --method before loading anything
+    if kinds:
+        from headlab.heads import check_kind
+
+        for kind in kinds:
+            check_kind(kind)
+    log = lambda message: print(f"headlab importance: {message}", file=sys.stderr)  # noqa: E731
+    start = time.perf_counter()
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    info = describe_model(model, tokenizer, max_length=args.max_length)
+    if info.has_lm_head and not _checkpoint_has_lm_head(model.config):
+        from dataclasses import replace
+
+        log(f"the checkpoint was saved as {', '.join(model.config.architectures)}, without a language-model head")
+        info = replace(info, has_lm_head=False)
+    data = read_data(args.data, tokenizer, info, target_path=args.target, n_sentences=args.n_sentences)
+    log(data.summary())
+    result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    out = Path(args.out)
+    written = save_results(result, out)
+    if args.plots:
+        from headlab.importance.plots import save_heatmap
+
+        written += [save_heatmap(t, out / f"{name}.png") for name, t in result.scores.items()]
+    for method, reason in result.skipped.items():
+        print(f"skipped {method}: {reason}")
+    for path in written:
+        print(f"wrote {path}")
+    if result.agreement is not None:
+        print(f"\nSpearman correlation with ablation ({result.agreement.metric}):")
+        print(result.agreement.to_markdown(), end="")
+        best = result.agreement.best()
+        if best:
+            print(f"best predictor of ablation over all heads: {best}")
+    log(f"done in {time.perf_counter() - start:.0f}s")
+    return 0

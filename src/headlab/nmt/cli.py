@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=400)
     p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                   help="bf16 autocast (about 1.7x faster on CPUs with AVX512-BF16/AMX; weights stay fp32)")
     p.add_argument("--clip-norm", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--epochs", type=int, default=12, help="maximum number of epochs")
     p.add_argument("--max-steps", type=int, help="stop after this many updates")
@@ -47,7 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--valid-beam", type=int, default=1, help="beam for validation BLEU (1: greedy)")
     p.add_argument("--average-last", type=int, default=0, help="average the last N epoch checkpoints at the end")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.add_argument("--threads", help="torch CPU threads per process, or 'auto': measure 1 and all cores "
+                   "while training and keep the faster (useful on a shared CPU)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,6 +84,15 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_evaluate)
 
+    p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", required=True, help="training output directory (--out of nmt train)")
+    p.add_argument("--to", required=True, help="model directory to write")
+    p.add_argument("--checkpoint", default="best", help="best, averaged, last or epoch-N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_export)
+
 
 def _set_threads(threads: int | None) -> None:
     if threads:
@@ -96,7 +108,19 @@ def _train(args) -> int:
 
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
-    _set_threads(args.threads)
+    hooks = {}
+    if args.threads == "auto":
+        import torch
+
+        from headlab.nmt.threads import AdaptiveThreads
+
+        hooks = {"callback": AdaptiveThreads(log=lambda text: print(text, file=sys.stderr, flush=True)),
+                 "callback_every": 1}
+    elif args.threads is not None:
+        try:
+            _set_threads(int(args.threads))
+        except ValueError:
+            raise HeadlabError(f"--threads must be a number or 'auto', got {args.threads!r}") from None
     recipe = TrainRecipe(
         train_src=args.train_src, train_tgt=args.train_tgt, valid_src=args.valid_src, valid_tgt=args.valid_tgt,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, max_sentence_tokens=args.max_sentence_tokens,
@@ -105,12 +129,13 @@ def _train(args) -> int:
                           decoder_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
                           attention_dropout=args.attention_dropout, max_positions=args.max_positions),
         train=TrainConfig(out_dir=args.out, max_tokens=args.max_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
-                          label_smoothing=args.label_smoothing, clip_norm=args.clip_norm, max_epochs=args.epochs,
+                          label_smoothing=args.label_smoothing,
+                          mixed_precision=args.mixed_precision, clip_norm=args.clip_norm, max_epochs=args.epochs,
                           max_steps=args.max_steps, max_time_minutes=args.max_time, save_every_steps=args.save_every,
                           valid_beam=args.valid_beam, average_last=args.average_last, seed=args.seed,
                           resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress),
     )
-    result = run_recipe(recipe)
+    result = run_recipe(recipe, **hooks)
     if result.stopped == "diverged":
         print(f"headlab nmt train: {result.message}", file=sys.stderr)
         return 1
@@ -183,4 +208,12 @@ def _evaluate(args) -> int:
         print(json.dumps({**scores.to_dict(), "beam": args.beam, "seconds": seconds}, indent=2))
     else:
         print(f"{scores.format()}\n(beam {args.beam}, {len(sources)} sentences in {seconds:.1f} s)")
+    return 0
+
+
+def _export(args) -> int:
+    from headlab.nmt.export import export_model
+
+    out = export_model(args.run, args.to, which=args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint} of {args.run} to {out}")
     return 0

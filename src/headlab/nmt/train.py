@@ -75,6 +75,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
+    mixed_precision: str = "no"  # "bf16": autocast the forward/backward (weights and Adam stay fp32)
     clip_norm: float = 1.0  # 0 turns gradient clipping off
     max_epochs: int = 12
     max_steps: int | None = None  # stop after this many updates (all epochs together)
@@ -492,6 +493,14 @@ def train(
         value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(value, reduction="sum").item() > 0)
 
+    if config.mixed_precision not in ("no", "bf16"):
+        raise HeadlabError(f"mixed_precision must be 'no' or 'bf16', got {config.mixed_precision!r}")
+
+    def autocast():
+        # bf16 autocast needs no loss scaling; validation and saved weights stay fp32.
+        return torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16,
+                              enabled=config.mixed_precision == "bf16")
+
     start_time = time.time()
     elapsed_before = state["elapsed_s"]
     stopped = "finished"
@@ -519,10 +528,11 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
 
-            loss_sum, n_tokens = compute_loss(prepared_model, batch, config)
-            loss = loss_sum / max(n_tokens, 1)
-            if extra_loss is not None:
-                loss = loss + extra_loss(raw_model, batch, step)
+            with autocast():
+                loss_sum, n_tokens = compute_loss(prepared_model, batch, config)
+                loss = loss_sum.float() / max(n_tokens, 1)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(raw_model, batch, step)
             if any_rank(not torch.isfinite(loss).item()):
                 stopped = "diverged"
                 break

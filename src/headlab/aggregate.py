@@ -1,0 +1,303 @@
+"""Aggregate attention statistics per head (Vig & Belinkov 2019), streamed over a treebank.
+
+All statistics are computed on word-to-word attention ``alpha[i, j]`` (attention *from* word
+``i`` is the mean over its subwords, *to* word ``j`` the sum over its subwords, Clark et al.
+2019); attention to EOS and other special tokens and to padding is left out, so a row sums to
+the share of attention that reaches words. Per head, over all sentences ``x``:
+
+* **mean distance**: ``sum alpha_ij(x) |i - j| / sum alpha_ij(x)`` (Vig & Belinkov 2019,
+  "attention distance": attention-weighted distance between words);
+* **mean entropy**: the entropy (nats) of each word's attention over words, renormalised to sum
+  to 1, averaged over words (a word whose attention all goes to EOS is left out);
+* **variability**: ``sum_x sum_ij |alpha_ij(x) - mean_x alpha_ij| / (2 sum_x sum_ij alpha_ij(x))``
+  over the first ``window`` words of each sentence (Vig & Belinkov 2019, "attention
+  variability"; 0 = the same pattern for every sentence, 1 = maximal change), the mean taken
+  over the sentences that have cell ``(i, j)``;
+* **exemplars**: the ``top_k`` (sentence, i, j) with the largest single weight ``alpha_ij``;
+* **POS share**: ``sum alpha_ij [upos_j = t] / sum alpha_ij`` for each UPOS tag ``t`` (the
+  attention proportion of Vig & Belinkov 2019 with ``f(i, j) = [upos_j = t]``);
+* **dependency alignment**: ``sum alpha_ij [i, j joined by an arc] / sum alpha_ij``, either
+  direction of the arc (the attention proportion with the dependency property).
+
+For distance, POS and dependency alignment, ``min_weight`` > 0 keeps only weights above it
+(Vig & Belinkov restrict these proportions to high-confidence weights; the default, 0, keeps
+all). Memory stays constant: sums per head, a bounded heap per head, and for variability the
+window's cells are spooled to a temporary file and read back once at the end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headlab.data.alignment import AttentionView, SideBatch
+from headlab.data.treebank import UPOS_TAGS
+from headlab.functions.common import BlockKey, format_head, head_scores
+from headlab.heads import HeadScores, atomic_write_text
+
+__all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
+
+POS_TAGS = UPOS_TAGS + ("_",)
+"""UPOS tags; "_" collects a missing or non-standard tag."""
+
+STATISTICS = ("mean_distance", "mean_entropy", "variability", "dependency_alignment")
+
+
+@dataclass(frozen=True, order=True)
+class Exemplar:
+    """One strongly excited position: ``weight`` of word ``query`` on word ``key``."""
+
+    weight: float
+    sentence: int
+    query: int
+    key: int
+    sent_id: str = field(default="", compare=False)
+    where: str = field(default="", compare=False)
+    words: tuple[str, ...] = field(default=(), compare=False)
+
+    def to_json(self) -> dict:
+        return {
+            "weight": self.weight, "sentence": self.sentence, "sent_id": self.sent_id, "where": self.where,
+            "query": self.query, "key": self.key,
+            "query_word": self.words[self.query] if self.query < len(self.words) else None,
+            "key_word": self.words[self.key] if self.key < len(self.words) else None,
+            "text": " ".join(self.words),
+        }
+
+
+def arc_matrix(side: SideBatch) -> torch.Tensor:
+    """``[B, W, W]`` float: 1 where words ``i`` and ``j`` are joined by an arc (either way)."""
+    cache = side.__dict__
+    if "_arc_matrix" not in cache:
+        B, W = side.heads.shape
+        arcs = torch.zeros(B, W + 1, W + 1)
+        governor = side.heads.clone()
+        governor[governor < 0] = W  # root, cut and padding -> a dummy column
+        b = torch.arange(B)[:, None].expand(B, W)
+        d = torch.arange(W)[None, :].expand(B, W)
+        arcs[b, d, governor] = 1.0
+        arcs = arcs[:, :W, :W]
+        cache["_arc_matrix"] = ((arcs + arcs.transpose(1, 2)) > 0).float()
+    return cache["_arc_matrix"]
+
+
+class _Spool:
+    """A temporary file of float32 rows ``[H, N, N]`` (NaN = absent cell), read back once."""
+
+    def __init__(self, shape: tuple[int, int, int], directory: str | None) -> None:
+        self.shape = shape
+        self.file = tempfile.TemporaryFile(dir=directory)
+        self.rows = 0
+
+    def write(self, values: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(values, dtype=np.float32).tobytes())
+        self.rows += values.shape[0]
+
+    def chunks(self, rows: int = 128):
+        self.file.flush()
+        self.file.seek(0)
+        size = int(np.prod(self.shape))
+        left = self.rows
+        while left:
+            n = min(rows, left)
+            data = np.frombuffer(self.file.read(n * size * 4), dtype=np.float32)
+            yield data.reshape(n, *self.shape)
+            left -= n
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class AggregateStats:
+    """Streaming accumulator of the Vig & Belinkov statistics for every analysed block."""
+
+    def __init__(self, *, min_weight: float = 0.0, window: int = 10, top_k: int = 5,
+                 spool_dir: str | None = None) -> None:
+        if window < 1 or top_k < 0:
+            raise ValueError("window must be >= 1 and top_k >= 0")
+        self.min_weight = float(min_weight)
+        self.window = int(window)
+        self.top_k = int(top_k)
+        self.spool_dir = spool_dir
+        self.sums: dict[BlockKey, dict[str, torch.Tensor]] = {}
+        self.heaps: dict[BlockKey, list[list[Exemplar]]] = {}
+        self.spools: dict[BlockKey, _Spool] = {}
+        self.pos_words: dict[str, torch.Tensor] = {}  # kind -> word count per tag (baseline)
+        self.n_sentences: dict[str, int] = {}
+
+    def update_side(self, kind: str, side: SideBatch) -> None:
+        tags = side.upos_index[side.word_mask]
+        counts = torch.bincount(tags, minlength=len(POS_TAGS)).double()
+        self.pos_words[kind] = self.pos_words.get(kind, 0) + counts
+        self.n_sentences[kind] = self.n_sentences.get(kind, 0) + side.batch_size
+
+    def update(self, view: AttentionView) -> None:
+        side = view.side
+        alpha = view.words  # [B, H, W, W] float32; padding rows and columns are exactly 0
+        B, H, W, _ = alpha.shape
+        key = view.block.key
+        sums = self.sums.setdefault(key, {})
+        f64 = torch.float64
+
+        def add(name: str, value: torch.Tensor) -> None:
+            sums[name] = sums[name] + value if name in sums else value.clone()
+
+        # Proportions over (optionally high-confidence) weights (Vig & Belinkov 2019, Eq. 1 style).
+        kept = alpha if self.min_weight <= 0 else alpha * (alpha > self.min_weight)
+        add("weight", kept.sum((0, 2, 3), dtype=f64))
+        positions = torch.arange(W, dtype=alpha.dtype)
+        distance = (positions[:, None] - positions[None, :]).abs()  # [W, W] |i - j|
+        add("distance", (kept * distance).sum((0, 2, 3), dtype=f64))
+        to_word = kept.sum(2, dtype=f64)  # [B, H, W] attention received by each key word
+        tags = side.upos_index.clamp(min=0)  # padding words receive no attention
+        onehot = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(f64)  # [B, W, n_tags]
+        add("pos", torch.einsum("bhw,bwt->ht", to_word, onehot))
+        add("arcs", (kept * arc_matrix(side)[:, None]).sum((0, 2, 3), dtype=f64))
+
+        # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0.
+        valid = view.query_valid  # [B, H, W]
+        p = alpha / view.row_mass[..., None].clamp(min=1e-30)
+        entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, H, W]
+        add("entropy", (entropy * valid).sum((0, 2), dtype=f64))
+        add("entropy_n", valid.sum((0, 2)).to(f64))
+
+        # Variability: cells of the first `window` words; NaN marks a cell the sentence lacks.
+        N = self.window
+        n = min(N, W)
+        cells = torch.full((B, H, N, N), float("nan"))
+        cells[:, :, :n, :n] = alpha[:, :, :n, :n]
+        present = side.word_mask[:, :n]
+        cell_mask = torch.zeros(B, N, N, dtype=torch.bool)
+        cell_mask[:, :n, :n] = present[:, :, None] & present[:, None, :]
+        cells.masked_fill_(~cell_mask[:, None], float("nan"))
+        add("cell_sum", torch.nan_to_num(cells).sum(0, dtype=f64))  # [H, N, N]
+        add("cell_n", cell_mask.sum(0).to(f64)[None].expand(H, N, N))
+        if key not in self.spools:
+            self.spools[key] = _Spool((H, N, N), self.spool_dir)
+        self.spools[key].write(cells.numpy())
+
+        # Exemplars: each sentence's strongest single weight, per head.
+        if self.top_k:
+            # No mask needed: padding cells are 0 and come after cell (0, 0), so the first
+            # maximum is always a real (query, key) pair.
+            best, where = alpha.flatten(2).max(-1)  # [B, H]
+            heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
+            k = min(self.top_k, B)
+            values, rows = best.topk(k, dim=0)  # [k, H]
+            for h in range(H):
+                heap = heaps[h]
+                for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
+                    if len(heap) == self.top_k and value <= heap[0].weight:
+                        break  # values are sorted: nothing further gets in
+                    flat = int(where[b, h])
+                    item = Exemplar(float(value), side.sentence_index[b], flat // W, flat % W,
+                                    side.sent_ids[b], side.where[b], side.words[b])
+                    if len(heap) < self.top_k:
+                        heapq.heappush(heap, item)
+                    else:
+                        heapq.heapreplace(heap, item)
+
+    def result(self, model: str = "", signature: dict | None = None) -> "AggregateResult":
+        per: dict[str, dict[BlockKey, np.ndarray]] = {name: {} for name in STATISTICS}
+        pos: dict[str, dict[BlockKey, np.ndarray]] = {tag: {} for tag in POS_TAGS}
+        for key, sums in self.sums.items():
+            weight = sums["weight"].numpy()
+            safe = np.where(weight > 0, weight, np.nan)
+            per["mean_distance"][key] = sums["distance"].numpy() / safe
+            per["dependency_alignment"][key] = sums["arcs"].numpy() / safe
+            n = sums["entropy_n"].numpy()
+            per["mean_entropy"][key] = sums["entropy"].numpy() / np.where(n > 0, n, np.nan)
+            shares = sums["pos"].numpy() / safe[:, None]
+            for t, tag in enumerate(POS_TAGS):
+                pos[tag][key] = shares[:, t]
+            per["variability"][key] = self._variability(key, sums)
+        signature = {**(signature or {}), "min_weight": self.min_weight, "window": self.window}
+        scores = {name: head_scores(values, name, model, signature) for name, values in per.items()}
+        pos_scores = {tag: head_scores(values, f"pos_share_{tag}", model, signature)
+                      for tag, values in pos.items() if values}
+        exemplars = {key: [sorted(heap, reverse=True) for heap in heaps] for key, heaps in self.heaps.items()}
+        pos_frequency = {}
+        for kind, counts in self.pos_words.items():
+            total = float(counts.sum())
+            pos_frequency[kind] = {tag: float(counts[t]) / total if total else math.nan
+                                   for t, tag in enumerate(POS_TAGS)}
+        return AggregateResult(scores, pos_scores, exemplars, pos_frequency, dict(self.n_sentences), signature)
+
+    def _variability(self, key: BlockKey, sums: dict[str, torch.Tensor]) -> np.ndarray:
+        spool = self.spools.get(key)
+        count = sums["cell_n"].numpy()
+        mean = np.divide(sums["cell_sum"].numpy(), count, out=np.zeros_like(count), where=count > 0)  # [H, N, N]
+        deviation = np.zeros(mean.shape[0])
+        total = np.zeros(mean.shape[0])
+        if spool is not None:
+            for chunk in spool.chunks():  # [n, H, N, N]
+                values = chunk.astype(np.float64)
+                present = ~np.isnan(values)
+                deviation += np.where(present, np.abs(values - mean[None]), 0.0).sum((0, 2, 3))
+                total += np.where(present, values, 0.0).sum((0, 2, 3))
+        return deviation / np.where(total > 0, 2 * total, np.nan)
+
+    def close(self) -> None:
+        for spool in self.spools.values():
+            spool.close()
+        self.spools.clear()
+
+
+@dataclass(frozen=True)
+class AggregateResult:
+    """Per-head statistics as HeadScores, plus exemplars and the POS baseline."""
+
+    scores: dict[str, HeadScores]  # STATISTICS -> HeadScores
+    pos: dict[str, HeadScores]  # UPOS tag -> share of attention on words with that tag
+    exemplars: dict[BlockKey, list[list[Exemplar]]]  # block -> per head, strongest first
+    pos_frequency: dict[str, dict[str, float]]  # kind -> tag -> share of words with that tag
+    n_sentences: dict[str, int]
+    signature: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> HeadScores:
+        if name in self.scores:
+            return self.scores[name]
+        if name.startswith("pos_share_") and name[len("pos_share_"):] in self.pos:
+            return self.pos[name[len("pos_share_"):]]
+        raise KeyError(name)
+
+    def exemplars_json(self) -> dict:
+        return {
+            f"{kind}:{layer}": [[e.to_json() for e in heap] for heap in heaps]
+            for (kind, layer), heaps in sorted(self.exemplars.items())
+        }
+
+    def summary_markdown(self) -> str:
+        lines = ["| statistic | kind | min | mean | max | head with max |", "|---|---|---:|---:|---:|---|"]
+        for name, scores in self.scores.items():
+            for kind in scores.kinds:
+                array = scores[kind]
+                if np.all(np.isnan(array)):
+                    continue
+                layer, head = np.unravel_index(int(np.nanargmax(array)), array.shape)
+                lines.append(f"| {name} | {kind} | {np.nanmin(array):.3f} | {np.nanmean(array):.3f} "
+                             f"| {np.nanmax(array):.3f} | {format_head(kind, int(layer), int(head))} |")
+        return "\n".join(lines)
+
+    def save(self, directory: str | Path) -> list[Path]:
+        import json
+
+        directory = Path(directory)
+        paths = []
+        for name, scores in self.scores.items():
+            paths.append(scores.save(directory / f"{name}.json"))
+        for tag, scores in self.pos.items():
+            paths.append(scores.save(directory / "pos" / f"{tag}.json"))
+        path = directory / "exemplars.json"
+        atomic_write_text(path, json.dumps(self.exemplars_json(), indent=1, ensure_ascii=False) + "\n")
+        paths.append(path)
+        path = directory / "pos_frequency.json"
+        atomic_write_text(path, json.dumps(self.pos_frequency, indent=1) + "\n")
+        paths.append(path)
+        return paths

@@ -1,0 +1,376 @@
+"""Words to subwords, for any fast tokenizer, and attention between words.
+
+A sentence's words are joined into a text (by single spaces, or with the treebank's own
+spacing) and tokenized with character offsets. Every subword belongs to the word whose
+characters it covers; a token made only of a word-boundary marker (SentencePiece's lone "▁")
+belongs to the word it opens. Special tokens (EOS, BOS, CLS, SEP) belong to no word.
+
+Attention between words follows Clark et al. 2019 (Sec. 4.1, "What Does BERT Look At?"):
+attention *to* a word is the sum of the attention to its subwords, attention *from* a word is
+the mean of the attention from its subwords. Attention to special tokens and to padding is
+dropped, so a word's row sums to the share of its attention that reaches words (< 1 when EOS
+takes some).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from headlab.errors import HeadlabError
+
+__all__ = [
+    "Alignment",
+    "AlignmentError",
+    "AttentionView",
+    "SideBatch",
+    "align_sentences",
+    "join_words",
+    "word_attention",
+]
+
+SPACINGS = ("words", "text")
+
+
+class AlignmentError(HeadlabError):
+    """A sentence whose subwords cannot be mapped onto its words."""
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """One tokenized sentence.
+
+    ``input_ids`` is the model input (special tokens included). ``word_of_token[t]`` is the
+    word of token ``t``, or -1 for special tokens and for the tokens of words cut off by
+    truncation. Words ``0 .. n_words-1`` are kept; with ``truncated`` the rest did not fit.
+    """
+
+    input_ids: tuple[int, ...]
+    word_of_token: np.ndarray
+    n_words: int
+    truncated: bool
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def join_words(words: Sequence[str], space_after: Sequence[bool] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The text of ``words`` and each word's character span ``[start, end)``.
+
+    Without ``space_after`` words are separated by one space ("words" spacing); with it a
+    space follows word ``i`` only when ``space_after[i]`` (CoNLL-U ``SpaceAfter=No``).
+    """
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for index, word in enumerate(words):
+        spans.append((position, position + len(word)))
+        parts.append(word)
+        position += len(word)
+        if index + 1 < len(words) and (space_after is None or space_after[index]):
+            parts.append(" ")
+            position += 1
+    return "".join(parts), spans
+
+
+def _align_one(
+    words: Sequence[str],
+    spans: list[tuple[int, int]],
+    text: str,
+    input_ids: list[int],
+    offsets: list[tuple[int, int]],
+    special: list[int],
+    tokens: list[str],
+    max_length: int | None,
+) -> Alignment:
+    char_word = np.full(len(text) + 1, -1, dtype=np.int64)
+    for index, (start, end) in enumerate(spans):
+        char_word[start:end] = index
+    n_tokens = len(input_ids)
+    word_of_token = np.full(n_tokens, -1, dtype=np.int64)
+    pending: list[int] = []  # boundary-only tokens waiting for the word they open
+    for t in range(n_tokens):
+        if special[t]:
+            continue
+        start, end = offsets[t]
+        owners = char_word[start:end]
+        owners = owners[owners >= 0]
+        if owners.size == 0:
+            pending.append(t)
+            continue
+        first, last = int(owners[0]), int(owners[-1])
+        if first != last:
+            raise AlignmentError(
+                f"subword {tokens[t]!r} spans the words {words[first]!r} and {words[last]!r}"
+            )
+        word_of_token[t] = first
+        for p in pending:
+            word_of_token[p] = first
+        pending.clear()
+    if pending:  # boundary tokens at the very end belong to the last word before them
+        previous = [int(w) for w in word_of_token[: pending[0]] if w >= 0]
+        for p in pending:
+            word_of_token[p] = previous[-1] if previous else -1
+    n_words = len(words)
+    has_token = np.zeros(n_words, dtype=bool)
+    has_token[word_of_token[word_of_token >= 0]] = True
+    missing = np.nonzero(~has_token)[0]
+    if missing.size:
+        i = int(missing[0])
+        raise AlignmentError(f"word {i + 1} {words[i]!r} gets no subword from the tokenizer")
+    kept = n_words
+    truncated = max_length is not None and n_tokens > max_length
+    if truncated:
+        # Cut like the tokenizer does for one sequence: keep the special tokens before and after
+        # the content, and as much content as fits. A word that loses any subword is left out.
+        content = [t for t in range(n_tokens) if not special[t]]
+        head = [t for t in range(n_tokens) if special[t] and (not content or t < content[0])]
+        tail = [t for t in range(n_tokens) if special[t] and content and t > content[-1]]
+        budget = max(max_length - len(head) - len(tail), 0)
+        keep = content[:budget]
+        # Words come in order: the word of the first token cut is the first word lost (whole
+        # or in part). The tokens of a partly cut word stay in the input, as the tokenizer
+        # leaves them, but belong to no word.
+        lost = word_of_token[content[budget:]]
+        lost = lost[lost >= 0]
+        kept = int(lost.min()) if lost.size else n_words
+        positions = head + keep + tail
+        input_ids = [input_ids[t] for t in positions]
+        word_of_token = np.array([w if 0 <= w < kept else -1 for w in word_of_token[positions].tolist()],
+                                 dtype=np.int64)
+    if kept == 0:
+        raise AlignmentError("no word fits in the model's maximum length")
+    return Alignment(tuple(input_ids), word_of_token, kept, truncated)
+
+
+def align_sentences(
+    tokenizer,
+    sentences: Sequence[Sequence[str]],
+    *,
+    space_after: Sequence[Sequence[bool]] | None = None,
+    max_length: int | None = None,
+) -> list[Alignment | AlignmentError]:
+    """Tokenize a batch of word sequences and map subwords to words.
+
+    Returns one :class:`Alignment` per sentence, or the :class:`AlignmentError` that says why
+    it could not be aligned (the caller reports it and goes on). ``max_length`` truncates,
+    keeping the tokenizer's special tokens.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise HeadlabError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer: word alignment needs character offsets"
+        )
+    texts, all_spans = [], []
+    for index, words in enumerate(sentences):
+        text, spans = join_words(words, None if space_after is None else space_after[index])
+        texts.append(text)
+        all_spans.append(spans)
+    # Tokenized whole, then cut here: the cut must know which words it loses.
+    encoded = tokenizer(
+        texts,
+        add_special_tokens=True,
+        truncation=False,
+        return_offsets_mapping=True,
+        return_special_tokens_mask=True,
+    )
+    results: list[Alignment | AlignmentError] = []
+    for index, words in enumerate(sentences):
+        ids = list(encoded["input_ids"][index])
+        try:
+            results.append(
+                _align_one(
+                    words, all_spans[index], texts[index], ids,
+                    [tuple(o) for o in encoded["offset_mapping"][index]],
+                    list(encoded["special_tokens_mask"][index]),
+                    tokenizer.convert_ids_to_tokens(ids),
+                    max_length,
+                )
+            )
+        except AlignmentError as error:
+            results.append(error)
+    return results
+
+
+# -- batches of aligned sentences, as tensors ----------------------------------------------
+@dataclass
+class SideBatch:
+    """One analysed sequence per example of a batch (the encoder side or the decoder side).
+
+    Shapes: ``B`` sentences, ``T`` tokens (padded), ``W`` words (padded).
+    """
+
+    token_word: torch.Tensor  # [B, T] long, -1 = special token, padding or cut word
+    token_mask: torch.Tensor  # [B, T] bool, tokens that belong to a kept word
+    n_words: torch.Tensor  # [B] long
+    heads: torch.Tensor  # [B, W] long, governor index, -1 root / cut / padding
+    deprels: list[tuple[str, ...]]  # per sentence, kept words only
+    upos: list[tuple[str, ...]]
+    words: list[tuple[str, ...]]
+    token_ids: torch.Tensor  # [B, T] long (padding = pad id)
+    sentence_index: list[int]  # position of each sentence in the corpus
+    sent_ids: list[str]
+    where: list[str]
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_word.shape[0]
+
+    @property
+    def max_words(self) -> int:
+        return int(self.n_words.max()) if self.n_words.numel() else 0
+
+    @cached_property
+    def word_mask(self) -> torch.Tensor:  # [B, W] bool
+        return torch.arange(self.max_words)[None, :] < self.n_words[:, None]
+
+    @cached_property
+    def word_index(self) -> torch.Tensor:
+        """``[B, T]`` long: each token's word, or ``W`` (one past the last word) for none."""
+        return torch.where(self.token_mask, self.token_word, torch.full_like(self.token_word, self.max_words))
+
+    @cached_property
+    def word_sizes(self) -> torch.Tensor:
+        """``[B, W]`` float: subwords per word (1 for padding words, to divide safely)."""
+        sizes = torch.zeros(self.batch_size, self.max_words + 1)
+        sizes.scatter_add_(1, self.word_index, torch.ones(self.word_index.shape))
+        return sizes[:, : self.max_words].clamp(min=1)
+
+    @cached_property
+    def upos_index(self) -> torch.Tensor:
+        """``[B, W]`` long index into :data:`headlab.data.treebank.UPOS_TAGS` + ["_"], -1 padding."""
+        from headlab.data.treebank import UPOS_TAGS
+
+        table = {tag: i for i, tag in enumerate(UPOS_TAGS)}
+        out = torch.full((self.batch_size, self.max_words), -1, dtype=torch.long)
+        for b, tags in enumerate(self.upos):
+            out[b, : len(tags)] = torch.tensor([table.get(tag, len(UPOS_TAGS)) for tag in tags], dtype=torch.long)
+        return out
+
+
+def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, start_id: int | None = None) -> SideBatch:
+    """Tensors for a batch of ``(sentence, alignment, corpus index)``.
+
+    With ``shift=1`` the tokens move one place right behind ``start_id`` (teacher-forced
+    decoder input): the last special token (EOS) is dropped and the start token belongs to no
+    word.
+    """
+    rows = []
+    for sentence, alignment, _ in items:
+        ids = list(alignment.input_ids)
+        word = alignment.word_of_token.tolist()
+        if shift:
+            if ids and word[-1] < 0:
+                ids, word = ids[:-1], word[:-1]
+            ids, word = [start_id] + ids, [-1] + word
+        rows.append((ids, word))
+    B = len(items)
+    T = max(len(ids) for ids, _ in rows)
+    token_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    token_word = torch.full((B, T), -1, dtype=torch.long)
+    for b, (ids, word) in enumerate(rows):
+        token_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        token_word[b, : len(word)] = torch.tensor(word, dtype=torch.long)
+    n_words = torch.tensor([alignment.n_words for _, alignment, _ in items], dtype=torch.long)
+    W = int(n_words.max())
+    heads = torch.full((B, W), -1, dtype=torch.long)
+    for b, (sentence, alignment, _) in enumerate(items):
+        n = alignment.n_words
+        governors = torch.tensor(sentence.heads[:n], dtype=torch.long)
+        governors[governors >= n] = -1  # governor cut by truncation: arc not analysed
+        heads[b, :n] = governors
+    return SideBatch(
+        token_word=token_word,
+        token_mask=token_word >= 0,
+        n_words=n_words,
+        heads=heads,
+        deprels=[s.deprels[: a.n_words] for s, a, _ in items],
+        upos=[s.upos[: a.n_words] for s, a, _ in items],
+        words=[s.words[: a.n_words] for s, a, _ in items],
+        token_ids=token_ids,
+        sentence_index=[index for _, _, index in items],
+        sent_ids=[s.sent_id for s, _, _ in items],
+        where=[s.where for s, _, _ in items],
+    )
+
+
+def _token_to_words(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
+    """``[B, H, T, W + 1]``: each token's attention summed over each word's subwords (the last
+    column collects special tokens and padding)."""
+    B, H, T, _ = probs.shape
+    index = side.word_index  # [B, T], W for tokens of no word
+    out = probs.new_zeros(B, H, T, side.max_words + 1)
+    return out.scatter_add_(3, index[:, None, None, :].expand(B, H, T, T), probs)
+
+
+def _words_from(to_words: torch.Tensor, side: SideBatch) -> torch.Tensor:
+    B, H, T, W1 = to_words.shape
+    W = W1 - 1
+    words = to_words.new_zeros(B, H, W1, W1)
+    words.scatter_add_(2, side.word_index[:, None, :, None].expand(B, H, T, W1), to_words)  # sum over query subwords
+    return words[:, :, :W, :W] / side.word_sizes[:, None, :, None]  # ... divided: the mean
+
+
+def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
+    """Word-to-word attention ``[B, H, W, W]`` from token attention ``[B, H, T, T]``.
+
+    Row ``i`` is the mean over word ``i``'s subwords, column ``j`` the sum over word ``j``'s
+    subwords (Clark et al. 2019, Sec. 4.1). Special tokens and padding drop out. Two
+    scatter-adds (keys, then queries) instead of two matrix products: each token belongs to
+    one word, so the sums cost O(T^2) per head rather than O(T^2 W).
+    """
+    return _words_from(_token_to_words(probs.float(), side), side)
+
+
+class AttentionView:
+    """One block's attention on one batch, with the derived tensors every statistic shares.
+
+    Each derived tensor is computed once, on first use, whichever statistics ask for it.
+    """
+
+    def __init__(self, block, probs: torch.Tensor, side: SideBatch) -> None:
+        self.block = block
+        self.side = side
+        # Keys beyond the side's length (e.g. a longer padded query) never happen for self-attention.
+        self.probs = probs.float()  # [B, H, T, T]
+
+    @cached_property
+    def token_to_words(self) -> torch.Tensor:
+        """``[B, H, T, W + 1]``: token attention summed per key word (last column: no word)."""
+        return _token_to_words(self.probs, self.side)
+
+    @cached_property
+    def words(self) -> torch.Tensor:
+        """``[B, H, W, W]`` word-to-word attention (see :func:`word_attention`)."""
+        return _words_from(self.token_to_words, self.side)
+
+    @cached_property
+    def row_mass(self) -> torch.Tensor:
+        """``[B, H, W]``: the share of each word's attention that reaches words."""
+        return self.words.sum(-1)
+
+    @cached_property
+    def query_valid(self) -> torch.Tensor:
+        """``[B, H, W]`` bool: real words whose attention reaches some word (EOS excluded)."""
+        return self.side.word_mask[:, None, :] & (self.row_mass > 0)
+
+    @cached_property
+    def word_argmax(self) -> torch.Tensor:
+        """``[B, H, W]``: the word each word attends to most, EOS and padding excluded."""
+        masked = self.words.masked_fill(~self.side.word_mask[:, None, None, :], -1.0)
+        return masked.argmax(-1)
+
+    @cached_property
+    def token_argmax(self) -> torch.Tensor:
+        """``[B, H, T]``: the token each token attends to most, special tokens excluded."""
+        masked = self.probs.masked_fill(~self.side.token_mask[:, None, None, :], -1.0)
+        return masked.argmax(-1)
+
+    @cached_property
+    def token_query_valid(self) -> torch.Tensor:
+        """``[B, H, T]`` bool: word tokens whose attention reaches some word token."""
+        mass = self.token_to_words[..., :-1].sum(-1)  # [B, H, T] attention that reaches words
+        return self.side.token_mask[:, None, :] & (mass > 0)

@@ -1,0 +1,349 @@
+"""CoNLL-U treebanks (Universal Dependencies), read one sentence at a time.
+
+Each sentence block is parsed with the ``conllu`` package. Multiword-token lines (``1-2``) and
+empty nodes (``8.1``) are skipped and counted: the analysis works on syntactic words, the
+units that carry UPOS tags and dependency arcs. A malformed sentence is reported with its file
+and line and skipped; the rest of the file is still read (``strict=True`` raises instead).
+
+Relations are matched on the full DEPREL (``nsubj`` does not match ``nsubj:pass``); ``X:*``
+matches ``X`` and every subtype of it. The paper's (Stanford) ``dobj`` is UD's ``obj``
+(Voita et al. 2019, Sec. 5.2.1 use ``dobj``), so the name ``dobj`` matches both.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conllu.exceptions import ParseException
+from conllu.parser import (
+    DEFAULT_FIELD_PARSERS,
+    DEFAULT_FIELDS,
+    parse_comment_line,
+    parse_line,
+    parse_token_and_metadata,
+)
+
+from headlab.errors import HeadlabError
+
+__all__ = [
+    "PAPER_RELATIONS",
+    "RELATION_ALIASES",
+    "UPOS_TAGS",
+    "Problem",
+    "ProblemLog",
+    "Sentence",
+    "Treebank",
+    "count_sentences",
+    "read_conllu",
+    "relation_matcher",
+]
+
+UPOS_TAGS = (
+    "ADJ", "ADP", "ADV", "AUX", "CCONJ", "DET", "INTJ", "NOUN", "NUM",
+    "PART", "PRON", "PROPN", "PUNCT", "SCONJ", "SYM", "VERB", "X",
+)
+"""The 17 universal part-of-speech tags (UD v2)."""
+
+PAPER_RELATIONS = ("nsubj", "dobj", "amod", "advmod")
+"""The relations of Voita et al. 2019, Table 1."""
+
+RELATION_ALIASES = {"dobj": ("obj", "dobj")}
+"""Paper name -> UD v2 labels it stands for (UD v1 and Stanford called ``obj`` ``dobj``)."""
+
+
+def relation_matcher(name: str) -> Callable[[str], bool]:
+    """A predicate over DEPREL labels for the relation ``name``.
+
+    ``dobj`` matches UD's ``obj``; ``X:*`` matches ``X`` and any ``X:subtype``; any other name
+    matches that exact label.
+    """
+    name = name.strip()
+    if not name:
+        raise HeadlabError("empty relation name")
+    if name.endswith(":*"):
+        base = name[:-2]
+        return lambda label: label == base or label.startswith(base + ":")
+    labels = frozenset(RELATION_ALIASES.get(name, (name,)))
+    return lambda label: label in labels
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something in the input that could not be used, with where it is."""
+
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
+
+
+@dataclass
+class ProblemLog:
+    """Problems met during a run, counted by kind; the first ``keep`` are kept in full."""
+
+    keep: int = 200
+    problems: list[Problem] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, problem: Problem) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if len(self.problems) < self.keep:
+            self.problems.append(problem)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_json(self) -> dict:
+        return {"counts": dict(self.counts), "first": [str(p) for p in self.problems]}
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """One parsed sentence: syntactic words with UPOS tags and dependency arcs.
+
+    ``heads[i]`` is the 0-based index of word ``i``'s governor, -1 for the root.
+    ``line`` is the 1-based line where the sentence starts in ``path``.
+    """
+
+    words: tuple[str, ...]
+    upos: tuple[str, ...]
+    heads: tuple[int, ...]
+    deprels: tuple[str, ...]
+    space_after: tuple[bool, ...]
+    sent_id: str = ""
+    path: str = ""
+    line: int = 0
+    text: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    @property
+    def where(self) -> str:
+        name = f" ({self.sent_id})" if self.sent_id else ""
+        return f"{self.path}:{self.line}{name}"
+
+    def arcs(self) -> Iterator[tuple[int, int, str]]:
+        """``(governor, dependent, deprel)`` for every non-root word."""
+        for dependent, (governor, label) in enumerate(zip(self.heads, self.deprels)):
+            if governor >= 0:
+                yield governor, dependent, label
+
+
+@dataclass
+class TreebankCounts:
+    """What reading a treebank skipped, for the run's summary."""
+
+    n_sentences: int = 0
+    n_words: int = 0
+    n_multiword_tokens: int = 0
+    n_empty_nodes: int = 0
+    n_malformed: int = 0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+# FEATS and DEPS are not used: keep them as raw text (conllu's parsers for them are the slow part).
+_FIELD_PARSERS = {
+    **DEFAULT_FIELD_PARSERS,
+    "feats": lambda line, i: line[i],
+    "deps": lambda line, i: line[i],
+}
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _blocks(path: Path, problems: ProblemLog | None) -> Iterator[tuple[int, list[tuple[int, str]]]]:
+    """``(first line, [(line number, text), ...])`` for each blank-line separated block."""
+    block: list[tuple[int, str]] = []
+    bad_bytes: int | None = None
+    try:
+        with _open_binary(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as error:
+                    line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                    if bad_bytes is None:
+                        bad_bytes = number
+                        message = f"not valid UTF-8 ({error.reason} at byte {error.start})"
+                        if problems is None:
+                            raise HeadlabError(f"{path}:{number}: {message}") from None
+                        problems.add("malformed", Problem(str(path), number, message + "; sentence skipped"))
+                if line.strip():
+                    block.append((number, line))
+                    continue
+                if block:
+                    if bad_bytes is None:
+                        yield block[0][0], block
+                    block, bad_bytes = [], None
+            if block and bad_bytes is None:
+                yield block[0][0], block
+    except (OSError, EOFError) as error:
+        raise HeadlabError(f"cannot read {path}: {error}") from None
+
+
+class _Malformed(Exception):
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.message = message
+
+
+def _parse_block(path: Path, start: int, block: list[tuple[int, str]], counts: TreebankCounts) -> Sentence:
+    """Parse one sentence block with ``conllu``; raise _Malformed naming the bad line."""
+    token_lines = [(number, line) for number, line in block if not line.startswith("#")]
+    for number, line in token_lines:
+        columns = line.split("\t")
+        if len(columns) != 10:
+            raise _Malformed(number, f"expected 10 tab-separated columns, found {len(columns)}")
+    try:
+        tokens = parse_token_and_metadata("\n".join(line for _, line in block), field_parsers=_FIELD_PARSERS)
+    except ParseException:
+        # Find the line conllu rejects, to name it.
+        for number, line in block:
+            try:
+                if line.startswith("#"):
+                    parse_comment_line(line)
+                else:
+                    parse_line(line, DEFAULT_FIELDS, dict(_FIELD_PARSERS))
+            except ParseException as error:
+                raise _Malformed(number, f"not a CoNLL-U line ({error})") from None
+        raise _Malformed(start, "not a CoNLL-U sentence") from None
+    if len(tokens) != len(token_lines):  # pragma: no cover - conllu keeps one token per line
+        raise _Malformed(start, "conllu returned a different number of tokens than lines")
+    words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
+    n_multiword = n_empty = 0
+    for (number, _), token in zip(token_lines, tokens):
+        token_id = token["id"]
+        if isinstance(token_id, tuple):
+            if token_id[1] == "-":
+                n_multiword += 1
+            else:
+                n_empty += 1
+            continue
+        if token_id != len(words) + 1:
+            raise _Malformed(number, f"word id {token_id} out of sequence (expected {len(words) + 1})")
+        head, deprel = token["head"], token["deprel"]
+        if head is None:
+            raise _Malformed(number, "HEAD is '_': the sentence has no dependency parse")
+        if not deprel or deprel == "_":
+            raise _Malformed(number, "DEPREL is '_'")
+        misc = token.get("misc") or {}
+        words.append(token["form"])
+        upos.append(token["upos"] or "_")
+        heads.append(int(head))
+        deprels.append(deprel)
+        space_after.append(misc.get("SpaceAfter") != "No")
+        word_lines.append(number)
+    if not words:
+        raise _Malformed(start, "sentence has no words")
+    n = len(words)
+    for number, head in zip(word_lines, heads):
+        if not 0 <= head <= n:
+            raise _Malformed(number, f"HEAD {head} is outside the sentence (0..{n})")
+    counts.n_multiword_tokens += n_multiword
+    counts.n_empty_nodes += n_empty
+    metadata = tokens.metadata
+    return Sentence(
+        words=tuple(words),
+        upos=tuple(upos),
+        heads=tuple(h - 1 for h in heads),
+        deprels=tuple(deprels),
+        space_after=tuple(space_after),
+        sent_id=str(metadata.get("sent_id") or ""),
+        path=str(path),
+        line=start,
+        text=metadata.get("text"),
+    )
+
+
+def read_conllu(
+    path: str | Path,
+    *,
+    problems: ProblemLog | None = None,
+    counts: TreebankCounts | None = None,
+    limit: int | None = None,
+    keep_place: bool = False,
+) -> Iterator[Sentence | None]:
+    """Yield the sentences of a CoNLL-U file (plain or ``.gz``) one at a time.
+
+    With ``problems`` a malformed sentence is logged (file, line, what is wrong) and skipped;
+    without it the first one raises :class:`HeadlabError`. With ``keep_place`` a skipped
+    sentence yields ``None`` instead, so that two files stay paired sentence by sentence.
+    ``counts`` collects how many sentences, multiword tokens and empty nodes were read or
+    skipped. ``limit`` stops after that many sentences.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise HeadlabError(f"CoNLL-U file not found: {path}")
+    counts = counts if counts is not None else TreebankCounts()
+    seen = 0
+    for start, block in _blocks(path, problems):
+        if all(line.startswith("#") for _, line in block):
+            continue  # a comment-only block (e.g. a trailing "# newdoc") holds no sentence
+        if limit is not None and seen >= limit:
+            return
+        try:
+            sentence = _parse_block(path, start, block, counts)
+        except _Malformed as error:
+            counts.n_malformed += 1
+            if problems is None:
+                raise HeadlabError(f"{path}:{error.line}: {error.message}") from None
+            problems.add("malformed", Problem(str(path), error.line, error.message + "; sentence skipped"))
+            if keep_place:
+                seen += 1
+                yield None
+            continue
+        counts.n_sentences += 1
+        counts.n_words += len(sentence)
+        seen += 1
+        yield sentence
+
+
+def count_sentences(path: str | Path) -> int:
+    """The number of sentence blocks in a CoNLL-U file, without parsing them (for progress bars)."""
+    path = Path(path)
+    if not path.is_file():
+        raise HeadlabError(f"CoNLL-U file not found: {path}")
+    n, in_block = 0, False
+    with _open_binary(path) as handle:
+        for raw in handle:
+            stripped = raw.strip()
+            if not stripped:
+                in_block = False
+            elif not stripped.startswith(b"#") and not in_block:
+                n, in_block = n + 1, True
+    return n
+
+
+@dataclass
+class Treebank:
+    """A CoNLL-U file that can be read (streamed) more than once."""
+
+    path: Path
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        if not self.path.is_file():
+            raise HeadlabError(f"CoNLL-U file not found: {self.path}")
+
+    def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:
+        return read_conllu(self.path, problems=problems, counts=counts, limit=self.limit)
+
+    def __iter__(self) -> Iterator[Sentence]:
+        return self.sentences()
+
+    def __len__(self) -> int:
+        n = count_sentences(self.path)
+        return n if self.limit is None else min(n, self.limit)

@@ -1,0 +1,508 @@
+"""One streaming pass over a treebank: head functions and aggregate statistics together.
+
+Sentences are read, aligned and batched a batch at a time; one forward pass per batch feeds
+every statistic through :func:`headlab.capture_attention`'s callback, block by block, and the
+attention is dropped as soon as the statistics have seen it. Memory does not grow with the
+number of sentences.
+
+Which attention is analysed:
+
+* an encoder-decoder model: the encoder self-attention over the ``conllu`` sentences (the
+  decoder gets only its start token), and the decoder self-attention over ``target_conllu``
+  sentences when target-side parses are given (teacher-forced, with the source sentence from
+  ``conllu`` or ``source_text``). Cross-attention is not analysed.
+* an encoder-only or decoder-only model: its self-attention over the ``conllu`` sentences.
+
+Bad input never stops the run: a malformed CoNLL-U sentence, a sentence the tokenizer cannot
+align (both reported with file and line, and skipped) and a sentence longer than the model's
+maximum length (truncated to it, counted, and analysed on the words that fit).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import islice, zip_longest
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from headlab.adapters import attention_blocks
+from headlab.aggregate import AggregateResult, AggregateStats
+from headlab.capture import capture_attention
+from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, align_sentences, build_side_batch
+from headlab.data.frequencies import TokenFrequencies
+from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
+from headlab.errors import HeadlabError
+from headlab.functions.common import format_head
+from headlab.functions.positional import PositionalResult, PositionalStats
+from headlab.functions.rare_tokens import RareTokenResult, RareTokenStats
+from headlab.functions.syntactic import SyntacticResult, SyntacticStats
+from headlab.heads import atomic_write_text
+
+__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "model_max_length"]
+
+
+@dataclass
+class AnalysisConfig:
+    """What to compute and how. Each field maps one to one onto a CLI flag."""
+
+    relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
+    positional_threshold: float = 0.90  # share at one offset to call a head positional (Sec. 5.1)
+    syntactic_margin: float = 0.10  # accuracy over the offset baseline to call a head syntactic
+    top_frequent: int = 500  # rare-token sentences: least frequent token outside this many
+    max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
+    functions: bool = True  # positional, syntactic and rare-token heads
+    aggregate: bool = True  # Vig & Belinkov statistics
+    min_weight: float = 0.0  # aggregate proportions: keep only weights above this
+    window: int = 10  # variability over the first `window` words
+    top_k: int = 5  # exemplars per head
+    batch_size: int = 32
+    max_sentences: int | None = None
+    spacing: str = "words"  # "words": words joined by spaces; "text": the treebank's SpaceAfter
+    max_length: int | None = None  # tokens; default: the model's maximum
+
+    def __post_init__(self) -> None:
+        if self.spacing not in ("words", "text"):
+            raise HeadlabError(f"spacing must be 'words' or 'text', got {self.spacing!r}")
+        if not 0 < self.positional_threshold <= 1:
+            raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
+        if self.batch_size < 1:
+            raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
+        self.relations = tuple(self.relations)
+
+
+@dataclass
+class RunReport:
+    """What the run read, skipped, truncated; problems with file and line."""
+
+    n_sentences: int = 0
+    n_words: int = 0
+    n_tokens: int = 0
+    n_truncated: int = 0
+    n_unaligned: int = 0
+    seconds: float = 0.0
+    treebanks: dict[str, dict] = field(default_factory=dict)
+    problems: ProblemLog = field(default_factory=ProblemLog)
+    analysed: list[str] = field(default_factory=list)
+    max_length: int = 0
+
+    def to_json(self) -> dict:
+        data = {k: v for k, v in self.__dict__.items() if k != "problems"}
+        data["problems"] = self.problems.to_json()
+        return data
+
+    def describe(self) -> str:
+        text = (f"{self.n_sentences} sentences ({self.n_words} words, {self.n_tokens} tokens) analysed "
+                f"in {self.seconds:.1f} s for {', '.join(self.analysed) or 'nothing'}")
+        for name, counts in self.treebanks.items():
+            extras = [f"{counts[k]} {label}" for k, label in (
+                ("n_multiword_tokens", "multiword-token lines skipped"),
+                ("n_empty_nodes", "empty nodes skipped"),
+                ("n_malformed", "malformed sentences skipped"),
+            ) if counts.get(k)]
+            if extras:
+                text += f"\n{name}: " + ", ".join(extras)
+        if self.n_truncated:
+            text += f"\n{self.n_truncated} sentences truncated to {self.max_length} tokens"
+        if self.n_unaligned:
+            text += f"\n{self.n_unaligned} sentences could not be aligned to subwords and were skipped"
+        for problem in self.problems.problems[:10]:
+            text += f"\n  {problem}"
+        if self.problems.total > 10:
+            text += f"\n  ... {self.problems.total - 10} more (see summary.json)"
+        return text
+
+
+@dataclass
+class HeadAnalysis:
+    """Everything one pass computed; ``save`` writes it as HeadScores files and tables."""
+
+    config: AnalysisConfig
+    report: RunReport
+    model: str = ""
+    positional: PositionalResult | None = None
+    positional_tokens: PositionalResult | None = None
+    syntactic: SyntacticResult | None = None
+    rare: RareTokenResult | None = None
+    aggregate: AggregateResult | None = None
+
+    def functions_markdown(self) -> str:
+        lines = [f"# Head functions of {self.model or 'the model'}", "", "```", self.report.describe(), "```", ""]
+        if self.positional is not None:
+            lines += [f"## Positional heads (Voita et al. 2019, Sec. 5.1), word level, threshold "
+                      f"{self.config.positional_threshold:.0%}", ""]
+            heads = self.positional.heads()
+            lines += [f"- {h}" for h in heads] or ["No head reaches the threshold."]
+            lines += ["", "Closest to positional:", ""] + [f"- {h}" for h in self.positional.top(5)]
+            if self.positional_tokens is not None:
+                lines += ["", "Subword-token level, closest to positional:", ""]
+                lines += [f"- {h}" for h in self.positional_tokens.top(5)]
+            lines.append("")
+        if self.syntactic is not None:
+            lines += [f"## Syntactic heads (Sec. 5.2.1, Table 1 analogue), margin "
+                      f"{self.config.syntactic_margin:.0%} over the offset baseline", "",
+                      self.syntactic.table_markdown(), ""]
+        if self.rare is not None:
+            lines += [f"## Rare-token heads (Sec. 5.3)", "", "```", self.rare.describe(), "```", ""]
+        if self.aggregate is not None:
+            lines += ["## Aggregate statistics (Vig & Belinkov 2019)", "", self.aggregate.summary_markdown(), ""]
+        return "\n".join(lines)
+
+    def save(self, directory: str | Path, figures: bool = True) -> list[Path]:
+        directory = Path(directory)
+        paths: list[Path] = []
+        if self.positional is not None:
+            paths.append(self.positional.share.save(directory / "positional" / "share.json"))
+            paths.append(self.positional.offset.save(directory / "positional" / "offset.json"))
+            _write_json(directory / "positional" / "offsets.json", self.positional.to_json(), paths)
+        if self.positional_tokens is not None:
+            paths.append(self.positional_tokens.share.save(directory / "positional" / "token_share.json"))
+            paths.append(self.positional_tokens.offset.save(directory / "positional" / "token_offset.json"))
+        if self.syntactic is not None:
+            for relation in self.syntactic.relations:
+                for direction in ("gov->dep", "dep->gov"):
+                    name = f"{relation.replace(':', '_').replace('*', 'any')}.{direction.replace('->', '-')}.json"
+                    paths.append(self.syntactic.accuracy(relation, direction).save(directory / "syntactic" / name))
+            paths.append(self.syntactic.margin_over_baseline().save(directory / "syntactic" / "margin.json"))
+            _write_json(directory / "syntactic" / "table1.json", self.syntactic.to_json(), paths)
+            path = directory / "syntactic" / "table1.md"
+            atomic_write_text(path, self.syntactic.table_markdown() + "\n")
+            paths.append(path)
+        if self.rare is not None:
+            paths.append(self.rare.rarest.save(directory / "rare_tokens" / "rarest.json"))
+            paths.append(self.rare.two_rarest.save(directory / "rare_tokens" / "two_rarest.json"))
+            _write_json(directory / "rare_tokens" / "summary.json", self.rare.to_json(), paths)
+        if self.aggregate is not None:
+            paths += self.aggregate.save(directory / "aggregate")
+        summary = {"model": self.model, "config": _jsonable(asdict(self.config)), "report": self.report.to_json()}
+        _write_json(directory / "summary.json", summary, paths)
+        path = directory / "README.md"
+        atomic_write_text(path, self.functions_markdown())
+        paths.append(path)
+        if figures:
+            from headlab.functions.figures import save_figures
+
+            paths += save_figures(self, directory)
+        return paths
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, data, paths: list[Path]) -> None:
+    atomic_write_text(path, json.dumps(_jsonable(data), indent=1, ensure_ascii=False) + "\n")
+    paths.append(path)
+
+
+def model_max_length(model, tokenizer) -> int:
+    """The longest input the model takes: its position table, or the tokenizer's limit."""
+    candidates = []
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            candidates.append(value)
+            break
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 1_000_000:
+        candidates.append(value)
+    if not candidates:
+        return 512
+    length = min(candidates)
+    # RoBERTa-style position tables reserve padding_idx + 1 rows.
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") and length == getattr(config, "max_position_embeddings", 0):
+        length -= (getattr(config, "pad_token_id", 1) or 1) + 1
+    return length
+
+
+def _batched(iterator: Iterator, size: int) -> Iterator[list]:
+    while True:
+        batch = list(islice(iterator, size))
+        if not batch:
+            return
+        yield batch
+
+
+_END = object()
+
+
+def _plain_text(path: str | Path) -> Iterator[tuple[int, str]]:
+    from headlab.data.parallel import read_lines
+
+    for number, line in enumerate(read_lines(path), start=1):
+        yield number, line.strip()
+
+
+def analyze_heads(
+    model,
+    tokenizer,
+    conllu: str | Path | None = None,
+    *,
+    target_conllu: str | Path | None = None,
+    source_text: str | Path | None = None,
+    frequencies: TokenFrequencies | None = None,
+    config: AnalysisConfig | None = None,
+    model_name: str = "",
+    progress: bool = False,
+    on_batch: Callable[[int], None] | None = None,
+) -> HeadAnalysis:
+    """Stream a treebank through ``model`` once and compute head functions and statistics.
+
+    ``frequencies`` enables rare-token heads. ``on_batch(n)`` is called after each batch with
+    the number of sentences read so far. See the module docstring for what is analysed.
+    """
+    config = config or AnalysisConfig()
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    if conllu is None and target_conllu is None:
+        raise HeadlabError("nothing to analyse: give a CoNLL-U file (and/or target-side parses)")
+    if target_conllu is not None and not seq2seq:
+        raise HeadlabError("target-side parses need an encoder-decoder model; this model has one stack")
+    if target_conllu is not None and conllu is None and source_text is None:
+        raise HeadlabError("decoder analysis needs the source sentences: give the source CoNLL-U or a "
+                           "source text file, one sentence per line, aligned with the target parses")
+    all_blocks = attention_blocks(model)
+    sides: dict[str, str] = {}  # kind -> "source" | "target"
+    for block in all_blocks:
+        if seq2seq:
+            if block.kind == "enc_self" and conllu is not None:
+                sides[block.kind] = "source"
+            elif block.kind == "dec_self" and target_conllu is not None:
+                sides[block.kind] = "target"
+        elif block.kind in ("enc_self", "dec_self") and conllu is not None:
+            sides[block.kind] = "source"
+    blocks = [b for b in all_blocks if b.kind in sides]
+    if not blocks:
+        raise HeadlabError("the model has no self-attention to analyse on the given data")
+    max_length = config.max_length or model_max_length(model, tokenizer)
+    report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
+                       max_length=max_length)
+    problems = report.problems
+
+    positional = PositionalStats(config.max_offset, "word") if config.functions else None
+    positional_tokens = PositionalStats(config.max_offset, "token") if config.functions else None
+    syntactic = SyntacticStats(config.relations) if config.functions else None
+    rare = RareTokenStats(frequencies, config.top_frequent) if (config.functions and frequencies) else None
+    aggregate = AggregateStats(min_weight=config.min_weight, window=config.window, top_k=config.top_k) \
+        if config.aggregate else None
+    side_stats = [s for s in (syntactic, rare, aggregate) if s is not None]
+    block_stats = [s for s in (positional, positional_tokens, syntactic, rare, aggregate) if s is not None]
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start_id = getattr(model.config, "decoder_start_token_id", None)
+    if seq2seq and start_id is None:
+        start_id = pad_id
+    device = next(model.parameters()).device
+
+    # -- the example stream: (source sentence | text, target sentence | None) ---------------
+    counts = {name: TreebankCounts() for name in ("source", "target")}
+
+    def examples() -> Iterator[tuple[Sentence | str | None, Sentence | None]]:
+        if target_conllu is None:
+            yield from ((s, None) for s in read_conllu(conllu, problems=problems, counts=counts["source"]))
+            return
+        # Paired: sentence n of the target goes with sentence (or line) n of the source; a
+        # malformed sentence on either side drops the pair, not the pairing.
+        target = read_conllu(target_conllu, problems=problems, counts=counts["target"], keep_place=True)
+        if conllu is not None:
+            source = read_conllu(conllu, problems=problems, counts=counts["source"], keep_place=True)
+            source_name = str(conllu)
+        else:
+            source = (text if text else None for _, text in _plain_text(source_text))
+            source_name = str(source_text)
+        for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
+            if src is _END or tgt is _END:
+                longer, shorter = (source_name, target_conllu) if tgt is _END else (target_conllu, source_name)
+                problems.add("unpaired", Problem(str(longer), 0, f"has more sentences than {shorter} "
+                                                 f"(from sentence {number} on); the extra ones are ignored"))
+                return
+            if src is None or tgt is None:
+                if src is None and conllu is None:
+                    problems.add("malformed", Problem(source_name, number, "empty source line; pair skipped"))
+                continue
+            yield src, tgt
+
+    total = None
+    if progress:
+        from headlab.data.treebank import count_sentences
+
+        total = count_sentences(target_conllu or conllu)
+        if config.max_sentences is not None:
+            total = min(total, config.max_sentences)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="sent", desc="heads", leave=False)
+
+    current: dict[str, SideBatch] = {}
+
+    def on_probs(block, probs: torch.Tensor) -> None:
+        side = current.get(sides.get(block.kind, ""))
+        if side is None:
+            return
+        view = AttentionView(block, probs.cpu(), side)
+        for stat in block_stats:
+            stat.update(view)
+
+    started = time.perf_counter()
+    index = 0
+    was_training = model.training
+    model.eval()  # attention dropout would blur the probabilities
+    stream = examples()
+    if config.max_sentences is not None:
+        stream = islice(stream, config.max_sentences)
+    try:
+        with capture_attention(model, on_probs, blocks=blocks), torch.inference_mode():
+            for raw in _batched(stream, config.batch_size):
+                items = _prepare(raw, index, tokenizer, config, max_length, report)
+                index += len(raw)
+                if bar is not None:
+                    bar.update(len(raw))
+                if not items:
+                    continue
+                current.clear()
+                inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device)
+                for kind, name in sides.items():
+                    if name in current:
+                        for stat in side_stats:
+                            stat.update_side(kind, current[name])
+                model(**inputs)
+                main = current.get("target" if target_conllu is not None else "source")
+                report.n_sentences += main.batch_size
+                report.n_words += int(main.n_words.sum())
+                report.n_tokens += int(main.token_mask.sum())
+                current.clear()
+                if on_batch is not None:
+                    on_batch(index)
+        report.seconds = time.perf_counter() - started
+        report.treebanks = {
+            str(path): counts[name].to_json()
+            for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
+        }
+        signature = {
+            "data": str(target_conllu or conllu),
+            "sentences": report.n_sentences,
+            "words": report.n_words,
+            "tokens": report.n_tokens,
+            "spacing": config.spacing,
+            "max_length": max_length,
+        }
+        try:
+            from headlab import __version__
+
+            signature["version"] = __version__
+        except ImportError:  # pragma: no cover
+            pass
+        return HeadAnalysis(
+            config=config,
+            report=report,
+            model=model_name,
+            positional=positional.result(config.positional_threshold, model_name, signature) if positional else None,
+            positional_tokens=positional_tokens.result(config.positional_threshold, model_name, signature)
+            if positional_tokens else None,
+            syntactic=syntactic.result(config.syntactic_margin, model_name, signature) if syntactic else None,
+            rare=rare.result(model_name, signature) if rare else None,
+            aggregate=aggregate.result(model_name, signature) if aggregate else None,
+        )
+    finally:
+        model.train(was_training)
+        if bar is not None:
+            bar.close()
+        if aggregate is not None:
+            aggregate.close()
+
+
+def _prepare(raw, index, tokenizer, config, max_length, report):
+    """Align a batch of examples; report and drop the ones that cannot be aligned."""
+    problems = report.problems
+    sources = [s for s, _ in raw]
+    targets = [t for _, t in raw]
+    ok = [True] * len(raw)
+    source_alignments: list = [None] * len(raw)
+    target_alignments: list = [None] * len(raw)
+    for which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
+        parsed = [(i, s) for i, s in enumerate(sentences) if isinstance(s, Sentence)]
+        if not parsed:
+            continue
+        words = [s.words for _, s in parsed]
+        spaces = [s.space_after for _, s in parsed] if config.spacing == "text" else None
+        results = align_sentences(tokenizer, words, space_after=spaces, max_length=max_length)
+        for (i, sentence), result in zip(parsed, results):
+            if isinstance(result, AlignmentError):
+                ok[i] = False
+                report.n_unaligned += 1
+                problems.add("unaligned", Problem(sentence.path, sentence.line,
+                                                  f"sentence {sentence.sent_id or '?'}: {result}; skipped"))
+            else:
+                store[i] = result
+    items = []
+    for i, (source, target) in enumerate(raw):
+        if not ok[i]:
+            continue
+        truncated = False
+        for sentence, alignment in ((source, source_alignments[i]), (target, target_alignments[i])):
+            if alignment is not None and alignment.truncated:
+                truncated = True
+                problems.add("truncated", Problem(
+                    sentence.path, sentence.line,
+                    f"sentence {sentence.sent_id or '?'}: {len(sentence)} words, cut to the first "
+                    f"{alignment.n_words} to fit {max_length} tokens"))
+        report.n_truncated += truncated
+        items.append((index + i, source, source_alignments[i], target, target_alignments[i]))
+    return items
+
+
+def _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device) -> dict:
+    """Model inputs for a batch; fills ``current`` with the analysed sides' SideBatches."""
+    inputs: dict[str, torch.Tensor] = {}
+    if items[0][2] is not None:  # parsed source
+        side = build_side_batch([(s, a, i) for i, s, a, _, _ in items], pad_id)
+        current["source"] = side
+        inputs["input_ids"] = side.token_ids
+        inputs["attention_mask"] = _lengths_mask(side, [len(a) for _, _, a, _, _ in items])
+    else:  # plain source text (decoder analysis only)
+        encoded = tokenizer([s for _, s, _, _, _ in items], padding=True, truncation=True,
+                            max_length=max_length, return_tensors="pt")
+        inputs["input_ids"], inputs["attention_mask"] = encoded["input_ids"], encoded["attention_mask"]
+    if seq2seq:
+        if items[0][4] is not None:
+            side = build_side_batch([(t, a, i) for i, _, _, t, a in items], pad_id, shift=1, start_id=start_id)
+            current["target"] = side
+            lengths = [len(a) - (1 if a.word_of_token[-1] < 0 else 0) + 1 for _, _, _, _, a in items]
+            inputs["decoder_input_ids"] = side.token_ids
+            inputs["decoder_attention_mask"] = _lengths_mask(side, lengths)
+        else:
+            inputs["decoder_input_ids"] = torch.full((len(items), 1), start_id, dtype=torch.long)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _lengths_mask(side: SideBatch, lengths: Sequence[int]) -> torch.Tensor:
+    T = side.token_ids.shape[1]
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+def describe_heads(analysis: HeadAnalysis) -> list[str]:
+    """One line per head with a function: positional, syntactic, rare-token."""
+    lines = []
+    if analysis.positional is not None:
+        heads = analysis.positional.heads()
+        lines += [f"positional  {h}" for h in heads]
+        if not heads:
+            closest = analysis.positional.top(1)
+            lines += [f"positional  none at {analysis.config.positional_threshold:.0%}; closest: {h}" for h in closest]
+    if analysis.syntactic is not None:
+        for kind, layer, head, relation, direction, accuracy, base in analysis.syntactic.syntactic_heads():
+            lines.append(f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} "
+                         f"{accuracy:.1%} (baseline {base:.1%})")
+    if analysis.rare is not None:
+        for kind, layer, head, share, two in analysis.rare.top(1):
+            lines.append(f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}")
+    return lines

@@ -1,0 +1,150 @@
+"""Positional heads (Voita et al. 2019, Sec. 5.1).
+
+For each head: over every word (query) of every sentence, where does its maximum attention
+land, relative to itself? "We refer to a head as positional if at least 90% of the time its
+maximum attention weight is assigned to a specific relative position" (Sec. 5.1). EOS and other
+special tokens are excluded from the maximum, as in the paper.
+
+Counted: every kept word whose attention reaches at least one word (a word that gives all of
+its attention to EOS has no maximum among words and is left out). Offsets beyond
+``+-max_offset`` are pooled into two overflow bins, which can never be a head's offset.
+``level="token"`` does the same over subword tokens instead of words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headlab.data.alignment import AttentionView
+from headlab.functions.common import BlockKey, format_head, head_scores
+from headlab.heads import HeadScores
+
+__all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
+
+
+class PositionalStats:
+    """Streaming counts of relative offsets of each head's maximum attention."""
+
+    def __init__(self, max_offset: int = 32, level: str = "word") -> None:
+        if level not in ("word", "token"):
+            raise ValueError(f"level must be 'word' or 'token', got {level!r}")
+        self.max_offset = int(max_offset)
+        self.level = level
+        self.counts: dict[BlockKey, torch.Tensor] = {}  # [n_heads, 2 * max_offset + 3]
+
+    @property
+    def n_bins(self) -> int:
+        return 2 * self.max_offset + 3
+
+    def update(self, view: AttentionView) -> None:
+        if self.level == "word":
+            argmax, valid = view.word_argmax, view.query_valid  # [B, H, W]
+        else:
+            argmax, valid = view.token_argmax, view.token_query_valid  # [B, H, T]
+        B, H, Q = argmax.shape
+        offsets = argmax - torch.arange(Q)[None, None, :]  # key - query
+        bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
+        head = torch.arange(H)[None, :, None].expand(B, H, Q)
+        flat = (head * self.n_bins + bins)[valid]
+        counts = torch.bincount(flat, minlength=H * self.n_bins).view(H, self.n_bins)
+        key = view.block.key
+        if key in self.counts:
+            self.counts[key] += counts
+        else:
+            self.counts[key] = counts.clone()
+
+    def result(self, threshold: float = 0.9, model: str = "", signature: dict | None = None) -> "PositionalResult":
+        return PositionalResult(
+            {key: value.numpy().astype(np.int64) for key, value in self.counts.items()},
+            self.max_offset, threshold, self.level, model, dict(signature or {}),
+        )
+
+
+@dataclass(frozen=True)
+class PositionalHead:
+    kind: str
+    layer: int
+    head: int
+    offset: int
+    share: float
+
+    def __str__(self) -> str:
+        return f"{format_head(self.kind, self.layer, self.head)}: {self.share:.1%} at offset {self.offset:+d}"
+
+
+@dataclass(frozen=True)
+class PositionalResult:
+    """Offset histograms per head, and what they say."""
+
+    counts: dict[BlockKey, np.ndarray]  # [n_heads, 2 * max_offset + 3]
+    max_offset: int
+    threshold: float
+    level: str = "word"
+    model: str = ""
+    signature: dict = field(default_factory=dict)
+
+    def offsets(self) -> np.ndarray:
+        """The offset of each histogram bin (overflow bins as -(max+1) and +(max+1))."""
+        return np.arange(-self.max_offset - 1, self.max_offset + 2)
+
+    def shares(self, key: BlockKey) -> np.ndarray:
+        counts = self.counts[key].astype(np.float64)
+        total = counts.sum(1, keepdims=True)
+        return np.divide(counts, total, out=np.full_like(counts, np.nan), where=total > 0)
+
+    def best(self, key: BlockKey) -> tuple[np.ndarray, np.ndarray]:
+        """Per head: the most frequent in-range offset and its share."""
+        shares = self.shares(key)[:, 1:-1]  # overflow bins excluded
+        index = np.nan_to_num(shares, nan=-1).argmax(1)
+        best_share = shares[np.arange(len(index)), index]
+        return index - self.max_offset, best_share
+
+    @property
+    def share(self) -> HeadScores:
+        """Share of queries whose maximum lands on the head's most frequent offset."""
+        return head_scores({k: self.best(k)[1] for k in self.counts}, f"positional_share_{self.level}",
+                           self.model, self._signature())
+
+    @property
+    def offset(self) -> HeadScores:
+        """Each head's most frequent offset (as a float)."""
+        values = {}
+        for key in self.counts:
+            offset, share = self.best(key)
+            values[key] = np.where(np.isnan(share), np.nan, offset.astype(np.float64))
+        return head_scores(values, f"positional_offset_{self.level}", self.model, self._signature())
+
+    def heads(self) -> list[PositionalHead]:
+        """The positional heads: one offset holds at least ``threshold`` of the maxima."""
+        found = []
+        for (kind, layer) in sorted(self.counts):
+            offset, share = self.best((kind, layer))
+            for head in np.nonzero(np.nan_to_num(share, nan=-1) >= self.threshold)[0]:
+                found.append(PositionalHead(kind, layer, int(head), int(offset[head]), float(share[head])))
+        return found
+
+    def top(self, n: int = 5) -> list[PositionalHead]:
+        """The ``n`` heads closest to positional, whatever the threshold."""
+        every = []
+        for (kind, layer) in sorted(self.counts):
+            offset, share = self.best((kind, layer))
+            for head in range(len(share)):
+                if not np.isnan(share[head]):
+                    every.append(PositionalHead(kind, layer, head, int(offset[head]), float(share[head])))
+        return sorted(every, key=lambda h: -h.share)[:n]
+
+    def _signature(self) -> dict:
+        return {**self.signature, "level": self.level, "threshold": self.threshold}
+
+    def to_json(self) -> dict:
+        return {
+            "level": self.level,
+            "threshold": self.threshold,
+            "max_offset": self.max_offset,
+            "offsets": self.offsets().tolist(),
+            "counts": {f"{kind}:{layer}": counts.tolist() for (kind, layer), counts in sorted(self.counts.items())},
+            "positional_heads": [h.__dict__ for h in self.heads()],
+        }

@@ -1,0 +1,164 @@
+"""Rare-token heads (Voita et al. 2019, Sec. 5.3).
+
+The paper finds one head in the first encoder layer that points to the least frequent tokens.
+Over the sentences whose least frequent token is not among the 500 most frequent, it reports
+how often that head's maximum attention goes to the rarest token, and how often to one of the
+two rarest (Sec. 5.3; see the paper for its figures). We measure the same for every head.
+
+This works on subword *tokens*, as the paper does, with the frequencies of the model's own
+vocabulary in its training data (:class:`~headlab.data.frequencies.TokenFrequencies`). Word
+level would bias the test: attention *to* a word sums over its subwords, and rare words are
+split into more subwords. Special tokens are excluded as queries, as keys and as candidates.
+
+Ties: the "rarest token" is every position whose count equals the sentence's minimum; "one of
+the two rarest" is every position whose count is at most the second smallest count in the
+sentence (positions sorted by count, then taken in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headlab.data.alignment import AttentionView, SideBatch
+from headlab.data.frequencies import TokenFrequencies
+from headlab.functions.common import BlockKey, format_head, head_scores
+from headlab.heads import HeadScores
+
+__all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
+
+
+def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(eligible [B], rarest [B, T], two_rarest [B, T])`` for one batch.
+
+    ``counts[id]`` is the training count of token ``id``; ``top[id]`` marks the most frequent ids.
+    """
+    cache = side.__dict__.setdefault("_rare_masks", {})
+    key = id(counts)
+    if key in cache:
+        return cache[key]
+    ids = side.token_ids.clamp(0, counts.numel() - 1)
+    token_counts = counts[ids].double().masked_fill(~side.token_mask, float("inf"))  # [B, T]
+    sorted_counts, order = token_counts.sort(dim=1, stable=True)
+    first = sorted_counts[:, :1]
+    second = sorted_counts[:, 1:2] if token_counts.shape[1] > 1 else first
+    second = torch.where(torch.isinf(second), first, second)  # one-token sentence
+    rarest = side.token_mask & (token_counts == first)
+    two_rarest = side.token_mask & (token_counts <= second)
+    least = side.token_ids.gather(1, order[:, :1]).squeeze(1).clamp(0, counts.numel() - 1)
+    eligible = side.token_mask.any(1) & ~top[least]
+    cache[key] = (eligible, rarest, two_rarest)
+    return cache[key]
+
+
+class RareTokenStats:
+    """Streaming: how often each head's maximum attention lands on the rarest token(s)."""
+
+    def __init__(self, frequencies: TokenFrequencies, top_k: int = 500) -> None:
+        self.frequencies = frequencies
+        self.top_k = int(top_k)
+        self.counts = torch.from_numpy(np.array(frequencies.counts, dtype=np.int64))
+        self.top = torch.from_numpy(frequencies.top_mask(self.top_k))
+        self.n_sentences: dict[str, int] = {}
+        self.n_eligible: dict[str, int] = {}
+        self.first: dict[BlockKey, torch.Tensor] = {}  # [n_heads]
+        self.two: dict[BlockKey, torch.Tensor] = {}
+        self.queries: dict[BlockKey, torch.Tensor] = {}
+
+    def update_side(self, kind: str, side: SideBatch) -> None:
+        eligible, _, _ = rare_token_masks(side, self.counts, self.top)
+        self.n_sentences[kind] = self.n_sentences.get(kind, 0) + side.batch_size
+        self.n_eligible[kind] = self.n_eligible.get(kind, 0) + int(eligible.sum())
+
+    def update(self, view: AttentionView) -> None:
+        eligible, rarest, two_rarest = rare_token_masks(view.side, self.counts, self.top)
+        argmax = view.token_argmax  # [B, H, T]
+        B, H, T = argmax.shape
+        valid = view.token_query_valid & eligible[:, None, None]  # [B, H, T]
+        on_rarest = rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
+        on_two = two_rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
+        key = view.block.key
+        for table, value in ((self.first, on_rarest), (self.two, on_two), (self.queries, valid)):
+            counts = value.sum((0, 2))
+            if key in table:
+                table[key] += counts
+            else:
+                table[key] = counts.clone()
+
+    def result(self, model: str = "", signature: dict | None = None) -> "RareTokenResult":
+        return RareTokenResult(
+            first={k: v.numpy().astype(np.int64) for k, v in self.first.items()},
+            two={k: v.numpy().astype(np.int64) for k, v in self.two.items()},
+            queries={k: v.numpy().astype(np.int64) for k, v in self.queries.items()},
+            n_sentences=dict(self.n_sentences),
+            n_eligible=dict(self.n_eligible),
+            top_k=self.top_k,
+            frequency_source=self.frequencies.source,
+            model=model,
+            signature=dict(signature or {}),
+        )
+
+
+@dataclass(frozen=True)
+class RareTokenResult:
+    first: dict[BlockKey, np.ndarray]
+    two: dict[BlockKey, np.ndarray]
+    queries: dict[BlockKey, np.ndarray]
+    n_sentences: dict[str, int]
+    n_eligible: dict[str, int]
+    top_k: int = 500
+    frequency_source: str = ""
+    model: str = ""
+    signature: dict = field(default_factory=dict)
+
+    def _share(self, table: dict[BlockKey, np.ndarray], method: str) -> HeadScores:
+        values = {}
+        for key, hits in table.items():
+            n = self.queries[key].astype(np.float64)
+            values[key] = np.divide(hits, n, out=np.full(len(hits), np.nan), where=n > 0)
+        return head_scores(values, method, self.model, {**self.signature, "top_k": self.top_k,
+                                                        "frequencies": self.frequency_source})
+
+    @property
+    def rarest(self) -> HeadScores:
+        """Share of queries whose maximum lands on the sentence's rarest token."""
+        return self._share(self.first, "rare_token_rarest")
+
+    @property
+    def two_rarest(self) -> HeadScores:
+        """Share of queries whose maximum lands on one of the two rarest tokens."""
+        return self._share(self.two, "rare_token_two_rarest")
+
+    def top(self, n: int = 3) -> list[tuple[str, int, int, float, float]]:
+        """The ``n`` heads that point to the rarest token most: ``(kind, layer, head, rarest, two)``."""
+        two = self.two_rarest
+        ranked = sorted(self.rarest.items(), key=lambda item: -item[1])[:n]
+        return [(k, l, h, share, float(two[k][l, h])) for (k, l, h), share in ranked]
+
+    def rare_heads(self, tolerance: float = 0.0) -> list[tuple[str, int, int]]:
+        """The head(s) with the highest rarest-token share (within ``tolerance`` of the best)."""
+        items = list(self.rarest.items())
+        if not items:
+            return []
+        best = max(share for _, share in items)
+        return [key for key, share in items if share >= best - tolerance]
+
+    def describe(self) -> str:
+        lines = []
+        for kind, n in self.n_sentences.items():
+            lines.append(f"{kind}: {self.n_eligible.get(kind, 0)} of {n} sentences have a least frequent "
+                         f"token outside the top {self.top_k}")
+        for kind, layer, head, share, two in self.top():
+            lines.append(f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "top_k": self.top_k,
+            "frequencies": self.frequency_source,
+            "n_sentences": self.n_sentences,
+            "n_eligible": self.n_eligible,
+            "top_heads": [dict(zip(("kind", "layer", "head", "rarest", "two_rarest"), t)) for t in self.top(5)],
+        }

@@ -1,0 +1,258 @@
+"""Syntactic heads (Voita et al. 2019, Sec. 5.2.1 and Table 1).
+
+For a dependency relation and a direction, a head's accuracy is how often its maximum
+attention *from* one word of an arc lands on the other word: from the governor to the
+dependent ("v -> s" for nsubj) or from the dependent to the governor ("s -> v"). EOS and other
+special tokens are excluded from the maximum. The baseline is the most frequent relative
+position of the relation in that direction ("the most frequent relative position of the
+dependent/governor", Sec. 5.2.1): always guessing that offset. A head is syntactic for a
+relation when its accuracy beats the baseline by at least ``margin`` (10 points in the paper).
+
+Every arc whose two words survive alignment and truncation counts, for heads and baseline
+alike. A relation with no arc in the data gets a row that says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headlab.data.alignment import AttentionView, SideBatch
+from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
+from headlab.functions.common import BlockKey, format_head, head_scores
+from headlab.heads import HeadScores
+
+__all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
+
+DIRECTIONS = ("gov->dep", "dep->gov")
+
+# The paper's names for the directions of its four relations (Voita et al. 2019, Table 1).
+_PAPER_ARROWS = {
+    "nsubj": ("v -> s", "s -> v"),
+    "dobj": ("v -> o", "o -> v"),
+    "amod": ("noun -> adj", "adj -> noun"),
+    "advmod": ("v -> adv", "adv -> v"),
+}
+
+
+def direction_label(relation: str, direction: str) -> str:
+    arrows = _PAPER_ARROWS.get(relation)
+    if arrows:
+        return arrows[DIRECTIONS.index(direction)]
+    return "gov -> dep" if direction == "gov->dep" else "dep -> gov"
+
+
+def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(batch index, governor, dependent)`` of every analysable arc of ``relation`` in ``side``.
+
+    Cached on the batch, so that every block reuses it.
+    """
+    cache = side.__dict__.setdefault("_relation_arcs", {})
+    if relation not in cache:
+        match = relation_matcher(relation)
+        heads = side.heads.tolist()
+        b_idx, gov, dep = [], [], []
+        for b, labels in enumerate(side.deprels):
+            for d, label in enumerate(labels):
+                g = heads[b][d]
+                if g >= 0 and match(label):
+                    b_idx.append(b)
+                    gov.append(g)
+                    dep.append(d)
+        cache[relation] = tuple(torch.tensor(x, dtype=torch.long) for x in (b_idx, gov, dep))
+    return cache[relation]
+
+
+class SyntacticStats:
+    """Streaming arc accuracies per head and relative-offset baselines per relation."""
+
+    def __init__(self, relations=PAPER_RELATIONS) -> None:
+        self.relations = tuple(dict.fromkeys(relations))
+        for relation in self.relations:
+            relation_matcher(relation)  # fail early on a bad name
+        # kind -> (relation, direction) -> Counter of offsets (model independent)
+        self.offsets: dict[str, dict[tuple[str, str], Counter]] = {}
+        # block -> (relation, direction) -> hits [n_heads]
+        self.hits: dict[BlockKey, dict[tuple[str, str], torch.Tensor]] = {}
+
+    def update_side(self, kind: str, side: SideBatch) -> None:
+        """Baseline counts; call once per batch for each analysed kind."""
+        table = self.offsets.setdefault(kind, {})
+        for relation in self.relations:
+            _, gov, dep = relation_arcs(side, relation)
+            forward = (dep - gov).tolist()
+            table.setdefault((relation, "gov->dep"), Counter()).update(forward)
+            table.setdefault((relation, "dep->gov"), Counter()).update(-x for x in forward)
+
+    def update(self, view: AttentionView) -> None:
+        argmax = view.word_argmax  # [B, H, W]
+        table = self.hits.setdefault(view.block.key, {})
+        for relation in self.relations:
+            b, gov, dep = relation_arcs(view.side, relation)
+            for direction, source, target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
+                if b.numel():
+                    hits = (argmax[b, :, source] == target[:, None]).sum(0)  # [H]
+                else:
+                    hits = torch.zeros(argmax.shape[1], dtype=torch.long)
+                key = (relation, direction)
+                if key in table:
+                    table[key] += hits
+                else:
+                    table[key] = hits.clone()
+
+    def result(self, margin: float = 0.10, model: str = "", signature: dict | None = None) -> "SyntacticResult":
+        return SyntacticResult(
+            relations=self.relations,
+            offsets={kind: {k: dict(c) for k, c in t.items()} for kind, t in self.offsets.items()},
+            hits={key: {k: v.numpy().astype(np.int64) for k, v in t.items()} for key, t in self.hits.items()},
+            margin=margin,
+            model=model,
+            signature=dict(signature or {}),
+        )
+
+
+@dataclass(frozen=True)
+class Table1Row:
+    """One row of the Table 1 analogue: a relation in one direction, for one attention kind."""
+
+    kind: str
+    relation: str
+    direction: str
+    n_arcs: int
+    baseline_offset: int | None
+    baseline: float | None
+    best_head: tuple[int, int] | None  # (layer, head)
+    best_accuracy: float | None
+    n_syntactic: int
+
+    @property
+    def label(self) -> str:
+        return direction_label(self.relation, self.direction)
+
+    @property
+    def absent(self) -> bool:
+        return self.n_arcs == 0
+
+    def to_json(self) -> dict:
+        data = dict(self.__dict__)
+        data["label"] = self.label
+        data["status"] = "absent from the data" if self.absent else "ok"
+        return data
+
+
+@dataclass(frozen=True)
+class SyntacticResult:
+    relations: tuple[str, ...]
+    offsets: dict[str, dict[tuple[str, str], dict[int, int]]]
+    hits: dict[BlockKey, dict[tuple[str, str], np.ndarray]]
+    margin: float = 0.10
+    model: str = ""
+    signature: dict = field(default_factory=dict)
+
+    def n_arcs(self, kind: str, relation: str, direction: str) -> int:
+        return int(sum(self.offsets.get(kind, {}).get((relation, direction), {}).values()))
+
+    def baseline(self, kind: str, relation: str, direction: str) -> tuple[int | None, float | None]:
+        """The relation's most frequent relative offset and the accuracy of always guessing it."""
+        counts = self.offsets.get(kind, {}).get((relation, direction), {})
+        total = sum(counts.values())
+        if not total:
+            return None, None
+        offset = max(sorted(counts), key=lambda o: counts[o])  # ties: the leftmost offset
+        return int(offset), counts[offset] / total
+
+    def accuracy(self, relation: str, direction: str) -> HeadScores:
+        """Per head: share of the relation's arcs where its maximum lands on the other word."""
+        values = {}
+        for (kind, layer), table in self.hits.items():
+            n = self.n_arcs(kind, relation, direction)
+            hits = table.get((relation, direction))
+            if hits is not None:
+                values[(kind, layer)] = hits / n if n else np.full(len(hits), np.nan)
+        return head_scores(values, f"syntactic_{relation}_{direction}", self.model,
+                           {**self.signature, "relation": relation, "direction": direction})
+
+    def margin_over_baseline(self) -> HeadScores:
+        """Per head: the largest accuracy - baseline over all relations and directions."""
+        best: dict[BlockKey, np.ndarray] = {}
+        for relation in self.relations:
+            for direction in DIRECTIONS:
+                scores = self.accuracy(relation, direction)
+                for kind in scores.kinds:
+                    _, base = self.baseline(kind, relation, direction)
+                    if base is None:
+                        continue
+                    for layer, row in enumerate(scores[kind]):
+                        gain = row - base
+                        key = (kind, layer)
+                        best[key] = gain if key not in best else np.fmax(best[key], gain)
+        return head_scores(best, "syntactic_margin", self.model, self.signature)
+
+    def table(self) -> list[Table1Row]:
+        """The Table 1 analogue: best head and baseline per kind, relation and direction."""
+        rows = []
+        kinds = sorted({kind for kind, _ in self.hits} | set(self.offsets))
+        for kind in kinds:
+            for relation in self.relations:
+                for direction in DIRECTIONS:
+                    n = self.n_arcs(kind, relation, direction)
+                    offset, base = self.baseline(kind, relation, direction)
+                    best_head, best_acc, n_syn = None, None, 0
+                    if n:
+                        scores = self.accuracy(relation, direction)
+                        if kind in scores.kinds:
+                            array = scores[kind]
+                            flat = np.nan_to_num(array, nan=-1.0)
+                            layer, head = np.unravel_index(int(flat.argmax()), flat.shape)
+                            best_head, best_acc = (int(layer), int(head)), float(array[layer, head])
+                            n_syn = int(np.sum(flat >= base + self.margin - 1e-12))
+                    rows.append(Table1Row(kind, relation, direction, n, offset, base, best_head, best_acc, n_syn))
+        return rows
+
+    def syntactic_heads(self) -> list[tuple[str, int, int, str, str, float, float]]:
+        """``(kind, layer, head, relation, direction, accuracy, baseline)`` for every head that
+        beats the baseline by at least ``margin``."""
+        found = []
+        for relation in self.relations:
+            for direction in DIRECTIONS:
+                scores = self.accuracy(relation, direction)
+                for (kind, layer, head), accuracy in scores.items():
+                    _, base = self.baseline(kind, relation, direction)
+                    if base is not None and accuracy >= base + self.margin - 1e-12:
+                        found.append((kind, layer, head, relation, direction, accuracy, base))
+        return found
+
+    def table_markdown(self) -> str:
+        lines = [
+            "| kind | relation | direction | arcs | best head | accuracy | baseline (offset) | syntactic heads |",
+            "|---|---|---|---:|---|---:|---:|---:|",
+        ]
+        for row in self.table():
+            if row.absent:
+                lines.append(f"| {row.kind} | {row.relation} | {row.label} | 0 | absent from the data | | | |")
+                continue
+            head = format_head(row.kind, *row.best_head) if row.best_head else "-"
+            accuracy = f"{row.best_accuracy:.1%}" if row.best_accuracy is not None else "-"
+            lines.append(
+                f"| {row.kind} | {row.relation} | {row.label} | {row.n_arcs} | {head} | {accuracy} "
+                f"| {row.baseline:.1%} ({row.baseline_offset:+d}) | {row.n_syntactic} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "relations": list(self.relations),
+            "margin": self.margin,
+            "table": [row.to_json() for row in self.table()],
+            "offsets": {
+                kind: {f"{r}:{d}": {str(o): c for o, c in sorted(counts.items())} for (r, d), counts in t.items()}
+                for kind, t in self.offsets.items()
+            },
+            "syntactic_heads": [
+                dict(zip(("kind", "layer", "head", "relation", "direction", "accuracy", "baseline"), h))
+                for h in self.syntactic_heads()
+            ],
+        }

@@ -1,0 +1,237 @@
+"""Ablation, the ground truth: what happens to a metric when one head alone is switched off.
+
+For every head ``h`` the score is the degradation of the metric when ``h`` is masked (its
+output multiplied by 0 before the output projection; Voita et al. 2019, Sec. 6.1) and every
+other head is kept:
+
+* ``metric="loss"`` (default): ``L(mask h) - L(model)``, the mean token negative
+  log-likelihood of the data set (against the references when given, else against the
+  model's own translation, the next token, or the masked tokens, as for gradient importance);
+* ``metric="bleu"`` (translation models with references): ``BLEU(model) - BLEU(mask h)``,
+  corpus BLEU of greedy (or beam) translations, sacreBLEU defaults.
+
+Higher means more important in both cases.
+
+Batching. Masking one head is a different model, so 144 heads naively cost 144 passes over
+the data, each a separate forward call. Here one forward call evaluates several masked
+variants at once: the batch is repeated ``K`` times along the batch dimension and each copy
+gets its own gate row (``[K * batch, n_heads]`` gates), so the ``K`` variants share every
+kernel call. For an encoder-decoder model, masking a decoder head does not change the
+encoder: the encoder runs once per batch and its output is reused by all decoder-head
+variants, which saves the encoder's share of the cost for two thirds of the heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.errors import HeadlabError
+from headlab.gates import gates_attached
+from headlab.heads import HeadScores
+from headlab.importance.common import ExampleGates, expand_batch, forward_logits, sequence_nll
+from headlab.importance.data import (
+    Batch,
+    ImportanceData,
+    ModelInfo,
+    block_scores,
+    describe_model,
+    generated_tokens,
+    make_batches,
+)
+
+__all__ = ["METRICS", "compute_ablation"]
+
+METRICS = ("loss", "bleu")
+
+Variant = tuple[AttentionBlock, int]
+
+
+def _variant_gates(group: list[Variant], rows: int, device) -> ExampleGates:
+    """Gates for ``len(group)`` copies of a batch of ``rows``; copy j switches off head group[j]."""
+    values: dict[tuple[str, int], torch.Tensor] = {}
+    for j, (block, head) in enumerate(group):
+        gate = values.setdefault(block.key, torch.ones(len(group) * rows, block.n_heads, device=device))
+        gate[j * rows : (j + 1) * rows, head] = 0.0
+    return ExampleGates(values)
+
+
+def _groups(variants: list[Variant], size: int) -> list[list[Variant]]:
+    return [variants[i : i + size] for i in range(0, len(variants), size)]
+
+
+def compute_ablation(
+    model: nn.Module,
+    data: ImportanceData,
+    info: ModelInfo | None = None,
+    *,
+    metric: str = "loss",
+    batch_size: int = 32,
+    max_rows: int = 256,
+    kinds: tuple[str, ...] | None = None,
+    beam: int = 1,
+    tokenizer=None,
+    progress: bool = False,
+) -> HeadScores:
+    """The change in ``metric`` when each head alone is masked (higher = more important).
+
+    ``max_rows`` bounds the rows of one forward call (copies x batch), so
+    ``max_rows // batch_size`` masked variants run together.
+    """
+    info = info or describe_model(model)
+    if metric not in METRICS:
+        raise HeadlabError(f"unknown ablation metric {metric!r}; expected one of {', '.join(METRICS)}")
+    if not info.has_lm_head:
+        raise HeadlabError("ablation measures a loss or BLEU, so it needs a language-model head; this model has none")
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    variants = [(block, head) for block in blocks for head in range(block.n_heads)]
+    if metric == "bleu":
+        values, signature = _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress)
+    else:
+        values, signature = _ablate_loss(model, data, info, variants, batch_size, max_rows, progress)
+    scores = block_scores(attention_blocks(model), values)
+    if kinds is not None:
+        scores = {k: v for k, v in scores.items() if k in kinds}
+    return HeadScores(scores, "ablation", info.name, {**data.signature(), **signature, "metric": metric})
+
+
+def _n_passes(n_sentences: int, batch_size: int, n_variants: int, max_rows: int) -> int:
+    """Forward calls of one ablation run: per batch, the unmasked pass and the variant groups."""
+    total = 0
+    for start in range(0, n_sentences, batch_size):
+        rows = min(batch_size, n_sentences - start)
+        copies = max(1, max_rows // rows)
+        total += 1 + -(-n_variants // copies)
+    return total
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Callable[[int], None]:
+    if not enabled:
+        return lambda n: None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="pass")
+
+    def step(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+
+    return step
+
+
+def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress):
+    if info.is_seq2seq and data.references is None and data.translations is None:
+        raise HeadlabError("ablation with the loss needs references or the model's translations")
+    device = next(model.parameters()).device
+    totals = {(b.key, h): 0.0 for b, h in variants}
+    base_total = n_tokens = 0.0
+    tick = _progress(_n_passes(len(data), batch_size, len(variants), max_rows), "ablation", progress)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True):
+                encoder_out = None
+                if info.is_seq2seq:
+                    encoder_out = model.get_encoder()(
+                        input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
+                    ).last_hidden_state
+                    logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
+                else:
+                    logits = forward_logits(model, batch.inputs, info)
+                nll, count = sequence_nll(logits, batch.labels)
+                base_total += float(nll.sum())
+                n_tokens += float(count.sum())
+                tick(1)
+                copies = max(1, max_rows // batch.size)
+                for group in _groups(variants, copies):
+                    totals_group = _loss_group(model, info, batch, group, encoder_out)
+                    for (block, head), value in zip(group, totals_group):
+                        totals[(block.key, head)] += value
+                    tick(1)
+    finally:
+        model.train(was_training)
+    if n_tokens == 0:
+        raise HeadlabError("ablation: no token to score in the data")
+    base = base_total / n_tokens
+    values = {}
+    for (key, head), total in totals.items():
+        values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = total / n_tokens - base
+    return values, {"base_loss": base, "n_scored_tokens": int(n_tokens), "score": "loss(masked) - loss"}
+
+
+def _n_heads(variants: list[Variant], key) -> int:
+    return next(b.n_heads for b, _ in variants if b.key == key)
+
+
+def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], encoder_out) -> list[float]:
+    """Summed token NLL of the batch under each variant of ``group``, in one forward call."""
+    rows, copies = batch.size, len(group)
+    inputs = expand_batch(batch, copies)
+    labels = batch.labels.repeat(copies, 1)
+    gates = _variant_gates(group, rows, labels.device)
+    decoder_only = encoder_out is not None and all(block.kind != "enc_self" for block, _ in group)
+    with gates_attached(model, gates):
+        if decoder_only:  # the encoder is unchanged by decoder heads: reuse its output
+            logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
+        else:
+            logits = forward_logits(model, inputs, info)
+    nll, _ = sequence_nll(logits, labels)
+    return nll.view(copies, rows).sum(-1).tolist()
+
+
+def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress):
+    if not info.is_seq2seq:
+        raise HeadlabError("BLEU ablation needs a translation (encoder-decoder) model; use --metric loss")
+    if data.references is None or not data.reference_texts:
+        raise HeadlabError("BLEU ablation needs reference translations (--target)")
+    if tokenizer is None:
+        raise HeadlabError("BLEU ablation needs the model's tokenizer to turn translations into text")
+    from sacrebleu.metrics import BLEU
+
+    device = next(model.parameters()).device
+    base_hyps = [""] * len(data)
+    hyps = {(b.key, h): [""] * len(data) for b, h in variants}
+    tick = _progress(_n_passes(len(data), batch_size, len(variants), max_rows // beam), "ablation (bleu)", progress)
+    was_training = model.training
+    model.eval()
+
+    def generate(inputs: dict[str, torch.Tensor]) -> list[str]:
+        ids = inputs["input_ids"]
+        limit = min(int(1.5 * ids.shape[1] + 10), info.max_length - 1)
+        out = model.generate(
+            input_ids=ids, attention_mask=inputs["attention_mask"], num_beams=beam, do_sample=False,
+            max_new_tokens=max(limit, 1),
+        )
+        return tokenizer.batch_decode([generated_tokens(row, info) for row in out.tolist()], skip_special_tokens=True)
+
+    try:
+        with torch.no_grad():
+            for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device):
+                encoder_inputs = {k: batch.inputs[k] for k in ("input_ids", "attention_mask")}
+                for i, text in zip(batch.index, generate(encoder_inputs)):
+                    base_hyps[i] = text
+                tick(1)
+                copies = max(1, max_rows // (batch.size * beam))
+                for group in _groups(variants, copies):
+                    expanded = {k: v.repeat(len(group), 1) for k, v in encoder_inputs.items()}
+                    with gates_attached(model, _variant_gates(group, batch.size, device)):
+                        texts = generate(expanded)
+                    for j, (block, head) in enumerate(group):
+                        for i, text in zip(batch.index, texts[j * batch.size : (j + 1) * batch.size]):
+                            hyps[(block.key, head)][i] = text
+                    tick(1)
+    finally:
+        model.train(was_training)
+    refs = [data.reference_texts]
+    bleu = BLEU()
+    base = bleu.corpus_score(base_hyps, refs).score
+    values = {}
+    for (key, head), texts in hyps.items():
+        values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = base - BLEU().corpus_score(texts, refs).score
+    signature = {"base_bleu": base, "beam": beam, "score": "BLEU - BLEU(masked)", "bleu_signature": str(bleu.get_signature())}
+    return values, signature

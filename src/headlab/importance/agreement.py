@@ -1,0 +1,127 @@
+"""How far each importance measure predicts ablation: Spearman rank correlation per kind.
+
+Ablation is the ground truth (what really happens when a head is removed). For every other
+measure and every attention kind, the table holds Spearman's rho between the measure's
+scores and the ablation scores over the heads of that kind, plus a pooled row over all
+heads. Ties get average ranks; heads that either table leaves NaN are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS, HeadScores, atomic_write_text
+
+__all__ = ["AgreementTable", "compute_agreement", "spearman"]
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n with ties averaged."""
+    order = np.argsort(values, kind="mergesort")
+    ranks = np.empty(len(values), dtype=np.float64)
+    sorted_values = values[order]
+    start = 0
+    while start < len(values):
+        end = start
+        while end + 1 < len(values) and sorted_values[end + 1] == sorted_values[start]:
+            end += 1
+        ranks[order[start : end + 1]] = (start + end) / 2.0 + 1.0
+        start = end + 1
+    return ranks
+
+
+def spearman(a, b) -> float:
+    """Spearman's rho of two equally long vectors (NaN pairs dropped; NaN if undefined)."""
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        raise HeadlabError(f"cannot correlate {a.size} scores with {b.size}")
+    keep = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[keep], b[keep]
+    if a.size < 2:
+        return math.nan
+    ra, rb = _ranks(a) - (a.size + 1) / 2.0, _ranks(b) - (b.size + 1) / 2.0
+    denominator = math.sqrt(float((ra**2).sum() * (rb**2).sum()))
+    return math.nan if denominator == 0 else float((ra * rb).sum() / denominator)
+
+
+@dataclass(frozen=True)
+class AgreementTable:
+    """``rho[method][column]`` with columns the attention kinds plus ``"all"``."""
+
+    rho: Mapping[str, Mapping[str, float]]
+    n_heads: Mapping[str, int]
+    reference: str = "ablation"
+    metric: str = ""
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.n_heads)
+
+    def to_json(self) -> dict:
+        clean = lambda v: None if v is None or math.isnan(v) else round(float(v), 6)  # noqa: E731
+        return {
+            "reference": self.reference,
+            "metric": self.metric,
+            "n_heads": dict(self.n_heads),
+            "spearman": {m: {c: clean(v) for c, v in row.items()} for m, row in self.rho.items()},
+        }
+
+    def to_markdown(self) -> str:
+        header = "| measure | " + " | ".join(f"{c} ({self.n_heads[c]} heads)" for c in self.columns) + " |"
+        lines = [header, "|---|" + "---:|" * len(self.columns)]
+        for method, row in self.rho.items():
+            cells = ["n/a" if math.isnan(row.get(c, math.nan)) else f"{row[c]:+.2f}" for c in self.columns]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def best(self, column: str = "all") -> str | None:
+        """The measure that agrees best with the ground truth in ``column``."""
+        candidates = [(row.get(column, math.nan), m) for m, row in self.rho.items()]
+        candidates = [(v, m) for v, m in candidates if not math.isnan(v)]
+        return max(candidates)[1] if candidates else None
+
+    def save(self, directory: str | os.PathLike) -> tuple[Path, Path]:
+        directory = Path(directory)
+        json_path, md_path = directory / "agreement.json", directory / "agreement.md"
+        atomic_write_text(json_path, json.dumps(self.to_json(), indent=1) + "\n")
+        text = (
+            f"Spearman rank correlation with {self.reference}"
+            + (f" ({self.metric})" if self.metric else "")
+            + ", per attention kind\n\n" + self.to_markdown()
+        )
+        atomic_write_text(md_path, text)
+        return json_path, md_path
+
+
+def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores) -> AgreementTable:
+    """Spearman's rho of each measure against ``reference`` (ablation), per kind and pooled."""
+    kinds = [k for k in KINDS if k in reference.scores]
+    rho: dict[str, dict[str, float]] = {}
+    n_heads: dict[str, int] = {}
+    for kind in kinds:
+        n_heads[kind] = int((~np.isnan(reference[kind])).sum())
+    n_heads["all"] = sum(n_heads.values())
+    for name, scores in measures.items():
+        row: dict[str, float] = {}
+        pooled_a, pooled_b = [], []
+        for kind in kinds:
+            if kind not in scores.scores:
+                row[kind] = math.nan
+                continue
+            a, b = scores[kind], reference[kind]
+            if a.shape != b.shape:
+                raise HeadlabError(f"{name} scores {kind} as {a.shape}, ablation as {b.shape}: not the same model?")
+            row[kind] = spearman(a, b)
+            pooled_a.append(a.ravel())
+            pooled_b.append(b.ravel())
+        row["all"] = spearman(np.concatenate(pooled_a), np.concatenate(pooled_b)) if pooled_a else math.nan
+        rho[name] = row
+    return AgreementTable(rho, n_heads, reference.method, str(reference.signature.get("metric", "")))

@@ -1,0 +1,65 @@
+"""Pieces shared by gradient importance and ablation: per-example gates and the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock
+from headlab.errors import HeadlabError
+from headlab.gates import HeadGates
+from headlab.importance.data import Batch, ModelInfo
+
+__all__ = ["ExampleGates", "forward_logits", "sequence_nll"]
+
+
+class ExampleGates(HeadGates):
+    """One gate row per example: ``values[(kind, layer)]`` is ``[rows, n_heads]``.
+
+    Different rows of a batch can switch off different heads, so one forward pass evaluates
+    many masked variants (ablation) or yields per-example gate gradients (gradient
+    importance). When a block sees a batch that is a multiple of ``rows`` (beam search
+    expands every example into consecutive beams), each row is repeated to match.
+    """
+
+    def __init__(self, values: Mapping[tuple[str, int], torch.Tensor]):
+        super().__init__({key: int(v.shape[-1]) for key, v in values.items()})
+        self.rows = dict(values)
+
+    def gate(self, key: tuple[str, int]) -> torch.Tensor:
+        return self.rows[key]
+
+    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+        if block.key not in self.rows:
+            return heads
+        g = self.rows[block.key].to(device=heads.device, dtype=heads.dtype)  # [rows, n_heads]
+        if g.shape[0] != heads.shape[0]:
+            if heads.shape[0] % g.shape[0]:
+                raise HeadlabError(f"gates for {g.shape[0]} examples cannot cover a batch of {heads.shape[0]}")
+            g = g.repeat_interleave(heads.shape[0] // g.shape[0], dim=0)
+        return heads * g[:, None, :, None]  # [batch, 1, n_heads, 1]
+
+
+def forward_logits(model: nn.Module, inputs: Mapping[str, torch.Tensor], info: ModelInfo, **extra) -> torch.Tensor:
+    kwargs = {"use_cache": False} if info.is_seq2seq else {}
+    return model(**inputs, **kwargs, **extra).logits
+
+
+def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example: summed token negative log-likelihood and number of scored tokens.
+
+    ``logits`` ``[batch, t_len, vocab]``, ``labels`` ``[batch, t_len]`` with -100 for tokens
+    that are not scored.
+    """
+    scored = labels != -100
+    nll = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
+    ).view(labels.shape)
+    return (nll * scored).sum(-1), scored.sum(-1)
+
+
+def expand_batch(batch: Batch, copies: int) -> dict[str, torch.Tensor]:
+    """The batch's inputs repeated ``copies`` times along the batch dimension (copy-major)."""
+    return {key: value.repeat(copies, *([1] * (value.dim() - 1))) for key, value in batch.inputs.items()}

@@ -1,0 +1,503 @@
+"""What every importance measure reads: token ids, batches, and the model's own translations.
+
+The measures share one preparation step so that they score the same tokens:
+
+* :func:`describe_model` says what kind of model it is (``seq2seq``, ``causal`` or ``masked``),
+  which token ids are special, how long an input may be, and whether it has a language-model
+  head (LRP, gradient importance and ablation need one; confidence does not).
+* :class:`ImportanceData` holds the tokenized data set: source sentences (for a
+  decoder-only or encoder-only model, the text itself), optional references, and the model's
+  own translations once :func:`translate_data` has made them. It counts what loading did:
+  empty lines skipped, inputs truncated to the model's maximum length.
+* :func:`make_batches` pads a data set into :class:`Batch` es. For a translation model the
+  decoder side is either the model's translation (``side="translation"``, used by confidence
+  and LRP: Voita et al. 2019, Sec. 4, score the model's own output) or the reference
+  (``side="reference"``, used by the loss of gradient importance and ablation when
+  references are given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS
+
+__all__ = [
+    "Batch",
+    "ImportanceData",
+    "ModelInfo",
+    "block_scores",
+    "describe_model",
+    "encode_texts",
+    "make_batches",
+    "read_data",
+    "translate_data",
+]
+
+_NO_LIMIT = 1_000_000  # tokenizers report model_max_length = 1e30 when they know none
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the importance measures need to know about a model.
+
+    ``arch`` is ``"seq2seq"`` (encoder-decoder), ``"causal"`` (decoder-only) or ``"masked"``
+    (encoder-only). ``special_ids`` are the ids that confidence leaves out as queries and keys
+    and that are never LRP targets of a masked LM (padding, EOS, BOS, CLS, SEP, ...).
+    """
+
+    arch: str
+    pad_id: int
+    eos_ids: frozenset[int]
+    special_ids: frozenset[int]
+    decoder_start_id: int | None
+    max_length: int
+    has_lm_head: bool
+    mask_id: int | None = None
+    name: str = ""
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.arch == "seq2seq"
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return {int(v) for v in value if v is not None}
+    return {int(value)}
+
+
+def _max_positions(config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:
+    """Read architecture, special tokens and length limit from ``model`` (and ``tokenizer``)."""
+    config = model.config
+    blocks = attention_blocks(model)
+    kinds = {b.kind for b in blocks}
+    if getattr(config, "is_encoder_decoder", False):
+        arch = "seq2seq"
+    elif "dec_self" in kinds and "enc_self" not in kinds:
+        arch = "causal"
+    else:
+        arch = "masked"
+    generation = getattr(model, "generation_config", None)
+    eos = _ids(getattr(config, "eos_token_id", None)) or _ids(getattr(generation, "eos_token_id", None))
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = min(eos) if eos else 0
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None and generation is not None:
+        start = getattr(generation, "decoder_start_token_id", None)
+    special = {int(pad)} | eos | _ids(getattr(config, "bos_token_id", None)) | _ids(start)
+    for attr in ("sep_token_id", "cls_token_id"):
+        special |= _ids(getattr(config, attr, None))
+    mask_id = None
+    if tokenizer is not None:
+        # UNK stands for a real word, so it stays a token like any other.
+        special |= set(getattr(tokenizer, "all_special_ids", []) or []) - _ids(getattr(tokenizer, "unk_token_id", None))
+        eos |= _ids(getattr(tokenizer, "eos_token_id", None)) if not eos else set()
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+    limits = [v for v in (_max_positions(config), max_length) if v]
+    if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
+        limits.append(int(tokenizer.model_max_length))
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    has_lm_head = isinstance(getattr(output, "weight", None), torch.Tensor)
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    return ModelInfo(
+        arch=arch,
+        pad_id=int(pad),
+        eos_ids=frozenset(eos),
+        special_ids=frozenset(special),
+        decoder_start_id=None if start is None else int(start),
+        max_length=min(limits) if limits else 512,
+        has_lm_head=has_lm_head,
+        mask_id=None if mask_id is None else int(mask_id),
+        name=str(name),
+    )
+
+
+@dataclass
+class ImportanceData:
+    """A tokenized data set: ``sources`` (encoder input, or the text of a decoder-only or
+    encoder-only model), optional ``references`` and, once made, the model's ``translations``
+    (token ids without the decoder start token, ending with EOS when the model produced one).
+    """
+
+    sources: list[list[int]]
+    references: list[list[int]] | None = None
+    translations: list[list[int]] | None = None
+    source_path: str = ""
+    target_path: str = ""
+    n_lines: int = 0
+    n_empty: int = 0
+    n_truncated: int = 0
+    max_length: int | None = None
+    source_texts: list[str] = field(default_factory=list, repr=False)
+    reference_texts: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            where = f" in {self.source_path}" if self.source_path else ""
+            raise HeadlabError(
+                f"empty data set: no non-empty sentence{where}"
+                + (f" ({self.n_empty} empty lines skipped)" if self.n_empty else "")
+            )
+        if self.references is not None and len(self.references) != len(self.sources):
+            raise HeadlabError(f"{len(self.sources)} sources but {len(self.references)} references")
+        if not self.n_lines:
+            self.n_lines = len(self.sources) + self.n_empty
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    @classmethod
+    def from_ids(cls, sources: Sequence[Sequence[int]], references: Sequence[Sequence[int]] | None = None) -> "ImportanceData":
+        return cls([list(map(int, s)) for s in sources], None if references is None else [list(map(int, r)) for r in references])
+
+    @property
+    def n_source_tokens(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    def summary(self) -> str:
+        text = f"{len(self)} sentences ({self.n_source_tokens} source tokens)"
+        if self.source_path:
+            text += f" from {self.source_path}"
+        if self.n_empty:
+            text += f"; {self.n_empty} empty lines skipped"
+        if self.n_truncated:
+            text += f"; {self.n_truncated} inputs longer than {self.max_length} tokens were truncated"
+        return text
+
+    def signature(self) -> dict:
+        """The data part of a HeadScores signature."""
+        return {
+            "data": self.source_path or "<ids>",
+            "target": self.target_path or None,
+            "n_sentences": len(self),
+            "n_source_tokens": self.n_source_tokens,
+            "n_truncated": self.n_truncated,
+            "n_empty_skipped": self.n_empty,
+            "max_length": self.max_length,
+        }
+
+
+def _encode(tokenizer, texts: list[str], max_length: int, target: bool = False) -> tuple[list[list[int]], int]:
+    """Token ids of ``texts`` cut to ``max_length`` tokens, and how many had to be cut."""
+    key = "text_target" if target else "text"
+    full = tokenizer(**{key: texts}, truncation=False)["input_ids"]
+    cut = [i for i, ids in enumerate(full) if len(ids) > max_length]
+    if cut:
+        short = tokenizer(**{key: [texts[i] for i in cut]}, truncation=True, max_length=max_length)["input_ids"]
+        for i, ids in zip(cut, short):
+            full[i] = ids
+    return [list(ids) for ids in full], len(cut)
+
+
+def encode_texts(
+    tokenizer,
+    info: ModelInfo,
+    sources: Sequence[str],
+    references: Sequence[str] | None = None,
+    *,
+    source_path: str = "",
+    target_path: str = "",
+    n_empty: int = 0,
+) -> ImportanceData:
+    """Tokenize sentences (and references) for ``info``'s model, truncating over-long ones.
+
+    Inputs longer than the model accepts are cut to ``info.max_length`` tokens (special tokens
+    such as EOS are kept by the tokenizer) and counted in ``n_truncated``.
+    """
+    keep = [i for i, text in enumerate(sources) if text.strip()]
+    if references is not None:
+        keep = [i for i in keep if references[i].strip()]
+    n_empty += len(sources) - len(keep)
+    texts = [sources[i].strip() for i in keep]
+    if not texts:
+        where = f" in {source_path}" if source_path else ""
+        raise HeadlabError(f"empty data set: no non-empty sentence{where}")
+    ids, n_cut = _encode(tokenizer, texts, info.max_length)
+    refs = ref_texts = None
+    if references is not None:
+        if not info.is_seq2seq:
+            raise HeadlabError("--target references are only used with translation (encoder-decoder) models")
+        ref_texts = [references[i].strip() for i in keep]
+        refs, n_cut_ref = _encode(tokenizer, ref_texts, info.max_length, target=True)
+        n_cut += n_cut_ref
+    return ImportanceData(
+        ids, refs, None, source_path, target_path, len(sources), n_empty, n_cut, info.max_length,
+        source_texts=texts, reference_texts=ref_texts or [],
+    )
+
+
+def read_data(
+    path: str | Path,
+    tokenizer,
+    info: ModelInfo,
+    *,
+    target_path: str | Path | None = None,
+    n_sentences: int | None = None,
+) -> ImportanceData:
+    """Read a text file (plain or ``.gz``, one sentence per line) and tokenize it.
+
+    With ``target_path`` the two files are a line-aligned parallel corpus (references).
+    ``n_sentences`` keeps the first N lines. Empty lines (either side) are skipped and counted.
+    """
+    from headlab.data.parallel import read_lines
+
+    sources = read_lines(path)
+    references = None
+    if target_path is not None:
+        references = read_lines(target_path)
+        if len(references) != len(sources):
+            raise HeadlabError(
+                f"{path} has {len(sources)} lines but {target_path} has {len(references)}: "
+                "source and reference files must match line for line"
+            )
+    if n_sentences is not None:
+        if n_sentences < 1:
+            raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+        sources = sources[:n_sentences]
+        references = None if references is None else references[:n_sentences]
+    if not any(line.strip() for line in sources):
+        raise HeadlabError(f"empty data set: {path} has no non-empty line")
+    return encode_texts(
+        tokenizer, info, sources, references, source_path=str(path),
+        target_path="" if target_path is None else str(target_path),
+    )
+
+
+# -- translations --------------------------------------------------------------------------
+def generated_tokens(row: list[int], info: ModelInfo) -> list[int]:
+    """Generated ids without the decoder start token, cut after the first EOS."""
+    out: list[int] = []
+    for token in row[1:]:
+        out.append(token)
+        if token in info.eos_ids:
+            break
+    # trailing padding of a sequence that never produced EOS
+    while out and out[-1] == info.pad_id and info.pad_id not in info.eos_ids:
+        out.pop()
+    return out
+
+
+@torch.no_grad()
+def translate_data(
+    model: nn.Module,
+    data: ImportanceData,
+    info: ModelInfo,
+    *,
+    batch_size: int = 32,
+    beam: int = 1,
+    max_length_a: float = 1.5,
+    max_length_b: int = 10,
+    progress: bool = False,
+) -> ImportanceData:
+    """The model's own translation of every source sentence (greedy with ``beam=1``).
+
+    Returns a copy of ``data`` with ``translations`` filled. Each translation gets at most
+    ``max_length_a * source_len + max_length_b`` tokens, capped by the model's positions.
+    """
+    if not info.is_seq2seq:
+        raise HeadlabError("translations exist only for encoder-decoder models")
+    device = next(model.parameters()).device
+    outputs: list[list[int] | None] = [None] * len(data)
+    order = sorted(range(len(data)), key=lambda i: len(data.sources[i]), reverse=True)
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if progress:
+        from tqdm.auto import tqdm
+
+        chunks = tqdm(chunks, desc="translate", unit="batch")
+    was_training = model.training
+    model.eval()
+    try:
+        for chunk in chunks:
+            ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
+            limit = min(int(max_length_a * ids.shape[1] + max_length_b), info.max_length - 1)
+            generated = model.generate(
+                input_ids=ids, attention_mask=mask, num_beams=beam, do_sample=False,
+                max_new_tokens=max(limit, 1), min_new_tokens=1,
+            )
+            for i, row in zip(chunk, generated.tolist()):
+                outputs[i] = generated_tokens(row, info)
+    finally:
+        model.train(was_training)
+    return replace(data, translations=[o or [] for o in outputs])
+
+
+# -- batches -------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """One padded batch and the masks every measure needs.
+
+    ``inputs`` are the model's keyword arguments. ``steps`` ``[batch, t_len]`` marks the
+    positions whose prediction is a generation step (LRP targets): every decoder position up
+    to the one predicting EOS for a translation model, every token for a causal LM, every
+    non-special token for a masked LM. ``labels`` ``[batch, t_len]`` hold the token to predict
+    there (-100 elsewhere) for the loss. ``valid[kind]`` ``(queries [batch, q_len], keys
+    [batch, k_len])`` mark real, non-special tokens for confidence. ``index`` gives each row's
+    sentence number in the data set.
+    """
+
+    inputs: dict[str, torch.Tensor]
+    steps: torch.Tensor
+    labels: torch.Tensor
+    valid: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    index: list[int]
+
+    @property
+    def size(self) -> int:
+        return len(self.index)
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.steps.sum())
+
+
+def _pad(rows: list[list[int]], pad_id: int, device, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = width or max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _not_special(ids: torch.Tensor, mask: torch.Tensor, special: frozenset[int]) -> torch.Tensor:
+    keep = mask.bool()
+    for token in special:
+        keep &= ids != token
+    return keep
+
+
+def _mask_positions(ids: torch.Tensor, keep: torch.Tensor, seed: int, rate: float = 0.15) -> torch.Tensor:
+    """Deterministic choice of the tokens to mask for a masked-LM loss (at least one per row)."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = (torch.rand(ids.shape, generator=g) < rate).to(ids.device) & keep
+    for row in range(ids.shape[0]):
+        if keep[row].any() and not chosen[row].any():
+            chosen[row, int(keep[row].nonzero()[0])] = True
+    return chosen
+
+
+def make_batches(
+    data: ImportanceData,
+    info: ModelInfo,
+    *,
+    batch_size: int = 32,
+    side: str = "translation",
+    device: torch.device | str = "cpu",
+    mask_tokens: bool = False,
+    seed: int = 0,
+) -> Iterator[Batch]:
+    """Padded batches of ``data``, sentences sorted by length (little padding).
+
+    ``side`` picks the decoder input of a translation model: ``"translation"`` (the model's
+    own output, which :func:`translate_data` must have made) or ``"reference"`` (falls back
+    to the translation when the data has no references). ``mask_tokens`` replaces the
+    loss-bearing tokens of a masked LM by its mask token (15 %, fixed seed); without a mask
+    token the loss is on reconstructing the unmasked input.
+    """
+    if batch_size < 1:
+        raise HeadlabError(f"batch size must be at least 1, got {batch_size}")
+    decoder_side = None
+    if info.is_seq2seq:
+        if side == "reference" and data.references is not None:
+            decoder_side = data.references
+        elif data.translations is not None:
+            decoder_side = data.translations
+        else:
+            raise HeadlabError("translate the data first (translate_data) or give references")
+    order = sorted(range(len(data)), key=lambda i: len(data.sources[i]), reverse=True)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
+        src_valid = _not_special(ids, mask, info.special_ids)
+        if info.is_seq2seq:
+            targets = [decoder_side[i] for i in chunk]
+            start_id = info.decoder_start_id if info.decoder_start_id is not None else info.pad_id
+            width = max(1, max(len(t) for t in targets))
+            dec_ids, dec_mask = _pad([[start_id] + t[:-1] if t else [start_id] for t in targets], info.pad_id, device, width)
+            dec_mask[:, 0] = 1  # the start token is real even when it shares the pad id
+            labels, label_mask = _pad(targets, info.pad_id, device, width)
+            steps = label_mask.bool()
+            labels = labels.masked_fill(~steps, -100)
+            dec_valid = _not_special(dec_ids, dec_mask, info.special_ids)
+            inputs = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec_ids, "decoder_attention_mask": dec_mask}
+            valid = {
+                "enc_self": (src_valid, src_valid),
+                "dec_self": (dec_mask.bool(), dec_valid),
+                "dec_cross": (dec_mask.bool(), src_valid),
+            }
+        else:
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            if info.arch == "causal":
+                steps = mask.bool()
+                labels = torch.full_like(ids, -100)
+                labels[:, :-1] = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+                valid = {"dec_self": (src_valid, src_valid)}
+            else:
+                steps = src_valid
+                labels = ids.masked_fill(~src_valid, -100)
+                if mask_tokens and info.mask_id is not None:
+                    chosen = _mask_positions(ids, src_valid, seed + start)
+                    labels = ids.masked_fill(~chosen, -100)
+                    inputs["input_ids"] = ids.masked_fill(chosen, info.mask_id)
+                valid = {"enc_self": (src_valid, src_valid)}
+        yield Batch(inputs, steps, labels, valid, chunk)
+
+
+def count_batches(data: ImportanceData, batch_size: int) -> int:
+    return (len(data) + batch_size - 1) // batch_size
+
+
+# -- scores --------------------------------------------------------------------------------
+def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
+    """The original numbering of ``block``'s heads, and the original head count.
+
+    A physically pruned model (headlab.surgery) keeps its heads' original indices, so that
+    its scores line up with those of the unpruned model.
+    """
+    from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR
+
+    kept = getattr(block.core, KEPT_ATTR, None)
+    if kept is None:
+        return list(range(block.n_heads)), block.n_heads
+    return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
+
+
+def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray]) -> dict[str, np.ndarray]:
+    """``{kind: [n_layers, n_heads]}`` from per-block vectors; heads without a value are NaN."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for block in blocks:
+        _, n_original = original_heads(block)
+        layers, heads = shapes.get(block.kind, (0, 0))
+        shapes[block.kind] = (max(layers, block.layer + 1), max(heads, n_original))
+    out = {kind: np.full(shape, np.nan) for kind, shape in shapes.items()}
+    for block in blocks:
+        if block.key not in values:
+            continue
+        numbering, _ = original_heads(block)
+        vector = np.asarray(values[block.key], dtype=np.float64)
+        for h, original in enumerate(numbering):
+            out[block.kind][block.layer, original] = vector[h]
+    return {kind: out[kind] for kind in KINDS if kind in out}

@@ -1,0 +1,122 @@
+"""Gradient importance (Michel et al. 2019, Sec. 4.1): I_h = E_x |dL(x) / d g_h| at g = 1.
+
+A gate ``g_h`` multiplies head ``h``'s output before the output projection (Michel et al.'s
+``xi_h``; headlab's gate seam). The importance of a head is the expected absolute derivative
+of the loss with respect to its gate, the expectation over examples ``x`` (sentences): the
+absolute value is taken per sentence, then averaged, as in the paper. Per-sentence
+derivatives come from one backward pass per batch: every sentence gets its own row of gates
+(``[batch, n_heads]``), and the loss of a sentence depends only on its own row.
+
+The loss of a sentence is its mean token negative log-likelihood: against the reference when
+the data set has references, else against the model's own translation (translation models),
+the next token (causal LMs), or the masked tokens (masked LMs; the unmasked input when the
+tokenizer has no mask token).
+
+Michel et al. normalise importance per layer with the l2 norm (following Molchanov et al.
+2017); :func:`compute_gradient` returns the scores with ``normalize=True`` (method
+``"gradient"``) or as they are (method ``"gradient_raw"``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from headlab.adapters import attention_blocks
+from headlab.errors import HeadlabError
+from headlab.gates import gates_attached
+from headlab.heads import HeadScores
+from headlab.importance.common import ExampleGates, forward_logits, sequence_nll
+from headlab.importance.data import (
+    ImportanceData,
+    ModelInfo,
+    block_scores,
+    count_batches,
+    describe_model,
+    make_batches,
+)
+
+__all__ = ["compute_gradient", "l2_normalize_per_layer"]
+
+
+def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> HeadScores:
+    """Each layer's scores divided by their l2 norm (Michel et al. 2019, after Molchanov et al. 2017)."""
+    out = {}
+    for kind, array in scores.scores.items():
+        norm = np.sqrt(np.nansum(array**2, axis=1, keepdims=True))
+        out[kind] = array / np.where(norm == 0, 1.0, norm)
+    signature = {**scores.signature, "normalisation": "l2 per layer"}
+    return HeadScores(out, method or scores.method, scores.model, signature)
+
+
+def compute_gradient(
+    model: nn.Module,
+    data: ImportanceData,
+    info: ModelInfo | None = None,
+    *,
+    batch_size: int = 32,
+    normalize: bool = True,
+    kinds: tuple[str, ...] | None = None,
+    progress: bool = False,
+) -> HeadScores:
+    """Gradient importance of every head over ``data`` (Michel et al. 2019).
+
+    Returns method ``"gradient"`` (l2-normalised per layer) or, with ``normalize=False``,
+    ``"gradient_raw"``. Use :func:`l2_normalize_per_layer` to get one from the other.
+    """
+    info = info or describe_model(model)
+    if not info.has_lm_head:
+        raise HeadlabError("gradient importance needs a loss, hence a language-model head; this model has none")
+    if info.is_seq2seq and data.references is None and data.translations is None:
+        raise HeadlabError("gradient importance on a translation model needs references or the model's translations")
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    n_examples = n_tokens = 0
+    device = next(model.parameters()).device
+    batches = make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, total=count_batches(data, batch_size), desc="gradient", unit="batch")
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            gates = {b.key: torch.ones(batch.size, b.n_heads, device=device, requires_grad=True) for b in blocks}
+            with torch.enable_grad(), gates_attached(model, ExampleGates(gates)):
+                logits = forward_logits(model, batch.inputs, info)
+                nll, count = sequence_nll(logits, batch.labels)
+                scored = count > 0
+                loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
+                grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
+            for (key, _), grad in zip(gates.items(), grads):
+                if grad is not None:
+                    sums[key] += grad[scored].abs().double().sum(0).cpu()
+            n_examples += int(scored.sum())
+            n_tokens += int(count.sum())
+    finally:
+        model.train(was_training)
+    if n_examples == 0:
+        raise HeadlabError("gradient importance: no sentence has a token to score")
+    values = {key: (v / n_examples).numpy() for key, v in sums.items()}
+    scores = block_scores(attention_blocks(model), values)
+    if kinds is not None:
+        scores = {k: v for k, v in scores.items() if k in kinds}
+    signature = {
+        **data.signature(),
+        "n_scored_sentences": n_examples,
+        "n_scored_tokens": n_tokens,
+        "loss": _loss_name(info, data),
+        "normalisation": "none",
+    }
+    raw = HeadScores(scores, "gradient_raw", info.name, signature)
+    return l2_normalize_per_layer(raw, "gradient") if normalize else raw
+
+
+def _loss_name(info: ModelInfo, data: ImportanceData) -> str:
+    if info.is_seq2seq:
+        return "mean token NLL of the " + ("reference" if data.references is not None else "model's own translation")
+    if info.arch == "causal":
+        return "mean next-token NLL of the text"
+    return "mean NLL of masked tokens" if info.mask_id is not None else "mean NLL of reconstructing the (unmasked) tokens"

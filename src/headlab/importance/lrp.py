@@ -1,0 +1,266 @@
+"""LRP head relevance (Voita et al. 2019, Sec. 4 and Appendix A.3), computed fast.
+
+Definitions, from the paper:
+
+* **target**: the top-1 logit of each generation step of the model's own translation,
+  teacher-forced on that translation (not the reference). A decoder-only model's target is
+  the top-1 logit of its LM head at every position of the text; an encoder-only (masked) LM's
+  at every non-special token.
+* **head relevance for one target**: the sum of the relevances of the head's neurons (the
+  head's output, at the input of the output projection), normalised over the heads of its
+  layer. Relevance can be negative, so the normaliser is the sum of absolute values: for
+  non-negative relevances this is the plain normalisation of the paper, and a layer's scores
+  always have absolute values summing to one.
+* **head relevance**: the average of that over all generation steps of the data set.
+
+The rules are in :mod:`headlab.importance.rules`: the modified backward pass that makes
+gradient x input equal to LRP. Every target needs its own backward pass; ``strategy``
+chooses how they are computed, all with equal results:
+
+* ``"vmap"`` (default): one batched backward for all steps of a batch at once
+  (``torch.autograd.grad(..., is_grads_batched=True)``, i.e. ``vmap`` over one-hot
+  ``grad_outputs``), with targets read from the needed rows of the output projection only;
+* ``"loop"``: a Python loop of one backward per generation step (each covering the step in
+  every sentence of the batch);
+* ``"jacobian"``: the full Jacobian of every target, one backward per output element, as the
+  original TF code builds its Jacobians. Slow by construction; kept for checking and benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.capture import eager_attention, head_output_hooks
+from headlab.errors import HeadlabError
+from headlab.heads import HeadScores
+from headlab.importance.data import (
+    Batch,
+    ImportanceData,
+    ModelInfo,
+    block_scores,
+    count_batches,
+    describe_model,
+    make_batches,
+)
+from headlab.importance.rules import lrp_rules
+
+__all__ = ["STRATEGIES", "TargetRelevance", "compute_lrp", "head_relevance", "normalize_per_layer"]
+
+STRATEGIES = ("vmap", "loop", "jacobian")
+
+
+@dataclass
+class TargetRelevance:
+    """Raw head relevances of a batch, one row per generation step.
+
+    ``steps`` ``[n, 2]`` holds (row, position) of each target; ``logits`` ``[n]`` the target
+    logits (without constant biases); ``relevance[(kind, layer)]`` ``[n, n_heads]`` the summed
+    relevance of each head's neurons for each target (not normalised).
+    """
+
+    steps: torch.Tensor
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    relevance: dict[tuple[str, int], torch.Tensor]
+
+
+def normalize_per_layer(relevance: torch.Tensor) -> torch.Tensor:
+    """``[n, n_heads]`` relevances divided by their layer's sum of absolute values (0 stays 0)."""
+    total = relevance.abs().sum(-1, keepdim=True)
+    return relevance / torch.where(total == 0, torch.ones_like(total), total)
+
+
+@contextmanager
+def _lm_input(model: nn.Module) -> Iterator[dict]:
+    """Record the input of the output projection (the LM head's last linear map)."""
+    output = model.get_output_embeddings()
+    seen: dict = {}
+
+    def hook(module, args):
+        seen["z"] = args[0]
+
+    handle = output.register_forward_pre_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 token of every position and its logit recomputed from the needed rows only."""
+    output = model.get_output_embeddings()
+    top = logits.detach().argmax(-1)  # [batch, t_len]
+    weight = output.weight.detach()  # [vocab, d]
+    y = (z * weight[top]).sum(-1)  # [batch, t_len]
+    bias = getattr(output, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        y = y + bias.detach()[top]
+    return y, top
+
+
+def _step_list(steps: torch.Tensor) -> torch.Tensor:
+    return steps.nonzero()  # [n, 2] (row, position), row-major order
+
+
+def _contract(grad: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
+    """Sum of relevance over positions and head dims: [..., batch, pos, H, d] -> [..., batch, H]."""
+    if grad is None:
+        return torch.zeros(heads.shape[0], heads.shape[2], dtype=heads.dtype, device=heads.device)
+    return (grad * heads).sum(-1).sum(-2)
+
+
+def head_relevance(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    blocks: list[AttentionBlock] | None = None,
+    strategy: str = "vmap",
+    chunk_size: int | None = None,
+) -> TargetRelevance:
+    """Raw LRP relevance of every head for every generation step of ``batch``."""
+    if strategy not in STRATEGIES:
+        raise HeadlabError(f"unknown LRP strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if model.get_output_embeddings() is None:
+        raise HeadlabError("LRP needs a language-model head (its top-1 logit is the target); this model has none")
+    blocks = [b for b in (attention_blocks(model) if blocks is None else blocks) if b.n_heads > 0]
+    recorded: dict[tuple[str, int], torch.Tensor] = {}
+
+    def record(block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+        recorded[block.key] = heads  # [batch, pos, n_heads, d_head]
+        return heads
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model), _lm_input(model) as seen, \
+                head_output_hooks(blocks, record):
+            out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
+                else model(**batch.inputs)
+            y, top = _targets(model, out.logits, seen["z"])
+            steps = batch.steps.to(y.device)
+            index = _step_list(steps)
+            keys = [b.key for b in blocks]
+            tensors = [recorded[k] for k in keys]
+            heads = [t.detach() for t in tensors]
+            rows = {k: [] for k in keys}
+            if strategy == "vmap":
+                positions = steps.any(0).nonzero().flatten()
+                size = chunk_size or _auto_chunk(y, tensors)
+                for start in range(0, len(positions), size):
+                    chunk = positions[start : start + size]
+                    # One-hot grad_outputs: slice c selects position chunk[c] of every row.
+                    selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
+                    selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
+                    grads = torch.autograd.grad(
+                        y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
+                        is_grads_batched=True,
+                    )
+                    for key, grad, h in zip(keys, grads, heads):
+                        rows[key].append(_contract(grad, h) if grad is not None else
+                                         h.new_zeros(len(chunk), h.shape[0], h.shape[2]))
+                positions_list = positions.tolist()
+                relevance = {}
+                for key in keys:
+                    full = torch.cat(rows[key])  # [n_positions, batch, H]
+                    lookup = {p: i for i, p in enumerate(positions_list)}
+                    picks = torch.tensor([lookup[int(p)] for p in index[:, 1]], dtype=torch.long, device=full.device)
+                    relevance[key] = full[picks, index[:, 0]]
+            elif strategy == "loop":
+                per_position = {}
+                for position in steps.any(0).nonzero().flatten().tolist():
+                    selector = torch.zeros_like(y)
+                    selector[:, position] = steps[:, position].to(y.dtype)
+                    grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True)
+                    per_position[position] = [_contract(g, h) for g, h in zip(grads, heads)]  # [batch, H] each
+                relevance = {
+                    key: torch.stack([per_position[int(p)][j][int(r)] for r, p in index.tolist()])
+                    if len(index) else torch.zeros(0, heads[j].shape[2])
+                    for j, key in enumerate(keys)
+                }
+            else:  # "jacobian": one backward per output element, full Jacobian rows
+                for r, p in index.tolist():
+                    grads = torch.autograd.grad(y[r, p], tensors, retain_graph=True, allow_unused=True)
+                    for key, g, h in zip(keys, grads, heads):
+                        jac = torch.zeros_like(h) if g is None else g  # d y[r, p] / d heads, whole batch
+                        rows[key].append((jac * h).sum(dim=(0, 1, 3)))  # [H]
+                relevance = {
+                    key: torch.stack(rows[key]) if rows[key] else torch.zeros(0, h.shape[2])
+                    for key, h in zip(keys, heads)
+                }
+            logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)
+            tokens = top[index[:, 0], index[:, 1]] if len(index) else top.new_zeros(0)
+    finally:
+        model.train(was_training)
+    return TargetRelevance(index, logits, tokens, relevance)
+
+
+def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    """Steps per batched backward so that one batched gradient stays near 2^25 numbers per tensor."""
+    widest = max((t.numel() for t in tensors), default=1) * 4  # FFN activations are ~4x wider
+    return int(max(1, min(y.shape[1], (1 << 25) // max(1, widest))))
+
+
+def compute_lrp(
+    model: nn.Module,
+    data: ImportanceData,
+    info: ModelInfo | None = None,
+    *,
+    batch_size: int = 32,
+    strategy: str = "vmap",
+    chunk_size: int | None = None,
+    kinds: tuple[str, ...] | None = None,
+    progress: bool = False,
+) -> HeadScores:
+    """LRP head relevance over ``data`` (Voita et al. 2019, Sec. 4), one HeadScores table.
+
+    For a translation model ``data`` must hold the model's translations
+    (:func:`~headlab.importance.data.translate_data`): the targets are their top-1 logits.
+    """
+    info = info or describe_model(model)
+    if not info.has_lm_head:
+        raise HeadlabError("LRP needs a language-model head (the target is its top-1 logit); this model has none")
+    if info.is_seq2seq and data.translations is None:
+        raise HeadlabError("LRP scores the model's own translation: run translate_data first")
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    n_steps = 0
+    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, total=count_batches(data, batch_size), desc="lrp", unit="batch")
+    for batch in batches:
+        result = head_relevance(model, batch, blocks=blocks, strategy=strategy, chunk_size=chunk_size)
+        n_steps += len(result.steps)
+        for key, values in result.relevance.items():
+            sums[key] += normalize_per_layer(values.double()).sum(0).cpu()
+            raw[key] += values.double().sum(0).cpu()
+    if n_steps == 0:
+        raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
+    signature = {
+        **data.signature(),
+        "n_steps": n_steps,
+        "target": "top-1 logit of the model's own output, teacher-forced",
+        "normalisation": "per target, over the heads of a layer (sum of |relevance|)",
+        "rules": "Ding et al. 2017 weight ratios (Voita et al. 2019, App. A); attention weights constant",
+        "strategy": strategy,
+        "mean_raw_relevance": {f"{k[0]}:{k[1]}": (v / n_steps).tolist() for k, v in raw.items()},
+    }
+    scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()})
+    if kinds is not None:
+        scores = {k: v for k, v in scores.items() if k in kinds}
+    return HeadScores(scores, "lrp", info.name, signature)
+
+
+def _device(model: nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover
+        return torch.device("cpu")

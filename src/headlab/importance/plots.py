@@ -1,0 +1,61 @@
+"""Heatmaps of HeadScores: one panel per attention kind, layers down, heads across."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from headlab.heads import HeadScores
+
+__all__ = ["plot_heatmap", "save_heatmap"]
+
+
+def plot_heatmap(scores: HeadScores, axes=None, *, title: str | None = None, cmap: str | None = None):
+    """Draw ``scores`` on ``axes`` (one per kind; created when None). Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    kinds = scores.kinds
+    if axes is None:
+        fig, axes = plt.subplots(1, len(kinds), figsize=(3.4 * len(kinds) + 1.0, 3.6), squeeze=False,
+                                 layout="constrained")
+        axes = axes[0]
+    else:
+        axes = np.atleast_1d(axes)
+        fig = axes[0].figure
+    finite = np.concatenate([a[~np.isnan(a)].ravel() for a in scores.scores.values()] or [np.zeros(1)])
+    signed = finite.size and finite.min() < 0 < finite.max()
+    if signed:
+        bound = float(np.abs(finite).max()) or 1.0
+        vmin, vmax, cmap = -bound, bound, cmap or "RdBu_r"
+    else:
+        vmin, vmax, cmap = float(finite.min()), float(finite.max()), cmap or "Blues"
+    image = None
+    for i, (ax, kind) in enumerate(zip(axes, kinds)):
+        array = scores[kind]
+        image = ax.imshow(array, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+        ax.set_title(kind)
+        ax.set_xlabel("head")
+        if i == 0:
+            ax.set_ylabel("layer")
+        ax.set_xticks(range(array.shape[1]))
+        ax.set_yticks(range(array.shape[0]))
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.85)
+    fig.suptitle(title or scores.method)
+    return fig
+
+
+def save_heatmap(scores: HeadScores, path: str | os.PathLike, **kwargs) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = plot_heatmap(scores, **kwargs)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

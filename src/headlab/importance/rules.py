@@ -1,0 +1,278 @@
+"""The LRP rules of Voita et al. 2019 (Appendix A), as a modified backward pass.
+
+Appendix A of Voita et al. 2019 propagates relevance with the rules of Ding et al. 2017
+(Sec. 3.2), the LRP variant used for neural machine translation. For a neuron ``v`` and its
+incoming neurons ``u in IN(v)`` the *weight ratio* ``w_{u->v}`` is the share of ``v`` that
+``u`` contributed, and relevance is redistributed as ``r_{u<-z} = sum_{v in OUT(u)} w_{u->v}
+r_{v<-z}`` (Voita et al. 2019, App. A.2). The ratios are
+
+* weighted sum ``v = sum_u W_uv u``:        ``w_{u->v} = W_uv u / v``;
+* element-wise product ``v = prod_u u``:    ``w_{u->v} = u / sum_{u'} u'``;
+* non-linear activation ``v = f(u)``:       ``w_{u->v} = 1`` (activations are ignored).
+
+Each ratio family sums to one over ``IN(v)``, so relevance is conserved from layer to layer
+(the sum of relevances at any cut through the network equals the explained logit), except for
+what bias terms keep: a bias is an incoming neuron of its own (a constant), so it keeps its
+share ``b / v``. On a bias-free model conservation is exact.
+
+Gradient x input. Write every tensor's relevance as ``R(x) = x * g(x)``. For a weighted sum,
+``R(u) = u * sum_v W_uv R(v) / v = u * sum_v W_uv g(v)``: the ordinary backward of a linear map.
+The other rules become ordinary backward passes once the right factors are detached:
+
+* activation ``y = f(x)``:       forward ``x * stop(f(x) / x)``, so ``R(x) = R(y)``;
+* layer norm ``y = (x - mean(x)) * gamma / std(x) + beta``: ``gamma / std`` is detached, so the
+  division by the standard deviation is a weight, not a neuron (the mean subtraction is a
+  weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``;
+* element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
+  ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
+* attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
+  with the attention weights ``p`` as its weights (the attention weights are weights of the
+  weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
+  detached, so ``p`` is a constant of the backward pass and all relevance flows through values
+  and residual connections. (The original TF code calls this mode ``consider_attn_constant``.)
+
+:func:`lrp_rules` installs these rules as forward hooks that leave every forward value
+bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
+it, ``torch.autograd.grad`` returns the modified gradient ``g``, and ``x * g`` is the relevance
+of ``x``. All hooks are removed in ``finally``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.capture import HookHandles
+from headlab.errors import HeadlabError
+
+__all__ = ["lrp_rules", "relevance"]
+
+
+def _activation_classes() -> tuple[type, ...]:
+    classes: set[type] = {
+        nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Mish, nn.ELU, nn.LeakyReLU, nn.Sigmoid,
+        nn.Hardswish, nn.ReLU6, nn.Softplus, nn.SELU, nn.CELU, nn.Hardtanh,
+    }
+    try:
+        from transformers.activations import ACT2CLS
+
+        for value in ACT2CLS.values():
+            classes.add(value[0] if isinstance(value, tuple) else value)
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    return tuple(classes)
+
+
+_ACTIVATIONS = _activation_classes()
+
+
+def relevance(tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Relevance of each neuron of ``tensor`` given its modified gradient: ``x * g``."""
+    return tensor.detach() * grad
+
+
+def _swap_backward(output: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
+    """``output``'s value with ``surrogate``'s backward (``surrogate`` equals ``output``)."""
+    return output.detach() + (surrogate - surrogate.detach())
+
+
+# -- the rules, one hook each ---------------------------------------------------------------
+def _activation_rule(module: nn.Module, args, output):
+    """Non-linear activations are ignored: R(x) = R(f(x)) (Ding et al. 2017; Voita et al. 2019, App. A.2)."""
+    x = args[0]
+    if not isinstance(output, torch.Tensor) or output.shape != x.shape:
+        raise HeadlabError(f"LRP: activation {type(module).__name__} changes its input's shape")
+    with torch.no_grad():
+        ratio = torch.where(x != 0, output / torch.where(x != 0, x, torch.ones_like(x)), torch.zeros_like(x))
+    return _swap_backward(output, x * ratio)
+
+
+def _layer_norm_rule(module: nn.LayerNorm, args, output):
+    """(x - mean) is a weighted sum; gamma / std is a detached weight (so the norm passes
+    relevance through unchanged on a bias-free model)."""
+    x = args[0]
+    if len(module.normalized_shape) != 1:
+        raise HeadlabError("LRP: layer norms over more than the last dimension are not supported")
+    centered = x - x.mean(-1, keepdim=True)
+    with torch.no_grad():
+        scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + module.eps)
+        if module.weight is not None:
+            scale = scale * module.weight
+    return _swap_backward(output, centered * scale)
+
+
+def _rms_norm_rule(module: nn.Module, args, output):
+    """RMS norms (T5, Llama, Qwen): x times a detached gamma / rms(x)."""
+    x = args[0]
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    with torch.no_grad():
+        wide = torch.promote_types(x.dtype, torch.float32)  # as the norms compute it: at least fp32
+        factor = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps) * module.weight.to(wide)
+        factor = factor.to(output.dtype).expand_as(output)
+        if not torch.allclose(x * factor, output, rtol=1e-3, atol=1e-5):
+            raise HeadlabError(
+                f"LRP: {type(module).__name__} is not weight * x / rms(x); headlab has no LRP rule for it"
+            )
+        # The factor the module really applied (its own precision), so that x * factor == output.
+        nonzero = x != 0
+        factor = torch.where(nonzero, output / torch.where(nonzero, x, torch.ones_like(x)), factor)
+    return _swap_backward(output, x * factor)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return (name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _looks_like_norm(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return ("norm" in name) and any(True for _ in module.parameters(recurse=False))
+
+
+def _detach_output(module, args, output):
+    return output.detach()
+
+
+def _detach_qk_columns(width_qk: int):
+    """For a fused [q | k | v] projection: detach the q and k columns, keep v."""
+
+    def hook(module, args, output):
+        return torch.cat([output[..., :width_qk].detach(), output[..., width_qk:]], dim=-1)
+
+    return hook
+
+
+class _GatedProduct:
+    """Ding et al.'s element-wise product rule for gated MLPs: ``down(act(gate(x)) * up(x))``.
+
+    The two factors are recorded on their way out of ``act`` and ``up``; the pre-hook of
+    ``down`` gives their product the backward of ``(a + b) * stop(a b / (a + b))``.
+    """
+
+    def __init__(self) -> None:
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+
+    def keep_a(self, module, args, output):
+        self.a = output
+
+    def keep_b(self, module, args, output):
+        self.b = output
+
+    def pre_down(self, module, args):
+        v, a, b = args[0], self.a, self.b
+        self.a = self.b = None
+        if a is None or b is None or a.shape != v.shape or b.shape != v.shape:
+            raise HeadlabError(f"LRP: cannot find the two factors of the gated MLP before {type(module).__name__}")
+        with torch.no_grad():
+            total = a + b
+            safe = torch.where(total == 0, torch.ones_like(total), total)
+            # w_{a->v} = a / (a + b), w_{b->v} = b / (a + b); a + b == 0: split equally.
+            share = torch.where(total == 0, 0.5 * b, a * b / safe)
+            share_b = torch.where(total == 0, 0.5 * a, share)
+        surrogate = a * share + b * share_b
+        return (_swap_backward(v, surrogate.to(v.dtype)), *args[1:])
+
+
+class _ActivationBetween:
+    """An activation called as a function between two modules (RoBERTa's LM head:
+    ``layer_norm(gelu(dense(x)))``): the same rule as :func:`_activation_rule`, applied in the
+    pre-hook of the module that receives the activation's output."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+
+    def keep(self, module, args, output):
+        self.x = output
+
+    def pre(self, module, args):
+        u, x = args[0], self.x
+        self.x = None
+        if x is None or x.shape != u.shape:
+            raise HeadlabError(f"LRP: cannot find the input of the activation before {type(module).__name__}")
+        return (_activation_rule(None, (x,), u), *args[1:])
+
+
+# Modules whose forward applies an activation function (not a module) between two children.
+_FUNCTIONAL_ACTIVATIONS = (("dense", "layer_norm", "decoder"),)
+
+
+def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    found = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("LMHead"):
+            continue
+        for before, after, _ in _FUNCTIONAL_ACTIVATIONS:
+            parts = [getattr(module, name, None) for name in (before, after)]
+            has_act_module = any(isinstance(child, _ACTIVATIONS) for child in module.children())
+            if all(isinstance(p, nn.Module) for p in parts) and not has_act_module:
+                found.append((parts[0], parts[1]))
+    return found
+
+
+_GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+
+
+def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    found = []
+    for module in model.modules():
+        for gate, up, down, act in _GATED_NAMES:
+            parts = [getattr(module, name, None) for name in (gate, up, down, act)]
+            if all(isinstance(p, nn.Module) for p in parts):
+                found.append((parts[3], parts[1], parts[2]))
+                break
+    return found
+
+
+@contextmanager
+def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -> Iterator[None]:
+    """Switch on the modified backward pass that turns gradient x input into LRP relevance.
+
+    Inside the block, for any tensor ``x`` on the path to an output ``y``,
+    ``x * torch.autograd.grad(y, x)`` is the LRP relevance of ``x``'s neurons for ``y`` under
+    the rules of this module's docstring. Forward values are unchanged. Hooks go on the
+    model's activations, normalisations, query/key projections and gated-MLP products, and
+    all come off on exit, also on error. A normalisation module without a rule is an error.
+    """
+    blocks = attention_blocks(model) if blocks is None else blocks
+    handles = HookHandles()
+    try:
+        gated = _gated_mlps(model)
+        gated_acts = {id(act) for act, _, _ in gated}
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                handles.append(module.register_forward_hook(_layer_norm_rule))
+            elif _is_rms_norm(module):
+                handles.append(module.register_forward_hook(_rms_norm_rule))
+            elif isinstance(module, _ACTIVATIONS):
+                if getattr(module, "inplace", False):
+                    raise HeadlabError(f"LRP: in-place activation {type(module).__name__} is not supported")
+                handles.append(module.register_forward_hook(_activation_rule))
+            elif _looks_like_norm(module):
+                raise HeadlabError(f"LRP: no rule for the normalisation module {type(module).__name__}")
+        for act, up, down in gated:
+            product = _GatedProduct()
+            if id(act) in gated_acts:  # after the activation rule, so it sees the rule's output
+                handles.append(act.register_forward_hook(product.keep_a))
+            handles.append(up.register_forward_hook(product.keep_b))
+            handles.append(down.register_forward_pre_hook(product.pre_down))
+        for before, after in _functional_activations(model):
+            between = _ActivationBetween()
+            handles.append(before.register_forward_hook(between.keep))
+            handles.append(after.register_forward_pre_hook(between.pre))
+        for block in blocks:
+            if block.n_heads == 0:
+                continue
+            if block.qkv is not None:
+                width = (block.n_heads + block.n_kv_heads) * block.d_head
+                handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
+            else:
+                handles.append(block.q.register_forward_hook(_detach_output))
+                handles.append(block.k.register_forward_hook(_detach_output))
+        yield
+    finally:
+        handles.remove()

@@ -1,0 +1,60 @@
+"""Export a trained model from a training run into a self-contained model directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from headlab.errors import HeadlabError
+from headlab.nmt.model import load_model
+from headlab.nmt.tokenizer import load_tokenizer
+
+__all__ = ["export_model", "checkpoint_dir"]
+
+
+def checkpoint_dir(run_dir: str | Path, which: str = "best") -> Path:
+    """``best``, ``averaged``, ``last`` or ``epoch-N`` of a run made by ``headlab nmt train``."""
+    run_dir = Path(run_dir)
+    if which.startswith("epoch-"):
+        path = run_dir / "epochs" / f"epoch-{int(which.split('-', 1)[1]):03d}"
+    else:
+        path = run_dir / which
+    if not (path / "model.safetensors").is_file():
+        raise HeadlabError(f"no checkpoint {which!r} in {run_dir} (looked for {path / 'model.safetensors'})")
+    return path
+
+
+def export_model(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    which: str = "best",
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> Path:
+    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer
+    of one checkpoint of ``run_dir`` to ``out_dir`` (loadable with ``from_pretrained``)."""
+    source = checkpoint_dir(run_dir, which)
+    out_dir = Path(out_dir)
+    if (out_dir / "model.safetensors").exists() and not overwrite:
+        raise HeadlabError(f"{out_dir} already holds a model; pass --overwrite to replace it")
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise HeadlabError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = load_model(source)
+    model = model.to(getattr(torch, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    for name in ("metrics.json",):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / f"train_{name}")
+    history = Path(run_dir) / "history.json"
+    if history.is_file():
+        shutil.copyfile(history, out_dir / "train_history.json")
+    (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
+    return out_dir

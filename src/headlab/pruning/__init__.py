@@ -1,0 +1,15 @@
+"""Pruning heads with Hard Concrete gates and a relaxed L0 penalty (Voita et al. 2019, Sec. 6).
+
+* :class:`HardConcreteGates` - one stochastic gate per head (Louizos et al. 2018);
+* :func:`prune_train` - gated fine-tuning (L_xent + lambda L_C, or a head budget) and export of
+  the physically pruned model;
+* :func:`run_sweep` - a list of lambda (or budget) points, resumable, with its table;
+* :mod:`headlab.pruning.baselines` - random, Michel et al. 2019, score-ranked and from-scratch
+  baselines at equal head counts.
+"""
+
+from headlab.pruning.budget import LagrangianBudget
+from headlab.pruning.hard_concrete import HardConcreteGates
+from headlab.pruning.train import PruneConfig, PruneResult, prune_train, read_trajectory
+
+__all__ = ["HardConcreteGates", "LagrangianBudget", "PruneConfig", "PruneResult", "prune_train", "read_trajectory"]

@@ -1,0 +1,201 @@
+"""Baselines at equal head counts, same data, same evaluation (Voita et al. 2019, Fig. 7, Table 2).
+
+Each baseline gives a head spec of heads to *remove* (the format of :func:`headlab.prune_heads`)
+leaving ``keep`` heads of the chosen kinds:
+
+- ``random``: a uniformly random subset (report mean +- std over several seeds);
+- ``michel``: iterative pruning by gradient importance (Michel et al. 2019, Sec. 4-5): the
+  importance of head h is I_h = E_x |dL(x)/dg_h| over sentences x at the current mask (Eq. 4;
+  one gate row per sentence), normalised per layer by its l2 norm (Sec. 4.1); the
+  least important ``step_fraction`` of all heads go, importance is recomputed, and so on;
+- ``scores``: the ``keep`` best heads of a HeadScores file (confidence, LRP, ...).
+
+:func:`evaluate_baseline` removes the heads physically, optionally fine-tunes with the same
+budget as gated fine-tuning (the spec fixed), and scores with
+:func:`headlab.pruning.train.evaluate_model`. :func:`train_from_scratch` is the paper's "from
+scratch" column: the pruned configuration trained from random initialisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+from headlab.adapters import attention_blocks
+from headlab.errors import HeadlabError
+from headlab.gates import HeadGates, gates_attached
+from headlab.heads import KINDS, HeadScores
+from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, make_batches, train
+
+__all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
+           "train_from_scratch", "METHODS"]
+
+Spec = dict[tuple[str, int], list[int]]
+
+
+def _heads(model, kinds) -> list[tuple[str, int, int]]:
+    return [(b.kind, b.layer, h) for b in attention_blocks(model) if b.kind in kinds for h in range(b.n_heads)]
+
+
+def _check_keep(keep: int, n: int, kinds) -> None:
+    if not 0 <= keep <= n:
+        raise HeadlabError(f"cannot keep {keep} heads: the model has {n} heads of {', '.join(kinds)}")
+
+
+def _spec(removed) -> Spec:
+    spec: Spec = {}
+    for kind, layer, head in removed:
+        spec.setdefault((kind, layer), []).append(head)
+    return {key: sorted(v) for key, v in sorted(spec.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))}
+
+
+def random_spec(model, keep: int, kinds=("enc_self",), seed: int = 0) -> Spec:
+    """Remove all but ``keep`` uniformly chosen heads of ``kinds``."""
+    heads = _heads(model, kinds)
+    _check_keep(keep, len(heads), kinds)
+    order = torch.randperm(len(heads), generator=torch.Generator().manual_seed(seed)).tolist()
+    return _spec(heads[i] for i in order[keep:])
+
+
+def scores_spec(scores: HeadScores, keep: int, kinds=("enc_self",)) -> Spec:
+    """Keep the ``keep`` best-scored heads (e.g. confidence or LRP, Voita et al. 2019, Sec. 4)."""
+    return scores.top_mask(keep, tuple(kinds))
+
+
+class _ExampleGates(HeadGates):
+    """Gates with one row per sentence (``[batch, n_heads]``), so that one backward pass gives
+    every sentence's own dL(x)/dg_h. Heads already removed stay at 0."""
+
+    def __init__(self, n_heads, batch: int, removed: Spec, device):
+        super().__init__(n_heads)
+        self.rows = {}
+        for key, n in self.n_heads.items():
+            mask = torch.ones(n, device=device)
+            mask[removed.get(key, [])] = 0.0
+            self.rows[key] = (torch.ones(batch, n, device=device) * mask).requires_grad_(True)
+
+    def gate(self, key):
+        return self.rows[key]
+
+
+def _per_sentence_loss(model, batch: dict) -> torch.Tensor:
+    """Mean token cross-entropy of each sentence against its reference: [batch]."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   decoder_input_ids=batch["decoder_input_ids"], use_cache=False).logits  # [batch, tgt_len, vocab]
+    labels = batch["labels"]  # [batch, tgt_len]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), labels, ignore_index=-100,
+                                            reduction="none")  # [batch, tgt_len]
+    return nll.sum(1) / (labels != -100).sum(1).clamp(min=1)
+
+
+def gradient_importance(model, tokenizer, data, kinds=("enc_self",), removed: Spec | None = None, *,
+                        batch_tokens: int = 2000, max_batches: int | None = None) -> HeadScores:
+    """Michel et al. 2019, Eq. 4: I_h = E_x |dL(x)/dg_h| over sentences x, gates at 1 (0 for heads
+    already removed), then divided per layer by its l2 norm (Sec. 4.1). Removed heads get NaN.
+
+    (``headlab.importance.gradient.compute_gradient`` computes the same score for a whole
+    model; this variant takes the current mask of iterative pruning.)"""
+    if not isinstance(data, EncodedCorpus):
+        data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
+    removed = removed or {}
+    n_heads = {b.key: b.n_heads for b in attention_blocks(model) if b.kind in kinds}
+    pad_id = tokenizer.pad_token_id
+    start = getattr(model.config, "decoder_start_token_id", None)
+    start = pad_id if start is None else start
+    totals = {key: torch.zeros(n, dtype=torch.float64) for key, n in n_heads.items()}
+    n_sentences = 0
+    was_training = model.training
+    model.eval()  # no dropout: the importance of the model as it is
+    device = next(model.parameters()).device
+    try:
+        for i, indices in enumerate(make_batches(data, batch_tokens, seed=0, epoch=0)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
+            gates = _ExampleGates(n_heads, len(indices), removed, device)
+            with torch.enable_grad(), gates_attached(model, gates):
+                loss = _per_sentence_loss(model, batch).sum()  # sentences are independent
+                grads = torch.autograd.grad(loss, [gates.rows[key] for key in totals])
+            for key, grad in zip(totals, grads):
+                totals[key] += grad.abs().double().sum(0).cpu()  # |dL(x)/dg_h| per sentence
+            n_sentences += len(indices)
+    finally:
+        model.train(was_training)
+    by_kind: dict[str, dict[int, np.ndarray]] = {}
+    for (kind, layer), values in totals.items():
+        v = (values / max(n_sentences, 1)).numpy()
+        norm = np.linalg.norm(v)
+        v = v / norm if norm > 0 else v  # Michel et al. 2019, Sec. 4.1: per-layer l2 normalisation
+        for head in removed.get((kind, layer), []):
+            v[head] = np.nan
+        by_kind.setdefault(kind, {})[layer] = v
+    scores = {kind: np.stack([layers[l] for l in sorted(layers)]) for kind, layers in by_kind.items()}
+    return HeadScores(scores, "gradient_importance", getattr(model.config, "name_or_path", ""),
+                      {"method": "Michel et al. 2019, Eq. 4", "normalize": "l2 per layer",
+                       "n_sentences": n_sentences})
+
+
+def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_fraction: float = 0.1,
+                max_batches: int | None = None, on_step: Callable[[Spec], None] | None = None) -> Spec:
+    """Michel et al. 2019, Sec. 5: repeatedly remove the ``step_fraction`` least important heads
+    (of all heads of ``kinds``), recomputing importance each time, until ``keep`` remain.
+    ``on_step(spec)`` sees every intermediate mask (one point of a pruning curve each)."""
+    heads = _heads(model, kinds)
+    _check_keep(keep, len(heads), kinds)
+    step = max(1, math.ceil(step_fraction * len(heads)))
+    removed: Spec = {}
+    remaining = len(heads)
+    while remaining > keep:
+        scores = gradient_importance(model, tokenizer, data, kinds, removed, max_batches=max_batches)
+        ranked = [h for h in scores.rank(descending=False)]  # least important first; removed are NaN
+        n = min(step, remaining - keep)
+        already = [(k, l, h) for (k, l), hs in removed.items() for h in hs]
+        removed = _spec(already + list(ranked[:n]))  # a new dict: earlier ones given to on_step stay as they were
+        remaining -= n
+        if on_step is not None:
+            on_step(removed)
+    return removed
+
+
+def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=None,
+                      finetune: TrainConfig | None = None, beam: int = 4, batch_size: int = 64) -> dict:
+    """Remove ``spec`` physically, optionally fine-tune (``finetune`` with the spec fixed: the
+    removed heads no longer exist), and score on ``eval_data``."""
+    from headlab.pruning.train import evaluate_model, heads_per_kind
+    from headlab.surgery import prune_heads
+
+    prune_heads(model, spec)
+    result = {"heads_kept": heads_per_kind(model)}
+    if finetune is not None:
+        if train_data is None:
+            raise HeadlabError("fine-tuning a baseline needs training data")
+        outcome = train(model, tokenizer, train_data, None, finetune)
+        result["finetune_steps"] = outcome.step
+        if outcome.stopped == "diverged":
+            result["status"] = "diverged"
+    result.update(evaluate_model(model, tokenizer, eval_data, beam=beam, batch_size=batch_size))
+    return result
+
+
+def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, config: TrainConfig, *,
+                       seed: int = 1, beam: int = 4, valid_data=None) -> dict:
+    """The paper's "from scratch" column (Voita et al. 2019, Table 2): the pruned configuration
+    trained from random initialisation. Costs a full training; ``model`` gives the architecture."""
+    from headlab.pruning.train import evaluate_model, heads_per_kind
+    from headlab.surgery import prune_heads
+
+    torch.manual_seed(seed)
+    fresh = type(model)._from_config(model.config)
+    if getattr(model, "generation_config", None) is not None:
+        fresh.generation_config = model.generation_config
+    prune_heads(fresh, spec)
+    outcome = train(fresh, tokenizer, train_data, valid_data, config)
+    result = {"heads_kept": heads_per_kind(fresh), "train_steps": outcome.step, "status": outcome.stopped}
+    result.update(evaluate_model(fresh.eval(), tokenizer, eval_data, beam=beam))
+    return result
+
+
+METHODS = {"random": random_spec, "michel": michel_spec, "scores": scores_spec}

@@ -1,0 +1,342 @@
+"""``headlab prune``: a command group.
+
+- ``headlab prune apply MODEL --heads SPEC --out DIR``: physical removal (the foundation command);
+- ``headlab prune train MODEL ...``: gated fine-tuning (Voita et al. 2019, Sec. 6) and export;
+- ``headlab prune sweep MODEL --lams ... | --keeps ...``: resumable sweep and its table;
+- ``headlab prune baseline MODEL --method random|michel|scores --keeps N,... ...``: baselines;
+- ``headlab prune report SWEEP... --baselines DIR... --out DIR``: Fig. 7, Fig. 9, Table 2.
+
+The older form ``headlab prune MODEL --heads SPEC --out DIR`` still works: :func:`rewrite_argv`
+turns ``prune X ...`` into ``prune apply X ...`` whenever X is not a sub-command name or an
+option, before argparse sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from headlab.errors import HeadlabError
+
+SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
+
+
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """``prune MODEL ...`` -> ``prune apply MODEL ...`` (the pre-group form of the command)."""
+    if len(argv) >= 2 and argv[0] == "prune" and argv[1] not in SUBCOMMANDS and not argv[1].startswith("-"):
+        return [argv[0], "apply", *argv[1:]]
+    return argv
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as error:
+        raise HeadlabError(f"cannot read a list of numbers from {text!r}") from error
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as error:
+        raise HeadlabError(f"cannot read a list of integers from {text!r}") from error
+
+
+def _add_data_options(p) -> None:
+    p.add_argument("model", help="the converged model: a local directory (safetensors)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--train-src", help="training source file (translation)")
+    p.add_argument("--train-tgt", help="training target file (translation)")
+    p.add_argument("--train-text", help="training text, one sentence per line (encoder-/decoder-only LM loss)")
+    p.add_argument("--valid-src", help="evaluation source file (BLEU, chrF, loss of the pruned model)")
+    p.add_argument("--valid-tgt", help="evaluation reference file")
+    p.add_argument("--limit", type=int, help="use the first N training pairs")
+    p.add_argument("--eval-limit", type=int, help="evaluate on the first N pairs")
+    p.add_argument("--max-sentence-tokens", type=int, default=100, help="cut longer sentences (whitespace tokens)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _add_train_options(p) -> None:
+    from headlab.pruning.hard_concrete import DEFAULT_BETA
+
+    p.add_argument("--gates", default="enc_self",
+                   help="enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
+                        "or a comma list of kinds (default: enc_self)")
+    p.add_argument("--freeze-decoder", choices=("auto", "yes", "no"), default="auto",
+                   help="auto: frozen iff --gates enc_self on an encoder-decoder model")
+    p.add_argument("--loss", default="auto", choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
+    p.add_argument("--beta", type=float, default=DEFAULT_BETA, help="Hard Concrete temperature (0.33; 2/3 elsewhere)")
+    p.add_argument("--init-log-alpha", type=float, default=3.0, help="initial log alpha (3: P(g=0) ~ 0.02)")
+    p.add_argument("--gate-lr", type=float, default=0.02, help="learning rate of log alpha")
+    p.add_argument("--multiplier-lr", type=float, default=0.05, help="learning rate of the Lagrange multipliers")
+    p.add_argument("--budget-warmup", type=float, default=0.5,
+                   help="fraction of the run's steps over which the budget target moves to --keep")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the model's parameters")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=4096, help="target tokens per batch")
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, help="stop after this many updates")
+    p.add_argument("--save-every", type=int, default=200, help="resume checkpoint every N steps")
+    p.add_argument("--log-every", type=int, default=50, help="diagnostics every N steps (trajectory.jsonl)")
+    p.add_argument("--eval-beam", type=int, default=4)
+    p.add_argument("--latency", type=int, default=0, metavar="N",
+                   help="time encoder and translation on N evaluation sentences (0: off)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def register(subparsers) -> None:
+    from headlab.commands import add_prune_arguments, run_prune
+
+    group = subparsers.add_parser("prune", help="remove heads: apply a spec, or learn which with Hard Concrete gates")
+    sub = group.add_subparsers(dest="prune_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    apply = sub.add_parser("apply", help="physically remove the heads of a spec and save the smaller model "
+                                         "(also: headlab prune MODEL --heads ... --out ...)")
+    add_prune_arguments(apply)
+    apply.set_defaults(func=run_prune)
+
+    tr = sub.add_parser("train", help="gated fine-tuning with Hard Concrete gates and L0 (Voita et al. 2019, Sec. 6)")
+    _add_data_options(tr)
+    _add_train_options(tr)
+    target = tr.add_mutually_exclusive_group()
+    target.add_argument("--lam", type=float, default=0.05, help="weight of the L0 penalty (lambda)")
+    target.add_argument("--keep", type=int, help="reach exactly N open heads (Lagrangian budget, CoFi)")
+    tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
+    tr.add_argument("--resume", action="store_true")
+    tr.add_argument("--overwrite", action="store_true")
+    tr.set_defaults(func=run_train)
+
+    sw = sub.add_parser("sweep", help="gated fine-tuning for several lambdas or budgets; resumable; one table")
+    _add_data_options(sw)
+    _add_train_options(sw)
+    sw.add_argument("--lams", help="comma list of lambdas, e.g. 0.01,0.02,0.05,0.1")
+    sw.add_argument("--keeps", help="comma list of head budgets, e.g. 12,24")
+    sw.add_argument("--no-reference", action="store_true", help="do not evaluate the unpruned model")
+    sw.add_argument("--out", required=True, help="sweep directory (one sub-directory per point, sweep.md/csv/json)")
+    sw.set_defaults(func=run_sweep_command)
+
+    bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts")
+    _add_data_options(bl)
+    bl.add_argument("--method", required=True, choices=("random", "michel", "scores"))
+    bl.add_argument("--scores", help="HeadScores JSON (confidence, LRP, ...) for --method scores")
+    bl.add_argument("--keeps", required=True, help="comma list of head counts to keep")
+    bl.add_argument("--kinds", default="enc_self", help="kinds to prune (comma list or all)")
+    bl.add_argument("--seeds", default="1,2,3", help="seeds of --method random")
+    bl.add_argument("--finetune-steps", type=int, default=0,
+                    help="fine-tune each pruned model this many steps (same budget as gated fine-tuning)")
+    bl.add_argument("--from-scratch", action="store_true",
+                    help="train the pruned configuration from random init instead (costs a full training)")
+    bl.add_argument("--scratch-epochs", type=int, default=12)
+    bl.add_argument("--lr", type=float, default=1e-4)
+    bl.add_argument("--max-tokens", type=int, default=4096)
+    bl.add_argument("--eval-beam", type=int, default=4)
+    bl.add_argument("--importance-batches", type=int, help="batches for Michel importance (default all)")
+    bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
+    bl.set_defaults(func=run_baseline)
+
+    rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
+    rp.add_argument("sweeps", nargs="+", help="sweep directories")
+    rp.add_argument("--baselines", nargs="*", default=[], help="baseline directories (baselines.json)")
+    rp.add_argument("--out", required=True, help="directory for the figures (PNG) and tables (Markdown)")
+    rp.set_defaults(func=run_report)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _set_threads(threads) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _log():
+    """Progress to stderr (stdout carries the result), from the main process only."""
+    from accelerate import PartialState
+
+    main = PartialState().is_main_process
+
+    def log(message: str) -> None:
+        if main:
+            print(message, file=sys.stderr, flush=True)
+
+    return log
+
+
+def _load(args):
+    from headlab.loading import load_model, load_tokenizer
+
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    return model, tokenizer
+
+
+def _data(args, tokenizer, model):
+    from headlab.data import read_lines, read_parallel
+    from headlab.pruning.train import encode_lm_corpus
+
+    if args.train_text:
+        lines = read_lines(args.train_text)[: args.limit] if args.limit else read_lines(args.train_text)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train_data = encode_lm_corpus(tokenizer, lines, getattr(model.config, "max_position_embeddings", 512))
+    elif args.train_src and args.train_tgt:
+        train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
+        if args.limit:
+            train_data = train_data.subset(args.limit)
+    else:
+        raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
+    eval_data = None
+    if (args.valid_src is None) != (args.valid_tgt is None):
+        raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
+    if args.valid_src:
+        eval_data = read_parallel(args.valid_src, args.valid_tgt)
+        if args.eval_limit:
+            eval_data = eval_data.subset(args.eval_limit)
+    return train_data, eval_data
+
+
+def _config(args, out_dir: str):
+    from headlab.nmt.train import TrainConfig
+    from headlab.pruning.train import PruneConfig
+
+    freeze = {"auto": None, "yes": True, "no": False}[args.freeze_decoder]
+    return PruneConfig(
+        gates=args.gates, keep=getattr(args, "keep", None),
+        lam=0.0 if getattr(args, "keep", None) is not None else (getattr(args, "lam", 0.0) or 0.0),
+        freeze_decoder=freeze, beta=args.beta, init_log_alpha=args.init_log_alpha, gate_lr=args.gate_lr,
+        multiplier_lr=args.multiplier_lr, budget_warmup=args.budget_warmup, log_every=args.log_every,
+        loss=args.loss, eval_beam=args.eval_beam, latency_sentences=args.latency,
+        command="headlab " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "",
+        train=TrainConfig(out_dir=out_dir, max_tokens=args.max_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
+                          schedule="constant", label_smoothing=args.label_smoothing, max_epochs=args.epochs,
+                          max_steps=args.max_steps, save_every_steps=args.save_every, validate=False,
+                          keep_epoch_checkpoints=False, seed=args.seed, resume=getattr(args, "resume", False),
+                          overwrite=getattr(args, "overwrite", False), progress=not args.no_progress),
+    )
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def run_train(args) -> int:
+    from headlab.pruning.train import prune_train
+
+    _set_threads(args.threads)
+    if args.lam is not None and args.lam < 0:
+        raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
+    config = _config(args, args.out)  # checks before loading anything heavy
+    model, tokenizer = _load(args)
+    train_data, eval_data = _data(args, tokenizer, model)
+    result = prune_train(model, tokenizer, train_data, eval_data, config, log=_log())
+    if result.stopped == "diverged":
+        print(f"headlab prune train: {result.message}", file=sys.stderr)
+        return 1
+    metrics = result.metrics
+    summary = {k: metrics[k] for k in ("bleu", "chrf", "loss", "parameters_before", "parameters_after") if k in metrics}
+    print(json.dumps({"heads_kept": result.heads_kept, "heads_total": result.heads_total, **summary,
+                      "pruned": result.pruned_dir}, indent=1))
+    return 0
+
+
+def run_sweep_command(args) -> int:
+    from headlab.pruning.sweep import run_sweep, sweep_points
+
+    _set_threads(args.threads)
+    points = sweep_points(_floats(args.lams) if args.lams else (), _ints(args.keeps) if args.keeps else ())
+    args.lam, args.keep = 0.0, None
+    config = _config(args, args.out)
+    model, tokenizer = _load(args)
+    train_data, eval_data = _data(args, tokenizer, model)
+    del model
+    rows = run_sweep(lambda: _load(args), train_data, eval_data, config, points, args.out,
+                     reference=not args.no_reference, log=_log())
+    print((Path(args.out) / "sweep.md").read_text(), end="")
+    return 1 if any(row.get("status") == "diverged" for row in rows) else 0
+
+
+def run_baseline(args) -> int:
+    import numpy as np
+
+    from headlab.heads import HeadScores, atomic_write_text
+    from headlab.nmt.train import TrainConfig
+    from headlab.pruning import baselines
+    from headlab.pruning.train import resolve_kinds
+
+    _set_threads(args.threads)
+    keeps = _ints(args.keeps)
+    if args.method == "scores" and not args.scores:
+        raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table_file = out / "baselines.json"
+    rows = json.loads(table_file.read_text()) if table_file.is_file() else []
+    done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
+    model, tokenizer = _load(args)
+    kinds = resolve_kinds(model, args.kinds)
+    train_data, eval_data = _data(args, tokenizer, model)
+    if eval_data is None:
+        raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
+    scores = HeadScores.load(args.scores) if args.scores else None
+    seeds = _ints(args.seeds) if args.method == "random" else [None]
+    for keep in keeps:
+        for seed in seeds:
+            key = (args.method, keep, seed, args.finetune_steps, args.from_scratch)
+            if key in done:
+                continue
+            model, tokenizer = _load(args)
+            if args.method == "random":
+                spec = baselines.random_spec(model, keep, kinds, seed)
+            elif args.method == "scores":
+                spec = baselines.scores_spec(scores, keep, kinds)
+            else:
+                spec = baselines.michel_spec(model, tokenizer, train_data, keep, kinds,
+                                             max_batches=args.importance_batches)
+            if args.from_scratch:
+                config = TrainConfig(out_dir=str(out / f"scratch-{args.method}-{keep}-{seed}"), max_tokens=args.max_tokens,
+                                     max_epochs=args.scratch_epochs, validate=False, overwrite=True)
+                result = baselines.train_from_scratch(model, tokenizer, spec, train_data, eval_data, config,
+                                                      beam=args.eval_beam)
+            else:
+                finetune = None
+                if args.finetune_steps:
+                    finetune = TrainConfig(out_dir=str(out / f"ft-{args.method}-{keep}-{seed}"), max_tokens=args.max_tokens,
+                                           lr=args.lr, warmup_steps=0, schedule="constant", max_epochs=10**6,
+                                           max_steps=args.finetune_steps, validate=False, keep_epoch_checkpoints=False,
+                                           overwrite=True, progress=False)
+                result = baselines.evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
+                                                     finetune=finetune, beam=args.eval_beam)
+            rows.append({"method": args.method if args.method != "scores" else f"scores:{scores.method}",
+                         "keep": keep, "seed": seed, "finetune_steps": args.finetune_steps,
+                         "from_scratch": args.from_scratch, **result})
+            atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
+    # mean +- std over seeds per (method, keep, finetune)
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["method"], row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
+    lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |", "|---|---|---|---|---|---|---|---|"]
+    for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        def stat(name):
+            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)
+            if not len(values):
+                return ""
+            return f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values.mean():.2f}"
+        lines.append(f"| {method} | {keep} | {steps} | {'yes' if scratch else 'no'} | {len(group)} | "
+                     f"{stat('bleu')} | {stat('chrf')} | {stat('loss')} |")
+    atomic_write_text(out / "baselines.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def run_report(args) -> int:
+    from headlab.pruning.sweep import write_report
+
+    for path in write_report(args.sweeps, args.baselines, args.out):
+        print(path)
+    return 0

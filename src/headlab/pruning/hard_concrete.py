@@ -1,0 +1,179 @@
+"""Hard Concrete gates on heads and their relaxed L0 penalty.
+
+Louizos, Welling & Kingma 2018 ("Learning Sparse Neural Networks through L0 Regularization"),
+as used by Voita et al. 2019, Sec. 6.1. Each head h has one parameter ``log_alpha_h``; with
+temperature beta and stretch interval (gamma, zeta) = (-0.1, 1.1):
+
+    u ~ U(0, 1)
+    s = sigmoid((log u - log(1 - u) + log_alpha) / beta)        Louizos et al. 2018, Eq. (10)
+    g = min(1, max(0, s * (zeta - gamma) + gamma))               Eq. (11) (stretch, then clamp)
+
+so g has point masses at 0 and 1 and a density on (0, 1). The expected number of non-zero
+gates has a closed form (Eq. (12)):
+
+    L_C = sum_h (1 - P(g_h = 0)) = sum_h sigmoid(log_alpha_h - beta * log(-gamma / zeta))
+
+At test time each gate is 0 or 1, whichever of P(g = 0) and P(g = 1) is larger (Voita et al.
+2019, footnote 7), with
+
+    P(g = 0) = sigmoid(beta * log(-gamma / zeta) - log_alpha)
+    P(g = 1) = sigmoid(log_alpha - beta * log((1 - gamma) / (zeta - 1)))
+
+In training mode a fresh gate vector is drawn for every forward call of a block, i.e. for every
+batch (reparameterisation trick: the noise u carries no gradient, log_alpha does). In eval mode
+(``model.eval()``) the gates are the deterministic 0/1 values above.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from headlab.errors import HeadlabError
+from headlab.gates import BlockKey, HeadGates, block_name
+from headlab.heads import KINDS, HeadScores
+
+__all__ = ["HardConcreteGates", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
+
+DEFAULT_BETA = 0.33  # the authors' code (Voita et al. 2019); 2/3 in Louizos et al. 2018
+DEFAULT_GAMMA = -0.1
+DEFAULT_ZETA = 1.1
+_EPS = 1e-6
+
+
+class HardConcreteGates(HeadGates):
+    """One Hard Concrete gate per head (Louizos et al. 2018; Voita et al. 2019, Sec. 6.1).
+
+    ``init_log_alpha`` sets every log_alpha at the start; the default 3.0 gives
+    P(g = 0) ~ 0.02 with beta = 0.33, so fine-tuning starts from (almost) the full model.
+    """
+
+    def __init__(
+        self,
+        n_heads: Mapping[BlockKey, int],
+        beta: float = DEFAULT_BETA,
+        gamma: float = DEFAULT_GAMMA,
+        zeta: float = DEFAULT_ZETA,
+        init_log_alpha: float = 3.0,
+    ):
+        super().__init__(n_heads)
+        if not beta > 0:
+            raise HeadlabError(f"Hard Concrete temperature beta must be > 0, got {beta}")
+        if not (gamma < 0 and zeta > 1):
+            raise HeadlabError(f"the stretch interval needs gamma < 0 < 1 < zeta, got ({gamma}, {zeta})")
+        self.beta, self.gamma, self.zeta = float(beta), float(gamma), float(zeta)
+        self.log_alpha = nn.ParameterDict(
+            {block_name(key): nn.Parameter(torch.full((n,), float(init_log_alpha))) for key, n in self.n_heads.items()}
+        )
+
+    # -- the distribution ----------------------------------------------------------------------
+    @property
+    def _shift_zero(self) -> float:
+        return self.beta * math.log(-self.gamma / self.zeta)  # beta log(-gamma/zeta), Eq. (12)
+
+    @property
+    def _shift_one(self) -> float:
+        return self.beta * math.log((1 - self.gamma) / (self.zeta - 1))
+
+    def sample(self, log_alpha: torch.Tensor) -> torch.Tensor:
+        """A reparameterised sample of the gates for ``log_alpha`` (Louizos et al. 2018, Eq. (10)-(11))."""
+        u = torch.rand_like(log_alpha).clamp(_EPS, 1 - _EPS)
+        s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / self.beta)
+        return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
+
+    def p_zero(self, log_alpha: torch.Tensor) -> torch.Tensor:
+        """P(g = 0), closed form."""
+        return torch.sigmoid(self._shift_zero - log_alpha)
+
+    def p_one(self, log_alpha: torch.Tensor) -> torch.Tensor:
+        """P(g = 1), closed form."""
+        return torch.sigmoid(log_alpha - self._shift_one)
+
+    def deterministic(self, log_alpha: torch.Tensor) -> torch.Tensor:
+        """The test-time gate: 1 where P(g=1) > P(g=0), else 0 (Voita et al. 2019, footnote 7)."""
+        return (self.p_one(log_alpha) > self.p_zero(log_alpha)).to(log_alpha.dtype)
+
+    def gate(self, key: BlockKey) -> torch.Tensor:
+        log_alpha = self.log_alpha[block_name(key)]
+        if self.training:
+            return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
+        return self.deterministic(log_alpha.detach())
+
+    # -- penalty and summaries -----------------------------------------------------------------
+    def l0_penalty(self) -> torch.Tensor:
+        """L_C = sum_h (1 - P(g_h = 0)), the expected number of open gates (Louizos Eq. (12))."""
+        terms = [torch.sigmoid(a - self._shift_zero).sum() for a in self.log_alpha.values()]
+        return torch.stack(terms).sum()
+
+    def n_gates(self) -> int:
+        return sum(self.n_heads.values())
+
+    def keys(self) -> list[BlockKey]:
+        """Gated blocks in canonical order (kind as in KINDS, then layer)."""
+        return sorted(self.n_heads, key=lambda key: (KINDS.index(key[0]), key[1]))
+
+    @torch.no_grad()
+    def p_open(self) -> dict[BlockKey, torch.Tensor]:
+        """1 - P(g = 0) per block (the quantity the penalty counts)."""
+        return {key: 1 - self.p_zero(self.log_alpha[block_name(key)].detach().float()).cpu() for key in self.keys()}
+
+    @torch.no_grad()
+    def open_mask(self) -> dict[BlockKey, torch.Tensor]:
+        """Deterministic (test-time) gates per block, as bool [n_heads]."""
+        return {key: self.deterministic(self.log_alpha[block_name(key)].detach().float()).bool().cpu()
+                for key in self.keys()}
+
+    def closed_heads(self) -> dict[BlockKey, list[int]]:
+        """Heads whose test-time gate is 0: a head spec for :func:`headlab.prune_heads`."""
+        spec = {}
+        for key, mask in self.open_mask().items():
+            closed = [h for h in range(len(mask)) if not mask[h]]
+            if closed:
+                spec[key] = closed
+        return spec
+
+    def keep_top(self, keep: int) -> dict[BlockKey, list[int]]:
+        """The heads to remove so that exactly ``keep`` heads remain: those with the highest
+        log_alpha (equivalently the highest P(open)) stay. Used by the budget mode."""
+        total = self.n_gates()
+        if not 0 <= keep <= total:
+            raise HeadlabError(f"cannot keep {keep} heads: the gates cover {total} heads")
+        ranked = []
+        for key in self.keys():
+            values = self.log_alpha[block_name(key)].detach().float().cpu().tolist()
+            ranked.extend((value, key, head) for head, value in enumerate(values))
+        # Highest first; ties broken by position so the result is deterministic.
+        ranked.sort(key=lambda item: (-item[0], KINDS.index(item[1][0]), item[1][1], item[2]))
+        spec: dict[BlockKey, list[int]] = {}
+        for _, key, head in ranked[keep:]:
+            spec.setdefault(key, []).append(head)
+        return {key: sorted(heads) for key, heads in sorted(spec.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))}
+
+    def open_per_kind(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for key, mask in self.open_mask().items():
+            counts[key[0]] = counts.get(key[0], 0) + int(mask.sum())
+        return counts
+
+    def p_open_scores(self, model_name: str = "") -> HeadScores:
+        """P(open) as a HeadScores table (NaN for blocks without gates)."""
+        by_kind: dict[str, dict[int, torch.Tensor]] = {}
+        for key, values in self.p_open().items():
+            by_kind.setdefault(key[0], {})[key[1]] = values
+        scores = {}
+        for kind, layers in by_kind.items():
+            n_layers = max(layers) + 1
+            width = max(len(v) for v in layers.values())
+            array = np.full((n_layers, width), np.nan)
+            for layer, values in layers.items():
+                array[layer, : len(values)] = values.numpy()
+            scores[kind] = array
+        signature = {"beta": self.beta, "gamma": self.gamma, "zeta": self.zeta}
+        return HeadScores(scores, "hard_concrete_p_open", model_name, signature)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, gamma={self.gamma}, zeta={self.zeta}, gates={self.n_gates()}"

@@ -1,0 +1,262 @@
+"""A sweep over lambda (or head budgets): one gated fine-tuning per point, resumable, one table.
+
+Each point runs in ``OUT/lam-<value>/`` (or ``OUT/keep-<N>/``) as :func:`prune_train` does. A
+point with a ``result.json`` is finished and skipped; a point with a ``train/last`` checkpoint
+is resumed. After every point the table is rewritten atomically as ``sweep.json``, ``sweep.csv``
+and ``sweep.md``: lambda, heads kept per kind, BLEU, chrF, loss (the data of Voita et al. 2019,
+Fig. 7 and Fig. 9).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS, atomic_write_text
+from headlab.pruning.train import RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
+
+__all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
+
+TABLE_COLUMNS = ("point", "lam", "keep", "enc_self", "dec_self", "dec_cross", "heads", "bleu", "chrf", "loss",
+                 "parameters", "encoder_s", "translate_s", "status")
+
+
+def point_name(point: dict) -> str:
+    return f"keep-{point['keep']}" if point.get("keep") is not None else f"lam-{point['lam']:g}"
+
+
+def sweep_points(lams=(), keeps=()) -> list[dict]:
+    """Validated sweep points: ``{"lam": x}`` for each lambda, ``{"keep": n}`` for each budget."""
+    points = []
+    for lam in lams:
+        if not lam >= 0:
+            raise HeadlabError(f"lambda must be >= 0, got {lam}")
+        points.append({"lam": float(lam), "keep": None})
+    for keep in keeps:
+        points.append({"lam": 0.0, "keep": int(keep)})
+    if not points:
+        raise HeadlabError("a sweep needs --lams or --keeps")
+    names = [point_name(p) for p in points]
+    if len(set(names)) != len(names):
+        raise HeadlabError(f"repeated sweep points: {names}")
+    return points
+
+
+def _row(name: str, point: dict, result: dict) -> dict:
+    metrics = result.get("metrics", {})
+    kept = result.get("heads_kept", {})
+    latency = metrics.get("latency", {})
+    return {
+        "point": name, "lam": point.get("lam"), "keep": point.get("keep"),
+        **{kind: kept.get(kind) for kind in KINDS},
+        "heads": sum(kept.values()) if kept else None,
+        "bleu": metrics.get("bleu"), "chrf": metrics.get("chrf"), "loss": metrics.get("loss"),
+        "parameters": metrics.get("parameters_after", metrics.get("parameters")),
+        "encoder_s": latency.get("encoder_s"), "translate_s": latency.get("translate_s"),
+        "status": result.get("stopped", ""),
+    }
+
+
+def write_table(rows: list[dict], out_dir: Path) -> None:
+    atomic_write_text(out_dir / "sweep.json", json.dumps(rows, indent=1) + "\n")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=TABLE_COLUMNS, lineterminator="\n", extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out_dir / "sweep.csv", buffer.getvalue())
+
+    def fmt(value):
+        if value is None:
+            return ""
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in TABLE_COLUMNS) + " |" for row in rows]
+    atomic_write_text(out_dir / "sweep.md", "\n".join(lines) + "\n")
+
+
+def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfig, points: list[dict],
+              out_dir: str | Path, *, reference: bool = True, log: Callable[[str], None] = print) -> list[dict]:
+    """Run (or resume) every point; ``load()`` returns a fresh ``(model, tokenizer)`` each time.
+
+    With ``reference`` the unpruned model is evaluated once (``full.json``) and heads the table.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    if reference and eval_data is not None:
+        full_file = out_dir / "full.json"
+        if full_file.is_file():
+            full = json.loads(full_file.read_text())
+        else:
+            model, tokenizer = load()
+            from headlab.surgery import count_parameters
+
+            metrics = evaluate_model(model, tokenizer, eval_data, beam=base.eval_beam, batch_size=base.eval_batch_size)
+            metrics["parameters"] = count_parameters(model)
+            if base.latency_sentences:
+                from headlab.pruning.train import measure_latency
+
+                metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: base.latency_sentences]),
+                                                     beam=base.eval_beam)
+            full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference"}
+            atomic_write_text(full_file, json.dumps(full, indent=2) + "\n")
+        rows.append(_row("full", {"lam": None, "keep": None}, full))
+    for point in points:
+        name = point_name(point)
+        point_dir = out_dir / name
+        result_file = point_dir / RESULT_FILE
+        if result_file.is_file():
+            log(f"{name}: finished earlier, skipped")
+            rows.append(_row(name, point, json.loads(result_file.read_text())))
+            continue
+        resume = (point_dir / "train" / "last").is_dir()
+        log(f"{name}: {'resuming' if resume else 'starting'}")
+        config = copy.deepcopy(base)
+        config.lam, config.keep = point["lam"], point["keep"]
+        config.train = replace(config.train, out_dir=str(point_dir), resume=resume, overwrite=not resume)
+        model, tokenizer = load()
+        result = prune_train(model, tokenizer, train_data, eval_data, config, log=log)
+        row = _row(name, point, result.to_dict())
+        rows.append(row)
+        write_table(rows, out_dir)
+        if result.stopped == "diverged":
+            log(f"{name}: {result.message}")
+    write_table(rows, out_dir)
+    return rows
+
+
+# ----------------------------------------------------------------------------- figures and tables
+
+
+def read_rows(sweep_dir: str | Path) -> list[dict]:
+    path = Path(sweep_dir) / "sweep.json"
+    if not path.is_file():
+        raise HeadlabError(f"{sweep_dir}: no sweep.json; run `headlab prune sweep` first")
+    return json.loads(path.read_text())
+
+
+def _baseline_groups(rows: list[dict], kind: str = "enc_self") -> dict[str, list[tuple[int, float, float]]]:
+    """``{label: [(heads kept, mean BLEU, std BLEU), ...]}`` from baselines.json rows."""
+    import numpy as np
+
+    groups: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        if row.get("bleu") is None:
+            continue
+        label = row["method"]
+        if row.get("from_scratch"):
+            label += " (from scratch)"
+        elif row.get("finetune_steps"):
+            label += " + fine-tuning"
+        kept = row.get("heads_kept", {}).get(kind, row["keep"])
+        groups.setdefault((label, kept), []).append(row["bleu"])
+    out: dict[str, list[tuple[int, float, float]]] = {}
+    for (label, kept), values in sorted(groups.items()):
+        values = np.array(values)
+        out.setdefault(label, []).append((kept, float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0))
+    return out
+
+
+def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), kind: str = "enc_self", ax=None):
+    """Voita et al. 2019, Fig. 7: BLEU against the number of retained ``kind`` heads, gated
+    pruning (the sweep) next to the baselines (mean +- std over seeds as error bars)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    points = sorted((r[kind], r["bleu"]) for r in sweep_rows if r.get(kind) is not None and r.get("bleu") is not None
+                    and r["point"] != "full")
+    full = [r for r in sweep_rows if r["point"] == "full" and r.get("bleu") is not None]
+    if points:
+        ax.plot(*zip(*points), "o-", label="Hard Concrete gates (L0)")
+    for label, series in _baseline_groups(list(baseline_rows), kind).items():
+        xs, ys, es = zip(*series)
+        ax.errorbar(xs, ys, yerr=es, marker="s", capsize=3, label=label)
+    if full:
+        ax.axhline(full[0]["bleu"], color="gray", linestyle="--", label=f"full model ({full[0][kind]} heads)")
+    ax.set_xlabel(f"retained {kind} heads")
+    ax.set_ylabel("BLEU")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
+    """Voita et al. 2019, Fig. 9: heads kept per kind at each sparsity (sweep point)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    rows = sorted((r for r in sweep_rows if r.get("heads")), key=lambda r: -r["heads"])
+    labels = [f"{r['heads']}" for r in rows]
+    bottom = [0] * len(rows)
+    for kind in KINDS:
+        values = [r.get(kind) or 0 for r in rows]
+        if any(values):
+            ax.bar(labels, values, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("heads kept in total (sweep point)")
+    ax.set_ylabel("heads kept")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def heads_table(sweep_rows: list[dict], scratch_rows: list[dict] = ()) -> str:
+    """Voita et al. 2019, Table 2: heads per kind and BLEU, pruned against from scratch."""
+    scratch = {}
+    for row in scratch_rows:
+        if row.get("from_scratch") and row.get("bleu") is not None:
+            scratch[sum(row["heads_kept"].values())] = row["bleu"]
+    lines = ["| attention heads (enc_self/dec_self/dec_cross) | total | BLEU pruned | BLEU from scratch |",
+             "|---|---|---|---|"]
+    for row in sweep_rows:
+        if row.get("heads") is None:
+            continue
+        kinds = "/".join(str(row.get(k) if row.get(k) is not None else "-") for k in KINDS)
+        bleu = f"{row['bleu']:.2f}" if row.get("bleu") is not None else ""
+        other = scratch.get(row["heads"])
+        lines.append(f"| {kinds} | {row['heads']} | {bleu} | {'' if other is None else f'{other:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Figure 7 (per sweep of enc_self gates), Figure 9 and Table 2 into ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    baseline_rows = []
+    for directory in baseline_dirs:
+        path = Path(directory) / "baselines.json"
+        if not path.is_file():
+            raise HeadlabError(f"{directory}: no baselines.json; run `headlab prune baseline` first")
+        baseline_rows += json.loads(path.read_text())
+    written = []
+    for directory in sweep_dirs:
+        rows = read_rows(directory)
+        name = Path(directory).name
+        fig, ax = plt.subplots(figsize=(6, 4))
+        plot_bleu_vs_heads(rows, [r for r in baseline_rows if not r.get("from_scratch")], ax=ax)
+        ax.set_title(f"BLEU against retained encoder heads ({name})")
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}-bleu-vs-heads.png", dpi=120)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        plot_heads_per_kind(rows, ax=ax)
+        ax.set_title(f"Heads kept per kind ({name})")
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}-heads-per-kind.png", dpi=120)
+        plt.close(fig)
+        atomic_write_text(out_dir / f"{name}-table.md", heads_table(rows, baseline_rows))
+        written += [out_dir / f"{name}-bleu-vs-heads.png", out_dir / f"{name}-heads-per-kind.png",
+                    out_dir / f"{name}-table.md"]
+    return written

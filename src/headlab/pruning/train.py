@@ -1,0 +1,628 @@
+"""Gated fine-tuning: L = L_xent + lambda L_C, then physical removal of the closed heads.
+
+Voita et al. 2019, Sec. 6: start from a converged model, attach one Hard Concrete gate per
+head, and fine-tune on L_xent + lambda L_C (Eq. (12) of Louizos et al. 2018 for L_C). Two modes:
+
+- ``gates="enc_self"``: gates on encoder self-attention only, decoder (and the embeddings it
+  shares) frozen, so that encoder functions cannot migrate to the decoder (Sec. 6.2);
+- ``gates="all"``: gates on every attention kind the model has, all parameters trained (Sec. 6.3).
+
+With ``keep=N`` the fixed lambda is replaced by the Lagrangian of :mod:`headlab.pruning.budget`
+and exactly N heads are kept at export.
+
+The loop is :func:`headlab.nmt.train.train` (Accelerate; runs under ``accelerate launch``
+unchanged), used through its hooks: ``extra_loss`` adds the penalty, ``trainable`` freezes the
+decoder, ``optimizer_factory`` gives the gates their own learning rate, ``callback`` writes the
+diagnostics trajectory, ``compute_loss`` swaps in an LM loss for encoder-only and decoder-only
+models.
+
+Layout of ``out_dir``::
+
+    prune_config.json   the options
+    train/              the trainer's run (last/ is the resume point and the last good checkpoint)
+    trajectory.jsonl    one JSON object per diagnostics step (appended, fsync'ed)
+    gates.json          final P(open) per head (a HeadScores file)
+    pruned/             the physically smaller model (save_pruned) + tokenizer + README.md card
+    result.json         heads kept per kind, BLEU, chrF, loss, parameters; written last
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from headlab.adapters import attention_blocks
+from headlab.errors import HeadlabError
+from headlab.gates import attach_gates, block_name, detach_gates
+from headlab.heads import KINDS, atomic_write_text
+from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, has_model, label_smoothed_loss, train
+from headlab.pruning.budget import LagrangianBudget
+from headlab.pruning.hard_concrete import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA, HardConcreteGates
+from headlab.surgery import count_parameters, prune_heads, save_pruned
+
+__all__ = [
+    "PruneConfig",
+    "PruneResult",
+    "prune_train",
+    "resolve_kinds",
+    "export_pruned",
+    "evaluate_model",
+    "read_trajectory",
+    "causal_lm_loss",
+    "masked_lm_loss",
+    "encode_lm_corpus",
+]
+
+TRAJECTORY_FILE = "trajectory.jsonl"
+RESULT_FILE = "result.json"
+CONFIG_FILE = "prune_config.json"
+
+
+@dataclass
+class PruneConfig:
+    """Options of gated fine-tuning; ``headlab prune train`` maps its flags onto these fields."""
+
+    gates: str = "enc_self"  # "enc_self" (Sec. 6.2), "all" (Sec. 6.3) or a comma list of kinds
+    lam: float = 0.05  # lambda, the weight of L_C (ignored with keep)
+    keep: int | None = None  # budget: exactly this many open heads (Lagrangian, CoFi)
+    freeze_decoder: bool | None = None  # None: frozen iff gates == "enc_self" and there is a decoder
+    beta: float = DEFAULT_BETA
+    gamma: float = DEFAULT_GAMMA
+    zeta: float = DEFAULT_ZETA
+    init_log_alpha: float = 3.0
+    gate_lr: float = 0.02  # learning rate of log_alpha (the model's is train.lr)
+    multiplier_lr: float = 0.05  # learning rate of the Lagrange multipliers (budget mode)
+    budget_warmup: float = 0.5  # fraction of all steps over which the budget target moves to keep
+    log_every: int = 50  # diagnostics every N steps
+    loss: str = "auto"  # "seq2seq", "causal_lm", "masked_lm" or "auto" (from the model)
+    eval_beam: int = 4
+    eval_batch_size: int = 64
+    latency_sentences: int = 0  # >0: time encoder and end-to-end translation on this many sentences
+    command: str = ""  # the command line, for the model card
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
+        validate=False, keep_epoch_checkpoints=False, save_every_steps=200))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PruneResult:
+    stopped: str
+    message: str
+    out_dir: str
+    step: int
+    heads_total: dict[str, int] = field(default_factory=dict)
+    heads_kept: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    pruned_dir: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def resolve_kinds(model, gates: str) -> tuple[str, ...]:
+    """The gated kinds for ``--gates``; an error if the model lacks one of them."""
+    have = tuple(kind for kind in KINDS if any(b.kind == kind for b in attention_blocks(model)))
+    if gates == "all":
+        return have
+    kinds = tuple(k.strip() for k in gates.split(",") if k.strip())
+    if not kinds:
+        raise HeadlabError("--gates is empty; use enc_self, all, or a comma list of kinds")
+    for kind in kinds:
+        if kind not in KINDS:
+            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected all or {', '.join(KINDS)}")
+        if kind not in have:
+            raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
+    return kinds
+
+
+def _check_config(config: PruneConfig) -> None:
+    if not (isinstance(config.lam, (int, float)) and math.isfinite(config.lam)) or config.lam < 0:
+        raise HeadlabError(f"lambda must be a finite number >= 0, got {config.lam}")
+    if config.keep is not None and config.keep < 0:
+        raise HeadlabError(f"--keep must be >= 0, got {config.keep}")
+    if config.gate_lr <= 0 or config.multiplier_lr <= 0:
+        raise HeadlabError("--gate-lr and --multiplier-lr must be > 0")
+    if config.loss not in ("auto", "seq2seq", "causal_lm", "masked_lm"):
+        raise HeadlabError(f"unknown loss {config.loss!r} (auto, seq2seq, causal_lm, masked_lm)")
+
+
+def _decoder_parameters(model) -> set[int]:
+    """Identities of the decoder's parameters, the output embeddings and anything tied to them."""
+    ids: set[int] = set()
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is not None and decoder is not model:
+        ids |= {id(p) for p in decoder.parameters()}
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None:
+        ids |= {id(p) for p in out.parameters()}
+    return ids
+
+
+def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
+    """Updates the run will make: epochs x this rank's batches, capped by max_steps."""
+    from headlab.nmt.train import make_batches
+
+    per_epoch = len(make_batches(data, config.max_tokens, seed=config.seed, epoch=0,
+                                 rank=accelerator.process_index, world_size=accelerator.num_processes))
+    total = per_epoch * config.max_epochs
+    return min(total, config.max_steps) if config.max_steps is not None else total
+
+
+def _is_seq2seq(model) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+# ----------------------------------------------------------------------------- LM losses
+
+
+def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Next-token cross-entropy (sum, token count) of a decoder-only model on ``input_ids``."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [batch, len-1, vocab]
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [batch, len-1]
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+    return loss_sum, int((labels != -100).sum())
+
+
+def masked_lm_loss(mask_token_id: int, probability: float = 0.15, special_ids: tuple[int, ...] = ()):
+    """A masked-LM loss (Devlin et al. 2019, Sec. 3.1: 15% of tokens, replaced by [MASK])."""
+
+    def loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        chosen = (torch.rand(ids.shape, device=ids.device) < probability) & (mask == 1)
+        for special in special_ids:
+            chosen &= ids != special
+        if not chosen.any():  # always predict at least one token
+            chosen[0, 0] = True
+        inputs = ids.masked_fill(chosen, mask_token_id)
+        labels = ids.masked_fill(~chosen, -100)
+        logits = model(input_ids=inputs, attention_mask=mask).logits  # [batch, len, vocab]
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return loss_sum, int(chosen.sum())
+
+    return loss
+
+
+def encode_lm_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpus:
+    """Monolingual text for the LM losses: the trainer batches by ``targets``, the loss reads
+    ``input_ids`` (the ``sources``); both hold the same ids."""
+    ids = tokenizer([line for line in lines if line.strip()], truncation=True, max_length=max_positions)["input_ids"]
+    return EncodedCorpus(ids, [list(x) for x in ids])
+
+
+def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
+    kind = config.loss
+    if kind == "auto":
+        if _is_seq2seq(model):
+            kind = "seq2seq"
+        elif getattr(model.config, "is_decoder", False) or "CausalLM" in type(model).__name__ \
+                or "LMHead" in type(model).__name__:
+            kind = "causal_lm"
+        else:
+            kind = "masked_lm"
+    if kind == "seq2seq":
+        if not _is_seq2seq(model):
+            raise HeadlabError(f"{type(model).__name__} is not an encoder-decoder model; use --loss causal_lm or masked_lm")
+        return kind, label_smoothed_loss
+    if kind == "causal_lm":
+        return kind, causal_lm_loss
+    if tokenizer.mask_token_id is None:
+        raise HeadlabError("masked_lm loss needs a tokenizer with a mask token")
+    specials = tuple(i for i in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.bos_token_id,
+                                 tokenizer.eos_token_id) if i is not None)
+    return kind, masked_lm_loss(tokenizer.mask_token_id, special_ids=specials)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    """Append one line with a single write, then fsync: a kill leaves at most a torn last line,
+    which :func:`read_trajectory` skips."""
+    line = json.dumps(record, separators=(",", ":")) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_trajectory(path: str | os.PathLike) -> list[dict]:
+    """The diagnostics records, one per step (a resumed run's repeats replaced by the newer one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TRAJECTORY_FILE
+    by_step: dict[int, dict] = {}
+    if not path.is_file():
+        return []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn line from a kill
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class _Diagnostics:
+    """Holds what extra_loss computed and the log_alpha gradients, and writes trajectory lines."""
+
+    def __init__(self, gates: HardConcreteGates, config: PruneConfig, path: Path, log, total_steps: int | None):
+        self.gates, self.config, self.path, self.log = gates, config, path, log
+        self.total_steps = total_steps
+        self.penalty = float("nan")
+        self.term = float("nan")
+        self.coefficient = config.lam  # d(penalty term)/d(L_C)
+        self.target = None
+        self.grads: dict[str, torch.Tensor] = {}
+        self.hinted = False
+        for name, parameter in gates.log_alpha.items():
+            parameter.register_hook(self._store(name))
+
+    def _store(self, name):
+        def hook(grad):
+            self.grads[name] = grad.detach().float().cpu()
+        return hook
+
+    def extra_loss(self, model, batch, step: int) -> torch.Tensor:
+        penalty = self.gates.l0_penalty()  # E[L0], Louizos et al. 2018, Eq. (12)
+        budget = getattr(self.gates, "budget", None)
+        if budget is not None:
+            term = budget.penalty(penalty, step)
+            self.target = budget.target(step)
+            gap = penalty.item() - self.target
+            self.coefficient = budget.lambda_1.item() + 2 * budget.lambda_2.item() * gap
+        else:
+            term = self.config.lam * penalty  # lambda L_C, Voita et al. 2019, Sec. 6.1
+        self.penalty, self.term = penalty.item(), term.item()
+        return term
+
+    def record(self, model, step: int, info: dict, final: bool = False) -> dict:
+        gates = self.gates
+        p_open = gates.p_open()
+        flat = torch.cat([p_open[key] for key in gates.keys()])
+        open_kind = gates.open_per_kind()
+        # Gradients on log_alpha: the penalty part in closed form, the loss part as the rest.
+        penalty_grad, loss_grad = [], []
+        for key in gates.keys():
+            name = block_name(key)
+            a = gates.log_alpha[name].detach().float().cpu()
+            sig = torch.sigmoid(a - gates._shift_zero)
+            analytic = self.coefficient * sig * (1 - sig)  # d(coef * sigmoid(a - shift))/da
+            penalty_grad.append(analytic)
+            total = self.grads.get(name)
+            loss_grad.append(total - analytic if total is not None else torch.zeros_like(a))
+        penalty_grad = torch.cat(penalty_grad).abs().mean().item()
+        loss_grad = torch.cat(loss_grad).abs().mean().item()
+        closed = gates.n_gates() - sum(open_kind.values())
+        loss = info.get("loss", float("nan"))
+        record = {
+            "step": step,
+            "loss": loss,
+            "lambda": self.config.lam if self.target is None else None,
+            "l0_penalty": self.penalty,
+            "penalty_term": self.term,
+            "penalty_to_loss": self.term / loss if loss else None,
+            "expected_l0": float(flat.sum()),
+            "heads_closed": closed,
+            "heads_open": open_kind,
+            "n_gates": gates.n_gates(),
+            "polarized": float(((flat < 0.05) | (flat > 0.95)).float().mean()),
+            "grad_loss_log_alpha": loss_grad,
+            "grad_penalty_log_alpha": penalty_grad,
+            "lr": info.get("lr"),
+            "final": final,
+            "p_open": {kind: [[round(float(v), 5) for v in p_open[key]] for key in gates.keys() if key[0] == kind]
+                       for kind in dict.fromkeys(key[0] for key in gates.keys())},
+        }
+        budget = getattr(gates, "budget", None)
+        if budget is not None:
+            record.update(target=self.target, lambda_1=budget.lambda_1.item(), lambda_2=budget.lambda_2.item())
+        hint = self.hint(record)
+        if hint:
+            record["hint"] = hint
+        return record
+
+    def hint(self, record: dict) -> str | None:
+        """Why the gates may not be closing, from the numbers (docs/pruning.md, 'Gates never close')."""
+        if record["heads_closed"] > 0 or self.target is not None:
+            return None
+        if not record.get("final"):
+            if self.total_steps and record["step"] < 0.3 * self.total_steps:
+                return None
+            if not self.total_steps and record["step"] < 5 * max(self.config.log_every, 1):
+                return None
+        ratio = record["grad_penalty_log_alpha"] / max(record["grad_loss_log_alpha"], 1e-12)
+        if self.config.lam == 0:
+            return "lambda is 0: no gate will close"
+        if ratio < 1.0:
+            return (f"no gate has closed: on log_alpha the penalty's gradient is {ratio:.2g}x the loss's "
+                    f"(lambda*L_C is {record['penalty_to_loss'] or 0:.2g}x the loss); raise --lam")
+        return ("no gate has closed although the penalty dominates the gradient: log_alpha moves too slowly; "
+                "raise --gate-lr, lower --init-log-alpha or train longer")
+
+    def callback(self, model, step: int, info: dict) -> None:
+        if not info.get("is_main_process", True):
+            return
+        record = self.record(model, step, info)
+        _append_jsonl(self.path, record)
+        text = (f"step {step}: loss {record['loss']:.3f}, E[L0] {record['expected_l0']:.1f}/{record['n_gates']}, "
+                f"closed {record['heads_closed']}, polarized {record['polarized']:.0%}")
+        if record.get("target") is not None:
+            text += f", target {record['target']:.1f}, lambda_1 {record['lambda_1']:.3g}"
+        self.log(text)
+        if record.get("hint") and not self.hinted:
+            self.hinted = True
+            self.log("hint: " + record["hint"])
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss: Callable | None = None) -> float:
+    """Mean cross-entropy per target token (no label smoothing), model in eval mode."""
+    from headlab.nmt.train import encode_corpus, make_batches
+
+    if not isinstance(data, EncodedCorpus):
+        data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
+    pad_id = tokenizer.pad_token_id
+    start = getattr(model.config, "decoder_start_token_id", None)
+    start = pad_id if start is None else start
+    config = TrainConfig(label_smoothing=0.0)
+    compute_loss = compute_loss or label_smoothed_loss
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    try:
+        for indices in make_batches(data, batch_tokens, seed=0, epoch=0):
+            batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
+            loss_sum, n = compute_loss(model, batch, config)
+            total += loss_sum.item()
+            count += n
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 64, loss_kind: str = "seq2seq",
+                   compute_loss: Callable | None = None) -> dict:
+    """BLEU and chrF (sacreBLEU) and loss of a translation model on ``data``; loss only for LMs."""
+    if data is None:
+        return {}
+    metrics: dict[str, Any] = {}
+    if loss_kind == "seq2seq":
+        from headlab.nmt.bleu import compute_scores
+        from headlab.nmt.translate import translate
+
+        hypotheses = translate(model, tokenizer, data.sources, beam=beam, batch_size=batch_size)
+        scores = compute_scores(hypotheses, data.targets)
+        metrics.update(bleu=scores.bleu, chrf=scores.chrf, bleu_signature=scores.bleu_signature, beam=beam)
+    metrics["loss"] = evaluate_loss(model, tokenizer, data, compute_loss=None if loss_kind == "seq2seq" else compute_loss)
+    return metrics
+
+
+def measure_latency(model, tokenizer, sentences, *, beam: int = 4, batch_size: int = 32, repeats: int = 3) -> dict:
+    """Seconds for the encoder alone and for end-to-end translation of ``sentences`` (best of
+    ``repeats``), on the model's device, in the current thread settings."""
+    from headlab.nmt.translate import translate
+
+    model.eval()
+    batches = [sentences[i : i + batch_size] for i in range(0, len(sentences), batch_size)]
+    device = next(model.parameters()).device
+    encoder = model.get_encoder()
+
+    def run_encoder():
+        with torch.inference_mode():
+            for batch in batches:
+                enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+                encoder(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+
+    def best(fn):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return {
+        "encoder_s": best(run_encoder),
+        "translate_s": best(lambda: translate(model, tokenizer, sentences, beam=beam, batch_size=batch_size)),
+        "sentences": len(sentences),
+        "beam": beam,
+    }
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_pruned(model, spec, out_dir: str | os.PathLike, tokenizer=None) -> dict:
+    """Detach any gates, remove ``spec``'s heads physically and save with save_pruned."""
+    from transformers.utils import logging as hf_logging
+
+    detach_gates(model)
+    before = count_parameters(model)
+    prune_heads(model, spec)
+    out_dir = Path(out_dir)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        save_pruned(model, out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return {"parameters_before": before, "parameters_after": count_parameters(model)}
+
+
+def heads_per_kind(model) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for block in attention_blocks(model):
+        counts[block.kind] = counts.get(block.kind, 0) + block.n_heads
+    return counts
+
+
+def model_card(result: dict, config: PruneConfig) -> str:
+    kept, total = result["heads_kept"], result["heads_total"]
+    lines = ["# Pruned with headlab (Hard Concrete gates, Voita et al. 2019, Sec. 6)", ""]
+    if config.command:
+        lines += ["Command:", "", "```", config.command, "```", ""]
+    lines += ["| kind | heads kept | of |", "|---|---|---|"]
+    lines += [f"| {kind} | {kept.get(kind, 0)} | {n} |" for kind, n in total.items()]
+    metrics = result.get("metrics", {})
+    lines += ["", f"Mode: gates on {config.gates}" + (f", budget {config.keep} heads" if config.keep is not None
+                                                         else f", lambda {config.lam}")]
+    if "bleu" in metrics:
+        lines.append(f"BLEU {metrics['bleu']:.2f}, chrF {metrics['chrf']:.2f} (beam {metrics.get('beam')}; "
+                     f"{metrics.get('bleu_signature', '')})")
+    if "loss" in metrics:
+        lines.append(f"Loss (cross-entropy per token): {metrics['loss']:.4f}")
+    if "parameters_after" in metrics:
+        lines.append(f"Parameters: {metrics['parameters_after']:,} (unpruned {metrics['parameters_before']:,})")
+    lines += ["", "Load with `headlab.load_pruned(path)`."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfig | None = None, *,
+                accelerator=None, log: Callable[[str], None] | None = None) -> PruneResult:
+    """Gated fine-tuning of ``model`` into ``config.train.out_dir``'s parent layout (see module doc).
+
+    ``train_data``: a ParallelCorpus for translation, an EncodedCorpus for LMs
+    (:func:`encode_lm_corpus`). ``eval_data``: a ParallelCorpus scored at the end (BLEU, chrF,
+    loss) with the pruned model, or None. Returns a :class:`PruneResult`; on divergence
+    (``stopped == "diverged"``) nothing is exported and ``train/last`` is the last good checkpoint.
+    """
+    from accelerate import Accelerator
+
+    config = config or PruneConfig()
+    _check_config(config)
+    accelerator = accelerator or Accelerator()
+    log = log or accelerator.print
+    out_dir = Path(config.train.out_dir)
+    run_dir = out_dir / "train"
+    train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
+
+    kinds = resolve_kinds(model, config.gates)
+    gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
+                                        init_log_alpha=config.init_log_alpha)
+    if config.keep is not None:
+        LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
+    if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
+        raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
+    loss_kind, compute_loss = _loss_for(model, tokenizer, config)
+    if not isinstance(train_data, EncodedCorpus):  # encode once here to know the number of steps
+        from headlab.nmt.train import encode_corpus
+
+        train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
+        if train_data.n_truncated:
+            log(f"{train_data.n_truncated} training sequences cut to the model's positions")
+    total_steps = _total_steps(train_data, train_config, accelerator)
+    if config.keep is not None:
+        warmup = int(config.budget_warmup * total_steps) if total_steps else 0
+        gates.budget = LagrangianBudget(gates.n_gates(), config.keep, warmup)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # decoder-only tokenizers often have none
+    freeze = config.freeze_decoder
+    if freeze is None:
+        freeze = kinds == ("enc_self",) and _is_seq2seq(model)
+    frozen = _decoder_parameters(model) if freeze else set()
+
+    resuming = train_config.resume and (run_dir / "last").is_dir()
+    if not resuming and has_model(run_dir) and not train_config.overwrite:
+        raise HeadlabError(f"{out_dir} already holds a pruning run; pass --overwrite to replace it "
+                           "or --resume to continue it")
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not resuming:  # a fresh start: the old run's files would mislead
+            for name in (TRAJECTORY_FILE, RESULT_FILE, "gates.json"):
+                if (out_dir / name).exists():
+                    (out_dir / name).unlink()
+        atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+
+    heads_total = heads_per_kind(model)
+    attach_gates(model, gates)
+    diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
+    gate_ids = {id(p) for p in gates.log_alpha.parameters()}
+    budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
+
+    def trainable(name: str, parameter) -> bool:
+        # Parameters the model itself freezes (e.g. Marian's sinusoidal positions) stay frozen.
+        return parameter.requires_grad and id(parameter) not in frozen
+
+    def optimizer_factory(params, cfg: TrainConfig):
+        groups = [
+            {"params": [p for p in params if id(p) not in gate_ids | budget_ids], "lr_scale": 1.0},
+            {"params": [p for p in params if id(p) in gate_ids], "lr_scale": config.gate_lr / cfg.lr},
+            {"params": [p for p in params if id(p) in budget_ids], "lr_scale": config.multiplier_lr / cfg.lr},
+        ]
+        groups = [g for g in groups if g["params"]]
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                weight_decay=cfg.weight_decay)
+
+    try:
+        result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
+                       extra_loss=diagnostics.extra_loss, trainable=trainable, callback=diagnostics.callback,
+                       callback_every=config.log_every, optimizer_factory=optimizer_factory,
+                       accelerator=accelerator, log=log)
+    except BaseException:
+        detach_gates(model)
+        raise
+    if result.stopped == "diverged":
+        detach_gates(model)
+        return PruneResult("diverged", result.message + "; nothing exported", str(out_dir), result.step, heads_total)
+
+    # ---- final gates, export, evaluation (main process)
+    model.eval()
+    final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
+    spec = gates.keep_top(config.keep) if config.keep is not None else gates.closed_heads()
+    outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
+        pruned_dir = out_dir / "pruned"
+        sizes = export_pruned(model, spec, pruned_dir, tokenizer)
+        outcome.pruned_dir = str(pruned_dir)
+        outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
+        metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
+                   "deterministic_open": sum(final["heads_open"].values()), **sizes}
+        metrics.update(evaluate_model(model, tokenizer, eval_data, beam=config.eval_beam,
+                                      batch_size=config.eval_batch_size, loss_kind=loss_kind,
+                                      compute_loss=compute_loss))
+        if config.latency_sentences and eval_data is not None and loss_kind == "seq2seq":
+            metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: config.latency_sentences]),
+                                                 beam=config.eval_beam)
+        outcome.metrics = metrics
+        record = outcome.to_dict()
+        record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command)
+        atomic_write_text(pruned_dir / "README.md", model_card(record, config))
+        atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+        if final.get("hint"):
+            log("hint: " + final["hint"])
+        log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
+            f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")
+    else:
+        detach_gates(model)  # other ranks: the main process wrote the pruned model
+    accelerator.wait_for_everyone()
+    return outcome

@@ -1,0 +1,46 @@
+"""Agreement: Spearman correlation of each measure with ablation, per kind and pooled."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from headlab import HeadScores
+from headlab.importance import compute_agreement, spearman
+
+
+def test_spearman_matches_known_values():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties get average ranks: ranks a = [1.5, 1.5, 3, 4], b = [1, 2, 3, 4]
+    a, b = np.array([1.5, 1.5, 3, 4]), np.array([1, 2, 3, 4.0])
+    expected = np.corrcoef(a, b)[0, 1]
+    assert spearman([5, 5, 7, 9], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(expected)
+    # monotone transforms do not matter; NaN pairs are dropped; constants give NaN
+    x = np.array([0.3, -1.0, 2.0, 0.5, 7.0])
+    assert spearman(x, np.exp(x)) == pytest.approx(1.0)
+    assert spearman([1, np.nan, 2, 3], [1, 5, 2, 3]) == pytest.approx(1.0)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def _table(method, enc, dec):
+    return HeadScores({"enc_self": np.array(enc, float), "dec_self": np.array(dec, float)}, method)
+
+
+def test_agreement_table_per_kind_and_pooled(tmp_path):
+    ablation = _table("ablation", [[1, 2], [3, 4]], [[4, 3], [2, 1]])
+    same = _table("lrp", [[10, 20], [30, 40]], [[4, 3], [2, 1]])
+    flipped = _table("confidence", [[4, 3], [2, 1]], [[1, 2], [np.nan, 4]])
+    table = compute_agreement({"lrp": same, "confidence": flipped}, ablation)
+    assert table.rho["lrp"]["enc_self"] == pytest.approx(1.0)
+    assert table.rho["lrp"]["dec_self"] == pytest.approx(1.0)
+    assert table.rho["confidence"]["enc_self"] == pytest.approx(-1.0)
+    assert table.rho["confidence"]["dec_self"] == pytest.approx(-1.0)  # NaN head skipped
+    assert table.n_heads == {"enc_self": 4, "dec_self": 4, "all": 8}
+    assert table.best() == "lrp"
+    markdown = table.to_markdown()
+    assert "| lrp | +1.00 | +1.00 |" in markdown and "enc_self (4 heads)" in markdown
+    json_path, md_path = table.save(tmp_path)
+    assert json.loads(json_path.read_text())["spearman"]["confidence"]["enc_self"] == pytest.approx(-1.0)
+    assert "Spearman" in md_path.read_text()

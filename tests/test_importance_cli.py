@@ -1,0 +1,134 @@
+"""`headlab importance` end to end on tiny saved models, and its handling of bad input."""
+
+import gzip
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadScores
+from headlab.cli import main
+from headlab.importance import ImportanceData, describe_model, encode_texts
+from headlab.errors import HeadlabError
+from headlab.nmt.tokenizer import train_tokenizer
+from tiny_models import tiny_model
+
+SENTENCES = [
+    "a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
+    "children are playing football", "a cat sleeps on the sofa", "the man is cooking dinner",
+    "a girl is singing a song", "people walk in the park",
+]
+GERMAN = [
+    "ein mann fährt fahrrad", "zwei hunde spielen im schnee", "eine frau liest ein buch",
+    "kinder spielen fußball", "eine katze schläft auf dem sofa", "der mann kocht abendessen",
+    "ein mädchen singt ein lied", "leute gehen im park",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # ids: <pad> 0, </s> 1, <unk> 2, like the tiny Marian config; vocabulary below its 99
+    return train_tokenizer(SENTENCES + GERMAN, vocab_size=90, min_frequency=1)
+
+
+@pytest.fixture
+def files(tmp_path):
+    source = tmp_path / "src.en.gz"
+    with gzip.open(source, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(SENTENCES[:5] + ["", SENTENCES[5]]) + "\n")
+    target = tmp_path / "ref.de"
+    target.write_text("\n".join(GERMAN[:5] + ["", GERMAN[5]]) + "\n", encoding="utf-8")
+    return source, target
+
+
+def _save(model, tokenizer, path):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_all_methods_end_to_end(tmp_path, tokenizer, files, capsys):
+    model_dir = _save(tiny_model("marian"), tokenizer, tmp_path / "marian")
+    source, target = files
+    out = tmp_path / "out"
+    code = main(["importance", model_dir, "--data", str(source), "--target", str(target), "--out", str(out),
+                 "--batch-size", "3", "--ablation-rows", "12", "--no-progress", "--plots"])
+    assert code == 0
+    printed = capsys.readouterr()
+    for name in ("confidence", "lrp", "gradient", "gradient_raw", "ablation"):
+        scores = HeadScores.load(out / f"{name}.json")
+        assert scores.method == name and scores.kinds == ("enc_self", "dec_self", "dec_cross")
+        assert scores.signature["n_sentences"] == 6 and scores.signature["n_empty_skipped"] == 1
+        assert (out / f"{name}.png").is_file()
+    agreement = json.loads((out / "agreement.json").read_text())
+    assert set(agreement["spearman"]) == {"confidence", "lrp", "gradient", "gradient_raw"}
+    assert "| lrp |" in (out / "agreement.md").read_text()
+    assert "Spearman correlation with ablation" in printed.out
+    assert "6 sentences" in printed.err
+
+
+def test_bleu_metric_and_single_method(tmp_path, tokenizer, files, capsys):
+    model_dir = _save(tiny_model("marian"), tokenizer, tmp_path / "marian")
+    source, target = files
+    out = tmp_path / "out"
+    assert main(["importance", model_dir, "--data", str(source), "--target", str(target), "--out", str(out),
+                 "--method", "ablation,lrp", "--metric", "bleu", "--no-progress", "--n-sentences", "3"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ablation.json", "agreement.json", "agreement.md", "lrp.json"]
+    assert HeadScores.load(out / "ablation.json").signature["metric"] == "bleu"
+
+
+def test_model_without_lm_head_skips_what_needs_one(tmp_path, tokenizer, files, capsys):
+    bare = tf.BertModel(tiny_model("bert").config).eval()
+    model_dir = _save(bare, tokenizer, tmp_path / "bert")
+    source, _ = files
+    out = tmp_path / "out"
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    for method in ("lrp", "gradient", "ablation"):
+        assert f"skipped {method}: the model has no language-model head" in printed.out
+    assert sorted(p.name for p in out.iterdir()) == ["confidence.json"]
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(out), "--method", "lrp"]) == 2
+    assert "cannot run lrp" in capsys.readouterr().err
+
+
+def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
+    model_dir = _save(tiny_model("gpt2"), tokenizer, tmp_path / "gpt2")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n\n", encoding="utf-8")
+    assert main(["importance", model_dir, "--data", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "empty data set" in capsys.readouterr().err
+    source, target = files
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), "--method", "magic"]) == 2
+    assert "unknown importance method 'magic'" in capsys.readouterr().err
+    assert main(["importance", model_dir, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "not found" in capsys.readouterr().err
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(SENTENCES) + "\na man\n", encoding="utf-8")
+    out = tmp_path / "trunc"
+    assert main(["importance", model_dir, "--data", str(long), "--out", str(out), "--max-length", "8",
+                 "--method", "confidence,lrp", "--no-progress"]) == 0
+    assert "1 inputs longer than 8 tokens were truncated" in capsys.readouterr().err
+    assert HeadScores.load(out / "lrp.json").signature["n_truncated"] == 1
+
+
+def test_encoding_counts_truncations_and_refuses_empty_data(tokenizer):
+    model = tiny_model("marian")
+    info = describe_model(model, tokenizer, max_length=5)
+    assert info.max_length == 5 and {0, 1} <= info.special_ids
+    data = encode_texts(tokenizer, info, [SENTENCES[0], "", SENTENCES[2]], [GERMAN[0], "x", GERMAN[2]])
+    assert len(data) == 2 and data.n_empty == 1
+    assert all(len(ids) <= 5 and ids[-1] == 1 for ids in data.sources + data.references)  # EOS kept
+    assert data.n_truncated == 4
+    with pytest.raises(HeadlabError, match="empty data set"):
+        encode_texts(tokenizer, info, ["", " "])
+    with pytest.raises(HeadlabError, match="empty data set"):
+        ImportanceData.from_ids([])

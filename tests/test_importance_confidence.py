@@ -1,0 +1,110 @@
+"""Confidence: the mean of each head's maximum attention weight, special tokens and padding excluded."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from headlab.importance import ImportanceData, compute_confidence, describe_model, translate_data
+from headlab.importance.confidence import max_attention
+from tiny_models import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+SEP = 5  # an extra "special" token for the tests
+
+
+def _sentences(eos):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for length in (6, 3, 5, 4):
+        row = torch.randint(6, 99, (length,), generator=g).tolist()
+        row.insert(1, SEP)  # a special token inside the sentence
+        rows.append(row + [eos])
+    return rows
+
+
+def _by_hand(model, info, data, family):
+    """Independent computation, one sentence at a time (no padding), with Python loops."""
+    special = info.special_ids
+    sums, counts = {}, {}
+
+    def add(kind, layer, probs, q_tokens, k_tokens, causal, skip_special_queries):
+        for h in range(probs.shape[0]):
+            for q in range(probs.shape[1]):
+                if skip_special_queries and q_tokens[q] in special:
+                    continue
+                keys = [k for k in range(probs.shape[2]) if k_tokens[k] not in special and (not causal or k <= q)]
+                if not keys:
+                    continue
+                sums.setdefault((kind, layer), np.zeros(probs.shape[0]))[h] += max(float(probs[h, q, k]) for k in keys)
+                if h == 0:
+                    counts[(kind, layer)] = counts.get((kind, layer), 0) + 1
+
+    for i, src in enumerate(data.sources):
+        ids = torch.tensor([src])
+        with torch.no_grad():
+            if info.is_seq2seq:
+                dec = [info.decoder_start_id] + data.translations[i][:-1]
+                out = model(input_ids=ids, decoder_input_ids=torch.tensor([dec]), output_attentions=True)
+                for layer, probs in enumerate(out.encoder_attentions):
+                    add("enc_self", layer, probs[0], src, src, False, True)
+                for layer, probs in enumerate(out.decoder_attentions):
+                    add("dec_self", layer, probs[0], dec, dec, True, False)
+                for layer, probs in enumerate(out.cross_attentions):
+                    add("dec_cross", layer, probs[0], dec, src, False, False)
+            else:
+                out = model(input_ids=ids, output_attentions=True)
+                kind = "dec_self" if family == "gpt2" else "enc_self"
+                for layer, probs in enumerate(out.attentions):
+                    add(kind, layer, probs[0], src, src, family == "gpt2", True)
+    return {key: sums[key] / counts[key] for key in sums}
+
+
+@pytest.mark.parametrize("family", ["marian", "bart", "bert", "gpt2"])
+def test_confidence_equals_a_hand_computation(family):
+    model = tiny_model(family, attn_implementation="eager")
+    info = describe_model(model)
+    eos = min(info.eos_ids) if info.eos_ids else 1
+    info = replace(info, special_ids=info.special_ids | {SEP, eos})
+    data = ImportanceData.from_ids(_sentences(eos))
+    if info.is_seq2seq:
+        data = translate_data(model, data, info, max_length_a=0, max_length_b=5)
+    scores = compute_confidence(model, data, info, batch_size=3)  # padded batches
+    expected = _by_hand(model, info, data, family)
+    assert scores.method == "confidence"
+    for (kind, layer), values in expected.items():
+        np.testing.assert_allclose(scores[kind][layer], values, rtol=1e-5)
+    assert set(scores.kinds) == {k for k, _ in expected}
+
+
+def test_eos_keys_are_excluded_and_not_renormalised():
+    # One head, one query: 0.7 on EOS (key 2), 0.2 and 0.1 on words.
+    probs = torch.tensor([[[[0.2, 0.1, 0.7]]]])
+    queries = torch.tensor([[True]])
+    keys = torch.tensor([[True, True, False]])
+    total, count = max_attention(probs, queries, keys, causal=False)
+    assert float(total[0]) == pytest.approx(0.2) and int(count) == 1
+    # A query whose only visible key is excluded does not count.
+    probs = torch.tensor([[[[1.0, 0.0], [0.4, 0.6]]]])
+    total, count = max_attention(probs, torch.tensor([[True, True]]), torch.tensor([[False, True]]), causal=True)
+    assert float(total[0]) == pytest.approx(0.6) and int(count) == 1
+
+
+def test_confidence_needs_no_lm_head():
+    import transformers as tf
+
+    bare = tf.BertModel(tiny_model("bert").config).eval()
+    info = describe_model(bare)
+    assert not info.has_lm_head
+    scores = compute_confidence(bare, ImportanceData.from_ids(_sentences(2)), info)
+    assert scores["enc_self"].shape == (2, 4)
+    assert ((scores["enc_self"] > 0) & (scores["enc_self"] <= 1)).all()

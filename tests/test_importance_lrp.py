@@ -1,0 +1,196 @@
+"""LRP head relevance: conservation, unchanged forward, equal strategies, the model's own target."""
+
+import numpy as np
+import pytest
+import torch
+
+from headlab import HeadlabError, HeadScores, attention_blocks
+from headlab.importance import (
+    ImportanceData,
+    compute_lrp,
+    describe_model,
+    head_relevance,
+    lrp_rules,
+    make_batches,
+    translate_data,
+)
+from headlab.importance.lrp import normalize_per_layer
+from tiny_models import FAMILIES, tiny_inputs, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _bias_free(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+        for name, buffer in model.named_buffers():
+            if name.endswith("final_logits_bias"):
+                buffer.zero_()
+    return model
+
+
+def _hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _data(n=4, seed=0, eos=1):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 8, (n,), generator=g).tolist()
+    return ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [eos] for k in lengths])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_relevance_is_conserved_layer_to_layer(family):
+    """On a bias-free model, relevance summed over any layer's hidden states equals the logit."""
+    model = _bias_free(tiny_model(family).double())
+    inputs = tiny_inputs(family)
+    with torch.enable_grad(), lrp_rules(model):
+        out = model(**inputs, output_hidden_states=True)
+        row, position = 1, 2
+        y = out.logits[row, position].max()
+        if model.config.is_encoder_decoder:
+            encoder, decoder = list(out.encoder_hidden_states), list(out.decoder_hidden_states)
+            grads = torch.autograd.grad(y, encoder + decoder)
+            totals = [float((h * g).sum().detach()) for h, g in zip(encoder + decoder, grads)]
+            enc, dec = totals[: len(encoder)], totals[len(encoder) :]
+            # Every encoder layer passes on what the decoder's cross-attention sent it ...
+            np.testing.assert_allclose(enc, enc[0], rtol=1e-9, atol=1e-12)
+            # ... and at the bottom, encoder + decoder embeddings hold the whole logit.
+            np.testing.assert_allclose(enc[0] + dec[0], float(y.detach()), rtol=1e-9)
+        else:
+            hidden = list(out.hidden_states)
+            grads = torch.autograd.grad(y, hidden)
+            totals = [float((h * g).sum().detach()) for h, g in zip(hidden, grads)]
+            np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rules_leave_the_forward_pass_unchanged_and_remove_their_hooks(family):
+    model = tiny_model(family)
+    inputs = tiny_inputs(family)
+    before, hooks = model(**inputs).logits, _hooks(model)
+    with lrp_rules(model):
+        assert _hooks(model) > hooks
+        inside = model(**inputs).logits
+    assert torch.equal(before, inside)
+    assert _hooks(model) == hooks
+    with pytest.raises(RuntimeError, match="boom"), lrp_rules(model):
+        raise RuntimeError("boom")
+    assert _hooks(model) == hooks
+
+
+@pytest.mark.parametrize("family", ["marian", "bart", "bert", "gpt2", "t5", "llama"])
+def test_batched_loop_and_jacobian_strategies_agree(family):
+    model = tiny_model(family)
+    info = describe_model(model)
+    data = _data()
+    if info.is_seq2seq:
+        data = translate_data(model, data, info, max_length_a=0, max_length_b=6)
+    batch = next(make_batches(data, info, batch_size=4))
+    results = {s: head_relevance(model, batch, strategy=s) for s in ("vmap", "loop", "jacobian")}
+    chunked = head_relevance(model, batch, strategy="vmap", chunk_size=2)
+    assert len(results["vmap"].steps) == int(batch.steps.sum()) > 0
+    for other in (results["loop"], results["jacobian"], chunked):
+        assert torch.equal(other.steps, results["vmap"].steps)
+        for key, values in results["vmap"].relevance.items():
+            torch.testing.assert_close(other.relevance[key], values, rtol=1e-4, atol=1e-6)
+
+
+def test_target_is_the_models_own_prediction_not_the_reference():
+    model = tiny_model("marian")
+    info = describe_model(model)
+    references = [[5, 6, 7, 8, 1], [9, 10, 1], [11, 12, 13, 1], [14, 1]]
+    data = translate_data(model, ImportanceData.from_ids(_data().sources, references), info,
+                          max_length_a=0, max_length_b=6)
+    batch = next(make_batches(data, info, batch_size=4, side="translation"))
+    result = head_relevance(model, batch)
+    # Greedy decoding: the top-1 token of each teacher-forced step is the translation's next token.
+    expected = torch.cat([torch.tensor(data.translations[i]) for i in batch.index])
+    rows = result.steps[:, 0]
+    by_row = [result.tokens[rows == r] for r in range(batch.size)]
+    assert torch.equal(torch.cat(by_row), expected)
+    assert not torch.equal(result.tokens[: len(references[batch.index[0]])], torch.tensor(references[batch.index[0]]))
+    # compute_lrp always scores the translation, also when references are present.
+    scores = compute_lrp(model, data, info, batch_size=2)
+    assert scores.signature["n_steps"] == sum(len(t) for t in data.translations)
+
+
+def test_head_relevance_is_normalised_per_layer_then_averaged():
+    model = tiny_model("gpt2")
+    info = describe_model(model)
+    data = _data(n=3, eos=0)
+    batch = next(make_batches(data, info, batch_size=3))
+    raw = head_relevance(model, batch)
+    expected = {key: normalize_per_layer(v.double()).mean(0).numpy() for key, v in raw.relevance.items()}
+    scores = compute_lrp(model, data, info, batch_size=3)
+    assert isinstance(scores, HeadScores) and scores.method == "lrp"
+    for (kind, layer), values in expected.items():
+        np.testing.assert_allclose(scores[kind][layer], values, rtol=1e-6)
+        assert np.isclose(np.abs(normalize_per_layer(raw.relevance[(kind, layer)])).sum(-1), 1).all()
+    assert scores.signature["n_steps"] == sum(len(s) for s in data.sources)
+
+
+def test_all_kinds_are_scored_for_translation_models():
+    model = tiny_model("marian")
+    info = describe_model(model)
+    data = translate_data(model, _data(n=2), info, max_length_a=0, max_length_b=4)
+    scores = compute_lrp(model, data, info)
+    assert scores.kinds == ("enc_self", "dec_self", "dec_cross")
+    assert all(scores[k].shape == (2, 4) and not np.isnan(scores[k]).any() for k in scores.kinds)
+    only = compute_lrp(model, data, info, kinds=("dec_cross",))
+    assert only.kinds == ("dec_cross",)
+    np.testing.assert_allclose(only["dec_cross"], scores["dec_cross"], rtol=1e-5)
+
+
+def test_lrp_errors_are_clear():
+    import transformers as tf
+
+    bare = tf.BertModel(tiny_model("bert").config).eval()
+    info = describe_model(bare)
+    assert not info.has_lm_head
+    with pytest.raises(HeadlabError, match="language-model head"):
+        compute_lrp(bare, _data(), info)
+    model = tiny_model("marian")
+    with pytest.raises(HeadlabError, match="translate_data"):
+        compute_lrp(model, _data(), describe_model(model))
+    with pytest.raises(HeadlabError, match="strategy"):
+        head_relevance(model, None, strategy="magic")
+
+
+def test_unsupported_normalisation_is_refused():
+    model = tiny_model("gpt2")
+
+    class FancyNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(32))
+
+        def forward(self, x):
+            return x * self.weight
+
+    model.transformer.ln_f = FancyNorm()
+    hooks = _hooks(model)
+    with pytest.raises(HeadlabError, match="FancyNorm"), lrp_rules(model):
+        pass
+    assert _hooks(model) == hooks
+
+
+def test_pruned_blocks_keep_original_head_numbering():
+    from headlab import prune_heads
+
+    model = tiny_model("gpt2")
+    prune_heads(model, {("dec_self", 0): [1, 3]})
+    scores = compute_lrp(model, _data(n=2, eos=0), describe_model(model))
+    assert scores["dec_self"].shape == (2, 4)
+    assert np.isnan(scores["dec_self"][0, [1, 3]]).all()
+    assert not np.isnan(scores["dec_self"][0, [0, 2]]).any()
+    assert len(attention_blocks(model)) == 2

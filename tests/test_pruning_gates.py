@@ -1,0 +1,119 @@
+"""Hard Concrete gates (Louizos et al. 2018) checked against their closed forms."""
+
+import math
+
+import pytest
+import torch
+
+from headlab import attach_gates, detach_gates
+from headlab.errors import HeadlabError
+from headlab.pruning import HardConcreteGates, LagrangianBudget
+from tiny_models import logits, tiny_inputs, tiny_model
+
+
+def gates_for(log_alpha, beta=0.33):
+    gates = HardConcreteGates({("enc_self", 0): len(log_alpha)}, beta=beta)
+    with torch.no_grad():
+        gates.log_alpha["enc_self_0"].copy_(torch.tensor(log_alpha))
+    return gates
+
+
+@pytest.mark.parametrize("beta", [0.33, 2 / 3])
+def test_samples_lie_in_unit_interval_with_the_closed_form_point_masses(beta):
+    torch.manual_seed(0)
+    log_alpha = torch.tensor([-2.0, -0.5, 0.0, 0.7, 2.5])
+    gates = gates_for(log_alpha.tolist(), beta)
+    n = 200_000
+    samples = gates.sample(log_alpha.expand(n, -1))  # [n, 5]
+    assert samples.min() >= 0 and samples.max() <= 1
+    # Monte Carlo against the closed forms; 4 standard errors of a proportion.
+    for name, observed, expected in [
+        ("P(g=0)", (samples == 0).float().mean(0), gates.p_zero(log_alpha)),
+        ("P(g=1)", (samples == 1).float().mean(0), gates.p_one(log_alpha)),
+    ]:
+        tolerance = 4 * torch.sqrt(expected * (1 - expected) / n) + 1e-4
+        assert torch.all((observed - expected).abs() < tolerance), (name, observed, expected)
+    # The closed forms by an independent route: P(g=0) = P(s < -gamma/(zeta-gamma)) with
+    # s = sigmoid((L + log_alpha)/beta), L logistic, i.e. P(L < beta*logit(t0) - log_alpha).
+    t0 = 0.1 / 1.2
+    t1 = 1.1 / 1.2
+    expected_zero = torch.sigmoid(beta * math.log(t0 / (1 - t0)) - log_alpha)
+    expected_one = 1 - torch.sigmoid(beta * math.log(t1 / (1 - t1)) - log_alpha)
+    torch.testing.assert_close(gates.p_zero(log_alpha), expected_zero)
+    torch.testing.assert_close(gates.p_one(log_alpha), expected_one)
+    # The expectation of the penalty term is the Monte Carlo rate of non-zero gates.
+    nonzero = (samples > 0).float().mean(0).sum()
+    assert abs(nonzero.item() - gates.l0_penalty().item()) < 0.01
+
+
+def test_penalty_gradient_matches_finite_differences_and_closed_form():
+    gates = gates_for([-1.0, 0.3, 2.0])
+    gates.double()
+    penalty = gates.l0_penalty()
+    penalty.backward()
+    analytic = gates.log_alpha["enc_self_0"].grad
+    shift = 0.33 * math.log(0.1 / 1.1)
+    a = torch.tensor([-1.0, 0.3, 2.0], dtype=torch.float64)
+    sig = torch.sigmoid(a - shift)
+    torch.testing.assert_close(analytic, sig * (1 - sig))
+    assert torch.autograd.gradcheck(
+        lambda x: torch.sigmoid(x - shift).sum(), (a.clone().requires_grad_(),))
+    # Reparameterisation: the sampled gate carries a gradient to log_alpha.
+    sample = gates.sample(gates.log_alpha["enc_self_0"])
+    sample.sum().backward()
+    assert gates.log_alpha["enc_self_0"].grad is not None
+
+
+def test_test_time_gates_are_zero_or_one_by_the_larger_point_mass():
+    log_alpha = torch.linspace(-4, 4, 41)
+    gates = gates_for(log_alpha.tolist())
+    gates.eval()
+    g = gates.gate(("enc_self", 0))
+    assert set(g.unique().tolist()) <= {0.0, 1.0}
+    expected = (gates.p_one(log_alpha) > gates.p_zero(log_alpha)).float()
+    assert torch.equal(g, expected)
+    gates.train()
+    assert not torch.equal(gates.gate(("enc_self", 0)), gates.gate(("enc_self", 0)))  # fresh draw each call
+
+
+def test_gates_plug_into_the_foundation_and_are_parameters():
+    model = tiny_model("marian")
+    inputs = tiny_inputs("marian")
+    full = logits(model, inputs)
+    gates = HardConcreteGates.for_model(model, ("enc_self",), init_log_alpha=10.0)
+    attach_gates(model, gates)
+    names = [name for name, _ in model.named_parameters() if "headlab_gates" in name]
+    assert names == ["headlab_gates.log_alpha.enc_self_0", "headlab_gates.log_alpha.enc_self_1"]
+    assert "headlab_gates.log_alpha.enc_self_0" in model.state_dict()
+    torch.testing.assert_close(logits(model, inputs), full)  # all gates open at test time: no change
+    detach_gates(model)
+
+
+def test_keep_top_and_closed_heads():
+    gates = HardConcreteGates({("enc_self", 0): 3, ("dec_self", 0): 2})
+    with torch.no_grad():
+        gates.log_alpha["enc_self_0"].copy_(torch.tensor([5.0, -5.0, 1.0]))
+        gates.log_alpha["dec_self_0"].copy_(torch.tensor([-3.0, 4.0]))
+    assert gates.closed_heads() == {("enc_self", 0): [1], ("dec_self", 0): [0]}
+    assert gates.keep_top(2) == {("enc_self", 0): [1, 2], ("dec_self", 0): [0]}
+    assert gates.keep_top(5) == {}
+    with pytest.raises(HeadlabError, match="cannot keep 6 heads"):
+        gates.keep_top(6)
+    scores = gates.p_open_scores()
+    assert scores["enc_self"].shape == (1, 3) and scores["enc_self"][0, 0] > 0.99
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(HeadlabError, match="beta"):
+        HardConcreteGates({("enc_self", 0): 2}, beta=0)
+    with pytest.raises(HeadlabError, match="larger than the 4 gated heads"):
+        LagrangianBudget(4, 5)
+
+
+def test_budget_multipliers_ascend():
+    budget = LagrangianBudget(10, 4, warmup_steps=10)
+    assert budget.target(0) == 10 and budget.target(5) == 7 and budget.target(20) == 4
+    expected = torch.tensor(8.0, requires_grad=True)
+    budget.penalty(expected, 20).backward()
+    # Minimising with these gradients raises lambda_1 while the gap (8 - 4) is positive.
+    assert budget.lambda_1.grad.item() == -4.0 and budget.lambda_2.grad.item() == -16.0

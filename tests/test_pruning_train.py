@@ -1,0 +1,364 @@
+"""Gated fine-tuning, export, sweeps and baselines on a tiny Marian model and 300 Multi30k pairs."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from headlab import attach_gates, load_pruned
+from headlab.cli import main
+from headlab.data import read_parallel
+from headlab.errors import HeadlabError
+from headlab.nmt.model import ModelConfig, build_marian_config, create_model
+from headlab.nmt.tokenizer import train_tokenizer
+from headlab.nmt.train import TrainConfig, load_weights
+from headlab.pruning import HardConcreteGates, PruneConfig, prune_train, read_trajectory
+from headlab.pruning import baselines
+from headlab.pruning.train import encode_lm_corpus, export_pruned
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
+TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return train_tokenizer(corpus.sources + corpus.targets, vocab_size=400)
+
+
+def marian(tokenizer, seed=0):
+    return create_model(build_marian_config(TINY, tokenizer), seed=seed)
+
+
+def config(out_dir, epochs=1, **overrides):
+    train = TrainConfig(out_dir=str(out_dir), max_tokens=400, lr=1e-3, warmup_steps=0, schedule="constant",
+                        max_epochs=epochs, validate=False, keep_epoch_checkpoints=False, progress=False, seed=3)
+    options = dict(gates="all", lam=0.0, log_every=5, eval_beam=1, gate_lr=0.1, train=train)
+    options.update(overrides)
+    return PruneConfig(**options)
+
+
+def sample_inputs(tokenizer, corpus, n=4):
+    enc = tokenizer(corpus.sources[:n], return_tensors="pt", padding=True)
+    dec = tokenizer(corpus.targets[:n], return_tensors="pt", padding=True)["input_ids"]
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "decoder_input_ids": dec}
+
+
+def test_lambda_zero_keeps_all_heads(corpus, tokenizer, tmp_path):
+    result = prune_train(marian(tokenizer), tokenizer, corpus, corpus.subset(10), config(tmp_path / "r", lam=0.0))
+    assert result.stopped == "finished"
+    assert result.heads_kept == result.heads_total == {"enc_self": 8, "dec_self": 8, "dec_cross": 8}
+    assert {"bleu", "chrf", "loss"} <= set(result.metrics)
+    saved = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert saved["heads_kept"] == result.heads_kept and saved["lam"] == 0.0
+    assert "heads kept" in (tmp_path / "r" / "pruned" / "README.md").read_text()
+
+
+def test_large_lambda_closes_most_gates_and_logs_a_trajectory(corpus, tokenizer, tmp_path):
+    result = prune_train(marian(tokenizer), tokenizer, corpus, None, config(tmp_path / "r", epochs=3, lam=1.0))
+    assert sum(result.heads_kept.values()) <= 6  # at least 75% of 24 heads closed
+    records = read_trajectory(tmp_path / "r")
+    assert [r["step"] for r in records] == list(range(5, 70, 5))
+    first, last = records[0], records[-1]
+    assert last["expected_l0"] < first["expected_l0"]
+    assert len(first["p_open"]["enc_self"]) == 2 and len(first["p_open"]["enc_self"][0]) == 4
+    assert {"heads_closed", "heads_open", "polarized", "grad_loss_log_alpha", "grad_penalty_log_alpha",
+            "penalty_to_loss"} <= set(first)
+    assert result.metrics["polarized"] >= 0.95  # P(open) < 0.05 or > 0.95 for the gates at the end
+    # A torn last line (a kill while appending) is skipped.
+    with open(tmp_path / "r" / "trajectory.jsonl", "a") as handle:
+        handle.write('{"step": 99, "lo')
+    assert len(read_trajectory(tmp_path / "r")) == len(records)
+
+
+def test_enc_self_mode_leaves_every_decoder_parameter_bit_identical(corpus, tokenizer, tmp_path):
+    model = marian(tokenizer)
+    decoder = {name: p.detach().clone() for name, p in model.named_parameters()
+               if not name.startswith("model.encoder.") or name == "model.encoder.embed_tokens.weight"}
+    encoder = {name: p.detach().clone() for name, p in model.named_parameters() if name.startswith("model.encoder.layers")}
+    result = prune_train(model, tokenizer, corpus, None, config(tmp_path / "r", gates="enc_self", lam=0.1))
+    assert result.heads_kept["dec_self"] == 8 and result.heads_kept["dec_cross"] == 8
+    after = dict(load_pruned(tmp_path / "r" / "pruned").named_parameters())
+    for name, value in decoder.items():  # shared embeddings and lm head included
+        assert torch.equal(after[name], value), name
+    changed = [n for n in encoder if "self_attn" not in n and not torch.equal(after[n], encoder[n])]
+    assert changed  # the encoder did train
+
+
+def test_exported_model_equals_gated_model_with_deterministic_gates(corpus, tokenizer, tmp_path):
+    inputs = sample_inputs(tokenizer, corpus)
+    # 1) Mixed gates set by hand: export == gated model in eval mode.
+    model = marian(tokenizer).eval()
+    gates = HardConcreteGates.for_model(model)
+    with torch.no_grad():
+        for i, value in enumerate(gates.log_alpha.values()):
+            value.copy_(torch.tensor([3.0, -3.0, 0.5, -0.2]).roll(i))
+    attach_gates(model, gates)
+    model.eval()  # the gate module joins in training mode; eval() makes the gates deterministic
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    spec = gates.closed_heads()
+    assert sum(len(v) for v in spec.values()) == 12
+    export_pruned(model, spec, tmp_path / "hand", tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(load_pruned(tmp_path / "hand")(**inputs).logits, expected, atol=1e-5, rtol=0)
+    # 2) End to end: the exported model == the trained gated model (train/last) in eval mode.
+    result = prune_train(marian(tokenizer), tokenizer, corpus, None, config(tmp_path / "r", epochs=2, lam=0.5))
+    gated = marian(tokenizer, seed=5)
+    attach_gates(gated, HardConcreteGates.for_model(gated))
+    load_weights(gated, tmp_path / "r" / "train" / "last")
+    gated.eval()
+    assert sum(result.heads_kept.values()) < 24  # (untrained: the gates move together)
+    with torch.no_grad():
+        torch.testing.assert_close(load_pruned(tmp_path / "r" / "pruned")(**inputs).logits, gated(**inputs).logits,
+                                   atol=1e-5, rtol=0)
+
+
+def test_budget_mode_reaches_exactly_n_heads(corpus, tokenizer, tmp_path):
+    cfg = config(tmp_path / "r", gates="enc_self", keep=5, multiplier_lr=0.2, budget_warmup=0.5)
+    cfg.train = replace(cfg.train, max_epochs=100, max_steps=40)
+    result = prune_train(marian(tokenizer), tokenizer, corpus, None, cfg)
+    assert result.heads_kept["enc_self"] == 5
+    records = read_trajectory(tmp_path / "r")
+    assert records[-1]["target"] == 5 and records[-1]["lambda_1"] != 0
+    assert records[-1]["expected_l0"] < records[0]["expected_l0"]
+
+
+def test_bad_input_is_refused_before_anything_is_written(corpus, tokenizer, tmp_path):
+    with pytest.raises(HeadlabError, match="lambda must be"):
+        prune_train(marian(tokenizer), tokenizer, corpus, None, config(tmp_path / "a", lam=-1.0))
+    with pytest.raises(HeadlabError, match="larger than the 8 gated heads"):
+        prune_train(marian(tokenizer), tokenizer, corpus, None, config(tmp_path / "b", gates="enc_self", keep=9))
+    with pytest.raises(HeadlabError, match="unknown kind 'cross'"):
+        prune_train(marian(tokenizer), tokenizer, corpus, None, config(tmp_path / "c", gates="cross"))
+    import transformers as tf
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    with pytest.raises(HeadlabError, match="the model has no enc_self attention"):
+        prune_train(gpt2, tokenizer, corpus, None, config(tmp_path / "d", gates="enc_self"))
+    assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(corpus, tokenizer, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = HardConcreteGates.l0_penalty
+
+    def poisoned(self):
+        calls["n"] += 1
+        value = real(self)
+        return value * float("nan") if calls["n"] > 12 else value
+
+    monkeypatch.setattr(HardConcreteGates, "l0_penalty", poisoned)
+    cfg = config(tmp_path / "r", lam=0.1)
+    cfg.train = replace(cfg.train, save_every_steps=5)
+    result = prune_train(marian(tokenizer), tokenizer, corpus, None, cfg)
+    assert result.stopped == "diverged"
+    assert "Last good checkpoint" in result.message and "nothing exported" in result.message
+    state = json.loads((tmp_path / "r" / "train" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 10
+    assert not (tmp_path / "r" / "pruned").exists() and not (tmp_path / "r" / "result.json").exists()
+
+
+def test_decoder_only_model_with_lm_loss(corpus, tokenizer, tmp_path):
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+    data = encode_lm_corpus(tokenizer, corpus.targets, 64)
+    result = prune_train(gpt2, tokenizer, data, None, config(tmp_path / "r", epochs=2, lam=1.0))
+    assert result.heads_total == {"dec_self": 8}
+    assert sum(result.heads_kept.values()) < 8
+    assert read_trajectory(tmp_path / "r")[0]["loss"] > 0
+
+
+def test_baselines_give_equal_head_counts(corpus, tokenizer):
+    model = marian(tokenizer)
+    first = baselines.random_spec(model, 3, ("enc_self",), seed=1)
+    assert sum(len(v) for v in first.values()) == 5
+    assert first != baselines.random_spec(model, 3, ("enc_self",), seed=2)
+    steps = []
+    spec = baselines.michel_spec(model, tokenizer, corpus.subset(40), 3, ("enc_self",), step_fraction=0.25,
+                                 on_step=steps.append)
+    assert sum(len(v) for v in spec.values()) == 5
+    assert [sum(len(v) for v in s.values()) for s in steps] == [2, 4, 5]
+    scores = baselines.gradient_importance(model, tokenizer, corpus.subset(40), ("enc_self",), spec)
+    assert scores["enc_self"].shape == (2, 4)
+    assert sum(1 for _ in scores.items()) == 3  # removed heads are NaN
+    assert baselines.scores_spec(scores, 2) == scores.top_mask(2, ("enc_self",))
+    with pytest.raises(HeadlabError, match="cannot keep 9 heads"):
+        baselines.random_spec(model, 9)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    model = marian(tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _data_args(limit=200):
+    return ["--train-src", str(DATA / "train.en.gz"), "--train-tgt", str(DATA / "train.de.gz"),
+            "--valid-src", str(DATA / "val.en.gz"), "--valid-tgt", str(DATA / "val.de.gz"),
+            "--limit", str(limit), "--eval-limit", "10", "--max-tokens", "400", "--eval-beam", "1",
+            "--log-every", "5", "--no-progress", "--lr", "1e-3", "--gate-lr", "0.1"]
+
+
+def test_cli_train_and_its_errors(model_dir, tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["prune", "train", str(model_dir), *_data_args(), "--gates", "all", "--lam", "0.5", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["heads_total"] == {"enc_self": 8, "dec_self": 8, "dec_cross": 8} and "bleu" in summary
+    assert main(["heads", str(out / "pruned"), "--json"]) == 0
+    capsys.readouterr()
+    # A finished run is not overwritten by accident.
+    assert main(["prune", "train", str(model_dir), *_data_args(), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["prune", "train", str(model_dir), *_data_args(), "--lam", "-0.1", "--out", str(tmp_path / "n")]) == 2
+    assert "--lam must be >= 0" in capsys.readouterr().err
+    assert main(["prune", "train", str(model_dir), *_data_args(), "--keep", "99", "--out", str(tmp_path / "k")]) == 2
+    assert "larger than the 8 gated heads" in capsys.readouterr().err
+    assert not (tmp_path / "n").exists() and not (tmp_path / "k").exists()
+    # The physical pruning command, old and new spelling.
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1", "--out", str(tmp_path / "a")]) == 0
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:1", "--out", str(tmp_path / "b")]) == 0
+
+
+def test_cli_sweep_resumes_and_skips_finished_points(model_dir, tmp_path, capsys):
+    out = tmp_path / "s"
+    args = ["prune", "sweep", str(model_dir), *_data_args(100), "--gates", "enc_self", "--lams", "0,2",
+            "--out", str(out)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].startswith("| point | lam | keep | enc_self | dec_self | dec_cross | heads | bleu | chrf | loss")
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [r["point"] for r in rows] == ["full", "lam-0", "lam-2"]
+    assert rows[1]["enc_self"] == 8 and rows[2]["enc_self"] <= rows[1]["enc_self"]
+    assert all(r["bleu"] is not None and r["loss"] is not None for r in rows)
+    # Interrupt simulation: drop the second point's result; the rerun skips the first only.
+    (out / "lam-2" / "result.json").unlink()
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "lam-0: finished earlier, skipped" in captured.out + captured.err
+    assert "lam-2: resuming" in captured.out + captured.err
+    assert len(json.loads((out / "sweep.json").read_text())) == 3
+
+
+def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):
+    out = tmp_path / "b"
+    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
+            "--method", "random", "--keeps", "3", "--seeds", "1,2", "--out", str(out)]
+    assert main(args) == 0
+    assert "| random | 3 | 0 | no | 2 |" in capsys.readouterr().out
+    rows = json.loads((out / "baselines.json").read_text())
+    assert [r["seed"] for r in rows] == [1, 2] and all(r["heads_kept"]["enc_self"] == 3 for r in rows)
+    assert main(args) == 0  # finished rows are skipped, not repeated
+    assert len(json.loads((out / "baselines.json").read_text())) == 2
+
+
+def test_report_draws_figures_and_table(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    rows = [{"point": "full", "lam": None, "keep": None, "enc_self": 8, "dec_self": 8, "dec_cross": 8, "heads": 24,
+             "bleu": 30.0, "chrf": 55.0, "loss": 2.0},
+            {"point": "lam-0.1", "lam": 0.1, "keep": None, "enc_self": 3, "dec_self": 8, "dec_cross": 8, "heads": 19,
+             "bleu": 29.5, "chrf": 54.0, "loss": 2.1}]
+    (sweep / "sweep.json").write_text(json.dumps(rows))
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "baselines.json").write_text(json.dumps(
+        [{"method": "random", "keep": 3, "seed": s, "finetune_steps": 0, "heads_kept": {"enc_self": 3}, "bleu": b}
+         for s, b in [(1, 20.0), (2, 22.0)]]
+        + [{"method": "random", "keep": 19, "seed": 1, "finetune_steps": 0, "from_scratch": True,
+            "heads_kept": {"enc_self": 3, "dec_self": 8, "dec_cross": 8}, "bleu": 27.0}]))
+    assert main(["prune", "report", str(sweep), "--baselines", str(base), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").stat().st_size > 1000
+    assert (tmp_path / "fig" / "sweep-heads-per-kind.png").is_file()
+    table = (tmp_path / "fig" / "sweep-table.md").read_text()
+    assert "| 3/8/8 | 19 | 29.50 | 27.00 |" in table
+
+
+def test_encoder_only_model_with_masked_lm_loss(corpus, tokenizer, tmp_path):
+    import copy
+
+    import transformers as tf
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    bert = tf.BertForMaskedLM(tf.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
+                                            pad_token_id=tok.pad_token_id))
+    data = encode_lm_corpus(tok, corpus.sources, 64)
+    result = prune_train(bert, tok, data, None, config(tmp_path / "r", gates="enc_self", epochs=2, lam=1.0))
+    assert result.heads_total == {"enc_self": 8} and sum(result.heads_kept.values()) < 8
+    assert json.loads((tmp_path / "r" / "prune_config.json").read_text())["loss"] == "auto"
+    assert read_trajectory(tmp_path / "r")[0]["loss"] > 0
+
+
+def test_michel_importance_equals_a_sentence_by_sentence_reference(corpus, tokenizer):
+    import numpy as np
+
+    from headlab import ScalarGates, gates_attached
+    from headlab.nmt.train import collate, encode_corpus
+
+    model = marian(tokenizer).eval()
+    small = corpus.subset(3)
+    removed = {("enc_self", 1): [2]}
+    scores = baselines.gradient_importance(model, tokenizer, small, ("enc_self",), removed, batch_tokens=10_000)
+    encoded = encode_corpus(tokenizer, small)
+    total = {0: np.zeros(4), 1: np.zeros(4)}
+    for i in range(3):  # one sentence at a time, one scalar gate per head
+        gates = ScalarGates.for_model(model, ("enc_self",))
+        with torch.no_grad():
+            gates.values["enc_self_1"][2] = 0.0
+        batch = collate(encoded, [i], tokenizer.pad_token_id, tokenizer.pad_token_id)
+        with gates_attached(model, gates):
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=batch["decoder_input_ids"]).logits
+            loss = torch.nn.functional.cross_entropy(out[0], batch["labels"][0])
+            loss.backward()
+        for layer in (0, 1):
+            total[layer] += gates.values[f"enc_self_{layer}"].grad.abs().numpy()
+    for layer in (0, 1):
+        expected = total[layer] / 3
+        expected = expected / np.linalg.norm(expected)
+        if layer == 1:
+            expected[2] = np.nan
+        np.testing.assert_allclose(scores["enc_self"][layer], expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("keep", [None, 3])
+def test_diagnostics_split_the_log_alpha_gradient_into_loss_and_penalty(keep, tmp_path):
+    from headlab.pruning import LagrangianBudget
+    from headlab.pruning.train import _Diagnostics
+
+    gates = HardConcreteGates({("enc_self", 0): 8})
+    if keep is not None:
+        gates.budget = LagrangianBudget(8, keep, 0)
+        with torch.no_grad():
+            gates.budget.lambda_1.fill_(0.5)
+            gates.budget.lambda_2.fill_(0.1)
+    diagnostics = _Diagnostics(gates, PruneConfig(lam=0.3, keep=keep), tmp_path / "t.jsonl", print, 10)
+    diagnostics.extra_loss(None, None, 5).backward()  # the penalty alone: the loss's share is 0
+    record = diagnostics.record(None, 5, {"loss": 1.0})
+    expected = gates.log_alpha["enc_self_0"].grad.abs().mean().item()
+    assert record["grad_loss_log_alpha"] < 1e-6
+    assert record["grad_penalty_log_alpha"] == pytest.approx(expected, rel=1e-5)
+    if keep is None:
+        assert record["penalty_term"] == pytest.approx(0.3 * record["l0_penalty"])

@@ -1,0 +1,106 @@
+"""CoNLL-U reading: words, arcs, skipped lines, and errors that name file and line."""
+
+from pathlib import Path
+
+import pytest
+from test_functions_support import SAMPLE_CONLLU, sample_path  # noqa: F401 (fixture)
+
+from headlab.data.treebank import (
+    ProblemLog,
+    Treebank,
+    TreebankCounts,
+    count_sentences,
+    read_conllu,
+    relation_matcher,
+)
+from headlab.errors import HeadlabError
+
+REPO = Path(__file__).resolve().parents[1]
+EWT = REPO / "data" / "ud-english-ewt"
+
+
+def test_reads_words_tags_arcs_and_skips_multiword_and_empty_nodes(sample_path):
+    counts = TreebankCounts()
+    sentences = list(read_conllu(sample_path, counts=counts))
+    assert [s.sent_id for s in sentences] == ["s1", "s2", "s3", "s4"]
+    first = sentences[0]
+    assert first.words == ("The", "old", "dog", "quickly", "chased", "a", "red", "ball", ".")
+    assert first.upos[:3] == ("DET", "ADJ", "NOUN")
+    assert first.heads == (2, 2, 4, 4, -1, 7, 7, 4, 4)  # 0-based, root -1
+    assert first.deprels[7] == "obj"
+    assert first.space_after[7] is False and first.space_after[0] is True
+    assert first.line == 1 and first.text.startswith("The old dog")
+    second = sentences[1]
+    assert second.words == ("Cats", "do", "n't", "sleep", "here", ".")  # "don't" line skipped
+    assert sentences[2].words == ("Birds", "sing", "and", "fish", "swim", ".")  # empty node 4.1 skipped
+    assert counts.n_multiword_tokens == 1 and counts.n_empty_nodes == 1
+    assert counts.n_sentences == 4 and counts.n_words == 9 + 6 + 6 + 9
+    assert list(sentences[0].arcs())[0] == (2, 0, "det")
+    assert count_sentences(sample_path) == 4
+
+
+def _broken(tmp_path, old, new):
+    text = SAMPLE_CONLLU.replace(old, new, 1)
+    path = tmp_path / "broken.conllu"
+    path.write_text(text, encoding="utf-8")
+    line = text.splitlines().index(new.split("\n")[0]) + 1 if new else None
+    return path, line
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_", "10 tab-separated"),
+    ("3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "3\tdog\tdog\tNOUN\tNN\t_\tfive\tnsubj\t_\t_", "not a CoNLL-U line"),
+    ("3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "3\tdog\tdog\tNOUN\tNN\t_\t42\tnsubj\t_\t_", "outside the sentence"),
+    ("3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "7\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "out of sequence"),
+    ("3\tdog\tdog\tNOUN\tNN\t_\t5\tnsubj\t_\t_", "3\tdog\tdog\tNOUN\tNN\t_\t_\t_\t_\t_", "no dependency parse"),
+])
+def test_malformed_sentence_is_reported_with_file_and_line_and_the_rest_is_read(tmp_path, old, new, message):
+    path, line = _broken(tmp_path, old, new)
+    problems = ProblemLog()
+    counts = TreebankCounts()
+    sentences = list(read_conllu(path, problems=problems, counts=counts))
+    assert [s.sent_id for s in sentences] == ["s2", "s3", "s4"]  # only the broken sentence is lost
+    assert counts.n_malformed == 1
+    (problem,) = problems.problems
+    assert problem.path == str(path) and problem.line == line
+    assert message in problem.message and f"{path}:{line}:" in str(problem)
+    with pytest.raises(HeadlabError, match=f"{path}:{line}: .*{message}"):
+        list(read_conllu(path))  # strict: no problem log
+
+
+def test_bad_utf8_is_reported_with_its_line(tmp_path):
+    path = tmp_path / "bytes.conllu"
+    data = SAMPLE_CONLLU.encode("utf-8").replace(b"quickly\tquickly", b"quick\xffy\tquickly")
+    path.write_bytes(data)
+    problems = ProblemLog()
+    sentences = list(read_conllu(path, problems=problems))
+    assert len(sentences) == 3
+    assert problems.problems[0].line == 6 and "UTF-8" in problems.problems[0].message
+
+
+def test_missing_file_and_limit(tmp_path, sample_path):
+    with pytest.raises(HeadlabError, match="not found"):
+        list(read_conllu(tmp_path / "nope.conllu"))
+    assert len(list(read_conllu(sample_path, limit=2))) == 2
+    assert len(Treebank(sample_path, limit=3)) == 3
+
+
+def test_relation_names():
+    dobj = relation_matcher("dobj")
+    assert dobj("obj") and dobj("dobj") and not dobj("iobj")
+    nsubj = relation_matcher("nsubj")
+    assert nsubj("nsubj") and not nsubj("nsubj:pass")
+    nmod = relation_matcher("nmod:*")
+    assert nmod("nmod") and nmod("nmod:poss") and not nmod("nummod")
+    with pytest.raises(HeadlabError):
+        relation_matcher(" ")
+
+
+def test_bundled_ewt_has_licence_and_reads():
+    assert (EWT / "LICENSE.txt").is_file()
+    readme = (EWT / "README.md").read_text()
+    assert "CC BY-SA 4.0" in readme and "Universal Dependencies" in readme
+    counts = TreebankCounts()
+    sentences = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=counts, limit=50))
+    assert len(sentences) == 50 and all(len(s.words) == len(s.heads) for s in sentences)
+    assert sentences[0].words[:3] == ("From", "the", "AP")

@@ -1,0 +1,112 @@
+"""Words to subwords for fast tokenizers, and word-level attention (Clark et al. 2019)."""
+
+import pytest
+import torch
+from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
+from test_functions_support import bpe_tokenizer, sample_sentences, side_batch, word_tokenizer
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from headlab.data.alignment import AlignmentError, align_sentences, join_words, word_attention
+from headlab.errors import HeadlabError
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat", "dogs and cats"] * 3
+
+
+def test_join_words_spacing():
+    assert join_words(["a", "b", "."]) == ("a b .", [(0, 1), (2, 3), (4, 5)])
+    assert join_words(["a", "b", "."], [True, False, True]) == ("a b.", [(0, 1), (2, 3), (3, 4)])
+
+
+def test_word_level_tokenizer_one_token_per_word(tmp_path):
+    sentences = sample_sentences(tmp_path)
+    tokenizer = word_tokenizer([w for s in sentences for w in s.words])
+    alignment = align_sentences(tokenizer, [sentences[0].words])[0]
+    assert alignment.word_of_token.tolist() == list(range(9)) + [-1]  # EOS belongs to no word
+    assert alignment.n_words == 9 and not alignment.truncated
+
+
+def test_subwords_map_to_their_words_and_match_word_ids():
+    tokenizer = bpe_tokenizer(TEXTS, vocab_size=40)
+    words = ["the", "lazy", "xylophone", ",", "jumps", "!"]
+    (alignment,) = align_sentences(tokenizer, [words])
+    tokens = tokenizer.convert_ids_to_tokens(list(alignment.input_ids))
+    assert len(tokens) > len(words) + 1  # really split into subwords
+    # Independent reference: the tokenizer's own pre-tokenized word ids.
+    expected = tokenizer(words, is_split_into_words=True).word_ids()
+    assert alignment.word_of_token.tolist() == [-1 if w is None else w for w in expected]
+    # Lone boundary markers "▁" belong to the word they open.
+    for t, token in enumerate(tokens):
+        if token == "▁":
+            assert alignment.word_of_token[t] == alignment.word_of_token[t + 1]
+
+
+def test_text_spacing_subword_across_words_is_an_alignment_error():
+    tokenizer = bpe_tokenizer(["cats. dogs. cats. dogs."] * 20, vocab_size=40)
+    # With the treebank's spacing "cats" and "." touch, and BPE has learnt "s." as one piece.
+    result = align_sentences(tokenizer, [["cats", "."]], space_after=[[False, True]])[0]
+    assert isinstance(result, AlignmentError) and "spans the words" in str(result)
+    assert not isinstance(align_sentences(tokenizer, [["cats", "."]])[0], AlignmentError)
+
+
+def test_word_without_subword_is_an_alignment_error():
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "a": 3, "b": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace("#", "")
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    result = align_sentences(tokenizer, [["a", "#", "b"]])[0]
+    assert isinstance(result, AlignmentError) and "'#' gets no subword" in str(result)
+
+
+def test_truncation_keeps_whole_words_and_says_so():
+    tokenizer = bpe_tokenizer(TEXTS, vocab_size=40)
+    words = ["the", "xylophone", "jumps", "over", "the", "dog"]
+    full = align_sentences(tokenizer, [words])[0]
+    cut = align_sentences(tokenizer, [words], max_length=6)[0]
+    assert len(cut.input_ids) == 6 and cut.truncated and not full.truncated
+    assert 0 < cut.n_words < len(words)
+    kept = cut.word_of_token[cut.word_of_token >= 0]
+    assert kept.max() == cut.n_words - 1
+    # Every kept word has all the subwords it has in the untruncated tokenization.
+    for w in range(cut.n_words):
+        assert (cut.word_of_token == w).sum() == (full.word_of_token == w).sum()
+
+
+def test_slow_tokenizer_is_refused():
+    class Slow:
+        is_fast = False
+
+    with pytest.raises(HeadlabError, match="not a fast tokenizer"):
+        align_sentences(Slow(), [["a"]])
+
+
+def test_word_attention_is_sum_to_and_mean_from_subwords():
+    tokenizer = bpe_tokenizer(TEXTS, vocab_size=40)
+
+    class S:  # minimal sentence
+        def __init__(self, words):
+            self.words = words
+            self.heads = tuple([-1] * len(words))
+            self.deprels = ("root",) * len(words)
+            self.upos = ("X",) * len(words)
+            self.sent_id, self.where = "", ""
+
+    sentences = [S(("the", "xylophone", "jumps")), S(("lazy", "dogs", "and", "cats", "over"))]
+    side, alignments = side_batch(sentences, tokenizer)
+    B, T = side.token_ids.shape
+    torch.manual_seed(0)
+    probs = torch.rand(B, 3, T, T)
+    probs = probs / probs.sum(-1, keepdim=True)
+    words = word_attention(probs, side)
+    for b, alignment in enumerate(alignments):
+        owner = alignment.word_of_token.tolist()
+        n = alignment.n_words
+        for h in range(3):
+            for i in range(n):
+                queries = [t for t, w in enumerate(owner) if w == i]
+                for j in range(n):
+                    keys = [t for t, w in enumerate(owner) if w == j]
+                    expected = sum(sum(float(probs[b, h, q, k]) for k in keys) for q in queries) / len(queries)
+                    assert abs(float(words[b, h, i, j]) - expected) < 1e-5
+        assert float(words[b, :, n:, :].abs().sum()) == 0  # padding words are empty
