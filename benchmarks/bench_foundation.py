@@ -54,6 +54,26 @@ def encoder_flops(model, src_len: int) -> float:
     return float(total)
 
 
+def translation_flops(model, src_len: int, new_tokens: int) -> float:
+    """Multiply-adds of a greedy translation per sequence: one encoder pass, then one decoder
+    step per new token with cached keys and values (cross-attention keys/values once)."""
+    total = encoder_flops(model, src_len)
+    d_model = model.config.d_model
+    ffn = model.config.decoder_ffn_dim
+    vocab = model.config.vocab_size
+    for block in attention_blocks(model):
+        width = block.n_heads * block.d_head
+        if block.kind == "dec_self":
+            for t in range(1, new_tokens + 1):
+                total += 4 * d_model * width + 2 * t * width
+        elif block.kind == "dec_cross":
+            total += 2 * src_len * d_model * width  # keys and values of the source, cached
+            total += new_tokens * (2 * d_model * width + 2 * src_len * width)
+    total += new_tokens * model.config.decoder_layers * 2 * d_model * ffn
+    total += new_tokens * d_model * vocab  # output projection onto the vocabulary
+    return float(total)
+
+
 def timed(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -119,6 +139,8 @@ def main() -> None:
                           args.repeats)
 
     flops_ratio = encoder_flops(pruned, args.src_len) / encoder_flops(full, args.src_len)
+    gen_flops_ratio = (translation_flops(pruned, args.src_len, args.new_tokens)
+                       / translation_flops(full, args.src_len, args.new_tokens))
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"threads {args.threads}, batch {args.batch}, source length {args.src_len}")
     print(f"parameters: full {count_parameters(full):,}, pruned {count_parameters(pruned):,}")
@@ -127,7 +149,7 @@ def main() -> None:
     print(f"| encoder forward | {enc['full'] * 1e3:.1f} | {enc['pruned'] * 1e3:.1f} | "
           f"{enc['pruned'] / enc['full']:.2f} | {flops_ratio:.2f} |")
     print(f"| greedy translation ({args.new_tokens} tokens) | {gen['full'] * 1e3:.0f} | {gen['pruned'] * 1e3:.0f} | "
-          f"{gen['pruned'] / gen['full']:.2f} | - |")
+          f"{gen['pruned'] / gen['full']:.2f} | {gen_flops_ratio:.2f} |")
     print()
     print("| forward pass (enc+dec) | ms | / plain SDPA |")
     print("|---|---|---|")

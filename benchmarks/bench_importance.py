@@ -113,7 +113,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--jacobian-sentences", type=int, default=2,
                         help="sentences whose targets the full-Jacobian way is timed on (its cost is per target)")
-    parser.add_argument("--ablation-heads", type=int, default=16, help="heads timed for one-pass-per-head ablation")
+    parser.add_argument("--ablation-heads", type=int, default=16,
+                        help="heads (spread over all kinds) timed for one-pass-per-head ablation")
+    parser.add_argument("--skip-lrp", action="store_true", help="only the other measures")
     parser.add_argument("--random-model", action="store_true", help="ignore the bundled model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,6 +134,12 @@ def main() -> None:
           f"median of {args.repeats}")
 
     # -- LRP: vmap vs loop (whole batch), vmap vs jacobian (the first sentences' targets) -------
+    if not args.skip_lrp:
+        bench_lrp(model, info, data, batch, n_targets, args)
+    bench_others(model, info, data, batch, n_heads, args)
+
+
+def bench_lrp(model, info, data, batch, n_targets, args) -> None:
     runs = interleaved({
         "vmap": lambda: head_relevance(model, batch, strategy="vmap"),
         "loop": lambda: head_relevance(model, batch, strategy="loop"),
@@ -152,14 +160,21 @@ def main() -> None:
                                  ("jacobian", jac_time, n_subset)):
         print(f"{name:<10}{seconds:>10.2f}{count:>9}{rate[name]:>12.1f}{rate['vmap'] / rate[name]:>11.1f}x")
 
-    # -- confidence, gradient, ablation vs a plain forward pass -------------------------------
+    print(f"LRP summary: vmap {rate['vmap']:.0f} targets/s = {rate['vmap'] / rate['loop']:.1f}x the per-step "
+          f"loop, {rate['vmap'] / rate['jacobian']:.0f}x full-Jacobian")
+
+
+def bench_others(model, info, data, batch, n_heads, args) -> None:
+    """Confidence, gradient importance and ablation against a plain forward pass."""
+
     def forward():
         with torch.no_grad():
             model(**batch.inputs, use_cache=False) if info.is_seq2seq else model(**batch.inputs)
 
     one = ImportanceData.from_ids(data.sources, data.translations if info.is_seq2seq else None)
     one.translations = data.translations
-    heads_subset = [(b, h) for b in attention_blocks(model) for h in range(b.n_heads)][: args.ablation_heads]
+    all_heads = [(b, h) for b in attention_blocks(model) for h in range(b.n_heads)]
+    heads_subset = all_heads[:: max(1, len(all_heads) // args.ablation_heads)][: args.ablation_heads]  # all kinds
 
     def naive_ablation():
         out = []
@@ -190,8 +205,6 @@ def main() -> None:
           f"{naive_per_head / base:>11.2f}")
     print(f"batched ablation: {naive_per_head / per_head:.2f}x faster per head than one masked pass per head "
           f"({n_heads} heads in {abl_time:.1f}s incl. the unmasked pass)")
-    print(f"\nsummary: LRP vmap {rate['vmap']:.0f} targets/s = {rate['vmap'] / rate['loop']:.1f}x the per-step "
-          f"loop, {rate['vmap'] / rate['jacobian']:.0f}x full-Jacobian")
     del ablation
 
 

@@ -32,11 +32,11 @@ def _total_nll(model, family, data, special):
     with torch.no_grad():
         for i, src in enumerate(data.sources):
             ids = torch.tensor([src])
-            if family in ("marian", "bart"):
+            if family in ("marian", "bart", "t5"):
                 ref = data.references[i]
                 dec = torch.tensor([[model.config.decoder_start_token_id] + ref[:-1]])
                 logits, labels = model(input_ids=ids, decoder_input_ids=dec).logits[0], torch.tensor(ref)
-            elif family == "gpt2":
+            elif family in ("gpt2", "llama"):
                 logits, labels = model(input_ids=ids).logits[0, :-1], ids[0, 1:]
             else:
                 logits, labels = model(input_ids=ids).logits[0], ids[0]
@@ -47,9 +47,10 @@ def _total_nll(model, family, data, special):
     return total, count
 
 
-@pytest.mark.parametrize("family", ["marian", "bart", "bert", "gpt2"])
+@pytest.mark.parametrize("family", ["marian", "bart", "bert", "gpt2", "t5", "llama"])
 def test_batched_ablation_equals_one_masked_pass_per_head(family):
     model = tiny_model(family)
+    modules = list(model.modules())
     info = describe_model(model)
     data = _data(info.is_seq2seq)
     # max_rows=6 with batches of 2: three masked copies per forward call, several groups
@@ -63,6 +64,7 @@ def test_batched_ablation_equals_one_masked_pass_per_head(family):
                 masked, _ = _total_nll(model, family, data, info.special_ids)
             assert scores[block.kind][block.layer, head] == pytest.approx((masked - base) / count, abs=2e-6), \
                 (block.key, head)
+    assert list(model.modules()) == modules  # layers stood in for by recorded outputs are back
 
 
 class _IdsTokenizer:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from headlab import HeadScores
-from headlab.importance import compute_agreement, spearman
+from headlab.importance import compute_agreement, spearman, top_share
 
 
 def test_spearman_matches_known_values():
@@ -44,3 +44,10 @@ def test_agreement_table_per_kind_and_pooled(tmp_path):
     json_path, md_path = table.save(tmp_path)
     assert json.loads(json_path.read_text())["spearman"]["confidence"]["enc_self"] == pytest.approx(-1.0)
     assert "Spearman" in md_path.read_text()
+
+
+def test_top_share_shows_dominant_heads():
+    scores = HeadScores({"enc_self": np.array([[0.7, 0.1, 0.1, 0.1], [0.25, -0.25, 0.25, 0.25]])}, "lrp")
+    shares = top_share(scores, top=1)["enc_self"]
+    np.testing.assert_allclose(shares, [0.7, 0.25])
+    np.testing.assert_allclose(top_share(scores, top=2)["enc_self"], [0.8, 0.5])

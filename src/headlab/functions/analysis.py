@@ -146,7 +146,7 @@ class HeadAnalysis:
                       f"{self.config.syntactic_margin:.0%} over the offset baseline", "",
                       self.syntactic.table_markdown(), ""]
         if self.rare is not None:
-            lines += [f"## Rare-token heads (Sec. 5.3)", "", "```", self.rare.describe(), "```", ""]
+            lines += ["## Rare-token heads (Sec. 5.3)", "", "```", self.rare.describe(), "```", ""]
         if self.aggregate is not None:
             lines += ["## Aggregate statistics (Vig & Belinkov 2019)", "", self.aggregate.summary_markdown(), ""]
         return "\n".join(lines)

@@ -12,7 +12,7 @@
 """
 
 from headlab.importance.ablation import METRICS, compute_ablation
-from headlab.importance.agreement import AgreementTable, compute_agreement, spearman
+from headlab.importance.agreement import AgreementTable, compute_agreement, spearman, top_share
 from headlab.importance.confidence import compute_confidence
 from headlab.importance.data import (
     ImportanceData,
@@ -52,5 +52,6 @@ __all__ = [
     "run_importance",
     "save_results",
     "spearman",
+    "top_share",
     "translate_data",
 ]

@@ -16,14 +16,17 @@ Batching. Masking one head is a different model, so 144 heads naively cost 144 p
 the data, each a separate forward call. Here one forward call evaluates several masked
 variants at once: the batch is repeated ``K`` times along the batch dimension and each copy
 gets its own gate row (``[K * batch, n_heads]`` gates), so the ``K`` variants share every
-kernel call. For an encoder-decoder model, masking a decoder head does not change the
-encoder: the encoder runs once per batch and its output is reused by all decoder-head
-variants, which saves the encoder's share of the cost for two thirds of the heads.
+kernel call. And masking a head changes nothing below its layer: the unmasked pass records
+the output of every layer, and a masked pass starts at the masked head's layer, the layers
+below replaced by their recorded outputs (for an encoder-decoder, a decoder head reuses the
+whole encoder). On a 6+6-layer translation model this halves the work of 144 naive passes.
+Layers whose output is not a single tensor (T5 passes position biases along) are recomputed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -60,7 +63,81 @@ def _variant_gates(group: list[Variant], rows: int, device) -> ExampleGates:
 
 
 def _groups(variants: list[Variant], size: int) -> list[list[Variant]]:
-    return [variants[i : i + size] for i in range(0, len(variants), size)]
+    """Chunks of at most ``size`` variants, never mixing blocks (a group shares one starting layer)."""
+    groups: list[list[Variant]] = []
+    for variant in variants:
+        if groups and len(groups[-1]) < size and groups[-1][0][0].key == variant[0].key:
+            groups[-1].append(variant)
+        else:
+            groups.append([variant])
+    return groups
+
+
+class _Recorded(nn.Module):
+    """Stands in for a layer below the masked one: returns that layer's recorded output."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _layer_slot(model: nn.Module, block: AttentionBlock) -> tuple[nn.ModuleList, int] | None:
+    """The layer list holding ``block``'s layer, and the layer's index in it."""
+    parts = block.name.split(".")
+    for end in range(1, len(parts)):
+        if parts[end].isdigit() and int(parts[end]) == block.layer:
+            container = model.get_submodule(".".join(parts[:end])) if end else model
+            if isinstance(container, nn.ModuleList):
+                return container, block.layer
+    return None
+
+
+class _LayerRecorder:
+    """Records every layer's output during the unmasked pass of a batch."""
+
+    def __init__(self, model: nn.Module, blocks: list[AttentionBlock]):
+        self.slots = {b.key: _layer_slot(model, b) for b in blocks}
+        self.outputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.handles = []
+        seen = set()
+        for slot in self.slots.values():
+            if slot is None or id(slot[0]) in seen:
+                continue
+            seen.add(id(slot[0]))
+            for index, layer in enumerate(slot[0]):
+                self.handles.append(layer.register_forward_hook(self._keep(id(slot[0]), index)))
+
+    def _keep(self, container: int, index: int):
+        def hook(module, args, output):
+            self.outputs[(container, index)] = output if isinstance(output, torch.Tensor) else None
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @contextmanager
+    def start_at(self, block: AttentionBlock, copies: int):
+        """Run the layers below ``block``'s as their recorded outputs, repeated ``copies`` times."""
+        slot = self.slots.get(block.key)
+        replaced: list[tuple[nn.ModuleList, int, nn.Module]] = []
+        try:
+            if slot is not None:
+                container, layer = slot
+                recorded = [self.outputs.get((id(container), i)) for i in range(layer)]
+                if all(r is not None for r in recorded):
+                    for i, output in enumerate(recorded):
+                        replaced.append((container, i, container[i]))
+                        container[i] = _Recorded(output.repeat(copies, *([1] * (output.dim() - 1))))
+            yield
+        finally:
+            for container, i, original in replaced:
+                container[i] = original
 
 
 def compute_ablation(
@@ -98,13 +175,12 @@ def compute_ablation(
     return HeadScores(scores, "ablation", info.name, {**data.signature(), **signature, "metric": metric})
 
 
-def _n_passes(n_sentences: int, batch_size: int, n_variants: int, max_rows: int) -> int:
+def _n_passes(n_sentences: int, batch_size: int, variants: list[Variant], max_rows: int) -> int:
     """Forward calls of one ablation run: per batch, the unmasked pass and the variant groups."""
     total = 0
     for start in range(0, n_sentences, batch_size):
         rows = min(batch_size, n_sentences - start)
-        copies = max(1, max_rows // rows)
-        total += 1 + -(-n_variants // copies)
+        total += 1 + len(_groups(variants, max(1, max_rows // rows)))
     return total
 
 
@@ -129,27 +205,31 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress):
     device = next(model.parameters()).device
     totals = {(b.key, h): 0.0 for b, h in variants}
     base_total = n_tokens = 0.0
-    tick = _progress(_n_passes(len(data), batch_size, len(variants), max_rows), "ablation", progress)
+    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows), "ablation", progress)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True):
                 encoder_out = None
-                if info.is_seq2seq:
-                    encoder_out = model.get_encoder()(
-                        input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
-                    ).last_hidden_state
-                    logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
-                else:
-                    logits = forward_logits(model, batch.inputs, info)
+                recorder = _LayerRecorder(model, [b for b, _ in variants])
+                try:
+                    if info.is_seq2seq:
+                        encoder_out = model.get_encoder()(
+                            input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
+                        ).last_hidden_state
+                        logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
+                    else:
+                        logits = forward_logits(model, batch.inputs, info)
+                finally:
+                    recorder.remove()
                 nll, count = sequence_nll(logits, batch.labels)
                 base_total += float(nll.sum())
                 n_tokens += float(count.sum())
                 tick(1)
                 copies = max(1, max_rows // batch.size)
                 for group in _groups(variants, copies):
-                    totals_group = _loss_group(model, info, batch, group, encoder_out)
+                    totals_group = _loss_group(model, info, batch, group, encoder_out, recorder)
                     for (block, head), value in zip(group, totals_group):
                         totals[(block.key, head)] += value
                     tick(1)
@@ -168,14 +248,15 @@ def _n_heads(variants: list[Variant], key) -> int:
     return next(b.n_heads for b, _ in variants if b.key == key)
 
 
-def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], encoder_out) -> list[float]:
-    """Summed token NLL of the batch under each variant of ``group``, in one forward call."""
+def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], encoder_out,
+                recorder: _LayerRecorder) -> list[float]:
+    """Summed token NLL of the batch under each variant of ``group`` (one block), in one forward call."""
     rows, copies = batch.size, len(group)
     inputs = expand_batch(batch, copies)
     labels = batch.labels.repeat(copies, 1)
     gates = _variant_gates(group, rows, labels.device)
     decoder_only = encoder_out is not None and all(block.kind != "enc_self" for block, _ in group)
-    with gates_attached(model, gates):
+    with gates_attached(model, gates), recorder.start_at(group[0][0], copies):
         if decoder_only:  # the encoder is unchanged by decoder heads: reuse its output
             logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
         else:
@@ -196,7 +277,7 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
     device = next(model.parameters()).device
     base_hyps = [""] * len(data)
     hyps = {(b.key, h): [""] * len(data) for b, h in variants}
-    tick = _progress(_n_passes(len(data), batch_size, len(variants), max_rows // beam), "ablation (bleu)", progress)
+    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows // beam), "ablation (bleu)", progress)
     was_training = model.training
     model.eval()
 

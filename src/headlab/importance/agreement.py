@@ -20,7 +20,7 @@ import numpy as np
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 
-__all__ = ["AgreementTable", "compute_agreement", "spearman"]
+__all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
 
 
 def _ranks(values: np.ndarray) -> np.ndarray:
@@ -125,3 +125,18 @@ def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores)
         row["all"] = spearman(np.concatenate(pooled_a), np.concatenate(pooled_b)) if pooled_a else math.nan
         rho[name] = row
     return AgreementTable(rho, n_heads, reference.method, str(reference.signature.get("metric", "")))
+
+
+def top_share(scores: HeadScores, top: int = 1) -> dict[str, np.ndarray]:
+    """Per kind and layer, the share of the ``top`` largest |scores| in the layer's sum of |scores|.
+
+    With ``n`` heads, heads of equal weight give ``top / n``; a value near 1 means that a few
+    heads dominate the layer (Voita et al. 2019, Sec. 4, on LRP).
+    """
+    out = {}
+    for kind, array in scores.scores.items():
+        magnitude = np.abs(np.nan_to_num(array))
+        total = magnitude.sum(axis=1)
+        largest = -np.sort(-magnitude, axis=1)[:, :top].sum(axis=1)
+        out[kind] = np.where(total == 0, np.nan, largest / np.where(total == 0, 1, total))
+    return out

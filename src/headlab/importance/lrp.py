@@ -108,10 +108,14 @@ def _step_list(steps: torch.Tensor) -> torch.Tensor:
     return steps.nonzero()  # [n, 2] (row, position), row-major order
 
 
-def _contract(grad: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
-    """Sum of relevance over positions and head dims: [..., batch, pos, H, d] -> [..., batch, H]."""
+def _contract(grad: torch.Tensor | None, heads: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Relevance summed over positions and head dims: ``[(n,) batch, pos, H, d] -> [(n,) batch, H]``.
+
+    ``grad`` is None when no head of the block lies on the path to the targets.
+    """
     if grad is None:
-        return torch.zeros(heads.shape[0], heads.shape[2], dtype=heads.dtype, device=heads.device)
+        shape = (heads.shape[0], heads.shape[2]) if n is None else (n, heads.shape[0], heads.shape[2])
+        return heads.new_zeros(shape)
     return (grad * heads).sum(-1).sum(-2)
 
 
@@ -148,49 +152,47 @@ def head_relevance(
             keys = [b.key for b in blocks]
             tensors = [recorded[k] for k in keys]
             heads = [t.detach() for t in tensors]
-            rows = {k: [] for k in keys}
-            if strategy == "vmap":
-                positions = steps.any(0).nonzero().flatten()
-                size = chunk_size or _auto_chunk(y, tensors)
-                for start in range(0, len(positions), size):
-                    chunk = positions[start : start + size]
-                    # One-hot grad_outputs: slice c selects position chunk[c] of every row.
-                    selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
-                    selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
-                    grads = torch.autograd.grad(
-                        y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
-                        is_grads_batched=True,
-                    )
-                    for key, grad, h in zip(keys, grads, heads):
-                        rows[key].append(_contract(grad, h) if grad is not None else
-                                         h.new_zeros(len(chunk), h.shape[0], h.shape[2]))
-                positions_list = positions.tolist()
-                relevance = {}
-                for key in keys:
-                    full = torch.cat(rows[key])  # [n_positions, batch, H]
-                    lookup = {p: i for i, p in enumerate(positions_list)}
-                    picks = torch.tensor([lookup[int(p)] for p in index[:, 1]], dtype=torch.long, device=full.device)
-                    relevance[key] = full[picks, index[:, 0]]
-            elif strategy == "loop":
-                per_position = {}
-                for position in steps.any(0).nonzero().flatten().tolist():
-                    selector = torch.zeros_like(y)
-                    selector[:, position] = steps[:, position].to(y.dtype)
-                    grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True)
-                    per_position[position] = [_contract(g, h) for g, h in zip(grads, heads)]  # [batch, H] each
-                relevance = {
-                    key: torch.stack([per_position[int(p)][j][int(r)] for r, p in index.tolist()])
-                    if len(index) else torch.zeros(0, heads[j].shape[2])
-                    for j, key in enumerate(keys)
-                }
-            else:  # "jacobian": one backward per output element, full Jacobian rows
+            positions = steps.any(0).nonzero().flatten()  # positions that are a step in some row
+            if strategy == "jacobian":  # one backward per output element: full Jacobian rows
+                rows = {k: [] for k in keys}
                 for r, p in index.tolist():
                     grads = torch.autograd.grad(y[r, p], tensors, retain_graph=True, allow_unused=True)
                     for key, g, h in zip(keys, grads, heads):
                         jac = torch.zeros_like(h) if g is None else g  # d y[r, p] / d heads, whole batch
                         rows[key].append((jac * h).sum(dim=(0, 1, 3)))  # [H]
                 relevance = {
-                    key: torch.stack(rows[key]) if rows[key] else torch.zeros(0, h.shape[2])
+                    key: torch.stack(rows[key]) if rows[key] else h.new_zeros(0, h.shape[2])
+                    for key, h in zip(keys, heads)
+                }
+            else:
+                per_position = {k: [] for k in keys}  # pieces of [n_positions, batch, H]
+                if strategy == "vmap":
+                    size = chunk_size or _auto_chunk(y, tensors)
+                    for start in range(0, len(positions), size):
+                        chunk = positions[start : start + size]
+                        # One-hot grad_outputs: slice c selects position chunk[c] of every row.
+                        selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
+                        selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
+                        grads = torch.autograd.grad(
+                            y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
+                            is_grads_batched=True,
+                        )
+                        for key, grad, h in zip(keys, grads, heads):
+                            per_position[key].append(_contract(grad, h, len(chunk)))
+                else:  # "loop": one backward per step position, all rows at once
+                    for position in positions.tolist():
+                        selector = torch.zeros_like(y)
+                        selector[:, position] = steps[:, position].to(y.dtype)
+                        grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True,
+                                                    allow_unused=True)
+                        for key, grad, h in zip(keys, grads, heads):
+                            per_position[key].append(_contract(grad, h)[None])
+                slot = torch.full((y.shape[1],), -1, dtype=torch.long, device=y.device)
+                slot[positions] = torch.arange(len(positions), device=y.device)
+                picks = slot[index[:, 1]]
+                relevance = {
+                    key: torch.cat(per_position[key])[picks, index[:, 0]] if len(positions)
+                    else h.new_zeros(0, h.shape[2])
                     for key, h in zip(keys, heads)
                 }
             logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)

@@ -97,7 +97,9 @@ def _layer_norm_rule(module: nn.LayerNorm, args, output):
     x = args[0]
     if len(module.normalized_shape) != 1:
         raise HeadlabError("LRP: layer norms over more than the last dimension are not supported")
-    centered = x - x.mean(-1, keepdim=True)
+    # x - mean(x), written so that its backward is one reduction and one add (no full-size
+    # negation or division): the mean is a small [..., 1] tensor until it is broadcast.
+    centered = x + x.sum(-1, keepdim=True) * (-1.0 / x.shape[-1])
     with torch.no_grad():
         scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + module.eps)
         if module.weight is not None:
