@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "headlab.importance.cli",
     "headlab.functions.cli",
     "headlab.pruning.cli",
+    "headlab.demo",
 )
 
 
