@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     demo.add_argument("--source", default=str(TEST_SOURCE), help="source sentences")
     demo.add_argument("--reference", default=str(TEST_REFERENCE), help="reference translations")
     demo.add_argument("--n-sentences", type=int, default=200, help="sentences to score and translate")
-    demo.add_argument("--keep", type=int, default=12, help="encoder heads to keep (of 48)")
+    demo.add_argument("--keep", type=int, default=12, help="encoder heads to keep (the bundled model has 48)")
     demo.add_argument("--out", default="runs/demo", help="where the scores and the pruned model go")
     demo.set_defaults(func=run_demo)
 
@@ -70,7 +70,8 @@ def run_demo(args) -> int:
     save_pruned(pruned, out / "pruned")
     tokenizer.save_pretrained(out / "pruned")
     pruned = load_pruned(out / "pruned")
-    print(f"\n== kept the {args.keep} most confident of 48 encoder heads; "
+    n_encoder = sum(b.n_heads for b in attention_blocks(model) if b.kind == "enc_self")
+    print(f"\n== kept the {args.keep} most confident of {n_encoder} encoder heads; "
           f"parameters {count_parameters(model):,} -> {count_parameters(pruned):,}; saved to {out}/pruned")
 
     sources = read_lines(args.source)[: args.n_sentences]
