@@ -227,6 +227,7 @@ def main() -> None:
                              "(attention is quadratic in length) does not decide the peak (0: no cut)")
     parser.add_argument("--max-length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -235,16 +236,19 @@ def main() -> None:
         return
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {args.threads} thread(s)")
-    result = throughput(args)
-    print(f"model: {result['model']}; {result['sentences']} sentences of {args.conllu}, batch {args.batch_size}; "
-          f"rare-token heads: {'yes' if result['rare_tokens'] else 'no'}")
-    print(f"plain forward (output_attentions=True): {result['forward_sent_per_s']:.1f} sent/s "
-          f"(runs: {', '.join(f'{s:.2f} s' for s in result['forward_s'])})")
-    print(f"functions + aggregate, one pass:        {result['analysis_sent_per_s']:.1f} sent/s "
-          f"(runs: {', '.join(f'{s:.2f} s' for s in result['analysis_s'])})")
-    print(f"ratio analysis / forward: {result['ratio']:.2f}x (target <= 2x)")
+    if not args.skip_throughput:
+        result = throughput(args)
+        print(f"model: {result['model']}; {result['sentences']} sentences of {args.conllu}, "
+              f"batch {args.batch_size}; rare-token heads: {'yes' if result['rare_tokens'] else 'no'}")
+        print(f"plain forward (output_attentions=True): {result['forward_sent_per_s']:.1f} sent/s "
+              f"(runs: {', '.join(f'{s:.2f} s' for s in result['forward_s'])})")
+        print(f"functions + aggregate, one pass:        {result['analysis_sent_per_s']:.1f} sent/s "
+              f"(runs: {', '.join(f'{s:.2f} s' for s in result['analysis_s'])})")
+        print(f"ratio analysis / forward: {result['ratio']:.2f}x (target <= 2x)")
     if not args.skip_memory:
         rows = memory(args)
+        if args.memory_max_length:
+            print(f"memory runs cut every sentence to {args.memory_max_length} tokens")
         for row in rows:
             print(f"memory, {row['sentences']:>5} sentences: peak RSS growth {row['rss_growth_mb']:.1f} MB "
                   f"(peak RSS {row['peak_rss_mb']:.0f} MB), Python peak {row['python_peak_mb']:.2f} MB, "
