@@ -9,8 +9,12 @@
    RSS growth during the analysis (VmHWM after resetting it) and the peak of Python
    allocations (tracemalloc), plus the RSS after 200 and after 2,000 sentences of the larger
    run. Streaming means they are about equal. Attention is quadratic in sentence length, so
-   the longest batch sets the working memory; ``--memory-max-length`` cuts every sentence to
-   the same budget to take that out of the comparison.
+   the longest batch sets the working memory: by default the 2,000 are the first 200
+   sentences repeated ten times, so that only the number of sentences differs
+   (``--memory-source prefix`` takes the first 2,000 instead; ``--memory-max-length`` cuts
+   every sentence to a fixed budget). The subprocesses run with a fixed glibc mmap threshold
+   (``--malloc-threshold``; 0 keeps glibc's dynamic one, under which RSS drifts with heap
+   fragmentation, for a plain forward loop as much as for the analysis).
 
     python benchmarks/bench_functions.py                         # the bundled model
     python benchmarks/bench_functions.py --model DIR --train-text data/multi30k/train.en.gz
@@ -192,11 +196,36 @@ def memory_child(args) -> dict:
             "peak_rss_reset": exact, "rss_after": trajectory}
 
 
+def _repeated_treebank(path: str, n_first: int, total: int, directory: str) -> str:
+    """The first ``n_first`` sentence blocks of ``path`` repeated up to ``total`` sentences."""
+    blocks, block = [], []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                block.append(line)
+            elif block:
+                blocks.append("".join(block))
+                block = []
+                if len(blocks) == n_first:
+                    break
+    out = Path(directory) / f"repeated-{total}.conllu"
+    with open(out, "w", encoding="utf-8") as handle:
+        for i in range(total):
+            handle.write(blocks[i % len(blocks)] + "\n")
+    return str(out)
+
+
 def memory(args) -> list[dict]:
+    import tempfile
+
     rows = []
+    scratch = tempfile.mkdtemp(prefix="bench_functions_")
     for n in args.memory_sizes:
+        conllu = args.conllu
+        if args.memory_source == "repeat":  # same sentences, same lengths: only the count differs
+            conllu = _repeated_treebank(args.conllu, min(args.memory_sizes), n, scratch)
         command = [sys.executable, __file__, "--memory-child", "--sentences", str(n), "--batch-size",
-                   str(args.batch_size), "--threads", str(args.threads), "--conllu", str(args.conllu)]
+                   str(args.batch_size), "--threads", str(args.threads), "--conllu", str(conllu)]
         if args.memory_max_length:
             command += ["--max-length", str(args.memory_max_length)]
         if args.random:
@@ -205,7 +234,14 @@ def memory(args) -> list[dict]:
             command += ["--model", str(args.model)] + (["--tokenizer", str(args.tokenizer)] if args.tokenizer else [])
         if args.train_text:
             command += ["--train-text", str(args.train_text)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        env = dict(os.environ)
+        if args.malloc_threshold:
+            # glibc raises its mmap threshold as large blocks are freed, after which big tensors
+            # come from the heap and RSS drifts with fragmentation (a plain forward loop drifts the
+            # same way). A fixed threshold returns freed tensors to the OS, so RSS shows what is
+            # really held.
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_threshold)
+        output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         rows.append(json.loads(output.strip().splitlines()[-1]))
     return rows
 
@@ -222,6 +258,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the bench machine is shared)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-sizes", type=int, nargs="*", default=[200, 2000])
+    parser.add_argument("--memory-source", choices=("repeat", "prefix"), default="repeat",
+                        help="repeat: the larger runs repeat the smallest run's sentences (same lengths); "
+                             "prefix: the first N sentences of --conllu")
+    parser.add_argument("--malloc-threshold", type=int, default=131072,
+                        help="memory runs: MALLOC_MMAP_THRESHOLD_ for glibc (0: leave malloc's default)")
     parser.add_argument("--memory-max-length", type=int, default=0,
                         help="memory runs: cut sentences to this many tokens, so that the longest batch "
                              "(attention is quadratic in length) does not decide the peak (0: no cut)")
@@ -247,15 +288,21 @@ def main() -> None:
         print(f"ratio analysis / forward: {result['ratio']:.2f}x (target <= 2x)")
     if not args.skip_memory:
         rows = memory(args)
+        if args.memory_source == "repeat":
+            print(f"memory runs: the first {min(args.memory_sizes)} sentences of {Path(args.conllu).name}, "
+                  "repeated to each size")
         if args.memory_max_length:
             print(f"memory runs cut every sentence to {args.memory_max_length} tokens")
+        print("glibc malloc: " + (f"MALLOC_MMAP_THRESHOLD_={args.malloc_threshold}" if args.malloc_threshold
+                                  else "default (dynamic mmap threshold)"))
         for row in rows:
             print(f"memory, {row['sentences']:>5} sentences: peak RSS growth {row['rss_growth_mb']:.1f} MB "
                   f"(peak RSS {row['peak_rss_mb']:.0f} MB), Python peak {row['python_peak_mb']:.2f} MB, "
                   f"{row['seconds']:.1f} s")
         trajectory = {int(k): v for k, v in rows[-1]["rss_after"].items()}
         if trajectory:
-            marks = sorted({min(trajectory, key=lambda k: abs(k - m)) for m in (args.memory_sizes[0], max(trajectory))})
+            wanted = (args.memory_sizes[0], max(trajectory) // 2, max(trajectory))
+            marks = sorted({min(trajectory, key=lambda k: abs(k - m)) for m in wanted})
             print("RSS during the largest run, after " + ", ".join(
                 f"{k} sentences: {trajectory[k]:.0f} MB" for k in marks))
 

@@ -122,3 +122,21 @@ def test_export_writes_a_from_pretrained_directory(trained, tmp_path, capsys):
     assert MarianMTModel.from_pretrained(str(target)).model.shared.weight.dtype == torch.float16
     assert main(["nmt", "export", "--run", str(run), "--to", str(tmp_path / "x"), "--checkpoint", "epoch-9"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_average_command_writes_an_exportable_checkpoint(trained, tmp_path, capsys):
+    from headlab.nmt.train import average_checkpoints
+
+    _, _, best, _ = trained
+    run = best.parent
+    epochs = sorted((run / "epochs").glob("epoch-*"))
+    assert main(["nmt", "average", "--run", str(run), "--last", "2", "--overwrite"]) == 0
+    averaged = run / "averaged-last2"
+    expected = average_checkpoints(epochs[-2:])
+    model = load_model(averaged)
+    for name, value in model.state_dict().items():
+        if name in expected:
+            assert torch.equal(value, expected[name]), name
+    assert main(["nmt", "export", "--run", str(run), "--checkpoint", "averaged-last2", "--to", str(tmp_path / "m")]) == 0
+    assert main(["nmt", "average", "--run", str(run), "--last", "99"]) == 2
+    assert "cannot average the last 99" in capsys.readouterr().err

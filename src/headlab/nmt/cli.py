@@ -88,10 +88,16 @@ def register(subparsers) -> None:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run", required=True, help="training output directory (--out of nmt train)")
     p.add_argument("--to", required=True, help="model directory to write")
-    p.add_argument("--checkpoint", default="best", help="best, averaged, last or epoch-N")
+    p.add_argument("--checkpoint", default="best", help="best, averaged, averaged-lastN, last or epoch-N")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_export)
+
+    p = commands.add_parser("average", help="average the last N epoch checkpoints of a run (after a time limit)")
+    p.add_argument("--run", required=True, help="training output directory (--out of nmt train)")
+    p.add_argument("--last", type=int, required=True, help="how many of the last epoch checkpoints")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_average)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -208,6 +214,14 @@ def _evaluate(args) -> int:
         print(json.dumps({**scores.to_dict(), "beam": args.beam, "seconds": seconds}, indent=2))
     else:
         print(f"{scores.format()}\n(beam {args.beam}, {len(sources)} sentences in {seconds:.1f} s)")
+    return 0
+
+
+def _average(args) -> int:
+    from headlab.nmt.export import average_last_epochs
+
+    out = average_last_epochs(args.run, args.last, overwrite=args.overwrite)
+    print(f"averaged the last {args.last} epochs of {args.run} into {out} (export it with --checkpoint {out.name})")
     return 0
 
 

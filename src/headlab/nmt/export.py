@@ -12,7 +12,7 @@ from headlab.errors import HeadlabError
 from headlab.nmt.model import load_model
 from headlab.nmt.tokenizer import load_tokenizer
 
-__all__ = ["export_model", "checkpoint_dir"]
+__all__ = ["export_model", "checkpoint_dir", "average_last_epochs"]
 
 
 def checkpoint_dir(run_dir: str | Path, which: str = "best") -> Path:
@@ -58,3 +58,35 @@ def export_model(
         shutil.copyfile(history, out_dir / "train_history.json")
     (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
     return out_dir
+
+
+def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = False) -> Path:
+    """Average the weights of the last ``last`` epoch checkpoints of a run into
+    ``run_dir/averaged-lastN`` (Vaswani et al. 2017, Sec. 6.1), with the run's tokenizer.
+
+    The trainer does this itself when it reaches ``--epochs``; this is for runs that a time
+    or step limit stopped earlier. Written to a temporary directory, then renamed into place.
+    """
+    from headlab.nmt.train import average_checkpoints
+
+    run_dir = Path(run_dir)
+    epochs = sorted((run_dir / "epochs").glob("epoch-*"))
+    if last < 1 or len(epochs) < last:
+        raise HeadlabError(f"{run_dir}/epochs holds {len(epochs)} epoch checkpoints; cannot average the last {last}")
+    chosen = epochs[-last:]
+    out = run_dir / f"averaged-last{last}"
+    if out.exists() and not overwrite:
+        raise HeadlabError(f"{out} exists; pass --overwrite to replace it")
+    model = load_model(chosen[-1])
+    result = model.load_state_dict(average_checkpoints(chosen), strict=False)
+    if result.unexpected_keys:
+        raise HeadlabError(f"{chosen[-1]}: checkpoints hold unexpected weights {result.unexpected_keys[:3]}")
+    tmp = run_dir / f".averaged-last{last}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    load_tokenizer(run_dir / "tokenizer").save_pretrained(str(tmp))
+    names = [int(path.name.split("-")[1]) for path in chosen]
+    (tmp / "metrics.json").write_text(json.dumps({"averaged_epochs": names}, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
