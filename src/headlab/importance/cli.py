@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from headlab.importance.pipeline import METHODS, ImportanceConfig
+from headlab.importance.pipeline import ImportanceConfig
 
 # Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
 # encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
@@ -30,10 +30,10 @@ def register(subparsers) -> None:
                         "otherwise the text itself")
     p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
     p.add_argument("--method", default="all",
-                   help=h("methods") + f"; comma-separated, from {', '.join(METHODS)}, all")
+                   help=h("methods") + " (several: comma-separated)")
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
-    p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens (default: the model's maximum)")
+    p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     p.add_argument("--batch-size", type=int, default=32, help=h("batch_size"))
     p.add_argument("--metric", choices=["loss", "bleu"], default="loss", help=h("metric"))
     p.add_argument("--beam", type=int, default=1, help=h("beam"))
