@@ -10,7 +10,8 @@
    allocations (tracemalloc), plus the RSS after 200 and after 2,000 sentences of the larger
    run. Streaming means they are about equal. Attention is quadratic in sentence length, so
    the longest batch sets the working memory: by default the 2,000 are the first 200
-   sentences repeated ten times, so that only the number of sentences differs
+   sentences repeated ten times, in batches of 40, so that the larger run is the smaller one's
+   five batches ten times over and only the number of sentences differs
    (``--memory-source prefix`` takes the first 2,000 instead; ``--memory-max-length`` cuts
    every sentence to a fixed budget). The subprocesses run with a fixed glibc mmap threshold
    (``--malloc-threshold``; 0 keeps glibc's dynamic one, under which RSS drifts with heap
@@ -225,7 +226,7 @@ def memory(args) -> list[dict]:
         if args.memory_source == "repeat":  # same sentences, same lengths: only the count differs
             conllu = _repeated_treebank(args.conllu, min(args.memory_sizes), n, scratch)
         command = [sys.executable, __file__, "--memory-child", "--sentences", str(n), "--batch-size",
-                   str(args.batch_size), "--threads", str(args.threads), "--conllu", str(conllu)]
+                   str(args.memory_batch_size), "--threads", str(args.threads), "--conllu", str(conllu)]
         if args.memory_max_length:
             command += ["--max-length", str(args.memory_max_length)]
         if args.random:
@@ -261,6 +262,9 @@ def main() -> None:
     parser.add_argument("--memory-source", choices=("repeat", "prefix"), default="repeat",
                         help="repeat: the larger runs repeat the smallest run's sentences (same lengths); "
                              "prefix: the first N sentences of --conllu")
+    parser.add_argument("--memory-batch-size", type=int, default=40,
+                        help="memory runs: sentences per batch; 40 divides 200, so that every batch of the "
+                             "repeated 2,000 is one of the 200-sentence run's batches")
     parser.add_argument("--malloc-threshold", type=int, default=131072,
                         help="memory runs: MALLOC_MMAP_THRESHOLD_ for glibc (0: leave malloc's default)")
     parser.add_argument("--memory-max-length", type=int, default=0,
@@ -290,7 +294,7 @@ def main() -> None:
         rows = memory(args)
         if args.memory_source == "repeat":
             print(f"memory runs: the first {min(args.memory_sizes)} sentences of {Path(args.conllu).name}, "
-                  "repeated to each size")
+                  f"repeated to each size, batches of {args.memory_batch_size}")
         if args.memory_max_length:
             print(f"memory runs cut every sentence to {args.memory_max_length} tokens")
         print("glibc malloc: " + (f"MALLOC_MMAP_THRESHOLD_={args.malloc_threshold}" if args.malloc_threshold

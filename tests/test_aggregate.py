@@ -172,3 +172,23 @@ def test_state_does_not_grow_with_the_number_of_batches(setup):
         sizes.append(state_bytes(stats))
     stats.close()
     assert len(set(sizes[1:])) == 1
+
+
+def test_one_word_sentences_are_not_exemplars(tmp_path):
+    from test_functions_support import word_tokenizer
+
+    class S:
+        def __init__(self, words):
+            self.words, self.heads = words, (-1,) + (0,) * (len(words) - 1)
+            self.deprels, self.upos = ("root",) + ("dep",) * (len(words) - 1), ("X",) * len(words)
+            self.sent_id, self.where = "-".join(words), ""
+
+    sentences = [S(("hello",)), S(("good", "morning"))]
+    tokenizer = word_tokenizer(["hello", "good", "morning"])
+    side, _ = side_batch(sentences, tokenizer)
+    stats = AggregateStats(top_k=2)
+    stats.update(AttentionView(FakeBlock("enc_self", 0, H), _random_probs(side, 3), side))
+    result = stats.result()
+    stats.close()
+    for heap in result.exemplars[("enc_self", 0)]:
+        assert [e.sent_id for e in heap] == ["good-morning"]

@@ -13,7 +13,8 @@ the share of attention that reaches words. Per head, over all sentences ``x``:
   over the first ``window`` words of each sentence (Vig & Belinkov 2019, "attention
   variability"; 0 = the same pattern for every sentence, 1 = maximal change), the mean taken
   over the sentences that have cell ``(i, j)``;
-* **exemplars**: the ``top_k`` (sentence, i, j) with the largest single weight ``alpha_ij``;
+* **exemplars**: the ``top_k`` sentences with the largest single weight ``alpha_ij``, with
+  ``(i, j)`` (sentences of one word are left out: their one weight is trivially the largest);
 * **POS share**: ``sum alpha_ij [upos_j = t] / sum alpha_ij`` for each UPOS tag ``t`` (the
   attention proportion of Vig & Belinkov 2019 with ``f(i, j) = [upos_j = t]``);
 * **dependency alignment**: ``sum alpha_ij [i, j joined by an arc] / sum alpha_ij``, either
@@ -185,14 +186,18 @@ class AggregateStats:
         # Exemplars: each sentence's strongest single weight, per head.
         if self.top_k:
             # No mask needed: padding cells are 0 and come after cell (0, 0), so the first
-            # maximum is always a real (query, key) pair.
+            # maximum is always a real (query, key) pair. One-word sentences are left out: their
+            # only weight is trivially the largest.
             best, where = alpha.flatten(2).max(-1)  # [B, H]
+            best = best.masked_fill((side.n_words < 2)[:, None], -1.0)
             heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
             k = min(self.top_k, B)
             values, rows = best.topk(k, dim=0)  # [k, H]
             for h in range(H):
                 heap = heaps[h]
                 for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
+                    if value < 0:
+                        break  # sorted: only one-word sentences follow
                     if len(heap) == self.top_k and value <= heap[0].weight:
                         break  # values are sorted: nothing further gets in
                     flat = int(where[b, h])
