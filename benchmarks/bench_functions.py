@@ -168,10 +168,26 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def control_child(args) -> dict:
+    """The same batches through a plain forward loop: how RSS moves without any analysis."""
+    from headlab.capture import eager_attention
+
+    model, tokenizer, _ = load(args)
+    batches, n = plain_batches(args, model, tokenizer)
+    trajectory = {}
+    with eager_attention(model), torch.inference_mode():
+        for i, inputs in enumerate(batches):
+            model(**inputs, output_attentions=True)
+            trajectory[min((i + 1) * args.batch_size, n)] = (_status_kb("VmRSS") or 0) / 1024
+    return {"sentences": n, "rss_after": trajectory}
+
+
 def memory_child(args) -> dict:
     import gc
     import tracemalloc
 
+    if args.control:
+        return control_child(args)
     model, tokenizer, _ = load(args)
     frequencies = frequencies_for(args, tokenizer)
     # Warm-up on 2 sentences: imports, first-use allocations and torch's allocator pools.
@@ -221,7 +237,8 @@ def memory(args) -> list[dict]:
 
     rows = []
     scratch = tempfile.mkdtemp(prefix="bench_functions_")
-    for n in args.memory_sizes:
+    runs = [(n, False) for n in args.memory_sizes] + [(max(args.memory_sizes), True)]
+    for n, control in runs:
         conllu = args.conllu
         if args.memory_source == "repeat":  # same sentences, same lengths: only the count differs
             conllu = _repeated_treebank(args.conllu, min(args.memory_sizes), n, scratch)
@@ -229,6 +246,8 @@ def memory(args) -> list[dict]:
                    str(args.memory_batch_size), "--threads", str(args.threads), "--conllu", str(conllu)]
         if args.memory_max_length:
             command += ["--max-length", str(args.memory_max_length)]
+        if control:
+            command.append("--control")
         if args.random:
             command += ["--random", "--tokenizer", str(args.tokenizer)]
         else:
@@ -274,6 +293,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--control", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -292,6 +312,7 @@ def main() -> None:
         print(f"ratio analysis / forward: {result['ratio']:.2f}x (target <= 2x)")
     if not args.skip_memory:
         rows = memory(args)
+        control = rows.pop()
         if args.memory_source == "repeat":
             print(f"memory runs: the first {min(args.memory_sizes)} sentences of {Path(args.conllu).name}, "
                   f"repeated to each size, batches of {args.memory_batch_size}")
@@ -303,12 +324,13 @@ def main() -> None:
             print(f"memory, {row['sentences']:>5} sentences: peak RSS growth {row['rss_growth_mb']:.1f} MB "
                   f"(peak RSS {row['peak_rss_mb']:.0f} MB), Python peak {row['python_peak_mb']:.2f} MB, "
                   f"{row['seconds']:.1f} s")
-        trajectory = {int(k): v for k, v in rows[-1]["rss_after"].items()}
-        if trajectory:
-            wanted = (args.memory_sizes[0], max(trajectory) // 2, max(trajectory))
-            marks = sorted({min(trajectory, key=lambda k: abs(k - m)) for m in wanted})
-            print("RSS during the largest run, after " + ", ".join(
-                f"{k} sentences: {trajectory[k]:.0f} MB" for k in marks))
+        for label, row in (("analysis", rows[-1]), ("plain forward loop, same batches (control)", control)):
+            trajectory = {int(k): v for k, v in row["rss_after"].items()}
+            if trajectory:
+                wanted = (args.memory_sizes[0], max(trajectory) // 2, max(trajectory))
+                marks = sorted({min(trajectory, key=lambda k: abs(k - m)) for m in wanted})
+                print(f"RSS during the largest {label}, after " + ", ".join(
+                    f"{k} sentences: {trajectory[k]:.0f} MB" for k in marks))
 
 
 if __name__ == "__main__":
