@@ -1,0 +1,169 @@
+"""The HTML report: its size, and its load time in headless Chromium.
+
+For an analysis directory (default ``runs/demo``, written by ``headlab demo``) the report is
+rebuilt (``headlab.report.build_report``, timed), then opened ``--repeats`` times in a fresh
+page of headless Chromium (Debian's ``chromium``, driven by Playwright). Per load:
+
+* ``load``: navigation start to the end of the load event (Navigation Timing);
+* ``render``: navigation start to the report's ``headlab-rendered`` mark (heatmaps drawn,
+  viewer set up) and until the viewer has drawn its first head (``body[data-rendered]``);
+* ``click``: a click on a heatmap cell until the viewer shows that head.
+
+Medians are printed, with the report's size (index.html plus attention/*.js when the
+attention data is not inlined).
+
+    python benchmarks/bench_report.py                       # runs/demo
+    python benchmarks/bench_report.py DIR --repeats 10
+    python benchmarks/bench_report.py --stand-in /tmp/report-bench
+    python benchmarks/bench_report.py runs/demo --screenshot docs/img/report-screenshot.png
+
+``--stand-in DIR`` first writes a demo-sized stand-in analysis directory, for when no demo run
+exists: the bundled model's attention on the first 20 Multi30k test sentences
+(``write_attention_examples``) and the importance results kept in
+docs/results/importance-multi30k (6 + 6 layers, 8 heads: the demo's shapes), plus the head
+functions and aggregate statistics in runs/functions-multi30k-en-de when that directory exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+
+
+def stand_in(directory: Path, sentences: int) -> Path:
+    import torch
+
+    from headlab.data.parallel import read_lines
+    from headlab.heads import atomic_write_text
+    from headlab.loading import load_model, load_tokenizer
+    from headlab.report import write_attention_examples
+
+    torch.set_num_threads(1)
+    directory.mkdir(parents=True, exist_ok=True)
+    results = ROOT / "docs" / "results" / "importance-multi30k"
+    (directory / "importance").mkdir(exist_ok=True)
+    for path in results.glob("*.json"):
+        shutil.copy(path, directory / "importance" / path.name)
+    functions = ROOT / "runs" / "functions-multi30k-en-de"  # `headlab functions --aggregate` output, if kept
+    figures = []
+    if functions.is_dir():
+        shutil.copytree(functions, directory / "functions", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("aggregate"))
+        shutil.copytree(functions / "aggregate", directory / "aggregate", dirs_exist_ok=True)
+        (directory / "figures").mkdir(exist_ok=True)
+        for png in sorted(functions.glob("*.png")):
+            shutil.copy(png, directory / "figures" / png.name)
+            figures.append({"name": png.stem, "title": png.stem.replace("_", " "), "caption": "from " +
+                            str(functions.relative_to(ROOT)), "png": f"figures/{png.name}", "svg": None})
+    model_dir = ROOT / "models" / "multi30k-en-de"
+    model, tokenizer = load_model(str(model_dir)), load_tokenizer(str(model_dir))
+    sources = list(read_lines(ROOT / "data" / "multi30k" / "test_2016_flickr.en.gz"))[:sentences]
+    targets = list(read_lines(ROOT / "data" / "multi30k" / "test_2016_flickr.de.gz"))[:sentences]
+    start = time.perf_counter()
+    outputs = write_attention_examples(model, tokenizer, sources, targets, directory / "attention", sentences)
+    seconds = time.perf_counter() - start
+    manifest = {"headlab_version": "0.1.0", "model": "multi30k-en-de (stand-in)", "source": "test_2016_flickr.en.gz",
+                "target": "test_2016_flickr.de.gz", "conllu": None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "stages": [{"name": "importance", "status": "done", "reason": "copied from docs/results",
+                            "seconds": None, "outputs": []},
+                           {"name": "attention", "status": "done", "reason": None, "seconds": round(seconds, 2),
+                            "outputs": outputs}],
+                "figures": figures}
+    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
+    print(f"stand-in: {len(outputs) - 1} sentences of attention in {seconds:.1f} s -> {directory}")
+    return directory
+
+
+def measure(directory: Path, repeats: int, executable: str, screenshot: str | None = None) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    from headlab.report import build_report
+
+    start = time.perf_counter()
+    report = build_report(directory)
+    build_s = time.perf_counter() - start
+    size = report.stat().st_size
+    sidecars = sum(p.stat().st_size for p in (directory / "attention").glob("*.js"))
+    loads, renders, firsts, clicks = [], [], [], []
+    with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
+        context = playwright.chromium.launch_persistent_context(profile, executable_path=executable, headless=True,
+                                                                args=ARGS, viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        for _ in range(repeats):
+            page = context.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(report.resolve().as_uri(), wait_until="load")
+            page.wait_for_selector("body[data-rendered='1']")
+            first = page.evaluate("performance.now()")
+            timing = page.evaluate("""() => {
+                const nav = performance.getEntriesByType('navigation')[0];
+                const mark = performance.getEntriesByName('headlab-rendered')[0];
+                return {load: nav.loadEventEnd, render: mark ? mark.startTime : null};
+            }""")
+            loads.append(timing["load"])
+            renders.append(timing["render"])
+            firsts.append(first)
+            cell = page.locator("svg.hm rect.cell").last
+            if cell.count():
+                kind, layer, head = (cell.get_attribute(a) for a in ("data-kind", "data-layer", "data-head"))
+                start = time.perf_counter()
+                cell.click()
+                page.wait_for_function(
+                    f"""() => {{ const v = document.getElementById('viewer').dataset;
+                    return v.kind === '{kind}' && v.layer === '{layer}' && v.head === '{head}'; }}""")
+                clicks.append((time.perf_counter() - start) * 1000)
+            if screenshot and _ == repeats - 1:  # the last page, the clicked head in the viewer
+                page.evaluate("window.scrollTo(0, 0)")
+                page.screenshot(path=screenshot, full_page=True)
+                page.locator("#viewer").screenshot(path=screenshot.replace(".png", "-viewer.png"))
+            page.close()
+        context.close()
+    median = lambda xs: round(statistics.median(xs), 1) if xs and None not in xs else None  # noqa: E731
+    return {
+        "directory": str(directory), "build_s": round(build_s, 3), "index_html_bytes": size,
+        "attention_js_bytes": sidecars, "repeats": repeats, "load_ms": median(loads),
+        "rendered_mark_ms": median(renders), "viewer_drawn_ms": median(firsts), "click_to_head_ms": median(clicks),
+        "errors": errors,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", nargs="?", default=str(ROOT / "runs" / "demo"), help="analysis directory")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stand-in", metavar="DIR", help="write a demo-sized stand-in analysis directory and use it")
+    parser.add_argument("--screenshot", metavar="PNG", help="save a full-page screenshot (and PNG-viewer.png)")
+    parser.add_argument("--sentences", type=int, default=20, help="stand-in: attention examples")
+    parser.add_argument("--chromium", default=os.environ.get("HEADLAB_CHROMIUM") or shutil.which("chromium")
+                        or "/usr/bin/chromium")
+    args = parser.parse_args(argv)
+    directory = stand_in(Path(args.stand_in), args.sentences) if args.stand_in else Path(args.directory)
+    if not directory.is_dir():
+        print(f"{directory}: no analysis directory (run `make demo`, or use --stand-in DIR)", file=sys.stderr)
+        return 2
+    if not Path(args.chromium).is_file():
+        print(f"no Chromium at {args.chromium} (apt-get install chromium)", file=sys.stderr)
+        return 2
+    result = measure(directory, args.repeats, args.chromium, args.screenshot)
+    print(json.dumps(result, indent=1))
+    total = (result["index_html_bytes"] + result["attention_js_bytes"]) / 1e6
+    print(f"\n| {directory.name} | {total:.2f} MB | {result['build_s']:.2f} s | {result['load_ms']} ms | "
+          f"{result['viewer_drawn_ms']} ms | {result['click_to_head_ms']} ms |")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Read an analysis directory into plain data for the report, tolerating any missing file.
+
+Nothing here raises on a missing or unreadable file: each problem becomes a note
+(``{"section", "text"}``) that the report shows where the data would have been.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS, HeadScores
+
+__all__ = ["Collected", "collect", "IMPORTANCE", "AGGREGATE", "FUNCTION_MAPS", "SECTION_STAGES"]
+
+IMPORTANCE = {
+    "confidence": ("Confidence", "mean maximum attention weight, special tokens left out (Voita et al. 2019, Sec. 4.1)"),
+    "lrp": ("LRP relevance", "layer-wise relevance of each head, normalised over the heads of a layer (Voita et al. 2019, Sec. 4.2)"),
+    "gradient": ("Gradient importance", "E|dL/dg_h| for a gate on the head, l2-normalised per layer (Michel et al. 2019)"),
+    "gradient_raw": ("Gradient importance (raw)", "E|dL/dg_h|, not normalised"),
+    "ablation": ("Ablation", "change of the metric when the head alone is masked (the ground truth of the agreement table)"),
+}
+AGGREGATE = {
+    "mean_distance": ("Mean attention distance", "attention-weighted distance between words (Vig & Belinkov 2019)"),
+    "mean_entropy": ("Mean attention entropy", "entropy (nats) of each word's attention over words, averaged"),
+    "variability": ("Attention variability", "how much the pattern changes between sentences, 0 to 1 (Vig & Belinkov 2019)"),
+    "dependency_alignment": ("Dependency alignment", "share of attention between words joined by a dependency arc"),
+}
+FUNCTION_MAPS = {
+    "positional/share.json": ("Positional share", "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
+    "positional/offset.json": ("Positional offset", "that most frequent offset (-1 = previous word, +1 = next word)"),
+    "syntactic/margin.json": ("Syntactic margin", "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),
+    "rare_tokens/rarest.json": ("Rare-token share", "how often the head's maximum lands on the rarest token (Sec. 5.3)"),
+}
+SECTION_STAGES = {
+    "importance": ("importance", "confidence", "lrp", "gradient", "ablation"),
+    "functions": ("functions", "positional", "syntactic", "rare"),
+    "aggregate": ("aggregate",),
+    "agreement": ("agreement", "ablation", "importance"),
+    "pruning": ("prune", "pruning", "sweep"),
+    "figures": ("figures",),
+    "viewer": ("attention", "examples", "viewer"),
+}
+
+
+@dataclass
+class Collected:
+    directory: Path
+    manifest: dict = field(default_factory=dict)
+    heatmaps: list[dict] = field(default_factory=list)
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    table1: list[dict] = field(default_factory=list)
+    agreement: dict | None = None
+    sweep: list[dict] | None = None
+    figures: list[dict] = field(default_factory=list)
+    attention: dict | None = None
+    notes: list[dict] = field(default_factory=list)
+
+    def note(self, section: str, text: str) -> None:
+        self.notes.append({"section": section, "text": text})
+
+    def stages_for(self, section: str) -> list[dict]:
+        prefixes = SECTION_STAGES.get(section, (section,))
+        return [s for s in self.manifest.get("stages", []) or []
+                if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
+
+
+def _read_json(path: Path, section: str, out: Collected, quiet_missing: bool = True):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if not quiet_missing:
+            out.note(section, f"{path.relative_to(out.directory)}: not found")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        out.note(section, f"{path.relative_to(out.directory)}: unreadable ({error})")
+    return None
+
+
+def _finite(value):
+    return None if value is None or not math.isfinite(value) else round(float(value), 6)
+
+
+def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str) -> None:
+    if not path.is_file():
+        return
+    try:
+        scores = HeadScores.load(path)
+    except HeadlabError as error:
+        out.note(group, str(error).replace(str(out.directory) + "/", ""))
+        return
+    data = {kind: [[_finite(v) for v in row] for row in array.tolist()] for kind, array in scores.scores.items()}
+    if not data:
+        out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
+        return
+    out.heatmaps.append({
+        "id": f"{group}/{name}", "group": group, "name": name, "title": title, "caption": caption,
+        "method": scores.method, "file": str(path.relative_to(out.directory)), "scores": data,
+    })
+
+
+def _first_dir(directory: Path, *candidates: str) -> Path | None:
+    for candidate in candidates:
+        if (directory / candidate).is_dir():
+            return directory / candidate
+    return None
+
+
+def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]]:
+    """Head labels rebuilt from the functions outputs when functions/labels.json is absent."""
+    labels: dict[str, list[str]] = {}
+    positional = _read_json(functions / "positional" / "offsets.json", "functions", out) or {}
+    for head in positional.get("positional_heads", []) or []:
+        key = f"{head['kind']}:{head['layer']}:{head['head']}"
+        labels.setdefault(key, []).append(f"positional {int(head['offset']):+d}")
+    table = _read_json(functions / "syntactic" / "table1.json", "functions", out) or {}
+    for head in table.get("syntactic_heads", []) or []:
+        key = f"{head['kind']}:{head['layer']}:{head['head']}"
+        labels.setdefault(key, []).append(f"{head['relation']} {head['direction']}")
+    rare = _read_json(functions / "rare_tokens" / "summary.json", "functions", out) or {}
+    for head in (rare.get("top_heads") or [])[:1]:
+        labels.setdefault(f"{head['kind']}:{head['layer']}:{head['head']}", []).append("rare")
+    return labels
+
+
+def collect(directory: Path) -> Collected:
+    out = Collected(Path(directory))
+    d = out.directory
+    manifest = _read_json(d / "manifest.json", "summary", out)
+    if isinstance(manifest, dict):
+        out.manifest = manifest
+    elif manifest is not None:
+        out.note("summary", "manifest.json: not a JSON object")
+    else:
+        out.note("summary", "manifest.json: not found; the run summary is unknown")
+
+    # Importance: the known measures first, in the paper's order, then any other HeadScores file.
+    importance = d / "importance"
+    known = [n for n in IMPORTANCE if (importance / f"{n}.json").is_file()]
+    others = sorted(p.stem for p in importance.glob("*.json") if p.stem not in IMPORTANCE and p.stem != "agreement") \
+        if importance.is_dir() else []
+    for name in known + others:
+        title, caption = IMPORTANCE.get(name, (name, ""))
+        _heatmap(out, importance / f"{name}.json", "importance", name, title, caption)
+    agreement = _read_json(importance / "agreement.json", "agreement", out)
+    if isinstance(agreement, dict) and isinstance(agreement.get("spearman"), dict):
+        out.agreement = agreement
+    elif agreement is not None:
+        out.note("agreement", "importance/agreement.json: no 'spearman' table")
+
+    functions = d / "functions"
+    for rel, (title, caption) in FUNCTION_MAPS.items():
+        _heatmap(out, functions / rel, "functions", rel.split(".")[0], title, caption)
+    labels = _read_json(functions / "labels.json", "functions", out)
+    if isinstance(labels, dict):
+        out.labels = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in labels.items()}
+    elif functions.is_dir():
+        out.labels = _labels_from_results(functions, out)
+    table1 = _read_json(functions / "syntactic" / "table1.json", "functions", out)
+    if isinstance(table1, dict):
+        out.table1 = [row for row in table1.get("table", []) if isinstance(row, dict)]
+
+    aggregate = _first_dir(d, "aggregate", "functions/aggregate")
+    if aggregate is not None:
+        for name, (title, caption) in AGGREGATE.items():
+            _heatmap(out, aggregate / f"{name}.json", "aggregate", name, title, caption)
+        for path in sorted((aggregate / "pos").glob("*.json")):
+            _heatmap(out, path, "pos", path.stem, f"Attention to {path.stem}",
+                     f"share of attention on words tagged {path.stem} (Vig & Belinkov 2019)")
+
+    sweep = _read_json(d / "prune" / "sweep.json", "pruning", out)
+    if isinstance(sweep, list):
+        out.sweep = [row for row in sweep if isinstance(row, dict)]
+
+    figures = out.manifest.get("figures") if isinstance(out.manifest.get("figures"), list) else None
+    if figures is None:
+        figures = [{"name": p.stem, "title": p.stem.replace("_", " "), "caption": "", "png": str(p.relative_to(d)),
+                    "svg": str(p.with_suffix(".svg").relative_to(d)) if p.with_suffix(".svg").is_file() else None}
+                   for p in sorted((d / "figures").glob("*.png"))]
+    for figure in figures:
+        if not isinstance(figure, dict):
+            continue
+        png = figure.get("png")
+        if png and (d / png).is_file():
+            out.figures.append(figure)
+        elif png or figure.get("svg"):
+            out.note("figures", f"{figure.get('name', '?')}: {png or figure.get('svg')} not found")
+
+    index = _read_json(d / "attention" / "index.json", "viewer", out)
+    if isinstance(index, dict) and isinstance(index.get("sentences"), list):
+        out.attention = index
+    return out
+
+
+def kinds_present(collected: Collected) -> list[str]:
+    found = {k for h in collected.heatmaps for k in h["scores"]}
+    return [k for k in KINDS if k in found]

@@ -1,0 +1,185 @@
+"""Attention of a few example sentences, stored compactly for the report's viewer.
+
+Layout under ``out_dir`` (normally ``ANALYSIS_DIR/attention/``)::
+
+    index.json            {"format": 1, "model", "scale": 255, "sentences": [{"id", "file",
+                           "line", "source", "target", "target_from", "n_tokens": {side: n},
+                           "blocks": ["enc_self:0", ...]}]}
+    sentence-000.json     {"id", "tokens": {"source": [...], "target": [...]},
+                           "blocks": {"enc_self:0": {"kind", "layer", "q": side, "k": side,
+                                      "shape": [heads, q_len, k_len], "data": base64(uint8)}}}
+
+Each probability ``p`` is stored as ``round(255 p)`` (one byte), so a value read back as
+``q / 255`` is within ``0.5 / 255`` of the captured one. Sides: ``source`` (encoder input, or
+the only input of an encoder-only / decoder-only model) and ``target`` (the decoder input:
+start token + target tokens but the last, i.e. teacher forcing). ``enc_self`` attends
+source -> source, ``dec_self`` target -> target (source -> source for a decoder-only model),
+``dec_cross`` target -> source.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS, atomic_write_text
+
+__all__ = ["FORMAT", "SCALE", "write_attention_examples", "write_example", "write_index", "load_example",
+           "quantize", "dequantize"]
+
+FORMAT = 1
+SCALE = 255
+
+
+def quantize(probs: np.ndarray) -> np.ndarray:
+    """Probabilities in [0, 1] as ``uint8`` ``round(255 p)``."""
+    return np.clip(np.rint(np.asarray(probs, dtype=np.float64) * SCALE), 0, SCALE).astype(np.uint8)
+
+
+def dequantize(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32) / SCALE
+
+
+def _sides(kind: str, seq2seq: bool) -> tuple[str, str]:
+    if not seq2seq:
+        return "source", "source"
+    return {"enc_self": ("source", "source"), "dec_self": ("target", "target"),
+            "dec_cross": ("target", "source")}[kind]
+
+
+def write_example(
+    out_dir: Path,
+    index: int,
+    tokens: Mapping[str, Sequence[str]],
+    attention: Mapping[tuple[str, int], np.ndarray],
+    seq2seq: bool,
+) -> dict:
+    """Store one sentence: ``attention[(kind, layer)]`` is a float array ``[heads, q_len, k_len]``.
+
+    Returns the sentence's entry for ``index.json`` (without the text fields).
+    """
+    blocks = {}
+    for (kind, layer), probs in sorted(attention.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1])):
+        probs = np.asarray(probs)
+        q_side, k_side = _sides(kind, seq2seq)
+        expected = (len(tokens[q_side]), len(tokens[k_side]))
+        if probs.ndim != 3 or probs.shape[1:] != expected:
+            raise HeadlabError(f"attention {kind}:{layer} has shape {probs.shape}, expected [heads, {expected[0]}, "
+                               f"{expected[1]}] for the {q_side} -> {k_side} tokens")
+        blocks[f"{kind}:{layer}"] = {
+            "kind": kind, "layer": int(layer), "q": q_side, "k": k_side, "shape": list(probs.shape),
+            "data": base64.b64encode(quantize(probs).tobytes()).decode("ascii"),
+        }
+    name = f"sentence-{index:03d}.json"
+    payload = {"format": FORMAT, "id": index, "scale": SCALE,
+               "tokens": {side: [str(t) for t in toks] for side, toks in tokens.items()}, "blocks": blocks}
+    atomic_write_text(out_dir / name, json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n")
+    return {"id": index, "file": name, "n_tokens": {side: len(t) for side, t in tokens.items()},
+            "blocks": list(blocks)}
+
+
+def write_index(out_dir: Path, entries: list[dict], model: str = "") -> Path:
+    path = out_dir / "index.json"
+    atomic_write_text(path, json.dumps({"format": FORMAT, "model": model, "scale": SCALE, "sentences": entries},
+                                       indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def load_example(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, int], np.ndarray]]:
+    """Read one ``sentence-NNN.json``: tokens per side and dequantised attention per block."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        attention = {}
+        for block in data["blocks"].values():
+            raw = np.frombuffer(base64.b64decode(block["data"]), dtype=np.uint8)
+            attention[(block["kind"], int(block["layer"]))] = dequantize(raw.reshape(block["shape"]))
+        return data["tokens"], attention
+    except FileNotFoundError as error:
+        raise HeadlabError(f"{path}: no such attention example") from error
+    except (KeyError, TypeError, ValueError) as error:
+        raise HeadlabError(f"{path}: not an attention example file ({error})") from error
+
+
+def _encode(tokenizer, text: str, max_length: int, target: bool = False) -> list[int]:
+    key = "text_target" if target else "text"
+    return list(tokenizer(**{key: text}, truncation=True, max_length=max_length)["input_ids"])
+
+
+def write_attention_examples(
+    model,
+    tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str] | None,
+    out_dir: Path,
+    max_sentences: int = 20,
+    max_new_tokens: int | None = None,
+) -> list[str]:
+    """See :func:`headlab.report.write_attention_examples`. One sentence per forward pass (no
+    padding, so nothing has to be cut away), under ``torch.no_grad`` in eager attention."""
+    from headlab.capture import capture_attention
+    from headlab.importance.data import describe_model
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise HeadlabError(f"{out_dir}: exists and is not a directory")
+    if max_sentences < 0:
+        raise HeadlabError(f"max_sentences must be >= 0, got {max_sentences}")
+    if targets is not None and len(targets) != len(sources):
+        raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
+    info = describe_model(model, tokenizer)
+    seq2seq = info.is_seq2seq
+    device = next(model.parameters()).device
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("sentence-*.json"):
+        stale.unlink()
+    entries: list[dict] = []
+    written: list[Path] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for line, source in enumerate(sources, start=1):
+            if len(entries) >= max_sentences:
+                break
+            target = targets[line - 1] if targets is not None else None
+            if not source.strip() or (target is not None and seq2seq and not target.strip()):
+                continue
+            ids = _encode(tokenizer, source.strip(), info.max_length)
+            inputs = {"input_ids": torch.tensor([ids], device=device),
+                      "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
+            tokens = {"source": tokenizer.convert_ids_to_tokens(ids)}
+            target_from = None
+            if seq2seq:
+                start = info.decoder_start_id if info.decoder_start_id is not None else info.pad_id
+                if target is not None:
+                    target_ids = _encode(tokenizer, target.strip(), info.max_length, target=True)
+                    target_from = "reference"
+                else:
+                    with torch.no_grad():
+                        limit = max_new_tokens or min(info.max_length, 2 * len(ids) + 10)
+                        generated = model.generate(**inputs, max_new_tokens=limit, do_sample=False, num_beams=1)
+                    target_ids = [int(t) for t in generated[0].tolist()[1:]]
+                    target_from = "translation"
+                decoder_ids = ([start] + target_ids[:-1])[: info.max_length]
+                inputs["decoder_input_ids"] = torch.tensor([decoder_ids], device=device)
+                tokens["target"] = tokenizer.convert_ids_to_tokens(decoder_ids)
+            with torch.no_grad(), capture_attention(model) as record:
+                model(**inputs)
+            attention = {key: probs[0].float().cpu().numpy() for key, probs in record.items()}
+            entry = write_example(out_dir, len(entries), tokens, attention, seq2seq)
+            entry.update({"line": line, "source": source.strip(), "target": target.strip() if target else None,
+                          "target_from": target_from})
+            if target_from == "translation":
+                entry["target"] = tokenizer.decode(target_ids, skip_special_tokens=True)
+            entries.append(entry)
+            written.append(out_dir / entry["file"])
+    finally:
+        model.train(was_training)
+    name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    written.append(write_index(out_dir, entries, str(name)))
+    return [str(path.relative_to(out_dir.parent)) for path in written]

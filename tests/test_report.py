@@ -1,0 +1,180 @@
+"""The HTML report without a browser: attention data round trip, escaping, missing stages."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from headlab.capture import capture_attention
+from headlab.errors import HeadlabError
+from headlab.report import build_report, load_example, write_attention_examples
+from headlab.report.build import json_for_script
+from headlab.report.examples import dequantize, quantize
+from test_report_support import IMG_SENTENCE, SCRIPT_SENTENCE, SOURCES, TARGETS, build_analysis_dir, tiny_marian, tokenizer
+
+
+@pytest.fixture(scope="module")
+def analysis_dir(tmp_path_factory):
+    return build_analysis_dir(tmp_path_factory.mktemp("report") / "analysis", long=False)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_quantisation_error_is_at_most_half_a_step():
+    probs = np.random.default_rng(0).random((3, 5, 7))
+    assert np.abs(dequantize(quantize(probs)) - probs).max() <= 0.5 / 255 + 1e-7
+    assert quantize(np.array([0.0, 1.0, 1.2, -0.1])).tolist() == [0, 255, 255, 0]
+
+
+def test_attention_examples_round_trip(tmp_path):
+    model, tok = tiny_marian(), tokenizer()
+    paths = write_attention_examples(model, tok, SOURCES, TARGETS, tmp_path / "attention", max_sentences=3)
+    assert paths == ["attention/sentence-000.json", "attention/sentence-001.json", "attention/sentence-002.json",
+                     "attention/index.json"]
+    index = json.loads((tmp_path / "attention" / "index.json").read_text())
+    assert [s["source"] for s in index["sentences"]] == SOURCES[:3]
+    assert index["sentences"][1]["target_from"] == "reference"
+    for n, (source, target) in enumerate(zip(SOURCES[:3], TARGETS[:3])):
+        ids = tok(source)["input_ids"]
+        start = model.config.decoder_start_token_id
+        decoder = [start] + tok(text_target=target)["input_ids"][:-1]
+        with torch.no_grad(), capture_attention(model) as record:
+            model(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([decoder]))
+        tokens, attention = load_example(tmp_path / "attention" / f"sentence-{n:03d}.json")
+        assert tokens["source"] == tok.convert_ids_to_tokens(ids)
+        assert tokens["target"] == tok.convert_ids_to_tokens(decoder)
+        assert set(attention) == set(record) == {(k, l) for k in ("enc_self", "dec_self", "dec_cross") for l in (0, 1)}
+        for key, probs in record.items():
+            np.testing.assert_allclose(attention[key], probs[0].numpy(), atol=1 / 255)
+    # the injected markup is one token, kept verbatim in the data (escaping is the report's job)
+    tokens, _ = load_example(tmp_path / "attention" / "sentence-001.json")
+    assert "<script>window.__pwned=1</script>" in tokens["source"]
+
+
+def test_attention_examples_skip_empty_lines_translate_without_targets_and_check_input(tmp_path):
+    model, tok = tiny_marian(), tokenizer()
+    paths = write_attention_examples(model, tok, ["", "the cat sat", "  ", "a dog"], None, tmp_path / "a", max_sentences=5)
+    index = json.loads((tmp_path / "a" / "index.json").read_text())
+    assert [s["line"] for s in index["sentences"]] == [2, 4]
+    assert all(s["target_from"] == "translation" for s in index["sentences"])
+    assert len(paths) == 3
+    with pytest.raises(HeadlabError, match="2 targets"):
+        write_attention_examples(model, tok, ["a", "b", "c"], ["x", "y"], tmp_path / "b")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(HeadlabError, match="not a directory"):
+        write_attention_examples(model, tok, ["a"], None, tmp_path / "file")
+
+
+def test_attention_examples_of_an_encoder_only_model(tmp_path):
+    from test_functions_support import word_tokenizer
+    from tiny_models import tiny_model
+
+    tok = word_tokenizer("the cat sat".split(), style="bert")
+    write_attention_examples(tiny_model("bert"), tok, ["the cat sat"], None, tmp_path / "attention")
+    tokens, attention = load_example(tmp_path / "attention" / "sentence-000.json")
+    assert tokens == {"source": ["[CLS]", "the", "cat", "sat", "[SEP]"]}
+    assert sorted(attention) == [("enc_self", 0), ("enc_self", 1)]
+    assert attention[("enc_self", 0)].shape == (4, 5, 5)
+
+
+def test_json_for_script_cannot_close_the_script_block():
+    text = json_for_script({"s": "</script><script>alert(1)</script> & \u2028"})
+    assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
+    assert json.loads(text) == {"s": "</script><script>alert(1)</script> & \u2028"}
+
+
+def test_report_escapes_corpus_and_manifest_text(analysis_dir):
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    assert "<script>window.__pwned" not in html and "<img src=x" not in html and "<b>bold</b>" not in html
+    assert "&lt;script&gt;" not in html  # corpus text is only in the JSON blocks, \u003c-escaped
+    assert "\\u003cscript\\u003ewindow.__pwned=1\\u003c/script\\u003e" in html
+    assert "tiny-marian &lt;fixture&gt;" in html and "Figure 1 &lt;test&gt;" in html
+    # exactly the report's own scripts: one data block, one per sentence, one program
+    scripts = re.findall(r"<script[^>]*>", html)
+    assert scripts.count("<script>") == 1
+    assert all(s == "<script>" or 'type="application/json"' in s for s in scripts)
+    assert "Content-Security-Policy" in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in html
+
+
+def test_report_sections_have_content(analysis_dir):
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    data = json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', html).group(1))
+    groups = {h["group"] for h in data["heatmaps"]}
+    assert groups == {"importance", "functions", "aggregate", "pos"}
+    assert [h["name"] for h in data["heatmaps"] if h["group"] == "importance"] == ["confidence", "lrp", "gradient",
+                                                                                   "ablation"]
+    assert data["heatmaps"][0]["scores"]["enc_self"][1][3] is None  # NaN head
+    assert data["attention"]["mode"] == "inline" and len(data["attention"]["sentences"]) == len(SOURCES)
+    assert html.count('id="headlab-attention-') == len(SOURCES)
+    for text in ("Syntactic heads (Table 1 analogue)", "positional -1", "all (23 heads)", "lam-0.05",
+                 "data:image/png;base64,", "v → s"):
+        assert text in html
+
+
+def test_missing_stages_are_listed_with_reasons(tmp_path):
+    directory = build_analysis_dir(tmp_path / "a", long=False, stages_missing=True)
+    html = build_report(directory).read_text(encoding="utf-8")
+    assert html.count("no --conllu given") >= 3  # stage table + functions and aggregate sections
+    assert "model has no LM head &lt;needs one&gt;" in html
+    assert "--prune not given" in html
+    assert '<span class="status failed">failed</span>' in html
+
+
+def test_report_of_an_empty_or_damaged_directory(tmp_path):
+    html = build_report(tmp_path).read_text(encoding="utf-8")
+    assert "manifest.json: not found" in html and "No data for this section" in html
+    (tmp_path / "importance").mkdir()
+    (tmp_path / "importance" / "lrp.json").write_text("{not json")
+    (tmp_path / "importance" / "agreement.json").write_text('{"x": 1}')
+    (tmp_path / "manifest.json").write_text('["not", "an object"]')
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "index.json").write_text('{"sentences": [{"id": 0, "file": "sentence-000.json"}]}')
+    html = build_report(tmp_path).read_text(encoding="utf-8")
+    assert "importance/lrp.json: line 1: invalid JSON" in html
+    assert "no &#x27;spearman&#x27; table" in html
+    assert "attention/sentence-000.json: unreadable" in html
+    with pytest.raises(HeadlabError, match="no such directory"):
+        build_report(tmp_path / "missing")
+
+
+def test_large_attention_data_goes_to_script_files(analysis_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(analysis_dir, copy)
+    from headlab.report.build import build_report as build
+
+    html = build(copy, inline_limit=0).read_text(encoding="utf-8")
+    assert 'id="headlab-attention-' not in html
+    scripts = sorted(p.name for p in (copy / "attention").glob("*.js"))
+    assert scripts == [f"sentence-{i:03d}.js" for i in range(len(SOURCES))]
+    text = (copy / "attention" / "sentence-001.js").read_text()
+    assert text.startswith("window.headlabAttention(1,") and "<" not in text
+
+
+def test_templates_are_package_data():
+    from importlib import resources
+
+    names = {p.name for p in resources.files("headlab.report").joinpath("templates").iterdir()}
+    assert {"report.js", "report.css", "viewer.html"} <= names
+    from pathlib import Path
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    package_data = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    assert '"report/templates/*"' in package_data
+
+
+def test_sentences_with_markup_are_kept(analysis_dir):
+    index = json.loads((analysis_dir / "attention" / "index.json").read_text())
+    assert SCRIPT_SENTENCE in [s["source"] for s in index["sentences"]]
+    assert IMG_SENTENCE in [s["source"] for s in index["sentences"]]
