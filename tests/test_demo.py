@@ -3,7 +3,9 @@
 import json
 from pathlib import Path
 
-from headlab import attention_blocks, load_pruned
+import torch
+from test_functions_support import SAMPLE_CONLLU
+
 from headlab.cli import main
 from headlab.data import read_parallel
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
@@ -12,23 +14,36 @@ from headlab.nmt.tokenizer import train_tokenizer
 DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 
 
-def test_demo_scores_prunes_and_compares(tmp_path, capsys):
+def test_demo_runs_analyze_with_pruning_and_prints_the_report(tmp_path, capsys):
+    threads = torch.get_num_threads()
     corpus = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(200)
     tokenizer = train_tokenizer(corpus.sources + corpus.targets, vocab_size=300)
     tiny = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
     model = create_model(build_marian_config(tiny, tokenizer), seed=0)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    for name, lines in (("src.en", corpus.sources), ("ref.de", corpus.targets)):
+        (tmp_path / name).write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
+        (tmp_path / f"train.{name}").write_text("\n".join(lines[8:]) + "\n", encoding="utf-8")
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
     out = tmp_path / "demo"
-    assert main(["demo", "--model", str(tmp_path / "model"), "--n-sentences", "4", "--keep", "3",
-                 "--out", str(out)]) == 0
+    try:
+        code = main(["demo", "--model", str(tmp_path / "model"), "--source", str(tmp_path / "src.en"),
+                     "--reference", str(tmp_path / "ref.de"), "--conllu", str(tmp_path / "tb.conllu"),
+                     "--train-source", str(tmp_path / "train.src.en"), "--train-target", str(tmp_path / "train.ref.de"),
+                     "--n-sentences", "6", "--prune-steps", "2", "--prune-keeps", "4,2", "--no-progress",
+                     "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
     printed = capsys.readouterr().out
-    assert "kept the 3 most confident of 8 encoder heads" in printed
-    assert "BLEU" in printed
-    scores = json.loads((out / "confidence.json").read_text())
-    assert scores["method"] == "confidence" and len(scores["scores"]["enc_self"]) == 2
-    pruned = load_pruned(out / "pruned")
-    assert sum(b.n_heads for b in attention_blocks(pruned) if b.kind == "enc_self") == 3
+    assert f"Open the report: {out / 'index.html'}" in printed
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["ablation"]["status"] == "skipped"
+    assert all(s["status"] == "done" for name, s in stages.items() if name != "ablation")
+    rows = json.loads((out / "prune" / "sweep.json").read_text())
+    assert [r["enc_self"] for r in rows] == [8, 4, 2]
+    assert "separate training data" not in stages["prune"]["reason"]  # fine-tuned on the training pairs
 
 
 def test_demo_without_a_model_says_how_to_get_one(tmp_path, capsys):

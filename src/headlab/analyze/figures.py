@@ -1,0 +1,353 @@
+"""The figures of an analysis: the paper's Figure 1, heatmaps, the pruning curve, gate trajectories.
+
+Every ``plot_*`` function takes an optional ``ax`` / ``axes`` (so figures compose) and returns
+``(figure, data)``: ``data`` is the plain-Python content drawn (lists and floats, NaN as None),
+so that tests compare data, not pixels. Nothing here is random: the same files give the same
+data and byte-identical SVG (``Date`` metadata removed, a fixed ``svg.hashsalt``).
+
+:func:`write_figures` reads an analysis directory (HeadScores files, ``functions/labels.json``,
+``prune/sweep.json`` and the sweep points' ``trajectory.jsonl``), so any analysis can be
+re-plotted without re-running it, and writes ``figures/<name>.png`` and ``.svg``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
+from headlab.heads import KINDS, HeadScores
+
+__all__ = [
+    "figure1_data",
+    "plot_figure1",
+    "plot_scores_heatmap",
+    "plot_pruning_curve",
+    "plot_heads_kept",
+    "plot_gate_trajectories",
+    "save_figure",
+    "write_figures",
+    "IMPORTANCE_MEASURES",
+    "AGGREGATE_STATISTICS",
+]
+
+IMPORTANCE_MEASURES = ("confidence", "lrp", "gradient", "ablation")
+AGGREGATE_STATISTICS = ("mean_distance", "mean_entropy", "variability", "dependency_alignment")
+_SVG_SALT = "headlab"
+
+
+def _pyplot():
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _clean(value: float) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def _short(label: str) -> str:
+    """A grid cell's text: ``positional -1`` -> ``-1``; other labels as they are."""
+    return label.split(" ", 1)[1] if label.startswith("positional ") else label
+
+
+# ----------------------------------------------------------------------------- Figure 1
+
+
+def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
+                 labels: Mapping[str, list[str]], kind: str = "enc_self") -> dict:
+    """Per layer: heads sorted by LRP relevance (descending; by confidence without LRP), their
+    relevance, confidence and function labels (Voita et al. 2019, Fig. 1)."""
+    order_by = relevance if relevance is not None and kind in relevance.kinds else confidence
+    if order_by is None or kind not in order_by.kinds:
+        raise ValueError(f"Figure 1 needs LRP relevance or confidence for {kind}")
+    n_layers, n_heads = order_by[kind].shape
+    layers = []
+    for layer in range(n_layers):
+        key = np.nan_to_num(order_by[kind][layer], nan=-np.inf)
+        heads = [int(h) for h in np.argsort(-key, kind="stable")]
+
+        def values(scores):
+            if scores is None or kind not in scores.kinds:
+                return None
+            return [_clean(float(scores[kind][layer, h])) for h in heads]
+
+        layers.append({
+            "layer": layer,
+            "heads": heads,
+            "relevance": values(relevance),
+            "confidence": values(confidence),
+            "labels": [list(labels.get(label_key(kind, layer, h), [])) for h in heads],
+        })
+    return {"kind": kind, "sorted_by": "lrp" if order_by is relevance else "confidence",
+            "n_heads": n_heads, "layers": layers, "groups": list(FUNCTION_GROUPS)}
+
+
+def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
+                 labels: Mapping[str, list[str]], kind: str = "enc_self", axes=None):
+    """Voita et al. 2019, Fig. 1: for each layer (columns), LRP relevance and confidence of its
+    heads (bars, heads sorted by relevance within the layer) and the function grid below
+    (positional / syntactic / rare), each function named in its cell.
+
+    ``axes``: a ``[3, n_layers]`` array of axes (created when None). Returns ``(figure, data)``.
+    """
+    plt = _pyplot()
+    data = figure1_data(relevance, confidence, labels, kind)
+    n_layers, n_heads = len(data["layers"]), data["n_heads"]
+    if axes is None:
+        fig, axes = plt.subplots(3, n_layers, figsize=(max(2.1 * n_layers, 6), 5.2), squeeze=False,
+                                 gridspec_kw={"height_ratios": [1.0, 1.0, 0.9]}, layout="constrained")
+    else:
+        axes = np.asarray(axes).reshape(3, n_layers)
+        fig = axes[0, 0].figure
+    def limits(field: str) -> tuple[float, float]:
+        # One scale per row, so layers compare; relevance can be negative (normalised by |sum|).
+        values = [v for ly in data["layers"] for v in (ly[field] or []) if v is not None] or [0.0]
+        low, high = min(min(values), 0.0), max(max(values), 0.0)
+        pad = 0.08 * ((high - low) or 1.0)
+        return low - (pad if low < 0 else 0.0), high + pad
+
+    x = np.arange(n_heads)
+    for column, layer in enumerate(data["layers"]):
+        ax_r, ax_c, ax_f = axes[0, column], axes[1, column], axes[2, column]
+        for ax, field, color, name in ((ax_r, "relevance", "tab:red", "LRP relevance"),
+                                       (ax_c, "confidence", "tab:blue", "confidence")):
+            values = layer[field]
+            if values is None:
+                ax.text(0.5, 0.5, "not computed", ha="center", va="center", transform=ax.transAxes, fontsize=7)
+            else:
+                ax.bar(x, [np.nan if v is None else v for v in values], color=color, width=0.8)
+                ax.axhline(0, color="black", linewidth=0.5)
+            ax.set_ylim(*limits(field))
+            ax.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
+            ax.tick_params(axis="y", labelsize=6)
+            if column == 0:
+                ax.set_ylabel(name, fontsize=7)
+        ax_r.set_title(f"layer {layer['layer']}", fontsize=8)
+        grid = np.zeros((len(FUNCTION_GROUPS), n_heads))
+        for i, head_labels in enumerate(layer["labels"]):
+            texts: dict[str, list[str]] = {}
+            for label in head_labels:
+                texts.setdefault(label_group(label), []).append(_short(label))
+            for group, names in texts.items():
+                row = FUNCTION_GROUPS.index(group)
+                grid[row, i] = 1.0
+                ax_f.text(i, row, "\n".join(names), ha="center", va="center", fontsize=5, rotation=90
+                          if max(len(n) for n in names) > 4 else 0)
+        ax_f.imshow(grid, cmap="Greens", vmin=0, vmax=2.2, aspect="auto")
+        ax_f.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
+        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column == 0 else [""] * 3, fontsize=7)
+        ax_f.set_xlabel("head", fontsize=7)
+    fig.suptitle(f"{kind}: heads per layer sorted by {'LRP relevance' if data['sorted_by'] == 'lrp' else 'confidence'}"
+                 " (Voita et al. 2019, Fig. 1)", fontsize=9)
+    return fig, data
+
+
+# ----------------------------------------------------------------------------- heatmaps
+
+
+def plot_scores_heatmap(scores: HeadScores, axes=None, *, title: str | None = None):
+    """A Vig & Belinkov-style layer x head heatmap per attention kind (one panel per kind);
+    drawn by :func:`headlab.importance.plots.plot_heatmap`. Returns ``(figure, data)``."""
+    _pyplot()
+    from headlab.importance.plots import plot_heatmap
+
+    fig = plot_heatmap(scores, axes, title=title)
+    data = {"method": scores.method,
+            "scores": {kind: [[_clean(v) for v in row] for row in scores[kind].tolist()] for kind in scores.kinds}}
+    return fig, data
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+def _pruned_kind(rows: list[dict]) -> str:
+    """The kind whose head count changes along the sweep (the gated kind)."""
+    present = [k for k in KINDS if any(r.get(k) is not None for r in rows)]
+    for kind in present:
+        if len({r.get(kind) for r in rows if r.get(kind) is not None}) > 1:
+            return kind
+    return present[0] if present else "enc_self"
+
+
+def plot_pruning_curve(rows: list[dict], kind: str | None = None, ax=None):
+    """BLEU against the number of retained heads of ``kind`` (Voita et al. 2019, Fig. 7), drawn
+    by :func:`headlab.pruning.sweep.plot_bleu_vs_heads`. Returns ``(figure, data)``."""
+    plt = _pyplot()
+    from headlab.pruning.sweep import plot_bleu_vs_heads
+
+    kind = kind or _pruned_kind(rows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    plot_bleu_vs_heads(rows, kind=kind, ax=ax)
+    ax.set_title(f"BLEU against retained {kind} heads (short gate sweep)", fontsize=9)
+    points = sorted((r[kind], r["bleu"]) for r in rows
+                    if r.get(kind) is not None and r.get("bleu") is not None and r["point"] != "full")
+    full = next((r for r in rows if r["point"] == "full"), None)
+    data = {"kind": kind, "points": [[int(h), float(b)] for h, b in points],
+            "full": None if full is None or full.get("bleu") is None else [full.get(kind), float(full["bleu"])]}
+    return ax.figure, data
+
+
+def plot_heads_kept(rows: list[dict], ax=None):
+    """Heads kept per kind at each sweep point (Voita et al. 2019, Fig. 9), drawn by
+    :func:`headlab.pruning.sweep.plot_heads_per_kind`. Returns ``(figure, data)``."""
+    plt = _pyplot()
+    from headlab.pruning.sweep import plot_heads_per_kind
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    plot_heads_per_kind(rows, ax=ax)
+    ax.set_title("Heads kept per kind", fontsize=9)
+    ordered = sorted((r for r in rows if r.get("heads")), key=lambda r: -r["heads"])
+    data = {"points": [{"point": r["point"], "heads": r["heads"], **{k: r.get(k) for k in KINDS}} for r in ordered]}
+    return ax.figure, data
+
+
+def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
+    """P(open) of every gate against the training step, one panel per sweep point, one line per
+    head (from ``trajectory.jsonl``; Louizos et al. 2018 / Voita et al. 2019, Sec. 6).
+    Returns ``(figure, data)``."""
+    plt = _pyplot()
+    names = [name for name, records in trajectories.items() if records]
+    if axes is None:
+        fig, axes = plt.subplots(1, max(len(names), 1), figsize=(3.6 * max(len(names), 1) + 0.6, 3.4),
+                                 squeeze=False, layout="constrained")
+        axes = axes[0]
+    else:
+        axes = np.atleast_1d(axes)
+        fig = axes[0].figure
+    data: dict = {}
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes, names):
+        records = trajectories[name]
+        steps = [int(r["step"]) for r in records]
+        heads: dict[str, list[float]] = {}
+        for record in records:
+            for kind, layers in (record.get("p_open") or {}).items():
+                for layer, row in enumerate(layers):
+                    for head, value in enumerate(row):
+                        heads.setdefault(label_key(kind, layer, head), []).append(float(value))
+        n_layers = 1 + max((int(k.split(":")[1]) for k in heads), default=0)
+        for key, values in heads.items():
+            layer = int(key.split(":")[1])
+            ax.plot(steps[: len(values)], values, color=cmap(layer / max(n_layers - 1, 1)), linewidth=0.7, alpha=0.8)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("step")
+        ax.set_ylabel("P(gate open)")
+        ax.set_title(name, fontsize=9)
+        data[name] = {"steps": steps, "p_open": heads}
+    if not names:
+        axes[0].text(0.5, 0.5, "no trajectory recorded", ha="center", va="center", transform=axes[0].transAxes)
+    fig.suptitle("Gate trajectories (colour: layer)", fontsize=9)
+    return fig, data
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def save_figure(fig, directory: str | Path, name: str) -> tuple[Path, Path]:
+    """``directory/name.png`` and ``.svg`` (SVG without a date and with fixed ids: reproducible)."""
+    plt = _pyplot()
+    import matplotlib
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    png, svg = directory / f"{name}.png", directory / f"{name}.svg"
+    with matplotlib.rc_context({"svg.hashsalt": _SVG_SALT}):
+        for path, kwargs in ((png, {"dpi": 110, "metadata": {"Software": None}}), (svg, {"metadata": {"Date": None}})):
+            tmp = path.with_name(f".{path.name}.tmp")
+            fig.savefig(tmp, format=path.suffix[1:], bbox_inches="tight", **kwargs)
+            tmp.replace(path)
+    plt.close(fig)
+    return png, svg
+
+
+def _load(path: Path) -> HeadScores | None:
+    return HeadScores.load(path) if path.is_file() else None
+
+
+def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable[[], tuple]]]:
+    """``(name, title, caption, draw)`` of every figure the files in ``analysis_dir`` allow."""
+    root = Path(analysis_dir)
+    specs: list[tuple[str, str, str, Callable[[], tuple]]] = []
+    lrp, confidence = _load(root / "importance" / "lrp.json"), _load(root / "importance" / "confidence.json")
+    labels_file = root / "functions" / "labels.json"
+    labels = load_labels(labels_file) if labels_file.is_file() else {}
+    if lrp is not None or confidence is not None:
+        have = set(lrp.kinds if lrp is not None else ()) | set(confidence.kinds if confidence is not None else ())
+        labelled = {key.split(":")[0] for key in labels}
+        kinds = [k for k in KINDS if k in have and (k in labelled or not labelled)]
+        for kind in kinds:
+            sorted_by = "LRP relevance" if lrp is not None and kind in lrp.kinds else "confidence"
+            caption = (f"Each column is a layer of {kind} attention; its heads are sorted by {sorted_by}. "
+                       "Bars: LRP relevance (normalised per layer) and confidence (mean maximum attention, "
+                       "EOS excluded). Below: the head's function: positional (offset), syntactic "
+                       "(relation direction, e.g. s->v: from subject to verb) and rare-token.")
+            if not labels:
+                caption += " The function analysis did not run (no --conllu), so the grid is empty."
+            specs.append((f"figure1_{kind}", f"Figure 1 ({kind}): importance and function of each head", caption,
+                          lambda kind=kind: plot_figure1(lrp, confidence, labels, kind)))
+    for measure in IMPORTANCE_MEASURES:
+        scores = _load(root / "importance" / f"{measure}.json")
+        if scores is not None:
+            specs.append((f"importance_{measure}", f"Head importance: {measure}",
+                          f"{measure} of every head, layers down, heads across, one panel per attention kind.",
+                          lambda s=scores, m=measure: plot_scores_heatmap(s, title=m)))
+    for statistic in AGGREGATE_STATISTICS:
+        scores = _load(root / "aggregate" / f"{statistic}.json")
+        if scores is not None:
+            specs.append((f"aggregate_{statistic}", f"Aggregate statistic: {statistic.replace('_', ' ')}",
+                          f"{statistic.replace('_', ' ')} per head over the treebank (Vig & Belinkov 2019), "
+                          "layers down, heads across.",
+                          lambda s=scores, t=statistic: plot_scores_heatmap(s, title=t.replace("_", " "))))
+    sweep = root / "prune" / "sweep.json"
+    if sweep.is_file():
+        rows = json.loads(sweep.read_text(encoding="utf-8"))
+        if any(r.get("bleu") is not None for r in rows):
+            specs.append(("pruning_curve", "Pruning: BLEU against heads kept",
+                          "BLEU of the pruned model after a short gated fine-tuning at each head budget "
+                          "(Voita et al. 2019, Fig. 7); dashed: the full model.",
+                          lambda: plot_pruning_curve(rows)))
+        specs.append(("pruning_heads_per_kind", "Pruning: heads kept per kind",
+                      "Heads kept in each attention kind at each sweep point (Voita et al. 2019, Fig. 9).",
+                      lambda: plot_heads_kept(rows)))
+        from headlab.pruning.train import read_trajectory
+
+        trajectories = {r["point"]: read_trajectory(root / "prune" / r["point"]) for r in rows if r["point"] != "full"}
+        if any(trajectories.values()):
+            specs.append(("gate_trajectories", "Pruning: gate trajectories",
+                          "P(gate open) of every gated head over the fine-tuning steps, one panel per sweep "
+                          "point, colour by layer.", lambda: plot_gate_trajectories(trajectories)))
+    return specs
+
+
+def write_figures(analysis_dir: str | Path, *, progress: bool = False) -> list[dict]:
+    """Draw every figure the directory's files allow into ``figures/``; returns the manifest's
+    ``figures`` entries (paths relative to ``analysis_dir``), each figure's data in
+    ``figures/<name>.json``."""
+    from headlab.heads import atomic_write_text
+
+    root = Path(analysis_dir)
+    specs = figure_specs(root)
+    entries = []
+    iterator = specs
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(specs, desc="figures", unit="fig", leave=False)
+    for name, title, caption, draw in iterator:
+        fig, data = draw()
+        png, svg = save_figure(fig, root / "figures", name)
+        atomic_write_text(root / "figures" / f"{name}.json", json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        entries.append({"name": name, "title": title, "caption": caption,
+                        "png": png.relative_to(root).as_posix(), "svg": svg.relative_to(root).as_posix()})
+    return entries

@@ -1,0 +1,654 @@
+"""``headlab analyze``: every analysis of one model in one resumable run, into one directory.
+
+The stages, in order (:data:`STAGES`), each a thin call into the package that owns the work:
+
+=============  ==========================================================================
+confidence     :func:`headlab.importance.run_importance` (one measure) -> importance/confidence.json
+lrp            the same, LRP of the model's own translation (Voita et al. 2019, Sec. 4)
+gradient       the same, gradient importance (Michel et al. 2019) -> gradient.json, gradient_raw.json
+ablation       the same, only with ``--ablation`` (the ground truth; slow: one pass per head)
+agreement      Spearman tables between the measures (:func:`headlab.importance.compute_agreement`)
+functions      :func:`headlab.functions.analyze_heads`: positional, syntactic, rare-token heads
+aggregate      the same pass with the Vig & Belinkov statistics (:mod:`headlab.aggregate`)
+prune          only with ``--prune``: a short :func:`headlab.pruning.sweep.run_sweep` of head budgets
+attention      :func:`headlab.report.write_attention_examples` (attention of a few sentences)
+figures        :func:`headlab.analyze.figures.write_figures` (PNG + SVG, from the files above)
+report         :func:`headlab.report.build_report` -> index.html
+=============  ==========================================================================
+
+Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
+:mod:`headlab.analyze.records`); ``force`` runs everything again. A stage that cannot run
+(missing input, a model without the capability) is recorded as skipped with the reason, a
+stage that raises as failed with the error; the other stages still run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+from headlab.analyze.records import (
+    StageRecord,
+    file_fingerprint,
+    now_iso,
+    raw_marker,
+    read_marker,
+    remove_marker,
+    stage_key,
+    write_manifest,
+    write_marker,
+)
+from headlab.errors import HeadlabError
+
+__all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
+           "check_conllu_matches_source"]
+
+STAGES = ("confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate", "prune",
+          "attention", "figures", "report")
+STAGE_GROUPS = {"importance": ("confidence", "lrp", "gradient", "ablation", "agreement")}
+IMPORTANCE_STAGES = ("confidence", "lrp", "gradient", "ablation")
+# Stages that own a directory of DIR: cleared before they run again with other inputs, or with force.
+STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
+              "figures": "figures"}
+KEY_FILE = ".headlab-key"
+
+
+class SkipStage(Exception):
+    """Raised by a stage that cannot run on this model or input; the message is the reason."""
+
+
+@dataclass
+class AnalyzeConfig:
+    """Options of ``headlab analyze``; the command's flags map onto these fields one to one."""
+
+    model: str = field(metadata={"help": "model directory (or hub id in the cache)"})
+    source: str = field(metadata={"help": "source sentences (or the text of an encoder-/decoder-only model), one per line"})
+    out: str = field(metadata={"help": "output directory"})
+    target: str | None = field(default=None, metadata={"help": "reference translations, line-aligned with --source"})
+    conllu: str | None = field(default=None, metadata={"help": "CoNLL-U treebank for the head functions and aggregate statistics"})
+    conllu_is_source: bool = field(default=False, metadata={"help": "the treebank is the parse of --source: sentence i must be line i (checked)"})
+    train_text: tuple[str, ...] = field(default=(), metadata={"help": "training text for token frequencies (rare-token heads); default: --source"})
+    prune: bool = field(default=False, metadata={"help": "also run a short gate sweep (needs a translation model and --target)"})
+    ablation: bool = field(default=False, metadata={"help": "also score heads by ablation (slow) and compare every measure with it"})
+    force: bool = field(default=False, metadata={"help": "run every stage again, even if its results are in --out"})
+    skip: tuple[str, ...] = field(default=(), metadata={"help": "stages not to run"})
+    limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --source/--target (and of --conllu)"})
+    conllu_limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --conllu (default: --limit)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
+    max_length: int | None = field(default=None, metadata={"help": "tokens per sentence (default: the model's maximum)"})
+    prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
+    prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
+    prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
+    prune_keeps: tuple[int, ...] = field(default=(), metadata={"help": "head budgets of the sweep (default: 1/2, 1/4, 1/8 of the gated heads)"})
+    prune_gates: str = field(default="enc_self", metadata={"help": "gated kinds: enc_self (decoder frozen), all, or a comma list"})
+    prune_steps: int = field(default=20, metadata={"help": "fine-tuning steps per sweep point"})
+    prune_max_tokens: int = field(default=1024, metadata={"help": "target tokens per fine-tuning batch"})
+    prune_eval_beam: int = field(default=1, metadata={"help": "beam of the sweep's BLEU evaluation (1 = greedy)"})
+    prune_gate_lr: float = field(default=0.1, metadata={"help": "learning rate of the gates' log alpha (higher than "
+                                                                 "prune train's 0.02: the sweep is short)"})
+    prune_init_log_alpha: float = field(default=1.0, metadata={"help": "initial log alpha of the gates (prune train: 3)"})
+    attention_sentences: int = field(default=20, metadata={"help": "sentences stored for the attention viewer"})
+    progress: bool = field(default=True, metadata={"help": "progress bars"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow code from the model repository to run"})
+
+    @property
+    def treebank_limit(self) -> int | None:
+        return self.conllu_limit if self.conllu_limit is not None else self.limit
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
+
+
+@dataclass
+class AnalysisRun:
+    out_dir: Path
+    records: list[StageRecord]
+    figures: list[dict]
+    manifest: Path
+    report: Path | None
+
+    @property
+    def failed(self) -> list[StageRecord]:
+        return [r for r in self.records if r.status == "failed"]
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def _require_file(path: str | None, flag: str) -> None:
+    if path is not None and not Path(path).is_file():
+        kind = "a directory, not a file" if Path(path).is_dir() else "no such file"
+        raise HeadlabError(f"{flag} {path}: {kind}")
+
+
+def _normalise(text: str) -> str:
+    return "".join(text.split())
+
+
+def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: int | None = None) -> int:
+    """Check that sentence i of the treebank is line i of ``source`` (whitespace ignored, so that
+    ``ball.`` and ``ball .`` match); return the number of sentences. A mismatch is an error
+    naming both places and both texts."""
+    from headlab.data.parallel import read_lines
+    from headlab.data.treebank import read_conllu
+
+    lines = [line.strip() for line in read_lines(source)]
+    lines = [line for line in lines if line]
+    if limit is not None:
+        lines = lines[:limit]
+    n = 0
+    for n, sentence in enumerate(read_conllu(conllu, limit=limit), start=1):
+        text = sentence.text if sentence.text else " ".join(sentence.words)
+        if n > len(lines):
+            raise HeadlabError(f"--conllu {conllu} has more sentences than --source {source} has lines "
+                               f"({len(lines)}): sentence {n} at {sentence.where} has no source line")
+        if _normalise(text) != _normalise(lines[n - 1]) and _normalise(" ".join(sentence.words)) != _normalise(lines[n - 1]):
+            raise HeadlabError(
+                f"--conllu {conllu} does not match --source {source}: sentence {n} ({sentence.where}) is "
+                f"{text[:80]!r} but line {n} of the source is {lines[n - 1][:80]!r}. Without --conllu-is-source "
+                "the treebank is analysed as a corpus of its own")
+    if n < len(lines):
+        raise HeadlabError(f"--conllu {conllu} has {n} sentences but --source {source} has {len(lines)} "
+                           "non-empty lines: with --conllu-is-source they must match one to one")
+    return n
+
+
+def validate(config: AnalyzeConfig) -> Path:
+    """Every check that needs no model: paths, flags, the CoNLL-U/source contract."""
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise HeadlabError(f"--out {out}: exists and is not a directory")
+    model = Path(config.model)
+    if model.exists() and not model.is_dir():
+        raise HeadlabError(f"model {model}: a file, not a model directory")
+    if not model.exists() and (config.model.startswith((".", "/")) or config.model.count("/") > 1):
+        raise HeadlabError(f"model {model}: no such directory")
+    from headlab.loading import load_config
+
+    try:  # an unreadable model fails here, not in every stage
+        load_config(config.model, config.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise HeadlabError(f"model {config.model}: {error}") from error
+    _require_file(config.source, "--source")
+    _require_file(config.target, "--target")
+    _require_file(config.conllu, "--conllu")
+    _require_file(config.prune_source, "--prune-source")
+    _require_file(config.prune_target, "--prune-target")
+    for path in config.train_text:
+        _require_file(path, "--train-text")
+    for flag, value in (("--limit", config.limit), ("--conllu-limit", config.conllu_limit)):
+        if value is not None and value < 1:
+            raise HeadlabError(f"{flag} must be at least 1, got {value}")
+    if config.batch_size < 1:
+        raise HeadlabError(f"--batch-size must be at least 1, got {config.batch_size}")
+    if config.prune_steps < 1:
+        raise HeadlabError(f"--prune-steps must be at least 1, got {config.prune_steps}")
+    if (config.prune_source is None) != (config.prune_target is None):
+        raise HeadlabError("give both --prune-source and --prune-target, or neither")
+    known = set(STAGES) | set(STAGE_GROUPS)
+    for name in config.skip:
+        if name not in known:
+            raise HeadlabError(f"--skip {name}: unknown stage; expected one of {', '.join(STAGES)} or importance")
+    if config.target is not None:
+        from headlab.data.parallel import read_lines
+
+        n_source, n_target = len(read_lines(config.source)), len(read_lines(config.target))
+        if n_source != n_target:
+            raise HeadlabError(f"--source {config.source} has {n_source} lines but --target {config.target} has "
+                               f"{n_target}: they must match line for line")
+    if config.conllu_is_source:
+        if config.conllu is None:
+            raise HeadlabError("--conllu-is-source needs --conllu FILE")
+        check_conllu_matches_source(config.conllu, config.source, config.limit)
+    return out
+
+
+# ----------------------------------------------------------------------------- the run's state
+
+
+class _Context:
+    """Lazily loaded model, tokenizer and data, shared by the stages of one run."""
+
+    def __init__(self, config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]) -> None:
+        self.config, self.out_dir, self.log = config, out_dir, log
+        self._model = self._tokenizer = self._info = self._data = None
+        self.records: dict[str, StageRecord] = {}
+        self.markers: dict[str, dict] = {}
+        self.figures: list[dict] = []
+        self._fingerprints: dict[str, str | None] = {}
+
+    # -- model and data -------------------------------------------------------------------
+    def load(self):
+        if self._model is None:
+            from headlab.loading import load_model, load_tokenizer
+
+            self.log(f"loading {self.config.model}")
+            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code)
+            self._tokenizer = load_tokenizer(self.config.model, trust_remote_code=self.config.trust_remote_code)
+        return self._model, self._tokenizer
+
+    @property
+    def info(self):
+        if self._info is None:
+            from dataclasses import replace
+
+            from headlab.importance.cli import _checkpoint_has_lm_head
+            from headlab.importance.data import describe_model
+
+            model, tokenizer = self.load()
+            info = describe_model(model, tokenizer, max_length=self.config.max_length)
+            if info.has_lm_head and not _checkpoint_has_lm_head(model.config):
+                info = replace(info, has_lm_head=False)
+            self._info = info
+        return self._info
+
+    def importance_data(self):
+        if self._data is None:
+            from headlab.importance.data import read_data
+
+            _, tokenizer = self.load()
+            self._data = read_data(self.config.source, tokenizer, self.info, target_path=self.config.target,
+                                   n_sentences=self.config.limit)
+            self.log(self._data.summary())
+        return self._data
+
+    def keep_data(self, data) -> None:
+        """Keep the data with the model's translations made by one measure for the next ones."""
+        self._data = data
+
+    # -- keys -----------------------------------------------------------------------------
+    def fingerprint(self, path: str | None) -> str | None:
+        if path is None:
+            return None
+        if path not in self._fingerprints:
+            local = Path(path)
+            self._fingerprints[path] = file_fingerprint(local) if local.exists() else f"hub:{path}"
+        return self._fingerprints[path]
+
+    def key(self, name: str) -> str:
+        c = self.config
+        from headlab import __version__
+
+        common = {"stage": name, "version": __version__, "model": self.fingerprint(c.model)}
+        text = {"source": self.fingerprint(c.source), "target": self.fingerprint(c.target), "limit": c.limit,
+                "max_length": c.max_length}
+        if name in IMPORTANCE_STAGES:
+            payload = {**common, **text, "batch_size": c.batch_size}
+        elif name in ("functions", "aggregate"):
+            payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
+                       "max_length": c.max_length, "batch_size": c.batch_size}
+            if name == "functions":
+                payload["frequencies"] = [self.fingerprint(p) for p in (c.train_text or (c.source,))]
+        elif name == "prune":
+            payload = {**common, **text, "prune_source": self.fingerprint(c.prune_source),
+                       "prune_target": self.fingerprint(c.prune_target), "prune_limit": c.prune_limit,
+                       "keeps": list(c.prune_keeps), "gates": c.prune_gates, "steps": c.prune_steps,
+                       "max_tokens": c.prune_max_tokens, "beam": c.prune_eval_beam, "gate_lr": c.prune_gate_lr,
+                       "init_log_alpha": c.prune_init_log_alpha}
+        elif name == "attention":
+            payload = {**common, **text, "sentences": c.attention_sentences}
+        else:  # agreement, figures, report: what the stages before them produced
+            upstream = {"agreement": IMPORTANCE_STAGES}.get(name, STAGES[: STAGES.index(name)])
+            payload = {"stage": name, "version": __version__,
+                       "upstream": {u: self.markers.get(u, {}).get("finished") for u in upstream}}
+        return stage_key(payload)
+
+    def rel(self, paths) -> list[str]:
+        """Paths (absolute or relative to the working directory) as paths relative to DIR."""
+        root = self.out_dir.resolve()
+        return sorted({Path(p).resolve().relative_to(root).as_posix() for p in paths})
+
+
+# ----------------------------------------------------------------------------- the stages
+
+
+def _importance(name: str):
+    def run(ctx: _Context) -> tuple[list, str | None]:
+        from headlab.importance.pipeline import NEEDS_LM_HEAD, ImportanceConfig, run_importance
+
+        c = ctx.config
+        model, tokenizer = ctx.load()
+        info = ctx.info
+        if name in NEEDS_LM_HEAD and not info.has_lm_head:
+            raise SkipStage(f"the model has no language-model head: {name} needs logits to explain or a loss "
+                            "to differentiate")
+        data = ctx.importance_data()
+        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress)
+        result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
+        ctx.keep_data(result.data)
+        if name in result.skipped:
+            raise SkipStage(result.skipped[name])
+        directory = ctx.out_dir / "importance"
+        written = [table.save(directory / f"{method}.json") for method, table in result.scores.items()]
+        note = None
+        if info.is_seq2seq and data.references is None and name in ("gradient", "ablation"):
+            note = "no --target: the loss is taken against the model's own greedy translation"
+        return written, note
+
+    return run
+
+
+def _agreement(ctx: _Context) -> tuple[list, str | None]:
+    import math
+
+    from headlab.heads import HeadScores, atomic_write_text
+    from headlab.importance.agreement import compute_agreement
+
+    directory = ctx.out_dir / "importance"
+    measures = {m: HeadScores.load(directory / f"{m}.json") for m in IMPORTANCE_STAGES
+                if ctx.records.get(m) is not None and ctx.records[m].status == "done"}
+    if len(measures) < 2:
+        raise SkipStage("needs at least two importance measures (have: " + (", ".join(measures) or "none") + ")")
+    names = list(measures)
+    tables = {ref: compute_agreement(measures, measures[ref]) for ref in names}
+    columns = tables[names[0]].columns
+    clean = lambda v: None if v is None or math.isnan(v) else round(float(v), 6)  # noqa: E731
+    matrix = {col: [[clean(tables[ref].rho[m].get(col, math.nan)) for ref in names] for m in names] for col in columns}
+    document = {
+        "measures": names,
+        "columns": columns,
+        "n_heads": dict(tables[names[0]].n_heads),
+        "matrix": matrix,
+        "reference": "ablation" if "ablation" in measures else None,
+        "metric": tables["ablation"].metric if "ablation" in measures else "",
+        "spearman": {},
+    }
+    lines = ["Spearman rank correlation between the importance measures, over all heads", "",
+             "| measure | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for i, m in enumerate(names):
+        cells = ["n/a" if v is None else f"{v:+.2f}" for v in matrix["all"][i]]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if "ablation" in measures:
+        table = compute_agreement({m: s for m, s in measures.items() if m != "ablation"}, measures["ablation"])
+        document["spearman"] = table.to_json()["spearman"]
+        lines += ["", f"Against ablation ({table.metric}), per attention kind:", "", table.to_markdown().rstrip()]
+    json_path, md_path = directory / "agreement.json", directory / "agreement.md"
+    atomic_write_text(json_path, json.dumps(document, indent=1) + "\n")
+    atomic_write_text(md_path, "\n".join(lines) + "\n")
+    return [json_path, md_path], None
+
+
+def _head_analysis(ctx: _Context, functions: bool):
+    from headlab.functions.analysis import AnalysisConfig, analyze_heads
+
+    c = ctx.config
+    if c.conllu is None:
+        what = "positional, syntactic and rare-token heads" if functions else "the aggregate statistics"
+        raise SkipStage(f"no --conllu: {what} are computed on a parsed treebank (CoNLL-U)")
+    model, tokenizer = ctx.load()
+    frequencies, note = None, None
+    if functions:
+        from headlab.data.frequencies import TokenFrequencies
+
+        frequencies = TokenFrequencies.from_corpus(tokenizer, list(c.train_text or (c.source,)))
+        if not c.train_text:
+            note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
+    config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
+                            max_sentences=c.treebank_limit, max_length=c.max_length)
+    analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
+                             model_name=Path(c.model).name, progress=c.progress)
+    if analysis.report.n_sentences == 0:
+        raise HeadlabError(f"--conllu {c.conllu}: no sentence could be analysed\n{analysis.report.describe()}")
+    return analysis, note
+
+
+def _functions(ctx: _Context) -> tuple[list, str | None]:
+    from headlab.analyze.labels import head_labels, save_labels
+
+    analysis, note = _head_analysis(ctx, functions=True)
+    directory = ctx.out_dir / "functions"
+    written = analysis.save(directory, figures=False)
+    written.append(save_labels(head_labels(analysis), directory / "labels.json"))
+    ctx.log(analysis.report.describe())
+    return written, note
+
+
+def _aggregate(ctx: _Context) -> tuple[list, str | None]:
+    from headlab.heads import atomic_write_text
+
+    analysis, note = _head_analysis(ctx, functions=False)
+    directory = ctx.out_dir / "aggregate"
+    written = analysis.aggregate.save(directory)
+    path = directory / "summary.md"
+    atomic_write_text(path, analysis.aggregate.summary_markdown() + "\n")
+    written.append(path)
+    return written, note
+
+
+def default_keeps(n_gated: int) -> list[int]:
+    """Half, a quarter and an eighth of the gated heads (at least one, no repeats)."""
+    return sorted({max(1, n_gated // d) for d in (2, 4, 8)}, reverse=True)
+
+
+def _prune(ctx: _Context) -> tuple[list, str | None]:
+    c = ctx.config
+    model, tokenizer = ctx.load()
+    if not ctx.info.is_seq2seq:
+        raise SkipStage("the gate sweep of analyze scores BLEU and needs a translation (encoder-decoder) model; "
+                        "for language models use `headlab prune sweep --train-text`")
+    if c.target is None:
+        raise SkipStage("no --target: the gate sweep needs reference translations to train on and to score BLEU")
+    from headlab.adapters import attention_blocks
+    from headlab.data.parallel import read_parallel
+    from headlab.loading import load_model, load_tokenizer
+    from headlab.nmt.train import TrainConfig
+    from headlab.pruning.sweep import run_sweep, sweep_points
+    from headlab.pruning.train import PruneConfig, resolve_kinds
+
+    kinds = resolve_kinds(model, c.prune_gates)
+    n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds)
+    keeps = list(c.prune_keeps) or default_keeps(n_gated)
+    if any(k < 1 or k > n_gated for k in keeps):
+        raise HeadlabError(f"--prune-keeps {keeps}: each budget must be between 1 and the {n_gated} gated heads")
+    eval_data = read_parallel(c.source, c.target)
+    if c.limit:
+        eval_data = eval_data.subset(c.limit)
+    train_data = read_parallel(c.prune_source or c.source, c.prune_target or c.target, max_tokens=100)
+    if c.prune_limit:
+        train_data = train_data.subset(c.prune_limit)
+    directory = ctx.out_dir / "prune"
+    base = PruneConfig(
+        gates=c.prune_gates, lam=0.0, eval_beam=c.prune_eval_beam, log_every=max(1, c.prune_steps // 10),
+        gate_lr=c.prune_gate_lr, init_log_alpha=c.prune_init_log_alpha,
+        command="headlab analyze (short gate sweep)",
+        train=TrainConfig(out_dir=str(directory), max_tokens=c.prune_max_tokens, lr=1e-4, warmup_steps=0,
+                          schedule="constant", max_epochs=10**6, max_steps=c.prune_steps, save_every_steps=None,
+                          validate=False, keep_epoch_checkpoints=False, seed=1, progress=c.progress))
+    load = lambda: (load_model(c.model, trust_remote_code=c.trust_remote_code),  # noqa: E731
+                    load_tokenizer(c.model, trust_remote_code=c.trust_remote_code))
+    rows = run_sweep(load, train_data, eval_data, base, sweep_points(keeps=keeps), directory, log=ctx.log)
+    written = [directory / n for n in ("sweep.json", "sweep.csv", "sweep.md", "full.json")]
+    for row in rows:
+        if row["point"] == "full":
+            continue
+        point = directory / row["point"]
+        shutil.rmtree(point / "train", ignore_errors=True)  # resume checkpoints: not needed once finished
+        written += [p for p in (point / "result.json", point / "trajectory.jsonl", point / "gates.json",
+                                point / "pruned") if p.exists()]
+    note = (f"{len(keeps)} head budgets of the {n_gated} {'/'.join(kinds)} heads, {c.prune_steps} steps of "
+            f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on {len(eval_data)} "
+            f"pairs of --source/--target")
+    if c.prune_source is None:
+        note += "; fine-tuned on the same pairs (give --prune-source/--prune-target for separate training data)"
+    return written, note
+
+
+def _attention(ctx: _Context) -> tuple[list, str | None]:
+    try:
+        from headlab.report import write_attention_examples
+    except ImportError as error:
+        raise SkipStage(f"the report package is not available ({error})") from None
+    from headlab.data.parallel import read_lines
+
+    c = ctx.config
+    model, tokenizer = ctx.load()
+    n = c.attention_sentences if c.limit is None else min(c.attention_sentences, c.limit)
+    sources = [line.strip() for line in read_lines(c.source)]
+    targets = [line.strip() for line in read_lines(c.target)] if c.target else None
+    keep = [i for i, s in enumerate(sources) if s and (targets is None or targets[i])][:n]
+    sources = [sources[i] for i in keep]
+    targets = None if targets is None else [targets[i] for i in keep]
+    if not ctx.info.is_seq2seq:
+        targets = None
+    written = write_attention_examples(model, tokenizer, sources, targets, ctx.out_dir / "attention", max_sentences=n)
+    return [ctx.out_dir / p if not Path(p).is_absolute() else Path(p) for p in written], None
+
+
+def _figures(ctx: _Context) -> tuple[list, str | None]:
+    from headlab.analyze.figures import write_figures
+
+    entries = write_figures(ctx.out_dir, progress=ctx.config.progress)
+    ctx.figures = entries
+    written = [ctx.out_dir / e[k] for e in entries for k in ("png", "svg")]
+    written += [ctx.out_dir / "figures" / f"{e['name']}.json" for e in entries]
+    if not entries:
+        raise SkipStage("no results to plot")
+    return written, None
+
+
+def _report(ctx: _Context) -> tuple[list, str | None]:
+    try:
+        from headlab.report import build_report
+    except ImportError as error:
+        raise SkipStage(f"the report package is not available ({error})") from None
+    path = build_report(ctx.out_dir)
+    return [path], None
+
+
+RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
+    "confidence": _importance("confidence"),
+    "lrp": _importance("lrp"),
+    "gradient": _importance("gradient"),
+    "ablation": _importance("ablation"),
+    "agreement": _agreement,
+    "functions": _functions,
+    "aggregate": _aggregate,
+    "prune": _prune,
+    "attention": _attention,
+    "figures": _figures,
+    "report": _report,
+}
+"""Registry: stage name -> runner returning (written paths, note or None)."""
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+NOT_REQUESTED: dict[str, Callable[[AnalyzeConfig], str | None]] = {
+    "ablation": lambda c: None if c.ablation else "not requested (pass --ablation)",
+    "prune": lambda c: None if c.prune else "not requested (pass --prune)",
+}
+"""Stages that run only when asked for: the reason they did not, or None."""
+
+
+def _skipped_by_flag(config: AnalyzeConfig) -> set[str]:
+    out = set()
+    for name in config.skip:
+        out |= set(STAGE_GROUPS.get(name, (name,)))
+    return out
+
+
+def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
+    """Clear a stage's own directory when it holds results of other inputs (or with force)."""
+    if name not in STAGE_DIRS:
+        return
+    directory = ctx.out_dir / STAGE_DIRS[name]
+    key_file = directory / KEY_FILE
+    old = key_file.read_text().strip() if key_file.is_file() else None
+    if directory.exists() and (ctx.config.force or (old is not None and old != key)):
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(key + "\n")
+
+
+def _discard(ctx: _Context, name: str) -> None:
+    """A stage that is not done this time leaves no marker and no outputs of an earlier run."""
+    marker = raw_marker(ctx.out_dir, name)
+    for rel in (marker or {}).get("record", {}).get("outputs", []):
+        path = ctx.out_dir / rel
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    remove_marker(ctx.out_dir, name)
+    ctx.markers.pop(name, None)
+    if name in STAGE_DIRS:
+        directory = ctx.out_dir / STAGE_DIRS[name]
+        if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
+            shutil.rmtree(directory)
+
+
+def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
+    key = ctx.key(name)
+    marker = read_marker(ctx.out_dir, name, key)
+    flagged = name in _skipped_by_flag(ctx.config)
+    if marker is not None and (not ctx.config.force or flagged):
+        record = StageRecord(**marker["record"])
+        ctx.markers[name] = marker
+        if name == "figures":
+            ctx.figures = marker.get("figures", [])
+        ctx.log(f"{position} {name}: reused (done earlier; --force runs it again)")
+        return record
+    if flagged:
+        ctx.log(f"{position} {name}: skipped (--skip)")
+        return StageRecord(name, "skipped", "skipped with --skip")
+    not_requested = NOT_REQUESTED.get(name, lambda c: None)(ctx.config)
+    if not_requested:
+        _discard(ctx, name)
+        ctx.log(f"{position} {name}: {not_requested}")
+        return StageRecord(name, "skipped", not_requested)
+    ctx.log(f"{position} {name}: running")
+    start = time.perf_counter()
+    try:
+        _prepare_dir(ctx, name, key)
+        written, note = RUNNERS[name](ctx)
+        record = StageRecord(name, "done", note, round(time.perf_counter() - start, 2), ctx.rel(written))
+    except SkipStage as skip:
+        record = StageRecord(name, "skipped", str(skip))
+        ctx.log(f"{position} {name}: skipped: {skip}")
+    except HeadlabError as error:
+        record = StageRecord(name, "failed", str(error), round(time.perf_counter() - start, 2))
+        ctx.log(f"{position} {name}: failed: {error}")
+    except Exception as error:  # noqa: BLE001 - one stage's bug must not lose the others' results
+        traceback.print_exc(file=sys.stderr)
+        record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
+        ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
+    if record.status == "done":
+        ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
+                                         {"figures": ctx.figures} if name == "figures" else None)
+        ctx.log(f"{position} {name}: done in {record.seconds:.1f} s")
+    else:
+        _discard(ctx, name)
+    return record
+
+
+def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None) -> AnalysisRun:
+    """Run (or resume) every stage into ``config.out``; see the module docstring."""
+    log = log or (lambda message: print(f"headlab analyze: {message}", file=sys.stderr, flush=True))
+    out_dir = validate(config)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from headlab import __version__
+
+    header = {"headlab_version": __version__, "model": config.model, "source": config.source,
+              "target": config.target, "conllu": config.conllu, "created": now_iso()}
+    ctx = _Context(config, out_dir, log)
+    records: list[StageRecord] = []
+    for i, name in enumerate(STAGES, start=1):
+        record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
+        ctx.records[name] = record
+        records.append(record)
+        manifest = write_manifest(out_dir, header, records, ctx.figures)
+    report = out_dir / "index.html" if ctx.records["report"].status == "done" else None
+    return AnalysisRun(out_dir, records, ctx.figures, manifest, report)

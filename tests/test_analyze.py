@@ -1,0 +1,227 @@
+"""`headlab analyze` end to end on a tiny saved Marian: stages, manifest, resume, skips, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers as tf
+from test_functions_support import SAMPLE_CONLLU, word_tokenizer
+from tiny_models import tiny_model
+
+from headlab import HeadScores
+from headlab.analyze import STAGES, AnalyzeConfig, run_analysis
+from headlab.analyze.pipeline import check_conllu_matches_source
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.nmt.tokenizer import train_tokenizer
+
+SENTENCES = [
+    "a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
+    "children are playing football", "a cat sleeps on the sofa", "the man is cooking dinner",
+]
+GERMAN = [
+    "ein mann fährt fahrrad", "zwei hunde spielen im schnee", "eine frau liest ein buch",
+    "kinder spielen fußball", "eine katze schläft auf dem sofa", "der mann kocht abendessen",
+]
+TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+FAST = ["--no-progress", "--prune-steps", "2", "--prune-max-tokens", "200", "--prune-keeps", "4,2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("analyze-inputs")
+    words = " ".join(line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit())
+    tokenizer = train_tokenizer(SENTENCES + GERMAN + TREEBANK_TEXTS + [words], vocab_size=90, min_frequency=1)
+    model = tiny_model("marian")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "src.en").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (root / "ref.de").write_text("\n".join(GERMAN) + "\n", encoding="utf-8")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    return root
+
+
+def _args(inputs, out, *extra):
+    return ["analyze", str(inputs / "model"), "--source", str(inputs / "src.en"), "--out", str(out), *FAST, *extra]
+
+
+@pytest.fixture(scope="module")
+def full_run(inputs, tmp_path_factory):
+    """One complete run with every stage on (module-scoped: the tests below only read it)."""
+    out = tmp_path_factory.mktemp("analyze-full") / "out"
+    code = main(_args(inputs, out, "--target", str(inputs / "ref.de"), "--conllu", str(inputs / "tb.conllu"),
+                      "--prune", "--ablation"))
+    assert code == 0
+    return out
+
+
+def test_every_stage_runs_and_the_manifest_follows_the_contract(full_run):
+    manifest = json.loads((full_run / "manifest.json").read_text())
+    assert set(manifest) == {"headlab_version", "model", "source", "target", "conllu", "created", "stages", "figures"}
+    assert [s["name"] for s in manifest["stages"]] == list(STAGES)
+    for stage in manifest["stages"]:
+        assert set(stage) == {"name", "status", "reason", "seconds", "outputs"}
+        assert stage["status"] == "done", stage
+        assert stage["outputs"] and all((full_run / rel).exists() for rel in stage["outputs"])
+        assert isinstance(stage["seconds"], float)
+    for figure in manifest["figures"]:
+        assert set(figure) == {"name", "title", "caption", "png", "svg"}
+        assert (full_run / figure["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (full_run / figure["svg"]).read_text().lstrip().startswith("<?xml")
+    names = {f["name"] for f in manifest["figures"]}
+    assert {"figure1_enc_self", "aggregate_mean_entropy", "pruning_curve", "pruning_heads_per_kind",
+            "gate_trajectories", "importance_lrp"} <= names
+    assert (full_run / "index.html").is_file()
+
+
+def test_outputs_layout(full_run):
+    for measure in ("confidence", "lrp", "gradient", "ablation"):
+        scores = HeadScores.load(full_run / "importance" / f"{measure}.json")
+        assert scores["enc_self"].shape == (2, 4)
+    agreement = json.loads((full_run / "importance" / "agreement.json").read_text())
+    assert agreement["measures"] == ["confidence", "lrp", "gradient", "ablation"]
+    assert agreement["columns"][-1] == "all" and agreement["reference"] == "ablation"
+    for column in agreement["columns"]:
+        matrix = agreement["matrix"][column]
+        assert len(matrix) == 4 and all(len(row) == 4 for row in matrix)
+        assert all(matrix[i][i] in (1.0, None) for i in range(4))
+        assert matrix[0][1] == matrix[1][0]
+    assert set(agreement["spearman"]) == {"confidence", "lrp", "gradient"}
+    labels = json.loads((full_run / "functions" / "labels.json").read_text())
+    assert set(labels) == {f"enc_self:{layer}:{head}" for layer in range(2) for head in range(4)}
+    assert all(isinstance(v, list) for v in labels.values())
+    for statistic in ("mean_distance", "mean_entropy", "variability", "dependency_alignment"):
+        assert HeadScores.load(full_run / "aggregate" / f"{statistic}.json")["enc_self"].shape == (2, 4)
+    rows = json.loads((full_run / "prune" / "sweep.json").read_text())
+    assert [r["point"] for r in rows] == ["full", "keep-4", "keep-2"]
+    assert [r["enc_self"] for r in rows] == [8, 4, 2]
+    assert (full_run / "prune" / "keep-2" / "trajectory.jsonl").is_file()
+    assert not (full_run / "prune" / "keep-2" / "train").exists()  # resume checkpoints removed
+
+
+def _mtimes(directory):
+    return {p: p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json"}
+
+
+def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, tmp_path, monkeypatch):
+    out = tmp_path / "copy"
+    shutil.copytree(full_run, out)
+    before = _mtimes(out)
+    calls = []
+    from headlab.analyze import pipeline
+
+    for name, runner in list(pipeline.RUNNERS.items()):
+        monkeypatch.setitem(pipeline.RUNNERS, name, lambda ctx, name=name, runner=runner: (calls.append(name), runner(ctx))[1])
+    args = _args(inputs, out, "--target", str(inputs / "ref.de"), "--conllu", str(inputs / "tb.conllu"),
+                 "--prune", "--ablation")
+    assert main(args) == 0
+    assert calls == []
+    assert _mtimes(out) == before
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert all(s["status"] == "done" for s in manifest["stages"])
+    # A changed input reruns what depends on it (and what is drawn from it), nothing else.
+    (out / "tb2.conllu").write_text(SAMPLE_CONLLU.replace("quickly", "slowly"), encoding="utf-8")
+    args[args.index(str(inputs / "tb.conllu"))] = str(out / "tb2.conllu")
+    assert main(args) == 0
+    assert calls == ["functions", "aggregate", "figures", "report"]
+    calls.clear()
+    assert main(args + ["--force", "--skip", "prune", "figures"]) == 0
+    assert calls == ["confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate",
+                     "attention", "report"]
+    assert (out / "importance" / "lrp.json").stat().st_mtime_ns > before[out / "importance" / "lrp.json"]
+
+
+def test_stages_that_cannot_run_are_skipped_with_a_reason(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_args(inputs, out, "--prune", "--skip", "gradient", "figures")) == 0
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["confidence"]["status"] == stages["lrp"]["status"] == "done"  # the model's own translations
+    assert stages["gradient"] == {"name": "gradient", "status": "skipped", "reason": "skipped with --skip",
+                                  "seconds": None, "outputs": []}
+    assert stages["ablation"]["reason"] == "not requested (pass --ablation)"
+    assert stages["functions"]["status"] == stages["aggregate"]["status"] == "skipped"
+    assert "no --conllu" in stages["functions"]["reason"]
+    assert "no --target" in stages["prune"]["reason"]
+    assert stages["agreement"]["status"] == "done"  # confidence and LRP
+    assert not (out / "functions").exists() and not (out / "prune").exists()
+    printed = capsys.readouterr().out
+    assert "functions   skipped" in printed and "no --conllu" in printed
+
+
+def test_a_model_without_a_language_model_head(tmp_path):
+    bare = tf.BertModel(tiny_model("bert").config)
+    bare.save_pretrained(tmp_path / "bert")
+    words = "a man is riding a bike two dogs play in the snow".split()
+    word_tokenizer(words, style="bert").save_pretrained(tmp_path / "bert")
+    (tmp_path / "text.txt").write_text("\n".join(SENTENCES[:2]) + "\n")
+    config = AnalyzeConfig(model=str(tmp_path / "bert"), source=str(tmp_path / "text.txt"), out=str(tmp_path / "out"),
+                           skip=("figures", "report", "attention"), progress=False)
+    run = run_analysis(config, log=lambda message: None)
+    status = {r.name: r for r in run.records}
+    assert status["confidence"].status == "done"
+    for name in ("lrp", "gradient"):
+        assert status[name].status == "skipped" and "no language-model head" in status[name].reason
+    assert not run.failed
+
+
+def test_bad_input_gets_a_clear_error(inputs, tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert main(_args(inputs, file)) == 2
+    assert f"--out {file}: exists and is not a directory" in capsys.readouterr().err
+    assert main(["analyze", str(inputs / "model"), "--source", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert f"--source {tmp_path / 'none.txt'}: no such file" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path / "no-model"), "--source", str(inputs / "src.en"), "--out", str(tmp_path / "o")]) == 2
+    assert "no-model: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["analyze", str(tmp_path / "empty"), "--source", str(inputs / "src.en"), "--out", str(tmp_path / "o")]) == 2
+    assert f"model {tmp_path / 'empty'}: Unrecognized model" in capsys.readouterr().err
+    assert main(_args(inputs, tmp_path / "o", "--skip", "lrpp")) == 2
+    assert "--skip lrpp: unknown stage" in capsys.readouterr().err
+    # --conllu-is-source: sentence i of the treebank must be line i of --source.
+    assert main(_args(inputs, tmp_path / "o", "--conllu", str(inputs / "tb.conllu"), "--conllu-is-source")) == 2
+    err = capsys.readouterr().err
+    assert "does not match --source" in err and "sentence 1" in err and "line 1 of the source" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_conllu_matching_its_source(inputs, tmp_path):
+    source = tmp_path / "treebank.txt"
+    source.write_text("\n".join(TREEBANK_TEXTS) + "\n", encoding="utf-8")
+    assert check_conllu_matches_source(inputs / "tb.conllu", source) == 4
+    # "ball." in the text and "ball ." as words: spacing does not matter, words do.
+    source.write_text("\n".join(TREEBANK_TEXTS[:3]) + "\n", encoding="utf-8")
+    with pytest.raises(HeadlabError, match="more sentences than --source"):
+        check_conllu_matches_source(inputs / "tb.conllu", source)
+    assert check_conllu_matches_source(inputs / "tb.conllu", source, limit=3) == 3
+    source.write_text("\n".join(TREEBANK_TEXTS + ["one more line"]) + "\n", encoding="utf-8")
+    with pytest.raises(HeadlabError, match="has 4 sentences but"):
+        check_conllu_matches_source(inputs / "tb.conllu", source)
+
+
+def test_a_failing_stage_is_recorded_and_the_others_still_run(inputs, tmp_path, monkeypatch, capsys):
+    from headlab.analyze import pipeline
+
+    def boom(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(pipeline.RUNNERS, "functions", boom)
+    out = tmp_path / "out"
+    code = main(_args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "importance,attention",
+                      "figures", "report"))
+    assert code == 1
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["functions"]["status"] == "failed" and stages["functions"]["reason"] == "RuntimeError: boom"
+    assert stages["aggregate"]["status"] == "done"
+    assert stages["lrp"]["reason"] == "skipped with --skip"
+    assert "RuntimeError: boom" in capsys.readouterr().err  # the traceback
+    assert not (out / ".headlab" / "stages" / "functions.json").exists()

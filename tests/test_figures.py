@@ -1,0 +1,120 @@
+"""The analysis figures: the data behind each figure (not its pixels), determinism, PNG + SVG."""
+
+import json
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from headlab.analyze.figures import (  # noqa: E402
+    figure1_data,
+    plot_figure1,
+    plot_gate_trajectories,
+    plot_heads_kept,
+    plot_pruning_curve,
+    plot_scores_heatmap,
+    save_figure,
+    write_figures,
+)
+from headlab.heads import HeadScores  # noqa: E402
+
+RELEVANCE = np.array([[0.1, 0.5, np.nan, 0.4], [-0.2, 0.3, 0.6, 0.3]])
+CONFIDENCE = np.array([[0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9]])
+LABELS = {"enc_self:0:1": ["positional -1"], "enc_self:1:2": ["s->v", "rare"], "enc_self:1:0": []}
+ROWS = [
+    {"point": "full", "enc_self": 8, "dec_self": 8, "dec_cross": 8, "heads": 24, "bleu": 30.0},
+    {"point": "keep-4", "enc_self": 4, "dec_self": 8, "dec_cross": 8, "heads": 20, "bleu": 29.0},
+    {"point": "keep-2", "enc_self": 2, "dec_self": 8, "dec_cross": 8, "heads": 18, "bleu": 25.5},
+]
+TRAJECTORY = [{"step": s, "p_open": {"enc_self": [[1 - 0.1 * s, 0.9], [0.5, 0.5 + 0.1 * s]]}} for s in (1, 2, 3)]
+
+
+def _scores(array, method):
+    return HeadScores({"enc_self": array}, method)
+
+
+def test_figure1_sorts_heads_by_relevance_within_each_layer():
+    data = figure1_data(_scores(RELEVANCE, "lrp"), _scores(CONFIDENCE, "confidence"), LABELS)
+    assert data["sorted_by"] == "lrp"
+    first, second = data["layers"]
+    assert first["heads"] == [1, 3, 0, 2]  # NaN last
+    assert first["relevance"] == [0.5, 0.4, 0.1, None]
+    assert first["confidence"] == [0.3, 0.5, 0.2, 0.4]
+    assert first["labels"] == [["positional -1"], [], [], []]
+    assert second["heads"] == [2, 1, 3, 0]  # ties keep head order
+    assert second["labels"][0] == ["s->v", "rare"]
+    without_lrp = figure1_data(None, _scores(CONFIDENCE, "confidence"), LABELS)
+    assert without_lrp["sorted_by"] == "confidence" and without_lrp["layers"][0]["heads"] == [3, 2, 1, 0]
+    assert without_lrp["layers"][0]["relevance"] is None
+    with pytest.raises(ValueError):
+        figure1_data(None, None, LABELS)
+
+
+def test_figures_draw_on_given_axes_and_return_their_data():
+    fig, axes = plt.subplots(3, 2, squeeze=False)
+    drawn, data = plot_figure1(_scores(RELEVANCE, "lrp"), _scores(CONFIDENCE, "confidence"), LABELS, axes=axes)
+    assert drawn is fig
+    texts = [t.get_text() for t in axes[2, 1].texts]
+    assert "s->v" in texts and "rare" in texts and data["kind"] == "enc_self"
+    assert [t.get_text() for t in axes[2, 0].texts] == ["-1"]
+    plt.close(fig)
+
+    fig, ax = plt.subplots()
+    drawn, data = plot_pruning_curve(ROWS, ax=ax)
+    assert drawn is fig and data == {"kind": "enc_self", "points": [[2, 25.5], [4, 29.0]], "full": [8, 30.0]}
+    plt.close(fig)
+    _, data = plot_heads_kept(ROWS)
+    assert [p["heads"] for p in data["points"]] == [24, 20, 18]
+    _, data = plot_gate_trajectories({"keep-4": TRAJECTORY, "keep-2": []})
+    assert list(data) == ["keep-4"] and data["keep-4"]["steps"] == [1, 2, 3]
+    assert data["keep-4"]["p_open"]["enc_self:0:0"] == pytest.approx([0.9, 0.8, 0.7])
+    _, data = plot_scores_heatmap(_scores(RELEVANCE, "lrp"))
+    assert data["scores"]["enc_self"][0][2] is None and data["scores"]["enc_self"][1][2] == 0.6
+    plt.close("all")
+
+
+def test_figures_are_deterministic(tmp_path):
+    outputs = []
+    for run in range(2):
+        fig, data = plot_figure1(_scores(RELEVANCE, "lrp"), _scores(CONFIDENCE, "confidence"), LABELS)
+        png, svg = save_figure(fig, tmp_path / str(run), "figure1")
+        outputs.append((json.dumps(data), svg.read_bytes(), png.read_bytes()))
+    assert outputs[0] == outputs[1]
+    assert b"<dc:date>" not in outputs[0][1]
+
+
+def _analysis_dir(root):
+    (root / "importance").mkdir(parents=True)
+    _scores(RELEVANCE, "lrp").save(root / "importance" / "lrp.json")
+    _scores(CONFIDENCE, "confidence").save(root / "importance" / "confidence.json")
+    (root / "functions").mkdir()
+    (root / "functions" / "labels.json").write_text(json.dumps(LABELS))
+    _scores(CONFIDENCE, "mean_entropy").save(root / "aggregate" / "mean_entropy.json")
+    (root / "prune" / "keep-4").mkdir(parents=True)
+    (root / "prune" / "sweep.json").write_text(json.dumps(ROWS))
+    (root / "prune" / "keep-4" / "trajectory.jsonl").write_text("\n".join(json.dumps(r) for r in TRAJECTORY) + "\n")
+    return root
+
+
+def test_write_figures_from_an_analysis_directory(tmp_path):
+    root = _analysis_dir(tmp_path / "a")
+    entries = write_figures(root)
+    names = [e["name"] for e in entries]
+    assert names == ["figure1_enc_self", "importance_confidence", "importance_lrp", "aggregate_mean_entropy",
+                     "pruning_curve", "pruning_heads_per_kind", "gate_trajectories"]
+    for entry in entries:
+        assert (root / entry["png"]).is_file() and (root / entry["svg"]).is_file()
+        assert entry["png"] == f"figures/{entry['name']}.png" and entry["title"] and entry["caption"]
+    data = json.loads((root / "figures" / "figure1_enc_self.json").read_text())
+    assert data["layers"][1]["heads"] == [2, 1, 3, 0]
+    # The same files give the same figures, byte for byte.
+    again = write_figures(_analysis_dir(tmp_path / "b"))
+    assert again == entries
+    for entry in entries:
+        assert (tmp_path / "a" / entry["svg"]).read_bytes() == (tmp_path / "b" / entry["svg"]).read_bytes()
+    assert math.isclose(data["layers"][0]["relevance"][0], 0.5)
