@@ -19,6 +19,8 @@ COMMAND_MODULES = (
     "headlab.importance.cli",
     "headlab.functions.cli",
     "headlab.pruning.cli",
+    "headlab.analyze.cli",
+    "headlab.reproduce.cli",
     "headlab.demo",
 )
 

@@ -1,0 +1,40 @@
+"""`headlab reproduce`: parse, call :func:`headlab.reproduce.run_pipeline`, print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    from headlab.reproduce.stages import STAGES
+
+    p = subparsers.add_parser(
+        "reproduce", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="reproduce Voita et al. 2019 on the bundled models: staged, resumable; writes docs/reproduction.md")
+    p.add_argument("--config", default="experiments/reproduce.json", help="the reproduction's config (JSON)")
+    p.add_argument("--models", help="comma-separated model names of the config (none: all)")
+    p.add_argument("--stages", help=f"comma-separated stages (none: all): {', '.join(STAGES)}")
+    p.add_argument("--force", action="store_true",
+                   help="rerun stages that have finished (pruning points and baseline rows already done are "
+                        "still kept by the tools' own resume: delete them to redo them)")
+    p.add_argument("--docs-only", action="store_true",
+                   help="only regenerate docs/reproduction.md, claims.json and figures from the committed results")
+    p.add_argument("--dry-run", action="store_true", help="print each stage's commands; run nothing")
+    p.set_defaults(func=run_reproduce)
+
+
+def run_reproduce(args) -> int:
+    from headlab.reproduce.config import load_config
+    from headlab.reproduce.stages import run_pipeline
+
+    config = load_config(args.config)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
+    log = lambda message: print(f"headlab reproduce: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    outcomes = run_pipeline(config, models=split(args.models), stages=split(args.stages), force=args.force,
+                            dry_run=args.dry_run, docs_only=args.docs_only, log=log)
+    for outcome in outcomes:
+        extra = f" ({outcome.seconds / 60:.1f} min)" if outcome.status == "done" and outcome.seconds else ""
+        reason = f": {outcome.reason}" if outcome.reason else ""
+        print(f"{outcome.model} {outcome.stage}: {outcome.status}{extra}{reason}")
+    return 0

@@ -1,0 +1,148 @@
+"""Figures of docs/reproduction.md, drawn from the result files only (matplotlib, Agg).
+
+Each plot function takes an optional ``ax``; :func:`save_figures` writes
+``<img_dir>/reproduction-<model>-<name>.png`` for every figure a claim asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _rows, _shape
+from headlab.reproduce.results import ModelResults, kept_mask
+
+__all__ = ["save_figures"]
+
+
+def _ax(ax, size=(6, 4)):
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=size)
+    return ax
+
+
+def plot_lrp_confidence(r: ModelResults, ax=None):
+    ax = _ax(ax)
+    lrp, conf = r.importance("lrp")["enc_self"], r.importance("confidence")["enc_self"]
+    for layer in range(lrp.shape[0]):
+        ax.scatter(conf[layer], lrp[layer], label=f"layer {layer + 1}", s=18)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("LRP relevance (normalised per layer)")
+    ax.set_title(f"Encoder heads: relevance against confidence ({r.name})")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_fig7(r: ModelResults, ax=None):
+    from headlab.pruning.sweep import plot_bleu_vs_heads
+
+    sweep = r.sweep("enc")
+    rows = [{"point": row["point"], "enc_self": row["enc_self"], "bleu": row["bleu"]} for row in _rows(sweep)]
+    full = sweep["full"]
+    rows.append({"point": "full", "enc_self": full["heads_kept"]["enc_self"], "bleu": full["metrics"]["bleu"]})
+    ax = plot_bleu_vs_heads(rows, [b for b in r.baselines if not b.get("from_scratch")], ax=_ax(ax))
+    ax.set_title(f"BLEU against retained encoder heads ({r.name})")
+    return ax
+
+
+def plot_fig8(r: ModelResults, ax=None):
+    ax = _ax(ax)
+    sweep, masks, shape = r.sweep("enc"), _function_masks(r), _shape(r, "enc_self")
+    special = masks["positional"] | masks["syntactic"] | masks["rare"]
+    labels, bottoms = [], []
+    series = {f: [] for f in ("positional", "syntactic", "rare", "other")}
+    for row in _rows(sweep):
+        kept = kept_mask(sweep["points"][row["point"]], "enc_self", shape)
+        if kept is None:
+            continue
+        labels.append(str(int(kept.sum())))
+        for f in ("positional", "syntactic", "rare"):
+            series[f].append(int((kept & masks[f]).sum()))
+        series["other"].append(int((kept & ~special).sum()))
+    bottoms = np.zeros(len(labels))
+    for f, values in series.items():
+        ax.bar(labels, values, bottom=bottoms, label=f)
+        bottoms += np.array(values)
+    ax.set_xlabel("encoder heads kept (sweep point)")
+    ax.set_ylabel("heads")
+    ax.set_title(f"Functions of the retained encoder heads ({r.name})")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_fig9(r: ModelResults, ax=None):
+    from headlab.pruning.sweep import plot_heads_per_kind
+
+    rows = _rows(r.sweep("all"))
+    ax = plot_heads_per_kind(rows, ax=_ax(ax))
+    ax.set_title(f"Heads kept per attention kind ({r.name})")
+    return ax
+
+
+def plot_fig10(r: ModelResults, ax=None):
+    ax = _ax(ax)
+    sweep = r.sweep("all")
+    rows = [row for row in _rows(sweep) if sweep["points"][row["point"]]["kept"] is not None]
+    point = sweep["points"][rows[-1]["point"]]
+    width = 0.4
+    for i, kind in enumerate(("dec_self", "dec_cross")):
+        mask = kept_mask(point, kind, _shape(r, kind))
+        layers = np.arange(1, mask.shape[0] + 1)
+        ax.bar(layers + (i - 0.5) * width, mask.sum(axis=1), width, label=kind)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("heads kept")
+    ax.set_title(f"Decoder heads kept by layer at {rows[-1]['point']} ({r.name})")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_specialisation(r: ModelResults, ax=None):
+    ax = _ax(ax, (9, 4))
+    points = r.specialisation["checkpoints"]
+    xs = list(range(len(points)))
+    labels = [str(p["epoch"]) if p.get("epoch") is not None else p["checkpoint"] for p in points]
+    get = lambda key, stat: [p["summary"][key][stat] for p in points]  # noqa: E731
+    ax.plot(xs, get("token_share", "max"), "o-", label="positional share, max (tokens)")
+    ax.plot(xs, get("token_share", "mean"), "o--", label="positional share, mean (tokens)")
+    ax.plot(xs, get("word_share", "max"), "s-", label="positional share, max (words)")
+    ax.plot(xs, get("confidence", "max"), "^-", label="confidence, max")
+    ax.plot(xs, get("confidence", "mean"), "^--", label="confidence, mean")
+    ax.axhline(POSITIONAL, color="gray", linestyle=":", label="90% positional threshold")
+    ax.set_xticks(xs, labels)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("epoch (checkpoint)")
+    ax.set_title(f"Encoder heads over training ({r.name})")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return ax
+
+
+FIGURES = {"lrp-confidence": plot_lrp_confidence, "fig7": plot_fig7, "fig8": plot_fig8, "fig9": plot_fig9,
+           "fig10": plot_fig10, "specialisation": plot_specialisation}
+
+
+def save_figures(claims: list[Claim], results: dict[str, ModelResults], img_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir = Path(img_dir)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for claim in claims:
+        for model, name in claim.figures.items():
+            fig, ax = plt.subplots(figsize=(9, 4) if name == "specialisation" else (6, 4))
+            FIGURES[name](results[model], ax=ax)
+            fig.tight_layout()
+            path = img_dir / f"reproduction-{model}-{name}.png"
+            tmp = path.with_name(f".{path.stem}.tmp.png")
+            fig.savefig(tmp, dpi=110)
+            plt.close(fig)
+            os.replace(tmp, path)
+            written.append(path)
+    return written
+

@@ -1,0 +1,156 @@
+"""The generated parts of docs/reproduction.md, and how they are spliced into it.
+
+The document is prose written by hand with generated blocks between markers::
+
+    <!-- BEGIN generated:sec4 -->
+    ... (rewritten by `headlab reproduce --docs-only`) ...
+    <!-- END generated:sec4 -->
+
+:func:`render_blocks` makes every block from the result files (through the claims) and the
+config (the commands); :func:`update_document` replaces the blocks' contents and leaves the
+prose alone. ``tests/test_reproduce_docs.py`` renders the blocks from the committed result files
+and checks that the document holds exactly them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from headlab.errors import HeadlabError
+from headlab.reproduce.claims import Claim
+from headlab.reproduce.config import ReproduceConfig
+from headlab.reproduce.results import ModelResults
+
+__all__ = ["render_blocks", "update_document", "read_blocks", "BLOCK"]
+
+BLOCK = re.compile(r"<!-- BEGIN generated:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)<!-- END generated:(?P=name) -->",
+                   re.DOTALL)
+
+STAGE_ORDER = ("importance", "functions", "prune-enc", "prune-all", "baselines", "scratch", "specialisation")
+
+
+def _cell(value: str) -> str:
+    return value.replace("|", "\\|")
+
+
+def _verdict(text: str) -> str:
+    head, _, rest = text.partition(":")
+    if head in ("holds", "partly", "does not hold", "not testable", "not run"):
+        return f"**{head}**" + (f":{rest}" if rest else "")
+    return text
+
+
+def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> str:
+    lines = [f"*Stages:* {', '.join(f'`{s}`' for s in claim.stages)} "
+             f"(`headlab reproduce --stages {','.join(claim.stages)},report`).", ""]
+    lines.append("| check | paper | " + " | ".join(models) + " |")
+    lines.append("|---|---|" + "---|" * len(models))
+    for check in claim.checks:
+        cells = []
+        for model in models:
+            cell = check.cells.get(model)
+            if cell is None:
+                cells.append("")
+            elif cell.verdict == "-":
+                cells.append(_cell(cell.value))
+            elif not cell.value:
+                cells.append(_cell(_verdict(cell.verdict)))
+            else:
+                cells.append(_cell(cell.value) + " — " + _cell(_verdict(cell.verdict)))
+        label = check.label + (f" <br>*criterion: {check.criterion}*" if check.criterion else "")
+        lines.append(f"| {_cell(label)} | {_cell(check.paper)} | " + " | ".join(cells) + " |")
+    for model in models:
+        if model in claim.details or model in claim.figures:
+            lines += ["", f"**{model}**", ""]
+            lines += claim.details.get(model, [])
+            if model in claim.figures:
+                name = f"reproduction-{model}-{claim.figures[model]}.png"
+                lines += ([""] if claim.details.get(model) else []) + [f"![{claim.title}, {model}](img/{name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_block(claims: list[Claim], models: list[str]) -> str:
+    lines = ["| section | check | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    for claim in claims:
+        for check in claim.checks:
+            if not check.criterion:  # a number without a verdict
+                continue
+            verdicts = [check.cells[m].verdict if m in check.cells else "" for m in models]
+            short = [v.split(":")[0] if v != "-" else "" for v in verdicts]
+            lines.append(f"| [{claim.key}](#{_anchor(claim.title)}) | {_cell(check.label)} | " +
+                         " | ".join(short) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _anchor(title: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", title.lower()).strip()
+    return text.replace(" ", "-")
+
+
+def _timings_block(results: dict[str, ModelResults]) -> str:
+    models = list(results)
+    lines = ["| stage | " + " | ".join(models) + " |", "|---|" + "---:|" * len(models)]
+    totals = {m: 0.0 for m in models}
+    for stage in STAGE_ORDER:
+        cells = []
+        for m in models:
+            entry = results[m].timings.get(stage)
+            if entry and entry.get("seconds") is not None:
+                totals[m] += entry["seconds"]
+                cells.append(f"{entry['seconds'] / 60:.1f} min")
+            else:
+                cells.append("not run by the pipeline")
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    lines.append("| total measured | " + " | ".join(f"{totals[m] / 60:.1f} min" if totals[m] else "—"
+                                                 for m in models) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _commands_block(config: ReproduceConfig) -> str:
+    from headlab.reproduce.stages import STAGES, Context, NotReady, stage_commands
+
+    lines = []
+    for model in config.models:
+        lines += [f"**{model.name}**", "", "```bash"]
+        ctx = Context(config, model, dry_run=True, from_results=True)
+        for stage in STAGE_ORDER:
+            try:
+                texts = stage_commands(ctx, stage)
+            except NotReady as reason:
+                texts = [f"# {stage}: not run: {reason}"]
+            if STAGES[stage].python is not None:
+                texts = [f"# {stage}: Python stage (headlab.reproduce.specialisation), "
+                         f"run by `headlab reproduce --stages {stage}`"]
+            lines += [f"# {stage}"] + texts
+        lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def render_blocks(config: ReproduceConfig, claims: list[Claim], results: dict[str, ModelResults]) -> dict[str, str]:
+    """Every generated block of the document, by name."""
+    models = list(results)
+    blocks = {"summary": _summary_block(claims, models), "timings": _timings_block(results),
+              "commands": _commands_block(config)}
+    for claim in claims:
+        blocks[claim.key] = _claim_block(claim, models, config)
+    return blocks
+
+
+def read_blocks(text: str) -> dict[str, str]:
+    return {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
+
+
+def update_document(text: str, blocks: dict[str, str], source: str = "document") -> str:
+    """Replace the body of every generated block; a block without its markers is an error."""
+    present = read_blocks(text)
+    missing = [name for name in blocks if name not in present]
+    if missing:
+        raise HeadlabError(f"{source}: no markers for generated blocks {', '.join(missing)} "
+                           f"(add '<!-- BEGIN generated:NAME -->' / '<!-- END generated:NAME -->')")
+
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        body = blocks.get(name, match.group("body"))
+        return f"<!-- BEGIN generated:{name} -->\n{body}<!-- END generated:{name} -->"
+
+    return BLOCK.sub(replace, text)

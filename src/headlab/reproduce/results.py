@@ -1,0 +1,178 @@
+"""The small result files of the reproduction: copied from the work dirs, read back for the claims.
+
+Layout of ``<results_dir>/<model>/`` (every file is a stage's own output, copied unchanged):
+
+```
+importance/{confidence,lrp,gradient,gradient_raw,ablation}.json   HeadScores (headlab importance)
+importance/agreement.json                                          Spearman with ablation
+functions/positional_share.json, positional_offset.json            word level (headlab functions)
+functions/token_share.json, token_offset.json                      subword-token level
+functions/table1.json, syntactic_margin.json                       Table 1 analogue, best margin per head
+functions/rare_rarest.json, rare_two_rarest.json, rare_summary.json
+functions/summary.json                                             what the pass read
+prune/<enc|all>/full.json                                          the unpruned model's evaluation
+prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json)
+baselines/<name>.json                                              baselines.json of prune/base-<name>
+scratch.json                                                       baselines.json of prune/scratch
+specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
+timings.json                                                       wall time of every stage run by the pipeline
+```
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from headlab.heads import HeadScores, atomic_write_text
+from headlab.reproduce.config import ModelEntry, ReproduceConfig
+
+__all__ = ["collect_results", "ModelResults", "kept_mask"]
+
+_IMPORTANCE = ("confidence", "lrp", "gradient", "gradient_raw", "ablation", "agreement")
+_FUNCTIONS = {
+    "positional/share.json": "positional_share.json",
+    "positional/offset.json": "positional_offset.json",
+    "positional/token_share.json": "token_share.json",
+    "positional/token_offset.json": "token_offset.json",
+    "syntactic/table1.json": "table1.json",
+    "syntactic/margin.json": "syntactic_margin.json",
+    "rare_tokens/rarest.json": "rare_rarest.json",
+    "rare_tokens/two_rarest.json": "rare_two_rarest.json",
+    "rare_tokens/summary.json": "rare_summary.json",
+    "summary.json": "summary.json",
+}
+
+
+def _copy(src: Path, dst: Path, written: list[Path]) -> None:
+    if src.is_file():
+        text = src.read_text(encoding="utf-8")
+        if not dst.is_file() or dst.read_text(encoding="utf-8") != text:
+            atomic_write_text(dst, text)
+            written.append(dst)
+
+
+def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[str], None] = print) -> list[Path]:
+    """Copy the small outputs of every stage that has them into ``<results_dir>/<model>/``.
+
+    Nothing is deleted: a result whose source is missing (e.g. checkpoints that are not on this
+    machine) keeps its committed copy."""
+    work, res = config.work(model), config.results(model)
+    written: list[Path] = []
+    for name in _IMPORTANCE:
+        _copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json", written)
+    for src, dst in _FUNCTIONS.items():
+        _copy(work / "functions" / src, res / "functions" / dst, written)
+    for sweep in ("enc", "all"):
+        directory = work / "prune" / sweep
+        _copy(directory / "full.json", res / "prune" / sweep / "full.json", written)
+        if directory.is_dir():
+            for point in sorted(directory.iterdir()):
+                if (point / "result.json").is_file():
+                    _copy(point / "result.json", res / "prune" / sweep / point.name / "result.json", written)
+                    _copy(point / "gates.json", res / "prune" / sweep / point.name / "gates.json", written)
+                    _copy(point / "pruned" / "headlab_pruning.json", res / "prune" / sweep / point.name / "kept.json",
+                          written)
+    prune = work / "prune"
+    if prune.is_dir():
+        for base in sorted(prune.glob("base-*")):
+            _copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json", written)
+    _copy(prune / "scratch" / "baselines.json", res / "scratch.json", written)
+    _copy(work / "specialisation" / "specialisation.json", res / "specialisation.json", written)
+    timings_file = res / "timings.json"
+    timings = json.loads(timings_file.read_text(encoding="utf-8")) if timings_file.is_file() else {}
+    changed = False
+    for marker in sorted((work / "stages").glob("*.json")) if (work / "stages").is_dir() else []:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+        entry = {k: record.get(k) for k in ("seconds", "finished", "commands")}
+        root = str(Path(config.root).resolve()) + "/"
+        entry["commands"] = [c.replace(root, "") for c in entry["commands"] or []]  # as run from the root
+        if timings.get(record["stage"]) != entry:
+            timings[record["stage"]] = entry
+            changed = True
+    if changed:
+        atomic_write_text(timings_file, json.dumps(timings, indent=1, sort_keys=True) + "\n")
+        written.append(timings_file)
+    if written:
+        log(f"{model.name}: {len(written)} result files updated in {res}")
+    return written
+
+
+def _json(path: Path):
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _scores(path: Path) -> HeadScores | None:
+    return HeadScores.load(path) if path.is_file() else None
+
+
+class ModelResults:
+    """Read-only view of one model's result files; every accessor returns None when missing."""
+
+    def __init__(self, directory: str | Path, name: str):
+        self.dir = Path(directory)
+        self.name = name
+
+    def importance(self, method: str) -> HeadScores | None:
+        return _scores(self.dir / "importance" / f"{method}.json")
+
+    @cached_property
+    def agreement(self) -> dict | None:
+        return _json(self.dir / "importance" / "agreement.json")
+
+    def functions_scores(self, name: str) -> HeadScores | None:
+        return _scores(self.dir / "functions" / f"{name}.json")
+
+    def functions_json(self, name: str):
+        return _json(self.dir / "functions" / f"{name}.json")
+
+    def sweep(self, name: str) -> dict:
+        """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}}``."""
+        directory = self.dir / "prune" / name
+        points = {}
+        if directory.is_dir():
+            for point in sorted(directory.iterdir()):
+                if (point / "result.json").is_file():
+                    points[point.name] = {"result": _json(point / "result.json"), "gates": _scores(point / "gates.json"),
+                                          "kept": _json(point / "kept.json")}
+        return {"full": _json(directory / "full.json"), "points": points}
+
+    @cached_property
+    def baselines(self) -> list[dict]:
+        rows = []
+        directory = self.dir / "baselines"
+        if directory.is_dir():
+            for path in sorted(directory.glob("*.json")):
+                for row in _json(path) or []:
+                    rows.append({**row, "baseline": path.stem})
+        return rows
+
+    @cached_property
+    def scratch(self) -> list[dict]:
+        return _json(self.dir / "scratch.json") or []
+
+    @cached_property
+    def specialisation(self) -> dict | None:
+        return _json(self.dir / "specialisation.json")
+
+    @cached_property
+    def timings(self) -> dict:
+        return _json(self.dir / "timings.json") or {}
+
+
+def kept_mask(point: dict, kind: str, shape: tuple[int, int]) -> np.ndarray | None:
+    """Boolean ``[n_layers, n_heads]``: the heads of ``kind`` a sweep point kept (from kept.json).
+
+    A layer the record does not list lost no head."""
+    record = point.get("kept")
+    if record is None:
+        return None
+    mask = np.ones(shape, dtype=bool)
+    for layer, block in record.get("blocks", {}).get(kind, {}).items():
+        mask[int(layer)] = False
+        mask[int(layer), block["kept_heads"]] = True
+    return mask

@@ -1,0 +1,346 @@
+"""The stages of ``headlab reproduce``, in order, each resumable.
+
+Every stage of a model works in ``<work_dir>/<model>/<stage dir>/`` and, when it has finished,
+writes a marker ``<work_dir>/<model>/stages/<stage>.json`` (atomically, last) with its commands
+and wall time. A stage whose marker exists is skipped unless ``--force``. The heavy stages call
+the ``headlab`` command line in-process (``headlab.cli.main``), so that each step is exactly the
+command printed in docs/reproduction.md; the tools' own resume (sweep points with a
+``result.json``, baseline rows already in ``baselines.json``) still applies under ``--force``,
+so finished pruning runs are never thrown away. The last stage, ``report``, has no marker: it
+copies the small result files into ``<results_dir>/<model>/`` and regenerates the document.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from headlab.errors import HeadlabError
+from headlab.heads import atomic_write_text
+from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
+
+__all__ = ["STAGES", "Context", "StageOutcome", "run_pipeline", "stage_commands", "marker_path"]
+
+BUSY_MINUTES = 15  # a pruning point or baseline directory changed this recently is in use elsewhere
+
+
+@dataclass
+class Context:
+    config: ReproduceConfig
+    model: ModelEntry
+    force: bool = False
+    dry_run: bool = False
+    log: Callable[[str], None] = print
+    from_results: bool = False  # read finished sweep points from the results dir (the document's commands)
+
+
+@dataclass
+class StageOutcome:
+    model: str
+    stage: str
+    status: str  # "done", "skipped", "not run", "dry run"
+    seconds: float = 0.0
+    reason: str = ""
+    commands: list[str] = field(default_factory=list)
+
+
+def marker_path(config: ReproduceConfig, model: ModelEntry, stage: str) -> Path:
+    return config.work(model, "stages", f"{stage}.json")
+
+
+def command_text(argv: list[str]) -> str:
+    return "headlab " + " ".join(shlex.quote(str(a)) for a in argv)
+
+
+class NotReady(Exception):
+    """A stage's inputs are missing: the stage is reported as not run, with this reason."""
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _p(ctx: Context, path) -> str:
+    """A path as a command gets it: absolute when run; relative to the root when printed (document, dry run)."""
+    return ctx.config.rel(path) if ctx.from_results or ctx.dry_run else str(path)
+
+
+def _threads(ctx: Context) -> list[str]:
+    return ["--threads", str(ctx.config.threads)]
+
+
+def _data(ctx: Context, split: str) -> tuple[str, str]:
+    c, m = ctx.config, ctx.model
+    return _p(ctx, c.data_file(split, m.src)), _p(ctx, c.data_file(split, m.tgt))
+
+
+def _require_model(ctx: Context) -> str:
+    path = ctx.config.path(ctx.model.path)
+    if not ctx.dry_run and not (path / "config.json").is_file():
+        raise NotReady(f"model {ctx.config.rel(path)} does not exist yet (no config.json)")
+    return _p(ctx, path)
+
+
+def importance_commands(ctx: Context) -> list[list[str]]:
+    options = dict(ctx.config.importance)
+    model = _require_model(ctx)
+    src, tgt = _data(ctx, options.pop("split", "valid"))
+    out = ctx.config.work(ctx.model, "importance")
+    argv = ["importance", model, "--data", src, "--target", tgt, "--out", _p(ctx, out), "--no-progress"]
+    return [argv + flags(options) + _threads(ctx)]
+
+
+def functions_commands(ctx: Context) -> list[list[str]]:
+    options = dict(ctx.config.functions)
+    model = _require_model(ctx)
+    conllu = ctx.config.path(options.pop("conllu", "data/ud-english-ewt/en_ewt-ud-dev.conllu"))
+    train_src, _ = _data(ctx, "train")
+    out = ctx.config.work(ctx.model, "functions")
+    argv = ["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--train-text", train_src,
+            "--no-progress"]
+    return [argv + flags(options) + _threads(ctx)]
+
+
+def _sweep_dir(ctx: Context, sweep: str) -> Path:
+    return ctx.config.work(ctx.model, "prune", sweep)
+
+
+def _check_not_busy(directory: Path) -> None:
+    """Refuse to resume a point that another process is training right now."""
+    if not directory.is_dir():
+        return
+    now = time.time()
+    for point in sorted(directory.iterdir()):
+        trajectory = point / "trajectory.jsonl"
+        if trajectory.is_file() and not (point / "result.json").is_file():
+            age = (now - trajectory.stat().st_mtime) / 60
+            if age < BUSY_MINUTES:
+                raise NotReady(f"{point} is being trained by another process ({trajectory} changed "
+                               f"{age:.0f} min ago); run this stage when it has finished")
+
+
+def _check_dirs_idle(directories: list[Path]) -> None:
+    """Refuse to write into a baseline directory that another process changed recently."""
+    now = time.time()
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        newest = max((p.stat().st_mtime for p in directory.rglob("*") if p.is_file()), default=0.0)
+        age = (now - newest) / 60
+        if age < BUSY_MINUTES:
+            raise NotReady(f"{directory} changed {age:.0f} min ago: another process seems to be writing to it; "
+                           f"run this stage when it has finished")
+
+
+def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
+    spec = ctx.config.prune.get(sweep)
+    if not spec:
+        raise NotReady(f"the config has no prune.{sweep} sweep")
+    model = _require_model(ctx)
+    train_src, train_tgt = _data(ctx, "train")
+    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
+    out = _sweep_dir(ctx, sweep)
+    argv = ["prune", "sweep", model, "--train-src", train_src, "--train-tgt", train_tgt,
+            "--valid-src", test_src, "--valid-tgt", test_tgt, "--gates", spec["gates"]]
+    argv += flags(ctx.config.prune.get("options", {})) + _threads(ctx)
+    if spec.get("keeps"):
+        argv += ["--keeps", ",".join(str(k) for k in spec["keeps"])]
+    if spec.get("lams"):
+        argv += ["--lams", ",".join(f"{lam:g}" for lam in spec["lams"])]
+    argv += ["--no-progress", "--out", _p(ctx, out)]
+    return [argv]
+
+
+def _points_dir(ctx: Context, sweep: str) -> Path:
+    return ctx.config.results(ctx.model, "prune", sweep) if ctx.from_results else _sweep_dir(ctx, sweep)
+
+
+def finished_points(directory: Path) -> dict[str, dict]:
+    """``{point name: result.json}`` of a sweep directory's finished points."""
+    out = {}
+    if directory.is_dir():
+        for point in sorted(directory.iterdir()):
+            result = point / "result.json"
+            if result.is_file():
+                out[point.name] = json.loads(result.read_text(encoding="utf-8"))
+    return out
+
+
+def baseline_keeps(ctx: Context) -> list[int]:
+    keeps = set(int(k) for k in ctx.config.baselines.get("keeps", []))
+    if ctx.config.baselines.get("add_sweep_counts", False):
+        for result in finished_points(_points_dir(ctx, "enc")).values():
+            kept = result.get("heads_kept", {}).get("enc_self")
+            if kept is not None:
+                keeps.add(int(kept))
+    return sorted(keeps)
+
+
+def baselines_commands(ctx: Context) -> list[list[str]]:
+    cfg = ctx.config.baselines
+    methods = cfg.get("methods", {})
+    if not methods:
+        raise NotReady("the config lists no baseline methods")
+    model = _require_model(ctx)
+    keeps = baseline_keeps(ctx)
+    if not keeps:
+        raise NotReady("no head counts: baselines.keeps is empty and the encoder sweep has no finished point")
+    train_src, train_tgt = _data(ctx, "train")
+    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
+    commands = []
+    for name, options in methods.items():
+        options = dict(options)
+        method = options.pop("method", name)
+        argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
+                "--valid-src", test_src, "--valid-tgt", test_tgt]
+        if method in ("confidence", "lrp", "gradient", "gradient_raw"):
+            scores = ctx.config.work(ctx.model, "importance", f"{method}.json")
+            if not scores.is_file() and not ctx.dry_run:
+                raise NotReady(f"{scores} is missing: run the importance stage first")
+            argv += ["--method", "scores", "--scores", _p(ctx, scores)]
+        else:
+            argv += ["--method", method]
+        argv += ["--keeps", ",".join(map(str, keeps))]
+        argv += flags({**cfg.get("options", {}), **options}) + _threads(ctx)
+        argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", f"base-{name}"))]
+        commands.append(argv)
+    return commands
+
+
+def scratch_commands(ctx: Context) -> list[list[str]]:
+    cfg = ctx.config.scratch
+    if not cfg.get("enabled", False):
+        raise NotReady("disabled in the config (scratch.enabled: false); each point costs a full training")
+    model = _require_model(ctx)
+    points = finished_points(_points_dir(ctx, "all"))
+    train_src, train_tgt = _data(ctx, "train")
+    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
+    commands = []
+    for name in cfg.get("points", []):
+        if name not in points:
+            raise NotReady(f"all-kinds point {name} has not finished (no result.json)")
+        total = sum(points[name]["heads_kept"].values())
+        gates = _sweep_dir(ctx, "all") / name / "gates.json"
+        argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
+                "--valid-src", test_src, "--valid-tgt", test_tgt, "--method", "scores", "--scores", _p(ctx, gates),
+                "--kinds", "all", "--keeps", str(total), "--from-scratch"]
+        argv += flags(cfg.get("options", {})) + _threads(ctx)
+        argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch"))]
+        commands.append(argv)
+    return commands
+
+
+def _run_cli(argv: list[str]) -> None:
+    from headlab.cli import main
+
+    rc = main([str(a) for a in argv])
+    if rc:
+        raise HeadlabError(f"`{command_text(argv)}` exited with status {rc}")
+
+
+def _run_specialisation(ctx: Context) -> list[str]:
+    from headlab.reproduce.specialisation import run_specialisation
+
+    return run_specialisation(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    description: str
+    commands: Callable[[Context], list[list[str]]] | None = None
+    python: Callable[[Context], list[str]] | None = None
+    check: Callable[[Context], None] | None = None
+
+
+STAGES: dict[str, Stage] = {
+    "importance": Stage("importance", "confidence, LRP, gradient, ablation (Sec. 4)", importance_commands),
+    "functions": Stage("functions", "positional, syntactic, rare-token heads on UD EWT (Sec. 5)", functions_commands),
+    "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
+                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc"))),
+    "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
+                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "all"))),
+    "baselines": Stage("baselines", "random, Michel, confidence, LRP at equal head counts", baselines_commands,
+                       check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
+                                                          for name in ctx.config.baselines.get("methods", {})])),
+    "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
+                     check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")])),
+    "specialisation": Stage("specialisation", "confidence and positional share over training checkpoints",
+                            python=_run_specialisation),
+    "report": Stage("report", "copy the small results, compute the claims, write docs/reproduction.md"),
+}
+"""Registry, in the order the stages run."""
+
+
+def stage_commands(ctx: Context, stage: str) -> list[str]:
+    """The commands a stage runs, as text (``[]`` for a Python stage)."""
+    spec = STAGES[stage]
+    return [command_text(argv) for argv in spec.commands(ctx)] if spec.commands else []
+
+
+def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
+    name, model = spec.name, ctx.model.name
+    marker = marker_path(ctx.config, ctx.model, name)
+    if marker.is_file() and not ctx.force:
+        ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
+        return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
+    try:
+        commands = spec.commands(ctx) if spec.commands else []
+        if spec.check is not None and not ctx.dry_run:
+            spec.check(ctx)
+    except NotReady as reason:
+        ctx.log(f"{model} {name}: not run: {reason}")
+        return StageOutcome(model, name, "not run", reason=str(reason))
+    texts = [command_text(argv) for argv in commands]
+    if ctx.dry_run:
+        for text in texts or [f"(Python) headlab.reproduce {name}"]:
+            ctx.log(f"{model} {name}: {text}")
+        return StageOutcome(model, name, "dry run", commands=texts)
+    ctx.log(f"{model} {name}: running")
+    started = time.perf_counter()
+    try:
+        for argv, text in zip(commands, texts):
+            ctx.log(f"  {text}")
+            _run_cli(argv)
+        if spec.python is not None:
+            texts += spec.python(ctx)
+    except NotReady as reason:
+        ctx.log(f"{model} {name}: not run: {reason}")
+        return StageOutcome(model, name, "not run", reason=str(reason))
+    seconds = time.perf_counter() - started
+    from headlab import __version__
+
+    record = {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "headlab": __version__}
+    atomic_write_text(marker, json.dumps(record, indent=1) + "\n")
+    ctx.log(f"{model} {name}: done in {seconds:.0f} s")
+    return StageOutcome(model, name, "done", seconds, commands=texts)
+
+
+def run_pipeline(config: ReproduceConfig, *, models: list[str] | None = None, stages: list[str] | None = None,
+                 force: bool = False, dry_run: bool = False, docs_only: bool = False,
+                 log: Callable[[str], None] = print) -> list[StageOutcome]:
+    """Run the chosen stages for the chosen models, in registry order; then the report."""
+    from headlab.reproduce.report import write_report
+
+    chosen = list(STAGES) if not stages else stages
+    for stage in chosen:
+        if stage not in STAGES:
+            raise HeadlabError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    entries = [config.model(name) for name in models] if models else list(config.models)
+    outcomes: list[StageOutcome] = []
+    if not docs_only:
+        for entry in entries:
+            ctx = Context(config, entry, force=force, dry_run=dry_run, log=log)
+            for stage in STAGES:
+                if stage in chosen and stage != "report":
+                    outcomes.append(_run_stage(ctx, STAGES[stage]))
+    if docs_only or ("report" in chosen and not dry_run):
+        written = write_report(config, [e.name for e in entries], collect=not docs_only, log=log)
+        outcomes.append(StageOutcome(",".join(e.name for e in entries), "report", "done",
+                                     commands=[str(p) for p in written]))
+    return outcomes

@@ -1,0 +1,276 @@
+"""`headlab reproduce` end to end on a tiny random Marian model and a handful of sentences.
+
+Stages run in order and write their outputs and markers; a second run skips every finished
+stage; --force reruns one; a missing model makes the stages "not run" and the report says so
+instead of crashing; the claims and the document come from the result files only.
+"""
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from headlab.cli import main
+from headlab.data import read_parallel
+from headlab.errors import HeadlabError
+from headlab.heads import HeadScores
+from headlab.nmt.model import ModelConfig, build_marian_config, create_model
+from headlab.nmt.tokenizer import train_tokenizer
+from headlab.reproduce import (
+    STAGES,
+    compute_claims,
+    load_config,
+    load_results,
+    read_blocks,
+    render_blocks,
+    run_pipeline,
+    update_document,
+)
+from headlab.reproduce.results import kept_mask
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "multi30k"
+EWT = REPO / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
+TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_gz(path: Path, lines: list[str]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def _first_sentences(path: Path, n: int) -> str:
+    out, count = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        out.append(line)
+        if not line.strip():
+            count += 1
+            if count == n:
+                break
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A repository in miniature: model, checkpoints, data, treebank, config."""
+    root = tmp_path_factory.mktemp("repro")
+    corpus = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=15).subset(160)
+    tokenizer = train_tokenizer(corpus.sources + corpus.targets, vocab_size=300)
+    config = build_marian_config(TINY, tokenizer)
+    (root / "data").mkdir()
+    _write_gz(root / "data" / "train.en.gz", corpus.sources[:140])
+    _write_gz(root / "data" / "train.de.gz", corpus.targets[:140])
+    _write_gz(root / "data" / "val.en.gz", corpus.sources[140:150])
+    _write_gz(root / "data" / "val.de.gz", corpus.targets[140:150])
+    _write_gz(root / "data" / "test.en.gz", corpus.sources[150:160])
+    _write_gz(root / "data" / "test.de.gz", corpus.targets[150:160])
+    (root / "ewt.conllu").write_text(_first_sentences(EWT, 12), encoding="utf-8")
+    model = create_model(config, seed=0)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "run" / "tokenizer")
+    for epoch, seed in ((1, 1), (2, 2)):
+        create_model(config, seed=seed).save_pretrained(root / "run" / "epochs" / f"epoch-00{epoch}")
+    (root / "run" / "history.json").write_text(json.dumps([{"epoch": 1, "valid_bleu": 0.5}, {"epoch": 2, "valid_bleu": 1.0}]))
+    spec = {
+        "models": [{"name": "tiny", "path": "model", "src": "en", "tgt": "de", "checkpoints": "run/epochs",
+                    "tokenizer": "run/tokenizer"},
+                   {"name": "absent", "path": "no-such-model", "src": "en", "tgt": "de"}],
+        "data": {"train": "data/train.{lang}.gz", "valid": "data/val.{lang}.gz", "test": "data/test.{lang}.gz"},
+        "work_dir": "work", "results_dir": "results", "doc": "reproduction.md", "img_dir": "img", "threads": 1,
+        "importance": {"n-sentences": 6, "method": "all", "batch-size": 4},
+        "functions": {"conllu": "ewt.conllu", "top-frequent": 20},
+        "prune": {"options": {"max-tokens": 300, "max-steps": 3, "lr": "1e-3", "gate-lr": 0.1, "log-every": 1,
+                              "eval-beam": 1},
+                  "enc": {"gates": "enc_self", "keeps": [4], "lams": [0.5]},
+                  "all": {"gates": "all", "keeps": [12]}},
+        "baselines": {"keeps": [2], "add_sweep_counts": True, "options": {"max-tokens": 300, "eval-beam": 1},
+                      "methods": {"random": {"seeds": "1,2"}, "michel": {"importance-batches": 1}, "lrp": {}}},
+        "scratch": {"enabled": True, "points": ["keep-12"],
+                    "options": {"scratch-epochs": 1, "max-tokens": 300, "eval-beam": 1}},
+        "specialisation": {"n_sentences": 6, "batch_size": 4},
+    }
+    (root / "reproduce.json").write_text(json.dumps(spec, indent=1))
+    return root
+
+
+def _config(root: Path):
+    return load_config(root / "reproduce.json", root=root)
+
+
+@pytest.fixture(scope="module")
+def first_run(workspace):
+    messages = []
+    outcomes = run_pipeline(_config(workspace), log=messages.append)
+    return outcomes, messages
+
+
+def test_stages_run_in_order_and_write_their_outputs(workspace, first_run):
+    outcomes, messages = first_run
+    tiny = [o for o in outcomes if o.model == "tiny"]
+    assert [o.stage for o in tiny] == [s for s in STAGES if s != "report"]
+    assert all(o.status == "done" for o in tiny), [(o.stage, o.status, o.reason) for o in tiny]
+    running = [m.split()[1].rstrip(":") for m in messages if m.startswith("tiny ") and m.endswith(": running")]
+    assert running == [s for s in STAGES if s != "report"]
+    for stage in running:
+        marker = json.loads((workspace / "work" / "tiny" / "stages" / f"{stage}.json").read_text())
+        assert marker["stage"] == stage and marker["seconds"] >= 0
+    res = workspace / "results" / "tiny"
+    for name in ("importance/confidence.json", "importance/lrp.json", "importance/ablation.json",
+                 "importance/agreement.json", "functions/table1.json", "functions/rare_rarest.json",
+                 "functions/positional_share.json", "prune/enc/full.json", "prune/enc/keep-4/result.json",
+                 "prune/enc/keep-4/kept.json", "prune/enc/lam-0.5/gates.json", "prune/all/keep-12/kept.json",
+                 "baselines/random.json", "baselines/michel.json", "baselines/lrp.json", "scratch.json",
+                 "specialisation.json", "timings.json"):
+        assert (res / name).is_file(), name
+    # The encoder sweep kept exactly its budget, and kept.json says which heads.
+    point = {"kept": json.loads((res / "prune/enc/keep-4/kept.json").read_text())}
+    assert kept_mask(point, "enc_self", (2, 4)).sum() == 4
+    # Baselines ran at the configured count and at the sweep's counts; random with both seeds.
+    random_rows = json.loads((res / "baselines/random.json").read_text())
+    assert {r["keep"] for r in random_rows} >= {2, 4} and {r["seed"] for r in random_rows} == {1, 2}
+    spec = json.loads((res / "specialisation.json").read_text())
+    assert [p["checkpoint"] for p in spec["checkpoints"]] == ["epoch-001", "epoch-002", "final"]
+    assert spec["checkpoints"][0]["bleu"] == 0.5 and spec["n_sentences"] == 6
+    assert len(spec["checkpoints"][0]["token_share"]) == 2
+    timings = json.loads((res / "timings.json").read_text())
+    assert set(timings) == set(running)
+
+
+def test_missing_model_is_not_run_and_reported(workspace, first_run):
+    outcomes, _ = first_run
+    absent = {o.stage: o for o in outcomes if o.model == "absent"}
+    assert absent["importance"].status == "not run" and "no-such-model" in absent["importance"].reason
+    assert all(o.status == "not run" for o in absent.values())
+    doc = (workspace / "reproduction.md").read_text()
+    blocks = read_blocks(doc)
+    assert "| tiny | absent |" in blocks["sec4"] and "**not run**: no importance/lrp.json" in blocks["sec4"]
+    assert "**holds**" in doc or "**does not hold**" in doc or "not testable" in doc
+
+
+def test_report_comes_from_the_result_files(workspace, first_run):
+    config = _config(workspace)
+    results = load_results(config)
+    claims = compute_claims(results)
+    blocks = render_blocks(config, claims, results)
+    doc = (workspace / "reproduction.md").read_text()
+    assert read_blocks(doc) == blocks
+    by_key = {c.key: c for c in claims}
+    # Every section has a cell for the tiny model; the sections with a figure drew it.
+    for claim in claims:
+        for check in claim.checks:
+            assert "tiny" in check.cells
+        for model, name in claim.figures.items():
+            assert (workspace / "img" / f"reproduction-{model}-{name}.png").is_file()
+    assert by_key["sec6.3"].checks[0].cells["tiny"].verdict in ("holds", "does not hold")  # scratch matched
+    assert "keep-4" in "\n".join(by_key["sec6.2"].details["tiny"])
+    assert json.loads((workspace / "results" / "claims.json").read_text())["claims"][0]["key"] == "sec4"
+
+
+def test_second_run_skips_finished_stages_and_force_reruns(workspace, first_run):
+    config = _config(workspace)
+    marker = workspace / "work" / "tiny" / "stages" / "functions.json"
+    before = marker.read_text()
+    outcomes = run_pipeline(config, models=["tiny"], log=lambda m: None)
+    assert [o.status for o in outcomes if o.stage != "report"] == ["skipped"] * (len(STAGES) - 1)
+    assert marker.read_text() == before
+    outcomes = run_pipeline(config, models=["tiny"], stages=["functions"], force=True, log=lambda m: None)
+    assert [(o.stage, o.status) for o in outcomes] == [("functions", "done")]
+    assert json.loads(marker.read_text())["finished"] >= json.loads(before)["finished"]
+
+
+def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):
+    doc = workspace / "reproduction.md"
+    text = doc.read_text()
+    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
+                 "importance", "--dry-run", "--force"]) == 0
+    out = capsys.readouterr()
+    assert "headlab importance" in out.err and "tiny importance: dry run" in out.out
+    doc.write_text(text.replace("<!-- END generated:sec4 -->", "stale\n<!-- END generated:sec4 -->"))
+    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--docs-only"]) == 0
+    assert doc.read_text() == text
+
+
+def test_busy_point_is_left_alone(workspace, first_run):
+    config = _config(workspace)
+    busy = workspace / "work" / "tiny" / "prune" / "enc" / "keep-3"
+    busy.mkdir(parents=True)
+    (busy / "trajectory.jsonl").write_text("{}\n")
+    try:
+        outcomes = run_pipeline(config, models=["tiny"], stages=["prune-enc"], force=True, log=lambda m: None)
+        assert outcomes[0].status == "not run" and "another process" in outcomes[0].reason
+    finally:
+        (busy / "trajectory.jsonl").unlink()
+        busy.rmdir()
+
+
+def test_config_and_document_errors(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text('{"models": [{"name": "x", "path": "m", "src": "en"}], "data": {}}')
+    with pytest.raises(HeadlabError, match=r"models\[0\] lacks tgt"):
+        load_config(bad)
+    bad.write_text("{not json")
+    with pytest.raises(HeadlabError, match="invalid JSON"):
+        load_config(bad)
+    with pytest.raises(HeadlabError, match="no markers for generated blocks sec4"):
+        update_document("# doc\n", {"sec4": "x\n"}, "doc.md")
+    text = "a\n<!-- BEGIN generated:sec4 -->\nold\n<!-- END generated:sec4 -->\nb\n"
+    assert update_document(text, {"sec4": "new\n"}) == "a\n<!-- BEGIN generated:sec4 -->\nnew\n<!-- END generated:sec4 -->\nb\n"
+
+
+def test_claims_on_hand_made_results(tmp_path):
+    """The verdicts follow the paper's thresholds on files written by hand."""
+    res = tmp_path / "results" / "m"
+    lrp = np.full((2, 4), 0.1)
+    lrp[0, 2], lrp[1, 1] = 0.7, 0.6
+    conf = np.full((2, 4), 0.3)
+    conf[1, 1], conf[0, 2] = 0.85, 0.1
+    HeadScores({"enc_self": lrp}, "lrp").save(res / "importance" / "lrp.json")
+    HeadScores({"enc_self": conf}, "confidence").save(res / "importance" / "confidence.json")
+    rare = np.full((2, 4), 0.05)
+    rare[0, 2] = 0.3
+    HeadScores({"enc_self": rare}, "rare_token_rarest").save(res / "functions" / "rare_rarest.json")
+    HeadScores({"enc_self": rare * 1.5}, "rare_token_two_rarest").save(res / "functions" / "rare_two_rarest.json")
+    share = np.full((2, 4), 0.2)
+    share[1, 1] = 0.93
+    point = {"checkpoint": "final", "epoch": None, "token_share": share.tolist(),
+             "token_offset": np.full((2, 4), -1.0).tolist(),
+             "summary": {"token_share": {"max": 0.93, "mean": 0.3}, "word_share": {"max": 0.9, "mean": 0.3},
+                         "confidence": {"max": 0.85, "mean": 0.3}, "n_positional_token": 1}}
+    (res / "specialisation.json").write_text(json.dumps({"n_sentences": 5, "checkpoints": [point]}))
+    from headlab.reproduce.results import ModelResults
+
+    claims = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}
+    sec4 = claims["sec4"].checks
+    assert sec4[0].cells["m"].verdict == "holds"  # 0.7/1.0 and 0.6/0.9 both >= 2/4
+    assert sec4[2].cells["m"].verdict == "holds"  # L0 H2, layer 1's most relevant, has confidence 0.1 < 0.3
+    sec51 = claims["sec5.1"].checks
+    assert sec51[0].cells["m"].verdict == "holds" and "L1 H1" in sec51[0].cells["m"].value
+    assert sec51[2].cells["m"].verdict == "holds"  # first by LRP in layer 1
+    assert sec51[3].cells["m"].verdict == "holds"  # 0.85 > 0.8
+    sec53 = claims["sec5.3"].checks
+    assert sec53[0].cells["m"].verdict == "holds" and sec53[1].cells["m"].verdict == "holds"
+    assert sec53[2].cells["m"].value == "30.0% / 45.0%"
+    assert claims["sec6.2"].checks[0].cells["m"].verdict.startswith("not run")
+    assert claims["sec5.2"].checks[0].cells["m"].verdict.startswith("not run")
+
+
+def test_specialisation_without_checkpoints_keeps_committed_results(workspace, first_run):
+    config = _config(workspace)
+    config.models[0].checkpoints = "run/no-such-epochs"
+    committed = (workspace / "results" / "tiny" / "specialisation.json").read_text()
+    outcomes = run_pipeline(config, models=["tiny"], stages=["specialisation", "report"], force=True,
+                            log=lambda m: None)
+    assert outcomes[0].status == "not run" and "committed specialisation.json" in outcomes[0].reason
+    assert (workspace / "results" / "tiny" / "specialisation.json").read_text() == committed

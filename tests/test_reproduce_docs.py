@@ -1,0 +1,43 @@
+"""docs/reproduction.md must hold exactly what the committed result files give.
+
+The generated blocks are rendered again from docs/results/reproduction/ and
+experiments/reproduce.json (no model, no run directory needed) and compared with the
+document; claims.json likewise. On a mismatch: `headlab reproduce --docs-only`.
+"""
+
+import json
+from pathlib import Path
+
+from headlab.reproduce import compute_claims, load_config, load_results, read_blocks, render_blocks
+from headlab.reproduce.report import claims_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _render():
+    config = load_config(REPO / "experiments" / "reproduce.json", root=REPO)
+    results = load_results(config)
+    claims = compute_claims(results)
+    return config, claims, render_blocks(config, claims, results)
+
+
+def test_document_matches_the_result_files():
+    config, _, blocks = _render()
+    document = read_blocks((REPO / config.doc).read_text(encoding="utf-8"))
+    assert set(document) == set(blocks), "generated blocks missing from or extra in docs/reproduction.md"
+    for name, body in blocks.items():
+        assert document[name] == body, (
+            f"docs/reproduction.md block {name!r} differs from the result files; run `headlab reproduce --docs-only`")
+
+
+def test_claims_json_matches_the_result_files():
+    config, claims, _ = _render()
+    path = REPO / config.results_dir / "claims.json"
+    assert json.loads(path.read_text(encoding="utf-8")) == claims_json(claims)
+
+
+def test_every_figure_the_document_shows_exists():
+    config, claims, _ = _render()
+    for claim in claims:
+        for model, name in claim.figures.items():
+            assert (REPO / config.img_dir / f"reproduction-{model}-{name}.png").is_file(), (claim.key, model, name)
