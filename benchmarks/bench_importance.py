@@ -2,7 +2,9 @@
 
 LRP head relevance, three ways that compute the same numbers (equality asserted):
 
-* ``vmap``     - headlab's path: one batched backward for all generation steps of a batch;
+* ``vmap``     - headlab's path: batched backward passes over the generation steps of a batch
+                 (steps per call chosen by headlab: a few on one CPU thread, else usually all;
+                 ``vmap-all``: all steps of the batch in one call);
 * ``loop``     - a Python loop of one backward per generation step (each covering the step in
                  all sentences of the batch);
 * ``jacobian`` - the full Jacobian of every target, one backward per output element, as the
@@ -19,6 +21,9 @@ teacher-forced on them; LRP's targets are the top-1 logits at each step).
 
     python benchmarks/bench_importance.py                  # batch 32, 20 tokens
     python benchmarks/bench_importance.py --threads 1 --repeats 5
+
+Every LRP way prints wall-clock seconds and this process's CPU seconds: on a shared machine the
+wall clock includes waiting for the cores, so the CPU-time ratio is the steadier comparison.
 """
 
 from __future__ import annotations
@@ -86,16 +91,29 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, object]]:
-    """Run each function ``repeats`` times, alternating, so that load changes hit all alike."""
+def interleaved(fns: dict, repeats: int, cpu: dict | None = None) -> dict[str, tuple[float, object]]:
+    """Run each function ``repeats`` times, alternating, so that load changes hit all alike.
+
+    Returns the median wall-clock seconds and the last result of each; ``cpu``, when given,
+    receives the median CPU seconds of this process (all its threads) for each.
+    """
     times = {name: [] for name in fns}
+    cpu_times = {name: [] for name in fns}
     results = {}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             results[name] = fn()
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - start_cpu)
+    if cpu is not None:
+        cpu.update({name: statistics.median(cpu_times[name]) for name in fns})
     return {name: (statistics.median(times[name]), results[name]) for name in fns}
+
+
+def load() -> str:
+    """The machine's 1-minute load average (other jobs compete for the cores)."""
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def assert_equal(a, b, what: str) -> None:
@@ -111,11 +129,14 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=20, help="tokens per sentence, source and target")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="steps per batched backward of the vmap way (default: headlab's automatic choice)")
     parser.add_argument("--jacobian-sentences", type=int, default=2,
                         help="sentences whose targets the full-Jacobian way is timed on (its cost is per target)")
     parser.add_argument("--ablation-heads", type=int, default=16,
                         help="heads (spread over all kinds) timed for one-pass-per-head ablation")
     parser.add_argument("--skip-lrp", action="store_true", help="only the other measures")
+    parser.add_argument("--skip-others", action="store_true", help="only LRP")
     parser.add_argument("--random-model", action="store_true", help="ignore the bundled model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,15 +157,21 @@ def main() -> None:
     # -- LRP: vmap vs loop (whole batch), vmap vs jacobian (the first sentences' targets) -------
     if not args.skip_lrp:
         bench_lrp(model, info, data, batch, n_targets, args)
-    bench_others(model, info, data, batch, n_heads, args)
+    if not args.skip_others:
+        bench_others(model, info, data, batch, n_heads, args)
 
 
 def bench_lrp(model, info, data, batch, n_targets, args) -> None:
+    steps = int(batch.steps.any(0).sum())
+    cpu: dict[str, float] = {}
+    load_before = load()
     runs = interleaved({
-        "vmap": lambda: head_relevance(model, batch, strategy="vmap"),
+        "vmap": lambda: head_relevance(model, batch, strategy="vmap", chunk_size=args.chunk_size),
         "loop": lambda: head_relevance(model, batch, strategy="loop"),
-    }, args.repeats)
+        "vmap-all": lambda: head_relevance(model, batch, strategy="vmap", chunk_size=steps),
+    }, args.repeats, cpu)
     assert_equal(runs["vmap"][1], runs["loop"][1], "vmap vs loop")
+    assert_equal(runs["vmap-all"][1], runs["loop"][1], "vmap (all steps at once) vs loop")
     subset = make_batches(data, info, batch_size=args.batch).__next__()
     subset.steps[args.jacobian_sentences:] = False
     n_subset = int(subset.steps.sum())
@@ -153,15 +180,20 @@ def bench_lrp(model, info, data, batch, n_targets, args) -> None:
     picked = full.steps[:, 0] < args.jacobian_sentences
     for key in full.relevance:
         torch.testing.assert_close(jac.relevance[key], full.relevance[key][picked], rtol=1e-4, atol=1e-5)
-    rate = {"vmap": n_targets / runs["vmap"][0], "loop": n_targets / runs["loop"][0], "jacobian": n_subset / jac_time}
-    print("\nLRP head relevance (equal results asserted)")
-    print(f"{'way':<10}{'seconds':>10}{'targets':>9}{'targets/s':>12}{'vmap is':>12}")
+    rate = {name: n_targets / runs[name][0] for name in runs}
+    rate["jacobian"] = n_subset / jac_time
+    print(f"\nLRP head relevance (equal results asserted); load average {load_before} -> {load()}")
+    print("vmap: automatic steps per batched backward; vmap-all: all steps of the batch in one")
+    print(f"{'way':<10}{'seconds':>10}{'CPU s':>8}{'targets':>9}{'targets/s':>12}{'vmap is':>10}{'(CPU)':>8}")
     for name, seconds, count in (("vmap", runs["vmap"][0], n_targets), ("loop", runs["loop"][0], n_targets),
-                                 ("jacobian", jac_time, n_subset)):
-        print(f"{name:<10}{seconds:>10.2f}{count:>9}{rate[name]:>12.1f}{rate['vmap'] / rate[name]:>11.1f}x")
+                                 ("vmap-all", runs["vmap-all"][0], n_targets), ("jacobian", jac_time, n_subset)):
+        cpu_ratio = f"{cpu[name] / cpu['vmap']:>7.2f}x" if name in cpu else f"{'':>8}"
+        cpu_s = f"{cpu[name]:>8.2f}" if name in cpu else f"{'':>8}"
+        print(f"{name:<10}{seconds:>10.2f}{cpu_s}{count:>9}{rate[name]:>12.1f}{rate['vmap'] / rate[name]:>9.2f}x"
+              f"{cpu_ratio}")
 
-    print(f"LRP summary: vmap {rate['vmap']:.0f} targets/s = {rate['vmap'] / rate['loop']:.1f}x the per-step "
-          f"loop, {rate['vmap'] / rate['jacobian']:.0f}x full-Jacobian")
+    print(f"LRP summary: vmap {rate['vmap']:.0f} targets/s = {rate['vmap'] / rate['loop']:.2f}x the per-step "
+          f"loop (CPU time: {cpu['loop'] / cpu['vmap']:.2f}x), {rate['vmap'] / rate['jacobian']:.0f}x full-Jacobian")
 
 
 def bench_others(model, info, data, batch, n_heads, args) -> None:

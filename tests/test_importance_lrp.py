@@ -14,7 +14,7 @@ from headlab.importance import (
     make_batches,
     translate_data,
 )
-from headlab.importance.lrp import normalize_per_layer
+from headlab.importance.lrp import _auto_chunk, normalize_per_layer
 from tiny_models import FAMILIES, tiny_inputs, tiny_model
 
 
@@ -103,6 +103,19 @@ def test_batched_loop_and_jacobian_strategies_agree(family):
         assert torch.equal(other.steps, results["vmap"].steps)
         for key, values in results["vmap"].relevance.items():
             torch.testing.assert_close(other.relevance[key], values, rtol=1e-4, atol=1e-6)
+
+
+def test_automatic_chunks_are_cache_sized_on_one_cpu_thread():
+    """vmap steps per call: the widest batched gradient (~4x the widest head tensor per step)
+    near 2^22 numbers on one CPU thread, 2^25 otherwise; never more steps than the batch has."""
+    y = torch.zeros(32, 20)
+    heads = [torch.zeros(32, 20, 8, 32), torch.zeros(32, 20, 4, 32)]  # widest: 163,840 numbers
+    assert _auto_chunk(y, heads) == (1 << 22) // (4 * 163_840) == 6  # one thread (autouse fixture)
+    assert _auto_chunk(y, [torch.zeros(2, 20, 4, 8)]) == 20  # tiny tensors: all steps in one call
+    assert _auto_chunk(torch.zeros(1, 0), heads) == 1
+    torch.set_num_threads(2)
+    assert _auto_chunk(y, heads) == 20
+    assert _auto_chunk(torch.zeros(32, 200), heads) == (1 << 25) // (4 * 163_840) == 51
 
 
 def test_target_is_the_models_own_prediction_not_the_reference():

@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
-
-
 def _worker(out_dir: str) -> None:
     import json
 
@@ -23,19 +20,16 @@ def _worker(out_dir: str) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
-    from headlab.data import read_parallel
-    from headlab.nmt.model import ModelConfig, build_marian_config, create_model
-    from headlab.nmt.tokenizer import train_tokenizer
     from headlab.nmt.train import TrainConfig, train
+    from tiny_nmt import tiny_corpus, tiny_marian, tiny_tokenizer
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
-    corpus = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(200)
-    tokenizer = train_tokenizer(corpus.sources + corpus.targets, vocab_size=300)
-    tiny = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
+    corpus = tiny_corpus(200)
+    tokenizer = tiny_tokenizer(corpus, vocab_size=300)
     # A different seed per rank: DDP must broadcast rank 0's weights at the start.
-    model = create_model(build_marian_config(tiny, tokenizer), seed=rank)
+    model = tiny_marian(tokenizer, seed=rank)
     seen = []
 
     def record(model, batch, step):

@@ -1,45 +1,18 @@
 """The training loop on a tiny Marian model (d_model 32, 2+2 layers, 4 heads) and 300 pairs."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from headlab.cli import main
-from headlab.data import read_parallel
 from headlab.errors import HeadlabError
-from headlab.nmt.model import ModelConfig, build_marian_config, create_model
-from headlab.nmt.tokenizer import train_tokenizer
 from headlab.nmt.train import (
     TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss, make_batches, train,
 )
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
-TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # deterministic and light on a 2-core machine
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(300)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    return train_tokenizer(corpus.sources + corpus.targets, vocab_size=400)
-
-
-def tiny_model(tokenizer, seed=0):
-    return create_model(build_marian_config(TINY, tokenizer), seed=seed)
+from tiny_nmt import DATA, corpus, one_thread, tokenizer  # noqa: F401 (corpus, one_thread, tokenizer: fixtures)
+from tiny_nmt import tiny_marian as tiny_model
 
 
 def config(out_dir, **overrides):

@@ -1,38 +1,24 @@
 """Translation and scoring: one output line per input line, order kept, sacreBLEU signatures."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from headlab.cli import main
-from headlab.data import read_parallel
 from headlab.errors import HeadlabError
 from headlab.nmt.bleu import compute_scores
-from headlab.nmt.model import ModelConfig, build_marian_config, create_model, load_model
-from headlab.nmt.tokenizer import train_tokenizer
+from headlab.nmt.model import load_model
 from headlab.nmt.train import TrainConfig, train
 from headlab.nmt.translate import translate
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
-TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tiny_nmt import one_thread, tiny_corpus, tiny_marian, tiny_tokenizer  # noqa: F401 (one_thread: fixture)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny model trained for a few dozen steps (so it emits words and </s>), saved as best/."""
     torch.set_num_threads(1)
-    corpus = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(300)
-    tokenizer = train_tokenizer(corpus.sources + corpus.targets, vocab_size=400)
-    model = create_model(build_marian_config(TINY, tokenizer), seed=0)
+    corpus = tiny_corpus()
+    tokenizer = tiny_tokenizer(corpus)
+    model = tiny_marian(tokenizer)
     out = tmp_path_factory.mktemp("run")
     config = TrainConfig(out_dir=str(out), max_tokens=400, lr=3e-3, warmup_steps=5, max_epochs=4,
                          progress=False, valid_batch_size=10)

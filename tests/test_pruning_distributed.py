@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
-
 
 def _worker(out_dir: str) -> None:
     import json
@@ -18,19 +16,16 @@ def _worker(out_dir: str) -> None:
     import torch
     from accelerate import Accelerator
 
-    from headlab.data import read_parallel
-    from headlab.nmt.model import ModelConfig, build_marian_config, create_model
-    from headlab.nmt.tokenizer import train_tokenizer
     from headlab.nmt.train import TrainConfig
     from headlab.pruning import PruneConfig, prune_train
+    from tiny_nmt import tiny_corpus, tiny_marian, tiny_tokenizer
 
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
-    corpus = read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(200)
-    tokenizer = train_tokenizer(corpus.sources + corpus.targets, vocab_size=300)
-    tiny = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
-    model = create_model(build_marian_config(tiny, tokenizer), seed=0)
+    corpus = tiny_corpus(200)
+    tokenizer = tiny_tokenizer(corpus, vocab_size=300)
+    model = tiny_marian(tokenizer)
 
     config = PruneConfig(gates="all", lam=0.5, gate_lr=0.1, log_every=2, train=TrainConfig(
         out_dir=os.path.join(out_dir, "run"), max_tokens=300, lr=1e-3, warmup_steps=0, schedule="constant",

@@ -2,46 +2,19 @@
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from headlab import attach_gates, load_pruned
 from headlab.cli import main
-from headlab.data import read_parallel
 from headlab.errors import HeadlabError
-from headlab.nmt.model import ModelConfig, build_marian_config, create_model
-from headlab.nmt.tokenizer import train_tokenizer
 from headlab.nmt.train import TrainConfig, load_weights
 from headlab.pruning import HardConcreteGates, PruneConfig, prune_train, read_trajectory
 from headlab.pruning import baselines
 from headlab.pruning.train import encode_lm_corpus, export_pruned
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
-TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return read_parallel(DATA / "train.en.gz", DATA / "train.de.gz", max_tokens=20).subset(300)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    return train_tokenizer(corpus.sources + corpus.targets, vocab_size=400)
-
-
-def marian(tokenizer, seed=0):
-    return create_model(build_marian_config(TINY, tokenizer), seed=seed)
+from tiny_nmt import DATA, corpus, one_thread, tokenizer  # noqa: F401 (corpus, one_thread, tokenizer: fixtures)
+from tiny_nmt import tiny_marian as marian
 
 
 def config(out_dir, epochs=1, **overrides):

@@ -17,9 +17,10 @@ The rules are in :mod:`headlab.importance.rules`: the modified backward pass tha
 gradient x input equal to LRP. Every target needs its own backward pass; ``strategy``
 chooses how they are computed, all with equal results:
 
-* ``"vmap"`` (default): one batched backward for all steps of a batch at once
+* ``"vmap"`` (default): batched backward passes, each for several steps of the batch at once
   (``torch.autograd.grad(..., is_grads_batched=True)``, i.e. ``vmap`` over one-hot
-  ``grad_outputs``), with targets read from the needed rows of the output projection only;
+  ``grad_outputs``; steps per call from ``chunk_size`` or :func:`_auto_chunk`), with targets
+  read from the needed rows of the output projection only;
 * ``"loop"``: a Python loop of one backward per generation step (each covering the step in
   every sentence of the batch);
 * ``"jacobian"``: the full Jacobian of every target, one backward per output element, as the
@@ -202,10 +203,27 @@ def head_relevance(
     return TargetRelevance(index, logits, tokens, relevance)
 
 
+_BUDGET = 1 << 25  # numbers in the widest batched gradient of one vmapped backward
+_ONE_THREAD_BUDGET = 1 << 22  # on a CPU with one torch thread (16 MB of float32)
+
+
 def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor]) -> int:
-    """Steps per batched backward so that one batched gradient stays near 2^25 numbers per tensor."""
+    """Steps per batched backward: the widest batched gradient (an FFN activation, ~4x the
+    widest head tensor, times the number of steps) is kept near 2^22 numbers on a CPU running
+    one torch thread, and near 2^25 otherwise.
+
+    Every step costs one backward's arithmetic whatever the strategy, so batching steps only
+    saves per-call costs. On one CPU thread there are few, and gradients many steps wide cost
+    more than they save: each is a fresh allocation above glibc's mmap threshold, page-faulted
+    on every call, that falls out of the caches (one 20-step call at batch 32 took 1.07-1.3x
+    the CPU time of calls of 1 to 6 steps). With several threads every operation of a call
+    also synchronises them, which is costly when the cores are shared, and there one call for
+    all steps was 1.6x faster than two calls (docs/benchmarks.md, head importance).
+    """
     widest = max((t.numel() for t in tensors), default=1) * 4  # FFN activations are ~4x wider
-    return int(max(1, min(y.shape[1], (1 << 25) // max(1, widest))))
+    one_thread = y.device.type == "cpu" and torch.get_num_threads() == 1
+    budget = _ONE_THREAD_BUDGET if one_thread else _BUDGET
+    return int(max(1, min(y.shape[1], budget // max(1, widest))))
 
 
 def compute_lrp(

@@ -195,6 +195,8 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
     for name, options in methods.items():
         options = dict(options)
         method = options.pop("method", name)
+        # A costly method (fine-tuning) may run at fewer head counts than the others.
+        method_keeps = [int(k) for k in options.pop("keeps", keeps)]
         argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
                 "--valid-src", test_src, "--valid-tgt", test_tgt]
         if method in ("confidence", "lrp", "gradient", "gradient_raw"):
@@ -204,7 +206,7 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
             argv += ["--method", "scores", "--scores", _p(ctx, scores)]
         else:
             argv += ["--method", method]
-        argv += ["--keeps", ",".join(map(str, keeps))]
+        argv += ["--keeps", ",".join(map(str, method_keeps))]
         argv += flags({**cfg.get("options", {}), **options}) + _threads(ctx)
         argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", f"base-{name}"))]
         commands.append(argv)
