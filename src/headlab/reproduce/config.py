@@ -45,6 +45,11 @@ class ModelEntry:
     checkpoints: str | None = None  # directory holding epoch-NNN checkpoint directories
     checkpoint_pattern: str = "epoch-*"
     tokenizer: str | None = None  # tokenizer of the checkpoints (they are saved without one)
+    # Per-model overrides, for a model given less compute than the others:
+    # {"enc": {"keeps": [...], "lams": [...]}, "all": {...}} replaces those entries of prune.<sweep>;
+    # {"keeps": [...], "methods": ["random", ...]} narrows the baselines.
+    prune: dict = field(default_factory=dict)
+    baselines: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -140,6 +140,7 @@ def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
     spec = ctx.config.prune.get(sweep)
     if not spec:
         raise NotReady(f"the config has no prune.{sweep} sweep")
+    spec = {**spec, **ctx.model.prune.get(sweep, {})}
     model = _require_model(ctx)
     train_src, train_tgt = _data(ctx, "train")
     test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
@@ -171,7 +172,7 @@ def finished_points(directory: Path) -> dict[str, dict]:
 
 
 def baseline_keeps(ctx: Context) -> list[int]:
-    keeps = set(int(k) for k in ctx.config.baselines.get("keeps", []))
+    keeps = set(int(k) for k in ctx.model.baselines.get("keeps", ctx.config.baselines.get("keeps", [])))
     if ctx.config.baselines.get("add_sweep_counts", False):
         for result in finished_points(_points_dir(ctx, "enc")).values():
             kept = result.get("heads_kept", {}).get("enc_self")
@@ -183,6 +184,8 @@ def baseline_keeps(ctx: Context) -> list[int]:
 def baselines_commands(ctx: Context) -> list[list[str]]:
     cfg = ctx.config.baselines
     methods = cfg.get("methods", {})
+    if "methods" in ctx.model.baselines:
+        methods = {name: methods[name] for name in ctx.model.baselines["methods"] if name in methods}
     if not methods:
         raise NotReady("the config lists no baseline methods")
     model = _require_model(ctx)
