@@ -1,0 +1,39 @@
+"""Evaluate a bundled translation model and write its eval_results.json (run once after export).
+
+    .venv/bin/python experiments/evaluate_model.py models/multi30k-en-fr --tgt fr
+
+test_2016_flickr and val, beam 4 and greedy, one CPU thread; every figure keeps its command.
+"""
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("model")
+parser.add_argument("--src", default="en")
+parser.add_argument("--tgt", required=True)
+args = parser.parse_args()
+
+runs = []
+for split in ("test_2016_flickr", "val"):
+    for beam in (4, 1):
+        command = (f"headlab nmt evaluate --model {args.model} --src data/multi30k/{split}.{args.src}.gz "
+                   f"--ref data/multi30k/{split}.{args.tgt}.gz --beam {beam} --threads 1")
+        start = time.time()
+        out = subprocess.run([str(ROOT / ".venv/bin/headlab")] + command.split()[1:] + ["--json"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        scores = json.loads(out)
+        scores.update(split=split, command=command)
+        runs.append(scores)
+        print(f"{split} beam {beam}: BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} ({scores['seconds']:.0f} s)",
+              flush=True)
+headline = next(r for r in runs if r["split"] == "test_2016_flickr" and r["beam"] == 4)
+results = {"headline": {k: headline[k] for k in ("command", "bleu", "chrf", "bleu_signature", "chrf_signature")},
+           "runs": runs}
+(ROOT / args.model / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+print(json.dumps(results["headline"], indent=2))
