@@ -33,6 +33,12 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` so that a reader sees the old file or the new one, never half of one."""
     path = Path(path)
@@ -43,6 +49,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

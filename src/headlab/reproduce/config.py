@@ -106,7 +106,7 @@ class ReproduceConfig:
 
 _TOP_KEYS = {"models", "data", "work_dir", "results_dir", "doc", "img_dir", "threads", "importance", "functions",
              "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
-_MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern", "tokenizer", "comment"}
+_MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern", "tokenizer", "comment", "prune", "baselines"}
 
 
 def load_config(path: str | os.PathLike, root: str | os.PathLike | None = None) -> ReproduceConfig:
