@@ -92,6 +92,18 @@ class Page:
         self.page.close()
 
 
+def _wait_until(page, expression: str, timeout: float = 15.0) -> None:
+    """Poll ``expression`` until it is true. Not ``page.wait_for_function``: its polling evaluates
+    a string inside the page, which the report's Content-Security-Policy (rightly) forbids, so it
+    fails whenever the condition is not already true on the first try. ``page.evaluate`` runs
+    through the DevTools protocol, outside the page's CSP."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout} s: {expression}")
+        time.sleep(0.05)
+
+
 def _artifact(page, tmp_path: Path, name: str, **options) -> Path:
     path = tmp_path / name
     page.screenshot(path=str(path), **options)
@@ -145,7 +157,7 @@ def test_injected_markup_in_the_corpus_is_shown_not_run(browser_context, report)
         page = p.page
         for sentence in (SCRIPT_SENTENCE, IMG_SENTENCE):
             page.select_option("#v-sentence", str(SOURCES.index(sentence)))
-            page.wait_for_function(f"document.querySelector('#viewer').dataset.sentence === '{SOURCES.index(sentence)}'")
+            _wait_until(page, f"document.querySelector('#viewer').dataset.sentence === '{SOURCES.index(sentence)}'")
             assert page.locator("#v-source").text_content() == sentence
             assert page.locator("#v-source script, #v-source img, #v-left img, #v-left script").count() == 0
         page.select_option("#v-sentence", str(SOURCES.index(SCRIPT_SENTENCE)))
@@ -163,7 +175,7 @@ def test_a_200_token_sentence_stays_usable(browser_context, report, tmp_path):
         slot = str(len(SOURCES))
         start = time.perf_counter()
         page.select_option("#v-sentence", slot)
-        page.wait_for_function(f"document.querySelector('#viewer').dataset.sentence === '{slot}'")
+        _wait_until(page, f"document.querySelector('#viewer').dataset.sentence === '{slot}'")
         assert page.locator("#v-left span").count() == 200
         lines_s = time.perf_counter() - start
         page.locator("#v-left span").nth(100).hover()
@@ -190,7 +202,7 @@ def test_attention_loaded_from_script_files(browser_context, report, tmp_path):
         page = p.page
         assert page.locator("#v-left span").count() == 7
         page.select_option("#v-sentence", "3")
-        page.wait_for_function("document.querySelector('#v-left').childElementCount === 8")
+        _wait_until(page, "document.querySelector('#v-left').childElementCount === 8")
         assert page.locator("#v-source").text_content() == SOURCES[3]
         assert p.errors == []
 
