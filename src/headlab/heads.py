@@ -33,6 +33,17 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def read_json(path: str | os.PathLike, what: str):
+    """Parse a JSON file; a missing file or bad JSON is a HeadlabError naming the file (and line)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise HeadlabError(f"{path}: no such {what}") from error
+    except json.JSONDecodeError as error:
+        raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -169,14 +180,7 @@ class HeadScores:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "HeadScores":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as error:
-            raise HeadlabError(f"{path}: no such HeadScores file") from error
-        except json.JSONDecodeError as error:
-            raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
-        return cls.from_json(data, str(path))
+        return cls.from_json(read_json(path, "HeadScores file"), str(path))
 
     def save_csv(self, path: str | os.PathLike) -> Path:
         """One row per head: kind, layer, head, score (empty when not scored)."""

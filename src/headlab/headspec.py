@@ -13,13 +13,12 @@ around either form is accepted too.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from headlab.adapters import AttentionBlock, find_block
 from headlab.errors import HeadlabError
-from headlab.heads import check_kind
+from headlab.heads import check_kind, read_json
 
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+):(?P<layer>\d+):(?P<heads>\*|[\d,\-]+)$")
 
@@ -57,12 +56,7 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
 
 def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise HeadlabError(f"{path}: no such mask file") from error
-    except json.JSONDecodeError as error:
-        raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    data = read_json(path, "mask file")
     if isinstance(data, dict) and "scores" in data:
         data = data["scores"]
     if not isinstance(data, dict):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 from headlab.functions.syntactic import direction_label
-from headlab.heads import atomic_write_text
+from headlab.heads import atomic_write_text, read_json
 
 __all__ = ["head_labels", "save_labels", "load_labels", "label_key", "FUNCTION_GROUPS", "label_group"]
 
@@ -85,12 +85,7 @@ def save_labels(labels: dict[str, list[str]], path: str | Path) -> Path:
 
 def load_labels(path: str | Path) -> dict[str, list[str]]:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise HeadlabError(f"{path}: no labels file") from error
-    except json.JSONDecodeError as error:
-        raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    data = read_json(path, "labels file")
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
         raise HeadlabError(f"{path}: expected {{\"kind:layer:head\": [label, ...]}}")
     return data

@@ -12,12 +12,12 @@ they are passed unchanged to ``headlab prune sweep`` / ``headlab prune baseline`
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.errors import HeadlabError
+from headlab.heads import read_json
 
 __all__ = ["ModelEntry", "ReproduceConfig", "load_config", "flags"]
 
@@ -112,12 +112,7 @@ _MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern"
 def load_config(path: str | os.PathLike, root: str | os.PathLike | None = None) -> ReproduceConfig:
     """Read and check a reproduction config; errors name the file and the entry."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise HeadlabError(f"{path}: no such config file") from error
-    except json.JSONDecodeError as error:
-        raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    raw = read_json(path, "config file")
     if not isinstance(raw, dict):
         raise HeadlabError(f"{path}: the config must be a JSON object")
     unknown = set(raw) - _TOP_KEYS
