@@ -16,6 +16,7 @@ from headlab.errors import HeadlabError
 COMMAND_MODULES = (
     "headlab.commands",
     "headlab.nmt.cli",
+    "headlab.lm.cli",
     "headlab.importance.cli",
     "headlab.functions.cli",
     "headlab.pruning.cli",

@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                    help="bf16 autocast (about 1.7x faster on CPUs with AVX512-BF16/AMX; weights stay fp32)")
     p.add_argument("--clip-norm", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--epochs", type=int, default=12, help="maximum number of epochs")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many epochs without a validation BLEU gain of --min-improvement (0: off)")
+    p.add_argument("--min-improvement", type=float, default=0.0, help="smallest BLEU gain that counts as progress")
     p.add_argument("--max-steps", type=int, help="stop after this many updates")
     p.add_argument("--max-time", type=float, help="stop (with a resumable checkpoint) after this many minutes")
     p.add_argument("--save-every", type=int, help="also write a resume checkpoint every N steps")
@@ -137,6 +140,7 @@ def _train(args) -> int:
         train=TrainConfig(out_dir=args.out, max_tokens=args.max_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
                           label_smoothing=args.label_smoothing,
                           mixed_precision=args.mixed_precision, clip_norm=args.clip_norm, max_epochs=args.epochs,
+                          patience=args.patience, min_improvement=args.min_improvement,
                           max_steps=args.max_steps, max_time_minutes=args.max_time, save_every_steps=args.save_every,
                           valid_beam=args.valid_beam, average_last=args.average_last, seed=args.seed,
                           resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress),

@@ -3,7 +3,9 @@
 BPE over a Metaspace pre-tokenizer (SentencePiece-style "▁" word boundaries), so that
 ``encoding.word_ids()`` maps each subword back to its whitespace word and ``decode`` gives
 detokenized text. ``</s>`` is appended to every sequence (source and target) by the
-post-processor; ``<pad>`` doubles as Marian's decoder start token.
+post-processor; ``<pad>`` doubles as Marian's decoder start token. A language model's
+vocabulary (``bos=True``) also opens every sequence with ``<s>``, so that the first word has a
+token before it to predict from and to attend to.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from headlab.errors import HeadlabError
 
 __all__ = ["PAD", "EOS", "UNK", "train_tokenizer", "load_tokenizer"]
 
-PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
-SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2
+PAD, EOS, UNK, BOS = "<pad>", "</s>", "<unk>", "<s>"
+SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2 (and BOS 3 with bos=True)
 
 
 def train_tokenizer(
@@ -28,6 +30,8 @@ def train_tokenizer(
     *,
     min_frequency: int = 2,
     save_dir: str | Path | None = None,
+    bos: bool = False,
+    model_max_length: int = 256,
 ) -> PreTrainedTokenizerFast:
     """Train a joint BPE vocabulary on ``texts`` (give it source and target sentences).
 
@@ -43,20 +47,27 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + ([BOS] if bos else []),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     eos_id = tok.token_to_id(EOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}", special_tokens=[(EOS, eos_id)]
-    )
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A {EOS}", pair=f"{BOS} $A {EOS} $B {EOS}",
+            special_tokens=[(BOS, tok.token_to_id(BOS)), (EOS, eos_id)],
+        )
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}", special_tokens=[(EOS, eos_id)]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         eos_token=EOS,
         unk_token=UNK,
-        model_max_length=256,
+        model_max_length=model_max_length,
+        **({"bos_token": BOS} if bos else {}),
     )
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)

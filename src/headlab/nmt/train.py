@@ -85,6 +85,10 @@ class TrainConfig:
     valid_beam: int = 1  # greedy validation is ~4x faster than beam 4 and ranks epochs alike
     valid_batch_size: int = 100
     average_last: int = 0  # average the last N epoch checkpoints at the end (0: off)
+    # Early stopping: stop ("converged") once `patience` epochs in a row have not raised the
+    # validation score by at least `min_improvement` over the best so far (0: off).
+    patience: int = 0
+    min_improvement: float = 0.0
     keep_epoch_checkpoints: bool = True
     seed: int = 1
     resume: bool = False
@@ -102,7 +106,7 @@ class TrainResult:
     best_score: float | None
     best_epoch: int | None
     history: list[dict]
-    stopped: str  # "finished", "max_steps", "max_time", "diverged"
+    stopped: str  # "finished", "converged", "max_steps", "max_time", "diverged"
     out_dir: str
     message: str = ""
     averaged_score: float | None = None
@@ -372,6 +376,12 @@ def _default_validate(model, tokenizer, valid, config: TrainConfig) -> dict:
     return {"score": scores.bleu, "bleu": scores.bleu, "chrf": scores.chrf, "beam": config.valid_beam}
 
 
+def _epochs_without_improvement(state: dict) -> int:
+    """Epochs validated since the last one that raised the best score by ``min_improvement``."""
+    improved = state.get("improved_epoch")
+    return 0 if improved is None else state["epoch"] - improved
+
+
 def train(
     model,
     tokenizer,
@@ -380,6 +390,7 @@ def train(
     config: TrainConfig | None = None,
     *,
     compute_loss: Callable[[Any, dict, TrainConfig], tuple[torch.Tensor, int]] = label_smoothed_loss,
+    collate_fn: Callable[[EncodedCorpus, Sequence[int]], dict] | None = None,
     extra_loss: Callable[[Any, dict, int], torch.Tensor] | None = None,
     trainable: Callable[[str, torch.nn.Parameter], bool] | Collection[str] | None = None,
     callback: Callable[[Any, int, dict], None] | None = None,
@@ -395,7 +406,8 @@ def train(
     ``valid_data`` a ParallelCorpus (raw references for BLEU) or None. Runs unchanged under
     ``accelerate launch`` / ``torchrun``: each rank gets its own share of the batches.
 
-    Hooks (see the module docstring): ``compute_loss``, ``extra_loss``, ``trainable``,
+    Hooks (see the module docstring): ``compute_loss``, ``collate_fn(corpus, indices) -> batch``
+    (default: :func:`collate` for a seq2seq model), ``extra_loss``, ``trainable``,
     ``callback``/``callback_every``, ``validate_fn(model, tokenizer, valid_data, config) ->
     {"score": higher-is-better, ...}`` and ``optimizer_factory(params, config)``. Models are
     passed to hooks unwrapped (not the DDP wrapper).
@@ -431,9 +443,11 @@ def train(
         train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
         if train_data.n_truncated:
             log(f"{train_data.n_truncated} training sequences cut to the model's {model.config.max_position_embeddings} positions")
-    pad_id = tokenizer.pad_token_id
-    decoder_start_id = getattr(model.config, "decoder_start_token_id", None)
-    decoder_start_id = pad_id if decoder_start_id is None else decoder_start_id
+    if collate_fn is None:
+        pad_id = tokenizer.pad_token_id
+        decoder_start_id = getattr(model.config, "decoder_start_token_id", None)
+        decoder_start_id = pad_id if decoder_start_id is None else decoder_start_id
+        collate_fn = lambda corpus, indices: collate(corpus, indices, pad_id, decoder_start_id)  # noqa: E731
 
     params = _select_trainable(model, trainable)
     if optimizer_factory is not None:
@@ -444,7 +458,7 @@ def train(
         )
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
-             "history": [], "tokens": 0, "world_size": world_size, "elapsed_s": 0.0}
+             "improved_epoch": None, "history": [], "tokens": 0, "world_size": world_size, "elapsed_s": 0.0}
     if resume_from is not None:
         saved = json.loads((resume_from / STATE_FILE).read_text())
         if saved.get("world_size", 1) != world_size:
@@ -508,6 +522,11 @@ def train(
     ema_loss = None
     interactive = sys.stderr.isatty()
 
+    def patience_spent() -> bool:
+        return config.patience > 0 and _epochs_without_improvement(state) >= config.patience
+
+    if patience_spent():
+        stopped = "converged"
     while state["epoch"] < config.max_epochs and stopped == "finished":
         epoch = state["epoch"]
         batches = make_batches(train_data, config.max_tokens, seed=config.seed, epoch=epoch, rank=rank, world_size=world_size)
@@ -521,7 +540,7 @@ def train(
         )
         while state["batch_in_epoch"] < len(batches):
             indices = batches[state["batch_in_epoch"]]
-            batch = collate(train_data, indices, pad_id, decoder_start_id)
+            batch = collate_fn(train_data, indices)
             batch = {key: value.to(accelerator.device) for key, value in batch.items()}
             step = state["step"] + 1
             lr = inverse_sqrt_lr(step, config.lr, config.warmup_steps, config.schedule)
@@ -596,6 +615,8 @@ def train(
                 record.update({f"valid_{k}": v for k, v in metrics.items()})
                 record["valid_minutes"] = (time.time() - valid_start) / 60
                 score = metrics["score"]
+                if state["best_score"] is None or score >= state["best_score"] + config.min_improvement:
+                    state["improved_epoch"] = epoch + 1
                 if state["best_score"] is None or score > state["best_score"]:
                     state["best_score"], state["best_epoch"] = score, epoch + 1
 
@@ -605,6 +626,11 @@ def train(
                         (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
                     _atomic_dir(out_dir / "best", write_best)
         accelerator.wait_for_everyone()
+        if world_size > 1:  # only the main rank validates; every rank must agree on stopping
+            from accelerate.utils import broadcast_object_list
+
+            shared = [state["improved_epoch"], state["best_score"], state["best_epoch"]]
+            state["improved_epoch"], state["best_score"], state["best_epoch"] = broadcast_object_list(shared)
         state["history"].append(record)
         state["epoch"] = epoch + 1
         state["batch_in_epoch"] = 0
@@ -616,11 +642,15 @@ def train(
             if "valid_score" in record:
                 if "valid_bleu" in record:
                     valid_text = f", valid BLEU {record['valid_bleu']:.2f} (beam {record.get('valid_beam', '?')})"
+                elif "valid_perplexity" in record:
+                    valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {record['valid_perplexity']:.2f})"
                 else:
                     valid_text = f", valid score {record['valid_score']:.4g}"
                 valid_text += f", best {state['best_score']:.4g} at epoch {state['best_epoch']}"
             log(f"epoch {epoch + 1}: step {state['step']}, train loss {record['train_loss']:.3f}, "
                 f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
+        if patience_spent():
+            stopped = "converged"
 
     if stopped == "diverged":
         last = _resume_dir(out_dir)
@@ -632,9 +662,13 @@ def train(
         log(message)
     elif stopped == "max_steps":
         message = f"stopped at max_steps={config.max_steps}"
+    elif stopped == "converged":
+        message = (f"converged: {config.patience} epochs without a validation gain of {config.min_improvement} "
+                   f"(best {state['best_score']:.4g} at epoch {state['best_epoch']}, {state['epoch']} epochs)")
+        log(message)
 
     averaged_score = None
-    if config.average_last and stopped == "finished" and config.keep_epoch_checkpoints:
+    if config.average_last and stopped in ("finished", "converged") and config.keep_epoch_checkpoints:
         averaged_score = _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_dir,
                                                validate_fn, accelerator, log)
     accelerator.wait_for_everyone()

@@ -1,0 +1,119 @@
+"""Training a language model end to end: read text, train a vocabulary, build, train.
+
+The loop is the translation trainer's (:func:`headlab.nmt.train.train`: Accelerate, bf16
+autocast, token-based batches, atomic checkpoints, resume, time limit, early stopping); this
+module supplies what differs for a decoder-only model: the batches (next-token inputs and
+labels), the loss, and validation by perplexity. The validation score is the negated mean loss
+(higher is better), so the trainer's best checkpoint and patience rule work unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from headlab.errors import HeadlabError
+from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
+from headlab.lm.model import LMConfig, build_lm_config, create_lm
+from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
+from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, has_model, make_batches, train
+
+__all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
+
+
+@dataclass
+class LMRecipe:
+    train_files: list[str]
+    valid_files: list[str] = field(default_factory=list)
+    tokenizer: str | None = None  # a saved tokenizer; None trains one on the training text
+    vocab_size: int = 8000
+    model: LMConfig = field(default_factory=LMConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(label_smoothing=0.0, patience=2,
+                                                                   min_improvement=0.01, max_epochs=100))
+
+
+def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy (label-smoothed by ``config.label_smoothing``) and the
+    number of predicted tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"]  # [batch, len]
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                               ignore_index=-100, label_smoothing=config.label_smoothing, reduction="sum")
+    return loss_sum, int((labels != -100).sum())
+
+
+@torch.no_grad()
+def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096) -> dict:
+    """Mean next-token loss (nats per subword, ``</s>`` included, ``<s>`` never predicted) and
+    its exponential, over every sentence of ``corpus``; the model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    loss_sum, n_tokens = 0.0, 0
+    device = next(model.parameters()).device
+    plain = TrainConfig(label_smoothing=0.0)
+    try:
+        for indices in make_batches(corpus, max_tokens, seed=0, epoch=0):
+            batch = {k: v.to(device) for k, v in collate_lm(corpus, indices, pad_id).items()}
+            batch_loss, batch_tokens = causal_lm_loss(model, batch, plain)
+            loss_sum += batch_loss.item()
+            n_tokens += batch_tokens
+    finally:
+        model.train(was_training)
+    loss = loss_sum / max(n_tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}
+
+
+def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
+    """Train a language model as ``headlab lm train`` does; ``hooks`` go to the trainer."""
+    from accelerate import Accelerator
+
+    accelerator = accelerator or Accelerator()
+    log = accelerator.print
+    out_dir = Path(recipe.train.out_dir)
+    config = recipe.train
+    if has_model(out_dir) and not (config.overwrite or config.resume):
+        raise HeadlabError(f"{out_dir} already holds a model or a training run; pass --overwrite to replace it "
+                           "or --resume to continue it")
+    text = read_text_corpus(recipe.train_files)
+    log(f"training text: {text.summary()}")
+    valid_text = read_text_corpus(recipe.valid_files) if recipe.valid_files else None
+    if valid_text is not None:
+        log(f"validation text: {valid_text.summary()}")
+
+    saved_tokenizer = out_dir / "tokenizer"
+    if recipe.tokenizer:
+        tokenizer = load_tokenizer(recipe.tokenizer)
+    elif config.resume and (saved_tokenizer / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(saved_tokenizer)
+    else:
+        tokenizer = train_tokenizer(text.sentences, recipe.vocab_size, bos=True,
+                                    model_max_length=recipe.model.max_positions)
+        log(f"trained a BPE vocabulary of {len(tokenizer)} subwords")
+    if tokenizer.bos_token_id is None:
+        raise HeadlabError("the tokenizer has no BOS token; a language model's tokenizer must open each "
+                           "sentence with one (train one with headlab lm train, without --tokenizer)")
+    model = create_lm(build_lm_config(recipe.model, tokenizer), seed=config.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    train_data = encode_lm_corpus(tokenizer, text.sentences, recipe.model.max_positions)
+    n_tokens = sum(len(ids) - 1 for ids in train_data.targets)
+    log(f"model: {type(model).__name__}, d_model {recipe.model.d_model}, FFN {recipe.model.ffn_dim}, "
+        f"{recipe.model.layers} layers x {recipe.model.n_heads} heads, {n_params / 1e6:.1f}M parameters; "
+        f"{n_tokens:,} training tokens per epoch"
+        + (f" ({train_data.n_truncated} sentences cut to {recipe.model.max_positions} tokens)"
+           if train_data.n_truncated else ""))
+    valid_data = None
+    if valid_text is not None:
+        valid_data = encode_lm_corpus(tokenizer, valid_text.sentences, recipe.model.max_positions)
+    pad_id = tokenizer.pad_token_id
+
+    def validate(raw_model, _tokenizer, valid, train_config) -> dict:
+        result = perplexity(raw_model, valid, pad_id, max_tokens=train_config.max_tokens)
+        return {"score": -result["loss"], **result}
+
+    return train(model, tokenizer, train_data, valid_data, config, accelerator=accelerator,
+                 compute_loss=causal_lm_loss, collate_fn=lambda corpus, indices: collate_lm(corpus, indices, pad_id),
+                 validate_fn=validate, **hooks)

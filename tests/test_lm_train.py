@@ -1,0 +1,169 @@
+"""`headlab lm train`: a tiny Llama / GPT-2 on a few hundred Multi30k sentences.
+
+What must hold (issue 12): a resumed run ends with the weights of an uninterrupted one, a run
+stopped mid-epoch loses nothing before its last checkpoint, early stopping follows its rule,
+and bad text (empty, blank, non-UTF-8, a directory) is a clear error naming the file.
+"""
+
+import gzip
+import json
+import math
+
+import pytest
+import torch
+
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
+from headlab.lm.model import LMConfig, build_lm_config, create_lm
+from headlab.lm.train import LMRecipe, perplexity, run_lm_recipe
+from headlab.nmt.tokenizer import train_tokenizer
+from headlab.nmt.train import TrainConfig
+from tiny_nmt import DATA, one_thread  # noqa: F401 (one_thread: fixture)
+
+TRAIN = DATA / "val.en.gz"  # 1,014 sentences, in the repository
+
+
+def tiny_recipe(out, arch="llama", **train_options):
+    options = dict(out_dir=str(out), max_tokens=600, lr=3e-3, warmup_steps=5, max_epochs=1, progress=False,
+                   seed=3, label_smoothing=0.0)
+    options.update(train_options)
+    return LMRecipe(train_files=[str(TRAIN)], valid_files=[str(DATA / "test_2016_flickr.en.gz")],
+                    vocab_size=300, model=LMConfig(arch=arch, d_model=32, ffn_dim=64, layers=2, n_heads=4,
+                                                   max_positions=64),
+                    train=TrainConfig(**options))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(read_text_corpus([TRAIN]).sentences[:300], 300, bos=True)
+
+
+def test_sentences_open_with_bos_and_batches_shift_by_one(tokenizer):
+    corpus = encode_lm_corpus(tokenizer, ["a dog runs .", "two men"], max_positions=64)
+    assert all(ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id for ids in corpus.targets)
+    batch = collate_lm(corpus, [0, 1], tokenizer.pad_token_id)
+    first, second = corpus.targets
+    assert batch["input_ids"][0].tolist() == first[:-1]
+    assert batch["labels"][0].tolist() == first[1:]
+    n = len(second) - 1
+    assert batch["labels"][1, :n].tolist() == second[1:] and (batch["labels"][1, n:] == -100).all()
+    assert batch["attention_mask"][1].sum() == n
+
+
+def test_long_sentences_are_cut_keeping_eos_and_counted(tokenizer):
+    corpus = encode_lm_corpus(tokenizer, ["word " * 100], max_positions=16)
+    assert len(corpus.targets[0]) == 17 and corpus.targets[0][-1] == tokenizer.eos_token_id
+    assert corpus.n_truncated == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_training_lowers_validation_perplexity(tmp_path, arch):
+    result = run_lm_recipe(tiny_recipe(tmp_path / "run", arch=arch, max_epochs=2))
+    first, second = result.history
+    assert second["valid_perplexity"] < first["valid_perplexity"]
+    assert math.isclose(first["valid_score"], -first["valid_loss"])
+    assert (tmp_path / "run" / "best" / "model.safetensors").is_file()
+
+
+def test_perplexity_is_the_exponential_of_the_mean_token_loss(tokenizer):
+    model = create_lm(build_lm_config(LMConfig(d_model=32, ffn_dim=64, layers=2, n_heads=4), tokenizer), seed=0)
+    sentences = ["a dog runs .", "two men are walking on the street .", "hi"]
+    corpus = encode_lm_corpus(tokenizer, sentences, 64)
+    result = perplexity(model, corpus, tokenizer.pad_token_id, max_tokens=8)  # several batches
+    assert model.training  # restored after scoring
+    model.eval()  # the reference below must not drop attention either
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in corpus.targets:  # one sentence at a time, no padding
+            logits = model(torch.tensor([ids[:-1]])).logits[0]
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+            count += len(ids) - 1
+    assert result["tokens"] == count
+    assert result["loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path):
+    full = tmp_path / "full"
+    run_lm_recipe(tiny_recipe(full, max_epochs=2, max_steps=9, validate=False))
+    cut = tmp_path / "cut"
+    stopped = run_lm_recipe(tiny_recipe(cut, max_epochs=2, max_steps=5, validate=False))
+    assert stopped.stopped == "max_steps"
+    state = json.loads((cut / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 5  # a kill after this loses nothing before step 5
+    resumed = run_lm_recipe(tiny_recipe(cut, max_epochs=2, max_steps=9, validate=False, resume=True))
+    assert resumed.step == 9
+    from safetensors.torch import load_file
+
+    reference, continued = load_file(str(full / "last" / "model.safetensors")), load_file(str(cut / "last" / "model.safetensors"))
+    for key, value in reference.items():
+        assert torch.allclose(continued[key], value, atol=1e-6), key
+
+
+def test_patience_stops_a_run_whose_validation_loss_stalls(tmp_path):
+    # A learning rate of 0 leaves the loss where it is: no epoch improves on the first.
+    result = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=10, lr=0.0, patience=2, min_improvement=0.01))
+    assert result.stopped == "converged"
+    assert result.epoch == 3 and result.best_epoch == 1
+    # Resuming a converged run trains no further.
+    again = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=10, lr=0.0, patience=2, min_improvement=0.01,
+                                      resume=True))
+    assert again.stopped == "converged" and again.step == result.step
+
+
+def write_gz(path, data: bytes):
+    with gzip.open(path, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("empty.txt", b"", "holds no sentence"),
+    ("blank.txt", b"\n  \n\n", "holds no sentence"),
+    ("latin1.txt", b"fine line\nbad \xe9 line\n", "line 2"),
+])
+def test_bad_text_is_an_error_naming_the_file(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(HeadlabError, match=expected) as error:
+        read_text_corpus([TRAIN, path])
+    assert name in str(error.value)
+
+
+def test_truncated_gzip_and_directories_are_errors(tmp_path):
+    whole = write_gz(tmp_path / "whole.gz", b"a sentence .\n" * 2000)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(whole.read_bytes()[:-30])
+    with pytest.raises(HeadlabError, match="cut.gz"):
+        read_text_corpus([cut])
+    with pytest.raises(HeadlabError, match="is a directory"):
+        read_text_corpus([tmp_path])
+
+
+def test_treebank_text_keeps_its_own_spacing(tmp_path):
+    path = tmp_path / "t.conllu"
+    path.write_text("# text = Hi, you.\n1\tHi\thi\tINTJ\t_\t_\t0\troot\t_\tSpaceAfter=No\n"
+                    "2\t,\t,\tPUNCT\t_\t_\t1\tpunct\t_\t_\n3\tyou\tyou\tPRON\t_\t_\t1\tvocative\t_\tSpaceAfter=No\n"
+                    "4\t.\t.\tPUNCT\t_\t_\t1\tpunct\t_\t_\n\n", encoding="utf-8")
+    assert read_text_corpus([path]).sentences == ["Hi, you."]
+
+
+def test_cli_trains_evaluates_and_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["lm", "train", "--train", str(TRAIN), "--valid", str(DATA / "test_2016_flickr.en.gz"), "--out", str(out),
+            "--vocab-size", "300", "--d-model", "32", "--ffn", "64", "--layers", "2", "--heads", "4",
+            "--max-positions", "64", "--max-tokens", "600", "--epochs", "1", "--no-progress"]
+    assert main(args) == 0
+    assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["lm", "evaluate", "--model", str(out / "best"), "--text", str(DATA / "test_2016_flickr.en.gz"),
+                 "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    history = json.loads((out / "history.json").read_text())
+    assert scored["perplexity"] == pytest.approx(history[-1]["valid_perplexity"], rel=1e-4)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["lm", "train", "--train", str(empty), "--out", str(tmp_path / "other"), "--patience", "0"]) == 2
+    assert "empty.txt" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    assert main(["lm", "train", "--train", str(TRAIN), "--out", str(tmp_path / "other")]) == 2
+    assert "--valid" in capsys.readouterr().err
