@@ -167,3 +167,14 @@ def test_cli_trains_evaluates_and_refuses_bad_input(tmp_path, capsys):
     assert "empty.txt" in capsys.readouterr().err and not (tmp_path / "other").exists()
     assert main(["lm", "train", "--train", str(TRAIN), "--out", str(tmp_path / "other")]) == 2
     assert "--valid" in capsys.readouterr().err
+
+
+def test_export_writes_fp16_that_plain_transformers_loads(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=1))
+    assert main(["lm", "export", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "model")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    assert model.dtype == torch.float16
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    assert tokenizer("a dog")["input_ids"][0] == tokenizer.bos_token_id

@@ -65,6 +65,15 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_evaluate)
 
+    p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", required=True, help="training output directory (--out of lm train)")
+    p.add_argument("--to", required=True, help="model directory to write")
+    p.add_argument("--checkpoint", default="best", help="best, last or epoch-N")
+    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_export)
+
 
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
@@ -122,4 +131,12 @@ def _evaluate(args) -> int:
     else:
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "
               f"{result['tokens']:,} tokens in {len(text):,} sentences)")
+    return 0
+
+
+def _export(args) -> int:
+    from headlab.nmt.export import export_model
+
+    out = export_model(args.run, args.to, which=args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint} of {args.run} to {out} ({args.dtype})")
     return 0

@@ -1,4 +1,8 @@
-"""Export a trained model from a training run into a self-contained model directory."""
+"""Export a trained model from a training run into a self-contained model directory.
+
+Works for any run of headlab's trainer (``headlab nmt train``, ``headlab lm train``): the
+checkpoint's own config names its model class.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,13 @@ from pathlib import Path
 import torch
 
 from headlab.errors import HeadlabError
-from headlab.nmt.model import load_model
+from headlab.loading import load_model as _load_any
 from headlab.nmt.tokenizer import load_tokenizer
+
+
+def load_model(path: str | Path):
+    """A checkpoint of a training run in fp32, whatever its architecture."""
+    return _load_any(str(path), dtype=torch.float32, attn_implementation="sdpa")
 
 __all__ = ["export_model", "checkpoint_dir", "average_last_epochs"]
 
