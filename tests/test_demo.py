@@ -8,6 +8,7 @@ from test_functions_support import SAMPLE_CONLLU
 
 from headlab.cli import main
 from headlab.data import read_parallel
+from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
 
@@ -26,18 +27,28 @@ def test_demo_runs_analyze_with_pruning_and_prints_the_report(tmp_path, capsys):
         (tmp_path / name).write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
         (tmp_path / f"train.{name}").write_text("\n".join(lines[8:]) + "\n", encoding="utf-8")
     (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    lm_tokenizer = train_tokenizer(corpus.sources, vocab_size=300, bos=True)
+    lm = create_lm(build_lm_config(LMConfig(d_model=32, ffn_dim=64, layers=2, n_heads=4, max_positions=64),
+                                   lm_tokenizer), seed=0)
+    lm.save_pretrained(tmp_path / "lm")
+    lm_tokenizer.save_pretrained(tmp_path / "lm")
     out = tmp_path / "demo"
     try:
         code = main(["demo", "--model", str(tmp_path / "model"), "--source", str(tmp_path / "src.en"),
                      "--reference", str(tmp_path / "ref.de"), "--conllu", str(tmp_path / "tb.conllu"),
                      "--train-source", str(tmp_path / "train.src.en"), "--train-target", str(tmp_path / "train.ref.de"),
                      "--n-sentences", "6", "--prune-steps", "2", "--prune-keeps", "4,2", "--no-progress",
-                     "--out", str(out)])
+                     "--out", str(out), "--lm", str(tmp_path / "lm"), "--lm-sentences", "4",
+                     "--lm-out", str(tmp_path / "demo-lm")])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     printed = capsys.readouterr().out
-    assert f"Open the report: {out / 'index.html'}" in printed
+    assert f"Open the report of the translation model: {out / 'index.html'}" in printed
+    assert f"Open the report of the language model: {tmp_path / 'demo-lm' / 'index.html'}" in printed
+    lm_stages = {s["name"]: s for s in json.loads((tmp_path / "demo-lm" / "manifest.json").read_text())["stages"]}
+    assert all(lm_stages[name]["status"] == "done" for name in ("confidence", "lrp", "gradient", "functions",
+                                                                   "aggregate", "report"))
     stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
     assert stages["ablation"]["status"] == "skipped"
     assert all(s["status"] == "done" for name, s in stages.items() if name != "ablation")
@@ -49,3 +60,6 @@ def test_demo_runs_analyze_with_pruning_and_prints_the_report(tmp_path, capsys):
 def test_demo_without_a_model_says_how_to_get_one(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "none")]) == 2
     assert "headlab nmt train" in capsys.readouterr().err
+    bundled = Path(__file__).resolve().parents[1] / "models" / "multi30k-en-de"
+    assert main(["demo", "--model", str(bundled), "--lm", str(tmp_path / "no-lm")]) == 2
+    assert "--no-lm" in capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""`headlab demo`: ``headlab analyze --prune`` on the bundled Multi30k EN-DE model and bundled data.
+"""`headlab demo`: ``headlab analyze`` on the bundled translation model and language model.
 
-It scores every head (confidence, LRP, gradient importance) on 200 test_2016_flickr sentences,
-finds positional, syntactic and rare-token heads and the Vig & Belinkov statistics on 400 UD
-English EWT dev sentences, runs a short gate sweep (head budgets of 24, 12 and 6 of
-the 48 encoder heads, fine-tuned on Multi30k training pairs), draws the figures and writes the
-HTML report; it prints the report's path. Run it again and the finished stages are reused.
+The translation model (Multi30k EN-DE, Voita et al.'s setting): every head scored (confidence,
+LRP, gradient importance) on 200 test_2016_flickr sentences; positional, syntactic and
+rare-token heads and the Vig & Belinkov statistics on 400 UD English EWT dev sentences; a short
+gate sweep (head budgets of 24, 12 and 6 of the 48 encoder heads, fine-tuned on Multi30k
+training pairs). The English language model (Vig & Belinkov's setting): importance on 100
+English test_2016_flickr sentences, functions and statistics on the same 400 EWT sentences.
+Each gets its own report, whose path is printed. Run it again and finished stages are reused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 
 BUNDLED_MODEL = Path("models/multi30k-en-de")
+BUNDLED_LM = Path("models/english-lm")
 TEST_SOURCE = Path("data/multi30k/test_2016_flickr.en.gz")
 TEST_REFERENCE = Path("data/multi30k/test_2016_flickr.de.gz")
 TRAIN_SOURCE = Path("data/multi30k/train.en.gz")
@@ -40,6 +43,10 @@ def register(subparsers) -> None:
     demo.add_argument("--force", action="store_true", help="run every stage again")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.add_argument("--out", default="runs/demo", help="the analysis directory")
+    demo.add_argument("--lm", default=str(BUNDLED_LM), help="language model directory (analysed after the translation model)")
+    demo.add_argument("--lm-sentences", type=int, default=100, help="sentences of --source to score the LM's heads on")
+    demo.add_argument("--lm-out", default="runs/demo-lm", help="the language model's analysis directory")
+    demo.add_argument("--no-lm", action="store_true", help="leave the language model out")
     demo.set_defaults(func=run_demo)
 
 
@@ -58,18 +65,41 @@ def demo_config(args):
     )
 
 
+def lm_demo_config(args):
+    """The language model reads the source side's English (and its training text's frequencies)."""
+    from headlab.analyze.pipeline import AnalyzeConfig
+
+    return AnalyzeConfig(
+        model=args.lm, source=args.source, conllu=args.conllu, out=args.lm_out, train_text=(args.train_source,),
+        limit=args.lm_sentences, conllu_limit=args.treebank_sentences, threads=args.threads,
+        force=args.force, progress=not args.no_progress,
+    )
+
+
 def run_demo(args) -> int:
     from headlab.analyze.cli import print_summary
     from headlab.analyze.pipeline import run_analysis
 
-    model_dir = Path(args.model)
+    model_dir, lm_dir = Path(args.model), Path(args.lm)
     if not (model_dir / "config.json").is_file():
         raise HeadlabError(
             f"{model_dir}: no model there. Train it with the command in docs/nmt.md "
             "(headlab nmt train ...), or pass --model DIR."
         )
-    run = run_analysis(demo_config(args))
-    print_summary(run)
-    if run.report is not None:
-        print(f"\nOpen the report: {run.report}")
-    return 1 if run.failed else 0
+    with_lm = not args.no_lm
+    if with_lm and not (lm_dir / "config.json").is_file() and lm_dir == BUNDLED_LM:
+        print(f"{lm_dir}: no bundled language model in this checkout; analysing the translation model only")
+        with_lm = False
+    if with_lm and not (lm_dir / "config.json").is_file():
+        raise HeadlabError(f"{lm_dir}: no language model there. Train it with the command in its card "
+                           "(headlab lm train ...), pass --lm DIR, or --no-lm to leave it out.")
+    runs = [("translation model", run_analysis(demo_config(args)))]
+    print_summary(runs[0][1])
+    if with_lm:
+        print(f"\nThe language model {lm_dir}:")
+        runs.append(("language model", run_analysis(lm_demo_config(args))))
+        print_summary(runs[1][1])
+    for name, run in runs:
+        if run.report is not None:
+            print(f"\nOpen the report of the {name}: {run.report}")
+    return 1 if any(run.failed for _, run in runs) else 0

@@ -47,7 +47,14 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> nn.Module:
-    """Load ``name_or_path`` in eval mode with its language-model head when it has one."""
+    """Load ``name_or_path`` in eval mode with its language-model head when it has one.
+
+    Weights are widened to fp32 unless ``dtype`` says otherwise: checkpoints stored in fp16
+    (headlab's bundled models) are analysed at full precision, as LRP's conservation and the
+    statistics' 1e-8 agreement need, and CPUs have few fast fp16 kernels.
+    """
+    if dtype is None:
+        dtype = torch.float32
     path = Path(name_or_path)
     if path.is_dir() and (path / PRUNING_FILE).is_file():
         model = load_pruned(path)
