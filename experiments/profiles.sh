@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Analyse every model of experiments/profiles.json, then collect the profiles into
+# docs/results/profiles/ and the "model-profiles" block of docs/functions.md.
+#   experiments/profiles.sh [NAME ...]     (default: every model)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+names=("$@")
+while IFS=$'\t' read -r name command; do
+  if [ ${#names[@]} -gt 0 ] && [[ ! " ${names[*]} " =~ " ${name} " ]]; then continue; fi
+  echo "== $name: $command"
+  .venv/bin/$command --no-progress
+done < <(.venv/bin/python -c 'import json; [print(m["name"], m["command"], sep="\t") for m in json.load(open("experiments/profiles.json"))["models"]]')
+.venv/bin/python experiments/model_profiles.py

@@ -1,0 +1,78 @@
+"""Model profiles (headlab.analyze.profiles) and the block of docs/functions.md built from them."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_functions_support import SAMPLE_CONLLU
+
+from headlab.analyze.profiles import collect_profile, read_block, render_profiles, replace_block
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.lm.model import LMConfig, build_lm_config, create_lm
+from headlab.nmt.tokenizer import train_tokenizer
+from tiny_nmt import one_thread  # noqa: F401 (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def analysis(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile")
+    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
+    tokenizer = train_tokenizer([" ".join(words)] * 3, vocab_size=80, min_frequency=1, bos=True)
+    model = create_lm(build_lm_config(LMConfig(d_model=16, ffn_dim=32, layers=2, n_heads=2, max_positions=64),
+                                      tokenizer), seed=0)
+    model.save_pretrained(root / "lm")
+    tokenizer.save_pretrained(root / "lm")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (root / "text.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
+    out = root / "out"
+    assert main(["analyze", str(root / "lm"), "--source", str(root / "text.txt"), "--conllu", str(root / "tb.conllu"),
+                 "--out", str(out), "--skip", "importance,attention,figures,report", "--no-progress"]) == 0
+    return out
+
+
+def test_profile_holds_the_numbers_of_the_result_files(analysis):
+    profile = collect_profile(analysis, "tiny", "a tiny LM")
+    body = profile["kinds"]["dec_self"]
+    share = np.asarray(json.loads((analysis / "functions/positional/share.json").read_text())["scores"]["dec_self"])
+    assert body["positional"]["word"]["share"] == pytest.approx(np.nanmax(share))
+    layer, head = body["positional"]["word"]["head"]
+    assert share[layer, head] == np.nanmax(share)
+    offsets = json.loads((analysis / "functions/positional/offsets.json").read_text())
+    column = offsets["offsets"].index(-1)
+    previous = max(row[column] / sum(row) for layer in range(2) for row in offsets["counts"][f"dec_self:{layer}"]
+                   if sum(row))
+    assert body["positional"]["previous_word"]["share"] == pytest.approx(previous)
+    distance = np.asarray(json.loads((analysis / "aggregate/mean_distance.json").read_text())["scores"]["dec_self"])
+    assert body["layers"]["mean_distance"] == pytest.approx(distance.mean(axis=1).tolist())
+    table1 = json.loads((analysis / "functions/syntactic/table1.json").read_text())["table"]
+    assert [row["label"] for row in body["syntactic"]] == [row["label"] for row in table1]
+    text = render_profiles([profile])
+    assert "#### tiny" in text and text.count("| dec_self | ") == 2 + len(table1) + 1  # layers + table 1 + overview
+
+
+def test_a_missing_analysis_names_the_file(tmp_path):
+    with pytest.raises(HeadlabError, match="summary.json"):
+        collect_profile(tmp_path, "none")
+
+
+def test_blocks_are_replaced_between_their_markers():
+    document = "a\n<!-- BEGIN generated:x -->\nold\n<!-- END generated:x -->\nb\n"
+    updated = replace_block(document, "x", "new\n")
+    assert updated == "a\n<!-- BEGIN generated:x -->\nnew\n<!-- END generated:x -->\nb\n"
+    assert read_block(updated, "x") == "new\n"
+    with pytest.raises(HeadlabError, match="no block"):
+        replace_block(document, "y", "")
+
+
+def test_docs_functions_md_matches_the_committed_profiles():
+    models = json.loads((REPO / "experiments" / "profiles.json").read_text())["models"]
+    results = REPO / "docs" / "results" / "profiles"
+    profiles = [json.loads((results / f"{m['name']}.json").read_text()) for m in models
+                if (results / f"{m['name']}.json").is_file()]
+    document = (REPO / "docs" / "functions.md").read_text(encoding="utf-8")
+    assert read_block(document, "model-profiles") == render_profiles(profiles), (
+        "docs/functions.md differs from docs/results/profiles/; run experiments/model_profiles.py --docs-only")
