@@ -184,7 +184,7 @@ def test_bad_input_gets_a_clear_error(inputs, tmp_path, capsys):
     assert "no-model: no such directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["analyze", str(tmp_path / "empty"), "--source", str(inputs / "src.en"), "--out", str(tmp_path / "o")]) == 2
-    assert f"model {tmp_path / 'empty'}: Unrecognized model" in capsys.readouterr().err
+    assert f"{tmp_path / 'empty'}: a directory without config.json" in capsys.readouterr().err
     assert main(_args(inputs, tmp_path / "o", "--skip", "lrpp")) == 2
     assert "--skip lrpp: unknown stage" in capsys.readouterr().err
     # --conllu-is-source: sentence i of the treebank must be line i of --source.

@@ -100,7 +100,7 @@ def test_cli_errors_are_clear(tmp_path, model_dir, capsys):
     assert "give --conllu FILE" in capsys.readouterr().err
     assert main(["functions", str(model_dir), "--conllu", str(tmp_path / "none.conllu"),
                  "--out", str(tmp_path / "o"), "--no-progress"]) == 2
-    assert "CoNLL-U file not found" in capsys.readouterr().err
+    assert "none.conllu: no such file" in capsys.readouterr().err
 
 
 def test_decoder_self_attention_with_target_parses(tmp_path, model_dir):

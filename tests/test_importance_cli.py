@@ -105,12 +105,12 @@ def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n\n", encoding="utf-8")
     assert main(["importance", model_dir, "--data", str(empty), "--out", str(tmp_path / "o")]) == 2
-    assert "empty data set" in capsys.readouterr().err
+    assert "empty.txt: the file is empty" in capsys.readouterr().err
     source, target = files
     assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), "--method", "magic"]) == 2
     assert "unknown importance method 'magic'" in capsys.readouterr().err
     assert main(["importance", model_dir, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
-    assert "not found" in capsys.readouterr().err
+    assert "missing.txt: no such file" in capsys.readouterr().err
     long = tmp_path / "long.txt"
     long.write_text(" ".join(SENTENCES) + "\na man\n", encoding="utf-8")
     out = tmp_path / "trunc"

@@ -72,8 +72,9 @@ def test_cli_translate_and_bleu(trained, tmp_path, capsys):
 
 
 def test_cli_errors_are_clean(tmp_path, capsys):
-    assert main(["nmt", "translate", "--model", str(tmp_path), "--input", "x"]) == 2
-    assert "no model" in capsys.readouterr().err
+    (tmp_path / "x").write_text("a sentence\n")
+    assert main(["nmt", "translate", "--model", str(tmp_path), "--input", str(tmp_path / "x")]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
     hyp, ref = tmp_path / "h", tmp_path / "r"
     hyp.write_text("a\nb\n")
     ref.write_text("a\n")

@@ -1,7 +1,12 @@
 """Command-line interface: parse arguments, call the library, print. No logic lives here.
 
 Each feature registers its own subcommands through a ``register(subparsers)`` function in
-its package (``headlab.nmt.cli`` and so on); this module only collects them.
+its package (``headlab.nmt.cli`` and so on); this module only collects them and keeps the
+contract of docs/cli.md: exit 0 done, 1 a failure while running, 2 bad input or usage, 130
+interrupted; a one-line message for the user's errors, a traceback for headlab's own bugs.
+
+A command may say what an interruption keeps with ``set_defaults(interrupted="...")``, a
+format string over its arguments (``{out}``); the default says that nothing was kept.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from headlab.errors import HeadlabError
 
@@ -31,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="headlab",
         description="Which attention heads matter, what they do, and how to prune the rest.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of any error (for reporting a bug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for name in COMMAND_MODULES:
@@ -47,14 +55,42 @@ def main(argv: list[str] | None = None) -> int:
         rewrite = getattr(importlib.import_module(name), "rewrite_argv", None)
         if rewrite is not None:
             argv = rewrite(argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: argparse exits with 2
+    name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "prune_command")
+                    if isinstance(getattr(args, key, None), str))
     try:
         result = args.func(args)
-    except (HeadlabError, ValueError, FileNotFoundError, FileExistsError, KeyError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"headlab {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"headlab {name}: interrupted; {interrupted_note(args)}", file=sys.stderr)
+        return 130
+    except HeadlabError as error:
+        return _fail(args, name, str(error), error.exit_code)
+    except OSError as error:  # the user's paths: unreadable, unwritable, disk full
+        where = f"{error.filename}: " if error.filename else ""
+        return _fail(args, name, f"{where}{error.strerror or error}", 1)
+    except Exception as error:  # noqa: BLE001 - a bug in headlab: show where it is
+        traceback.print_exc()
+        print(f"headlab {name}: internal error ({type(error).__name__}: {error}); this is a bug in headlab, "
+              "the traceback above says where", file=sys.stderr)
+        return 1
     return int(result or 0)
+
+
+def interrupted_note(args) -> str:
+    """What an interrupted command kept, and how to go on: the command's own note, or the default."""
+    note = getattr(args, "interrupted", None)
+    if not note:
+        return "nothing was kept (results are written only when the command finishes); run it again"
+    return note.format(**vars(args))
+
+
+def _fail(args, name: str, message: str, code: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(f"headlab {name}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from headlab import preflight
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
 from headlab.headspec import parse_heads
@@ -70,14 +71,18 @@ def run_prune(args) -> int:
         raise HeadlabError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
+    preflight.output_dir(out)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code)
     spec = parse_heads(args.heads, attention_blocks(model))
+    source = Path(args.model)
+    tokenizer = None
+    if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = load_tokenizer(args.model)  # keep the pruned directory self-contained
     before = count_parameters(model)
     prune_heads(model, spec)
     save_pruned(model, out)
-    source = Path(args.model)
-    if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        load_tokenizer(args.model).save_pretrained(out)  # keep the pruned directory self-contained
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
     print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")

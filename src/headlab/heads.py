@@ -42,6 +42,10 @@ def read_json(path: str | os.PathLike, what: str):
         raise HeadlabError(f"{path}: no such {what}") from error
     except json.JSONDecodeError as error:
         raise HeadlabError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    except UnicodeDecodeError as error:
+        raise HeadlabError(f"{path}: not valid UTF-8 ({error.reason} at byte {error.start})") from error
+    except OSError as error:  # a directory, unreadable
+        raise HeadlabError(f"{path}: cannot read the {what} ({error.strerror or error})") from error
 
 
 def _umask() -> int:

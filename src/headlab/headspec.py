@@ -13,6 +13,7 @@ around either form is accepted too.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,8 +24,18 @@ from headlab.heads import check_kind, read_json
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+):(?P<layer>\d+):(?P<heads>\*|[\d,\-]+)$")
 
 
+def _check_heads(heads: list[int], block: AttentionBlock, where: str) -> None:
+    for head in heads:
+        if not 0 <= head < block.n_heads:
+            have = f"its heads are 0..{block.n_heads - 1}" if block.n_heads else "it has no heads left"
+            raise HeadlabError(f"{where}: {block.kind} layer {block.layer} has no head {head} ({have})")
+
+
 def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
-    """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file."""
+    """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file.
+
+    Every head named must exist in ``blocks``; a head named twice is removed once.
+    """
     if text.endswith(".json") or Path(text).is_file():
         return load_mask_file(text, blocks)
     spec: dict[tuple[str, int], list[int]] = {}
@@ -35,8 +46,11 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
         match = _ITEM.match(item)
         if not match:
             raise HeadlabError(f"--heads: cannot read {item!r}; expected KIND:LAYER:HEADS, e.g. enc_self:0:1,2 or dec_cross:5:*")
-        kind, layer = check_kind(match["kind"]), int(match["layer"])
-        block = find_block(blocks, kind, layer)
+        try:
+            kind, layer = check_kind(match["kind"]), int(match["layer"])
+            block = find_block(blocks, kind, layer)
+        except HeadlabError as error:
+            raise HeadlabError(f"--heads {item!r}: {error}") from None
         heads = spec.setdefault((kind, layer), [])
         if match["heads"] == "*":
             heads.extend(range(block.n_heads))
@@ -51,24 +65,37 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
                 heads.append(int(part))
             else:
                 raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
-    return {key: sorted(set(value)) for key, value in spec.items()}
+        _check_heads(heads, block, f"--heads {item!r}")
+    return {key: sorted(set(value)) for key, value in spec.items() if value}
 
 
 def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
+    """Read a JSON mask file (see the module docstring); every error names the file and the key."""
     path = Path(path)
     data = read_json(path, "mask file")
     if isinstance(data, dict) and "scores" in data:
         data = data["scores"]
     if not isinstance(data, dict):
-        raise HeadlabError(f"{path}: expected an object keyed by attention kind")
+        raise HeadlabError(f"{path}: expected an object keyed by attention kind, found {type(data).__name__}")
     spec: dict[tuple[str, int], list[int]] = {}
     for kind, value in data.items():
-        check_kind(kind)
+        try:
+            check_kind(kind)
+        except HeadlabError as error:
+            raise HeadlabError(f"{path}: {error}") from None
         if isinstance(value, dict):
             for layer, heads in value.items():
-                if not str(layer).isdigit() or not isinstance(heads, list):
-                    raise HeadlabError(f"{path}: {kind}: expected {{layer: [heads to remove]}}")
-                spec[(kind, int(layer))] = [int(h) for h in heads]
+                where = f"{path}: {kind}: layer {layer!r}"
+                if not (isinstance(layer, str) and layer.isdigit()):
+                    raise HeadlabError(f"{where}: a layer key is a layer number, e.g. \"0\"")
+                if not isinstance(heads, list) or not all(type(h) is int for h in heads):
+                    raise HeadlabError(f"{where}: expected a list of head numbers (integers), found {json.dumps(heads)}")
+                try:
+                    block = find_block(blocks, kind, int(layer))
+                except HeadlabError as error:
+                    raise HeadlabError(f"{path}: {kind}: {error}") from None
+                _check_heads(heads, block, where)
+                spec[(kind, int(layer))] = sorted(set(heads))
         elif isinstance(value, list):
             n_layers = sum(1 for b in blocks if b.kind == kind)
             if len(value) != n_layers:
@@ -80,8 +107,8 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
                         f"{path}: {kind} layer {layer} mask has {len(row) if isinstance(row, list) else row!r} "
                         f"entries; the layer has {block.n_heads} heads"
                     )
-                if any(v not in (0, 1, 0.0, 1.0, True, False) for v in row):
-                    raise HeadlabError(f"{path}: {kind} layer {layer}: a keep-mask holds only 0 and 1")
+                if any(type(v) not in (int, float, bool) or v not in (0, 1) for v in row):
+                    raise HeadlabError(f"{path}: {kind} layer {layer}: a keep-mask holds only 0 and 1, found {json.dumps(row)}")
                 spec[(kind, layer)] = [h for h, keep in enumerate(row) if not keep]
         else:
             raise HeadlabError(f"{path}: {kind}: expected a keep-matrix or {{layer: [heads]}}")

@@ -33,9 +33,15 @@ def model_class_for(config) -> type:
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     import transformers
 
+    path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise HeadlabError(f"{name_or_path}: a directory without config.json, not a model directory")
     try:
         return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except OSError as error:
+    except (OSError, ValueError) as error:
+        if not path.exists():  # neither a local directory nor a model the hub (or its cache) knows
+            raise HeadlabError(f"{name_or_path}: no such model directory, and not a model id found on the "
+                               "Hugging Face hub or in its cache") from error
         raise HeadlabError(f"{name_or_path}: cannot read a model config ({error})") from error
 
 
@@ -58,6 +64,10 @@ def load_model(
     path = Path(name_or_path)
     if path.is_dir() and (path / PRUNING_FILE).is_file():
         model = load_pruned(path)
+        if (path / "generation_config.json").is_file():  # beam, lengths, forced tokens of the saved model
+            import transformers
+
+            model.generation_config = transformers.GenerationConfig.from_pretrained(path)
         return model.to(dtype) if isinstance(dtype, torch.dtype) else model
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config)

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help=h("out"))
     p.add_argument("--prune", action="store_true", help=h("prune"))
     p.add_argument("--ablation", action="store_true", help=h("ablation"))
-    p.add_argument("--force", action="store_true", help=h("force"))
+    p.add_argument("--force", action="store_true",
+                   help=h("force") + "; also lets analyze write into a directory holding files it did not write")
     p.add_argument("--skip", nargs="+", default=[], metavar="STAGE",
                    help=f"stages not to run (space- or comma-separated): {', '.join(STAGES)}, "
                         "or importance (its five stages)")
@@ -53,7 +54,8 @@ def register(subparsers) -> None:
     p.add_argument("--attention-sentences", type=int, default=20, help=h("attention_sentences"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--trust-remote-code", action="store_true", help=h("trust_remote_code"))
-    p.set_defaults(func=run_analyze_command)
+    p.set_defaults(func=run_analyze_command,
+                   interrupted="the finished stages are kept in {out}; the same command resumes from them")
 
 
 def config_from_args(args) -> AnalyzeConfig:

@@ -45,6 +45,7 @@ from headlab.analyze.records import (
     write_marker,
 )
 from headlab.errors import HeadlabError
+from headlab.lock import DirectoryLock
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
@@ -123,12 +124,6 @@ class AnalysisRun:
 # ----------------------------------------------------------------------------- input checks
 
 
-def _require_file(path: str | None, flag: str) -> None:
-    if path is not None and not Path(path).is_file():
-        kind = "a directory, not a file" if Path(path).is_dir() else "no such file"
-        raise HeadlabError(f"{flag} {path}: {kind}")
-
-
 def _normalise(text: str) -> str:
     return "".join(text.split())
 
@@ -161,36 +156,52 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
     return n
 
 
+def _foreign_files(out: Path) -> list[str]:
+    """Files in ``out`` that a headlab run did not write: ``out`` is headlab's when it holds the
+    stage markers (``.headlab/``) or a manifest that names a headlab version."""
+    if not out.is_dir() or (out / ".headlab").is_dir():
+        return []
+    try:
+        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+        if isinstance(manifest, dict) and "headlab_version" in manifest:
+            return []
+    except (OSError, ValueError):
+        pass
+    return sorted(p.name for p in out.iterdir())
+
+
 def validate(config: AnalyzeConfig) -> Path:
     """Every check that needs no model: paths, flags, the CoNLL-U/source contract."""
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise HeadlabError(f"--out {out}: exists and is not a directory")
-    model = Path(config.model)
-    if model.exists() and not model.is_dir():
-        raise HeadlabError(f"model {model}: a file, not a model directory")
-    if not model.exists() and (config.model.startswith((".", "/")) or config.model.count("/") > 1):
-        raise HeadlabError(f"model {model}: no such directory")
+    from headlab import preflight
+
+    out = preflight.output_dir(config.out)
+    foreign = _foreign_files(out)
+    if foreign and not config.force:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise HeadlabError(f"--out {out}: the directory holds files headlab did not write ({shown}); analyze would "
+                           "write index.html, manifest.json and its folders among them. Choose a new or empty "
+                           "directory, or pass --force to write into it anyway")
+    preflight.model_dir(config.model)
     from headlab.loading import load_config
 
     try:  # an unreadable model fails here, not in every stage
         load_config(config.model, config.trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"model {config.model}: {error}") from error
-    _require_file(config.source, "--source")
-    _require_file(config.target, "--target")
-    _require_file(config.conllu, "--conllu")
-    _require_file(config.prune_source, "--prune-source")
-    _require_file(config.prune_target, "--prune-target")
-    for path in config.train_text:
-        _require_file(path, "--train-text")
+    for flag, path in (("--source", config.source), ("--target", config.target), ("--conllu", config.conllu),
+                       ("--prune-source", config.prune_source), ("--prune-target", config.prune_target),
+                       *(("--train-text", path) for path in config.train_text)):
+        if path is not None:
+            preflight.input_file(path, flag)
     for flag, value in (("--limit", config.limit), ("--conllu-limit", config.conllu_limit)):
         if value is not None and value < 1:
             raise HeadlabError(f"{flag} must be at least 1, got {value}")
-    if config.batch_size < 1:
-        raise HeadlabError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.prune_steps < 1:
-        raise HeadlabError(f"--prune-steps must be at least 1, got {config.prune_steps}")
+    for flag, value, minimum in (("--batch-size", config.batch_size, 1), ("--prune-steps", config.prune_steps, 1),
+                                 ("--threads", config.threads, 1), ("--max-length", config.max_length, 2),
+                                 ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),
+                                 ("--prune-eval-beam", config.prune_eval_beam, 1),
+                                 ("--attention-sentences", config.attention_sentences, 0)):
+        preflight.at_least(value, minimum, flag)
     if (config.prune_source is None) != (config.prune_target is None):
         raise HeadlabError("give both --prune-source and --prune-target, or neither")
     known = set(STAGES) | set(STAGE_GROUPS)
@@ -639,6 +650,11 @@ def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = N
 
         torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with DirectoryLock(out_dir, "--out"):  # a second run on DIR refuses instead of interleaving
+        return _run_stages(config, out_dir, log)
+
+
+def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]) -> AnalysisRun:
     from headlab import __version__
 
     header = {"headlab_version": __version__, "model": config.model, "source": config.source,

@@ -31,6 +31,7 @@ from headlab.errors import HeadlabError
 __all__ = [
     "PAPER_RELATIONS",
     "RELATION_ALIASES",
+    "UD_RELATIONS",
     "UPOS_TAGS",
     "Problem",
     "ProblemLog",
@@ -53,19 +54,32 @@ PAPER_RELATIONS = ("nsubj", "dobj", "amod", "advmod")
 RELATION_ALIASES = {"dobj": ("obj", "dobj")}
 """Paper name -> UD v2 labels it stands for (UD v1 and Stanford called ``obj`` ``dobj``)."""
 
+UD_RELATIONS = frozenset((
+    "acl", "advcl", "advmod", "amod", "appos", "aux", "case", "cc", "ccomp", "clf", "compound", "conj", "cop",
+    "csubj", "dep", "det", "discourse", "dislocated", "expl", "fixed", "flat", "goeswith", "iobj", "list", "mark",
+    "nmod", "nsubj", "nummod", "obj", "obl", "orphan", "parataxis", "punct", "reparandum", "root", "vocative",
+    "xcomp",
+    # UD v1 names still found in older treebanks
+    "dobj", "nsubjpass", "csubjpass", "auxpass", "name", "mwe", "neg", "remnant",
+))
+"""The universal relations of UD v2 (and v1): a relation's part before any ``:subtype``."""
+
 
 def relation_matcher(name: str) -> Callable[[str], bool]:
     """A predicate over DEPREL labels for the relation ``name``.
 
-    ``dobj`` matches UD's ``obj``; ``X:*`` matches ``X`` and any ``X:subtype``; any other name
-    matches that exact label.
+    ``dobj`` matches UD's ``obj``; ``X:*`` matches ``X`` and any ``X:subtype`` (``dobj:*``: ``obj``,
+    ``dobj`` and their subtypes); any other name matches that exact label.
     """
     name = name.strip()
     if not name:
         raise HeadlabError("empty relation name")
+    if name.split(":", 1)[0] not in UD_RELATIONS:
+        raise HeadlabError(f"{name!r} is not a Universal Dependencies relation (nor X:subtype or X:* of one); "
+                           f"expected one of {', '.join(sorted(UD_RELATIONS))}")
     if name.endswith(":*"):
-        base = name[:-2]
-        return lambda label: label == base or label.startswith(base + ":")
+        bases = RELATION_ALIASES.get(name[:-2], (name[:-2],))
+        return lambda label: any(label == base or label.startswith(base + ":") for base in bases)
     labels = frozenset(RELATION_ALIASES.get(name, (name,)))
     return lambda label: label in labels
 
@@ -162,32 +176,37 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def _blocks(path: Path, problems: ProblemLog | None) -> Iterator[tuple[int, list[tuple[int, str]]]]:
-    """``(first line, [(line number, text), ...])`` for each blank-line separated block."""
+def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int, str] | None]]:
+    """``(first line, [(line number, text), ...], bad)`` for each blank-line separated block.
+
+    ``bad`` is ``(line, message)`` for a block with bytes that are not UTF-8, else None: such a
+    block is still yielded, so that the reader can skip it in its place (a paired run keeps its
+    pairing). A UTF-8 byte order mark at the start of the file is dropped.
+    """
     block: list[tuple[int, str]] = []
-    bad_bytes: int | None = None
+    bad: tuple[int, str] | None = None
     try:
         with _open_binary(path) as handle:
             for number, raw in enumerate(handle, start=1):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
                 try:
                     line = raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as error:
                     line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                    if bad_bytes is None:
-                        bad_bytes = number
-                        message = f"not valid UTF-8 ({error.reason} at byte {error.start})"
-                        if problems is None:
-                            raise HeadlabError(f"{path}:{number}: {message}") from None
-                        problems.add("malformed", Problem(str(path), number, message + "; sentence skipped"))
+                    if bad is None:
+                        bad = (number, f"not valid UTF-8 ({error.reason} at byte {error.start})")
                 if line.strip():
                     block.append((number, line))
                     continue
                 if block:
-                    if bad_bytes is None:
-                        yield block[0][0], block
-                    block, bad_bytes = [], None
-            if block and bad_bytes is None:
-                yield block[0][0], block
+                    yield block[0][0], block, bad
+                    block, bad = [], None
+                elif bad is not None:  # undecodable bytes on a line that is blank once decoded
+                    yield number, [(number, line)], bad
+                    bad = None
+            if block:
+                yield block[0][0], block, bad
     except (OSError, EOFError) as error:
         raise HeadlabError(f"cannot read {path}: {error}") from None
 
@@ -251,6 +270,9 @@ def _parse_block(path: Path, start: int, block: list[tuple[int, str]], counts: T
     for number, head in zip(word_lines, heads):
         if not 0 <= head <= n:
             raise _Malformed(number, f"HEAD {head} is outside the sentence (0..{n})")
+    cycle = _cycle(heads)
+    if cycle is not None:
+        raise _Malformed(word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree")
     counts.n_multiword_tokens += n_multiword
     counts.n_empty_nodes += n_empty
     metadata = tokens.metadata
@@ -265,6 +287,22 @@ def _parse_block(path: Path, start: int, block: list[tuple[int, str]], counts: T
         line=start,
         text=metadata.get("text"),
     )
+
+
+def _cycle(heads: list[int]) -> int | None:
+    """The 0-based index of a word on a cycle of 1-based ``heads`` (0 = root), or None."""
+    state = [0] * len(heads)  # 0 unseen, 1 on the current path, 2 reaches the root
+    for first in range(len(heads)):
+        path, word = [], first
+        while word >= 0 and state[word] == 0:
+            state[word] = 1
+            path.append(word)
+            word = heads[word] - 1
+        if word >= 0 and state[word] == 1:
+            return word
+        for visited in path:
+            state[visited] = 2
+    return None
 
 
 def read_conllu(
@@ -288,12 +326,14 @@ def read_conllu(
         raise HeadlabError(f"CoNLL-U file not found: {path}")
     counts = counts if counts is not None else TreebankCounts()
     seen = 0
-    for start, block in _blocks(path, problems):
-        if all(line.startswith("#") for _, line in block):
+    for start, block, bad in _blocks(path):
+        if bad is None and all(line.startswith("#") for _, line in block):
             continue  # a comment-only block (e.g. a trailing "# newdoc") holds no sentence
         if limit is not None and seen >= limit:
             return
         try:
+            if bad is not None:
+                raise _Malformed(*bad)
             sentence = _parse_block(path, start, block, counts)
         except _Malformed as error:
             counts.n_malformed += 1

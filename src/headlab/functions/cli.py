@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, RunFailed
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +71,7 @@ def _run(args, functions: bool, aggregate: bool) -> int:
     from headlab.functions.analysis import AnalysisConfig, analyze_heads, describe_heads
     from headlab.loading import load_model, load_tokenizer
 
-    if args.conllu is None and args.target_conllu is None:
-        raise HeadlabError("give --conllu FILE (and/or --target-conllu FILE)")
+    _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
@@ -101,9 +101,15 @@ def _run(args, functions: bool, aggregate: bool) -> int:
         model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source_text,
         frequencies=frequencies, config=config, model_name=Path(args.model).name, progress=not args.no_progress,
     )
+    if analysis.report.n_sentences == 0:  # tables of NaN would look like results
+        raise RunFailed(f"no sentence could be analysed; nothing written\n{analysis.report.describe()}")
     out = Path(args.out)
     analysis.save(out, figures=not args.no_figures)
     print(analysis.report.describe())
+    if analysis.syntactic is not None:
+        for relation in analysis.syntactic.relations:
+            if not any(sum(table.get((relation, "gov->dep"), {}).values()) for table in analysis.syntactic.offsets.values()):
+                print(f"--relations {relation}: no arc of it in the data", file=sys.stderr)
     if functions:
         lines = describe_heads(analysis)
         print("\n".join(lines) if lines else "no head passes the positional or syntactic test")
@@ -115,6 +121,35 @@ def _run(args, functions: bool, aggregate: bool) -> int:
         print(analysis.aggregate.summary_markdown())
     print(f"wrote {out}/")
     return 0
+
+
+def _check(args) -> None:
+    """Inputs, output directory and options, before the model loads (docs/cli.md: exit 2)."""
+    from headlab import preflight
+    from headlab.data.treebank import relation_matcher
+
+    if args.conllu is None and args.target_conllu is None:
+        raise HeadlabError("give --conllu FILE (and/or --target-conllu FILE)")
+    for flag in ("conllu", "target_conllu", "source_text", "frequencies"):
+        if getattr(args, flag, None) is not None:
+            preflight.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
+    for path in getattr(args, "train_text", None) or ():
+        preflight.input_file(path, "--train-text")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise HeadlabError(f"--tokenizer {args.tokenizer}: no such directory")
+    preflight.model_dir(args.model)
+    for flag, minimum in (("batch_size", 1), ("max_sentences", 1), ("max_length", 2), ("threads", 1),
+                          ("window", 1), ("top_k", 0), ("top_frequent", 1)):
+        preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
+    if not 0 <= args.min_weight < 1:
+        raise HeadlabError(f"--min-weight must be in [0, 1), got {args.min_weight}")
+    for relation in getattr(args, "relations", "").split(","):
+        if relation.strip():
+            try:
+                relation_matcher(relation)
+            except HeadlabError as error:
+                raise HeadlabError(f"--relations: {error}") from None
+    preflight.output_dir(args.out)
 
 
 def run_functions(args) -> int:

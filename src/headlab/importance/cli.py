@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from headlab.errors import HeadlabError
 from headlab.importance.pipeline import ImportanceConfig
 
 # Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
@@ -52,6 +53,20 @@ def _checkpoint_has_lm_head(config) -> bool:
     return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
 
 
+def _check(args) -> None:
+    """Inputs, output directory and options, before the model loads (docs/cli.md: exit 2)."""
+    from headlab import preflight
+
+    preflight.input_file(args.data, "--data")
+    if args.target is not None:
+        preflight.input_file(args.target, "--target")
+    preflight.model_dir(args.model)
+    for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
+                          ("ablation_rows", 1), ("threads", 1)):
+        preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
+    preflight.output_dir(args.out)
+
+
 def run_importance_command(args) -> int:
     import torch
 
@@ -59,6 +74,7 @@ def run_importance_command(args) -> int:
     from headlab.importance.pipeline import run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
 
+    _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
@@ -77,6 +93,13 @@ def run_importance_command(args) -> int:
     start = time.perf_counter()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    if kinds:
+        from headlab.adapters import attention_blocks
+
+        present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
+        for kind in kinds:
+            if kind not in present:
+                raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
     info = describe_model(model, tokenizer, max_length=args.max_length)
     if info.has_lm_head and not _checkpoint_has_lm_head(model.config):
         from dataclasses import replace

@@ -57,7 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
+                                            "command to continue from it")
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -161,30 +162,58 @@ def _read_input(path: str) -> list[str]:
 
 
 def _write_output(path: str, lines: list[str]) -> None:
+    from headlab.heads import atomic_write_text
+
     text = "".join(line.replace("\n", " ") + "\n" for line in lines)
     if path == "-":
         sys.stdout.write(text)
     else:
-        Path(path).write_text(text, encoding="utf-8")
+        atomic_write_text(Path(path), text)  # never a half-written file
+
+
+def _check_translation_options(args) -> None:
+    """Everything that can be checked before the model is loaded (exit 2, docs/cli.md)."""
+    from headlab import preflight
+
+    preflight.at_least(args.beam, 1, "--beam")
+    preflight.at_least(args.batch_size, 1, "--batch-size")
+    preflight.at_least(args.threads, 1, "--threads")
+    preflight.model_dir(args.model, "--model")
+    if args.output not in (None, "-"):
+        preflight.output_file(args.output, "--output")
 
 
 def _load(model_dir: str):
     from headlab.nmt.model import load_model
     from headlab.nmt.tokenizer import load_tokenizer
 
-    return load_model(model_dir), load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # first: a directory without one fails before the weights load
+    return load_model(model_dir), tokenizer
+
+
+def _report_truncated(command: str, truncated: list[int], n: int, limit: int) -> None:
+    if truncated:
+        lines = ", ".join(str(i + 1) for i in sorted(truncated)[:10]) + (", ..." if len(truncated) > 10 else "")
+        print(f"headlab nmt {command}: {len(truncated)} of {n} inputs are longer than {limit} tokens and were cut "
+              f"to {limit} (lines {lines}); only their first {limit} tokens are translated", file=sys.stderr)
 
 
 def _translate(args) -> int:
-    from headlab.nmt.translate import translate
+    from headlab import preflight
+    from headlab.nmt.translate import source_limit, translate
 
+    _check_translation_options(args)
+    if args.input != "-":
+        preflight.input_file(args.input, "--input")
     _set_threads(args.threads)
-    model, tokenizer = _load(args.model)
     sentences = _read_input(args.input)
+    model, tokenizer = _load(args.model)
     start = time.time()
+    truncated: list[int] = []
     outputs = translate(model, tokenizer, sentences, beam=args.beam, batch_size=args.batch_size,
-                        progress=sys.stderr.isatty())
+                        progress=sys.stderr.isatty(), truncated=truncated)
     _write_output(args.output, outputs)
+    _report_truncated("translate", truncated, len(sentences), source_limit(model, tokenizer))
     print(f"translated {len(sentences)} lines in {time.time() - start:.1f} s (beam {args.beam})", file=sys.stderr)
     return 0
 
@@ -203,14 +232,23 @@ def _evaluate(args) -> int:
     from headlab.nmt.bleu import compute_scores
     from headlab.nmt.translate import translate
 
-    _set_threads(args.threads)
-    model, tokenizer = _load(args.model)
+    from headlab import preflight
+    from headlab.nmt.translate import source_limit
+
+    _check_translation_options(args)
+    preflight.input_file(args.src, "--src")
+    preflight.input_file(args.ref, "--ref")
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):
-        raise HeadlabError(f"{args.src} has {len(sources)} lines, {args.ref} has {len(references)} lines")
+        raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
+                           "they must match line for line")
+    _set_threads(args.threads)
+    model, tokenizer = _load(args.model)
     start = time.time()
-    outputs = translate(model, tokenizer, sources, beam=args.beam, batch_size=args.batch_size)
+    truncated: list[int] = []
+    outputs = translate(model, tokenizer, sources, beam=args.beam, batch_size=args.batch_size, truncated=truncated)
     seconds = time.time() - start
+    _report_truncated("evaluate", truncated, len(sources), source_limit(model, tokenizer))
     if args.output:
         _write_output(args.output, outputs)
     scores = compute_scores(outputs, references)

@@ -88,10 +88,14 @@ def create_model(config: MarianConfig, *, seed: int | None = None, attn_implemen
 
 
 def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=torch.float32) -> MarianMTModel:
-    """Load a model saved with ``save_pretrained`` (safetensors only, never pickles)."""
+    """Load a translation model with headlab's one loader (:func:`headlab.loading.load_model`):
+    safetensors only, never pickles, and a pruned directory rebuilt with its heads removed."""
+    from headlab.loading import load_model as load_any
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HeadlabError(f"no model in {path} (expected config.json and model.safetensors)")
-    return MarianMTModel.from_pretrained(
-        str(path), attn_implementation=attn_implementation, dtype=dtype, use_safetensors=True
-    )
+    model = load_any(str(path), dtype=dtype, attn_implementation=attn_implementation)
+    if not model.config.is_encoder_decoder:
+        raise HeadlabError(f"{path}: a {model.config.model_type} model, not a translation (encoder-decoder) model")
+    return model

@@ -6,7 +6,13 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["translate"]
+__all__ = ["translate", "source_limit"]
+
+
+def source_limit(model, tokenizer) -> int:
+    """The most source tokens the model is given: the tokenizer's and the model's maximum."""
+    max_positions = getattr(model.config, "max_position_embeddings", 1024)
+    return min(max(tokenizer.model_max_length, 1), max_positions)
 
 
 def translate(
@@ -19,6 +25,7 @@ def translate(
     max_length_a: float = 1.5,
     max_length_b: int = 10,
     progress: bool = False,
+    truncated: list[int] | None = None,
 ) -> list[str]:
     """Translate ``sentences``; one output per input, same order.
 
@@ -26,6 +33,8 @@ def translate(
     are sorted by length into batches of ``batch_size`` sentences (little padding) and the
     outputs put back in input order. At most ``max_length_a * source_len + max_length_b``
     tokens are generated per batch (capped by the model's positions). ``beam=1`` is greedy.
+    An input longer than :func:`source_limit` is cut to it; its index is appended to
+    ``truncated`` when that list is given, so that the caller can say so.
     """
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
@@ -33,9 +42,13 @@ def translate(
     todo = [i for i, s in enumerate(sentences) if s.strip()]
     if not todo:
         return outputs
-    max_source = max(tokenizer.model_max_length, 1)
     max_positions = getattr(model.config, "max_position_embeddings", 1024)
-    encoded = tokenizer([sentences[i].strip() for i in todo], truncation=True, max_length=min(max_source, max_positions))["input_ids"]
+    limit = source_limit(model, tokenizer)
+    texts = [sentences[i].strip() for i in todo]
+    if truncated is not None:
+        full = tokenizer(texts, verbose=False)["input_ids"]
+        truncated.extend(i for i, ids in zip(todo, full) if len(ids) > limit)
+    encoded = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
     lengths = {i: len(ids) for i, ids in zip(todo, encoded)}
     by_index = dict(zip(todo, encoded))
     order = sorted(todo, key=lambda i: lengths[i], reverse=True)

@@ -109,7 +109,8 @@ def register(subparsers) -> None:
     tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
     tr.add_argument("--resume", action="store_true")
     tr.add_argument("--overwrite", action="store_true")
-    tr.set_defaults(func=run_train)
+    tr.set_defaults(func=run_train, interrupted="the last checkpoint in {out}/train is kept; add --resume to the "
+                                                "same command to continue from it")
 
     sw = sub.add_parser("sweep", help="gated fine-tuning for several lambdas or budgets; resumable; one table")
     _add_data_options(sw)
@@ -118,7 +119,8 @@ def register(subparsers) -> None:
     sw.add_argument("--keeps", help="comma list of head budgets, e.g. 12,24")
     sw.add_argument("--no-reference", action="store_true", help="do not evaluate the unpruned model")
     sw.add_argument("--out", required=True, help="sweep directory (one sub-directory per point, sweep.md/csv/json)")
-    sw.set_defaults(func=run_sweep_command)
+    sw.set_defaults(func=run_sweep_command, interrupted="the finished points and the current point's last "
+                                                        "checkpoint are kept in {out}; the same command resumes")
 
     bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts")
     _add_data_options(bl)
@@ -137,7 +139,8 @@ def register(subparsers) -> None:
     bl.add_argument("--eval-beam", type=int, default=4)
     bl.add_argument("--importance-batches", type=int, help="batches for Michel importance (default all)")
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
-    bl.set_defaults(func=run_baseline)
+    bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
+                                                   "command resumes after them")
 
     rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
@@ -228,10 +231,13 @@ def _config(args, out_dir: str):
 def run_train(args) -> int:
     from headlab.pruning.train import prune_train
 
+    from headlab import preflight
+
     _set_threads(args.threads)
     if args.lam is not None and args.lam < 0:
         raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
     config = _config(args, args.out)  # checks before loading anything heavy
+    preflight.output_dir(args.out)
     model, tokenizer = _load(args)
     train_data, eval_data = _data(args, tokenizer, model)
     result = prune_train(model, tokenizer, train_data, eval_data, config, log=_log())
@@ -248,15 +254,21 @@ def run_train(args) -> int:
 def run_sweep_command(args) -> int:
     from headlab.pruning.sweep import run_sweep, sweep_points
 
+    from headlab import preflight
+    from headlab.lock import DirectoryLock
+
     _set_threads(args.threads)
     points = sweep_points(_floats(args.lams) if args.lams else (), _ints(args.keeps) if args.keeps else ())
     args.lam, args.keep = 0.0, None
     config = _config(args, args.out)
-    model, tokenizer = _load(args)
-    train_data, eval_data = _data(args, tokenizer, model)
-    del model
-    rows = run_sweep(lambda: _load(args), train_data, eval_data, config, points, args.out,
-                     reference=not args.no_reference, log=_log())
+    preflight.output_dir(args.out)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with DirectoryLock(args.out, "--out"):  # a second sweep on the same directory refuses
+        model, tokenizer = _load(args)
+        train_data, eval_data = _data(args, tokenizer, model)
+        del model
+        rows = run_sweep(lambda: _load(args), train_data, eval_data, config, points, args.out,
+                         reference=not args.no_reference, log=_log())
     print((Path(args.out) / "sweep.md").read_text(), end="")
     return 1 if any(row.get("status") == "diverged" for row in rows) else 0
 
