@@ -25,6 +25,8 @@ def _lines(path: Path) -> Iterable[tuple[int, str]]:
     try:
         with opener(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # byte order mark
                 try:
                     yield number, raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as error:

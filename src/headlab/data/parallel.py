@@ -65,8 +65,8 @@ def _open_text(path: Path):
 def read_lines(path: str | Path) -> list[str]:
     """All lines of a UTF-8 text file (plain or ``.gz``), without line ends.
 
-    Raises HeadlabError naming the file if it is missing, and the file and 1-based line
-    number if a line is not valid UTF-8.
+    CRLF line ends and a UTF-8 byte order mark are dropped. Raises HeadlabError naming the
+    file if it is missing, and the file and 1-based line number if a line is not valid UTF-8.
     """
     path = Path(path)
     if not path.is_file():
@@ -75,6 +75,8 @@ def read_lines(path: str | Path) -> list[str]:
     try:
         with _open_text(path) as handle:
             for number, raw in enumerate(handle, start=1):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a byte order mark is not part of the first sentence
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as error:

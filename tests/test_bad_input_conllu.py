@@ -1,0 +1,187 @@
+"""Bad-input catalogue, treebanks: each kind of malformed CoNLL-U (column errors, bad HEAD,
+cycles, non-UTF-8 bytes) in single and paired runs, multiword tokens and empty nodes, CRLF and
+BOM, truncated gzip, empty files, unknown relations and the dobj alias, over-long sentences."""
+
+import gzip
+import json
+
+import pytest
+from bad_input_support import files_under, forbid_model_loading, save_tiny_marian
+from test_functions_support import SAMPLE_CONLLU, one_thread, word_tokenizer  # noqa: F401 (one_thread: autouse)
+from tiny_models import tiny_model
+
+from headlab.cli import main
+from headlab.data.treebank import ProblemLog, TreebankCounts, read_conllu, relation_matcher
+from headlab.errors import HeadlabError
+from headlab.functions import AnalysisConfig, analyze_heads
+
+BLOCKS = SAMPLE_CONLLU.split("\n\n")  # four sentences: s1 .. s4
+S2_WORD = "4\tsleep\tsleep\tVERB\tVB\t_\t0\troot\t_\t_"
+
+# One row per kind of malformed sentence: what replaces S2_WORD in s2, and what the error says.
+MALFORMED = {
+    "columns": ("4\tsleep\tsleep\tVERB\tVB\t_\t0\troot", "expected 10 tab-separated columns, found 8"),
+    "id": ("x\tsleep\tsleep\tVERB\tVB\t_\t0\troot\t_\t_", "not a CoNLL-U line"),
+    "head-not-a-number": ("4\tsleep\tsleep\tVERB\tVB\t_\tzero\troot\t_\t_", "not a CoNLL-U line"),
+    "head-missing": ("4\tsleep\tsleep\tVERB\tVB\t_\t_\troot\t_\t_", "HEAD is '_'"),
+    "deprel-missing": ("4\tsleep\tsleep\tVERB\tVB\t_\t0\t_\t_\t_", "DEPREL is '_'"),
+    "head-out-of-range": ("4\tsleep\tsleep\tVERB\tVB\t_\t9\troot\t_\t_", "HEAD 9 is outside the sentence (0..6)"),
+    "cycle": ("4\tsleep\tsleep\tVERB\tVB\t_\t5\troot\t_\t_", "on a cycle of HEADs"),
+    "non-utf8": ("4\tsl\xffeep\tsleep\tVERB\tVB\t_\t0\troot\t_\t_", "not valid UTF-8"),
+}
+
+
+def _treebank(path, row=None):
+    text = SAMPLE_CONLLU
+    data = text.encode("utf-8")
+    if row is not None:
+        bad = MALFORMED[row][0]
+        data = text.replace(S2_WORD, "@@").encode("utf-8").replace(b"@@", bad.encode("latin-1"))
+    path.write_bytes(data)
+    line = data.split(b"\n").index(MALFORMED[row][0].encode("latin-1")) + 1 if row else None
+    return path, line
+
+
+@pytest.mark.parametrize("row", sorted(MALFORMED))
+def test_malformed_sentence_single_run(row, tmp_path):
+    """Strict reading names file and line; lenient reading skips the sentence, counts it and
+    keeps its place (None) so that paired files stay paired."""
+    path, line = _treebank(tmp_path / f"{row}.conllu", row)
+    with pytest.raises(HeadlabError, match=f"{path}:{line}: .*{MALFORMED[row][1][:20]}"):
+        list(read_conllu(path))
+    problems, counts = ProblemLog(), TreebankCounts()
+    read = list(read_conllu(path, problems=problems, counts=counts, keep_place=True))
+    assert [s.sent_id if s else None for s in read] == ["s1", None, "s3", "s4"]
+    assert counts.n_malformed == 1 and counts.n_sentences == 3
+    assert [(p.path, p.line) for p in problems.problems] == [(str(path), line)]
+
+
+@pytest.fixture(scope="module")
+def marian():
+    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
+    return tiny_model("marian").eval(), word_tokenizer(words)
+
+
+@pytest.mark.parametrize("row", ["non-utf8", "cycle"])
+def test_malformed_target_sentence_keeps_the_pairing(row, marian, tmp_path):
+    """Regression: a non-UTF-8 target sentence was dropped before the code that keeps
+    positions saw it, so source sentence 3 was paired with target sentence 2, and the malformed
+    count said 0. Any malformed sentence must now drop its pair and keep the others paired, as
+    a column error always did."""
+    model, tokenizer = marian
+    source, _ = _treebank(tmp_path / "source.conllu")
+    results = {}
+    for name in (row, "columns"):
+        target, line = _treebank(tmp_path / f"target-{name}.conllu", name)
+        analysis = analyze_heads(model, tokenizer, source, target_conllu=target, progress=False,
+                                 config=AnalysisConfig(aggregate=False, batch_size=2))
+        assert analysis.report.n_sentences == 3
+        assert analysis.report.treebanks[str(target)]["n_malformed"] == 1
+        assert [(p.path, p.line) for p in analysis.report.problems.problems] == [(str(target), line)]
+        # The encoder side's arcs are those of source sentences s1, s3, s4 (not s1, s2, s3).
+        results[name] = analysis.syntactic.offsets["enc_self"]
+    assert results[row] == results["columns"]
+    solo = analyze_heads(model, tokenizer, source, progress=False,
+                         config=AnalysisConfig(aggregate=False, max_sentences=1))
+    assert results[row] != solo.syntactic.offsets["enc_self"]  # the offsets do depend on the sentences
+
+
+def test_multiword_tokens_and_empty_nodes_are_skipped_and_counted(tmp_path):
+    path, _ = _treebank(tmp_path / "tb.conllu")
+    counts = TreebankCounts()
+    sentences = list(read_conllu(path, counts=counts))
+    assert sentences[1].words == ("Cats", "do", "n't", "sleep", "here", ".")  # "don't" (2-3) skipped
+    assert sentences[2].words == ("Birds", "sing", "and", "fish", "swim", ".")  # empty node 4.1 skipped
+    assert sentences[2].heads == (1, -1, 4, 4, 1, 1)
+    assert (counts.n_multiword_tokens, counts.n_empty_nodes, counts.n_malformed) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("form", ["crlf", "bom", "gzip"])
+def test_crlf_bom_and_gzip_read_like_plain_utf8(form, tmp_path):
+    plain, _ = _treebank(tmp_path / "plain.conllu")
+    data = SAMPLE_CONLLU.encode()
+    path = tmp_path / ("tb.conllu.gz" if form == "gzip" else f"{form}.conllu")
+    path.write_bytes({"crlf": data.replace(b"\n", b"\r\n"), "bom": b"\xef\xbb\xbf" + data,
+                      "gzip": gzip.compress(data)}[form])
+    strip = lambda s: (s.words, s.upos, s.heads, s.deprels, s.space_after, s.sent_id, s.line, s.text)  # noqa: E731
+    assert [strip(s) for s in read_conllu(path)] == [strip(s) for s in read_conllu(plain)]
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "tb.conllu.gz"
+    path.write_bytes(gzip.compress(SAMPLE_CONLLU.encode() * 20)[:-30])
+    with pytest.raises(HeadlabError, match=f"cannot read {path}"):
+        list(read_conllu(path, problems=ProblemLog()))
+
+
+def test_relation_aliases_and_unknown_relations():
+    """Regression: dobj:* skipped the dobj -> obj alias and found no arc."""
+    assert relation_matcher("dobj:*")("obj") and relation_matcher("dobj:*")("obj:lvc")
+    assert relation_matcher("dobj")("obj") and not relation_matcher("dobj")("obj:lvc")
+    assert relation_matcher("nmod:poss:*")("nmod:poss") and not relation_matcher("nmod:poss:*")("nmod")
+    with pytest.raises(HeadlabError, match="'subj' is not a Universal Dependencies relation"):
+        relation_matcher("subj")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_marian(tmp_path_factory.mktemp("conllu-model") / "m")
+
+
+def test_cli_dobj_alias_finds_arcs_and_unknown_relations_are_refused(model_dir, tmp_path, capsys, monkeypatch):
+    path, _ = _treebank(tmp_path / "tb.conllu")
+    out = tmp_path / "out"
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress",
+                 "--no-figures", "--relations", "dobj:*,nsubj:*"]) == 0
+    captured = capsys.readouterr()
+    assert "no arc" not in captured.err
+    assert "dobj:*" in captured.out
+    forbid_model_loading(monkeypatch)
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(tmp_path / "o2"),
+                 "--relations", "nsubj,objj"]) == 2
+    assert "--relations: 'objj' is not a Universal Dependencies relation" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+
+
+def test_cli_relation_without_arcs_is_reported(model_dir, tmp_path, capsys):
+    path, _ = _treebank(tmp_path / "tb.conllu")
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(tmp_path / "o"), "--no-progress",
+                 "--no-figures", "--relations", "nsubj,iobj"]) == 0
+    assert "--relations iobj: no arc of it in the data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"# newdoc\n# only comments\n"])
+def test_cli_empty_treebank_is_refused_and_writes_nothing(content, model_dir, tmp_path, capsys):
+    """Regression: an empty CoNLL-U file exited 0 and wrote tables of NaN."""
+    path = tmp_path / "empty.conllu"
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    code = main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    if content.strip():  # not empty, but no sentence in it: found while running
+        assert code == 1 and "no sentence could be analysed; nothing written" in err
+    else:
+        assert code == 2 and f"--conllu {path}: the file is empty" in err
+    assert "Traceback" not in err and files_under(out) == set()
+
+
+def test_cli_every_sentence_malformed_fails_and_writes_nothing(model_dir, tmp_path, capsys):
+    path = tmp_path / "bad.conllu"
+    path.write_text("1\tword\n\n1\tother\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:1: expected 10 tab-separated columns" in err and files_under(out) == set()
+
+
+def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
+    words = ["dog"] * 80  # the model has 64 positions
+    lines = [f"{i}\t{w}\t{w}\tNOUN\tNN\t_\t{0 if i == 1 else 1}\t{'root' if i == 1 else 'dep'}\t_\t_"
+             for i, w in enumerate(words, start=1)]
+    path = tmp_path / "long.conllu"
+    path.write_text(SAMPLE_CONLLU + "\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress",
+                 "--no-figures"]) == 0
+    assert "1 sentences truncated to 64 tokens" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["report"]["n_truncated"] == 1

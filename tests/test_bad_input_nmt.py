@@ -1,0 +1,134 @@
+"""Bad-input catalogue, translation commands: pruned models, truncation, the input files'
+rows (missing, empty, directory, non-UTF-8, CRLF, BOM, truncated gzip, mismatched pairs), a
+model without a tokenizer and an unwritable --output. docs/cli.md lists the contract."""
+
+import gzip
+
+import pytest
+import torch
+from bad_input_support import (SENTENCES, files_under, forbid_model_loading, save_tiny_marian, save_tiny_pruned,
+                               unwritable, world_readable_dir)
+from test_functions_support import one_thread  # noqa: F401 (autouse: one torch thread)
+
+from headlab.cli import main
+from headlab.loading import load_model
+from headlab.nmt.tokenizer import load_tokenizer
+from headlab.nmt.translate import translate
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nmt-models")
+    return save_tiny_marian(root / "full"), save_tiny_pruned(root / "pruned")
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "src.txt"
+    path.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    return path
+
+
+def test_translate_and_evaluate_a_pruned_model(models, source, tmp_path, capsys):
+    """Regression: nmt translate/evaluate used MarianMTModel.from_pretrained and crashed with a
+    size mismatch on every pruned directory; they now use headlab's one loader."""
+    _, pruned = models
+    out = tmp_path / "out.txt"
+    assert main(["nmt", "translate", "--model", str(pruned), "--input", str(source), "--output", str(out),
+                 "--beam", "2"]) == 0
+    expected = translate(load_model(str(pruned)), load_tokenizer(pruned), SENTENCES, beam=2)
+    assert out.read_text(encoding="utf-8").splitlines() == expected
+    assert main(["nmt", "evaluate", "--model", str(pruned), "--src", str(source), "--ref", str(source),
+                 "--beam", "1", "--json"]) == 0
+    assert '"bleu"' in capsys.readouterr().out
+
+
+def test_long_input_is_cut_and_the_user_told(models, tmp_path, capsys):
+    """Regression: a sentence longer than the model's positions was cut without a word."""
+    full, _ = models
+    long = " ".join(["dog"] * 100)  # 101 tokens with </s>; the model has 64 positions
+    source = tmp_path / "long.txt"
+    source.write_text(f"Cats sleep here .\n{long}\n", encoding="utf-8")
+    assert main(["nmt", "translate", "--model", str(full), "--input", str(source), "--beam", "1",
+                 "--output", str(tmp_path / "o.txt")]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 2 inputs are longer than 64 tokens and were cut to 64 (lines 2)" in err
+    truncated = []
+    translate(load_model(str(full)), load_tokenizer(full), ["Cats", long, long], beam=1, truncated=truncated)
+    assert truncated == [1, 2]
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("row", ["missing", "empty", "directory", "non-utf8", "truncated-gzip"])
+def test_bad_input_file_is_refused_before_the_model_loads(row, models, tmp_path, capsys, monkeypatch):
+    full, _ = models
+    good = "\n".join(SENTENCES).encode()
+    path = {
+        "missing": lambda: tmp_path / "none.txt",
+        "empty": lambda: _write(tmp_path / "empty.txt", b"\n \n"),
+        "directory": lambda: tmp_path,
+        "non-utf8": lambda: _write(tmp_path / "latin1.txt", good + b"\nder B\xe4r schl\xe4ft\n"),
+        "truncated-gzip": lambda: _write(tmp_path / "cut.txt.gz", gzip.compress(good * 50)[:-20]),
+    }[row]()
+    expected = {"missing": "no such file", "empty": "the file is empty", "directory": "a directory, not a file",
+                "non-utf8": "line 5: not valid UTF-8", "truncated-gzip": "cannot read"}[row]
+    forbid_model_loading(monkeypatch)
+    out = tmp_path / "out.txt"
+    assert main(["nmt", "translate", "--model", str(full), "--input", str(path), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and expected in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("row", ["crlf", "bom"])
+def test_crlf_and_bom_translate_like_plain_text(row, models, tmp_path):
+    full, _ = models
+    text = "\n".join(SENTENCES) + "\n"
+    data = text.replace("\n", "\r\n").encode() if row == "crlf" else b"\xef\xbb\xbf" + text.encode()
+    plain, odd = tmp_path / "plain.txt", _write(tmp_path / f"{row}.txt", data)
+    plain.write_text(text, encoding="utf-8")
+    for path in (plain, odd):
+        assert main(["nmt", "translate", "--model", str(full), "--input", str(path), "--beam", "1",
+                     "--output", str(path) + ".out"]) == 0
+    assert (tmp_path / f"{row}.txt.out").read_text() == (tmp_path / "plain.txt.out").read_text()
+
+
+def test_mismatched_parallel_files_are_refused(models, source, tmp_path, capsys, monkeypatch):
+    full, _ = models
+    ref = _write(tmp_path / "ref.txt", b"one line\n")
+    forbid_model_loading(monkeypatch)
+    assert main(["nmt", "evaluate", "--model", str(full), "--src", str(source), "--ref", str(ref)]) == 2
+    err = capsys.readouterr().err
+    assert f"--src {source} has 4 lines, --ref {ref} has 1 lines" in err
+
+
+def test_model_without_tokenizer_is_refused(tmp_path, source, capsys):
+    bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
+    assert main(["nmt", "translate", "--model", str(bare), "--input", str(source)]) == 2
+    assert f"no tokenizer in {bare}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--beam", "0"], ["--batch-size", "0"], ["--threads", "-1"]])
+def test_options_out_of_range(option, models, source, capsys, monkeypatch):
+    forbid_model_loading(monkeypatch)
+    assert main(["nmt", "translate", "--model", str(models[0]), "--input", str(source), *option]) == 2
+    assert f"{option[0]} must be at least" in capsys.readouterr().err
+
+
+def test_unwritable_output_is_refused_before_any_work(capsys, monkeypatch):
+    """Regression: translate found a read-only --output only after translating everything."""
+    with world_readable_dir() as root:
+        model = save_tiny_marian(root / "model")
+        source = _write(root / "src.txt", "\n".join(SENTENCES).encode())
+        forbid_model_loading(monkeypatch)
+        with unwritable(root / "ro") as ro:
+            code = main(["nmt", "translate", "--model", str(model), "--input", str(source),
+                         "--output", str(ro / "out.txt")])
+        assert code == 2
+        err = capsys.readouterr().err
+        assert f"--output {ro / 'out.txt'}: cannot write" in err and "Traceback" not in err
+        assert files_under(ro) == set()
