@@ -1,0 +1,141 @@
+"""Bad-input catalogue, head specs and mask files: wrong types, out of range, duplicates,
+zero-head layers and kinds, a model path that does not exist, an unwritable --out."""
+
+import json
+
+import pytest
+import torch
+from bad_input_support import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
+from test_functions_support import SAMPLE_CONLLU, one_thread, word_tokenizer  # noqa: F401 (one_thread: autouse)
+from tiny_models import tiny_model
+
+from headlab.adapters import attention_blocks
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.headspec import load_mask_file, parse_heads
+from headlab.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_marian(tmp_path_factory.mktemp("heads-model") / "m")
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return attention_blocks(tiny_model("marian"))
+
+
+def _mask(tmp_path, data, name="mask.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data, encoding="utf-8")
+    return path
+
+
+# One row per wrong mask file: its content and what the message must name besides the file.
+BAD_MASKS = {
+    "float-and-bool-heads": ({"enc_self": {"0": [1.7, True]}}, "enc_self: layer '0': expected a list of head numbers"),
+    "string-head": ({"enc_self": {"0": ["a"]}}, "enc_self: layer '0': expected a list of head numbers"),
+    "top-level-list": (["a"], "expected an object keyed by attention kind, found list"),
+    "head-out-of-range": ({"enc_self": {"1": [4]}}, "layer '1': enc_self layer 1 has no head 4"),
+    "negative-head": ({"enc_self": {"0": [-1]}}, "has no head -1"),
+    "layer-out-of-range": ({"dec_cross": {"2": [0]}}, "dec_cross: dec_cross has no layer 2"),
+    "layer-not-a-number": ({"enc_self": {"first": [0]}}, "layer 'first': a layer key is a layer number"),
+    "unknown-kind": ({"encoder": {"0": [0]}}, "unknown attention kind 'encoder'"),
+    "keep-matrix-values": ({"enc_self": [[1, 0.5, 1, 1], [1, 1, 1, 1]]}, "a keep-mask holds only 0 and 1"),
+    "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layers; the model has 2"),
+    "invalid-json": ('{"enc_self": {"0": [1,}}', "line 1: invalid JSON"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(BAD_MASKS))
+def test_bad_mask_file_names_file_and_key(row, tmp_path, blocks):
+    """Regression: [1.7, true] was accepted (int() without a type check) and ["a"] gave an
+    error naming neither the file nor the key."""
+    data, message = BAD_MASKS[row]
+    path = _mask(tmp_path, data)
+    with pytest.raises(HeadlabError) as error:
+        parse_heads(str(path), blocks)
+    assert str(error.value).startswith(f"{path}: ") and message in str(error.value)
+
+
+def test_duplicates_count_once(tmp_path, blocks):
+    assert load_mask_file(_mask(tmp_path, {"enc_self": {"0": [2, 1, 2, 1]}}), blocks) == {("enc_self", 0): [1, 2]}
+    assert parse_heads("enc_self:0:1,1,1-2 enc_self:0:2", blocks) == {("enc_self", 0): [1, 2]}
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("enc_self:0:4", "enc_self layer 0 has no head 4 (its heads are 0..3)"),
+    ("enc_self:0:2-9", "has no head 4"),
+    ("enc_self:5:0", "enc_self has no layer 5"),
+    ("enc_self:0:1,x", "cannot read 'enc_self:0:1,x'"),
+    ("enc_self:0:1,,2", "bad head index ''"),
+    ("enc_self:0:3-1", "bad range '3-1'"),
+    ("enc_self:0", "cannot read 'enc_self:0'"),
+    ("", "empty head spec"),
+])
+def test_bad_typed_spec(spec, message, blocks):
+    with pytest.raises(HeadlabError, match="^--heads") as error:
+        parse_heads(spec, blocks)
+    assert message in str(error.value)
+
+
+def test_cli_counts_removed_heads_right_and_refuses_wrong_types(model_dir, tmp_path, capsys):
+    """Regression: {"enc_self": {"0": [1.7, true]}} exited 0 with "removed 2 heads" while one
+    head was removed."""
+    bad = _mask(tmp_path, {"enc_self": {"0": [1.7, True]}})
+    assert main(["prune", str(model_dir), "--heads", str(bad), "--out", str(tmp_path / "bad")]) == 2
+    assert f"{bad}: enc_self: layer '0'" in capsys.readouterr().err
+    assert files_under(tmp_path / "bad") == set()
+    dup = _mask(tmp_path, {"enc_self": {"0": [1, 1]}}, "dup.json")
+    assert main(["prune", str(model_dir), "--heads", str(dup), "--out", str(tmp_path / "dup")]) == 0
+    assert "removed 1 heads" in capsys.readouterr().out
+    pruned = load_model(str(tmp_path / "dup"))
+    assert [b.n_heads for b in attention_blocks(pruned) if b.kind == "enc_self"] == [3, 4]
+
+
+def test_zero_head_layer_and_kind(model_dir, tmp_path, capsys):
+    """A layer pruned to zero heads stays usable (listing, analysis) and names no head any more;
+    a kind the model lacks is refused by name."""
+    out = tmp_path / "zero"
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:* dec_cross:1:*", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["heads", str(out), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["kind"], r["layer"]) for r in rows if r["n_heads"] == 0] == [("enc_self", 0), ("dec_cross", 1)]
+    assert main(["prune", str(out), "--heads", "enc_self:0:0", "--out", str(tmp_path / "again")]) == 2
+    assert "enc_self layer 0 has no head 0 (it has no heads left)" in capsys.readouterr().err
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    assert main(["functions", str(out), "--conllu", str(conllu), "--out", str(tmp_path / "f"), "--no-progress",
+                 "--no-figures"]) == 0
+    capsys.readouterr()
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    words = [w for s in SENTENCES for w in s.split()]
+    word_tokenizer(words, style="bert").save_pretrained(bert)
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    assert main(["importance", str(bert), "--data", str(data), "--out", str(tmp_path / "i"), "--kinds", "dec_self",
+                 "--no-progress"]) == 2
+    assert "--kinds dec_self: the model has no dec_self heads (it has enc_self)" in capsys.readouterr().err
+    assert files_under(tmp_path / "i") == set()
+
+
+def test_model_path_that_does_not_exist(tmp_path, capsys):
+    """Regression: `headlab heads models/nonexistent` answered "Repo id must be in the form..."."""
+    assert main(["heads", "models/nonexistent"]) == 2
+    assert "models/nonexistent: no such model directory, and not a model id" in capsys.readouterr().err
+    assert main(["heads", str(tmp_path)]) == 2
+    assert f"{tmp_path}: a directory without config.json" in capsys.readouterr().err
+
+
+def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
+    with world_readable_dir() as root:
+        model = save_tiny_marian(root / "model")
+        forbid_model_loading(monkeypatch)
+        with unwritable(root / "ro") as ro:
+            code = main(["prune", str(model), "--heads", "enc_self:0:1", "--out", str(ro / "pruned")])
+        assert code == 2
+        assert f"--out {ro / 'pruned'}: cannot write in {ro}" in capsys.readouterr().err
+        assert files_under(ro) == set()
