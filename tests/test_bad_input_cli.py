@@ -1,0 +1,208 @@
+"""The CLI contract (docs/cli.md): exit 0 done, 1 a failure while running, 2 bad input or usage
+found before work starts, 130 interrupted with one line on what was kept; one-line messages
+for the user's errors, a traceback for headlab's own bugs (and for anything with --debug).
+Also: unwritable output directories refused before work, analyze refusing an empty --source and
+a directory of someone else's files, and one run at a time per output directory."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from bad_input_support import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
+from test_functions_support import SAMPLE_CONLLU, one_thread  # noqa: F401 (one_thread: autouse)
+
+import headlab.analyze.pipeline as pipeline
+import headlab.functions.analysis
+from headlab.cli import main
+from headlab.errors import HeadlabError, RunFailed
+from headlab.lock import LOCK_FILE, DirectoryLock
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-inputs")
+    save_tiny_marian(root / "model")
+    (root / "src.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    return root
+
+
+def _functions(inputs, out, *extra):
+    return ["functions", str(inputs / "model"), "--conllu", str(inputs / "tb.conllu"), "--out", str(out),
+            "--no-progress", "--no-figures", *extra]
+
+
+def _raise(error):
+    def run(*args, **kwargs):
+        raise error
+    return run
+
+
+@pytest.mark.parametrize("error,code,expected,traceback", [
+    (HeadlabError("--x: bad input"), 2, "headlab functions: error: --x: bad input", False),
+    (RunFailed("nothing could be analysed"), 1, "headlab functions: error: nothing could be analysed", False),
+    (PermissionError(13, "Permission denied", "/data/out/table.csv"), 1,
+     "headlab functions: error: /data/out/table.csv: Permission denied", False),
+    (KeyError("n_heads"), 1, "internal error (KeyError: 'n_heads'); this is a bug in headlab", True),
+    (ValueError("shapes differ"), 1, "internal error (ValueError: shapes differ)", True),
+])
+def test_exit_codes_and_messages(error, code, expected, traceback, inputs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(headlab.functions.analysis, "analyze_heads", _raise(error))
+    assert main(_functions(inputs, tmp_path / "o")) == code
+    err = capsys.readouterr().err
+    assert expected in err
+    assert ("Traceback (most recent call last)" in err) == traceback
+    if not traceback:
+        assert err.strip().splitlines()[-1].startswith("headlab functions: error:")
+        assert main(["--debug", *_functions(inputs, tmp_path / "o")]) == code  # --debug: the traceback too
+        assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["functions"])
+    assert exit_.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_interrupt_exits_130_with_one_line(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: Ctrl-C exited 1 with a 60-line traceback and no word about resuming."""
+    monkeypatch.setattr(headlab.functions.analysis, "analyze_heads", _raise(KeyboardInterrupt()))
+    assert main(_functions(inputs, tmp_path / "o")) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("headlab functions: interrupted; nothing was kept (results are written "
+                                            "only when the command finishes); run it again")
+    assert files_under(tmp_path / "o") == set()
+
+
+def test_interrupted_analyze_keeps_finished_stages_and_resumes(inputs, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    args = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out), "--no-progress",
+            "--skip", "gradient", "agreement", "functions", "aggregate", "attention", "figures", "report"]
+    lrp = pipeline.RUNNERS["lrp"]
+    monkeypatch.setitem(pipeline.RUNNERS, "lrp", _raise(KeyboardInterrupt()))
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"headlab analyze: interrupted; the finished stages are kept in {out}; "
+                                            "the same command resumes from them")
+    assert (out / "importance" / "confidence.json").is_file() and not (out / LOCK_FILE).exists()
+    monkeypatch.setitem(pipeline.RUNNERS, "lrp", lrp)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "confidence: reused" in err and "lrp: done" in err
+
+
+@pytest.mark.parametrize("command", ["functions", "importance", "analyze"])
+def test_unwritable_out_is_refused_before_any_work(command, capsys, monkeypatch):
+    """Regression: functions, importance and analyze raised a traceback on a read-only output
+    directory, functions and importance only after all the work."""
+    with world_readable_dir() as root:
+        save_tiny_marian(root / "model")
+        (root / "src.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+        (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+        args = {
+            "functions": ["functions", str(root / "model"), "--conllu", str(root / "tb.conllu")],
+            "importance": ["importance", str(root / "model"), "--data", str(root / "src.txt")],
+            "analyze": ["analyze", str(root / "model"), "--source", str(root / "src.txt")],
+        }[command]
+        forbid_model_loading(monkeypatch)
+        with unwritable(root / "ro") as ro:
+            code = main([*args, "--out", str(ro / "out"), "--no-progress"])
+        assert code == 2
+        err = capsys.readouterr().err
+        assert f"--out {ro / 'out'}: cannot write in {ro}" in err and "Traceback" not in err
+        assert files_under(ro) == set()
+
+
+def test_analyze_refuses_an_empty_source_up_front(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: an empty --source ran every stage to "failed" instead of refusing."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n", encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(["analyze", str(inputs / "model"), "--source", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert f"--source {empty}: the file is empty" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys):
+    """Regression: analyze overwrote a user's own index.html and manifest.json."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "index.html").write_text("<p>my page</p>")
+    (out / "manifest.json").write_text('{"mine": true}')
+    args = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out), "--no-progress",
+            "--skip", "importance", "functions", "aggregate", "attention", "figures", "report"]
+    assert main(args) == 2
+    assert (f"--out {out}: the directory holds files headlab did not write (index.html, manifest.json)"
+            in capsys.readouterr().err)
+    assert files_under(out) == {"index.html", "manifest.json"}
+    assert (out / "manifest.json").read_text() == '{"mine": true}'
+    assert main([*args, "--force"]) == 0  # the user says so
+    assert (out / "index.html").read_text() == "<p>my page</p>"  # the report stage was skipped
+    assert main(args) == 0  # now headlab's directory: resumes without --force
+
+
+@pytest.fixture
+def sleeper():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def _hold(directory, pid):
+    from headlab.lock import _start_time
+
+    path = directory / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{{"pid": {pid}, "host": "{socket.gethostname()}", "pid_start": "{_start_time(pid)}", '
+                    '"started": "2025-01-01T00:00:00+00:00"}')
+
+
+def test_second_run_on_a_directory_refuses_and_a_stale_lock_is_taken_over(inputs, tmp_path, capsys, sleeper):
+    out = tmp_path / "run"
+    args = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out), "--no-progress",
+            "--skip", "importance", "functions", "aggregate", "attention", "figures", "report"]
+    _hold(out, sleeper.pid)  # another run, alive
+    before = files_under(out)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} is in use by another headlab run (pid {sleeper.pid}" in err
+    assert f"delete {out / LOCK_FILE}" in err and files_under(out) == before
+    sleeper.kill()
+    sleeper.wait()  # the other run crashed: its lock is stale
+    assert main(args) == 0
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_lock_between_processes(tmp_path):
+    """Two processes: the second waits for nothing and refuses while the first holds the lock."""
+    code = ("import sys, time; from headlab.lock import DirectoryLock\n"
+            "with DirectoryLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(HeadlabError, match=f"in use by another headlab run \\(pid {holder.pid} "):
+            DirectoryLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with DirectoryLock(tmp_path):  # killed without releasing: stale, taken over
+        assert (tmp_path / LOCK_FILE).is_file()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_sweep_refuses_a_directory_in_use(inputs, tmp_path, capsys, sleeper, monkeypatch):
+    out = tmp_path / "sweep"
+    _hold(out, sleeper.pid)
+    forbid_model_loading(monkeypatch)
+    import headlab.pruning.cli
+
+    monkeypatch.setattr(headlab.pruning.cli, "_load", _raise(AssertionError("model loaded")))
+    assert main(["prune", "sweep", str(inputs / "model"), "--train-src", str(inputs / "src.txt"), "--train-tgt",
+                 str(inputs / "src.txt"), "--keeps", "2", "--out", str(out)]) == 2
+    assert f"--out {out} is in use by another headlab run" in capsys.readouterr().err
