@@ -17,7 +17,7 @@ from headlab.data.treebank import ProblemLog, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
 from headlab.headspec import load_mask_file, parse_heads
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 BLOCKS = attention_blocks(tiny_model("marian"))  # enc_self, dec_self, dec_cross: 2 layers x 4 heads
 KEYS = sorted({(b.kind, b.layer) for b in BLOCKS})
 
