@@ -206,3 +206,14 @@ def test_sweep_refuses_a_directory_in_use(inputs, tmp_path, capsys, sleeper, mon
     assert main(["prune", "sweep", str(inputs / "model"), "--train-src", str(inputs / "src.txt"), "--train-tgt",
                  str(inputs / "src.txt"), "--keeps", "2", "--out", str(out)]) == 2
     assert f"--out {out} is in use by another headlab run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["functions", "analyze"])
+def test_model_without_tokenizer_is_refused(command, inputs, tmp_path, capsys):
+    bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
+    args = {"functions": ["functions", str(bare), "--conllu", str(inputs / "tb.conllu")],
+            "analyze": ["analyze", str(bare), "--source", str(inputs / "src.txt")]}[command]
+    assert main([*args, "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bare}: cannot load a tokenizer" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

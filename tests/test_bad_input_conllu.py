@@ -185,3 +185,34 @@ def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
                  "--no-figures"]) == 0
     assert "1 sentences truncated to 64 tokens" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["report"]["n_truncated"] == 1
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_cli_reports_each_malformed_sentence_with_file_and_line(paired, model_dir, tmp_path, capsys):
+    """Every kind of malformed sentence in one file: the run goes on, skips each one and names
+    its file and line; in a paired run the other sentences stay paired."""
+    good = SAMPLE_CONLLU.encode()
+    blocks = []
+    for row in sorted(MALFORMED):
+        bad, _ = _treebank(tmp_path / f"{row}.conllu", row)
+        blocks.append(bad.read_bytes().split(b"\n\n")[1])  # the broken s2
+    data = good.rstrip(b"\n") + b"\n\n" + b"\n\n".join(blocks) + b"\n"
+    path = tmp_path / "mixed.conllu"
+    path.write_bytes(data)
+    lines = [data.split(b"\n").index(MALFORMED[row][0].encode("latin-1")) + 1 for row in sorted(MALFORMED)]
+    args = ["functions", str(model_dir), "--out", str(tmp_path / "o"), "--no-progress", "--no-figures"]
+    if paired:  # the source side: the same sentences, all well formed
+        source = tmp_path / "source.conllu"
+        source.write_bytes(good.rstrip(b"\n") + b"\n\n" + b"\n\n".join([good.split(b"\n\n")[1]] * len(blocks)) + b"\n")
+        args += ["--conllu", str(source), "--target-conllu", str(path)]
+    else:
+        args += ["--conllu", str(path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"{len(MALFORMED)} malformed sentences skipped" in out
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())["report"]
+    assert summary["n_sentences"] == 4
+    problems = summary["problems"]["first"]
+    assert len(problems) == len(MALFORMED)
+    for problem, row, line in zip(problems, sorted(MALFORMED), lines):
+        assert problem.startswith(f"{path}:{line}: ") and MALFORMED[row][1] in problem, (row, problem)

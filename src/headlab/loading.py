@@ -93,9 +93,17 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
         return cls(config)
 
 
+# What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "*.model", "merges.txt", "*.spm")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     import transformers
 
+    path = Path(name_or_path)
+    if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in _TOKENIZER_FILES):
+        raise HeadlabError(f"{name_or_path}: cannot load a tokenizer: the directory has none "
+                           f"(no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
     try:
         return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:

@@ -188,6 +188,9 @@ def validate(config: AnalyzeConfig) -> Path:
         load_config(config.model, config.trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"model {config.model}: {error}") from error
+    from headlab.loading import load_tokenizer
+
+    load_tokenizer(config.model, config.trust_remote_code)  # a model directory without one: refused here
     for flag, path in (("--source", config.source), ("--target", config.target), ("--conllu", config.conllu),
                        ("--prune-source", config.prune_source), ("--prune-target", config.prune_target),
                        *(("--train-text", path) for path in config.train_text)):
