@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if rewrite is not None:
             argv = rewrite(argv)
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
-    name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "prune_command")
+    name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
                     if isinstance(getattr(args, key, None), str))
     try:
         result = args.func(args)

@@ -54,7 +54,8 @@ def register(subparsers) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_train)
+    p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
+                                            "command to continue from it")
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
