@@ -216,3 +216,14 @@ def test_cli_reports_each_malformed_sentence_with_file_and_line(paired, model_di
     assert len(problems) == len(MALFORMED)
     for problem, row, line in zip(problems, sorted(MALFORMED), lines):
         assert problem.startswith(f"{path}:{line}: ") and MALFORMED[row][1] in problem, (row, problem)
+
+
+def test_non_utf8_comment_between_sentences_takes_no_place(tmp_path):
+    """Bad bytes in a comment-only block: reported, but no sentence is lost or invented."""
+    blocks = SAMPLE_CONLLU.encode().split(b"\n\n")
+    path = tmp_path / "tb.conllu"
+    path.write_bytes(b"\n\n".join([blocks[0], b"# newdoc id = caf\xe9", *blocks[1:]]))
+    problems = ProblemLog()
+    read = list(read_conllu(path, problems=problems, keep_place=True))
+    assert [s.sent_id for s in read] == ["s1", "s2", "s3", "s4"]
+    assert [(p.line, p.message[:19]) for p in problems.problems] == [(13, "not valid UTF-8 (in")]

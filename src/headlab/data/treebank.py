@@ -202,9 +202,6 @@ def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int,
                 if block:
                     yield block[0][0], block, bad
                     block, bad = [], None
-                elif bad is not None:  # undecodable bytes on a line that is blank once decoded
-                    yield number, [(number, line)], bad
-                    bad = None
             if block:
                 yield block[0][0], block, bad
     except (OSError, EOFError) as error:
@@ -327,8 +324,13 @@ def read_conllu(
     counts = counts if counts is not None else TreebankCounts()
     seen = 0
     for start, block, bad in _blocks(path):
-        if bad is None and all(line.startswith("#") for _, line in block):
-            continue  # a comment-only block (e.g. a trailing "# newdoc") holds no sentence
+        if all(line.startswith("#") for _, line in block):
+            # A comment-only block (e.g. a trailing "# newdoc") holds no sentence and no place.
+            if bad is not None:
+                if problems is None:
+                    raise HeadlabError(f"{path}:{bad[0]}: {bad[1]}")
+                problems.add("encoding", Problem(str(path), bad[0], bad[1] + " in a comment"))
+            continue
         if limit is not None and seen >= limit:
             return
         try:
