@@ -217,3 +217,16 @@ def test_model_without_tokenizer_is_refused(command, inputs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bare}: cannot load a tokenizer" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content", ['{"pid": "x"}', "[1, 2]", ""])
+def test_garbage_lock_is_held_for_a_while_then_taken_over(content, tmp_path):
+    path = tmp_path / LOCK_FILE
+    path.parent.mkdir()
+    path.write_text(content)
+    with pytest.raises(HeadlabError, match="in use by another headlab run"):
+        DirectoryLock(tmp_path).acquire()  # perhaps being written right now
+    old = time.time() - 120
+    os.utime(path, (old, old))
+    with DirectoryLock(tmp_path):
+        assert path.read_text().startswith('{"pid": ' + str(os.getpid()))

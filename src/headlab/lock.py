@@ -50,11 +50,13 @@ class DirectoryLock:
 
     def _holder(self) -> dict | None:
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
+            holder = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return {}  # being written right now, or garbage: treat as held unless old (below)
+        valid = isinstance(holder, dict) and type(holder.get("pid")) is int
+        return holder if valid else {}
 
     def _stale(self, holder: dict) -> bool:
         if not holder:  # unreadable: stale once it is older than a writer could take
@@ -64,7 +66,7 @@ class DirectoryLock:
                 return True
         if holder.get("host") != socket.gethostname():
             return False  # cannot tell for another machine: the user decides
-        pid = int(holder.get("pid", -1))
+        pid = holder["pid"]
         if pid == os.getpid():
             return False
         if pid <= 0 or not _alive(pid):
@@ -90,10 +92,11 @@ class DirectoryLock:
                         f"{self.flag} {self.directory} is in use by another headlab run (pid {holder.get('pid', '?')} "
                         f"on {holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish "
                         f"or choose another {self.flag}. If no such run is going, delete {self.path}") from None
-                try:  # a crashed run's lock: take it over
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
+                if self._holder() == holder:  # still the crashed run's lock (not a newer run's): take it over
+                    try:
+                        self.path.unlink()
+                    except FileNotFoundError:
+                        pass
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 json.dump(record, handle)
