@@ -229,11 +229,9 @@ def _bleu(args) -> int:
 
 def _evaluate(args) -> int:
     from headlab.data import read_lines
-    from headlab.nmt.bleu import compute_scores
-    from headlab.nmt.translate import translate
-
     from headlab import preflight
-    from headlab.nmt.translate import source_limit
+    from headlab.nmt.bleu import compute_scores
+    from headlab.nmt.translate import source_limit, translate
 
     _check_translation_options(args)
     preflight.input_file(args.src, "--src")
