@@ -228,8 +228,8 @@ def _bleu(args) -> int:
 
 
 def _evaluate(args) -> int:
-    from headlab.data import read_lines
     from headlab import preflight
+    from headlab.data import read_lines
     from headlab.nmt.bleu import compute_scores
     from headlab.nmt.translate import source_limit, translate
 
