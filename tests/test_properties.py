@@ -17,7 +17,9 @@ from headlab.data.treebank import ProblemLog, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
 from headlab.headspec import load_mask_file, parse_heads
 
-SETTINGS = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same examples every run (no flaky CI); 600 random examples each passed once.
+SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 BLOCKS = attention_blocks(tiny_model("marian"))  # enc_self, dec_self, dec_cross: 2 layers x 4 heads
 KEYS = sorted({(b.kind, b.layer) for b in BLOCKS})
 
@@ -124,19 +126,18 @@ def sentences(draw):
 
 
 def _block(index, form, heads, deprels, corrupt) -> bytes:
-    lines = [f"# sent_id = s{index}"]
-    for i, (word, head, deprel) in enumerate(zip(form, heads, deprels), start=1):
-        lines.append(f"{i}\t{word}\t{word}\tX\t_\t_\t{head}\t{'root' if head == 0 else deprel}\t_\t_")
+    rows = [[str(i), word, word, "X", "_", "_", str(head), "root" if head == 0 else deprel, "_", "_"]
+            for i, (word, head, deprel) in enumerate(zip(form, heads, deprels), start=1)]
+    first = rows[0]
     if corrupt == "columns":
-        lines[1] = lines[1].rsplit("\t", 2)[0]
+        del first[8:]
     elif corrupt == "head":
-        lines[1] = lines[1].replace(f"\t{heads[0]}\t", f"\t{len(form) + 1}\t", 1)
+        first[6] = str(len(form) + 1)
     elif corrupt == "cycle":
-        lines[1] = lines[1].replace(f"\t{heads[0]}\t", "\t1\t", 1)  # word 1 governs itself
+        first[6] = "1"  # word 1 governs itself
     elif corrupt == "deprel":
-        cells = lines[1].split("\t")
-        cells[7] = "_"
-        lines[1] = "\t".join(cells)
+        first[7] = "_"
+    lines = [f"# sent_id = s{index}"] + ["\t".join(row) for row in rows]
     data = "\n".join(lines).encode("utf-8")
     return data.replace(b"\t", b"\xff\t", 1) if corrupt == "bytes" else data
 
