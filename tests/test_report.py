@@ -143,7 +143,7 @@ def test_report_of_an_empty_or_damaged_directory(tmp_path):
     (tmp_path / "attention" / "index.json").write_text('{"sentences": [{"id": 0, "file": "sentence-000.json"}]}')
     html = build_report(tmp_path).read_text(encoding="utf-8")
     assert "importance/lrp.json: line 1: invalid JSON" in html
-    assert "no &#x27;spearman&#x27; table" in html
+    assert "no &#x27;spearman&#x27; or &#x27;matrix&#x27; table" in html
     assert "attention/sentence-000.json: unreadable" in html
     with pytest.raises(HeadlabError, match="no such directory"):
         build_report(tmp_path / "missing")
@@ -178,3 +178,29 @@ def test_sentences_with_markup_are_kept(analysis_dir):
     index = json.loads((analysis_dir / "attention" / "index.json").read_text())
     assert SCRIPT_SENTENCE in [s["source"] for s in index["sentences"]]
     assert IMG_SENTENCE in [s["source"] for s in index["sentences"]]
+
+
+def test_agreement_section_shows_the_measure_by_measure_matrix(tmp_path):
+    """`analyze` without --ablation writes a matrix and no reference: the report shows the matrix
+    (issue 15, defect 4), never "correlation with None" and an empty table."""
+    (tmp_path / "importance").mkdir()
+    document = {"measures": ["confidence", "lrp", "gradient"], "columns": ["enc_self", "all"],
+                "n_heads": {"enc_self": 8, "all": 8},
+                "matrix": {"enc_self": [[1.0, 0.25, -0.5], [0.25, 1.0, None], [-0.5, None, 1.0]],
+                           "all": [[1.0, 0.25, -0.5], [0.25, 1.0, None], [-0.5, None, 1.0]]},
+                "reference": None, "metric": "", "spearman": {}}
+    (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
+    html = build_report(tmp_path).read_text(encoding="utf-8")
+    section = html[html.index('<section id="agreement">'):]
+    section = section[:section.index("</section>")]
+    assert "None" not in section and "No data for this section" not in section
+    assert "<h3>all heads (8 heads)</h3>" in section and "<h3>enc_self (8 heads)</h3>" in section
+    rows = re.findall(r"<tr><td>(\w+)</td>(.*?)</tr>", section)
+    assert [name for name, _ in rows[:3]] == ["confidence", "lrp", "gradient"]
+    assert re.findall(r'<span class="num">([^<]+)</span>|n/a', rows[1][1]) == ["+0.25", "+1.00", ""]
+    # With ablation the table against the reference follows the matrix.
+    document.update(reference="ablation", metric="loss",
+                    spearman={"confidence": {"enc_self": 0.5, "all": 0.5}})
+    (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
+    html = build_report(tmp_path).read_text(encoding="utf-8")
+    assert "correlation of each measure with ablation (loss)" in html and "<h3>all heads (8 heads)</h3>" in html

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text
+from headlab.heads import CAUSAL_KINDS, KINDS, atomic_write_text
 from headlab.report.collect import Collected, collect
 
 __all__ = ["build_report", "json_for_script", "INLINE_LIMIT"]
@@ -128,43 +128,73 @@ def _table1(c: Collected) -> str:
     rows = []
     for r in c.table1:
         best = r.get("best_head")
-        if r.get("n_arcs", 0) == 0:
+        arcs = str(r.get("arcs", r.get("n_arcs")))  # "reachable / all" under a causal mask
+        if r.get("n_arcs", 0) == 0 or r.get("unreachable"):
             rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
-                         "0", "absent from the data", "", "", ""])
+                         escape(arcs), escape(str(r.get("status") or "absent from the data")), "", "", ""])
             continue
         head = (f'<a href="#viewer" class="head-link" data-kind="{escape(str(r.get("kind")))}" data-layer="{int(best[0])}" '
                 f'data-head="{int(best[1])}">L{int(best[0])} H{int(best[1])}</a>') if best else "–"
         acc, base = r.get("best_accuracy"), r.get("baseline")
         offset = r.get("baseline_offset")
         rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
-                     escape(str(r.get("n_arcs"))), head, escape(f"{acc:.1%}" if isinstance(acc, (int, float)) else "–"),
+                     escape(arcs), head, escape(f"{acc:.1%}" if isinstance(acc, (int, float)) else "–"),
                      escape(f"{base:.1%} ({offset:+d})" if isinstance(base, (int, float)) and isinstance(offset, int) else "–"),
                      escape(str(r.get("n_syntactic", "")))])
     return ('<h3>Syntactic heads (Table 1 analogue)</h3><p class="caption">Accuracy of the best head per dependency '
             'relation and direction, against the baseline of always guessing the most frequent relative offset '
-            '(Voita et al. 2019, Sec. 5.2, Table 1).</p>'
+            '(Voita et al. 2019, Sec. 5.2, Table 1).'
+            + (' Causal attention (decoder self-attention) sees only earlier words: its arcs read "reachable / all", '
+               'a direction most of whose arcs point forward is unreachable and not scored, and its baselines use '
+               'backward offsets only.' if any(r.get("kind") in CAUSAL_KINDS for r in c.table1) else '') + '</p>'
             + _table(["kind", "relation", "direction", "arcs", "best head", "accuracy", "baseline (offset)",
                       "syntactic heads"], rows, "table1"))
+
+
+def _num(v) -> str:
+    return f'<span class="num">{escape(f"{v:+.2f}")}</span>' if isinstance(v, (int, float)) else "n/a"
+
+
+def _agreement_matrix(a: dict) -> str:
+    """The measure-by-measure Spearman matrix that ``headlab analyze`` writes, per column."""
+    names = [str(m) for m in a.get("measures") or []]
+    matrix = a.get("matrix") or {}
+    n_heads = a.get("n_heads") or {}
+    html = ""
+    columns = [col for col in a.get("columns") or list(matrix) if isinstance(matrix.get(col), list)]
+    for col in sorted(columns, key=lambda col: col != "all"):  # all heads first, then each kind
+        rows = [[escape(m)] + [_num(v) for v in (row if isinstance(row, list) else [])]
+                for m, row in zip(names, matrix[col])]
+        title = "all heads" if col == "all" else col
+        if col in n_heads:
+            title += f" ({n_heads[col]} heads)"
+        html += f"<h3>{escape(title)}</h3>" + _table(["measure"] + names, rows, "agreement")
+    return html
 
 
 def _agreement(c: Collected) -> str:
     a = c.agreement
     if not a:
         return _notes(c, "agreement", True)
-    n_heads = a.get("n_heads") or {}
-    columns = list(n_heads) or sorted({col for row in a["spearman"].values() for col in row})
-    rows = []
-    for method, row in a["spearman"].items():
-        cells = []
-        for col in columns:
-            v = row.get(col) if isinstance(row, dict) else None
-            cells.append(f'<span class="num">{escape(f"{v:+.2f}")}</span>' if isinstance(v, (int, float)) else "n/a")
-        rows.append([escape(str(method))] + cells)
-    header = ["measure"] + [f"{col} ({n_heads[col]} heads)" if col in n_heads else col for col in columns]
-    metric = f" ({a.get('metric')})" if a.get("metric") else ""
-    return (f'<p class="caption">Spearman rank correlation of each measure with {escape(str(a.get("reference", "ablation")))}'
-            f'{escape(metric)}, per attention kind and over all heads.</p>' + _table(header, rows, "agreement")
-            + _notes(c, "agreement", False))
+    html = ""
+    if isinstance(a.get("matrix"), dict) and a.get("measures"):
+        html += ('<p class="caption">Spearman rank correlation between every pair of importance measures, over '
+                 'the heads both score.</p>' + _agreement_matrix(a))
+    spearman = a.get("spearman") if isinstance(a.get("spearman"), dict) else {}
+    if spearman and a.get("reference"):
+        n_heads = a.get("n_heads") or {}
+        columns = list(n_heads) or sorted({col for row in spearman.values() for col in row})
+        rows = []
+        for method, row in spearman.items():
+            rows.append([escape(str(method))] + [_num(row.get(col) if isinstance(row, dict) else None)
+                                                 for col in columns])
+        header = ["measure"] + [f"{col} ({n_heads[col]} heads)" if col in n_heads else col for col in columns]
+        metric = f" ({a.get('metric')})" if a.get("metric") else ""
+        html += (f'<p class="caption">Spearman rank correlation of each measure with {escape(str(a["reference"]))}'
+                 f'{escape(metric)}, per attention kind and over all heads.</p>' + _table(header, rows, "agreement"))
+    if not html:
+        return _notes(c, "agreement", True)
+    return html + _notes(c, "agreement", False)
 
 
 def _sweep(c: Collected) -> str:

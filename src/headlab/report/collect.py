@@ -145,10 +145,11 @@ def collect(directory: Path) -> Collected:
         title, caption = IMPORTANCE.get(name, (name, ""))
         _heatmap(out, importance / f"{name}.json", "importance", name, title, caption)
     agreement = _read_json(importance / "agreement.json", "agreement", out)
-    if isinstance(agreement, dict) and isinstance(agreement.get("spearman"), dict):
+    if isinstance(agreement, dict) and (isinstance(agreement.get("spearman"), dict)
+                                        or isinstance(agreement.get("matrix"), dict)):
         out.agreement = agreement
     elif agreement is not None:
-        out.note("agreement", "importance/agreement.json: no 'spearman' table")
+        out.note("agreement", "importance/agreement.json: no 'spearman' or 'matrix' table")
 
     functions = d / "functions"
     for rel, (title, caption) in FUNCTION_MAPS.items():
