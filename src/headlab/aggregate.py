@@ -14,7 +14,9 @@ the share of attention that reaches words. Per head, over all sentences ``x``:
   variability"; 0 = the same pattern for every sentence, 1 = maximal change), the mean taken
   over the sentences that have cell ``(i, j)``;
 * **exemplars**: the ``top_k`` sentences with the largest single weight ``alpha_ij``, with
-  ``(i, j)`` (sentences of one word are left out: their one weight is trivially the largest);
+  ``(i, j)``, over the queries ``i`` that can reach at least two words (a query with one
+  reachable word, the first word under a causal mask or the word of a one-word sentence, puts
+  its largest weight there trivially);
 * **POS share**: ``sum alpha_ij [upos_j = t] / sum alpha_ij`` for each UPOS tag ``t`` (the
   attention proportion of Vig & Belinkov 2019 with ``f(i, j) = [upos_j = t]``);
 * **dependency alignment**: ``sum alpha_ij [i, j joined by an arc] / sum alpha_ij``, either
@@ -183,13 +185,15 @@ class AggregateStats:
             self.spools[key] = _Spool((H, N, N), self.spool_dir)
         self.spools[key].write(cells.numpy())
 
-        # Exemplars: each sentence's strongest single weight, per head.
+        # Exemplars: each sentence's strongest single weight, per head, among the queries that
+        # can reach at least two words (the first word under a causal mask, or the word of a
+        # one-word sentence, puts its largest weight on its only word whatever the head does).
+        # Other rows are -1 and padding keys 0, while a ranked row holds a positive weight, so the
+        # maximum is a real (query, key) pair; a sentence with no ranked query is left out.
         if self.top_k:
-            # No mask needed: padding cells are 0 and come after cell (0, 0), so the first
-            # maximum is always a real (query, key) pair. One-word sentences are left out: their
-            # only weight is trivially the largest.
-            best, where = alpha.flatten(2).max(-1)  # [B, H]
-            best = best.masked_fill((side.n_words < 2)[:, None], -1.0)
+            ranked = alpha.masked_fill(~view.ranked_query_valid[..., None], -1.0)
+            best, where = ranked.flatten(2).max(-1)  # [B, H]
+            best = best.masked_fill(best <= 0, -1.0)
             heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
             k = min(self.top_k, B)
             values, rows = best.topk(k, dim=0)  # [k, H]
@@ -197,7 +201,7 @@ class AggregateStats:
                 heap = heaps[h]
                 for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
                     if value < 0:
-                        break  # sorted: only one-word sentences follow
+                        break  # sorted: only sentences without a ranked query follow
                     if len(heap) == self.top_k and value <= heap[0].weight:
                         break  # values are sorted: nothing further gets in
                     flat = int(where[b, h])

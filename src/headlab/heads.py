@@ -23,6 +23,9 @@ from headlab.errors import HeadlabError
 KINDS = ("enc_self", "dec_self", "dec_cross")
 """Attention kinds, in the order the paper discusses them."""
 
+CAUSAL_KINDS = frozenset({"dec_self"})
+"""Kinds under a causal mask: a query sees only keys at or before its own position."""
+
 HeadSpec = Mapping[tuple[str, int], "list[int] | tuple[int, ...] | set[int]"]
 """Heads per block: ``{(kind, layer): [head, ...]}``."""
 

@@ -357,6 +357,42 @@ class AttentionView:
         """``[B, H, W]`` bool: real words whose attention reaches some word (EOS excluded)."""
         return self.side.word_mask[:, None, :] & (self.row_mass > 0)
 
+    @property
+    def causal(self) -> bool:
+        """Whether a query sees only keys at or before itself (decoder self-attention)."""
+        from headlab.heads import CAUSAL_KINDS
+
+        return self.block.kind in CAUSAL_KINDS
+
+    @cached_property
+    def word_visible_keys(self) -> torch.Tensor:
+        """``[B, W]`` long: how many words each word's attention can reach (all of the
+        sentence's words, or under a causal mask the words up to and including itself)."""
+        W = self.side.max_words
+        if self.causal:
+            return (torch.arange(W)[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
+        return self.side.n_words[:, None].expand(-1, W) * self.side.word_mask
+
+    @cached_property
+    def token_visible_keys(self) -> torch.Tensor:
+        """``[B, T]`` long: how many word tokens each token's attention can reach."""
+        mask = self.side.token_mask.long()
+        visible = mask.cumsum(1) if self.causal else mask.sum(1, keepdim=True).expand_as(mask)
+        return visible * mask
+
+    @cached_property
+    def ranked_query_valid(self) -> torch.Tensor:
+        """``[B, H, W]`` bool: :attr:`query_valid` words that can reach at least two words. A word
+        with one reachable word (the first word under a causal mask, a one-word sentence) puts
+        its largest weight there whatever the head does, so statistics that rank single
+        weights (maxima, exemplars) leave it out."""
+        return self.query_valid & (self.word_visible_keys >= 2)[:, None, :]
+
+    @cached_property
+    def ranked_token_query_valid(self) -> torch.Tensor:
+        """``[B, H, T]`` bool: :attr:`token_query_valid` tokens that can reach two word tokens."""
+        return self.token_query_valid & (self.token_visible_keys >= 2)[:, None, :]
+
     @cached_property
     def word_argmax(self) -> torch.Tensor:
         """``[B, H, W]``: the word each word attends to most, EOS and padding excluded."""

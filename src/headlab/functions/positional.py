@@ -6,7 +6,9 @@ maximum attention weight is assigned to a specific relative position" (Sec. 5.1)
 special tokens are excluded from the maximum, as in the paper.
 
 Counted: every kept word whose attention reaches at least one word (a word that gives all of
-its attention to EOS has no maximum among words and is left out). Offsets beyond
+its attention to EOS has no maximum among words and is left out) and that can reach at least
+two words: under a causal mask the first word sees only itself, so its maximum says nothing
+about the head and is left out (as is the word of a one-word sentence). Offsets beyond
 ``+-max_offset`` are pooled into two overflow bins, which can never be a head's offset.
 ``level="token"`` does the same over subword tokens instead of words.
 """
@@ -41,9 +43,9 @@ class PositionalStats:
 
     def update(self, view: AttentionView) -> None:
         if self.level == "word":
-            argmax, valid = view.word_argmax, view.query_valid  # [B, H, W]
+            argmax, valid = view.word_argmax, view.ranked_query_valid  # [B, H, W]
         else:
-            argmax, valid = view.token_argmax, view.token_query_valid  # [B, H, T]
+            argmax, valid = view.token_argmax, view.ranked_token_query_valid  # [B, H, T]
         B, H, Q = argmax.shape
         offsets = argmax - torch.arange(Q)[None, None, :]  # key - query
         bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1

@@ -8,7 +8,9 @@ two rarest (Sec. 5.3; see the paper for its figures). We measure the same for ev
 This works on subword *tokens*, as the paper does, with the frequencies of the model's own
 vocabulary in its training data (:class:`~headlab.data.frequencies.TokenFrequencies`). Word
 level would bias the test: attention *to* a word sums over its subwords, and rare words are
-split into more subwords. Special tokens are excluded as queries, as keys and as candidates.
+split into more subwords. Special tokens are excluded as queries, as keys and as candidates,
+and so is a query token that can reach fewer than two word tokens (the first token under a
+causal mask: its maximum is forced).
 
 Ties: the "rarest token" is every position whose count equals the sentence's minimum; "one of
 the two rarest" is every position whose count is at most the second smallest count in the
@@ -76,7 +78,7 @@ class RareTokenStats:
         eligible, rarest, two_rarest = rare_token_masks(view.side, self.counts, self.top)
         argmax = view.token_argmax  # [B, H, T]
         B, H, T = argmax.shape
-        valid = view.token_query_valid & eligible[:, None, None]  # [B, H, T]
+        valid = view.ranked_token_query_valid & eligible[:, None, None]  # [B, H, T]
         on_rarest = rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
         on_two = two_rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
         key = view.block.key

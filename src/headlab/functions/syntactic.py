@@ -10,6 +10,12 @@ relation when its accuracy beats the baseline by at least ``margin`` (10 points 
 
 Every arc whose two words survive alignment and truncation counts, for heads and baseline
 alike. A relation with no arc in the data gets a row that says so.
+
+Under a causal mask (:data:`headlab.heads.CAUSAL_KINDS`) a word sees only itself and earlier
+words, so an arc whose target comes after its source is out of every head's reach. There, only
+the reachable arcs count (for heads and baseline alike: the baseline is the most frequent
+backward offset), and a direction most of whose arcs point forward is marked unreachable and
+not scored.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
 from headlab.functions.common import BlockKey, format_head, head_scores
-from headlab.heads import HeadScores
+from headlab.heads import CAUSAL_KINDS, HeadScores
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 
@@ -94,7 +100,10 @@ class SyntacticStats:
             b, gov, dep = relation_arcs(view.side, relation)
             for direction, source, target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
                 if b.numel():
-                    hits = (argmax[b, :, source] == target[:, None]).sum(0)  # [H]
+                    hit = argmax[b, :, source] == target[:, None]  # [n_arcs, H]
+                    if view.causal:  # only backward arcs are reachable (and scored)
+                        hit &= (target < source)[:, None]
+                    hits = hit.sum(0)  # [H]
                 else:
                     hits = torch.zeros(argmax.shape[1], dtype=torch.long)
                 key = (relation, direction)
@@ -127,6 +136,10 @@ class Table1Row:
     best_head: tuple[int, int] | None  # (layer, head)
     best_accuracy: float | None
     n_syntactic: int
+    n_scored: int | None = None
+    """Arcs scored: the reachable ones under a causal mask, else all ``n_arcs``."""
+    unreachable: bool = False
+    """Causal attention, most arcs point forward: not scored."""
 
     @property
     def label(self) -> str:
@@ -136,10 +149,23 @@ class Table1Row:
     def absent(self) -> bool:
         return self.n_arcs == 0
 
+    @property
+    def status(self) -> str:
+        if self.absent:
+            return "absent from the data"
+        return "unreachable under causal attention" if self.unreachable else "ok"
+
+    @property
+    def arcs_text(self) -> str:
+        """``n`` arcs, or ``reachable / all`` where a causal mask hides some."""
+        scored = self.n_arcs if self.n_scored is None else self.n_scored
+        return str(self.n_arcs) if scored == self.n_arcs else f"{scored} / {self.n_arcs}"
+
     def to_json(self) -> dict:
         data = dict(self.__dict__)
         data["label"] = self.label
-        data["status"] = "absent from the data" if self.absent else "ok"
+        data["status"] = self.status
+        data["arcs"] = self.arcs_text
         return data
 
 
@@ -152,13 +178,34 @@ class SyntacticResult:
     model: str = ""
     signature: dict = field(default_factory=dict)
 
-    def n_arcs(self, kind: str, relation: str, direction: str) -> int:
+    def all_arcs(self, kind: str, relation: str, direction: str) -> int:
+        """Every arc of the relation in the data, reachable or not."""
         return int(sum(self.offsets.get(kind, {}).get((relation, direction), {}).values()))
 
-    def baseline(self, kind: str, relation: str, direction: str) -> tuple[int | None, float | None]:
-        """The relation's most frequent relative offset and the accuracy of always guessing it."""
+    def _scored_offsets(self, kind: str, relation: str, direction: str) -> dict[int, int]:
         counts = self.offsets.get(kind, {}).get((relation, direction), {})
-        total = sum(counts.values())
+        if kind in CAUSAL_KINDS:  # offset = target - source: only backward targets are visible
+            return {offset: n for offset, n in counts.items() if offset < 0}
+        return counts
+
+    def unreachable(self, kind: str, relation: str, direction: str) -> bool:
+        """Causal attention and most of the direction's arcs point forward (out of reach)."""
+        total = self.all_arcs(kind, relation, direction)
+        reachable = sum(self._scored_offsets(kind, relation, direction).values())
+        return kind in CAUSAL_KINDS and total > 0 and 2 * reachable < total
+
+    def n_arcs(self, kind: str, relation: str, direction: str) -> int:
+        """The arcs scored: all of them, or under a causal mask the reachable ones (0 for an
+        unreachable direction)."""
+        if self.unreachable(kind, relation, direction):
+            return 0
+        return int(sum(self._scored_offsets(kind, relation, direction).values()))
+
+    def baseline(self, kind: str, relation: str, direction: str) -> tuple[int | None, float | None]:
+        """The relation's most frequent (reachable) relative offset and the accuracy of always
+        guessing it; ``(None, None)`` when nothing is scored."""
+        counts = self._scored_offsets(kind, relation, direction)
+        total = self.n_arcs(kind, relation, direction)
         if not total:
             return None, None
         offset = max(sorted(counts), key=lambda o: counts[o])  # ties: the leftmost offset
@@ -198,6 +245,7 @@ class SyntacticResult:
         for kind in kinds:
             for relation in self.relations:
                 for direction in DIRECTIONS:
+                    n_all = self.all_arcs(kind, relation, direction)
                     n = self.n_arcs(kind, relation, direction)
                     offset, base = self.baseline(kind, relation, direction)
                     best_head, best_acc, n_syn = None, None, 0
@@ -209,7 +257,8 @@ class SyntacticResult:
                             layer, head = np.unravel_index(int(flat.argmax()), flat.shape)
                             best_head, best_acc = (int(layer), int(head)), float(array[layer, head])
                             n_syn = int(np.sum(flat >= base + self.margin - 1e-12))
-                    rows.append(Table1Row(kind, relation, direction, n, offset, base, best_head, best_acc, n_syn))
+                    rows.append(Table1Row(kind, relation, direction, n_all, offset, base, best_head, best_acc, n_syn,
+                                          n, self.unreachable(kind, relation, direction)))
         return rows
 
     def syntactic_heads(self) -> list[tuple[str, int, int, str, str, float, float]]:
@@ -231,15 +280,19 @@ class SyntacticResult:
             "|---|---|---|---:|---|---:|---:|---:|",
         ]
         for row in self.table():
-            if row.absent:
-                lines.append(f"| {row.kind} | {row.relation} | {row.label} | 0 | absent from the data | | | |")
+            if row.absent or row.unreachable:
+                lines.append(f"| {row.kind} | {row.relation} | {row.label} | {row.arcs_text} | {row.status} | | | |")
                 continue
             head = format_head(row.kind, *row.best_head) if row.best_head else "-"
             accuracy = f"{row.best_accuracy:.1%}" if row.best_accuracy is not None else "-"
             lines.append(
-                f"| {row.kind} | {row.relation} | {row.label} | {row.n_arcs} | {head} | {accuracy} "
+                f"| {row.kind} | {row.relation} | {row.label} | {row.arcs_text} | {head} | {accuracy} "
                 f"| {row.baseline:.1%} ({row.baseline_offset:+d}) | {row.n_syntactic} |"
             )
+        if any(row.kind in CAUSAL_KINDS for row in self.table()):
+            lines += ["", "Causal attention (a word sees only itself and earlier words): arcs reads "
+                          "\"reachable / all\"; a direction most of whose arcs point forward is unreachable and "
+                          "not scored; baselines use backward offsets only."]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
