@@ -10,21 +10,31 @@ The foundation every analysis plugs into:
 * :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind.
 """
 
-from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import capture_attention, eager_attention, head_output_hooks
-from headlab.errors import HeadlabError
-from headlab.gates import (
-    ConstantGates,
-    HeadGates,
-    ScalarGates,
-    attach_gates,
-    detach_gates,
-    gates_attached,
-    mask_heads,
-)
-from headlab.heads import KINDS, HeadScores
-from headlab.pruning.hard_concrete import HardConcreteGates
-from headlab.surgery import count_parameters, load_pruned, prune_heads, pruning_record, save_pruned
+from headlab._lazy import lazy_exports
+
+_EXPORTS = {
+    "AttentionBlock": "headlab.adapters",
+    "attention_blocks": "headlab.adapters",
+    "capture_attention": "headlab.capture",
+    "eager_attention": "headlab.capture",
+    "head_output_hooks": "headlab.capture",
+    "HeadlabError": "headlab.errors",
+    "ConstantGates": "headlab.gates",
+    "HeadGates": "headlab.gates",
+    "ScalarGates": "headlab.gates",
+    "attach_gates": "headlab.gates",
+    "detach_gates": "headlab.gates",
+    "gates_attached": "headlab.gates",
+    "mask_heads": "headlab.gates",
+    "KINDS": "headlab.heads",
+    "HeadScores": "headlab.heads",
+    "HardConcreteGates": "headlab.pruning",
+    "count_parameters": "headlab.surgery",
+    "load_pruned": "headlab.surgery",
+    "prune_heads": "headlab.surgery",
+    "pruning_record": "headlab.surgery",
+    "save_pruned": "headlab.surgery",
+}
 
 __version__ = "0.1.0"
 
@@ -51,3 +61,5 @@ __all__ = [
     "pruning_record",
     "save_pruned",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

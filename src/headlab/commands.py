@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 
 from headlab import preflight
-from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
-from headlab.headspec import parse_heads
-from headlab.loading import build_from_config, load_model, load_tokenizer
-from headlab.surgery import count_parameters, prune_heads, save_pruned
+
+# torch and transformers are imported by the commands that run, not at registration
+# (``headlab --help`` stays fast).
 
 
 def _add_model_options(parser) -> None:
@@ -50,6 +49,9 @@ def heads_table(blocks) -> str:
 
 
 def run_heads(args) -> int:
+    from headlab.adapters import attention_blocks
+    from headlab.loading import build_from_config, load_model
+
     path = Path(args.model)
     if path.is_dir() and (path / "headlab_pruning.json").is_file():
         model = load_model(args.model)  # pruned: the weights define the head counts
@@ -66,6 +68,11 @@ def run_heads(args) -> int:
 
 
 def run_prune(args) -> int:
+    from headlab.adapters import attention_blocks
+    from headlab.headspec import parse_heads
+    from headlab.loading import load_model, load_tokenizer
+    from headlab.surgery import count_parameters, prune_heads, save_pruned
+
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise HeadlabError(f"--out {out}: exists and is not a directory")

@@ -20,13 +20,19 @@ _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForM
 
 
 def model_class_for(config) -> type:
-    """The transformers class with a language-model head for ``config`` (or the bare model)."""
+    """The class the checkpoint names in ``architectures`` when headlab can score it (a
+    ``BertForMaskedLM`` stays one), else the first of :data:`_AUTO_CLASSES` that has
+    ``config``'s type: a language-model head when there is one, else the bare model."""
     import transformers
 
-    for name in _AUTO_CLASSES:
-        auto = getattr(transformers, name)
-        if type(config) in auto._model_mapping:
-            return auto._model_mapping[type(config)]
+    candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
+    classes = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
+    by_name = {cls.__name__: cls for cls in classes}
+    for name in getattr(config, "architectures", None) or ():
+        if name in by_name:
+            return by_name[name]
+    if classes:
+        return classes[0]
     raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
 
 
@@ -108,3 +114,34 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
+
+
+def vocab_size_of(model_or_config) -> int | None:
+    """Rows of the model's input embedding table, read from the model or its config."""
+    embeddings = getattr(model_or_config, "get_input_embeddings", lambda: None)()
+    if embeddings is not None and hasattr(embeddings, "num_embeddings"):
+        return int(embeddings.num_embeddings)
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+_SPECIAL_TOKENS = ("pad", "bos", "eos", "unk", "sep", "cls", "mask")
+
+
+def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") -> None:
+    """Every special token the tokenizer inserts (padding above all) has an embedding row:
+    a pad id beyond the vocabulary would otherwise fail deep inside the model as an IndexError."""
+    size = vocab_size_of(model_or_config)
+    if size is None or tokenizer is None:
+        return
+    for special in _SPECIAL_TOKENS:
+        token_id = getattr(tokenizer, f"{special}_token_id", None)
+        if isinstance(token_id, int) and not 0 <= token_id < size:
+            token = getattr(tokenizer, f"{special}_token", None)
+            raise HeadlabError(
+                f"tokenizer of {name}: the {special} token {token!r} has id {token_id}, outside the model's "
+                f"vocabulary of {size} embeddings (ids 0..{size - 1}); use the tokenizer the model was trained "
+                "with, or give it a token the model knows (tokenizer.pad_token = tokenizer.eos_token) or "
+                "resize the model's embeddings (model.resize_token_embeddings)")

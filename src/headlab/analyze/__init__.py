@@ -4,9 +4,20 @@ the HTML report of one model, in one resumable run (:func:`run_analysis`).
 See docs/analyze.md for the stages, the directory layout and the manifest.
 """
 
-from headlab.analyze.labels import head_labels, load_labels, save_labels
-from headlab.analyze.pipeline import STAGE_GROUPS, STAGES, AnalysisRun, AnalyzeConfig, SkipStage, run_analysis
-from headlab.analyze.records import StageRecord
+from headlab._lazy import lazy_exports
+
+_EXPORTS = {
+    "head_labels": "headlab.analyze.labels",
+    "load_labels": "headlab.analyze.labels",
+    "save_labels": "headlab.analyze.labels",
+    "STAGE_GROUPS": "headlab.analyze.pipeline",
+    "STAGES": "headlab.analyze.pipeline",
+    "AnalysisRun": "headlab.analyze.pipeline",
+    "AnalyzeConfig": "headlab.analyze.pipeline",
+    "SkipStage": "headlab.analyze.pipeline",
+    "run_analysis": "headlab.analyze.pipeline",
+    "StageRecord": "headlab.analyze.records",
+}
 
 __all__ = [
     "STAGES",
@@ -20,3 +31,5 @@ __all__ = [
     "run_analysis",
     "save_labels",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -41,6 +41,7 @@ from headlab.functions.positional import PositionalResult, PositionalStats
 from headlab.functions.rare_tokens import RareTokenResult, RareTokenStats
 from headlab.functions.syntactic import SyntacticResult, SyntacticStats
 from headlab.heads import atomic_write_text
+from headlab.loading import check_tokenizer_fits
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "model_max_length"]
 
@@ -268,6 +269,7 @@ def analyze_heads(
     if target_conllu is not None and conllu is None and source_text is None:
         raise HeadlabError("decoder analysis needs the source sentences: give the source CoNLL-U or a "
                            "source text file, one sentence per line, aligned with the target parses")
+    check_tokenizer_fits(tokenizer, model, model_name or type(model).__name__)
     all_blocks = attention_blocks(model)
     sides: dict[str, str] = {}  # kind -> "source" | "target"
     for block in all_blocks:

@@ -11,22 +11,35 @@
 :func:`run_importance` runs them all on prepared data (``headlab importance`` on the command line).
 """
 
-from headlab.importance.ablation import METRICS, compute_ablation
-from headlab.importance.agreement import AgreementTable, compute_agreement, spearman, top_share
-from headlab.importance.confidence import compute_confidence
-from headlab.importance.data import (
-    ImportanceData,
-    ModelInfo,
-    describe_model,
-    encode_texts,
-    make_batches,
-    read_data,
-    translate_data,
-)
-from headlab.importance.gradient import compute_gradient, l2_normalize_per_layer
-from headlab.importance.lrp import STRATEGIES, compute_lrp, head_relevance
-from headlab.importance.pipeline import METHODS, ImportanceConfig, ImportanceResult, run_importance, save_results
-from headlab.importance.rules import lrp_rules
+from headlab._lazy import lazy_exports
+
+_EXPORTS = {
+    "METRICS": "headlab.importance.ablation",
+    "compute_ablation": "headlab.importance.ablation",
+    "AgreementTable": "headlab.importance.agreement",
+    "compute_agreement": "headlab.importance.agreement",
+    "spearman": "headlab.importance.agreement",
+    "top_share": "headlab.importance.agreement",
+    "compute_confidence": "headlab.importance.confidence",
+    "ImportanceData": "headlab.importance.data",
+    "ModelInfo": "headlab.importance.data",
+    "describe_model": "headlab.importance.data",
+    "encode_texts": "headlab.importance.data",
+    "make_batches": "headlab.importance.data",
+    "read_data": "headlab.importance.data",
+    "translate_data": "headlab.importance.data",
+    "compute_gradient": "headlab.importance.gradient",
+    "l2_normalize_per_layer": "headlab.importance.gradient",
+    "STRATEGIES": "headlab.importance.lrp",
+    "compute_lrp": "headlab.importance.lrp",
+    "head_relevance": "headlab.importance.lrp",
+    "METHODS": "headlab.importance.pipeline",
+    "ImportanceConfig": "headlab.importance.pipeline",
+    "ImportanceResult": "headlab.importance.pipeline",
+    "run_importance": "headlab.importance.pipeline",
+    "save_results": "headlab.importance.pipeline",
+    "lrp_rules": "headlab.importance.rules",
+}
 
 __all__ = [
     "METHODS",
@@ -55,3 +68,5 @@ __all__ = [
     "top_share",
     "translate_data",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

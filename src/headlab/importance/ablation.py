@@ -286,7 +286,7 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         limit = min(int(1.5 * ids.shape[1] + 10), info.max_length - 1)
         out = model.generate(
             input_ids=ids, attention_mask=inputs["attention_mask"], num_beams=beam, do_sample=False,
-            max_new_tokens=max(limit, 1),
+            max_new_tokens=max(limit, 1), max_length=None,  # None: no warning about the config's max_length
         )
         return tokenizer.batch_decode([generated_tokens(row, info) for row in out.tolist()], skip_special_tokens=True)
 

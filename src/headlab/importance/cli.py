@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.importance.pipeline import ImportanceConfig
+from headlab.importance.config import ImportanceConfig
 
 # Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
 # encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.

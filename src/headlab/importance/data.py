@@ -87,6 +87,9 @@ def _max_positions(config) -> int | None:
 
 def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:
     """Read architecture, special tokens and length limit from ``model`` (and ``tokenizer``)."""
+    from headlab.loading import check_tokenizer_fits
+
+    check_tokenizer_fits(tokenizer, model, getattr(model.config, "_name_or_path", "") or type(model).__name__)
     config = model.config
     blocks = attention_blocks(model)
     kinds = {b.kind for b in blocks}
@@ -335,6 +338,7 @@ def translate_data(
             generated = model.generate(
                 input_ids=ids, attention_mask=mask, num_beams=beam, do_sample=False,
                 max_new_tokens=max(limit, 1), min_new_tokens=1,
+                max_length=None,  # the limit is max_new_tokens: no warning about the config's max_length
             )
             for i, row in zip(chunk, generated.tolist()):
                 outputs[i] = generated_tokens(row, info)

@@ -8,8 +8,17 @@
   baselines at equal head counts.
 """
 
-from headlab.pruning.budget import LagrangianBudget
-from headlab.pruning.hard_concrete import HardConcreteGates
-from headlab.pruning.train import PruneConfig, PruneResult, prune_train, read_trajectory
+from headlab._lazy import lazy_exports
+
+_EXPORTS = {
+    "LagrangianBudget": "headlab.pruning.budget",
+    "HardConcreteGates": "headlab.pruning.hard_concrete",
+    "PruneConfig": "headlab.pruning.train",
+    "PruneResult": "headlab.pruning.train",
+    "prune_train": "headlab.pruning.train",
+    "read_trajectory": "headlab.pruning.train",
+}
 
 __all__ = ["HardConcreteGates", "LagrangianBudget", "PruneConfig", "PruneResult", "prune_train", "read_trajectory"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -59,15 +59,13 @@ def _add_data_options(p) -> None:
 
 
 def _add_train_options(p) -> None:
-    from headlab.pruning.hard_concrete import DEFAULT_BETA
-
     p.add_argument("--gates", default="enc_self",
                    help="enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
                         "or a comma list of kinds (default: enc_self)")
     p.add_argument("--freeze-decoder", choices=("auto", "yes", "no"), default="auto",
                    help="auto: frozen iff --gates enc_self on an encoder-decoder model")
     p.add_argument("--loss", default="auto", choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
-    p.add_argument("--beta", type=float, default=DEFAULT_BETA, help="Hard Concrete temperature (0.33; 2/3 elsewhere)")
+    p.add_argument("--beta", type=float, help="Hard Concrete temperature (default: the authors' 0.33; 2/3 elsewhere)")
     p.add_argument("--init-log-alpha", type=float, default=3.0, help="initial log alpha (3: P(g=0) ~ 0.02)")
     p.add_argument("--gate-lr", type=float, default=0.02, help="learning rate of log alpha")
     p.add_argument("--multiplier-lr", type=float, default=0.05, help="learning rate of the Lagrange multipliers")
@@ -207,13 +205,15 @@ def _data(args, tokenizer, model):
 
 def _config(args, out_dir: str):
     from headlab.nmt.train import TrainConfig
+    from headlab.pruning.hard_concrete import DEFAULT_BETA
     from headlab.pruning.train import PruneConfig
 
     freeze = {"auto": None, "yes": True, "no": False}[args.freeze_decoder]
     return PruneConfig(
         gates=args.gates, keep=getattr(args, "keep", None),
         lam=0.0 if getattr(args, "keep", None) is not None else (getattr(args, "lam", 0.0) or 0.0),
-        freeze_decoder=freeze, beta=args.beta, init_log_alpha=args.init_log_alpha, gate_lr=args.gate_lr,
+        freeze_decoder=freeze, beta=DEFAULT_BETA if args.beta is None else args.beta,
+        init_log_alpha=args.init_log_alpha, gate_lr=args.gate_lr,
         multiplier_lr=args.multiplier_lr, budget_warmup=args.budget_warmup, log_every=args.log_every,
         loss=args.loss, eval_beam=args.eval_beam, latency_sentences=args.latency,
         command="headlab " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "",

@@ -162,7 +162,8 @@ def write_attention_examples(
                 else:
                     with torch.no_grad():
                         limit = max_new_tokens or min(info.max_length, 2 * len(ids) + 10)
-                        generated = model.generate(**inputs, max_new_tokens=limit, do_sample=False, num_beams=1)
+                        generated = model.generate(**inputs, max_new_tokens=limit, max_length=None,  # no warning
+                                                   do_sample=False, num_beams=1)
                     target_ids = [int(t) for t in generated[0].tolist()[1:]]
                     target_from = "translation"
                 decoder_ids = ([start] + target_ids[:-1])[: info.max_length]

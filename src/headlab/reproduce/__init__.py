@@ -7,12 +7,26 @@ paper is computed from those files only (:mod:`headlab.reproduce.claims`) and wr
 docs/reproduction.md between generated markers (:mod:`headlab.reproduce.render`).
 """
 
-from headlab.reproduce.claims import Cell, Check, Claim, compute_claims
-from headlab.reproduce.config import ModelEntry, ReproduceConfig, load_config
-from headlab.reproduce.render import read_blocks, render_blocks, update_document
-from headlab.reproduce.report import load_results, write_report
-from headlab.reproduce.results import ModelResults, collect_results
-from headlab.reproduce.stages import STAGES, run_pipeline
+from headlab._lazy import lazy_exports
+
+_EXPORTS = {
+    "Cell": "headlab.reproduce.claims",
+    "Check": "headlab.reproduce.claims",
+    "Claim": "headlab.reproduce.claims",
+    "compute_claims": "headlab.reproduce.claims",
+    "ModelEntry": "headlab.reproduce.config",
+    "ReproduceConfig": "headlab.reproduce.config",
+    "load_config": "headlab.reproduce.config",
+    "read_blocks": "headlab.reproduce.render",
+    "render_blocks": "headlab.reproduce.render",
+    "update_document": "headlab.reproduce.render",
+    "load_results": "headlab.reproduce.report",
+    "write_report": "headlab.reproduce.report",
+    "ModelResults": "headlab.reproduce.results",
+    "collect_results": "headlab.reproduce.results",
+    "STAGES": "headlab.reproduce.stages",
+    "run_pipeline": "headlab.reproduce.stages",
+}
 
 __all__ = [
     "STAGES",
@@ -32,3 +46,5 @@ __all__ = [
     "update_document",
     "write_report",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,120 @@
+"""Loading the models users bring (issue 15, defects 3 and 5): the class the checkpoint names,
+a pad id outside the vocabulary, a mistyped path, a fast ``--help``, no generation warning."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_functions_support import word_tokenizer
+from tiny_models import tiny_inputs, tiny_model
+
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.loading import check_tokenizer_fits, load_config, load_model
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+WORDS = "a man is riding bike two dogs play in the snow woman reads book".split()
+
+
+def test_the_class_named_in_architectures_is_loaded(tmp_path, capfd):
+    model = tiny_model("bert")  # BertForMaskedLM, which BertConfig alone would load as BertLMHeadModel
+    model.save_pretrained(tmp_path / "mlm")
+    loaded = load_model(str(tmp_path / "mlm"))
+    assert type(loaded).__name__ == "BertForMaskedLM"
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    assert "is_decoder" not in capfd.readouterr().err  # BertLMHeadModel's standalone warning
+    # A name headlab cannot score (or none) falls back to the language-model head.
+    config = load_config(str(tmp_path / "mlm"))
+    config.architectures = ["BertForTokenClassification"]
+    config.save_pretrained(tmp_path / "mlm")
+    assert type(load_model(str(tmp_path / "mlm"))).__name__ == "BertLMHeadModel"
+
+
+def _gpt2_with_pad(directory: Path, pad_id: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}, "<pad>": pad_id}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|endoftext|>",
+                                        unk_token="<|endoftext|>")
+    model = tiny_model("gpt2")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+def test_a_pad_id_outside_the_vocabulary_is_a_clear_error(tmp_path, capsys):
+    model, tokenizer = _gpt2_with_pad(tmp_path / "model", pad_id=150)  # the model has 99 embeddings
+    with pytest.raises(HeadlabError, match=r"pad token '<pad>' has id 150, outside the model's vocabulary of 99"):
+        check_tokenizer_fits(tokenizer, model, "m")
+    (tmp_path / "text.txt").write_text("a man is riding a bike\ntwo dogs play in the snow\n")
+    out = tmp_path / "out"
+    code = main(["analyze", str(tmp_path / "model"), "--source", str(tmp_path / "text.txt"), "--out", str(out),
+                 "--no-progress"])
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "has id 150, outside the model's vocabulary" in err and "IndexError" not in err
+    from headlab.functions import analyze_heads
+
+    with pytest.raises(HeadlabError, match="outside the model's vocabulary"):
+        analyze_heads(model, tokenizer, tmp_path / "missing.conllu")
+    check_tokenizer_fits(word_tokenizer(WORDS, style="gpt2"), model)  # a fitting tokenizer passes
+
+
+def test_a_mistyped_local_path_says_no_such_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("modles/tiny", "org/name"):
+        with pytest.raises(HeadlabError, match="no such model directory"):
+            load_config(name)
+    (tmp_path / "text.txt").write_text("a b\n")
+    assert main(["analyze", "modles/tiny", "--source", "text.txt", "--out", "out", "--no-progress"]) == 2
+    assert "no such model directory" in capsys.readouterr().err
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    code = ("import sys; from headlab.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+            "print('HEAVY', heavy, file=sys.stderr)")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "HEAVY ['numpy']" in done.stderr or "HEAVY []" in done.stderr, done.stderr
+    assert "analyze" in done.stdout and "importance" in done.stdout
+
+
+def test_headlab_generate_calls_do_not_warn_about_max_length():
+    from headlab.importance.data import describe_model, read_data, translate_data
+
+    model = tiny_model("marian")
+    model.generation_config.max_length = 256  # as in the bundled models' generation_config.json
+    tokenizer = word_tokenizer(WORDS)
+    info = describe_model(model, tokenizer)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
+        handle.write("a man is riding\ntwo dogs play\nthe snow\n")
+    try:
+        data = read_data(handle.name, tokenizer, info)
+    finally:
+        os.unlink(handle.name)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers")  # its own handler writes to the stderr of import time
+    logger.addHandler(handler)
+    try:
+        translated = translate_data(model, data, info, batch_size=1)
+    finally:
+        logger.removeHandler(handler)
+    assert len(translated.translations) == 3
+    assert not [m for m in messages if "max_new_tokens" in m], messages
