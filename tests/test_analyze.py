@@ -132,11 +132,11 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     (out / "tb2.conllu").write_text(SAMPLE_CONLLU.replace("quickly", "slowly"), encoding="utf-8")
     args[args.index(str(inputs / "tb.conllu"))] = str(out / "tb2.conllu")
     assert main(args) == 0
-    assert calls == ["functions", "aggregate", "figures", "report"]
+    assert calls == ["functions", "aggregate", "table", "figures", "report"]
     calls.clear()
     assert main(args + ["--force", "--skip", "prune", "figures"]) == 0
     assert calls == ["confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate",
-                     "attention", "report"]
+                     "table", "attention", "report"]
     assert (out / "importance" / "lrp.json").stat().st_mtime_ns > before[out / "importance" / "lrp.json"]
 
 
@@ -225,3 +225,40 @@ def test_a_failing_stage_is_recorded_and_the_others_still_run(inputs, tmp_path, 
     assert stages["lrp"]["reason"] == "skipped with --skip"
     assert "RuntimeError: boom" in capsys.readouterr().err  # the traceback
     assert not (out / ".headlab" / "stages" / "functions.json").exists()
+
+
+def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
+    import csv
+    import math
+
+    with open(full_run / "heads.csv", newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    heads = [(r["kind"], int(r["layer"]), int(r["head"])) for r in rows]
+    assert heads == [(kind, layer, head) for kind in ("enc_self", "dec_self", "dec_cross")
+                     for layer in range(2) for head in range(4)]
+    columns = list(rows[0])
+    assert columns[:3] == ["kind", "layer", "head"] and columns[-4:] == ["functions", "positional", "syntactic", "rare"]
+    for name in ("confidence", "lrp", "gradient", "gradient_raw", "ablation", "positional_share", "syntactic_margin",
+                 "rare_tokens_rarest", "mean_distance", "variability", "pos_NOUN"):
+        assert name in columns, name
+    # Every cell is the value of its HeadScores file; heads a measure did not score are empty.
+    for column, path in (("lrp", "importance/lrp.json"), ("positional_share", "functions/positional/share.json"),
+                         ("mean_entropy", "aggregate/mean_entropy.json")):
+        scores = dict(HeadScores.load(full_run / path).items())
+        for row, key in zip(rows, heads):
+            expected = scores.get(key, math.nan)
+            if math.isnan(expected):
+                assert row[column] == ""
+            else:
+                assert float(row[column]) == expected
+    labels = json.loads((full_run / "functions" / "labels.json").read_text())
+    for row, (kind, layer, head) in zip(rows, heads):
+        assert row["functions"] == "; ".join(labels.get(f"{kind}:{layer}:{head}", []))
+    assert [r for r in rows if r["kind"] == "dec_self"][0]["positional_share"] == ""  # source-side treebank only
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        assert not (full_run / "heads.parquet").exists()
+    else:
+        table = pq.read_table(full_run / "heads.parquet")
+        assert table.column_names == columns and table.num_rows == len(rows)

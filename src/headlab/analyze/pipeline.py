@@ -11,6 +11,7 @@ agreement      Spearman tables between the measures (:func:`headlab.importance.c
 functions      :func:`headlab.functions.analyze_heads`: positional, syntactic, rare-token heads
 aggregate      the same pass with the Vig & Belinkov statistics (:mod:`headlab.aggregate`)
 prune          only with ``--prune``: a short :func:`headlab.pruning.sweep.run_sweep` of head budgets
+table          :func:`headlab.analyze.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
 attention      :func:`headlab.report.write_attention_examples` (attention of a few sentences)
 figures        :func:`headlab.analyze.figures.write_figures` (PNG + SVG, from the files above)
 report         :func:`headlab.report.build_report` -> index.html
@@ -51,7 +52,7 @@ __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage"
            "check_conllu_matches_source"]
 
 STAGES = ("confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate", "prune",
-          "attention", "figures", "report")
+          "table", "attention", "figures", "report")
 STAGE_GROUPS = {"importance": ("confidence", "lrp", "gradient", "ablation", "agreement")}
 IMPORTANCE_STAGES = ("confidence", "lrp", "gradient", "ablation")
 # Stages that own a directory of DIR: cleared before they run again with other inputs, or with force.
@@ -494,6 +495,15 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
     return written, note
 
 
+def _table(ctx: _Context) -> tuple[list, str | None]:
+    from headlab.analyze.table import write_heads_table
+
+    written = write_heads_table(ctx.out_dir)
+    if not written:
+        raise SkipStage("no head was scored by any stage")
+    return written, None if len(written) > 1 else "heads.csv only (install pyarrow for heads.parquet)"
+
+
 def _attention(ctx: _Context) -> tuple[list, str | None]:
     try:
         from headlab.report import write_attention_examples
@@ -545,6 +555,7 @@ RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
     "functions": _functions,
     "aggregate": _aggregate,
     "prune": _prune,
+    "table": _table,
     "attention": _attention,
     "figures": _figures,
     "report": _report,

@@ -1,0 +1,112 @@
+"""One long table per run: ``heads.csv`` (and ``heads.parquet`` when pyarrow is installed).
+
+One row per head (``kind``, ``layer``, ``head``), one column per measure or statistic that the
+run wrote as a HeadScores file, then the head's function labels: ``functions`` (all of them,
+``; ``-separated) and one column per group (``positional``, ``syntactic``, ``rare``). Read it
+with ``pandas.read_csv(DIR / "heads.csv")``. Everything comes from the files of the analysis
+directory, so the table can be rebuilt from them at any time (:func:`write_heads_table`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+from headlab.analyze.labels import FUNCTION_GROUPS, label_group
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS, HeadScores, atomic_write_text
+
+__all__ = ["heads_table", "write_heads_table", "KEY_COLUMNS"]
+
+KEY_COLUMNS = ("kind", "layer", "head")
+
+_SOURCES = ("importance", "functions", "aggregate")
+"""Directories of DIR whose HeadScores files become columns."""
+
+
+def _column(relative: Path) -> str:
+    """``importance/lrp.json`` -> ``lrp``; ``functions/positional/share.json`` -> ``positional_share``;
+    ``aggregate/pos/NOUN.json`` -> ``pos_NOUN``."""
+    return "_".join(relative.with_suffix("").parts)
+
+
+def _score_files(out_dir: Path):
+    for directory in _SOURCES:
+        root = out_dir / directory
+        if not root.is_dir():
+            continue
+        for path in sorted(root.rglob("*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # not ours to judge here: the report notes unreadable files
+            if isinstance(data, dict) and isinstance(data.get("scores"), dict) and "method" in data:
+                yield _column(path.relative_to(root)), HeadScores.from_json(data, str(path))
+
+
+def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores."""
+    out_dir = Path(out_dir)
+    values: dict[str, dict[tuple[str, int, int], float]] = {}
+    for name, scores in _score_files(out_dir):
+        if name in values:
+            raise HeadlabError(f"{out_dir}: two score files give the column {name!r}")
+        values[name] = dict(scores.items())
+    labels: dict[str, list[str]] = {}
+    labels_path = out_dir / "functions" / "labels.json"
+    if labels_path.is_file():
+        from headlab.analyze.labels import load_labels
+
+        labels = load_labels(labels_path)
+    heads = {key for column in values.values() for key in column}
+    for key in labels:
+        kind, layer, head = key.split(":")
+        heads.add((kind, int(layer), int(head)))
+    order = {kind: i for i, kind in enumerate(KINDS)}
+    heads_sorted = sorted(heads, key=lambda h: (order.get(h[0], len(KINDS)), h[1], h[2]))
+    measures = list(values)
+    columns = [*KEY_COLUMNS, *measures]
+    if labels:
+        columns += ["functions", *FUNCTION_GROUPS]
+    rows = []
+    for kind, layer, head in heads_sorted:
+        row: list = [kind, layer, head]
+        for name in measures:
+            value = values[name].get((kind, layer, head), math.nan)
+            row.append(None if value is None or math.isnan(value) else float(value))
+        if labels:
+            found = labels.get(f"{kind}:{layer}:{head}", [])
+            row.append("; ".join(found))
+            row += ["; ".join(x for x in found if label_group(x) == group) for group in FUNCTION_GROUPS]
+        rows.append(row)
+    return columns, rows
+
+
+def write_heads_table(out_dir: str | Path) -> list[Path]:
+    """Write ``heads.csv`` (empty cells: not scored) and, with pyarrow, ``heads.parquet``."""
+    out_dir = Path(out_dir)
+    columns, rows = heads_table(out_dir)
+    if not rows:
+        return []
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows(["" if v is None else repr(v) if isinstance(v, float) else v for v in row] for row in rows)
+    path = out_dir / "heads.csv"
+    atomic_write_text(path, buffer.getvalue())
+    written = [path]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return written
+    table = pa.table({name: [row[i] for row in rows] for i, name in enumerate(columns)})
+    parquet = out_dir / "heads.parquet"
+    partial = parquet.with_name(parquet.name + ".partial")
+    pq.write_table(table, partial)
+    partial.replace(parquet)  # atomic, like every other result file
+    written.append(parquet)
+    return written
