@@ -71,7 +71,8 @@ def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
     from headlab.headspec import parse_heads
     from headlab.loading import load_model, load_tokenizer
-    from headlab.surgery import count_parameters, prune_heads, save_pruned
+    from headlab.portable import how_to_load
+    from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -93,4 +94,6 @@ def run_prune(args) -> int:
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
     print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
+    record = json.loads((out / PRUNING_FILE).read_text(encoding="utf-8"))
+    print(how_to_load(model, record.get("portable") or {}, str(out)))
     return 0

@@ -308,12 +308,21 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
 
 
 def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write standard safetensors weights, the (unchanged) config and ``headlab_pruning.json``."""
+    """Write standard safetensors weights, the config and ``headlab_pruning.json``.
+
+    The directory also loads with plain transformers (:func:`headlab.portable.make_portable`):
+    a standard config where one can state the pruned heads, else ``trust_remote_code=True``
+    with a small module saved beside the weights. How is recorded under ``portable``.
+    """
+    from headlab.portable import make_portable  # the export builds on this module's record
+
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
     model.save_pretrained(path, safe_serialization=True)
-    atomic_write_text(path / PRUNING_FILE, json.dumps(pruning_record(model), indent=1) + "\n")
+    record = pruning_record(model)
+    record["portable"] = make_portable(model, path)
+    atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
     return path
 
 
@@ -334,6 +343,9 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
     except json.JSONDecodeError as error:
         raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
     config = transformers.AutoConfig.from_pretrained(path, **config_overrides)
+    from headlab.portable import restore_original_config
+
+    restore_original_config(record, config)  # the record applies to the unpruned model
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, architectures[0], None) if architectures else None

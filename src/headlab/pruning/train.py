@@ -481,7 +481,7 @@ def heads_per_kind(model) -> dict[str, int]:
     return counts
 
 
-def model_card(result: dict, config: PruneConfig) -> str:
+def model_card(result: dict, config: PruneConfig, load_line: str = "Load with `headlab.load_pruned(path)`.") -> str:
     kept, total = result["heads_kept"], result["heads_total"]
     lines = ["# Pruned with headlab (Hard Concrete gates, Voita et al. 2019, Sec. 6)", ""]
     if config.command:
@@ -498,7 +498,7 @@ def model_card(result: dict, config: PruneConfig) -> str:
         lines.append(f"Loss (cross-entropy per token): {metrics['loss']:.4f}")
     if "parameters_after" in metrics:
         lines.append(f"Parameters: {metrics['parameters_after']:,} (unpruned {metrics['parameters_before']:,})")
-    lines += ["", "Load with `headlab.load_pruned(path)`."]
+    lines += ["", load_line]
     return "\n".join(lines) + "\n"
 
 
@@ -616,7 +616,11 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
         outcome.metrics = metrics
         record = outcome.to_dict()
         record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command)
-        atomic_write_text(pruned_dir / "README.md", model_card(record, config))
+        from headlab.portable import how_to_load
+        from headlab.surgery import PRUNING_FILE
+
+        portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
+        atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
         atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
         if final.get("hint"):
             log("hint: " + final["hint"])

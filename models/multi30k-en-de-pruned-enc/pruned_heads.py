@@ -1,0 +1,104 @@
+"""A model whose attention heads were removed by headlab, loadable with plain transformers.
+
+headlab copies this file next to the weights of a pruned model (as ``pruned_heads.py``, with
+the line ``BASE_CLASS = ...`` naming the original class) and points ``auto_map`` in
+config.json at :class:`PrunedModel`, so that
+
+    AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)   # or ...CausalLM, ...
+
+rebuilds it without headlab installed. It imports only torch and transformers. The model is
+the original class; before the weights are read, the projections of the pruned attention
+layers are resized and the attention modules' head counts set as config.json's
+``headlab_pruned`` plan says (the plan is written by ``headlab.portable``). A layer left with
+no head computes what the full layer does with no head: the output projection's bias (zero
+without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
+"""
+
+import torch
+import transformers
+from torch import nn
+
+BASE_CLASS = 'MarianMTModel'  # replaced by the pruned model's own class when copied
+
+_BASE = getattr(transformers, BASE_CLASS)
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, name, module)
+
+
+def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
+    """A projection of the pruned shape, on the old one's device and dtype (the weights follow)."""
+    weight = old.weight
+    if kind == "conv1d":  # transformers' Conv1D (GPT-2): weight [in, out]
+        from transformers.pytorch_utils import Conv1D
+
+        new = Conv1D(n_out, n_in)
+        return new.to(device=weight.device, dtype=weight.dtype)
+    return nn.Linear(n_in, n_out, bias=old.bias is not None, device=weight.device, dtype=weight.dtype)
+
+
+class NoHeadAttention(nn.Module):
+    """An attention layer with no head left: Concat() W^O + b = b at every position."""
+
+    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int):
+        super().__init__()
+        for name, child in original.named_children():  # same state_dict keys as before
+            self.add_module(name, child)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.o_name:
+            o = getattr(self, self.o_name)
+            width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
+            out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+            if o.bias is not None:
+                out = out + o.bias.to(out.dtype)
+        else:  # the output projection follows outside this module: it gets an empty input
+            out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        self._keep_cache_in_step(hidden_states, kwargs)
+        extras = [None] * (self.n_outputs - 1)
+        if self.n_outputs == 3:  # (output, position_bias, probs)
+            extras[0] = kwargs.get("position_bias")
+        return (out, *extras)
+
+    def _keep_cache_in_step(self, hidden_states, kwargs) -> None:
+        """Empty keys and values, so that generation still counts positions."""
+        cache = kwargs.get("past_key_values")
+        if cache is None or self.layer_idx is None:
+            return
+        memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
+        is_cross = memory is not None
+        target = cache
+        if hasattr(cache, "self_attention_cache"):
+            if is_cross and cache.is_updated.get(self.layer_idx):
+                return
+            target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
+        length = (memory if is_cross else hidden_states).shape[1]
+        empty = hidden_states.new_zeros(hidden_states.shape[0], 0, length, self.d_head)
+        target.update(empty, empty, self.layer_idx)
+        if is_cross and hasattr(cache, "is_updated"):
+            cache.is_updated[self.layer_idx] = True
+
+
+def apply_plan(model: nn.Module, plan: dict) -> None:
+    """Give ``model`` (built from the original config) the pruned shapes of ``plan``."""
+    with torch.no_grad():
+        for path, (kind, n_in, n_out) in plan["projections"].items():
+            _set_submodule(model, path, _resized(model.get_submodule(path), kind, n_in, n_out))
+        for path, values in plan["attributes"].items():
+            module = model.get_submodule(path)
+            for name, value in values.items():
+                setattr(module, name, value)
+        for path, (o_name, n_outputs, d_head) in plan["no_head"].items():
+            _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head))
+
+
+class PrunedModel(_BASE):
+    """The original class, with the pruned attention shapes of ``config.headlab_pruned``."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        apply_plan(self, config.headlab_pruned)

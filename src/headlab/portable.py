@@ -1,0 +1,173 @@
+"""Pruned directories that plain transformers loads, with no headlab installed.
+
+:func:`headlab.save_pruned` calls :func:`make_portable` after writing the weights:
+
+* **standard config**: when the family's config can state the head size apart from the model
+  width (Llama, Qwen2, Mistral, Qwen3: ``head_dim``) and every layer keeps the same number of
+  query and key/value heads, config.json gets the pruned counts, and
+  ``AutoModelFor...from_pretrained(path)`` builds the pruned model as a standard one;
+* **remote code**: otherwise (layers that differ; BERT, GPT-2, BART, Marian..., whose head size
+  is the width divided by the head count) :mod:`headlab.portable_code` is copied beside the
+  weights as ``pruned_heads.py`` and config.json's ``auto_map`` points at it, so that
+  ``from_pretrained(path, trust_remote_code=True)`` rebuilds the model from the plan in
+  config.json (``headlab_pruned``): the pruned projections' shapes and the attention modules'
+  head counts. The module imports only torch and transformers.
+
+T5 shares one relative position bias table across a stack, which headlab slices per layer with
+hooks; a pruned T5 stays loadable by :func:`headlab.load_pruned` only (the reason is recorded).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.heads import atomic_write_text
+
+__all__ = ["make_portable", "restore_original_config", "pruning_plan", "standard_config_values", "CODE_FILE",
+           "CLASS_NAME"]
+
+CODE_FILE = "pruned_heads.py"
+CLASS_NAME = "PrunedModel"
+PLAN_KEY = "headlab_pruned"
+
+# Families whose config states the head size (head_dim) apart from the width: config fields of
+# (query heads, key/value heads, head size).
+_STANDARD_FIELDS = {"llama-like": ("num_attention_heads", "num_key_value_heads", "head_dim")}
+# Attributes of an attention module that hold a head count or a width derived from one.
+_WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
+_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM",
+                 "AutoModelForSequenceClassification", "AutoModel")
+
+
+def _core_path(block: AttentionBlock) -> str:
+    return block.name + (f".{block.family.core}" if block.family.core else "")
+
+
+def _projection(module: nn.Module) -> tuple[str, int, int]:
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    return "conv1d", int(module.weight.shape[0]), int(module.nf)  # Conv1D: weight [in, out]
+
+
+def pruning_plan(model: nn.Module) -> dict:
+    """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
+    original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
+    module path -> head counts and widths) and ``no_head`` (layers left with no head)."""
+    from headlab.surgery import KEPT_ATTR, ZeroHeadAttention
+
+    names = {id(module): name for name, module in model.named_modules()}
+    plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
+    for block in attention_blocks(model):
+        core = block.core
+        if getattr(core, KEPT_ATTR, None) is None:
+            continue
+        for module in (block.q, block.k, block.v, block.qkv, block.o):
+            if module is not None:
+                plan["projections"][names[id(module)]] = list(_projection(module))
+        attrs = {}
+        for name in (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr):
+            if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
+                attrs[name] = int(getattr(core, name))
+        if attrs:
+            plan["attributes"][_core_path(block)] = attrs
+        if isinstance(core, ZeroHeadAttention):
+            plan["no_head"][_core_path(block)] = [core.zero_head_o_name, core.zero_head_n_outputs,
+                                                  core.zero_head_d_head]
+    return plan
+
+
+def standard_config_values(model: nn.Module) -> dict | None:
+    """Config fields that state the pruned head counts, when a standard config can (else None)."""
+    blocks = attention_blocks(model)
+    fields = _STANDARD_FIELDS.get(blocks[0].family.name) if blocks else None
+    shapes = {(b.n_heads, b.n_kv_heads, b.d_head) for b in blocks}
+    if fields is None or len(shapes) != 1:
+        return None
+    n_heads, n_kv_heads, d_head = shapes.pop()
+    if n_heads == 0:
+        return None
+    return dict(zip(fields, (n_heads, n_kv_heads, d_head)))
+
+
+def _auto_map(model: nn.Module) -> dict[str, str]:
+    import transformers
+
+    out = {}
+    for name in _AUTO_CLASSES:
+        mapping = getattr(transformers, name)._model_mapping
+        if type(model.config) in mapping and mapping[type(model.config)] is type(model):
+            out[name] = f"{Path(CODE_FILE).stem}.{CLASS_NAME}"
+    return out or {"AutoModel": f"{Path(CODE_FILE).stem}.{CLASS_NAME}"}
+
+
+def make_portable(model: nn.Module, path: str | Path) -> dict:
+    """Make the pruned directory ``path`` (written by save_pruned) load without headlab.
+
+    Returns how: ``{"how": "standard config" | "remote code" | None, "original_config": {...},
+    "reason": ...}``, which save_pruned keeps in headlab_pruning.json so that headlab rebuilds
+    the original config before applying its record.
+    """
+    path = Path(path)
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop(PLAN_KEY, None)  # a model pruned twice: the last plan only
+    ours = f"{Path(CODE_FILE).stem}.{CLASS_NAME}"
+    config["auto_map"] = {k: v for k, v in (config.get("auto_map") or {}).items() if v != ours}
+    if not config["auto_map"]:
+        del config["auto_map"]
+    (path / CODE_FILE).unlink(missing_ok=True)
+    blocks = attention_blocks(model)
+    if blocks and blocks[0].family.name == "t5":
+        atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return {"how": None, "reason": "T5 shares one position bias table per stack; load with headlab.load_pruned"}
+    values = standard_config_values(model)
+    if values is not None:
+        original = {name: config.get(name) for name in values}
+        config.update(values)
+        atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return {"how": "standard config", "original_config": original}
+    code = Path(__file__).with_name("portable_code.py").read_text(encoding="utf-8")
+    line = 'BASE_CLASS = "PreTrainedModel"'
+    if line not in code:  # pragma: no cover - guards an edit of portable_code.py
+        raise RuntimeError(f"portable_code.py lost its line {line!r}")
+    atomic_write_text(path / CODE_FILE, code.replace(line, f"BASE_CLASS = {type(model).__name__!r}", 1))
+    config["auto_map"] = {**config.get("auto_map", {}), **_auto_map(model)}
+    config[PLAN_KEY] = pruning_plan(model)
+    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return {"how": "remote code", "original_config": {}}
+
+
+def restore_original_config(record: dict, config) -> None:
+    """The unpruned config that headlab's record applies to: undo :func:`make_portable`'s
+    standard-config counts and drop its remote-code entries (in place)."""
+    for name, value in ((record.get("portable") or {}).get("original_config") or {}).items():
+        if value is None:
+            if hasattr(config, name):
+                delattr(config, name)
+        else:
+            setattr(config, name, value)
+    if hasattr(config, PLAN_KEY):
+        delattr(config, PLAN_KEY)
+    ours = f"{Path(CODE_FILE).stem}.{CLASS_NAME}"
+    auto_map = {k: v for k, v in (getattr(config, "auto_map", None) or {}).items() if v != ours}
+    if auto_map:
+        config.auto_map = auto_map
+    elif hasattr(config, "auto_map"):
+        delattr(config, "auto_map")
+
+
+def how_to_load(model: nn.Module, portable: dict, path: str = "path") -> str:
+    """One line for a model card or the command line: how the directory loads, with and
+    without headlab."""
+    auto = next(iter(_auto_map(model)))
+    if portable.get("how") == "standard config":
+        plain = f"`transformers.{auto}.from_pretrained({path!r})`"
+    elif portable.get("how") == "remote code":
+        plain = f"`transformers.{auto}.from_pretrained({path!r}, trust_remote_code=True)` (runs {CODE_FILE})"
+    else:
+        return f"Load with `headlab.load_pruned({path!r})` ({portable.get('reason', 'headlab only')})."
+    return f"Load with `headlab.load_pruned({path!r})`, or without headlab with {plain}."

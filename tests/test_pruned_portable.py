@@ -1,0 +1,122 @@
+"""Pruned directories load with plain transformers, in a process that cannot import headlab
+(issue 15, item 8): a standard config where every layer keeps the same heads and the family's
+config can say so (Llama-like), else ``trust_remote_code=True`` with the module saved beside
+the weights. Outputs must equal the pruned model's in memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import tiny_inputs, tiny_model
+
+from headlab import load_pruned, prune_heads, save_pruned
+from headlab.portable import CODE_FILE
+
+# (family, heads to remove, Auto class, how the directory loads without headlab)
+CASES = {
+    "marian": ({("enc_self", 0): [1, 2], ("dec_self", 1): [3], ("dec_cross", 1): [0, 1, 2, 3]},
+               "AutoModelForSeq2SeqLM", "remote code"),  # a cross-attention layer with no head left
+    "bart": ({("enc_self", 1): [0], ("dec_cross", 0): [2, 3]}, "AutoModelForSeq2SeqLM", "remote code"),
+    "bert": ({("enc_self", 0): [0], ("enc_self", 1): [1, 2]}, "AutoModelForMaskedLM", "remote code"),
+    "roberta": ({("enc_self", 0): [0, 1]}, "AutoModelForMaskedLM", "remote code"),
+    "distilbert": ({("enc_self", 1): [3]}, "AutoModelForMaskedLM", "remote code"),
+    "gpt2": ({("dec_self", 0): [0, 3], ("dec_self", 1): [1]}, "AutoModelForCausalLM", "remote code"),
+    "llama": ({("dec_self", 0): [0, 1], ("dec_self", 1): [2, 3]}, "AutoModelForCausalLM", "standard config"),
+    "llama-mixed": ({("dec_self", 0): [0], ("dec_self", 1): [1, 2, 3]}, "AutoModelForCausalLM", "remote code"),
+    "qwen2": ({("dec_self", 0): [0, 1], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "standard config"),
+}
+
+PLAIN = r"""
+import json, os, sys
+sys.modules["headlab"] = None  # this process cannot import headlab
+import torch, transformers
+results = {}
+for name, (directory, auto) in json.loads(sys.argv[1]).items():
+    check = torch.load(f"{directory}/check.pt")
+    remote = os.path.exists(f"{directory}/pruned_heads.py")
+    model = getattr(transformers, auto).from_pretrained(
+        directory, trust_remote_code=remote, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(**check["inputs"]).logits
+        row = {"class": type(model).__name__, "diff": (logits - check["logits"]).abs().max().item()}
+        if "generated" in check:
+            generated = model.generate(input_ids=check["inputs"]["input_ids"][:1], max_new_tokens=6, do_sample=False,
+                                       num_beams=1)
+            row["generated"] = generated.tolist() == check["generated"].tolist()
+    results[name] = row
+assert "headlab" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def pruned_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("portable")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dirs = {}
+    for name, (spec, auto, _) in CASES.items():
+        family = name.split("-")[0]
+        model = tiny_model(family, attn_implementation="eager")
+        prune_heads(model, spec)
+        directory = root / name
+        save_pruned(model, directory)
+        inputs = {k: v for k, v in tiny_inputs(family).items()}
+        check = {"inputs": inputs}
+        with torch.no_grad():
+            check["logits"] = model(**inputs).logits
+            if family in ("marian", "gpt2", "llama"):
+                check["generated"] = model.generate(input_ids=inputs["input_ids"][:1], max_new_tokens=6,
+                                                    do_sample=False, num_beams=1)
+        torch.save(check, directory / "check.pt")
+        dirs[name] = (str(directory), auto)
+    torch.set_num_threads(threads)
+    return dirs
+
+
+def test_plain_transformers_loads_every_pruned_family_without_headlab(pruned_dirs, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", PLAIN, json.dumps(pruned_dirs)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.split("RESULTS ", 1)[1])
+    for name, (_, _, how) in CASES.items():
+        row = results[name]
+        assert row["diff"] <= 1e-6, (name, row)
+        assert row.get("generated", True), (name, row)
+        assert (row["class"] == "PrunedModel") == (how == "remote code"), (name, row)
+
+
+def test_how_each_directory_loads_is_recorded_and_headlab_still_loads_it(pruned_dirs):
+    for name, (directory, _) in pruned_dirs.items():
+        record = json.loads(open(f"{directory}/headlab_pruning.json").read())
+        assert record["portable"]["how"] == CASES[name][2], name
+        config = json.loads(open(f"{directory}/config.json").read())
+        code = os.path.join(directory, CODE_FILE)
+        if CASES[name][2] == "standard config":
+            assert not os.path.exists(code) and "auto_map" not in config and "headlab_pruned" not in config
+            assert config["num_attention_heads"] == 2 and config["head_dim"] == 8
+        else:
+            text = open(code).read()
+            assert not [line for line in text.splitlines() if line.startswith(("import headlab", "from headlab"))]
+            assert "auto_map" in config and config["headlab_pruned"]["projections"]
+        check = torch.load(f"{directory}/check.pt")
+        model = load_pruned(directory)  # headlab itself never runs the directory's code
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            assert torch.allclose(model(**check["inputs"]).logits, check["logits"], atol=1e-6), name
+
+
+def test_a_pruned_t5_says_why_it_needs_headlab(tmp_path):
+    model = tiny_model("t5")
+    prune_heads(model, {("enc_self", 0): [0]})
+    save_pruned(model, tmp_path / "t5")
+    record = json.loads((tmp_path / "t5" / "headlab_pruning.json").read_text())
+    assert record["portable"]["how"] is None and "position bias" in record["portable"]["reason"]
+    assert not (tmp_path / "t5" / CODE_FILE).exists()
