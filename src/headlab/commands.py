@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from headlab import preflight
+from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 
 # torch and transformers are imported by the commands that run, not at registration
@@ -35,6 +36,7 @@ def add_prune_arguments(prune) -> None:
                        help='heads to remove: "enc_self:0:1,2 dec_cross:5:*" or a JSON mask file')
     prune.add_argument("--out", required=True, help="directory for the pruned model")
     prune.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    add_device_options(prune)
 
 
 def heads_table(blocks) -> str:
@@ -80,7 +82,7 @@ def run_prune(args) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
     preflight.output_dir(out)
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)
     tokenizer = None

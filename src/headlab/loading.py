@@ -56,6 +56,7 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device_map: str | dict | None = None,
+    device: str | torch.device | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> nn.Module:
@@ -63,10 +64,15 @@ def load_model(
 
     Weights are widened to fp32 unless ``dtype`` says otherwise: checkpoints stored in fp16
     (headlab's bundled models) are analysed at full precision, as LRP's conservation and the
-    statistics' 1e-8 agreement need, and CPUs have few fast fp16 kernels.
+    statistics' 1e-8 agreement need, and CPUs have few fast fp16 kernels. ``dtype`` (a torch
+    dtype or one of :data:`DTYPES`), ``device`` (``cpu``, ``cuda``, ``cuda:N``) and
+    ``device_map`` (``"auto"``: spread over the available devices with accelerate) place the
+    weights; ``device`` and ``device_map`` exclude each other.
     """
-    if dtype is None:
-        dtype = torch.float32
+    dtype = torch.float32 if dtype is None else resolve_dtype(dtype)
+    device = check_device(device)
+    if device is not None and device_map is not None:
+        raise HeadlabError("give --device or --device-map, not both")
     path = Path(name_or_path)
     if path.is_dir() and (path / PRUNING_FILE).is_file():
         model = load_pruned(path)
@@ -74,7 +80,12 @@ def load_model(
             import transformers
 
             model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+        model = model.to(dtype)
+        if device_map is not None:
+            model = _dispatch(model, device_map)
+        elif device is not None:
+            model = model.to(device)
+        return model.eval()
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config)
     kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
@@ -88,6 +99,8 @@ def load_model(
         model = cls.from_pretrained(name_or_path, **kwargs)
     except OSError as error:
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({error})") from error
+    if device is not None:
+        model = model.to(device)
     return model.eval()
 
 
@@ -145,3 +158,50 @@ def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") ->
                 f"vocabulary of {size} embeddings (ids 0..{size - 1}); use the tokenizer the model was trained "
                 "with, or give it a token the model knows (tokenizer.pad_token = tokenizer.eos_token) or "
                 "resize the model's embeddings (model.resize_token_embeddings)")
+
+
+# -- where the weights go: --device, --dtype, --device-map ----------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise HeadlabError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a torch device, or a clear error when it does not exist here."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise HeadlabError(f"--device {device}: not a device (cpu, cuda or cuda:N)") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadlabError(f"--device {device}: no CUDA device is available here (torch.cuda.is_available() "
+                               "is False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) (cuda:0.."
+                               f"cuda:{torch.cuda.device_count() - 1})")
+    elif device.type not in ("cpu", "mps"):
+        raise HeadlabError(f"--device {device}: expected cpu, cuda or cuda:N")
+    return device
+
+
+def _dispatch(model: nn.Module, device_map: str | dict) -> nn.Module:
+    """A model built by headlab (a pruned one) spread over the devices like from_pretrained's
+    ``device_map``."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    if device_map == "auto":
+        no_split = getattr(model, "_no_split_modules", None) or []
+        device_map = infer_auto_device_map(model, no_split_module_classes=no_split)
+    elif not isinstance(device_map, dict):
+        raise HeadlabError(f"--device-map {device_map}: expected auto")
+    if set(device_map.values()) <= {"cpu"}:
+        return model  # nothing to move (accelerate refuses a map that is all CPU)
+    return dispatch_model(model, device_map=device_map)

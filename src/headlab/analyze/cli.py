@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from headlab.analyze.pipeline import STAGES, AnalyzeConfig
+from headlab.device_options import add_device_options
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -54,6 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--attention-sentences", type=int, default=20, help=h("attention_sentences"))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--trust-remote-code", action="store_true", help=h("trust_remote_code"))
+    add_device_options(p)
     p.set_defaults(func=run_analyze_command,
                    interrupted="the finished stages are kept in {out}; the same command resumes from them")
 
@@ -71,7 +73,7 @@ def config_from_args(args) -> AnalyzeConfig:
         prune_steps=args.prune_steps, prune_max_tokens=args.prune_max_tokens, prune_eval_beam=args.prune_eval_beam,
         prune_gate_lr=args.prune_gate_lr, prune_init_log_alpha=args.prune_init_log_alpha,
         attention_sentences=args.attention_sentences, progress=not args.no_progress,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, device=args.device, dtype=args.dtype, device_map=args.device_map,
     )
 
 

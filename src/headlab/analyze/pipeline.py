@@ -99,6 +99,14 @@ class AnalyzeConfig:
     attention_sentences: int = field(default=20, metadata={"help": "sentences stored for the attention viewer"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow code from the model repository to run"})
+    device: str | None = field(default=None, metadata={"help": "where the model runs: cpu, cuda or cuda:N"})
+    dtype: str | None = field(default=None, metadata={"help": "the weights' dtype: float32, bfloat16 or float16"})
+    device_map: str | None = field(default=None, metadata={"help": "auto: spread the model over the devices"})
+
+    @property
+    def placement(self) -> dict:
+        """The keyword arguments of :func:`headlab.loading.load_model` that place the weights."""
+        return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map}
 
     @property
     def treebank_limit(self) -> int | None:
@@ -205,6 +213,9 @@ def validate(config: AnalyzeConfig) -> Path:
                                  ("--prune-eval-beam", config.prune_eval_beam, 1),
                                  ("--attention-sentences", config.attention_sentences, 0)):
         preflight.at_least(value, minimum, flag)
+    from headlab.device_options import device_options
+
+    device_options(config)  # a missing CUDA device fails here
     if (config.prune_source is None) != (config.prune_target is None):
         raise HeadlabError("give both --prune-source and --prune-target, or neither")
     known = set(STAGES) | set(STAGE_GROUPS)
@@ -245,7 +256,8 @@ class _Context:
             from headlab.loading import load_model, load_tokenizer
 
             self.log(f"loading {self.config.model}")
-            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code)
+            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code,
+                                     **self.config.placement)
             self._tokenizer = load_tokenizer(self.config.model, trust_remote_code=self.config.trust_remote_code)
         return self._model, self._tokenizer
 
@@ -292,6 +304,8 @@ class _Context:
         from headlab import __version__
 
         common = {"stage": name, "version": __version__, "model": self.fingerprint(c.model)}
+        if c.dtype is not None:  # other weights, other numbers (the device only moves them)
+            common["dtype"] = c.dtype
         text = {"source": self.fingerprint(c.source), "target": self.fingerprint(c.target), "limit": c.limit,
                 "max_length": c.max_length}
         if name in IMPORTANCE_STAGES:
@@ -476,7 +490,8 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
         train=TrainConfig(out_dir=str(directory), max_tokens=c.prune_max_tokens, lr=1e-4, warmup_steps=0,
                           schedule="constant", max_epochs=10**6, max_steps=c.prune_steps, save_every_steps=None,
                           validate=False, keep_epoch_checkpoints=False, seed=1, progress=c.progress))
-    load = lambda: (load_model(c.model, trust_remote_code=c.trust_remote_code),  # noqa: E731
+    # The sweep trains with Accelerate, which places the model itself: only the dtype carries over.
+    load = lambda: (load_model(c.model, trust_remote_code=c.trust_remote_code, dtype=c.dtype),  # noqa: E731
                     load_tokenizer(c.model, trust_remote_code=c.trust_remote_code))
     rows = run_sweep(load, train_data, eval_data, base, sweep_points(keeps=keeps), directory, log=ctx.log)
     written = [directory / n for n in ("sweep.json", "sweep.csv", "sweep.md", "full.json")]

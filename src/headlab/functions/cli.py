@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError, RunFailed
 
 
@@ -26,6 +27,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--trust-remote-code", action="store_true")
+    add_device_options(parser)
 
 
 def _aggregate_options(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +92,7 @@ def _run(args, functions: bool, aggregate: bool) -> int:
         spacing=args.spacing,
         max_length=args.max_length,
     )
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     frequencies = None
     if functions and getattr(args, "frequencies", None):

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 
@@ -45,6 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the model repository to run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_device_options(p)
     p.set_defaults(func=run_importance_command)
 
 
@@ -84,6 +86,7 @@ def run_importance_command(args) -> int:
         ablation_rows=args.ablation_rows, kinds=kinds, progress=not args.no_progress,
     )
     config.resolved_methods()  # fail on a bad --method before loading anything
+    placement = device_options(args)
     if kinds:
         from headlab.heads import check_kind
 
@@ -91,7 +94,7 @@ def run_importance_command(args) -> int:
             check_kind(kind)
     log = lambda message: print(f"headlab importance: {message}", file=sys.stderr)  # noqa: E731
     start = time.perf_counter()
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     if kinds:
         from headlab.adapters import attention_blocks
