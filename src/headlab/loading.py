@@ -16,7 +16,9 @@ from headlab.errors import HeadlabError
 from headlab.surgery import PRUNING_FILE, load_pruned
 
 # Model classes to try, most specific head first: analyses need an LM head when there is one.
-_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel")
+_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
+                 "AutoModelForSequenceClassification")
+# The last is never a default (AutoModel has every config): only a checkpoint naming it gets it.
 
 
 def model_class_for(config) -> type:

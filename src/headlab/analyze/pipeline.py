@@ -530,6 +530,9 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
     model, tokenizer = ctx.load()
     n = c.attention_sentences if c.limit is None else min(c.attention_sentences, c.limit)
     sources = [line.strip() for line in read_lines(c.source)]
+    if ctx.info.arch == "classifier":  # a labelled TSV: the text (pairs joined), not the label
+        data = ctx.importance_data()
+        sources = data.source_texts
     targets = [line.strip() for line in read_lines(c.target)] if c.target else None
     keep = [i for i, s in enumerate(sources) if s and (targets is None or targets[i])][:n]
     sources = [sources[i] for i in keep]

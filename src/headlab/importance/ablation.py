@@ -8,7 +8,11 @@ other head is kept:
   log-likelihood of the data set (against the references when given, else against the
   model's own translation, the next token, or the masked tokens, as for gradient importance);
 * ``metric="bleu"`` (translation models with references): ``BLEU(model) - BLEU(mask h)``,
-  corpus BLEU of greedy (or beam) translations, sacreBLEU defaults.
+  corpus BLEU of greedy (or beam) translations, sacreBLEU defaults;
+* ``metric="accuracy"`` (fine-tuned classifiers with labels): ``acc(model) - acc(mask h)``,
+  the share of texts whose predicted class is the gold label. For a classifier the loss is the
+  task loss (cross-entropy of the gold label), and :func:`compute_ablation_tables` gives loss
+  and accuracy from the same passes.
 
 Higher means more important in both cases.
 
@@ -46,9 +50,9 @@ from headlab.importance.data import (
     make_batches,
 )
 
-__all__ = ["METRICS", "compute_ablation"]
+__all__ = ["METRICS", "compute_ablation", "compute_ablation_tables"]
 
-METRICS = ("loss", "bleu")
+METRICS = ("loss", "bleu", "accuracy")
 
 Variant = tuple[AttentionBlock, int]
 
@@ -158,21 +162,52 @@ def compute_ablation(
     ``max_rows`` bounds the rows of one forward call (copies x batch), so
     ``max_rows // batch_size`` masked variants run together.
     """
+    return compute_ablation_tables(model, data, info, metrics=(metric,), batch_size=batch_size, max_rows=max_rows,
+                                   kinds=kinds, beam=beam, tokenizer=tokenizer, progress=progress)[0]
+
+
+def compute_ablation_tables(
+    model: nn.Module,
+    data: ImportanceData,
+    info: ModelInfo | None = None,
+    *,
+    metrics: tuple[str, ...] = ("loss",),
+    batch_size: int = 32,
+    max_rows: int = 256,
+    kinds: tuple[str, ...] | None = None,
+    beam: int = 1,
+    tokenizer=None,
+    progress: bool = False,
+) -> list[HeadScores]:
+    """Ablation under each of ``metrics`` from the same masked passes: method ``"ablation"`` for
+    the first, ``"ablation_<metric>"`` for the others (a classifier's loss and accuracy)."""
     info = info or describe_model(model)
-    if metric not in METRICS:
-        raise HeadlabError(f"unknown ablation metric {metric!r}; expected one of {', '.join(METRICS)}")
+    for metric in metrics:
+        if metric not in METRICS:
+            raise HeadlabError(f"unknown ablation metric {metric!r}; expected one of {', '.join(METRICS)}")
     if not info.has_lm_head:
         raise HeadlabError("ablation measures a loss or BLEU, so it needs a language-model head; this model has none")
+    if "accuracy" in metrics and info.arch != "classifier":
+        raise HeadlabError("ablation accuracy is for classifiers (a labelled TSV); use --metric loss or bleu")
+    if info.arch == "classifier" and data.classes is None:
+        raise HeadlabError("ablation of a classifier needs the texts' labels (a labelled TSV)")
+    if "bleu" in metrics and len(metrics) > 1:
+        raise HeadlabError("BLEU ablation runs alone")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     variants = [(block, head) for block in blocks for head in range(block.n_heads)]
-    if metric == "bleu":
-        values, signature = _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress)
+    if metrics == ("bleu",):
+        results = {"bleu": _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress)}
     else:
-        values, signature = _ablate_loss(model, data, info, variants, batch_size, max_rows, progress)
-    scores = block_scores(attention_blocks(model), values)
-    if kinds is not None:
-        scores = {k: v for k, v in scores.items() if k in kinds}
-    return HeadScores(scores, "ablation", info.name, {**data.signature(), **signature, "metric": metric})
+        results = _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, metrics)
+    tables = []
+    for i, metric in enumerate(metrics):
+        values, signature = results[metric]
+        scores = block_scores(attention_blocks(model), values)
+        if kinds is not None:
+            scores = {k: v for k, v in scores.items() if k in kinds}
+        method = "ablation" if i == 0 else f"ablation_{metric}"
+        tables.append(HeadScores(scores, method, info.name, {**data.signature(), **signature, "metric": metric}))
+    return tables
 
 
 def _n_passes(n_sentences: int, batch_size: int, variants: list[Variant], max_rows: int) -> int:
@@ -199,12 +234,23 @@ def _progress(total: int, desc: str, enabled: bool) -> Callable[[int], None]:
     return step
 
 
-def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress):
+def _correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per example: how many of its scored steps predict their label (a classifier: 0 or 1)."""
+    return ((logits.argmax(-1) == labels) & (labels != -100)).sum(-1).float()
+
+
+_MEASURES = {"loss": lambda logits, labels: sequence_nll(logits, labels)[0], "accuracy": _correct}
+
+
+def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, metrics=("loss",)):
+    """Loss (and, for a classifier, accuracy) of every variant: ``{metric: (values, signature)}``."""
     if info.is_seq2seq and data.references is None and data.translations is None:
         raise HeadlabError("ablation with the loss needs references or the model's translations")
     device = next(model.parameters()).device
-    totals = {(b.key, h): 0.0 for b, h in variants}
-    base_total = n_tokens = 0.0
+    measures = {m: _MEASURES[m] for m in metrics}
+    totals = {m: {(b.key, h): 0.0 for b, h in variants} for m in metrics}
+    base_totals = dict.fromkeys(metrics, 0.0)
+    n_tokens = 0.0
     tick = _progress(_n_passes(len(data), batch_size, variants, max_rows), "ablation", progress)
     was_training = model.training
     model.eval()
@@ -223,25 +269,32 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress):
                         logits = forward_logits(model, batch.inputs, info)
                 finally:
                     recorder.remove()
-                nll, count = sequence_nll(logits, batch.labels)
-                base_total += float(nll.sum())
+                _, count = sequence_nll(logits, batch.labels)
+                for m, measure in measures.items():
+                    base_totals[m] += float(measure(logits, batch.labels).sum())
                 n_tokens += float(count.sum())
                 tick(1)
                 copies = max(1, max_rows // batch.size)
                 for group in _groups(variants, copies):
-                    totals_group = _loss_group(model, info, batch, group, encoder_out, recorder)
-                    for (block, head), value in zip(group, totals_group):
-                        totals[(block.key, head)] += value
+                    per_metric = _loss_group(model, info, batch, group, encoder_out, recorder, measures)
+                    for m, totals_group in per_metric.items():
+                        for (block, head), value in zip(group, totals_group):
+                            totals[m][(block.key, head)] += value
                     tick(1)
     finally:
         model.train(was_training)
     if n_tokens == 0:
         raise HeadlabError("ablation: no token to score in the data")
-    base = base_total / n_tokens
-    values = {}
-    for (key, head), total in totals.items():
-        values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = total / n_tokens - base
-    return values, {"base_loss": base, "n_scored_tokens": int(n_tokens), "score": "loss(masked) - loss"}
+    out = {}
+    for m in metrics:
+        base = base_totals[m] / n_tokens
+        sign = -1.0 if m == "accuracy" else 1.0  # higher = more important: a loss rise, an accuracy drop
+        values = {}
+        for (key, head), total in totals[m].items():
+            values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = sign * (total / n_tokens - base)
+        score = "accuracy - accuracy(masked)" if m == "accuracy" else "loss(masked) - loss"
+        out[m] = (values, {f"base_{m}": base, "n_scored_tokens": int(n_tokens), "score": score})
+    return out
 
 
 def _n_heads(variants: list[Variant], key) -> int:
@@ -249,8 +302,10 @@ def _n_heads(variants: list[Variant], key) -> int:
 
 
 def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], encoder_out,
-                recorder: _LayerRecorder) -> list[float]:
-    """Summed token NLL of the batch under each variant of ``group`` (one block), in one forward call."""
+                recorder: _LayerRecorder, measures=None) -> dict[str, list[float]]:
+    """Per measure (summed token NLL, correct predictions), the batch's total under each variant
+    of ``group`` (one block), in one forward call."""
+    measures = measures or {"loss": _MEASURES["loss"]}
     rows, copies = batch.size, len(group)
     inputs = expand_batch(batch, copies)
     labels = batch.labels.repeat(copies, 1)
@@ -261,8 +316,7 @@ def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], enco
             logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
         else:
             logits = forward_logits(model, inputs, info)
-    nll, _ = sequence_nll(logits, labels)
-    return nll.view(copies, rows).sum(-1).tolist()
+    return {m: measure(logits, labels).view(copies, rows).sum(-1).tolist() for m, measure in measures.items()}
 
 
 def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress):

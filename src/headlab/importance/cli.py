@@ -15,7 +15,7 @@ from headlab.importance.config import ImportanceConfig
 # encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
 _LM_HEAD_SUFFIXES = (
     "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
-    "ForSeq2SeqLM",
+    "ForSeq2SeqLM", "ForSequenceClassification",
 )
 
 
@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")
     p.add_argument("--data", required=True,
                    help="text file, one sentence per line (plain or .gz): a translation model's source side, "
-                        "otherwise the text itself")
+                        "otherwise the text itself; for a sequence classifier a labelled TSV "
+                        "(text<TAB>label or text_a<TAB>text_b<TAB>label)")
     p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
     p.add_argument("--method", default="all",
                    help=h("methods") + " (several: comma-separated)")
@@ -37,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     p.add_argument("--batch-size", type=int, default=32, help=h("batch_size"))
-    p.add_argument("--metric", choices=["loss", "bleu"], default="loss", help=h("metric"))
+    p.add_argument("--metric", choices=["loss", "bleu", "accuracy"], default="loss", help=h("metric"))
     p.add_argument("--beam", type=int, default=1, help=h("beam"))
     p.add_argument("--lrp-strategy", choices=["vmap", "loop", "jacobian"], default="vmap", help=h("lrp_strategy"))
     p.add_argument("--ablation-rows", type=int, default=256, help=h("ablation_rows"))

@@ -43,8 +43,11 @@ class ExampleGates(HeadGates):
 
 
 def forward_logits(model: nn.Module, inputs: Mapping[str, torch.Tensor], info: ModelInfo, **extra) -> torch.Tensor:
+    """``[batch, t_len, vocab]`` logits; a classifier's ``[batch, classes]`` as ``[batch, 1, classes]``
+    (one step per text, so that the task loss is :func:`sequence_nll` of its label)."""
     kwargs = {"use_cache": False} if info.is_seq2seq else {}
-    return model(**inputs, **kwargs, **extra).logits
+    logits = model(**inputs, **kwargs, **extra).logits
+    return logits[:, None, :] if info.arch == "classifier" else logits
 
 
 def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,13 +2,16 @@
 
 The measures share one preparation step so that they score the same tokens:
 
-* :func:`describe_model` says what kind of model it is (``seq2seq``, ``causal`` or ``masked``),
+* :func:`describe_model` says what kind of model it is (``seq2seq``, ``causal``, ``masked`` or
+  ``classifier``: a fine-tuned sequence classifier, whose loss is the task's),
   which token ids are special, how long an input may be, and whether it has a language-model
   head (LRP, gradient importance and ablation need one; confidence does not).
 * :class:`ImportanceData` holds the tokenized data set: source sentences (for a
   decoder-only or encoder-only model, the text itself), optional references, and the model's
   own translations once :func:`translate_data` has made them. It counts what loading did:
   empty lines skipped, inputs truncated to the model's maximum length.
+* :func:`read_labelled_data` reads a classifier's labelled TSV (``text<TAB>label`` or
+  ``text_a<TAB>text_b<TAB>label``).
 * :func:`make_batches` pads a data set into :class:`Batch` es. For a translation model the
   decoder side is either the model's translation (``side="translation"``, used by confidence
   and LRP: Voita et al. 2019, Sec. 4, score the model's own output) or the reference
@@ -38,7 +41,9 @@ __all__ = [
     "describe_model",
     "encode_texts",
     "make_batches",
+    "output_layer",
     "read_data",
+    "read_labelled_data",
     "translate_data",
 ]
 
@@ -49,8 +54,9 @@ _NO_LIMIT = 1_000_000  # tokenizers report model_max_length = 1e30 when they kno
 class ModelInfo:
     """What the importance measures need to know about a model.
 
-    ``arch`` is ``"seq2seq"`` (encoder-decoder), ``"causal"`` (decoder-only) or ``"masked"``
-    (encoder-only). ``special_ids`` are the ids that confidence leaves out as queries and keys
+    ``arch`` is ``"seq2seq"`` (encoder-decoder), ``"causal"`` (decoder-only), ``"masked"``
+    (encoder-only) or ``"classifier"`` (a sequence classifier: one prediction per text, its
+    ``n_labels`` classes named ``label_names``). ``special_ids`` are the ids that confidence leaves out as queries and keys
     and that are never LRP targets of a masked LM (padding, EOS, BOS, CLS, SEP, ...).
     """
 
@@ -63,6 +69,8 @@ class ModelInfo:
     has_lm_head: bool
     mask_id: int | None = None
     name: str = ""
+    n_labels: int = 0
+    label_names: tuple[str, ...] = ()
 
     @property
     def is_seq2seq(self) -> bool:
@@ -93,7 +101,9 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     config = model.config
     blocks = attention_blocks(model)
     kinds = {b.kind for b in blocks}
-    if getattr(config, "is_encoder_decoder", False):
+    if is_classifier(model):
+        arch = "classifier"
+    elif getattr(config, "is_encoder_decoder", False):
         arch = "seq2seq"
     elif "dec_self" in kinds and "enc_self" not in kinds:
         arch = "causal"
@@ -121,8 +131,11 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     limits = [v for v in (_max_positions(config), max_length) if v]
     if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
         limits.append(int(tokenizer.model_max_length))
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output = output_layer(model)
     has_lm_head = isinstance(getattr(output, "weight", None), torch.Tensor)
+    n_labels = int(getattr(config, "num_labels", 0) or 0) if arch == "classifier" else 0
+    id2label = getattr(config, "id2label", None) or {}
+    label_names = tuple(str(id2label.get(i, id2label.get(str(i), i))) for i in range(n_labels))
     name = getattr(config, "_name_or_path", "") or type(model).__name__
     return ModelInfo(
         arch=arch,
@@ -134,7 +147,27 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
         has_lm_head=has_lm_head,
         mask_id=None if mask_id is None else int(mask_id),
         name=str(name),
+        n_labels=n_labels,
+        label_names=label_names,
     )
+
+
+def is_classifier(model: nn.Module) -> bool:
+    """A sequence classifier (``...ForSequenceClassification``): one set of class logits per text."""
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The last linear map to the logits: the language-model head, or a classifier's last layer
+    onto its classes (BERT's ``classifier``, RoBERTa's ``classifier.out_proj``, GPT-2's ``score``)."""
+    if is_classifier(model):
+        n_labels = getattr(model.config, "num_labels", None)
+        found = None
+        for _, module in model.named_modules():
+            if isinstance(module, nn.Linear) and module.out_features == n_labels:
+                found = module
+        return found
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 @dataclass
@@ -155,6 +188,10 @@ class ImportanceData:
     max_length: int | None = None
     source_texts: list[str] = field(default_factory=list, repr=False)
     reference_texts: list[str] = field(default_factory=list, repr=False)
+    classes: list[int] | None = None
+    """A classifier's gold label (class index) of each text."""
+    segments: list[list[int]] | None = None
+    """Token type ids of text pairs (``text_a<TAB>text_b``), when the tokenizer makes them."""
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -165,6 +202,8 @@ class ImportanceData:
             )
         if self.references is not None and len(self.references) != len(self.sources):
             raise HeadlabError(f"{len(self.sources)} sources but {len(self.references)} references")
+        if self.classes is not None and len(self.classes) != len(self.sources):
+            raise HeadlabError(f"{len(self.sources)} texts but {len(self.classes)} labels")
         if not self.n_lines:
             self.n_lines = len(self.sources) + self.n_empty
 
@@ -266,6 +305,10 @@ def read_data(
     """
     from headlab.data.parallel import read_lines
 
+    if info.arch == "classifier":
+        if target_path is not None:
+            raise HeadlabError("--target is for translation models; a classifier reads its labels from the TSV")
+        return read_labelled_data(path, tokenizer, info, n_sentences=n_sentences)
     sources = read_lines(path)
     references = None
     if target_path is not None:
@@ -285,6 +328,77 @@ def read_data(
     return encode_texts(
         tokenizer, info, sources, references, source_path=str(path),
         target_path="" if target_path is None else str(target_path),
+    )
+
+
+def _label_index(value: str, info: ModelInfo, where: str) -> int:
+    """A label field: one of the model's label names, or a class index."""
+    value = value.strip()
+    if value in info.label_names and not all(n.startswith("LABEL_") for n in info.label_names):
+        return info.label_names.index(value)
+    try:
+        index = int(value)
+    except ValueError:
+        raise HeadlabError(f"{where}: label {value!r} is neither a class index (0..{info.n_labels - 1}) nor one "
+                           f"of the model's labels ({', '.join(info.label_names)})") from None
+    if not 0 <= index < info.n_labels:
+        raise HeadlabError(f"{where}: label {index} is outside the model's {info.n_labels} classes "
+                           f"(0..{info.n_labels - 1})")
+    return index
+
+
+def read_labelled_data(
+    path: str | Path, tokenizer, info: ModelInfo, *, n_sentences: int | None = None
+) -> ImportanceData:
+    """A classifier's data: a TSV of ``text<TAB>label`` or ``text_a<TAB>text_b<TAB>label`` lines
+    (a GLUE-style header line whose last field is ``label`` is skipped). The label is a class
+    index or one of the model's label names (``config.id2label``). Every line must have the
+    same number of fields; a bad line is an error naming the file and line."""
+    from headlab.data.parallel import read_lines
+
+    lines = read_lines(path)
+    if n_sentences is not None:
+        if n_sentences < 1:
+            raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+    rows, n_empty, width = [], 0, None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            n_empty += 1
+            continue
+        fields = line.rstrip("\r\n").split("\t")
+        where = f"{path}:{number}"
+        if number == 1 and fields[-1].strip().lower() == "label":
+            continue  # header
+        if len(fields) not in (2, 3):
+            raise HeadlabError(f"{where}: expected text<TAB>label or text_a<TAB>text_b<TAB>label, got "
+                               f"{len(fields)} tab-separated field(s)")
+        if width is not None and len(fields) != width:
+            raise HeadlabError(f"{where}: {len(fields)} fields, but earlier lines have {width}")
+        width = len(fields)
+        if not all(f.strip() for f in fields[:-1]):
+            raise HeadlabError(f"{where}: empty text")
+        rows.append(([f.strip() for f in fields[:-1]], _label_index(fields[-1], info, where)))
+        if n_sentences is not None and len(rows) == n_sentences:
+            break
+    if not rows:
+        raise HeadlabError(f"empty data set: {path} has no labelled line")
+    texts = [fields for fields, _ in rows]
+    firsts = [t[0] for t in texts]
+    seconds = [t[1] for t in texts] if width == 3 else None
+    encoded = tokenizer(firsts, seconds, truncation=False)
+    too_long = [i for i, ids in enumerate(encoded["input_ids"]) if len(ids) > info.max_length]
+    if too_long:
+        short = tokenizer([firsts[i] for i in too_long], None if seconds is None else [seconds[i] for i in too_long],
+                          truncation=True, max_length=info.max_length)
+        for key in encoded:
+            for i, value in zip(too_long, short[key]):
+                encoded[key][i] = value
+    segments = [list(map(int, x)) for x in encoded["token_type_ids"]] if width == 3 and "token_type_ids" in encoded \
+        else None
+    return ImportanceData(
+        [list(map(int, ids)) for ids in encoded["input_ids"]], None, None, str(path), "", len(lines), n_empty,
+        len(too_long), info.max_length, source_texts=[" ".join(t) for t in texts],
+        classes=[label for _, label in rows], segments=segments,
     )
 
 
@@ -452,6 +566,15 @@ def make_batches(
                 "dec_self": (dec_mask.bool(), dec_valid),
                 "dec_cross": (dec_mask.bool(), src_valid),
             }
+        elif info.arch == "classifier":
+            # One prediction per text: logits [batch, 1, classes] (forward_logits), label [batch, 1].
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            if data.segments is not None:
+                inputs["token_type_ids"], _ = _pad([data.segments[i] for i in chunk], 0, device, ids.shape[1])
+            steps = torch.ones(len(chunk), 1, dtype=torch.bool, device=device)
+            gold = [data.classes[i] if data.classes is not None else -100 for i in chunk]
+            labels = torch.tensor(gold, dtype=torch.long, device=device)[:, None]
+            valid = {"enc_self": (src_valid, src_valid), "dec_self": (src_valid, src_valid)}
         else:
             inputs = {"input_ids": ids, "attention_mask": mask}
             if info.arch == "causal":

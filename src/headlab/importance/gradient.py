@@ -10,7 +10,8 @@ derivatives come from one backward pass per batch: every sentence gets its own r
 The loss of a sentence is its mean token negative log-likelihood: against the reference when
 the data set has references, else against the model's own translation (translation models),
 the next token (causal LMs), or the masked tokens (masked LMs; the unmasked input when the
-tokenizer has no mask token).
+tokenizer has no mask token). A fine-tuned classifier's is its task loss, the cross-entropy
+of the text's gold label (Michel et al.'s own setting).
 
 Michel et al. normalise importance per layer with the l2 norm (following Molchanov et al.
 2017); :func:`compute_gradient` returns the scores with ``normalize=True`` (method
@@ -70,6 +71,8 @@ def compute_gradient(
         raise HeadlabError("gradient importance needs a loss, hence a language-model head; this model has none")
     if info.is_seq2seq and data.references is None and data.translations is None:
         raise HeadlabError("gradient importance on a translation model needs references or the model's translations")
+    if info.arch == "classifier" and data.classes is None:
+        raise HeadlabError("gradient importance of a classifier needs the texts' labels (a labelled TSV)")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_examples = n_tokens = 0
@@ -115,6 +118,8 @@ def compute_gradient(
 
 
 def _loss_name(info: ModelInfo, data: ImportanceData) -> str:
+    if info.arch == "classifier":
+        return "task loss: cross-entropy of each text's gold label"
     if info.is_seq2seq:
         return "mean token NLL of the " + ("reference" if data.references is not None else "model's own translation")
     if info.arch == "causal":

@@ -5,7 +5,8 @@ Definitions, from the paper:
 * **target**: the top-1 logit of each generation step of the model's own translation,
   teacher-forced on that translation (not the reference). A decoder-only model's target is
   the top-1 logit of its LM head at every position of the text; an encoder-only (masked) LM's
-  at every non-special token.
+  at every non-special token; a fine-tuned classifier's, the logit of its predicted class (one
+  target per text).
 * **head relevance for one target**: the sum of the relevances of the head's neurons (the
   head's output, at the input of the output projection), normalised over the heads of its
   layer. Relevance can be negative, so the normaliser is the sum of absolute values: for
@@ -48,6 +49,7 @@ from headlab.importance.data import (
     count_batches,
     describe_model,
     make_batches,
+    output_layer,
 )
 from headlab.importance.rules import lrp_rules
 
@@ -79,8 +81,8 @@ def normalize_per_layer(relevance: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def _lm_input(model: nn.Module) -> Iterator[dict]:
-    """Record the input of the output projection (the LM head's last linear map)."""
-    output = model.get_output_embeddings()
+    """Record the input of the output projection (the LM head's, or a classifier's last linear map)."""
+    output = output_layer(model)
     seen: dict = {}
 
     def hook(module, args):
@@ -93,9 +95,25 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
         handle.remove()
 
 
-def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-1 token of every position and its logit recomputed from the needed rows only."""
-    output = model.get_output_embeddings()
+def _pooled_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Where a decoder-only classifier reads its class logits: the last non-padding token, as
+    transformers' ``...ForSequenceClassification`` pools them."""
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * (input_ids != pad)).argmax(-1)
+
+
+def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
+             input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 token of every position and its logit recomputed from the needed rows only; for a
+    classifier (logits ``[batch, classes]``) the predicted class, as one step ``[batch, 1]``."""
+    output = output_layer(model)
+    if logits.dim() == 2:  # a sequence classifier
+        if z.dim() == 3:  # its class layer ran at every position (GPT-2's score): take the pooled one
+            z = z[torch.arange(z.shape[0], device=z.device), _pooled_positions(model, input_ids)]
+        z, logits = z[:, None, :], logits[:, None, :]  # [batch, 1, d], [batch, 1, classes]
     top = logits.detach().argmax(-1)  # [batch, t_len]
     weight = output.weight.detach()  # [vocab, d]
     y = (z * weight[top]).sum(-1)  # [batch, t_len]
@@ -131,7 +149,7 @@ def head_relevance(
     """Raw LRP relevance of every head for every generation step of ``batch``."""
     if strategy not in STRATEGIES:
         raise HeadlabError(f"unknown LRP strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if model.get_output_embeddings() is None:
+    if output_layer(model) is None:
         raise HeadlabError("LRP needs a language-model head (its top-1 logit is the target); this model has none")
     blocks = [b for b in (attention_blocks(model) if blocks is None else blocks) if b.n_heads > 0]
     recorded: dict[tuple[str, int], torch.Tensor] = {}
@@ -147,7 +165,7 @@ def head_relevance(
                 head_output_hooks(blocks, record):
             out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
                 else model(**batch.inputs)
-            y, top = _targets(model, out.logits, seen["z"])
+            y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
             steps = batch.steps.to(y.device)
             index = _step_list(steps)
             keys = [b.key for b in blocks]
@@ -267,7 +285,8 @@ def compute_lrp(
     signature = {
         **data.signature(),
         "n_steps": n_steps,
-        "target": "top-1 logit of the model's own output, teacher-forced",
+        "target": "logit of the predicted class" if info.arch == "classifier"
+        else "top-1 logit of the model's own output, teacher-forced",
         "normalisation": "per target, over the heads of a layer (sum of |relevance|)",
         "rules": "Ding et al. 2017 weight ratios (Voita et al. 2019, App. A); attention weights constant",
         "strategy": strategy,

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
-from headlab.importance.ablation import METRICS, compute_ablation
+from headlab.importance.ablation import compute_ablation_tables
 from headlab.importance.agreement import AgreementTable, compute_agreement
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.confidence import compute_confidence
 from headlab.importance.data import ImportanceData, ModelInfo, translate_data
 from headlab.importance.gradient import compute_gradient, l2_normalize_per_layer
-from headlab.importance.lrp import STRATEGIES, compute_lrp
+from headlab.importance.lrp import compute_lrp
 
 __all__ = ["METHODS", "ImportanceConfig", "ImportanceResult", "run_importance", "save_results"]
 
@@ -46,9 +46,11 @@ def _gradient(model, data, info, config, tokenizer):
 
 
 def _ablation(model, data, info, config, tokenizer):
-    return [compute_ablation(model, data, info, metric=config.metric, batch_size=config.batch_size,
-                             max_rows=config.ablation_rows, kinds=config.kinds, beam=config.beam,
-                             tokenizer=tokenizer, progress=config.progress)]
+    # A classifier's ablation gives the task loss and the accuracy from the same passes.
+    metrics = (config.metric, "accuracy") if info.arch == "classifier" and config.metric == "loss" else (config.metric,)
+    return compute_ablation_tables(model, data, info, metrics=metrics, batch_size=config.batch_size,
+                                   max_rows=config.ablation_rows, kinds=config.kinds, beam=config.beam,
+                                   tokenizer=tokenizer, progress=config.progress)
 
 
 METHODS: dict[str, Callable] = {
