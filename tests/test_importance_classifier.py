@@ -174,3 +174,32 @@ def test_labelled_tsv_pairs_and_errors(classifier, tmp_path):
         (tmp_path / "bad.tsv").write_text(text, encoding="utf-8")
         with pytest.raises(HeadlabError, match=message):
             read_labelled_data(tmp_path / "bad.tsv", tokenizer, info)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "roberta"])
+def test_lrp_targets_are_the_predicted_class_logits(family):
+    """The classifier head is found for other layouts too: GPT-2 scores every position and pools
+    the last real token (padding on the right here), RoBERTa's head ends in out_proj."""
+    from headlab.importance.lrp import head_relevance
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = tf.GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=32, num_labels=3,
+                               pad_token_id=0)
+        model = tf.GPT2ForSequenceClassification(config).eval()
+    else:
+        config = tf.RobertaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, max_position_embeddings=40, num_labels=3, pad_token_id=1)
+        model = tf.RobertaForSequenceClassification(config).eval()
+    info = describe_model(model)
+    assert info.arch == "classifier" and info.has_lm_head
+    from headlab.importance.data import ImportanceData
+
+    data = ImportanceData.from_ids([[5, 6, 7, 8, 9], [10, 11, 12]])
+    data.classes = [0, 2]
+    batch = next(make_batches(data, info, batch_size=2))
+    with torch.no_grad():
+        expected = model(**batch.inputs).logits.max(-1).values
+    result = head_relevance(model, batch)
+    torch.testing.assert_close(result.logits, expected, rtol=1e-4, atol=1e-5)
+    assert all(r.shape == (2, 4) and r.abs().sum() > 0 for r in result.relevance.values())
