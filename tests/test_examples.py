@@ -1,0 +1,69 @@
+"""The scripts of examples/ run on tiny models, so that they never rot (issue 15, item 10)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from test_functions_support import SAMPLE_CONLLU, word_tokenizer
+from tiny_models import tiny_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+WORDS = [w for text in TEXTS for w in text.split()]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(name: str, argv: list[str], monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv])
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+
+
+def test_causal_lm_example(tmp_path, monkeypatch, capsys):
+    tiny_model("gpt2").save_pretrained(tmp_path / "gpt2")
+    word_tokenizer(WORDS, style="gpt2").save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "text.txt").write_text("\n".join(TEXTS) + "\n")
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU)
+    _run("causal_lm.py", [str(tmp_path / "gpt2"), "--text", str(tmp_path / "text.txt"), "--conllu",
+                          str(tmp_path / "tb.conllu"), "--out", str(tmp_path / "out"), "--skip", "figures"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "most important heads by LRP:" in out and out.count("layer ") == 5 and "index.html" in out
+
+
+def test_classifier_example(tmp_path, monkeypatch, capsys):
+    torch.manual_seed(0)
+    config = tf.BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=37, max_position_embeddings=32, num_labels=2)
+    tf.BertForSequenceClassification(config).save_pretrained(tmp_path / "clf")
+    word_tokenizer(WORDS, style="bert", max_vocab=40).save_pretrained(tmp_path / "clf")
+    (tmp_path / "dev.tsv").write_text("".join(f"{text}\t{i % 2}\n" for i, text in enumerate(TEXTS * 2)))
+    _run("classifier.py", [str(tmp_path / "clf"), "--data", str(tmp_path / "dev.tsv"), "--out", str(tmp_path / "o")],
+         monkeypatch)
+    out = capsys.readouterr().out
+    assert "accuracy of the full model" in out and "gradient importance vs ablation (Spearman)" in out
+    assert (tmp_path / "o" / "ablation_accuracy.json").is_file()
+
+
+def test_translation_example(tmp_path, monkeypatch, capsys):
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # not the user's cache
+    tiny_model("marian").save_pretrained(tmp_path / "mt")
+    word_tokenizer(WORDS).save_pretrained(tmp_path / "mt")
+    (tmp_path / "src.txt").write_text("\n".join(TEXTS) + "\n")
+    _run("translation.py", [str(tmp_path / "mt"), "--source", str(tmp_path / "src.txt"), "--out",
+                            str(tmp_path / "pruned"), "--remove", "3"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "removing 3 encoder heads" in out and out.count("  ->  ") == 3
+    assert (tmp_path / "pruned" / "pruned_heads.py").is_file()
