@@ -76,7 +76,11 @@ def test_asking_for_a_missing_gpu_is_a_clear_error_before_any_work(saved, tmp_pa
     for argv in (["importance", str(saved / "gpt2"), "--data", str(saved / "text.txt"), "--out", str(tmp_path / "i")],
                  ["analyze", str(saved / "gpt2"), "--source", str(saved / "text.txt"), "--out", str(tmp_path / "a")],
                  ["functions", str(saved / "gpt2"), "--conllu", str(saved / "tb.conllu"), "--out", str(tmp_path / "f")],
-                 ["prune", "apply", str(saved / "gpt2"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "p")]):
+                 ["prune", "apply", str(saved / "gpt2"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "p")],
+                 ["nmt", "translate", "--model", str(saved / "marian"), "--input", str(saved / "text.txt")],
+                 ["nmt", "evaluate", "--model", str(saved / "marian"), "--src", str(saved / "text.txt"), "--ref",
+                  str(saved / "text.txt")],
+                 ["lm", "evaluate", "--model", str(saved / "gpt2"), "--text", str(saved / "text.txt")]):
         assert main([*argv, "--device", "cuda:1"]) == 2
         assert "--device cuda:1: no CUDA device is available here" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

@@ -10,7 +10,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 def add_device_options(parser) -> None:
     parser.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (none: the CPU)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES,
-                        help="the weights' dtype (none: as transformers loads the checkpoint)")
+                        help="the weights' dtype (none: float32, whatever the checkpoint stores)")
     parser.add_argument("--device-map", choices=("auto",),
                         help="auto: spread a model that does not fit one device over the GPUs and the CPU "
                              "(accelerate); excludes --device")

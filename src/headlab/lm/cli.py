@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 
 
@@ -64,6 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_device_options(p)
     p.set_defaults(func=_evaluate)
 
     p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
@@ -119,8 +121,9 @@ def _evaluate(args) -> int:
     from headlab.loading import load_model, load_tokenizer
 
     _set_threads(args.threads)
+    placement = device_options(args)  # a GPU that is not there fails before any work
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
-    model = load_model(args.model, dtype="float32")
+    model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
     tokenizer = load_tokenizer(args.model)
     if tokenizer.bos_token_id is None:
         raise HeadlabError(f"{args.model}: the tokenizer has no BOS token (not a headlab language model)")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from headlab.errors import HeadlabError
 
 __all__ = ["LMConfig", "ARCHITECTURES", "build_lm_config", "create_lm"]
@@ -63,6 +61,7 @@ def build_lm_config(model: LMConfig, tokenizer):
 
 def create_lm(config, *, seed: int | None = None, attn_implementation: str = "sdpa"):
     """A freshly initialised causal LM (seeded, so every rank builds the same weights)."""
+    import torch  # here, not at the top: the command line reads ARCHITECTURES at start-up
     from transformers import AutoModelForCausalLM
 
     if seed is not None:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 
 
@@ -68,6 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_device_options(p)
     p.set_defaults(func=_translate)
 
     p = commands.add_parser("bleu", help="BLEU and chrF (sacreBLEU) of detokenized output against references")
@@ -86,6 +88,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--output", help="also write the translations here")
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_device_options(p)
     p.set_defaults(func=_evaluate)
 
     p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
@@ -181,14 +184,16 @@ def _check_translation_options(args) -> None:
     preflight.model_dir(args.model, "--model")
     if args.output not in (None, "-"):
         preflight.output_file(args.output, "--output")
+    device_options(args)  # a GPU that is not there: before any work
 
 
-def _load(model_dir: str):
+def _load(model_dir: str, args=None):
     from headlab.nmt.model import load_model
     from headlab.nmt.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # first: a directory without one fails before the weights load
-    return load_model(model_dir), tokenizer
+    placement = device_options(args) if args is not None else {}
+    return load_model(model_dir, **placement), tokenizer
 
 
 def _report_truncated(command: str, truncated: list[int], n: int, limit: int) -> None:
@@ -207,7 +212,7 @@ def _translate(args) -> int:
         preflight.input_file(args.input, "--input")
     _set_threads(args.threads)
     sentences = _read_input(args.input)
-    model, tokenizer = _load(args.model)
+    model, tokenizer = _load(args.model, args)
     start = time.time()
     truncated: list[int] = []
     outputs = translate(model, tokenizer, sentences, beam=args.beam, batch_size=args.batch_size,
@@ -241,7 +246,7 @@ def _evaluate(args) -> int:
         raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
                            "they must match line for line")
     _set_threads(args.threads)
-    model, tokenizer = _load(args.model)
+    model, tokenizer = _load(args.model, args)
     start = time.time()
     truncated: list[int] = []
     outputs = translate(model, tokenizer, sources, beam=args.beam, batch_size=args.batch_size, truncated=truncated)

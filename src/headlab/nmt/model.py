@@ -87,7 +87,8 @@ def create_model(config: MarianConfig, *, seed: int | None = None, attn_implemen
     return model
 
 
-def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=torch.float32) -> MarianMTModel:
+def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=torch.float32, device=None,
+               device_map=None) -> MarianMTModel:
     """Load a translation model with headlab's one loader (:func:`headlab.loading.load_model`):
     safetensors only, never pickles, and a pruned directory rebuilt with its heads removed."""
     from headlab.loading import load_model as load_any
@@ -95,7 +96,8 @@ def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=tor
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HeadlabError(f"no model in {path} (expected config.json and model.safetensors)")
-    model = load_any(str(path), dtype=dtype, attn_implementation=attn_implementation)
+    model = load_any(str(path), dtype=torch.float32 if dtype is None else dtype, device=device, device_map=device_map,
+                     attn_implementation=attn_implementation)
     if not model.config.is_encoder_decoder:
         raise HeadlabError(f"{path}: a {model.config.model_type} model, not a translation (encoder-decoder) model")
     return model
