@@ -93,7 +93,7 @@ def collect_profile(analysis_dir: str | Path, name: str, description: str = "") 
         profile["kinds"][kind] = {
             "positional": _positional(functions, kind),
             "syntactic": [
-                {key: row.get(key) for key in ("relation", "label", "n_arcs", "best_head", "best_accuracy",
+                {key: row.get(key) for key in ("relation", "label", "n_arcs", "arcs", "best_head", "best_accuracy",
                                                 "baseline", "baseline_offset", "n_syntactic", "status")}
                 for row in table1["table"] if row["kind"] == kind
             ],
@@ -139,13 +139,13 @@ def _syntactic(profile: dict) -> list[str]:
              "|---|---|---|---:|---|---:|---:|---:|"]
     for kind, body in profile["kinds"].items():
         for row in body["syntactic"]:
-            status = row.get("status", "ok")
+            status, arcs = row.get("status", "ok"), row.get("arcs") or row["n_arcs"]  # "reachable / all" if causal
             if status != "ok":
-                lines.append(f"| {kind} | {row['relation']} | {row['label']} | {row['n_arcs']} | {status} | | | |")
+                lines.append(f"| {kind} | {row['relation']} | {row['label']} | {arcs} | {status} | | | |")
                 continue
             margin = row["best_accuracy"] - row["baseline"]
             lines.append(
-                f"| {kind} | {row['relation']} | {row['label']} | {row['n_arcs']} | {_head(kind, row['best_head'])} "
+                f"| {kind} | {row['relation']} | {row['label']} | {arcs} | {_head(kind, row['best_head'])} "
                 f"| {_pct(row['best_accuracy'])} | {_pct(row['baseline'])} ({row['baseline_offset']:+d}) "
                 f"| {100 * margin:+.1f} |"
             )

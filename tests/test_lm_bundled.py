@@ -1,0 +1,53 @@
+"""The bundled English LM loads with plain transformers and reproduces its card's perplexity."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "english-lm"
+RESULTS = MODEL / "eval_results.json"
+
+pytestmark = pytest.mark.skipif(not RESULTS.is_file(), reason=f"bundled LM not exported yet ({RESULTS} missing)")
+
+
+def test_loads_with_plain_transformers_in_fp16_under_25_mb():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert (MODEL / "model.safetensors").stat().st_size <= 25 * 2**20
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    assert model.dtype == torch.float16
+    ids = tokenizer(["The man went to the"], return_tensors="pt")["input_ids"]
+    assert ids[0, 0] == tokenizer.bos_token_id
+    with torch.no_grad():
+        logits = model.float()(ids[:, :-1]).logits  # the sentence's </s> is not an input
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_reproduces_the_cards_perplexity(capsys):
+    from headlab.cli import main
+
+    headline = json.loads(RESULTS.read_text())["headline"]
+    card = (MODEL / "README.md").read_text()
+    assert headline["command"] in card and f"{headline['perplexity']:.2f}" in card
+    argv = shlex.split(headline["command"])[1:]
+    assert main([arg if not arg.startswith(("models/", "data/")) else str(ROOT / arg) for arg in argv] + ["--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["tokens"] == headline["tokens"]
+    assert scored["perplexity"] == pytest.approx(headline["perplexity"], rel=1e-4)
+
+
+def test_the_cards_tables_are_the_result_files():
+    from headlab.analyze.profiles import read_block
+    from headlab.lm.card import CARD_BLOCKS, render_card_blocks
+
+    card = (MODEL / "README.md").read_text(encoding="utf-8")
+    blocks = render_card_blocks(MODEL)
+    assert set(blocks) == set(CARD_BLOCKS)
+    for name, body in blocks.items():
+        assert read_block(card, name) == body, f"models/english-lm/README.md block {name!r}: run experiments/lm_card.py"
