@@ -5,7 +5,7 @@ A Marian model (d_model 128, FFN 512, 3+3 layers x 8 heads = 72 heads, BPE vocab
 trained on the data) is fine-tuned for one epoch on Multi30k pairs, alternately
 
 * plainly (``headlab.nmt.train.train``), and
-* with Hard Concrete gates on all 72 heads and the L0 penalty (``headlab.pruning.prune_train``,
+* with Hard Concrete gates on all 72 heads and the L0 penalty (``headlab.pruning.train.prune_train``,
   diagnostics every 50 steps, as a user would run it),
 
 ``--repeats`` times each, interleaved. The trainer's own epoch timer (``history.json``; it
@@ -38,7 +38,7 @@ from headlab.data import read_parallel
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
 from headlab.nmt.train import TrainConfig, train
-from headlab.pruning import PruneConfig, prune_train
+from headlab.pruning.train import PruneConfig, prune_train
 from headlab.pruning.train import measure_latency
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"

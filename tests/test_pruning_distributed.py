@@ -17,7 +17,7 @@ def _worker(out_dir: str) -> None:
     from accelerate import Accelerator
 
     from headlab.nmt.train import TrainConfig
-    from headlab.pruning import PruneConfig, prune_train
+    from headlab.pruning.train import PruneConfig, prune_train
     from tiny_nmt import tiny_corpus, tiny_marian, tiny_tokenizer
 
     torch.set_num_threads(1)

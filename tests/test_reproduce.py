@@ -26,9 +26,9 @@ from headlab.reproduce import (
     load_results,
     read_blocks,
     render_blocks,
-    run_pipeline,
     update_document,
 )
+from headlab.reproduce.pipeline import run_pipeline
 from headlab.reproduce.results import kept_mask
 
 REPO = Path(__file__).resolve().parents[1]

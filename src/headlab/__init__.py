@@ -11,6 +11,7 @@ The foundation every analysis plugs into:
 """
 
 from headlab._lazy import lazy_exports
+from headlab._version import __version__
 
 _EXPORTS = {
     "AttentionBlock": "headlab.adapters",
@@ -28,15 +29,13 @@ _EXPORTS = {
     "mask_heads": "headlab.gates",
     "KINDS": "headlab.heads",
     "HeadScores": "headlab.heads",
-    "HardConcreteGates": "headlab.pruning",
+    "HardConcreteGates": "headlab.pruning.hard_concrete",
     "count_parameters": "headlab.surgery",
     "load_pruned": "headlab.surgery",
     "prune_heads": "headlab.surgery",
     "pruning_record": "headlab.surgery",
     "save_pruned": "headlab.surgery",
 }
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AttentionBlock",
@@ -60,6 +59,7 @@ __all__ = [
     "prune_heads",
     "pruning_record",
     "save_pruned",
+    "__version__",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

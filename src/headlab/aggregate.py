@@ -41,8 +41,7 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import UPOS_TAGS
-from headlab.functions.common import BlockKey, format_head, head_scores
-from headlab.heads import HeadScores, atomic_write_text
+from headlab.heads import BlockKey, HeadScores, atomic_write_text, format_head, head_scores
 
 __all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
 

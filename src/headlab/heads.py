@@ -26,7 +26,10 @@ KINDS = ("enc_self", "dec_self", "dec_cross")
 CAUSAL_KINDS = frozenset({"dec_self"})
 """Kinds under a causal mask: a query sees only keys at or before its own position."""
 
-HeadSpec = Mapping[tuple[str, int], "list[int] | tuple[int, ...] | set[int]"]
+BlockKey = tuple[str, int]
+"""One attention block: ``(kind, layer)``."""
+
+HeadSpec = Mapping[BlockKey, "list[int] | tuple[int, ...] | set[int]"]
 """Heads per block: ``{(kind, layer): [head, ...]}``."""
 
 
@@ -34,6 +37,11 @@ def check_kind(kind: str) -> str:
     if kind not in KINDS:
         raise HeadlabError(f"unknown attention kind {kind!r}; expected one of {', '.join(KINDS)}")
     return kind
+
+
+def format_head(kind: str, layer: int, head: int) -> str:
+    """Human-readable head name, 0-based like every headlab index: ``enc_self L2 H4``."""
+    return f"{kind} L{layer} H{head}"
 
 
 def read_json(path: str | os.PathLike, what: str):
@@ -204,3 +212,27 @@ class HeadScores:
         csv.writer(buffer, lineterminator="\n").writerows(rows)
         atomic_write_text(path, buffer.getvalue())
         return path
+
+
+def head_scores(
+    per_block: Mapping[BlockKey, np.ndarray],
+    method: str,
+    model: str = "",
+    signature: Mapping[str, object] | None = None,
+) -> HeadScores:
+    """Assemble ``{(kind, layer): values [n_heads]}`` into one HeadScores (NaN where a block has
+    fewer heads or was not analysed)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for (kind, layer), values in per_block.items():
+        n_layers, n_heads = shapes.get(kind, (0, 0))
+        shapes[kind] = (max(n_layers, layer + 1), max(n_heads, len(values)))
+    scores = {}
+    for kind in KINDS:
+        if kind not in shapes:
+            continue
+        array = np.full(shapes[kind], np.nan)
+        for (k, layer), values in per_block.items():
+            if k == kind:
+                array[layer, : len(values)] = np.asarray(values, dtype=np.float64)
+        scores[kind] = array
+    return HeadScores(scores, method, model, dict(signature or {}))

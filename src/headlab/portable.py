@@ -24,10 +24,10 @@ from pathlib import Path
 
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import attention_blocks
 from headlab.heads import atomic_write_text
 
-__all__ = ["make_portable", "restore_original_config", "pruning_plan", "standard_config_values", "CODE_FILE",
+__all__ = ["make_portable", "restore_original_config", "standard_config_values", "CODE_FILE",
            "CLASS_NAME"]
 
 CODE_FILE = "pruned_heads.py"
@@ -37,47 +37,8 @@ PLAN_KEY = "headlab_pruned"
 # Families whose config states the head size (head_dim) apart from the width: config fields of
 # (query heads, key/value heads, head size).
 _STANDARD_FIELDS = {"llama-like": ("num_attention_heads", "num_key_value_heads", "head_dim")}
-# Attributes of an attention module that hold a head count or a width derived from one.
-_WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
 _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM",
                  "AutoModelForSequenceClassification", "AutoModel")
-
-
-def _core_path(block: AttentionBlock) -> str:
-    return block.name + (f".{block.family.core}" if block.family.core else "")
-
-
-def _projection(module: nn.Module) -> tuple[str, int, int]:
-    if isinstance(module, nn.Linear):
-        return "linear", module.in_features, module.out_features
-    return "conv1d", int(module.weight.shape[0]), int(module.nf)  # Conv1D: weight [in, out]
-
-
-def pruning_plan(model: nn.Module) -> dict:
-    """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
-    original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
-    module path -> head counts and widths) and ``no_head`` (layers left with no head)."""
-    from headlab.surgery import KEPT_ATTR, ZeroHeadAttention
-
-    names = {id(module): name for name, module in model.named_modules()}
-    plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
-    for block in attention_blocks(model):
-        core = block.core
-        if getattr(core, KEPT_ATTR, None) is None:
-            continue
-        for module in (block.q, block.k, block.v, block.qkv, block.o):
-            if module is not None:
-                plan["projections"][names[id(module)]] = list(_projection(module))
-        attrs = {}
-        for name in (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr):
-            if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
-                attrs[name] = int(getattr(core, name))
-        if attrs:
-            plan["attributes"][_core_path(block)] = attrs
-        if isinstance(core, ZeroHeadAttention):
-            plan["no_head"][_core_path(block)] = [core.zero_head_o_name, core.zero_head_n_outputs,
-                                                  core.zero_head_d_head]
-    return plan
 
 
 def standard_config_values(model: nn.Module) -> dict | None:
@@ -104,8 +65,9 @@ def _auto_map(model: nn.Module) -> dict[str, str]:
     return out or {"AutoModel": f"{Path(CODE_FILE).stem}.{CLASS_NAME}"}
 
 
-def make_portable(model: nn.Module, path: str | Path) -> dict:
-    """Make the pruned directory ``path`` (written by save_pruned) load without headlab.
+def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
+    """Make the pruned directory ``path`` (written by save_pruned) load without headlab;
+    ``plan`` is :func:`headlab.surgery.pruning_plan` of ``model``.
 
     Returns how: ``{"how": "standard config" | "remote code" | None, "original_config": {...},
     "reason": ...}``, which save_pruned keeps in headlab_pruning.json so that headlab rebuilds
@@ -136,7 +98,7 @@ def make_portable(model: nn.Module, path: str | Path) -> dict:
         raise RuntimeError(f"portable_code.py lost its line {line!r}")
     atomic_write_text(path / CODE_FILE, code.replace(line, f"BASE_CLASS = {type(model).__name__!r}", 1))
     config["auto_map"] = {**config.get("auto_map", {}), **_auto_map(model)}
-    config[PLAN_KEY] = pruning_plan(model)
+    config[PLAN_KEY] = plan
     atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return {"how": "remote code", "original_config": {}}
 

@@ -24,6 +24,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.errors import HeadlabError
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text
+from headlab.portable import make_portable, restore_original_config
 
 PRUNING_FILE = "headlab_pruning.json"
 FORMAT_VERSION = 1
@@ -307,6 +308,45 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
         _install_t5_bias_hooks(model, blocks)
 
 
+# Attributes of an attention module that hold a head count or a width derived from one.
+_WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
+
+
+def _core_path(block: AttentionBlock) -> str:
+    return block.name + (f".{block.family.core}" if block.family.core else "")
+
+
+def _projection(module: nn.Module) -> tuple[str, int, int]:
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    return "conv1d", int(module.weight.shape[0]), int(module.nf)  # Conv1D: weight [in, out]
+
+
+def pruning_plan(model: nn.Module) -> dict:
+    """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
+    original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
+    module path -> head counts and widths) and ``no_head`` (layers left with no head)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
+    for block in attention_blocks(model):
+        core = block.core
+        if getattr(core, KEPT_ATTR, None) is None:
+            continue
+        for module in (block.q, block.k, block.v, block.qkv, block.o):
+            if module is not None:
+                plan["projections"][names[id(module)]] = list(_projection(module))
+        attrs = {}
+        for name in (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr):
+            if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
+                attrs[name] = int(getattr(core, name))
+        if attrs:
+            plan["attributes"][_core_path(block)] = attrs
+        if isinstance(core, ZeroHeadAttention):
+            plan["no_head"][_core_path(block)] = [core.zero_head_o_name, core.zero_head_n_outputs,
+                                                  core.zero_head_d_head]
+    return plan
+
+
 def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write standard safetensors weights, the config and ``headlab_pruning.json``.
 
@@ -314,14 +354,12 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     a standard config where one can state the pruned heads, else ``trust_remote_code=True``
     with a small module saved beside the weights. How is recorded under ``portable``.
     """
-    from headlab.portable import make_portable  # the export builds on this module's record
-
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
     model.save_pretrained(path, safe_serialization=True)
     record = pruning_record(model)
-    record["portable"] = make_portable(model, path)
+    record["portable"] = make_portable(model, path, pruning_plan(model))
     atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
     return path
 
@@ -343,8 +381,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
     except json.JSONDecodeError as error:
         raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
     config = transformers.AutoConfig.from_pretrained(path, **config_overrides)
-    from headlab.portable import restore_original_config
-
     restore_original_config(record, config)  # the record applies to the unpruned model
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
@@ -390,6 +426,6 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
-    "prune_heads", "save_pruned", "load_pruned", "pruning_record", "apply_pruning_record",
+    "prune_heads", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS",
 ]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
+from headlab._version import __version__
 from headlab.analyze.records import (
     StageRecord,
     file_fingerprint,
@@ -266,12 +267,11 @@ class _Context:
         if self._info is None:
             from dataclasses import replace
 
-            from headlab.importance.cli import _checkpoint_has_lm_head
-            from headlab.importance.data import describe_model
+            from headlab.importance.data import checkpoint_has_lm_head, describe_model
 
             model, tokenizer = self.load()
             info = describe_model(model, tokenizer, max_length=self.config.max_length)
-            if info.has_lm_head and not _checkpoint_has_lm_head(model.config):
+            if info.has_lm_head and not checkpoint_has_lm_head(model.config):
                 info = replace(info, has_lm_head=False)
             self._info = info
         return self._info
@@ -301,8 +301,6 @@ class _Context:
 
     def key(self, name: str) -> str:
         c = self.config
-        from headlab import __version__
-
         common = {"stage": name, "version": __version__, "model": self.fingerprint(c.model)}
         if c.dtype is not None:  # other weights, other numbers (the device only moves them)
             common["dtype"] = c.dtype
@@ -686,8 +684,6 @@ def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = N
 
 
 def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]) -> AnalysisRun:
-    from headlab import __version__
-
     header = {"headlab_version": __version__, "model": config.model, "source": config.source,
               "target": config.target, "conllu": config.conllu, "created": now_iso()}
     ctx = _Context(config, out_dir, log)

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.aggregate import AggregateResult, AggregateStats
 from headlab.capture import capture_attention
@@ -36,11 +37,10 @@ from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, ali
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
-from headlab.functions.common import format_head
 from headlab.functions.positional import PositionalResult, PositionalStats
 from headlab.functions.rare_tokens import RareTokenResult, RareTokenStats
 from headlab.functions.syntactic import SyntacticResult, SyntacticStats
-from headlab.heads import atomic_write_text
+from headlab.heads import atomic_write_text, format_head
 from headlab.loading import check_tokenizer_fits
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "model_max_length"]
@@ -397,12 +397,7 @@ def analyze_heads(
             "spacing": config.spacing,
             "max_length": max_length,
         }
-        try:
-            from headlab import __version__
-
-            signature["version"] = __version__
-        except ImportError:  # pragma: no cover
-            pass
+        signature["version"] = __version__
         return HeadAnalysis(
             config=config,
             report=report,

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView
-from headlab.functions.common import BlockKey, format_head, head_scores
-from headlab.heads import HeadScores
+from headlab.heads import BlockKey, HeadScores, format_head, head_scores
 
 __all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
 

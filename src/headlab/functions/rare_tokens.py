@@ -26,8 +26,7 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
-from headlab.functions.common import BlockKey, format_head, head_scores
-from headlab.heads import HeadScores
+from headlab.heads import BlockKey, HeadScores, format_head, head_scores
 
 __all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
 

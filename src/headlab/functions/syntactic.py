@@ -28,8 +28,7 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
-from headlab.functions.common import BlockKey, format_head, head_scores
-from headlab.heads import CAUSAL_KINDS, HeadScores
+from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, format_head, head_scores
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 

@@ -11,13 +11,6 @@ from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 
-# Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
-# encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
-_LM_HEAD_SUFFIXES = (
-    "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
-    "ForSeq2SeqLM", "ForSequenceClassification",
-)
-
 
 def register(subparsers) -> None:
     h = ImportanceConfig.help
@@ -51,11 +44,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_importance_command)
 
 
-def _checkpoint_has_lm_head(config) -> bool:
-    architectures = getattr(config, "architectures", None) or []
-    return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
-
-
 def _check(args) -> None:
     """Inputs, output directory and options, before the model loads (docs/cli.md: exit 2)."""
     from headlab import preflight
@@ -73,7 +61,7 @@ def _check(args) -> None:
 def run_importance_command(args) -> int:
     import torch
 
-    from headlab.importance.data import describe_model, read_data
+    from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
     from headlab.importance.pipeline import run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
 
@@ -105,7 +93,7 @@ def run_importance_command(args) -> int:
             if kind not in present:
                 raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
     info = describe_model(model, tokenizer, max_length=args.max_length)
-    if info.has_lm_head and not _checkpoint_has_lm_head(model.config):
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
         from dataclasses import replace
 
         log(f"the checkpoint was saved as {', '.join(model.config.architectures)}, without a language-model head")

@@ -38,6 +38,7 @@ __all__ = [
     "ImportanceData",
     "ModelInfo",
     "block_scores",
+    "checkpoint_has_lm_head",
     "describe_model",
     "encode_texts",
     "make_batches",
@@ -48,6 +49,13 @@ __all__ = [
 ]
 
 _NO_LIMIT = 1_000_000  # tokenizers report model_max_length = 1e30 when they know none
+
+# Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
+# encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
+_LM_HEAD_SUFFIXES = (
+    "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
+    "ForSeq2SeqLM", "ForSequenceClassification",
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,12 @@ def _max_positions(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def checkpoint_has_lm_head(config) -> bool:
+    """Whether the checkpoint's saved architecture has a language-model head (True when unknown)."""
+    architectures = getattr(config, "architectures", None) or []
+    return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
 
 
 def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
+from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.ablation import compute_ablation_tables
@@ -127,8 +128,6 @@ def run_importance(
 def _with_versions(table: HeadScores, options: dict) -> HeadScores:
     import torch
     import transformers
-
-    from headlab import __version__
 
     signature = {
         **table.signature,

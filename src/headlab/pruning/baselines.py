@@ -18,7 +18,10 @@ scratch" column: the pruned configuration trained from random initialisation.
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -27,11 +30,11 @@ import torch
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
 from headlab.gates import HeadGates, gates_attached
-from headlab.heads import KINDS, HeadScores
+from headlab.heads import KINDS, HeadScores, atomic_write_text
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, make_batches, train
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
-           "train_from_scratch", "METHODS"]
+           "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "baselines_markdown"]
 
 Spec = dict[tuple[str, int], list[int]]
 
@@ -199,3 +202,82 @@ def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, conf
 
 
 METHODS = {"random": random_spec, "michel": michel_spec, "scores": scores_spec}
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """One baseline method at several head counts (``headlab prune baseline`` maps onto it)."""
+
+    method: str  # random, michel or scores
+    keeps: tuple[int, ...]
+    kinds: tuple[str, ...] = ("enc_self",)
+    scores: HeadScores | None = None  # method "scores": the table whose best heads are kept
+    seeds: tuple[int | None, ...] = (None,)  # method "random": one run per seed
+    finetune_steps: int = 0
+    from_scratch: bool = False
+    scratch_epochs: int = 12
+    lr: float = 1e-4
+    max_tokens: int = 4096
+    eval_beam: int = 4
+    importance_batches: int | None = None  # method "michel": batches per importance pass (None: all)
+
+
+def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir) -> str:
+    """Run every (keep, seed) point of ``config`` not yet in ``out_dir/baselines.json`` (resumable:
+    each row is written as soon as it is known) on a fresh model from ``load()``; write and return
+    the table ``baselines.md`` (mean +- std over seeds)."""
+    out = Path(out_dir)
+    table_file = out / "baselines.json"
+    rows = json.loads(table_file.read_text()) if table_file.is_file() else []
+    done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
+    c = config
+    for keep in c.keeps:
+        for seed in c.seeds:
+            if (c.method, keep, seed, c.finetune_steps, c.from_scratch) in done:
+                continue
+            model, tokenizer = load()
+            if c.method == "random":
+                spec = random_spec(model, keep, c.kinds, seed)
+            elif c.method == "scores":
+                spec = scores_spec(c.scores, keep, c.kinds)
+            else:
+                spec = michel_spec(model, tokenizer, train_data, keep, c.kinds, max_batches=c.importance_batches)
+            if c.from_scratch:
+                train_config = TrainConfig(out_dir=str(out / f"scratch-{c.method}-{keep}-{seed}"),
+                                           max_tokens=c.max_tokens, max_epochs=c.scratch_epochs, validate=False,
+                                           overwrite=True)
+                result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
+                                            beam=c.eval_beam)
+            else:
+                finetune = None
+                if c.finetune_steps:
+                    finetune = TrainConfig(out_dir=str(out / f"ft-{c.method}-{keep}-{seed}"), max_tokens=c.max_tokens,
+                                           lr=c.lr, warmup_steps=0, schedule="constant", max_epochs=10**6,
+                                           max_steps=c.finetune_steps, validate=False, keep_epoch_checkpoints=False,
+                                           overwrite=True, progress=False)
+                result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
+                                           finetune=finetune, beam=c.eval_beam)
+            rows.append({"method": c.method if c.method != "scores" else f"scores:{c.scores.method}",
+                         "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
+                         "from_scratch": c.from_scratch, **result})
+            atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
+    text = baselines_markdown(rows)
+    atomic_write_text(out / "baselines.md", text)
+    return text
+
+
+def baselines_markdown(rows: list[dict]) -> str:
+    """The baselines table: mean +- std over seeds per (method, keep, fine-tuning, from scratch)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["method"], row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
+    lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |", "|---|---|---|---|---|---|---|---|"]
+    for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        def stat(name):
+            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)
+            if not len(values):
+                return ""
+            return f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values.mean():.2f}"
+        lines.append(f"| {method} | {keep} | {steps} | {'yes' if scratch else 'no'} | {len(group)} | "
+                     f"{stat('bleu')} | {stat('chrf')} | {stat('loss')} |")
+    return "\n".join(lines) + "\n"

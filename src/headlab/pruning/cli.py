@@ -274,11 +274,8 @@ def run_sweep_command(args) -> int:
 
 
 def run_baseline(args) -> int:
-    import numpy as np
-
-    from headlab.heads import HeadScores, atomic_write_text
-    from headlab.nmt.train import TrainConfig
-    from headlab.pruning import baselines
+    from headlab.heads import HeadScores
+    from headlab.pruning.baselines import BaselineConfig, run_baselines
     from headlab.pruning.train import resolve_kinds
 
     _set_threads(args.threads)
@@ -287,62 +284,18 @@ def run_baseline(args) -> int:
         raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table_file = out / "baselines.json"
-    rows = json.loads(table_file.read_text()) if table_file.is_file() else []
-    done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
     model, tokenizer = _load(args)
     kinds = resolve_kinds(model, args.kinds)
     train_data, eval_data = _data(args, tokenizer, model)
     if eval_data is None:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
-    scores = HeadScores.load(args.scores) if args.scores else None
-    seeds = _ints(args.seeds) if args.method == "random" else [None]
-    for keep in keeps:
-        for seed in seeds:
-            key = (args.method, keep, seed, args.finetune_steps, args.from_scratch)
-            if key in done:
-                continue
-            model, tokenizer = _load(args)
-            if args.method == "random":
-                spec = baselines.random_spec(model, keep, kinds, seed)
-            elif args.method == "scores":
-                spec = baselines.scores_spec(scores, keep, kinds)
-            else:
-                spec = baselines.michel_spec(model, tokenizer, train_data, keep, kinds,
-                                             max_batches=args.importance_batches)
-            if args.from_scratch:
-                config = TrainConfig(out_dir=str(out / f"scratch-{args.method}-{keep}-{seed}"), max_tokens=args.max_tokens,
-                                     max_epochs=args.scratch_epochs, validate=False, overwrite=True)
-                result = baselines.train_from_scratch(model, tokenizer, spec, train_data, eval_data, config,
-                                                      beam=args.eval_beam)
-            else:
-                finetune = None
-                if args.finetune_steps:
-                    finetune = TrainConfig(out_dir=str(out / f"ft-{args.method}-{keep}-{seed}"), max_tokens=args.max_tokens,
-                                           lr=args.lr, warmup_steps=0, schedule="constant", max_epochs=10**6,
-                                           max_steps=args.finetune_steps, validate=False, keep_epoch_checkpoints=False,
-                                           overwrite=True, progress=False)
-                result = baselines.evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
-                                                     finetune=finetune, beam=args.eval_beam)
-            rows.append({"method": args.method if args.method != "scores" else f"scores:{scores.method}",
-                         "keep": keep, "seed": seed, "finetune_steps": args.finetune_steps,
-                         "from_scratch": args.from_scratch, **result})
-            atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
-    # mean +- std over seeds per (method, keep, finetune)
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["method"], row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
-    lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |", "|---|---|---|---|---|---|---|---|"]
-    for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        def stat(name):
-            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)
-            if not len(values):
-                return ""
-            return f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values.mean():.2f}"
-        lines.append(f"| {method} | {keep} | {steps} | {'yes' if scratch else 'no'} | {len(group)} | "
-                     f"{stat('bleu')} | {stat('chrf')} | {stat('loss')} |")
-    atomic_write_text(out / "baselines.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    config = BaselineConfig(
+        method=args.method, keeps=tuple(keeps), kinds=kinds,
+        scores=HeadScores.load(args.scores) if args.scores else None,
+        seeds=tuple(_ints(args.seeds)) if args.method == "random" else (None,),
+        finetune_steps=args.finetune_steps, from_scratch=args.from_scratch, scratch_epochs=args.scratch_epochs,
+        lr=args.lr, max_tokens=args.max_tokens, eval_beam=args.eval_beam, importance_batches=args.importance_batches)
+    print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 
 

@@ -10,42 +10,14 @@ Two entry points, used by ``headlab analyze``:
 The data format and what the report shows are described in docs/report.md.
 """
 
-from __future__ import annotations
+from headlab._lazy import lazy_exports
 
-from pathlib import Path
-from typing import Sequence
+_EXPORTS = {
+    "build_report": "headlab.report.build",
+    "load_example": "headlab.report.examples",
+    "write_attention_examples": "headlab.report.examples",
+}
 
 __all__ = ["build_report", "write_attention_examples", "load_example"]
 
-
-def write_attention_examples(
-    model,
-    tokenizer,
-    sources: Sequence[str],
-    targets: Sequence[str] | None,
-    out_dir: Path,
-    max_sentences: int = 20,
-) -> list[str]:
-    """Capture and store the attention of up to ``max_sentences`` sentences under ``out_dir``.
-
-    For an encoder-decoder model the decoder is teacher-forced on ``targets`` (or, without
-    targets, on the model's own greedy translation), giving ``enc_self``, ``dec_self`` and
-    ``dec_cross``. Returns the written paths relative to ``out_dir``'s parent.
-    """
-    from headlab.report.examples import write_attention_examples as _write
-
-    return _write(model, tokenizer, sources, targets, Path(out_dir), max_sentences=max_sentences)
-
-
-def load_example(path: Path):
-    """One stored sentence as ``(tokens, {(kind, layer): float array [heads, q, k]})``."""
-    from headlab.report.examples import load_example as _load
-
-    return _load(Path(path))
-
-
-def build_report(analysis_dir: Path) -> Path:
-    """Write ``analysis_dir/index.html`` from whatever the directory holds; return its path."""
-    from headlab.report.build import build_report as _build
-
-    return _build(Path(analysis_dir))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

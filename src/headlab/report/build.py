@@ -257,7 +257,7 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
 
 
 def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:
-    """See :func:`headlab.report.build_report`."""
+    """Write ``analysis_dir/index.html`` from whatever the directory holds; return its path."""
     directory = Path(analysis_dir)
     if not directory.is_dir():
         raise HeadlabError(f"{directory}: not an analysis directory (no such directory)")

@@ -120,8 +120,13 @@ def write_attention_examples(
     max_sentences: int = 20,
     max_new_tokens: int | None = None,
 ) -> list[str]:
-    """See :func:`headlab.report.write_attention_examples`. One sentence per forward pass (no
-    padding, so nothing has to be cut away), under ``torch.no_grad`` in eager attention."""
+    """Capture and store the attention of up to ``max_sentences`` sentences under ``out_dir``.
+
+    For an encoder-decoder model the decoder is teacher-forced on ``targets`` (or, without
+    targets, on the model's own greedy translation), giving ``enc_self``, ``dec_self`` and
+    ``dec_cross``. Returns the written paths relative to ``out_dir``'s parent. One sentence per
+    forward pass (no padding, so nothing has to be cut away), under ``torch.no_grad`` in eager
+    attention."""
     from headlab.capture import capture_attention
     from headlab.importance.data import describe_model
 

@@ -1,7 +1,8 @@
 """Reproduce the findings of Voita et al. 2019 on open models and data (``headlab reproduce``).
 
-A staged, resumable pipeline (:mod:`headlab.reproduce.stages`) runs headlab's own commands for
-every model of a config file (``experiments/reproduce.json``); the small result files go to
+A staged, resumable pipeline (:mod:`headlab.reproduce.stages`, run by
+:func:`headlab.reproduce.pipeline.run_pipeline`) runs headlab's own commands for every model of a
+config file (``experiments/reproduce.json``); the small result files go to
 ``docs/results/reproduction/<model>/`` (:mod:`headlab.reproduce.results`); each claim of the
 paper is computed from those files only (:mod:`headlab.reproduce.claims`) and written into
 docs/reproduction.md between generated markers (:mod:`headlab.reproduce.render`).
@@ -25,7 +26,6 @@ _EXPORTS = {
     "ModelResults": "headlab.reproduce.results",
     "collect_results": "headlab.reproduce.results",
     "STAGES": "headlab.reproduce.stages",
-    "run_pipeline": "headlab.reproduce.stages",
 }
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "load_results",
     "read_blocks",
     "render_blocks",
-    "run_pipeline",
     "update_document",
     "write_report",
 ]

@@ -1,4 +1,4 @@
-"""`headlab reproduce`: parse, call :func:`headlab.reproduce.run_pipeline`, print."""
+"""`headlab reproduce`: parse, call :func:`headlab.reproduce.pipeline.run_pipeline`, print."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 
 def run_reproduce(args) -> int:
     from headlab.reproduce.config import load_config
-    from headlab.reproduce.stages import run_pipeline
+    from headlab.reproduce.pipeline import run_pipeline
 
     config = load_config(args.config)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731

@@ -20,6 +20,8 @@ from headlab.errors import HeadlabError
 from headlab.reproduce.claims import Claim
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.results import ModelResults
+from headlab.reproduce.stages import STAGES, Context, stage_commands
+from headlab.resume import SkipStage
 
 __all__ = ["render_blocks", "update_document", "read_blocks", "BLOCK"]
 
@@ -107,8 +109,6 @@ def _timings_block(results: dict[str, ModelResults]) -> str:
 
 
 def _commands_block(config: ReproduceConfig) -> str:
-    from headlab.reproduce.stages import STAGES, Context, NotReady, stage_commands
-
     lines = []
     for model in config.models:
         lines += [f"**{model.name}**", "", "```bash"]
@@ -116,7 +116,7 @@ def _commands_block(config: ReproduceConfig) -> str:
         for stage in STAGE_ORDER:
             try:
                 texts = stage_commands(ctx, stage)
-            except NotReady as reason:
+            except SkipStage as reason:
                 texts = [f"# {stage}: not run: {reason}"]
             if STAGES[stage].python is not None:
                 texts = [f"# {stage}: Python stage (headlab.reproduce.specialisation), "

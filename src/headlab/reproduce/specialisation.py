@@ -29,6 +29,7 @@ import numpy as np
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_write_text
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
+from headlab.resume import SkipStage
 
 __all__ = ["run_specialisation", "checkpoint_dirs", "summarise_checkpoint"]
 
@@ -124,7 +125,6 @@ def run_specialisation(config: ReproduceConfig, model: ModelEntry, *, force: boo
     import time
 
     from headlab.data.parallel import read_lines
-    from headlab.reproduce.stages import NotReady
 
     options = config.specialisation
     n = int(options.get("n_sentences", 500))
@@ -133,10 +133,10 @@ def run_specialisation(config: ReproduceConfig, model: ModelEntry, *, force: boo
     checkpoints = checkpoint_dirs(config, model)
     if model.checkpoints and not any(name != "final" for name, _ in checkpoints):
         # Checkpoints are not committed: on a machine without them keep the committed results.
-        raise NotReady(f"no checkpoint matches {model.checkpoints}/{model.checkpoint_pattern} on this machine; "
+        raise SkipStage(f"no checkpoint matches {model.checkpoints}/{model.checkpoint_pattern} on this machine; "
                        f"the committed specialisation.json (if any) is kept")
     if not checkpoints:
-        raise NotReady(f"no model at {model.path}")
+        raise SkipStage(f"no model at {model.path}")
     work = config.work(model, "specialisation")
     src = config.data_file(options.get("split", "valid"), model.src)
     tgt = config.data_file(options.get("split", "valid"), model.tgt)

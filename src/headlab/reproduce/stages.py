@@ -1,4 +1,4 @@
-"""The stages of ``headlab reproduce``, in order, each resumable.
+"""The stages of ``headlab reproduce``, in order, each resumable: what each one runs.
 
 Every stage of a model works in ``<work_dir>/<model>/<stage dir>/`` and, when it has finished,
 writes a marker ``<work_dir>/<model>/stages/<stage>.json`` (atomically, last) with its commands
@@ -8,6 +8,7 @@ command printed in docs/reproduction.md; the tools' own resume (sweep points wit
 ``result.json``, baseline rows already in ``baselines.json``) still applies under ``--force``,
 so finished pruning runs are never thrown away. The last stage, ``report``, has no marker: it
 copies the small result files into ``<results_dir>/<model>/`` and regenerates the document.
+Running them is :mod:`headlab.reproduce.pipeline`'s job; this module only builds the commands.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import json
 import shlex
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from headlab.errors import HeadlabError
-from headlab.heads import atomic_write_text
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
+from headlab.reproduce.specialisation import run_specialisation
+from headlab.resume import SkipStage
 
-__all__ = ["STAGES", "Context", "StageOutcome", "run_pipeline", "stage_commands", "marker_path"]
+__all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "marker_path", "command_text"]
 
 BUSY_MINUTES = 15  # a pruning point or baseline directory changed this recently is in use elsewhere
 
@@ -57,10 +57,6 @@ def command_text(argv: list[str]) -> str:
     return "headlab " + " ".join(shlex.quote(str(a)) for a in argv)
 
 
-class NotReady(Exception):
-    """A stage's inputs are missing: the stage is reported as not run, with this reason."""
-
-
 # ----------------------------------------------------------------------------- commands
 
 
@@ -81,7 +77,7 @@ def _data(ctx: Context, split: str) -> tuple[str, str]:
 def _require_model(ctx: Context) -> str:
     path = ctx.config.path(ctx.model.path)
     if not ctx.dry_run and not (path / "config.json").is_file():
-        raise NotReady(f"model {ctx.config.rel(path)} does not exist yet (no config.json)")
+        raise SkipStage(f"model {ctx.config.rel(path)} does not exist yet (no config.json)")
     return _p(ctx, path)
 
 
@@ -119,7 +115,7 @@ def _check_not_busy(directory: Path) -> None:
         if trajectory.is_file() and not (point / "result.json").is_file():
             age = (now - trajectory.stat().st_mtime) / 60
             if age < BUSY_MINUTES:
-                raise NotReady(f"{point} is being trained by another process ({trajectory} changed "
+                raise SkipStage(f"{point} is being trained by another process ({trajectory} changed "
                                f"{age:.0f} min ago); run this stage when it has finished")
 
 
@@ -132,14 +128,14 @@ def _check_dirs_idle(directories: list[Path]) -> None:
         newest = max((p.stat().st_mtime for p in directory.rglob("*") if p.is_file()), default=0.0)
         age = (now - newest) / 60
         if age < BUSY_MINUTES:
-            raise NotReady(f"{directory} changed {age:.0f} min ago: another process seems to be writing to it; "
+            raise SkipStage(f"{directory} changed {age:.0f} min ago: another process seems to be writing to it; "
                            f"run this stage when it has finished")
 
 
 def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
     spec = ctx.config.prune.get(sweep)
     if not spec:
-        raise NotReady(f"the config has no prune.{sweep} sweep")
+        raise SkipStage(f"the config has no prune.{sweep} sweep")
     spec = {**spec, **ctx.model.prune.get(sweep, {})}
     model = _require_model(ctx)
     train_src, train_tgt = _data(ctx, "train")
@@ -187,11 +183,11 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
     if "methods" in ctx.model.baselines:
         methods = {name: methods[name] for name in ctx.model.baselines["methods"] if name in methods}
     if not methods:
-        raise NotReady("the config lists no baseline methods")
+        raise SkipStage("the config lists no baseline methods")
     model = _require_model(ctx)
     keeps = baseline_keeps(ctx)
     if not keeps:
-        raise NotReady("no head counts: baselines.keeps is empty and the encoder sweep has no finished point")
+        raise SkipStage("no head counts: baselines.keeps is empty and the encoder sweep has no finished point")
     train_src, train_tgt = _data(ctx, "train")
     test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
     commands = []
@@ -205,7 +201,7 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
         if method in ("confidence", "lrp", "gradient", "gradient_raw"):
             scores = ctx.config.work(ctx.model, "importance", f"{method}.json")
             if not scores.is_file() and not ctx.dry_run:
-                raise NotReady(f"{scores} is missing: run the importance stage first")
+                raise SkipStage(f"{scores} is missing: run the importance stage first")
             argv += ["--method", "scores", "--scores", _p(ctx, scores)]
         else:
             argv += ["--method", method]
@@ -219,7 +215,7 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
 def scratch_commands(ctx: Context) -> list[list[str]]:
     cfg = ctx.config.scratch
     if not cfg.get("enabled", False):
-        raise NotReady("disabled in the config (scratch.enabled: false); each point costs a full training")
+        raise SkipStage("disabled in the config (scratch.enabled: false); each point costs a full training")
     model = _require_model(ctx)
     points = finished_points(_points_dir(ctx, "all"))
     train_src, train_tgt = _data(ctx, "train")
@@ -227,7 +223,7 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
     commands = []
     for name in cfg.get("points", []):
         if name not in points:
-            raise NotReady(f"all-kinds point {name} has not finished (no result.json)")
+            raise SkipStage(f"all-kinds point {name} has not finished (no result.json)")
         total = sum(points[name]["heads_kept"].values())
         gates = _sweep_dir(ctx, "all") / name / "gates.json"
         argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
@@ -239,17 +235,7 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
     return commands
 
 
-def _run_cli(argv: list[str]) -> None:
-    from headlab.cli import main
-
-    rc = main([str(a) for a in argv])
-    if rc:
-        raise HeadlabError(f"`{command_text(argv)}` exited with status {rc}")
-
-
 def _run_specialisation(ctx: Context) -> list[str]:
-    from headlab.reproduce.specialisation import run_specialisation
-
     return run_specialisation(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
 
 
@@ -285,67 +271,3 @@ def stage_commands(ctx: Context, stage: str) -> list[str]:
     """The commands a stage runs, as text (``[]`` for a Python stage)."""
     spec = STAGES[stage]
     return [command_text(argv) for argv in spec.commands(ctx)] if spec.commands else []
-
-
-def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
-    name, model = spec.name, ctx.model.name
-    marker = marker_path(ctx.config, ctx.model, name)
-    if marker.is_file() and not ctx.force:
-        ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
-        return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
-    try:
-        commands = spec.commands(ctx) if spec.commands else []
-        if spec.check is not None and not ctx.dry_run:
-            spec.check(ctx)
-    except NotReady as reason:
-        ctx.log(f"{model} {name}: not run: {reason}")
-        return StageOutcome(model, name, "not run", reason=str(reason))
-    texts = [command_text(argv) for argv in commands]
-    if ctx.dry_run:
-        for text in texts or [f"(Python) headlab.reproduce {name}"]:
-            ctx.log(f"{model} {name}: {text}")
-        return StageOutcome(model, name, "dry run", commands=texts)
-    ctx.log(f"{model} {name}: running")
-    started = time.perf_counter()
-    try:
-        for argv, text in zip(commands, texts):
-            ctx.log(f"  {text}")
-            _run_cli(argv)
-        if spec.python is not None:
-            texts += spec.python(ctx)
-    except NotReady as reason:
-        ctx.log(f"{model} {name}: not run: {reason}")
-        return StageOutcome(model, name, "not run", reason=str(reason))
-    seconds = time.perf_counter() - started
-    from headlab import __version__
-
-    record = {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
-              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "headlab": __version__}
-    atomic_write_text(marker, json.dumps(record, indent=1) + "\n")
-    ctx.log(f"{model} {name}: done in {seconds:.0f} s")
-    return StageOutcome(model, name, "done", seconds, commands=texts)
-
-
-def run_pipeline(config: ReproduceConfig, *, models: list[str] | None = None, stages: list[str] | None = None,
-                 force: bool = False, dry_run: bool = False, docs_only: bool = False,
-                 log: Callable[[str], None] = print) -> list[StageOutcome]:
-    """Run the chosen stages for the chosen models, in registry order; then the report."""
-    from headlab.reproduce.report import write_report
-
-    chosen = list(STAGES) if not stages else stages
-    for stage in chosen:
-        if stage not in STAGES:
-            raise HeadlabError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
-    entries = [config.model(name) for name in models] if models else list(config.models)
-    outcomes: list[StageOutcome] = []
-    if not docs_only:
-        for entry in entries:
-            ctx = Context(config, entry, force=force, dry_run=dry_run, log=log)
-            for stage in STAGES:
-                if stage in chosen and stage != "report":
-                    outcomes.append(_run_stage(ctx, STAGES[stage]))
-    if docs_only or ("report" in chosen and not dry_run):
-        written = write_report(config, [e.name for e in entries], collect=not docs_only, log=log)
-        outcomes.append(StageOutcome(",".join(e.name for e in entries), "report", "done",
-                                     commands=[str(p) for p in written]))
-    return outcomes

@@ -1,0 +1,92 @@
+"""Run the stages of ``headlab reproduce``: the one part of reproduce that calls the command line.
+
+Each stage of :data:`headlab.reproduce.stages.STAGES` is skipped when its marker
+``<work_dir>/<model>/stages/<stage>.json`` exists (unless ``force``); otherwise its commands run
+in-process through :func:`headlab.cli.main`, so that each step is exactly the command printed
+in docs/reproduction.md, and the marker is written last, atomically. This module sits with the
+command line in the import layers (it imports :mod:`headlab.cli`); nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+from headlab._version import __version__
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.heads import atomic_write_text
+from headlab.reproduce.config import ReproduceConfig
+from headlab.reproduce.report import write_report
+from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path
+from headlab.resume import SkipStage
+
+__all__ = ["run_pipeline"]
+
+
+def _run_cli(argv: list[str]) -> None:
+    rc = main([str(a) for a in argv])
+    if rc:
+        raise HeadlabError(f"`{command_text(argv)}` exited with status {rc}")
+
+
+def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
+    name, model = spec.name, ctx.model.name
+    marker = marker_path(ctx.config, ctx.model, name)
+    if marker.is_file() and not ctx.force:
+        ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
+        return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
+    try:
+        commands = spec.commands(ctx) if spec.commands else []
+        if spec.check is not None and not ctx.dry_run:
+            spec.check(ctx)
+    except SkipStage as reason:
+        ctx.log(f"{model} {name}: not run: {reason}")
+        return StageOutcome(model, name, "not run", reason=str(reason))
+    texts = [command_text(argv) for argv in commands]
+    if ctx.dry_run:
+        for text in texts or [f"(Python) headlab.reproduce {name}"]:
+            ctx.log(f"{model} {name}: {text}")
+        return StageOutcome(model, name, "dry run", commands=texts)
+    ctx.log(f"{model} {name}: running")
+    started = time.perf_counter()
+    try:
+        for argv, text in zip(commands, texts):
+            ctx.log(f"  {text}")
+            _run_cli(argv)
+        if spec.python is not None:
+            texts += spec.python(ctx)
+    except SkipStage as reason:
+        ctx.log(f"{model} {name}: not run: {reason}")
+        return StageOutcome(model, name, "not run", reason=str(reason))
+    seconds = time.perf_counter() - started
+    record = {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
+              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "headlab": __version__}
+    atomic_write_text(marker, json.dumps(record, indent=1) + "\n")
+    ctx.log(f"{model} {name}: done in {seconds:.0f} s")
+    return StageOutcome(model, name, "done", seconds, commands=texts)
+
+
+def run_pipeline(config: ReproduceConfig, *, models: list[str] | None = None, stages: list[str] | None = None,
+                 force: bool = False, dry_run: bool = False, docs_only: bool = False,
+                 log: Callable[[str], None] = print) -> list[StageOutcome]:
+    """Run the chosen stages for the chosen models, in registry order; then the report."""
+    chosen = list(STAGES) if not stages else stages
+    for stage in chosen:
+        if stage not in STAGES:
+            raise HeadlabError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    entries = [config.model(name) for name in models] if models else list(config.models)
+    outcomes: list[StageOutcome] = []
+    if not docs_only:
+        for entry in entries:
+            ctx = Context(config, entry, force=force, dry_run=dry_run, log=log)
+            for stage in STAGES:
+                if stage in chosen and stage != "report":
+                    outcomes.append(_run_stage(ctx, STAGES[stage]))
+    if docs_only or ("report" in chosen and not dry_run):
+        written = write_report(config, [e.name for e in entries], collect=not docs_only, log=log)
+        outcomes.append(StageOutcome(",".join(e.name for e in entries), "report", "done",
+                                     commands=[str(p) for p in written]))
+    return outcomes
