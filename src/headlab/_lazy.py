@@ -1,8 +1,10 @@
-"""Lazy package exports (PEP 562), so that ``import headlab`` and ``headlab --help`` do not
-import torch and transformers: a name is imported from its module on first use."""
+"""Lazy package exports (PEP 562) and registries, so that ``import headlab`` and
+``headlab --help`` do not import torch and transformers: a name is imported from its module on
+first use."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from importlib import import_module
 
 
@@ -22,3 +24,24 @@ def lazy_exports(package: str, exports: dict[str, str]):
         return sorted(set(namespace) | set(exports))
 
     return __getattr__, __dir__
+
+
+class LazyRegistry(Mapping):
+    """``{name: object}`` whose keys are known at once and whose objects are imported on first
+    access, from their full path ``"package.module.Name"`` (never evaluated as code)."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self._paths = dict(paths)
+        self._loaded: dict[str, object] = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._loaded:
+            module, _, attribute = self._paths[name].rpartition(".")
+            self._loaded[name] = getattr(import_module(module), attribute)
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)

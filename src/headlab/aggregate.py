@@ -133,6 +133,13 @@ class AggregateStats:
         self.pos_words: dict[str, torch.Tensor] = {}  # kind -> word count per tag (baseline)
         self.n_sentences: dict[str, int] = {}
 
+    @classmethod
+    def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
+        """When ``config.aggregate`` (registry entry ``aggregate``)."""
+        if not config.aggregate:
+            return None
+        return cls(min_weight=config.min_weight, window=config.window, top_k=config.top_k)
+
     def update_side(self, kind: str, side: SideBatch) -> None:
         tags = side.upos_index[side.word_mask]
         counts = torch.bincount(tags, minlength=len(POS_TAGS)).double()
@@ -309,3 +316,16 @@ class AggregateResult:
         atomic_write_text(path, json.dumps(self.pos_frequency, indent=1) + "\n")
         paths.append(path)
         return paths
+
+    # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
+    def write(self, directory: str | Path) -> list[Path]:
+        return self.save(Path(directory) / "aggregate")
+
+    def markdown(self) -> list[str]:
+        return ["## Aggregate statistics (Vig & Belinkov 2019)", "", self.summary_markdown(), ""]
+
+    def labels(self) -> dict:
+        return {}
+
+    def describe_heads(self) -> list[str]:
+        return []

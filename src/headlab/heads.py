@@ -83,6 +83,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:
+    """``data`` as JSON indented by one space, written atomically; returns the path."""
+    path = Path(path)
+    atomic_write_text(path, json.dumps(data, indent=1, **dumps_options) + "\n")
+    return path
+
+
 @dataclass(frozen=True)
 class HeadScores:
     """One score per head, per attention kind.

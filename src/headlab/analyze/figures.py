@@ -19,8 +19,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.heads import KINDS, HeadScores
+from headlab.importance.registry import MEASURES
 
 __all__ = [
     "figure1_data",
@@ -35,8 +37,8 @@ __all__ = [
     "AGGREGATE_STATISTICS",
 ]
 
-IMPORTANCE_MEASURES = ("confidence", "lrp", "gradient", "ablation")
-AGGREGATE_STATISTICS = ("mean_distance", "mean_entropy", "variability", "dependency_alignment")
+IMPORTANCE_MEASURES = tuple(MEASURES)
+AGGREGATE_STATISTICS = STATISTICS
 _SVG_SALT = "headlab"
 
 

@@ -1,8 +1,8 @@
 """Function labels per head, as in Voita et al. 2019, Fig. 1: ``positional -1``, ``s->v``, ``rare``.
 
-:func:`head_labels` reads a :class:`~headlab.functions.analysis.HeadAnalysis` through the
-functions package's own tests (positional threshold, syntactic margin, rare-token head) and
-names what each head does; it decides nothing itself.
+:func:`head_labels` gathers what each result of a :class:`~headlab.functions.analysis.HeadAnalysis`
+says about each head (through the functions package's own tests: positional threshold, syntactic
+margin, rare-token head); it decides nothing itself.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.functions.syntactic import direction_label
-from headlab.heads import atomic_write_text, read_json
+from headlab.heads import KINDS, atomic_write_text, read_json
 
 __all__ = ["head_labels", "save_labels", "load_labels", "label_key", "FUNCTION_GROUPS", "label_group"]
 
@@ -34,45 +33,19 @@ def label_group(label: str) -> str:
 
 
 def head_labels(analysis) -> dict[str, list[str]]:
-    """``{"kind:layer:head": [label, ...]}`` for every analysed head (an empty list: no function).
-
-    * ``positional +1`` / ``positional -1``: one offset holds at least the positional threshold
-      of the head's maxima (Sec. 5.1); the number is the offset;
-    * ``s->v``, ``v->o``, ``adj->noun``, ...: the head beats the relation's offset baseline by the
-      syntactic margin (Sec. 5.2.1; the paper's arrows for its four relations, ``rel:gov->dep``
-      or ``rel:dep->gov`` for others);
-    * ``rare``: the head whose maximum lands on the rarest token most often (Sec. 5.3).
-    """
+    """``{"kind:layer:head": [label, ...]}`` for every analysed head (an empty list: no function),
+    from each result's own labels (:meth:`~headlab.functions.statistic.StatisticResult.labels`):
+    ``positional +1`` / ``positional -1`` (Sec. 5.1), ``s->v``, ``v->o``, ``adj->noun``, ...
+    (Sec. 5.2.1) and ``rare`` (Sec. 5.3)."""
     labels: dict[str, list[str]] = {}
-    sources = [r for r in (analysis.positional, analysis.syntactic, analysis.rare) if r is not None]
-    for result in sources:  # every analysed head gets a key
-        scores = result.share if result is analysis.positional else (
-            result.margin_over_baseline() if result is analysis.syntactic else result.rarest)
-        for kind in scores.kinds:
-            n_layers, n_heads = scores[kind].shape
-            for layer in range(n_layers):
-                for head in range(n_heads):
-                    labels.setdefault(label_key(kind, layer, head), [])
-    if analysis.positional is not None:
-        for h in analysis.positional.heads():
-            labels.setdefault(label_key(h.kind, h.layer, h.head), []).append(f"positional {h.offset:+d}")
-    if analysis.syntactic is not None:
-        for kind, layer, head, relation, direction, _accuracy, _base in analysis.syntactic.syntactic_heads():
-            label = direction_label(relation, direction).replace(" ", "")
-            if label in ("gov->dep", "dep->gov"):
-                label = f"{relation}:{label}"
+    for result in analysis.results.values():
+        for (kind, layer, head), names in result.labels().items():
             bucket = labels.setdefault(label_key(kind, layer, head), [])
-            if label not in bucket:
-                bucket.append(label)
-    if analysis.rare is not None:
-        for kind, layer, head in analysis.rare.rare_heads():
-            labels.setdefault(label_key(kind, layer, head), []).append("rare")
+            bucket += [name for name in names if name not in bucket]
     return dict(sorted(labels.items(), key=lambda item: _sort_key(item[0])))
 
 
 def _sort_key(key: str) -> tuple:
-    from headlab.heads import KINDS
-
     kind, layer, head = key.split(":")
     return (KINDS.index(kind) if kind in KINDS else len(KINDS), int(layer), int(head))
 

@@ -47,23 +47,20 @@ from headlab.analyze.records import (
     write_marker,
 )
 from headlab.errors import HeadlabError
+from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
+from headlab.resume import SkipStage
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
 
-STAGES = ("confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate", "prune",
-          "table", "attention", "figures", "report")
-STAGE_GROUPS = {"importance": ("confidence", "lrp", "gradient", "ablation", "agreement")}
-IMPORTANCE_STAGES = ("confidence", "lrp", "gradient", "ablation")
+IMPORTANCE_STAGES = tuple(MEASURES)
+STAGES = (*IMPORTANCE_STAGES, "agreement", "functions", "aggregate", "prune", "table", "attention", "figures", "report")
+STAGE_GROUPS = {"importance": (*IMPORTANCE_STAGES, "agreement")}
 # Stages that own a directory of DIR: cleared before they run again with other inputs, or with force.
 STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
               "figures": "figures"}
 KEY_FILE = ".headlab-key"
-
-
-class SkipStage(Exception):
-    """Raised by a stage that cannot run on this model or input; the message is the reason."""
 
 
 @dataclass
@@ -338,12 +335,12 @@ class _Context:
 
 def _importance(name: str):
     def run(ctx: _Context) -> tuple[list, str | None]:
-        from headlab.importance.pipeline import NEEDS_LM_HEAD, ImportanceConfig, run_importance
+        from headlab.importance.pipeline import ImportanceConfig, run_importance
 
         c = ctx.config
         model, tokenizer = ctx.load()
         info = ctx.info
-        if name in NEEDS_LM_HEAD and not info.has_lm_head:
+        if MEASURES[name].needs_lm_head and not info.has_lm_head:
             raise SkipStage(f"the model has no language-model head: {name} needs logits to explain or a loss "
                             "to differentiate")
         data = ctx.importance_data()
@@ -355,7 +352,7 @@ def _importance(name: str):
         directory = ctx.out_dir / "importance"
         written = [table.save(directory / f"{method}.json") for method, table in result.scores.items()]
         note = None
-        if info.is_seq2seq and data.references is None and name in ("gradient", "ablation"):
+        if info.is_seq2seq and data.references is None and MEASURES[name].uses_loss:
             note = "no --target: the loss is taken against the model's own greedy translation"
         return written, note
 
@@ -383,8 +380,8 @@ def _agreement(ctx: _Context) -> tuple[list, str | None]:
         "columns": columns,
         "n_heads": dict(tables[names[0]].n_heads),
         "matrix": matrix,
-        "reference": "ablation" if "ablation" in measures else None,
-        "metric": tables["ablation"].metric if "ablation" in measures else "",
+        "reference": REFERENCE if REFERENCE in measures else None,
+        "metric": tables[REFERENCE].metric if REFERENCE in measures else "",
         "spearman": {},
     }
     lines = ["Spearman rank correlation between the importance measures, over all heads", "",
@@ -392,10 +389,10 @@ def _agreement(ctx: _Context) -> tuple[list, str | None]:
     for i, m in enumerate(names):
         cells = ["n/a" if v is None else f"{v:+.2f}" for v in matrix["all"][i]]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    if "ablation" in measures:
-        table = compute_agreement({m: s for m, s in measures.items() if m != "ablation"}, measures["ablation"])
+    if REFERENCE in measures:
+        table = compute_agreement({m: s for m, s in measures.items() if m != REFERENCE}, measures[REFERENCE])
         document["spearman"] = table.to_json()["spearman"]
-        lines += ["", f"Against ablation ({table.metric}), per attention kind:", "", table.to_markdown().rstrip()]
+        lines += ["", f"Against {REFERENCE} ({table.metric}), per attention kind:", "", table.to_markdown().rstrip()]
     json_path, md_path = directory / "agreement.json", directory / "agreement.md"
     atomic_write_text(json_path, json.dumps(document, indent=1) + "\n")
     atomic_write_text(md_path, "\n".join(lines) + "\n")
@@ -563,10 +560,7 @@ def _report(ctx: _Context) -> tuple[list, str | None]:
 
 
 RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
-    "confidence": _importance("confidence"),
-    "lrp": _importance("lrp"),
-    "gradient": _importance("gradient"),
-    "ablation": _importance("ablation"),
+    **{name: _importance(name) for name in IMPORTANCE_STAGES},
     "agreement": _agreement,
     "functions": _functions,
     "aggregate": _aggregate,
@@ -582,11 +576,16 @@ RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
 # ----------------------------------------------------------------------------- the loop
 
 
+def _requested(flag: str) -> Callable[[AnalyzeConfig], str | None]:
+    return lambda c: None if getattr(c, flag) else f"not requested (pass --{flag})"
+
+
 NOT_REQUESTED: dict[str, Callable[[AnalyzeConfig], str | None]] = {
-    "ablation": lambda c: None if c.ablation else "not requested (pass --ablation)",
-    "prune": lambda c: None if c.prune else "not requested (pass --prune)",
+    **{name: _requested(name) for name, measure in MEASURES.items() if measure.on_request},
+    "prune": _requested("prune"),
 }
-"""Stages that run only when asked for: the reason they did not, or None."""
+"""Stages that run only when asked for (a measure ``on_request``: the AnalyzeConfig flag of its
+name): the reason they did not, or None."""
 
 
 def _skipped_by_flag(config: AnalyzeConfig) -> set[str]:

@@ -20,7 +20,6 @@ maximum length (truncated to it, counted, and analysed on the words that fit).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice, zip_longest
@@ -31,19 +30,17 @@ import torch
 
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
-from headlab.aggregate import AggregateResult, AggregateStats
 from headlab.capture import capture_attention
 from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, align_sentences, build_side_batch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
-from headlab.functions.positional import PositionalResult, PositionalStats
-from headlab.functions.rare_tokens import RareTokenResult, RareTokenStats
-from headlab.functions.syntactic import SyntacticResult, SyntacticStats
-from headlab.heads import atomic_write_text, format_head
+from headlab.functions.registry import STATISTICS
+from headlab.functions.statistic import StatisticResult
+from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
 
-__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "model_max_length"]
+__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
 
 
 @dataclass
@@ -119,67 +116,31 @@ class RunReport:
 
 @dataclass
 class HeadAnalysis:
-    """Everything one pass computed; ``save`` writes it as HeadScores files and tables."""
+    """Everything one pass computed: ``results`` by statistic name (the registry's order), also
+    reachable as attributes (``analysis.positional``; None when that statistic did not run)."""
 
     config: AnalysisConfig
     report: RunReport
     model: str = ""
-    positional: PositionalResult | None = None
-    positional_tokens: PositionalResult | None = None
-    syntactic: SyntacticResult | None = None
-    rare: RareTokenResult | None = None
-    aggregate: AggregateResult | None = None
+    results: dict[str, StatisticResult] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        if name in STATISTICS:
+            return self.__dict__.get("results", {}).get(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def functions_markdown(self) -> str:
         lines = [f"# Head functions of {self.model or 'the model'}", "", "```", self.report.describe(), "```", ""]
-        if self.positional is not None:
-            lines += [f"## Positional heads (Voita et al. 2019, Sec. 5.1), word level, threshold "
-                      f"{self.config.positional_threshold:.0%}", ""]
-            heads = self.positional.heads()
-            lines += [f"- {h}" for h in heads] or ["No head reaches the threshold."]
-            lines += ["", "Closest to positional:", ""] + [f"- {h}" for h in self.positional.top(5)]
-            if self.positional_tokens is not None:
-                lines += ["", "Subword-token level, closest to positional:", ""]
-                lines += [f"- {h}" for h in self.positional_tokens.top(5)]
-            lines.append("")
-        if self.syntactic is not None:
-            lines += [f"## Syntactic heads (Sec. 5.2.1, Table 1 analogue), margin "
-                      f"{self.config.syntactic_margin:.0%} over the offset baseline", "",
-                      self.syntactic.table_markdown(), ""]
-        if self.rare is not None:
-            lines += ["## Rare-token heads (Sec. 5.3)", "", "```", self.rare.describe(), "```", ""]
-        if self.aggregate is not None:
-            lines += ["## Aggregate statistics (Vig & Belinkov 2019)", "", self.aggregate.summary_markdown(), ""]
+        for result in self.results.values():
+            lines += result.markdown()
         return "\n".join(lines)
 
     def save(self, directory: str | Path, figures: bool = True) -> list[Path]:
+        """Each result's files, ``summary.json`` and ``README.md`` (and the figures) under ``directory``."""
         directory = Path(directory)
-        paths: list[Path] = []
-        if self.positional is not None:
-            paths.append(self.positional.share.save(directory / "positional" / "share.json"))
-            paths.append(self.positional.offset.save(directory / "positional" / "offset.json"))
-            _write_json(directory / "positional" / "offsets.json", self.positional.to_json(), paths)
-        if self.positional_tokens is not None:
-            paths.append(self.positional_tokens.share.save(directory / "positional" / "token_share.json"))
-            paths.append(self.positional_tokens.offset.save(directory / "positional" / "token_offset.json"))
-        if self.syntactic is not None:
-            for relation in self.syntactic.relations:
-                for direction in ("gov->dep", "dep->gov"):
-                    name = f"{relation.replace(':', '_').replace('*', 'any')}.{direction.replace('->', '-')}.json"
-                    paths.append(self.syntactic.accuracy(relation, direction).save(directory / "syntactic" / name))
-            paths.append(self.syntactic.margin_over_baseline().save(directory / "syntactic" / "margin.json"))
-            _write_json(directory / "syntactic" / "table1.json", self.syntactic.to_json(), paths)
-            path = directory / "syntactic" / "table1.md"
-            atomic_write_text(path, self.syntactic.table_markdown() + "\n")
-            paths.append(path)
-        if self.rare is not None:
-            paths.append(self.rare.rarest.save(directory / "rare_tokens" / "rarest.json"))
-            paths.append(self.rare.two_rarest.save(directory / "rare_tokens" / "two_rarest.json"))
-            _write_json(directory / "rare_tokens" / "summary.json", self.rare.to_json(), paths)
-        if self.aggregate is not None:
-            paths += self.aggregate.save(directory / "aggregate")
-        summary = {"model": self.model, "config": _jsonable(asdict(self.config)), "report": self.report.to_json()}
-        _write_json(directory / "summary.json", summary, paths)
+        paths = [path for result in self.results.values() for path in result.write(directory)]
+        summary = {"model": self.model, "config": asdict(self.config), "report": self.report.to_json()}
+        paths.append(write_json(directory / "summary.json", summary, ensure_ascii=False))
         path = directory / "README.md"
         atomic_write_text(path, self.functions_markdown())
         paths.append(path)
@@ -188,19 +149,6 @@ class HeadAnalysis:
 
             paths += save_figures(self, directory)
         return paths
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _write_json(path: Path, data, paths: list[Path]) -> None:
-    atomic_write_text(path, json.dumps(_jsonable(data), indent=1, ensure_ascii=False) + "\n")
-    paths.append(path)
 
 
 def model_max_length(model, tokenizer) -> int:
@@ -288,14 +236,9 @@ def analyze_heads(
                        max_length=max_length)
     problems = report.problems
 
-    positional = PositionalStats(config.max_offset, "word") if config.functions else None
-    positional_tokens = PositionalStats(config.max_offset, "token") if config.functions else None
-    syntactic = SyntacticStats(config.relations) if config.functions else None
-    rare = RareTokenStats(frequencies, config.top_frequent) if (config.functions and frequencies) else None
-    aggregate = AggregateStats(min_weight=config.min_weight, window=config.window, top_k=config.top_k) \
-        if config.aggregate else None
-    side_stats = [s for s in (syntactic, rare, aggregate) if s is not None]
-    block_stats = [s for s in (positional, positional_tokens, syntactic, rare, aggregate) if s is not None]
+    stats = {name: stat for name, make in STATISTICS.items() if (stat := make(config, frequencies)) is not None}
+    side_stats = [s for s in stats.values() if hasattr(s, "update_side")]
+    block_stats = list(stats.values())
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start_id = getattr(model.config, "decoder_start_token_id", None)
@@ -398,23 +341,15 @@ def analyze_heads(
             "max_length": max_length,
         }
         signature["version"] = __version__
-        return HeadAnalysis(
-            config=config,
-            report=report,
-            model=model_name,
-            positional=positional.result(config.positional_threshold, model_name, signature) if positional else None,
-            positional_tokens=positional_tokens.result(config.positional_threshold, model_name, signature)
-            if positional_tokens else None,
-            syntactic=syntactic.result(config.syntactic_margin, model_name, signature) if syntactic else None,
-            rare=rare.result(model_name, signature) if rare else None,
-            aggregate=aggregate.result(model_name, signature) if aggregate else None,
-        )
+        results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
+        return HeadAnalysis(config=config, report=report, model=model_name, results=results)
     finally:
         model.train(was_training)
         if bar is not None:
             bar.close()
-        if aggregate is not None:
-            aggregate.close()
+        for stat in stats.values():
+            if hasattr(stat, "close"):
+                stat.close()
 
 
 def _prepare(raw, index, tokenizer, config, max_length, report):
@@ -488,18 +423,4 @@ def _lengths_mask(side: SideBatch, lengths: Sequence[int]) -> torch.Tensor:
 
 def describe_heads(analysis: HeadAnalysis) -> list[str]:
     """One line per head with a function: positional, syntactic, rare-token."""
-    lines = []
-    if analysis.positional is not None:
-        heads = analysis.positional.heads()
-        lines += [f"positional  {h}" for h in heads]
-        if not heads:
-            closest = analysis.positional.top(1)
-            lines += [f"positional  none at {analysis.config.positional_threshold:.0%}; closest: {h}" for h in closest]
-    if analysis.syntactic is not None:
-        for kind, layer, head, relation, direction, accuracy, base in analysis.syntactic.syntactic_heads():
-            lines.append(f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} "
-                         f"{accuracy:.1%} (baseline {base:.1%})")
-    if analysis.rare is not None:
-        for kind, layer, head, share, two in analysis.rare.top(1):
-            lines.append(f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}")
-    return lines
+    return [line for result in analysis.results.values() for line in result.describe_heads()]

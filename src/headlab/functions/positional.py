@@ -16,12 +16,14 @@ about the head and is left out (as is the word of a one-word sentence). Offsets 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView
-from headlab.heads import BlockKey, HeadScores, format_head, head_scores
+from headlab.functions.statistic import Labels, empty_labels
+from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 
 __all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
 
@@ -29,12 +31,23 @@ __all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
 class PositionalStats:
     """Streaming counts of relative offsets of each head's maximum attention."""
 
-    def __init__(self, max_offset: int = 32, level: str = "word") -> None:
+    def __init__(self, max_offset: int = 32, level: str = "word", threshold: float = 0.9) -> None:
         if level not in ("word", "token"):
             raise ValueError(f"level must be 'word' or 'token', got {level!r}")
         self.max_offset = int(max_offset)
         self.level = level
+        self.threshold = threshold
         self.counts: dict[BlockKey, torch.Tensor] = {}  # [n_heads, 2 * max_offset + 3]
+
+    @classmethod
+    def from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+        """Word level, when ``config.functions`` (registry entry ``positional``)."""
+        return cls(config.max_offset, "word", config.positional_threshold) if config.functions else None
+
+    @classmethod
+    def tokens_from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+        """Subword-token level, when ``config.functions`` (registry entry ``positional_tokens``)."""
+        return cls(config.max_offset, "token", config.positional_threshold) if config.functions else None
 
     @property
     def n_bins(self) -> int:
@@ -57,10 +70,11 @@ class PositionalStats:
         else:
             self.counts[key] = counts.clone()
 
-    def result(self, threshold: float = 0.9, model: str = "", signature: dict | None = None) -> "PositionalResult":
+    def result(self, threshold: float | None = None, model: str = "", signature: dict | None = None) -> "PositionalResult":
         return PositionalResult(
             {key: value.numpy().astype(np.int64) for key, value in self.counts.items()},
-            self.max_offset, threshold, self.level, model, dict(signature or {}),
+            self.max_offset, self.threshold if threshold is None else threshold, self.level, model,
+            dict(signature or {}),
         )
 
 
@@ -149,3 +163,36 @@ class PositionalResult:
             "counts": {f"{kind}:{layer}": counts.tolist() for (kind, layer), counts in sorted(self.counts.items())},
             "positional_heads": [h.__dict__ for h in self.heads()],
         }
+
+    # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
+    def write(self, directory: str | Path) -> list[Path]:
+        folder = Path(directory) / "positional"
+        if self.level == "token":
+            return [self.share.save(folder / "token_share.json"), self.offset.save(folder / "token_offset.json")]
+        return [self.share.save(folder / "share.json"), self.offset.save(folder / "offset.json"),
+                write_json(folder / "offsets.json", self.to_json(), ensure_ascii=False)]
+
+    def markdown(self) -> list[str]:
+        closest = [f"- {h}" for h in self.top(5)]
+        if self.level == "token":
+            return ["Subword-token level, closest to positional:", "", *closest, ""]
+        return [f"## Positional heads (Voita et al. 2019, Sec. 5.1), word level, threshold {self.threshold:.0%}", "",
+                *([f"- {h}" for h in self.heads()] or ["No head reaches the threshold."]),
+                "", "Closest to positional:", "", *closest, ""]
+
+    def labels(self) -> Labels:
+        """``positional +1``, ``positional -1``, ...: one offset holds ``threshold`` of the maxima (word level)."""
+        if self.level == "token":
+            return {}
+        labels = empty_labels(self.share)
+        for h in self.heads():
+            labels[(h.kind, h.layer, h.head)].append(f"positional {h.offset:+d}")
+        return labels
+
+    def describe_heads(self) -> list[str]:
+        if self.level == "token":
+            return []
+        heads = self.heads()
+        if heads:
+            return [f"positional  {h}" for h in heads]
+        return [f"positional  none at {self.threshold:.0%}; closest: {h}" for h in self.top(1)]

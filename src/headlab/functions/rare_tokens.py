@@ -20,13 +20,15 @@ sentence (positions sorted by count, then taken in order).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
-from headlab.heads import BlockKey, HeadScores, format_head, head_scores
+from headlab.functions.statistic import Labels, empty_labels
+from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 
 __all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
 
@@ -67,6 +69,11 @@ class RareTokenStats:
         self.first: dict[BlockKey, torch.Tensor] = {}  # [n_heads]
         self.two: dict[BlockKey, torch.Tensor] = {}
         self.queries: dict[BlockKey, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, config, frequencies: TokenFrequencies | None = None) -> "RareTokenStats | None":
+        """When ``config.functions`` and token frequencies are given (registry entry ``rare``)."""
+        return cls(frequencies, config.top_frequent) if config.functions and frequencies else None
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         eligible, _, _ = rare_token_masks(side, self.counts, self.top)
@@ -163,3 +170,23 @@ class RareTokenResult:
             "n_eligible": self.n_eligible,
             "top_heads": [dict(zip(("kind", "layer", "head", "rarest", "two_rarest"), t)) for t in self.top(5)],
         }
+
+    # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
+    def write(self, directory: str | Path) -> list[Path]:
+        folder = Path(directory) / "rare_tokens"
+        return [self.rarest.save(folder / "rarest.json"), self.two_rarest.save(folder / "two_rarest.json"),
+                write_json(folder / "summary.json", self.to_json(), ensure_ascii=False)]
+
+    def markdown(self) -> list[str]:
+        return ["## Rare-token heads (Sec. 5.3)", "", "```", self.describe(), "```", ""]
+
+    def labels(self) -> Labels:
+        """``rare``: the head whose maximum lands on the rarest token most often (Sec. 5.3)."""
+        labels = empty_labels(self.rarest)
+        for key in self.rare_heads():
+            labels[key].append("rare")
+        return labels
+
+    def describe_heads(self) -> list[str]:
+        return [f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}"
+                for kind, layer, head, share, two in self.top(1)]

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
-from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, format_head, head_scores
+from headlab.functions.statistic import Labels, empty_labels
+from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 
@@ -74,7 +76,8 @@ def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.T
 class SyntacticStats:
     """Streaming arc accuracies per head and relative-offset baselines per relation."""
 
-    def __init__(self, relations=PAPER_RELATIONS) -> None:
+    def __init__(self, relations=PAPER_RELATIONS, margin: float = 0.10) -> None:
+        self.margin = margin
         self.relations = tuple(dict.fromkeys(relations))
         for relation in self.relations:
             relation_matcher(relation)  # fail early on a bad name
@@ -82,6 +85,11 @@ class SyntacticStats:
         self.offsets: dict[str, dict[tuple[str, str], Counter]] = {}
         # block -> (relation, direction) -> hits [n_heads]
         self.hits: dict[BlockKey, dict[tuple[str, str], torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, config, frequencies=None) -> "SyntacticStats | None":
+        """When ``config.functions`` (registry entry ``syntactic``)."""
+        return cls(config.relations, config.syntactic_margin) if config.functions else None
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         """Baseline counts; call once per batch for each analysed kind."""
@@ -111,12 +119,12 @@ class SyntacticStats:
                 else:
                     table[key] = hits.clone()
 
-    def result(self, margin: float = 0.10, model: str = "", signature: dict | None = None) -> "SyntacticResult":
+    def result(self, margin: float | None = None, model: str = "", signature: dict | None = None) -> "SyntacticResult":
         return SyntacticResult(
             relations=self.relations,
             offsets={kind: {k: dict(c) for k, c in t.items()} for kind, t in self.offsets.items()},
             hits={key: {k: v.numpy().astype(np.int64) for k, v in t.items()} for key, t in self.hits.items()},
-            margin=margin,
+            margin=self.margin if margin is None else margin,
             model=model,
             signature=dict(signature or {}),
         )
@@ -308,3 +316,37 @@ class SyntacticResult:
                 for h in self.syntactic_heads()
             ],
         }
+
+    # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
+    def write(self, directory: str | Path) -> list[Path]:
+        folder = Path(directory) / "syntactic"
+        paths = []
+        for relation in self.relations:
+            for direction in ("gov->dep", "dep->gov"):
+                name = f"{relation.replace(':', '_').replace('*', 'any')}.{direction.replace('->', '-')}.json"
+                paths.append(self.accuracy(relation, direction).save(folder / name))
+        paths.append(self.margin_over_baseline().save(folder / "margin.json"))
+        paths.append(write_json(folder / "table1.json", self.to_json(), ensure_ascii=False))
+        atomic_write_text(folder / "table1.md", self.table_markdown() + "\n")
+        return [*paths, folder / "table1.md"]
+
+    def markdown(self) -> list[str]:
+        return [f"## Syntactic heads (Sec. 5.2.1, Table 1 analogue), margin {self.margin:.0%} over the offset "
+                "baseline", "", self.table_markdown(), ""]
+
+    def labels(self) -> Labels:
+        """``s->v``, ``v->o``, ``adj->noun``, ...: the head beats the relation's offset baseline by the
+        margin (the paper's arrows for its four relations, ``rel:gov->dep`` or ``rel:dep->gov`` else)."""
+        labels = empty_labels(self.margin_over_baseline())
+        for kind, layer, head, relation, direction, _accuracy, _base in self.syntactic_heads():
+            label = direction_label(relation, direction).replace(" ", "")
+            if label in ("gov->dep", "dep->gov"):
+                label = f"{relation}:{label}"
+            bucket = labels.setdefault((kind, layer, head), [])
+            if label not in bucket:
+                bucket.append(label)
+        return labels
+
+    def describe_heads(self) -> list[str]:
+        return [f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} {accuracy:.1%} "
+                f"(baseline {base:.1%})" for kind, layer, head, relation, direction, accuracy, base in self.syntactic_heads()]

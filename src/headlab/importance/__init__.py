@@ -8,18 +8,21 @@
 * :func:`compute_ablation` - the ground truth: the loss (or BLEU) change when one head is masked;
 * :func:`compute_agreement` - Spearman correlation of each measure with ablation, per kind.
 
-:func:`run_importance` runs them all on prepared data (``headlab importance`` on the command line).
+Each is an :class:`ImportanceMeasure` in the registry :data:`MEASURES`; :func:`run_importance`
+runs them on prepared data (``headlab importance`` on the command line).
 """
 
 from headlab._lazy import lazy_exports
 
 _EXPORTS = {
+    "Ablation": "headlab.importance.ablation",
     "METRICS": "headlab.importance.ablation",
     "compute_ablation": "headlab.importance.ablation",
     "AgreementTable": "headlab.importance.agreement",
     "compute_agreement": "headlab.importance.agreement",
     "spearman": "headlab.importance.agreement",
     "top_share": "headlab.importance.agreement",
+    "Confidence": "headlab.importance.confidence",
     "compute_confidence": "headlab.importance.confidence",
     "ImportanceData": "headlab.importance.data",
     "ModelInfo": "headlab.importance.data",
@@ -28,26 +31,34 @@ _EXPORTS = {
     "make_batches": "headlab.importance.data",
     "read_data": "headlab.importance.data",
     "translate_data": "headlab.importance.data",
+    "Gradient": "headlab.importance.gradient",
     "compute_gradient": "headlab.importance.gradient",
     "l2_normalize_per_layer": "headlab.importance.gradient",
+    "LRP": "headlab.importance.lrp",
     "STRATEGIES": "headlab.importance.lrp",
     "compute_lrp": "headlab.importance.lrp",
     "head_relevance": "headlab.importance.lrp",
-    "METHODS": "headlab.importance.pipeline",
-    "ImportanceConfig": "headlab.importance.pipeline",
+    "ImportanceMeasure": "headlab.importance.measure",
+    "ImportanceConfig": "headlab.importance.config",
     "ImportanceResult": "headlab.importance.pipeline",
     "run_importance": "headlab.importance.pipeline",
     "save_results": "headlab.importance.pipeline",
+    "MEASURES": "headlab.importance.registry",
     "lrp_rules": "headlab.importance.rules",
 }
 
 __all__ = [
-    "METHODS",
+    "LRP",
+    "MEASURES",
     "METRICS",
     "STRATEGIES",
+    "Ablation",
     "AgreementTable",
+    "Confidence",
+    "Gradient",
     "ImportanceConfig",
     "ImportanceData",
+    "ImportanceMeasure",
     "ImportanceResult",
     "ModelInfo",
     "compute_ablation",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,8 +50,9 @@ from headlab.importance.data import (
     generated_tokens,
     make_batches,
 )
+from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["METRICS", "compute_ablation", "compute_ablation_tables"]
+__all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]
 
 METRICS = ("loss", "bleu", "accuracy")
 
@@ -370,3 +372,45 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = base - BLEU().corpus_score(texts, refs).score
     signature = {"base_bleu": base, "beam": beam, "score": "BLEU - BLEU(masked)", "bleu_signature": str(bleu.get_signature())}
     return values, signature
+
+
+@dataclass(frozen=True)
+class AblationOptions:
+    metric: str = "loss"  # loss, bleu (translation models with references) or accuracy (classifiers)
+    rows: int = 256  # rows per forward call (masked copies x batch)
+    beam: int = 1  # beam of the translations BLEU scores
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise HeadlabError(f"unknown ablation metric {self.metric!r}; expected one of {', '.join(METRICS)}")
+
+
+class Ablation(ImportanceMeasure):
+    """:func:`compute_ablation_tables` as a registered measure: the ground truth of the agreement
+    table. A classifier scored by its loss also gets ``ablation_accuracy`` from the same passes."""
+
+    name = "ablation"
+    tables = {"ablation": ("Ablation", "change of the metric when the head alone is masked (the ground truth of "
+                                       "the agreement table)")}
+    needs_lm_head = True
+    uses_loss = True
+    on_request = True
+    Options = AblationOptions
+
+    def unavailable(self, info, data) -> str | None:
+        reason = super().unavailable(info, data)
+        if reason is None and self.options.metric == "bleu" and (not info.is_seq2seq or data.references is None):
+            return "BLEU needs a translation model and reference translations (--target)"
+        return reason
+
+    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
+        o = self.options
+        return compute_ablation(model, data, info, metric=o.metric, batch_size=batch_size, max_rows=o.rows,
+                                kinds=kinds, beam=o.beam, tokenizer=tokenizer, progress=progress)
+
+    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
+                     tokenizer=None) -> list[HeadScores]:
+        o = self.options
+        metrics = (o.metric, "accuracy") if info.arch == "classifier" and o.metric == "loss" else (o.metric,)
+        return compute_ablation_tables(model, data, info, metrics=metrics, batch_size=batch_size, max_rows=o.rows,
+                                       kinds=kinds, beam=o.beam, tokenizer=tokenizer, progress=progress)

@@ -41,8 +41,9 @@ from headlab.importance.data import (
     describe_model,
     make_batches,
 )
+from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["compute_confidence", "max_attention"]
+__all__ = ["Confidence", "compute_confidence", "max_attention"]
 
 
 def max_attention(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +127,15 @@ def compute_confidence(
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+class Confidence(ImportanceMeasure):
+    """:func:`compute_confidence` as a registered measure."""
+
+    name = "confidence"
+    tables = {"confidence": ("Confidence", "mean maximum attention weight, special tokens left out "
+                                           "(Voita et al. 2019, Sec. 4.1)")}
+    reads_translation = True
+
+    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
+        return compute_confidence(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from headlab.errors import HeadlabError
+from headlab.importance.registry import MEASURES
 
 
 @dataclass
 class ImportanceConfig:
     """Options of an importance run (``headlab importance`` maps its flags onto these)."""
 
-    methods: tuple[str, ...] = field(default=("all",), metadata={"help": "measures to run: confidence, lrp, gradient, ablation or all"})
+    methods: tuple[str, ...] = field(default=("all",), metadata={"help": f"measures to run: {', '.join(MEASURES)} or all"})
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
     metric: str = field(default="loss", metadata={"help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; with loss they get both)"})
     beam: int = field(default=1, metadata={"help": "beam size of the model's translations (1 = greedy)"})
@@ -22,22 +23,16 @@ class ImportanceConfig:
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
     def resolved_methods(self) -> list[str]:
-        from headlab.importance.ablation import METRICS
-        from headlab.importance.lrp import STRATEGIES
-        from headlab.importance.pipeline import METHODS
-
         chosen: list[str] = []
         for name in self.methods:
-            names = list(METHODS) if name == "all" else [name]
+            names = list(MEASURES) if name == "all" else [name]
             for n in names:
-                if n not in METHODS:
-                    raise HeadlabError(f"unknown importance method {n!r}; expected one of {', '.join(METHODS)} or all")
+                if n not in MEASURES:
+                    raise HeadlabError(f"unknown importance method {n!r}; expected one of {', '.join(MEASURES)} or all")
                 if n not in chosen:
                     chosen.append(n)
-        if self.metric not in METRICS:
-            raise HeadlabError(f"unknown ablation metric {self.metric!r}; expected one of {', '.join(METRICS)}")
-        if self.lrp_strategy not in STRATEGIES:
-            raise HeadlabError(f"unknown LRP strategy {self.lrp_strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        for measure in MEASURES.values():
+            measure.options_from(self)  # each measure checks its own options
         if self.batch_size < 1 or self.beam < 1 or self.ablation_rows < 1:
             raise HeadlabError("batch size, beam and ablation rows must be at least 1")
         return chosen

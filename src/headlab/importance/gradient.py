@@ -37,8 +37,9 @@ from headlab.importance.data import (
     describe_model,
     make_batches,
 )
+from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["compute_gradient", "l2_normalize_per_layer"]
+__all__ = ["Gradient", "compute_gradient", "l2_normalize_per_layer"]
 
 
 def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> HeadScores:
@@ -125,3 +126,23 @@ def _loss_name(info: ModelInfo, data: ImportanceData) -> str:
     if info.arch == "causal":
         return "mean next-token NLL of the text"
     return "mean NLL of masked tokens" if info.mask_id is not None else "mean NLL of reconstructing the (unmasked) tokens"
+
+
+class Gradient(ImportanceMeasure):
+    """:func:`compute_gradient` as a registered measure: the l2-normalised table and the raw one."""
+
+    name = "gradient"
+    tables = {"gradient": ("Gradient importance", "E|dL/dg_h| for a gate on the head, l2-normalised per layer "
+                                                  "(Michel et al. 2019)"),
+              "gradient_raw": ("Gradient importance (raw)", "E|dL/dg_h|, not normalised")}
+    needs_lm_head = True
+    uses_loss = True
+
+    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
+        return compute_gradient(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress)
+
+    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
+                     tokenizer=None) -> list[HeadScores]:
+        raw = compute_gradient(model, data, info, batch_size=batch_size, normalize=False, kinds=kinds,
+                               progress=progress)
+        return [l2_normalize_per_layer(raw, "gradient"), raw]

@@ -51,9 +51,10 @@ from headlab.importance.data import (
     make_batches,
     output_layer,
 )
+from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.rules import lrp_rules
 
-__all__ = ["STRATEGIES", "TargetRelevance", "compute_lrp", "head_relevance", "normalize_per_layer"]
+__all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "compute_lrp", "head_relevance", "normalize_per_layer"]
 
 STRATEGIES = ("vmap", "loop", "jacobian")
 
@@ -303,3 +304,27 @@ def _device(model: nn.Module) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:  # pragma: no cover
         return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class LRPOptions:
+    strategy: str = "vmap"  # how the backward passes run: vmap (fast), loop or jacobian
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise HeadlabError(f"unknown LRP strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+class LRP(ImportanceMeasure):
+    """:func:`compute_lrp` as a registered measure."""
+
+    name = "lrp"
+    tables = {"lrp": ("LRP relevance", "layer-wise relevance of each head, normalised over the heads of a layer "
+                                       "(Voita et al. 2019, Sec. 4.2)")}
+    needs_lm_head = True
+    reads_translation = True
+    Options = LRPOptions
+
+    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
+        return compute_lrp(model, data, info, batch_size=batch_size, strategy=self.options.strategy, kinds=kinds,
+                           progress=progress)

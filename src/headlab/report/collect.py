@@ -13,16 +13,10 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores
+from headlab.importance.registry import tables
 
-__all__ = ["Collected", "collect", "IMPORTANCE", "AGGREGATE", "FUNCTION_MAPS", "SECTION_STAGES"]
+__all__ = ["Collected", "collect", "AGGREGATE", "FUNCTION_MAPS"]
 
-IMPORTANCE = {
-    "confidence": ("Confidence", "mean maximum attention weight, special tokens left out (Voita et al. 2019, Sec. 4.1)"),
-    "lrp": ("LRP relevance", "layer-wise relevance of each head, normalised over the heads of a layer (Voita et al. 2019, Sec. 4.2)"),
-    "gradient": ("Gradient importance", "E|dL/dg_h| for a gate on the head, l2-normalised per layer (Michel et al. 2019)"),
-    "gradient_raw": ("Gradient importance (raw)", "E|dL/dg_h|, not normalised"),
-    "ablation": ("Ablation", "change of the metric when the head alone is masked (the ground truth of the agreement table)"),
-}
 AGGREGATE = {
     "mean_distance": ("Mean attention distance", "attention-weighted distance between words (Vig & Belinkov 2019)"),
     "mean_entropy": ("Mean attention entropy", "entropy (nats) of each word's attention over words, averaged"),
@@ -35,17 +29,6 @@ FUNCTION_MAPS = {
     "syntactic/margin.json": ("Syntactic margin", "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),
     "rare_tokens/rarest.json": ("Rare-token share", "how often the head's maximum lands on the rarest token (Sec. 5.3)"),
 }
-SECTION_STAGES = {
-    "importance": ("importance", "confidence", "lrp", "gradient", "ablation"),
-    "functions": ("functions", "positional", "syntactic", "rare"),
-    "aggregate": ("aggregate",),
-    "agreement": ("agreement", "ablation", "importance"),
-    "pruning": ("prune", "pruning", "sweep"),
-    "figures": ("figures",),
-    "viewer": ("attention", "examples", "viewer"),
-}
-
-
 @dataclass
 class Collected:
     directory: Path
@@ -58,12 +41,13 @@ class Collected:
     figures: list[dict] = field(default_factory=list)
     attention: dict | None = None
     notes: list[dict] = field(default_factory=list)
+    viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
 
-    def stages_for(self, section: str) -> list[dict]:
-        prefixes = SECTION_STAGES.get(section, (section,))
+    def stages_for(self, prefixes: tuple[str, ...]) -> list[dict]:
+        """The manifest's stages whose name starts with one of ``prefixes``."""
         return [s for s in self.manifest.get("stages", []) or []
                 if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
 
@@ -136,13 +120,14 @@ def collect(directory: Path) -> Collected:
     else:
         out.note("summary", "manifest.json: not found; the run summary is unknown")
 
-    # Importance: the known measures first, in the paper's order, then any other HeadScores file.
+    # Importance: the registry's tables first, in its order, then any other HeadScores file.
     importance = d / "importance"
-    known = [n for n in IMPORTANCE if (importance / f"{n}.json").is_file()]
-    others = sorted(p.stem for p in importance.glob("*.json") if p.stem not in IMPORTANCE and p.stem != "agreement") \
+    titles = tables()
+    known = [n for n in titles if (importance / f"{n}.json").is_file()]
+    others = sorted(p.stem for p in importance.glob("*.json") if p.stem not in titles and p.stem != "agreement") \
         if importance.is_dir() else []
     for name in known + others:
-        title, caption = IMPORTANCE.get(name, (name, ""))
+        title, caption = titles.get(name, (name, ""))
         _heatmap(out, importance / f"{name}.json", "importance", name, title, caption)
     agreement = _read_json(importance / "agreement.json", "agreement", out)
     if isinstance(agreement, dict) and (isinstance(agreement.get("spearman"), dict)

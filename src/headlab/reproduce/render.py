@@ -28,7 +28,7 @@ __all__ = ["render_blocks", "update_document", "read_blocks", "BLOCK"]
 BLOCK = re.compile(r"<!-- BEGIN generated:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)<!-- END generated:(?P=name) -->",
                    re.DOTALL)
 
-STAGE_ORDER = ("importance", "functions", "prune-enc", "prune-all", "baselines", "scratch", "specialisation")
+STAGE_ORDER = tuple(name for name in STAGES if name != "report")
 
 
 def _cell(value: str) -> str:

@@ -29,11 +29,11 @@ from typing import Callable
 import numpy as np
 
 from headlab.heads import HeadScores, atomic_write_text
+from headlab.importance.registry import tables
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
 
 __all__ = ["collect_results", "ModelResults", "kept_mask"]
 
-_IMPORTANCE = ("confidence", "lrp", "gradient", "gradient_raw", "ablation", "agreement")
 _FUNCTIONS = {
     "positional/share.json": "positional_share.json",
     "positional/offset.json": "positional_offset.json",
@@ -63,7 +63,7 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     machine) keeps its committed copy."""
     work, res = config.work(model), config.results(model)
     written: list[Path] = []
-    for name in _IMPORTANCE:
+    for name in (*tables(), "agreement"):
         _copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json", written)
     for src, dst in _FUNCTIONS.items():
         _copy(work / "functions" / src, res / "functions" / dst, written)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
 from headlab.reproduce.specialisation import run_specialisation
 from headlab.resume import SkipStage
@@ -198,7 +199,7 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
         method_keeps = [int(k) for k in options.pop("keeps", keeps)]
         argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
                 "--valid-src", test_src, "--valid-tgt", test_tgt]
-        if method in ("confidence", "lrp", "gradient", "gradient_raw"):
+        if method in tables() and method not in MEASURES[REFERENCE].tables:  # keep the best heads of a measure
             scores = ctx.config.work(ctx.model, "importance", f"{method}.json")
             if not scores.is_file() and not ctx.dry_run:
                 raise SkipStage(f"{scores} is missing: run the importance stage first")

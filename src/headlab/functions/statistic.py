@@ -1,0 +1,55 @@
+"""The extension point of head functions and aggregate statistics: :class:`HeadStatistic`.
+
+A statistic is fed every analysed block's attention, one :class:`~headlab.data.alignment.AttentionView`
+at a time (``[batch, n_heads, q_len, k_len]`` with its word alignment), keeps small per-head
+tensors, and ends as a :class:`StatisticResult` that writes its own files, its section of the
+functions README and its Figure 1 labels. The registry
+(:data:`headlab.functions.registry.STATISTICS`) lists them; :func:`headlab.functions.analyze_heads`,
+``headlab functions`` and ``headlab analyze`` take them from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from headlab.data.alignment import AttentionView
+from headlab.heads import HeadScores
+
+__all__ = ["HeadStatistic", "StatisticResult", "Labels", "empty_labels"]
+
+Labels = dict[tuple[str, int, int], list[str]]
+"""``{(kind, layer, head): [label, ...]}``; an analysed head without a function has ``[]``."""
+
+
+class StatisticResult(Protocol):
+    def write(self, directory: Path) -> list[Path]:
+        """Write its files under ``directory`` (the analysis directory; each result uses its own
+        sub-directory) and return their paths."""
+
+    def markdown(self) -> list[str]:
+        """Its lines of the functions README (a section, or part of one)."""
+
+    def labels(self) -> Labels:
+        """Function labels per head for Figure 1 and the report (``{}``: it labels nothing)."""
+
+    def describe_heads(self) -> list[str]:
+        """One line per head with a function, for the command line."""
+
+
+class HeadStatistic(Protocol):
+    """A streaming per-head statistic. It may also define ``update_side(kind, side)`` (called
+    once per batch and analysed kind, before the forward pass) and ``close()`` (called at the
+    end, also after an error). The registry builds it from an ``AnalysisConfig`` through a
+    factory that returns None when the configuration does not ask for it."""
+
+    def update(self, view: AttentionView) -> None: ...
+
+    def result(self, *, model: str = "", signature: dict | None = None) -> StatisticResult: ...
+
+
+def empty_labels(scores: HeadScores) -> Labels:
+    """``[]`` for every head of ``scores``' arrays: each analysed head gets a key."""
+    return {(kind, layer, head): [] for kind in scores.kinds
+            for layer in range(scores[kind].shape[0]) for head in range(scores[kind].shape[1])}
+

@@ -1,0 +1,76 @@
+"""The extension point of importance: one :class:`ImportanceMeasure` subclass per measure.
+
+A measure says what it needs (capability flags, as captum's ``Attribution`` classes do), holds
+its own options in a dataclass, and scores every head into one
+:class:`~headlab.heads.HeadScores`. The registry (:data:`headlab.importance.registry.MEASURES`)
+lists them; ``headlab importance``, the ``analyze`` stages, the report and ``reproduce`` take
+their lists from it. Adding a measure: a module with its subclass, and one line in the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from torch import nn
+
+from headlab.heads import HeadScores
+from headlab.importance.data import ImportanceData, ModelInfo
+
+__all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]
+
+NO_LM_HEAD = "the model has no language-model head (no logits to explain, no loss to differentiate)"
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a measure that has none of its own."""
+
+
+class ImportanceMeasure:
+    """One way to score every head of a model on prepared data."""
+
+    name: ClassVar[str]
+    """Registry key, ``--method`` value and the name of the HeadScores file it writes."""
+    tables: ClassVar[dict[str, tuple[str, str]]]
+    """Every HeadScores table it writes: method name -> (title, caption) for the report."""
+    needs_lm_head: ClassVar[bool] = False
+    """It explains logits or differentiates a loss, so the model needs a language-model head."""
+    reads_translation: ClassVar[bool] = False
+    """A translation model's decoder runs on the model's own translation (confidence, LRP)."""
+    uses_loss: ClassVar[bool] = False
+    """It scores a loss: against the reference when there is one, else the model's own output."""
+    on_request: ClassVar[bool] = False
+    """Slow: ``headlab analyze`` runs it only when asked (``--ablation``)."""
+    Options: ClassVar[type] = NoOptions
+    """A dataclass of the measure's own settings (validated in its ``__post_init__``)."""
+
+    def __init__(self, options=None) -> None:
+        self.options = self.Options() if options is None else options
+
+    @classmethod
+    def options_from(cls, config) -> object:
+        """The measure's options from a config object: its field ``<name>_<option>``, else
+        ``<option>`` (``ImportanceConfig.lrp_strategy`` fills LRP's ``strategy``)."""
+        values = {}
+        for option in fields(cls.Options):
+            for attribute in (f"{cls.name}_{option.name}", option.name):
+                if hasattr(config, attribute):
+                    values[option.name] = getattr(config, attribute)
+                    break
+        return cls.Options(**values)
+
+    def unavailable(self, info: ModelInfo, data: ImportanceData) -> str | None:
+        """Why the measure cannot run on this model and data; None when it can."""
+        if self.needs_lm_head and not info.has_lm_head:
+            return NO_LM_HEAD
+        return None
+
+    def score(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, batch_size: int = 32,
+              kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer=None) -> HeadScores:
+        """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds)."""
+        raise NotImplementedError
+
+    def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options) -> list[HeadScores]:
+        """Every table of :attr:`tables`, in order; by default :meth:`score`'s one table."""
+        return [self.score(model, data, info, **options)]

@@ -1,0 +1,110 @@
+"""The registries drive everything downstream, and every entry keeps the contract.
+
+Every importance measure on every tiny model family: finite scores for each table it declares (or
+a reason it cannot run), no hook left behind, the model's training mode and attention
+implementation given back, also when a forward pass fails half-way. Every head statistic on a
+treebank: a result that writes files, a README section and labels.
+"""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from headlab.adapters import attention_blocks
+from headlab.analyze.pipeline import STAGES
+from headlab.capture import _configs
+from headlab.data.frequencies import TokenFrequencies
+from headlab.functions import AnalysisConfig, analyze_heads
+from headlab.functions.registry import STATISTICS
+from headlab.importance import ImportanceData, describe_model
+from headlab.importance.registry import MEASURES, TABLES
+from headlab.report.sections import SECTIONS, render_navigation
+from test_functions_support import sample_path, sample_sentences, word_tokenizer  # noqa: F401 (fixture)
+from tiny_models import FAMILIES, SEQ2SEQ, tiny_model
+
+
+def _data(seq2seq: bool) -> ImportanceData:
+    """Two sentences; a translation model's decoder is teacher-forced on the references."""
+    g = torch.Generator().manual_seed(3)
+    sources = [torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (5, 3)]
+    if not seq2seq:
+        return ImportanceData.from_ids(sources)
+    references = [torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (4, 2)]
+    return replace(ImportanceData.from_ids(sources, references), translations=references)
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _implementations(model) -> list[str]:
+    return [config._attn_implementation for config in _configs(model)]
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_measure_on_every_family(family, name):
+    torch.set_num_threads(1)
+    model = tiny_model(family).train()
+    info = describe_model(model)
+    data = _data(family in SEQ2SEQ)
+    measure = MEASURES[name]()
+    hooks, implementations = _hooks(model), _implementations(model)
+    reason = measure.unavailable(info, data)
+    if reason is not None:
+        assert measure.needs_lm_head and not info.has_lm_head
+        return
+    tables = measure.score_tables(model, data, info, batch_size=2)
+    assert [t.method for t in tables] == list(measure.tables)
+    for table in tables:
+        assert table.kinds, f"{name} scored no kind"
+        for kind in table.kinds:
+            assert np.isfinite(table[kind]).all(), f"{name} {family} {kind}: {table[kind]}"
+    assert model.training and _hooks(model) == hooks and _implementations(model) == implementations
+    assert not hasattr(model, "headlab_gates")
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+def test_a_failing_forward_leaves_the_model_as_it_was(name):
+    model = tiny_model("marian").train()
+    info = describe_model(model)
+    data = _data(True)
+    hooks, implementations = _hooks(model), _implementations(model)
+    block = attention_blocks(model)[-1]
+
+    def fail(module, args, output):
+        raise RuntimeError("injected")
+
+    handle = block.module.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        MEASURES[name]().score_tables(model, data, info, batch_size=2)
+    handle.remove()
+    assert model.training and _hooks(model) == hooks and _implementations(model) == implementations
+    assert not hasattr(model, "headlab_gates")
+
+
+def test_lists_come_from_the_registries():
+    assert STAGES[: len(MEASURES)] == tuple(MEASURES)
+    assert list(TABLES) == [t for m in MEASURES.values() for t in m.tables]
+    assert render_navigation().count("<a ") == len(SECTIONS)
+
+
+def test_every_statistic_keeps_the_result_contract(sample_path, tmp_path):  # noqa: F811
+    torch.set_num_threads(1)
+    sentences = sample_sentences(sample_path.parent)
+    tokenizer = word_tokenizer([w for s in sentences for w in s.words])
+    counts = np.array([0 if i < 3 else 1000 - i for i in range(len(tokenizer))])
+    analysis = analyze_heads(tiny_model("marian"), tokenizer, sample_path, config=AnalysisConfig(top_frequent=3),
+                             frequencies=TokenFrequencies(counts, "hand-set"))
+    assert list(analysis.results) == list(STATISTICS)
+    for name, result in analysis.results.items():
+        assert getattr(analysis, name) is result
+        written = result.write(tmp_path / name)
+        assert written and all(p.is_file() for p in written), name
+        assert all(isinstance(line, str) for line in result.markdown())
+        labels = result.labels()
+        assert all(isinstance(v, list) and len(k) == 3 for k, v in labels.items()), name
+        assert all(isinstance(line, str) for line in result.describe_heads())
+    assert "## Positional heads" in analysis.functions_markdown()
