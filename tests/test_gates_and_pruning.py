@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from headlab import (
+    ConstantGates,
     HeadlabError,
     ScalarGates,
     attach_gates,
@@ -194,10 +195,33 @@ def test_gates_of_the_wrong_shape_are_refused():
     gates = ScalarGates({("dec_self", 5): 4})
     with pytest.raises(HeadlabError, match="no layer 5"):
         attach_gates(model, gates)
-    attach_gates(model, ScalarGates.for_model(model))
-    with pytest.raises(HeadlabError, match="already has gates"):
-        attach_gates(model, ScalarGates.for_model(model))
-    detach_gates(model)
+
+
+def test_gate_sets_stack_and_detach_one_at_a_time():
+    model, inputs = tiny_model("marian"), tiny_inputs("marian")
+    blocks = attention_blocks(model)
+    half = ConstantGates.from_mask(blocks, {("enc_self", 0): [1]}, value=0.5)
+    other = ConstantGates.from_mask(blocks, {("enc_self", 0): [1, 2]}, value=0.5)
+    product = ConstantGates.from_mask(blocks, {("enc_self", 0): [1, 2]}, value=0.5)
+    product.enc_self_0[1] = 0.25
+    with gates_attached(model, product):
+        both = logits(model, inputs)
+    with gates_attached(model, other):
+        alone = logits(model, inputs)
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    first = attach_gates(model, half)
+    attach_gates(model, other)
+    assert {"headlab_gates.enc_self_0", "headlab_gates_1.enc_self_0"} <= set(model.state_dict())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks + 1  # one hook for the block
+    torch.testing.assert_close(logits(model, inputs), both)
+    with mask_heads(model, {("enc_self", 0): [3]}):  # a mask stacks on both and leaves with its block
+        assert not torch.allclose(logits(model, inputs), both)
+    torch.testing.assert_close(logits(model, inputs), both)
+    assert first.remove() is half
+    torch.testing.assert_close(logits(model, inputs), alone)
+    assert detach_gates(model) is other
+    assert not any(k.startswith("headlab_gates") for k in model.state_dict())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks
 
 
 def test_per_example_gates_and_gradients_reach_the_gates():

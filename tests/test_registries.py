@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from headlab import mask_heads
 from headlab.adapters import attention_blocks
 from headlab.analyze.pipeline import STAGES
 from headlab.capture import _configs
@@ -108,3 +109,17 @@ def test_every_statistic_keeps_the_result_contract(sample_path, tmp_path):  # no
         assert all(isinstance(v, list) and len(k) == 3 for k, v in labels.items()), name
         assert all(isinstance(line, str) for line in result.describe_heads())
     assert "## Positional heads" in analysis.functions_markdown()
+
+
+def test_measures_compose_with_a_mask():
+    """Gates stack: every measure runs under mask_heads, and a masked head has no gradient."""
+    torch.set_num_threads(1)
+    model = tiny_model("marian")
+    info, data = describe_model(model), _data(True)
+    with mask_heads(model, {("enc_self", 0): [2]}):
+        tables = {t.method: t for name in MEASURES for t in MEASURES[name]().score_tables(model, data, info,
+                                                                                            batch_size=2)}
+    assert set(tables) == set(TABLES)
+    assert tables["gradient_raw"]["enc_self"][0, 2] == 0 and tables["gradient_raw"]["enc_self"][0, 1] > 0
+    assert tables["ablation"]["enc_self"][0, 2] == 0  # masking a masked head changes nothing
+    assert not hasattr(model, "headlab_gates")

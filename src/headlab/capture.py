@@ -9,7 +9,8 @@ Two seams, both taken without copying any modeling code:
   probabilities ``[batch, n_heads, q_len, k_len]``.
 
 Every context manager here removes its hooks and restores the model's attention
-implementation in ``finally``, so an exception inside leaves the model as it was.
+implementation (or training mode, :func:`eval_mode`) in ``finally``, so an exception inside
+leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def _configs(model: nn.Module) -> list:
         if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.eval()`` inside (no dropout: the model as it is); its own mode back on exit, also on error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @contextmanager

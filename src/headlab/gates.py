@@ -3,7 +3,9 @@
 A gate multiplies a head's output at the input of the output projection, where Voita et al.
 2019 (Sec. 6.1) put it: MultiHead(Q, K, V) = Concat_i(g_i * head_i) W^O. A gate module is a
 registered sub-module of the model while attached, so learnable gates appear in
-``model.parameters()`` and ``model.state_dict()``; detaching removes module and hooks.
+``model.parameters()`` and ``model.state_dict()``; detaching removes module and hooks. Gate
+sets stack (a mask inside gated fine-tuning, per-example gates under a mask): each has its own
+handle and all multiply, through one pre-hook per block.
 The Hard Concrete gates of the pruning package subclass :class:`HeadGates`.
 """
 
@@ -18,10 +20,10 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.capture import HookHandles, register_head_output_hooks
 from headlab.errors import HeadlabError
-from headlab.heads import HeadSpec
+from headlab.heads import BlockKey, HeadSpec
 
 GATES_ATTRIBUTE = "headlab_gates"
-BlockKey = tuple[str, int]
+_STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
 
 
 def block_name(key: BlockKey) -> str:
@@ -132,14 +134,55 @@ def _check_gates_fit(blocks: list[AttentionBlock], gates: HeadGates) -> list[Att
     return chosen
 
 
-def attach_gates(model: nn.Module, gates: HeadGates) -> HookHandles:
-    """Register ``gates`` as ``model.headlab_gates`` and hook them into every gated block.
+class _GateStack:
+    """The gate sets attached to one model, in attachment order, and one pre-hook per gated block
+    that multiplies the heads by every active set's gates."""
 
-    Returns the hook handles; :func:`detach_gates` undoes everything. A model holds one gate
-    module at a time.
+    def __init__(self) -> None:
+        self.sets: dict[str, HeadGates] = {}  # attribute name on the model -> gate module
+        self.hooks: dict[BlockKey, HookHandles] = {}
+
+    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+        for gates in self.sets.values():
+            heads = gates.apply(block, heads)
+        return heads
+
+    def hook(self, blocks: list[AttentionBlock]) -> None:
+        for block in blocks:
+            if block.key not in self.hooks:
+                self.hooks[block.key] = register_head_output_hooks([block], self.apply)
+
+    def unhook(self) -> None:
+        for handles in self.hooks.values():
+            handles.remove()
+        self.hooks.clear()
+
+
+class GateHandle:
+    """One attached gate set; :meth:`remove` takes it off and leaves the others in place."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        self.model, self.name = model, name
+
+    def remove(self) -> HeadGates | None:
+        stack = self.model.__dict__.get(_STACK)
+        gates = stack.sets.pop(self.name, None) if stack is not None else None
+        if gates is not None:
+            delattr(self.model, self.name)
+        if stack is not None and not stack.sets:
+            stack.unhook()
+            del self.model.__dict__[_STACK]
+        return gates
+
+
+def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
+    """Register ``gates`` as a sub-module of ``model`` and gate every block it names.
+
+    Gate sets stack: each one attached multiplies the heads' outputs, in the order attached,
+    through one pre-hook per gated block. The first set is ``model.headlab_gates``, the next
+    ``model.headlab_gates_1`` and so on, so learnable gates are in ``parameters()`` and
+    ``state_dict()``. The returned handle's ``remove()`` detaches this set only.
     """
-    if hasattr(model, GATES_ATTRIBUTE):
-        raise HeadlabError("the model already has gates attached; detach them first")
     blocks = _check_gates_fit(attention_blocks(model), gates)
     try:
         parameter = next(model.parameters())
@@ -147,35 +190,41 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> HookHandles:
     except StopIteration:
         pass
     gates.train(model.training)  # a stochastic gate follows the model's mode: sampled in training only
-    model.add_module(GATES_ATTRIBUTE, gates)
+    stack = model.__dict__.setdefault(_STACK, _GateStack())
+    name, i = GATES_ATTRIBUTE, 0
+    while hasattr(model, name):
+        i += 1
+        name = f"{GATES_ATTRIBUTE}_{i}"
+    model.add_module(name, gates)
+    stack.sets[name] = gates
+    handle = GateHandle(model, name)
     try:
-        handles = register_head_output_hooks(blocks, gates.apply)
+        stack.hook(blocks)
     except BaseException:
-        delattr(model, GATES_ATTRIBUTE)
+        handle.remove()
         raise
-    model._headlab_gate_handles = handles
-    return handles
+    return handle
 
 
-def detach_gates(model: nn.Module) -> HeadGates | None:
-    """Remove the attached gate module and its hooks; return the module (or None)."""
-    handles = model.__dict__.pop("_headlab_gate_handles", None)
-    if handles is not None:
-        handles.remove()
-    gates = getattr(model, GATES_ATTRIBUTE, None)
-    if gates is not None:
-        delattr(model, GATES_ATTRIBUTE)
-    return gates
+def detach_gates(model: nn.Module, gates: HeadGates | None = None) -> HeadGates | None:
+    """Remove ``gates`` (default: every attached set) with its hooks; return the last removed
+    module (or None)."""
+    stack = model.__dict__.get(_STACK)
+    removed = None
+    for name, attached in list(stack.sets.items()) if stack is not None else []:
+        if gates is None or attached is gates:
+            removed = GateHandle(model, name).remove()
+    return removed
 
 
 @contextmanager
 def gates_attached(model: nn.Module, gates: HeadGates) -> Iterator[HeadGates]:
-    """Attach ``gates`` for the duration of the block; always detach on exit."""
-    attach_gates(model, gates)
+    """Attach ``gates`` for the duration of the block; always detach them (only them) on exit."""
+    handle = attach_gates(model, gates)
     try:
         yield gates
     finally:
-        detach_gates(model)
+        handle.remove()
 
 
 @contextmanager

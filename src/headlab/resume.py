@@ -1,8 +1,24 @@
-"""Resumable stages: what ``headlab analyze`` and ``headlab reproduce`` share."""
+"""What the resumable stages of ``headlab analyze`` and ``headlab reproduce`` share.
+
+A stage is finished when its *marker*, a small JSON file, exists (and, for ``analyze``, records
+the same key: a hash of the inputs and options the stage depends on). Markers are written last
+and atomically, after the stage's outputs, so a stage killed half-way simply runs again. A stage
+that cannot run on its input raises :class:`SkipStage` with the reason.
+"""
 
 from __future__ import annotations
 
-__all__ = ["SkipStage"]
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from headlab.heads import atomic_write_text
+
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "stage_key", "now_iso"]
+
+_HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
 
 class SkipStage(Exception):
@@ -10,3 +26,48 @@ class SkipStage(Exception):
 
     ``headlab analyze`` records the stage as skipped, ``headlab reproduce`` as not run.
     """
+
+
+def read_marker(path: str | os.PathLike) -> dict | None:
+    """The marker at ``path``; None when it is absent or unreadable (the stage runs again)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_marker(path: str | os.PathLike, marker: dict) -> dict:
+    """Write a finished stage's marker atomically (after its outputs); returns it."""
+    atomic_write_text(path, json.dumps(marker, indent=1) + "\n")
+    return marker
+
+
+def file_fingerprint(path: str | os.PathLike | None) -> str | None:
+    """SHA-256 of a file's bytes (size and mtime for very large files); a directory: of its
+    small files' names and fingerprints (a model directory: config, tokenizer, weights)."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir():
+        parts = [f"{p.relative_to(path)}={file_fingerprint(p)}" for p in sorted(path.iterdir()) if p.is_file()]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    if not path.is_file():
+        return f"missing:{path}"
+    stat = path.stat()
+    if stat.st_size > _HASH_LIMIT:
+        return f"size={stat.st_size},mtime={stat.st_mtime_ns}"
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def stage_key(payload: dict) -> str:
+    """A short hash of what a stage's result depends on."""
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -35,21 +35,11 @@ from pathlib import Path
 from typing import Callable
 
 from headlab._version import __version__
-from headlab.analyze.records import (
-    StageRecord,
-    file_fingerprint,
-    now_iso,
-    raw_marker,
-    read_marker,
-    remove_marker,
-    stage_key,
-    write_manifest,
-    write_marker,
-)
+from headlab.analyze.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
-from headlab.resume import SkipStage
+from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
@@ -515,11 +505,8 @@ def _table(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _attention(ctx: _Context) -> tuple[list, str | None]:
-    try:
-        from headlab.report import write_attention_examples
-    except ImportError as error:
-        raise SkipStage(f"the report package is not available ({error})") from None
     from headlab.data.parallel import read_lines
+    from headlab.report import write_attention_examples
 
     c = ctx.config
     model, tokenizer = ctx.load()
@@ -551,12 +538,9 @@ def _figures(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _report(ctx: _Context) -> tuple[list, str | None]:
-    try:
-        from headlab.report import build_report
-    except ImportError as error:
-        raise SkipStage(f"the report package is not available ({error})") from None
-    path = build_report(ctx.out_dir)
-    return [path], None
+    from headlab.report import build_report
+
+    return [build_report(ctx.out_dir)], None
 
 
 RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {

@@ -30,7 +30,7 @@ import torch
 
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
-from headlab.capture import capture_attention
+from headlab.capture import capture_attention, eval_mode
 from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, align_sentences, build_side_batch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
@@ -299,13 +299,12 @@ def analyze_heads(
 
     started = time.perf_counter()
     index = 0
-    was_training = model.training
-    model.eval()  # attention dropout would blur the probabilities
     stream = examples()
     if config.max_sentences is not None:
         stream = islice(stream, config.max_sentences)
     try:
-        with capture_attention(model, on_probs, blocks=blocks), torch.inference_mode():
+        # eval mode: attention dropout would blur the probabilities
+        with eval_mode(model), capture_attention(model, on_probs, blocks=blocks), torch.inference_mode():
             for raw in _batched(stream, config.batch_size):
                 items = _prepare(raw, index, tokenizer, config, max_length, report)
                 index += len(raw)
@@ -344,7 +343,6 @@ def analyze_heads(
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
         return HeadAnalysis(config=config, report=report, model=model_name, results=results)
     finally:
-        model.train(was_training)
         if bar is not None:
             bar.close()
         for stat in stats.values():

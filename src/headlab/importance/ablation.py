@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores
@@ -254,37 +255,32 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
     base_totals = dict.fromkeys(metrics, 0.0)
     n_tokens = 0.0
     tick = _progress(_n_passes(len(data), batch_size, variants, max_rows), "ablation", progress)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True):
-                encoder_out = None
-                recorder = _LayerRecorder(model, [b for b, _ in variants])
-                try:
-                    if info.is_seq2seq:
-                        encoder_out = model.get_encoder()(
-                            input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
-                        ).last_hidden_state
-                        logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
-                    else:
-                        logits = forward_logits(model, batch.inputs, info)
-                finally:
-                    recorder.remove()
-                _, count = sequence_nll(logits, batch.labels)
-                for m, measure in measures.items():
-                    base_totals[m] += float(measure(logits, batch.labels).sum())
-                n_tokens += float(count.sum())
+    with eval_mode(model), torch.no_grad():
+        for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True):
+            encoder_out = None
+            recorder = _LayerRecorder(model, [b for b, _ in variants])
+            try:
+                if info.is_seq2seq:
+                    encoder_out = model.get_encoder()(
+                        input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
+                    ).last_hidden_state
+                    logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
+                else:
+                    logits = forward_logits(model, batch.inputs, info)
+            finally:
+                recorder.remove()
+            _, count = sequence_nll(logits, batch.labels)
+            for m, measure in measures.items():
+                base_totals[m] += float(measure(logits, batch.labels).sum())
+            n_tokens += float(count.sum())
+            tick(1)
+            copies = max(1, max_rows // batch.size)
+            for group in _groups(variants, copies):
+                per_metric = _loss_group(model, info, batch, group, encoder_out, recorder, measures)
+                for m, totals_group in per_metric.items():
+                    for (block, head), value in zip(group, totals_group):
+                        totals[m][(block.key, head)] += value
                 tick(1)
-                copies = max(1, max_rows // batch.size)
-                for group in _groups(variants, copies):
-                    per_metric = _loss_group(model, info, batch, group, encoder_out, recorder, measures)
-                    for m, totals_group in per_metric.items():
-                        for (block, head), value in zip(group, totals_group):
-                            totals[m][(block.key, head)] += value
-                    tick(1)
-    finally:
-        model.train(was_training)
     if n_tokens == 0:
         raise HeadlabError("ablation: no token to score in the data")
     out = {}
@@ -334,8 +330,6 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
     base_hyps = [""] * len(data)
     hyps = {(b.key, h): [""] * len(data) for b, h in variants}
     tick = _progress(_n_passes(len(data), batch_size, variants, max_rows // beam), "ablation (bleu)", progress)
-    was_training = model.training
-    model.eval()
 
     def generate(inputs: dict[str, torch.Tensor]) -> list[str]:
         ids = inputs["input_ids"]
@@ -346,24 +340,21 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         )
         return tokenizer.batch_decode([generated_tokens(row, info) for row in out.tolist()], skip_special_tokens=True)
 
-    try:
-        with torch.no_grad():
-            for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device):
-                encoder_inputs = {k: batch.inputs[k] for k in ("input_ids", "attention_mask")}
-                for i, text in zip(batch.index, generate(encoder_inputs)):
-                    base_hyps[i] = text
+    with eval_mode(model), torch.no_grad():
+        for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device):
+            encoder_inputs = {k: batch.inputs[k] for k in ("input_ids", "attention_mask")}
+            for i, text in zip(batch.index, generate(encoder_inputs)):
+                base_hyps[i] = text
+            tick(1)
+            copies = max(1, max_rows // (batch.size * beam))
+            for group in _groups(variants, copies):
+                expanded = {k: v.repeat(len(group), 1) for k, v in encoder_inputs.items()}
+                with gates_attached(model, _variant_gates(group, batch.size, device)):
+                    texts = generate(expanded)
+                for j, (block, head) in enumerate(group):
+                    for i, text in zip(batch.index, texts[j * batch.size : (j + 1) * batch.size]):
+                        hyps[(block.key, head)][i] = text
                 tick(1)
-                copies = max(1, max_rows // (batch.size * beam))
-                for group in _groups(variants, copies):
-                    expanded = {k: v.repeat(len(group), 1) for k, v in encoder_inputs.items()}
-                    with gates_attached(model, _variant_gates(group, batch.size, device)):
-                        texts = generate(expanded)
-                    for j, (block, head) in enumerate(group):
-                        for i, text in zip(batch.index, texts[j * batch.size : (j + 1) * batch.size]):
-                            hyps[(block.key, head)][i] = text
-                    tick(1)
-    finally:
-        model.train(was_training)
     refs = [data.reference_texts]
     bleu = BLEU()
     base = bleu.corpus_score(base_hyps, refs).score

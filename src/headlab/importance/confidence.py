@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import capture_attention
+from headlab.capture import capture_attention, eval_mode
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.data import (
@@ -98,16 +98,11 @@ def compute_confidence(
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, total=count_batches(data, batch_size), desc="confidence", unit="batch")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture_attention(model, on_probs, blocks=blocks):
-            for batch in batches:
-                current["batch"] = batch
-                kwargs = {"use_cache": False} if info.is_seq2seq else {}
-                model(**batch.inputs, **kwargs)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), capture_attention(model, on_probs, blocks=blocks):
+        for batch in batches:
+            current["batch"] = batch
+            kwargs = {"use_cache": False} if info.is_seq2seq else {}
+            model(**batch.inputs, **kwargs)
     values = {}
     for key in sums:
         if counts[key] == 0:

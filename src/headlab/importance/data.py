@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -457,9 +458,7 @@ def translate_data(
         from tqdm.auto import tqdm
 
         chunks = tqdm(chunks, desc="translate", unit="batch")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for chunk in chunks:
             ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
             limit = min(int(max_length_a * ids.shape[1] + max_length_b), info.max_length - 1)
@@ -470,8 +469,6 @@ def translate_data(
             )
             for i, row in zip(chunk, generated.tolist()):
                 outputs[i] = generated_tokens(row, info)
-    finally:
-        model.train(was_training)
     return replace(data, translations=[o or [] for o in outputs])
 
 

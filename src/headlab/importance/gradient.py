@@ -20,14 +20,17 @@ Michel et al. normalise importance per layer with the l2 norm (following Molchan
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
+from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
-from headlab.heads import HeadScores
+from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.common import ExampleGates, forward_logits, sequence_nll
 from headlab.importance.data import (
     ImportanceData,
@@ -39,7 +42,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["Gradient", "compute_gradient", "l2_normalize_per_layer"]
+__all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer", "without_heads"]
 
 
 def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> HeadScores:
@@ -52,6 +55,51 @@ def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> Hea
     return HeadScores(out, method or scores.method, scores.model, signature)
 
 
+def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]], info: ModelInfo, *,
+                   kinds: tuple[str, ...] | None = None, mask: HeadSpec | None = None) -> tuple[dict, int, int]:
+    """E_x |dL(x)/dg_h| per head (Michel et al. 2019, Eq. 4) over ``batches`` of ``(inputs, labels)``.
+
+    Gates are at 1, or at 0 for the heads of ``mask``: the importance at the current mask, as in
+    the iterative pruning of Michel et al. (Sec. 5). Returns ``{kind: [n_layers, n_heads]}`` and
+    the numbers of sentences and tokens scored.
+    """
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    keep = {b.key: torch.ones(b.n_heads) for b in blocks}
+    for key, heads in (mask or {}).items():
+        if key in keep:
+            keep[key][list(heads)] = 0.0
+    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    n_examples = n_tokens = 0
+    with eval_mode(model):
+        for inputs, labels in batches:
+            device, size = labels.device, labels.shape[0]
+            gates = {key: (torch.ones(size, len(k), device=device) * k.to(device)).requires_grad_(True)
+                     for key, k in keep.items()}  # one row per sentence: [batch, n_heads]
+            with torch.enable_grad(), gates_attached(model, ExampleGates(gates)):
+                nll, count = sequence_nll(forward_logits(model, inputs, info), labels)
+                scored = count > 0
+                loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
+                grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
+            for key, grad in zip(gates, grads):
+                if grad is not None:
+                    sums[key] += grad[scored].abs().double().sum(0).cpu()
+            n_examples += int(scored.sum())
+            n_tokens += int(count.sum())
+    if n_examples == 0:
+        raise HeadlabError("gradient importance: no sentence has a token to score")
+    scores = block_scores(attention_blocks(model), {key: (v / n_examples).numpy() for key, v in sums.items()})
+    return {k: v for k, v in scores.items() if kinds is None or k in kinds}, n_examples, n_tokens
+
+
+def without_heads(scores: HeadScores, heads: HeadSpec) -> HeadScores:
+    """``scores`` with NaN for ``heads`` (heads already removed are not ranked again)."""
+    arrays = {kind: array.copy() for kind, array in scores.scores.items()}
+    for (kind, layer), indices in heads.items():
+        if kind in arrays:
+            arrays[kind][layer, list(indices)] = np.nan
+    return scores.with_scores(arrays)
+
+
 def compute_gradient(
     model: nn.Module,
     data: ImportanceData,
@@ -60,12 +108,15 @@ def compute_gradient(
     batch_size: int = 32,
     normalize: bool = True,
     kinds: tuple[str, ...] | None = None,
+    mask: HeadSpec | None = None,
     progress: bool = False,
 ) -> HeadScores:
     """Gradient importance of every head over ``data`` (Michel et al. 2019).
 
     Returns method ``"gradient"`` (l2-normalised per layer) or, with ``normalize=False``,
-    ``"gradient_raw"``. Use :func:`l2_normalize_per_layer` to get one from the other.
+    ``"gradient_raw"``. Use :func:`l2_normalize_per_layer` to get one from the other. The heads of
+    ``mask`` are switched off (their gates at 0) and get NaN; their gradient still counts in the
+    norm of their layer, as in Michel et al.'s code.
     """
     info = info or describe_model(model)
     if not info.has_lm_head:
@@ -74,39 +125,14 @@ def compute_gradient(
         raise HeadlabError("gradient importance on a translation model needs references or the model's translations")
     if info.arch == "classifier" and data.classes is None:
         raise HeadlabError("gradient importance of a classifier needs the texts' labels (a labelled TSV)")
-    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
-    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
-    n_examples = n_tokens = 0
     device = next(model.parameters()).device
     batches = make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True)
     if progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, total=count_batches(data, batch_size), desc="gradient", unit="batch")
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in batches:
-            gates = {b.key: torch.ones(batch.size, b.n_heads, device=device, requires_grad=True) for b in blocks}
-            with torch.enable_grad(), gates_attached(model, ExampleGates(gates)):
-                logits = forward_logits(model, batch.inputs, info)
-                nll, count = sequence_nll(logits, batch.labels)
-                scored = count > 0
-                loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
-                grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
-            for (key, _), grad in zip(gates.items(), grads):
-                if grad is not None:
-                    sums[key] += grad[scored].abs().double().sum(0).cpu()
-            n_examples += int(scored.sum())
-            n_tokens += int(count.sum())
-    finally:
-        model.train(was_training)
-    if n_examples == 0:
-        raise HeadlabError("gradient importance: no sentence has a token to score")
-    values = {key: (v / n_examples).numpy() for key, v in sums.items()}
-    scores = block_scores(attention_blocks(model), values)
-    if kinds is not None:
-        scores = {k: v for k, v in scores.items() if k in kinds}
+    scores, n_examples, n_tokens = gate_gradients(model, ((b.inputs, b.labels) for b in batches), info,
+                                                  kinds=kinds, mask=mask)
     signature = {
         **data.signature(),
         "n_scored_sentences": n_examples,
@@ -115,7 +141,8 @@ def compute_gradient(
         "normalisation": "none",
     }
     raw = HeadScores(scores, "gradient_raw", info.name, signature)
-    return l2_normalize_per_layer(raw, "gradient") if normalize else raw
+    table = l2_normalize_per_layer(raw, "gradient") if normalize else raw
+    return without_heads(table, mask) if mask else table
 
 
 def _loss_name(info: ModelInfo, data: ImportanceData) -> str:

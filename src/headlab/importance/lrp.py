@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import eager_attention, head_output_hooks
+from headlab.capture import eager_attention, eval_mode, head_output_hooks
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.data import (
@@ -159,66 +159,61 @@ def head_relevance(
         recorded[block.key] = heads  # [batch, pos, n_heads, d_head]
         return heads
 
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.enable_grad(), eager_attention(model), lrp_rules(model), _lm_input(model) as seen, \
-                head_output_hooks(blocks, record):
-            out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
-                else model(**batch.inputs)
-            y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
-            steps = batch.steps.to(y.device)
-            index = _step_list(steps)
-            keys = [b.key for b in blocks]
-            tensors = [recorded[k] for k in keys]
-            heads = [t.detach() for t in tensors]
-            positions = steps.any(0).nonzero().flatten()  # positions that are a step in some row
-            if strategy == "jacobian":  # one backward per output element: full Jacobian rows
-                rows = {k: [] for k in keys}
-                for r, p in index.tolist():
-                    grads = torch.autograd.grad(y[r, p], tensors, retain_graph=True, allow_unused=True)
-                    for key, g, h in zip(keys, grads, heads):
-                        jac = torch.zeros_like(h) if g is None else g  # d y[r, p] / d heads, whole batch
-                        rows[key].append((jac * h).sum(dim=(0, 1, 3)))  # [H]
-                relevance = {
-                    key: torch.stack(rows[key]) if rows[key] else h.new_zeros(0, h.shape[2])
-                    for key, h in zip(keys, heads)
-                }
-            else:
-                per_position = {k: [] for k in keys}  # pieces of [n_positions, batch, H]
-                if strategy == "vmap":
-                    size = chunk_size or _auto_chunk(y, tensors)
-                    for start in range(0, len(positions), size):
-                        chunk = positions[start : start + size]
-                        # One-hot grad_outputs: slice c selects position chunk[c] of every row.
-                        selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
-                        selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
-                        grads = torch.autograd.grad(
-                            y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
-                            is_grads_batched=True,
-                        )
-                        for key, grad, h in zip(keys, grads, heads):
-                            per_position[key].append(_contract(grad, h, len(chunk)))
-                else:  # "loop": one backward per step position, all rows at once
-                    for position in positions.tolist():
-                        selector = torch.zeros_like(y)
-                        selector[:, position] = steps[:, position].to(y.dtype)
-                        grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True,
-                                                    allow_unused=True)
-                        for key, grad, h in zip(keys, grads, heads):
-                            per_position[key].append(_contract(grad, h)[None])
-                slot = torch.full((y.shape[1],), -1, dtype=torch.long, device=y.device)
-                slot[positions] = torch.arange(len(positions), device=y.device)
-                picks = slot[index[:, 1]]
-                relevance = {
-                    key: torch.cat(per_position[key])[picks, index[:, 0]] if len(positions)
-                    else h.new_zeros(0, h.shape[2])
-                    for key, h in zip(keys, heads)
-                }
-            logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)
-            tokens = top[index[:, 0], index[:, 1]] if len(index) else top.new_zeros(0)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.enable_grad(), eager_attention(model), lrp_rules(model), _lm_input(model) as seen, \
+            head_output_hooks(blocks, record):
+        out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
+            else model(**batch.inputs)
+        y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
+        steps = batch.steps.to(y.device)
+        index = _step_list(steps)
+        keys = [b.key for b in blocks]
+        tensors = [recorded[k] for k in keys]
+        heads = [t.detach() for t in tensors]
+        positions = steps.any(0).nonzero().flatten()  # positions that are a step in some row
+        if strategy == "jacobian":  # one backward per output element: full Jacobian rows
+            rows = {k: [] for k in keys}
+            for r, p in index.tolist():
+                grads = torch.autograd.grad(y[r, p], tensors, retain_graph=True, allow_unused=True)
+                for key, g, h in zip(keys, grads, heads):
+                    jac = torch.zeros_like(h) if g is None else g  # d y[r, p] / d heads, whole batch
+                    rows[key].append((jac * h).sum(dim=(0, 1, 3)))  # [H]
+            relevance = {
+                key: torch.stack(rows[key]) if rows[key] else h.new_zeros(0, h.shape[2])
+                for key, h in zip(keys, heads)
+            }
+        else:
+            per_position = {k: [] for k in keys}  # pieces of [n_positions, batch, H]
+            if strategy == "vmap":
+                size = chunk_size or _auto_chunk(y, tensors)
+                for start in range(0, len(positions), size):
+                    chunk = positions[start : start + size]
+                    # One-hot grad_outputs: slice c selects position chunk[c] of every row.
+                    selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
+                    selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
+                    grads = torch.autograd.grad(
+                        y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
+                        is_grads_batched=True,
+                    )
+                    for key, grad, h in zip(keys, grads, heads):
+                        per_position[key].append(_contract(grad, h, len(chunk)))
+            else:  # "loop": one backward per step position, all rows at once
+                for position in positions.tolist():
+                    selector = torch.zeros_like(y)
+                    selector[:, position] = steps[:, position].to(y.dtype)
+                    grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True,
+                                                allow_unused=True)
+                    for key, grad, h in zip(keys, grads, heads):
+                        per_position[key].append(_contract(grad, h)[None])
+            slot = torch.full((y.shape[1],), -1, dtype=torch.long, device=y.device)
+            slot[positions] = torch.arange(len(positions), device=y.device)
+            picks = slot[index[:, 1]]
+            relevance = {
+                key: torch.cat(per_position[key])[picks, index[:, 0]] if len(positions)
+                else h.new_zeros(0, h.shape[2])
+                for key, h in zip(keys, heads)
+            }
+        logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)
+        tokens = top[index[:, 0], index[:, 1]] if len(index) else top.new_zeros(0)
     return TargetRelevance(index, logits, tokens, relevance)
 
 

@@ -6,6 +6,8 @@ from typing import Sequence
 
 import torch
 
+from headlab.capture import eval_mode
+
 __all__ = ["translate", "source_limit"]
 
 
@@ -54,36 +56,31 @@ def translate(
     order = sorted(todo, key=lambda i: lengths[i], reverse=True)
     pad_id = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
     if progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc="translate", unit="batch")
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                width = max(lengths[i] for i in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, i in enumerate(batch):
-                    ids = by_index[i]
-                    input_ids[row, : len(ids)] = torch.tensor(ids)
-                    attention_mask[row, : len(ids)] = 1
-                # Decoder length includes the start token; Marian's positions cap it.
-                max_length = min(int(max_length_a * width + max_length_b) + 1, max_positions)
-                generated = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    num_beams=beam,
-                    do_sample=False,
-                    max_length=max_length,
-                    early_stopping=True if beam > 1 else False,
-                )
-                texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-                for i, text in zip(batch, texts):
-                    outputs[i] = text.strip()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.inference_mode():
+        for batch in batches:
+            width = max(lengths[i] for i in batch)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids = by_index[i]
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                attention_mask[row, : len(ids)] = 1
+            # Decoder length includes the start token; Marian's positions cap it.
+            max_length = min(int(max_length_a * width + max_length_b) + 1, max_positions)
+            generated = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                num_beams=beam,
+                do_sample=False,
+                max_length=max_length,
+                early_stopping=True if beam > 1 else False,
+            )
+            texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+            for i, text in zip(batch, texts):
+                outputs[i] = text.strip()
     return outputs

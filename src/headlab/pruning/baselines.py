@@ -29,8 +29,9 @@ import torch
 
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
-from headlab.gates import HeadGates, gates_attached
 from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.importance.data import describe_model
+from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer, without_heads
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, make_batches, train
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
@@ -68,77 +69,31 @@ def scores_spec(scores: HeadScores, keep: int, kinds=("enc_self",)) -> Spec:
     return scores.top_mask(keep, tuple(kinds))
 
 
-class _ExampleGates(HeadGates):
-    """Gates with one row per sentence (``[batch, n_heads]``), so that one backward pass gives
-    every sentence's own dL(x)/dg_h. Heads already removed stay at 0."""
-
-    def __init__(self, n_heads, batch: int, removed: Spec, device):
-        super().__init__(n_heads)
-        self.rows = {}
-        for key, n in self.n_heads.items():
-            mask = torch.ones(n, device=device)
-            mask[removed.get(key, [])] = 0.0
-            self.rows[key] = (torch.ones(batch, n, device=device) * mask).requires_grad_(True)
-
-    def gate(self, key):
-        return self.rows[key]
-
-
-def _per_sentence_loss(model, batch: dict) -> torch.Tensor:
-    """Mean token cross-entropy of each sentence against its reference: [batch]."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   decoder_input_ids=batch["decoder_input_ids"], use_cache=False).logits  # [batch, tgt_len, vocab]
-    labels = batch["labels"]  # [batch, tgt_len]
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), labels, ignore_index=-100,
-                                            reduction="none")  # [batch, tgt_len]
-    return nll.sum(1) / (labels != -100).sum(1).clamp(min=1)
-
-
 def gradient_importance(model, tokenizer, data, kinds=("enc_self",), removed: Spec | None = None, *,
                         batch_tokens: int = 2000, max_batches: int | None = None) -> HeadScores:
     """Michel et al. 2019, Eq. 4: I_h = E_x |dL(x)/dg_h| over sentences x, gates at 1 (0 for heads
     already removed), then divided per layer by its l2 norm (Sec. 4.1). Removed heads get NaN.
 
-    (``headlab.importance.gradient.compute_gradient`` computes the same score for a whole
-    model; this variant takes the current mask of iterative pruning.)"""
+    :func:`headlab.importance.gradient.gate_gradients` on the training batches (token budget,
+    the loss against the reference) instead of the importance data."""
     if not isinstance(data, EncodedCorpus):
         data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
-    removed = removed or {}
-    n_heads = {b.key: b.n_heads for b in attention_blocks(model) if b.kind in kinds}
     pad_id = tokenizer.pad_token_id
     start = getattr(model.config, "decoder_start_token_id", None)
     start = pad_id if start is None else start
-    totals = {key: torch.zeros(n, dtype=torch.float64) for key, n in n_heads.items()}
-    n_sentences = 0
-    was_training = model.training
-    model.eval()  # no dropout: the importance of the model as it is
     device = next(model.parameters()).device
-    try:
-        for i, indices in enumerate(make_batches(data, batch_tokens, seed=0, epoch=0)):
-            if max_batches is not None and i >= max_batches:
-                break
+
+    def batches():
+        for indices in make_batches(data, batch_tokens, seed=0, epoch=0)[:max_batches]:
             batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
-            gates = _ExampleGates(n_heads, len(indices), removed, device)
-            with torch.enable_grad(), gates_attached(model, gates):
-                loss = _per_sentence_loss(model, batch).sum()  # sentences are independent
-                grads = torch.autograd.grad(loss, [gates.rows[key] for key in totals])
-            for key, grad in zip(totals, grads):
-                totals[key] += grad.abs().double().sum(0).cpu()  # |dL(x)/dg_h| per sentence
-            n_sentences += len(indices)
-    finally:
-        model.train(was_training)
-    by_kind: dict[str, dict[int, np.ndarray]] = {}
-    for (kind, layer), values in totals.items():
-        v = (values / max(n_sentences, 1)).numpy()
-        norm = np.linalg.norm(v)
-        v = v / norm if norm > 0 else v  # Michel et al. 2019, Sec. 4.1: per-layer l2 normalisation
-        for head in removed.get((kind, layer), []):
-            v[head] = np.nan
-        by_kind.setdefault(kind, {})[layer] = v
-    scores = {kind: np.stack([layers[l] for l in sorted(layers)]) for kind, layers in by_kind.items()}
-    return HeadScores(scores, "gradient_importance", getattr(model.config, "name_or_path", ""),
-                      {"method": "Michel et al. 2019, Eq. 4", "normalize": "l2 per layer",
-                       "n_sentences": n_sentences})
+            yield {k: batch[k] for k in ("input_ids", "attention_mask", "decoder_input_ids")}, batch["labels"]
+
+    removed = removed or {}
+    scores, n_sentences, _ = gate_gradients(model, batches(), describe_model(model, tokenizer), kinds=tuple(kinds),
+                                            mask=removed)
+    raw = HeadScores(scores, "gradient_importance", getattr(model.config, "name_or_path", ""),
+                     {"method": "Michel et al. 2019, Eq. 4", "n_sentences": n_sentences})
+    return without_heads(l2_normalize_per_layer(raw), removed)
 
 
 def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_fraction: float = 0.1,

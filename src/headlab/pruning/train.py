@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from headlab.adapters import attention_blocks
+from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
@@ -387,18 +388,14 @@ def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss
     start = pad_id if start is None else start
     config = TrainConfig(label_smoothing=0.0)
     compute_loss = compute_loss or label_smoothed_loss
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    try:
+    with eval_mode(model):
         for indices in make_batches(data, batch_tokens, seed=0, epoch=0):
             batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
             loss_sum, n = compute_loss(model, batch, config)
             total += loss_sum.item()
             count += n
-    finally:
-        model.train(was_training)
     return total / max(count, 1)
 
 

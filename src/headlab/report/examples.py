@@ -27,8 +27,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from headlab.capture import capture_attention, eval_mode
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text
+from headlab.importance.data import describe_model
 
 __all__ = ["FORMAT", "SCALE", "write_attention_examples", "write_example", "write_index", "load_example",
            "quantize", "dequantize"]
@@ -127,9 +129,6 @@ def write_attention_examples(
     ``dec_cross``. Returns the written paths relative to ``out_dir``'s parent. One sentence per
     forward pass (no padding, so nothing has to be cut away), under ``torch.no_grad`` in eager
     attention."""
-    from headlab.capture import capture_attention
-    from headlab.importance.data import describe_model
-
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise HeadlabError(f"{out_dir}: exists and is not a directory")
@@ -145,9 +144,7 @@ def write_attention_examples(
         stale.unlink()
     entries: list[dict] = []
     written: list[Path] = []
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for line, source in enumerate(sources, start=1):
             if len(entries) >= max_sentences:
                 break
@@ -184,8 +181,6 @@ def write_attention_examples(
                 entry["target"] = tokenizer.decode(target_ids, skip_special_tokens=True)
             entries.append(entry)
             written.append(out_dir / entry["file"])
-    finally:
-        model.train(was_training)
     name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
     written.append(write_index(out_dir, entries, str(name)))
     return [str(path.relative_to(out_dir.parent)) for path in written]

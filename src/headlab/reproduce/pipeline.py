@@ -9,19 +9,16 @@ command line in the import layers (it imports :mod:`headlab.cli`); nothing below
 
 from __future__ import annotations
 
-import json
 import time
-from datetime import datetime, timezone
 from typing import Callable
 
 from headlab._version import __version__
 from headlab.cli import main
 from headlab.errors import HeadlabError
-from headlab.heads import atomic_write_text
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.report import write_report
 from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path
-from headlab.resume import SkipStage
+from headlab.resume import SkipStage, now_iso, write_marker
 
 __all__ = ["run_pipeline"]
 
@@ -62,9 +59,8 @@ def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
         ctx.log(f"{model} {name}: not run: {reason}")
         return StageOutcome(model, name, "not run", reason=str(reason))
     seconds = time.perf_counter() - started
-    record = {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
-              "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "headlab": __version__}
-    atomic_write_text(marker, json.dumps(record, indent=1) + "\n")
+    write_marker(marker, {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
+                          "finished": now_iso(), "headlab": __version__})
     ctx.log(f"{model} {name}: done in {seconds:.0f} s")
     return StageOutcome(model, name, "done", seconds, commands=texts)
 
