@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
@@ -50,19 +51,15 @@ def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tenso
 def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096) -> dict:
     """Mean next-token loss (nats per subword, ``</s>`` included, ``<s>`` never predicted) and
     its exponential, over every sentence of ``corpus``; the model's mode is restored."""
-    was_training = model.training
-    model.eval()
     loss_sum, n_tokens = 0.0, 0
     device = next(model.parameters()).device
     plain = TrainConfig(label_smoothing=0.0)
-    try:
+    with eval_mode(model):
         for indices in make_batches(corpus, max_tokens, seed=0, epoch=0):
             batch = {k: v.to(device) for k, v in collate_lm(corpus, indices, pad_id).items()}
             batch_loss, batch_tokens = causal_lm_loss(model, batch, plain)
             loss_sum += batch_loss.item()
             n_tokens += batch_tokens
-    finally:
-        model.train(was_training)
     loss = loss_sum / max(n_tokens, 1)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}
 
