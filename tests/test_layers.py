@@ -2,7 +2,8 @@
 
 The import graph is read from the source with ``ast``: every ``import`` statement counts,
 including those inside functions (lazy imports) and ``TYPE_CHECKING`` blocks, and so does every
-module named in an ``_EXPORTS`` table (the lazy package exports of :mod:`headlab._lazy`). A
+module named in an ``_EXPORTS`` table or a ``LazyRegistry`` (the lazy exports and registries of
+:mod:`headlab._lazy`). A
 module may import modules of its own layer or below; a package's ``__init__`` may import its own
 modules and takes the highest layer among them. ``headlab.cli`` finds its command modules by
 name (``COMMAND_MODULES``), a registry of plug-ins rather than an import.
@@ -68,8 +69,17 @@ def _imports(name: str) -> set[str]:
     path, is_package = MODULES[name]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        lazy = None  # the lazy tables: a package's _EXPORTS, a LazyRegistry({name: "module.Name"})
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
-            found |= {v.value for v in getattr(node.value, "values", []) if isinstance(v, ast.Constant)}
+            lazy = node.value
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LazyRegistry" and node.args:
+            lazy = node.args[0]
+        for value in getattr(lazy, "values", []):
+            if isinstance(value, ast.Constant):
+                target = value.value
+                while target not in MODULES and "." in target:  # "module.Name" -> module
+                    target = target.rsplit(".", 1)[0]
+                found.add(target)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for target in _resolve(name, is_package, node):
                 while target not in MODULES and "." in target:  # `import headlab.x.y` of a name
@@ -189,8 +199,10 @@ def test_no_package_cycle():
 
 
 def test_graph_sees_lazy_imports():
-    """The walk must see imports inside functions, or it would miss what it is there to catch."""
+    """The walk must see imports inside functions and lazy tables, or it would miss what it is there to catch."""
     assert "headlab.loading" in GRAPH["headlab.analyze.pipeline"]  # imported inside a method
+    assert "headlab.importance.lrp" in GRAPH["headlab.importance.registry"]  # a LazyRegistry entry
+    assert "headlab.gates" in GRAPH["headlab"]  # a lazy package export
     assert layer_of("headlab.importance.cli") == len(LAYERS) - 1
 
 

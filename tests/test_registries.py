@@ -20,7 +20,7 @@ from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
 from headlab.importance import ImportanceData, describe_model
-from headlab.importance.registry import MEASURES, TABLES
+from headlab.importance.registry import MEASURES, tables
 from headlab.report.sections import SECTIONS, render_navigation
 from test_functions_support import sample_path, sample_sentences, word_tokenizer  # noqa: F401 (fixture)
 from tiny_models import FAMILIES, SEQ2SEQ, tiny_model
@@ -57,9 +57,9 @@ def test_every_measure_on_every_family(family, name):
     if reason is not None:
         assert measure.needs_lm_head and not info.has_lm_head
         return
-    tables = measure.score_tables(model, data, info, batch_size=2)
-    assert [t.method for t in tables] == list(measure.tables)
-    for table in tables:
+    scored = measure.score_tables(model, data, info, batch_size=2)
+    assert [t.method for t in scored] == list(measure.tables)
+    for table in scored:
         assert table.kinds, f"{name} scored no kind"
         for kind in table.kinds:
             assert np.isfinite(table[kind]).all(), f"{name} {family} {kind}: {table[kind]}"
@@ -88,7 +88,7 @@ def test_a_failing_forward_leaves_the_model_as_it_was(name):
 
 def test_lists_come_from_the_registries():
     assert STAGES[: len(MEASURES)] == tuple(MEASURES)
-    assert list(TABLES) == [t for m in MEASURES.values() for t in m.tables]
+    assert list(tables()) == [t for m in MEASURES.values() for t in m.tables]
     assert render_navigation().count("<a ") == len(SECTIONS)
 
 
@@ -117,9 +117,9 @@ def test_measures_compose_with_a_mask():
     model = tiny_model("marian")
     info, data = describe_model(model), _data(True)
     with mask_heads(model, {("enc_self", 0): [2]}):
-        tables = {t.method: t for name in MEASURES for t in MEASURES[name]().score_tables(model, data, info,
+        scored = {t.method: t for name in MEASURES for t in MEASURES[name]().score_tables(model, data, info,
                                                                                             batch_size=2)}
-    assert set(tables) == set(TABLES)
-    assert tables["gradient_raw"]["enc_self"][0, 2] == 0 and tables["gradient_raw"]["enc_self"][0, 1] > 0
-    assert tables["ablation"]["enc_self"][0, 2] == 0  # masking a masked head changes nothing
+    assert set(scored) == set(tables())
+    assert scored["gradient_raw"]["enc_self"][0, 2] == 0 and scored["gradient_raw"]["enc_self"][0, 1] > 0
+    assert scored["ablation"]["enc_self"][0, 2] == 0  # masking a masked head changes nothing
     assert not hasattr(model, "headlab_gates")

@@ -560,16 +560,11 @@ RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
 # ----------------------------------------------------------------------------- the loop
 
 
-def _requested(flag: str) -> Callable[[AnalyzeConfig], str | None]:
-    return lambda c: None if getattr(c, flag) else f"not requested (pass --{flag})"
-
-
-NOT_REQUESTED: dict[str, Callable[[AnalyzeConfig], str | None]] = {
-    **{name: _requested(name) for name, measure in MEASURES.items() if measure.on_request},
-    "prune": _requested("prune"),
-}
-"""Stages that run only when asked for (a measure ``on_request``: the AnalyzeConfig flag of its
-name): the reason they did not, or None."""
+def not_requested(name: str, config: AnalyzeConfig) -> str | None:
+    """Why a stage that runs only when asked for did not (``--prune``; a measure ``on_request``:
+    the AnalyzeConfig flag of its name, ``--ablation``), or None."""
+    on_request = name == "prune" or (name in MEASURES and MEASURES[name].on_request)
+    return f"not requested (pass --{name})" if on_request and not getattr(config, name) else None
 
 
 def _skipped_by_flag(config: AnalyzeConfig) -> set[str]:
@@ -623,11 +618,11 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     if flagged:
         ctx.log(f"{position} {name}: skipped (--skip)")
         return StageRecord(name, "skipped", "skipped with --skip")
-    not_requested = NOT_REQUESTED.get(name, lambda c: None)(ctx.config)
-    if not_requested:
+    reason = not_requested(name, ctx.config)
+    if reason:
         _discard(ctx, name)
-        ctx.log(f"{position} {name}: {not_requested}")
-        return StageRecord(name, "skipped", not_requested)
+        ctx.log(f"{position} {name}: {reason}")
+        return StageRecord(name, "skipped", reason)
     ctx.log(f"{position} {name}: running")
     start = time.perf_counter()
     try:
