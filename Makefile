@@ -1,4 +1,4 @@
-# The two commands of README.md: `make demo` and `make test`.
+# The two commands of README.md, `make demo` and `make test`; `make lint` (ruff, mypy) runs in CI too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # would pull gigabytes of CUDA packages. Override with TORCH_SPEC=torch elsewhere.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: venv
 
 test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs
+
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -38,8 +38,7 @@ from headlab.data import read_parallel
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
 from headlab.nmt.train import TrainConfig, train
-from headlab.pruning.train import PruneConfig, prune_train
-from headlab.pruning.train import measure_latency
+from headlab.pruning.train import PruneConfig, measure_latency, prune_train
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 SHAPE = ModelConfig(d_model=128, ffn_dim=512, encoder_layers=3, decoder_layers=3, n_heads=8, max_positions=128)

@@ -7,7 +7,7 @@ from torch import nn
 
 from headlab import HeadlabError, attention_blocks
 from headlab.adapters import find_block, n_layers_per_kind
-from tiny_models import FAMILIES, SEQ2SEQ, tiny_model
+from support.models import FAMILIES, SEQ2SEQ, tiny_model
 
 EXPECTED_KINDS = {
     "marian": ["enc_self", "enc_self", "dec_self", "dec_cross", "dec_self", "dec_cross"],
@@ -29,7 +29,7 @@ def test_blocks_in_forward_order(family):
     # Forward order: the order in which the cores actually run.
     order = []
     handles = [b.core.register_forward_hook(lambda m, a, o, b=b: order.append(b.key)) for b in blocks]
-    from tiny_models import tiny_inputs
+    from support.models import tiny_inputs
     with torch.no_grad():
         model(**tiny_inputs(family))
     for handle in handles:

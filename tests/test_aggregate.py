@@ -5,11 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import FakeBlock, bpe_tokenizer, sample_sentences, side_batch
 
 from headlab.aggregate import POS_TAGS, AggregateStats
 from headlab.data.alignment import AttentionView
+from support.treebank import FakeBlock, bpe_tokenizer, sample_sentences, side_batch
 
 H = 3
 
@@ -175,8 +174,7 @@ def test_state_does_not_grow_with_the_number_of_batches(setup):
 
 
 def test_one_word_sentences_are_not_exemplars(tmp_path):
-    from test_functions_support import word_tokenizer
-
+    from support.treebank import word_tokenizer
     class S:
         def __init__(self, words):
             self.words, self.heads = words, (-1,) + (0,) * (len(words) - 1)

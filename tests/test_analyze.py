@@ -4,10 +4,7 @@ import json
 import shutil
 
 import pytest
-import torch
 import transformers as tf
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import tiny_model
 
 from headlab import HeadScores
 from headlab.analyze import STAGES, AnalyzeConfig, run_analysis
@@ -15,6 +12,8 @@ from headlab.analyze.pipeline import check_conllu_matches_source
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.tokenizer import train_tokenizer
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 SENTENCES = [
     "a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
@@ -28,12 +27,6 @@ TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines()
 FAST = ["--no-progress", "--prune-steps", "2", "--prune-max-tokens", "200", "--prune-keeps", "4,2"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

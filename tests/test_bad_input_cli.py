@@ -11,14 +11,14 @@ import sys
 import time
 
 import pytest
-from bad_input_support import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
-from test_functions_support import SAMPLE_CONLLU, one_thread  # noqa: F401 (one_thread: autouse)
 
 import headlab.analyze.pipeline as pipeline
 import headlab.functions.analysis
 from headlab.cli import main
 from headlab.errors import HeadlabError, RunFailed
 from headlab.lock import LOCK_FILE, DirectoryLock
+from support.bad_input import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
+from support.treebank import SAMPLE_CONLLU
 
 
 @pytest.fixture(scope="module")

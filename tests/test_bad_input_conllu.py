@@ -6,14 +6,14 @@ import gzip
 import json
 
 import pytest
-from bad_input_support import files_under, forbid_model_loading, save_tiny_marian
-from test_functions_support import SAMPLE_CONLLU, one_thread, word_tokenizer  # noqa: F401 (one_thread: autouse)
-from tiny_models import tiny_model
 
 from headlab.cli import main
 from headlab.data.treebank import ProblemLog, TreebankCounts, read_conllu, relation_matcher
 from headlab.errors import HeadlabError
 from headlab.functions import AnalysisConfig, analyze_heads
+from support.bad_input import files_under, forbid_model_loading, save_tiny_marian
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 BLOCKS = SAMPLE_CONLLU.split("\n\n")  # four sentences: s1 .. s4
 S2_WORD = "4\tsleep\tsleep\tVERB\tVB\t_\t0\troot\t_\t_"

@@ -4,16 +4,15 @@ zero-head layers and kinds, a model path that does not exist, an unwritable --ou
 import json
 
 import pytest
-import torch
-from bad_input_support import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
-from test_functions_support import SAMPLE_CONLLU, one_thread, word_tokenizer  # noqa: F401 (one_thread: autouse)
-from tiny_models import tiny_model
 
 from headlab.adapters import attention_blocks
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.headspec import load_mask_file, parse_heads
 from headlab.loading import load_model
+from support.bad_input import SENTENCES, files_under, forbid_model_loading, save_tiny_marian, unwritable, world_readable_dir
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,20 @@ model without a tokenizer and an unwritable --output. docs/cli.md lists the cont
 import gzip
 
 import pytest
-import torch
-from bad_input_support import (SENTENCES, files_under, forbid_model_loading, save_tiny_marian, save_tiny_pruned,
-                               unwritable, world_readable_dir)
-from test_functions_support import one_thread  # noqa: F401 (autouse: one torch thread)
 
 from headlab.cli import main
 from headlab.loading import load_model
 from headlab.nmt.tokenizer import load_tokenizer
 from headlab.nmt.translate import translate
+from support.bad_input import (
+    SENTENCES,
+    files_under,
+    forbid_model_loading,
+    save_tiny_marian,
+    save_tiny_pruned,
+    unwritable,
+    world_readable_dir,
+)
 
 
 @pytest.fixture(scope="module")

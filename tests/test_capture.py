@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from headlab import attention_blocks, capture_attention
-from tiny_models import FAMILIES, SEQ2SEQ, tiny_inputs, tiny_model
+from support.models import FAMILIES, SEQ2SEQ, tiny_inputs, tiny_model
 
 
 def _reference(model, inputs):

@@ -8,7 +8,7 @@ import torch
 from headlab import HeadlabError, attention_blocks, load_pruned, mask_heads
 from headlab.cli import main
 from headlab.headspec import parse_heads
-from tiny_models import logits, tiny_inputs, tiny_model
+from support.models import logits, tiny_inputs, tiny_model
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
-from tiny_models import FAMILIES, logits, tiny_inputs, tiny_model
+from support.models import FAMILIES, logits, tiny_inputs, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

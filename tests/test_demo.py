@@ -4,13 +4,13 @@ import json
 from pathlib import Path
 
 import torch
-from test_functions_support import SAMPLE_CONLLU
 
 from headlab.cli import main
 from headlab.data import read_parallel
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
+from support.treebank import SAMPLE_CONLLU
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import tiny_inputs, tiny_model
 
 from headlab import HeadScores, prune_heads, save_pruned
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.loading import load_model
+from support.models import tiny_inputs, tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")

@@ -6,23 +6,17 @@ import runpy
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import transformers as tf
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import tiny_model
+
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
 WORDS = [w for text in TEXTS for w in text.split()]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(name: str, argv: list[str], monkeypatch) -> None:

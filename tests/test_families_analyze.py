@@ -9,11 +9,10 @@ import csv
 import json
 
 import pytest
-import torch
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import FAMILIES, SEQ2SEQ, tiny_model
 
 from headlab.cli import main
+from support.models import FAMILIES, SEQ2SEQ, tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
 WORDS = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
@@ -34,12 +33,6 @@ def byte_level_tokenizer(texts):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,20 +6,13 @@ from collections import Counter
 
 import numpy as np
 import torch
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import (
-    FakeBlock,
-    sample_path,  # noqa: F401 (fixture)
-    sample_sentences,
-    side_batch,
-    word_tokenizer,
-)
-from tiny_models import tiny_model
 
 from headlab.aggregate import AggregateStats
 from headlab.data.alignment import AttentionView
 from headlab.data.treebank import relation_matcher
 from headlab.functions import AnalysisConfig, PositionalStats, SyntacticStats, analyze_heads
+from support.models import tiny_model
+from support.treebank import FakeBlock, sample_sentences, side_batch, word_tokenizer
 
 H = 3
 

@@ -4,14 +4,13 @@ import json
 
 import numpy as np
 import pytest
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import tiny_model
 from tokenizers import normalizers
 
 from headlab.cli import main
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.heads import HeadScores
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 LONG = " ".join(["the", "old", "dog"] * 25)  # 75 words > the tiny model's 64 positions
 

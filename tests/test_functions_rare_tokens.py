@@ -5,24 +5,22 @@ import gzip
 import numpy as np
 import pytest
 import torch
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import (
-    FakeBlock,
-    ForcedAttention,
-    sample_path,  # noqa: F401 (fixture)
-    sample_sentences,
-    side_batch,
-    token_pattern,
-    uniform_probs,
-    word_tokenizer,
-)
-from tiny_models import tiny_model
 
 from headlab.adapters import attention_blocks
 from headlab.data.alignment import AttentionView
 from headlab.data.frequencies import TokenFrequencies
 from headlab.errors import HeadlabError
 from headlab.functions import AnalysisConfig, RareTokenStats, analyze_heads
+from support.models import tiny_model
+from support.treebank import (
+    FakeBlock,
+    ForcedAttention,
+    sample_sentences,
+    side_batch,
+    token_pattern,
+    uniform_probs,
+    word_tokenizer,
+)
 
 
 def _frequencies(tokenizer):

@@ -3,25 +3,23 @@
 from collections import Counter
 
 import numpy as np
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import (
+
+from headlab.adapters import attention_blocks
+from headlab.data.alignment import AttentionView
+from headlab.data.treebank import relation_matcher
+from headlab.functions import AnalysisConfig, SyntacticStats, analyze_heads
+from support.models import tiny_model
+from support.treebank import (
     FakeBlock,
     ForcedAttention,
     bpe_tokenizer,
     force_word_targets,
-    sample_path,  # noqa: F401 (fixture)
     sample_sentences,
     side_batch,
     token_pattern,
     uniform_probs,
     word_tokenizer,
 )
-from tiny_models import tiny_model
-
-from headlab.adapters import attention_blocks
-from headlab.data.alignment import AttentionView
-from headlab.data.treebank import relation_matcher
-from headlab.functions import AnalysisConfig, SyntacticStats, analyze_heads
 
 RELATIONS = ("nsubj", "dobj", "amod", "advmod", "iobj")
 

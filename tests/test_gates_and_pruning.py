@@ -20,7 +20,7 @@ from headlab import (
     save_pruned,
 )
 from headlab.surgery import PRUNING_FILE, ZeroHeadAttention
-from tiny_models import FAMILIES, SEQ2SEQ, logits, tiny_inputs, tiny_model
+from support.models import FAMILIES, logits, tiny_inputs, tiny_model
 
 
 def _spec(model):
@@ -214,6 +214,7 @@ def test_gate_sets_stack_and_detach_one_at_a_time():
     assert {"headlab_gates.enc_self_0", "headlab_gates_1.enc_self_0"} <= set(model.state_dict())
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks + 1  # one hook for the block
     torch.testing.assert_close(logits(model, inputs), both)
+    model.apply(lambda module: None)  # nn.Module.apply reaches the gate modules (not shadowed by them)
     with mask_heads(model, {("enc_self", 0): [3]}):  # a mask stacks on both and leaves with its block
         assert not torch.allclose(logits(model, inputs), both)
     torch.testing.assert_close(logits(model, inputs), both)

@@ -7,16 +7,7 @@ from sacrebleu.metrics import BLEU
 
 from headlab import HeadlabError, attention_blocks, mask_heads
 from headlab.importance import ImportanceData, compute_ablation, describe_model, translate_data
-from tiny_models import tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from support.models import tiny_model
 
 
 def _data(seq2seq, n=5):

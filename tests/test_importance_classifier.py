@@ -13,7 +13,6 @@ import pytest
 import torch
 import transformers as tf
 from tokenizers import processors
-from test_functions_support import word_tokenizer
 
 from headlab import HeadScores, attention_blocks, gates_attached
 from headlab.cli import main
@@ -22,6 +21,7 @@ from headlab.gates import ConstantGates, ScalarGates
 from headlab.importance.common import forward_logits
 from headlab.importance.data import describe_model, make_batches, read_labelled_data
 from headlab.loading import load_model, load_tokenizer
+from support.treebank import word_tokenizer
 
 WORDS = ["yes", "the", "a", "cat", "dog", "runs", "sleeps", "big", "small", "red", "blue", "sees", "house", "tree"]
 

@@ -4,15 +4,14 @@ import gzip
 import json
 
 import pytest
-import torch
 import transformers as tf
 
 from headlab import HeadScores
 from headlab.cli import main
-from headlab.importance import ImportanceData, describe_model, encode_texts
 from headlab.errors import HeadlabError
+from headlab.importance import ImportanceData, describe_model, encode_texts
 from headlab.nmt.tokenizer import train_tokenizer
-from tiny_models import tiny_model
+from support.models import tiny_model
 
 SENTENCES = [
     "a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
@@ -26,12 +25,6 @@ GERMAN = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

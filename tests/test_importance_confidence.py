@@ -8,16 +8,7 @@ import torch
 
 from headlab.importance import ImportanceData, compute_confidence, describe_model, translate_data
 from headlab.importance.confidence import max_attention
-from tiny_models import tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from support.models import tiny_model
 
 SEP = 5  # an extra "special" token for the tests
 

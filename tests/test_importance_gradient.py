@@ -7,16 +7,7 @@ import torch
 from headlab import HeadlabError, ScalarGates, gates_attached
 from headlab.gates import block_name
 from headlab.importance import ImportanceData, compute_gradient, describe_model, l2_normalize_per_layer
-from tiny_models import tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from support.models import tiny_model
 
 
 def _data(seq2seq):

@@ -15,16 +15,7 @@ from headlab.importance import (
     translate_data,
 )
 from headlab.importance.lrp import _auto_chunk, normalize_per_layer
-from tiny_models import FAMILIES, tiny_inputs, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from support.models import FAMILIES, tiny_inputs, tiny_model
 
 
 def _bias_free(model):

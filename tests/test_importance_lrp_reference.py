@@ -354,15 +354,7 @@ REFERENCES = {"marian": PostNormSeq2Seq, "bart": PostNormSeq2Seq, "bert": Bert, 
 import pytest  # noqa: E402
 
 from headlab.importance import ImportanceData, describe_model, head_relevance, make_batches, translate_data  # noqa: E402
-from tiny_models import tiny_model  # noqa: E402
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: one thread avoids spinning against other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from support.models import tiny_model  # noqa: E402
 
 
 def _data(info, n=3, seed=0):

@@ -19,7 +19,7 @@ from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.lm.train import LMRecipe, perplexity, run_lm_recipe
 from headlab.nmt.tokenizer import train_tokenizer
 from headlab.nmt.train import TrainConfig
-from tiny_nmt import DATA, one_thread  # noqa: F401 (one_thread: fixture)
+from support.nmt import DATA
 
 TRAIN = DATA / "val.en.gz"  # 1,014 sentences, in the repository
 

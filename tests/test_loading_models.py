@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_functions_support import word_tokenizer
-from tiny_models import tiny_inputs, tiny_model
 
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.loading import check_tokenizer_fits, load_config, load_model
+from support.models import tiny_inputs, tiny_model
+from support.treebank import word_tokenizer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 WORDS = "a man is riding bike two dogs play in the snow woman reads book".split()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 def _worker(out_dir: str) -> None:
     import json
@@ -21,8 +20,7 @@ def _worker(out_dir: str) -> None:
     from safetensors.torch import save_file
 
     from headlab.nmt.train import TrainConfig, train
-    from tiny_nmt import tiny_corpus, tiny_marian, tiny_tokenizer
-
+    from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

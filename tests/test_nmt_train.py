@@ -9,10 +9,16 @@ from safetensors.torch import load_file
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.train import (
-    TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss, make_batches, train,
+    TrainConfig,
+    collate,
+    encode_corpus,
+    inverse_sqrt_lr,
+    label_smoothed_loss,
+    make_batches,
+    train,
 )
-from tiny_nmt import DATA, corpus, one_thread, tokenizer  # noqa: F401 (corpus, one_thread, tokenizer: fixtures)
-from tiny_nmt import tiny_marian as tiny_model
+from support.nmt import DATA
+from support.nmt import tiny_marian as tiny_model
 
 
 def config(out_dir, **overrides):

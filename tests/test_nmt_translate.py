@@ -9,7 +9,7 @@ from headlab.nmt.bleu import compute_scores
 from headlab.nmt.model import load_model
 from headlab.nmt.train import TrainConfig, train
 from headlab.nmt.translate import translate
-from tiny_nmt import one_thread, tiny_corpus, tiny_marian, tiny_tokenizer  # noqa: F401 (one_thread: fixture)
+from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_functions_support import SAMPLE_CONLLU
 
 from headlab.analyze.profiles import collect_profile, read_block, render_profiles, replace_block
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.nmt.tokenizer import train_tokenizer
-from tiny_nmt import one_thread  # noqa: F401 (fixture)
+from support.treebank import SAMPLE_CONLLU
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,17 +5,16 @@ names the input, never another exception and never a silently wrong result."""
 
 import json
 
-import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_functions_support import bpe_tokenizer
-from tiny_models import tiny_model
 
 from headlab.adapters import attention_blocks
 from headlab.data.alignment import Alignment, AlignmentError, align_sentences
 from headlab.data.treebank import ProblemLog, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
 from headlab.headspec import load_mask_file, parse_heads
+from support.models import tiny_model
+from support.treebank import bpe_tokenizer
 
 # derandomize: the same examples every run (no flaky CI); 600 random examples each passed once.
 SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from tiny_models import tiny_inputs, tiny_model
 
 from headlab import load_pruned, prune_heads, save_pruned
 from headlab.portable import CODE_FILE
+from support.models import tiny_inputs, tiny_model
 
 # (family, heads to remove, Auto class, how the directory loads without headlab)
 CASES = {

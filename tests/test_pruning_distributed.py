@@ -18,8 +18,7 @@ def _worker(out_dir: str) -> None:
 
     from headlab.nmt.train import TrainConfig
     from headlab.pruning.train import PruneConfig, prune_train
-    from tiny_nmt import tiny_corpus, tiny_marian, tiny_tokenizer
-
+    from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

@@ -8,7 +8,7 @@ import torch
 from headlab import attach_gates, detach_gates
 from headlab.errors import HeadlabError
 from headlab.pruning import HardConcreteGates, LagrangianBudget
-from tiny_models import logits, tiny_inputs, tiny_model
+from support.models import logits, tiny_inputs, tiny_model
 
 
 def gates_for(log_alpha, beta=0.33):

@@ -10,12 +10,10 @@ from headlab import attach_gates, load_pruned
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.train import TrainConfig, load_weights
-from headlab.pruning import HardConcreteGates
-from headlab.pruning.train import PruneConfig, prune_train, read_trajectory
-from headlab.pruning import baselines
-from headlab.pruning.train import encode_lm_corpus, export_pruned
-from tiny_nmt import DATA, corpus, one_thread, tokenizer  # noqa: F401 (corpus, one_thread, tokenizer: fixtures)
-from tiny_nmt import tiny_marian as marian
+from headlab.pruning import HardConcreteGates, baselines
+from headlab.pruning.train import PruneConfig, encode_lm_corpus, export_pruned, prune_train, read_trajectory
+from support.nmt import DATA
+from support.nmt import tiny_marian as marian
 
 
 def config(out_dir, epochs=1, **overrides):

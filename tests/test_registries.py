@@ -22,8 +22,8 @@ from headlab.functions.registry import STATISTICS
 from headlab.importance import ImportanceData, describe_model
 from headlab.importance.registry import MEASURES, tables
 from headlab.report.sections import SECTIONS, render_navigation
-from test_functions_support import sample_path, sample_sentences, word_tokenizer  # noqa: F401 (fixture)
-from tiny_models import FAMILIES, SEQ2SEQ, tiny_model
+from support.models import FAMILIES, SEQ2SEQ, tiny_model
+from support.treebank import sample_sentences, word_tokenizer
 
 
 def _data(seq2seq: bool) -> ImportanceData:

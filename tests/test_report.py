@@ -15,7 +15,7 @@ from headlab.errors import HeadlabError
 from headlab.report import build_report, load_example, write_attention_examples
 from headlab.report.build import json_for_script
 from headlab.report.examples import dequantize, quantize
-from test_report_support import IMG_SENTENCE, SCRIPT_SENTENCE, SOURCES, TARGETS, build_analysis_dir, tiny_marian, tokenizer
+from support.report import IMG_SENTENCE, SCRIPT_SENTENCE, SOURCES, TARGETS, build_analysis_dir, tiny_marian, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,6 @@ def analysis_dir(tmp_path_factory):
     return build_analysis_dir(tmp_path_factory.mktemp("report") / "analysis", long=False)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_quantisation_error_is_at_most_half_a_step():
@@ -77,9 +71,8 @@ def test_attention_examples_skip_empty_lines_translate_without_targets_and_check
 
 
 def test_attention_examples_of_an_encoder_only_model(tmp_path):
-    from test_functions_support import word_tokenizer
-    from tiny_models import tiny_model
-
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
     tok = word_tokenizer("the cat sat".split(), style="bert")
     write_attention_examples(tiny_model("bert"), tok, ["the cat sat"], None, tmp_path / "attention")
     tokens, attention = load_example(tmp_path / "attention" / "sentence-000.json")

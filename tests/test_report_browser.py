@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report_support import IMG_SENTENCE, SCRIPT_SENTENCE, SOURCES, build_analysis_dir
+from support.report import IMG_SENTENCE, SCRIPT_SENTENCE, SOURCES, build_analysis_dir
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -79,9 +79,11 @@ class Page:
     def __init__(self, context, path: Path):
         self.errors: list[str] = []
         self.page = context.new_page()
-        self.page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        self.page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}")
+                     if m.type in ("error", "warning") else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        self.page.on("request", lambda r: None if r.url.startswith(("file://", "data:")) else self.errors.append(f"network: {r.url}"))
+        self.page.on("request", lambda r: None if r.url.startswith(("file://", "data:"))
+                     else self.errors.append(f"network: {r.url}"))
         self.page.goto(path.resolve().as_uri())
         self.page.wait_for_selector("body[data-rendered='1']", timeout=10_000)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from headlab.cli import main
 from headlab.data import read_parallel
@@ -37,12 +36,6 @@ EWT = REPO / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
 TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _write_gz(path: Path, lines: list[str]) -> None:

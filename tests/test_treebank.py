@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-from test_functions_support import SAMPLE_CONLLU, sample_path  # noqa: F401 (fixture)
 
 from headlab.data.treebank import (
     ProblemLog,
@@ -14,6 +13,7 @@ from headlab.data.treebank import (
     relation_matcher,
 )
 from headlab.errors import HeadlabError
+from support.treebank import SAMPLE_CONLLU
 
 REPO = Path(__file__).resolve().parents[1]
 EWT = REPO / "data" / "ud-english-ewt"

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from test_functions_support import one_thread  # noqa: F401 (autouse fixture: one torch thread)
-from test_functions_support import bpe_tokenizer, sample_sentences, side_batch, word_tokenizer
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from headlab.data.alignment import AlignmentError, align_sentences, join_words, word_attention
 from headlab.errors import HeadlabError
+from support.treebank import bpe_tokenizer, sample_sentences, side_batch, word_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a cat sat on the mat", "dogs and cats"] * 3
 

@@ -137,7 +137,7 @@ def capture_attention(
 class HookHandles(list):
     """Handles of hooks registered together; ``remove()`` takes them all off."""
 
-    def remove(self) -> None:
+    def remove(self) -> None:  # type: ignore[override]  # like a torch hook handle's remove()
         while self:
             self.pop().remove()
 

@@ -73,7 +73,7 @@ class HeadGates(nn.Module):
     def gate(self, key: BlockKey) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+    def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         """``heads`` [batch, pos, n_heads, d_head] times the gates of ``block``."""
         if block.key not in self.n_heads:
             return heads
@@ -142,15 +142,15 @@ class _GateStack:
         self.sets: dict[str, HeadGates] = {}  # attribute name on the model -> gate module
         self.hooks: dict[BlockKey, HookHandles] = {}
 
-    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+    def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         for gates in self.sets.values():
-            heads = gates.apply(block, heads)
+            heads = gates.gate_heads(block, heads)
         return heads
 
     def hook(self, blocks: list[AttentionBlock]) -> None:
         for block in blocks:
             if block.key not in self.hooks:
-                self.hooks[block.key] = register_head_output_hooks([block], self.apply)
+                self.hooks[block.key] = register_head_output_hooks([block], self.gate_heads)
 
     def unhook(self) -> None:
         for handles in self.hooks.values():

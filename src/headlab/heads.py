@@ -207,7 +207,7 @@ class HeadScores:
     def save_csv(self, path: str | os.PathLike) -> Path:
         """One row per head: kind, layer, head, score (empty when not scored)."""
         path = Path(path)
-        rows = [["kind", "layer", "head", self.method]]
+        rows: list[list[object]] = [["kind", "layer", "head", self.method]]
         for kind, array in self.scores.items():
             for layer in range(array.shape[0]):
                 for head in range(array.shape[1]):

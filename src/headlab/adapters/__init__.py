@@ -65,7 +65,7 @@ def out_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.out_features
     if hasattr(module, "nf"):
-        return int(module.nf)
+        return int(getattr(module, "nf"))
     raise HeadlabError(f"cannot read the output width of {type(module).__name__}")
 
 
@@ -73,16 +73,17 @@ def in_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.in_features
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
-        return int(module.weight.shape[0])
+        return int(getattr(module, "weight").shape[0])
     raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
 
 
-def _get(module: nn.Module, path: str) -> nn.Module | None:
+def _get(module: nn.Module, path: str | None) -> nn.Module | None:
+    found: nn.Module | None = module
     for part in path.split(".") if path else ():
-        module = getattr(module, part, None)
-        if module is None:
+        found = getattr(found, part, None)
+        if found is None:
             return None
-    return module
+    return found
 
 
 # -- generic discovery ---------------------------------------------------------------------
@@ -195,7 +196,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(model_type or "")
     candidates = list(_table_candidates(model, family) if family else _generic_candidates(model))
     if not candidates:
         raise HeadlabError(

@@ -61,11 +61,15 @@ class AnalyzeConfig:
     source: str = field(metadata={"help": "source sentences (or the text of an encoder-/decoder-only model), one per line"})
     out: str = field(metadata={"help": "output directory"})
     target: str | None = field(default=None, metadata={"help": "reference translations, line-aligned with --source"})
-    conllu: str | None = field(default=None, metadata={"help": "CoNLL-U treebank for the head functions and aggregate statistics"})
-    conllu_is_source: bool = field(default=False, metadata={"help": "the treebank is the parse of --source: sentence i must be line i (checked)"})
-    train_text: tuple[str, ...] = field(default=(), metadata={"help": "training text for token frequencies (rare-token heads); default: --source"})
+    conllu: str | None = field(default=None, metadata={
+        "help": "CoNLL-U treebank for the head functions and aggregate statistics"})
+    conllu_is_source: bool = field(default=False, metadata={
+        "help": "the treebank is the parse of --source: sentence i must be line i (checked)"})
+    train_text: tuple[str, ...] = field(default=(), metadata={
+        "help": "training text for token frequencies (rare-token heads); default: --source"})
     prune: bool = field(default=False, metadata={"help": "also run a short gate sweep (needs a translation model and --target)"})
-    ablation: bool = field(default=False, metadata={"help": "also score heads by ablation (slow) and compare every measure with it"})
+    ablation: bool = field(default=False, metadata={
+        "help": "also score heads by ablation (slow) and compare every measure with it"})
     force: bool = field(default=False, metadata={"help": "run every stage again, even if its results are in --out"})
     skip: tuple[str, ...] = field(default=(), metadata={"help": "stages not to run"})
     limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --source/--target (and of --conllu)"})
@@ -76,8 +80,10 @@ class AnalyzeConfig:
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
-    prune_keeps: tuple[int, ...] = field(default=(), metadata={"help": "head budgets of the sweep (default: 1/2, 1/4, 1/8 of the gated heads)"})
-    prune_gates: str = field(default="enc_self", metadata={"help": "gated kinds: enc_self (decoder frozen), all, or a comma list"})
+    prune_keeps: tuple[int, ...] = field(default=(), metadata={
+        "help": "head budgets of the sweep (default: 1/2, 1/4, 1/8 of the gated heads)"})
+    prune_gates: str = field(default="enc_self", metadata={
+        "help": "gated kinds: enc_self (decoder frozen), all, or a comma list"})
     prune_steps: int = field(default=20, metadata={"help": "fine-tuning steps per sweep point"})
     prune_max_tokens: int = field(default=1024, metadata={"help": "target tokens per fine-tuning batch"})
     prune_eval_beam: int = field(default=1, metadata={"help": "beam of the sweep's BLEU evaluation (1 = greedy)"})

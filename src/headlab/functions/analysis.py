@@ -167,7 +167,8 @@ def model_max_length(model, tokenizer) -> int:
         return 512
     length = min(candidates)
     # RoBERTa-style position tables reserve padding_idx + 1 rows.
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") and length == getattr(config, "max_position_embeddings", 0):
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") \
+            and length == getattr(config, "max_position_embeddings", 0):
         length -= (getattr(config, "pad_token_id", 1) or 1) + 1
     return length
 

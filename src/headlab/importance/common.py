@@ -31,7 +31,7 @@ class ExampleGates(HeadGates):
     def gate(self, key: tuple[str, int]) -> torch.Tensor:
         return self.rows[key]
 
-    def apply(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
+    def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         if block.key not in self.rows:
             return heads
         g = self.rows[block.key].to(device=heads.device, dtype=heads.dtype)  # [rows, n_heads]

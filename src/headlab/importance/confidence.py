@@ -46,7 +46,8 @@ from headlab.importance.measure import ImportanceMeasure
 __all__ = ["Confidence", "compute_confidence", "max_attention"]
 
 
-def max_attention(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def max_attention(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the sum over allowed queries of the largest weight on an allowed key, and the
     number of queries counted.
 

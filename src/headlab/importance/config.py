@@ -15,7 +15,9 @@ class ImportanceConfig:
 
     methods: tuple[str, ...] = field(default=("all",), metadata={"help": f"measures to run: {', '.join(MEASURES)} or all"})
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
-    metric: str = field(default="loss", metadata={"help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; with loss they get both)"})
+    metric: str = field(default="loss", metadata={
+        "help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; "
+                "with loss they get both)"})
     beam: int = field(default=1, metadata={"help": "beam size of the model's translations (1 = greedy)"})
     lrp_strategy: str = field(default="vmap", metadata={"help": "how LRP's backward passes run: vmap (fast), loop or jacobian"})
     ablation_rows: int = field(default=256, metadata={"help": "rows per ablation forward call (masked copies x batch)"})

@@ -115,15 +115,14 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _train(args) -> int:
-    from headlab.nmt.recipe import TrainRecipe, run_recipe
     from headlab.nmt.model import ModelConfig
+    from headlab.nmt.recipe import TrainRecipe, run_recipe
     from headlab.nmt.train import TrainConfig
 
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
     hooks = {}
     if args.threads == "auto":
-        import torch
 
         from headlab.nmt.threads import AdaptiveThreads
 

@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
@@ -442,7 +442,8 @@ def train(
     if not isinstance(train_data, EncodedCorpus):
         train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
         if train_data.n_truncated:
-            log(f"{train_data.n_truncated} training sequences cut to the model's {model.config.max_position_embeddings} positions")
+            log(f"{train_data.n_truncated} training sequences cut to the model's "
+                f"{model.config.max_position_embeddings} positions")
     if collate_fn is None:
         pad_id = tokenizer.pad_token_id
         decoder_start_id = getattr(model.config, "decoder_start_token_id", None)

@@ -226,7 +226,8 @@ def baselines_markdown(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["method"], row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
-    lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         def stat(name):
             values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)

@@ -229,9 +229,8 @@ def _config(args, out_dir: str):
 
 
 def run_train(args) -> int:
-    from headlab.pruning.train import prune_train
-
     from headlab import preflight
+    from headlab.pruning.train import prune_train
 
     _set_threads(args.threads)
     if args.lam is not None and args.lam < 0:
@@ -252,10 +251,9 @@ def run_train(args) -> int:
 
 
 def run_sweep_command(args) -> int:
-    from headlab.pruning.sweep import run_sweep, sweep_points
-
     from headlab import preflight
     from headlab.lock import DirectoryLock
+    from headlab.pruning.sweep import run_sweep, sweep_points
 
     _set_threads(args.threads)
     points = sweep_points(_floats(args.lams) if args.lams else (), _ints(args.keeps) if args.keeps else ())

@@ -17,8 +17,8 @@ import torch
 from headlab.heads import HeadScores, atomic_write_text
 from headlab.importance.agreement import compute_agreement
 from headlab.report import write_attention_examples
-from test_functions_support import word_tokenizer
-from tiny_models import CONFIGS
+from support.models import CONFIGS
+from support.treebank import word_tokenizer
 
 SCRIPT_SENTENCE = "the cat <script>window.__pwned=1</script> sat"
 IMG_SENTENCE = 'a dog <img src=x onerror="window.__pwned=2"> ran & " quoted'

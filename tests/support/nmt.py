@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-import torch
-
 from headlab.data import read_parallel
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
+DATA = Path(__file__).resolve().parents[2] / "data" / "multi30k"
 TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
 
 
@@ -34,24 +31,3 @@ def tiny_tokenizer(corpus, vocab_size: int = 400):
 def tiny_marian(tokenizer, seed: int = 0):
     """A randomly initialised tiny Marian model (:data:`TINY`) for ``tokenizer``."""
     return create_model(build_marian_config(TINY, tokenizer), seed=seed)
-
-
-# -- fixtures: a test module uses them by importing them (``one_thread`` is then autouse) ----
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread for each test of a module that imports this fixture: deterministic,
-    and light on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return tiny_corpus()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    return tiny_tokenizer(corpus)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -62,22 +61,6 @@ SAMPLE_CONLLU = """\
 8\tslowly\tslowly\tADV\tRB\t_\t5\tadvmod\t_\tSpaceAfter=No
 9\t.\t.\tPUNCT\t.\t_\t5\tpunct\t_\t_
 """
-
-
-@pytest.fixture
-def sample_path(tmp_path):
-    path = tmp_path / "sample.conllu"
-    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
-    return path
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The test machine's cores are shared: one torch thread is far faster than two fighting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def sample_sentences(tmp_path):

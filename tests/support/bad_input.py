@@ -10,10 +10,9 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from test_functions_support import SAMPLE_CONLLU, word_tokenizer
-from tiny_models import tiny_model
-
 from headlab import prune_heads, save_pruned
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
 WORDS = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
 SENTENCES = ["The old dog chased a red ball .", "Cats sleep here .", "Birds sing and fish swim .",
