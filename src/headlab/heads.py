@@ -139,6 +139,21 @@ class HeadScores:
     def with_scores(self, scores: Mapping[str, np.ndarray], method: str | None = None) -> "HeadScores":
         return HeadScores(scores, method or self.method, self.model, self.signature)
 
+    def stderr(self) -> "HeadScores | None":
+        """The standard error of every score, when the signature keeps one (``"bootstrap":
+        {"stderr": {kind: [[...]]}, ...}``, as LRP writes it), as HeadScores ``<method>_stderr``."""
+        bootstrap = self.signature.get("bootstrap")
+        errors = bootstrap.get("stderr") if isinstance(bootstrap, dict) else None
+        if not isinstance(errors, dict):
+            return None
+        try:
+            arrays = {kind: np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=np.float64)
+                      for kind, rows in errors.items()}
+        except (TypeError, ValueError) as error:
+            raise HeadlabError(f"{self.method} scores: an unreadable bootstrap standard error ({error})") from error
+        meta = {key: value for key, value in bootstrap.items() if key != "stderr"}
+        return HeadScores(arrays, f"{self.method}_stderr", self.model, {"of": self.method, **meta})
+
     # -- operations ------------------------------------------------------------------------
     def normalize_per_layer(self) -> "HeadScores":
         """Divide each layer's scores by their sum (Voita et al. 2019, Sec. 4: relevance is

@@ -77,6 +77,9 @@ class AnalyzeConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
     max_length: int | None = field(default=None, metadata={"help": "tokens per sentence (default: the model's maximum)"})
+    lrp_targets: int | None = field(default=None, metadata={
+        "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)"})
+    lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
@@ -205,7 +208,8 @@ def validate(config: AnalyzeConfig) -> Path:
                                  ("--threads", config.threads, 1), ("--max-length", config.max_length, 2),
                                  ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),
                                  ("--prune-eval-beam", config.prune_eval_beam, 1),
-                                 ("--attention-sentences", config.attention_sentences, 0)):
+                                 ("--attention-sentences", config.attention_sentences, 0),
+                                 ("--lrp-targets", config.lrp_targets, 0)):
         preflight.at_least(value, minimum, flag)
     from headlab.device_options import device_options
 
@@ -301,6 +305,8 @@ class _Context:
                 "max_length": c.max_length}
         if name in IMPORTANCE_STAGES:
             payload = {**common, **text, "batch_size": c.batch_size}
+            if name == "lrp" and (c.lrp_targets or c.lrp_seed):  # other targets or resamples: other numbers
+                payload.update(lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed)
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
@@ -340,7 +346,8 @@ def _importance(name: str):
             raise SkipStage(f"the model has no language-model head: {name} needs logits to explain or a loss "
                             "to differentiate")
         data = ctx.importance_data()
-        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress)
+        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress,
+                                  lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed)
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:

@@ -44,7 +44,11 @@ def _score_files(out_dir: Path):
             except (OSError, ValueError):
                 continue  # not ours to judge here: the report notes unreadable files
             if isinstance(data, dict) and isinstance(data.get("scores"), dict) and "method" in data:
-                yield _column(path.relative_to(root)), HeadScores.from_json(data, str(path))
+                scores = HeadScores.from_json(data, str(path))
+                yield _column(path.relative_to(root)), scores
+                errors = scores.stderr()  # LRP's bootstrap standard errors: a column beside its scores
+                if errors is not None:
+                    yield _column(path.relative_to(root)) + "_stderr", errors
 
 
 def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:

@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--metric", choices=["loss", "bleu", "accuracy"], default="loss", help=h("metric"))
     p.add_argument("--beam", type=int, default=1, help=h("beam"))
     p.add_argument("--lrp-strategy", choices=["vmap", "loop", "jacobian"], default="vmap", help=h("lrp_strategy"))
+    p.add_argument("--lrp-targets", type=int, metavar="K", help=h("lrp_targets"))
+    p.add_argument("--lrp-seed", type=int, default=0, help=h("lrp_seed"))
+    p.add_argument("--lrp-bootstrap", type=int, default=200, metavar="N", help=h("lrp_bootstrap"))
     p.add_argument("--ablation-rows", type=int, default=256, help=h("ablation_rows"))
     p.add_argument("--kinds", help="comma-separated attention kinds to score (enc_self, dec_self, dec_cross)")
     p.add_argument("--plots", action="store_true", help="also write a heatmap PNG per method")
@@ -53,7 +56,7 @@ def _check(args) -> None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
     for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
-                          ("ablation_rows", 1), ("threads", 1)):
+                          ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
 
@@ -72,6 +75,7 @@ def run_importance_command(args) -> int:
     config = ImportanceConfig(
         methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
         batch_size=args.batch_size, metric=args.metric, beam=args.beam, lrp_strategy=args.lrp_strategy,
+        lrp_targets=args.lrp_targets, lrp_seed=args.lrp_seed, lrp_bootstrap=args.lrp_bootstrap,
         ablation_rows=args.ablation_rows, kinds=kinds, progress=not args.no_progress,
     )
     config.resolved_methods()  # fail on a bad --method before loading anything

@@ -20,6 +20,12 @@ class ImportanceConfig:
                 "with loss they get both)"})
     beam: int = field(default=1, metadata={"help": "beam size of the model's translations (1 = greedy)"})
     lrp_strategy: str = field(default="vmap", metadata={"help": "how LRP's backward passes run: vmap (fast), loop or jacobian"})
+    lrp_targets: int | None = field(default=None, metadata={
+        "help": "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at each), not every "
+                "position; 0 or absent: all"})
+    lrp_seed: int = field(default=0, metadata={"help": "LRP: seed of the target sample and of the bootstrap"})
+    lrp_bootstrap: int = field(default=200, metadata={
+        "help": "LRP: resamples of the sentences for each score's standard error (0: none)"})
     ablation_rows: int = field(default=256, metadata={"help": "rows per ablation forward call (masked copies x batch)"})
     kinds: tuple[str, ...] | None = field(default=None, metadata={"help": "attention kinds to score (default: all)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})

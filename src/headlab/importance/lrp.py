@@ -12,7 +12,9 @@ Definitions, from the paper:
   layer. Relevance can be negative, so the normaliser is the sum of absolute values: for
   non-negative relevances this is the plain normalisation of the paper, and a layer's scores
   always have absolute values summing to one.
-* **head relevance**: the average of that over all generation steps of the data set.
+* **head relevance**: the average of that over all generation steps of the data set, or over
+  a seeded sample of ``targets`` steps per sentence (:func:`sample_targets`); its sampling error
+  is a bootstrap over sentences (:func:`bootstrap_stderr`), kept in the signature.
 
 The rules are in :mod:`headlab.importance.rules`: the modified backward pass that makes
 gradient x input equal to LRP. Every target needs its own backward pass; ``strategy``
@@ -22,18 +24,25 @@ chooses how they are computed, all with equal results:
   (``torch.autograd.grad(..., is_grads_batched=True)``, i.e. ``vmap`` over one-hot
   ``grad_outputs``; steps per call from ``chunk_size`` or :func:`_auto_chunk`), with targets
   read from the needed rows of the output projection only;
-* ``"loop"``: a Python loop of one backward per generation step (each covering the step in
-  every sentence of the batch);
+* ``"loop"``: a Python loop of one backward per slot (each covering one step of every sentence
+  of the batch);
 * ``"jacobian"``: the full Jacobian of every target, one backward per output element, as the
   original TF code builds its Jacobians. Slow by construction; kept for checking and benchmarks.
+
+The rows of a batch never interact, so one backward pass can explain one target of every row
+at once, wherever each row's target sits: slot ``c`` is the ``c``-th step of each row
+(:func:`_slots`). A batch costs as many backward passes as its longest row has steps, so a
+sample of ``K`` targets per sentence costs ``K`` of them, not one per position that any row
+happens to sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,7 +63,8 @@ from headlab.importance.data import (
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.rules import lrp_rules
 
-__all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "compute_lrp", "head_relevance", "normalize_per_layer"]
+__all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
+           "normalize_per_layer", "sample_targets"]
 
 STRATEGIES = ("vmap", "loop", "jacobian")
 
@@ -128,6 +138,63 @@ def _step_list(steps: torch.Tensor) -> torch.Tensor:
     return steps.nonzero()  # [n, 2] (row, position), row-major order
 
 
+def _slots(steps: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rank of each step within its row (``[batch, t_len]``, -1 where no step) and the
+    number of slots (the most steps of a row): backward ``c`` explains the ``c``-th step of
+    every row at once."""
+    rank = torch.where(steps, steps.long().cumsum(1) - 1, torch.full_like(steps, -1, dtype=torch.long))
+    return rank, int(steps.sum(1).max()) if steps.numel() else 0
+
+
+def _slot_selectors(steps: torch.Tensor, rank: torch.Tensor, start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    """One-hot ``grad_outputs`` ``[stop - start, *like.shape]``: slice ``c`` selects the step of
+    rank ``start + c`` in every row that has one."""
+    selector = torch.zeros(stop - start, *like.shape, dtype=like.dtype, device=like.device)
+    chosen = steps & (rank >= start) & (rank < stop)
+    rows, positions = chosen.nonzero(as_tuple=True)
+    selector[rank[rows, positions] - start, rows, positions] = 1
+    return selector
+
+
+def sample_targets(steps: torch.Tensor, sentences: list[int], k: int | None, seed: int = 0) -> torch.Tensor:
+    """A seeded sample of ``k`` steps of each row of ``steps`` (``[batch, t_len]`` bool); a row
+    with at most ``k`` steps, or ``k`` None or 0, keeps all of them.
+
+    Row ``r``'s sample depends only on ``(seed, sentences[r])`` (its sentence number in the
+    data set), so it does not change with the batch size or the order of the batches.
+    """
+    if not k:
+        return steps
+    sampled = torch.zeros_like(steps)
+    for row, sentence in enumerate(sentences):
+        positions = steps[row].nonzero().flatten()
+        if len(positions) > k:
+            rng = np.random.default_rng((seed, sentence))
+            positions = positions[torch.as_tensor(np.sort(rng.choice(len(positions), k, replace=False)))]
+        sampled[row, positions] = True
+    return sampled
+
+
+def bootstrap_stderr(sums: np.ndarray, counts: np.ndarray, resamples: int = 200, seed: int = 0) -> np.ndarray:
+    """Bootstrap standard error over sentences of ``sums.sum(0) / counts.sum()``.
+
+    ``sums`` ``[n_sentences, n]`` are each sentence's summed per-target scores, ``counts``
+    ``[n_sentences]`` its number of targets. Each of ``resamples`` draws ``n_sentences``
+    sentences with replacement (seeded) and recomputes the ratio; the standard error is the
+    standard deviation (ddof 1) of those. Sentences are the unit because targets of one
+    sentence are not independent. NaN with fewer than two resamples or sentences.
+    """
+    sums, counts = np.asarray(sums, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    n = len(counts)
+    if resamples < 2 or n < 2:
+        return np.full(sums.shape[1:], np.nan)
+    rng = np.random.default_rng(seed)
+    weights = rng.multinomial(n, np.full(n, 1 / n), size=resamples).astype(np.float64)  # [resamples, n]
+    totals = weights @ counts
+    ratios = (weights @ sums) / np.where(totals == 0, 1, totals)[:, None]
+    return ratios.std(axis=0, ddof=1)
+
+
 def _contract(grad: torch.Tensor | None, heads: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """Relevance summed over positions and head dims: ``[(n,) batch, pos, H, d] -> [(n,) batch, H]``.
 
@@ -169,7 +236,7 @@ def head_relevance(
         keys = [b.key for b in blocks]
         tensors = [recorded[k] for k in keys]
         heads = [t.detach() for t in tensors]
-        positions = steps.any(0).nonzero().flatten()  # positions that are a step in some row
+        rank, n_slots = _slots(steps)
         if strategy == "jacobian":  # one backward per output element: full Jacobian rows
             rows = {k: [] for k in keys}
             for r, p in index.tolist():
@@ -182,33 +249,27 @@ def head_relevance(
                 for key, h in zip(keys, heads)
             }
         else:
-            per_position = {k: [] for k in keys}  # pieces of [n_positions, batch, H]
+            per_slot = {k: [] for k in keys}  # pieces of [n_slots, batch, H]
             if strategy == "vmap":
-                size = chunk_size or _auto_chunk(y, tensors)
-                for start in range(0, len(positions), size):
-                    chunk = positions[start : start + size]
-                    # One-hot grad_outputs: slice c selects position chunk[c] of every row.
-                    selector = torch.zeros(len(chunk), *y.shape, dtype=y.dtype, device=y.device)
-                    selector[torch.arange(len(chunk)), :, chunk] = steps[:, chunk].T.to(y.dtype)
+                size = chunk_size or _auto_chunk(y, tensors, n_slots)
+                for start in range(0, n_slots, size):
+                    stop = min(start + size, n_slots)
                     grads = torch.autograd.grad(
-                        y, tensors, grad_outputs=selector, retain_graph=True, allow_unused=True,
-                        is_grads_batched=True,
+                        y, tensors, grad_outputs=_slot_selectors(steps, rank, start, stop, y), retain_graph=True,
+                        allow_unused=True, is_grads_batched=True,
                     )
                     for key, grad, h in zip(keys, grads, heads):
-                        per_position[key].append(_contract(grad, h, len(chunk)))
-            else:  # "loop": one backward per step position, all rows at once
-                for position in positions.tolist():
-                    selector = torch.zeros_like(y)
-                    selector[:, position] = steps[:, position].to(y.dtype)
+                        per_slot[key].append(_contract(grad, h, stop - start))
+            else:  # "loop": one backward per slot, all rows at once
+                for slot in range(n_slots):
+                    selector = _slot_selectors(steps, rank, slot, slot + 1, y)[0]
                     grads = torch.autograd.grad(y, tensors, grad_outputs=selector, retain_graph=True,
                                                 allow_unused=True)
                     for key, grad, h in zip(keys, grads, heads):
-                        per_position[key].append(_contract(grad, h)[None])
-            slot = torch.full((y.shape[1],), -1, dtype=torch.long, device=y.device)
-            slot[positions] = torch.arange(len(positions), device=y.device)
-            picks = slot[index[:, 1]]
+                        per_slot[key].append(_contract(grad, h)[None])
+            picks = rank[index[:, 0], index[:, 1]]
             relevance = {
-                key: torch.cat(per_position[key])[picks, index[:, 0]] if len(positions)
+                key: torch.cat(per_slot[key])[picks, index[:, 0]] if n_slots
                 else h.new_zeros(0, h.shape[2])
                 for key, h in zip(keys, heads)
             }
@@ -221,7 +282,7 @@ _BUDGET = 1 << 25  # numbers in the widest batched gradient of one vmapped backw
 _ONE_THREAD_BUDGET = 1 << 22  # on a CPU with one torch thread (16 MB of float32)
 
 
-def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor], n_slots: int | None = None) -> int:
     """Steps per batched backward: the widest batched gradient (an FFN activation, ~4x the
     widest head tensor, times the number of steps) is kept near 2^22 numbers on a CPU running
     one torch thread, and near 2^25 otherwise.
@@ -237,7 +298,8 @@ def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor]) -> int:
     widest = max((t.numel() for t in tensors), default=1) * 4  # FFN activations are ~4x wider
     one_thread = y.device.type == "cpu" and torch.get_num_threads() == 1
     budget = _ONE_THREAD_BUDGET if one_thread else _BUDGET
-    return int(max(1, min(y.shape[1], budget // max(1, widest))))
+    n_slots = y.shape[1] if n_slots is None else n_slots
+    return int(max(1, min(n_slots, budget // max(1, widest))))
 
 
 def compute_lrp(
@@ -250,44 +312,72 @@ def compute_lrp(
     chunk_size: int | None = None,
     kinds: tuple[str, ...] | None = None,
     progress: bool = False,
+    targets: int | None = None,
+    seed: int = 0,
+    bootstrap: int = 200,
 ) -> HeadScores:
     """LRP head relevance over ``data`` (Voita et al. 2019, Sec. 4), one HeadScores table.
 
     For a translation model ``data`` must hold the model's translations
     (:func:`~headlab.importance.data.translate_data`): the targets are their top-1 logits.
+    ``targets``: explain a seeded sample of that many steps per sentence (``seed``), all of
+    them when None or 0. ``bootstrap``: resamples of the sentences for the standard error of
+    every score, written to the signature's ``bootstrap`` (0: none).
     """
     info = info or describe_model(model)
     if not info.has_lm_head:
         raise HeadlabError("LRP needs a language-model head (the target is its top-1 logit); this model has none")
     if info.is_seq2seq and data.translations is None:
         raise HeadlabError("LRP scores the model's own translation: run translate_data first")
+    if targets is not None and targets < 0:
+        raise HeadlabError(f"LRP targets per sentence must be at least 0 (0: all), got {targets}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
-    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    keys = [b.key for b in blocks]
+    per_sentence = {b.key: torch.zeros(len(data), b.n_heads, dtype=torch.float64) for b in blocks}
+    counts = torch.zeros(len(data), dtype=torch.float64)
     raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
-    n_steps = 0
+    n_steps = n_available = 0
     batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
     if progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, total=count_batches(data, batch_size), desc="lrp", unit="batch")
     for batch in batches:
+        n_available += batch.n_steps
+        batch = replace(batch, steps=sample_targets(batch.steps, batch.index, targets, seed))
         result = head_relevance(model, batch, blocks=blocks, strategy=strategy, chunk_size=chunk_size)
         n_steps += len(result.steps)
+        sentences = torch.as_tensor(batch.index, dtype=torch.long)[result.steps[:, 0].cpu()]
+        counts.index_add_(0, sentences, torch.ones(len(sentences), dtype=torch.float64))
         for key, values in result.relevance.items():
-            sums[key] += normalize_per_layer(values.double()).sum(0).cpu()
+            per_sentence[key].index_add_(0, sentences, normalize_per_layer(values.double()).cpu())
             raw[key] += values.double().sum(0).cpu()
     if n_steps == 0:
         raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
+    sums = {key: values.sum(0) for key, values in per_sentence.items()}
     signature = {
         **data.signature(),
         "n_steps": n_steps,
         "target": "logit of the predicted class" if info.arch == "classifier"
         else "top-1 logit of the model's own output, teacher-forced",
+        "targets_per_sentence": targets or "all",
         "normalisation": "per target, over the heads of a layer (sum of |relevance|)",
         "rules": "Ding et al. 2017 weight ratios (Voita et al. 2019, App. A); attention weights constant",
         "strategy": strategy,
         "mean_raw_relevance": {f"{k[0]}:{k[1]}": (v / n_steps).tolist() for k, v in raw.items()},
     }
+    if targets:
+        signature["target_sample"] = {"seed": seed, "n_available_steps": n_available}
+    if bootstrap:
+        stacked = torch.cat([per_sentence[key] for key in keys], dim=1).numpy()
+        flat = bootstrap_stderr(stacked, counts.numpy(), bootstrap, seed)
+        splits = np.split(flat, np.cumsum([per_sentence[key].shape[1] for key in keys])[:-1])
+        errors = block_scores(attention_blocks(model), dict(zip(keys, splits)))
+        signature["bootstrap"] = {
+            "resamples": bootstrap, "seed": seed, "unit": "sentence",
+            "stderr": {kind: [[None if np.isnan(v) else float(v) for v in row] for row in array.tolist()]
+                       for kind, array in errors.items() if kinds is None or kind in kinds},
+        }
     scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()})
     if kinds is not None:
         scores = {k: v for k, v in scores.items() if k in kinds}
@@ -304,10 +394,17 @@ def _device(model: nn.Module) -> torch.device:
 @dataclass(frozen=True)
 class LRPOptions:
     strategy: str = "vmap"  # how the backward passes run: vmap (fast), loop or jacobian
+    targets: int | None = None  # steps explained per sentence, a seeded sample; None or 0: all
+    seed: int = 0  # of the target sample and of the bootstrap
+    bootstrap: int = 200  # resamples of the sentences for the standard errors; 0: none
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise HeadlabError(f"unknown LRP strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        if self.targets is not None and self.targets < 0:
+            raise HeadlabError(f"--lrp-targets must be at least 0 (0: every position), got {self.targets}")
+        if self.bootstrap < 0:
+            raise HeadlabError(f"--lrp-bootstrap must be at least 0 (0: no standard errors), got {self.bootstrap}")
 
 
 class LRP(ImportanceMeasure):
@@ -321,5 +418,6 @@ class LRP(ImportanceMeasure):
     Options = LRPOptions
 
     def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
-        return compute_lrp(model, data, info, batch_size=batch_size, strategy=self.options.strategy, kinds=kinds,
-                           progress=progress)
+        o = self.options
+        return compute_lrp(model, data, info, batch_size=batch_size, strategy=o.strategy, kinds=kinds,
+                           progress=progress, targets=o.targets, seed=o.seed, bootstrap=o.bootstrap)

@@ -66,6 +66,7 @@ def run_importance(
         data = translate_data(model, data, info, batch_size=config.batch_size, beam=config.beam, progress=config.progress)
     options = {
         "batch_size": config.batch_size, "beam": config.beam, "lrp_strategy": config.lrp_strategy,
+        "lrp_targets": config.lrp_targets, "lrp_seed": config.lrp_seed, "lrp_bootstrap": config.lrp_bootstrap,
         "metric": config.metric, "kinds": list(config.kinds) if config.kinds else None,
     }
     scores: dict[str, HeadScores] = {}

@@ -83,6 +83,21 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         "id": f"{group}/{name}", "group": group, "name": name, "title": title, "caption": caption,
         "method": scores.method, "file": str(path.relative_to(out.directory)), "scores": data,
     })
+    try:
+        errors = scores.stderr()
+    except HeadlabError as error:
+        out.note(group, f"{path.relative_to(out.directory)}: {error}")
+        return
+    if errors is not None:  # the sampling error, drawn beside the scores
+        resamples = errors.signature.get("resamples", "?")
+        out.heatmaps.append({
+            "id": f"{group}/{name}_stderr", "group": group, "name": f"{name}_stderr",
+            "title": f"{title}: standard error",
+            "caption": f"bootstrap standard error of each score ({resamples} resamples of the sentences)",
+            "method": errors.method, "file": str(path.relative_to(out.directory)),
+            "scores": {kind: [[_finite(v) for v in row] for row in array.tolist()]
+                       for kind, array in errors.scores.items()},
+        })
 
 
 def _first_dir(directory: Path, *candidates: str) -> Path | None:
