@@ -115,6 +115,16 @@ def run_importance_command(args) -> int:
         print(f"skipped {method}: {reason}")
     for path in written:
         print(f"wrote {path}")
+    for name, table in result.scores.items():
+        errors = table.stderr()
+        if errors is not None:
+            import numpy as np
+
+            values = np.concatenate([a[~np.isnan(a)] for a in errors.scores.values()])
+            if len(values):
+                print(f"{name}: bootstrap standard error over {table.signature.get('n_sentences')} sentences "
+                      f"({errors.signature.get('resamples')} resamples): median {np.median(values):.4f}, "
+                      f"max {values.max():.4f}")
     if result.agreement is not None:
         print(f"\nSpearman correlation with ablation ({result.agreement.metric}):")
         print(result.agreement.to_markdown(), end="")
