@@ -11,8 +11,15 @@ import torch
 
 from headlab.cli import main
 from headlab.heads import HeadScores
-from headlab.importance import ImportanceData, compute_lrp, describe_model, head_relevance, lrp_rules, make_batches
-from headlab.importance import translate_data
+from headlab.importance import (
+    ImportanceData,
+    compute_lrp,
+    describe_model,
+    head_relevance,
+    lrp_rules,
+    make_batches,
+    translate_data,
+)
 from headlab.importance.lrp import _slot_selectors, _slots, bootstrap_stderr, sample_targets
 from support.bad_input import SENTENCES, forbid_model_loading, save_tiny_marian
 from support.models import tiny_model

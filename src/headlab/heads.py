@@ -143,9 +143,9 @@ class HeadScores:
         """The standard error of every score, when the signature keeps one (``"bootstrap":
         {"stderr": {kind: [[...]]}, ...}``, as LRP writes it), as HeadScores ``<method>_stderr``."""
         bootstrap = self.signature.get("bootstrap")
-        errors = bootstrap.get("stderr") if isinstance(bootstrap, dict) else None
-        if not isinstance(errors, dict):
+        if not isinstance(bootstrap, dict) or not isinstance(bootstrap.get("stderr"), dict):
             return None
+        errors: dict = bootstrap["stderr"]
         try:
             arrays = {kind: np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=np.float64)
                       for kind, rows in errors.items()}
