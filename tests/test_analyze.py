@@ -131,6 +131,12 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     assert calls == ["confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate",
                      "table", "attention", "report"]
     assert (out / "importance" / "lrp.json").stat().st_mtime_ns > before[out / "importance" / "lrp.json"]
+    # A sample of LRP targets reruns LRP and what reads it, no other measure.
+    calls.clear()
+    assert main(args + ["--skip", "prune", "--lrp-targets", "2", "--lrp-seed", "1"]) == 0
+    assert calls[0] == "lrp" and not {"confidence", "gradient", "ablation", "functions"} & set(calls)
+    signature = HeadScores.load(out / "importance" / "lrp.json").signature
+    assert signature["targets_per_sentence"] == 2 and signature["target_sample"]["seed"] == 1
 
 
 def test_stages_that_cannot_run_are_skipped_with_a_reason(inputs, tmp_path, capsys):
@@ -231,7 +237,8 @@ def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
                      for layer in range(2) for head in range(4)]
     columns = list(rows[0])
     assert columns[:3] == ["kind", "layer", "head"] and columns[-4:] == ["functions", "positional", "syntactic", "rare"]
-    for name in ("confidence", "lrp", "gradient", "gradient_raw", "ablation", "positional_share", "syntactic_margin",
+    for name in ("confidence", "lrp", "lrp_stderr", "gradient", "gradient_raw", "ablation", "positional_share",
+                 "syntactic_margin",
                  "rare_tokens_rarest", "mean_distance", "variability", "pos_NOUN"):
         assert name in columns, name
     # Every cell is the value of its HeadScores file; heads a measure did not score are empty.
