@@ -333,7 +333,8 @@ def compute_lrp(
         raise HeadlabError(f"LRP targets per sentence must be at least 0 (0: all), got {targets}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     keys = [b.key for b in blocks]
-    per_sentence = {b.key: torch.zeros(len(data), b.n_heads, dtype=torch.float64) for b in blocks}
+    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    per_sentence = {b.key: torch.zeros(len(data), b.n_heads, dtype=torch.float64) for b in blocks}  # bootstrap
     counts = torch.zeros(len(data), dtype=torch.float64)
     raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_steps = n_available = 0
@@ -350,11 +351,12 @@ def compute_lrp(
         sentences = torch.as_tensor(batch.index, dtype=torch.long)[result.steps[:, 0].cpu()]
         counts.index_add_(0, sentences, torch.ones(len(sentences), dtype=torch.float64))
         for key, values in result.relevance.items():
-            per_sentence[key].index_add_(0, sentences, normalize_per_layer(values.double()).cpu())
+            normalised = normalize_per_layer(values.double()).cpu()
+            sums[key] += normalised.sum(0)  # summed as before sentences were kept apart: the same numbers
+            per_sentence[key].index_add_(0, sentences, normalised)
             raw[key] += values.double().sum(0).cpu()
     if n_steps == 0:
         raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
-    sums = {key: values.sum(0) for key, values in per_sentence.items()}
     signature = {
         **data.signature(),
         "n_steps": n_steps,
