@@ -21,14 +21,16 @@ from headlab.reproduce.claims import Claim
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.results import ModelResults
 from headlab.reproduce.stages import STAGES, Context, stage_commands
+from headlab.reproduce.vig import claim_vig, vig_models
 from headlab.resume import SkipStage
 
-__all__ = ["render_blocks", "update_document", "read_blocks", "BLOCK"]
+__all__ = ["render_blocks", "vig_claim", "update_document", "read_blocks", "BLOCK"]
 
 BLOCK = re.compile(r"<!-- BEGIN generated:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)<!-- END generated:(?P=name) -->",
                    re.DOTALL)
 
 STAGE_ORDER = tuple(name for name in STAGES if name != "report")
+PYTHON_STAGES = {"specialisation": "headlab.reproduce.specialisation", "hypotheses": "headlab.reproduce.significance"}
 
 
 def _cell(value: str) -> str:
@@ -37,14 +39,14 @@ def _cell(value: str) -> str:
 
 def _verdict(text: str) -> str:
     head, _, rest = text.partition(":")
-    if head in ("holds", "partly", "does not hold", "not testable", "not run"):
+    if head in ("holds", "partly", "does not hold", "no difference", "inconclusive", "not testable", "not run"):
         return f"**{head}**" + (f":{rest}" if rest else "")
     return text
 
 
 def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> str:
     lines = [f"*Stages:* {', '.join(f'`{s}`' for s in claim.stages)} "
-             f"(`headlab reproduce --stages {','.join(claim.stages)},report`).", ""]
+             f"(`headlab reproduce --stages {','.join(claim.stages)},report`).", ""] if claim.stages else []
     lines.append("| check | paper | " + " | ".join(models) + " |")
     lines.append("|---|---|" + "---|" * len(models))
     for check in claim.checks:
@@ -71,7 +73,14 @@ def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> st
     return "\n".join(lines) + "\n"
 
 
-def _summary_block(claims: list[Claim], models: list[str]) -> str:
+def _summary_block(claims: list[Claim], models: list[str], vig: Claim, vig_names: list[str]) -> str:
+    lines = ["Voita et al. 2019:", ""] + _summary_rows(claims, models)
+    lines += ["", "Vig and Belinkov 2019" + ("" if vig_names else " (no model has aggregate files yet)") + ":", ""]
+    lines += _summary_rows([vig], vig_names)
+    return "\n".join(lines) + "\n"
+
+
+def _summary_rows(claims: list[Claim], models: list[str]) -> list[str]:
     lines = ["| section | check | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
     for claim in claims:
         for check in claim.checks:
@@ -81,7 +90,7 @@ def _summary_block(claims: list[Claim], models: list[str]) -> str:
             short = [v.split(":")[0] if v != "-" else "" for v in verdicts]
             lines.append(f"| [{claim.key}](#{_anchor(claim.title)}) | {_cell(check.label)} | " +
                          " | ".join(short) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _anchor(title: str) -> str:
@@ -119,20 +128,29 @@ def _commands_block(config: ReproduceConfig) -> str:
             except SkipStage as reason:
                 texts = [f"# {stage}: not run: {reason}"]
             if STAGES[stage].python is not None:
-                texts = [f"# {stage}: Python stage (headlab.reproduce.specialisation), "
+                module = PYTHON_STAGES.get(stage, "headlab.reproduce.stages")
+                texts = [f"# {stage}: Python stage ({module}), "
                          f"run by `headlab reproduce --stages {stage}`"]
             lines += [f"# {stage}"] + texts
         lines += ["```", ""]
     return "\n".join(lines)
 
 
+def vig_claim(config: ReproduceConfig) -> tuple[Claim, list[str]]:
+    """Vig and Belinkov's findings for every model with aggregate files, and those models."""
+    directories = vig_models(config.results())
+    return claim_vig(directories), list(directories)
+
+
 def render_blocks(config: ReproduceConfig, claims: list[Claim], results: dict[str, ModelResults]) -> dict[str, str]:
     """Every generated block of the document, by name."""
     models = list(results)
-    blocks = {"summary": _summary_block(claims, models), "timings": _timings_block(results),
+    vig, vig_names = vig_claim(config)
+    blocks = {"summary": _summary_block(claims, models, vig, vig_names), "timings": _timings_block(results),
               "commands": _commands_block(config)}
     for claim in claims:
         blocks[claim.key] = _claim_block(claim, models, config)
+    blocks[vig.key] = _claim_block(vig, vig_names, config)
     return blocks
 
 

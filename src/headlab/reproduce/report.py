@@ -12,14 +12,17 @@ from typing import Callable
 from headlab.heads import atomic_write_text
 from headlab.reproduce.claims import Claim, compute_claims
 from headlab.reproduce.config import ReproduceConfig
-from headlab.reproduce.render import render_blocks, update_document
+from headlab.reproduce.render import render_blocks, update_document, vig_claim
 from headlab.reproduce.results import ModelResults, collect_results
 
 __all__ = ["load_results", "write_report", "claims_json", "document_template"]
 
 
 def load_results(config: ReproduceConfig) -> dict[str, ModelResults]:
-    return {m.name: ModelResults(config.results(m), m.name) for m in config.models}
+    split = config.prune.get("eval_split", "test")
+    return {m.name: ModelResults(config.results(m), m.name, references=config.data_file(split, m.tgt),
+                                 train_history=config.path(m.path) / "train_history.json")
+            for m in config.models}
 
 
 def claims_json(claims: list[Claim]) -> dict:
@@ -62,7 +65,7 @@ def write_report(config: ReproduceConfig, models: list[str] | None = None, *, co
         atomic_write_text(doc, new)
         written.append(doc)
     path = config.results() / "claims.json"
-    data = json.dumps(claims_json(claims), indent=1, ensure_ascii=False) + "\n"
+    data = json.dumps(claims_json([*claims, vig_claim(config)[0]]), indent=1, ensure_ascii=False) + "\n"
     if not path.is_file() or path.read_text(encoding="utf-8") != data:
         atomic_write_text(path, data)
         written.append(path)

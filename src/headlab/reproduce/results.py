@@ -15,6 +15,7 @@ prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep poi
 baselines/<name>.json                                              baselines.json of prune/base-<name>
 scratch.json                                                       baselines.json of prune/scratch
 specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
+hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (stage hypotheses)
 timings.json                                                       wall time of every stage run by the pipeline
 ```
 """
@@ -83,6 +84,8 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
             _copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json", written)
     _copy(prune / "scratch" / "baselines.json", res / "scratch.json", written)
     _copy(work / "specialisation" / "specialisation.json", res / "specialisation.json", written)
+    for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
+        _copy(path, res / "hypotheses" / path.name, written)
     timings_file = res / "timings.json"
     timings = json.loads(timings_file.read_text(encoding="utf-8")) if timings_file.is_file() else {}
     changed = False
@@ -113,9 +116,30 @@ def _scores(path: Path) -> HeadScores | None:
 class ModelResults:
     """Read-only view of one model's result files; every accessor returns None when missing."""
 
-    def __init__(self, directory: str | Path, name: str):
+    def __init__(self, directory: str | Path, name: str, references: Path | None = None,
+                 train_history: Path | None = None):
         self.dir = Path(directory)
         self.name = name
+        self._references = references  # the test set's target side, for paired bootstrap
+        self._train_history = train_history
+
+    @cached_property
+    def references(self) -> list[str] | None:
+        if self._references is None or not self._references.is_file():
+            return None
+        from headlab.data.parallel import read_lines
+
+        return [line.strip() for line in read_lines(self._references)]
+
+    @cached_property
+    def train_history(self) -> list[dict] | None:
+        """The bundled model's train_history.json (epochs, updates, tokens per second)."""
+        return None if self._train_history is None else _json(self._train_history)
+
+    def hypotheses(self, name: str) -> list[str] | None:
+        """Greedy test-set translations of ``full`` or ``<sweep>-<point>``; None when not made."""
+        path = self.dir / "hypotheses" / f"{name}.txt"
+        return path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
 
     def importance(self, method: str) -> HeadScores | None:
         return _scores(self.dir / "importance" / f"{method}.json")

@@ -22,6 +22,7 @@ from typing import Callable
 
 from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
+from headlab.reproduce.significance import run_hypotheses
 from headlab.reproduce.specialisation import run_specialisation
 from headlab.resume import SkipStage
 
@@ -236,6 +237,10 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
     return commands
 
 
+def _run_hypotheses(ctx: Context) -> list[str]:
+    return run_hypotheses(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
+
+
 def _run_specialisation(ctx: Context) -> list[str]:
     return run_specialisation(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
 
@@ -261,6 +266,8 @@ STAGES: dict[str, Stage] = {
                                                           for name in ctx.config.baselines.get("methods", {})])),
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
                      check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")])),
+    "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
+                                      "(paired bootstrap)", python=_run_hypotheses),
     "specialisation": Stage("specialisation", "confidence and positional share over training checkpoints",
                             python=_run_specialisation),
     "report": Stage("report", "copy the small results, compute the claims, write docs/reproduction.md"),

@@ -1,0 +1,135 @@
+"""Uncertainty for docs/reproduction.md: test-set translations and paired bootstrap intervals.
+
+BLEU differences between two configurations are judged with a paired bootstrap over the test
+sentences (Koehn 2004, as sacreBLEU implements it): the same resampled sentence indices score
+both systems, and the 2.5th and 97.5th percentiles of the resampled differences give a 95%
+interval. The p-value is sacreBLEU's own (``PairedTest``, ``test_type="bs"``). Correlations over
+heads get a bootstrap interval over heads.
+
+Per-sentence translations exist only where the translated weights still exist: the full model,
+and a sweep point whose pruned model is on the machine (its ``pruned/`` directory in the work
+dir, or a bundled model in ``models/`` whose ``prune_result.json`` names that point). The
+``hypotheses`` stage translates each of them greedily (beam 1, batch 64, as the sweeps
+evaluate) and writes ``<work>/hypotheses/<name>.txt``; the report copies them to the results
+dir. A point without them has no interval, and its verdict says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from headlab.heads import atomic_write_text
+from headlab.reproduce.config import ModelEntry, ReproduceConfig
+from headlab.resume import SkipStage
+
+__all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
+
+N_SAMPLES = 1000  # sacreBLEU's default number of resamples
+SEED = 12345  # sacreBLEU's default seed (SACREBLEU_SEED)
+
+
+def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str], *,
+                     n_samples: int = N_SAMPLES, seed: int = SEED) -> dict:
+    """BLEU(system) - BLEU(baseline) with its 95% paired-bootstrap interval and sacreBLEU's p-value."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    if not len(baseline) == len(system) == len(references):
+        raise ValueError(f"{len(baseline)} / {len(system)} hypotheses for {len(references)} references")
+    metric = BLEU()
+    refs = [list(references)]
+    stats_b = np.array(metric._extract_corpus_statistics(list(baseline), refs), dtype="float64")
+    stats_s = np.array(metric._extract_corpus_statistics(list(system), refs), dtype="float64")
+    score = lambda stats: metric._compute_score_from_stats(list(stats.sum(0))).score  # noqa: E731
+    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
+    diffs = np.array([score(stats_s[i]) - score(stats_b[i]) for i in idxs])
+    _, results = PairedTest([("baseline", list(baseline)), ("system", list(system))], {"BLEU": BLEU()}, refs,
+                            test_type="bs", n_samples=n_samples)()
+    p = results["BLEU"][1].p_value
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return {"baseline": score(stats_b), "system": score(stats_s), "delta": score(stats_s) - score(stats_b),
+            "low": float(low), "high": float(high), "p": float(p), "n_sentences": len(references),
+            "n_samples": n_samples}
+
+
+def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Spearman's rho over the finite pairs of ``a``, ``b`` and its 95% bootstrap interval over heads."""
+    from headlab.importance.agreement import spearman
+
+    x, y = np.ravel(np.asarray(a, dtype=float)), np.ravel(np.asarray(b, dtype=float))
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    rng = np.random.default_rng(seed)
+    samples = [spearman(x[i], y[i]) for i in (rng.integers(0, len(x), len(x)) for _ in range(n_samples))]
+    samples = [v for v in samples if not math.isnan(v)]  # a resample with one distinct value has no rho
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return spearman(x, y), float(low), float(high)
+
+
+def pruned_models(config: ReproduceConfig, model: ModelEntry) -> dict[str, Path]:
+    """``{"<sweep>-<point>": directory}`` of every sweep point whose pruned weights exist here."""
+    found: dict[str, Path] = {}
+    models_dir = config.path(model.path).parent
+    for card in sorted(models_dir.glob("*/prune_result.json")):
+        out_dir = Path(json.loads(card.read_text(encoding="utf-8")).get("out_dir", ""))
+        if len(out_dir.parts) >= 4 and out_dir.parts[-4:-2] == (model.name, "prune"):
+            found[f"{out_dir.parts[-2]}-{out_dir.parts[-1]}"] = card.parent
+    for sweep in ("enc", "all"):
+        directory = config.work(model, "prune", sweep)
+        for pruned in sorted(directory.glob("*/pruned")) if directory.is_dir() else []:
+            if (pruned / "config.json").is_file():
+                found[f"{sweep}-{pruned.parent.name}"] = pruned
+    return found
+
+
+def run_hypotheses(config: ReproduceConfig, model: ModelEntry, *, force: bool = False,
+                   log: Callable[[str], None] = print) -> list[str]:
+    """Translate the test set with the full model and every pruned model found (resumable)."""
+    import time
+
+    import torch
+
+    from headlab.data.parallel import read_lines
+    from headlab.loading import load_model, load_tokenizer
+    from headlab.nmt.bleu import compute_scores
+    from headlab.nmt.translate import translate
+
+    if not (config.path(model.path) / "config.json").is_file():
+        raise SkipStage(f"no model at {model.path}")
+    torch.set_num_threads(config.threads)
+    split = config.prune.get("eval_split", "test")
+    sources = [s.strip() for s in read_lines(config.data_file(split, model.src))]
+    references = [t.strip() for t in read_lines(config.data_file(split, model.tgt))]
+    work = config.work(model, "hypotheses")
+    done = []
+    for name, directory in {"full": config.path(model.path), **pruned_models(config, model)}.items():
+        path = work / f"{name}.txt"
+        if path.is_file() and not force:
+            continue
+        started = time.perf_counter()
+        net, tokenizer = load_model(str(directory)), load_tokenizer(str(directory))
+        hypotheses = translate(net, tokenizer, sources, beam=1, batch_size=64)
+        atomic_write_text(path, "".join(h.replace("\n", " ") + "\n" for h in hypotheses))
+        bleu = compute_scores(hypotheses, references).bleu
+        log(f"  {model.name} {name}: BLEU {bleu:.2f} on {len(sources)} sentences ({time.perf_counter() - started:.0f} s)")
+        done.append(f"(Python) translate {config.rel(config.data_file(split, model.src))} with {config.rel(directory)} "
+                    f"(greedy) -> hypotheses/{name}.txt")
+    return done
+
+
+def bleu_interval(hypotheses: Sequence[str], references: Sequence[str], *, n_samples: int = N_SAMPLES,
+                  seed: int = SEED) -> tuple[float, float, float]:
+    """Corpus BLEU and its 95% bootstrap interval over test sentences."""
+    from sacrebleu.metrics import BLEU
+
+    metric = BLEU()
+    stats = np.array(metric._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype="float64")
+    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
+    scores = [metric._compute_score_from_stats(list(stats[i].sum(0))).score for i in idxs]
+    low, high = np.percentile(scores, [2.5, 97.5])
+    return metric._compute_score_from_stats(list(stats.sum(0))).score, float(low), float(high)

@@ -1,0 +1,95 @@
+"""Intervals behind docs/reproduction.md's verdicts, and Vig and Belinkov's layer criteria."""
+
+import json
+
+import numpy as np
+import pytest
+from sacrebleu.metrics import BLEU
+
+from headlab.heads import HeadScores
+from headlab.reproduce.claims import _within
+from headlab.reproduce.significance import bleu_interval, paired_bootstrap, spearman_interval
+from headlab.reproduce.vig import _middle, claim_vig
+
+REFS = [f"a man rides a {c} horse near the {d} river" for c in ("red", "brown", "white", "black", "grey")
+        for d in ("old", "wide", "quiet", "cold")]
+
+
+def _worse(refs, every=2):
+    """Drop a word from every ``every``-th reference: a system measurably below the references."""
+    return [" ".join(r.split()[:-2]) if i % every == 0 else r for i, r in enumerate(refs)]
+
+
+def test_paired_bootstrap_difference_matches_corpus_bleu_and_brackets_it():
+    base, system = _worse(REFS), REFS
+    out = paired_bootstrap(base, system, REFS, n_samples=200)
+    expected = BLEU().corpus_score(system, [REFS]).score - BLEU().corpus_score(base, [REFS]).score
+    assert out["delta"] == pytest.approx(expected)
+    assert 0 < out["low"] <= out["delta"] <= out["high"]
+    assert 0 <= out["p"] <= 1
+
+
+def test_identical_systems_differ_by_exactly_zero():
+    hyps = _worse(REFS, 3)
+    out = paired_bootstrap(hyps, hyps, REFS, n_samples=100)
+    assert out["delta"] == out["low"] == out["high"] == 0
+
+
+def test_bleu_interval_contains_the_corpus_score():
+    score, low, high = bleu_interval(_worse(REFS), REFS, n_samples=200)
+    assert score == pytest.approx(BLEU().corpus_score(_worse(REFS), [REFS]).score)
+    assert low <= score <= high and low < high
+
+
+def test_spearman_interval_of_a_monotone_relation_is_one():
+    x = np.arange(20.0)
+    assert spearman_interval(x, x**3, n_samples=100) == (pytest.approx(1.0), pytest.approx(1.0), pytest.approx(1.0))
+    rho, low, high = spearman_interval(x, -x, n_samples=100)
+    assert rho == pytest.approx(-1.0) and high == pytest.approx(-1.0)
+
+
+def _point(delta, half):
+    return {"delta": delta, "low": delta - half, "high": delta + half, "kind": "paired"}
+
+
+def test_within_follows_the_interval():
+    # A point at <= 10 heads whose whole interval is above -0.15: holds.
+    assert _within([(12, _point(-1.0, 0.1)), (8, _point(-0.05, 0.05))], 10, 0.15) == "holds"
+    # The next larger point already loses significantly more, and so does the smaller one.
+    assert _within([(12, _point(-1.0, 0.2)), (4, _point(-2.0, 0.2))], 10, 0.15) == "does not hold"
+    # The interval straddles the bar: inconclusive, never holds.
+    assert _within([(12, _point(-0.7, 0.7))], 10, 0.15).startswith("inconclusive")
+    # Nothing between 10 heads and the full model: inconclusive.
+    assert _within([(4, _point(-2.0, 0.2))], 10, 0.15).startswith("inconclusive: no point between")
+    # A point without an interval cannot decide.
+    assert _within([(12, {"delta": -3.0, "kind": "none"})], 10, 0.15).startswith("inconclusive")
+
+
+def _write(directory, name, values):
+    HeadScores({"enc_self": np.asarray(values, dtype=float)}, name).save(directory / f"{name}.json")
+
+
+def test_vig_criteria_on_forced_statistics(tmp_path):
+    rng = np.random.default_rng(0)
+    layers, heads = 6, 8
+    depth = np.repeat(np.arange(layers)[:, None], heads, axis=1).astype(float)
+    distance = depth + 0.1 * rng.random((layers, heads))  # grows with depth, deepest longest
+    bump = -((depth - 2.5) ** 2)  # alignment peaks in layers 3-4 (1-based)
+    alignment = 0.2 + 0.01 * bump + 0.001 * rng.random((layers, heads))
+    model = tmp_path / "m"
+    (model / "pos").mkdir(parents=True)
+    _write(model, "mean_distance", distance)
+    _write(model, "dependency_alignment", alignment)
+    _write(model, "variability", np.full((layers, heads), 0.3))
+    _write(model / "pos", "NOUN", np.full((layers, heads), 0.4))
+    _write(model / "pos", "DET", np.full((layers, heads), 0.1))
+    (model / "pos_frequency.json").write_text(json.dumps({"enc_self": {"NOUN": 0.2, "DET": 0.1}}))
+    claim = claim_vig({"m": model})
+    verdicts = {check.label.split(";")[0]: check.cells["m"].verdict for check in claim.checks}
+    assert verdicts["mean attention distance by layer (layer 1 .. last)"] == "holds"
+    assert verdicts["dependency alignment by layer"] == "holds"
+    assert claim.checks[3].cells["m"].value.startswith("L1 NOUN 2.0x")
+    # Alignment against distance: the bump is not monotone in depth, so the data decide, not us.
+    rho, low, high = spearman_interval(alignment, distance)
+    assert claim.checks[2].cells["m"].value == f"{rho:+.2f} [{low:+.2f}, {high:+.2f}]"
+    assert list(_middle(6)) == [2, 3] and list(_middle(12)) == [4, 5, 6, 7]
