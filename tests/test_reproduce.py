@@ -245,7 +245,8 @@ def test_claims_on_hand_made_results(tmp_path):
     HeadScores({"enc_self": rare * 1.5}, "rare_token_two_rarest").save(res / "functions" / "rare_two_rarest.json")
     share = np.full((2, 4), 0.2)
     share[1, 1] = 0.93
-    point = {"checkpoint": "final", "epoch": None, "token_share": share.tolist(),
+    (res / "functions" / "rare_summary.json").write_text(json.dumps({"n_eligible": {"enc_self": 2000}}))
+    point = {"checkpoint": "final", "epoch": None, "token_share": share.tolist(), "n_tokens": 5000,
              "token_offset": np.full((2, 4), -1.0).tolist(),
              "summary": {"token_share": {"max": 0.93, "mean": 0.3}, "word_share": {"max": 0.9, "mean": 0.3},
                          "confidence": {"max": 0.85, "mean": 0.3}, "n_positional_token": 1}}

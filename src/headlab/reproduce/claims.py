@@ -148,6 +148,12 @@ def _positional(r: ModelResults) -> tuple[np.ndarray | None, np.ndarray | None, 
     return None, None, ""
 
 
+def _positional_tokens(r: ModelResults) -> int:
+    """Query tokens behind the in-domain positional shares (0 when the file does not say)."""
+    final = [p for p in (r.specialisation or {}).get("checkpoints", []) if p["checkpoint"] == "final"]
+    return int(final[0].get("n_tokens") or 0) if final else 0
+
+
 def _syntactic_heads(r: ModelResults) -> np.ndarray | None:
     margin = _enc(r.functions_scores("syntactic_margin"))
     return None if margin is None else np.nan_to_num(margin, nan=-1) >= SYNTACTIC - 1e-12
@@ -316,9 +322,11 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
               "Positional heads (at least 90% of a head's maxima at one relative position, mostly -1 or +1) exist, "
               "are among the most relevant and confident heads, and have confidence above 0.8.",
               ["specialisation", "functions", "importance"])
-    exist = Check("encoder heads with >= 90% of maxima at one offset (in-domain, subword tokens)",
+    exist = Check("encoder heads with >= 90% of maxima at one offset (in-domain, subword tokens) [95% interval of "
+                  "the best head]",
                   "exist in every model, among the important encoder heads (Sec. 5.1; threshold 90%)",
-                  criterion="holds if at least one encoder head reaches 90%")
+                  criterion="holds if a head reaches 90% with its Wilson interval over query tokens above 90%; does "
+                            "not hold if the best head's interval lies below 90%; inconclusive otherwise")
     ewt = Check("the same on UD EWT dev (words / subword tokens)", "-")
     relevant = Check("positional heads among the two most relevant (LRP) of their layer",
                      f"positional heads are among the most relevant of their layer (Sec. 5.1; {WORDS})",
@@ -334,8 +342,13 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
         else:
             heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(np.nan_to_num(share) >= POSITIONAL))]
             bl, bh = _argmax(share)
-            best = f"best L{bl} H{bh} {_pct(share[bl, bh])} at {int(offset[bl, bh]):+d}"
-            exist.cells[name] = Cell(f"{len(heads)}; {best}", "holds" if heads else "does not hold")
+            n = _positional_tokens(r)
+            low, high = _binomial_interval(float(share[bl, bh]), n) if n else (math.nan, math.nan)
+            best = (f"best L{bl} H{bh} {_pct(share[bl, bh])} [{_pct(low)}, {_pct(high)}] at {int(offset[bl, bh]):+d} "
+                    f"({n:,} query tokens)")
+            verdict = "holds" if heads and low >= POSITIONAL else "does not hold" if high < POSITIONAL else \
+                "inconclusive: the best head's interval contains 90%"
+            exist.cells[name] = Cell(f"{len(heads)}; {best}", verdict)
             lrp, conf = _enc(r.importance("lrp")), _enc(r.importance("confidence"))
             if lrp is None or conf is None:
                 relevant.cells[name] = confident.cells[name] = _missing("importance", "importance")
@@ -433,9 +446,12 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec5.3", "Section 5.3: the rare-token head",
               "A head of the first encoder layer points to the least frequent token of the sentence; it is the most "
               "relevant head of that layer.", ["functions", "importance"])
-    where = Check("the encoder head pointing most often to the rarest token, and its layer",
+    where = Check("the encoder head pointing most often to the rarest token, and its layer [95% intervals: it / the "
+                  "best head of the other layers or of layer 1]",
                   f"a head of the first layer, in every model (Sec. 5.3; {WORDS})",
-                  criterion="holds if it is in encoder layer 1 (L0)")
+                  criterion="holds if it is in encoder layer 1 (L0) and its Wilson interval over the eligible "
+                            "sentences lies above the best other layer's head; does not hold if it is elsewhere and its "
+                            "interval lies above layer 1's best head; inconclusive if the intervals overlap")
     relevant = Check("it is the most relevant (LRP) head of layer 1",
                      f"ranked by LRP far above the other heads of layer 1 (Sec. 5.3; {WORDS})",
                      criterion="holds if the top rare-token head is in L0 and first by LRP there")
@@ -454,7 +470,22 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
                                          "not testable: no qualifying sentence")
             continue
         l, h = _argmax(rarest)
-        where.cells[name] = Cell(f"L{l} H{h}", "holds" if l == 0 else "does not hold")
+        n = int(((r.functions_json("rare_summary") or {}).get("n_eligible") or {}).get("enc_self") or 0)
+        rival = rarest.copy()
+        if l == 0:
+            rival[0] = np.nan  # the best head outside layer 1
+        else:
+            rival[1:] = np.nan  # layer 1's best head
+        rl, rh = _argmax(rival)
+        if n:
+            top_iv, rival_iv = _binomial_interval(float(rarest[l, h]), n), _binomial_interval(float(rival[rl, rh]), n)
+            apart = top_iv[0] > rival_iv[1]
+            value = (f"L{l} H{h} [{_pct(top_iv[0])}, {_pct(top_iv[1])}]; L{rl} H{rh} [{_pct(rival_iv[0])}, "
+                     f"{_pct(rival_iv[1])}] ({n:,} sentences)")
+            verdict = ("holds" if l == 0 else "does not hold") if apart else "inconclusive: the intervals overlap"
+        else:
+            value, verdict = f"L{l} H{h}", "inconclusive: no sentence count in rare_summary.json"
+        where.cells[name] = Cell(value, verdict)
         pct.cells[name] = Cell(f"{_pct(rarest[l, h])} / {_pct(two[l, h])}")
         h0 = int(np.nanargmax(rarest[0]))
         layer0.cells[name] = Cell(f"L0 H{h0}: {_pct(rarest[0, h0])} / {_pct(two[0, h0])}; mean "
