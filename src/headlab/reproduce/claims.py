@@ -387,13 +387,15 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec5.2", "Section 5.2: syntactic heads (Table 1 analogue)",
               "For some dependency relations (nsubj, dobj, amod, advmod) an encoder head points to the related word "
               "\"at least 10% higher\" than the relation's most frequent relative position.", ["functions"])
-    readings = {"points": "accuracy >= baseline + 10 points", "relative": "accuracy >= 1.1 x baseline"}
-    checks = {reading: Check(f"relation-directions with a syntactic head, {reading} reading ({rule})",
-                             f"{_paper_table1_count('WMT', reading)} of 8 on WMT, "
-                             f"{_paper_table1_count('OpenSubtitles', reading)} of 8 on OpenSubtitles (Table 1, EN-RU)",
-                             criterion="holds if at least one, and the best head's 95% Wilson interval lies above the "
-                                       "bar; does not hold if every best head's interval lies below it")
-              for reading, rule in readings.items()}
+    readings = ("points", "relative")
+    check = Check("relation-directions with a syntactic head: points reading (accuracy >= baseline + 10 points) / "
+                  "relative reading (accuracy >= 1.1 x baseline)",
+                  f"WMT: {_paper_table1_count('WMT', 'points')} / {_paper_table1_count('WMT', 'relative')} of 8; "
+                  f"OpenSubtitles: {_paper_table1_count('OpenSubtitles', 'points')} / "
+                  f"{_paper_table1_count('OpenSubtitles', 'relative')} of 8 (Table 1, EN-RU)",
+                  criterion="per reading: holds if a best head's 95% Wilson interval lies above the bar, does not "
+                            "hold if every best head's interval lies below it, inconclusive otherwise; partly when "
+                            "the two readings disagree (both are named)")
     paper_best = max(PAPER_TABLE1.items(), key=lambda kv: kv[1]["WMT"][0] - kv[1]["WMT"][1])
     (rel, label), numbers = paper_best
     best = Check("largest margin of a head over the baseline (points)",
@@ -402,11 +404,11 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
     for name, r in results.items():
         table = r.functions_json("table1")
         if table is None:
-            for check in (*checks.values(), best):
-                check.cells[name] = _missing("functions/table1.json", "functions")
+            check.cells[name] = best.cells[name] = _missing("functions/table1.json", "functions")
             continue
         rows = [row for row in table["table"] if row.get("status") == "ok" and row.get("best_head")]
-        for reading, check in checks.items():
+        counts, verdicts = [], []
+        for reading in readings:
             above, below = [], []
             for row in rows:
                 low, high = _binomial_interval(row["best_accuracy"], row["n_arcs"])
@@ -414,9 +416,12 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                 above += [row] if low >= bar else []
                 below += [row] if high < bar else []
             met = [row for row in rows if _syntactic(row["best_accuracy"], row["baseline"], reading)]
-            verdict = ("holds" if above else "does not hold" if len(below) == len(rows) else
-                       "inconclusive: a best head's interval contains the bar")
-            check.cells[name] = Cell(f"{len(met)} of {len(rows)}", verdict)
+            counts.append(len(met))
+            verdicts.append("holds" if above else "does not hold" if len(below) == len(rows) else
+                            "inconclusive: a best head's interval contains the bar")
+        verdict = verdicts[0] if verdicts[0] == verdicts[1] else \
+            f"partly: {verdicts[0].split(':')[0]} under the points reading, {verdicts[1].split(':')[0]} under the relative"
+        check.cells[name] = Cell(f"{counts[0]} / {counts[1]} of {len(rows)}", verdict)
         margins = [(row["best_accuracy"] - row["baseline"], row) for row in rows]
         if margins:
             m, row = max(margins, key=lambda t: t[0])
@@ -438,7 +443,7 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                          f"{_pct(row['best_accuracy'])} [{_pct(low)}, {_pct(high)}] | {_pct(row['baseline'])} "
                          f"({row['baseline_offset']:+d}) | {row['n_syntactic']} | {paper_cell} |")
         c.details[name] = lines
-    c.checks = [*checks.values(), best]
+    c.checks = [check, best]
     return c
 
 
