@@ -93,3 +93,20 @@ def test_vig_criteria_on_forced_statistics(tmp_path):
     rho, low, high = spearman_interval(alignment, distance)
     assert claim.checks[2].cells["m"].value == f"{rho:+.2f} [{low:+.2f}, {high:+.2f}]"
     assert list(_middle(6)) == [2, 3] and list(_middle(12)) == [4, 5, 6, 7]
+
+
+def test_delta_uses_translations_only_when_they_give_the_recorded_bleu(tmp_path):
+    from headlab.reproduce.claims import _delta
+    from headlab.reproduce.results import ModelResults
+
+    (tmp_path / "hypotheses").mkdir()
+    (tmp_path / "refs.txt").write_text("\n".join(REFS) + "\n")
+    (tmp_path / "hypotheses" / "full.txt").write_text("\n".join(REFS) + "\n")
+    (tmp_path / "hypotheses" / "enc-p.txt").write_text("\n".join(_worse(REFS)) + "\n")
+    r = ModelResults(tmp_path, "m", references=tmp_path / "refs.txt")
+    full, pruned = BLEU().corpus_score(REFS, [REFS]).score, BLEU().corpus_score(_worse(REFS), [REFS]).score
+    paired = _delta(r, "enc", {"point": "p", "bleu": pruned}, full)
+    assert paired["kind"] == "paired" and paired["delta"] == pytest.approx(pruned - full) and paired["high"] < 0
+    # The result file says another BLEU: these translations are not that point's; fall back to the bound.
+    assert _delta(r, "enc", {"point": "p", "bleu": pruned + 1}, full)["kind"] == "bound"
+    assert _delta(r, "enc", {"point": "missing", "bleu": pruned}, full)["kind"] == "bound"

@@ -524,8 +524,9 @@ def _baseline_means(rows: list[dict], kind: str = "enc_self") -> dict[str, dict[
 def _delta(r: ModelResults, sweep: str, row: dict, reference: float) -> dict:
     """A sweep point's BLEU change against the full model with its 95% interval.
 
-    ``paired``: paired bootstrap over test sentences (both translations on file). ``bound``: no
-    translations of the point (its weights were not kept): the full model's bootstrap half-width
+    ``paired``: paired bootstrap over test sentences (both translations on file, and each gives
+    the BLEU its result file records). ``bound``: no such translations of the point (its weights
+    were not kept): the full model's bootstrap half-width
     doubled, an unpaired bound that takes the point's spread to equal the full model's. ``none``:
     not even the full model's translations exist."""
     delta = row["bleu"] - reference
@@ -535,7 +536,9 @@ def _delta(r: ModelResults, sweep: str, row: dict, reference: float) -> dict:
     system = r.hypotheses(f"{sweep}-{row['point']}")
     if system is not None and len(system) == len(refs):
         out = paired_bootstrap(full, system, refs)
-        return {**out, "kind": "paired"}
+        # Translations that do not give the result files' BLEU come from other weights: not used.
+        if abs(out["baseline"] - reference) < 0.01 and abs(out["system"] - row["bleu"]) < 0.01:
+            return {**out, "kind": "paired"}
     _, low, high = bleu_interval(full, refs)
     half = high - low  # twice the half-width
     return {"delta": delta, "low": delta - half, "high": delta + half, "kind": "bound"}
