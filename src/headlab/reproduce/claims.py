@@ -649,7 +649,7 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
                  f"Figure 8; {WORDS} beyond the head count)",
                  criterion="holds if their mean share of sweep points that keep them exceeds the others'")
     sens = Check("sensitivity (no threshold): Spearman of survival with positional share / syntactic margin / "
-                 "rare-token share", "-")
+                 "rare-token share [95% intervals over heads]", "-")
     for name, r in results.items():
         sweep = r.sweep("enc")
         masks = _function_masks(r)
@@ -677,7 +677,8 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
         share, _, _ = _positional(r)
         margin = _enc(r.functions_scores("syntactic_margin"))
         rarest = _enc(r.functions_scores("rare_rarest"))
-        sens.cells[name] = Cell(" / ".join(f"{spearman(survival, x):+.2f}" for x in (share, margin, rarest)))
+        sens.cells[name] = Cell(" / ".join("{:+.2f} [{:+.2f}, {:+.2f}]".format(*spearman_interval(survival, x))
+                                           for x in (share, margin, rarest)))
         lines = ["| point | encoder heads kept | positional | syntactic | rare-token | other |",
                  "|---|---:|---:|---:|---:|---:|"]
         for row in _rows(sweep):
@@ -833,8 +834,8 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
               "Not in the paper. Spearman's rho of each measure with the loss increase when the head alone is "
               "masked (ablation), and with the pruning order (share of sweep points that keep the head).",
               ["importance", "prune-enc", "prune-all"])
-    best_ablation = Check("best predictor of ablation over all heads (rho)", "-")
-    best_order = Check("best predictor of the encoder pruning order (rho)", "-")
+    best_ablation = Check("best predictor of ablation over all heads (rho [95% interval over heads])", "-")
+    best_order = Check("best predictor of the encoder pruning order (rho [95% interval over heads])", "-")
     measures = ("confidence", "lrp", "gradient", "gradient_raw")
     for name, r in results.items():
         lines = ["| measure | ablation: enc_self | dec_self | dec_cross | all | pruning order: enc sweep (enc_self) "
@@ -867,13 +868,21 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
         if agreement:
             pooled = {m: v.get("all") for m, v in agreement.items() if v.get("all") is not None}
             m = max(pooled, key=pooled.get)
-            best_ablation.cells[name] = Cell(f"{m} ({pooled[m]:+.2f})")
+            ablation, scores_m = r.importance("ablation"), scores.get(m)
+            interval = ""
+            if ablation is not None and scores_m is not None:
+                kinds = [k for k in KINDS if k in ablation.scores and k in scores_m.scores]
+                _, low, high = spearman_interval(np.concatenate([np.ravel(scores_m[k]) for k in kinds]),
+                                                 np.concatenate([np.ravel(ablation[k]) for k in kinds]))
+                interval = f" [{low:+.2f}, {high:+.2f}]"
+            best_ablation.cells[name] = Cell(f"{m} ({pooled[m]:+.2f}{interval})")
         else:
             best_ablation.cells[name] = _missing("importance/agreement.json", "importance")
         valid = {m: v for m, v in order_rho.items() if not math.isnan(v)}
         if valid:
             m = max(valid, key=valid.get)
-            best_order.cells[name] = Cell(f"{m} ({valid[m]:+.2f})")
+            _, low, high = spearman_interval(scores[m]["enc_self"], enc_survival)
+            best_order.cells[name] = Cell(f"{m} ({valid[m]:+.2f} [{low:+.2f}, {high:+.2f}])")
         else:
             best_order.cells[name] = _missing("prune/enc points or importance", "prune-enc")
         if agreement or valid:

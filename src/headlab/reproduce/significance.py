@@ -67,6 +67,8 @@ def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[fl
     rng = np.random.default_rng(seed)
     samples = [spearman(x[i], y[i]) for i in (rng.integers(0, len(x), len(x)) for _ in range(n_samples))]
     samples = [v for v in samples if not math.isnan(v)]  # a resample with one distinct value has no rho
+    if not samples:  # constant scores: no correlation to bound
+        return spearman(x, y), math.nan, math.nan
     low, high = np.percentile(samples, [2.5, 97.5])
     return spearman(x, y), float(low), float(high)
 
