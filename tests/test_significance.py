@@ -110,3 +110,21 @@ def test_delta_uses_translations_only_when_they_give_the_recorded_bleu(tmp_path)
     # The result file says another BLEU: these translations are not that point's; fall back to the bound.
     assert _delta(r, "enc", {"point": "p", "bleu": pruned + 1}, full)["kind"] == "bound"
     assert _delta(r, "enc", {"point": "missing", "bleu": pruned}, full)["kind"] == "bound"
+
+
+def test_pruned_models_finds_bundled_and_work_dir_points(tmp_path):
+    from headlab.reproduce.config import ModelEntry, ReproduceConfig
+    from headlab.reproduce.significance import pruned_models
+
+    config = ReproduceConfig(models=[ModelEntry("m", "models/m", "en", "de")], data={}, root=str(tmp_path))
+    bundled = tmp_path / "models" / "m-pruned-enc"
+    bundled.mkdir(parents=True)
+    (bundled / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/m/prune/enc/keep-3"}))
+    other = tmp_path / "models" / "n-pruned-enc"  # another model's point: not this one's
+    other.mkdir()
+    (other / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/n/prune/enc/keep-3"}))
+    work = tmp_path / "runs" / "reproduce" / "m" / "prune" / "all" / "keep-9" / "pruned"
+    work.mkdir(parents=True)
+    (work / "config.json").write_text("{}")
+    (work.parent.parent / "lam-1" / "pruned").mkdir(parents=True)  # no weights: skipped
+    assert pruned_models(config, config.models[0]) == {"enc-keep-3": bundled, "all-keep-9": work}
