@@ -35,7 +35,7 @@ SYNTACTIC = 0.10  # Sec. 5.2.1: accuracy at least 10 points over the positional 
 CONFIDENT = 0.80  # Sec. 5.1: positional heads have confidence > 0.8 (the blog post: "more than 80%")
 WORDS = "no number in the paper"
 
-# The paper's own numbers (../shared/paper-figures.md, copied from Voita et al. 2019).
+# The paper's own numbers, copied from Voita et al. 2019 (Tables 1 and 2, Sec. 6.2).
 PAPER = {
     "enc_pruned_015": "WMT EN-RU: 10 of 48 encoder heads kept within 0.15 BLEU (Sec. 6.2; abstract: 38 pruned, "
                       "-0.15 BLEU)",
@@ -528,9 +528,9 @@ def _delta(r: ModelResults, sweep: str, row: dict, reference: float) -> dict:
 
     ``paired``: paired bootstrap over test sentences (both translations on file, and each gives
     the BLEU its result file records). ``bound``: no such translations of the point (its weights
-    were not kept): the full model's bootstrap half-width
-    doubled, an unpaired bound that takes the point's spread to equal the full model's. ``none``:
-    not even the full model's translations exist."""
+    were not kept): the change plus or minus twice the full model's bootstrap half-width, an
+    unpaired bound that takes the point's spread to equal the full model's. ``none``: not even
+    the full model's translations exist."""
     delta = row["bleu"] - reference
     refs, full = r.references, r.hypotheses("full")
     if refs is None or full is None or len(full) != len(refs):
@@ -599,7 +599,7 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
         reference = sweep["full"]["metrics"]["bleu"]
         refs, hyps = r.references, r.hypotheses("full")
         if refs is not None and hyps is not None and len(hyps) == len(refs):
-            score, low, high = bleu_interval(hyps, refs)
+            _, low, high = bleu_interval(hyps, refs)
             full.cells[name] = Cell(f"{reference:.2f} [{low:.2f}, {high:.2f}] ({sweep['full']['heads_kept']['enc_self']} "
                                     f"encoder heads, beam {sweep['full']['metrics'].get('beam', '?')})")
         else:
