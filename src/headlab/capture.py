@@ -6,7 +6,10 @@ Two seams, both taken without copying any modeling code:
   per-head outputs, where gates and masks act (Voita et al. 2019, Sec. 6.1:
   MultiHead = Concat_i(g_i * head_i) W^O);
 * the output of each block's attention core in eager mode, which holds the attention
-  probabilities ``[batch, n_heads, q_len, k_len]``.
+  probabilities ``[batch, n_heads, q_len, k_len]``;
+* or, with :func:`stream_attention`, headlab's own attention function
+  (:mod:`headlab.attention`, registered with transformers' ``AttentionInterface``), which hands
+  the probabilities over a few query rows at a time and never holds a block's whole map.
 
 Every context manager here removes its hooks and restores the model's attention
 implementation (or training mode, :func:`eval_mode`) in ``finally``, so an exception inside
@@ -18,10 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import logging
+
 import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.attention import SINK_ATTRIBUTE, AttentionChunk, ChunkSink, dispatches, register
+from headlab.errors import HeadlabError
+
+logger = logging.getLogger(__name__)
 
 ProbsCallback = Callable[[AttentionBlock, torch.Tensor], None]
 HeadOutputFn = Callable[[AttentionBlock, torch.Tensor], torch.Tensor]
@@ -54,12 +63,18 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
 
     The implementation each config had (SDPA, flash, ...) is restored on exit, also on error.
     """
+    with _attention_implementation(model, "eager"):
+        yield model
+
+
+@contextmanager
+def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
     configs = _configs(model)
     previous = [config._attn_implementation for config in configs]
     try:
         for config in configs:
-            config._attn_implementation = "eager"
-        yield model
+            config._attn_implementation = name
+        yield
     finally:
         for config, value in zip(configs, previous):
             config._attn_implementation = value
@@ -132,6 +147,94 @@ def capture_attention(
         finally:
             for handle in handles:
                 handle.remove()
+
+
+ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
+
+
+def chunkable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can)."""
+    return [block for block in blocks if block.n_heads and not dispatches(block.core)]
+
+
+@contextmanager
+def stream_attention(
+    model: nn.Module,
+    callback: ChunkCallback,
+    *,
+    query_chunk: int,
+    blocks: list[AttentionBlock] | None = None,
+) -> Iterator[AttentionRecord]:
+    """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
+    query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
+    one with ``chunk.last``), while the model computes its own output from the same chunks.
+
+    Inside, the model runs headlab's registered attention function; every attention module of
+    the model computes in chunks, and only ``blocks`` (default: all) report. A model whose
+    attention does not dispatch through transformers' ``AttentionInterface`` falls back to
+    :func:`capture_attention` (logged): its blocks hand over the whole map as one chunk, cut
+    into ``query_chunk`` rows afterwards, so the callback sees the same sequence of chunks.
+    ``record.calls`` counts each block's forward calls; a block that was expected to report and
+    did not (its module bypassed the registry) raises rather than leave a statistic silently short.
+    """
+    if query_chunk < 1:
+        raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
+    every = attention_blocks(model)
+    blocks = every if blocks is None else blocks
+    unable = chunkable(every)
+    if unable:
+        logger.warning("%s: attention does not dispatch through transformers' AttentionInterface (%s); "
+                       "falling back to eager capture (the whole [batch, heads, q, k] map per block)",
+                       type(model).__name__, unable[0].name)
+
+        def whole(block: AttentionBlock, probs: torch.Tensor) -> None:
+            q_len = probs.shape[2]
+            for start in range(0, q_len, query_chunk):
+                stop = min(start + query_chunk, q_len)
+                callback(block, AttentionChunk(probs[:, :, start:stop].float(), start, stop, q_len))
+
+        with capture_attention(model, whole, blocks=blocks) as record:
+            yield record
+        return
+    record = AttentionRecord()
+    sinks: list[tuple[AttentionBlock, ChunkSink]] = []
+    reporting = {id(block) for block in blocks}
+
+    def make_callback(block: AttentionBlock):
+        def on_chunk(chunk: AttentionChunk) -> None:
+            if chunk.last:
+                record.calls[block.key] = record.calls.get(block.key, 0) + 1
+            callback(block, chunk)
+
+        return on_chunk
+
+    def make_check(block: AttentionBlock, sink: ChunkSink):
+        seen = [0]
+
+        def check(module, args, output) -> None:
+            seen[0] += 1
+            if sink.calls != seen[0]:
+                raise HeadlabError(f"{block.name}: its forward did not call the registered attention function; "
+                                   "run without --query-chunk (eager capture)")
+
+        return check
+
+    handles = HookHandles()
+    with _attention_implementation(model, register()):
+        try:
+            for block in every:
+                report = id(block) in reporting and block.n_heads > 0
+                sink = ChunkSink(query_chunk, make_callback(block) if report else None)
+                setattr(block.core, SINK_ATTRIBUTE, sink)
+                sinks.append((block, sink))
+                if report:
+                    handles.append(block.core.register_forward_hook(make_check(block, sink)))
+            yield record
+        finally:
+            handles.remove()
+            for block, _ in sinks:
+                if hasattr(block.core, SINK_ATTRIBUTE):
+                    delattr(block.core, SINK_ATTRIBUTE)
 
 
 class HookHandles(list):
