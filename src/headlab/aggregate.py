@@ -132,6 +132,9 @@ class AggregateStats:
         self.spools: dict[BlockKey, _Spool] = {}
         self.pos_words: dict[str, torch.Tensor] = {}  # kind -> word count per tag (baseline)
         self.n_sentences: dict[str, int] = {}
+        # a block's state between its views of one batch (chunked capture)
+        self._cells: dict[BlockKey, torch.Tensor] = {}  # [B, H, window, window]
+        self._best: dict[BlockKey, tuple[torch.Tensor, torch.Tensor]] = {}  # running maximum, its flat index
 
     @classmethod
     def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
@@ -147,9 +150,11 @@ class AggregateStats:
         self.n_sentences[kind] = self.n_sentences.get(kind, 0) + side.batch_size
 
     def update(self, view: AttentionView) -> None:
+        """Sums over the view's word rows; a block's variability cells and exemplars settle on its last view."""
         side = view.side
-        alpha = view.words  # [B, H, W, W] float32; padding rows and columns are exactly 0
-        B, H, W, _ = alpha.shape
+        alpha = view.words  # [B, H, rows, W] float32 word rows; padding rows and columns are exactly 0
+        B, H, R, W = alpha.shape
+        first = view.word_start
         key = view.block.key
         sums = self.sums.setdefault(key, {})
         f64 = torch.float64
@@ -161,62 +166,87 @@ class AggregateStats:
         kept = alpha if self.min_weight <= 0 else alpha * (alpha > self.min_weight)
         add("weight", kept.sum((0, 2, 3), dtype=f64))
         positions = torch.arange(W, dtype=alpha.dtype)
-        distance = (positions[:, None] - positions[None, :]).abs()  # [W, W] |i - j|
+        distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [rows, W] |i - j|
         add("distance", (kept * distance).sum((0, 2, 3), dtype=f64))
         to_word = kept.sum(2, dtype=f64)  # [B, H, W] attention received by each key word
         tags = side.upos_index.clamp(min=0)  # padding words receive no attention
         onehot = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(f64)  # [B, W, n_tags]
         add("pos", torch.einsum("bhw,bwt->ht", to_word, onehot))
-        add("arcs", (kept * arc_matrix(side)[:, None]).sum((0, 2, 3), dtype=f64))
+        add("arcs", (kept * arc_matrix(side)[:, None, first:first + R]).sum((0, 2, 3), dtype=f64))
 
         # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0.
-        valid = view.query_valid  # [B, H, W]
+        valid = view.query_valid  # [B, H, rows]
         p = alpha / view.row_mass[..., None].clamp(min=1e-30)
-        entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, H, W]
+        entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, H, rows]
         add("entropy", (entropy * valid).sum((0, 2), dtype=f64))
         add("entropy_n", valid.sum((0, 2)).to(f64))
 
-        # Variability: cells of the first `window` words; NaN marks a cell the sentence lacks.
+        # Variability: cells of the first `window` words, gathered over the block's views; NaN
+        # marks a cell the sentence lacks.
         N = self.window
         n = min(N, W)
-        cells = torch.full((B, H, N, N), float("nan"))
-        cells[:, :, :n, :n] = alpha[:, :, :n, :n]
-        present = side.word_mask[:, :n]
-        cell_mask = torch.zeros(B, N, N, dtype=torch.bool)
-        cell_mask[:, :n, :n] = present[:, :, None] & present[:, None, :]
-        cells.masked_fill_(~cell_mask[:, None], float("nan"))
-        add("cell_sum", torch.nan_to_num(cells).sum(0, dtype=f64))  # [H, N, N]
-        add("cell_n", cell_mask.sum(0).to(f64)[None].expand(H, N, N))
-        if key not in self.spools:
-            self.spools[key] = _Spool((H, N, N), self.spool_dir)
-        self.spools[key].write(cells.numpy())
+        cells = self._cells.get(key)
+        if cells is None:
+            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"))
+        end = min(first + R, n)
+        if end > first:
+            cells[:, :, first:end, :n] = alpha[:, :, :end - first, :n]
 
         # Exemplars: each sentence's strongest single weight, per head, among the queries that
         # can reach at least two words (the first word under a causal mask, or the word of a
         # one-word sentence, puts its largest weight on its only word whatever the head does).
         # Other rows are -1 and padding keys 0, while a ranked row holds a positive weight, so the
-        # maximum is a real (query, key) pair; a sentence with no ranked query is left out.
-        if self.top_k:
+        # maximum is a real (query, key) pair; a sentence with no ranked query is left out. Over
+        # several views the earlier position wins a tie, as in one flattened maximum.
+        if self.top_k and R:
             ranked = alpha.masked_fill(~view.ranked_query_valid[..., None], -1.0)
             best, where = ranked.flatten(2).max(-1)  # [B, H]
-            best = best.masked_fill(best <= 0, -1.0)
-            heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
-            k = min(self.top_k, B)
-            values, rows = best.topk(k, dim=0)  # [k, H]
-            for h in range(H):
-                heap = heaps[h]
-                for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
-                    if value < 0:
-                        break  # sorted: only sentences without a ranked query follow
-                    if len(heap) == self.top_k and value <= heap[0].weight:
-                        break  # values are sorted: nothing further gets in
-                    flat = int(where[b, h])
-                    item = Exemplar(float(value), side.sentence_index[b], flat // W, flat % W,
-                                    side.sent_ids[b], side.where[b], side.words[b])
-                    if len(heap) < self.top_k:
-                        heapq.heappush(heap, item)
-                    else:
-                        heapq.heapreplace(heap, item)
+            where = where + first * W
+            if key in self._best:
+                old_best, old_where = self._best[key]
+                better = best > old_best
+                best, where = torch.where(better, best, old_best), torch.where(better, where, old_where)
+            self._best[key] = (best, where)
+        if view.last:
+            self._settle(key, side, B, H, n, W)
+
+    def _settle(self, key: BlockKey, side: SideBatch, B: int, H: int, n: int, W: int) -> None:
+        """A block's variability cells and exemplars for the batch, once all its rows were seen."""
+        N = self.window
+        cells = self._cells.pop(key)
+        sums = self.sums[key]
+        f64 = torch.float64
+        present = side.word_mask[:, :n]
+        cell_mask = torch.zeros(B, N, N, dtype=torch.bool)
+        cell_mask[:, :n, :n] = present[:, :, None] & present[:, None, :]
+        cells.masked_fill_(~cell_mask[:, None], float("nan"))
+        for name, value in (("cell_sum", torch.nan_to_num(cells).sum(0, dtype=f64)),  # [H, N, N]
+                            ("cell_n", cell_mask.sum(0).to(f64)[None].expand(H, N, N))):
+            sums[name] = sums[name] + value if name in sums else value.clone()
+        if key not in self.spools:
+            self.spools[key] = _Spool((H, N, N), self.spool_dir)
+        self.spools[key].write(cells.numpy())
+        if not self.top_k or key not in self._best:
+            return
+        best, where = self._best.pop(key)
+        best = best.masked_fill(best <= 0, -1.0)
+        heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
+        k = min(self.top_k, B)
+        values, rows = best.topk(k, dim=0)  # [k, H]
+        for h in range(H):
+            heap = heaps[h]
+            for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
+                if value < 0:
+                    break  # sorted: only sentences without a ranked query follow
+                if len(heap) == self.top_k and value <= heap[0].weight:
+                    break  # values are sorted: nothing further gets in
+                flat = int(where[b, h])
+                item = Exemplar(float(value), side.sentence_index[b], flat // W, flat % W,
+                                side.sent_ids[b], side.where[b], side.words[b])
+                if len(heap) < self.top_k:
+                    heapq.heappush(heap, item)
+                else:
+                    heapq.heapreplace(heap, item)
 
     def result(self, model: str = "", signature: dict | None = None) -> "AggregateResult":
         per: dict[str, dict[BlockKey, np.ndarray]] = {name: {} for name in STATISTICS}

@@ -1,7 +1,7 @@
 """headlab's own attention function, registered with transformers' ``AttentionInterface``.
 
 It computes what the eager path computes (scores ``q k^T * scaling``, T5's position bias,
-Gemma-style soft-capping, the mask, a float32 softmax, ``probs @ v``) a few query rows at a
+Gemma-style soft-capping, the mask, a softmax in float32 (or wider), ``probs @ v``) a few query rows at a
 time: at most ``query_chunk`` rows of every head, ``[batch, n_heads, query_chunk, k_len]``, exist
 at once, and each chunk of probabilities is handed to the module's sink (see
 :func:`headlab.capture.stream_attention`) before it is dropped. Peak memory grows linearly in
@@ -35,7 +35,8 @@ SINK_ATTRIBUTE = "_headlab_chunk_sink"
 
 @dataclass(frozen=True)
 class AttentionChunk:
-    """Query rows ``start:stop`` of one block's probabilities, ``[batch, n_heads, stop - start, k_len]`` (float32)."""
+    """Query rows ``start:stop`` of one block's probabilities, ``[batch, n_heads, stop - start, k_len]``
+    (float32, or float64 for a float64 model)."""
 
     probs: torch.Tensor
     start: int
@@ -115,7 +116,7 @@ def attention_forward(
         elif causal:
             hidden = torch.arange(start, stop, device=scores.device)[:, None] < torch.arange(k_len, device=scores.device)
             scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         del scores
         if sink is not None and sink.callback is not None:
             sink.callback(AttentionChunk(probs.detach(), start, stop, q_len))

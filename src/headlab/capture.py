@@ -198,7 +198,7 @@ def stream_attention(
         return
     record = AttentionRecord()
     sinks: list[tuple[AttentionBlock, ChunkSink]] = []
-    reporting = {id(block) for block in blocks}
+    reporting = {block.key for block in blocks}
 
     def make_callback(block: AttentionBlock):
         def on_chunk(chunk: AttentionChunk) -> None:
@@ -223,7 +223,7 @@ def stream_attention(
     with _attention_implementation(model, register()):
         try:
             for block in every:
-                report = id(block) in reporting and block.n_heads > 0
+                report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 sinks.append((block, sink))

@@ -27,6 +27,7 @@ __all__ = [
     "Alignment",
     "AlignmentError",
     "AttentionView",
+    "WordRows",
     "SideBatch",
     "align_sentences",
     "join_words",
@@ -298,12 +299,12 @@ def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, sta
 
 
 def _token_to_words(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
-    """``[B, H, T, W + 1]``: each token's attention summed over each word's subwords (the last
-    column collects special tokens and padding)."""
-    B, H, T, _ = probs.shape
+    """``[B, H, rows, W + 1]``: each query token's attention summed over each word's subwords (the
+    last column collects special tokens and padding)."""
+    B, H, rows, T = probs.shape  # rows: all T query tokens, or some of them
     index = side.word_index  # [B, T], W for tokens of no word
-    out = probs.new_zeros(B, H, T, side.max_words + 1)
-    return out.scatter_add_(3, index[:, None, None, :].expand(B, H, T, T), probs)
+    out = probs.new_zeros(B, H, rows, side.max_words + 1)
+    return out.scatter_add_(3, index[:, None, None, :].expand(B, H, rows, T), probs)
 
 
 def _words_from(to_words: torch.Tensor, side: SideBatch) -> torch.Tensor:
@@ -328,34 +329,55 @@ def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
 class AttentionView:
     """One block's attention on one batch, with the derived tensors every statistic shares.
 
-    Each derived tensor is computed once, on first use, whichever statistics ask for it.
+    A view holds some query rows of the block: token rows ``start:stop`` of the probabilities
+    (``probs``, ``[B, H, stop - start, T]``) and word rows ``word_start:word_stop`` of the
+    word-to-word attention (``words``, ``[B, H, word_stop - word_start, W]``). The whole block
+    is one view (the default: all rows of both); a chunked capture (:class:`WordRows`) gives a
+    block as several views, in order, the last with ``last=True`` (after which a statistic that
+    keeps per-block state, such as a running maximum, settles it). Row-indexed tensors below
+    cover the view's rows; key-indexed ones all keys. Each derived tensor is computed once, on
+    first use, whichever statistics ask for it.
     """
 
-    def __init__(self, block, probs: torch.Tensor, side: SideBatch) -> None:
+    def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int = 0,
+                 words: torch.Tensor | None = None, word_start: int = 0, last: bool = True) -> None:
         self.block = block
         self.side = side
         # Keys beyond the side's length (e.g. a longer padded query) never happen for self-attention.
-        self.probs = probs.float()  # [B, H, T, T]
+        self.probs = probs.float()  # [B, H, rows, T]
+        self.start, self.stop = start, start + probs.shape[2]
+        self.last = last
+        if words is None:
+            if start != 0 or self.stop != side.token_word.shape[1]:
+                raise ValueError("a view of some token rows needs its word rows (see WordRows)")
+            self.word_start, self.word_stop = 0, side.max_words
+        else:
+            self.__dict__["words"] = words
+            self.word_start, self.word_stop = word_start, word_start + words.shape[2]
+
+    @property
+    def n_word_rows(self) -> int:
+        return self.word_stop - self.word_start
 
     @cached_property
     def token_to_words(self) -> torch.Tensor:
-        """``[B, H, T, W + 1]``: token attention summed per key word (last column: no word)."""
+        """``[B, H, rows, W + 1]``: token attention summed per key word (last column: no word)."""
         return _token_to_words(self.probs, self.side)
 
     @cached_property
     def words(self) -> torch.Tensor:
-        """``[B, H, W, W]`` word-to-word attention (see :func:`word_attention`)."""
+        """``[B, H, word rows, W]`` word-to-word attention (see :func:`word_attention`)."""
         return _words_from(self.token_to_words, self.side)
 
     @cached_property
     def row_mass(self) -> torch.Tensor:
-        """``[B, H, W]``: the share of each word's attention that reaches words."""
+        """``[B, H, word rows]``: the share of each word's attention that reaches words."""
         return self.words.sum(-1)
 
     @cached_property
     def query_valid(self) -> torch.Tensor:
-        """``[B, H, W]`` bool: real words whose attention reaches some word (EOS excluded)."""
-        return self.side.word_mask[:, None, :] & (self.row_mass > 0)
+        """``[B, H, word rows]`` bool: real words whose attention reaches some word (EOS excluded)."""
+        return self.side.word_mask[:, None, self.word_start:self.word_stop] & (self.row_mass > 0)
 
     @property
     def causal(self) -> bool:
@@ -366,23 +388,25 @@ class AttentionView:
 
     @cached_property
     def word_visible_keys(self) -> torch.Tensor:
-        """``[B, W]`` long: how many words each word's attention can reach (all of the
+        """``[B, word rows]`` long: how many words each word's attention can reach (all of the
         sentence's words, or under a causal mask the words up to and including itself)."""
         W = self.side.max_words
         if self.causal:
-            return (torch.arange(W)[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
-        return self.side.n_words[:, None].expand(-1, W) * self.side.word_mask
+            visible = (torch.arange(W)[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
+        else:
+            visible = self.side.n_words[:, None].expand(-1, W) * self.side.word_mask
+        return visible[:, self.word_start:self.word_stop]
 
     @cached_property
     def token_visible_keys(self) -> torch.Tensor:
-        """``[B, T]`` long: how many word tokens each token's attention can reach."""
+        """``[B, rows]`` long: how many word tokens each token's attention can reach."""
         mask = self.side.token_mask.long()
         visible = mask.cumsum(1) if self.causal else mask.sum(1, keepdim=True).expand_as(mask)
-        return visible * mask
+        return (visible * mask)[:, self.start:self.stop]
 
     @cached_property
     def ranked_query_valid(self) -> torch.Tensor:
-        """``[B, H, W]`` bool: :attr:`query_valid` words that can reach at least two words. A word
+        """``[B, H, word rows]`` bool: :attr:`query_valid` words that can reach at least two words. A word
         with one reachable word (the first word under a causal mask, a one-word sentence) puts
         its largest weight there whatever the head does, so statistics that rank single
         weights (maxima, exemplars) leave it out."""
@@ -390,23 +414,82 @@ class AttentionView:
 
     @cached_property
     def ranked_token_query_valid(self) -> torch.Tensor:
-        """``[B, H, T]`` bool: :attr:`token_query_valid` tokens that can reach two word tokens."""
+        """``[B, H, rows]`` bool: :attr:`token_query_valid` tokens that can reach two word tokens."""
         return self.token_query_valid & (self.token_visible_keys >= 2)[:, None, :]
 
     @cached_property
     def word_argmax(self) -> torch.Tensor:
-        """``[B, H, W]``: the word each word attends to most, EOS and padding excluded."""
+        """``[B, H, word rows]``: the word each word attends to most, EOS and padding excluded."""
         masked = self.words.masked_fill(~self.side.word_mask[:, None, None, :], -1.0)
         return masked.argmax(-1)
 
     @cached_property
     def token_argmax(self) -> torch.Tensor:
-        """``[B, H, T]``: the token each token attends to most, special tokens excluded."""
+        """``[B, H, rows]``: the token each token attends to most, special tokens excluded."""
         masked = self.probs.masked_fill(~self.side.token_mask[:, None, None, :], -1.0)
         return masked.argmax(-1)
 
     @cached_property
     def token_query_valid(self) -> torch.Tensor:
-        """``[B, H, T]`` bool: word tokens whose attention reaches some word token."""
-        mass = self.token_to_words[..., :-1].sum(-1)  # [B, H, T] attention that reaches words
-        return self.side.token_mask[:, None, :] & (mass > 0)
+        """``[B, H, rows]`` bool: word tokens whose attention reaches some word token."""
+        mass = self.token_to_words[..., :-1].sum(-1)  # [B, H, rows] attention that reaches words
+        return self.side.token_mask[:, None, self.start:self.stop] & (mass > 0)
+
+
+class WordRows:
+    """Turns one block's token-row chunks into views with whole word rows.
+
+    A word's row is the mean of its subwords' rows, so it is complete once the chunk holding its
+    last subword has arrived. Each chunk's rows are summed per key word, then added to a small
+    buffer of word rows not yet complete (in token order, as :func:`word_attention` adds them,
+    so the result is the same to the bit); word rows complete in every sentence of the batch go
+    out with the chunk's view. With one sentence per batch the buffer holds at most the words
+    of one chunk plus one; sentences of a batch whose subwords are spread very differently keep
+    more rows waiting.
+    """
+
+    def __init__(self, block, side: SideBatch) -> None:
+        self.block = block
+        self.side = side
+        W = side.max_words
+        positions = torch.arange(side.token_word.shape[1])[None, :].expand_as(side.word_index)
+        last = torch.full((side.batch_size, W + 1), -1, dtype=torch.long)
+        last.scatter_reduce_(1, side.word_index, positions, reduce="amax")
+        self.last_token = last[:, :W]  # [B, W]: -1 for a word without tokens (or padding)
+        self.done = 0  # word rows handed out
+        self.pending: torch.Tensor | None = None  # [B, H, rows, W + 1] from word `done` on
+
+    def view(self, probs: torch.Tensor, start: int, last: bool) -> AttentionView:
+        side = self.side
+        B, H, rows, _ = probs.shape
+        W = side.max_words
+        chunk = AttentionView(self.block, probs, side, start=start, words=probs.new_zeros(B, H, 0, W), last=False)
+        index = side.word_index[:, start:start + rows]  # [B, rows], W for no word
+        real = index < W
+        if real.any():
+            top = int(index[real].max()) + 1 - self.done
+            if int(index[real].min()) < self.done:
+                raise RuntimeError(f"{self.block.name}: subwords out of word order; cannot stream word rows")
+        else:
+            top = 0
+        have = 0 if self.pending is None else self.pending.shape[2]
+        need = max(have, top)
+        pending = chunk.probs.new_zeros(B, H, need + 1, W + 1)  # the extra row takes tokens of no word
+        if have:
+            pending[:, :, :have] = self.pending
+        rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
+        pending.scatter_add_(2, rows_at[:, None, :, None].expand(B, H, rows, W + 1), chunk.token_to_words)
+        pending = pending[:, :, :need]
+        if last:
+            ready = W
+        else:
+            complete = self.last_token < start + rows  # [B, W]
+            ready = int(complete.long().cumprod(1).sum(1).min()) if W else 0
+        n = max(ready - self.done, 0)
+        sizes = side.word_sizes[:, self.done:self.done + n]
+        words = pending[:, :, :n, :W] / sizes[:, None, :, None]
+        self.pending = pending[:, :, n:]
+        view = AttentionView(self.block, probs, side, start=start, words=words, word_start=self.done, last=last)
+        view.__dict__["token_to_words"] = chunk.token_to_words
+        self.done += n
+        return view

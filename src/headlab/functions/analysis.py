@@ -3,7 +3,10 @@
 Sentences are read, aligned and batched a batch at a time; one forward pass per batch feeds
 every statistic through :func:`headlab.capture_attention`'s callback, block by block, and the
 attention is dropped as soon as the statistics have seen it. Memory does not grow with the
-number of sentences.
+number of sentences. With ``query_chunk`` (``--query-chunk N``) the model runs headlab's own
+attention function (:func:`headlab.capture.stream_attention`) and the statistics are fed
+``N`` query rows at a time (:class:`~headlab.data.alignment.WordRows`), so no block's whole
+``[batch, heads, n, n]`` map exists: memory grows linearly in the length.
 
 Which attention is analysed:
 
@@ -30,8 +33,10 @@ import torch
 
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
-from headlab.capture import capture_attention, eval_mode
-from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, align_sentences, build_side_batch
+from headlab.attention import AttentionChunk
+from headlab.capture import capture_attention, eval_mode, stream_attention
+from headlab.data.alignment import (AlignmentError, AttentionView, SideBatch, WordRows, align_sentences,
+                                    build_side_batch)
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
@@ -61,6 +66,7 @@ class AnalysisConfig:
     max_sentences: int | None = None
     spacing: str = "words"  # "words": words joined by spaces; "text": the treebank's SpaceAfter
     max_length: int | None = None  # tokens; default: the model's maximum
+    query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
 
     def __post_init__(self) -> None:
         if self.spacing not in ("words", "text"):
@@ -69,6 +75,8 @@ class AnalysisConfig:
             raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
         if self.batch_size < 1:
             raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.query_chunk is not None and self.query_chunk < 1:
+            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
         self.relations = tuple(self.relations)
 
 
@@ -298,6 +306,25 @@ def analyze_heads(
         for stat in block_stats:
             stat.update(view)
 
+    assemblers: dict = {}  # block key -> WordRows of the block's current forward call
+
+    def on_chunk(block, chunk: AttentionChunk) -> None:
+        side = current.get(sides.get(block.kind, ""))
+        if side is None:
+            return
+        if chunk.start == 0:
+            assemblers[block.key] = WordRows(block, side)
+        view = assemblers[block.key].view(chunk.probs.cpu(), chunk.start, chunk.last)
+        if chunk.last:
+            del assemblers[block.key]
+        for stat in block_stats:
+            stat.update(view)
+
+    if config.query_chunk is None:
+        capture = capture_attention(model, on_probs, blocks=blocks)
+    else:
+        capture = stream_attention(model, on_chunk, query_chunk=config.query_chunk, blocks=blocks)
+
     started = time.perf_counter()
     index = 0
     stream = examples()
@@ -305,7 +332,7 @@ def analyze_heads(
         stream = islice(stream, config.max_sentences)
     try:
         # eval mode: attention dropout would blur the probabilities
-        with eval_mode(model), capture_attention(model, on_probs, blocks=blocks), torch.inference_mode():
+        with eval_mode(model), capture, torch.inference_mode():
             for raw in _batched(stream, config.batch_size):
                 items = _prepare(raw, index, tokenizer, config, max_length, report)
                 index += len(raw)

@@ -55,11 +55,11 @@ class PositionalStats:
 
     def update(self, view: AttentionView) -> None:
         if self.level == "word":
-            argmax, valid = view.word_argmax, view.ranked_query_valid  # [B, H, W]
+            argmax, valid, first = view.word_argmax, view.ranked_query_valid, view.word_start  # [B, H, word rows]
         else:
-            argmax, valid = view.token_argmax, view.ranked_token_query_valid  # [B, H, T]
+            argmax, valid, first = view.token_argmax, view.ranked_token_query_valid, view.start  # [B, H, rows]
         B, H, Q = argmax.shape
-        offsets = argmax - torch.arange(Q)[None, None, :]  # key - query
+        offsets = argmax - (first + torch.arange(Q))[None, None, :]  # key - query
         bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
         head = torch.arange(H)[None, :, None].expand(B, H, Q)
         flat = (head * self.n_bins + bins)[valid]

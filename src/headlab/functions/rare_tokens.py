@@ -82,11 +82,11 @@ class RareTokenStats:
 
     def update(self, view: AttentionView) -> None:
         eligible, rarest, two_rarest = rare_token_masks(view.side, self.counts, self.top)
-        argmax = view.token_argmax  # [B, H, T]
-        B, H, T = argmax.shape
-        valid = view.ranked_token_query_valid & eligible[:, None, None]  # [B, H, T]
-        on_rarest = rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
-        on_two = two_rarest[:, None, :].expand(B, H, T).gather(2, argmax) & valid
+        argmax = view.token_argmax  # [B, H, rows]
+        B, H, _ = argmax.shape
+        valid = view.ranked_token_query_valid & eligible[:, None, None]  # [B, H, rows]
+        on_rarest = rarest[:, None, :].expand(B, H, -1).gather(2, argmax) & valid
+        on_two = two_rarest[:, None, :].expand(B, H, -1).gather(2, argmax) & valid
         key = view.block.key
         for table, value in ((self.first, on_rarest), (self.two, on_two), (self.queries, valid)):
             counts = value.sum((0, 2))

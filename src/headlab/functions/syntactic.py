@@ -101,13 +101,16 @@ class SyntacticStats:
             table.setdefault((relation, "dep->gov"), Counter()).update(-x for x in forward)
 
     def update(self, view: AttentionView) -> None:
-        argmax = view.word_argmax  # [B, H, W]
+        argmax = view.word_argmax  # [B, H, word rows]
+        first, stop = view.word_start, view.word_stop
         table = self.hits.setdefault(view.block.key, {})
         for relation in self.relations:
-            b, gov, dep = relation_arcs(view.side, relation)
-            for direction, source, target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
+            arcs_b, gov, dep = relation_arcs(view.side, relation)
+            for direction, arcs_source, arcs_target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
+                rows = (arcs_source >= first) & (arcs_source < stop)  # arcs from this view's word rows
+                b, source, target = arcs_b[rows], arcs_source[rows], arcs_target[rows]
                 if b.numel():
-                    hit = argmax[b, :, source] == target[:, None]  # [n_arcs, H]
+                    hit = argmax[b, :, source - first] == target[:, None]  # [n_arcs, H]
                     if view.causal:  # only backward arcs are reachable (and scored)
                         hit &= (target < source)[:, None]
                     hits = hit.sum(0)  # [H]

@@ -1,0 +1,160 @@
+"""Statistics fed in query chunks equal the same statistics fed whole maps.
+
+Two levels: every registered statistic fed the same probabilities as one view and as
+:class:`WordRows` views of a few rows (exact), and ``analyze_heads`` with ``query_chunk``
+(headlab's registered attention) against the eager capture on tiny models (to 1e-8, in float64).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headlab.data.alignment import AttentionView, WordRows
+from headlab.data.frequencies import TokenFrequencies
+from headlab.errors import HeadlabError
+from headlab.functions import AnalysisConfig, analyze_heads
+from headlab.functions.registry import STATISTICS
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU, FakeBlock, bpe_tokenizer, sample_sentences, side_batch
+
+pytestmark = pytest.mark.unit
+
+H = 3
+
+
+def _random_probs(side, seed, causal):
+    g = torch.Generator().manual_seed(seed)
+    B, T = side.token_ids.shape
+    probs = torch.zeros(B, H, T, T)
+    for b, n in enumerate(side.lengths):
+        logits = torch.randn(H, n, n, generator=g) * 3
+        if causal:
+            logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        probs[b, :, :n, :n] = logits.softmax(-1)
+    return probs
+
+
+def _statistics(tokenizer):
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 7 + 1
+    config = AnalysisConfig(top_frequent=3, window=4, top_k=3)
+    frequencies = TokenFrequencies(counts, "hand-set")
+    return {name: make(config, frequencies) for name, make in STATISTICS.items()}
+
+
+def _state(stats):
+    """Every accumulator, as plain arrays and lists."""
+    out = {}
+    out["positional"] = {k: v.tolist() for k, v in stats["positional"].counts.items()}
+    out["positional_tokens"] = {k: v.tolist() for k, v in stats["positional_tokens"].counts.items()}
+    out["syntactic"] = {k: {r: v.tolist() for r, v in t.items()} for k, t in stats["syntactic"].hits.items()}
+    rare = stats["rare"]
+    out["rare"] = [{k: v.tolist() for k, v in table.items()} for table in (rare.first, rare.two, rare.queries)]
+    aggregate = stats["aggregate"].result()
+    out["aggregate"] = {name: {kind: scores[kind].tolist() for kind in scores.kinds}
+                        for name, scores in {**aggregate.scores, **aggregate.pos}.items()}
+    out["exemplars"] = aggregate.exemplars_json()
+    return out
+
+
+def _assert_close(a, b, path="", rtol=0.0):
+    """Equal structure, equal counts and positions, floats to 1e-8 (and ``rtol``)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _assert_close(a[key], b[key], f"{path}/{key}", rtol)
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{path}/{i}", rtol)
+    elif isinstance(a, float):
+        assert (np.isnan(a) and np.isnan(b)) or abs(a - b) <= 1e-8 + rtol * abs(b), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("kind", ["enc_self", "dec_self"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_views_of_chunks_equal_the_whole_view(tmp_path, kind, rows):
+    sentences = sample_sentences(tmp_path)
+    tokenizer = bpe_tokenizer([" ".join(s.words) for s in sentences] * 3, vocab_size=45)
+    batches = []
+    for start, seed in ((0, 1), (2, 2), (1, 3)):
+        side, _ = side_batch(sentences[start:start + 2], tokenizer, start)
+        batches.append((side, _random_probs(side, seed, kind == "dec_self")))
+    assert any(side.word_sizes.max() > 1 for side, _ in batches)  # words of several subwords
+    whole, chunked = _statistics(tokenizer), _statistics(tokenizer)
+    for layer in range(2):
+        block = FakeBlock(kind, layer, H)
+        for side, probs in batches:
+            for stats in (whole, chunked):
+                for stat in stats.values():
+                    if hasattr(stat, "update_side") and layer == 0:
+                        stat.update_side(kind, side)
+            view = AttentionView(block, probs, side)
+            for stat in whole.values():
+                stat.update(view)
+            T = probs.shape[2]
+            words = WordRows(block, side)
+            handed = []
+            for start in range(0, T, rows):
+                part = words.view(probs[:, :, start:start + rows], start, start + rows >= T)
+                handed.append((part.word_start, part.word_stop))
+                for stat in chunked.values():
+                    stat.update(part)
+            assert handed[0][0] == 0 and handed[-1][1] == side.max_words
+            assert all(a[1] == b[0] for a, b in zip(handed, handed[1:]))  # each word row once, in order
+            torch.testing.assert_close(view.words, torch.cat([
+                WordRows(block, side).view(probs, 0, True).words]), atol=0, rtol=0)
+    _assert_close(_state(chunked), _state(whole))
+    assert _state(chunked)["syntactic"] == _state(whole)["syntactic"]
+    for stats in (whole, chunked):
+        stats["aggregate"].close()
+
+
+TOKENIZER_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+
+
+def _analyse(family, tmp_path, query_chunk, target):
+    tokenizer = bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
+    model = tiny_model(family, attn_implementation="sdpa").double()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk)
+    return analyze_heads(model, tokenizer, path, target_conllu=path if target else None, config=config,
+                         frequencies=TokenFrequencies(counts, "hand-set"))
+
+
+def _analysis_state(analysis):
+    out = {}
+    for name, result in analysis.results.items():
+        if name.startswith("positional"):
+            out[name] = {k: v.tolist() for k, v in result.counts.items()}
+        elif name == "syntactic":
+            out[name] = {k: {r: v.tolist() for r, v in t.items()} for k, t in result.hits.items()}
+        elif name == "rare":
+            out[name] = [{k: v.tolist() for k, v in t.items()} for t in (result.first, result.two, result.queries)]
+        else:
+            out[name] = {n: {kind: s[kind].tolist() for kind in s.kinds} for n, s in {**result.scores, **result.pos}.items()}
+            out["exemplars"] = result.exemplars_json()
+    return out
+
+
+# Llama's eager softmax runs in float32 whatever the model's dtype (the chunked one in float64 here):
+# its statistics agree to float32 rounding, the others' to 1e-8.
+@pytest.mark.parametrize("family, target, rtol", [("marian", True, 0), ("bert", False, 0), ("gpt2", False, 0),
+                                                  ("llama", False, 1e-6)])
+def test_analyze_with_query_chunks_equals_eager(tmp_path, family, target, rtol):
+    eager = _analysis_state(_analyse(family, tmp_path, None, target))
+    for query_chunk in (2, 3):
+        chunked = _analysis_state(_analyse(family, tmp_path, query_chunk, target))
+        assert set(chunked) == set(eager) and "aggregate" in eager and "rare" in eager
+        _assert_close(chunked, eager, rtol=rtol)
+
+
+def test_query_chunk_must_be_positive():
+    for bad in (0, -1):
+        with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
+            AnalysisConfig(query_chunk=bad)
