@@ -143,3 +143,49 @@ def test_single_stack_models(tmp_path, family, style, kind):
     assert analysis.report.analysed == [kind]
     assert analysis.report.n_words == 30
     assert not np.isnan(analysis.aggregate.scores["mean_entropy"][kind]).any()
+
+
+@pytest.mark.parametrize("command", ["functions", "aggregate", "analyze"])
+@pytest.mark.parametrize("bad", ["0", "-2"])
+def test_query_chunk_below_one_is_a_usage_error(tmp_path, model_dir, command, bad, capsys):
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    args = [command, str(model_dir), "--conllu", str(conllu), "--out", str(tmp_path / "out"), "--query-chunk", bad]
+    if command == "analyze":
+        args += ["--source", str(conllu)]
+    assert main(args) == 2
+    assert f"--query-chunk must be at least 1, got {bad}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_functions_cli_with_query_chunk_writes_what_eager_writes(tmp_path, model_dir, capsys):
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    outputs = {}
+    for name, extra in (("eager", []), ("chunked", ["--query-chunk", "3"])):
+        out = tmp_path / name
+        assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), "--aggregate",
+                     "--no-figures", "--no-progress", *extra]) == 0, capsys.readouterr().err
+        outputs[name] = out
+    files = sorted(p.relative_to(outputs["eager"]) for p in outputs["eager"].rglob("*.json"))
+    assert files == sorted(p.relative_to(outputs["chunked"]) for p in outputs["chunked"].rglob("*.json"))
+    for path in files:
+        if path.name != "summary.json":  # summary.json holds the run's time and configuration
+            _assert_json_close(json.loads((outputs["chunked"] / path).read_text()),
+                               json.loads((outputs["eager"] / path).read_text()), str(path))
+
+
+def _assert_json_close(a, b, where):
+    """Same structure, same counts and positions; floats (the model runs in float32) to 1e-5."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_json_close(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_json_close(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), (where, a, b)
+    else:
+        assert a == b, (where, a, b)

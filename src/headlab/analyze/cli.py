@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-length", type=int, help=h("max_length"))
     p.add_argument("--lrp-targets", type=int, metavar="K", help=h("lrp_targets"))
     p.add_argument("--lrp-seed", type=int, default=0, help=h("lrp_seed"))
+    p.add_argument("--query-chunk", type=int, metavar="N", help=h("query_chunk"))
     p.add_argument("--prune-source", help=h("prune_source"))
     p.add_argument("--prune-target", help=h("prune_target"))
     p.add_argument("--prune-limit", type=int, help=h("prune_limit"))
@@ -70,7 +71,7 @@ def config_from_args(args) -> AnalyzeConfig:
         skip=tuple(name.strip() for item in args.skip for name in item.split(",") if name.strip()),
         limit=args.limit, conllu_limit=args.conllu_limit,
         threads=args.threads,
-        batch_size=args.batch_size, max_length=args.max_length,
+        batch_size=args.batch_size, max_length=args.max_length, query_chunk=args.query_chunk,
         lrp_targets=args.lrp_targets, lrp_seed=args.lrp_seed, prune_source=args.prune_source,
         prune_target=args.prune_target, prune_limit=args.prune_limit,
         prune_keeps=_ints(args.prune_keeps) if args.prune_keeps else (), prune_gates=args.prune_gates,

@@ -80,6 +80,9 @@ class AnalyzeConfig:
     lrp_targets: int | None = field(default=None, metadata={
         "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)"})
     lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
+    query_chunk: int | None = field(default=None, metadata={
+        "help": "functions and aggregate: headlab's own attention function, N query rows at a time "
+                "(memory linear in the length; default: eager capture, whole maps)"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
@@ -206,6 +209,7 @@ def validate(config: AnalyzeConfig) -> Path:
             raise HeadlabError(f"{flag} must be at least 1, got {value}")
     for flag, value, minimum in (("--batch-size", config.batch_size, 1), ("--prune-steps", config.prune_steps, 1),
                                  ("--threads", config.threads, 1), ("--max-length", config.max_length, 2),
+                                 ("--query-chunk", config.query_chunk, 1),
                                  ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),
                                  ("--prune-eval-beam", config.prune_eval_beam, 1),
                                  ("--attention-sentences", config.attention_sentences, 0),
@@ -418,7 +422,7 @@ def _head_analysis(ctx: _Context, functions: bool):
         if not c.train_text:
             note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
-                            max_sentences=c.treebank_limit, max_length=c.max_length)
+                            max_sentences=c.treebank_limit, max_length=c.max_length, query_chunk=c.query_chunk)
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
                              model_name=Path(c.model).name, progress=c.progress)
     if analysis.report.n_sentences == 0:

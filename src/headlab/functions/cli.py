@@ -23,6 +23,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, help="tokens per sentence (default: the model's maximum)")
     parser.add_argument("--spacing", choices=("words", "text"), default="words",
                         help="words: join the treebank's words by spaces; text: keep its SpaceAfter=No")
+    parser.add_argument("--query-chunk", type=int, metavar="N",
+                        help="run headlab's own attention function and feed the statistics N query rows at a "
+                             "time: memory linear in the length (default: eager capture, whole maps)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -91,6 +94,7 @@ def _run(args, functions: bool, aggregate: bool) -> int:
         max_sentences=args.max_sentences,
         spacing=args.spacing,
         max_length=args.max_length,
+        query_chunk=args.query_chunk,
     )
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
@@ -141,7 +145,7 @@ def _check(args) -> None:
         raise HeadlabError(f"--tokenizer {args.tokenizer}: no such directory")
     preflight.model_dir(args.model)
     for flag, minimum in (("batch_size", 1), ("max_sentences", 1), ("max_length", 2), ("threads", 1),
-                          ("window", 1), ("top_k", 0), ("top_frequent", 1)):
+                          ("window", 1), ("top_k", 0), ("top_frequent", 1), ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
     if not 0 <= args.min_weight < 1:
         raise HeadlabError(f"--min-weight must be in [0, 1), got {args.min_weight}")
