@@ -18,10 +18,9 @@ leaves the model as it was.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-
-import logging
 
 import torch
 from torch import nn
@@ -152,7 +151,7 @@ def capture_attention(
 ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
 
 
-def chunkable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+def unregistrable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
     """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can)."""
     return [block for block in blocks if block.n_heads and not dispatches(block.core)]
 
@@ -181,7 +180,7 @@ def stream_attention(
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
     every = attention_blocks(model)
     blocks = every if blocks is None else blocks
-    unable = chunkable(every)
+    unable = unregistrable(every)
     if unable:
         logger.warning("%s: attention does not dispatch through transformers' AttentionInterface (%s); "
                        "falling back to eager capture (the whole [batch, heads, q, k] map per block)",

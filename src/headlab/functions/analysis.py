@@ -35,8 +35,7 @@ from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.attention import AttentionChunk
 from headlab.capture import capture_attention, eval_mode, stream_attention
-from headlab.data.alignment import (AlignmentError, AttentionView, SideBatch, WordRows, align_sentences,
-                                    build_side_batch)
+from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, WordRows, align_sentences, build_side_batch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
