@@ -1,8 +1,9 @@
 """The extension point of head functions and aggregate statistics: :class:`HeadStatistic`.
 
 A statistic is fed every analysed block's attention, one :class:`~headlab.data.alignment.AttentionView`
-at a time (``[batch, n_heads, q_len, k_len]`` with its word alignment), keeps small per-head
-tensors, and ends as a :class:`StatisticResult` that writes its own files, its section of the
+at a time (``[batch, n_heads, q_len, k_len]`` with its word alignment; under ``query_chunk``
+several views per block, each with some query rows, in order, the last with ``view.last``),
+keeps small per-head tensors, and ends as a :class:`StatisticResult` that writes its own files, its section of the
 functions README and its Figure 1 labels. The registry
 (:data:`headlab.functions.registry.STATISTICS`) lists them; :func:`headlab.functions.analyze_heads`,
 ``headlab functions`` and ``headlab analyze`` take them from it.
