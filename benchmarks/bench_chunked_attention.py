@@ -13,10 +13,11 @@ subprocess so that peak memory is its own:
 The sentence is synthetic (random words of a word-level vocabulary, one token per word, a
 random projective-ish tree: each word's governor is one of the five words before it), so the
 statistics do their full work at any length. Memory: peak RSS growth over the loaded model and
-data (VmHWM after resetting it, Linux), and the total peak. Time: wall time per sentence.
+data (VmHWM after resetting it, Linux; after a short warm-up run of the same mode, so that imports
+and first allocations are not counted), and the total peak. Time: wall time per sentence.
 
     python benchmarks/bench_chunked_attention.py --lengths 512 2048 --threads 1
-    python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked
+    python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked   # eager: ~4 GB per map
 """
 
 from __future__ import annotations
@@ -96,12 +97,15 @@ def child(args) -> dict:
     length = args.child_length
     model, tokenizer = model_and_tokenizer(args, length)
     with tempfile.TemporaryDirectory() as tmp:
-        conllu = Path(tmp) / "long.conllu"
+        conllu, warm = Path(tmp) / "long.conllu", Path(tmp) / "warm.conllu"
         write_conllu(conllu, length, args.sentences, args.vocab)
+        write_conllu(warm, 32, 1, args.vocab, seed=1)  # a short warm-up run: imports, first allocations
         if args.child_mode == "sdpa":
             from headlab.data.treebank import read_conllu
 
             inputs = [tokenizer(" ".join(s.words), return_tensors="pt") for s in read_conllu(conllu)]
+            with torch.inference_mode():
+                model(**tokenizer(" ".join(next(iter(read_conllu(warm))).words), return_tensors="pt"))
             base = _status("VmRSS")
             _reset_peak()
             started = time.perf_counter()
@@ -117,6 +121,7 @@ def child(args) -> dict:
             frequencies = TokenFrequencies(counts, "random")
             config = AnalysisConfig(functions=True, aggregate=True, batch_size=1, top_frequent=50,
                                     query_chunk=args.query_chunk if args.child_mode == "chunked" else None)
+            analyze_heads(model, tokenizer, warm, frequencies=frequencies, config=config)
             base = _status("VmRSS")
             _reset_peak()
             started = time.perf_counter()
@@ -133,7 +138,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--modes", nargs="+", default=["sdpa", "chunked", "eager"],
                         choices=["sdpa", "chunked", "eager"])
-    parser.add_argument("--query-chunk", type=int, default=256)
+    parser.add_argument("--query-chunk", type=int, default=128)
     parser.add_argument("--sentences", type=int, default=1, help="sentences per run (time is per sentence)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
