@@ -73,20 +73,16 @@ class Exemplar:
         }
 
 
-def arc_matrix(side: SideBatch) -> torch.Tensor:
-    """``[B, W, W]`` float: 1 where words ``i`` and ``j`` are joined by an arc (either way)."""
-    cache = side.__dict__
-    if "_arc_matrix" not in cache:
-        B, W = side.heads.shape
-        arcs = torch.zeros(B, W + 1, W + 1)
-        governor = side.heads.clone()
-        governor[governor < 0] = W  # root, cut and padding -> a dummy column
-        b = torch.arange(B)[:, None].expand(B, W)
-        d = torch.arange(W)[None, :].expand(B, W)
-        arcs[b, d, governor] = 1.0
-        arcs = arcs[:, :W, :W]
-        cache["_arc_matrix"] = ((arcs + arcs.transpose(1, 2)) > 0).float()
-    return cache["_arc_matrix"]
+def arc_rows(side: SideBatch, first: int, stop: int) -> torch.Tensor:
+    """``[B, stop - first, W]`` float: 1 where word ``i`` (a row from ``first`` on) and word ``j`` are
+    joined by an arc, either way. Built per row range: the whole ``[B, W, W]`` matrix would be
+    quadratic in the length."""
+    B, W = side.heads.shape
+    rows = torch.arange(first, stop)
+    governor_of_row = side.heads[:, first:stop]  # [B, R], -1 for root, cut and padding
+    row_governs = side.heads[:, None, :] == rows[None, :, None]  # [B, R, W]: j's governor is i
+    row_governed = governor_of_row[:, :, None] == torch.arange(W)[None, None, :]  # [B, R, W]: i's governor is j
+    return (row_governs | row_governed).float()
 
 
 class _Spool:
@@ -172,7 +168,7 @@ class AggregateStats:
         tags = side.upos_index.clamp(min=0)  # padding words receive no attention
         onehot = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(f64)  # [B, W, n_tags]
         add("pos", torch.einsum("bhw,bwt->ht", to_word, onehot))
-        add("arcs", (kept * arc_matrix(side)[:, None, first:first + R]).sum((0, 2, 3), dtype=f64))
+        add("arcs", (kept * arc_rows(side, first, first + R)[:, None]).sum((0, 2, 3), dtype=f64))
 
         # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0.
         valid = view.query_valid  # [B, H, rows]
