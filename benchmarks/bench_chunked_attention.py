@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2816)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--malloc-threshold", type=int, default=131072,
+                        help="MALLOC_MMAP_THRESHOLD_ for glibc in the runs, so that RSS follows live memory "
+                             "(0: leave malloc's dynamic threshold, under which RSS drifts)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--child-mode", help=argparse.SUPPRESS)
     parser.add_argument("--child-length", type=int, help=argparse.SUPPRESS)
@@ -161,6 +164,8 @@ def main() -> None:
             command = [sys.executable, __file__, *passed, "--child-mode", mode, "--child-length", str(length)]
             env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    "OMP_NUM_THREADS": str(args.threads)}
+            if args.malloc_threshold:
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_threshold)
             done = subprocess.run(command, capture_output=True, text=True, env=env)
             if done.returncode:
                 print(f"{mode} at {length}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -172,7 +177,7 @@ def main() -> None:
     print()
     print(f"model: Llama {args.layers} layers x {args.heads} heads ({args.kv_heads} key/value heads), "
           f"d_model {args.d_model}, FFN {args.ffn}, vocabulary {args.vocab}; query chunk {args.query_chunk}; "
-          f"{args.threads} thread(s); {platform.machine()}, {platform.python_version()}")
+          f"{args.threads} thread(s); mmap threshold {args.malloc_threshold}; {platform.machine()}, {platform.python_version()}")
     print("| length | mode | s / sentence | x SDPA | peak growth (MB) | x SDPA | peak total (MB) | x SDPA |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
