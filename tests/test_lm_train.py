@@ -178,3 +178,41 @@ def test_export_writes_fp16_that_plain_transformers_loads(tmp_path, capsys):
     assert model.dtype == torch.float16
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     assert tokenizer("a dog")["input_ids"][0] == tokenizer.bos_token_id
+
+
+@pytest.mark.parametrize("family", ["lm", "nmt"])
+def test_training_into_a_directory_in_use_or_unwritable_is_refused_before_work(family, tmp_path, capsys, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    from headlab.lock import LOCK_FILE, _start_time
+
+    if family == "lm":
+        import headlab.lm.train as module
+        args = ["lm", "train", "--train", str(TRAIN), "--patience", "0"]
+        monkeypatch.setattr(module, "run_lm_recipe", lambda *a, **k: pytest.fail("training started"))
+    else:
+        import headlab.nmt.recipe as module
+        args = ["nmt", "train", "--train-src", str(TRAIN), "--train-tgt", str(TRAIN)]
+        monkeypatch.setattr(module, "run_recipe", lambda *a, **k: pytest.fail("training started"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "run"
+        (out / LOCK_FILE).parent.mkdir(parents=True)
+        (out / LOCK_FILE).write_text(f'{{"pid": {sleeper.pid}, "host": "{socket.gethostname()}", '
+                                     f'"pid_start": "{_start_time(sleeper.pid)}", "started": "2025-01-01T00:00:00+00:00"}}')
+        assert main(args + ["--out", str(out)]) == 2
+        assert f"--out {out} is in use by another headlab run" in capsys.readouterr().err
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    assert main(args + ["--out", str(blocker / "run")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    missing = tmp_path / "missing.txt"
+    bad = list(args)
+    bad[3] = str(missing)  # the (first) training file
+    assert main(bad + ["--out", str(tmp_path / "x")]) == 2
+    assert "missing.txt: no such file" in capsys.readouterr().err

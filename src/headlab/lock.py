@@ -16,7 +16,7 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 
-__all__ = ["DirectoryLock", "LOCK_FILE"]
+__all__ = ["DirectoryLock", "LOCK_FILE", "training_lock"]
 
 LOCK_FILE = Path(".headlab") / "lock"
 
@@ -118,3 +118,15 @@ class DirectoryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def training_lock(directory: str | os.PathLike, flag: str = "--out"):
+    """The lock of a training run's output directory, held by the main process only: under
+    ``accelerate launch``/``torchrun`` every rank runs the command, and the other ranks (``RANK``
+    > 0) write only through the main one."""
+    from contextlib import nullcontext
+
+    if int(os.environ.get("RANK", "0") or 0) > 0:
+        return nullcontext()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return DirectoryLock(directory, flag)

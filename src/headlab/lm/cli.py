@@ -88,14 +88,20 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _train(args) -> int:
+    from headlab import preflight
     from headlab.lm.model import LMConfig
     from headlab.lm.train import LMRecipe, run_lm_recipe
+    from headlab.lock import training_lock
     from headlab.nmt.train import TrainConfig
 
     _set_threads(args.threads)
     if args.patience and not args.valid:
         raise HeadlabError("--patience needs --valid (early stopping watches the validation loss); "
                            "pass --patience 0 to train without validation")
+    for flag, paths in (("--train", args.train), ("--valid", args.valid or [])):
+        for path in paths:
+            preflight.input_file(path, flag)
+    preflight.output_dir(args.out)
     recipe = LMRecipe(
         train_files=args.train, valid_files=args.valid or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         model=LMConfig(arch=args.arch, d_model=args.d_model, ffn_dim=args.ffn, layers=args.layers,
@@ -108,7 +114,8 @@ def _train(args) -> int:
                           max_time_minutes=args.max_time, save_every_steps=args.save_every, seed=args.seed,
                           resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress),
     )
-    result = run_lm_recipe(recipe)
+    with training_lock(args.out):  # a second run on the same directory refuses
+        result = run_lm_recipe(recipe)
     if result.stopped == "diverged":
         print(f"headlab lm train: {result.message}", file=sys.stderr)
         return 1

@@ -115,12 +115,19 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _train(args) -> int:
+    from headlab import preflight
+    from headlab.lock import training_lock
     from headlab.nmt.model import ModelConfig
     from headlab.nmt.recipe import TrainRecipe, run_recipe
     from headlab.nmt.train import TrainConfig
 
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
+    for flag in ("--train-src", "--train-tgt", "--valid-src", "--valid-tgt"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None:
+            preflight.input_file(path, flag)
+    preflight.output_dir(args.out)
     hooks = {}
     if args.threads == "auto":
 
@@ -148,7 +155,8 @@ def _train(args) -> int:
                           valid_beam=args.valid_beam, average_last=args.average_last, seed=args.seed,
                           resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress),
     )
-    result = run_recipe(recipe, **hooks)
+    with training_lock(args.out):  # a second run on the same directory refuses
+        result = run_recipe(recipe, **hooks)
     if result.stopped == "diverged":
         print(f"headlab nmt train: {result.message}", file=sys.stderr)
         return 1
