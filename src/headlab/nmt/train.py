@@ -647,7 +647,9 @@ def train(
                     valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {record['valid_perplexity']:.2f})"
                 else:
                     valid_text = f", valid score {record['valid_score']:.4g}"
-                valid_text += f", best {state['best_score']:.4g} at epoch {state['best_epoch']}"
+                best = state["best_score"]  # a perplexity run's score is the negated loss: show the loss
+                best_text = f"loss {-best:.4f}" if "valid_perplexity" in record else f"{best:.4g}"
+                valid_text += f", best {best_text} at epoch {state['best_epoch']}"
             log(f"epoch {epoch + 1}: step {state['step']}, train loss {record['train_loss']:.3f}, "
                 f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
         if patience_spent():
@@ -664,8 +666,10 @@ def train(
     elif stopped == "max_steps":
         message = f"stopped at max_steps={config.max_steps}"
     elif stopped == "converged":
+        perplexity_run = bool(state["history"]) and "valid_perplexity" in state["history"][-1]
+        best = f"loss {-state['best_score']:.4f}" if perplexity_run else f"{state['best_score']:.4g}"
         message = (f"converged: {config.patience} epochs without a validation gain of {config.min_improvement} "
-                   f"(best {state['best_score']:.4g} at epoch {state['best_epoch']}, {state['epoch']} epochs)")
+                   f"(best {best} at epoch {state['best_epoch']}, {state['epoch']} epochs)")
         log(message)
 
     averaged_score = None
