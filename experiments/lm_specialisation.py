@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.analyze.profiles import _positional  # the same numbers as the model profiles
+from headlab.analyze.profiles import positional_summary  # the same numbers as the model profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLAB = str(ROOT / ".venv" / "bin" / "headlab")
@@ -49,7 +49,7 @@ for checkpoint in sorted((run / "epochs").glob("epoch-*")):
         subprocess.run([HEADLAB, "importance", str(checkpoint), "--data", args.text, "--n-sentences", "200",
                         "--method", "confidence", "--out", str(work / "importance"), "--threads", "1"],
                        check=True, capture_output=True)
-    positional = _positional(work / "functions", "dec_self")
+    positional = positional_summary(work / "functions", "dec_self")
     confidence = np.asarray(json.loads((work / "importance" / "confidence.json").read_text())["scores"]["dec_self"])
     rows.append({
         "epoch": epoch, "step": history.get(epoch, {}).get("step"),

@@ -19,7 +19,7 @@ import numpy as np
 
 from headlab.errors import HeadlabError
 
-__all__ = ["collect_profile", "render_profiles", "replace_block", "read_block", "PROFILE_VERSION"]
+__all__ = ["collect_profile", "positional_summary", "render_profiles", "replace_block", "read_block", "PROFILE_VERSION"]
 
 PROFILE_VERSION = 1
 LAYER_STATISTICS = ("mean_distance", "dependency_alignment", "mean_entropy")
@@ -39,7 +39,7 @@ def _best(scores: dict, kind: str) -> tuple[float, int, int]:
     return float(table[layer, head]), int(layer), int(head)
 
 
-def _positional(functions: Path, kind: str) -> dict:
+def positional_summary(functions: Path, kind: str) -> dict:
     share, offset = _read(functions / "positional" / "share.json"), _read(functions / "positional" / "offset.json")
     token_share = _read(functions / "positional" / "token_share.json")
     token_offset = _read(functions / "positional" / "token_offset.json")
@@ -91,7 +91,7 @@ def collect_profile(analysis_dir: str | Path, name: str, description: str = "") 
     for kind in kinds:
         top = next((row for row in rare.get("top_heads", []) if row["kind"] == kind), None)
         profile["kinds"][kind] = {
-            "positional": _positional(functions, kind),
+            "positional": positional_summary(functions, kind),
             "syntactic": [
                 {key: row.get(key) for key in ("relation", "label", "n_arcs", "arcs", "best_head", "best_accuracy",
                                                 "baseline", "baseline_offset", "n_syntactic", "status")}
