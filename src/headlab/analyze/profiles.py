@@ -40,6 +40,8 @@ def _best(scores: dict, kind: str) -> tuple[float, int, int]:
 
 
 def positional_summary(functions: Path, kind: str) -> dict:
+    """The most positional head of ``kind`` at word and subword level and the best previous-word
+    head, from a ``functions/`` result directory."""
     share, offset = _read(functions / "positional" / "share.json"), _read(functions / "positional" / "offset.json")
     token_share = _read(functions / "positional" / "token_share.json")
     token_offset = _read(functions / "positional" / "token_offset.json")
