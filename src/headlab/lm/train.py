@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +19,8 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
-from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
-from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, has_model, make_batches, train
+from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
+from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, make_batches, refuse_occupied_output, train
 
 __all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
 
@@ -70,25 +69,18 @@ def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
 
     accelerator = accelerator or Accelerator()
     log = accelerator.print
-    out_dir = Path(recipe.train.out_dir)
     config = recipe.train
-    if has_model(out_dir) and not (config.overwrite or config.resume):
-        raise HeadlabError(f"{out_dir} already holds a model or a training run; pass --overwrite to replace it "
-                           "or --resume to continue it")
+    refuse_occupied_output(config)
     text = read_text_corpus(recipe.train_files)
     log(f"training text: {text.summary()}")
     valid_text = read_text_corpus(recipe.valid_files) if recipe.valid_files else None
     if valid_text is not None:
         log(f"validation text: {valid_text.summary()}")
 
-    saved_tokenizer = out_dir / "tokenizer"
-    if recipe.tokenizer:
-        tokenizer = load_tokenizer(recipe.tokenizer)
-    elif config.resume and (saved_tokenizer / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(saved_tokenizer)
-    else:
-        tokenizer = train_tokenizer(text.sentences, recipe.vocab_size, bos=True,
-                                    model_max_length=recipe.model.max_positions)
+    tokenizer, trained = run_tokenizer(
+        config.out_dir, recipe.tokenizer, config.resume,
+        lambda: train_tokenizer(text.sentences, recipe.vocab_size, bos=True, model_max_length=recipe.model.max_positions))
+    if trained:
         log(f"trained a BPE vocabulary of {len(tokenizer)} subwords")
     if tokenizer.bos_token_id is None:
         raise HeadlabError("the tokenizer has no BOS token; a language model's tokenizer must open each "

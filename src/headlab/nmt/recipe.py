@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from headlab.data import read_parallel
-from headlab.errors import HeadlabError
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
-from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
-from headlab.nmt.train import TrainConfig, TrainResult, has_model, train
+from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
+from headlab.nmt.train import TrainConfig, TrainResult, refuse_occupied_output, train
 
 __all__ = ["TrainRecipe", "run_recipe"]
 
@@ -34,12 +32,8 @@ def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
 
     accelerator = accelerator or Accelerator()
     log = accelerator.print
-    out_dir = Path(recipe.train.out_dir)
     config = recipe.train
-    # Refuse early, before any work, if the output holds a model.
-    if has_model(out_dir) and not (config.overwrite or config.resume):
-        raise HeadlabError(f"{out_dir} already holds a model or a training run; pass --overwrite to replace it "
-                           "or --resume to continue it")
+    refuse_occupied_output(config)
     corpus = read_parallel(recipe.train_src, recipe.train_tgt, max_tokens=recipe.max_sentence_tokens)
     if recipe.limit:
         corpus = corpus.subset(recipe.limit)
@@ -49,14 +43,10 @@ def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
         valid = read_parallel(recipe.valid_src, recipe.valid_tgt)
         log(f"validation data: {valid.summary()}")
 
-    saved_tokenizer = out_dir / "tokenizer"
-    if recipe.tokenizer:
-        tokenizer = load_tokenizer(recipe.tokenizer)
-    elif config.resume and (saved_tokenizer / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(saved_tokenizer)
-    else:
-        # Every rank trains the same (deterministic) vocabulary; no file race between ranks.
-        tokenizer = train_tokenizer(corpus.sources + corpus.targets, recipe.vocab_size)
+    # Every rank trains the same (deterministic) vocabulary; no file race between ranks.
+    tokenizer, trained = run_tokenizer(config.out_dir, recipe.tokenizer, config.resume,
+                                       lambda: train_tokenizer(corpus.sources + corpus.targets, recipe.vocab_size))
+    if trained:
         log(f"trained a joint BPE vocabulary of {len(tokenizer)} subwords")
     marian_config = build_marian_config(recipe.model, tokenizer)
     model = create_model(marian_config, seed=config.seed)

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from headlab.errors import HeadlabError
 
-__all__ = ["PAD", "EOS", "UNK", "train_tokenizer", "load_tokenizer"]
+__all__ = ["PAD", "EOS", "UNK", "train_tokenizer", "load_tokenizer", "run_tokenizer"]
 
 PAD, EOS, UNK, BOS = "<pad>", "</s>", "<unk>", "<s>"
 SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2 (and BOS 3 with bos=True)
@@ -81,3 +81,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise HeadlabError(f"no tokenizer in {path} (expected tokenizer.json)")
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def run_tokenizer(out_dir: str | Path, given: str | None, resume: bool, train_new) -> tuple[PreTrainedTokenizerFast, bool]:
+    """A training run's vocabulary: ``given`` (``--tokenizer``), else the one the run saved (on
+    ``--resume``), else ``train_new()``. Returns it and whether it was trained here."""
+    saved = Path(out_dir) / "tokenizer"
+    if given:
+        return load_tokenizer(given), False
+    if resume and (saved / "tokenizer.json").is_file():
+        return load_tokenizer(saved), False
+    return train_new(), True

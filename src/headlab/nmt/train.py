@@ -56,6 +56,7 @@ __all__ = [
     "average_checkpoints",
     "load_weights",
     "has_model",
+    "refuse_occupied_output",
 ]
 
 STATE_FILE = "trainer_state.json"
@@ -256,6 +257,14 @@ def has_model(path: str | Path) -> bool:
     """Whether ``path`` already holds a trained model or a training run."""
     path = Path(path)
     return any((path / name).exists() for name in ("last", "best", WEIGHTS_FILE, STATE_FILE))
+
+
+def refuse_occupied_output(config: TrainConfig) -> None:
+    """Before any work: an output directory holding a model is refused unless ``--overwrite`` or
+    ``--resume`` says what to do with it (the recipes call this before reading their data)."""
+    if has_model(config.out_dir) and not (config.overwrite or config.resume):
+        raise HeadlabError(f"{config.out_dir} already holds a model or a training run; pass --overwrite to replace it "
+                           "or --resume to continue it")
 
 
 def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
