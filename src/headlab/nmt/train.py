@@ -613,6 +613,7 @@ def train(
             "train_loss": epoch_loss / max(epoch_loss_tokens, 1),
             "epoch_minutes": (time.time() - epoch_start) / 60,
             "tokens_per_s": epoch_tokens / max(time.time() - epoch_start, 1e-9),
+            "tokens_seen": state["tokens"],  # target tokens of every update so far, all processes
         }
         accelerator.wait_for_everyone()
         if main:
