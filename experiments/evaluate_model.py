@@ -1,8 +1,11 @@
 """Evaluate a bundled translation model and write its eval_results.json (run once after export).
 
     .venv/bin/python experiments/evaluate_model.py models/multi30k-en-fr --tgt fr
+    .venv/bin/python experiments/evaluate_model.py models/news-en-de --tgt de \
+        --set newstest2019 ../shared/data/wmt-news-en-de/newstest2019 --set test_2016_flickr data/multi30k/test_2016_flickr
 
-test_2016_flickr and val, beam 4 and greedy, one CPU thread; every figure keeps its command.
+Each set (by default Multi30k's test_2016_flickr and val) with beam 4 and greedy, one CPU thread;
+the headline is the first set with beam 4; every figure keeps its command.
 """
 
 import argparse
@@ -17,13 +20,16 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("model")
 parser.add_argument("--src", default="en")
 parser.add_argument("--tgt", required=True)
+parser.add_argument("--set", nargs=2, action="append", metavar=("NAME", "PREFIX"), dest="sets",
+                    help="a test set: files PREFIX.SRC.gz and PREFIX.TGT.gz (repeatable; the first is the headline)")
 args = parser.parse_args()
+sets = args.sets or [("test_2016_flickr", "data/multi30k/test_2016_flickr"), ("val", "data/multi30k/val")]
 
 runs = []
-for split in ("test_2016_flickr", "val"):
+for split, prefix in sets:
     for beam in (4, 1):
-        command = (f"headlab nmt evaluate --model {args.model} --src data/multi30k/{split}.{args.src}.gz "
-                   f"--ref data/multi30k/{split}.{args.tgt}.gz --beam {beam} --threads 1")
+        command = (f"headlab nmt evaluate --model {args.model} --src {prefix}.{args.src}.gz "
+                   f"--ref {prefix}.{args.tgt}.gz --beam {beam} --threads 1")
         start = time.time()
         out = subprocess.run([str(ROOT / ".venv/bin/headlab")] + command.split()[1:] + ["--json"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -32,7 +38,7 @@ for split in ("test_2016_flickr", "val"):
         runs.append(scores)
         print(f"{split} beam {beam}: BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} ({scores['seconds']:.0f} s)",
               flush=True)
-headline = next(r for r in runs if r["split"] == "test_2016_flickr" and r["beam"] == 4)
+headline = next(r for r in runs if r["split"] == sets[0][0] and r["beam"] == 4)
 results = {"headline": {k: headline[k] for k in ("command", "bleu", "chrf", "bleu_signature", "chrf_signature")},
            "runs": runs}
 (ROOT / args.model / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")

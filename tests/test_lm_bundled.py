@@ -50,4 +50,4 @@ def test_the_cards_tables_are_the_result_files():
     blocks = render_card_blocks(MODEL)
     assert set(blocks) == set(CARD_BLOCKS)
     for name, body in blocks.items():
-        assert read_block(card, name) == body, f"models/english-lm/README.md block {name!r}: run experiments/lm_card.py"
+        assert read_block(card, name) == body, f"models/english-lm/README.md block {name!r}: run experiments/model_card.py"

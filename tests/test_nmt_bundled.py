@@ -45,3 +45,20 @@ def test_reproduces_the_model_cards_test_bleu(capsys):
     assert scores["bleu"] == pytest.approx(headline["bleu"], abs=0.1)
     assert scores["chrf"] == pytest.approx(headline["chrf"], abs=0.1)
     assert scores["bleu_signature"] == headline["bleu_signature"]
+
+
+@pytest.mark.parametrize("name", ["multi30k-en-de", "multi30k-en-fr"])
+def test_card_tables_come_from_the_result_files(name):
+    """Where a translation card has generated blocks, they equal a fresh rendering of its result files."""
+    from headlab.analyze.profiles import read_block
+    from headlab.nmt.card import render_card_blocks
+
+    model = ROOT / "models" / name
+    blocks = render_card_blocks(model)
+    assert set(blocks) == {"curve", "scores"}  # both result files are bundled with every translation model
+    history = json.loads((model / "train_history.json").read_text())
+    assert blocks["curve"].count("\n") == len(history) + 2
+    card = (model / "README.md").read_text()
+    for block, body in blocks.items():
+        if f"<!-- BEGIN generated:{block} -->" in card:
+            assert read_block(card, block) == body, f"models/{name}/README.md block {block!r}: run experiments/model_card.py"

@@ -1,0 +1,49 @@
+"""The generated tables of a translation model's card: training curve and scores.
+
+Each renders one block of the card from a result file that a command wrote
+(``train_history.json`` from ``headlab nmt train``/``nmt export``, ``eval_results.json`` from
+experiments/evaluate_model.py), so the card's numbers are never typed by hand;
+tests/test_nmt_bundled.py re-renders and compares.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["render_card_blocks", "CARD_BLOCKS"]
+
+CARD_BLOCKS = ("curve", "scores")
+
+
+def _curve(history: list[dict]) -> str:
+    lines = ["| epoch | updates | target tokens seen | train loss (label-smoothed) | val BLEU | val chrF2 "
+             "| minutes | target tok/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in history:
+        # records written before the trainer kept the count have no tokens_seen
+        seen = f"{row['tokens_seen']:,}" if "tokens_seen" in row else "n/a"
+        lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {row['train_loss']:.3f} "
+                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} | {row['epoch_minutes']:.1f} "
+                     f"| {row['tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _scores(results: dict) -> str:
+    lines = ["| set | sentences | decoding | BLEU | chrF2 | command |", "|---|---:|---|---:|---:|---|"]
+    for run in results["runs"]:
+        decoding = "greedy" if run["beam"] == 1 else f"beam {run['beam']}"
+        lines.append(f"| {run['split']} | {run['n_sentences']:,} | {decoding} | {run['bleu']:.2f} "
+                     f"| {run['chrf']:.2f} | `{run['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
+    """``{block name: markdown}`` for the result files present in ``model_dir``."""
+    model_dir = Path(model_dir)
+    blocks = {}
+    sources = {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores)}
+    for name, (file, render) in sources.items():
+        path = model_dir / file
+        if path.is_file():
+            blocks[name] = render(json.loads(path.read_text(encoding="utf-8")))
+    return blocks
