@@ -9,11 +9,13 @@ the bundled English LM uses it. Both share tied input/output embeddings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
+from headlab.nmt.config import TrainConfig
+from headlab.options import option
 
-__all__ = ["LMConfig", "ARCHITECTURES", "build_lm_config", "create_lm"]
+__all__ = ["LMConfig", "LMRecipe", "lm_training", "ARCHITECTURES", "build_lm_config", "create_lm"]
 
 ARCHITECTURES = ("llama", "gpt2")
 
@@ -22,14 +24,35 @@ ARCHITECTURES = ("llama", "gpt2")
 class LMConfig:
     """Decoder size. Maps one to one onto ``headlab lm train`` flags."""
 
-    arch: str = "llama"  # llama (rotary positions) or gpt2 (learned positions)
-    d_model: int = 256
-    ffn_dim: int = 1024  # MLP inner width (SwiGLU for llama: three matrices of this width)
-    layers: int = 6
-    n_heads: int = 8
-    dropout: float = 0.1  # residual/embedding dropout (gpt2 only; Llama has none)
-    attention_dropout: float = 0.1
-    max_positions: int = 256
+    arch: str = option("llama", "llama: rotary positions, RMSNorm, SwiGLU; gpt2: learned positions "
+                       "(Vig & Belinkov's)", choices=ARCHITECTURES)
+    d_model: int = option(256, "model width")
+    # SwiGLU for llama: three matrices of this width
+    ffn_dim: int = option(1024, "MLP inner width", flag="ffn")
+    layers: int = option(6, "decoder layers")
+    n_heads: int = option(8, "attention heads per layer", flag="heads")
+    dropout: float = option(0.1, "residual and embedding dropout (gpt2; Llama has none)")
+    attention_dropout: float = option(0.1, "dropout of the attention weights")
+    max_positions: int = option(256, "longest input; longer sentences are cut (and counted in the log)")
+
+
+@dataclass
+class LMRecipe:
+    """``headlab lm train``: the text, the tokenizer, the model and the loop."""
+
+    train_files: list[str] = option(help="training text: one sentence a line (plain or .gz), or CoNLL-U treebanks "
+                                    "(.conllu[.gz])", flag="train", nargs="+", metavar="FILE")
+    valid_files: list[str] = field(default_factory=list, metadata={
+        "help": "validation text (perplexity after each epoch)", "flag": "valid", "nargs": "+", "metavar": "FILE"})
+    tokenizer: str | None = option(None, "use this saved tokenizer (with a BOS token) instead of training one")
+    vocab_size: int = option(8000, "BPE vocabulary size")
+    model: LMConfig = field(default_factory=LMConfig)
+    train: TrainConfig = field(default_factory=lambda: lm_training())
+
+
+def lm_training() -> TrainConfig:
+    """The loop's options for a language model: no label smoothing, early stopping on the loss."""
+    return TrainConfig(label_smoothing=0.0, patience=2, min_improvement=0.01, max_epochs=100)
 
 
 def build_lm_config(model: LMConfig, tokenizer):

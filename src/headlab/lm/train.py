@@ -10,30 +10,17 @@ labels), the loss, and validation by perplexity. The validation score is the neg
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
 from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
-from headlab.lm.model import LMConfig, build_lm_config, create_lm
+from headlab.lm.model import LMRecipe, build_lm_config, create_lm
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
 from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, make_batches, refuse_occupied_output, train
 
 __all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
-
-
-@dataclass
-class LMRecipe:
-    train_files: list[str]
-    valid_files: list[str] = field(default_factory=list)
-    tokenizer: str | None = None  # a saved tokenizer; None trains one on the training text
-    vocab_size: int = 8000
-    model: LMConfig = field(default_factory=LMConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(label_smoothing=0.0, patience=2,
-                                                                   min_improvement=0.01, max_epochs=100))
 
 
 def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:

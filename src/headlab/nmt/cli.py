@@ -10,6 +10,13 @@ from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
+from headlab.nmt.config import ModelConfig, TrainConfig, TrainRecipe
+from headlab.options import add_options, from_args
+
+# The training loop's options that `nmt train` and `lm train` share.
+TRAIN_OPTIONS = ("out_dir", "max_tokens", "lr", "warmup_steps", "label_smoothing", "mixed_precision", "clip_norm",
+                 "max_epochs", "patience", "min_improvement", "max_steps", "max_time_minutes", "save_every_steps",
+                 "seed")
 
 
 def register(subparsers) -> None:
@@ -19,44 +26,14 @@ def register(subparsers) -> None:
 
     p = commands.add_parser("train", help="train a Transformer (MarianMTModel) on parallel text",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--train-src", required=True, help="training source file (plain or .gz)")
-    p.add_argument("--train-tgt", required=True, help="training target file")
-    p.add_argument("--valid-src", help="validation source file (BLEU after each epoch)")
-    p.add_argument("--valid-tgt", help="validation target file")
-    p.add_argument("--out", required=True, help="output directory (checkpoints, best/, tokenizer/)")
-    p.add_argument("--tokenizer", help="use this saved tokenizer instead of training one")
-    p.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary size")
-    p.add_argument("--max-sentence-tokens", type=int, default=100,
-                   help="cut longer training sentences to this many whitespace tokens")
-    p.add_argument("--limit", type=int, help="use only the first N training pairs")
-    p.add_argument("--d-model", type=int, default=256, help="model width (paper's base: 512)")
-    p.add_argument("--ffn", type=int, default=1024, help="feed-forward width (paper's base: 2048)")
-    p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers")
-    p.add_argument("--heads", type=int, default=8, help="attention heads per block")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--attention-dropout", type=float, default=0.1)
-    p.add_argument("--max-positions", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=4096, help="target tokens per batch and process")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=400)
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
-                   help="bf16 autocast (about 1.7x faster on CPUs with AVX512-BF16/AMX; weights stay fp32)")
-    p.add_argument("--clip-norm", type=float, default=1.0, help="0 turns clipping off")
-    p.add_argument("--epochs", type=int, default=12, help="maximum number of epochs")
-    p.add_argument("--patience", type=int, default=0,
-                   help="stop after this many epochs without a validation BLEU gain of --min-improvement (0: off)")
-    p.add_argument("--min-improvement", type=float, default=0.0, help="smallest BLEU gain that counts as progress")
-    p.add_argument("--max-steps", type=int, help="stop after this many updates")
-    p.add_argument("--max-time", type=float, help="stop (with a resumable checkpoint) after this many minutes")
-    p.add_argument("--save-every", type=int, help="also write a resume checkpoint every N steps")
-    p.add_argument("--valid-beam", type=int, default=1, help="beam for validation BLEU (1: greedy)")
-    p.add_argument("--average-last", type=int, default=0, help="average the last N epoch checkpoints at the end")
-    p.add_argument("--seed", type=int, default=1)
+    add_options(p, TrainRecipe, ("train_src", "train_tgt", "valid_src", "valid_tgt", "tokenizer", "vocab_size",
+                                 "max_sentence_tokens", "limit"))
+    add_options(p, ModelConfig, ("d_model", "ffn_dim"))
+    p.add_argument("--layers", type=int, default=ModelConfig.encoder_layers, help="encoder and decoder layers")
+    add_options(p, ModelConfig, ("n_heads", "dropout", "attention_dropout", "max_positions"))
+    add_options(p, TrainConfig, TRAIN_OPTIONS + ("valid_beam", "average_last", "resume", "overwrite"))
     p.add_argument("--threads", help="torch CPU threads per process, or 'auto': measure 1 and all cores "
                    "while training and keep the faster (useful on a shared CPU)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
                                             "command to continue from it")
@@ -117,9 +94,7 @@ def _set_threads(threads: int | None) -> None:
 def _train(args) -> int:
     from headlab import preflight
     from headlab.lock import training_lock
-    from headlab.nmt.model import ModelConfig
-    from headlab.nmt.recipe import TrainRecipe, run_recipe
-    from headlab.nmt.train import TrainConfig
+    from headlab.nmt.recipe import run_recipe
 
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
@@ -140,21 +115,9 @@ def _train(args) -> int:
             _set_threads(int(args.threads))
         except ValueError:
             raise HeadlabError(f"--threads must be a number or 'auto', got {args.threads!r}") from None
-    recipe = TrainRecipe(
-        train_src=args.train_src, train_tgt=args.train_tgt, valid_src=args.valid_src, valid_tgt=args.valid_tgt,
-        tokenizer=args.tokenizer, vocab_size=args.vocab_size, max_sentence_tokens=args.max_sentence_tokens,
-        limit=args.limit,
-        model=ModelConfig(d_model=args.d_model, ffn_dim=args.ffn, encoder_layers=args.layers,
-                          decoder_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
-                          attention_dropout=args.attention_dropout, max_positions=args.max_positions),
-        train=TrainConfig(out_dir=args.out, max_tokens=args.max_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
-                          label_smoothing=args.label_smoothing,
-                          mixed_precision=args.mixed_precision, clip_norm=args.clip_norm, max_epochs=args.epochs,
-                          patience=args.patience, min_improvement=args.min_improvement,
-                          max_steps=args.max_steps, max_time_minutes=args.max_time, save_every_steps=args.save_every,
-                          valid_beam=args.valid_beam, average_last=args.average_last, seed=args.seed,
-                          resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress),
-    )
+    layers = {"encoder_layers": args.layers, "decoder_layers": args.layers}
+    recipe = from_args(args, TrainRecipe, model=from_args(args, ModelConfig, **layers),
+                       train=from_args(args, TrainConfig, progress=not args.no_progress))
     with training_lock(args.out):  # a second run on the same directory refuses
         result = run_recipe(recipe, **hooks)
     if result.stopped == "diverged":

@@ -7,30 +7,15 @@ CPU-friendly (d_model 256, FFN 1024); ``d_model=512, ffn_dim=2048`` is the paper
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
 from headlab.errors import HeadlabError
+from headlab.nmt.config import ModelConfig
 
 __all__ = ["ModelConfig", "build_marian_config", "create_model", "load_model"]
-
-
-@dataclass
-class ModelConfig:
-    """Transformer size. Maps one to one onto ``headlab nmt train`` flags."""
-
-    d_model: int = 256  # model width (paper's base: 512)
-    ffn_dim: int = 1024  # feed-forward inner width (paper's base: 2048)
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    n_heads: int = 8  # heads per attention block (enc_self, dec_self, dec_cross)
-    dropout: float = 0.1
-    attention_dropout: float = 0.1
-    activation_function: str = "relu"  # Vaswani et al. 2017, Sec. 3.3
-    max_positions: int = 256
 
 
 def build_marian_config(model: ModelConfig, tokenizer) -> MarianConfig:

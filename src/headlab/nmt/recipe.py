@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from headlab.data import read_parallel
-from headlab.nmt.model import ModelConfig, build_marian_config, create_model
+from headlab.nmt.config import TrainRecipe
+from headlab.nmt.model import build_marian_config, create_model
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
-from headlab.nmt.train import TrainConfig, TrainResult, refuse_occupied_output, train
+from headlab.nmt.train import TrainResult, refuse_occupied_output, train
 
 __all__ = ["TrainRecipe", "run_recipe"]
-
-
-@dataclass
-class TrainRecipe:
-    train_src: str
-    train_tgt: str
-    valid_src: str | None = None
-    valid_tgt: str | None = None
-    tokenizer: str | None = None  # a saved tokenizer; None trains one on the training data
-    vocab_size: int = 8000
-    max_sentence_tokens: int | None = 100
-    limit: int | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:

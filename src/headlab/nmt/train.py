@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from headlab.errors import HeadlabError
+from headlab.nmt.config import TrainConfig
 
 __all__ = [
     "TrainConfig",
@@ -61,43 +62,6 @@ __all__ = [
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass
-class TrainConfig:
-    """Options of the training loop. ``headlab nmt train`` maps its flags onto these fields."""
-
-    out_dir: str = "runs/nmt"
-    max_tokens: int = 4096  # target tokens per batch and rank (padding not counted)
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    warmup_steps: int = 400  # Vaswani et al. 2017 use 4000 for WMT; scaled to the data size
-    schedule: str = "inverse_sqrt"  # or "constant" (after the same linear warm-up)
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-9
-    weight_decay: float = 0.0
-    label_smoothing: float = 0.1
-    mixed_precision: str = "no"  # "bf16": autocast the forward/backward (weights and Adam stay fp32)
-    clip_norm: float = 1.0  # 0 turns gradient clipping off
-    max_epochs: int = 12
-    max_steps: int | None = None  # stop after this many updates (all epochs together)
-    max_time_minutes: float | None = None  # stop (after checkpointing) past this wall time
-    save_every_steps: int | None = None  # extra resume checkpoints inside an epoch
-    validate: bool = True  # validation BLEU after each epoch (needs validation data)
-    valid_beam: int = 1  # greedy validation is ~4x faster than beam 4 and ranks epochs alike
-    valid_batch_size: int = 100
-    average_last: int = 0  # average the last N epoch checkpoints at the end (0: off)
-    # Early stopping: stop ("converged") once `patience` epochs in a row have not raised the
-    # validation score by at least `min_improvement` over the best so far (0: off).
-    patience: int = 0
-    min_improvement: float = 0.0
-    keep_epoch_checkpoints: bool = True
-    seed: int = 1
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

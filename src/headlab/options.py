@@ -1,0 +1,65 @@
+"""Command-line options generated from the config dataclasses, so that each default is written
+once, in the dataclass. A field becomes ``--field-name`` (or ``--FLAG`` with ``flag`` in its
+metadata) with the field's default, its ``help`` and any other argparse keyword of its metadata
+(``choices``, ``metavar``, ``nargs``); :func:`from_args` reads the parsed values back into the
+dataclass. Importing this module costs no torch (the commands register their options at start-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, field, fields
+
+_TYPES = {"int": int, "float": float, "str": str}
+_OWN_KEYS = ("flag", "positional")  # metadata read here, not handed to argparse
+
+
+def option(default=MISSING, help: str = "", **argparse_keywords):
+    """A dataclass field with its default, its command-line help and its argparse keywords."""
+    return field(default=default, metadata={"help": help, **argparse_keywords})
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", f.name).replace("-", "_")
+
+
+def add_options(parser, config, names, **help_suffixes: str) -> None:
+    """Add an option to ``parser`` (a parser or an argument group) for each field of ``names`` of
+    the dataclass ``config``, in that order. ``config`` may be an instance: its values are then
+    the defaults (a recipe that trains differently from the loop's own defaults).
+    ``help_suffixes`` append command-specific words to a field's help."""
+    by_name = {f.name: f for f in fields(config)}
+    for name in names:
+        f = by_name[name]
+        if not isinstance(config, type):
+            default = getattr(config, name)
+        else:
+            default = f.default if f.default_factory is MISSING else f.default_factory()
+        keywords = {k: v for k, v in f.metadata.items() if k not in _OWN_KEYS}
+        keywords["help"] = keywords.get("help", "") + help_suffixes.get(name, "")
+        if f.metadata.get("positional"):
+            parser.add_argument(name, **keywords)
+            continue
+        kind = str(f.type).replace(" | None", "")
+        if kind == "bool" and default is False:
+            keywords["action"] = "store_true"
+        elif kind in _TYPES:
+            keywords.setdefault("type", _TYPES[kind])
+        elif not {"nargs", "action", "type"} & set(keywords):
+            raise TypeError(f"{config.__name__ if isinstance(config, type) else type(config).__name__}.{name}: "
+                            f"no command-line form for {kind}; give it nargs, action or type metadata")
+        if default is MISSING:
+            keywords["required"] = True
+        elif not keywords.get("required") and keywords.get("action", "append") == "append":
+            keywords["default"] = default
+        parser.add_argument("--" + _dest(f).replace("_", "-"), **keywords)
+
+
+def from_args(args, config, **values):
+    """The dataclass ``config`` (a class, or an instance whose values are the defaults) with every
+    field that ``args`` holds an option for, and ``values`` on top."""
+    present = {f.name: getattr(args, _dest(f)) for f in fields(config) if hasattr(args, _dest(f))}
+    present.update(values)
+    if isinstance(config, type):
+        return config(**present)
+    return dataclasses.replace(config, **present)
