@@ -10,6 +10,7 @@ labels), the loss, and validation by perplexity. The validation score is the neg
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 
