@@ -33,7 +33,7 @@ class TrainConfig:
     out_dir: str = option("runs/nmt", "output directory (checkpoints, best/, tokenizer/)", flag="out",
                           required=True)
     max_tokens: int = option(4096, "target tokens per batch and process (padding not counted)")
-    lr: float = option(1e-3, "peak learning rate, reached after --warmup-steps")
+    lr: float = option(1e-3, "peak learning rate (of the model's parameters), reached after --warmup-steps")
     # Vaswani et al. 2017 use 4000 for WMT; scaled to the data size
     warmup_steps: int = option(400, "updates of linear learning-rate warm-up")
     schedule: str = "inverse_sqrt"  # or "constant" (after the same linear warm-up)

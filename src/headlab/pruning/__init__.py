@@ -13,7 +13,7 @@ from headlab._lazy import lazy_exports
 _EXPORTS = {
     "LagrangianBudget": "headlab.pruning.budget",
     "HardConcreteGates": "headlab.pruning.hard_concrete",
-    "PruneConfig": "headlab.pruning.train",
+    "PruneConfig": "headlab.pruning.config",
     "PruneResult": "headlab.pruning.train",
     "prune_train": "headlab.pruning.train",
     "read_trajectory": "headlab.pruning.train",

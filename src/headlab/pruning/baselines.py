@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +32,7 @@ from headlab.heads import KINDS, HeadScores, atomic_write_text
 from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer, without_heads
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, make_batches, train
+from headlab.pruning.config import BaselineConfig
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
            "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "baselines_markdown"]
@@ -157,24 +157,6 @@ def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, conf
 
 
 METHODS = {"random": random_spec, "michel": michel_spec, "scores": scores_spec}
-
-
-@dataclass(frozen=True)
-class BaselineConfig:
-    """One baseline method at several head counts (``headlab prune baseline`` maps onto it)."""
-
-    method: str  # random, michel or scores
-    keeps: tuple[int, ...]
-    kinds: tuple[str, ...] = ("enc_self",)
-    scores: HeadScores | None = None  # method "scores": the table whose best heads are kept
-    seeds: tuple[int | None, ...] = (None,)  # method "random": one run per seed
-    finetune_steps: int = 0
-    from_scratch: bool = False
-    scratch_epochs: int = 12
-    lr: float = 1e-4
-    max_tokens: int = 4096
-    eval_beam: int = 4
-    importance_batches: int | None = None  # method "michel": batches per importance pass (None: all)
 
 
 def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir) -> str:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from argparse import ArgumentDefaultsHelpFormatter as DEFAULTS
 from pathlib import Path
 
 from headlab.errors import HeadlabError
+from headlab.options import add_options, from_args
+from headlab.pruning.config import BaselineConfig, PruneConfig
 
 SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
 
@@ -59,31 +62,15 @@ def _add_data_options(p) -> None:
 
 
 def _add_train_options(p) -> None:
-    p.add_argument("--gates", default="enc_self",
-                   help="enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
-                        "or a comma list of kinds (default: enc_self)")
+    add_options(p, PruneConfig, ("gates",))
     p.add_argument("--freeze-decoder", choices=("auto", "yes", "no"), default="auto",
                    help="auto: frozen iff --gates enc_self on an encoder-decoder model")
-    p.add_argument("--loss", default="auto", choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
-    p.add_argument("--beta", type=float, help="Hard Concrete temperature (default: the authors' 0.33; 2/3 elsewhere)")
-    p.add_argument("--init-log-alpha", type=float, default=3.0, help="initial log alpha (3: P(g=0) ~ 0.02)")
-    p.add_argument("--gate-lr", type=float, default=0.02, help="learning rate of log alpha")
-    p.add_argument("--multiplier-lr", type=float, default=0.05, help="learning rate of the Lagrange multipliers")
-    p.add_argument("--budget-warmup", type=float, default=0.5,
-                   help="fraction of the run's steps over which the budget target moves to --keep")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the model's parameters")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=4096, help="target tokens per batch")
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--max-steps", type=int, help="stop after this many updates")
-    p.add_argument("--save-every", type=int, default=200, help="resume checkpoint every N steps")
-    p.add_argument("--log-every", type=int, default=50, help="diagnostics every N steps (trajectory.jsonl)")
-    p.add_argument("--eval-beam", type=int, default=4)
-    p.add_argument("--latency", type=int, default=0, metavar="N",
-                   help="time encoder and translation on N evaluation sentences (0: off)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    add_options(p, PruneConfig, ("loss", "beta", "init_log_alpha", "gate_lr", "multiplier_lr", "budget_warmup"))
+    add_options(p, PruneConfig().train, ("lr", "warmup_steps", "max_tokens", "label_smoothing", "max_epochs",
+                                         "max_steps", "save_every_steps"))
+    add_options(p, PruneConfig, ("log_every", "eval_beam", "latency_sentences"))
+    add_options(p, PruneConfig().train, ("seed",))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def register(subparsers) -> None:
@@ -98,19 +85,18 @@ def register(subparsers) -> None:
     add_prune_arguments(apply)
     apply.set_defaults(func=run_prune)
 
-    tr = sub.add_parser("train", help="gated fine-tuning with Hard Concrete gates and L0 (Voita et al. 2019, Sec. 6)")
+    tr = sub.add_parser("train", formatter_class=DEFAULTS,
+                        help="gated fine-tuning with Hard Concrete gates and L0 (Voita et al. 2019, Sec. 6)")
     _add_data_options(tr)
     _add_train_options(tr)
-    target = tr.add_mutually_exclusive_group()
-    target.add_argument("--lam", type=float, default=0.05, help="weight of the L0 penalty (lambda)")
-    target.add_argument("--keep", type=int, help="reach exactly N open heads (Lagrangian budget, CoFi)")
+    add_options(tr.add_mutually_exclusive_group(), PruneConfig, ("lam", "keep"))
     tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
-    tr.add_argument("--resume", action="store_true")
-    tr.add_argument("--overwrite", action="store_true")
+    add_options(tr, PruneConfig().train, ("resume", "overwrite"))
     tr.set_defaults(func=run_train, interrupted="the last checkpoint in {out}/train is kept; add --resume to the "
                                                 "same command to continue from it")
 
-    sw = sub.add_parser("sweep", help="gated fine-tuning for several lambdas or budgets; resumable; one table")
+    sw = sub.add_parser("sweep", formatter_class=DEFAULTS,
+                        help="gated fine-tuning for several lambdas or budgets; resumable; one table")
     _add_data_options(sw)
     _add_train_options(sw)
     sw.add_argument("--lams", help="comma list of lambdas, e.g. 0.01,0.02,0.05,0.1")
@@ -120,22 +106,15 @@ def register(subparsers) -> None:
     sw.set_defaults(func=run_sweep_command, interrupted="the finished points and the current point's last "
                                                         "checkpoint are kept in {out}; the same command resumes")
 
-    bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts")
+    bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts", formatter_class=DEFAULTS)
     _add_data_options(bl)
     bl.add_argument("--method", required=True, choices=("random", "michel", "scores"))
     bl.add_argument("--scores", help="HeadScores JSON (confidence, LRP, ...) for --method scores")
     bl.add_argument("--keeps", required=True, help="comma list of head counts to keep")
     bl.add_argument("--kinds", default="enc_self", help="kinds to prune (comma list or all)")
     bl.add_argument("--seeds", default="1,2,3", help="seeds of --method random")
-    bl.add_argument("--finetune-steps", type=int, default=0,
-                    help="fine-tune each pruned model this many steps (same budget as gated fine-tuning)")
-    bl.add_argument("--from-scratch", action="store_true",
-                    help="train the pruned configuration from random init instead (costs a full training)")
-    bl.add_argument("--scratch-epochs", type=int, default=12)
-    bl.add_argument("--lr", type=float, default=1e-4)
-    bl.add_argument("--max-tokens", type=int, default=4096)
-    bl.add_argument("--eval-beam", type=int, default=4)
-    bl.add_argument("--importance-batches", type=int, help="batches for Michel importance (default all)")
+    add_options(bl, BaselineConfig, ("finetune_steps", "from_scratch", "scratch_epochs", "lr", "max_tokens",
+                                     "eval_beam", "importance_batches"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
                                                    "command resumes after them")
@@ -145,6 +124,72 @@ def register(subparsers) -> None:
     rp.add_argument("--baselines", nargs="*", default=[], help="baseline directories (baselines.json)")
     rp.add_argument("--out", required=True, help="directory for the figures (PNG) and tables (Markdown)")
     rp.set_defaults(func=run_report)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _set_threads(threads) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _log():
+    """Progress to stderr (stdout carries the result), from the main process only."""
+    from accelerate import PartialState
+
+    main = PartialState().is_main_process
+
+    def log(message: str) -> None:
+        if main:
+            print(message, file=sys.stderr, flush=True)
+
+    return log
+
+
+def _load(args):
+    from headlab.loading import load_model, load_tokenizer
+
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    return model, tokenizer
+
+
+def _data(args, tokenizer, model):
+    from headlab.data import read_lines, read_parallel
+    from headlab.pruning.train import encode_lm_corpus
+
+    if args.train_text:
+        lines = read_lines(args.train_text)[: args.limit] if args.limit else read_lines(args.train_text)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train_data = encode_lm_corpus(tokenizer, lines, getattr(model.config, "max_position_embeddings", 512))
+    elif args.train_src and args.train_tgt:
+        train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
+        if args.limit:
+            train_data = train_data.subset(args.limit)
+    else:
+        raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
+    eval_data = None
+    if (args.valid_src is None) != (args.valid_tgt is None):
+        raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
+    if args.valid_src:
+        eval_data = read_parallel(args.valid_src, args.valid_tgt)
+        if args.eval_limit:
+            eval_data = eval_data.subset(args.eval_limit)
+    return train_data, eval_data
+
+
+def _config(args, out_dir: str) -> PruneConfig:
+    keep = getattr(args, "keep", None)
+    return from_args(
+        args, PruneConfig, keep=keep, lam=0.0 if keep is not None else (getattr(args, "lam", 0.0) or 0.0),
+        freeze_decoder={"auto": None, "yes": True, "no": False}[args.freeze_decoder],
+        command="headlab " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "",
+        train=from_args(args, PruneConfig().train, out_dir=out_dir, progress=not args.no_progress),
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -273,7 +318,7 @@ def run_sweep_command(args) -> int:
 
 def run_baseline(args) -> int:
     from headlab.heads import HeadScores
-    from headlab.pruning.baselines import BaselineConfig, run_baselines
+    from headlab.pruning.baselines import run_baselines
     from headlab.pruning.train import resolve_kinds
 
     _set_threads(args.threads)
@@ -287,12 +332,9 @@ def run_baseline(args) -> int:
     train_data, eval_data = _data(args, tokenizer, model)
     if eval_data is None:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
-    config = BaselineConfig(
-        method=args.method, keeps=tuple(keeps), kinds=kinds,
-        scores=HeadScores.load(args.scores) if args.scores else None,
-        seeds=tuple(_ints(args.seeds)) if args.method == "random" else (None,),
-        finetune_steps=args.finetune_steps, from_scratch=args.from_scratch, scratch_epochs=args.scratch_epochs,
-        lr=args.lr, max_tokens=args.max_tokens, eval_beam=args.eval_beam, importance_batches=args.importance_batches)
+    config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds,
+                       scores=HeadScores.load(args.scores) if args.scores else None,
+                       seeds=tuple(_ints(args.seeds)) if args.method == "random" else (None,))
     print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 

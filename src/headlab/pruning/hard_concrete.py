@@ -36,12 +36,10 @@ from torch import nn
 from headlab.errors import HeadlabError
 from headlab.gates import BlockKey, HeadGates, block_name
 from headlab.heads import KINDS, HeadScores
+from headlab.pruning.config import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA
 
 __all__ = ["HardConcreteGates", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
 
-DEFAULT_BETA = 0.33  # the authors' code (Voita et al. 2019); 2/3 in Louizos et al. 2018
-DEFAULT_GAMMA = -0.1
-DEFAULT_ZETA = 1.1
 _EPS = 1e-6
 
 

@@ -46,7 +46,8 @@ from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, has_model, label_smoothed_loss, train
 from headlab.pruning.budget import LagrangianBudget
-from headlab.pruning.hard_concrete import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA, HardConcreteGates
+from headlab.pruning.config import PruneConfig
+from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.surgery import count_parameters, prune_heads, save_pruned
 
 __all__ = [
@@ -65,35 +66,6 @@ __all__ = [
 TRAJECTORY_FILE = "trajectory.jsonl"
 RESULT_FILE = "result.json"
 CONFIG_FILE = "prune_config.json"
-
-
-@dataclass
-class PruneConfig:
-    """Options of gated fine-tuning; ``headlab prune train`` maps its flags onto these fields."""
-
-    gates: str = "enc_self"  # "enc_self" (Sec. 6.2), "all" (Sec. 6.3) or a comma list of kinds
-    lam: float = 0.05  # lambda, the weight of L_C (ignored with keep)
-    keep: int | None = None  # budget: exactly this many open heads (Lagrangian, CoFi)
-    freeze_decoder: bool | None = None  # None: frozen iff gates == "enc_self" and there is a decoder
-    beta: float = DEFAULT_BETA
-    gamma: float = DEFAULT_GAMMA
-    zeta: float = DEFAULT_ZETA
-    init_log_alpha: float = 3.0
-    gate_lr: float = 0.02  # learning rate of log_alpha (the model's is train.lr)
-    multiplier_lr: float = 0.05  # learning rate of the Lagrange multipliers (budget mode)
-    budget_warmup: float = 0.5  # fraction of all steps over which the budget target moves to keep
-    log_every: int = 50  # diagnostics every N steps
-    loss: str = "auto"  # "seq2seq", "causal_lm", "masked_lm" or "auto" (from the model)
-    eval_beam: int = 4
-    eval_batch_size: int = 64
-    latency_sentences: int = 0  # >0: time encoder and end-to-end translation on this many sentences
-    command: str = ""  # the command line, for the model card
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
-        validate=False, keep_epoch_checkpoints=False, save_every_steps=200))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

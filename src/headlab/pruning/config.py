@@ -1,0 +1,71 @@
+"""The options of gated fine-tuning and of the baselines. Plain values; importing this module
+costs no torch (``headlab prune`` generates its flags from them, :mod:`headlab.options`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from headlab.nmt.config import TrainConfig
+from headlab.options import option
+
+if TYPE_CHECKING:
+    from headlab.heads import HeadScores
+
+__all__ = ["PruneConfig", "BaselineConfig", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
+
+DEFAULT_BETA = 0.33  # the authors' code (Voita et al. 2019); 2/3 in Louizos et al. 2018
+DEFAULT_GAMMA = -0.1
+DEFAULT_ZETA = 1.1
+
+
+@dataclass
+class PruneConfig:
+    """Options of gated fine-tuning; ``headlab prune train`` maps its flags onto these fields."""
+
+    gates: str = option("enc_self", "enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
+                        "or a comma list of kinds")
+    lam: float = option(0.05, "weight of the L0 penalty (lambda)")  # ignored with keep
+    keep: int | None = option(None, "reach exactly N open heads (Lagrangian budget, CoFi)")
+    freeze_decoder: bool | None = None  # None: frozen iff gates == "enc_self" and there is a decoder
+    beta: float = option(DEFAULT_BETA, "Hard Concrete temperature (the authors' 0.33; 2/3 in Louizos et al.)")
+    gamma: float = DEFAULT_GAMMA
+    zeta: float = DEFAULT_ZETA
+    init_log_alpha: float = option(3.0, "initial log alpha (3: P(g=0) ~ 0.02)")
+    # the model's learning rate is train.lr
+    gate_lr: float = option(0.02, "learning rate of log alpha")
+    multiplier_lr: float = option(0.05, "learning rate of the Lagrange multipliers (budget mode)")
+    budget_warmup: float = option(0.5, "fraction of the run's steps over which the budget target moves to --keep")
+    log_every: int = option(50, "diagnostics every N steps (trajectory.jsonl)")
+    loss: str = option("auto", "the training loss (auto: from the model)",
+                       choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
+    eval_beam: int = option(4, "beam of the evaluation's translations")
+    eval_batch_size: int = 64
+    latency_sentences: int = option(0, "time encoder and translation on N evaluation sentences (0: off)",
+                                    flag="latency", metavar="N")
+    command: str = ""  # the command line, for the model card
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
+        validate=False, keep_epoch_checkpoints=False, save_every_steps=200))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """One baseline method at several head counts (``headlab prune baseline`` maps onto it)."""
+
+    method: str  # random, michel or scores
+    keeps: tuple[int, ...]
+    kinds: tuple[str, ...] = ("enc_self",)
+    scores: HeadScores | None = None  # method "scores": the table whose best heads are kept
+    seeds: tuple[int | None, ...] = (None,)  # method "random": one run per seed
+    finetune_steps: int = option(0, "fine-tune each pruned model this many steps (same budget as gated fine-tuning)")
+    from_scratch: bool = option(False, "train the pruned configuration from random init instead "
+                                "(costs a full training)")
+    scratch_epochs: int = option(12, "epochs of --from-scratch")
+    lr: float = option(1e-4, "learning rate of the fine-tuning")
+    max_tokens: int = option(4096, "target tokens per batch")
+    eval_beam: int = option(4, "beam of the evaluation's translations")
+    importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)")
