@@ -19,6 +19,11 @@ def option(default=MISSING, help: str = "", **argparse_keywords):
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
+def help_of(config, name: str) -> str:
+    """The help of field ``name`` of the dataclass ``config`` (for an option written by hand)."""
+    return next(f.metadata.get("help", "") for f in fields(config) if f.name == name)
+
+
 def _dest(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", f.name).replace("-", "_")
 

@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -57,12 +57,13 @@ KEY_FILE = ".headlab-key"
 class AnalyzeConfig:
     """Options of ``headlab analyze``; the command's flags map onto these fields one to one."""
 
-    model: str = field(metadata={"help": "model directory (or hub id in the cache)"})
-    source: str = field(metadata={"help": "source sentences (or the text of an encoder-/decoder-only model), one per line"})
+    model: str = field(metadata={"help": "model directory (or hub id in the cache)", "positional": True})
+    source: str = field(metadata={
+        "help": "source sentences (or the text of an encoder-/decoder-only model), one per line (plain or .gz)"})
     out: str = field(metadata={"help": "output directory"})
     target: str | None = field(default=None, metadata={"help": "reference translations, line-aligned with --source"})
     conllu: str | None = field(default=None, metadata={
-        "help": "CoNLL-U treebank for the head functions and aggregate statistics"})
+        "help": "CoNLL-U treebank for the head functions and aggregate statistics (its own sentences are analysed)"})
     conllu_is_source: bool = field(default=False, metadata={
         "help": "the treebank is the parse of --source: sentence i must be line i (checked)"})
     train_text: tuple[str, ...] = field(default=(), metadata={
@@ -70,7 +71,9 @@ class AnalyzeConfig:
     prune: bool = field(default=False, metadata={"help": "also run a short gate sweep (needs a translation model and --target)"})
     ablation: bool = field(default=False, metadata={
         "help": "also score heads by ablation (slow) and compare every measure with it"})
-    force: bool = field(default=False, metadata={"help": "run every stage again, even if its results are in --out"})
+    force: bool = field(default=False, metadata={
+        "help": "run every stage again, even if its results are in --out; also lets analyze write into a directory "
+                "holding files it did not write"})
     skip: tuple[str, ...] = field(default=(), metadata={"help": "stages not to run"})
     limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --source/--target (and of --conllu)"})
     conllu_limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --conllu (default: --limit)"})
@@ -78,11 +81,12 @@ class AnalyzeConfig:
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
     max_length: int | None = field(default=None, metadata={"help": "tokens per sentence (default: the model's maximum)"})
     lrp_targets: int | None = field(default=None, metadata={
-        "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)"})
+        "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)",
+        "metavar": "K"})
     lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
     query_chunk: int | None = field(default=None, metadata={
         "help": "functions and aggregate: headlab's own attention function, N query rows at a time "
-                "(memory linear in the length; default: eager capture, whole maps)"})
+                "(memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
@@ -111,10 +115,6 @@ class AnalyzeConfig:
     @property
     def treebank_limit(self) -> int | None:
         return self.conllu_limit if self.conllu_limit is not None else self.limit
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
 
 
 @dataclass

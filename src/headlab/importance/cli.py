@@ -10,10 +10,10 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
+from headlab.options import add_options, from_args, help_of
 
 
 def register(subparsers) -> None:
-    h = ImportanceConfig.help
     p = subparsers.add_parser(
         "importance",
         help="score every head: confidence, LRP, gradient importance, ablation, and their agreement",
@@ -25,19 +25,12 @@ def register(subparsers) -> None:
                         "otherwise the text itself; for a sequence classifier a labelled TSV "
                         "(text<TAB>label or text_a<TAB>text_b<TAB>label)")
     p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
-    p.add_argument("--method", default="all",
-                   help=h("methods") + " (several: comma-separated)")
+    p.add_argument("--method", default="all", help=help_of(ImportanceConfig, "methods") + " (several: comma-separated)")
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
-    p.add_argument("--batch-size", type=int, default=32, help=h("batch_size"))
-    p.add_argument("--metric", choices=["loss", "bleu", "accuracy"], default="loss", help=h("metric"))
-    p.add_argument("--beam", type=int, default=1, help=h("beam"))
-    p.add_argument("--lrp-strategy", choices=["vmap", "loop", "jacobian"], default="vmap", help=h("lrp_strategy"))
-    p.add_argument("--lrp-targets", type=int, metavar="K", help=h("lrp_targets"))
-    p.add_argument("--lrp-seed", type=int, default=0, help=h("lrp_seed"))
-    p.add_argument("--lrp-bootstrap", type=int, default=200, metavar="N", help=h("lrp_bootstrap"))
-    p.add_argument("--ablation-rows", type=int, default=256, help=h("ablation_rows"))
+    add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
+                                      "lrp_bootstrap", "ablation_rows"))
     p.add_argument("--kinds", help="comma-separated attention kinds to score (enc_self, dec_self, dec_cross)")
     p.add_argument("--plots", action="store_true", help="also write a heatmap PNG per method")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -72,12 +65,8 @@ def run_importance_command(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
-    config = ImportanceConfig(
-        methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
-        batch_size=args.batch_size, metric=args.metric, beam=args.beam, lrp_strategy=args.lrp_strategy,
-        lrp_targets=args.lrp_targets, lrp_seed=args.lrp_seed, lrp_bootstrap=args.lrp_bootstrap,
-        ablation_rows=args.ablation_rows, kinds=kinds, progress=not args.no_progress,
-    )
+    config = from_args(args, ImportanceConfig, methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
+                       kinds=kinds, progress=not args.no_progress)
     config.resolved_methods()  # fail on a bad --method before loading anything
     placement = device_options(args)
     if kinds:

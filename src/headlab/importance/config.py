@@ -3,7 +3,7 @@ costs no torch (the command line reads its help texts at start-up)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES
@@ -17,15 +17,16 @@ class ImportanceConfig:
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
     metric: str = field(default="loss", metadata={
         "help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; "
-                "with loss they get both)"})
+                "with loss they get both)", "choices": ("loss", "bleu", "accuracy")})
     beam: int = field(default=1, metadata={"help": "beam size of the model's translations (1 = greedy)"})
-    lrp_strategy: str = field(default="vmap", metadata={"help": "how LRP's backward passes run: vmap (fast), loop or jacobian"})
+    lrp_strategy: str = field(default="vmap", metadata={
+        "help": "how LRP's backward passes run: vmap (fast), loop or jacobian", "choices": ("vmap", "loop", "jacobian")})
     lrp_targets: int | None = field(default=None, metadata={
         "help": "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at each), not every "
-                "position; 0 or absent: all"})
+                "position; 0 or absent: all", "metavar": "K"})
     lrp_seed: int = field(default=0, metadata={"help": "LRP: seed of the target sample and of the bootstrap"})
     lrp_bootstrap: int = field(default=200, metadata={
-        "help": "LRP: resamples of the sentences for each score's standard error (0: none)"})
+        "help": "LRP: resamples of the sentences for each score's standard error (0: none)", "metavar": "N"})
     ablation_rows: int = field(default=256, metadata={"help": "rows per ablation forward call (masked copies x batch)"})
     kinds: tuple[str, ...] | None = field(default=None, metadata={"help": "attention kinds to score (default: all)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
@@ -44,7 +45,3 @@ class ImportanceConfig:
         if self.batch_size < 1 or self.beam < 1 or self.ablation_rows < 1:
             raise HeadlabError("batch size, beam and ablation rows must be at least 1")
         return chosen
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
