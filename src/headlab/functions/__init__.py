@@ -10,7 +10,7 @@ imported on first use (:mod:`headlab._lazy`), so that ``headlab --help`` loads n
 from headlab._lazy import lazy_exports
 
 _EXPORTS = {
-    "AnalysisConfig": "headlab.functions.analysis",
+    "AnalysisConfig": "headlab.functions.config",
     "HeadAnalysis": "headlab.functions.analysis",
     "analyze_heads": "headlab.functions.analysis",
     "describe_heads": "headlab.functions.analysis",

@@ -37,46 +37,15 @@ from headlab.attention import AttentionChunk
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, WordRows, align_sentences, build_side_batch
 from headlab.data.frequencies import TokenFrequencies
-from headlab.data.treebank import PAPER_RELATIONS, Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
+from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
+from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
 from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
-
-
-@dataclass
-class AnalysisConfig:
-    """What to compute and how. Each field maps one to one onto a CLI flag."""
-
-    relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
-    positional_threshold: float = 0.90  # share at one offset to call a head positional (Sec. 5.1)
-    syntactic_margin: float = 0.10  # accuracy over the offset baseline to call a head syntactic
-    top_frequent: int = 500  # rare-token sentences: least frequent token outside this many
-    max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
-    functions: bool = True  # positional, syntactic and rare-token heads
-    aggregate: bool = True  # Vig & Belinkov statistics
-    min_weight: float = 0.0  # aggregate proportions: keep only weights above this
-    window: int = 10  # variability over the first `window` words
-    top_k: int = 5  # exemplars per head
-    batch_size: int = 32
-    max_sentences: int | None = None
-    spacing: str = "words"  # "words": words joined by spaces; "text": the treebank's SpaceAfter
-    max_length: int | None = None  # tokens; default: the model's maximum
-    query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
-
-    def __post_init__(self) -> None:
-        if self.spacing not in ("words", "text"):
-            raise HeadlabError(f"spacing must be 'words' or 'text', got {self.spacing!r}")
-        if not 0 < self.positional_threshold <= 1:
-            raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
-        if self.batch_size < 1:
-            raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
-        self.relations = tuple(self.relations)
 
 
 @dataclass

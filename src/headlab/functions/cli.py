@@ -8,6 +8,8 @@ from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options
 from headlab.errors import HeadlabError, RunFailed
+from headlab.functions.config import AnalysisConfig
+from headlab.options import add_options, from_args
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +20,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-conllu", help="target-side parses: also analyse decoder self-attention")
     parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
                                               "(when the source side has no CoNLL-U)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass")
-    parser.add_argument("--max-sentences", type=int, help="analyse only the first N sentences")
-    parser.add_argument("--max-length", type=int, help="tokens per sentence (default: the model's maximum)")
-    parser.add_argument("--spacing", choices=("words", "text"), default="words",
-                        help="words: join the treebank's words by spaces; text: keep its SpaceAfter=No")
-    parser.add_argument("--query-chunk", type=int, metavar="N",
-                        help="run headlab's own attention function and feed the statistics N query rows at a "
-                             "time: memory linear in the length (default: eager capture, whole maps)")
+    add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "query_chunk"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -34,10 +29,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _aggregate_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--min-weight", type=float, default=0.0,
-                        help="distance/POS/dependency proportions over weights above this only")
-    parser.add_argument("--window", type=int, default=10, help="variability over the first N words")
-    parser.add_argument("--top-k", type=int, default=5, help="exemplars per head")
+    add_options(parser, AnalysisConfig, ("min_weight", "window", "top_k"))
 
 
 def register(subparsers) -> None:
@@ -45,17 +37,13 @@ def register(subparsers) -> None:
         "functions", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="positional, syntactic and rare-token heads over a treebank (Voita et al. 2019, Sec. 5)")
     _common(p)
-    p.add_argument("--relations", default="nsubj,dobj,amod,advmod",
+    p.add_argument("--relations", default=",".join(AnalysisConfig.relations),
                    help="comma-separated dependency relations (dobj = UD obj; X:* = X and its subtypes)")
-    p.add_argument("--positional-threshold", type=float, default=0.90,
-                   help="share of maxima at one offset for a positional head")
-    p.add_argument("--syntactic-margin", type=float, default=0.10,
-                   help="accuracy over the offset baseline for a syntactic head")
+    add_options(p, AnalysisConfig, ("positional_threshold", "syntactic_margin"))
     p.add_argument("--train-text", action="append",
                    help="training text for token frequencies (rare-token heads); repeatable")
     p.add_argument("--frequencies", help="token<TAB>count file instead of --train-text")
-    p.add_argument("--top-frequent", type=int, default=500,
-                   help="rare-token sentences: least frequent token outside the N most frequent")
+    add_options(p, AnalysisConfig, ("top_frequent",))
     p.add_argument("--aggregate", action="store_true",
                    help="also compute the aggregate statistics in the same pass")
     _aggregate_options(p)
@@ -73,29 +61,15 @@ def _run(args, functions: bool, aggregate: bool) -> int:
     import torch
 
     from headlab.data.frequencies import TokenFrequencies
-    from headlab.functions.analysis import AnalysisConfig, analyze_heads, describe_heads
+    from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.loading import load_model, load_tokenizer
 
     _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
-    config = AnalysisConfig(
-        relations=relations or AnalysisConfig.relations,
-        positional_threshold=getattr(args, "positional_threshold", 0.9),
-        syntactic_margin=getattr(args, "syntactic_margin", 0.1),
-        top_frequent=getattr(args, "top_frequent", 500),
-        functions=functions,
-        aggregate=aggregate,
-        min_weight=args.min_weight,
-        window=args.window,
-        top_k=args.top_k,
-        batch_size=args.batch_size,
-        max_sentences=args.max_sentences,
-        spacing=args.spacing,
-        max_length=args.max_length,
-        query_chunk=args.query_chunk,
-    )
+    config = from_args(args, AnalysisConfig, relations=relations or AnalysisConfig.relations, functions=functions,
+                       aggregate=aggregate)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     frequencies = None
