@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from headlab.data import read_parallel
+from headlab.data.batching import make_batches
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model, load_model
 from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
-from headlab.nmt.train import TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss, make_batches
+from headlab.nmt.train import TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss
 from headlab.nmt.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]

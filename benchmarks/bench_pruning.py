@@ -49,7 +49,8 @@ def interleaved_steps(config, tokenizer, corpus, max_tokens: int, n_pairs: int) 
     import time
 
     from headlab import attach_gates
-    from headlab.nmt.train import collate, encode_corpus, label_smoothed_loss, make_batches
+    from headlab.data.batching import make_batches
+    from headlab.nmt.train import collate, encode_corpus, label_smoothed_loss
     from headlab.pruning import HardConcreteGates
 
     data = encode_corpus(tokenizer, corpus, 128)

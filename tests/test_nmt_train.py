@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from headlab.cli import main
+from headlab.data.batching import length_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.nmt.train import (
     TrainConfig,
@@ -14,7 +15,6 @@ from headlab.nmt.train import (
     encode_corpus,
     inverse_sqrt_lr,
     label_smoothed_loss,
-    make_batches,
     train,
 )
 from support.nmt import DATA
@@ -43,6 +43,11 @@ def test_batches_are_token_bounded_deterministic_and_sharded(corpus, tokenizer):
     rank1 = make_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
     assert len(rank0) == len(rank1) == len(batches) // 2
     assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
+
+
+def test_length_batches_are_longest_first_and_sized():
+    assert length_batches([2, 5, 1, 4, 3], 2) == [[1, 3], [4, 0], [2]]
+    assert length_batches({7: 1, 9: 3}, 5, [7, 9]) == [[9, 7]]
 
 
 def test_collate_shifts_targets_and_masks_padding(corpus, tokenizer):

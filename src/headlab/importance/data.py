@@ -31,6 +31,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eval_mode
+from headlab.data.batching import length_batches
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -452,8 +453,7 @@ def translate_data(
         raise HeadlabError("translations exist only for encoder-decoder models")
     device = next(model.parameters()).device
     outputs: list[list[int] | None] = [None] * len(data)
-    order = sorted(range(len(data)), key=lambda i: len(data.sources[i]), reverse=True)
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = length_batches([len(ids) for ids in data.sources], batch_size)
     if progress:
         from tqdm.auto import tqdm
 
@@ -556,9 +556,7 @@ def make_batches(
             decoder_side = data.translations
         else:
             raise HeadlabError("translate the data first (translate_data) or give references")
-    order = sorted(range(len(data)), key=lambda i: len(data.sources[i]), reverse=True)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    for number, chunk in enumerate(length_batches([len(ids) for ids in data.sources], batch_size)):
         ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
         src_valid = _not_special(ids, mask, info.special_ids)
         if info.is_seq2seq:
@@ -597,7 +595,7 @@ def make_batches(
                 steps = src_valid
                 labels = ids.masked_fill(~src_valid, -100)
                 if mask_tokens and info.mask_id is not None:
-                    chosen = _mask_positions(ids, src_valid, seed + start)
+                    chosen = _mask_positions(ids, src_valid, seed + number * batch_size)
                     labels = ids.masked_fill(~chosen, -100)
                     inputs["input_ids"] = ids.masked_fill(chosen, info.mask_id)
                 valid = {"enc_self": (src_valid, src_valid)}

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from headlab.capture import eval_mode
+from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMRecipe, build_lm_config, create_lm
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
-from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, make_batches, refuse_occupied_output, train
+from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, refuse_occupied_output, train
 
 __all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.nmt.config import TrainConfig
 
@@ -49,7 +50,6 @@ __all__ = [
     "TrainResult",
     "EncodedCorpus",
     "encode_corpus",
-    "make_batches",
     "collate",
     "label_smoothed_loss",
     "inverse_sqrt_lr",
@@ -105,48 +105,6 @@ def encode_corpus(tokenizer, corpus, max_positions: int = 256) -> EncodedCorpus:
                 seqs[i] = ids[: max_positions - 1] + [eos]
                 n_truncated += 1
     return EncodedCorpus(sources, targets, n_truncated)
-
-
-def make_batches(
-    corpus: EncodedCorpus,
-    max_tokens: int,
-    *,
-    seed: int,
-    epoch: int,
-    rank: int = 0,
-    world_size: int = 1,
-) -> list[list[int]]:
-    """This rank's batches (lists of pair indices) for one epoch; deterministic in (seed, epoch).
-
-    Pairs are sorted by (target length, source length, random tie-break), cut into batches of
-    at most ``max_tokens`` target tokens, and the batch order shuffled. The batch list is cut
-    to a multiple of ``world_size`` and dealt out round-robin, so every rank runs the same
-    number of steps on different data.
-    """
-    n = len(corpus)
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    noise = torch.rand(n, generator=generator).tolist()
-    order = sorted(range(n), key=lambda i: (len(corpus.targets[i]), len(corpus.sources[i]), noise[i]))
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    tokens = 0
-    for i in order:
-        size = len(corpus.targets[i])
-        if batch and tokens + size > max_tokens:
-            batches.append(batch)
-            batch, tokens = [], 0
-        batch.append(i)
-        tokens += size
-    if batch:
-        batches.append(batch)
-    permutation = torch.randperm(len(batches), generator=generator).tolist()
-    batches = [batches[j] for j in permutation]
-    usable = len(batches) // world_size * world_size
-    if usable == 0:
-        raise HeadlabError(
-            f"too little data for {world_size} processes: {len(batches)} batches of {max_tokens} tokens"
-        )
-    return batches[:usable][rank::world_size]
 
 
 def collate(corpus: EncodedCorpus, indices: Sequence[int], pad_id: int, decoder_start_id: int) -> dict:

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from headlab.capture import eval_mode
+from headlab.data.batching import length_batches
 
 __all__ = ["translate", "source_limit"]
 
@@ -53,10 +54,9 @@ def translate(
     encoded = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
     lengths = {i: len(ids) for i, ids in zip(todo, encoded)}
     by_index = dict(zip(todo, encoded))
-    order = sorted(todo, key=lambda i: lengths[i], reverse=True)
     pad_id = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    batches = length_batches(lengths, batch_size, todo)
     if progress:
         from tqdm.auto import tqdm
 

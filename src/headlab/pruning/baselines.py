@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from headlab.adapters import attention_blocks
+from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer, without_heads
-from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, make_batches, train
+from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, train
 from headlab.pruning.config import BaselineConfig
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",

@@ -128,7 +128,7 @@ def _decoder_parameters(model) -> set[int]:
 
 def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
     """Updates the run will make: epochs x this rank's batches, capped by max_steps."""
-    from headlab.nmt.train import make_batches
+    from headlab.data.batching import make_batches
 
     per_epoch = len(make_batches(data, config.max_tokens, seed=config.seed, epoch=0,
                                  rank=accelerator.process_index, world_size=accelerator.num_processes))
@@ -351,7 +351,8 @@ class _Diagnostics:
 @torch.no_grad()
 def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss: Callable | None = None) -> float:
     """Mean cross-entropy per target token (no label smoothing), model in eval mode."""
-    from headlab.nmt.train import encode_corpus, make_batches
+    from headlab.data.batching import make_batches
+    from headlab.nmt.train import encode_corpus
 
     if not isinstance(data, EncodedCorpus):
         data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))

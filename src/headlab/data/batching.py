@@ -1,0 +1,62 @@
+"""Which sentences go into one batch: the trainers' token-budget batches and the analyses'
+length-sorted batches of a fixed number of sentences. Every batching of headlab is here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from headlab.errors import HeadlabError
+
+__all__ = ["make_batches", "length_batches"]
+
+
+def make_batches(
+    corpus,
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
+    """This rank's batches (lists of pair indices) of ``corpus`` (an encoded corpus: ``sources``
+    and ``targets``, token ids) for one epoch; deterministic in (seed, epoch).
+
+    Pairs are sorted by (target length, source length, random tie-break), cut into batches of
+    at most ``max_tokens`` target tokens, and the batch order shuffled. The batch list is cut
+    to a multiple of ``world_size`` and dealt out round-robin, so every rank runs the same
+    number of steps on different data.
+    """
+    n = len(corpus)
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    noise = torch.rand(n, generator=generator).tolist()
+    order = sorted(range(n), key=lambda i: (len(corpus.targets[i]), len(corpus.sources[i]), noise[i]))
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    tokens = 0
+    for i in order:
+        size = len(corpus.targets[i])
+        if batch and tokens + size > max_tokens:
+            batches.append(batch)
+            batch, tokens = [], 0
+        batch.append(i)
+        tokens += size
+    if batch:
+        batches.append(batch)
+    permutation = torch.randperm(len(batches), generator=generator).tolist()
+    batches = [batches[j] for j in permutation]
+    usable = len(batches) // world_size * world_size
+    if usable == 0:
+        raise HeadlabError(
+            f"too little data for {world_size} processes: {len(batches)} batches of {max_tokens} tokens"
+        )
+    return batches[:usable][rank::world_size]
+
+
+def length_batches(lengths: Sequence[int] | Mapping[int, int], batch_size: int,
+                   indices: Sequence[int] | None = None) -> list[list[int]]:
+    """``indices`` (default: all) longest first, in batches of ``batch_size``: little padding."""
+    order = sorted(range(len(lengths)) if indices is None else indices, key=lambda i: lengths[i], reverse=True)
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]

@@ -1,0 +1,47 @@
+"""Options of a head-function and aggregate-statistics pass. Plain values; importing this module
+costs no torch (``headlab functions`` and ``aggregate`` generate their flags from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headlab.data.treebank import PAPER_RELATIONS
+from headlab.errors import HeadlabError
+from headlab.options import option
+
+__all__ = ["AnalysisConfig"]
+
+
+@dataclass
+class AnalysisConfig:
+    """What to compute and how. Each field maps one to one onto a CLI flag."""
+
+    relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
+    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)")
+    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head")
+    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent")
+    max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
+    functions: bool = True  # positional, syntactic and rare-token heads
+    aggregate: bool = True  # Vig & Belinkov statistics
+    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only")
+    window: int = option(10, "variability over the first N words")
+    top_k: int = option(5, "exemplars per head")
+    batch_size: int = option(32, "sentences per forward pass")
+    max_sentences: int | None = option(None, "analyse only the first N sentences")
+    spacing: str = option("words", "words: join the treebank's words by spaces; text: keep its SpaceAfter=No",
+                          choices=("words", "text"))
+    max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)")
+    query_chunk: int | None = option(None, "run headlab's own attention function and feed the statistics N query "
+                                     "rows at a time: memory linear in the length (default: eager capture, whole maps)",
+                                     metavar="N")
+
+    def __post_init__(self) -> None:
+        if self.spacing not in ("words", "text"):
+            raise HeadlabError(f"spacing must be 'words' or 'text', got {self.spacing!r}")
+        if not 0 < self.positional_threshold <= 1:
+            raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
+        if self.batch_size < 1:
+            raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.query_chunk is not None and self.query_chunk < 1:
+            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+        self.relations = tuple(self.relations)
