@@ -70,3 +70,21 @@ def test_capture_during_generation_counts_every_step():
         out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, num_beams=1, do_sample=False)
     assert record.calls[("enc_self", 0)] == 1
     assert record.calls[("dec_self", 0)] == out.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_switches_through_set_attn_implementation(family, monkeypatch):
+    """Where transformers can switch the model (``set_attn_implementation``), headlab asks it to,
+    and every config ends as it began."""
+    model = tiny_model(family, attn_implementation="sdpa")
+    before = {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    calls = []
+    original = model.set_attn_implementation
+    monkeypatch.setattr(model, "set_attn_implementation", lambda name: calls.append(name) or original(name))
+    with capture_attention(model):
+        with torch.no_grad():
+            model(**tiny_inputs(family))
+    if type(model)._can_set_attn_implementation():
+        assert calls == ["eager", "sdpa"]
+    after = {id(m.config): m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    assert after == before

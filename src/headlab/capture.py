@@ -71,12 +71,24 @@ def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
     configs = _configs(model)
     previous = [config._attn_implementation for config in configs]
     try:
-        for config in configs:
-            config._attn_implementation = name
+        _switch(model, configs, [name] * len(configs))
         yield
     finally:
-        for config, value in zip(configs, previous):
-            config._attn_implementation = value
+        _switch(model, configs, previous)
+
+
+def _switch(model: nn.Module, configs: list, names: list[str]) -> None:
+    """Give each config its implementation: through transformers' ``set_attn_implementation``
+    (it checks the name and reaches sub-models) where the model has it and all get the same one,
+    and by setting the config attribute for whatever it did not reach (a model that cannot
+    switch, a loose module, a config with its own implementation)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if setter is not None and can_set is not None and len(set(names)) == 1 and can_set():
+        setter(names[0])
+    for config, name in zip(configs, names):
+        if config._attn_implementation != name:
+            config._attn_implementation = name
 
 
 def _find_probs(block: AttentionBlock, output) -> torch.Tensor:
