@@ -6,13 +6,14 @@ implementation given back, also when a forward pass fails half-way. Every head s
 treebank: a result that writes files, a README section and labels.
 """
 
+import copy
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from headlab import mask_heads
+from headlab import mask_heads, prune_heads
 from headlab.adapters import attention_blocks
 from headlab.analyze.pipeline import STAGES
 from headlab.capture import _configs
@@ -84,6 +85,33 @@ def test_a_failing_forward_leaves_the_model_as_it_was(name):
     handle.remove()
     assert model.training and _hooks(model) == hooks and _implementations(model) == implementations
     assert not hasattr(model, "headlab_gates")
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+@pytest.mark.parametrize("family", ["marian", "gpt2", "bert"])
+def test_scoring_under_a_mask_equals_scoring_the_masked_and_the_pruned_model(family, name):
+    """``mask=`` composes with the measure's own gates: the scores are those of the model inside
+    ``mask_heads``, and those of the model with the heads physically removed (NaN for them)."""
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    info, data, measure = describe_model(model), _data(family in SEQ2SEQ), MEASURES[name]()
+    if measure.unavailable(info, data) is not None:
+        return
+    kind = attention_blocks(model)[0].kind
+    spec = {(kind, 0): [1], (kind, 1): [0, 3]}
+    under_mask = measure.run(model, data, info, mask=spec, batch_size=2)
+    with mask_heads(model, spec):
+        masked = [t.without(spec) for t in measure.score_tables(model, data, info, batch_size=2)]
+    pruned_model = copy.deepcopy(model)
+    prune_heads(pruned_model, spec)
+    pruned = measure.score_tables(pruned_model, data, describe_model(pruned_model), batch_size=2)
+    assert not hasattr(model, "headlab_gates") and _hooks(model) == 0
+    for ours, inside, removed in zip(under_mask, masked, pruned):
+        assert ours.method == inside.method == removed.method
+        assert np.isnan(ours[kind][0, 1]) and np.isnan(removed[kind][0, 1])
+        for k in ours.kinds:
+            np.testing.assert_array_equal(ours[k], inside[k])
+            np.testing.assert_allclose(ours[k], removed[k], rtol=1e-4, atol=1e-6, err_msg=f"{name} {k}")
 
 
 def test_lists_come_from_the_registries():

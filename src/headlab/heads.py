@@ -139,6 +139,14 @@ class HeadScores:
     def with_scores(self, scores: Mapping[str, np.ndarray], method: str | None = None) -> "HeadScores":
         return HeadScores(scores, method or self.method, self.model, self.signature)
 
+    def without(self, heads: "HeadSpec") -> "HeadScores":
+        """These scores with NaN for ``heads``: heads switched off or removed are not ranked."""
+        arrays = {kind: array.copy() for kind, array in self.scores.items()}
+        for (kind, layer), indices in heads.items():
+            if kind in arrays:
+                arrays[kind][layer, list(indices)] = np.nan
+        return self.with_scores(arrays)
+
     def stderr(self) -> "HeadScores | None":
         """The standard error of every score, when the signature keeps one (``"bootstrap":
         {"stderr": {kind: [[...]]}, ...}``, as LRP writes it), as HeadScores ``<method>_stderr``."""

@@ -42,7 +42,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer", "without_heads"]
+__all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer"]
 
 
 def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> HeadScores:
@@ -91,15 +91,6 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     return {k: v for k, v in scores.items() if kinds is None or k in kinds}, n_examples, n_tokens
 
 
-def without_heads(scores: HeadScores, heads: HeadSpec) -> HeadScores:
-    """``scores`` with NaN for ``heads`` (heads already removed are not ranked again)."""
-    arrays = {kind: array.copy() for kind, array in scores.scores.items()}
-    for (kind, layer), indices in heads.items():
-        if kind in arrays:
-            arrays[kind][layer, list(indices)] = np.nan
-    return scores.with_scores(arrays)
-
-
 def compute_gradient(
     model: nn.Module,
     data: ImportanceData,
@@ -142,7 +133,7 @@ def compute_gradient(
     }
     raw = HeadScores(scores, "gradient_raw", info.name, signature)
     table = l2_normalize_per_layer(raw, "gradient") if normalize else raw
-    return without_heads(table, mask) if mask else table
+    return table.without(mask) if mask else table
 
 
 def _loss_name(info: ModelInfo, data: ImportanceData) -> str:

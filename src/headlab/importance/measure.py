@@ -14,7 +14,8 @@ from typing import ClassVar
 
 from torch import nn
 
-from headlab.heads import HeadScores
+from headlab.gates import mask_heads
+from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.data import ImportanceData, ModelInfo
 
 __all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]
@@ -74,3 +75,14 @@ class ImportanceMeasure:
     def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options) -> list[HeadScores]:
         """Every table of :attr:`tables`, in order; by default :meth:`score`'s one table."""
         return [self.score(model, data, info, **options)]
+
+    def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
+            **options) -> list[HeadScores]:
+        """:meth:`score_tables` of the model with the heads of ``mask`` switched off
+        (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
+        of the masked model, in which those heads are NaN, as a pruned model's removed heads are."""
+        if not mask:
+            return self.score_tables(model, data, info, **options)
+        with mask_heads(model, mask):
+            tables = self.score_tables(model, data, info, **options)
+        return [table.without(mask) for table in tables]

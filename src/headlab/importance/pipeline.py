@@ -17,7 +17,7 @@ from torch import nn
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
-from headlab.heads import HeadScores
+from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.agreement import AgreementTable, compute_agreement
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.data import ImportanceData, ModelInfo, translate_data
@@ -41,9 +41,11 @@ def run_importance(
     config: ImportanceConfig | None = None,
     *,
     tokenizer=None,
+    mask: HeadSpec | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> ImportanceResult:
-    """Run the configured measures over ``data`` and compare them with ablation."""
+    """Run the configured measures over ``data`` and compare them with ablation; with ``mask``,
+    on the model with those heads switched off (:meth:`ImportanceMeasure.run`)."""
     config = config or ImportanceConfig()
     asked_all = "all" in config.methods
     measures = {name: MEASURES[name](MEASURES[name].options_from(config)) for name in config.resolved_methods()}
@@ -69,11 +71,13 @@ def run_importance(
         "lrp_targets": config.lrp_targets, "lrp_seed": config.lrp_seed, "lrp_bootstrap": config.lrp_bootstrap,
         "metric": config.metric, "kinds": list(config.kinds) if config.kinds else None,
     }
+    if mask:
+        options["mask"] = {f"{kind}:{layer}": sorted(heads) for (kind, layer), heads in mask.items()}
     scores: dict[str, HeadScores] = {}
     for name, measure in measures.items():
         log(f"computing {name}")
-        for table in measure.score_tables(model, data, info, batch_size=config.batch_size, kinds=config.kinds,
-                                          progress=config.progress, tokenizer=tokenizer):
+        for table in measure.run(model, data, info, mask=mask, batch_size=config.batch_size, kinds=config.kinds,
+                                 progress=config.progress, tokenizer=tokenizer):
             scores[table.method] = _with_versions(table, options)
     agreement = None
     if REFERENCE in scores and len(scores) > 1:

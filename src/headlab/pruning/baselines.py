@@ -31,7 +31,7 @@ from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 from headlab.importance.data import describe_model
-from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer, without_heads
+from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, train
 from headlab.pruning.config import BaselineConfig
 
@@ -94,7 +94,7 @@ def gradient_importance(model, tokenizer, data, kinds=("enc_self",), removed: Sp
                                             mask=removed)
     raw = HeadScores(scores, "gradient_importance", getattr(model.config, "name_or_path", ""),
                      {"method": "Michel et al. 2019, Eq. 4", "n_sentences": n_sentences})
-    return without_heads(l2_normalize_per_layer(raw), removed)
+    return l2_normalize_per_layer(raw).without(removed)
 
 
 def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_fraction: float = 0.1,
