@@ -51,8 +51,8 @@ def register(subparsers) -> None:
 
 
 def demo_config(args):
-    from headlab.analyze.cli import _ints
     from headlab.analyze.pipeline import AnalyzeConfig
+    from headlab.options import numbers
 
     return AnalyzeConfig(
         model=args.model, source=args.source, target=args.reference, conllu=args.conllu, out=args.out,
@@ -60,7 +60,7 @@ def demo_config(args):
         conllu_limit=args.treebank_sentences, threads=args.threads,
         prune_source=args.train_source, prune_target=args.train_target,
         prune_limit=max(2000, 4 * args.n_sentences), prune_steps=args.prune_steps,
-        prune_keeps=_ints(args.prune_keeps) if args.prune_keeps else (),
+        prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (),
         force=args.force, progress=not args.no_progress,
     )
 

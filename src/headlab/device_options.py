@@ -16,6 +16,17 @@ def add_device_options(parser) -> None:
                              "(accelerate); excludes --device")
 
 
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads, when ``--threads`` is given (at least 1)."""
+    if threads is not None:
+        from headlab.preflight import at_least
+
+        at_least(threads, 1, "--threads")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def device_options(args) -> dict:
     """The keyword arguments of :func:`~headlab.loading.load_model`, checked before any work:
     a CUDA device that is not there, or --device with --device-map, is an error naming the option."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, field, fields
 
+from headlab.errors import HeadlabError
+
 _TYPES = {"int": int, "float": float, "str": str}
 _OWN_KEYS = ("flag", "positional")  # metadata read here, not handed to argparse
 
@@ -17,6 +19,14 @@ _OWN_KEYS = ("flag", "positional")  # metadata read here, not handed to argparse
 def option(default=MISSING, help: str = "", **argparse_keywords):
     """A dataclass field with its default, its command-line help and its argparse keywords."""
     return field(default=default, metadata={"help": help, **argparse_keywords})
+
+
+def numbers(text: str, kind: type = int) -> tuple:
+    """A comma list of numbers (``"24, 12,6"``); anything else is an error naming the text."""
+    try:
+        return tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError as error:
+        raise HeadlabError(f"cannot read a list of {'integers' if kind is int else 'numbers'} from {text!r}") from error
 
 
 def help_of(config, name: str) -> str:

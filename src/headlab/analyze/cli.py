@@ -6,16 +6,7 @@ import argparse
 
 from headlab.analyze.pipeline import STAGES, AnalyzeConfig
 from headlab.device_options import add_device_options
-from headlab.options import add_options, from_args, help_of
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    from headlab.errors import HeadlabError
-
-    try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError as error:
-        raise HeadlabError(f"cannot read a list of integers from {text!r}") from error
+from headlab.options import add_options, from_args, help_of, numbers
 
 
 def register(subparsers) -> None:
@@ -46,7 +37,7 @@ def config_from_args(args) -> AnalyzeConfig:
     return from_args(
         args, AnalyzeConfig, train_text=tuple(args.train_text),
         skip=tuple(name.strip() for item in args.skip for name in item.split(",") if name.strip()),
-        prune_keeps=_ints(args.prune_keeps) if args.prune_keeps else (), progress=not args.no_progress)
+        prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (), progress=not args.no_progress)
 
 
 def print_summary(run) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from headlab.device_options import add_device_options, device_options
+from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
 from headlab.options import add_options, from_args
@@ -58,15 +58,13 @@ def register(subparsers) -> None:
 
 
 def _run(args, functions: bool, aggregate: bool) -> int:
-    import torch
 
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.loading import load_model, load_tokenizer
 
     _check(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
     config = from_args(args, AnalysisConfig, relations=relations or AnalysisConfig.relations, functions=functions,
                        aggregate=aggregate)

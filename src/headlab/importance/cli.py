@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from headlab.device_options import add_device_options, device_options
+from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 from headlab.options import add_options, from_args, help_of
@@ -55,15 +55,13 @@ def _check(args) -> None:
 
 
 def run_importance_command(args) -> int:
-    import torch
 
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
     from headlab.importance.pipeline import run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
 
     _check(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
     config = from_args(args, ImportanceConfig, methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
                        kinds=kinds, progress=not args.no_progress)

@@ -7,10 +7,10 @@ import json
 import sys
 from dataclasses import fields
 
-from headlab.device_options import add_device_options, device_options
+from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
-from headlab.nmt.cli import TRAIN_OPTIONS
+from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
 from headlab.options import add_options, from_args
 
 
@@ -39,23 +39,7 @@ def register(subparsers) -> None:
     add_device_options(p)
     p.set_defaults(func=_evaluate)
 
-    p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--run", required=True, help="training output directory (--out of lm train)")
-    p.add_argument("--to", required=True, help="model directory to write")
-    p.add_argument("--checkpoint", default="best", help="best, last or epoch-N")
-    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=_export)
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise HeadlabError(f"--threads must be at least 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+    add_export_command(commands, "lm", "best, last or epoch-N", "float16")
 
 
 def _train(args) -> int:
@@ -63,7 +47,7 @@ def _train(args) -> int:
     from headlab.lm.train import run_lm_recipe
     from headlab.lock import training_lock
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     if args.patience and not args.valid:
         raise HeadlabError("--patience needs --valid (early stopping watches the validation loss); "
                            "pass --patience 0 to train without validation")
@@ -86,7 +70,7 @@ def _evaluate(args) -> int:
     from headlab.lm.train import perplexity
     from headlab.loading import load_model, load_tokenizer
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     placement = device_options(args)  # a GPU that is not there fails before any work
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
     model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
@@ -101,12 +85,4 @@ def _evaluate(args) -> int:
     else:
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "
               f"{result['tokens']:,} tokens in {len(text):,} sentences)")
-    return 0
-
-
-def _export(args) -> int:
-    from headlab.nmt.export import export_model
-
-    out = export_model(args.run, args.to, which=args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"exported {args.checkpoint} of {args.run} to {out} ({args.dtype})")
     return 0

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from headlab.device_options import add_device_options, device_options
+from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.nmt.config import ModelConfig, TrainConfig, TrainRecipe
 from headlab.options import add_options, from_args
@@ -40,13 +40,9 @@ def register(subparsers) -> None:
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
+    _add_translation_options(p)
     p.add_argument("--input", default="-", help="source file (plain or .gz); - for stdin")
     p.add_argument("--output", default="-", help="output file; - for stdout")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
-    p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    add_device_options(p)
     p.set_defaults(func=_translate)
 
     p = commands.add_parser("bleu", help="BLEU and chrF (sacreBLEU) of detokenized output against references")
@@ -57,38 +53,20 @@ def register(subparsers) -> None:
 
     p = commands.add_parser("evaluate", help="translate a test set and score it (translate + bleu)",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True)
+    _add_translation_options(p)
     p.add_argument("--src", required=True, help="test source file")
     p.add_argument("--ref", required=True, help="test reference file")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int)
     p.add_argument("--output", help="also write the translations here")
     p.add_argument("--json", action="store_true", help="print JSON")
-    add_device_options(p)
     p.set_defaults(func=_evaluate)
 
-    p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--run", required=True, help="training output directory (--out of nmt train)")
-    p.add_argument("--to", required=True, help="model directory to write")
-    p.add_argument("--checkpoint", default="best", help="best, averaged, averaged-lastN, last or epoch-N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=_export)
+    add_export_command(commands, "nmt", "best, averaged, averaged-lastN, last or epoch-N", "float32")
 
     p = commands.add_parser("average", help="average the last N epoch checkpoints of a run (after a time limit)")
     p.add_argument("--run", required=True, help="training output directory (--out of nmt train)")
     p.add_argument("--last", type=int, required=True, help="how many of the last epoch checkpoints")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_average)
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
 
 
 def _train(args) -> int:
@@ -112,7 +90,7 @@ def _train(args) -> int:
                  "callback_every": 1}
     elif args.threads is not None:
         try:
-            _set_threads(int(args.threads))
+            set_threads(int(args.threads))
         except ValueError:
             raise HeadlabError(f"--threads must be a number or 'auto', got {args.threads!r}") from None
     layers = {"encoder_layers": args.layers, "decoder_layers": args.layers}
@@ -124,6 +102,14 @@ def _train(args) -> int:
         print(f"headlab nmt train: {result.message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _add_translation_options(p) -> None:
+    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_device_options(p)
 
 
 def _read_input(path: str) -> list[str]:
@@ -180,7 +166,7 @@ def _translate(args) -> int:
     _check_translation_options(args)
     if args.input != "-":
         preflight.input_file(args.input, "--input")
-    _set_threads(args.threads)
+    set_threads(args.threads)
     sentences = _read_input(args.input)
     model, tokenizer = _load(args.model, args)
     start = time.time()
@@ -215,7 +201,7 @@ def _evaluate(args) -> int:
     if len(sources) != len(references):
         raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
                            "they must match line for line")
-    _set_threads(args.threads)
+    set_threads(args.threads)
     model, tokenizer = _load(args.model, args)
     start = time.time()
     truncated: list[int] = []
@@ -240,9 +226,21 @@ def _average(args) -> int:
     return 0
 
 
+def add_export_command(commands, trainer: str, checkpoints: str, dtype: str) -> None:
+    """``headlab nmt export`` and ``headlab lm export``: one checkpoint of a run as a model directory."""
+    p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", required=True, help=f"training output directory (--out of {trainer} train)")
+    p.add_argument("--to", required=True, help="model directory to write")
+    p.add_argument("--checkpoint", default="best", help=checkpoints)
+    p.add_argument("--dtype", default=dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_export)
+
+
 def _export(args) -> int:
     from headlab.nmt.export import export_model
 
     out = export_model(args.run, args.to, which=args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"exported {args.checkpoint} of {args.run} to {out}")
+    print(f"exported {args.checkpoint} of {args.run} to {out} ({args.dtype})")
     return 0

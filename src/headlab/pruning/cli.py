@@ -19,8 +19,9 @@ import sys
 from argparse import ArgumentDefaultsHelpFormatter as DEFAULTS
 from pathlib import Path
 
+from headlab.device_options import set_threads
 from headlab.errors import HeadlabError
-from headlab.options import add_options, from_args
+from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
 
 SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
@@ -31,20 +32,6 @@ def rewrite_argv(argv: list[str]) -> list[str]:
     if len(argv) >= 2 and argv[0] == "prune" and argv[1] not in SUBCOMMANDS and not argv[1].startswith("-"):
         return [argv[0], "apply", *argv[1:]]
     return argv
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError as error:
-        raise HeadlabError(f"cannot read a list of numbers from {text!r}") from error
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError as error:
-        raise HeadlabError(f"cannot read a list of integers from {text!r}") from error
 
 
 def _add_data_options(p) -> None:
@@ -129,13 +116,6 @@ def register(subparsers) -> None:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _set_threads(threads) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-
-
 def _log():
     """Progress to stderr (stdout carries the result), from the main process only."""
     from accelerate import PartialState
@@ -199,7 +179,7 @@ def run_train(args) -> int:
     from headlab import preflight
     from headlab.pruning.train import prune_train
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     if args.lam is not None and args.lam < 0:
         raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
     config = _config(args, args.out)  # checks before loading anything heavy
@@ -222,8 +202,8 @@ def run_sweep_command(args) -> int:
     from headlab.lock import DirectoryLock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
-    _set_threads(args.threads)
-    points = sweep_points(_floats(args.lams) if args.lams else (), _ints(args.keeps) if args.keeps else ())
+    set_threads(args.threads)
+    points = sweep_points(numbers(args.lams, float) if args.lams else (), numbers(args.keeps) if args.keeps else ())
     args.lam, args.keep = 0.0, None
     config = _config(args, args.out)
     preflight.output_dir(args.out)
@@ -243,8 +223,8 @@ def run_baseline(args) -> int:
     from headlab.pruning.baselines import run_baselines
     from headlab.pruning.train import resolve_kinds
 
-    _set_threads(args.threads)
-    keeps = _ints(args.keeps)
+    set_threads(args.threads)
+    keeps = numbers(args.keeps)
     if args.method == "scores" and not args.scores:
         raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
     out = Path(args.out)
@@ -256,7 +236,7 @@ def run_baseline(args) -> int:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
     config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds,
                        scores=HeadScores.load(args.scores) if args.scores else None,
-                       seeds=tuple(_ints(args.seeds)) if args.method == "random" else (None,))
+                       seeds=numbers(args.seeds) if args.method == "random" else (None,))
     print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 
