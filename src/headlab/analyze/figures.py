@@ -21,6 +21,7 @@ import numpy as np
 
 from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
+from headlab.data.batching import with_progress
 from headlab.heads import KINDS, HeadScores
 from headlab.importance.registry import MEASURES
 
@@ -341,12 +342,7 @@ def write_figures(analysis_dir: str | Path, *, progress: bool = False) -> list[d
     root = Path(analysis_dir)
     specs = figure_specs(root)
     entries = []
-    iterator = specs
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(specs, desc="figures", unit="fig", leave=False)
-    for name, title, caption, draw in iterator:
+    for name, title, caption, draw in with_progress(specs, progress, "figures", unit="fig", leave=False):
         fig, data = draw()
         png, svg = save_figure(fig, root / "figures", name)
         atomic_write_text(root / "figures" / f"{name}.json", json.dumps(data, indent=1, ensure_ascii=False) + "\n")

@@ -3,13 +3,13 @@ length-sorted batches of a fixed number of sentences. Every batching of headlab 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from headlab.errors import HeadlabError
 
-__all__ = ["make_batches", "length_batches"]
+__all__ = ["make_batches", "length_batches", "with_progress"]
 
 
 def make_batches(
@@ -53,6 +53,15 @@ def make_batches(
             f"too little data for {world_size} processes: {len(batches)} batches of {max_tokens} tokens"
         )
     return batches[:usable][rank::world_size]
+
+
+def with_progress(batches: Iterable, enabled: bool, desc: str, **bar) -> Iterable:
+    """``batches`` behind a progress bar named ``desc`` when ``enabled`` (tqdm's keywords in ``bar``)."""
+    if not enabled:
+        return batches
+    from tqdm.auto import tqdm
+
+    return tqdm(batches, desc=desc, **bar)
 
 
 def length_batches(lengths: Sequence[int] | Mapping[int, int], batch_size: int,

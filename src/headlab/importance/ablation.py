@@ -205,9 +205,7 @@ def compute_ablation_tables(
     tables = []
     for i, metric in enumerate(metrics):
         values, signature = results[metric]
-        scores = block_scores(attention_blocks(model), values)
-        if kinds is not None:
-            scores = {k: v for k, v in scores.items() if k in kinds}
+        scores = block_scores(attention_blocks(model), values, kinds)
         method = "ablation" if i == 0 else f"ablation_{metric}"
         tables.append(HeadScores(scores, method, info.name, {**data.signature(), **signature, "metric": metric}))
     return tables

@@ -31,6 +31,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import capture_attention, eval_mode
+from headlab.data.batching import with_progress
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.data import (
@@ -95,10 +96,7 @@ def compute_confidence(
         counts[block.key] += n.cpu()
 
     batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, total=count_batches(data, batch_size), desc="confidence", unit="batch")
+    batches = with_progress(batches, progress, "confidence", total=count_batches(data, batch_size), unit="batch")
     with eval_mode(model), torch.no_grad(), capture_attention(model, on_probs, blocks=blocks):
         for batch in batches:
             current["batch"] = batch
@@ -109,9 +107,7 @@ def compute_confidence(
         if counts[key] == 0:
             raise HeadlabError(f"confidence: no query token with an allowed key in {key[0]} layer {key[1]}")
         values[key] = (sums[key] / counts[key]).numpy()
-    scores = block_scores(attention_blocks(model), values)
-    if kinds is not None:
-        scores = {k: v for k, v in scores.items() if k in kinds}
+    scores = block_scores(attention_blocks(model), values, kinds)
     signature = {
         **data.signature(),
         "queries_counted": {f"{k[0]}:{k[1]}": int(v) for k, v in counts.items()},

@@ -31,7 +31,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eval_mode
-from headlab.data.batching import length_batches
+from headlab.data.batching import length_batches, with_progress
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -453,11 +453,8 @@ def translate_data(
         raise HeadlabError("translations exist only for encoder-decoder models")
     device = next(model.parameters()).device
     outputs: list[list[int] | None] = [None] * len(data)
-    chunks = length_batches([len(ids) for ids in data.sources], batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-
-        chunks = tqdm(chunks, desc="translate", unit="batch")
+    chunks = with_progress(length_batches([len(ids) for ids in data.sources], batch_size), progress, "translate",
+                           unit="batch")
     with eval_mode(model):
         for chunk in chunks:
             ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
@@ -621,8 +618,10 @@ def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
     return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
 
 
-def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray]) -> dict[str, np.ndarray]:
-    """``{kind: [n_layers, n_heads]}`` from per-block vectors; heads without a value are NaN."""
+def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray],
+                 kinds: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """``{kind: [n_layers, n_heads]}`` from per-block vectors (only ``kinds``, when given); heads
+    without a value are NaN."""
     shapes: dict[str, tuple[int, int]] = {}
     for block in blocks:
         _, n_original = original_heads(block)
@@ -636,4 +635,4 @@ def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.
         vector = np.asarray(values[block.key], dtype=np.float64)
         for h, original in enumerate(numbering):
             out[block.kind][block.layer, original] = vector[h]
-    return {kind: out[kind] for kind in KINDS if kind in out}
+    return {kind: out[kind] for kind in KINDS if kind in out and (kinds is None or kind in kinds)}

@@ -28,6 +28,7 @@ from torch import nn
 
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
+from headlab.data.batching import with_progress
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores, HeadSpec
@@ -118,10 +119,7 @@ def compute_gradient(
         raise HeadlabError("gradient importance of a classifier needs the texts' labels (a labelled TSV)")
     device = next(model.parameters()).device
     batches = make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True)
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, total=count_batches(data, batch_size), desc="gradient", unit="batch")
+    batches = with_progress(batches, progress, "gradient", total=count_batches(data, batch_size), unit="batch")
     scores, n_examples, n_tokens = gate_gradients(model, ((b.inputs, b.labels) for b in batches), info,
                                                   kinds=kinds, mask=mask)
     signature = {

@@ -48,6 +48,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eager_attention, eval_mode, head_output_hooks
+from headlab.data.batching import with_progress
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.data import (
@@ -339,10 +340,7 @@ def compute_lrp(
     raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_steps = n_available = 0
     batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, total=count_batches(data, batch_size), desc="lrp", unit="batch")
+    batches = with_progress(batches, progress, "lrp", total=count_batches(data, batch_size), unit="batch")
     for batch in batches:
         n_available += batch.n_steps
         batch = replace(batch, steps=sample_targets(batch.steps, batch.index, targets, seed))
@@ -380,9 +378,7 @@ def compute_lrp(
             "stderr": {kind: [[None if np.isnan(v) else float(v) for v in row] for row in array.tolist()]
                        for kind, array in errors.items() if kinds is None or kind in kinds},
         }
-    scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()})
-    if kinds is not None:
-        scores = {k: v for k, v in scores.items() if k in kinds}
+    scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()}, kinds)
     return HeadScores(scores, "lrp", info.name, signature)
 
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from headlab.capture import eval_mode
-from headlab.data.batching import length_batches
+from headlab.data.batching import length_batches, with_progress
 
 __all__ = ["translate", "source_limit"]
 
@@ -56,11 +56,7 @@ def translate(
     by_index = dict(zip(todo, encoded))
     pad_id = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    batches = length_batches(lengths, batch_size, todo)
-    if progress:
-        from tqdm.auto import tqdm
-
-        batches = tqdm(batches, desc="translate", unit="batch")
+    batches = with_progress(length_batches(lengths, batch_size, todo), progress, "translate", unit="batch")
     with eval_mode(model), torch.inference_mode():
         for batch in batches:
             width = max(lengths[i] for i in batch)
