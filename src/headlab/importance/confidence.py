@@ -95,7 +95,7 @@ def compute_confidence(
         sums[block.key] += total.cpu()
         counts[block.key] += n.cpu()
 
-    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
+    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=next(model.parameters()).device)
     batches = with_progress(batches, progress, "confidence", total=count_batches(data, batch_size), unit="batch")
     with eval_mode(model), torch.no_grad(), capture_attention(model, on_probs, blocks=blocks):
         for batch in batches:
@@ -115,10 +115,6 @@ def compute_confidence(
         "decoder_side": "model's own translation" if info.is_seq2seq else None,
     }
     return HeadScores(scores, "confidence", info.name, signature)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 class Confidence(ImportanceMeasure):

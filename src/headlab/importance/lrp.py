@@ -339,7 +339,7 @@ def compute_lrp(
     counts = torch.zeros(len(data), dtype=torch.float64)
     raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_steps = n_available = 0
-    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=_device(model))
+    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=next(model.parameters()).device)
     batches = with_progress(batches, progress, "lrp", total=count_batches(data, batch_size), unit="batch")
     for batch in batches:
         n_available += batch.n_steps
@@ -380,13 +380,6 @@ def compute_lrp(
         }
     scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()}, kinds)
     return HeadScores(scores, "lrp", info.name, signature)
-
-
-def _device(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover
-        return torch.device("cpu")
 
 
 @dataclass(frozen=True)
