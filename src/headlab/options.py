@@ -38,11 +38,10 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", f.name).replace("-", "_")
 
 
-def add_options(parser, config, names, **help_suffixes: str) -> None:
+def add_options(parser, config, names) -> None:
     """Add an option to ``parser`` (a parser or an argument group) for each field of ``names`` of
     the dataclass ``config``, in that order. ``config`` may be an instance: its values are then
-    the defaults (a recipe that trains differently from the loop's own defaults).
-    ``help_suffixes`` append command-specific words to a field's help."""
+    the defaults (a recipe that trains differently from the loop's own defaults)."""
     by_name = {f.name: f for f in fields(config)}
     for name in names:
         f = by_name[name]
@@ -51,11 +50,10 @@ def add_options(parser, config, names, **help_suffixes: str) -> None:
         else:
             default = f.default if f.default_factory is MISSING else f.default_factory()
         keywords = {k: v for k, v in f.metadata.items() if k not in _OWN_KEYS}
-        keywords["help"] = keywords.get("help", "") + help_suffixes.get(name, "")
         if f.metadata.get("positional"):
             parser.add_argument(name, **keywords)
             continue
-        kind = str(f.type).replace(" | None", "")
+        kind = str(getattr(f.type, "__name__", f.type)).replace(" | None", "")
         if kind == "bool" and default is False:
             keywords["action"] = "store_true"
         elif kind in _TYPES:
@@ -65,7 +63,7 @@ def add_options(parser, config, names, **help_suffixes: str) -> None:
                             f"no command-line form for {kind}; give it nargs, action or type metadata")
         if default is MISSING:
             keywords["required"] = True
-        elif not keywords.get("required") and keywords.get("action", "append") == "append":
+        elif "action" not in keywords and not keywords.get("required"):
             keywords["default"] = default
         parser.add_argument("--" + _dest(f).replace("_", "-"), **keywords)
 

@@ -1,0 +1,63 @@
+"""Command-line options generated from config dataclasses: one default, written in the dataclass."""
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+
+from headlab.errors import HeadlabError
+from headlab.options import add_options, from_args, help_of, numbers, option
+
+
+@dataclass
+class Config:
+    path: str = option(help="an input file")
+    size: int = option(8, "how many", flag="n", metavar="N")
+    rate: float | None = option(None, "a rate")
+    mode: str = option("fast", "how", choices=("fast", "slow"))
+    verbose: bool = option(False, "say more")
+    out_dir: str = option("runs/x", "where", flag="out", required=True)
+    hidden: int = 3  # no option
+
+
+def _parser(config=Config):
+    parser = argparse.ArgumentParser()
+    add_options(parser, config, ("path", "size", "rate", "mode", "verbose", "out_dir"))
+    return parser
+
+
+def test_options_carry_the_dataclass_defaults_and_read_back():
+    args = _parser().parse_args(["--path", "a.txt", "--out", "o"])
+    assert (args.path, args.n, args.rate, args.mode, args.verbose, args.out) == ("a.txt", 8, None, "fast", False, "o")
+    assert from_args(args, Config, hidden=5) == Config("a.txt", 8, None, "fast", False, "o", 5)
+    args = _parser().parse_args(["--path", "a", "--n", "2", "--rate", "0.5", "--mode", "slow", "--verbose", "--out", "o"])
+    assert from_args(args, Config) == Config("a", 2, 0.5, "slow", True, "o")
+
+
+def test_an_instance_gives_its_values_as_defaults():
+    base = Config("p", size=100)
+    args = _parser(base).parse_args(["--path", "q", "--out", "o"])
+    assert args.n == 100 and from_args(args, base) == Config("q", 100, out_dir="o")
+
+
+def test_required_options_and_choices_are_argparse_errors():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--out", "o"])  # --path has no default
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--path", "a"])  # --out is required although the field has a default
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--path", "a", "--out", "o", "--mode", "medium"])
+
+
+def test_help_numbers_and_unsupported_fields():
+    assert help_of(Config, "size") == "how many"
+    assert numbers("24, 12,6") == (24, 12, 6) and numbers("0.1,2", float) == (0.1, 2.0)
+    with pytest.raises(HeadlabError, match="integers"):
+        numbers("1,x")
+
+    @dataclass
+    class Listy:
+        items: tuple[int, ...] = option((), "several")
+
+    with pytest.raises(TypeError, match="Listy.items"):
+        add_options(argparse.ArgumentParser(), Listy, ("items",))
