@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, HeadScores
+from headlab.heads import HeadScores
 from headlab.importance.registry import tables
 
 __all__ = ["Collected", "collect", "AGGREGATE", "FUNCTION_MAPS"]
@@ -193,8 +193,3 @@ def collect(directory: Path) -> Collected:
     if isinstance(index, dict) and isinstance(index.get("sentences"), list):
         out.attention = index
     return out
-
-
-def kinds_present(collected: Collected) -> list[str]:
-    found = {k for h in collected.heatmaps for k in h["scores"]}
-    return [k for k in KINDS if k in found]
