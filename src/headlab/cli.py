@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "headlab.lm.cli",
     "headlab.importance.cli",
     "headlab.functions.cli",
+    "headlab.parse.cli",
     "headlab.pruning.cli",
     "headlab.analyze.cli",
     "headlab.reproduce.cli",
