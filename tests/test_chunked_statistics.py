@@ -36,9 +36,9 @@ def _random_probs(side, seed, causal):
     return probs
 
 
-def _statistics(tokenizer):
+def _statistics(tokenizer, pooling="sum"):
     counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 7 + 1
-    config = AnalysisConfig(top_frequent=3, window=4, top_k=3)
+    config = AnalysisConfig(top_frequent=3, window=4, top_k=3, sensitivity=True, word_pooling=pooling)
     frequencies = TokenFrequencies(counts, "hand-set")
     return {name: make(config, frequencies) for name, make in STATISTICS.items()}
 
@@ -70,16 +70,17 @@ def _assert_close(a, b, path="", rtol=0.0):
 
 
 @pytest.mark.parametrize("kind", ["enc_self", "dec_self"])
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_views_of_chunks_equal_the_whole_view(tmp_path, kind, rows):
+@pytest.mark.parametrize("rows, pooling", [(1, "sum"), (2, "sum"), (5, "sum"), (2, "first"), (2, "max"), (5, "max")])
+def test_views_of_chunks_equal_the_whole_view(tmp_path, kind, rows, pooling):
     sentences = sample_sentences(tmp_path)
     tokenizer = bpe_tokenizer([" ".join(s.words) for s in sentences] * 3, vocab_size=45)
     batches = []
     for start, seed in ((0, 1), (2, 2), (1, 3)):
         side, _ = side_batch(sentences[start:start + 2], tokenizer, start)
+        side.pooling = pooling
         batches.append((side, _random_probs(side, seed, kind == "dec_self")))
     assert any(side.word_sizes.max() > 1 for side, _ in batches)  # words of several subwords
-    whole, chunked = _statistics(tokenizer), _statistics(tokenizer)
+    whole, chunked = _statistics(tokenizer, pooling), _statistics(tokenizer, pooling)
     for layer in range(2):
         block = FakeBlock(kind, layer, H)
         for side, probs in batches:
@@ -118,7 +119,7 @@ def _analyse(family, tmp_path, query_chunk, target):
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")
     counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
-    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk)
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True)
     return analyze_heads(model, tokenizer, path, target_conllu=path if target else None, config=config,
                          frequencies=TokenFrequencies(counts, "hand-set"))
 

@@ -189,3 +189,33 @@ def _assert_json_close(a, b, where):
         assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), (where, a, b)
     else:
         assert a == b, (where, a, b)
+
+
+def test_word_pooling_and_sensitivity_options(tmp_path, model_dir, capsys):
+    """--word-pooling changes the word-level results only (tokens and baselines stay); --sensitivity
+    adds the interior positional share and the per-sentence rare-token files; the default run's
+    summary.json keeps the options it always had."""
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    train = tmp_path / "train.txt"
+    train.write_text("the old dog chased a red ball .\nthe dog sleep here .\n", encoding="utf-8")
+    outs = {}
+    for pooling in ("sum", "max"):
+        outs[pooling] = tmp_path / pooling
+        extra = ["--word-pooling", pooling, "--sensitivity"] if pooling == "max" else []
+        assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(outs[pooling]), "--no-progress",
+                     "--no-figures", "--train-text", str(train), "--top-frequent", "3", *extra]) == 0
+    capsys.readouterr()
+    default, other = (json.loads((outs[p] / "summary.json").read_text()) for p in ("sum", "max"))
+    assert "word_pooling" not in default["config"] and "sensitivity" not in default["config"]
+    assert other["config"]["word_pooling"] == "max" and other["config"]["sensitivity"] is True
+    for name in ("positional/interior_share.json", "rare_tokens/per_sentence.json", "rare_tokens/rarest_per_sentence.json"):
+        assert (outs["max"] / name).is_file() and not (outs["sum"] / name).exists(), name
+    for name in ("positional/token_share.json", "rare_tokens/rarest.json"):  # subword-token level: unchanged
+        a, b = (HeadScores.load(outs[p] / name)["enc_self"] for p in ("sum", "max"))
+        np.testing.assert_array_equal(a, b)
+    tables = [json.loads((outs[p] / "syntactic" / "table1.json").read_text())["table"] for p in ("sum", "max")]
+    assert [r["baseline"] for r in tables[0]] == [r["baseline"] for r in tables[1]]
+    with pytest.raises(SystemExit) as exit_info:  # argparse: not a choice
+        main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(tmp_path / "x"), "--word-pooling", "mean"])
+    assert exit_info.value.code == 2 and "--word-pooling" in capsys.readouterr().err

@@ -109,3 +109,23 @@ def test_forced_head_in_a_real_model_is_found(sample_path):
     assert analysis.report.n_sentences == 4
     assert set(analysis.positional.share.kinds) == {"enc_self"}
     assert torch.isfinite(torch.tensor(analysis.positional.share["enc_self"])).all()
+
+
+def test_interior_reading_counts_only_words_with_both_neighbours(tmp_path):
+    """A previous-word head whose first word looks at itself: 1 - 1/n of all words at -1, every
+    word with both neighbours at -1 (the sensitivity reading of --sensitivity)."""
+    sentences = sample_sentences(tmp_path)
+    tokenizer = word_tokenizer([w for s in sentences for w in s.words])
+    side, _ = side_batch(sentences, tokenizer)
+    targets = [[max(i - 1, 0) if i != 0 else 0 for i in range(n)] for n in side.n_words.tolist()]
+    probs = force_word_targets(uniform_probs(side, 1), side, 0, targets)
+    every, interior = PositionalStats(max_offset=4), PositionalStats(max_offset=4, level="interior")
+    for stats in (every, interior):
+        stats.update(AttentionView(FakeBlock("enc_self", 0, 1), probs, side))
+    n_words = side.n_words.tolist()
+    assert np.isclose(every.result().share["enc_self"][0, 0], 1 - len(n_words) / sum(n_words))
+    assert interior.result().share["enc_self"][0, 0] == 1.0
+    assert interior.counts[("enc_self", 0)].sum() == sum(n - 2 for n in n_words)
+    assert interior.result().labels() == {} and interior.result().describe_heads() == []
+    assert PositionalStats.interior_from_config(AnalysisConfig()) is None  # only with sensitivity
+    assert PositionalStats.interior_from_config(AnalysisConfig(sensitivity=True)).level == "interior"

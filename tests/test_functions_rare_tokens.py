@@ -156,3 +156,31 @@ def test_rare_masks_handle_ties(tmp_path):
     assert [words[t] for t in torch.nonzero(rarest[0]).flatten().tolist()] == ["old", "red"]
     # The second smallest count is also 1 (the tie), so "one of the two rarest" is the same set.
     assert torch.equal(rarest, two) and bool(eligible[0])
+
+
+def test_per_sentence_reading_weighs_each_sentence_once(tmp_path):
+    """A head on the rarest token in the first sentence only: per query token its share is that
+    sentence's share of the queries, per sentence it is 1 / (number of sentences)."""
+    sentences = sample_sentences(tmp_path)
+    tokenizer = word_tokenizer([w for s in sentences for w in s.words])
+    frequencies = _frequencies(tokenizer)
+    side, _ = side_batch(sentences, tokenizer)
+    order = _positions_by_rarity(side, frequencies)
+    probs = _probs_onto(side, uniform_probs(side, 1), 0, lambda b: order[b][0] if b == 0 else order[b][-1])
+    stats = RareTokenStats(frequencies, top_k=3, per_sentence=True)
+    stats.update_side("enc_self", side)
+    stats.update(AttentionView(FakeBlock("enc_self", 0, 1), probs, side))
+    result = stats.result()
+    real = [int(side.token_mask[b].sum()) for b in range(side.batch_size)]
+    assert np.isclose(result.rarest["enc_self"][0, 0], real[0] / sum(real))
+    assert np.isclose(result.rarest_per_sentence["enc_self"][0, 0], 1 / len(real))
+    entry = result.per_sentence_json()["enc_self:0"]
+    assert entry["sentences"] == [len(real)]
+    assert np.isclose(entry["rarest_sd"][0], np.std([1.0] + [0.0] * (len(real) - 1), ddof=1))
+    written = {p.name for p in result.write(tmp_path / "out")}
+    assert {"rarest_per_sentence.json", "per_sentence.json"} <= written
+    plain = RareTokenStats(frequencies, top_k=3)  # without the sensitivity reading: the files of before
+    plain.update_side("enc_self", side)
+    plain.update(AttentionView(FakeBlock("enc_self", 0, 1), probs, side))
+    assert {p.name for p in plain.result().write(tmp_path / "plain")} == {"rarest.json", "two_rarest.json",
+                                                                          "summary.json"}

@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.loading", "headlab.headspec",
      "headlab.device_options", "headlab.portable", "headlab.portable_code", "headlab.pruning.hard_concrete"),
     ("headlab.data",),
-    ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm"),
+    ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
+     "headlab.parse"),
     ("headlab.analyze", "headlab.report", "headlab.reproduce"),
     ("headlab.cli", "headlab.__main__", "headlab.commands", "headlab.demo", "headlab.reproduce.pipeline", "*.cli"),
 )

@@ -109,3 +109,44 @@ def test_word_attention_is_sum_to_and_mean_from_subwords():
                     expected = sum(sum(float(probs[b, h, q, k]) for k in keys) for q in queries) / len(queries)
                     assert abs(float(words[b, h, i, j]) - expected) < 1e-5
         assert float(words[b, :, n:, :].abs().sum()) == 0  # padding words are empty
+
+
+def test_the_torch_free_config_names_the_same_poolings():
+    from headlab.data.alignment import POOLINGS
+    from headlab.functions.config import WORD_POOLINGS
+
+    assert WORD_POOLINGS == POOLINGS
+
+
+@pytest.mark.parametrize("pooling", ["first", "max"])
+def test_word_attention_other_poolings_match_a_loop(pooling):
+    tokenizer = bpe_tokenizer(TEXTS, vocab_size=40)
+
+    class S:  # minimal sentence
+        def __init__(self, words):
+            self.words = words
+            self.heads = tuple([-1] * len(words))
+            self.deprels = ("root",) * len(words)
+            self.upos = ("X",) * len(words)
+            self.sent_id, self.where = "", ""
+
+    side, alignments = side_batch([S(("the", "xylophone", "jumps")), S(("lazy", "dogs", "and", "cats", "over"))],
+                                  tokenizer)
+    side.pooling = pooling
+    B, T = side.token_ids.shape
+    torch.manual_seed(0)
+    probs = torch.rand(B, 3, T, T).softmax(-1)
+    words = word_attention(probs, side)
+    assert any(len([t for t in a.word_of_token.tolist() if t == 1]) > 1 for a in alignments)  # a split word
+    for b, alignment in enumerate(alignments):
+        owner = alignment.word_of_token.tolist()
+        for h in range(3):
+            for i in range(alignment.n_words):
+                queries = [t for t, w in enumerate(owner) if w == i]
+                for j in range(alignment.n_words):
+                    keys = [t for t, w in enumerate(owner) if w == j]
+                    if pooling == "first":
+                        expected = float(probs[b, h, queries[0], keys[0]])
+                    else:
+                        expected = max(float(probs[b, h, q, k]) for q in queries for k in keys)
+                    assert abs(float(words[b, h, i, j]) - expected) < 1e-6

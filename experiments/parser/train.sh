@@ -2,6 +2,7 @@
 # Train the UD English EWT dependency parser that `headlab parse` uses (issue 17.9): spaCy 3.8,
 # tok2vec + morphologizer (UPOS, FEATS) + arc-eager parser, CPU, one thread, no pretrained vectors,
 # nothing downloaded. Dev scores pick model-best (patience in config.cfg); then the test scores.
+# To bundle it: cp -r $OUT/training/model-best models/ewt-parser, then the evaluate.py command of its card.
 #   experiments/parser/train.sh                 (writes $OUT, default /work/runs/ewt-parser)
 #   TRAIN=path/en_ewt-ud-train.conllu.gz OUT=dir MAX_STEPS=N MAX_MINUTES=M experiments/parser/train.sh
 # Needs the `parse` extra: pip install -e ".[parse]".
@@ -31,3 +32,6 @@ if [ "$status" -ne 0 ] && [ "$status" -ne 124 ]; then exit "$status"; fi
 "$PY" -m spacy evaluate "$OUT/training/model-best" "$OUT/corpus/en_ewt-ud-test.spacy" --output "$OUT/test-scores.json"
 "$PY" -m spacy evaluate "$OUT/training/model-best" "$OUT/corpus/en_ewt-ud-test.spacy" --gold-preproc \
   --output "$OUT/test-scores-gold-tokens.json"
+# The scores of the card (models/ewt-parser/README.md): gold words, one sentence per parse, punctuation counted.
+"$PY" experiments/parser/evaluate.py "$OUT/training/model-best" data/ud-english-ewt/en_ewt-ud-test.conllu \
+  --out "$OUT/eval_results.json"

@@ -9,7 +9,10 @@ Attention between words follows Clark et al. 2019 (Sec. 4.1, "What Does BERT Loo
 attention *to* a word is the sum of the attention to its subwords, attention *from* a word is
 the mean of the attention from its subwords. Attention to special tokens and to padding is
 dropped, so a word's row sums to the share of its attention that reaches words (< 1 when EOS
-takes some).
+takes some). Two other mappings (``pooling``, ``headlab functions --word-pooling``) test how
+much a result depends on that choice: ``first``, a word is its first subword, as query and as
+key (attention to its other subwords is dropped); ``max``, the largest weight from any of its
+subwords to any of the key word's subwords.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "Alignment",
     "AlignmentError",
     "AttentionView",
+    "POOLINGS",
     "WordRows",
     "SideBatch",
     "align_sentences",
@@ -35,6 +39,9 @@ __all__ = [
 ]
 
 SPACINGS = ("words", "text")
+POOLINGS = ("sum", "first", "max")
+"""Subword-to-word mappings: ``sum`` (to a word: sum over its subwords; from a word: their mean),
+``first`` (a word is its first subword), ``max`` (the largest weight over the subwords)."""
 
 
 class AlignmentError(HeadlabError):
@@ -215,6 +222,7 @@ class SideBatch:
     sentence_index: list[int]  # position of each sentence in the corpus
     sent_ids: list[str]
     where: list[str]
+    pooling: str = "sum"  # subword-to-word mapping, one of POOLINGS
 
     @property
     def batch_size(self) -> int:
@@ -232,6 +240,17 @@ class SideBatch:
     def word_index(self) -> torch.Tensor:
         """``[B, T]`` long: each token's word, or ``W`` (one past the last word) for none."""
         return torch.where(self.token_mask, self.token_word, torch.full_like(self.token_word, self.max_words))
+
+    @cached_property
+    def first_word_index(self) -> torch.Tensor:
+        """``[B, T]`` long: like :attr:`word_index`, but only a word's first subword has it (the
+        others, like tokens of no word, get ``W``)."""
+        W = self.max_words
+        positions = torch.arange(self.word_index.shape[1])[None, :].expand_as(self.word_index)
+        first = torch.full((self.batch_size, W + 1), self.word_index.shape[1], dtype=torch.long)
+        first.scatter_reduce_(1, self.word_index, positions, reduce="amin")
+        is_first = (first.gather(1, self.word_index) == positions) & (self.word_index < W)
+        return torch.where(is_first, self.word_index, torch.full_like(self.word_index, W))
 
     @cached_property
     def word_sizes(self) -> torch.Tensor:
@@ -252,8 +271,10 @@ class SideBatch:
         return out
 
 
-def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, start_id: int | None = None) -> SideBatch:
-    """Tensors for a batch of ``(sentence, alignment, corpus index)``.
+def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, start_id: int | None = None,
+                     pooling: str = "sum") -> SideBatch:
+    """Tensors for a batch of ``(sentence, alignment, corpus index)``; ``pooling`` (one of
+    :data:`POOLINGS`) is how its views turn subword attention into word attention.
 
     With ``shift=1`` the tokens move one place right behind ``start_id`` (teacher-forced
     decoder input): the last special token (EOS) is dropped and the start token belongs to no
@@ -295,6 +316,7 @@ def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, sta
         sentence_index=[index for _, _, index in items],
         sent_ids=[s.sent_id for s, _, _ in items],
         where=[s.where for s, _, _ in items],
+        pooling=pooling,
     )
 
 
@@ -307,23 +329,53 @@ def _token_to_words(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
     return out.scatter_add_(3, index[:, None, None, :].expand(B, H, rows, T), probs)
 
 
+def _key_words(probs: torch.Tensor, side: SideBatch, summed: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, H, rows, W + 1]``: each query token's attention to each word under ``side.pooling``
+    (``summed``: :func:`_token_to_words` of ``probs``, when already computed)."""
+    if side.pooling == "sum":
+        return _token_to_words(probs, side) if summed is None else summed
+    B, H, rows, T = probs.shape
+    out = probs.new_zeros(B, H, rows, side.max_words + 1)
+    if side.pooling == "first":
+        return out.scatter_add_(3, side.first_word_index[:, None, None, :].expand(B, H, rows, T), probs)
+    # max: weights are >= 0, so the zeros the maxima start from change nothing
+    return out.scatter_reduce_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs, reduce="amax")
+
+
+def _pool_rows(out: torch.Tensor, rows_at: torch.Tensor, key_words: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Add (``sum``, ``first``) or take the maximum of (``max``) query rows ``key_words``
+    ``[B, H, rows, K]`` into the rows ``rows_at`` ``[B, rows]`` of ``out`` (in place)."""
+    B, H, rows, K = key_words.shape
+    index = rows_at[:, None, :, None].expand(B, H, rows, K)
+    if pooling == "max":
+        return out.scatter_reduce_(2, index, key_words, reduce="amax")
+    return out.scatter_add_(2, index, key_words)
+
+
+def _query_index(side: SideBatch) -> torch.Tensor:
+    """``[B, T]``: the word row each query token feeds (``W``: none)."""
+    return side.first_word_index if side.pooling == "first" else side.word_index
+
+
 def _words_from(to_words: torch.Tensor, side: SideBatch) -> torch.Tensor:
     B, H, T, W1 = to_words.shape
     W = W1 - 1
-    words = to_words.new_zeros(B, H, W1, W1)
-    words.scatter_add_(2, side.word_index[:, None, :, None].expand(B, H, T, W1), to_words)  # sum over query subwords
-    return words[:, :, :W, :W] / side.word_sizes[:, None, :, None]  # ... divided: the mean
+    words = _pool_rows(to_words.new_zeros(B, H, W1, W1), _query_index(side), to_words, side.pooling)
+    if side.pooling == "sum":
+        return words[:, :, :W, :W] / side.word_sizes[:, None, :, None]  # summed over query subwords: the mean
+    return words[:, :, :W, :W]
 
 
 def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
     """Word-to-word attention ``[B, H, W, W]`` from token attention ``[B, H, T, T]``.
 
-    Row ``i`` is the mean over word ``i``'s subwords, column ``j`` the sum over word ``j``'s
-    subwords (Clark et al. 2019, Sec. 4.1). Special tokens and padding drop out. Two
-    scatter-adds (keys, then queries) instead of two matrix products: each token belongs to
-    one word, so the sums cost O(T^2) per head rather than O(T^2 W).
+    Under the default pooling (``sum``) row ``i`` is the mean over word ``i``'s subwords, column
+    ``j`` the sum over word ``j``'s subwords (Clark et al. 2019, Sec. 4.1); see :data:`POOLINGS`
+    for the others. Special tokens and padding drop out. Two scatters (keys, then queries)
+    instead of two matrix products: each token belongs to one word, so they cost O(T^2) per
+    head rather than O(T^2 W).
     """
-    return _words_from(_token_to_words(probs.float(), side), side)
+    return _words_from(_key_words(probs.float(), side), side)
 
 
 class AttentionView:
@@ -365,9 +417,15 @@ class AttentionView:
         return _token_to_words(self.probs, self.side)
 
     @cached_property
+    def key_words(self) -> torch.Tensor:
+        """``[B, H, rows, W + 1]``: token attention to each key word under the side's pooling
+        (:attr:`token_to_words` itself for ``sum``)."""
+        return _key_words(self.probs, self.side, self.token_to_words if self.side.pooling == "sum" else None)
+
+    @cached_property
     def words(self) -> torch.Tensor:
         """``[B, H, word rows, W]`` word-to-word attention (see :func:`word_attention`)."""
-        return _words_from(self.token_to_words, self.side)
+        return _words_from(self.key_words, self.side)
 
     @cached_property
     def row_mass(self) -> torch.Tensor:
@@ -439,10 +497,11 @@ class AttentionView:
 class WordRows:
     """Turns one block's token-row chunks into views with whole word rows.
 
-    A word's row is the mean of its subwords' rows, so it is complete once the chunk holding its
-    last subword has arrived. Each chunk's rows are summed per key word, then added to a small
-    buffer of word rows not yet complete (in token order, as :func:`word_attention` adds them,
-    so the result is the same to the bit); word rows complete in every sentence of the batch go
+    A word's row is the mean of its subwords' rows (or their maximum, or its first subword's row:
+    the side's pooling), so it is complete once the chunk holding its last subword has arrived.
+    Each chunk's rows are pooled per key word, then added (or maxed) into a small buffer of word
+    rows not yet complete (in token order, as :func:`word_attention` adds them, so the result is
+    the same to the bit); word rows complete in every sentence of the batch go
     out with the chunk's view. With one sentence per batch the buffer holds at most the words
     of one chunk plus one; sentences of a batch whose subwords are spread very differently keep
     more rows waiting.
@@ -464,7 +523,7 @@ class WordRows:
         B, H, rows, _ = probs.shape
         W = side.max_words
         chunk = AttentionView(self.block, probs, side, start=start, words=probs.new_zeros(B, H, 0, W), last=False)
-        index = side.word_index[:, start:start + rows]  # [B, rows], W for no word
+        index = _query_index(side)[:, start:start + rows]  # [B, rows], W for no word
         real = index < W
         if real.any():
             top = int(index[real].max()) + 1 - self.done
@@ -478,7 +537,7 @@ class WordRows:
         if have:
             pending[:, :, :have] = self.pending
         rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
-        pending.scatter_add_(2, rows_at[:, None, :, None].expand(B, H, rows, W + 1), chunk.token_to_words)
+        _pool_rows(pending, rows_at, chunk.key_words, side.pooling)
         pending = pending[:, :, :need]
         if last:
             ready = W
@@ -486,10 +545,12 @@ class WordRows:
             complete = self.last_token < start + rows  # [B, W]
             ready = int(complete.long().cumprod(1).sum(1).min()) if W else 0
         n = max(ready - self.done, 0)
-        sizes = side.word_sizes[:, self.done:self.done + n]
-        words = pending[:, :, :n, :W] / sizes[:, None, :, None]
+        words = pending[:, :, :n, :W]
+        if side.pooling == "sum":
+            words = words / side.word_sizes[:, None, self.done:self.done + n, None]
         self.pending = pending[:, :, n:]
         view = AttentionView(self.block, probs, side, start=start, words=words, word_start=self.done, last=last)
         view.__dict__["token_to_words"] = chunk.token_to_words
+        view.__dict__["key_words"] = chunk.key_words
         self.done += n
         return view

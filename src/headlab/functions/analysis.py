@@ -35,7 +35,14 @@ from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.attention import AttentionChunk
 from headlab.capture import capture_attention, eval_mode, stream_attention
-from headlab.data.alignment import AlignmentError, AttentionView, SideBatch, WordRows, align_sentences, build_side_batch
+from headlab.data.alignment import (
+    AlignmentError,
+    AttentionView,
+    SideBatch,
+    WordRows,
+    align_sentences,
+    build_side_batch,
+)
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
 from headlab.errors import HeadlabError
@@ -46,6 +53,11 @@ from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
+
+
+# Options added after results were published, left out of summary.json at their defaults so that
+# a default run writes the files it always wrote.
+_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False}
 
 
 @dataclass
@@ -115,7 +127,8 @@ class HeadAnalysis:
         """Each result's files, ``summary.json`` and ``README.md`` (and the figures) under ``directory``."""
         directory = Path(directory)
         paths = [path for result in self.results.values() for path in result.write(directory)]
-        summary = {"model": self.model, "config": asdict(self.config), "report": self.report.to_json()}
+        config = {k: v for k, v in asdict(self.config).items() if _LATER_DEFAULTS.get(k, object()) != v}
+        summary = {"model": self.model, "config": config, "report": self.report.to_json()}
         paths.append(write_json(directory / "summary.json", summary, ensure_ascii=False))
         path = directory / "README.md"
         atomic_write_text(path, self.functions_markdown())
@@ -309,7 +322,8 @@ def analyze_heads(
                 if not items:
                     continue
                 current.clear()
-                inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device)
+                inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device,
+                                       config.word_pooling)
                 for kind, name in sides.items():
                     if name in current:
                         for stat in side_stats:
@@ -335,6 +349,8 @@ def analyze_heads(
             "spacing": config.spacing,
             "max_length": max_length,
         }
+        if config.word_pooling != "sum":  # the default leaves the signature (and older result files) as they were
+            signature["word_pooling"] = config.word_pooling
         signature["version"] = __version__
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
         return HeadAnalysis(config=config, report=report, model=model_name, results=results)
@@ -386,11 +402,11 @@ def _prepare(raw, index, tokenizer, config, max_length, report):
     return items
 
 
-def _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device) -> dict:
+def _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device, pooling="sum") -> dict:
     """Model inputs for a batch; fills ``current`` with the analysed sides' SideBatches."""
     inputs: dict[str, torch.Tensor] = {}
     if items[0][2] is not None:  # parsed source
-        side = build_side_batch([(s, a, i) for i, s, a, _, _ in items], pad_id)
+        side = build_side_batch([(s, a, i) for i, s, a, _, _ in items], pad_id, pooling=pooling)
         current["source"] = side
         inputs["input_ids"] = side.token_ids
         inputs["attention_mask"] = _lengths_mask(side, [len(a) for _, _, a, _, _ in items])
@@ -400,7 +416,8 @@ def _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, curre
         inputs["input_ids"], inputs["attention_mask"] = encoded["input_ids"], encoded["attention_mask"]
     if seq2seq:
         if items[0][4] is not None:
-            side = build_side_batch([(t, a, i) for i, _, _, t, a in items], pad_id, shift=1, start_id=start_id)
+            side = build_side_batch([(t, a, i) for i, _, _, t, a in items], pad_id, shift=1, start_id=start_id,
+                                    pooling=pooling)
             current["target"] = side
             lengths = [len(a) - (1 if a.word_of_token[-1] < 0 else 0) + 1 for _, _, _, _, a in items]
             inputs["decoder_input_ids"] = side.token_ids

@@ -20,7 +20,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-conllu", help="target-side parses: also analyse decoder self-attention")
     parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
                                               "(when the source side has no CoNLL-U)")
-    add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "query_chunk"))
+    add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "word_pooling",
+                                         "query_chunk"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,6 +47,7 @@ def register(subparsers) -> None:
     add_options(p, AnalysisConfig, ("top_frequent",))
     p.add_argument("--aggregate", action="store_true",
                    help="also compute the aggregate statistics in the same pass")
+    add_options(p, AnalysisConfig, ("sensitivity",))
     _aggregate_options(p)
     p.set_defaults(func=run_functions)
 

@@ -9,7 +9,10 @@ from headlab.data.treebank import PAPER_RELATIONS
 from headlab.errors import HeadlabError
 from headlab.options import option
 
-__all__ = ["AnalysisConfig"]
+__all__ = ["AnalysisConfig", "WORD_POOLINGS"]
+
+WORD_POOLINGS = ("sum", "first", "max")
+"""Subword-to-word mappings (:data:`headlab.data.alignment.POOLINGS`, named here without importing torch)."""
 
 
 @dataclass
@@ -34,10 +37,17 @@ class AnalysisConfig:
     query_chunk: int | None = option(None, "run headlab's own attention function and feed the statistics N query "
                                      "rows at a time: memory linear in the length (default: eager capture, whole maps)",
                                      metavar="N")
+    word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
+                               "subwords; from a word: their mean), first (a word is its first subword), max (the "
+                               "largest weight)", choices=WORD_POOLINGS)
+    sensitivity: bool = option(False, "also the sensitivity readings: positional share over words with both "
+                               "neighbours; rare-token share per sentence")
 
     def __post_init__(self) -> None:
         if self.spacing not in ("words", "text"):
             raise HeadlabError(f"spacing must be 'words' or 'text', got {self.spacing!r}")
+        if self.word_pooling not in WORD_POOLINGS:
+            raise HeadlabError(f"word pooling must be one of {', '.join(WORD_POOLINGS)}, got {self.word_pooling!r}")
         if not 0 < self.positional_threshold <= 1:
             raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
         if self.batch_size < 1:

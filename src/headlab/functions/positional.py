@@ -10,7 +10,10 @@ its attention to EOS has no maximum among words and is left out) and that can re
 two words: under a causal mask the first word sees only itself, so its maximum says nothing
 about the head and is left out (as is the word of a one-word sentence). Offsets beyond
 ``+-max_offset`` are pooled into two overflow bins, which can never be a head's offset.
-``level="token"`` does the same over subword tokens instead of words.
+``level="token"`` does the same over subword tokens instead of words. ``level="interior"``
+(a sensitivity reading, ``headlab functions --sensitivity``) counts only the words that have both
+neighbours in the sentence (neither the first word nor the last), for which offsets -1 and +1
+are both possible.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ class PositionalStats:
     """Streaming counts of relative offsets of each head's maximum attention."""
 
     def __init__(self, max_offset: int = 32, level: str = "word", threshold: float = 0.9) -> None:
-        if level not in ("word", "token"):
-            raise ValueError(f"level must be 'word' or 'token', got {level!r}")
+        if level not in ("word", "token", "interior"):
+            raise ValueError(f"level must be 'word', 'token' or 'interior', got {level!r}")
         self.max_offset = int(max_offset)
         self.level = level
         self.threshold = threshold
@@ -49,16 +52,26 @@ class PositionalStats:
         """Subword-token level, when ``config.functions`` (registry entry ``positional_tokens``)."""
         return cls(config.max_offset, "token", config.positional_threshold) if config.functions else None
 
+    @classmethod
+    def interior_from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+        """Words with both neighbours, when ``config.functions`` and ``config.sensitivity``
+        (registry entry ``positional_interior``)."""
+        return cls(config.max_offset, "interior", config.positional_threshold) \
+            if config.functions and config.sensitivity else None
+
     @property
     def n_bins(self) -> int:
         return 2 * self.max_offset + 3
 
     def update(self, view: AttentionView) -> None:
-        if self.level == "word":
-            argmax, valid, first = view.word_argmax, view.ranked_query_valid, view.word_start  # [B, H, word rows]
-        else:
+        if self.level == "token":
             argmax, valid, first = view.token_argmax, view.ranked_token_query_valid, view.start  # [B, H, rows]
+        else:
+            argmax, valid, first = view.word_argmax, view.ranked_query_valid, view.word_start  # [B, H, word rows]
         B, H, Q = argmax.shape
+        if self.level == "interior":
+            position = first + torch.arange(Q)[None, :]  # [1, word rows]
+            valid = valid & ((position >= 1) & (position < view.side.n_words[:, None] - 1))[:, None, :]
         offsets = argmax - (first + torch.arange(Q))[None, None, :]  # key - query
         bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
         head = torch.arange(H)[None, :, None].expand(B, H, Q)
@@ -167,8 +180,9 @@ class PositionalResult:
     # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
     def write(self, directory: str | Path) -> list[Path]:
         folder = Path(directory) / "positional"
-        if self.level == "token":
-            return [self.share.save(folder / "token_share.json"), self.offset.save(folder / "token_offset.json")]
+        if self.level in ("token", "interior"):
+            return [self.share.save(folder / f"{self.level}_share.json"),
+                    self.offset.save(folder / f"{self.level}_offset.json")]
         return [self.share.save(folder / "share.json"), self.offset.save(folder / "offset.json"),
                 write_json(folder / "offsets.json", self.to_json(), ensure_ascii=False)]
 
@@ -176,13 +190,16 @@ class PositionalResult:
         closest = [f"- {h}" for h in self.top(5)]
         if self.level == "token":
             return ["Subword-token level, closest to positional:", "", *closest, ""]
+        if self.level == "interior":
+            return ["Word level, only words with both neighbours (sensitivity), closest to positional:", "",
+                    *closest, ""]
         return [f"## Positional heads (Voita et al. 2019, Sec. 5.1), word level, threshold {self.threshold:.0%}", "",
                 *([f"- {h}" for h in self.heads()] or ["No head reaches the threshold."]),
                 "", "Closest to positional:", "", *closest, ""]
 
     def labels(self) -> Labels:
         """``positional +1``, ``positional -1``, ...: one offset holds ``threshold`` of the maxima (word level)."""
-        if self.level == "token":
+        if self.level != "word":
             return {}
         labels = empty_labels(self.share)
         for h in self.heads():
@@ -190,7 +207,7 @@ class PositionalResult:
         return labels
 
     def describe_heads(self) -> list[str]:
-        if self.level == "token":
+        if self.level != "word":
             return []
         heads = self.heads()
         if heads:

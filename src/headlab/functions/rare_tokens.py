@@ -12,6 +12,11 @@ split into more subwords. Special tokens are excluded as queries, as keys and as
 and so is a query token that can reach fewer than two word tokens (the first token under a
 causal mask: its maximum is forced).
 
+Two readings of "how often": per query token (the default: every query token of every eligible
+sentence counts once, so long sentences weigh more) and per sentence (``per_sentence``, from
+``headlab functions --sensitivity``: each eligible sentence's share of its query tokens, averaged
+over the sentences, with the standard deviation across sentences for an interval).
+
 Ties: the "rarest token" is every position whose count equals the sentence's minimum; "one of
 the two rarest" is every position whose count is at most the second smallest count in the
 sentence (positions sorted by count, then taken in order).
@@ -59,9 +64,13 @@ def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -
 class RareTokenStats:
     """Streaming: how often each head's maximum attention lands on the rarest token(s)."""
 
-    def __init__(self, frequencies: TokenFrequencies, top_k: int = 500) -> None:
+    def __init__(self, frequencies: TokenFrequencies, top_k: int = 500, per_sentence: bool = False) -> None:
         self.frequencies = frequencies
         self.top_k = int(top_k)
+        self.per_sentence = per_sentence
+        # per sentence: block -> [n sentences, sum of shares, sum of squares] x (rarest, two) per head
+        self.sentences: dict[BlockKey, torch.Tensor] = {}  # [5, n_heads]: n, rarest sum, sq, two sum, sq
+        self._open: dict[BlockKey, torch.Tensor] = {}  # [3, B, H]: this batch's hits, two, queries so far
         self.counts = torch.from_numpy(np.array(frequencies.counts, dtype=np.int64))
         self.top = torch.from_numpy(frequencies.top_mask(self.top_k))
         self.n_sentences: dict[str, int] = {}
@@ -73,7 +82,9 @@ class RareTokenStats:
     @classmethod
     def from_config(cls, config, frequencies: TokenFrequencies | None = None) -> "RareTokenStats | None":
         """When ``config.functions`` and token frequencies are given (registry entry ``rare``)."""
-        return cls(frequencies, config.top_frequent) if config.functions and frequencies else None
+        if not (config.functions and frequencies):
+            return None
+        return cls(frequencies, config.top_frequent, per_sentence=getattr(config, "sensitivity", False))
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         eligible, _, _ = rare_token_masks(side, self.counts, self.top)
@@ -94,12 +105,28 @@ class RareTokenStats:
                 table[key] += counts
             else:
                 table[key] = counts.clone()
+        if self.per_sentence:
+            # A sentence's query rows may come in several views (query chunks): sum them until the last.
+            counts = torch.stack([on_rarest.sum(2), on_two.sum(2), valid.sum(2)]).double()  # [3, B, H]
+            self._open[key] = self._open[key] + counts if key in self._open else counts
+            if view.last:
+                self._close_sentences(key, self._open.pop(key))
+
+    def _close_sentences(self, key: BlockKey, counts: torch.Tensor) -> None:
+        hits, two, n = counts
+        seen = n > 0  # [B, H]: eligible sentences with a counted query
+        share = torch.where(seen, hits / n.clamp(min=1), torch.zeros_like(hits))
+        share_two = torch.where(seen, two / n.clamp(min=1), torch.zeros_like(two))
+        rows = torch.stack([seen.sum(0).double(), share.sum(0), (share ** 2).sum(0), share_two.sum(0),
+                            (share_two ** 2).sum(0)])
+        self.sentences[key] = self.sentences[key] + rows if key in self.sentences else rows
 
     def result(self, model: str = "", signature: dict | None = None) -> "RareTokenResult":
         return RareTokenResult(
             first={k: v.numpy().astype(np.int64) for k, v in self.first.items()},
             two={k: v.numpy().astype(np.int64) for k, v in self.two.items()},
             queries={k: v.numpy().astype(np.int64) for k, v in self.queries.items()},
+            sentences={k: v.numpy() for k, v in self.sentences.items()} if self.per_sentence else None,
             n_sentences=dict(self.n_sentences),
             n_eligible=dict(self.n_eligible),
             top_k=self.top_k,
@@ -114,6 +141,7 @@ class RareTokenResult:
     first: dict[BlockKey, np.ndarray]
     two: dict[BlockKey, np.ndarray]
     queries: dict[BlockKey, np.ndarray]
+    sentences: dict[BlockKey, np.ndarray] | None  # [5, n_heads] per block (see RareTokenStats), or None
     n_sentences: dict[str, int]
     n_eligible: dict[str, int]
     top_k: int = 500
@@ -138,6 +166,41 @@ class RareTokenResult:
     def two_rarest(self) -> HeadScores:
         """Share of queries whose maximum lands on one of the two rarest tokens."""
         return self._share(self.two, "rare_token_two_rarest")
+
+    def _per_sentence(self, row: int, method: str) -> HeadScores:
+        values = {}
+        for key, table in (self.sentences or {}).items():
+            n = table[0]
+            values[key] = np.divide(table[row], n, out=np.full(len(n), np.nan), where=n > 0)
+        return head_scores(values, method, self.model, {**self.signature, "top_k": self.top_k,
+                                                        "frequencies": self.frequency_source, "reading": "per sentence"})
+
+    @property
+    def rarest_per_sentence(self) -> HeadScores:
+        """Mean over eligible sentences of the share of their queries whose maximum lands on the rarest token."""
+        return self._per_sentence(1, "rare_token_rarest_per_sentence")
+
+    @property
+    def two_rarest_per_sentence(self) -> HeadScores:
+        """The same for one of the two rarest tokens."""
+        return self._per_sentence(3, "rare_token_two_rarest_per_sentence")
+
+    def per_sentence_json(self) -> dict:
+        """``{"kind:layer": {"sentences", "rarest_mean", "rarest_sd", "two_rarest_mean", "two_rarest_sd"}}``:
+        per head, over the eligible sentences (sd: across sentences, for an interval of the mean)."""
+        out = {}
+        for (kind, layer), table in sorted((self.sentences or {}).items()):
+            n = table[0]
+            entry: dict[str, list] = {"sentences": n.astype(np.int64).tolist()}
+            for name, row in (("rarest", 1), ("two_rarest", 3)):
+                mean = np.divide(table[row], n, out=np.full(len(n), np.nan), where=n > 0)
+                second = np.divide(table[row + 1], n, out=np.full(len(n), np.nan), where=n > 0)
+                var = np.clip(second - mean ** 2, 0, None) * np.divide(n, n - 1, out=np.full(len(n), np.nan),
+                                                                         where=n > 1)
+                entry[f"{name}_mean"] = [None if np.isnan(x) else float(x) for x in mean]
+                entry[f"{name}_sd"] = [None if np.isnan(x) else float(x) for x in np.sqrt(var)]
+            out[f"{kind}:{layer}"] = entry
+        return out
 
     def top(self, n: int = 3) -> list[tuple[str, int, int, float, float]]:
         """The ``n`` heads that point to the rarest token most: ``(kind, layer, head, rarest, two)``."""
@@ -174,8 +237,12 @@ class RareTokenResult:
     # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------
     def write(self, directory: str | Path) -> list[Path]:
         folder = Path(directory) / "rare_tokens"
-        return [self.rarest.save(folder / "rarest.json"), self.two_rarest.save(folder / "two_rarest.json"),
-                write_json(folder / "summary.json", self.to_json(), ensure_ascii=False)]
+        paths = [self.rarest.save(folder / "rarest.json"), self.two_rarest.save(folder / "two_rarest.json"),
+                 write_json(folder / "summary.json", self.to_json(), ensure_ascii=False)]
+        if self.sentences is not None:
+            paths += [self.rarest_per_sentence.save(folder / "rarest_per_sentence.json"),
+                      write_json(folder / "per_sentence.json", self.per_sentence_json())]
+        return paths
 
     def markdown(self) -> list[str]:
         return ["## Rare-token heads (Sec. 5.3)", "", "```", self.describe(), "```", ""]

@@ -22,6 +22,7 @@ __all__ = ["STATISTICS"]
 STATISTICS: dict[str, Callable[..., HeadStatistic | None]] = {
     "positional": PositionalStats.from_config,  # Voita et al. 2019, Sec. 5.1, over words
     "positional_tokens": PositionalStats.tokens_from_config,  # the same over subword tokens
+    "positional_interior": PositionalStats.interior_from_config,  # words with both neighbours (--sensitivity)
     "syntactic": SyntacticStats.from_config,  # Sec. 5.2
     "rare": RareTokenStats.from_config,  # Sec. 5.3 (needs token frequencies)
     "aggregate": AggregateStats.from_config,  # Vig & Belinkov 2019

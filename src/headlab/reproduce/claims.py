@@ -383,69 +383,107 @@ def _binomial_interval(p: float, n: int) -> tuple[float, float]:
     return centre - half, centre + half
 
 
+def _table1_cells(table: dict) -> tuple[Cell, Cell | None]:
+    """Relation-directions with a syntactic head under both readings, and the largest margin."""
+    rows = [row for row in table["table"] if row.get("status") == "ok" and row.get("best_head")]
+    counts, verdicts = [], []
+    for reading in ("points", "relative"):
+        above, below = [], []
+        for row in rows:
+            low, high = _binomial_interval(row["best_accuracy"], row["n_arcs"])
+            bar = row["baseline"] + SYNTACTIC if reading == "points" else row["baseline"] * (1 + SYNTACTIC)
+            above += [row] if low >= bar else []
+            below += [row] if high < bar else []
+        met = [row for row in rows if _syntactic(row["best_accuracy"], row["baseline"], reading)]
+        counts.append(len(met))
+        verdicts.append("holds" if above else "does not hold" if len(below) == len(rows) else
+                        "inconclusive: a best head's interval contains the bar")
+    verdict = verdicts[0] if verdicts[0] == verdicts[1] else \
+        f"partly: {verdicts[0].split(':')[0]} under the points reading, {verdicts[1].split(':')[0]} under the relative"
+    margins = [(row["best_accuracy"] - row["baseline"], row) for row in rows]
+    best = None
+    if margins:
+        m, row = max(margins, key=lambda t: t[0])
+        l, h = row["best_head"]
+        best = Cell(f"{100 * m:+.1f} points ({row['relation']} {row['label']}, L{l} H{h})")
+    return Cell(f"{counts[0]} / {counts[1]} of {len(rows)}", verdict), best
+
+
+def _table1_lines(table: dict) -> list[str]:
+    lines = ["| relation | direction | arcs | best head | accuracy [95% interval] | baseline (offset) | "
+             "heads >= baseline + 10 points | heads >= 1.1 x baseline | paper WMT: accuracy / baseline |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for row in table["table"]:
+        paper = PAPER_TABLE1.get((row["relation"], row.get("label", "")), {}).get("WMT")
+        paper_cell = f"{paper[0]}% / {paper[1]}%" if paper else ""
+        if row.get("status") != "ok":
+            lines.append(f"| {row['relation']} | {row.get('label', '')} | 0 | absent from the data | | | | | "
+                         f"{paper_cell} |")
+            continue
+        l, h = row["best_head"]
+        low, high = _binomial_interval(row["best_accuracy"], row["n_arcs"])
+        lines.append(f"| {row['relation']} | {row['label']} | {row['n_arcs']:,} | L{l} H{h} | "
+                     f"{_pct(row['best_accuracy'])} [{_pct(low)}, {_pct(high)}] | {_pct(row['baseline'])} "
+                     f"({row['baseline_offset']:+d}) | {row['n_syntactic']} | "
+                     f"{'>= 1' if _syntactic(row['best_accuracy'], row['baseline'], 'relative') else 0} | "
+                     f"{paper_cell} |")
+    return lines
+
+
+def _parser_text(parser: dict | None) -> str:
+    if not parser:
+        return "the EWT parser"
+    return (f"the EWT parser (EWT test, gold words: UAS {_pct(parser['uas'])}, LAS {_pct(parser['las'])}, "
+            f"UPOS {_pct(parser['upos'])})")
+
+
 def claim_sec52(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec5.2", "Section 5.2: syntactic heads (Table 1 analogue)",
               "For some dependency relations (nsubj, dobj, amod, advmod) an encoder head points to the related word "
-              "\"at least 10% higher\" than the relation's most frequent relative position.", ["functions"])
-    readings = ("points", "relative")
+              "\"at least 10% higher\" than the relation's most frequent relative position.",
+              ["functions", "functions-parsed"])
+    paper_count = (f"WMT: {_paper_table1_count('WMT', 'points')} / {_paper_table1_count('WMT', 'relative')} of 8; "
+                   f"OpenSubtitles: {_paper_table1_count('OpenSubtitles', 'points')} / "
+                   f"{_paper_table1_count('OpenSubtitles', 'relative')} of 8 (Table 1, EN-RU)")
+    criterion = ("per reading: holds if a best head's 95% Wilson interval lies above the bar, does not hold if every "
+                 "best head's interval lies below it, inconclusive otherwise; partly when the two readings disagree "
+                 "(both are named)")
     check = Check("relation-directions with a syntactic head: points reading (accuracy >= baseline + 10 points) / "
-                  "relative reading (accuracy >= 1.1 x baseline)",
-                  f"WMT: {_paper_table1_count('WMT', 'points')} / {_paper_table1_count('WMT', 'relative')} of 8; "
-                  f"OpenSubtitles: {_paper_table1_count('OpenSubtitles', 'points')} / "
-                  f"{_paper_table1_count('OpenSubtitles', 'relative')} of 8 (Table 1, EN-RU)",
-                  criterion="per reading: holds if a best head's 95% Wilson interval lies above the bar, does not "
-                            "hold if every best head's interval lies below it, inconclusive otherwise; partly when "
-                            "the two readings disagree (both are named)")
+                  "relative reading (accuracy >= 1.1 x baseline), UD EWT dev gold trees",
+                  paper_count, criterion=criterion)
+    parsed = Check("the same in domain: the model's validation text (Multi30k val) parsed by models/ewt-parser, "
+                   "as the paper parsed its own text (CoreNLP)", paper_count, criterion=criterion)
     paper_best = max(PAPER_TABLE1.items(), key=lambda kv: kv[1]["WMT"][0] - kv[1]["WMT"][1])
     (rel, label), numbers = paper_best
-    best = Check("largest margin of a head over the baseline (points)",
+    best = Check("largest margin of a head over the baseline (points): EWT gold / validation text parsed",
                  f"WMT: {numbers['WMT'][0] - numbers['WMT'][1]:+d} points ({rel} {label}, "
                  f"{numbers['WMT'][0]} vs {numbers['WMT'][1]})")
     for name, r in results.items():
-        table = r.functions_json("table1")
+        table, table_parsed = r.functions_json("table1"), r.parsed_json("table1")
+        margins = []
         if table is None:
-            check.cells[name] = best.cells[name] = _missing("functions/table1.json", "functions")
-            continue
-        rows = [row for row in table["table"] if row.get("status") == "ok" and row.get("best_head")]
-        counts, verdicts = [], []
-        for reading in readings:
-            above, below = [], []
-            for row in rows:
-                low, high = _binomial_interval(row["best_accuracy"], row["n_arcs"])
-                bar = row["baseline"] + SYNTACTIC if reading == "points" else row["baseline"] * (1 + SYNTACTIC)
-                above += [row] if low >= bar else []
-                below += [row] if high < bar else []
-            met = [row for row in rows if _syntactic(row["best_accuracy"], row["baseline"], reading)]
-            counts.append(len(met))
-            verdicts.append("holds" if above else "does not hold" if len(below) == len(rows) else
-                            "inconclusive: a best head's interval contains the bar")
-        verdict = verdicts[0] if verdicts[0] == verdicts[1] else \
-            f"partly: {verdicts[0].split(':')[0]} under the points reading, {verdicts[1].split(':')[0]} under the relative"
-        check.cells[name] = Cell(f"{counts[0]} / {counts[1]} of {len(rows)}", verdict)
-        margins = [(row["best_accuracy"] - row["baseline"], row) for row in rows]
-        if margins:
-            m, row = max(margins, key=lambda t: t[0])
-            l, h = row["best_head"]
-            best.cells[name] = Cell(f"{100 * m:+.1f} points ({row['relation']} {row['label']}, L{l} H{h})")
-        lines = ["| relation | direction | arcs | best head | accuracy [95% interval] | baseline (offset) | "
-                 "heads >= baseline + 10 points | heads >= 1.1 x baseline | paper WMT: accuracy / baseline |",
-                 "|---|---|---:|---|---:|---:|---:|---:|---:|"]
-        for row in table["table"]:
-            paper = PAPER_TABLE1.get((row["relation"], row.get("label", "")), {}).get("WMT")
-            paper_cell = f"{paper[0]}% / {paper[1]}%" if paper else ""
-            if row.get("status") != "ok":
-                lines.append(f"| {row['relation']} | {row.get('label', '')} | 0 | absent from the data | | | | | "
-                             f"{paper_cell} |")
-                continue
-            l, h = row["best_head"]
-            low, high = _binomial_interval(row["best_accuracy"], row["n_arcs"])
-            lines.append(f"| {row['relation']} | {row['label']} | {row['n_arcs']:,} | L{l} H{h} | "
-                         f"{_pct(row['best_accuracy'])} [{_pct(low)}, {_pct(high)}] | {_pct(row['baseline'])} "
-                         f"({row['baseline_offset']:+d}) | {row['n_syntactic']} | "
-                         f"{'>= 1' if _syntactic(row['best_accuracy'], row['baseline'], 'relative') else 0} | "
-                         f"{paper_cell} |")
-        c.details[name] = lines
-    c.checks = [check, best]
+            check.cells[name] = _missing("functions/table1.json", "functions")
+        else:
+            check.cells[name], margin = _table1_cells(table)
+            margins.append(margin.value if margin else "-")
+        if table_parsed is None:
+            parsed.cells[name] = _missing("functions-parsed/table1.json", "functions-parsed")
+        else:
+            parsed.cells[name], margin = _table1_cells(table_parsed)
+            margins.append(margin.value if margin else "-")
+        best.cells[name] = Cell(" / ".join(margins)) if margins else _missing("functions/table1.json", "functions")
+        lines: list[str] = []
+        if table is not None:
+            lines += ["UD EWT dev, gold trees:", ""] + _table1_lines(table)
+        if table_parsed is not None:
+            summary = r.parsed_json("summary") or {}
+            n = (summary.get("report") or {}).get("n_sentences")
+            lines += ([""] if lines else []) + [
+                f"Multi30k val{f' ({n:,} sentences)' if n else ''}, parsed by {_parser_text(r.parsed_json('parser'))}:",
+                ""] + _table1_lines(table_parsed)
+        if lines:
+            c.details[name] = lines
+    c.checks = [check, parsed, best]
     return c
 
 

@@ -65,6 +65,7 @@ class ReproduceConfig:
     threads: int = 1
     importance: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)
+    parse: dict = field(default_factory=dict)  # {"model": spaCy UD pipeline, "split": text to parse}
     prune: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
@@ -105,7 +106,7 @@ class ReproduceConfig:
 
 
 _TOP_KEYS = {"models", "data", "work_dir", "results_dir", "doc", "img_dir", "threads", "importance", "functions",
-             "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
+             "parse", "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
 _MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern", "tokenizer", "comment", "prune", "baselines"}
 
 

@@ -10,6 +10,8 @@ functions/token_share.json, token_offset.json                      subword-token
 functions/table1.json, syntactic_margin.json                       Table 1 analogue, best margin per head
 functions/rare_rarest.json, rare_two_rarest.json, rare_summary.json
 functions/summary.json                                             what the pass read
+functions-parsed/table1.json, summary.json                         the same on the parsed validation text
+functions-parsed/parser.json                                       the parser's scores on EWT test (its card's file)
 prune/<enc|all>/full.json                                          the unpruned model's evaluation
 prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json)
 baselines/<name>.json                                              baselines.json of prune/base-<name>
@@ -68,6 +70,11 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
         _copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json", written)
     for src, dst in _FUNCTIONS.items():
         _copy(work / "functions" / src, res / "functions" / dst, written)
+    for name in ("syntactic/table1.json", "summary.json"):
+        _copy(work / "functions-parsed" / name, res / "functions-parsed" / Path(name).name, written)
+    if config.parse.get("model") and (work / "functions-parsed" / "summary.json").is_file():
+        _copy(config.path(config.parse["model"]) / "eval_results.json", res / "functions-parsed" / "parser.json",
+              written)
     for sweep in ("enc", "all"):
         directory = work / "prune" / sweep
         _copy(directory / "full.json", res / "prune" / sweep / "full.json", written)
@@ -153,6 +160,10 @@ class ModelResults:
 
     def functions_json(self, name: str):
         return _json(self.dir / "functions" / f"{name}.json")
+
+    def parsed_json(self, name: str):
+        """``table1``, ``summary`` or ``parser`` of the functions pass on the parsed validation text."""
+        return _json(self.dir / "functions-parsed" / f"{name}.json")
 
     def sweep(self, name: str) -> dict:
         """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}}``."""

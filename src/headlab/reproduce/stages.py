@@ -103,6 +103,29 @@ def functions_commands(ctx: Context) -> list[list[str]]:
     return [argv + flags(options) + _threads(ctx)]
 
 
+def parsed_commands(ctx: Context) -> list[list[str]]:
+    """Parse the model's own source text (``parse.split``) with ``parse.model``, then the functions
+    pass on those trees: the paper's setting (parser output on in-domain text)."""
+    cfg = ctx.config.parse
+    if not cfg.get("model"):
+        raise SkipStage("the config has no parse.model (a spaCy UD pipeline)")
+    parser = ctx.config.path(cfg["model"])
+    if not ctx.dry_run and not (parser / "config.cfg").is_file():
+        raise SkipStage(f"parser {ctx.config.rel(parser)} does not exist: build it with experiments/parser/train.sh")
+    model = _require_model(ctx)
+    split = cfg.get("split", "valid")
+    text, _ = _data(ctx, split)
+    conllu = ctx.config.work(ctx.model, "parsed", f"{split}.{ctx.model.src}.conllu")
+    parse = ["parse", "--model", _p(ctx, parser), "--input", text, "--out", _p(ctx, conllu), "--no-progress"]
+    options = dict(ctx.config.functions)
+    options.pop("conllu", None)
+    train_src, _ = _data(ctx, "train")
+    out = ctx.config.work(ctx.model, "functions-parsed")
+    functions = ["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--train-text", train_src,
+                 "--no-progress"]
+    return [parse, functions + flags(options) + _threads(ctx)]
+
+
 def _sweep_dir(ctx: Context, sweep: str) -> Path:
     return ctx.config.work(ctx.model, "prune", sweep)
 
@@ -257,6 +280,8 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "importance": Stage("importance", "confidence, LRP, gradient, ablation (Sec. 4)", importance_commands),
     "functions": Stage("functions", "positional, syntactic, rare-token heads on UD EWT (Sec. 5)", functions_commands),
+    "functions-parsed": Stage("functions-parsed", "the same on the model's own validation text, parsed by the EWT "
+                                                  "parser (Sec. 5.2 in domain)", parsed_commands),
     "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
                        check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc"))),
     "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
