@@ -10,46 +10,18 @@ import sys
 
 import pytest
 import spacy
-from spacy.training import Example
 
 from headlab.cli import main
 from headlab.data.treebank import UPOS_TAGS, read_conllu
 from headlab.errors import HeadlabError
 from headlab.parse import load_pipeline, parse_text_file
-
-# (words, UPOS, 1-based heads, deprels): enough for the morphologizer and the parser to learn.
-TRAIN = [
-    ("A dog runs .", ["DET", "NOUN", "VERB", "PUNCT"], [2, 3, 0, 3], ["det", "nsubj", "root", "punct"]),
-    ("The man eats an apple .", ["DET", "NOUN", "VERB", "DET", "NOUN", "PUNCT"], [2, 3, 0, 5, 3, 3],
-     ["det", "nsubj", "root", "det", "obj", "punct"]),
-    ("A girl sees the red ball .", ["DET", "NOUN", "VERB", "DET", "ADJ", "NOUN", "PUNCT"], [2, 3, 0, 6, 6, 3, 3],
-     ["det", "nsubj", "root", "det", "amod", "obj", "punct"]),
-    ("Two boys play quickly .", ["NUM", "NOUN", "VERB", "ADV", "PUNCT"], [2, 3, 0, 3, 3],
-     ["nummod", "nsubj", "root", "advmod", "punct"]),
-]
-
-
-def _example(nlp, text, upos, heads, deps):
-    words = text.split()
-    doc = nlp.make_doc(text)
-    return Example.from_dict(doc, {"words": words, "pos": upos, "heads": [h - 1 if h else i for i, h in enumerate(heads)],
-                                   "deps": ["ROOT" if d == "root" else d for d in deps]})
+from support.parser import PARSER_TRAIN, tiny_parser
 
 
 @pytest.fixture(scope="module")
 def pipeline_dir(tmp_path_factory):
-    """A morphologizer + parser pipeline trained on TRAIN (about a second), saved with to_disk."""
-    spacy.util.fix_random_seed(0)
-    nlp = spacy.blank("en")
-    nlp.add_pipe("morphologizer")
-    nlp.add_pipe("parser", config={"min_action_freq": 1})  # keep every label of the few examples
-    examples = [_example(nlp, *row) for row in TRAIN]
-    optimizer = nlp.initialize(lambda: examples)
-    for _ in range(40):
-        nlp.update(examples, sgd=optimizer, drop=0.0)
-    path = tmp_path_factory.mktemp("parser") / "pipeline"
-    nlp.to_disk(path)
-    return path
+    """A morphologizer + parser pipeline trained on PARSER_TRAIN (about a second)."""
+    return tiny_parser(tmp_path_factory.mktemp("parser") / "pipeline")
 
 
 def _write(path, text):
@@ -73,7 +45,7 @@ def test_parse_writes_one_tree_per_line(pipeline_dir, tmp_path):
         assert sentence.deprels[sentence.heads.index(-1)] == "root"
         assert set(sentence.upos) <= set(UPOS_TAGS)
     # The pipeline reproduces the trees it was trained on.
-    gold = {text: ([h - 1 for h in heads], upos, deps) for text, upos, heads, deps in TRAIN}
+    gold = {text: ([h - 1 for h in heads], upos, deps) for text, upos, heads, deps in PARSER_TRAIN}
     for sentence in (sentences[0], sentences[2]):
         heads, upos, deps = gold[sentence.text]
         assert (list(sentence.heads), list(sentence.upos), list(sentence.deprels)) == (heads, upos, deps)

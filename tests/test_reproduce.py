@@ -30,6 +30,7 @@ from headlab.reproduce import (
 )
 from headlab.reproduce.pipeline import run_pipeline
 from headlab.reproduce.results import kept_mask
+from support.parser import tiny_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "multi30k"
@@ -70,6 +71,7 @@ def workspace(tmp_path_factory):
     _write_gz(root / "data" / "test.en.gz", corpus.sources[150:160])
     _write_gz(root / "data" / "test.de.gz", corpus.targets[150:160])
     (root / "ewt.conllu").write_text(_first_sentences(EWT, 12), encoding="utf-8")
+    tiny_parser(root / "parser")
     model = create_model(config, seed=0)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
@@ -84,7 +86,9 @@ def workspace(tmp_path_factory):
         "data": {"train": "data/train.{lang}.gz", "valid": "data/val.{lang}.gz", "test": "data/test.{lang}.gz"},
         "work_dir": "work", "results_dir": "results", "doc": "reproduction.md", "img_dir": "img", "threads": 1,
         "importance": {"n-sentences": 6, "method": "all", "batch-size": 4},
-        "functions": {"conllu": "ewt.conllu", "top-frequent": 20},
+        "functions": {"conllu": "ewt.conllu", "top-frequent": 20, "sensitivity": True},
+        "parse": {"model": "parser", "split": "valid"},
+        "pooling": ["first"],
         "prune": {"options": {"max-tokens": 300, "max-steps": 3, "lr": "1e-3", "gate-lr": 0.1, "log-every": 1,
                               "eval-beam": 1},
                   "enc": {"gates": "enc_self", "keeps": [4], "lams": [0.5]},
@@ -123,7 +127,9 @@ def test_stages_run_in_order_and_write_their_outputs(workspace, first_run):
     res = workspace / "results" / "tiny"
     for name in ("importance/confidence.json", "importance/lrp.json", "importance/ablation.json",
                  "importance/agreement.json", "functions/table1.json", "functions/rare_rarest.json",
-                 "functions/positional_share.json", "prune/enc/full.json", "prune/enc/keep-4/result.json",
+                 "functions/positional_share.json", "functions/interior_share.json", "functions/rare_per_sentence.json",
+                 "functions-parsed/table1.json", "functions-first/table1.json",
+                 "functions-first/positional_share.json", "prune/enc/full.json", "prune/enc/keep-4/result.json",
                  "prune/enc/keep-4/kept.json", "prune/enc/lam-0.5/gates.json", "prune/all/keep-12/kept.json",
                  "baselines/random.json", "baselines/michel.json", "baselines/lrp.json", "scratch.json",
                  "specialisation.json", "timings.json", "hypotheses/full.txt", "hypotheses/enc-keep-4.txt",
@@ -268,6 +274,22 @@ def test_claims_on_hand_made_results(tmp_path):
     assert sec53[2].cells["m"].value == "30.0% / 45.0%"
     assert claims["sec6.2"].checks[0].cells["m"].verdict.startswith("not run")
     assert claims["sec5.2"].checks[0].cells["m"].verdict.startswith("not run")
+    assert "(2,000 sentences)" in sec53[0].cells["m"].value  # older files: only the sentence count
+    assert sec53[4].cells["m"].verdict.startswith("not run")
+    # The sensitivity files: the main row's interval over query tokens, the per-sentence reading beside it.
+    mean = np.full((2, 4), 0.05)
+    mean[1, 3] = 0.2  # per sentence, a head outside layer 1 leads
+    per_sentence = {f"enc_self:{layer}": {"sentences": [400] * 4, "query_tokens": [9000] * 4,
+                                          "rarest_mean": mean[layer].tolist(), "rarest_sd": [0.3] * 4,
+                                          "two_rarest_mean": mean[layer].tolist(), "two_rarest_sd": [0.3] * 4}
+                    for layer in range(2)}
+    (res / "functions" / "rare_per_sentence.json").write_text(json.dumps(per_sentence))
+    sec53 = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec5.3"].checks
+    assert "(9,000 query tokens)" in sec53[0].cells["m"].value and sec53[0].cells["m"].verdict == "holds"
+    half = 1.96 * 0.3 / 20  # sd / sqrt(400 sentences)
+    assert sec53[4].cells["m"].value == (f"L1 H3 20.0% [{100 * (0.2 - half):.1f}%, {100 * (0.2 + half):.1f}%]; "
+                                         f"L0 H0 5.0% [{100 * (0.05 - half):.1f}%, {100 * (0.05 + half):.1f}%] "
+                                         f"(400 sentences; outside layer 1, apart)")
 
 
 def test_specialisation_without_checkpoints_keeps_committed_results(workspace, first_run):

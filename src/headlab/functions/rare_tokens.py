@@ -186,12 +186,14 @@ class RareTokenResult:
         return self._per_sentence(3, "rare_token_two_rarest_per_sentence")
 
     def per_sentence_json(self) -> dict:
-        """``{"kind:layer": {"sentences", "rarest_mean", "rarest_sd", "two_rarest_mean", "two_rarest_sd"}}``:
-        per head, over the eligible sentences (sd: across sentences, for an interval of the mean)."""
+        """``{"kind:layer": {"sentences", "query_tokens", "rarest_mean", "rarest_sd", "two_rarest_mean",
+        "two_rarest_sd"}}``: per head, the eligible sentences and query tokens counted, and the mean
+        and standard deviation of the per-sentence shares (for an interval of the mean)."""
         out = {}
         for (kind, layer), table in sorted((self.sentences or {}).items()):
             n = table[0]
-            entry: dict[str, list] = {"sentences": n.astype(np.int64).tolist()}
+            entry: dict[str, list] = {"sentences": n.astype(np.int64).tolist(),
+                                      "query_tokens": self.queries[(kind, layer)].astype(np.int64).tolist()}
             for name, row in (("rarest", 1), ("two_rarest", 3)):
                 mean = np.divide(table[row], n, out=np.full(len(n), np.nan), where=n > 0)
                 second = np.divide(table[row + 1], n, out=np.full(len(n), np.nan), where=n > 0)

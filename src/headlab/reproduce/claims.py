@@ -232,6 +232,28 @@ def _rho_verdict(rho: float, low: float, high: float) -> str:
     return "does not hold" if high < 0 else "inconclusive: the interval contains 0"
 
 
+POOLING_NAMES = {"sum": "sum (default)", "first": "first subword", "max": "max"}
+
+
+def _best_share(share: np.ndarray | None) -> str:
+    """``36.7% (L4 H6)``: the largest share of a head, and which head."""
+    if share is None or _argmax(share) is None:
+        return "-"
+    l, h = _argmax(share)
+    return f"{_pct(share[l, h])} (L{l} H{h})"
+
+
+def _poolings(r: ModelResults) -> list[str]:
+    """The other word poolings with result files, in the order of POOLING_NAMES."""
+    return [p for p in POOLING_NAMES if p != "sum" and r.pooled_json(p, "table1") is not None]
+
+
+def _mean_interval(mean: float, sd: float, n: int) -> tuple[float, float]:
+    """95% normal interval of a mean of ``n`` per-sentence shares."""
+    half = 1.959963984540054 * sd / math.sqrt(n) if n > 1 else math.nan
+    return mean - half, mean + half
+
+
 def claim_setting(results: dict[str, ModelResults]) -> Claim:
     c = Claim("setting", "What differs from the paper: training and pruning budgets",
               "How much each model and each pruning point was trained, against the paper's setting.", [])
@@ -321,7 +343,7 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec5.1", "Section 5.1: positional heads",
               "Positional heads (at least 90% of a head's maxima at one relative position, mostly -1 or +1) exist, "
               "are among the most relevant and confident heads, and have confidence above 0.8.",
-              ["specialisation", "functions", "importance"])
+              ["specialisation", "functions", "importance", "functions-parsed", "pooling"])
     exist = Check("encoder heads with >= 90% of maxima at one offset (in-domain, subword tokens) [95% interval of "
                   "the best head]",
                   "exist in every model, among the important encoder heads (Sec. 5.1; threshold 90%)",
@@ -371,7 +393,27 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
         else:
             ewt.cells[name] = Cell(f"words: {(np.nan_to_num(word) >= POSITIONAL).sum()} (max {_pct(np.nanmax(word))}); "
                                    f"tokens: {(np.nan_to_num(token) >= POSITIONAL).sum()} (max {_pct(np.nanmax(token))})")
-    c.checks = [exist, ewt, relevant, confident]
+    interior = Check("sensitivity: the best head's positional share over words with both neighbours, against all "
+                     "words (UD EWT dev; Multi30k val parsed)", "-")
+    pooled = Check("sensitivity: the best head's positional share (words, UD EWT dev) under each subword-to-word "
+                   "mapping: " + " / ".join(POOLING_NAMES.values()), "-")
+    for name, r in results.items():
+        parts = []
+        for text, every, inner in (("EWT", r.functions_scores("positional_share"), r.functions_scores("interior_share")),
+                                   ("val", r.parsed_scores("positional_share"), r.parsed_scores("interior_share"))):
+            if every is not None and inner is not None:
+                inner_enc = _enc(inner)
+                parts.append(f"{text}: all words {_best_share(_enc(every))}, both neighbours {_best_share(inner_enc)}; "
+                             f"heads >= 90%: {(np.nan_to_num(inner_enc) >= POSITIONAL).sum()}")
+        interior.cells[name] = Cell("; ".join(parts)) if parts else \
+            _missing("functions/interior_share.json", "functions")
+        word = r.functions_scores("positional_share")
+        if word is None or not _poolings(r):
+            pooled.cells[name] = _missing("functions-first/positional_share.json", "pooling")
+        else:
+            shares = [_enc(word)] + [_enc(r.pooled_scores(p, "positional_share")) for p in _poolings(r)]
+            pooled.cells[name] = Cell(" / ".join(_best_share(x) for x in shares))
+    c.checks = [exist, ewt, relevant, confident, interior, pooled]
     return c
 
 
@@ -441,7 +483,7 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec5.2", "Section 5.2: syntactic heads (Table 1 analogue)",
               "For some dependency relations (nsubj, dobj, amod, advmod) an encoder head points to the related word "
               "\"at least 10% higher\" than the relation's most frequent relative position.",
-              ["functions", "functions-parsed"])
+              ["functions", "functions-parsed", "pooling"])
     paper_count = (f"WMT: {_paper_table1_count('WMT', 'points')} / {_paper_table1_count('WMT', 'relative')} of 8; "
                    f"OpenSubtitles: {_paper_table1_count('OpenSubtitles', 'points')} / "
                    f"{_paper_table1_count('OpenSubtitles', 'relative')} of 8 (Table 1, EN-RU)")
@@ -483,7 +525,20 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                 ""] + _table1_lines(table_parsed)
         if lines:
             c.details[name] = lines
-    c.checks = [check, parsed, best]
+    pooled = Check("sensitivity: the EWT gold-tree count and largest margin under each subword-to-word mapping: "
+                   + " / ".join(POOLING_NAMES.values()), "-")
+    for name, r in results.items():
+        table = r.functions_json("table1")
+        if table is None or not _poolings(r):
+            pooled.cells[name] = _missing("functions-first/table1.json", "pooling")
+            continue
+        parts = []
+        for pooling, data in [("sum", table)] + [(p, r.pooled_json(p, "table1")) for p in _poolings(r)]:
+            count, margin = _table1_cells(data)
+            parts.append(f"{POOLING_NAMES[pooling]}: {count.value} ({count.verdict.split(':')[0]}), "
+                         f"{margin.value.split(' (')[0] if margin else '-'}")
+        pooled.cells[name] = Cell("; ".join(parts))
+    c.checks = [check, parsed, best, pooled]
     return c
 
 
@@ -494,9 +549,11 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
     where = Check("the encoder head pointing most often to the rarest token, and its layer [95% intervals: it / the "
                   "best head of the other layers or of layer 1]",
                   f"a head of the first layer, in every model (Sec. 5.3; {WORDS})",
-                  criterion="holds if it is in encoder layer 1 (L0) and its Wilson interval over the eligible "
-                            "sentences lies above the best other layer's head; does not hold if it is elsewhere and its "
-                            "interval lies above layer 1's best head; inconclusive if the intervals overlap")
+                  criterion="holds if it is in encoder layer 1 (L0) and its Wilson interval over the query tokens it "
+                            "was measured on lies above the best other layer's head; does not hold if it is elsewhere "
+                            "and its interval lies above layer 1's best head; inconclusive if the intervals overlap")
+    sentence = Check("sensitivity: the same per sentence (each eligible sentence's share of its query tokens, averaged "
+                     "over sentences) [95% normal intervals over sentences]", "-")
     relevant = Check("it is the most relevant (LRP) head of layer 1",
                      f"ranked by LRP far above the other heads of layer 1 (Sec. 5.3; {WORDS})",
                      criterion="holds if the top rare-token head is in L0 and first by LRP there")
@@ -515,22 +572,25 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
                                          "not testable: no qualifying sentence")
             continue
         l, h = _argmax(rarest)
-        n = int(((r.functions_json("rare_summary") or {}).get("n_eligible") or {}).get("enc_self") or 0)
-        rival = rarest.copy()
-        if l == 0:
-            rival[0] = np.nan  # the best head outside layer 1
-        else:
-            rival[1:] = np.nan  # layer 1's best head
-        rl, rh = _argmax(rival)
-        if n:
-            top_iv, rival_iv = _binomial_interval(float(rarest[l, h]), n), _binomial_interval(float(rival[rl, rh]), n)
+        rl, rh = _rival(rarest, l)
+        per_sentence = r.functions_json("rare_per_sentence")
+        if per_sentence is not None:  # query tokens per head: the unit the shares are measured on
+            tokens = np.array([per_sentence[f"enc_self:{layer}"]["query_tokens"] for layer in range(rarest.shape[0])])
+            n, n_rival, unit = int(tokens[l, h]), int(tokens[rl, rh]), "query tokens"
+        else:  # older result files: only the sentence count
+            n = n_rival = int(((r.functions_json("rare_summary") or {}).get("n_eligible") or {}).get("enc_self") or 0)
+            unit = "sentences"
+        if n and n_rival:
+            top_iv = _binomial_interval(float(rarest[l, h]), n)
+            rival_iv = _binomial_interval(float(rarest[rl, rh]), n_rival)
             apart = top_iv[0] > rival_iv[1]
             value = (f"L{l} H{h} [{_pct(top_iv[0])}, {_pct(top_iv[1])}]; L{rl} H{rh} [{_pct(rival_iv[0])}, "
-                     f"{_pct(rival_iv[1])}] ({n:,} sentences)")
+                     f"{_pct(rival_iv[1])}] ({n:,} {unit})")
             verdict = ("holds" if l == 0 else "does not hold") if apart else "inconclusive: the intervals overlap"
         else:
-            value, verdict = f"L{l} H{h}", "inconclusive: no sentence count in rare_summary.json"
+            value, verdict = f"L{l} H{h}", "inconclusive: no count in rare_summary.json"
         where.cells[name] = Cell(value, verdict)
+        sentence.cells[name] = _per_sentence_cell(per_sentence, rarest.shape)
         pct.cells[name] = Cell(f"{_pct(rarest[l, h])} / {_pct(two[l, h])}")
         h0 = int(np.nanargmax(rarest[0]))
         layer0.cells[name] = Cell(f"L0 H{h0}: {_pct(rarest[0, h0])} / {_pct(two[0, h0])}; mean "
@@ -542,8 +602,39 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
             top0 = int(np.nanargmax(lrp[0]))
             ok = l == 0 and top0 == h
             relevant.cells[name] = Cell(f"layer 1's most relevant head: L0 H{top0}", "holds" if ok else "does not hold")
-    c.checks = [where, relevant, pct, layer0]
+    c.checks = [where, relevant, pct, layer0, sentence]
     return c
+
+
+def _rival(shares: np.ndarray, layer: int) -> tuple[int, int]:
+    """The best head outside layer 1 when ``layer`` is layer 1 (L0), else layer 1's best head."""
+    rival = shares.copy()
+    if layer == 0:
+        rival[0] = np.nan
+    else:
+        rival[1:] = np.nan
+    return _argmax(rival)
+
+
+def _per_sentence_cell(data: dict | None, shape: tuple[int, int]) -> Cell:
+    """The rare-token head under the per-sentence reading: which head, its layer, intervals over sentences."""
+    if data is None:
+        return _missing("functions/rare_per_sentence.json", "functions")
+    rows = [data[f"enc_self:{layer}"] for layer in range(shape[0])]
+    mean = np.array([[np.nan if v is None else v for v in row["rarest_mean"]] for row in rows])
+    sd = np.array([[np.nan if v is None else v for v in row["rarest_sd"]] for row in rows])
+    n = np.array([row["sentences"] for row in rows])
+    if _argmax(mean) is None:
+        return Cell("no eligible sentence")
+    l, h = _argmax(mean)
+    rl, rh = _rival(mean, l)
+    top_iv = _mean_interval(mean[l, h], sd[l, h], int(n[l, h]))
+    rival_iv = _mean_interval(mean[rl, rh], sd[rl, rh], int(n[rl, rh]))
+    apart = top_iv[0] > rival_iv[1]
+    reading = ("in layer 1, apart" if l == 0 else "outside layer 1, apart") if apart else "intervals overlap"
+    return Cell(f"L{l} H{h} {_pct(mean[l, h])} [{_pct(top_iv[0])}, {_pct(top_iv[1])}]; L{rl} H{rh} "
+                f"{_pct(mean[rl, rh])} [{_pct(rival_iv[0])}, {_pct(rival_iv[1])}] ({int(n[l, h]):,} sentences; "
+                f"{reading})")
 
 
 def _baseline_means(rows: list[dict], kind: str = "enc_self") -> dict[str, dict[int, float]]:

@@ -66,6 +66,7 @@ class ReproduceConfig:
     importance: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)
     parse: dict = field(default_factory=dict)  # {"model": spaCy UD pipeline, "split": text to parse}
+    pooling: list = field(default_factory=list)  # other subword-to-word mappings for the functions pass
     prune: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
@@ -106,7 +107,7 @@ class ReproduceConfig:
 
 
 _TOP_KEYS = {"models", "data", "work_dir", "results_dir", "doc", "img_dir", "threads", "importance", "functions",
-             "parse", "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
+             "parse", "pooling", "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
 _MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern", "tokenizer", "comment", "prune", "baselines"}
 
 

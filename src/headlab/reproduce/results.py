@@ -9,8 +9,13 @@ functions/positional_share.json, positional_offset.json            word level (h
 functions/token_share.json, token_offset.json                      subword-token level
 functions/table1.json, syntactic_margin.json                       Table 1 analogue, best margin per head
 functions/rare_rarest.json, rare_two_rarest.json, rare_summary.json
+functions/interior_share.json                                      positional share, words with both neighbours
+functions/rare_rarest_per_sentence.json, rare_per_sentence.json    the rare-token shares per sentence
 functions/summary.json                                             what the pass read
-functions-parsed/table1.json, summary.json                         the same on the parsed validation text
+functions-parsed/table1.json, summary.json, positional_share.json, interior_share.json
+                                                                   the same on the parsed validation text
+functions-<first|max>/table1.json, positional_share.json, summary.json
+                                                                   under another word pooling (stage pooling)
 functions-parsed/parser.json                                       the parser's scores on EWT test (its card's file)
 prune/<enc|all>/full.json                                          the unpruned model's evaluation
 prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json)
@@ -47,8 +52,16 @@ _FUNCTIONS = {
     "rare_tokens/rarest.json": "rare_rarest.json",
     "rare_tokens/two_rarest.json": "rare_two_rarest.json",
     "rare_tokens/summary.json": "rare_summary.json",
+    "positional/interior_share.json": "interior_share.json",
+    "rare_tokens/rarest_per_sentence.json": "rare_rarest_per_sentence.json",
+    "rare_tokens/per_sentence.json": "rare_per_sentence.json",
     "summary.json": "summary.json",
 }
+
+
+def _flat(name: str) -> str:
+    """``positional/share.json`` -> ``positional_share.json`` (the names of the functions/ copies)."""
+    return _FUNCTIONS.get(name, Path(name).name)
 
 
 def _copy(src: Path, dst: Path, written: list[Path]) -> None:
@@ -70,8 +83,11 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
         _copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json", written)
     for src, dst in _FUNCTIONS.items():
         _copy(work / "functions" / src, res / "functions" / dst, written)
-    for name in ("syntactic/table1.json", "summary.json"):
-        _copy(work / "functions-parsed" / name, res / "functions-parsed" / Path(name).name, written)
+    for name in ("syntactic/table1.json", "summary.json", "positional/share.json", "positional/interior_share.json"):
+        _copy(work / "functions-parsed" / name, res / "functions-parsed" / _flat(name), written)
+    for pooling in config.pooling:
+        for name in ("syntactic/table1.json", "positional/share.json", "summary.json"):
+            _copy(work / f"functions-{pooling}" / name, res / f"functions-{pooling}" / _flat(name), written)
     if config.parse.get("model") and (work / "functions-parsed" / "summary.json").is_file():
         _copy(config.path(config.parse["model"]) / "eval_results.json", res / "functions-parsed" / "parser.json",
               written)
@@ -164,6 +180,16 @@ class ModelResults:
     def parsed_json(self, name: str):
         """``table1``, ``summary`` or ``parser`` of the functions pass on the parsed validation text."""
         return _json(self.dir / "functions-parsed" / f"{name}.json")
+
+    def parsed_scores(self, name: str) -> HeadScores | None:
+        return _scores(self.dir / "functions-parsed" / f"{name}.json")
+
+    def pooled_json(self, pooling: str, name: str):
+        """``table1`` or ``summary`` of the functions pass under another word pooling."""
+        return _json(self.dir / f"functions-{pooling}" / f"{name}.json")
+
+    def pooled_scores(self, pooling: str, name: str) -> HeadScores | None:
+        return _scores(self.dir / f"functions-{pooling}" / f"{name}.json")
 
     def sweep(self, name: str) -> dict:
         """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}}``."""

@@ -126,6 +126,22 @@ def parsed_commands(ctx: Context) -> list[list[str]]:
     return [parse, functions + flags(options) + _threads(ctx)]
 
 
+def pooling_commands(ctx: Context) -> list[list[str]]:
+    """The functions pass on UD EWT dev again under each other subword-to-word mapping (``pooling``)."""
+    if not ctx.config.pooling:
+        raise SkipStage("the config lists no other word pooling (pooling: [\"first\", \"max\"])")
+    options = dict(ctx.config.functions)
+    conllu = ctx.config.path(options.pop("conllu", "data/ud-english-ewt/en_ewt-ud-dev.conllu"))
+    options.pop("sensitivity", None)
+    model = _require_model(ctx)
+    commands = []
+    for pooling in ctx.config.pooling:
+        out = ctx.config.work(ctx.model, f"functions-{pooling}")
+        commands.append(["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--word-pooling", pooling,
+                         "--no-figures", "--no-progress"] + flags(options) + _threads(ctx))
+    return commands
+
+
 def _sweep_dir(ctx: Context, sweep: str) -> Path:
     return ctx.config.work(ctx.model, "prune", sweep)
 
@@ -282,6 +298,8 @@ STAGES: dict[str, Stage] = {
     "functions": Stage("functions", "positional, syntactic, rare-token heads on UD EWT (Sec. 5)", functions_commands),
     "functions-parsed": Stage("functions-parsed", "the same on the model's own validation text, parsed by the EWT "
                                                   "parser (Sec. 5.2 in domain)", parsed_commands),
+    "pooling": Stage("pooling", "the functions pass under the other subword-to-word mappings (sensitivity)",
+                     pooling_commands),
     "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
                        check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc"))),
     "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
