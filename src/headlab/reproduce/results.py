@@ -1,6 +1,7 @@
 """The small result files of the reproduction: copied from the work dirs, read back for the claims.
 
-Layout of ``<results_dir>/<model>/`` (every file is a stage's own output, copied unchanged):
+Layout of ``<results_dir>/<model>/`` (every file is a stage's own output, copied unchanged but for
+paths under the repository root, which are written relative to it):
 
 ```
 importance/{confidence,lrp,gradient,gradient_raw,ablation}.json   HeadScores (headlab importance)
@@ -64,9 +65,12 @@ def _flat(name: str) -> str:
     return _FUNCTIONS.get(name, Path(name).name)
 
 
-def _copy(src: Path, dst: Path, written: list[Path]) -> None:
+def _copy(src: Path, dst: Path, written: list[Path], root: str = "") -> None:
+    """Copy a result file; paths under the repository ``root`` are written relative to it (as run from the root)."""
     if src.is_file():
         text = src.read_text(encoding="utf-8")
+        if root:
+            text = text.replace(root, "")
         if not dst.is_file() or dst.read_text(encoding="utf-8") != text:
             atomic_write_text(dst, text)
             written.append(dst)
@@ -79,43 +83,45 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     machine) keeps its committed copy."""
     work, res = config.work(model), config.results(model)
     written: list[Path] = []
+    root = str(Path(config.root).resolve()) + "/"
+
+    def copy(src: Path, dst: Path) -> None:
+        _copy(src, dst, written, root)
+
     for name in (*tables(), "agreement"):
-        _copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json", written)
+        copy(work / "importance" / f"{name}.json", res / "importance" / f"{name}.json")
     for src, dst in _FUNCTIONS.items():
-        _copy(work / "functions" / src, res / "functions" / dst, written)
+        copy(work / "functions" / src, res / "functions" / dst)
     for name in ("syntactic/table1.json", "summary.json", "positional/share.json", "positional/interior_share.json"):
-        _copy(work / "functions-parsed" / name, res / "functions-parsed" / _flat(name), written)
+        copy(work / "functions-parsed" / name, res / "functions-parsed" / _flat(name))
     for pooling in config.pooling:
         for name in ("syntactic/table1.json", "positional/share.json", "summary.json"):
-            _copy(work / f"functions-{pooling}" / name, res / f"functions-{pooling}" / _flat(name), written)
+            copy(work / f"functions-{pooling}" / name, res / f"functions-{pooling}" / _flat(name))
     if config.parse.get("model") and (work / "functions-parsed" / "summary.json").is_file():
-        _copy(config.path(config.parse["model"]) / "eval_results.json", res / "functions-parsed" / "parser.json",
-              written)
+        copy(config.path(config.parse["model"]) / "eval_results.json", res / "functions-parsed" / "parser.json")
     for sweep in ("enc", "all"):
         directory = work / "prune" / sweep
-        _copy(directory / "full.json", res / "prune" / sweep / "full.json", written)
+        copy(directory / "full.json", res / "prune" / sweep / "full.json")
         if directory.is_dir():
             for point in sorted(directory.iterdir()):
                 if (point / "result.json").is_file():
-                    _copy(point / "result.json", res / "prune" / sweep / point.name / "result.json", written)
-                    _copy(point / "gates.json", res / "prune" / sweep / point.name / "gates.json", written)
-                    _copy(point / "pruned" / "headlab_pruning.json", res / "prune" / sweep / point.name / "kept.json",
-                          written)
+                    copy(point / "result.json", res / "prune" / sweep / point.name / "result.json")
+                    copy(point / "gates.json", res / "prune" / sweep / point.name / "gates.json")
+                    copy(point / "pruned" / "headlab_pruning.json", res / "prune" / sweep / point.name / "kept.json")
     prune = work / "prune"
     if prune.is_dir():
         for base in sorted(prune.glob("base-*")):
-            _copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json", written)
-    _copy(prune / "scratch" / "baselines.json", res / "scratch.json", written)
-    _copy(work / "specialisation" / "specialisation.json", res / "specialisation.json", written)
+            copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
+    copy(prune / "scratch" / "baselines.json", res / "scratch.json")
+    copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
     for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
-        _copy(path, res / "hypotheses" / path.name, written)
+        copy(path, res / "hypotheses" / path.name)
     timings_file = res / "timings.json"
     timings = json.loads(timings_file.read_text(encoding="utf-8")) if timings_file.is_file() else {}
     changed = False
     for marker in sorted((work / "stages").glob("*.json")) if (work / "stages").is_dir() else []:
         record = json.loads(marker.read_text(encoding="utf-8"))
         entry = {k: record.get(k) for k in ("seconds", "finished", "commands")}
-        root = str(Path(config.root).resolve()) + "/"
         entry["commands"] = [c.replace(root, "") for c in entry["commands"] or []]  # as run from the root
         if timings.get(record["stage"]) != entry:
             timings[record["stage"]] = entry
