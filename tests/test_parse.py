@@ -116,3 +116,21 @@ def test_loading_a_pipeline_never_unpickles(pipeline_dir, monkeypatch):
         monkeypatch.setattr(module, name, refuse)
     nlp = load_pipeline(pipeline_dir)
     assert nlp.pipe_names == ["morphologizer", "parser"]
+
+
+def test_bundled_parser_loads_parses_and_its_card_matches_its_scores(tmp_path):
+    """models/ewt-parser: the card's EWT test row is eval_results.json, and it parses a caption."""
+    import json
+    from pathlib import Path
+
+    bundled = Path(__file__).resolve().parents[1] / "models" / "ewt-parser"
+    scores = json.loads((bundled / "eval_results.json").read_text(encoding="utf-8"))
+    card = (bundled / "README.md").read_text(encoding="utf-8")
+    row = (f"| EWT test, gold words, punctuation included | {100 * scores['uas']:.1f}% | {100 * scores['las']:.1f}% | "
+           f"{100 * scores['las_universal']:.1f}% | {100 * scores['upos']:.1f}% |")
+    assert row in card
+    source = _write(tmp_path / "in.txt", "A man in a blue shirt is riding a bike .\n")
+    parse_text_file(bundled, source, tmp_path / "out.conllu")
+    (sentence,) = read_conllu(tmp_path / "out.conllu")
+    assert sentence.deprels[sentence.words.index("man")] == "nsubj"
+    assert sentence.upos[sentence.words.index("blue")] == "ADJ"
