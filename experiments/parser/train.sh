@@ -33,5 +33,5 @@ if [ "$status" -ne 0 ] && [ "$status" -ne 124 ]; then exit "$status"; fi
 "$PY" -m spacy evaluate "$OUT/training/model-best" "$OUT/corpus/en_ewt-ud-test.spacy" --gold-preproc \
   --output "$OUT/test-scores-gold-tokens.json"
 # The scores of the card (models/ewt-parser/README.md): gold words, one sentence per parse, punctuation counted.
-"$PY" experiments/parser/evaluate.py "$OUT/training/model-best" data/ud-english-ewt/en_ewt-ud-test.conllu \
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" experiments/parser/evaluate.py "$OUT/training/model-best" data/ud-english-ewt/en_ewt-ud-test.conllu \
   --out "$OUT/eval_results.json"
