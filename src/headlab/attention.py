@@ -79,17 +79,14 @@ def attention_forward(
         raise NotImplementedError("headlab's chunked attention does not implement attention sinks (s_aux); "
                                   "run without --query-chunk (eager capture)")
     sink: ChunkSink | None = getattr(module, SINK_ATTRIBUTE, None)
-    groups = getattr(module, "num_key_value_groups", 1) or 1
-    if query.shape[1] != key.shape[1]:
-        groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: as transformers' repeat_kv
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    batch, n_heads, q_len, d_head = query.shape
+    kv_heads = key.shape[1]
+    groups = n_heads // kv_heads  # grouped-query attention: query head h reads key/value head h // groups
     if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+        scaling = d_head ** -0.5
     softcap = kwargs.get("softcap")
     position_bias = kwargs.get("position_bias")
-    q_len, k_len = query.shape[2], key.shape[2]
+    k_len = key.shape[2]
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
@@ -101,21 +98,31 @@ def attention_forward(
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform
     step = sink.query_chunk if sink is not None and sink.query_chunk > 0 else q_len
-    outputs = []
-    key_t = key.transpose(2, 3)
+    # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
+    # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
+    output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
+    # Key/value heads are not repeated (as transformers' repeat_kv does, a copy of both per group):
+    # each key/value head multiplies its group's query rows, [batch, kv_heads, groups * rows, ...].
+    key_t = key.transpose(2, 3)  # [batch, kv_heads, d_head, k_len]
     for start in range(0, q_len, step):
         stop = min(start + step, q_len)
-        scores = torch.matmul(query[:, :, start:stop], key_t) * scaling
+        rows = stop - start
+        grouped = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, d_head)
+        scores = torch.matmul(grouped, key_t).view(batch, n_heads, rows, k_len)
+        scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if position_bias is not None:
             scores = scores + (position_bias[:, :, start:stop] if position_bias.shape[2] > 1 else position_bias)
         mask = _scores_mask(attention_mask, start, stop, k_len)
         if mask is not None:
-            scores = scores.masked_fill(mask, fill) if mask.dtype == torch.bool else scores + mask
+            if mask.dtype == torch.bool:
+                scores.masked_fill_(mask, fill)
+            else:
+                scores = scores + mask
         elif causal:
             hidden = torch.arange(start, stop, device=scores.device)[:, None] < torch.arange(k_len, device=scores.device)
-            scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+            scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         del scores
         if sink is not None and sink.callback is not None:
@@ -123,12 +130,12 @@ def attention_forward(
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)
-        outputs.append(torch.matmul(weights, value))
-        del probs, weights
+        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, k_len), value)
+        output[:, start:stop] = chunk.view(batch, n_heads, rows, -1).transpose(1, 2)
+        del probs, weights, chunk
     if sink is not None:
         sink.calls += 1
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return output.transpose(1, 2).contiguous(), None
+    return output, None
 
 
 _registered = False

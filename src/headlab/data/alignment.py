@@ -320,26 +320,92 @@ def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, sta
     )
 
 
+def _segment_sum(x: torch.Tensor, dim: int, first: torch.Tensor, count: torch.Tensor,
+                 initial: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` summed along ``dim`` (2 or 3) over runs of consecutive positions: output position ``s``
+    of sentence ``b`` is ``x[first[b, s]] + x[first[b, s] + 1] + ...`` (``count[b, s]`` terms, 0 for
+    none), added in that order, after ``initial`` (partial sums of the first segments, carried from
+    an earlier chunk) where given. ``first`` and ``count`` are ``[B, S]`` long.
+
+    The order of additions is a scatter-add's into zeros (``0 + x1 = x1`` exactly, then each next
+    term), so the result is the same to the bit, at the cost of one gather per subword rank: a
+    word's ``k``-th subwords are gathered together and added, which is cheaper than a scatter-add
+    while words have few subwords. With one position per segment and the segments a contiguous
+    range shared by the batch it is a view of ``x``, no copy.
+    """
+    B, S = first.shape
+    size = x.shape[dim]
+    shape = list(x.shape)
+    shape[dim] = S
+    if S == 0 or size == 0:
+        out = x.new_zeros(shape)
+        if initial is not None:
+            out.narrow(dim, 0, initial.shape[dim]).copy_(initial)
+        return out
+    if initial is None and bool((count == 1).all()):
+        start = int(first[0, 0])
+        if bool((first == torch.arange(start, start + S)[None, :]).all()):
+            return x.narrow(dim, start, S)
+
+    def expand(index: torch.Tensor) -> torch.Tensor:
+        view = [B, 1, 1, 1]
+        view[dim] = S
+        return index.view(view).expand(shape)
+
+    out = x.gather(dim, expand(first.clamp(0, size - 1)))
+    empty = count < 1
+    if bool(empty.any()):
+        out.masked_fill_(expand(empty), 0.0)
+    if initial is not None:
+        out.narrow(dim, 0, initial.shape[dim]).add_(initial)  # initial + first term (+ 0 where none)
+    for k in range(1, int(count.max())):
+        more = count > k  # segments with a (k+1)-th position add it, the others add 0
+        out += x.gather(dim, expand((first + k).clamp(0, size - 1))).masked_fill_(expand(~more), 0.0)
+    return out
+
+
+def _word_spans(side: SideBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first token [B, W], subwords [B, W])`` of every word (padding words: none), or None
+    where some word's subwords are not consecutive tokens (then sums go through a scatter-add)."""
+    if "_word_spans" not in side.__dict__:
+        W, T = side.max_words, side.token_word.shape[1]
+        positions = torch.arange(T).expand_as(side.word_index)
+        first = torch.full((side.batch_size, W + 1), T, dtype=torch.long)
+        first.scatter_reduce_(1, side.word_index, positions, reduce="amin")
+        last = torch.full((side.batch_size, W + 1), -1, dtype=torch.long)
+        last.scatter_reduce_(1, side.word_index, positions, reduce="amax")
+        sizes = torch.zeros(side.batch_size, W + 1, dtype=torch.long)
+        sizes.scatter_add_(1, side.word_index, torch.ones_like(side.word_index))
+        first, last, sizes = first[:, :W], last[:, :W], sizes[:, :W]
+        consecutive = bool(((last - first + 1 == sizes) | (sizes == 0)).all())
+        side.__dict__["_word_spans"] = (first, sizes) if consecutive else None
+    return side.__dict__["_word_spans"]
+
+
 def _token_to_words(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
-    """``[B, H, rows, W + 1]``: each query token's attention summed over each word's subwords (the
-    last column collects special tokens and padding)."""
-    B, H, rows, T = probs.shape  # rows: all T query tokens, or some of them
-    index = side.word_index  # [B, T], W for tokens of no word
-    out = probs.new_zeros(B, H, rows, side.max_words + 1)
-    return out.scatter_add_(3, index[:, None, None, :].expand(B, H, rows, T), probs)
+    """``[B, H, rows, W]``: each query token's attention summed over each word's subwords, in token
+    order (special tokens and padding drop out)."""
+    spans = _word_spans(side)
+    if spans is None:
+        B, H, rows, T = probs.shape
+        out = probs.new_zeros(B, H, rows, side.max_words + 1)
+        out.scatter_add_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs)
+        return out[..., :-1]
+    return _segment_sum(probs, 3, *spans)
 
 
 def _key_words(probs: torch.Tensor, side: SideBatch, summed: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, H, rows, W + 1]``: each query token's attention to each word under ``side.pooling``
+    """``[B, H, rows, W]``: each query token's attention to each word under ``side.pooling``
     (``summed``: :func:`_token_to_words` of ``probs``, when already computed)."""
     if side.pooling == "sum":
         return _token_to_words(probs, side) if summed is None else summed
     B, H, rows, T = probs.shape
-    out = probs.new_zeros(B, H, rows, side.max_words + 1)
+    out = probs.new_zeros(B, H, rows, side.max_words + 1)  # the last column takes tokens of no word
     if side.pooling == "first":
-        return out.scatter_add_(3, side.first_word_index[:, None, None, :].expand(B, H, rows, T), probs)
-    # max: weights are >= 0, so the zeros the maxima start from change nothing
-    return out.scatter_reduce_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs, reduce="amax")
+        out.scatter_add_(3, side.first_word_index[:, None, None, :].expand(B, H, rows, T), probs)
+    else:  # max: weights are >= 0, so the zeros the maxima start from change nothing
+        out.scatter_reduce_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs, reduce="amax")
+    return out[..., :-1]
 
 
 def _pool_rows(out: torch.Tensor, rows_at: torch.Tensor, key_words: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -358,12 +424,23 @@ def _query_index(side: SideBatch) -> torch.Tensor:
 
 
 def _words_from(to_words: torch.Tensor, side: SideBatch) -> torch.Tensor:
-    B, H, T, W1 = to_words.shape
-    W = W1 - 1
-    words = _pool_rows(to_words.new_zeros(B, H, W1, W1), _query_index(side), to_words, side.pooling)
+    spans = _word_spans(side)
+    if side.pooling == "sum" and spans is not None:
+        first, sizes = spans
+        return _divide_by_sizes(_segment_sum(to_words, 2, first, sizes), sizes)  # sum over query subwords: the mean
+    B, H, T, W = to_words.shape
+    words = _pool_rows(to_words.new_zeros(B, H, W + 1, W), _query_index(side), to_words, side.pooling)[:, :, :W]
     if side.pooling == "sum":
-        return words[:, :, :W, :W] / side.word_sizes[:, None, :, None]  # summed over query subwords: the mean
-    return words[:, :, :W, :W]
+        return words / side.word_sizes[:, None, :, None]  # summed over query subwords: the mean
+    return words
+
+
+def _divide_by_sizes(words: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Word rows ``[B, H, n, W]`` divided by their words' subword counts ``[B, n]`` (a count of 0
+    divides by 1); with every count 1 there is nothing to divide (``x / 1 == x``)."""
+    if bool((sizes <= 1).all()):
+        return words
+    return words / sizes.clamp(min=1).to(words.dtype)[:, None, :, None]
 
 
 def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
@@ -371,11 +448,28 @@ def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
 
     Under the default pooling (``sum``) row ``i`` is the mean over word ``i``'s subwords, column
     ``j`` the sum over word ``j``'s subwords (Clark et al. 2019, Sec. 4.1); see :data:`POOLINGS`
-    for the others. Special tokens and padding drop out. Two scatters (keys, then queries)
-    instead of two matrix products: each token belongs to one word, so they cost O(T^2) per
-    head rather than O(T^2 W).
+    for the others. Special tokens and padding drop out. Sums over consecutive subwords (keys,
+    then queries) or scatters, not matrix products: each token belongs to one word, so they cost
+    O(T^2) per head rather than O(T^2 W).
     """
     return _words_from(_key_words(probs.float(), side), side)
+
+
+def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, index)`` over the last dimension of ``x`` ``[B, H, rows, C]`` (values >= 0) among
+    the columns ``keep`` ``[B, C]``, the others counted as -1; the first maximum on ties, as
+    ``argmax``. Without a copy where the kept columns are one range shared by the batch."""
+    C = x.shape[-1]
+    kept = keep.any(0)
+    if bool(kept.any()) and bool((keep == kept[None]).all()):
+        columns = torch.nonzero(kept)[:, 0]
+        a, e = int(columns[0]), int(columns[-1]) + 1
+        if e - a == columns.numel():  # one range [a, e): the max over it, where nothing is -1
+            if a == 0 and e == C:
+                return x.max(-1)
+            best, index = x[..., a:e].max(-1)
+            return best, index + a
+    return x.masked_fill(~keep[:, None, None, :], -1.0).max(-1)
 
 
 class AttentionView:
@@ -413,12 +507,12 @@ class AttentionView:
 
     @cached_property
     def token_to_words(self) -> torch.Tensor:
-        """``[B, H, rows, W + 1]``: token attention summed per key word (last column: no word)."""
+        """``[B, H, rows, W]``: token attention summed per key word (special tokens and padding drop out)."""
         return _token_to_words(self.probs, self.side)
 
     @cached_property
     def key_words(self) -> torch.Tensor:
-        """``[B, H, rows, W + 1]``: token attention to each key word under the side's pooling
+        """``[B, H, rows, W]``: token attention to each key word under the side's pooling
         (:attr:`token_to_words` itself for ``sum``)."""
         return _key_words(self.probs, self.side, self.token_to_words if self.side.pooling == "sum" else None)
 
@@ -435,7 +529,8 @@ class AttentionView:
     @cached_property
     def query_valid(self) -> torch.Tensor:
         """``[B, H, word rows]`` bool: real words whose attention reaches some word (EOS excluded)."""
-        return self.side.word_mask[:, None, self.word_start:self.word_stop] & (self.row_mass > 0)
+        # a sum of weights >= 0 is > 0 exactly when one of them is, so the row's maximum says it
+        return self.side.word_mask[:, None, self.word_start:self.word_stop] & (self._word_max[0] > 0)
 
     @property
     def causal(self) -> bool:
@@ -476,22 +571,33 @@ class AttentionView:
         return self.token_query_valid & (self.token_visible_keys >= 2)[:, None, :]
 
     @cached_property
+    def _word_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each word row's largest weight on a word and where (padding words count as -1)."""
+        return _masked_max(self.words, self.side.word_mask)
+
+    @property
+    def word_max(self) -> torch.Tensor:
+        """``[B, H, word rows]``: the largest weight of each word row on a word (-1: no word)."""
+        return self._word_max[0]
+
+    @property
     def word_argmax(self) -> torch.Tensor:
         """``[B, H, word rows]``: the word each word attends to most, EOS and padding excluded."""
-        masked = self.words.masked_fill(~self.side.word_mask[:, None, None, :], -1.0)
-        return masked.argmax(-1)
+        return self._word_max[1]
 
     @cached_property
+    def _token_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _masked_max(self.probs, self.side.token_mask)
+
+    @property
     def token_argmax(self) -> torch.Tensor:
         """``[B, H, rows]``: the token each token attends to most, special tokens excluded."""
-        masked = self.probs.masked_fill(~self.side.token_mask[:, None, None, :], -1.0)
-        return masked.argmax(-1)
+        return self._token_max[1]
 
     @cached_property
     def token_query_valid(self) -> torch.Tensor:
         """``[B, H, rows]`` bool: word tokens whose attention reaches some word token."""
-        mass = self.token_to_words[..., :-1].sum(-1)  # [B, H, rows] attention that reaches words
-        return self.side.token_mask[:, None, self.start:self.stop] & (mass > 0)
+        return self.side.token_mask[:, None, self.start:self.stop] & (self._token_max[0] > 0)
 
 
 class WordRows:
@@ -499,30 +605,72 @@ class WordRows:
 
     A word's row is the mean of its subwords' rows (or their maximum, or its first subword's row:
     the side's pooling), so it is complete once the chunk holding its last subword has arrived.
-    Each chunk's rows are pooled per key word, then added (or maxed) into a small buffer of word
-    rows not yet complete (in token order, as :func:`word_attention` adds them, so the result is
-    the same to the bit); word rows complete in every sentence of the batch go
-    out with the chunk's view. With one sentence per batch the buffer holds at most the words
-    of one chunk plus one; sentences of a batch whose subwords are spread very differently keep
-    more rows waiting.
+    Under ``sum`` each chunk's rows are summed per key word, then per query word, in token order,
+    onto the partial sum of a word begun in an earlier chunk; under ``first`` and ``max`` they are
+    pooled into a small buffer of the word rows not yet complete. Either way the order of the
+    operations is :func:`word_attention`'s, so the result is the same to the bit. Word rows
+    complete in every sentence of the batch go out with the chunk's view. With one sentence per
+    batch at most a chunk's words plus one wait; sentences of a batch whose subwords are spread
+    very differently keep more rows waiting.
     """
 
     def __init__(self, block, side: SideBatch) -> None:
         self.block = block
         self.side = side
-        W = side.max_words
-        positions = torch.arange(side.token_word.shape[1])[None, :].expand_as(side.word_index)
-        last = torch.full((side.batch_size, W + 1), -1, dtype=torch.long)
-        last.scatter_reduce_(1, side.word_index, positions, reduce="amax")
-        self.last_token = last[:, :W]  # [B, W]: -1 for a word without tokens (or padding)
+        spans = _word_spans(side)
+        if spans is None:
+            raise RuntimeError(f"{block.name}: a word's subwords are not consecutive tokens; cannot stream word rows")
+        self.first, self.sizes = spans  # [B, W]
+        self.last_token = torch.where(self.sizes > 0, self.first + self.sizes - 1, -1)  # [B, W]
         self.done = 0  # word rows handed out
-        self.pending: torch.Tensor | None = None  # [B, H, rows, W + 1] from word `done` on
+        self.pending: torch.Tensor | None = None  # [B, H, rows, W]: word rows from `done` on, not yet complete
 
     def view(self, probs: torch.Tensor, start: int, last: bool) -> AttentionView:
         side = self.side
         B, H, rows, _ = probs.shape
         W = side.max_words
         chunk = AttentionView(self.block, probs, side, start=start, words=probs.new_zeros(B, H, 0, W), last=False)
+        stop = start + rows
+        if last:
+            ready = W
+        else:
+            complete = self.last_token < stop  # [B, W]
+            ready = int(complete.long().cumprod(1).sum(1).min()) if W else 0
+        n = max(ready - self.done, 0)
+        if side.pooling == "sum":
+            words = self._summed(chunk, start, rows, n)
+        else:
+            words = self._pooled(chunk, start, rows, n)
+        view = AttentionView(self.block, probs, side, start=start, words=words, word_start=self.done, last=last)
+        view.__dict__["token_to_words"] = chunk.token_to_words
+        view.__dict__["key_words"] = chunk.key_words
+        self.done += n
+        return view
+
+    def _summed(self, chunk: AttentionView, start: int, rows: int, n: int) -> torch.Tensor:
+        """The next ``n`` word rows under ``sum``: per word, its subwords' rows in this chunk added
+        onto its partial sum from earlier chunks, divided by its subword count."""
+        stop = start + rows
+        # The word rows this chunk touches, completes or carries: from `done` on.
+        touched = (self.first < stop) & (self.first + self.sizes > start) & (self.sizes > 0)  # [B, W]
+        if bool(touched[:, :self.done].any()):
+            raise RuntimeError(f"{self.block.name}: subwords out of word order; cannot stream word rows")
+        columns = torch.nonzero(touched.any(0))
+        top = int(columns[-1, 0]) + 1 if columns.numel() else self.done
+        have = 0 if self.pending is None else self.pending.shape[2]
+        need = max(top, self.done + n, self.done + have) - self.done
+        first = self.first[:, self.done:self.done + need]
+        sizes = self.sizes[:, self.done:self.done + need]
+        lo = (first - start).clamp(0, rows)  # each word row's query tokens in this chunk: rows lo:hi
+        hi = (first + sizes - start).clamp(0, rows)
+        summed = _segment_sum(chunk.key_words, 2, lo, hi - lo, initial=self.pending)
+        self.pending = summed[:, :, n:].clone() if need > n else None
+        return _divide_by_sizes(summed[:, :, :n], sizes[:, :n])
+
+    def _pooled(self, chunk: AttentionView, start: int, rows: int, n: int) -> torch.Tensor:
+        """The next ``n`` word rows under ``first`` or ``max``, through a buffer of pooled rows."""
+        side = self.side
+        B, H, _, W = chunk.key_words.shape
         index = _query_index(side)[:, start:start + rows]  # [B, rows], W for no word
         real = index < W
         if real.any():
@@ -532,25 +680,11 @@ class WordRows:
         else:
             top = 0
         have = 0 if self.pending is None else self.pending.shape[2]
-        need = max(have, top)
-        pending = chunk.probs.new_zeros(B, H, need + 1, W + 1)  # the extra row takes tokens of no word
+        need = max(have, top, n)
+        pending = chunk.key_words.new_zeros(B, H, need + 1, W)  # the extra row takes tokens of no word
         if have:
             pending[:, :, :have] = self.pending
         rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
         _pool_rows(pending, rows_at, chunk.key_words, side.pooling)
-        pending = pending[:, :, :need]
-        if last:
-            ready = W
-        else:
-            complete = self.last_token < start + rows  # [B, W]
-            ready = int(complete.long().cumprod(1).sum(1).min()) if W else 0
-        n = max(ready - self.done, 0)
-        words = pending[:, :, :n, :W]
-        if side.pooling == "sum":
-            words = words / side.word_sizes[:, None, self.done:self.done + n, None]
-        self.pending = pending[:, :, n:]
-        view = AttentionView(self.block, probs, side, start=start, words=words, word_start=self.done, last=last)
-        view.__dict__["token_to_words"] = chunk.token_to_words
-        view.__dict__["key_words"] = chunk.key_words
-        self.done += n
-        return view
+        self.pending = pending[:, :, n:need] if need > n else None
+        return pending[:, :, :n]

@@ -54,6 +54,11 @@ from headlab.loading import check_tokenizer_fits
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
 
+PIECE_ELEMENTS = 1 << 19
+"""Under ``query_chunk`` the statistics take each chunk of probabilities a few query rows at a
+time, about this many weights (2 MB in float32): their dozen elementwise passes and reductions
+then run on data that stays in the CPU cache, several times faster than over a whole chunk."""
+
 
 # Options added after results were published, left out of summary.json at their defaults so that
 # a default run writes the files it always wrote.
@@ -295,11 +300,17 @@ def analyze_heads(
             return
         if chunk.start == 0:
             assemblers[block.key] = WordRows(block, side)
-        view = assemblers[block.key].view(chunk.probs.cpu(), chunk.start, chunk.last)
+        probs = chunk.probs.cpu()
+        B, H, rows, T = probs.shape
+        step = max(1, PIECE_ELEMENTS // max(1, B * H * T))
+        for first in range(0, rows, step):
+            piece = probs[:, :, first:first + step]
+            last = chunk.last and first + step >= rows
+            view = assemblers[block.key].view(piece, chunk.start + first, last)
+            for stat in block_stats:
+                stat.update(view)
         if chunk.last:
             del assemblers[block.key]
-        for stat in block_stats:
-            stat.update(view)
 
     if config.query_chunk is None:
         capture = capture_attention(model, on_probs, blocks=blocks)
