@@ -125,3 +125,21 @@ def test_encoding_counts_truncations_and_refuses_empty_data(tokenizer):
         encode_texts(tokenizer, info, ["", " "])
     with pytest.raises(HeadlabError, match="empty data set"):
         ImportanceData.from_ids([])
+
+
+def test_confidence_with_query_chunk_writes_the_eager_scores(tmp_path, tokenizer, files, capsys):
+    model_dir = _save(tiny_model("gpt2"), tokenizer, tmp_path / "gpt2")
+    source, _ = files
+    for bad in ("0", "-1"):
+        out = tmp_path / f"bad{bad}"
+        assert main(["importance", model_dir, "--data", str(source), "--out", str(out), "--method", "confidence",
+                     "--query-chunk", bad]) == 2
+        assert f"--query-chunk must be at least 1, got {bad}" in capsys.readouterr().err
+        assert not out.exists()
+    written = {}
+    for name, extra in (("eager", []), ("chunked", ["--query-chunk", "2"])):
+        out = tmp_path / name
+        assert main(["importance", model_dir, "--data", str(source), "--out", str(out), "--method", "confidence",
+                     "--batch-size", "3", "--no-progress", *extra]) == 0
+        written[name] = HeadScores.load(out / "confidence.json")
+    assert written["chunked"].to_json() == written["eager"].to_json()

@@ -99,3 +99,38 @@ def test_confidence_needs_no_lm_head():
     scores = compute_confidence(bare, ImportanceData.from_ids(_sentences(2)), info)
     assert scores["enc_self"].shape == (2, 4)
     assert ((scores["enc_self"] > 0) & (scores["enc_self"] <= 1)).all()
+
+
+# Llama's eager softmax runs in float32 whatever the model's dtype (the chunked one in float64 here):
+# its scores agree to float32 rounding, the others' to 1e-8.
+@pytest.mark.parametrize("family, rtol", [("marian", 0), ("bert", 0), ("gpt2", 0), ("llama", 1e-6)])
+def test_confidence_from_query_chunks_equals_eager(family, rtol):
+    """Under ``query_chunk`` (headlab's registered attention, a few query rows at a time) the row
+    maxima are gathered per block and summed as the eager path sums them: the same scores."""
+    model = tiny_model(family, attn_implementation="sdpa").double()
+    info = describe_model(model)
+    eos = min(info.eos_ids) if info.eos_ids else 1
+    info = replace(info, special_ids=info.special_ids | {SEP, eos})
+    data = ImportanceData.from_ids(_sentences(eos))
+    if info.is_seq2seq:
+        data = translate_data(model, data, info, max_length_a=0, max_length_b=5)
+    eager = compute_confidence(model, data, info, batch_size=3)  # padded batches
+    assert model.config._attn_implementation == "sdpa"  # restored after the eager capture
+    for query_chunk in (1, 2, 5):
+        chunked = compute_confidence(model, data, info, batch_size=3, query_chunk=query_chunk)
+        assert chunked.kinds == eager.kinds
+        for kind in eager.kinds:
+            np.testing.assert_allclose(chunked[kind], eager[kind], rtol=rtol, atol=1e-8)
+        assert chunked.signature["queries_counted"] == eager.signature["queries_counted"]
+
+
+def test_confidence_query_chunk_must_be_positive():
+    from headlab.errors import HeadlabError
+    from headlab.importance.confidence import ConfidenceOptions
+
+    model = tiny_model("bert")
+    for bad in (0, -2):
+        with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
+            compute_confidence(model, ImportanceData.from_ids(_sentences(2)), query_chunk=bad)
+        with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
+            ConfidenceOptions(query_chunk=bad)

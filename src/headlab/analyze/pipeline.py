@@ -85,7 +85,7 @@ class AnalyzeConfig:
         "metavar": "K"})
     lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
     query_chunk: int | None = field(default=None, metadata={
-        "help": "functions and aggregate: headlab's own attention function, N query rows at a time "
+        "help": "confidence, functions and aggregate: headlab's own attention function, N query rows at a time "
                 "(memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
@@ -351,7 +351,7 @@ def _importance(name: str):
                             "to differentiate")
         data = ctx.importance_data()
         config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress,
-                                  lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed)
+                                  lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed, query_chunk=c.query_chunk)
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:

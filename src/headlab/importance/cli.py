@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
-                                      "lrp_bootstrap", "ablation_rows"))
+                                      "lrp_bootstrap", "ablation_rows", "query_chunk"))
     p.add_argument("--kinds", help="comma-separated attention kinds to score (enc_self, dec_self, dec_cross)")
     p.add_argument("--plots", action="store_true", help="also write a heatmap PNG per method")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -49,7 +49,8 @@ def _check(args) -> None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
     for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
-                          ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0)):
+                          ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
+                          ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
 

@@ -26,11 +26,14 @@ for LRP, so that both measures look at the same attention maps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import capture_attention, eval_mode
+from headlab.attention import AttentionChunk
+from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.data.batching import with_progress
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
@@ -44,26 +47,40 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 
-__all__ = ["Confidence", "compute_confidence", "max_attention"]
+__all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
+
+
+def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool,
+               start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head and query row, the largest weight on an allowed key, and whether the row counts.
+
+    ``probs`` ``[batch, n_heads, rows, k_len]`` holds query rows ``start:start + rows`` (all of
+    them by default); ``queries`` ``[batch, q_len]`` and ``keys`` ``[batch, k_len]`` mark allowed
+    positions. With ``causal``, query ``i`` only sees keys ``<= i``, so a query counts only if one
+    of those is allowed. Returns ``(best [batch, n_heads, rows], counted [batch, rows])``.
+    """
+    rows = probs.shape[2]
+    allowed = keys[:, None, :].expand(-1, rows, -1)  # [batch, rows, k_len]
+    if causal:
+        seen = torch.arange(start, start + rows, device=probs.device)[:, None] >= \
+            torch.arange(probs.shape[3], device=probs.device)[None, :]
+        allowed = allowed & seen
+    counted = queries[:, start:start + rows] & allowed.any(-1)  # [batch, rows]
+    masked = probs.float().masked_fill(~allowed[:, None], -1.0)
+    return masked.amax(-1), counted
+
+
+def sum_maxima(best: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the sum of ``best`` ``[batch, n_heads, q_len]`` over the counted queries, and their number."""
+    best = best * counted[:, None].to(best.dtype)
+    return best.sum(dim=(0, 2)).double(), counted.sum().double()
 
 
 def max_attention(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the sum over allowed queries of the largest weight on an allowed key, and the
-    number of queries counted.
-
-    ``probs`` ``[batch, n_heads, q_len, k_len]``; ``queries`` ``[batch, q_len]`` and ``keys``
-    ``[batch, k_len]`` mark allowed positions. With ``causal``, query ``i`` only sees keys
-    ``<= i``, so a query counts only if one of those is allowed.
-    """
-    allowed = keys[:, None, :].expand(-1, probs.shape[2], -1)  # [batch, q_len, k_len]
-    if causal:
-        allowed = allowed & torch.ones(probs.shape[2], probs.shape[3], dtype=torch.bool, device=probs.device).tril()
-    counted = queries & allowed.any(-1)  # [batch, q_len]
-    masked = probs.float().masked_fill(~allowed[:, None], -1.0)
-    best = masked.amax(-1)  # [batch, n_heads, q_len]
-    best = best * counted[:, None].to(best.dtype)
-    return best.sum(dim=(0, 2)).double(), counted.sum().double()
+    number of queries counted (:func:`row_maxima` over all rows, then :func:`sum_maxima`)."""
+    return sum_maxima(*row_maxima(probs, queries, keys, causal))
 
 
 def compute_confidence(
@@ -74,30 +91,64 @@ def compute_confidence(
     batch_size: int = 32,
     kinds: tuple[str, ...] | None = None,
     progress: bool = False,
+    query_chunk: int | None = None,
 ) -> HeadScores:
-    """Confidence of every head over ``data`` (Voita et al. 2019, Sec. 4)."""
+    """Confidence of every head over ``data`` (Voita et al. 2019, Sec. 4).
+
+    With ``query_chunk`` the model runs headlab's own attention function
+    (:func:`headlab.capture.stream_attention`), ``query_chunk`` query rows at a time: each
+    chunk's row maxima go into a ``[batch, n_heads, q_len]`` buffer, summed as the eager path
+    sums them once the block's last chunk has arrived, so the scores are the eager ones and no
+    block's whole map exists.
+    """
     info = info or describe_model(model)
     if info.is_seq2seq and data.translations is None:
         raise HeadlabError("confidence reads the decoder on the model's own translation: run translate_data first")
+    if query_chunk is not None and query_chunk < 1:
+        raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {query_chunk}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     counts = {b.key: torch.zeros((), dtype=torch.float64) for b in blocks}
     current: dict = {}
 
-    def on_probs(block: AttentionBlock, probs: torch.Tensor) -> None:
+    def allowed(block: AttentionBlock, q_len: int, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         queries, keys = current["batch"].valid[block.kind]
-        if probs.shape[2] != queries.shape[1] or probs.shape[3] != keys.shape[1]:
+        if q_len != queries.shape[1] or k_len != keys.shape[1]:
             raise HeadlabError(
-                f"{block.kind} layer {block.layer}: attention of shape {tuple(probs.shape)} does not match "
+                f"{block.kind} layer {block.layer}: attention of {q_len} queries x {k_len} keys does not match "
                 f"the batch ({queries.shape[1]} queries, {keys.shape[1]} keys)"
             )
-        total, n = max_attention(probs, queries, keys, causal=block.kind == "dec_self")
+        return queries, keys
+
+    def add(block: AttentionBlock, total: torch.Tensor, n: torch.Tensor) -> None:
         sums[block.key] += total.cpu()
         counts[block.key] += n.cpu()
 
+    def on_probs(block: AttentionBlock, probs: torch.Tensor) -> None:
+        queries, keys = allowed(block, probs.shape[2], probs.shape[3])
+        add(block, *max_attention(probs, queries, keys, causal=block.kind == "dec_self"))
+
+    buffers: dict = {}  # block key -> (best [batch, n_heads, q_len], counted [batch, q_len]) of its current call
+
+    def on_chunk(block: AttentionBlock, chunk: AttentionChunk) -> None:
+        queries, keys = allowed(block, chunk.q_len, chunk.probs.shape[3])
+        best, counted = row_maxima(chunk.probs, queries, keys, block.kind == "dec_self", chunk.start)
+        if chunk.start == 0:
+            B, H = best.shape[:2]
+            buffers[block.key] = (best.new_empty(B, H, chunk.q_len), counted.new_empty(B, chunk.q_len))
+        all_best, all_counted = buffers[block.key]
+        all_best[:, :, chunk.start:chunk.stop] = best
+        all_counted[:, chunk.start:chunk.stop] = counted
+        if chunk.last:
+            add(block, *sum_maxima(*buffers.pop(block.key)))
+
+    if query_chunk is None:
+        capture = capture_attention(model, on_probs, blocks=blocks)
+    else:
+        capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks)
     batches = make_batches(data, info, batch_size=batch_size, side="translation", device=next(model.parameters()).device)
     batches = with_progress(batches, progress, "confidence", total=count_batches(data, batch_size), unit="batch")
-    with eval_mode(model), torch.no_grad(), capture_attention(model, on_probs, blocks=blocks):
+    with eval_mode(model), torch.no_grad(), capture:
         for batch in batches:
             current["batch"] = batch
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
@@ -117,6 +168,15 @@ def compute_confidence(
     return HeadScores(scores, "confidence", info.name, signature)
 
 
+@dataclass(frozen=True)
+class ConfidenceOptions:
+    query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
+
+    def __post_init__(self) -> None:
+        if self.query_chunk is not None and self.query_chunk < 1:
+            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+
+
 class Confidence(ImportanceMeasure):
     """:func:`compute_confidence` as a registered measure."""
 
@@ -124,6 +184,8 @@ class Confidence(ImportanceMeasure):
     tables = {"confidence": ("Confidence", "mean maximum attention weight, special tokens left out "
                                            "(Voita et al. 2019, Sec. 4.1)")}
     reads_translation = True
+    Options = ConfidenceOptions
 
     def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
-        return compute_confidence(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress)
+        return compute_confidence(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress,
+                                  query_chunk=self.options.query_chunk)

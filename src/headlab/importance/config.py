@@ -28,6 +28,9 @@ class ImportanceConfig:
     lrp_bootstrap: int = field(default=200, metadata={
         "help": "LRP: resamples of the sentences for each score's standard error (0: none)", "metavar": "N"})
     ablation_rows: int = field(default=256, metadata={"help": "rows per ablation forward call (masked copies x batch)"})
+    query_chunk: int | None = field(default=None, metadata={
+        "help": "confidence: headlab's own attention function, N query rows at a time (memory linear in the "
+                "length; default: eager capture, whole maps)", "metavar": "N"})
     kinds: tuple[str, ...] | None = field(default=None, metadata={"help": "attention kinds to score (default: all)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
