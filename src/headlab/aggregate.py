@@ -85,6 +85,15 @@ def arc_rows(side: SideBatch, first: int, stop: int) -> torch.Tensor:
     return (row_governs | row_governed).float()
 
 
+def _tag_onehot(side: SideBatch) -> torch.Tensor:
+    """``[B, W, n_tags]`` float64: each word's UPOS tag, one-hot (padding words as tag 0: they
+    receive no attention). Cached on the batch: every block and chunk reuses it."""
+    if "_tag_onehot" not in side.__dict__:
+        tags = side.upos_index.clamp(min=0)
+        side.__dict__["_tag_onehot"] = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(torch.float64)
+    return side.__dict__["_tag_onehot"]
+
+
 class _Spool:
     """A temporary file of float32 rows ``[H, N, N]`` (NaN = absent cell), read back once."""
 
@@ -169,9 +178,7 @@ class AggregateStats:
         distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [rows, W] |i - j|
         add("distance", (kept * distance).double().sum((0, 2, 3)))  # the product rounded in float32, as before
         to_word = kept64.sum(2)  # [B, H, W] attention received by each key word
-        tags = side.upos_index.clamp(min=0)  # padding words receive no attention
-        onehot = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(f64)  # [B, W, n_tags]
-        add("pos", torch.einsum("bhw,bwt->ht", to_word, onehot))
+        add("pos", torch.einsum("bhw,bwt->ht", to_word, _tag_onehot(side)))
         kept64 *= arc_rows(side, first, first + R)[:, None].to(f64)
         add("arcs", kept64.sum((0, 2, 3)))
         del kept64
