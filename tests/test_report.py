@@ -56,6 +56,21 @@ def test_attention_examples_round_trip(tmp_path):
     assert "<script>window.__pwned=1</script>" in tokens["source"]
 
 
+def test_attention_examples_from_query_chunks_equal_the_eager_ones(tmp_path):
+    """With ``query_chunk`` each chunk of headlab's own attention is quantised as it arrives: the
+    stored files are those of the eager capture (every weight rounds to the same byte)."""
+    model, tok = tiny_marian(), tokenizer()
+    eager = write_attention_examples(model, tok, SOURCES, TARGETS, tmp_path / "eager" / "attention", max_sentences=2)
+    chunked = write_attention_examples(model, tok, SOURCES, TARGETS, tmp_path / "chunked" / "attention",
+                                       max_sentences=2, query_chunk=2)
+    assert chunked == eager
+    for path in eager:
+        assert (tmp_path / "chunked" / path).read_text() == (tmp_path / "eager" / path).read_text()
+    for bad in (0, -1):
+        with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
+            write_attention_examples(model, tok, SOURCES, TARGETS, tmp_path / "bad", query_chunk=bad)
+
+
 def test_attention_examples_skip_empty_lines_translate_without_targets_and_check_input(tmp_path):
     model, tok = tiny_marian(), tokenizer()
     paths = write_attention_examples(model, tok, ["", "the cat sat", "  ", "a dog"], None, tmp_path / "a", max_sentences=5)

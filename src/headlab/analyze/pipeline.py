@@ -85,8 +85,8 @@ class AnalyzeConfig:
         "metavar": "K"})
     lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
     query_chunk: int | None = field(default=None, metadata={
-        "help": "confidence, functions and aggregate: headlab's own attention function, N query rows at a time "
-                "(memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
+        "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
+                "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
@@ -538,7 +538,8 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
     targets = None if targets is None else [targets[i] for i in keep]
     if not ctx.info.is_seq2seq:
         targets = None
-    written = write_attention_examples(model, tokenizer, sources, targets, ctx.out_dir / "attention", max_sentences=n)
+    written = write_attention_examples(model, tokenizer, sources, targets, ctx.out_dir / "attention", max_sentences=n,
+                                       query_chunk=c.query_chunk)
     return [ctx.out_dir / p if not Path(p).is_absolute() else Path(p) for p in written], None
 
 

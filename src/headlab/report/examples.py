@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from headlab.capture import capture_attention, eval_mode
+from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text
 from headlab.importance.data import describe_model
@@ -62,7 +62,8 @@ def write_example(
     attention: Mapping[tuple[str, int], np.ndarray],
     seq2seq: bool,
 ) -> dict:
-    """Store one sentence: ``attention[(kind, layer)]`` is a float array ``[heads, q_len, k_len]``.
+    """Store one sentence: ``attention[(kind, layer)]`` is a float array ``[heads, q_len, k_len]``
+    (or one already quantised, ``uint8``).
 
     Returns the sentence's entry for ``index.json`` (without the text fields).
     """
@@ -76,7 +77,7 @@ def write_example(
                                f"{expected[1]}] for the {q_side} -> {k_side} tokens")
         blocks[f"{kind}:{layer}"] = {
             "kind": kind, "layer": int(layer), "q": q_side, "k": k_side, "shape": list(probs.shape),
-            "data": base64.b64encode(quantize(probs).tobytes()).decode("ascii"),
+            "data": base64.b64encode((probs if probs.dtype == np.uint8 else quantize(probs)).tobytes()).decode("ascii"),
         }
     name = f"sentence-{index:03d}.json"
     payload = {"format": FORMAT, "id": index, "scale": SCALE,
@@ -108,6 +109,21 @@ def load_example(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, int]
         raise HeadlabError(f"{path}: not an attention example file ({error})") from error
 
 
+def _quantized_attention(model, inputs: dict, query_chunk: int) -> dict[tuple[str, int], np.ndarray]:
+    """Every block's attention for one sentence, ``uint8`` ``[heads, q_len, k_len]`` (see
+    :func:`quantize`), filled chunk by chunk from headlab's own attention function."""
+    maps: dict[tuple[str, int], np.ndarray] = {}
+
+    def on_chunk(block, chunk) -> None:
+        if chunk.start == 0:
+            maps[block.key] = np.empty((chunk.probs.shape[1], chunk.q_len, chunk.probs.shape[3]), dtype=np.uint8)
+        maps[block.key][:, chunk.start:chunk.stop] = quantize(chunk.probs[0].float().cpu().numpy())
+
+    with torch.no_grad(), stream_attention(model, on_chunk, query_chunk=query_chunk):
+        model(**inputs)
+    return maps
+
+
 def _encode(tokenizer, text: str, max_length: int, target: bool = False) -> list[int]:
     key = "text_target" if target else "text"
     return list(tokenizer(**{key: text}, truncation=True, max_length=max_length)["input_ids"])
@@ -121,6 +137,7 @@ def write_attention_examples(
     out_dir: Path,
     max_sentences: int = 20,
     max_new_tokens: int | None = None,
+    query_chunk: int | None = None,
 ) -> list[str]:
     """Capture and store the attention of up to ``max_sentences`` sentences under ``out_dir``.
 
@@ -128,12 +145,16 @@ def write_attention_examples(
     targets, on the model's own greedy translation), giving ``enc_self``, ``dec_self`` and
     ``dec_cross``. Returns the written paths relative to ``out_dir``'s parent. One sentence per
     forward pass (no padding, so nothing has to be cut away), under ``torch.no_grad`` in eager
-    attention."""
+    attention; with ``query_chunk``, through headlab's own attention function
+    (:func:`headlab.capture.stream_attention`), each chunk of query rows quantised as it arrives,
+    so no block's float map exists (the stored maps, one byte a weight, remain)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise HeadlabError(f"{out_dir}: exists and is not a directory")
     if max_sentences < 0:
         raise HeadlabError(f"max_sentences must be >= 0, got {max_sentences}")
+    if query_chunk is not None and query_chunk < 1:
+        raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {query_chunk}")
     if targets is not None and len(targets) != len(sources):
         raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
     info = describe_model(model, tokenizer)
@@ -171,9 +192,12 @@ def write_attention_examples(
                 decoder_ids = ([start] + target_ids[:-1])[: info.max_length]
                 inputs["decoder_input_ids"] = torch.tensor([decoder_ids], device=device)
                 tokens["target"] = tokenizer.convert_ids_to_tokens(decoder_ids)
-            with torch.no_grad(), capture_attention(model) as record:
-                model(**inputs)
-            attention = {key: probs[0].float().cpu().numpy() for key, probs in record.items()}
+            if query_chunk is None:
+                with torch.no_grad(), capture_attention(model) as record:
+                    model(**inputs)
+                attention = {key: probs[0].float().cpu().numpy() for key, probs in record.items()}
+            else:
+                attention = _quantized_attention(model, inputs, query_chunk)
             entry = write_example(out_dir, len(entries), tokens, attention, seq2seq)
             entry.update({"line": line, "source": source.strip(), "target": target.strip() if target else None,
                           "target_from": target_from})
