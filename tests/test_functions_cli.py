@@ -158,14 +158,23 @@ def test_query_chunk_below_one_is_a_usage_error(tmp_path, model_dir, command, ba
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_functions_cli_with_query_chunk_writes_what_eager_writes(tmp_path, model_dir, capsys):
+@pytest.mark.parametrize("registrable", [True, False])
+def test_functions_cli_with_query_chunk_writes_what_eager_writes(tmp_path, model_dir, capsys, monkeypatch, caplog,
+                                                                  registrable):
+    """With --query-chunk the files are eager's; a model whose attention cannot be registered runs
+    the eager capture instead and says so in the log (a warning of ``headlab.capture``)."""
     conllu = tmp_path / "tb.conllu"
     conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
     outputs = {}
     for name, extra in (("eager", []), ("chunked", ["--query-chunk", "3"])):
+        if name == "chunked" and not registrable:
+            import headlab.capture
+
+            monkeypatch.setattr(headlab.capture, "dispatches", lambda module: False)
         out = tmp_path / name
         assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), "--aggregate",
                      "--no-figures", "--no-progress", *extra]) == 0, capsys.readouterr().err
+        assert ("falling back to eager capture" in caplog.text) == (name == "chunked" and not registrable)
         outputs[name] = out
     files = sorted(p.relative_to(outputs["eager"]) for p in outputs["eager"].rglob("*.json"))
     assert files == sorted(p.relative_to(outputs["chunked"]) for p in outputs["chunked"].rglob("*.json"))
