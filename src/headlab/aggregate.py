@@ -94,6 +94,19 @@ def _tag_onehot(side: SideBatch) -> torch.Tensor:
     return side.__dict__["_tag_onehot"]
 
 
+class _Scratch(dict):
+    """Work buffers reused from one view of a block to the next: a fresh tensor of megabytes per
+    view would take fresh pages from the OS each time where the C allocator maps large blocks
+    (glibc above its mmap threshold), which costs about as much as the arithmetic on it."""
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(shape)
+        buffer = dict.get(self, name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = self[name] = torch.empty(size, dtype=dtype)
+        return buffer[:size].view(shape)
+
+
 class _Spool:
     """A temporary file of float32 rows ``[H, N, N]`` (NaN = absent cell), read back once."""
 
@@ -140,6 +153,7 @@ class AggregateStats:
         # a block's state between its views of one batch (chunked capture)
         self._cells: dict[BlockKey, torch.Tensor] = {}  # [B, H, window, window]
         self._best: dict[BlockKey, tuple[torch.Tensor, torch.Tensor]] = {}  # running maximum, its flat index
+        self._scratch = _Scratch()  # work buffers shared by a block's views
 
     @classmethod
     def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
@@ -171,23 +185,26 @@ class AggregateStats:
         # Sums in float64 of the float32 weights. ``x.double().sum(d)`` is ``x.sum(d, dtype=float64)``
         # to the bit (the same reduction of the same values) and several times faster; the cast is
         # made once and shared. Products with 0/1 masks are exact in either precision.
+        # A block seen in several views (chunks) reuses its work buffers; a whole view gets its own.
+        scratch = _Scratch() if view.last and key not in self._cells else self._scratch
         kept = alpha if self.min_weight <= 0 else alpha * (alpha > self.min_weight)
-        kept64 = kept.double()  # [B, H, rows, W], contiguous
+        kept64 = scratch.get("f64", alpha.shape, f64).copy_(kept)  # contiguous, as kept.double()
         add("weight", kept64.sum((0, 2, 3)))
         positions = torch.arange(W, dtype=alpha.dtype)
         distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [rows, W] |i - j|
-        add("distance", (kept * distance).double().sum((0, 2, 3)))  # the product rounded in float32, as before
+        product = torch.mul(kept, distance, out=scratch.get("f32", alpha.shape, alpha.dtype))  # rounded in float32
+        add("distance", scratch.get("f64 product", alpha.shape, f64).copy_(product).sum((0, 2, 3)))
         to_word = kept64.sum(2)  # [B, H, W] attention received by each key word
         add("pos", torch.einsum("bhw,bwt->ht", to_word, _tag_onehot(side)))
         kept64 *= arc_rows(side, first, first + R)[:, None].to(f64)
         add("arcs", kept64.sum((0, 2, 3)))
-        del kept64
 
         # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0.
         valid = view.query_valid  # [B, H, rows]
-        p = alpha / view.row_mass[..., None].clamp(min=1e-30)
+        p = torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=scratch.get("f32", alpha.shape, alpha.dtype))
         entropy = -torch.special.xlogy(p, p, out=p).sum(-1)  # [B, H, rows]
-        del p
+        if view.last:
+            self._scratch.clear()
         add("entropy", (entropy * valid).double().sum((0, 2)))
         add("entropy_n", valid.sum((0, 2)).to(f64))
 
