@@ -14,7 +14,8 @@ The sentence is synthetic (random words of a word-level vocabulary, one token pe
 random projective-ish tree: each word's governor is one of the five words before it), so the
 statistics do their full work at any length. Memory: peak RSS growth over the loaded model and
 data (VmHWM after resetting it, Linux; after a short warm-up run of the same mode, so that imports
-and first allocations are not counted), and the total peak. Time: wall time per sentence.
+and first allocations are not counted), and the total peak. Time: wall time per sentence, and the process's CPU time (with one thread,
+the work done, which other jobs on a shared machine disturb far less than the wall time).
 
     python benchmarks/bench_chunked_attention.py --lengths 512 2048 --threads 1
     python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked   # eager: ~4 GB per map
@@ -108,11 +109,11 @@ def child(args) -> dict:
                 model(**tokenizer(" ".join(next(iter(read_conllu(warm))).words), return_tensors="pt"))
             base = _status("VmRSS")
             _reset_peak()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             with torch.inference_mode():
                 for batch in inputs:
                     model(**batch)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         else:
             from headlab.data.frequencies import TokenFrequencies
             from headlab.functions import AnalysisConfig, analyze_heads
@@ -124,12 +125,13 @@ def child(args) -> dict:
             analyze_heads(model, tokenizer, warm, frequencies=frequencies, config=config)
             base = _status("VmRSS")
             _reset_peak()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             analysis = analyze_heads(model, tokenizer, conllu, frequencies=frequencies, config=config)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             assert analysis.report.n_sentences == args.sentences and analysis.report.n_truncated == 0
         peak = _status("VmHWM")
     return {"mode": args.child_mode, "length": length, "seconds_per_sentence": seconds / args.sentences,
+            "cpu_seconds_per_sentence": cpu / args.sentences,
             "peak_growth_mb": (peak - base) / 2**20, "peak_total_mb": peak / 2**20, "base_mb": base / 2**20}
 
 
@@ -172,14 +174,16 @@ def main() -> None:
                 continue
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(row)
-            print(f"{length:>6} {mode:>8}: {row['seconds_per_sentence']:8.2f} s/sentence, "
+            print(f"{length:>6} {mode:>8}: {row['seconds_per_sentence']:8.2f} s/sentence "
+                  f"({row['cpu_seconds_per_sentence']:.2f} s CPU), "
                   f"peak growth {row['peak_growth_mb']:8.0f} MB, peak {row['peak_total_mb']:8.0f} MB", flush=True)
     print()
     print(f"model: Llama {args.layers} layers x {args.heads} heads ({args.kv_heads} key/value heads), "
           f"d_model {args.d_model}, FFN {args.ffn}, vocabulary {args.vocab}; query chunk {args.query_chunk}; "
           f"{args.threads} thread(s); mmap threshold {args.malloc_threshold}; {platform.machine()}, {platform.python_version()}")
-    print("| length | mode | s / sentence | x SDPA | peak growth (MB) | x SDPA | peak total (MB) | x SDPA |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| length | mode | s / sentence | x SDPA | CPU s / sentence | x SDPA | peak growth (MB) | x SDPA "
+          "| peak total (MB) | x SDPA |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ref = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "sdpa"), None)
 
@@ -187,6 +191,7 @@ def main() -> None:
             return f"{row[key] / ref[key]:.2f}" if ref and ref[key] > 0 else "-"
 
         print(f"| {row['length']} | {row['mode']} | {row['seconds_per_sentence']:.2f} | {ratio('seconds_per_sentence')} "
+              f"| {row['cpu_seconds_per_sentence']:.2f} | {ratio('cpu_seconds_per_sentence')} "
               f"| {row['peak_growth_mb']:.0f} | {ratio('peak_growth_mb')} | {row['peak_total_mb']:.0f} "
               f"| {ratio('peak_total_mb')} |")
     if args.json:
