@@ -14,8 +14,9 @@ The sentence is synthetic (random words of a word-level vocabulary, one token pe
 random projective-ish tree: each word's governor is one of the five words before it), so the
 statistics do their full work at any length. Memory: peak RSS growth over the loaded model and
 data (VmHWM after resetting it, Linux; after a short warm-up run of the same mode, so that imports
-and first allocations are not counted), and the total peak. Time: wall time per sentence, and the process's CPU time (with one thread,
-the work done, which other jobs on a shared machine disturb far less than the wall time).
+and first allocations are not counted), and the total peak. Time: wall time per sentence, and the
+process's CPU time (with one thread, the work done, which other jobs on a shared machine disturb
+far less than the wall time).
 
     python benchmarks/bench_chunked_attention.py --lengths 512 2048 --threads 1
     python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked   # eager: ~4 GB per map
