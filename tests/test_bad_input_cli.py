@@ -230,3 +230,236 @@ def test_garbage_lock_is_held_for_a_while_then_taken_over(content, tmp_path):
     os.utime(path, (old, old))
     with DirectoryLock(tmp_path):
         assert path.read_text().startswith('{"pid": ' + str(os.getpid()))
+
+
+# ----------------------------------------------------------------------------- prune train / baseline
+
+
+def _baseline(inputs, out, *extra):
+    src = str(inputs / "src.txt")
+    return ["prune", "baseline", str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--valid-src", src,
+            "--valid-tgt", src, "--method", "random", "--keeps", "2", "--seeds", "1", "--eval-beam", "1",
+            "--out", str(out), *extra]
+
+
+def _forbid_pruning_work(monkeypatch):
+    import headlab.pruning.cli
+
+    forbid_model_loading(monkeypatch)
+    monkeypatch.setattr(headlab.pruning.cli, "_load", _raise(AssertionError("model loaded")))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing data", "--train-src {root}/none.txt: no such file"),
+    ("empty data", "--valid-tgt {root}/empty.txt: the file is empty"),
+    ("no model", "model {root}/no/model: no such directory"),
+    ("no scores", "--scores {root}/none.json: no such file"),
+    ("bad scores", "{root}/src.txt: line 1: invalid JSON"),
+    ("bad keeps", "--keeps -1: give one or more head counts >= 0"),
+    ("bad kinds", "--kinds enc_slf: expected all or a comma list of"),
+    ("bad table", "{out}/baselines.json: not a baselines table"),
+    ("no valid", "baselines need --valid-src and --valid-tgt"),
+])
+def test_prune_baseline_refuses_bad_input_before_loading(case, expected, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: prune baseline loaded the model first and found a missing file, a bad --scores
+    or a corrupt baselines.json only then (or after the first row), as a traceback."""
+    _forbid_pruning_work(monkeypatch)
+    (tmp_path / "empty.txt").write_text("\n")
+    out = tmp_path / "out"
+    args = _baseline(inputs, out)
+    if case == "missing data":
+        args[args.index("--train-src") + 1] = str(tmp_path / "none.txt")
+    elif case == "empty data":
+        args[args.index("--valid-tgt") + 1] = str(tmp_path / "empty.txt")
+    elif case == "no model":
+        args[2] = str(tmp_path / "no" / "model")
+    elif case in ("no scores", "bad scores"):
+        scores = tmp_path / "none.json" if case == "no scores" else inputs / "src.txt"
+        args[args.index("random")] = "scores"
+        args += ["--scores", str(scores)]
+    elif case == "bad keeps":
+        args[args.index("--keeps") + 1] = "-1"
+    elif case == "bad kinds":
+        args += ["--kinds", "enc_slf"]
+    elif case == "bad table":
+        out.mkdir()
+        (out / "baselines.json").write_text('{"rows": 1}')
+    elif case == "no valid":
+        args = args[:7] + args[11:]
+    root = inputs if case == "bad scores" else tmp_path
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert expected.format(root=root, out=out) in err and "Traceback" not in err
+    assert files_under(out) == ({"baselines.json"} if case == "bad table" else set())
+
+
+def test_prune_baseline_refuses_unwritable_out_and_a_directory_in_use(inputs, capsys, monkeypatch, sleeper):
+    _forbid_pruning_work(monkeypatch)
+    with world_readable_dir() as root:
+        save_tiny_marian(root / "model")
+        (root / "src.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+        with unwritable(root / "ro") as ro:
+            assert main(_baseline(root, ro / "out")) == 2
+        assert f"--out {ro / 'out'}: cannot write in {ro}" in capsys.readouterr().err
+        assert files_under(ro) == set()
+    busy = inputs / "busy-baseline"
+    _hold(busy, sleeper.pid)
+    assert main(_baseline(inputs, busy)) == 2
+    assert f"--out {busy} is in use by another headlab run (pid {sleeper.pid}" in capsys.readouterr().err
+
+
+def test_prune_baseline_refuses_too_many_heads_before_any_row(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_baseline(inputs, out, "--keeps", "2,99")) == 2
+    assert "--keeps 2,99: the model has 8 heads of enc_self" in capsys.readouterr().err
+    assert not out.exists()  # the directory the run created for its lock is gone again
+
+
+def test_prune_train_refuses_bad_input_and_a_directory_in_use(inputs, tmp_path, capsys, monkeypatch, sleeper):
+    """Regression: prune train took no lock (two runs interleaved their checkpoints) and found a
+    missing training file only after loading the model."""
+    _forbid_pruning_work(monkeypatch)
+    src = str(inputs / "src.txt")
+    args = ["prune", "train", str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--keep", "2"]
+    assert main([*args, "--valid-src", str(tmp_path / "none.txt"), "--valid-tgt", src,
+                 "--out", str(tmp_path / "o")]) == 2
+    assert f"--valid-src {tmp_path / 'none.txt'}: no such file" in capsys.readouterr().err
+    assert main([*args, "--limit", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--limit must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    busy = tmp_path / "busy"
+    _hold(busy, sleeper.pid)
+    before = files_under(busy)
+    assert main([*args, "--out", str(busy)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {busy} is in use by another headlab run (pid {sleeper.pid}" in err and "Traceback" not in err
+    assert files_under(busy) == before
+
+
+def test_prune_train_lock_is_held_by_the_main_process_only(inputs, tmp_path, monkeypatch, sleeper):
+    """Under accelerate launch every rank runs the command on the same --out: rank 0 holds the lock."""
+    import headlab.pruning.cli
+    import headlab.pruning.train
+
+    out = tmp_path / "o"
+    held = []
+
+    def prune_train(*args, **kwargs):
+        held.append((out / LOCK_FILE).is_file())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(headlab.pruning.cli, "_load", lambda args: (None, None))
+    monkeypatch.setattr(headlab.pruning.cli, "_data", lambda args, tokenizer, model: (None, None))
+    monkeypatch.setattr(headlab.pruning.train, "prune_train", prune_train)
+    src = str(inputs / "src.txt")
+    args = ["prune", "train", str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--out", str(out)]
+    assert main(args) == 130 and held == [True]
+    assert not (out / LOCK_FILE).exists()  # released
+    _hold(out, sleeper.pid)  # rank 0 of a launch holds it
+    monkeypatch.setenv("RANK", "1")
+    assert main(args) == 130 and held == [True, True]
+
+
+# ----------------------------------------------------------------------------- reproduce
+
+
+@pytest.fixture
+def reproduction(inputs, tmp_path):
+    """A reproduction config over the tiny model; its data are plain text files."""
+    import json
+
+    for name in ("train", "valid", "test"):
+        for lang in ("en", "de"):
+            (tmp_path / f"{name}.{lang}").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    spec = {"models": [{"name": "tiny", "path": str(inputs / "model"), "src": "en", "tgt": "de"}],
+            "data": {"train": "train.{lang}", "valid": "valid.{lang}", "test": "test.{lang}"},
+            "work_dir": "work", "results_dir": "results", "doc": "reproduction.md", "img_dir": "img",
+            "functions": {"conllu": str(inputs / "tb.conllu")},
+            "prune": {"enc": {"gates": "enc_self", "keeps": [2]}}}
+    config = tmp_path / "reproduce.json"
+    config.write_text(json.dumps(spec))
+    return config
+
+
+def _forbid_reproduction_work(monkeypatch):
+    import headlab.reproduce.pipeline
+
+    forbid_model_loading(monkeypatch)
+    monkeypatch.setattr(headlab.reproduce.pipeline, "run_pipeline", _raise(AssertionError("a stage ran")))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("stage", "--stages: unknown stage 'prune-encc'; expected one of importance, functions"),
+    ("model", "--models: {config} has no model named 'tiny2' (it has tiny)"),
+    ("data", "{config}: model tiny, stage prune-enc: --valid-src {root}/test.en: no such file"),
+    ("conllu", "{config}: model tiny, stage functions: --conllu {root}/tb.conllu: the file is empty"),
+    ("python", "{config}: model tiny, stage specialisation: data.valid {root}/valid.de: the file is empty"),
+])
+def test_reproduce_refuses_bad_input_before_the_first_stage(case, expected, reproduction, capsys, monkeypatch):
+    """Regression: reproduce found a data file missing for a later stage only when that stage
+    ran, after hours of the earlier ones."""
+    import json
+
+    _forbid_reproduction_work(monkeypatch)
+    root = reproduction.parent
+    args = ["reproduce", "--config", str(reproduction)]
+    if case == "stage":
+        args += ["--stages", "importance,prune-encc"]
+    elif case == "model":
+        args += ["--models", "tiny,tiny2"]
+    elif case == "data":
+        (root / "test.en").unlink()
+    elif case == "conllu":
+        spec = json.loads(reproduction.read_text())
+        spec["functions"]["conllu"] = "tb.conllu"
+        reproduction.write_text(json.dumps(spec))
+        (root / "tb.conllu").write_text("\n")
+    elif case == "python":
+        (root / "valid.de").write_text("")
+        args += ["--stages", "specialisation"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert expected.format(config=reproduction, root=root) in err and "Traceback" not in err
+    assert not (root / "work").exists()
+
+
+def test_reproduce_checks_only_the_stages_that_will_run(reproduction, capsys, monkeypatch):
+    import headlab.reproduce.pipeline
+
+    root = reproduction.parent
+    (root / "test.en").unlink()  # read by the pruning stages only
+    calls = []
+    monkeypatch.setattr(headlab.reproduce.pipeline, "run_pipeline", lambda config, **kwargs: calls.append(kwargs) or [])
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "importance,functions"]) == 0
+    marker = root / "work" / "tiny" / "stages" / "prune-enc.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")  # finished earlier: skipped, so its data are not needed
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "functions,prune-enc"]) == 0
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "prune-enc", "--dry-run"]) == 0
+    assert len(calls) == 3
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "prune-enc", "--force"]) == 2
+    assert f"--valid-src {root / 'test.en'}: no such file" in capsys.readouterr().err
+
+
+def test_reproduce_refuses_unwritable_outputs_and_a_work_dir_in_use(reproduction, capsys, monkeypatch, sleeper):
+    import json
+
+    _forbid_reproduction_work(monkeypatch)
+    root = reproduction.parent
+    with world_readable_dir() as scratch:
+        spec = json.loads(reproduction.read_text())
+        spec.update(results_dir=str(scratch / "results"), img_dir=str(scratch / "img"),
+                    doc=str(scratch / "ro" / "reproduction.md"))
+        config = scratch / "reproduce.json"
+        config.write_text(json.dumps(spec))
+        os.chmod(config, 0o644)
+        for name in ("results", "img"):  # writable by anyone; only the document's directory is not
+            (scratch / name).mkdir()
+            os.chmod(scratch / name, 0o777)
+        with unwritable(scratch / "ro") as ro:
+            assert main(["reproduce", "--config", str(config), "--docs-only"]) == 2
+        assert f"{config}: doc {ro / 'reproduction.md'}: cannot write in {ro}" in capsys.readouterr().err
+    _hold(root / "work", sleeper.pid)
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "importance"]) == 2
+    err = capsys.readouterr().err
+    assert f"work_dir {root / 'work'} is in use by another headlab run (pid {sleeper.pid}" in err

@@ -138,3 +138,34 @@ def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
         assert code == 2
         assert f"--out {ro / 'pruned'}: cannot write in {ro}" in capsys.readouterr().err
         assert files_under(ro) == set()
+
+
+def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: `prune apply --overwrite` wrote into the old directory, so its files that the
+    new model does not write stayed, and a failure part-way left a mix of old and new files."""
+    import headlab.surgery
+
+    out = tmp_path / "pruned"
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:1", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("from an earlier run")
+    (out / "pruned_heads.py").write_text("# a stale copy")
+    old = {name: (out / name).read_bytes() for name in files_under(out)}
+    save_pruned = headlab.surgery.save_pruned
+
+    def full_disk(model, path):
+        save_pruned(model, path)  # the weights are written, then the disk fills up
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(headlab.surgery, "save_pruned", full_disk)
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in files_under(out)} == old  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temporary directory left
+    monkeypatch.setattr(headlab.surgery, "save_pruned", save_pruned)
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 0
+    fresh = tmp_path / "fresh"
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(fresh)]) == 0
+    assert files_under(out) == files_under(fresh) and "notes.txt" not in files_under(out)
+    assert (out / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    assert [b.n_heads for b in attention_blocks(load_model(str(out))) if b.kind == "enc_self"] == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "pruned"]

@@ -71,6 +71,7 @@ def run_heads(args) -> int:
 
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
+    from headlab.heads import atomic_dir
     from headlab.headspec import parse_heads
     from headlab.loading import load_model, load_tokenizer
     from headlab.portable import how_to_load
@@ -82,6 +83,8 @@ def run_prune(args) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
     preflight.output_dir(out)
+    if out.is_dir():  # --overwrite: the new directory is written beside it, then swapped in
+        preflight.output_dir(out.absolute().parent, "--out")
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)
@@ -90,12 +93,16 @@ def run_prune(args) -> int:
         tokenizer = load_tokenizer(args.model)  # keep the pruned directory self-contained
     before = count_parameters(model)
     prune_heads(model, spec)
-    save_pruned(model, out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+
+    def write(directory: Path) -> None:
+        save_pruned(model, directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+
+    atomic_dir(out, write)  # --overwrite never leaves a mix of the old directory's files and the new ones
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
     print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
-    record = json.loads((out / PRUNING_FILE).read_text(encoding="utf-8"))
+    record = json.loads((out.absolute() / PRUNING_FILE).read_text(encoding="utf-8"))
     print(how_to_load(model, record.get("portable") or {}, str(out)))
     return 0

@@ -11,10 +11,11 @@ import csv
 import json
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -81,6 +82,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name beside ``final`` (``write(tmp)``), then swap it in.
+
+    The old directory is first renamed to ``<name>.old`` and removed only after the new one is
+    in place, so a kill at any moment leaves either the old or the new one complete, never a mix
+    of the two; a ``write`` that fails leaves the old one as it was and removes its own files.
+    """
+    final = Path(os.path.abspath(final))  # "." has no name to put beside it
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.parent / f"{final.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import ContextManager, Iterator
 
 from headlab.errors import HeadlabError
 
-__all__ = ["DirectoryLock", "LOCK_FILE", "training_lock"]
+__all__ = ["DirectoryLock", "LOCK_FILE", "locked_output", "training_lock"]
 
 LOCK_FILE = Path(".headlab") / "lock"
 
@@ -120,13 +122,29 @@ class DirectoryLock:
         self.release()
 
 
-def training_lock(directory: str | os.PathLike, flag: str = "--out"):
+@contextmanager
+def locked_output(directory: str | os.PathLike, flag: str = "--out") -> Iterator[None]:
+    """Create ``directory`` if need be and hold its lock. A run refused after that (a check that
+    needs the model, say) leaves no empty directory behind that it created."""
+    directory = Path(directory)
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with DirectoryLock(directory, flag):
+            yield
+    finally:
+        if created:
+            for empty in (directory / LOCK_FILE.parent, directory):
+                try:
+                    empty.rmdir()  # only if empty: a run that wrote anything keeps it
+                except OSError:
+                    break
+
+
+def training_lock(directory: str | os.PathLike, flag: str = "--out") -> ContextManager[None]:
     """The lock of a training run's output directory, held by the main process only: under
     ``accelerate launch``/``torchrun`` every rank runs the command, and the other ranks (``RANK``
     > 0) write only through the main one."""
-    from contextlib import nullcontext
-
     if int(os.environ.get("RANK", "0") or 0) > 0:
         return nullcontext()
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    return DirectoryLock(directory, flag)
+    return locked_output(directory, flag)

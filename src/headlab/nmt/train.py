@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 
 from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
+from headlab.heads import atomic_dir
 from headlab.nmt.config import TrainConfig
 
 __all__ = [
@@ -187,27 +188,6 @@ def refuse_occupied_output(config: TrainConfig) -> None:
     if has_model(config.out_dir) and not (config.overwrite or config.resume):
         raise HeadlabError(f"{config.out_dir} already holds a model or a training run; pass --overwrite to replace it "
                            "or --resume to continue it")
-
-
-def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
-    """Write a directory under a temporary name, then swap it into place.
-
-    The old directory is first renamed to ``<name>.old`` and removed only after the new one is
-    in place, so a kill at any moment leaves either the old or the new one complete.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write(tmp)
-    old = final.parent / f"{final.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def _save_weights(model, directory: Path) -> None:
@@ -425,7 +405,7 @@ def train(
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
                 (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
                 torch.save({"torch": torch.get_rng_state()}, tmp / "rng-0.pt")
-            _atomic_dir(out_dir / "last", write)
+            atomic_dir(out_dir / "last", write)
         accelerator.wait_for_everyone()
         if not main:
             rng_tmp = out_dir / "last" / f".rng-{rank}.pt.tmp"
@@ -540,7 +520,7 @@ def train(
         accelerator.wait_for_everyone()
         if main:
             if config.keep_epoch_checkpoints:
-                _atomic_dir(out_dir / "epochs" / f"epoch-{epoch + 1:03d}", lambda tmp: _save_weights(raw_model, tmp))
+                atomic_dir(out_dir / "epochs" / f"epoch-{epoch + 1:03d}", lambda tmp: _save_weights(raw_model, tmp))
             if valid_data is not None and config.validate:
                 valid_start = time.time()
                 metrics = (validate_fn or _default_validate)(raw_model, tokenizer, valid_data, config)
@@ -557,7 +537,7 @@ def train(
                         _save_weights(raw_model, tmp)
                         tokenizer.save_pretrained(str(tmp))
                         (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-                    _atomic_dir(out_dir / "best", write_best)
+                    atomic_dir(out_dir / "best", write_best)
         accelerator.wait_for_everyone()
         if world_size > 1:  # only the main rank validates; every rank must agree on stopping
             from accelerate.utils import broadcast_object_list
@@ -637,7 +617,7 @@ def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_d
             _save_weights(model, tmp)
             tokenizer.save_pretrained(str(tmp))
             (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-        _atomic_dir(out_dir / "averaged", write)
+        atomic_dir(out_dir / "averaged", write)
         log(f"averaged epochs {record['averaged_epochs']} into {out_dir / 'averaged'}"
             + (f": valid score {score:.2f} (best single epoch {state['best_score']:.2f})" if score is not None else ""))
     return score

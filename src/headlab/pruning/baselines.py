@@ -29,14 +29,14 @@ import torch
 from headlab.adapters import attention_blocks
 from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
 from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
 from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, train
 from headlab.pruning.config import BaselineConfig
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
-           "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "baselines_markdown"]
+           "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "read_rows", "baselines_markdown"]
 
 Spec = dict[tuple[str, int], list[int]]
 
@@ -160,13 +160,27 @@ def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, conf
 METHODS = {"random": random_spec, "michel": michel_spec, "scores": scores_spec}
 
 
+def read_rows(out_dir) -> list[dict]:
+    """The rows already in ``out_dir/baselines.json`` (none when there is no such file); a file
+    that is not such a table is an error naming it."""
+    table_file = Path(out_dir) / "baselines.json"
+    if not table_file.is_file():
+        return []
+    rows = read_json(table_file, "baselines table")
+    keys = ("method", "keep", "finetune_steps")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in keys) for r in rows):
+        raise HeadlabError(f"{table_file}: not a baselines table (a JSON list of rows with {', '.join(keys)}); "
+                           "move it away or choose another --out")
+    return rows
+
+
 def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir) -> str:
     """Run every (keep, seed) point of ``config`` not yet in ``out_dir/baselines.json`` (resumable:
     each row is written as soon as it is known) on a fresh model from ``load()``; write and return
     the table ``baselines.md`` (mean +- std over seeds)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
-    rows = json.loads(table_file.read_text()) if table_file.is_file() else []
+    rows = read_rows(out)
     done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
     c = config
     for keep in c.keeps:

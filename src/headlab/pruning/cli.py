@@ -129,6 +129,27 @@ def _log():
     return log
 
 
+def _check_inputs(args) -> None:
+    """Before any model is loaded (docs/cli.md, exit 2): the data files readable and not empty,
+    the model and tokenizer directories there, the options in range, ``--out`` writable."""
+    from headlab import preflight
+
+    if not args.train_text and not (args.train_src and args.train_tgt):
+        raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
+    if (args.valid_src is None) != (args.valid_tgt is None):
+        raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
+    for flag in ("--train-text", "--train-src", "--train-tgt", "--valid-src", "--valid-tgt"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None:
+            preflight.input_file(path, flag)
+    preflight.model_dir(args.model)
+    if args.tokenizer is not None:
+        preflight.model_dir(args.tokenizer, "--tokenizer")
+    for name in ("limit", "eval_limit", "max_sentence_tokens", "threads"):
+        preflight.at_least(getattr(args, name), 1, "--" + name.replace("_", "-"))
+    preflight.output_dir(args.out)
+
+
 def _load(args):
     from headlab.loading import load_model, load_tokenizer
 
@@ -150,11 +171,9 @@ def _data(args, tokenizer, model):
         train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
         if args.limit:
             train_data = train_data.subset(args.limit)
-    else:
+    else:  # _check_inputs has refused this
         raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
     eval_data = None
-    if (args.valid_src is None) != (args.valid_tgt is None):
-        raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
     if args.valid_src:
         eval_data = read_parallel(args.valid_src, args.valid_tgt)
         if args.eval_limit:
@@ -176,17 +195,18 @@ def _config(args, out_dir: str) -> PruneConfig:
 
 
 def run_train(args) -> int:
-    from headlab import preflight
+    from headlab.lock import training_lock
     from headlab.pruning.train import prune_train
 
-    set_threads(args.threads)
     if args.lam is not None and args.lam < 0:
         raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
     config = _config(args, args.out)  # checks before loading anything heavy
-    preflight.output_dir(args.out)
-    model, tokenizer = _load(args)
-    train_data, eval_data = _data(args, tokenizer, model)
-    result = prune_train(model, tokenizer, train_data, eval_data, config, log=_log())
+    _check_inputs(args)
+    set_threads(args.threads)
+    with training_lock(args.out):  # a second run on the same directory refuses (main process only)
+        model, tokenizer = _load(args)
+        train_data, eval_data = _data(args, tokenizer, model)
+        result = prune_train(model, tokenizer, train_data, eval_data, config, log=_log())
     if result.stopped == "diverged":
         print(f"headlab prune train: {result.message}", file=sys.stderr)
         return 1
@@ -198,15 +218,14 @@ def run_train(args) -> int:
 
 
 def run_sweep_command(args) -> int:
-    from headlab import preflight
     from headlab.lock import DirectoryLock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
-    set_threads(args.threads)
     points = sweep_points(numbers(args.lams, float) if args.lams else (), numbers(args.keeps) if args.keeps else ())
     args.lam, args.keep = 0.0, None
     config = _config(args, args.out)
-    preflight.output_dir(args.out)
+    _check_inputs(args)
+    set_threads(args.threads)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with DirectoryLock(args.out, "--out"):  # a second sweep on the same directory refuses
         model, tokenizer = _load(args)
@@ -219,25 +238,44 @@ def run_sweep_command(args) -> int:
 
 
 def run_baseline(args) -> int:
-    from headlab.heads import HeadScores
-    from headlab.pruning.baselines import run_baselines
-    from headlab.pruning.train import resolve_kinds
+    from headlab import preflight
+    from headlab.heads import KINDS, HeadScores
+    from headlab.lock import locked_output
+    from headlab.pruning.baselines import read_rows, run_baselines
+    from headlab.pruning.train import heads_per_kind, resolve_kinds
 
-    set_threads(args.threads)
     keeps = numbers(args.keeps)
+    if not keeps or min(keeps) < 0:
+        raise HeadlabError(f"--keeps {args.keeps}: give one or more head counts >= 0")
+    seeds = numbers(args.seeds) if args.method == "random" else (None,)
+    if not seeds:
+        raise HeadlabError("--seeds is empty: give one or more seeds for --method random")
+    named = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if args.kinds != "all" and (not named or any(k not in KINDS for k in named)):
+        raise HeadlabError(f"--kinds {args.kinds}: expected all or a comma list of {', '.join(KINDS)}")
     if args.method == "scores" and not args.scores:
         raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _load(args)
-    kinds = resolve_kinds(model, args.kinds)
-    train_data, eval_data = _data(args, tokenizer, model)
-    if eval_data is None:
+    if args.valid_src is None and args.valid_tgt is None:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
-    config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds,
-                       scores=HeadScores.load(args.scores) if args.scores else None,
-                       seeds=numbers(args.seeds) if args.method == "random" else (None,))
-    print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
+    _check_inputs(args)
+    if args.scores:
+        preflight.input_file(args.scores, "--scores")
+    scores = HeadScores.load(args.scores) if args.scores else None
+    for name, minimum in (("finetune_steps", 0), ("scratch_epochs", 1), ("max_tokens", 1), ("eval_beam", 1),
+                          ("importance_batches", 1)):
+        preflight.at_least(getattr(args, name), minimum, "--" + name.replace("_", "-"))
+    out = Path(args.out)
+    read_rows(out)  # a baselines.json that is not one refuses here, not after the first row
+    set_threads(args.threads)
+    with locked_output(out, "--out"):  # a second run on the same directory refuses
+        model, tokenizer = _load(args)
+        kinds = resolve_kinds(model, args.kinds)
+        available = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
+        if max(keeps) > available:
+            raise HeadlabError(f"--keeps {args.keeps}: the model has {available} heads of {', '.join(kinds)}")
+        train_data, eval_data = _data(args, tokenizer, model)
+        config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds)
+        print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`headlab reproduce`: parse, call :func:`headlab.reproduce.pipeline.run_pipeline`, print."""
+"""`headlab reproduce`: parse, check (:mod:`headlab.reproduce.preflight`), lock the work directory, call
+:func:`headlab.reproduce.pipeline.run_pipeline`, print."""
 
 from __future__ import annotations
 
@@ -25,14 +26,28 @@ def register(subparsers) -> None:
 
 
 def run_reproduce(args) -> int:
+    from contextlib import nullcontext
+
+    from headlab.lock import locked_output
+    from headlab.reproduce import preflight
     from headlab.reproduce.config import load_config
     from headlab.reproduce.pipeline import run_pipeline
 
     config = load_config(args.config)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
+    models, stages = split(args.models), split(args.stages)
+    preflight.check_names(config, models, stages)  # before any work (docs/cli.md): exit 2
+    stages_run = not args.dry_run and not args.docs_only and stages != ["report"]
+    if stages_run:
+        preflight.check_inputs(config, models, stages, force=args.force)
+    if not args.dry_run:
+        preflight.check_outputs(config, stages_run=stages_run, report=args.docs_only or not stages or "report" in stages)
+    # One reproduction at a time per work directory: two would train the same points.
+    lock = locked_output(config.path(config.work_dir), "work_dir") if stages_run else nullcontext()
     log = lambda message: print(f"headlab reproduce: {message}", file=sys.stderr, flush=True)  # noqa: E731
-    outcomes = run_pipeline(config, models=split(args.models), stages=split(args.stages), force=args.force,
-                            dry_run=args.dry_run, docs_only=args.docs_only, log=log)
+    with lock:
+        outcomes = run_pipeline(config, models=models, stages=stages, force=args.force, dry_run=args.dry_run,
+                                docs_only=args.docs_only, log=log)
     for outcome in outcomes:
         extra = f" ({outcome.seconds / 60:.1f} min)" if outcome.status == "done" and outcome.seconds else ""
         reason = f": {outcome.reason}" if outcome.reason else ""
