@@ -37,7 +37,8 @@ def test_normalise_rank_and_mask():
 
 
 def test_csv_and_bad_input(tmp_path):
-    rows = list(csv.reader(_scores().save_csv(tmp_path / "s.csv").open()))
+    with _scores().save_csv(tmp_path / "s.csv").open() as handle:
+        rows = list(csv.reader(handle))
     assert rows[0] == ["kind", "layer", "head", "confidence"]
     assert rows[3] == ["enc_self", "0", "2", ""]
     with pytest.raises(HeadlabError, match="must be \\[n_layers, n_heads\\]"):

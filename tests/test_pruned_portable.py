@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,15 +96,15 @@ def test_plain_transformers_loads_every_pruned_family_without_headlab(pruned_dir
 
 def test_how_each_directory_loads_is_recorded_and_headlab_still_loads_it(pruned_dirs):
     for name, (directory, _) in pruned_dirs.items():
-        record = json.loads(open(f"{directory}/headlab_pruning.json").read())
+        record = json.loads(Path(directory, "headlab_pruning.json").read_text())
         assert record["portable"]["how"] == CASES[name][2], name
-        config = json.loads(open(f"{directory}/config.json").read())
+        config = json.loads(Path(directory, "config.json").read_text())
         code = os.path.join(directory, CODE_FILE)
         if CASES[name][2] == "standard config":
             assert not os.path.exists(code) and "auto_map" not in config and "headlab_pruned" not in config
             assert config["num_attention_heads"] == 2 and config["head_dim"] == 8
         else:
-            text = open(code).read()
+            text = Path(code).read_text()
             assert not [line for line in text.splitlines() if line.startswith(("import headlab", "from headlab"))]
             assert "auto_map" in config and config["headlab_pruned"]["projections"]
         check = torch.load(f"{directory}/check.pt")
