@@ -334,3 +334,20 @@ def test_diagnostics_split_the_log_alpha_gradient_into_loss_and_penalty(keep, tm
     assert record["grad_penalty_log_alpha"] == pytest.approx(expected, rel=1e-5)
     if keep is None:
         assert record["penalty_term"] == pytest.approx(0.3 * record["l0_penalty"])
+
+
+def test_latency_is_measured_in_eval_mode_and_the_mode_is_restored(corpus, tokenizer):
+    """Regression: measure_latency left a model that was training in eval mode (dropout off)."""
+    from headlab.pruning.train import measure_latency
+
+    model = marian(tokenizer)
+    seen = []
+    model.get_encoder().register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    model.train()
+    timings = measure_latency(model, tokenizer, corpus.sources[:2], beam=1, repeats=1)
+    assert timings["sentences"] == 2 and timings["encoder_s"] > 0 and timings["translate_s"] > 0
+    assert seen and not any(seen)  # timed without dropout
+    assert model.training and all(module.training for module in model.modules())
+    model.eval()
+    measure_latency(model, tokenizer, corpus.sources[:2], beam=1, repeats=1)
+    assert not any(module.training for module in model.modules())

@@ -391,10 +391,10 @@ def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 6
 
 def measure_latency(model, tokenizer, sentences, *, beam: int = 4, batch_size: int = 32, repeats: int = 3) -> dict:
     """Seconds for the encoder alone and for end-to-end translation of ``sentences`` (best of
-    ``repeats``), on the model's device, in the current thread settings."""
+    ``repeats``), on the model's device, in the current thread settings; the model in eval mode
+    (no dropout) while timed, in its own mode again afterwards."""
     from headlab.nmt.translate import translate
 
-    model.eval()
     batches = [sentences[i : i + batch_size] for i in range(0, len(sentences), batch_size)]
     device = next(model.parameters()).device
     encoder = model.get_encoder()
@@ -413,12 +413,13 @@ def measure_latency(model, tokenizer, sentences, *, beam: int = 4, batch_size: i
             times.append(time.perf_counter() - start)
         return min(times)
 
-    return {
-        "encoder_s": best(run_encoder),
-        "translate_s": best(lambda: translate(model, tokenizer, sentences, beam=beam, batch_size=batch_size)),
-        "sentences": len(sentences),
-        "beam": beam,
-    }
+    with eval_mode(model):
+        return {
+            "encoder_s": best(run_encoder),
+            "translate_s": best(lambda: translate(model, tokenizer, sentences, beam=beam, batch_size=batch_size)),
+            "sentences": len(sentences),
+            "beam": beam,
+        }
 
 
 # ----------------------------------------------------------------------------- export
