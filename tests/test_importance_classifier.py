@@ -203,3 +203,30 @@ def test_lrp_targets_are_the_predicted_class_logits(family):
     result = head_relevance(model, batch)
     torch.testing.assert_close(result.logits, expected, rtol=1e-4, atol=1e-5)
     assert all(r.shape == (2, 4) and r.abs().sum() > 0 for r in result.relevance.values())
+
+
+def test_rare_token_counts_of_a_labelled_tsv_leave_out_the_labels(classifier, tmp_path, monkeypatch):
+    """Regression: without --train-text, analyze counted token frequencies over the whole TSV
+    lines, so the label column ("yes"/"no") and the header added to the counts."""
+    import headlab.functions.analysis
+    from support.treebank import SAMPLE_CONLLU
+
+    root, test = classifier
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    seen = {}
+
+    def analyze_heads(model, tokenizer, path, *, frequencies=None, **kwargs):
+        seen["frequencies"], seen["tokenizer"] = frequencies, tokenizer
+        raise KeyboardInterrupt  # the counts are all this test needs
+
+    monkeypatch.setattr(headlab.functions.analysis, "analyze_heads", analyze_heads)
+    assert main(["analyze", str(root / "model"), "--source", str(root / "dev.tsv"), "--conllu", str(conllu),
+                 "--out", str(tmp_path / "a"), "--no-progress", "--skip", "confidence", "lrp", "gradient",
+                 "agreement", "aggregate", "table", "attention", "figures", "report"]) == 130
+    frequencies, tokenizer = seen["frequencies"], seen["tokenizer"]
+    vocab = tokenizer.get_vocab()
+    words = [word for text, _ in test for word in text.split()]
+    assert frequencies.n_lines == len(test)  # one sentence per data line; no header
+    assert frequencies.counts[vocab["yes"]] == words.count("yes")  # 12 more with the label column
+    assert frequencies.n_tokens == len(words)

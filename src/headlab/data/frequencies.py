@@ -10,7 +10,7 @@ from __future__ import annotations
 import gzip
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -73,35 +73,48 @@ class TokenFrequencies:
         """Count the tokenizer's ids over text files (one sentence per line, plain or ``.gz``)."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
-        counts = np.zeros(len(tokenizer), dtype=np.int64)
-        n_lines = 0
-        names = []
+        paths = [Path(path) for path in paths]
         for path in paths:
-            path = Path(path)
             if not path.is_file():
                 raise HeadlabError(f"training text not found: {path}")
-            names.append(str(path))
-            batch: list[str] = []
 
-            def flush() -> None:
-                if batch:
-                    ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
-                    flat = np.fromiter((i for row in ids for i in row), dtype=np.int64)
-                    np.add.at(counts, flat[flat < counts.size], 1)
-                    batch.clear()
+        def sentences() -> Iterator[str]:
+            for path in paths:
+                for _, line in _lines(path):
+                    if line.strip():
+                        yield line.strip()
 
-            for _, line in _lines(path):
-                if max_lines is not None and n_lines >= max_lines:
-                    break
-                if line.strip():
-                    batch.append(line.strip())
-                    n_lines += 1
-                if len(batch) >= batch_size:
-                    flush()
-            flush()
+        return cls.from_texts(tokenizer, sentences(), ",".join(map(str, paths)), max_lines=max_lines,
+                              batch_size=batch_size)
+
+    @classmethod
+    def from_texts(cls, tokenizer, texts: Iterable[str], source: str = "", *, max_lines: int | None = None,
+                   batch_size: int = 1000) -> "TokenFrequencies":
+        """Count the tokenizer's ids over sentences (blank ones skipped): the lines of a corpus, or
+        the text fields of a classifier's labelled TSV without its labels."""
+        counts = np.zeros(len(tokenizer), dtype=np.int64)
+        n_lines = 0
+        batch: list[str] = []
+
+        def flush() -> None:
+            if batch:
+                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                flat = np.fromiter((i for row in ids for i in row), dtype=np.int64)
+                np.add.at(counts, flat[flat < counts.size], 1)
+                batch.clear()
+
+        for text in texts:
+            if max_lines is not None and n_lines >= max_lines:
+                break
+            if text.strip():
+                batch.append(text.strip())
+                n_lines += 1
+            if len(batch) >= batch_size:
+                flush()
+        flush()
         if n_lines == 0:
-            raise HeadlabError(f"no text to count tokens in: {', '.join(names)}")
-        return cls(counts, ",".join(names), n_lines)
+            raise HeadlabError(f"no text to count tokens in: {source}")
+        return cls(counts, source, n_lines)
 
     @classmethod
     def from_file(cls, tokenizer, path: str | Path) -> "TokenFrequencies":

@@ -363,6 +363,21 @@ def _label_index(value: str, info: ModelInfo, where: str) -> int:
     return index
 
 
+def labelled_texts(path: str | Path) -> list[str]:
+    """The text fields of a classifier's labelled TSV (the format of :func:`read_labelled_data`),
+    each its own sentence, without the label column and the header: what the token frequencies
+    of rare-token heads count when no training text is given."""
+    from headlab.data.parallel import read_lines
+
+    texts = []
+    for number, line in enumerate(read_lines(path), start=1):
+        fields = line.split("\t")
+        if len(fields) < 2 or (number == 1 and fields[-1].strip().lower() == "label"):
+            continue  # blank, or the header
+        texts += [field.strip() for field in fields[:-1] if field.strip()]
+    return texts
+
+
 def read_labelled_data(
     path: str | Path, tokenizer, info: ModelInfo, *, n_sentences: int | None = None
 ) -> ImportanceData:
