@@ -254,7 +254,7 @@ def _forbid_pruning_work(monkeypatch):
     ("empty data", "--valid-tgt {root}/empty.txt: the file is empty"),
     ("no model", "model {root}/no/model: no such directory"),
     ("no scores", "--scores {root}/none.json: no such file"),
-    ("bad scores", "{root}/src.txt: line 1: invalid JSON"),
+    ("bad scores", "--scores {root}/src.txt: line 1: invalid JSON"),
     ("bad keeps", "--keeps -1: give one or more head counts >= 0"),
     ("bad kinds", "--kinds enc_slf: expected all or a comma list of"),
     ("bad table", "{out}/baselines.json: not a baselines table"),

@@ -417,16 +417,15 @@ def _head_analysis(ctx: _Context, functions: bool):
     frequencies, note = None, None
     if functions:
         from headlab.data.frequencies import TokenFrequencies
+        from headlab.importance.data import is_classifier, labelled_texts
 
         if c.train_text:
             frequencies = TokenFrequencies.from_corpus(tokenizer, list(c.train_text))
+        elif is_classifier(model):  # --source is a labelled TSV: count its text columns, not the labels
+            frequencies = TokenFrequencies.from_texts(tokenizer, labelled_texts(c.source), str(c.source))
         else:
-            if ctx.info.arch == "classifier":  # a labelled TSV: its text columns, not the labels
-                from headlab.importance.data import labelled_texts
-
-                frequencies = TokenFrequencies.from_texts(tokenizer, labelled_texts(c.source), str(c.source))
-            else:
-                frequencies = TokenFrequencies.from_corpus(tokenizer, [c.source])
+            frequencies = TokenFrequencies.from_corpus(tokenizer, [c.source])
+        if not c.train_text:
             note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
                             max_sentences=c.treebank_limit, max_length=c.max_length, query_chunk=c.query_chunk)

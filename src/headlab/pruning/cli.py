@@ -258,9 +258,13 @@ def run_baseline(args) -> int:
     if args.valid_src is None and args.valid_tgt is None:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
     _check_inputs(args)
+    scores = None
     if args.scores:
         preflight.input_file(args.scores, "--scores")
-    scores = HeadScores.load(args.scores) if args.scores else None
+        try:
+            scores = HeadScores.load(args.scores)
+        except HeadlabError as error:
+            raise HeadlabError(f"--scores {error}") from None
     for name, minimum in (("finetune_steps", 0), ("scratch_epochs", 1), ("max_tokens", 1), ("eval_beam", 1),
                           ("importance_batches", 1)):
         preflight.at_least(getattr(args, name), minimum, "--" + name.replace("_", "-"))
