@@ -424,6 +424,8 @@ def test_reproduce_refuses_bad_input_before_the_first_stage(case, expected, repr
 
 
 def test_reproduce_checks_only_the_stages_that_will_run(reproduction, capsys, monkeypatch):
+    import json
+
     import headlab.reproduce.pipeline
 
     root = reproduction.parent
@@ -439,6 +441,17 @@ def test_reproduce_checks_only_the_stages_that_will_run(reproduction, capsys, mo
     assert len(calls) == 3
     assert main(["reproduce", "--config", str(reproduction), "--stages", "prune-enc", "--force"]) == 2
     assert f"--valid-src {root / 'test.en'}: no such file" in capsys.readouterr().err
+    # functions-parsed parses the validation text, then reads the trees the parse wrote under work_dir
+    spec = json.loads(reproduction.read_text())
+    spec["parse"] = {"model": "parser", "split": "valid"}
+    reproduction.write_text(json.dumps(spec))
+    (root / "parser").mkdir()
+    (root / "parser" / "config.cfg").write_text("[nlp]\n")
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "functions-parsed"]) == 0
+    (root / "valid.en").unlink()
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "functions-parsed"]) == 2
+    assert f"stage functions-parsed: --input {root / 'valid.en'}: no such file" in capsys.readouterr().err
+    assert len(calls) == 4
 
 
 def test_reproduce_refuses_unwritable_outputs_and_a_work_dir_in_use(reproduction, capsys, monkeypatch, sleeper):

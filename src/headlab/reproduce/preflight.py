@@ -4,8 +4,9 @@ A reproduction runs for hours; a data file missing for its fifth stage, or a doc
 cannot write at the end, must refuse it in a second instead. For each stage that will run (no
 marker, or ``--force``) the inputs are read off the very commands the stage would run (their
 data flags), so the two never disagree; the two Python stages name theirs here. A stage whose
-model does not exist yet is left to the pipeline, which reports it as not run. Files one stage
-writes for a later one (importance scores, gates) are not inputs of the run.
+model does not exist yet is left to the pipeline, which reports it as not run. Files the stages
+write for later commands (a parsed treebank, importance scores, gates: all under ``work_dir``)
+are not inputs of the run.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from headlab.resume import SkipStage
 
 __all__ = ["check_names", "check_inputs", "check_outputs"]
 
-DATA_FLAGS = ("--data", "--target", "--conllu", "--train-text", "--train-src", "--train-tgt",
+DATA_FLAGS = ("--data", "--target", "--conllu", "--input", "--train-text", "--train-src", "--train-tgt",
               "--valid-src", "--valid-tgt")
-"""The flags of a stage's commands that name data the config points to."""
+"""The flags of a stage's commands that name data (those under ``work_dir`` are made by the stages)."""
 
 
 def check_names(config: ReproduceConfig, models: list[str] | None, stages: list[str] | None) -> None:
@@ -57,11 +58,12 @@ def stage_inputs(config: ReproduceConfig, model: ModelEntry, stage: str) -> list
         commands = spec.commands(Context(config, model, log=lambda message: None))
     except SkipStage:
         return []  # the pipeline reports why it does not run
+    work = config.path(config.work_dir).resolve()
     inputs = []
     for argv in commands:
         argv = [str(a) for a in argv]
         for flag, value in zip(argv, argv[1:]):
-            if flag in DATA_FLAGS:
+            if flag in DATA_FLAGS and not Path(value).resolve().is_relative_to(work):  # not made by a stage
                 inputs.append((flag, Path(value)))
     return inputs
 
