@@ -42,6 +42,7 @@ import torch
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import BlockKey, HeadScores, atomic_write_text, format_head, head_scores
+from headlab.shard import active
 
 __all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
 
@@ -154,6 +155,10 @@ class AggregateStats:
         self._cells: dict[BlockKey, torch.Tensor] = {}  # [B, H, window, window]
         self._best: dict[BlockKey, tuple[torch.Tensor, torch.Tensor]] = {}  # running maximum, its flat index
         self._scratch = _Scratch()  # work buffers shared by a block's views
+        # A sharded run (headlab.shard): the variability parts, and every exemplar candidate that
+        # may end in the top k, replayed in batch order at the end.
+        self._spread: dict[BlockKey, tuple[np.ndarray, np.ndarray]] = {}
+        self._candidates: dict[BlockKey, list[list[tuple]]] | None = {} if active().split else None
 
     @classmethod
     def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
@@ -266,18 +271,48 @@ class AggregateStats:
         values, rows = best.topk(k, dim=0)  # [k, H]
         for h in range(H):
             heap = heaps[h]
-            for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()):
-                if value < 0:
-                    break  # sorted: only sentences without a ranked query follow
-                if len(heap) == self.top_k and value <= heap[0].weight:
-                    break  # values are sorted: nothing further gets in
-                flat = int(where[b, h])
-                item = Exemplar(float(value), side.sentence_index[b], flat // W, flat % W,
-                                side.sent_ids[b], side.where[b], side.words[b])
-                if len(heap) < self.top_k:
-                    heapq.heappush(heap, item)
-                else:
-                    heapq.heapreplace(heap, item)
+            candidates = [(value, b) for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()) if value >= 0]
+            if self._candidates is not None:
+                self._keep_candidates(key, h, H, heap, candidates, side, where, W)
+            _offer(heap, self.top_k, candidates, side, where[:, h], W)
+
+    def _keep_candidates(self, key, h, H, heap, candidates, side, where, W) -> None:
+        """A sharded run: keep the batch's candidates, in order, that may still end in the top k
+        (below this process's k-th weight now, a candidate is below the whole corpus's at the end)."""
+        floor = heap[0].weight if len(heap) == self.top_k else -math.inf
+        kept = [(value, b) for value, b in candidates if value >= floor]
+        if kept:
+            per_head = self._candidates.setdefault(key, [[] for _ in range(H)])
+            order = side.sentence_index[0]  # the batches' order: their first sentence
+            per_head[h].append((order, [_exemplar(value, b, side, int(where[b, h]), W) for value, b in kept]))
+
+    def reduce(self, shard) -> None:
+        """Combine the processes' states (:mod:`headlab.shard`): sums added; the exemplars of one
+        process, replaying every process's candidates through the heaps in batch order; and
+        variability in two passes: the cell means from the added sums, then each process's
+        deviations from them, added."""
+        self.sums, self.pos_words, self.n_sentences = shard.sum((self.sums, self.pos_words, self.n_sentences))
+        kept = {}  # candidates at or above this process's final k-th weight: the others cannot get in
+        for key, per_head in (self._candidates or {}).items():
+            floors = [heap[0].weight if len(heap) == self.top_k else -math.inf for heap in self.heaps[key]]
+            kept[key] = [[(order, [e for e in batch if e.weight >= floors[h]]) for order, batch in batches]
+                         for h, batches in enumerate(per_head)]
+        replayed: dict[BlockKey, list[list[Exemplar]]] = {}
+        merged: dict[BlockKey, list[list[tuple]]] = {}
+        for part in shard.gather(kept):
+            for key, per_head in part.items():
+                into = merged.setdefault(key, [[] for _ in per_head])
+                for h, batches in enumerate(per_head):
+                    into[h].extend(batches)
+        for key, per_head in merged.items():
+            replayed[key] = []
+            for batches in per_head:
+                heap: list[Exemplar] = []
+                for _, batch in sorted(batches, key=lambda item: item[0]):
+                    _offer(heap, self.top_k, batch)
+                replayed[key].append(heap)
+        self.heaps, self._candidates = replayed, None
+        self._spread = shard.sum({key: self._deviation(key, sums) for key, sums in self.sums.items()})
 
     def result(self, model: str = "", signature: dict | None = None) -> "AggregateResult":
         per: dict[str, dict[BlockKey, np.ndarray]] = {name: {} for name in STATISTICS}
@@ -306,6 +341,11 @@ class AggregateStats:
         return AggregateResult(scores, pos_scores, exemplars, pos_frequency, dict(self.n_sentences), signature)
 
     def _variability(self, key: BlockKey, sums: dict[str, torch.Tensor]) -> np.ndarray:
+        deviation, total = self._spread[key] if key in self._spread else self._deviation(key, sums)
+        return deviation / np.where(total > 0, 2 * total, np.nan)
+
+    def _deviation(self, key: BlockKey, sums: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """Per head, ``sum |alpha - mean|`` and ``sum alpha`` over this process's spooled cells."""
         spool = self.spools.get(key)
         count = sums["cell_n"].numpy()
         mean = np.divide(sums["cell_sum"].numpy(), count, out=np.zeros_like(count), where=count > 0)  # [H, N, N]
@@ -317,12 +357,34 @@ class AggregateStats:
                 present = ~np.isnan(values)
                 deviation += np.where(present, np.abs(values - mean[None]), 0.0).sum((0, 2, 3))
                 total += np.where(present, values, 0.0).sum((0, 2, 3))
-        return deviation / np.where(total > 0, 2 * total, np.nan)
+        return deviation, total
 
     def close(self) -> None:
         for spool in self.spools.values():
             spool.close()
         self.spools.clear()
+
+
+def _exemplar(value: float, b: int, side: SideBatch, flat: int, W: int) -> Exemplar:
+    return Exemplar(float(value), side.sentence_index[b], flat // W, flat % W, side.sent_ids[b], side.where[b],
+                    side.words[b])
+
+
+def _offer(heap: list[Exemplar], top_k: int, candidates: list, side: SideBatch | None = None,
+           where: torch.Tensor | None = None, W: int = 0) -> None:
+    """A batch's candidates for one head's top ``top_k``, strongest first: ``(weight, row)`` pairs
+    (made into exemplars with ``side``) or exemplars. A candidate gets in while the heap has room
+    or when it beats the weakest (a tie does not); the weakest leaves."""
+    for candidate in candidates:
+        value = candidate.weight if isinstance(candidate, Exemplar) else candidate[0]
+        if len(heap) == top_k and value <= heap[0].weight:
+            break  # values are sorted: nothing further gets in
+        item = candidate if isinstance(candidate, Exemplar) else _exemplar(value, candidate[1], side,
+                                                                           int(where[candidate[1]]), W)
+        if len(heap) < top_k:
+            heapq.heappush(heap, item)
+        else:
+            heapq.heapreplace(heap, item)
 
 
 @dataclass(frozen=True)

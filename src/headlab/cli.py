@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if rewrite is not None:
             argv = rewrite(argv)
     args = parser.parse_args(argv)  # usage errors: argparse exits with 2
+    args.argv = argv  # a command that starts processes of its own runs them with these (headlab.shard)
     name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
                     if isinstance(getattr(args, key, None), str))
     try:

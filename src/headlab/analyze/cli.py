@@ -7,6 +7,7 @@ import argparse
 from headlab.analyze.pipeline import STAGES, AnalyzeConfig
 from headlab.device_options import add_device_options
 from headlab.options import add_options, from_args, help_of, numbers
+from headlab.shard import add_process_options
 
 
 def register(subparsers) -> None:
@@ -29,6 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_options(p, AnalyzeConfig, ("trust_remote_code",))
     add_device_options(p)
+    add_process_options(p)
     p.set_defaults(func=run_analyze_command,
                    interrupted="the finished stages are kept in {out}; the same command resumes from them")
 
@@ -51,9 +53,35 @@ def print_summary(run) -> None:
         print(f"report: {run.report}")
 
 
-def run_analyze_command(args) -> int:
-    from headlab.analyze.pipeline import run_analysis
+def _sentences(config) -> tuple[int, str]:
+    """The sentences a sharded run splits (for the check of --num-processes): the fewer of --source's
+    non-empty lines and --conllu's sentences."""
+    from headlab.data.parallel import read_lines
 
-    run = run_analysis(config_from_args(args))
-    print_summary(run)
+    lines = [line for line in read_lines(config.source) if line.strip()]
+    counts = [(len(lines[: config.limit] if config.limit else lines), f"non-empty lines of --source {config.source}")]
+    if config.conllu is not None:
+        from headlab.data.treebank import count_sentences
+
+        n = count_sentences(config.conllu)
+        limit = config.treebank_limit
+        counts.append((min(n, limit) if limit else n, f"sentences of --conllu {config.conllu}"))
+    return min(counts)
+
+
+def run_analyze_command(args) -> int:
+    from headlab import shard
+    from headlab.analyze.pipeline import check_processes, run_analysis, validate
+
+    config = config_from_args(args)
+    if (args.num_processes or 1) > 1 and shard.world_size() == 1:
+        validate(config)  # bad input fails here, before the processes start
+        check_processes(config, args.num_processes)
+    launched = shard.start(args, lambda: _sentences(config))
+    if launched is not None:
+        return launched
+    with shard.joined(config.device) as part:
+        run = run_analysis(config, shard=part)
+    if part.main:
+        print_summary(run)
     return 1 if run.failed else 0

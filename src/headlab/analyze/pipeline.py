@@ -17,6 +17,13 @@ figures        :func:`headlab.analyze.figures.write_figures` (PNG + SVG, from th
 report         :func:`headlab.report.build_report` -> index.html
 =============  ==========================================================================
 
+Several processes (``--num-processes N`` or ``accelerate launch``, :mod:`headlab.shard`): the
+importance measures, functions and aggregate split their batches over the processes and combine
+the sums exactly; the main process decides which stages run (markers, ``--skip``), holds the
+lock, writes every file and runs the other stages alone while the rest wait. A stage that fails
+with an error that is not headlab's stops the run (the others cannot go on without its share);
+the finished stages are kept and the same command resumes.
+
 Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
 :mod:`headlab.analyze.records`); ``force`` runs everything again. A stage that cannot run
 (missing input, a model without the capability) is recorded as skipped with the reason, a
@@ -40,6 +47,7 @@ from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key
+from headlab.shard import SINGLE, Shard, sharding
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
@@ -51,6 +59,8 @@ STAGE_GROUPS = {"importance": (*IMPORTANCE_STAGES, "agreement")}
 STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
               "figures": "figures"}
 KEY_FILE = ".headlab-key"
+# Stages whose batches are split over the processes of a sharded run; the others run in the main one.
+SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
 
 
 @dataclass
@@ -238,14 +248,22 @@ def validate(config: AnalyzeConfig) -> Path:
     return out
 
 
+def check_processes(config: AnalyzeConfig, processes: int) -> None:
+    """What a run in several processes cannot do: the gate sweep trains with processes of its own."""
+    if processes > 1 and config.prune:
+        raise HeadlabError("--prune trains in processes of its own: run analyze --prune in one process, "
+                           "or `headlab prune sweep` under accelerate launch")
+
+
 # ----------------------------------------------------------------------------- the run's state
 
 
 class _Context:
     """Lazily loaded model, tokenizer and data, shared by the stages of one run."""
 
-    def __init__(self, config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]) -> None:
-        self.config, self.out_dir, self.log = config, out_dir, log
+    def __init__(self, config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None],
+                 shard: Shard = SINGLE) -> None:
+        self.config, self.out_dir, self.log, self.shard = config, out_dir, log, shard
         self._model = self._tokenizer = self._info = self._data = None
         self.records: dict[str, StageRecord] = {}
         self.markers: dict[str, dict] = {}
@@ -258,8 +276,10 @@ class _Context:
             from headlab.loading import load_model, load_tokenizer
 
             self.log(f"loading {self.config.model}")
-            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code,
-                                     **self.config.placement)
+            from headlab.shard import rank_device
+
+            placement = {**self.config.placement, "device": rank_device(self.config.device, self.shard)}
+            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code, **placement)
             self._tokenizer = load_tokenizer(self.config.model, trust_remote_code=self.config.trust_remote_code)
         return self._model, self._tokenizer
 
@@ -356,6 +376,8 @@ def _importance(name: str):
         ctx.keep_data(result.data)
         if name in result.skipped:
             raise SkipStage(result.skipped[name])
+        if not ctx.shard.main:
+            return [], None
         directory = ctx.out_dir / "importance"
         written = [table.save(directory / f"{method}.json") for method, table in result.scores.items()]
         note = None
@@ -440,6 +462,8 @@ def _functions(ctx: _Context) -> tuple[list, str | None]:
     from headlab.analyze.labels import head_labels, save_labels
 
     analysis, note = _head_analysis(ctx, functions=True)
+    if not ctx.shard.main:
+        return [], None
     directory = ctx.out_dir / "functions"
     written = analysis.save(directory, figures=False)
     written.append(save_labels(head_labels(analysis), directory / "labels.json"))
@@ -451,6 +475,8 @@ def _aggregate(ctx: _Context) -> tuple[list, str | None]:
     from headlab.heads import atomic_write_text
 
     analysis, note = _head_analysis(ctx, functions=False)
+    if not ctx.shard.main:
+        return [], None
     directory = ctx.out_dir / "aggregate"
     written = analysis.aggregate.save(directory)
     path = directory / "summary.md"
@@ -628,8 +654,8 @@ def _discard(ctx: _Context, name: str) -> None:
             shutil.rmtree(directory)
 
 
-def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
-    key = ctx.key(name)
+def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord | None:
+    """The record of a stage that does not run this time (reused, skipped, not requested), or None."""
     marker = read_marker(ctx.out_dir, name, key)
     flagged = name in _skipped_by_flag(ctx.config)
     if marker is not None and (not ctx.config.force or flagged):
@@ -647,11 +673,26 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         _discard(ctx, name)
         ctx.log(f"{position} {name}: {reason}")
         return StageRecord(name, "skipped", reason)
+    return None
+
+
+def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
+    shard = ctx.shard
+    key = ctx.key(name) if shard.main else ""
+    # The main process decides from its markers; the others follow (sharded runs).
+    settled, = shard.broadcast((_settled(ctx, name, key, position) if shard.main else None,))
+    if settled is not None:
+        return settled
+    if name not in SHARDED_STAGES and not shard.main:
+        record, = shard.broadcast((None,))  # the main process runs it alone
+        return record
     ctx.log(f"{position} {name}: running")
     start = time.perf_counter()
     try:
-        _prepare_dir(ctx, name, key)
-        written, note = RUNNERS[name](ctx)
+        if shard.main:
+            _prepare_dir(ctx, name, key)
+        with sharding(shard if name in SHARDED_STAGES else SINGLE):
+            written, note = RUNNERS[name](ctx)
         record = StageRecord(name, "done", note, round(time.perf_counter() - start, 2), ctx.rel(written))
     except SkipStage as skip:
         record = StageRecord(name, "skipped", str(skip))
@@ -660,40 +701,55 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         record = StageRecord(name, "failed", str(error), round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {error}")
     except Exception as error:  # noqa: BLE001 - one stage's bug must not lose the others' results
+        if shard.split:
+            raise  # the other processes wait for this one's share: stop them all
         traceback.print_exc(file=sys.stderr)
         record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
-    if record.status == "done":
-        ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
-                                         {"figures": ctx.figures} if name == "figures" else None)
-        ctx.log(f"{position} {name}: done in {record.seconds:.1f} s")
-    else:
-        _discard(ctx, name)
+    if shard.main:
+        if record.status == "done":
+            ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
+                                             {"figures": ctx.figures} if name == "figures" else None)
+            ctx.log(f"{position} {name}: done in {record.seconds:.1f} s")
+        else:
+            _discard(ctx, name)
+    record, = shard.broadcast((record,))
     return record
 
 
-def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None) -> AnalysisRun:
-    """Run (or resume) every stage into ``config.out``; see the module docstring."""
+def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None,
+                 shard: Shard = SINGLE) -> AnalysisRun:
+    """Run (or resume) every stage into ``config.out``; see the module docstring. ``shard``: this
+    process's place in a sharded run (:mod:`headlab.shard`)."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+
     log = log or (lambda message: print(f"headlab analyze: {message}", file=sys.stderr, flush=True))
+    if not shard.main:  # the main process speaks for the run
+        config, log = replace(config, progress=False), lambda message: None
+    check_processes(config, shard.world)
     out_dir = validate(config)
     if config.threads:
         import torch
 
         torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with DirectoryLock(out_dir, "--out"):  # a second run on DIR refuses instead of interleaving
-        return _run_stages(config, out_dir, log)
+    # A second run on DIR refuses instead of interleaving; the main process holds the lock for all.
+    with DirectoryLock(out_dir, "--out") if shard.main else nullcontext():
+        return _run_stages(config, out_dir, log, shard)
 
 
-def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]) -> AnalysisRun:
+def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None], shard: Shard = SINGLE) -> AnalysisRun:
     header = {"headlab_version": __version__, "model": config.model, "source": config.source,
               "target": config.target, "conllu": config.conllu, "created": now_iso()}
-    ctx = _Context(config, out_dir, log)
+    ctx = _Context(config, out_dir, log, shard)
     records: list[StageRecord] = []
+    manifest = out_dir / "manifest.json"
     for i, name in enumerate(STAGES, start=1):
         record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
         ctx.records[name] = record
         records.append(record)
-        manifest = write_manifest(out_dir, header, records, ctx.figures)
+        if shard.main:
+            manifest = write_manifest(out_dir, header, records, ctx.figures)
     report = out_dir / "index.html" if ctx.records["report"].status == "done" else None
     return AnalysisRun(out_dir, records, ctx.figures, manifest, report)

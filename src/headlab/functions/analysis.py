@@ -16,6 +16,10 @@ Which attention is analysed:
   ``conllu`` or ``source_text``). Cross-attention is not analysed.
 * an encoder-only or decoder-only model: its self-attention over the ``conllu`` sentences.
 
+In a sharded run (:mod:`headlab.shard`) every process reads the whole treebank and forms the
+same batches; batch ``i`` is computed by process ``i % N``, and the statistics, counts and
+problems are combined exactly at the end (:meth:`HeadStatistic.reduce`).
+
 Bad input never stops the run: a malformed CoNLL-U sentence, a sentence the tokenizer cannot
 align (both reported with file and line, and skipped) and a sentence longer than the model's
 maximum length (truncated to it, counted, and analysed on the words that fit).
@@ -51,6 +55,7 @@ from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
 from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
+from headlab.shard import Shard, active
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
 
@@ -232,6 +237,13 @@ def analyze_heads(
     problems = report.problems
 
     stats = {name: stat for name, make in STATISTICS.items() if (stat := make(config, frequencies)) is not None}
+    shard = active()
+    if shard.split:
+        for name, stat in stats.items():
+            if not hasattr(stat, "reduce"):
+                raise HeadlabError(f"the statistic {name} cannot be combined over processes (it has no reduce); "
+                                   "run it in one process")
+        report.problems = problems = _ProblemEvents()
     side_stats = [s for s in stats.values() if hasattr(s, "update_side")]
     block_stats = list(stats.values())
 
@@ -269,6 +281,7 @@ def analyze_heads(
                 continue
             yield src, tgt
 
+    progress = progress and shard.main
     total = None
     if progress:
         from headlab.data.treebank import count_sentences
@@ -325,9 +338,12 @@ def analyze_heads(
     try:
         # eval mode: attention dropout would blur the probabilities
         with eval_mode(model), capture, torch.inference_mode():
-            for raw in _batched(stream, config.batch_size):
-                items = _prepare(raw, index, tokenizer, config, max_length, report)
+            for number, raw in enumerate(_batched(stream, config.batch_size)):
+                mine = shard.owns(number)
+                items = _prepare(raw, index, tokenizer, config, max_length, report) if mine else []
                 index += len(raw)
+                if shard.split:
+                    problems.marks.append(len(problems.events))
                 if bar is not None:
                     bar.update(len(raw))
                 if not items:
@@ -347,6 +363,8 @@ def analyze_heads(
                 current.clear()
                 if on_batch is not None:
                     on_batch(index)
+        if shard.split:
+            _combine(shard, report, stats)
         report.seconds = time.perf_counter() - started
         report.treebanks = {
             str(path): counts[name].to_json()
@@ -371,6 +389,41 @@ def analyze_heads(
         for stat in stats.values():
             if hasattr(stat, "close"):
                 stat.close()
+
+
+class _ProblemEvents(ProblemLog):
+    """A problem log that also keeps every event, and where each batch's events end (``marks``):
+    a sharded run rebuilds the one-process log from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, Problem]] = []
+        self.marks: list[int] = [0]
+
+    def add(self, kind: str, problem: Problem) -> None:
+        super().add(kind, problem)
+        self.events.append((kind, problem))
+
+
+def _combine(shard: Shard, report: RunReport, stats: dict) -> None:
+    """The processes' counts added, their statistics reduced, and the problem log rebuilt in the
+    one-process order: batch ``i``'s events (reading and aligning it) from the process that
+    aligned it, then what reading found after the last batch (the same in every process)."""
+    for name in ("n_sentences", "n_words", "n_tokens", "n_truncated", "n_unaligned"):
+        setattr(report, name, shard.sum(getattr(report, name)))
+    log = report.problems
+    parts = shard.gather((log.events, log.marks))
+    merged = ProblemLog(keep=log.keep)
+    n_batches = len(log.marks) - 1
+    for number in range(n_batches):
+        events, marks = parts[number % shard.world]
+        for kind, problem in events[marks[number]:marks[number + 1]]:
+            merged.add(kind, problem)
+    for kind, problem in log.events[log.marks[-1]:]:
+        merged.add(kind, problem)
+    report.problems = merged
+    for stat in stats.values():
+        stat.reduce(shard)
 
 
 def _prepare(raw, index, tokenizer, config, max_length, report):

@@ -10,6 +10,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
 from headlab.options import add_options, from_args
+from headlab.shard import add_process_options
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--trust-remote-code", action="store_true")
     add_device_options(parser)
+    add_process_options(parser)
 
 
 def _aggregate_options(parser: argparse.ArgumentParser) -> None:
@@ -59,18 +61,42 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_aggregate)
 
 
+def _sentences(args) -> tuple[int, str]:
+    """The sentences a sharded run splits (for the check of --num-processes)."""
+    from headlab.data.treebank import count_sentences
+
+    path = args.target_conllu or args.conllu
+    n = count_sentences(path)
+    if args.max_sentences is not None:
+        n = min(n, args.max_sentences)
+    return n, f"sentences of {path}" + (f" (--max-sentences {args.max_sentences})" if args.max_sentences else "")
+
+
 def _run(args, functions: bool, aggregate: bool) -> int:
+    from headlab import shard
+
+    _check(args)
+    launched = shard.start(args, lambda: _sentences(args))
+    if launched is not None:
+        return launched
+    with shard.joined(args.device) as part:
+        return _analyse(args, functions, aggregate, part)
+
+
+def _analyse(args, functions: bool, aggregate: bool, part) -> int:
 
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.loading import load_model, load_tokenizer
+    from headlab.shard import rank_device
 
-    _check(args)
     set_threads(args.threads)
     relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
     config = from_args(args, AnalysisConfig, relations=relations or AnalysisConfig.relations, functions=functions,
                        aggregate=aggregate)
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
+    placement = device_options(args)
+    placement["device"] = rank_device(placement["device"], part)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     frequencies = None
     if functions and getattr(args, "frequencies", None):
@@ -83,6 +109,8 @@ def _run(args, functions: bool, aggregate: bool) -> int:
     )
     if analysis.report.n_sentences == 0:  # tables of NaN would look like results
         raise RunFailed(f"no sentence could be analysed; nothing written\n{analysis.report.describe()}")
+    if not part.main:  # the main process writes and prints the whole corpus's results
+        return 0
     out = Path(args.out)
     analysis.save(out, figures=not args.no_figures)
     print(analysis.report.describe())

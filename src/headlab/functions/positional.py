@@ -83,6 +83,10 @@ class PositionalStats:
         else:
             self.counts[key] = counts.clone()
 
+    def reduce(self, shard) -> None:
+        """Add the other processes' counts (:mod:`headlab.shard`)."""
+        self.counts = shard.sum(self.counts)
+
     def result(self, threshold: float | None = None, model: str = "", signature: dict | None = None) -> "PositionalResult":
         return PositionalResult(
             {key: value.numpy().astype(np.int64) for key, value in self.counts.items()},

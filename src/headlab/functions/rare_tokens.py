@@ -121,6 +121,11 @@ class RareTokenStats:
                             (share_two ** 2).sum(0)])
         self.sentences[key] = self.sentences[key] + rows if key in self.sentences else rows
 
+    def reduce(self, shard) -> None:
+        """Add the other processes' counts, and their per-sentence sums (:mod:`headlab.shard`)."""
+        self.n_sentences, self.n_eligible, self.first, self.two, self.queries, self.sentences = shard.sum(
+            (self.n_sentences, self.n_eligible, self.first, self.two, self.queries, self.sentences))
+
     def result(self, model: str = "", signature: dict | None = None) -> "RareTokenResult":
         return RareTokenResult(
             first={k: v.numpy().astype(np.int64) for k, v in self.first.items()},

@@ -40,8 +40,10 @@ class StatisticResult(Protocol):
 
 class HeadStatistic(Protocol):
     """A streaming per-head statistic. It may also define ``update_side(kind, side)`` (called
-    once per batch and analysed kind, before the forward pass) and ``close()`` (called at the
-    end, also after an error). The registry builds it from an ``AnalysisConfig`` through a
+    once per batch and analysed kind, before the forward pass), ``reduce(shard)`` (called in every
+    process of a sharded run after the last batch: combine the processes' states exactly, sums
+    added, so that ``result`` is the whole corpus's; :mod:`headlab.shard`) and ``close()`` (called
+    at the end, also after an error). The registry builds it from an ``AnalysisConfig`` through a
     factory that returns None when the configuration does not ask for it."""
 
     def update(self, view: AttentionView) -> None: ...

@@ -122,6 +122,10 @@ class SyntacticStats:
                 else:
                     table[key] = hits.clone()
 
+    def reduce(self, shard) -> None:
+        """Add the other processes' offset counts and hits (:mod:`headlab.shard`)."""
+        self.offsets, self.hits = shard.sum((self.offsets, self.hits))
+
     def result(self, margin: float | None = None, model: str = "", signature: dict | None = None) -> "SyntacticResult":
         return SyntacticResult(
             relations=self.relations,

@@ -52,6 +52,7 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.shard import active
 
 __all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]
 
@@ -211,10 +212,13 @@ def compute_ablation_tables(
     return tables
 
 
-def _n_passes(n_sentences: int, batch_size: int, variants: list[Variant], max_rows: int) -> int:
-    """Forward calls of one ablation run: per batch, the unmasked pass and the variant groups."""
+def _n_passes(n_sentences: int, batch_size: int, variants: list[Variant], max_rows: int, shard=None) -> int:
+    """Forward calls of one ablation run: per batch, the unmasked pass and the variant groups
+    (of this process's batches, with ``shard``)."""
     total = 0
-    for start in range(0, n_sentences, batch_size):
+    for number, start in enumerate(range(0, n_sentences, batch_size)):
+        if shard is not None and not shard.owns(number):
+            continue
         rows = min(batch_size, n_sentences - start)
         total += 1 + len(_groups(variants, max(1, max_rows // rows)))
     return total
@@ -252,9 +256,11 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
     totals = {m: {(b.key, h): 0.0 for b, h in variants} for m in metrics}
     base_totals = dict.fromkeys(metrics, 0.0)
     n_tokens = 0.0
-    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows), "ablation", progress)
+    shard = active()  # several processes: each its own batches, the totals added below
+    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows, shard), "ablation", progress)
     with eval_mode(model), torch.no_grad():
-        for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True):
+        for batch in shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device,
+                                             mask_tokens=True)):
             encoder_out = None
             recorder = _LayerRecorder(model, [b for b, _ in variants])
             try:
@@ -279,6 +285,7 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
                     for (block, head), value in zip(group, totals_group):
                         totals[m][(block.key, head)] += value
                 tick(1)
+    totals, base_totals, n_tokens = shard.sum((totals, base_totals, n_tokens))
     if n_tokens == 0:
         raise HeadlabError("ablation: no token to score in the data")
     out = {}
@@ -327,7 +334,8 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
     device = next(model.parameters()).device
     base_hyps = [""] * len(data)
     hyps = {(b.key, h): [""] * len(data) for b, h in variants}
-    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows // beam), "ablation (bleu)", progress)
+    shard = active()  # several processes: each translates its own batches, gathered below
+    tick = _progress(_n_passes(len(data), batch_size, variants, max_rows // beam, shard), "ablation (bleu)", progress)
 
     def generate(inputs: dict[str, torch.Tensor]) -> list[str]:
         ids = inputs["input_ids"]
@@ -338,9 +346,11 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         )
         return tokenizer.batch_decode([generated_tokens(row, info) for row in out.tolist()], skip_special_tokens=True)
 
+    owned: list[int] = []  # the sentences this process translates
     with eval_mode(model), torch.no_grad():
-        for batch in make_batches(data, info, batch_size=batch_size, side="reference", device=device):
+        for batch in shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device)):
             encoder_inputs = {k: batch.inputs[k] for k in ("input_ids", "attention_mask")}
+            owned += batch.index
             for i, text in zip(batch.index, generate(encoder_inputs)):
                 base_hyps[i] = text
             tick(1)
@@ -353,6 +363,13 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
                     for i, text in zip(batch.index, texts[j * batch.size : (j + 1) * batch.size]):
                         hyps[(block.key, head)][i] = text
                 tick(1)
+    if shard.split:  # each sentence was translated by one process: take its texts
+        parts = shard.gather(([base_hyps[i] for i in owned], {v: [t[i] for i in owned] for v, t in hyps.items()}, owned))
+        for base_part, hyp_part, indices in parts:
+            for j, i in enumerate(indices):
+                base_hyps[i] = base_part[j]
+                for variant, texts in hyp_part.items():
+                    hyps[variant][i] = texts[j]
     refs = [data.reference_texts]
     bleu = BLEU()
     base = bleu.corpus_score(base_hyps, refs).score

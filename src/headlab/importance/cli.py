@@ -11,6 +11,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 from headlab.options import add_options, from_args, help_of
+from headlab.shard import add_process_options
 
 
 def register(subparsers) -> None:
@@ -37,6 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow code from the model repository to run")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_device_options(p)
+    add_process_options(p)
     p.set_defaults(func=run_importance_command)
 
 
@@ -55,25 +57,50 @@ def _check(args) -> None:
     preflight.output_dir(args.out)
 
 
+def _sentences(args) -> tuple[int, str]:
+    """The sentences a sharded run splits (for the check of --num-processes): non-empty lines."""
+    from headlab.data.parallel import read_lines
+
+    lines = read_lines(args.data)
+    if args.n_sentences is not None:
+        lines = lines[: args.n_sentences]
+    return sum(1 for line in lines if line.strip()), f"non-empty lines of --data {args.data}"
+
+
 def run_importance_command(args) -> int:
+    from headlab import shard
+
+    _check(args)
+    launched = shard.start(args, lambda: _sentences(args))
+    if launched is not None:
+        return launched
+    with shard.joined(args.device) as part:
+        return _run(args, part)
+
+
+def _run(args, part) -> int:
 
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
     from headlab.importance.pipeline import run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
+    from headlab.shard import rank_device
 
-    _check(args)
     set_threads(args.threads)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
     config = from_args(args, ImportanceConfig, methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
-                       kinds=kinds, progress=not args.no_progress)
+                       kinds=kinds, progress=not args.no_progress and part.main)
     config.resolved_methods()  # fail on a bad --method before loading anything
     placement = device_options(args)
+    placement["device"] = rank_device(placement["device"], part)
     if kinds:
         from headlab.heads import check_kind
 
         for kind in kinds:
             check_kind(kind)
-    log = lambda message: print(f"headlab importance: {message}", file=sys.stderr)  # noqa: E731
+    def log(message: str) -> None:
+        if part.main:
+            print(f"headlab importance: {message}", file=sys.stderr)
+
     start = time.perf_counter()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
@@ -93,6 +120,8 @@ def run_importance_command(args) -> int:
     data = read_data(args.data, tokenizer, info, target_path=args.target, n_sentences=args.n_sentences)
     log(data.summary())
     result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    if not part.main:  # the main process writes and prints the whole corpus's results
+        return 0
     out = Path(args.out)
     written = save_results(result, out)
     if args.plots:

@@ -46,6 +46,7 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.shard import active
 
 __all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
 
@@ -146,13 +147,17 @@ def compute_confidence(
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks)
-    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=next(model.parameters()).device)
-    batches = with_progress(batches, progress, "confidence", total=count_batches(data, batch_size), unit="batch")
+    shard = active()  # several processes: each its own batches, the sums added below
+    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="translation",
+                                      device=next(model.parameters()).device))
+    batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
+                            unit="batch")
     with eval_mode(model), torch.no_grad(), capture:
         for batch in batches:
             current["batch"] = batch
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
             model(**batch.inputs, **kwargs)
+    sums, counts = shard.sum((sums, counts))
     values = {}
     for key in sums:
         if counts[key] == 0:

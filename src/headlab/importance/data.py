@@ -34,6 +34,7 @@ from headlab.capture import eval_mode
 from headlab.data.batching import length_batches, with_progress
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
+from headlab.shard import active
 
 __all__ = [
     "Batch",
@@ -468,8 +469,9 @@ def translate_data(
         raise HeadlabError("translations exist only for encoder-decoder models")
     device = next(model.parameters()).device
     outputs: list[list[int] | None] = [None] * len(data)
-    chunks = with_progress(length_batches([len(ids) for ids in data.sources], batch_size), progress, "translate",
-                           unit="batch")
+    shard = active()  # several processes: each translates its own batches, gathered below
+    chunks = with_progress(list(shard.take(length_batches([len(ids) for ids in data.sources], batch_size))),
+                           progress, "translate", unit="batch")
     with eval_mode(model):
         for chunk in chunks:
             ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
@@ -481,6 +483,10 @@ def translate_data(
             )
             for i, row in zip(chunk, generated.tolist()):
                 outputs[i] = generated_tokens(row, info)
+    if shard.split:
+        for part in shard.gather({i: o for i, o in enumerate(outputs) if o is not None}):
+            for i, tokens in part.items():
+                outputs[i] = tokens
     return replace(data, translations=[o or [] for o in outputs])
 
 

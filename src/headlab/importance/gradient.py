@@ -42,6 +42,7 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.shard import SINGLE, Shard, active
 
 __all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer"]
 
@@ -57,12 +58,14 @@ def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> Hea
 
 
 def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]], info: ModelInfo, *,
-                   kinds: tuple[str, ...] | None = None, mask: HeadSpec | None = None) -> tuple[dict, int, int]:
+                   kinds: tuple[str, ...] | None = None, mask: HeadSpec | None = None,
+                   shard: Shard = SINGLE) -> tuple[dict, int, int]:
     """E_x |dL(x)/dg_h| per head (Michel et al. 2019, Eq. 4) over ``batches`` of ``(inputs, labels)``.
 
     Gates are at 1, or at 0 for the heads of ``mask``: the importance at the current mask, as in
     the iterative pruning of Michel et al. (Sec. 5). Returns ``{kind: [n_layers, n_heads]}`` and
-    the numbers of sentences and tokens scored.
+    the numbers of sentences and tokens scored. With ``shard``, ``batches`` are this process's
+    share, and the sums and counts are added over the processes.
     """
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     keep = {b.key: torch.ones(b.n_heads) for b in blocks}
@@ -86,6 +89,7 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
                     sums[key] += grad[scored].abs().double().sum(0).cpu()
             n_examples += int(scored.sum())
             n_tokens += int(count.sum())
+    sums, n_examples, n_tokens = shard.sum((sums, n_examples, n_tokens))
     if n_examples == 0:
         raise HeadlabError("gradient importance: no sentence has a token to score")
     scores = block_scores(attention_blocks(model), {key: (v / n_examples).numpy() for key, v in sums.items()})
@@ -118,10 +122,13 @@ def compute_gradient(
     if info.arch == "classifier" and data.classes is None:
         raise HeadlabError("gradient importance of a classifier needs the texts' labels (a labelled TSV)")
     device = next(model.parameters()).device
-    batches = make_batches(data, info, batch_size=batch_size, side="reference", device=device, mask_tokens=True)
-    batches = with_progress(batches, progress, "gradient", total=count_batches(data, batch_size), unit="batch")
+    shard = active()  # several processes: each its own batches, the sums added in gate_gradients
+    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device,
+                                      mask_tokens=True))
+    batches = with_progress(batches, progress, "gradient", total=shard.count(count_batches(data, batch_size)),
+                            unit="batch")
     scores, n_examples, n_tokens = gate_gradients(model, ((b.inputs, b.labels) for b in batches), info,
-                                                  kinds=kinds, mask=mask)
+                                                  kinds=kinds, mask=mask, shard=shard)
     signature = {
         **data.signature(),
         "n_scored_sentences": n_examples,

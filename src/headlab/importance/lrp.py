@@ -63,6 +63,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.rules import lrp_rules
+from headlab.shard import active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
            "normalize_per_layer", "sample_targets"]
@@ -339,8 +340,10 @@ def compute_lrp(
     counts = torch.zeros(len(data), dtype=torch.float64)
     raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_steps = n_available = 0
-    batches = make_batches(data, info, batch_size=batch_size, side="translation", device=next(model.parameters()).device)
-    batches = with_progress(batches, progress, "lrp", total=count_batches(data, batch_size), unit="batch")
+    shard = active()  # several processes: each its own batches, the sums added below
+    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="translation",
+                                      device=next(model.parameters()).device))
+    batches = with_progress(batches, progress, "lrp", total=shard.count(count_batches(data, batch_size)), unit="batch")
     for batch in batches:
         n_available += batch.n_steps
         batch = replace(batch, steps=sample_targets(batch.steps, batch.index, targets, seed))
@@ -353,6 +356,9 @@ def compute_lrp(
             sums[key] += normalised.sum(0)  # summed as before sentences were kept apart: the same numbers
             per_sentence[key].index_add_(0, sentences, normalised)
             raw[key] += values.double().sum(0).cpu()
+    # A sentence's row is filled by one process (zeros elsewhere): the bootstrap sees the same rows.
+    sums, per_sentence, counts, raw, n_steps, n_available = shard.sum(
+        (sums, per_sentence, counts, raw, n_steps, n_available))
     if n_steps == 0:
         raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
     signature = {

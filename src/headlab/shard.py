@@ -1,0 +1,288 @@
+"""Corpora split over processes: ``--num-processes N`` and ``accelerate launch``.
+
+``headlab importance``, ``functions``, ``aggregate`` and ``analyze`` run in several processes
+(local CPU processes, GPUs, machines) when started by ``accelerate launch`` or ``torchrun``, or
+with ``--num-processes N``, which starts N local processes itself (:func:`launch`: the same
+command, with the environment torchrun sets). Every process reads the whole corpus and forms the
+same batches as a one-process run; batch ``i`` is computed by process ``i % N``
+(:meth:`Shard.take`). The statistics are sums and counts, added over the processes in rank order
+(:meth:`Shard.sum`), never averages of averages; what is not a sum (exemplars, translations,
+problems) is gathered and merged by sentence (:meth:`Shard.gather`). So the results equal a
+one-process run's: counts exactly, float sums to the last bits of their rounding. Only the main
+process writes.
+
+A computation opts in by reading :func:`active` (set by the commands with :func:`sharding`);
+everything else runs whole in every process, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from headlab.errors import HeadlabError
+
+__all__ = ["Shard", "SINGLE", "active", "add_process_options", "check_processes", "launch", "sharding",
+           "start", "world_size"]
+
+FLAG = "--num-processes"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place among ``world`` processes (``rank`` 0 is the main one)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def split(self) -> bool:
+        return self.world > 1
+
+    def owns(self, index: int) -> bool:
+        """Batch ``index`` is computed here."""
+        return index % self.world == self.rank
+
+    def take(self, items: Iterable) -> Iterator:
+        """This process's items (batches) of ``items``: every ``world``-th from ``rank`` on."""
+        for index, item in enumerate(items):
+            if self.owns(index):
+                yield item
+
+    def count(self, n: int) -> int:
+        """How many of ``n`` batches :meth:`take` gives this process."""
+        return len(range(self.rank, n, self.world))
+
+    def gather(self, value) -> list:
+        """Every process's ``value``, in rank order (on every process)."""
+        if not self.split:
+            return [value]
+        import torch.distributed as dist
+
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    def sum(self, value):
+        """``value`` (tensors, arrays, numbers, Counters, nested in dicts, lists and tuples) added
+        over the processes in rank order; a dict key one process lacks counts as zero."""
+        if not self.split:
+            return value
+        parts = self.gather(_to_cpu(value))
+        total = parts[0]
+        for part in parts[1:]:
+            total = _add(total, part)
+        return _like(total, value)
+
+    def broadcast(self, value):
+        """The main process's ``value``, on every process."""
+        return self.gather(value)[0] if self.split else value
+
+    def barrier(self) -> None:
+        if self.split:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+SINGLE = Shard()
+_active = SINGLE
+
+
+def active() -> Shard:
+    """The shard set by :func:`sharding` (one process when none is)."""
+    return _active
+
+
+@contextmanager
+def sharding(shard: Shard):
+    """Within the block, the computations that support it split their batches by ``shard``."""
+    global _active
+    previous, _active = _active, shard
+    try:
+        yield shard
+    finally:
+        _active = previous
+
+
+def _to_cpu(value):
+    """``value`` with its tensors on the CPU (gloo and the sums below work there)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Counter):
+        return value
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _add(a, b):
+    """``a + b`` through dicts (a key only one has counts as zero), lists and tuples."""
+    if isinstance(a, Counter):
+        total = Counter(a)
+        total.update(b)  # keeps counts that add to zero, unlike Counter + Counter
+        return total
+    if isinstance(a, dict):
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = _add(out[key], value) if key in out else value
+        return out
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            raise ValueError(f"cannot add sequences of lengths {len(a)} and {len(b)} across processes")
+        return type(a)(_add(x, y) for x, y in zip(a, b))
+    return a + b
+
+
+def _like(total, value):
+    """``total`` with its tensors back on the devices of ``value``'s."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return total.to(value.device)
+    if isinstance(value, dict) and not isinstance(value, Counter):
+        return {k: _like(v, value[k]) if k in value else v for k, v in total.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_like(t, v) for t, v in zip(total, value))
+    return total
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def add_process_options(parser) -> None:
+    """``--num-processes N`` of the commands that shard their corpus."""
+    parser.add_argument(FLAG, type=int, metavar="N",
+                        help="split the corpus over N local processes, started here (results equal one "
+                             "process's); on several GPUs or machines use `accelerate launch` instead "
+                             "(docs/cli.md)")
+
+
+def world_size() -> int:
+    """The number of processes a launcher (``accelerate launch``, ``torchrun``) started, 1 if none."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def check_processes(args, count: Callable[[], tuple[int, str]]) -> int:
+    """The number of processes the command runs in, checked before any work: ``--num-processes``
+    at least 1, agreeing with a launcher's, and not more than ``count()`` (the sentences, and
+    what they are, e.g. ``"sentences in --conllu FILE"``)."""
+    asked = getattr(args, "num_processes", None)
+    launched = world_size()
+    if asked is not None and asked < 1:
+        raise HeadlabError(f"{FLAG} must be at least 1, got {asked}")
+    if asked is not None and launched > 1 and asked != launched:
+        raise HeadlabError(f"{FLAG} {asked}, but the launcher started {launched} processes: give one or the other")
+    n = max(asked or 1, launched)
+    if n > 1 and getattr(args, "device_map", None):
+        raise HeadlabError(f"--device-map spreads one model over the devices; with several processes give "
+                           f"--device cuda instead (each process its own GPU), or drop {FLAG}")
+    if n > 1:
+        sentences, what = count()
+        if n > sentences:
+            flag = FLAG if asked else "the launcher's --num_processes"
+            raise HeadlabError(f"{flag} {n}: more processes than the {sentences} {what}; "
+                               "use at most one process per sentence")
+    return n
+
+
+def start(args, count: Callable[[], tuple[int, str]]) -> int | None:
+    """Before any work: check the processes (:func:`check_processes`); with ``--num-processes N > 1``
+    outside a launcher, run the command in N processes and return its exit status; None when this
+    process is to do the work (one process, or one of a launcher's)."""
+    n = check_processes(args, count)
+    if n > 1 and world_size() == 1:
+        return launch(getattr(args, "argv", None) or sys.argv[1:], n)
+    return None
+
+
+@contextmanager
+def joined(device: str | None = None):
+    """This process's :class:`Shard` while the block runs, active for the computations
+    (:func:`sharding`); under a launcher it joins the process group first (gloo on the CPU,
+    nccl on GPUs) through Accelerate."""
+    if world_size() == 1:
+        yield SINGLE
+        return
+    from accelerate import PartialState
+
+    state = PartialState(cpu=device is None or str(device).startswith("cpu"))
+    if not state.is_main_process:  # one progress bar per run, the main process's
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    with sharding(Shard(state.process_index, state.num_processes)) as shard:
+        yield shard
+
+
+def rank_device(device: str | None, shard: Shard) -> str | None:
+    """``--device cuda`` in a launched process: this process's own GPU (``cuda:LOCAL_RANK``)."""
+    if shard.split and device == "cuda":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}"
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(argv: list[str], n: int, command: list[str] | None = None) -> int:
+    """Run ``headlab ARGV`` (or ``command``) in ``n`` local processes, as torchrun would (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), and return the first failing
+    exit status (0 when all succeed). When one process fails, the others are stopped: they would
+    wait for it."""
+    port = _free_port()
+    # The processes run this headlab (not another one on the path), and share the cores.
+    source = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // n))
+    children = []
+    for rank in range(n):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path,
+                   OMP_NUM_THREADS=threads)
+        children.append(subprocess.Popen(command or [sys.executable, "-m", "headlab", *argv], env=env))
+    status = 0
+    try:
+        while True:
+            codes = [child.poll() for child in children]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed:
+                status = failed[0]
+                break
+            if None not in codes:
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    if status == 0:
+        status = next((child.returncode for child in children if child.returncode), 0)
+    return status
