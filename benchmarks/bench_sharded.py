@@ -4,8 +4,9 @@ Runs ``headlab functions MODEL --conllu TREEBANK --aggregate`` (head functions a
 statistics, no figures) as a user would, each run a fresh ``python -m headlab`` subprocess:
 in one process with ``--threads T`` (all the cores it is given), in one process with
 ``--threads T/N`` (one process's share), and with ``--num-processes N --threads T/N`` (the same
-cores, split), in turn, ``--repeats`` times. Printed: the wall time of each (the command as a whole: starting Python and torch, loading the
-model in each process, reading the treebank, the analysis, writing) and the analysis loop's time
+cores, split), in turn, ``--repeats`` times. Printed: the wall time of each (the command as a
+whole: starting Python and torch, loading the model in each process, reading the treebank, the
+analysis, writing) and the analysis loop's time
 from ``summary.json`` (``report.seconds``, the main process's, combining included), their ratios
 against one process, and how the written files compare with the one-process run's: JSON values
 (integers and strings exactly, the largest relative difference of the floats) and bytes.
