@@ -51,7 +51,7 @@ def test_two_cpu_processes_end_with_identical_weights(tmp_path):
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", "29517", __file__, str(tmp_path)]
+               "--standalone", __file__, str(tmp_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
