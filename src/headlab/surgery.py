@@ -25,6 +25,7 @@ from headlab.errors import HeadlabError
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text
 from headlab.portable import make_portable, restore_original_config
+from headlab.portable_code import NoHeadAttention
 
 PRUNING_FILE = "headlab_pruning.json"
 FORMAT_VERSION = 1
@@ -133,70 +134,30 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
 
 
 # -- layers with no head left --------------------------------------------------------------
-class ZeroHeadAttention(nn.Module):
+class ZeroHeadAttention(NoHeadAttention):
     """Stands in for an attention core whose heads were all pruned.
 
     With no head, MultiHead(Q, K, V) = Concat() W^O + b = b: the block adds the output
     projection's bias (zero if it has none) and the residual path carries the rest (Voita
     et al. 2019, footnote 9). The original's sub-modules are adopted under the same names, so
     ``state_dict`` keys do not change, and the key/value cache is kept in step (with empty
-    tensors) so that generation still counts positions correctly.
+    tensors) so that generation still counts positions correctly. The forward is the one the
+    portable module (:mod:`headlab.portable_code`) ships; this class also keeps the original's
+    plain attributes (head counts, sizes) and what pruning kept, for headlab's own bookkeeping.
     """
 
     def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int):
-        super().__init__()
-        for name, child in original.named_children():
-            self.add_module(name, child)
+        super().__init__(original, o_name, n_outputs, d_head)
         for name, value in vars(original).items():
-            if not name.startswith("_") and name != "training" and isinstance(value, (int, float, bool, str)):
+            if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
         for name in (KEPT_ATTR, KV_KEPT_ATTR, ORIGINAL_ATTR):
             setattr(self, name, getattr(original, name))
         self.config = getattr(original, "config", None)
-        self.layer_idx = getattr(original, "layer_idx", None)
-        self.zero_head_o_name = o_name
-        self.zero_head_n_outputs = n_outputs
-        self.zero_head_d_head = d_head
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        if self.zero_head_o_name:
-            out = self._bias_only(hidden_states)
-        else:  # the output projection lives outside this module and gets an empty input
-            out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # [batch, pos, 0 heads x d_head]
-        self._keep_cache_in_step(hidden_states, kwargs)
-        extras = [None] * (self.zero_head_n_outputs - 1)
-        if self.zero_head_n_outputs == 3:  # T5: (output, position_bias, probs)
-            extras[0] = kwargs.get("position_bias")
-        return (out, *extras)
-
-    def _bias_only(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Concat() W^O + b for zero heads: b at every position (zeros without a bias)."""
-        o = getattr(self, self.zero_head_o_name)
-        width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
-        out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
-        return out + o.bias.to(out.dtype) if o.bias is not None else out
-
-    def _keep_cache_in_step(self, hidden_states: torch.Tensor, kwargs) -> None:
-        cache = kwargs.get("past_key_values")
-        if cache is None or self.layer_idx is None:
-            return
-        memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
-        is_cross = memory is not None
-        target = cache
-        if hasattr(cache, "self_attention_cache"):  # EncoderDecoderCache
-            if is_cross and cache.is_updated.get(self.layer_idx):
-                return
-            target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
-        length = (memory if is_cross else hidden_states).shape[1]
-        empty = hidden_states.new_zeros(hidden_states.shape[0], 0, length, self.zero_head_d_head)
-        target.update(empty, empty, self.layer_idx)
-        if is_cross and hasattr(cache, "is_updated"):
-            cache.is_updated[self.layer_idx] = True
 
 
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock) -> None:
-    core_path = block.name + (f".{block.family.core}" if block.family.core else "")
-    parent_path, _, attr = core_path.rpartition(".")
+    parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
     n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
@@ -254,14 +215,12 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     """
     blocks = attention_blocks(model)
     spec = validate_heads(blocks, heads)
+    plans = []
     for key, removed in spec.items():
         block = find_block(blocks, *key)
         keep = [h for h in range(block.n_heads) if h not in set(removed)]
-        kv_keep, groups = _kv_plan(block, keep)
-        _prune_block(model, block, keep, kv_keep, groups)
-    blocks = attention_blocks(model)
-    if blocks and blocks[0].family.name == "t5":
-        _install_t5_bias_hooks(model, blocks)
+        plans.append((block, keep, *_kv_plan(block, keep)))
+    blocks = _prune_blocks(model, plans)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
 
 
@@ -301,11 +260,17 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
                 plans.append((block, keep, kv_keep, groups))
     except (KeyError, TypeError, ValueError) as error:
         raise HeadlabError(f"{source}: malformed pruning record ({error!r})") from error
+    _prune_blocks(model, plans)
+
+
+def _prune_blocks(model: nn.Module, plans: list[tuple]) -> list[AttentionBlock]:
+    """Prune each ``(block, keep, kv_keep, groups)``; the model's attention blocks afterwards."""
     for block, keep, kv_keep, groups in plans:
         _prune_block(model, block, keep, kv_keep, groups)
     blocks = attention_blocks(model)
     if blocks and blocks[0].family.name == "t5":
         _install_t5_bias_hooks(model, blocks)
+    return blocks
 
 
 # Attributes of an attention module that hold a head count or a width derived from one.
@@ -342,8 +307,7 @@ def pruning_plan(model: nn.Module) -> dict:
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
         if isinstance(core, ZeroHeadAttention):
-            plan["no_head"][_core_path(block)] = [core.zero_head_o_name, core.zero_head_n_outputs,
-                                                  core.zero_head_d_head]
+            plan["no_head"][_core_path(block)] = [core.o_name, core.n_outputs, core.d_head]
     return plan
 
 
