@@ -37,29 +37,6 @@ _EXPORTS = {
     "save_pruned": "headlab.surgery",
 }
 
-__all__ = [
-    "AttentionBlock",
-    "ConstantGates",
-    "HardConcreteGates",
-    "HeadGates",
-    "HeadScores",
-    "HeadlabError",
-    "KINDS",
-    "ScalarGates",
-    "attach_gates",
-    "attention_blocks",
-    "capture_attention",
-    "count_parameters",
-    "detach_gates",
-    "eager_attention",
-    "gates_attached",
-    "head_output_hooks",
-    "load_pruned",
-    "mask_heads",
-    "prune_heads",
-    "pruning_record",
-    "save_pruned",
-    "__version__",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

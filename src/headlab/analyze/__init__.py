@@ -19,17 +19,6 @@ _EXPORTS = {
     "StageRecord": "headlab.analyze.records",
 }
 
-__all__ = [
-    "STAGES",
-    "STAGE_GROUPS",
-    "AnalysisRun",
-    "AnalyzeConfig",
-    "SkipStage",
-    "StageRecord",
-    "head_labels",
-    "load_labels",
-    "run_analysis",
-    "save_labels",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

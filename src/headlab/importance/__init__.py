@@ -47,37 +47,6 @@ _EXPORTS = {
     "lrp_rules": "headlab.importance.rules",
 }
 
-__all__ = [
-    "LRP",
-    "MEASURES",
-    "METRICS",
-    "STRATEGIES",
-    "Ablation",
-    "AgreementTable",
-    "Confidence",
-    "Gradient",
-    "ImportanceConfig",
-    "ImportanceData",
-    "ImportanceMeasure",
-    "ImportanceResult",
-    "ModelInfo",
-    "compute_ablation",
-    "compute_agreement",
-    "compute_confidence",
-    "compute_gradient",
-    "compute_lrp",
-    "describe_model",
-    "encode_texts",
-    "head_relevance",
-    "l2_normalize_per_layer",
-    "lrp_rules",
-    "make_batches",
-    "read_data",
-    "run_importance",
-    "save_results",
-    "spearman",
-    "top_share",
-    "translate_data",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -19,6 +19,6 @@ _EXPORTS = {
     "read_trajectory": "headlab.pruning.train",
 }
 
-__all__ = ["HardConcreteGates", "LagrangianBudget", "PruneConfig", "PruneResult", "prune_train", "read_trajectory"]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -18,6 +18,6 @@ _EXPORTS = {
     "write_attention_examples": "headlab.report.examples",
 }
 
-__all__ = ["build_report", "write_attention_examples", "load_example"]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

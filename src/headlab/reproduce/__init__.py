@@ -28,22 +28,6 @@ _EXPORTS = {
     "STAGES": "headlab.reproduce.stages",
 }
 
-__all__ = [
-    "STAGES",
-    "Cell",
-    "Check",
-    "Claim",
-    "ModelEntry",
-    "ModelResults",
-    "ReproduceConfig",
-    "collect_results",
-    "compute_claims",
-    "load_config",
-    "load_results",
-    "read_blocks",
-    "render_blocks",
-    "update_document",
-    "write_report",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
