@@ -133,25 +133,27 @@ def _rank_in_layer(values: np.ndarray, layer: int, head: int) -> int:
 # ----------------------------------------------------------------------------- positional data
 
 
+def _final_point(r: ModelResults) -> dict | None:
+    """The specialisation stage's ``final`` point (the model itself), if it was measured."""
+    return next((p for p in (r.specialisation or {}).get("checkpoints", []) if p["checkpoint"] == "final"), None)
+
+
 def _positional(r: ModelResults) -> tuple[np.ndarray | None, np.ndarray | None, str]:
     """The primary positional measurement: in-domain (first N validation sentences), subword
     tokens, the final model (the specialisation stage's ``final`` point), as the paper measured
-    on its own data over BPE tokens. Returns (share, offset, description)."""
-    spec = r.specialisation
-    if spec:
-        final = [p for p in spec["checkpoints"] if p["checkpoint"] == "final"]
-        if final:
-            p = final[0]
-            share = np.array([[np.nan if v is None else v for v in row] for row in p["token_share"]])
-            offset = np.array([[np.nan if v is None else v for v in row] for row in p["token_offset"]])
-            return share, offset, f"{spec['n_sentences']} validation sentences, subword tokens"
-    return None, None, ""
+    on its own data over BPE tokens. Returns (share, offset, description); None (in the
+    files: null) becomes NaN."""
+    p = _final_point(r)
+    if p is None:
+        return None, None, ""
+    share, offset = np.array(p["token_share"], dtype=float), np.array(p["token_offset"], dtype=float)
+    return share, offset, f"{r.specialisation['n_sentences']} validation sentences, subword tokens"
 
 
 def _positional_tokens(r: ModelResults) -> int:
     """Query tokens behind the in-domain positional shares (0 when the file does not say)."""
-    final = [p for p in (r.specialisation or {}).get("checkpoints", []) if p["checkpoint"] == "final"]
-    return int(final[0].get("n_tokens") or 0) if final else 0
+    p = _final_point(r)
+    return int(p.get("n_tokens") or 0) if p else 0
 
 
 def _syntactic_heads(r: ModelResults) -> np.ndarray | None:
@@ -182,8 +184,9 @@ def _rows(sweep: dict) -> list[dict]:
     for name, point in sweep["points"].items():
         result = point["result"]
         kept = result.get("heads_kept", {})
+        metrics = result.get("metrics", {})
         rows.append({"point": name, **{k: kept.get(k) for k in KINDS}, "heads": sum(kept.values()),
-                     "bleu": result.get("metrics", {}).get("bleu"), "total": result.get("heads_total", {}),
+                     "bleu": metrics.get("bleu"), "polarized": metrics.get("polarized"), "total": result.get("heads_total", {}),
                      "lam": result.get("lam"), "keep": result.get("keep"), "step": result.get("step")})
     return sorted(rows, key=lambda row: (-row["heads"], row["point"]))
 
@@ -278,9 +281,8 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
         parts = []
         for sweep in ("enc", "all"):
             for row in _rows(r.sweep(sweep)):
-                result = r.sweep(sweep)["points"][row["point"]]["result"]
                 parts.append(f"{sweep} {row['point']}: {_method(row)}, {row['step']} updates, "
-                             f"{_pct(result.get('metrics', {}).get('polarized'))} polarised")
+                             f"{_pct(row['polarized'])} polarised")
         prune.cells[name] = Cell("; ".join(parts) if parts else "no pruning point")
     c.checks = [updates, batch, seen, prune]
     return c
@@ -621,8 +623,8 @@ def _per_sentence_cell(data: dict | None, shape: tuple[int, int]) -> Cell:
     if data is None:
         return _missing("functions/rare_per_sentence.json", "functions")
     rows = [data[f"enc_self:{layer}"] for layer in range(shape[0])]
-    mean = np.array([[np.nan if v is None else v for v in row["rarest_mean"]] for row in rows])
-    sd = np.array([[np.nan if v is None else v for v in row["rarest_sd"]] for row in rows])
+    mean = np.array([row["rarest_mean"] for row in rows], dtype=float)  # None (null) -> NaN
+    sd = np.array([row["rarest_sd"] for row in rows], dtype=float)
     n = np.array([row["sentences"] for row in rows])
     if _argmax(mean) is None:
         return Cell("no eligible sentence")
@@ -749,9 +751,8 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
             others = [f"{means[label][row['enc_self']]:.2f}" if row["enc_self"] in means[label] else ""
                       for label in means]
             x = deltas[row["point"]]
-            result = sweep["points"][row["point"]]["result"]
             lines.append(f"| {row['point']} | {_method(row)} | {row['step']} | "
-                         f"{_pct(result.get('metrics', {}).get('polarized'))} | {row['enc_self']} | {_f(row['bleu'])} | "
+                         f"{_pct(row['polarized'])} | {row['enc_self']} | {_f(row['bleu'])} | "
                          f"{_interval(x)} | {_f(x.get('p'), 3) if x['kind'] == 'paired' else ''} | " +
                          " | ".join(others) + " |")
         c.details[name] = lines
@@ -812,17 +813,24 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
                                            for x in (share, margin, rarest)))
         lines = ["| point | encoder heads kept | positional | syntactic | rare-token | other |",
                  "|---|---:|---:|---:|---:|---:|"]
-        for row in _rows(sweep):
-            kept = kept_mask(sweep["points"][row["point"]], "enc_self", shape)
-            if kept is None:
-                continue
-            counts = [int((kept & masks[f]).sum()) for f in ("positional", "syntactic", "rare")]
-            lines.append(f"| {row['point']} | {int(kept.sum())} | " + " | ".join(map(str, counts)) +
-                         f" | {int((kept & ~special).sum())} |")
+        for point, n_kept, counts in _kept_by_function(sweep, masks, shape):
+            lines.append(f"| {point} | {n_kept} | " + " | ".join(map(str, counts.values())) + " |")
         c.details[name] = lines
         c.figures[name] = "fig8"
     c.checks = [last, sens]
     return c
+
+
+def _kept_by_function(sweep: dict, masks: dict[str, np.ndarray], shape: tuple[int, int]) -> list[tuple]:
+    """Per sweep point with a kept mask: (point, encoder heads kept, {function or "other": heads kept})."""
+    special = masks["positional"] | masks["syntactic"] | masks["rare"]
+    out = []
+    for row in _rows(sweep):
+        kept = kept_mask(sweep["points"][row["point"]], "enc_self", shape)
+        if kept is not None:
+            counts = {f: int((kept & masks[f]).sum()) for f in ("positional", "syntactic", "rare")}
+            out.append((row["point"], int(kept.sum()), {**counts, "other": int((kept & ~special).sum())}))
+    return out
 
 
 def _paper_table2() -> str:
@@ -911,9 +919,8 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
                      f"{total} | {reference:.2f} | | |")
         for row in rows:
             s = scratch.get(row["heads"])
-            result = sweep["points"][row["point"]]["result"]
             lines.append(f"| {row['point']} | {_method(row)} | {row['step']} | "
-                         f"{_pct(result.get('metrics', {}).get('polarized'))} | {row['enc_self']} | {row['dec_self']} | "
+                         f"{_pct(row['polarized'])} | {row['enc_self']} | {row['dec_self']} | "
                          f"{row['dec_cross']} | {row['heads']} | {_f(row['bleu'])} | {_interval(deltas[row['point']])} | "
                          f"{'' if s is None else f'{s:.2f}'} |")
         c.details[name] = lines
@@ -993,8 +1000,7 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
                 b = np.concatenate([np.ravel(v) for v in all_survival.values()])
                 all_rho[m] = spearman(a, b)
             row = agreement.get(m, {})
-            cells = [_f(row.get(k)) if row.get(k) is not None else "n/a" for k in ("enc_self", "dec_self", "dec_cross",
-                                                                                   "all")]
+            cells = [_f(row.get(k)) for k in ("enc_self", "dec_self", "dec_cross", "all")]
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {_f(order_rho.get(m))} | {_f(all_rho.get(m))} |")
         if agreement:
             pooled = {m: v.get("all") for m, v in agreement.items() if v.get("all") is not None}

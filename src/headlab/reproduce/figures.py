@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _rows, _shape
+from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _rows, _shape
 from headlab.reproduce.results import ModelResults, kept_mask
 
 __all__ = ["save_figures"]
@@ -51,20 +51,11 @@ def plot_fig7(r: ModelResults, ax=None):
 
 def plot_fig8(r: ModelResults, ax=None):
     ax = _ax(ax)
-    sweep, masks, shape = r.sweep("enc"), _function_masks(r), _shape(r, "enc_self")
-    special = masks["positional"] | masks["syntactic"] | masks["rare"]
-    labels, bottoms = [], []
-    series = {f: [] for f in ("positional", "syntactic", "rare", "other")}
-    for row in _rows(sweep):
-        kept = kept_mask(sweep["points"][row["point"]], "enc_self", shape)
-        if kept is None:
-            continue
-        labels.append(str(int(kept.sum())))
-        for f in ("positional", "syntactic", "rare"):
-            series[f].append(int((kept & masks[f]).sum()))
-        series["other"].append(int((kept & ~special).sum()))
+    points = _kept_by_function(r.sweep("enc"), _function_masks(r), _shape(r, "enc_self"))
+    labels = [str(n_kept) for _, n_kept, _ in points]
     bottoms = np.zeros(len(labels))
-    for f, values in series.items():
+    for f in ("positional", "syntactic", "rare", "other"):
+        values = [counts[f] for _, _, counts in points]
         ax.bar(labels, values, bottom=bottoms, label=f)
         bottoms += np.array(values)
     ax.set_xlabel("encoder heads kept (sweep point)")
