@@ -118,6 +118,19 @@ def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:
     return path
 
 
+def write_figure(fig, path: str | os.PathLike, **savefig_options) -> Path:
+    """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format=path.suffix[1:], **savefig_options)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 @dataclass(frozen=True)
 class HeadScores:
     """One score per head, per attention kind.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores
+from headlab.heads import HeadScores, write_figure
 
 __all__ = ["plot_head_scores", "plot_function_grid", "plot_aggregate_grid", "save_figures"]
 
@@ -112,25 +112,14 @@ def plot_aggregate_grid(aggregate, kind: str, axes=None, tags: tuple[str, ...] =
 
 def save_figures(analysis, directory: str | Path) -> list[Path]:
     """Write ``functions_<kind>.png`` and ``aggregate_<kind>.png`` for each analysed kind."""
-    plt = _pyplot()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for kind in analysis.report.analysed:
         if any(r is not None for r in (analysis.positional, analysis.syntactic, analysis.rare)):
-            axes = plot_function_grid(analysis, kind)
-            figure = axes[0].figure
+            figure = plot_function_grid(analysis, kind)[0].figure
             figure.tight_layout()
-            path = directory / f"functions_{kind}.png"
-            figure.savefig(path, dpi=110)
-            plt.close(figure)
-            paths.append(path)
+            paths.append(write_figure(figure, Path(directory) / f"functions_{kind}.png", dpi=110))
         if analysis.aggregate is not None:
-            axes = plot_aggregate_grid(analysis.aggregate, kind)
-            figure = axes[0].figure
+            figure = plot_aggregate_grid(analysis.aggregate, kind)[0].figure
             figure.tight_layout()
-            path = directory / f"aggregate_{kind}.png"
-            figure.savefig(path, dpi=110)
-            plt.close(figure)
-            paths.append(path)
+            paths.append(write_figure(figure, Path(directory) / f"aggregate_{kind}.png", dpi=110))
     return paths

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores
+from headlab.heads import HeadScores, write_figure
 
 __all__ = ["plot_heatmap", "save_heatmap"]
 
@@ -51,11 +51,4 @@ def plot_heatmap(scores: HeadScores, axes=None, *, title: str | None = None, cma
 
 
 def save_heatmap(scores: HeadScores, path: str | os.PathLike, **kwargs) -> Path:
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = plot_heatmap(scores, **kwargs)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return write_figure(plot_heatmap(scores, **kwargs), path, dpi=110, bbox_inches="tight")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text
+from headlab.heads import KINDS, atomic_write_text, write_figure
 from headlab.pruning.train import RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
@@ -230,8 +230,6 @@ def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], 
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline_rows = []
@@ -244,19 +242,14 @@ def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], 
     for directory in sweep_dirs:
         rows = read_rows(directory)
         name = Path(directory).name
-        fig, ax = plt.subplots(figsize=(6, 4))
-        plot_bleu_vs_heads(rows, [r for r in baseline_rows if not r.get("from_scratch")], ax=ax)
+        ax = plot_bleu_vs_heads(rows, [r for r in baseline_rows if not r.get("from_scratch")])
         ax.set_title(f"BLEU against retained encoder heads ({name})")
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{name}-bleu-vs-heads.png", dpi=120)
-        plt.close(fig)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        plot_heads_per_kind(rows, ax=ax)
+        ax.figure.tight_layout()
+        written.append(write_figure(ax.figure, out_dir / f"{name}-bleu-vs-heads.png", dpi=120))
+        ax = plot_heads_per_kind(rows)
         ax.set_title(f"Heads kept per kind ({name})")
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{name}-heads-per-kind.png", dpi=120)
-        plt.close(fig)
+        ax.figure.tight_layout()
+        written.append(write_figure(ax.figure, out_dir / f"{name}-heads-per-kind.png", dpi=120))
         atomic_write_text(out_dir / f"{name}-table.md", heads_table(rows, baseline_rows))
-        written += [out_dir / f"{name}-bleu-vs-heads.png", out_dir / f"{name}-heads-per-kind.png",
-                    out_dir / f"{name}-table.md"]
+        written.append(out_dir / f"{name}-table.md")
     return written

@@ -6,11 +6,11 @@ Each plot function takes an optional ``ax``; :func:`save_figures` writes
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from headlab.heads import write_figure
 from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _rows, _shape
 from headlab.reproduce.results import ModelResults, kept_mask
 
@@ -121,19 +121,12 @@ def save_figures(claims: list[Claim], results: dict[str, ModelResults], img_dir:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    img_dir = Path(img_dir)
-    img_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for claim in claims:
         for model, name in claim.figures.items():
             fig, ax = plt.subplots(figsize=(9, 4) if name == "specialisation" else (6, 4))
             FIGURES[name](results[model], ax=ax)
             fig.tight_layout()
-            path = img_dir / f"reproduction-{model}-{name}.png"
-            tmp = path.with_name(f".{path.stem}.tmp.png")
-            fig.savefig(tmp, dpi=110)
-            plt.close(fig)
-            os.replace(tmp, path)
-            written.append(path)
+            written.append(write_figure(fig, Path(img_dir) / f"reproduction-{model}-{name}.png", dpi=110))
     return written
 
