@@ -49,10 +49,6 @@ class AttentionBlock:
     def key(self) -> tuple[str, int]:
         return (self.kind, self.layer)
 
-    @property
-    def o_is_inside_core(self) -> bool:
-        return any(module is self.o for module in self.core.modules())
-
     def __repr__(self) -> str:
         return (
             f"AttentionBlock({self.kind}, layer={self.layer}, n_heads={self.n_heads}, "

@@ -214,10 +214,8 @@ def validate(config: AnalyzeConfig) -> Path:
                        *(("--train-text", path) for path in config.train_text)):
         if path is not None:
             preflight.input_file(path, flag)
-    for flag, value in (("--limit", config.limit), ("--conllu-limit", config.conllu_limit)):
-        if value is not None and value < 1:
-            raise HeadlabError(f"{flag} must be at least 1, got {value}")
-    for flag, value, minimum in (("--batch-size", config.batch_size, 1), ("--prune-steps", config.prune_steps, 1),
+    for flag, value, minimum in (("--limit", config.limit, 1), ("--conllu-limit", config.conllu_limit, 1),
+                                 ("--batch-size", config.batch_size, 1), ("--prune-steps", config.prune_steps, 1),
                                  ("--threads", config.threads, 1), ("--max-length", config.max_length, 2),
                                  ("--query-chunk", config.query_chunk, 1),
                                  ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),

@@ -389,9 +389,8 @@ def read_labelled_data(
     from headlab.data.parallel import read_lines
 
     lines = read_lines(path)
-    if n_sentences is not None:
-        if n_sentences < 1:
-            raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+    if n_sentences is not None and n_sentences < 1:
+        raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
     rows, n_empty, width = [], 0, None
     for number, line in enumerate(lines, start=1):
         if not line.strip():

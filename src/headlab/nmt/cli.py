@@ -152,30 +152,36 @@ def _load(model_dir: str, args=None):
     return load_model(model_dir, **placement), tokenizer
 
 
-def _report_truncated(command: str, truncated: list[int], n: int, limit: int) -> None:
+def _translate_lines(args, command: str, sentences: list[str], progress: bool = False) -> tuple[list[str], float]:
+    """``sentences`` translated by ``--model``, and the seconds it took; inputs cut to the
+    model's limit are reported on stderr."""
+    from headlab.nmt.translate import source_limit, translate
+
+    set_threads(args.threads)
+    model, tokenizer = _load(args.model, args)
+    start = time.time()
+    truncated: list[int] = []
+    outputs = translate(model, tokenizer, sentences, beam=args.beam, batch_size=args.batch_size, progress=progress,
+                        truncated=truncated)
+    seconds = time.time() - start
     if truncated:
+        limit = source_limit(model, tokenizer)
         lines = ", ".join(str(i + 1) for i in sorted(truncated)[:10]) + (", ..." if len(truncated) > 10 else "")
-        print(f"headlab nmt {command}: {len(truncated)} of {n} inputs are longer than {limit} tokens and were cut "
-              f"to {limit} (lines {lines}); only their first {limit} tokens are translated", file=sys.stderr)
+        print(f"headlab nmt {command}: {len(truncated)} of {len(sentences)} inputs are longer than {limit} tokens and "
+              f"were cut to {limit} (lines {lines}); only their first {limit} tokens are translated", file=sys.stderr)
+    return outputs, seconds
 
 
 def _translate(args) -> int:
     from headlab import preflight
-    from headlab.nmt.translate import source_limit, translate
 
     _check_translation_options(args)
     if args.input != "-":
         preflight.input_file(args.input, "--input")
-    set_threads(args.threads)
     sentences = _read_input(args.input)
-    model, tokenizer = _load(args.model, args)
-    start = time.time()
-    truncated: list[int] = []
-    outputs = translate(model, tokenizer, sentences, beam=args.beam, batch_size=args.batch_size,
-                        progress=sys.stderr.isatty(), truncated=truncated)
+    outputs, seconds = _translate_lines(args, "translate", sentences, progress=sys.stderr.isatty())
     _write_output(args.output, outputs)
-    _report_truncated("translate", truncated, len(sentences), source_limit(model, tokenizer))
-    print(f"translated {len(sentences)} lines in {time.time() - start:.1f} s (beam {args.beam})", file=sys.stderr)
+    print(f"translated {len(sentences)} lines in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
     return 0
 
 
@@ -192,7 +198,6 @@ def _evaluate(args) -> int:
     from headlab import preflight
     from headlab.data import read_lines
     from headlab.nmt.bleu import compute_scores
-    from headlab.nmt.translate import source_limit, translate
 
     _check_translation_options(args)
     preflight.input_file(args.src, "--src")
@@ -201,13 +206,7 @@ def _evaluate(args) -> int:
     if len(sources) != len(references):
         raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
                            "they must match line for line")
-    set_threads(args.threads)
-    model, tokenizer = _load(args.model, args)
-    start = time.time()
-    truncated: list[int] = []
-    outputs = translate(model, tokenizer, sources, beam=args.beam, batch_size=args.batch_size, truncated=truncated)
-    seconds = time.time() - start
-    _report_truncated("evaluate", truncated, len(sources), source_limit(model, tokenizer))
+    outputs, seconds = _translate_lines(args, "evaluate", sources)
     if args.output:
         _write_output(args.output, outputs)
     scores = compute_scores(outputs, references)
