@@ -92,8 +92,8 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     sums, n_examples, n_tokens = shard.sum((sums, n_examples, n_tokens))
     if n_examples == 0:
         raise HeadlabError("gradient importance: no sentence has a token to score")
-    scores = block_scores(attention_blocks(model), {key: (v / n_examples).numpy() for key, v in sums.items()})
-    return {k: v for k, v in scores.items() if kinds is None or k in kinds}, n_examples, n_tokens
+    scores = block_scores(attention_blocks(model), {key: (v / n_examples).numpy() for key, v in sums.items()}, kinds)
+    return scores, n_examples, n_tokens
 
 
 def compute_gradient(
