@@ -95,10 +95,7 @@ class DirectoryLock:
                         f"on {holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish "
                         f"or choose another {self.flag}. If no such run is going, delete {self.path}") from None
                 if self._holder() == holder:  # still the crashed run's lock (not a newer run's): take it over
-                    try:
-                        self.path.unlink()
-                    except FileNotFoundError:
-                        pass
+                    self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 json.dump(record, handle)
@@ -109,10 +106,7 @@ class DirectoryLock:
     def release(self) -> None:
         if self._held:
             self._held = False
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "DirectoryLock":
         self.acquire()

@@ -76,9 +76,7 @@ def write_marker(out_dir: Path, name: str, key: str, record: StageRecord, extra:
 
 
 def remove_marker(out_dir: Path, name: str) -> None:
-    path = _marker_path(out_dir, name)
-    if path.is_file():
-        path.unlink()
+    _marker_path(out_dir, name).unlink(missing_ok=True)
 
 
 def write_manifest(out_dir: Path, header: dict, records: list[StageRecord], figures: list[dict]) -> Path:
