@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import gzip
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.data.parallel import read_lines
 from headlab.errors import HeadlabError
+from headlab.heads import atomic_write_bytes
 
 __all__ = ["ParseReport", "check_pipeline_dir", "import_spacy", "load_pipeline", "parse_lines", "parse_text_file",
            "to_conllu"]
@@ -146,24 +146,6 @@ def _read_sentences(path: Path, report: ParseReport) -> list[tuple[int, str]]:
     return sentences
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def parse_text_file(model: str | os.PathLike, input_path: str | os.PathLike, out: str | os.PathLike, *,
                     batch_size: int = 64, nlp=None, progress: bool = False) -> ParseReport:
     """Parse ``input_path`` (UTF-8 text, plain or ``.gz``, one sentence per line) into the CoNLL-U file
@@ -188,5 +170,5 @@ def parse_text_file(model: str | os.PathLike, input_path: str | os.PathLike, out
         report.n_sentences += 1
         report.n_tokens += len(doc)
     data = "".join(blocks).encode("utf-8")
-    _atomic_write_bytes(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
+    atomic_write_bytes(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
     return report
