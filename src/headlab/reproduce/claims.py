@@ -34,6 +34,7 @@ POSITIONAL = 0.90  # Voita et al. 2019, Sec. 5.1
 SYNTACTIC = 0.10  # Sec. 5.2.1: accuracy at least 10 points over the positional baseline
 CONFIDENT = 0.80  # Sec. 5.1: positional heads have confidence > 0.8 (the blog post: "more than 80%")
 WORDS = "no number in the paper"
+PARSED = "functions-parsed"  # the functions pass on the model's validation text, parsed
 
 # The paper's own numbers, copied from Voita et al. 2019 (Tables 1 and 2, Sec. 6.2).
 PAPER = {
@@ -248,7 +249,7 @@ def _best_share(share: np.ndarray | None) -> str:
 
 def _poolings(r: ModelResults) -> list[str]:
     """The other word poolings with result files, in the order of POOLING_NAMES."""
-    return [p for p in POOLING_NAMES if p != "sum" and r.pooled_json(p, "table1") is not None]
+    return [p for p in POOLING_NAMES if p != "sum" and r.functions_json("table1", f"functions-{p}") is not None]
 
 
 def _mean_interval(mean: float, sd: float, n: int) -> tuple[float, float]:
@@ -401,8 +402,8 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
                    "mapping: " + " / ".join(POOLING_NAMES.values()), "-")
     for name, r in results.items():
         parts = []
-        for text, every, inner in (("EWT", r.functions_scores("positional_share"), r.functions_scores("interior_share")),
-                                   ("val", r.parsed_scores("positional_share"), r.parsed_scores("interior_share"))):
+        for text, run in (("EWT", "functions"), ("val", PARSED)):
+            every, inner = r.functions_scores("positional_share", run), r.functions_scores("interior_share", run)
             if every is not None and inner is not None:
                 inner_enc = _enc(inner)
                 parts.append(f"{text}: all words {_best_share(_enc(every))}, both neighbours {_best_share(inner_enc)}; "
@@ -413,7 +414,7 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
         if word is None or not _poolings(r):
             pooled.cells[name] = _missing("functions-first/positional_share.json", "pooling")
         else:
-            shares = [_enc(word)] + [_enc(r.pooled_scores(p, "positional_share")) for p in _poolings(r)]
+            shares = [_enc(word)] + [_enc(r.functions_scores("positional_share", f"functions-{p}")) for p in _poolings(r)]
             pooled.cells[name] = Cell(" / ".join(_best_share(x) for x in shares))
     c.checks = [exist, ewt, relevant, confident, interior, pooled]
     return c
@@ -503,7 +504,7 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                  f"WMT: {numbers['WMT'][0] - numbers['WMT'][1]:+d} points ({rel} {label}, "
                  f"{numbers['WMT'][0]} vs {numbers['WMT'][1]})")
     for name, r in results.items():
-        table, table_parsed = r.functions_json("table1"), r.parsed_json("table1")
+        table, table_parsed = r.functions_json("table1"), r.functions_json("table1", PARSED)
         margins = []
         if table is None:
             check.cells[name] = _missing("functions/table1.json", "functions")
@@ -520,11 +521,11 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
         if table is not None:
             lines += ["UD EWT dev, gold trees:", ""] + _table1_lines(table)
         if table_parsed is not None:
-            summary = r.parsed_json("summary") or {}
+            summary = r.functions_json("summary", PARSED) or {}
             n = (summary.get("report") or {}).get("n_sentences")
+            parser = _parser_text(r.functions_json("parser", PARSED))
             lines += ([""] if lines else []) + [
-                f"Multi30k val{f' ({n:,} sentences)' if n else ''}, parsed by {_parser_text(r.parsed_json('parser'))}:",
-                ""] + _table1_lines(table_parsed)
+                f"Multi30k val{f' ({n:,} sentences)' if n else ''}, parsed by {parser}:", ""] + _table1_lines(table_parsed)
         if lines:
             c.details[name] = lines
     pooled = Check("sensitivity: the EWT gold-tree count and largest margin under each subword-to-word mapping: "
@@ -535,7 +536,7 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
             pooled.cells[name] = _missing("functions-first/table1.json", "pooling")
             continue
         parts = []
-        for pooling, data in [("sum", table)] + [(p, r.pooled_json(p, "table1")) for p in _poolings(r)]:
+        for pooling, data in [("sum", table)] + [(p, r.functions_json("table1", f"functions-{p}")) for p in _poolings(r)]:
             count, margin = _table1_cells(data)
             parts.append(f"{POOLING_NAMES[pooling]}: {count.value} ({count.verdict.split(':')[0]}), "
                          f"{margin.value.split(' (')[0] if margin else '-'}")

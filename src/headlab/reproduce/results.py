@@ -177,25 +177,14 @@ class ModelResults:
     def agreement(self) -> dict | None:
         return _json(self.dir / "importance" / "agreement.json")
 
-    def functions_scores(self, name: str) -> HeadScores | None:
-        return _scores(self.dir / "functions" / f"{name}.json")
+    def functions_scores(self, name: str, run: str = "functions") -> HeadScores | None:
+        """A HeadScores file of a functions pass: ``functions`` (UD EWT dev), ``functions-parsed``
+        (the parsed validation text) or ``functions-<pooling>`` (another word pooling)."""
+        return _scores(self.dir / run / f"{name}.json")
 
-    def functions_json(self, name: str):
-        return _json(self.dir / "functions" / f"{name}.json")
-
-    def parsed_json(self, name: str):
-        """``table1``, ``summary`` or ``parser`` of the functions pass on the parsed validation text."""
-        return _json(self.dir / "functions-parsed" / f"{name}.json")
-
-    def parsed_scores(self, name: str) -> HeadScores | None:
-        return _scores(self.dir / "functions-parsed" / f"{name}.json")
-
-    def pooled_json(self, pooling: str, name: str):
-        """``table1`` or ``summary`` of the functions pass under another word pooling."""
-        return _json(self.dir / f"functions-{pooling}" / f"{name}.json")
-
-    def pooled_scores(self, pooling: str, name: str) -> HeadScores | None:
-        return _scores(self.dir / f"functions-{pooling}" / f"{name}.json")
+    def functions_json(self, name: str, run: str = "functions"):
+        """``table1``, ``summary`` (or ``parser`` of ``functions-parsed``) of a functions pass."""
+        return _json(self.dir / run / f"{name}.json")
 
     def sweep(self, name: str) -> dict:
         """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}}``."""
