@@ -265,9 +265,7 @@ class HeadScores:
             raise HeadlabError(f"{source}: not a HeadScores file ({error})") from error
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
-        return path
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "HeadScores":

@@ -7,11 +7,10 @@ margin, rare-token head); it decides nothing itself.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text, read_json
+from headlab.heads import KINDS, read_json, write_json
 
 __all__ = ["head_labels", "save_labels", "load_labels", "label_key", "FUNCTION_GROUPS", "label_group"]
 
@@ -51,9 +50,7 @@ def _sort_key(key: str) -> tuple:
 
 
 def save_labels(labels: dict[str, list[str]], path: str | Path) -> Path:
-    path = Path(path)
-    atomic_write_text(path, json.dumps(labels, indent=1, ensure_ascii=False) + "\n")
-    return path
+    return write_json(path, labels, ensure_ascii=False)
 
 
 def load_labels(path: str | Path) -> dict[str, list[str]]:

@@ -14,12 +14,11 @@ depends on), and every output it lists exists (markers, keys and fingerprints:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from headlab import resume
-from headlab.heads import atomic_write_text
+from headlab.heads import write_json
 from headlab.resume import now_iso
 
 __all__ = ["StageRecord", "read_marker", "raw_marker", "write_marker", "remove_marker", "write_manifest",
@@ -82,6 +81,4 @@ def remove_marker(out_dir: Path, name: str) -> None:
 def write_manifest(out_dir: Path, header: dict, records: list[StageRecord], figures: list[dict]) -> Path:
     """Write ``DIR/manifest.json`` atomically (rewritten after every stage)."""
     manifest = {**header, "stages": [r.to_json() for r in records], "figures": list(figures)}
-    path = out_dir / MANIFEST
-    atomic_write_text(path, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    return path
+    return write_json(out_dir / MANIFEST, manifest, ensure_ascii=False)
