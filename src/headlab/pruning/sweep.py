@@ -209,10 +209,8 @@ def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
 
 def heads_table(sweep_rows: list[dict], scratch_rows: list[dict] = ()) -> str:
     """Voita et al. 2019, Table 2: heads per kind and BLEU, pruned against from scratch."""
-    scratch = {}
-    for row in scratch_rows:
-        if row.get("from_scratch") and row.get("bleu") is not None:
-            scratch[sum(row["heads_kept"].values())] = row["bleu"]
+    scratch = {sum(row["heads_kept"].values()): row["bleu"] for row in scratch_rows
+               if row.get("from_scratch") and row.get("bleu") is not None}
     lines = ["| attention heads (enc_self/dec_self/dec_cross) | total | BLEU pruned | BLEU from scratch |",
              "|---|---|---|---|"]
     for row in sweep_rows:

@@ -171,10 +171,8 @@ def _agreement(c: Collected) -> str:
     if spearman and a.get("reference"):
         n_heads = a.get("n_heads") or {}
         columns = list(n_heads) or sorted({col for row in spearman.values() for col in row})
-        rows = []
-        for method, row in spearman.items():
-            rows.append([escape(str(method))] + [_num(row.get(col) if isinstance(row, dict) else None)
-                                                 for col in columns])
+        rows = [[escape(str(method))] + [_num(row.get(col) if isinstance(row, dict) else None) for col in columns]
+                for method, row in spearman.items()]
         header = ["measure"] + [f"{col} ({n_heads[col]} heads)" if col in n_heads else col for col in columns]
         metric = f" ({a.get('metric')})" if a.get("metric") else ""
         html += (f'<p class="caption">Spearman rank correlation of each measure with {escape(str(a["reference"]))}'
