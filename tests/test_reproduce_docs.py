@@ -8,6 +8,8 @@ document; claims.json likewise. On a mismatch: `headlab reproduce --docs-only`.
 import json
 from pathlib import Path
 
+import pytest
+
 from headlab.reproduce import compute_claims, load_config, load_results, read_blocks, render_blocks
 from headlab.reproduce.render import vig_claim
 from headlab.reproduce.report import claims_json
@@ -15,15 +17,17 @@ from headlab.reproduce.report import claims_json
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _render():
+@pytest.fixture(scope="module")
+def rendered():
+    """(config, claims, blocks), rendered once for the module: the claims' bootstraps take seconds."""
     config = load_config(REPO / "experiments" / "reproduce.json", root=REPO)
     results = load_results(config)
     claims = compute_claims(results)
     return config, claims, render_blocks(config, claims, results)
 
 
-def test_document_matches_the_result_files():
-    config, _, blocks = _render()
+def test_document_matches_the_result_files(rendered):
+    config, _, blocks = rendered
     document = read_blocks((REPO / config.doc).read_text(encoding="utf-8"))
     assert set(document) == set(blocks), "generated blocks missing from or extra in docs/reproduction.md"
     for name, body in blocks.items():
@@ -31,14 +35,14 @@ def test_document_matches_the_result_files():
             f"docs/reproduction.md block {name!r} differs from the result files; run `headlab reproduce --docs-only`")
 
 
-def test_claims_json_matches_the_result_files():
-    config, claims, _ = _render()
+def test_claims_json_matches_the_result_files(rendered):
+    config, claims, _ = rendered
     path = REPO / config.results_dir / "claims.json"
     assert json.loads(path.read_text(encoding="utf-8")) == claims_json([*claims, vig_claim(config)[0]])
 
 
-def test_every_figure_the_document_shows_exists():
-    config, claims, _ = _render()
+def test_every_figure_the_document_shows_exists(rendered):
+    config, claims, _ = rendered
     for claim in claims:
         for model, name in claim.figures.items():
             assert (REPO / config.img_dir / f"reproduction-{model}-{name}.png").is_file(), (claim.key, model, name)
