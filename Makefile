@@ -20,12 +20,8 @@ venv: $(VENV)/.installed
 demo: venv
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headlab demo
 
-# Two pytest workers (pytest-xdist), one torch thread each: the 2-core machines run two test
-# modules at a time (whole modules, so a module's shared fixtures are built once).
-TEST_WORKERS ?= 2
-
 test: venv
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadscope
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples

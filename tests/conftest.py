@@ -26,12 +26,6 @@ INTEGRATION = {
 }
 """Test modules that run commands, pipelines or training end to end."""
 
-SLOWEST_FIRST = ["test_nmt_bundled", "test_reproduce", "test_analyze", "test_lm_bundled", "test_demo", "test_lm_train",
-                 "test_nmt_train", "test_pruning_train"]
-"""The modules that take longest (most to least), run first: under ``pytest -n 2 --dist loadscope``
-(``make test``) each module goes to one worker, so a long one started last would leave the other
-worker idle at the end. Order only; nothing is skipped."""
-
 
 def pytest_collection_modifyitems(items):
     def module(item):  # "tests.test_x" (tests/ is a package) -> "test_x"
@@ -39,8 +33,6 @@ def pytest_collection_modifyitems(items):
 
     for item in items:
         item.add_marker("integration" if module(item) in INTEGRATION else "unit")
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
