@@ -1,0 +1,40 @@
+#!/bin/bash
+# Converge a bundled translation model (issue 12), resumable: rerun the same command and it
+# continues from runs/<model>/last. MAX_TIME (minutes, default 70) bounds one run; the patience
+# rule (3 epochs without a 0.1 BLEU gain on the validation set) ends the training.
+#
+#   experiments/train_translation.sh multi30k-en-de    # Multi30k EN-DE, the bundled card's recipe
+#   experiments/train_translation.sh multi30k-en-fr
+#   experiments/train_translation.sh news-en-de        # Multi30k + WMT news-train + Tatoeba, newstest2020
+#
+# Every epoch's weights stay in runs/<model>/epochs/ for the specialisation curve.
+set -euo pipefail
+MODEL=${1:?usage: experiments/train_translation.sh multi30k-en-de|multi30k-en-fr|news-en-de}
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+HEADLAB="${HEADLAB:-headlab}"
+if ! command -v "$HEADLAB" >/dev/null 2>&1 && [ -x .venv/bin/headlab ]; then HEADLAB=.venv/bin/headlab; fi
+SHARED=${SHARED:-../shared/data/wmt-news-en-de}
+COMMON=(--vocab-size 8000 --d-model 256 --ffn 1024 --layers 6 --heads 8 --label-smoothing 0.1
+        --mixed-precision bf16 --epochs 100 --patience 3 --min-improvement 0.1 --save-every 100
+        --max-time "${MAX_TIME:-70}" --seed 1 --threads 1 --resume --no-progress)
+case $MODEL in
+  multi30k-en-de|multi30k-en-fr)
+    TGT=${MODEL#multi30k-en-}
+    exec "$HEADLAB" nmt train --train-src data/multi30k/train.en.gz --train-tgt "data/multi30k/train.$TGT.gz" \
+      --valid-src data/multi30k/val.en.gz --valid-tgt "data/multi30k/val.$TGT.gz" --out "runs/$MODEL" \
+      --max-tokens 2048 --lr 7e-4 --warmup-steps 400 "${COMMON[@]}" ;;
+  news-en-de)
+    DATA=runs/news-en-de-data
+    if [ ! -f $DATA/train.de.gz ]; then  # 77,311 pairs: Multi30k train, WMT news-train, Tatoeba
+      mkdir -p $DATA
+      for L in en de; do
+        zcat data/multi30k/train.$L.gz "$SHARED/news-train.$L.gz" "$SHARED/tatoeba.$L.gz" | gzip > $DATA/train.$L.gz.tmp
+        mv $DATA/train.$L.gz.tmp $DATA/train.$L.gz
+      done
+    fi
+    exec "$HEADLAB" nmt train --train-src $DATA/train.en.gz --train-tgt $DATA/train.de.gz \
+      --valid-src "$SHARED/newstest2020.en.gz" --valid-tgt "$SHARED/newstest2020.de.gz" --out runs/news-en-de \
+      --max-tokens 4096 --lr 7e-4 --warmup-steps 1000 "${COMMON[@]}" ;;
+  *) echo "unknown model $MODEL" >&2; exit 2 ;;
+esac
