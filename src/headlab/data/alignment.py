@@ -38,7 +38,6 @@ __all__ = [
     "word_attention",
 ]
 
-SPACINGS = ("words", "text")
 POOLINGS = ("sum", "first", "max")
 """Subword-to-word mappings: ``sum`` (to a word: sum over its subwords; from a word: their mean),
 ``first`` (a word is its first subword), ``max`` (the largest weight over the subwords)."""
@@ -500,10 +499,6 @@ class AttentionView:
         else:
             self.__dict__["words"] = words
             self.word_start, self.word_stop = word_start, word_start + words.shape[2]
-
-    @property
-    def n_word_rows(self) -> int:
-        return self.word_stop - self.word_start
 
     @cached_property
     def token_to_words(self) -> torch.Tensor:

@@ -185,11 +185,6 @@ class RareTokenResult:
         """Mean over eligible sentences of the share of their queries whose maximum lands on the rarest token."""
         return self._per_sentence(1, "rare_token_rarest_per_sentence")
 
-    @property
-    def two_rarest_per_sentence(self) -> HeadScores:
-        """The same for one of the two rarest tokens."""
-        return self._per_sentence(3, "rare_token_two_rarest_per_sentence")
-
     def per_sentence_json(self) -> dict:
         """``{"kind:layer": {"sentences", "query_tokens", "rarest_mean", "rarest_sd", "two_rarest_mean",
         "two_rarest_sd"}}``: per head, the eligible sentences and query tokens counted, and the mean
