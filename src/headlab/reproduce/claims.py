@@ -356,9 +356,12 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
     relevant = Check("positional heads among the two most relevant (LRP) of their layer",
                      f"positional heads are among the most relevant of their layer (Sec. 5.1; {WORDS})",
                      criterion="holds if every positional head is first or second by LRP in its layer")
-    confident = Check("confidence of the positional heads", "> 0.8 for every positional head, every language pair "
-                      "(Sec. 5.1)", criterion="holds if every positional head has "
-                                                                                  "confidence > 0.8")
+    confident = Check("confidence of the positional heads", "> 0.8 for every positional head, every language pair (Sec. 5.1)",
+                      criterion="holds if every positional head has confidence > 0.8")
+    interior = Check("sensitivity: the best head's positional share over words with both neighbours, against all "
+                     "words (UD EWT dev; Multi30k val parsed)", "-")
+    pooled = Check("sensitivity: the best head's positional share (words, UD EWT dev) under each subword-to-word "
+                   "mapping: " + " / ".join(POOLING_NAMES.values()), "-")
     for name, r in results.items():
         share, offset, where = _positional(r)
         if share is None or _argmax(share) is None:
@@ -396,11 +399,6 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
         else:
             ewt.cells[name] = Cell(f"words: {(np.nan_to_num(word) >= POSITIONAL).sum()} (max {_pct(np.nanmax(word))}); "
                                    f"tokens: {(np.nan_to_num(token) >= POSITIONAL).sum()} (max {_pct(np.nanmax(token))})")
-    interior = Check("sensitivity: the best head's positional share over words with both neighbours, against all "
-                     "words (UD EWT dev; Multi30k val parsed)", "-")
-    pooled = Check("sensitivity: the best head's positional share (words, UD EWT dev) under each subword-to-word "
-                   "mapping: " + " / ".join(POOLING_NAMES.values()), "-")
-    for name, r in results.items():
         parts = []
         for text, run in (("EWT", "functions"), ("val", PARSED)):
             every, inner = r.functions_scores("positional_share", run), r.functions_scores("interior_share", run)
@@ -503,19 +501,17 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
     best = Check("largest margin of a head over the baseline (points): EWT gold / validation text parsed",
                  f"WMT: {numbers['WMT'][0] - numbers['WMT'][1]:+d} points ({rel} {label}, "
                  f"{numbers['WMT'][0]} vs {numbers['WMT'][1]})")
+    pooled = Check("sensitivity: the EWT gold-tree count and largest margin under each subword-to-word mapping: "
+                   + " / ".join(POOLING_NAMES.values()), "-")
     for name, r in results.items():
         table, table_parsed = r.functions_json("table1"), r.functions_json("table1", PARSED)
         margins = []
-        if table is None:
-            check.cells[name] = _missing("functions/table1.json", "functions")
-        else:
-            check.cells[name], margin = _table1_cells(table)
-            margins.append(margin.value if margin else "-")
-        if table_parsed is None:
-            parsed.cells[name] = _missing("functions-parsed/table1.json", "functions-parsed")
-        else:
-            parsed.cells[name], margin = _table1_cells(table_parsed)
-            margins.append(margin.value if margin else "-")
+        for count_check, data, run in ((check, table, "functions"), (parsed, table_parsed, PARSED)):
+            if data is None:
+                count_check.cells[name] = _missing(f"{run}/table1.json", run)
+            else:
+                count_check.cells[name], margin = _table1_cells(data)
+                margins.append(margin.value if margin else "-")
         best.cells[name] = Cell(" / ".join(margins)) if margins else _missing("functions/table1.json", "functions")
         lines: list[str] = []
         if table is not None:
@@ -528,10 +524,6 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                 f"Multi30k val{f' ({n:,} sentences)' if n else ''}, parsed by {parser}:", ""] + _table1_lines(table_parsed)
         if lines:
             c.details[name] = lines
-    pooled = Check("sensitivity: the EWT gold-tree count and largest margin under each subword-to-word mapping: "
-                   + " / ".join(POOLING_NAMES.values()), "-")
-    for name, r in results.items():
-        table = r.functions_json("table1")
         if table is None or not _poolings(r):
             pooled.cells[name] = _missing("functions-first/table1.json", "pooling")
             continue
