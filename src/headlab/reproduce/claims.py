@@ -113,6 +113,12 @@ def _missing(what: str, stage: str) -> Cell:
     return Cell("", f"not run: no {what} yet (stage `{stage}`)")
 
 
+def _fill(checks, name: str, cell: Cell) -> None:
+    """Give model ``name`` the same cell in every check (a missing input, an untestable premise)."""
+    for check in checks:
+        check.cells[name] = cell
+
+
 def _enc(scores: HeadScores | None) -> np.ndarray | None:
     return None if scores is None or "enc_self" not in scores.scores else np.asarray(scores["enc_self"], dtype=float)
 
@@ -271,8 +277,7 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
     for name, r in results.items():
         history = r.train_history
         if not history:
-            for check in (updates, batch, seen):
-                check.cells[name] = Cell("no train_history.json in the model directory")
+            _fill((updates, batch, seen), name, Cell("no train_history.json in the model directory"))
         else:
             last = history[-1]
             tokens = [e["tokens_per_s"] * e["epoch_minutes"] * 60 for e in history]
@@ -312,8 +317,7 @@ def claim_sec4(results: dict[str, ModelResults]) -> Claim:
     for name, r in results.items():
         lrp, conf = r.importance("lrp"), r.importance("confidence")
         if lrp is None or conf is None:
-            for check in (top, agree, first):
-                check.cells[name] = _missing("importance/lrp.json or confidence.json", "importance")
+            _fill((top, agree, first), name, _missing("importance/lrp.json or confidence.json", "importance"))
             continue
         enc_lrp, enc_conf = _enc(lrp), _enc(conf)
         n_heads = enc_lrp.shape[1]
@@ -558,13 +562,11 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
     for name, r in results.items():
         rarest, two = _enc(r.functions_scores("rare_rarest")), _enc(r.functions_scores("rare_two_rarest"))
         if rarest is None or two is None:
-            for check in (where, relevant, pct, layer0):
-                check.cells[name] = _missing("functions/rare_rarest.json", "functions")
+            _fill((where, relevant, pct, layer0), name, _missing("functions/rare_rarest.json", "functions"))
             continue
         if _argmax(rarest) is None:
-            for check in (where, relevant, pct, layer0):
-                check.cells[name] = Cell("no sentence has its rarest token outside the most frequent ones",
-                                         "not testable: no qualifying sentence")
+            _fill((where, relevant, pct, layer0), name, Cell("no sentence has its rarest token outside the most frequent ones",
+                                                             "not testable: no qualifying sentence"))
             continue
         l, h = _argmax(rarest)
         rl, rh = _rival(rarest, l)
@@ -716,9 +718,7 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
         sweep = r.sweep("enc")
         rows = [row for row in _rows(sweep) if row["bleu"] is not None]
         if sweep["full"] is None or not rows:
-            cell = _missing("prune/enc points", "prune-enc")
-            for check in (full, footnote, *needed.values()):
-                check.cells[name] = cell
+            _fill((full, footnote, *needed.values()), name, _missing("prune/enc points", "prune-enc"))
             continue
         reference = sweep["full"]["metrics"]["bleu"]
         refs, hyps = r.references, r.hypotheses("full")
@@ -855,8 +855,7 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
         sweep = r.sweep("all")
         rows = [row for row in _rows(sweep) if row["bleu"] is not None]
         if sweep["full"] is None or not rows:
-            for check in (table2, half, quiet, fig9):
-                check.cells[name] = _missing("prune/all points", "prune-all")
+            _fill((table2, half, quiet, fig9), name, _missing("prune/all points", "prune-all"))
             continue
         reference = sweep["full"]["metrics"]["bleu"]
         deltas = {row["point"]: _delta(r, "all", row, reference) for row in rows}
