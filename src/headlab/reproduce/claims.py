@@ -744,10 +744,8 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
             others = [f"{means[label][row['enc_self']]:.2f}" if row["enc_self"] in means[label] else ""
                       for label in means]
             x = deltas[row["point"]]
-            lines.append(f"| {row['point']} | {_method(row)} | {row['step']} | "
-                         f"{_pct(row['polarized'])} | {row['enc_self']} | {_f(row['bleu'])} | "
-                         f"{_interval(x)} | {_f(x.get('p'), 3) if x['kind'] == 'paired' else ''} | " +
-                         " | ".join(others) + " |")
+            lines.append(f"{_point_cells(row)} {row['enc_self']} | {_f(row['bleu'])} | {_interval(x)} | "
+                         f"{_f(x.get('p'), 3) if x['kind'] == 'paired' else ''} | " + " | ".join(others) + " |")
         c.details[name] = lines
         c.figures[name] = "fig7"
     c.checks = [full, *needed.values(), footnote]
@@ -763,6 +761,11 @@ def _method(row: dict) -> str:
     if row.get("keep") is not None:
         return f"budget {row['keep']} (Lagrangian)"
     return f"fixed lambda {row['lam']}"
+
+
+def _point_cells(row: dict) -> str:
+    """A sweep point's first cells in a details table: point, method, updates, gates polarised."""
+    return f"| {row['point']} | {_method(row)} | {row['step']} | {_pct(row['polarized'])} |"
 
 
 def claim_sec622(results: dict[str, ModelResults]) -> Claim:
@@ -910,10 +913,8 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
                      f"{total} | {reference:.2f} | | |")
         for row in rows:
             s = scratch.get(row["heads"])
-            lines.append(f"| {row['point']} | {_method(row)} | {row['step']} | "
-                         f"{_pct(row['polarized'])} | {row['enc_self']} | {row['dec_self']} | "
-                         f"{row['dec_cross']} | {row['heads']} | {_f(row['bleu'])} | {_interval(deltas[row['point']])} | "
-                         f"{'' if s is None else f'{s:.2f}'} |")
+            lines.append(f"{_point_cells(row)} {row['enc_self']} | {row['dec_self']} | {row['dec_cross']} | {row['heads']} | "
+                         f"{_f(row['bleu'])} | {_interval(deltas[row['point']])} | {'' if s is None else f'{s:.2f}'} |")
         c.details[name] = lines
         c.figures[name] = "fig9"
     c.checks = [table2, half, quiet, fig9]
