@@ -975,11 +975,7 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
         enc_sweep, all_sweep = r.sweep("enc"), r.sweep("all")
         shape = _shape(r, "enc_self")
         enc_survival = _survival(enc_sweep, "enc_self", shape) if shape else None
-        all_survival = {}
-        for kind in KINDS:
-            kshape = _shape(r, kind)
-            if kshape:
-                all_survival[kind] = _survival(all_sweep, kind, kshape)
+        all_survival = {kind: _survival(all_sweep, kind, kind_shape) for kind in KINDS if (kind_shape := _shape(r, kind))}
         order_rho, all_rho = {}, {}
         for m in measures:
             s = scores[m]
