@@ -30,9 +30,8 @@ def plot_lrp_confidence(r: ModelResults, ax=None):
     lrp, conf = r.importance("lrp")["enc_self"], r.importance("confidence")["enc_self"]
     for layer in range(lrp.shape[0]):
         ax.scatter(conf[layer], lrp[layer], label=f"layer {layer + 1}", s=18)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("LRP relevance (normalised per layer)")
-    ax.set_title(f"Encoder heads: relevance against confidence ({r.name})")
+    ax.set(xlabel="confidence", ylabel="LRP relevance (normalised per layer)",
+           title=f"Encoder heads: relevance against confidence ({r.name})")
     ax.legend(fontsize=7)
     return ax
 
@@ -58,9 +57,7 @@ def plot_fig8(r: ModelResults, ax=None):
         values = [counts[f] for _, _, counts in points]
         ax.bar(labels, values, bottom=bottoms, label=f)
         bottoms += np.array(values)
-    ax.set_xlabel("encoder heads kept (sweep point)")
-    ax.set_ylabel("heads")
-    ax.set_title(f"Functions of the retained encoder heads ({r.name})")
+    ax.set(xlabel="encoder heads kept (sweep point)", ylabel="heads", title=f"Functions of the retained encoder heads ({r.name})")
     ax.legend(fontsize=8)
     return ax
 
@@ -84,9 +81,7 @@ def plot_fig10(r: ModelResults, ax=None):
         mask = kept_mask(point, kind, _shape(r, kind))
         layers = np.arange(1, mask.shape[0] + 1)
         ax.bar(layers + (i - 0.5) * width, mask.sum(axis=1), width, label=kind)
-    ax.set_xlabel("decoder layer")
-    ax.set_ylabel("heads kept")
-    ax.set_title(f"Decoder heads kept by layer at {rows[-1]['point']} ({r.name})")
+    ax.set(xlabel="decoder layer", ylabel="heads kept", title=f"Decoder heads kept by layer at {rows[-1]['point']} ({r.name})")
     ax.legend(fontsize=8)
     return ax
 
@@ -104,9 +99,7 @@ def plot_specialisation(r: ModelResults, ax=None):
     ax.plot(xs, get("confidence", "mean"), "^--", label="confidence, mean")
     ax.axhline(POSITIONAL, color="gray", linestyle=":", label="90% positional threshold")
     ax.set_xticks(xs, labels)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("epoch (checkpoint)")
-    ax.set_title(f"Encoder heads over training ({r.name})")
+    ax.set(ylim=(0, 1), xlabel="epoch (checkpoint)", title=f"Encoder heads over training ({r.name})")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return ax
 
