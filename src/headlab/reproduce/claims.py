@@ -113,7 +113,7 @@ def _missing(what: str, stage: str) -> Cell:
     return Cell("", f"not run: no {what} yet (stage `{stage}`)")
 
 
-def _fill(checks, name: str, cell: Cell) -> None:
+def _fill(checks: tuple[Check, ...], name: str, cell: Cell) -> None:
     """Give model ``name`` the same cell in every check (a missing input, an untestable premise)."""
     for check in checks:
         check.cells[name] = cell
