@@ -163,23 +163,23 @@ def _positional_tokens(r: ModelResults) -> int:
     return int(p.get("n_tokens") or 0) if p else 0
 
 
-def _syntactic_heads(r: ModelResults) -> np.ndarray | None:
-    margin = _enc(r.functions_scores("syntactic_margin"))
-    return None if margin is None else np.nan_to_num(margin, nan=-1) >= SYNTACTIC - 1e-12
+def _function_scores(r: ModelResults) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Per encoder head: the in-domain positional share, the syntactic margin, the rare-token share."""
+    share, _, _ = _positional(r)
+    return share, _enc(r.functions_scores("syntactic_margin")), _enc(r.functions_scores("rare_rarest"))
 
 
 def _function_masks(r: ModelResults) -> dict[str, np.ndarray] | None:
     """Boolean encoder masks per function (paper thresholds): positional, syntactic, rare."""
-    share, _, _ = _positional(r)
-    syn = _syntactic_heads(r)
-    rarest = _enc(r.functions_scores("rare_rarest"))
-    if share is None or syn is None or rarest is None:
+    share, margin, rarest = _function_scores(r)
+    if share is None or margin is None or rarest is None:
         return None
     rare_mask = np.zeros(share.shape, dtype=bool)
     rare = _argmax(rarest)
     if rare is not None:  # None: no sentence qualified for the rare-token test
         rare_mask[rare] = True
-    return {"positional": np.nan_to_num(share) >= POSITIONAL, "syntactic": syn, "rare": rare_mask}
+    return {"positional": np.nan_to_num(share) >= POSITIONAL, "syntactic": np.nan_to_num(margin, nan=-1) >= SYNTACTIC - 1e-12,
+            "rare": rare_mask}
 
 
 # ----------------------------------------------------------------------------- sweeps
@@ -802,9 +802,7 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
             a, b = survival[special].mean(), survival[~special].mean()
             last.cells[name] = Cell(f"specialised {_pct(a)} vs others {_pct(b)} ({int(special.sum())} heads)",
                                     "holds" if a > b else "does not hold")
-        share, _, _ = _positional(r)
-        margin = _enc(r.functions_scores("syntactic_margin"))
-        rarest = _enc(r.functions_scores("rare_rarest"))
+        share, margin, rarest = _function_scores(r)
         sens.cells[name] = Cell(" / ".join("{:+.2f} [{:+.2f}, {:+.2f}]".format(*spearman_interval(survival, x))
                                            for x in (share, margin, rarest)))
         lines = ["| point | encoder heads kept | positional | syntactic | rare-token | other |",
