@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import HeadScores
-from headlab.reproduce.claims import Cell, Check, Claim, _pct
+from headlab.reproduce.claims import Cell, Check, Claim, _fill, _pct
 from headlab.reproduce.significance import spearman_interval
 
 __all__ = ["FILES", "vig_models", "claim_vig", "VIG_DIR"]
@@ -104,8 +104,7 @@ def claim_vig(directories: dict[str, Path]) -> Claim:
     for name, directory in directories.items():
         dist, align = _scores(directory, "mean_distance"), _scores(directory, "dependency_alignment")
         if dist is None or align is None:
-            for check in (distance, peak, inverse):
-                check.cells[name] = Cell("", "not run: no mean_distance.json or dependency_alignment.json")
+            _fill((distance, peak, inverse), name, Cell("", "not run: no mean_distance.json or dependency_alignment.json"))
         else:
             means = np.nanmean(dist, axis=1)
             rho, low, high = spearman_interval(_layers(dist), dist)
