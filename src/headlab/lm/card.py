@@ -8,8 +8,9 @@ the card's numbers are never typed by hand; tests/test_lm_bundled.py re-renders 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from headlab.nmt.card import render_blocks
 
 __all__ = ["render_card_blocks", "CARD_BLOCKS"]
 
@@ -52,12 +53,5 @@ def _specialisation(spec: dict) -> str:
 
 def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
     """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    model_dir = Path(model_dir)
-    blocks = {}
-    sources = {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores),
-               "specialisation": ("specialisation.json", _specialisation)}
-    for name, (file, render) in sources.items():
-        path = model_dir / file
-        if path.is_file():
-            blocks[name] = render(json.loads(path.read_text(encoding="utf-8")))
-    return blocks
+    return render_blocks(model_dir, {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores),
+                                     "specialisation": ("specialisation.json", _specialisation)})

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["render_card_blocks", "CARD_BLOCKS"]
+__all__ = ["render_card_blocks", "render_blocks", "CARD_BLOCKS"]
 
 CARD_BLOCKS = ("curve", "scores")
 
@@ -37,13 +38,16 @@ def _scores(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
-    """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    model_dir = Path(model_dir)
+def render_blocks(model_dir: str | Path, sources: dict[str, tuple[str, Callable[[Any], str]]]) -> dict[str, str]:
+    """``{block name: markdown}``: each source ``(result file, renderer)`` whose file is in ``model_dir``."""
     blocks = {}
-    sources = {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores)}
     for name, (file, render) in sources.items():
-        path = model_dir / file
+        path = Path(model_dir) / file
         if path.is_file():
             blocks[name] = render(json.loads(path.read_text(encoding="utf-8")))
     return blocks
+
+
+def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
+    """``{block name: markdown}`` for the result files present in ``model_dir``."""
+    return render_blocks(model_dir, {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores)})
