@@ -76,6 +76,13 @@ def _data(ctx: Context, split: str) -> tuple[str, str]:
     return _p(ctx, c.data_file(split, m.src)), _p(ctx, c.data_file(split, m.tgt))
 
 
+def _prune_data(ctx: Context) -> list[str]:
+    """The data options of ``headlab prune``: train on the train split, evaluate on ``prune.eval_split``."""
+    train_src, train_tgt = _data(ctx, "train")
+    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
+    return ["--train-src", train_src, "--train-tgt", train_tgt, "--valid-src", test_src, "--valid-tgt", test_tgt]
+
+
 def _require_model(ctx: Context) -> str:
     path = ctx.config.path(ctx.model.path)
     if not ctx.dry_run and not (path / "config.json").is_file():
@@ -92,15 +99,24 @@ def importance_commands(ctx: Context) -> list[list[str]]:
     return [argv + flags(options) + _threads(ctx)]
 
 
+def _functions_argv(ctx: Context, model: str, conllu: Path, stage_dir: str, *extra: str,
+                    drop: tuple[str, ...] = ()) -> list[str]:
+    """``headlab functions`` on ``conllu`` into the model's ``stage_dir``, with the config's
+    functions options (less ``conllu`` and ``drop``); ``extra`` goes before ``--no-progress``."""
+    options = {k: v for k, v in ctx.config.functions.items() if k not in ("conllu", *drop)}
+    out = ctx.config.work(ctx.model, stage_dir)
+    argv = ["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), *extra, "--no-progress"]
+    return argv + flags(options) + _threads(ctx)
+
+
+def _ewt_dev(ctx: Context) -> Path:
+    return ctx.config.path(ctx.config.functions.get("conllu", "data/ud-english-ewt/en_ewt-ud-dev.conllu"))
+
+
 def functions_commands(ctx: Context) -> list[list[str]]:
-    options = dict(ctx.config.functions)
     model = _require_model(ctx)
-    conllu = ctx.config.path(options.pop("conllu", "data/ud-english-ewt/en_ewt-ud-dev.conllu"))
     train_src, _ = _data(ctx, "train")
-    out = ctx.config.work(ctx.model, "functions")
-    argv = ["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--train-text", train_src,
-            "--no-progress"]
-    return [argv + flags(options) + _threads(ctx)]
+    return [_functions_argv(ctx, model, _ewt_dev(ctx), "functions", "--train-text", train_src)]
 
 
 def parsed_commands(ctx: Context) -> list[list[str]]:
@@ -117,29 +133,18 @@ def parsed_commands(ctx: Context) -> list[list[str]]:
     text, _ = _data(ctx, split)
     conllu = ctx.config.work(ctx.model, "parsed", f"{split}.{ctx.model.src}.conllu")
     parse = ["parse", "--model", _p(ctx, parser), "--input", text, "--out", _p(ctx, conllu), "--no-progress"]
-    options = dict(ctx.config.functions)
-    options.pop("conllu", None)
     train_src, _ = _data(ctx, "train")
-    out = ctx.config.work(ctx.model, "functions-parsed")
-    functions = ["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--train-text", train_src,
-                 "--no-progress"]
-    return [parse, functions + flags(options) + _threads(ctx)]
+    return [parse, _functions_argv(ctx, model, conllu, "functions-parsed", "--train-text", train_src)]
 
 
 def pooling_commands(ctx: Context) -> list[list[str]]:
     """The functions pass on UD EWT dev again under each other subword-to-word mapping (``pooling``)."""
     if not ctx.config.pooling:
         raise SkipStage("the config lists no other word pooling (pooling: [\"first\", \"max\"])")
-    options = dict(ctx.config.functions)
-    conllu = ctx.config.path(options.pop("conllu", "data/ud-english-ewt/en_ewt-ud-dev.conllu"))
-    options.pop("sensitivity", None)
     model = _require_model(ctx)
-    commands = []
-    for pooling in ctx.config.pooling:
-        out = ctx.config.work(ctx.model, f"functions-{pooling}")
-        commands.append(["functions", model, "--conllu", _p(ctx, conllu), "--out", _p(ctx, out), "--word-pooling", pooling,
-                         "--no-figures", "--no-progress"] + flags(options) + _threads(ctx))
-    return commands
+    return [_functions_argv(ctx, model, _ewt_dev(ctx), f"functions-{pooling}", "--word-pooling", pooling,
+                            "--no-figures", drop=("sensitivity",))
+            for pooling in ctx.config.pooling]
 
 
 def _sweep_dir(ctx: Context, sweep: str) -> Path:
@@ -178,18 +183,13 @@ def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
     if not spec:
         raise SkipStage(f"the config has no prune.{sweep} sweep")
     spec = {**spec, **ctx.model.prune.get(sweep, {})}
-    model = _require_model(ctx)
-    train_src, train_tgt = _data(ctx, "train")
-    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
-    out = _sweep_dir(ctx, sweep)
-    argv = ["prune", "sweep", model, "--train-src", train_src, "--train-tgt", train_tgt,
-            "--valid-src", test_src, "--valid-tgt", test_tgt, "--gates", spec["gates"]]
+    argv = ["prune", "sweep", _require_model(ctx), *_prune_data(ctx), "--gates", spec["gates"]]
     argv += flags(ctx.config.prune.get("options", {})) + _threads(ctx)
     if spec.get("keeps"):
         argv += ["--keeps", ",".join(str(k) for k in spec["keeps"])]
     if spec.get("lams"):
         argv += ["--lams", ",".join(f"{lam:g}" for lam in spec["lams"])]
-    argv += ["--no-progress", "--out", _p(ctx, out)]
+    argv += ["--no-progress", "--out", _p(ctx, _sweep_dir(ctx, sweep))]
     return [argv]
 
 
@@ -229,16 +229,13 @@ def baselines_commands(ctx: Context) -> list[list[str]]:
     keeps = baseline_keeps(ctx)
     if not keeps:
         raise SkipStage("no head counts: baselines.keeps is empty and the encoder sweep has no finished point")
-    train_src, train_tgt = _data(ctx, "train")
-    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
     commands = []
     for name, options in methods.items():
         options = dict(options)
         method = options.pop("method", name)
         # A costly method (fine-tuning) may run at fewer head counts than the others.
         method_keeps = [int(k) for k in options.pop("keeps", keeps)]
-        argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
-                "--valid-src", test_src, "--valid-tgt", test_tgt]
+        argv = ["prune", "baseline", model, *_prune_data(ctx)]
         if method in tables() and method not in MEASURES[REFERENCE].tables:  # keep the best heads of a measure
             scores = ctx.config.work(ctx.model, "importance", f"{method}.json")
             if not scores.is_file() and not ctx.dry_run:
@@ -259,16 +256,13 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
         raise SkipStage("disabled in the config (scratch.enabled: false); each point costs a full training")
     model = _require_model(ctx)
     points = finished_points(_points_dir(ctx, "all"))
-    train_src, train_tgt = _data(ctx, "train")
-    test_src, test_tgt = _data(ctx, ctx.config.prune.get("eval_split", "test"))
     commands = []
     for name in cfg.get("points", []):
         if name not in points:
             raise SkipStage(f"all-kinds point {name} has not finished (no result.json)")
         total = sum(points[name]["heads_kept"].values())
         gates = _sweep_dir(ctx, "all") / name / "gates.json"
-        argv = ["prune", "baseline", model, "--train-src", train_src, "--train-tgt", train_tgt,
-                "--valid-src", test_src, "--valid-tgt", test_tgt, "--method", "scores", "--scores", _p(ctx, gates),
+        argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
                 "--kinds", "all", "--keeps", str(total), "--from-scratch"]
         argv += flags(cfg.get("options", {})) + _threads(ctx)
         argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch"))]
