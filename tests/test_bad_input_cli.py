@@ -336,29 +336,32 @@ def test_prune_train_refuses_bad_input_and_a_directory_in_use(inputs, tmp_path, 
     assert files_under(busy) == before
 
 
-def test_prune_train_lock_is_held_by_the_main_process_only(inputs, tmp_path, monkeypatch, sleeper):
-    """Under accelerate launch every rank runs the command on the same --out: rank 0 holds the lock."""
+@pytest.mark.parametrize("command, runner", [("train", "headlab.pruning.train.prune_train"),
+                                             ("sweep", "headlab.pruning.sweep.run_sweep")])
+def test_prune_lock_is_held_by_the_main_process_only(command, runner, inputs, tmp_path, monkeypatch, sleeper):
+    """Under accelerate launch every rank runs the command on the same --out: rank 0 holds the lock.
+    Regression: prune sweep took a plain lock in every rank (rank 1 refused rank 0's directory)."""
     import headlab.pruning.cli
-    import headlab.pruning.train
 
     out = tmp_path / "o"
     held = []
 
-    def prune_train(*args, **kwargs):
+    def run(*args, **kwargs):
         held.append((out / LOCK_FILE).is_file())
         raise KeyboardInterrupt
 
     monkeypatch.setattr(headlab.pruning.cli, "_load", lambda args: (None, None))
     monkeypatch.setattr(headlab.pruning.cli, "_data", lambda args, tokenizer, model: (None, None))
-    monkeypatch.setattr(headlab.pruning.train, "prune_train", prune_train)
+    monkeypatch.setattr(runner, run)
     src = str(inputs / "src.txt")
-    args = ["prune", "train", str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--out", str(out)]
+    args = ["prune", command, str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--out", str(out)]
+    args += ["--keeps", "2"] if command == "sweep" else []
     assert main(args) == 130 and held == [True]
     assert not (out / LOCK_FILE).exists()  # released
+    assert not out.exists()  # nothing written: the directory the run created for its lock is gone again
     _hold(out, sleeper.pid)  # rank 0 of a launch holds it
     monkeypatch.setenv("RANK", "1")
     assert main(args) == 130 and held == [True, True]
-
 
 # ----------------------------------------------------------------------------- reproduce
 

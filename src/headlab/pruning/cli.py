@@ -218,7 +218,7 @@ def run_train(args) -> int:
 
 
 def run_sweep_command(args) -> int:
-    from headlab.lock import DirectoryLock
+    from headlab.lock import training_lock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
     points = sweep_points(numbers(args.lams, float) if args.lams else (), numbers(args.keeps) if args.keeps else ())
@@ -226,8 +226,7 @@ def run_sweep_command(args) -> int:
     config = _config(args, args.out)
     _check_inputs(args)
     set_threads(args.threads)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with DirectoryLock(args.out, "--out"):  # a second sweep on the same directory refuses
+    with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
         model, tokenizer = _load(args)
         train_data, eval_data = _data(args, tokenizer, model)
         del model
