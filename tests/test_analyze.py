@@ -139,6 +139,28 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     assert signature["targets_per_sentence"] == 2 and signature["target_sample"]["seed"] == 1
 
 
+def test_functions_counted_on_source_by_another_rule_run_again(full_run, inputs, tmp_path, monkeypatch):
+    """Regression: a classifier's rare-token counts on --source changed (its TSV's text columns
+    only) but the functions key did not, so an older run kept its stale counts until --force."""
+    from headlab.analyze import pipeline
+
+    out = tmp_path / "copy"
+    shutil.copytree(full_run, out)
+    calls = []
+    for name, runner in list(pipeline.RUNNERS.items()):
+        monkeypatch.setitem(pipeline.RUNNERS, name, lambda ctx, name=name, runner=runner: (calls.append(name), runner(ctx))[1])
+    monkeypatch.setattr(pipeline, "SOURCE_COUNTING", pipeline.SOURCE_COUNTING - 1)  # the rule of the older run
+    args = _args(inputs, out, "--target", str(inputs / "ref.de"), "--conllu", str(inputs / "tb.conllu"),
+                 "--prune", "--ablation", "--skip", "figures", "report")
+    assert main(args) == 0
+    assert calls == ["functions", "table"]
+    # Counted on --train-text, the rule of --source does not matter.
+    assert main([*args, "--train-text", str(inputs / "src.en")]) == 0
+    calls.clear()
+    monkeypatch.setattr(pipeline, "SOURCE_COUNTING", pipeline.SOURCE_COUNTING + 1)
+    assert main([*args, "--train-text", str(inputs / "src.en")]) == 0
+    assert calls == []
+
 def test_stages_that_cannot_run_are_skipped_with_a_reason(inputs, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(_args(inputs, out, "--prune", "--skip", "gradient", "figures")) == 0

@@ -61,6 +61,9 @@ STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prun
 KEY_FILE = ".headlab-key"
 # Stages whose batches are split over the processes of a sharded run; the others run in the main one.
 SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
+# How the functions stage counts token frequencies on --source, part of its key: 2 since a
+# classifier's labelled TSV is counted by its text columns only (its labels were counted before).
+SOURCE_COUNTING = 2
 
 
 @dataclass
@@ -334,6 +337,8 @@ class _Context:
                        "max_length": c.max_length, "batch_size": c.batch_size}
             if name == "functions":
                 payload["frequencies"] = [self.fingerprint(p) for p in (c.train_text or (c.source,))]
+                if not c.train_text:
+                    payload["source_counting"] = SOURCE_COUNTING
         elif name == "prune":
             payload = {**common, **text, "prune_source": self.fingerprint(c.prune_source),
                        "prune_target": self.fingerprint(c.prune_target), "prune_limit": c.prune_limit,
