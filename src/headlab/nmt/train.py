@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,8 @@ __all__ = [
     "EncodedCorpus",
     "encode_corpus",
     "collate",
+    "collate_for",
+    "scoring_batches",
     "label_smoothed_loss",
     "inverse_sqrt_lr",
     "train",
@@ -131,6 +133,26 @@ def collate(corpus: EncodedCorpus, indices: Sequence[int], pad_id: int, decoder_
         "decoder_input_ids": decoder_input_ids,
         "labels": labels,
     }
+
+
+def collate_for(model, tokenizer) -> Callable[[EncodedCorpus, Sequence[int]], dict]:
+    """:func:`collate` with the tokenizer's padding and the model's decoder start (``<pad>`` when
+    the model names none)."""
+    pad_id = tokenizer.pad_token_id
+    start = getattr(model.config, "decoder_start_token_id", None)
+    start = pad_id if start is None else start
+    return lambda corpus, indices: collate(corpus, indices, pad_id, start)
+
+
+def scoring_batches(model, tokenizer, data, batch_tokens: int) -> Iterator[dict]:
+    """``data`` (parallel text or an :class:`EncodedCorpus`) in batches of ``batch_tokens`` target
+    tokens in a fixed order, collated onto the model's device: for scoring, not for training."""
+    if not isinstance(data, EncodedCorpus):
+        data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
+    collate_fn = collate_for(model, tokenizer)
+    device = next(model.parameters()).device
+    for indices in make_batches(data, batch_tokens, seed=0, epoch=0):
+        yield {k: v.to(device) for k, v in collate_fn(data, indices).items()}
 
 
 # ----------------------------------------------------------------------------- loss, schedule
@@ -356,10 +378,7 @@ def train(
             log(f"{train_data.n_truncated} training sequences cut to the model's "
                 f"{model.config.max_position_embeddings} positions")
     if collate_fn is None:
-        pad_id = tokenizer.pad_token_id
-        decoder_start_id = getattr(model.config, "decoder_start_token_id", None)
-        decoder_start_id = pad_id if decoder_start_id is None else decoder_start_id
-        collate_fn = lambda corpus, indices: collate(corpus, indices, pad_id, decoder_start_id)  # noqa: E731
+        collate_fn = collate_for(model, tokenizer)
 
     params = _select_trainable(model, trainable)
     if optimizer_factory is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -27,12 +28,11 @@ import numpy as np
 import torch
 
 from headlab.adapters import attention_blocks
-from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
 from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
-from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, encode_corpus, train
+from headlab.nmt.train import TrainConfig, scoring_batches, train
 from headlab.pruning.config import BaselineConfig
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
@@ -77,20 +77,10 @@ def gradient_importance(model, tokenizer, data, kinds=("enc_self",), removed: Sp
 
     :func:`headlab.importance.gradient.gate_gradients` on the training batches (token budget,
     the loss against the reference) instead of the importance data."""
-    if not isinstance(data, EncodedCorpus):
-        data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
-    pad_id = tokenizer.pad_token_id
-    start = getattr(model.config, "decoder_start_token_id", None)
-    start = pad_id if start is None else start
-    device = next(model.parameters()).device
-
-    def batches():
-        for indices in make_batches(data, batch_tokens, seed=0, epoch=0)[:max_batches]:
-            batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
-            yield {k: batch[k] for k in ("input_ids", "attention_mask", "decoder_input_ids")}, batch["labels"]
-
+    batches = (({k: b[k] for k in ("input_ids", "attention_mask", "decoder_input_ids")}, b["labels"])
+               for b in islice(scoring_batches(model, tokenizer, data, batch_tokens), max_batches))
     removed = removed or {}
-    scores, n_sentences, _ = gate_gradients(model, batches(), describe_model(model, tokenizer), kinds=tuple(kinds),
+    scores, n_sentences, _ = gate_gradients(model, batches, describe_model(model, tokenizer), kinds=tuple(kinds),
                                             mask=removed)
     raw = HeadScores(scores, "gradient_importance", getattr(model.config, "name_or_path", ""),
                      {"method": "Michel et al. 2019, Eq. 4", "n_sentences": n_sentences})

@@ -44,7 +44,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.nmt.train import EncodedCorpus, TrainConfig, collate, has_model, label_smoothed_loss, train
+from headlab.nmt.train import EncodedCorpus, TrainConfig, has_model, label_smoothed_loss, scoring_batches, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.hard_concrete import HardConcreteGates
@@ -351,21 +351,11 @@ class _Diagnostics:
 @torch.no_grad()
 def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss: Callable | None = None) -> float:
     """Mean cross-entropy per target token (no label smoothing), model in eval mode."""
-    from headlab.data.batching import make_batches
-    from headlab.nmt.train import encode_corpus
-
-    if not isinstance(data, EncodedCorpus):
-        data = encode_corpus(tokenizer, data, getattr(model.config, "max_position_embeddings", 1024))
-    pad_id = tokenizer.pad_token_id
-    start = getattr(model.config, "decoder_start_token_id", None)
-    start = pad_id if start is None else start
     config = TrainConfig(label_smoothing=0.0)
     compute_loss = compute_loss or label_smoothed_loss
     total, count = 0.0, 0
-    device = next(model.parameters()).device
     with eval_mode(model):
-        for indices in make_batches(data, batch_tokens, seed=0, epoch=0):
-            batch = {k: v.to(device) for k, v in collate(data, indices, pad_id, start).items()}
+        for batch in scoring_batches(model, tokenizer, data, batch_tokens):
             loss_sum, n = compute_loss(model, batch, config)
             total += loss_sum.item()
             count += n
