@@ -69,6 +69,27 @@ def test_every_measure_on_every_family(family, name):
 
 
 @pytest.mark.parametrize("name", list(MEASURES))
+def test_score_is_the_first_table(name):
+    """A measure defines score or score_tables; the other follows from it."""
+    from headlab.importance.measure import ImportanceMeasure
+
+    torch.manual_seed(0)
+    model = tiny_model("marian").eval()
+    info, data = describe_model(model), _data(True)
+    measure = MEASURES[name]()
+    one, first = measure.score(model, data, info, batch_size=2), measure.score_tables(model, data, info, batch_size=2)[0]
+    assert one.method == first.method == name
+    for kind in one.kinds:
+        np.testing.assert_allclose(one[kind], first[kind], rtol=1e-5)
+
+    class Neither(ImportanceMeasure):
+        name = "neither"
+
+    with pytest.raises(NotImplementedError, match="neither score nor score_tables"):
+        Neither().score(model, data, info)
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
 def test_a_failing_forward_leaves_the_model_as_it_was(name):
     model = tiny_model("marian").train()
     info = describe_model(model)

@@ -409,11 +409,6 @@ class Ablation(ImportanceMeasure):
             return "BLEU needs a translation model and reference translations (--target)"
         return reason
 
-    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
-        o = self.options
-        return compute_ablation(model, data, info, metric=o.metric, batch_size=batch_size, max_rows=o.rows,
-                                kinds=kinds, beam=o.beam, tokenizer=tokenizer, progress=progress)
-
     def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
                      tokenizer=None) -> list[HeadScores]:
         o = self.options

@@ -161,9 +161,6 @@ class Gradient(ImportanceMeasure):
     needs_lm_head = True
     uses_loss = True
 
-    def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
-        return compute_gradient(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress)
-
     def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
                      tokenizer=None) -> list[HeadScores]:
         raw = compute_gradient(model, data, info, batch_size=batch_size, normalize=False, kinds=kinds,

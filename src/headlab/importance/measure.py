@@ -69,11 +69,15 @@ class ImportanceMeasure:
 
     def score(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, batch_size: int = 32,
               kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer=None) -> HeadScores:
-        """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds)."""
-        raise NotImplementedError
+        """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds); by
+        default the first of :meth:`score_tables`. A subclass defines one of the two."""
+        return self.score_tables(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress,
+                                 tokenizer=tokenizer)[0]
 
     def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options) -> list[HeadScores]:
         """Every table of :attr:`tables`, in order; by default :meth:`score`'s one table."""
+        if type(self).score is ImportanceMeasure.score:
+            raise NotImplementedError(f"{type(self).__name__} defines neither score nor score_tables")
         return [self.score(model, data, info, **options)]
 
     def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
