@@ -44,6 +44,7 @@ from typing import Callable
 from headlab._version import __version__
 from headlab.analyze.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.errors import HeadlabError
+from headlab.importance.measure_options import ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key
@@ -93,11 +94,11 @@ class AnalyzeConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
     max_length: int | None = field(default=None, metadata={"help": "tokens per sentence (default: the model's maximum)"})
-    lrp_targets: int | None = field(default=None, metadata={
+    lrp_targets: int | None = field(default=LRPOptions.targets, metadata={
         "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)",
         "metavar": "K"})
-    lrp_seed: int = field(default=0, metadata={"help": "seed of LRP's target sample and bootstrap"})
-    query_chunk: int | None = field(default=None, metadata={
+    lrp_seed: int = field(default=LRPOptions.seed, metadata={"help": "seed of LRP's target sample and bootstrap"})
+    query_chunk: int | None = field(default=ConfidenceOptions.query_chunk, metadata={
         "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
                 "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})

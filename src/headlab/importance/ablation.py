@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,11 +51,10 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure_options import METRICS, AblationOptions
 from headlab.shard import active
 
 __all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]
-
-METRICS = ("loss", "bleu", "accuracy")
 
 Variant = tuple[AttentionBlock, int]
 
@@ -378,17 +376,6 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = base - BLEU().corpus_score(texts, refs).score
     signature = {"base_bleu": base, "beam": beam, "score": "BLEU - BLEU(masked)", "bleu_signature": str(bleu.get_signature())}
     return values, signature
-
-
-@dataclass(frozen=True)
-class AblationOptions:
-    metric: str = "loss"  # loss, bleu (translation models with references) or accuracy (classifiers)
-    rows: int = 256  # rows per forward call (masked copies x batch)
-    beam: int = 1  # beam of the translations BLEU scores
-
-    def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise HeadlabError(f"unknown ablation metric {self.metric!r}; expected one of {', '.join(METRICS)}")
 
 
 class Ablation(ImportanceMeasure):

@@ -26,8 +26,6 @@ for LRP, so that both measures look at the same attention maps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -46,6 +44,7 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure_options import ConfidenceOptions
 from headlab.shard import active
 
 __all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
@@ -171,15 +170,6 @@ def compute_confidence(
         "decoder_side": "model's own translation" if info.is_seq2seq else None,
     }
     return HeadScores(scores, "confidence", info.name, signature)
-
-
-@dataclass(frozen=True)
-class ConfidenceOptions:
-    query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
-
-    def __post_init__(self) -> None:
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
 
 
 class Confidence(ImportanceMeasure):

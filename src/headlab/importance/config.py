@@ -1,11 +1,13 @@
 """Options of an importance run, apart from the measures themselves: importing this module
-costs no torch (the command line reads its help texts at start-up)."""
+costs no torch (the command line reads its help texts at start-up). The fields that fill a
+measure's options take their defaults from its ``Options`` (:mod:`.measure_options`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
+from headlab.importance.measure_options import METRICS, STRATEGIES, AblationOptions, ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES
 
 
@@ -15,20 +17,21 @@ class ImportanceConfig:
 
     methods: tuple[str, ...] = field(default=("all",), metadata={"help": f"measures to run: {', '.join(MEASURES)} or all"})
     batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
-    metric: str = field(default="loss", metadata={
+    metric: str = field(default=AblationOptions.metric, metadata={
         "help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; "
-                "with loss they get both)", "choices": ("loss", "bleu", "accuracy")})
-    beam: int = field(default=1, metadata={"help": "beam size of the model's translations (1 = greedy)"})
-    lrp_strategy: str = field(default="vmap", metadata={
-        "help": "how LRP's backward passes run: vmap (fast), loop or jacobian", "choices": ("vmap", "loop", "jacobian")})
-    lrp_targets: int | None = field(default=None, metadata={
+                "with loss they get both)", "choices": METRICS})
+    beam: int = field(default=AblationOptions.beam, metadata={"help": "beam size of the model's translations (1 = greedy)"})
+    lrp_strategy: str = field(default=LRPOptions.strategy, metadata={
+        "help": "how LRP's backward passes run: vmap (fast), loop or jacobian", "choices": STRATEGIES})
+    lrp_targets: int | None = field(default=LRPOptions.targets, metadata={
         "help": "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at each), not every "
                 "position; 0 or absent: all", "metavar": "K"})
-    lrp_seed: int = field(default=0, metadata={"help": "LRP: seed of the target sample and of the bootstrap"})
-    lrp_bootstrap: int = field(default=200, metadata={
+    lrp_seed: int = field(default=LRPOptions.seed, metadata={"help": "LRP: seed of the target sample and of the bootstrap"})
+    lrp_bootstrap: int = field(default=LRPOptions.bootstrap, metadata={
         "help": "LRP: resamples of the sentences for each score's standard error (0: none)", "metavar": "N"})
-    ablation_rows: int = field(default=256, metadata={"help": "rows per ablation forward call (masked copies x batch)"})
-    query_chunk: int | None = field(default=None, metadata={
+    ablation_rows: int = field(default=AblationOptions.rows, metadata={
+        "help": "rows per ablation forward call (masked copies x batch)"})
+    query_chunk: int | None = field(default=ConfidenceOptions.query_chunk, metadata={
         "help": "confidence: headlab's own attention function, N query rows at a time (memory linear in the "
                 "length; default: eager capture, whole maps)", "metavar": "N"})
     kinds: tuple[str, ...] | None = field(default=None, metadata={"help": "attention kinds to score (default: all)"})

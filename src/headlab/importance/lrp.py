@@ -62,14 +62,12 @@ from headlab.importance.data import (
     output_layer,
 )
 from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import lrp_rules
 from headlab.shard import active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
            "normalize_per_layer", "sample_targets"]
-
-STRATEGIES = ("vmap", "loop", "jacobian")
-
 
 @dataclass
 class TargetRelevance:
@@ -386,22 +384,6 @@ def compute_lrp(
         }
     scores = block_scores(attention_blocks(model), {k: (v / n_steps).numpy() for k, v in sums.items()}, kinds)
     return HeadScores(scores, "lrp", info.name, signature)
-
-
-@dataclass(frozen=True)
-class LRPOptions:
-    strategy: str = "vmap"  # how the backward passes run: vmap (fast), loop or jacobian
-    targets: int | None = None  # steps explained per sentence, a seeded sample; None or 0: all
-    seed: int = 0  # of the target sample and of the bootstrap
-    bootstrap: int = 200  # resamples of the sentences for the standard errors; 0: none
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise HeadlabError(f"unknown LRP strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
-        if self.targets is not None and self.targets < 0:
-            raise HeadlabError(f"--lrp-targets must be at least 0 (0: every position), got {self.targets}")
-        if self.bootstrap < 0:
-            raise HeadlabError(f"--lrp-bootstrap must be at least 0 (0: no standard errors), got {self.bootstrap}")
 
 
 class LRP(ImportanceMeasure):
