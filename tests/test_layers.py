@@ -72,12 +72,13 @@ def _imports(name: str) -> set[str]:
     path, is_package = MODULES[name]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        lazy = None  # the lazy tables: a package's _EXPORTS, a LazyRegistry({name: "module.Name"})
+        # The lazy tables: a package's _EXPORTS ({"module": names}), a LazyRegistry({name: "module.Name"}).
+        lazy = []
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
-            lazy = node.value
+            lazy = getattr(node.value, "keys", [])
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LazyRegistry" and node.args:
-            lazy = node.args[0]
-        for value in getattr(lazy, "values", []):
+            lazy = getattr(node.args[0], "values", [])
+        for value in lazy:
             if isinstance(value, ast.Constant):
                 target = value.value
                 while target not in MODULES and "." in target:  # "module.Name" -> module

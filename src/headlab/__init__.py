@@ -11,32 +11,17 @@ The foundation every analysis plugs into:
 """
 
 from headlab._lazy import lazy_exports
-from headlab._version import __version__
+from headlab._version import __version__ as __version__  # re-exported
 
-_EXPORTS = {
-    "AttentionBlock": "headlab.adapters",
-    "attention_blocks": "headlab.adapters",
-    "capture_attention": "headlab.capture",
-    "eager_attention": "headlab.capture",
-    "head_output_hooks": "headlab.capture",
-    "HeadlabError": "headlab.errors",
-    "ConstantGates": "headlab.gates",
-    "HeadGates": "headlab.gates",
-    "ScalarGates": "headlab.gates",
-    "attach_gates": "headlab.gates",
-    "detach_gates": "headlab.gates",
-    "gates_attached": "headlab.gates",
-    "mask_heads": "headlab.gates",
-    "KINDS": "headlab.heads",
-    "HeadScores": "headlab.heads",
-    "HardConcreteGates": "headlab.pruning.hard_concrete",
-    "count_parameters": "headlab.surgery",
-    "load_pruned": "headlab.surgery",
-    "prune_heads": "headlab.surgery",
-    "pruning_record": "headlab.surgery",
-    "save_pruned": "headlab.surgery",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.adapters": ("AttentionBlock", "attention_blocks"),
+    "headlab.capture": ("capture_attention", "eager_attention", "head_output_hooks"),
+    "headlab.errors": ("HeadlabError",),
+    "headlab.gates": ("ConstantGates", "HeadGates", "ScalarGates", "attach_gates", "detach_gates", "gates_attached",
+                      "mask_heads"),
+    "headlab.heads": ("KINDS", "HeadScores"),
+    "headlab.pruning.hard_concrete": ("HardConcreteGates",),
+    "headlab.surgery": ("count_parameters", "load_pruned", "prune_heads", "pruning_record", "save_pruned"),
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, also=("__version__",))

@@ -8,22 +8,23 @@ from collections.abc import Iterator, Mapping
 from importlib import import_module
 
 
-def lazy_exports(package: str, exports: dict[str, str]):
-    """``(__getattr__, __dir__)`` for ``package`` whose public ``name`` lives in
-    ``exports[name]`` (a full module path)."""
+def lazy_exports(package: str, exports: dict[str, tuple[str, ...]], also: tuple[str, ...] = ()):
+    """``(__getattr__, __dir__, __all__)`` for ``package`` whose public names are
+    ``exports[module]`` for each module (a full module path); ``also``: names it defines itself."""
     namespace = import_module(package).__dict__
+    where = {name: module for module, names in exports.items() for name in names}
 
     def __getattr__(name: str):
-        if name in exports:
-            value = getattr(import_module(exports[name]), name)
+        if name in where:
+            value = getattr(import_module(where[name]), name)
             namespace[name] = value  # later look-ups skip this function
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__():
-        return sorted(set(namespace) | set(exports))
+        return sorted(set(namespace) | set(where))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, [*sorted(where), *also]
 
 
 class LazyRegistry(Mapping):

@@ -6,19 +6,11 @@ See docs/analyze.md for the stages, the directory layout and the manifest.
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "head_labels": "headlab.analyze.labels",
-    "load_labels": "headlab.analyze.labels",
-    "save_labels": "headlab.analyze.labels",
-    "STAGE_GROUPS": "headlab.analyze.pipeline",
-    "STAGES": "headlab.analyze.pipeline",
-    "AnalysisRun": "headlab.analyze.pipeline",
-    "AnalyzeConfig": "headlab.analyze.pipeline",
-    "SkipStage": "headlab.analyze.pipeline",
-    "run_analysis": "headlab.analyze.pipeline",
-    "StageRecord": "headlab.analyze.records",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.analyze.labels": ("head_labels", "load_labels", "save_labels"),
+    "headlab.analyze.pipeline": ("STAGE_GROUPS", "STAGES", "AnalysisRun", "AnalyzeConfig", "SkipStage",
+                                 "run_analysis"),
+    "headlab.analyze.records": ("StageRecord",),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

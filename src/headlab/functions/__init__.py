@@ -9,21 +9,12 @@ imported on first use (:mod:`headlab._lazy`), so that ``headlab --help`` loads n
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "AnalysisConfig": "headlab.functions.config",
-    "HeadAnalysis": "headlab.functions.analysis",
-    "analyze_heads": "headlab.functions.analysis",
-    "describe_heads": "headlab.functions.analysis",
-    "PositionalHead": "headlab.functions.positional",
-    "PositionalResult": "headlab.functions.positional",
-    "PositionalStats": "headlab.functions.positional",
-    "RareTokenResult": "headlab.functions.rare_tokens",
-    "RareTokenStats": "headlab.functions.rare_tokens",
-    "SyntacticResult": "headlab.functions.syntactic",
-    "SyntacticStats": "headlab.functions.syntactic",
-    "Table1Row": "headlab.functions.syntactic",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.functions.config": ("AnalysisConfig",),
+    "headlab.functions.analysis": ("HeadAnalysis", "analyze_heads", "describe_heads"),
+    "headlab.functions.positional": ("PositionalHead", "PositionalResult", "PositionalStats"),
+    "headlab.functions.rare_tokens": ("RareTokenResult", "RareTokenStats"),
+    "headlab.functions.syntactic": ("SyntacticResult", "SyntacticStats", "Table1Row"),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -14,39 +14,19 @@ runs them on prepared data (``headlab importance`` on the command line).
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "Ablation": "headlab.importance.ablation",
-    "METRICS": "headlab.importance.ablation",
-    "compute_ablation": "headlab.importance.ablation",
-    "AgreementTable": "headlab.importance.agreement",
-    "compute_agreement": "headlab.importance.agreement",
-    "spearman": "headlab.importance.agreement",
-    "top_share": "headlab.importance.agreement",
-    "Confidence": "headlab.importance.confidence",
-    "compute_confidence": "headlab.importance.confidence",
-    "ImportanceData": "headlab.importance.data",
-    "ModelInfo": "headlab.importance.data",
-    "describe_model": "headlab.importance.data",
-    "encode_texts": "headlab.importance.data",
-    "make_batches": "headlab.importance.data",
-    "read_data": "headlab.importance.data",
-    "translate_data": "headlab.importance.data",
-    "Gradient": "headlab.importance.gradient",
-    "compute_gradient": "headlab.importance.gradient",
-    "l2_normalize_per_layer": "headlab.importance.gradient",
-    "LRP": "headlab.importance.lrp",
-    "STRATEGIES": "headlab.importance.lrp",
-    "compute_lrp": "headlab.importance.lrp",
-    "head_relevance": "headlab.importance.lrp",
-    "ImportanceMeasure": "headlab.importance.measure",
-    "ImportanceConfig": "headlab.importance.config",
-    "ImportanceResult": "headlab.importance.pipeline",
-    "run_importance": "headlab.importance.pipeline",
-    "save_results": "headlab.importance.pipeline",
-    "MEASURES": "headlab.importance.registry",
-    "lrp_rules": "headlab.importance.rules",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.importance.ablation": ("Ablation", "METRICS", "compute_ablation"),
+    "headlab.importance.agreement": ("AgreementTable", "compute_agreement", "spearman", "top_share"),
+    "headlab.importance.confidence": ("Confidence", "compute_confidence"),
+    "headlab.importance.data": ("ImportanceData", "ModelInfo", "describe_model", "encode_texts", "make_batches",
+                                "read_data", "translate_data"),
+    "headlab.importance.gradient": ("Gradient", "compute_gradient", "l2_normalize_per_layer"),
+    "headlab.importance.lrp": ("LRP", "STRATEGIES", "compute_lrp", "head_relevance"),
+    "headlab.importance.measure": ("ImportanceMeasure",),
+    "headlab.importance.config": ("ImportanceConfig",),
+    "headlab.importance.pipeline": ("ImportanceResult", "run_importance", "save_results"),
+    "headlab.importance.registry": ("MEASURES",),
+    "headlab.importance.rules": ("lrp_rules",),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -10,15 +10,11 @@
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "LagrangianBudget": "headlab.pruning.budget",
-    "HardConcreteGates": "headlab.pruning.hard_concrete",
-    "PruneConfig": "headlab.pruning.config",
-    "PruneResult": "headlab.pruning.train",
-    "prune_train": "headlab.pruning.train",
-    "read_trajectory": "headlab.pruning.train",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.pruning.budget": ("LagrangianBudget",),
+    "headlab.pruning.hard_concrete": ("HardConcreteGates",),
+    "headlab.pruning.config": ("PruneConfig",),
+    "headlab.pruning.train": ("PruneResult", "prune_train", "read_trajectory"),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -12,12 +12,9 @@ The data format and what the report shows are described in docs/report.md.
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "build_report": "headlab.report.build",
-    "load_example": "headlab.report.examples",
-    "write_attention_examples": "headlab.report.examples",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.report.build": ("build_report",),
+    "headlab.report.examples": ("load_example", "write_attention_examples"),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -10,24 +10,13 @@ docs/reproduction.md between generated markers (:mod:`headlab.reproduce.render`)
 
 from headlab._lazy import lazy_exports
 
-_EXPORTS = {
-    "Cell": "headlab.reproduce.claims",
-    "Check": "headlab.reproduce.claims",
-    "Claim": "headlab.reproduce.claims",
-    "compute_claims": "headlab.reproduce.claims",
-    "ModelEntry": "headlab.reproduce.config",
-    "ReproduceConfig": "headlab.reproduce.config",
-    "load_config": "headlab.reproduce.config",
-    "read_blocks": "headlab.reproduce.render",
-    "render_blocks": "headlab.reproduce.render",
-    "update_document": "headlab.reproduce.render",
-    "load_results": "headlab.reproduce.report",
-    "write_report": "headlab.reproduce.report",
-    "ModelResults": "headlab.reproduce.results",
-    "collect_results": "headlab.reproduce.results",
-    "STAGES": "headlab.reproduce.stages",
+_EXPORTS = {  # module -> the names it exports
+    "headlab.reproduce.claims": ("Cell", "Check", "Claim", "compute_claims"),
+    "headlab.reproduce.config": ("ModelEntry", "ReproduceConfig", "load_config"),
+    "headlab.reproduce.render": ("read_blocks", "render_blocks", "update_document"),
+    "headlab.reproduce.report": ("load_results", "write_report"),
+    "headlab.reproduce.results": ("ModelResults", "collect_results"),
+    "headlab.reproduce.stages": ("STAGES",),
 }
 
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
