@@ -123,6 +123,26 @@ def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:
     return path
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed), or a notebook's inline one."""
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def panel_row(axes, n: int, figsize: tuple[float, float]):
+    """``(figure, axes)``: the axes given, or a new row of ``n`` panels."""
+    if axes is not None:
+        axes = np.atleast_1d(axes)
+        return axes[0].figure, axes
+    fig, axes = pyplot().subplots(1, n, figsize=figsize, squeeze=False, layout="constrained")
+    return fig, axes[0]
+
+
 def write_figure(fig, path: str | os.PathLike, **savefig_options) -> Path:
     """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it."""
     import matplotlib.pyplot as plt

@@ -22,7 +22,7 @@ import numpy as np
 from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.data.batching import with_progress
-from headlab.heads import KINDS, HeadScores
+from headlab.heads import KINDS, HeadScores, panel_row, pyplot
 from headlab.importance.registry import MEASURES
 
 __all__ = [
@@ -41,16 +41,6 @@ __all__ = [
 IMPORTANCE_MEASURES = tuple(MEASURES)
 AGGREGATE_STATISTICS = STATISTICS
 _SVG_SALT = "headlab"
-
-
-def _pyplot():
-    import matplotlib
-
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _clean(value: float) -> float | None:
@@ -102,7 +92,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
 
     ``axes``: a ``[3, n_layers]`` array of axes (created when None). Returns ``(figure, data)``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     data = figure1_data(relevance, confidence, labels, kind)
     n_layers, n_heads = len(data["layers"]), data["n_heads"]
     if axes is None:
@@ -160,7 +150,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
 def plot_scores_heatmap(scores: HeadScores, axes=None, *, title: str | None = None):
     """A Vig & Belinkov-style layer x head heatmap per attention kind (one panel per kind);
     drawn by :func:`headlab.importance.plots.plot_heatmap`. Returns ``(figure, data)``."""
-    _pyplot()
+    pyplot()
     from headlab.importance.plots import plot_heatmap
 
     fig = plot_heatmap(scores, axes, title=title)
@@ -184,7 +174,7 @@ def _pruned_kind(rows: list[dict]) -> str:
 def plot_pruning_curve(rows: list[dict], kind: str | None = None, ax=None):
     """BLEU against the number of retained heads of ``kind`` (Voita et al. 2019, Fig. 7), drawn
     by :func:`headlab.pruning.sweep.plot_bleu_vs_heads`. Returns ``(figure, data)``."""
-    plt = _pyplot()
+    plt = pyplot()
     from headlab.pruning.sweep import plot_bleu_vs_heads
 
     kind = kind or _pruned_kind(rows)
@@ -203,7 +193,7 @@ def plot_pruning_curve(rows: list[dict], kind: str | None = None, ax=None):
 def plot_heads_kept(rows: list[dict], ax=None):
     """Heads kept per kind at each sweep point (Voita et al. 2019, Fig. 9), drawn by
     :func:`headlab.pruning.sweep.plot_heads_per_kind`. Returns ``(figure, data)``."""
-    plt = _pyplot()
+    plt = pyplot()
     from headlab.pruning.sweep import plot_heads_per_kind
 
     if ax is None:
@@ -219,15 +209,9 @@ def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
     """P(open) of every gate against the training step, one panel per sweep point, one line per
     head (from ``trajectory.jsonl``; Louizos et al. 2018 / Voita et al. 2019, Sec. 6).
     Returns ``(figure, data)``."""
-    plt = _pyplot()
+    plt = pyplot()
     names = [name for name, records in trajectories.items() if records]
-    if axes is None:
-        fig, axes = plt.subplots(1, max(len(names), 1), figsize=(3.6 * max(len(names), 1) + 0.6, 3.4),
-                                 squeeze=False, layout="constrained")
-        axes = axes[0]
-    else:
-        axes = np.atleast_1d(axes)
-        fig = axes[0].figure
+    fig, axes = panel_row(axes, max(len(names), 1), (3.6 * max(len(names), 1) + 0.6, 3.4))
     data: dict = {}
     cmap = plt.get_cmap("viridis")
     for ax, name in zip(axes, names):
@@ -259,7 +243,7 @@ def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
 
 def save_figure(fig, directory: str | Path, name: str) -> tuple[Path, Path]:
     """``directory/name.png`` and ``.svg`` (SVG without a date and with fixed ids: reproducible)."""
-    plt = _pyplot()
+    plt = pyplot()
     import matplotlib
 
     directory = Path(directory)

@@ -10,25 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores, write_figure
+from headlab.heads import HeadScores, pyplot, write_figure
 
 __all__ = ["plot_head_scores", "plot_function_grid", "plot_aggregate_grid", "save_figures"]
-
-
-def _pyplot():
-    import matplotlib
-
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_head_scores(scores: HeadScores, kind: str, ax=None, *, title: str | None = None, vmin=None, vmax=None,
                      cmap: str = "viridis", fmt: str = "{:.2f}", marks: np.ndarray | None = None):
     """One ``[n_layers, n_heads]`` heatmap, values written in the cells; ``marks`` outlines cells."""
-    plt = _pyplot()
+    plt = pyplot()
     if ax is None:
         _, ax = plt.subplots(figsize=(4, 3))
     array = scores[kind]
@@ -61,7 +51,7 @@ def plot_function_grid(analysis, kind: str, axes=None):
     Red outlines: heads that pass the positional threshold / the syntactic margin / the
     rare-token head(s).
     """
-    plt = _pyplot()
+    plt = pyplot()
     panels = []
     if analysis.positional is not None:
         share = analysis.positional.share
@@ -93,7 +83,7 @@ def plot_function_grid(analysis, kind: str, axes=None):
 
 def plot_aggregate_grid(aggregate, kind: str, axes=None, tags: tuple[str, ...] = ("NOUN", "VERB", "DET", "PUNCT")):
     """Distance, entropy, variability, dependency alignment and a few POS shares."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [(aggregate.scores[name], name) for name in ("mean_distance", "mean_entropy", "variability",
                                                           "dependency_alignment")]
     panels += [(aggregate.pos[tag], f"attention on {tag}") for tag in tags if tag in aggregate.pos]

@@ -7,26 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores, write_figure
+from headlab.heads import HeadScores, panel_row, write_figure
 
 __all__ = ["plot_heatmap", "save_heatmap"]
 
 
 def plot_heatmap(scores: HeadScores, axes=None, *, title: str | None = None, cmap: str | None = None):
     """Draw ``scores`` on ``axes`` (one per kind; created when None). Returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     kinds = scores.kinds
-    if axes is None:
-        fig, axes = plt.subplots(1, len(kinds), figsize=(3.4 * len(kinds) + 1.0, 3.6), squeeze=False,
-                                 layout="constrained")
-        axes = axes[0]
-    else:
-        axes = np.atleast_1d(axes)
-        fig = axes[0].figure
+    fig, axes = panel_row(axes, len(kinds), (3.4 * len(kinds) + 1.0, 3.6))
     finite = np.concatenate([a[~np.isnan(a)].ravel() for a in scores.scores.values()] or [np.zeros(1)])
     signed = finite.size and finite.min() < 0 < finite.max()
     if signed:
