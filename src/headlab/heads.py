@@ -143,15 +143,17 @@ def panel_row(axes, n: int, figsize: tuple[float, float]):
     return fig, axes[0]
 
 
-def write_figure(fig, path: str | os.PathLike, **savefig_options) -> Path:
-    """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it."""
+def write_figure(fig, path: str | os.PathLike, close: bool = True, **savefig_options) -> Path:
+    """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it
+    (unless ``close`` is False: another format of it follows)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format=path.suffix[1:], **savefig_options)
-    plt.close(fig)
+    if close:
+        plt.close(fig)
     os.replace(tmp, path)
     return path
 

@@ -22,7 +22,7 @@ import numpy as np
 from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.data.batching import with_progress
-from headlab.heads import KINDS, HeadScores, panel_row, pyplot
+from headlab.heads import KINDS, HeadScores, panel_row, pyplot, write_figure
 from headlab.importance.registry import MEASURES
 
 __all__ = [
@@ -243,18 +243,12 @@ def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
 
 def save_figure(fig, directory: str | Path, name: str) -> tuple[Path, Path]:
     """``directory/name.png`` and ``.svg`` (SVG without a date and with fixed ids: reproducible)."""
-    plt = pyplot()
     import matplotlib
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    png, svg = directory / f"{name}.png", directory / f"{name}.svg"
     with matplotlib.rc_context({"svg.hashsalt": _SVG_SALT}):
-        for path, kwargs in ((png, {"dpi": 110, "metadata": {"Software": None}}), (svg, {"metadata": {"Date": None}})):
-            tmp = path.with_name(f".{path.name}.tmp")
-            fig.savefig(tmp, format=path.suffix[1:], bbox_inches="tight", **kwargs)
-            tmp.replace(path)
-    plt.close(fig)
+        png = write_figure(fig, Path(directory) / f"{name}.png", close=False, bbox_inches="tight", dpi=110,
+                           metadata={"Software": None})
+        svg = write_figure(fig, Path(directory) / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})
     return png, svg
 
 
