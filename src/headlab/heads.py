@@ -143,6 +143,15 @@ def panel_row(axes, n: int, figsize: tuple[float, float]):
     return fig, axes[0]
 
 
+def axes_or_new(ax=None, figsize: tuple[float, float] = (6, 4), **subplots_options):
+    """``ax``, or the axes of a new figure of ``figsize`` (on the current backend)."""
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize, **subplots_options)[1]
+
+
 def write_figure(fig, path: str | os.PathLike, close: bool = True, **savefig_options) -> Path:
     """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it
     (unless ``close`` is False: another format of it follows)."""

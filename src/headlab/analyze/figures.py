@@ -22,7 +22,7 @@ import numpy as np
 from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.data.batching import with_progress
-from headlab.heads import KINDS, HeadScores, panel_row, pyplot, write_figure
+from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure
 from headlab.importance.registry import MEASURES
 
 __all__ = [
@@ -174,12 +174,11 @@ def _pruned_kind(rows: list[dict]) -> str:
 def plot_pruning_curve(rows: list[dict], kind: str | None = None, ax=None):
     """BLEU against the number of retained heads of ``kind`` (Voita et al. 2019, Fig. 7), drawn
     by :func:`headlab.pruning.sweep.plot_bleu_vs_heads`. Returns ``(figure, data)``."""
-    plt = pyplot()
+    pyplot()
     from headlab.pruning.sweep import plot_bleu_vs_heads
 
     kind = kind or _pruned_kind(rows)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    ax = axes_or_new(ax, layout="constrained")
     plot_bleu_vs_heads(rows, kind=kind, ax=ax)
     ax.set_title(f"BLEU against retained {kind} heads (short gate sweep)", fontsize=9)
     points = sorted((r[kind], r["bleu"]) for r in rows
@@ -193,11 +192,10 @@ def plot_pruning_curve(rows: list[dict], kind: str | None = None, ax=None):
 def plot_heads_kept(rows: list[dict], ax=None):
     """Heads kept per kind at each sweep point (Voita et al. 2019, Fig. 9), drawn by
     :func:`headlab.pruning.sweep.plot_heads_per_kind`. Returns ``(figure, data)``."""
-    plt = pyplot()
+    pyplot()
     from headlab.pruning.sweep import plot_heads_per_kind
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    ax = axes_or_new(ax, layout="constrained")
     plot_heads_per_kind(rows, ax=ax)
     ax.set_title("Heads kept per kind", fontsize=9)
     ordered = sorted((r for r in rows if r.get("heads")), key=lambda r: -r["heads"])

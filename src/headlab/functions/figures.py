@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores, pyplot, write_figure
+from headlab.heads import HeadScores, axes_or_new, pyplot, write_figure
 
 __all__ = ["plot_head_scores", "plot_function_grid", "plot_aggregate_grid", "save_figures"]
 
@@ -19,8 +19,7 @@ def plot_head_scores(scores: HeadScores, kind: str, ax=None, *, title: str | Non
                      cmap: str = "viridis", fmt: str = "{:.2f}", marks: np.ndarray | None = None):
     """One ``[n_layers, n_heads]`` heatmap, values written in the cells; ``marks`` outlines cells."""
     plt = pyplot()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(4, 3))
+    ax = axes_or_new(ax, (4, 3))
     array = scores[kind]
     image = ax.imshow(np.ma.masked_invalid(array), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
     n_layers, n_heads = array.shape

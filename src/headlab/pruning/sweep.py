@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text, write_figure
+from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
 from headlab.pruning.train import RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
@@ -167,10 +167,7 @@ def _baseline_groups(rows: list[dict], kind: str = "enc_self") -> dict[str, list
 def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), kind: str = "enc_self", ax=None):
     """Voita et al. 2019, Fig. 7: BLEU against the number of retained ``kind`` heads, gated
     pruning (the sweep) next to the baselines (mean +- std over seeds as error bars)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4))
+    ax = axes_or_new(ax)
     points = sorted((r[kind], r["bleu"]) for r in sweep_rows if r.get(kind) is not None and r.get("bleu") is not None
                     and r["point"] != "full")
     full = [r for r in sweep_rows if r["point"] == "full" and r.get("bleu") is not None]
@@ -189,10 +186,7 @@ def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), k
 
 def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
     """Voita et al. 2019, Fig. 9: heads kept per kind at each sparsity (sweep point)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4))
+    ax = axes_or_new(ax)
     rows = sorted((r for r in sweep_rows if r.get("heads")), key=lambda r: -r["heads"])
     labels = [f"{r['heads']}" for r in rows]
     bottom = [0] * len(rows)
@@ -225,9 +219,7 @@ def heads_table(sweep_rows: list[dict], scratch_rows: list[dict] = ()) -> str:
 
 def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Figure 7 (per sweep of enc_self gates), Figure 9 and Table 2 into ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    pyplot()  # the Agg backend, unless a notebook's inline one is active
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline_rows = []

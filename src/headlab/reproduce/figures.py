@@ -10,23 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import write_figure
+from headlab.heads import axes_or_new, pyplot, write_figure
 from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _rows, _shape
 from headlab.reproduce.results import ModelResults, kept_mask
 
 __all__ = ["save_figures"]
 
 
-def _ax(ax, size=(6, 4)):
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=size)
-    return ax
-
-
 def plot_lrp_confidence(r: ModelResults, ax=None):
-    ax = _ax(ax)
+    ax = axes_or_new(ax)
     lrp, conf = r.importance("lrp")["enc_self"], r.importance("confidence")["enc_self"]
     for layer in range(lrp.shape[0]):
         ax.scatter(conf[layer], lrp[layer], label=f"layer {layer + 1}", s=18)
@@ -43,13 +35,13 @@ def plot_fig7(r: ModelResults, ax=None):
     rows = [{"point": row["point"], "enc_self": row["enc_self"], "bleu": row["bleu"]} for row in _rows(sweep)]
     full = sweep["full"]
     rows.append({"point": "full", "enc_self": full["heads_kept"]["enc_self"], "bleu": full["metrics"]["bleu"]})
-    ax = plot_bleu_vs_heads(rows, [b for b in r.baselines if not b.get("from_scratch")], ax=_ax(ax))
+    ax = plot_bleu_vs_heads(rows, [b for b in r.baselines if not b.get("from_scratch")], ax=axes_or_new(ax))
     ax.set_title(f"BLEU against retained encoder heads ({r.name})")
     return ax
 
 
 def plot_fig8(r: ModelResults, ax=None):
-    ax = _ax(ax)
+    ax = axes_or_new(ax)
     points = _kept_by_function(r.sweep("enc"), _function_masks(r), _shape(r, "enc_self"))
     labels = [str(n_kept) for _, n_kept, _ in points]
     bottoms = np.zeros(len(labels))
@@ -66,13 +58,13 @@ def plot_fig9(r: ModelResults, ax=None):
     from headlab.pruning.sweep import plot_heads_per_kind
 
     rows = _rows(r.sweep("all"))
-    ax = plot_heads_per_kind(rows, ax=_ax(ax))
+    ax = plot_heads_per_kind(rows, ax=axes_or_new(ax))
     ax.set_title(f"Heads kept per attention kind ({r.name})")
     return ax
 
 
 def plot_fig10(r: ModelResults, ax=None):
-    ax = _ax(ax)
+    ax = axes_or_new(ax)
     sweep = r.sweep("all")
     rows = [row for row in _rows(sweep) if sweep["points"][row["point"]]["kept"] is not None]
     point = sweep["points"][rows[-1]["point"]]
@@ -87,7 +79,7 @@ def plot_fig10(r: ModelResults, ax=None):
 
 
 def plot_specialisation(r: ModelResults, ax=None):
-    ax = _ax(ax, (9, 4))
+    ax = axes_or_new(ax, (9, 4))
     points = r.specialisation["checkpoints"]
     xs = list(range(len(points)))
     labels = [str(p["epoch"]) if p.get("epoch") is not None else p["checkpoint"] for p in points]
@@ -109,11 +101,7 @@ FIGURES = {"lrp-confidence": plot_lrp_confidence, "fig7": plot_fig7, "fig8": plo
 
 
 def save_figures(claims: list[Claim], results: dict[str, ModelResults], img_dir: str | Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     for claim in claims:
         for model, name in claim.figures.items():
