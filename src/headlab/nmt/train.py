@@ -225,6 +225,17 @@ def _save_weights(model, directory: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+def _save_scored(model, tokenizer, record: dict, directory: Path) -> None:
+    """A checkpoint with its tokenizer and ``metrics.json`` (the best and the averaged one), atomically."""
+
+    def write(tmp: Path) -> None:
+        _save_weights(model, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    atomic_dir(directory, write)
+
+
 def load_weights(model, path: str | Path) -> None:
     """Load safetensors weights saved by the trainer into ``model`` (no pickle involved).
 
@@ -551,12 +562,7 @@ def train(
                     state["improved_epoch"] = epoch + 1
                 if state["best_score"] is None or score > state["best_score"]:
                     state["best_score"], state["best_epoch"] = score, epoch + 1
-
-                    def write_best(tmp: Path) -> None:
-                        _save_weights(raw_model, tmp)
-                        tokenizer.save_pretrained(str(tmp))
-                        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-                    atomic_dir(out_dir / "best", write_best)
+                    _save_scored(raw_model, tokenizer, record, out_dir / "best")
         accelerator.wait_for_everyone()
         if world_size > 1:  # only the main rank validates; every rank must agree on stopping
             from accelerate.utils import broadcast_object_list
@@ -631,12 +637,7 @@ def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_d
             metrics = (validate_fn or _default_validate)(model, tokenizer, valid_data, config)
             record.update({f"valid_{k}": v for k, v in metrics.items()})
             score = metrics["score"]
-
-        def write(tmp: Path) -> None:
-            _save_weights(model, tmp)
-            tokenizer.save_pretrained(str(tmp))
-            (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-        atomic_dir(out_dir / "averaged", write)
+        _save_scored(model, tokenizer, record, out_dir / "averaged")
         log(f"averaged epochs {record['averaged_epochs']} into {out_dir / 'averaged'}"
             + (f": valid score {score:.2f} (best single epoch {state['best_score']:.2f})" if score is not None else ""))
     return score
