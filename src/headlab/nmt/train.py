@@ -227,12 +227,10 @@ def _save_weights(model, directory: Path) -> None:
 
 def _save_scored(model, tokenizer, record: dict, directory: Path) -> None:
     """A checkpoint with its tokenizer and ``metrics.json`` (the best and the averaged one), atomically."""
-
     def write(tmp: Path) -> None:
         _save_weights(model, tmp)
         tokenizer.save_pretrained(str(tmp))
         (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-
     atomic_dir(directory, write)
 
 
