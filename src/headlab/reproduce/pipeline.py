@@ -54,7 +54,7 @@ def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
             ctx.log(f"  {text}")
             _run_cli(argv)
         if spec.python is not None:
-            texts += spec.python(ctx)
+            texts += spec.python(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
     except SkipStage as reason:
         ctx.log(f"{model} {name}: not run: {reason}")
         return StageOutcome(model, name, "not run", reason=str(reason))

@@ -270,20 +270,12 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
     return commands
 
 
-def _run_hypotheses(ctx: Context) -> list[str]:
-    return run_hypotheses(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
-
-
-def _run_specialisation(ctx: Context) -> list[str]:
-    return run_specialisation(ctx.config, ctx.model, force=ctx.force, log=ctx.log)
-
-
 @dataclass(frozen=True)
 class Stage:
     name: str
     description: str
     commands: Callable[[Context], list[list[str]]] | None = None
-    python: Callable[[Context], list[str]] | None = None
+    python: Callable[..., list[str]] | None = None  # (config, model, *, force, log) -> what it ran, as text
     check: Callable[[Context], None] | None = None
 
 
@@ -304,9 +296,9 @@ STAGES: dict[str, Stage] = {
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
                      check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")])),
     "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
-                                      "(paired bootstrap)", python=_run_hypotheses),
+                                      "(paired bootstrap)", python=run_hypotheses),
     "specialisation": Stage("specialisation", "confidence and positional share over training checkpoints",
-                            python=_run_specialisation),
+                            python=run_specialisation),
     "report": Stage("report", "copy the small results, compute the claims, write docs/reproduction.md"),
 }
 """Registry, in the order the stages run."""
