@@ -35,21 +35,17 @@ def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
     if marker.is_file() and not ctx.force:
         ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
         return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
-    try:
+    try:  # a stage that cannot run yet (SkipStage) says so while building its commands, checking or running
         commands = spec.commands(ctx) if spec.commands else []
         if spec.check is not None and not ctx.dry_run:
             spec.check(ctx)
-    except SkipStage as reason:
-        ctx.log(f"{model} {name}: not run: {reason}")
-        return StageOutcome(model, name, "not run", reason=str(reason))
-    texts = [command_text(argv) for argv in commands]
-    if ctx.dry_run:
-        for text in texts or [f"(Python) headlab.reproduce {name}"]:
-            ctx.log(f"{model} {name}: {text}")
-        return StageOutcome(model, name, "dry run", commands=texts)
-    ctx.log(f"{model} {name}: running")
-    started = time.perf_counter()
-    try:
+        texts = [command_text(argv) for argv in commands]
+        if ctx.dry_run:
+            for text in texts or [f"(Python) headlab.reproduce {name}"]:
+                ctx.log(f"{model} {name}: {text}")
+            return StageOutcome(model, name, "dry run", commands=texts)
+        ctx.log(f"{model} {name}: running")
+        started = time.perf_counter()
         for argv, text in zip(commands, texts):
             ctx.log(f"  {text}")
             _run_cli(argv)
