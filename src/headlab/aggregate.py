@@ -42,7 +42,7 @@ import torch
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import BlockKey, HeadScores, atomic_write_text, format_head, head_scores
-from headlab.shard import active
+from headlab.shard import Ledger, active
 
 __all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
 
@@ -109,27 +109,26 @@ class _Scratch(dict):
 
 
 class _Spool:
-    """A temporary file of float32 rows ``[H, N, N]`` (NaN = absent cell), read back once."""
+    """A temporary file of float32 rows ``[H, N, N]`` (NaN = absent cell), written a batch at a
+    time and read back once, a batch at a time."""
 
     def __init__(self, shape: tuple[int, int, int], directory: str | None) -> None:
         self.shape = shape
         self.file = tempfile.TemporaryFile(dir=directory)
-        self.rows = 0
+        self.batches: list[tuple[int, int]] = []  # (order, rows) of each batch written
 
-    def write(self, values: np.ndarray) -> None:
+    def write(self, values: np.ndarray, order: int) -> None:
         self.file.write(np.ascontiguousarray(values, dtype=np.float32).tobytes())
-        self.rows += values.shape[0]
+        self.batches.append((order, values.shape[0]))
 
-    def chunks(self, rows: int = 128):
+    def read(self):
+        """``(order, [rows, H, N, N])`` of each batch, in the order written."""
         self.file.flush()
         self.file.seek(0)
         size = int(np.prod(self.shape))
-        left = self.rows
-        while left:
-            n = min(rows, left)
-            data = np.frombuffer(self.file.read(n * size * 4), dtype=np.float32)
-            yield data.reshape(n, *self.shape)
-            left -= n
+        for order, rows in self.batches:
+            data = np.frombuffer(self.file.read(rows * size * 4), dtype=np.float32)
+            yield order, data.reshape(rows, *self.shape)
 
     def close(self) -> None:
         self.file.close()
@@ -146,7 +145,10 @@ class AggregateStats:
         self.window = int(window)
         self.top_k = int(top_k)
         self.spool_dir = spool_dir
-        self.sums: dict[BlockKey, dict[str, torch.Tensor]] = {}
+        # block -> statistic -> per-head sums, fed a batch at a time (a Ledger: a sharded run adds
+        # the batches' sums in batch order, as one process does)
+        self._sums = Ledger(active(), {})
+        self._open: dict[BlockKey, dict[str, torch.Tensor]] = {}  # a block's sums over this batch's views
         self.heaps: dict[BlockKey, list[list[Exemplar]]] = {}
         self.spools: dict[BlockKey, _Spool] = {}
         self.pos_words: dict[str, torch.Tensor] = {}  # kind -> word count per tag (baseline)
@@ -155,9 +157,9 @@ class AggregateStats:
         self._cells: dict[BlockKey, torch.Tensor] = {}  # [B, H, window, window]
         self._best: dict[BlockKey, tuple[torch.Tensor, torch.Tensor]] = {}  # running maximum, its flat index
         self._scratch = _Scratch()  # work buffers shared by a block's views
-        # A sharded run (headlab.shard): the variability parts, and every exemplar candidate that
-        # may end in the top k, replayed in batch order at the end.
-        self._spread: dict[BlockKey, tuple[np.ndarray, np.ndarray]] = {}
+        # Variability's deviations, once computed; a sharded run (headlab.shard): every exemplar
+        # candidate that may end in the top k, replayed in batch order at the end.
+        self._spread: dict[BlockKey, tuple[np.ndarray, np.ndarray]] | None = None
         self._candidates: dict[BlockKey, list[list[tuple]]] | None = {} if active().split else None
 
     @classmethod
@@ -166,6 +168,11 @@ class AggregateStats:
         if not config.aggregate:
             return None
         return cls(min_weight=config.min_weight, window=config.window, top_k=config.top_k)
+
+    @property
+    def sums(self) -> dict[BlockKey, dict[str, torch.Tensor]]:
+        """Per block, the statistics' sums over the batches settled so far (the whole corpus's after :meth:`reduce`)."""
+        return self._sums.total()
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         tags = side.upos_index[side.word_mask]
@@ -180,7 +187,7 @@ class AggregateStats:
         B, H, R, W = alpha.shape
         first = view.word_start
         key = view.block.key
-        sums = self.sums.setdefault(key, {})
+        sums = self._open.setdefault(key, {})  # added to the totals once per batch, in _settle
         f64 = torch.float64
 
         def add(name: str, value: torch.Tensor) -> None:
@@ -250,18 +257,19 @@ class AggregateStats:
         """A block's variability cells and exemplars for the batch, once all its rows were seen."""
         N = self.window
         cells = self._cells.pop(key)
-        sums = self.sums[key]
+        sums = self._open.pop(key)
         f64 = torch.float64
         present = side.word_mask[:, :n]
         cell_mask = torch.zeros(B, N, N, dtype=torch.bool)
         cell_mask[:, :n, :n] = present[:, :, None] & present[:, None, :]
         cells.masked_fill_(~cell_mask[:, None], float("nan"))
-        for name, value in (("cell_sum", torch.nan_to_num(cells).sum(0, dtype=f64)),  # [H, N, N]
-                            ("cell_n", cell_mask.sum(0).to(f64)[None].expand(H, N, N))):
-            sums[name] = sums[name] + value if name in sums else value.clone()
+        sums["cell_sum"] = torch.nan_to_num(cells).sum(0, dtype=f64)  # [H, N, N]
+        sums["cell_n"] = cell_mask.sum(0).to(f64)[None].expand(H, N, N)
+        order = side.sentence_index[0]  # the batches' order: their first sentence
+        self._sums.add(order, {key: sums})
         if key not in self.spools:
             self.spools[key] = _Spool((H, N, N), self.spool_dir)
-        self.spools[key].write(cells.numpy())
+        self.spools[key].write(cells.numpy(), order)
         if not self.top_k or key not in self._best:
             return
         best, where = self._best.pop(key)
@@ -273,25 +281,26 @@ class AggregateStats:
             heap = heaps[h]
             candidates = [(value, b) for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()) if value >= 0]
             if self._candidates is not None:
-                self._keep_candidates(key, h, H, heap, candidates, side, where, W)
+                self._keep_candidates(key, h, H, heap, candidates, side, where, W, order)
             _offer(heap, self.top_k, candidates, side, where[:, h], W)
 
-    def _keep_candidates(self, key, h, H, heap, candidates, side, where, W) -> None:
+    def _keep_candidates(self, key, h, H, heap, candidates, side, where, W, order) -> None:
         """A sharded run: keep the batch's candidates, in order, that may still end in the top k
         (below this process's k-th weight now, a candidate is below the whole corpus's at the end)."""
         floor = heap[0].weight if len(heap) == self.top_k else -math.inf
         kept = [(value, b) for value, b in candidates if value >= floor]
         if kept:
             per_head = self._candidates.setdefault(key, [[] for _ in range(H)])
-            order = side.sentence_index[0]  # the batches' order: their first sentence
             per_head[h].append((order, [_exemplar(value, b, side, int(where[b, h]), W) for value, b in kept]))
 
     def reduce(self, shard) -> None:
-        """Combine the processes' states (:mod:`headlab.shard`): sums added; the exemplars of one
-        process, replaying every process's candidates through the heaps in batch order; and
-        variability in two passes: the cell means from the added sums, then each process's
-        deviations from them, added."""
-        self.sums, self.pos_words, self.n_sentences = shard.sum((self.sums, self.pos_words, self.n_sentences))
+        """Combine the processes' states (:mod:`headlab.shard`), to the bit as one process would:
+        the batches' sums added in batch order; the exemplars of one process, replaying every
+        process's candidates through the heaps in batch order; and variability in two passes: the
+        cell means from the sums, then each batch's deviations from them, added in batch order.
+        The words per tag and the sentences are counts, added."""
+        self._sums.total()
+        self.pos_words, self.n_sentences = shard.sum((self.pos_words, self.n_sentences))
         kept = {}  # candidates at or above this process's final k-th weight: the others cannot get in
         for key, per_head in (self._candidates or {}).items():
             floors = [heap[0].weight if len(heap) == self.top_k else -math.inf for heap in self.heaps[key]]
@@ -312,7 +321,7 @@ class AggregateStats:
                     _offer(heap, self.top_k, batch)
                 replayed[key].append(heap)
         self.heaps, self._candidates = replayed, None
-        self._spread = shard.sum({key: self._deviation(key, sums) for key, sums in self.sums.items()})
+        self._spread = self._deviations(shard)
 
     def result(self, model: str = "", signature: dict | None = None) -> "AggregateResult":
         per: dict[str, dict[BlockKey, np.ndarray]] = {name: {} for name in STATISTICS}
@@ -341,23 +350,26 @@ class AggregateStats:
         return AggregateResult(scores, pos_scores, exemplars, pos_frequency, dict(self.n_sentences), signature)
 
     def _variability(self, key: BlockKey, sums: dict[str, torch.Tensor]) -> np.ndarray:
-        deviation, total = self._spread[key] if key in self._spread else self._deviation(key, sums)
+        if self._spread is None:
+            self._spread = self._deviations(active())
+        zeros = np.zeros(sums["weight"].shape[0])
+        deviation, total = self._spread.get(key, (zeros, zeros))
         return deviation / np.where(total > 0, 2 * total, np.nan)
 
-    def _deviation(self, key: BlockKey, sums: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-        """Per head, ``sum |alpha - mean|`` and ``sum alpha`` over this process's spooled cells."""
-        spool = self.spools.get(key)
-        count = sums["cell_n"].numpy()
-        mean = np.divide(sums["cell_sum"].numpy(), count, out=np.zeros_like(count), where=count > 0)  # [H, N, N]
-        deviation = np.zeros(mean.shape[0])
-        total = np.zeros(mean.shape[0])
-        if spool is not None:
-            for chunk in spool.chunks():  # [n, H, N, N]
-                values = chunk.astype(np.float64)
+    def _deviations(self, shard) -> dict[BlockKey, tuple[np.ndarray, np.ndarray]]:
+        """Per block and head, ``sum |alpha - mean|`` and ``sum alpha`` over the spooled cells: the
+        sums of each batch, added in batch order (of every process's batches, with ``shard``)."""
+        ledger = Ledger(shard, {})
+        sums = self.sums
+        for key, spool in self.spools.items():
+            count = sums[key]["cell_n"].numpy()
+            mean = np.divide(sums[key]["cell_sum"].numpy(), count, out=np.zeros_like(count), where=count > 0)
+            for order, cells in spool.read():  # [batch, H, N, N]
+                values = cells.astype(np.float64)
                 present = ~np.isnan(values)
-                deviation += np.where(present, np.abs(values - mean[None]), 0.0).sum((0, 2, 3))
-                total += np.where(present, values, 0.0).sum((0, 2, 3))
-        return deviation, total
+                ledger.add(order, {key: (np.where(present, np.abs(values - mean[None]), 0.0).sum((0, 2, 3)),
+                                         np.where(present, values, 0.0).sum((0, 2, 3)))})
+        return ledger.total()
 
     def close(self) -> None:
         for spool in self.spools.values():

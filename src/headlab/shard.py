@@ -5,11 +5,16 @@
 with ``--num-processes N``, which starts N local processes itself (:func:`launch`: the same
 command, with the environment torchrun sets). Every process reads the whole corpus and forms the
 same batches as a one-process run; batch ``i`` is computed by process ``i % N``
-(:meth:`Shard.take`). The statistics are sums and counts, added over the processes in rank order
-(:meth:`Shard.sum`), never averages of averages; what is not a sum (exemplars, translations,
-problems) is gathered and merged by sentence (:meth:`Shard.gather`). So the results equal a
-one-process run's: counts exactly, float sums to the last bits of their rounding. Only the main
-process writes.
+(:meth:`Shard.take`). Only the main process writes.
+
+The results are identical to a one-process run's, to the bit. Float addition is not
+associative, so per-process subtotals added at the end would differ from the one-process sums in
+their last bits; instead a float sum is a :class:`Ledger`: a one-process run adds each batch's
+part to the running total as the batch is done, and a sharded run keeps its batches' parts
+(per-head sums, small), gathers them and adds them in batch order, the same additions from the
+same start. Integer counts (and sums that are exact, such as a table whose rows each come from
+one process) are added over the processes in rank order (:meth:`Shard.sum`); what is not a sum
+(exemplars, translations, problems) is gathered and merged by sentence (:meth:`Shard.gather`).
 
 A computation opts in by reading :func:`active` (set by the commands with :func:`sharding`);
 everything else runs whole in every process, as before.
@@ -30,7 +35,7 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 
-__all__ = ["Shard", "SINGLE", "active", "add_process_options", "check_processes", "launch", "sharding",
+__all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "check_processes", "launch", "sharding",
            "start", "world_size"]
 
 FLAG = "--num-processes"
@@ -61,6 +66,12 @@ class Shard:
             if self.owns(index):
                 yield item
 
+    def numbered(self, items: Iterable) -> Iterator[tuple[int, object]]:
+        """:meth:`take` with each item's number among all of ``items`` (its batch number)."""
+        for index, item in enumerate(items):
+            if self.owns(index):
+                yield index, item
+
     def count(self, n: int) -> int:
         """How many of ``n`` batches :meth:`take` gives this process."""
         return len(range(self.rank, n, self.world))
@@ -77,7 +88,8 @@ class Shard:
 
     def sum(self, value):
         """``value`` (tensors, arrays, numbers, Counters, nested in dicts, lists and tuples) added
-        over the processes in rank order; a dict key one process lacks counts as zero."""
+        over the processes in rank order; a dict key one process lacks counts as zero. Exact for
+        counts, not for float sums that several processes add to (a :class:`Ledger` is)."""
         if not self.split:
             return value
         parts = self.gather(_to_cpu(value))
@@ -99,6 +111,43 @@ class Shard:
 
 SINGLE = Shard()
 _active = SINGLE
+
+
+class Ledger:
+    """A running sum fed one part per batch (and block), that a sharded run adds as one process does.
+
+    ``start`` is the total before the first batch (zeros, an empty dict); :meth:`add` gives a
+    batch's part (tensors, arrays, numbers, nested in dicts, lists and tuples; a dict key the
+    total lacks starts at the part) with its ``order``, the batch's place in the one-process run
+    (its number, or its first sentence's). In one process each part is added at once, ``total =
+    total + part``; in a sharded run the parts are kept (on the CPU) and :meth:`total` (called in
+    every process) gathers them and adds them in ``order`` from ``start``: the same additions of
+    the same numbers in the same order, so the same bits. Parts of one order (a batch's blocks)
+    keep the order they were added in. What is kept: one part per batch of this process; parts
+    should be per-head sums, never anything as large as a batch's attention."""
+
+    def __init__(self, shard: Shard, start) -> None:
+        self._total = _to_cpu(start) if shard.split else start
+        self._parts: list[tuple] | None = [] if shard.split else None  # None: added as they come
+        self._shard = shard
+
+    def add(self, order, part) -> None:
+        if self._shard is not SINGLE and self._parts is None:
+            raise RuntimeError("a part added to a ledger whose total was gathered")
+        if self._parts is None:
+            self._total = _add(self._total, part)
+        else:
+            self._parts.append((order, _to_cpu(part)))
+
+    def total(self):
+        """The sum over every batch; in a sharded run the first call (made in every process)
+        gathers and adds every process's parts, and a ledger so totalled takes no more parts."""
+        if self._parts is not None:
+            parts = [item for items in self._shard.gather(self._parts) for item in items]
+            for _, part in sorted(parts, key=lambda item: item[0]):  # stable: a batch's blocks keep their order
+                self._total = _add(self._total, part)
+            self._parts = None
+        return self._total
 
 
 def active() -> Shard:

@@ -34,6 +34,7 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions.statistic import Labels, empty_labels
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.shard import Ledger, active
 
 __all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
 
@@ -68,8 +69,10 @@ class RareTokenStats:
         self.frequencies = frequencies
         self.top_k = int(top_k)
         self.per_sentence = per_sentence
-        # per sentence: block -> [n sentences, sum of shares, sum of squares] x (rarest, two) per head
-        self.sentences: dict[BlockKey, torch.Tensor] = {}  # [5, n_heads]: n, rarest sum, sq, two sum, sq
+        # per sentence: block -> [n sentences, sum of shares, sum of squares] x (rarest, two) per head,
+        # [5, n_heads]: n, rarest sum, sq, two sum, sq; fed a batch at a time (a Ledger: a sharded
+        # run adds the batches' sums in batch order, as one process does)
+        self._sentences = Ledger(active(), {})
         self._open: dict[BlockKey, torch.Tensor] = {}  # [3, B, H]: this batch's hits, two, queries so far
         self.counts = torch.from_numpy(np.array(frequencies.counts, dtype=np.int64))
         self.top = torch.from_numpy(frequencies.top_mask(self.top_k))
@@ -110,21 +113,27 @@ class RareTokenStats:
             counts = torch.stack([on_rarest.sum(2), on_two.sum(2), valid.sum(2)]).double()  # [3, B, H]
             self._open[key] = self._open[key] + counts if key in self._open else counts
             if view.last:
-                self._close_sentences(key, self._open.pop(key))
+                self._close_sentences(key, self._open.pop(key), view.side.sentence_index[0])
 
-    def _close_sentences(self, key: BlockKey, counts: torch.Tensor) -> None:
+    @property
+    def sentences(self) -> dict[BlockKey, torch.Tensor]:
+        return self._sentences.total()
+
+    def _close_sentences(self, key: BlockKey, counts: torch.Tensor, order: int) -> None:
         hits, two, n = counts
         seen = n > 0  # [B, H]: eligible sentences with a counted query
         share = torch.where(seen, hits / n.clamp(min=1), torch.zeros_like(hits))
         share_two = torch.where(seen, two / n.clamp(min=1), torch.zeros_like(two))
         rows = torch.stack([seen.sum(0).double(), share.sum(0), (share ** 2).sum(0), share_two.sum(0),
                             (share_two ** 2).sum(0)])
-        self.sentences[key] = self.sentences[key] + rows if key in self.sentences else rows
+        self._sentences.add(order, {key: rows})
 
     def reduce(self, shard) -> None:
-        """Add the other processes' counts, and their per-sentence sums (:mod:`headlab.shard`)."""
-        self.n_sentences, self.n_eligible, self.first, self.two, self.queries, self.sentences = shard.sum(
-            (self.n_sentences, self.n_eligible, self.first, self.two, self.queries, self.sentences))
+        """Add the other processes' counts, and their batches' per-sentence sums in batch order
+        (:mod:`headlab.shard`)."""
+        self.n_sentences, self.n_eligible, self.first, self.two, self.queries = shard.sum(
+            (self.n_sentences, self.n_eligible, self.first, self.two, self.queries))
+        self._sentences.total()
 
     def result(self, model: str = "", signature: dict | None = None) -> "RareTokenResult":
         return RareTokenResult(

@@ -52,7 +52,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import METRICS, AblationOptions
-from headlab.shard import active
+from headlab.shard import Ledger, active
 
 __all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]
 
@@ -251,14 +251,15 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
         raise HeadlabError("ablation with the loss needs references or the model's translations")
     device = next(model.parameters()).device
     measures = {m: _MEASURES[m] for m in metrics}
-    totals = {m: {(b.key, h): 0.0 for b, h in variants} for m in metrics}
-    base_totals = dict.fromkeys(metrics, 0.0)
+    shard = active()  # several processes: each its own batches
+    # Per batch: each metric's total under each variant and unmasked, added in batch order (a
+    # Ledger: in several processes, the one-process sums to the bit).
+    ledger = Ledger(shard, ({m: {(b.key, h): 0.0 for b, h in variants} for m in metrics}, dict.fromkeys(metrics, 0.0)))
     n_tokens = 0.0
-    shard = active()  # several processes: each its own batches, the totals added below
     tick = _progress(_n_passes(len(data), batch_size, variants, max_rows, shard), "ablation", progress)
     with eval_mode(model), torch.no_grad():
-        for batch in shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device,
-                                             mask_tokens=True)):
+        for number, batch in shard.numbered(make_batches(data, info, batch_size=batch_size, side="reference",
+                                                         device=device, mask_tokens=True)):
             encoder_out = None
             recorder = _LayerRecorder(model, [b for b, _ in variants])
             try:
@@ -272,18 +273,20 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
             finally:
                 recorder.remove()
             _, count = sequence_nll(logits, batch.labels)
-            for m, measure in measures.items():
-                base_totals[m] += float(measure(logits, batch.labels).sum())
-            n_tokens += float(count.sum())
+            base = {m: float(measure(logits, batch.labels).sum()) for m, measure in measures.items()}
+            n_tokens += float(count.sum())  # an integer: exact in any order
             tick(1)
             copies = max(1, max_rows // batch.size)
+            masked: dict = {m: {} for m in metrics}
             for group in _groups(variants, copies):
                 per_metric = _loss_group(model, info, batch, group, encoder_out, recorder, measures)
                 for m, totals_group in per_metric.items():
                     for (block, head), value in zip(group, totals_group):
-                        totals[m][(block.key, head)] += value
+                        masked[m][(block.key, head)] = value
                 tick(1)
-    totals, base_totals, n_tokens = shard.sum((totals, base_totals, n_tokens))
+            ledger.add(number, (masked, base))
+    totals, base_totals = ledger.total()
+    n_tokens = shard.sum(n_tokens)
     if n_tokens == 0:
         raise HeadlabError("ablation: no token to score in the data")
     out = {}

@@ -45,7 +45,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import ConfidenceOptions
-from headlab.shard import active
+from headlab.shard import Ledger, active
 
 __all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
 
@@ -107,8 +107,10 @@ def compute_confidence(
     if query_chunk is not None and query_chunk < 1:
         raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {query_chunk}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
-    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
-    counts = {b.key: torch.zeros((), dtype=torch.float64) for b in blocks}
+    shard = active()  # several processes: each its own batches, the sums added in batch order below
+    # Per batch and block: the sum of the heads' maxima and the number of queries counted.
+    ledger = Ledger(shard, {b.key: (torch.zeros(b.n_heads, dtype=torch.float64), torch.zeros((), dtype=torch.float64))
+                            for b in blocks})
     current: dict = {}
 
     def allowed(block: AttentionBlock, q_len: int, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +123,7 @@ def compute_confidence(
         return queries, keys
 
     def add(block: AttentionBlock, total: torch.Tensor, n: torch.Tensor) -> None:
-        sums[block.key] += total.cpu()
-        counts[block.key] += n.cpu()
+        ledger.add(current["number"], {block.key: (total.cpu(), n.cpu())})
 
     def on_probs(block: AttentionBlock, probs: torch.Tensor) -> None:
         queries, keys = allowed(block, probs.shape[2], probs.shape[3])
@@ -146,17 +147,18 @@ def compute_confidence(
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks)
-    shard = active()  # several processes: each its own batches, the sums added below
-    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="translation",
-                                      device=next(model.parameters()).device))
+    batches = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
+                                          device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
                             unit="batch")
     with eval_mode(model), torch.no_grad(), capture:
-        for batch in batches:
-            current["batch"] = batch
+        for number, batch in batches:
+            current["batch"], current["number"] = batch, number
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
             model(**batch.inputs, **kwargs)
-    sums, counts = shard.sum((sums, counts))
+    totals = ledger.total()
+    sums = {key: total for key, (total, _) in totals.items()}
+    counts = {key: n for key, (_, n) in totals.items()}
     values = {}
     for key in sums:
         if counts[key] == 0:

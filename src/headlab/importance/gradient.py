@@ -42,7 +42,7 @@ from headlab.importance.data import (
     make_batches,
 )
 from headlab.importance.measure import ImportanceMeasure
-from headlab.shard import SINGLE, Shard, active
+from headlab.shard import SINGLE, Ledger, Shard, active
 
 __all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer"]
 
@@ -65,17 +65,20 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     Gates are at 1, or at 0 for the heads of ``mask``: the importance at the current mask, as in
     the iterative pruning of Michel et al. (Sec. 5). Returns ``{kind: [n_layers, n_heads]}`` and
     the numbers of sentences and tokens scored. With ``shard``, ``batches`` are this process's
-    share, and the sums and counts are added over the processes.
+    share (:meth:`Shard.take`), and the sums are added over the processes in batch order, as
+    one process adds them.
     """
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     keep = {b.key: torch.ones(b.n_heads) for b in blocks}
     for key, heads in (mask or {}).items():
         if key in keep:
             keep[key][list(heads)] = 0.0
-    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    # Per batch: each head's summed |gradient|, added in batch order (this process's k-th batch is
+    # the run's batch rank + k * world).
+    sums = Ledger(shard, {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks})
     n_examples = n_tokens = 0
     with eval_mode(model):
-        for inputs, labels in batches:
+        for k, (inputs, labels) in enumerate(batches):
             device, size = labels.device, labels.shape[0]
             gates = {key: (torch.ones(size, len(k), device=device) * k.to(device)).requires_grad_(True)
                      for key, k in keep.items()}  # one row per sentence: [batch, n_heads]
@@ -84,12 +87,12 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
                 scored = count > 0
                 loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
                 grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
-            for key, grad in zip(gates, grads):
-                if grad is not None:
-                    sums[key] += grad[scored].abs().double().sum(0).cpu()
+            sums.add(shard.rank + k * shard.world, {key: grad[scored].abs().double().sum(0).cpu()
+                                                    for key, grad in zip(gates, grads) if grad is not None})
             n_examples += int(scored.sum())
             n_tokens += int(count.sum())
-    sums, n_examples, n_tokens = shard.sum((sums, n_examples, n_tokens))
+    sums = sums.total()
+    n_examples, n_tokens = shard.sum((n_examples, n_tokens))
     if n_examples == 0:
         raise HeadlabError("gradient importance: no sentence has a token to score")
     scores = block_scores(attention_blocks(model), {key: (v / n_examples).numpy() for key, v in sums.items()}, kinds)

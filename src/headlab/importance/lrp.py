@@ -64,7 +64,7 @@ from headlab.importance.data import (
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import lrp_rules
-from headlab.shard import active
+from headlab.shard import Ledger, active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
            "normalize_per_layer", "sample_targets"]
@@ -333,30 +333,35 @@ def compute_lrp(
         raise HeadlabError(f"LRP targets per sentence must be at least 0 (0: all), got {targets}")
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     keys = [b.key for b in blocks]
-    sums = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
+    shard = active()  # several processes: each its own batches, combined below
+    # Per batch and block: the normalised and the raw relevance summed over the steps, added in
+    # batch order (a Ledger: the one-process sums to the bit).
+    ledger = Ledger(shard, {b.key: (torch.zeros(b.n_heads, dtype=torch.float64),) * 2 for b in blocks})
     per_sentence = {b.key: torch.zeros(len(data), b.n_heads, dtype=torch.float64) for b in blocks}  # bootstrap
     counts = torch.zeros(len(data), dtype=torch.float64)
-    raw = {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks}
     n_steps = n_available = 0
-    shard = active()  # several processes: each its own batches, the sums added below
-    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="translation",
-                                      device=next(model.parameters()).device))
+    batches = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
+                                          device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "lrp", total=shard.count(count_batches(data, batch_size)), unit="batch")
-    for batch in batches:
+    for number, batch in batches:
         n_available += batch.n_steps
         batch = replace(batch, steps=sample_targets(batch.steps, batch.index, targets, seed))
         result = head_relevance(model, batch, blocks=blocks, strategy=strategy, chunk_size=chunk_size)
         n_steps += len(result.steps)
         sentences = torch.as_tensor(batch.index, dtype=torch.long)[result.steps[:, 0].cpu()]
         counts.index_add_(0, sentences, torch.ones(len(sentences), dtype=torch.float64))
+        part = {}
         for key, values in result.relevance.items():
             normalised = normalize_per_layer(values.double()).cpu()
-            sums[key] += normalised.sum(0)  # summed as before sentences were kept apart: the same numbers
+            part[key] = (normalised.sum(0), values.double().sum(0).cpu())
             per_sentence[key].index_add_(0, sentences, normalised)
-            raw[key] += values.double().sum(0).cpu()
-    # A sentence's row is filled by one process (zeros elsewhere): the bootstrap sees the same rows.
-    sums, per_sentence, counts, raw, n_steps, n_available = shard.sum(
-        (sums, per_sentence, counts, raw, n_steps, n_available))
+        ledger.add(number, part)
+    totals = ledger.total()
+    sums = {key: total for key, (total, _) in totals.items()}
+    raw = {key: total for key, (_, total) in totals.items()}
+    # A sentence's row is filled by one process, zeros elsewhere, and its step count is an integer:
+    # added over the processes, the bootstrap sees the one-process rows to the bit.
+    per_sentence, counts, n_steps, n_available = shard.sum((per_sentence, counts, n_steps, n_available))
     if n_steps == 0:
         raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
     signature = {
