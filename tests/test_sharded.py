@@ -175,6 +175,31 @@ def test_sum_adds_every_kind_of_partial_result_in_rank_order(monkeypatch):
     assert [i for i in range(7) if Shard(1, 3).owns(i)] == [1, 4] and Shard(1, 3).count(7) == 2
 
 
+def test_a_ledger_adds_the_batches_parts_in_batch_order_as_one_process_does(monkeypatch):
+    import torch
+
+    from headlab.shard import SINGLE, Ledger, Shard
+
+    # Batch i's part; float addition is not associative: 1 + 1e16 is 1e16.
+    parts = [{"x": torch.tensor([1.0], dtype=torch.float64)}, {"x": torch.tensor([1e16], dtype=torch.float64)},
+             {"x": torch.tensor([1.0], dtype=torch.float64), "y": 0.25}, {"x": torch.tensor([-1e16], dtype=torch.float64)}]
+    start = {"x": torch.zeros(1, dtype=torch.float64)}
+    one = Ledger(SINGLE, start)
+    for number, part in enumerate(parts):
+        one.add(number, part)
+    assert one.total()["x"].item() == 0.0 and one.total()["y"] == 0.25
+    ledgers = [Ledger(Shard(rank, 2), start) for rank in range(2)]
+    for number, part in reversed(list(enumerate(parts))):  # added in any order: the order key counts
+        ledgers[number % 2].add(number, part)
+    kept = [ledger._parts for ledger in ledgers]  # what each process keeps, and gathers
+    monkeypatch.setattr(Shard, "gather", lambda self, value: kept)
+    totals = [ledger.total() for ledger in ledgers]
+    assert all(total["x"].item() == 0.0 and total["y"] == 0.25 for total in totals)  # the same bits
+    assert (1.0 + 1.0) + (1e16 + -1e16) == 2.0  # the processes' subtotals (batches 0, 2 and 1, 3), added
+    with pytest.raises(RuntimeError, match="gathered"):
+        ledgers[0].add(4, parts[0])
+
+
 def test_a_failing_process_stops_the_others_and_gives_its_status():
     import time
 
