@@ -18,7 +18,8 @@ Which attention is analysed:
 
 In a sharded run (:mod:`headlab.shard`) every process reads the whole treebank and forms the
 same batches; batch ``i`` is computed by process ``i % N``, and the statistics, counts and
-problems are combined exactly at the end (:meth:`HeadStatistic.reduce`).
+problems are combined at the end (:meth:`HeadStatistic.reduce`) into the one-process results, to
+the bit.
 
 Bad input never stops the run: a malformed CoNLL-U sentence, a sentence the tokenizer cannot
 align (both reported with file and line, and skipped) and a sentence longer than the model's
