@@ -171,7 +171,8 @@ class AggregateStats:
 
     @property
     def sums(self) -> dict[BlockKey, dict[str, torch.Tensor]]:
-        """Per block, the statistics' sums over the batches settled so far (the whole corpus's after :meth:`reduce`)."""
+        """Per block, the statistics' sums over the batches settled so far (in a sharded run, the
+        whole corpus's once :meth:`reduce` has run)."""
         return self._sums.total()
 
     def update_side(self, kind: str, side: SideBatch) -> None:

@@ -130,9 +130,10 @@ class Ledger:
         self._total = _to_cpu(start) if shard.split else start
         self._parts: list[tuple] | None = [] if shard.split else None  # None: added as they come
         self._shard = shard
+        self._gathered = False
 
     def add(self, order, part) -> None:
-        if self._shard is not SINGLE and self._parts is None:
+        if self._gathered:
             raise RuntimeError("a part added to a ledger whose total was gathered")
         if self._parts is None:
             self._total = _add(self._total, part)
@@ -146,7 +147,7 @@ class Ledger:
             parts = [item for items in self._shard.gather(self._parts) for item in items]
             for _, part in sorted(parts, key=lambda item: item[0]):  # stable: a batch's blocks keep their order
                 self._total = _add(self._total, part)
-            self._parts = None
+            self._parts, self._gathered = None, True
         return self._total
 
 

@@ -19,10 +19,10 @@ report         :func:`headlab.report.build_report` -> index.html
 
 Several processes (``--num-processes N`` or ``accelerate launch``, :mod:`headlab.shard`): the
 importance measures, functions and aggregate split their batches over the processes and combine
-them into the one-process results, to the bit; the main process decides which stages run (markers, ``--skip``), holds the
-lock, writes every file and runs the other stages alone while the rest wait. A stage that fails
-with an error that is not headlab's stops the run (the others cannot go on without its share);
-the finished stages are kept and the same command resumes.
+them into the one-process results, to the bit; the main process decides which stages run
+(markers, ``--skip``), holds the lock, writes every file and runs the other stages alone while
+the rest wait. A stage that fails with an error that is not headlab's stops the run (the others
+cannot go on without its share); the finished stages are kept and the same command resumes.
 
 Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
 :mod:`headlab.analyze.records`); ``force`` runs everything again. A stage that cannot run

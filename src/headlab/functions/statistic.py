@@ -43,8 +43,8 @@ class HeadStatistic(Protocol):
     once per batch and analysed kind, before the forward pass), ``reduce(shard)`` (called in every
     process of a sharded run after the last batch: combine the processes' states so that
     ``result`` is the whole corpus's, to the bit: counts added, float sums kept per batch in a
-    :class:`~headlab.shard.Ledger` and added in batch order; :mod:`headlab.shard`) and ``close()`` (called
-    at the end, also after an error). The registry builds it from an ``AnalysisConfig`` through a
+    :class:`~headlab.shard.Ledger` and added in batch order; :mod:`headlab.shard`) and
+    ``close()`` (called at the end, also after an error). The registry builds it from an ``AnalysisConfig`` through a
     factory that returns None when the configuration does not ask for it."""
 
     def update(self, view: AttentionView) -> None: ...

@@ -73,12 +73,12 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     for key, heads in (mask or {}).items():
         if key in keep:
             keep[key][list(heads)] = 0.0
-    # Per batch: each head's summed |gradient|, added in batch order (this process's k-th batch is
-    # the run's batch rank + k * world).
+    # Per batch: each head's summed |gradient|, added in batch order (this process's batch number
+    # ``mine`` is the run's batch rank + mine * world).
     sums = Ledger(shard, {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks})
     n_examples = n_tokens = 0
     with eval_mode(model):
-        for k, (inputs, labels) in enumerate(batches):
+        for mine, (inputs, labels) in enumerate(batches):
             device, size = labels.device, labels.shape[0]
             gates = {key: (torch.ones(size, len(k), device=device) * k.to(device)).requires_grad_(True)
                      for key, k in keep.items()}  # one row per sentence: [batch, n_heads]
@@ -87,8 +87,8 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
                 scored = count > 0
                 loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
                 grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
-            sums.add(shard.rank + k * shard.world, {key: grad[scored].abs().double().sum(0).cpu()
-                                                    for key, grad in zip(gates, grads) if grad is not None})
+            sums.add(shard.rank + mine * shard.world, {key: grad[scored].abs().double().sum(0).cpu()
+                                                       for key, grad in zip(gates, grads) if grad is not None})
             n_examples += int(scored.sum())
             n_tokens += int(count.sum())
     sums = sums.total()
