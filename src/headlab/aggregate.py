@@ -25,7 +25,10 @@ the share of attention that reaches words. Per head, over all sentences ``x``:
 For distance, POS and dependency alignment, ``min_weight`` > 0 keeps only weights above it
 (Vig & Belinkov restrict these proportions to high-confidence weights; the default, 0, keeps
 all). Memory stays constant: sums per head, a bounded heap per head, and for variability the
-window's cells are spooled to a temporary file and read back once at the end.
+window's cells are spooled to a temporary file and read back once at the end, a batch at a time.
+The sums are added once per batch (a block's views, under ``query_chunk``, are summed first), so
+that a sharded run, which keeps each batch's sums (:class:`headlab.shard.Ledger`: per head, about
+``8 x window^2`` bytes per batch and block), adds them in the same order as one process.
 """
 
 from __future__ import annotations
