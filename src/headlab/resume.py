@@ -16,7 +16,7 @@ from pathlib import Path
 
 from headlab.heads import atomic_write_text
 
-__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "stage_key", "now_iso"]
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
@@ -61,6 +61,18 @@ def file_fingerprint(path: str | os.PathLike | None) -> str | None:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def weights_fingerprint(model_dir: str | os.PathLike) -> str | None:
+    """SHA-256 of what a model computes: its config.json, its safetensors weights and, for a pruned
+    model, headlab_pruning.json. A new card or tokenizer file leaves it unchanged; retrained weights
+    change it. None when ``model_dir`` is not a local directory with a config (a hub name)."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return None
+    files = [path / "config.json", *sorted(path.glob("*.safetensors")), path / "headlab_pruning.json"]
+    parts = [f"{f.name}={file_fingerprint(f)}" for f in files if f.is_file()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def stage_key(payload: dict) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 from headlab.errors import HeadlabError
 
-__all__ = ["Scores", "compute_scores"]
+__all__ = ["Scores", "compute_scores", "paired_bootstrap", "bleu_interval", "N_SAMPLES", "SEED"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,44 @@ def compute_scores(hypotheses: Sequence[str], references: Sequence[str]) -> Scor
         chrf_text=str(chrf_score),
         n_sentences=len(references),
     )
+
+
+# ----------------------------------------------------------------------------- bootstrap over sentences
+
+N_SAMPLES = 1000  # sacreBLEU's default number of resamples
+SEED = 12345  # sacreBLEU's default seed (SACREBLEU_SEED)
+
+
+def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str], *,
+                     n_samples: int = N_SAMPLES, seed: int = SEED) -> dict:
+    """BLEU(system) - BLEU(baseline) with its 95% paired-bootstrap interval and sacreBLEU's p-value
+    (Koehn 2004: the same resampled sentences score both systems)."""
+    from sacrebleu.significance import PairedTest
+
+    if not len(baseline) == len(system) == len(references):
+        raise ValueError(f"{len(baseline)} / {len(system)} hypotheses for {len(references)} references")
+    metric = BLEU()
+    refs = [list(references)]
+    stats_b = np.array(metric._extract_corpus_statistics(list(baseline), refs), dtype="float64")
+    stats_s = np.array(metric._extract_corpus_statistics(list(system), refs), dtype="float64")
+    score = lambda stats: metric._compute_score_from_stats(list(stats.sum(0))).score  # noqa: E731
+    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
+    diffs = np.array([score(stats_s[i]) - score(stats_b[i]) for i in idxs])
+    _, results = PairedTest([("baseline", list(baseline)), ("system", list(system))], {"BLEU": BLEU()}, refs,
+                            test_type="bs", n_samples=n_samples)()
+    p = results["BLEU"][1].p_value
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return {"baseline": score(stats_b), "system": score(stats_s), "delta": score(stats_s) - score(stats_b),
+            "low": float(low), "high": float(high), "p": float(p), "n_sentences": len(references),
+            "n_samples": n_samples}
+
+
+def bleu_interval(hypotheses: Sequence[str], references: Sequence[str], *, n_samples: int = N_SAMPLES,
+                  seed: int = SEED) -> tuple[float, float, float]:
+    """Corpus BLEU and its 95% bootstrap interval over test sentences."""
+    metric = BLEU()
+    stats = np.array(metric._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype="float64")
+    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
+    scores = [metric._compute_score_from_stats(list(stats[i].sum(0))).score for i in idxs]
+    low, high = np.percentile(scores, [2.5, 97.5])
+    return metric._compute_score_from_stats(list(stats.sum(0))).score, float(low), float(high)

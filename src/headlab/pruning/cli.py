@@ -23,6 +23,7 @@ from headlab.device_options import set_threads
 from headlab.errors import HeadlabError
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
+from headlab.resume import weights_fingerprint
 
 SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
 
@@ -56,6 +57,9 @@ def _add_train_options(p) -> None:
     add_options(p, PruneConfig().train, ("lr", "warmup_steps", "max_tokens", "label_smoothing", "max_epochs",
                                          "max_steps", "save_every_steps"))
     add_options(p, PruneConfig, ("log_every", "eval_beam", "latency_sentences"))
+    p.add_argument("--dev-src", help="development source file for the curve of --dev-every (not the evaluation set)")
+    p.add_argument("--dev-tgt", help="development reference file")
+    add_options(p, PruneConfig, ("dev_every", "dev_sentences"))
     add_options(p, PruneConfig().train, ("seed",))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -138,16 +142,44 @@ def _check_inputs(args) -> None:
         raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
-    for flag in ("--train-text", "--train-src", "--train-tgt", "--valid-src", "--valid-tgt"):
-        path = getattr(args, flag[2:].replace("-", "_"))
+    for flag in ("--train-text", "--train-src", "--train-tgt", "--valid-src", "--valid-tgt", "--dev-src", "--dev-tgt"):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
         if path is not None:
             preflight.input_file(path, flag)
+    _check_dev(args)
     preflight.model_dir(args.model)
     if args.tokenizer is not None:
         preflight.model_dir(args.tokenizer, "--tokenizer")
     for name in ("limit", "eval_limit", "max_sentence_tokens", "threads"):
         preflight.at_least(getattr(args, name), 1, "--" + name.replace("_", "-"))
     preflight.output_dir(args.out)
+
+
+def _check_dev(args) -> None:
+    """The development curve: both files and --dev-every, and not the evaluation set."""
+    dev_src, dev_tgt = getattr(args, "dev_src", None), getattr(args, "dev_tgt", None)
+    every = getattr(args, "dev_every", 0) or 0
+    if (dev_src is None) != (dev_tgt is None):
+        raise HeadlabError("give both --dev-src and --dev-tgt, or neither")
+    if every < 0:
+        raise HeadlabError(f"--dev-every must be >= 0, got {every}")
+    if (dev_src is not None) != (every > 0):
+        raise HeadlabError("--dev-src/--dev-tgt and --dev-every N go together (the curve needs both)")
+    if dev_src is not None and args.valid_src is not None and Path(dev_src).resolve() == Path(args.valid_src).resolve():
+        raise HeadlabError(f"--dev-src {dev_src} is the evaluation set (--valid-src): the development curve decides how "
+                           "long to fine-tune, so it must use other sentences (e.g. the validation split)")
+    if getattr(args, "dev_sentences", None) is not None and args.dev_sentences < 1:
+        raise HeadlabError(f"--dev-sentences must be >= 1, got {args.dev_sentences}")
+
+
+def _dev_data(args):
+    """The development set of --dev-src/--dev-tgt (its first --dev-sentences pairs), or None."""
+    from headlab.data import read_parallel
+
+    if getattr(args, "dev_src", None) is None:
+        return None
+    data = read_parallel(args.dev_src, args.dev_tgt)
+    return data.subset(args.dev_sentences) if args.dev_sentences else data
 
 
 def _load(args):
@@ -202,11 +234,12 @@ def run_train(args) -> int:
         raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
     config = _config(args, args.out)  # checks before loading anything heavy
     _check_inputs(args)
+    config.model_fingerprint = weights_fingerprint(args.model) or ""
     set_threads(args.threads)
     with training_lock(args.out):  # a second run on the same directory refuses (main process only)
         model, tokenizer = _load(args)
         train_data, eval_data = _data(args, tokenizer, model)
-        result = prune_train(model, tokenizer, train_data, eval_data, config, log=_log())
+        result = prune_train(model, tokenizer, train_data, eval_data, config, dev_data=_dev_data(args), log=_log())
     if result.stopped == "diverged":
         print(f"headlab prune train: {result.message}", file=sys.stderr)
         return 1
@@ -225,13 +258,14 @@ def run_sweep_command(args) -> int:
     args.lam, args.keep = 0.0, None
     config = _config(args, args.out)
     _check_inputs(args)
+    config.model_fingerprint = weights_fingerprint(args.model) or ""
     set_threads(args.threads)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
         model, tokenizer = _load(args)
         train_data, eval_data = _data(args, tokenizer, model)
         del model
         rows = run_sweep(lambda: _load(args), train_data, eval_data, config, points, args.out,
-                         reference=not args.no_reference, log=_log())
+                         reference=not args.no_reference, dev_data=_dev_data(args), log=_log())
     print((Path(args.out) / "sweep.md").read_text(), end="")
     return 1 if any(row.get("status") == "diverged" for row in rows) else 0
 

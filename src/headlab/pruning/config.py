@@ -43,7 +43,13 @@ class PruneConfig:
     eval_batch_size: int = 64
     latency_sentences: int = option(0, "time encoder and translation on N evaluation sentences (0: off)",
                                     flag="latency", metavar="N")
+    dev_every: int = option(0, "translate the development set (--dev-src/--dev-tgt) greedily every N updates and "
+                            "before the first; the curve shows whether fine-tuning has stopped moving (0: off)",
+                            metavar="N")
+    dev_sentences: int | None = option(None, "use the first N sentences of the development set (default: all)",
+                                       metavar="N")
     command: str = ""  # the command line, for the model card
+    model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
         validate=False, keep_epoch_checkpoints=False, save_every_steps=200))

@@ -2,9 +2,13 @@
 
 Each point runs in ``OUT/lam-<value>/`` (or ``OUT/keep-<N>/``) as :func:`prune_train` does. A
 point with a ``result.json`` is finished and skipped; a point with a ``train/last`` checkpoint
-is resumed. After every point the table is rewritten atomically as ``sweep.json``, ``sweep.csv``
-and ``sweep.md``: lambda, heads kept per kind, BLEU, chrF, loss (the data of Voita et al. 2019,
-Fig. 7 and Fig. 9).
+is resumed. Either only if it was made from the same weights (``model_sha256``, the starting
+model's :func:`~headlab.resume.weights_fingerprint`) with the same options (its
+``prune_config.json``): a point made otherwise is *stale*, moved to ``OUT/stale/`` (nothing is
+deleted) and run again, and so is a ``full.json`` of other weights (a point that records no
+``model_sha256``, made before headlab recorded it, counts as made from other weights). After
+every point the table is rewritten atomically as ``sweep.json``, ``sweep.csv`` and ``sweep.md``:
+lambda, heads kept per kind, BLEU, chrF, loss (the data of Voita et al. 2019, Fig. 7 and Fig. 9).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
-from headlab.pruning.train import RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
+from headlab.pruning.train import CONFIG_FILE, RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
 
@@ -46,6 +50,65 @@ def sweep_points(lams=(), keeps=()) -> list[dict]:
     if len(set(names)) != len(names):
         raise HeadlabError(f"repeated sweep points: {names}")
     return points
+
+
+# Options that do not change what a point computes (where it runs, how it logs, what it times).
+_NOT_RESULT = {"command", "log_every", "latency_sentences", "eval_batch_size", "model_fingerprint", "lam", "keep"}
+_NOT_RESULT_TRAIN = {"out_dir", "resume", "overwrite", "progress", "save_every_steps"}
+
+
+def _result_options(config: dict) -> dict:
+    """The options of a point (a PruneConfig as a dict) that its result depends on."""
+    out = {k: v for k, v in config.items() if k not in _NOT_RESULT and k != "train"}
+    out["train"] = {k: v for k, v in config.get("train", {}).items() if k not in _NOT_RESULT_TRAIN}
+    return json.loads(json.dumps(out))  # tuples as lists, as read back from a file
+
+
+def stale_reason(point_dir: Path, base: PruneConfig) -> str | None:
+    """Why the run in ``point_dir`` (finished or not) was not made by ``base``'s weights and options;
+    None when it was (or when nothing there records either: no run yet)."""
+    config_file = point_dir / CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    try:
+        recorded = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return f"{config_file} is not readable"
+    result_file = point_dir / RESULT_FILE
+    if result_file.is_file():
+        weights = json.loads(result_file.read_text(encoding="utf-8")).get("model_sha256")
+    else:
+        weights = recorded.get("model_fingerprint") or None
+    if base.model_fingerprint and weights != base.model_fingerprint:
+        return f"made from other weights (model_sha256 {(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})"
+    defaults = PruneConfig().to_dict()  # an option added since the point ran had its default then
+    recorded = {**defaults, **recorded, "train": {**defaults["train"], **recorded.get("train", {})}}
+    old, new = _result_options(recorded), _result_options(base.to_dict())
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "train")
+    changed += sorted(f"train.{k}" for k in set(old["train"]) | set(new["train"])
+                      if old["train"].get(k) != new["train"].get(k))
+    if changed:
+        return "made with other options: " + ", ".join(
+            f"{k} {_option(old, k)} -> {_option(new, k)}" for k in changed)
+    return None
+
+
+def _option(options: dict, key: str):
+    if key.startswith("train."):
+        return options["train"].get(key[len("train."):])
+    return options.get(key)
+
+
+def _set_aside(path: Path, out_dir: Path, log: Callable[[str], None], reason: str) -> None:
+    """Move a stale point (or full.json) to ``out_dir/stale/`` under a name not taken yet."""
+    stale = out_dir / "stale"
+    stale.mkdir(exist_ok=True)
+    target, i = stale / path.name, 1
+    while target.exists():
+        i += 1
+        target = stale / f"{path.name}.old{i}"
+    path.rename(target)
+    log(f"{path.name}: {reason}; moved to {target} and run again")
 
 
 def _row(name: str, point: dict, result: dict) -> dict:
@@ -82,16 +145,27 @@ def write_table(rows: list[dict], out_dir: Path) -> None:
 
 
 def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfig, points: list[dict],
-              out_dir: str | Path, *, reference: bool = True, log: Callable[[str], None] = print) -> list[dict]:
+              out_dir: str | Path, *, reference: bool = True, dev_data=None,
+              log: Callable[[str], None] = print) -> list[dict]:
     """Run (or resume) every point; ``load()`` returns a fresh ``(model, tokenizer)`` each time.
 
     With ``reference`` the unpruned model is evaluated once (``full.json``) and heads the table.
+    ``dev_data``: the development set of every point's curve (``base.dev_every``). A point or
+    ``full.json`` made from other weights or options is moved to ``out_dir/stale/`` and redone.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if reference and eval_data is not None:
         full_file = out_dir / "full.json"
+        if full_file.is_file():
+            full = json.loads(full_file.read_text())
+            weights = full.get("model_sha256")
+            if base.model_fingerprint and weights != base.model_fingerprint:
+                _set_aside(full_file, out_dir, log, f"made from other weights (model_sha256 "
+                           f"{(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})")
+            elif full.get("metrics", {}).get("beam", base.eval_beam) != base.eval_beam:
+                _set_aside(full_file, out_dir, log, f"evaluated with beam {full['metrics']['beam']}, now {base.eval_beam}")
         if full_file.is_file():
             full = json.loads(full_file.read_text())
         else:
@@ -105,13 +179,17 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
 
                 metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: base.latency_sentences]),
                                                      beam=base.eval_beam)
-            full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference"}
+            full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference",
+                    "model_sha256": base.model_fingerprint or None}
             atomic_write_text(full_file, json.dumps(full, indent=2) + "\n")
         rows.append(_row("full", {"lam": None, "keep": None}, full))
     for point in points:
         name = point_name(point)
         point_dir = out_dir / name
         result_file = point_dir / RESULT_FILE
+        reason = stale_reason(point_dir, replace(base, lam=point["lam"], keep=point["keep"]))
+        if reason is not None:
+            _set_aside(point_dir, out_dir, log, reason)
         if result_file.is_file():
             log(f"{name}: finished earlier, skipped")
             rows.append(_row(name, point, json.loads(result_file.read_text())))
@@ -122,7 +200,7 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
         config.lam, config.keep = point["lam"], point["keep"]
         config.train = replace(config.train, out_dir=str(point_dir), resume=resume, overwrite=not resume)
         model, tokenizer = load()
-        result = prune_train(model, tokenizer, train_data, eval_data, config, log=log)
+        result = prune_train(model, tokenizer, train_data, eval_data, config, dev_data=dev_data, log=log)
         row = _row(name, point, result.to_dict())
         rows.append(row)
         write_table(rows, out_dir)

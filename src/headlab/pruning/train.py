@@ -21,9 +21,12 @@ Layout of ``out_dir``::
     prune_config.json   the options
     train/              the trainer's run (last/ is the resume point and the last good checkpoint)
     trajectory.jsonl    one JSON object per diagnostics step (appended, fsync'ed)
+    dev_curve.jsonl     with a development set: its BLEU every --dev-every updates (headlab.pruning.dev)
+    dev/                the development translations of each of those evaluations
     gates.json          final P(open) per head (a HeadScores file)
     pruned/             the physically smaller model (save_pruned) + tokenizer + README.md card
-    result.json         heads kept per kind, BLEU, chrF, loss, parameters; written last
+    result.json         heads kept per kind, BLEU, chrF, loss, parameters, the development curve,
+                        the weights' fingerprint (model_sha256); written last
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +51,7 @@ from headlab.heads import KINDS, atomic_write_text
 from headlab.nmt.train import EncodedCorpus, TrainConfig, has_model, label_smoothed_loss, scoring_batches, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
+from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.surgery import count_parameters, prune_heads, save_pruned
 
@@ -111,6 +116,8 @@ def _check_config(config: PruneConfig) -> None:
         raise HeadlabError("--gate-lr and --multiplier-lr must be > 0")
     if config.loss not in ("auto", "seq2seq", "causal_lm", "masked_lm"):
         raise HeadlabError(f"unknown loss {config.loss!r} (auto, seq2seq, causal_lm, masked_lm)")
+    if config.dev_every < 0:
+        raise HeadlabError(f"--dev-every must be >= 0, got {config.dev_every}")
 
 
 def _decoder_parameters(model) -> set[int]:
@@ -467,12 +474,14 @@ def model_card(result: dict, config: PruneConfig, load_line: str = "Load with `h
 
 
 def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfig | None = None, *,
-                accelerator=None, log: Callable[[str], None] | None = None) -> PruneResult:
+                dev_data=None, accelerator=None, log: Callable[[str], None] | None = None) -> PruneResult:
     """Gated fine-tuning of ``model`` into ``config.train.out_dir``'s parent layout (see module doc).
 
     ``train_data``: a ParallelCorpus for translation, an EncodedCorpus for LMs
     (:func:`encode_lm_corpus`). ``eval_data``: a ParallelCorpus scored at the end (BLEU, chrF,
-    loss) with the pruned model, or None. Returns a :class:`PruneResult`; on divergence
+    loss) with the pruned model, or None. ``dev_data``: a ParallelCorpus translated every
+    ``config.dev_every`` updates (:mod:`headlab.pruning.dev`; a translation model only), or None.
+    Returns a :class:`PruneResult`; on divergence
     (``stopped == "diverged"``) nothing is exported and ``train/last`` is the last good checkpoint.
     """
     from accelerate import Accelerator
@@ -493,6 +502,10 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
     loss_kind, compute_loss = _loss_for(model, tokenizer, config)
+    if (dev_data is None) != (config.dev_every == 0):
+        raise HeadlabError("a development curve needs both development data (--dev-src/--dev-tgt) and --dev-every N > 0")
+    if dev_data is not None and loss_kind != "seq2seq":
+        raise HeadlabError("the development curve is greedy BLEU: it needs a translation model (--loss seq2seq)")
     if not isinstance(train_data, EncodedCorpus):  # encode once here to know the number of steps
         from headlab.nmt.train import encode_corpus
 
@@ -517,14 +530,30 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resuming:  # a fresh start: the old run's files would mislead
-            for name in (TRAJECTORY_FILE, RESULT_FILE, "gates.json"):
+            for name in (TRAJECTORY_FILE, RESULT_FILE, "gates.json", DEV_CURVE_FILE):
                 if (out_dir / name).exists():
                     (out_dir / name).unlink()
+            if (out_dir / DEV_DIR).is_dir():
+                shutil.rmtree(out_dir / DEV_DIR)
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
 
     heads_total = heads_per_kind(model)
     attach_gates(model, gates)
     diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
+    dev = None
+    if dev_data is not None:
+        dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
+                       batch_size=config.eval_batch_size, log=log)
+        if accelerator.is_main_process and not dev.done(0):
+            dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+
+    def callback(model, step: int, info: dict) -> None:
+        if config.log_every > 0 and step % config.log_every == 0:
+            diagnostics.callback(model, step, info)
+        if dev is not None:
+            dev.callback(model, step, info)
+
+    periods = [n for n in (config.log_every, config.dev_every) if n > 0]
     gate_ids = {id(p) for p in gates.log_alpha.parameters()}
     budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
 
@@ -544,8 +573,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
 
     try:
         result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
-                       extra_loss=diagnostics.extra_loss, trainable=trainable, callback=diagnostics.callback,
-                       callback_every=config.log_every, optimizer_factory=optimizer_factory,
+                       extra_loss=diagnostics.extra_loss, trainable=trainable, callback=callback,
+                       callback_every=math.gcd(*periods) if periods else 0, optimizer_factory=optimizer_factory,
                        accelerator=accelerator, log=log)
     except BaseException:
         detach_gates(model)
@@ -561,6 +590,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if dev is not None and not dev.done(result.step):
+            dev.evaluate(model, result.step)  # test-time gates: the model about to be exported
         gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
         pruned_dir = out_dir / "pruned"
         sizes = export_pruned(model, spec, pruned_dir, tokenizer)
@@ -576,7 +607,14 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
                                                  beam=config.eval_beam)
         outcome.metrics = metrics
         record = outcome.to_dict()
-        record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command)
+        record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
+                      model_sha256=config.model_fingerprint or None)
+        if dev is not None:
+            record["dev"] = dev.summary()
+            flat = record["dev"]["plateau"]
+            if flat is not None:
+                log(f"dev BLEU from step {flat['from_step']} to {flat['to_step']}: {flat['delta']:+.2f} "
+                    f"[{flat['low']:+.2f}, {flat['high']:+.2f}] ({flat['call']})")
         from headlab.portable import how_to_load
         from headlab.surgery import PRUNING_FILE
 

@@ -19,42 +19,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 from headlab.heads import atomic_write_text
+from headlab.nmt.bleu import N_SAMPLES, SEED, bleu_interval, paired_bootstrap
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
 from headlab.resume import SkipStage
 
 __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
-
-N_SAMPLES = 1000  # sacreBLEU's default number of resamples
-SEED = 12345  # sacreBLEU's default seed (SACREBLEU_SEED)
-
-
-def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str], *,
-                     n_samples: int = N_SAMPLES, seed: int = SEED) -> dict:
-    """BLEU(system) - BLEU(baseline) with its 95% paired-bootstrap interval and sacreBLEU's p-value."""
-    from sacrebleu.metrics import BLEU
-    from sacrebleu.significance import PairedTest
-
-    if not len(baseline) == len(system) == len(references):
-        raise ValueError(f"{len(baseline)} / {len(system)} hypotheses for {len(references)} references")
-    metric = BLEU()
-    refs = [list(references)]
-    stats_b = np.array(metric._extract_corpus_statistics(list(baseline), refs), dtype="float64")
-    stats_s = np.array(metric._extract_corpus_statistics(list(system), refs), dtype="float64")
-    score = lambda stats: metric._compute_score_from_stats(list(stats.sum(0))).score  # noqa: E731
-    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
-    diffs = np.array([score(stats_s[i]) - score(stats_b[i]) for i in idxs])
-    _, results = PairedTest([("baseline", list(baseline)), ("system", list(system))], {"BLEU": BLEU()}, refs,
-                            test_type="bs", n_samples=n_samples)()
-    p = results["BLEU"][1].p_value
-    low, high = np.percentile(diffs, [2.5, 97.5])
-    return {"baseline": score(stats_b), "system": score(stats_s), "delta": score(stats_s) - score(stats_b),
-            "low": float(low), "high": float(high), "p": float(p), "n_sentences": len(references),
-            "n_samples": n_samples}
 
 
 def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -122,16 +96,3 @@ def run_hypotheses(config: ReproduceConfig, model: ModelEntry, *, force: bool = 
         done.append(f"(Python) translate {config.rel(config.data_file(split, model.src))} with {config.rel(directory)} "
                     f"(greedy) -> hypotheses/{name}.txt")
     return done
-
-
-def bleu_interval(hypotheses: Sequence[str], references: Sequence[str], *, n_samples: int = N_SAMPLES,
-                  seed: int = SEED) -> tuple[float, float, float]:
-    """Corpus BLEU and its 95% bootstrap interval over test sentences."""
-    from sacrebleu.metrics import BLEU
-
-    metric = BLEU()
-    stats = np.array(metric._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype="float64")
-    idxs = np.random.default_rng(seed).choice(len(references), size=(n_samples, len(references)), replace=True)
-    scores = [metric._compute_score_from_stats(list(stats[i].sum(0))).score for i in idxs]
-    low, high = np.percentile(scores, [2.5, 97.5])
-    return metric._compute_score_from_stats(list(stats.sum(0))).score, float(low), float(high)

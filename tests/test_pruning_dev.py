@@ -1,0 +1,87 @@
+"""The development curve of gated fine-tuning and the stale-point rule of sweeps (tiny Marian)."""
+
+import json
+
+import pytest
+
+from headlab.cli import main
+from headlab.pruning.dev import plateau, read_dev_curve
+from headlab.pruning.train import prune_train
+from headlab.resume import weights_fingerprint
+from support.nmt import DATA
+from support.nmt import tiny_marian as marian
+from test_pruning_train import config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    marian(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_dev_curve_every_n_updates_with_its_plateau_and_resume(corpus, tokenizer, tmp_path):
+    out = tmp_path / "r"
+    dev = corpus.subset(8)
+    options = config(out, epochs=2, lam=0.0, dev_every=4, log_every=0)
+    result = prune_train(marian(tokenizer), tokenizer, corpus.subset(60), None, options, dev_data=dev)
+    curve = read_dev_curve(out)
+    steps = [r["step"] for r in curve]
+    assert steps[0] == 0 and steps[-1] == result.step and steps[1:-1] == list(range(4, result.step, 4))
+    assert all(r["n_sentences"] == 8 and r["low"] <= r["bleu"] <= r["high"] and r["beam"] == 1 for r in curve)
+    assert curve[0]["heads_open"] == {"enc_self": 8, "dec_self": 8, "dec_cross": 8}
+    saved = json.loads((out / "result.json").read_text())["dev"]
+    assert saved["curve"] == curve and saved["every"] == 4
+    flat = saved["plateau"]
+    assert flat["to_step"] == result.step and flat["from_step"] <= result.step / 2
+    assert flat["low"] <= flat["delta"] <= flat["high"] and flat["call"] in ("flat", "rising", "undecided")
+    # A torn line from a kill is skipped; a step evaluated again keeps the newer record.
+    with open(out / "dev_curve.jsonl", "a") as handle:
+        handle.write(json.dumps({**curve[1], "bleu": -1.0}) + "\n" + '{"step": 9')
+    assert len(read_dev_curve(out)) == len(curve) and read_dev_curve(out)[1]["bleu"] == -1.0
+    # Identical translations: no change, so flat.
+    same = [{"step": 0}, {"step": 8}]
+    (out / "dev" / "step-000008.txt").write_text((out / "dev" / "step-000000.txt").read_text())
+    assert plateau(same, out, list(dev.targets))["call"] == "flat"
+    assert plateau(same[:1], out, list(dev.targets)) is None
+
+
+def test_cli_dev_options_and_stale_points(model_dir, tmp_path, capsys):
+    base = ["prune", "sweep", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "test_2016_flickr.en.gz"),
+            "--valid-tgt", str(DATA / "test_2016_flickr.de.gz"), "--limit", "40", "--eval-limit", "4",
+            "--max-tokens", "400", "--eval-beam", "1", "--log-every", "0", "--no-progress", "--gates", "enc_self"]
+    out = tmp_path / "s"
+    dev = ["--dev-src", str(DATA / "val.en.gz"), "--dev-tgt", str(DATA / "val.de.gz"), "--dev-sentences", "4"]
+    # The development set may not be the evaluation set; its options go together.
+    same = ["--dev-src", str(DATA / "test_2016_flickr.en.gz"), "--dev-tgt", str(DATA / "test_2016_flickr.de.gz")]
+    assert main(base + same + ["--dev-every", "2", "--lams", "0", "--out", str(out)]) == 2
+    assert "is the evaluation set" in capsys.readouterr().err
+    assert main(base + dev + ["--lams", "0", "--out", str(out)]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert not (out / "lam-0").exists()
+
+    args = base + dev + ["--dev-every", "2", "--lams", "0", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads((out / "lam-0" / "result.json").read_text())
+    assert result["model_sha256"] == weights_fingerprint(model_dir)
+    assert json.loads((out / "full.json").read_text())["model_sha256"] == result["model_sha256"]
+    assert [r["n_sentences"] for r in result["dev"]["curve"]] == [4] * len(result["dev"]["curve"])
+    capsys.readouterr()
+
+    # Same weights, same options: skipped. Other options: stale, set aside and redone.
+    assert main(args) == 0
+    assert "lam-0: finished earlier, skipped" in capsys.readouterr().err
+    assert main(base + dev + ["--dev-every", "3", "--lams", "0", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "lam-0: made with other options: dev_every 2 -> 3" in err and (out / "stale" / "lam-0").is_dir()
+
+    # Retrained weights (a new bundled model): every point and full.json are stale.
+    config_file = model_dir / "config.json"
+    config_file.write_text(config_file.read_text().replace('"dropout": 0.1', '"dropout": 0.2'))
+    assert main(base + dev + ["--dev-every", "3", "--lams", "0", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "full.json: made from other weights" in err and "lam-0: made from other weights" in err
+    assert (out / "stale" / "full.json").is_file() and (out / "stale" / "lam-0.old2").is_dir()
+    assert json.loads((out / "lam-0" / "result.json").read_text())["model_sha256"] == weights_fingerprint(model_dir)
