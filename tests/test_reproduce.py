@@ -90,8 +90,9 @@ def workspace(tmp_path_factory):
         "parse": {"model": "parser", "split": "valid"},
         "pooling": ["first"],
         "prune": {"options": {"max-tokens": 300, "max-steps": 3, "lr": "1e-3", "gate-lr": 0.1, "log-every": 1,
-                              "eval-beam": 1},
-                  "enc": {"gates": "enc_self", "keeps": [4], "lams": [0.5]},
+                              "eval-beam": 1, "dev-every": 2},
+                  "dev_split": "valid",
+                  "enc": {"gates": "enc_self", "keeps": [4], "lams": [0, 0.5]},
                   "all": {"gates": "all", "keeps": [12]}},
         "baselines": {"keeps": [2], "add_sweep_counts": True, "options": {"max-tokens": 300, "eval-beam": 1},
                       "methods": {"random": {"seeds": "1,2"}, "michel": {"importance-batches": 1}, "lrp": {}}},
@@ -181,6 +182,15 @@ def test_report_comes_from_the_result_files(workspace, first_run):
     keep4 = [line for line in by_key["sec6.2"].details["tiny"] if line.startswith("| keep-4 |")]
     # keep-4's pruned model was on disk, so its change has a paired interval, not the unpaired bound.
     assert keep4 and "]" in keep4[0] and "unpaired" not in keep4[0]
+    # The lambda = 0 control: against the full model, the fixed-lambda point against it, its development curve.
+    checks = {check.label.split(":")[0]: check.cells["tiny"] for check in by_key["sec6.2"].checks}
+    assert checks["fine-tuning alone"].value.startswith("lam-0 (3 updates): ")
+    assert checks["fine-tuning has stopped moving"].value.startswith("lam-0: ") and \
+        checks["fine-tuning has stopped moving"].verdict.split(":")[0] in ("holds", "does not hold", "inconclusive")
+    assert "lambda 0.5): " in checks["the fixed-lambda points against the lambda = 0 control (change [95% interval])"].value
+    details = "\n".join(by_key["sec6.2"].details["tiny"])
+    assert "| lam-0 | lambda 0 (control) | 3 |" in details and "| updates | lam-0 | lam-0.5 |" in details
+    assert "| 0 | " in details and "| 2 | " in details and "| 3 | " in details
     keys = [c["key"] for c in json.loads((workspace / "results" / "claims.json").read_text())["claims"]]
     assert keys == [c.key for c in claims] + ["vig"] and keys[:2] == ["setting", "sec4"]
 
@@ -207,6 +217,31 @@ def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):
     doc.write_text(text.replace("<!-- END generated:sec4 -->", "stale\n<!-- END generated:sec4 -->"))
     assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--docs-only"]) == 0
     assert doc.read_text() == text
+
+
+def test_retrained_model_makes_markers_and_points_stale(workspace, first_run, tmp_path):
+    """A new bundled model (other weights): every stage runs again, the sweep sets its points aside,
+    and the report drops the committed copies of the old points."""
+    config = _config(workspace)
+    model_config = workspace / "model" / "config.json"
+    original = model_config.read_text()
+    messages = []
+    try:
+        model_config.write_text(original.replace('"dropout": 0.1', '"dropout": 0.15'))
+        outcomes = run_pipeline(config, models=["tiny"], stages=["prune-enc"], log=messages.append)
+        assert outcomes[0].status == "done"
+        text = "\n".join(messages)
+        assert "prune-enc: finished earlier on other weights" in text
+        enc = workspace / "work" / "tiny" / "prune" / "enc"
+        assert (enc / "stale" / "full.json").is_file() and (enc / "stale" / "lam-0.5").is_dir()
+        # A committed copy of an old point that the new sweep does not redo is dropped by the report.
+        old = workspace / "results" / "tiny" / "prune" / "enc" / "lam-9"
+        old.mkdir(parents=True)
+        (old / "result.json").write_text(json.dumps({"model_sha256": "0" * 64, "heads_kept": {"enc_self": 1}}))
+        run_pipeline(config, models=["tiny"], stages=["report"], log=messages.append)
+        assert not old.exists()
+    finally:
+        model_config.write_text(original)
 
 
 def test_busy_point_is_left_alone(workspace, first_run):

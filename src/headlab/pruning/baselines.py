@@ -14,6 +14,11 @@ leaving ``keep`` heads of the chosen kinds:
 budget as gated fine-tuning (the spec fixed), and scores with
 :func:`headlab.pruning.train.evaluate_model`. :func:`train_from_scratch` is the paper's "from
 scratch" column: the pruned configuration trained from random initialisation.
+
+Each row records the weights it started from (``model_sha256``) and, for ``scores``, the score
+file's fingerprint (``scores_sha256``). A row of other weights, or of the same method and head
+count from another score file, is stale: :func:`run_baselines` moves it to
+``baselines.stale.json`` and runs it again.
 """
 
 from __future__ import annotations
@@ -170,7 +175,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     the table ``baselines.md`` (mean +- std over seeds)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
-    rows = read_rows(out)
+    rows = _set_aside_stale(read_rows(out), config, out)
     done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
     c = config
     for keep in c.keeps:
@@ -201,11 +206,44 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            finetune=finetune, beam=c.eval_beam)
             rows.append({"method": c.method if c.method != "scores" else f"scores:{c.scores.method}",
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
-                         "from_scratch": c.from_scratch, **result})
+                         "from_scratch": c.from_scratch, **result, **_source(c)})
             atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
     text = baselines_markdown(rows)
     atomic_write_text(out / "baselines.md", text)
     return text
+
+
+def _source(config: BaselineConfig) -> dict:
+    """What a row was made from: the starting weights and, for ``scores``, the score file."""
+    out = {"model_sha256": config.model_fingerprint or None}
+    if config.method == "scores":
+        out["scores_sha256"] = config.scores_fingerprint or None
+    return out
+
+
+def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> list[dict]:
+    """Rows of other weights, or of this method and head count from another score file, move to
+    ``baselines.stale.json`` (appended); the rest are returned."""
+    if not config.model_fingerprint:
+        return rows
+    method = config.method if config.method != "scores" else f"scores:{config.scores.method}"
+
+    def stale(row: dict) -> bool:
+        if row.get("model_sha256") != config.model_fingerprint:
+            return True
+        same = row["method"] == method and row["keep"] in config.keeps and \
+            bool(row.get("from_scratch")) == config.from_scratch and row["finetune_steps"] == config.finetune_steps
+        return same and config.method == "scores" and row.get("scores_sha256") != (config.scores_fingerprint or None)
+
+    old = [row for row in rows if stale(row)]
+    if not old:
+        return rows
+    stale_file = out / "baselines.stale.json"
+    earlier = read_json(stale_file, "stale baselines") if stale_file.is_file() else []
+    atomic_write_text(stale_file, json.dumps(earlier + old, indent=1) + "\n")
+    kept = [row for row in rows if not stale(row)]
+    atomic_write_text(out / "baselines.json", json.dumps(kept, indent=1) + "\n")
+    return kept
 
 
 def baselines_markdown(rows: list[dict]) -> str:

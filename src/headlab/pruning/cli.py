@@ -23,7 +23,7 @@ from headlab.device_options import set_threads
 from headlab.errors import HeadlabError
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
-from headlab.resume import weights_fingerprint
+from headlab.resume import file_fingerprint, weights_fingerprint
 
 SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
 
@@ -311,7 +311,9 @@ def run_baseline(args) -> int:
         if max(keeps) > available:
             raise HeadlabError(f"--keeps {args.keeps}: the model has {available} heads of {', '.join(kinds)}")
         train_data, eval_data = _data(args, tokenizer, model)
-        config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds)
+        config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds,
+                           model_fingerprint=weights_fingerprint(args.model) or "",
+                           scores_fingerprint=file_fingerprint(args.scores) if args.scores else "")
         print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 

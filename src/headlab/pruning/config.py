@@ -75,3 +75,5 @@ class BaselineConfig:
     max_tokens: int = option(4096, "target tokens per batch")
     eval_beam: int = option(4, "beam of the evaluation's translations")
     importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)")
+    model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
+    scores_fingerprint: str = ""  # SHA-256 of the --scores file (method scores)

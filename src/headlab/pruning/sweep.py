@@ -242,23 +242,46 @@ def _baseline_groups(rows: list[dict], kind: str = "enc_self") -> dict[str, list
     return out
 
 
+def _series(row: dict) -> str:
+    """``budget`` (``keep``), ``control`` (lambda 0) or ``fixed`` (lambda > 0, the paper's mode);
+    from the point's name when the row has neither field."""
+    if "keep" not in row and "lam" not in row:
+        name = row.get("point", "")
+        return "budget" if name.startswith("keep-") else "control" if name == "lam-0" else "fixed"
+    if row.get("keep") is not None:
+        return "budget"
+    return "control" if row.get("lam") == 0 else "fixed"
+
+
+SERIES_STYLE = {"fixed": ("o-", "Hard Concrete gates, fixed lambda (the paper's mode)"),
+                "budget": ("D--", "Hard Concrete gates, head budget (Lagrangian)"),
+                "control": ("*", "lambda = 0 control (fine-tuning alone)")}
+
+
 def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), kind: str = "enc_self", ax=None):
     """Voita et al. 2019, Fig. 7: BLEU against the number of retained ``kind`` heads, gated
-    pruning (the sweep) next to the baselines (mean +- std over seeds as error bars)."""
+    pruning (the sweep: fixed-lambda points, budget points and the lambda = 0 control as separate
+    series) next to the baselines (mean +- std over seeds as error bars)."""
     ax = axes_or_new(ax)
-    points = sorted((r[kind], r["bleu"]) for r in sweep_rows if r.get(kind) is not None and r.get("bleu") is not None
-                    and r["point"] != "full")
+    done = [r for r in sweep_rows if r.get(kind) is not None and r.get("bleu") is not None and r["point"] != "full"]
     full = [r for r in sweep_rows if r["point"] == "full" and r.get("bleu") is not None]
-    if points:
-        ax.plot(*zip(*points), "o-", label="Hard Concrete gates (L0)")
+    for series, (style, label) in SERIES_STYLE.items():
+        points = sorted(((r[kind], r["bleu"], r.get("lam")) for r in done if _series(r) == series),
+                        key=lambda p: p[:2])
+        if not points:
+            continue
+        xs, ys, lams = zip(*points)
+        ax.plot(xs, ys, style, label=label, markersize=12 if series == "control" else 6, zorder=3)  # over baselines
+        if series == "fixed":
+            for x, y, lam in (p for p in points if p[2] is not None):
+                ax.annotate(f"{lam:g}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
     for label, series in _baseline_groups(list(baseline_rows), kind).items():
         xs, ys, es = zip(*series)
         ax.errorbar(xs, ys, yerr=es, marker="s", capsize=3, label=label)
     if full:
         ax.axhline(full[0]["bleu"], color="gray", linestyle="--", label=f"full model ({full[0][kind]} heads)")
-    ax.set_xlabel(f"retained {kind} heads")
-    ax.set_ylabel("BLEU")
-    ax.legend(fontsize=8)
+    ax.set(xlabel=f"retained {kind} heads (fixed-lambda points labelled with lambda)", ylabel="BLEU")
+    ax.legend(fontsize=7)
     return ax
 
 
@@ -266,14 +289,14 @@ def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
     """Voita et al. 2019, Fig. 9: heads kept per kind at each sparsity (sweep point)."""
     ax = axes_or_new(ax)
     rows = sorted((r for r in sweep_rows if r.get("heads")), key=lambda r: -r["heads"])
-    labels = [f"{r['heads']}" for r in rows]
+    labels = [f"{r['heads']}\n{r['point']}" for r in rows]  # two points may keep as many heads
     bottom = [0] * len(rows)
     for kind in KINDS:
         values = [r.get(kind) or 0 for r in rows]
         if any(values):
             ax.bar(labels, values, bottom=bottom, label=kind)
             bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("heads kept in total (sweep point)")
+    ax.set_xlabel("heads kept in total, sweep point")
     ax.set_ylabel("heads kept")
     ax.legend(fontsize=8)
     return ax

@@ -25,6 +25,7 @@ import numpy as np
 
 from headlab.heads import KINDS, HeadScores
 from headlab.importance.agreement import spearman
+from headlab.pruning.dev import FLAT_BLEU
 from headlab.reproduce.results import ModelResults, kept_mask
 from headlab.reproduce.significance import bleu_interval, paired_bootstrap, spearman_interval
 
@@ -185,6 +186,14 @@ def _function_masks(r: ModelResults) -> dict[str, np.ndarray] | None:
 # ----------------------------------------------------------------------------- sweeps
 
 
+def _series(result: dict) -> str:
+    """``fixed`` (a fixed lambda > 0: the paper's mode), ``budget`` (Lagrangian, ``keep``) or
+    ``control`` (lambda = 0: the same fine-tuning with gates and no penalty)."""
+    if result.get("keep") is not None:
+        return "budget"
+    return "fixed" if result.get("lam") else "control"
+
+
 def _rows(sweep: dict) -> list[dict]:
     """One row per finished point: heads kept per kind, BLEU (sorted by total heads, descending)."""
     rows = []
@@ -194,13 +203,19 @@ def _rows(sweep: dict) -> list[dict]:
         metrics = result.get("metrics", {})
         rows.append({"point": name, **{k: kept.get(k) for k in KINDS}, "heads": sum(kept.values()),
                      "bleu": metrics.get("bleu"), "polarized": metrics.get("polarized"), "total": result.get("heads_total", {}),
-                     "lam": result.get("lam"), "keep": result.get("keep"), "step": result.get("step")})
+                     "lam": result.get("lam"), "keep": result.get("keep"), "step": result.get("step"),
+                     "series": _series(result), "dev": result.get("dev")})
     return sorted(rows, key=lambda row: (-row["heads"], row["point"]))
 
 
+def _pruning_points(sweep: dict) -> list[dict]:
+    """The points that prune (every series but the lambda = 0 control)."""
+    return [p for p in sweep["points"].values() if _series(p["result"]) != "control"]
+
+
 def _survival(sweep: dict, kind: str, shape: tuple[int, int]) -> np.ndarray | None:
-    """Share of the sweep's points that keep each head: 1 = never pruned. (Pruning order.)"""
-    masks = [kept_mask(p, kind, shape) for p in sweep["points"].values()]
+    """Share of the sweep's pruning points that keep each head: 1 = never pruned. (Pruning order.)"""
+    masks = [kept_mask(p, kind, shape) for p in _pruning_points(sweep)]
     masks = [m for m in masks if m is not None]
     return None if not masks else np.mean(masks, axis=0)
 
@@ -649,16 +664,17 @@ def _baseline_means(rows: list[dict], kind: str = "enc_self") -> dict[str, dict[
     return out
 
 
-def _delta(r: ModelResults, sweep: str, row: dict, reference: float) -> dict:
-    """A sweep point's BLEU change against the full model with its 95% interval.
+def _delta(r: ModelResults, sweep: str, row: dict, reference: float, base: str = "full") -> dict:
+    """A sweep point's BLEU change against the full model (or the translations ``base``, e.g. the
+    lambda = 0 control's ``enc-lam-0``, whose BLEU is ``reference``) with its 95% interval.
 
     ``paired``: paired bootstrap over test sentences (both translations on file, and each gives
     the BLEU its result file records). ``bound``: no such translations of the point (its weights
-    were not kept): the change plus or minus twice the full model's bootstrap half-width, an
-    unpaired bound that takes the point's spread to equal the full model's. ``none``: not even
-    the full model's translations exist."""
+    were not kept): the change plus or minus twice the base's bootstrap half-width, an unpaired
+    bound that takes the point's spread to equal the base's. ``none``: not even the base's
+    translations exist."""
     delta = row["bleu"] - reference
-    refs, full = r.references, r.hypotheses("full")
+    refs, full = r.references, r.hypotheses(base)
     if refs is None or full is None or len(full) != len(refs):
         return {"delta": delta, "kind": "none"}
     system = r.hypotheses(f"{sweep}-{row['point']}")
@@ -698,19 +714,95 @@ def _within(points: list[tuple[int, dict]], n: int, d: float) -> str:
     return f"inconclusive: an interval contains -{d}"
 
 
+FLAT = "holds if the interval's upper end is below +{tol} BLEU (a further gain of {tol} BLEU over as many updates is " \
+       "excluded; a decline counts as stopped); does not hold if the interval lies above 0 (still rising); " \
+       "inconclusive otherwise"
+
+
+def _control(rows: list[dict]) -> dict | None:
+    """The lambda = 0 control among a sweep's rows (the first, if several)."""
+    return next((row for row in rows if row["series"] == "control"), None)
+
+
+def _flat_cell(row: dict | None, sweep: str) -> Cell:
+    """Whether the control's fine-tuning stopped moving, from its development curve's plateau."""
+    if row is None:
+        return _missing("lambda = 0 point", f"prune-{sweep}")
+    flat = (row.get("dev") or {}).get("plateau")
+    if flat is None:
+        return Cell(f"{row['point']}: no development curve", f"not run: {row['point']} ran without --dev-every "
+                                                             f"(stage `prune-{sweep}`)")
+    text = (f"{row['point']}: {flat['delta']:+.2f} [{flat['low']:+.2f}, {flat['high']:+.2f}] from update "
+            f"{flat['from_step']} to {flat['to_step']} ({row['dev']['n_sentences']:,} sentences)")
+    verdict = {"flat": "holds", "rising": "does not hold: still rising"}.get(
+        flat["call"], f"inconclusive: the interval contains 0 and reaches +{flat['tolerance']}")
+    return Cell(text, verdict)
+
+
+def _control_cells(r: ModelResults, sweep: str, rows: list[dict], reference: float,
+                   kind: str) -> tuple[Cell, Cell, dict[str, dict]]:
+    """The control against the full model, the fixed-lambda points against the control, and
+    those changes by point (for the details table)."""
+    control = _control(rows)
+    if control is None:
+        cell = _missing("lambda = 0 point", f"prune-{sweep}")
+        return cell, cell, {}
+    own = _delta(r, sweep, control, reference)
+    versus = {row["point"]: _delta(r, sweep, row, control["bleu"], base=f"{sweep}-{control['point']}")
+              for row in rows if row["series"] == "fixed"}
+    listing = "; ".join(f"{_heads(row[kind]) if kind else _heads(row['heads'])} (lambda {row['lam']:g}): "
+                        f"{_interval(versus[row['point']])}" for row in rows if row["point"] in versus)
+    return (Cell(f"{control['point']} ({control['step']} updates): {_f(control['bleu'])}, {_interval(own)}"),
+            Cell(listing or "no fixed-lambda point"), versus)
+
+
+def _dev_table(rows: list[dict], kind: str | None) -> list[str]:
+    """Development BLEU (greedy) at each evaluated update, per point with a curve; in brackets the
+    heads whose test-time gate is open (``kind``, or all gated kinds)."""
+    curves = [row for row in rows if (row.get("dev") or {}).get("curve")]
+    if not curves:
+        return []
+    steps = sorted({record["step"] for row in curves for record in row["dev"]["curve"]})
+    n = curves[0]["dev"]["n_sentences"]
+    lines = ["", f"Development curves: greedy BLEU on the first {n:,} validation sentences after each number of "
+                 f"updates (in brackets: {kind or 'gated'} heads open at that step).", "",
+             "| updates | " + " | ".join(row["point"] for row in curves) + " |",
+             "|---:|" + "---:|" * len(curves)]
+    for step in steps:
+        cells = []
+        for row in curves:
+            record = next((x for x in row["dev"]["curve"] if x["step"] == step), None)
+            if record is None:
+                cells.append("")
+                continue
+            heads = record["heads_open"].get(kind) if kind else sum(record["heads_open"].values())
+            cells.append(f"{record['bleu']:.2f} ({heads})")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25))) -> Claim:
     c = Claim("sec6.2", "Section 6.2: pruning encoder heads (Figure 7)",
               "With the decoder fixed, most encoder heads can be removed with Hard Concrete gates and an L0 penalty "
               "at a small cost in BLEU.", ["prune-enc", "hypotheses", "baselines", "scratch"])
     full = Check("BLEU of the full model on the sweep's evaluation set [95% bootstrap interval]",
                  "29.6 (WMT), 32.4 (OpenSubtitles) (Table 2; beam search)")
+    control = Check("fine-tuning alone: the lambda = 0 control (gates, no penalty, the same updates) against the full "
+                    "model (change [95% interval])",
+                    "no such control in the paper: its pruned models are fine-tuned, its full model is not")
+    flat = Check("fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
+                 "its updates (change [95% paired interval])",
+                 "the paper fine-tunes a converged model; the number of updates is not given",
+                 criterion=FLAT.format(tol=FLAT_BLEU))
     paper = {0.15: PAPER["enc_pruned_015"], 0.25: PAPER["enc_pruned_025"]}
-    needed = {(n, d): Check(f"{n} or fewer encoder heads within {d} BLEU of the full model (change [95% interval] "
-                            f"per point)", paper[d],
+    needed = {(n, d): Check(f"{n} or fewer encoder heads within {d} BLEU of the full model, fixed-lambda points (the "
+                            f"paper's mode; change [95% interval] per point)", paper[d],
                             criterion=f"holds if a point with <= {n} heads has its interval above -{d}; does not hold "
                                       f"if those points and the next larger one all lie below -{d} (fewer heads "
                                       f"assumed to cost no less); inconclusive otherwise")
               for n, d in targets}
+    versus = Check("the fixed-lambda points against the lambda = 0 control (change [95% interval]): what the penalty "
+                   "costs beyond fine-tuning", "-")
     footnote = Check("fine-tuning with the penalty against training with it from the start, or the same heads from "
                      "scratch", "fine-tuning better by 0.2 to 0.6 BLEU (footnote 8)",
                      criterion="holds if the fine-tuned point is above both at the same heads, by its paired interval")
@@ -718,7 +810,8 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
         sweep = r.sweep("enc")
         rows = [row for row in _rows(sweep) if row["bleu"] is not None]
         if sweep["full"] is None or not rows:
-            _fill((full, footnote, *needed.values()), name, _missing("prune/enc points", "prune-enc"))
+            _fill((full, control, flat, versus, footnote, *needed.values()), name,
+                  _missing("prune/enc points", "prune-enc"))
             continue
         reference = sweep["full"]["metrics"]["bleu"]
         refs, hyps = r.references, r.hypotheses("full")
@@ -729,27 +822,53 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
         else:
             full.cells[name] = Cell(f"{reference:.2f} (no interval: stage `hypotheses` not run)")
         deltas = {row["point"]: _delta(r, "enc", row, reference) for row in rows}
-        points = [(row["enc_self"], deltas[row["point"]]) for row in rows]
-        listing = "; ".join(f"{_heads(row['enc_self'])}: {_interval(deltas[row['point']])}" for row in rows)
+        control.cells[name], versus.cells[name], against = _control_cells(r, "enc", rows, reference, "enc_self")
+        flat.cells[name] = _flat_cell(_control(rows), "enc")
+        fixed = [row for row in rows if row["series"] == "fixed"]
+        points = [(row["enc_self"], deltas[row["point"]]) for row in fixed]
+        listing = "; ".join(f"{_heads(row['enc_self'])}: {_interval(deltas[row['point']])}" for row in fixed)
         for (n, d), check in needed.items():
-            check.cells[name] = Cell(listing, _within(points, n, d))
+            check.cells[name] = Cell(listing, _within(points, n, d)) if fixed else \
+                _no_fixed("prune-enc")
         # Neither comparison is a stage yet: `scratch` trains the all-kinds points only.
         footnote.cells[name] = Cell("", "not run: no run trained with the penalty from the start, no encoder-only "
                                         "from-scratch run")
         means = _baseline_means(r.baselines)
         lines = ["| point | method | updates | gates polarised | encoder heads | BLEU | change [95% interval] | "
-                 "p | " + " | ".join(means) + " |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(means)]
+                 "p | against lambda = 0 [95% interval] | dev BLEU, second half [95% interval] | " +
+                 " | ".join(means) + " |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(means)]
         for row in rows:
             others = [f"{means[label][row['enc_self']]:.2f}" if row["enc_self"] in means[label] else ""
                       for label in means]
             x = deltas[row["point"]]
             lines.append(f"{_point_cells(row)} {row['enc_self']} | {_f(row['bleu'])} | {_interval(x)} | "
-                         f"{_f(x.get('p'), 3) if x['kind'] == 'paired' else ''} | " + " | ".join(others) + " |")
+                         f"{_f(x.get('p'), 3) if x['kind'] == 'paired' else ''} | "
+                         f"{_interval(against[row['point']]) if row['point'] in against else ''} | {_dev_change(row)} | "
+                         + " | ".join(others) + " |")
+        lines += _stale_note(sweep) + _dev_table(rows, "enc_self")
         c.details[name] = lines
         c.figures[name] = "fig7"
-    c.checks = [full, *needed.values(), footnote]
+    c.checks = [full, control, flat, *needed.values(), versus, footnote]
     return c
+
+
+def _no_fixed(stage: str) -> Cell:
+    return Cell("", f"not run: no fixed-lambda point yet (stage `{stage}`); the budget points are another method")
+
+
+def _dev_change(row: dict) -> str:
+    flat = (row.get("dev") or {}).get("plateau")
+    if flat is None:
+        return ""
+    return f"{flat['delta']:+.2f} [{flat['low']:+.2f}, {flat['high']:+.2f}]"
+
+
+def _stale_note(sweep: dict) -> list[str]:
+    if not sweep.get("stale"):
+        return []
+    return ["", f"Not used: {', '.join(sweep['stale'])}, made from other weights than the full model's result "
+                "(a model retrained since; `headlab reproduce` redoes them)."]
 
 
 def _heads(n: int) -> str:
@@ -760,7 +879,9 @@ def _method(row: dict) -> str:
     """The paper's mode is a fixed penalty (lambda); a budget point is a different method."""
     if row.get("keep") is not None:
         return f"budget {row['keep']} (Lagrangian)"
-    return f"fixed lambda {row['lam']}"
+    if not row.get("lam"):
+        return "lambda 0 (control)"
+    return f"fixed lambda {row['lam']:g}"
 
 
 def _point_cells(row: dict) -> str:
@@ -816,12 +937,12 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
 
 
 def _kept_by_function(sweep: dict, masks: dict[str, np.ndarray], shape: tuple[int, int]) -> list[tuple]:
-    """Per sweep point with a kept mask: (point, encoder heads kept, {function or "other": heads kept})."""
+    """Per pruning point with a kept mask: (point, encoder heads kept, {function or "other": heads kept})."""
     special = masks["positional"] | masks["syntactic"] | masks["rare"]
     out = []
     for row in _rows(sweep):
         kept = kept_mask(sweep["points"][row["point"]], "enc_self", shape)
-        if kept is not None:
+        if kept is not None and row["series"] != "control":
             counts = {f: int((kept & masks[f]).sum()) for f in ("positional", "syntactic", "rare")}
             out.append((row["point"], int(kept.sum()), {**counts, "other": int((kept & ~special).sum())}))
     return out
@@ -841,35 +962,52 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
               "heads and encoder self-attention is pruned first.", ["prune-all", "hypotheses", "scratch"])
     table2 = Check("pruned against from scratch at the same heads (Table 2)", _paper_table2(),
                    criterion="holds if the pruned model's BLEU is higher at every matched point")
-    half = Check("more than half of all heads pruned within 0.25 BLEU (change [95% interval])",
+    control = Check("fine-tuning alone: the lambda = 0 control (gates on every kind, no penalty, the same updates) "
+                    "against the full model (change [95% interval])",
+                    "no such control in the paper: its pruned models are fine-tuned, its full model is not")
+    flat = Check("fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
+                 "its updates (change [95% paired interval])",
+                 "the paper fine-tunes a converged model; the number of updates is not given",
+                 criterion=FLAT.format(tol=FLAT_BLEU))
+    versus = Check("the fixed-lambda points against the lambda = 0 control (change [95% interval]): what the penalty "
+                   "costs beyond fine-tuning", "-")
+    half = Check("more than half of all heads pruned within 0.25 BLEU, fixed-lambda points (the paper's mode; "
+                 "change [95% interval])",
                  "WMT: 12/21/25 (58 of 144 heads kept) 29.36 against 29.6, -0.24 (Sec. 6.3.1, Table 2)",
                  criterion="holds if a point keeping fewer than half the heads has its interval above -0.25; does not "
                            "hold if every such point lies below -0.25; inconclusive otherwise")
     quiet = Check("encoder heads pruned by almost 3/4 (>= 70%) and each decoder kind by more than 1/3, with no "
-                  "noticeable loss", "WMT: 14/31/30 kept, 29.62 against 29.6 (Sec. 6.3.1, Table 2)",
+                  "noticeable loss, fixed-lambda points", "WMT: 14/31/30 kept, 29.62 against 29.6 (Sec. 6.3.1, Table 2)",
                   criterion="no difference (the paper's finding) if such a point's interval contains 0; does not "
                             "hold if every such point lies below 0")
-    fig9 = Check("share of heads kept per kind: enc_self / dec_self / dec_cross (Figure 9)",
+    fig9 = Check("share of heads kept per kind: enc_self / dec_self / dec_cross (Figure 9), fixed-lambda points (the "
+                 "budget points where there are none)",
                  f"encoder self-attention pruned first, decoder-encoder kept longest (Sec. 6.3.2, Figure 9; {WORDS})",
                  criterion="holds if at every pruned point dec_cross keeps the largest and enc_self the smallest share")
     for name, r in results.items():
         sweep = r.sweep("all")
         rows = [row for row in _rows(sweep) if row["bleu"] is not None]
         if sweep["full"] is None or not rows:
-            _fill((table2, half, quiet, fig9), name, _missing("prune/all points", "prune-all"))
+            _fill((table2, control, flat, versus, half, quiet, fig9), name, _missing("prune/all points", "prune-all"))
             continue
         reference = sweep["full"]["metrics"]["bleu"]
         deltas = {row["point"]: _delta(r, "all", row, reference) for row in rows}
+        control.cells[name], versus.cells[name], against = _control_cells(r, "all", rows, reference, "")
+        flat.cells[name] = _flat_cell(_control(rows), "all")
+        fixed = [row for row in rows if row["series"] == "fixed"]
         scratch = {sum(row["heads_kept"].values()): row["bleu"] for row in r.scratch
                    if row.get("from_scratch") and row.get("bleu") is not None}
         matched = [(row, scratch[row["heads"]]) for row in rows if row["heads"] in scratch]
-        table2.cells[name] = Cell("; ".join(f"{row['heads']} heads: {row['bleu']:.2f} vs {s:.2f}" for row, s in matched),
+        table2.cells[name] = Cell("; ".join(f"{row['heads']} heads ({row['point']}): {row['bleu']:.2f} vs {s:.2f}"
+                                            for row, s in matched),
                                   "holds" if all(row["bleu"] > s for row, s in matched) else "does not hold") \
             if matched else Cell("no from-scratch run", "not run: stage `scratch` has no result")
         total = sum(sweep["full"]["heads_kept"].values())
-        sparse = [row for row in rows if row["heads"] < total / 2]
-        if not sparse:
-            half.cells[name] = Cell("no point keeps fewer than half the heads", "not testable: no such point")
+        sparse = [row for row in fixed if row["heads"] < total / 2]
+        if not fixed:
+            half.cells[name] = _no_fixed("prune-all")
+        elif not sparse:
+            half.cells[name] = Cell("no fixed-lambda point keeps fewer than half the heads", "not testable: no such point")
         else:
             text = "; ".join(f"{row['heads']} of {total}: {_interval(deltas[row['point']])}" for row in sparse)
             xs = [deltas[row["point"]] for row in sparse]
@@ -881,9 +1019,11 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
                 verdict = "inconclusive: an interval contains -0.25, or a point has none"
             half.cells[name] = Cell(text, verdict)
         full_kept = sweep["full"]["heads_kept"]
-        light = [row for row in rows if row["enc_self"] <= 0.3 * full_kept["enc_self"]
+        light = [row for row in fixed if row["enc_self"] <= 0.3 * full_kept["enc_self"]
                  and row["dec_self"] < 2 / 3 * full_kept["dec_self"] and row["dec_cross"] < 2 / 3 * full_kept["dec_cross"]]
-        if not light:
+        if not fixed:
+            quiet.cells[name] = _no_fixed("prune-all")
+        elif not light:
             quiet.cells[name] = Cell("no point prunes that much of every kind", "not testable: no such point")
         else:
             xs = [deltas[row["point"]] for row in light]
@@ -896,40 +1036,52 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
             else:
                 verdict = "inconclusive: a point has no interval"
             quiet.cells[name] = Cell(text, verdict)
-        pruned = [row for row in rows if row["heads"] < sum(row["total"].values())]
+        pruned = [row for row in _figure_rows(rows) if row["heads"] < sum(row["total"].values())]
         fractions, ok = [], []
         for row in pruned:
             f = {k: row[k] / row["total"][k] for k in KINDS if row["total"].get(k)}
-            fractions.append(f"{row['heads']}: " + " / ".join(_pct(f[k]) for k in KINDS if k in f))
+            fractions.append(f"{row['heads']} ({row['point']}): " + " / ".join(_pct(f[k]) for k in KINDS if k in f))
             ok.append(f["dec_cross"] >= max(f.values()) and f["enc_self"] <= min(f.values()))
         fig9.cells[name] = Cell("; ".join(fractions), "holds" if ok and all(ok) else "does not hold") if pruned else \
             Cell("no point removed a head", "not testable: nothing pruned")
         lines = ["| point | method | updates | gates polarised | enc_self | dec_self | dec_cross | total | "
-                 "BLEU pruned | change [95% interval] | BLEU from scratch |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "BLEU pruned | change [95% interval] | against lambda = 0 [95% interval] | "
+                 "dev BLEU, second half [95% interval] | BLEU from scratch |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines.append(f"| full | | | | {full_kept['enc_self']} | {full_kept['dec_self']} | {full_kept['dec_cross']} | "
-                     f"{total} | {reference:.2f} | | |")
+                     f"{total} | {reference:.2f} | | | | |")
         for row in rows:
             s = scratch.get(row["heads"])
             lines.append(f"{_point_cells(row)} {row['enc_self']} | {row['dec_self']} | {row['dec_cross']} | {row['heads']} | "
-                         f"{_f(row['bleu'])} | {_interval(deltas[row['point']])} | {'' if s is None else f'{s:.2f}'} |")
+                         f"{_f(row['bleu'])} | {_interval(deltas[row['point']])} | "
+                         f"{_interval(against[row['point']]) if row['point'] in against else ''} | {_dev_change(row)} | "
+                         f"{'' if s is None else f'{s:.2f}'} |")
+        lines += _stale_note(sweep) + _dev_table(rows, None)
         c.details[name] = lines
         c.figures[name] = "fig9"
-    c.checks = [table2, half, quiet, fig9]
+    c.checks = [table2, control, flat, versus, half, quiet, fig9]
     return c
+
+
+def _figure_rows(rows: list[dict]) -> list[dict]:
+    """The points behind Figures 9 and 10: the fixed-lambda series (the paper's), or the budget
+    series where there is none; never the control."""
+    fixed = [row for row in rows if row["series"] == "fixed"]
+    return fixed or [row for row in rows if row["series"] == "budget"]
 
 
 def claim_sec632(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec6.3.2", "Section 6.3.2: which decoder layers keep heads (Figure 10)",
               "After pruning all kinds, decoder self-attention heads remain mostly in the lower layers and "
               "decoder-encoder attention heads in the higher layers.", ["prune-all"])
-    check = Check("mean layer (1 = lowest) of the kept dec_self / dec_cross heads at the sparsest point",
+    check = Check("mean layer (1 = lowest) of the kept dec_self / dec_cross heads at the sparsest fixed-lambda point (the "
+                  "sparsest budget point where there is none)",
                   f"decoder self-attention heads mostly in the lower layers, decoder-encoder in the higher "
                   f"(Sec. 6.3.2, Figure 10; {WORDS})",
                   criterion="holds if the dec_self mean is below the middle layer and the dec_cross mean above it")
     for name, r in results.items():
         sweep = r.sweep("all")
-        rows = [row for row in _rows(sweep) if sweep["points"][row["point"]]["kept"] is not None]
+        rows = [row for row in _figure_rows(_rows(sweep)) if sweep["points"][row["point"]]["kept"] is not None]
         shape_s, shape_c = _shape(r, "dec_self"), _shape(r, "dec_cross")
         if not rows or shape_s is None or shape_c is None:
             check.cells[name] = _missing("prune/all points", "prune-all")
@@ -946,7 +1098,7 @@ def claim_sec632(results: dict[str, ModelResults]) -> Claim:
             means[kind] = float(layers.mean()) if layers.size else math.nan
         middle = (shape_s[0] + 1) / 2
         ok = means["dec_self"] < middle < means["dec_cross"]
-        check.cells[name] = Cell(f"{row['point']}: {_f(means['dec_self'], 1)} / {_f(means['dec_cross'], 1)} "
+        check.cells[name] = Cell(f"{row['point']}, {_method(row)}: {_f(means['dec_self'], 1)} / {_f(means['dec_cross'], 1)} "
                                  f"(middle {middle:.1f})", "holds" if ok else "does not hold")
         for layer in range(shape_s[0]):
             lines.append(f"| {layer + 1} | {per_layer['dec_self'][layer]} of {shape_s[1]} | "

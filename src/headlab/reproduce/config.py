@@ -8,6 +8,9 @@ that directory; ``experiments/reproduce.json`` says ``".."``, the repository roo
 Lists of command-line options (``prune.options``, ``baselines.options``) are JSON objects
 ``{"flag": value}`` turned into ``--flag value`` in their order (``true`` gives the bare flag);
 they are passed unchanged to ``headlab prune sweep`` / ``headlab prune baseline``.
+``prune.eval_split`` is the split every pruning point is scored on (the document's numbers);
+``prune.dev_split`` the split of the sweeps' development curves (``--dev-src/--dev-tgt``), which
+must be another one.
 """
 
 from __future__ import annotations
@@ -147,6 +150,10 @@ def load_config(path: str | os.PathLike, root: str | os.PathLike | None = None) 
     config = ReproduceConfig(models=models, root=str(root), source=str(path), **values)
     if not isinstance(config.threads, int) or config.threads < 1:
         raise HeadlabError(f"{path}: threads must be a positive integer")
+    dev, final = config.prune.get("dev_split"), config.prune.get("eval_split", "test")
+    if dev is not None and (dev not in config.data or dev == final):
+        raise HeadlabError(f"{path}: prune.dev_split must name a data split other than the evaluation's "
+                           f"({final!r}); got {dev!r}")
     for sweep in ("enc", "all"):
         spec = config.prune.get(sweep)
         if spec is not None and not (spec.get("keeps") or spec.get("lams")):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import axes_or_new, pyplot, write_figure
-from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _rows, _shape
+from headlab.reproduce.claims import POSITIONAL, Claim, _figure_rows, _function_masks, _kept_by_function, _rows, _shape
 from headlab.reproduce.results import ModelResults, kept_mask
 
 __all__ = ["save_figures"]
@@ -32,7 +32,8 @@ def plot_fig7(r: ModelResults, ax=None):
     from headlab.pruning.sweep import plot_bleu_vs_heads
 
     sweep = r.sweep("enc")
-    rows = [{"point": row["point"], "enc_self": row["enc_self"], "bleu": row["bleu"]} for row in _rows(sweep)]
+    rows = [{"point": row["point"], "enc_self": row["enc_self"], "bleu": row["bleu"], "lam": row["lam"],
+             "keep": row["keep"]} for row in _rows(sweep)]
     full = sweep["full"]
     rows.append({"point": "full", "enc_self": full["heads_kept"]["enc_self"], "bleu": full["metrics"]["bleu"]})
     ax = plot_bleu_vs_heads(rows, [b for b in r.baselines if not b.get("from_scratch")], ax=axes_or_new(ax))
@@ -57,7 +58,7 @@ def plot_fig8(r: ModelResults, ax=None):
 def plot_fig9(r: ModelResults, ax=None):
     from headlab.pruning.sweep import plot_heads_per_kind
 
-    rows = _rows(r.sweep("all"))
+    rows = [row for row in _rows(r.sweep("all")) if row["series"] != "control"]  # the control prunes nothing
     ax = plot_heads_per_kind(rows, ax=axes_or_new(ax))
     ax.set_title(f"Heads kept per attention kind ({r.name})")
     return ax
@@ -66,7 +67,7 @@ def plot_fig9(r: ModelResults, ax=None):
 def plot_fig10(r: ModelResults, ax=None):
     ax = axes_or_new(ax)
     sweep = r.sweep("all")
-    rows = [row for row in _rows(sweep) if sweep["points"][row["point"]]["kept"] is not None]
+    rows = [row for row in _figure_rows(_rows(sweep)) if sweep["points"][row["point"]]["kept"] is not None]
     point = sweep["points"][rows[-1]["point"]]
     width = 0.4
     for i, kind in enumerate(("dec_self", "dec_cross")):

@@ -1,7 +1,11 @@
 """Run the stages of ``headlab reproduce``: the one part of reproduce that calls the command line.
 
 Each stage of :data:`headlab.reproduce.stages.STAGES` is skipped when its marker
-``<work_dir>/<model>/stages/<stage>.json`` exists (unless ``force``); otherwise its commands run
+``<work_dir>/<model>/stages/<stage>.json`` exists and records the weights the model directory
+holds now (``model_sha256``, :func:`headlab.resume.weights_fingerprint`), unless ``force``: a
+marker of other weights (the bundled model was retrained since) or of none (an older marker)
+does not count, and the stage runs again (the pruning tools then set their own stale points
+and rows aside, :mod:`headlab.pruning.sweep`). Otherwise its commands run
 in-process through :func:`headlab.cli.main`, so that each step is exactly the command printed
 in docs/reproduction.md, and the marker is written last, atomically. This module sits with the
 command line in the import layers (it imports :mod:`headlab.cli`); nothing below imports it.
@@ -18,7 +22,7 @@ from headlab.errors import HeadlabError
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.report import write_report
 from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path
-from headlab.resume import SkipStage, now_iso, write_marker
+from headlab.resume import SkipStage, now_iso, read_marker, weights_fingerprint, write_marker
 
 __all__ = ["run_pipeline"]
 
@@ -32,9 +36,15 @@ def _run_cli(argv: list[str]) -> None:
 def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
     name, model = spec.name, ctx.model.name
     marker = marker_path(ctx.config, ctx.model, name)
-    if marker.is_file() and not ctx.force:
-        ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
-        return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+    earlier = read_marker(marker)
+    if earlier is not None and not ctx.force:
+        recorded = earlier.get("model_sha256")
+        if weights is None or recorded == weights:
+            ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
+            return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
+        ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 {(recorded or 'not recorded')[:12]}, "
+                f"now {weights[:12]}): run again")
     try:  # a stage that cannot run yet (SkipStage) says so while building its commands, checking or running
         commands = spec.commands(ctx) if spec.commands else []
         if spec.check is not None and not ctx.dry_run:
@@ -56,7 +66,7 @@ def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
         return StageOutcome(model, name, "not run", reason=str(reason))
     seconds = time.perf_counter() - started
     write_marker(marker, {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
-                          "finished": now_iso(), "headlab": __version__})
+                          "finished": now_iso(), "headlab": __version__, "model_sha256": weights})
     ctx.log(f"{model} {name}: done in {seconds:.0f} s")
     return StageOutcome(model, name, "done", seconds, commands=texts)
 

@@ -19,7 +19,8 @@ functions-<first|max>/table1.json, positional_share.json, summary.json
                                                                    under another word pooling (stage pooling)
 functions-parsed/parser.json                                       the parser's scores on EWT test (its card's file)
 prune/<enc|all>/full.json                                          the unpruned model's evaluation
-prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json)
+prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json;
+                                                                   result.json holds its development curve, "dev")
 baselines/<name>.json                                              baselines.json of prune/base-<name>
 scratch.json                                                       baselines.json of prune/scratch
 specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
@@ -79,8 +80,10 @@ def _copy(src: Path, dst: Path, written: list[Path], root: str = "") -> None:
 def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[str], None] = print) -> list[Path]:
     """Copy the small outputs of every stage that has them into ``<results_dir>/<model>/``.
 
-    Nothing is deleted: a result whose source is missing (e.g. checkpoints that are not on this
-    machine) keeps its committed copy."""
+    A result whose source is missing (e.g. checkpoints that are not on this machine) keeps its
+    committed copy. The one exception is a sweep point made from other weights than the work
+    dir's ``full.json`` records (the bundled model was retrained): its copy and its translations
+    are removed, as the sweep itself set the point aside (:func:`_drop_stale_points`)."""
     work, res = config.work(model), config.results(model)
     written: list[Path] = []
     root = str(Path(config.root).resolve()) + "/"
@@ -102,6 +105,7 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     for sweep in ("enc", "all"):
         directory = work / "prune" / sweep
         copy(directory / "full.json", res / "prune" / sweep / "full.json")
+        written += _drop_stale_points(res, sweep, log)
         if directory.is_dir():
             for point in sorted(directory.iterdir()):
                 if (point / "result.json").is_file():
@@ -132,6 +136,26 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     if written:
         log(f"{model.name}: {len(written)} result files updated in {res}")
     return written
+
+
+def _drop_stale_points(res: Path, sweep: str, log: Callable[[str], None]) -> list[Path]:
+    """Remove the committed copies of ``sweep``'s points made from other weights than its full.json."""
+    import shutil
+
+    weights = (_json(res / "prune" / sweep / "full.json") or {}).get("model_sha256")
+    directory = res / "prune" / sweep
+    if weights is None or not directory.is_dir():
+        return []
+    removed = []
+    for point in sorted(p for p in directory.iterdir() if (p / "result.json").is_file()):
+        if (_json(point / "result.json") or {}).get("model_sha256") != weights:
+            shutil.rmtree(point)
+            removed.append(point)
+            hypotheses = res / "hypotheses" / f"{sweep}-{point.name}.txt"
+            if hypotheses.is_file():
+                hypotheses.unlink()
+            log(f"{res.name}: removed {sweep} {point.name}, made from other weights than {sweep}/full.json")
+    return removed
 
 
 def _json(path: Path):
@@ -187,15 +211,25 @@ class ModelResults:
         return _json(self.dir / run / f"{name}.json")
 
     def sweep(self, name: str) -> dict:
-        """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}}``."""
+        """``{"full": full.json or None, "points": {point: {"result", "gates", "kept"}}, "stale": [point]}``.
+
+        A point made from other weights than full.json records (``model_sha256``) is stale: it is
+        listed under ``stale``, not under ``points``. Files that record no weights (older runs)
+        are taken to belong together."""
         directory = self.dir / "prune" / name
-        points = {}
+        full = _json(directory / "full.json")
+        weights = (full or {}).get("model_sha256")
+        points, stale = {}, []
         if directory.is_dir():
             for point in sorted(directory.iterdir()):
                 if (point / "result.json").is_file():
-                    points[point.name] = {"result": _json(point / "result.json"), "gates": _scores(point / "gates.json"),
+                    result = _json(point / "result.json")
+                    if weights is not None and result.get("model_sha256") != weights:
+                        stale.append(point.name)
+                        continue
+                    points[point.name] = {"result": result, "gates": _scores(point / "gates.json"),
                                           "kept": _json(point / "kept.json")}
-        return {"full": _json(directory / "full.json"), "points": points}
+        return {"full": full, "points": points, "stale": stale}
 
     @cached_property
     def baselines(self) -> list[dict]:

@@ -10,8 +10,9 @@ Per-sentence translations exist only where the translated weights still exist: t
 and a sweep point whose pruned model is on the machine (its ``pruned/`` directory in the work
 dir, or a bundled model in ``models/`` whose ``prune_result.json`` names that point). The
 ``hypotheses`` stage translates each of them greedily (beam 1, batch 64, as the sweeps
-evaluate) and writes ``<work>/hypotheses/<name>.txt``; the report copies them to the results
-dir. A point without them has no interval, and its verdict says so.
+evaluate) and writes ``<work>/hypotheses/<name>.txt``, and the weights each came from in
+``<work>/hypotheses/sources.json`` (a file whose weights have changed since is made again); the
+report copies the translations to the results dir. A point without them has no interval, and its verdict says so.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import N_SAMPLES, SEED, bleu_interval, paired_bootstrap
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
-from headlab.resume import SkipStage
+from headlab.resume import SkipStage, weights_fingerprint
 
 __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
 
@@ -82,15 +83,20 @@ def run_hypotheses(config: ReproduceConfig, model: ModelEntry, *, force: bool = 
     sources = [s.strip() for s in read_lines(config.data_file(split, model.src))]
     references = [t.strip() for t in read_lines(config.data_file(split, model.tgt))]
     work = config.work(model, "hypotheses")
+    made_from_file = work / "sources.json"  # {name: weights_fingerprint of the directory translated}
+    made_from = json.loads(made_from_file.read_text(encoding="utf-8")) if made_from_file.is_file() else {}
     done = []
     for name, directory in {"full": config.path(model.path), **pruned_models(config, model)}.items():
         path = work / f"{name}.txt"
-        if path.is_file() and not force:
+        weights = weights_fingerprint(directory)
+        if path.is_file() and not force and made_from.get(name) == weights:
             continue
         started = time.perf_counter()
         net, tokenizer = load_model(str(directory)), load_tokenizer(str(directory))
         hypotheses = translate(net, tokenizer, sources, beam=1, batch_size=64)
         atomic_write_text(path, "".join(h.replace("\n", " ") + "\n" for h in hypotheses))
+        made_from[name] = weights
+        atomic_write_text(made_from_file, json.dumps(made_from, indent=1, sort_keys=True) + "\n")
         bleu = compute_scores(hypotheses, references).bleu
         log(f"  {model.name} {name}: BLEU {bleu:.2f} on {len(sources)} sentences ({time.perf_counter() - started:.0f} s)")
         done.append(f"(Python) translate {config.rel(config.data_file(split, model.src))} with {config.rel(directory)} "

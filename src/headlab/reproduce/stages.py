@@ -184,6 +184,9 @@ def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
         raise SkipStage(f"the config has no prune.{sweep} sweep")
     spec = {**spec, **ctx.model.prune.get(sweep, {})}
     argv = ["prune", "sweep", _require_model(ctx), *_prune_data(ctx), "--gates", spec["gates"]]
+    if ctx.config.prune.get("dev_split"):  # the development curve: another split than the evaluation's
+        dev_src, dev_tgt = _data(ctx, ctx.config.prune["dev_split"])
+        argv += ["--dev-src", dev_src, "--dev-tgt", dev_tgt]
     argv += flags(ctx.config.prune.get("options", {})) + _threads(ctx)
     if spec.get("keeps"):
         argv += ["--keeps", ",".join(str(k) for k in spec["keeps"])]
@@ -213,7 +216,7 @@ def baseline_keeps(ctx: Context) -> list[int]:
     if ctx.config.baselines.get("add_sweep_counts", False):
         for result in finished_points(_points_dir(ctx, "enc")).values():
             kept = result.get("heads_kept", {}).get("enc_self")
-            if kept is not None:
+            if kept is not None and (result.get("keep") is not None or result.get("lam")):  # not the control
                 keeps.add(int(kept))
     return sorted(keeps)
 
