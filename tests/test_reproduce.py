@@ -335,3 +335,42 @@ def test_specialisation_without_checkpoints_keeps_committed_results(workspace, f
                             log=lambda m: None)
     assert outcomes[0].status == "not run" and "committed specialisation.json" in outcomes[0].reason
     assert (workspace / "results" / "tiny" / "specialisation.json").read_text() == committed
+
+
+def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
+    """Hand-made sweep files: the BLEU verdicts read the fixed-lambda points only, the control's
+    development curve gives the 'stopped moving' verdict, a point of other weights is left out."""
+    from headlab.reproduce.results import ModelResults
+
+    enc = tmp_path / "m" / "prune" / "enc"
+    total = {"enc_self": 4, "dec_self": 4, "dec_cross": 4}
+
+    def point(name, enc_self, bleu, lam=0.0, keep=None, weights="a", dev=None):
+        (enc / name).mkdir(parents=True)
+        result = {"heads_total": total, "heads_kept": {**total, "enc_self": enc_self}, "step": 10, "lam": lam,
+                  "keep": keep, "metrics": {"bleu": bleu, "polarized": 1.0}, "model_sha256": weights, "dev": dev}
+        (enc / name / "result.json").write_text(json.dumps(result))
+
+    enc.mkdir(parents=True)
+    (enc / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0, "beam": 1},
+                                              "model_sha256": "a"}))
+    rising = {"n_sentences": 50, "curve": [{"step": 0, "bleu": 29.0, "heads_open": total},
+                                           {"step": 10, "bleu": 30.5, "heads_open": total}],
+              "plateau": {"from_step": 0, "to_step": 10, "delta": 1.5, "low": 0.6, "high": 2.4, "p": 0.01,
+                          "call": "rising", "tolerance": 0.5}}
+    point("lam-0", 4, 30.5, dev=rising)
+    point("lam-0.01", 2, 29.9, lam=0.01)
+    point("keep-1", 1, 29.95, keep=1)
+    point("lam-0.05", 1, 10.0, lam=0.05, weights="b")  # another model's point
+    claim = {c.key: c for c in compute_claims({"m": ModelResults(tmp_path / "m", "m")})}["sec6.2"]
+    cells = {check.label.split(" (")[0]: check.cells["m"] for check in claim.checks}
+    flat = cells["fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
+                 "its updates"]
+    assert flat.verdict == "does not hold: still rising" and flat.value.startswith("lam-0: +1.50 [+0.60, +2.40]")
+    assert cells["fine-tuning alone: the lambda = 0 control"].value.startswith("lam-0 (10 updates): 30.50, +0.50")
+    within = cells["10 or fewer encoder heads within 0.15 BLEU of the full model, fixed-lambda points"]
+    assert within.value == "2 heads: -0.10 (no interval)"  # keep-1 (a budget point) and lam-0.05 (stale) left out
+    assert "2 heads (lambda 0.01): -0.60 (no interval)" in cells["the fixed-lambda points against the lambda = 0 control"].value
+    details = "\n".join(claim.details["m"])
+    assert "| keep-1 | budget 1 (Lagrangian) |" in details and "Not used: lam-0.05" in details
+    assert "| updates | lam-0 |" in details and "| 10 | 30.50 (4) |" in details
