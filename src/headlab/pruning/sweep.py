@@ -2,7 +2,7 @@
 
 Each point runs in ``OUT/lam-<value>/`` (or ``OUT/keep-<N>/``) as :func:`prune_train` does. A
 point with a ``result.json`` is finished and skipped; a point with a ``train/last`` checkpoint
-is resumed. Either only if it was made from the same weights (``model_sha256``, the starting
+is resumed. Either is reused only if it was made from the same weights (``model_sha256``, the starting
 model's :func:`~headlab.resume.weights_fingerprint`) with the same options (its
 ``prune_config.json``): a point made otherwise is *stale*, moved to ``OUT/stale/`` (nothing is
 deleted) and run again, and so is a ``full.json`` of other weights (a point that records no

@@ -729,6 +729,9 @@ def _flat_cell(row: dict | None, sweep: str) -> Cell:
     if row is None:
         return _missing("lambda = 0 point", f"prune-{sweep}")
     flat = (row.get("dev") or {}).get("plateau")
+    if flat is None and row.get("dev"):
+        return Cell(f"{row['point']}: {len(row['dev']['curve'])} development evaluation(s)",
+                    "inconclusive: fewer than two evaluations with their translations")
     if flat is None:
         return Cell(f"{row['point']}: no development curve", f"not run: {row['point']} ran without --dev-every "
                                                              f"(stage `prune-{sweep}`)")
