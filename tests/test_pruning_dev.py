@@ -77,7 +77,12 @@ def test_cli_dev_options_and_stale_points(model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lam-0: made with other options: dev_every 2 -> 3" in err and (out / "stale" / "lam-0").is_dir()
 
-    # Retrained weights (a new bundled model): every point and full.json are stale.
+    baseline = ["prune", "baseline", *base[2:15], "--eval-beam", "1", "--method", "random", "--keeps", "3", "--seeds", "1",
+                "--out", str(tmp_path / "b")]
+    assert main(baseline) == 0
+    before = weights_fingerprint(model_dir)
+
+    # Retrained weights (a new bundled model): every point, full.json and baseline row are stale.
     config_file = model_dir / "config.json"
     config_file.write_text(config_file.read_text().replace('"dropout": 0.1', '"dropout": 0.2'))
     assert main(base + dev + ["--dev-every", "3", "--lams", "0", "--out", str(out)]) == 0
@@ -85,3 +90,7 @@ def test_cli_dev_options_and_stale_points(model_dir, tmp_path, capsys):
     assert "full.json: made from other weights" in err and "lam-0: made from other weights" in err
     assert (out / "stale" / "full.json").is_file() and (out / "stale" / "lam-0.old2").is_dir()
     assert json.loads((out / "lam-0" / "result.json").read_text())["model_sha256"] == weights_fingerprint(model_dir)
+    assert main(baseline) == 0
+    rows = json.loads((tmp_path / "b" / "baselines.json").read_text())
+    assert [r["model_sha256"] for r in rows] == [weights_fingerprint(model_dir)]
+    assert [r["model_sha256"] for r in json.loads((tmp_path / "b" / "baselines.stale.json").read_text())] == [before]
