@@ -374,3 +374,37 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
     details = "\n".join(claim.details["m"])
     assert "| keep-1 | budget 1 (Lagrangian) |" in details and "Not used: lam-0.05" in details
     assert "| updates | lam-0 |" in details and "| 10 | 30.50 (4) |" in details
+
+
+def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
+    """The setting row and a note over every pruning section compare the sweep's model_sha256 with
+    the bundled model's; the training budget reads the trainer's running token count."""
+    from headlab.reproduce.results import ModelResults
+    from headlab.resume import weights_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    history = [{"epoch": 1, "step": 10, "tokens_per_s": 1.0, "epoch_minutes": 1.0},
+               {"epoch": 2, "step": 20, "tokens_per_s": 1.0, "epoch_minutes": 0.5, "tokens_seen": 2000}]
+    (model / "train_history.json").write_text(json.dumps(history))
+    enc = tmp_path / "m" / "prune" / "enc"
+    enc.mkdir(parents=True)
+
+    def claims(weights):
+        (enc / "full.json").write_text(json.dumps({"heads_kept": {"enc_self": 4}, "metrics": {"bleu": 30.0, "beam": 1},
+                                                  "model_sha256": weights}))
+        results = {"m": ModelResults(tmp_path / "m", "m", train_history=model / "train_history.json", model_dir=model)}
+        return {c.key: c for c in compute_claims(results)}
+
+    now = weights_fingerprint(model)
+    old = claims("0" * 64)
+    setting = {check.label.split(" (")[0]: check.cells["m"].value for check in old["setting"].checks}
+    assert setting["tokens per update"] == "100" and setting["target tokens seen in training"] == "0.0M (0.00M per epoch)"
+    assert setting["weights the pruning results were made from"].startswith("other weights than the bundled ones (enc: 000000000000")
+    assert now[:12] in old["sec6.2"].notes[0] and old["sec6.3"].notes and not old["sec5.1"].notes
+    current = claims(now)
+    assert not current["sec6.2"].notes
+    assert {check.label.split(" (")[0]: check.cells["m"].value for check in current["setting"].checks}[
+        "weights the pruning results were made from"] == f"the bundled weights ({now[:12]})"

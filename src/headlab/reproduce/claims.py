@@ -95,6 +95,7 @@ class Claim:
     checks: list[Check] = field(default_factory=list)
     details: dict[str, list[str]] = field(default_factory=dict)  # model -> markdown lines
     figures: dict[str, str] = field(default_factory=dict)  # model -> figure name (without extension)
+    notes: list[str] = field(default_factory=list)  # markdown lines shown above the table
 
 
 def _head(kind_layer_head) -> str:
@@ -289,24 +290,44 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
     prune = Check("pruning points: method, fine-tuning updates, gates polarised (P(open) < 0.05 or > 0.95) at the end",
                   "fixed lambda (L_xent + lambda L_C) from the converged model, updates not given; at test time each "
                   "gate is set to 0 or 1 (Sec. 6.1, footnote 7)")
+    weights = Check("weights the pruning results were made from (model_sha256 of prune/<sweep>/full.json) against "
+                    "the bundled model's", "-")
     for name, r in results.items():
         history = r.train_history
         if not history:
             _fill((updates, batch, seen), name, Cell("no train_history.json in the model directory"))
         else:
             last = history[-1]
-            tokens = [e["tokens_per_s"] * e["epoch_minutes"] * 60 for e in history]
+            # The trainer's running count where it is recorded; else speed x time, which undercounts an
+            # epoch that a resumed run began inside (its minutes count only the part after the resume).
+            total = last.get("tokens_seen") or sum(e["tokens_per_s"] * e["epoch_minutes"] * 60 for e in history)
             updates.cells[name] = Cell(f"{last['step']:,} ({last['epoch']} epochs of {history[0]['step']} updates)")
-            batch.cells[name] = Cell(f"{sum(tokens) / last['step']:,.0f}")
-            seen.cells[name] = Cell(f"{sum(tokens) / 1e6:.1f}M ({tokens[0] / 1e6:.2f}M per epoch)")
+            batch.cells[name] = Cell(f"{total / last['step']:,.0f}")
+            seen.cells[name] = Cell(f"{total / 1e6:.1f}M ({total / last['epoch'] / 1e6:.2f}M per epoch)")
         parts = []
         for sweep in ("enc", "all"):
             for row in _rows(r.sweep(sweep)):
                 parts.append(f"{sweep} {row['point']}: {_method(row)}, {row['step']} updates, "
                              f"{_pct(row['polarized'])} polarised")
         prune.cells[name] = Cell("; ".join(parts) if parts else "no pruning point")
-    c.checks = [updates, batch, seen, prune]
+        weights.cells[name] = Cell(sweep_weights_note(r) or "no pruning result")
+    c.checks = [updates, batch, seen, prune, weights]
     return c
+
+
+def sweep_weights_note(r: ModelResults) -> str | None:
+    """Whether the pruning results are of the bundled weights (None: no sweep has a full.json)."""
+    recorded = {sweep: r.sweep_weights(sweep) for sweep in ("enc", "all") if r.sweep(sweep)["full"] is not None}
+    if not recorded:
+        return None
+    now = r.bundled_weights
+    if now is not None and all(sha == now for sha in recorded.values()):
+        return f"the bundled weights ({now[:12]})"
+    made = ", ".join(f"{sweep}: {(sha or 'not recorded')[:12]}" for sweep, sha in recorded.items())
+    if now is None:
+        return f"{made}; the bundled model was not found, so they are not checked against it"
+    return (f"other weights than the bundled ones ({made}; bundled now: {now[:12]}): the pruning results of this "
+            f"model are of earlier weights, and the sweep on the bundled weights is pending")
 
 
 def claim_sec4(results: dict[str, ModelResults]) -> Claim:
@@ -1205,4 +1226,10 @@ CLAIMS = (claim_setting, claim_sec4, claim_sec51, claim_sec52, claim_sec53, clai
 
 
 def compute_claims(results: dict[str, ModelResults]) -> list[Claim]:
-    return [claim(results) for claim in CLAIMS]
+    claims = [claim(results) for claim in CLAIMS]
+    stale = {name: note for name, r in results.items()
+             if (note := sweep_weights_note(r)) is not None and not note.startswith("the bundled weights")}
+    for c in claims:  # a pruning section says when its numbers are not of the bundled weights
+        if stale and {"prune-enc", "prune-all"} & set(c.stages):
+            c.notes = [f"*{name}: {note}.*" for name, note in stale.items()]
+    return claims

@@ -47,6 +47,8 @@ def _verdict(text: str) -> str:
 def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> str:
     lines = [f"*Stages:* {', '.join(f'`{s}`' for s in claim.stages)} "
              f"(`headlab reproduce --stages {','.join(claim.stages)},report`).", ""] if claim.stages else []
+    for note in claim.notes:
+        lines += [note, ""]
     lines.append("| check | paper | " + " | ".join(models) + " |")
     lines.append("|---|---|" + "---|" * len(models))
     for check in claim.checks:

@@ -22,7 +22,8 @@ def load_results(config: ReproduceConfig) -> dict[str, ModelResults]:
     split = config.prune.get("eval_split", "test")
     return {m.name: ModelResults(config.results(m), m.name,
                                  references=config.data_file(split, m.tgt) if split in config.data else None,
-                                 train_history=config.path(m.path) / "train_history.json")
+                                 train_history=config.path(m.path) / "train_history.json",
+                                 model_dir=config.path(m.path))
             for m in config.models}
 
 

@@ -170,11 +170,23 @@ class ModelResults:
     """Read-only view of one model's result files; every accessor returns None when missing."""
 
     def __init__(self, directory: str | Path, name: str, references: Path | None = None,
-                 train_history: Path | None = None):
+                 train_history: Path | None = None, model_dir: Path | None = None):
         self.dir = Path(directory)
         self.name = name
         self._references = references  # the test set's target side, for paired bootstrap
         self._train_history = train_history
+        self._model_dir = model_dir  # the bundled model, whose weights the results should be of
+
+    @cached_property
+    def bundled_weights(self) -> str | None:
+        """model_sha256 of the bundled model now (None when no model directory is known)."""
+        from headlab.resume import weights_fingerprint
+
+        return None if self._model_dir is None else weights_fingerprint(self._model_dir)
+
+    def sweep_weights(self, name: str) -> str | None:
+        """model_sha256 that sweep ``name``'s full.json records (None: no full.json or not recorded)."""
+        return (_json(self.dir / "prune" / name / "full.json") or {}).get("model_sha256")
 
     @cached_property
     def references(self) -> list[str] | None:
