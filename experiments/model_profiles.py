@@ -23,6 +23,15 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--docs-only", action="store_true", help="render from the committed profiles only")
 args = parser.parse_args()
 
+
+def describe(model: dict) -> str:
+    """The model's description, with {updates} and {epochs} read from its train_history.json."""
+    if "{" not in model["description"]:
+        return model["description"]
+    history = json.loads((ROOT / model["model"] / "train_history.json").read_text())
+    return model["description"].format(updates=f"{history[-1]['step']:,}", epochs=history[-1]["epoch"])
+
+
 models = json.loads((ROOT / "experiments" / "profiles.json").read_text())["models"]
 if not args.docs_only:
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -31,7 +40,7 @@ if not args.docs_only:
         if not (analysis / "functions" / "summary.json").is_file():
             print(f"skipping {model['name']}: no analysis in {analysis} (run experiments/profiles.sh)")
             continue
-        profile = collect_profile(analysis, model["name"], model["description"])
+        profile = collect_profile(analysis, model["name"], describe(model))
         profile["command"] = model["command"]
         (RESULTS / f"{model['name']}.json").write_text(json.dumps(profile, indent=1) + "\n")
         print(f"wrote {RESULTS / (model['name'] + '.json')}")
