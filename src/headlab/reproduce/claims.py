@@ -310,24 +310,26 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
                 parts.append(f"{sweep} {row['point']}: {_method(row)}, {row['step']} updates, "
                              f"{_pct(row['polarized'])} polarised")
         prune.cells[name] = Cell("; ".join(parts) if parts else "no pruning point")
-        weights.cells[name] = Cell(sweep_weights_note(r) or "no pruning result")
+        note = sweep_weights_note(r)
+        weights.cells[name] = Cell(note[0] if note else "no pruning result")
     c.checks = [updates, batch, seen, prune, weights]
     return c
 
 
-def sweep_weights_note(r: ModelResults) -> str | None:
-    """Whether the pruning results are of the bundled weights (None: no sweep has a full.json)."""
+def sweep_weights_note(r: ModelResults) -> tuple[str, bool] | None:
+    """(what the sweeps' full.json record against the bundled weights, whether they are the bundled
+    ones); None when no sweep has a full.json."""
     recorded = {sweep: r.sweep_weights(sweep) for sweep in ("enc", "all") if r.sweep(sweep)["full"] is not None}
     if not recorded:
         return None
     now = r.bundled_weights
     if now is not None and all(sha == now for sha in recorded.values()):
-        return f"the bundled weights ({now[:12]})"
+        return f"the bundled weights ({now[:12]})", True
     made = ", ".join(f"{sweep}: {(sha or 'not recorded')[:12]}" for sweep, sha in recorded.items())
     if now is None:
-        return f"{made}; the bundled model was not found, so they are not checked against it"
-    return (f"other weights than the bundled ones ({made}; bundled now: {now[:12]}): the pruning results of this "
-            f"model are of earlier weights, and the sweep on the bundled weights is pending")
+        return f"{made}; the bundled model was not found, so they are not checked against it", False
+    return (f"other weights than the bundled ones ({made}; bundled now: {now[:12]}); the sweep on the bundled "
+            f"weights is pending"), False
 
 
 def claim_sec4(results: dict[str, ModelResults]) -> Claim:
@@ -1227,8 +1229,8 @@ CLAIMS = (claim_setting, claim_sec4, claim_sec51, claim_sec52, claim_sec53, clai
 
 def compute_claims(results: dict[str, ModelResults]) -> list[Claim]:
     claims = [claim(results) for claim in CLAIMS]
-    stale = {name: note for name, r in results.items()
-             if (note := sweep_weights_note(r)) is not None and not note.startswith("the bundled weights")}
+    notes = {name: sweep_weights_note(r) for name, r in results.items()}
+    stale = {name: note[0] for name, note in notes.items() if note is not None and not note[1]}
     for c in claims:  # a pruning section says when its numbers are not of the bundled weights
         if stale and {"prune-enc", "prune-all"} & set(c.stages):
             c.notes = [f"*{name}: {note}.*" for name, note in stale.items()]

@@ -41,6 +41,7 @@ import numpy as np
 from headlab.heads import HeadScores, atomic_write_text
 from headlab.importance.registry import tables
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
+from headlab.resume import weights_fingerprint
 
 __all__ = ["collect_results", "ModelResults", "kept_mask"]
 
@@ -180,8 +181,6 @@ class ModelResults:
     @cached_property
     def bundled_weights(self) -> str | None:
         """model_sha256 of the bundled model now (None when no model directory is known)."""
-        from headlab.resume import weights_fingerprint
-
         return None if self._model_dir is None else weights_fingerprint(self._model_dir)
 
     def sweep_weights(self, name: str) -> str | None:
