@@ -402,7 +402,8 @@ def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
     old = claims("0" * 64)
     setting = {check.label.split(" (")[0]: check.cells["m"].value for check in old["setting"].checks}
     assert setting["tokens per update"] == "100" and setting["target tokens seen in training"] == "0.0M (0.00M per epoch)"
-    assert setting["weights the pruning results were made from"].startswith("other weights than the bundled ones (enc: 000000000000")
+    made_from = setting["weights the pruning results were made from"]
+    assert made_from.startswith("other weights than the bundled ones (enc: 000000000000")
     assert now[:12] in old["sec6.2"].notes[0] and old["sec6.3"].notes and not old["sec5.1"].notes
     current = claims(now)
     assert not current["sec6.2"].notes
