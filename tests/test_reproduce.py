@@ -409,3 +409,17 @@ def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
     assert not current["sec6.2"].notes
     assert {check.label.split(" (")[0]: check.cells["m"].value for check in current["setting"].checks}[
         "weights the pruning results were made from"] == f"the bundled weights ({now[:12]})"
+
+
+def test_paths_print_relative_when_the_work_dir_is_a_link(tmp_path):
+    """A work directory linked to another disk still prints as ``runs/...`` in the document."""
+    root, elsewhere = tmp_path / "repo", tmp_path / "disk"
+    (root / "runs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (root / "runs" / "reproduce").symlink_to(elsewhere, target_is_directory=True)
+    spec = {"models": [{"name": "x", "path": "m", "src": "en", "tgt": "de"}],
+            "data": {split: f"{split}.{{lang}}" for split in ("train", "valid", "test")}}
+    (root / "c.json").write_text(json.dumps(spec))
+    config = load_config(root / "c.json", root=root)
+    assert config.rel(config.path("runs/reproduce/x/functions")) == "runs/reproduce/x/functions"
+    assert config.rel(elsewhere / "x") == str(elsewhere / "x")

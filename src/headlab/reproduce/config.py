@@ -84,11 +84,17 @@ class ReproduceConfig:
         return value if value.is_absolute() else Path(self.root) / value
 
     def rel(self, value: str | os.PathLike) -> str:
-        """``value`` relative to the root when it lies under it (how the document prints paths)."""
-        try:
-            return str(Path(value).resolve().relative_to(Path(self.root).resolve()))
-        except ValueError:
-            return str(value)
+        """``value`` relative to the root when it lies under it (how the document prints paths).
+
+        Checked on the path as written first, so that a work directory linked to another disk
+        still prints as ``runs/...``, then with links resolved."""
+        for path, root in ((os.path.abspath(value), os.path.abspath(self.root)),
+                           (Path(value).resolve(), Path(self.root).resolve())):
+            try:
+                return str(Path(path).relative_to(root))
+            except ValueError:
+                continue
+        return str(value)
 
     def data_file(self, split: str, lang: str) -> Path:
         if split not in self.data:
