@@ -1,6 +1,7 @@
 """Collect what each model's heads do into docs/results/profiles/ and docs/functions.md.
 
     .venv/bin/python experiments/model_profiles.py            # collect from runs/profiles/*, render
+    .venv/bin/python experiments/model_profiles.py NAME ...   # collect only these models, render all
     .venv/bin/python experiments/model_profiles.py --docs-only # render from docs/results/profiles/
 
 Each model of experiments/profiles.json is analysed by the command it lists (run by
@@ -20,6 +21,8 @@ RESULTS = ROOT / "docs" / "results" / "profiles"
 DOC = ROOT / "docs" / "functions.md"
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("names", nargs="*", help="collect only these models (default: every model with an analysis); "
+                    "an analysis left from earlier weights is then not collected by mistake")
 parser.add_argument("--docs-only", action="store_true", help="render from the committed profiles only")
 args = parser.parse_args()
 
@@ -35,7 +38,12 @@ def describe(model: dict) -> str:
 models = json.loads((ROOT / "experiments" / "profiles.json").read_text())["models"]
 if not args.docs_only:
     RESULTS.mkdir(parents=True, exist_ok=True)
+    unknown = set(args.names) - {m["name"] for m in models}
+    if unknown:
+        parser.error(f"not in experiments/profiles.json: {', '.join(sorted(unknown))}")
     for model in models:
+        if args.names and model["name"] not in args.names:
+            continue
         analysis = ROOT / model["analysis"]
         if not (analysis / "functions" / "summary.json").is_file():
             print(f"skipping {model['name']}: no analysis in {analysis} (run experiments/profiles.sh)")

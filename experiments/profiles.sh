@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Analyse every model of experiments/profiles.json, then collect the profiles into
-# docs/results/profiles/ and the "model-profiles" block of docs/functions.md.
+# Analyse every model of experiments/profiles.json (or the NAMEs given), then collect their profiles
+# into docs/results/profiles/ and render the "model-profiles" block of docs/functions.md from all of them.
 #   experiments/profiles.sh [NAME ...]     (default: every model)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +11,4 @@ while IFS=$'\t' read -r name command; do
   echo "== $name: $command"
   .venv/bin/$command --no-progress
 done < <(.venv/bin/python -c 'import json; [print(m["name"], m["command"], sep="\t") for m in json.load(open("experiments/profiles.json"))["models"]]')
-.venv/bin/python experiments/model_profiles.py
+.venv/bin/python experiments/model_profiles.py "${names[@]}"
