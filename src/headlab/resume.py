@@ -16,7 +16,8 @@ from pathlib import Path
 
 from headlab.heads import atomic_write_text
 
-__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso"]
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso",
+           "append_record", "read_step_records"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
@@ -83,3 +84,29 @@ def stage_key(payload: dict) -> str:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def append_record(path: str | os.PathLike, record: dict) -> None:
+    """Append ``record`` as one JSON line with a single write, then fsync: a kill leaves at most a
+    torn last line, which :func:`read_step_records` skips."""
+    line = json.dumps(record, separators=(",", ":")) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_step_records(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines journal by their ``step``, in step order; a step written twice (a
+    resumed run's repeat) keeps the newer record, a torn line from a kill is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]

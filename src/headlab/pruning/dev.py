@@ -21,13 +21,13 @@ that comparison (``dev``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Callable
 
 from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import bleu_interval, compute_scores, paired_bootstrap
+from headlab.resume import append_record, read_step_records
 
 __all__ = ["DEV_CURVE_FILE", "DEV_DIR", "DevCurve", "read_dev_curve", "plateau", "FLAT_BLEU"]
 
@@ -37,27 +37,12 @@ FLAT_BLEU = 0.5
 """A curve counts as flat when a further gain of this much BLEU over its second half is excluded."""
 
 
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as handle:  # one write, then fsync: a kill tears at most one line
-        handle.write(json.dumps(record, separators=(",", ":")) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def read_dev_curve(path: str | os.PathLike) -> list[dict]:
     """The records of ``dev_curve.jsonl`` (or of a point directory), by step; torn lines skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / DEV_CURVE_FILE
-    by_step: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
+    return read_step_records(path)
 
 
 def _hypotheses_file(out_dir: Path, step: int) -> Path:
@@ -88,7 +73,7 @@ class DevCurve:
         atomic_write_text(_hypotheses_file(self.out_dir, step), "".join(h.replace("\n", " ") + "\n" for h in hypotheses))
         record = {"step": step, "bleu": scores.bleu, "low": low, "high": high, "chrf": scores.chrf, "beam": 1,
                   "n_sentences": len(references), "heads_open": self.open_heads()}
-        _append(self.path, record)
+        append_record(self.path, record)
         self.log(f"step {step}: dev BLEU {scores.bleu:.2f} [{low:.2f}, {high:.2f}] (greedy, {len(references)} sentences)")
         return record
 

@@ -53,6 +53,7 @@ from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
+from headlab.resume import append_record, read_step_records
 from headlab.surgery import count_parameters, prune_heads, save_pruned
 
 __all__ = [
@@ -213,31 +214,12 @@ def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
 # ----------------------------------------------------------------------------- diagnostics
 
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    """Append one line with a single write, then fsync: a kill leaves at most a torn last line,
-    which :func:`read_trajectory` skips."""
-    line = json.dumps(record, separators=(",", ":")) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def read_trajectory(path: str | os.PathLike) -> list[dict]:
     """The diagnostics records, one per step (a resumed run's repeats replaced by the newer one)."""
     path = Path(path)
     if path.is_dir():
         path = path / TRAJECTORY_FILE
-    by_step: dict[int, dict] = {}
-    if not path.is_file():
-        return []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn line from a kill
-        by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
+    return read_step_records(path)
 
 
 class _Diagnostics:
@@ -341,7 +323,7 @@ class _Diagnostics:
         if not info.get("is_main_process", True):
             return
         record = self.record(model, step, info)
-        _append_jsonl(self.path, record)
+        append_record(self.path, record)
         text = (f"step {step}: loss {record['loss']:.3f}, E[L0] {record['expected_l0']:.1f}/{record['n_gates']}, "
                 f"closed {record['heads_closed']}, polarized {record['polarized']:.0%}")
         if record.get("target") is not None:
