@@ -807,6 +807,14 @@ def _dev_table(rows: list[dict], kind: str | None) -> list[str]:
     return lines
 
 
+def _flat_check() -> Check:
+    """The row that calls, from the lambda = 0 control's development curve, whether fine-tuning stopped moving."""
+    return Check("fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
+                 "its updates (change [95% paired interval])",
+                 "the paper fine-tunes a converged model; the number of updates is not given",
+                 criterion=FLAT.format(tol=FLAT_BLEU))
+
+
 def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25))) -> Claim:
     c = Claim("sec6.2", "Section 6.2: pruning encoder heads (Figure 7)",
               "With the decoder fixed, most encoder heads can be removed with Hard Concrete gates and an L0 penalty "
@@ -816,10 +824,7 @@ def claim_sec62(results: dict[str, ModelResults], targets=((10, 0.15), (4, 0.25)
     control = Check("fine-tuning alone: the lambda = 0 control (gates, no penalty, the same updates) against the full "
                     "model (change [95% interval])",
                     "no such control in the paper: its pruned models are fine-tuned, its full model is not")
-    flat = Check("fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
-                 "its updates (change [95% paired interval])",
-                 "the paper fine-tunes a converged model; the number of updates is not given",
-                 criterion=FLAT.format(tol=FLAT_BLEU))
+    flat = _flat_check()
     paper = {0.15: PAPER["enc_pruned_015"], 0.25: PAPER["enc_pruned_025"]}
     needed = {(n, d): Check(f"{n} or fewer encoder heads within {d} BLEU of the full model, fixed-lambda points (the "
                             f"paper's mode; change [95% interval] per point)", paper[d],
@@ -991,10 +996,7 @@ def claim_sec63(results: dict[str, ModelResults]) -> Claim:
     control = Check("fine-tuning alone: the lambda = 0 control (gates on every kind, no penalty, the same updates) "
                     "against the full model (change [95% interval])",
                     "no such control in the paper: its pruned models are fine-tuned, its full model is not")
-    flat = Check("fine-tuning has stopped moving: development BLEU of the lambda = 0 control over the second half of "
-                 "its updates (change [95% paired interval])",
-                 "the paper fine-tunes a converged model; the number of updates is not given",
-                 criterion=FLAT.format(tol=FLAT_BLEU))
+    flat = _flat_check()
     versus = Check("the fixed-lambda points against the lambda = 0 control (change [95% interval]): what the penalty "
                    "costs beyond fine-tuning", "-")
     half = Check("more than half of all heads pruned within 0.25 BLEU, fixed-lambda points (the paper's mode; "
