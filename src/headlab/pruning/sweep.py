@@ -64,6 +64,14 @@ def _result_options(config: dict) -> dict:
     return json.loads(json.dumps(out))  # tuples as lists, as read back from a file
 
 
+def _other_weights(weights: str | None, base: PruneConfig) -> str | None:
+    """Why a file that records ``weights`` (model_sha256) was not made from ``base``'s weights; None
+    when it was, or when ``base`` records none."""
+    if base.model_fingerprint and weights != base.model_fingerprint:
+        return f"made from other weights (model_sha256 {(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})"
+    return None
+
+
 def stale_reason(point_dir: Path, base: PruneConfig) -> str | None:
     """Why the run in ``point_dir`` (finished or not) was not made by ``base``'s weights and options;
     None when it was (or when nothing there records either: no run yet)."""
@@ -79,8 +87,8 @@ def stale_reason(point_dir: Path, base: PruneConfig) -> str | None:
         weights = json.loads(result_file.read_text(encoding="utf-8")).get("model_sha256")
     else:
         weights = recorded.get("model_fingerprint") or None
-    if base.model_fingerprint and weights != base.model_fingerprint:
-        return f"made from other weights (model_sha256 {(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})"
+    if other := _other_weights(weights, base):
+        return other
     defaults = PruneConfig().to_dict()  # an option added since the point ran had its default then
     recorded = {**defaults, **recorded, "train": {**defaults["train"], **recorded.get("train", {})}}
     old, new = _result_options(recorded), _result_options(base.to_dict())
@@ -160,10 +168,8 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
         full_file = out_dir / "full.json"
         if full_file.is_file():
             full = json.loads(full_file.read_text())
-            weights = full.get("model_sha256")
-            if base.model_fingerprint and weights != base.model_fingerprint:
-                _set_aside(full_file, out_dir, log, f"made from other weights (model_sha256 "
-                           f"{(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})")
+            if other := _other_weights(full.get("model_sha256"), base):
+                _set_aside(full_file, out_dir, log, other)
             elif full.get("metrics", {}).get("beam", base.eval_beam) != base.eval_beam:
                 _set_aside(full_file, out_dir, log, f"evaluated with beam {full['metrics']['beam']}, now {base.eval_beam}")
         if full_file.is_file():

@@ -143,19 +143,15 @@ def _drop_stale_points(res: Path, sweep: str, log: Callable[[str], None]) -> lis
     """Remove the committed copies of ``sweep``'s points made from other weights than its full.json."""
     import shutil
 
-    weights = (_json(res / "prune" / sweep / "full.json") or {}).get("model_sha256")
-    directory = res / "prune" / sweep
-    if weights is None or not directory.is_dir():
-        return []
     removed = []
-    for point in sorted(p for p in directory.iterdir() if (p / "result.json").is_file()):
-        if (_json(point / "result.json") or {}).get("model_sha256") != weights:
-            shutil.rmtree(point)
-            removed.append(point)
-            hypotheses = res / "hypotheses" / f"{sweep}-{point.name}.txt"
-            if hypotheses.is_file():
-                hypotheses.unlink()
-            log(f"{res.name}: removed {sweep} {point.name}, made from other weights than {sweep}/full.json")
+    for name in ModelResults(res, res.name).sweep(sweep)["stale"]:
+        point = res / "prune" / sweep / name
+        shutil.rmtree(point)
+        removed.append(point)
+        hypotheses = res / "hypotheses" / f"{sweep}-{name}.txt"
+        if hypotheses.is_file():
+            hypotheses.unlink()
+        log(f"{res.name}: removed {sweep} {name}, made from other weights than {sweep}/full.json")
     return removed
 
 
