@@ -62,9 +62,8 @@ class Shard:
 
     def take(self, items: Iterable) -> Iterator:
         """This process's items (batches) of ``items``: every ``world``-th from ``rank`` on."""
-        for index, item in enumerate(items):
-            if self.owns(index):
-                yield item
+        for _, item in self.numbered(items):
+            yield item
 
     def numbered(self, items: Iterable) -> Iterator[tuple[int, object]]:
         """:meth:`take` with each item's number among all of ``items`` (its batch number)."""
@@ -127,6 +126,7 @@ class Ledger:
     should be per-head sums, never anything as large as a batch's attention."""
 
     def __init__(self, shard: Shard, start) -> None:
+        self._start = start  # its tensors' devices are where the gathered total goes back to
         self._total = _to_cpu(start) if shard.split else start
         self._parts: list[tuple] | None = [] if shard.split else None  # None: added as they come
         self._shard = shard
@@ -147,6 +147,7 @@ class Ledger:
             parts = [item for items in self._shard.gather(self._parts) for item in items]
             for _, part in sorted(parts, key=lambda item: item[0]):  # stable: a batch's blocks keep their order
                 self._total = _add(self._total, part)
+            self._total = _like(self._total, self._start)
             self._parts, self._gathered = None, True
         return self._total
 
