@@ -475,7 +475,7 @@ def test_reproduce_refuses_unwritable_outputs_and_a_work_dir_in_use(reproduction
         with unwritable(scratch / "ro") as ro:
             assert main(["reproduce", "--config", str(config), "--docs-only"]) == 2
         assert f"{config}: doc {ro / 'reproduction.md'}: cannot write in {ro}" in capsys.readouterr().err
-    _hold(root / "work", sleeper.pid)
-    assert main(["reproduce", "--config", str(reproduction), "--stages", "importance"]) == 2
+    _hold(root / "work" / "locks" / "report", sleeper.pid)  # each stage has its own lock (test_reproduce.py)
+    assert main(["reproduce", "--config", str(reproduction), "--stages", "importance,report"]) == 2
     err = capsys.readouterr().err
-    assert f"work_dir {root / 'work'} is in use by another headlab run (pid {sleeper.pid}" in err
+    assert f"work_dir {root / 'work' / 'locks' / 'report'} is in use by another headlab run (pid {sleeper.pid}" in err

@@ -7,6 +7,7 @@ instead of crashing; the claims and the document come from the result files only
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,53 @@ def test_stages_run_in_order_and_write_their_outputs(workspace, first_run):
     assert len(spec["checkpoints"][0]["token_share"]) == 2
     timings = json.loads((res / "timings.json").read_text())
     assert set(timings) == set(running)
+
+
+def test_a_fresh_checkout_goes_on_from_the_committed_sweep_points(workspace, first_run, tmp_path):
+    """runs/ is not in git: a new checkout restores the finished points of the results dir into
+    its work dir and the sweep skips them (nothing trained again), but for a point of other weights."""
+    clone = tmp_path / "clone"
+    shutil.copytree(workspace, clone, ignore=lambda d, names: ["work"] if Path(d) == workspace else [])
+    res = clone / "results" / "tiny"
+    # Each point scored its own translations, and the report kept those.
+    point_dir = workspace / "work" / "tiny" / "prune" / "enc" / "keep-4"
+    assert (res / "hypotheses" / "enc-keep-4.txt").read_text() == (point_dir / "hypotheses.txt").read_text()
+    assert (res / "prune" / "enc" / "keep-4" / "prune_config.json").is_file()
+    other = res / "prune" / "enc" / "lam-0.5" / "result.json"
+    other.write_text(other.read_text().replace(json.loads(other.read_text())["model_sha256"], "0" * 64))
+    messages = []
+    outcome, = run_pipeline(_config(clone), models=["tiny"], stages=["prune-enc"], log=messages.append)
+    assert outcome.status == "done", outcome.reason
+    assert "tiny prune-enc: restored 2 finished points from results/tiny/prune/enc: keep-4, lam-0" in messages
+    enc = clone / "work" / "tiny" / "prune" / "enc"
+    for name in ("keep-4", "lam-0"):
+        assert not (enc / name / "train").exists(), f"{name} was trained again"
+        assert (enc / name / "result.json").read_text() == (res / "prune" / "enc" / name / "result.json").read_text()
+    assert (enc / "lam-0.5" / "train").is_dir()  # of other weights: not restored, trained again
+    # The report copies back what was restored unchanged.
+    before = {p: p.read_bytes() for p in (res / "prune" / "enc" / "keep-4").iterdir()}
+    run_pipeline(_config(clone), models=["tiny"], stages=["report"], log=messages.append)
+    assert {p: p.read_bytes() for p in (res / "prune" / "enc" / "keep-4").iterdir()} == before
+
+
+def test_a_stage_runs_once_at_a_time_but_beside_other_stages(workspace, first_run):
+    import os
+    import socket
+
+    from headlab.lock import LOCK_FILE, _start_time
+
+    holder = os.getppid()  # a live process that is not this one
+    lock = workspace / "work" / "tiny" / "locks" / "prune-enc" / LOCK_FILE
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps({"pid": holder, "host": socket.gethostname(), "pid_start": _start_time(holder),
+                                "started": "2026-01-01T00:00:00+00:00"}))
+    try:
+        with pytest.raises(HeadlabError, match=f"locks/prune-enc is in use by another headlab run \\(pid {holder}"):
+            run_pipeline(_config(workspace), models=["tiny"], stages=["prune-enc"], log=lambda m: None)
+        outcome, = run_pipeline(_config(workspace), models=["tiny"], stages=["prune-all"], log=lambda m: None)
+        assert outcome.status == "skipped"
+    finally:
+        shutil.rmtree(lock.parent.parent.parent)
 
 
 def test_missing_model_is_not_run_and_reported(workspace, first_run):
@@ -423,3 +471,4 @@ def test_paths_print_relative_when_the_work_dir_is_a_link(tmp_path):
     config = load_config(root / "c.json", root=root)
     assert config.rel(config.path("runs/reproduce/x/functions")) == "runs/reproduce/x/functions"
     assert config.rel(elsewhere / "x") == str(elsewhere / "x")
+

@@ -25,6 +25,8 @@ Layout of ``out_dir``::
     dev/                the development translations of each of those evaluations
     gates.json          final P(open) per head (a HeadScores file)
     pruned/             the physically smaller model (save_pruned) + tokenizer + README.md card
+    hypotheses.txt      the evaluation set translated by the pruned model, one line per sentence (the
+                        translations result.json's BLEU scores; paired bootstrap needs no weights then)
     result.json         heads kept per kind, BLEU, chrF, loss, parameters, the development curve,
                         the weights' fingerprint (model_sha256); written last
 """
@@ -72,6 +74,7 @@ __all__ = [
 TRAJECTORY_FILE = "trajectory.jsonl"
 RESULT_FILE = "result.json"
 CONFIG_FILE = "prune_config.json"
+HYPOTHESES_FILE = "hypotheses.txt"
 
 
 @dataclass
@@ -352,8 +355,9 @@ def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss
 
 
 def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 64, loss_kind: str = "seq2seq",
-                   compute_loss: Callable | None = None) -> dict:
-    """BLEU and chrF (sacreBLEU) and loss of a translation model on ``data``; loss only for LMs."""
+                   compute_loss: Callable | None = None, hypotheses_file: str | os.PathLike | None = None) -> dict:
+    """BLEU and chrF (sacreBLEU) and loss of a translation model on ``data``; loss only for LMs.
+    ``hypotheses_file``: where to write the translations scored, one per line (atomically)."""
     if data is None:
         return {}
     metrics: dict[str, Any] = {}
@@ -363,6 +367,8 @@ def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 6
 
         hypotheses = translate(model, tokenizer, data.sources, beam=beam, batch_size=batch_size)
         scores = compute_scores(hypotheses, data.targets)
+        if hypotheses_file is not None:
+            atomic_write_text(hypotheses_file, "".join(h.replace("\n", " ") + "\n" for h in hypotheses))
         metrics.update(bleu=scores.bleu, chrf=scores.chrf, bleu_signature=scores.bleu_signature, beam=beam)
     metrics["loss"] = evaluate_loss(model, tokenizer, data, compute_loss=None if loss_kind == "seq2seq" else compute_loss)
     return metrics
@@ -583,7 +589,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
                    "deterministic_open": sum(final["heads_open"].values()), **sizes}
         metrics.update(evaluate_model(model, tokenizer, eval_data, beam=config.eval_beam,
                                       batch_size=config.eval_batch_size, loss_kind=loss_kind,
-                                      compute_loss=compute_loss))
+                                      compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
         if config.latency_sentences and eval_data is not None and loss_kind == "seq2seq":
             metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: config.latency_sentences]),
                                                  beam=config.eval_beam)

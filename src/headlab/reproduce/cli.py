@@ -1,4 +1,4 @@
-"""`headlab reproduce`: parse, check (:mod:`headlab.reproduce.preflight`), lock the work directory, call
+"""`headlab reproduce`: parse, check (:mod:`headlab.reproduce.preflight`), lock the report, call
 :func:`headlab.reproduce.pipeline.run_pipeline`, print."""
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ def run_reproduce(args) -> int:
         preflight.check_inputs(config, models, stages, force=args.force)
     if not args.dry_run:
         preflight.check_outputs(config, stages_run=stages_run, report=args.docs_only or not stages or "report" in stages)
-    # One reproduction at a time per work directory: two would train the same points.
-    lock = locked_output(config.path(config.work_dir), "work_dir") if stages_run else nullcontext()
+    # Each stage locks its own directory while it runs (pipeline); the report, which rewrites the
+    # results and the document, one at a time per work directory.
+    lock = locked_output(config.path(config.work_dir) / "locks" / "report", "work_dir") \
+        if stages_run and (not stages or "report" in stages) else nullcontext()
     log = lambda message: print(f"headlab reproduce: {message}", file=sys.stderr, flush=True)  # noqa: E731
     with lock:
         outcomes = run_pipeline(config, models=models, stages=stages, force=args.force, dry_run=args.dry_run,

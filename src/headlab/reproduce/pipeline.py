@@ -7,7 +7,9 @@ marker of other weights (the bundled model was retrained since) or of none (an o
 does not count, and the stage runs again (the pruning tools then set their own stale points
 and rows aside, :mod:`headlab.pruning.sweep`). Otherwise its commands run
 in-process through :func:`headlab.cli.main`, so that each step is exactly the command printed
-in docs/reproduction.md, and the marker is written last, atomically. This module sits with the
+in docs/reproduction.md, and the marker is written last, atomically. A stage holds the lock of
+``<work_dir>/<model>/locks/<stage>`` while it runs, so that different stages (the two pruning
+sweeps, say) can run side by side in separate processes, but one stage only once. This module sits with the
 command line in the import layers (it imports :mod:`headlab.cli`); nothing below imports it.
 """
 
@@ -19,6 +21,7 @@ from typing import Callable
 from headlab._version import __version__
 from headlab.cli import main
 from headlab.errors import HeadlabError
+from headlab.lock import locked_output
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.report import write_report
 from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path
@@ -34,6 +37,15 @@ def _run_cli(argv: list[str]) -> None:
 
 
 def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
+    if ctx.dry_run:
+        return _run_stage_unlocked(ctx, spec)
+    # One run of a stage of a model at a time (two would train the same points); other stages,
+    # the two pruning sweeps say, may run beside it in another process.
+    with locked_output(ctx.config.work(ctx.model, "locks", spec.name), "work_dir"):
+        return _run_stage_unlocked(ctx, spec)
+
+
+def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
     name, model = spec.name, ctx.model.name
     marker = marker_path(ctx.config, ctx.model, name)
     weights = weights_fingerprint(ctx.config.path(ctx.model.path))
@@ -45,10 +57,13 @@ def _run_stage(ctx: Context, spec: Stage) -> StageOutcome:
             return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
         ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 {(recorded or 'not recorded')[:12]}, "
                 f"now {weights[:12]}): run again")
-    try:  # a stage that cannot run yet (SkipStage) says so while building its commands, checking or running
+    try:  # a stage that cannot run yet (SkipStage) says so while checking, building its commands or running
+        if not ctx.dry_run:
+            if spec.check is not None:
+                spec.check(ctx)
+            if spec.prepare is not None:
+                spec.prepare(ctx)
         commands = spec.commands(ctx) if spec.commands else []
-        if spec.check is not None and not ctx.dry_run:
-            spec.check(ctx)
         texts = [command_text(argv) for argv in commands]
         if ctx.dry_run:
             for text in texts or [f"(Python) headlab.reproduce {name}"]:

@@ -19,12 +19,13 @@ functions-<first|max>/table1.json, positional_share.json, summary.json
                                                                    under another word pooling (stage pooling)
 functions-parsed/parser.json                                       the parser's scores on EWT test (its card's file)
 prune/<enc|all>/full.json                                          the unpruned model's evaluation
-prune/<enc|all>/<point>/result.json, gates.json, kept.json         one sweep point (kept.json: headlab_pruning.json;
-                                                                   result.json holds its development curve, "dev")
+prune/<enc|all>/<point>/result.json, gates.json, kept.json,        one sweep point (kept.json: headlab_pruning.json;
+                       prune_config.json                           result.json holds its development curve, "dev")
 baselines/<name>.json                                              baselines.json of prune/base-<name>
 scratch.json                                                       baselines.json of prune/scratch
 specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
-hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (stage hypotheses)
+hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (a point's own
+                                                                   hypotheses.txt, else stage hypotheses)
 timings.json                                                       wall time of every stage run by the pipeline
 ```
 """
@@ -103,6 +104,7 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
             copy(work / f"functions-{pooling}" / name, res / f"functions-{pooling}" / _flat(name))
     if config.parse.get("model") and (work / "functions-parsed" / "summary.json").is_file():
         copy(config.path(config.parse["model"]) / "eval_results.json", res / "functions-parsed" / "parser.json")
+    own_hypotheses: set[str] = set()
     for sweep in ("enc", "all"):
         directory = work / "prune" / sweep
         copy(directory / "full.json", res / "prune" / sweep / "full.json")
@@ -113,6 +115,10 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
                     copy(point / "result.json", res / "prune" / sweep / point.name / "result.json")
                     copy(point / "gates.json", res / "prune" / sweep / point.name / "gates.json")
                     copy(point / "pruned" / "headlab_pruning.json", res / "prune" / sweep / point.name / "kept.json")
+                    copy(point / "prune_config.json", res / "prune" / sweep / point.name / "prune_config.json")
+                    if (point / "hypotheses.txt").is_file():
+                        own_hypotheses.add(f"{sweep}-{point.name}")
+                        copy(point / "hypotheses.txt", res / "hypotheses" / f"{sweep}-{point.name}.txt")
     prune = work / "prune"
     if prune.is_dir():
         for base in sorted(prune.glob("base-*")):
@@ -120,7 +126,8 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     copy(prune / "scratch" / "baselines.json", res / "scratch.json")
     copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
     for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
-        copy(path, res / "hypotheses" / path.name)
+        if path.stem not in own_hypotheses:  # the translations a point's BLEU was computed from win
+            copy(path, res / "hypotheses" / path.name)
     timings_file = res / "timings.json"
     timings = json.loads(timings_file.read_text(encoding="utf-8")) if timings_file.is_file() else {}
     changed = False

@@ -6,13 +6,16 @@ both systems, and the 2.5th and 97.5th percentiles of the resampled differences 
 interval. The p-value is sacreBLEU's own (``PairedTest``, ``test_type="bs"``). Correlations over
 heads get a bootstrap interval over heads.
 
-Per-sentence translations exist only where the translated weights still exist: the full model,
-and a sweep point whose pruned model is on the machine (its ``pruned/`` directory in the work
-dir, or a bundled model in ``models/`` whose ``prune_result.json`` names that point). The
-``hypotheses`` stage translates each of them greedily (beam 1, batch 64, as the sweeps
-evaluate) and writes ``<work>/hypotheses/<name>.txt``, and the weights each came from in
+Per-sentence translations exist where a sweep point kept the ones its BLEU was computed from
+(``hypotheses.txt``, written by the sweep; they travel with the committed results, so a point
+needs no weights afterwards), or where the translated weights still exist: the full model, and
+a point whose pruned model is on the machine (its ``pruned/`` directory in the work dir, or a
+bundled model in ``models/`` whose ``prune_result.json`` names that point). The ``hypotheses``
+stage translates the latter greedily (beam 1, batch 64, as the sweeps evaluate) and writes
+``<work>/hypotheses/<name>.txt``, and the weights each came from in
 ``<work>/hypotheses/sources.json`` (a file whose weights have changed since is made again); the
-report copies the translations to the results dir. A point without them has no interval, and its verdict says so.
+report copies the translations to the results dir. A point without them has no interval, and
+its verdict says so.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def run_hypotheses(config: ReproduceConfig, model: ModelEntry, *, force: bool = 
     made_from = json.loads(made_from_file.read_text(encoding="utf-8")) if made_from_file.is_file() else {}
     done = []
     for name, directory in {"full": config.path(model.path), **pruned_models(config, model)}.items():
+        if (directory.parent / "hypotheses.txt").is_file() and directory.name == "pruned":
+            continue  # a sweep point that wrote its own translations (the ones its BLEU scores)
         path = work / f"{name}.txt"
         weights = weights_fingerprint(directory)
         if path.is_file() and not force and made_from.get(name) == weights:

@@ -8,6 +8,9 @@ command printed in docs/reproduction.md; the tools' own resume (sweep points wit
 ``result.json``, baseline rows already in ``baselines.json``) still applies under ``--force``,
 so finished pruning runs are never thrown away. The last stage, ``report``, has no marker: it
 copies the small result files into ``<results_dir>/<model>/`` and regenerates the document.
+The pruning sweeps first restore the finished points of those committed results into the work
+dir (:func:`restore_points`): a sweep of many hours goes on from a fresh checkout, which has no
+``runs/``, instead of starting again.
 Running them is :mod:`headlab.reproduce.pipeline`'s job; this module only builds the commands.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +28,7 @@ from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
 from headlab.reproduce.significance import run_hypotheses
 from headlab.reproduce.specialisation import run_specialisation
-from headlab.resume import SkipStage
+from headlab.resume import SkipStage, weights_fingerprint
 
 __all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "marker_path", "command_text"]
 
@@ -196,6 +200,54 @@ def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
     return [argv]
 
 
+def restore_points(ctx: Context, sweep: str) -> list[str]:
+    """Copy the finished points of ``sweep`` from the results dir into the work dir where it lacks them.
+
+    Only points of the bundled weights (``model_sha256``) whose options were recorded
+    (``prune_config.json``) come back, with what the results keep of them: result, gates, kept
+    heads, test translations. The sweep then checks their options as it checks its own points and
+    skips them; their pruned weights are not in the results, so nothing translates them again."""
+    from headlab.pruning.train import CONFIG_FILE, HYPOTHESES_FILE, RESULT_FILE  # (torch: not at CLI start-up)
+    from headlab.surgery import PRUNING_FILE
+
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+    results, work = ctx.config.results(ctx.model), _sweep_dir(ctx, sweep)
+    directory = results / "prune" / sweep
+    restored = []
+    full = directory / "full.json"
+    if full.is_file() and not (work / "full.json").is_file() and \
+            json.loads(full.read_text(encoding="utf-8")).get("model_sha256") == weights:
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(full, work / "full.json")
+    for point in sorted(directory.iterdir()) if directory.is_dir() else []:
+        result, target = point / RESULT_FILE, work / point.name
+        if target.exists() or not (result.is_file() and (point / CONFIG_FILE).is_file()):
+            continue
+        if weights is None or json.loads(result.read_text(encoding="utf-8")).get("model_sha256") != weights:
+            continue
+        staging = work / f".{point.name}.restoring"  # renamed into place whole: a restore cut short leaves no half point
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "pruned").mkdir(parents=True)
+        for name in (CONFIG_FILE, "gates.json", RESULT_FILE):
+            if (point / name).is_file():
+                shutil.copyfile(point / name, staging / name)
+        if (point / "kept.json").is_file():
+            shutil.copyfile(point / "kept.json", staging / "pruned" / PRUNING_FILE)
+        hypotheses = results / "hypotheses" / f"{sweep}-{point.name}.txt"
+        if hypotheses.is_file():
+            shutil.copyfile(hypotheses, staging / HYPOTHESES_FILE)
+        try:
+            staging.rename(target)
+        except OSError:  # the sweep began this point meanwhile: its own run stands
+            shutil.rmtree(staging, ignore_errors=True)
+            continue
+        restored.append(point.name)
+    if restored:
+        ctx.log(f"{ctx.model.name} prune-{sweep}: restored {len(restored)} finished points from "
+                f"{ctx.config.rel(directory)}: {', '.join(restored)}")
+    return restored
+
+
 def _points_dir(ctx: Context, sweep: str) -> Path:
     return ctx.config.results(ctx.model, "prune", sweep) if ctx.from_results else _sweep_dir(ctx, sweep)
 
@@ -280,6 +332,7 @@ class Stage:
     commands: Callable[[Context], list[list[str]]] | None = None
     python: Callable[..., list[str]] | None = None  # (config, model, *, force, log) -> what it ran, as text
     check: Callable[[Context], None] | None = None
+    prepare: Callable[[Context], object] | None = None  # before the commands run (not in a dry run)
 
 
 STAGES: dict[str, Stage] = {
@@ -290,14 +343,18 @@ STAGES: dict[str, Stage] = {
     "pooling": Stage("pooling", "the functions pass under the other subword-to-word mappings (sensitivity)",
                      pooling_commands),
     "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
-                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc"))),
+                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc")),
+                       prepare=lambda ctx: restore_points(ctx, "enc")),
     "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
-                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "all"))),
+                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "all")),
+                       prepare=lambda ctx: restore_points(ctx, "all")),
     "baselines": Stage("baselines", "random, Michel, confidence, LRP at equal head counts", baselines_commands,
                        check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
-                                                          for name in ctx.config.baselines.get("methods", {})])),
+                                                          for name in ctx.config.baselines.get("methods", {})]),
+                       prepare=lambda ctx: restore_points(ctx, "enc")),  # its head counts: the sweep's
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
-                     check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")])),
+                     check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")]),
+                     prepare=lambda ctx: restore_points(ctx, "all")),  # the gates of its points
     "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
                                       "(paired bootstrap)", python=run_hypotheses),
     "specialisation": Stage("specialisation", "confidence and positional share over training checkpoints",
