@@ -10,11 +10,13 @@ the headline is the first set with beam 4; every figure keeps its command.
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HEADLAB = os.environ.get("HEADLAB") or str(ROOT / ".venv/bin/headlab")  # HEADLAB=headlab: the one on PATH
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("model")
@@ -31,7 +33,7 @@ for split, prefix in sets:
         command = (f"headlab nmt evaluate --model {args.model} --src {prefix}.{args.src}.gz "
                    f"--ref {prefix}.{args.tgt}.gz --beam {beam} --threads 1")
         start = time.time()
-        out = subprocess.run([str(ROOT / ".venv/bin/headlab")] + command.split()[1:] + ["--json"],
+        out = subprocess.run([HEADLAB] + command.split()[1:] + ["--json"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
         scores = json.loads(out)
         scores.update(split=split, command=command)

@@ -7,7 +7,9 @@
 #   experiments/train_translation.sh multi30k-en-fr
 #   experiments/train_translation.sh news-en-de        # Multi30k + WMT news-train + Tatoeba, newstest2020
 #
-# Every epoch's weights stay in runs/<model>/epochs/ for the specialisation curve.
+# Every epoch's weights stay in runs/<model>/epochs/ for the specialisation curve. The shape and
+# batch can be changed from the environment (D_MODEL, FFN, HEADS, MAX_TOKENS, WARMUP, PRECISION,
+# THREADS), e.g. the paper's base shape on a GPU (experiments/device.sh news).
 set -euo pipefail
 MODEL=${1:?usage: experiments/train_translation.sh multi30k-en-de|multi30k-en-fr|news-en-de}
 cd "$(dirname "$0")/.."
@@ -15,15 +17,16 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 HEADLAB="${HEADLAB:-headlab}"
 if ! command -v "$HEADLAB" >/dev/null 2>&1 && [ -x .venv/bin/headlab ]; then HEADLAB=.venv/bin/headlab; fi
 SHARED=${SHARED:-../shared/data/wmt-news-en-de}
-COMMON=(--vocab-size 8000 --d-model 256 --ffn 1024 --layers 6 --heads 8 --label-smoothing 0.1
-        --mixed-precision bf16 --epochs 100 --patience 3 --min-improvement 0.1 --save-every 100
-        --max-time "${MAX_TIME:-70}" --seed 1 --threads 1 --resume --no-progress)
+COMMON=(--vocab-size 8000 --d-model "${D_MODEL:-256}" --ffn "${FFN:-1024}" --layers 6 --heads "${HEADS:-8}"
+        --label-smoothing 0.1 --mixed-precision "${PRECISION:-bf16}" --epochs 100 --patience 3
+        --min-improvement 0.1 --save-every 100 --max-time "${MAX_TIME:-70}" --seed 1 --threads "${THREADS:-1}"
+        --resume --no-progress)
 case $MODEL in
   multi30k-en-de|multi30k-en-fr)
     TGT=${MODEL#multi30k-en-}
     exec "$HEADLAB" nmt train --train-src data/multi30k/train.en.gz --train-tgt "data/multi30k/train.$TGT.gz" \
       --valid-src data/multi30k/val.en.gz --valid-tgt "data/multi30k/val.$TGT.gz" --out "runs/$MODEL" \
-      --max-tokens 2048 --lr 7e-4 --warmup-steps 400 "${COMMON[@]}" ;;
+      --max-tokens "${MAX_TOKENS:-2048}" --lr 7e-4 --warmup-steps "${WARMUP:-400}" "${COMMON[@]}" ;;
   news-en-de)
     DATA=runs/news-en-de-data
     if [ ! -f $DATA/train.de.gz ]; then  # 77,311 pairs: Multi30k train, WMT news-train, Tatoeba
@@ -35,6 +38,6 @@ case $MODEL in
     fi
     exec "$HEADLAB" nmt train --train-src $DATA/train.en.gz --train-tgt $DATA/train.de.gz \
       --valid-src "$SHARED/newstest2020.en.gz" --valid-tgt "$SHARED/newstest2020.de.gz" --out runs/news-en-de \
-      --max-tokens 4096 --lr 7e-4 --warmup-steps 1000 "${COMMON[@]}" ;;
+      --max-tokens "${MAX_TOKENS:-4096}" --lr 7e-4 --warmup-steps "${WARMUP:-1000}" "${COMMON[@]}" ;;
   *) echo "unknown model $MODEL" >&2; exit 2 ;;
 esac
