@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The long runs of issues 12 and 17 on a lent GPU machine (the session's `device` tool: one
+# command of at most 10 minutes, 30 minutes in all, a bare machine that keeps runs/ only while
+# warm, and at most 8 files of 16 MiB back from $OUT). Every call brings its results back in one
+# archive, so nothing is lost when the machine goes back between calls:
+#
+#   experiments/device.sh sweep MODEL   reproduce's pruning stages of MODEL (prune-enc, prune-all,
+#                                       scratch; STAGES= to choose) for MINUTES (default 8), then
+#                                       the report's copy of the small results:
+#                                       $OUT/results-MODEL.tar.gz holds docs/results/reproduction/MODEL.
+#                                       A sweep restores its finished points from those results, so
+#                                       the next call (or machine) goes on where this one stopped.
+#   experiments/device.sh news          trains the news-domain EN-DE model in the paper's shape
+#                                       (d_model 512, FFN 2048, 16k-token batches; resumable) for
+#                                       MINUTES, then runs importance and functions on it:
+#                                       $OUT/news-en-de.tar.gz holds the history, the card's numbers
+#                                       and the analyses (the weights, about 100 MB in fp16, stay).
+#
+# Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
+# root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
+#   echo /.carry/ >> .git/info/exclude; mkdir -p .carry .whl
+#   cp ../shared/data/wmt-news-en-de/{news-train,tatoeba,newstest2020,newstest2019}.{en,de}.gz .carry/  # news only
+#   .venv/bin/pip download --no-deps -d .whl conllu==6.0.0    # the one dependency the GPU image lacks
+# and in each call: carry [".whl", ".carry"], command `experiments/device.sh sweep multi30k-en-de`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?OUT: the folder whose files come back}
+MINUTES=${MINUTES:-8}
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ! "$PY" -c "import conllu" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+mkdir -p /tmp/headlab-bin  # `headlab` for the experiments' scripts, from this tree's sources
+printf '#!/bin/sh\nexec %s -m headlab "$@"\n' "$PY" > /tmp/headlab-bin/headlab
+chmod +x /tmp/headlab-bin/headlab
+export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
+"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+
+case ${1:?usage: experiments/device.sh sweep MODEL | news} in
+  sweep)
+    MODEL=${2:?usage: experiments/device.sh sweep MODEL}
+    # timeout ends the stages inside the call's limit; the point in training resumes from its
+    # last checkpoint (every 200 updates) if the machine is still warm, else starts again.
+    timeout --signal=TERM --kill-after=30 $((MINUTES * 60)) \
+      headlab reproduce --models "$MODEL" --stages "${STAGES:-prune-enc,prune-all,scratch}" || echo "stages stopped: $?"
+    headlab reproduce --models "$MODEL" --stages hypotheses,report
+    tar czf "$OUT/results-$MODEL.tar.gz" "docs/results/reproduction/$MODEL"
+    ;;
+  news)
+    D_MODEL=512 FFN=2048 MAX_TOKENS=16384 WARMUP=4000 PRECISION=bf16 THREADS=8 MAX_TIME=$MINUTES \
+      SHARED=${SHARED:-.carry} experiments/train_translation.sh news-en-de || echo "training stopped: $?"
+    RUN=runs/news-en-de
+    mkdir -p "$RUN/analysis"
+    MODEL_DIR=$RUN/best  # the best validation BLEU so far, with its tokenizer
+    if [ -f "$MODEL_DIR/config.json" ]; then
+      "$PY" experiments/evaluate_model.py "$MODEL_DIR" --tgt de --set newstest2019 "${SHARED:-.carry}/newstest2019" \
+        --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
+      headlab functions "$MODEL_DIR" --conllu data/ud-english-ewt/en_ewt-ud-dev.conllu \
+        --out "$RUN/analysis/functions" --no-progress || echo "functions failed: $?"
+      headlab importance "$MODEL_DIR" --data "${SHARED:-.carry}/newstest2020.en.gz" \
+        --target "${SHARED:-.carry}/newstest2020.de.gz" --n-sentences 500 --method all \
+        --out "$RUN/analysis/importance" --no-progress || echo "importance failed: $?"
+    fi
+    tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='last' \
+      --exclude='epochs' "$RUN"
+    ;;
+  *) echo "unknown command $1: sweep MODEL | news" >&2; exit 2 ;;
+esac
