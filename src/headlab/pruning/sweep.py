@@ -23,7 +23,7 @@ from typing import Callable
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
-from headlab.pruning.train import CONFIG_FILE, RESULT_FILE, PruneConfig, evaluate_model, heads_per_kind, prune_train
+from headlab.pruning.train import CONFIG_FILE, RESULT_FILE, PruneConfig, evaluate_point, heads_per_kind, prune_train
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
 
@@ -178,13 +178,7 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
             model, tokenizer = load()
             from headlab.surgery import count_parameters
 
-            metrics = evaluate_model(model, tokenizer, eval_data, beam=base.eval_beam, batch_size=base.eval_batch_size)
-            metrics["parameters"] = count_parameters(model)
-            if base.latency_sentences:
-                from headlab.pruning.train import measure_latency
-
-                metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: base.latency_sentences]),
-                                                     beam=base.eval_beam)
+            metrics = {**evaluate_point(model, tokenizer, eval_data, base), "parameters": count_parameters(model)}
             full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference",
                     "model_sha256": base.model_fingerprint or None}
             atomic_write_text(full_file, json.dumps(full, indent=2) + "\n")

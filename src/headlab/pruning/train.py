@@ -65,6 +65,7 @@ __all__ = [
     "resolve_kinds",
     "export_pruned",
     "evaluate_model",
+    "evaluate_point",
     "read_trajectory",
     "causal_lm_loss",
     "masked_lm_loss",
@@ -374,6 +375,18 @@ def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 6
     return metrics
 
 
+def evaluate_point(model, tokenizer, data, config: PruneConfig, *, loss_kind: str = "seq2seq",
+                   compute_loss: Callable | None = None, hypotheses_file: str | os.PathLike | None = None) -> dict:
+    """:func:`evaluate_model` with ``config``'s beam and batch size, and the latency of its first
+    ``config.latency_sentences`` sentences when it asks for them (a translation model only)."""
+    metrics = evaluate_model(model, tokenizer, data, beam=config.eval_beam, batch_size=config.eval_batch_size,
+                             loss_kind=loss_kind, compute_loss=compute_loss, hypotheses_file=hypotheses_file)
+    if config.latency_sentences and data is not None and loss_kind == "seq2seq":
+        metrics["latency"] = measure_latency(model, tokenizer, list(data.sources[: config.latency_sentences]),
+                                             beam=config.eval_beam)
+    return metrics
+
+
 def measure_latency(model, tokenizer, sentences, *, beam: int = 4, batch_size: int = 32, repeats: int = 3) -> dict:
     """Seconds for the encoder alone and for end-to-end translation of ``sentences`` (best of
     ``repeats``), on the model's device, in the current thread settings; the model in eval mode
@@ -587,12 +600,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
         outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
         metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
                    "deterministic_open": sum(final["heads_open"].values()), **sizes}
-        metrics.update(evaluate_model(model, tokenizer, eval_data, beam=config.eval_beam,
-                                      batch_size=config.eval_batch_size, loss_kind=loss_kind,
+        metrics.update(evaluate_point(model, tokenizer, eval_data, config, loss_kind=loss_kind,
                                       compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
-        if config.latency_sentences and eval_data is not None and loss_kind == "seq2seq":
-            metrics["latency"] = measure_latency(model, tokenizer, list(eval_data.sources[: config.latency_sentences]),
-                                                 beam=config.eval_beam)
         outcome.metrics = metrics
         record = outcome.to_dict()
         record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
