@@ -213,9 +213,14 @@ def test_cli_train_and_its_errors(model_dir, tmp_path, capsys):
 def test_cli_sweep_resumes_and_skips_finished_points(model_dir, tmp_path, capsys):
     out = tmp_path / "s"
     args = ["prune", "sweep", str(model_dir), *_data_args(100), "--gates", "enc_self", "--lams", "0,2",
-            "--out", str(out)]
+            "--latency", "2", "--out", str(out)]
     assert main(args) == 0
     table = capsys.readouterr().out
+    # The unpruned reference and every point are timed alike, and a point keeps the translations it scored.
+    for result in (out / "full.json", out / "lam-0" / "result.json"):
+        assert json.loads(result.read_text())["metrics"]["latency"]["sentences"] == 2
+    hypotheses = (out / "lam-0" / "hypotheses.txt").read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 10  # --eval-limit
     assert table.splitlines()[0].startswith("| point | lam | keep | enc_self | dec_self | dec_cross | heads | bleu | chrf | loss")
     rows = json.loads((out / "sweep.json").read_text())
     assert [r["point"] for r in rows] == ["full", "lam-0", "lam-2"]
