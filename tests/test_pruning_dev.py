@@ -94,3 +94,27 @@ def test_cli_dev_options_and_stale_points(model_dir, tmp_path, capsys):
     rows = json.loads((tmp_path / "b" / "baselines.json").read_text())
     assert [r["model_sha256"] for r in rows] == [weights_fingerprint(model_dir)]
     assert [r["model_sha256"] for r in json.loads((tmp_path / "b" / "baselines.stale.json").read_text())] == [before]
+
+
+def test_bf16_points_and_training_baseline_rows_are_their_own(model_dir, tmp_path, capsys):
+    """--mixed-precision changes what a point or a training baseline row computes: one made in
+    the other precision is set aside and redone."""
+    base = ["prune", "sweep", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "test_2016_flickr.en.gz"),
+            "--valid-tgt", str(DATA / "test_2016_flickr.de.gz"), "--limit", "40", "--eval-limit", "4",
+            "--max-tokens", "400", "--eval-beam", "1", "--log-every", "0", "--no-progress", "--gates", "enc_self"]
+    out = tmp_path / "s"
+    args = base + ["--lams", "0", "--max-steps", "2", "--out", str(out)]
+    assert main(args) == 0
+    assert main(args + ["--mixed-precision", "bf16"]) == 0
+    assert "lam-0: made with other options: train.mixed_precision no -> bf16" in capsys.readouterr().err
+    assert json.loads((out / "lam-0" / "prune_config.json").read_text())["train"]["mixed_precision"] == "bf16"
+    assert (out / "stale" / "lam-0").is_dir()
+
+    baseline = ["prune", "baseline", *base[2:15], "--eval-beam", "1", "--method", "random", "--keeps", "3",
+                "--seeds", "1", "--finetune-steps", "1", "--out", str(tmp_path / "b")]
+    assert main(baseline) == 0
+    assert main(baseline + ["--mixed-precision", "bf16"]) == 0
+    rows = json.loads((tmp_path / "b" / "baselines.json").read_text())
+    stale = json.loads((tmp_path / "b" / "baselines.stale.json").read_text())
+    assert [r["mixed_precision"] for r in rows] == ["bf16"] and [r["mixed_precision"] for r in stale] == ["no"]

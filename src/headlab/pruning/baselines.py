@@ -15,9 +15,10 @@ budget as gated fine-tuning (the spec fixed), and scores with
 :func:`headlab.pruning.train.evaluate_model`. :func:`train_from_scratch` is the paper's "from
 scratch" column: the pruned configuration trained from random initialisation.
 
-Each row records the weights it started from (``model_sha256``) and, for ``scores``, the score
-file's fingerprint (``scores_sha256``). A row of other weights, or of the same method and head
-count from another score file, is stale: :func:`run_baselines` moves it to
+Each row records the weights it started from (``model_sha256``), the precision of its training
+if it trains (``mixed_precision``) and, for ``scores``, the score file's fingerprint
+(``scores_sha256``). A row of other weights, or of the same method and head count trained in
+another precision or from another score file, is stale: :func:`run_baselines` moves it to
 ``baselines.stale.json`` and runs it again.
 """
 
@@ -192,7 +193,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
             if c.from_scratch:
                 train_config = TrainConfig(out_dir=str(out / f"scratch-{c.method}-{keep}-{seed}"),
                                            max_tokens=c.max_tokens, max_epochs=c.scratch_epochs, validate=False,
-                                           overwrite=True)
+                                           mixed_precision=c.mixed_precision, overwrite=True)
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
             else:
@@ -201,7 +202,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                     finetune = TrainConfig(out_dir=str(out / f"ft-{c.method}-{keep}-{seed}"), max_tokens=c.max_tokens,
                                            lr=c.lr, warmup_steps=0, schedule="constant", max_epochs=10**6,
                                            max_steps=c.finetune_steps, validate=False, keep_epoch_checkpoints=False,
-                                           overwrite=True, progress=False)
+                                           mixed_precision=c.mixed_precision, overwrite=True, progress=False)
                 result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
                                            finetune=finetune, beam=c.eval_beam)
             rows.append({"method": c.method if c.method != "scores" else f"scores:{c.scores.method}",
@@ -213,16 +214,24 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     return text
 
 
+def _trains(config: BaselineConfig) -> bool:
+    return bool(config.finetune_steps or config.from_scratch)
+
+
 def _source(config: BaselineConfig) -> dict:
-    """What a row was made from: the starting weights and, for ``scores``, the score file."""
+    """What a row was made from: the starting weights, the precision of its training (if it
+    trains) and, for ``scores``, the score file."""
     out = {"model_sha256": config.model_fingerprint or None}
+    if _trains(config):
+        out["mixed_precision"] = config.mixed_precision
     if config.method == "scores":
         out["scores_sha256"] = config.scores_fingerprint or None
     return out
 
 
 def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> list[dict]:
-    """Rows of other weights, or of this method and head count from another score file, move to
+    """Rows of other weights, or of this method and head count trained in another precision or
+    from another score file, move to
     ``baselines.stale.json`` (appended); the rest are returned."""
     if not config.model_fingerprint:
         return rows
@@ -233,6 +242,8 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> lis
             return True
         same = row["method"] == method and row["keep"] in config.keeps and \
             bool(row.get("from_scratch")) == config.from_scratch and row["finetune_steps"] == config.finetune_steps
+        if same and _trains(config) and row.get("mixed_precision", "no") != config.mixed_precision:
+            return True
         return same and config.method == "scores" and row.get("scores_sha256") != (config.scores_fingerprint or None)
 
     old = [row for row in rows if stale(row)]

@@ -55,7 +55,7 @@ def _add_train_options(p) -> None:
                    help="auto: frozen iff --gates enc_self on an encoder-decoder model")
     add_options(p, PruneConfig, ("loss", "beta", "init_log_alpha", "gate_lr", "multiplier_lr", "budget_warmup"))
     add_options(p, PruneConfig().train, ("lr", "warmup_steps", "max_tokens", "label_smoothing", "max_epochs",
-                                         "max_steps", "save_every_steps"))
+                                         "max_steps", "save_every_steps", "mixed_precision"))
     add_options(p, PruneConfig, ("log_every", "eval_beam", "latency_sentences"))
     p.add_argument("--dev-src", help="development source file for the curve of --dev-every (not the evaluation set)")
     p.add_argument("--dev-tgt", help="development reference file")
@@ -105,7 +105,7 @@ def register(subparsers) -> None:
     bl.add_argument("--kinds", default="enc_self", help="kinds to prune (comma list or all)")
     bl.add_argument("--seeds", default="1,2,3", help="seeds of --method random")
     add_options(bl, BaselineConfig, ("finetune_steps", "from_scratch", "scratch_epochs", "lr", "max_tokens",
-                                     "eval_beam", "importance_batches"))
+                                     "mixed_precision", "eval_beam", "importance_batches"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
                                                    "command resumes after them")

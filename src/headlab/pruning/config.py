@@ -73,6 +73,8 @@ class BaselineConfig:
     scratch_epochs: int = option(12, "epochs of --from-scratch")
     lr: float = option(1e-4, "learning rate of the fine-tuning")
     max_tokens: int = option(4096, "target tokens per batch")
+    mixed_precision: str = option("no", "bf16: autocast the fine-tuning's or the from-scratch training's forward "
+                                  "and backward (weights and Adam stay fp32)", choices=("no", "bf16"))
     eval_beam: int = option(4, "beam of the evaluation's translations")
     importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)")
     model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
