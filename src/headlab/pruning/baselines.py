@@ -231,8 +231,7 @@ def _source(config: BaselineConfig) -> dict:
 
 def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> list[dict]:
     """Rows of other weights, or of this method and head count trained in another precision or
-    from another score file, move to
-    ``baselines.stale.json`` (appended); the rest are returned."""
+    from another score file, move to ``baselines.stale.json`` (appended); the rest are returned."""
     if not config.model_fingerprint:
         return rows
     method = config.method if config.method != "scores" else f"scores:{config.scores.method}"

@@ -9,8 +9,9 @@ and rows aside, :mod:`headlab.pruning.sweep`). Otherwise its commands run
 in-process through :func:`headlab.cli.main`, so that each step is exactly the command printed
 in docs/reproduction.md, and the marker is written last, atomically. A stage holds the lock of
 ``<work_dir>/<model>/locks/<stage>`` while it runs, so that different stages (the two pruning
-sweeps, say) can run side by side in separate processes, but one stage only once. This module sits with the
-command line in the import layers (it imports :mod:`headlab.cli`); nothing below imports it.
+sweeps, say) can run side by side in separate processes, but one stage only once. This module
+sits with the command line in the import layers (it imports :mod:`headlab.cli`); nothing below
+imports it.
 """
 
 from __future__ import annotations
