@@ -76,6 +76,14 @@ def test_every_stage_runs_and_the_manifest_follows_the_contract(full_run):
     assert (full_run / "index.html").is_file()
 
 
+def test_the_gate_sweep_records_the_weights_it_pruned(full_run, inputs):
+    from headlab.resume import weights_fingerprint
+
+    results = sorted((full_run / "prune").glob("*/result.json"))
+    assert results and all(json.loads(r.read_text())["model_sha256"] == weights_fingerprint(inputs / "model")
+                           for r in results)
+
+
 def test_outputs_layout(full_run):
     for measure in ("confidence", "lrp", "gradient", "ablation"):
         scores = HeadScores.load(full_run / "importance" / f"{measure}.json")

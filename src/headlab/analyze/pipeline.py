@@ -47,7 +47,7 @@ from headlab.errors import HeadlabError
 from headlab.importance.measure_options import ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
-from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key
+from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
@@ -524,7 +524,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
     base = PruneConfig(
         gates=c.prune_gates, lam=0.0, eval_beam=c.prune_eval_beam, log_every=max(1, c.prune_steps // 10),
         gate_lr=c.prune_gate_lr, init_log_alpha=c.prune_init_log_alpha,
-        command="headlab analyze (short gate sweep)",
+        command="headlab analyze (short gate sweep)", model_fingerprint=weights_fingerprint(c.model) or "",
         train=TrainConfig(out_dir=str(directory), max_tokens=c.prune_max_tokens, lr=1e-4, warmup_steps=0,
                           schedule="constant", max_epochs=10**6, max_steps=c.prune_steps, save_every_steps=None,
                           validate=False, keep_epoch_checkpoints=False, seed=1, progress=c.progress))
