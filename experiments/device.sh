@@ -15,6 +15,9 @@
 #                                       MINUTES, then runs importance and functions on it:
 #                                       $OUT/news-en-de.tar.gz holds the history, the card's numbers
 #                                       and the analyses (the weights, about 100 MB in fp16, stay).
+#   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
+#                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
+#                                       $OUT/cuda-tests.log.
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -38,7 +41,7 @@ chmod +x /tmp/headlab-bin/headlab
 export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 
-case ${1:?usage: experiments/device.sh sweep MODEL | news} in
+case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests} in
   sweep)
     MODEL=${2:?usage: experiments/device.sh sweep MODEL}
     # timeout ends the stages inside the call's limit; the point in training resumes from its
@@ -66,5 +69,10 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news} in
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='last' \
       --exclude='epochs' "$RUN"
     ;;
-  *) echo "unknown command $1: sweep MODEL | news" >&2; exit 2 ;;
+  cuda-tests)
+    set -o pipefail
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py 2>&1 \
+      | tee "$OUT/cuda-tests.log"
+    ;;
+  *) echo "unknown command $1: sweep MODEL | news | cuda-tests" >&2; exit 2 ;;
 esac
