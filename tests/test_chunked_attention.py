@@ -127,3 +127,115 @@ def test_a_forward_that_bypasses_the_registry_is_an_error(monkeypatch):
     with pytest.raises(HeadlabError, match="did not call the registered attention function"):
         _collect(model, tiny_inputs("gpt2"), 2)
     assert model.config._attn_implementation != NAME
+
+
+# -- a chunk holds only the keys its rows can see ------------------------------------------------
+def _long_model(family: str, positions: int = 256):
+    """A tiny model of ``family`` whose position table takes long inputs (several KEY_BLOCKs)."""
+    import transformers as tf
+
+    from support.models import VOCAB
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=positions)
+    causal = dict(small, num_key_value_heads=2, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    cls, config = {
+        "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**causal)),
+        "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(**causal, sliding_window=40)),
+        "bert": lambda: (tf.BertForMaskedLM, tf.BertConfig(**small)),
+        "marian": lambda: (tf.MarianMTModel, tf.MarianConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0, max_position_embeddings=positions)),
+    }[family]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def _long_inputs(family: str, length: int, padding: str | None):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 99, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    if padding is not None:
+        mask[1, -length // 3:] = 0  # the second sentence a third shorter
+        if padding == "left":
+            mask = mask.flip(1)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if family == "marian":
+        inputs["decoder_input_ids"] = torch.randint(3, 99, (2, length - 20), generator=g)
+    return inputs
+
+
+def _eager_probs(model, inputs):
+    with capture_attention(model) as record:
+        out = logits(model, inputs)
+    return out, dict(record)
+
+
+@pytest.mark.parametrize("family, padding", [("llama", None), ("llama", "right"), ("llama", "left"),
+                                             ("mistral", "right")])
+def test_causal_chunks_hold_the_visible_keys_only(monkeypatch, family, padding):
+    """Causal self-attention (grouped-query; Mistral with a sliding window in the mask), chunks
+    of 48 rows (not a divisor of 200): each chunk holds the keys up to the last one a row of it
+    sees, rounded up to KEY_BLOCK; the weights it leaves out are 0 in eager's map; the weights it
+    holds are, to the bit, those of the same chunk computed over every key; the output is eager's."""
+    import headlab.attention as attention
+
+    model = _long_model(family)
+    inputs = _long_inputs(family, 200, padding)
+    reference, eager = _eager_probs(model, inputs)
+    out, chunks, _ = _collect(model, inputs, 48)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+    monkeypatch.setattr(attention, "visible_keys", lambda mask, causal, stop, k_len: k_len)
+    _, wide, _ = _collect(model, inputs, 48)
+    cut = 0
+    for key, probs in eager.items():
+        parts = chunks[key]
+        assert [c.start for c in parts] == list(range(0, 200, 48))
+        for chunk in parts:
+            assert chunk.k_len == 200 and (chunk.keys == 200 or chunk.keys % attention.KEY_BLOCK == 0)
+            assert torch.all(probs[:, :, chunk.start:chunk.stop, chunk.keys:] == 0)  # nothing left out but zeros
+            cut += chunk.keys < chunk.k_len
+        torch.testing.assert_close(torch.cat([c.full() for c in parts], 2), probs, atol=1e-6, rtol=0)
+        if key[1] == 0:  # the first layer's inputs are the same in both runs: the same bits
+            for chunk, whole in zip(parts, wide[key]):
+                assert whole.keys == 200 and torch.equal(chunk.full(), whole.probs)
+    assert cut >= 4  # the early chunks of every layer hold fewer keys
+    if padding == "left":  # rows of padding see no key: eager spreads them over every key, so does the chunk
+        first = chunks[("dec_self", 0)][0]
+        assert first.keys == first.k_len
+        torch.testing.assert_close(first.probs[1, :, 0], torch.full_like(first.probs[1, :, 0], 1 / 200))
+
+
+@pytest.mark.parametrize("padding", [None, "right"])
+def test_non_causal_attention_keeps_every_key(padding):
+    """Encoder self-attention and cross-attention are not cut (with padding in the second sentence
+    only, the first one's rows see every key); the decoder's causal self-attention is; the output
+    and the probabilities are eager's."""
+    for family in ("bert", "marian"):
+        model = _long_model(family)
+        inputs = _long_inputs(family, 200, padding)
+        reference, eager = _eager_probs(model, inputs)
+        out, chunks, _ = _collect(model, inputs, 48)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+        for key, probs in eager.items():
+            held = {c.keys == c.k_len for c in chunks[key]}
+            assert held == ({True, False} if key[0] == "dec_self" else {True}), key
+            torch.testing.assert_close(torch.cat([c.full() for c in chunks[key]], 2), probs, atol=1e-6, rtol=0)
+
+
+def test_visible_keys_from_the_mask():
+    from headlab.attention import KEY_BLOCK, visible_keys
+
+    hidden = torch.ones(2, 1, 3, 300, dtype=torch.bool)
+    hidden[:, 0, :, :10] = False
+    hidden[1, 0, 2, 70] = False  # the last key any row sees
+    assert visible_keys(hidden, False, 3, 300) == 2 * KEY_BLOCK
+    hidden[1, 0, 0] = True  # a row that sees nothing: uniform over every key, as eager
+    assert visible_keys(hidden, False, 3, 300) == 300
+    additive = torch.zeros(1, 1, 2, 300).masked_fill(torch.arange(300) >= 20, torch.finfo(torch.float32).min)
+    assert visible_keys(additive, False, 2, 300) == KEY_BLOCK
+    assert visible_keys(None, True, 130, 300) == 3 * KEY_BLOCK
+    assert visible_keys(None, True, 290, 300) == 300
+    assert visible_keys(None, False, 10, 300) == 300

@@ -141,3 +141,143 @@ def test_query_chunk_must_be_positive():
     for bad in (0, -1):
         with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
             AnalysisConfig(query_chunk=bad)
+
+
+# -- causal maps cut to the keys a chunk can see ---------------------------------------------
+UPOS = ("NOUN", "VERB", "ADJ", "ADV", "DET", "ADP", "PRON", "PUNCT")
+DEPRELS = ("nsubj", "obj", "amod", "advmod", "det", "case", "obl")
+WORDS = ("the", "cat", "sat", "quietly", "on", "a", "warm", "mat", "while", "dogs", "barked", "outside",
+         "and", "birds", "sang", "songs", "near", "trees")
+
+
+def long_conllu(lengths, seed=0) -> str:
+    """Sentences of the given word counts, random words and a random tree (each word governed by
+    one of the five words before it): every statistic has arcs, tags and long rows to work on."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for s, n in enumerate(lengths):
+        lines += [f"# sent_id = long{s}", f"# text = {' '.join(['x'] * n)}"]
+        for i in range(1, n + 1):
+            head = 0 if i == 1 else int(rng.integers(max(1, i - 5), i))
+            deprel = "root" if head == 0 else DEPRELS[int(rng.integers(len(DEPRELS)))]
+            lines.append(f"{i}\t{WORDS[int(rng.integers(len(WORDS)))]}\t_\t{UPOS[int(rng.integers(len(UPOS)))]}"
+                         f"\t_\t_\t{head}\t{deprel}\t_\t_")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _causal_probs(side, seed):
+    """Causal softmax maps, right padding: a padding query row sees the sentence's tokens (as
+    transformers' causal + padding mask gives it); returns ``(probs, hidden [B, 1, T, T])``."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = side.token_ids.shape
+    position = torch.arange(T)
+    hidden = torch.stack([(position[None, :] > position[:, None]) | (position[None, :] >= n)
+                          for n in side.lengths])[:, None]
+    logits = (torch.randn(B, H, T, T, generator=g) * 3).masked_fill(hidden, torch.finfo(torch.float32).min)
+    return logits.softmax(-1), hidden
+
+
+@pytest.mark.parametrize("pooling, query_chunk", [("sum", 37), ("sum", 64), ("first", 37), ("max", 50)])
+def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, query_chunk):
+    """Causal chunks hold only the keys their rows see (headlab.attention.visible_keys); fed as
+    WordRows views, every statistic writes what the whole, uncut view gives: counts, offsets
+    and argmax decisions identical, float64 sums to 1e-12 (they add the same float32 weights
+    in another order)."""
+    from headlab.attention import KEY_BLOCK, visible_keys
+    from headlab.data.treebank import read_conllu
+
+    path = tmp_path / "long.conllu"
+    path.write_text(long_conllu([150, 97, 121, 40]), encoding="utf-8")
+    sentences = list(read_conllu(path))
+    tokenizer = bpe_tokenizer([" ".join(s.words) for s in sentences], vocab_size=40)
+    batches = []
+    for start, seed in ((0, 1), (2, 2)):
+        side, _ = side_batch(sentences[start:start + 2], tokenizer, start)
+        side.pooling = pooling
+        assert side.word_sizes.max() > 1 and side.token_ids.shape[1] > 2 * KEY_BLOCK
+        batches.append((side, *_causal_probs(side, seed)))
+    whole, cut = _statistics(tokenizer, pooling), _statistics(tokenizer, pooling)
+    narrowed = 0
+    for layer in range(2):
+        block = FakeBlock("dec_self", layer, H)
+        for side, probs, hidden in batches:
+            for stats in (whole, cut):
+                for stat in stats.values():
+                    if hasattr(stat, "update_side") and layer == 0:
+                        stat.update_side("dec_self", side)
+            view = AttentionView(block, probs, side)
+            for stat in whole.values():
+                stat.update(view)
+            T = probs.shape[2]
+            words = WordRows(block, side)
+            for start in range(0, T, query_chunk):
+                stop = min(start + query_chunk, T)
+                keys = visible_keys(hidden[:, :, start:stop], False, stop, T)
+                assert torch.all(probs[:, :, start:stop, keys:] == 0)
+                narrowed += keys < T
+                part = words.view(probs[:, :, start:stop, :keys], start, stop == T)
+                assert part.words.shape[3] <= side.max_words
+                for stat in cut.values():
+                    stat.update(part)
+    assert narrowed >= 4
+    files = {}
+    for name, stats in (("whole", whole), ("cut", cut)):
+        files[name] = _written([stat.result() for stat in stats.values()], tmp_path / name)
+        stats["aggregate"].close()
+    assert len(files["whole"]) > 10 and files["cut"].keys() == files["whole"].keys()
+    for name, written in files["whole"].items():
+        if name in REORDERED_SUMS or name.startswith("aggregate/pos/"):
+            _assert_relative(files["cut"][name], written, name, 1e-12)
+        else:
+            assert files["cut"][name] == written, name  # to the bit
+
+
+REORDERED_SUMS = ("aggregate/mean_distance.json", "aggregate/dependency_alignment.json")
+"""Aggregate statistics whose float64 totals sum each view's weights over (sentence, row, key)
+at once: over fewer keys the same float32 weights are added in another order."""
+
+
+def _assert_relative(a, b, path, rtol):
+    """Equal structure and non-floats; floats within ``rtol`` relative (no absolute slack)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _assert_relative(a[key], b[key], f"{path}/{key}", rtol)
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for x, y in zip(a, b):
+            _assert_relative(x, y, path, rtol)
+    elif isinstance(a, float):
+        assert (np.isnan(a) and np.isnan(b)) or abs(a - b) <= rtol * abs(b), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_analyze_long_causal_sentences_with_query_chunks_equals_eager(tmp_path):
+    """``analyze_heads`` on a decoder-only model (grouped-query Llama, float64) over sentences of
+    several KEY_BLOCKs of tokens, batched (right padding), with chunks of 48 rows (a divisor of
+    no length): every chunk but the last ones of a sentence is cut to its visible keys, and the
+    results are eager's (to float32 rounding: Llama's eager softmax runs in float32)."""
+    import transformers as tf
+
+    from support.models import VOCAB
+
+    path = tmp_path / "long.conllu"
+    path.write_text(long_conllu([150, 97, 121], seed=4), encoding="utf-8")
+    tokenizer = bpe_tokenizer([line for line in long_conllu([150, 97, 121], seed=4).splitlines()], vocab_size=45)
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                            bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).eval().double()
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    written = {}
+    for query_chunk in (None, 48):
+        analysis = analyze_heads(model, tokenizer, path, frequencies=TokenFrequencies(counts, "hand-set"),
+                                 config=AnalysisConfig(batch_size=2, top_frequent=3, window=4, top_k=3,
+                                                       query_chunk=query_chunk, sensitivity=True))
+        assert analysis.report.n_tokens > 3 * 128 and analysis.report.n_truncated == 0
+        written[query_chunk] = _written(analysis.results.values(), tmp_path / str(query_chunk))
+    _assert_close(written[48], written[None], rtol=1e-6)

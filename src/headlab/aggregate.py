@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import BlockKey, HeadScores, atomic_write_text, format_head, head_scores
@@ -77,14 +78,14 @@ class Exemplar:
         }
 
 
-def arc_rows(side: SideBatch, first: int, stop: int) -> torch.Tensor:
-    """``[B, stop - first, W]`` float: 1 where word ``i`` (a row from ``first`` on) and word ``j`` are
-    joined by an arc, either way. Built per row range: the whole ``[B, W, W]`` matrix would be
-    quadratic in the length."""
-    B, W = side.heads.shape
+def arc_rows(side: SideBatch, first: int, stop: int, width: int | None = None) -> torch.Tensor:
+    """``[B, stop - first, width]`` float: 1 where word ``i`` (a row from ``first`` on) and word ``j``
+    (one of the first ``width``, default all ``W``) are joined by an arc, either way. Built per row
+    range: the whole ``[B, W, W]`` matrix would be quadratic in the length."""
+    W = side.heads.shape[1] if width is None else width
     rows = torch.arange(first, stop)
     governor_of_row = side.heads[:, first:stop]  # [B, R], -1 for root, cut and padding
-    row_governs = side.heads[:, None, :] == rows[None, :, None]  # [B, R, W]: j's governor is i
+    row_governs = side.heads[:, None, :W] == rows[None, :, None]  # [B, R, W]: j's governor is i
     row_governed = governor_of_row[:, :, None] == torch.arange(W)[None, None, :]  # [B, R, W]: i's governor is j
     return (row_governs | row_governed).float()
 
@@ -187,8 +188,11 @@ class AggregateStats:
     def update(self, view: AttentionView) -> None:
         """Sums over the view's word rows; a block's variability cells and exemplars settle on its last view."""
         side = view.side
-        alpha = view.words  # [B, H, rows, W] float32 word rows; padding rows and columns are exactly 0
-        B, H, R, W = alpha.shape
+        # [B, H, rows, K] float32 word rows over the first K key words (all W, or those the rows can
+        # reach under a causal mask: the others' weights are exactly 0); padding rows and columns are 0
+        alpha = view.words
+        B, H, R, K = alpha.shape
+        W = side.max_words
         first = view.word_start
         key = view.block.key
         sums = self._open.setdefault(key, {})  # added to the totals once per batch, in _settle
@@ -206,18 +210,23 @@ class AggregateStats:
         kept = alpha if self.min_weight <= 0 else alpha * (alpha > self.min_weight)
         kept64 = scratch.get("f64", alpha.shape, f64).copy_(kept)  # contiguous, as kept.double()
         add("weight", kept64.sum((0, 2, 3)))
-        positions = torch.arange(W, dtype=alpha.dtype)
-        distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [rows, W] |i - j|
+        positions = torch.arange(max(W, first + R), dtype=alpha.dtype)
+        distance = (positions[first:first + R, None] - positions[None, :K]).abs()  # [rows, K] |i - j|
         product = torch.mul(kept, distance, out=scratch.get("f32", alpha.shape, alpha.dtype))  # rounded in float32
         add("distance", scratch.get("f64 product", alpha.shape, f64).copy_(product).sum((0, 2, 3)))
-        to_word = kept64.sum(2)  # [B, H, W] attention received by each key word
-        add("pos", torch.einsum("bhw,bwt->ht", to_word, _tag_onehot(side)))
-        kept64 *= arc_rows(side, first, first + R)[:, None].to(f64)
+        to_word = kept64.sum(2)  # [B, H, K] attention received by each key word
+        add("pos", torch.einsum("bhw,bwt->ht", to_word, _tag_onehot(side)[:, :K]))
+        kept64 *= arc_rows(side, first, first + R, K)[:, None].to(f64)
         add("arcs", kept64.sum((0, 2, 3)))
 
-        # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0.
+        # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0. Rows of
+        # some key words are summed with zeros up to a multiple of KEY_BLOCK columns, as whole rows
+        # are summed (headlab.attention.KEY_BLOCK): the same bits.
         valid = view.query_valid  # [B, H, rows]
-        p = torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=scratch.get("f32", alpha.shape, alpha.dtype))
+        padded = K if K == W or K % KEY_BLOCK == 0 else min(W, -(-K // KEY_BLOCK) * KEY_BLOCK)
+        p = scratch.get("f32 padded", (B, H, R, padded), alpha.dtype)
+        p[..., K:] = 0
+        torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=p[..., :K] if padded > K else p)
         entropy = -torch.special.xlogy(p, p, out=p).sum(-1)  # [B, H, rows]
         if view.last:
             self._scratch.clear()
@@ -233,7 +242,9 @@ class AggregateStats:
             cells = self._cells[key] = torch.full((B, H, N, N), float("nan"))
         end = min(first + R, n)
         if end > first:
-            cells[:, :, first:end, :n] = alpha[:, :, :end - first, :n]
+            m = min(n, K)
+            cells[:, :, first:end, :m] = alpha[:, :, :end - first, :m]
+            cells[:, :, first:end, m:n] = 0.0  # key words beyond K: weight 0
 
         # Exemplars: each sentence's strongest single weight, per head, among the queries that
         # can reach at least two words (the first word under a causal mask, or the word of a

@@ -7,6 +7,15 @@ at once, and each chunk of probabilities is handed to the module's sink (see
 :func:`headlab.capture.stream_attention`) before it is dropped. Peak memory grows linearly in
 the length, not with its square, and the model's output is the eager one.
 
+A chunk computes scores, softmax and output over the keys its rows can see only: the prefix up to
+the last key column that some query of the chunk sees (under a causal mask, the chunk's own last
+position; with a mask, read from the mask), rounded up to :data:`KEY_BLOCK` columns. Every weight
+beyond it is exactly 0 in eager's map too (a hidden key's score is the float minimum, whose
+exponential underflows to 0 beside a visible key), so the chunk carries the prefix
+(``chunk.probs``, ``[batch, n_heads, rows, chunk.keys]``) and the full width (``chunk.k_len``);
+:meth:`AttentionChunk.full` puts the zeros back. A chunk with a fully hidden query row (left
+padding: eager gives it a uniform row over every key) keeps every key.
+
 The mask comes from transformers' SDPA mask builder (registered under the same name): a boolean
 ``[batch, 1, q, k]`` mask, or None where the pattern is plain causal or full, which is then
 applied here chunk by chunk as SDPA would (``is_causal``, upper-left aligned).
@@ -24,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["NAME", "AttentionChunk", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward", "dispatches", "register"]
+__all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward", "dispatches",
+           "register", "visible_keys"]
 
 NAME = "headlab_chunked"
 """The name under which the function (and its mask builder) is registered."""
@@ -32,20 +42,45 @@ NAME = "headlab_chunked"
 SINK_ATTRIBUTE = "_headlab_chunk_sink"
 """Attribute of an attention module holding its :class:`ChunkSink` while a capture is active."""
 
+KEY_BLOCK = 64
+"""A chunk's key prefix is rounded up to a multiple of this many columns (or to all keys). PyTorch's
+vectorised CPU reductions along a row (the softmax's sum, the statistics' row sums) add each
+column into an accumulator chosen by its position modulo a block (32 float32 or 16 float64
+values on an AVX-512 CPU), so a row cut after a multiple of 64 columns, the rest being zeros, is
+reduced in the same order as the whole row: the same bits (tests/test_chunked_attention.py and
+tests/test_chunked_statistics.py check it)."""
+
 
 @dataclass(frozen=True)
 class AttentionChunk:
-    """Query rows ``start:stop`` of one block's probabilities, ``[batch, n_heads, stop - start, k_len]``
-    (float32, or float64 for a float64 model)."""
+    """Query rows ``start:stop`` of one block's probabilities over the first ``keys`` keys,
+    ``[batch, n_heads, stop - start, keys]`` (float32, or float64 for a float64 model); the weights
+    on keys ``keys:k_len`` are exactly 0 (hidden from every row of the chunk) and not held."""
 
     probs: torch.Tensor
     start: int
     stop: int
     q_len: int
+    k_len: int = -1  # all keys of the block; -1: the probabilities' width (no key left out)
+
+    def __post_init__(self) -> None:
+        if self.k_len < 0:
+            object.__setattr__(self, "k_len", self.probs.shape[3])
 
     @property
     def last(self) -> bool:
         return self.stop == self.q_len
+
+    @property
+    def keys(self) -> int:
+        """The keys held, ``probs.shape[3]`` (at most ``k_len``)."""
+        return self.probs.shape[3]
+
+    def full(self) -> torch.Tensor:
+        """``[batch, n_heads, rows, k_len]``: the probabilities with the hidden keys' zeros put back."""
+        if self.keys == self.k_len:
+            return self.probs
+        return nn.functional.pad(self.probs, (0, self.k_len - self.keys))
 
 
 @dataclass
@@ -62,6 +97,27 @@ def _scores_mask(attention_mask, start: int, stop: int, k_len: int) -> torch.Ten
         return None
     mask = attention_mask[:, :, start:stop] if attention_mask.shape[2] > 1 else attention_mask
     return mask[..., :k_len]
+
+
+def visible_keys(mask: torch.Tensor | None, causal: bool, stop: int, k_len: int) -> int:
+    """How many leading keys query rows ``...:stop`` need: every key from the last one that some
+    row sees on is hidden from all of them, rounded up to :data:`KEY_BLOCK` (at most ``k_len``).
+
+    ``mask`` is the chunk's ``[batch, 1 | heads, rows, k_len]`` mask: boolean, True where a key is
+    hidden, or additive (a key is hidden where it holds the dtype's minimum or -inf, whose
+    weight underflows to exactly 0); None with ``causal``: upper-left aligned, row ``i`` sees keys
+    ``0..i``; None otherwise: every key. A row that sees no key at all keeps every key, as eager's
+    softmax spreads it uniformly over all of them."""
+    if mask is None:
+        needed = min(stop, k_len) if causal else k_len
+    else:
+        hidden = mask if mask.dtype == torch.bool else mask <= torch.finfo(mask.dtype).min
+        seen = ~hidden
+        if not bool(seen.any(-1).all()):
+            return k_len
+        columns = seen.flatten(0, -2).any(0).nonzero()
+        needed = int(columns[-1, 0]) + 1
+    return min(k_len, -(-needed // KEY_BLOCK) * KEY_BLOCK)
 
 
 def attention_forward(
@@ -107,30 +163,35 @@ def attention_forward(
     for start in range(0, q_len, step):
         stop = min(start + step, q_len)
         rows = stop - start
+        mask = _scores_mask(attention_mask, start, stop, k_len)
+        keys = visible_keys(mask, causal, stop, k_len)  # keys from `keys` on: hidden from every row here
         grouped = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, d_head)
-        scores = torch.matmul(grouped, key_t).view(batch, n_heads, rows, k_len)
+        scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
         scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if position_bias is not None:
-            scores = scores + (position_bias[:, :, start:stop] if position_bias.shape[2] > 1 else position_bias)
-        mask = _scores_mask(attention_mask, start, stop, k_len)
+            bias = position_bias[:, :, start:stop] if position_bias.shape[2] > 1 else position_bias
+            scores = scores + bias[..., :keys]
         if mask is not None:
+            mask = mask[..., :keys]
             if mask.dtype == torch.bool:
                 scores.masked_fill_(mask, fill)
             else:
                 scores = scores + mask
-        elif causal:
-            hidden = torch.arange(start, stop, device=scores.device)[:, None] < torch.arange(k_len, device=scores.device)
-            scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
+        elif causal and keys > start + 1:  # only keys from start + 1 on can be hidden from these rows
+            corner = scores[..., start + 1:keys]
+            hidden = torch.arange(start, stop, device=scores.device)[:, None] < \
+                torch.arange(start + 1, keys, device=scores.device)
+            corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         del scores
         if sink is not None and sink.callback is not None:
-            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len))
+            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len))
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)
-        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, k_len), value)
+        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys])
         output[:, start:stop] = chunk.view(batch, n_heads, rows, -1).transpose(1, 2)
         del probs, weights, chunk
     if sink is not None:

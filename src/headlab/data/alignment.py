@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from headlab.attention import KEY_BLOCK
 from headlab.errors import HeadlabError
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "align_sentences",
     "join_words",
     "word_attention",
+    "word_keys",
 ]
 
 POOLINGS = ("sum", "first", "max")
@@ -381,29 +383,59 @@ def _word_spans(side: SideBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     return side.__dict__["_word_spans"]
 
 
+def word_keys(side: SideBatch, keys: int) -> int:
+    """How many leading key words attention over the first ``keys`` tokens reaches: every word
+    with a token among them (at least one word where the sentence has any); ``W`` for every token.
+    A word beyond them gets exactly 0 from such attention, and is left out of its word tensors."""
+    W, T = side.max_words, side.token_word.shape[1]
+    if keys >= T:
+        return W
+    index = side.word_index[:, :keys]
+    reached = index[index < W]
+    return max(int(reached.max()) + 1 if reached.numel() else 0, min(1, W))
+
+
+def _row_sums(x: torch.Tensor, full: int) -> torch.Tensor:
+    """``x.sum(-1)`` of rows ``x`` ``[..., C]`` that stand for rows of ``full`` columns, zero from ``C``
+    on, to the bit of the whole rows' sums: summed over a zero-padded copy of a multiple of
+    :data:`~headlab.attention.KEY_BLOCK` columns where ``C`` is not one (see there)."""
+    C = x.shape[-1]
+    if C == full or C % KEY_BLOCK == 0:
+        return x.sum(-1)
+    return torch.nn.functional.pad(x, (0, min(full, -(-C // KEY_BLOCK) * KEY_BLOCK) - C)).sum(-1)
+
+
 def _token_to_words(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
-    """``[B, H, rows, W]``: each query token's attention summed over each word's subwords, in token
-    order (special tokens and padding drop out)."""
+    """``[B, H, rows, K]``: each query token's attention summed over each word's subwords, in token
+    order (special tokens and padding drop out), for the first ``K =`` :func:`word_keys` words of
+    the tokens ``probs`` holds (all ``W`` for all tokens; a word's subwords beyond them hold 0)."""
     spans = _word_spans(side)
+    B, H, rows, T = probs.shape
+    K = word_keys(side, T)
     if spans is None:
-        B, H, rows, T = probs.shape
-        out = probs.new_zeros(B, H, rows, side.max_words + 1)
-        out.scatter_add_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs)
+        out = probs.new_zeros(B, H, rows, K + 1)
+        index = side.word_index[:, :T].clamp(max=K)  # no token of a word from K on is held
+        out.scatter_add_(3, index[:, None, None, :].expand(B, H, rows, T), probs)
         return out[..., :-1]
-    return _segment_sum(probs, 3, *spans)
+    first, sizes = spans
+    if K < side.max_words:
+        first, sizes = first[:, :K], torch.minimum(sizes[:, :K], (T - first[:, :K]).clamp(min=0))
+    return _segment_sum(probs, 3, first, sizes)
 
 
 def _key_words(probs: torch.Tensor, side: SideBatch, summed: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, H, rows, W]``: each query token's attention to each word under ``side.pooling``
-    (``summed``: :func:`_token_to_words` of ``probs``, when already computed)."""
+    """``[B, H, rows, K]``: each query token's attention to each of the first ``K =`` :func:`word_keys`
+    words under ``side.pooling`` (``summed``: :func:`_token_to_words` of ``probs``, when already computed)."""
     if side.pooling == "sum":
         return _token_to_words(probs, side) if summed is None else summed
     B, H, rows, T = probs.shape
-    out = probs.new_zeros(B, H, rows, side.max_words + 1)  # the last column takes tokens of no word
+    K = word_keys(side, T)
+    out = probs.new_zeros(B, H, rows, K + 1)  # the last column takes tokens of no word
+    index = (side.first_word_index if side.pooling == "first" else side.word_index)[:, :T].clamp(max=K)
     if side.pooling == "first":
-        out.scatter_add_(3, side.first_word_index[:, None, None, :].expand(B, H, rows, T), probs)
+        out.scatter_add_(3, index[:, None, None, :].expand(B, H, rows, T), probs)
     else:  # max: weights are >= 0, so the zeros the maxima start from change nothing
-        out.scatter_reduce_(3, side.word_index[:, None, None, :].expand(B, H, rows, T), probs, reduce="amax")
+        out.scatter_reduce_(3, index[:, None, None, :].expand(B, H, rows, T), probs, reduce="amax")
     return out[..., :-1]
 
 
@@ -480,8 +512,12 @@ class AttentionView:
     is one view (the default: all rows of both); a chunked capture (:class:`WordRows`) gives a
     block as several views, in order, the last with ``last=True`` (after which a statistic that
     keeps per-block state, such as a running maximum, settles it). Row-indexed tensors below
-    cover the view's rows; key-indexed ones all keys. Each derived tensor is computed once, on
-    first use, whichever statistics ask for it.
+    cover the view's rows. Key-indexed ones cover the keys the view holds: ``probs`` the first
+    ``keys`` tokens (all ``T``, or under a causal or padding mask the prefix its rows can see, see
+    :mod:`headlab.attention`), the word tensors the first ``words.shape[3]`` words (all ``W``, or at
+    least every word with a token among those keys): the weights on the keys left out are exactly
+    0, so sums, maxima and their positions over the held keys are the whole rows'. Each derived
+    tensor is computed once, on first use, whichever statistics ask for it.
     """
 
     def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int = 0,
@@ -489,7 +525,8 @@ class AttentionView:
         self.block = block
         self.side = side
         # Keys beyond the side's length (e.g. a longer padded query) never happen for self-attention.
-        self.probs = probs.float()  # [B, H, rows, T]
+        self.probs = probs.float()  # [B, H, rows, keys]
+        self.keys = probs.shape[3]
         self.start, self.stop = start, start + probs.shape[2]
         self.last = last
         if words is None:
@@ -519,7 +556,7 @@ class AttentionView:
     @cached_property
     def row_mass(self) -> torch.Tensor:
         """``[B, H, word rows]``: the share of each word's attention that reaches words."""
-        return self.words.sum(-1)
+        return _row_sums(self.words, self.side.max_words)
 
     @cached_property
     def query_valid(self) -> torch.Tensor:
@@ -568,7 +605,7 @@ class AttentionView:
     @cached_property
     def _word_max(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each word row's largest weight on a word and where (padding words count as -1)."""
-        return _masked_max(self.words, self.side.word_mask)
+        return _masked_max(self.words, self.side.word_mask[:, :self.words.shape[3]])
 
     @property
     def word_max(self) -> torch.Tensor:
@@ -582,7 +619,7 @@ class AttentionView:
 
     @cached_property
     def _token_max(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _masked_max(self.probs, self.side.token_mask)
+        return _masked_max(self.probs, self.side.token_mask[:, :self.keys])
 
     @property
     def token_argmax(self) -> torch.Tensor:
@@ -618,9 +655,11 @@ class WordRows:
         self.first, self.sizes = spans  # [B, W]
         self.last_token = torch.where(self.sizes > 0, self.first + self.sizes - 1, -1)  # [B, W]
         self.done = 0  # word rows handed out
-        self.pending: torch.Tensor | None = None  # [B, H, rows, W]: word rows from `done` on, not yet complete
+        self.pending: torch.Tensor | None = None  # [B, H, rows, key words]: word rows from `done` on, not yet complete
 
     def view(self, probs: torch.Tensor, start: int, last: bool) -> AttentionView:
+        """The view of token rows ``start:start + rows`` (``probs`` ``[B, H, rows, keys]``: all keys,
+        or a prefix beyond which every weight of these rows is 0, see :class:`AttentionView`)."""
         side = self.side
         B, H, rows, _ = probs.shape
         W = side.max_words
@@ -642,6 +681,19 @@ class WordRows:
         self.done += n
         return view
 
+    def _key_words(self, chunk: AttentionView) -> torch.Tensor:
+        """The chunk's key words, as wide as the pending rows (a word row begun in an earlier chunk
+        that held more or fewer keys): the narrower of the two gets its zeros back, so that each
+        word row is added up as over all keys."""
+        key_words = chunk.key_words
+        if self.pending is not None:
+            have, width = self.pending.shape[3], key_words.shape[3]
+            if have < width:
+                self.pending = torch.nn.functional.pad(self.pending, (0, width - have))
+            elif have > width:
+                key_words = torch.nn.functional.pad(key_words, (0, have - width))
+        return key_words
+
     def _summed(self, chunk: AttentionView, start: int, rows: int, n: int) -> torch.Tensor:
         """The next ``n`` word rows under ``sum``: per word, its subwords' rows in this chunk added
         onto its partial sum from earlier chunks, divided by its subword count."""
@@ -658,14 +710,16 @@ class WordRows:
         sizes = self.sizes[:, self.done:self.done + need]
         lo = (first - start).clamp(0, rows)  # each word row's query tokens in this chunk: rows lo:hi
         hi = (first + sizes - start).clamp(0, rows)
-        summed = _segment_sum(chunk.key_words, 2, lo, hi - lo, initial=self.pending)
+        summed = _segment_sum(self._key_words(chunk), 2, lo, hi - lo, initial=self.pending)
         self.pending = summed[:, :, n:].clone() if need > n else None
         return _divide_by_sizes(summed[:, :, :n], sizes[:, :n])
 
     def _pooled(self, chunk: AttentionView, start: int, rows: int, n: int) -> torch.Tensor:
         """The next ``n`` word rows under ``first`` or ``max``, through a buffer of pooled rows."""
         side = self.side
-        B, H, _, W = chunk.key_words.shape
+        key_words = self._key_words(chunk)
+        B, H, _, K = key_words.shape
+        W = side.max_words
         index = _query_index(side)[:, start:start + rows]  # [B, rows], W for no word
         real = index < W
         if real.any():
@@ -676,10 +730,10 @@ class WordRows:
             top = 0
         have = 0 if self.pending is None else self.pending.shape[2]
         need = max(have, top, n)
-        pending = chunk.key_words.new_zeros(B, H, need + 1, W)  # the extra row takes tokens of no word
+        pending = key_words.new_zeros(B, H, need + 1, K)  # the extra row takes tokens of no word
         if have:
             pending[:, :, :have] = self.pending
         rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
-        _pool_rows(pending, rows_at, chunk.key_words, side.pooling)
+        _pool_rows(pending, rows_at, key_words, side.pooling)
         self.pending = pending[:, :, n:need] if need > n else None
         return pending[:, :, :n]

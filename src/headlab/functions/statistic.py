@@ -2,7 +2,9 @@
 
 A statistic is fed every analysed block's attention, one :class:`~headlab.data.alignment.AttentionView`
 at a time (``[batch, n_heads, q_len, k_len]`` with its word alignment; under ``query_chunk``
-several views per block, each with some query rows, in order, the last with ``view.last``),
+several views per block, each with some query rows, in order, the last with ``view.last``, and
+under a causal mask only the keys those rows can see: key-indexed tensors may be narrower than
+the sentence, the weights left out being 0, see :class:`~headlab.data.alignment.AttentionView`),
 keeps small per-head tensors, and ends as a :class:`StatisticResult` that writes its own files, its section of the
 functions README and its Figure 1 labels. The registry
 (:data:`headlab.functions.registry.STATISTICS`) lists them; :func:`headlab.functions.analyze_heads`,

@@ -132,8 +132,8 @@ def compute_confidence(
     buffers: dict = {}  # block key -> (best [batch, n_heads, q_len], counted [batch, q_len]) of its current call
 
     def on_chunk(block: AttentionBlock, chunk: AttentionChunk) -> None:
-        queries, keys = allowed(block, chunk.q_len, chunk.probs.shape[3])
-        best, counted = row_maxima(chunk.probs, queries, keys, block.kind == "dec_self", chunk.start)
+        queries, keys = allowed(block, chunk.q_len, chunk.k_len)
+        best, counted = row_maxima(chunk.full(), queries, keys, block.kind == "dec_self", chunk.start)
         if chunk.start == 0:
             B, H = best.shape[:2]
             buffers[block.key] = (best.new_empty(B, H, chunk.q_len), counted.new_empty(B, chunk.q_len))

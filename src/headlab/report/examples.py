@@ -116,8 +116,8 @@ def _quantized_attention(model, inputs: dict, query_chunk: int) -> dict[tuple[st
 
     def on_chunk(block, chunk) -> None:
         if chunk.start == 0:
-            maps[block.key] = np.empty((chunk.probs.shape[1], chunk.q_len, chunk.probs.shape[3]), dtype=np.uint8)
-        maps[block.key][:, chunk.start:chunk.stop] = quantize(chunk.probs[0].float().cpu().numpy())
+            maps[block.key] = np.empty((chunk.probs.shape[1], chunk.q_len, chunk.k_len), dtype=np.uint8)
+        maps[block.key][:, chunk.start:chunk.stop] = quantize(chunk.full()[0].float().cpu().numpy())
 
     with torch.no_grad(), stream_attention(model, on_chunk, query_chunk=query_chunk):
         model(**inputs)
