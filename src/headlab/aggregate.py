@@ -224,7 +224,7 @@ class AggregateStats:
         # are summed (headlab.attention.KEY_BLOCK): the same bits.
         valid = view.query_valid  # [B, H, rows]
         padded = K if K == W or K % KEY_BLOCK == 0 else min(W, -(-K // KEY_BLOCK) * KEY_BLOCK)
-        p = scratch.get("f32 padded", (B, H, R, padded), alpha.dtype)
+        p = scratch.get("f32", (B, H, R, padded), alpha.dtype)  # the product's buffer: it is summed
         p[..., K:] = 0
         torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=p[..., :K] if padded > K else p)
         entropy = -torch.special.xlogy(p, p, out=p).sum(-1)  # [B, H, rows]
