@@ -20,6 +20,7 @@ far less than the wall time).
 
     python benchmarks/bench_chunked_attention.py --lengths 512 2048 --threads 1
     python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked   # eager: ~4 GB per map
+    python benchmarks/bench_chunked_attention.py --lengths 2048 --modes chunked --profile 15   # where the time goes
 """
 
 from __future__ import annotations
@@ -127,7 +128,16 @@ def child(args) -> dict:
             base = _status("VmRSS")
             _reset_peak()
             started, cpu_started = time.perf_counter(), time.process_time()
-            analysis = analyze_heads(model, tokenizer, conllu, frequencies=frequencies, config=config)
+            if args.profile:  # where the CPU time goes (the time above then includes cProfile's overhead)
+                import cProfile
+                import pstats
+
+                profile = cProfile.Profile(time.process_time)
+                analysis = profile.runcall(analyze_heads, model, tokenizer, conllu, frequencies=frequencies,
+                                           config=config)
+                pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+            else:
+                analysis = analyze_heads(model, tokenizer, conllu, frequencies=frequencies, config=config)
             seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             assert analysis.report.n_sentences == args.sentences and analysis.report.n_truncated == 0
         peak = _status("VmHWM")
@@ -154,6 +164,8 @@ def main() -> None:
                         help="MALLOC_MMAP_THRESHOLD_ for glibc in the runs, so that RSS follows live memory "
                              "(0: leave malloc's dynamic threshold, under which RSS drifts)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N functions with the most CPU time of each analysis run (cProfile)")
     parser.add_argument("--child-mode", help=argparse.SUPPRESS)
     parser.add_argument("--child-length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,6 +182,8 @@ def main() -> None:
             if args.malloc_threshold:
                 env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_threshold)
             done = subprocess.run(command, capture_output=True, text=True, env=env)
+            if args.profile and not done.returncode:
+                print(f"{mode} at {length}:\n{done.stderr}", flush=True)
             if done.returncode:
                 print(f"{mode} at {length}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
