@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from headlab.data.alignment import AttentionView, WordRows
+from headlab.data.alignment import AttentionView, WordRows, word_keys
 from headlab.data.frequencies import TokenFrequencies
 from headlab.errors import HeadlabError
 from headlab.functions import AnalysisConfig, analyze_heads
@@ -178,12 +178,15 @@ def _causal_probs(side, seed):
     return logits.softmax(-1), hidden
 
 
-@pytest.mark.parametrize("pooling, query_chunk", [("sum", 37), ("sum", 64), ("first", 37), ("max", 50)])
-def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, query_chunk):
+@pytest.mark.parametrize("pooling, query_chunk, whole_first", [
+    ("sum", 37, False), ("sum", 64, False), ("first", 37, False), ("max", 50, False), ("sum", 37, True),
+    ("max", 37, True)])
+def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, query_chunk, whole_first):
     """Causal chunks hold only the keys their rows see (headlab.attention.visible_keys); fed as
     WordRows views, every statistic writes what the whole, uncut view gives: counts, offsets
     and argmax decisions identical, float64 sums to 1e-12 (they add the same float32 weights
-    in another order)."""
+    in another order). With ``whole_first`` the first chunk holds every key (as one with a
+    fully hidden row does), so a word row it begins is wider than the next chunk's."""
     from headlab.attention import KEY_BLOCK, visible_keys
     from headlab.data.treebank import read_conllu
 
@@ -198,7 +201,7 @@ def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, q
         assert side.word_sizes.max() > 1 and side.token_ids.shape[1] > 2 * KEY_BLOCK
         batches.append((side, *_causal_probs(side, seed)))
     whole, cut = _statistics(tokenizer, pooling), _statistics(tokenizer, pooling)
-    narrowed = 0
+    narrowed = wider = 0
     for layer in range(2):
         block = FakeBlock("dec_self", layer, H)
         for side, probs, hidden in batches:
@@ -213,14 +216,16 @@ def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, q
             words = WordRows(block, side)
             for start in range(0, T, query_chunk):
                 stop = min(start + query_chunk, T)
-                keys = visible_keys(hidden[:, :, start:stop], False, stop, T)
+                keys = T if whole_first and start == 0 else visible_keys(hidden[:, :, start:stop], False, stop, T)
                 assert torch.all(probs[:, :, start:stop, keys:] == 0)
                 narrowed += keys < T
+                carried = words.pending is not None and words.pending.shape[3] > word_keys(side, keys)
+                wider += carried
                 part = words.view(probs[:, :, start:stop, :keys], start, stop == T)
                 assert part.words.shape[3] <= side.max_words
                 for stat in cut.values():
                     stat.update(part)
-    assert narrowed >= 4
+    assert narrowed >= 4 and (wider > 0) == whole_first
     files = {}
     for name, stats in (("whole", whole), ("cut", cut)):
         files[name] = _written([stat.result() for stat in stats.values()], tmp_path / name)
