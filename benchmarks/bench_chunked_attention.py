@@ -18,9 +18,20 @@ and first allocations are not counted), and the total peak. Time: wall time per 
 process's CPU time (with one thread, the work done, which other jobs on a shared machine disturb
 far less than the wall time).
 
+On a CUDA GPU (``--device cuda``) the model and inputs live on the GPU, in ``--dtype``; the time
+is taken between ``torch.cuda.synchronize()`` calls after the warm-up run, and the memory is the
+GPU's peak allocation (``torch.cuda.max_memory_allocated``) over what the weights and inputs hold
+before the timed region, with the weights' own bytes reported beside it. The host RSS is still
+reported: headlab's statistics run on the CPU, on each attention chunk copied there. ``--shape``
+picks the model: ``small`` (the default above), ``llama3-8b`` (Llama-3-8B's configuration; with
+``--layers`` to keep part of its depth) or ``tiny`` (a smoke test). A run that fails is a row
+too: out of memory, a crash, past ``--budget-s``, or eager beyond ``--eager-max-length``.
+
     python benchmarks/bench_chunked_attention.py --lengths 512 2048 --threads 1
     python benchmarks/bench_chunked_attention.py --lengths 8192 --modes sdpa chunked   # eager: ~4 GB per map
     python benchmarks/bench_chunked_attention.py --lengths 2048 --modes chunked --profile 15   # where the time goes
+    python benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b --layers 8 \
+        --lengths 1024 4096 16384 --eager-max-length 4096 --eager-last --json rows.json   # device.sh bench-gpu
 """
 
 from __future__ import annotations
@@ -41,6 +52,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 UPOS = ("NOUN", "VERB", "ADJ", "ADV", "DET", "ADP", "PRON", "PUNCT")
 DEPRELS = ("nsubj", "obj", "amod", "advmod", "det", "case")
+# Model shapes (LlamaConfig fields). llama3-8b: meta-llama/Meta-Llama-3-8B's config.json (rope
+# theta 500000, no rope scaling, RMS norm epsilon 1e-5, untied embeddings), randomly initialised.
+SHAPES: dict[str, dict] = {
+    "small": dict(num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, hidden_size=1024,
+                  intermediate_size=2816, vocab_size=4096),
+    "llama3-8b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                      intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "tiny": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                 intermediate_size=128, vocab_size=512),
+}
+# --layers etc. override the preset's field.
+OVERRIDES = {"layers": "num_hidden_layers", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+             "d_model": "hidden_size", "ffn": "intermediate_size", "vocab": "vocab_size"}
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "Cannot allocate memory")
+
+
+def model_fields(args) -> dict:
+    """The LlamaConfig fields of ``--shape`` with the command line's overrides."""
+    fields = dict(SHAPES[args.shape])
+    for option, field in OVERRIDES.items():
+        if getattr(args, option) is not None:
+            fields[field] = getattr(args, option)
+    return fields
 
 
 def _status(field: str) -> int:
@@ -60,20 +95,22 @@ def model_and_tokenizer(args, length: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    fields = model_fields(args)
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {token: i for i, token in enumerate(specials)}
-    for i in range(args.vocab - len(specials)):
+    for i in range(fields["vocab_size"] - len(specials)):
         vocab[f"w{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=length + 8,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**fields, max_position_embeddings=length + 8, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
+    # Built on the device in its dtype: an 8B model's float32 weights would not be made on the host first.
+    with torch.device(args.device):
+        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, args.dtype))
+    return model.eval(), tokenizer
 
 
 def write_conllu(path: Path, length: int, sentences: int, vocab: int, seed: int = 0) -> None:
@@ -91,6 +128,35 @@ def write_conllu(path: Path, length: int, sentences: int, vocab: int, seed: int 
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+class Meter:
+    """Wall time, CPU time, host peak RSS and (on CUDA) GPU peak allocation of one timed region."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self.torch, self.cuda = torch, cuda
+
+    def __enter__(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            self.gpu_base = self.torch.cuda.memory_allocated()
+        self.base = _status("VmRSS")
+        _reset_peak()
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.torch.cuda.synchronize()  # the queued kernels are part of the time
+        self.seconds = time.perf_counter() - self.started
+        self.cpu = time.process_time() - self.cpu_started
+        self.peak = _status("VmHWM")
+        if self.cuda:
+            self.gpu_peak = self.torch.cuda.max_memory_allocated()
+        return False
+
+
 def child(args) -> dict:
     """One mode at one length, in this process: time per sentence and peak memory."""
     import numpy as np
@@ -98,119 +164,211 @@ def child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     length = args.child_length
+    vocab = model_fields(args)["vocab_size"]
     model, tokenizer = model_and_tokenizer(args, length)
+    meter = Meter(args.device.startswith("cuda"))
     with tempfile.TemporaryDirectory() as tmp:
         conllu, warm = Path(tmp) / "long.conllu", Path(tmp) / "warm.conllu"
-        write_conllu(conllu, length, args.sentences, args.vocab)
-        write_conllu(warm, 32, 1, args.vocab, seed=1)  # a short warm-up run: imports, first allocations
+        write_conllu(conllu, length, args.sentences, vocab)
+        # A warm-up run: imports, first allocations, on a GPU its kernels and cuBLAS.
+        write_conllu(warm, min(args.warmup_words, length), 1, vocab, seed=1)
         if args.child_mode == "sdpa":
             from headlab.data.treebank import read_conllu
 
-            inputs = [tokenizer(" ".join(s.words), return_tensors="pt") for s in read_conllu(conllu)]
+            def encode(sentence):
+                return tokenizer(" ".join(sentence.words), return_tensors="pt").to(args.device)
+
+            inputs = [encode(s) for s in read_conllu(conllu)]
             with torch.inference_mode():
-                model(**tokenizer(" ".join(next(iter(read_conllu(warm))).words), return_tensors="pt"))
-            base = _status("VmRSS")
-            _reset_peak()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            with torch.inference_mode():
+                model(**encode(next(iter(read_conllu(warm)))))
+            with meter, torch.inference_mode():
                 for batch in inputs:
                     model(**batch)
-            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         else:
             from headlab.data.frequencies import TokenFrequencies
             from headlab.functions import AnalysisConfig, analyze_heads
 
-            counts = np.random.default_rng(0).integers(1, 1000, args.vocab)
+            counts = np.random.default_rng(0).integers(1, 1000, vocab)
             frequencies = TokenFrequencies(counts, "random")
             config = AnalysisConfig(functions=True, aggregate=True, batch_size=1, top_frequent=50,
                                     query_chunk=args.query_chunk if args.child_mode == "chunked" else None)
             analyze_heads(model, tokenizer, warm, frequencies=frequencies, config=config)
-            base = _status("VmRSS")
-            _reset_peak()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            if args.profile:  # where the CPU time goes (the time above then includes cProfile's overhead)
-                import cProfile
-                import pstats
+            with meter:
+                if args.profile:  # where the CPU time goes (the time above then includes cProfile's overhead)
+                    import cProfile
+                    import pstats
 
-                profile = cProfile.Profile(time.process_time)
-                analysis = profile.runcall(analyze_heads, model, tokenizer, conllu, frequencies=frequencies,
-                                           config=config)
-                pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
-            else:
-                analysis = analyze_heads(model, tokenizer, conllu, frequencies=frequencies, config=config)
-            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+                    profile = cProfile.Profile(time.process_time)
+                    analysis = profile.runcall(analyze_heads, model, tokenizer, conllu, frequencies=frequencies,
+                                               config=config)
+                    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+                else:
+                    analysis = analyze_heads(model, tokenizer, conllu, frequencies=frequencies, config=config)
             assert analysis.report.n_sentences == args.sentences and analysis.report.n_truncated == 0
-        peak = _status("VmHWM")
-    return {"mode": args.child_mode, "length": length, "seconds_per_sentence": seconds / args.sentences,
-            "cpu_seconds_per_sentence": cpu / args.sentences,
-            "peak_growth_mb": (peak - base) / 2**20, "peak_total_mb": peak / 2**20, "base_mb": base / 2**20}
+    row = {"mode": args.child_mode, "length": length, "status": "ok",
+           "seconds_per_sentence": meter.seconds / args.sentences,
+           "cpu_seconds_per_sentence": meter.cpu / args.sentences,
+           "peak_growth_mb": (meter.peak - meter.base) / 2**20, "peak_total_mb": meter.peak / 2**20,
+           "base_mb": meter.base / 2**20}
+    if meter.cuda:
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        row.update(gpu=torch.cuda.get_device_name(), gpu_weights_mb=weights / 2**20,
+                   gpu_base_mb=meter.gpu_base / 2**20, gpu_peak_growth_mb=(meter.gpu_peak - meter.gpu_base) / 2**20,
+                   gpu_peak_total_mb=meter.gpu_peak / 2**20)
+    return row
 
 
-def main() -> None:
+def eager_map_bytes(args, length: int) -> int:
+    """One layer's whole attention map, ``[1, heads, n, n]``, in the model's dtype (what eager capture holds)."""
+    import torch
+
+    return model_fields(args)["num_attention_heads"] * length * length * getattr(torch, args.dtype).itemsize
+
+
+def run_one(args, mode: str, length: int, deadline: float | None) -> dict:
+    """``mode`` at ``length`` in a fresh subprocess; a failure is a row with its status."""
+    setup = {"mode": mode, "length": length, "device": args.device, "dtype": args.dtype, "shape": args.shape,
+             "model": model_fields(args), "query_chunk": args.query_chunk, "threads": args.threads}
+    if mode == "eager" and args.eager_max_length is not None and length > args.eager_max_length:
+        return {**setup, "status": "skipped", "detail": f"eager beyond --eager-max-length {args.eager_max_length}: "
+                f"one layer's map alone is {eager_map_bytes(args, length) / 2**20:,.0f} MiB in {args.dtype}"}
+    timeout = None if deadline is None else deadline - time.monotonic()
+    if timeout is not None and timeout <= 0:
+        return {**setup, "status": "timeout", "detail": f"not started: --budget-s {args.budget_s:g} spent"}
+    command = [sys.executable, __file__, *sys.argv[1:], "--child-mode", mode, "--child-length", str(length)]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": str(args.threads)}
+    if args.malloc_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_threshold)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**setup, "status": "timeout", "detail": f"stopped after {timeout:.0f} s: --budget-s {args.budget_s:g}"}
+    if args.profile and not done.returncode:
+        print(f"{mode} at {length}:\n{done.stderr}", flush=True)
+    if done.returncode:
+        print(f"{mode} at {length}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        if done.returncode < 0:  # SIGKILL without a traceback: the host's out-of-memory killer, most often
+            last = f"killed by signal {-done.returncode}; {last}"
+        status = "out of memory" if any(m in done.stderr for m in OOM_MARKERS) else "failed"
+        return {**setup, "status": status, "detail": last[-300:]}
+    return {**setup, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """Atomically, after every run: a run cut short by the caller's time limit keeps the rows before it."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(rows, indent=1) + "\n")
+    os.replace(partial, target)
+
+
+def row_line(row: dict) -> str:
+    head = f"{row['length']:>6} {row['mode']:>8}: "
+    if row["status"] != "ok":
+        return head + f"{row['status']} ({row['detail']})"
+    line = (head + f"{row['seconds_per_sentence']:8.2f} s/sentence ({row['cpu_seconds_per_sentence']:.2f} s CPU), "
+            f"peak growth {row['peak_growth_mb']:8.0f} MB, peak {row['peak_total_mb']:8.0f} MB")
+    if "gpu_peak_total_mb" in row:
+        line += (f"; GPU peak growth {row['gpu_peak_growth_mb']:8.0f} MB, peak {row['gpu_peak_total_mb']:8.0f} MB "
+                 f"(weights {row['gpu_weights_mb']:.0f} MB)")
+    return line
+
+
+def print_table(rows: list[dict], cuda: bool) -> None:
+    columns = [("s / sentence", "seconds_per_sentence", 2), ("CPU s / sentence", "cpu_seconds_per_sentence", 2)]
+    if cuda:  # the GPU's memory; the host's RSS growth holds the statistics' copies of the chunks
+        columns += [("GPU peak growth (MB)", "gpu_peak_growth_mb", 0), ("GPU peak (MB)", "gpu_peak_total_mb", 0),
+                    ("host RSS growth (MB)", "peak_growth_mb", 0)]
+    else:
+        columns += [("peak growth (MB)", "peak_growth_mb", 0), ("peak total (MB)", "peak_total_mb", 0)]
+    print("| length | mode | " + " | ".join(f"{title} | x SDPA" for title, _, _ in columns) + " |")
+    print("|---:|---|" + "---:|---:|" * len(columns))
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"| {row['length']} | {row['mode']} | {row['status']}: {row['detail']} |")
+            continue
+        ref = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "sdpa" and r["status"] == "ok"),
+                   None)
+        cells = []
+        for _, key, digits in columns:
+            ratio = f"{row[key] / ref[key]:.2f}" if ref and ref[key] > 0 else "-"
+            cells.append(f"{row[key]:.{digits}f} | {ratio}")
+        print(f"| {row['length']} | {row['mode']} | " + " | ".join(cells) + " |")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--modes", nargs="+", default=["sdpa", "chunked", "eager"],
                         choices=["sdpa", "chunked", "eager"])
     parser.add_argument("--query-chunk", type=int, default=128)
     parser.add_argument("--sentences", type=int, default=1, help="sentences per run (time is per sentence)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                        help="the model's preset shape; the options below override its fields")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--d-model", type=int)
+    parser.add_argument("--ffn", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) for the GPU's timing and memory")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warmup-words", type=int, default=32,
+                        help="length of the warm-up sentence run before the timed one (at most the length)")
+    parser.add_argument("--eager-max-length", type=int,
+                        help="record eager runs longer than this as skipped (their maps would not fit)")
+    parser.add_argument("--eager-last", action="store_true",
+                        help="run the eager rows after all the others (under --budget-s the others come first)")
+    parser.add_argument("--budget-s", type=float,
+                        help="stop the runs after this many seconds in all; the one running and the rest are "
+                             "recorded as timeouts")
     parser.add_argument("--malloc-threshold", type=int, default=131072,
                         help="MALLOC_MMAP_THRESHOLD_ for glibc in the runs, so that RSS follows live memory "
                              "(0: leave malloc's dynamic threshold, under which RSS drifts)")
-    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--json", help="also write the rows here (after every run)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N functions with the most CPU time of each analysis run (cProfile)")
     parser.add_argument("--child-mode", help=argparse.SUPPRESS)
     parser.add_argument("--child-length", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.child_mode:
         print(json.dumps(child(args)))
         return
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device {args.device}: cpu or cuda[:N]")
+    fields = model_fields(args)
+    print(f"model: Llama ({args.shape}) {fields['num_hidden_layers']} layers x {fields['num_attention_heads']} heads "
+          f"({fields['num_key_value_heads']} key/value heads), d_model {fields['hidden_size']}, "
+          f"FFN {fields['intermediate_size']}, vocabulary {fields['vocab_size']}; {args.device}, {args.dtype}; "
+          f"query chunk {args.query_chunk}; {args.threads} thread(s); mmap threshold {args.malloc_threshold}; "
+          f"{platform.machine()}, {platform.python_version()}", flush=True)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+    runs = [(length, mode) for length in args.lengths for mode in args.modes]
+    if args.eager_last:  # stable: the other rows keep their order
+        runs.sort(key=lambda run: run[1] == "eager")
     rows = []
-    passed = [a for a in sys.argv[1:]]
-    for length in args.lengths:
-        for mode in args.modes:
-            command = [sys.executable, __file__, *passed, "--child-mode", mode, "--child-length", str(length)]
-            env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   "OMP_NUM_THREADS": str(args.threads)}
-            if args.malloc_threshold:
-                env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_threshold)
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            if args.profile and not done.returncode:
-                print(f"{mode} at {length}:\n{done.stderr}", flush=True)
-            if done.returncode:
-                print(f"{mode} at {length}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(f"{length:>6} {mode:>8}: {row['seconds_per_sentence']:8.2f} s/sentence "
-                  f"({row['cpu_seconds_per_sentence']:.2f} s CPU), "
-                  f"peak growth {row['peak_growth_mb']:8.0f} MB, peak {row['peak_total_mb']:8.0f} MB", flush=True)
+    for length, mode in runs:
+        row = run_one(args, mode, length, deadline)
+        rows.append(row)
+        print(row_line(row), flush=True)
+        if args.json:
+            write_rows(args.json, rows)
     print()
-    print(f"model: Llama {args.layers} layers x {args.heads} heads ({args.kv_heads} key/value heads), "
-          f"d_model {args.d_model}, FFN {args.ffn}, vocabulary {args.vocab}; query chunk {args.query_chunk}; "
-          f"{args.threads} thread(s); mmap threshold {args.malloc_threshold}; {platform.machine()}, {platform.python_version()}")
-    print("| length | mode | s / sentence | x SDPA | CPU s / sentence | x SDPA | peak growth (MB) | x SDPA "
-          "| peak total (MB) | x SDPA |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        ref = next((r for r in rows if r["length"] == row["length"] and r["mode"] == "sdpa"), None)
-
-        def ratio(key):
-            return f"{row[key] / ref[key]:.2f}" if ref and ref[key] > 0 else "-"
-
-        print(f"| {row['length']} | {row['mode']} | {row['seconds_per_sentence']:.2f} | {ratio('seconds_per_sentence')} "
-              f"| {row['cpu_seconds_per_sentence']:.2f} | {ratio('cpu_seconds_per_sentence')} "
-              f"| {row['peak_growth_mb']:.0f} | {ratio('peak_growth_mb')} | {row['peak_total_mb']:.0f} "
-              f"| {ratio('peak_total_mb')} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if any("gpu" in row for row in rows):
+        print(f"GPU: {next(row['gpu'] for row in rows if 'gpu' in row)}")
+    order = {(length, mode): i for i, (length, mode) in
+             enumerate((length, mode) for length in args.lengths for mode in args.modes)}
+    print_table(sorted(rows, key=lambda row: order[row["length"], row["mode"]]), cuda=args.device.startswith("cuda"))
+    if any(row["status"] == "failed" for row in rows):  # a crash, not a measured limit (memory, budget)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@
 #   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
 #                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
 #                                       $OUT/cuda-tests.log.
+#   experiments/device.sh bench-gpu     issue 16 item 4: --query-chunk against the SDPA forward and
+#                                       eager capture on a random model of Llama-3-8B's shape in
+#                                       bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), LAYERS (default
+#                                       8) of its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows)
+#                                       and $OUT/bench-gpu.log. Needs the .whl carry (conllu).
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -41,7 +46,7 @@ chmod +x /tmp/headlab-bin/headlab
 export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 
-case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests} in
+case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests | bench-gpu} in
   sweep)
     MODEL=${2:?usage: experiments/device.sh sweep MODEL}
     # timeout ends the stages inside the call's limit; the point in training resumes from its
@@ -74,5 +79,27 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests} in
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py 2>&1 \
       | tee "$OUT/cuda-tests.log"
     ;;
-  *) echo "unknown command $1: sweep MODEL | news | cuda-tests" >&2; exit 2 ;;
+  bench-gpu)
+    # headlab's statistics run on the host CPU, on each chunk copied there: their work grows with
+    # layers x heads x tokens^2 and, scaled from the CPU runs of docs/benchmarks.md, all 32 layers
+    # at 16384 tokens would take longer than one call. The per-layer shape (heads, key/value heads,
+    # d_model, FFN) is the real one; only the depth is cut. A run past MINUTES is a timeout row.
+    # Eager capture stops at 4096 tokens (at 16384 one layer's bf16 map alone is 16 GiB) and runs
+    # last: its statistics over whole maps cost several times the chunked ones, and the chunked
+    # rows come first. A timeout at 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
+    LAYERS=${LAYERS:-8}
+    # every CPU this process may use (nproc would follow an OMP_NUM_THREADS of the image)
+    THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
+    set -o pipefail
+    {
+      echo "bench-gpu: Llama-3-8B's shape with $LAYERS of its 32 layers (LAYERS= to change), lengths" \
+        "${LENGTHS:-1024 4096 16384}, runs stopped after $((MINUTES * 60)) s (MINUTES=), $THREADS threads"
+      # shellcheck disable=SC2086  # LENGTHS: one argument per length
+      "$PY" benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b \
+        --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes sdpa chunked eager \
+        --eager-max-length 4096 --eager-last --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
+        --json "$OUT/bench-gpu.json"
+    } 2>&1 | tee "$OUT/bench-gpu.log"
+    ;;
+  *) echo "unknown command $1: sweep MODEL | news | cuda-tests | bench-gpu" >&2; exit 2 ;;
 esac
