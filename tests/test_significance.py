@@ -115,14 +115,24 @@ def test_delta_uses_translations_only_when_they_give_the_recorded_bleu(tmp_path)
 def test_pruned_models_finds_bundled_and_work_dir_points(tmp_path):
     from headlab.reproduce.config import ModelEntry, ReproduceConfig
     from headlab.reproduce.significance import pruned_models
+    from headlab.resume import weights_fingerprint
 
     config = ReproduceConfig(models=[ModelEntry("m", "models/m", "en", "de")], data={}, root=str(tmp_path))
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
+    weights = weights_fingerprint(tmp_path / "models" / "m")
     bundled = tmp_path / "models" / "m-pruned-enc"
     bundled.mkdir(parents=True)
-    (bundled / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/m/prune/enc/keep-3"}))
+    (bundled / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/m/prune/enc/keep-3",
+                                                           "model_sha256": weights}))
     other = tmp_path / "models" / "n-pruned-enc"  # another model's point: not this one's
     other.mkdir()
-    (other / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/n/prune/enc/keep-3"}))
+    (other / "prune_result.json").write_text(json.dumps({"out_dir": "runs/reproduce/n/prune/enc/keep-3",
+                                                         "model_sha256": weights}))
+    for name, recorded in (("m-pruned-old", "0" * 64), ("m-pruned-unknown", None)):  # of other or unknown weights
+        (tmp_path / "models" / name).mkdir()
+        (tmp_path / "models" / name / "prune_result.json").write_text(json.dumps(
+            {"out_dir": f"runs/reproduce/m/prune/enc/{name}", "model_sha256": recorded}))
     work = tmp_path / "runs" / "reproduce" / "m" / "prune" / "all" / "keep-9" / "pruned"
     work.mkdir(parents=True)
     (work / "config.json").write_text("{}")

@@ -52,11 +52,18 @@ def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[fl
 
 
 def pruned_models(config: ReproduceConfig, model: ModelEntry) -> dict[str, Path]:
-    """``{"<sweep>-<point>": directory}`` of every sweep point whose pruned weights exist here."""
+    """``{"<sweep>-<point>": directory}`` of every sweep point of the bundled weights whose pruned
+    weights exist here: a bundled pruned model whose ``prune_result.json`` records those weights
+    (``model_sha256``) and names the point, or a point's ``pruned/`` in the work dir."""
     found: dict[str, Path] = {}
-    models_dir = config.path(model.path).parent
-    for card in sorted(models_dir.glob("*/prune_result.json")):
-        out_dir = Path(json.loads(card.read_text(encoding="utf-8")).get("out_dir", ""))
+    model_dir = config.path(model.path)
+    weights = weights_fingerprint(model_dir)
+    for card in sorted(model_dir.parent.glob("*/prune_result.json")):
+        record = json.loads(card.read_text(encoding="utf-8"))
+        out_dir = Path(record.get("out_dir", ""))
+        # Only a model pruned from the weights bundled now (an older card records none: unknown).
+        if record.get("model_sha256") != weights or weights is None:
+            continue
         if len(out_dir.parts) >= 4 and out_dir.parts[-4:-2] == (model.name, "prune"):
             found[f"{out_dir.parts[-2]}-{out_dir.parts[-1]}"] = card.parent
     for sweep in ("enc", "all"):
