@@ -472,3 +472,25 @@ def test_paths_print_relative_when_the_work_dir_is_a_link(tmp_path):
     assert config.rel(config.path("runs/reproduce/x/functions")) == "runs/reproduce/x/functions"
     assert config.rel(elsewhere / "x") == str(elsewhere / "x")
 
+
+
+def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_path):
+    """Regression: with only the lambda = 0 point finished (a sweep cut short), Sec. 6.2.2 said
+    nothing could be pruned by crashing; it is 'not run' until a pruning point exists."""
+    from headlab.reproduce.results import ModelResults
+
+    committed = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"
+    res = tmp_path / "m"
+    for part in ("importance", "functions"):
+        shutil.copytree(committed / part, res / part)
+    shutil.copyfile(committed / "specialisation.json", res / "specialisation.json")
+    enc = res / "prune" / "enc"
+    (enc / "lam-0").mkdir(parents=True)
+    total = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
+    (enc / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
+    (enc / "lam-0" / "result.json").write_text(json.dumps({"heads_total": total, "heads_kept": total, "lam": 0.0,
+                                                           "keep": None, "metrics": {"bleu": 30.1}, "model_sha256": "a"}))
+    (enc / "lam-0" / "kept.json").write_text(json.dumps({"blocks": {}}))
+    claim = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
+    assert all(check.cells["m"].verdict.startswith("not run: no pruning point besides the lambda = 0 control")
+               for check in claim.checks)

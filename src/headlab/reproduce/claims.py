@@ -941,6 +941,9 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
             last.cells[name] = sens.cells[name] = _missing("functions or specialisation results", "functions")
             continue
         survival = _survival(sweep, "enc_self", shape)
+        if survival is None:  # only the lambda = 0 control has finished: nothing pruned yet
+            last.cells[name] = sens.cells[name] = _missing("pruning point besides the lambda = 0 control", "prune-enc")
+            continue
         special = masks["positional"] | masks["syntactic"] | masks["rare"]
         # The top rare-token head is "rare" by construction (the paper names one head); the
         # positional and syntactic labels need the thresholds.
