@@ -298,7 +298,8 @@ def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xlabel("heads kept in total, sweep point")
     ax.set_ylabel("heads kept")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no bars (no point kept a head count yet): no legend
+        ax.legend(fontsize=8)
     return ax
 
 
