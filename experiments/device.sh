@@ -12,9 +12,11 @@
 #                                       the next call (or machine) goes on where this one stopped.
 #   experiments/device.sh news          trains the news-domain EN-DE model in the paper's shape
 #                                       (d_model 512, FFN 2048, 16k-token batches; resumable) for
-#                                       MINUTES, then runs importance and functions on it:
-#                                       $OUT/news-en-de.tar.gz holds the history, the card's numbers
-#                                       and the analyses (the weights, about 100 MB in fp16, stay).
+#                                       MINUTES, evaluates its best checkpoint on newstest2019 and
+#                                       test_2016_flickr, then runs experiments/news-reproduce.json
+#                                       (importance, functions, the specialisation curve):
+#                                       $OUT/news-en-de.tar.gz holds the history, the scores and the
+#                                       analyses (the weights, about 100 MB in fp16, stay there).
 #   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
 #                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
 #                                       $OUT/cuda-tests.log.
@@ -57,22 +59,20 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests | bench-g
     tar czf "$OUT/results-$MODEL.tar.gz" "docs/results/reproduction/$MODEL"
     ;;
   news)
-    D_MODEL=512 FFN=2048 MAX_TOKENS=16384 WARMUP=4000 PRECISION=bf16 THREADS=8 MAX_TIME=$MINUTES \
-      SHARED=${SHARED:-.carry} experiments/train_translation.sh news-en-de || echo "training stopped: $?"
+    D_MODEL=${D_MODEL:-512} FFN=${FFN:-2048} MAX_TOKENS=${MAX_TOKENS:-16384} WARMUP=${WARMUP:-4000} PRECISION=bf16 \
+      THREADS=${THREADS:-8} MAX_TIME=$MINUTES SHARED=${SHARED:-.carry} experiments/train_translation.sh news-en-de \
+      || echo "training stopped: $?"
     RUN=runs/news-en-de
-    mkdir -p "$RUN/analysis"
-    MODEL_DIR=$RUN/best  # the best validation BLEU so far, with its tokenizer
-    if [ -f "$MODEL_DIR/config.json" ]; then
-      "$PY" experiments/evaluate_model.py "$MODEL_DIR" --tgt de --set newstest2019 "${SHARED:-.carry}/newstest2019" \
+    if [ -f "$RUN/best/config.json" ]; then  # the best validation BLEU so far, with its tokenizer
+      "$PY" experiments/evaluate_model.py "$RUN/best" --tgt de --set newstest2019 runs/news-en-de-data/test \
         --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
-      headlab functions "$MODEL_DIR" --conllu data/ud-english-ewt/en_ewt-ud-dev.conllu \
-        --out "$RUN/analysis/functions" --no-progress || echo "functions failed: $?"
-      headlab importance "$MODEL_DIR" --data "${SHARED:-.carry}/newstest2020.en.gz" \
-        --target "${SHARED:-.carry}/newstest2020.de.gz" --n-sentences 500 --method all \
-        --out "$RUN/analysis/importance" --no-progress || echo "importance failed: $?"
+      # importance on newstest2020, functions on EWT dev, the specialisation curve over the epochs
+      headlab reproduce --config experiments/news-reproduce.json \
+        --stages importance,functions,specialisation,report || echo "analyses failed: $?"
     fi
-    tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='last' \
-      --exclude='epochs' "$RUN"
+    tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+      "$RUN/history.json" "$RUN/train_config.json" "$RUN/best" runs/news-reproduce 2>/dev/null \
+      || tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.pt' "$RUN"
     ;;
   cuda-tests)
     set -o pipefail

@@ -9,7 +9,8 @@
 #
 # Every epoch's weights stay in runs/<model>/epochs/ for the specialisation curve. The shape and
 # batch can be changed from the environment (D_MODEL, FFN, HEADS, MAX_TOKENS, WARMUP, PRECISION,
-# THREADS), e.g. the paper's base shape on a GPU (experiments/device.sh news).
+# THREADS; LIMIT: the first N training pairs of news-en-de, for a trial), e.g. the paper's base
+# shape on a GPU (experiments/device.sh news).
 set -euo pipefail
 MODEL=${1:?usage: experiments/train_translation.sh multi30k-en-de|multi30k-en-fr|news-en-de}
 cd "$(dirname "$0")/.."
@@ -29,15 +30,17 @@ case $MODEL in
       --max-tokens "${MAX_TOKENS:-2048}" --lr 7e-4 --warmup-steps "${WARMUP:-400}" "${COMMON[@]}" ;;
   news-en-de)
     DATA=runs/news-en-de-data
-    if [ ! -f $DATA/train.de.gz ]; then  # 77,311 pairs: Multi30k train, WMT news-train, Tatoeba
+    if [ ! -f $DATA/test.de.gz ]; then  # 77,311 pairs: Multi30k train, WMT news-train, Tatoeba
       mkdir -p $DATA
       for L in en de; do
         zcat data/multi30k/train.$L.gz "$SHARED/news-train.$L.gz" "$SHARED/tatoeba.$L.gz" | gzip > $DATA/train.$L.gz.tmp
         mv $DATA/train.$L.gz.tmp $DATA/train.$L.gz
+        cp "$SHARED/newstest2020.$L.gz" $DATA/valid.$L.gz  # the splits of experiments/news-reproduce.json
+        cp "$SHARED/newstest2019.$L.gz" $DATA/test.$L.gz
       done
     fi
     exec "$HEADLAB" nmt train --train-src $DATA/train.en.gz --train-tgt $DATA/train.de.gz \
-      --valid-src "$SHARED/newstest2020.en.gz" --valid-tgt "$SHARED/newstest2020.de.gz" --out runs/news-en-de \
+      --valid-src $DATA/valid.en.gz --valid-tgt $DATA/valid.de.gz --out runs/news-en-de ${LIMIT:+--limit "$LIMIT"} \
       --max-tokens "${MAX_TOKENS:-4096}" --lr 7e-4 --warmup-steps "${WARMUP:-1000}" "${COMMON[@]}" ;;
   *) echo "unknown model $MODEL" >&2; exit 2 ;;
 esac
