@@ -494,3 +494,40 @@ def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_pa
     claim = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
     assert all(check.cells["m"].verdict.startswith("not run: no pruning point besides the lambda = 0 control")
                for check in claim.checks)
+
+
+def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_model(tmp_path):
+    """A sweep cut short after a heavily pruned point cannot say that more than half of the heads
+    (or 3/4 of the encoder's) can never go for free: inconclusive until the next larger point is
+    also below the bar (fewer heads assumed to cost no less), as in Sec. 6.2."""
+    from headlab.reproduce.results import ModelResults
+
+    res = tmp_path / "m"
+    sweep = res / "prune" / "all"
+    sweep.mkdir(parents=True)
+    (res / "hypotheses").mkdir()
+    refs = [f"sentence number {i} is here" for i in range(30)]
+    (tmp_path / "refs.txt").write_text("\n".join(refs) + "\n")
+    (res / "hypotheses" / "full.txt").write_text("\n".join(refs) + "\n")  # a zero-width bound for every point
+    total = {"enc_self": 4, "dec_self": 4, "dec_cross": 4}
+    (sweep / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
+
+    def point(name, lam, kept, bleu):
+        (sweep / name).mkdir()
+        (sweep / name / "result.json").write_text(json.dumps(
+            {"heads_total": total, "heads_kept": dict(zip(total, kept)), "lam": lam, "keep": None, "step": 10,
+             "metrics": {"bleu": bleu, "polarized": 1.0}, "model_sha256": "a"}))
+
+    def verdicts():
+        results = {"m": ModelResults(res, "m", references=tmp_path / "refs.txt")}
+        claim = {c.key: c for c in compute_claims(results)}["sec6.3"]
+        return {" ".join(check.label.split()[:4]): check.cells["m"].verdict for check in claim.checks}
+
+    point("lam-0.05", 0.05, (1, 1, 1), 10.0)
+    found = verdicts()
+    assert found["more than half of"] == "inconclusive: no point between 5 heads and the full model"
+    assert found["encoder heads pruned by"] == "inconclusive: no point between 3 heads and the full model"
+    point("lam-0.01", 0.01, (4, 4, 3), 20.0)
+    found = verdicts()
+    assert found["more than half of"] == "does not hold"
+    assert found["encoder heads pruned by"] == "does not hold"
