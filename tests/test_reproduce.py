@@ -531,3 +531,19 @@ def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_mode
     found = verdicts()
     assert found["more than half of"] == "does not hold"
     assert found["encoder heads pruned by"] == "does not hold"
+
+
+def test_baselines_of_other_weights_than_the_sweep_are_left_out_and_dropped(tmp_path):
+    from headlab.reproduce.results import ModelResults, _drop_stale_rows
+
+    res = tmp_path / "m"
+    (res / "prune" / "enc").mkdir(parents=True)
+    (res / "prune" / "enc" / "full.json").write_text(json.dumps({"heads_kept": {"enc_self": 4}, "metrics": {"bleu": 30},
+                                                                  "model_sha256": "a"}))
+    (res / "baselines").mkdir()
+    row = {"method": "random", "keep": 2, "finetune_steps": 0, "bleu": 20.0}
+    (res / "baselines" / "random.json").write_text(json.dumps([{**row, "model_sha256": "a"}, {**row, "seed": 2}]))
+    (res / "baselines" / "lrp.json").write_text(json.dumps([{**row, "model_sha256": "b"}]))  # an older model's
+    assert [r["baseline"] for r in ModelResults(res, "m").baselines] == ["random"]
+    assert _drop_stale_rows(res, log=lambda m: None) == [res / "baselines" / "lrp.json"]
+    assert (res / "baselines" / "random.json").is_file()

@@ -124,6 +124,7 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
         for base in sorted(prune.glob("base-*")):
             copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
     copy(prune / "scratch" / "baselines.json", res / "scratch.json")
+    written += _drop_stale_rows(res, log)
     copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
     for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
         if path.stem not in own_hypotheses:  # the translations a point's BLEU was computed from win
@@ -146,6 +147,22 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     return written
 
 
+def _drop_stale_rows(res: Path, log: Callable[[str], None]) -> list[Path]:
+    """Remove the committed baseline and from-scratch tables none of whose rows are of the weights
+    of their sweep's full.json (the bundled model was retrained since they ran)."""
+    view = ModelResults(res, res.name)
+    tables = [(path, "enc") for path in sorted((res / "baselines").glob("*.json"))] + [(res / "scratch.json", "all")]
+    removed = []
+    for path, sweep in tables:
+        weights = view.sweep_weights(sweep)
+        rows = _json(path)
+        if weights is not None and rows and not _same_weights(rows, weights):
+            path.unlink()
+            removed.append(path)
+            log(f"{res.name}: removed {path.relative_to(res)}, made from other weights than prune/{sweep}/full.json")
+    return removed
+
+
 def _drop_stale_points(res: Path, sweep: str, log: Callable[[str], None]) -> list[Path]:
     """Remove the committed copies of ``sweep``'s points made from other weights than its full.json."""
     import shutil
@@ -160,6 +177,12 @@ def _drop_stale_points(res: Path, sweep: str, log: Callable[[str], None]) -> lis
             hypotheses.unlink()
         log(f"{res.name}: removed {sweep} {name}, made from other weights than {sweep}/full.json")
     return removed
+
+
+def _same_weights(rows: list[dict], weights: str | None) -> list[dict]:
+    """The rows made from ``weights``; a row that records none (an older run) cannot be shown to
+    be, so it is left out too. All rows when ``weights`` is None (nothing to compare with)."""
+    return rows if weights is None else [row for row in rows if row.get("model_sha256") == weights]
 
 
 def _json(path: Path):
@@ -247,17 +270,19 @@ class ModelResults:
 
     @cached_property
     def baselines(self) -> list[dict]:
+        """Baseline rows of the encoder sweep's weights (all rows when its full.json records none)."""
         rows = []
         directory = self.dir / "baselines"
         if directory.is_dir():
             for path in sorted(directory.glob("*.json")):
-                for row in _json(path) or []:
+                for row in _same_weights(_json(path) or [], self.sweep_weights("enc")):
                     rows.append({**row, "baseline": path.stem})
         return rows
 
     @cached_property
     def scratch(self) -> list[dict]:
-        return _json(self.dir / "scratch.json") or []
+        """From-scratch rows of the all-kinds sweep's weights (all when its full.json records none)."""
+        return _same_weights(_json(self.dir / "scratch.json") or [], self.sweep_weights("all"))
 
     @cached_property
     def specialisation(self) -> dict | None:
