@@ -53,18 +53,18 @@ def _written(results, directory):
             for path in sorted(directory.rglob("*.json"))}
 
 
-def _assert_close(a, b, path="", rtol=0.0):
-    """Equal structure, equal counts and positions, floats to 1e-8 (and ``rtol``)."""
+def _assert_close(a, b, path="", rtol=0.0, atol=1e-8):
+    """Equal structure, equal counts and positions, floats within ``atol`` + ``rtol`` relative."""
     if isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for key in a:
-            _assert_close(a[key], b[key], f"{path}/{key}", rtol)
+            _assert_close(a[key], b[key], f"{path}/{key}", rtol, atol)
     elif isinstance(a, list):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_close(x, y, f"{path}/{i}", rtol)
+            _assert_close(x, y, f"{path}/{i}", rtol, atol)
     elif isinstance(a, float):
-        assert (np.isnan(a) and np.isnan(b)) or abs(a - b) <= 1e-8 + rtol * abs(b), (path, a, b)
+        assert (np.isnan(a) and np.isnan(b)) or abs(a - b) <= atol + rtol * abs(b), (path, a, b)
     else:
         assert a == b, (path, a, b)
 
@@ -233,7 +233,7 @@ def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, q
     assert len(files["whole"]) > 10 and files["cut"].keys() == files["whole"].keys()
     for name, written in files["whole"].items():
         if name in REORDERED_SUMS or name.startswith("aggregate/pos/"):
-            _assert_relative(files["cut"][name], written, name, 1e-12)
+            _assert_close(files["cut"][name], written, name, rtol=1e-12, atol=0.0)  # no absolute slack
         else:
             assert files["cut"][name] == written, name  # to the bit
 
@@ -241,22 +241,6 @@ def test_views_cut_to_the_visible_keys_equal_the_whole_view(tmp_path, pooling, q
 REORDERED_SUMS = ("aggregate/mean_distance.json", "aggregate/dependency_alignment.json")
 """Aggregate statistics whose float64 totals sum each view's weights over (sentence, row, key)
 at once: over fewer keys the same float32 weights are added in another order."""
-
-
-def _assert_relative(a, b, path, rtol):
-    """Equal structure and non-floats; floats within ``rtol`` relative (no absolute slack)."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            _assert_relative(a[key], b[key], f"{path}/{key}", rtol)
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for x, y in zip(a, b):
-            _assert_relative(x, y, path, rtol)
-    elif isinstance(a, float):
-        assert (np.isnan(a) and np.isnan(b)) or abs(a - b) <= rtol * abs(b), (path, a, b)
-    else:
-        assert a == b, (path, a, b)
 
 
 def test_analyze_long_causal_sentences_with_query_chunks_equals_eager(tmp_path):
