@@ -17,6 +17,13 @@
 #                                       (importance, functions, the specialisation curve):
 #                                       $OUT/news-en-de.tar.gz holds the history, the scores and the
 #                                       analyses (the weights, about 100 MB in fp16, stay there).
+#   experiments/device.sh parallel      all of one call side by side on the one GPU, each in its own
+#                                       process, stopped after MINUTES: the pruning stages of every
+#                                       model in MODELS (one process per stage list of STAGE_SETS),
+#                                       with NEWS=1 the news-domain training (no analyses: \`news\`
+#                                       does them), with TESTS=1 the CUDA tests; then each model's
+#                                       report: $OUT/results-MODEL.tar.gz, news-train.tar.gz,
+#                                       cuda-tests.log and parallel.log (every job's log, cut).
 #   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
 #                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
 #                                       $OUT/cuda-tests.log.
@@ -48,7 +55,7 @@ chmod +x /tmp/headlab-bin/headlab
 export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 
-case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests | bench-gpu} in
+case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-tests | bench-gpu} in
   sweep)
     MODEL=${2:?usage: experiments/device.sh sweep MODEL}
     # timeout ends the stages inside the call's limit; the point in training resumes from its
@@ -67,12 +74,43 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests | bench-g
       "$PY" experiments/evaluate_model.py "$RUN/best" --tgt de --set newstest2019 runs/news-en-de-data/test \
         --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
       # importance on newstest2020, functions on EWT dev, the specialisation curve over the epochs
-      headlab reproduce --config experiments/news-reproduce.json \
-        --stages importance,functions,specialisation,report || echo "analyses failed: $?"
+      timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config experiments/news-reproduce.json \
+        --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
     fi
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
       "$RUN/history.json" "$RUN/train_config.json" "$RUN/best" runs/news-reproduce 2>/dev/null \
       || tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.pt' "$RUN"
+    ;;
+  parallel)
+    LOGS=/tmp/parallel-logs
+    mkdir -p $LOGS
+    STOP=$((MINUTES * 60))
+    if [ "${TESTS:-0}" = 1 ]; then
+      "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py > "$OUT/cuda-tests.log" 2>&1 &
+    fi
+    if [ "${NEWS:-0}" = 1 ]; then
+      D_MODEL=${D_MODEL:-512} FFN=${FFN:-2048} MAX_TOKENS=${MAX_TOKENS:-16384} WARMUP=${WARMUP:-4000} PRECISION=bf16 \
+        THREADS=${THREADS:-4} MAX_TIME=$MINUTES SHARED=${SHARED:-.carry} \
+        timeout --signal=TERM --kill-after=30 $((STOP + 60)) experiments/train_translation.sh news-en-de \
+        > $LOGS/news.log 2>&1 &
+    fi
+    for MODEL in ${MODELS:-}; do
+      for SET in ${STAGE_SETS:-prune-enc prune-all,scratch importance,baselines}; do
+        timeout --signal=TERM --kill-after=30 $STOP headlab reproduce --models "$MODEL" --stages "$SET" \
+          > "$LOGS/$MODEL-$SET.log" 2>&1 &
+      done
+    done
+    wait || true
+    for MODEL in ${MODELS:-}; do
+      timeout --signal=TERM --kill-after=10 "${REPORT_S:-150}" headlab reproduce --models "$MODEL" \
+        --stages hypotheses,report > "$LOGS/$MODEL-report.log" 2>&1 || echo "report of $MODEL stopped: $?" >> "$LOGS/$MODEL-report.log"
+      tar czf "$OUT/results-$MODEL.tar.gz" "docs/results/reproduction/$MODEL"
+    done
+    if [ "${NEWS:-0}" = 1 ]; then
+      tar czf "$OUT/news-train.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+        runs/news-en-de/history.json runs/news-en-de/train_config.json 2>/dev/null || true
+    fi
+    for f in $LOGS/*.log; do echo "=== $f"; head -n 20 "$f"; echo ...; tail -n 40 "$f"; done > "$OUT/parallel.log"
     ;;
   cuda-tests)
     set -o pipefail
@@ -101,5 +139,5 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | cuda-tests | bench-g
         --json "$OUT/bench-gpu.json"
     } 2>&1 | tee "$OUT/bench-gpu.log"
     ;;
-  *) echo "unknown command $1: sweep MODEL | news | cuda-tests | bench-gpu" >&2; exit 2 ;;
+  *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu" >&2; exit 2 ;;
 esac
