@@ -25,12 +25,22 @@ def test_pruning_equals_masking_on_cuda(family, dtype, tmp_path):
     spec = {attention_blocks(model)[0].key: [1], attention_blocks(model)[1].key: [0, 1, 2, 3]}
     with mask_heads(model, spec):
         masked = logits(model, inputs)
+    rtol = 1e-5 if dtype == torch.float32 else 0.0
+    if dtype == torch.float32:
+        tol = 1e-5
+    else:
+        # Half precision: the pruned model's smaller matrix products round differently, so it may
+        # differ from masking by as much as the masked model itself differs from float32 (on the
+        # H100, bf16 t5: 0.028 in 1 of 990 logits). Tolerance: twice that rounding error.
+        with mask_heads(model.float(), spec):
+            exact = logits(model, inputs)
+        model.to(dtype)
+        tol = 2 * (masked.float() - exact).abs().max().item() + 1e-3
     prune_heads(model, spec)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(logits(model, inputs), masked, atol=tol, rtol=tol)
+    torch.testing.assert_close(logits(model, inputs).float(), masked.float(), atol=tol, rtol=rtol)
     save_pruned(model, tmp_path / "m")
     reloaded = load_pruned(tmp_path / "m").to("cuda", dtype)
-    torch.testing.assert_close(logits(reloaded, inputs), logits(model, inputs), atol=tol, rtol=tol)
+    torch.testing.assert_close(logits(reloaded, inputs).float(), logits(model, inputs).float(), atol=tol, rtol=rtol)
 
 
 def test_device_map_auto(tmp_path):
