@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -154,6 +155,9 @@ class ZeroHeadAttention(NoHeadAttention):
         for name in (KEPT_ATTR, KV_KEPT_ATTR, ORIGINAL_ATTR):
             setattr(self, name, getattr(original, name))
         self.config = getattr(original, "config", None)
+        if hasattr(original, "compute_bias"):  # T5's first layer: the position table the others read
+            self._relative_position_bucket = type(original)._relative_position_bucket
+            self.compute_bias = types.MethodType(type(original).compute_bias, self)
 
 
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock) -> None:
