@@ -496,6 +496,31 @@ def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_pa
                for check in claim.checks)
 
 
+def test_survival_the_same_for_every_head_leaves_the_rank_correlation_undefined(tmp_path):
+    """Regression: a point that pruned every encoder head (EN-FR lambda 0.05) gives every head the
+    same survival, and the Spearman cells printed "+nan [+nan, +nan]"; they now say why."""
+    from headlab.reproduce.results import ModelResults
+
+    committed = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"
+    res = tmp_path / "m"
+    for part in ("importance", "functions"):
+        shutil.copytree(committed / part, res / part)
+    shutil.copyfile(committed / "specialisation.json", res / "specialisation.json")
+    enc = res / "prune" / "enc"
+    (enc / "lam-0.05").mkdir(parents=True)
+    total = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
+    (enc / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
+    (enc / "lam-0.05" / "result.json").write_text(json.dumps(
+        {"heads_total": total, "heads_kept": {**total, "enc_self": 0}, "lam": 0.05, "keep": None,
+         "metrics": {"bleu": 28.0}, "model_sha256": "a"}))
+    empty = {str(layer): {"n_heads": 8, "kept_heads": [], "kept_kv_heads": []} for layer in range(6)}
+    (enc / "lam-0.05" / "kept.json").write_text(json.dumps({"blocks": {"enc_self": empty}}))
+    claim = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
+    sensitivity = claim.checks[1].cells["m"]
+    assert sensitivity.value == "not defined: every head survives in the same share of points (0.0%)"
+    assert "nan" not in sensitivity.value
+
+
 def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_model(tmp_path):
     """A sweep cut short after a heavily pruned point cannot say that more than half of the heads
     (or 3/4 of the encoder's) can never go for free: inconclusive until the next larger point is

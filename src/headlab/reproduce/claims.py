@@ -958,8 +958,12 @@ def claim_sec622(results: dict[str, ModelResults]) -> Claim:
             last.cells[name] = Cell(f"specialised {_pct(a)} vs others {_pct(b)} ({int(special.sum())} heads)",
                                     "holds" if a > b else "does not hold")
         share, margin, rarest = _function_scores(r)
-        sens.cells[name] = Cell(" / ".join("{:+.2f} [{:+.2f}, {:+.2f}]".format(*spearman_interval(survival, x))
-                                           for x in (share, margin, rarest)))
+        if np.ptp(survival) == 0:  # a rank correlation with a constant is undefined
+            sens.cells[name] = Cell(f"not defined: every head survives in the same share of points "
+                                    f"({_pct(survival.flat[0])})")
+        else:
+            sens.cells[name] = Cell(" / ".join("{:+.2f} [{:+.2f}, {:+.2f}]".format(*spearman_interval(survival, x))
+                                               for x in (share, margin, rarest)))
         lines = ["| point | encoder heads kept | positional | syntactic | rare-token | other |",
                  "|---|---:|---:|---:|---:|---:|"]
         for point, n_kept, counts in _kept_by_function(sweep, masks, shape):
