@@ -292,17 +292,39 @@ def test_retrained_model_makes_markers_and_points_stale(workspace, first_run, tm
         model_config.write_text(original)
 
 
-def test_busy_point_is_left_alone(workspace, first_run):
+def test_busy_sweep_is_left_alone_and_a_killed_ones_points_resume(workspace, first_run):
+    """A sweep directory whose lock a live run holds is not touched; one whose run was killed (a
+    stale lock, a point's files changed a moment ago) is taken over. Regression: the check went by
+    the files' age, so on a GPU machine kept warm between two calls every sweep killed by the
+    first call's time limit was refused for 15 minutes."""
+    import socket
+    import subprocess
+
+    from headlab.lock import LOCK_FILE, _start_time
+    from headlab.reproduce.stages import _check_idle
+
     config = _config(workspace)
-    busy = workspace / "work" / "tiny" / "prune" / "enc" / "keep-3"
-    busy.mkdir(parents=True)
-    (busy / "trajectory.jsonl").write_text("{}\n")
+    enc = workspace / "work" / "tiny" / "prune" / "enc"
+    lock = enc / LOCK_FILE
+    point = enc / "keep-3"
+    point.mkdir(parents=True)
+    (point / "trajectory.jsonl").write_text("{}\n")
+    holder = subprocess.Popen(["sleep", "60"])
     try:
+        record = {"pid": holder.pid, "host": socket.gethostname(), "pid_start": _start_time(holder.pid),
+                  "started": "now"}
+        lock.parent.mkdir(exist_ok=True)
+        lock.write_text(json.dumps(record))
         outcomes = run_pipeline(config, models=["tiny"], stages=["prune-enc"], force=True, log=lambda m: None)
-        assert outcomes[0].status == "not run" and "another process" in outcomes[0].reason
+        assert outcomes[0].status == "not run" and f"another headlab run (pid {holder.pid}" in outcomes[0].reason
+        holder.kill()
+        holder.wait()
+        _check_idle([enc])  # the killed run's lock is stale: no refusal, its point resumes
     finally:
-        (busy / "trajectory.jsonl").unlink()
-        busy.rmdir()
+        holder.kill()
+        lock.unlink(missing_ok=True)
+        (point / "trajectory.jsonl").unlink()
+        point.rmdir()
 
 
 def test_config_and_document_errors(tmp_path):

@@ -76,6 +76,14 @@ class DirectoryLock:
         started = holder.get("pid_start")
         return started is not None and _start_time(pid) not in (None, started)
 
+    def held_elsewhere(self) -> dict | None:
+        """The holder's record when another live run (or a run on another machine) holds the
+        lock; None when it is free, stale (its run crashed or was killed) or this process's."""
+        holder = self._holder()
+        if holder is None or (holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()):
+            return None
+        return None if self._stale(holder) else holder
+
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _start_time(os.getpid()),

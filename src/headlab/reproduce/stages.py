@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from headlab.importance.registry import MEASURES, REFERENCE, tables
+from headlab.lock import DirectoryLock
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
 from headlab.reproduce.significance import run_hypotheses
 from headlab.reproduce.specialisation import run_specialisation
@@ -32,7 +32,6 @@ from headlab.resume import SkipStage, weights_fingerprint
 
 __all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "marker_path", "command_text"]
 
-BUSY_MINUTES = 15  # a pruning point or baseline directory changed this recently is in use elsewhere
 
 
 @dataclass
@@ -155,31 +154,16 @@ def _sweep_dir(ctx: Context, sweep: str) -> Path:
     return ctx.config.work(ctx.model, "prune", sweep)
 
 
-def _check_not_busy(directory: Path) -> None:
-    """Refuse to resume a point that another process is training right now."""
-    if not directory.is_dir():
-        return
-    now = time.time()
-    for point in sorted(directory.iterdir()):
-        trajectory = point / "trajectory.jsonl"
-        if trajectory.is_file() and not (point / "result.json").is_file():
-            age = (now - trajectory.stat().st_mtime) / 60
-            if age < BUSY_MINUTES:
-                raise SkipStage(f"{point} is being trained by another process ({trajectory} changed "
-                               f"{age:.0f} min ago); run this stage when it has finished")
-
-
-def _check_dirs_idle(directories: list[Path]) -> None:
-    """Refuse to write into a baseline directory that another process changed recently."""
-    now = time.time()
+def _check_idle(directories: list[Path]) -> None:
+    """Refuse to write into a sweep or baseline directory whose lock another live run holds
+    (``prune sweep`` and ``prune baseline`` hold it while they work). A run that was killed left
+    a stale lock, which the next run takes over: its points resume."""
     for directory in directories:
-        if not directory.is_dir():
-            continue
-        newest = max((p.stat().st_mtime for p in directory.rglob("*") if p.is_file()), default=0.0)
-        age = (now - newest) / 60
-        if age < BUSY_MINUTES:
-            raise SkipStage(f"{directory} changed {age:.0f} min ago: another process seems to be writing to it; "
-                           f"run this stage when it has finished")
+        holder = DirectoryLock(directory).held_elsewhere()
+        if holder is not None:
+            raise SkipStage(f"{directory} is in use by another headlab run (pid {holder.get('pid', '?')} on "
+                            f"{holder.get('host', '?')}, since {holder.get('started', '?')}); run this stage when it "
+                            f"has finished")
 
 
 def sweep_commands(ctx: Context, sweep: str) -> list[list[str]]:
@@ -343,17 +327,17 @@ STAGES: dict[str, Stage] = {
     "pooling": Stage("pooling", "the functions pass under the other subword-to-word mappings (sensitivity)",
                      pooling_commands),
     "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
-                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "enc")),
+                       check=lambda ctx: _check_idle([_sweep_dir(ctx, "enc")]),
                        prepare=lambda ctx: restore_points(ctx, "enc")),
     "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
-                       check=lambda ctx: _check_not_busy(_sweep_dir(ctx, "all")),
+                       check=lambda ctx: _check_idle([_sweep_dir(ctx, "all")]),
                        prepare=lambda ctx: restore_points(ctx, "all")),
     "baselines": Stage("baselines", "random, Michel, confidence, LRP at equal head counts", baselines_commands,
-                       check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
+                       check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
                                                           for name in ctx.config.baselines.get("methods", {})]),
                        prepare=lambda ctx: restore_points(ctx, "enc")),  # its head counts: the sweep's
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
-                     check=lambda ctx: _check_dirs_idle([ctx.config.work(ctx.model, "prune", "scratch")]),
+                     check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", "scratch")]),
                      prepare=lambda ctx: restore_points(ctx, "all")),  # the gates of its points
     "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
                                       "(paired bootstrap)", python=run_hypotheses),
