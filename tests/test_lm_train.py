@@ -111,6 +111,13 @@ def test_patience_stops_a_run_whose_validation_loss_stalls(tmp_path):
     assert again.stopped == "converged" and again.step == result.step
 
 
+def test_patience_waits_for_the_end_of_the_warm_up(tmp_path):
+    # The same stalled loss, but every epoch ends inside the warm-up: none counts against the patience.
+    result = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=4, lr=0.0, patience=2, min_improvement=0.01,
+                                       warmup_steps=10_000))
+    assert result.stopped == "finished" and result.epoch == 4
+
+
 def write_gz(path, data: bytes):
     with gzip.open(path, "wb") as handle:
         handle.write(data)

@@ -56,7 +56,8 @@ class TrainConfig:
     average_last: int = option(0, "average the last N epoch checkpoints at the end (0: off)")
     # Early stopping: stop ("converged") once `patience` epochs in a row have not raised the
     # validation score by at least `min_improvement` over the best so far (0: off).
-    patience: int = option(0, "stop after this many epochs without a validation gain of --min-improvement (0: off)")
+    patience: int = option(0, "stop after this many epochs without a validation gain of --min-improvement (0: off); "
+                           "epochs that end inside the warm-up do not count")
     min_improvement: float = option(0.0, "smallest validation gain that counts as progress (BLEU points; "
                                     "for a language model, nats per token of loss)")
     keep_epoch_checkpoints: bool = True
