@@ -4,8 +4,8 @@
     .venv/bin/python experiments/evaluate_model.py models/news-en-de --tgt de \
         --set newstest2019 ../shared/data/wmt-news-en-de/newstest2019 --set test_2016_flickr data/multi30k/test_2016_flickr
 
-Each set (by default Multi30k's test_2016_flickr and val) with beam 4 and greedy, one CPU thread;
-the headline is the first set with beam 4; every figure keeps its command.
+Each set (by default Multi30k's test_2016_flickr and val) with beam 4 and greedy, one CPU thread
+(--device cuda: on the GPU); the headline is the first set with beam 4; every figure keeps its command.
 """
 
 import argparse
@@ -24,6 +24,7 @@ parser.add_argument("--src", default="en")
 parser.add_argument("--tgt", required=True)
 parser.add_argument("--set", nargs=2, action="append", metavar=("NAME", "PREFIX"), dest="sets",
                     help="a test set: files PREFIX.SRC.gz and PREFIX.TGT.gz (repeatable; the first is the headline)")
+parser.add_argument("--device", help="where the model runs (headlab nmt evaluate --device); none: one CPU thread")
 args = parser.parse_args()
 sets = args.sets or [("test_2016_flickr", "data/multi30k/test_2016_flickr"), ("val", "data/multi30k/val")]
 
@@ -31,7 +32,8 @@ runs = []
 for split, prefix in sets:
     for beam in (4, 1):
         command = (f"headlab nmt evaluate --model {args.model} --src {prefix}.{args.src}.gz "
-                   f"--ref {prefix}.{args.tgt}.gz --beam {beam} --threads 1")
+                   f"--ref {prefix}.{args.tgt}.gz --beam {beam} "
+                   + (f"--device {args.device}" if args.device else "--threads 1"))
         start = time.time()
         out = subprocess.run([HEADLAB] + command.split()[1:] + ["--json"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
