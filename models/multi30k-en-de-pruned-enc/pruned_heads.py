@@ -65,7 +65,9 @@ class NoHeadAttention(nn.Module):
         return (out, *extras)
 
     def _keep_cache_in_step(self, hidden_states, kwargs) -> None:
-        """Empty keys and values, so that generation still counts positions."""
+        """Placeholder keys and values, so that generation still counts positions. They hold one
+        zero per position (one head of width 1), not none: transformers counts a cache layer
+        with no elements as length 0, and reads the next position from layer 0."""
         cache = kwargs.get("past_key_values")
         if cache is None or self.layer_idx is None:
             return
@@ -77,8 +79,8 @@ class NoHeadAttention(nn.Module):
                 return
             target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
         length = (memory if is_cross else hidden_states).shape[1]
-        empty = hidden_states.new_zeros(hidden_states.shape[0], 0, length, self.d_head)
-        target.update(empty, empty, self.layer_idx)
+        placeholder = hidden_states.new_zeros(hidden_states.shape[0], 1, length, 1)
+        target.update(placeholder, placeholder, self.layer_idx)
         if is_cross and hasattr(cache, "is_updated"):
             cache.is_updated[self.layer_idx] = True
 
