@@ -7,13 +7,13 @@ exactly that of an id the model sees. A frequency file holds one ``token<TAB>cou
 
 from __future__ import annotations
 
-import gzip
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from headlab.data.parallel import numbered_lines
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_write_text
 
@@ -21,18 +21,11 @@ __all__ = ["TokenFrequencies"]
 
 
 def _lines(path: Path) -> Iterable[tuple[int, str]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as handle:
-            for number, raw in enumerate(handle, start=1):
-                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # byte order mark
-                try:
-                    yield number, raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as error:
-                    raise HeadlabError(f"{path}:{number}: not valid UTF-8 ({error.reason})") from None
-    except (OSError, EOFError) as error:
-        raise HeadlabError(f"cannot read {path}: {error}") from None
+    for number, raw in numbered_lines(path):
+        try:
+            yield number, raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            raise HeadlabError(f"{path}:{number}: not valid UTF-8 ({error.reason})") from None
 
 
 @dataclass(frozen=True)

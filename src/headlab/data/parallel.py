@@ -7,6 +7,7 @@ corpus that loads wrongly would silently spoil every statistic computed from it.
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,11 +56,21 @@ class ParallelCorpus:
         return text
 
 
-def _open_text(path: Path):
-    # Binary mode: we decode each line ourselves to report the line number of bad bytes.
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+def open_binary(path: Path):
+    """``path`` (plain or ``.gz``) opened in binary mode: the readers decode each line themselves,
+    so that an error can name the line with the bad bytes."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(1-based line number, raw line)`` of a text file, a UTF-8 byte order mark dropped (it is
+    not part of the first sentence); an unreadable file (or a ``.gz`` that is not gzip) is an error."""
+    try:
+        with open_binary(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                yield number, raw[3:] if number == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+    except (OSError, EOFError) as error:
+        raise HeadlabError(f"cannot read {path}: {error}") from None
 
 
 def read_lines(path: str | Path) -> list[str]:
@@ -72,20 +83,14 @@ def read_lines(path: str | Path) -> list[str]:
     if not path.is_file():
         raise HeadlabError(f"file not found: {path}")
     lines: list[str] = []
-    try:
-        with _open_text(path) as handle:
-            for number, raw in enumerate(handle, start=1):
-                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # a byte order mark is not part of the first sentence
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise HeadlabError(
-                        f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte {error.start})"
-                    ) from None
-                lines.append(line.rstrip("\r\n"))
-    except (OSError, EOFError) as error:  # e.g. a truncated or non-gzip .gz file
-        raise HeadlabError(f"cannot read {path}: {error}") from None
+    for number, raw in numbered_lines(path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise HeadlabError(
+                f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte {error.start})"
+            ) from None
+        lines.append(line.rstrip("\r\n"))
     return lines
 
 

@@ -12,7 +12,6 @@ matches ``X`` and every subtype of it. The paper's (Stanford) ``dobj`` is UD's `
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from conllu.parser import (
     parse_token_and_metadata,
 )
 
+from headlab.data.parallel import numbered_lines, open_binary
 from headlab.errors import HeadlabError
 
 __all__ = [
@@ -172,10 +172,6 @@ _FIELD_PARSERS = {
 }
 
 
-def _open_binary(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-
-
 def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int, str] | None]]:
     """``(first line, [(line number, text), ...], bad)`` for each blank-line separated block.
 
@@ -185,27 +181,21 @@ def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int,
     """
     block: list[tuple[int, str]] = []
     bad: tuple[int, str] | None = None
-    try:
-        with _open_binary(path) as handle:
-            for number, raw in enumerate(handle, start=1):
-                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]
-                try:
-                    line = raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as error:
-                    line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                    if bad is None:
-                        bad = (number, f"not valid UTF-8 ({error.reason} at byte {error.start})")
-                if line.strip():
-                    block.append((number, line))
-                    continue
-                if block:
-                    yield block[0][0], block, bad
-                    block, bad = [], None
-            if block:
-                yield block[0][0], block, bad
-    except (OSError, EOFError) as error:
-        raise HeadlabError(f"cannot read {path}: {error}") from None
+    for number, raw in numbered_lines(path):
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if bad is None:
+                bad = (number, f"not valid UTF-8 ({error.reason} at byte {error.start})")
+        if line.strip():
+            block.append((number, line))
+            continue
+        if block:
+            yield block[0][0], block, bad
+            block, bad = [], None
+    if block:
+        yield block[0][0], block, bad
 
 
 class _Malformed(Exception):
@@ -358,7 +348,7 @@ def count_sentences(path: str | Path) -> int:
     if not path.is_file():
         raise HeadlabError(f"CoNLL-U file not found: {path}")
     n, in_block = 0, False
-    with _open_binary(path) as handle:
+    with open_binary(path) as handle:
         for raw in handle:
             stripped = raw.strip()
             if not stripped:
