@@ -185,9 +185,7 @@ def _dev_data(args):
 def _load(args):
     from headlab.loading import load_model, load_tokenizer
 
-    model = load_model(args.model)
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    return model, tokenizer
+    return load_model(args.model), load_tokenizer(args.tokenizer or args.model)
 
 
 def _data(args, tokenizer, model):
@@ -213,14 +211,19 @@ def _data(args, tokenizer, model):
     return train_data, eval_data
 
 
-def _config(args, out_dir: str) -> PruneConfig:
+def _config(args) -> PruneConfig:
+    """The config of ``prune train`` and ``prune sweep``, made and checked before anything heavy loads."""
     keep = getattr(args, "keep", None)
-    return from_args(
+    config = from_args(
         args, PruneConfig, keep=keep, lam=0.0 if keep is not None else (getattr(args, "lam", 0.0) or 0.0),
         freeze_decoder={"auto": None, "yes": True, "no": False}[args.freeze_decoder],
         command="headlab " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "",
-        train=from_args(args, PruneConfig().train, out_dir=out_dir, progress=not args.no_progress),
+        train=from_args(args, PruneConfig().train, out_dir=args.out, progress=not args.no_progress),
     )
+    _check_inputs(args)
+    config.model_fingerprint = weights_fingerprint(args.model) or ""
+    set_threads(args.threads)
+    return config
 
 
 # ----------------------------------------------------------------------------- commands
@@ -232,10 +235,7 @@ def run_train(args) -> int:
 
     if args.lam is not None and args.lam < 0:
         raise HeadlabError(f"--lam must be >= 0, got {args.lam}")
-    config = _config(args, args.out)  # checks before loading anything heavy
-    _check_inputs(args)
-    config.model_fingerprint = weights_fingerprint(args.model) or ""
-    set_threads(args.threads)
+    config = _config(args)
     with training_lock(args.out):  # a second run on the same directory refuses (main process only)
         model, tokenizer = _load(args)
         train_data, eval_data = _data(args, tokenizer, model)
@@ -256,10 +256,7 @@ def run_sweep_command(args) -> int:
 
     points = sweep_points(numbers(args.lams, float) if args.lams else (), numbers(args.keeps) if args.keeps else ())
     args.lam, args.keep = 0.0, None
-    config = _config(args, args.out)
-    _check_inputs(args)
-    config.model_fingerprint = weights_fingerprint(args.model) or ""
-    set_threads(args.threads)
+    config = _config(args)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
         model, tokenizer = _load(args)
         train_data, eval_data = _data(args, tokenizer, model)
