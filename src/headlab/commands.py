@@ -41,10 +41,9 @@ def add_prune_arguments(prune) -> None:
 
 def heads_table(blocks) -> str:
     lines = [f"{'kind':<10}{'layer':>6}{'heads':>7}{'kv heads':>10}{'d_head':>8}  module"]
+    totals: dict[str, int] = {}
     for b in blocks:
         lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}")
-    totals = {}
-    for b in blocks:
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
     lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items()) + f"; {sum(totals.values())} heads")
     return "\n".join(lines)
@@ -78,8 +77,6 @@ def run_prune(args) -> int:
     from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise HeadlabError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
     preflight.output_dir(out)
