@@ -90,9 +90,7 @@ def load_model(
         return model.eval()
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config)
-    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
