@@ -331,13 +331,7 @@ def head_scores(
     for (kind, layer), values in per_block.items():
         n_layers, n_heads = shapes.get(kind, (0, 0))
         shapes[kind] = (max(n_layers, layer + 1), max(n_heads, len(values)))
-    scores = {}
-    for kind in KINDS:
-        if kind not in shapes:
-            continue
-        array = np.full(shapes[kind], np.nan)
-        for (k, layer), values in per_block.items():
-            if k == kind:
-                array[layer, : len(values)] = np.asarray(values, dtype=np.float64)
-        scores[kind] = array
+    scores = {kind: np.full(shape, np.nan) for kind, shape in shapes.items()}
+    for (kind, layer), values in per_block.items():
+        scores[kind][layer, : len(values)] = np.asarray(values, dtype=np.float64)
     return HeadScores(scores, method, model, dict(signature or {}))
