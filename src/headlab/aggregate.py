@@ -45,7 +45,7 @@ import torch
 from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import UPOS_TAGS
-from headlab.heads import BlockKey, HeadScores, atomic_write_text, format_head, head_scores
+from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.shard import Ledger, active
 
 __all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
@@ -451,20 +451,11 @@ class AggregateResult:
         return "\n".join(lines)
 
     def save(self, directory: str | Path) -> list[Path]:
-        import json
-
         directory = Path(directory)
-        paths = []
-        for name, scores in self.scores.items():
-            paths.append(scores.save(directory / f"{name}.json"))
-        for tag, scores in self.pos.items():
-            paths.append(scores.save(directory / "pos" / f"{tag}.json"))
-        path = directory / "exemplars.json"
-        atomic_write_text(path, json.dumps(self.exemplars_json(), indent=1, ensure_ascii=False) + "\n")
-        paths.append(path)
-        path = directory / "pos_frequency.json"
-        atomic_write_text(path, json.dumps(self.pos_frequency, indent=1) + "\n")
-        paths.append(path)
+        paths = [scores.save(directory / f"{name}.json") for name, scores in self.scores.items()]
+        paths += [scores.save(directory / "pos" / f"{tag}.json") for tag, scores in self.pos.items()]
+        paths.append(write_json(directory / "exemplars.json", self.exemplars_json(), ensure_ascii=False))
+        paths.append(write_json(directory / "pos_frequency.json", self.pos_frequency))
         return paths
 
     # -- the HeadStatistic result protocol (headlab.functions.statistic) ------------------------

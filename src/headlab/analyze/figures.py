@@ -22,7 +22,7 @@ import numpy as np
 from headlab.aggregate import STATISTICS
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.data.batching import with_progress
-from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure
+from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure, write_json
 from headlab.importance.registry import MEASURES
 
 __all__ = [
@@ -313,15 +313,13 @@ def write_figures(analysis_dir: str | Path, *, progress: bool = False) -> list[d
     """Draw every figure the directory's files allow into ``figures/``; returns the manifest's
     ``figures`` entries (paths relative to ``analysis_dir``), each figure's data in
     ``figures/<name>.json``."""
-    from headlab.heads import atomic_write_text
-
     root = Path(analysis_dir)
     specs = figure_specs(root)
     entries = []
     for name, title, caption, draw in with_progress(specs, progress, "figures", unit="fig", leave=False):
         fig, data = draw()
         png, svg = save_figure(fig, root / "figures", name)
-        atomic_write_text(root / "figures" / f"{name}.json", json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        write_json(root / "figures" / f"{name}.json", data, ensure_ascii=False)
         entries.append({"name": name, "title": title, "caption": caption,
                         "png": png.relative_to(root).as_posix(), "svg": svg.relative_to(root).as_posix()})
     return entries
