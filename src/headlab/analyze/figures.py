@@ -225,9 +225,7 @@ def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
         for key, values in heads.items():
             layer = int(key.split(":")[1])
             ax.plot(steps[: len(values)], values, color=cmap(layer / max(n_layers - 1, 1)), linewidth=0.7, alpha=0.8)
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_xlabel("step")
-        ax.set_ylabel("P(gate open)")
+        ax.set(ylim=(-0.03, 1.03), xlabel="step", ylabel="P(gate open)")
         ax.set_title(name, fontsize=9)
         data[name] = {"steps": steps, "p_open": heads}
     if not names:

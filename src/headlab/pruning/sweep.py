@@ -296,8 +296,7 @@ def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
         if any(values):
             ax.bar(labels, values, bottom=bottom, label=kind)
             bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("heads kept in total, sweep point")
-    ax.set_ylabel("heads kept")
+    ax.set(xlabel="heads kept in total, sweep point", ylabel="heads kept")
     if ax.get_legend_handles_labels()[0]:  # no bars (no point kept a head count yet): no legend
         ax.legend(fontsize=8)
     return ax
