@@ -184,11 +184,9 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     ``state_dict()``. The returned handle's ``remove()`` detaches this set only.
     """
     blocks = _check_gates_fit(attention_blocks(model), gates)
-    try:
-        parameter = next(model.parameters())
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
         gates.to(parameter.device)
-    except StopIteration:
-        pass
     gates.train(model.training)  # a stochastic gate follows the model's mode: sampled in training only
     stack = model.__dict__.setdefault(_STACK, _GateStack())
     name, i = GATES_ATTRIBUTE, 0
