@@ -105,9 +105,7 @@ def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores)
     """Spearman's rho of each measure against ``reference`` (ablation), per kind and pooled."""
     kinds = [k for k in KINDS if k in reference.scores]
     rho: dict[str, dict[str, float]] = {}
-    n_heads: dict[str, int] = {}
-    for kind in kinds:
-        n_heads[kind] = int((~np.isnan(reference[kind])).sum())
+    n_heads = {kind: int((~np.isnan(reference[kind])).sum()) for kind in kinds}
     n_heads["all"] = sum(n_heads.values())
     for name, scores in measures.items():
         row: dict[str, float] = {}
