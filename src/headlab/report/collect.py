@@ -52,12 +52,12 @@ class Collected:
                 if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
 
 
-def _read_json(path: Path, section: str, out: Collected, quiet_missing: bool = True):
+def _read_json(path: Path, section: str, out: Collected):
+    """The file's JSON; None when it is missing (silently) or unreadable (noted)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        if not quiet_missing:
-            out.note(section, f"{path.relative_to(out.directory)}: not found")
+        pass
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         out.note(section, f"{path.relative_to(out.directory)}: unreadable ({error})")
     return None
@@ -101,10 +101,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
 
 
 def _first_dir(directory: Path, *candidates: str) -> Path | None:
-    for candidate in candidates:
-        if (directory / candidate).is_dir():
-            return directory / candidate
-    return None
+    return next((directory / c for c in candidates if (directory / c).is_dir()), None)
 
 
 def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]]:
