@@ -53,14 +53,10 @@ def _marker_path(out_dir: Path, name: str) -> Path:
 
 def read_marker(out_dir: Path, name: str, key: str) -> dict | None:
     """The stored marker of a finished stage, or None when it must run (again)."""
-    marker = resume.read_marker(_marker_path(out_dir, name))
-    if marker is None:
+    marker = raw_marker(out_dir, name)
+    if marker is None or marker.get("key") != key or marker.get("record", {}).get("status") != "done":
         return None
-    if marker.get("key") != key or marker.get("record", {}).get("status") != "done":
-        return None
-    if not all((out_dir / rel).exists() for rel in marker["record"].get("outputs", [])):
-        return None
-    return marker
+    return marker if all((out_dir / rel).exists() for rel in marker["record"].get("outputs", [])) else None
 
 
 def raw_marker(out_dir: Path, name: str) -> dict | None:
