@@ -622,10 +622,7 @@ def not_requested(name: str, config: AnalyzeConfig) -> str | None:
 
 
 def _skipped_by_flag(config: AnalyzeConfig) -> set[str]:
-    out = set()
-    for name in config.skip:
-        out |= set(STAGE_GROUPS.get(name, (name,)))
-    return out
+    return {stage for name in config.skip for stage in STAGE_GROUPS.get(name, (name,))}
 
 
 def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
