@@ -49,7 +49,8 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
-from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, read_conllu
+from headlab.data.parallel import read_lines
+from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, count_sentences, read_conllu
 from headlab.errors import HeadlabError
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
@@ -184,13 +185,6 @@ def _batched(iterator: Iterator, size: int) -> Iterator[list]:
 _END = object()
 
 
-def _plain_text(path: str | Path) -> Iterator[tuple[int, str]]:
-    from headlab.data.parallel import read_lines
-
-    for number, line in enumerate(read_lines(path), start=1):
-        yield number, line.strip()
-
-
 def analyze_heads(
     model,
     tokenizer,
@@ -268,7 +262,7 @@ def analyze_heads(
             source = read_conllu(conllu, problems=problems, counts=counts["source"], keep_place=True)
             source_name = str(conllu)
         else:
-            source = (text if text else None for _, text in _plain_text(source_text))
+            source = (line.strip() or None for line in read_lines(source_text))
             source_name = str(source_text)
         for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
             if src is _END or tgt is _END:
@@ -282,18 +276,13 @@ def analyze_heads(
                 continue
             yield src, tgt
 
-    progress = progress and shard.main
-    total = None
-    if progress:
-        from headlab.data.treebank import count_sentences
+    bar = None
+    if progress and shard.main:
+        from tqdm.auto import tqdm
 
         total = count_sentences(target_conllu or conllu)
         if config.max_sentences is not None:
             total = min(total, config.max_sentences)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=total, unit="sent", desc="heads", leave=False)
 
     current: dict[str, SideBatch] = {}
