@@ -278,10 +278,7 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
         path = Path(path)
         state = load_file(str(path / WEIGHTS_FILE if path.is_dir() else path))
         for key, value in state.items():
-            if key in total:
-                total[key] += value.double()
-            else:
-                total[key] = value.double()
+            total[key] = total.get(key, 0) + value.double()
     return {key: (value / len(paths)).to(torch.float32) for key, value in total.items()}
 
 
