@@ -296,11 +296,9 @@ def _select_trainable(model, trainable) -> list[torch.nn.Parameter]:
         if unknown:
             raise HeadlabError(f"unknown parameter names in trainable: {sorted(unknown)[:5]}")
         keep = lambda name, param: name in names  # noqa: E731
-    params = []
     for name, param in model.named_parameters():
         param.requires_grad_(bool(keep(name, param)))
-        if param.requires_grad:
-            params.append(param)
+    params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise HeadlabError("no trainable parameters selected")
     return params
