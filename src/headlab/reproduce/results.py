@@ -120,9 +120,8 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
                         own_hypotheses.add(f"{sweep}-{point.name}")
                         copy(point / "hypotheses.txt", res / "hypotheses" / f"{sweep}-{point.name}.txt")
     prune = work / "prune"
-    if prune.is_dir():
-        for base in sorted(prune.glob("base-*")):
-            copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
+    for base in sorted(prune.glob("base-*")):
+        copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
     copy(prune / "scratch" / "baselines.json", res / "scratch.json")
     written += _drop_stale_rows(res, log)
     copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
@@ -271,13 +270,8 @@ class ModelResults:
     @cached_property
     def baselines(self) -> list[dict]:
         """Baseline rows of the encoder sweep's weights (all rows when its full.json records none)."""
-        rows = []
-        directory = self.dir / "baselines"
-        if directory.is_dir():
-            for path in sorted(directory.glob("*.json")):
-                for row in _same_weights(_json(path) or [], self.sweep_weights("enc")):
-                    rows.append({**row, "baseline": path.stem})
-        return rows
+        return [{**row, "baseline": path.stem} for path in sorted((self.dir / "baselines").glob("*.json"))
+                for row in _same_weights(_json(path) or [], self.sweep_weights("enc"))]
 
     @cached_property
     def scratch(self) -> list[dict]:

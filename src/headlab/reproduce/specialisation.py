@@ -38,11 +38,9 @@ def checkpoint_dirs(config: ReproduceConfig, model: ModelEntry) -> list[tuple[st
     """``[(name, directory)]``: the training checkpoints in order, then ``final`` (the model)."""
     found: list[tuple[str, Path]] = []
     if model.checkpoints:
-        root = config.path(model.checkpoints)
-        if root.is_dir():
-            dirs = [d for d in root.glob(model.checkpoint_pattern) if (d / "config.json").is_file()]
-            number = lambda d: int(m.group(1)) if (m := re.search(r"(\d+)$", d.name)) else 0  # noqa: E731
-            found = [(d.name, d) for d in sorted(dirs, key=lambda d: (number(d), d.name))]
+        dirs = [d for d in config.path(model.checkpoints).glob(model.checkpoint_pattern) if (d / "config.json").is_file()]
+        number = lambda d: int(m.group(1)) if (m := re.search(r"(\d+)$", d.name)) else 0  # noqa: E731
+        found = [(d.name, d) for d in sorted(dirs, key=lambda d: (number(d), d.name))]
     final = config.path(model.path)
     if (final / "config.json").is_file():
         found.append(("final", final))
