@@ -29,7 +29,7 @@ import torch
 
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text
+from headlab.heads import KINDS, atomic_write_text, write_json
 from headlab.importance.data import describe_model
 
 __all__ = ["FORMAT", "SCALE", "write_attention_examples", "write_example", "write_index", "load_example",
@@ -88,10 +88,8 @@ def write_example(
 
 
 def write_index(out_dir: Path, entries: list[dict], model: str = "") -> Path:
-    path = out_dir / "index.json"
-    atomic_write_text(path, json.dumps({"format": FORMAT, "model": model, "scale": SCALE, "sentences": entries},
-                                       indent=1, ensure_ascii=False) + "\n")
-    return path
+    return write_json(out_dir / "index.json", {"format": FORMAT, "model": model, "scale": SCALE, "sentences": entries},
+                      ensure_ascii=False)
 
 
 def load_example(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, int], np.ndarray]]:
