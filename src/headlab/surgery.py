@@ -15,6 +15,7 @@ import json
 import os
 import re
 import types
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -84,9 +85,7 @@ def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
     if block.n_kv_heads == block.n_heads:
         return list(keep), 1
     group = block.n_heads // block.n_kv_heads
-    counts: dict[int, int] = {}
-    for h in keep:
-        counts[h // group] = counts.get(h // group, 0) + 1
+    counts = Counter(h // group for h in keep)  # kept query heads per key/value head
     sizes = set(counts.values())
     if len(sizes) <= 1:
         return sorted(counts), (sizes.pop() if sizes else group)
