@@ -134,10 +134,6 @@ def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
     return y, top
 
 
-def _step_list(steps: torch.Tensor) -> torch.Tensor:
-    return steps.nonzero()  # [n, 2] (row, position), row-major order
-
-
 def _slots(steps: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The rank of each step within its row (``[batch, t_len]``, -1 where no step) and the
     number of slots (the most steps of a row): backward ``c`` explains the ``c``-th step of
@@ -232,7 +228,7 @@ def head_relevance(
             else model(**batch.inputs)
         y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
         steps = batch.steps.to(y.device)
-        index = _step_list(steps)
+        index = steps.nonzero()  # [n, 2] (row, position), row-major order
         keys = [b.key for b in blocks]
         tensors = [recorded[k] for k in keys]
         heads = [t.detach() for t in tensors]
