@@ -54,17 +54,13 @@ def export_model(
         raise HeadlabError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_dir)
-    model = load_model(source)
-    model = model.to(getattr(torch, dtype))
+    model = load_model(source).to(getattr(torch, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    for name in ("metrics.json",):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out_dir / f"train_{name}")
-    history = Path(run_dir) / "history.json"
-    if history.is_file():
-        shutil.copyfile(history, out_dir / "train_history.json")
+    for kept, name in ((source / "metrics.json", "train_metrics.json"), (Path(run_dir) / "history.json", "train_history.json")):
+        if kept.is_file():
+            shutil.copyfile(kept, out_dir / name)
     (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
     return out_dir
 
