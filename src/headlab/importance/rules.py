@@ -53,17 +53,14 @@ __all__ = ["lrp_rules", "relevance"]
 
 
 def _activation_classes() -> tuple[type, ...]:
+    from transformers.activations import ACT2CLS
+
     classes: set[type] = {
         nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Mish, nn.ELU, nn.LeakyReLU, nn.Sigmoid,
         nn.Hardswish, nn.ReLU6, nn.Softplus, nn.SELU, nn.CELU, nn.Hardtanh,
     }
-    try:
-        from transformers.activations import ACT2CLS
-
-        for value in ACT2CLS.values():
-            classes.add(value[0] if isinstance(value, tuple) else value)
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
+    for value in ACT2CLS.values():
+        classes.add(value[0] if isinstance(value, tuple) else value)
     return tuple(classes)
 
 
