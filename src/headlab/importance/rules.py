@@ -241,7 +241,6 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     handles = HookHandles()
     try:
         gated = _gated_mlps(model)
-        gated_acts = {id(act) for act, _, _ in gated}
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
                 handles.append(module.register_forward_hook(_layer_norm_rule))
@@ -255,8 +254,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 raise HeadlabError(f"LRP: no rule for the normalisation module {type(module).__name__}")
         for act, up, down in gated:
             product = _GatedProduct()
-            if id(act) in gated_acts:  # after the activation rule, so it sees the rule's output
-                handles.append(act.register_forward_hook(product.keep_a))
+            # after the activation rule (hooked above), so it sees the rule's output
+            handles.append(act.register_forward_hook(product.keep_a))
             handles.append(up.register_forward_hook(product.keep_b))
             handles.append(down.register_forward_pre_hook(product.pre_down))
         for before, after in _functional_activations(model):
