@@ -157,13 +157,12 @@ def compute_confidence(
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
             model(**batch.inputs, **kwargs)
     totals = ledger.total()
-    sums = {key: total for key, (total, _) in totals.items()}
     counts = {key: n for key, (_, n) in totals.items()}
     values = {}
-    for key in sums:
-        if counts[key] == 0:
+    for key, (total, n) in totals.items():
+        if n == 0:
             raise HeadlabError(f"confidence: no query token with an allowed key in {key[0]} layer {key[1]}")
-        values[key] = (sums[key] / counts[key]).numpy()
+        values[key] = (total / n).numpy()
     scores = block_scores(attention_blocks(model), values, kinds)
     signature = {
         **data.signature(),
