@@ -149,24 +149,22 @@ class PositionalResult:
             values[key] = np.where(np.isnan(share), np.nan, offset.astype(np.float64))
         return head_scores(values, f"positional_offset_{self.level}", self.model, self._signature())
 
-    def heads(self) -> list[PositionalHead]:
-        """The positional heads: one offset holds at least ``threshold`` of the maxima."""
-        found = []
-        for (kind, layer) in sorted(self.counts):
-            offset, share = self.best((kind, layer))
-            for head in np.nonzero(np.nan_to_num(share, nan=-1) >= self.threshold)[0]:
-                found.append(PositionalHead(kind, layer, int(head), int(offset[head]), float(share[head])))
-        return found
-
-    def top(self, n: int = 5) -> list[PositionalHead]:
-        """The ``n`` heads closest to positional, whatever the threshold."""
+    def _scored(self) -> list[PositionalHead]:
+        """Every head with a share (one that saw a query), block by block."""
         every = []
         for (kind, layer) in sorted(self.counts):
             offset, share = self.best((kind, layer))
-            for head in range(len(share)):
-                if not np.isnan(share[head]):
-                    every.append(PositionalHead(kind, layer, head, int(offset[head]), float(share[head])))
-        return sorted(every, key=lambda h: -h.share)[:n]
+            every += [PositionalHead(kind, layer, head, int(offset[head]), float(share[head]))
+                      for head in range(len(share)) if not np.isnan(share[head])]
+        return every
+
+    def heads(self) -> list[PositionalHead]:
+        """The positional heads: one offset holds at least ``threshold`` of the maxima."""
+        return [h for h in self._scored() if h.share >= self.threshold]
+
+    def top(self, n: int = 5) -> list[PositionalHead]:
+        """The ``n`` heads closest to positional, whatever the threshold."""
+        return sorted(self._scored(), key=lambda h: -h.share)[:n]
 
     def _signature(self) -> dict:
         return {**self.signature, "level": self.level, "threshold": self.threshold}
