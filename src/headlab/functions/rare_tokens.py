@@ -228,12 +228,10 @@ class RareTokenResult:
         return [key for key, share in items if share >= best - tolerance]
 
     def describe(self) -> str:
-        lines = []
-        for kind, n in self.n_sentences.items():
-            lines.append(f"{kind}: {self.n_eligible.get(kind, 0)} of {n} sentences have a least frequent "
-                         f"token outside the top {self.top_k}")
-        for kind, layer, head, share, two in self.top():
-            lines.append(f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}")
+        lines = [f"{kind}: {self.n_eligible.get(kind, 0)} of {n} sentences have a least frequent token outside the "
+                 f"top {self.top_k}" for kind, n in self.n_sentences.items()]
+        lines += [f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}"
+                  for kind, layer, head, share, two in self.top()]
         return "\n".join(lines)
 
     def to_json(self) -> dict:

@@ -304,11 +304,8 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
             updates.cells[name] = Cell(f"{last['step']:,} ({last['epoch']} epochs of {history[0]['step']} updates)")
             batch.cells[name] = Cell(f"{total / last['step']:,.0f}")
             seen.cells[name] = Cell(f"{total / 1e6:.1f}M ({total / last['epoch'] / 1e6:.2f}M per epoch)")
-        parts = []
-        for sweep in ("enc", "all"):
-            for row in _rows(r.sweep(sweep)):
-                parts.append(f"{sweep} {row['point']}: {_method(row)}, {row['step']} updates, "
-                             f"{_pct(row['polarized'])} polarised")
+        parts = [f"{sweep} {row['point']}: {_method(row)}, {row['step']} updates, {_pct(row['polarized'])} polarised"
+                 for sweep in ("enc", "all") for row in _rows(r.sweep(sweep))]
         prune.cells[name] = Cell("; ".join(parts) if parts else "no pruning point")
         note = sweep_weights_note(r)
         weights.cells[name] = Cell(note[0] if note else "no pruning result")
