@@ -39,8 +39,7 @@ def checkpoint_dirs(config: ReproduceConfig, model: ModelEntry) -> list[tuple[st
     found: list[tuple[str, Path]] = []
     if model.checkpoints:
         dirs = [d for d in config.path(model.checkpoints).glob(model.checkpoint_pattern) if (d / "config.json").is_file()]
-        number = lambda d: int(m.group(1)) if (m := re.search(r"(\d+)$", d.name)) else 0  # noqa: E731
-        found = [(d.name, d) for d in sorted(dirs, key=lambda d: (number(d), d.name))]
+        found = [(d.name, d) for d in sorted(dirs, key=lambda d: (_epoch(d.name) or 0, d.name))]
     final = config.path(model.path)
     if (final / "config.json").is_file():
         found.append(("final", final))
