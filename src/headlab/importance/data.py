@@ -179,11 +179,8 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     onto its classes (BERT's ``classifier``, RoBERTa's ``classifier.out_proj``, GPT-2's ``score``)."""
     if is_classifier(model):
         n_labels = getattr(model.config, "num_labels", None)
-        found = None
-        for _, module in model.named_modules():
-            if isinstance(module, nn.Linear) and module.out_features == n_labels:
-                found = module
-        return found
+        onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
+        return onto_classes[-1] if onto_classes else None
     return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
