@@ -77,6 +77,3 @@ def write_report(config: ReproduceConfig, models: list[str] | None = None, *, co
         written += save_figures(claims, results, config.path(config.img_dir))
     log(f"wrote {doc} ({len(blocks)} generated blocks) and {path}")
     return written
-
-
-

@@ -33,7 +33,6 @@ from headlab.resume import SkipStage, weights_fingerprint
 __all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "marker_path", "command_text"]
 
 
-
 @dataclass
 class Context:
     config: ReproduceConfig
