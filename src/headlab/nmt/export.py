@@ -58,7 +58,8 @@ def export_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    for kept, name in ((source / "metrics.json", "train_metrics.json"), (Path(run_dir) / "history.json", "train_history.json")):
+    copies = {source / "metrics.json": "train_metrics.json", Path(run_dir) / "history.json": "train_history.json"}
+    for kept, name in copies.items():
         if kept.is_file():
             shutil.copyfile(kept, out_dir / name)
     (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
