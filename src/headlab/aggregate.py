@@ -83,10 +83,11 @@ def arc_rows(side: SideBatch, first: int, stop: int, width: int | None = None) -
     (one of the first ``width``, default all ``W``) are joined by an arc, either way. Built per row
     range: the whole ``[B, W, W]`` matrix would be quadratic in the length."""
     W = side.heads.shape[1] if width is None else width
-    rows = torch.arange(first, stop)
+    rows = torch.arange(first, stop, device=side.heads.device)
     governor_of_row = side.heads[:, first:stop]  # [B, R], -1 for root, cut and padding
     row_governs = side.heads[:, None, :W] == rows[None, :, None]  # [B, R, W]: j's governor is i
-    row_governed = governor_of_row[:, :, None] == torch.arange(W)[None, None, :]  # [B, R, W]: i's governor is j
+    keys = torch.arange(W, device=side.heads.device)
+    row_governed = governor_of_row[:, :, None] == keys[None, None, :]  # [B, R, W]: i's governor is j
     return (row_governs | row_governed).float()
 
 
@@ -104,11 +105,13 @@ class _Scratch(dict):
     view would take fresh pages from the OS each time where the C allocator maps large blocks
     (glibc above its mmap threshold), which costs about as much as the arithmetic on it."""
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device | None = None) -> torch.Tensor:
         size = math.prod(shape)
         buffer = dict.get(self, name)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            buffer = self[name] = torch.empty(size, dtype=dtype)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype \
+                or (device is not None and buffer.device != device):
+            buffer = self[name] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:size].view(shape)
 
 
@@ -197,6 +200,7 @@ class AggregateStats:
         key = view.block.key
         sums = self._open.setdefault(key, {})  # added to the totals once per batch, in _settle
         f64 = torch.float64
+        device = alpha.device  # the sums stay there (a GPU's) until a result is read
 
         def add(name: str, value: torch.Tensor) -> None:
             sums[name] = sums[name] + value if name in sums else value.clone()
@@ -208,12 +212,12 @@ class AggregateStats:
         # A block seen in several views (chunks) reuses its work buffers; a whole view gets its own.
         scratch = _Scratch() if view.last and key not in self._cells else self._scratch
         kept = alpha if self.min_weight <= 0 else alpha * (alpha > self.min_weight)
-        kept64 = scratch.get("f64", alpha.shape, f64).copy_(kept)  # contiguous, as kept.double()
+        kept64 = scratch.get("f64", alpha.shape, f64, device).copy_(kept)  # contiguous, as kept.double()
         add("weight", kept64.sum((0, 2, 3)))
-        positions = torch.arange(max(W, first + R), dtype=alpha.dtype)
+        positions = torch.arange(max(W, first + R), dtype=alpha.dtype, device=device)
         distance = (positions[first:first + R, None] - positions[None, :K]).abs()  # [rows, K] |i - j|
-        product = torch.mul(kept, distance, out=scratch.get("f32", alpha.shape, alpha.dtype))  # rounded in float32
-        add("distance", scratch.get("f64 product", alpha.shape, f64).copy_(product).sum((0, 2, 3)))
+        product = torch.mul(kept, distance, out=scratch.get("f32", alpha.shape, alpha.dtype, device))  # float32
+        add("distance", scratch.get("f64 product", alpha.shape, f64, device).copy_(product).sum((0, 2, 3)))
         to_word = kept64.sum(2)  # [B, H, K] attention received by each key word
         add("pos", torch.einsum("bhw,bwt->ht", to_word, _tag_onehot(side)[:, :K]))
         kept64 *= arc_rows(side, first, first + R, K)[:, None].to(f64)
@@ -224,7 +228,7 @@ class AggregateStats:
         # are summed (headlab.attention.KEY_BLOCK): the same bits.
         valid = view.query_valid  # [B, H, rows]
         padded = K if K == W or K % KEY_BLOCK == 0 else min(W, -(-K // KEY_BLOCK) * KEY_BLOCK)
-        p = scratch.get("f32", (B, H, R, padded), alpha.dtype)  # the product's buffer: it is summed
+        p = scratch.get("f32", (B, H, R, padded), alpha.dtype, device)  # the product's buffer: it is summed
         p[..., K:] = 0
         torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=p[..., :K] if padded > K else p)
         entropy = -torch.special.xlogy(p, p, out=p).sum(-1)  # [B, H, rows]
@@ -239,7 +243,7 @@ class AggregateStats:
         n = min(N, W)
         cells = self._cells.get(key)
         if cells is None:
-            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"))
+            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"), device=device)
         end = min(first + R, n)
         if end > first:
             m = min(n, K)
@@ -275,7 +279,7 @@ class AggregateStats:
         sums = self._open.pop(key)
         f64 = torch.float64
         present = side.word_mask[:, :n]
-        cell_mask = torch.zeros(B, N, N, dtype=torch.bool)
+        cell_mask = torch.zeros(B, N, N, dtype=torch.bool, device=cells.device)
         cell_mask[:, :n, :n] = present[:, :, None] & present[:, None, :]
         cells.masked_fill_(~cell_mask[:, None], float("nan"))
         sums["cell_sum"] = torch.nan_to_num(cells).sum(0, dtype=f64)  # [H, N, N]
@@ -284,7 +288,7 @@ class AggregateStats:
         self._sums.add(order, {key: sums})
         if key not in self.spools:
             self.spools[key] = _Spool((H, N, N), self.spool_dir)
-        self.spools[key].write(cells.numpy(), order)
+        self.spools[key].write(cells.cpu().numpy(), order)  # [B, H, window, window]: small
         if not self.top_k or key not in self._best:
             return
         best, where = self._best.pop(key)
@@ -292,6 +296,8 @@ class AggregateStats:
         heaps = self.heaps.setdefault(key, [[] for _ in range(H)])
         k = min(self.top_k, B)
         values, rows = best.topk(k, dim=0)  # [k, H]
+        # The heaps are Python objects: only the top k per head and their positions come to the CPU.
+        values, rows, where = values.cpu(), rows.cpu(), where.cpu()
         for h in range(H):
             heap = heaps[h]
             candidates = [(value, b) for value, b in zip(values[:, h].tolist(), rows[:, h].tolist()) if value >= 0]
@@ -342,6 +348,7 @@ class AggregateStats:
         per: dict[str, dict[BlockKey, np.ndarray]] = {name: {} for name in STATISTICS}
         pos: dict[str, dict[BlockKey, np.ndarray]] = {tag: {} for tag in POS_TAGS}
         for key, sums in self.sums.items():
+            sums = {name: value.cpu() for name, value in sums.items()}
             weight = sums["weight"].numpy()
             safe = np.where(weight > 0, weight, np.nan)
             per["mean_distance"][key] = sums["distance"].numpy() / safe
@@ -377,8 +384,8 @@ class AggregateStats:
         ledger = Ledger(shard, {})
         sums = self.sums
         for key, spool in self.spools.items():
-            count = sums[key]["cell_n"].numpy()
-            mean = np.divide(sums[key]["cell_sum"].numpy(), count, out=np.zeros_like(count), where=count > 0)
+            count = sums[key]["cell_n"].cpu().numpy()
+            mean = np.divide(sums[key]["cell_sum"].cpu().numpy(), count, out=np.zeros_like(count), where=count > 0)
             for order, cells in spool.read():  # [batch, H, N, N]
                 values = cells.astype(np.float64)
                 present = ~np.isnan(values)

@@ -17,7 +17,7 @@ subwords to any of the key word's subwords.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Sequence
 
@@ -209,7 +209,9 @@ def align_sentences(
 class SideBatch:
     """One analysed sequence per example of a batch (the encoder side or the decoder side).
 
-    Shapes: ``B`` sentences, ``T`` tokens (padded), ``W`` words (padded).
+    Shapes: ``B`` sentences, ``T`` tokens (padded), ``W`` words (padded). Built on the CPU; the
+    statistics of attention on a GPU take its copy there (:meth:`to`), whose derived tensors are
+    made on that device.
     """
 
     token_word: torch.Tensor  # [B, T] long, -1 = special token, padding or cut word
@@ -231,11 +233,41 @@ class SideBatch:
 
     @property
     def max_words(self) -> int:
-        return int(self.n_words.max()) if self.n_words.numel() else 0
+        n_words = self.host.n_words  # read on the CPU: no wait for a device
+        return int(n_words.max()) if n_words.numel() else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_word.device
+
+    @property
+    def host(self) -> "SideBatch":
+        """The batch on the CPU that this one was copied from (itself when it is that batch)."""
+        return self.__dict__.get("_host", self)
+
+    def to(self, device: torch.device | str) -> "SideBatch":
+        """This batch with its tensors on ``device``: itself when they are there, else its
+        :meth:`copy_to` that device."""
+        device = torch.device(device)
+        return self if self.device == device else self.copy_to(device)
+
+    def copy_to(self, device: torch.device | str) -> "SideBatch":
+        """A copy of the CPU batch (:attr:`host`) with its tensors on ``device``. Make it once per
+        batch and device and give it to every block and chunk there: it caches the tensors derived
+        from it. What a copy derives from Python lists or decides from its tensors' values (arcs,
+        tags, rare-token masks, word spans, the longest sentence) is taken from the CPU batch, where
+        reading a value does not wait for the device."""
+        device = torch.device(device)
+        host = self.host
+        copy = replace(host, token_word=host.token_word.to(device), token_mask=host.token_mask.to(device),
+                       n_words=host.n_words.to(device), heads=host.heads.to(device),
+                       token_ids=host.token_ids.to(device))
+        copy.__dict__["_host"] = host
+        return copy
 
     @cached_property
     def word_mask(self) -> torch.Tensor:  # [B, W] bool
-        return torch.arange(self.max_words)[None, :] < self.n_words[:, None]
+        return torch.arange(self.max_words, device=self.device)[None, :] < self.n_words[:, None]
 
     @cached_property
     def word_index(self) -> torch.Tensor:
@@ -247,8 +279,8 @@ class SideBatch:
         """``[B, T]`` long: like :attr:`word_index`, but only a word's first subword has it (the
         others, like tokens of no word, get ``W``)."""
         W = self.max_words
-        positions = torch.arange(self.word_index.shape[1])[None, :].expand_as(self.word_index)
-        first = torch.full((self.batch_size, W + 1), self.word_index.shape[1], dtype=torch.long)
+        positions = torch.arange(self.word_index.shape[1], device=self.device)[None, :].expand_as(self.word_index)
+        first = torch.full((self.batch_size, W + 1), self.word_index.shape[1], dtype=torch.long, device=self.device)
         first.scatter_reduce_(1, self.word_index, positions, reduce="amin")
         is_first = (first.gather(1, self.word_index) == positions) & (self.word_index < W)
         return torch.where(is_first, self.word_index, torch.full_like(self.word_index, W))
@@ -256,13 +288,15 @@ class SideBatch:
     @cached_property
     def word_sizes(self) -> torch.Tensor:
         """``[B, W]`` float: subwords per word (1 for padding words, to divide safely)."""
-        sizes = torch.zeros(self.batch_size, self.max_words + 1)
-        sizes.scatter_add_(1, self.word_index, torch.ones(self.word_index.shape))
+        sizes = torch.zeros(self.batch_size, self.max_words + 1, device=self.device)
+        sizes.scatter_add_(1, self.word_index, torch.ones(self.word_index.shape, device=self.device))
         return sizes[:, : self.max_words].clamp(min=1)
 
     @cached_property
     def upos_index(self) -> torch.Tensor:
         """``[B, W]`` long index into :data:`headlab.data.treebank.UPOS_TAGS` + ["_"], -1 padding."""
+        if self.host is not self:
+            return self.host.upos_index.to(self.device)
         from headlab.data.treebank import UPOS_TAGS
 
         table = {tag: i for i, tag in enumerate(UPOS_TAGS)}
@@ -345,7 +379,7 @@ def _segment_sum(x: torch.Tensor, dim: int, first: torch.Tensor, count: torch.Te
         return out
     if initial is None and bool((count == 1).all()):
         start = int(first[0, 0])
-        if bool((first == torch.arange(start, start + S)[None, :]).all()):
+        if bool((first == torch.arange(start, start + S, device=first.device)[None, :]).all()):
             return x.narrow(dim, start, S)
 
     def expand(index: torch.Tensor) -> torch.Tensor:
@@ -368,14 +402,18 @@ def _segment_sum(x: torch.Tensor, dim: int, first: torch.Tensor, count: torch.Te
 def _word_spans(side: SideBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first token [B, W], subwords [B, W])`` of every word (padding words: none), or None
     where some word's subwords are not consecutive tokens (then sums go through a scatter-add)."""
+    if "_word_spans" not in side.__dict__ and side.host is not side:
+        spans = _word_spans(side.host)  # decided on the CPU, moved
+        side.__dict__["_word_spans"] = None if spans is None else tuple(x.to(side.device) for x in spans)
     if "_word_spans" not in side.__dict__:
         W, T = side.max_words, side.token_word.shape[1]
-        positions = torch.arange(T).expand_as(side.word_index)
-        first = torch.full((side.batch_size, W + 1), T, dtype=torch.long)
+        device = side.device
+        positions = torch.arange(T, device=device).expand_as(side.word_index)
+        first = torch.full((side.batch_size, W + 1), T, dtype=torch.long, device=device)
         first.scatter_reduce_(1, side.word_index, positions, reduce="amin")
-        last = torch.full((side.batch_size, W + 1), -1, dtype=torch.long)
+        last = torch.full((side.batch_size, W + 1), -1, dtype=torch.long, device=device)
         last.scatter_reduce_(1, side.word_index, positions, reduce="amax")
-        sizes = torch.zeros(side.batch_size, W + 1, dtype=torch.long)
+        sizes = torch.zeros(side.batch_size, W + 1, dtype=torch.long, device=device)
         sizes.scatter_add_(1, side.word_index, torch.ones_like(side.word_index))
         first, last, sizes = first[:, :W], last[:, :W], sizes[:, :W]
         consecutive = bool(((last - first + 1 == sizes) | (sizes == 0)).all())
@@ -390,7 +428,7 @@ def word_keys(side: SideBatch, keys: int) -> int:
     W, T = side.max_words, side.token_word.shape[1]
     if keys >= T:
         return W
-    index = side.word_index[:, :keys]
+    index = side.host.word_index[:, :keys]  # on the CPU: no wait for a device
     reached = index[index < W]
     return max(int(reached.max()) + 1 if reached.numel() else 0, min(1, W))
 
@@ -577,7 +615,8 @@ class AttentionView:
         sentence's words, or under a causal mask the words up to and including itself)."""
         W = self.side.max_words
         if self.causal:
-            visible = (torch.arange(W)[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
+            positions = torch.arange(W, device=self.side.device)
+            visible = (positions[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
         else:
             visible = self.side.n_words[:, None].expand(-1, W) * self.side.word_mask
         return visible[:, self.word_start:self.word_stop]
@@ -653,7 +692,12 @@ class WordRows:
         if spans is None:
             raise RuntimeError(f"{block.name}: a word's subwords are not consecutive tokens; cannot stream word rows")
         self.first, self.sizes = spans  # [B, W]
-        self.last_token = torch.where(self.sizes > 0, self.first + self.sizes - 1, -1)  # [B, W]
+        # The same on the CPU, where the word rows a chunk completes or touches are decided (no
+        # wait for a device): a copy's spans are its CPU batch's, moved.
+        host_spans = _word_spans(side.host)
+        assert host_spans is not None
+        self.host_first, self.host_sizes = host_spans
+        self.last_token = torch.where(self.host_sizes > 0, self.host_first + self.host_sizes - 1, -1)  # [B, W]
         self.done = 0  # word rows handed out
         self.pending: torch.Tensor | None = None  # [B, H, rows, key words]: word rows from `done` on, not yet complete
 
@@ -699,7 +743,8 @@ class WordRows:
         onto its partial sum from earlier chunks, divided by its subword count."""
         stop = start + rows
         # The word rows this chunk touches, completes or carries: from `done` on.
-        touched = (self.first < stop) & (self.first + self.sizes > start) & (self.sizes > 0)  # [B, W]
+        first, sizes = self.host_first, self.host_sizes
+        touched = (first < stop) & (first + sizes > start) & (sizes > 0)  # [B, W]
         if bool(touched[:, :self.done].any()):
             raise RuntimeError(f"{self.block.name}: subwords out of word order; cannot stream word rows")
         columns = torch.nonzero(touched.any(0))

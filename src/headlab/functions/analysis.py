@@ -62,9 +62,27 @@ from headlab.shard import Shard, active
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
 
 PIECE_ELEMENTS = 1 << 19
-"""Under ``query_chunk`` the statistics take each chunk of probabilities a few query rows at a
-time, about this many weights (2 MB in float32): their dozen elementwise passes and reductions
-then run on data that stays in the CPU cache, several times faster than over a whole chunk."""
+"""Under ``query_chunk`` on the CPU the statistics take each chunk of probabilities a few query
+rows at a time, about this many weights (2 MB in float32): their dozen elementwise passes and
+reductions then run on data that stays in the CPU cache, several times faster than over a whole
+chunk. On a GPU the cache argument does not apply: a chunk is one piece (:func:`piece_rows`)."""
+
+
+def statistics_device(device: torch.device) -> torch.device:
+    """Where the statistics of attention probabilities on ``device`` run: on that device when it
+    is a CUDA GPU (the probabilities stay there, the statistics' sums are kept there in float64
+    and int64 and come to the CPU when a result is read), else on the CPU (a device without
+    float64, such as Apple's MPS, gives its probabilities to the CPU, as every device did before)."""
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def piece_rows(probs: torch.Tensor) -> int:
+    """How many query rows of a chunk ``probs`` ``[B, H, rows, T]`` the statistics take at a time:
+    about :data:`PIECE_ELEMENTS` weights on the CPU, the whole chunk elsewhere."""
+    B, H, rows, T = probs.shape
+    if probs.device.type == "cpu":
+        return max(1, PIECE_ELEMENTS // max(1, B * H * T))
+    return max(1, rows)
 
 
 # Options added after results were published, left out of summary.json at their defaults so that
@@ -286,26 +304,35 @@ def analyze_heads(
         bar = tqdm(total=total, unit="sent", desc="heads", leave=False)
 
     current: dict[str, SideBatch] = {}
+    placed: dict[tuple[str, torch.device], SideBatch] = {}  # (side, device) -> the batch's copy there
+
+    def side_on(name: str, device: torch.device) -> SideBatch:
+        """The batch's side ``name`` on ``device``: copied there once per batch, shared by every
+        block and chunk on it (with the tensors they derive from it)."""
+        if (name, device) not in placed:
+            placed[(name, device)] = current[name].to(device)
+        return placed[(name, device)]
 
     def on_probs(block, probs: torch.Tensor) -> None:
-        side = current.get(sides.get(block.kind, ""))
-        if side is None:
+        name = sides.get(block.kind, "")
+        if name not in current:
             return
-        view = AttentionView(block, probs.cpu(), side)
+        probs = probs.to(statistics_device(probs.device))
+        view = AttentionView(block, probs, side_on(name, probs.device))
         for stat in block_stats:
             stat.update(view)
 
     assemblers: dict = {}  # block key -> WordRows of the block's current forward call
 
     def on_chunk(block, chunk: AttentionChunk) -> None:
-        side = current.get(sides.get(block.kind, ""))
-        if side is None:
+        name = sides.get(block.kind, "")
+        if name not in current:
             return
+        probs = chunk.probs.to(statistics_device(chunk.probs.device))
         if chunk.start == 0:
-            assemblers[block.key] = WordRows(block, side)
-        probs = chunk.probs.cpu()
-        B, H, rows, T = probs.shape
-        step = max(1, PIECE_ELEMENTS // max(1, B * H * T))
+            assemblers[block.key] = WordRows(block, side_on(name, probs.device))
+        rows = probs.shape[2]
+        step = piece_rows(probs)
         for first in range(0, rows, step):
             piece = probs[:, :, first:first + step]
             last = chunk.last and first + step >= rows
@@ -339,6 +366,7 @@ def analyze_heads(
                 if not items:
                     continue
                 current.clear()
+                placed.clear()
                 inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device,
                                        config.word_pooling)
                 for kind, name in sides.items():
@@ -351,6 +379,7 @@ def analyze_heads(
                 report.n_words += int(main.n_words.sum())
                 report.n_tokens += int(main.token_mask.sum())
                 current.clear()
+                placed.clear()
                 if on_batch is not None:
                     on_batch(index)
         if shard.split:

@@ -69,12 +69,13 @@ class PositionalStats:
         else:
             argmax, valid, first = view.word_argmax, view.ranked_query_valid, view.word_start  # [B, H, word rows]
         B, H, Q = argmax.shape
+        device = argmax.device  # the counts stay there (a GPU's) until the result is read
         if self.level == "interior":
-            position = first + torch.arange(Q)[None, :]  # [1, word rows]
+            position = first + torch.arange(Q, device=device)[None, :]  # [1, word rows]
             valid = valid & ((position >= 1) & (position < view.side.n_words[:, None] - 1))[:, None, :]
-        offsets = argmax - (first + torch.arange(Q))[None, None, :]  # key - query
+        offsets = argmax - (first + torch.arange(Q, device=device))[None, None, :]  # key - query
         bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
-        head = torch.arange(H)[None, :, None].expand(B, H, Q)
+        head = torch.arange(H, device=device)[None, :, None].expand(B, H, Q)
         flat = (head * self.n_bins + bins)[valid]
         counts = torch.bincount(flat, minlength=H * self.n_bins).view(H, self.n_bins)
         key = view.block.key
@@ -89,7 +90,7 @@ class PositionalStats:
 
     def result(self, threshold: float | None = None, model: str = "", signature: dict | None = None) -> "PositionalResult":
         return PositionalResult(
-            {key: value.numpy().astype(np.int64) for key, value in self.counts.items()},
+            {key: value.cpu().numpy().astype(np.int64) for key, value in self.counts.items()},
             self.max_offset, self.threshold if threshold is None else threshold, self.level, model,
             dict(signature or {}),
         )

@@ -42,11 +42,16 @@ __all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
 def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(eligible [B], rarest [B, T], two_rarest [B, T])`` for one batch.
 
-    ``counts[id]`` is the training count of token ``id``; ``top[id]`` marks the most frequent ids.
+    ``counts[id]`` is the training count of token ``id``; ``top[id]`` marks the most frequent ids
+    (both on the CPU). A batch copied to a device (:meth:`SideBatch.to`) gets the CPU batch's
+    masks, moved there.
     """
     cache = side.__dict__.setdefault("_rare_masks", {})
     key = id(counts)
     if key in cache:
+        return cache[key]
+    if side.host is not side:
+        cache[key] = tuple(mask.to(side.device) for mask in rare_token_masks(side.host, counts, top))
         return cache[key]
     ids = side.token_ids.clamp(0, counts.numel() - 1)
     token_counts = counts[ids].double().masked_fill(~side.token_mask, float("inf"))  # [B, T]
@@ -137,10 +142,10 @@ class RareTokenStats:
 
     def result(self, model: str = "", signature: dict | None = None) -> "RareTokenResult":
         return RareTokenResult(
-            first={k: v.numpy().astype(np.int64) for k, v in self.first.items()},
-            two={k: v.numpy().astype(np.int64) for k, v in self.two.items()},
-            queries={k: v.numpy().astype(np.int64) for k, v in self.queries.items()},
-            sentences={k: v.numpy() for k, v in self.sentences.items()} if self.per_sentence else None,
+            first={k: v.cpu().numpy().astype(np.int64) for k, v in self.first.items()},
+            two={k: v.cpu().numpy().astype(np.int64) for k, v in self.two.items()},
+            queries={k: v.cpu().numpy().astype(np.int64) for k, v in self.queries.items()},
+            sentences={k: v.cpu().numpy() for k, v in self.sentences.items()} if self.per_sentence else None,
             n_sentences=dict(self.n_sentences),
             n_eligible=dict(self.n_eligible),
             top_k=self.top_k,

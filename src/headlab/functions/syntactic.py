@@ -55,9 +55,12 @@ def direction_label(relation: str, direction: str) -> str:
 def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(batch index, governor, dependent)`` of every analysable arc of ``relation`` in ``side``.
 
-    Cached on the batch, so that every block reuses it.
+    Cached on the batch, so that every block reuses it; a batch copied to a device
+    (:meth:`SideBatch.to`) gets the CPU batch's arcs, moved there.
     """
     cache = side.__dict__.setdefault("_relation_arcs", {})
+    if relation not in cache and side.host is not side:
+        cache[relation] = tuple(x.to(side.device) for x in relation_arcs(side.host, relation))
     if relation not in cache:
         match = relation_matcher(relation)
         heads = side.heads.tolist()
@@ -115,7 +118,7 @@ class SyntacticStats:
                         hit &= (target < source)[:, None]
                     hits = hit.sum(0)  # [H]
                 else:
-                    hits = torch.zeros(argmax.shape[1], dtype=torch.long)
+                    hits = torch.zeros(argmax.shape[1], dtype=torch.long, device=argmax.device)
                 key = (relation, direction)
                 if key in table:
                     table[key] += hits
@@ -130,7 +133,7 @@ class SyntacticStats:
         return SyntacticResult(
             relations=self.relations,
             offsets={kind: {k: dict(c) for k, c in t.items()} for kind, t in self.offsets.items()},
-            hits={key: {k: v.numpy().astype(np.int64) for k, v in t.items()} for key, t in self.hits.items()},
+            hits={key: {k: v.cpu().numpy().astype(np.int64) for k, v in t.items()} for key, t in self.hits.items()},
             margin=self.margin if margin is None else margin,
             model=model,
             signature=dict(signature or {}),
