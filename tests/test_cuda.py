@@ -58,3 +58,118 @@ def test_device_map_auto(tmp_path):
         masked = logits(model, inputs)
     prune_heads(model, spec)
     torch.testing.assert_close(logits(model, inputs), masked, atol=1e-5, rtol=1e-5)
+
+
+# -- head statistics on the GPU (issue 16) ----------------------------------------------------
+def _close(a, b, path="", rtol=1e-6):
+    """Equal structure; integers, strings and booleans equal; floats within ``rtol`` relative
+    (and 1e-12 absolute, for zeros)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _close(a[key], b[key], f"{path}/{key}", rtol)
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}/{i}", rtol)
+    elif isinstance(a, float) and isinstance(b, float):
+        assert (a != a and b != b) or abs(a - b) <= 1e-12 + rtol * abs(b), (path, a, b)
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
+
+
+def _written(results, directory) -> dict:
+    import json
+
+    for result in results:
+        result.write(directory)
+    return {str(path.relative_to(directory)): json.loads(path.read_text(encoding="utf-8"))
+            for path in sorted(directory.rglob("*.json"))}
+
+
+def test_statistics_of_the_same_probabilities_on_cuda_equal_the_cpu(tmp_path):
+    """Every registered statistic fed the same float32 probabilities on the GPU (a whole view, and
+    WordRows views of 2 rows) and on the CPU: its sums stay on the GPU during the run, and it writes
+    the CPU's files, counts and positions identical, floats within 1e-6 relative (the GPU adds
+    float32 rows, such as a word's attention mass for its entropy, in another order)."""
+    pytest.importorskip("conllu")
+    import numpy as np
+
+    from headlab.data.alignment import AttentionView, WordRows
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig
+    from headlab.functions.registry import STATISTICS
+    from support.treebank import FakeBlock, bpe_tokenizer, sample_sentences, side_batch
+
+    sentences = sample_sentences(tmp_path)
+    tokenizer = bpe_tokenizer([" ".join(s.words) for s in sentences] * 3, vocab_size=45)
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 7 + 1
+    config = AnalysisConfig(top_frequent=3, window=4, top_k=3, sensitivity=True)
+    stats = {device: {name: make(config, TokenFrequencies(counts, "hand-set")) for name, make in STATISTICS.items()}
+             for device in ("cpu", "cuda")}
+    g = torch.Generator().manual_seed(0)
+    H = 3
+    for layer, kind in enumerate(("enc_self", "dec_self")):
+        block = FakeBlock(kind, layer, H)
+        for start in (0, 2):
+            side, _ = side_batch(sentences[start:start + 2], tokenizer, start)
+            B, T = side.token_ids.shape
+            probs = torch.zeros(B, H, T, T)
+            for b, n in enumerate(side.lengths):
+                logits = torch.randn(H, n, n, generator=g) * 3
+                if kind == "dec_self":
+                    logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+                probs[b, :, :n, :n] = logits.softmax(-1)
+            for device, by_name in stats.items():
+                on = side.to(device)
+                for stat in by_name.values():
+                    if hasattr(stat, "update_side"):
+                        stat.update_side(kind, side)
+                    stat.update(AttentionView(block, probs.to(device), on))
+                words = WordRows(block, on)
+                for row in range(0, T, 2):
+                    view = words.view(probs[:, :, row:row + 2].to(device), row, row + 2 >= T)
+                    for stat in by_name.values():
+                        stat.update(view)
+    gpu = stats["cuda"]
+    assert all(t.is_cuda for t in gpu["positional"].counts.values())
+    assert all(t.is_cuda for table in gpu["syntactic"].hits.values() for t in table.values())
+    assert all(t.is_cuda for t in gpu["rare"].first.values())
+    assert all(t.is_cuda for sums in gpu["aggregate"].sums.values() for t in sums.values())
+    files = {device: _written([stat.result() for stat in by_name.values()], tmp_path / device)
+             for device, by_name in stats.items()}
+    for by_name in stats.values():
+        by_name["aggregate"].close()
+    assert len(files["cpu"]) > 10
+    _close(files["cuda"], files["cpu"])
+
+
+@pytest.mark.parametrize("family, target, query_chunk", [
+    ("marian", True, None), ("marian", True, 2), ("bert", False, None), ("gpt2", False, 3), ("llama", False, 2)])
+def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_chunk):
+    """``analyze_heads`` of one float32 tiny model on the CPU and on the GPU, where the statistics
+    now run: every written statistic agrees, counts, offsets, argmax decisions and exemplar
+    positions identical, float totals within 1e-6 relative. Not to the bit: the GPU's attention
+    probabilities themselves differ from the CPU's in the last bits (other kernels, other orders
+    of addition), and so do the float sums made of them."""
+    pytest.importorskip("conllu")
+    import numpy as np
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU, bpe_tokenizer
+
+    texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+    tokenizer = bpe_tokenizer(texts * 3, vocab_size=45)
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True)
+    model = tiny_model(family)  # float32
+    files = {}
+    for device in ("cpu", "cuda"):
+        analysis = analyze_heads(model.to(device), tokenizer, path, target_conllu=path if target else None,
+                                 config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        files[device] = _written(analysis.results.values(), tmp_path / device)
+    assert len(files["cpu"]) > 20
+    _close(files["cuda"], files["cpu"])
