@@ -22,7 +22,9 @@ On a CUDA GPU (``--device cuda``) the model and inputs live on the GPU, in ``--d
 is taken between ``torch.cuda.synchronize()`` calls after the warm-up run, and the memory is the
 GPU's peak allocation (``torch.cuda.max_memory_allocated``) over what the weights and inputs hold
 before the timed region, with the weights' own bytes reported beside it. The host RSS is still
-reported: headlab's statistics run on the CPU, on each attention chunk copied there. ``--shape``
+reported: headlab's statistics now run on the GPU (their work buffers count in its peak), but keep
+their exemplar heaps and variability spool on the host (they ran there, on each attention chunk
+copied to the host, in the first GPU measurement of docs/benchmarks.md). ``--shape``
 picks the model: ``small`` (the default above), ``llama3-8b`` (Llama-3-8B's configuration; with
 ``--layers`` to keep part of its depth) or ``tiny`` (a smoke test). A run that fails is a row
 too: out of memory, a crash, past ``--budget-s``, or eager beyond ``--eager-max-length``.
@@ -278,7 +280,7 @@ def row_line(row: dict) -> str:
 
 def print_table(rows: list[dict], cuda: bool) -> None:
     columns = [("s / sentence", "seconds_per_sentence", 2), ("CPU s / sentence", "cpu_seconds_per_sentence", 2)]
-    if cuda:  # the GPU's memory; the host's RSS growth holds the statistics' copies of the chunks
+    if cuda:  # the GPU's memory (the statistics' work buffers too); the host's: exemplars, spool, bookkeeping
         columns += [("GPU peak growth (MB)", "gpu_peak_growth_mb", 0), ("GPU peak (MB)", "gpu_peak_total_mb", 0),
                     ("host RSS growth (MB)", "peak_growth_mb", 0)]
     else:

@@ -125,10 +125,11 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       | tee "$OUT/cuda-tests.log"
     ;;
   bench-gpu)
-    # headlab's statistics run on the host CPU, on each chunk copied there: their work grows with
-    # layers x heads x tokens^2 and, scaled from the CPU runs of docs/benchmarks.md, all 32 layers
-    # at 16384 tokens would take longer than one call. The per-layer shape (heads, key/value heads,
-    # d_model, FFN) is the real one; only the depth is cut. A run past MINUTES is a timeout row.
+    # The first measurement (docs/benchmarks.md) ran headlab's statistics on the host CPU, on each
+    # chunk copied there; they now run on the GPU. Their work grows with layers x heads x tokens^2,
+    # so the depth stays cut to LAYERS (8 by default, as in that measurement, to compare): the
+    # per-layer shape (heads, key/value heads, d_model, FFN) is the real one. A run past MINUTES is
+    # a timeout row.
     # Eager capture stops at 4096 tokens (at 16384 one layer's bf16 map alone is 16 GiB) and runs
     # last: its statistics over whole maps cost several times the chunked ones, and the chunked
     # rows come first. A timeout at 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
