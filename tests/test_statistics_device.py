@@ -4,7 +4,9 @@ copied there once per batch (:meth:`SideBatch.copy_to`).
 Without a GPU the copies are made on the CPU itself: a copy takes what it derives from Python
 lists or decides from values (arcs, tags, rare-token masks, word spans) from the CPU batch, and
 the statistics fed views of copies must write what they write from the batch itself, to the
-bit. tests/test_cuda.py runs the same analysis on a GPU.
+bit. A stand-in device (:mod:`support.fake_device`) then checks, still on the CPU, that nothing
+the statistics make from a batch on a device is made on the host instead. tests/test_cuda.py
+runs the same analysis on a GPU.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from headlab.data.alignment import SideBatch
+import headlab.functions.analysis as analysis
+from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.analysis import PIECE_ELEMENTS, piece_rows, statistics_device
+from support.fake_device import DEVICE, FakeDevice, OnDevice
 from support.models import tiny_model
 from support.treebank import SAMPLE_CONLLU, bpe_tokenizer, sample_sentences, side_batch
 
@@ -100,3 +104,29 @@ def test_statistics_fed_copies_of_the_batch_write_the_same_files(tmp_path, monke
         assert written[name] == data, name
     exemplars = json.loads(written["aggregate/exemplars.json"])
     assert any(heap for heaps in exemplars.values() for heap in heaps)  # the exemplars were compared, not empty
+
+
+@pytest.mark.parametrize("family, target, query_chunk, pooling", [
+    ("marian", True, 2, "sum"), ("gpt2", False, None, "max"), ("bert", False, 3, "first")])
+def test_statistics_on_a_device_make_nothing_on_the_host(tmp_path, monkeypatch, family, target, query_chunk, pooling):
+    """With the statistics sent to a stand-in device (:mod:`support.fake_device`), every view's
+    probabilities and batch tensors are there, no operation of the statistics mixes them with a
+    tensor made on the host (which on a GPU fails, or copies it there), and the files are the
+    CPU's, byte for byte."""
+    expected = _files(_analyse(family, tmp_path, query_chunk, target, pooling), tmp_path / "plain")
+    monkeypatch.setattr(analysis, "statistics_device", lambda device: DEVICE)
+    monkeypatch.setattr(SideBatch, "to", lambda self, device: self.copy_to(device))
+    views = []
+    original = AttentionView.__init__
+
+    def record(self, block, probs, side, **kwargs):
+        views.append((type(probs), type(side.token_word), type(side.heads), side.device is DEVICE))
+        original(self, block, probs, side, **kwargs)
+
+    monkeypatch.setattr(AttentionView, "__init__", record)
+    with FakeDevice() as device:
+        analysis_on_device = _analyse(family, tmp_path, query_chunk, target, pooling)
+        written = _files(analysis_on_device, tmp_path / "device")
+    assert views and set(views) == {(OnDevice, OnDevice, OnDevice, True)}
+    assert not device.mixed, "\n".join(device.mixed[:3])
+    assert written == expected

@@ -248,8 +248,7 @@ class SideBatch:
     def to(self, device: torch.device | str) -> "SideBatch":
         """This batch with its tensors on ``device``: itself when they are there, else its
         :meth:`copy_to` that device."""
-        device = torch.device(device)
-        return self if self.device == device else self.copy_to(device)
+        return self if self.device == torch.device(device) else self.copy_to(device)
 
     def copy_to(self, device: torch.device | str) -> "SideBatch":
         """A copy of the CPU batch (:attr:`host`) with its tensors on ``device``. Make it once per
@@ -257,7 +256,6 @@ class SideBatch:
         from it. What a copy derives from Python lists or decides from its tensors' values (arcs,
         tags, rare-token masks, word spans, the longest sentence) is taken from the CPU batch, where
         reading a value does not wait for the device."""
-        device = torch.device(device)
         host = self.host
         copy = replace(host, token_word=host.token_word.to(device), token_mask=host.token_mask.to(device),
                        n_words=host.n_words.to(device), heads=host.heads.to(device),
