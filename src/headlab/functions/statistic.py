@@ -6,7 +6,10 @@ several views per block, each with some query rows, in order, the last with ``vi
 under a causal mask only the keys those rows can see: key-indexed tensors may be narrower than
 the sentence, the weights left out being 0, see :class:`~headlab.data.alignment.AttentionView`),
 keeps small per-head tensors, and ends as a :class:`StatisticResult` that writes its own files, its section of the
-functions README and its Figure 1 labels. The registry
+functions README and its Figure 1 labels. A view's tensors, and its batch's (``view.side``, a copy made once per batch:
+:meth:`~headlab.data.alignment.SideBatch.copy_to`), are on the statistics' device
+(:func:`headlab.functions.analysis.statistics_device`: a CUDA GPU's when the model runs there, else the CPU's): a
+statistic makes its tensors there (``device=``), keeps its state there, and brings it to the CPU in ``result``. The registry
 (:data:`headlab.functions.registry.STATISTICS`) lists them; :func:`headlab.functions.analyze_heads`,
 ``headlab functions`` and ``headlab analyze`` take them from it.
 """
@@ -42,7 +45,7 @@ class StatisticResult(Protocol):
 
 class HeadStatistic(Protocol):
     """A streaming per-head statistic. It may also define ``update_side(kind, side)`` (called
-    once per batch and analysed kind, before the forward pass), ``reduce(shard)`` (called in every
+    once per batch and analysed kind, before the forward pass, with the batch on the CPU), ``reduce(shard)`` (called in every
     process of a sharded run after the last batch: combine the processes' states so that
     ``result`` is the whole corpus's, to the bit: counts added, float sums kept per batch in a
     :class:`~headlab.shard.Ledger` and added in batch order; :mod:`headlab.shard`) and
