@@ -38,6 +38,7 @@
 #   echo /.carry/ >> .git/info/exclude; mkdir -p .carry .whl
 #   cp ../shared/data/wmt-news-en-de/{news-train,tatoeba,newstest2020,newstest2019}.{en,de}.gz .carry/  # news only
 #   .venv/bin/pip download --no-deps -d .whl conllu==6.0.0    # the one dependency the GPU image lacks
+#   experiments/device-tree.sh out   # the tracked files no job here reads leave the tree (64 MiB limit); `back` after
 # and in each call: carry [".whl", ".carry"], command `experiments/device.sh sweep multi30k-en-de`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
