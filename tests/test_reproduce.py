@@ -496,9 +496,11 @@ def test_paths_print_relative_when_the_work_dir_is_a_link(tmp_path):
 
 
 
-def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_path):
-    """Regression: with only the lambda = 0 point finished (a sweep cut short), Sec. 6.2.2 said
-    nothing could be pruned by crashing; it is 'not run' until a pruning point exists."""
+TOTAL_HEADS = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
+
+
+def _survival_claim(tmp_path, point: str, lam: float, heads_kept: dict, kept_blocks: dict):
+    """Sec. 6.2.2 of the committed EN-DE analyses with one hand-made encoder sweep point."""
     from headlab.reproduce.results import ModelResults
 
     committed = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"
@@ -507,13 +509,20 @@ def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_pa
         shutil.copytree(committed / part, res / part)
     shutil.copyfile(committed / "specialisation.json", res / "specialisation.json")
     enc = res / "prune" / "enc"
-    (enc / "lam-0").mkdir(parents=True)
-    total = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
-    (enc / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
-    (enc / "lam-0" / "result.json").write_text(json.dumps({"heads_total": total, "heads_kept": total, "lam": 0.0,
-                                                           "keep": None, "metrics": {"bleu": 30.1}, "model_sha256": "a"}))
-    (enc / "lam-0" / "kept.json").write_text(json.dumps({"blocks": {}}))
-    claim = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
+    (enc / point).mkdir(parents=True)
+    (enc / "full.json").write_text(json.dumps({"heads_kept": TOTAL_HEADS, "metrics": {"bleu": 30.0},
+                                               "model_sha256": "a"}))
+    (enc / point / "result.json").write_text(json.dumps(
+        {"heads_total": TOTAL_HEADS, "heads_kept": heads_kept, "lam": lam, "keep": None, "metrics": {"bleu": 29.0},
+         "model_sha256": "a"}))
+    (enc / point / "kept.json").write_text(json.dumps({"blocks": kept_blocks}))
+    return {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
+
+
+def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_path):
+    """Regression: with only the lambda = 0 point finished (a sweep cut short), Sec. 6.2.2 said
+    nothing could be pruned by crashing; it is 'not run' until a pruning point exists."""
+    claim = _survival_claim(tmp_path, "lam-0", 0.0, TOTAL_HEADS, {})
     assert all(check.cells["m"].verdict.startswith("not run: no pruning point besides the lambda = 0 control")
                for check in claim.checks)
 
@@ -521,23 +530,8 @@ def test_a_sweep_with_only_its_control_leaves_the_survival_claims_not_run(tmp_pa
 def test_survival_the_same_for_every_head_leaves_the_rank_correlation_undefined(tmp_path):
     """Regression: a point that pruned every encoder head (EN-FR lambda 0.05) gives every head the
     same survival, and the Spearman cells printed "+nan [+nan, +nan]"; they now say why."""
-    from headlab.reproduce.results import ModelResults
-
-    committed = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"
-    res = tmp_path / "m"
-    for part in ("importance", "functions"):
-        shutil.copytree(committed / part, res / part)
-    shutil.copyfile(committed / "specialisation.json", res / "specialisation.json")
-    enc = res / "prune" / "enc"
-    (enc / "lam-0.05").mkdir(parents=True)
-    total = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
-    (enc / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
-    (enc / "lam-0.05" / "result.json").write_text(json.dumps(
-        {"heads_total": total, "heads_kept": {**total, "enc_self": 0}, "lam": 0.05, "keep": None,
-         "metrics": {"bleu": 28.0}, "model_sha256": "a"}))
     empty = {str(layer): {"n_heads": 8, "kept_heads": [], "kept_kv_heads": []} for layer in range(6)}
-    (enc / "lam-0.05" / "kept.json").write_text(json.dumps({"blocks": {"enc_self": empty}}))
-    claim = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}["sec6.2.2"]
+    claim = _survival_claim(tmp_path, "lam-0.05", 0.05, {**TOTAL_HEADS, "enc_self": 0}, {"enc_self": empty})
     sensitivity = claim.checks[1].cells["m"]
     assert sensitivity.value == "not defined: every head survives in the same share of points (0.0%)"
     assert "nan" not in sensitivity.value
