@@ -49,3 +49,14 @@ def test_csv_and_bad_input(tmp_path):
     bad.write_text('{"method": "x",\n "scores": }')
     with pytest.raises(HeadlabError, match="line 2"):
         HeadScores.load(bad)
+
+
+def test_fingerprint_is_of_the_scores_not_of_where_the_file_was_written():
+    scores = {"enc_self": np.array([[0.5, np.nan], [0.25, 1.0]])}
+    here = HeadScores(scores, "lrp", "/work/main/models/m", {"data": "/work/main/data/x"})
+    there = HeadScores(scores, "lrp", "models/m", {"data": "data/x"})
+    assert here.fingerprint() == there.fingerprint()
+    assert HeadScores.from_json(here.to_json()).fingerprint() == here.fingerprint()
+    changed = HeadScores({"enc_self": np.array([[0.5, np.nan], [0.25, 0.75]])}, "lrp", "models/m")
+    assert changed.fingerprint() != here.fingerprint()
+    assert HeadScores(scores, "confidence", "models/m").fingerprint() != here.fingerprint()

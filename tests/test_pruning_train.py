@@ -3,6 +3,7 @@
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -247,6 +248,32 @@ def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):
     assert [r["seed"] for r in rows] == [1, 2] and all(r["heads_kept"]["enc_self"] == 3 for r in rows)
     assert main(args) == 0  # finished rows are skipped, not repeated
     assert len(json.loads((out / "baselines.json").read_text())) == 2
+
+
+def test_cli_baseline_by_scores_skips_its_finished_rows_wherever_the_score_file_was_written(model_dir, tmp_path, capsys):
+    from headlab import HeadScores
+
+    scores = HeadScores({"enc_self": np.arange(8, dtype=float).reshape(2, 4)}, "lrp", str(model_dir))
+    scores.save(tmp_path / "lrp.json")
+    out = tmp_path / "b"
+    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
+            "--method", "scores", "--scores", str(tmp_path / "lrp.json"), "--keeps", "3", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads((out / "baselines.json").read_text())
+    assert [(r["method"], r["keep"]) for r in rows] == [("scores:lrp", 3)]
+    assert rows[0]["scores_sha256"] == scores.fingerprint()
+    # The same scores in a file written elsewhere (the reproduction's report makes paths relative).
+    HeadScores(scores.scores, "lrp", "models/m", {"copied": True}).save(tmp_path / "lrp.json")
+    assert main(args) == 0
+    assert json.loads((out / "baselines.json").read_text()) == rows  # skipped, not repeated
+    assert not (out / "baselines.stale.json").exists()
+    # Other scores: the row is set aside and made again.
+    HeadScores({"enc_self": -np.arange(8, dtype=float).reshape(2, 4)}, "lrp", "models/m").save(tmp_path / "lrp.json")
+    assert main(args) == 0
+    assert len(json.loads((out / "baselines.stale.json").read_text())) == 1
+    assert len(json.loads((out / "baselines.json").read_text())) == 1
 
 
 def test_report_draws_figures_and_table(tmp_path, capsys):

@@ -181,6 +181,33 @@ def test_a_fresh_checkout_goes_on_from_the_committed_sweep_points(workspace, fir
     assert {p: p.read_bytes() for p in (res / "prune" / "enc" / "keep-4").iterdir()} == before
 
 
+def test_a_fresh_checkout_goes_on_from_the_committed_baseline_and_scratch_rows(workspace, first_run, tmp_path):
+    """The baselines and from-scratch stages keep their finished rows of these weights from the
+    results dir (and the importance scores the baselines rank by); only a row of other weights runs again."""
+    clone = tmp_path / "clone"
+    shutil.copytree(workspace, clone, ignore=lambda d, names: ["work"] if Path(d) == workspace else [])
+    res = clone / "results" / "tiny"
+    weights = json.loads((res / "timings.json").read_text())["importance"]["model_sha256"]
+    assert weights == json.loads((res / "prune" / "enc" / "full.json").read_text())["model_sha256"]
+    random_rows = json.loads((res / "baselines" / "random.json").read_text())
+    stale = next(r for r in random_rows if r["seed"] == 2)
+    (res / "baselines" / "random.json").write_text(json.dumps(
+        [dict(r, model_sha256="0" * 64) if r is stale else r for r in random_rows]))
+    messages = []
+    outcomes = run_pipeline(_config(clone), models=["tiny"], stages=["baselines", "scratch"], log=messages.append)
+    assert [o.status for o in outcomes] == ["done", "done"], [o.reason for o in outcomes]
+    assert "tiny importance: restored the scores of these weights from results/tiny" in messages
+    assert f"tiny random: restored {len(random_rows) - 1} finished rows from results/tiny/baselines/random.json" in messages
+    assert "tiny scratch: restored 1 finished rows from results/tiny/scratch.json" in messages
+    work = clone / "work" / "tiny" / "prune"
+    assert not list((work / "scratch").glob("scratch-*")), "a from-scratch row was trained again"
+    for name in ("michel", "lrp"):
+        assert json.loads((work / f"base-{name}" / "baselines.json").read_text()) == \
+            json.loads((res / "baselines" / f"{name}.json").read_text())
+    again = json.loads((work / "base-random" / "baselines.json").read_text())
+    assert len(again) == len(random_rows) and again[-1]["seed"] == 2 and again[-1]["model_sha256"] == weights
+
+
 def test_a_stage_runs_once_at_a_time_but_beside_other_stages(workspace, first_run):
     import os
     import socket

@@ -8,6 +8,7 @@ so any analysis can be saved, reloaded and re-plotted without re-running it.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -283,6 +284,12 @@ class HeadScores:
                 for kind, array in self.scores.items()
             },
         }
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the method and the scores alone: the same scores give the same fingerprint
+        wherever the file was written from (its ``model`` path and signature are left out)."""
+        content = {k: v for k, v in self.to_json().items() if k in ("method", "scores")}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     @classmethod
     def from_json(cls, data: Mapping, source: str = "<json>") -> "HeadScores":

@@ -179,9 +179,10 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     rows = _set_aside_stale(read_rows(out), config, out)
     done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
     c = config
+    method = _row_method(c)
     for keep in c.keeps:
         for seed in c.seeds:
-            if (c.method, keep, seed, c.finetune_steps, c.from_scratch) in done:
+            if (method, keep, seed, c.finetune_steps, c.from_scratch) in done:
                 continue
             model, tokenizer = load()
             if c.method == "random":
@@ -205,7 +206,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            mixed_precision=c.mixed_precision, overwrite=True, progress=False)
                 result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
                                            finetune=finetune, beam=c.eval_beam)
-            rows.append({"method": c.method if c.method != "scores" else f"scores:{c.scores.method}",
+            rows.append({"method": method,
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
                          "from_scratch": c.from_scratch, **result, **_source(c)})
             atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
@@ -216,6 +217,11 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
 
 def _trains(config: BaselineConfig) -> bool:
     return bool(config.finetune_steps or config.from_scratch)
+
+
+def _row_method(config: BaselineConfig) -> str:
+    """The method a row names: ``scores:<measure>`` for heads ranked by a score file."""
+    return config.method if config.method != "scores" else f"scores:{config.scores.method}"
 
 
 def _source(config: BaselineConfig) -> dict:
@@ -234,7 +240,7 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> lis
     from another score file, move to ``baselines.stale.json`` (appended); the rest are returned."""
     if not config.model_fingerprint:
         return rows
-    method = config.method if config.method != "scores" else f"scores:{config.scores.method}"
+    method = _row_method(config)
 
     def stale(row: dict) -> bool:
         if row.get("model_sha256") != config.model_fingerprint:
@@ -243,7 +249,10 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> lis
             bool(row.get("from_scratch")) == config.from_scratch and row["finetune_steps"] == config.finetune_steps
         if same and _trains(config) and row.get("mixed_precision", "no") != config.mixed_precision:
             return True
-        return same and config.method == "scores" and row.get("scores_sha256") != (config.scores_fingerprint or None)
+        # Rows record the scores' content fingerprint; older rows the file's bytes, which the
+        # report's copy (paths made relative) changes, so a restored score file no longer matched.
+        accepted = {config.scores_fingerprint or None, config.scores_file_fingerprint or None}
+        return same and config.method == "scores" and row.get("scores_sha256") not in accepted
 
     old = [row for row in rows if stale(row)]
     if not old:

@@ -310,7 +310,8 @@ def run_baseline(args) -> int:
         train_data, eval_data = _data(args, tokenizer, model)
         config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds,
                            model_fingerprint=weights_fingerprint(args.model) or "",
-                           scores_fingerprint=file_fingerprint(args.scores) if args.scores else "")
+                           scores_fingerprint=scores.fingerprint() if scores is not None else "",
+                           scores_file_fingerprint=file_fingerprint(args.scores) if args.scores else "")
         print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
     return 0
 

@@ -78,4 +78,5 @@ class BaselineConfig:
     eval_beam: int = option(4, "beam of the evaluation's translations")
     importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)")
     model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
-    scores_fingerprint: str = ""  # SHA-256 of the --scores file (method scores)
+    scores_fingerprint: str = ""  # HeadScores.fingerprint() of the --scores file (method scores)
+    scores_file_fingerprint: str = ""  # SHA-256 of its bytes, what rows recorded before (still accepted)

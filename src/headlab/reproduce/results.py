@@ -134,6 +134,8 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     for marker in sorted((work / "stages").glob("*.json")) if (work / "stages").is_dir() else []:
         record = json.loads(marker.read_text(encoding="utf-8"))
         entry = {k: record.get(k) for k in ("seconds", "finished", "commands")}
+        if record.get("model_sha256"):  # the weights it ran on: restore_importance reads it
+            entry["model_sha256"] = record["model_sha256"]
         entry["commands"] = [c.replace(root, "") for c in entry["commands"] or []]  # as run from the root
         if timings.get(record["stage"]) != entry:
             timings[record["stage"]] = entry

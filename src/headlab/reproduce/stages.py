@@ -9,7 +9,8 @@ command printed in docs/reproduction.md; the tools' own resume (sweep points wit
 so finished pruning runs are never thrown away. The last stage, ``report``, has no marker: it
 copies the small result files into ``<results_dir>/<model>/`` and regenerates the document.
 The pruning sweeps first restore the finished points of those committed results into the work
-dir (:func:`restore_points`): a sweep of many hours goes on from a fresh checkout, which has no
+dir (:func:`restore_points`), and the baselines and from-scratch stages their finished rows
+(:func:`restore_rows`): a sweep of many hours goes on from a fresh checkout, which has no
 ``runs/``, instead of starting again.
 Running them is :mod:`headlab.reproduce.pipeline`'s job; this module only builds the commands.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from headlab.heads import atomic_write_text
 from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.lock import DirectoryLock
 from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
@@ -231,6 +233,54 @@ def restore_points(ctx: Context, sweep: str) -> list[str]:
     return restored
 
 
+def restore_rows(ctx: Context, table: str) -> None:
+    """Copy into the work dir the committed rows of the bundled weights that a table lacks: a
+    baseline method's (``table`` = its name) or the from-scratch table's (``"scratch"``). The tool
+    then runs only the rows still missing, as it does after an interruption. Before the baselines,
+    the committed importance scores they rank heads by come back too, when the importance stage
+    that wrote them ran on these weights (its ``model_sha256`` in timings.json)."""
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+    if weights is None:
+        return
+    results = ctx.config.results(ctx.model)
+    committed = results / "scratch.json" if table == "scratch" else results / "baselines" / f"{table}.json"
+    work = ctx.config.work(ctx.model, "prune", "scratch" if table == "scratch" else f"base-{table}") / "baselines.json"
+    if committed.is_file() and not work.exists():
+        rows = [row for row in json.loads(committed.read_text(encoding="utf-8")) if row.get("model_sha256") == weights]
+        if rows:
+            work.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(work, json.dumps(rows, indent=1) + "\n")
+            ctx.log(f"{ctx.model.name} {table}: restored {len(rows)} finished rows from {ctx.config.rel(committed)}")
+
+
+def restore_importance(ctx: Context) -> None:
+    """The committed importance scores into the work dir, where it has none and the importance stage
+    recorded (timings.json) that it ran on the bundled weights."""
+    results = ctx.config.results(ctx.model)
+    timings = results / "timings.json"
+    ran = json.loads(timings.read_text(encoding="utf-8")).get("importance", {}) if timings.is_file() else {}
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+    work = ctx.config.work(ctx.model, "importance")
+    if weights is None or ran.get("model_sha256") != weights or work.is_dir():
+        return
+    work.mkdir(parents=True)
+    for path in sorted((results / "importance").glob("*.json")):
+        shutil.copyfile(path, work / path.name)
+    ctx.log(f"{ctx.model.name} importance: restored the scores of these weights from {ctx.config.rel(results)}")
+
+
+def _prepare_baselines(ctx: Context) -> None:
+    restore_points(ctx, "enc")  # their head counts: the sweep's
+    restore_importance(ctx)
+    for name in ctx.config.baselines.get("methods", {}):
+        restore_rows(ctx, name)
+
+
+def _prepare_scratch(ctx: Context) -> None:
+    restore_points(ctx, "all")  # the gates of its points
+    restore_rows(ctx, "scratch")
+
+
 def _points_dir(ctx: Context, sweep: str) -> Path:
     return ctx.config.results(ctx.model, "prune", sweep) if ctx.from_results else _sweep_dir(ctx, sweep)
 
@@ -334,10 +384,10 @@ STAGES: dict[str, Stage] = {
     "baselines": Stage("baselines", "random, Michel, confidence, LRP at equal head counts", baselines_commands,
                        check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
                                                           for name in ctx.config.baselines.get("methods", {})]),
-                       prepare=lambda ctx: restore_points(ctx, "enc")),  # its head counts: the sweep's
+                       prepare=_prepare_baselines),
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
                      check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", "scratch")]),
-                     prepare=lambda ctx: restore_points(ctx, "all")),  # the gates of its points
+                     prepare=_prepare_scratch),
     "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
                                       "(paired bootstrap)", python=run_hypotheses),
     "specialisation": Stage("specialisation", "confidence and positional share over training checkpoints",
