@@ -138,8 +138,10 @@ def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=Non
 def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, config: TrainConfig, *,
                        seed: int = 1, beam: int = 4, valid_data=None) -> dict:
     """The paper's "from scratch" column (Voita et al. 2019, Table 2): the pruned configuration
-    trained from random initialisation. Costs a full training; ``model`` gives the architecture."""
-    from headlab.pruning.train import evaluate_model, heads_per_kind
+    trained from random initialisation. Costs a full training; ``model`` gives the architecture.
+    The translations it is scored by go to ``hypotheses.txt`` in the run's directory (for a paired
+    comparison with the pruned model)."""
+    from headlab.pruning.train import HYPOTHESES_FILE, evaluate_model, heads_per_kind
     from headlab.surgery import prune_heads
 
     torch.manual_seed(seed)
@@ -149,7 +151,8 @@ def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, conf
     prune_heads(fresh, spec)
     outcome = train(fresh, tokenizer, train_data, valid_data, config)
     result = {"heads_kept": heads_per_kind(fresh), "train_steps": outcome.step, "status": outcome.stopped}
-    result.update(evaluate_model(fresh.eval(), tokenizer, eval_data, beam=beam))
+    result.update(evaluate_model(fresh.eval(), tokenizer, eval_data, beam=beam,
+                                 hypotheses_file=Path(config.out_dir) / HYPOTHESES_FILE))
     return result
 
 

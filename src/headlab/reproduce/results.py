@@ -26,6 +26,7 @@ scratch.json                                                       baselines.jso
 specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
 hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (a point's own
                                                                    hypotheses.txt, else stage hypotheses)
+hypotheses/scratch-<heads>.txt                                     those of the from-scratch run at that many heads
 timings.json                                                       wall time of every stage run by the pipeline
 ```
 """
@@ -123,6 +124,9 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     for base in sorted(prune.glob("base-*")):
         copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
     copy(prune / "scratch" / "baselines.json", res / "scratch.json")
+    for run in sorted((prune / "scratch").glob("scratch-*")) if (prune / "scratch").is_dir() else []:
+        keep = run.name.split("-")[-2]  # scratch-<method>-<keep>-<seed>: keep is the heads in all
+        copy(run / "hypotheses.txt", res / "hypotheses" / f"scratch-{keep}.txt")
     written += _drop_stale_rows(res, log)
     copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
     for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
