@@ -97,7 +97,7 @@ def workspace(tmp_path_factory):
                   "all": {"gates": "all", "keeps": [12]}},
         "baselines": {"keeps": [2], "add_sweep_counts": True, "options": {"max-tokens": 300, "eval-beam": 1},
                       "methods": {"random": {"seeds": "1,2"}, "michel": {"importance-batches": 1}, "lrp": {}}},
-        "scratch": {"enabled": True, "points": ["keep-12"],
+        "scratch": {"enabled": True, "points": ["keep-12"], "enc_points": ["lam-0.5"],
                     "options": {"scratch-epochs": 1, "max-tokens": 300, "eval-beam": 1}},
         "specialisation": {"n_sentences": 6, "batch_size": 4},
     }
@@ -134,6 +134,7 @@ def test_stages_run_in_order_and_write_their_outputs(workspace, first_run):
                  "functions-first/positional_share.json", "prune/enc/full.json", "prune/enc/keep-4/result.json",
                  "prune/enc/keep-4/kept.json", "prune/enc/lam-0.5/gates.json", "prune/all/keep-12/kept.json",
                  "baselines/random.json", "baselines/michel.json", "baselines/lrp.json", "scratch.json",
+                 "scratch-enc.json", "hypotheses/scratch-12.txt",
                  "specialisation.json", "timings.json", "hypotheses/full.txt", "hypotheses/enc-keep-4.txt",
                  "hypotheses/all-keep-12.txt"):
         assert (res / name).is_file(), name
@@ -199,8 +200,10 @@ def test_a_fresh_checkout_goes_on_from_the_committed_baseline_and_scratch_rows(w
     assert "tiny importance: restored the scores of these weights from results/tiny" in messages
     assert f"tiny random: restored {len(random_rows) - 1} finished rows from results/tiny/baselines/random.json" in messages
     assert "tiny scratch: restored 1 finished rows from results/tiny/scratch.json" in messages
+    assert "tiny scratch-enc: restored 1 finished rows from results/tiny/scratch-enc.json" in messages
     work = clone / "work" / "tiny" / "prune"
-    assert not list((work / "scratch").glob("scratch-*")), "a from-scratch row was trained again"
+    for table in ("scratch", "scratch-enc"):
+        assert not list((work / table).glob("scratch-*")), f"a {table} row was trained again"
     for name in ("michel", "lrp"):
         assert json.loads((work / f"base-{name}" / "baselines.json").read_text()) == \
             json.loads((res / "baselines" / f"{name}.json").read_text())
@@ -253,7 +256,13 @@ def test_report_comes_from_the_result_files(workspace, first_run):
             assert "tiny" in check.cells
         for model, name in claim.figures.items():
             assert (workspace / "img" / f"reproduction-{model}-{name}.png").is_file()
-    assert by_key["sec6.3"].checks[0].cells["tiny"].verdict in ("holds", "does not hold")  # scratch matched
+    # Both from-scratch comparisons are paired: the runs kept their translations.
+    table2 = by_key["sec6.3"].checks[0].cells["tiny"]
+    assert table2.verdict in ("holds", "no difference", "does not hold", "inconclusive"), table2.verdict
+    assert "heads (keep-12)" in table2.value and "[" in table2.value and "unpaired" not in table2.value
+    footnote = next(c for c in by_key["sec6.2"].checks if c.label.startswith("fine-tuning with the penalty")).cells["tiny"]
+    assert footnote.verdict.split(":")[0] in ("partly", "no difference", "does not hold", "inconclusive"), footnote.verdict
+    assert "(lam-0.5)" in footnote.value and "from scratch" in footnote.value and "unpaired" not in footnote.value
     keep4 = [line for line in by_key["sec6.2"].details["tiny"] if line.startswith("| keep-4 |")]
     # keep-4's pruned model was on disk, so its change has a paired interval, not the unpaired bound.
     assert keep4 and "]" in keep4[0] and "unpaired" not in keep4[0]

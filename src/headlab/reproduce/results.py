@@ -22,11 +22,11 @@ prune/<enc|all>/full.json                                          the unpruned 
 prune/<enc|all>/<point>/result.json, gates.json, kept.json,        one sweep point (kept.json: headlab_pruning.json;
                        prune_config.json                           result.json holds its development curve, "dev")
 baselines/<name>.json                                              baselines.json of prune/base-<name>
-scratch.json                                                       baselines.json of prune/scratch
+scratch.json, scratch-enc.json                                     baselines.json of prune/scratch, prune/scratch-enc
 specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
 hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (a point's own
                                                                    hypotheses.txt, else stage hypotheses)
-hypotheses/scratch-<heads>.txt                                     those of the from-scratch run at that many heads
+hypotheses/scratch[-enc]-<heads>.txt                               those of the from-scratch run at that many heads
 timings.json                                                       wall time of every stage run by the pipeline
 ```
 """
@@ -123,10 +123,11 @@ def collect_results(config: ReproduceConfig, model: ModelEntry, log: Callable[[s
     prune = work / "prune"
     for base in sorted(prune.glob("base-*")):
         copy(base / "baselines.json", res / "baselines" / f"{base.name[len('base-'):]}.json")
-    copy(prune / "scratch" / "baselines.json", res / "scratch.json")
-    for run in sorted((prune / "scratch").glob("scratch-*")) if (prune / "scratch").is_dir() else []:
-        keep = run.name.split("-")[-2]  # scratch-<method>-<keep>-<seed>: keep is the heads in all
-        copy(run / "hypotheses.txt", res / "hypotheses" / f"scratch-{keep}.txt")
+    for table in ("scratch", "scratch-enc"):
+        copy(prune / table / "baselines.json", res / f"{table}.json")
+        for run in sorted((prune / table).glob("scratch-*")) if (prune / table).is_dir() else []:
+            keep = run.name.split("-")[-2]  # scratch-<method>-<keep>-<seed>: the heads kept (in its kinds)
+            copy(run / "hypotheses.txt", res / "hypotheses" / f"{table}-{keep}.txt")
     written += _drop_stale_rows(res, log)
     copy(work / "specialisation" / "specialisation.json", res / "specialisation.json")
     for path in sorted((work / "hypotheses").glob("*.txt")) if (work / "hypotheses").is_dir() else []:
@@ -156,7 +157,8 @@ def _drop_stale_rows(res: Path, log: Callable[[str], None]) -> list[Path]:
     """Remove the committed baseline and from-scratch tables none of whose rows are of the weights
     of their sweep's full.json (the bundled model was retrained since they ran)."""
     view = ModelResults(res, res.name)
-    tables = [(path, "enc") for path in sorted((res / "baselines").glob("*.json"))] + [(res / "scratch.json", "all")]
+    tables = [(path, "enc") for path in sorted((res / "baselines").glob("*.json"))]
+    tables += [(res / "scratch.json", "all"), (res / "scratch-enc.json", "enc")]
     removed = []
     for path, sweep in tables:
         weights = view.sweep_weights(sweep)
@@ -283,6 +285,11 @@ class ModelResults:
     def scratch(self) -> list[dict]:
         """From-scratch rows of the all-kinds sweep's weights (all when its full.json records none)."""
         return _same_weights(_json(self.dir / "scratch.json") or [], self.sweep_weights("all"))
+
+    @cached_property
+    def scratch_enc(self) -> list[dict]:
+        """From-scratch rows of encoder points' heads (decoder whole), of the encoder sweep's weights."""
+        return _same_weights(_json(self.dir / "scratch-enc.json") or [], self.sweep_weights("enc"))
 
     @cached_property
     def specialisation(self) -> dict | None:

@@ -235,7 +235,7 @@ def restore_points(ctx: Context, sweep: str) -> list[str]:
 
 def restore_rows(ctx: Context, table: str) -> None:
     """Copy into the work dir the committed rows of the bundled weights that a table lacks: a
-    baseline method's (``table`` = its name) or the from-scratch table's (``"scratch"``). The tool
+    baseline method's (``table`` = its name) or a from-scratch table's (``"scratch"``, ``"scratch-enc"``). The tool
     then runs only the rows still missing, as it does after an interruption. Before the baselines,
     the committed importance scores they rank heads by come back too, when the importance stage
     that wrote them ran on these weights (its ``model_sha256`` in timings.json)."""
@@ -243,8 +243,9 @@ def restore_rows(ctx: Context, table: str) -> None:
     if weights is None:
         return
     results = ctx.config.results(ctx.model)
-    committed = results / "scratch.json" if table == "scratch" else results / "baselines" / f"{table}.json"
-    work = ctx.config.work(ctx.model, "prune", "scratch" if table == "scratch" else f"base-{table}") / "baselines.json"
+    scratch = table.startswith("scratch")
+    committed = results / f"{table}.json" if scratch else results / "baselines" / f"{table}.json"
+    work = ctx.config.work(ctx.model, "prune", table if scratch else f"base-{table}") / "baselines.json"
     if committed.is_file() and not work.exists():
         rows = [row for row in json.loads(committed.read_text(encoding="utf-8")) if row.get("model_sha256") == weights]
         if rows:
@@ -277,8 +278,9 @@ def _prepare_baselines(ctx: Context) -> None:
 
 
 def _prepare_scratch(ctx: Context) -> None:
-    restore_points(ctx, "all")  # the gates of its points
-    restore_rows(ctx, "scratch")
+    for sweep in ("all", "enc"):  # the gates of its points
+        restore_points(ctx, sweep)
+        restore_rows(ctx, "scratch" if sweep == "all" else "scratch-enc")
 
 
 def _points_dir(ctx: Context, sweep: str) -> Path:
@@ -355,6 +357,17 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
         argv += flags(cfg.get("options", {})) + _threads(ctx)
         argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch"))]
         commands.append(argv)
+    # The encoder points' heads from scratch, the decoder whole (Sec. 6.2, footnote 8).
+    enc_points = finished_points(_points_dir(ctx, "enc")) if cfg.get("enc_points") else {}
+    for name in cfg.get("enc_points", []):
+        if name not in enc_points:
+            raise SkipStage(f"encoder point {name} has not finished (no result.json)")
+        gates = _sweep_dir(ctx, "enc") / name / "gates.json"
+        argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
+                "--kinds", "enc_self", "--keeps", str(enc_points[name]["heads_kept"]["enc_self"]), "--from-scratch"]
+        argv += flags(cfg.get("options", {})) + _threads(ctx)
+        argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch-enc"))]
+        commands.append(argv)
     return commands
 
 
@@ -386,7 +399,8 @@ STAGES: dict[str, Stage] = {
                                                           for name in ctx.config.baselines.get("methods", {})]),
                        prepare=_prepare_baselines),
     "scratch": Stage("scratch", "the pruned configurations trained from scratch (Table 2)", scratch_commands,
-                     check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", "scratch")]),
+                     check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", name)
+                                                    for name in ("scratch", "scratch-enc")]),
                      prepare=_prepare_scratch),
     "hypotheses": Stage("hypotheses", "greedy test-set translations of the full and every pruned model kept "
                                       "(paired bootstrap)", python=run_hypotheses),
