@@ -1,5 +1,5 @@
 """Write the test-set translations of a finished from-scratch run (``prune baseline --from-scratch``)
-that was made before the runs kept them (headlab commit after 51c6c7d), for the paired comparison
+that was made before the runs kept them (headlab commit 03af430), for the paired comparison
 of Table 2: the pruned configuration is rebuilt from the full model and the score file, the run's
 final weights (``last/``) are loaded into it, and the test set is translated as the run scored it.
 
