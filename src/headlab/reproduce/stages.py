@@ -233,13 +233,11 @@ def restore_points(ctx: Context, sweep: str) -> list[str]:
     return restored
 
 
-def restore_rows(ctx: Context, table: str) -> None:
-    """Copy into the work dir the committed rows of the bundled weights that a table lacks: a
-    baseline method's (``table`` = its name) or a from-scratch table's (``"scratch"``, ``"scratch-enc"``). The tool
-    then runs only the rows still missing, as it does after an interruption. Before the baselines,
-    the committed importance scores they rank heads by come back too, when the importance stage
-    that wrote them ran on these weights (its ``model_sha256`` in timings.json)."""
-    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+def restore_rows(ctx: Context, table: str, weights: str | None) -> None:
+    """Copy into the work dir the committed rows of the bundled weights (``weights``, their
+    fingerprint) that a table lacks: a baseline method's (``table`` = its name) or a from-scratch
+    table's (``"scratch"``, ``"scratch-enc"``). The tool then runs only the rows still missing, as
+    it does after an interruption."""
     if weights is None:
         return
     results = ctx.config.results(ctx.model)
@@ -254,13 +252,12 @@ def restore_rows(ctx: Context, table: str) -> None:
             ctx.log(f"{ctx.model.name} {table}: restored {len(rows)} finished rows from {ctx.config.rel(committed)}")
 
 
-def restore_importance(ctx: Context) -> None:
+def restore_importance(ctx: Context, weights: str | None) -> None:
     """The committed importance scores into the work dir, where it has none and the importance stage
-    recorded (timings.json) that it ran on the bundled weights."""
+    recorded (timings.json) that it ran on the bundled weights (``weights``, their fingerprint)."""
     results = ctx.config.results(ctx.model)
     timings = results / "timings.json"
     ran = json.loads(timings.read_text(encoding="utf-8")).get("importance", {}) if timings.is_file() else {}
-    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
     work = ctx.config.work(ctx.model, "importance")
     if weights is None or ran.get("model_sha256") != weights or work.is_dir():
         return
@@ -272,15 +269,17 @@ def restore_importance(ctx: Context) -> None:
 
 def _prepare_baselines(ctx: Context) -> None:
     restore_points(ctx, "enc")  # their head counts: the sweep's
-    restore_importance(ctx)
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
+    restore_importance(ctx, weights)
     for name in ctx.config.baselines.get("methods", {}):
-        restore_rows(ctx, name)
+        restore_rows(ctx, name, weights)
 
 
 def _prepare_scratch(ctx: Context) -> None:
+    weights = weights_fingerprint(ctx.config.path(ctx.model.path))
     for sweep in ("all", "enc"):  # the gates of its points
         restore_points(ctx, sweep)
-        restore_rows(ctx, "scratch" if sweep == "all" else "scratch-enc")
+        restore_rows(ctx, "scratch" if sweep == "all" else "scratch-enc", weights)
 
 
 def _points_dir(ctx: Context, sweep: str) -> Path:
@@ -351,24 +350,24 @@ def scratch_commands(ctx: Context) -> list[list[str]]:
         if name not in points:
             raise SkipStage(f"all-kinds point {name} has not finished (no result.json)")
         total = sum(points[name]["heads_kept"].values())
-        gates = _sweep_dir(ctx, "all") / name / "gates.json"
-        argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
-                "--kinds", "all", "--keeps", str(total), "--from-scratch"]
-        argv += flags(cfg.get("options", {})) + _threads(ctx)
-        argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch"))]
-        commands.append(argv)
+        commands.append(_scratch_argv(ctx, model, "all", name, "all", total, "scratch"))
     # The encoder points' heads from scratch, the decoder whole (Sec. 6.2, footnote 8).
     enc_points = finished_points(_points_dir(ctx, "enc")) if cfg.get("enc_points") else {}
     for name in cfg.get("enc_points", []):
         if name not in enc_points:
             raise SkipStage(f"encoder point {name} has not finished (no result.json)")
-        gates = _sweep_dir(ctx, "enc") / name / "gates.json"
-        argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
-                "--kinds", "enc_self", "--keeps", str(enc_points[name]["heads_kept"]["enc_self"]), "--from-scratch"]
-        argv += flags(cfg.get("options", {})) + _threads(ctx)
-        argv += ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", "scratch-enc"))]
-        commands.append(argv)
+        keep = enc_points[name]["heads_kept"]["enc_self"]
+        commands.append(_scratch_argv(ctx, model, "enc", name, "enc_self", keep, "scratch-enc"))
     return commands
+
+
+def _scratch_argv(ctx: Context, model: str, sweep: str, point: str, kinds: str, keep: int, out: str) -> list[str]:
+    """``prune baseline --from-scratch`` of the heads a sweep point's gates keep (``keep`` of ``kinds``)."""
+    gates = _sweep_dir(ctx, sweep) / point / "gates.json"
+    argv = ["prune", "baseline", model, *_prune_data(ctx), "--method", "scores", "--scores", _p(ctx, gates),
+            "--kinds", kinds, "--keeps", str(keep), "--from-scratch"]
+    return argv + flags(ctx.config.scratch.get("options", {})) + _threads(ctx) + \
+        ["--out", _p(ctx, ctx.config.work(ctx.model, "prune", out))]
 
 
 @dataclass(frozen=True)
