@@ -78,7 +78,7 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
         --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
       # importance on newstest2020, functions on EWT dev, the specialisation curve over the epochs
       timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config experiments/news-reproduce.json \
-        --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
+        --device cuda --threads 8 --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
     fi
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
       "$RUN/history.json" "$RUN/train_config.json" "$RUN/best" runs/news-reproduce 2>/dev/null \

@@ -303,6 +303,21 @@ def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):
     assert doc.read_text() == text
 
 
+def test_cli_device_and_threads_replace_the_configs(workspace, first_run, capsys):
+    # One config for a laptop and a GPU machine: --device reaches importance and functions, --threads every stage.
+    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
+                 "importance,functions,prune-enc", "--dry-run", "--force", "--device", "cuda:1", "--threads", "3"]) == 0
+    commands = [line for line in capsys.readouterr().err.splitlines() if "headlab " in line]
+    by_tool = {tool: [c for c in commands if f"headlab {tool} " in c] for tool in ("importance", "functions", "prune")}
+    assert all(by_tool.values()), commands
+    for tool, lines in by_tool.items():
+        for line in lines:
+            assert "--threads 3" in line and "--threads 1" not in line, line
+            assert ("--device cuda:1" in line) == (tool != "prune"), line  # the trainers pick the GPU themselves
+    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--dry-run", "--threads", "0"]) == 2
+    assert "--threads must be a positive integer" in capsys.readouterr().err
+
+
 def test_retrained_model_makes_markers_and_points_stale(workspace, first_run, tmp_path):
     """A new bundled model (other weights): every stage runs again, the sweep sets its points aside,
     and the report drops the committed copies of the old points."""

@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--docs-only", action="store_true",
                    help="only regenerate docs/reproduction.md, claims.json and figures from the committed results")
     p.add_argument("--dry-run", action="store_true", help="print each stage's commands; run nothing")
+    p.add_argument("--device", help="where importance and functions run (cpu, cuda, cuda:N), for every model; "
+                                    "replaces the config's device entries (none: as the config says)")
+    p.add_argument("--threads", type=int, help="torch CPU threads of every stage (none: the config's threads)")
     p.set_defaults(func=run_reproduce)
 
 
@@ -34,6 +37,7 @@ def run_reproduce(args) -> int:
     from headlab.reproduce.pipeline import run_pipeline
 
     config = load_config(args.config)
+    _override(config, device=args.device, threads=args.threads)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
     models, stages = split(args.models), split(args.stages)
     preflight.check_names(config, models, stages)  # before any work (docs/cli.md): exit 2
@@ -55,3 +59,17 @@ def run_reproduce(args) -> int:
         reason = f": {outcome.reason}" if outcome.reason else ""
         print(f"{outcome.model} {outcome.stage}: {outcome.status}{extra}{reason}")
     return 0
+
+
+def _override(config, device: str | None, threads: int | None) -> None:
+    """The machine's settings from the command line, over the config's: one config serves a laptop
+    and a GPU machine. The trainers (prune, baselines) pick the GPU themselves (Accelerate)."""
+    from headlab.errors import HeadlabError
+
+    if threads is not None:
+        if threads < 1:
+            raise HeadlabError(f"--threads must be a positive integer, got {threads}")
+        config.threads = threads
+    if device is not None:
+        for options in (config.importance, config.functions):
+            options["device"] = device
