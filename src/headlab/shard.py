@@ -23,6 +23,7 @@ everything else runs whole in every process, as before.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import socket
 import subprocess
@@ -36,8 +37,8 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 
-__all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "check_processes", "launch",
-           "leave_process_group_at_exit", "sharding", "start", "world_size"]
+__all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "before_joining", "check_processes", "launch",
+           "new_accelerator", "sharding", "start", "world_size"]
 
 FLAG = "--num-processes"
 
@@ -274,8 +275,8 @@ def joined(device: str | None = None):
         return
     from accelerate import PartialState
 
+    before_joining()
     state = PartialState(cpu=device is None or str(device).startswith("cpu"))
-    leave_process_group_at_exit()
     if not state.is_main_process:  # one progress bar per run, the main process's
         from transformers.utils import logging
 
@@ -284,13 +285,32 @@ def joined(device: str | None = None):
         yield shard
 
 
-def leave_process_group_at_exit() -> None:
-    """Destroy the process group before the interpreter exits (registered once per process, however
-    many commands it runs). Left to the C++ static destructors, gloo's threads were torn down while
-    joinable and about 1 two-process run in 15 aborted at its end ("terminate called without an
-    active exception", exit status -6), after writing its results."""
+def before_joining() -> None:
+    """What a launched process does before it joins the process group (the CPU's gloo or the
+    GPUs' nccl), so that the group is gone before the interpreter exits:
+
+    * import ``torch.distributed.nn`` now: its collectives take ``group=group.WORLD`` as a default
+      argument, evaluated at import. Imported after the group was made (``from_pretrained``
+      imports it), those ten defaults kept the group alive past ``destroy_process_group``;
+    * destroy the group at exit (registered once per process, however many commands it runs).
+
+    Left alive, the group's gloo threads were torn down by the C++ static destructors while
+    joinable: about 1 two-process run in 15 to 60 aborted at its end ("terminate called without
+    an active exception", exit status -6), after writing its results."""
+    import torch.distributed.nn  # noqa: F401
+
     atexit.unregister(_leave_process_group)
     atexit.register(_leave_process_group)
+
+
+def new_accelerator():
+    """``accelerate.Accelerator()`` for the trainers, made after :func:`before_joining` in a
+    launched process."""
+    from accelerate import Accelerator
+
+    if world_size() > 1:
+        before_joining()
+    return Accelerator()
 
 
 def _leave_process_group() -> None:
@@ -298,6 +318,7 @@ def _leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # a reference cycle that holds the group frees it now, not in the interpreter's teardown
 
 
 def rank_device(device: str | None, shard: Shard) -> str | None:

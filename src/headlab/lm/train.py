@@ -21,6 +21,7 @@ from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMRecipe, build_lm_config, create_lm
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
 from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, refuse_occupied_output, train
+from headlab.shard import new_accelerator
 
 __all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
 
@@ -54,9 +55,7 @@ def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096
 
 def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
     """Train a language model as ``headlab lm train`` does; ``hooks`` go to the trainer."""
-    from accelerate import Accelerator
-
-    accelerator = accelerator or Accelerator()
+    accelerator = accelerator or new_accelerator()
     log = accelerator.print
     config = recipe.train
     refuse_occupied_output(config)

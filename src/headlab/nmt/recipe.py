@@ -7,15 +7,14 @@ from headlab.nmt.config import TrainRecipe
 from headlab.nmt.model import build_marian_config, create_model
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
 from headlab.nmt.train import TrainResult, refuse_occupied_output, train
+from headlab.shard import new_accelerator
 
 __all__ = ["TrainRecipe", "run_recipe"]
 
 
 def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
     """Train a translation model as ``headlab nmt train`` does; ``hooks`` go to :func:`train`."""
-    from accelerate import Accelerator
-
-    accelerator = accelerator or Accelerator()
+    accelerator = accelerator or new_accelerator()
     log = accelerator.print
     config = recipe.train
     refuse_occupied_output(config)

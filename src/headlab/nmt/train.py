@@ -45,7 +45,7 @@ from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_dir
 from headlab.nmt.config import TrainConfig
-from headlab.shard import leave_process_group_at_exit
+from headlab.shard import new_accelerator
 
 __all__ = [
     "TrainConfig",
@@ -350,13 +350,10 @@ def train(
     {"score": higher-is-better, ...}`` and ``optimizer_factory(params, config)``. Models are
     passed to hooks unwrapped (not the DDP wrapper).
     """
-    from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     config = config or TrainConfig()
-    accelerator = accelerator or Accelerator()
-    if accelerator.num_processes > 1:
-        leave_process_group_at_exit()
+    accelerator = accelerator or new_accelerator()
     log = log or accelerator.print
     out_dir = Path(config.out_dir)
     main = accelerator.is_main_process

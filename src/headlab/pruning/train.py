@@ -56,7 +56,7 @@ from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, read_step_records
-from headlab.shard import leave_process_group_at_exit
+from headlab.shard import new_accelerator
 from headlab.surgery import count_parameters, prune_heads, save_pruned
 
 __all__ = [
@@ -486,13 +486,10 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     Returns a :class:`PruneResult`; on divergence
     (``stopped == "diverged"``) nothing is exported and ``train/last`` is the last good checkpoint.
     """
-    from accelerate import Accelerator
 
     config = config or PruneConfig()
     _check_config(config)
-    accelerator = accelerator or Accelerator()
-    if accelerator.num_processes > 1:
-        leave_process_group_at_exit()
+    accelerator = accelerator or new_accelerator()
     log = log or accelerator.print
     out_dir = Path(config.train.out_dir)
     run_dir = out_dir / "train"
