@@ -20,8 +20,10 @@ def _worker(out_dir: str) -> None:
     from safetensors.torch import save_file
 
     from headlab.nmt.train import TrainConfig, train
+    from headlab.shard import before_joining
     from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
+    before_joining()  # as headlab.shard.new_accelerator does
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     corpus = tiny_corpus(200)

@@ -18,8 +18,10 @@ def _worker(out_dir: str) -> None:
 
     from headlab.nmt.train import TrainConfig
     from headlab.pruning.train import PruneConfig, prune_train
+    from headlab.shard import before_joining
     from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
+    before_joining()  # as headlab.shard.new_accelerator does
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     corpus = tiny_corpus(200)

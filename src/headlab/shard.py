@@ -38,7 +38,7 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 
 __all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "before_joining", "check_processes", "launch",
-           "new_accelerator", "sharding", "start", "world_size"]
+           "leave_process_group_at_exit", "new_accelerator", "sharding", "start", "world_size"]
 
 FLAG = "--num-processes"
 
@@ -299,6 +299,11 @@ def before_joining() -> None:
     an active exception", exit status -6), after writing its results."""
     import torch.distributed.nn  # noqa: F401
 
+    leave_process_group_at_exit()
+
+
+def leave_process_group_at_exit() -> None:
+    """Destroy the process group before the interpreter exits (registered once per process)."""
     atexit.unregister(_leave_process_group)
     atexit.register(_leave_process_group)
 

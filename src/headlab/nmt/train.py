@@ -45,7 +45,7 @@ from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_dir
 from headlab.nmt.config import TrainConfig
-from headlab.shard import new_accelerator
+from headlab.shard import leave_process_group_at_exit, new_accelerator
 
 __all__ = [
     "TrainConfig",
@@ -354,6 +354,8 @@ def train(
 
     config = config or TrainConfig()
     accelerator = accelerator or new_accelerator()
+    if accelerator.num_processes > 1:
+        leave_process_group_at_exit()  # a caller's Accelerator too
     log = log or accelerator.print
     out_dir = Path(config.out_dir)
     main = accelerator.is_main_process

@@ -56,7 +56,7 @@ from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, read_step_records
-from headlab.shard import new_accelerator
+from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.surgery import count_parameters, prune_heads, save_pruned
 
 __all__ = [
@@ -490,6 +490,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     config = config or PruneConfig()
     _check_config(config)
     accelerator = accelerator or new_accelerator()
+    if accelerator.num_processes > 1:
+        leave_process_group_at_exit()  # a caller's Accelerator too
     log = log or accelerator.print
     out_dir = Path(config.train.out_dir)
     run_dir = out_dir / "train"
