@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,7 @@ def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp)
     try:
         write(tmp)
+        readable_as_umask_allows(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -115,6 +117,18 @@ def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None]) -> None:
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def readable_as_umask_allows(directory: Path) -> None:
+    """Add to each file under ``directory`` the permission bits a plain open() would have given:
+    transformers' ``save_pretrained`` writes ``model.safetensors`` as 0600 (a temporary file
+    renamed), which the other users of a shared model or results directory cannot read."""
+    allowed = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode | allowed != mode:
+                os.chmod(path, mode | allowed)
 
 
 def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:

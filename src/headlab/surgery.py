@@ -25,7 +25,7 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.errors import HeadlabError
 from headlab.gates import validate_heads
-from headlab.heads import KINDS, HeadSpec, atomic_write_text
+from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
 from headlab.portable import make_portable, restore_original_config
 from headlab.portable_code import NoHeadAttention
 
@@ -328,6 +328,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     record = pruning_record(model)
     record["portable"] = make_portable(model, path, pruning_plan(model))
     atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
+    readable_as_umask_allows(path)
     return path
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from headlab.errors import HeadlabError
+from headlab.heads import readable_as_umask_allows
 from headlab.loading import load_model as _load_any
 from headlab.nmt.tokenizer import load_tokenizer
 
@@ -58,6 +59,7 @@ def export_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
+    readable_as_umask_allows(out_dir)
     copies = {source / "metrics.json": "train_metrics.json", Path(run_dir) / "history.json": "train_history.json"}
     for kept, name in copies.items():
         if kept.is_file():
@@ -93,6 +95,7 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
     load_tokenizer(run_dir / "tokenizer").save_pretrained(str(tmp))
     names = [int(path.name.split("-")[1]) for path in chosen]
     (tmp / "metrics.json").write_text(json.dumps({"averaged_epochs": names}, indent=2) + "\n")
+    readable_as_umask_allows(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
