@@ -291,6 +291,32 @@ def test_second_run_skips_finished_stages_and_force_reruns(workspace, first_run)
     assert json.loads(marker.read_text())["finished"] >= json.loads(before)["finished"]
 
 
+def test_a_config_change_makes_a_finished_stage_run_again_but_not_a_machine_option(workspace, first_run):
+    marker = workspace / "work" / "tiny" / "stages" / "importance.json"
+    work = workspace / "work" / "tiny" / "importance"
+    saved, kept = marker.read_text(), workspace / "importance-kept"
+    shutil.copytree(work, kept)
+    try:
+        config = _config(workspace)
+        config.threads, config.importance["device"] = 2, "cpu"  # where and how fast: the same results
+        messages = []
+        outcomes = run_pipeline(config, models=["tiny"], stages=["importance", "prune-enc"], log=messages.append)
+        assert [o.status for o in outcomes] == ["skipped", "skipped"], messages
+        config = _config(workspace)
+        config.importance["n-sentences"] = 5
+        messages = []
+        outcomes = run_pipeline(config, models=["tiny"], stages=["importance"], log=messages.append)
+        assert [o.status for o in outcomes] == ["done"]
+        assert any("finished earlier with other settings" in m and "--n-sentences 5" in m for m in messages), messages
+        assert json.loads(marker.read_text())["settings"][0].count("--n-sentences 5") == 1
+        assert "--threads" not in json.loads(marker.read_text())["settings"][0]
+    finally:  # the module's other tests expect the first run's importance
+        marker.write_text(saved)
+        shutil.rmtree(work)
+        shutil.copytree(kept, work)
+        shutil.rmtree(kept)
+
+
 def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):
     doc = workspace / "reproduction.md"
     text = doc.read_text()

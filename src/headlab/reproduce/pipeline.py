@@ -2,9 +2,11 @@
 
 Each stage of :data:`headlab.reproduce.stages.STAGES` is skipped when its marker
 ``<work_dir>/<model>/stages/<stage>.json`` exists and records the weights the model directory
-holds now (``model_sha256``, :func:`headlab.resume.weights_fingerprint`), unless ``force``: a
-marker of other weights (the bundled model was retrained since) or of none (an older marker)
-does not count, and the stage runs again (the pruning tools then set their own stale points
+holds now (``model_sha256``, :func:`headlab.resume.weights_fingerprint`) and, for a stage whose
+commands follow from the config alone, the settings they had then
+(:func:`headlab.reproduce.stages.stage_settings`), unless ``force``: a marker of other weights (the
+bundled model was retrained since) or of none (an older marker), or of other settings (the config
+changed), does not count, and the stage runs again (the pruning tools then set their own stale points
 and rows aside, :mod:`headlab.pruning.sweep`). Otherwise its commands run
 in-process through :func:`headlab.cli.main`, so that each step is exactly the command printed
 in docs/reproduction.md, and the marker is written last, atomically. A stage holds the lock of
@@ -25,7 +27,7 @@ from headlab.errors import HeadlabError
 from headlab.lock import locked_output
 from headlab.reproduce.config import ReproduceConfig
 from headlab.reproduce.report import write_report
-from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path
+from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path, stage_settings
 from headlab.resume import SkipStage, now_iso, read_marker, weights_fingerprint, write_marker
 
 __all__ = ["run_pipeline"]
@@ -51,13 +53,19 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
     marker = marker_path(ctx.config, ctx.model, name)
     weights = weights_fingerprint(ctx.config.path(ctx.model.path))
     earlier = read_marker(marker)
+    settings = stage_settings(ctx, spec)
     if earlier is not None and not ctx.force:
         recorded = earlier.get("model_sha256")
-        if weights is None or recorded == weights:
+        if weights is not None and recorded != weights:
+            ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 "
+                    f"{(recorded or 'not recorded')[:12]}, now {weights[:12]}): run again")
+        elif settings is not None and earlier.get("settings", settings) != settings:
+            changed = next((now for before, now in zip(earlier["settings"], settings) if before != now), settings[-1:])
+            ctx.log(f"{model} {name}: finished earlier with other settings (the config changed; now `{changed}`): "
+                    f"run again")
+        else:
             ctx.log(f"{model} {name}: finished earlier ({marker}), skipped")
             return StageOutcome(model, name, "skipped", reason=f"finished earlier ({marker})")
-        ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 {(recorded or 'not recorded')[:12]}, "
-                f"now {weights[:12]}): run again")
     try:  # a stage that cannot run yet (SkipStage) says so while checking, building its commands or running
         if not ctx.dry_run:
             if spec.check is not None:
@@ -81,8 +89,9 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         ctx.log(f"{model} {name}: not run: {reason}")
         return StageOutcome(model, name, "not run", reason=str(reason))
     seconds = time.perf_counter() - started
-    write_marker(marker, {"stage": name, "model": model, "commands": texts, "seconds": round(seconds, 1),
-                          "finished": now_iso(), "headlab": __version__, "model_sha256": weights})
+    write_marker(marker, {"stage": name, "model": model, "commands": texts, "settings": settings,
+                          "seconds": round(seconds, 1), "finished": now_iso(), "headlab": __version__,
+                          "model_sha256": weights})
     ctx.log(f"{model} {name}: done in {seconds:.0f} s")
     return StageOutcome(model, name, "done", seconds, commands=texts)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +32,8 @@ from headlab.reproduce.significance import run_hypotheses
 from headlab.reproduce.specialisation import run_specialisation
 from headlab.resume import SkipStage, weights_fingerprint
 
-__all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "marker_path", "command_text"]
+__all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "stage_settings", "marker_path",
+           "command_text"]
 
 
 @dataclass
@@ -378,21 +379,26 @@ class Stage:
     python: Callable[..., list[str]] | None = None  # (config, model, *, force, log) -> what it ran, as text
     check: Callable[[Context], None] | None = None
     prepare: Callable[[Context], object] | None = None  # before the commands run (not in a dry run)
+    # The commands follow from the config alone (not from what earlier stages or runs left), so a
+    # finished stage whose recorded settings differ from them is stale (stage_settings).
+    settled_by_config: bool = False
 
 
 STAGES: dict[str, Stage] = {
-    "importance": Stage("importance", "confidence, LRP, gradient, ablation (Sec. 4)", importance_commands),
-    "functions": Stage("functions", "positional, syntactic, rare-token heads on UD EWT (Sec. 5)", functions_commands),
+    "importance": Stage("importance", "confidence, LRP, gradient, ablation (Sec. 4)", importance_commands,
+                        settled_by_config=True),
+    "functions": Stage("functions", "positional, syntactic, rare-token heads on UD EWT (Sec. 5)", functions_commands,
+                       settled_by_config=True),
     "functions-parsed": Stage("functions-parsed", "the same on the model's own validation text, parsed by the EWT "
-                                                  "parser (Sec. 5.2 in domain)", parsed_commands),
+                                                  "parser (Sec. 5.2 in domain)", parsed_commands, settled_by_config=True),
     "pooling": Stage("pooling", "the functions pass under the other subword-to-word mappings (sensitivity)",
-                     pooling_commands),
+                     pooling_commands, settled_by_config=True),
     "prune-enc": Stage("prune-enc", "encoder-only pruning sweep (Sec. 6.2)", lambda ctx: sweep_commands(ctx, "enc"),
                        check=lambda ctx: _check_idle([_sweep_dir(ctx, "enc")]),
-                       prepare=lambda ctx: restore_points(ctx, "enc")),
+                       prepare=lambda ctx: restore_points(ctx, "enc"), settled_by_config=True),
     "prune-all": Stage("prune-all", "all-kinds pruning sweep (Sec. 6.3)", lambda ctx: sweep_commands(ctx, "all"),
                        check=lambda ctx: _check_idle([_sweep_dir(ctx, "all")]),
-                       prepare=lambda ctx: restore_points(ctx, "all")),
+                       prepare=lambda ctx: restore_points(ctx, "all"), settled_by_config=True),
     "baselines": Stage("baselines", "random, Michel, confidence, LRP at equal head counts", baselines_commands,
                        check=lambda ctx: _check_idle([ctx.config.work(ctx.model, "prune", f"base-{name}")
                                                           for name in ctx.config.baselines.get("methods", {})]),
@@ -408,6 +414,34 @@ STAGES: dict[str, Stage] = {
     "report": Stage("report", "copy the small results, compute the claims, write docs/reproduction.md"),
 }
 """Registry, in the order the stages run."""
+
+
+# Options that say where and how fast a command runs, not what it computes.
+MACHINE_OPTIONS = {"--threads": 1, "--device": 1, "--no-progress": 0}
+
+
+def stage_settings(ctx: Context, spec: Stage) -> list[str] | None:
+    """What a stage settled by the config computes: its commands with the paths relative to the
+    root (as the document prints them) and without :data:`MACHINE_OPTIONS`. None for the other
+    stages, and for one that cannot build its commands yet."""
+    if not spec.settled_by_config or spec.commands is None:
+        return None
+    try:
+        commands = spec.commands(replace(ctx, dry_run=True))
+    except SkipStage:
+        return None
+    settings = []
+    for argv in commands:
+        kept, skip = [], 0
+        for arg in map(str, argv):
+            if skip:
+                skip -= 1
+            elif arg in MACHINE_OPTIONS:
+                skip = MACHINE_OPTIONS[arg]
+            else:
+                kept.append(arg)
+        settings.append(command_text(kept))
+    return settings
 
 
 def stage_commands(ctx: Context, stage: str) -> list[str]:
