@@ -758,11 +758,16 @@ def _within(points: list[tuple[int, dict]], n: int, d: float) -> str:
     decided_small = all(known(x) and x["high"] < -d for _, x in small)
     if large and known(large[0][1]) and large[0][1]["high"] < -d and decided_small:
         return "does not hold"
+    # Why not: first the points with n heads or fewer, then the next larger one
+    if not all(known(x) for _, x in small):
+        return "inconclusive: a point has no interval"
+    if not decided_small:
+        return f"inconclusive: an interval contains -{d}"
     if not large:
         return f"inconclusive: no point between {n} heads and the full model"
-    if not all(known(x) for _, x in points):
+    if not known(large[0][1]):
         return "inconclusive: a point has no interval"
-    return f"inconclusive: an interval contains -{d}"
+    return f"inconclusive: the next larger point ({large[0][0]} heads) does not lie below -{d}"
 
 
 FLAT = "holds if the interval's upper end is below +{tol} BLEU (a further gain of {tol} BLEU over as many updates is " \
