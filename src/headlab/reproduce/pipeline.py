@@ -59,8 +59,9 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         if weights is not None and recorded != weights:
             ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 "
                     f"{(recorded or 'not recorded')[:12]}, now {weights[:12]}): run again")
-        elif settings is not None and earlier.get("settings", settings) != settings:
-            changed = next((now for before, now in zip(earlier["settings"], settings) if before != now), settings[-1:])
+        elif settings is not None and earlier.get("settings") not in (None, settings):  # None: not recorded
+            changed = next((now for before, now in zip(earlier["settings"], settings) if before != now),
+                           f"{len(settings)} commands, {len(earlier['settings'])} then")
             ctx.log(f"{model} {name}: finished earlier with other settings (the config changed; now `{changed}`): "
                     f"run again")
         else:
