@@ -383,3 +383,40 @@ def test_latency_is_measured_in_eval_mode_and_the_mode_is_restored(corpus, token
     model.eval()
     measure_latency(model, tokenizer, corpus.sources[:2], beam=1, repeats=1)
     assert not any(module.training for module in model.modules())
+
+
+def test_a_from_scratch_training_cut_short_goes_on_only_for_the_same_heads(corpus, tokenizer, tmp_path, monkeypatch,
+                                                                            capsys):
+    """A from-scratch row costs a full training: a run killed part-way continues from its last
+    checkpoint (to the weights of an uninterrupted run), unless it was started for other heads."""
+    from safetensors.torch import load_file
+
+    data, eval_data = corpus.subset(60), corpus.subset(4)
+    config = baselines.BaselineConfig(method="random", keeps=(3,), seeds=(1,), from_scratch=True, scratch_epochs=2,
+                                      max_tokens=400, eval_beam=1)
+    load = lambda: (marian(tokenizer), tokenizer)  # noqa: E731
+    baselines.run_baselines(load, data, eval_data, config, tmp_path / "whole")
+    real_train = baselines.train
+
+    def killed_after_one_epoch(model, tokenizer, train_data, valid_data, train_config):
+        real_train(model, tokenizer, train_data, valid_data, replace(train_config, max_epochs=1))
+        raise KeyboardInterrupt
+
+    def run(out, train):
+        monkeypatch.setattr(baselines, "train", train)
+        baselines.run_baselines(load, data, eval_data, config, out)
+        return capsys.readouterr().out
+
+    for out, other_heads in ((tmp_path / "resumed", False), (tmp_path / "restarted", True)):
+        with pytest.raises(KeyboardInterrupt):
+            run(out, killed_after_one_epoch)
+        run_file = out / "scratch-random-3-1" / baselines.SCRATCH_RUN_FILE
+        if other_heads:
+            run_file.write_text(json.dumps({**json.loads(run_file.read_text()), "spec": []}))
+        log = run(out, real_train)
+        assert ("resuming from" in log) is not other_heads
+        rows = [json.loads((d / "baselines.json").read_text()) for d in (tmp_path / "whole", out)]
+        assert rows[1][0]["train_steps"] == rows[0][0]["train_steps"]
+        weights = [load_file(str(d / "scratch-random-3-1" / "last" / "model.safetensors"))
+                   for d in (tmp_path / "whole", out)]
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

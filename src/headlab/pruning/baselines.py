@@ -195,9 +195,10 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
             else:
                 spec = michel_spec(model, tokenizer, train_data, keep, c.kinds, max_batches=c.importance_batches)
             if c.from_scratch:
-                train_config = TrainConfig(out_dir=str(out / f"scratch-{c.method}-{keep}-{seed}"),
-                                           max_tokens=c.max_tokens, max_epochs=c.scratch_epochs, validate=False,
-                                           mixed_precision=c.mixed_precision, overwrite=True)
+                run_dir = out / f"scratch-{c.method}-{keep}-{seed}"
+                train_config = TrainConfig(out_dir=str(run_dir), max_tokens=c.max_tokens, max_epochs=c.scratch_epochs,
+                                           validate=False, mixed_precision=c.mixed_precision, save_every_steps=100,
+                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c))
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
             else:
@@ -216,6 +217,26 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     text = baselines_markdown(rows)
     atomic_write_text(out / "baselines.md", text)
     return text
+
+
+SCRATCH_RUN_FILE = "scratch_run.json"
+
+
+def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig) -> bool:
+    """Whether the from-scratch training in ``run_dir`` may be continued: only when it was started
+    for the same heads, starting weights and training settings (``scratch_run.json``, written here
+    before the training starts). Otherwise the run starts over (the trainer clears the directory)."""
+    run = {"spec": sorted([kind, layer, sorted(int(h) for h in heads)] for (kind, layer), heads in spec.items()),
+           "model_sha256": config.model_fingerprint or None, "max_tokens": config.max_tokens,
+           "scratch_epochs": config.scratch_epochs, "mixed_precision": config.mixed_precision}
+    run_file = run_dir / SCRATCH_RUN_FILE
+    try:
+        same = json.loads(run_file.read_text()) == run
+    except (OSError, ValueError):
+        same = False
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_file, json.dumps(run) + "\n")
+    return same
 
 
 def _trains(config: BaselineConfig) -> bool:
