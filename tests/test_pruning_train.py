@@ -248,6 +248,13 @@ def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):
     assert [r["seed"] for r in rows] == [1, 2] and all(r["heads_kept"]["enc_self"] == 3 for r in rows)
     assert main(args) == 0  # finished rows are skipped, not repeated
     assert len(json.loads((out / "baselines.json").read_text())) == 2
+    # Another test set or beam: the rows' BLEU is of other translations, so they are made again.
+    for n, (option, value) in enumerate((("--eval-limit", "4"), ("--eval-beam", "2")), start=1):
+        args[args.index(option) + 1] = value
+        assert main(args) == 0
+        assert len(json.loads((out / "baselines.json").read_text())) == 2
+        assert len(json.loads((out / "baselines.stale.json").read_text())) == 2 * n
+    assert {r["eval_beam"] for r in json.loads((out / "baselines.json").read_text())} == {2}
 
 
 def test_cli_baseline_by_scores_skips_its_finished_rows_wherever_the_score_file_was_written(model_dir, tmp_path, capsys):

@@ -24,6 +24,7 @@ another precision or from another score file, is stale: :func:`run_baselines` mo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from itertools import islice
@@ -179,7 +180,8 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     the table ``baselines.md`` (mean +- std over seeds)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
-    rows = _set_aside_stale(read_rows(out), config, out)
+    settings = _settings(config, train_data, eval_data)
+    rows = _set_aside_stale(read_rows(out), config, out, settings)
     done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
     c = config
     method = _row_method(c)
@@ -212,7 +214,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            finetune=finetune, beam=c.eval_beam)
             rows.append({"method": method,
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
-                         "from_scratch": c.from_scratch, **result, **_source(c)})
+                         "from_scratch": c.from_scratch, **result, **_source(c), **settings})
             atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
     text = baselines_markdown(rows)
     atomic_write_text(out / "baselines.md", text)
@@ -259,9 +261,38 @@ def _source(config: BaselineConfig) -> dict:
     return out
 
 
-def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> list[dict]:
-    """Rows of other weights, or of this method and head count trained in another precision or
-    from another score file, move to ``baselines.stale.json`` (appended); the rest are returned."""
+def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
+    """What else a row's numbers depend on, recorded in the row: the test set and beam, and for a
+    row that trains, its data and the settings of its training."""
+    out = {"eval_beam": config.eval_beam, "eval_data_sha256": _data_fingerprint(eval_data)}
+    if config.method == "michel":
+        out.update(importance_batches=config.importance_batches, train_data_sha256=_data_fingerprint(train_data))
+    if config.finetune_steps and not config.from_scratch:
+        out.update(lr=config.lr, max_tokens=config.max_tokens)
+    if config.from_scratch:
+        out.update(max_tokens=config.max_tokens, scratch_epochs=config.scratch_epochs)
+    if _trains(config):
+        out["train_data_sha256"] = _data_fingerprint(train_data)
+    return out
+
+
+def _data_fingerprint(data) -> str | None:
+    """SHA-256 of a corpus's sentence pairs (text, or token ids of an encoded corpus)."""
+    if data is None:
+        return None
+    digest = hashlib.sha256()
+    for side in (data.sources, data.targets):
+        for item in side:
+            digest.update((item if isinstance(item, str) else " ".join(map(str, item))).encode() + b"\n")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path, settings: dict | None = None) -> list[dict]:
+    """Rows of other weights, or of this method and head count trained in another precision, from
+    another score file or with other recorded ``settings`` (test set, beam, data, training
+    options), move to ``baselines.stale.json`` (appended); the rest are returned. A setting a row
+    does not record (rows of earlier versions) counts as the same."""
     if not config.model_fingerprint:
         return rows
     method = _row_method(config)
@@ -272,6 +303,8 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path) -> lis
         same = row["method"] == method and row["keep"] in config.keeps and \
             bool(row.get("from_scratch")) == config.from_scratch and row["finetune_steps"] == config.finetune_steps
         if same and _trains(config) and row.get("mixed_precision", "no") != config.mixed_precision:
+            return True
+        if same and any(name in row and row[name] != value for name, value in (settings or {}).items()):
             return True
         # Rows record the scores' content fingerprint; older rows the file's bytes, which the
         # report's copy (paths made relative) changes, so a restored score file no longer matched.
