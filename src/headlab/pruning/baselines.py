@@ -17,9 +17,12 @@ scratch" column: the pruned configuration trained from random initialisation.
 
 Each row records the weights it started from (``model_sha256``), the precision of its training
 if it trains (``mixed_precision``) and, for ``scores``, the score file's fingerprint
-(``scores_sha256``). A row of other weights, or of the same method and head count trained in
-another precision or from another score file, is stale: :func:`run_baselines` moves it to
-``baselines.stale.json`` and runs it again.
+(``scores_sha256``), and what else its numbers depend on (:func:`_settings`: the test set, the
+beam, the training data and settings). A row of other weights, or of the same method and head
+count trained in another precision, from another score file or with other settings, is stale:
+:func:`run_baselines` moves it to ``baselines.stale.json`` and runs it again. A from-scratch
+training cut short goes on from its last checkpoint when it was started for the same heads
+(``scratch_run.json``).
 """
 
 from __future__ import annotations
