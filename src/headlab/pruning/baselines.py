@@ -203,7 +203,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                 run_dir = out / f"scratch-{c.method}-{keep}-{seed}"
                 train_config = TrainConfig(out_dir=str(run_dir), max_tokens=c.max_tokens, max_epochs=c.scratch_epochs,
                                            validate=False, mixed_precision=c.mixed_precision, save_every_steps=100,
-                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c))
+                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings))
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
             else:
@@ -227,13 +227,14 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
 SCRATCH_RUN_FILE = "scratch_run.json"
 
 
-def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig) -> bool:
+def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig, settings: dict) -> bool:
     """Whether the from-scratch training in ``run_dir`` may be continued: only when it was started
-    for the same heads, starting weights and training settings (``scratch_run.json``, written here
-    before the training starts). Otherwise the run starts over (the trainer clears the directory)."""
+    for the same heads, starting weights, training data and settings (the row's, without those of
+    the evaluation; ``scratch_run.json``, written here before the training starts). Otherwise the
+    run starts over (the trainer clears the directory)."""
+    training = {name: value for name, value in settings.items() if not name.startswith("eval_")}
     run = {"spec": sorted([kind, layer, sorted(int(h) for h in heads)] for (kind, layer), heads in spec.items()),
-           "model_sha256": config.model_fingerprint or None, "max_tokens": config.max_tokens,
-           "scratch_epochs": config.scratch_epochs, "mixed_precision": config.mixed_precision}
+           **_source(config), **training}
     run_file = run_dir / SCRATCH_RUN_FILE
     try:
         same = json.loads(run_file.read_text()) == run
@@ -269,12 +270,12 @@ def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
     row that trains, its data and the settings of its training."""
     out = {"eval_beam": config.eval_beam, "eval_data_sha256": _data_fingerprint(eval_data)}
     if config.method == "michel":
-        out.update(importance_batches=config.importance_batches, train_data_sha256=_data_fingerprint(train_data))
+        out["importance_batches"] = config.importance_batches
     if config.finetune_steps and not config.from_scratch:
         out.update(lr=config.lr, max_tokens=config.max_tokens)
     if config.from_scratch:
         out.update(max_tokens=config.max_tokens, scratch_epochs=config.scratch_epochs)
-    if _trains(config):
+    if config.method == "michel" or _trains(config):  # importance or training reads the training data
         out["train_data_sha256"] = _data_fingerprint(train_data)
     return out
 
