@@ -7,6 +7,7 @@ instead of crashing; the claims and the document come from the result files only
 
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -277,6 +278,18 @@ def test_report_comes_from_the_result_files(workspace, first_run):
     assert "| 0 | " in details and "| 2 | " in details and "| 3 | " in details
     keys = [c["key"] for c in json.loads((workspace / "results" / "claims.json").read_text())["claims"]]
     assert keys == [c.key for c in claims] + ["vig"] and keys[:2] == ["setting", "sec4"]
+    # The in-domain Table 1 names the text it parsed, the config's validation file.
+    parsed = config.rel(config.data_file("valid", "en"))
+    assert any(line.startswith(f"{parsed} (") for line in by_key["sec5.2"].details["tiny"])
+    # Every table of the summary has as many cells in each row as in its header, Vig's with no model too.
+    tables = [[]]
+    for line in blocks["summary"].splitlines():
+        if line.startswith("|"):
+            tables[-1].append(len(re.findall(r"(?<!\\)\|", line)))  # escaped pipes are text
+        elif tables[-1]:
+            tables.append([])
+    assert "(no model has aggregate files yet)" in blocks["summary"]
+    assert [t for t in tables if t] and all(len(set(t)) == 1 for t in tables if t), tables
 
 
 def test_second_run_skips_finished_stages_and_force_reruns(workspace, first_run):

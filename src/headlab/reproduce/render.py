@@ -83,15 +83,15 @@ def _summary_block(claims: list[Claim], models: list[str], vig: Claim, vig_names
 
 
 def _summary_rows(claims: list[Claim], models: list[str]) -> list[str]:
-    lines = ["| section | check | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    lines = ["| section | check |" + "".join(f" {m} |" for m in models), "|---|---|" + "---|" * len(models)]
     for claim in claims:
         for check in claim.checks:
             if not check.criterion:  # a number without a verdict
                 continue
             verdicts = [check.cells[m].verdict if m in check.cells else "" for m in models]
             short = [v.split(":")[0] if v != "-" else "" for v in verdicts]
-            lines.append(f"| [{claim.key}](#{_anchor(claim.title)}) | {_cell(check.label)} | " +
-                         " | ".join(short) + " |")
+            lines.append(f"| [{claim.key}](#{_anchor(claim.title)}) | {_cell(check.label)} |" +
+                         "".join(f" {v} |" for v in short))
     return lines
 
 

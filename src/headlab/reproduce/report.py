@@ -20,10 +20,12 @@ __all__ = ["load_results", "write_report", "claims_json", "document_template"]
 
 def load_results(config: ReproduceConfig) -> dict[str, ModelResults]:
     split = config.prune.get("eval_split", "test")
+    parsed = config.parse.get("split", "valid")
     return {m.name: ModelResults(config.results(m), m.name,
                                  references=config.data_file(split, m.tgt) if split in config.data else None,
                                  train_history=config.path(m.path) / "train_history.json",
-                                 model_dir=config.path(m.path))
+                                 model_dir=config.path(m.path),
+                                 parsed_text=config.rel(config.data_file(parsed, m.src)) if parsed in config.data else None)
             for m in config.models}
 
 

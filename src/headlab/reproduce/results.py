@@ -204,9 +204,10 @@ class ModelResults:
     """Read-only view of one model's result files; every accessor returns None when missing."""
 
     def __init__(self, directory: str | Path, name: str, references: Path | None = None,
-                 train_history: Path | None = None, model_dir: Path | None = None):
+                 train_history: Path | None = None, model_dir: Path | None = None, parsed_text: str | None = None):
         self.dir = Path(directory)
         self.name = name
+        self.parsed_text = parsed_text  # the source file that stage functions-parsed parses, as the document names it
         self._references = references  # the test set's target side, for paired bootstrap
         self._train_history = train_history
         self._model_dir = model_dir  # the bundled model, whose weights the results should be of
