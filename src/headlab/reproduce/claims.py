@@ -559,8 +559,9 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
             summary = r.functions_json("summary", PARSED) or {}
             n = (summary.get("report") or {}).get("n_sentences")
             parser = _parser_text(r.functions_json("parser", PARSED))
+            text = r.parsed_text or "the validation text"
             lines += ([""] if lines else []) + [
-                f"{r.parsed_text or 'the validation text'}{f' ({n:,} sentences)' if n else ''}, parsed by {parser}:", ""] + _table1_lines(table_parsed)
+                f"{text}{f' ({n:,} sentences)' if n else ''}, parsed by {parser}:", ""] + _table1_lines(table_parsed)
         if lines:
             c.details[name] = lines
         if table is None or not _poolings(r):
