@@ -14,7 +14,8 @@
 #                                       (d_model 512, FFN 2048, 16k-token batches; resumable) for
 #                                       MINUTES, evaluates its best checkpoint on newstest2019 and
 #                                       test_2016_flickr, then runs experiments/news-reproduce.json
-#                                       (importance, functions, the specialisation curve):
+#                                       on its fp16 export runs/news-en-de-model (importance,
+#                                       functions, functions-parsed, the specialisation curve):
 #                                       $OUT/news-en-de.tar.gz holds the history, the scores and the
 #                                       analyses (the weights, about 100 MB in fp16, stay there).
 #   experiments/device.sh parallel      all of one call side by side on the one GPU, each in its own
@@ -73,15 +74,19 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       THREADS=${THREADS:-8} MAX_TIME=$MINUTES SHARED=${SHARED:-.carry} experiments/train_translation.sh news-en-de \
       || echo "training stopped: $?"
     RUN=runs/news-en-de
-    if [ -f "$RUN/best/config.json" ]; then  # the best validation BLEU so far, with its tokenizer
-      "$PY" experiments/evaluate_model.py "$RUN/best" --tgt de --device cuda --set newstest2019 runs/news-en-de-data/test \
+    if [ -f "$RUN/best/config.json" ]; then  # the best validation BLEU so far, with its tokenizer, in fp16
+      headlab nmt export --run "$RUN" --to runs/news-en-de-model --dtype float16 --overwrite
+      "$PY" experiments/evaluate_model.py runs/news-en-de-model --tgt de --device cuda --set newstest2019 runs/news-en-de-data/test \
         --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
-      # importance on newstest2020, functions on EWT dev, the specialisation curve over the epochs
+      # importance on newstest2020, functions on EWT dev, the specialisation curve; then, apart, as the
+      # GPU image may lack spaCy, functions on newstest2020 parsed by models/ewt-parser
       timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config experiments/news-reproduce.json \
         --device cuda --threads 8 --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
+      timeout --signal=TERM --kill-after=10 120 headlab reproduce --config experiments/news-reproduce.json \
+        --device cuda --threads 8 --stages functions-parsed,report || echo "parsed analyses stopped: $?"
     fi
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
-      "$RUN/history.json" "$RUN/train_config.json" "$RUN/best" runs/news-reproduce 2>/dev/null \
+      "$RUN/history.json" "$RUN/train_config.json" runs/news-en-de-model runs/news-reproduce 2>/dev/null \
       || tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.pt' "$RUN"
     ;;
   parallel)
