@@ -96,6 +96,16 @@ class ReproduceConfig:
                 continue
         return str(value)
 
+    # -- which text each stage reads (one default for every reader) ----------------------------
+    @property
+    def parse_split(self) -> str:
+        """The data split that functions-parsed parses: the models' own validation text by default."""
+        return self.parse.get("split", "valid")
+
+    @property
+    def specialisation_split(self) -> str:
+        return self.specialisation.get("split", "valid")
+
     def data_file(self, split: str, lang: str) -> Path:
         if split not in self.data:
             raise HeadlabError(f"{self.source}: data has no {split!r} entry (have {', '.join(self.data)})")

@@ -43,7 +43,7 @@ def _python_inputs(config: ReproduceConfig, model: ModelEntry, stage: str) -> li
     if stage == "hypotheses":
         split = config.prune.get("eval_split", "test")
     elif stage == "specialisation":
-        split = config.specialisation.get("split", "valid")
+        split = config.specialisation_split
     else:
         return []
     return [(f"data.{split}", config.data_file(split, lang)) for lang in (model.src, model.tgt)]

@@ -20,7 +20,7 @@ __all__ = ["load_results", "write_report", "claims_json", "document_template"]
 
 def load_results(config: ReproduceConfig) -> dict[str, ModelResults]:
     split = config.prune.get("eval_split", "test")
-    parsed = config.parse.get("split", "valid")
+    parsed = config.parse_split
     return {m.name: ModelResults(config.results(m), m.name,
                                  references=config.data_file(split, m.tgt) if split in config.data else None,
                                  train_history=config.path(m.path) / "train_history.json",

@@ -135,8 +135,8 @@ def run_specialisation(config: ReproduceConfig, model: ModelEntry, *, force: boo
     if not checkpoints:
         raise SkipStage(f"no model at {model.path}")
     work = config.work(model, "specialisation")
-    src = config.data_file(options.get("split", "valid"), model.src)
-    tgt = config.data_file(options.get("split", "valid"), model.tgt)
+    src = config.data_file(config.specialisation_split, model.src)
+    tgt = config.data_file(config.specialisation_split, model.tgt)
     pairs = [(s, t) for s, t in zip(read_lines(src), read_lines(tgt)) if s.strip() and t.strip()][:n]
     if not pairs:
         raise HeadlabError(f"{src}: no sentence pairs for the specialisation sample")

@@ -134,7 +134,7 @@ def parsed_commands(ctx: Context) -> list[list[str]]:
     if not ctx.dry_run and not (parser / "config.cfg").is_file():
         raise SkipStage(f"parser {ctx.config.rel(parser)} does not exist: build it with experiments/parser/train.sh")
     model = _require_model(ctx)
-    split = cfg.get("split", "valid")
+    split = ctx.config.parse_split
     text, _ = _data(ctx, split)
     conllu = ctx.config.work(ctx.model, "parsed", f"{split}.{ctx.model.src}.conllu")
     parse = ["parse", "--model", _p(ctx, parser), "--input", text, "--out", _p(ctx, conllu), "--no-progress"]
