@@ -103,6 +103,24 @@ def test_keep_top_and_closed_heads():
     assert scores["enc_self"].shape == (1, 3) and scores["enc_self"][0, 0] > 0.99
 
 
+def test_a_budget_opens_its_top_heads_at_test_time():
+    # Footnote 7 would open 2 heads (log_alpha > 0); a budget of 3 opens the 3 of highest log_alpha,
+    # the heads its export keeps, so that an evaluation during fine-tuning sees the exported model.
+    gates = HardConcreteGates({("enc_self", 0): 3, ("dec_self", 0): 2}, keep=3)
+    with torch.no_grad():
+        gates.log_alpha["enc_self_0"].copy_(torch.tensor([5.0, -5.0, -1.0]))
+        gates.log_alpha["dec_self_0"].copy_(torch.tensor([-3.0, 4.0]))
+    gates.eval()
+    assert gates.closed_heads() == gates.keep_top(3) == {("enc_self", 0): [1], ("dec_self", 0): [0]}
+    assert gates.open_per_kind() == {"enc_self": 2, "dec_self": 1}
+    assert gates.gate(("enc_self", 0)).tolist() == [1.0, 0.0, 1.0]
+    assert gates.gate(("dec_self", 0)).tolist() == [0.0, 1.0]
+    gates.keep = None  # footnote 7's rule
+    assert gates.gate(("enc_self", 0)).tolist() == [1.0, 0.0, 0.0]
+    gates.train()
+    assert gates.gate(("enc_self", 0)).shape == (3,)  # training: a sample, whatever the budget
+
+
 def test_bad_parameters_are_refused():
     with pytest.raises(HeadlabError, match="beta"):
         HardConcreteGates({("enc_self", 0): 2}, beta=0)

@@ -12,6 +12,7 @@ from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.train import TrainConfig, load_weights
 from headlab.pruning import HardConcreteGates, baselines
+from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.train import PruneConfig, encode_lm_corpus, export_pruned, prune_train, read_trajectory
 from support.nmt import DATA
 from support.nmt import tiny_marian as marian
@@ -109,6 +110,19 @@ def test_budget_mode_reaches_exactly_n_heads(corpus, tokenizer, tmp_path):
     records = read_trajectory(tmp_path / "r")
     assert records[-1]["target"] == 5 and records[-1]["lambda_1"] != 0
     assert records[-1]["expected_l0"] < records[0]["expected_l0"]
+    # The test-time gates are the budget's heads: the trajectory counts them, and the export
+    # equals the gated model in eval mode (what a development curve evaluates).
+    assert records[-1]["heads_open"] == {"enc_self": 5} and records[-1]["heads_closed"] == 3
+    gated = marian(tokenizer, seed=5)
+    gates = HardConcreteGates.for_model(gated, ("enc_self",), keep=5)
+    gates.budget = LagrangianBudget(8, 5, 0)
+    attach_gates(gated, gates)
+    load_weights(gated, tmp_path / "r" / "train" / "last")
+    gated.eval()
+    inputs = sample_inputs(tokenizer, corpus)
+    with torch.no_grad():
+        torch.testing.assert_close(load_pruned(tmp_path / "r" / "pruned")(**inputs).logits, gated(**inputs).logits,
+                                   atol=1e-5, rtol=0)
 
 
 def test_bad_input_is_refused_before_anything_is_written(corpus, tokenizer, tmp_path):
@@ -356,7 +370,6 @@ def test_michel_importance_equals_a_sentence_by_sentence_reference(corpus, token
 
 @pytest.mark.parametrize("keep", [None, 3])
 def test_diagnostics_split_the_log_alpha_gradient_into_loss_and_penalty(keep, tmp_path):
-    from headlab.pruning import LagrangianBudget
     from headlab.pruning.train import _Diagnostics
 
     gates = HardConcreteGates({("enc_self", 0): 8})

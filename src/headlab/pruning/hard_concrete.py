@@ -21,7 +21,9 @@ At test time each gate is 0 or 1, whichever of P(g = 0) and P(g = 1) is larger (
 
 In training mode a fresh gate vector is drawn for every forward call of a block, i.e. for every
 batch (reparameterisation trick: the noise u carries no gradient, log_alpha does). In eval mode
-(``model.eval()``) the gates are the deterministic 0/1 values above.
+(``model.eval()``) the gates are the deterministic 0/1 values above, or, with a head budget
+(``keep``), 1 for the ``keep`` heads of highest log_alpha: the heads the budget mode exports,
+so that what is evaluated during fine-tuning is the model that would be exported.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class HardConcreteGates(HeadGates):
         gamma: float = DEFAULT_GAMMA,
         zeta: float = DEFAULT_ZETA,
         init_log_alpha: float = 3.0,
+        keep: int | None = None,
     ):
         super().__init__(n_heads)
         if not beta > 0:
@@ -67,6 +70,7 @@ class HardConcreteGates(HeadGates):
         self.log_alpha = nn.ParameterDict(
             {block_name(key): nn.Parameter(torch.full((n,), float(init_log_alpha))) for key, n in self.n_heads.items()}
         )
+        self.keep = keep  # the budget: eval mode opens the `keep` heads of highest log_alpha
 
     # -- the distribution ----------------------------------------------------------------------
     @property
@@ -99,6 +103,8 @@ class HardConcreteGates(HeadGates):
         log_alpha = self.log_alpha[block_name(key)]
         if self.training:
             return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
+        if self.keep is not None:
+            return self.open_mask()[key].to(log_alpha.device, log_alpha.dtype)
         return self.deterministic(log_alpha.detach())
 
     # -- penalty and summaries -----------------------------------------------------------------
@@ -121,12 +127,17 @@ class HardConcreteGates(HeadGates):
 
     @torch.no_grad()
     def open_mask(self) -> dict[BlockKey, torch.Tensor]:
-        """Deterministic (test-time) gates per block, as bool [n_heads]."""
+        """Test-time gates per block, as bool [n_heads]: footnote 7's rule, or the budget's top ``keep``."""
+        if self.keep is not None:
+            closed = self.keep_top(self.keep)
+            return {key: torch.tensor([h not in closed.get(key, ()) for h in range(self.n_heads[key])])
+                    for key in self.keys()}
         return {key: self.deterministic(self.log_alpha[block_name(key)].detach().float()).bool().cpu()
                 for key in self.keys()}
 
     def closed_heads(self) -> dict[BlockKey, list[int]]:
-        """Heads whose test-time gate is 0: a head spec for :func:`headlab.prune_heads`."""
+        """Heads whose test-time gate is 0: a head spec for :func:`headlab.prune_heads` (with a
+        budget, :meth:`keep_top`)."""
         spec = {}
         for key, mask in self.open_mask().items():
             closed = [h for h in range(len(mask)) if not mask[h]]
@@ -174,4 +185,5 @@ class HardConcreteGates(HeadGates):
         return HeadScores(scores, "hard_concrete_p_open", model_name, signature)
 
     def extra_repr(self) -> str:
-        return f"beta={self.beta}, gamma={self.gamma}, zeta={self.zeta}, gates={self.n_gates()}"
+        budget = "" if self.keep is None else f", keep={self.keep}"
+        return f"beta={self.beta}, gamma={self.gamma}, zeta={self.zeta}, gates={self.n_gates()}{budget}"

@@ -498,8 +498,9 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
     kinds = resolve_kinds(model, config.gates)
+    # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
     gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
-                                        init_log_alpha=config.init_log_alpha)
+                                        init_log_alpha=config.init_log_alpha, keep=config.keep)
     if config.keep is not None:
         LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
@@ -589,7 +590,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     # ---- final gates, export, evaluation (main process)
     model.eval()
     final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
-    spec = gates.keep_top(config.keep) if config.keep is not None else gates.closed_heads()
+    spec = gates.closed_heads()  # the test-time gates at 0 (with a budget: all but the top `keep`)
     outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
