@@ -497,6 +497,24 @@ def test_specialisation_without_checkpoints_keeps_committed_results(workspace, f
     assert (workspace / "results" / "tiny" / "specialisation.json").read_text() == committed
 
 
+def test_specialisation_remeasures_a_checkpoint_whose_weights_changed(workspace, first_run):
+    """"final" is the model directory, which a re-export replaces under the same name: its cached
+    numbers must not outlive its weights, while the unchanged epoch checkpoints are reused."""
+    from headlab.reproduce.specialisation import run_specialisation
+
+    config = _config(workspace)
+    model = config.models[0]
+    work = config.work(model, "specialisation")
+    epoch = (work / "epoch-001.json").read_text()
+    final = json.loads((work / "final.json").read_text())
+    stale = dict(final, model_sha256="weights of an earlier export", seconds=-1.0)
+    (work / "final.json").write_text(json.dumps(stale))
+    run_specialisation(config, model, log=lambda m: None)
+    again = json.loads((work / "final.json").read_text())
+    assert again["seconds"] >= 0 and again["model_sha256"] == final["model_sha256"] is not None
+    assert (work / "epoch-001.json").read_text() == epoch
+
+
 def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
     """Hand-made sweep files: the BLEU verdicts read the fixed-lambda points only, the control's
     development curve gives the 'stopped moving' verdict, a point of other weights is left out."""

@@ -13,7 +13,8 @@ validation sentences:
   as a flat dummy parse (positional heads need no tree; the file is written to the work dir).
 
 Each checkpoint's numbers are written to ``<work>/specialisation/<checkpoint>.json`` as soon as
-they are known (a rerun skips them); ``specialisation.json`` gathers them.
+they are known, with the fingerprint of the weights they were made from (a rerun skips those
+whose weights are unchanged); ``specialisation.json`` gathers them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_write_text
 from headlab.reproduce.config import ModelEntry, ReproduceConfig
-from headlab.resume import SkipStage
+from headlab.resume import SkipStage, weights_fingerprint
 
 __all__ = ["run_specialisation", "checkpoint_dirs", "summarise_checkpoint"]
 
@@ -149,13 +150,15 @@ def run_specialisation(config: ReproduceConfig, model: ModelEntry, *, force: boo
     points = []
     for name, directory in checkpoints:
         path = work / f"{name}.json"
-        if path.is_file() and not force:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        else:
+        weights = weights_fingerprint(directory)
+        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not force else {}
+        # A measurement is reused only on the weights it was made from: "final" is the model
+        # directory, which a re-export replaces under the same name.
+        if not record or record.get("model_sha256") != weights:
             started = time.perf_counter()
             tok = config.path(model.path) if name == "final" and (config.path(model.path) / "tokenizer.json").is_file() \
                 else tokenizer_dir
-            record = {"checkpoint": name, "epoch": _epoch(name), "path": str(directory),
+            record = {"checkpoint": name, "epoch": _epoch(name), "path": str(directory), "model_sha256": weights,
                       **_measure(directory, tok, sources, references, conllu, threshold, batch_size)}
             record["seconds"] = round(time.perf_counter() - started, 1)
             atomic_write_text(path, json.dumps(record, indent=1) + "\n")
