@@ -104,8 +104,16 @@ class HardConcreteGates(HeadGates):
         if self.training:
             return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
         if self.keep is not None:
-            return self.open_mask()[key].to(log_alpha.device, log_alpha.dtype)
+            return self._budget_mask()[key].to(log_alpha.device, log_alpha.dtype)
         return self.deterministic(log_alpha.detach())
+
+    def _budget_mask(self) -> dict[BlockKey, torch.Tensor]:
+        """:meth:`open_mask` under a budget, ranked once per change of log_alpha (not once per
+        block and decoding step)."""
+        versions = tuple(p._version for p in self.log_alpha.values())  # bumped by every in-place update
+        if getattr(self, "_budget_cache", (None,))[0] != versions:
+            self._budget_cache = (versions, self.open_mask())
+        return self._budget_cache[1]
 
     # -- penalty and summaries -----------------------------------------------------------------
     def l0_penalty(self) -> torch.Tensor:
