@@ -71,6 +71,7 @@ class HardConcreteGates(HeadGates):
             {block_name(key): nn.Parameter(torch.full((n,), float(init_log_alpha))) for key, n in self.n_heads.items()}
         )
         self.keep = keep  # the budget: eval mode opens the `keep` heads of highest log_alpha
+        self._budget_cache: tuple[tuple[int, ...], dict[BlockKey, torch.Tensor]] | None = None
 
     # -- the distribution ----------------------------------------------------------------------
     @property
@@ -111,7 +112,7 @@ class HardConcreteGates(HeadGates):
         """:meth:`open_mask` under a budget, ranked once per change of log_alpha (not once per
         block and decoding step)."""
         versions = tuple(p._version for p in self.log_alpha.values())  # bumped by every in-place update
-        if getattr(self, "_budget_cache", (None,))[0] != versions:
+        if self._budget_cache is None or self._budget_cache[0] != versions:
             self._budget_cache = (versions, self.open_mask())
         return self._budget_cache[1]
 
