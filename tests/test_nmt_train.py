@@ -94,14 +94,16 @@ def test_a_few_steps_lower_the_loss(tmp_path, corpus, tokenizer):
 
 
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokenizer):
-    # Reference: 10 uninterrupted steps over an epoch boundary (epoch = ~8 steps here).
+    # Reference: 12 uninterrupted steps over an epoch boundary (9 steps an epoch at 1,000 tokens).
     reference = tiny_model(tokenizer)
-    full = train(reference, tokenizer, corpus, None, config(tmp_path / "full", max_epochs=3, max_steps=10))
-    assert full.step == 10
+    full = train(reference, tokenizer, corpus, None, config(tmp_path / "full", max_tokens=1000, max_epochs=3,
+                                                            max_steps=12))
+    assert full.step == 12 and [r["epoch"] for r in full.history] == [1]
 
     # "Killed" run: stops at step 6 (mid-epoch); its resume checkpoint holds that position.
     first = tiny_model(tokenizer)
-    stopped = train(first, tokenizer, corpus, None, config(tmp_path / "cut", max_epochs=3, max_steps=6, save_every_steps=3))
+    stopped = train(first, tokenizer, corpus, None, config(tmp_path / "cut", max_tokens=1000, max_epochs=3,
+                                                           max_steps=6, save_every_steps=3))
     assert stopped.stopped == "max_steps"
     state = json.loads((tmp_path / "cut" / "last" / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["epoch"] == 0 and state["batch_in_epoch"] == 6
@@ -110,10 +112,18 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokeni
 
     # A fresh process would build a fresh model: its weights must come from the checkpoint.
     second = tiny_model(tokenizer, seed=123)
-    resumed = train(second, tokenizer, corpus, None, config(tmp_path / "cut", max_epochs=3, max_steps=10, resume=True))
-    assert resumed.step == 10
+    resumed = train(second, tokenizer, corpus, None, config(tmp_path / "cut", max_tokens=1000, max_epochs=3,
+                                                            max_steps=12, resume=True))
+    assert resumed.step == 12
     for key, value in reference.state_dict().items():
         assert torch.allclose(second.state_dict()[key], value, atol=1e-6), key
+    # The epoch cut at step 6 is recorded whole: its loss is over all 9 steps, not the last 3.
+    record, whole = resumed.history[0], full.history[0]
+    assert record["epoch"] == 1 and record["step"] == whole["step"] == 9
+    assert record["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-6)
+    assert record["tokens_seen"] == whole["tokens_seen"]
+    # speed x minutes: the tokens of both parts of the epoch
+    assert record["tokens_per_s"] * record["epoch_minutes"] * 60 == pytest.approx(whole["tokens_seen"], rel=1e-6)
 
 
 def test_output_directory_with_a_model_is_refused(tmp_path, corpus, tokenizer):
@@ -237,3 +247,20 @@ def test_adaptive_threads_keeps_the_faster_setting_and_probes_rarely(monkeypatch
         tokens += 400
         adaptive(None, step, {"tokens": tokens, "epoch": 0})
     assert adaptive.best == 2
+
+
+def test_the_card_marks_an_epoch_recorded_only_after_a_resume(tmp_path):
+    """Records of older trainers covered only the part of a resumed epoch after the resume;
+    the card's curve says so where the speed x minutes falls short of the epoch's tokens."""
+    from headlab.nmt.card import render_card_blocks
+
+    def record(epoch, seen, minutes, speed):
+        return {"epoch": epoch, "step": 10 * epoch, "tokens_seen": seen, "train_loss": 3.0, "valid_bleu": 1.0,
+                "valid_chrf": 2.0, "epoch_minutes": minutes, "tokens_per_s": speed}
+
+    history = [record(1, 6000, 1.0, 100.0), record(2, 12000, 0.25, 100.0), record(3, 18000, 2.0, 50.0)]
+    (tmp_path / "train_history.json").write_text(json.dumps(history))
+    curve = render_card_blocks(tmp_path)["curve"]
+    rows = [line for line in curve.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.count("*") for row in rows] == [0, 3, 0]
+    assert curve.rstrip().endswith("epoch 2 (25%).")

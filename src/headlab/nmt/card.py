@@ -17,15 +17,42 @@ __all__ = ["render_card_blocks", "render_blocks", "CARD_BLOCKS"]
 CARD_BLOCKS = ("curve", "scores")
 
 
+def _covered(history: list[dict]) -> list[float | None]:
+    """The share of each epoch's target tokens that its record's minutes and speed cover.
+
+    Below 1 where a trainer older than 2026-11-24 resumed the run inside the epoch: its record
+    (train loss, minutes, speed) covered only the part after the resume. None where the record
+    has no ``tokens_seen`` to tell.
+    """
+    shares, before = [], 0
+    for row in history:
+        seen = row.get("tokens_seen")
+        if seen is None or before is None or seen <= before:
+            shares.append(None)
+        else:
+            shares.append(row["tokens_per_s"] * row["epoch_minutes"] * 60 / (seen - before))
+        before = seen
+    return shares
+
+
 def _curve(history: list[dict]) -> str:
     lines = ["| epoch | updates | target tokens seen | train loss (label-smoothed) | val BLEU | val chrF2 "
              "| minutes | target tok/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in history:
+    partial = []
+    for row, share in zip(history, _covered(history)):
         # records written before the trainer kept the count have no tokens_seen
         seen = f"{row['tokens_seen']:,}" if "tokens_seen" in row else "n/a"
-        lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {row['train_loss']:.3f} "
-                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} | {row['epoch_minutes']:.1f} "
-                     f"| {row['tokens_per_s']:,.0f} |")
+        mark = ""
+        if share is not None and share < 0.99:
+            mark = "*"
+            partial.append(f"{row['epoch']} ({share:.0%})")
+        lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {row['train_loss']:.3f}{mark} "
+                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} | {row['epoch_minutes']:.1f}{mark} "
+                     f"| {row['tokens_per_s']:,.0f}{mark} |")
+    if partial:
+        lines += ["", f"\\* Resumed inside the epoch by a trainer older than 2026-11-24, whose record covers only "
+                      f"the part after the resume (its share of the epoch's tokens): epoch{'s' * (len(partial) > 1)} "
+                      f"{', '.join(partial)}."]
     return "\n".join(lines) + "\n"
 
 

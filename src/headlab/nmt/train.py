@@ -66,6 +66,8 @@ __all__ = [
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
+# What the current epoch had done when `last/` was written (a fresh epoch: nothing yet).
+_NO_PROGRESS = {"seconds": 0.0, "tokens": 0, "loss": 0.0, "loss_tokens": 0}
 
 
 @dataclass
@@ -467,9 +469,12 @@ def train(
     while state["epoch"] < config.max_epochs and stopped == "finished":
         epoch = state["epoch"]
         batches = make_batches(train_data, config.max_tokens, seed=config.seed, epoch=epoch, rank=rank, world_size=world_size)
-        epoch_start = time.time()
-        epoch_tokens = 0
-        epoch_loss, epoch_loss_tokens = 0.0, 0
+        # An epoch resumed in its middle goes on from what its first part did, so that its record
+        # (minutes, speed, train loss) covers the whole epoch, not the part after the resume.
+        done = (state.get("epoch_progress") if state["batch_in_epoch"] else None) or _NO_PROGRESS
+        epoch_start = time.time() - done["seconds"]
+        epoch_tokens = done["tokens"]
+        epoch_loss, epoch_loss_tokens = done["loss"], done["loss_tokens"]
         bar = tqdm(
             total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {epoch + 1}/{config.max_epochs}",
             unit="step", disable=not (main and config.progress), mininterval=1.0 if interactive else 30.0,
@@ -523,6 +528,8 @@ def train(
                 stopped = "max_time"
             if stopped != "finished" or (config.save_every_steps and step % config.save_every_steps == 0):
                 state["elapsed_s"] = elapsed_before + time.time() - start_time
+                state["epoch_progress"] = {"seconds": time.time() - epoch_start, "tokens": epoch_tokens,
+                                           "loss": epoch_loss, "loss_tokens": epoch_loss_tokens}
                 if state["batch_in_epoch"] < len(batches):
                     save_last()
                 if stopped != "finished":
@@ -571,6 +578,7 @@ def train(
         state["history"].append(record)
         state["epoch"] = epoch + 1
         state["batch_in_epoch"] = 0
+        state["epoch_progress"] = _NO_PROGRESS
         state["elapsed_s"] = elapsed_before + time.time() - start_time
         save_last()
         if main:
