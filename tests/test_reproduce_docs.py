@@ -46,3 +46,16 @@ def test_every_figure_the_document_shows_exists(rendered):
     for claim in claims:
         for model, name in claim.figures.items():
             assert (REPO / config.img_dir / f"reproduction-{model}-{name}.png").is_file(), (claim.key, model, name)
+
+
+def test_the_news_runs_tables_in_nmt_md_match_its_result_files():
+    """docs/nmt.md's news-domain section: its tables are rendered from docs/results/news-en-de/."""
+    from headlab.analyze.profiles import read_block
+    from headlab.reproduce.status import status_blocks
+
+    blocks = status_blocks(REPO / "docs" / "results" / "news-en-de", "news-en-de", prefix="news-")
+    assert set(blocks) == {"news-curve", "news-scores", "news-specialisation", "news-claims"}
+    document = (REPO / "docs" / "nmt.md").read_text(encoding="utf-8")
+    for name, body in blocks.items():
+        assert read_block(document, name) == body, f"docs/nmt.md block {name!r}: run experiments/news_status.py"
+    assert "| sec5.1 |" in blocks["news-claims"] and "not run" not in blocks["news-claims"]

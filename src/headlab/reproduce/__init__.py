@@ -6,6 +6,7 @@ config file (``experiments/reproduce.json``); the small result files go to
 ``docs/results/reproduction/<model>/`` (:mod:`headlab.reproduce.results`); each claim of the
 paper is computed from those files only (:mod:`headlab.reproduce.claims`) and written into
 docs/reproduction.md between generated markers (:mod:`headlab.reproduce.render`).
+:mod:`headlab.reproduce.status` renders where a run that is still training stands (docs/nmt.md).
 """
 
 from headlab._lazy import lazy_exports
@@ -17,6 +18,7 @@ _EXPORTS = {  # module -> the names it exports
     "headlab.reproduce.report": ("load_results", "write_report"),
     "headlab.reproduce.results": ("ModelResults", "collect_results"),
     "headlab.reproduce.stages": ("STAGES",),
+    "headlab.reproduce.status": ("status_blocks",),
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,23 @@
+"""Regenerate the tables of docs/nmt.md's news-domain section from docs/results/news-en-de/.
+
+    .venv/bin/python experiments/news_status.py
+
+The folder holds what the refresh steps of that section wrote (training history, test scores,
+the `headlab reproduce --config experiments/news-reproduce.json` results); this rewrites the
+blocks ``news-curve``, ``news-scores``, ``news-specialisation`` and ``news-claims``.
+"""
+
+from pathlib import Path
+
+from headlab.analyze.profiles import replace_block
+from headlab.heads import atomic_write_text
+from headlab.reproduce.status import status_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "nmt.md"
+
+text = DOC.read_text(encoding="utf-8")
+for name, body in status_blocks(ROOT / "docs" / "results" / "news-en-de", "news-en-de", prefix="news-").items():
+    text = replace_block(text, name, body)
+atomic_write_text(DOC, text)
+print(f"updated {DOC}")
