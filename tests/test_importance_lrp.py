@@ -1,5 +1,7 @@
 """LRP head relevance: conservation, unchanged forward, equal strategies, the model's own target."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -94,6 +96,24 @@ def test_batched_loop_and_jacobian_strategies_agree(family):
         assert torch.equal(other.steps, results["vmap"].steps)
         for key, values in results["vmap"].relevance.items():
             torch.testing.assert_close(other.relevance[key], values, rtol=1e-4, atol=1e-6)
+
+
+def test_translation_batches_group_rows_by_their_decoder_side():
+    """A batch costs one backward per step of its longest decoder side, so rows are grouped by
+    that length (then the source's), not by the source's alone."""
+    model = tiny_model("marian")
+    info = describe_model(model)
+    sources = [[5] * 3 + [1], [6] * 9 + [1], [7] * 5 + [1], [8] * 7 + [1], [9] * 5 + [1]]
+    translations = [[10] * 11 + [1], [11] * 2 + [1], [12] * 6 + [1], [13] * 2 + [1], [14] * 6 + [1]]
+    data = ImportanceData.from_ids(sources, references=translations[::-1])
+    data = replace(data, translations=translations)
+    batches = list(make_batches(data, info, batch_size=2, side="translation"))
+    # decoder lengths 12, 3, 7, 3, 7: ties go to the longer source (1 before 3), then keep their order (2, 4)
+    assert [b.index for b in batches] == [[0, 2], [4, 1], [3]]
+    assert [b.inputs["decoder_input_ids"].shape[1] for b in batches] == [12, 7, 3]
+    assert [b.inputs["input_ids"].shape[1] for b in batches] == [6, 10, 8]
+    # The reference side orders by the references (reversed translations: 7, 3, 7, 3, 12).
+    assert [b.index for b in make_batches(data, info, batch_size=2, side="reference")] == [[4, 2], [0, 1], [3]]
 
 
 def test_automatic_chunks_are_cache_sized_on_one_cpu_thread():

@@ -4,6 +4,7 @@ length-sorted batches of a fixed number of sentences. Every batching of headlab 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -64,8 +65,10 @@ def with_progress(batches: Iterable, enabled: bool, desc: str, **bar) -> Iterabl
     return tqdm(batches, desc=desc, **bar)
 
 
-def length_batches(lengths: Sequence[int] | Mapping[int, int], batch_size: int,
+def length_batches(lengths: Sequence | Mapping[int, Any], batch_size: int,
                    indices: Sequence[int] | None = None) -> list[list[int]]:
-    """``indices`` (default: all) longest first, in batches of ``batch_size``: little padding."""
+    """``indices`` (default: all) longest first, in batches of ``batch_size``: little padding.
+
+    A length is a number or a tuple of them, compared in order; equal ones keep their order."""
     order = sorted(range(len(lengths)) if indices is None else indices, key=lambda i: lengths[i], reverse=True)
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]

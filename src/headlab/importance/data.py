@@ -542,6 +542,20 @@ def _mask_positions(ids: torch.Tensor, keep: torch.Tensor, seed: int, rate: floa
     return chosen
 
 
+def batch_lengths(data: ImportanceData, decoder_side: list[list[int]] | None = None) -> list:
+    """The length that orders ``data`` into batches: the source's, or for a translation model
+    (decoder side given) its decoder side's, then its source's.
+
+    LRP runs one backward pass per step of a batch's longest decoder side, over every row, and
+    a translation's length does not follow its source's closely (a runaway one can be twice
+    as long): grouped by the decoder side, fewer rows wait through steps they do not have
+    (docs/benchmarks.md, "LRP: sentences per batch").
+    """
+    if decoder_side is None:
+        return [len(ids) for ids in data.sources]
+    return [(len(target), len(source)) for target, source in zip(decoder_side, data.sources)]
+
+
 def make_batches(
     data: ImportanceData,
     info: ModelInfo,
@@ -552,7 +566,8 @@ def make_batches(
     mask_tokens: bool = False,
     seed: int = 0,
 ) -> Iterator[Batch]:
-    """Padded batches of ``data``, sentences sorted by length (little padding).
+    """Padded batches of ``data``, sentences sorted by length (little padding): a translation
+    model's by the length of the decoder side, then of the source (:func:`batch_lengths`).
 
     ``side`` picks the decoder input of a translation model: ``"translation"`` (the model's
     own output, which :func:`translate_data` must have made) or ``"reference"`` (falls back
@@ -570,7 +585,7 @@ def make_batches(
             decoder_side = data.translations
         else:
             raise HeadlabError("translate the data first (translate_data) or give references")
-    for number, chunk in enumerate(length_batches([len(ids) for ids in data.sources], batch_size)):
+    for number, chunk in enumerate(length_batches(batch_lengths(data, decoder_side), batch_size)):
         ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
         src_valid = _not_special(ids, mask, info.special_ids)
         if info.is_seq2seq:
