@@ -13,6 +13,7 @@ from headlab.nmt.train import (
     TrainConfig,
     collate,
     encode_corpus,
+    evaluate_loss,
     inverse_sqrt_lr,
     label_smoothed_loss,
     train,
@@ -182,12 +183,23 @@ def test_validation_keeps_the_best_checkpoint_and_averages(tmp_path, corpus, tok
     assert averaged["averaged_epochs"] == [2, 3]
 
 
-def test_default_validation_is_bleu(tmp_path, corpus, tokenizer):
+def test_default_validation_is_bleu_with_the_loss_beside_it(tmp_path, corpus, tokenizer):
     valid = corpus.subset(10)
-    result = train(tiny_model(tokenizer), tokenizer, corpus, valid,
-                   config(tmp_path / "run", validate=True, valid_batch_size=10))
+    model = tiny_model(tokenizer)
+    result = train(model, tokenizer, corpus, valid, config(tmp_path / "run", validate=True, valid_batch_size=10))
     record = result.history[0]
     assert record["valid_beam"] == 1 and 0.0 <= record["valid_bleu"] <= 100.0 and "valid_chrf" in record
+    assert record["valid_score"] == record["valid_bleu"]  # the patience rule reads BLEU
+    # The loss is the epoch's weights' mean cross-entropy per reference token, without smoothing.
+    assert record["valid_loss"] == pytest.approx(evaluate_loss(model, tokenizer, valid, batch_tokens=400), rel=1e-5)
+    assert "| val loss |" in render_card_blocks_of(tmp_path, result.history)
+
+
+def render_card_blocks_of(folder, history):
+    from headlab.nmt.card import render_card_blocks
+
+    (folder / "train_history.json").write_text(json.dumps(history))
+    return render_card_blocks(folder)["curve"]
 
 
 def test_cli_train_then_refuses_existing_output(tmp_path, capsys):

@@ -36,8 +36,10 @@ def _covered(history: list[dict]) -> list[float | None]:
 
 
 def _curve(history: list[dict]) -> str:
+    losses = any("valid_loss" in row for row in history)  # validation losses are recorded since 2026-11-24
     lines = ["| epoch | updates | target tokens seen | train loss (label-smoothed) | val BLEU | val chrF2 "
-             "| minutes | target tok/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             + ("| val loss " if losses else "") + "| minutes | target tok/s |",
+             "|---:|---:|---:|---:|---:|---:|" + ("---:|" if losses else "") + "---:|---:|"]
     partial = []
     for row, share in zip(history, _covered(history)):
         # records written before the trainer kept the count have no tokens_seen
@@ -46,8 +48,9 @@ def _curve(history: list[dict]) -> str:
         if share is not None and share < 0.99:
             mark = "*"
             partial.append(f"{row['epoch']} ({share:.0%})")
+        loss = (f"| {row['valid_loss']:.4f} " if "valid_loss" in row else "| ") if losses else ""
         lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {row['train_loss']:.3f}{mark} "
-                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} | {row['epoch_minutes']:.1f}{mark} "
+                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} {loss}| {row['epoch_minutes']:.1f}{mark} "
                      f"| {row['tokens_per_s']:,.0f}{mark} |")
     if partial:
         lines += ["", f"\\* Resumed inside the epoch by a trainer older than 2026-11-24, whose record covers only "

@@ -50,7 +50,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.nmt.train import EncodedCorpus, TrainConfig, has_model, label_smoothed_loss, scoring_batches, train
+from headlab.nmt.train import EncodedCorpus, TrainConfig, evaluate_loss, has_model, label_smoothed_loss, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -340,20 +340,6 @@ class _Diagnostics:
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss: Callable | None = None) -> float:
-    """Mean cross-entropy per target token (no label smoothing), model in eval mode."""
-    config = TrainConfig(label_smoothing=0.0)
-    compute_loss = compute_loss or label_smoothed_loss
-    total, count = 0.0, 0
-    with eval_mode(model):
-        for batch in scoring_batches(model, tokenizer, data, batch_tokens):
-            loss_sum, n = compute_loss(model, batch, config)
-            total += loss_sum.item()
-            count += n
-    return total / max(count, 1)
 
 
 def evaluate_model(model, tokenizer, data, *, beam: int = 4, batch_size: int = 64, loss_kind: str = "seq2seq",
