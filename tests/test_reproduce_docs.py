@@ -59,3 +59,12 @@ def test_the_news_runs_tables_in_nmt_md_match_its_result_files():
     for name, body in blocks.items():
         assert read_block(document, name) == body, f"docs/nmt.md block {name!r}: run experiments/news_status.py"
     assert "| sec5.1 |" in blocks["news-claims"] and "not run" not in blocks["news-claims"]
+
+
+def test_checkpoint_losses_fill_only_the_records_without_one():
+    from headlab.reproduce.status import with_checkpoint_losses
+
+    history = [{"epoch": 1}, {"epoch": 2, "valid_loss": 2.0}, {"epoch": 3}]
+    measured = {"epochs": [{"epoch": 1, "valid_loss": 3.0}, {"epoch": 2, "valid_loss": 9.9}]}
+    assert with_checkpoint_losses(history, measured) == [{"epoch": 1, "valid_loss": 3.0}, {"epoch": 2, "valid_loss": 2.0},
+                                                         {"epoch": 3}]

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["render_card_blocks", "render_blocks", "CARD_BLOCKS"]
+__all__ = ["render_card_blocks", "render_blocks", "curve_table", "CARD_BLOCKS"]
 
 CARD_BLOCKS = ("curve", "scores")
 
@@ -35,7 +35,8 @@ def _covered(history: list[dict]) -> list[float | None]:
     return shares
 
 
-def _curve(history: list[dict]) -> str:
+def curve_table(history: list[dict]) -> str:
+    """The training curve: one row per epoch record of ``train_history.json``."""
     losses = any("valid_loss" in row for row in history)  # validation losses are recorded since 2026-11-24
     lines = ["| epoch | updates | target tokens seen | train loss (label-smoothed) | val BLEU | val chrF2 "
              + ("| val loss " if losses else "") + "| minutes | target tok/s |",
@@ -80,4 +81,4 @@ def render_blocks(model_dir: str | Path, sources: dict[str, tuple[str, Callable[
 
 def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
     """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    return render_blocks(model_dir, {"curve": ("train_history.json", _curve), "scores": ("eval_results.json", _scores)})
+    return render_blocks(model_dir, {"curve": ("train_history.json", curve_table), "scores": ("eval_results.json", _scores)})

@@ -3,7 +3,9 @@
 A run that is analysed while it trains is documented from a folder of the files its commands
 wrote (see docs/nmt.md, "Where the CPU run stands", for the commands that fill it)::
 
-    train_history.json                 headlab nmt train / nmt export: one row per epoch
+    train_history.json                 headlab nmt train: the run's history.json, one row per epoch
+    epoch_losses.json                  experiments/checkpoint_losses.py: the validation loss of the
+                                       epochs recorded before the trainer kept it
     eval_results.json                  experiments/evaluate_model.py: test BLEU and chrF2
     export.json                        headlab nmt export: which checkpoint was exported
     reproduction/specialisation.json   headlab reproduce, stage specialisation
@@ -18,9 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headlab.nmt.card import render_card_blocks
+from headlab.nmt.card import curve_table, render_card_blocks
 
-__all__ = ["STATUS_CLAIMS", "claims_table", "specialisation_table", "status_blocks"]
+__all__ = ["STATUS_CLAIMS", "claims_table", "specialisation_table", "status_blocks", "with_checkpoint_losses"]
 
 # What the model was trained on and the claims that describe its heads (pruning needs a pruning run).
 STATUS_CLAIMS = ("setting", "sec4", "sec5.1", "sec5.2", "sec5.3", "beyond", "specialisation")
@@ -60,11 +62,24 @@ def claims_table(claims: dict, model: str, keys: tuple[str, ...] = STATUS_CLAIMS
     return "\n".join(lines) + "\n"
 
 
+def with_checkpoint_losses(history: list[dict], measured: dict) -> list[dict]:
+    """``history`` with ``valid_loss`` filled, where a record lacks it, from ``measured`` (the
+    same loss of the same epoch's weights, computed afterwards from its checkpoint)."""
+    by_epoch = {row["epoch"]: row["valid_loss"] for row in measured["epochs"]}
+    return [{**row, "valid_loss": by_epoch[row["epoch"]]} if "valid_loss" not in row and row["epoch"] in by_epoch
+            else row for row in history]
+
+
 def status_blocks(folder: str | Path, model: str, prefix: str) -> dict[str, str]:
     """``{prefix + block: markdown}`` for the files present in ``folder``: ``curve`` (training
     history), ``scores`` (test sets), ``specialisation`` and ``claims`` (of ``model``)."""
     folder = Path(folder)
     blocks = {prefix + name: body for name, body in render_card_blocks(folder).items()}
+    losses = folder / "epoch_losses.json"
+    if losses.is_file() and (folder / "train_history.json").is_file():
+        history = json.loads((folder / "train_history.json").read_text(encoding="utf-8"))
+        measured = json.loads(losses.read_text(encoding="utf-8"))
+        blocks[prefix + "curve"] = curve_table(with_checkpoint_losses(history, measured))
     specialisation = folder / "reproduction" / "specialisation.json"
     if specialisation.is_file():
         blocks[prefix + "specialisation"] = specialisation_table(json.loads(specialisation.read_text(encoding="utf-8")))
