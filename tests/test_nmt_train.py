@@ -183,6 +183,21 @@ def test_validation_keeps_the_best_checkpoint_and_averages(tmp_path, corpus, tok
     assert averaged["averaged_epochs"] == [2, 3]
 
 
+@pytest.mark.parametrize("metric, epochs", [("score", 3), ("loss", 5)])
+def test_the_patience_rule_reads_the_score_or_the_loss(tmp_path, corpus, tokenizer, metric, epochs):
+    """BLEU best at epoch 1, the loss falling by 0.1 until epoch 3, then by 0.01: patience 2 stops
+    after epoch 3 on the score and after epoch 5 on the loss (epochs 2 and 3 count as progress, 4
+    and 5 not: 0.01 is below --min-improvement 0.05); the best checkpoint is the best score either way."""
+    metrics = iter([{"score": 5.0, "loss": 3.0}, {"score": 5.0, "loss": 2.9}, {"score": 4.0, "loss": 2.8},
+                    {"score": 4.0, "loss": 2.79}, {"score": 4.0, "loss": 2.78}, {"score": 4.0, "loss": 2.77}])
+    result = train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+                   config(tmp_path / "run", max_epochs=6, max_tokens=2000, validate=True, patience=2,
+                          min_improvement=0.05, patience_metric=metric),
+                   validate_fn=lambda model, tok, data, cfg: next(metrics))
+    assert result.stopped == "converged" and result.epoch == epochs
+    assert result.best_epoch == 1
+
+
 def test_default_validation_is_bleu_with_the_loss_beside_it(tmp_path, corpus, tokenizer):
     valid = corpus.subset(10)
     model = tiny_model(tokenizer)

@@ -15,8 +15,8 @@ from headlab.options import add_options, from_args
 
 # The training loop's options that `nmt train` and `lm train` share.
 TRAIN_OPTIONS = ("out_dir", "max_tokens", "lr", "warmup_steps", "label_smoothing", "mixed_precision", "clip_norm",
-                 "max_epochs", "patience", "min_improvement", "max_steps", "max_time_minutes", "save_every_steps",
-                 "seed")
+                 "max_epochs", "patience", "patience_metric", "min_improvement", "max_steps", "max_time_minutes",
+                 "save_every_steps", "seed")
 
 
 def register(subparsers) -> None:

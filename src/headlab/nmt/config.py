@@ -59,7 +59,12 @@ class TrainConfig:
     patience: int = option(0, "stop after this many epochs without a validation gain of --min-improvement (0: off); "
                            "epochs that end inside the warm-up do not count")
     min_improvement: float = option(0.0, "smallest validation gain that counts as progress (BLEU points; "
-                                    "for a language model, nats per token of loss)")
+                                    "for a language model or --patience-metric loss, nats per token of loss)")
+    # What the patience rule reads: the validation score (BLEU for translation, the negated loss
+    # for a language model) or the validation loss. The best checkpoint is always the best score.
+    patience_metric: str = option("score", "what the patience rule reads: the validation score (BLEU for "
+                                  "translation) or the validation loss (mean cross-entropy, lower is better)",
+                                  choices=("score", "loss"))
     keep_epoch_checkpoints: bool = True
     seed: int = option(1, "random seed of the initialisation and the batch order")
     resume: bool = option(False, "continue from the last checkpoint in --out")

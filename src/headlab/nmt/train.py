@@ -464,6 +464,8 @@ def train(
         value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(value, reduction="sum").item() > 0)
 
+    if config.patience_metric not in ("score", "loss"):
+        raise HeadlabError(f"patience_metric must be 'score' or 'loss', got {config.patience_metric!r}")
     if config.mixed_precision not in ("no", "bf16"):
         raise HeadlabError(f"mixed_precision must be 'no' or 'bf16', got {config.mixed_precision!r}")
 
@@ -582,7 +584,14 @@ def train(
                 # learning rate still rising, a model may not improve yet (a 16k-token news run stopped
                 # at 448 updates of 1,500 warm-up, BLEU 0.09, by this rule).
                 warming_up = state["step"] < config.warmup_steps
-                if warming_up or state["best_score"] is None or score >= state["best_score"] + config.min_improvement:
+                if config.patience_metric == "loss":  # lower is better: compared negated
+                    if "loss" not in metrics:
+                        raise HeadlabError("--patience-metric loss: the validation reports no loss")
+                    value, reference = -metrics["loss"], state.get("patience_best")
+                    state["patience_best"] = value if reference is None else max(reference, value)
+                else:
+                    value, reference = score, state["best_score"]
+                if warming_up or reference is None or value >= reference + config.min_improvement:
                     state["improved_epoch"] = epoch + 1
                 if state["best_score"] is None or score > state["best_score"]:
                     state["best_score"], state["best_epoch"] = score, epoch + 1
@@ -591,8 +600,9 @@ def train(
         if world_size > 1:  # only the main rank validates; every rank must agree on stopping
             from accelerate.utils import broadcast_object_list
 
-            shared = [state["improved_epoch"], state["best_score"], state["best_epoch"]]
-            state["improved_epoch"], state["best_score"], state["best_epoch"] = broadcast_object_list(shared)
+            shared = [state["improved_epoch"], state["best_score"], state["best_epoch"], state.get("patience_best")]
+            state["improved_epoch"], state["best_score"], state["best_epoch"], state["patience_best"] = \
+                broadcast_object_list(shared)
         state["history"].append(record)
         state["epoch"] = epoch + 1
         state["batch_in_epoch"] = 0
