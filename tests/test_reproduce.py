@@ -589,6 +589,29 @@ def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
         "weights the pruning results were made from"] == f"the bundled weights ({now[:12]})"
 
 
+def test_the_training_budget_is_the_exported_epochs(tmp_path):
+    """A run goes on after its best epoch: the setting row counts the updates and tokens behind the
+    weights exported (train_metrics.json: the best epoch, or the last epoch of an average)."""
+    from headlab.reproduce.results import ModelResults
+
+    model = tmp_path / "model"
+    model.mkdir()
+    history = [{"epoch": e, "step": 10 * e, "tokens_per_s": 1.0, "epoch_minutes": 1.0, "tokens_seen": 1000 * e}
+               for e in (1, 2, 3)]
+    (model / "train_history.json").write_text(json.dumps(history))
+
+    def budget(metrics):
+        if metrics is not None:
+            (model / "train_metrics.json").write_text(json.dumps(metrics))
+        results = {"m": ModelResults(tmp_path / "m", "m", train_history=model / "train_history.json", model_dir=model)}
+        setting = {c.key: c for c in compute_claims(results)}["setting"]
+        return [check.cells["m"].value for check in setting.checks[:3]]
+
+    assert budget(None) == ["30 (3 epochs of 10 updates)", "100", "0.0M (0.00M per epoch)"]
+    assert budget({"epoch": 2, "step": 20})[0] == "20 (2 epochs of 10 updates)"
+    assert budget({"averaged_epochs": [1, 2]})[0] == "20 (2 epochs of 10 updates)"
+
+
 def test_paths_print_relative_when_the_work_dir_is_a_link(tmp_path):
     """A work directory linked to another disk still prints as ``runs/...`` in the document."""
     root, elsewhere = tmp_path / "repo", tmp_path / "disk"

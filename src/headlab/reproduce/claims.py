@@ -297,10 +297,12 @@ def claim_setting(results: dict[str, ModelResults]) -> Claim:
         if not history:
             _fill((updates, batch, seen), name, Cell("no train_history.json in the model directory"))
         else:
-            last = history[-1]
+            # The exported epoch's record: a run may have gone on after its best epoch.
+            last = next((e for e in history if e["epoch"] == r.exported_epoch), history[-1])
             # The trainer's running count where it is recorded; else speed x time, which undercounts an
             # epoch that a resumed run began inside (its minutes count only the part after the resume).
-            total = last.get("tokens_seen") or sum(e["tokens_per_s"] * e["epoch_minutes"] * 60 for e in history)
+            total = last.get("tokens_seen") or sum(e["tokens_per_s"] * e["epoch_minutes"] * 60
+                                                   for e in history[: history.index(last) + 1])
             updates.cells[name] = Cell(f"{last['step']:,} ({last['epoch']} epochs of {history[0]['step']} updates)")
             batch.cells[name] = Cell(f"{total / last['step']:,.0f}")
             seen.cells[name] = Cell(f"{total / 1e6:.1f}M ({total / last['epoch'] / 1e6:.2f}M per epoch)")

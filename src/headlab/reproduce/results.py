@@ -234,6 +234,18 @@ class ModelResults:
         """The bundled model's train_history.json (epochs, updates, tokens per second)."""
         return None if self._train_history is None else _json(self._train_history)
 
+    @cached_property
+    def exported_epoch(self) -> int | None:
+        """The epoch of the training run that the model's weights are (``train_metrics.json``, which
+        ``headlab nmt export`` copies: the best epoch's record, or the epochs an average was made
+        of, the last counted); None when not recorded."""
+        metrics = None if self._model_dir is None else _json(self._model_dir / "train_metrics.json")
+        if not metrics:
+            return None
+        if metrics.get("averaged_epochs"):
+            return max(metrics["averaged_epochs"])
+        return metrics.get("epoch")
+
     def hypotheses(self, name: str) -> list[str] | None:
         """Greedy test-set translations of ``full`` or ``<sweep>-<point>``; None when not made."""
         path = self.dir / "hypotheses" / f"{name}.txt"
