@@ -28,11 +28,16 @@ args = parser.parse_args()
 
 
 def describe(model: dict) -> str:
-    """The model's description, with {updates} and {epochs} read from its train_history.json."""
+    """The model's description, with {updates} and {epochs} of the exported epoch: the record of
+    train_metrics.json's epoch (the last of an average) in train_history.json, else the last."""
     if "{" not in model["description"]:
         return model["description"]
-    history = json.loads((ROOT / model["model"] / "train_history.json").read_text())
-    return model["description"].format(updates=f"{history[-1]['step']:,}", epochs=history[-1]["epoch"])
+    directory = ROOT / model["model"]
+    history = json.loads((directory / "train_history.json").read_text())
+    metrics = json.loads((directory / "train_metrics.json").read_text()) if (directory / "train_metrics.json").is_file() else {}
+    epoch = max(metrics["averaged_epochs"]) if metrics.get("averaged_epochs") else metrics.get("epoch")
+    record = next((row for row in history if row["epoch"] == epoch), history[-1])
+    return model["description"].format(updates=f"{record['step']:,}", epochs=record["epoch"])
 
 
 models = json.loads((ROOT / "experiments" / "profiles.json").read_text())["models"]
