@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 config = json.loads((args.run / "train_config.json").read_text(encoding="utf-8"))
 tokenizer = load_tokenizer(str(args.run / "tokenizer"))
 valid = read_parallel(args.src, args.tgt)
-done = {row["epoch"]: row for row in json.loads(args.out.read_text())["epochs"]} if args.out.is_file() else {}
+done = {row["epoch"]: row for row in json.loads(args.out.read_text(encoding="utf-8"))["epochs"]} if args.out.is_file() else {}
 for checkpoint in sorted((args.run / "epochs").glob("epoch-[0-9][0-9][0-9]")):
     epoch = int(checkpoint.name.split("-")[1])
     sha = weights_fingerprint(checkpoint)

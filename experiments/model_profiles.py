@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from headlab.analyze.profiles import collect_profile, render_profiles, replace_block
+from headlab.nmt.export import exported_epoch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "profiles"
@@ -34,8 +35,7 @@ def describe(model: dict) -> str:
         return model["description"]
     directory = ROOT / model["model"]
     history = json.loads((directory / "train_history.json").read_text())
-    metrics = json.loads((directory / "train_metrics.json").read_text()) if (directory / "train_metrics.json").is_file() else {}
-    epoch = max(metrics["averaged_epochs"]) if metrics.get("averaged_epochs") else metrics.get("epoch")
+    epoch = exported_epoch(directory)
     record = next((row for row in history if row["epoch"] == epoch), history[-1])
     return model["description"].format(updates=f"{record['step']:,}", epochs=record["epoch"])
 

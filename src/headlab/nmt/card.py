@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["render_card_blocks", "render_blocks", "curve_table", "CARD_BLOCKS"]
+__all__ = ["render_card_blocks", "render_blocks", "curve_table", "scores_table", "CARD_BLOCKS"]
 
 CARD_BLOCKS = ("curve", "scores")
 
@@ -60,7 +60,8 @@ def curve_table(history: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _scores(results: dict) -> str:
+def scores_table(results: dict) -> str:
+    """The test scores: one row per run of ``eval_results.json``."""
     lines = ["| set | sentences | decoding | BLEU | chrF2 | command |", "|---|---:|---|---:|---:|---|"]
     for run in results["runs"]:
         decoding = "greedy" if run["beam"] == 1 else f"beam {run['beam']}"
@@ -81,4 +82,4 @@ def render_blocks(model_dir: str | Path, sources: dict[str, tuple[str, Callable[
 
 def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
     """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    return render_blocks(model_dir, {"curve": ("train_history.json", curve_table), "scores": ("eval_results.json", _scores)})
+    return render_blocks(model_dir, {"curve": ("train_history.json", curve_table), "scores": ("eval_results.json", scores_table)})

@@ -22,7 +22,7 @@ def load_model(path: str | Path):
     """A checkpoint of a training run in fp32, whatever its architecture."""
     return _load_any(str(path), dtype=torch.float32, attn_implementation="sdpa")
 
-__all__ = ["export_model", "checkpoint_dir", "average_last_epochs"]
+__all__ = ["export_model", "checkpoint_dir", "average_last_epochs", "exported_epoch"]
 
 
 def checkpoint_dir(run_dir: str | Path, which: str = "best") -> Path:
@@ -66,6 +66,19 @@ def export_model(
             shutil.copyfile(kept, out_dir / name)
     (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
     return out_dir
+
+
+def exported_epoch(model_dir: str | Path) -> int | None:
+    """The epoch of its training run that an exported model's weights are: from the
+    ``train_metrics.json`` that :func:`export_model` copies (the best epoch's record, or the
+    epochs an average was made of, the last counted); None when it is not there."""
+    path = Path(model_dir) / "train_metrics.json"
+    if not path.is_file():
+        return None
+    metrics = json.loads(path.read_text(encoding="utf-8"))
+    if metrics.get("averaged_epochs"):
+        return max(metrics["averaged_epochs"])
+    return metrics.get("epoch")
 
 
 def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = False) -> Path:

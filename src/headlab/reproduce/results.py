@@ -236,15 +236,10 @@ class ModelResults:
 
     @cached_property
     def exported_epoch(self) -> int | None:
-        """The epoch of the training run that the model's weights are (``train_metrics.json``, which
-        ``headlab nmt export`` copies: the best epoch's record, or the epochs an average was made
-        of, the last counted); None when not recorded."""
-        metrics = None if self._model_dir is None else _json(self._model_dir / "train_metrics.json")
-        if not metrics:
-            return None
-        if metrics.get("averaged_epochs"):
-            return max(metrics["averaged_epochs"])
-        return metrics.get("epoch")
+        """The epoch of the training run that the model's weights are (None when not recorded)."""
+        from headlab.nmt.export import exported_epoch
+
+        return None if self._model_dir is None else exported_epoch(self._model_dir)
 
     def hypotheses(self, name: str) -> list[str] | None:
         """Greedy test-set translations of ``full`` or ``<sweep>-<point>``; None when not made."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headlab.nmt.card import curve_table, render_card_blocks
+from headlab.nmt.card import curve_table, scores_table
 
 __all__ = ["STATUS_CLAIMS", "claims_table", "specialisation_table", "status_blocks", "with_checkpoint_losses"]
 
@@ -70,20 +70,24 @@ def with_checkpoint_losses(history: list[dict], measured: dict) -> list[dict]:
             else row for row in history]
 
 
+def _json(path: Path):
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def status_blocks(folder: str | Path, model: str, prefix: str) -> dict[str, str]:
     """``{prefix + block: markdown}`` for the files present in ``folder``: ``curve`` (training
-    history), ``scores`` (test sets), ``specialisation`` and ``claims`` (of ``model``)."""
+    history, with the checkpoints' validation losses), ``scores`` (test sets), ``specialisation``
+    and ``claims`` (of ``model``)."""
     folder = Path(folder)
-    blocks = {prefix + name: body for name, body in render_card_blocks(folder).items()}
-    losses = folder / "epoch_losses.json"
-    if losses.is_file() and (folder / "train_history.json").is_file():
-        history = json.loads((folder / "train_history.json").read_text(encoding="utf-8"))
-        measured = json.loads(losses.read_text(encoding="utf-8"))
-        blocks[prefix + "curve"] = curve_table(with_checkpoint_losses(history, measured))
-    specialisation = folder / "reproduction" / "specialisation.json"
-    if specialisation.is_file():
-        blocks[prefix + "specialisation"] = specialisation_table(json.loads(specialisation.read_text(encoding="utf-8")))
-    claims = folder / "reproduction" / "claims.json"
-    if claims.is_file():
-        blocks[prefix + "claims"] = claims_table(json.loads(claims.read_text(encoding="utf-8")), model)
+    blocks = {}
+    history, losses = _json(folder / "train_history.json"), _json(folder / "epoch_losses.json")
+    if history is not None:
+        blocks[prefix + "curve"] = curve_table(with_checkpoint_losses(history, losses) if losses else history)
+    renderers = {"scores": ("eval_results.json", scores_table),
+                 "specialisation": ("reproduction/specialisation.json", specialisation_table),
+                 "claims": ("reproduction/claims.json", lambda claims: claims_table(claims, model))}
+    for name, (file, render) in renderers.items():
+        record = _json(folder / file)
+        if record is not None:
+            blocks[prefix + name] = render(record)
     return blocks
