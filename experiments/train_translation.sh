@@ -28,9 +28,11 @@ COMMON=(--vocab-size 8000 --d-model "${D_MODEL:-256}" --ffn "${FFN:-1024}" --lay
 case $MODEL in
   multi30k-en-de|multi30k-en-fr)
     TGT=${MODEL#multi30k-en-}
+    STOP=()  # RULE=loss: the same recipe under the news run's validation-loss rule, in runs/<model>-loss
+    if [ "${RULE:-score}" = loss ]; then STOP=(--patience-metric loss --min-improvement 0.01); SUFFIX=-loss; fi
     exec "$HEADLAB" nmt train --train-src data/multi30k/train.en.gz --train-tgt "data/multi30k/train.$TGT.gz" \
-      --valid-src data/multi30k/val.en.gz --valid-tgt "data/multi30k/val.$TGT.gz" --out "runs/$MODEL" \
-      --max-tokens "${MAX_TOKENS:-2048}" --lr 7e-4 --warmup-steps "${WARMUP:-400}" "${COMMON[@]}" ;;
+      --valid-src data/multi30k/val.en.gz --valid-tgt "data/multi30k/val.$TGT.gz" --out "runs/$MODEL${SUFFIX:-}" \
+      --max-tokens "${MAX_TOKENS:-2048}" --lr 7e-4 --warmup-steps "${WARMUP:-400}" "${COMMON[@]}" ${STOP[@]+"${STOP[@]}"} ;;
   news-en-de)
     DATA=runs/news-en-de-data
     if [ ! -f $DATA/test.de.gz ]; then  # 77,311 pairs: Multi30k train, WMT news-train, Tatoeba
