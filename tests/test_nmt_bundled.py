@@ -59,17 +59,16 @@ def test_reproduces_the_model_cards_test_bleu(name, capsys):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_card_tables_come_from_the_result_files(name):
-    """Where a translation card has generated blocks, they equal a fresh rendering of its result files."""
+    """A translation card shows a generated block for each of its result files, equal to a fresh rendering."""
     from headlab.analyze.profiles import read_block
     from headlab.nmt.card import render_card_blocks
 
     model = bundled(name)
     blocks = render_card_blocks(model)
-    assert set(blocks) == {"curve", "scores"}  # both result files are bundled with every translation model
+    assert {"curve", "scores"} <= set(blocks)  # both result files are bundled with every translation model
     history = json.loads((model / "train_history.json").read_text())
     rows = [line for line in blocks["curve"].splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(history)
     card = (model / "README.md").read_text()
     for block, body in blocks.items():
-        if f"<!-- BEGIN generated:{block} -->" in card:
-            assert read_block(card, block) == body, f"models/{name}/README.md block {block!r}: run experiments/model_card.py"
+        assert read_block(card, block) == body, f"models/{name}/README.md block {block!r}: run experiments/model_card.py"

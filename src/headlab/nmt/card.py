@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 __all__ = ["render_card_blocks", "render_blocks", "curve_table", "scores_table", "CARD_BLOCKS"]
 
-CARD_BLOCKS = ("curve", "scores")
+CARD_BLOCKS = ("curve", "scores", "loss-rule-curve")
+# each block's result file; loss_rule_history.json: the same recipe retrained under the
+# validation-loss patience rule (experiments/train_translation.sh with RULE=loss), where a card has one
+CARD_SOURCES = {"curve": "train_history.json", "scores": "eval_results.json", "loss-rule-curve": "loss_rule_history.json"}
 
 
 def _covered(history: list[dict]) -> list[float | None]:
@@ -82,4 +85,5 @@ def render_blocks(model_dir: str | Path, sources: dict[str, tuple[str, Callable[
 
 def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
     """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    return render_blocks(model_dir, {"curve": ("train_history.json", curve_table), "scores": ("eval_results.json", scores_table)})
+    renderers = {"curve": curve_table, "scores": scores_table, "loss-rule-curve": curve_table}
+    return render_blocks(model_dir, {name: (CARD_SOURCES[name], renderers[name]) for name in CARD_BLOCKS})
