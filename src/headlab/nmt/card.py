@@ -1,4 +1,4 @@
-"""The generated tables of a translation model's card: training curve and scores.
+"""The generated tables of a translation model's card: training curve, scores, and the curve under the loss rule.
 
 Each renders one block of the card from a result file that a command wrote
 (``train_history.json`` from ``headlab nmt train``/``nmt export``, ``eval_results.json`` from
@@ -15,9 +15,6 @@ from typing import Any, Callable
 __all__ = ["render_card_blocks", "render_blocks", "curve_table", "scores_table", "CARD_BLOCKS"]
 
 CARD_BLOCKS = ("curve", "scores", "loss-rule-curve")
-# each block's result file; loss_rule_history.json: the same recipe retrained under the
-# validation-loss patience rule (experiments/train_translation.sh with RULE=loss), where a card has one
-CARD_SOURCES = {"curve": "train_history.json", "scores": "eval_results.json", "loss-rule-curve": "loss_rule_history.json"}
 
 
 def _covered(history: list[dict]) -> list[float | None]:
@@ -84,6 +81,11 @@ def render_blocks(model_dir: str | Path, sources: dict[str, tuple[str, Callable[
 
 
 def render_card_blocks(model_dir: str | Path) -> dict[str, str]:
-    """``{block name: markdown}`` for the result files present in ``model_dir``."""
-    renderers = {"curve": curve_table, "scores": scores_table, "loss-rule-curve": curve_table}
-    return render_blocks(model_dir, {name: (CARD_SOURCES[name], renderers[name]) for name in CARD_BLOCKS})
+    """``{block name: markdown}`` for the result files present in ``model_dir``.
+
+    ``loss_rule_history.json``, where a card has one: the same recipe trained again under the
+    validation-loss patience rule (``RULE=loss experiments/train_translation.sh``).
+    """
+    return render_blocks(model_dir, {"curve": ("train_history.json", curve_table),
+                                     "scores": ("eval_results.json", scores_table),
+                                     "loss-rule-curve": ("loss_rule_history.json", curve_table)})
