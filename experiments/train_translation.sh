@@ -9,6 +9,7 @@
 #   experiments/train_translation.sh multi30k-en-de    # Multi30k EN-DE, the bundled card's recipe
 #   experiments/train_translation.sh multi30k-en-fr
 #   experiments/train_translation.sh news-en-de        # Multi30k + WMT news-train + Tatoeba, newstest2020
+#   RULE=loss experiments/train_translation.sh multi30k-en-de   # the Multi30k recipe under the loss rule
 #
 # Every epoch's weights stay in runs/<model>/epochs/ for the specialisation curve. The shape and
 # batch can be changed from the environment (D_MODEL, FFN, HEADS, MAX_TOKENS, WARMUP, PRECISION,
