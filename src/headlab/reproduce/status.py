@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headlab.nmt.card import curve_table, scores_table
+from headlab.nmt.card import curve_table, render_blocks, scores_table
 
 __all__ = ["STATUS_CLAIMS", "claims_table", "specialisation_table", "status_blocks", "with_checkpoint_losses"]
 
@@ -70,24 +70,18 @@ def with_checkpoint_losses(history: list[dict], measured: dict) -> list[dict]:
             else row for row in history]
 
 
-def _json(path: Path):
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def status_blocks(folder: str | Path, model: str, prefix: str) -> dict[str, str]:
     """``{prefix + block: markdown}`` for the files present in ``folder``: ``curve`` (training
     history, with the checkpoints' validation losses), ``scores`` (test sets), ``specialisation``
     and ``claims`` (of ``model``)."""
     folder = Path(folder)
-    blocks = {}
-    history, losses = _json(folder / "train_history.json"), _json(folder / "epoch_losses.json")
-    if history is not None:
-        blocks[prefix + "curve"] = curve_table(with_checkpoint_losses(history, losses) if losses else history)
-    renderers = {"scores": ("eval_results.json", scores_table),
-                 "specialisation": ("reproduction/specialisation.json", specialisation_table),
-                 "claims": ("reproduction/claims.json", lambda claims: claims_table(claims, model))}
-    for name, (file, render) in renderers.items():
-        record = _json(folder / file)
-        if record is not None:
-            blocks[prefix + name] = render(record)
-    return blocks
+    losses_file = folder / "epoch_losses.json"
+    losses = json.loads(losses_file.read_text(encoding="utf-8")) if losses_file.is_file() else None
+    blocks = render_blocks(folder, {
+        "curve": ("train_history.json",
+                  lambda history: curve_table(with_checkpoint_losses(history, losses) if losses else history)),
+        "scores": ("eval_results.json", scores_table),
+        "specialisation": ("reproduction/specialisation.json", specialisation_table),
+        "claims": ("reproduction/claims.json", lambda claims: claims_table(claims, model)),
+    })
+    return {prefix + name: body for name, body in blocks.items()}
