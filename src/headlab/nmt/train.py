@@ -561,12 +561,13 @@ def train(
             break  # stopped inside the epoch; `last/` holds the position
 
         # ---- end of epoch: weights, validation, best, resume point
+        epoch_seconds = time.time() - epoch_start  # read once: speed x minutes = the epoch's tokens
         record = {
             "epoch": epoch + 1,
             "step": state["step"],
             "train_loss": epoch_loss / max(epoch_loss_tokens, 1),
-            "epoch_minutes": (time.time() - epoch_start) / 60,
-            "tokens_per_s": epoch_tokens / max(time.time() - epoch_start, 1e-9),
+            "epoch_minutes": epoch_seconds / 60,
+            "tokens_per_s": epoch_tokens / max(epoch_seconds, 1e-9),
             "tokens_seen": state["tokens"],  # target tokens of every update so far, all processes
         }
         accelerator.wait_for_everyone()
