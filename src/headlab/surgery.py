@@ -27,7 +27,7 @@ from headlab.errors import HeadlabError
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
 from headlab.portable import make_portable, restore_original_config
-from headlab.portable_code import NoHeadAttention
+from headlab.portable_code import NoHeadAttention, cache_argument
 
 PRUNING_FILE = "headlab_pruning.json"
 FORMAT_VERSION = 1
@@ -199,7 +199,7 @@ def _t5_bias_hook(source: nn.Module):
         if memory is not None:
             bias = hidden.new_zeros(1, len(kept), q_len, memory.shape[1])
         else:
-            cache = kwargs.get("past_key_values")
+            cache = cache_argument(kwargs)
             past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
             full = source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
             bias = full[:, kept]  # [1, kept heads, q_len, k_len]
