@@ -196,6 +196,9 @@ def test_the_patience_rule_reads_the_score_or_the_loss(tmp_path, corpus, tokeniz
                    validate_fn=lambda model, tok, data, cfg: next(metrics))
     assert result.stopped == "converged" and result.epoch == epochs
     assert result.best_epoch == 1
+    if metric == "loss":  # the message names what the rule watched, not the best score alone
+        assert "without lowering the validation loss by 0.05 (lowest 2.7800, last lowered so at epoch 3" \
+            in result.message, result.message
 
 
 def test_default_validation_is_bleu_with_the_loss_beside_it(tmp_path, corpus, tokenizer):

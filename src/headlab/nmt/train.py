@@ -643,8 +643,14 @@ def train(
     elif stopped == "converged":
         perplexity_run = bool(state["history"]) and "valid_perplexity" in state["history"][-1]
         best = f"loss {-state['best_score']:.4f}" if perplexity_run else f"{state['best_score']:.4g}"
-        message = (f"converged: {config.patience} epochs without a validation gain of {config.min_improvement} "
-                   f"(best {best} at epoch {state['best_epoch']}, {state['epoch']} epochs)")
+        if config.patience_metric == "loss" and not perplexity_run:  # the rule watched the loss, not the score
+            message = (f"converged: {config.patience} epochs without lowering the validation loss by "
+                       f"{config.min_improvement} (lowest {-state['patience_best']:.4f}, last lowered so at epoch "
+                       f"{state['improved_epoch']}; best score {best} at epoch {state['best_epoch']}, "
+                       f"{state['epoch']} epochs)")
+        else:
+            message = (f"converged: {config.patience} epochs without a validation gain of {config.min_improvement} "
+                       f"(best {best} at epoch {state['best_epoch']}, {state['epoch']} epochs)")
         log(message)
 
     averaged_score = None
