@@ -127,6 +127,23 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokeni
     assert record["tokens_per_s"] * record["epoch_minutes"] * 60 == pytest.approx(whole["tokens_seen"], rel=1e-6)
 
 
+def test_a_resume_that_changes_options_is_recorded(tmp_path, corpus, tokenizer):
+    """train_config.json keeps the first start's options; a resume with other values for options that
+    change the training appends them with its step (a time limit alone is no change)."""
+    out = tmp_path / "run"
+    train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_tokens=1000, max_steps=3))
+    train(tiny_model(tokenizer), tokenizer, corpus, None,
+          config(out, max_tokens=1000, max_steps=4, resume=True, max_time_minutes=5.0))
+    changes_file = out / "train_config_changes.json"
+    assert json.loads(changes_file.read_text()) == [
+        {"step": 3, "epoch": 1, "batch_in_epoch": 3, "changed": {"max_steps": 4}}]
+    train(tiny_model(tokenizer), tokenizer, corpus, None,
+          config(out, max_tokens=1000, max_steps=5, warmup_steps=7, resume=True))
+    changes = json.loads(changes_file.read_text())
+    assert changes[1] == {"step": 4, "epoch": 1, "batch_in_epoch": 4, "changed": {"max_steps": 5, "warmup_steps": 7}}
+    assert json.loads((out / "train_config.json").read_text())["max_steps"] == 3
+
+
 def test_output_directory_with_a_model_is_refused(tmp_path, corpus, tokenizer):
     out = tmp_path / "run"
     train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_steps=2))

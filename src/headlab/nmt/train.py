@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from headlab.capture import eval_mode
 from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
-from headlab.heads import atomic_dir
+from headlab.heads import atomic_dir, atomic_write_text
 from headlab.nmt.config import TrainConfig
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 
@@ -244,6 +244,32 @@ def _save_weights(model, directory: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+# Options that change how long or how verbosely a run goes, not what it learns.
+_RUN_ONLY_OPTIONS = frozenset({"max_time_minutes", "resume", "overwrite", "progress"})
+CONFIG_CHANGES_FILE = "train_config_changes.json"
+_MISSING = object()
+
+
+def _record_config_changes(out_dir: Path, config: TrainConfig, state: dict) -> None:
+    """A resume may change options (a longer warm-up, another patience rule): train_config.json
+    keeps the first start's, and each resume that changes any appends its step and the new values
+    to train_config_changes.json, so that a run's record says what every part of it ran with."""
+    first_file, changes_file = out_dir / "train_config.json", out_dir / CONFIG_CHANGES_FILE
+    if not first_file.is_file():
+        return
+    in_force = json.loads(first_file.read_text(encoding="utf-8"))
+    changes = json.loads(changes_file.read_text(encoding="utf-8")) if changes_file.is_file() else []
+    for change in changes:
+        in_force.update(change["changed"])
+    now = json.loads(json.dumps(config.to_dict()))  # as train_config.json holds it (tuples as lists)
+    changed = {key: value for key, value in now.items()
+               if key not in _RUN_ONLY_OPTIONS and in_force.get(key, _MISSING) != value}
+    if changed:
+        changes.append({"step": state["step"], "epoch": state["epoch"] + 1, "batch_in_epoch": state["batch_in_epoch"],
+                        "changed": changed})
+        atomic_write_text(changes_file, json.dumps(changes, indent=2) + "\n")
+
+
 def _save_scored(model, tokenizer, record: dict, directory: Path) -> None:
     """A checkpoint with its tokenizer and ``metrics.json`` (the best and the averaged one), atomically."""
     def write(tmp: Path) -> None:
@@ -430,6 +456,8 @@ def train(
         if rng_file.is_file():
             torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
         log(f"resuming from {resume_from}: epoch {state['epoch'] + 1}, batch {state['batch_in_epoch']}, step {state['step']}")
+        if main:
+            _record_config_changes(out_dir, config, state)
     else:
         torch.manual_seed(config.seed + rank)  # dropout differs per rank; weights come from rank 0
         if main:
