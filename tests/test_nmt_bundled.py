@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
     "multi30k-en-de": ("A man is riding a bicycle.", "Mann"),
     "multi30k-en-fr": ("A man is riding a bicycle.", "homme"),
+    "news-en-de": ("The government announced new measures on Tuesday.", "Regierung"),
 }
 
 
