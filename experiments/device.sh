@@ -79,10 +79,14 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       "$PY" experiments/evaluate_model.py runs/news-en-de-model --tgt de --device cuda --set newstest2019 runs/news-en-de-data/test \
         --set test_2016_flickr data/multi30k/test_2016_flickr || echo "evaluation failed: $?"
       # importance on newstest2020, functions on EWT dev, the specialisation curve; then, apart, as the
-      # GPU image may lack spaCy, functions on newstest2020 parsed by models/ewt-parser
-      timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config experiments/news-reproduce.json \
+      # GPU image may lack spaCy, functions on newstest2020 parsed by models/ewt-parser. The config
+      # names the bundled CPU model: here it analyses this run's export instead.
+      CONFIG=runs/news-reproduce-gpu.json
+      "$PY" -c 'import json, os, sys; c = json.load(open(sys.argv[1])); c["models"][0]["path"] = "runs/news-en-de-model"; c["root"] = os.getcwd(); json.dump(c, open(sys.argv[2], "w"), indent=1)' \
+        experiments/news-reproduce.json "$CONFIG"
+      timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config "$CONFIG" \
         --device cuda --threads 8 --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
-      timeout --signal=TERM --kill-after=10 120 headlab reproduce --config experiments/news-reproduce.json \
+      timeout --signal=TERM --kill-after=10 120 headlab reproduce --config "$CONFIG" \
         --device cuda --threads 8 --stages functions-parsed,report || echo "parsed analyses stopped: $?"
     fi
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \

@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/evaluate_model.py models/multi30k-en-fr --tgt fr
     .venv/bin/python experiments/evaluate_model.py models/news-en-de --tgt de \
-        --set newstest2019 ../shared/data/wmt-news-en-de/newstest2019 --set test_2016_flickr data/multi30k/test_2016_flickr
+        --set test_2016_flickr data/multi30k/test_2016_flickr --set newstest2019 runs/news-en-de-data/test
 
 Each set (by default Multi30k's test_2016_flickr and val) with beam 4 and greedy, one CPU thread
 (--device cuda: on the GPU); the headline is the first set with beam 4; every figure keeps its command.
