@@ -121,3 +121,17 @@ def test_a_pruned_t5_says_why_it_needs_headlab(tmp_path):
     record = json.loads((tmp_path / "t5" / "headlab_pruning.json").read_text())
     assert record["portable"]["how"] is None and "position bias" in record["portable"]["reason"]
     assert not (tmp_path / "t5" / CODE_FILE).exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("directory", sorted(ROOT.glob(f"models/*/{CODE_FILE}")),
+                         ids=lambda path: path.parent.name)
+def test_bundled_pruned_models_ship_the_current_module(directory):
+    """A bundled pruned model's copy of the module is headlab's current one (with its class): an old
+    copy would keep a bug fixed since, e.g. the key/value cache read under transformers' old name."""
+    code = (ROOT / "src" / "headlab" / "portable_code.py").read_text(encoding="utf-8")
+    shipped = directory.read_text(encoding="utf-8")
+    base = json.loads((directory.parent / "config.json").read_text())["architectures"][0]
+    assert shipped == code.replace('BASE_CLASS = "PreTrainedModel"', f"BASE_CLASS = {base!r}", 1)

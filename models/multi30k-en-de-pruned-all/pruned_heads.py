@@ -23,6 +23,12 @@ BASE_CLASS = 'MarianMTModel'  # replaced by the pruned model's own class when co
 _BASE = getattr(transformers, BASE_CLASS)
 
 
+def cache_argument(kwargs: dict):
+    """The key/value cache an attention module was called with: transformers 5.24 renamed the
+    argument ``past_key_values`` to ``cache`` (the old name is deprecated until 5.40)."""
+    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+
+
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, name, module)
@@ -68,7 +74,7 @@ class NoHeadAttention(nn.Module):
         """Placeholder keys and values, so that generation still counts positions. They hold one
         zero per position (one head of width 1), not none: transformers counts a cache layer
         with no elements as length 0, and reads the next position from layer 0."""
-        cache = kwargs.get("past_key_values")
+        cache = cache_argument(kwargs)
         if cache is None or self.layer_idx is None:
             return
         memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
