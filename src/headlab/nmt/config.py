@@ -58,8 +58,9 @@ class TrainConfig:
     # validation score by at least `min_improvement` over the best so far (0: off).
     patience: int = option(0, "stop after this many epochs without a validation gain of --min-improvement (0: off); "
                            "epochs that end inside the warm-up do not count")
-    min_improvement: float = option(0.0, "smallest validation gain that counts as progress (BLEU points; "
-                                    "for a language model or --patience-metric loss, nats per token of loss)")
+    min_improvement: float = option(0.0, "smallest validation gain over the best so far that counts as progress "
+                                    "(BLEU points; for a language model or --patience-metric loss, nats per token "
+                                    "of loss below the lowest so far)")
     # What the patience rule reads: the validation score (BLEU for translation, the negated loss
     # for a language model) or the validation loss. The best checkpoint is always the best score.
     patience_metric: str = option("score", "what the patience rule reads: the validation score (BLEU for "
