@@ -27,7 +27,7 @@ from torch import nn
 from headlab.adapters import attention_blocks
 from headlab.heads import atomic_write_text
 
-__all__ = ["make_portable", "restore_original_config", "standard_config_values", "CODE_FILE",
+__all__ = ["make_portable", "module_code", "restore_original_config", "standard_config_values", "CODE_FILE",
            "CLASS_NAME"]
 
 CODE_FILE = "pruned_heads.py"
@@ -65,6 +65,16 @@ def _auto_map(model: nn.Module) -> dict[str, str]:
     return out or {"AutoModel": f"{Path(CODE_FILE).stem}.{CLASS_NAME}"}
 
 
+def module_code(base_class: str) -> str:
+    """The text of :data:`CODE_FILE` for a pruned model of transformers' class ``base_class``:
+    :mod:`headlab.portable_code` with its ``BASE_CLASS`` line naming that class."""
+    code = Path(__file__).with_name("portable_code.py").read_text(encoding="utf-8")
+    line = 'BASE_CLASS = "PreTrainedModel"'
+    if line not in code:  # pragma: no cover - guards an edit of portable_code.py
+        raise RuntimeError(f"portable_code.py lost its line {line!r}")
+    return code.replace(line, f"BASE_CLASS = {base_class!r}", 1)
+
+
 def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
     """Make the pruned directory ``path`` (written by save_pruned) load without headlab;
     ``plan`` is :func:`headlab.surgery.pruning_plan` of ``model``.
@@ -92,11 +102,7 @@ def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
         config.update(values)
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return {"how": "standard config", "original_config": original}
-    code = Path(__file__).with_name("portable_code.py").read_text(encoding="utf-8")
-    line = 'BASE_CLASS = "PreTrainedModel"'
-    if line not in code:  # pragma: no cover - guards an edit of portable_code.py
-        raise RuntimeError(f"portable_code.py lost its line {line!r}")
-    atomic_write_text(path / CODE_FILE, code.replace(line, f"BASE_CLASS = {type(model).__name__!r}", 1))
+    atomic_write_text(path / CODE_FILE, module_code(type(model).__name__))
     config["auto_map"] = {**config.get("auto_map", {}), **_auto_map(model)}
     config[PLAN_KEY] = plan
     atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
