@@ -14,8 +14,6 @@ no head computes what the full layer does with no head: the output projection's 
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
 """
 
-import copy
-
 import torch
 import transformers
 from torch import nn
@@ -102,10 +100,6 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             module = model.get_submodule(path)
             for name, value in values.items():
                 setattr(module, name, value)
-        for path, n_heads in plan.get("per_head", {}).items():  # one norm per kept head (StableLM)
-            module = model.get_submodule(path)  # n_heads new norms of the same kind; the weights follow
-            module.norms = nn.ModuleList(copy.deepcopy(module.norms[0]) for _ in range(n_heads))
-            module.num_heads = n_heads
         for path, (o_name, n_outputs, d_head) in plan["no_head"].items():
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head))
 
