@@ -78,9 +78,11 @@ def _device(model: nn.Module) -> torch.device:
     return weight.device if weight is not None else next(model.parameters()).device
 
 
-def probe_inputs(model: nn.Module) -> dict:
+def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
     """Token ids (fixed seed, drawn above the usual special-token ids), the attention mask of the
-    padded rows, the decoder prefix and the generation steps' tokens."""
+    padded rows, the decoder prefix and the generation steps' tokens. ``padded=False``: one row
+    without padding, for a model that cannot take a padded batch (a classifier with no padding
+    token)."""
     config = model.config
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocab = int(getattr(embeddings, "num_embeddings", 0) or getattr(config, "vocab_size", 0))
@@ -91,16 +93,18 @@ def probe_inputs(model: nn.Module) -> dict:
     def ids(*shape):
         return torch.randint(low, vocab, shape, generator=g).to(device)
 
-    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
-    mask[1, -PADS:] = 0  # padded on the right
-    mask[2, :PADS] = 0  # padded on the left
-    input_ids = ids(ROWS, LENGTH)
+    rows = ROWS if padded else 1
+    mask = torch.ones(rows, LENGTH, dtype=torch.long)
+    if padded:
+        mask[1, -PADS:] = 0  # padded on the right
+        mask[2, :PADS] = 0  # padded on the left
+    input_ids = ids(rows, LENGTH)
     pad = getattr(config, "pad_token_id", None)
     if isinstance(pad, int) and 0 <= pad < vocab:
         input_ids = input_ids.masked_fill(mask.to(device) == 0, pad)
-    probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, ROWS, 1)}
+    probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
     if getattr(config, "is_encoder_decoder", False):
-        probe["decoder_input_ids"] = ids(ROWS, DECODER_LENGTH)
+        probe["decoder_input_ids"] = ids(rows, DECODER_LENGTH)
     return probe
 
 
