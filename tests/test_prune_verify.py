@@ -194,3 +194,40 @@ def test_tolerance_follows_the_dtype():
     assert tolerance(torch.float32) == pytest.approx(3.45e-4, rel=1e-2)
     assert tolerance(torch.bfloat16) == pytest.approx(8.84e-2, rel=1e-2)
     assert tolerance(torch.float16) == pytest.approx(3.13e-2, rel=1e-2)
+
+
+def test_check_prunable_refuses_before_a_pruning_run_and_changes_nothing(tmp_path):
+    from headlab.nmt.train import TrainConfig
+    from headlab.pruning.train import PruneConfig, prune_train
+    from headlab.surgery import check_prunable
+
+    config = PruneConfig(gates="all", train=TrainConfig(out_dir=str(tmp_path / "run"), progress=False))
+    with pytest.raises(PruningNotExact, match="^cohere: "):
+        prune_train(_cohere(), None, None, None, config)  # before the data is even looked at
+    assert not (tmp_path / "run").exists()
+    for family, error in (("olmo2", PruningNotExact), ("llama", None)):
+        model = tiny_model(family)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if error is None:
+            check_prunable(model)
+        else:
+            with pytest.raises(error):
+                check_prunable(model)
+        assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        assert "_headlab_verified_pruning" not in model.__dict__
+
+
+@pytest.mark.parametrize("family", ["marian", "t5", "bert", "gpt2", "distilbert"])
+def test_check_prunable_passes_and_undoes_on_the_supported_families(family):
+    from headlab.surgery import check_prunable
+    from tests.support import models
+
+    model = models.tiny_model(family)
+    inputs = models.tiny_inputs(family)
+    expected = models.logits(model, inputs)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    check_prunable(model)
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+    torch.testing.assert_close(models.logits(model, inputs), expected, atol=0, rtol=0)
+    prune_heads(model, {(b.kind, 0): [1] for b in attention_blocks(model)})  # and pruning still works after it

@@ -375,10 +375,30 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
             )
 
 
-def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict) -> list[AttentionBlock]:
+def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> None:
+    """Refuse, before a long run whose end prunes (``headlab prune train``, sweeps), a model that
+    headlab cannot prune exactly: prune a sample of heads with the check of :func:`prune_heads`
+    and undo it, whatever the outcome. The sample removes every head of each kind's first layer
+    (a layer with no head left) and head 0 of the others (one query head of a key/value group)."""
+    blocks = [b for b in attention_blocks(model) if (kinds is None or b.kind in kinds) and b.n_heads]
+    first = {}
+    for block in blocks:
+        first.setdefault(block.kind, block.layer)
+    spec = {}
+    for block in blocks:
+        whole = block.layer == first[block.kind] and sum(b.kind == block.kind for b in blocks) > 1
+        spec[block.key] = list(range(block.n_heads)) if whole else [0]
+    plans = []
+    for block in blocks:
+        keep = [h for h in range(block.n_heads) if h not in spec[block.key]]
+        plans.append((block, keep, *_kv_plan(block, keep)))
+    _prune_checked(model, plans, spec, commit=False)
+
+
+def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: bool = True) -> list[AttentionBlock]:
     """Prune each ``(block, keep, kv_keep, groups)`` and check the result against the model with
-    ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs. The model's
-    attention blocks afterwards."""
+    ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
+    ``commit=False``, also if it does not). The model's attention blocks afterwards."""
     from headlab.gates import mask_heads
     from headlab.prune_check import first_mismatch, probe_inputs, run_probe
 
@@ -411,10 +431,13 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict) -> list[Att
     except BaseException:
         journal.undo()
         raise
-    if mismatch is not None:
+    if mismatch is not None or not commit:
         journal.undo()
+    if mismatch is not None:
         raise PruningNotExact(mismatch.describe(_model_type(model)) + "; the model was left unpruned, nothing written",
                               model_type=_model_type(model), block=mismatch.what, difference=mismatch.difference)
+    if not commit:
+        return attention_blocks(model)
     model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     return blocks
 
@@ -605,6 +628,6 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
-    "prune_heads", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
+    "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS",
 ]
