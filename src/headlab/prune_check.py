@@ -72,8 +72,13 @@ class Mismatch:
                 f"max difference {self.difference:.3g}, allowed {self.allowed:.3g}")
 
 
+def _embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    return get() if callable(get) else None
+
+
 def _device(model: nn.Module) -> torch.device:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = _embeddings(model)
     weight = getattr(embeddings, "weight", None)
     return weight.device if weight is not None else next(model.parameters()).device
 
@@ -84,7 +89,7 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
     without padding, for a model that cannot take a padded batch (a classifier with no padding
     token)."""
     config = model.config
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embeddings = _embeddings(model)
     vocab = int(getattr(embeddings, "num_embeddings", 0) or getattr(config, "vocab_size", 0))
     low = 3 if vocab > 6 else 0
     g = torch.Generator().manual_seed(0)
