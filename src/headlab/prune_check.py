@@ -207,8 +207,8 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
     # transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     _record_output(trace, "forward", output, masks["decoder" if seq2seq else "main"], mask if seq2seq else None)
-    cache = _cache_of(output)
-    if not generates or cache is None:
+    cache = _cache_of(output) if generates else None
+    if cache is None:
         return
     encoder_outputs = (output.encoder_last_hidden_state,) if seq2seq else None
     for step, tokens in enumerate(probe["steps"], 1):
