@@ -297,11 +297,7 @@ def load_weights(model, path: str | Path) -> None:
         raise HeadlabError(f"{path} does not fit the model: unexpected keys {result.unexpected_keys[:5]}")
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
-    never_saved = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
-    untied = [
-        k for k in result.missing_keys
-        if current[k].data_ptr() not in loaded_ptrs and not any(p.search(k) for p in never_saved)
-    ]
+    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs and not _never_saved(model, k)]
     if untied:
         raise HeadlabError(f"{path} does not fit the model: missing keys {untied[:5]}")
 
@@ -330,19 +326,35 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the loop
 
 
+def _never_saved(model, name: str) -> bool:
+    """Whether ``save_pretrained`` leaves the tensor ``name`` out (``_keys_to_ignore_on_save``, e.g.
+    Marian's sinusoidal positions, which are recomputed at construction)."""
+    return any(re.search(pattern, name) for pattern in (getattr(model, "_keys_to_ignore_on_save", None) or ()))
+
+
 def _select_trainable(model, trainable) -> list[torch.nn.Parameter]:
+    """Set ``requires_grad`` by ``trainable`` and return the trained parameters.
+
+    A parameter the model never saves is frozen whatever ``trainable`` says: no checkpoint could
+    hold its updates, so a resumed run and the saved model would silently get the values it had at
+    construction. (transformers v5's ``from_pretrained`` leaves Marian's sinusoidal positions
+    trainable: fine-tuning a loaded model moved them and ``--resume`` reset them, issue 32.)"""
     if trainable is None:
-        return [p for p in model.parameters() if p.requires_grad]
-    if callable(trainable):
+        keep = lambda name, param: param.requires_grad  # noqa: E731
+    elif callable(trainable):
         keep = trainable
     else:
         names = set(trainable)
         unknown = names - {name for name, _ in model.named_parameters()}
         if unknown:
             raise HeadlabError(f"unknown parameter names in trainable: {sorted(unknown)[:5]}")
+        unsaved = sorted(name for name in names if _never_saved(model, name))
+        if unsaved:
+            raise HeadlabError(f"trainable names parameters the model never saves (so no checkpoint could hold "
+                               f"their updates): {unsaved[:5]}")
         keep = lambda name, param: name in names  # noqa: E731
     for name, param in model.named_parameters():
-        param.requires_grad_(bool(keep(name, param)))
+        param.requires_grad_(bool(keep(name, param)) and not _never_saved(model, name))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise HeadlabError("no trainable parameters selected")
