@@ -191,3 +191,47 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
     for name in ("confidence", "gradient", "ablation", "agreement", "functions", "aggregate", "table", "attention",
                  "report"):
         assert stages[name]["status"] == "done", stages[name]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "phi"])
+def test_physical_pruning_of_other_fused_layouts_is_refused_and_changes_nothing(family):
+    from headlab import prune_heads
+
+    model, inputs = tiny_model(family), tiny_inputs()
+    before = _logits(model, inputs)
+    with pytest.raises(HeadlabError, match="physical pruning of its fused q/k/v projection"):
+        prune_heads(model, {("dec_self", 0): [0], ("dec_self", 1): [1]})
+    assert torch.equal(_logits(model, inputs), before)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lrp_conserves_relevance_on_a_bias_free_model(family):
+    """On a model without biases the LRP rules conserve relevance exactly (rules.py): what reaches
+    the first layer's input sums to the explained logit. Catches a fused layout whose query/key
+    columns are not the ones detached, an activation without its rule (Bloom's BloomGelu) and
+    Phi-3's fused [gate | up] product."""
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import lrp_rules
+
+    model = tiny_model(family)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+    first = attention_blocks(model)[0].name.rsplit(".", 1)[0]  # the first decoder layer
+    seen = []
+
+    def keep(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen.append(x)
+
+    handle = model.get_submodule(first).register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(**tiny_inputs(batch=1)).logits
+            target = out[0, -1].argmax()
+            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+    finally:
+        handle.remove()
+    total = (seen[0].detach() * grad).sum()
+    torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)

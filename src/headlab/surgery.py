@@ -268,12 +268,24 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
 
 def _prune_blocks(model: nn.Module, plans: list[tuple]) -> list[AttentionBlock]:
     """Prune each ``(block, keep, kv_keep, groups)``; the model's attention blocks afterwards."""
+    for block, *_ in plans:  # before anything changes
+        _check_prunable(block)
     for block, keep, kv_keep, groups in plans:
         _prune_block(model, block, keep, kv_keep, groups)
     blocks = attention_blocks(model)
     if blocks and blocks[0].family.name == "t5":
         _install_t5_bias_hooks(model, blocks)
     return blocks
+
+
+def _check_prunable(block: AttentionBlock) -> None:
+    """The slicing here knows one fused layout, GPT-2's [q | k | v] of equal widths; the others
+    (adapters.families.QKV_LAYOUTS) are analysed and masked but not physically pruned."""
+    if block.qkv is not None and (block.family.qkv_layout != "q|k|v" or block.n_kv_heads != block.n_heads):
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
+            f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
+            "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
 
 
 # Attributes of an attention module that hold a head count or a width derived from one.
