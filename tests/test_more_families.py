@@ -235,3 +235,16 @@ def test_lrp_conserves_relevance_on_a_bias_free_model(family):
         handle.remove()
     total = (seen[0].detach() * grad).sum()
     torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_prune_refuses_a_fused_layout_before_loading(tmp_path, capsys, monkeypatch):
+    """`headlab prune` on GPT-NeoX: one error, exit 2, before the weights load; nothing written."""
+    import headlab.loading
+
+    _save(tiny_model("gpt_neox"), tmp_path / "neox")
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code = main(["prune", str(tmp_path / "neox"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("physical pruning of its fused q/k/v projection") == 1
+    assert not (tmp_path / "out").exists()

@@ -82,7 +82,7 @@ def run_prune(args) -> int:
     preflight.output_dir(out)
     if out.is_dir():  # --overwrite: the new directory is written beside it, then swapped in
         preflight.output_dir(out.absolute().parent, "--out")
-    check_supported(args.model, args.trust_remote_code)
+    check_supported(args.model, args.trust_remote_code, prune=True)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.surgery import PRUNING_FILE, load_pruned
+from headlab.surgery import PRUNING_FILE, check_prunable, load_pruned
 
 # Model classes to try, most specific head first: analyses need an LM head when there is one.
 _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
@@ -112,11 +112,13 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
         return cls(config)
 
 
-def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model") -> None:
+def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model", *,
+                    prune: bool = False) -> None:
     """Refuse, before any work, a model whose attention headlab cannot analyse exactly: its
     structure is built from the config on the meta device (no weights read) and must give
     attention blocks (:func:`headlab.adapters.attention_blocks`), or the one error says what is
-    missing. A hub id that is not in the cache is left to the loader."""
+    missing; with ``prune``, blocks that physical pruning can slice
+    (:func:`headlab.surgery.check_prunable`). A hub id that is not in the cache is left to the loader."""
     from headlab.adapters import attention_blocks, unsupported_reason
 
     path = Path(name_or_path)
@@ -136,7 +138,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
     except (ValueError, TypeError, ImportError, NotImplementedError) as error:
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
     try:
-        attention_blocks(model)
+        for block in attention_blocks(model):
+            if prune:
+                check_prunable(block)
     except HeadlabError as error:
         raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
 

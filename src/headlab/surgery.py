@@ -269,7 +269,7 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
 def _prune_blocks(model: nn.Module, plans: list[tuple]) -> list[AttentionBlock]:
     """Prune each ``(block, keep, kv_keep, groups)``; the model's attention blocks afterwards."""
     for block, *_ in plans:  # before anything changes
-        _check_prunable(block)
+        check_prunable(block)
     for block, keep, kv_keep, groups in plans:
         _prune_block(model, block, keep, kv_keep, groups)
     blocks = attention_blocks(model)
@@ -278,7 +278,7 @@ def _prune_blocks(model: nn.Module, plans: list[tuple]) -> list[AttentionBlock]:
     return blocks
 
 
-def _check_prunable(block: AttentionBlock) -> None:
+def check_prunable(block: AttentionBlock) -> None:
     """The slicing here knows one fused layout, GPT-2's [q | k | v] of equal widths; the others
     (adapters.families.QKV_LAYOUTS) are analysed and masked but not physically pruned."""
     if block.qkv is not None and (block.family.qkv_layout != "q|k|v" or block.n_kv_heads != block.n_heads):
