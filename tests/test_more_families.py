@@ -20,7 +20,11 @@ import torch
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.capture import stream_attention
 from headlab.cli import main
-from support.more_models import CONFIGS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
+from support.more_models import CONFIGS, ENCODERS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
+
+
+def _kind(family: str) -> str:
+    return "enc_self" if family in ENCODERS else "dec_self"
 
 
 def _logits(model, inputs):
@@ -34,7 +38,7 @@ def test_blocks_have_the_configs_head_counts(family):
     blocks = attention_blocks(model)
     n_kv = VALUES[family][2]
     assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
-        [("dec_self", 0, 4, n_kv, 8), ("dec_self", 1, 4, n_kv, 8)]
+        [(_kind(family), 0, 4, n_kv, 8), (_kind(family), 1, 4, n_kv, 8)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -46,10 +50,10 @@ def test_capture_equals_output_attentions(family):
     model = tiny_model(family)  # sdpa where the family has it
     with capture_attention(model) as record:
         _logits(model, inputs)
-    assert set(record) == {("dec_self", 0), ("dec_self", 1)}
+    assert set(record) == {(_kind(family), 0), (_kind(family), 1)}
     for (_, layer), probs in record.items():
         assert torch.equal(probs, reference[layer]), layer
-    assert torch.all(record[("dec_self", 0)][1, :, :5, 5:] == 0)  # padded keys get no attention
+    assert torch.all(record[(_kind(family), 0)][1, :, :5, 5:] == 0)  # padded keys get no attention
     assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # restored
 
 
@@ -89,7 +93,7 @@ def test_masking_equals_zeroed_values(family):
         model = tiny_model(family)
         before = _logits(model, inputs)
         heads = list(range(kv_head * group, (kv_head + 1) * group))
-        with mask_heads(model, {("dec_self", 1): heads}):
+        with mask_heads(model, {(_kind(family), 1): heads}):
             masked = _logits(model, inputs)
         assert torch.equal(_logits(model, inputs), before)  # the mask came off
         _zero_values(model, family, 1, kv_head)
@@ -134,11 +138,15 @@ def test_bloom_slow_but_exact_is_refused():
         attention_blocks(cls(config))
 
 
-def _save(model, path, words=("the", "a", "cat", "dog", "sat", "on", "mat", "ran")):
+def _save(model, path, words=("the", "a", "cat", "dog", "sat", "on", "mat", "ran"), style="gpt2"):
     from support.treebank import word_tokenizer
 
+    tokenizer = word_tokenizer(list(words), style=style)
+    for name in ("pad", "bos", "eos", "cls", "sep"):  # the config's special ids are the tokenizer's
+        if getattr(model.config, f"{name}_token_id", None) is not None:
+            setattr(model.config, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id", None) or 0)
     model.save_pretrained(path)
-    word_tokenizer(list(words), style="gpt2").save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def test_analyze_refuses_an_unsupported_model_once_before_any_work(tmp_path, capsys):
@@ -172,14 +180,17 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "falcon"])
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "modernbert"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
+    """Every stage on a decoder (GPT-NeoX), one without the attention interface (Falcon) and an
+    encoder with local layers (ModernBERT, whose forward reads its layers' attention_type: the
+    ablation's stand-in layers must answer)."""
     from support.treebank import SAMPLE_CONLLU
 
     texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
     words = [w for text in texts for w in text.split()]
     words += [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
-    _save(tiny_model(family), tmp_path / family, words)
+    _save(tiny_model(family), tmp_path / family, words, "bert" if family in ENCODERS else "gpt2")
     (tmp_path / "text.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
     out = tmp_path / "out"
@@ -193,14 +204,14 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "phi"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("phi", "modernbert")])  # those two slice
 def test_physical_pruning_of_other_fused_layouts_is_refused_and_changes_nothing(family):
     from headlab import prune_heads
 
     model, inputs = tiny_model(family), tiny_inputs()
     before = _logits(model, inputs)
     with pytest.raises(HeadlabError, match="physical pruning of its fused q/k/v projection"):
-        prune_heads(model, {("dec_self", 0): [0], ("dec_self", 1): [1]})
+        prune_heads(model, {(_kind(family), 0): [0], (_kind(family), 1): [1]})
     assert torch.equal(_logits(model, inputs), before)
 
 
@@ -218,7 +229,10 @@ def test_lrp_conserves_relevance_on_a_bias_free_model(family):
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
                 parameter.zero_()
-    first = attention_blocks(model)[0].name.rsplit(".", 1)[0]  # the first decoder layer
+        for module in model.modules():  # weights of unit gain, so that no branch is too small to count
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0, module.in_features ** -0.5)
+    first = attention_blocks(model)[0].name.rsplit(".", 1)[0]  # the first layer
     seen = []
 
     def keep(module, args, kwargs):
@@ -248,3 +262,18 @@ def test_prune_refuses_a_fused_layout_before_loading(tmp_path, capsys, monkeypat
     assert code == 2
     assert err.count("physical pruning of its fused q/k/v projection") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["phi", "modernbert"])
+def test_separate_and_equal_width_projections_prune_like_masking(family):
+    """Phi-2's separate q/k/v and ModernBERT's equal-width [q | k | v] are sliced as GPT-2's are:
+    the pruned model's logits equal the masked model's on a padded batch."""
+    from headlab import prune_heads
+
+    model, inputs = tiny_model(family), tiny_inputs()
+    spec = {(_kind(family), 0): [1], (_kind(family), 1): [0, 2]}
+    with mask_heads(model, spec):
+        masked = _logits(model, inputs)
+    prune_heads(model, spec)
+    assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
+    torch.testing.assert_close(_logits(model, inputs), masked, atol=1e-6, rtol=0)

@@ -139,6 +139,14 @@ BLOOM = Family(
 )
 
 
+MODERNBERT = Family(
+    name="modernbert",
+    patterns=(("enc_self", r"(?:^|\.)layers\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="Wo", qkv="Wqkv",  # view(..., 3, heads, d): [q | k | v]
+    d_head_attr="head_dim",
+)
+
+
 def _falcon(layout: str) -> Family:
     return Family(
         name=f"falcon ({layout})",
@@ -182,6 +190,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": PHI3,
     "phi": PHI,
     "bloom": BLOOM,
+    "modernbert": MODERNBERT,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -195,8 +204,6 @@ UNSUPPORTED: dict[str, str] = {
                   "does not go through transformers' attention interface, and headlab has no capture for it",
     "deberta": "DeBERTa's disentangled attention does not go through transformers' attention interface, and "
                "headlab has no capture for it",
-    "modernbert": "ModernBERT's fused Wqkv attention with alternating local and global layers has no adapter "
-                  "entry yet",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
 }

@@ -233,8 +233,9 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
 
 
 _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
-# One projection computing [gate | up] (Phi-3): ``down(up * act(gate))``, its two halves by chunk(2).
-_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"),)
+# One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
+# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
+_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
 
 
 def _fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
