@@ -1,13 +1,15 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
-multi-query and the per-head layout) and Bloom; and the families headlab refuses, refused
-before any work, once.
+multi-query and the per-head layout), Bloom, ModernBERT and DeBERTa-v2; and the families headlab
+refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
 query heads of a key/value head equals zeroing that head's value weights by hand (the layouts of
 tests/support/more_models.py, read off the modeling code, not headlab's tables), gates at one
-change nothing, and the fused layouts' value columns are the ones the reference zeroes.
+change nothing, the fused layouts' value columns are the ones the reference zeroes, and the LRP
+rules conserve relevance on a bias-free copy. Physical pruning: equal to masking where surgery
+slices the projections, refused before any change elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attenti
 from headlab.capture import stream_attention
 from headlab.cli import main
 from support.more_models import CONFIGS, ENCODERS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
+
+SLICED = ("phi", "modernbert", "deberta-v2")  # separate or equal-width [q | k | v] projections
 
 
 def _kind(family: str) -> str:
@@ -180,11 +184,12 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "modernbert"])
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "modernbert", "deberta-v2"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
-    """Every stage on a decoder (GPT-NeoX), one without the attention interface (Falcon) and an
+    """Every stage on a decoder (GPT-NeoX), one without the attention interface (Falcon), an
     encoder with local layers (ModernBERT, whose forward reads its layers' attention_type: the
-    ablation's stand-in layers must answer)."""
+    ablation's stand-in layers must answer) and one whose core returns probabilities only when
+    asked (DeBERTa-v2)."""
     from support.treebank import SAMPLE_CONLLU
 
     texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
@@ -204,7 +209,7 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("phi", "modernbert")])  # those two slice
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in SLICED])
 def test_physical_pruning_of_other_fused_layouts_is_refused_and_changes_nothing(family):
     from headlab import prune_heads
 
@@ -264,10 +269,10 @@ def test_prune_refuses_a_fused_layout_before_loading(tmp_path, capsys, monkeypat
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["phi", "modernbert"])
+@pytest.mark.parametrize("family", SLICED)
 def test_separate_and_equal_width_projections_prune_like_masking(family):
-    """Phi-2's separate q/k/v and ModernBERT's equal-width [q | k | v] are sliced as GPT-2's are:
-    the pruned model's logits equal the masked model's on a padded batch."""
+    """Phi-2's and DeBERTa-v2's separate q/k/v and ModernBERT's equal-width [q | k | v] are sliced
+    as GPT-2's are: the pruned model's logits equal the masked model's on a padded batch."""
     from headlab import prune_heads
 
     model, inputs = tiny_model(family), tiny_inputs()
@@ -277,3 +282,17 @@ def test_separate_and_equal_width_projections_prune_like_masking(family):
     prune_heads(model, spec)
     assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
     torch.testing.assert_close(_logits(model, inputs), masked, atol=1e-6, rtol=0)
+
+
+def test_deberta_v2_with_its_own_position_projections_is_not_pruned():
+    """Without share_att_key, DeBERTa-v2 projects relative positions per head with pos_key_proj and
+    pos_query_proj, which pruning does not slice (the pruned forward crashed): refused, unchanged."""
+    from headlab import prune_heads
+
+    cls, config = CONFIGS["deberta-v2"]()
+    config.share_att_key, config._attn_implementation = False, "eager"
+    model, inputs = cls(config).eval(), tiny_inputs()
+    before = _logits(model, inputs)
+    with pytest.raises(HeadlabError, match="pos_key_proj, pos_query_proj"):
+        prune_heads(model, {("enc_self", 0): [1]})
+    assert torch.equal(_logits(model, inputs), before)

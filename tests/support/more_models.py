@@ -59,6 +59,10 @@ CONFIGS = {
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False, **_SPECIAL)),
     "bloom": lambda: (tf.BloomForCausalLM, tf.BloomConfig(
         vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **_SPECIAL)),
+    "deberta-v2": lambda: (tf.DebertaV2ForMaskedLM, tf.DebertaV2Config(  # DeBERTa-v3's relative attention
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+        max_relative_positions=16, share_att_key=True, norm_rel_ebd="layer_norm", pad_token_id=2)),
     "modernbert": lambda: (tf.ModernBertForMaskedLM, tf.ModernBertConfig(  # layer 1 local: 2 keys either side
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, pad_token_id=2,
@@ -78,17 +82,19 @@ VALUES = {
     "gpt_bigcode_mha": (lambda m, i: m.transformer.h[i].attn.c_attn, _per_head, 4),
     "bloom": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _per_head, 4),
     "modernbert": (lambda m, i: m.model.layers[i].attn.Wqkv, _qkv(4, 4), 4),  # view(..., 3, heads, d)
+    "deberta-v2": (lambda m, i: m.deberta.encoder.layer[i].attention.self.value_proj,
+                   lambda j: range(j * D, (j + 1) * D), 4),
 }
-ENCODERS = {"modernbert"}
+ENCODERS = {"modernbert", "deberta-v2"}
 
 # Families headlab refuses, before any work.
 REFUSED = {
+    "deberta": lambda: (tf.DebertaForMaskedLM, tf.DebertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64)),
     "albert": lambda: (tf.AlbertForMaskedLM, tf.AlbertConfig(
         vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=37, max_position_embeddings=64)),
-    "deberta-v2": lambda: (tf.DebertaV2ForMaskedLM, tf.DebertaV2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        max_position_embeddings=64)),
     "whisper": lambda: (tf.WhisperForConditionalGeneration, tf.WhisperConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=8,

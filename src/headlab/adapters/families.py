@@ -34,6 +34,9 @@ class Family:
     """Attributes of ``core`` holding a head count, kept in step by physical pruning."""
     kv_groups_attr: str | None = None
     """Attribute of ``core`` holding query heads per key/value head (grouped-query attention)."""
+    probs_argument: tuple[str, int] | None = None
+    """(name, position) of the ``core`` forward's argument without which it returns no
+    probabilities (DeBERTa-v2's ``output_attentions``); capture passes it as True."""
 
 
 QKV_LAYOUTS = {
@@ -139,6 +142,16 @@ BLOOM = Family(
 )
 
 
+DEBERTA_V2 = Family(
+    name="deberta-v2",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query_proj", k="self.key_proj", v="self.value_proj", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 2),
+)
+
 MODERNBERT = Family(
     name="modernbert",
     patterns=(("enc_self", r"(?:^|\.)layers\.(\d+)\.attn$"),),
@@ -191,6 +204,7 @@ FAMILIES: dict[str, Family] = {
     "phi": PHI,
     "bloom": BLOOM,
     "modernbert": MODERNBERT,
+    "deberta-v2": DEBERTA_V2,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -200,10 +214,8 @@ CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode}
 UNSUPPORTED: dict[str, str] = {
     "albert": "ALBERT's layers share one attention module, so a head is not one layer's head (masking it "
               "switches it off in every layer at once); headlab does not model shared layers",
-    "deberta-v2": "DeBERTa-v2's disentangled attention (content-to-position and position-to-content scores) "
-                  "does not go through transformers' attention interface, and headlab has no capture for it",
-    "deberta": "DeBERTa's disentangled attention does not go through transformers' attention interface, and "
-               "headlab has no capture for it",
+    "deberta": "DeBERTa (v1) can mix its heads (talking-head projections) and has no adapter entry; "
+               "DeBERTa-v2 is supported",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
 }
