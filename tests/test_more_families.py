@@ -296,3 +296,15 @@ def test_deberta_v2_with_its_own_position_projections_is_not_pruned():
     with pytest.raises(HeadlabError, match="pos_key_proj, pos_query_proj"):
         prune_heads(model, {("enc_self", 0): [1]})
     assert torch.equal(_logits(model, inputs), before)
+
+
+def test_analyze_with_prune_refuses_a_fused_layout_before_any_work(tmp_path, capsys):
+    """analyze --prune ends in a physical prune: refused at the start, not after the sweep trained."""
+    _save(tiny_model("gpt_neox"), tmp_path / "neox")
+    (tmp_path / "text.txt").write_text("the cat sat\n", encoding="utf-8")
+    code = main(["analyze", str(tmp_path / "neox"), "--source", str(tmp_path / "text.txt"), "--target",
+                 str(tmp_path / "text.txt"), "--prune", "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("physical pruning of its fused q/k/v projection") == 1
+    assert not (tmp_path / "out").exists()

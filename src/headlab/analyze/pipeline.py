@@ -211,7 +211,8 @@ def validate(config: AnalyzeConfig) -> Path:
         model_config = load_config(config.model, config.trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"model {config.model}: {error}") from error
-    check_supported(config.model, config.trust_remote_code)  # a family headlab cannot analyse: once, here
+    # A family headlab cannot analyse (or, with --prune, physically prune): refused once, here.
+    check_supported(config.model, config.trust_remote_code, prune=config.prune)
     # A model directory without a tokenizer, or one whose special ids the model lacks: refused here.
     check_tokenizer_fits(load_tokenizer(config.model, config.trust_remote_code), model_config, config.model)
     for flag, path in (("--source", config.source), ("--target", config.target), ("--conllu", config.conllu),
