@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.surgery import PRUNING_FILE, load_pruned
+from headlab.surgery import PRUNING_FILE, check_block_sliceable, load_pruned
 
 # Model classes to try, most specific head first: analyses need an LM head when there is one.
 _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
@@ -110,6 +110,39 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
     cls = model_class_for(config)
     with torch.device("meta"):
         return cls(config)
+
+
+def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model", *,
+                    prune: bool = False) -> None:
+    """Refuse, before any work, a model whose attention headlab cannot analyse exactly: its
+    structure is built from the config on the meta device (no weights read) and must give
+    attention blocks (:func:`headlab.adapters.attention_blocks`), or the one error says what is
+    missing; with ``prune``, blocks that physical pruning can slice
+    (:func:`headlab.surgery.check_block_sliceable`). A hub id that is not in the cache is left to the loader."""
+    from headlab.adapters import attention_blocks, unsupported_reason
+
+    path = Path(name_or_path)
+    if not path.is_dir():
+        try:
+            config = load_config(name_or_path, trust_remote_code)
+        except HeadlabError:
+            return  # not found here: the loader says so in its own words
+    else:
+        config = load_config(name_or_path, trust_remote_code)
+    reason = unsupported_reason(config)
+    if reason:
+        raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}) is not supported: {reason}")
+    try:
+        with torch.device("meta"):
+            model = model_class_for(config)(config)
+    except (ValueError, TypeError, ImportError, NotImplementedError) as error:
+        raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
+    try:
+        for block in attention_blocks(model):
+            if prune:
+                check_block_sliceable(block)
+    except HeadlabError as error:
+        raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).
