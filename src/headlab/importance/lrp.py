@@ -171,8 +171,9 @@ def _widened(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> Iterator[list[torch.Tensor]]:
     """Measure the relevance each row's biases keep (a bias is a neuron of its own, Voita et al.
     2019, App. A.2): a module with a ``bias`` adds ``b * s - stop(b * s)`` (zero) to its output,
-    with ``s`` a ``[batch, 1, ...]`` tensor of ones, so that ``s * d y / d s`` is the relevance
-    of its bias, row by row. Forward values are unchanged. The probe goes before the module's
+    with ``s`` a tensor of ones, one per token (``output.shape[:-1]``, batch-major also when the
+    module sees the tokens flattened, as OPT's MLP does), so that ``s * d y / d s`` is the
+    relevance of its bias. Forward values are unchanged. The probe goes before the module's
     other hooks (detached query and key columns drop it), except on a normalisation, whose rule
     would drop it; ``skip`` (the output layer, whose bias is added to the target directly)
     gets none."""
@@ -180,11 +181,10 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
 
     def probe(module, args, output):
         bias = module.bias
-        if not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[0] != batch_size \
-                or bias.dim() != 1 or output.shape[-1] != bias.shape[0]:
-            return None  # not a per-row output: its bias, if any, shows in the conservation check
-        s = torch.ones(batch_size, *[1] * (output.dim() - 1), dtype=output.dtype, device=output.device,
-                       requires_grad=True)
+        if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
+                or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
+            return None  # not one output per token: its bias, if any, shows in the conservation check
+        s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
         probes.append(s)
         kept = bias.detach().to(output.dtype) * s
         return output + (kept - kept.detach())
@@ -326,7 +326,10 @@ def head_relevance(
         y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
         # Where relevance ends: the input embeddings ([batch, pos, d] each), and the biases (probes).
         embedded = _embedding_outputs(out)
-        ends = embedded + probes
+        # A bias before the embeddings' cut (BERT's and BART's embedding norms) is inside them already.
+        before = torch.autograd.grad([e.sum() for e in embedded], probes, retain_graph=True, allow_unused=True) \
+            if probes else []
+        ends = embedded + [s for s, g in zip(probes, before) if g is None]
         n_emb = len(embedded)
         steps = batch.steps.to(y.device)
         index = steps.nonzero()  # [n, 2] (row, position), row-major order
