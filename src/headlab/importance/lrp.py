@@ -76,7 +76,7 @@ class TargetRelevance:
     ``steps`` ``[n, 2]`` holds (row, position) of each target; ``logits`` ``[n]`` the target
     logits (without constant biases); ``relevance[(kind, layer)]`` ``[n, n_heads]`` the summed
     relevance of each head's neurons for each target (not normalised); ``embedding`` ``[n]`` the
-    relevance that reached the input embeddings (:func:`_embedding_outputs`; encoder and
+    relevance that reached the input embeddings (:func:`_embeddings`; encoder and
     decoder embeddings together); ``biases`` ``[n]`` the relevance the biases kept
     (:func:`_bias_probes`, and the output layer's bias). The rules conserve relevance:
     ``embedding + biases == logits`` up to rounding.
@@ -112,17 +112,37 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
         handle.remove()
 
 
-def _embedding_outputs(out) -> list[torch.Tensor]:
-    """The input embeddings of each stack, as the first layer receives them: ``hidden_states[0]``
-    (of the encoder and the decoder for an encoder-decoder). Relevance reaching them has crossed
-    every layer; learned position embeddings and embedding scales are on their near side."""
-    stacks = ("encoder_hidden_states", "decoder_hidden_states") if hasattr(out, "encoder_hidden_states") \
-        else ("hidden_states",)
-    found = [getattr(out, name, None) for name in stacks]
-    if any(not states or not isinstance(states[0], torch.Tensor) for states in found):
-        raise HeadlabError(f"LRP: {type(out).__name__} holds no input embeddings (hidden_states[0]), "
-                           "so conservation cannot be measured")
-    return [states[0] for states in found]
+@contextmanager
+def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
+    what transformers calls ``hidden_states[0]``: relevance reaching them has crossed every
+    layer; position embeddings, embedding scales and norms are on their near side. Recorded by
+    a pre-hook on the layer holding each stack's first attention block (``output_hidden_states``
+    would leave transformers' recording hooks on the model)."""
+    found: list[torch.Tensor] = []
+    names = dict(model.named_modules())
+    firsts: dict[str, AttentionBlock] = {}
+    for block in attention_blocks(model):
+        stack = "enc" if block.kind == "enc_self" else "dec"
+        if stack not in firsts or block.layer < firsts[stack].layer:
+            firsts[stack] = block
+    layers = {id(names[b.name.rpartition(".")[0]]): names[b.name.rpartition(".")[0]] for b in firsts.values()}
+
+    def record(module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor):
+            raise HeadlabError(f"LRP: cannot find the input of {type(module).__name__}, so conservation cannot "
+                               "be measured")
+        if all(x is not seen for seen in found):
+            found.append(x)
+
+    handles = HookHandles()
+    try:
+        for layer in layers.values():
+            handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+        yield found
+    finally:
+        handles.remove()
 
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
@@ -320,12 +340,11 @@ def head_relevance(
     batch_rows = next(iter(batch.inputs.values())).shape[0]
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
             lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
-            _lm_input(model) as seen, head_output_hooks(blocks, record):
-        out = model(**batch.inputs, use_cache=False, output_hidden_states=True) if "decoder_input_ids" in batch.inputs \
-            else model(**batch.inputs, output_hidden_states=True)
+            _embeddings(model) as embedded, _lm_input(model) as seen, head_output_hooks(blocks, record):
+        out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
+            else model(**batch.inputs)
         y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
         # Where relevance ends: the input embeddings ([batch, pos, d] each), and the biases (probes).
-        embedded = _embedding_outputs(out)
         # A bias before the embeddings' cut (BERT's and BART's embedding norms) is inside them already.
         before = torch.autograd.grad([e.sum() for e in embedded], probes, retain_graph=True, allow_unused=True) \
             if probes else []
