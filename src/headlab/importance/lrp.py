@@ -152,7 +152,7 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
     up to 1e10 times the explained logit, with opposite signs, which cancel exactly in real
     numbers. float32 keeps 7 digits: there the relevance reaching the embeddings came to between
-    -0.5 and 47 times the logit per sentence, float64 to 1 within 1e-6 (docs/importance.md).
+    -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
     return torch.float64 if gated_mlps(model) else torch.float32
 

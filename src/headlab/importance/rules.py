@@ -22,7 +22,9 @@ The other rules become ordinary backward passes once the right factors are detac
 * activation ``y = f(x)``:       forward ``x * stop(f(x) / x)``, so ``R(x) = R(y)``;
 * layer norm ``y = (x - mean(x)) * gamma / std(x) + beta``: ``gamma / std`` is detached, so the
   division by the standard deviation is a weight, not a neuron (the mean subtraction is a
-  weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``;
+  weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``,
+  with ``gamma`` the weight, one plus it (Gemma) or one (no weight, nor in OLMo's parameter-free
+  layer norm). :func:`norm_rule` finds them by class; any other normalisation is refused;
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
