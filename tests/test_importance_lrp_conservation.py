@@ -225,3 +225,20 @@ def test_the_report_shows_conservation(tmp_path):
     caption = next(h["caption"] for h in collect(tmp_path).heatmaps if h["name"] == "lrp")
     assert "conservation over 4 sentences: relevance reaching the input embeddings" in caption
     assert "with the biases' shares 1.000000 to 1.000000 (tolerance 1 ± 0.001)" in caption
+
+
+def test_analyze_fails_the_lrp_stage_with_its_ratio_and_runs_the_others(saved_llama, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RunFailed("LRP did not conserve relevance on this model: sentence 0: 0.0949")
+
+    monkeypatch.setattr(lrp_module, "compute_lrp", fail)
+    model, source = saved_llama
+    out = tmp_path / "out"
+    code = main(["analyze", model, "--source", source, "--out", str(out), "--no-progress",
+                 "--skip", "agreement", "functions", "aggregate", "table", "attention", "figures", "report"])
+    assert code == 1
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["lrp"]["status"] == "failed" and "sentence 0: 0.0949" in stages["lrp"]["reason"]
+    assert stages["confidence"]["status"] == stages["gradient"]["status"] == "done"
+    assert sorted(p.name for p in (out / "importance").iterdir()) == [
+        "confidence.json", "gradient.json", "gradient_raw.json"]
