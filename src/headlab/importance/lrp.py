@@ -345,6 +345,9 @@ def head_relevance(
             else model(**batch.inputs)
         y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
         # Where relevance ends: the input embeddings ([batch, pos, d] each), and the biases (probes).
+        if not embedded or not all(e.requires_grad for e in embedded):
+            raise HeadlabError("LRP: found no input embeddings on the path to the logits (the input of each "
+                               "stack's first layer), so conservation cannot be measured")
         # A bias before the embeddings' cut (BERT's and BART's embedding norms) is inside them already.
         before = torch.autograd.grad([e.sum() for e in embedded], probes, retain_graph=True, allow_unused=True) \
             if probes else []
