@@ -18,6 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import headlab
 from headlab.adapters import attention_blocks
 from headlab.cli import main
 from headlab.errors import HeadlabError
@@ -26,7 +27,7 @@ from headlab.surgery import PRUNING_FILE, load_pruned
 from support.bad_input import save_tiny_marian, save_tiny_pruned
 from support.models import tiny_inputs, tiny_model
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(headlab.__file__).resolve().parents[1]  # the headlab under test, for the subprocesses
 
 
 @pytest.fixture(scope="module")

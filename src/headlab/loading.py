@@ -105,14 +105,18 @@ def load_model(
 @contextmanager
 def _quiet_load_report():
     """transformers' table of missing and unexpected tensors stays off stderr: check_complete
-    refuses such a load in one line naming them (the allowed ones are not worth a table)."""
+    refuses such a load in one line naming them (the allowed ones are not worth a table). A
+    filter, not a level: transformers reads its logger's level to decide other warnings."""
     logger = logging.getLogger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+
+    def no_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    logger.addFilter(no_report)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(no_report)
 
 
 def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
