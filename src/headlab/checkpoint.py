@@ -274,8 +274,10 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) ->
     for block in attention_blocks(model):
         o_weight = f"{names[id(block.o)]}.weight"
         kv_module = block.k if block.k is not None else block.qkv
-        kv_weight = f"{names[id(kv_module)]}.weight" if kv_module is not None else None
-        if o_weight not in shapes or kv_weight not in shapes or block.d_head <= 0:
+        if kv_module is None or block.d_head <= 0:
+            continue
+        kv_weight = f"{names[id(kv_module)]}.weight"
+        if o_weight not in shapes or kv_weight not in shapes:
             continue  # named otherwise in the file: check_complete says what is missing
         n_q, rest_q = divmod(_width(shapes[o_weight], block.o, out=False), block.d_head)
         kv_width = _width(shapes[kv_weight], kv_module, out=True)
