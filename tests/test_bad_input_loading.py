@@ -316,3 +316,28 @@ def test_pruned_directory_resaved_by_transformers_keeps_working(where, dirs, tmp
     inputs = tiny_inputs("marian")
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, pruned(**inputs).logits, rtol=0, atol=1e-6)
+
+
+def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
+    """Regression: load_pruned's AutoConfig and nmt's AutoTokenizer left it out (transformers then
+    prompts, and runs the directory's code on "y"). GenerationConfig has no code to trust."""
+    import ast
+
+    missing = []
+    for path in sorted((SRC / "headlab").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "from_pretrained"):
+                    continue
+                receiver = ast.unparse(node.func.value)
+                if receiver.endswith("GenerationConfig"):
+                    continue
+                names = {k.arg for k in node.keywords}
+                spread = any(k.arg is None for k in node.keywords)  # **kwargs: built in the same function
+                if "trust_remote_code" not in names and not (spread and "trust_remote_code" in ast.unparse(function)):
+                    missing.append(f"{path.relative_to(SRC)}:{node.lineno}: {receiver}.from_pretrained")
+    assert not missing, missing
