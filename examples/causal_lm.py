@@ -1,8 +1,9 @@
 """Which heads of a causal language model matter, and what do they do?
 
-    python examples/causal_lm.py gpt2 --text my_text.txt --conllu en_ewt-ud-dev.conllu --out runs/gpt2
+    python examples/causal_lm.py --text my_text.txt --conllu data/ud-english-ewt/en_ewt-ud-dev.conllu --out runs/lm
 
-MODEL is a hub id (needs the network once, then the cache) or a local directory. Runs every
+MODEL is a local directory (default: the bundled models/english-lm, which works offline) or a hub
+id such as gpt2 (needs the network once, then the cache). Runs every
 stage of `headlab analyze` (importance, head functions on the treebank, aggregate statistics,
 figures, the HTML report), then reads the one long table `heads.csv` and prints the heads LRP
 finds most important, with what they do.
@@ -14,10 +15,12 @@ from pathlib import Path
 
 from headlab.analyze import AnalyzeConfig, run_analysis
 
+BUNDLED_LM = Path(__file__).resolve().parents[1] / "models" / "english-lm"  # in a checkout of headlab
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="gpt2")
+    parser.add_argument("model", nargs="?", default=str(BUNDLED_LM))
     parser.add_argument("--text", required=True, help="one text per line")
     parser.add_argument("--conllu", help="a parsed treebank for the head functions (optional)")
     parser.add_argument("--out", required=True)

@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     print(f"accuracy of the full model: {drop.signature['base_accuracy']:.1%} on {len(data)} texts")
     print("heads whose removal costs the most accuracy:")
     for (kind, layer, head), value in sorted(drop.items(), key=lambda item: -item[1])[:5]:
-        print(f"  {kind} layer {layer} head {head}: -{value:.1%}")
+        print(f"  {kind} layer {layer} head {head}: accuracy {-value:+.1%}")  # value: the drop
     print(f"gradient importance vs ablation (Spearman): {result.agreement.rho['gradient']['all']:+.2f}")
 
 

@@ -63,3 +63,10 @@ def test_demo_without_a_model_says_how_to_get_one(tmp_path, capsys):
     bundled = Path(__file__).resolve().parents[1] / "models" / "multi30k-en-de"
     assert main(["demo", "--model", str(bundled), "--lm", str(tmp_path / "no-lm")]) == 2
     assert "--no-lm" in capsys.readouterr().err
+
+
+def test_demo_outside_a_checkout_says_the_models_come_with_the_repository(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # as after `pip install headlab-*.whl`, anywhere but the repository
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "checkout of headlab's repository" in err and "not with the installed package" in err

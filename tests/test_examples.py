@@ -47,6 +47,7 @@ def test_classifier_example(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "accuracy of the full model" in out and "gradient importance vs ablation (Spearman)" in out
     assert (tmp_path / "o" / "ablation_accuracy.json").is_file()
+    assert "--" not in out and ("accuracy +" in out or "accuracy -" in out)  # a drop of -0.0 printed "--0.0%"
 
 
 def test_translation_example(tmp_path, monkeypatch, capsys):
@@ -61,3 +62,16 @@ def test_translation_example(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "removing 3 encoder heads" in out and out.count("  ->  ") == 3
     assert (tmp_path / "pruned" / "pruned_heads.py").is_file()
+
+
+def test_readme_quick_tour_runs_as_written(tmp_path, monkeypatch):
+    """README's Python snippet, verbatim, on the bundled EN-DE model (it once used an undefined `batch`)."""
+    import re
+
+    root = EXAMPLES.parent
+    snippet = re.search(r"## A quick tour\n\n```python\n(.*?)```", (root / "README.md").read_text(encoding="utf-8"), re.S)
+    assert snippet is not None
+    (tmp_path / "models").symlink_to(root / "models")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet.group(1), "README.md", "exec"), {"__name__": "readme"})
+    assert (tmp_path / "pruned" / "headlab_pruning.json").is_file()

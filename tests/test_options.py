@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from headlab.errors import HeadlabError
-from headlab.options import add_options, from_args, help_of, numbers, option
+from headlab.options import HelpFormatter, add_options, from_args, help_of, numbers, option
 
 
 @dataclass
@@ -61,3 +61,22 @@ def test_help_numbers_and_unsupported_fields():
 
     with pytest.raises(TypeError, match="Listy.items"):
         add_options(argparse.ArgumentParser(), Listy, ("items",))
+
+
+def test_help_states_each_default_once_and_only_when_it_tells_something():
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    add_options(parser, Config, ("path", "size", "rate", "mode", "verbose"))
+    parser.add_argument("--limit", type=int, help="tokens per sentence (default: the model's maximum)")
+    text = " ".join(parser.format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default: the model's maximum)") == 1 and "maximum) (default" not in text
+    assert "how many (default: 8)" in text and "how (default: fast)" in text
+
+
+def test_version_names_the_package_version(capsys):
+    from headlab import __version__
+    from headlab.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"headlab {__version__}"

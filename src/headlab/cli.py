@@ -16,6 +16,7 @@ import importlib
 import sys
 import traceback
 
+from headlab._version import __version__
 from headlab.errors import HeadlabError
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="headlab",
         description="Which attention heads matter, what they do, and how to prune the rest.",
     )
+    parser.add_argument("--version", action="version", version=f"headlab {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="print the full traceback of any error (for reporting a bug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

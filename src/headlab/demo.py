@@ -81,6 +81,13 @@ def run_demo(args) -> int:
     from headlab.analyze.pipeline import run_analysis
 
     model_dir, lm_dir = Path(args.model), Path(args.lm)
+    if not (model_dir / "config.json").is_file() and model_dir == BUNDLED_MODEL:
+        # An installed wheel holds the library only: the models and data are files of the repository.
+        raise HeadlabError(
+            f"{model_dir}: not found under {Path.cwd()}. The demo's models and data come with a checkout of "
+            "headlab's repository, not with the installed package: run `headlab demo` (or `make demo`) in the "
+            "repository's root, or pass --model DIR and the data options (headlab demo --help)."
+        )
     if not (model_dir / "config.json").is_file():
         raise HeadlabError(
             f"{model_dir}: no model there. Train it with the command in docs/nmt.md "

@@ -15,3 +15,13 @@ class RunFailed(HeadlabError):
     """The work started and could not finish (nothing usable came out, a stage failed, ...)."""
 
     exit_code = 1
+
+
+class PruningNotExact(HeadlabError):
+    """Physical pruning would not compute what masking the same heads computes (headlab.surgery):
+    refused, with the family (``model_type``), the block and the difference found."""
+
+    def __init__(self, message: str, *, model_type: str | None = None, block: object = None,
+                 difference: float | None = None) -> None:
+        super().__init__(message)
+        self.model_type, self.block, self.difference = model_type, block, difference

@@ -27,7 +27,7 @@ from headlab.checkpoint import (
     tensor_shapes,
 )
 from headlab.errors import HeadlabError
-from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, apply_pruning_record, load_pruned
+from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, load_pruned
 
 __all__ = ["load_config", "load_model", "build_from_config", "load_tokenizer", "model_class_for", "vocab_size_of",
            "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES"]
@@ -140,16 +140,16 @@ def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module
 
 def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     """The model's structure without its weights (on the meta device): enough to list heads.
-    A local directory's weights' headers say how many heads each layer kept (a pruned directory
-    re-saved by transformers)."""
+    A local directory's weights' headers must fit it; where they say that layers kept fewer heads
+    (a pruned directory re-saved by transformers), the model is loaded with those heads."""
     config = load_config(name_or_path, trust_remote_code)
     model = build_model(model_class_for(config), config, name_or_path, meta=True)
     path = Path(name_or_path)
     if path.is_dir() and any(path.glob("*.safetensors")):  # a config alone lists the config's heads
         shapes = tensor_shapes(path)
         record = _record_from_weights(model, shapes)
-        if record is not None:
-            apply_pruning_record(model, record, f"{path} (heads read from the weights' shapes)")
+        if record is not None:  # re-saved by transformers: the loaded model (load_pruned checks the pruning)
+            return load_pruned(path, type(model), trust_remote_code=trust_remote_code, record=record)
         check_fits_weights(model, shapes, f"{path}/config.json")
     return model
 

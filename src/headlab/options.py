@@ -7,6 +7,7 @@ dataclass. Importing this module costs no torch (the commands register their opt
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import MISSING, field, fields
 
@@ -14,6 +15,18 @@ from headlab.errors import HeadlabError
 
 _TYPES = {"int": int, "float": float, "str": str}
 _OWN_KEYS = ("flag", "positional")  # metadata read here, not handed to argparse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after an option's help, only where it tells something: not when the
+    help already says its default in words ("default: the model's maximum"), nor for None, False
+    or a suppressed default (a flag, or an option whose absence means "not asked for")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def option(default=MISSING, help: str = "", **argparse_keywords):

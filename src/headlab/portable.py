@@ -14,7 +14,9 @@
   head counts. The module imports only torch and transformers.
 
 T5 shares one relative position bias table across a stack, which headlab slices per layer with
-hooks; a pruned T5 stays loadable by :func:`headlab.load_pruned` only (the reason is recorded).
+hooks, and StableLM's per-head query/key norms (``qk_layernorm``) are lists the copied module does
+not resize; such a pruned model stays loadable by :func:`headlab.load_pruned` only (the reason is
+recorded).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
     if blocks and blocks[0].family.name == "t5":
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return {"how": None, "reason": "T5 shares one position bias table per stack; load with headlab.load_pruned"}
+    if plan.get("per_head"):  # the copied module (shipped with earlier pruned models) does not resize these
+        atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return {"how": None, "reason": "per-head query/key norms (StableLM's qk_layernorm) lose heads; "
+                                       "load with headlab.load_pruned"}
     values = standard_config_values(model)
     if values is not None:
         original = {name: config.get(name) for name in values}

@@ -11,6 +11,7 @@ path (Voita et al. 2019, footnote 9).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, PruningNotExact
+from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
 from headlab.portable import make_portable, restore_original_config
@@ -45,33 +47,63 @@ def _head_index(heads: list[int], d_head: int, device) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.long, device=device)
 
 
-def _replace(module: nn.Module, name: str, value: torch.Tensor) -> None:
+class _Journal:
+    """Every attribute pruning sets and hook it adds, so that a prune that fails its check is
+    undone: the model is left as it was (the old parameters are kept until then)."""
+
+    _ABSENT = object()
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[object, str, object]] = []
+        self.hooks: list = []
+
+    def set(self, obj: object, name: str, value: object) -> None:
+        old = obj._parameters.get(name, obj._modules.get(name, self._ABSENT)) if isinstance(obj, nn.Module) \
+            else self._ABSENT
+        if old is self._ABSENT:
+            old = getattr(obj, name, self._ABSENT)
+        self.changes.append((obj, name, old))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for handle in reversed(self.hooks):
+            handle.remove()
+        for obj, name, old in reversed(self.changes):
+            if old is self._ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self.changes.clear()
+        self.hooks.clear()
+
+
+def _replace(module: nn.Module, name: str, value: torch.Tensor, journal: _Journal) -> None:
     old = getattr(module, name)
-    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
+    journal.set(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
 
 
-def _slice_outputs(module: nn.Module, index: torch.Tensor) -> None:
+def _slice_outputs(module: nn.Module, index: torch.Tensor, journal: _Journal) -> None:
     """Keep output features ``index`` of a Linear or a Conv1D (weight [in, out])."""
     index = index.to(module.weight.device)
     if isinstance(module, nn.Linear):
-        _replace(module, "weight", module.weight.index_select(0, index))
-        module.out_features = len(index)
+        _replace(module, "weight", module.weight.index_select(0, index), journal)
+        journal.set(module, "out_features", len(index))
     else:
-        _replace(module, "weight", module.weight.index_select(1, index))
-        module.nf = len(index)
+        _replace(module, "weight", module.weight.index_select(1, index), journal)
+        journal.set(module, "nf", len(index))
     if module.bias is not None:
-        _replace(module, "bias", module.bias.index_select(0, index.to(module.bias.device)))
+        _replace(module, "bias", module.bias.index_select(0, index.to(module.bias.device)), journal)
 
 
-def _slice_inputs(module: nn.Module, index: torch.Tensor) -> None:
+def _slice_inputs(module: nn.Module, index: torch.Tensor, journal: _Journal) -> None:
     index = index.to(module.weight.device)
     if isinstance(module, nn.Linear):
-        _replace(module, "weight", module.weight.index_select(1, index))
-        module.in_features = len(index)
+        _replace(module, "weight", module.weight.index_select(1, index), journal)
+        journal.set(module, "in_features", len(index))
     else:
-        _replace(module, "weight", module.weight.index_select(0, index))
+        _replace(module, "weight", module.weight.index_select(0, index), journal)
         if hasattr(module, "nx"):
-            module.nx = len(index)
+            journal.set(module, "nx", len(index))
 
 
 # -- the plan for one block ----------------------------------------------------------------
@@ -101,36 +133,88 @@ def _original(block: AttentionBlock) -> tuple[list[int], list[int], int]:
     return list(kept), list(getattr(core, KV_KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)
 
 
-def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int) -> None:
+# Attributes of an attention module that transformers' forwards read a head count from, whatever
+# the family (StableLM and OPT reshape with ``num_heads``; Gemma, OLMo and Mixtral repeat key/value
+# heads ``num_key_value_groups`` times): query heads, key/value heads, query heads per key/value head.
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_GROUP_ATTRS = ("num_key_value_groups",)
+
+
+def _per_head_lists(block: AttentionBlock) -> list[tuple[str, nn.Module, bool]]:
+    """Sub-modules of the attention that hold one module per head (StableLM's per-head query/key
+    LayerNorms: ``.norms`` with ``num_heads`` entries): ``(path, module, is_key)``."""
+    found = []
+    for name, module in block.core.named_modules():
+        norms = getattr(module, "norms", None)
+        if isinstance(norms, nn.ModuleList) and getattr(module, "num_heads", None) == len(norms) and name:
+            is_key = name.rsplit(".", 1)[-1].startswith("k")
+            if len(norms) == (block.n_kv_heads if is_key else block.n_heads):
+                found.append((name, module, is_key))
+    return found
+
+
+def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
+    """A normalisation over a projection's whole width (OLMo2's ``q_norm``/``k_norm`` span all
+    heads): RMSNorm(q) divides every feature by the root mean square over all heads, so removing
+    a head changes what the others are divided by, and no slicing of weights keeps the remaining
+    heads exact. Its name, when pruning this block would change such a width (else None)."""
+    projections = {id(m) for m in (block.q, block.k, block.v, block.o, block.qkv) if m is not None}
+    q_width, kv_width = block.n_heads * block.d_head, block.n_kv_heads * block.d_head
+    q_changes = 0 < len(keep) < block.n_heads
+    kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
+    for name, module in block.core.named_children():
+        if id(module) in projections:
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_head:
+            continue
+        if (q_changes and weight.shape[0] == q_width) or (kv_changes and weight.shape[0] == kv_width):
+            return name
+    return None
+
+
+def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int,
+                 journal: _Journal) -> None:
     family, core, d = block.family, block.core, block.d_head
     device = block.o.weight.device
     q_index = _head_index(keep, d, device)
     kv_index = _head_index(kv_keep, d, device)
     if block.qkv is not None:  # fused [q | k | v] columns (GPT-2's c_attn)
         width = block.n_heads * d
-        _slice_outputs(block.qkv, torch.cat([q_index, width + kv_index, 2 * width + kv_index]))
+        _slice_outputs(block.qkv, torch.cat([q_index, width + kv_index, 2 * width + kv_index]), journal)
         if hasattr(core, "split_size"):
-            core.split_size = len(keep) * d
+            journal.set(core, "split_size", len(keep) * d)
     else:
-        _slice_outputs(block.q, q_index)
-        _slice_outputs(block.k, kv_index)
-        _slice_outputs(block.v, kv_index)
-    _slice_inputs(block.o, q_index)
-    for attr in family.head_count_attrs:
-        if hasattr(core, attr):
-            setattr(core, attr, len(keep))
+        _slice_outputs(block.q, q_index, journal)
+        _slice_outputs(block.k, kv_index, journal)
+        _slice_outputs(block.v, kv_index, journal)
+    _slice_inputs(block.o, q_index, journal)
+    for path, module, is_key in _per_head_lists(block):
+        chosen = kv_keep if is_key else keep
+        norms = [module.norms[h] for h in chosen]
+        norms = [n if norms.index(n) == i else copy.deepcopy(n) for i, n in enumerate(norms)]  # repeats: own copy
+        journal.set(module, "norms", nn.ModuleList(norms))
+        journal.set(module, "num_heads", len(chosen))
+    for attr in dict.fromkeys((*family.head_count_attrs, *_HEAD_ATTRS)):
+        if isinstance(getattr(core, attr, None), int):
+            journal.set(core, attr, len(keep))
+    for attr in _KV_HEAD_ATTRS:
+        if isinstance(getattr(core, attr, None), int):
+            journal.set(core, attr, len(kv_keep))
     for attr in ("all_head_size", "inner_dim"):
         if hasattr(core, attr):
-            setattr(core, attr, len(keep) * d)
-    if family.kv_groups_attr and hasattr(core, family.kv_groups_attr):
-        setattr(core, family.kv_groups_attr, groups)
+            journal.set(core, attr, len(keep) * d)
+    for attr in dict.fromkeys((family.kv_groups_attr, *_GROUP_ATTRS)):
+        if attr and hasattr(core, attr):
+            journal.set(core, attr, groups)
 
     kept, kv_kept, original = _original(block)
-    setattr(core, KEPT_ATTR, [kept[h] for h in keep])
-    setattr(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
-    setattr(core, ORIGINAL_ATTR, original)
+    journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
+    journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
+    journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
-        _replace_with_zero_heads(model, block)
+        _replace_with_zero_heads(model, block, journal)
 
 
 # -- layers with no head left --------------------------------------------------------------
@@ -159,16 +243,16 @@ class ZeroHeadAttention(NoHeadAttention):
             self.compute_bias = types.MethodType(type(original).compute_bias, self)
 
 
-def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock) -> None:
+def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _Journal) -> None:
     parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
     n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
-    setattr(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head))
+    journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head))
 
 
 # -- T5: one relative position bias shared by the layers of a stack --------------------------
-def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock]) -> None:
+def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journal: _Journal) -> None:
     """T5 computes its position bias [1, n_heads, q, k] in the first layer of a stack and
     hands it to the others, which breaks once layers keep different heads. In a pruned stack
     each layer instead gets the full bias recomputed from the first layer's table, sliced to
@@ -183,11 +267,11 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock]) -> No
             if getattr(core, "_headlab_t5_hooked", False) or isinstance(core, ZeroHeadAttention):
                 continue
             if getattr(core, KEPT_ATTR, None) is None:
-                setattr(core, KEPT_ATTR, list(range(block.n_heads)))
-                setattr(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
-                setattr(core, ORIGINAL_ATTR, block.n_heads)
-            core.register_forward_pre_hook(_t5_bias_hook(source), with_kwargs=True)
-            core._headlab_t5_hooked = True
+                journal.set(core, KEPT_ATTR, list(range(block.n_heads)))
+                journal.set(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
+                journal.set(core, ORIGINAL_ATTR, block.n_heads)
+            journal.hooks.append(core.register_forward_pre_hook(_t5_bias_hook(source), with_kwargs=True))
+            journal.set(core, "_headlab_t5_hooked", True)
 
 
 def _t5_bias_hook(source: nn.Module):
@@ -210,11 +294,17 @@ def _t5_bias_hook(source: nn.Module):
 
 
 # -- public API ----------------------------------------------------------------------------
+VERIFIED_ATTR = "_headlab_verified_pruning"  # in model.__dict__: the pruning record that was checked
+
+
 def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list[int]]:
     """Remove ``heads`` (``{(kind, layer): [head, ...]}``, current numbering) in place.
 
-    Validates everything before changing anything. Returns the heads each pruned block now
-    keeps, in the model's original numbering.
+    Validates everything before changing anything, and checks the result (:mod:`headlab.prune_check`):
+    the pruned model must compute what the model with the same heads masked computes, on a
+    padded probe batch and a few steps of cached generation. If it does not, the model is put back
+    as it was and :class:`~headlab.errors.PruningNotExact` names the family, the block and the
+    difference. Returns the heads each pruned block now keeps, in the model's original numbering.
     """
     blocks = attention_blocks(model)
     spec = validate_heads(blocks, heads)
@@ -223,10 +313,8 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
         block = find_block(blocks, *key)
         keep = [h for h in range(block.n_heads) if h not in set(removed)]
         plans.append((block, keep, *_kv_plan(block, keep)))
-    blocks = _prune_blocks(model, plans)
+    blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
-
-
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
     blocks = {}
@@ -263,16 +351,94 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
                 plans.append((block, keep, kv_keep, groups))
     except (KeyError, TypeError, ValueError) as error:
         raise HeadlabError(f"{source}: malformed pruning record ({error!r})") from error
-    _prune_blocks(model, plans)
+    spec = {block.key: [h for h in range(block.n_heads) if h not in set(keep)] for block, keep, _, _ in plans}
+    _prune_checked(model, plans, spec)
 
 
-def _prune_blocks(model: nn.Module, plans: list[tuple]) -> list[AttentionBlock]:
-    """Prune each ``(block, keep, kv_keep, groups)``; the model's attention blocks afterwards."""
-    for block, keep, kv_keep, groups in plans:
-        _prune_block(model, block, keep, kv_keep, groups)
-    blocks = attention_blocks(model)
-    if blocks and blocks[0].family.name == "t5":
-        _install_t5_bias_hooks(model, blocks)
+def _model_type(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__)
+
+
+def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
+    """Refuse, before any work, what no slicing can make exact."""
+    if model.__dict__.get(GATE_STACK) is not None:  # their hooks assume the unpruned head counts
+        raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
+    for block, keep, kv_keep, _ in plans:
+        norm = _whole_width_norm(block, keep, kv_keep)
+        if norm is not None:
+            raise PruningNotExact(
+                f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises the "
+                f"whole projection ({block.n_heads if norm.startswith('q') else block.n_kv_heads} heads at once), "
+                "so removing a head changes how the others are normalised; physical pruning cannot be exact for "
+                "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
+                model_type=_model_type(model), block=block.key,
+            )
+
+
+def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> None:
+    """Refuse, before a long run whose end prunes (``headlab prune train``, sweeps), a model that
+    headlab cannot prune exactly: prune a sample of heads with the check of :func:`prune_heads`
+    and undo it, whatever the outcome. The sample removes every head of each kind's first layer
+    (a layer with no head left) and head 0 of the others (one query head of a key/value group)."""
+    blocks = [b for b in attention_blocks(model) if (kinds is None or b.kind in kinds) and b.n_heads]
+    first = {}
+    for block in blocks:
+        first.setdefault(block.kind, block.layer)
+    spec = {}
+    for block in blocks:
+        whole = block.layer == first[block.kind] and sum(b.kind == block.kind for b in blocks) > 1
+        spec[block.key] = list(range(block.n_heads)) if whole else [0]
+    plans = []
+    for block in blocks:
+        keep = [h for h in range(block.n_heads) if h not in spec[block.key]]
+        plans.append((block, keep, *_kv_plan(block, keep)))
+    _prune_checked(model, plans, spec, commit=False)
+
+
+def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: bool = True) -> list[AttentionBlock]:
+    """Prune each ``(block, keep, kv_keep, groups)`` and check the result against the model with
+    ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
+    ``commit=False``, also if it does not). The model's attention blocks afterwards."""
+    from headlab.gates import mask_heads
+    from headlab.prune_check import first_mismatch, probe_inputs, run_probe
+
+    _refuse_inexact(model, plans)
+    journal = _Journal()
+    if not plans:
+        blocks = attention_blocks(model)
+        model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
+        return blocks
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    probe = probe_inputs(model)
+    with mask_heads(model, spec):
+        reference = run_probe(model, probe)
+        if reference.error is not None:  # e.g. a classifier with no padding token: one unpadded row
+            probe = probe_inputs(model, padded=False)
+            reference = run_probe(model, probe)
+    if reference.error is not None:
+        raise HeadlabError(
+            f"{_model_type(model)}: cannot check pruning, the model itself fails on headlab's probe batch "
+            f"(short rows, with and without padding): {type(reference.error).__name__}: "
+            f"{str(reference.error).splitlines()[0][:300]}"
+        ) from reference.error
+    try:
+        for block, keep, kv_keep, groups in plans:
+            _prune_block(model, block, keep, kv_keep, groups, journal)
+        blocks = attention_blocks(model)
+        if blocks and blocks[0].family.name == "t5":
+            _install_t5_bias_hooks(model, blocks, journal)
+        mismatch = first_mismatch(reference, run_probe(model, probe), dtype)
+    except BaseException:
+        journal.undo()
+        raise
+    if mismatch is not None or not commit:
+        journal.undo()
+    if mismatch is not None:
+        raise PruningNotExact(mismatch.describe(_model_type(model)) + "; the model was left unpruned, nothing written",
+                              model_type=_model_type(model), block=mismatch.what, difference=mismatch.difference)
+    if not commit:
+        return attention_blocks(model)
+    model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     return blocks
 
 
@@ -293,7 +459,8 @@ def _projection(module: nn.Module) -> tuple[str, int, int]:
 def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
-    module path -> head counts and widths) and ``no_head`` (layers left with no head)."""
+    module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
+    layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept)."""
     names = {id(module): name for name, module in model.named_modules()}
     plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
     for block in attention_blocks(model):
@@ -304,18 +471,26 @@ def pruning_plan(model: nn.Module) -> dict:
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         attrs = {}
-        for name in (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr):
+        attr_names = (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr, *_HEAD_ATTRS,
+                      *_KV_HEAD_ATTRS, *_GROUP_ATTRS)
+        for name in dict.fromkeys(attr_names):
             if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
                 attrs[name] = int(getattr(core, name))
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
         if isinstance(core, ZeroHeadAttention):
             plan["no_head"][_core_path(block)] = [core.o_name, core.n_outputs, core.d_head]
+        else:
+            for path, module, _ in _per_head_lists(block):
+                plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(module.norms)
     return plan
 
 
 def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write standard safetensors weights, the config and ``headlab_pruning.json``.
+
+    Only a model whose pruning was checked (by :func:`prune_heads` or :func:`load_pruned`) is
+    written; anything else raises before a file is touched.
 
     The directory also loads with plain transformers (:func:`headlab.portable.make_portable`):
     a standard config where one can state the pruned heads, else ``trust_remote_code=True``
@@ -324,8 +499,12 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
-    model.save_pretrained(path, safe_serialization=True)
     record = pruning_record(model)
+    if record["blocks"] and model.__dict__.get(VERIFIED_ATTR) != record["blocks"]:
+        raise PruningNotExact(
+            f"{_model_type(model)}: its pruning was not checked against masking (headlab.prune_heads and "
+            "headlab.load_pruned check it); nothing written", model_type=_model_type(model))
+    model.save_pretrained(path, safe_serialization=True)
     record["portable"] = make_portable(model, path, pruning_plan(model))
     atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
     readable_as_umask_allows(path)
@@ -336,10 +515,15 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
                 record: Mapping | None = None, **config_overrides) -> nn.Module:
     """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
 
-    Weights are read with safetensors only; no code from the directory is run (the config is
-    read with ``trust_remote_code`` as given, False by default). ``record`` stands in for a
-    missing headlab_pruning.json (:func:`headlab.checkpoint.record_from_weights`). The record is
-    checked against the weights' shapes, and every tensor must load: none missing, none left over.
+    There is no unpruned model with these weights to compare with, so the check is in two parts:
+    the pruning is applied to the freshly built (randomly initialised) model and checked against
+    that model with the same heads masked, as :func:`prune_heads` does (so the structure computes
+    what masking computes, whatever the weights); then the loaded model must run the padded probe
+    and its generation steps with finite outputs. Weights are read with safetensors only; no code
+    from the directory is run (the config is read with ``trust_remote_code`` as given, False by
+    default). ``record`` stands in for a missing headlab_pruning.json
+    (:func:`headlab.checkpoint.record_from_weights`). The record is checked against the weights'
+    shapes, and every tensor must load: none missing, none left over.
     """
     from headlab import checkpoint  # reads and checks the directory (complete or refused)
 
@@ -366,10 +550,15 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     checkpoint.check_fits_weights(model, shapes, source)
 
     state = checkpoint.read_weights(path)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as error:
-        raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
+    model_keys = set(model.state_dict())
+    unexpected: list[str] = []
+    if any(name not in model_keys for name in state) and _converted_on_save(model):
+        missing = _load_converted(model, state, path)  # e.g. Mixtral: experts saved one by one, held fused
+    else:
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as error:
+            raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
     model.tie_weights()
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
     # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
@@ -379,7 +568,53 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
         if model.state_dict()[name].data_ptr() not in loaded and not any(re.search(p, name) for p in rebuilt)
     ]
     checkpoint.check_complete(path, untied, unexpected)
+    _check_loaded(model, path)
     return model.eval()
+
+
+def _converted_on_save(model: nn.Module) -> bool:
+    """Whether transformers renames or regroups this model's weights when it saves them (its
+    "original format": Mixtral's experts one tensor per expert, held fused in the model)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
+
+
+def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
+    """Load weights saved in transformers' original format through transformers' own conversion
+    (what ``from_pretrained`` does); the keys still missing."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        info, _ = convert_and_load_state_dict_in_model(
+            model, state, LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model)))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if info.mismatched_keys or info.conversion_errors or info.error_msgs:
+        found = [*sorted(info.mismatched_keys)[:3], *list(info.conversion_errors.items())[:3], *info.error_msgs[:3]]
+        raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {found}")
+    if info.unexpected_keys:
+        raise HeadlabError(f"{path}: weights hold tensors the model does not have: {sorted(info.unexpected_keys)[:3]}")
+    return sorted(info.missing_keys)
+
+
+def _check_loaded(model: nn.Module, path: Path) -> None:
+    """The loaded weights in the checked structure: a forward on the padded probe (and cached
+    generation steps) must run and give finite values where the inputs are not padding."""
+    from headlab.prune_check import not_finite, probe_inputs, run_probe
+
+    trace = run_probe(model, probe_inputs(model))
+    if trace.error is not None:  # as in _prune_checked: a model that cannot take padded rows gets one row
+        trace = run_probe(model, probe_inputs(model, padded=False))
+    problem = not_finite(trace)
+    if problem is not None:
+        raise HeadlabError(f"{path}: the loaded {_model_type(model)} model {problem}")
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -393,6 +628,6 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
-    "prune_heads", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
+    "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS",
 ]

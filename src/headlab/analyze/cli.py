@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 from headlab.analyze.pipeline import STAGES, AnalyzeConfig
 from headlab.device_options import add_device_options
-from headlab.options import add_options, from_args, help_of, numbers
+from headlab.options import HelpFormatter, add_options, from_args, help_of, numbers
 from headlab.shard import add_process_options
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "analyze", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "analyze", formatter_class=HelpFormatter,
         help="everything in one resumable run: importance, head functions, aggregate statistics, "
              "(pruning), figures and an HTML report")
     add_options(p, AnalyzeConfig, ("model", "source", "target", "conllu", "conllu_is_source"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
-from headlab.options import add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args
 from headlab.shard import add_process_options
 
 
@@ -37,7 +37,7 @@ def _aggregate_options(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "functions", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "functions", formatter_class=HelpFormatter,
         help="positional, syntactic and rare-token heads over a treebank (Voita et al. 2019, Sec. 5)")
     _common(p)
     p.add_argument("--relations", default=",".join(AnalysisConfig.relations),
@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_functions)
 
     p = subparsers.add_parser(
-        "aggregate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "aggregate", formatter_class=HelpFormatter,
         help="attention distance, entropy, variability, exemplars, POS and dependency shares (Vig & Belinkov 2019)")
     _common(p)
     _aggregate_options(p)

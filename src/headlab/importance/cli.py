@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
-from headlab.options import add_options, from_args, help_of
+from headlab.options import HelpFormatter, add_options, from_args, help_of
 from headlab.shard import add_process_options
 
 
@@ -18,7 +17,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "importance",
         help="score every head: confidence, LRP, gradient importance, ablation, and their agreement",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")
     p.add_argument("--data", required=True,

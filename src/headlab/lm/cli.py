@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import fields
@@ -11,7 +10,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
 from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
-from headlab.options import add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args
 
 
 def register(subparsers) -> None:
@@ -20,7 +19,7 @@ def register(subparsers) -> None:
     commands.required = True
 
     p = commands.add_parser("train", help="train a causal language model (Llama-style or GPT-2) on English text",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     add_options(p, LMRecipe, ("train_files", "valid_files", "tokenizer", "vocab_size"))
     add_options(p, LMConfig, [f.name for f in fields(LMConfig)])
     add_options(p, lm_training(), TRAIN_OPTIONS + ("resume", "overwrite"))
@@ -30,7 +29,7 @@ def register(subparsers) -> None:
                                             "command to continue from it")
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
     p.add_argument("--text", nargs="+", required=True, metavar="FILE", help="one sentence a line, or CoNLL-U")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch")

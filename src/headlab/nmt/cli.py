@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.nmt.config import ModelConfig, TrainConfig, TrainRecipe
-from headlab.options import add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args
 
 # The training loop's options that `nmt train` and `lm train` share.
 TRAIN_OPTIONS = ("out_dir", "max_tokens", "lr", "warmup_steps", "label_smoothing", "mixed_precision", "clip_norm",
@@ -25,7 +24,7 @@ def register(subparsers) -> None:
     commands.required = True
 
     p = commands.add_parser("train", help="train a Transformer (MarianMTModel) on parallel text",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     add_options(p, TrainRecipe, ("train_src", "train_tgt", "valid_src", "valid_tgt", "tokenizer", "vocab_size",
                                  "max_sentence_tokens", "limit"))
     add_options(p, ModelConfig, ("d_model", "ffn_dim"))
@@ -39,7 +38,7 @@ def register(subparsers) -> None:
                                             "command to continue from it")
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     _add_translation_options(p)
     p.add_argument("--input", default="-", help="source file (plain or .gz); - for stdin")
     p.add_argument("--output", default="-", help="output file; - for stdout")
@@ -52,7 +51,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=_bleu)
 
     p = commands.add_parser("evaluate", help="translate a test set and score it (translate + bleu)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     _add_translation_options(p)
     p.add_argument("--src", required=True, help="test source file")
     p.add_argument("--ref", required=True, help="test reference file")
@@ -228,7 +227,7 @@ def _average(args) -> int:
 def add_export_command(commands, trainer: str, checkpoints: str, dtype: str) -> None:
     """``headlab nmt export`` and ``headlab lm export``: one checkpoint of a run as a model directory."""
     p = commands.add_parser("export", help="copy one checkpoint of a training run into a model directory",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"training output directory (--out of {trainer} train)")
     p.add_argument("--to", required=True, help="model directory to write")
     p.add_argument("--checkpoint", default="best", help=checkpoints)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
+from headlab.options import HelpFormatter
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "parse", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "parse", formatter_class=HelpFormatter,
         help="parse raw text (one sentence per line) into CoNLL-U for `headlab functions --conllu` "
              "(a spaCy UD pipeline such as models/ewt-parser; needs the `parse` extra)")
     p.add_argument("--model", required=True, help="spaCy pipeline directory with a parser and a morphologizer or tagger")

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from argparse import ArgumentDefaultsHelpFormatter as DEFAULTS
 from pathlib import Path
 
 from headlab.device_options import set_threads
 from headlab.errors import HeadlabError
+from headlab.options import HelpFormatter as DEFAULTS
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
 from headlab.resume import file_fingerprint, weights_fingerprint

@@ -57,7 +57,7 @@ from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
-from headlab.surgery import count_parameters, prune_heads, save_pruned
+from headlab.surgery import check_prunable, count_parameters, prune_heads, save_pruned
 
 __all__ = [
     "PruneConfig",
@@ -484,6 +484,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
     kinds = resolve_kinds(model, config.gates)
+    check_prunable(model, kinds)  # the export prunes: a family headlab cannot prune exactly is refused now
     # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
     gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
                                         init_log_alpha=config.init_log_alpha, keep=config.keep)

@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from headlab.options import HelpFormatter
 
 
 def register(subparsers) -> None:
     from headlab.reproduce.stages import STAGES
 
     p = subparsers.add_parser(
-        "reproduce", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "reproduce", formatter_class=HelpFormatter,
         help="reproduce Voita et al. 2019 on the bundled models: staged, resumable; writes docs/reproduction.md")
     p.add_argument("--config", default="experiments/reproduce.json", help="the reproduction's config (JSON)")
     p.add_argument("--models", help="comma-separated model names of the config (none: all)")

@@ -1,0 +1,284 @@
+"""Physical pruning checks itself: the pruned model must compute what the masked one computes.
+
+Removing heads physically is exact when the pruned model equals the unpruned model with the same
+heads masked (:func:`headlab.gates.mask_heads`: their outputs times 0 before W^O). Whether a
+family's attention survives the slicing (partial rotary, query/key norms, grouped key/value
+heads, cached generation, padding) cannot be known from a table for every model a user brings,
+so :func:`headlab.surgery.prune_heads` measures it: it runs :func:`run_probe` on the masked model,
+prunes, runs it again and hands both traces to :func:`first_mismatch`.
+
+The probe is small: 3 rows of 6 tokens (one full, one padded on the right, one on the left),
+then, for a model that generates, 3 steps of cached decoding with fixed tokens (teacher forced,
+so that both models see the same tokens) whose scores are compared; an encoder-decoder gets the
+padded rows on its encoder and a 3-token decoder prefix, and both stacks are compared. Compared
+are the output of every attention block (in forward order, so the first one that differs is
+named) and the model's output (logits, or the last hidden state), at the positions that are not
+padding (a padded query's output is not defined).
+
+Tolerance: two tensors agree when max |pruned - masked| <= sqrt(eps) * max |masked| with eps the
+machine epsilon of the model's dtype (float32: 3.5e-4 of the tensor's largest value; bfloat16:
+8.8e-2; float16: 3.1e-2). Slicing only reorders floating-point sums, which moves results by a few
+eps; a wrong slice moves them by the size of a head's contribution.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from headlab.adapters import attention_blocks
+
+__all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "first_mismatch", "tolerance", "not_finite"]
+
+ROWS, LENGTH, PADS, DECODER_LENGTH, STEPS = 3, 6, 2, 3, 3
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """sqrt(eps) of ``dtype``, relative to the largest value of the reference tensor."""
+    return math.sqrt(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+@dataclass
+class Trace:
+    """What one probe run computed: ``(call, what, tensor)`` in the order computed, ``what`` an
+    attention block's ``(kind, layer)`` or the name of a model output; tensors hold the positions
+    that are not padding only. ``error`` is set when the run raised, ``where`` then names the
+    block that was running."""
+
+    entries: list[tuple[str, object, torch.Tensor]] = field(default_factory=list)
+    error: BaseException | None = None
+    where: object = None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    call: str
+    what: object
+    difference: float
+    allowed: float
+    error: str | None = None
+
+    def describe(self, model_type: str) -> str:
+        where = f"{self.what[0]} layer {self.what[1]}" if isinstance(self.what, tuple) else str(self.what)
+        if self.error is not None:
+            return f"{model_type}: the pruned model fails in {where} ({self.call}): {self.error}"
+        return (f"{model_type}: the pruned model differs from the masked one in {where} ({self.call}): "
+                f"max difference {self.difference:.3g}, allowed {self.allowed:.3g}")
+
+
+def _embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _device(model: nn.Module) -> torch.device:
+    embeddings = _embeddings(model)
+    weight = getattr(embeddings, "weight", None)
+    return weight.device if weight is not None else next(model.parameters()).device
+
+
+def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
+    """Token ids (fixed seed, drawn above the usual special-token ids), the attention mask of the
+    padded rows, the decoder prefix and the generation steps' tokens. ``padded=False``: one row
+    without padding, for a model that cannot take a padded batch (a classifier with no padding
+    token)."""
+    config = model.config
+    embeddings = _embeddings(model)
+    vocab = int(getattr(embeddings, "num_embeddings", 0) or getattr(config, "vocab_size", 0))
+    low = 3 if vocab > 6 else 0
+    g = torch.Generator().manual_seed(0)
+    device = _device(model)
+
+    def ids(*shape):
+        return torch.randint(low, vocab, shape, generator=g).to(device)
+
+    rows = ROWS if padded else 1
+    mask = torch.ones(rows, LENGTH, dtype=torch.long)
+    if padded:
+        mask[1, -PADS:] = 0  # padded on the right
+        mask[2, :PADS] = 0  # padded on the left
+    input_ids = ids(rows, LENGTH)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < vocab:
+        input_ids = input_ids.masked_fill(mask.to(device) == 0, pad)
+    probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
+    if getattr(config, "is_encoder_decoder", False):
+        probe["decoder_input_ids"] = ids(rows, DECODER_LENGTH)
+    return probe
+
+
+def _generates(model: nn.Module) -> bool:
+    can = getattr(model, "can_generate", None)
+    return bool(can()) if callable(can) else False
+
+
+@contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes.items():
+            module.train(mode)
+
+
+def _first(output) -> torch.Tensor | None:
+    value = output[0] if isinstance(output, (tuple, list)) else output
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _valid(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions that are not padding (``tensor`` [batch, pos, ...], ``mask`` [batch, pos])."""
+    tensor = tensor.detach()
+    if mask is None or tensor.dim() < 2 or tuple(tensor.shape[:2]) != tuple(mask.shape):
+        return tensor.clone()
+    return tensor[mask.to(tensor.device).bool()].clone()
+
+
+def run_probe(model: nn.Module, probe: dict) -> Trace:
+    """Run the probe; never raises for an error inside the model (it is recorded in the trace)."""
+    trace = Trace()
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    masks: dict[str, torch.Tensor | None] = {}
+    state: dict = {"call": "forward"}
+    handles = []
+
+    def pre_hook(key):
+        def hook(module, args, kwargs):
+            trace.where = key
+
+        return hook
+
+    def post_hook(key):
+        def hook(module, args, kwargs, output):
+            value = _first(output)
+            if value is not None:
+                stack = "decoder" if seq2seq and key[0] != "enc_self" else "main"
+                trace.entries.append((state["call"], key, _valid(value, masks.get(stack))))
+
+        return hook
+
+    with _eval(model):
+        for block in attention_blocks(model):
+            handles.append(block.module.register_forward_pre_hook(pre_hook(block.key), with_kwargs=True))
+            handles.append(block.module.register_forward_hook(post_hook(block.key), with_kwargs=True))
+        try:
+            _calls(model, probe, seq2seq, masks, state, trace)
+        except Exception as error:  # the pruned model may fail anywhere: that is what is measured
+            trace.error = error
+        finally:
+            for handle in handles:
+                handle.remove()
+    return trace
+
+
+def _record_output(trace: Trace, call: str, output, mask, encoder_mask) -> None:
+    logits = getattr(output, "logits", None)
+    main = logits if logits is not None else getattr(output, "last_hidden_state", None)
+    if main is None:
+        main = _first(output)
+    if main is not None:
+        trace.entries.append((call, "logits" if logits is not None else "output", _valid(main, mask)))
+    encoder = getattr(output, "encoder_last_hidden_state", None)
+    if encoder_mask is not None and encoder is not None:
+        trace.entries.append((call, "encoder output", _valid(encoder, encoder_mask)))
+
+
+def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dict, trace: Trace) -> None:
+    generates = _generates(model)
+    mask = probe["attention_mask"]
+    kwargs = {"input_ids": probe["input_ids"], "attention_mask": mask}
+    if seq2seq:
+        kwargs["decoder_input_ids"] = probe["decoder_input_ids"]
+        masks.update(main=mask, decoder=torch.ones_like(probe["decoder_input_ids"]))
+    else:
+        masks.update(main=mask)
+    if generates:
+        kwargs["use_cache"] = True
+    output = model(**kwargs)
+    # transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    _record_output(trace, "forward", output, masks["decoder" if seq2seq else "main"], mask if seq2seq else None)
+    cache = _cache_of(output) if generates else None
+    if cache is None:
+        return
+    encoder_outputs = (output.encoder_last_hidden_state,) if seq2seq else None
+    for step, tokens in enumerate(probe["steps"], 1):
+        state["call"] = f"generation step {step}"
+        ones = torch.ones_like(tokens)
+        if seq2seq:
+            masks.update(decoder=ones)
+            step_kwargs = {"encoder_outputs": encoder_outputs, "attention_mask": mask, "decoder_input_ids": tokens}
+        else:
+            mask = torch.cat([mask, ones], dim=1)
+            masks.update(main=ones)
+            step_kwargs = {"input_ids": tokens, "attention_mask": mask}
+        output = model(**step_kwargs, **{cache_name: cache}, use_cache=True)
+        cache = _cache_of(output)
+        logits = getattr(output, "logits", None)
+        if logits is not None:
+            trace.entries.append((state["call"], "logits", logits.detach()[:, -1].clone()))
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def _difference(reference: torch.Tensor, pruned: torch.Tensor) -> tuple[float, float]:
+    """(max |pruned - reference| with NaN where both are NaN counted as equal, max |reference|)."""
+    if reference.shape != pruned.shape:
+        return math.inf, 0.0
+    reference, pruned = reference.double(), pruned.double().to(reference.device)
+    both_nan = reference.isnan() & pruned.isnan()
+    diff = (pruned - reference).abs().masked_fill(both_nan, 0.0)
+    diff = diff.nan_to_num(nan=math.inf)
+    finite = reference[reference.isfinite()]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return (float(diff.max()) if diff.numel() else 0.0), scale
+
+
+def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Mismatch | None:
+    """The first place (in forward order) where ``pruned`` leaves the tolerance around ``reference``."""
+    if reference.error is not None:  # the masked model itself fails on the probe: nothing to compare
+        raise reference.error
+    if pruned.error is not None:
+        error = f"{type(pruned.error).__name__}: {pruned.error}".splitlines()[0][:300]
+        return Mismatch("forward", pruned.where or "model", math.inf, 0.0, error)
+    ref = {(call, what): value for call, what, value in reference.entries}
+    got = {(call, what): value for call, what, value in pruned.entries}
+    rel = tolerance(dtype)
+    for call, what, value in reference.entries:
+        if (call, what) not in got:
+            if isinstance(what, tuple):
+                continue  # a block reduced to no head is not an attention block any more: its output is in the next
+            return Mismatch(call, what, math.inf, 0.0, "the pruned model did not compute it")
+        difference, scale = _difference(value, got[(call, what)])
+        allowed = rel * max(scale, torch.finfo(dtype).tiny)
+        if not difference <= allowed:
+            return Mismatch(call, what, difference, allowed)
+    extra = [key for key in got if key not in ref and not isinstance(key[1], tuple)]
+    if extra:
+        return Mismatch(extra[0][0], extra[0][1], math.inf, 0.0, "the masked model did not compute it")
+    return None
+
+
+def not_finite(trace: Trace) -> str | None:
+    """Where a probe run failed or produced NaN/inf at a position that is not padding (or None)."""
+    if trace.error is not None:
+        where = trace.where
+        where = f"{where[0]} layer {where[1]}" if isinstance(where, tuple) else "the model"
+        return f"fails in {where}: {type(trace.error).__name__}: {str(trace.error).splitlines()[0][:300]}"
+    for call, what, value in trace.entries:
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            where = f"{what[0]} layer {what[1]}" if isinstance(what, tuple) else str(what)
+            return f"computes NaN or inf in {where} ({call})"
+    return None
