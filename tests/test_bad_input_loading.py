@@ -341,3 +341,23 @@ def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
                 if "trust_remote_code" not in names and not (spread and "trust_remote_code" in ast.unparse(function)):
                     missing.append(f"{path.relative_to(SRC)}:{node.lineno}: {receiver}.from_pretrained")
     assert not missing, missing
+
+
+@pytest.mark.parametrize("family,spec", [
+    ("llama", {("dec_self", 0): [0]}),  # 3 query heads over per-head copies of their key/value heads
+    ("gpt2", {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 1, 2, 3]}),  # fused [q | k | v] Conv1D, a layer emptied
+])
+def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tmp_path):
+    from headlab import prune_heads, save_pruned
+
+    model = tiny_model(family)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(loaded)] == \
+        [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(model)]
+    inputs = tiny_inputs(family)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
