@@ -108,7 +108,7 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
             auto_map = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("auto_map")
         except (OSError, ValueError, AttributeError):
             pass
-        if auto_map and not trust_remote_code:
+        if auto_map and not trust_remote_code and "trust_remote_code" in str(error):
             raise HeadlabError(
                 f"{path}/config.json: its model_type is unknown to transformers and its auto_map names code in "
                 f"the directory ({', '.join(sorted(map(str, auto_map)))}); headlab runs no code from a model "

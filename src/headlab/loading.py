@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from headlab.checkpoint import (
@@ -43,7 +44,7 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
             return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as error:  # neither a local directory nor a model the hub (or its cache) knows
             raise HeadlabError(f"{name_or_path}: no such model directory, and not a model id found on the "
-                               f"Hugging Face hub or in its cache ({one_line(error)})") from error
+                               "Hugging Face hub or in its cache") from error
     return read_config(name_or_path, trust_remote_code)
 
 
@@ -74,7 +75,9 @@ def load_model(
         return _place(load_pruned(path, trust_remote_code=trust_remote_code), path, dtype, device, device_map)
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config)
-    if path.is_dir():  # read the weights' headers before transformers does: complete or refused
+    # Read the weights' headers before transformers does: complete or refused. (Quantized weights
+    # are packed in other shapes; transformers' own report below still covers them.)
+    if path.is_dir() and getattr(config, "quantization_config", None) is None:
         shapes = tensor_shapes(path)
         structure = build_model(cls, config, path, meta=True)
         record = _record_from_weights(structure, shapes)
@@ -91,7 +94,7 @@ def load_model(
     try:
         with _quiet_load_report():
             model, info = cls.from_pretrained(name_or_path, **kwargs)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
     except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
         raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
