@@ -90,10 +90,26 @@ def _headlab(*args: str, stdin: str = "y\ny\n") -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("source", ["plain", "pruned"])
-def test_auto_map_with_an_unknown_model_type_runs_no_code_and_never_prompts(source, dirs, tmp_path):
+def test_auto_map_with_an_unknown_model_type_runs_no_code_and_never_prompts(source, dirs, tmp_path, capsys,
+                                                                            monkeypatch):
     """Regression: load_pruned called AutoConfig without trust_remote_code, so transformers asked
     "run the custom code? [y/N]" on stdin, and "y" ran the directory's Python."""
+    import io
+
     directory = _copy(dirs, source, tmp_path)
+    marker = _plant_code(directory, "evil-heads")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))
+    for command in (["heads", str(directory)], ["prune", str(directory), "--heads", "enc_self:0:1", "--out",
+                                                str(tmp_path / "out")]):
+        line = _one_line_error(capsys, main(command))
+        assert not marker.exists(), "the model directory's code ran"
+        assert "auto_map" in line and "--trust-remote-code" in line
+    assert sys.stdin.read() == "y\ny\n"  # nothing was asked
+
+
+def test_auto_map_answered_y_on_a_real_stdin_runs_no_code(dirs, tmp_path):
+    """The same through a pipe, as a user's shell gives it (the pruned directory of the report)."""
+    directory = _copy(dirs, "pruned", tmp_path)
     marker = _plant_code(directory, "evil-heads")
     run = _headlab("heads", str(directory))
     assert not marker.exists(), "the model directory's code ran"
