@@ -28,10 +28,10 @@ from headlab.checkpoint import (
     tensor_shapes,
 )
 from headlab.errors import HeadlabError
-from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, load_pruned
+from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
-__all__ = ["load_config", "load_model", "build_from_config", "load_tokenizer", "model_class_for", "vocab_size_of",
-           "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES"]
+__all__ = ["load_config", "load_model", "build_from_config", "check_supported", "load_tokenizer", "model_class_for",
+           "vocab_size_of", "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES"]
 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     import transformers
@@ -155,6 +155,39 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
             return load_pruned(path, type(model), trust_remote_code=trust_remote_code, record=record)
         check_fits_weights(model, shapes, f"{path}/config.json")
     return model
+
+
+def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model", *,
+                    prune: bool = False) -> None:
+    """Refuse, before any work, a model whose attention headlab cannot analyse exactly: its
+    structure is built from the config on the meta device (no weights read) and must give
+    attention blocks (:func:`headlab.adapters.attention_blocks`), or the one error says what is
+    missing; with ``prune``, blocks that physical pruning can slice
+    (:func:`headlab.surgery.check_block_sliceable`). A hub id that is not in the cache is left to the loader."""
+    from headlab.adapters import attention_blocks, unsupported_reason
+
+    path = Path(name_or_path)
+    if not path.is_dir():
+        try:
+            config = load_config(name_or_path, trust_remote_code)
+        except HeadlabError:
+            return  # not found here: the loader says so in its own words
+    else:
+        config = load_config(name_or_path, trust_remote_code)
+    reason = unsupported_reason(config)
+    if reason:
+        raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}) is not supported: {reason}")
+    try:
+        with torch.device("meta"):
+            model = model_class_for(config)(config)
+    except (ValueError, TypeError, ImportError, NotImplementedError) as error:
+        raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
+    try:
+        for block in attention_blocks(model):
+            if prune:
+                check_block_sliceable(block)
+    except HeadlabError as error:
+        raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).

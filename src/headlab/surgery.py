@@ -363,6 +363,8 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
     """Refuse, before any work, what no slicing can make exact."""
     if model.__dict__.get(GATE_STACK) is not None:  # their hooks assume the unpruned head counts
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
+    for block, *_ in plans:  # fused layouts and projections the slicing here does not know
+        check_block_sliceable(block)
     for block, keep, kv_keep, _ in plans:
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
@@ -440,6 +442,22 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         return attention_blocks(model)
     model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     return blocks
+
+
+def check_block_sliceable(block: AttentionBlock) -> None:
+    """The slicing here knows one fused layout, GPT-2's [q | k | v] of equal widths; the others
+    (adapters.families.QKV_LAYOUTS) are analysed and masked but not physically pruned."""
+    if block.qkv is not None and (block.family.qkv_layout != "q|k|v" or block.n_kv_heads != block.n_heads):
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
+            f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
+            "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
+    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
+    if unsliced:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
+            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
 
 
 # Attributes of an attention module that hold a head count or a width derived from one.

@@ -49,6 +49,9 @@ def _check(args) -> None:
     if args.target is not None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, args.trust_remote_code)
     for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
                           ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
                           ("query_chunk", 1)):

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 
@@ -65,6 +65,12 @@ def _activation_classes() -> tuple[type, ...]:
 
 
 _ACTIVATIONS = _activation_classes()
+# Element-wise activations a family defines as its own module class, outside ACT2CLS.
+_NAMED_ACTIVATIONS = ("BloomGelu",)
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return isinstance(module, _ACTIVATIONS) or type(module).__name__ in _NAMED_ACTIVATIONS
 
 
 def relevance(tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,19 @@ def _detach_qk_columns(width_qk: int):
     return hook
 
 
+def _detach_columns(block: AttentionBlock):
+    """For a fused projection in any other layout (per head, grouped): detach the q and k columns
+    wherever the layout puts them, keep the values'."""
+    q, k, _ = block.qkv_columns()
+    is_qk = torch.zeros(out_features(block.qkv), dtype=torch.bool)
+    is_qk[torch.cat([q, k])] = True
+
+    def hook(module, args, output):
+        return torch.where(is_qk.to(output.device), output.detach(), output)
+
+    return hook
+
+
 class _GatedProduct:
     """Ding et al.'s element-wise product rule for gated MLPs: ``down(act(gate(x)) * up(x))``.
 
@@ -214,6 +233,19 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
 
 
 _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+# One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
+# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
+_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
+
+
+def _fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    found = []
+    for module in model.modules():
+        for gate_up, down, act in _FUSED_GATED_NAMES:
+            parts = [getattr(module, name, None) for name in (act, gate_up, down)]
+            if all(isinstance(p, nn.Module) for p in parts):
+                found.append((parts[0], parts[1], parts[2]))
+    return found
 
 
 def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
@@ -246,7 +278,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(module.register_forward_hook(_layer_norm_rule))
             elif _is_rms_norm(module):
                 handles.append(module.register_forward_hook(_rms_norm_rule))
-            elif isinstance(module, _ACTIVATIONS):
+            elif _is_activation(module):
                 if getattr(module, "inplace", False):
                     raise HeadlabError(f"LRP: in-place activation {type(module).__name__} is not supported")
                 handles.append(module.register_forward_hook(_activation_rule))
@@ -258,6 +290,12 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(act.register_forward_hook(product.keep_a))
             handles.append(up.register_forward_hook(product.keep_b))
             handles.append(down.register_forward_pre_hook(product.pre_down))
+        for act, gate_up, down in _fused_gated_mlps(model):
+            product = _GatedProduct()
+            handles.append(act.register_forward_hook(product.keep_a))
+            handles.append(gate_up.register_forward_hook(
+                lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
+            handles.append(down.register_forward_pre_hook(product.pre_down))
         for before, after in _functional_activations(model):
             between = _ActivationBetween()
             handles.append(before.register_forward_hook(between.keep))
@@ -265,7 +303,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0:
                 continue
-            if block.qkv is not None:
+            if block.qkv is not None and block.family.qkv_layout != "q|k|v":
+                handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
+            elif block.qkv is not None:
                 width = (block.n_heads + block.n_kv_heads) * block.d_head
                 handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
             else:

@@ -150,6 +150,9 @@ def _check_inputs(args) -> None:
             preflight.input_file(path, flag)
     _check_dev(args)
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, getattr(args, "trust_remote_code", False), prune=True)
     if args.tokenizer is not None:
         preflight.model_dir(args.tokenizer, "--tokenizer")
     for name in ("limit", "eval_limit", "max_sentence_tokens", "threads"):
