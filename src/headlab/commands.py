@@ -55,7 +55,7 @@ def run_heads(args) -> int:
 
     path = Path(args.model)
     if path.is_dir() and (path / "headlab_pruning.json").is_file():
-        model = load_model(args.model)  # pruned: the weights define the head counts
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)  # pruned: the weights define the head counts
     else:
         model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
     blocks = attention_blocks(model)
@@ -88,7 +88,8 @@ def run_prune(args) -> int:
     source = Path(args.model)
     tokenizer = None
     if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = load_tokenizer(args.model)  # keep the pruned directory self-contained
+        # keep the pruned directory self-contained
+        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     before = count_parameters(model)
     prune_heads(model, spec)
 
