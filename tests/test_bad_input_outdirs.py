@@ -2,11 +2,18 @@
 feeds one bad input and asserts the exit code, that the message names the file or option, and
 that nothing of the user's is lost. One test per row of docs/cli.md's catalogue."""
 
-import os
+import errno
+import json
+import socket
+import subprocess
+import sys
 
 import pytest
 
+import headlab.functions.analysis
 from headlab.cli import main
+from headlab.lock import LOCK_FILE, _start_time
+from headlab.outdir import FILES
 from support.bad_input import SENTENCES, files_under, forbid_model_loading, save_tiny_marian
 from support.treebank import SAMPLE_CONLLU
 
@@ -34,3 +41,127 @@ def test_prune_apply_beside_a_users_dir_named_out_old(inputs, tmp_path, capsys):
     assert main(["prune", str(inputs / "model"), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 0
     assert (mine / "notes.txt").read_text() == "my notes\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned", "pruned.old"]  # nothing of ours left beside
+
+
+def _functions(inputs, out, *extra):
+    return ["functions", str(inputs / "model"), "--conllu", str(inputs / "tb.conllu"), "--out", str(out),
+            "--no-progress", "--no-figures", *extra]
+
+
+def _importance(inputs, out, *extra):
+    return ["importance", str(inputs / "model"), "--data", str(inputs / "src.txt"), "--out", str(out),
+            "--no-progress", "--n-sentences", "2", *extra]
+
+
+def test_functions_rerun_into_the_out_of_an_earlier_run(inputs, tmp_path, capsys):
+    """Regression: a rerun without --aggregate (or with another model) wrote beside the earlier
+    run's files and left its aggregate/ there, as if it were this run's."""
+    out = tmp_path / "out"
+    assert main(_functions(inputs, out, "--aggregate")) == 0
+    first = files_under(out)
+    assert any(name.startswith("aggregate/") for name in first)
+    capsys.readouterr()
+    assert main(_functions(inputs, out)) == 2
+    assert f"--out {out}: holds the results of an earlier run (functions of {inputs / 'model'}" in capsys.readouterr().err
+    assert files_under(out) == first
+    assert main(_functions(inputs, out, "--overwrite")) == 0
+    now = files_under(out)
+    assert not any(name.startswith("aggregate") for name in now)  # only this run's files
+    listed = json.loads((out / FILES).read_text())
+    assert listed["complete"] and set(listed["files"]) == now - {str(FILES)}
+
+
+def test_importance_rerun_with_fewer_methods_into_the_same_out(inputs, tmp_path, capsys):
+    """Regression: gradient.json of the earlier run stayed beside the new confidence.json."""
+    out = tmp_path / "out"
+    assert main(_importance(inputs, out, "--method", "confidence,gradient")) == 0
+    assert (out / "gradient.json").is_file()
+    assert main(_importance(inputs, out, "--method", "confidence")) == 2
+    assert main(_importance(inputs, out, "--method", "confidence", "--overwrite")) == 0
+    assert files_under(out) == {"confidence.json", str(FILES)}
+
+
+@pytest.mark.parametrize("command", ["functions", "importance"])
+@pytest.mark.parametrize("mine", ["README.md", "summary.json", "symlink summary.json"])
+def test_results_into_an_out_holding_a_users_file(command, mine, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: functions and importance overwrote a user's README.md and summary.json in --out,
+    also through a symlink; now refused before any work, with or without --overwrite."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.json"
+    out.mkdir()
+    name = mine.split()[-1]
+    elsewhere.write_text("my own\n")
+    if mine.startswith("symlink"):
+        (out / name).symlink_to(elsewhere)
+    else:
+        (out / name).write_text("my own\n")
+    forbid_model_loading(monkeypatch)
+    run = _functions if command == "functions" else _importance
+    for extra in ((), ("--overwrite",)):
+        assert main(run(inputs, out, *extra)) == 2
+        assert f"--out {out}: holds files headlab did not write ({name})" in capsys.readouterr().err
+    assert (out / name).read_text() == "my own\n" and elsewhere.read_text() == "my own\n"
+    assert files_under(out) == {name}
+
+
+@pytest.fixture
+def sleeper():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.parametrize("command", ["functions", "importance"])
+def test_results_into_an_out_another_run_is_writing(command, inputs, tmp_path, capsys, monkeypatch, sleeper):
+    """Regression: functions and importance took no lock; two runs on one --out both exited 0 and
+    the results of one of them vanished."""
+    out = tmp_path / "out"
+    (out / LOCK_FILE).parent.mkdir(parents=True)
+    (out / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
+                                             "pid_start": _start_time(sleeper.pid), "started": "2026-01-01T00:00:00"}))
+    forbid_model_loading(monkeypatch)
+    run = _functions if command == "functions" else _importance
+    assert main(run(inputs, out)) == 2
+    assert f"--out {out} is in use by another headlab run (pid {sleeper.pid}" in capsys.readouterr().err
+
+
+def _fail_after_two_files(error):
+    """analysis.save that writes two result files, then stops as Ctrl-C or a full disk would."""
+    save = headlab.functions.analysis.HeadAnalysis.save
+
+    def run(self, directory, figures=True):
+        written = save(self, directory, figures)
+        assert len(written) > 2
+        for path in written[2:]:
+            path.unlink()
+        raise error
+    return run
+
+
+@pytest.mark.parametrize("error,code,said", [
+    (KeyboardInterrupt(), 130, "interrupted; nothing was kept"),
+    (OSError(errno.ENOSPC, "No space left on device"), 1, "error: No space left on device"),
+])
+def test_functions_stopped_while_writing_its_results(error, code, said, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: Ctrl-C or a full disk in functions' write phase left 2-17 result files without
+    summary.json while the message said that nothing was kept. A rerun's old results stay whole."""
+    fresh, earlier = tmp_path / "fresh", tmp_path / "earlier"
+    assert main(_functions(inputs, earlier)) == 0
+    before = {name: (earlier / name).read_bytes() for name in files_under(earlier)}
+    monkeypatch.setattr(headlab.functions.analysis.HeadAnalysis, "save", _fail_after_two_files(error))
+    assert main(_functions(inputs, fresh)) == code
+    assert said in capsys.readouterr().err
+    assert not fresh.exists()
+    assert main(_functions(inputs, earlier, "--overwrite")) == code
+    assert {name: (earlier / name).read_bytes() for name in files_under(earlier)} == before
+
+
+def test_functions_interrupted_after_writing_says_so(inputs, tmp_path, capsys, monkeypatch):
+    """The interruption after the results are in place says they are kept (not "nothing was kept")."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(headlab.functions.analysis, "describe_heads", lambda analysis: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    assert main(_functions(inputs, out)) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"headlab functions: interrupted; the results were written to {out} in full before the interruption")
+    assert "summary.json" in files_under(out)
