@@ -165,3 +165,18 @@ def test_functions_interrupted_after_writing_says_so(inputs, tmp_path, capsys, m
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"headlab functions: interrupted; the results were written to {out} in full before the interruption")
     assert "summary.json" in files_under(out)
+
+
+@pytest.mark.parametrize("mine", ["figures/plot.png", "functions/notes.md", "attention/x.json", "index.html"])
+def test_analyze_force_into_an_out_holding_a_users_folder(mine, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: analyze --force deleted a user's figures/, functions/ and attention/ (a stage
+    clears its folder before it runs) and overwrote index.html."""
+    out = tmp_path / "mine"
+    (out / mine).parent.mkdir(parents=True, exist_ok=True)
+    (out / mine).write_text("mine\n")
+    (out / "notes.txt").write_text("mine too\n")
+    forbid_model_loading(monkeypatch)
+    assert main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out),
+                 "--force", "--no-progress"]) == 2
+    assert f"--out {out}: holds {mine.split('/')[0]} of your own, which analyze would replace" in capsys.readouterr().err
+    assert files_under(out) == {mine, "notes.txt"} and (out / mine).read_text() == "mine\n"

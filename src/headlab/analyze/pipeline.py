@@ -60,6 +60,8 @@ STAGE_GROUPS = {"importance": (*IMPORTANCE_STAGES, "agreement")}
 STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
               "figures": "figures"}
 KEY_FILE = ".headlab-key"
+# What analyze writes directly under DIR (the stages' folders, the table, the manifest and the report).
+WRITTEN_AT_TOP = ("index.html", "manifest.json", "heads.csv", "heads.parquet", "importance", *STAGE_DIRS.values())
 # Stages whose batches are split over the processes of a sharded run; the others run in the main one.
 SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
 # How the functions stage counts token frequencies on --source, part of its key: 2 since a
@@ -204,6 +206,12 @@ def validate(config: AnalyzeConfig) -> Path:
         raise HeadlabError(f"--out {out}: the directory holds files headlab did not write ({shown}); analyze would "
                            "write index.html, manifest.json and its folders among them. Choose a new or empty "
                            "directory, or pass --force to write into it anyway")
+    # --force writes beside the user's files, never over them: a stage clears its own folder first.
+    clash = [name for name in foreign if name in WRITTEN_AT_TOP]
+    if clash:
+        raise HeadlabError(f"--out {out}: holds {', '.join(clash)} of your own, which analyze would replace; "
+                           "--force writes beside files headlab did not write, not over them. Move them away or "
+                           "choose another directory")
     preflight.model_dir(config.model)
     from headlab.loading import check_tokenizer_fits, load_config, load_tokenizer
 
