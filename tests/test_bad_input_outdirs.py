@@ -4,9 +4,11 @@ that nothing of the user's is lost. One test per row of docs/cli.md's catalogue.
 
 import errno
 import json
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ from headlab.lock import LOCK_FILE, _start_time
 from headlab.outdir import FILES
 from support.bad_input import SENTENCES, files_under, forbid_model_loading, save_tiny_marian
 from support.treebank import SAMPLE_CONLLU
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +184,72 @@ def test_analyze_force_into_an_out_holding_a_users_folder(mine, inputs, tmp_path
                  "--force", "--no-progress"]) == 2
     assert f"--out {out}: holds {mine.split('/')[0]} of your own, which analyze would replace" in capsys.readouterr().err
     assert files_under(out) == {mine, "notes.txt"} and (out / mine).read_text() == "mine\n"
+
+
+# ----------------------------------------------------------------------------- text input
+
+TEXT = "\n".join(SENTENCES) + "\n"
+ENCODED = {
+    "utf-16le without a bom": (TEXT.encode("utf-16-le"), "looks like UTF-16LE without a byte order mark"),
+    "utf-16be without a bom": (TEXT.encode("utf-16-be"), "looks like UTF-16BE without a byte order mark"),
+    "utf-16 with a bom": (TEXT.encode("utf-16"), "is UTF-16LE (it starts with that byte order mark)"),
+    "utf-32le without a bom": (TEXT.encode("utf-32-le"), "looks like UTF-32LE without a byte order mark"),
+    "utf-32 with a bom": (TEXT.encode("utf-32"), "is UTF-32LE (it starts with that byte order mark)"),
+    "cr-only line ends": (TEXT.replace("\n", "\r").encode(), "its lines end in a CR alone"),
+    "nul bytes": (b"The dog\x00\x00\x00 barks\x00.\n", "holds NUL bytes"),
+}
+
+
+@pytest.mark.parametrize("case", ENCODED)
+def test_text_input_in_another_encoding_or_with_cr_only_line_ends(case, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: UTF-16LE without a BOM was read as UTF-8 (exit 0, garbage translations, lm
+    perplexity 3.6M); CR-only line ends merged every sentence into one. Refused before work,
+    naming the file, by the check of every command and by the library's readers."""
+    from headlab.data import read_lines
+    from headlab.data.treebank import read_conllu
+    from headlab.errors import HeadlabError
+
+    data, said = ENCODED[case]
+    path = tmp_path / "text.txt"
+    path.write_bytes(data)
+    forbid_model_loading(monkeypatch)
+    assert main(_importance(inputs, tmp_path / "out", "--data", str(path))) == 2
+    err = capsys.readouterr().err
+    assert f"--data {path}: " in err and said in err and "Traceback" not in err
+    for read in (read_lines, lambda p: list(read_conllu(p))):
+        with pytest.raises(HeadlabError, match=f"{path}: .*{said.split('(')[0].strip()}"):
+            read(path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_crlf_and_utf8_bom_still_read_as_before(tmp_path):
+    """What held (docs/cli.md): CRLF line ends and a UTF-8 BOM read like plain UTF-8."""
+    from headlab.data import read_lines
+
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + TEXT.replace("\n", "\r\n").encode())
+    assert read_lines(path) == SENTENCES
+
+
+def _nmt_bleu(hyp: str, ref, **popen):
+    return subprocess.run([sys.executable, "-m", "headlab", "nmt", "bleu", "--hyp", hyp, "--ref", str(ref), "--json"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=120, **popen)
+
+
+def test_input_from_dev_stdin_a_process_substitution_and_dev_null(tmp_path):
+    """Regression: `/dev/stdin`, `<(cat f)` and `/dev/null` were "file not found". A pipe is read
+    once, whole (so the check before work and the reader see the same lines); /dev/null is empty."""
+    ref = tmp_path / "ref.txt"
+    ref.write_text(TEXT, encoding="utf-8")
+    done = _nmt_bleu("/dev/stdin", ref, input=TEXT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["bleu"] == pytest.approx(100.0)  # every line read, none lost
+    read, write = os.pipe()
+    os.write(write, TEXT.encode())
+    os.close(write)
+    done = _nmt_bleu(f"/dev/fd/{read}", ref, pass_fds=(read,))  # what bash's <(cat f) hands over
+    os.close(read)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["bleu"] == pytest.approx(100.0)  # every line read, none lost
+    done = _nmt_bleu("/dev/null", ref)
+    assert done.returncode == 2 and "--hyp /dev/null: the file is empty" in done.stderr
