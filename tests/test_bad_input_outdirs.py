@@ -253,3 +253,41 @@ def test_input_from_dev_stdin_a_process_substitution_and_dev_null(tmp_path):
     assert json.loads(done.stdout)["bleu"] == pytest.approx(100.0)  # every line read, none lost
     done = _nmt_bleu("/dev/null", ref)
     assert done.returncode == 2 and "--hyp /dev/null: the file is empty" in done.stderr
+
+
+# ----------------------------------------------------------------------------- API misuse
+
+
+@pytest.mark.parametrize("capture", ["capture_attention", "stream_attention"])
+def test_capture_attention_on_a_model_in_training_mode(capture):
+    """Regression: capture_attention on a model in training mode returned post-dropout attention
+    (rows summing to 0.33-1.11, 29% zeros) without a word. It runs the model in evaluation mode
+    inside and gives each module its own mode back (a frozen, eval-mode part included)."""
+    import torch
+
+    from headlab.capture import capture_attention, stream_attention
+    from support.models import tiny_model
+
+    model = tiny_model("bert")
+    model.config.attention_probs_dropout_prob = 0.5
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    model.train()
+    frozen = model.bert.embeddings
+    frozen.eval()
+    modes = {name: m.training for name, m in model.named_modules()}
+    ids = torch.randint(5, 50, (2, 9))
+    rows = []
+    if capture == "capture_attention":
+        with torch.no_grad(), capture_attention(model) as record:
+            model(input_ids=ids)
+        rows = [probs.sum(-1) for probs in record.values()]
+    else:
+        def on_chunk(block, chunk):
+            rows.append(chunk.probs.sum(-1))
+
+        with torch.no_grad(), stream_attention(model, on_chunk, query_chunk=4):
+            model(input_ids=ids)
+    assert rows and all(torch.allclose(r, torch.ones_like(r), atol=1e-5) for r in rows)
+    assert {name: m.training for name, m in model.named_modules()} == modes
