@@ -291,3 +291,123 @@ def test_capture_attention_on_a_model_in_training_mode(capture):
             model(input_ids=ids)
     assert rows and all(torch.allclose(r, torch.ones_like(r), atol=1e-5) for r in rows)
     assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("option,value,said", [
+    ("--lr", "nan", "--lr must be a number > 0, got nan"),
+    ("--lr", "0", "--lr must be > 0, got 0.0"),
+    ("--label-smoothing", "2", "--label-smoothing must be in [0, 1), got 2.0"),
+    ("--dropout", "inf", "--dropout must be in [0, 1), got inf"),
+])
+def test_nmt_train_with_an_option_out_of_its_declared_range(option, value, said, inputs, tmp_path, capsys):
+    """Regression: `--lr nan` and `--label-smoothing 2` ended in a traceback after the work had
+    started. Every option declared with a range (headlab.options) is checked right after parsing."""
+    out = tmp_path / "run"
+    args = ["nmt", "train", "--train-src", str(inputs / "src.txt"), "--train-tgt", str(inputs / "src.txt"),
+            "--out", str(out), option, value]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"headlab nmt train: error: {said}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_importance_with_a_negative_lrp_seed(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: `--lrp-seed -1` failed in numpy's generator after the model had loaded and the
+    other measures had run."""
+    forbid_model_loading(monkeypatch)
+    assert main(_importance(inputs, tmp_path / "out", "--lrp-seed", "-1")) == 2
+    assert "headlab importance: error: --lrp-seed must be >= 0, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_mps_on_a_machine_without_one(inputs, tmp_path, capsys):
+    """Regression: `--device mps` on Linux passed the device check and crashed in torch."""
+    import torch
+
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        pytest.skip("this machine has an MPS device")
+    assert main(_importance(inputs, tmp_path / "out", "--device", "mps")) == 2
+    assert "--device mps: no MPS device is available here" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["--prune", "--prune-gates", "bogus"], "--prune-gates bogus: unknown kind 'bogus'"),
+    (["--prune", "--prune-keeps", "999"], "--prune-keeps 999: each budget must be between 1 and the 8 gated heads"),
+    (["--prune", "--prune-keeps", "0"], "--prune-keeps must be at least 1, got 0"),
+    (["--prune", "--prune-gate-lr", "nan"], "--prune-gate-lr must be a number > 0, got nan"),
+    (["--prune", "--prune-init-log-alpha", "inf"], "--prune-init-log-alpha must be finite, got inf"),
+    (["--lrp-seed", "-1"], "--lrp-seed must be >= 0, got -1"),
+])
+def test_analyze_with_out_of_range_prune_options(extra, said, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: analyze started work on out-of-range --prune-* options, failed the prune stage
+    after the others had run and exited 1 with an empty report; now exit 2 before any work."""
+    forbid_model_loading(monkeypatch)
+    out = tmp_path / "out"
+    assert main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--target",
+                 str(inputs / "src.txt"), "--out", str(out), "--no-progress", *extra]) == 2
+    assert f"headlab analyze: error: {said}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_analyze_with_a_source_line_that_is_not_utf8_further_down(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: analyze checked only the start of --source; a bad line further down failed every
+    stage that reads it (exit 1, an empty report written)."""
+    source = tmp_path / "src.txt"
+    source.write_bytes(b"The dog .\nCats sleep \xff here .\n")
+    forbid_model_loading(monkeypatch)
+    out = tmp_path / "out"
+    assert main(["analyze", str(inputs / "model"), "--source", str(source), "--out", str(out), "--no-progress"]) == 2
+    assert f"--source {source}, line 2: not valid UTF-8" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_analyze_config_built_in_python_with_an_option_out_of_range(inputs, tmp_path):
+    """The declared ranges hold for a config built in Python too (run_analysis checks them)."""
+    from headlab.analyze.pipeline import AnalyzeConfig, run_analysis
+    from headlab.errors import HeadlabError
+
+    config = AnalyzeConfig(str(inputs / "model"), str(inputs / "src.txt"), str(tmp_path / "out"), lrp_seed=-1)
+    with pytest.raises(HeadlabError, match=r"--lrp-seed must be >= 0, got -1"):
+        run_analysis(config)
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- interruptions
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_analyze_interrupted_before_its_first_stage_finished(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: the line said "the finished stages are kept in DIR" when no stage had finished
+    (and DIR held nothing to resume from)."""
+    import headlab.analyze.pipeline as pipeline
+
+    monkeypatch.setitem(pipeline.RUNNERS, "confidence", _interrupt)
+    out = tmp_path / "out"
+    assert main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out),
+                 "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "headlab analyze: interrupted; nothing was kept (it was stopped before its first checkpoint or result was "
+        "written); run it again")
+
+
+def test_nmt_train_interrupted_before_its_first_checkpoint(inputs, tmp_path, capsys, monkeypatch):
+    """Regression: "the last checkpoint in DIR is kept" for a run stopped before it wrote one."""
+    import headlab.nmt.recipe
+
+    monkeypatch.setattr(headlab.nmt.recipe, "run_recipe", _interrupt)
+    out = tmp_path / "run"
+    assert main(["nmt", "train", "--train-src", str(inputs / "src.txt"), "--train-tgt", str(inputs / "src.txt"),
+                 "--out", str(out)]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("headlab nmt train: interrupted; nothing was kept") and str(out) not in last
+    (out / "last").mkdir(parents=True)  # a checkpoint: now the line names it
+    assert main(["nmt", "train", "--train-src", str(inputs / "src.txt"), "--train-tgt", str(inputs / "src.txt"),
+                 "--out", str(out), "--overwrite"]) == 130
+    assert f"the last checkpoint in {out} is kept" in capsys.readouterr().err

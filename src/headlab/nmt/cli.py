@@ -36,7 +36,8 @@ def register(subparsers) -> None:
                    "while training and keep the faster (useful on a shared CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
-                                            "command to continue from it")
+                                            "command to continue from it",
+                   interrupted_if=("{out}/last", "{out}/last.old", "{out}/.last.old-*/last"))
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
