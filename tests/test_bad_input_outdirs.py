@@ -319,7 +319,7 @@ def test_importance_with_a_negative_lrp_seed(inputs, tmp_path, capsys, monkeypat
     other measures had run."""
     forbid_model_loading(monkeypatch)
     assert main(_importance(inputs, tmp_path / "out", "--lrp-seed", "-1")) == 2
-    assert "headlab importance: error: --lrp-seed must be >= 0, got -1" in capsys.readouterr().err
+    assert "headlab importance: error: --lrp-seed must be at least 0, got -1" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -340,7 +340,7 @@ def test_device_mps_on_a_machine_without_one(inputs, tmp_path, capsys):
     (["--prune", "--prune-keeps", "0"], "--prune-keeps must be at least 1, got 0"),
     (["--prune", "--prune-gate-lr", "nan"], "--prune-gate-lr must be a number > 0, got nan"),
     (["--prune", "--prune-init-log-alpha", "inf"], "--prune-init-log-alpha must be finite, got inf"),
-    (["--lrp-seed", "-1"], "--lrp-seed must be >= 0, got -1"),
+    (["--lrp-seed", "-1"], "--lrp-seed must be at least 0, got -1"),
 ])
 def test_analyze_with_out_of_range_prune_options(extra, said, inputs, tmp_path, capsys, monkeypatch):
     """Regression: analyze started work on out-of-range --prune-* options, failed the prune stage
@@ -371,7 +371,7 @@ def test_analyze_config_built_in_python_with_an_option_out_of_range(inputs, tmp_
     from headlab.errors import HeadlabError
 
     config = AnalyzeConfig(str(inputs / "model"), str(inputs / "src.txt"), str(tmp_path / "out"), lrp_seed=-1)
-    with pytest.raises(HeadlabError, match=r"--lrp-seed must be >= 0, got -1"):
+    with pytest.raises(HeadlabError, match=r"--lrp-seed must be at least 0, got -1"):
         run_analysis(config)
     assert not (tmp_path / "out").exists()
 

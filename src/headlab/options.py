@@ -39,7 +39,7 @@ def _bounds(interval: str) -> tuple[float, bool, float, bool]:
 def _describe(interval: str) -> str:
     low, low_in, high, high_in = _bounds(interval)
     if math.isinf(high):
-        return f"{'>=' if low_in else '>'} {low:g}"
+        return f"at least {low:g}" if low_in else f"> {low:g}"  # "at least": preflight.at_least's words
     return f"in {interval}"
 
 

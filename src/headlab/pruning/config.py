@@ -25,7 +25,7 @@ class PruneConfig:
 
     gates: str = option("enc_self", "enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
                         "or a comma list of kinds")
-    lam: float = option(0.05, "weight of the L0 penalty (lambda)", range="[0, inf)")  # ignored with keep
+    lam: float = option(0.05, "weight of the L0 penalty (lambda)")  # ignored with keep
     keep: int | None = option(None, "reach exactly N open heads (Lagrangian budget, CoFi)", range="[1, inf)")
     freeze_decoder: bool | None = None  # None: frozen iff gates == "enc_self" and there is a decoder
     beta: float = option(DEFAULT_BETA, "Hard Concrete temperature (the authors' 0.33; 2/3 in Louizos et al.)", range="(0, inf)")
@@ -36,7 +36,7 @@ class PruneConfig:
     gate_lr: float = option(0.02, "learning rate of log alpha", range="(0, inf)")
     multiplier_lr: float = option(0.05, "learning rate of the Lagrange multipliers (budget mode)", range="(0, inf)")
     budget_warmup: float = option(0.5, "fraction of the run's steps over which the budget target moves to --keep", range="[0, 1]")
-    log_every: int = option(50, "diagnostics every N steps (trajectory.jsonl)", range="[1, inf)")
+    log_every: int = option(50, "diagnostics every N steps (trajectory.jsonl); 0: off", range="[0, inf)")
     loss: str = option("auto", "the training loss (auto: from the model)",
                        choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
     eval_beam: int = option(4, "beam of the evaluation's translations", range="[1, inf)")
