@@ -232,8 +232,9 @@ def test_crlf_and_utf8_bom_still_read_as_before(tmp_path):
 
 
 def _nmt_bleu(hyp: str, ref, **popen):
+    popen.setdefault("text", True)
     return subprocess.run([sys.executable, "-m", "headlab", "nmt", "bleu", "--hyp", hyp, "--ref", str(ref), "--json"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=120, **popen)
+                          capture_output=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=120, **popen)
 
 
 def test_input_from_dev_stdin_a_process_substitution_and_dev_null(tmp_path):
@@ -253,6 +254,8 @@ def test_input_from_dev_stdin_a_process_substitution_and_dev_null(tmp_path):
     assert json.loads(done.stdout)["bleu"] == pytest.approx(100.0)  # every line read, none lost
     done = _nmt_bleu("/dev/null", ref)
     assert done.returncode == 2 and "--hyp /dev/null: the file is empty" in done.stderr
+    done = _nmt_bleu("/dev/stdin", ref, input=TEXT.encode("utf-16-le"), text=False)  # a pipe is checked as well
+    assert done.returncode == 2 and b"--hyp /dev/stdin: the file looks like UTF-16LE" in done.stderr
 
 
 # ----------------------------------------------------------------------------- API misuse
