@@ -47,13 +47,15 @@ def _configs(model: nn.Module) -> list:
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """``model.eval()`` inside (no dropout: the model as it is); its own mode back on exit, also on error."""
-    was_training = model.training
+    """``model.eval()`` inside (no dropout: the model as it is); each submodule's own mode back on
+    exit, also on error (a model partly in training mode gets exactly that mix back)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         yield model
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 @contextmanager
@@ -129,7 +131,10 @@ def capture_attention(
     Without ``callback`` the record maps ``(kind, layer)`` to the probabilities of the latest
     call. With ``callback(block, probs)`` nothing is kept: each block's probabilities go to the
     callback as soon as they exist, so corpus statistics can stream in constant memory.
-    The model runs in eager mode inside and gets its own implementation back on exit.
+    The model runs in eager mode inside and gets its own implementation back on exit. It also
+    runs in evaluation mode inside (``model.eval()``, each module's own mode back on exit): in
+    training mode the probabilities would be those after attention dropout (rows that do not sum
+    to 1, zeros), not the model's attention.
     """
     blocks = attention_blocks(model) if blocks is None else blocks
     record = AttentionRecord()
@@ -160,7 +165,7 @@ def capture_attention(
 
         return pre_hook
 
-    with eager_attention(model):
+    with eval_mode(model), eager_attention(model):
         try:
             for block in blocks:
                 if block.family.probs_argument is not None:  # a core that returns probabilities when asked
@@ -200,6 +205,7 @@ def stream_attention(
     into ``query_chunk`` rows afterwards, so the callback sees the same sequence of chunks.
     ``record.calls`` counts each block's forward calls; a block that was expected to report and
     did not (its module bypassed the registry) raises rather than leave a statistic silently short.
+    The model runs in evaluation mode inside, as in :func:`capture_attention`.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -244,7 +250,7 @@ def stream_attention(
         return check
 
     handles = HookHandles()
-    with _attention_implementation(model, register()):
+    with eval_mode(model), _attention_implementation(model, register()):  # no dropout: as capture_attention
         try:
             for block in every:
                 report = block.key in reporting and block.n_heads > 0

@@ -6,18 +6,21 @@ contract of docs/cli.md: exit 0 done, 1 a failure while running, 2 bad input or 
 interrupted; a one-line message for the user's errors, a traceback for headlab's own bugs.
 
 A command may say what an interruption keeps with ``set_defaults(interrupted="...")``, a
-format string over its arguments (``{out}``); the default says that nothing was kept.
+format string over its arguments (``{out}``), and with ``interrupted_if`` the paths that must exist
+for that to be true (:func:`interrupted_note`); the default says that nothing was kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import sys
 import traceback
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
+from headlab.options import check_parsed
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
 COMMAND_MODULES = (
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
                     if isinstance(getattr(args, key, None), str))
     try:
+        check_parsed(args)  # options out of their declared range: exit 2 before any work
         result = args.func(args)
     except KeyboardInterrupt:
         if args.debug:
@@ -83,8 +87,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def interrupted_note(args) -> str:
-    """What an interrupted command kept, and how to go on: the command's own note, or the default."""
+    """What an interrupted command kept, and how to go on: the command's own note, or the default.
+
+    A note that names what is kept goes with ``interrupted_if``, glob patterns (format strings over
+    the arguments) of that: when none of them matches (the run was stopped before its first
+    checkpoint, stage or row), the note would name a directory or checkpoint that does not exist,
+    and the line says that nothing was kept instead."""
     note = getattr(args, "interrupted", None)
+    patterns = getattr(args, "interrupted_if", None)
+    if note and patterns:
+        escaped = {key: glob.escape(value) if isinstance(value, str) else value for key, value in vars(args).items()}
+        if not any(glob.glob(pattern.format(**escaped)) for pattern in patterns):
+            return "nothing was kept (it was stopped before its first checkpoint or result was written); run it again"
     if not note:
         return "nothing was kept (results are written only when the command finishes); run it again"
     return note.format(**vars(args))

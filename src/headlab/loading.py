@@ -265,7 +265,12 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) (cuda:0.."
                                f"cuda:{torch.cuda.device_count() - 1})")
-    elif device.type not in ("cpu", "mps"):
+    elif device.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        if backend is None or not backend.is_available():
+            raise HeadlabError(f"--device {device}: no MPS device is available here (Apple silicon with a torch "
+                               "built for it only); use cpu or cuda")
+    elif device.type != "cpu":
         raise HeadlabError(f"--device {device}: expected cpu, cuda or cuda:N")
     return device
 

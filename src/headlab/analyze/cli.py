@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     add_device_options(p)
     add_process_options(p)
     p.set_defaults(func=run_analyze_command,
-                   interrupted="the finished stages are kept in {out}; the same command resumes from them")
+                   interrupted="the finished stages are kept in {out}; the same command resumes from them",
+                   interrupted_if=("{out}/.headlab/stages/*",))
 
 
 def config_from_args(args) -> AnalyzeConfig:

@@ -309,7 +309,7 @@ def read_conllu(
     skipped. ``limit`` stops after that many sentences.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():
         raise HeadlabError(f"CoNLL-U file not found: {path}")
     counts = counts if counts is not None else TreebankCounts()
     seen = 0
@@ -345,7 +345,7 @@ def read_conllu(
 def count_sentences(path: str | Path) -> int:
     """The number of sentence blocks in a CoNLL-U file, without parsing them (for progress bars)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():
         raise HeadlabError(f"CoNLL-U file not found: {path}")
     n, in_block = 0, False
     with open_binary(path) as handle:
@@ -367,7 +367,7 @@ class Treebank:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        if not self.path.is_file():
+        if not self.path.exists() or self.path.is_dir():
             raise HeadlabError(f"CoNLL-U file not found: {self.path}")
 
     def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:

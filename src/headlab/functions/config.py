@@ -20,23 +20,23 @@ class AnalysisConfig:
     """What to compute and how. Each field maps one to one onto a CLI flag."""
 
     relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
-    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)")
-    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head")
-    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent")
+    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]")
+    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head", range="[0, 1]")
+    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent", range="[1, inf)")
     max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
     functions: bool = True  # positional, syntactic and rare-token heads
     aggregate: bool = True  # Vig & Belinkov statistics
-    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only")
-    window: int = option(10, "variability over the first N words")
-    top_k: int = option(5, "exemplars per head")
-    batch_size: int = option(32, "sentences per forward pass")
-    max_sentences: int | None = option(None, "analyse only the first N sentences")
+    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only", range="[0, 1)")
+    window: int = option(10, "variability over the first N words", range="[1, inf)")
+    top_k: int = option(5, "exemplars per head", range="[0, inf)")
+    batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")
+    max_sentences: int | None = option(None, "analyse only the first N sentences", range="[1, inf)")
     spacing: str = option("words", "words: join the treebank's words by spaces; text: keep its SpaceAfter=No",
                           choices=("words", "text"))
-    max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)")
+    max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)", range="[2, inf)")
     query_chunk: int | None = option(None, "run headlab's own attention function and feed the statistics N query "
                                      "rows at a time: memory linear in the length (default: eager capture, whole maps)",
-                                     metavar="N")
+                                     metavar="N", range="[1, inf)")
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
                                "largest weight)", choices=WORD_POOLINGS)

@@ -10,6 +10,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 from headlab.options import HelpFormatter, add_options, from_args, help_of
+from headlab.outdir import check_output, results_lock
 from headlab.shard import add_process_options
 
 
@@ -27,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
     p.add_argument("--method", default="all", help=help_of(ImportanceConfig, "methods") + " (several: comma-separated)")
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (only the files it wrote)")
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
@@ -57,6 +60,7 @@ def _check(args) -> None:
                           ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
+    check_output(args.out, args.overwrite)
 
 
 def _sentences(args) -> tuple[int, str]:
@@ -76,7 +80,7 @@ def run_importance_command(args) -> int:
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:
         return launched
-    with shard.joined(args.device) as part:
+    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main):
         return _run(args, part)
 
 
@@ -85,6 +89,7 @@ def _run(args, part) -> int:
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
     from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
+    from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
     set_threads(args.threads)
@@ -131,11 +136,17 @@ def _run(args, part) -> int:
             raise failed
         return 0
     out = Path(args.out)
-    written = save_results(result, out)
-    if args.plots:
-        from headlab.importance.plots import save_heatmap
 
-        written += [save_heatmap(t, out / f"{name}.png") for name, t in result.scores.items()]
+    def write(directory: Path) -> list[Path]:
+        written = save_results(result, directory)
+        if args.plots:
+            from headlab.importance.plots import save_heatmap
+
+            written += [save_heatmap(t, directory / f"{name}.png") for name, t in result.scores.items()]
+        return written
+
+    written = write_results(out, write, command="importance", model=args.model, overwrite=args.overwrite)
+    args.interrupted = written_note(out)
     for method, reason in result.skipped.items():
         print(f"skipped {method}: {reason}")
     for path in written:

@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from headlab.capture import eval_mode
 from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
-from headlab.heads import atomic_dir, atomic_write_text
+from headlab.heads import atomic_dir, atomic_write_text, moved_aside
 from headlab.nmt.config import TrainConfig
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 
@@ -303,8 +303,8 @@ def load_weights(model, path: str | Path) -> None:
 
 
 def _resume_dir(out_dir: Path) -> Path | None:
-    for name in ("last", "last.old"):
-        candidate = out_dir / name
+    # last.old: where atomic_dir moved the old copy before it used new directories of its own
+    for candidate in (out_dir / "last", out_dir / "last.old", *moved_aside(out_dir / "last")):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
             return candidate
     return None
@@ -443,8 +443,8 @@ def train(
     if config.resume and resume_from is None:
         log(f"nothing to resume in {out_dir}; starting from scratch")
     if resume_from is None and config.overwrite and main:
-        for name in ("last", "last.old", "best", "epochs", "averaged", STATE_FILE, "history.json"):
-            target = out_dir / name
+        for target in (*(out_dir / name for name in ("last", "last.old", "best", "epochs", "averaged", STATE_FILE,
+                                                     "history.json")), *(p.parent for p in moved_aside(out_dir / "last"))):
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():

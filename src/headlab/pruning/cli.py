@@ -86,7 +86,8 @@ def register(subparsers) -> None:
     tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
     add_options(tr, PruneConfig().train, ("resume", "overwrite"))
     tr.set_defaults(func=run_train, interrupted="the last checkpoint in {out}/train is kept; add --resume to the "
-                                                "same command to continue from it")
+                                                "same command to continue from it",
+                    interrupted_if=("{out}/train/last", "{out}/train/last.old", "{out}/train/.last.old-*/last"))
 
     sw = sub.add_parser("sweep", formatter_class=DEFAULTS,
                         help="gated fine-tuning for several lambdas or budgets; resumable; one table")
@@ -97,7 +98,8 @@ def register(subparsers) -> None:
     sw.add_argument("--no-reference", action="store_true", help="do not evaluate the unpruned model")
     sw.add_argument("--out", required=True, help="sweep directory (one sub-directory per point, sweep.md/csv/json)")
     sw.set_defaults(func=run_sweep_command, interrupted="the finished points and the current point's last "
-                                                        "checkpoint are kept in {out}; the same command resumes")
+                                                        "checkpoint are kept in {out}; the same command resumes",
+                    interrupted_if=("{out}/*/train/last", "{out}/*/train/.last.old-*/last", "{out}/*/result.json"))
 
     bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts", formatter_class=DEFAULTS)
     _add_data_options(bl)
@@ -110,7 +112,7 @@ def register(subparsers) -> None:
                                      "mixed_precision", "eval_beam", "importance_batches"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
-                                                   "command resumes after them")
+                                                   "command resumes after them", interrupted_if=("{out}/baselines.json",))
 
     rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
