@@ -88,6 +88,7 @@ def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:
     data = {
         "heatmaps": c.heatmaps,
         "labels": c.labels,
+        "exemplars": c.exemplars,
         "attention": attention,
         "kinds": list(KINDS),
     }
