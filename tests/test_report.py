@@ -127,7 +127,7 @@ def test_report_sections_have_content(analysis_dir):
     assert data["attention"]["mode"] == "inline" and len(data["attention"]["sentences"]) == len(SOURCES)
     assert html.count('id="headlab-attention-') == len(SOURCES)
     for text in ("Syntactic heads (Table 1 analogue)", "positional -1", "all (23 heads)", "lam-0.05",
-                 "data:image/png;base64,", "v → s"):
+                 '<a href="figures/figure1.png">PNG</a>', "v → s"):
         assert text in html
 
 

@@ -269,13 +269,13 @@
   };
   function loadSentence(slot, cb) {
     if (cache[slot]) return cb(cache[slot], null);
-    if (ATT.mode === "inline") {
+    var entry = ATT.sentences[slot];
+    if (!entry.script) {  // inlined (mode "inline", or the first sentences of mode "mixed")
       var node = document.getElementById("headlab-attention-" + slot);
       if (!node) return cb(null, "attention data of sentence " + slot + " is missing");
       cache[slot] = JSON.parse(node.textContent);
       return cb(cache[slot], null);
     }
-    var entry = ATT.sentences[slot];
     if (pending[slot]) { pending[slot].push(cb); return; }
     pending[slot] = [cb];
     var tag = el("script", { src: entry.script });
@@ -723,7 +723,8 @@
     }
   }
 
-  window.headlabReport = { viewer: viewer, open: function (k, l, h) { viewer.open(k, l, h, false); } };
+  window.headlabReport = { viewer: viewer, open: function (k, l, h) { viewer.open(k, l, h, false); },
+    tokens: { style: tokenStyle, decode: decodeToken } };
   renderGroups();
   initViewer();
   if (window.performance && performance.mark) performance.mark("headlab-rendered");
