@@ -32,10 +32,10 @@ TARGETS = ["le chat est assis", "le chat <b>bold</b> est", "un chien", "un petit
 EXEMPLARS = {  # aggregate/exemplars.json: block -> per head, strongest first (Exemplar.to_json)
     f"{kind}:{layer}": [[{"weight": 0.9 - 0.1 * n - 0.01 * head, "sentence": n, "sent_id": f"s{n}", "where": "",
                           "query": 1, "key": 2, "query_word": "cat", "key_word": "<sat>",
-                          "text": "the cat <sat> on the mat" if n else "a dog & a cat"}
+                          "text": "the cat <sat> on the mat" if n else "a cat <sat> on"}
                          for n in range(4)] for head in range(4)]
     for kind in ("enc_self", "dec_self", "dec_cross") for layer in range(2)}
-EXEMPLARS["enc_self:0"][1][0].update(query=1, key=3, query_word="dog", key_word="a", text="a dog & a cat")
+EXEMPLARS["enc_self:0"][1][0].update(sentence=7, query=1, key=3, query_word="dog", key_word="a", text="a dog & a cat")
 LONG_TOKENS = 199  # words; the tokenizer adds </s>: 200 tokens
 
 
