@@ -336,3 +336,12 @@ def test_attention_beyond_the_inline_budget_is_loaded_on_demand(analysis_dir, tm
     assert html.count('id="headlab-attention-') == 2
     assert [s.get("script") for s in data["attention"]["sentences"]] == \
         [None, None] + [f"attention/sentence-{i:03d}.js" for i in range(2, len(SOURCES))]
+
+
+def test_chart_ticks_never_repeat_a_label():
+    """A loss curve from 2.000 to 2.008 used to read "2", "2" on its axis."""
+    from headlab.report.sections import _tick_label, _ticks
+
+    for lo, hi in ((1.9995, 2.0083), (0.0, 1.0), (128.0, 512.0), (0.1, 0.73), (0.0, 31.0)):
+        labels = [_tick_label(t) for t in _ticks(lo, hi, 4)]
+        assert len(set(labels)) == len(labels) >= 2

@@ -219,7 +219,13 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     step = 10 ** math.floor(math.log10(raw))
     step *= next(m for m in (1, 2, 5, 10) if raw <= m * step)
     first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    digits = max(0, -math.floor(math.log10(step)))  # as many decimals as the step needs: no two labels alike
+    return [round(first + i * step, digits) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _tick_label(t: float) -> str:
+    return f"{t:.10g}"
+
 
 
 def _line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, cls: str,
@@ -248,10 +254,10 @@ def _line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
         xt = sorted({round(t) for t in xt if abs(t - round(t)) < 1e-9})
     for t in xt:
         parts.append(f'<line class="grid" x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top}" y2="{h - bottom}"/>'
-                     f'<text x="{sx(t):.1f}" y="{h - bottom + 13}" text-anchor="middle">{escape(f"{t:g}")}</text>')
+                     f'<text x="{sx(t):.1f}" y="{h - bottom + 13}" text-anchor="middle">{escape(_tick_label(t))}</text>')
     for t in _ticks(y0, y1, 4):
         parts.append(f'<line class="grid" x1="{left}" x2="{w - right}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
-                     f'<text x="{left - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{escape(f"{t:.3g}")}</text>')
+                     f'<text x="{left - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{escape(_tick_label(t))}</text>')
     parts.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 6}" text-anchor="middle">{escape(xlabel)}</text>'
                  f'<text x="12" y="{(top + h - bottom) / 2:.0f}" text-anchor="middle" '
                  f'transform="rotate(-90 12 {(top + h - bottom) / 2:.0f})">{escape(ylabel)}</text>')

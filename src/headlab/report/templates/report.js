@@ -520,7 +520,6 @@
     var ctx = sizeCanvas($("v-canvas"), width, height);
     var threshold = Math.max(1, onlyRow === null ? Math.round(st.threshold * 255) : 1);
     ctx.lineWidth = 1.5;
-    ctx.globalCompositeOperation = "multiply";  // overlapping heads darken instead of hiding each other
     var drawn = 0;
     for (var h = 0; h < nHeads; h++) {
       if (!st.shownHeads[h]) continue;
@@ -534,7 +533,7 @@
       ctx.strokeStyle = headColour(h, nHeads);
       Object.keys(levels).forEach(function (lv) {
         var pairs = levels[lv];
-        ctx.globalAlpha = Math.min(1, ((+lv << 4) + 8) / 255 + 0.05);
+        ctx.globalAlpha = Math.min(1, ((+lv << 4) + 8) / 255 * 0.85);  // weight, a little translucent: heads overlap
         ctx.beginPath();
         for (var p = 0; p < pairs.length; p += 2) {
           ctx.moveTo(0, pairs[p] * ROW + ROW / 2);
@@ -544,7 +543,7 @@
         drawn += pairs.length / 2;
       });
     }
-    ctx.globalAlpha = 1; ctx.globalCompositeOperation = "source-over";
+    ctx.globalAlpha = 1;
     $("v-canvas").setAttribute("data-lines", String(drawn));
     Array.prototype.forEach.call(cols.left.children, function (s, idx) { s.classList.toggle("active", idx === onlyRow); });
     Array.prototype.forEach.call(cols.right.children, function (s) { s.style.background = ""; s.style.color = ""; });
