@@ -214,6 +214,11 @@ def test_agreement_section_shows_the_measure_by_measure_matrix(tmp_path):
     (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
     html = build_report(tmp_path).read_text(encoding="utf-8")
     assert "correlation of each measure with ablation (loss)" in html and "<h3>all heads (8 heads)</h3>" in html
+    # a matrix that holds ablation too (as `analyze --ablation` writes it): each pair once on the overview
+    document["measures"] = ["confidence", "lrp", "ablation"]
+    (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
+    overview = _section(build_report(tmp_path).read_text(encoding="utf-8"), "overview")
+    assert overview.count("confidence / ablation") == 1 and overview.count(" / ") == 3
 
 
 def _section(html: str, name: str) -> str:

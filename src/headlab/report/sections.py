@@ -317,7 +317,7 @@ def _top_heads(c: Collected) -> str:
                 continue
             v, kind, layer, head = col[rank]
             labels = c.labels.get(f"{kind}:{layer}:{head}", [])
-            row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(_fmt(v))}</span>'
+            row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(f"{v:.3g}")}</span>'
                        + (f'<br><span class="fn">{escape(", ".join(labels))}</span>' if labels else ""))
         rows.append(row)
     total = max(sum(sum(len(r) for r in rows_) for rows_ in h["scores"].values()) for h in maps)
@@ -328,24 +328,28 @@ def _top_heads(c: Collected) -> str:
 
 
 def _agreement_line(c: Collected) -> str:
+    """Each pair of measures once: from the measure-by-measure matrix, else the table against
+    the reference (``analyze --ablation`` writes both, the pairs with ablation in each)."""
     a = c.agreement or {}
-    pairs = []
+    pairs: dict[frozenset, str] = {}
     names = [str(m) for m in a.get("measures") or []]
     matrix = (a.get("matrix") or {}).get("all") if isinstance(a.get("matrix"), dict) else None
     if isinstance(matrix, list):
-        for i, row in enumerate(matrix):
+        for i, row in enumerate(matrix[:len(names)]):
             for j in range(i + 1, len(names)):
                 v = row[j] if isinstance(row, list) and j < len(row) else None
-                pairs.append(f"{escape(names[i])} / {escape(names[j])} {_num(v)}")
+                pairs.setdefault(frozenset((names[i], names[j])), f"{escape(names[i])} / {escape(names[j])} {_num(v)}")
     spearman = a.get("spearman") if isinstance(a.get("spearman"), dict) else {}
     if spearman and a.get("reference"):
+        reference = str(a["reference"])
         for method, row in spearman.items():
             v = row.get("all") if isinstance(row, dict) else None
-            pairs.append(f"{escape(str(method))} / {escape(str(a['reference']))} {_num(v)}")
+            pairs.setdefault(frozenset((str(method), reference)),
+                             f"{escape(str(method))} / {escape(reference)} {_num(v)}")
     if not pairs:
         return ""
     return ('<h3>Agreement between measures</h3><p class="caption">Spearman rank correlation over all heads '
-            '(<a href="#agreement">per kind</a>).</p><p class="agreement-pairs">' + " · ".join(pairs) + "</p>")
+            '(<a href="#agreement">per kind</a>).</p><p class="agreement-pairs">' + " · ".join(pairs.values()) + "</p>")
 
 
 def _pruning_chart(c: Collected) -> str:
