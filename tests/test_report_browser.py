@@ -357,6 +357,15 @@ def test_a_32_by_32_report_is_light_and_fast(browser_context, tmp_path):
         print(f"32 x 32: {path.stat().st_size / 1e6:.2f} MB, rendered at {render:.0f} ms")
         assert render < 5000
         assert page.locator("#v-left span").nth(2).text_content() == "tok1"  # "\u0120tok1" decoded
+        # axis labels thinned so that they never run together ("10111213"): at least 13 px apart
+        gaps = page.evaluate("""() => {
+            const texts = [...document.querySelector('svg.hm').querySelectorAll('text')];
+            const heads = texts.filter(t => /^\\d+$/.test(t.textContent)).map(t => +t.getAttribute('x'));
+            const layers = texts.filter(t => /^L\\d+$/.test(t.textContent)).map(t => +t.getAttribute('y'));
+            const gap = xs => Math.min(...xs.slice(1).map((x, i) => x - xs[i]));
+            return [heads.length, gap(heads), layers.length, gap(layers)];
+        }""")
+        assert gaps[0] == 16 and gaps[1] >= 13 and gaps[2] == 16 and gaps[3] >= 13
         page.locator("input[name=v-view][value=model]").check()
         canvas = page.locator("#v-model-canvas")
         assert (canvas.get_attribute("data-layers"), canvas.get_attribute("data-heads")) == ("32", "32")
