@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
-     "headlab.headspec", "headlab.device_options", "headlab.portable", "headlab.portable_code", "headlab.pruning.hard_concrete"),
+     "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable", "headlab.portable_code",
+     "headlab.pruning.hard_concrete"),
     ("headlab.data",),
     ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
      "headlab.parse"),

@@ -150,9 +150,22 @@ def capture_attention(
 
         return hook
 
+    def ask_for_probs(argument: tuple[str, int]):
+        name, position = argument
+
+        def pre_hook(module, args, kwargs):
+            if name in kwargs or len(args) <= position:
+                return args, {**kwargs, name: True}
+            return (*args[:position], True, *args[position + 1:]), kwargs
+
+        return pre_hook
+
     with eager_attention(model):
         try:
             for block in blocks:
+                if block.family.probs_argument is not None:  # a core that returns probabilities when asked
+                    handles.append(block.core.register_forward_pre_hook(
+                        ask_for_probs(block.family.probs_argument), with_kwargs=True))
                 handles.append(block.core.register_forward_hook(make_hook(block)))
             yield record
         finally:

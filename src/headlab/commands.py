@@ -55,7 +55,7 @@ def run_heads(args) -> int:
 
     path = Path(args.model)
     if path.is_dir() and (path / "headlab_pruning.json").is_file():
-        model = load_model(args.model)  # pruned: the weights define the head counts
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)  # pruned: the weights define the head counts
     else:
         model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
     blocks = attention_blocks(model)
@@ -72,7 +72,7 @@ def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
     from headlab.heads import atomic_dir
     from headlab.headspec import parse_heads
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_supported, load_model, load_tokenizer
     from headlab.portable import how_to_load
     from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
 
@@ -82,12 +82,14 @@ def run_prune(args) -> int:
     preflight.output_dir(out)
     if out.is_dir():  # --overwrite: the new directory is written beside it, then swapped in
         preflight.output_dir(out.absolute().parent, "--out")
+    check_supported(args.model, args.trust_remote_code, prune=True)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)
     tokenizer = None
     if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = load_tokenizer(args.model)  # keep the pruned directory self-contained
+        # keep the pruned directory self-contained
+        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     before = count_parameters(model)
     prune_heads(model, spec)
 

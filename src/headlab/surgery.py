@@ -363,6 +363,8 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
     """Refuse, before any work, what no slicing can make exact."""
     if model.__dict__.get(GATE_STACK) is not None:  # their hooks assume the unpruned head counts
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
+    for block, *_ in plans:  # fused layouts and projections the slicing here does not know
+        check_block_sliceable(block)
     for block, keep, kv_keep, _ in plans:
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
@@ -442,6 +444,22 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     return blocks
 
 
+def check_block_sliceable(block: AttentionBlock) -> None:
+    """The slicing here knows one fused layout, GPT-2's [q | k | v] of equal widths; the others
+    (adapters.families.QKV_LAYOUTS) are analysed and masked but not physically pruned."""
+    if block.qkv is not None and (block.family.qkv_layout != "q|k|v" or block.n_kv_heads != block.n_heads):
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
+            f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
+            "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
+    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
+    if unsliced:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
+            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
+
+
 # Attributes of an attention module that hold a head count or a width derived from one.
 _WIDTH_ATTRS = ("all_head_size", "inner_dim", "split_size")
 
@@ -511,7 +529,8 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_pruned(path: str | os.PathLike, model_class: type | None = None, **config_overrides) -> nn.Module:
+def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, trust_remote_code: bool = False,
+                record: Mapping | None = None, **config_overrides) -> nn.Module:
     """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
 
     There is no unpruned model with these weights to compare with, so the check is in two parts:
@@ -519,36 +538,38 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
     that model with the same heads masked, as :func:`prune_heads` does (so the structure computes
     what masking computes, whatever the weights); then the loaded model must run the padded probe
     and its generation steps with finite outputs. Weights are read with safetensors only; no code
-    from the directory is run.
+    from the directory is run (the config is read with ``trust_remote_code`` as given, False by
+    default). ``record`` stands in for a missing headlab_pruning.json
+    (:func:`headlab.checkpoint.record_from_weights`). The record is checked against the weights'
+    shapes, and every tensor must load: none missing, none left over.
     """
-    import transformers
-    from safetensors.torch import load_file
+    from headlab import checkpoint  # reads and checks the directory (complete or refused)
 
     path = Path(path)
     record_path = path / PRUNING_FILE
-    if not record_path.is_file():
+    source = str(record_path)
+    if record is not None:
+        source = f"{path} (heads read from the weights' shapes)"
+    elif not record_path.is_file():
         raise HeadlabError(f"{path}: no {PRUNING_FILE}; is this a directory written by save_pruned?")
-    try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
-    config = transformers.AutoConfig.from_pretrained(path, **config_overrides)
-    restore_original_config(record, config)  # the record applies to the unpruned model
+    else:
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    checkpoint.validate_record(record, source)
+    shapes = checkpoint.tensor_shapes(path)  # a truncated or corrupt file: one line naming it, before any work
+    config = checkpoint.read_config(path, trust_remote_code, **config_overrides)
+    restore_original_config(dict(record), config)  # the record applies to the unpruned model
     if model_class is None:
-        architectures = getattr(config, "architectures", None) or []
-        model_class = getattr(transformers, architectures[0], None) if architectures else None
-        if model_class is None:
-            raise HeadlabError(f"{path}/config.json names no known architecture ({architectures}); pass model_class")
-    model = model_class(config)
-    apply_pruning_record(model, record, str(record_path))
+        model_class = checkpoint.named_model_class(config, f"{path}/config.json")
+    model = checkpoint.build_model(model_class, config, path)
+    apply_pruning_record(model, record, source)
+    checkpoint.check_fits_weights(model, shapes, source)
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise HeadlabError(f"{path}: no .safetensors weights")
-    state = {}
-    for file in files:
-        state.update(load_file(file))
+    state = checkpoint.read_weights(path)
     model_keys = set(model.state_dict())
+    unexpected: list[str] = []
     if any(name not in model_keys for name in state) and _converted_on_save(model):
         missing = _load_converted(model, state, path)  # e.g. Mixtral: experts saved one by one, held fused
     else:
@@ -556,8 +577,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
             missing, unexpected = model.load_state_dict(state, strict=False)
         except RuntimeError as error:
             raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
-        if unexpected:
-            raise HeadlabError(f"{path}: weights hold tensors the model does not have: {unexpected[:3]}")
     model.tie_weights()
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
     # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
@@ -566,8 +585,7 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
         name for name in missing
         if model.state_dict()[name].data_ptr() not in loaded and not any(re.search(p, name) for p in rebuilt)
     ]
-    if untied:
-        raise HeadlabError(f"{path}: weights lack {untied[:3]}")
+    checkpoint.check_complete(path, untied, unexpected)
     _check_loaded(model, path)
     return model.eval()
 

@@ -205,12 +205,14 @@ def validate(config: AnalyzeConfig) -> Path:
                            "write index.html, manifest.json and its folders among them. Choose a new or empty "
                            "directory, or pass --force to write into it anyway")
     preflight.model_dir(config.model)
-    from headlab.loading import check_tokenizer_fits, load_config, load_tokenizer
+    from headlab.loading import check_supported, check_tokenizer_fits, load_config, load_tokenizer
 
     try:  # an unreadable model or a tokenizer that does not fit it fails here, not in every stage
         model_config = load_config(config.model, config.trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"model {config.model}: {error}") from error
+    # A family headlab cannot analyse (or, with --prune, physically prune): refused once, here.
+    check_supported(config.model, config.trust_remote_code, prune=config.prune)
     # A model directory without a tokenizer, or one whose special ids the model lacks: refused here.
     check_tokenizer_fits(load_tokenizer(config.model, config.trust_remote_code), model_config, config.model)
     for flag, path in (("--source", config.source), ("--target", config.target), ("--conllu", config.conllu),

@@ -146,6 +146,9 @@ def _check(args) -> None:
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise HeadlabError(f"--tokenizer {args.tokenizer}: no such directory")
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, args.trust_remote_code)
     for flag, minimum in (("batch_size", 1), ("max_sentences", 1), ("max_length", 2), ("threads", 1),
                           ("window", 1), ("top_k", 0), ("top_frequent", 1), ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))

@@ -49,6 +49,9 @@ def _check(args) -> None:
     if args.target is not None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, args.trust_remote_code)
     for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
                           ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
                           ("query_chunk", 1)):
@@ -80,7 +83,7 @@ def run_importance_command(args) -> int:
 def _run(args, part) -> int:
 
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
-    from headlab.importance.pipeline import run_importance, save_results
+    from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
     from headlab.shard import rank_device
 
@@ -118,8 +121,14 @@ def _run(args, part) -> int:
         info = replace(info, has_lm_head=False)
     data = read_data(args.data, tokenizer, info, target_path=args.target, n_sentences=args.n_sentences)
     log(data.summary())
-    result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    failed = None
+    try:
+        result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    except MeasuresFailed as error:  # the other measures' scores are still written
+        failed, result = error, error.result
     if not part.main:  # the main process writes and prints the whole corpus's results
+        if failed is not None:
+            raise failed
         return 0
     out = Path(args.out)
     written = save_results(result, out)
@@ -147,5 +156,7 @@ def _run(args, part) -> int:
         best = result.agreement.best()
         if best:
             print(f"best predictor of ablation over all heads: {best}")
+    if failed is not None:
+        raise failed
     log(f"done in {time.perf_counter() - start:.0f}s")
     return 0

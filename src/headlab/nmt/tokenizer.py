@@ -80,7 +80,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise HeadlabError(f"no tokenizer in {path} (expected tokenizer.json)")
-    return AutoTokenizer.from_pretrained(str(path))
+    # A vocabulary headlab trained (or any fast tokenizer): never code from the directory, never a prompt.
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def run_tokenizer(out_dir: str | Path, given: str | None, resume: bool, train_new) -> tuple[PreTrainedTokenizerFast, bool]:

@@ -17,9 +17,9 @@ step; label smoothing 0.1; batches of about ``max_tokens`` target tokens grouped
 
 Checkpoints (all written to a temporary directory first, then renamed into place):
 
-- ``last/``: everything to resume (weights in safetensors, optimizer state and RNG state via
-  ``torch.save`` of tensors/primitives only and loaded with ``weights_only=True``, the loop's
-  position as JSON);
+- ``last/``: everything to resume (weights in safetensors, optimizer state and RNG states, the
+  CPU's and on a GPU the GPU's, via ``torch.save`` of tensors/primitives only and loaded with
+  ``weights_only=True``, the loop's position as JSON);
 - ``epochs/epoch-NNN/``: the weights after each epoch (loadable with ``from_pretrained``);
 - ``best/``: the weights with the best validation score, plus the tokenizer.
 """
@@ -297,11 +297,7 @@ def load_weights(model, path: str | Path) -> None:
         raise HeadlabError(f"{path} does not fit the model: unexpected keys {result.unexpected_keys[:5]}")
     current = model.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
-    never_saved = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_save", None) or [])]
-    untied = [
-        k for k in result.missing_keys
-        if current[k].data_ptr() not in loaded_ptrs and not any(p.search(k) for p in never_saved)
-    ]
+    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs and not _never_saved(model, k)]
     if untied:
         raise HeadlabError(f"{path} does not fit the model: missing keys {untied[:5]}")
 
@@ -330,19 +326,50 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- the loop
 
 
+def _never_saved(model, name: str) -> bool:
+    """Whether ``save_pretrained`` leaves the tensor ``name`` out (``_keys_to_ignore_on_save``, e.g.
+    Marian's sinusoidal positions, which are recomputed at construction)."""
+    return any(re.search(pattern, name) for pattern in (getattr(model, "_keys_to_ignore_on_save", None) or ()))
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators a training step draws from (dropout, Hard Concrete gate noise): the CPU's and,
+    on a GPU, that device's, which draws the noise of tensors on it."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 def _select_trainable(model, trainable) -> list[torch.nn.Parameter]:
+    """Set ``requires_grad`` by ``trainable`` and return the trained parameters.
+
+    A parameter the model never saves is frozen whatever ``trainable`` says: no checkpoint could
+    hold its updates, so a resumed run and the saved model would silently get the values it had at
+    construction. (transformers v5's ``from_pretrained`` leaves Marian's sinusoidal positions
+    trainable: fine-tuning a loaded model moved them and ``--resume`` reset them, issue 32.)"""
     if trainable is None:
-        return [p for p in model.parameters() if p.requires_grad]
-    if callable(trainable):
+        keep = lambda name, param: param.requires_grad  # noqa: E731
+    elif callable(trainable):
         keep = trainable
     else:
         names = set(trainable)
         unknown = names - {name for name, _ in model.named_parameters()}
         if unknown:
             raise HeadlabError(f"unknown parameter names in trainable: {sorted(unknown)[:5]}")
+        unsaved = sorted(name for name in names if _never_saved(model, name))
+        if unsaved:
+            raise HeadlabError(f"trainable names parameters the model never saves (so no checkpoint could hold "
+                               f"their updates): {unsaved[:5]}")
         keep = lambda name, param: name in names  # noqa: E731
     for name, param in model.named_parameters():
-        param.requires_grad_(bool(keep(name, param)))
+        param.requires_grad_(bool(keep(name, param)) and not _never_saved(model, name))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise HeadlabError("no trainable parameters selected")
@@ -454,7 +481,7 @@ def train(
         optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=True))
         rng_file = resume_from / f"rng-{rank}.pt"
         if rng_file.is_file():
-            torch.set_rng_state(torch.load(rng_file, weights_only=True)["torch"])
+            _set_rng_state(torch.load(rng_file, weights_only=True), accelerator.device)
         log(f"resuming from {resume_from}: epoch {state['epoch'] + 1}, batch {state['batch_in_epoch']}, step {state['step']}")
         if main:
             _record_config_changes(out_dir, config, state)
@@ -477,12 +504,12 @@ def train(
                 _save_weights(raw_model, tmp)
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
                 (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-                torch.save({"torch": torch.get_rng_state()}, tmp / "rng-0.pt")
+                torch.save(_rng_state(accelerator.device), tmp / "rng-0.pt")
             atomic_dir(out_dir / "last", write)
         accelerator.wait_for_everyone()
         if not main:
             rng_tmp = out_dir / "last" / f".rng-{rank}.pt.tmp"
-            torch.save({"torch": torch.get_rng_state()}, rng_tmp)
+            torch.save(_rng_state(accelerator.device), rng_tmp)
             os.replace(rng_tmp, out_dir / "last" / f"rng-{rank}.pt")
         accelerator.wait_for_everyone()
 

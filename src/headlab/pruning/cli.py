@@ -38,6 +38,8 @@ def rewrite_argv(argv: list[str]) -> list[str]:
 def _add_data_options(p) -> None:
     p.add_argument("model", help="the converged model: a local directory (safetensors)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow code from the model directory to run (off by default)")
     p.add_argument("--train-src", help="training source file (translation)")
     p.add_argument("--train-tgt", help="training target file (translation)")
     p.add_argument("--train-text", help="training text, one sentence per line (encoder-/decoder-only LM loss)")
@@ -148,6 +150,9 @@ def _check_inputs(args) -> None:
             preflight.input_file(path, flag)
     _check_dev(args)
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, getattr(args, "trust_remote_code", False), prune=True)
     if args.tokenizer is not None:
         preflight.model_dir(args.tokenizer, "--tokenizer")
     for name in ("limit", "eval_limit", "max_sentence_tokens", "threads"):
@@ -185,7 +190,9 @@ def _dev_data(args):
 def _load(args):
     from headlab.loading import load_model, load_tokenizer
 
-    return load_model(args.model), load_tokenizer(args.tokenizer or args.model)
+    trust = args.trust_remote_code
+    return load_model(args.model, trust_remote_code=trust), load_tokenizer(args.tokenizer or args.model,
+                                                                          trust_remote_code=trust)
 
 
 def _data(args, tokenizer, model):

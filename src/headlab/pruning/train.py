@@ -549,7 +549,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
 
     def trainable(name: str, parameter) -> bool:
-        # Parameters the model itself freezes (e.g. Marian's sinusoidal positions) stay frozen.
+        # Parameters the model itself freezes stay frozen (train() also freezes those it never saves,
+        # e.g. Marian's sinusoidal positions, which from_pretrained leaves trainable).
         return parameter.requires_grad and id(parameter) not in frozen
 
     def optimizer_factory(params, cfg: TrainConfig):

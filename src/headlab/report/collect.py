@@ -74,6 +74,18 @@ def _finite(value):
     return None if value is None or not math.isfinite(value) else round(float(value), 6)
 
 
+def _conservation(record) -> str:
+    """LRP's conservation, per sentence, for the caption of its map ("" for other measures)."""
+    try:
+        embeddings, total = record["embeddings"], record["with_biases"]
+        return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
+                f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
+                f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
+                f"(tolerance 1 ± {record['tolerance']:g})")
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
 def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str) -> None:
     if not path.is_file():
         return
@@ -87,8 +99,9 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
         return
     out.heatmaps.append({
-        "id": f"{group}/{name}", "group": group, "name": name, "title": title, "caption": caption,
-        "method": scores.method, "file": str(path.relative_to(out.directory)), "scores": data,
+        "id": f"{group}/{name}", "group": group, "name": name, "title": title,
+        "caption": caption + _conservation(scores.signature.get("conservation")), "method": scores.method,
+        "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": f"{group}/{name}" in CATEGORICAL,
     })
     try:
