@@ -24,6 +24,7 @@ from headlab.capture import stream_attention
 from headlab.cli import main
 from support.more_models import CONFIGS, ENCODERS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
 
+
 def _kind(family: str) -> str:
     return "enc_self" if family in ENCODERS else "dec_self"
 
