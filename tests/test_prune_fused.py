@@ -151,3 +151,18 @@ def test_cli_prunes_a_fused_family(tmp_path, capsys):
     loaded = load_pruned(tmp_path / "out")
     assert [b.n_heads for b in attention_blocks(loaded)] == [3, 4]
     torch.testing.assert_close(_logits(loaded, ids, mask), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["falcon", "phi3", "bloom"])
+def test_pruning_twice_composes(family, tmp_path):
+    """A second prune of pruned layers (Falcon's copied key/value heads, Phi-3's config view,
+    Bloom's ALiBi hook, which reads what the layer keeps when called) equals masking the union."""
+    model = tiny_model(family)
+    ids, mask = _padded_inputs()
+    with mask_heads(model, {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 3]}):
+        expected = _logits(model, ids, mask)
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [0]})
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [2]})  # current numbering: original 2 and 3
+    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    save_pruned(model, tmp_path)
+    torch.testing.assert_close(_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
