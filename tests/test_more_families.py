@@ -6,7 +6,7 @@ refuses, refused before any work, once.
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
 query heads of a key/value head equals zeroing that head's value weights by hand (the layouts of
-tests/support/more_models.py, read off the modeling code, not headlab's tables), gates at one
+tests/support/family_matrix.py, read off the modeling code, not headlab's tables), gates at one
 change nothing, the fused layouts' value columns are the ones the reference zeroes, and the LRP
 rules conserve relevance on a bias-free copy. Physical pruning equals masking on every layout;
 a block surgery cannot slice (DeBERTa-v2's own position projections) is refused before any change.
@@ -22,7 +22,9 @@ import torch
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.capture import stream_attention
 from headlab.cli import main
-from support.more_models import CONFIGS, ENCODERS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
+from support.family_matrix import ANALYSED as CONFIGS
+from support.family_matrix import ANALYSIS_FAMILIES as FAMILIES
+from support.family_matrix import ENCODERS, REFUSED, VALUES, tiny_inputs, tiny_model
 
 
 def _kind(family: str) -> str:

@@ -20,8 +20,8 @@ import transformers as tf
 
 from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.cli import main
+from support.family_matrix import tiny_model
 from support.models import VOCAB
-from support.more_models import tiny_model
 
 FUSED = ["gpt_neox", "phi3", "falcon", "falcon_mq", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "phi"]
 SPECS = {
