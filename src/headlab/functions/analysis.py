@@ -49,6 +49,7 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
+from headlab.data.fused import FusedView, unavailable_passes
 from headlab.data.parallel import read_lines
 from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, count_sentences, read_conllu
 from headlab.errors import HeadlabError
@@ -87,7 +88,7 @@ def piece_rows(probs: torch.Tensor) -> int:
 
 # Options added after results were published, left out of summary.json at their defaults so that
 # a default run writes the files it always wrote.
-_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False}
+_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None}
 
 
 @dataclass
@@ -104,9 +105,12 @@ class RunReport:
     problems: ProblemLog = field(default_factory=ProblemLog)
     analysed: list[str] = field(default_factory=list)
     max_length: int = 0
+    chunked_statistics: dict[str, str] = field(default_factory=dict)
+    """Under the fused engine: the statistics fed the chunked path's word rows (for some batch), and why."""
 
     def to_json(self) -> dict:
-        data = {k: v for k, v in self.__dict__.items() if k != "problems"}
+        # chunked_statistics only when some statistic fell back: a run without it writes what it always wrote
+        data = {k: v for k, v in self.__dict__.items() if k != "problems" and (k != "chunked_statistics" or v)}
         data["problems"] = self.problems.to_json()
         return data
 
@@ -123,6 +127,8 @@ class RunReport:
                 text += f"\n{name}: " + ", ".join(extras)
         if self.n_truncated:
             text += f"\n{self.n_truncated} sentences truncated to {self.max_length} tokens"
+        for name, reason in self.chunked_statistics.items():
+            text += f"\n{name}: computed over word rows (chunked path) for some batches: {reason}"
         if self.n_unaligned:
             text += f"\n{self.n_unaligned} sentences could not be aligned to subwords and were skipped"
         for problem in self.problems.problems[:10]:
@@ -342,10 +348,55 @@ def analyze_heads(
         if chunk.last:
             del assemblers[block.key]
 
-    if config.query_chunk is None:
+    # The fused engine (headlab.data.fused): per block and batch, the statistics whose declared
+    # passes apply get FusedViews; the others the chunked path's word-row views, for that batch.
+    fused_plan: dict = {}  # block key -> (fused statistics, chunked statistics, WordRows | None)
+
+    def plan(block, side: SideBatch) -> tuple:
+        missing = set(unavailable_passes(side))
+        fused, chunked = [], []
+        for name, stat in stats.items():
+            passes = getattr(stat, "fused_passes", None)
+            if passes is not None and not missing.intersection(passes):
+                fused.append(stat)
+            else:
+                chunked.append(stat)
+                reason = "it declares no fused passes" if passes is None else \
+                    "the words of a batch are not single tokens"
+                report.chunked_statistics.setdefault(name, reason)
+        return fused, chunked, WordRows(block, side) if chunked else None
+
+    def on_fused_chunk(block, chunk: AttentionChunk) -> None:
+        name = sides.get(block.kind, "")
+        if name not in current:
+            return
+        probs = chunk.probs.to(statistics_device(chunk.probs.device))
+        side = side_on(name, probs.device)
+        if chunk.start == 0:
+            fused_plan[block.key] = plan(block, side)
+        fused, chunked, words = fused_plan[block.key]
+        rows = probs.shape[2]
+        step = piece_rows(probs)
+        for first in range(0, rows, step):
+            piece = probs[:, :, first:first + step]
+            last = chunk.last and first + step >= rows
+            if fused:
+                view = FusedView(block, piece, side, start=chunk.start + first, last=last)
+                for stat in fused:
+                    stat.update_fused(view)
+            if chunked:
+                word_view = words.view(piece, chunk.start + first, last)
+                for stat in chunked:
+                    stat.update(word_view)
+        if chunk.last:
+            del fused_plan[block.key]
+
+    engine = config.resolved_engine
+    if engine == "eager":
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
-        capture = stream_attention(model, on_chunk, query_chunk=config.query_chunk, blocks=blocks)
+        capture = stream_attention(model, on_fused_chunk if engine == "fused" else on_chunk,
+                                   query_chunk=config.chunk_rows, blocks=blocks)
 
     started = time.perf_counter()
     index = 0
