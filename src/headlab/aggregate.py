@@ -333,13 +333,26 @@ class AggregateStats:
             sums[name] = sums[name] + value if name in sums else value.clone()
 
         if R:
-            linear = view.word_linear(_mass_and_tags(side)).to(f64)  # [B, H, R, 1 + tags]
+            features = _mass_and_tags(side)  # [B, W, 1 + tags]
+            if view.causal:
+                # Every key word a row sees is at or before it: |i - j| = i - j, and
+                # sum_j alpha_ij (i - j) = (i - c) m_i - sum_j alpha_ij (j - c), a column of the same
+                # product. c (the piece's first row) keeps the two terms near the distance itself.
+                c = first
+                offsets = torch.arange(W, dtype=f64, device=device) - c
+                features = torch.cat([features, (offsets * side.word_mask.to(f64))[..., None]], -1)
+            linear = view.word_linear(features).to(f64)  # [B, H, R, 1 + tags (+ 1)]
             mass = linear[..., 0]
             add("weight", mass.sum((0, 2)))
-            positions = torch.arange(W, dtype=view.probs.dtype, device=device)
-            distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [R, W] |i - j|
-            distance = distance[None] * side.word_mask[:, None, :].to(distance.dtype)  # padding words: 0
-            add("distance", view.word_dot(distance).to(f64).sum((0, 2)))
+            if view.causal:
+                rows = torch.arange(R, dtype=f64, device=device) + (first - c)
+                add("distance", (rows * mass - linear[..., -1]).sum((0, 2)))
+                linear = linear[..., :-1]
+            else:
+                positions = torch.arange(W, dtype=view.probs.dtype, device=device)
+                distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [R, W] |i - j|
+                distance = distance[None] * side.word_mask[:, None, :].to(distance.dtype)  # padding words: 0
+                add("distance", view.word_dot(distance).to(f64).sum((0, 2)))
             add("pos", linear[..., 1:].sum((0, 2)))
             add("arcs", view.word_pairs(_related_words(side)).to(f64).sum((0, 2, 3)))
             valid = view.query_valid  # [B, H, R]

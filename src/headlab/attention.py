@@ -62,6 +62,11 @@ class AttentionChunk:
     stop: int
     q_len: int
     k_len: int = -1  # all keys of the block; -1: the probabilities' width (no key left out)
+    scores: torch.Tensor | None = None
+    """The scores the probabilities are the softmax of (``[batch, n_heads, rows, keys]``, the model's
+    dtype: scaled, biased, capped and masked, hidden keys at the dtype's minimum), where the chunk has
+    them and every one is finite: ``log p = s - lse`` (:mod:`headlab.data.fused` takes entropies from
+    them). None from the eager capture."""
 
     def __post_init__(self) -> None:
         if self.k_len < 0:
@@ -90,6 +95,7 @@ class ChunkSink:
     query_chunk: int
     callback: Callable[[AttentionChunk], None] | None = None
     calls: int = 0
+    scores: bool = False  # hand each chunk's scores over too (AttentionChunk.scores)
 
 
 def _scores_mask(attention_mask, start: int, stop: int, k_len: int) -> torch.Tensor | None:
@@ -185,9 +191,14 @@ def attention_forward(
                 torch.arange(start + 1, keys, device=scores.device)
             corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-        del scores
         if sink is not None and sink.callback is not None:
-            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len))
+            # an additive mask of -inf would make p * s = 0 * -inf: no scores then
+            # (and float16 holds no float32 minimum: a bool mask's fill would be -inf there)
+            finite = scores.dtype != torch.float16 and (
+                mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any()))
+            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len,
+                                         scores.detach() if finite and sink.scores else None))
+        del scores
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)

@@ -175,6 +175,7 @@ def stream_attention(
     *,
     query_chunk: int,
     blocks: list[AttentionBlock] | None = None,
+    scores: bool = False,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -187,6 +188,8 @@ def stream_attention(
     into ``query_chunk`` rows afterwards, so the callback sees the same sequence of chunks.
     ``record.calls`` counts each block's forward calls; a block that was expected to report and
     did not (its module bypassed the registry) raises rather than leave a statistic silently short.
+    With ``scores`` the chunks carry the scores too (:attr:`AttentionChunk.scores`; not from the
+    eager fallback).
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -235,7 +238,7 @@ def stream_attention(
         try:
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
-                sink = ChunkSink(query_chunk, make_callback(block) if report else None)
+                sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 sinks.append((block, sink))
                 if report:

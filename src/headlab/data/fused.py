@@ -83,8 +83,10 @@ class FusedView(AttentionView):
     the passes of :data:`PASSES`. Its word rows are the words of those tokens (where the batch has a
     :func:`word_offset`); ``words`` (the word-to-word block) is only made when asked for."""
 
-    def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int, last: bool) -> None:
+    def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int, last: bool,
+                 scores: torch.Tensor | None = None) -> None:
         self.block = block
+        self.scores = scores  # what the probabilities are the softmax of, where the chunk has them
         self.side = side
         self.probs = probs if probs.dtype == torch.float64 else probs.float()
         self.keys = probs.shape[3]
@@ -155,11 +157,31 @@ class FusedView(AttentionView):
         return x * real.view(real.shape[0], 1, real.shape[1], *([1] * (x.dim() - 3))).to(x.dtype)
 
     def word_xlogx(self) -> torch.Tensor:
-        """``[B, H, word rows]``: ``sum_j alpha_ij log alpha_ij`` over the words (``0 log 0 = 0``)."""
+        """``[B, H, word rows]``: ``sum_j alpha_ij log alpha_ij`` over the words (``0 log 0 = 0``).
+
+        With the scores ``s`` the probabilities are the softmax of, ``log p = s - lse`` and the sum is
+        ``sum_j p_j s_j - m lse`` (``m = sum_j p_j``): one row-wise dot product and no logarithm per
+        weight. ``lse`` is read off the row's largest word weight ``p_a``: ``lse = s_a - log p_a``
+        (a row whose largest word weight is 0 has no word attention, and is not counted)."""
+        if self.scores is not None:
+            return self._xlogx_from_scores()
         words = self.words  # padding words' rows: over their tokens' weights (their rows are not counted)
         # log of the smallest positive value instead of log 0: a 0 weight adds 0 * finite = 0
         logs = words.clamp(min=torch.finfo(words.dtype).tiny).log_()
         return torch.linalg.vecdot(words, logs)
+
+    def _xlogx_from_scores(self) -> torch.Tensor:
+        o, K = self.offset, self._word_columns
+        words = self.words  # padding words and rows: 0
+        scores = self.scores[:, :, self._rows, o:o + K]
+        dtype = words.dtype
+        best, where = self._word_max  # over the word columns, where = word index
+        real = best > 0
+        s_best = scores.gather(3, where.clamp(0, max(K - 1, 0))[..., None])[..., 0].to(dtype)
+        lse = s_best - best.clamp(min=torch.finfo(dtype).tiny).log()
+        dot = torch.linalg.vecdot(words, scores.to(dtype) if scores.dtype != dtype else scores)
+        mass = words.sum(-1)
+        return torch.where(real, dot - mass * lse, 0.0)
 
     def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:
         """``[B, H, word rows, A]``: ``alpha_ij`` for the key words ``keys[b, i, a]`` ``[B, W, A]`` of

@@ -77,12 +77,16 @@ def statistics_device(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
-def piece_rows(probs: torch.Tensor) -> int:
+FUSED_PIECE_ELEMENTS = 1 << 21
+"""The same for the fused engine, whose passes read each weight once or twice: larger pieces, fewer calls."""
+
+
+def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
     """How many query rows of a chunk ``probs`` ``[B, H, rows, T]`` the statistics take at a time:
-    about :data:`PIECE_ELEMENTS` weights on the CPU, the whole chunk elsewhere."""
+    about ``elements`` weights on the CPU, the whole chunk elsewhere."""
     B, H, rows, T = probs.shape
     if probs.device.type == "cpu":
-        return max(1, PIECE_ELEMENTS // max(1, B * H * T))
+        return max(1, elements // max(1, B * H * T))
     return max(1, rows)
 
 
@@ -376,12 +380,14 @@ def analyze_heads(
             fused_plan[block.key] = plan(block, side)
         fused, chunked, words = fused_plan[block.key]
         rows = probs.shape[2]
-        step = piece_rows(probs)
+        step = piece_rows(probs, PIECE_ELEMENTS if chunked else FUSED_PIECE_ELEMENTS)
         for first in range(0, rows, step):
             piece = probs[:, :, first:first + step]
             last = chunk.last and first + step >= rows
             if fused:
-                view = FusedView(block, piece, side, start=chunk.start + first, last=last)
+                scores = None if chunk.scores is None else \
+                    chunk.scores[:, :, first:first + step].to(statistics_device(chunk.scores.device))
+                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores)
                 for stat in fused:
                     stat.update_fused(view)
             if chunked:
@@ -396,7 +402,7 @@ def analyze_heads(
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         capture = stream_attention(model, on_fused_chunk if engine == "fused" else on_chunk,
-                                   query_chunk=config.chunk_rows, blocks=blocks)
+                                   query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused")
 
     started = time.perf_counter()
     index = 0
