@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="record eager runs longer than this as skipped (their maps would not fit)")
     parser.add_argument("--eager-last", action="store_true",
                         help="run the eager rows after all the others (under --budget-s the others come first)")
+    parser.add_argument("--last", nargs="+", default=[], choices=["sdpa", "fused", "chunked", "eager"],
+                        metavar="MODE", help="run these modes' rows after all the others, in this order "
+                                             "(after them --eager-last's eager rows)")
     parser.add_argument("--budget-s", type=float,
                         help="stop the runs after this many seconds in all; the one running and the rest are "
                              "recorded as timeouts")
@@ -359,8 +362,9 @@ def main() -> None:
           f"{platform.machine()}, {platform.python_version()}", flush=True)
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     runs = [(length, mode) for length in args.lengths for mode in args.modes]
-    if args.eager_last:  # stable: the other rows keep their order
-        runs.sort(key=lambda run: run[1] == "eager")
+    late = list(args.last) + (["eager"] if args.eager_last and "eager" not in args.last else [])
+    # stable: the other rows keep their order, the late ones come after them in the order given
+    runs.sort(key=lambda run: late.index(run[1]) + 1 if run[1] in late else 0)
     rows = []
     for length, mode in runs:
         row = run_one(args, mode, length, deadline)
