@@ -84,9 +84,10 @@ class FusedView(AttentionView):
     :func:`word_offset`); ``words`` (the word-to-word block) is only made when asked for."""
 
     def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int, last: bool,
-                 scores: torch.Tensor | None = None) -> None:
+                 scores: torch.Tensor | None = None, word_score: torch.Tensor | None = None) -> None:
         self.block = block
         self.scores = scores  # what the probabilities are the softmax of, where the chunk has them
+        self.word_score = word_score  # [B, H, rows, 2]: sum p s and sum p over the word tokens, where given
         self.side = side
         self.probs = probs if probs.dtype == torch.float64 else probs.float()
         self.keys = probs.shape[3]
@@ -163,7 +164,7 @@ class FusedView(AttentionView):
         ``sum_j p_j s_j - m lse`` (``m = sum_j p_j``): one row-wise dot product and no logarithm per
         weight. ``lse`` is read off the row's largest word weight ``p_a``: ``lse = s_a - log p_a``
         (a row whose largest word weight is 0 has no word attention, and is not counted)."""
-        if self.scores is not None:
+        if self.scores is not None or self.word_score is not None:
             return self._xlogx_from_scores()
         words = self.words  # padding words' rows: over their tokens' weights (their rows are not counted)
         # log of the smallest positive value instead of log 0: a 0 weight adds 0 * finite = 0
@@ -172,15 +173,25 @@ class FusedView(AttentionView):
 
     def _xlogx_from_scores(self) -> torch.Tensor:
         o, K = self.offset, self._word_columns
-        words = self.words  # padding words and rows: 0
-        scores = self.scores[:, :, self._rows, o:o + K]
-        dtype = words.dtype
+        dtype = self.probs.dtype
         best, where = self._word_max  # over the word columns, where = word index
         real = best > 0
-        s_best = scores.gather(3, where.clamp(0, max(K - 1, 0))[..., None])[..., 0].to(dtype)
+        where = where.clamp(0, max(K - 1, 0)) + o
+        if self.scores is not None:
+            s_best = self.scores[:, :, self._rows].gather(3, where[..., None])[..., 0].to(dtype)
+        else:  # s = q k^T * scaling there: the weight's own score from log p = s - lse is not needed,
+            s_best = None  # lse comes from the row's largest weight and its score (below)
+        if self.word_score is not None:
+            dot, mass = self.word_score[:, :, self._rows].to(dtype).unbind(-1)  # from the attention pass
+            dot, mass = self._real_rows(dot), self._real_rows(mass)
+        else:
+            words = self.words  # padding words and rows: 0
+            scores = self.scores[:, :, self._rows, o:o + K]
+            dot = torch.linalg.vecdot(words, scores.to(dtype) if scores.dtype != dtype else scores)
+            mass = words.sum(-1)
+        if s_best is None:
+            raise RuntimeError("a FusedView with word_score needs the chunk's scores too")
         lse = s_best - best.clamp(min=torch.finfo(dtype).tiny).log()
-        dot = torch.linalg.vecdot(words, scores.to(dtype) if scores.dtype != dtype else scores)
-        mass = words.sum(-1)
         return torch.where(real, dot - mass * lse, 0.0)
 
     def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
-from headlab.data.fused import FusedView, unavailable_passes
+from headlab.data.fused import FusedView, unavailable_passes, word_offset
 from headlab.data.parallel import read_lines
 from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, count_sentences, read_conllu
 from headlab.errors import HeadlabError
@@ -387,7 +387,10 @@ def analyze_heads(
             if fused:
                 scores = None if chunk.scores is None else \
                     chunk.scores[:, :, first:first + step].to(statistics_device(chunk.scores.device))
-                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores)
+                word_score = None if chunk.word_score is None else \
+                    chunk.word_score[:, :, first:first + step].to(probs.device)
+                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores,
+                                 word_score=word_score)
                 for stat in fused:
                     stat.update_fused(view)
             if chunked:
@@ -397,12 +400,21 @@ def analyze_heads(
         if chunk.last:
             del fused_plan[block.key]
 
+    def word_tokens(block) -> torch.Tensor | None:
+        """The fused engine's word keys for the attention pass (AttentionChunk.word_score): the
+        tokens of the words where every word is one token, on the model's device; else None."""
+        name = sides.get(block.kind, "")
+        if name not in current or word_offset(current[name]) is None:
+            return None
+        return side_on(name, device).token_mask
+
     engine = config.resolved_engine
     if engine == "eager":
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         capture = stream_attention(model, on_fused_chunk if engine == "fused" else on_chunk,
-                                   query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused")
+                                   query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
+                                   key_mask=word_tokens if engine == "fused" else None)
 
     started = time.perf_counter()
     index = 0
