@@ -121,3 +121,24 @@ def test_engine_option_is_checked():
         AnalysisConfig(engine="eager", query_chunk=4)
     assert AnalysisConfig().resolved_engine == "eager" and AnalysisConfig(query_chunk=4).resolved_engine == "chunked"
     assert AnalysisConfig(engine="fused").chunk_rows == 128
+
+
+def test_fused_statistics_on_a_device_make_nothing_on_the_host(tmp_path, monkeypatch):
+    """As tests/test_statistics_device.py checks the chunked path: with the statistics sent to a
+    stand-in device, no operation of the fused passes mixes a tensor there with one made on the
+    host, and the files are the CPU's."""
+    import headlab.functions.analysis as analysis
+    from headlab.data.alignment import SideBatch
+    from support.fake_device import DEVICE, FakeDevice
+    from test_statistics_device import _files
+
+    tokenizer = word_tokenizer()
+    expected = _files(_analyse("gpt2", tmp_path, tokenizer, "fused", query_chunk=3), tmp_path / "plain")
+    monkeypatch.setattr(analysis, "statistics_device", lambda device: DEVICE)
+    monkeypatch.setattr(SideBatch, "to", lambda self, device: self.copy_to(device))
+    with FakeDevice() as device:
+        result = _analyse("gpt2", tmp_path, tokenizer, "fused", query_chunk=3)
+        written = _files(result, tmp_path / "device")
+    assert result.report.chunked_statistics == {}
+    assert not device.mixed, "\n".join(device.mixed[:3])
+    assert written == expected

@@ -406,7 +406,7 @@ def analyze_heads(
         name = sides.get(block.kind, "")
         if name not in current or word_offset(current[name]) is None:
             return None
-        return side_on(name, device).token_mask
+        return current[name].token_mask.to(device)  # [B, T] bool: a copy per block and batch, small
 
     engine = config.resolved_engine
     if engine == "eager":
