@@ -31,7 +31,8 @@
 #   experiments/device.sh bench-gpu     issues 16 and 34: the fused engine and --query-chunk against the
 #                                       SDPA forward and eager capture on a random model of Llama-3-8B's
 #                                       shape in bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), modes
-#                                       MODES= (default sdpa fused chunked eager), LAYERS (default 8) of
+#                                       MODES= (default sdpa fused chunked eager), QUERY_CHUNK= rows
+#                                       (default 128), LAYERS (default 8) of
 #                                       its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows) and
 #                                       $OUT/bench-gpu.log. Needs the .whl carry (conllu).
 #
@@ -143,7 +144,8 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     # a timeout row.
     # Eager capture stops at 4096 tokens (at 16384 one layer's bf16 map alone is 16 GiB). The chunked
     # rows, then the eager ones, run after the SDPA and fused rows of every length: their statistics
-    # cost several times the fused ones, and under MINUTES the fused rows come first. A timeout at 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
+    # cost several times the fused ones, and under MINUTES the fused rows come first. A timeout at
+    # 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
     LAYERS=${LAYERS:-8}
     # every CPU this process may use (nproc would follow an OMP_NUM_THREADS of the image)
     THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
@@ -155,6 +157,7 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       # shellcheck disable=SC2086  # LENGTHS: one argument per length
       "$PY" benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b \
         --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes ${MODES:-sdpa fused chunked eager} \
+        --query-chunk "${QUERY_CHUNK:-128}" \
         --eager-max-length 4096 --last chunked eager --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
         --json "$OUT/bench-gpu.json"
     } 2>&1 | tee "$OUT/bench-gpu.log"
