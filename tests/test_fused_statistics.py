@@ -119,7 +119,8 @@ def test_engine_option_is_checked():
         AnalysisConfig(engine="flash")
     with pytest.raises(HeadlabError, match="not with --engine eager"):
         AnalysisConfig(engine="eager", query_chunk=4)
-    assert AnalysisConfig().resolved_engine == "eager" and AnalysisConfig(query_chunk=4).resolved_engine == "chunked"
+    assert AnalysisConfig().resolved_engine == "eager" and AnalysisConfig(query_chunk=4).resolved_engine == "fused"
+    assert AnalysisConfig(engine="chunked").resolved_engine == "chunked"
     assert AnalysisConfig(engine="fused").chunk_rows == 128
 
 
@@ -142,3 +143,21 @@ def test_fused_statistics_on_a_device_make_nothing_on_the_host(tmp_path, monkeyp
     assert result.report.chunked_statistics == {}
     assert not device.mixed, "\n".join(device.mixed[:3])
     assert written == expected
+
+
+def test_query_chunk_runs_fused_and_writes_the_chunked_files_where_words_have_subwords(tmp_path, caplog):
+    """``--query-chunk`` alone runs the fused engine; with BPE words (the bundled models' case) the
+    word statistics get the chunked path's word rows and the token ones the same maxima: every file
+    is the chunked engine's, byte for byte, and the summary has no new key (the fallback is logged)."""
+    import logging
+
+    from test_statistics_device import _files
+
+    tokenizer = bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
+    chunked = _analyse("gpt2", tmp_path, tokenizer, "chunked", query_chunk=3)
+    with caplog.at_level(logging.INFO, logger="headlab.functions.analysis"):
+        default = _analyse("gpt2", tmp_path, tokenizer, None, query_chunk=3)
+    assert default.config.resolved_engine == "fused"
+    assert _files(default, tmp_path / "default") == _files(chunked, tmp_path / "chunked")
+    assert default.report.to_json().keys() == chunked.report.to_json().keys()
+    assert "syntactic: computed over word rows" in caplog.text

@@ -28,6 +28,7 @@ maximum length (truncated to it, counted, and analysed on the words that fit).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice, zip_longest
@@ -61,6 +62,8 @@ from headlab.loading import check_tokenizer_fits
 from headlab.shard import Shard, active
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
+
+logger = logging.getLogger(__name__)
 
 PIECE_ELEMENTS = 1 << 19
 """Under ``query_chunk`` on the CPU the statistics take each chunk of probabilities a few query
@@ -367,7 +370,9 @@ def analyze_heads(
                 chunked.append(stat)
                 reason = "it declares no fused passes" if passes is None else \
                     "the words of a batch are not single tokens"
-                report.chunked_statistics.setdefault(name, reason)
+                if name not in report.chunked_statistics:
+                    logger.info("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
+                    report.chunked_statistics[name] = reason
         return fused, chunked, WordRows(block, side) if chunked else None
 
     def on_fused_chunk(block, chunk: AttentionChunk) -> None:
@@ -454,6 +459,8 @@ def analyze_heads(
         if shard.split:
             _combine(shard, report, stats)
         report.seconds = time.perf_counter() - started
+        if config.engine is None:  # fused by default (--query-chunk): the files a chunked run always wrote; logged
+            report.chunked_statistics = {}
         report.treebanks = {
             str(path): counts[name].to_json()
             for name, path in (("source", conllu), ("target", target_conllu)) if path is not None

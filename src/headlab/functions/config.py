@@ -43,9 +43,9 @@ class AnalysisConfig:
                                      metavar="N")
     engine: str | None = option(None, "where the statistics run: eager (each block's whole attention map), "
                                 "chunked (--query-chunk rows of probabilities at a time, statistics over word rows) or "
-                                "fused (a few passes per chunk of rows: maxima, products with key features; memory "
-                                "linear in the length); default: chunked with --query-chunk, else eager",
-                                choices=ENGINES)
+                                "fused (the same chunks, statistics from a few passes over each: maxima, products with "
+                                "key features; word rows where words have several subwords); default: fused with "
+                                "--query-chunk, else eager", choices=ENGINES)
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
                                "largest weight)", choices=WORD_POOLINGS)
@@ -71,10 +71,12 @@ class AnalysisConfig:
 
     @property
     def resolved_engine(self) -> str:
-        """The engine that runs: :attr:`engine`, or by default chunked with ``query_chunk``, else eager."""
+        """The engine that runs: :attr:`engine`, or by default fused with ``query_chunk``, else eager.
+        (Fused writes the chunked path's files to the bit wherever a word has several subwords, as on
+        every bundled model: it feeds the word statistics the same word rows there.)"""
         if self.engine is not None:
             return self.engine
-        return "chunked" if self.query_chunk is not None else "eager"
+        return "fused" if self.query_chunk is not None else "eager"
 
     @property
     def chunk_rows(self) -> int:
