@@ -163,7 +163,9 @@ class FusedView(AttentionView):
         With the scores ``s`` the probabilities are the softmax of, ``log p = s - lse`` and the sum is
         ``sum_j p_j s_j - m lse`` (``m = sum_j p_j``): one row-wise dot product and no logarithm per
         weight. ``lse`` is read off the row's largest word weight ``p_a``: ``lse = s_a - log p_a``
-        (a row whose largest word weight is 0 has no word attention, and is not counted)."""
+        (a row whose largest word weight is 0 has no word attention, and is not counted; one whose
+        largest word weight is below the dtype's normal range, a score gap of more than 87 nats in
+        float32, gets ``lse`` to fewer digits)."""
         if self.scores is not None or self.word_score is not None:
             return self._xlogx_from_scores()
         words = self.words  # padding words' rows: over their tokens' weights (their rows are not counted)
