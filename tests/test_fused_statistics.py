@@ -161,3 +161,20 @@ def test_query_chunk_runs_fused_and_writes_the_chunked_files_where_words_have_su
     assert _files(default, tmp_path / "default") == _files(chunked, tmp_path / "chunked")
     assert default.report.to_json().keys() == chunked.report.to_json().keys()
     assert "syntactic: computed over word rows" in caplog.text
+
+
+def test_fused_in_bfloat16_agrees_with_chunked(tmp_path):
+    """A bfloat16 model (the GPU benchmark's dtype): bf16 scores, float32 probabilities; entropy then
+    comes from a dot product with the chunk's scores (the attention pass's product needs float32
+    or float64 queries). Decisions identical to the chunked path's, float totals close."""
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    model = tiny_model("llama", attn_implementation="sdpa").to(torch.bfloat16)
+    written = {}
+    for engine in ("chunked", "fused"):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, query_chunk=3)
+        analysis = analyze_heads(model, tokenizer, path, config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        written[engine] = _written(analysis.results.values(), tmp_path / engine)
+    _assert_close(written["fused"], written["chunked"], atol=1e-6, rtol=1e-5)

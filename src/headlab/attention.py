@@ -198,7 +198,10 @@ def attention_forward(
         if mask is not None:
             mask = mask[..., :keys]
             if mask.dtype == torch.bool:
-                scores.masked_fill_(mask, fill)
+                # bfloat16 and float16 cannot hold float32's minimum (masked_fill_ refuses it): their own
+                # minimum there, as eager's additive mask of the model's dtype has
+                scores.masked_fill_(mask, fill if scores.dtype in (torch.float32, torch.float64)
+                                    else torch.finfo(scores.dtype).min)
             else:
                 scores = scores + mask
         elif causal and keys > start + 1:  # only keys from start + 1 on can be hidden from these rows
@@ -209,9 +212,7 @@ def attention_forward(
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         if sink is not None and sink.callback is not None:
             # an additive mask of -inf would make p * s = 0 * -inf: no scores then
-            # (and float16 holds no float32 minimum: a bool mask's fill would be -inf there)
-            finite = scores.dtype != torch.float16 and (
-                mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any()))
+            finite = mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any())
             word_score = None
             if marked is not None:
                 pk = torch.matmul(probs.view(batch, kv_heads, groups * rows, keys), marked[:, :, :keys])
