@@ -176,3 +176,33 @@ def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_ch
         files[device] = _written(analysis.results.values(), tmp_path / device)
     assert len(files["cpu"]) > 20
     _close(files["cuda"], files["cpu"])
+
+
+@pytest.mark.parametrize("family, target", [("marian", True), ("gpt2", False), ("llama", False)])
+def test_fused_engine_on_cuda_equals_the_cpu(tmp_path, family, target):
+    """The fused engine (``engine="fused"``) on the GPU and on the CPU, with a word-level tokenizer
+    (every statistic fused): the same agreement as above (tests/test_fused_statistics.py checks the
+    CPU's against the eager reference)."""
+    pytest.importorskip("conllu")
+    import numpy as np
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU
+    from test_fused_statistics import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    model = tiny_model(family)  # float32
+    files = {}
+    for device in ("cpu", "cuda"):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine="fused", query_chunk=3,
+                                sensitivity=True)
+        analysis = analyze_heads(model.to(device), tokenizer, path, target_conllu=path if target else None,
+                                 config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        assert analysis.report.chunked_statistics == {}
+        files[device] = _written(analysis.results.values(), tmp_path / device)
+    assert len(files["cpu"]) > 20
+    _close(files["cuda"], files["cpu"])
