@@ -73,7 +73,12 @@ def _close(a, b, path="", rtol=1e-6):
         for i, (x, y) in enumerate(zip(a, b)):
             _close(x, y, f"{path}/{i}", rtol)
     elif isinstance(a, float) and isinstance(b, float):
-        assert (a != a and b != b) or abs(a - b) <= 1e-12 + rtol * abs(b), (path, a, b)
+        # Variability, sum |alpha - mean alpha| / (2 sum alpha), subtracts nearly equal weights: its
+        # change is bounded by the weights' relative change (sum |d alpha| / sum alpha), not by its
+        # own size, so it is held to that bound absolutely (on an H200 the fused engine's small
+        # values moved by 3e-9 to 6e-9 absolute, 3e-5 relative).
+        atol = 1e-12 + (rtol if "/variability" in path else 0.0)
+        assert (a != a and b != b) or abs(a - b) <= atol + rtol * abs(b), (path, a, b)
     else:
         assert type(a) is type(b) and a == b, (path, a, b)
 
