@@ -573,8 +573,9 @@ def claim_sec52(results: dict[str, ModelResults]) -> Claim:
                    f"OpenSubtitles: {_paper_table1_count('OpenSubtitles', 'points')} / "
                    f"{_paper_table1_count('OpenSubtitles', 'relative')} of 8 (Table 1, EN-RU)")
     criterion = ("per reading: holds if a best head's 95% Wilson interval lies above the bar, does not hold if every "
-                 "best head's interval lies below it, inconclusive otherwise; partly when the two readings disagree "
-                 "(both are named)")
+                 "best head's interval lies below it, inconclusive otherwise; when the readings disagree: partly if "
+                 "one holds, does not hold if no relation-direction meets the bar under either (a zero count), "
+                 "inconclusive otherwise (both are named)")
     check = Check("relation-directions with a syntactic head: points reading (accuracy >= baseline + 10 points) / "
                   "relative reading (accuracy >= 1.1 x baseline), UD EWT dev gold trees",
                   paper_count, criterion=criterion)
@@ -1263,6 +1264,19 @@ def _figure_rows(rows: list[dict]) -> list[dict]:
     return fixed or [row for row in rows if row["series"] == "budget"]
 
 
+def _layer_rows(r: ModelResults) -> list[dict]:
+    """The points Figure 10 may be read at, densest first: fixed-lambda (else budget) points with a
+    kept record that keep a head of each decoder kind. Where a kind has none, its mean layer is
+    undefined and says nothing about where heads remain."""
+    sweep = r.sweep("all")
+    shapes = {kind: _shape(r, kind) for kind in ("dec_self", "dec_cross")}
+    if any(shape is None for shape in shapes.values()):
+        return []
+    rows = [row for row in _figure_rows(_rows(sweep)) if sweep["points"][row["point"]]["kept"] is not None]
+    return [row for row in rows if all(kept_mask(sweep["points"][row["point"]], kind, shape).any()
+                                       for kind, shape in shapes.items())]
+
+
 def claim_sec632(results: dict[str, ModelResults]) -> Claim:
     c = Claim("sec6.3.2", "Section 6.3.2: which decoder layers keep heads (Figure 10)",
               "After pruning all kinds, decoder self-attention heads remain mostly in the lower layers and "
@@ -1280,16 +1294,13 @@ def claim_sec632(results: dict[str, ModelResults]) -> Claim:
             check.cells[name] = _missing("prune/all points", "prune-all")
             continue
         shapes = {"dec_self": shape_s, "dec_cross": shape_c}
-        # The sparsest point that keeps a head of each decoder kind: where one kind has none, its mean layer is
-        # undefined and says nothing about where heads remain.
-        usable = [row for row in rows if all(kept_mask(sweep["points"][row["point"]], kind, shape).any()
-                                             for kind, shape in shapes.items())]
+        usable = _layer_rows(r)
         if not usable:
-            check.cells[name] = Cell(f"no point keeps heads of both decoder kinds ({', '.join(r['point'] for r in rows)})",
+            check.cells[name] = Cell(f"no point keeps heads of both decoder kinds ({', '.join(x['point'] for x in rows)})",
                                      "not testable: no point keeps heads of both kinds")
             continue
         row = usable[-1]
-        skipped = [r["point"] for r in rows if r["heads"] < row["heads"] and r not in usable]
+        skipped = [x["point"] for x in rows if x["heads"] < row["heads"] and x not in usable]
         point = sweep["points"][row["point"]]
         means, lines = {}, ["| layer | " + " | ".join(f"{k} kept" for k in ("dec_self", "dec_cross")) + " |",
                             "|---:|---:|---:|"]
