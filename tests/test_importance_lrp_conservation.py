@@ -153,6 +153,21 @@ def test_half_precision_models_are_computed_widened_and_left_as_they_were(dtype)
     assert scores.signature["precision"].startswith("float64") and str(dtype)[6:] in scores.signature["precision"]
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
+    """Gemma 2 and 3 with a sliding window shorter than the padding: a padding query may attend
+    to no key. Their float64 mask (float64's lowest number) became -inf in eager attention's
+    float32 softmax, NaN reached the norms, and LRP refused them ("Gemma2RMSNorm is not x /
+    rms(x) ..."). Now they conserve as without padding."""
+    model = tiny_lrp_model(family, dtype=dtype, sliding_window=2)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (3, 6, 9)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-6 and abs(record["with_biases"]["max"] - 1) < 1e-6
+
+
 def test_gated_mlps_are_computed_in_float64_and_the_model_is_unchanged():
     """Ding's product rule divides by a + b, which crosses zero (the English LM's sentences
     conserved between -0.5 and 47 times the logit in float32)."""

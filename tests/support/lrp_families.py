@@ -35,11 +35,14 @@ CONFIGS = {
 FAMILIES = tuple(CONFIGS)
 
 
-def tiny_lrp_model(family: str, seed: int = 0, *, biases: bool = True, dtype: torch.dtype = torch.float32):
+def tiny_lrp_model(family: str, seed: int = 0, *, biases: bool = True, dtype: torch.dtype = torch.float32,
+                   **config_values):
     """A tiny random ``family`` model in eval mode. transformers initialises norm weights to one
     (zero for Gemma's ``1 + w``) and biases to zero: both are drawn at random here, so that a rule
-    that ignores a weight or a bias is visible."""
+    that ignores a weight or a bias is visible. ``config_values`` override the config's."""
     cls, config = CONFIGS[family]()
+    for name, value in config_values.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():

@@ -188,6 +188,35 @@ def _widened(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextmanager
+def _finite_masks(model: nn.Module) -> Iterator[None]:
+    """Additive float64 attention masks raised to float32's lowest number, so that a row whose
+    keys are all masked stays finite in a float64 model.
+
+    transformers fills a mask with the lowest number of the model's precision, and its eager
+    attention takes the softmax in float32: float64's lowest number becomes -inf there, and a
+    query that may attend to no key at all (a padding position under a sliding window: Gemma 2
+    and 3, ModernBERT's local layers) gets NaN probabilities, which reach every gradient of its
+    row. In the model's own float32 such a row is finite (uniform over masked keys, never read).
+    Every other row is unchanged to the bit: its masked scores are far below float32's range
+    either way, and ``exp`` of them is exactly zero."""
+    lowest = torch.finfo(torch.float32).min
+
+    def raise_floor(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.float64:
+            return args, {**kwargs, "attention_mask": mask.clamp(min=lowest)}
+        return None
+
+    handles = HookHandles()
+    try:
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(raise_floor, with_kwargs=True))
+        yield
+    finally:
+        handles.remove()
+
+
+@contextmanager
 def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> Iterator[list[torch.Tensor]]:
     """Measure the relevance each row's biases keep (a bias is a neuron of its own, Voita et al.
     2019, App. A.2): a module with a ``bias`` adds ``b * s - stop(b * s)`` (zero) to its output,
@@ -339,7 +368,7 @@ def head_relevance(
 
     batch_rows = next(iter(batch.inputs.values())).shape[0]
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
-            lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
+            _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
             _embeddings(model) as embedded, _lm_input(model) as seen, head_output_hooks(blocks, record):
         out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
             else model(**batch.inputs)
