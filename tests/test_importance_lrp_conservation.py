@@ -114,6 +114,45 @@ def test_a_normalisation_without_a_rule_is_refused_before_any_work():
     assert "ScaleNorm" in result.skipped["lrp"] and "confidence" in result.scores and "lrp" not in result.scores
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_conserves_with_the_gated_rule_per_expert(family):
+    """transformers' fused experts (gate_up_proj parameters, not gate/up modules) got no product
+    rule and their routing weights a gradient: Mixtral conserved 1.0015 to 1.008 of the logit.
+    Now each expert gets the gated-MLP rules and routing weights (and Qwen2-MoE's shared-expert
+    gate) are constants: bias-free in float64 every layer holds the whole logit. The experts'
+    implementation (grouped matmul by default) is restored afterwards."""
+    model = tiny_lrp_model(family, biases=False, dtype=torch.float64)
+    implementation = model.config._experts_implementation
+    with torch.enable_grad(), lrp_rules(model):
+        out = model(input_ids=torch.tensor([[5, 17, 33, 8, 61, 4]]), output_hidden_states=True)
+        y = out.logits[0, 3].max()
+        grads = torch.autograd.grad(y, list(out.hidden_states))
+        totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
+    np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-9)
+    assert model.config._experts_implementation == implementation
+    assert lrp_precision(model) == torch.float64
+
+
+def test_experts_without_a_rule_are_refused_before_any_work():
+    model = tiny_lrp_model("mixtral")
+    model.model.layers[1].mlp.experts.has_bias = True
+    data, info = _data(model)
+    calls = _forwards(model)
+    with pytest.raises(HeadlabError, match=r"no rule for the mixture-of-experts module MixtralExperts "
+                                           r"\(model.layers.1.mlp.experts\): its layout differs \(has_bias=True\)"):
+        compute_lrp(model, data, info)
+    assert calls == []
+
+
+def test_experts_that_compute_something_else_are_refused():
+    """The rule recomputes the experts' output: a forward it does not reproduce is refused, not explained."""
+    model = tiny_lrp_model("mixtral")
+    model.model.layers[0].mlp.experts.register_forward_hook(lambda module, args, output: 2 * output)
+    data, info = _data(model)
+    with pytest.raises(HeadlabError, match="MixtralExperts is not a sum of routed gated experts"):
+        compute_lrp(model, data, info)
+
+
 def test_a_rule_that_does_not_fit_fails_the_run_with_its_ratio(monkeypatch):
     """As OLMo's norm did before it had a rule: no rule applied, relevance not conserved. The run
     fails (exit 1) with the ratio, instead of writing scores."""
