@@ -207,6 +207,23 @@ def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
     assert abs(record["with_biases"]["min"] - 1) < 1e-6 and abs(record["with_biases"]["max"] - 1) < 1e-6
 
 
+@pytest.mark.parametrize("family", ["modernbert", "phi3"])
+def test_fused_gated_mlps_are_computed_in_float64_also_with_padding(family):
+    """A fused [gate | up] projection (ModernBERT's ``Wi``, Phi-3's ``gate_up_proj``) is a gated MLP
+    too, but was computed in float32: ModernBERT's padded sentences (a padding query of its local
+    layers sees no key) had no finite relevance in float64. Now both run in float64, finite."""
+    from support.more_models import tiny_model as more_tiny_model
+
+    model = more_tiny_model(family)
+    assert lrp_precision(model) == torch.float64
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9, 12)])
+    scores = compute_lrp(model, data, describe_model(model), bootstrap=0)
+    record = scores.signature["conservation"]
+    assert scores.signature["precision"].startswith("float64") and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9
+
+
 def test_gated_mlps_are_computed_in_float64_and_the_model_is_unchanged():
     """Ding's product rule divides by a + b, which crosses zero (the English LM's sentences
     conserved between -0.5 and 47 times the logit in float32)."""

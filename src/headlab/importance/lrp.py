@@ -63,7 +63,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
-from headlab.importance.rules import check_rules, gated_mlps, lrp_rules, norm_rule, routed_experts
+from headlab.importance.rules import check_rules, fused_gated_mlps, gated_mlps, lrp_rules, norm_rule, routed_experts
 from headlab.shard import Ledger, active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
@@ -146,8 +146,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
-    """The float type LRP computes in: float64 for a model with gated MLPs (mixture-of-experts
-    ones included), float32 otherwise.
+    """The float type LRP computes in: float64 for a model with gated MLPs (fused [gate | up]
+    projections and mixtures of experts included), float32 otherwise.
 
     Ding et al.'s product rule splits ``a * b`` as ``a / (a + b)`` and ``b / (a + b)``, and
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
@@ -155,7 +155,8 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     numbers. float32 keeps 7 digits: there the relevance reaching the embeddings came to between
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
-    return torch.float64 if gated_mlps(model) or routed_experts(model) else torch.float32
+    gated = gated_mlps(model) or fused_gated_mlps(model) or routed_experts(model)
+    return torch.float64 if gated else torch.float32
 
 
 @contextmanager

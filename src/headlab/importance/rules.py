@@ -51,7 +51,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 
-__all__ = ["check_rules", "lrp_rules", "norm_rule", "relevance", "routed_experts"]
+__all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "norm_rule", "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -384,7 +384,7 @@ _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1"
 _FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
 
 
-def _fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
     found = []
     for module in model.modules():
         for gate_up, down, act in _FUSED_GATED_NAMES:
@@ -433,7 +433,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(act.register_forward_hook(product.keep_a))
             handles.append(up.register_forward_hook(product.keep_b))
             handles.append(down.register_forward_pre_hook(product.pre_down))
-        for act, gate_up, down in _fused_gated_mlps(model):
+        for act, gate_up, down in fused_gated_mlps(model):
             product = _GatedProduct()
             handles.append(act.register_forward_hook(product.keep_a))
             handles.append(gate_up.register_forward_hook(
