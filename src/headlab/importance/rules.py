@@ -27,6 +27,9 @@ The other rules become ordinary backward passes once the right factors are detac
   layer norm). :func:`norm_rule` finds them by class; any other normalisation is refused;
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
+* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
+  expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
+  constants as the attention weights below are (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
