@@ -16,7 +16,7 @@ import torch
 
 from headlab import attention_blocks, capture_attention, mask_heads, prune_heads
 from headlab.errors import HeadlabError
-from support import lrp_families, models, more_families, more_models
+from support import family_matrix, lrp_families, models
 
 # HEADLAB_MATRIX_DEVICE=cpu runs the same matrix on the CPU (in bfloat16), to debug it without a GPU.
 DEVICE = os.environ.get("HEADLAB_MATRIX_DEVICE", "cuda")
@@ -25,8 +25,7 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available
 DTYPE = torch.bfloat16
 BUILDERS = {
     **{f: (lambda f=f, **kw: models.tiny_model(f, **kw)) for f in models.FAMILIES},
-    **{f: (lambda f=f, **kw: more_families.tiny_model(f, **kw)) for f in more_families.FAMILIES},
-    **{f: (lambda f=f, **kw: more_models.tiny_model(f, **kw)) for f in more_models.FAMILIES},
+    **{f: (lambda f=f, **kw: family_matrix.tiny_model(f, **kw)) for f in family_matrix.FAMILIES if f not in models.FAMILIES},
 }
 LRP_ONLY = [f for f in lrp_families.FAMILIES if f not in BUILDERS]
 

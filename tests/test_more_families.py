@@ -6,10 +6,10 @@ refuses, refused before any work, once.
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
 query heads of a key/value head equals zeroing that head's value weights by hand (the layouts of
-tests/support/more_models.py, read off the modeling code, not headlab's tables), gates at one
+tests/support/family_matrix.py, read off the modeling code, not headlab's tables), gates at one
 change nothing, the fused layouts' value columns are the ones the reference zeroes, and the LRP
-rules conserve relevance on a bias-free copy. Physical pruning: equal to masking where surgery
-slices the projections, refused before any change elsewhere.
+rules conserve relevance on a bias-free copy. Physical pruning equals masking on every layout;
+a block surgery cannot slice (DeBERTa-v2's own position projections) is refused before any change.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.capture import stream_attention
 from headlab.cli import main
-from support.more_models import CONFIGS, ENCODERS, FAMILIES, REFUSED, VALUES, tiny_inputs, tiny_model
-
-SLICED = ("phi", "modernbert", "deberta-v2")  # separate or equal-width [q | k | v] projections
+from support.family_matrix import ANALYSED as CONFIGS
+from support.family_matrix import ANALYSIS_FAMILIES as FAMILIES
+from support.family_matrix import ENCODERS, REFUSED, VALUES, tiny_inputs, tiny_model
 
 
 def _kind(family: str) -> str:
@@ -209,15 +209,12 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in SLICED])
-def test_physical_pruning_of_other_fused_layouts_is_refused_and_changes_nothing(family):
-    from headlab import prune_heads
-
-    model, inputs = tiny_model(family), tiny_inputs()
-    before = _logits(model, inputs)
-    with pytest.raises(HeadlabError, match="physical pruning of its fused q/k/v projection"):
-        prune_heads(model, {(_kind(family), 0): [0], (_kind(family), 1): [1]})
-    assert torch.equal(_logits(model, inputs), before)
+def _deberta_v2_with_position_projections():
+    """DeBERTa-v2 without share_att_key: pos_key_proj/pos_query_proj, which pruning does not slice."""
+    cls, config = CONFIGS["deberta-v2"]()
+    config.share_att_key, config._attn_implementation = False, "eager"
+    torch.manual_seed(0)
+    return cls(config).eval()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -256,23 +253,26 @@ def test_lrp_conserves_relevance_on_a_bias_free_model(family):
     torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
 
 
-def test_prune_refuses_a_fused_layout_before_loading(tmp_path, capsys, monkeypatch):
-    """`headlab prune` on GPT-NeoX: one error, exit 2, before the weights load; nothing written."""
+def test_prune_refuses_an_unsliceable_block_before_loading(tmp_path, capsys, monkeypatch):
+    """`headlab prune` on a DeBERTa-v2 with its own position projections: one error, exit 2, before
+    the weights load; nothing written. (GPT-NeoX, refused here before its fused layout was sliced,
+    is pruned in tests/test_prune_fused.py.)"""
     import headlab.loading
 
-    _save(tiny_model("gpt_neox"), tmp_path / "neox")
+    _save(_deberta_v2_with_position_projections(), tmp_path / "deberta", style="bert")
     monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
-    code = main(["prune", str(tmp_path / "neox"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])
+    code = main(["prune", str(tmp_path / "deberta"), "--heads", "enc_self:0:1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.count("physical pruning of its fused q/k/v projection") == 1
+    assert err.count("physical pruning does not slice its position projections") == 1
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", SLICED)
-def test_separate_and_equal_width_projections_prune_like_masking(family):
-    """Phi-2's and DeBERTa-v2's separate q/k/v and ModernBERT's equal-width [q | k | v] are sliced
-    as GPT-2's are: the pruned model's logits equal the masked model's on a padded batch."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_physical_pruning_equals_masking(family):
+    """Every layout is sliced (separate q/k/v; fused [q | k | v] of equal or grouped widths, per
+    head, grouped): the pruned model's logits equal the masked model's on a padded batch.
+    Generation, reloading and plain transformers: tests/test_prune_fused.py."""
     from headlab import prune_heads
 
     model, inputs = tiny_model(family), tiny_inputs()
@@ -289,22 +289,20 @@ def test_deberta_v2_with_its_own_position_projections_is_not_pruned():
     pos_query_proj, which pruning does not slice (the pruned forward crashed): refused, unchanged."""
     from headlab import prune_heads
 
-    cls, config = CONFIGS["deberta-v2"]()
-    config.share_att_key, config._attn_implementation = False, "eager"
-    model, inputs = cls(config).eval(), tiny_inputs()
+    model, inputs = _deberta_v2_with_position_projections(), tiny_inputs()
     before = _logits(model, inputs)
     with pytest.raises(HeadlabError, match="pos_key_proj, pos_query_proj"):
         prune_heads(model, {("enc_self", 0): [1]})
     assert torch.equal(_logits(model, inputs), before)
 
 
-def test_analyze_with_prune_refuses_a_fused_layout_before_any_work(tmp_path, capsys):
+def test_analyze_with_prune_refuses_an_unsliceable_block_before_any_work(tmp_path, capsys):
     """analyze --prune ends in a physical prune: refused at the start, not after the sweep trained."""
-    _save(tiny_model("gpt_neox"), tmp_path / "neox")
+    _save(_deberta_v2_with_position_projections(), tmp_path / "deberta", style="bert")
     (tmp_path / "text.txt").write_text("the cat sat\n", encoding="utf-8")
-    code = main(["analyze", str(tmp_path / "neox"), "--source", str(tmp_path / "text.txt"), "--target",
+    code = main(["analyze", str(tmp_path / "deberta"), "--source", str(tmp_path / "text.txt"), "--target",
                  str(tmp_path / "text.txt"), "--prune", "--out", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.count("physical pruning of its fused q/k/v projection") == 1
+    assert err.count("physical pruning does not slice its position projections") == 1
     assert not (tmp_path / "out").exists()

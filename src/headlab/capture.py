@@ -193,6 +193,8 @@ def stream_attention(
     *,
     query_chunk: int,
     blocks: list[AttentionBlock] | None = None,
+    scores: bool = False,
+    key_mask: Callable[[AttentionBlock], torch.Tensor | None] | None = None,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -206,6 +208,9 @@ def stream_attention(
     ``record.calls`` counts each block's forward calls; a block that was expected to report and
     did not (its module bypassed the registry) raises rather than leave a statistic silently short.
     The model runs in evaluation mode inside, as in :func:`capture_attention`.
+    With ``scores`` the chunks carry the scores too (:attr:`AttentionChunk.scores`; not from the
+    eager fallback); with ``key_mask(block)`` (a ``[batch, k_len]`` bool mask of the keys, asked at
+    each forward call, or None) the sums of :attr:`AttentionChunk.word_score` over those keys.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -249,12 +254,17 @@ def stream_attention(
 
         return check
 
+    def make_key_mask(block: AttentionBlock) -> Callable[[], torch.Tensor | None]:
+        assert key_mask is not None
+        return lambda: key_mask(block)
+
     handles = HookHandles()
     with eval_mode(model), _attention_implementation(model, register()):  # no dropout: as capture_attention
         try:
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
-                sink = ChunkSink(query_chunk, make_callback(block) if report else None)
+                sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
+                                 key_mask=make_key_mask(block) if report and key_mask is not None else None)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 sinks.append((block, sink))
                 if report:

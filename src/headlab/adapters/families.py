@@ -37,6 +37,20 @@ class Family:
     probs_argument: tuple[str, int] | None = None
     """(name, position) of the ``core`` forward's argument without which it returns no
     probabilities (DeBERTa-v2's ``output_attentions``); capture passes it as True."""
+    width_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the query width (heads x head size) that its forward splits
+    the fused projection by (GPT-BigCode's ``embed_dim``), kept in step by physical pruning."""
+    kv_head_count_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the key/value head count, beyond the usual names."""
+    kv_width_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the key/value width (GPT-BigCode's ``kv_dim``)."""
+    config_head_count_attrs: tuple[str, ...] = ()
+    """Fields of the config, shared by every layer, that ``core``'s forward reads its query head
+    count from (Phi-3 splits its fused projection at ``config.num_attention_heads * head_dim``):
+    a pruned layer gets its own view of the config with its own count."""
+    residual_argument: tuple[str, int] | None = None
+    """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
+    ``residual``): a layer left with no head still adds it."""
 
 
 QKV_LAYOUTS = {
@@ -123,6 +137,7 @@ PHI3 = Family(
     q=None, k=None, v=None, o="o_proj", qkv="qkv_proj",
     d_head_attr="head_dim",
     kv_groups_attr="num_key_value_groups",
+    config_head_count_attrs=("num_attention_heads",),
 )
 
 PHI = Family(
@@ -139,6 +154,7 @@ BLOOM = Family(
     q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
     d_head_attr="head_dim",
     head_count_attrs=("num_heads",),
+    residual_argument=("residual", 1),
 )
 
 
@@ -178,6 +194,7 @@ def _gpt_bigcode(layout: str) -> Family:
         d_head_attr="head_dim",
         head_count_attrs=("num_heads",),
         kv_groups_attr="num_key_value_groups",
+        width_attrs=("embed_dim",), kv_head_count_attrs=("kv_heads",), kv_width_attrs=("kv_dim",),
     )
 
 

@@ -108,6 +108,9 @@ class AnalyzeConfig:
         "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
                 "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N",
                 "range": "[1, inf)"})
+    engine: str | None = field(default=None, metadata={
+        "help": "functions and aggregate: where the statistics run (eager, chunked or fused; see headlab functions "
+                "--engine; default: fused with --query-chunk, else eager)", "choices": ("eager", "chunked", "fused")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={
@@ -512,7 +515,9 @@ def _head_analysis(ctx: _Context, functions: bool):
         if not c.train_text:
             note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
-                            max_sentences=c.treebank_limit, max_length=c.max_length, query_chunk=c.query_chunk)
+                            max_sentences=c.treebank_limit, max_length=c.max_length, engine=c.engine,
+                            # --query-chunk also chunks confidence: under --engine eager it is that stage's alone
+                            query_chunk=None if c.engine == "eager" else c.query_chunk)
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
                              model_name=Path(c.model).name, progress=c.progress)
     if analysis.report.n_sentences == 0:

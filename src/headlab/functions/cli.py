@@ -25,7 +25,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
                                               "(when the source side has no CoNLL-U)")
     add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "word_pooling",
-                                         "query_chunk"))
+                                         "engine", "query_chunk"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

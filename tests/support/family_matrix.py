@@ -1,10 +1,21 @@
-"""Tiny random models of the families headlab analyses and masks beyond tests/support/models.py
-(hidden 32, 2 layers, 4 heads of 8, vocab 99), built from configs: no downloads.
+"""The family matrix beyond tests/support/models.py: tiny random models (hidden 32, 2 layers,
+4 heads of 8, vocab 99) built from configs, no downloads.
 
-Each entry names, besides the model, how its value heads sit in the weights, read off the
-modeling code by hand (not from headlab's adapter tables), so that the zeroed-value reference
-of tests/test_more_families.py is independent of what it checks: ``values(model, layer)`` is
-``(module, rows(kv_head) -> weight rows of that key/value head's values, n_kv_heads)``.
+* ``ANALYSED`` (``ANALYSIS_FAMILIES``): the families headlab analyses and masks with layouts of
+  their own (fused q/k/v projections, ALiBi, disentangled attention): GPT-NeoX, Phi-3, Phi-2,
+  Falcon (grouped, multi-query, per head with ALiBi), GPT-BigCode (multi-query, per head), Bloom,
+  DeBERTa-v2, ModernBERT. Each names, besides the model, how its value heads sit in the weights
+  (``VALUES``), read off the modeling code by hand (not from headlab's adapter tables), so that the
+  zeroed-value reference of tests/test_more_families.py is independent of what it checks:
+  ``VALUES[family] = (module(model, layer), rows(kv_head) -> weight rows of that key/value head's
+  values, n_kv_heads)``. Physical pruning of their fused layouts: tests/test_prune_fused.py.
+* ``PRUNING`` (``PRUNING_FAMILIES``): families whose physical pruning needs care (partial rotary,
+  per-head and whole-width query/key norms, grouped key/value heads, MoE feed-forward layers),
+  used by tests/test_prune_verify.py.
+* ``REFUSED``: families headlab refuses before any work.
+
+:func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
+non-zero, so that slicing them is exercised.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ def _grouped(group: int):
     return lambda j: range(j * (group + 2) * D + (group + 1) * D, j * (group + 2) * D + (group + 2) * D)
 
 
-CONFIGS = {
+ANALYSED = {
     "gpt_neox": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, attention_bias=True, **_SPECIAL)),
@@ -68,7 +79,8 @@ CONFIGS = {
         max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, pad_token_id=2,
         bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)),
 }
-FAMILIES = tuple(CONFIGS)
+ANALYSIS_FAMILIES = tuple(ANALYSED)
+"""Families whose analysis and masking tests/test_more_families.py checks against references of its own."""
 
 # (path of the fused or value projection of layer i, rows of key/value head j's values, key/value heads)
 VALUES = {
@@ -103,16 +115,59 @@ REFUSED = {
 }
 
 
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+               max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def _gqa(**extra):
+    """4 query heads over 2 key/value heads (groups of 2), head size 8."""
+    return {**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, **extra}
+
+
+PRUNING = {
+    "olmo2": lambda: (tf.Olmo2ForCausalLM, tf.Olmo2Config(**_gqa())),
+    "stablelm": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(
+        **{**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 4}, partial_rotary_factor=0.5)),
+    "stablelm-qk-norm": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(
+        **{**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2}, partial_rotary_factor=0.25,
+        qk_layernorm=True)),
+    "opt": lambda: (tf.OPTForCausalLM, tf.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=2)),
+    "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(**_gqa())),
+    "gemma2": lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(**_gqa(), sliding_window=4)),
+    "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(**_gqa(), sliding_window=4)),
+    "olmo": lambda: (tf.OlmoForCausalLM, tf.OlmoConfig(**_gqa())),
+    # intermediate 40: torch's grouped matmul of the experts needs rows of a multiple of 16 bytes
+    "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(**{**_gqa(), "intermediate_size": 40},
+                                                                 num_local_experts=3, num_experts_per_tok=2)),
+    "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_gqa())),
+    "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_gqa())),
+    "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_gqa())),
+}
+PRUNING_FAMILIES = tuple(PRUNING)
+"""Families whose physical pruning needs care, checked by tests/test_prune_verify.py."""
+EAGER_ONLY = {"gemma2"}  # transformers refuses sdpa for Gemma2 (its logit soft-capping)
+
+
+CONFIGS = {**ANALYSED, **PRUNING}
+FAMILIES = ANALYSIS_FAMILIES + PRUNING_FAMILIES
+"""Every family of the matrix that headlab supports."""
+
+
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
     cls, config = {**CONFIGS, **REFUSED}[family]()
-    if attn_implementation == "sdpa" and not cls._supports_sdpa:  # Bloom, DeBERTa-v2: eager only
+    if family in EAGER_ONLY or (attn_implementation == "sdpa" and not cls._supports_sdpa):  # Bloom, DeBERTa-v2
         attn_implementation = "eager"
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = cls(config).eval()
-    with torch.no_grad():  # non-zero biases, so that bias handling is exercised
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if family in PRUNING:  # biases and norm weights moved off their initial values
+                if name.endswith("bias") or "norm" in name:
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif name.endswith("bias"):
                 parameter.normal_(0, 0.1)
     return model
 
