@@ -212,9 +212,9 @@ def test_fused_gated_mlps_are_computed_in_float64_also_with_padding(family):
     """A fused [gate | up] projection (ModernBERT's ``Wi``, Phi-3's ``gate_up_proj``) is a gated MLP
     too, but was computed in float32: ModernBERT's padded sentences (a padding query of its local
     layers sees no key) had no finite relevance in float64. Now both run in float64, finite."""
-    from support.more_models import tiny_model as more_tiny_model
+    from support.family_matrix import tiny_model as matrix_model
 
-    model = more_tiny_model(family)
+    model = matrix_model(family)
     assert lrp_precision(model) == torch.float64
     g = torch.Generator().manual_seed(0)
     data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9, 12)])
