@@ -4,6 +4,7 @@ conservation measured on every run, in the signature and the report, and a run o
 tolerance failed with its ratio; half-precision models computed widened; an LRP failure that
 keeps the other measures' files."""
 
+import contextlib
 import gzip
 import json
 
@@ -205,6 +206,15 @@ def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
     record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
     assert record["n_sentences"] == 3 and record["n_outside"] == 0
     assert abs(record["with_biases"]["min"] - 1) < 1e-6 and abs(record["with_biases"]["max"] - 1) < 1e-6
+
+
+def test_a_forward_that_is_not_finite_is_named_so(monkeypatch):
+    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula."""
+    monkeypatch.setattr(lrp_module, "_finite_masks", lambda model: contextlib.nullcontext())
+    model = tiny_lrp_model("gemma2", sliding_window=2)
+    data = ImportanceData.from_ids([[5, 6, 7, 1], [5, 6, 7, 8, 9, 10, 11, 1]])
+    with pytest.raises(HeadlabError, match="forward is not finite in float64: NaN or infinity reached Gemma2RMSNorm"):
+        compute_lrp(model, data, describe_model(model), bootstrap=0)
 
 
 @pytest.mark.parametrize("family", ["modernbert", "phi3"])

@@ -121,6 +121,7 @@ def _parameter_free_layer_norm_rule(module: nn.Module, args, output):
     x = args[0]
     centered = x + x.sum(-1, keepdim=True) * (-1.0 / x.shape[-1])
     with torch.no_grad():
+        _check_finite(module, x)
         scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + getattr(module, "eps", 1e-5))
         if not torch.allclose(centered * scale, output, rtol=1e-3, atol=1e-5):
             raise HeadlabError(f"LRP: {type(module).__name__} is not (x - mean(x)) / std(x); "
@@ -130,6 +131,13 @@ def _parameter_free_layer_norm_rule(module: nn.Module, args, output):
     return _swap_backward(output, centered * scale)
 
 
+def _check_finite(module: nn.Module, x: torch.Tensor) -> None:
+    """A norm's check of its formula fails on NaN: say so, rather than that the formula differs."""
+    if not bool(torch.isfinite(x).all()):
+        raise HeadlabError(f"LRP: the model's forward is not finite in {str(x.dtype).removeprefix('torch.')}: "
+                           f"NaN or infinity reached {type(module).__name__}")
+
+
 def _rms_norm_rule(module: nn.Module, args, output):
     """RMS norms: x times a detached gamma / rms(x), with gamma the weight (T5, mT5, Llama, Qwen),
     one plus the weight (Gemma's ``x * (1 + w)``) or one (no weight)."""
@@ -137,6 +145,7 @@ def _rms_norm_rule(module: nn.Module, args, output):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     weight = getattr(module, "weight", None)
     with torch.no_grad():
+        _check_finite(module, x)
         wide = torch.promote_types(x.dtype, torch.float32)  # as the norms compute it: at least fp32
         rms = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
         gammas = [None] if not isinstance(weight, torch.Tensor) else [weight.to(wide), 1 + weight.to(wide)]
