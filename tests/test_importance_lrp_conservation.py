@@ -4,6 +4,7 @@ conservation measured on every run, in the signature and the report, and a run o
 tolerance failed with its ratio; half-precision models computed widened; an LRP failure that
 keeps the other measures' files."""
 
+import contextlib
 import gzip
 import json
 
@@ -114,6 +115,45 @@ def test_a_normalisation_without_a_rule_is_refused_before_any_work():
     assert "ScaleNorm" in result.skipped["lrp"] and "confidence" in result.scores and "lrp" not in result.scores
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_conserves_with_the_gated_rule_per_expert(family):
+    """transformers' fused experts (gate_up_proj parameters, not gate/up modules) got no product
+    rule and their routing weights a gradient: Mixtral conserved 1.0015 to 1.008 of the logit.
+    Now each expert gets the gated-MLP rules and routing weights (and Qwen2-MoE's shared-expert
+    gate) are constants: bias-free in float64 every layer holds the whole logit. The experts'
+    implementation (grouped matmul by default) is restored afterwards."""
+    model = tiny_lrp_model(family, biases=False, dtype=torch.float64)
+    implementation = model.config._experts_implementation
+    with torch.enable_grad(), lrp_rules(model):
+        out = model(input_ids=torch.tensor([[5, 17, 33, 8, 61, 4]]), output_hidden_states=True)
+        y = out.logits[0, 3].max()
+        grads = torch.autograd.grad(y, list(out.hidden_states))
+        totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
+    np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-9)
+    assert model.config._experts_implementation == implementation
+    assert lrp_precision(model) == torch.float64
+
+
+def test_experts_without_a_rule_are_refused_before_any_work():
+    model = tiny_lrp_model("mixtral")
+    model.model.layers[1].mlp.experts.has_bias = True
+    data, info = _data(model)
+    calls = _forwards(model)
+    with pytest.raises(HeadlabError, match=r"no rule for the mixture-of-experts module MixtralExperts "
+                                           r"\(model.layers.1.mlp.experts\): its layout differs \(has_bias=True\)"):
+        compute_lrp(model, data, info)
+    assert calls == []
+
+
+def test_experts_that_compute_something_else_are_refused():
+    """The rule recomputes the experts' output: a forward it does not reproduce is refused, not explained."""
+    model = tiny_lrp_model("mixtral")
+    model.model.layers[0].mlp.experts.register_forward_hook(lambda module, args, output: 2 * output)
+    data, info = _data(model)
+    with pytest.raises(HeadlabError, match="MixtralExperts is not a sum of routed gated experts"):
+        compute_lrp(model, data, info)
+
+
 def test_a_rule_that_does_not_fit_fails_the_run_with_its_ratio(monkeypatch):
     """As OLMo's norm did before it had a rule: no rule applied, relevance not conserved. The run
     fails (exit 1) with the ratio, instead of writing scores."""
@@ -151,6 +191,47 @@ def test_half_precision_models_are_computed_widened_and_left_as_they_were(dtype)
     for kind in scores.kinds:
         np.testing.assert_array_equal(scores[kind], widened[kind])
     assert scores.signature["precision"].startswith("float64") and str(dtype)[6:] in scores.signature["precision"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
+    """Gemma 2 and 3 with a sliding window shorter than the padding: a padding query may attend
+    to no key. Their float64 mask (float64's lowest number) became -inf in eager attention's
+    float32 softmax, NaN reached the norms, and LRP refused them ("Gemma2RMSNorm is not x /
+    rms(x) ..."). Now they conserve as without padding."""
+    model = tiny_lrp_model(family, dtype=dtype, sliding_window=2)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (3, 6, 9)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-6 and abs(record["with_biases"]["max"] - 1) < 1e-6
+
+
+def test_a_forward_that_is_not_finite_is_named_so(monkeypatch):
+    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula."""
+    monkeypatch.setattr(lrp_module, "_finite_masks", lambda model: contextlib.nullcontext())
+    model = tiny_lrp_model("gemma2", sliding_window=2)
+    data = ImportanceData.from_ids([[5, 6, 7, 1], [5, 6, 7, 8, 9, 10, 11, 1]])
+    with pytest.raises(HeadlabError, match="forward is not finite in float64: NaN or infinity reached Gemma2RMSNorm"):
+        compute_lrp(model, data, describe_model(model), bootstrap=0)
+
+
+@pytest.mark.parametrize("family", ["modernbert", "phi3"])
+def test_fused_gated_mlps_are_computed_in_float64_also_with_padding(family):
+    """A fused [gate | up] projection (ModernBERT's ``Wi``, Phi-3's ``gate_up_proj``) is a gated MLP
+    too, but was computed in float32: ModernBERT's padded sentences (a padding query of its local
+    layers sees no key) had no finite relevance in float64. Now both run in float64, finite."""
+    from support.family_matrix import tiny_model as matrix_model
+
+    model = matrix_model(family)
+    assert lrp_precision(model) == torch.float64
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9, 12)])
+    scores = compute_lrp(model, data, describe_model(model), bootstrap=0)
+    record = scores.signature["conservation"]
+    assert scores.signature["precision"].startswith("float64") and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9
 
 
 def test_gated_mlps_are_computed_in_float64_and_the_model_is_unchanged():

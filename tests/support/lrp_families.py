@@ -1,7 +1,8 @@
 """Tiny random models of the families LRP's normalisation rules were written for, beyond
 tests/support/models.py: OLMo's parameter-free LayerNorm, Gemma's ``x * (1 + w)`` RMS norms,
 mT5's LayerNorm (an RMS norm), and families whose norms are plain (Mistral, OLMo2, Qwen3,
-StableLM, GPT-J, OPT). Built from configs (hidden 32, 2 layers, 4 heads, vocab 99): no downloads."""
+StableLM, GPT-J, OPT), and mixtures of experts (Mixtral, Qwen2-MoE with its gated shared expert,
+Qwen3-MoE). Built from configs (hidden 32, 2 layers, 4 heads, vocab 99): no downloads."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ CONFIGS = {
     "opt": lambda: (tf.OPTForCausalLM, tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=37, num_hidden_layers=2,
                                                     num_attention_heads=4, max_position_embeddings=64,
                                                     word_embed_proj_dim=32, pad_token_id=2)),
+    # mixtures of experts (intermediate 40: torch's grouped matmul wants rows of a multiple of 16 bytes)
+    "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(**{**_DECODER, "intermediate_size": 40},
+                                                                 num_key_value_heads=2, num_local_experts=3,
+                                                                 num_experts_per_tok=2)),
+    "qwen2_moe": lambda: (tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+        **_DECODER, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=40,
+        shared_expert_intermediate_size=40)),
+    "qwen3_moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+        **_DECODER, num_key_value_heads=2, head_dim=8, num_experts=3, num_experts_per_tok=2,
+        moe_intermediate_size=40, norm_topk_prob=True)),
     "mt5": lambda: (tf.MT5ForConditionalGeneration, tf.MT5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
         decoder_start_token_id=0)),
@@ -35,11 +46,14 @@ CONFIGS = {
 FAMILIES = tuple(CONFIGS)
 
 
-def tiny_lrp_model(family: str, seed: int = 0, *, biases: bool = True, dtype: torch.dtype = torch.float32):
+def tiny_lrp_model(family: str, seed: int = 0, *, biases: bool = True, dtype: torch.dtype = torch.float32,
+                   **config_values):
     """A tiny random ``family`` model in eval mode. transformers initialises norm weights to one
     (zero for Gemma's ``1 + w``) and biases to zero: both are drawn at random here, so that a rule
-    that ignores a weight or a bias is visible."""
+    that ignores a weight or a bias is visible. ``config_values`` override the config's."""
     cls, config = CONFIGS[family]()
+    for name, value in config_values.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():

@@ -63,7 +63,7 @@ from headlab.importance.data import (
 )
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
-from headlab.importance.rules import check_rules, gated_mlps, lrp_rules, norm_rule
+from headlab.importance.rules import check_rules, fused_gated_mlps, gated_mlps, lrp_rules, norm_rule, routed_experts
 from headlab.shard import Ledger, active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
@@ -146,7 +146,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
-    """The float type LRP computes in: float64 for a model with gated MLPs, float32 otherwise.
+    """The float type LRP computes in: float64 for a model with gated MLPs (fused [gate | up]
+    projections and mixtures of experts included), float32 otherwise.
 
     Ding et al.'s product rule splits ``a * b`` as ``a / (a + b)`` and ``b / (a + b)``, and
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
@@ -154,7 +155,8 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     numbers. float32 keeps 7 digits: there the relevance reaching the embeddings came to between
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
-    return torch.float64 if gated_mlps(model) else torch.float32
+    gated = gated_mlps(model) or fused_gated_mlps(model) or routed_experts(model)
+    return torch.float64 if gated else torch.float32
 
 
 @contextmanager
@@ -185,6 +187,35 @@ def _widened(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
                 owner.data = owner.data.to(narrow)  # type: ignore[attr-defined]
             else:
                 owner._buffers[name] = owner._buffers[name].to(narrow)  # type: ignore[attr-defined, index]
+
+
+@contextmanager
+def _finite_masks(model: nn.Module) -> Iterator[None]:
+    """Additive float64 attention masks raised to float32's lowest number, so that a row whose
+    keys are all masked stays finite in a float64 model.
+
+    transformers fills a mask with the lowest number of the model's precision, and its eager
+    attention takes the softmax in float32: float64's lowest number becomes -inf there, and a
+    query that may attend to no key at all (a padding position under a sliding window: Gemma 2
+    and 3, ModernBERT's local layers) gets NaN probabilities, which reach every gradient of its
+    row. In the model's own float32 such a row is finite (uniform over masked keys, never read).
+    Every other row is unchanged to the bit: its masked scores are far below float32's range
+    either way, and ``exp`` of them is exactly zero."""
+    lowest = torch.finfo(torch.float32).min
+
+    def raise_floor(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.float64:
+            return args, {**kwargs, "attention_mask": mask.clamp(min=lowest)}
+        return None
+
+    handles = HookHandles()
+    try:
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(raise_floor, with_kwargs=True))
+        yield
+    finally:
+        handles.remove()
 
 
 @contextmanager
@@ -339,7 +370,7 @@ def head_relevance(
 
     batch_rows = next(iter(batch.inputs.values())).shape[0]
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
-            lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
+            _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
             _embeddings(model) as embedded, _lm_input(model) as seen, head_output_hooks(blocks, record):
         out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
             else model(**batch.inputs)
