@@ -21,6 +21,7 @@ import traceback
 from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.options import check_parsed
+from headlab.shard import watch_launcher
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
 COMMAND_MODULES = (
@@ -52,7 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STARTUP_INTERRUPTED = "headlab: interrupted while starting; nothing was done"
+
+
 def main(argv: list[str] | None = None) -> int:
+    watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command began (importing its modules, parsing)
+        print(STARTUP_INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # A command module may define rewrite_argv(argv) -> argv to keep an older command form
