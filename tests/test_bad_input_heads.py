@@ -169,3 +169,37 @@ def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsy
     assert (out / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
     assert [b.n_heads for b in attention_blocks(load_model(str(out))) if b.kind == "enc_self"] == [3, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "pruned"]
+
+
+def test_every_encoder_head_pruned_then_functions_aggregate_and_importance(model_dir, tmp_path, capsys):
+    """Regression (issue 32 row 8): with every encoder head pruned, `functions --aggregate` crashed
+    in its figures (matplotlib: "Number of rows must be a positive integer, not 0") and
+    `importance` failed in gradient and LRP (exit 1). Now: a kind left without heads is drawn as
+    such beside the kinds that have heads; nothing at all to analyse or score is exit 2 up front."""
+    out = tmp_path / "no-encoder"
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(out)]) == 0
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    both = tmp_path / "both"
+    assert main(["functions", str(out), "--conllu", str(conllu), "--target-conllu", str(conllu), "--aggregate",
+                 "--out", str(both), "--no-progress"]) == 0
+    assert {"aggregate_enc_self.png", "functions_enc_self.png", "aggregate_dec_self.png"} <= files_under(both)
+    capsys.readouterr()
+    assert main(["functions", str(out), "--conllu", str(conllu), "--aggregate", "--out", str(tmp_path / "enc"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "every enc_self head of the model was pruned; there is no head to analyse" in err and "Traceback" not in err
+    assert files_under(tmp_path / "enc") == set()
+
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
+    headless = tmp_path / "bert-pruned"
+    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["importance", str(headless), "--data", str(data), "--out", str(tmp_path / "i"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "every attention head of the model was pruned; there is no head to score" in err
+    assert files_under(tmp_path / "i") == set()
