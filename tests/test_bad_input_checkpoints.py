@@ -1,10 +1,15 @@
-"""Bad-input catalogue, writing and resuming checkpoints (docs/cli.md): a full disk under
-safetensors' or torch's writer (``prune apply``, ``nmt train``), and a damaged resume point
-(``nmt train --resume``, ``prune train --resume``). The full disk is simulated at the writers: a
+"""Bad-input catalogue, writing and resuming checkpoints and model directories (docs/cli.md): a
+full disk under safetensors' or torch's writer (``prune apply``, ``nmt train``), a damaged resume
+point (``nmt train --resume``, ``prune train --resume``), and ``nmt export``'s ``--to`` (a user's
+files, an earlier export, a directory in use). The full disk is simulated at the writers: a
 ``SafetensorError`` as safetensors raises it on ENOSPC, and torch.save's RuntimeError with the
 disk reported full."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from safetensors import SafetensorError
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.loading import load_model
+from headlab.lock import LOCK_FILE, _start_time
 from headlab.nmt.train import TrainConfig
 from headlab.pruning.train import PruneConfig, prune_train
 from support.bad_input import SENTENCES, files_under, save_tiny_marian
@@ -168,3 +174,41 @@ def test_torch_save_failure_on_a_disk_with_room_stays_a_bug(tmp_path, monkeypatc
     monkeypatch.setattr(trainer.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         trainer._torch_save({"x": torch.zeros(1)}, tmp_path / "x.pt")
+
+
+def test_nmt_export_into_a_users_directory_a_locked_one_and_over_an_earlier_export(one_epoch, tmp_path, capsys):
+    """Regression (issue 32): `nmt export` took no lock and wrote into any directory, beside a
+    user's files, and --overwrite left an earlier export's files it did not write again. Now
+    like functions' --out (headlab.outdir)."""
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "README.md").write_text("mine")
+    args = ["nmt", "export", "--run", str(one_epoch), "--checkpoint", "last", "--to", str(target)]
+    for extra in ([], ["--overwrite"]):
+        assert main([*args, *extra]) == 2
+        assert "--to " + str(target) + ": holds files headlab did not write (README.md)" in capsys.readouterr().err
+    assert files_under(target) == {"README.md"}
+    (target / "README.md").unlink()
+
+    assert main(args) == 0
+    first = files_under(target)
+    assert {"model.safetensors", "tokenizer.json", "export.json", ".headlab/files.json"} <= first
+    assert main(args) == 2
+    assert "holds the results of an earlier run" in capsys.readouterr().err
+    (target / "train_history.json").write_text("{}")  # a file of the earlier export's list, changed
+    assert main([*args, "--overwrite", "--dtype", "float16"]) == 0
+    assert files_under(target) == first
+    assert json.loads((target / "export.json").read_text())["dtype"] == "float16"
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (target / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                    "pid_start": _start_time(holder.pid), "started": "now"}))
+        before = _contents(target)
+        assert main([*args, "--overwrite"]) == 2
+        assert f"is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+        assert _contents(target) == before
+    finally:
+        holder.kill()
+        holder.wait()
+        os.unlink(target / LOCK_FILE)

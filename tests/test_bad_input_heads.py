@@ -142,13 +142,22 @@ def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
 
 def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsys, monkeypatch):
     """Regression: `prune apply --overwrite` wrote into the old directory, so its files that the
-    new model does not write stayed, and a failure part-way left a mix of old and new files."""
+    new model does not write stayed, and a failure part-way left a mix of old and new files.
+    Regression (issue 32): it then replaced the directory whole, a file of the user's in it
+    included; now it takes the directory lock and writes like functions' --out (headlab.outdir):
+    a user's file is refused, also with --overwrite, and only headlab's listed files are replaced."""
     import headlab.surgery
 
     out = tmp_path / "pruned"
     assert main(["prune", str(model_dir), "--heads", "enc_self:0:1", "--out", str(out)]) == 0
-    (out / "notes.txt").write_text("from an earlier run")
-    (out / "pruned_heads.py").write_text("# a stale copy")
+    assert ".headlab/files.json" in files_under(out)
+    (out / "notes.txt").write_text("the user's")
+    capsys.readouterr()
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 2
+    assert "holds files headlab did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "the user's"
+    (out / "notes.txt").unlink()
+    (out / "pruned_heads.py").write_text("# a stale copy")  # a file headlab wrote, changed
     old = {name: (out / name).read_bytes() for name in files_under(out)}
     save_pruned = headlab.surgery.save_pruned
 
@@ -161,6 +170,7 @@ def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsy
     assert "No space left on device" in capsys.readouterr().err
     assert {name: (out / name).read_bytes() for name in files_under(out)} == old  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temporary directory left
+    assert not list((out / ".headlab").glob("incoming-*"))
     monkeypatch.setattr(headlab.surgery, "save_pruned", save_pruned)
     assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 0
     fresh = tmp_path / "fresh"
