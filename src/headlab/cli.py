@@ -124,6 +124,10 @@ def interrupted_note(args) -> str:
     return note.format(**vars(args))
 
 
+# What the system says to a write it refuses (a Rust error with another errno stays a traceback).
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
 def _write_failure(error: Exception) -> str | None:
     """What a writer outside Python's I/O says when the system refused a write (safetensors'
     ``SafetensorError: ... I/O error: No space left on device (os error 28)``, tokenizers' bare
@@ -131,7 +135,7 @@ def _write_failure(error: Exception) -> str | None:
     text = str(error)
     rust = type(error).__module__.split(".")[0] in ("safetensors", "tokenizers", "builtins")
     code = re.search(r"\(os error (\d+)\)", text)  # a Rust std::io::Error (safetensors, tokenizers)
-    if rust and code:
+    if rust and code and int(code.group(1)) in _WRITE_ERRORS:
         writer = {"safetensors": "the weights (safetensors)", "tokenizers": "the tokenizer"}.get(
             type(error).__module__.split(".")[0], "a file (tokenizers)")
         return f"cannot write {writer}: {os.strerror(int(code.group(1)))}"

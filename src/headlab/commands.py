@@ -71,7 +71,7 @@ def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
     from headlab.headspec import parse_heads
     from headlab.loading import check_supported, load_model, load_tokenizer
-    from headlab.outdir import check_output, results_lock, write_results
+    from headlab.outdir import check_output, results_lock, write_results, written_note
     from headlab.portable import how_to_load
     from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
 
@@ -100,6 +100,7 @@ def run_prune(args) -> int:
     # earlier model's files this one does not write, and a failure leaves the earlier model whole.
     with results_lock(out, args.overwrite, True):
         write_results(out, write, command="prune", model=str(args.model), overwrite=args.overwrite)
+    args.interrupted = written_note(out)  # a Ctrl-C from here on: the model is there, whole
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
     print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
