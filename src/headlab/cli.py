@@ -13,14 +13,18 @@ for that to be true (:func:`interrupted_note`); the default says that nothing wa
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import importlib
+import os
+import re
 import sys
 import traceback
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.options import check_parsed
+from headlab.shard import watch_launcher
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
 COMMAND_MODULES = (
@@ -52,7 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STARTUP_INTERRUPTED = "headlab: interrupted while starting; nothing was done"
+
+
 def main(argv: list[str] | None = None) -> int:
+    watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command began (importing its modules, parsing)
+        print(STARTUP_INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # A command module may define rewrite_argv(argv) -> argv to keep an older command form
@@ -77,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, name, str(error), error.exit_code)
     except OSError as error:  # the user's paths: unreadable, unwritable, disk full
         where = f"{error.filename}: " if error.filename else ""
-        return _fail(args, name, f"{where}{error.strerror or error}", 1)
+        kept = _kept_after_failure(args) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return _fail(args, name, f"{where}{error.strerror or error}{kept}", 1)
     except Exception as error:  # noqa: BLE001 - a bug in headlab: show where it is
+        failed_write = _write_failure(error)
+        if failed_write:  # a full disk under safetensors or tokenizers: the user's, not a bug
+            return _fail(args, name, f"{failed_write}{_kept_after_failure(args)}", 1)
         traceback.print_exc()
         print(f"headlab {name}: internal error ({type(error).__name__}: {error}); this is a bug in headlab, "
               "the traceback above says where", file=sys.stderr)
@@ -102,6 +122,30 @@ def interrupted_note(args) -> str:
     if not note:
         return "nothing was kept (results are written only when the command finishes); run it again"
     return note.format(**vars(args))
+
+
+# What the system says to a write it refuses (a Rust error with another errno stays a traceback).
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _write_failure(error: Exception) -> str | None:
+    """What a writer outside Python's I/O says when the system refused a write (safetensors'
+    ``SafetensorError: ... I/O error: No space left on device (os error 28)``, tokenizers' bare
+    ``Exception: ... (os error 28)``), as a line for the user; None for anything else."""
+    text = str(error)
+    rust = type(error).__module__.split(".")[0] in ("safetensors", "tokenizers", "builtins")
+    code = re.search(r"\(os error (\d+)\)", text)  # a Rust std::io::Error (safetensors, tokenizers)
+    if rust and code and int(code.group(1)) in _WRITE_ERRORS:
+        writer = {"safetensors": "the weights (safetensors)", "tokenizers": "the tokenizer"}.get(
+            type(error).__module__.split(".")[0], "a file (tokenizers)")
+        return f"cannot write {writer}: {os.strerror(int(code.group(1)))}"
+    return None
+
+
+def _kept_after_failure(args) -> str:
+    """After a full disk: what the run kept, as its interruption would say (a command with a
+    note of its own: checkpoints and stages are swapped in whole), else nothing more."""
+    return f"; {interrupted_note(args)}" if getattr(args, "interrupted", None) else ""
 
 
 def _fail(args, name: str, message: str, code: int) -> int:

@@ -257,6 +257,9 @@ def analyze_heads(
     blocks = [b for b in all_blocks if b.kind in sides]
     if not blocks:
         raise HeadlabError("the model has no self-attention to analyse on the given data")
+    if not any(b.n_heads for b in blocks):  # every analysed layer pruned to zero heads: all tables would be empty
+        raise HeadlabError(f"every {' and '.join(sorted(sides))} head of the model was pruned; there is no head "
+                           "to analyse on the given data")
     max_length = config.max_length or model_max_length(model, tokenizer)
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
                        max_length=max_length)

@@ -111,13 +111,14 @@ def _run(args, part) -> int:
     start = time.perf_counter()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    if kinds:
-        from headlab.adapters import attention_blocks
+    from headlab.adapters import attention_blocks
 
-        present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
-        for kind in kinds:
-            if kind not in present:
-                raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
+    present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
+    if not present:  # every head pruned: no gate to take a gradient for, nothing to score
+        raise HeadlabError(f"{args.model}: every attention head of the model was pruned; there is no head to score")
+    for kind in kinds or ():
+        if kind not in present:
+            raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
     info = describe_model(model, tokenizer, max_length=args.max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
         from dataclasses import replace
