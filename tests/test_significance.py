@@ -63,8 +63,8 @@ def test_within_follows_the_interval():
     assert _within([(4, _point(-2.0, 0.2))], 10, 0.15).startswith("inconclusive: no point between")
     # The reason names what keeps it open: a small point's interval first, then the next larger point.
     assert _within([(12, _point(-2.0, 0.2)), (4, _point(-0.3, 0.5))], 10, 0.15) == \
-        "inconclusive: an interval contains -0.15"
-    assert _within([(4, _point(-0.3, 0.5))], 10, 0.15) == "inconclusive: an interval contains -0.15"
+        "inconclusive: an interval reaches below -0.15"
+    assert _within([(4, _point(-0.3, 0.5))], 10, 0.15) == "inconclusive: an interval reaches below -0.15"
     assert _within([(12, _point(-0.1, 0.5)), (4, _point(-2.0, 0.2))], 10, 0.15) == \
         "inconclusive: the next larger point (12 heads) does not lie below -0.15"
     # A point without an interval cannot decide.
