@@ -16,9 +16,10 @@ from headlab.reproduce.vig import HIGH_CONFIDENCE_DIR, MIN_WEIGHT, _inverse_verd
 LAYERS, HEADS = 6, 8
 
 
-def _save(path, values, method="x"):
+def _save(path, values, method="x", min_weight=0.0):
     path.parent.mkdir(parents=True, exist_ok=True)
-    HeadScores(scores={"dec_self": np.asarray(values, dtype=float)}, method=method).save(path)
+    HeadScores(scores={"dec_self": np.asarray(values, dtype=float)}, method=method,
+               signature={"min_weight": min_weight}).save(path)
 
 
 def _rising(rng, slope=1.0):
@@ -26,7 +27,7 @@ def _rising(rng, slope=1.0):
     return np.arange(LAYERS)[:, None] * slope + rng.normal(0, 0.05, (LAYERS, HEADS))
 
 
-def _model(tmp_path, *, strict=True, exemplars=True):
+def _model(tmp_path, *, strict=True, exemplars=True, strict_weight=MIN_WEIGHT):
     """A model directory with every file; alignment falls with distance over all weights, but not
     over weights above the threshold; entropy falls with depth; NOUN's share rises with depth."""
     rng = np.random.default_rng(0)
@@ -41,8 +42,9 @@ def _model(tmp_path, *, strict=True, exemplars=True):
     _save(d / "pos" / "DET.json", rng.uniform(0.1, 0.3, (LAYERS, HEADS)))
     _save(d / "pos" / "X.json", np.arange(LAYERS)[:, None] * np.ones((1, HEADS)))  # rare: ignored
     if strict:
-        _save(d / HIGH_CONFIDENCE_DIR / "mean_distance.json", dist)
-        _save(d / HIGH_CONFIDENCE_DIR / "dependency_alignment.json", rng.uniform(0, 1, (LAYERS, HEADS)))
+        _save(d / HIGH_CONFIDENCE_DIR / "mean_distance.json", dist, min_weight=strict_weight)
+        _save(d / HIGH_CONFIDENCE_DIR / "dependency_alignment.json", rng.uniform(0, 1, (LAYERS, HEADS)),
+              min_weight=strict_weight)
     if exemplars:
         heaps = {f"dec_self:{layer}": [[{"weight": 0.5 + layer / 100 + head / 1000, "query_word": f"q{layer}{head}",
                                          "key_word": "k", "text": "a | b"}] for head in range(HEADS)]
@@ -72,6 +74,12 @@ def test_without_the_high_confidence_files_the_row_says_how_to_make_them(tmp_pat
                                                           f"over heads, weights > {MIN_WEIGHT}")
     assert cell.verdict.startswith("not run yet:") and f"--min-weight {MIN_WEIGHT}" in cell.verdict
     assert "headlab functions models/lm" in cell.verdict and HIGH_CONFIDENCE_DIR in cell.verdict
+
+
+def test_files_made_with_another_threshold_are_never_judged_as_the_papers(tmp_path):
+    cell = _row(claim_vig(_model(tmp_path, strict_weight=0.0)), "Spearman of dependency alignment with mean "
+                                                                f"distance over heads, weights > {MIN_WEIGHT}")
+    assert cell.verdict == f"not run: `{HIGH_CONFIDENCE_DIR}/` holds statistics over weights above 0.0, not 0.4"
 
 
 def test_the_inverse_rule_and_nan():

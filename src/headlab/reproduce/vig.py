@@ -76,6 +76,12 @@ def _scores(directory: Path, name: str) -> np.ndarray | None:
     return np.asarray(scores[kind], dtype=float)
 
 
+def _min_weights(directory: Path) -> set[float]:
+    """The ``min_weight`` each distance/alignment file in ``directory`` records in its signature."""
+    return {float(HeadScores.load(p).signature.get("min_weight", 0.0))
+            for p in (directory / "mean_distance.json", directory / "dependency_alignment.json") if p.is_file()}
+
+
 def _layers(values: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(values.shape[0])[:, None], values.shape[1], axis=1).astype(float)
 
@@ -199,7 +205,11 @@ def claim_vig(directories: dict[str, Path]) -> Claim:
             inverse.cells[name] = Cell(f"{rho:+.2f} [{low:+.2f}, {high:+.2f}]", _inverse_verdict(rho, low, high))
         strict = directory / HIGH_CONFIDENCE_DIR
         s_dist, s_align = _scores(strict, "mean_distance"), _scores(strict, "dependency_alignment")
-        if s_dist is None or s_align is None:
+        used = _min_weights(strict)
+        if used and used != {MIN_WEIGHT}:  # files made with another threshold: never judged as the paper's
+            confident.cells[name] = Cell("", f"not run: `{HIGH_CONFIDENCE_DIR}/` holds statistics over weights above "
+                                         f"{', '.join(map(str, sorted(used)))}, not {MIN_WEIGHT}")
+        elif s_dist is None or s_align is None:
             confident.cells[name] = Cell("", f"not run yet: `headlab functions models/{name} --conllu "
                                          "data/ud-english-ewt/en_ewt-ud-dev.conllu --aggregate --min-weight "
                                          f"{MIN_WEIGHT} --out <dir>`, then copy `<dir>/aggregate/` to "
