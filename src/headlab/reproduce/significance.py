@@ -35,8 +35,9 @@ from headlab.resume import SkipStage, weights_fingerprint
 __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
 
 
-def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Spearman's rho over the finite pairs of ``a``, ``b`` and its 95% bootstrap interval over heads."""
+def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Spearman's rho over the finite pairs of ``a``, ``b`` and its bootstrap interval over heads
+    (95% unless ``level`` says otherwise, e.g. a Bonferroni-widened one)."""
     from headlab.importance.agreement import spearman
 
     x, y = np.ravel(np.asarray(a, dtype=float)), np.ravel(np.asarray(b, dtype=float))
@@ -47,7 +48,8 @@ def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0) -> tuple[fl
     samples = [v for v in samples if not math.isnan(v)]  # a resample with one distinct value has no rho
     if not samples:  # constant scores: no correlation to bound
         return spearman(x, y), math.nan, math.nan
-    low, high = np.percentile(samples, [2.5, 97.5])
+    tail = round((1 - level) / 2 * 100, 9)  # 95% -> exactly 2.5, as before
+    low, high = np.percentile(samples, [tail, 100 - tail])
     return spearman(x, y), float(low), float(high)
 
 
