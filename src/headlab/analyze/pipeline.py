@@ -393,16 +393,24 @@ def _importance(name: str):
 
 
 def _agreement(ctx: _Context) -> tuple[list, str | None]:
-    import math
-
-    from headlab.heads import HeadScores, atomic_write_text
-    from headlab.importance.agreement import compute_agreement
+    from headlab.heads import HeadScores
 
     directory = ctx.out_dir / "importance"
     measures = {m: HeadScores.load(directory / f"{m}.json") for m in IMPORTANCE_STAGES
                 if ctx.records.get(m) is not None and ctx.records[m].status == "done"}
     if len(measures) < 2:
         raise SkipStage("needs at least two importance measures (have: " + (", ".join(measures) or "none") + ")")
+    return write_agreement(measures, directory), None
+
+
+def write_agreement(measures: dict, directory: Path) -> list[Path]:
+    """``agreement.json`` and ``agreement.md`` in ``directory``: Spearman tables between the
+    measures (``{name: HeadScores}``, in :data:`STAGES` order), and against ablation when it ran."""
+    import math
+
+    from headlab.heads import atomic_write_text
+    from headlab.importance.agreement import compute_agreement
+
     names = list(measures)
     tables = {ref: compute_agreement(measures, measures[ref]) for ref in names}
     columns = tables[names[0]].columns
@@ -429,7 +437,7 @@ def _agreement(ctx: _Context) -> tuple[list, str | None]:
     json_path, md_path = directory / "agreement.json", directory / "agreement.md"
     atomic_write_text(json_path, json.dumps(document, indent=1) + "\n")
     atomic_write_text(md_path, "\n".join(lines) + "\n")
-    return [json_path, md_path], None
+    return [json_path, md_path]
 
 
 def _head_analysis(ctx: _Context, functions: bool):
@@ -463,30 +471,39 @@ def _head_analysis(ctx: _Context, functions: bool):
 
 
 def _functions(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.labels import head_labels, save_labels
-
     analysis, note = _head_analysis(ctx, functions=True)
     if not ctx.shard.main:
         return [], None
-    directory = ctx.out_dir / "functions"
-    written = analysis.save(directory, figures=False)
-    written.append(save_labels(head_labels(analysis), directory / "labels.json"))
+    written = write_functions(analysis, ctx.out_dir / "functions")
     ctx.log(analysis.report.describe())
     return written, note
 
 
-def _aggregate(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.heads import atomic_write_text
+def write_functions(analysis, directory: Path) -> list[Path]:
+    """The functions stage's files of a :class:`~headlab.functions.HeadAnalysis`, with labels.json."""
+    from headlab.analyze.labels import head_labels, save_labels
 
+    written = analysis.save(directory, figures=False)
+    written.append(save_labels(head_labels(analysis), directory / "labels.json"))
+    return written
+
+
+def _aggregate(ctx: _Context) -> tuple[list, str | None]:
     analysis, note = _head_analysis(ctx, functions=False)
     if not ctx.shard.main:
         return [], None
-    directory = ctx.out_dir / "aggregate"
-    written = analysis.aggregate.save(directory)
+    return write_aggregate(analysis.aggregate, ctx.out_dir / "aggregate"), note
+
+
+def write_aggregate(result, directory: Path) -> list[Path]:
+    """The aggregate stage's files of an :class:`~headlab.aggregate.AggregateResult`, with summary.md."""
+    from headlab.heads import atomic_write_text
+
+    written = result.save(directory)
     path = directory / "summary.md"
-    atomic_write_text(path, analysis.aggregate.summary_markdown() + "\n")
+    atomic_write_text(path, result.summary_markdown() + "\n")
     written.append(path)
-    return written, note
+    return written
 
 
 def default_keeps(n_gated: int) -> list[int]:

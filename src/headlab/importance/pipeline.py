@@ -33,6 +33,14 @@ class ImportanceResult:
     skipped: dict[str, str]
     data: ImportanceData
 
+    def __repr__(self) -> str:
+        lines = [f"ImportanceResult on {self.data.summary()}"]
+        lines += [f"  {table!r}" for table in self.scores.values()]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        if self.agreement is not None:
+            lines.append(f"  {self.agreement!r}")
+        return "\n".join(lines)
+
 
 def run_importance(
     model: nn.Module,
