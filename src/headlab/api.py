@@ -437,7 +437,7 @@ class Analysis:
                  f"({', '.join(self.measures) or 'no importance measure'}; "
                  f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
                  f"{labelled} of {len(self.labels)} analysed heads with a function"]
-        for measure in self.measures[:3]:
+        for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
             top = ", ".join(f"{name} {value:.3g}" for name, value in self.top_heads(measure, 3))
             lines.append(f"  top by {measure}: {top}")
         for name, reason in self.skipped.items():
