@@ -87,8 +87,8 @@ print("heads kept per layer:", kept)
 print("parameters now:", headlab.count_parameters(model))
 
 # %% [markdown]
-# `save` writes the directory `headlab analyze --out` writes (the HTML report opens it:
-# `headlab report DIR`); `Analysis.load` reads either.
+# `save` writes the directory `headlab analyze --out` writes (`report=True`: with the HTML
+# report, index.html); `Analysis.load` reads either.
 
 # %%
 with tempfile.TemporaryDirectory() as directory:

@@ -148,9 +148,8 @@ def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
     again = headlab.Analysis.load(tmp_path / "saved")
     assert again.heads_table() == api.heads_table() and again.labels == api.labels
     assert (tmp_path / "saved" / "heads.csv").read_text() == (cli / "heads.csv").read_text()
-    from headlab.report import build_report  # the report opens it
-
-    assert build_report(tmp_path / "saved").is_file()
+    api.save(tmp_path / "saved", report=True)  # the report opens it
+    assert "<html" in (tmp_path / "saved" / "index.html").read_text(encoding="utf-8").lower()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "thesis.tex").write_text("x")
     with pytest.raises(HeadlabError, match="did not write"):
@@ -207,3 +206,42 @@ def test_the_verbs_are_callable_packages():
     assert headlab.analyze.__module__ == "headlab.api"
     assert {"analyze", "importance", "functions", "aggregate", "prune", "Analysis"} <= set(headlab.__all__)
     assert np.isnan(np.nan)
+
+
+def test_texts_data_equals_read_data(tmp_path, setup):
+    """The in-memory path of the data layer gives read_data's ImportanceData, for a translation
+    model (with references) and for a classifier (texts, pairs, labels by name or index)."""
+    import transformers as tf
+
+    from headlab.importance.data import describe_model, read_data, texts_data
+    from support.treebank import word_tokenizer
+
+    _, _, (model, tokenizer), _ = setup
+    info = describe_model(model, tokenizer)
+    (tmp_path / "s.txt").write_text("\n".join(SENTENCES[:3] + [""]) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(GERMAN[:3] + ["x"]) + "\n", encoding="utf-8")
+    from_file = read_data(tmp_path / "s.txt", tokenizer, info, target_path=tmp_path / "t.txt")
+    in_memory = texts_data(SENTENCES[:3] + [""], tokenizer, info, targets=GERMAN[:3] + ["x"],
+                           name=str(tmp_path / "s.txt"), target_name=str(tmp_path / "t.txt"))
+    assert in_memory == from_file and in_memory.n_empty == 1
+
+    words = "the cat sees a dog yes no".split()
+    classifier_tokenizer = word_tokenizer(words, style="bert")
+    classifier = tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=len(classifier_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=32, num_labels=2, id2label={0: "no", 1: "yes"},
+        label2id={"no": 0, "yes": 1}))
+    info = describe_model(classifier, classifier_tokenizer)
+    (tmp_path / "c.tsv").write_text("text\tlabel\nthe cat sees a dog\tyes\na dog\t0\n", encoding="utf-8")
+    from_file = read_data(tmp_path / "c.tsv", classifier_tokenizer, info)
+    in_memory = texts_data(["the cat sees a dog", "a dog"], classifier_tokenizer, info, labels=["yes", 0])
+    assert in_memory.sources == from_file.sources and in_memory.classes == from_file.classes == [1, 0]
+    with pytest.raises(HeadlabError, match="one label per text"):
+        texts_data(["a dog"], classifier_tokenizer, info)
+    with pytest.raises(HeadlabError, match="holds a tab"):
+        texts_data(["a\tdog"], classifier_tokenizer, info, labels=[0])
+    with pytest.raises(HeadlabError, match="label 7 is outside"):
+        texts_data(["a dog"], classifier_tokenizer, info, labels=[7])
+    result = headlab.importance(classifier, classifier_tokenizer, ["the cat sees a dog", "a dog"], labels=[1, 0],
+                                measures="confidence")
+    assert result.scores["confidence"]["enc_self"].shape == (2, 4)

@@ -374,10 +374,11 @@ class Analysis:
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
         return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files)
 
-    def save(self, directory: str | os.PathLike) -> Path:
+    def save(self, directory: str | os.PathLike, report: bool = False) -> Path:
         """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
-        the layout of ``headlab analyze``: ``headlab report`` and :meth:`load` read it. A
-        directory holding files that headlab did not write is refused."""
+        the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
+        report ``index.html`` (:func:`headlab.report.build_report`). A directory holding files
+        that headlab did not write is refused."""
         from headlab.heads import atomic_write_bytes
 
         directory = Path(directory)
@@ -391,6 +392,10 @@ class Analysis:
         records = [StageRecord(**s) for s in manifest.get("stages", []) or []]
         header = {k: v for k, v in manifest.items() if k not in ("stages", "figures", "headlab_version", "created")}
         _finish(directory, header or {"model": self.model}, records)
+        if report:
+            from headlab.report import build_report
+
+            build_report(directory)
         return directory
 
     # -- tables -----------------------------------------------------------------------------

@@ -234,6 +234,9 @@ class ImportanceData:
     def n_source_tokens(self) -> int:
         return sum(len(s) for s in self.sources)
 
+    def __repr__(self) -> str:
+        return f"ImportanceData({self.summary()})"
+
     def summary(self) -> str:
         text = f"{len(self)} sentences ({self.n_source_tokens} source tokens)"
         if self.source_path:
