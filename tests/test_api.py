@@ -148,8 +148,14 @@ def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
     again = headlab.Analysis.load(tmp_path / "saved")
     assert again.heads_table() == api.heads_table() and again.labels == api.labels
     assert (tmp_path / "saved" / "heads.csv").read_text() == (cli / "heads.csv").read_text()
-    api.save(tmp_path / "saved", report=True)  # the report opens it
+    api.save(tmp_path / "saved", report=True, overwrite=True)  # the report opens it
     assert "<html" in (tmp_path / "saved" / "index.html").read_text(encoding="utf-8").lower()
+    with pytest.raises(HeadlabError, match="overwrite=True"):
+        api.save(tmp_path / "saved")
+    (tmp_path / "saved" / "functions" / "stale.json").write_text(json.dumps(api["confidence"].to_json()))
+    api.save(tmp_path / "saved", overwrite=True)  # replaced whole: nothing of the earlier one stays
+    assert not (tmp_path / "saved" / "functions" / "stale.json").exists()
+    assert not (tmp_path / "saved" / "index.html").exists() and (tmp_path / "saved" / "heads.csv").is_file()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "thesis.tex").write_text("x")
     with pytest.raises(HeadlabError, match="did not write"):
@@ -167,6 +173,8 @@ def test_analyze_writes_out_like_the_cli(setup, tmp_path):
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate"]
     assert "positional_share" not in analysis.tables and "mean_entropy" in analysis.tables
+    with pytest.raises(HeadlabError, match="overwrite=True"):  # refused before any work: no texts needed
+        analyze_api(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
 
 
 def test_reprs_are_short_and_html_is_self_contained(setup):

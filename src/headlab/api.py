@@ -205,13 +205,15 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
             frequency_texts: Iterable[str] | None = None, limit: int | None = None, treebank_limit: int | None = None,
             batch_size: int = 32, max_length: int | None = None, lrp_targets: int | None = None, lrp_seed: int = 0,
-            query_chunk: int | None = None, progress: bool = False, out: str | os.PathLike | None = None) -> "Analysis":
+            query_chunk: int | None = None, progress: bool = False, out: str | os.PathLike | None = None,
+            overwrite: bool = False) -> "Analysis":
     """What ``headlab analyze`` computes, in one call: the importance ``measures`` of every head
     on ``texts`` (with their agreement), and the ``statistics`` (``functions``, ``aggregate``) on
     ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
     frequencies on ``frequency_texts``, by default ``texts``, as ``analyze`` counts them on
     ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. With ``out``, the
-    files are also written there, as ``headlab analyze`` writes them (``Analysis.save``)."""
+    files are also written there, as ``headlab analyze`` writes them (:meth:`Analysis.save`; an
+    earlier analysis there is replaced only with ``overwrite``)."""
     from headlab.analyze.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
     from headlab.importance.measure_options import LRPOptions
     from headlab.importance.registry import MEASURES
@@ -225,6 +227,8 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     for name in statistics:
         if name not in STATISTICS:
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    if out is not None:
+        _check_directory(Path(out), overwrite)  # before any work
     texts = None if texts is None else _texts(texts)
     treebank = None if treebank is None else as_treebank(treebank)
     lrp_targets = LRPOptions.targets if lrp_targets is None else lrp_targets
@@ -282,9 +286,7 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
         _finish(directory, header, records)
 
     if out is not None:
-        out = Path(out)
-        _refuse_foreign(out)
-        write(out)
+        _write_directory(Path(out), write, overwrite)
         analysis = Analysis.load(out)
     else:  # the files are the results' one serialisation: written to a scratch directory, read back
         with tempfile.TemporaryDirectory(prefix="headlab-analysis-") as scratch:
@@ -294,13 +296,26 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     return analysis
 
 
-def _refuse_foreign(out: Path) -> None:
+def _write_directory(directory: Path, write, overwrite: bool) -> None:
+    """``write(tmp)`` into a new directory swapped in for ``directory`` at the end (a kill leaves
+    the old one or the new one). A directory holding files headlab did not write is refused; a
+    headlab directory is replaced whole (no stale stage of an earlier run stays) with ``overwrite``."""
+    from headlab.heads import atomic_dir
+
+    _check_directory(directory, overwrite)
+    atomic_dir(directory, write)
+
+
+def _check_directory(directory: Path, overwrite: bool) -> None:
     from headlab.analyze.pipeline import _foreign_files
 
-    foreign = _foreign_files(out)
+    foreign = _foreign_files(directory)
     if foreign:
-        raise HeadlabError(f"out={out}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "
+        raise HeadlabError(f"{directory}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "
                            "choose a new or empty directory")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise HeadlabError(f"{directory}: the directory holds an earlier analysis; pass overwrite=True to replace it "
+                           "(all of it: its report, figures and attention examples too)")
 
 
 def _finish(directory: Path, header: dict, records: list) -> None:
@@ -374,28 +389,30 @@ class Analysis:
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
         return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files)
 
-    def save(self, directory: str | os.PathLike, report: bool = False) -> Path:
+    def save(self, directory: str | os.PathLike, report: bool = False, overwrite: bool = False) -> Path:
         """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
         the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
         report ``index.html`` (:func:`headlab.report.build_report`). A directory holding files
-        that headlab did not write is refused."""
-        from headlab.heads import atomic_write_bytes
-
-        directory = Path(directory)
-        _refuse_foreign(directory)
-        for relative, content in self.files.items():
-            if relative != _MANIFEST:
-                atomic_write_bytes(directory / relative, content)
-        manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
+        that headlab did not write is refused, one holding an analysis replaced only with ``overwrite``."""
         from headlab.analyze.records import StageRecord
 
+        directory = Path(directory)
+        manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
         records = [StageRecord(**s) for s in manifest.get("stages", []) or []]
         header = {k: v for k, v in manifest.items() if k not in ("stages", "figures", "headlab_version", "created")}
-        _finish(directory, header or {"model": self.model}, records)
-        if report:
-            from headlab.report import build_report
 
-            build_report(directory)
+        def write(target: Path) -> None:
+            for relative, content in self.files.items():
+                if relative != _MANIFEST:
+                    (target / relative).parent.mkdir(parents=True, exist_ok=True)
+                    (target / relative).write_bytes(content)
+            _finish(target, header or {"model": self.model}, records)
+            if report:
+                from headlab.report import build_report
+
+                build_report(target)
+
+        _write_directory(directory, write, overwrite)
         return directory
 
     # -- tables -----------------------------------------------------------------------------
