@@ -35,7 +35,11 @@ _EXPORTS = {  # module -> the names it exports
 _CALLABLE_PACKAGES = ("aggregate", "functions", "importance")
 """Subpackages (and a module) that are also the API's functions (:func:`headlab._lazy.callable_module`)."""
 
-_getattr, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, also=("__version__", *_CALLABLE_PACKAGES))
+_getattr, _dir, __all__ = lazy_exports(__name__, _EXPORTS, also=("__version__", *_CALLABLE_PACKAGES))
+
+
+def __dir__():
+    return sorted({*_dir(), *_CALLABLE_PACKAGES})
 
 
 def __getattr__(name: str):
