@@ -36,8 +36,7 @@ def setup(tmp_path_factory):
     # What the command line computes: the tests compare the API's results with these files.
     cli = root / "cli"
     assert main(["analyze", str(root / "model"), "--source", str(root / "src.en"), "--conllu", str(root / "tb.conllu"),
-                 "--out", str(cli), "--no-progress", "--skip", "attention", "--skip", "figures",
-                 "--skip", "report"]) == 0
+                 "--out", str(cli), "--no-progress", "--skip", "attention,figures,report"]) == 0
     from headlab.loading import load_model, load_tokenizer
 
     loaded = load_model(str(root / "model")), load_tokenizer(str(root / "model"))
@@ -184,6 +183,9 @@ def test_reprs_are_short_and_html_is_self_contained(setup):
     html = api._repr_html_()
     assert "<svg" in html and "<script" not in html and "http" not in html.replace("http://www.w3.org/2000/svg", "")
     assert len(html) < 300_000
+    import xml.etree.ElementTree as ElementTree
+
+    ElementTree.fromstring(f"<div>{html}</div>")  # well-formed: every svg, table and tooltip closed and escaped
     scores = api["confidence"]
     assert repr(scores).startswith("HeadScores(confidence") and "enc_self 2x4" in repr(scores)
     assert scores._repr_html_().count("<svg") == len(scores.kinds)
@@ -253,3 +255,23 @@ def test_texts_data_equals_read_data(tmp_path, setup):
     result = headlab.importance(classifier, classifier_tokenizer, ["the cat sees a dog", "a dog"], labels=[1, 0],
                                 measures="confidence")
     assert result.scores["confidence"]["enc_self"].shape == (2, 4)
+
+
+def test_a_bfloat16_model_gives_the_command_lines_numbers(setup, tmp_path):
+    """Any dtype: the API on a model the user loaded in bfloat16 equals `analyze --dtype bfloat16`."""
+    import torch
+
+    from headlab.api import analyze as analyze_api  # TEMP
+    from headlab.loading import load_model
+
+    root, _, (_, tokenizer), _ = setup
+    out = tmp_path / "cli"
+    skip = ["--skip", "lrp,gradient,agreement,functions,attention,figures,report"]
+    assert main(["analyze", str(root / "model"), "--source", str(root / "src.en"), "--conllu", str(root / "tb.conllu"),
+                 "--out", str(out), "--no-progress", "--dtype", "bfloat16", *skip]) == 0
+    model = load_model(str(root / "model"), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    analysis = analyze_api(model, tokenizer, SENTENCES, treebank=root / "tb.conllu", measures=["confidence"],
+                           statistics=["aggregate"])
+    assert next(model.parameters()).dtype == torch.bfloat16  # the user's model is left as it was
+    assert analysis.heads_table() == headlab.Analysis.load(out).heads_table()

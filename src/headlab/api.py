@@ -476,7 +476,7 @@ class Analysis:
             if found:
                 kind, layer, head = key.split(":")
                 marks.setdefault(kind, {})[(int(layer), int(head))] = ", ".join(found)
-        shown = [*self.measures, *(n for n in ("positional_share", "syntactic_margin", "rare_tokens_rarest",
+        shown = [*(m for m in self.measures if not m.endswith(("_raw", "_stderr"))), *(n for n in ("positional_share", "syntactic_margin", "rare_tokens_rarest",
                                                "mean_distance", "mean_entropy", "dependency_alignment")
                                    if n in self.tables)]
         maps = [(f"{name} {kind}", table[kind], marks.get(kind)) for name in shown

@@ -35,7 +35,8 @@ def heatmap_svg(array: np.ndarray, title: str = "", labels: Mapping[tuple[int, i
     left, top = 26, 16 if title else 4
     width, height = left + n_heads * CELL + 4, top + n_layers * CELL + 14
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'style="font:9px sans-serif" role="img" aria-label="{escape(title, quote=True)}">']
+             f'style="font:9px sans-serif" role="img" aria-label="{escape(title, quote=True)}">'
+             '<g stroke="#ddd" stroke-width="0.5">']
     if title:
         parts.append(f'<text x="{left}" y="11">{escape(title)}</text>')
     for layer in range(n_layers):
@@ -47,11 +48,11 @@ def heatmap_svg(array: np.ndarray, title: str = "", labels: Mapping[tuple[int, i
             shown = "not scored" if math.isnan(value) else f"{value:.4g}"
             fill = "#fff" if math.isnan(value) else _colour((value - low) / span)
             x, y = left + head * CELL, top + layer * CELL
-            parts.append(f'<rect x="{x}" y="{y}" width="{CELL - 1}" height="{CELL - 1}" fill="{fill}" stroke="#ddd" '
-                         f'stroke-width="0.5"><title>L{layer} H{head}: {shown}{escape(" - " + note) if note else ""}'
-                         '</title></rect>')
+            parts.append(f'<rect x="{x}" y="{y}" width="{CELL - 1}" height="{CELL - 1}" fill="{fill}"><title>'
+                         f'L{layer} H{head}: {shown}{escape(" - " + note) if note else ""}</title></rect>')
             if note:
                 parts.append(f'<circle cx="{x + CELL / 2 - 0.5}" cy="{y + CELL / 2 - 0.5}" r="2.5" fill="#e6550d"/>')
+    parts.append("</g>")
     for head in range(0, n_heads, 1 if n_heads <= 16 else 4):
         parts.append(f'<text x="{left + head * CELL + CELL / 2}" y="{top + n_layers * CELL + 10}" '
                      f'text-anchor="middle">{head}</text>')
