@@ -476,9 +476,10 @@ class Analysis:
             if found:
                 kind, layer, head = key.split(":")
                 marks.setdefault(kind, {})[(int(layer), int(head))] = ", ".join(found)
-        shown = [*(m for m in self.measures if not m.endswith(("_raw", "_stderr"))), *(n for n in ("positional_share", "syntactic_margin", "rare_tokens_rarest",
-                                               "mean_distance", "mean_entropy", "dependency_alignment")
-                                   if n in self.tables)]
+        maps_of = ("positional_share", "syntactic_margin", "rare_tokens_rarest", "mean_distance", "mean_entropy",
+                   "dependency_alignment")
+        shown = [*(m for m in self.measures if not m.endswith(("_raw", "_stderr"))),
+                 *(n for n in maps_of if n in self.tables)]
         maps = [(f"{name} {kind}", table[kind], marks.get(kind)) for name in shown
                 for table in (self.tables[name],) for kind in table.kinds]
         parts = [f"<div><b>{escape(repr(self).splitlines()[0])}</b></div>",
