@@ -261,15 +261,17 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
             ordered = {m: scores[m] for m in IMPORTANCE_STAGES if m in scores}
             writers.append(("agreement", lambda d: write_agreement(ordered, d / "importance")))
     if treebank is not None:
-        options = {"limit": treebank_limit if treebank_limit is not None else limit, "batch_size": batch_size,
-                   "max_length": max_length, "query_chunk": query_chunk, "progress": progress}
+        sentences = treebank_limit if treebank_limit is not None else limit
         if "functions" in statistics:
             if frequency_texts is None and texts is not None:
                 frequency_texts = texts
-            head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, **options)
+            head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, limit=sentences,
+                                      batch_size=batch_size, max_length=max_length, query_chunk=query_chunk,
+                                      progress=progress)
             writers.append(("functions", lambda d: write_functions(head_analysis, d / "functions")))
         if "aggregate" in statistics:
-            result_aggregate = aggregate(model, tokenizer, treebank, **options)
+            result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
+                                         max_length=max_length, query_chunk=query_chunk, progress=progress)
             writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
 
     header = {"model": model_name, "source": "<texts>" if texts is not None else None,
@@ -365,15 +367,15 @@ class Analysis:
             root = directory / group
             if root.is_dir():
                 for path in sorted(root.rglob("*")):
-                    relative = path.relative_to(directory)
-                    if path.is_file() and not any(part.startswith(".") for part in relative.parts):
-                        files[relative.as_posix()] = path.read_bytes()
+                    inside = path.relative_to(directory)
+                    if path.is_file() and not any(part.startswith(".") for part in inside.parts):
+                        files[inside.as_posix()] = path.read_bytes()
         if (directory / _MANIFEST).is_file():
             files[_MANIFEST] = (directory / _MANIFEST).read_bytes()
         if not files:
             raise HeadlabError(f"{directory}: not an analysis directory (no importance/, functions/, aggregate/ "
                                "or manifest.json)")
-        documents = []
+        documents: list[tuple[str, object]] = []
         for relative, content in files.items():
             if relative.endswith(".json") and relative != _MANIFEST:
                 try:
@@ -382,7 +384,8 @@ class Analysis:
                     raise HeadlabError(f"{directory / relative}: invalid JSON ({error})") from error
         columns = dict(score_columns(documents, directory))
         labels = load_labels(directory / "functions" / "labels.json") if "functions/labels.json" in files else {}
-        agreement = dict(documents).get("importance/agreement.json")
+        found = dict(documents).get("importance/agreement.json")
+        agreement = found if isinstance(found, dict) else None
         manifest = json.loads(files[_MANIFEST]) if _MANIFEST in files else {}
         skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
