@@ -275,3 +275,17 @@ def test_a_bfloat16_model_gives_the_command_lines_numbers(setup, tmp_path):
                            statistics=["aggregate"])
     assert next(model.parameters()).dtype == torch.bfloat16  # the user's model is left as it was
     assert analysis.heads_table() == headlab.Analysis.load(out).heads_table()
+
+
+def test_the_command_keeps_its_name():
+    """`python -m headlab analyze` is still the command (its package is headlab.pipeline, the name
+    headlab.analyze the API's function)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "headlab", "analyze", "--help"], capture_output=True, text=True,
+                         env=env, check=True)
+    assert out.stdout.startswith("usage: headlab analyze")
