@@ -157,8 +157,9 @@ class HeadAnalysis:
 
     def __repr__(self) -> str:
         found = describe_heads(self)
+        labelled = {head for result in self.results.values() for head, names in result.labels().items() if names}
         lines = [f"HeadAnalysis of {self.model or 'a model'}: {self.report.n_sentences} sentences, "
-                 f"{', '.join(self.results) or 'no statistic'}; {len(found)} heads with a function"]
+                 f"{', '.join(self.results) or 'no statistic'}; {len(labelled)} heads with a function"]
         lines += [f"  {line}" for line in found[:8]] + ([f"  ... {len(found) - 8} more"] if len(found) > 8 else [])
         return "\n".join(lines)
 
