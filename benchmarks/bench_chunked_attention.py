@@ -1,6 +1,6 @@
 """Statistics inside attention: peak memory and time per sentence of ``functions`` + ``aggregate``.
 
-Three ways to run one long sentence through a randomly initialised Llama-like model (default
+Four ways to run one long sentence through a randomly initialised Llama-like model (default
 4 layers x 16 heads, 4 key/value heads (grouped-query), d_model 1024), each in a fresh
 subprocess so that peak memory is its own:
 
@@ -8,7 +8,11 @@ subprocess so that peak memory is its own:
 * ``eager``: ``analyze_heads`` with positional, syntactic, rare-token and aggregate statistics
   over today's eager capture (each block's whole ``[1, heads, n, n]`` map);
 * ``chunked``: the same analysis with ``query_chunk`` (headlab's registered attention function,
-  ``--query-chunk`` rows at a time).
+  ``--query-chunk`` rows at a time, statistics over word rows);
+* ``fused``: the same analysis under the fused engine (``engine="fused"``, :mod:`headlab.data.fused`:
+  the same chunks of rows, the statistics from a few passes over each: maxima, products with key
+  features, row-wise dot products; every word of the synthetic sentence is one token, so every
+  statistic runs fused).
 
 The sentence is synthetic (random words of a word-level vocabulary, one token per word, a
 random projective-ish tree: each word's governor is one of the five words before it), so the
@@ -193,7 +197,8 @@ def child(args) -> dict:
             counts = np.random.default_rng(0).integers(1, 1000, vocab)
             frequencies = TokenFrequencies(counts, "random")
             config = AnalysisConfig(functions=True, aggregate=True, batch_size=1, top_frequent=50,
-                                    query_chunk=args.query_chunk if args.child_mode == "chunked" else None)
+                                    engine=args.child_mode,
+                                    query_chunk=args.query_chunk if args.child_mode != "eager" else None)
             analyze_heads(model, tokenizer, warm, frequencies=frequencies, config=config)
             with meter:
                 if args.profile:  # where the CPU time goes (the time above then includes cProfile's overhead)
@@ -303,8 +308,8 @@ def print_table(rows: list[dict], cuda: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--modes", nargs="+", default=["sdpa", "chunked", "eager"],
-                        choices=["sdpa", "chunked", "eager"])
+    parser.add_argument("--modes", nargs="+", default=["sdpa", "fused", "chunked", "eager"],
+                        choices=["sdpa", "fused", "chunked", "eager"])
     parser.add_argument("--query-chunk", type=int, default=128)
     parser.add_argument("--sentences", type=int, default=1, help="sentences per run (time is per sentence)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
@@ -324,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="record eager runs longer than this as skipped (their maps would not fit)")
     parser.add_argument("--eager-last", action="store_true",
                         help="run the eager rows after all the others (under --budget-s the others come first)")
+    parser.add_argument("--last", nargs="+", default=[], choices=["sdpa", "fused", "chunked", "eager"],
+                        metavar="MODE", help="run these modes' rows after all the others, in this order "
+                                             "(after them --eager-last's eager rows)")
     parser.add_argument("--budget-s", type=float,
                         help="stop the runs after this many seconds in all; the one running and the rest are "
                              "recorded as timeouts")
@@ -354,8 +362,9 @@ def main() -> None:
           f"{platform.machine()}, {platform.python_version()}", flush=True)
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     runs = [(length, mode) for length in args.lengths for mode in args.modes]
-    if args.eager_last:  # stable: the other rows keep their order
-        runs.sort(key=lambda run: run[1] == "eager")
+    late = list(args.last) + (["eager"] if args.eager_last and "eager" not in args.last else [])
+    # stable: the other rows keep their order, the late ones come after them in the order given
+    runs.sort(key=lambda run: late.index(run[1]) + 1 if run[1] in late else 0)
     rows = []
     for length, mode in runs:
         row = run_one(args, mode, length, deadline)

@@ -7,7 +7,9 @@ page of headless Chromium (Debian's ``chromium``, driven by Playwright). Per loa
 * ``load``: navigation start to the end of the load event (Navigation Timing);
 * ``render``: navigation start to the report's ``headlab-rendered`` mark (heatmaps drawn,
   viewer set up) and until the viewer has drawn its first head (``body[data-rendered]``);
-* ``click``: a click on a heatmap cell until the viewer shows that head.
+* ``click``: a click on a heatmap cell until the viewer shows that head (Playwright's click,
+  with its scrolling and actionability checks);
+* ``model view`` / ``head view``: the in-page time to switch the viewer to that view and draw it.
 
 Medians are printed, with the report's size (index.html plus attention/*.js when the
 attention data is not inlined).
@@ -16,6 +18,13 @@ attention data is not inlined).
     python benchmarks/bench_report.py DIR --repeats 10
     python benchmarks/bench_report.py --stand-in /tmp/report-bench
     python benchmarks/bench_report.py runs/demo --screenshot docs/img/report-screenshot.png
+
+``--synthetic 24x16 --synthetic 32x32`` writes synthetic analysis directories of a decoder-only
+model of that many layers x heads (every file the report reads, all 18 POS tags, exemplars,
+``--sentences`` attention examples of ``--tokens`` tokens; ``tests/support/report.py``'s
+``build_large_dir``) and measures each, adding the time to draw the model view and the head view.
+
+    python benchmarks/bench_report.py --synthetic 24x16 --synthetic 32x32 --work /tmp/report-scale
 
 ``--stand-in DIR`` first writes a demo-sized stand-in analysis directory, for when no demo run
 exists: the bundled model's attention on the first 20 Multi30k test sentences
@@ -95,8 +104,10 @@ def measure(directory: Path, repeats: int, executable: str, screenshot: str | No
     report = build_report(directory)
     build_s = time.perf_counter() - start
     size = report.stat().st_size
+    inlined = report.read_text(encoding="utf-8").count('id="headlab-attention-')
     sidecars = sum(p.stat().st_size for p in (directory / "attention").glob("*.js"))
     loads, renders, firsts, clicks = [], [], [], []
+    views: dict[str, list[float]] = {}
     with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
         context = playwright.chromium.launch_persistent_context(profile, executable_path=executable, headless=True,
                                                                 args=ARGS, viewport={"width": 1280, "height": 900})
@@ -125,6 +136,12 @@ def measure(directory: Path, repeats: int, executable: str, screenshot: str | No
                     f"""() => {{ const v = document.getElementById('viewer').dataset;
                     return v.kind === '{kind}' && v.layer === '{layer}' && v.head === '{head}'; }}""")
                 clicks.append((time.perf_counter() - start) * 1000)
+            if page.locator("input[name=v-view][value=model]").count() and page.locator("#v-left span").count():
+                for view in ("model", "heads", "lines"):  # in-page time: the views draw synchronously on change
+                    views.setdefault(view, []).append(page.evaluate(
+                        f"""() => {{ const t = performance.now();
+                        document.querySelector('input[name=v-view][value={view}]').click();
+                        return performance.now() - t; }}"""))
             if screenshot and _ == repeats - 1:  # the last page, the clicked head in the viewer
                 page.evaluate("window.scrollTo(0, 0)")
                 page.screenshot(path=screenshot, full_page=True)
@@ -136,7 +153,8 @@ def measure(directory: Path, repeats: int, executable: str, screenshot: str | No
         "directory": str(directory), "build_s": round(build_s, 3), "index_html_bytes": size,
         "attention_js_bytes": sidecars, "repeats": repeats, "load_ms": median(loads),
         "rendered_mark_ms": median(renders), "viewer_drawn_ms": median(firsts), "click_to_head_ms": median(clicks),
-        "errors": errors,
+        "model_view_ms": median(views.get("model", [])), "head_view_ms": median(views.get("heads", [])),
+        "inlined_sentences": inlined, "errors": errors,
     }
 
 
@@ -149,13 +167,19 @@ def main(argv=None) -> int:
     parser.add_argument("--sentences", type=int, default=20, help="stand-in: attention examples")
     parser.add_argument("--chromium", default=os.environ.get("HEADLAB_CHROMIUM") or shutil.which("chromium")
                         or "/usr/bin/chromium")
+    parser.add_argument("--synthetic", metavar="LxH", action="append", default=[],
+                        help="measure a synthetic LAYERSxHEADS directory (repeatable), e.g. 32x32")
+    parser.add_argument("--tokens", type=int, default=20, help="synthetic: tokens per attention example")
+    parser.add_argument("--work", default=None, help="synthetic: where to write the directories (default: a tmp dir)")
     args = parser.parse_args(argv)
+    if not Path(args.chromium).is_file():
+        print(f"no Chromium at {args.chromium} (apt-get install chromium)", file=sys.stderr)
+        return 2
+    if args.synthetic:
+        return synthetic(args)
     directory = stand_in(Path(args.stand_in), args.sentences) if args.stand_in else Path(args.directory)
     if not directory.is_dir():
         print(f"{directory}: no analysis directory (run `make demo`, or use --stand-in DIR)", file=sys.stderr)
-        return 2
-    if not Path(args.chromium).is_file():
-        print(f"no Chromium at {args.chromium} (apt-get install chromium)", file=sys.stderr)
         return 2
     result = measure(directory, args.repeats, args.chromium, args.screenshot)
     print(json.dumps(result, indent=1))
@@ -163,6 +187,37 @@ def main(argv=None) -> int:
     print(f"\n| {directory.name} | {total:.2f} MB | {result['build_s']:.2f} s | {result['load_ms']} ms | "
           f"{result['viewer_drawn_ms']} ms | {result['click_to_head_ms']} ms |")
     return 1 if result["errors"] else 0
+
+
+def synthetic(args) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))  # the synthetic directory's builder, shared with the browser test
+    from support.report import build_large_dir
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="report-scale-"))
+    rows, failed = [], False
+    for shape in args.synthetic:
+        try:
+            n_layers, n_heads = (int(x) for x in shape.lower().split("x"))
+        except ValueError:
+            print(f"--synthetic {shape}: expected LAYERSxHEADS, e.g. 32x32", file=sys.stderr)
+            return 2
+        directory = work / f"synthetic-{n_layers}x{n_heads}"
+        if directory.exists():
+            shutil.rmtree(directory)
+        build_large_dir(directory, n_layers, n_heads, sentences=args.sentences, n_tokens=args.tokens)
+        result = measure(directory, args.repeats, args.chromium,
+                         args.screenshot.replace(".png", f"-{shape}.png") if args.screenshot else None)
+        print(json.dumps(result, indent=1))
+        failed |= bool(result["errors"])
+        rows.append(f"| {n_layers} x {n_heads} | {result['index_html_bytes'] / 1e6:.2f} MB "
+                    f"({result['inlined_sentences']} of {args.sentences} sentences inlined) | "
+                    f"{result['attention_js_bytes'] / 1e6:.2f} MB | {result['build_s']:.2f} s | {result['load_ms']} ms | "
+                    f"{result['rendered_mark_ms']} ms | {result['click_to_head_ms']} ms | {result['model_view_ms']} ms | "
+                    f"{result['head_view_ms']} ms |")
+    print("\n| model | index.html | attention/*.js (on demand) | build | load | rendered | click to head | "
+          "model view | head view |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

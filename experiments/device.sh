@@ -28,11 +28,13 @@
 #   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
 #                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
 #                                       $OUT/cuda-tests.log.
-#   experiments/device.sh bench-gpu     issue 16 item 4: --query-chunk against the SDPA forward and
-#                                       eager capture on a random model of Llama-3-8B's shape in
-#                                       bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), LAYERS (default
-#                                       8) of its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows)
-#                                       and $OUT/bench-gpu.log. Needs the .whl carry (conllu).
+#   experiments/device.sh bench-gpu     issues 16 and 34: the fused engine and --query-chunk against the
+#                                       SDPA forward and eager capture on a random model of Llama-3-8B's
+#                                       shape in bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), modes
+#                                       MODES= (default sdpa fused chunked eager), QUERY_CHUNK= rows
+#                                       (default 128), LAYERS (default 8) of
+#                                       its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows) and
+#                                       $OUT/bench-gpu.log. Needs the .whl carry (conllu).
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -140,20 +142,23 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     # so the depth stays cut to LAYERS (8 by default, as in that measurement, to compare): the
     # per-layer shape (heads, key/value heads, d_model, FFN) is the real one. A run past MINUTES is
     # a timeout row.
-    # Eager capture stops at 4096 tokens (at 16384 one layer's bf16 map alone is 16 GiB) and runs
-    # last: its statistics over whole maps cost several times the chunked ones, and the chunked
-    # rows come first. A timeout at 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
+    # Eager capture stops at 4096 tokens (at 16384 one layer's bf16 map alone is 16 GiB). The chunked
+    # rows, then the eager ones, run after the SDPA and fused rows of every length: their statistics
+    # cost several times the fused ones, and under MINUTES the fused rows come first. A timeout at
+    # 16384 tokens: LAYERS=2 LENGTHS=16384 in a second call.
     LAYERS=${LAYERS:-8}
     # every CPU this process may use (nproc would follow an OMP_NUM_THREADS of the image)
     THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
     set -o pipefail
     {
       echo "bench-gpu: Llama-3-8B's shape with $LAYERS of its 32 layers (LAYERS= to change), lengths" \
-        "${LENGTHS:-1024 4096 16384}, runs stopped after $((MINUTES * 60)) s (MINUTES=), $THREADS threads"
+        "${LENGTHS:-1024 4096 16384} (LENGTHS=), modes ${MODES:-sdpa fused chunked eager} (MODES=), runs stopped" \
+        "after $((MINUTES * 60)) s (MINUTES=), $THREADS threads"
       # shellcheck disable=SC2086  # LENGTHS: one argument per length
       "$PY" benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b \
-        --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes sdpa chunked eager \
-        --eager-max-length 4096 --eager-last --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
+        --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes ${MODES:-sdpa fused chunked eager} \
+        --query-chunk "${QUERY_CHUNK:-128}" \
+        --eager-max-length 4096 --last chunked eager --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
         --json "$OUT/bench-gpu.json"
     } 2>&1 | tee "$OUT/bench-gpu.log"
     ;;

@@ -140,8 +140,14 @@ def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys)
             in capsys.readouterr().err)
     assert files_under(out) == {"index.html", "manifest.json"}
     assert (out / "manifest.json").read_text() == '{"mine": true}'
+    # --force writes beside the user's files, never over them (issue 32: it replaced manifest.json)
+    assert main([*args, "--force"]) == 2
+    assert "holds index.html, manifest.json of your own, which analyze would replace" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == '{"mine": true}'
+    (out / "manifest.json").rename(out / "mine.json")
+    (out / "index.html").rename(out / "mine.html")
     assert main([*args, "--force"]) == 0  # the user says so
-    assert (out / "index.html").read_text() == "<p>my page</p>"  # the report stage was skipped
+    assert (out / "mine.json").read_text() == '{"mine": true}' and (out / "mine.html").read_text() == "<p>my page</p>"
     assert main(args) == 0  # now headlab's directory: resumes without --force
 
 

@@ -142,13 +142,22 @@ def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
 
 def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsys, monkeypatch):
     """Regression: `prune apply --overwrite` wrote into the old directory, so its files that the
-    new model does not write stayed, and a failure part-way left a mix of old and new files."""
+    new model does not write stayed, and a failure part-way left a mix of old and new files.
+    Regression (issue 32): it then replaced the directory whole, a file of the user's in it
+    included; now it takes the directory lock and writes like functions' --out (headlab.outdir):
+    a user's file is refused, also with --overwrite, and only headlab's listed files are replaced."""
     import headlab.surgery
 
     out = tmp_path / "pruned"
     assert main(["prune", str(model_dir), "--heads", "enc_self:0:1", "--out", str(out)]) == 0
-    (out / "notes.txt").write_text("from an earlier run")
-    (out / "pruned_heads.py").write_text("# a stale copy")
+    assert ".headlab/files.json" in files_under(out)
+    (out / "notes.txt").write_text("the user's")
+    capsys.readouterr()
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 2
+    assert "holds files headlab did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "the user's"
+    (out / "notes.txt").unlink()
+    (out / "pruned_heads.py").write_text("# a stale copy")  # a file headlab wrote, changed
     old = {name: (out / name).read_bytes() for name in files_under(out)}
     save_pruned = headlab.surgery.save_pruned
 
@@ -161,6 +170,7 @@ def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsy
     assert "No space left on device" in capsys.readouterr().err
     assert {name: (out / name).read_bytes() for name in files_under(out)} == old  # untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temporary directory left
+    assert not list((out / ".headlab").glob("incoming-*"))
     monkeypatch.setattr(headlab.surgery, "save_pruned", save_pruned)
     assert main(["prune", str(model_dir), "--heads", "enc_self:0:2", "--out", str(out), "--overwrite"]) == 0
     fresh = tmp_path / "fresh"
@@ -169,3 +179,37 @@ def test_prune_overwrite_replaces_the_directory_whole(model_dir, tmp_path, capsy
     assert (out / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
     assert [b.n_heads for b in attention_blocks(load_model(str(out))) if b.kind == "enc_self"] == [3, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "pruned"]
+
+
+def test_every_encoder_head_pruned_then_functions_aggregate_and_importance(model_dir, tmp_path, capsys):
+    """Regression (issue 32 row 8): with every encoder head pruned, `functions --aggregate` crashed
+    in its figures (matplotlib: "Number of rows must be a positive integer, not 0") and
+    `importance` failed in gradient and LRP (exit 1). Now: a kind left without heads is drawn as
+    such beside the kinds that have heads; nothing at all to analyse or score is exit 2 up front."""
+    out = tmp_path / "no-encoder"
+    assert main(["prune", str(model_dir), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(out)]) == 0
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    both = tmp_path / "both"
+    assert main(["functions", str(out), "--conllu", str(conllu), "--target-conllu", str(conllu), "--aggregate",
+                 "--out", str(both), "--no-progress"]) == 0
+    assert {"aggregate_enc_self.png", "functions_enc_self.png", "aggregate_dec_self.png"} <= files_under(both)
+    capsys.readouterr()
+    assert main(["functions", str(out), "--conllu", str(conllu), "--aggregate", "--out", str(tmp_path / "enc"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "every enc_self head of the model was pruned; there is no head to analyse" in err and "Traceback" not in err
+    assert files_under(tmp_path / "enc") == set()
+
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
+    headless = tmp_path / "bert-pruned"
+    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["importance", str(headless), "--data", str(data), "--out", str(tmp_path / "i"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "every attention head of the model was pruned; there is no head to score" in err
+    assert files_under(tmp_path / "i") == set()

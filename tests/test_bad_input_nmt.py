@@ -117,6 +117,27 @@ def test_model_without_tokenizer_is_refused(tmp_path, source, capsys):
     assert f"no tokenizer in {bare}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+@pytest.mark.parametrize("row", ["missing-tokenizer-json", "empty-tokenizer-json", "truncated-tokenizer-json"])
+def test_damaged_tokenizer_json_is_refused(row, command, tmp_path, source, capsys, monkeypatch):
+    """Regression (issue 32 row 8): a missing, empty or cut tokenizer.json was a ValueError or
+    JSONDecodeError traceback ("internal error", exit 1) from transformers."""
+    model = save_tiny_marian(tmp_path / "model")
+    tokenizer = model / "tokenizer.json"
+    if row == "missing-tokenizer-json":
+        tokenizer.unlink()  # tokenizer_config.json stays
+    else:
+        tokenizer.write_bytes(b"" if row == "empty-tokenizer-json" else tokenizer.read_bytes()[:100])
+    forbid_model_loading(monkeypatch)
+    files = ["--input", str(source)] if command == "translate" else ["--src", str(source), "--ref", str(source)]
+    assert main(["nmt", command, "--model", str(model), *files]) == 2
+    err = capsys.readouterr().err
+    expected = {"missing-tokenizer-json": f"no usable tokenizer in {model}: tokenizer.json is missing",
+                "empty-tokenizer-json": f"{tokenizer}: the file is empty",
+                "truncated-tokenizer-json": f"{tokenizer}: not a tokenizer"}[row]
+    assert expected in err and "Traceback" not in err and "internal error" not in err
+
+
 @pytest.mark.parametrize("option", [["--beam", "0"], ["--batch-size", "0"], ["--threads", "-1"]])
 def test_options_out_of_range(option, models, source, capsys, monkeypatch):
     forbid_model_loading(monkeypatch)

@@ -36,7 +36,7 @@ def test_presets_are_llama_config_fields(bench):
     assert bench.model_fields(_args(bench))["num_hidden_layers"] == 2  # the tiny preset, no override
 
 
-@pytest.mark.parametrize("mode", ["sdpa", "chunked", "eager"])
+@pytest.mark.parametrize("mode", ["sdpa", "fused", "chunked", "eager"])
 def test_child_rows_on_cpu_in_bfloat16(bench, mode):
     row = bench.child(_args(bench, "--dtype", "bfloat16", "--child-mode", mode, "--child-length", "40"))
     assert row["mode"] == mode and row["length"] == 40 and row["status"] == "ok"

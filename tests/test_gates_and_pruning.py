@@ -283,6 +283,7 @@ def test_load_pruned_rejects_a_record_that_does_not_match(tmp_path):
     with pytest.raises(HeadlabError, match="weights do not match"):
         load_pruned(tmp_path / "m")
     record["blocks"]["enc_self"]["0"]["kept_heads"] = [0, 9]
+    record["blocks"]["enc_self"]["0"]["kept_kv_heads"] = [0, 9]  # else: 2 heads do not group over 3
     path.write_text(json.dumps(record))
     with pytest.raises(HeadlabError, match="does not fit the model"):
         load_pruned(tmp_path / "m")

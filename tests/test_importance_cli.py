@@ -75,7 +75,8 @@ def test_bleu_metric_and_single_method(tmp_path, tokenizer, files, capsys):
     out = tmp_path / "out"
     assert main(["importance", model_dir, "--data", str(source), "--target", str(target), "--out", str(out),
                  "--method", "ablation,lrp", "--metric", "bleu", "--no-progress", "--n-sentences", "3"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["ablation.json", "agreement.json", "agreement.md", "lrp.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".headlab", "ablation.json", "agreement.json", "agreement.md",
+                                                     "lrp.json"]  # .headlab/files.json lists the others
     assert HeadScores.load(out / "ablation.json").signature["metric"] == "bleu"
 
 
@@ -88,8 +89,8 @@ def test_model_without_lm_head_skips_what_needs_one(tmp_path, tokenizer, files, 
     printed = capsys.readouterr()
     for method in ("lrp", "gradient", "ablation"):
         assert f"skipped {method}: the model has no language-model head" in printed.out
-    assert sorted(p.name for p in out.iterdir()) == ["confidence.json"]
-    assert main(["importance", model_dir, "--data", str(source), "--out", str(out), "--method", "lrp"]) == 2
+    assert sorted(p.name for p in out.iterdir()) == [".headlab", "confidence.json"]
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), "--method", "lrp"]) == 2
     assert "cannot run lrp" in capsys.readouterr().err
 
 

@@ -19,7 +19,7 @@ from headlab import attention_blocks, load_pruned, mask_heads, prune_heads, save
 from headlab.cli import main
 from headlab.errors import HeadlabError, PruningNotExact
 from headlab.prune_check import tolerance
-from tests.support.more_families import VOCAB, tiny_model
+from support.family_matrix import VOCAB, tiny_model
 
 # Layer 0 loses one query head of the first key/value group (groups of 2): the group's key/value
 # head must stay; layer 1 loses a whole group.

@@ -16,6 +16,7 @@ import torch
 
 from headlab import load_pruned, prune_heads, save_pruned
 from headlab.portable import CODE_FILE, module_code
+from support import family_matrix as matrix
 from support.models import tiny_inputs, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,16 @@ CASES = {
     "llama": ({("dec_self", 0): [0, 1], ("dec_self", 1): [2, 3]}, "AutoModelForCausalLM", "standard config"),
     "llama-mixed": ({("dec_self", 0): [0], ("dec_self", 1): [1, 2, 3]}, "AutoModelForCausalLM", "remote code"),
     "qwen2": ({("dec_self", 0): [0, 1], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "standard config"),
+    # fused q/k/v layouts (tests/support/family_matrix.py): GPT-NeoX's weight renaming (embed_out), Phi-3's
+    # per-layer config view, Bloom's and Falcon's ALiBi hook, Bloom's residual in a layer with no head left
+    "gpt_neox": ({("dec_self", 0): [1], ("dec_self", 1): [0, 2]}, "AutoModelForCausalLM", "remote code"),
+    "phi3": ({("dec_self", 0): [1], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "remote code"),
+    "bloom": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, "AutoModelForCausalLM", "remote code"),
+    "falcon_alibi": ({("dec_self", 0): [3], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "remote code"),
+    "gpt_bigcode": ({("dec_self", 1): [1, 2]}, "AutoModelForCausalLM", "remote code"),
 }
+MATRIX = {"gpt_neox", "phi3", "bloom", "falcon_alibi", "gpt_bigcode"}
+GENERATE = {"marian", "gpt2", "llama", "gpt_neox", "bloom"}
 
 PLAIN = r"""
 import json, os, sys
@@ -65,15 +75,16 @@ def pruned_dirs(tmp_path_factory):
     dirs = {}
     for name, (spec, auto, _) in CASES.items():
         family = name.split("-")[0]
-        model = tiny_model(family, attn_implementation="eager")
+        build = matrix.tiny_model if family in MATRIX else tiny_model
+        model = build(family, attn_implementation="eager")
         prune_heads(model, spec)
         directory = root / name
         save_pruned(model, directory)
-        inputs = {k: v for k, v in tiny_inputs(family).items()}
+        inputs = dict(matrix.tiny_inputs() if family in MATRIX else tiny_inputs(family))
         check = {"inputs": inputs}
         with torch.no_grad():
             check["logits"] = model(**inputs).logits
-            if family in ("marian", "gpt2", "llama"):
+            if family in GENERATE:
                 check["generated"] = model.generate(input_ids=inputs["input_ids"][:1], max_new_tokens=6,
                                                     do_sample=False, num_beams=1)
         torch.save(check, directory / "check.pt")
@@ -112,6 +123,7 @@ def test_how_each_directory_loads_is_recorded_and_headlab_still_loads_it(pruned_
         check = torch.load(f"{directory}/check.pt")
         model = load_pruned(directory)  # headlab itself never runs the directory's code
         model.set_attn_implementation("eager")
+        model.config._attn_implementation = "eager"  # Falcon cannot switch through set_attn_implementation
         with torch.no_grad():
             assert torch.allclose(model(**check["inputs"]).logits, check["logits"], atol=1e-6), name
 

@@ -127,7 +127,7 @@ def test_report_sections_have_content(analysis_dir):
     assert data["attention"]["mode"] == "inline" and len(data["attention"]["sentences"]) == len(SOURCES)
     assert html.count('id="headlab-attention-') == len(SOURCES)
     for text in ("Syntactic heads (Table 1 analogue)", "positional -1", "all (23 heads)", "lam-0.05",
-                 "data:image/png;base64,", "v → s"):
+                 '<a href="figures/figure1.png">PNG</a>', "v → s"):
         assert text in html
 
 
@@ -206,9 +206,147 @@ def test_agreement_section_shows_the_measure_by_measure_matrix(tmp_path):
     rows = re.findall(r"<tr><td>(\w+)</td>(.*?)</tr>", section)
     assert [name for name, _ in rows[:3]] == ["confidence", "lrp", "gradient"]
     assert re.findall(r'<span class="num">([^<]+)</span>|n/a', rows[1][1]) == ["+0.25", "+1.00", ""]
+    overview = _section(html, "overview")  # the first screen: each pair once, over all heads
+    assert 'confidence / lrp <span class="num">+0.25</span>' in overview and "lrp / gradient n/a" in overview
     # With ablation the table against the reference follows the matrix.
     document.update(reference="ablation", metric="loss",
                     spearman={"confidence": {"enc_self": 0.5, "all": 0.5}})
     (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
     html = build_report(tmp_path).read_text(encoding="utf-8")
     assert "correlation of each measure with ablation (loss)" in html and "<h3>all heads (8 heads)</h3>" in html
+    # a matrix that holds ablation too (as `analyze --ablation` writes it): each pair once on the overview
+    document["measures"] = ["confidence", "lrp", "ablation"]
+    (tmp_path / "importance" / "agreement.json").write_text(json.dumps(document))
+    overview = _section(build_report(tmp_path).read_text(encoding="utf-8"), "overview")
+    assert overview.count("confidence / ablation") == 1 and overview.count(" / ") == 3
+
+
+def _section(html: str, name: str) -> str:
+    section = html[html.index(f'<section id="{name}">'):]
+    return section[:section.index("</section>")]
+
+
+def _data(html: str) -> dict:
+    return json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', html).group(1))
+
+
+def test_function_table_lists_only_labelled_heads(analysis_dir):
+    """labels.json lists every analysed head, most with an empty list: the table used to list
+    them all (384 rows for 2 labelled heads on a 24 x 16 model)."""
+    labels = json.loads((analysis_dir / "functions" / "labels.json").read_text())
+    assert len(labels) == 24 and sum(bool(v) for v in labels.values()) == 3
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    rows = re.findall(r'<tr class="head-link"[^>]*data-kind="(\w+)" data-layer="(\d)" data-head="(\d)"',
+                      _section(html, "functions"))
+    assert rows == [("enc_self", "0", "1"), ("enc_self", "1", "2"), ("dec_cross", "1", "2")]
+    assert set(_data(html)["labels"]) == {"enc_self:0:1", "enc_self:1:2", "dec_cross:1:2"}
+
+
+def test_overview_ranks_heads_by_each_measure(analysis_dir):
+    from headlab.heads import HeadScores
+
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    overview = _section(html, "overview")
+    assert html.index('<section id="overview">') < html.index('<section id="summary">')  # the first screen
+    header = re.search(r'<table class="top-heads"><thead><tr>(.*?)</tr>', overview).group(1)
+    assert re.findall(r"<th>(.*?)</th>", header)[0] == "rank" and len(re.findall(r"<th>", header)) == 5
+    body = re.search(r'<table class="top-heads">.*?<tbody>(.*?)</tbody>', overview).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", body)
+    assert len(rows) == 10  # TOP_N of the 23 scored heads
+    for column, measure in enumerate(("confidence", "lrp", "gradient", "ablation")):
+        scores = HeadScores.load(analysis_dir / "importance" / f"{measure}.json")
+        expected = sorted(((float(v), kind, layer, head) for kind in scores.kinds
+                           for (layer, head), v in np.ndenumerate(scores[kind]) if np.isfinite(v)),
+                          key=lambda t: (-t[0], ("enc_self", "dec_self", "dec_cross").index(t[1]), t[2], t[3]))[:10]
+        shown = [re.findall(r'data-kind="(\w+)" data-layer="(\d+)" data-head="(\d+)"', re.findall(
+            r"<td>(.*?)</td>", row)[column + 1])[0] for row in rows]
+        assert shown == [(k, str(layer), str(h)) for _, k, layer, h in expected]
+    assert 'positional -1</span>' in overview or "nsubj v→s" in overview or "rare" in overview
+    assert "confidence / ablation" in overview and "lrp / ablation" in overview  # agreement with the reference
+    chart = re.search(r'<svg class="chart pruning-curve".*?</svg>', overview).group(0)
+    assert chart.count("<circle") == 1 and 'class="reference"' in chart  # the sweep point and the full model
+
+
+def test_overview_of_a_directory_without_results(tmp_path):
+    html = build_report(tmp_path).read_text(encoding="utf-8")
+    assert "No importance, agreement or pruning results" in _section(html, "overview")
+
+
+def test_figures_are_linked_not_embedded(analysis_dir):
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    assert "data:image/png" not in html and "<img" not in html
+    figures = _section(html, "figures")
+    assert '<a href="figures/figure1.png">PNG</a>' in figures and "Figure 1 &lt;test&gt;" in figures
+
+
+def test_per_layer_curves_are_the_mean_over_heads(analysis_dir):
+    from headlab.heads import HeadScores
+
+    html = build_report(analysis_dir).read_text(encoding="utf-8")
+    aggregate = _section(html, "aggregate")
+    for name in ("mean_distance", "dependency_alignment", "mean_entropy"):
+        chart = re.search(rf'<svg class="chart layer-curve {name}".*?</svg>', aggregate).group(0)
+        scores = HeadScores.load(analysis_dir / "aggregate" / f"{name}.json")
+        for kind in ("enc_self", "dec_self", "dec_cross"):
+            shown = [float(v) for v in re.findall(rf"<title>{kind}: layer \d+, ([-\d.e]+)</title>", chart)]
+            np.testing.assert_allclose(shown, np.nanmean(scores[kind], axis=1), rtol=1e-3)
+    grid = re.search(r'<table class="pos-grid" data-kind="enc_self">.*?</table>', aggregate).group(0)
+    noun = HeadScores.load(analysis_dir / "aggregate" / "pos" / "NOUN.json")["enc_self"]
+    shown = [float(v) for v in re.findall(r'title="NOUN, layer \d: ([\d.]+)"', grid)]
+    np.testing.assert_allclose(shown, np.nanmean(noun, axis=1), atol=5e-4)
+
+
+def test_exemplars_are_embedded_compactly(analysis_dir):
+    from support.report import EXEMPLARS
+
+    data = _data(build_report(analysis_dir).read_text(encoding="utf-8"))["exemplars"]
+    assert len(data["sentences"]) == 4  # each sentence once (the 4th exemplar of a head is not embedded)
+    for block, heads in EXEMPLARS.items():
+        for head, items in enumerate(heads):
+            shown = data["heads"][block][head]
+            assert len(shown) == 3
+            for (weight, slot, query, key), item in zip(shown, items):
+                assert weight == pytest.approx(item["weight"]) and (query, key) == (item["query"], item["key"])
+                words = data["sentences"][slot]
+                assert " ".join(words) == item["text"]
+                assert words[query] == item["query_word"] and words[key] == item["key_word"]
+
+
+def test_a_directory_written_before_the_redesign_still_opens(analysis_dir, tmp_path):
+    """No exemplars.json, no offset map, labels.json with labelled heads only, aggregate under
+    functions/: the report builds, and says nothing is missing where nothing was expected."""
+    old = tmp_path / "old"
+    shutil.copytree(analysis_dir, old)
+    (old / "aggregate" / "exemplars.json").unlink()
+    (old / "functions" / "positional" / "offset.json").unlink()
+    labels = {k: v for k, v in json.loads((old / "functions" / "labels.json").read_text()).items() if v}
+    (old / "functions" / "labels.json").write_text(json.dumps(labels))
+    shutil.move(str(old / "aggregate"), str(old / "functions" / "aggregate"))
+    html = build_report(old).read_text(encoding="utf-8")
+    data = _data(html)
+    assert data["exemplars"] is None and 'id="exemplars"' not in html
+    assert len(data["labels"]) == 3
+    assert "layer-curve mean_distance" in html and 'class="pos-grid"' in html
+    assert "unreadable" not in html
+
+
+def test_attention_beyond_the_inline_budget_is_loaded_on_demand(analysis_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(analysis_dir, copy)
+    sizes = [len(json_for_script(json.loads(p.read_text())))
+             for p in sorted((copy / "attention").glob("sentence-*.json"))]
+    html = build_report(copy, inline_limit=sizes[0] + sizes[1]).read_text(encoding="utf-8")
+    data = _data(html)
+    assert data["attention"]["mode"] == "mixed"
+    assert html.count('id="headlab-attention-') == 2
+    assert [s.get("script") for s in data["attention"]["sentences"]] == \
+        [None, None] + [f"attention/sentence-{i:03d}.js" for i in range(2, len(SOURCES))]
+
+
+def test_chart_ticks_never_repeat_a_label():
+    """A loss curve from 2.000 to 2.008 used to read "2", "2" on its axis."""
+    from headlab.report.sections import _tick_label, _ticks
+
+    for lo, hi in ((1.9995, 2.0083), (0.0, 1.0), (128.0, 512.0), (0.1, 0.73), (0.0, 31.0)):
+        labels = [_tick_label(t) for t in _ticks(lo, hi, 4)]
+        assert len(set(labels)) == len(labels) >= 2

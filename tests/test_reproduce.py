@@ -457,9 +457,8 @@ def test_claims_on_hand_made_results(tmp_path):
     claims = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}
     sec4 = claims["sec4"].checks
     assert sec4[0].cells["m"].verdict == "holds"  # 0.7/1.0 and 0.6/0.9 both >= 2/4
-    # L0 H2, layer 1's most relevant, has confidence 0.1 < median 0.3; but 1 of 4 layer-1 heads is below the
-    # median, so a random head would pass with probability 0.25: the check cannot decide.
-    assert sec4[2].cells["m"].verdict == "inconclusive: a random layer-1 head passes with probability 0.250"
+    # L0 H2, layer 1's most relevant, has confidence 0.1, below the encoder's lower quartile (0.3): low.
+    assert sec4[2].cells["m"].verdict == "holds"
     sec51 = claims["sec5.1"].checks
     assert sec51[0].cells["m"].verdict == "holds" and "L1 H1" in sec51[0].cells["m"].value
     assert sec51[2].cells["m"].verdict == "holds"  # first by LRP in layer 1
@@ -684,11 +683,14 @@ def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_mode
     total = {"enc_self": 4, "dec_self": 4, "dec_cross": 4}
     (sweep / "full.json").write_text(json.dumps({"heads_kept": total, "metrics": {"bleu": 30.0}, "model_sha256": "a"}))
 
+    settled = {"n_sentences": 30, "curve": [], "plateau": {"from_step": 5, "to_step": 10, "delta": 0.0, "low": -0.2,
+                                                            "high": 0.2, "call": "flat", "tolerance": 0.5}}
+
     def point(name, lam, kept, bleu):
         (sweep / name).mkdir()
         (sweep / name / "result.json").write_text(json.dumps(
             {"heads_total": total, "heads_kept": dict(zip(total, kept)), "lam": lam, "keep": None, "step": 10,
-             "metrics": {"bleu": bleu, "polarized": 1.0}, "model_sha256": "a"}))
+             "metrics": {"bleu": bleu, "polarized": 1.0}, "model_sha256": "a", "dev": settled}))
 
     def verdicts():
         results = {"m": ModelResults(res, "m", references=tmp_path / "refs.txt")}

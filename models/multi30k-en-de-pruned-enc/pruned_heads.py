@@ -25,8 +25,12 @@ _BASE = getattr(transformers, BASE_CLASS)
 
 def cache_argument(kwargs: dict):
     """The key/value cache an attention module was called with: transformers 5.24 renamed the
-    argument ``past_key_values`` to ``cache`` (the old name is deprecated until 5.40)."""
-    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+    argument ``past_key_values`` to ``cache`` (the old name is deprecated until 5.40); GPT-NeoX,
+    Falcon, Bloom and GPT-BigCode call it ``layer_past``."""
+    for name in ("cache", "past_key_values", "layer_past"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -46,14 +50,16 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
 
 
 class NoHeadAttention(nn.Module):
-    """An attention layer with no head left: Concat() W^O + b = b at every position."""
+    """An attention layer with no head left: Concat() W^O + b = b at every position (plus the
+    residual where the attention adds it itself: ``residual`` = (argument name, position))."""
 
-    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int):
+    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int, residual=None):
         super().__init__()
         for name, child in original.named_children():  # same state_dict keys as before
             self.add_module(name, child)
         self.layer_idx = getattr(original, "layer_idx", None)
         self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
+        self.residual = tuple(residual) if residual else None
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.o_name:
@@ -64,6 +70,9 @@ class NoHeadAttention(nn.Module):
                 out = out + o.bias.to(out.dtype)
         else:  # the output projection follows outside this module: it gets an empty input
             out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        if self.residual is not None:  # Bloom adds the residual inside its attention
+            name, position = self.residual
+            out = out + (kwargs[name] if name in kwargs else args[position - 1])
         self._keep_cache_in_step(hidden_states, kwargs)
         extras = [None] * (self.n_outputs - 1)
         if self.n_outputs == 3:  # (output, position_bias, probs)
@@ -91,6 +100,73 @@ class NoHeadAttention(nn.Module):
             cache.is_updated[self.layer_idx] = True
 
 
+class LayerConfig:
+    """One pruned layer's view of the config its model shares: ``overrides`` (head counts) are
+    read from here, everything else from and to the shared config, so that switching the
+    attention implementation on the model still reaches the layer. (Phi-3 splits its fused
+    projection at ``config.num_attention_heads * head_dim``.)"""
+
+    def __init__(self, base, overrides: dict) -> None:
+        self.__dict__.update(base=base, overrides=dict(overrides))
+
+    def __getattr__(self, name: str):
+        state = self.__dict__
+        if "base" not in state:  # being copied or unpickled: no attribute yet
+            raise AttributeError(name)
+        if name in state["overrides"]:
+            return state["overrides"][name]
+        return getattr(state["base"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__["overrides"]:
+            self.__dict__["overrides"][name] = value
+        else:
+            setattr(self.__dict__["base"], name, value)
+
+    def __repr__(self) -> str:
+        return f"LayerConfig({type(self.__dict__['base']).__name__}, {self.__dict__['overrides']})"
+
+
+KEPT_ATTR = "_headlab_kept_heads"
+ORIGINAL_ATTR = "_headlab_original"
+
+
+def alibi_hook(cls: type):
+    """A forward pre-hook for a pruned attention module of class ``cls`` that takes ALiBi biases
+    (Bloom; Falcon with alibi=True). The model builds them once for all the heads of its config
+    and every layer reads them in head order; the hook hands the layer the rows of the heads it
+    kept (``module._headlab_kept_heads`` of ``module._headlab_original``), and the attention
+    mask's too where Falcon folded the biases into it (Press et al. 2022: a head's bias depends
+    on its original index only)."""
+    import inspect
+
+    position = list(inspect.signature(cls.forward).parameters).index("alibi") - 1  # without self
+
+    def hook(module, args, kwargs):
+        kept, original = getattr(module, KEPT_ATTR), getattr(module, ORIGINAL_ATTR)
+        if len(kept) == original:
+            return args, kwargs
+        positional = "alibi" not in kwargs and len(args) > position
+        alibi = args[position] if positional else kwargs.get("alibi")
+        if alibi is None:  # rotary Falcon
+            return args, kwargs
+        index = torch.tensor(kept, dtype=torch.long, device=alibi.device)
+        if alibi.dim() == 4:  # Falcon: [batch, heads, 1, keys]
+            alibi = alibi.index_select(1, index)
+        else:  # Bloom: [batch * heads, 1, keys]
+            alibi = alibi.reshape(-1, original, *alibi.shape[1:]).index_select(1, index).flatten(0, 1)
+        if positional:
+            args = (*args[:position], alibi, *args[position + 1:])
+        else:
+            kwargs["alibi"] = alibi
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == original > 1:
+            kwargs["attention_mask"] = mask.index_select(1, index.to(mask.device))
+        return args, kwargs
+
+    return hook
+
+
 def apply_plan(model: nn.Module, plan: dict) -> None:
     """Give ``model`` (built from the original config) the pruned shapes of ``plan``."""
     with torch.no_grad():
@@ -100,8 +176,17 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             module = model.get_submodule(path)
             for name, value in values.items():
                 setattr(module, name, value)
-        for path, (o_name, n_outputs, d_head) in plan["no_head"].items():
-            _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head))
+        for path, values in plan.get("config", {}).items():
+            module = model.get_submodule(path)
+            module.config = LayerConfig(module.config, values)
+        for path, (kept, original) in plan.get("alibi", {}).items():
+            module = model.get_submodule(path)
+            setattr(module, KEPT_ATTR, kept)
+            setattr(module, ORIGINAL_ATTR, original)
+            module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
+        for path, (o_name, n_outputs, d_head, *residual) in plan["no_head"].items():
+            _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
+                                                        residual[0] if residual else None))
 
 
 class PrunedModel(_BASE):
@@ -110,3 +195,19 @@ class PrunedModel(_BASE):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         apply_plan(self, config.headlab_pruned)
+        _share_weight_renaming(config)
+
+
+def _share_weight_renaming(config) -> None:
+    """transformers renames some weights when it saves a model (GPT-NeoX's lm_head is written as
+    embed_out) and back when it loads one, but skips the renaming for a class defined outside
+    transformers: register the original class's renaming for this one."""
+    try:
+        from transformers import conversion_mapping as mapping
+    except ImportError:  # a transformers without weight renaming
+        return
+    found = mapping.get_checkpoint_conversion_mapping(BASE_CLASS)
+    if found is None:
+        found = mapping.get_checkpoint_conversion_mapping(getattr(config, "model_type", None))
+    # registered also when empty: the last pruned model loaded in this process may have had one
+    mapping.register_checkpoint_conversion_mapping(PrunedModel.__name__, found or [], overwrite=True)

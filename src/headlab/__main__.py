@@ -2,6 +2,10 @@
 
 import sys
 
-from headlab.cli import main
+try:
+    from headlab.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the modules load: one line, as headlab.cli.main says it later
+    print("headlab: interrupted while starting; nothing was done", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

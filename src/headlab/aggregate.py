@@ -45,6 +45,7 @@ import torch
 from headlab._lazy import callable_module
 from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
+from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.shard import Ledger, active
@@ -99,6 +100,40 @@ def _tag_onehot(side: SideBatch) -> torch.Tensor:
         tags = side.upos_index.clamp(min=0)
         side.__dict__["_tag_onehot"] = torch.nn.functional.one_hot(tags, len(POS_TAGS)).to(torch.float64)
     return side.__dict__["_tag_onehot"]
+
+
+def _mass_and_tags(side: SideBatch) -> torch.Tensor:
+    """``[B, W, 1 + n_tags]`` float64: 1 and each word's UPOS tag one-hot, 0 for padding words (the
+    values of :meth:`~headlab.data.fused.FusedView.word_linear` for mass and POS). Cached on the batch."""
+    if "_mass_and_tags" not in side.__dict__:
+        mask = side.word_mask[..., None].to(torch.float64)
+        side.__dict__["_mass_and_tags"] = torch.cat([mask, _tag_onehot(side) * mask], -1)
+    return side.__dict__["_mass_and_tags"]
+
+
+def _related_words(side: SideBatch) -> torch.Tensor:
+    """``[B, W, A]`` long: the words joined to each word by an arc (its governor, its dependents),
+    -1 for none: the key words of :func:`arc_rows`. Cached on the batch."""
+    if "_related_words" not in side.__dict__:
+        if side.host is not side:
+            side.__dict__["_related_words"] = _related_words(side.host).to(side.device)
+            return side.__dict__["_related_words"]
+        heads = side.heads.tolist()
+        B, W = side.heads.shape
+        related: list[list[list[int]]] = [[[] for _ in range(W)] for _ in range(B)]
+        for b in range(B):
+            for d, g in enumerate(heads[b]):
+                if g >= 0 and g != d:
+                    related[b][d].append(g)
+                    related[b][g].append(d)
+        A = max([len(r) for rows in related for r in rows] + [1])
+        out = torch.full((B, W, A), -1, dtype=torch.long)
+        for b in range(B):
+            for i, keys in enumerate(related[b]):
+                if keys:
+                    out[b, i, :len(keys)] = torch.tensor(sorted(set(keys)), dtype=torch.long)
+        side.__dict__["_related_words"] = out
+    return side.__dict__["_related_words"]
 
 
 class _Scratch(dict):
@@ -264,6 +299,87 @@ class AggregateStats:
             row_best = view.word_max.masked_fill(~ranked, -1.0)  # [B, H, rows]
             row_where = view.word_argmax.masked_fill(~ranked, 0)
             best, row = row_best.max(-1)  # [B, H]
+            where = row * W + row_where.gather(2, row[..., None])[..., 0] + first * W
+            if key in self._best:
+                old_best, old_where = self._best[key]
+                better = best > old_best
+                best, where = torch.where(better, best, old_best), torch.where(better, where, old_where)
+            self._best[key] = (best, where)
+        if view.last:
+            self._settle(key, side, B, H, n, W)
+
+    @property
+    def fused_passes(self) -> tuple[str, ...] | None:
+        """The passes :meth:`update_fused` uses (:mod:`headlab.data.fused`); None with ``min_weight``
+        > 0, which keeps the weights above it only: not a sum linear in the weights."""
+        if self.min_weight > 0:
+            return None
+        return ("word_max", "word_linear", "word_dot", "word_xlogx", "word_pairs", "word_block")
+
+    def update_fused(self, view: FusedView) -> None:
+        """:meth:`update` from the passes of a :class:`~headlab.data.fused.FusedView`, without the word
+        rows: mass and parts of speech ``alpha @ [1, one-hot(tag)]``, distance ``sum_j alpha_ij |i - j|``,
+        the arcs' weights gathered, entropy ``log m_i - (1 / m_i) sum_j alpha_ij log alpha_ij``
+        (the row renormalised to its mass ``m_i``)."""
+        side = view.side
+        B, H = view.probs.shape[:2]
+        W = side.max_words
+        first, R = view.word_start, view.word_stop - view.word_start
+        key = view.block.key
+        sums = self._open.setdefault(key, {})
+        f64 = torch.float64
+        device = view.probs.device
+
+        def add(name: str, value: torch.Tensor) -> None:
+            sums[name] = sums[name] + value if name in sums else value.clone()
+
+        if R:
+            features = _mass_and_tags(side)  # [B, W, 1 + tags]
+            if view.causal:
+                # Every key word a row sees is at or before it: |i - j| = i - j, and
+                # sum_j alpha_ij (i - j) = (i - c) m_i - sum_j alpha_ij (j - c), a column of the same
+                # product. c (the piece's first row) keeps the two terms near the distance itself.
+                c = first
+                offsets = torch.arange(W, dtype=f64, device=device) - c
+                features = torch.cat([features, (offsets * side.word_mask.to(f64))[..., None]], -1)
+            linear = view.word_linear(features).to(f64)  # [B, H, R, 1 + tags (+ 1)]
+            mass = linear[..., 0]
+            add("weight", mass.sum((0, 2)))
+            if view.causal:
+                rows = torch.arange(R, dtype=f64, device=device) + (first - c)
+                add("distance", (rows * mass - linear[..., -1]).sum((0, 2)))
+                linear = linear[..., :-1]
+            else:
+                positions = torch.arange(W, dtype=view.probs.dtype, device=device)
+                distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [R, W] |i - j|
+                distance = distance[None] * side.word_mask[:, None, :].to(distance.dtype)  # padding words: 0
+                add("distance", view.word_dot(distance).to(f64).sum((0, 2)))
+            add("pos", linear[..., 1:].sum((0, 2)))
+            add("arcs", view.word_pairs(_related_words(side)).to(f64).sum((0, 2, 3)))
+            valid = view.query_valid  # [B, H, R]
+            m = mass.clamp(min=1e-300)
+            entropy = m.log() - view.word_xlogx().to(f64) / m
+            add("entropy", torch.where(valid, entropy, 0.0).sum((0, 2)))
+            add("entropy_n", valid.sum((0, 2)).to(f64))
+        else:
+            zeros = torch.zeros(H, dtype=f64, device=device)
+            for name in ("weight", "distance", "arcs", "entropy", "entropy_n"):
+                add(name, zeros)
+            add("pos", torch.zeros(H, len(POS_TAGS), dtype=f64, device=device))
+
+        N = self.window
+        n = min(N, W)
+        cells = self._cells.get(key)
+        if cells is None:
+            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"), device=device)
+        end = min(first + R, n)
+        if end > first:
+            cells[:, :, first:end, :n] = view.word_block(n)
+        if self.top_k and R:
+            ranked = view.ranked_query_valid
+            row_best = view.word_max.masked_fill(~ranked, -1.0)
+            row_where = view.word_argmax.masked_fill(~ranked, 0)
+            best, row = row_best.max(-1)
             where = row * W + row_where.gather(2, row[..., None])[..., 0] + first * W
             if key in self._best:
                 old_best, old_where = self._best[key]

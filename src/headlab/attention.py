@@ -62,6 +62,17 @@ class AttentionChunk:
     stop: int
     q_len: int
     k_len: int = -1  # all keys of the block; -1: the probabilities' width (no key left out)
+    scores: torch.Tensor | None = None
+    word_score: torch.Tensor | None = None
+    """``[batch, n_heads, rows, 2]``: per row, ``sum_k p_k s_k`` and ``sum_k p_k`` over the keys the
+    sink's ``key_mask`` marks, from one product of the weights with ``[keys * scaling | 1]`` of those
+    keys (``sum_k p_k s_k = q . sum_k p_k k_k * scaling``), where the scores are exactly
+    ``q k^T * scaling`` on them (no soft-capping, position bias or additive mask) in float32 or
+    float64. None otherwise."""
+    """The scores the probabilities are the softmax of (``[batch, n_heads, rows, keys]``, the model's
+    dtype: scaled, biased, capped and masked, hidden keys at the dtype's minimum), where the chunk has
+    them and every one is finite: ``log p = s - lse`` (:mod:`headlab.data.fused` takes entropies from
+    them). None from the eager capture."""
 
     def __post_init__(self) -> None:
         if self.k_len < 0:
@@ -90,6 +101,8 @@ class ChunkSink:
     query_chunk: int
     callback: Callable[[AttentionChunk], None] | None = None
     calls: int = 0
+    scores: bool = False  # hand each chunk's scores over too (AttentionChunk.scores)
+    key_mask: Callable[[], torch.Tensor | None] | None = None  # [batch, k_len] bool: the keys of word_score
 
 
 def _scores_mask(attention_mask, start: int, stop: int, k_len: int) -> torch.Tensor | None:
@@ -154,6 +167,15 @@ def attention_forward(
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform
     step = sink.query_chunk if sink is not None and sink.query_chunk > 0 else q_len
+    # sum_k p_k s_k over the marked keys as a product of the weights with [k * scaling | 1] (an attention
+    # pass with the keys as values): exact where the scores are q k^T * scaling on those keys
+    marked = None
+    key_mask = sink.key_mask() if sink is not None and sink.key_mask is not None else None
+    if key_mask is not None and softcap is None and position_bias is None \
+            and (attention_mask is None or attention_mask.dtype == torch.bool) \
+            and query.dtype in (torch.float32, torch.float64) and key_mask.shape == (batch, k_len):
+        keep = key_mask.to(key.dtype)[:, None, :, None]  # [batch, 1, k_len, 1]
+        marked = torch.cat([key * (keep * scaling), keep.expand(-1, kv_heads, -1, -1)], -1)
     # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
     # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
     output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
@@ -176,7 +198,10 @@ def attention_forward(
         if mask is not None:
             mask = mask[..., :keys]
             if mask.dtype == torch.bool:
-                scores.masked_fill_(mask, fill)
+                # bfloat16 and float16 cannot hold float32's minimum (masked_fill_ refuses it): their own
+                # minimum there, as eager's additive mask of the model's dtype has
+                scores.masked_fill_(mask, fill if scores.dtype in (torch.float32, torch.float64)
+                                    else torch.finfo(scores.dtype).min)
             else:
                 scores = scores + mask
         elif causal and keys > start + 1:  # only keys from start + 1 on can be hidden from these rows
@@ -185,9 +210,18 @@ def attention_forward(
                 torch.arange(start + 1, keys, device=scores.device)
             corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-        del scores
         if sink is not None and sink.callback is not None:
-            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len))
+            # an additive mask of -inf would make p * s = 0 * -inf: no scores then
+            finite = mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any())
+            word_score = None
+            if marked is not None:
+                pk = torch.matmul(probs.view(batch, kv_heads, groups * rows, keys), marked[:, :, :keys])
+                pk = pk.view(batch, n_heads, rows, d_head + 1)
+                dot = torch.linalg.vecdot(pk[..., :d_head], query[:, :, start:stop])
+                word_score = torch.stack([dot, pk[..., d_head]], -1)
+            sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len,
+                                         scores.detach() if finite and sink.scores else None, word_score))
+        del scores
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)

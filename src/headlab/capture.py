@@ -47,13 +47,15 @@ def _configs(model: nn.Module) -> list:
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """``model.eval()`` inside (no dropout: the model as it is); its own mode back on exit, also on error."""
-    was_training = model.training
+    """``model.eval()`` inside (no dropout: the model as it is); each submodule's own mode back on
+    exit, also on error (a model partly in training mode gets exactly that mix back)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         yield model
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 @contextmanager
@@ -129,7 +131,10 @@ def capture_attention(
     Without ``callback`` the record maps ``(kind, layer)`` to the probabilities of the latest
     call. With ``callback(block, probs)`` nothing is kept: each block's probabilities go to the
     callback as soon as they exist, so corpus statistics can stream in constant memory.
-    The model runs in eager mode inside and gets its own implementation back on exit.
+    The model runs in eager mode inside and gets its own implementation back on exit. It also
+    runs in evaluation mode inside (``model.eval()``, each module's own mode back on exit): in
+    training mode the probabilities would be those after attention dropout (rows that do not sum
+    to 1, zeros), not the model's attention.
     """
     blocks = attention_blocks(model) if blocks is None else blocks
     record = AttentionRecord()
@@ -150,9 +155,22 @@ def capture_attention(
 
         return hook
 
-    with eager_attention(model):
+    def ask_for_probs(argument: tuple[str, int]):
+        name, position = argument
+
+        def pre_hook(module, args, kwargs):
+            if name in kwargs or len(args) <= position:
+                return args, {**kwargs, name: True}
+            return (*args[:position], True, *args[position + 1:]), kwargs
+
+        return pre_hook
+
+    with eval_mode(model), eager_attention(model):
         try:
             for block in blocks:
+                if block.family.probs_argument is not None:  # a core that returns probabilities when asked
+                    handles.append(block.core.register_forward_pre_hook(
+                        ask_for_probs(block.family.probs_argument), with_kwargs=True))
                 handles.append(block.core.register_forward_hook(make_hook(block)))
             yield record
         finally:
@@ -175,6 +193,8 @@ def stream_attention(
     *,
     query_chunk: int,
     blocks: list[AttentionBlock] | None = None,
+    scores: bool = False,
+    key_mask: Callable[[AttentionBlock], torch.Tensor | None] | None = None,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -187,6 +207,10 @@ def stream_attention(
     into ``query_chunk`` rows afterwards, so the callback sees the same sequence of chunks.
     ``record.calls`` counts each block's forward calls; a block that was expected to report and
     did not (its module bypassed the registry) raises rather than leave a statistic silently short.
+    The model runs in evaluation mode inside, as in :func:`capture_attention`.
+    With ``scores`` the chunks carry the scores too (:attr:`AttentionChunk.scores`; not from the
+    eager fallback); with ``key_mask(block)`` (a ``[batch, k_len]`` bool mask of the keys, asked at
+    each forward call, or None) the sums of :attr:`AttentionChunk.word_score` over those keys.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -230,12 +254,17 @@ def stream_attention(
 
         return check
 
+    def make_key_mask(block: AttentionBlock) -> Callable[[], torch.Tensor | None]:
+        assert key_mask is not None
+        return lambda: key_mask(block)
+
     handles = HookHandles()
-    with _attention_implementation(model, register()):
+    with eval_mode(model), _attention_implementation(model, register()):  # no dropout: as capture_attention
         try:
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
-                sink = ChunkSink(query_chunk, make_callback(block) if report else None)
+                sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
+                                 key_mask=make_key_mask(block) if report and key_mask is not None else None)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 sinks.append((block, sink))
                 if report:

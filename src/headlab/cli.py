@@ -6,18 +6,25 @@ contract of docs/cli.md: exit 0 done, 1 a failure while running, 2 bad input or 
 interrupted; a one-line message for the user's errors, a traceback for headlab's own bugs.
 
 A command may say what an interruption keeps with ``set_defaults(interrupted="...")``, a
-format string over its arguments (``{out}``); the default says that nothing was kept.
+format string over its arguments (``{out}``), and with ``interrupted_if`` the paths that must exist
+for that to be true (:func:`interrupted_note`); the default says that nothing was kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import glob
 import importlib
+import os
+import re
 import sys
 import traceback
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
+from headlab.options import check_parsed
+from headlab.shard import watch_launcher
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
 COMMAND_MODULES = (
@@ -49,7 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STARTUP_INTERRUPTED = "headlab: interrupted while starting; nothing was done"
+
+
 def main(argv: list[str] | None = None) -> int:
+    watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command began (importing its modules, parsing)
+        print(STARTUP_INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # A command module may define rewrite_argv(argv) -> argv to keep an older command form
@@ -63,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
                     if isinstance(getattr(args, key, None), str))
     try:
+        check_parsed(args)  # options out of their declared range: exit 2 before any work
         result = args.func(args)
     except KeyboardInterrupt:
         if args.debug:
@@ -73,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, name, str(error), error.exit_code)
     except OSError as error:  # the user's paths: unreadable, unwritable, disk full
         where = f"{error.filename}: " if error.filename else ""
-        return _fail(args, name, f"{where}{error.strerror or error}", 1)
+        kept = _kept_after_failure(args) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return _fail(args, name, f"{where}{error.strerror or error}{kept}", 1)
     except Exception as error:  # noqa: BLE001 - a bug in headlab: show where it is
+        failed_write = _write_failure(error)
+        if failed_write:  # a full disk under safetensors or tokenizers: the user's, not a bug
+            return _fail(args, name, f"{failed_write}{_kept_after_failure(args)}", 1)
         traceback.print_exc()
         print(f"headlab {name}: internal error ({type(error).__name__}: {error}); this is a bug in headlab, "
               "the traceback above says where", file=sys.stderr)
@@ -83,11 +107,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def interrupted_note(args) -> str:
-    """What an interrupted command kept, and how to go on: the command's own note, or the default."""
+    """What an interrupted command kept, and how to go on: the command's own note, or the default.
+
+    A note that names what is kept goes with ``interrupted_if``, glob patterns (format strings over
+    the arguments) of that: when none of them matches (the run was stopped before its first
+    checkpoint, stage or row), the note would name a directory or checkpoint that does not exist,
+    and the line says that nothing was kept instead."""
     note = getattr(args, "interrupted", None)
+    patterns = getattr(args, "interrupted_if", None)
+    if note and patterns:
+        escaped = {key: glob.escape(value) if isinstance(value, str) else value for key, value in vars(args).items()}
+        if not any(glob.glob(pattern.format(**escaped)) for pattern in patterns):
+            return "nothing was kept (it was stopped before its first checkpoint or result was written); run it again"
     if not note:
         return "nothing was kept (results are written only when the command finishes); run it again"
     return note.format(**vars(args))
+
+
+# What the system says to a write it refuses (a Rust error with another errno stays a traceback).
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _write_failure(error: Exception) -> str | None:
+    """What a writer outside Python's I/O says when the system refused a write (safetensors'
+    ``SafetensorError: ... I/O error: No space left on device (os error 28)``, tokenizers' bare
+    ``Exception: ... (os error 28)``), as a line for the user; None for anything else."""
+    text = str(error)
+    rust = type(error).__module__.split(".")[0] in ("safetensors", "tokenizers", "builtins")
+    code = re.search(r"\(os error (\d+)\)", text)  # a Rust std::io::Error (safetensors, tokenizers)
+    if rust and code and int(code.group(1)) in _WRITE_ERRORS:
+        writer = {"safetensors": "the weights (safetensors)", "tokenizers": "the tokenizer"}.get(
+            type(error).__module__.split(".")[0], "a file (tokenizers)")
+        return f"cannot write {writer}: {os.strerror(int(code.group(1)))}"
+    return None
+
+
+def _kept_after_failure(args) -> str:
+    """After a full disk: what the run kept, as its interruption would say (a command with a
+    note of its own: checkpoints and stages are swapped in whole), else nothing more."""
+    return f"; {interrupted_note(args)}" if getattr(args, "interrupted", None) else ""
 
 
 def _fail(args, name: str, message: str, code: int) -> int:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from headlab import preflight
 from headlab.device_options import add_device_options, device_options
-from headlab.errors import HeadlabError
 
 # torch and transformers are imported by the commands that run, not at registration
 # (``headlab --help`` stays fast).
@@ -55,7 +54,7 @@ def run_heads(args) -> int:
 
     path = Path(args.model)
     if path.is_dir() and (path / "headlab_pruning.json").is_file():
-        model = load_model(args.model)  # pruned: the weights define the head counts
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)  # pruned: the weights define the head counts
     else:
         model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
     blocks = attention_blocks(model)
@@ -70,24 +69,25 @@ def run_heads(args) -> int:
 
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
-    from headlab.heads import atomic_dir
     from headlab.headspec import parse_heads
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_supported, load_model, load_tokenizer
+    from headlab.outdir import check_output, results_lock, write_results, written_note
     from headlab.portable import how_to_load
     from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
 
     out = Path(args.out)
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise HeadlabError(f"--out {out}: directory is not empty; pass --overwrite to replace it")
     preflight.output_dir(out)
-    if out.is_dir():  # --overwrite: the new directory is written beside it, then swapped in
-        preflight.output_dir(out.absolute().parent, "--out")
+    # Like functions' --out (headlab.outdir): one run at a time; a directory holding the user's files
+    # (or a model written before headlab listed its files) is refused, with or without --overwrite.
+    check_output(out, args.overwrite)
+    check_supported(args.model, args.trust_remote_code, prune=True)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)
     tokenizer = None
     if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = load_tokenizer(args.model)  # keep the pruned directory self-contained
+        # keep the pruned directory self-contained
+        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     before = count_parameters(model)
     prune_heads(model, spec)
 
@@ -96,7 +96,11 @@ def run_prune(args) -> int:
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
 
-    atomic_dir(out, write)  # --overwrite never leaves a mix of the old directory's files and the new ones
+    # Written whole into out/.headlab/incoming-*, then moved in and listed: --overwrite removes the
+    # earlier model's files this one does not write, and a failure leaves the earlier model whole.
+    with results_lock(out, args.overwrite, True):
+        write_results(out, write, command="prune", model=str(args.model), overwrite=args.overwrite)
+    args.interrupted = written_note(out)  # a Ctrl-C from here on: the model is there, whole
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
     print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")

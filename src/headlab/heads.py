@@ -94,29 +94,38 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_dir(final: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Write a directory under a temporary name beside ``final`` (``write(tmp)``), then swap it in.
 
-    The old directory is first renamed to ``<name>.old`` and removed only after the new one is
-    in place, so a kill at any moment leaves either the old or the new one complete, never a mix
-    of the two; a ``write`` that fails leaves the old one as it was and removes its own files.
+    The old directory is first moved aside and removed only after the new one is in place, so a
+    kill at any moment leaves either the old or the new one complete, never a mix of the two; a
+    ``write`` that fails leaves the old one as it was and removes its own files. Both temporary
+    places are new directories made here (``.NAME.tmp-*/NAME``, ``.NAME.old-*/NAME``): a sibling
+    the user made, ``NAME.old`` say, is never touched.
     """
     final = Path(os.path.abspath(final))  # "." has no name to put beside it
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    tmp = staging / final.name
     try:
         write(tmp)
         readable_as_umask_allows(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    old = final.parent / f"{final.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
+    aside = None
     if final.exists():
-        os.replace(final, old)
+        aside = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.old-"))
+        os.replace(final, aside / final.name)
     os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
+    staging.rmdir()
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def moved_aside(final: str | os.PathLike) -> list[Path]:
+    """The old copies of ``final`` that :func:`atomic_dir` moved aside and a kill kept it from
+    removing (newest first): the only complete copy when the kill came between its two renames."""
+    final = Path(os.path.abspath(final))
+    found = [p / final.name for p in final.parent.glob(f".{final.name}.old-*") if (p / final.name).is_dir()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def readable_as_umask_allows(directory: Path) -> None:

@@ -1,42 +1,37 @@
 """Loading a model and its tokenizer for analysis: local directory or hub id, safely.
 
-Weights load from safetensors only (``use_safetensors=True``), ``trust_remote_code`` stays off
-unless the caller asks, and a directory written by :func:`headlab.save_pruned` is rebuilt
-with its pruning applied.
+Weights load from safetensors only (``use_safetensors=True``), ``trust_remote_code`` is passed
+explicitly to every transformers loader and stays off unless the caller asks, and a directory
+written by :func:`headlab.save_pruned` is rebuilt with its pruning applied (also once re-saved by
+transformers: head counts from the weights' shapes). A load is complete or refused
+(:mod:`headlab.checkpoint`): no tensor missing, none left over, none of another shape.
 """
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
+from headlab.checkpoint import (
+    build_model,
+    check_complete,
+    check_fits_weights,
+    model_class_for,
+    one_line,
+    read_config,
+    record_from_weights,
+    tensor_shapes,
+)
 from headlab.errors import HeadlabError
-from headlab.surgery import PRUNING_FILE, load_pruned
+from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
-# Model classes to try, most specific head first: analyses need an LM head when there is one.
-_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
-                 "AutoModelForSequenceClassification")
-# The last is never a default (AutoModel has every config): only a checkpoint naming it gets it.
-
-
-def model_class_for(config) -> type:
-    """The class the checkpoint names in ``architectures`` when headlab can score it (a
-    ``BertForMaskedLM`` stays one), else the first of :data:`_AUTO_CLASSES` that has
-    ``config``'s type: a language-model head when there is one, else the bare model."""
-    import transformers
-
-    candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
-    classes = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
-    by_name = {cls.__name__: cls for cls in classes}
-    for name in getattr(config, "architectures", None) or ():
-        if name in by_name:
-            return by_name[name]
-    if classes:
-        return classes[0]
-    raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
-
+__all__ = ["load_config", "load_model", "build_from_config", "check_supported", "load_tokenizer", "model_class_for",
+           "vocab_size_of", "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES"]
 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     import transformers
@@ -44,13 +39,13 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
     path = Path(name_or_path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise HeadlabError(f"{name_or_path}: a directory without config.json, not a model directory")
-    try:
-        return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        if not path.exists():  # neither a local directory nor a model the hub (or its cache) knows
+    if not path.exists():
+        try:
+            return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as error:  # neither a local directory nor a model the hub (or its cache) knows
             raise HeadlabError(f"{name_or_path}: no such model directory, and not a model id found on the "
                                "Hugging Face hub or in its cache") from error
-        raise HeadlabError(f"{name_or_path}: cannot read a model config ({error})") from error
+    return read_config(name_or_path, trust_remote_code)
 
 
 def load_model(
@@ -77,39 +72,122 @@ def load_model(
         raise HeadlabError("give --device or --device-map, not both")
     path = Path(name_or_path)
     if path.is_dir() and (path / PRUNING_FILE).is_file():
-        model = load_pruned(path)
-        if (path / "generation_config.json").is_file():  # beam, lengths, forced tokens of the saved model
-            import transformers
-
-            model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-        model = model.to(dtype)
-        if device_map is not None:
-            model = _dispatch(model, device_map)
-        elif device is not None:
-            model = model.to(device)
-        return model.eval()
+        return _place(load_pruned(path, trust_remote_code=trust_remote_code), path, dtype, device, device_map)
     config = load_config(name_or_path, trust_remote_code)
     cls = model_class_for(config)
-    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype}
+    # Read the weights' headers before transformers does: complete or refused. (Quantized weights
+    # are packed in other shapes; transformers' own report below still covers them.)
+    if path.is_dir() and getattr(config, "quantization_config", None) is None:
+        shapes = tensor_shapes(path)
+        structure = build_model(cls, config, path, meta=True)
+        record = _record_from_weights(structure, shapes)
+        if record is not None:  # a pruned directory re-saved by transformers: heads from the weights' shapes
+            model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record)
+            return _place(model, path, dtype, device, device_map)
+        check_fits_weights(structure, shapes, f"{path}/config.json")
+    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype,
+              "output_loading_info": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = cls.from_pretrained(name_or_path, **kwargs)
-    except OSError as error:
-        raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({error})") from error
+        with _quiet_load_report():
+            model, info = cls.from_pretrained(name_or_path, **kwargs)
+    except (OSError, SafetensorError) as error:  # a hub model's cached file too
+        raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
+    except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
+        raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
+                           f"build ({one_line(error)})") from error
+    check_complete(name_or_path, info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
     if device is not None:
         model = model.to(device)
     return model.eval()
 
 
+@contextmanager
+def _quiet_load_report():
+    """transformers' table of missing and unexpected tensors stays off stderr: check_complete
+    refuses such a load in one line naming them (the allowed ones are not worth a table). A
+    filter, not a level: transformers reads its logger's level to decide other warnings."""
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def no_report(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    logger.addFilter(no_report)
+    try:
+        yield
+    finally:
+        logger.removeFilter(no_report)
+
+
+def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
+    record = record_from_weights(structure, shapes)
+    return None if record is None else {"format": FORMAT_VERSION, **record}
+
+
+def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module:
+    """A model headlab built (pruned) in eval mode, with its generation settings, dtype and placement."""
+    if (path / "generation_config.json").is_file():  # beam, lengths, forced tokens of the saved model
+        import transformers
+
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    model = model.to(dtype)
+    if device_map is not None:
+        model = _dispatch(model, device_map)
+    elif device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
 def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
-    """The model's structure without its weights (on the meta device): enough to list heads."""
+    """The model's structure without its weights (on the meta device): enough to list heads.
+    A local directory's weights' headers must fit it; where they say that layers kept fewer heads
+    (a pruned directory re-saved by transformers), the model is loaded with those heads."""
     config = load_config(name_or_path, trust_remote_code)
-    cls = model_class_for(config)
-    with torch.device("meta"):
-        return cls(config)
+    model = build_model(model_class_for(config), config, name_or_path, meta=True)
+    path = Path(name_or_path)
+    if path.is_dir() and any(path.glob("*.safetensors")):  # a config alone lists the config's heads
+        shapes = tensor_shapes(path)
+        record = _record_from_weights(model, shapes)
+        if record is not None:  # re-saved by transformers: the loaded model (load_pruned checks the pruning)
+            return load_pruned(path, type(model), trust_remote_code=trust_remote_code, record=record)
+        check_fits_weights(model, shapes, f"{path}/config.json")
+    return model
+
+
+def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model", *,
+                    prune: bool = False) -> None:
+    """Refuse, before any work, a model whose attention headlab cannot analyse exactly: its
+    structure is built from the config on the meta device (no weights read) and must give
+    attention blocks (:func:`headlab.adapters.attention_blocks`), or the one error says what is
+    missing; with ``prune``, blocks that physical pruning can slice
+    (:func:`headlab.surgery.check_block_sliceable`). A hub id that is not in the cache is left to the loader."""
+    from headlab.adapters import attention_blocks, unsupported_reason
+
+    path = Path(name_or_path)
+    if not path.is_dir():
+        try:
+            config = load_config(name_or_path, trust_remote_code)
+        except HeadlabError:
+            return  # not found here: the loader says so in its own words
+    else:
+        config = load_config(name_or_path, trust_remote_code)
+    reason = unsupported_reason(config)
+    if reason:
+        raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}) is not supported: {reason}")
+    try:
+        with torch.device("meta"):
+            model = model_class_for(config)(config)
+    except (ValueError, TypeError, ImportError, NotImplementedError) as error:
+        raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
+    try:
+        for block in attention_blocks(model):
+            if prune:
+                check_block_sliceable(block)
+    except HeadlabError as error:
+        raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).
@@ -187,7 +265,12 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) (cuda:0.."
                                f"cuda:{torch.cuda.device_count() - 1})")
-    elif device.type not in ("cpu", "mps"):
+    elif device.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+        if backend is None or not backend.is_available():
+            raise HeadlabError(f"--device {device}: no MPS device is available here (Apple silicon with a torch "
+                               "built for it only); use cpu or cuda")
+    elif device.type != "cpu":
         raise HeadlabError(f"--device {device}: expected cpu, cuda or cuda:N")
     return device
 

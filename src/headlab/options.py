@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import MISSING, field, fields
 
 from headlab.errors import HeadlabError
 
 _TYPES = {"int": int, "float": float, "str": str}
-_OWN_KEYS = ("flag", "positional")  # metadata read here, not handed to argparse
+_OWN_KEYS = ("flag", "positional", "range")  # metadata read here, not handed to argparse
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,6 +41,59 @@ def numbers(text: str, kind: type = int) -> tuple:
         return tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError as error:
         raise HeadlabError(f"cannot read a list of {'integers' if kind is int else 'numbers'} from {text!r}") from error
+
+
+def _bounds(interval: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> ``(0.0, True, 1.0, False)``: low, low included, high, high included."""
+    low, high = interval[1:-1].split(",")
+    return float(low), interval[0] == "[", float(high), interval[-1] == "]"
+
+
+def _describe(interval: str) -> str:
+    low, low_in, high, high_in = _bounds(interval)
+    if math.isinf(high):
+        return f"at least {low:g}" if low_in else f"> {low:g}"  # "at least": preflight.at_least's words
+    return f"in {interval}"
+
+
+def range_error(value, interval: str | None, flag: str) -> str | None:
+    """Why ``value`` of option ``flag`` is outside ``interval`` (``"[0, 1)"``, ``"(0, inf)"``, a
+    bound ``inf`` being open), or None when it is inside. NaN is outside every range, and an
+    infinity outside every range that does not reach it."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if math.isnan(value):
+        return f"{flag} must be a number{f' {_describe(interval)}' if interval else ''}, got nan"
+    low, low_in, high, high_in = _bounds(interval) if interval else (-math.inf, False, math.inf, False)
+    inside = (low < value or (low_in and low == value)) and (value < high or (high_in and high == value))
+    if not inside:
+        return f"{flag} must be {_describe(interval)}, got {value}" if interval else f"{flag} must be finite, got {value}"
+    return None
+
+
+RANGES = "_option_ranges"
+"""The parsed arguments' table of the options with a declared range: ``{dest: (range, flag)}``."""
+
+
+def check_parsed(args) -> None:
+    """Every option of ``args`` added by :func:`add_options` inside its declared range (floats:
+    finite); the CLI calls it right after parsing, so the error (exit 2) comes before any work."""
+    for dest, (interval, flag) in sorted(getattr(args, RANGES, {}).items()):
+        error = range_error(getattr(args, dest, None), interval, flag)
+        if error is not None:
+            raise HeadlabError(error)
+
+
+def check_ranges(config) -> None:
+    """Every field of the dataclass instance ``config`` that declares a ``range`` is inside it (a
+    config built in Python, not through the command line); the error names the option."""
+    for f in fields(config):
+        interval = f.metadata.get("range")
+        kind = str(getattr(f.type, "__name__", f.type)).replace(" | None", "")
+        if interval is not None or kind == "float":
+            error = range_error(getattr(config, f.name), interval, "--" + _dest(f).replace("_", "-"))
+            if error is not None:
+                raise HeadlabError(error)
 
 
 def help_of(config, name: str) -> str:
@@ -71,6 +125,10 @@ def add_options(parser, config, names) -> None:
             keywords["action"] = "store_true"
         elif kind in _TYPES:
             keywords.setdefault("type", _TYPES[kind])
+        if f.metadata.get("range") or kind == "float":  # checked after parsing (check_parsed)
+            ranges = {**(parser.get_default(RANGES) or {}),
+                      _dest(f): (f.metadata.get("range"), "--" + _dest(f).replace("_", "-"))}
+            parser.set_defaults(**{RANGES: ranges})
         elif not {"nargs", "action", "type"} & set(keywords):
             raise TypeError(f"{config.__name__ if isinstance(config, type) else type(config).__name__}.{name}: "
                             f"no command-line form for {kind}; give it nargs, action or type metadata")

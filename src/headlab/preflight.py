@@ -8,30 +8,98 @@ from __future__ import annotations
 
 import gzip
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 from headlab.errors import HeadlabError
 
-__all__ = ["input_file", "output_dir", "output_file", "at_least", "model_dir"]
+__all__ = ["input_file", "output_dir", "output_file", "at_least", "model_dir", "stream_bytes", "text_problem"]
+
+HEAD = 1 << 16
+"""How much of a text file the checks look at (its encoding and line ends)."""
+
+_STREAMS: dict[str, bytes] = {}
+
+# Byte order marks of the encodings headlab does not read (longest first: UTF-32LE's starts with UTF-16LE's).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
+         (b"\xfe\xff", "UTF-16BE"))
+
+
+def stream_bytes(path: str | os.PathLike) -> bytes | None:
+    """The whole content of an input that is a pipe or a device (``/dev/stdin``, ``<(cmd)``,
+    ``/dev/null``), read once and kept, so that the check before work and the reader after it see
+    the same bytes (a pipe cannot be read twice); decompressed for a ``.gz`` name. None for a
+    regular file (read from disk as usual) or a path that is not there."""
+    key = os.fspath(path)
+    if key in _STREAMS:
+        return _STREAMS[key]
+    try:
+        mode = os.stat(key).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    with open(key, "rb") as handle:
+        data = handle.read()
+    if key.endswith(".gz"):
+        data = gzip.decompress(data)
+    _STREAMS[key] = data
+    return data
+
+
+def text_problem(head: bytes) -> str | None:
+    """What makes the start of a text file unreadable as UTF-8 lines, or None: another Unicode
+    encoding (its byte order mark, or the NUL bytes UTF-16/32 put beside ASCII characters) or
+    line ends that are a CR alone (classic Mac OS), which would make the whole file one line."""
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return f"the file is {name} (it starts with that byte order mark), not UTF-8; convert it first, e.g. " \
+                   f"`iconv -f {name} -t UTF-8 FILE > FILE.utf8`"
+    nuls = head.count(b"\x00")
+    if nuls:
+        at = [bool(head[i::4].count(b"\x00")) for i in range(4)]  # NULs at offsets 0..3 mod 4
+        if at == [False, True, True, True]:
+            guess = "UTF-32LE"
+        elif at == [True, True, True, False]:
+            guess = "UTF-32BE"
+        elif not at[0] and not at[2]:
+            guess = "UTF-16LE"
+        elif not at[1] and not at[3]:
+            guess = "UTF-16BE"
+        else:
+            return f"the file holds NUL bytes ({nuls} in its first {len(head)} bytes): not a UTF-8 text file"
+        return f"the file looks like {guess} without a byte order mark (NUL bytes beside its characters), not " \
+               f"UTF-8; convert it first, e.g. `iconv -f {guess} -t UTF-8 FILE > FILE.utf8`"
+    if b"\r" in head and b"\n" not in head:
+        return "its lines end in a CR alone (classic Mac OS line ends), which would read the whole file as one " \
+               "line; convert them first, e.g. `tr '\\r' '\\n' < FILE > FILE.unix`"
+    return None
 
 
 def input_file(path: str | os.PathLike, flag: str, *, allow_empty: bool = False) -> Path:
-    """``path`` is a readable file (plain or ``.gz``) holding at least one non-blank character."""
+    """``path`` is a readable file (plain or ``.gz``), or a pipe (``/dev/stdin``, ``<(cmd)``),
+    holding at least one non-blank character, in UTF-8 with LF or CRLF line ends."""
     path = Path(path)
     if not path.exists():
         raise HeadlabError(f"{flag} {path}: no such file")
     if path.is_dir():
         raise HeadlabError(f"{flag} {path}: a directory, not a file")
     try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as handle:
-            while True:
-                chunk = handle.read(1 << 16)
-                if not chunk or chunk.strip():
-                    break
+        stream = stream_bytes(path)
+        if stream is not None:
+            head, chunk = stream[:HEAD], stream.strip()[:1]
+        else:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rb") as handle:
+                head = chunk = handle.read(HEAD)
+                while chunk and not chunk.strip():
+                    chunk = handle.read(HEAD)
     except (OSError, EOFError) as error:  # unreadable, or a .gz that is not gzip
         raise HeadlabError(f"{flag} {path}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
+    problem = text_problem(head)
+    if problem is not None:
+        raise HeadlabError(f"{flag} {path}: {problem}")
     if not chunk and not allow_empty:
         raise HeadlabError(f"{flag} {path}: the file is empty")
     return path

@@ -25,9 +25,11 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -35,12 +37,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, RunFailed
 
 __all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "before_joining", "check_processes", "launch",
-           "leave_process_group_at_exit", "new_accelerator", "sharding", "start", "world_size"]
+           "leave_process_group_at_exit", "new_accelerator", "sharding", "start", "watch_launcher", "world_size"]
 
 FLAG = "--num-processes"
+LAUNCHER = "HEADLAB_LAUNCHER_PID"  # set by launch() in each process it starts: the pid to outlive no longer
 
 
 @dataclass(frozen=True)
@@ -353,15 +356,16 @@ def launch(argv: list[str], n: int, command: list[str] | None = None) -> int:
     for rank in range(n):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path,
-                   OMP_NUM_THREADS=threads)
+                   OMP_NUM_THREADS=threads, **{LAUNCHER: str(os.getpid())})
         children.append(subprocess.Popen(command or [sys.executable, "-m", "headlab", *argv], env=env))
-    status = 0
+    status, failure = 0, None
     try:
         while True:
             codes = [child.poll() for child in children]
-            failed = [code for code in codes if code not in (None, 0)]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                status = failed[0]
+                failure = failed[0]
+                status = failure[1]
                 break
             if None not in codes:
                 break
@@ -379,5 +383,41 @@ def launch(argv: list[str], n: int, command: list[str] | None = None) -> int:
                 child.kill()
                 child.wait()
     if status == 0:
-        status = next((child.returncode for child in children if child.returncode), 0)
+        failure = next(((rank, child.returncode) for rank, child in enumerate(children) if child.returncode), None)
+        status = failure[1] if failure else 0
+    if failure is not None:
+        rank, code = failure
+        if code < 0:  # killed by a signal: it could say nothing itself (and -9 would be exit 247)
+            raise RunFailed(f"process rank {rank} of {n} was killed by {_signal_name(-code)}; the others were "
+                            "stopped and nothing was kept")
+        print(f"headlab: process rank {rank} of {n} failed (exit {code}, its message is above); "
+              "the others were stopped", file=sys.stderr)
     return status
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def watch_launcher(interval: float = 0.2) -> None:
+    """In a process started by :func:`launch`: end it when the launcher is gone (killed with -9,
+    say), rather than computing on for nobody. A daemon thread watches the parent pid; when it
+    changes (the process was handed to init or a subreaper), the process exits at once, status 1.
+    Nothing is lost: only the launcher's main process writes, and only at the end."""
+    launcher = os.environ.get(LAUNCHER)
+    if not launcher or not launcher.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(interval)
+        rank = os.environ.get("RANK", "?")
+        try:
+            print(f"headlab: process rank {rank}: its launcher (pid {launcher}) is gone; stopping", file=sys.stderr)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="headlab-launcher-watch", daemon=True).start()

@@ -3,8 +3,10 @@
 transformers v5 dropped ``prune_heads``; this module puts it back for every family the
 adapter knows. Removing head h of a block slices rows h*d_head:(h+1)*d_head out of q (and of
 k and v when the head owns its key/value head) and the same columns out of the output
-projection. The attention forwards of transformers v5 infer the head count from tensor
-shapes, so layers may keep different numbers of heads. A layer left with no head is replaced
+projection; a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
+Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of transformers v5
+mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
+the attributes (and Phi-3's config field) that a forward does read are kept in step. A layer left with no head is replaced
 by :class:`ZeroHeadAttention`, which keeps only the output projection's bias and the residual
 path (Voita et al. 2019, footnote 9).
 """
@@ -12,6 +14,7 @@ path (Voita et al. 2019, footnote 9).
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import re
@@ -23,21 +26,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block
+from headlab.adapters import AttentionBlock, attention_blocks, find_block, qkv_columns
+from headlab.adapters.families import QKV_LAYOUTS
 from headlab.errors import HeadlabError, PruningNotExact
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
 from headlab.portable import make_portable, restore_original_config
-from headlab.portable_code import NoHeadAttention, cache_argument
+from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
 
 PRUNING_FILE = "headlab_pruning.json"
 FORMAT_VERSION = 1
 
 # Attributes on an attention core that record what pruning kept, in original numbering.
-KEPT_ATTR = "_headlab_kept_heads"
+# (KEPT_ATTR and ORIGINAL_ATTR are headlab.portable_code's: its ALiBi hook reads them.)
 KV_KEPT_ATTR = "_headlab_kept_kv_heads"
-ORIGINAL_ATTR = "_headlab_original"
 
 
 # -- slicing -------------------------------------------------------------------------------
@@ -174,15 +177,32 @@ def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]
     return None
 
 
+def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> torch.Tensor:
+    """Columns of the fused projection to keep, in the order the pruned layer reads them.
+
+    The pruned projection has the family's layout again (:func:`headlab.adapters.qkv_columns`),
+    for ``len(keep)`` query and ``len(kv_keep)`` key/value heads: where the new layout puts query
+    head i, the old column of query head ``keep[i]`` goes, and likewise for keys and values. Kept
+    query heads are grouped by key/value head in ``kv_keep`` order (:func:`_kv_plan`), so the
+    layout's pairing of query head i with key/value head i // group is the original pairing."""
+    device = block.qkv.weight.device
+    d = block.d_head
+    old = [c.view(-1, d) for c in block.qkv_columns(device)]
+    new = qkv_columns(block.family.qkv_layout, len(keep), len(kv_keep), d, device)
+    index = torch.empty(sum(len(c) for c in new), dtype=torch.long, device=device)
+    for old_columns, new_columns, heads in zip(old, new, (keep, kv_keep, kv_keep)):
+        index[new_columns] = old_columns[torch.tensor(heads, dtype=torch.long, device=device)].reshape(-1)
+    return index
+
+
 def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int,
                  journal: _Journal) -> None:
     family, core, d = block.family, block.core, block.d_head
     device = block.o.weight.device
     q_index = _head_index(keep, d, device)
     kv_index = _head_index(kv_keep, d, device)
-    if block.qkv is not None:  # fused [q | k | v] columns (GPT-2's c_attn)
-        width = block.n_heads * d
-        _slice_outputs(block.qkv, torch.cat([q_index, width + kv_index, 2 * width + kv_index]), journal)
+    if block.qkv is not None:  # a fused projection, in the layout of family.qkv_layout
+        _slice_outputs(block.qkv, _fused_index(block, keep, kv_keep), journal)
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
     else:
@@ -202,9 +222,18 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     for attr in _KV_HEAD_ATTRS:
         if isinstance(getattr(core, attr, None), int):
             journal.set(core, attr, len(kv_keep))
-    for attr in ("all_head_size", "inner_dim"):
+    for attr in ("all_head_size", "inner_dim", *family.width_attrs):
         if hasattr(core, attr):
             journal.set(core, attr, len(keep) * d)
+    for attr in family.kv_head_count_attrs:
+        if hasattr(core, attr):
+            journal.set(core, attr, len(kv_keep))
+    for attr in family.kv_width_attrs:
+        if hasattr(core, attr):
+            journal.set(core, attr, len(kv_keep) * d)
+    if family.config_head_count_attrs and getattr(core, "config", None) is not None:
+        base = core.config.base if isinstance(core.config, LayerConfig) else core.config
+        journal.set(core, "config", LayerConfig(base, dict.fromkeys(family.config_head_count_attrs, len(keep))))
     for attr in dict.fromkeys((family.kv_groups_attr, *_GROUP_ATTRS)):
         if attr and hasattr(core, attr):
             journal.set(core, attr, groups)
@@ -230,8 +259,9 @@ class ZeroHeadAttention(NoHeadAttention):
     plain attributes (head counts, sizes) and what pruning kept, for headlab's own bookkeeping.
     """
 
-    def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int):
-        super().__init__(original, o_name, n_outputs, d_head)
+    def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int,
+                 residual: tuple[str, int] | None = None):
+        super().__init__(original, o_name, n_outputs, d_head, residual)
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
@@ -248,7 +278,28 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
     n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
-    journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head))
+    journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head,
+                                                block.family.residual_argument))
+
+
+# -- ALiBi: one bias per head, built by the model for all its heads --------------------------
+def _takes_alibi(core: nn.Module) -> bool:
+    return "alibi" in inspect.signature(type(core).forward).parameters
+
+
+def _install_alibi_hooks(blocks: list[AttentionBlock], journal: _Journal) -> None:
+    """Bloom and Falcon (alibi=True) build ALiBi's per-head slopes once for the model, from the
+    config's head count, and hand them (Falcon: also folded into the attention mask) to every
+    layer, which reads them in head order. A pruned layer gets the rows of the heads it kept
+    (Press et al. 2022: a head's bias depends on its original index only)."""
+    for block in blocks:
+        core = block.core
+        if getattr(core, KEPT_ATTR, None) is None or isinstance(core, ZeroHeadAttention) or not _takes_alibi(core):
+            continue
+        if getattr(core, "_headlab_alibi_hooked", False):  # reads what it kept when called: a second prune is seen
+            continue
+        journal.hooks.append(core.register_forward_pre_hook(alibi_hook(type(core)), with_kwargs=True))
+        journal.set(core, "_headlab_alibi_hooked", True)
 
 
 # -- T5: one relative position bias shared by the layers of a stack --------------------------
@@ -363,6 +414,8 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
     """Refuse, before any work, what no slicing can make exact."""
     if model.__dict__.get(GATE_STACK) is not None:  # their hooks assume the unpruned head counts
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
+    for block, *_ in plans:  # fused layouts and projections the slicing here does not know
+        check_block_sliceable(block)
     for block, keep, kv_keep, _ in plans:
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
@@ -427,6 +480,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         blocks = attention_blocks(model)
         if blocks and blocks[0].family.name == "t5":
             _install_t5_bias_hooks(model, blocks, journal)
+        _install_alibi_hooks(blocks, journal)
         mismatch = first_mismatch(reference, run_probe(model, probe), dtype)
     except BaseException:
         journal.undo()
@@ -440,6 +494,23 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         return attention_blocks(model)
     model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     return blocks
+
+
+def check_block_sliceable(block: AttentionBlock) -> None:
+    """Refuse, before anything changes, a block whose projections the slicing here does not know.
+    Fused projections are sliced in every layout of adapters.families.QKV_LAYOUTS (the adapter
+    refuses a width that does not fit its layout)."""
+    if block.qkv is not None and block.family.qkv_layout not in QKV_LAYOUTS:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
+            f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
+            "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
+    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
+    if unsliced:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
+            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
 
 
 # Attributes of an attention module that hold a head count or a width derived from one.
@@ -471,16 +542,23 @@ def pruning_plan(model: nn.Module) -> dict:
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         attrs = {}
-        attr_names = (*block.family.head_count_attrs, *_WIDTH_ATTRS, block.family.kv_groups_attr, *_HEAD_ATTRS,
-                      *_KV_HEAD_ATTRS, *_GROUP_ATTRS)
+        family = block.family
+        attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,
+                      *_KV_HEAD_ATTRS, *_GROUP_ATTRS, *family.width_attrs, *family.kv_head_count_attrs,
+                      *family.kv_width_attrs)
         for name in dict.fromkeys(attr_names):
             if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
                 attrs[name] = int(getattr(core, name))
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
         if isinstance(core, ZeroHeadAttention):
-            plan["no_head"][_core_path(block)] = [core.o_name, core.n_outputs, core.d_head]
+            plan["no_head"][_core_path(block)] = [core.o_name, core.n_outputs, core.d_head] + \
+                ([list(core.residual)] if core.residual else [])
         else:
+            if isinstance(getattr(core, "config", None), LayerConfig):
+                plan.setdefault("config", {})[_core_path(block)] = dict(core.config.overrides)
+            if getattr(core, "_headlab_alibi_hooked", False):
+                plan.setdefault("alibi", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
             for path, module, _ in _per_head_lists(block):
                 plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(module.norms)
     return plan
@@ -511,7 +589,8 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_pruned(path: str | os.PathLike, model_class: type | None = None, **config_overrides) -> nn.Module:
+def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, trust_remote_code: bool = False,
+                record: Mapping | None = None, **config_overrides) -> nn.Module:
     """Rebuild a model written by :func:`save_pruned`: build from config, prune, load weights.
 
     There is no unpruned model with these weights to compare with, so the check is in two parts:
@@ -519,36 +598,38 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
     that model with the same heads masked, as :func:`prune_heads` does (so the structure computes
     what masking computes, whatever the weights); then the loaded model must run the padded probe
     and its generation steps with finite outputs. Weights are read with safetensors only; no code
-    from the directory is run.
+    from the directory is run (the config is read with ``trust_remote_code`` as given, False by
+    default). ``record`` stands in for a missing headlab_pruning.json
+    (:func:`headlab.checkpoint.record_from_weights`). The record is checked against the weights'
+    shapes, and every tensor must load: none missing, none left over.
     """
-    import transformers
-    from safetensors.torch import load_file
+    from headlab import checkpoint  # reads and checks the directory (complete or refused)
 
     path = Path(path)
     record_path = path / PRUNING_FILE
-    if not record_path.is_file():
+    source = str(record_path)
+    if record is not None:
+        source = f"{path} (heads read from the weights' shapes)"
+    elif not record_path.is_file():
         raise HeadlabError(f"{path}: no {PRUNING_FILE}; is this a directory written by save_pruned?")
-    try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
-    config = transformers.AutoConfig.from_pretrained(path, **config_overrides)
-    restore_original_config(record, config)  # the record applies to the unpruned model
+    else:
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise HeadlabError(f"{record_path}: line {error.lineno}: invalid JSON ({error.msg})") from error
+    checkpoint.validate_record(record, source)
+    shapes = checkpoint.tensor_shapes(path)  # a truncated or corrupt file: one line naming it, before any work
+    config = checkpoint.read_config(path, trust_remote_code, **config_overrides)
+    restore_original_config(dict(record), config)  # the record applies to the unpruned model
     if model_class is None:
-        architectures = getattr(config, "architectures", None) or []
-        model_class = getattr(transformers, architectures[0], None) if architectures else None
-        if model_class is None:
-            raise HeadlabError(f"{path}/config.json names no known architecture ({architectures}); pass model_class")
-    model = model_class(config)
-    apply_pruning_record(model, record, str(record_path))
+        model_class = checkpoint.named_model_class(config, f"{path}/config.json")
+    model = checkpoint.build_model(model_class, config, path)
+    apply_pruning_record(model, record, source)
+    checkpoint.check_fits_weights(model, shapes, source)
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise HeadlabError(f"{path}: no .safetensors weights")
-    state = {}
-    for file in files:
-        state.update(load_file(file))
+    state = checkpoint.read_weights(path)
     model_keys = set(model.state_dict())
+    unexpected: list[str] = []
     if any(name not in model_keys for name in state) and _converted_on_save(model):
         missing = _load_converted(model, state, path)  # e.g. Mixtral: experts saved one by one, held fused
     else:
@@ -556,8 +637,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
             missing, unexpected = model.load_state_dict(state, strict=False)
         except RuntimeError as error:
             raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
-        if unexpected:
-            raise HeadlabError(f"{path}: weights hold tensors the model does not have: {unexpected[:3]}")
     model.tie_weights()
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
     # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
@@ -566,8 +645,7 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, **conf
         name for name in missing
         if model.state_dict()[name].data_ptr() not in loaded and not any(re.search(p, name) for p in rebuilt)
     ]
-    if untied:
-        raise HeadlabError(f"{path}: weights lack {untied[:3]}")
+    checkpoint.check_complete(path, untied, unexpected)
     _check_loaded(model, path)
     return model.eval()
 

@@ -29,6 +29,13 @@ SOURCES = [
     "a small dog ran in the park",
 ]
 TARGETS = ["le chat est assis", "le chat <b>bold</b> est", "un chien", "un petit chien court"]
+EXEMPLARS = {  # aggregate/exemplars.json: block -> per head, strongest first (Exemplar.to_json)
+    f"{kind}:{layer}": [[{"weight": 0.9 - 0.1 * n - 0.01 * head, "sentence": n, "sent_id": f"s{n}", "where": "",
+                          "query": 1, "key": 2, "query_word": "cat", "key_word": "<sat>",
+                          "text": "the cat <sat> on the mat" if n else "a cat <sat> on"}
+                         for n in range(4)] for head in range(4)]
+    for kind in ("enc_self", "dec_self", "dec_cross") for layer in range(2)}
+EXEMPLARS["enc_self:0"][1][0].update(sentence=7, query=1, key=3, query_word="dog", key_word="a", text="a dog & a cat")
 LONG_TOKENS = 199  # words; the tokenizer adds </s>: 200 tokens
 
 
@@ -96,10 +103,18 @@ def build_analysis_dir(directory: Path, *, long: bool = True, stages_missing: bo
             _scores(rng, name).save(directory / "aggregate" / f"{name}.json")
         for tag in ("NOUN", "VERB"):
             _scores(rng, tag).save(directory / "aggregate" / "pos" / f"{tag}.json")
+        atomic_write_text(directory / "aggregate" / "exemplars.json", json.dumps(EXEMPLARS, ensure_ascii=False))
         _scores(rng, "positional_share").save(directory / "functions" / "positional" / "share.json")
         _scores(rng, "syntactic_margin", signed=True).save(directory / "functions" / "syntactic" / "margin.json")
-        labels = {"enc_self:0:1": ["positional -1"], "enc_self:1:2": ["nsubj v→s", "positional +1"],
-                  "dec_cross:1:2": ["rare"]}
+        offsets = {k: np.array([[-1, 1, 1, 2], [-1, -1, 1, np.nan]])
+                   for k in ("enc_self", "dec_self", "dec_cross")}
+        HeadScores(offsets, "positional_offset", "tiny-marian", {"data": "fixture"}).save(
+            directory / "functions" / "positional" / "offset.json")
+        # as `headlab analyze` writes it: every analysed head, most with no function (an empty list)
+        labels = {f"{k}:{layer}:{head}": [] for k in ("enc_self", "dec_self", "dec_cross")
+                  for layer in range(2) for head in range(4)}
+        labels.update({"enc_self:0:1": ["positional -1"], "enc_self:1:2": ["nsubj v→s", "positional +1"],
+                       "dec_cross:1:2": ["rare"]})
         atomic_write_text(directory / "functions" / "labels.json", json.dumps(labels, ensure_ascii=False))
         table1 = {"relations": ["nsubj", "obj"], "margin": 0.1, "table": [
             {"kind": "enc_self", "relation": "nsubj", "direction": "dep->gov", "label": "v → s", "n_arcs": 40,
@@ -139,3 +154,65 @@ def _figure(path: Path) -> None:
     ax.set_title("fixture figure")
     fig.savefig(path)
     plt.close(fig)
+
+
+def build_large_dir(directory: Path, n_layers: int, n_heads: int, *, sentences: int = 3, n_tokens: int = 20,
+                    seed: int = 0) -> Path:
+    """A synthetic analysis directory of a decoder-only model of ``n_layers`` x ``n_heads`` with
+    every file the report reads (importance, functions, labels, aggregate with all UPOS tags,
+    exemplars, agreement, a sweep, attention examples): for the report's size and speed at scale."""
+    from headlab.aggregate import POS_TAGS
+    from headlab.report.examples import write_example, write_index
+
+    directory = Path(directory)
+    rng = np.random.default_rng(seed)
+
+    def scores(method, values=None):
+        array = rng.random((n_layers, n_heads)) if values is None else values
+        return HeadScores({"dec_self": array}, method, "synthetic", {"data": "synthetic"})
+
+    measures = {m: scores(m) for m in ("confidence", "lrp", "gradient", "ablation")}
+    for m, s in measures.items():
+        s.save(directory / "importance" / f"{m}.json")
+    compute_agreement({m: s for m, s in measures.items() if m != "ablation"}, measures["ablation"]).save(
+        directory / "importance")
+    scores("positional_share").save(directory / "functions" / "positional" / "share.json")
+    scores("positional_offset", rng.choice([-2, -1, 1, 2], size=(n_layers, n_heads)).astype(float)).save(
+        directory / "functions" / "positional" / "offset.json")
+    scores("syntactic_margin", rng.normal(size=(n_layers, n_heads))).save(
+        directory / "functions" / "syntactic" / "margin.json")
+    scores("rare_tokens").save(directory / "functions" / "rare_tokens" / "rarest.json")
+    labels = {f"dec_self:{layer}:{head}": [] for layer in range(n_layers) for head in range(n_heads)}
+    labels["dec_self:1:3"] = ["positional -1"]
+    labels[f"dec_self:{n_layers - 1}:0"] = ["nsubj v→s"]
+    atomic_write_text(directory / "functions" / "labels.json", json.dumps(labels, ensure_ascii=False))
+    for name in ("mean_distance", "mean_entropy", "variability", "dependency_alignment"):
+        scores(name).save(directory / "aggregate" / f"{name}.json")
+    for tag in POS_TAGS:
+        scores(tag).save(directory / "aggregate" / "pos" / f"{tag}.json")
+    words = [f"w{i}" for i in range(n_tokens)]
+    exemplars = {f"dec_self:{layer}": [[{"weight": float(rng.random()), "sentence": int(n), "sent_id": f"s{n}",
+                                         "where": "", "query": 3, "key": 1, "query_word": "w3", "key_word": "w1",
+                                         "text": " ".join(words[: 10 + n % 10])} for n in rng.integers(0, 400, 5)]
+                                       for _ in range(n_heads)] for layer in range(n_layers)}
+    atomic_write_text(directory / "aggregate" / "exemplars.json", json.dumps(exemplars))
+    sweep = [{"point": "full", "heads": n_layers * n_heads, "loss": 2.0, "status": "reference"}] + [
+        {"point": f"keep-{k}", "keep": k, "heads": k, "loss": 2.0 + 1.0 / k, "status": "converged"}
+        for k in (n_layers * n_heads // 2, n_layers * n_heads // 4, n_layers * n_heads // 8)]
+    atomic_write_text(directory / "prune" / "sweep.json", json.dumps(sweep))
+    entries = []
+    tokens = ["<s>"] + [("\u0120" if i % 2 else "") + f"tok{i}" for i in range(n_tokens - 1)]
+    for n in range(sentences):
+        logits = rng.normal(scale=3.0, size=(n_layers, n_heads, n_tokens, n_tokens))
+        logits = np.where(np.tril(np.ones((n_tokens, n_tokens), dtype=bool)), logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attention = {("dec_self", layer): probs[layer] for layer in range(n_layers)}
+        entry = write_example(directory / "attention", n, {"source": tokens}, attention, seq2seq=False)
+        entry.update({"line": n + 1, "source": " ".join(words), "target": None, "target_from": None})
+        entries.append(entry)
+    write_index(directory / "attention", entries, "synthetic")
+    manifest = {"headlab_version": "0.1.0", "model": f"synthetic {n_layers}x{n_heads}", "source": "synthetic",
+                "created": "2025-01-01T00:00:00Z", "stages": [], "figures": []}
+    atomic_write_text(directory / "manifest.json", json.dumps(manifest, indent=1))
+    return directory

@@ -13,20 +13,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from headlab.adapters.families import FAMILIES, Family
+from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
-__all__ = ["AttentionBlock", "attention_blocks", "find_block", "n_layers_per_kind", "Family", "FAMILIES"]
+__all__ = ["AttentionBlock", "attention_blocks", "find_block", "n_layers_per_kind", "Family", "FAMILIES",
+           "family_for", "qkv_columns", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
 class AttentionBlock:
     """One attention layer: what it is and where its projections live.
 
-    ``q``, ``k`` and ``v`` are ``None`` when the family fuses them into ``qkv`` (GPT-2).
+    ``q``, ``k`` and ``v`` are ``None`` when the family fuses them into ``qkv`` (GPT-2, GPT-NeoX, ...),
+    whose column order is ``family.qkv_layout`` (:meth:`qkv_columns`).
     ``core`` is the module whose forward computes the attention probabilities.
     """
 
@@ -48,6 +51,12 @@ class AttentionBlock:
     @property
     def key(self) -> tuple[str, int]:
         return (self.kind, self.layer)
+
+    def qkv_columns(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Columns of the fused projection holding the queries, keys and values, head by head."""
+        if self.qkv is None:
+            raise HeadlabError(f"{self.name}: no fused q/k/v projection")
+        return qkv_columns(self.family.qkv_layout, self.n_heads, self.n_kv_heads, self.d_head, device)
 
     def __repr__(self) -> str:
         return (
@@ -73,6 +82,31 @@ def in_features(module: nn.Module) -> int:
     raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
 
 
+def qkv_columns(layout: str, n_heads: int, n_kv_heads: int, d_head: int,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` column indices of a fused projection in ``layout`` (:data:`QKV_LAYOUTS`):
+    ``q`` holds ``n_heads * d_head`` columns in head order, ``k`` and ``v`` ``n_kv_heads * d_head``."""
+    within = torch.arange(d_head, device=device)
+    heads = torch.arange(n_heads, device=device)[:, None]
+    kv_heads = torch.arange(n_kv_heads, device=device)[:, None]
+    if layout == "q|k|v":
+        q = heads * d_head + within
+        k = n_heads * d_head + kv_heads * d_head + within
+        v = k + n_kv_heads * d_head
+    elif layout == "per-head":  # [q_h | k_h | v_h] for each head
+        q = heads * 3 * d_head + within
+        k, v = q + d_head, q + 2 * d_head
+    elif layout == "grouped":  # [q of the group | k | v] for each key/value head
+        group = n_heads // n_kv_heads if n_kv_heads else 0
+        stride = (group + 2) * d_head
+        q = (heads // group) * stride + (heads % group) * d_head + within if group else heads * 0 + within
+        k = kv_heads * stride + group * d_head + within
+        v = k + d_head
+    else:
+        raise HeadlabError(f"unknown fused projection layout {layout!r}; expected one of {', '.join(QKV_LAYOUTS)}")
+    return q.reshape(-1), k.reshape(-1), v.reshape(-1)
+
+
 def _get(module: nn.Module, path: str | None) -> nn.Module | None:
     found: nn.Module | None = module
     for part in path.split(".") if path else ():
@@ -89,6 +123,7 @@ _GENERIC_SCHEMES = (
     ("q_proj", "k_proj", "v_proj", "o_proj", ""),
     ("q", "k", "v", "o", ""),
     ("q_lin", "k_lin", "v_lin", "out_lin", ""),
+    ("q_proj", "k_proj", "v_proj", "dense", ""),
     ("self.query", "self.key", "self.value", "output.dense", "self"),
 )
 _D_HEAD_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "d_head")
@@ -151,10 +186,15 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         qkv = _get(module, family.qkv)
         if qkv is None:
             raise HeadlabError(f"{where}: no fused projection {family.qkv!r}")
-        width = out_features(qkv)
-        if width % 3:
-            raise HeadlabError(f"{where}: fused projection width {width} is not 3 x (q, k, v)")
-        q_width = kv_width = width // 3
+        # The output projection reads every query head: width n_heads * d_head; the fused projection
+        # adds a key and a value per key/value head, whatever its layout.
+        width, q_width = out_features(qkv), in_features(o)
+        kv_width = (width - q_width) // 2
+        if width - q_width != 2 * kv_width or kv_width < 0:
+            raise HeadlabError(f"{where}: fused projection width {width} is not q ({q_width}) + 2 x key/value")
+        if family.qkv_layout == "per-head" and kv_width != q_width:
+            raise HeadlabError(f"{where}: a per-head [q|k|v] projection of width {width} needs as many key/value "
+                               f"heads as query heads (output projection input {q_width})")
         q = k = v = None
     else:
         qkv = None
@@ -171,6 +211,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             f"(q {q_width}, k/v {kv_width}, output input {o_width})"
         )
     n_heads, n_kv_heads = q_width // d_head, kv_width // d_head
+    if getattr(core, "pretraining_tp", 1) > 1 and getattr(core, "slow_but_exact", False):
+        raise HeadlabError(f"{where}: slow_but_exact with pretraining_tp > 1 multiplies the output projection's "
+                           "weight slice by slice, past the module headlab masks heads at; load the model with "
+                           "slow_but_exact=False")
     if n_kv_heads and n_heads % n_kv_heads:
         raise HeadlabError(f"{where}: {n_heads} query heads do not group over {n_kv_heads} key/value heads")
     if family.kv_groups_attr and n_kv_heads:
@@ -192,13 +236,16 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type or "")
+    reason = unsupported_reason(model)
+    if reason:
+        raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
+    family = family_for(config)
     candidates = list(_table_candidates(model, family) if family else _generic_candidates(model))
     if not candidates:
         raise HeadlabError(
             f"{type(model).__name__} (model_type {model_type!r}): found no attention block "
             + ("matching its table entry." if family else
-               "with q/k/v/output projections (looked for q_proj/k_proj/v_proj/out_proj|o_proj, "
+               "with q/k/v/output projections (looked for q_proj/k_proj/v_proj/out_proj|o_proj|dense, "
                "q/k/v/o, q_lin/k_lin/v_lin/out_lin and self.query/key/value with output.dense). "
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
@@ -212,6 +259,25 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
             )
         seen[block.key] = block.name
     return blocks
+
+
+def family_for(config) -> Family | None:
+    """The table entry for ``config``'s model type (None: generic discovery)."""
+    model_type = getattr(config, "model_type", None) or ""
+    if model_type in CONFIG_FAMILIES:
+        return CONFIG_FAMILIES[model_type](config)
+    return FAMILIES.get(model_type)
+
+
+def unsupported_reason(model_or_config) -> str | None:
+    """Why headlab refuses this model (its model type, or any sub-config's), or None."""
+    config = getattr(model_or_config, "config", model_or_config)
+    seen = [config] + [getattr(config, name, None) for name in ("text_config", "encoder", "decoder")]
+    for sub in seen:
+        reason = UNSUPPORTED.get(getattr(sub, "model_type", None) or "")
+        if reason:
+            return reason
+    return None
 
 
 def find_block(blocks: list[AttentionBlock], kind: str, layer: int) -> AttentionBlock:

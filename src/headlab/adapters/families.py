@@ -23,7 +23,9 @@ class Family:
     d_head_attr: str
     """Attribute of ``core`` that holds the head size."""
     qkv: str | None = None
-    """A fused q/k/v projection (GPT-2's ``c_attn``), columns ordered [q | k | v]."""
+    """A fused q/k/v projection (GPT-2's ``c_attn``), its columns ordered as ``qkv_layout`` says."""
+    qkv_layout: str = "q|k|v"
+    """Column order of ``qkv`` (see :data:`QKV_LAYOUTS`): what discovery cannot read from the model."""
     core: str = ""
     """Path of the module that computes the attention probabilities ("" = the matched one)."""
     probs_index: int = 1
@@ -32,6 +34,32 @@ class Family:
     """Attributes of ``core`` holding a head count, kept in step by physical pruning."""
     kv_groups_attr: str | None = None
     """Attribute of ``core`` holding query heads per key/value head (grouped-query attention)."""
+    probs_argument: tuple[str, int] | None = None
+    """(name, position) of the ``core`` forward's argument without which it returns no
+    probabilities (DeBERTa-v2's ``output_attentions``); capture passes it as True."""
+    width_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the query width (heads x head size) that its forward splits
+    the fused projection by (GPT-BigCode's ``embed_dim``), kept in step by physical pruning."""
+    kv_head_count_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the key/value head count, beyond the usual names."""
+    kv_width_attrs: tuple[str, ...] = ()
+    """Attributes of ``core`` holding the key/value width (GPT-BigCode's ``kv_dim``)."""
+    config_head_count_attrs: tuple[str, ...] = ()
+    """Fields of the config, shared by every layer, that ``core``'s forward reads its query head
+    count from (Phi-3 splits its fused projection at ``config.num_attention_heads * head_dim``):
+    a pruned layer gets its own view of the config with its own count."""
+    residual_argument: tuple[str, int] | None = None
+    """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
+    ``residual``): a layer left with no head still adds it."""
+
+
+QKV_LAYOUTS = {
+    "q|k|v": "every query head, then every key head, then every value head (GPT-2, Phi-3, multi-query "
+             "GPT-BigCode and Falcon); key/value widths may be narrower (grouped or multi-query attention)",
+    "per-head": "for each head h: [q_h | k_h | v_h] (GPT-NeoX, Bloom, Falcon and GPT-BigCode without multi-query)",
+    "grouped": "for each key/value head: [its group's query heads | k | v] (Falcon's new decoder architecture)",
+}
+"""The fused projection layouts headlab knows."""
 
 
 def _seq2seq(prefix_enc: str, prefix_dec: str) -> tuple[tuple[str, str], ...]:
@@ -96,6 +124,91 @@ LLAMA_LIKE = Family(
     kv_groups_attr="num_key_value_groups",
 )
 
+GPT_NEOX = Family(
+    name="gpt-neox",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.attention$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_size",
+)
+
+PHI3 = Family(
+    name="phi3",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    q=None, k=None, v=None, o="o_proj", qkv="qkv_proj",
+    d_head_attr="head_dim",
+    kv_groups_attr="num_key_value_groups",
+    config_head_count_attrs=("num_attention_heads",),
+)
+
+PHI = Family(
+    name="phi",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="dense",
+    d_head_attr="head_dim",
+    kv_groups_attr="num_key_value_groups",
+)
+
+BLOOM = Family(
+    name="bloom",
+    patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.self_attention$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    residual_argument=("residual", 1),
+)
+
+
+DEBERTA_V2 = Family(
+    name="deberta-v2",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query_proj", k="self.key_proj", v="self.value_proj", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 2),
+)
+
+MODERNBERT = Family(
+    name="modernbert",
+    patterns=(("enc_self", r"(?:^|\.)layers\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="Wo", qkv="Wqkv",  # view(..., 3, heads, d): [q | k | v]
+    d_head_attr="head_dim",
+)
+
+
+def _falcon(layout: str) -> Family:
+    return Family(
+        name=f"falcon ({layout})",
+        patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.self_attention$"),),
+        q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout=layout,
+        d_head_attr="head_dim",
+        head_count_attrs=("num_heads",),
+    )
+
+
+def _gpt_bigcode(layout: str) -> Family:
+    return Family(
+        name=f"gpt-bigcode ({layout})",
+        patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+        q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout=layout,
+        d_head_attr="head_dim",
+        head_count_attrs=("num_heads",),
+        kv_groups_attr="num_key_value_groups",
+        width_attrs=("embed_dim",), kv_head_count_attrs=("kv_heads",), kv_width_attrs=("kv_dim",),
+    )
+
+
+def falcon(config) -> Family:
+    """Falcon's layout follows its config: grouped (new decoder architecture), multi-query, or per head."""
+    if getattr(config, "new_decoder_architecture", False):
+        return _falcon("grouped")
+    return _falcon("q|k|v" if getattr(config, "multi_query", False) else "per-head")
+
+
+def gpt_bigcode(config) -> Family:
+    return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
+
+
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
@@ -103,5 +216,24 @@ FAMILIES: dict[str, Family] = {
     "gpt2": GPT2,
     **dict.fromkeys(["t5", "mt5"], T5),
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
+    "gpt_neox": GPT_NEOX,
+    "phi3": PHI3,
+    "phi": PHI,
+    "bloom": BLOOM,
+    "modernbert": MODERNBERT,
+    "deberta-v2": DEBERTA_V2,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
+
+CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode}
+"""Model types whose entry depends on their config (the fused layout)."""
+
+UNSUPPORTED: dict[str, str] = {
+    "albert": "ALBERT's layers share one attention module, so a head is not one layer's head (masking it "
+              "switches it off in every layer at once); headlab does not model shared layers",
+    "deberta": "DeBERTa (v1) can mix its heads (talking-head projections) and has no adapter entry; "
+               "DeBERTa-v2 is supported",
+    "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
+               "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
+}
+"""Model types refused before any work, with what is missing."""

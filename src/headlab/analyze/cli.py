@@ -21,7 +21,7 @@ def register(subparsers) -> None:
                    help=f"stages not to run (space- or comma-separated): {', '.join(STAGES)}, "
                         "or importance (its five stages)")
     add_options(p, AnalyzeConfig, ("limit", "conllu_limit", "threads", "batch_size", "max_length", "lrp_targets",
-                                   "lrp_seed", "query_chunk", "prune_source", "prune_target", "prune_limit"))
+                                   "lrp_seed", "query_chunk", "engine", "prune_source", "prune_target", "prune_limit"))
     p.add_argument("--prune-keeps", help=help_of(AnalyzeConfig, "prune_keeps") + "; comma list")
     add_options(p, AnalyzeConfig, ("prune_gates", "prune_steps", "prune_max_tokens", "prune_eval_beam", "prune_gate_lr",
                                    "prune_init_log_alpha", "attention_sentences"))
@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     add_device_options(p)
     add_process_options(p)
     p.set_defaults(func=run_analyze_command,
-                   interrupted="the finished stages are kept in {out}; the same command resumes from them")
+                   interrupted="the finished stages are kept in {out}; the same command resumes from them",
+                   interrupted_if=("{out}/.headlab/stages/*",))
 
 
 def config_from_args(args) -> AnalyzeConfig:

@@ -60,6 +60,8 @@ STAGE_GROUPS = {"importance": (*IMPORTANCE_STAGES, "agreement")}
 STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
               "figures": "figures"}
 KEY_FILE = ".headlab-key"
+# What analyze writes directly under DIR (the stages' folders, the table, the manifest and the report).
+WRITTEN_AT_TOP = ("index.html", "manifest.json", "heads.csv", "heads.parquet", "importance", *STAGE_DIRS.values())
 # Stages whose batches are split over the processes of a sharded run; the others run in the main one.
 SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
 # How the functions stage counts token frequencies on --source, part of its key: 2 since a
@@ -89,32 +91,43 @@ class AnalyzeConfig:
         "help": "run every stage again, even if its results are in --out; also lets analyze write into a directory "
                 "holding files it did not write"})
     skip: tuple[str, ...] = field(default=(), metadata={"help": "stages not to run"})
-    limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --source/--target (and of --conllu)"})
-    conllu_limit: int | None = field(default=None, metadata={"help": "use the first N sentences of --conllu (default: --limit)"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
-    batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
-    max_length: int | None = field(default=None, metadata={"help": "tokens per sentence (default: the model's maximum)"})
+    limit: int | None = field(default=None, metadata={
+        "help": "use the first N sentences of --source/--target (and of --conllu)", "range": "[1, inf)"})
+    conllu_limit: int | None = field(default=None, metadata={
+        "help": "use the first N sentences of --conllu (default: --limit)", "range": "[1, inf)"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads", "range": "[1, inf)"})
+    batch_size: int = field(default=32, metadata={"help": "sentences per batch", "range": "[1, inf)"})
+    max_length: int | None = field(default=None, metadata={
+        "help": "tokens per sentence (default: the model's maximum)", "range": "[2, inf)"})
     lrp_targets: int | None = field(default=LRPOptions.targets, metadata={
         "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)",
-        "metavar": "K"})
-    lrp_seed: int = field(default=LRPOptions.seed, metadata={"help": "seed of LRP's target sample and bootstrap"})
+        "metavar": "K", "range": "[0, inf)"})
+    lrp_seed: int = field(default=LRPOptions.seed, metadata={
+        "help": "seed of LRP's target sample and bootstrap", "range": "[0, inf)"})
     query_chunk: int | None = field(default=ConfidenceOptions.query_chunk, metadata={
         "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
-                "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N"})
+                "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N",
+                "range": "[1, inf)"})
+    engine: str | None = field(default=None, metadata={
+        "help": "functions and aggregate: where the statistics run (eager, chunked or fused; see headlab functions "
+                "--engine; default: fused with --query-chunk, else eager)", "choices": ("eager", "chunked", "fused")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
-    prune_limit: int | None = field(default=None, metadata={"help": "use the first N training pairs of the sweep"})
+    prune_limit: int | None = field(default=None, metadata={
+        "help": "use the first N training pairs of the sweep", "range": "[1, inf)"})
     prune_keeps: tuple[int, ...] = field(default=(), metadata={
         "help": "head budgets of the sweep (default: 1/2, 1/4, 1/8 of the gated heads)"})
     prune_gates: str = field(default="enc_self", metadata={
         "help": "gated kinds: enc_self (decoder frozen), all, or a comma list"})
-    prune_steps: int = field(default=20, metadata={"help": "fine-tuning steps per sweep point"})
-    prune_max_tokens: int = field(default=1024, metadata={"help": "target tokens per fine-tuning batch"})
-    prune_eval_beam: int = field(default=1, metadata={"help": "beam of the sweep's BLEU evaluation (1 = greedy)"})
+    prune_steps: int = field(default=20, metadata={"help": "fine-tuning steps per sweep point", "range": "[1, inf)"})
+    prune_max_tokens: int = field(default=1024, metadata={"help": "target tokens per fine-tuning batch", "range": "[1, inf)"})
+    prune_eval_beam: int = field(default=1, metadata={
+        "help": "beam of the sweep's BLEU evaluation (1 = greedy)", "range": "[1, inf)"})
     prune_gate_lr: float = field(default=0.1, metadata={"help": "learning rate of the gates' log alpha (higher than "
-                                                                 "prune train's 0.02: the sweep is short)"})
+                                                                 "prune train's 0.02: the sweep is short)", "range": "(0, inf)"})
     prune_init_log_alpha: float = field(default=1.0, metadata={"help": "initial log alpha of the gates (prune train: 3)"})
-    attention_sentences: int = field(default=20, metadata={"help": "sentences stored for the attention viewer"})
+    attention_sentences: int = field(default=20, metadata={
+        "help": "sentences stored for the attention viewer", "range": "[0, inf)"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow code from the model repository to run"})
     device: str | None = field(default=None, metadata={"help": "where the model runs: cpu, cuda or cuda:N"})
@@ -196,7 +209,11 @@ def _foreign_files(out: Path) -> list[str]:
 def validate(config: AnalyzeConfig) -> Path:
     """Every check that needs no model: paths, flags, the CoNLL-U/source contract."""
     from headlab import preflight
+    from headlab.options import check_ranges
 
+    check_ranges(config)  # also for a config built in Python (the command line checked its flags already)
+    for keep in config.prune_keeps:
+        preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
     foreign = _foreign_files(out)
     if foreign and not config.force:
@@ -204,13 +221,21 @@ def validate(config: AnalyzeConfig) -> Path:
         raise HeadlabError(f"--out {out}: the directory holds files headlab did not write ({shown}); analyze would "
                            "write index.html, manifest.json and its folders among them. Choose a new or empty "
                            "directory, or pass --force to write into it anyway")
+    # --force writes beside the user's files, never over them: a stage clears its own folder first.
+    clash = [name for name in foreign if name in WRITTEN_AT_TOP]
+    if clash:
+        raise HeadlabError(f"--out {out}: holds {', '.join(clash)} of your own, which analyze would replace; "
+                           "--force writes beside files headlab did not write, not over them. Move them away or "
+                           "choose another directory")
     preflight.model_dir(config.model)
-    from headlab.loading import check_tokenizer_fits, load_config, load_tokenizer
+    from headlab.loading import check_supported, check_tokenizer_fits, load_config, load_tokenizer
 
     try:  # an unreadable model or a tokenizer that does not fit it fails here, not in every stage
         model_config = load_config(config.model, config.trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"model {config.model}: {error}") from error
+    # A family headlab cannot analyse (or, with --prune, physically prune): refused once, here.
+    check_supported(config.model, config.trust_remote_code, prune=config.prune)
     # A model directory without a tokenizer, or one whose special ids the model lacks: refused here.
     check_tokenizer_fits(load_tokenizer(config.model, config.trust_remote_code), model_config, config.model)
     for flag, path in (("--source", config.source), ("--target", config.target), ("--conllu", config.conllu),
@@ -236,18 +261,54 @@ def validate(config: AnalyzeConfig) -> Path:
     for name in config.skip:
         if name not in known:
             raise HeadlabError(f"--skip {name}: unknown stage; expected one of {', '.join(STAGES)} or importance")
+    # The sentences every stage reads, read through once here: a line that is not UTF-8 is exit 2
+    # now, not a failed stage (exit 1, an empty report) after the others ran.
+    n_source = len(_read_checked(config.source, "--source"))
+    for flag, path in (("--prune-source", config.prune_source), ("--prune-target", config.prune_target)):
+        if path is not None and config.prune:
+            _read_checked(path, flag)
     if config.target is not None:
-        from headlab.data.parallel import read_lines
-
-        n_source, n_target = len(read_lines(config.source)), len(read_lines(config.target))
+        n_target = len(_read_checked(config.target, "--target"))
         if n_source != n_target:
             raise HeadlabError(f"--source {config.source} has {n_source} lines but --target {config.target} has "
                                f"{n_target}: they must match line for line")
+    if config.prune and "prune" not in _skipped_by_flag(config) and config.target is not None \
+            and getattr(model_config, "is_encoder_decoder", False):
+        _check_sweep(config)
     if config.conllu_is_source:
         if config.conllu is None:
             raise HeadlabError("--conllu-is-source needs --conllu FILE")
         check_conllu_matches_source(config.conllu, config.source, config.limit)
     return out
+
+
+def _read_checked(path: str, flag: str) -> list[str]:
+    from headlab.data.parallel import read_lines
+
+    try:
+        return read_lines(path)
+    except HeadlabError as error:
+        raise HeadlabError(f"{flag} {error}") from None
+
+
+def _check_sweep(config: AnalyzeConfig) -> None:
+    """--prune-gates and --prune-keeps against the model's heads (its structure, no weights read),
+    so that a gate sweep that would fail does not leave an hour of other stages behind a failure."""
+    from headlab.adapters import attention_blocks
+    from headlab.loading import build_from_config
+    from headlab.pruning.train import resolve_kinds
+
+    if (Path(config.model) / "headlab_pruning.json").is_file():
+        return  # a pruned model: its head counts are in its weights, checked when the stage loads them
+    structure = build_from_config(config.model, config.trust_remote_code)
+    try:
+        kinds = resolve_kinds(structure, config.prune_gates)
+    except HeadlabError as error:
+        raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
+    n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds)
+    if any(keep > n_gated for keep in config.prune_keeps):
+        raise HeadlabError(f"--prune-keeps {','.join(map(str, config.prune_keeps))}: each budget must be between 1 "
+                           f"and the {n_gated} gated heads ({', '.join(kinds)})")
 
 
 def check_processes(config: AnalyzeConfig, processes: int) -> None:
@@ -462,7 +523,9 @@ def _head_analysis(ctx: _Context, functions: bool):
         if not c.train_text:
             note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
-                            max_sentences=c.treebank_limit, max_length=c.max_length, query_chunk=c.query_chunk)
+                            max_sentences=c.treebank_limit, max_length=c.max_length, engine=c.engine,
+                            # --query-chunk also chunks confidence: under --engine eager it is that stage's alone
+                            query_chunk=None if c.engine == "eager" else c.query_chunk)
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
                              model_name=Path(c.model).name, progress=c.progress)
     if analysis.report.n_sentences == 0:

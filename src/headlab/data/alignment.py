@@ -561,7 +561,8 @@ class AttentionView:
         self.block = block
         self.side = side
         # Keys beyond the side's length (e.g. a longer padded query) never happen for self-attention.
-        self.probs = probs.float()  # [B, H, rows, keys]
+        # float64 probabilities (a float64 model) stay float64: the reference for the fused passes
+        self.probs = probs if probs.dtype == torch.float64 else probs.float()  # [B, H, rows, keys]
         self.keys = probs.shape[3]
         self.start, self.stop = start, start + probs.shape[2]
         self.last = last

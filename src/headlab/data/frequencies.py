@@ -68,7 +68,7 @@ class TokenFrequencies:
             paths = [paths]
         paths = [Path(path) for path in paths]
         for path in paths:
-            if not path.is_file():
+            if not path.exists() or path.is_dir():
                 raise HeadlabError(f"training text not found: {path}")
 
         def sentences() -> Iterator[str]:
@@ -113,7 +113,7 @@ class TokenFrequencies:
     def from_file(cls, tokenizer, path: str | Path) -> "TokenFrequencies":
         """Read ``token<TAB>count`` lines; tokens missing from the file count 0."""
         path = Path(path)
-        if not path.is_file():
+        if not path.exists() or path.is_dir():
             raise HeadlabError(f"frequency file not found: {path}")
         vocab = tokenizer.get_vocab()
         counts = np.zeros(len(tokenizer), dtype=np.int64)

@@ -7,11 +7,13 @@ corpus that loads wrongly would silently spoil every statistic computed from it.
 from __future__ import annotations
 
 import gzip
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.errors import HeadlabError
+from headlab.preflight import HEAD, stream_bytes, text_problem
 
 __all__ = ["ParallelCorpus", "read_lines", "read_parallel"]
 
@@ -58,17 +60,40 @@ class ParallelCorpus:
 
 def open_binary(path: Path):
     """``path`` (plain or ``.gz``) opened in binary mode: the readers decode each line themselves,
-    so that an error can name the line with the bad bytes."""
+    so that an error can name the line with the bad bytes. A pipe (``/dev/stdin``, ``<(cmd)``) is
+    read once, whole (:func:`headlab.preflight.stream_bytes`)."""
+    stream = stream_bytes(path)
+    if stream is not None:
+        return io.BytesIO(stream)
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def stdin_lines() -> list[str]:
+    """The lines of standard input, read as bytes and checked like a file's (``<stdin>`` in errors)."""
+    import sys
+
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # replaced by a text stream (tests, notebooks): already decoded
+        return [line.rstrip("\r\n") for line in sys.stdin]
+    return _decoded(_split(io.BytesIO(buffer.read()), Path("<stdin>")), Path("<stdin>"))
+
+
+def _split(handle, path: Path) -> Iterator[tuple[int, bytes]]:
+    problem = text_problem(handle.read(HEAD))
+    if problem is not None:
+        raise HeadlabError(f"{path}: {problem}")
+    handle.seek(0)
+    for number, raw in enumerate(handle, start=1):
+        yield number, raw[3:] if number == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
 
 
 def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """``(1-based line number, raw line)`` of a text file, a UTF-8 byte order mark dropped (it is
-    not part of the first sentence); an unreadable file (or a ``.gz`` that is not gzip) is an error."""
+    not part of the first sentence); an unreadable file (or a ``.gz`` that is not gzip), one in
+    UTF-16 or UTF-32, or one whose lines end in a CR alone is an error naming the file."""
     try:
         with open_binary(path) as handle:
-            for number, raw in enumerate(handle, start=1):
-                yield number, raw[3:] if number == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+            yield from _split(handle, path)
     except (OSError, EOFError) as error:
         raise HeadlabError(f"cannot read {path}: {error}") from None
 
@@ -80,10 +105,16 @@ def read_lines(path: str | Path) -> list[str]:
     file if it is missing, and the file and 1-based line number if a line is not valid UTF-8.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # a pipe or /dev/stdin is not a regular file, and is read all the same
         raise HeadlabError(f"file not found: {path}")
+    if path.is_dir():
+        raise HeadlabError(f"{path}: a directory, not a file")
+    return _decoded(numbered_lines(path), path)
+
+
+def _decoded(numbered: Iterator[tuple[int, bytes]], path: Path) -> list[str]:
     lines: list[str] = []
-    for number, raw in numbered_lines(path):
+    for number, raw in numbered:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:

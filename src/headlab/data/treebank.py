@@ -345,7 +345,7 @@ def read_conllu(
         return
     if not isinstance(path, InMemoryTreebank):
         path = Path(path)
-        if not path.is_file():
+        if not path.exists() or path.is_dir():
             raise HeadlabError(f"CoNLL-U file not found: {path}")
     seen = 0
     for start, block, bad in _blocks(path):
@@ -382,7 +382,7 @@ def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
     if isinstance(path, InMemoryTreebank):
         return len(path.source) if not isinstance(path.source, str) else _count_blocks(raw for _, raw in path.lines())
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():
         raise HeadlabError(f"CoNLL-U file not found: {path}")
     with open_binary(path) as handle:
         return _count_blocks(handle)
@@ -408,7 +408,7 @@ class Treebank:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        if not self.path.is_file():
+        if not self.path.exists() or self.path.is_dir():
             raise HeadlabError(f"CoNLL-U file not found: {self.path}")
 
     def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:

@@ -28,6 +28,7 @@ maximum length (truncated to it, counted, and analysed on the words that fit).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice, zip_longest
@@ -49,6 +50,7 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
+from headlab.data.fused import FusedView, unavailable_passes, word_offset
 from headlab.data.parallel import read_lines
 from headlab.data.treebank import (
     InMemoryTreebank,
@@ -69,6 +71,8 @@ from headlab.shard import Shard, active
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
 
+logger = logging.getLogger(__name__)
+
 PIECE_ELEMENTS = 1 << 19
 """Under ``query_chunk`` on the CPU the statistics take each chunk of probabilities a few query
 rows at a time, about this many weights (2 MB in float32): their dozen elementwise passes and
@@ -84,18 +88,22 @@ def statistics_device(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
-def piece_rows(probs: torch.Tensor) -> int:
+FUSED_PIECE_ELEMENTS = 1 << 21
+"""The same for the fused engine, whose passes read each weight once or twice: larger pieces, fewer calls."""
+
+
+def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
     """How many query rows of a chunk ``probs`` ``[B, H, rows, T]`` the statistics take at a time:
-    about :data:`PIECE_ELEMENTS` weights on the CPU, the whole chunk elsewhere."""
+    about ``elements`` weights on the CPU, the whole chunk elsewhere."""
     B, H, rows, T = probs.shape
     if probs.device.type == "cpu":
-        return max(1, PIECE_ELEMENTS // max(1, B * H * T))
+        return max(1, elements // max(1, B * H * T))
     return max(1, rows)
 
 
 # Options added after results were published, left out of summary.json at their defaults so that
 # a default run writes the files it always wrote.
-_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False}
+_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None}
 
 
 @dataclass
@@ -112,9 +120,12 @@ class RunReport:
     problems: ProblemLog = field(default_factory=ProblemLog)
     analysed: list[str] = field(default_factory=list)
     max_length: int = 0
+    chunked_statistics: dict[str, str] = field(default_factory=dict)
+    """Under the fused engine: the statistics fed the chunked path's word rows (for some batch), and why."""
 
     def to_json(self) -> dict:
-        data = {k: v for k, v in self.__dict__.items() if k != "problems"}
+        # chunked_statistics only when some statistic fell back: a run without it writes what it always wrote
+        data = {k: v for k, v in self.__dict__.items() if k != "problems" and (k != "chunked_statistics" or v)}
         data["problems"] = self.problems.to_json()
         return data
 
@@ -131,6 +142,8 @@ class RunReport:
                 text += f"\n{name}: " + ", ".join(extras)
         if self.n_truncated:
             text += f"\n{self.n_truncated} sentences truncated to {self.max_length} tokens"
+        for name, reason in self.chunked_statistics.items():
+            text += f"\n{name}: computed over word rows (chunked path) for some batches: {reason}"
         if self.n_unaligned:
             text += f"\n{self.n_unaligned} sentences could not be aligned to subwords and were skipped"
         for problem in self.problems.problems[:10]:
@@ -260,6 +273,9 @@ def analyze_heads(
     blocks = [b for b in all_blocks if b.kind in sides]
     if not blocks:
         raise HeadlabError("the model has no self-attention to analyse on the given data")
+    if not any(b.n_heads for b in blocks):  # every analysed layer pruned to zero heads: all tables would be empty
+        raise HeadlabError(f"every {' and '.join(sorted(sides))} head of the model was pruned; there is no head "
+                           "to analyse on the given data")
     max_length = config.max_length or model_max_length(model, tokenizer)
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
                        max_length=max_length)
@@ -358,10 +374,71 @@ def analyze_heads(
         if chunk.last:
             del assemblers[block.key]
 
-    if config.query_chunk is None:
+    # The fused engine (headlab.data.fused): per block and batch, the statistics whose declared
+    # passes apply get FusedViews; the others the chunked path's word-row views, for that batch.
+    fused_plan: dict = {}  # block key -> (fused statistics, chunked statistics, WordRows | None)
+
+    def plan(block, side: SideBatch) -> tuple:
+        missing = set(unavailable_passes(side))
+        fused, chunked = [], []
+        for name, stat in stats.items():
+            passes = getattr(stat, "fused_passes", None)
+            if passes is not None and not missing.intersection(passes):
+                fused.append(stat)
+            else:
+                chunked.append(stat)
+                reason = "it declares no fused passes" if passes is None else \
+                    "the words of a batch are not single tokens"
+                if name not in report.chunked_statistics:
+                    logger.info("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
+                    report.chunked_statistics[name] = reason
+        return fused, chunked, WordRows(block, side) if chunked else None
+
+    def on_fused_chunk(block, chunk: AttentionChunk) -> None:
+        name = sides.get(block.kind, "")
+        if name not in current:
+            return
+        probs = chunk.probs.to(statistics_device(chunk.probs.device))
+        side = side_on(name, probs.device)
+        if chunk.start == 0:
+            fused_plan[block.key] = plan(block, side)
+        fused, chunked, words = fused_plan[block.key]
+        rows = probs.shape[2]
+        step = piece_rows(probs, PIECE_ELEMENTS if chunked else FUSED_PIECE_ELEMENTS)
+        for first in range(0, rows, step):
+            piece = probs[:, :, first:first + step]
+            last = chunk.last and first + step >= rows
+            if fused:
+                scores = None if chunk.scores is None else \
+                    chunk.scores[:, :, first:first + step].to(statistics_device(chunk.scores.device))
+                word_score = None if chunk.word_score is None else \
+                    chunk.word_score[:, :, first:first + step].to(probs.device)
+                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores,
+                                 word_score=word_score)
+                for stat in fused:
+                    stat.update_fused(view)
+            if chunked:
+                word_view = words.view(piece, chunk.start + first, last)
+                for stat in chunked:
+                    stat.update(word_view)
+        if chunk.last:
+            del fused_plan[block.key]
+
+    def word_tokens(block) -> torch.Tensor | None:
+        """The fused engine's word keys for the attention pass (AttentionChunk.word_score): the
+        tokens of the words where every word is one token, on the model's device; else None."""
+        name = sides.get(block.kind, "")
+        if name not in current or word_offset(current[name]) is None:
+            return None
+        return current[name].token_mask.to(device)  # [B, T] bool: a copy per block and batch, small
+
+    engine = config.resolved_engine
+    if engine == "eager":
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
-        capture = stream_attention(model, on_chunk, query_chunk=config.query_chunk, blocks=blocks)
+        capture = stream_attention(model, on_fused_chunk if engine == "fused" else on_chunk,
+                                   query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
+                                   key_mask=word_tokens if engine == "fused" else None)
 
     started = time.perf_counter()
     index = 0
@@ -401,6 +478,8 @@ def analyze_heads(
         if shard.split:
             _combine(shard, report, stats)
         report.seconds = time.perf_counter() - started
+        if config.engine is None:  # fused by default (--query-chunk): the files a chunked run always wrote; logged
+            report.chunked_statistics = {}
         report.treebanks = {
             str(path): counts[name].to_json()
             for name, path in (("source", conllu), ("target", target_conllu)) if path is not None

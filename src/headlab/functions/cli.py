@@ -10,6 +10,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
 from headlab.options import HelpFormatter, add_options, from_args
+from headlab.outdir import check_output, results_lock
 from headlab.shard import add_process_options
 
 
@@ -17,12 +18,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="local model directory (or hub id in the cache)")
     parser.add_argument("--conllu", help="CoNLL-U treebank (source side for a translation model)")
     parser.add_argument("--out", required=True, help="output directory (HeadScores JSON, tables, figures)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the results of an earlier run in --out (only the files it wrote)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     parser.add_argument("--target-conllu", help="target-side parses: also analyse decoder self-attention")
     parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
                                               "(when the source side has no CoNLL-U)")
     add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "word_pooling",
-                                         "query_chunk"))
+                                         "engine", "query_chunk"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,7 +82,7 @@ def _run(args, functions: bool, aggregate: bool) -> int:
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:
         return launched
-    with shard.joined(args.device) as part:
+    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main):
         return _analyse(args, functions, aggregate, part)
 
 
@@ -88,6 +91,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.loading import load_model, load_tokenizer
+    from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
     set_threads(args.threads)
@@ -112,7 +116,9 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     if not part.main:  # the main process writes and prints the whole corpus's results
         return 0
     out = Path(args.out)
-    analysis.save(out, figures=not args.no_figures)
+    write_results(out, lambda directory: analysis.save(directory, figures=not args.no_figures),
+                  command=args.command, model=args.model, overwrite=args.overwrite)
+    args.interrupted = written_note(out)
     print(analysis.report.describe())
     if analysis.syntactic is not None:
         for relation in analysis.syntactic.relations:
@@ -146,6 +152,9 @@ def _check(args) -> None:
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         raise HeadlabError(f"--tokenizer {args.tokenizer}: no such directory")
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, args.trust_remote_code)
     for flag, minimum in (("batch_size", 1), ("max_sentences", 1), ("max_length", 2), ("threads", 1),
                           ("window", 1), ("top_k", 0), ("top_frequent", 1), ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
@@ -158,6 +167,7 @@ def _check(args) -> None:
             except HeadlabError as error:
                 raise HeadlabError(f"--relations: {error}") from None
     preflight.output_dir(args.out)
+    check_output(args.out, args.overwrite)
 
 
 def run_functions(args) -> int:

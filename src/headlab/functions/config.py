@@ -9,9 +9,13 @@ from headlab.data.treebank import PAPER_RELATIONS
 from headlab.errors import HeadlabError
 from headlab.options import option
 
-__all__ = ["AnalysisConfig", "WORD_POOLINGS"]
+__all__ = ["AnalysisConfig", "ENGINES", "FUSED_QUERY_CHUNK", "WORD_POOLINGS"]
 
 WORD_POOLINGS = ("sum", "first", "max")
+ENGINES = ("eager", "chunked", "fused")
+"""Where the statistics of ``functions``/``aggregate`` run (``--engine``): see :mod:`headlab.data.fused`."""
+FUSED_QUERY_CHUNK = 128
+"""Query rows per chunk of the fused and chunked engines when ``--query-chunk`` is not given."""
 """Subword-to-word mappings (:data:`headlab.data.alignment.POOLINGS`, named here without importing torch)."""
 
 
@@ -20,23 +24,28 @@ class AnalysisConfig:
     """What to compute and how. Each field maps one to one onto a CLI flag."""
 
     relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
-    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)")
-    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head")
-    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent")
+    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]")
+    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head", range="[0, 1]")
+    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent", range="[1, inf)")
     max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
     functions: bool = True  # positional, syntactic and rare-token heads
     aggregate: bool = True  # Vig & Belinkov statistics
-    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only")
-    window: int = option(10, "variability over the first N words")
-    top_k: int = option(5, "exemplars per head")
-    batch_size: int = option(32, "sentences per forward pass")
-    max_sentences: int | None = option(None, "analyse only the first N sentences")
+    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only", range="[0, 1)")
+    window: int = option(10, "variability over the first N words", range="[1, inf)")
+    top_k: int = option(5, "exemplars per head", range="[0, inf)")
+    batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")
+    max_sentences: int | None = option(None, "analyse only the first N sentences", range="[1, inf)")
     spacing: str = option("words", "words: join the treebank's words by spaces; text: keep its SpaceAfter=No",
                           choices=("words", "text"))
-    max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)")
+    max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)", range="[2, inf)")
     query_chunk: int | None = option(None, "run headlab's own attention function and feed the statistics N query "
                                      "rows at a time: memory linear in the length (default: eager capture, whole maps)",
-                                     metavar="N")
+                                     metavar="N", range="[1, inf)")
+    engine: str | None = option(None, "where the statistics run: eager (each block's whole attention map), "
+                                "chunked (--query-chunk rows of probabilities at a time, statistics over word rows) or "
+                                "fused (the same chunks, statistics from a few passes over each: maxima, products with "
+                                "key features; word rows where words have several subwords); default: fused with "
+                                "--query-chunk, else eager", choices=ENGINES)
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
                                "largest weight)", choices=WORD_POOLINGS)
@@ -52,6 +61,24 @@ class AnalysisConfig:
             raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
         if self.batch_size < 1:
             raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.query_chunk is not None and self.query_chunk < 1:
             raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+        if self.engine == "eager" and self.query_chunk is not None:
+            raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         self.relations = tuple(self.relations)
+
+    @property
+    def resolved_engine(self) -> str:
+        """The engine that runs: :attr:`engine`, or by default fused with ``query_chunk``, else eager.
+        (Fused writes the chunked path's files to the bit wherever a word has several subwords, as on
+        every bundled model: it feeds the word statistics the same word rows there.)"""
+        if self.engine is not None:
+            return self.engine
+        return "fused" if self.query_chunk is not None else "eager"
+
+    @property
+    def chunk_rows(self) -> int:
+        """Query rows per chunk of the chunked and fused engines."""
+        return self.query_chunk if self.query_chunk is not None else FUSED_QUERY_CHUNK

@@ -73,6 +73,8 @@ def plot_function_grid(analysis, kind: str, axes=None):
     if axes is None:
         fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
         axes = axes[0]
+    if not panels:
+        _no_heads(axes[0], kind)
     for ax, panel in zip(axes, panels):
         scores, title, vmin, vmax, marks = panel[:5]
         cmap = panel[5] if len(panel) > 5 else "viridis"
@@ -89,14 +91,23 @@ def plot_aggregate_grid(aggregate, kind: str, axes=None, tags: tuple[str, ...] =
     panels = [(s, t) for s, t in panels if kind in s.kinds]
     if axes is None:
         columns = 4
-        rows = (len(panels) + columns - 1) // columns
+        rows = max(1, (len(panels) + columns - 1) // columns)  # one row saying so when the kind has no heads
         fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), squeeze=False)
         axes = axes.ravel()
         for ax in axes[len(panels):]:
             ax.set_visible(False)
     for ax, (scores, title) in zip(axes, panels):
         plot_head_scores(scores, kind, ax, title=f"{kind}: {title}")
+    if not panels:
+        axes[0].set_visible(True)
+        _no_heads(axes[0], kind)
     return axes
+
+
+def _no_heads(ax, kind: str) -> None:
+    """The panel of a kind whose every layer was pruned to zero heads: nothing to draw, said so."""
+    ax.text(0.5, 0.5, f"{kind}: no heads (all pruned)", ha="center", va="center", fontsize=9)
+    ax.set_axis_off()
 
 
 def save_figures(analysis, directory: str | Path) -> list[Path]:

@@ -60,6 +60,14 @@ class PositionalStats:
             if config.functions and config.sensitivity else None
 
     @property
+    def fused_passes(self) -> tuple[str, ...]:
+        """The passes :meth:`update` reads from a :class:`~headlab.data.fused.FusedView`: the maxima."""
+        return ("token_max",) if self.level == "token" else ("word_max",)
+
+    def update_fused(self, view: AttentionView) -> None:
+        self.update(view)  # it reads the maxima only, which a FusedView has
+
+    @property
     def n_bins(self) -> int:
         return 2 * self.max_offset + 3
 

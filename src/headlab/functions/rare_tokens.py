@@ -99,6 +99,12 @@ class RareTokenStats:
         self.n_sentences[kind] = self.n_sentences.get(kind, 0) + side.batch_size
         self.n_eligible[kind] = self.n_eligible.get(kind, 0) + int(eligible.sum())
 
+    fused_passes = ("token_max",)
+    """The passes :meth:`update` reads from a :class:`~headlab.data.fused.FusedView`: the token maxima."""
+
+    def update_fused(self, view: AttentionView) -> None:
+        self.update(view)
+
     def update(self, view: AttentionView) -> None:
         eligible, rarest, two_rarest = rare_token_masks(view.side, self.counts, self.top)
         argmax = view.token_argmax  # [B, H, rows]

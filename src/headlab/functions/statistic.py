@@ -22,7 +22,7 @@ from typing import Protocol
 from headlab.data.alignment import AttentionView
 from headlab.heads import HeadScores
 
-__all__ = ["HeadStatistic", "StatisticResult", "Labels", "empty_labels"]
+__all__ = ["HeadStatistic", "FusedStatistic", "StatisticResult", "Labels", "empty_labels"]
 
 Labels = dict[tuple[str, int, int], list[str]]
 """``{(kind, layer, head): [label, ...]}``; an analysed head without a function has ``[]``."""
@@ -55,6 +55,21 @@ class HeadStatistic(Protocol):
     def update(self, view: AttentionView) -> None: ...
 
     def result(self, *, model: str = "", signature: dict | None = None) -> StatisticResult: ...
+
+
+class FusedStatistic(Protocol):
+    """A :class:`HeadStatistic` that the fused engine (``engine="fused"``, :mod:`headlab.data.fused`)
+    can feed without word rows: it declares the passes it reads (names of
+    :data:`headlab.data.fused.PASSES`; None: none will do, it takes the chunked path) and takes
+    :class:`~headlab.data.fused.FusedView` s in ``update_fused``, in the order and with the
+    ``last`` flag of ``update``'s views. Where one of its passes does not apply to a batch it is fed
+    that batch's chunked views through ``update`` instead. A statistic without ``fused_passes``
+    always takes the chunked path."""
+
+    @property
+    def fused_passes(self) -> tuple[str, ...] | None: ...
+
+    def update_fused(self, view: AttentionView) -> None: ...
 
 
 def empty_labels(scores: HeadScores) -> Labels:

@@ -103,6 +103,12 @@ class SyntacticStats:
             table.setdefault((relation, "gov->dep"), Counter()).update(forward)
             table.setdefault((relation, "dep->gov"), Counter()).update(-x for x in forward)
 
+    fused_passes = ("word_max",)
+    """The passes :meth:`update` reads from a :class:`~headlab.data.fused.FusedView`: the word maxima."""
+
+    def update_fused(self, view: AttentionView) -> None:
+        self.update(view)
+
     def update(self, view: AttentionView) -> None:
         argmax = view.word_argmax  # [B, H, word rows]
         first, stop = view.word_start, view.word_stop

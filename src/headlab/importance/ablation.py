@@ -80,11 +80,24 @@ def _groups(variants: list[Variant], size: int) -> list[list[Variant]]:
 
 
 class _Recorded(nn.Module):
-    """Stands in for a layer below the masked one: returns that layer's recorded output."""
+    """Stands in for a layer below the masked one: returns that layer's recorded output.
 
-    def __init__(self, output: torch.Tensor):
+    Other attributes are the layer's own (not a sub-module: its weights stay out of this one), as
+    a model's forward may read them from its layers (ModernBERT's ``attention_type``)."""
+
+    def __init__(self, output: torch.Tensor, layer: nn.Module | None = None):
         super().__init__()
         self.output = output
+        self.__dict__["_layer"] = layer
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("_layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
 
     def forward(self, *args, **kwargs):
         return self.output
@@ -139,7 +152,7 @@ class _LayerRecorder:
                 if all(r is not None for r in recorded):
                     for i, output in enumerate(recorded):
                         replaced.append((container, i, container[i]))
-                        container[i] = _Recorded(output.repeat(copies, *([1] * (output.dim() - 1))))
+                        container[i] = _Recorded(output.repeat(copies, *([1] * (output.dim() - 1))), container[i])
             yield
         finally:
             for container, i, original in replaced:

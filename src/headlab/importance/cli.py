@@ -10,6 +10,7 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 from headlab.options import HelpFormatter, add_options, from_args, help_of
+from headlab.outdir import check_output, results_lock
 from headlab.shard import add_process_options
 
 
@@ -27,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
     p.add_argument("--method", default="all", help=help_of(ImportanceConfig, "methods") + " (several: comma-separated)")
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (only the files it wrote)")
     p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
@@ -49,11 +52,15 @@ def _check(args) -> None:
     if args.target is not None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, args.trust_remote_code)
     for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
                           ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
                           ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
+    check_output(args.out, args.overwrite)
 
 
 def _sentences(args) -> tuple[int, str]:
@@ -73,15 +80,16 @@ def run_importance_command(args) -> int:
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:
         return launched
-    with shard.joined(args.device) as part:
+    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main):
         return _run(args, part)
 
 
 def _run(args, part) -> int:
 
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
-    from headlab.importance.pipeline import run_importance, save_results
+    from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.loading import load_model, load_tokenizer
+    from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
     set_threads(args.threads)
@@ -103,13 +111,14 @@ def _run(args, part) -> int:
     start = time.perf_counter()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    if kinds:
-        from headlab.adapters import attention_blocks
+    from headlab.adapters import attention_blocks
 
-        present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
-        for kind in kinds:
-            if kind not in present:
-                raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
+    present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
+    if not present:  # every head pruned: no gate to take a gradient for, nothing to score
+        raise HeadlabError(f"{args.model}: every attention head of the model was pruned; there is no head to score")
+    for kind in kinds or ():
+        if kind not in present:
+            raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
     info = describe_model(model, tokenizer, max_length=args.max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
         from dataclasses import replace
@@ -118,15 +127,27 @@ def _run(args, part) -> int:
         info = replace(info, has_lm_head=False)
     data = read_data(args.data, tokenizer, info, target_path=args.target, n_sentences=args.n_sentences)
     log(data.summary())
-    result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    failed = None
+    try:
+        result = run_importance(model, data, info, config, tokenizer=tokenizer, log=log)
+    except MeasuresFailed as error:  # the other measures' scores are still written
+        failed, result = error, error.result
     if not part.main:  # the main process writes and prints the whole corpus's results
+        if failed is not None:
+            raise failed
         return 0
     out = Path(args.out)
-    written = save_results(result, out)
-    if args.plots:
-        from headlab.importance.plots import save_heatmap
 
-        written += [save_heatmap(t, out / f"{name}.png") for name, t in result.scores.items()]
+    def write(directory: Path) -> list[Path]:
+        written = save_results(result, directory)
+        if args.plots:
+            from headlab.importance.plots import save_heatmap
+
+            written += [save_heatmap(t, directory / f"{name}.png") for name, t in result.scores.items()]
+        return written
+
+    written = write_results(out, write, command="importance", model=args.model, overwrite=args.overwrite)
+    args.interrupted = written_note(out)
     for method, reason in result.skipped.items():
         print(f"skipped {method}: {reason}")
     for path in written:
@@ -147,5 +168,7 @@ def _run(args, part) -> int:
         best = result.agreement.best()
         if best:
             print(f"best predictor of ablation over all heads: {best}")
+    if failed is not None:
+        raise failed
     log(f"done in {time.perf_counter() - start:.0f}s")
     return 0

@@ -16,24 +16,26 @@ class ImportanceConfig:
     """Options of an importance run (``headlab importance`` maps its flags onto these)."""
 
     methods: tuple[str, ...] = field(default=("all",), metadata={"help": f"measures to run: {', '.join(MEASURES)} or all"})
-    batch_size: int = field(default=32, metadata={"help": "sentences per batch"})
+    batch_size: int = field(default=32, metadata={"help": "sentences per batch", "range": "[1, inf)"})
     metric: str = field(default=AblationOptions.metric, metadata={
         "help": "ablation metric: loss, bleu (translation models with --target) or accuracy (classifiers; "
                 "with loss they get both)", "choices": METRICS})
-    beam: int = field(default=AblationOptions.beam, metadata={"help": "beam size of the model's translations (1 = greedy)"})
+    beam: int = field(default=AblationOptions.beam, metadata={
+        "help": "beam size of the model's translations (1 = greedy)", "range": "[1, inf)"})
     lrp_strategy: str = field(default=LRPOptions.strategy, metadata={
         "help": "how LRP's backward passes run: vmap (fast), loop or jacobian", "choices": STRATEGIES})
     lrp_targets: int | None = field(default=LRPOptions.targets, metadata={
         "help": "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at each), not every "
-                "position; 0 or absent: all", "metavar": "K"})
-    lrp_seed: int = field(default=LRPOptions.seed, metadata={"help": "LRP: seed of the target sample and of the bootstrap"})
+                "position; 0 or absent: all", "metavar": "K", "range": "[0, inf)"})
+    lrp_seed: int = field(default=LRPOptions.seed, metadata={
+        "help": "LRP: seed of the target sample and of the bootstrap", "range": "[0, inf)"})
     lrp_bootstrap: int = field(default=LRPOptions.bootstrap, metadata={
-        "help": "LRP: resamples of the sentences for each score's standard error (0: none)", "metavar": "N"})
+        "help": "LRP: resamples of the sentences for each score's standard error (0: none)", "metavar": "N", "range": "[0, inf)"})
     ablation_rows: int = field(default=AblationOptions.rows, metadata={
-        "help": "rows per ablation forward call (masked copies x batch)"})
+        "help": "rows per ablation forward call (masked copies x batch)", "range": "[1, inf)"})
     query_chunk: int | None = field(default=ConfidenceOptions.query_chunk, metadata={
         "help": "confidence: headlab's own attention function, N query rows at a time (memory linear in the "
-                "length; default: eager capture, whole maps)", "metavar": "N"})
+                "length; default: eager capture, whole maps)", "metavar": "N", "range": "[1, inf)"})
     kinds: tuple[str, ...] | None = field(default=None, metadata={"help": "attention kinds to score (default: all)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 

@@ -67,6 +67,10 @@ class ImportanceMeasure:
             return NO_LM_HEAD
         return None
 
+    def unsupported(self, model: nn.Module) -> str | None:
+        """Why the measure cannot run on this model's modules (found before any work); None when it can."""
+        return None
+
     def score(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, batch_size: int = 32,
               kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer=None) -> HeadScores:
         """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds); by

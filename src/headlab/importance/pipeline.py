@@ -2,13 +2,17 @@
 
 :func:`run_importance` prepares the data once (tokens, the model's own translations), runs
 the chosen measures, and compares each with ablation. Measures that cannot run on a model
-(LRP, gradient importance and ablation need a language-model head) are skipped with a reason
-when the user asked for ``all``, and are an error when asked for by name.
+(LRP, gradient importance and ablation need a language-model head; LRP a rule for every
+normalisation) are skipped with a reason when the user asked for ``all``, and are an error when
+asked for by name. A measure that fails while running does not lose the others: they run on, and
+:class:`MeasuresFailed` carries their result (``headlab importance`` writes it, then exits 1).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +20,15 @@ from pathlib import Path
 from torch import nn
 
 from headlab._version import __version__
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.agreement import AgreementTable, compute_agreement
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.data import ImportanceData, ModelInfo, translate_data
 from headlab.importance.registry import MEASURES, REFERENCE
+from headlab.shard import active
 
-__all__ = ["ImportanceConfig", "ImportanceResult", "run_importance", "save_results"]
+__all__ = ["ImportanceConfig", "ImportanceResult", "MeasuresFailed", "run_importance", "save_results"]
 
 
 @dataclass
@@ -42,6 +47,15 @@ class ImportanceResult:
         return "\n".join(lines)
 
 
+class MeasuresFailed(RunFailed):
+    """Some measures failed while running; ``result`` holds the scores of those that did not."""
+
+    def __init__(self, failures: dict[str, str], result: ImportanceResult) -> None:
+        super().__init__("; ".join(f"{name} failed: {message}" for name, message in failures.items()))
+        self.failures = failures
+        self.result = result
+
+
 def run_importance(
     model: nn.Module,
     data: ImportanceData,
@@ -57,7 +71,8 @@ def run_importance(
     config = config or ImportanceConfig()
     asked_all = "all" in config.methods
     measures = {name: MEASURES[name](MEASURES[name].options_from(config)) for name in config.resolved_methods()}
-    skipped = {name: reason for name, m in measures.items() if (reason := m.unavailable(info, data)) is not None}
+    skipped = {name: reason for name, m in measures.items()
+               if (reason := m.unavailable(info, data) or m.unsupported(model)) is not None}
     if skipped and not asked_all:
         reasons: dict[str, list[str]] = {}
         for name, reason in skipped.items():
@@ -82,15 +97,30 @@ def run_importance(
     if mask:
         options["mask"] = {f"{kind}:{layer}": sorted(heads) for (kind, layer), heads in mask.items()}
     scores: dict[str, HeadScores] = {}
+    failures: dict[str, str] = {}
     for name, measure in measures.items():
         log(f"computing {name}")
-        for table in measure.run(model, data, info, mask=mask, batch_size=config.batch_size, kinds=config.kinds,
-                                 progress=config.progress, tokenizer=tokenizer):
+        try:
+            tables = measure.run(model, data, info, mask=mask, batch_size=config.batch_size, kinds=config.kinds,
+                                 progress=config.progress, tokenizer=tokenizer)
+        except Exception as error:  # the measures already computed, and those to come, are kept
+            # One measure alone has nothing to keep; processes of a sharded run must stop together.
+            if len(measures) == 1 or active().split:
+                raise
+            if not isinstance(error, HeadlabError):
+                traceback.print_exc(file=sys.stderr)
+            failures[name] = str(error) if isinstance(error, HeadlabError) else f"{type(error).__name__}: {error}"
+            log(f"{name} failed: {failures[name]}")
+            continue
+        for table in tables:
             scores[table.method] = _with_versions(table, options)
     agreement = None
     if REFERENCE in scores and len(scores) > 1:
         agreement = compute_agreement({k: v for k, v in scores.items() if k != REFERENCE}, scores[REFERENCE])
-    return ImportanceResult(scores, agreement, skipped, data)
+    result = ImportanceResult(scores, agreement, skipped, data)
+    if failures:
+        raise MeasuresFailed(failures, result)
+    return result
 
 
 def _with_versions(table: HeadScores, options: dict) -> HeadScores:

@@ -22,9 +22,14 @@ The other rules become ordinary backward passes once the right factors are detac
 * activation ``y = f(x)``:       forward ``x * stop(f(x) / x)``, so ``R(x) = R(y)``;
 * layer norm ``y = (x - mean(x)) * gamma / std(x) + beta``: ``gamma / std`` is detached, so the
   division by the standard deviation is a weight, not a neuron (the mean subtraction is a
-  weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``;
+  weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``,
+  with ``gamma`` the weight, one plus it (Gemma) or one (no weight, nor in OLMo's parameter-free
+  layer norm). :func:`norm_rule` finds them by class; any other normalisation is refused;
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
+* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
+  expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
+  constants as the attention weights below are (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -45,11 +50,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 
-__all__ = ["lrp_rules", "relevance"]
+__all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "norm_rule", "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -65,6 +70,12 @@ def _activation_classes() -> tuple[type, ...]:
 
 
 _ACTIVATIONS = _activation_classes()
+# Element-wise activations a family defines as its own module class, outside ACT2CLS.
+_NAMED_ACTIVATIONS = ("BloomGelu",)
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return isinstance(module, _ACTIVATIONS) or type(module).__name__ in _NAMED_ACTIVATIONS
 
 
 def relevance(tensor: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -104,17 +115,48 @@ def _layer_norm_rule(module: nn.LayerNorm, args, output):
     return _swap_backward(output, centered * scale)
 
 
+def _parameter_free_layer_norm_rule(module: nn.Module, args, output):
+    """A layer norm without weight or bias (OLMo's ``OlmoLayerNorm``): as :func:`_layer_norm_rule`,
+    with the factor ``1 / std`` the module really applied (its own eps and precision)."""
+    x = args[0]
+    centered = x + x.sum(-1, keepdim=True) * (-1.0 / x.shape[-1])
+    with torch.no_grad():
+        _check_finite(module, x)
+        scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + getattr(module, "eps", 1e-5))
+        if not torch.allclose(centered * scale, output, rtol=1e-3, atol=1e-5):
+            raise HeadlabError(f"LRP: {type(module).__name__} is not (x - mean(x)) / std(x); "
+                               "headlab has no LRP rule for it")
+        nonzero = centered != 0
+        scale = torch.where(nonzero, output / torch.where(nonzero, centered, torch.ones_like(centered)), scale)
+    return _swap_backward(output, centered * scale)
+
+
+def _check_finite(module: nn.Module, x: torch.Tensor) -> None:
+    """A norm's check of its formula fails on NaN: say so, rather than that the formula differs."""
+    if not bool(torch.isfinite(x).all()):
+        raise HeadlabError(f"LRP: the model's forward is not finite in {str(x.dtype).removeprefix('torch.')}: "
+                           f"NaN or infinity reached {type(module).__name__}")
+
+
 def _rms_norm_rule(module: nn.Module, args, output):
-    """RMS norms (T5, Llama, Qwen): x times a detached gamma / rms(x)."""
+    """RMS norms: x times a detached gamma / rms(x), with gamma the weight (T5, mT5, Llama, Qwen),
+    one plus the weight (Gemma's ``x * (1 + w)``) or one (no weight)."""
     x = args[0]
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    weight = getattr(module, "weight", None)
     with torch.no_grad():
+        _check_finite(module, x)
         wide = torch.promote_types(x.dtype, torch.float32)  # as the norms compute it: at least fp32
-        factor = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps) * module.weight.to(wide)
-        factor = factor.to(output.dtype).expand_as(output)
-        if not torch.allclose(x * factor, output, rtol=1e-3, atol=1e-5):
+        rms = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+        gammas = [None] if not isinstance(weight, torch.Tensor) else [weight.to(wide), 1 + weight.to(wide)]
+        for gamma in gammas:
+            factor = (rms if gamma is None else rms * gamma).to(output.dtype).expand_as(output)
+            if torch.allclose(x * factor, output, rtol=1e-3, atol=1e-5):
+                break
+        else:
             raise HeadlabError(
-                f"LRP: {type(module).__name__} is not weight * x / rms(x); headlab has no LRP rule for it"
+                f"LRP: {type(module).__name__} is not x / rms(x) times its weight (or one plus it); "
+                "headlab has no LRP rule for it"
             )
         # The factor the module really applied (its own precision), so that x * factor == output.
         nonzero = x != 0
@@ -123,13 +165,59 @@ def _rms_norm_rule(module: nn.Module, args, output):
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
+    """RMS norms by class: torch's, transformers' ``...RMSNorm`` and the T5 family's ``...T5LayerNorm``
+    (an RMS norm under another name); :func:`_rms_norm_rule` checks the formula on every call."""
     name = type(module).__name__
-    return (name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+    return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm"))
+
+
+def _is_parameter_free_layer_norm(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("LayerNorm") and hasattr(module, "normalized_shape")
+            and next(module.parameters(), None) is None)
 
 
 def _looks_like_norm(module: nn.Module) -> bool:
-    name = type(module).__name__.lower()
-    return ("norm" in name) and any(True for _ in module.parameters(recurse=False))
+    """A normalisation by its class name, with or without parameters (OLMo's has none); a
+    module that only holds other modules (StableLM's per-head norms) is judged by its children."""
+    if "norm" not in type(module).__name__.lower():
+        return False
+    holds_only_modules = next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None
+    return not holds_only_modules
+
+
+def norm_rule(module: nn.Module):
+    """The forward hook that applies ``module``'s LRP rule when it is a normalisation; None when
+    it is none. A normalisation without a rule raises :class:`HeadlabError` naming its class."""
+    if isinstance(module, nn.LayerNorm):
+        return _layer_norm_rule
+    if _is_rms_norm(module):
+        return _rms_norm_rule
+    if _is_parameter_free_layer_norm(module):
+        return _parameter_free_layer_norm_rule
+    if _looks_like_norm(module):
+        raise HeadlabError(f"LRP: no rule for the normalisation module {type(module).__name__}")
+    return None
+
+
+def check_rules(model: nn.Module) -> None:
+    """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
+    a normalisation headlab does not know (named by its class and path) or an in-place activation."""
+    unknown: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        try:
+            norm_rule(module)
+        except HeadlabError:
+            unknown.setdefault(type(module).__name__, []).append(path)
+        if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
+            raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
+                               f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
+        if _is_activation(module) and getattr(module, "inplace", False):
+            raise HeadlabError(f"LRP: in-place activation {type(module).__name__} ({path}) is not supported")
+    if unknown:
+        listed = "; ".join(f"{name} (at {paths[0]}" + (f" and {len(paths) - 1} more)" if len(paths) > 1 else ")")
+                           for name, paths in unknown.items())
+        raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: headlab knows LayerNorm "
+                           "(with or without parameters) and RMS norms (weight, 1 + weight, or none)")
 
 
 def _detach_output(module, args, output):
@@ -141,6 +229,19 @@ def _detach_qk_columns(width_qk: int):
 
     def hook(module, args, output):
         return torch.cat([output[..., :width_qk].detach(), output[..., width_qk:]], dim=-1)
+
+    return hook
+
+
+def _detach_columns(block: AttentionBlock):
+    """For a fused projection in any other layout (per head, grouped): detach the q and k columns
+    wherever the layout puts them, keep the values'."""
+    q, k, _ = block.qkv_columns()
+    is_qk = torch.zeros(out_features(block.qkv), dtype=torch.bool)
+    is_qk[torch.cat([q, k])] = True
+
+    def hook(module, args, output):
+        return torch.where(is_qk.to(output.device), output.detach(), output)
 
     return hook
 
@@ -167,14 +268,87 @@ class _GatedProduct:
         self.a = self.b = None
         if a is None or b is None or a.shape != v.shape or b.shape != v.shape:
             raise HeadlabError(f"LRP: cannot find the two factors of the gated MLP before {type(module).__name__}")
-        with torch.no_grad():
-            total = a + b
-            safe = torch.where(total == 0, torch.ones_like(total), total)
-            # w_{a->v} = a / (a + b), w_{b->v} = b / (a + b); a + b == 0: split equally.
-            share = torch.where(total == 0, 0.5 * b, a * b / safe)
-            share_b = torch.where(total == 0, 0.5 * a, share)
-        surrogate = a * share + b * share_b
-        return (_swap_backward(v, surrogate.to(v.dtype)), *args[1:])
+        return (_swap_backward(v, _product(a, b).to(v.dtype)), *args[1:])
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b`` with the backward of Ding et al.'s product rule: ``(a + b) * stop(a b / (a + b))``."""
+    with torch.no_grad():
+        total = a + b
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        # w_{a->v} = a / (a + b), w_{b->v} = b / (a + b); a + b == 0: split equally.
+        share = torch.where(total == 0, 0.5 * b, a * b / safe)
+        share_b = torch.where(total == 0, 0.5 * a, share)
+    return a * share + b * share_b
+
+
+def _moe_layout_problem(module: nn.Module) -> str | None:
+    """Why headlab has no rule for a mixture-of-experts module (None: it has one).
+
+    The rule (:func:`_experts_rule`) is for transformers' fused gated experts (Mixtral, Qwen2-MoE,
+    Qwen3-MoE): ``gate_up_proj`` ``[experts, 2 * inner, hidden]`` holding [gate; up],
+    ``down_proj`` ``[experts, hidden, inner]``, ``act_fn``, no biases, no norm after the experts,
+    called as ``experts(hidden_states, top_k_index, top_k_weights)``."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
+            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] \
+            or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        return "its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj [experts, hidden, inner]"
+    if not isinstance(getattr(module, "act_fn", None), nn.Module):
+        return "it has no act_fn module"
+    flags = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+             "has_post_expert_norm": False}
+    wrong = [name for name, value in flags.items() if getattr(module, name, value) != value]
+    if wrong:
+        return f"its layout differs ({', '.join(f'{name}={getattr(module, name)}' for name in wrong)})"
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # a transformers without it: the experts' own forward, checked on every call
+        _default_apply_gate = None
+    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if apply_gate is not _default_apply_gate:
+        return "it applies its own gate (_apply_gate)"
+    return None
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A module holding the weights of several experts (3-d ``...proj`` parameters, or an ``...Experts`` class)."""
+    three_d = any(p.dim() == 3 and name.endswith("proj") for name, p in module.named_parameters(recurse=False))
+    return three_d or type(module).__name__.endswith("Experts")
+
+
+def routed_experts(model: nn.Module) -> list[nn.Module]:
+    """The mixture-of-experts modules of ``model`` (each a set of gated MLPs, see :func:`_experts_rule`)."""
+    return [module for module in model.modules() if _is_experts(module)]
+
+
+def _experts_rule(module: nn.Module, args, kwargs, output):
+    """Routed gated experts: ``sum_k w_k down_e(act(gate_e x) * up_e x)`` over each token's top-k
+    experts ``e`` with routing weights ``w_k``. Each expert gets the rules of a gated MLP (the
+    activation rule and Ding et al.'s product rule); the routing weights are constants of the
+    backward pass, as the attention weights are (Voita et al. 2019, App. A: the weights of a
+    weighted sum), so all relevance flows through the experts. The output is recomputed so,
+    checked against the module's own (any implementation), and only its backward is used."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    if len(given) != 3 or not isinstance(output, torch.Tensor):
+        raise HeadlabError(f"LRP: {type(module).__name__} is not called as experts(hidden_states, top_k_index, "
+                           "top_k_weights); headlab has no LRP rule for it")
+    x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"].detach()
+    surrogate = torch.zeros_like(x)
+    for expert in range(module.gate_up_proj.shape[0]):
+        token, slot = torch.where(index == expert)
+        if not len(token):
+            continue
+        gate, up = nn.functional.linear(x[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
+        inner = _product(module.act_fn(gate), up)  # act_fn carries the activation rule's hook
+        routed = nn.functional.linear(inner, module.down_proj[expert]) * weights[token, slot, None]
+        surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
+    with torch.no_grad():
+        if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
+            raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed gated experts "
+                               "(w_k down(act(gate x) * up x)); headlab has no LRP rule for it")
+    return _swap_backward(output, surrogate)
 
 
 class _ActivationBetween:
@@ -207,16 +381,32 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
             continue
         for before, after, _ in _FUNCTIONAL_ACTIVATIONS:
             parts = [getattr(module, name, None) for name in (before, after)]
-            has_act_module = any(isinstance(child, _ACTIVATIONS) for child in module.children())
+            has_act_module = any(_is_activation(child) for child in module.children())
             if all(isinstance(p, nn.Module) for p in parts) and not has_act_module:
                 found.append((parts[0], parts[1]))
     return found
 
 
+# Gates that scale a shared expert's output (Qwen2-MoE: ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``).
+_EXPERT_GATES = ("shared_expert_gate",)
+
 _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+# One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
+# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
+_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
 
 
-def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    found = []
+    for module in model.modules():
+        for gate_up, down, act in _FUSED_GATED_NAMES:
+            parts = [getattr(module, name, None) for name in (act, gate_up, down)]
+            if all(isinstance(p, nn.Module) for p in parts):
+                found.append((parts[0], parts[1], parts[2]))
+    return found
+
+
+def gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
     found = []
     for module in model.modules():
         for gate, up, down, act in _GATED_NAMES:
@@ -239,25 +429,38 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     """
     blocks = attention_blocks(model) if blocks is None else blocks
     handles = HookHandles()
+    restore: list[tuple[object, str]] = []
     try:
-        gated = _gated_mlps(model)
+        gated = gated_mlps(model)
+        check_rules(model)
         for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                handles.append(module.register_forward_hook(_layer_norm_rule))
-            elif _is_rms_norm(module):
-                handles.append(module.register_forward_hook(_rms_norm_rule))
-            elif isinstance(module, _ACTIVATIONS):
-                if getattr(module, "inplace", False):
-                    raise HeadlabError(f"LRP: in-place activation {type(module).__name__} is not supported")
+            rule = norm_rule(module)
+            if rule is not None:
+                handles.append(module.register_forward_hook(rule))
+            elif _is_activation(module):
                 handles.append(module.register_forward_hook(_activation_rule))
-            elif _looks_like_norm(module):
-                raise HeadlabError(f"LRP: no rule for the normalisation module {type(module).__name__}")
         for act, up, down in gated:
             product = _GatedProduct()
             # after the activation rule (hooked above), so it sees the rule's output
             handles.append(act.register_forward_hook(product.keep_a))
             handles.append(up.register_forward_hook(product.keep_b))
             handles.append(down.register_forward_pre_hook(product.pre_down))
+        for act, gate_up, down in fused_gated_mlps(model):
+            product = _GatedProduct()
+            handles.append(act.register_forward_hook(product.keep_a))
+            handles.append(gate_up.register_forward_hook(
+                lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
+            handles.append(down.register_forward_pre_hook(product.pre_down))
+        for path, module in model.named_modules():
+            if _is_experts(module):
+                handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
+                config = getattr(module, "config", None)
+                if getattr(config, "_experts_implementation", "eager") != "eager":
+                    # transformers' grouped and batched matmuls take no float64: its reference loop
+                    restore.append((config, config._experts_implementation))
+                    config._experts_implementation = "eager"
+            elif path.rpartition(".")[2] in _EXPERT_GATES:  # a gate is a constant, as routing weights are
+                handles.append(module.register_forward_hook(_detach_output))
         for before, after in _functional_activations(model):
             between = _ActivationBetween()
             handles.append(before.register_forward_hook(between.keep))
@@ -265,7 +468,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0:
                 continue
-            if block.qkv is not None:
+            if block.qkv is not None and block.family.qkv_layout != "q|k|v":
+                handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
+            elif block.qkv is not None:
                 width = (block.n_heads + block.n_kv_heads) * block.d_head
                 handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
             else:
@@ -274,3 +479,5 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         yield
     finally:
         handles.remove()
+        for config, implementation in reversed(restore):
+            config._experts_implementation = implementation  # type: ignore[attr-defined]

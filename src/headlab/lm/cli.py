@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads per process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
-                                            "command to continue from it")
+                                            "command to continue from it",
+                   interrupted_if=("{out}/last", "{out}/last.old", "{out}/.last.old-*/last"))
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
                             formatter_class=HelpFormatter)

@@ -26,14 +26,14 @@ class LMConfig:
 
     arch: str = option("llama", "llama: rotary positions, RMSNorm, SwiGLU; gpt2: learned positions "
                        "(Vig & Belinkov's)", choices=ARCHITECTURES)
-    d_model: int = option(256, "model width")
+    d_model: int = option(256, "model width", range="[1, inf)")
     # SwiGLU for llama: three matrices of this width
-    ffn_dim: int = option(1024, "MLP inner width", flag="ffn")
-    layers: int = option(6, "decoder layers")
-    n_heads: int = option(8, "attention heads per layer", flag="heads")
-    dropout: float = option(0.1, "residual and embedding dropout (gpt2; Llama has none)")
-    attention_dropout: float = option(0.1, "dropout of the attention weights")
-    max_positions: int = option(256, "longest input; longer sentences are cut (and counted in the log)")
+    ffn_dim: int = option(1024, "MLP inner width", flag="ffn", range="[1, inf)")
+    layers: int = option(6, "decoder layers", range="[1, inf)")
+    n_heads: int = option(8, "attention heads per layer", flag="heads", range="[1, inf)")
+    dropout: float = option(0.1, "residual and embedding dropout (gpt2; Llama has none)", range="[0, 1)")
+    attention_dropout: float = option(0.1, "dropout of the attention weights", range="[0, 1)")
+    max_positions: int = option(256, "longest input; longer sentences are cut (and counted in the log)", range="[2, inf)")
 
 
 @dataclass

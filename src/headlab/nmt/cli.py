@@ -35,7 +35,8 @@ def register(subparsers) -> None:
                    "while training and keep the faster (useful on a shared CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
-                                            "command to continue from it")
+                                            "command to continue from it",
+                   interrupted_if=("{out}/last", "{out}/last.old", "{out}/.last.old-*/last"))
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
                             formatter_class=HelpFormatter)
@@ -113,9 +114,10 @@ def _add_translation_options(p) -> None:
 
 def _read_input(path: str) -> list[str]:
     from headlab.data import read_lines
+    from headlab.data.parallel import stdin_lines
 
     if path == "-":
-        return [line.rstrip("\r\n") for line in sys.stdin]
+        return stdin_lines()
     return read_lines(path)
 
 
@@ -185,9 +187,12 @@ def _translate(args) -> int:
 
 
 def _bleu(args) -> int:
+    from headlab import preflight
     from headlab.data import read_lines
     from headlab.nmt.bleu import compute_scores
 
+    preflight.input_file(args.hyp, "--hyp")
+    preflight.input_file(args.ref, "--ref")
     scores = compute_scores(read_lines(args.hyp), read_lines(args.ref))
     print(json.dumps(scores.to_dict(), indent=2) if args.json else scores.format())
     return 0

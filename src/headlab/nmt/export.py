@@ -16,6 +16,7 @@ from headlab.errors import HeadlabError
 from headlab.heads import readable_as_umask_allows
 from headlab.loading import load_model as _load_any
 from headlab.nmt.tokenizer import load_tokenizer
+from headlab.outdir import check_output, results_lock, write_results
 
 
 def load_model(path: str | Path):
@@ -49,22 +50,29 @@ def export_model(
     of one checkpoint of ``run_dir`` to ``out_dir`` (loadable with ``from_pretrained``)."""
     source = checkpoint_dir(run_dir, which)
     out_dir = Path(out_dir)
-    if (out_dir / "model.safetensors").exists() and not overwrite:
-        raise HeadlabError(f"{out_dir} already holds a model; pass --overwrite to replace it")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise HeadlabError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    # Like functions' --out (headlab.outdir): one run at a time, a directory of the user's files or
+    # of an export older than the manifest refused, written whole and listed, --overwrite replacing
+    # only what an earlier export wrote.
+    check_output(out_dir, overwrite, "--to")
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_dir)
     model = load_model(source).to(getattr(torch, dtype))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(out_dir))
-    readable_as_umask_allows(out_dir)
-    copies = {source / "metrics.json": "train_metrics.json", Path(run_dir) / "history.json": "train_history.json"}
-    for kept, name in copies.items():
-        if kept.is_file():
-            shutil.copyfile(kept, out_dir / name)
-    (out_dir / "export.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(str(directory), safe_serialization=True)
+        tokenizer.save_pretrained(str(directory))
+        readable_as_umask_allows(directory)
+        copies = {source / "metrics.json": "train_metrics.json", Path(run_dir) / "history.json": "train_history.json"}
+        for kept, name in copies.items():
+            if kept.is_file():
+                shutil.copyfile(kept, directory / name)
+        (directory / "export.json").write_text(
+            json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
+
+    with results_lock(out_dir, overwrite, True, "--to"):
+        write_results(out_dir, write, command="export", model=str(source), overwrite=overwrite, flag="--to")
     return out_dir
 
 

@@ -80,7 +80,23 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise HeadlabError(f"no tokenizer in {path} (expected tokenizer.json)")
-    return AutoTokenizer.from_pretrained(str(path))
+    serialized = path / "tokenizer.json"
+    if serialized.is_file():  # empty or cut short: transformers' JSONDecodeError would be a traceback
+        try:
+            Tokenizer.from_file(str(serialized))
+        except Exception as error:  # noqa: BLE001 - tokenizers raises its own exception types
+            reason = "the file is empty" if serialized.stat().st_size == 0 else f"not a tokenizer ({error})"
+            raise HeadlabError(f"{serialized}: {reason}; copy it again from the model it came with") from error
+    try:
+        # A vocabulary headlab trained (or any fast tokenizer): never code from the directory, never a prompt.
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (ValueError, OSError) as error:
+        if serialized.is_file():
+            raise
+        # Only tokenizer_config.json: transformers would build the vocabulary from a slow
+        # tokenizer's files, and there are none (or no converter is installed).
+        raise HeadlabError(f"no usable tokenizer in {path}: {serialized.name} is missing and the "
+                           "other tokenizer files there cannot make one") from error
 
 
 def run_tokenizer(out_dir: str | Path, given: str | None, resume: bool, train_new) -> tuple[PreTrainedTokenizerFast, bool]:

@@ -26,6 +26,7 @@ Checkpoints (all written to a temporary directory first, then renamed into place
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import re
 import shutil
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Sequence
@@ -44,7 +46,7 @@ from safetensors.torch import load_file
 from headlab.capture import eval_mode
 from headlab.data.batching import make_batches
 from headlab.errors import HeadlabError
-from headlab.heads import atomic_dir, atomic_write_text
+from headlab.heads import atomic_dir, atomic_write_text, moved_aside
 from headlab.nmt.config import TrainConfig
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 
@@ -63,6 +65,7 @@ __all__ = [
     "average_checkpoints",
     "load_weights",
     "has_model",
+    "check_resume_point",
     "refuse_occupied_output",
 ]
 
@@ -231,6 +234,17 @@ def refuse_occupied_output(config: TrainConfig) -> None:
                            "or --resume to continue it")
 
 
+def _torch_save(value, path: Path) -> None:
+    """``torch.save``, whose failure on a full disk is a RuntimeError naming no file and no cause
+    ("unexpected pos 54720 vs 54612"): when the disk is (nearly) full, the OSError it is."""
+    try:
+        torch.save(value, path)
+    except RuntimeError as error:
+        if shutil.disk_usage(path.parent).free < 1 << 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
+        raise
+
+
 def _save_weights(model, directory: Path) -> None:
     # save_pretrained handles tied weights and writes config.json + generation_config.json.
     from transformers.utils import logging as hf_logging
@@ -302,9 +316,50 @@ def load_weights(model, path: str | Path) -> None:
         raise HeadlabError(f"{path} does not fit the model: missing keys {untied[:5]}")
 
 
+def _damaged(path: Path, reason: str) -> str:
+    return (f"--resume: {path} is damaged or not this run's ({reason}); nothing was changed: restore it, "
+            "or start again without --resume and with --overwrite")
+
+
+def _resume_file(path: Path, load: Callable[[Path], Any]) -> Any:
+    """``load(path)`` for one file of the checkpoint resumed from; a truncated or corrupt file (a
+    JSONDecodeError, safetensors' or torch's zip reader's error) is the user's exit 2 naming it,
+    found before any step or any write."""
+    try:
+        return load(path)
+    except HeadlabError:
+        raise
+    except FileNotFoundError as error:
+        raise HeadlabError(_damaged(path, "the file is missing")) from error
+    except Exception as error:  # noqa: BLE001 - json, safetensors, torch's zip reader, load_state_dict
+        reason = str(error).splitlines()[0].split(". ")[0] if str(error) else type(error).__name__
+        raise HeadlabError(_damaged(path, reason[:200])) from error
+
+
+def check_resume_point(out_dir: str | Path) -> None:
+    """Refuse (exit 2, naming the file) a resume point whose files are damaged, before a caller
+    writes anything: trainer_state.json parsed, the weights' header read, each ``.pt`` file's zip
+    directory read (a truncated one has none). Cheap: no tensor is loaded; the trainer's loads
+    check the rest."""
+    directory = _resume_dir(Path(out_dir))
+    if directory is None:
+        return
+    _resume_file(directory / STATE_FILE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+
+    def header(path: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+
+    _resume_file(directory / WEIGHTS_FILE, header)
+    for name in ("optimizer.pt", *sorted(p.name for p in directory.glob("rng-*.pt"))):
+        _resume_file(directory / name, lambda path: zipfile.ZipFile(path).close())
+
+
 def _resume_dir(out_dir: Path) -> Path | None:
-    for name in ("last", "last.old"):
-        candidate = out_dir / name
+    # last.old: where atomic_dir moved the old copy before it used new directories of its own
+    for candidate in (out_dir / "last", out_dir / "last.old", *moved_aside(out_dir / "last")):
         if (candidate / STATE_FILE).is_file() and (candidate / WEIGHTS_FILE).is_file():
             return candidate
     return None
@@ -443,8 +498,8 @@ def train(
     if config.resume and resume_from is None:
         log(f"nothing to resume in {out_dir}; starting from scratch")
     if resume_from is None and config.overwrite and main:
-        for name in ("last", "last.old", "best", "epochs", "averaged", STATE_FILE, "history.json"):
-            target = out_dir / name
+        for target in (*(out_dir / name for name in ("last", "last.old", "best", "epochs", "averaged", STATE_FILE,
+                                                     "history.json")), *(p.parent for p in moved_aside(out_dir / "last"))):
             if target.is_dir():
                 shutil.rmtree(target)
             elif target.exists():
@@ -470,18 +525,21 @@ def train(
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
              "improved_epoch": None, "history": [], "tokens": 0, "world_size": world_size, "elapsed_s": 0.0}
     if resume_from is not None:
-        saved = json.loads((resume_from / STATE_FILE).read_text())
+        saved = _resume_file(resume_from / STATE_FILE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+        if not isinstance(saved, dict) or not all(key in saved for key in ("epoch", "batch_in_epoch", "step")):
+            raise HeadlabError(_damaged(resume_from / STATE_FILE, "not a training state"))
         if saved.get("world_size", 1) != world_size:
             raise HeadlabError(
                 f"{resume_from} was written by {saved.get('world_size')} processes; resume with the same number "
                 f"(now {world_size}) so the data order is the same"
             )
         state.update(saved)
-        load_weights(model, resume_from)
-        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", weights_only=True))
+        _resume_file(resume_from / WEIGHTS_FILE, lambda path: load_weights(model, path))
+        _resume_file(resume_from / "optimizer.pt",
+                     lambda path: optimizer.load_state_dict(torch.load(path, weights_only=True)))
         rng_file = resume_from / f"rng-{rank}.pt"
         if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=True), accelerator.device)
+            _resume_file(rng_file, lambda path: _set_rng_state(torch.load(path, weights_only=True), accelerator.device))
         log(f"resuming from {resume_from}: epoch {state['epoch'] + 1}, batch {state['batch_in_epoch']}, step {state['step']}")
         if main:
             _record_config_changes(out_dir, config, state)
@@ -502,14 +560,14 @@ def train(
         if main:
             def write(tmp: Path) -> None:
                 _save_weights(raw_model, tmp)
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
                 (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-                torch.save(_rng_state(accelerator.device), tmp / "rng-0.pt")
+                _torch_save(_rng_state(accelerator.device), tmp / "rng-0.pt")
             atomic_dir(out_dir / "last", write)
         accelerator.wait_for_everyone()
         if not main:
             rng_tmp = out_dir / "last" / f".rng-{rank}.pt.tmp"
-            torch.save(_rng_state(accelerator.device), rng_tmp)
+            _torch_save(_rng_state(accelerator.device), rng_tmp)
             os.replace(rng_tmp, out_dir / "last" / f"rng-{rank}.pt")
         accelerator.wait_for_everyone()
 

@@ -38,6 +38,8 @@ def rewrite_argv(argv: list[str]) -> list[str]:
 def _add_data_options(p) -> None:
     p.add_argument("model", help="the converged model: a local directory (safetensors)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model directory)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow code from the model directory to run (off by default)")
     p.add_argument("--train-src", help="training source file (translation)")
     p.add_argument("--train-tgt", help="training target file (translation)")
     p.add_argument("--train-text", help="training text, one sentence per line (encoder-/decoder-only LM loss)")
@@ -84,7 +86,8 @@ def register(subparsers) -> None:
     tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
     add_options(tr, PruneConfig().train, ("resume", "overwrite"))
     tr.set_defaults(func=run_train, interrupted="the last checkpoint in {out}/train is kept; add --resume to the "
-                                                "same command to continue from it")
+                                                "same command to continue from it",
+                    interrupted_if=("{out}/train/last", "{out}/train/last.old", "{out}/train/.last.old-*/last"))
 
     sw = sub.add_parser("sweep", formatter_class=DEFAULTS,
                         help="gated fine-tuning for several lambdas or budgets; resumable; one table")
@@ -95,7 +98,8 @@ def register(subparsers) -> None:
     sw.add_argument("--no-reference", action="store_true", help="do not evaluate the unpruned model")
     sw.add_argument("--out", required=True, help="sweep directory (one sub-directory per point, sweep.md/csv/json)")
     sw.set_defaults(func=run_sweep_command, interrupted="the finished points and the current point's last "
-                                                        "checkpoint are kept in {out}; the same command resumes")
+                                                        "checkpoint are kept in {out}; the same command resumes",
+                    interrupted_if=("{out}/*/train/last", "{out}/*/train/.last.old-*/last", "{out}/*/result.json"))
 
     bl = sub.add_parser("baseline", help="random / Michel / score-ranked pruning at equal head counts", formatter_class=DEFAULTS)
     _add_data_options(bl)
@@ -108,7 +112,7 @@ def register(subparsers) -> None:
                                      "mixed_precision", "eval_beam", "importance_batches"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
-                                                   "command resumes after them")
+                                                   "command resumes after them", interrupted_if=("{out}/baselines.json",))
 
     rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
@@ -148,6 +152,9 @@ def _check_inputs(args) -> None:
             preflight.input_file(path, flag)
     _check_dev(args)
     preflight.model_dir(args.model)
+    from headlab.loading import check_supported
+
+    check_supported(args.model, getattr(args, "trust_remote_code", False), prune=True)
     if args.tokenizer is not None:
         preflight.model_dir(args.tokenizer, "--tokenizer")
     for name in ("limit", "eval_limit", "max_sentence_tokens", "threads"):
@@ -185,7 +192,9 @@ def _dev_data(args):
 def _load(args):
     from headlab.loading import load_model, load_tokenizer
 
-    return load_model(args.model), load_tokenizer(args.tokenizer or args.model)
+    trust = args.trust_remote_code
+    return load_model(args.model, trust_remote_code=trust), load_tokenizer(args.tokenizer or args.model,
+                                                                          trust_remote_code=trust)
 
 
 def _data(args, tokenizer, model):

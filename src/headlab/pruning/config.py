@@ -26,28 +26,28 @@ class PruneConfig:
     gates: str = option("enc_self", "enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
                         "or a comma list of kinds")
     lam: float = option(0.05, "weight of the L0 penalty (lambda)")  # ignored with keep
-    keep: int | None = option(None, "reach exactly N open heads (Lagrangian budget, CoFi)")
+    keep: int | None = option(None, "reach exactly N open heads (Lagrangian budget, CoFi)", range="[1, inf)")
     freeze_decoder: bool | None = None  # None: frozen iff gates == "enc_self" and there is a decoder
-    beta: float = option(DEFAULT_BETA, "Hard Concrete temperature (the authors' 0.33; 2/3 in Louizos et al.)")
+    beta: float = option(DEFAULT_BETA, "Hard Concrete temperature (the authors' 0.33; 2/3 in Louizos et al.)", range="(0, inf)")
     gamma: float = DEFAULT_GAMMA
     zeta: float = DEFAULT_ZETA
     init_log_alpha: float = option(3.0, "initial log alpha (3: P(g=0) ~ 0.02)")
     # the model's learning rate is train.lr
-    gate_lr: float = option(0.02, "learning rate of log alpha")
-    multiplier_lr: float = option(0.05, "learning rate of the Lagrange multipliers (budget mode)")
-    budget_warmup: float = option(0.5, "fraction of the run's steps over which the budget target moves to --keep")
-    log_every: int = option(50, "diagnostics every N steps (trajectory.jsonl)")
+    gate_lr: float = option(0.02, "learning rate of log alpha", range="(0, inf)")
+    multiplier_lr: float = option(0.05, "learning rate of the Lagrange multipliers (budget mode)", range="(0, inf)")
+    budget_warmup: float = option(0.5, "fraction of the run's steps over which the budget target moves to --keep", range="[0, 1]")
+    log_every: int = option(50, "diagnostics every N steps (trajectory.jsonl); 0: off", range="[0, inf)")
     loss: str = option("auto", "the training loss (auto: from the model)",
                        choices=("auto", "seq2seq", "causal_lm", "masked_lm"))
-    eval_beam: int = option(4, "beam of the evaluation's translations")
+    eval_beam: int = option(4, "beam of the evaluation's translations", range="[1, inf)")
     eval_batch_size: int = 64
     latency_sentences: int = option(0, "time encoder and translation on N evaluation sentences (0: off)",
-                                    flag="latency", metavar="N")
+                                    flag="latency", metavar="N", range="[0, inf)")
     dev_every: int = option(0, "translate the development set (--dev-src/--dev-tgt) greedily every N updates and "
                             "before the first; the curve shows whether fine-tuning has stopped moving (0: off)",
-                            metavar="N")
+                            metavar="N", range="[0, inf)")
     dev_sentences: int | None = option(None, "use the first N sentences of the development set (default: all)",
-                                       metavar="N")
+                                       metavar="N", range="[1, inf)")
     command: str = ""  # the command line, for the model card
     model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -67,16 +67,17 @@ class BaselineConfig:
     kinds: tuple[str, ...] = ("enc_self",)
     scores: HeadScores | None = None  # method "scores": the table whose best heads are kept
     seeds: tuple[int | None, ...] = (None,)  # method "random": one run per seed
-    finetune_steps: int = option(0, "fine-tune each pruned model this many steps (same budget as gated fine-tuning)")
+    finetune_steps: int = option(0, "fine-tune each pruned model this many steps (same budget as gated fine-tuning)",
+                                 range="[0, inf)")
     from_scratch: bool = option(False, "train the pruned configuration from random init instead "
                                 "(costs a full training)")
-    scratch_epochs: int = option(12, "epochs of --from-scratch")
-    lr: float = option(1e-4, "learning rate of the fine-tuning")
-    max_tokens: int = option(4096, "target tokens per batch")
+    scratch_epochs: int = option(12, "epochs of --from-scratch", range="[1, inf)")
+    lr: float = option(1e-4, "learning rate of the fine-tuning", range="(0, inf)")
+    max_tokens: int = option(4096, "target tokens per batch", range="[1, inf)")
     mixed_precision: str = option("no", "bf16: autocast the fine-tuning's or the from-scratch training's forward "
                                   "and backward (weights and Adam stay fp32)", choices=("no", "bf16"))
-    eval_beam: int = option(4, "beam of the evaluation's translations")
-    importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)")
+    eval_beam: int = option(4, "beam of the evaluation's translations", range="[1, inf)")
+    importance_batches: int | None = option(None, "batches per Michel importance pass (default: all)", range="[1, inf)")
     model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
     scores_fingerprint: str = ""  # HeadScores.fingerprint() of the --scores file (method scores)
     scores_file_fingerprint: str = ""  # SHA-256 of its bytes, what rows recorded before (still accepted)

@@ -50,7 +50,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.nmt.train import EncodedCorpus, TrainConfig, evaluate_loss, has_model, label_smoothed_loss, train
+from headlab.nmt.train import EncodedCorpus, TrainConfig, check_resume_point, evaluate_loss, has_model, label_smoothed_loss, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -518,6 +518,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if not resuming and has_model(run_dir) and not train_config.overwrite:
         raise HeadlabError(f"{out_dir} already holds a pruning run; pass --overwrite to replace it "
                            "or --resume to continue it")
+    if resuming:
+        check_resume_point(run_dir)  # a damaged train/last is refused before this run's config is rewritten
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resuming:  # a fresh start: the old run's files would mislead

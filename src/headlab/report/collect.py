@@ -15,7 +15,7 @@ from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.registry import tables
 
-__all__ = ["Collected", "collect", "AGGREGATE", "FUNCTION_MAPS"]
+__all__ = ["Collected", "collect", "AGGREGATE", "FUNCTION_MAPS", "CATEGORICAL", "EXEMPLARS_SHOWN"]
 
 AGGREGATE = {
     "mean_distance": ("Mean attention distance", "attention-weighted distance between words (Vig & Belinkov 2019)"),
@@ -29,6 +29,12 @@ FUNCTION_MAPS = {
     "syntactic/margin.json": ("Syntactic margin", "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),
     "rare_tokens/rarest.json": ("Rare-token share", "how often the head's maximum lands on the rarest token (Sec. 5.3)"),
 }
+CATEGORICAL = {"functions/positional/offset"}
+"""Heatmaps whose values are categories (an offset), drawn with one colour per value."""
+EXEMPLARS_SHOWN = 3
+"""Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
+
+
 @dataclass
 class Collected:
     directory: Path
@@ -40,6 +46,7 @@ class Collected:
     sweep: list[dict] | None = None
     figures: list[dict] = field(default_factory=list)
     attention: dict | None = None
+    exemplars: dict | None = None  # compact: {"sentences": [[word, ...]], "heads": {"kind:layer": [[[w, s, q, k]]]}}
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
 
@@ -67,6 +74,18 @@ def _finite(value):
     return None if value is None or not math.isfinite(value) else round(float(value), 6)
 
 
+def _conservation(record) -> str:
+    """LRP's conservation, per sentence, for the caption of its map ("" for other measures)."""
+    try:
+        embeddings, total = record["embeddings"], record["with_biases"]
+        return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
+                f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
+                f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
+                f"(tolerance 1 ± {record['tolerance']:g})")
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
 def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str) -> None:
     if not path.is_file():
         return
@@ -80,8 +99,10 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
         return
     out.heatmaps.append({
-        "id": f"{group}/{name}", "group": group, "name": name, "title": title, "caption": caption,
-        "method": scores.method, "file": str(path.relative_to(out.directory)), "scores": data,
+        "id": f"{group}/{name}", "group": group, "name": name, "title": title,
+        "caption": caption + _conservation(scores.signature.get("conservation")), "method": scores.method,
+        "file": str(path.relative_to(out.directory)), "scores": data,
+        "categorical": f"{group}/{name}" in CATEGORICAL,
     })
     try:
         errors = scores.stderr()
@@ -121,6 +142,42 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
     return labels
 
 
+def _exemplars(path: Path, out: Collected) -> dict | None:
+    """``aggregate/exemplars.json`` (``{"kind:layer": [[exemplar, ...] per head]}``) made compact:
+    each sentence's words once, each exemplar ``[weight, sentence, query, key]``, the first
+    :data:`EXEMPLARS_SHOWN` per head."""
+    raw = _read_json(path, "aggregate", out)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        out.note("aggregate", f"{path.relative_to(out.directory)}: not a JSON object")
+        return None
+    sentences: list[list[str]] = []
+    slots: dict[tuple[int, str], int] = {}
+    heads: dict[str, list[list[list]]] = {}
+    for block, per_head in raw.items():
+        if not isinstance(per_head, list):
+            continue
+        rows = []
+        for items in per_head:
+            kept = []
+            for e in (items if isinstance(items, list) else [])[:EXEMPLARS_SHOWN]:
+                if not isinstance(e, dict) or not isinstance(e.get("text"), str):
+                    continue
+                try:
+                    key = (int(e.get("sentence", -1)), e["text"])
+                    item = [_finite(float(e.get("weight", math.nan))), int(e.get("query", 0)), int(e.get("key", 0))]
+                except (TypeError, ValueError):
+                    continue
+                if key not in slots:
+                    slots[key] = len(sentences)
+                    sentences.append(e["text"].split(" "))
+                kept.append([item[0], slots[key], item[1], item[2]])
+            rows.append(kept)
+        heads[str(block)] = rows
+    return {"sentences": sentences, "heads": heads} if heads else None
+
+
 def collect(directory: Path) -> Collected:
     out = Collected(Path(directory))
     d = out.directory
@@ -153,7 +210,9 @@ def collect(directory: Path) -> Collected:
         _heatmap(out, functions / rel, "functions", rel.split(".")[0], title, caption)
     labels = _read_json(functions / "labels.json", "functions", out)
     if isinstance(labels, dict):
-        out.labels = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in labels.items()}
+        # labels.json lists every analysed head, most with no function: keep the labelled ones.
+        out.labels = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in labels.items()
+                      if v not in (None, "", [])}
     elif functions.is_dir():
         out.labels = _labels_from_results(functions, out)
     table1 = _read_json(functions / "syntactic" / "table1.json", "functions", out)
@@ -167,6 +226,7 @@ def collect(directory: Path) -> Collected:
         for path in sorted((aggregate / "pos").glob("*.json")):
             _heatmap(out, path, "pos", path.stem, f"Attention to {path.stem}",
                      f"share of attention on words tagged {path.stem} (Vig & Belinkov 2019)")
+        out.exemplars = _exemplars(aggregate / "exemplars.json", out)
 
     sweep = _read_json(d / "prune" / "sweep.json", "pruning", out)
     if isinstance(sweep, list):

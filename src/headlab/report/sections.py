@@ -8,7 +8,6 @@ function ``(Collected) -> HTML`` and one entry in :data:`SECTIONS`.
 
 from __future__ import annotations
 
-import base64
 import math
 from dataclasses import dataclass
 from html import escape
@@ -193,24 +192,261 @@ def _sweep(c: Collected) -> str:
 
 
 def _figures(c: Collected) -> str:
-    parts = []
+    """The matplotlib figures, linked, not embedded: each draws a statistic that the page already
+    shows interactively (one rendering per statistic); the files are for papers."""
+    rows = []
     for f in c.figures:
-        png = c.directory / f["png"]
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
-        svg = f.get("svg")
-        link = (f' <a href="{escape(str(svg), quote=True)}">SVG</a>' if svg and (c.directory / svg).is_file() else "")
-        parts.append(f'<figure><img alt="{escape(str(f.get("title") or f.get("name", "")), quote=True)}" '
-                     f'src="data:image/png;base64,{data}"><figcaption><b>{escape(str(f.get("title") or f.get("name", "")))}'
-                     f'</b> {escape(str(f.get("caption") or ""))}{link}</figcaption></figure>')
-    return "".join(parts) + _notes(c, "figures", not parts)
+        links = [f'<a href="{escape(str(f[ext]), quote=True)}">{ext.upper()}</a>'
+                 for ext in ("png", "svg") if f.get(ext) and (c.directory / str(f[ext])).is_file()]
+        rows.append([f'<b>{escape(str(f.get("title") or f.get("name", "")))}</b>', escape(str(f.get("caption") or "")),
+                     " ".join(links)])
+    html = ('<p class="caption">The same statistics drawn with matplotlib, as files for papers (not repeated on '
+            'this page).</p>' + _table(["figure", "caption", "files"], rows, "figures")) if rows else ""
+    return html + _notes(c, "figures", not rows)
 
 
-def _heatmaps(group: str, caption: str, also: tuple[str, ...] = (), extra: Callable[[Collected], str] | None = None):
-    """A section of heatmaps of ``group`` (and of ``also``, behind a selector) drawn by report.js."""
+# ---- charts drawn here, as inline SVG (no script needed) -------------------------------------------
+
+KIND_COLOURS = {"enc_self": "#2b6cb0", "dec_self": "#2f855a", "dec_cross": "#c05621"}
+TOP_N = 10
+"""Heads listed per importance measure on the overview."""
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    step = 10 ** math.floor(math.log10(raw))
+    step *= next(m for m in (1, 2, 5, 10) if raw <= m * step)
+    first = math.ceil(lo / step) * step
+    digits = max(0, -math.floor(math.log10(step)))  # as many decimals as the step needs: no two labels alike
+    return [round(first + i * step, digits) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _tick_label(t: float) -> str:
+    return f"{t:.10g}"
+
+
+
+def _line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, cls: str,
+                title: str, integer_x: bool = False, reference: float | None = None) -> str:
+    """A small line chart: one line per series (kinds take their colours), axes with ticks that
+    never crowd (at most ~6 per axis), a ``<title>`` per point for its value."""
+    points = [(x, y) for line in series.values() for x, y in line if y is not None and math.isfinite(y)]
+    if not points:
+        return ""
+    w, h, left, bottom, top, right = 380, 210, 52, 38, 22, 12
+    xs, ys = [p[0] for p in points], [p[1] for p in points] + ([reference] if reference is not None else [])
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    pad = (y1 - y0) * 0.06
+    y0, y1 = y0 - pad, y1 + pad
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+    sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
+    sy = lambda y: top + (y1 - y) / (y1 - y0) * (h - top - bottom)  # noqa: E731
+    parts = [f'<svg class="chart {escape(cls)}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+             f'aria-label="{escape(title, quote=True)}"><text class="chart-title" x="{left}" y="14">{escape(title)}</text>']
+    xt = _ticks(x0, x1, 6)
+    if integer_x:
+        xt = sorted({round(t) for t in xt if abs(t - round(t)) < 1e-9})
+    for t in xt:
+        parts.append(f'<line class="grid" x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top}" y2="{h - bottom}"/>'
+                     f'<text x="{sx(t):.1f}" y="{h - bottom + 13}" text-anchor="middle">{escape(_tick_label(t))}</text>')
+    for t in _ticks(y0, y1, 4):
+        parts.append(f'<line class="grid" x1="{left}" x2="{w - right}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
+                     f'<text x="{left - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{escape(_tick_label(t))}</text>')
+    parts.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 6}" text-anchor="middle">{escape(xlabel)}</text>'
+                 f'<text x="12" y="{(top + h - bottom) / 2:.0f}" text-anchor="middle" '
+                 f'transform="rotate(-90 12 {(top + h - bottom) / 2:.0f})">{escape(ylabel)}</text>')
+    if reference is not None:
+        parts.append(f'<line class="reference" x1="{left}" x2="{w - right}" y1="{sy(reference):.1f}" '
+                     f'y2="{sy(reference):.1f}"/>')
+    legend_x = left + 6
+    for i, (name, line) in enumerate(series.items()):
+        colour = KIND_COLOURS.get(name, ("#553c9a", "#b7791f", "#4a5568")[i % 3])
+        line = [(x, y) for x, y in line if y is not None and math.isfinite(y)]
+        if not line:
+            continue
+        path = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(line))
+        parts.append(f'<path class="series" data-series="{escape(name, quote=True)}" d="{path}" stroke="{colour}"/>')
+        for x, y in line:
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"><title>'
+                         f'{escape(name)}: {escape(xlabel)} {escape(f"{x:g}")}, {escape(f"{y:.4g}")}</title></circle>')
+        if len(series) > 1:
+            parts.append(f'<text x="{legend_x}" y="{top + 10}" fill="{colour}" class="legend">{escape(name)}</text>')
+            legend_x += 8 + 7 * len(name)
+    return "".join(parts) + "</svg>"
+
+
+def _layer_means(heatmap: dict) -> dict[str, list[tuple[float, float]]]:
+    """Per kind, the mean over the heads of each layer (heads not scored left out)."""
+    out = {}
+    for kind in KINDS:
+        rows = heatmap["scores"].get(kind)
+        if rows:
+            out[kind] = [(layer, (sum(v for v in row if v is not None) / n) if (n := sum(v is not None for v in row))
+                          else None) for layer, row in enumerate(rows)]
+    return out
+
+
+def _head_link(kind: str, layer: int, head: int, text: str | None = None) -> str:
+    return (f'<a href="#viewer" class="head-link" data-kind="{escape(kind)}" data-layer="{layer}" data-head="{head}">'
+            f'{escape(text or f"{kind} L{layer} H{head}")}</a>')
+
+
+def _top_heads(c: Collected) -> str:
+    """The top :data:`TOP_N` heads of each importance measure (all kinds pooled), with labels."""
+    maps = [h for h in c.heatmaps if h["group"] == "importance" and not h["name"].endswith("_stderr")]
+    if not maps:
+        return ""
+    columns = []
+    for h in maps:
+        cells = [(v, kind, layer, head) for kind in KINDS for layer, row in enumerate(h["scores"].get(kind) or [])
+                 for head, v in enumerate(row) if v is not None]
+        cells.sort(key=lambda t: (-t[0], KINDS.index(t[1]), t[2], t[3]))
+        columns.append(cells[:TOP_N])
+    rows = []
+    for rank in range(max(len(col) for col in columns)):
+        row = [str(rank + 1)]
+        for col in columns:
+            if rank >= len(col):
+                row.append("")
+                continue
+            v, kind, layer, head = col[rank]
+            labels = c.labels.get(f"{kind}:{layer}:{head}", [])
+            row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(f"{v:.3g}")}</span>'
+                       + (f'<br><span class="fn">{escape(", ".join(labels))}</span>' if labels else ""))
+        rows.append(row)
+    total = max(sum(sum(len(r) for r in rows_) for rows_ in h["scores"].values()) for h in maps)
+    return (f'<h3>Which heads matter</h3><p class="caption">The {TOP_N} most important heads by each measure, out of '
+            f'{total} (all attention kinds pooled; higher = more important), with the functions they pass. '
+            'Click a head to open it in the viewer.</p>'
+            + _table(["rank"] + [h["title"] for h in maps], rows, "top-heads"))
+
+
+def _agreement_line(c: Collected) -> str:
+    """Each pair of measures once: from the measure-by-measure matrix, else the table against
+    the reference (``analyze --ablation`` writes both, the pairs with ablation in each)."""
+    a = c.agreement or {}
+    pairs: dict[frozenset, str] = {}
+    names = [str(m) for m in a.get("measures") or []]
+    matrix = (a.get("matrix") or {}).get("all") if isinstance(a.get("matrix"), dict) else None
+    if isinstance(matrix, list):
+        for i, row in enumerate(matrix[:len(names)]):
+            for j in range(i + 1, len(names)):
+                v = row[j] if isinstance(row, list) and j < len(row) else None
+                pairs.setdefault(frozenset((names[i], names[j])), f"{escape(names[i])} / {escape(names[j])} {_num(v)}")
+    spearman = a.get("spearman") if isinstance(a.get("spearman"), dict) else {}
+    if spearman and a.get("reference"):
+        reference = str(a["reference"])
+        for method, row in spearman.items():
+            v = row.get("all") if isinstance(row, dict) else None
+            pairs.setdefault(frozenset((str(method), reference)),
+                             f"{escape(str(method))} / {escape(reference)} {_num(v)}")
+    if not pairs:
+        return ""
+    return ('<h3>Agreement between measures</h3><p class="caption">Spearman rank correlation over all heads '
+            '(<a href="#agreement">per kind</a>).</p><p class="agreement-pairs">' + " · ".join(pairs.values()) + "</p>")
+
+
+def _pruning_chart(c: Collected) -> str:
+    rows = [r for r in c.sweep or [] if isinstance(r.get("heads"), (int, float))]
+    metric = next((m for m in ("bleu", "chrf", "loss") if any(isinstance(r.get(m), (int, float)) for r in rows)), None)
+    if not rows or metric is None:
+        return ""
+    full = next((r.get(metric) for r in rows if r.get("point") == "full"), None)
+    line = sorted((float(r["heads"]), float(r[metric])) for r in rows
+                  if isinstance(r.get(metric), (int, float)) and r.get("point") != "full")
+    if not line:
+        line = [(float(r["heads"]), float(r[metric])) for r in rows if isinstance(r.get(metric), (int, float))]
+    chart = _line_chart({metric: line}, "heads kept", metric.upper() if metric != "loss" else "loss", "pruning-curve",
+                        f"Pruning: {metric} against heads kept", integer_x=True,
+                        reference=float(full) if isinstance(full, (int, float)) else None)
+    return ('<h3>Pruning curve</h3><p class="caption">Quality of the pruned model at each head budget (Voita et al. '
+            '2019, Fig. 7); dashed: the full model. <a href="#pruning">The sweep</a>.</p>' + chart)
+
+
+def _overview(c: Collected) -> str:
+    n_labelled = len(c.labels)
+    html = _top_heads(c)
+    if n_labelled:
+        html += (f'<p class="caption">{n_labelled} head{"s" if n_labelled != 1 else ""} pass a function test: '
+                 '<a href="#functions">the list</a>.</p>')
+    html += _agreement_line(c) + _pruning_chart(c)
+    return html or '<p class="note">No importance, agreement or pruning results in the analysis directory.</p>'
+
+
+def _layer_curves(c: Collected) -> str:
+    """Vig & Belinkov's per-layer curves: the mean over heads of each statistic, per layer."""
+    charts = []
+    for name, ylabel in (("mean_distance", "words"), ("dependency_alignment", "share"), ("mean_entropy", "nats")):
+        h = next((h for h in c.heatmaps if h["group"] == "aggregate" and h["name"] == name), None)
+        if h is not None:
+            charts.append(_line_chart(_layer_means(h), "layer", ylabel, f"layer-curve {name}",
+                                      f"{h['title']} by layer", integer_x=True))
+    if not any(charts):
+        return ""
+    return ('<h3>By layer</h3><p class="caption">Mean over the heads of each layer (Vig &amp; Belinkov 2019, '
+            'Figs. 2-4): attention distance, dependency alignment and entropy.</p><div class="charts">'
+            + "".join(charts) + "</div>")
+
+
+def _shade(value: float | None, hi: float) -> str:
+    if value is None:
+        return "background:#eee"
+    t = 0.0 if hi <= 0 else max(0.0, min(1.0, value / hi))
+    r, g, b = (round(255 - t * (255 - c)) for c in (43, 108, 176))
+    return f"background:rgb({r},{g},{b});color:{'#fff' if t > 0.6 else '#1d2330'}"
+
+
+def _pos_grid(c: Collected) -> str:
+    """Tags (rows) by layers (columns): the share of attention on words of the tag, mean over heads."""
+    maps = [h for h in c.heatmaps if h["group"] == "pos"]
+    if not maps:
+        return ""
+    html = ('<h3>Attention by part of speech, all tags</h3><p class="caption">Share of attention on words of each '
+            'UPOS tag (rows), mean over the heads of each layer (columns), per attention kind; darker = more. '
+            'Pick a tag below for its heads.</p>')
+    for kind in KINDS:
+        table = {h["name"]: dict(_layer_means(h)).get(kind) for h in maps}
+        table = {tag: line for tag, line in table.items() if line}
+        if not table:
+            continue
+        n_layers = max(len(line) for line in table.values())
+        hi = max((v for line in table.values() for _, v in line if v is not None), default=0.0)
+        step = 1 if n_layers <= 16 else 2
+        head = "".join(f"<th>{layer if layer % step == 0 else ''}</th>" for layer in range(n_layers))
+        body = "".join(
+            f"<tr><th>{escape(tag)}</th>" + "".join(
+                f'<td style="{_shade(v, hi)}" title="{escape(f"{tag}, layer {x}: " + _fmt(v), quote=True)}"></td>'
+                for x, v in line) + "</tr>"
+            for tag, line in table.items())
+        html += (f'<div class="pos-grid-wrap"><div class="hm-kind-title">{escape(kind)} (layer →)</div>'
+                 f'<table class="pos-grid" data-kind="{escape(kind)}"><thead><tr><th>tag</th>{head}</tr></thead>'
+                 f'<tbody>{body}</tbody></table></div>')
+    return html
+
+
+def _exemplars(c: Collected) -> str:
+    if not c.exemplars:
+        return ""
+    return ('<h3>Exemplars</h3><p class="caption">The sentences in which the selected head puts its largest single '
+            'weight (query word → key word), from aggregate/exemplars.json. Select a head in any heatmap.</p>'
+            '<div id="exemplars" class="exemplars"></div>')
+
+
+def _heatmaps(group: str, caption: str, also: tuple[str, ...] = (), extra: Callable[[Collected], str] | None = None,
+              before: Callable[[Collected], str] | None = None):
+    """A section of heatmaps of ``group`` (and of ``also``, behind a selector) drawn by report.js,
+    with ``before`` above them and ``extra`` below."""
     def render(c: Collected) -> str:
         html = extra(c) if extra is not None else ""
+        top = before(c) if before is not None else ""
         has = any(h["group"] in (group, *also) for h in c.heatmaps)
-        return (f'<p class="caption">{escape(caption)}</p>{_notes(c, group, not has and not html)}'
+        return (f'<p class="caption">{escape(caption)}</p>{_notes(c, group, not has and not html)}{top}'
                 f'<div class="heatmaps" data-group="{group}"></div>'
                 + "".join(f'<div class="heatmaps" data-group="{g}" data-select="1"></div>' for g in also) + html)
 
@@ -222,6 +458,8 @@ def _viewer(c: Collected) -> str:
 
 
 SECTIONS: tuple[Section, ...] = (
+    Section("overview", "Which heads matter and what they do", "Overview", _overview,
+            ("importance", "confidence", "lrp", "gradient", "ablation")),
     Section("summary", "Run summary", "Summary", _summary),
     Section("importance", "Head importance", "Importance", _heatmaps(
         "importance", "Layers (rows) by heads (columns), one map per measure and attention kind. "
@@ -231,7 +469,8 @@ SECTIONS: tuple[Section, ...] = (
         "functions", "Positional, syntactic and rare-token heads (Voita et al. 2019, Sec. 5).",
         extra=lambda c: _function_table(c) + _table1(c)), ("functions", "positional", "syntactic", "rare")),
     Section("aggregate", "Aggregate attention statistics", "Aggregate", _heatmaps(
-        "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",))),
+        "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",),
+        before=_layer_curves, extra=lambda c: _pos_grid(c) + _exemplars(c))),
     Section("agreement", "Measure agreement", "Agreement", _agreement, ("agreement", "ablation", "importance")),
     Section("pruning", "Pruning", "Pruning", _sweep, ("prune", "pruning", "sweep")),
     Section("figures", "Figures", "Figures", _figures),

@@ -16,6 +16,7 @@ must be another one.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,7 @@ class ReproduceConfig:
         raise HeadlabError(f"{self.source}: no model named {name!r} (have {', '.join(m.name for m in self.models)})")
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _TOP_KEYS = {"models", "data", "work_dir", "results_dir", "doc", "img_dir", "threads", "importance", "functions",
              "parse", "pooling", "prune", "baselines", "scratch", "specialisation", "claims", "root", "comment"}
 _MODEL_KEYS = {"name", "path", "src", "tgt", "checkpoints", "checkpoint_pattern", "tokenizer", "comment", "prune", "baselines"}
@@ -153,6 +155,12 @@ def load_config(path: str | os.PathLike, root: str | os.PathLike | None = None) 
         if extra:
             raise HeadlabError(f"{path}: models[{i}] has unknown entries {', '.join(sorted(extra))}")
         models.append(ModelEntry(**{k: v for k, v in entry.items() if k != "comment"}))
+    for i, model in enumerate(models):
+        # The name is a directory under work_dir and results_dir: "../x" or "a/b" would write elsewhere.
+        if not isinstance(model.name, str) or not _NAME.fullmatch(model.name):
+            raise HeadlabError(f"{path}: models[{i}].name {model.name!r}: not a plain name (letters, digits, '.', "
+                               "'_', '-', '+'; no '/' and not '.' or '..'): it names the model's directories under "
+                               "work_dir and results_dir")
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise HeadlabError(f"{path}: repeated model names {names}")

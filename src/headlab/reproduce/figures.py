@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import axes_or_new, pyplot, write_figure
-from headlab.reproduce.claims import POSITIONAL, Claim, _figure_rows, _function_masks, _kept_by_function, _rows, _shape
+from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _layer_rows, _rows, _shape
 from headlab.reproduce.results import ModelResults, kept_mask
 
 __all__ = ["save_figures"]
@@ -67,7 +67,7 @@ def plot_fig9(r: ModelResults, ax=None):
 def plot_fig10(r: ModelResults, ax=None):
     ax = axes_or_new(ax)
     sweep = r.sweep("all")
-    rows = [row for row in _figure_rows(_rows(sweep)) if sweep["points"][row["point"]]["kept"] is not None]
+    rows = _layer_rows(r)  # the point Sec. 6.3.2's verdict reads: the sparsest with heads of both decoder kinds
     point = sweep["points"][rows[-1]["point"]]
     width = 0.4
     for i, kind in enumerate(("dec_self", "dec_cross")):

@@ -33,8 +33,14 @@ from headlab.resume import SkipStage, now_iso, read_marker, weights_fingerprint,
 __all__ = ["run_pipeline"]
 
 
+# Commands that refuse an --out holding an earlier run's results without --overwrite: a stage that
+# runs again (--force, other settings or weights) replaces its own earlier results.
+_REPLACES_ITS_OUT = ("functions", "aggregate", "importance")
+
+
 def _run_cli(argv: list[str]) -> None:
-    rc = main([str(a) for a in argv])
+    argv = [str(a) for a in argv]
+    rc = main(argv + ["--overwrite"] if argv[0] in _REPLACES_ITS_OUT else argv)
     if rc:
         raise HeadlabError(f"`{command_text(argv)}` exited with status {rc}")
 

@@ -69,8 +69,31 @@
     }).filter(function (v, i, a) { return a.indexOf(v) === i; }).join(" ");
   }
 
+  // Categorical colours (Tableau 10, then greys) for a map whose values are categories (offsets).
+  var CATEGORIES = [[78, 121, 167], [242, 142, 43], [225, 87, 89], [118, 183, 178], [89, 161, 79], [237, 201, 72],
+    [176, 122, 161], [255, 157, 167], [156, 117, 95], [186, 176, 172]];
+  function categoricalScale(values) {
+    var seen = {};
+    values.forEach(function (v) { if (v !== null) seen[v] = (seen[v] || 0) + 1; });
+    var cats = Object.keys(seen).map(Number).sort(function (a, b) { return seen[b] - seen[a] || a - b; });
+    var colour = {};
+    cats.forEach(function (v, i) { colour[v] = i < CATEGORIES.length ? rgb(CATEGORIES[i]) : "#7f7f7f"; });
+    return { categorical: true, cats: cats.sort(function (a, b) { return a - b; }),
+      color: function (v) { return colour[v] || "#7f7f7f"; } };
+  }
+
   function legend(scale) {
     var box = el("div", { class: "hm-legend" });
+    if (scale.categorical) {
+      scale.cats.forEach(function (v) {
+        var sw = el("span", { class: "swatch" });
+        sw.style.background = scale.color(v);
+        box.appendChild(sw);
+        box.appendChild(el("span", {}, (v > 0 ? "+" : "") + v));
+      });
+      box.appendChild(el("span", {}, "grey: not scored"));
+      return box;
+    }
     var canvas = el("canvas", { width: "100", height: "8" });
     var ctx = canvas.getContext("2d");
     for (var x = 0; x < 100; x++) { ctx.fillStyle = rgb(lerp(scale.stops, x / 99)); ctx.fillRect(x, 0, 1, 8); }
@@ -81,46 +104,66 @@
     return box;
   }
 
+  // One listener per heatmap (not per cell): at 32 x 32 heads a page holds tens of thousands of cells.
+  function cellOf(event) {
+    var t = event.target;
+    return t && t.classList && t.classList.contains("cell") ? t : null;
+  }
+  function onHeatmapClick(event) {
+    var r = cellOf(event);
+    if (r) viewer.open(r.getAttribute("data-kind"), +r.getAttribute("data-layer"), +r.getAttribute("data-head"), true);
+  }
+  function onHeatmapMove(event) {
+    var r = cellOf(event);
+    if (!r) { hideTip(); return; }
+    var kind = r.getAttribute("data-kind"), layer = +r.getAttribute("data-layer"), head = +r.getAttribute("data-head");
+    var v = r.getAttribute("data-value"), labels = labelsOf(kind, layer, head);
+    showTip(event, headName(kind, layer, head) + ": " + (v === "" ? "not scored" : fmt(+v)) +
+      (labels.length ? "\n" + labels.join(", ") : "") + "\nclick: open in the viewer");
+  }
+
   function renderHeatmap(h) {
     var box = el("div", { class: "heatmap", "data-id": h.id });
     box.appendChild(el("h4", {}, h.title));
     if (h.caption) box.appendChild(el("p", { class: "hm-caption" }, h.caption + " (" + h.file + ")"));
     var all = [];
     Object.keys(h.scores).forEach(function (k) { h.scores[k].forEach(function (row) { all = all.concat(row); }); });
-    var scale = scaleFor(all);
+    var scale = h.categorical ? categoricalScale(all) : scaleFor(all);
     var kinds = el("div", { class: "hm-kinds" });
     DATA.kinds.forEach(function (kind) {
       var rows = h.scores[kind];
       if (!rows) return;
       var nHeads = rows.reduce(function (m, r) { return Math.max(m, r.length); }, 0);
-      var cell = nHeads > 16 ? Math.max(8, Math.floor(352 / nHeads)) : 22;
-      var left = 26, top = 14;
+      var cell = nHeads > 16 ? Math.max(8, Math.floor(352 / nHeads)) : (rows.length > 24 ? 14 : 22);
+      // Labels at least 14 px apart (2-digit layers at 10 px font), so that "10111213" cannot happen.
+      var headStep = Math.ceil(18 / cell), layerStep = Math.ceil(13 / cell);
+      var left = 28, top = 14;
       var width = left + nHeads * cell + 2, height = top + rows.length * cell + 2;
       var wrap = el("div", {});
       wrap.appendChild(el("div", { class: "hm-kind-title" }, kind));
       var s = svg("svg", { class: "hm", width: width, height: height, viewBox: "0 0 " + width + " " + height,
         "data-kind": kind, role: "img", "aria-label": h.title + ", " + kind });
       for (var hd = 0; hd < nHeads; hd++) {
-        if (cell >= 14 || hd % 4 === 0) s.appendChild(svg("text", { x: left + hd * cell + cell / 2, y: 10, "text-anchor": "middle" }, hd));
+        if (hd % headStep === 0) s.appendChild(svg("text", { x: left + hd * cell + cell / 2, y: 10, "text-anchor": "middle" }, hd));
       }
       rows.forEach(function (row, layer) {
-        s.appendChild(svg("text", { x: left - 4, y: top + layer * cell + cell / 2 + 3, "text-anchor": "end" }, "L" + layer));
+        if (layer % layerStep === 0) {
+          s.appendChild(svg("text", { x: left - 4, y: top + layer * cell + cell / 2 + 3, "text-anchor": "end" }, "L" + layer));
+        }
         row.forEach(function (v, head) {
-          var labels = labelsOf(kind, layer, head);
-          var r = svg("rect", { class: "cell", x: left + head * cell, y: top + layer * cell, width: cell, height: cell,
+          s.appendChild(svg("rect", { class: "cell", x: left + head * cell, y: top + layer * cell, width: cell, height: cell,
             fill: v === null ? "#ddd" : scale.color(v), "data-kind": kind, "data-layer": layer, "data-head": head,
-            "data-value": v === null ? "" : v });
-          var tip = headName(kind, layer, head) + ": " + (v === null ? "not scored" : fmt(v)) +
-            (labels.length ? "\n" + labels.join(", ") : "") + "\nclick: open in the viewer";
-          r.appendChild(svg("title", {}, tip));
-          r.addEventListener("click", function () { viewer.open(kind, layer, head, true); });
-          s.appendChild(r);
+            "data-value": v === null ? "" : v }));
+          var labels = labelsOf(kind, layer, head);
           if (labels.length && cell >= 18) {
             s.appendChild(svg("text", { class: "cell-label", x: left + head * cell + cell / 2,
               y: top + layer * cell + cell / 2 + 3, "text-anchor": "middle" }, abbreviation(labels)));
           }
         });
       });
+      s.addEventListener("click", onHeatmapClick);
+      s.addEventListener("mousemove", onHeatmapMove);
+      s.addEventListener("mouseleave", hideTip);
       wrap.appendChild(s);
       kinds.appendChild(wrap);
     });
@@ -154,13 +197,66 @@
     });
   }
 
+  var selectedCells = [];
   function markSelected() {
     var st = viewer.state;
-    Array.prototype.forEach.call(document.querySelectorAll("svg.hm rect.cell"), function (r) {
-      var on = r.getAttribute("data-kind") === st.kind && +r.getAttribute("data-layer") === st.layer &&
-        +r.getAttribute("data-head") === st.head;
-      r.classList.toggle("selected", on);
-    });
+    selectedCells.forEach(function (r) { r.classList.remove("selected"); });
+    if (!st.kind) { selectedCells = []; return; }
+    selectedCells = Array.prototype.slice.call(document.querySelectorAll('svg.hm rect.cell[data-kind="' + st.kind +
+      '"][data-layer="' + st.layer + '"][data-head="' + st.head + '"]'));
+    selectedCells.forEach(function (r) { r.classList.add("selected"); });
+  }
+
+  /* ---- tokens, shown decoded --------------------------------------------------------------- */
+  // Byte-level BPE (GPT-2, RoBERTa, Llama 3...) writes each byte as a printable character
+  // ("Ġ" = space): invert bytes_to_unicode and decode UTF-8. SentencePiece marks a word start
+  // with "▁", WordPiece a continuation with "##", old BPE a word end with "</w>".
+  var BYTE_OF = null;
+  function byteOf() {
+    if (BYTE_OF) return BYTE_OF;
+    var bs = [], cs, i, n = 0;
+    for (i = 33; i <= 126; i++) bs.push(i);
+    for (i = 161; i <= 172; i++) bs.push(i);
+    for (i = 174; i <= 255; i++) bs.push(i);
+    cs = bs.slice();
+    for (i = 0; i < 256; i++) if (bs.indexOf(i) < 0) { bs.push(i); cs.push(256 + n); n++; }
+    BYTE_OF = {};
+    bs.forEach(function (b, k) { BYTE_OF[String.fromCharCode(cs[k])] = b; });
+    return BYTE_OF;
+  }
+  function tokenStyle(tokens) {
+    if (tokens.some(function (t) { return /[\u0120\u010a]/.test(t); })) return "bytes";
+    if (tokens.some(function (t) { return t.charAt(0) === "\u2581"; })) return "sentencepiece";
+    if (tokens.some(function (t) { return t.length > 2 && t.slice(0, 2) === "##"; })) return "wordpiece";
+    if (tokens.some(function (t) { return /.<\/w>$/.test(t); })) return "bpe";
+    return "";
+  }
+  function decodeToken(token, style) {
+    var out = token;
+    if (style === "bytes") {
+      var map = byteOf(), bytes = [];
+      for (var i = 0; i < token.length; i++) {
+        if (!(token.charAt(i) in map)) return token;
+        bytes.push(map[token.charAt(i)]);
+      }
+      try { out = new TextDecoder("utf-8", { fatal: true }).decode(new Uint8Array(bytes)); } catch (e) { return token; }
+    } else if (style === "sentencepiece") {
+      out = token.replace(/\u2581/g, " ");
+    } else if (style === "wordpiece") {
+      out = token.length > 2 && token.slice(0, 2) === "##" ? token.slice(2) : token;
+    } else if (style === "bpe") {
+      out = token.replace(/<\/w>$/, "");
+    }
+    out = out.trim();
+    return out === "" ? (token === "" ? "" : "\u2423") : out;  // a token that is only a space: "␣"
+  }
+  function shownTokens(payload, side) {
+    payload.shown = payload.shown || {};
+    if (!payload.shown[side]) {
+      var raw = payload.tokens[side] || [], style = tokenStyle(raw);
+      payload.shown[side] = raw.map(function (t) { return decodeToken(String(t), style); });
+    }
+    return payload.shown[side];
   }
 
   /* ---- attention data ---------------------------------------------------------------------- */
@@ -173,13 +269,13 @@
   };
   function loadSentence(slot, cb) {
     if (cache[slot]) return cb(cache[slot], null);
-    if (ATT.mode === "inline") {
+    var entry = ATT.sentences[slot];
+    if (!entry.script) {  // inlined (mode "inline", or the first sentences of mode "mixed")
       var node = document.getElementById("headlab-attention-" + slot);
       if (!node) return cb(null, "attention data of sentence " + slot + " is missing");
       cache[slot] = JSON.parse(node.textContent);
       return cb(cache[slot], null);
     }
-    var entry = ATT.sentences[slot];
     if (pending[slot]) { pending[slot].push(cb); return; }
     pending[slot] = [cb];
     var tag = el("script", { src: entry.script });
@@ -283,6 +379,7 @@
     var labels = st.kind ? labelsOf(st.kind, st.layer, st.head) : [];
     $("v-head-label").textContent = st.kind ? headName(st.kind, st.layer, st.head) + (labels.length ? " — " + labels.join(", ") : "") : "";
     markSelected();
+    renderExemplars();
     var block = currentBlock();
     if (!ATT.sentences.length) { status("No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
     if (!block || st.head >= block.shape[0]) {
@@ -291,8 +388,15 @@
       return;
     }
     status("");
-    if (st.view === "matrix") { $("v-lines").hidden = true; $("v-matrix").hidden = false; drawMatrix(block); }
-    else { $("v-matrix").hidden = true; $("v-lines").hidden = false; drawLines(block, null); }
+    root.setAttribute("data-view", st.view);
+    $("v-lines").hidden = st.view !== "lines" && st.view !== "heads";
+    $("v-matrix").hidden = st.view !== "matrix";
+    $("v-model").hidden = st.view !== "model";
+    $("v-heads").hidden = st.view !== "heads";
+    if (st.view === "matrix") drawMatrix(block);
+    else if (st.view === "model") drawModel();
+    else if (st.view === "heads") drawHeads(block, null);
+    else drawLines(block, null);
     document.body.setAttribute("data-rendered", "1");
   }
   function clearViews() {
@@ -311,22 +415,30 @@
     return ctx;
   }
 
-  function drawLines(block, onlyRow) {
-    var st = viewer.state, tokens = st.payload.tokens;
-    var q = tokens[block.q] || [], k = tokens[block.k] || [];
-    var nq = block.shape[1], nk = block.shape[2], bytes = decode(block), base = st.head * nq * nk;
+  function tokenColumns(block, st) {
+    var tokens = st.payload.tokens, rawQ = tokens[block.q] || [], rawK = tokens[block.k] || [];
+    var q = shownTokens(st.payload, block.q), k = shownTokens(st.payload, block.k);
+    var nq = block.shape[1], nk = block.shape[2];
     var left = $("v-left"), right = $("v-right");
     if (left.childElementCount !== nq || left.getAttribute("data-side") !== block.q + st.slot) {
       left.replaceChildren(); right.replaceChildren();
       for (var i = 0; i < nq; i++) {
-        var span = el("span", { "data-i": String(i), title: q[i] }, q[i]);
+        var span = el("span", { "data-i": String(i), title: rawQ[i] }, q[i]);
         span.addEventListener("mouseenter", onTokenEnter);
         left.appendChild(span);
       }
-      for (var j = 0; j < nk; j++) right.appendChild(el("span", { "data-j": String(j), title: k[j] }, k[j]));
+      for (var j = 0; j < nk; j++) right.appendChild(el("span", { "data-j": String(j), title: rawK[j] }, k[j]));
       left.setAttribute("data-side", block.q + st.slot);
-      left.onmouseleave = function () { viewer.hover = null; drawLines(currentBlock(), null); };
+      left.onmouseleave = function () { viewer.hover = null; render(); };
     }
+    return { left: left, right: right, q: q, k: k };
+  }
+
+  function drawLines(block, onlyRow) {
+    var st = viewer.state, cols = tokenColumns(block, st), k = cols.k;
+    var rawK = st.payload.tokens[block.k] || [];
+    var nq = block.shape[1], nk = block.shape[2], bytes = decode(block), base = st.head * nq * nk;
+    var left = cols.left, right = cols.right;
     var width = 260, height = Math.max(nq, nk) * ROW;
     var ctx = sizeCanvas($("v-canvas"), width, height);
     var color = KIND_RGB[st.kind] || [60, 60, 60];
@@ -357,18 +469,182 @@
       var w = onlyRow === null ? 0 : bytes[base + onlyRow * nk + idx] / 255;
       s.style.background = w > 0 ? "rgba(" + color.join(",") + "," + w.toFixed(3) + ")" : "";
       s.style.color = w > 0.6 ? "#fff" : "";
-      s.title = k[idx] + (onlyRow === null ? "" : ": " + w.toFixed(3));
+      s.title = rawK[idx] + (onlyRow === null ? "" : ": " + w.toFixed(3));
     });
   }
   function onTokenEnter(event) {
-    var block = currentBlock();
-    if (!block || viewer.state.view !== "lines") return;
-    drawLines(block, +event.currentTarget.getAttribute("data-i"));
+    var block = currentBlock(), view = viewer.state.view;
+    if (!block || (view !== "lines" && view !== "heads")) return;
+    var row = +event.currentTarget.getAttribute("data-i");
+    if (view === "lines") drawLines(block, row); else drawHeads(block, row);
+  }
+
+  /* ---- head view: every head of one layer overlaid (bertviz's head view) --------------------- */
+  function headColour(h, n) {
+    // Hues spread around the wheel, alternating lightness so that neighbours differ at 32 heads.
+    var hue = Math.round(h * 360 / Math.max(n, 1)), light = h % 2 ? 38 : 52;
+    return "hsl(" + hue + ",70%," + light + "%)";
+  }
+  function drawHeadToggles(n) {
+    var box = $("v-heads"), st = viewer.state;
+    if (!st.shownHeads || st.shownHeads.length !== n) { st.shownHeads = []; for (var h = 0; h < n; h++) st.shownHeads.push(true); }
+    if (box.childElementCount !== n) {
+      box.replaceChildren();
+      for (var i = 0; i < n; i++) {
+        var b = el("button", { type: "button", class: "head-toggle", "data-head": String(i), title: "head " + i + ": show or hide" }, String(i));
+        b.style.borderColor = headColour(i, n);
+        b.addEventListener("click", function (event) {
+          var hh = +event.currentTarget.getAttribute("data-head");
+          viewer.state.shownHeads[hh] = !viewer.state.shownHeads[hh];
+          render();
+        });
+        b.addEventListener("dblclick", function (event) {  // double click: this head only
+          var hh = +event.currentTarget.getAttribute("data-head");
+          viewer.state.shownHeads = viewer.state.shownHeads.map(function (_, x) { return x === hh; });
+          render();
+        });
+        box.appendChild(b);
+      }
+    }
+    Array.prototype.forEach.call(box.children, function (b, i) {
+      b.style.background = st.shownHeads[i] ? headColour(i, n) : "#fff";
+      b.style.color = st.shownHeads[i] ? "#fff" : "#1d2330";
+      b.setAttribute("aria-pressed", st.shownHeads[i] ? "true" : "false");
+    });
+  }
+  function drawHeads(block, onlyRow) {
+    var st = viewer.state, cols = tokenColumns(block, st);
+    var nHeads = block.shape[0], nq = block.shape[1], nk = block.shape[2], bytes = decode(block);
+    drawHeadToggles(nHeads);
+    var width = 260, height = Math.max(nq, nk) * ROW;
+    var ctx = sizeCanvas($("v-canvas"), width, height);
+    var threshold = Math.max(1, onlyRow === null ? Math.round(st.threshold * 255) : 1);
+    ctx.lineWidth = 1.5;
+    var drawn = 0;
+    for (var h = 0; h < nHeads; h++) {
+      if (!st.shownHeads[h]) continue;
+      var base = h * nq * nk, levels = {};
+      for (var a = onlyRow === null ? 0 : onlyRow; a < (onlyRow === null ? nq : onlyRow + 1); a++) {
+        for (var b = 0; b < nk; b++) {
+          var v = bytes[base + a * nk + b];
+          if (v >= threshold) (levels[v >> 4] || (levels[v >> 4] = [])).push(a, b);  // 16 opacity levels per head
+        }
+      }
+      ctx.strokeStyle = headColour(h, nHeads);
+      Object.keys(levels).forEach(function (lv) {
+        var pairs = levels[lv];
+        ctx.globalAlpha = Math.min(1, ((+lv << 4) + 8) / 255 * 0.85);  // weight, a little translucent: heads overlap
+        ctx.beginPath();
+        for (var p = 0; p < pairs.length; p += 2) {
+          ctx.moveTo(0, pairs[p] * ROW + ROW / 2);
+          ctx.lineTo(width, pairs[p + 1] * ROW + ROW / 2);
+        }
+        ctx.stroke();
+        drawn += pairs.length / 2;
+      });
+    }
+    ctx.globalAlpha = 1;
+    $("v-canvas").setAttribute("data-lines", String(drawn));
+    Array.prototype.forEach.call(cols.left.children, function (s, idx) { s.classList.toggle("active", idx === onlyRow); });
+    Array.prototype.forEach.call(cols.right.children, function (s) { s.style.background = ""; s.style.color = ""; });
+  }
+
+  /* ---- model view: a thumbnail per head, layers down, heads across (bertviz's model view) ---- */
+  function drawModel() {
+    var st = viewer.state, payload = st.payload;
+    var layers = blocksOf(payload).filter(function (b) { return b.split(":")[0] === st.kind; })
+      .map(function (b) { return payload.blocks[b]; }).sort(function (x, y) { return x.layer - y.layer; });
+    var canvas = $("v-model-canvas");
+    if (!layers.length) { canvas.width = 0; canvas.height = 0; return; }
+    var nHeads = layers.reduce(function (m, b) { return Math.max(m, b.shape[0]); }, 0);
+    var gap = 2, left = 30, top = 16;
+    var thumb = Math.max(12, Math.min(64, Math.floor((Math.min(1180, window.innerWidth - 60) - left) / nHeads) - gap));
+    var W = left + nHeads * (thumb + gap), H = top + layers.length * (thumb + gap);
+    canvas.width = W; canvas.height = H; canvas.style.width = W + "px"; canvas.style.height = H + "px";
+    var ctx = canvas.getContext("2d");
+    var image = ctx.createImageData(W, H), px = image.data, color = KIND_RGB[st.kind] || [60, 60, 60];
+    for (var p = 0; p < px.length; p += 4) { px[p] = px[p + 1] = px[p + 2] = 255; px[p + 3] = 255; }
+    var shade = [];  // byte -> rgb, once
+    for (var v = 0; v < 256; v++) shade.push([0, 1, 2].map(function (c) { return Math.round(255 - v / 255 * (255 - color[c])); }));
+    layers.forEach(function (block, row) {
+      var bytes = decode(block), nq = block.shape[1], nk = block.shape[2];
+      for (var h = 0; h < block.shape[0]; h++) {
+        var x0 = left + h * (thumb + gap), y0 = top + row * (thumb + gap), base = h * nq * nk;
+        for (var y = 0; y < thumb; y++) {
+          var i = Math.floor(y * nq / thumb), line = ((y0 + y) * W + x0) * 4;
+          for (var x = 0; x < thumb; x++) {
+            var c = shade[bytes[base + i * nk + Math.floor(x * nk / thumb)]], o = line + x * 4;
+            px[o] = c[0]; px[o + 1] = c[1]; px[o + 2] = c[2];
+          }
+        }
+      }
+    });
+    ctx.putImageData(image, 0, 0);
+    ctx.fillStyle = "#5b6475"; ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
+    var step = Math.ceil(16 / (thumb + gap));
+    ctx.textAlign = "right";
+    layers.forEach(function (block, row) {
+      if (row % step === 0) ctx.fillText("L" + block.layer, left - 4, top + row * (thumb + gap) + thumb / 2);
+    });
+    ctx.textAlign = "center";
+    for (var h = 0; h < nHeads; h += step) ctx.fillText(String(h), left + h * (thumb + gap) + thumb / 2, 8);
+    var sel = layers.map(function (b) { return b.layer; }).indexOf(st.layer);
+    if (sel >= 0 && st.head < nHeads) {
+      ctx.strokeStyle = "#000"; ctx.lineWidth = 2;
+      ctx.strokeRect(left + st.head * (thumb + gap) - 1, top + sel * (thumb + gap) - 1, thumb + 2, thumb + 2);
+    }
+    canvas.setAttribute("data-layers", String(layers.length));
+    canvas.setAttribute("data-heads", String(nHeads));
+    var at = function (event) {
+      var rect = canvas.getBoundingClientRect();
+      var hh = Math.floor((event.clientX - rect.left - left) / (thumb + gap));
+      var rr = Math.floor((event.clientY - rect.top - top) / (thumb + gap));
+      return rr >= 0 && rr < layers.length && hh >= 0 && hh < layers[rr].shape[0] ? { layer: layers[rr].layer, head: hh } : null;
+    };
+    canvas.onmousemove = function (event) {
+      var cell = at(event);
+      if (!cell) { hideTip(); return; }
+      var l = labelsOf(st.kind, cell.layer, cell.head);
+      showTip(event, headName(st.kind, cell.layer, cell.head) + (l.length ? "\n" + l.join(", ") : "") + "\nclick: lines view of this head");
+    };
+    canvas.onmouseleave = hideTip;
+    canvas.onclick = function (event) {
+      var cell = at(event);
+      if (!cell) return;
+      hideTip();
+      st.layer = cell.layer; st.head = cell.head; st.view = "lines";
+      document.querySelector('input[name="v-view"][value="lines"]').checked = true;
+      refreshControls(); render();
+    };
+  }
+
+  /* ---- exemplars of the selected head (aggregate/exemplars.json) ---------------------------- */
+  function renderExemplars() {
+    var box = $("exemplars"), ex = DATA.exemplars, st = viewer.state;
+    if (!box || !ex) return;
+    var rows = (ex.heads[st.kind + ":" + st.layer] || [])[st.head] || [];
+    box.replaceChildren();
+    box.setAttribute("data-head", st.kind ? st.kind + ":" + st.layer + ":" + st.head : "");
+    box.appendChild(el("p", { class: "v-head-label" }, st.kind ? headName(st.kind, st.layer, st.head) : "no head selected"));
+    if (!rows.length) { box.appendChild(el("p", { class: "note" }, "No exemplar for this head.")); return; }
+    var list = el("ol", { class: "exemplar-list" });
+    rows.forEach(function (e) {
+      var words = ex.sentences[e[1]] || [], item = el("li", { class: "exemplar" });
+      item.appendChild(el("span", { class: "ex-weight num" }, (e[0] === null ? "n/a" : e[0].toFixed(3)) + " "));
+      item.appendChild(el("span", { class: "ex-arc" }, (words[e[2]] || "?") + " \u2192 " + (words[e[3]] || "?") + ": "));
+      words.forEach(function (w, i) {
+        var cls = i === e[2] && i === e[3] ? "ex-q ex-k" : i === e[2] ? "ex-q" : i === e[3] ? "ex-k" : "";
+        item.appendChild(el("span", cls ? { class: cls } : {}, w));
+        item.appendChild(document.createTextNode(" "));
+      });
+      list.appendChild(item);
+    });
+    box.appendChild(list);
   }
 
   function drawMatrix(block) {
-    var st = viewer.state, tokens = st.payload.tokens;
-    var q = tokens[block.q] || [], k = tokens[block.k] || [];
+    var st = viewer.state;
+    var q = shownTokens(st.payload, block.q), k = shownTokens(st.payload, block.k);
     var nq = block.shape[1], nk = block.shape[2], bytes = decode(block), base = st.head * nq * nk;
     var n = Math.max(nq, nk), cell = Math.max(2, Math.min(22, Math.floor(640 / n)));
     var labelled = cell >= 10, margin = labelled ? 96 : 4;
@@ -425,7 +701,7 @@
     $("v-threshold").addEventListener("input", function () {
       viewer.state.threshold = +$("v-threshold").value;
       $("v-threshold-value").textContent = viewer.state.threshold.toFixed(2);
-      if (viewer.state.view === "lines") render();
+      if (viewer.state.view === "lines" || viewer.state.view === "heads") render();
     });
     Array.prototype.forEach.call(document.querySelectorAll(".head-link[data-kind]"), function (row) {
       var go = function (event) {
@@ -440,11 +716,14 @@
       if (first.length) { viewer.state.kind = first[0].split(":")[0]; viewer.state.layer = +first[0].split(":")[1]; }
       selectSentence(0, true);
     } else {
+      var first = Object.keys((DATA.exemplars || {}).heads || {})[0];  // exemplars without attention data
+      if (first) { viewer.state.kind = first.split(":")[0]; viewer.state.layer = +first.split(":")[1]; }
       render();
     }
   }
 
-  window.headlabReport = { viewer: viewer, open: function (k, l, h) { viewer.open(k, l, h, false); } };
+  window.headlabReport = { viewer: viewer, open: function (k, l, h) { viewer.open(k, l, h, false); },
+    tokens: { style: tokenStyle, decode: decodeToken } };
   renderGroups();
   initViewer();
   if (window.performance && performance.mark) performance.mark("headlab-rendered");

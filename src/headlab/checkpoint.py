@@ -1,0 +1,297 @@
+"""What a model directory holds, read and checked before a weight is used: complete or refused.
+
+* **Config**: ``AutoConfig`` always with ``trust_remote_code`` passed explicitly (False unless
+  the user asks), so that no path prompts or runs a directory's Python.
+* **Weights**: safetensors headers are read first (:func:`tensor_shapes`), so a truncated or
+  corrupt file is a one-line error naming it. Every tensor of the file must have the shape the
+  model gives it, and after loading no tensor may be missing or left over
+  (:func:`check_complete`): another model's weights, a missing layer or a config with more layers
+  than the weights are refused, naming the tensors, instead of loading as random values. The
+  allow-list is transformers' own (tied weights, non-persistent buffers, each class's
+  ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``, old
+  ``position_ids`` and ``rotary_emb.inv_freq`` buffers) plus :data:`ALLOWED_UNEXPECTED`.
+* **Pruning records** (``headlab_pruning.json``) are strictly typed like mask files
+  (:func:`validate_record`) and checked against the weights' shapes (:func:`check_fits_weights`);
+  a pruned directory re-saved by transformers' ``save_pretrained`` without its record gets one
+  read from the weights' shapes (:func:`record_from_weights`).
+* **Classes**: ``architectures`` in config.json resolves to a transformers ``PreTrainedModel``
+  subclass or an auto class only (:func:`named_model_class`), never to another attribute.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headlab.adapters import attention_blocks
+from headlab.errors import HeadlabError
+from headlab.heads import KINDS
+from headlab.portable import CLASS_NAME
+
+__all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "check_fits_weights", "model_class_for",
+           "named_model_class", "one_line", "read_config", "read_weights", "record_from_weights", "tensor_shapes",
+           "validate_record"]
+
+# Model classes to try, most specific head first: analyses need an LM head when there is one.
+_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
+                 "AutoModelForSequenceClassification")
+# The last is never a default (AutoModel has every config): only a checkpoint naming it gets it.
+
+# Tensors a checkpoint may hold that the class headlab builds leaves out on purpose: BERT-style
+# pre-training checkpoints carry a pooler and a next-sentence head that the masked-LM class lacks.
+ALLOWED_UNEXPECTED = (r"(^|\.)pooler\.dense\.(weight|bias)$", r"^cls\.seq_relationship\.(weight|bias)$")
+_ALLOWED_UNEXPECTED = re.compile("|".join(ALLOWED_UNEXPECTED))
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (transformers' messages span several)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+# -- classes and configs ----------------------------------------------------------------------
+def model_class_for(config) -> type:
+    """The class the checkpoint names in ``architectures`` when headlab can score it (a
+    ``BertForMaskedLM`` stays one), else the first of :data:`_AUTO_CLASSES` that has
+    ``config``'s type: a language-model head when there is one, else the bare model."""
+    import transformers
+
+    candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
+    classes = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
+    by_name = {cls.__name__: cls for cls in classes}
+    for name in getattr(config, "architectures", None) or ():
+        if name in by_name:
+            return by_name[name]
+    if classes:
+        return classes[0]
+    raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def named_model_class(config, source: str) -> type:
+    """The class ``architectures[0]`` names: a transformers ``PreTrainedModel`` subclass, or an
+    auto class (its class for ``config``'s type). headlab's own remote-code class (a directory
+    re-saved by transformers names it) and a config naming none get :func:`model_class_for`.
+    Any other name (``"pipeline"``, a function) is refused: it is never called."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise HeadlabError(f"{source}: architectures must be a list of class names, found {architectures!r}")
+    if not architectures or architectures[0] == CLASS_NAME:
+        return model_class_for(config)
+    name = architectures[0]
+    found = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+    if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel) \
+            and found.__module__.startswith("transformers.models."):  # a model, not a base class
+        return found
+    mapping = getattr(found, "_model_mapping", None) if isinstance(found, type) and name.startswith("Auto") else None
+    if mapping is not None and type(config) in mapping:
+        return mapping[type(config)]
+    raise HeadlabError(f"{source}: architectures names {name!r}, which is not a transformers model class "
+                       "(a PreTrainedModel subclass or an auto class with this model_type); pass model_class")
+
+
+def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
+    """``AutoConfig`` of ``path`` with ``trust_remote_code`` passed explicitly: transformers then
+    never prompts, and a config that needs the directory's code is a one-line error."""
+    import json
+
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+    except (OSError, ValueError) as error:
+        auto_map = None
+        try:
+            auto_map = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            pass
+        if auto_map and not trust_remote_code and "trust_remote_code" in str(error):
+            raise HeadlabError(
+                f"{path}/config.json: its model_type is unknown to transformers and its auto_map names code in "
+                f"the directory ({', '.join(sorted(map(str, auto_map)))}); headlab runs no code from a model "
+                "directory unless --trust-remote-code (trust_remote_code=True) is given") from error
+        raise HeadlabError(f"{path}: cannot read a model config ({one_line(error)})") from error
+
+
+def build_model(cls: type, config, source: str | Path, meta: bool = False) -> nn.Module:
+    """``cls(config)`` (on the meta device when ``meta``: the structure only); a config
+    transformers cannot build (heads that do not divide the width) is the user's error."""
+    try:
+        if meta:
+            with torch.device("meta"):
+                return cls(config)
+        return cls(config)
+    except (ValueError, AttributeError, TypeError) as error:
+        raise HeadlabError(f"{source}: its config.json does not describe a {cls.__name__} transformers can "
+                           f"build ({one_line(error)})") from error
+
+
+# -- weights ---------------------------------------------------------------------------------
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HeadlabError(f"{path}: no .safetensors weights")
+    return files
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the directory's safetensors files, from their headers
+    (nothing is loaded). A truncated or corrupt file is a one-line error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as error:
+            raise HeadlabError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                               f"({one_line(error)})") from error
+    return shapes
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files (never a pickle)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(Path(path)):
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as error:
+            raise HeadlabError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                               f"({one_line(error)})") from error
+    return state
+
+
+def _names(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:4])
+    return shown + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def check_complete(source: str | Path, missing, unexpected, mismatched=()) -> None:
+    """Refuse a load that left a tensor at its random initialisation or ignored one of the
+    file's (after transformers' allow-list; :data:`ALLOWED_UNEXPECTED` besides)."""
+    unexpected = [key for key in unexpected if not _ALLOWED_UNEXPECTED.search(key)]
+    mismatched = [key if isinstance(key, str) else key[0] for key in mismatched]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model needs are not in the weights ({_names(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) of the weights are not in the model ({_names(unexpected)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) have another shape than the model's ({_names(mismatched)})")
+    if problems:
+        raise HeadlabError(f"{source}: the weights do not fit the model's config, refused rather than run with "
+                           f"random values: " + "; ".join(problems))
+
+
+def _tensor_block(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> ``"KIND layer N"`` for the attention projections of ``model``."""
+    names = {id(module): name for name, module in model.named_modules()}
+    out = {}
+    for block in attention_blocks(model):
+        for module in (block.q, block.k, block.v, block.qkv, block.o):
+            if module is not None and id(module) in names:
+                for pname, _ in module.named_parameters(recurse=False):
+                    out[f"{names[id(module)]}.{pname}"] = f"{block.kind} layer {block.layer} ({block.n_heads} heads)"
+    return out
+
+
+def check_fits_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], source: str | Path) -> None:
+    """Every tensor of the weights has the shape ``model`` gives it: a pruning record or a config
+    that does not match the weights is named with the block and both shapes."""
+    blocks = _tensor_block(model)
+    wrong = []
+    for name, tensor in model.state_dict().items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            where = f" ({blocks[name]})" if name in blocks else ""
+            wrong.append(f"{name}{where}: weights {list(shapes[name])}, model {list(tensor.shape)}")
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise HeadlabError(f"{source}: the weights do not match it: {'; '.join(wrong[:3])}{more}")
+
+
+# -- pruning records -------------------------------------------------------------------------
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_record(record, source: str | Path) -> None:
+    """A pruning record's types, strictly as mask files are read: head numbers are integers
+    (no bool, no float), kept heads strictly increasing (no duplicate). Whether the numbers fit the
+    model (its head counts) and its weights is checked when the record is applied."""
+    if not isinstance(record, dict) or not isinstance(record.get("blocks"), dict):
+        raise HeadlabError(f"{source}: malformed pruning record (expected an object with \"blocks\")")
+    for kind, layers in record["blocks"].items():
+        if kind not in KINDS or not isinstance(layers, dict):
+            raise HeadlabError(f"{source}: blocks: {kind!r} is not an attention kind ({', '.join(KINDS)}) "
+                               "mapping layers to entries")
+        for layer, entry in layers.items():
+            where = f"{source}: {kind} layer {layer!r}"
+            if not (isinstance(layer, str) and layer.isdigit() and layer.isascii()):
+                raise HeadlabError(f"{where}: a layer key is a layer number")
+            if not isinstance(entry, dict) or not {"n_heads", "kept_heads", "kept_kv_heads"} <= set(entry):
+                raise HeadlabError(f"{where}: expected n_heads, kept_heads and kept_kv_heads")
+            n_heads, kept, kv_kept = entry["n_heads"], entry["kept_heads"], entry["kept_kv_heads"]
+            if not _int(n_heads) or n_heads < 0:
+                raise HeadlabError(f"{where}: n_heads must be a non-negative integer, found {n_heads!r}")
+            for name, heads in (("kept_heads", kept), ("kept_kv_heads", kv_kept)):
+                if not isinstance(heads, list) or not all(_int(h) and h >= 0 for h in heads):
+                    raise HeadlabError(f"{where}: {name} must be a list of head numbers (non-negative integers), "
+                                       f"found {heads!r}")
+            if any(a >= b for a, b in zip(kept, kept[1:])):
+                raise HeadlabError(f"{where}: kept_heads must be strictly increasing (each head once), found {kept}")
+            if bool(kept) != bool(kv_kept) or (kv_kept and len(kept) % len(kv_kept)):
+                raise HeadlabError(f"{where}: {len(kept)} kept heads do not group over {len(kv_kept)} kept key/value "
+                                   "heads")
+            if any(a > b for a, b in zip(kv_kept, kv_kept[1:])):
+                raise HeadlabError(f"{where}: kept_kv_heads must be in increasing order, found {kv_kept}")
+
+
+def _width(shape: tuple[int, ...], module: nn.Module, out: bool) -> int:
+    """Output (or input) width of a Linear's ([out, in]) or a Conv1D's ([in, out]) weight shape."""
+    linear = isinstance(module, nn.Linear)
+    return int(shape[0 if linear == out else 1])
+
+
+def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+    """A pruning record for an unpruned ``model`` (its config) whose heads the weights' shapes
+    say were removed: a pruned directory re-saved by transformers (``save_pretrained`` after
+    fine-tuning) without headlab_pruning.json. None when every block has the config's heads.
+
+    The original numbering of the kept heads is not in the weights: each layer's heads are
+    numbered 0..n-1 as they are now.
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    blocks: dict[str, dict] = {}
+    for block in attention_blocks(model):
+        o_weight = f"{names[id(block.o)]}.weight"
+        kv_module = block.k if block.k is not None else block.qkv
+        if kv_module is None or block.d_head <= 0:
+            continue
+        kv_weight = f"{names[id(kv_module)]}.weight"
+        if o_weight not in shapes or kv_weight not in shapes:
+            continue  # named otherwise in the file: check_complete says what is missing
+        n_q, rest_q = divmod(_width(shapes[o_weight], block.o, out=False), block.d_head)
+        kv_width = _width(shapes[kv_weight], kv_module, out=True)
+        if block.k is None:  # fused [q | k | v]
+            kv_width = (kv_width - n_q * block.d_head) // 2
+        n_kv, rest_kv = divmod(kv_width, block.d_head)
+        if rest_q or rest_kv or n_q > block.n_heads or not 0 <= n_kv <= max(n_q, block.n_kv_heads):
+            continue  # not a pruned shape: check_fits_weights names the tensor
+        if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
+            continue
+        if n_kv > block.n_kv_heads:  # a copy of its key/value head per kept query head
+            kv_kept = [j * block.n_kv_heads // n_kv for j in range(n_kv)]
+        else:
+            kv_kept = list(range(n_kv))
+        blocks.setdefault(block.kind, {})[str(block.layer)] = {
+            "n_heads": block.n_heads, "kept_heads": list(range(n_q)), "kept_kv_heads": kv_kept}
+    return {"blocks": blocks} if blocks else None

@@ -1,0 +1,182 @@
+"""The family matrix beyond tests/support/models.py: tiny random models (hidden 32, 2 layers,
+4 heads of 8, vocab 99) built from configs, no downloads.
+
+* ``ANALYSED`` (``ANALYSIS_FAMILIES``): the families headlab analyses and masks with layouts of
+  their own (fused q/k/v projections, ALiBi, disentangled attention): GPT-NeoX, Phi-3, Phi-2,
+  Falcon (grouped, multi-query, per head with ALiBi), GPT-BigCode (multi-query, per head), Bloom,
+  DeBERTa-v2, ModernBERT. Each names, besides the model, how its value heads sit in the weights
+  (``VALUES``), read off the modeling code by hand (not from headlab's adapter tables), so that the
+  zeroed-value reference of tests/test_more_families.py is independent of what it checks:
+  ``VALUES[family] = (module(model, layer), rows(kv_head) -> weight rows of that key/value head's
+  values, n_kv_heads)``. Physical pruning of their fused layouts: tests/test_prune_fused.py.
+* ``PRUNING`` (``PRUNING_FAMILIES``): families whose physical pruning needs care (partial rotary,
+  per-head and whole-width query/key norms, grouped key/value heads, MoE feed-forward layers),
+  used by tests/test_prune_verify.py.
+* ``REFUSED``: families headlab refuses before any work.
+
+:func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
+non-zero, so that slicing them is exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+from support.models import VOCAB
+
+_SPECIAL = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+D = 8  # head size
+
+
+def _per_head(h: int) -> range:
+    """[q_h | k_h | v_h] for each head h: GPT-NeoX's view(..., heads, 3 * d).chunk(3), Bloom's
+    and Falcon's view(..., heads, 3, d)."""
+    return range(3 * h * D + 2 * D, 3 * h * D + 3 * D)
+
+
+def _qkv(n_heads: int, n_kv: int):
+    """[all q | all k | all v] (Phi-3's slices, GPT-BigCode's and Falcon's multi-query split)."""
+    return lambda j: range((n_heads + n_kv) * D + j * D, (n_heads + n_kv) * D + (j + 1) * D)
+
+
+def _grouped(group: int):
+    """Falcon's new decoder architecture: view(..., kv_heads, group + 2, d), value last."""
+    return lambda j: range(j * (group + 2) * D + (group + 1) * D, j * (group + 2) * D + (group + 2) * D)
+
+
+ANALYSED = {
+    "gpt_neox": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, attention_bias=True, **_SPECIAL)),
+    "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=37, max_position_embeddings=64, original_max_position_embeddings=64, **_SPECIAL)),
+    "phi": lambda: (tf.PhiForCausalLM, tf.PhiConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, **_SPECIAL)),
+    "falcon": lambda: (tf.FalconForCausalLM, tf.FalconConfig(  # the new decoder architecture: grouped
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, bias=True, **_SPECIAL)),
+    "falcon_mq": lambda: (tf.FalconForCausalLM, tf.FalconConfig(  # Falcon-7B's multi-query layout, rotary
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        bias=True, **_SPECIAL)),
+    "falcon_alibi": lambda: (tf.FalconForCausalLM, tf.FalconConfig(  # one key/value per head, ALiBi
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+        alibi=True, parallel_attn=False, bias=True, **_SPECIAL)),
+    "gpt_bigcode": lambda: (tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(  # StarCoder: multi-query
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True, **_SPECIAL)),
+    "gpt_bigcode_mha": lambda: (tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False, **_SPECIAL)),
+    "bloom": lambda: (tf.BloomForCausalLM, tf.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **_SPECIAL)),
+    "deberta-v2": lambda: (tf.DebertaV2ForMaskedLM, tf.DebertaV2Config(  # DeBERTa-v3's relative attention
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+        max_relative_positions=16, share_att_key=True, norm_rel_ebd="layer_norm", pad_token_id=2)),
+    "modernbert": lambda: (tf.ModernBertForMaskedLM, tf.ModernBertConfig(  # layer 1 local: 2 keys either side
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, pad_token_id=2,
+        bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)),
+}
+ANALYSIS_FAMILIES = tuple(ANALYSED)
+"""Families whose analysis and masking tests/test_more_families.py checks against references of its own."""
+
+# (path of the fused or value projection of layer i, rows of key/value head j's values, key/value heads)
+VALUES = {
+    "gpt_neox": (lambda m, i: m.gpt_neox.layers[i].attention.query_key_value, _per_head, 4),
+    "phi3": (lambda m, i: m.model.layers[i].self_attn.qkv_proj, _qkv(4, 2), 2),
+    "phi": (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
+    "falcon": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _grouped(2), 2),
+    "falcon_mq": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _qkv(4, 1), 1),
+    "falcon_alibi": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _per_head, 4),
+    "gpt_bigcode": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 1), 1),
+    "gpt_bigcode_mha": (lambda m, i: m.transformer.h[i].attn.c_attn, _per_head, 4),
+    "bloom": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _per_head, 4),
+    "modernbert": (lambda m, i: m.model.layers[i].attn.Wqkv, _qkv(4, 4), 4),  # view(..., 3, heads, d)
+    "deberta-v2": (lambda m, i: m.deberta.encoder.layer[i].attention.self.value_proj,
+                   lambda j: range(j * D, (j + 1) * D), 4),
+}
+ENCODERS = {"modernbert", "deberta-v2"}
+
+# Families headlab refuses, before any work.
+REFUSED = {
+    "deberta": lambda: (tf.DebertaForMaskedLM, tf.DebertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64)),
+    "albert": lambda: (tf.AlbertForMaskedLM, tf.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64)),
+    "whisper": lambda: (tf.WhisperForConditionalGeneration, tf.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=8,
+        max_source_positions=16, max_target_positions=32, pad_token_id=2, bos_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+}
+
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+               max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def _gqa(**extra):
+    """4 query heads over 2 key/value heads (groups of 2), head size 8."""
+    return {**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, **extra}
+
+
+PRUNING = {
+    "olmo2": lambda: (tf.Olmo2ForCausalLM, tf.Olmo2Config(**_gqa())),
+    "stablelm": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(
+        **{**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 4}, partial_rotary_factor=0.5)),
+    "stablelm-qk-norm": lambda: (tf.StableLmForCausalLM, tf.StableLmConfig(
+        **{**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2}, partial_rotary_factor=0.25,
+        qk_layernorm=True)),
+    "opt": lambda: (tf.OPTForCausalLM, tf.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=2)),
+    "gemma": lambda: (tf.GemmaForCausalLM, tf.GemmaConfig(**_gqa())),
+    "gemma2": lambda: (tf.Gemma2ForCausalLM, tf.Gemma2Config(**_gqa(), sliding_window=4)),
+    "gemma3": lambda: (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(**_gqa(), sliding_window=4)),
+    "olmo": lambda: (tf.OlmoForCausalLM, tf.OlmoConfig(**_gqa())),
+    # intermediate 40: torch's grouped matmul of the experts needs rows of a multiple of 16 bytes
+    "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(**{**_gqa(), "intermediate_size": 40},
+                                                                 num_local_experts=3, num_experts_per_tok=2)),
+    "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_gqa())),
+    "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_gqa())),
+    "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_gqa())),
+}
+PRUNING_FAMILIES = tuple(PRUNING)
+"""Families whose physical pruning needs care, checked by tests/test_prune_verify.py."""
+EAGER_ONLY = {"gemma2"}  # transformers refuses sdpa for Gemma2 (its logit soft-capping)
+
+
+CONFIGS = {**ANALYSED, **PRUNING}
+FAMILIES = ANALYSIS_FAMILIES + PRUNING_FAMILIES
+"""Every family of the matrix that headlab supports."""
+
+
+def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    cls, config = {**CONFIGS, **REFUSED}[family]()
+    if family in EAGER_ONLY or (attn_implementation == "sdpa" and not cls._supports_sdpa):  # Bloom, DeBERTa-v2
+        attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if family in PRUNING:  # biases and norm weights moved off their initial values
+                if name.endswith("bias") or "norm" in name:
+                    parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+    return model
+
+
+def tiny_inputs(batch: int = 2, length: int = 7, seed: int = 1, pad: bool = True) -> dict:
+    """Random token ids; the second sequence has two padded positions at the end."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if pad and batch > 1:
+        mask[1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}

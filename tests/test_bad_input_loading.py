@@ -1,0 +1,379 @@
+"""Bad-input catalogue, model directories: loading is safe (no code from the directory runs, no
+prompt) and complete or refused (no tensor left at random, none ignored), pruning records are
+strictly typed and checked against the weights, a pruned directory re-saved by transformers
+keeps working, and corrupt or contradictory directories are one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import headlab
+from headlab.adapters import attention_blocks
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.loading import load_model
+from headlab.surgery import PRUNING_FILE, load_pruned
+from support.bad_input import save_tiny_marian, save_tiny_pruned
+from support.models import tiny_inputs, tiny_model
+
+SRC = Path(headlab.__file__).resolve().parents[1]  # the headlab under test, for the subprocesses
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loading")
+    save_tiny_marian(root / "plain")
+    save_tiny_pruned(root / "pruned")
+    tiny_model("bert").save_pretrained(root / "bert")
+    return root
+
+
+def _copy(dirs: Path, name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(dirs / name, tmp_path / name))
+
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.update(changes)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def _one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line and "it [" not in line]
+    assert len(lines) == 1 and lines[0].startswith("headlab ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# -- no code from a model directory, no prompt ----------------------------------------------
+_EVIL = """import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig, PreTrainedModel
+class EvilConfig(PretrainedConfig):
+    model_type = "evil-heads"
+class EvilModel(PreTrainedModel):
+    config_class = EvilConfig
+"""
+
+
+def _plant_code(directory: Path, model_type: str | None) -> Path:
+    """``directory``'s config.json (and tokenizer_config.json) point auto_map at evil.py, which
+    writes a marker file when imported."""
+    marker = directory.parent / f"{directory.name}-MARKER"
+    (directory / "evil.py").write_text(_EVIL.format(marker=str(marker)), encoding="utf-8")
+    changes: dict = {"auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForSeq2SeqLM": "evil.EvilModel",
+                                  "AutoModel": "evil.EvilModel"}}
+    if model_type is not None:
+        changes["model_type"] = model_type
+    _edit_json(directory / "config.json", **changes)
+    if (directory / "tokenizer_config.json").is_file():
+        _edit_json(directory / "tokenizer_config.json", auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]})
+    return marker
+
+
+def _headlab(*args: str, stdin: str = "y\ny\n") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "headlab", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("source", ["plain", "pruned"])
+def test_auto_map_with_an_unknown_model_type_runs_no_code_and_never_prompts(source, dirs, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Regression: load_pruned called AutoConfig without trust_remote_code, so transformers asked
+    "run the custom code? [y/N]" on stdin, and "y" ran the directory's Python."""
+    import io
+
+    directory = _copy(dirs, source, tmp_path)
+    marker = _plant_code(directory, "evil-heads")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))
+    for command in (["heads", str(directory)], ["prune", str(directory), "--heads", "enc_self:0:1", "--out",
+                                                str(tmp_path / "out")]):
+        line = _one_line_error(capsys, main(command))
+        assert not marker.exists(), "the model directory's code ran"
+        assert "auto_map" in line and "--trust-remote-code" in line
+    assert sys.stdin.read() == "y\ny\n"  # nothing was asked
+
+
+def test_auto_map_answered_y_on_a_real_stdin_runs_no_code(dirs, tmp_path):
+    """The same through a pipe, as a user's shell gives it (the pruned directory of the report)."""
+    directory = _copy(dirs, "pruned", tmp_path)
+    marker = _plant_code(directory, "evil-heads")
+    run = _headlab("heads", str(directory))
+    assert not marker.exists(), "the model directory's code ran"
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "auto_map" in lines[0] and "--trust-remote-code" in lines[0], run.stderr
+    assert "[y/N]" not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("source", ["plain", "pruned"])
+def test_auto_map_with_a_known_model_type_loads_transformers_class_and_runs_no_code(source, dirs, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A known model_type with an auto_map: transformers' own class, completely loaded; the
+    directory's code is never imported (the tokenizer's auto_map included)."""
+    import io
+
+    directory = _copy(dirs, source, tmp_path)
+    marker = _plant_code(directory, None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))
+    assert main(["heads", str(directory)]) == 0
+    assert "total:" in capsys.readouterr().out
+    from headlab.nmt.tokenizer import load_tokenizer
+
+    load_tokenizer(directory)
+    model = load_model(str(directory))
+    assert not marker.exists(), "the model directory's code ran"
+    assert type(model).__module__.startswith("transformers.models.marian")
+
+
+# -- complete or refused ------------------------------------------------------------------
+def _drop_tensors(directory: Path, prefix: str) -> None:
+    file = directory / "model.safetensors"
+    state = load_file(file)
+    save_file({k: v for k, v in state.items() if not k.startswith(prefix)}, file, metadata={"format": "pt"})
+
+
+def _another_models_weights(directory: Path, dirs: Path) -> None:
+    shutil.copy(dirs / "bert" / "model.safetensors", directory / "model.safetensors")
+
+
+INCOMPLETE = {
+    # what it feeds in: (make the directory, what the message must name)
+    "another-models-weights": (_another_models_weights, "model.encoder.layers.0.fc1.bias"),
+    "missing-encoder-layer": (lambda d, _: _drop_tensors(d, "model.encoder.layers.1."),
+                              "model.encoder.layers.1.fc1.bias"),
+    "config-with-more-layers-than-weights": (lambda d, _: _edit_json(d / "config.json", encoder_layers=3),
+                                             "model.encoder.layers.2.fc1.bias"),
+    "weights-with-more-layers-than-config": (lambda d, _: _edit_json(d / "config.json", encoder_layers=1),
+                                             "model.encoder.layers.1.fc1.bias"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(INCOMPLETE))
+def test_incomplete_or_foreign_weights_are_refused_naming_the_tensors(row, dirs, tmp_path, capsys):
+    """Regression: the plain loader filled missing tensors with random values (exit 0, only
+    transformers' MISSING table on stderr) and ignored tensors the model did not have."""
+    make, tensor = INCOMPLETE[row]
+    directory = _copy(dirs, "plain", tmp_path)
+    make(directory, dirs)
+    with pytest.raises(HeadlabError, match="refused rather than run with random values") as error:
+        load_model(str(directory))
+    assert tensor in str(error.value) or "and " in str(error.value)
+    assert str(directory) in str(error.value)
+    line = _one_line_error(capsys, main(["prune", str(directory), "--heads", "enc_self:0:1", "--out",
+                                         str(tmp_path / "out")]))
+    assert "do not fit the model's config" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tensor_names_it(dirs, tmp_path):
+    directory = _copy(dirs, "plain", tmp_path)
+    _drop_tensors(directory, "model.encoder.layers.1.fc1.bias")
+    with pytest.raises(HeadlabError, match=r"1 tensor\(s\) the model needs are not in the weights "
+                                           r"\(model.encoder.layers.1.fc1.bias\)"):
+        load_model(str(directory))
+
+
+def test_pruned_directory_missing_a_tensor_is_refused(dirs, tmp_path):
+    directory = _copy(dirs, "pruned", tmp_path)
+    _drop_tensors(directory, "model.encoder.layers.1.fc1.bias")
+    with pytest.raises(HeadlabError, match=r"model.encoder.layers.1.fc1.bias"):
+        load_model(str(directory))
+
+
+def test_allowed_unexpected_pooler_and_next_sentence_head(tmp_path):
+    """The documented allow-list: a BERT pre-training checkpoint loads as a masked LM (its pooler
+    and next-sentence head are unused); tied weights are never reported missing."""
+    from support.models import CONFIGS
+
+    _, config = CONFIGS["bert"]()
+    torch.manual_seed(0)
+    pretraining = transformers.BertForPreTraining(config)
+    pretraining.config.architectures = ["BertForMaskedLM"]
+    pretraining.save_pretrained(tmp_path / "bert-pretraining")  # as bert-base-uncased: names the masked LM
+    _edit_json(tmp_path / "bert-pretraining" / "config.json", architectures=["BertForMaskedLM"])
+    model = load_model(str(tmp_path / "bert-pretraining"))
+    assert type(model).__name__ == "BertForMaskedLM"
+    assert torch.equal(model.bert.encoder.layer[0].attention.self.query.weight,
+                       pretraining.bert.encoder.layer[0].attention.self.query.weight)
+
+
+@pytest.mark.parametrize("source", ["plain", "pruned"])
+@pytest.mark.parametrize("damage", ["truncated-safetensors", "corrupt-safetensors"])
+def test_truncated_or_corrupt_safetensors_is_one_line_naming_the_file(damage, source, dirs, tmp_path, capsys):
+    """Regression: a SafetensorError traceback ("internal error ... bug in headlab")."""
+    directory = _copy(dirs, source, tmp_path)
+    file = directory / "model.safetensors"
+    if damage == "truncated-safetensors":
+        os.truncate(file, file.stat().st_size // 2)
+    else:
+        file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" + b"\x00" * 64)
+    with pytest.raises(HeadlabError, match="truncated or corrupt"):
+        load_model(str(directory))
+    line = _one_line_error(capsys, main(["heads", str(directory)]))
+    assert f"{file}: not a readable safetensors file" in line
+
+
+def test_config_whose_heads_do_not_divide_the_width(dirs, tmp_path, capsys):
+    """Regression: a ValueError traceback from inside transformers."""
+    directory = _copy(dirs, "plain", tmp_path)
+    _edit_json(directory / "config.json", encoder_attention_heads=5)
+    with pytest.raises(HeadlabError, match="does not describe a MarianMTModel"):
+        load_model(str(directory))
+    line = _one_line_error(capsys, main(["heads", str(directory)]))
+    assert "divisible" in line and str(directory) in line
+
+
+# -- pruning records --------------------------------------------------------------------------
+# save_tiny_pruned removed enc_self layer 0's heads 1 and 2: the record keeps [0, 3].
+LYING_RECORDS = {
+    "duplicate-kept-heads": ([0, 0], "strictly increasing"),
+    "unordered-kept-heads": ([3, 0], "strictly increasing"),
+    "float-kept-head": ([0, 2.9], "must be a list of head numbers"),
+    "bool-kept-head": ([True, 3], "must be a list of head numbers"),
+    "string-kept-head": (["0", 3], "must be a list of head numbers"),
+    "kept-heads-not-grouping-over-kv-heads": ([0, 1, 3], "3 kept heads do not group over 2"),
+    "fewer-kept-heads-than-the-weights": ([0], "enc_self layer 0 (1 heads)"),
+    "more-kept-heads-than-the-weights": ([0, 1, 3], "enc_self layer 0 (3 heads)"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(LYING_RECORDS))
+def test_lying_pruning_record_is_refused(row, dirs, tmp_path, capsys):
+    """Regression: kept heads [3, 3] instead of [3, 6] filed one head's scores under another;
+    [1.9] and [true] were truncated to head 1."""
+    kept, message = LYING_RECORDS[row]
+    directory = _copy(dirs, "pruned", tmp_path)
+    record = json.loads((directory / PRUNING_FILE).read_text(encoding="utf-8"))
+    assert record["blocks"]["enc_self"]["0"]["kept_heads"] == [0, 3]
+    record["blocks"]["enc_self"]["0"]["kept_heads"] = kept
+    if "than-the-weights" in row:  # a consistent lie: as many key/value heads (multi-head attention)
+        record["blocks"]["enc_self"]["0"]["kept_kv_heads"] = kept
+    (directory / PRUNING_FILE).write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(HeadlabError, match=re.escape(message)) as error:
+        load_pruned(directory)
+    assert str(directory / PRUNING_FILE) in str(error.value)
+    line = _one_line_error(capsys, main(["heads", str(directory)]))
+    assert message in line
+
+
+def test_record_of_a_bool_head_count_is_refused(dirs, tmp_path):
+    directory = _copy(dirs, "pruned", tmp_path)
+    record = json.loads((directory / PRUNING_FILE).read_text(encoding="utf-8"))
+    record["blocks"]["enc_self"]["0"]["n_heads"] = 4.0
+    (directory / PRUNING_FILE).write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(HeadlabError, match="n_heads must be a non-negative integer"):
+        load_pruned(directory)
+
+
+@pytest.mark.parametrize("name", ["pipeline", "AutoConfig", "PreTrainedModel", "no such class", "__class__"])
+def test_architectures_naming_no_model_class_is_refused_and_never_called(name, dirs, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Regression: load_pruned called getattr(transformers, architectures[0])(config):
+    ``["pipeline"]`` called transformers.pipeline."""
+    called = []
+    monkeypatch.setattr(transformers, "pipeline", lambda *a, **k: called.append(a), raising=False)
+    directory = _copy(dirs, "pruned", tmp_path)
+    _edit_json(directory / "config.json", architectures=[name])
+    with pytest.raises(HeadlabError, match="not a transformers model class"):
+        load_pruned(directory)
+    line = _one_line_error(capsys, main(["heads", str(directory)]))
+    assert f"architectures names {name!r}" in line
+    assert not called
+
+
+def test_architectures_naming_an_auto_class_is_accepted(dirs, tmp_path):
+    directory = _copy(dirs, "pruned", tmp_path)
+    _edit_json(directory / "config.json", architectures=["AutoModelForSeq2SeqLM"])
+    assert type(load_pruned(directory)).__name__ == "MarianMTModel"
+
+
+# -- pruned directories re-saved by transformers ----------------------------------------------
+def _heads_per_kind(capsys, directory: Path) -> str:
+    assert main(["heads", str(directory)]) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("where", ["new-directory-without-record", "same-directory-with-record",
+                                   "saved-from-load_pruned"])
+def test_pruned_directory_resaved_by_transformers_keeps_working(where, dirs, tmp_path, capsys):
+    """Regression: after save_pretrained (fine-tuning with Trainer), `heads` reported 8 encoder
+    heads where there are 6 (the config's counts) and the weights did not load; the head counts
+    now come from the weights' shapes."""
+    pruned = load_pruned(dirs / "pruned")
+    if where == "saved-from-load_pruned":
+        resaved_model = pruned  # config restored to the original: head counts only in the shapes
+    else:  # the portable directory, loaded with plain transformers (headlab's own pruned_heads.py)
+        resaved_model = transformers.AutoModelForSeq2SeqLM.from_pretrained(dirs / "pruned", trust_remote_code=True)
+    target = tmp_path / "resaved"
+    if where == "same-directory-with-record":
+        target = _copy(dirs, "pruned", tmp_path)
+    resaved_model.save_pretrained(target)
+    assert (target / PRUNING_FILE).is_file() == (where == "same-directory-with-record")
+    expected = _heads_per_kind(capsys, dirs / "pruned")
+    assert expected == "total: enc_self 6, dec_self 7, dec_cross 4; 17 heads"
+    assert _heads_per_kind(capsys, target) == expected
+    model = load_model(str(target))
+    assert [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(model)] == \
+        [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(pruned)]
+    inputs = tiny_inputs("marian")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, pruned(**inputs).logits, rtol=0, atol=1e-6)
+
+
+def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
+    """Regression: load_pruned's AutoConfig and nmt's AutoTokenizer left it out (transformers then
+    prompts, and runs the directory's code on "y"). GenerationConfig has no code to trust."""
+    import ast
+
+    missing = []
+    for path in sorted((SRC / "headlab").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "from_pretrained"):
+                    continue
+                receiver = ast.unparse(node.func.value)
+                if receiver.endswith("GenerationConfig"):
+                    continue
+                names = {k.arg for k in node.keywords}
+                spread = any(k.arg is None for k in node.keywords)  # **kwargs: built in the same function
+                if "trust_remote_code" not in names and not (spread and "trust_remote_code" in ast.unparse(function)):
+                    missing.append(f"{path.relative_to(SRC)}:{node.lineno}: {receiver}.from_pretrained")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("family,spec", [
+    ("llama", {("dec_self", 0): [0]}),  # 3 query heads over per-head copies of their key/value heads
+    ("gpt2", {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 1, 2, 3]}),  # fused [q | k | v] Conv1D, a layer emptied
+])
+def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tmp_path):
+    from headlab import prune_heads, save_pruned
+
+    model = tiny_model(family)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(loaded)] == \
+        [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(model)]
+    inputs = tiny_inputs(family)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)

@@ -1,0 +1,180 @@
+"""The fused engine (headlab.data.fused) writes what the eager reference writes.
+
+On every family of the test matrix, in float64: ``analyze_heads`` with ``engine="fused"`` against
+the eager capture and the chunked path, with a word-level tokenizer (every word one token, a
+BOS before them: the fused word passes run) and a BPE one (words of several subwords: the word
+statistics take the chunked path for those batches, the token ones stay fused). Counts, offsets
+and argmax decisions are identical (the maxima are taken over the same weights in the same order
+on both paths, ties to the first position); float sums agree to 1e-8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from headlab.data.alignment import AttentionView
+from headlab.data.frequencies import TokenFrequencies
+from headlab.data.fused import FusedView, unavailable_passes, word_offset
+from headlab.errors import HeadlabError
+from headlab.functions import AnalysisConfig, analyze_heads
+from headlab.functions.registry import STATISTICS
+from support.models import FAMILIES, SEQ2SEQ, VOCAB, tiny_model
+from support.treebank import SAMPLE_CONLLU, FakeBlock, bpe_tokenizer, sample_sentences, side_batch
+from test_chunked_statistics import TOKENIZER_TEXTS, _assert_close, _written
+
+pytestmark = pytest.mark.unit
+
+# Llama-like models' eager softmax runs in float32 whatever the model's dtype (headlab's chunked
+# attention, under the fused and chunked engines, in float64): against eager, float32 rounding.
+FLOAT32_EAGER = {"llama", "qwen2"}
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per word of the sample treebank, ``<s>`` before and ``</s>`` after."""
+    words = sorted({line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and not line.startswith("#")})
+    specials = ["<pad>", "</s>", "<unk>", "<s>"]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 3), ("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   bos_token="<s>")
+
+
+def _analyse(family, tmp_path, tokenizer, engine, query_chunk=None, pooling="sum"):
+    model = tiny_model(family, attn_implementation="sdpa").double()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, query_chunk=query_chunk,
+                            sensitivity=True, word_pooling=pooling)
+    target = path if family in SEQ2SEQ else None
+    return analyze_heads(model, tokenizer, path, target_conllu=target, config=config,
+                         frequencies=TokenFrequencies(counts, "hand-set"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("words", ["word", "bpe"])
+def test_fused_equals_eager_and_chunked(tmp_path, family, words):
+    tokenizer = word_tokenizer() if words == "word" else bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
+    eager = _analyse(family, tmp_path, tokenizer, "eager")
+    chunked = _analyse(family, tmp_path, tokenizer, "chunked", query_chunk=3)
+    fused = _analyse(family, tmp_path, tokenizer, "fused", query_chunk=3)
+    assert set(fused.results) == set(STATISTICS)
+    expected = _written(eager.results.values(), tmp_path / "eager")
+    reference = _written(chunked.results.values(), tmp_path / "chunked")
+    got = _written(fused.results.values(), tmp_path / "fused")
+    assert len(got) > 10
+    _assert_close(got, reference, atol=1e-8)
+    _assert_close(got, expected, atol=1e-8, rtol=1e-6 if family in FLOAT32_EAGER else 0.0)
+    if words == "word":
+        assert fused.report.chunked_statistics == {}  # every statistic fused
+    else:  # the word statistics over word rows, said so; the token ones fused
+        assert set(fused.report.chunked_statistics) == {"positional", "positional_interior", "syntactic", "aggregate"}
+        assert "chunked path" in fused.report.describe()
+
+
+@pytest.mark.parametrize("pooling", ["first", "max"])
+def test_fused_under_other_poolings(tmp_path, pooling):
+    """A one-token word is its token under every pooling: the fused passes apply and agree."""
+    tokenizer = word_tokenizer()
+    eager = _analyse("bert", tmp_path, tokenizer, "eager", pooling=pooling)
+    fused = _analyse("bert", tmp_path, tokenizer, "fused", query_chunk=2, pooling=pooling)
+    assert fused.report.chunked_statistics == {}
+    _assert_close(_written(fused.results.values(), tmp_path / "fused"),
+                  _written(eager.results.values(), tmp_path / "eager"), atol=1e-8)
+
+
+def test_fused_view_is_the_word_view(tmp_path):
+    """Under a word offset, a FusedView's word maxima and word block are the AttentionView's, to the bit."""
+    sentences = sample_sentences(tmp_path)
+    side, _ = side_batch(sentences[:3], word_tokenizer())
+    assert word_offset(side) == 1 and unavailable_passes(side) == ()
+    g = torch.Generator().manual_seed(0)
+    B, T = side.token_ids.shape
+    probs = torch.randn(B, 2, T, T, generator=g).mul(3).softmax(-1)
+    probs[:, :, :, 4] = probs[:, :, :, 3]  # exact ties: the first position wins on both paths
+    block = FakeBlock("enc_self", 0, 2)
+    whole = AttentionView(block, probs, side)
+    fused = FusedView(block, probs, side, start=0, last=True)
+    assert (fused.word_start, fused.word_stop) == (0, side.max_words)
+    torch.testing.assert_close(fused.word_argmax, whole.word_argmax, rtol=0, atol=0)
+    torch.testing.assert_close(fused.word_max, whole.word_max, rtol=0, atol=0)
+    torch.testing.assert_close(fused.words, whole.words, rtol=0, atol=0)
+
+
+def test_bpe_words_have_no_offset(tmp_path):
+    sentences = sample_sentences(tmp_path)
+    side, _ = side_batch(sentences[:2], bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45))
+    assert word_offset(side) is None and "word_max" in unavailable_passes(side)
+
+
+def test_engine_option_is_checked():
+    with pytest.raises(HeadlabError, match="engine must be one of"):
+        AnalysisConfig(engine="flash")
+    with pytest.raises(HeadlabError, match="not with --engine eager"):
+        AnalysisConfig(engine="eager", query_chunk=4)
+    assert AnalysisConfig().resolved_engine == "eager" and AnalysisConfig(query_chunk=4).resolved_engine == "fused"
+    assert AnalysisConfig(engine="chunked").resolved_engine == "chunked"
+    assert AnalysisConfig(engine="fused").chunk_rows == 128
+
+
+def test_fused_statistics_on_a_device_make_nothing_on_the_host(tmp_path, monkeypatch):
+    """As tests/test_statistics_device.py checks the chunked path: with the statistics sent to a
+    stand-in device, no operation of the fused passes mixes a tensor there with one made on the
+    host, and the files are the CPU's."""
+    import headlab.functions.analysis as analysis
+    from headlab.data.alignment import SideBatch
+    from support.fake_device import DEVICE, FakeDevice
+    from test_statistics_device import _files
+
+    tokenizer = word_tokenizer()
+    expected = _files(_analyse("gpt2", tmp_path, tokenizer, "fused", query_chunk=3), tmp_path / "plain")
+    monkeypatch.setattr(analysis, "statistics_device", lambda device: DEVICE)
+    monkeypatch.setattr(SideBatch, "to", lambda self, device: self.copy_to(device))
+    with FakeDevice() as device:
+        result = _analyse("gpt2", tmp_path, tokenizer, "fused", query_chunk=3)
+        written = _files(result, tmp_path / "device")
+    assert result.report.chunked_statistics == {}
+    assert not device.mixed, "\n".join(device.mixed[:3])
+    assert written == expected
+
+
+def test_query_chunk_runs_fused_and_writes_the_chunked_files_where_words_have_subwords(tmp_path, caplog):
+    """``--query-chunk`` alone runs the fused engine; with BPE words (the bundled models' case) the
+    word statistics get the chunked path's word rows and the token ones the same maxima: every file
+    is the chunked engine's, byte for byte, and the summary has no new key (the fallback is logged)."""
+    import logging
+
+    from test_statistics_device import _files
+
+    tokenizer = bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
+    chunked = _analyse("gpt2", tmp_path, tokenizer, "chunked", query_chunk=3)
+    with caplog.at_level(logging.INFO, logger="headlab.functions.analysis"):
+        default = _analyse("gpt2", tmp_path, tokenizer, None, query_chunk=3)
+    assert default.config.resolved_engine == "fused"
+    assert _files(default, tmp_path / "default") == _files(chunked, tmp_path / "chunked")
+    assert default.report.to_json().keys() == chunked.report.to_json().keys()
+    assert "syntactic: computed over word rows" in caplog.text
+
+
+def test_fused_in_bfloat16_agrees_with_chunked(tmp_path):
+    """A bfloat16 model (the GPU benchmark's dtype): bf16 scores, float32 probabilities; entropy then
+    comes from a dot product with the chunk's scores (the attention pass's product needs float32
+    or float64 queries). Decisions identical to the chunked path's, float totals close."""
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    model = tiny_model("llama", attn_implementation="sdpa").to(torch.bfloat16)
+    written = {}
+    for engine in ("chunked", "fused"):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, query_chunk=3)
+        analysis = analyze_heads(model, tokenizer, path, config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        written[engine] = _written(analysis.results.values(), tmp_path / engine)
+    _assert_close(written["fused"], written["chunked"], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,82 @@
+"""The decision rules of the heavy-lifting experiment (experiments/heavy_lifting_lm.md) on
+constructed numbers: no model, no run."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("heavy_lifting_report", REPO / "experiments" / "heavy_lifting_report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+
+
+def _run(losses_per_sentence, tokens=10, kept=None):
+    """A run whose every sentence has the given mean loss per token, on both evaluation sets."""
+    nll = [float(x) * tokens for x in losses_per_sentence]
+    sets = {name: {"sentence_nll": nll, "sentence_tokens": [tokens] * len(nll), "sentences": len(nll)}
+            for name in report.SETS}
+    return {"sets": sets, "kept": kept or []}
+
+
+def test_holm_and_the_hypergeometric_tail():
+    assert report.holm([0.01, 0.04, 0.03]) == [True, False, False]  # 0.01 <= 0.05/3; 0.03 > 0.05/2 stops
+    assert report.holm([0.001, 0.02, 0.04]) == [True, True, True]
+    # 6 labelled of 48, 6 drawn: all six kept by chance is 1 / C(48, 6)
+    assert math.isclose(report.hypergeometric_tail(6, 48, 6, 6), 1 / math.comb(48, 6))
+    assert report.hypergeometric_tail(0, 48, 6, 6) == 1.0
+    assert math.isclose(sum(report.hypergeometric_tail(x, 48, 6, 12) - report.hypergeometric_tail(x + 1, 48, 6, 12)
+                            for x in range(7)), 1.0)
+
+
+def test_paired_difference_and_non_inferiority():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(4, 6, size=300)
+    idx = {name: report.resample_indices(300, 2000) for name in report.SETS}
+    better = report.paired_difference([_run(base - 0.1)], [_run(base)], "newstest2019", idx["newstest2019"])
+    assert math.isclose(better["difference"], -0.1) and better["high"] < 0 and better["p_below"] < 0.001
+    noisy = base + rng.normal(0, 1.0, size=300)  # same mean: an interval around 0
+    d = report.paired_difference([_run(noisy)], [_run(base)], "newstest2019", idx["newstest2019"])
+    assert d["low"] < 0 < d["high"]
+    # An interval that contains 0 but crosses the bound is undecided, not "no loss".
+    assert report.non_inferiority({"low": -0.02, "high": 0.08}) == "undecided"
+    assert report.non_inferiority({"low": -0.02, "high": 0.03}) == "non-inferior"
+    assert report.non_inferiority({"low": 0.06, "high": 0.09}) == "inferior"
+
+
+def test_a_run_still_falling_has_not_settled():
+    flat = [{"step": s, "loss": 4.0} for s in range(25, 476, 25)]
+    falling = [{"step": s, "loss": 5.0 - s / 400} for s in range(25, 476, 25)]
+    assert report.settled(flat) is True and report.settled(falling) is False
+    assert report.settled(flat[:3]) is None  # too few records to tell
+
+
+def test_h1_verdicts_on_constructed_runs():
+    base = np.random.default_rng(1).uniform(4, 6, size=200)
+    idx = {name: report.resample_indices(200, 2000) for name in report.SETS}
+    runs = {}
+    for k in report.KEEPS:
+        runs[f"gates-keep{k}"] = _run(base)
+        runs[f"least-{k}"] = _run(base + 0.3)
+        for s in report.SEEDS:
+            runs[f"random-{k}-s{s}"] = _run(base + 0.2)
+    assert report.rule_h1(runs, idx, set())["verdict"] == "holds"
+    assert report.rule_h1(runs, idx, {"least-6"})["verdict"].startswith("inconclusive: a run has not settled")
+    runs["least-24"] = _run(base - 0.3)  # a control better than the gates
+    assert report.rule_h1(runs, idx, set())["verdict"] == "does not hold"
+    del runs["least-24"]
+    assert report.rule_h1(runs, idx, set())["verdict"] == "inconclusive: not all runs finished"
+
+
+def test_h2_counts_labelled_heads_among_the_kept():
+    labels = {"specialised": [[1, 2], [1, 7], [3, 1], [3, 2], [4, 7], [5, 7]]}
+    runs = {f"gates-keep{k}": {"kept": [[1, 2], [1, 7], [3, 1], [3, 2], [4, 7], [5, 7]]
+                               + [[0, h] for h in range(k - 6)]} for k in report.KEEPS}
+    out = report.rule_h2(runs, labels)
+    assert out["verdict"] == "holds"
+    assert all(row["primary"]["labelled_kept"] == 6 for row in out["rows"])
+    runs = {f"gates-keep{k}": {"kept": [[0, h] for h in range(8)][:k] + [[2, h] for h in range(8)][: max(0, k - 8)]
+                               + [[5, h] for h in range(7)][: max(0, k - 16)]} for k in report.KEEPS}
+    assert report.rule_h2(runs, labels)["verdict"] == "does not hold"

@@ -1,0 +1,168 @@
+"""Physical pruning of fused q/k/v projections (issue 31, item 2): GPT-NeoX (per head, partial
+rotary), Phi-3 ([q | k | v] of grouped widths), Falcon (grouped, multi-query, per head with ALiBi),
+GPT-BigCode (multi-query and per head), Bloom (per head, ALiBi, the residual added inside its
+attention), and Phi-2's partial rotary (separate projections).
+
+On each: the pruned model equals the masked one on a batch padded left and right and in greedy
+cached generation, and so does the directory save_pruned writes, loaded by load_pruned and by plain
+transformers (remote code). Two specs: one query head of a key/value group in layer 0 and a whole
+group in layer 1; a layer left with no head (layer 0) beside a layer losing one head.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.cli import main
+from support.family_matrix import tiny_model
+from support.models import VOCAB
+
+FUSED = ["gpt_neox", "phi3", "falcon", "falcon_mq", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "phi"]
+SPECS = {
+    "partial group": ({("dec_self", 0): [1], ("dec_self", 1): [0, 1]}, [3, 2]),
+    "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, [0, 3]),
+}
+ATOL = 1e-5  # measured: 0 on these logits; over the check's probe at most 3e-8 (Phi-3)
+
+
+def _padded_inputs(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, -2:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    ids = ids.masked_fill(mask == 0, 2)
+    return ids, mask
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+
+
+def _generate(model, ids, mask):
+    """Greedy cached generation on left-padded rows: tokens and per-step scores."""
+    left = torch.stack([torch.cat([r[~m.bool()], r[m.bool()]]) for r, m in zip(ids, mask)])
+    left_mask = torch.stack([torch.cat([m[~m.bool()], m[m.bool()]]) for m in mask])
+    with torch.no_grad():
+        out = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_prune_equals_mask_generates_and_reloads(family, spec_name, tmp_path):
+    spec, heads_left = SPECS[spec_name]
+    model = tiny_model(family)
+    ids, mask = _padded_inputs()
+    with mask_heads(model, spec):
+        expected = _logits(model, ids, mask)
+        expected_tokens, expected_scores = _generate(model, ids, mask)
+    prune_heads(model, spec)
+    assert [b.n_heads for b in attention_blocks(model)] == heads_left
+    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    tokens, scores = _generate(model, ids, mask)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(scores, expected_scores, atol=ATOL, rtol=0)
+
+    save_pruned(model, tmp_path)
+    torch.testing.assert_close(_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
+    record = json.loads((tmp_path / "headlab_pruning.json").read_text())
+    assert record["portable"]["how"] == "remote code"
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    torch.testing.assert_close(_logits(plain, ids, mask), expected, atol=ATOL, rtol=0)
+    assert torch.equal(_generate(plain, ids, mask)[0], expected_tokens)
+
+
+def test_grouped_falcon_keeps_the_key_value_heads_its_query_heads_use():
+    """Falcon's new decoder architecture, 4 query heads over 2 key/value heads: removing one query
+    head of group 0 leaves groups of 1 and 2, which its view(..., group + 2, d) cannot hold, so
+    each kept query head gets its own copy of its key/value head; removing all of group 0 drops
+    its key/value head."""
+    model = tiny_model("falcon")
+    prune_heads(model, SPECS["partial group"][0])
+    first, second = attention_blocks(model)
+    assert (first.n_heads, first.n_kv_heads, second.n_heads, second.n_kv_heads) == (3, 3, 2, 1)
+    assert first.core._headlab_kept_kv_heads == [0, 1, 1] and second.core._headlab_kept_kv_heads == [1]
+    assert (first.core.num_heads, first.core.num_kv_heads) == (3, 3)
+
+
+def test_alibi_layers_keep_their_heads_slopes():
+    """Bloom's ALiBi slopes depend on a head's index among the config's heads: a pruned layer
+    reads the kept heads' rows. Removing head 0 must keep heads 1-3's slopes, not heads 0-2's:
+    the check measures it, and a layer whose rows were not selected fails it."""
+    import headlab.surgery as surgery
+
+    spec = {("dec_self", 0): [0]}
+    model = tiny_model("bloom")
+    ids, mask = _padded_inputs()
+    with mask_heads(model, spec):
+        expected = _logits(model, ids, mask)
+    prune_heads(model, spec)
+    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+
+    unhooked = tiny_model("bloom")
+    real = surgery._install_alibi_hooks
+    try:
+        surgery._install_alibi_hooks = lambda blocks, journal: None
+        with pytest.raises(surgery.PruningNotExact, match="bloom: the pruned model fails in dec_self layer 0"):
+            prune_heads(unhooked, spec)
+    finally:
+        surgery._install_alibi_hooks = real
+
+
+def test_pruned_phi3_layer_reads_its_own_head_count_and_follows_the_model():
+    """Phi-3 splits its fused projection at config.num_attention_heads * head_dim, a config all
+    layers share: a pruned layer gets its own view (LayerConfig) whose count is its own while
+    everything else (the attention implementation that capture switches) is the model's."""
+    from headlab.portable_code import LayerConfig
+
+    model = tiny_model("phi3")
+    prune_heads(model, {("dec_self", 0): [1]})
+    first, second = attention_blocks(model)
+    assert isinstance(first.core.config, LayerConfig) and first.core.config.num_attention_heads == 3
+    assert second.core.config is model.config and model.config.num_attention_heads == 4
+    ids, mask = _padded_inputs()
+    with capture_attention(model) as record:
+        model(input_ids=ids, attention_mask=mask)
+    assert [record[("dec_self", i)].shape[1] for i in (0, 1)] == [3, 4]
+    assert first.core.config._attn_implementation == model.config._attn_implementation == "sdpa"
+    twin = copy.deepcopy(model)  # the view copies with its model
+    assert twin.model.layers[0].self_attn.config.base is twin.config
+    torch.testing.assert_close(_logits(twin, ids, mask), _logits(model, ids, mask), atol=0, rtol=0)
+
+
+def test_cli_prunes_a_fused_family(tmp_path, capsys):
+    """`headlab prune` on GPT-NeoX (refused before this change) writes a checked pruned model."""
+    ids, mask = _padded_inputs()
+    model = tiny_model("gpt_neox")
+    model.save_pretrained(tmp_path / "neox")
+    with mask_heads(model, {("dec_self", 0): [1]}):
+        expected = _logits(model, ids, mask)
+    code = main(["prune", str(tmp_path / "neox"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    loaded = load_pruned(tmp_path / "out")
+    assert [b.n_heads for b in attention_blocks(loaded)] == [3, 4]
+    torch.testing.assert_close(_logits(loaded, ids, mask), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["falcon", "phi3", "bloom"])
+def test_pruning_twice_composes(family, tmp_path):
+    """A second prune of pruned layers (Falcon's copied key/value heads, Phi-3's config view,
+    Bloom's ALiBi hook, which reads what the layer keeps when called) equals masking the union."""
+    model = tiny_model(family)
+    ids, mask = _padded_inputs()
+    with mask_heads(model, {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 3]}):
+        expected = _logits(model, ids, mask)
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [0]})
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [2]})  # current numbering: original 2 and 3
+    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    save_pruned(model, tmp_path)
+    torch.testing.assert_close(_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
