@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab.data",),
     ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
      "headlab.parse"),
-    ("headlab.analyze", "headlab.report", "headlab.reproduce", "headlab.api"),
+    ("headlab.pipeline", "headlab.report", "headlab.reproduce", "headlab.api"),
     ("headlab.cli", "headlab.__main__", "headlab.commands", "headlab.demo", "headlab.reproduce.pipeline", "*.cli"),
 )
 """Bottom to top; a module belongs to the layer of its longest matching prefix."""
@@ -210,7 +210,7 @@ def test_no_package_cycle():
 
 def test_graph_sees_lazy_imports():
     """The walk must see imports inside functions and lazy tables, or it would miss what it is there to catch."""
-    assert "headlab.loading" in GRAPH["headlab.analyze.pipeline"]  # imported inside a method
+    assert "headlab.loading" in GRAPH["headlab.pipeline.pipeline"]  # imported inside a method
     assert "headlab.importance.lrp" in GRAPH["headlab.importance.registry"]  # a LazyRegistry entry
     assert "headlab.gates" in GRAPH["headlab"]  # a lazy package export
     assert layer_of("headlab.importance.cli") == len(LAYERS) - 1

@@ -214,9 +214,9 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. With ``out``, the
     files are also written there, as ``headlab analyze`` writes them (:meth:`Analysis.save`; an
     earlier analysis there is replaced only with ``overwrite``)."""
-    from headlab.analyze.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
     from headlab.importance.measure_options import LRPOptions
     from headlab.importance.registry import MEASURES
+    from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
 
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
@@ -279,7 +279,7 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
               "conllu": None if treebank is None else str(treebank), "written_by": "headlab.analyze (Python API)"}
 
     def write(directory: Path) -> None:
-        from headlab.analyze.records import StageRecord
+        from headlab.pipeline.records import StageRecord
 
         records = [StageRecord(stage, "done", None, None,
                                sorted(Path(p).relative_to(directory).as_posix() for p in make(directory)))
@@ -309,7 +309,7 @@ def _write_directory(directory: Path, write, overwrite: bool) -> None:
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
-    from headlab.analyze.pipeline import _foreign_files
+    from headlab.pipeline.pipeline import _foreign_files
 
     foreign = _foreign_files(directory)
     if foreign:
@@ -323,8 +323,8 @@ def _check_directory(directory: Path, overwrite: bool) -> None:
 def _finish(directory: Path, header: dict, records: list) -> None:
     """The manifest (``headlab analyze``'s, with the stages written) and heads.csv."""
     from headlab._version import __version__
-    from headlab.analyze.records import write_manifest
-    from headlab.analyze.table import write_heads_table
+    from headlab.pipeline.records import write_manifest
+    from headlab.pipeline.table import write_heads_table
     from headlab.resume import now_iso
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -356,8 +356,8 @@ class Analysis:
     def load(cls, directory: str | os.PathLike) -> "Analysis":
         """An analysis directory written by ``headlab analyze`` (any version that wrote these
         files; any stage may be missing) or by :meth:`save`."""
-        from headlab.analyze.labels import load_labels
-        from headlab.analyze.table import score_columns
+        from headlab.pipeline.labels import load_labels
+        from headlab.pipeline.table import score_columns
 
         directory = Path(directory)
         if not directory.is_dir():
@@ -397,7 +397,7 @@ class Analysis:
         the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
         report ``index.html`` (:func:`headlab.report.build_report`). A directory holding files
         that headlab did not write is refused, one holding an analysis replaced only with ``overwrite``."""
-        from headlab.analyze.records import StageRecord
+        from headlab.pipeline.records import StageRecord
 
         directory = Path(directory)
         manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
@@ -421,7 +421,7 @@ class Analysis:
     # -- tables -----------------------------------------------------------------------------
     def heads_table(self) -> tuple[list[str], list[list]]:
         """``(columns, rows)`` of heads.csv: one row per head, one column per table, then the labels."""
-        from headlab.analyze.table import table_rows
+        from headlab.pipeline.table import table_rows
 
         return table_rows(self.tables.items(), self.labels)
 

@@ -11,9 +11,9 @@ agreement      Spearman tables between the measures (:func:`headlab.importance.c
 functions      :func:`headlab.functions.analyze_heads`: positional, syntactic, rare-token heads
 aggregate      the same pass with the Vig & Belinkov statistics (:mod:`headlab.aggregate`)
 prune          only with ``--prune``: a short :func:`headlab.pruning.sweep.run_sweep` of head budgets
-table          :func:`headlab.analyze.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
+table          :func:`headlab.pipeline.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
 attention      :func:`headlab.report.write_attention_examples` (attention of a few sentences)
-figures        :func:`headlab.analyze.figures.write_figures` (PNG + SVG, from the files above)
+figures        :func:`headlab.pipeline.figures.write_figures` (PNG + SVG, from the files above)
 report         :func:`headlab.report.build_report` -> index.html
 =============  ==========================================================================
 
@@ -25,7 +25,7 @@ the rest wait. A stage that fails with an error that is not headlab's stops the 
 cannot go on without its share); the finished stages are kept and the same command resumes.
 
 Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
-:mod:`headlab.analyze.records`); ``force`` runs everything again. A stage that cannot run
+:mod:`headlab.pipeline.records`); ``force`` runs everything again. A stage that cannot run
 (missing input, a model without the capability) is recorded as skipped with the reason, a
 stage that raises as failed with the error; the other stages still run.
 """
@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Callable
 
 from headlab._version import __version__
-from headlab.analyze.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.errors import HeadlabError
 from headlab.importance.measure_options import ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
+from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
@@ -544,7 +544,7 @@ def _functions(ctx: _Context) -> tuple[list, str | None]:
 
 def write_functions(analysis, directory: Path) -> list[Path]:
     """The functions stage's files of a :class:`~headlab.functions.HeadAnalysis`, with labels.json."""
-    from headlab.analyze.labels import head_labels, save_labels
+    from headlab.pipeline.labels import head_labels, save_labels
 
     written = analysis.save(directory, figures=False)
     written.append(save_labels(head_labels(analysis), directory / "labels.json"))
@@ -629,7 +629,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _table(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.table import write_heads_table
+    from headlab.pipeline.table import write_heads_table
 
     written = write_heads_table(ctx.out_dir)
     if not written:
@@ -660,7 +660,7 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _figures(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.figures import write_figures
+    from headlab.pipeline.figures import write_figures
 
     entries = write_figures(ctx.out_dir, progress=ctx.config.progress)
     ctx.figures = entries

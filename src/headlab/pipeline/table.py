@@ -15,9 +15,9 @@ import json
 import math
 from pathlib import Path
 
-from headlab.analyze.labels import FUNCTION_GROUPS, label_group
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.pipeline.labels import FUNCTION_GROUPS, label_group
 
 __all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS"]
 
@@ -70,7 +70,7 @@ def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
     labels: dict[str, list[str]] = {}
     labels_path = out_dir / "functions" / "labels.json"
     if labels_path.is_file():
-        from headlab.analyze.labels import load_labels
+        from headlab.pipeline.labels import load_labels
 
         labels = load_labels(labels_path)
     return table_rows(_score_files(out_dir), labels, out_dir)
