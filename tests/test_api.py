@@ -39,8 +39,7 @@ def setup(tmp_path_factory):
     from headlab.loading import load_model, load_tokenizer
 
     loaded = load_model(str(root / "model")), load_tokenizer(str(root / "model"))
-    from headlab.api import analyze as analyze_api  # TEMP until rename
-    api = analyze_api(*loaded, SENTENCES, treebank=root / "tb.conllu")
+    api = headlab.analyze(*loaded, SENTENCES, treebank=root / "tb.conllu")
     return root, cli, loaded, api
 
 
@@ -164,15 +163,14 @@ def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
 
 def test_analyze_writes_out_like_the_cli(setup, tmp_path):
     root, cli, (model, tokenizer), _ = setup
-    from headlab.api import analyze as analyze_api  # TEMP
-    analysis = analyze_api(model, tokenizer, SENTENCES, treebank=SAMPLE_CONLLU, out=tmp_path / "run",
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, treebank=SAMPLE_CONLLU, out=tmp_path / "run",
                                statistics=["aggregate"], measures=["confidence"])
     assert (tmp_path / "run" / "aggregate" / "exemplars.json").is_file()
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate"]
     assert "positional_share" not in analysis.tables and "mean_entropy" in analysis.tables
     with pytest.raises(HeadlabError, match="overwrite=True"):  # refused before any work: no texts needed
-        analyze_api(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
+        headlab.analyze(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
 
 
 def test_reprs_are_short_and_html_is_self_contained(setup):
@@ -261,7 +259,6 @@ def test_a_bfloat16_model_gives_the_command_lines_numbers(setup, tmp_path):
     """Any dtype: the API on a model the user loaded in bfloat16 equals `analyze --dtype bfloat16`."""
     import torch
 
-    from headlab.api import analyze as analyze_api  # TEMP
     from headlab.loading import load_model
 
     root, _, (_, tokenizer), _ = setup
@@ -271,7 +268,7 @@ def test_a_bfloat16_model_gives_the_command_lines_numbers(setup, tmp_path):
                  "--out", str(out), "--no-progress", "--dtype", "bfloat16", *skip]) == 0
     model = load_model(str(root / "model"), dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
-    analysis = analyze_api(model, tokenizer, SENTENCES, treebank=root / "tb.conllu", measures=["confidence"],
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, treebank=root / "tb.conllu", measures=["confidence"],
                            statistics=["aggregate"])
     assert next(model.parameters()).dtype == torch.bfloat16  # the user's model is left as it was
     assert analysis.heads_table() == headlab.Analysis.load(out).heads_table()
