@@ -13,7 +13,7 @@ import argparse
 import csv
 from pathlib import Path
 
-from headlab.analyze import AnalyzeConfig, run_analysis
+from headlab.pipeline import AnalyzeConfig, run_analysis
 
 BUNDLED_LM = Path(__file__).resolve().parents[1] / "models" / "english-lm"  # in a checkout of headlab
 

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from headlab.analyze.profiles import replace_block
 from headlab.lm.card import render_card_blocks as render_lm_card
 from headlab.nmt.card import render_card_blocks as render_nmt_card
+from headlab.pipeline.profiles import replace_block
 
 model = Path(sys.argv[1])
 config = json.loads((model / "config.json").read_text(encoding="utf-8"))

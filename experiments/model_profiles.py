@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from headlab.analyze.profiles import collect_profile, render_profiles, replace_block
 from headlab.nmt.export import exported_epoch
+from headlab.pipeline.profiles import collect_profile, render_profiles, replace_block
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "profiles"

@@ -9,8 +9,8 @@ blocks ``news-curve``, ``news-scores``, ``news-specialisation`` and ``news-claim
 
 from pathlib import Path
 
-from headlab.analyze.profiles import replace_block
 from headlab.heads import atomic_write_text
+from headlab.pipeline.profiles import replace_block
 from headlab.reproduce.status import status_blocks
 
 ROOT = Path(__file__).resolve().parents[1]

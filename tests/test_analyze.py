@@ -7,11 +7,11 @@ import pytest
 import transformers as tf
 
 from headlab import HeadScores
-from headlab.analyze import STAGES, AnalyzeConfig, run_analysis
-from headlab.analyze.pipeline import check_conllu_matches_source
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.tokenizer import train_tokenizer
+from headlab.pipeline import STAGES, AnalyzeConfig, run_analysis
+from headlab.pipeline.pipeline import check_conllu_matches_source
 from support.models import tiny_model
 from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
@@ -118,7 +118,7 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     shutil.copytree(full_run, out)
     before = _mtimes(out)
     calls = []
-    from headlab.analyze import pipeline
+    from headlab.pipeline import pipeline
 
     for name, runner in list(pipeline.RUNNERS.items()):
         monkeypatch.setitem(pipeline.RUNNERS, name, lambda ctx, name=name, runner=runner: (calls.append(name), runner(ctx))[1])
@@ -150,7 +150,7 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
 def test_functions_counted_on_source_by_another_rule_run_again(full_run, inputs, tmp_path, monkeypatch):
     """Regression: a classifier's rare-token counts on --source changed (its TSV's text columns
     only) but the functions key did not, so an older run kept its stale counts until --force."""
-    from headlab.analyze import pipeline
+    from headlab.pipeline import pipeline
 
     out = tmp_path / "copy"
     shutil.copytree(full_run, out)
@@ -238,7 +238,7 @@ def test_conllu_matching_its_source(inputs, tmp_path):
 
 
 def test_a_failing_stage_is_recorded_and_the_others_still_run(inputs, tmp_path, monkeypatch, capsys):
-    from headlab.analyze import pipeline
+    from headlab.pipeline import pipeline
 
     def boom(ctx):
         raise RuntimeError("boom")

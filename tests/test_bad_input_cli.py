@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-import headlab.analyze.pipeline as pipeline
 import headlab.functions.analysis
+import headlab.pipeline.pipeline as pipeline
 from headlab.cli import main
 from headlab.errors import HeadlabError, RunFailed
 from headlab.lock import LOCK_FILE, DirectoryLock

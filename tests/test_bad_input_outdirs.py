@@ -370,8 +370,8 @@ def test_analyze_with_a_source_line_that_is_not_utf8_further_down(inputs, tmp_pa
 
 def test_analyze_config_built_in_python_with_an_option_out_of_range(inputs, tmp_path):
     """The declared ranges hold for a config built in Python too (run_analysis checks them)."""
-    from headlab.analyze.pipeline import AnalyzeConfig, run_analysis
     from headlab.errors import HeadlabError
+    from headlab.pipeline.pipeline import AnalyzeConfig, run_analysis
 
     config = AnalyzeConfig(str(inputs / "model"), str(inputs / "src.txt"), str(tmp_path / "out"), lrp_seed=-1)
     with pytest.raises(HeadlabError, match=r"--lrp-seed must be at least 0, got -1"):
@@ -389,7 +389,7 @@ def _interrupt(*args, **kwargs):
 def test_analyze_interrupted_before_its_first_stage_finished(inputs, tmp_path, capsys, monkeypatch):
     """Regression: the line said "the finished stages are kept in DIR" when no stage had finished
     (and DIR held nothing to resume from)."""
-    import headlab.analyze.pipeline as pipeline
+    import headlab.pipeline.pipeline as pipeline
 
     monkeypatch.setitem(pipeline.RUNNERS, "confidence", _interrupt)
     out = tmp_path / "out"

@@ -75,3 +75,31 @@ def test_readme_quick_tour_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet.group(1), "README.md", "exec"), {"__name__": "readme"})
     assert (tmp_path / "pruned" / "headlab_pruning.json").is_file()
+
+
+def test_notebook_example_runs(monkeypatch, capsys):
+    """examples/notebook.py (a percent-format notebook) top to bottom, as a script: nbclient and
+    a Jupyter kernel are not test dependencies, and the cells are plain Python."""
+    _run("notebook.py", [], monkeypatch)
+    out = capsys.readouterr().out
+    assert "Analysis of" in out and "top by lrp" in out
+    assert "heads kept per layer" in out
+
+
+def test_readme_python_api_runs_as_written(tmp_path, monkeypatch):
+    """README's "In Python" snippet, verbatim, on the bundled EN-DE model and the bundled EWT treebank."""
+    import re
+
+    root = EXAMPLES.parent
+    snippet = re.search(r"## In Python\n\n.*?```python\n(.*?)```", (root / "README.md").read_text(encoding="utf-8"), re.S)
+    assert snippet is not None
+    (tmp_path / "models").symlink_to(root / "models")
+    (tmp_path / "data").symlink_to(root / "data")
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    exec(compile(snippet.group(1), "README.md", "exec"), namespace)
+    assert (tmp_path / "runs" / "api" / "heads.csv").is_file()
+    assert {"confidence", "lrp", "gradient", "positional_share"} <= set(namespace["analysis"].tables)
+    from headlab import attention_blocks
+
+    assert sum(b.n_heads for b in attention_blocks(namespace["model"]) if b.kind == "enc_self") == 24

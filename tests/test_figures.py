@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from headlab.analyze.figures import (  # noqa: E402
+from headlab.heads import HeadScores  # noqa: E402
+from headlab.pipeline.figures import (  # noqa: E402
     figure1_data,
     plot_figure1,
     plot_gate_trajectories,
@@ -21,7 +22,6 @@ from headlab.analyze.figures import (  # noqa: E402
     save_figure,
     write_figures,
 )
-from headlab.heads import HeadScores  # noqa: E402
 
 RELEVANCE = np.array([[0.1, 0.5, np.nan, 0.4], [-0.2, 0.3, 0.6, 0.3]])
 CONFIDENCE = np.array([[0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9]])

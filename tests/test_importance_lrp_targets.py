@@ -178,7 +178,7 @@ def test_negative_k_is_a_usage_error_before_work(command, tmp_path, capsys, monk
 
 
 def test_report_and_heads_table_show_the_standard_error(tmp_path):
-    from headlab.analyze.table import heads_table
+    from headlab.pipeline.table import heads_table
     from headlab.report.collect import collect
 
     scores = HeadScores({"dec_self": [[0.5, 0.5], [0.25, 0.75]]}, "lrp", "m", {

@@ -6,7 +6,9 @@ module named in an ``_EXPORTS`` table or a ``LazyRegistry`` (the lazy exports an
 :mod:`headlab._lazy`). A
 module may import modules of its own layer or below; a package's ``__init__`` may import its own
 modules and takes the highest layer among them. ``headlab.cli`` finds its command modules by
-name (``COMMAND_MODULES``), a registry of plug-ins rather than an import.
+name (``COMMAND_MODULES``), a registry of plug-ins rather than an import; so do the callable
+packages (``headlab.importance(...)`` calls ``headlab.api.importance``: :func:`headlab._lazy.callable_module`),
+a name resolved at call time, like the command modules.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
-    ("headlab.heads", "headlab.resume", "headlab.preflight", "headlab.lock", "headlab.outdir", "headlab.shard",
-     "headlab.nmt.config", "headlab.pruning.config"),
+    ("headlab.heads", "headlab.display", "headlab.resume", "headlab.preflight", "headlab.lock", "headlab.outdir",
+     "headlab.shard", "headlab.nmt.config", "headlab.pruning.config"),
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
@@ -34,13 +36,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab.data",),
     ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
      "headlab.parse"),
-    ("headlab.analyze", "headlab.report", "headlab.reproduce"),
+    ("headlab.pipeline", "headlab.report", "headlab.reproduce", "headlab.api"),
     ("headlab.cli", "headlab.__main__", "headlab.commands", "headlab.demo", "headlab.reproduce.pipeline", "*.cli"),
 )
 """Bottom to top; a module belongs to the layer of its longest matching prefix."""
 
 FOUNDATION = 3
 """``import headlab`` (the package itself) may import layers 0..FOUNDATION only."""
+
+API = ("headlab.api",)
+"""...and the one-call API, exported lazily: ``import headlab`` does not load it (test_import_headlab_is_light)."""
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -140,7 +145,7 @@ def test_no_upward_import():
 
 
 def test_package_headlab_imports_the_foundation_only():
-    heavy = [m for m in GRAPH["headlab"] if layer_of(m) > FOUNDATION]
+    heavy = [m for m in GRAPH["headlab"] if layer_of(m) > FOUNDATION and m not in API]
     assert not heavy, f"`import headlab` would load {heavy}"
 
 
@@ -205,7 +210,7 @@ def test_no_package_cycle():
 
 def test_graph_sees_lazy_imports():
     """The walk must see imports inside functions and lazy tables, or it would miss what it is there to catch."""
-    assert "headlab.loading" in GRAPH["headlab.analyze.pipeline"]  # imported inside a method
+    assert "headlab.loading" in GRAPH["headlab.pipeline.pipeline"]  # imported inside a method
     assert "headlab.importance.lrp" in GRAPH["headlab.importance.registry"]  # a LazyRegistry entry
     assert "headlab.gates" in GRAPH["headlab"]  # a lazy package export
     assert layer_of("headlab.importance.cli") == len(LAYERS) - 1
@@ -216,7 +221,7 @@ def test_import_headlab_is_light(statement):
     """No training loop, no plotting library, no Accelerate behind ``import headlab``."""
     code = (f"{statement}\nimport sys\n"
             "heavy = [m for m in sys.modules if m.startswith(('matplotlib', 'accelerate', 'sacrebleu', "
-            "'headlab.nmt', 'headlab.pruning.train', 'headlab.importance', 'headlab.functions'))]\n"
+            "'headlab.nmt', 'headlab.pruning.train', 'headlab.importance', 'headlab.functions', 'headlab.api'))]\n"
             "print(','.join(heavy))")
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

@@ -43,8 +43,8 @@ def test_reproduces_the_cards_perplexity(capsys):
 
 
 def test_the_cards_tables_are_the_result_files():
-    from headlab.analyze.profiles import read_block
     from headlab.lm.card import CARD_BLOCKS, render_card_blocks
+    from headlab.pipeline.profiles import read_block
 
     card = (MODEL / "README.md").read_text(encoding="utf-8")
     blocks = render_card_blocks(MODEL)

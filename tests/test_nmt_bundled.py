@@ -61,8 +61,8 @@ def test_reproduces_the_model_cards_test_bleu(name, capsys):
 @pytest.mark.parametrize("name", MODELS)
 def test_card_tables_come_from_the_result_files(name):
     """A translation card shows a generated block for each of its result files, equal to a fresh rendering."""
-    from headlab.analyze.profiles import read_block
     from headlab.nmt.card import render_card_blocks
+    from headlab.pipeline.profiles import read_block
 
     model = bundled(name)
     blocks = render_card_blocks(model)

@@ -1,4 +1,4 @@
-"""Model profiles (headlab.analyze.profiles) and the block of docs/functions.md built from them."""
+"""Model profiles (headlab.pipeline.profiles) and the block of docs/functions.md built from them."""
 
 import json
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headlab.analyze.profiles import collect_profile, read_block, render_profiles, replace_block
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.nmt.tokenizer import train_tokenizer
+from headlab.pipeline.profiles import collect_profile, read_block, render_profiles, replace_block
 from support.treebank import SAMPLE_CONLLU
 
 REPO = Path(__file__).resolve().parents[1]

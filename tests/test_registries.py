@@ -15,13 +15,13 @@ import torch
 
 from headlab import mask_heads, prune_heads
 from headlab.adapters import attention_blocks
-from headlab.analyze.pipeline import STAGES
 from headlab.capture import _configs
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
 from headlab.importance import ImportanceData, describe_model
 from headlab.importance.registry import MEASURES, tables
+from headlab.pipeline.pipeline import STAGES
 from headlab.report.sections import SECTIONS, render_navigation
 from support.models import FAMILIES, SEQ2SEQ, tiny_model
 from support.treebank import sample_sentences, word_tokenizer

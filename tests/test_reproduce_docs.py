@@ -50,7 +50,7 @@ def test_every_figure_the_document_shows_exists(rendered):
 
 def test_the_news_runs_tables_in_nmt_md_match_its_result_files():
     """docs/nmt.md's news-domain section: its tables are rendered from docs/results/news-en-de/."""
-    from headlab.analyze.profiles import read_block
+    from headlab.pipeline.profiles import read_block
     from headlab.reproduce.status import status_blocks
 
     blocks = status_blocks(REPO / "docs" / "results" / "news-en-de", "news-en-de", prefix="news-")

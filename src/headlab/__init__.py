@@ -8,12 +8,20 @@ The foundation every analysis plugs into:
   :class:`HardConcreteGates` - the stochastic gates of the paper's pruning (Louizos et al. 2018);
 * :func:`prune_heads`, :func:`save_pruned`, :func:`load_pruned` - physical removal;
 * :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind.
+
+The one-call API (:mod:`headlab.api`), on a model already loaded and data in memory:
+:func:`analyze` -> :class:`Analysis`, and the single steps :func:`importance`, :func:`functions`,
+:func:`aggregate` (callable packages: ``headlab.importance.run_importance`` is still there) and
+:func:`prune`.
 """
+
+from importlib import import_module
 
 from headlab._lazy import lazy_exports
 from headlab._version import __version__ as __version__  # re-exported
 
 _EXPORTS = {  # module -> the names it exports
+    "headlab.api": ("Analysis", "analyze", "prune"),
     "headlab.adapters": ("AttentionBlock", "attention_blocks"),
     "headlab.capture": ("capture_attention", "eager_attention", "head_output_hooks"),
     "headlab.errors": ("HeadlabError",),
@@ -24,4 +32,17 @@ _EXPORTS = {  # module -> the names it exports
     "headlab.surgery": ("count_parameters", "load_pruned", "prune_heads", "pruning_record", "save_pruned"),
 }
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, also=("__version__",))
+_CALLABLE_PACKAGES = ("aggregate", "functions", "importance")
+"""Subpackages (and a module) that are also the API's functions (:func:`headlab._lazy.callable_module`)."""
+
+_getattr, _dir, __all__ = lazy_exports(__name__, _EXPORTS, also=("__version__", *_CALLABLE_PACKAGES))
+
+
+def __dir__():
+    return sorted({*_dir(), *_CALLABLE_PACKAGES})
+
+
+def __getattr__(name: str):
+    if name in _CALLABLE_PACKAGES:
+        return import_module(f"{__name__}.{name}")
+    return _getattr(name)

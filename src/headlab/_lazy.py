@@ -4,6 +4,7 @@ first use."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from importlib import import_module
 
@@ -46,3 +47,19 @@ class LazyRegistry(Mapping):
 
     def __len__(self) -> int:
         return len(self._paths)
+
+
+def callable_module(name: str, target: str) -> None:
+    """Make the module ``name`` callable: ``headlab.importance(model, ...)`` calls ``target``
+    (``"package.module.function"``, imported on the first call), while ``headlab.importance.X``
+    stays the package's ``X``. The API's verbs are the names of the packages that do the work;
+    a callable module lets both spellings hold whichever was imported first."""
+    module = sys.modules[name]
+    path, _, attribute = target.rpartition(".")
+
+    class CallableModule(type(module)):  # type: ignore[misc]
+        def __call__(self, *args, **kwargs):
+            return getattr(import_module(path), attribute)(*args, **kwargs)
+
+    CallableModule.__call__.__doc__ = f"Calls {target}."
+    module.__class__ = CallableModule

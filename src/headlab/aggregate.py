@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from headlab._lazy import callable_module
 from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.fused import FusedView
@@ -555,6 +556,12 @@ class AggregateResult:
             return self.pos[name[len("pos_share_"):]]
         raise KeyError(name)
 
+    def __repr__(self) -> str:
+        sentences = ", ".join(f"{kind} {n}" for kind, n in self.n_sentences.items())
+        lines = [f"AggregateResult ({sentences} sentences): {', '.join(self.scores)}; POS shares of {len(self.pos)} tags"]
+        lines += [f"  {scores!r}" for scores in self.scores.values()]
+        return "\n".join(lines)
+
     def exemplars_json(self) -> dict:
         return {
             f"{kind}:{layer}": [[e.to_json() for e in heap] for heap in heaps]
@@ -593,3 +600,7 @@ class AggregateResult:
 
     def describe_heads(self) -> list[str]:
         return []
+
+
+# headlab.aggregate(model, tokenizer, treebank) is the API's headlab.api.aggregate
+callable_module(__name__, "headlab.api.aggregate")

@@ -35,7 +35,7 @@ COMMAND_MODULES = (
     "headlab.functions.cli",
     "headlab.parse.cli",
     "headlab.pruning.cli",
-    "headlab.analyze.cli",
+    "headlab.pipeline.cli",
     "headlab.reproduce.cli",
     "headlab.demo",
 )

@@ -51,8 +51,8 @@ def register(subparsers) -> None:
 
 
 def demo_config(args):
-    from headlab.analyze.pipeline import AnalyzeConfig
     from headlab.options import numbers
+    from headlab.pipeline.pipeline import AnalyzeConfig
 
     return AnalyzeConfig(
         model=args.model, source=args.source, target=args.reference, conllu=args.conllu, out=args.out,
@@ -67,7 +67,7 @@ def demo_config(args):
 
 def lm_demo_config(args):
     """The language model reads the source side's English (and its training text's frequencies)."""
-    from headlab.analyze.pipeline import AnalyzeConfig
+    from headlab.pipeline.pipeline import AnalyzeConfig
 
     return AnalyzeConfig(
         model=args.lm, source=args.source, conllu=args.conllu, out=args.lm_out, train_text=(args.train_source,),
@@ -77,8 +77,8 @@ def lm_demo_config(args):
 
 
 def run_demo(args) -> int:
-    from headlab.analyze.cli import print_summary
-    from headlab.analyze.pipeline import run_analysis
+    from headlab.pipeline.cli import print_summary
+    from headlab.pipeline.pipeline import run_analysis
 
     model_dir, lm_dir = Path(args.model), Path(args.lm)
     if not (model_dir / "config.json").is_file() and model_dir == BUNDLED_MODEL:

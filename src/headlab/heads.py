@@ -221,6 +221,21 @@ class HeadScores:
         object.__setattr__(self, "scores", ordered)
         object.__setattr__(self, "signature", dict(self.signature))
 
+    # -- display --------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        """Shape per kind and the top heads, not the arrays (a notebook prints this)."""
+        shapes = ", ".join(f"{kind} {a.shape[0]}x{a.shape[1]}" for kind, a in self.scores.items())
+        ranked = sorted(((v, k) for k, v in self.items() if not math.isnan(v)), reverse=True)[:3]
+        top = ", ".join(f"{format_head(*key)} {value:.3g}" for value, key in ranked)
+        model = f" of {self.model}" if self.model else ""
+        return f"HeadScores({self.method}{model}: {shapes or 'no kind'}; top: {top or 'none scored'})"
+
+    def _repr_html_(self) -> str:
+        from headlab.display import heatmaps_html
+
+        return heatmaps_html([(f"{self.method} {kind}", array, None) for kind, array in self.scores.items()],
+                             caption=repr(self))
+
     # -- access ---------------------------------------------------------------------------
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ matches ``X`` and every subtype of it. The paper's (Stanford) ``dobj`` is UD's `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ __all__ = [
     "UPOS_TAGS",
     "Problem",
     "ProblemLog",
+    "InMemoryTreebank",
     "Sentence",
     "Treebank",
     "count_sentences",
@@ -172,7 +173,33 @@ _FIELD_PARSERS = {
 }
 
 
-def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int, str] | None]]:
+class InMemoryTreebank:
+    """A treebank held in memory, read like a CoNLL-U file called ``name``: CoNLL-U text, or
+    sentences already parsed (:class:`Sentence`, e.g. from :func:`read_conllu`)."""
+
+    def __init__(self, source: "str | Sequence[Sentence]", name: str = "<treebank>") -> None:
+        if not isinstance(source, str):
+            source = tuple(source)
+            bad = next((s for s in source if not isinstance(s, Sentence)), None)
+            if bad is not None:
+                raise HeadlabError(f"{name}: parsed sentences must be headlab Sentence objects, got {type(bad).__name__}")
+        self.source, self.name = source, name
+
+    def __str__(self) -> str:
+        return self.name
+
+    def lines(self) -> Iterator[tuple[int, bytes]]:
+        """``(line number, raw line)`` of the CoNLL-U text, as :func:`numbered_lines` gives a file's."""
+        assert isinstance(self.source, str)
+        text = self.source.lstrip("\ufeff")
+        return enumerate(text.encode("utf-8").splitlines(keepends=True), start=1)
+
+
+TreebankSource = "str | Path | InMemoryTreebank"
+"""A CoNLL-U file (plain or ``.gz``) or a treebank in memory."""
+
+
+def _blocks(path: "Path | InMemoryTreebank") -> Iterator[tuple[int, list[tuple[int, str]], tuple[int, str] | None]]:
     """``(first line, [(line number, text), ...], bad)`` for each blank-line separated block.
 
     ``bad`` is ``(line, message)`` for a block with bytes that are not UTF-8, else None: such a
@@ -181,7 +208,7 @@ def _blocks(path: Path) -> Iterator[tuple[int, list[tuple[int, str]], tuple[int,
     """
     block: list[tuple[int, str]] = []
     bad: tuple[int, str] | None = None
-    for number, raw in numbered_lines(path):
+    for number, raw in (path.lines() if isinstance(path, InMemoryTreebank) else numbered_lines(path)):
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as error:
@@ -205,7 +232,7 @@ class _Malformed(Exception):
         self.message = message
 
 
-def _parse_block(path: Path, start: int, block: list[tuple[int, str]], counts: TreebankCounts) -> Sentence:
+def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[int, str]], counts: TreebankCounts) -> Sentence:
     """Parse one sentence block with ``conllu``; raise _Malformed naming the bad line."""
     token_lines = [(number, line) for number, line in block if not line.startswith("#")]
     for number, line in token_lines:
@@ -293,7 +320,7 @@ def _cycle(heads: list[int]) -> int | None:
 
 
 def read_conllu(
-    path: str | Path,
+    path: "str | Path | InMemoryTreebank",
     *,
     problems: ProblemLog | None = None,
     counts: TreebankCounts | None = None,
@@ -306,12 +333,20 @@ def read_conllu(
     without it the first one raises :class:`HeadlabError`. With ``keep_place`` a skipped
     sentence yields ``None`` instead, so that two files stay paired sentence by sentence.
     ``counts`` collects how many sentences, multiword tokens and empty nodes were read or
-    skipped. ``limit`` stops after that many sentences.
+    skipped. ``limit`` stops after that many sentences. ``path`` may be an
+    :class:`InMemoryTreebank` (parsed sentences are yielded as they are, counted).
     """
-    path = Path(path)
-    if not path.exists() or path.is_dir():
-        raise HeadlabError(f"CoNLL-U file not found: {path}")
     counts = counts if counts is not None else TreebankCounts()
+    if isinstance(path, InMemoryTreebank) and not isinstance(path.source, str):
+        for sentence in path.source[:limit]:
+            counts.n_sentences += 1
+            counts.n_words += len(sentence)
+            yield sentence
+        return
+    if not isinstance(path, InMemoryTreebank):
+        path = Path(path)
+        if not path.exists() or path.is_dir():
+            raise HeadlabError(f"CoNLL-U file not found: {path}")
     seen = 0
     for start, block, bad in _blocks(path):
         if all(line.startswith("#") for _, line in block):
@@ -342,19 +377,25 @@ def read_conllu(
         yield sentence
 
 
-def count_sentences(path: str | Path) -> int:
+def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
     """The number of sentence blocks in a CoNLL-U file, without parsing them (for progress bars)."""
+    if isinstance(path, InMemoryTreebank):
+        return len(path.source) if not isinstance(path.source, str) else _count_blocks(raw for _, raw in path.lines())
     path = Path(path)
     if not path.exists() or path.is_dir():
         raise HeadlabError(f"CoNLL-U file not found: {path}")
-    n, in_block = 0, False
     with open_binary(path) as handle:
-        for raw in handle:
-            stripped = raw.strip()
-            if not stripped:
-                in_block = False
-            elif not stripped.startswith(b"#") and not in_block:
-                n, in_block = n + 1, True
+        return _count_blocks(handle)
+
+
+def _count_blocks(lines) -> int:
+    n, in_block = 0, False
+    for raw in lines:
+        stripped = raw.strip()
+        if not stripped:
+            in_block = False
+        elif not stripped.startswith(b"#") and not in_block:
+            n, in_block = n + 1, True
     return n
 
 

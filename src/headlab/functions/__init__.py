@@ -7,7 +7,7 @@ accumulator fed with :class:`~headlab.data.alignment.AttentionView` objects. Nam
 imported on first use (:mod:`headlab._lazy`), so that ``headlab --help`` loads no torch.
 """
 
-from headlab._lazy import lazy_exports
+from headlab._lazy import callable_module, lazy_exports
 
 _EXPORTS = {  # module -> the names it exports
     "headlab.functions.config": ("AnalysisConfig",),
@@ -18,3 +18,6 @@ _EXPORTS = {  # module -> the names it exports
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
+
+# headlab.functions(model, ...) is the API's headlab.api.functions
+callable_module(__name__, "headlab.api.functions")

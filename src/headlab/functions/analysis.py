@@ -52,7 +52,15 @@ from headlab.data.alignment import (
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.fused import FusedView, unavailable_passes, word_offset
 from headlab.data.parallel import read_lines
-from headlab.data.treebank import Problem, ProblemLog, Sentence, TreebankCounts, count_sentences, read_conllu
+from headlab.data.treebank import (
+    InMemoryTreebank,
+    Problem,
+    ProblemLog,
+    Sentence,
+    TreebankCounts,
+    count_sentences,
+    read_conllu,
+)
 from headlab.errors import HeadlabError
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
@@ -160,6 +168,14 @@ class HeadAnalysis:
             return self.__dict__.get("results", {}).get(name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def __repr__(self) -> str:
+        found = describe_heads(self)
+        labelled = {head for result in self.results.values() for head, names in result.labels().items() if names}
+        lines = [f"HeadAnalysis of {self.model or 'a model'}: {self.report.n_sentences} sentences, "
+                 f"{', '.join(self.results) or 'no statistic'}; {len(labelled)} heads with a function"]
+        lines += [f"  {line}" for line in found[:8]] + ([f"  ... {len(found) - 8} more"] if len(found) > 8 else [])
+        return "\n".join(lines)
+
     def functions_markdown(self) -> str:
         lines = [f"# Head functions of {self.model or 'the model'}", "", "```", self.report.describe(), "```", ""]
         for result in self.results.values():
@@ -219,9 +235,9 @@ _END = object()
 def analyze_heads(
     model,
     tokenizer,
-    conllu: str | Path | None = None,
+    conllu: str | Path | InMemoryTreebank | None = None,
     *,
-    target_conllu: str | Path | None = None,
+    target_conllu: str | Path | InMemoryTreebank | None = None,
     source_text: str | Path | None = None,
     frequencies: TokenFrequencies | None = None,
     config: AnalysisConfig | None = None,

@@ -12,7 +12,7 @@ Each is an :class:`ImportanceMeasure` in the registry :data:`MEASURES`; :func:`r
 runs them on prepared data (``headlab importance`` on the command line).
 """
 
-from headlab._lazy import lazy_exports
+from headlab._lazy import callable_module, lazy_exports
 
 _EXPORTS = {  # module -> the names it exports
     "headlab.importance.ablation": ("Ablation", "METRICS", "compute_ablation"),
@@ -30,3 +30,6 @@ _EXPORTS = {  # module -> the names it exports
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
+
+# headlab.importance(model, ...) is the API's headlab.api.importance
+callable_module(__name__, "headlab.api.importance")

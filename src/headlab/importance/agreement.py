@@ -65,6 +65,10 @@ class AgreementTable:
     def columns(self) -> list[str]:
         return list(self.n_heads)
 
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{m} {row.get('all', math.nan):+.2f}" for m, row in self.rho.items())
+        return f"AgreementTable(Spearman with {self.reference} ({self.metric}) over all heads: {rows})"
+
     def to_json(self) -> dict:
         clean = lambda v: None if v is None or math.isnan(v) else round(float(v), 6)  # noqa: E731
         return {

@@ -47,7 +47,9 @@ __all__ = [
     "make_batches",
     "output_layer",
     "read_data",
+    "labelled_lines_data",
     "read_labelled_data",
+    "texts_data",
     "translate_data",
 ]
 
@@ -232,6 +234,9 @@ class ImportanceData:
     def n_source_tokens(self) -> int:
         return sum(len(s) for s in self.sources)
 
+    def __repr__(self) -> str:
+        return f"ImportanceData({self.summary()})"
+
     def summary(self) -> str:
         text = f"{len(self)} sentences ({self.n_source_tokens} source tokens)"
         if self.source_path:
@@ -323,26 +328,59 @@ def read_data(
         if target_path is not None:
             raise HeadlabError("--target is for translation models; a classifier reads its labels from the TSV")
         return read_labelled_data(path, tokenizer, info, n_sentences=n_sentences)
-    sources = read_lines(path)
-    references = None
-    if target_path is not None:
-        references = read_lines(target_path)
-        if len(references) != len(sources):
-            raise HeadlabError(
-                f"{path} has {len(sources)} lines but {target_path} has {len(references)}: "
-                "source and reference files must match line for line"
-            )
+    return texts_data(read_lines(path), tokenizer, info,
+                      targets=None if target_path is None else read_lines(target_path),
+                      n_sentences=n_sentences, name=str(path),
+                      target_name="" if target_path is None else str(target_path))
+
+
+def texts_data(
+    texts: Sequence[str],
+    tokenizer,
+    info: ModelInfo,
+    *,
+    targets: Sequence[str] | None = None,
+    labels: Sequence[int | str] | None = None,
+    n_sentences: int | None = None,
+    name: str = "",
+    target_name: str = "",
+) -> ImportanceData:
+    """:func:`read_data` of sentences held in memory (what the file's lines would be): the same
+    checks, counts and tokens. A classifier's ``texts`` are its inputs (a string, or a pair of
+    strings for a sentence-pair task) with one class (index or label name) each in ``labels``."""
+    where = name or "the texts"
+    if isinstance(texts, str):
+        raise HeadlabError("texts must be a list of sentences, not one string")
+    if info.arch == "classifier":
+        if targets is not None:
+            raise HeadlabError("targets are for translation models; a classifier takes labels")
+        if labels is None or len(labels) != len(texts):
+            raise HeadlabError(f"a classifier needs one label per text: {len(texts)} texts, "
+                               f"{'no' if labels is None else len(labels)} labels")
+        lines = []
+        for number, (text, label) in enumerate(zip(texts, labels), start=1):
+            fields = [text] if isinstance(text, str) else list(text)
+            if any("\t" in f or "\n" in f for f in fields):
+                raise HeadlabError(f"{where}: text {number} holds a tab or a line break")
+            lines.append("\t".join([*fields, str(label)]))
+        return labelled_lines_data(lines, tokenizer, info, n_sentences=n_sentences, name=name or "<texts>")
+    if labels is not None:
+        raise HeadlabError("labels are for sequence classifiers; this model is not one")
+    sources = list(texts)
+    references = None if targets is None else list(targets)
+    if references is not None and len(references) != len(sources):
+        raise HeadlabError(
+            f"{where} has {len(sources)} lines but {target_name or 'the targets'} has {len(references)}: "
+            "source and reference files must match line for line"
+        )
     if n_sentences is not None:
         if n_sentences < 1:
             raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
         sources = sources[:n_sentences]
         references = None if references is None else references[:n_sentences]
     if not any(line.strip() for line in sources):
-        raise HeadlabError(f"empty data set: {path} has no non-empty line")
-    return encode_texts(
-        tokenizer, info, sources, references, source_path=str(path),
-        target_path="" if target_path is None else str(target_path),
-    )
+        raise HeadlabError(f"empty data set: {where} has no non-empty line")
+    return encode_texts(tokenizer, info, sources, references, source_path=name, target_path=target_name)
 
 
 def _label_index(value: str, info: ModelInfo, where: str) -> int:
@@ -385,7 +423,14 @@ def read_labelled_data(
     same number of fields; a bad line is an error naming the file and line."""
     from headlab.data.parallel import read_lines
 
-    lines = read_lines(path)
+    return labelled_lines_data(read_lines(path), tokenizer, info, n_sentences=n_sentences, name=str(path))
+
+
+def labelled_lines_data(
+    lines: Sequence[str], tokenizer, info: ModelInfo, *, n_sentences: int | None = None, name: str = "<texts>"
+) -> ImportanceData:
+    """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages)."""
+    path = name
     if n_sentences is not None and n_sentences < 1:
         raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
     rows, n_empty, width = [], 0, None

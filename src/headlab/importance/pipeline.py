@@ -38,6 +38,14 @@ class ImportanceResult:
     skipped: dict[str, str]
     data: ImportanceData
 
+    def __repr__(self) -> str:
+        lines = [f"ImportanceResult on {self.data.summary()}"]
+        lines += [f"  {table!r}" for table in self.scores.values()]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped.items()]
+        if self.agreement is not None:
+            lines.append(f"  {self.agreement!r}")
+        return "\n".join(lines)
+
 
 class MeasuresFailed(RunFailed):
     """Some measures failed while running; ``result`` holds the scores of those that did not."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from headlab.analyze.pipeline import STAGES, AnalyzeConfig
 from headlab.device_options import add_device_options
 from headlab.options import HelpFormatter, add_options, from_args, help_of, numbers
+from headlab.pipeline.pipeline import STAGES, AnalyzeConfig
 from headlab.shard import add_process_options
 
 
@@ -70,7 +70,7 @@ def _sentences(config) -> tuple[int, str]:
 
 def run_analyze_command(args) -> int:
     from headlab import shard
-    from headlab.analyze.pipeline import check_processes, run_analysis, validate
+    from headlab.pipeline.pipeline import check_processes, run_analysis, validate
 
     config = config_from_args(args)
     if (args.num_processes or 1) > 1 and shard.world_size() == 1:

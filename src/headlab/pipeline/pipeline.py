@@ -11,9 +11,9 @@ agreement      Spearman tables between the measures (:func:`headlab.importance.c
 functions      :func:`headlab.functions.analyze_heads`: positional, syntactic, rare-token heads
 aggregate      the same pass with the Vig & Belinkov statistics (:mod:`headlab.aggregate`)
 prune          only with ``--prune``: a short :func:`headlab.pruning.sweep.run_sweep` of head budgets
-table          :func:`headlab.analyze.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
+table          :func:`headlab.pipeline.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
 attention      :func:`headlab.report.write_attention_examples` (attention of a few sentences)
-figures        :func:`headlab.analyze.figures.write_figures` (PNG + SVG, from the files above)
+figures        :func:`headlab.pipeline.figures.write_figures` (PNG + SVG, from the files above)
 report         :func:`headlab.report.build_report` -> index.html
 =============  ==========================================================================
 
@@ -25,7 +25,7 @@ the rest wait. A stage that fails with an error that is not headlab's stops the 
 cannot go on without its share); the finished stages are kept and the same command resumes.
 
 Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
-:mod:`headlab.analyze.records`); ``force`` runs everything again. A stage that cannot run
+:mod:`headlab.pipeline.records`); ``force`` runs everything again. A stage that cannot run
 (missing input, a model without the capability) is recorded as skipped with the reason, a
 stage that raises as failed with the error; the other stages still run.
 """
@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Callable
 
 from headlab._version import __version__
-from headlab.analyze.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.errors import HeadlabError
 from headlab.importance.measure_options import ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
+from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
@@ -454,16 +454,24 @@ def _importance(name: str):
 
 
 def _agreement(ctx: _Context) -> tuple[list, str | None]:
-    import math
-
-    from headlab.heads import HeadScores, atomic_write_text
-    from headlab.importance.agreement import compute_agreement
+    from headlab.heads import HeadScores
 
     directory = ctx.out_dir / "importance"
     measures = {m: HeadScores.load(directory / f"{m}.json") for m in IMPORTANCE_STAGES
                 if ctx.records.get(m) is not None and ctx.records[m].status == "done"}
     if len(measures) < 2:
         raise SkipStage("needs at least two importance measures (have: " + (", ".join(measures) or "none") + ")")
+    return write_agreement(measures, directory), None
+
+
+def write_agreement(measures: dict, directory: Path) -> list[Path]:
+    """``agreement.json`` and ``agreement.md`` in ``directory``: Spearman tables between the
+    measures (``{name: HeadScores}``, in :data:`STAGES` order), and against ablation when it ran."""
+    import math
+
+    from headlab.heads import atomic_write_text
+    from headlab.importance.agreement import compute_agreement
+
     names = list(measures)
     tables = {ref: compute_agreement(measures, measures[ref]) for ref in names}
     columns = tables[names[0]].columns
@@ -490,7 +498,7 @@ def _agreement(ctx: _Context) -> tuple[list, str | None]:
     json_path, md_path = directory / "agreement.json", directory / "agreement.md"
     atomic_write_text(json_path, json.dumps(document, indent=1) + "\n")
     atomic_write_text(md_path, "\n".join(lines) + "\n")
-    return [json_path, md_path], None
+    return [json_path, md_path]
 
 
 def _head_analysis(ctx: _Context, functions: bool):
@@ -526,30 +534,39 @@ def _head_analysis(ctx: _Context, functions: bool):
 
 
 def _functions(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.labels import head_labels, save_labels
-
     analysis, note = _head_analysis(ctx, functions=True)
     if not ctx.shard.main:
         return [], None
-    directory = ctx.out_dir / "functions"
-    written = analysis.save(directory, figures=False)
-    written.append(save_labels(head_labels(analysis), directory / "labels.json"))
+    written = write_functions(analysis, ctx.out_dir / "functions")
     ctx.log(analysis.report.describe())
     return written, note
 
 
-def _aggregate(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.heads import atomic_write_text
+def write_functions(analysis, directory: Path) -> list[Path]:
+    """The functions stage's files of a :class:`~headlab.functions.HeadAnalysis`, with labels.json."""
+    from headlab.pipeline.labels import head_labels, save_labels
 
+    written = analysis.save(directory, figures=False)
+    written.append(save_labels(head_labels(analysis), directory / "labels.json"))
+    return written
+
+
+def _aggregate(ctx: _Context) -> tuple[list, str | None]:
     analysis, note = _head_analysis(ctx, functions=False)
     if not ctx.shard.main:
         return [], None
-    directory = ctx.out_dir / "aggregate"
-    written = analysis.aggregate.save(directory)
+    return write_aggregate(analysis.aggregate, ctx.out_dir / "aggregate"), note
+
+
+def write_aggregate(result, directory: Path) -> list[Path]:
+    """The aggregate stage's files of an :class:`~headlab.aggregate.AggregateResult`, with summary.md."""
+    from headlab.heads import atomic_write_text
+
+    written = result.save(directory)
     path = directory / "summary.md"
-    atomic_write_text(path, analysis.aggregate.summary_markdown() + "\n")
+    atomic_write_text(path, result.summary_markdown() + "\n")
     written.append(path)
-    return written, note
+    return written
 
 
 def default_keeps(n_gated: int) -> list[int]:
@@ -612,7 +629,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _table(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.table import write_heads_table
+    from headlab.pipeline.table import write_heads_table
 
     written = write_heads_table(ctx.out_dir)
     if not written:
@@ -643,7 +660,7 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
 
 
 def _figures(ctx: _Context) -> tuple[list, str | None]:
-    from headlab.analyze.figures import write_figures
+    from headlab.pipeline.figures import write_figures
 
     entries = write_figures(ctx.out_dir, progress=ctx.config.progress)
     ctx.figures = entries

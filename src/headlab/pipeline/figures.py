@@ -20,10 +20,10 @@ from typing import Callable, Mapping
 import numpy as np
 
 from headlab.aggregate import STATISTICS
-from headlab.analyze.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 from headlab.data.batching import with_progress
 from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure, write_json
 from headlab.importance.registry import MEASURES
+from headlab.pipeline.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
 
 __all__ = [
     "figure1_data",

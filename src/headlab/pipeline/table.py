@@ -15,11 +15,11 @@ import json
 import math
 from pathlib import Path
 
-from headlab.analyze.labels import FUNCTION_GROUPS, label_group
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.pipeline.labels import FUNCTION_GROUPS, label_group
 
-__all__ = ["heads_table", "write_heads_table", "KEY_COLUMNS"]
+__all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS"]
 
 KEY_COLUMNS = ("kind", "layer", "head")
 
@@ -33,7 +33,8 @@ def _column(relative: Path) -> str:
     return "_".join(relative.with_suffix("").parts)
 
 
-def _score_files(out_dir: Path):
+def _documents(out_dir: Path):
+    """``(path relative to DIR, JSON)`` of the JSON files of the score directories, in column order."""
     for directory in _SOURCES:
         root = out_dir / directory
         if not root.is_dir():
@@ -43,28 +44,45 @@ def _score_files(out_dir: Path):
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue  # not ours to judge here: the report notes unreadable files
-            if isinstance(data, dict) and isinstance(data.get("scores"), dict) and "method" in data:
-                scores = HeadScores.from_json(data, str(path))
-                yield _column(path.relative_to(root)), scores
-                errors = scores.stderr()  # LRP's bootstrap standard errors: a column beside its scores
-                if errors is not None:
-                    yield _column(path.relative_to(root)) + "_stderr", errors
+            yield path.relative_to(out_dir).as_posix(), data
+
+
+def score_columns(documents, where: str | Path = ""):
+    """``(column, HeadScores)`` of the HeadScores among ``documents`` (``(path relative to DIR,
+    JSON)``, as the files of DIR or a :class:`headlab.api.Analysis` hold them)."""
+    for relative, data in documents:
+        if isinstance(data, dict) and isinstance(data.get("scores"), dict) and "method" in data:
+            inner = Path(*Path(relative).parts[1:])  # the path within importance/, functions/, aggregate/
+            scores = HeadScores.from_json(data, str(Path(where) / relative) if where else relative)
+            yield _column(inner), scores
+            errors = scores.stderr()  # LRP's bootstrap standard errors: a column beside its scores
+            if errors is not None:
+                yield _column(inner) + "_stderr", errors
+
+
+def _score_files(out_dir: Path):
+    return score_columns(_documents(out_dir), out_dir)
 
 
 def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
     """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores."""
     out_dir = Path(out_dir)
-    values: dict[str, dict[tuple[str, int, int], float]] = {}
-    for name, scores in _score_files(out_dir):
-        if name in values:
-            raise HeadlabError(f"{out_dir}: two score files give the column {name!r}")
-        values[name] = dict(scores.items())
     labels: dict[str, list[str]] = {}
     labels_path = out_dir / "functions" / "labels.json"
     if labels_path.is_file():
-        from headlab.analyze.labels import load_labels
+        from headlab.pipeline.labels import load_labels
 
         labels = load_labels(labels_path)
+    return table_rows(_score_files(out_dir), labels, out_dir)
+
+
+def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path = "") -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``)."""
+    values: dict[str, dict[tuple[str, int, int], float]] = {}
+    for name, scores in columns_scores:
+        if name in values:
+            raise HeadlabError(f"{where}: two score files give the column {name!r}")
+        values[name] = dict(scores.items())
     heads = {key for column in values.values() for key in column}
     for key in labels:
         kind, layer, head = key.split(":")

@@ -7,10 +7,10 @@ See docs/analyze.md for the stages, the directory layout and the manifest.
 from headlab._lazy import lazy_exports
 
 _EXPORTS = {  # module -> the names it exports
-    "headlab.analyze.labels": ("head_labels", "load_labels", "save_labels"),
-    "headlab.analyze.pipeline": ("STAGE_GROUPS", "STAGES", "AnalysisRun", "AnalyzeConfig", "SkipStage",
+    "headlab.pipeline.labels": ("head_labels", "load_labels", "save_labels"),
+    "headlab.pipeline.pipeline": ("STAGE_GROUPS", "STAGES", "AnalysisRun", "AnalyzeConfig", "SkipStage",
                                  "run_analysis"),
-    "headlab.analyze.records": ("StageRecord",),
+    "headlab.pipeline.records": ("StageRecord",),
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

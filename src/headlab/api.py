@@ -1,0 +1,516 @@
+"""The Python API: one call per analysis, on a model and tokenizer already loaded (any device,
+any dtype) and on data held in memory.
+
+* :func:`importance` - scores of every head by each measure (:func:`headlab.importance.run_importance`);
+* :func:`functions` - positional, syntactic and rare-token heads on a treebank
+  (:func:`headlab.functions.analyze_heads`);
+* :func:`aggregate` - the Vig & Belinkov statistics on a treebank (the same pass);
+* :func:`prune` - remove heads (:func:`headlab.prune_heads`), given by spec or by scores and a budget;
+* :func:`analyze` - all of them as ``headlab analyze`` runs them, into an :class:`Analysis` that
+  converts to pandas, displays in a notebook and saves to (or loads from) the directory layout
+  of ``headlab analyze``.
+
+Every step calls the same library functions with the same options as the command line, so the
+numbers are the command's, to the bit (tests/test_api.py compares them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+from headlab.errors import HeadlabError
+from headlab.heads import HeadScores, format_head
+
+if TYPE_CHECKING:
+    from headlab.aggregate import AggregateResult
+    from headlab.data.treebank import InMemoryTreebank
+    from headlab.functions.analysis import HeadAnalysis
+    from headlab.importance.pipeline import ImportanceResult
+
+__all__ = ["Analysis", "DEFAULT_MEASURES", "aggregate", "analyze", "functions", "importance", "prune"]
+
+DEFAULT_MEASURES = ("confidence", "lrp", "gradient")
+"""The measures ``headlab analyze`` runs unless asked for ablation."""
+
+STATISTICS = ("functions", "aggregate")
+"""What :func:`analyze` computes on a treebank."""
+
+# Directories of an analysis directory that an Analysis holds (small JSON and Markdown files);
+# attention/, figures/, prune/ and index.html stay on disk.
+_HELD = ("importance", "functions", "aggregate")
+_MANIFEST = "manifest.json"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _model_name(model) -> str:
+    name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    return Path(name).name if name else type(model).__name__
+
+
+def model_info(model, tokenizer, max_length: int | None = None):
+    """:func:`~headlab.importance.data.describe_model`, with a head the checkpoint does not carry
+    counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
+    from dataclasses import replace
+
+    from headlab.importance.data import checkpoint_has_lm_head, describe_model
+
+    info = describe_model(model, tokenizer, max_length=max_length)
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+        info = replace(info, has_lm_head=False)
+    return info
+
+
+def as_treebank(treebank) -> "str | Path | InMemoryTreebank":
+    """A CoNLL-U path, CoNLL-U text (a string with a line break), or parsed sentences."""
+    from headlab.data.treebank import InMemoryTreebank
+
+    if isinstance(treebank, InMemoryTreebank):
+        return treebank
+    if isinstance(treebank, os.PathLike):
+        path = Path(treebank)
+    elif isinstance(treebank, str):
+        if "\n" in treebank:
+            return InMemoryTreebank(treebank, "<conllu text>")
+        path = Path(treebank)
+    else:
+        try:
+            return InMemoryTreebank(list(treebank), "<sentences>")
+        except TypeError:
+            raise HeadlabError(f"treebank: expected a CoNLL-U path, CoNLL-U text or parsed sentences, got "
+                               f"{type(treebank).__name__}") from None
+    if not path.is_file():
+        raise HeadlabError(f"treebank: CoNLL-U file not found: {path}")
+    return path
+
+
+def _texts(texts) -> list:
+    if isinstance(texts, str):
+        raise HeadlabError("texts: expected a list of sentences, got one string (wrap it in a list)")
+    return list(texts)
+
+
+def _frequency_texts(texts: Sequence) -> list[str]:
+    """The sentences whose tokens the rare-token heads count: a pair's two texts each."""
+    return [part for text in texts for part in ([text] if isinstance(text, str) else list(text))]
+
+
+# ----------------------------------------------------------------------------- single steps
+
+
+def _importance_config(measures, batch_size, progress, options):
+    from headlab.importance.config import ImportanceConfig
+
+    measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
+
+
+def importance(model, tokenizer, texts: Sequence[str], *, targets: Sequence[str] | None = None,
+               labels: Sequence[int | str] | None = None, measures: str | Sequence[str] = DEFAULT_MEASURES,
+               limit: int | None = None, batch_size: int = 32, max_length: int | None = None,
+               progress: bool = False, **options) -> "ImportanceResult":
+    """Score every head of ``model`` on ``texts`` by each of ``measures`` (``"all"``: every one
+    that can run). ``targets``: reference translations (a translation model); ``labels``: the
+    classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
+    other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
+    ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
+    from headlab.importance.data import texts_data
+    from headlab.importance.pipeline import run_importance
+
+    config = _importance_config(measures, batch_size, progress, options)
+    config.resolved_methods()  # a bad measure or option fails before any work
+    info = model_info(model, tokenizer, max_length)
+    data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets),
+                      labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
+    return run_importance(model, data, info, config, tokenizer=tokenizer)
+
+
+def _head_pass(model, tokenizer, treebank, *, functions: bool, frequency_texts, limit, batch_size, max_length,
+               query_chunk, progress, options) -> "HeadAnalysis":
+    from headlab.functions.analysis import AnalysisConfig, analyze_heads
+
+    frequencies = None
+    if functions and frequency_texts is not None:
+        from headlab.data.frequencies import TokenFrequencies
+
+        frequencies = (frequency_texts if isinstance(frequency_texts, TokenFrequencies) else
+                       TokenFrequencies.from_texts(tokenizer, _frequency_texts(_texts(frequency_texts)), "<texts>"))
+    config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=batch_size, max_sentences=limit,
+                            max_length=max_length, query_chunk=query_chunk, **options)
+    source = as_treebank(treebank)
+    analysis = analyze_heads(model, tokenizer, source, frequencies=frequencies, config=config,
+                             model_name=_model_name(model), progress=progress)
+    if analysis.report.n_sentences == 0:
+        raise HeadlabError(f"treebank {source}: no sentence could be analysed\n{analysis.report.describe()}")
+    return analysis
+
+
+def functions(model, tokenizer, treebank, *, frequency_texts: Iterable[str] | None = None, limit: int | None = None,
+              batch_size: int = 32, max_length: int | None = None, query_chunk: int | None = None,
+              progress: bool = False, **options) -> "HeadAnalysis":
+    """Positional, syntactic and (with ``frequency_texts``, the corpus whose token frequencies
+    define "rare") rare-token heads on ``treebank``: a CoNLL-U path, CoNLL-U text or parsed
+    sentences. ``options``: fields of :class:`~headlab.functions.AnalysisConfig`."""
+    return _head_pass(model, tokenizer, treebank, functions=True, frequency_texts=frequency_texts, limit=limit,
+                      batch_size=batch_size, max_length=max_length, query_chunk=query_chunk, progress=progress,
+                      options=options)
+
+
+def aggregate(model, tokenizer, treebank, *, limit: int | None = None, batch_size: int = 32,
+              max_length: int | None = None, query_chunk: int | None = None, progress: bool = False,
+              **options) -> "AggregateResult":
+    """The aggregate statistics of Vig & Belinkov 2019 per head on ``treebank`` (see :func:`functions`)."""
+    analysis = _head_pass(model, tokenizer, treebank, functions=False, frequency_texts=None, limit=limit,
+                          batch_size=batch_size, max_length=max_length, query_chunk=query_chunk, progress=progress,
+                          options=options)
+    return analysis.aggregate
+
+
+def prune(model, heads, *, keep: int | None = None, kinds: Sequence[str] | None = None) -> dict:
+    """Remove heads from ``model`` in place (:func:`headlab.prune_heads`, checked to be exact).
+
+    ``heads``: ``{(kind, layer): [head, ...]}``, a spec string (``"enc_self:0:1,2 dec_cross:5:*"``),
+    or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay.
+    Returns the heads each pruned block keeps, in the model's original numbering."""
+    from headlab.adapters import attention_blocks
+    from headlab.surgery import prune_heads
+
+    if isinstance(heads, HeadScores):
+        if keep is None:
+            raise HeadlabError("prune: give keep=N (heads to keep) with scores")
+        spec = heads.top_mask(keep, tuple(kinds) if kinds else None)
+    elif keep is not None:
+        raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
+    elif isinstance(heads, str):
+        from headlab.headspec import parse_heads
+
+        spec = parse_heads(heads, attention_blocks(model))
+    else:
+        spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+    return prune_heads(model, spec)
+
+
+# ----------------------------------------------------------------------------- everything
+
+
+def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=None,
+            targets: Sequence[str] | None = None, labels: Sequence[int | str] | None = None,
+            measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
+            frequency_texts: Iterable[str] | None = None, limit: int | None = None, treebank_limit: int | None = None,
+            batch_size: int = 32, max_length: int | None = None, lrp_targets: int | None = None, lrp_seed: int = 0,
+            query_chunk: int | None = None, progress: bool = False, out: str | os.PathLike | None = None,
+            overwrite: bool = False) -> "Analysis":
+    """What ``headlab analyze`` computes, in one call: the importance ``measures`` of every head
+    on ``texts`` (with their agreement), and the ``statistics`` (``functions``, ``aggregate``) on
+    ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
+    frequencies on ``frequency_texts``, by default ``texts``, as ``analyze`` counts them on
+    ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. With ``out``, the
+    files are also written there, as ``headlab analyze`` writes them (:meth:`Analysis.save`; an
+    earlier analysis there is replaced only with ``overwrite``)."""
+    from headlab.importance.measure_options import LRPOptions
+    from headlab.importance.registry import MEASURES
+    from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
+
+    if texts is None and treebank is None:
+        raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
+    measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    for name in measures:
+        if name not in MEASURES:
+            raise HeadlabError(f"analyze: unknown measure {name!r}; expected some of {', '.join(MEASURES)}")
+    for name in statistics:
+        if name not in STATISTICS:
+            raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    if out is not None:
+        _check_directory(Path(out), overwrite)  # before any work
+    texts = None if texts is None else _texts(texts)
+    treebank = None if treebank is None else as_treebank(treebank)
+    lrp_targets = LRPOptions.targets if lrp_targets is None else lrp_targets
+    model_name = _model_name(model)
+    skipped: dict[str, str] = {}
+    writers: list = []  # (stage, function(directory) -> paths)
+
+    if texts is not None and measures:
+        from headlab.importance.data import texts_data
+        from headlab.importance.pipeline import run_importance
+
+        info = model_info(model, tokenizer, max_length)
+        data = texts_data(texts, tokenizer, info, targets=None if targets is None else _texts(targets), labels=labels,
+                          n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
+        scores: dict[str, HeadScores] = {}
+        for name in (m for m in IMPORTANCE_STAGES if m in measures):  # the pipeline's order, one run each
+            if MEASURES[name].needs_lm_head and not info.has_lm_head:
+                skipped[name] = (f"the model has no language-model head: {name} needs logits to explain or a loss "
+                                 "to differentiate")
+                continue
+            config = _importance_config((name,), batch_size, progress,
+                                        {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk})
+            result = run_importance(model, data, info, config, tokenizer=tokenizer)
+            data = result.data  # the model's translations, made once, for the next measures
+            skipped.update(result.skipped)
+            scores.update(result.scores)
+        for method, table in scores.items():
+            writers.append((method, lambda d, t=table, m=method: [t.save(d / "importance" / f"{m}.json")]))
+        if len([m for m in IMPORTANCE_STAGES if m in scores]) >= 2:
+            ordered = {m: scores[m] for m in IMPORTANCE_STAGES if m in scores}
+            writers.append(("agreement", lambda d: write_agreement(ordered, d / "importance")))
+    if treebank is not None:
+        sentences = treebank_limit if treebank_limit is not None else limit
+        if "functions" in statistics:
+            if frequency_texts is None and texts is not None:
+                frequency_texts = texts
+            head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, limit=sentences,
+                                      batch_size=batch_size, max_length=max_length, query_chunk=query_chunk,
+                                      progress=progress)
+            writers.append(("functions", lambda d: write_functions(head_analysis, d / "functions")))
+        if "aggregate" in statistics:
+            result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
+                                         max_length=max_length, query_chunk=query_chunk, progress=progress)
+            writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
+
+    header = {"model": model_name, "source": "<texts>" if texts is not None else None,
+              "target": "<targets>" if targets is not None else None,
+              "conllu": None if treebank is None else str(treebank), "written_by": "headlab.analyze (Python API)"}
+
+    def write(directory: Path) -> None:
+        from headlab.pipeline.records import StageRecord
+
+        records = [StageRecord(stage, "done", None, None,
+                               sorted(Path(p).relative_to(directory).as_posix() for p in make(directory)))
+                   for stage, make in writers]
+        records += [StageRecord(name, "skipped", reason) for name, reason in skipped.items()]
+        _finish(directory, header, records)
+
+    if out is not None:
+        _write_directory(Path(out), write, overwrite)
+        analysis = Analysis.load(out)
+    else:  # the files are the results' one serialisation: written to a scratch directory, read back
+        with tempfile.TemporaryDirectory(prefix="headlab-analysis-") as scratch:
+            write(Path(scratch))
+            analysis = Analysis.load(scratch)
+    analysis.skipped.update(skipped)
+    return analysis
+
+
+def _write_directory(directory: Path, write, overwrite: bool) -> None:
+    """``write(tmp)`` into a new directory swapped in for ``directory`` at the end (a kill leaves
+    the old one or the new one). A directory holding files headlab did not write is refused; a
+    headlab directory is replaced whole (no stale stage of an earlier run stays) with ``overwrite``."""
+    from headlab.heads import atomic_dir
+
+    _check_directory(directory, overwrite)
+    atomic_dir(directory, write)
+
+
+def _check_directory(directory: Path, overwrite: bool) -> None:
+    from headlab.pipeline.pipeline import _foreign_files
+
+    foreign = _foreign_files(directory)
+    if foreign:
+        raise HeadlabError(f"{directory}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "
+                           "choose a new or empty directory")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise HeadlabError(f"{directory}: the directory holds an earlier analysis; pass overwrite=True to replace it "
+                           "(all of it: its report, figures and attention examples too)")
+
+
+def _finish(directory: Path, header: dict, records: list) -> None:
+    """The manifest (``headlab analyze``'s, with the stages written) and heads.csv."""
+    from headlab._version import __version__
+    from headlab.pipeline.records import write_manifest
+    from headlab.pipeline.table import write_heads_table
+    from headlab.resume import now_iso
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_heads_table(directory)
+    write_manifest(directory, {"headlab_version": __version__, **header, "created": now_iso()}, records, [])
+
+
+# ----------------------------------------------------------------------------- the result
+
+
+@dataclass
+class Analysis:
+    """The results of one analysis: every HeadScores table (by its heads.csv column), the heads'
+    function labels, the agreement between measures, and the files they came from.
+
+    ``files`` holds the analysis directory's ``importance/``, ``functions/`` and ``aggregate/``
+    files (relative path -> bytes) and its manifest, so that :meth:`save` writes back what
+    :meth:`load` read, in the layout of ``headlab analyze``."""
+
+    model: str = ""
+    tables: dict[str, HeadScores] = field(default_factory=dict)
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    agreement: dict | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict, repr=False)
+
+    # -- files ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Analysis":
+        """An analysis directory written by ``headlab analyze`` (any version that wrote these
+        files; any stage may be missing) or by :meth:`save`."""
+        from headlab.pipeline.labels import load_labels
+        from headlab.pipeline.table import score_columns
+
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise HeadlabError(f"{directory}: no such analysis directory")
+        files: dict[str, bytes] = {}
+        for group in _HELD:
+            root = directory / group
+            if root.is_dir():
+                for path in sorted(root.rglob("*")):
+                    inside = path.relative_to(directory)
+                    if path.is_file() and not any(part.startswith(".") for part in inside.parts):
+                        files[inside.as_posix()] = path.read_bytes()
+        if (directory / _MANIFEST).is_file():
+            files[_MANIFEST] = (directory / _MANIFEST).read_bytes()
+        if not files:
+            raise HeadlabError(f"{directory}: not an analysis directory (no importance/, functions/, aggregate/ "
+                               "or manifest.json)")
+        documents: list[tuple[str, object]] = []
+        for relative, content in files.items():
+            if relative.endswith(".json") and relative != _MANIFEST:
+                try:
+                    documents.append((relative, json.loads(content)))
+                except ValueError as error:
+                    raise HeadlabError(f"{directory / relative}: invalid JSON ({error})") from error
+        columns = dict(score_columns(documents, directory))
+        labels = load_labels(directory / "functions" / "labels.json") if "functions/labels.json" in files else {}
+        found = dict(documents).get("importance/agreement.json")
+        agreement = found if isinstance(found, dict) else None
+        manifest = json.loads(files[_MANIFEST]) if _MANIFEST in files else {}
+        skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
+                   if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
+        model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
+        return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files)
+
+    def save(self, directory: str | os.PathLike, report: bool = False, overwrite: bool = False) -> Path:
+        """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
+        the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
+        report ``index.html`` (:func:`headlab.report.build_report`). A directory holding files
+        that headlab did not write is refused, one holding an analysis replaced only with ``overwrite``."""
+        from headlab.pipeline.records import StageRecord
+
+        directory = Path(directory)
+        manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
+        records = [StageRecord(**s) for s in manifest.get("stages", []) or []]
+        header = {k: v for k, v in manifest.items() if k not in ("stages", "figures", "headlab_version", "created")}
+
+        def write(target: Path) -> None:
+            for relative, content in self.files.items():
+                if relative != _MANIFEST:
+                    (target / relative).parent.mkdir(parents=True, exist_ok=True)
+                    (target / relative).write_bytes(content)
+            _finish(target, header or {"model": self.model}, records)
+            if report:
+                from headlab.report import build_report
+
+                build_report(target)
+
+        _write_directory(directory, write, overwrite)
+        return directory
+
+    # -- tables -----------------------------------------------------------------------------
+    def heads_table(self) -> tuple[list[str], list[list]]:
+        """``(columns, rows)`` of heads.csv: one row per head, one column per table, then the labels."""
+        from headlab.pipeline.table import table_rows
+
+        return table_rows(self.tables.items(), self.labels)
+
+    def heads(self):
+        """heads.csv as a pandas DataFrame (one row per head)."""
+        columns, rows = self.heads_table()
+        return _pandas().DataFrame(rows, columns=columns)
+
+    def records(self) -> list[dict]:
+        """The tidy table as dicts: one per model, kind, layer, head, measure (the heads.csv
+        column), value; heads a table does not score (NaN) are left out."""
+        return [{"model": self.model, "kind": kind, "layer": layer, "head": head, "measure": name, "value": value}
+                for name, table in self.tables.items() for (kind, layer, head), value in table.items()]
+
+    def to_pandas(self):
+        """:meth:`records` as a pandas DataFrame: stack several models' with ``pandas.concat``."""
+        return _pandas().DataFrame(self.records(), columns=["model", "kind", "layer", "head", "measure", "value"])
+
+    def __getitem__(self, column: str) -> HeadScores:
+        if column not in self.tables:
+            raise KeyError(f"{column!r}: not a table of this analysis (have {', '.join(self.tables)})")
+        return self.tables[column]
+
+    @property
+    def measures(self) -> list[str]:
+        """The importance measures (and their standard errors) among the tables."""
+        return [name for name in self.tables if any(r == f"importance/{name}.json" for r in self.files)]
+
+    # -- display ----------------------------------------------------------------------------
+    def top_heads(self, measure: str, n: int = 5) -> list[tuple[str, float]]:
+        """The ``n`` heads ``measure`` scores highest, as ``(name, score)``, with their labels."""
+        ranked = sorted(((v, k) for k, v in self[measure].items() if not math.isnan(v)), reverse=True)[:n]
+        return [(format_head(*key) + _label_suffix(self.labels, key), value) for value, key in ranked]
+
+    def __repr__(self) -> str:
+        labelled = sum(1 for found in self.labels.values() if found)
+        lines = [f"Analysis of {self.model or 'a model'}: {len(self.tables)} tables "
+                 f"({', '.join(self.measures) or 'no importance measure'}; "
+                 f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
+                 f"{labelled} of {len(self.labels)} analysed heads with a function"]
+        for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
+            top = ", ".join(f"{name} {value:.3g}" for name, value in self.top_heads(measure, 3))
+            lines.append(f"  top by {measure}: {top}")
+        for name, reason in self.skipped.items():
+            lines.append(f"  skipped {name}: {reason}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        from headlab.display import heatmaps_html, table_html
+
+        marks: dict[str, dict[tuple[int, int], str]] = {}
+        for key, found in self.labels.items():
+            if found:
+                kind, layer, head = key.split(":")
+                marks.setdefault(kind, {})[(int(layer), int(head))] = ", ".join(found)
+        maps_of = ("positional_share", "syntactic_margin", "rare_tokens_rarest", "mean_distance", "mean_entropy",
+                   "dependency_alignment")
+        shown = [*(m for m in self.measures if not m.endswith(("_raw", "_stderr"))),
+                 *(n for n in maps_of if n in self.tables)]
+        maps = [(f"{name} {kind}", table[kind], marks.get(kind)) for name in shown
+                for table in (self.tables[name],) for kind in table.kinds]
+        parts = [f"<div><b>{escape(repr(self).splitlines()[0])}</b></div>",
+                 heatmaps_html(maps, "layers (rows) x heads (columns); a dot: the head has a function (hover "
+                                     "for its labels and score)")]
+        labelled = [(key.replace(":", " L", 1).replace(":", " H"), ", ".join(found))
+                    for key, found in self.labels.items() if found]
+        if labelled:
+            parts.append(table_html(["head", "functions"], labelled[:40]))
+        if self.agreement and self.agreement.get("matrix", {}).get("all"):
+            names = self.agreement["measures"]
+            rows = [[m, *("n/a" if v is None else f"{v:+.2f}" for v in row)]
+                    for m, row in zip(names, self.agreement["matrix"]["all"])]
+            parts.append("<div>Spearman correlation between the measures, all heads</div>"
+                         + table_html(["", *names], rows))
+        return "".join(parts)
+
+
+def _label_suffix(labels: Mapping[str, list[str]], key: tuple[str, int, int]) -> str:
+    found = labels.get(":".join(map(str, key)), [])
+    return f" ({', '.join(found)})" if found else ""
+
+
+def _pandas():
+    try:
+        import pandas
+    except ImportError:
+        raise HeadlabError("this needs pandas, which is not installed: pip install 'headlab[pandas]' "
+                           "(or use Analysis.records() / heads_table(), which need nothing)") from None
+    return pandas
+

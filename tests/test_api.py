@@ -1,0 +1,288 @@
+"""The Python API (headlab.analyze, importance, functions, aggregate, prune; Analysis) on a tiny
+Marian: the same numbers as the command line's files, in-memory inputs, pandas, save/load, reprs."""
+
+import json
+import math
+import sys
+
+import pytest
+
+import headlab
+from headlab.cli import main
+from headlab.data.treebank import InMemoryTreebank, read_conllu
+from headlab.errors import HeadlabError
+from headlab.nmt.tokenizer import train_tokenizer
+from support.models import tiny_model
+from support.treebank import SAMPLE_CONLLU
+
+SENTENCES = ["a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
+             "children are playing football", "a cat sleeps on the sofa"]
+GERMAN = ["ein mann fährt fahrrad", "zwei hunde spielen im schnee", "eine frau liest ein buch",
+          "kinder spielen fußball", "eine katze schläft auf dem sofa"]
+TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    words = " ".join(line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit())
+    tokenizer = train_tokenizer(SENTENCES + GERMAN + TREEBANK_TEXTS + [words], vocab_size=90, min_frequency=1)
+    model = tiny_model("marian")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "src.en").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    # What the command line computes: the tests compare the API's results with these files.
+    cli = root / "cli"
+    assert main(["analyze", str(root / "model"), "--source", str(root / "src.en"), "--conllu", str(root / "tb.conllu"),
+                 "--out", str(cli), "--no-progress", "--skip", "attention,figures,report"]) == 0
+    from headlab.loading import load_model, load_tokenizer
+
+    loaded = load_model(str(root / "model")), load_tokenizer(str(root / "model"))
+    api = headlab.analyze(*loaded, SENTENCES, treebank=root / "tb.conllu")
+    return root, cli, loaded, api
+
+
+def _csv(path):
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))
+    return rows[0], rows[1:]
+
+
+def test_analyze_gives_the_command_lines_numbers(setup):
+    root, cli, _, api = setup
+    columns, rows = api.heads_table()
+    cli_columns, cli_rows = _csv(cli / "heads.csv")
+    assert columns == cli_columns
+    assert [["" if v is None else repr(v) if isinstance(v, float) else str(v) for v in row] for row in rows] == cli_rows
+    for measure in ("confidence", "lrp", "gradient"):
+        ours, theirs = api[measure], headlab.HeadScores.load(cli / "importance" / f"{measure}.json")
+        assert ours.fingerprint() == theirs.fingerprint()
+    assert api.agreement == json.loads((cli / "importance" / "agreement.json").read_text())
+    assert api.labels == json.loads((cli / "functions" / "labels.json").read_text())
+    assert api.measures == ["confidence", "gradient", "gradient_raw", "lrp"]  # heads.csv's column order
+
+
+def test_the_single_steps_equal_the_pipeline(setup):
+    root, cli, (model, tokenizer), _ = setup
+    result = headlab.importance(model, tokenizer, SENTENCES, measures=["confidence"])
+    assert result.scores["confidence"].fingerprint() == \
+        headlab.HeadScores.load(cli / "importance" / "confidence.json").fingerprint()
+    assert "confidence" in repr(result) and "array(" not in repr(result)
+    stats = headlab.aggregate(model, tokenizer, SAMPLE_CONLLU)  # CoNLL-U text in memory
+    assert stats["mean_distance"].fingerprint() == \
+        headlab.HeadScores.load(cli / "aggregate" / "mean_distance.json").fingerprint()
+    parsed = [s for s in read_conllu(root / "tb.conllu")]  # parsed sentences
+    functions = headlab.functions(model, tokenizer, parsed, frequency_texts=SENTENCES)
+    assert functions.positional.share.fingerprint() == \
+        headlab.HeadScores.load(cli / "functions" / "positional" / "share.json").fingerprint()
+    assert "HeadAnalysis" in repr(functions) and len(repr(functions)) < 1500
+
+
+def test_in_memory_treebank_reads_like_the_file(tmp_path):
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    from_file = list(read_conllu(path))
+    from_text = list(read_conllu(InMemoryTreebank(SAMPLE_CONLLU, "mem")))
+    assert [s.words for s in from_text] == [s.words for s in from_file]
+    assert [s.heads for s in from_text] == [s.heads for s in from_file]
+    assert list(read_conllu(InMemoryTreebank(from_file), limit=2)) == from_file[:2]
+    bad = SAMPLE_CONLLU.replace("1\tThe\tthe\tDET", "1\tThe\tthe", 1)
+    with pytest.raises(HeadlabError, match=r"^mem:3: expected 10"):
+        list(read_conllu(InMemoryTreebank(bad, "mem")))
+    with pytest.raises(HeadlabError, match="Sentence objects"):
+        InMemoryTreebank(["not a sentence"])
+
+
+def test_in_memory_texts_are_checked_like_a_file(setup):
+    _, _, (model, tokenizer), _ = setup
+    with pytest.raises(HeadlabError, match="one string"):
+        headlab.importance(model, tokenizer, "a man is riding a bike")
+    with pytest.raises(HeadlabError, match="no non-empty line"):
+        headlab.importance(model, tokenizer, ["", "  "], measures="confidence")
+    with pytest.raises(HeadlabError, match="has 2 lines but <targets> has 1"):
+        headlab.importance(model, tokenizer, ["a", "b"], targets=["x"], measures="confidence")
+    with pytest.raises(HeadlabError, match="unknown importance method"):
+        headlab.importance(model, tokenizer, SENTENCES, measures=["nope"])
+    with pytest.raises(HeadlabError, match="CoNLL-U file not found"):
+        headlab.functions(model, tokenizer, "no/such.conllu")
+
+
+def test_tidy_records_and_pandas(setup, monkeypatch):
+    _, _, _, api = setup
+    records = api.records()
+    assert set(records[0]) == {"model", "kind", "layer", "head", "measure", "value"}
+    n_heads = {(r["kind"], r["layer"], r["head"]) for r in records}
+    assert len(n_heads) == 3 * 2 * 4  # tiny marian: three kinds, 2 layers x 4 heads
+    assert all(math.isfinite(r["value"]) for r in records)
+    confidence = {(r["kind"], r["layer"], r["head"]): r["value"] for r in records if r["measure"] == "confidence"}
+    assert confidence == dict(api["confidence"].items())
+    monkeypatch.setitem(sys.modules, "pandas", None)  # pandas is optional: a clear error without it
+    with pytest.raises(HeadlabError, match=r"pip install 'headlab\[pandas\]'"):
+        api.to_pandas()
+    with pytest.raises(HeadlabError, match="pandas"):
+        api.heads()
+
+
+def test_pandas_frames(setup):
+    pandas = pytest.importorskip("pandas")
+    _, cli, _, api = setup
+    tidy = api.to_pandas()
+    assert list(tidy.columns) == ["model", "kind", "layer", "head", "measure", "value"]
+    wide = api.heads()
+    pandas.testing.assert_frame_equal(wide, pandas.read_csv(cli / "heads.csv", keep_default_na=False,
+                                                             na_values=[""]), check_dtype=False)
+
+
+def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
+    root, cli, _, api = setup
+    loaded = headlab.Analysis.load(cli)  # a directory written by `headlab analyze`
+    assert loaded.heads_table() == api.heads_table()
+    assert loaded.model == "model"
+    api.save(tmp_path / "saved")
+    again = headlab.Analysis.load(tmp_path / "saved")
+    assert again.heads_table() == api.heads_table() and again.labels == api.labels
+    assert (tmp_path / "saved" / "heads.csv").read_text() == (cli / "heads.csv").read_text()
+    api.save(tmp_path / "saved", report=True, overwrite=True)  # the report opens it
+    assert "<html" in (tmp_path / "saved" / "index.html").read_text(encoding="utf-8").lower()
+    with pytest.raises(HeadlabError, match="overwrite=True"):
+        api.save(tmp_path / "saved")
+    (tmp_path / "saved" / "functions" / "stale.json").write_text(json.dumps(api["confidence"].to_json()))
+    api.save(tmp_path / "saved", overwrite=True)  # replaced whole: nothing of the earlier one stays
+    assert not (tmp_path / "saved" / "functions" / "stale.json").exists()
+    assert not (tmp_path / "saved" / "index.html").exists() and (tmp_path / "saved" / "heads.csv").is_file()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "thesis.tex").write_text("x")
+    with pytest.raises(HeadlabError, match="did not write"):
+        api.save(tmp_path / "foreign")
+    with pytest.raises(HeadlabError, match="not an analysis directory"):
+        headlab.Analysis.load(tmp_path / "foreign")
+
+
+def test_analyze_writes_out_like_the_cli(setup, tmp_path):
+    root, cli, (model, tokenizer), _ = setup
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, treebank=SAMPLE_CONLLU, out=tmp_path / "run",
+                               statistics=["aggregate"], measures=["confidence"])
+    assert (tmp_path / "run" / "aggregate" / "exemplars.json").is_file()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate"]
+    assert "positional_share" not in analysis.tables and "mean_entropy" in analysis.tables
+    with pytest.raises(HeadlabError, match="overwrite=True"):  # refused before any work: no texts needed
+        headlab.analyze(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
+
+
+def test_reprs_are_short_and_html_is_self_contained(setup):
+    _, _, _, api = setup
+    text = repr(api)
+    assert "top by confidence" in text and "array(" not in text and len(text) < 1000
+    html = api._repr_html_()
+    assert "<svg" in html and "<script" not in html and "http" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert len(html) < 300_000
+    import xml.etree.ElementTree as ElementTree
+
+    ElementTree.fromstring(f"<div>{html}</div>")  # well-formed: every svg, table and tooltip closed and escaped
+    scores = api["confidence"]
+    assert repr(scores).startswith("HeadScores(confidence") and "enc_self 2x4" in repr(scores)
+    assert scores._repr_html_().count("<svg") == len(scores.kinds)
+
+
+def test_prune_by_spec_and_by_scores(setup):
+    root, _, _, api = setup
+    from headlab.loading import load_model
+
+    model = load_model(str(root / "model"))
+    kept = headlab.prune(model, "enc_self:0:1,2")
+    assert kept[("enc_self", 0)] == [0, 3]
+    model = load_model(str(root / "model"))
+    kept = headlab.prune(model, api["confidence"], keep=14, kinds=["enc_self", "dec_self"])
+    assert sum(len(v) for v in kept.values()) + sum(
+        4 for kind in ("enc_self", "dec_self") for layer in range(2) if (kind, layer) not in kept) == 14
+    with pytest.raises(HeadlabError, match="keep=N"):
+        headlab.prune(model, api["confidence"])
+
+
+def test_the_verbs_are_callable_packages():
+    """headlab.importance is both the API's function and the package (whichever was imported first)."""
+    import headlab.importance.pipeline  # noqa: F401 - the submodule import sets headlab.importance
+
+    assert callable(headlab.importance) and hasattr(headlab.importance, "run_importance")
+    assert callable(headlab.functions) and hasattr(headlab.functions, "analyze_heads")
+    assert callable(headlab.aggregate) and hasattr(headlab.aggregate, "AggregateStats")
+    from headlab.api import analyze
+
+    assert headlab.analyze is analyze  # the function, not the package of the pipeline (headlab.pipeline)
+    assert {"analyze", "importance", "functions", "aggregate", "prune", "Analysis"} <= set(headlab.__all__)
+
+
+def test_texts_data_equals_read_data(tmp_path, setup):
+    """The in-memory path of the data layer gives read_data's ImportanceData, for a translation
+    model (with references) and for a classifier (texts, pairs, labels by name or index)."""
+    import transformers as tf
+
+    from headlab.importance.data import describe_model, read_data, texts_data
+    from support.treebank import word_tokenizer
+
+    _, _, (model, tokenizer), _ = setup
+    info = describe_model(model, tokenizer)
+    (tmp_path / "s.txt").write_text("\n".join(SENTENCES[:3] + [""]) + "\n", encoding="utf-8")
+    (tmp_path / "t.txt").write_text("\n".join(GERMAN[:3] + ["x"]) + "\n", encoding="utf-8")
+    from_file = read_data(tmp_path / "s.txt", tokenizer, info, target_path=tmp_path / "t.txt")
+    in_memory = texts_data(SENTENCES[:3] + [""], tokenizer, info, targets=GERMAN[:3] + ["x"],
+                           name=str(tmp_path / "s.txt"), target_name=str(tmp_path / "t.txt"))
+    assert in_memory == from_file and in_memory.n_empty == 1
+
+    words = "the cat sees a dog yes no".split()
+    classifier_tokenizer = word_tokenizer(words, style="bert")
+    classifier = tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=len(classifier_tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=32, num_labels=2, id2label={0: "no", 1: "yes"},
+        label2id={"no": 0, "yes": 1}))
+    info = describe_model(classifier, classifier_tokenizer)
+    (tmp_path / "c.tsv").write_text("text\tlabel\nthe cat sees a dog\tyes\na dog\t0\n", encoding="utf-8")
+    from_file = read_data(tmp_path / "c.tsv", classifier_tokenizer, info)
+    in_memory = texts_data(["the cat sees a dog", "a dog"], classifier_tokenizer, info, labels=["yes", 0])
+    assert in_memory.sources == from_file.sources and in_memory.classes == from_file.classes == [1, 0]
+    with pytest.raises(HeadlabError, match="one label per text"):
+        texts_data(["a dog"], classifier_tokenizer, info)
+    with pytest.raises(HeadlabError, match="holds a tab"):
+        texts_data(["a\tdog"], classifier_tokenizer, info, labels=[0])
+    with pytest.raises(HeadlabError, match="label 7 is outside"):
+        texts_data(["a dog"], classifier_tokenizer, info, labels=[7])
+    result = headlab.importance(classifier, classifier_tokenizer, ["the cat sees a dog", "a dog"], labels=[1, 0],
+                                measures="confidence")
+    assert result.scores["confidence"]["enc_self"].shape == (2, 4)
+
+
+def test_a_bfloat16_model_gives_the_command_lines_numbers(setup, tmp_path):
+    """Any dtype: the API on a model the user loaded in bfloat16 equals `analyze --dtype bfloat16`."""
+    import torch
+
+    from headlab.loading import load_model
+
+    root, _, (_, tokenizer), _ = setup
+    out = tmp_path / "cli"
+    skip = ["--skip", "lrp,gradient,agreement,functions,attention,figures,report"]
+    assert main(["analyze", str(root / "model"), "--source", str(root / "src.en"), "--conllu", str(root / "tb.conllu"),
+                 "--out", str(out), "--no-progress", "--dtype", "bfloat16", *skip]) == 0
+    model = load_model(str(root / "model"), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, treebank=root / "tb.conllu", measures=["confidence"],
+                           statistics=["aggregate"])
+    assert next(model.parameters()).dtype == torch.bfloat16  # the user's model is left as it was
+    assert analysis.heads_table() == headlab.Analysis.load(out).heads_table()
+
+
+def test_the_command_keeps_its_name():
+    """`python -m headlab analyze` is still the command (its package is headlab.pipeline, the name
+    headlab.analyze the API's function)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "headlab", "analyze", "--help"], capture_output=True, text=True,
+                         env=env, check=True)
+    assert out.stdout.startswith("usage: headlab analyze")
