@@ -226,3 +226,16 @@ def test_import_headlab_is_light(statement):
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "", f"`{statement}` loads {out.stdout.strip()}"
+
+
+def test_the_readmes_layer_table_is_this_tests():
+    """README's table of layers names exactly the modules of LAYERS, each in its layer."""
+    import re
+
+    readme = (SRC.parent / "README.md").read_text(encoding="utf-8")
+    table = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d) \| (.*) \|$", readme, re.M)}
+    assert sorted(table) == list(range(len(LAYERS)))
+    for index, prefixes in enumerate(LAYERS):
+        named = set(re.findall(r"`([^`]+)`", table[index]))
+        expected = {p.removeprefix("headlab.") for p in prefixes}
+        assert named == expected, (index, sorted(named ^ expected))
