@@ -80,3 +80,11 @@ def test_version_names_the_package_version(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"headlab {__version__}"
+
+
+def test_analyze_skip_repeated_adds_up():
+    """`--skip a --skip b` kept only b: the stages named first ran although the user skipped them."""
+    from headlab.cli import build_parser
+
+    args = build_parser().parse_args(["analyze", "m", "--source", "s", "--out", "o", "--skip", "lrp", "--skip", "figures,report"])
+    assert args.skip == ["lrp", "figures,report"]

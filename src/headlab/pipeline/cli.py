@@ -17,7 +17,7 @@ def register(subparsers) -> None:
     p.add_argument("--train-text", action="append", default=[],
                    help=help_of(AnalyzeConfig, "train_text") + "; repeatable")
     add_options(p, AnalyzeConfig, ("out", "prune", "ablation", "force"))
-    p.add_argument("--skip", nargs="+", default=[], metavar="STAGE",
+    p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="STAGE",
                    help=f"stages not to run (space- or comma-separated): {', '.join(STAGES)}, "
                         "or importance (its five stages)")
     add_options(p, AnalyzeConfig, ("limit", "conllu_limit", "threads", "batch_size", "max_length", "lrp_targets",
