@@ -334,7 +334,7 @@ def read_data(
             )
     if n_sentences is not None:
         if n_sentences < 1:
-            raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+            raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
         sources = sources[:n_sentences]
         references = None if references is None else references[:n_sentences]
     if not any(line.strip() for line in sources):
@@ -387,7 +387,7 @@ def read_labelled_data(
 
     lines = read_lines(path)
     if n_sentences is not None and n_sentences < 1:
-        raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+        raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
     rows, n_empty, width = [], 0, None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
