@@ -1,8 +1,11 @@
 """One long table per run: ``heads.csv`` (and ``heads.parquet`` when pyarrow is installed).
 
-One row per head (``kind``, ``layer``, ``head``), one column per measure or statistic that the
-run wrote as a HeadScores file, then the head's function labels: ``functions`` (all of them,
-``; ``-separated) and one column per group (``positional``, ``syntactic``, ``rare``). Read it
+One row per head (``model``, ``run``, ``kind``, ``layer``, ``head``: the model argument of the run
+and the name of its directory, so that the tables of several runs stack with ``pandas.concat``),
+one column per measure or statistic that the run wrote as a HeadScores file, then the head's
+function labels: ``functions`` (all of them, ``; ``-separated) and one column per group
+(``positional``, ``syntactic``, ``rare``). Column names are Python identifiers
+(``syntactic_advmod_dep_gov``; the POS tag ``_`` of words without one is ``pos_none``). Read it
 with ``pandas.read_csv(DIR / "heads.csv")``. Everything comes from the files of the analysis
 directory, so the table can be rebuilt from them at any time (:func:`write_heads_table`).
 """
@@ -13,15 +16,19 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 from headlab.analyze.labels import FUNCTION_GROUPS, label_group
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 
-__all__ = ["heads_table", "write_heads_table", "KEY_COLUMNS"]
+__all__ = ["heads_table", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
 
-KEY_COLUMNS = ("kind", "layer", "head")
+KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
+
+TABLE_FORMAT = 2
+"""2: ``model`` and ``run`` columns, identifier-safe names (part of the table stage's key)."""
 
 _SOURCES = ("importance", "functions", "aggregate")
 """Directories of DIR whose HeadScores files become columns."""
@@ -29,8 +36,24 @@ _SOURCES = ("importance", "functions", "aggregate")
 
 def _column(relative: Path) -> str:
     """``importance/lrp.json`` -> ``lrp``; ``functions/positional/share.json`` -> ``positional_share``;
-    ``aggregate/pos/NOUN.json`` -> ``pos_NOUN``."""
-    return "_".join(relative.with_suffix("").parts)
+    ``aggregate/pos/NOUN.json`` -> ``pos_NOUN``; ``functions/syntactic/advmod.dep-gov.json`` ->
+    ``syntactic_advmod_dep_gov``; ``aggregate/pos/_.json`` (words without a tag) -> ``pos_none``:
+    identifiers, for ``df.column`` and formulas."""
+    parts = ("none" if part == "_" else re.sub(r"[^0-9A-Za-z_]", "_", part) for part in relative.with_suffix("").parts)
+    return "_".join(parts)
+
+
+def _model_of(out_dir: Path, scores: list[HeadScores]) -> str:
+    """The model argument of the run: its manifest's (``analyze``), else the one its score files
+    name (``importance``, ``functions``), else empty."""
+    try:
+        model = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        model = None
+    if isinstance(model, str) and model:
+        return model
+    named = {s.model for s in scores if isinstance(s.model, str) and s.model}
+    return named.pop() if len(named) == 1 else ""
 
 
 def _score_files(out_dir: Path):
@@ -51,14 +74,20 @@ def _score_files(out_dir: Path):
                     yield _column(path.relative_to(root)) + "_stderr", errors
 
 
-def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
-    """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores."""
+def heads_table(out_dir: str | Path, model: str | None = None) -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores. ``model``:
+    the model column (default: read from the directory, :func:`_model_of`)."""
     out_dir = Path(out_dir)
     values: dict[str, dict[tuple[str, int, int], float]] = {}
+    read = []
     for name, scores in _score_files(out_dir):
         if name in values:
             raise HeadlabError(f"{out_dir}: two score files give the column {name!r}")
         values[name] = dict(scores.items())
+        read.append(scores)
+    if model is None:
+        model = _model_of(out_dir, read)
+    run = out_dir.resolve().name
     labels: dict[str, list[str]] = {}
     labels_path = out_dir / "functions" / "labels.json"
     if labels_path.is_file():
@@ -77,7 +106,7 @@ def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
         columns += ["functions", *FUNCTION_GROUPS]
     rows = []
     for kind, layer, head in heads_sorted:
-        row: list = [kind, layer, head]
+        row: list = [model, run, kind, layer, head]
         for name in measures:
             value = values[name].get((kind, layer, head), math.nan)
             row.append(None if value is None or math.isnan(value) else float(value))
@@ -89,10 +118,10 @@ def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
-def write_heads_table(out_dir: str | Path) -> list[Path]:
+def write_heads_table(out_dir: str | Path, model: str | None = None) -> list[Path]:
     """Write ``heads.csv`` (empty cells: not scored) and, with pyarrow, ``heads.parquet``."""
     out_dir = Path(out_dir)
-    columns, rows = heads_table(out_dir)
+    columns, rows = heads_table(out_dir, model)
     if not rows:
         return []
     buffer = io.StringIO()
