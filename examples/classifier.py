@@ -1,6 +1,6 @@
 """Head importance of a fine-tuned classifier, in Michel et al.'s setting (BERT on a GLUE task).
 
-    python examples/classifier.py textattack/bert-base-uncased-SST-2 --data sst2_dev.tsv --out runs/sst2
+    python examples/classifier.py textattack/bert-base-uncased-SST-2 --source sst2_dev.tsv --out runs/sst2
 
 DATA is a TSV: text<TAB>label, or text_a<TAB>text_b<TAB>label (the label a class index or one
 of the model's label names). Scores every head by gradient importance and ablation on the task
@@ -16,13 +16,13 @@ from headlab.loading import load_model, load_tokenizer
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--data", required=True, help="labelled TSV")
+    parser.add_argument("--source", "--data", required=True, help="labelled TSV (--data: its old name)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     info = describe_model(model, tokenizer)  # arch "classifier": the task loss, the labels
-    data = read_data(args.data, tokenizer, info)
+    data = read_data(args.source, tokenizer, info)
     result = run_importance(model, data, info, ImportanceConfig(methods=("gradient", "ablation"), progress=False))
     save_results(result, args.out)
     drop = result.scores["ablation_accuracy"]

@@ -266,7 +266,8 @@ def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
     assert heads == [(kind, layer, head) for kind in ("enc_self", "dec_self", "dec_cross")
                      for layer in range(2) for head in range(4)]
     columns = list(rows[0])
-    assert columns[:3] == ["kind", "layer", "head"] and columns[-4:] == ["functions", "positional", "syntactic", "rare"]
+    assert columns[:5] == ["model", "run", "kind", "layer", "head"]
+    assert columns[-4:] == ["functions", "positional", "syntactic", "rare"]
     for name in ("confidence", "lrp", "lrp_stderr", "gradient", "gradient_raw", "ablation", "positional_share",
                  "syntactic_margin",
                  "rare_tokens_rarest", "mean_distance", "variability", "pos_NOUN"):
@@ -281,6 +282,9 @@ def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
                 assert row[column] == ""
             else:
                 assert float(row[column]) == expected
+    manifest = json.loads((full_run / "manifest.json").read_text())
+    assert {(r["model"], r["run"]) for r in rows} == {(manifest["model"], full_run.name)}
+    assert all(name.isidentifier() for name in columns), columns  # syntactic_advmod_dep_gov, not ...advmod.dep-gov
     labels = json.loads((full_run / "functions" / "labels.json").read_text())
     for row, (kind, layer, head) in zip(rows, heads):
         assert row["functions"] == "; ".join(labels.get(f"{kind}:{layer}:{head}", []))
@@ -292,3 +296,33 @@ def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
     else:
         table = pq.read_table(full_run / "heads.parquet")
         assert table.column_names == columns and table.num_rows == len(rows)
+
+
+def test_heads_table_of_a_directory_written_before(tmp_path):
+    """A directory written before heads.csv had model and run columns and identifier-safe names
+    (score files named by relation and tag, `_` for words without a tag) still gives a table: the
+    model from its manifest, the run from its name, `advmod.dep-gov` as `advmod_dep_gov`, the tag
+    `_` as `pos_none`; without a manifest the model comes from the score files."""
+    import csv
+
+    from headlab.pipeline.table import heads_table, write_heads_table
+
+    run = tmp_path / "old-run"
+    files = {"importance/lrp.json": "lrp", "functions/syntactic/advmod.dep-gov.json": "syntactic",
+             "aggregate/pos/_.json": "pos", "aggregate/pos/NOUN.json": "pos"}
+    for i, (relative, method) in enumerate(files.items()):
+        HeadScores({"enc_self": [[0.1 * i, 0.2], [0.3, 0.4]]}, method, "models/tiny").save(run / relative)
+    (run / "heads.csv").write_text("kind,layer,head,lrp\nenc_self,0,0,0.0\n", encoding="utf-8")  # the old table
+    (run / "manifest.json").write_text(json.dumps({"headlab_version": "0.1.0", "model": "models/x", "stages": []}))
+    write_heads_table(run)
+    with open(run / "heads.csv", newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["model", "run", "kind", "layer", "head", "lrp", "syntactic_advmod_dep_gov",
+                             "pos_NOUN", "pos_none"]
+    assert [(r["model"], r["run"], r["kind"], r["layer"], r["head"]) for r in rows] == [
+        ("models/x", "old-run", "enc_self", str(layer), str(head)) for layer in range(2) for head in range(2)]
+    assert float(rows[0]["pos_none"]) == 0.2 and float(rows[0]["syntactic_advmod_dep_gov"]) == 0.1
+    (run / "manifest.json").unlink()
+    columns, rows = heads_table(run)
+    assert rows[0][:2] == ["models/tiny", "old-run"]
+    assert heads_table(run, model="given")[1][0][0] == "given"

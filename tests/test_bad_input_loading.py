@@ -377,3 +377,48 @@ def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tm
     inputs = tiny_inputs(family)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
+def _forbid_hub(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the hub client was asked although the hub cannot be reached")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+
+
+def test_hub_id_offline_is_said_at_once(tmp_path, monkeypatch, capsys):
+    """Regression: with HF_HUB_OFFLINE=1 (or no network) a hub id not in the cache cost ~30 s of
+    retries and then "not a model id found on the Hugging Face hub": the hub was never asked."""
+    from headlab import loading
+
+    original = transformers.AutoConfig.from_pretrained
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _forbid_hub(monkeypatch)
+    data = tmp_path / "data.txt"
+    data.write_text("a sentence\n", encoding="utf-8")
+    assert main(["importance", "someorg/not-cached-model", "--data", str(data), "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert ("the Hugging Face hub cannot be reached (HF_HUB_OFFLINE=1) and someorg/not-cached-model is not in the "
+            "local cache") in err
+    with pytest.raises(HeadlabError, match=r"cannot be reached \(HF_HUB_OFFLINE=1\)"):
+        loading.load_tokenizer("someorg/not-cached-model")
+    # No network (no DNS, no route): the same, found by one short connection attempt.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.is_offline_mode", lambda: False)
+    for name in loading._PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    loading._no_network.cache_clear()
+
+    def unreachable(address, timeout=None):
+        assert timeout is not None and timeout <= 3
+        raise OSError("Name or service not known")
+    monkeypatch.setattr(loading.socket, "create_connection", unreachable)
+    with pytest.raises(HeadlabError, match=r"hub cannot be reached \(no network\) and someorg/x is not in the local"):
+        loading.load_config("someorg/x")
+    loading._no_network.cache_clear()
+    # A name that cannot be a hub id keeps its own message, with no connection attempted.
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", original)
+    assert main(["heads", str(tmp_path / "missing")]) == 2
+    assert "no such model directory, and not a model id" in capsys.readouterr().err

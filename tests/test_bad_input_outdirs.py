@@ -215,7 +215,7 @@ def test_text_input_in_another_encoding_or_with_cr_only_line_ends(case, inputs, 
     forbid_model_loading(monkeypatch)
     assert main(_importance(inputs, tmp_path / "out", "--data", str(path))) == 2
     err = capsys.readouterr().err
-    assert f"--data {path}: " in err and said in err and "Traceback" not in err
+    assert f"--source {path}: " in err and said in err and "Traceback" not in err
     for read in (read_lines, lambda p: list(read_conllu(p))):
         with pytest.raises(HeadlabError, match=f"{path}: .*{said.split('(')[0].strip()}"):
             read(path)

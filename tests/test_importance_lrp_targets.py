@@ -189,5 +189,5 @@ def test_report_and_heads_table_show_the_standard_error(tmp_path):
     assert maps["lrp_stderr"]["scores"] == {"dec_self": [[0.01, 0.02], [None, 0.04]]}
     assert "standard error" in maps["lrp_stderr"]["title"] and "200 resamples" in maps["lrp_stderr"]["caption"]
     columns, rows = heads_table(tmp_path)
-    assert columns == ["kind", "layer", "head", "lrp", "lrp_stderr"]
-    assert rows[1] == ["dec_self", 0, 1, 0.5, 0.02] and rows[2][4] is None
+    assert columns == ["model", "run", "kind", "layer", "head", "lrp", "lrp_stderr"]
+    assert rows[1] == ["m", tmp_path.name, "dec_self", 0, 1, 0.5, 0.02] and rows[2][6] is None

@@ -88,3 +88,52 @@ def test_analyze_skip_repeated_adds_up():
 
     args = build_parser().parse_args(["analyze", "m", "--source", "s", "--out", "o", "--skip", "lrp", "--skip", "figures,report"])
     assert args.skip == ["lrp", "figures,report"]
+
+
+def test_renamed_option_keeps_its_old_name_hidden_with_a_deprecation_note(capsys):
+    from headlab.options import renamed
+
+    @dataclass
+    class Counted:
+        max_sentences: int | None = option(None, "the first N", flag="limit", old_names=("--max-sentences",))
+
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    renamed(parser, "--source", "--data", required=True, help="a text file")
+    add_options(parser, Counted, ("max_sentences",))
+    args = parser.parse_args(["--data", "a.txt", "--max-sentences", "3"])
+    assert (args.source, args.limit, from_args(args, Counted).max_sentences) == ("a.txt", 3, 3)
+    err = capsys.readouterr().err
+    assert "--data is deprecated, use --source" in err and "--max-sentences is deprecated, use --limit" in err
+    args = parser.parse_args(["--source", "b.txt", "--limit=2"])
+    assert (args.source, args.limit) == ("b.txt", 2) and capsys.readouterr().err == ""
+    text = parser.format_help()
+    assert "--source SOURCE" in text and "--limit LIMIT" in text
+    assert "--data" not in text and "--max-sentences" not in text
+
+
+# One name per concept in every command (docs/cli.md): the text file is --source, the treebank
+# --conllu, "the first N sentences" --limit; the old names work, hidden from the help.
+DIALECT = {
+    ("importance",): ({"--source", "--limit"}, {"--data", "--n-sentences"}),
+    ("functions",): ({"--source", "--conllu", "--limit"}, {"--source-text", "--max-sentences"}),
+    ("aggregate",): ({"--conllu", "--limit"}, {"--max-sentences"}),
+    ("parse",): ({"--source"}, {"--input"}),
+    ("analyze",): ({"--source", "--conllu", "--limit", "--conllu-limit"}, set()),
+    ("demo",): ({"--source", "--target", "--conllu", "--limit", "--conllu-limit"},
+                {"--reference", "--n-sentences", "--treebank-sentences"}),
+}
+
+
+@pytest.mark.parametrize("command", sorted(DIALECT))
+def test_every_command_speaks_one_dialect(command):
+    import re
+
+    from headlab.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command[0]]
+    shown = set(re.findall(r"(--[a-z-]+)", sub.format_help()))
+    current, old = DIALECT[command]
+    assert current <= shown and not (old & shown)
+    known = {s for action in sub._actions for s in action.option_strings}
+    assert old <= known  # still accepted

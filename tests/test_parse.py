@@ -55,8 +55,10 @@ def test_cli_gz_in_and_out(pipeline_dir, tmp_path, capsys):
     source = tmp_path / "in.txt.gz"
     source.write_bytes(gzip.compress("Two boys play quickly .\nA dog runs .\n".encode()))
     out = tmp_path / "out.conllu.gz"
+    # --input: the old name of --source, kept for a release
     assert main(["parse", "--model", str(pipeline_dir), "--input", str(source), "--out", str(out), "--no-progress"]) == 0
-    assert "2 sentences" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "2 sentences" in said.out and "--input is deprecated, use --source" in said.err
     sentences = list(read_conllu(out))
     assert [s.words for s in sentences] == [("Two", "boys", "play", "quickly", "."), ("A", "dog", "runs", ".")]
     assert gzip.decompress(out.read_bytes()).decode().startswith("# sent_id = 1\n# text = Two boys play quickly .\n")
@@ -75,14 +77,14 @@ def test_bad_inputs_exit_2_and_write_nothing(pipeline_dir, tmp_path, capsys):
     good = _write(tmp_path / "in.txt", "A dog runs .\n")
 
     def argv(model=pipeline_dir, source=good):
-        return ["parse", "--model", str(model), "--input", str(source), "--out", str(out), "--no-progress"]
+        return ["parse", "--model", str(model), "--source", str(source), "--out", str(out), "--no-progress"]
 
     _fails(argv(model=tmp_path / "nope"), capsys, "--model", "nope: no such directory")
     (tmp_path / "empty-dir").mkdir()
     _fails(argv(model=tmp_path / "empty-dir"), capsys, "not a spaCy pipeline", "experiments/parser/train.sh")
-    _fails(argv(source=tmp_path / "missing.txt"), capsys, "--input", "no such file")
-    _fails(argv(source=_write(tmp_path / "empty.txt", "")), capsys, "--input", "the file is empty")
-    _fails(argv(source=_write(tmp_path / "blank.txt", "\n  \n")), capsys, "--input", "the file is empty")
+    _fails(argv(source=tmp_path / "missing.txt"), capsys, "--source", "no such file")
+    _fails(argv(source=_write(tmp_path / "empty.txt", "")), capsys, "--source", "the file is empty")
+    _fails(argv(source=_write(tmp_path / "blank.txt", "\n  \n")), capsys, "--source", "the file is empty")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"A dog runs .\nThe \xff man\n")
     _fails(argv(source=bad), capsys, "bad.txt, line 2: not valid UTF-8")
@@ -102,7 +104,7 @@ def test_pipeline_without_parser_is_refused(tmp_path, capsys):
 def test_missing_spacy_names_the_install(pipeline_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "spacy", None)  # `import spacy` raises ImportError
     source = _write(tmp_path / "in.txt", "A dog runs .\n")
-    _fails(["parse", "--model", str(pipeline_dir), "--input", str(source), "--out", str(tmp_path / "o.conllu")],
+    _fails(["parse", "--model", str(pipeline_dir), "--source", str(source), "--out", str(tmp_path / "o.conllu")],
            capsys, "needs spaCy", "pip install 'headlab[parse]'")
 
 

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
@@ -293,7 +293,7 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     else:  # the files are the results' one serialisation: written to a scratch directory, read back
         with tempfile.TemporaryDirectory(prefix="headlab-analysis-") as scratch:
             write(Path(scratch))
-            analysis = Analysis.load(scratch)
+            analysis = replace(Analysis.load(scratch), run="")
     analysis.skipped.update(skipped)
     return analysis
 
@@ -350,6 +350,8 @@ class Analysis:
     agreement: dict | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict, repr=False)
+    run: str = ""
+    """The analysis directory's name (heads.csv's ``run`` column); empty when it was never on disk."""
 
     # -- files ------------------------------------------------------------------------------
     @classmethod
@@ -390,7 +392,8 @@ class Analysis:
         skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
-        return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files)
+        return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files,
+                   run=directory.resolve().name)
 
     def save(self, directory: str | os.PathLike, report: bool = False, overwrite: bool = False) -> Path:
         """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
@@ -423,7 +426,9 @@ class Analysis:
         """``(columns, rows)`` of heads.csv: one row per head, one column per table, then the labels."""
         from headlab.pipeline.table import table_rows
 
-        return table_rows(self.tables.items(), self.labels)
+        manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
+        model = manifest.get("model") if isinstance(manifest.get("model"), str) else self.model
+        return table_rows(self.tables.items(), self.labels, model=model or "", run=self.run)
 
     def heads(self):
         """heads.csv as a pandas DataFrame (one row per head)."""

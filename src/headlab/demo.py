@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from headlab.errors import HeadlabError
+from headlab.options import HelpFormatter, renamed
 
 BUNDLED_MODEL = Path("models/multi30k-en-de")
 BUNDLED_LM = Path("models/english-lm")
@@ -25,17 +26,18 @@ TREEBANK = Path("data/ud-english-ewt/en_ewt-ud-dev.conllu")
 
 
 def register(subparsers) -> None:
-    demo = subparsers.add_parser("demo", help="`headlab analyze --prune` on the bundled translation model and data")
+    demo = subparsers.add_parser("demo", help="`headlab analyze --prune` on the bundled translation model and data",
+                                 formatter_class=HelpFormatter)
     demo.add_argument("--model", default=str(BUNDLED_MODEL), help="translation model directory")
     demo.add_argument("--source", default=str(TEST_SOURCE), help="source sentences")
-    demo.add_argument("--reference", default=str(TEST_REFERENCE), help="reference translations")
+    renamed(demo, "--target", "--reference", default=str(TEST_REFERENCE), help="reference translations")
     demo.add_argument("--conllu", default=str(TREEBANK), help="treebank for the head functions")
     demo.add_argument("--train-source", default=str(TRAIN_SOURCE),
                       help="training sources (token frequencies; the gate sweep's fine-tuning)")
     demo.add_argument("--train-target", default=str(TRAIN_TARGET), help="training targets (the gate sweep)")
-    demo.add_argument("--n-sentences", type=int, default=200,
-                      help="test sentences to score heads on (and to score BLEU on in the sweep)")
-    demo.add_argument("--treebank-sentences", type=int, default=400, help="treebank sentences to analyse")
+    renamed(demo, "--limit", "--n-sentences", type=int, default=200,
+            help="test sentences to score heads on (and to score BLEU on in the sweep)")
+    renamed(demo, "--conllu-limit", "--treebank-sentences", type=int, default=400, help="treebank sentences to analyse")
     demo.add_argument("--prune-steps", type=int, default=20, help="fine-tuning steps per head budget")
     demo.add_argument("--prune-keeps", default=None, help="head budgets, comma list (default: 24,12,6 of 48)")
     demo.add_argument("--no-prune", action="store_true", help="leave the gate sweep out")
@@ -55,11 +57,11 @@ def demo_config(args):
     from headlab.pipeline.pipeline import AnalyzeConfig
 
     return AnalyzeConfig(
-        model=args.model, source=args.source, target=args.reference, conllu=args.conllu, out=args.out,
-        train_text=(args.train_source,), prune=not args.no_prune, limit=args.n_sentences,
-        conllu_limit=args.treebank_sentences, threads=args.threads,
+        model=args.model, source=args.source, target=args.target, conllu=args.conllu, out=args.out,
+        train_text=(args.train_source,), prune=not args.no_prune, limit=args.limit,
+        conllu_limit=args.conllu_limit, threads=args.threads,
         prune_source=args.train_source, prune_target=args.train_target,
-        prune_limit=max(2000, 4 * args.n_sentences), prune_steps=args.prune_steps,
+        prune_limit=max(2000, 4 * args.limit), prune_steps=args.prune_steps,
         prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (),
         force=args.force, progress=not args.no_progress,
     )
@@ -71,7 +73,7 @@ def lm_demo_config(args):
 
     return AnalyzeConfig(
         model=args.lm, source=args.source, conllu=args.conllu, out=args.lm_out, train_text=(args.train_source,),
-        limit=args.lm_sentences, conllu_limit=args.treebank_sentences, threads=args.threads,
+        limit=args.lm_sentences, conllu_limit=args.conllu_limit, threads=args.threads,
         force=args.force, progress=not args.no_progress,
     )
 

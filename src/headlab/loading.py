@@ -10,7 +10,10 @@ transformers: head counts from the weights' shapes). A load is complete or refus
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -31,7 +34,8 @@ from headlab.errors import HeadlabError
 from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
 __all__ = ["load_config", "load_model", "build_from_config", "check_supported", "load_tokenizer", "model_class_for",
-           "vocab_size_of", "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES"]
+           "vocab_size_of", "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES",
+           "check_hub_reachable", "hub_unreachable"]
 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     import transformers
@@ -40,12 +44,67 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
     if path.is_dir() and not (path / "config.json").is_file():
         raise HeadlabError(f"{name_or_path}: a directory without config.json, not a model directory")
     if not path.exists():
+        check_hub_reachable(name_or_path)
         try:
             return transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as error:  # neither a local directory nor a model the hub (or its cache) knows
             raise HeadlabError(f"{name_or_path}: no such model directory, and not a model id found on the "
                                "Hugging Face hub or in its cache") from error
     return read_config(name_or_path, trust_remote_code)
+
+
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@lru_cache(maxsize=1)
+def _no_network(host: str, port: int) -> bool:
+    """True when a TCP connection to the hub cannot be opened within 3 s (no DNS, no route): the
+    hub client would retry for about half a minute and then say the model does not exist. Behind
+    a proxy a direct connection proves nothing, so the client is left to try."""
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return False
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached (``"HF_HUB_OFFLINE=1"``, ``"no network"``), or None."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE=1"
+    url = urlsplit(constants.ENDPOINT)
+    if url.hostname and _no_network(url.hostname, url.port or (443 if url.scheme == "https" else 80)):
+        return "no network"
+    return None
+
+
+def check_hub_reachable(name: str, files: tuple[str, ...] = ("config.json",)) -> None:
+    """Refuse at once a hub id that is neither a local directory nor in the local cache while the
+    hub cannot be reached, instead of the hub client's retries and then "not found". A name that
+    cannot be a hub id, or one with any of ``files`` cached, is left to the loader."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        cached = any(isinstance(try_to_load_from_cache(name, file), str) for file in files)
+    except HFValidationError:
+        return
+    if cached:
+        return
+    why = hub_unreachable()
+    if why is not None:
+        raise HeadlabError(f"{name}: no such model directory, and not a model id that can be loaded: the Hugging Face "
+                           f"hub cannot be reached ({why}) and "
+                           f"{name} is not in the local cache (download it where there is network, or pass a "
+                           "local model directory)")
 
 
 def load_model(
@@ -201,6 +260,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in _TOKENIZER_FILES):
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer: the directory has none "
                            f"(no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
+    if not path.exists():
+        check_hub_reachable(name_or_path, ("tokenizer_config.json", "tokenizer.json", "config.json"))
     try:
         return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:

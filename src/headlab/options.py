@@ -10,18 +10,43 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import MISSING, field, fields
 
 from headlab.errors import HeadlabError
 
 _TYPES = {"int": int, "float": float, "str": str}
-_OWN_KEYS = ("flag", "positional", "range")  # metadata read here, not handed to argparse
+_OWN_KEYS = ("flag", "positional", "range", "old_names")  # metadata read here, not handed to argparse
+
+
+class Renamed(argparse.Action):
+    """A stored option with its current name first and its old names after it (kept for one
+    release): they still work, hidden from the help, with a one-line deprecation note on stderr.
+    One name per concept in every command: ``--source`` for a text file of sentences, ``--conllu``
+    for a treebank, ``--limit`` for "the first N sentences" (docs/cli.md)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.option_strings[0]:
+            print(f"headlab: {option_string} is deprecated, use {self.option_strings[0]} (the old name goes in the "
+                  "next release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def renamed(parser, name: str, *old_names: str, **keywords) -> argparse.Action:
+    """``parser.add_argument(name, ...)`` that also accepts ``old_names`` (see :class:`Renamed`)."""
+    return parser.add_argument(name, *old_names, action=Renamed, **keywords)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's "(default: X)" after an option's help, only where it tells something: not when the
     help already says its default in words ("default: the model's maximum"), nor for None, False
     or a suppressed default (a flag, or an option whose absence means "not asked for")."""
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, Renamed):  # old names stay out of the help
+            action = argparse.Action([action.option_strings[0]], action.dest, nargs=action.nargs,
+                                     metavar=action.metavar, help=action.help)
+        return super()._format_action_invocation(action)
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -136,7 +161,10 @@ def add_options(parser, config, names) -> None:
             keywords["required"] = True
         elif "action" not in keywords and not keywords.get("required"):
             keywords["default"] = default
-        parser.add_argument("--" + _dest(f).replace("_", "-"), **keywords)
+        old_names = f.metadata.get("old_names", ())
+        if old_names:
+            keywords["action"] = Renamed
+        parser.add_argument("--" + _dest(f).replace("_", "-"), *old_names, **keywords)
 
 
 def from_args(args, config, **values):

@@ -9,7 +9,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
-from headlab.options import HelpFormatter, add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args, renamed
 from headlab.outdir import check_output, results_lock
 from headlab.shard import add_process_options
 
@@ -22,8 +22,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="replace the results of an earlier run in --out (only the files it wrote)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
     parser.add_argument("--target-conllu", help="target-side parses: also analyse decoder self-attention")
-    parser.add_argument("--source-text", help="source sentences for --target-conllu, one per line "
-                                              "(when the source side has no CoNLL-U)")
+    renamed(parser, "--source", "--source-text", help="source sentences for --target-conllu, one per line "
+                                                          "(when the source side has no CoNLL-U)")
     add_options(parser, AnalysisConfig, ("batch_size", "max_sentences", "max_length", "spacing", "word_pooling",
                                          "engine", "query_chunk"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
@@ -70,9 +70,9 @@ def _sentences(args) -> tuple[int, str]:
 
     path = args.target_conllu or args.conllu
     n = count_sentences(path)
-    if args.max_sentences is not None:
-        n = min(n, args.max_sentences)
-    return n, f"sentences of {path}" + (f" (--max-sentences {args.max_sentences})" if args.max_sentences else "")
+    if args.limit is not None:
+        n = min(n, args.limit)
+    return n, f"sentences of {path}" + (f" (--limit {args.limit})" if args.limit else "")
 
 
 def _run(args, functions: bool, aggregate: bool) -> int:
@@ -108,7 +108,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     elif functions and getattr(args, "train_text", None):
         frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
     analysis = analyze_heads(
-        model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source_text,
+        model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source,
         frequencies=frequencies, config=config, model_name=Path(args.model).name, progress=not args.no_progress,
     )
     if analysis.report.n_sentences == 0:  # tables of NaN would look like results
@@ -144,7 +144,7 @@ def _check(args) -> None:
 
     if args.conllu is None and args.target_conllu is None:
         raise HeadlabError("give --conllu FILE (and/or --target-conllu FILE)")
-    for flag in ("conllu", "target_conllu", "source_text", "frequencies"):
+    for flag in ("conllu", "target_conllu", "source", "frequencies"):
         if getattr(args, flag, None) is not None:
             preflight.input_file(getattr(args, flag), "--" + flag.replace("_", "-"))
     for path in getattr(args, "train_text", None) or ():
@@ -155,7 +155,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("batch_size", 1), ("max_sentences", 1), ("max_length", 2), ("threads", 1),
+    for flag, minimum in (("batch_size", 1), ("limit", 1), ("max_length", 2), ("threads", 1),
                           ("window", 1), ("top_k", 0), ("top_frequent", 1), ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
     if not 0 <= args.min_weight < 1:

@@ -34,7 +34,8 @@ class AnalysisConfig:
     window: int = option(10, "variability over the first N words", range="[1, inf)")
     top_k: int = option(5, "exemplars per head", range="[0, inf)")
     batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")
-    max_sentences: int | None = option(None, "analyse only the first N sentences", range="[1, inf)")
+    max_sentences: int | None = option(None, "analyse only the first N sentences", range="[1, inf)",
+                                       flag="limit", old_names=("--max-sentences",))
     spacing: str = option("words", "words: join the treebank's words by spaces; text: keep its SpaceAfter=No",
                           choices=("words", "text"))
     max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)", range="[2, inf)")

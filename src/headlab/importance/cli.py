@@ -1,4 +1,4 @@
-"""`headlab importance MODEL --data FILE --method ... --out DIR`: parse, call the library, print."""
+"""`headlab importance MODEL --source FILE --method ... --out DIR`: parse, call the library, print."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
-from headlab.options import HelpFormatter, add_options, from_args, help_of
+from headlab.options import HelpFormatter, add_options, from_args, help_of, renamed
 from headlab.outdir import check_output, results_lock
 from headlab.shard import add_process_options
 
@@ -21,16 +21,16 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")
-    p.add_argument("--data", required=True,
-                   help="text file, one sentence per line (plain or .gz): a translation model's source side, "
+    renamed(p, "--source", "--data", required=True,
+            help="text file, one sentence per line (plain or .gz): a translation model's source side, "
                         "otherwise the text itself; for a sequence classifier a labelled TSV "
                         "(text<TAB>label or text_a<TAB>text_b<TAB>label)")
-    p.add_argument("--target", help="reference translations, line-aligned with --data (loss and BLEU use them)")
+    p.add_argument("--target", help="reference translations, line-aligned with --source (loss and BLEU use them)")
     p.add_argument("--method", default="all", help=help_of(ImportanceConfig, "methods") + " (several: comma-separated)")
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (only the files it wrote)")
-    p.add_argument("--n-sentences", type=int, help="use the first N lines of --data")
+    renamed(p, "--limit", "--n-sentences", type=int, help="use the first N lines of --source")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
                                       "lrp_bootstrap", "ablation_rows", "query_chunk"))
@@ -48,14 +48,14 @@ def _check(args) -> None:
     """Inputs, output directory and options, before the model loads (docs/cli.md: exit 2)."""
     from headlab import preflight
 
-    preflight.input_file(args.data, "--data")
+    preflight.input_file(args.source, "--source")
     if args.target is not None:
         preflight.input_file(args.target, "--target")
     preflight.model_dir(args.model)
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("n_sentences", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
+    for flag, minimum in (("limit", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
                           ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
                           ("query_chunk", 1)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
@@ -67,10 +67,10 @@ def _sentences(args) -> tuple[int, str]:
     """The sentences a sharded run splits (for the check of --num-processes): non-empty lines."""
     from headlab.data.parallel import read_lines
 
-    lines = read_lines(args.data)
-    if args.n_sentences is not None:
-        lines = lines[: args.n_sentences]
-    return sum(1 for line in lines if line.strip()), f"non-empty lines of --data {args.data}"
+    lines = read_lines(args.source)
+    if args.limit is not None:
+        lines = lines[: args.limit]
+    return sum(1 for line in lines if line.strip()), f"non-empty lines of --source {args.source}"
 
 
 def run_importance_command(args) -> int:
@@ -125,7 +125,7 @@ def _run(args, part) -> int:
 
         log(f"the checkpoint was saved as {', '.join(model.config.architectures)}, without a language-model head")
         info = replace(info, has_lm_head=False)
-    data = read_data(args.data, tokenizer, info, target_path=args.target, n_sentences=args.n_sentences)
+    data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())
     failed = None
     try:

@@ -375,7 +375,7 @@ def texts_data(
         )
     if n_sentences is not None:
         if n_sentences < 1:
-            raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+            raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
         sources = sources[:n_sentences]
         references = None if references is None else references[:n_sentences]
     if not any(line.strip() for line in sources):
@@ -432,7 +432,7 @@ def labelled_lines_data(
     """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages)."""
     path = name
     if n_sentences is not None and n_sentences < 1:
-        raise HeadlabError(f"--n-sentences must be at least 1, got {n_sentences}")
+        raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
     rows, n_empty, width = [], 0, None
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -142,7 +142,7 @@ def _read_sentences(path: Path, report: ParseReport) -> list[tuple[int, str]]:
             if len(report.blank_lines) < 5:
                 report.blank_lines.append(number)
     if not sentences:
-        raise HeadlabError(f"--input {path}: no sentence (every line is blank)")
+        raise HeadlabError(f"--source {path}: no sentence (every line is blank)")
     return sentences
 
 

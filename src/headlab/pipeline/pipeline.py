@@ -413,6 +413,10 @@ class _Context:
             upstream = {"agreement": IMPORTANCE_STAGES}.get(name, STAGES[: STAGES.index(name)])
             payload = {"stage": name, "version": __version__,
                        "upstream": {u: self.markers.get(u, {}).get("finished") for u in upstream}}
+            if name == "table":  # the table's own format: a resumed run rebuilds an older heads.csv
+                from headlab.pipeline.table import TABLE_FORMAT
+
+                payload["format"] = TABLE_FORMAT
         return stage_key(payload)
 
     def rel(self, paths) -> list[str]:
@@ -631,7 +635,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
 def _table(ctx: _Context) -> tuple[list, str | None]:
     from headlab.pipeline.table import write_heads_table
 
-    written = write_heads_table(ctx.out_dir)
+    written = write_heads_table(ctx.out_dir, ctx.config.model)
     if not written:
         raise SkipStage("no head was scored by any stage")
     return written, None if len(written) > 1 else "heads.csv only (install pyarrow for heads.parquet)"

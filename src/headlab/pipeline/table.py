@@ -1,8 +1,11 @@
 """One long table per run: ``heads.csv`` (and ``heads.parquet`` when pyarrow is installed).
 
-One row per head (``kind``, ``layer``, ``head``), one column per measure or statistic that the
-run wrote as a HeadScores file, then the head's function labels: ``functions`` (all of them,
-``; ``-separated) and one column per group (``positional``, ``syntactic``, ``rare``). Read it
+One row per head (``model``, ``run``, ``kind``, ``layer``, ``head``: the model argument of the run
+and the name of its directory, so that the tables of several runs stack with ``pandas.concat``),
+one column per measure or statistic that the run wrote as a HeadScores file, then the head's
+function labels: ``functions`` (all of them, ``; ``-separated) and one column per group
+(``positional``, ``syntactic``, ``rare``). Column names are Python identifiers
+(``syntactic_advmod_dep_gov``; the POS tag ``_`` of words without one is ``pos_none``). Read it
 with ``pandas.read_csv(DIR / "heads.csv")``. Everything comes from the files of the analysis
 directory, so the table can be rebuilt from them at any time (:func:`write_heads_table`).
 """
@@ -13,15 +16,19 @@ import csv
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 from headlab.pipeline.labels import FUNCTION_GROUPS, label_group
 
-__all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS"]
+__all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
 
-KEY_COLUMNS = ("kind", "layer", "head")
+KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
+
+TABLE_FORMAT = 2
+"""2: ``model`` and ``run`` columns, identifier-safe names (part of the table stage's key)."""
 
 _SOURCES = ("importance", "functions", "aggregate")
 """Directories of DIR whose HeadScores files become columns."""
@@ -29,8 +36,24 @@ _SOURCES = ("importance", "functions", "aggregate")
 
 def _column(relative: Path) -> str:
     """``importance/lrp.json`` -> ``lrp``; ``functions/positional/share.json`` -> ``positional_share``;
-    ``aggregate/pos/NOUN.json`` -> ``pos_NOUN``."""
-    return "_".join(relative.with_suffix("").parts)
+    ``aggregate/pos/NOUN.json`` -> ``pos_NOUN``; ``functions/syntactic/advmod.dep-gov.json`` ->
+    ``syntactic_advmod_dep_gov``; ``aggregate/pos/_.json`` (words without a tag) -> ``pos_none``:
+    identifiers, for ``df.column`` and formulas."""
+    parts = ("none" if part == "_" else re.sub(r"[^0-9A-Za-z_]", "_", part) for part in relative.with_suffix("").parts)
+    return "_".join(parts)
+
+
+def _model_of(out_dir: Path, scores: list[HeadScores]) -> str:
+    """The model argument of the run: its manifest's (``analyze``), else the one its score files
+    name (``importance``, ``functions``), else empty."""
+    try:
+        model = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        model = None
+    if isinstance(model, str) and model:
+        return model
+    named = {s.model for s in scores if isinstance(s.model, str) and s.model}
+    return named.pop() if len(named) == 1 else ""
 
 
 def _documents(out_dir: Path):
@@ -64,20 +87,26 @@ def _score_files(out_dir: Path):
     return score_columns(_documents(out_dir), out_dir)
 
 
-def heads_table(out_dir: str | Path) -> tuple[list[str], list[list]]:
-    """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores."""
+def heads_table(out_dir: str | Path, model: str | None = None) -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores. ``model``:
+    the model column (default: read from the directory, :func:`_model_of`)."""
     out_dir = Path(out_dir)
+    columns_scores = list(_score_files(out_dir))
+    if model is None:
+        model = _model_of(out_dir, [scores for _, scores in columns_scores])
     labels: dict[str, list[str]] = {}
     labels_path = out_dir / "functions" / "labels.json"
     if labels_path.is_file():
         from headlab.pipeline.labels import load_labels
 
         labels = load_labels(labels_path)
-    return table_rows(_score_files(out_dir), labels, out_dir)
+    return table_rows(columns_scores, labels, out_dir, model=model, run=out_dir.resolve().name)
 
 
-def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path = "") -> tuple[list[str], list[list]]:
-    """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``)."""
+def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path = "", *, model: str = "",
+               run: str = "") -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``);
+    ``model`` and ``run`` fill the columns of those names."""
     values: dict[str, dict[tuple[str, int, int], float]] = {}
     for name, scores in columns_scores:
         if name in values:
@@ -95,7 +124,7 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
         columns += ["functions", *FUNCTION_GROUPS]
     rows = []
     for kind, layer, head in heads_sorted:
-        row: list = [kind, layer, head]
+        row: list = [model, run, kind, layer, head]
         for name in measures:
             value = values[name].get((kind, layer, head), math.nan)
             row.append(None if value is None or math.isnan(value) else float(value))
@@ -107,10 +136,10 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
     return columns, rows
 
 
-def write_heads_table(out_dir: str | Path) -> list[Path]:
+def write_heads_table(out_dir: str | Path, model: str | None = None) -> list[Path]:
     """Write ``heads.csv`` (empty cells: not scored) and, with pyarrow, ``heads.parquet``."""
     out_dir = Path(out_dir)
-    columns, rows = heads_table(out_dir)
+    columns, rows = heads_table(out_dir, model)
     if not rows:
         return []
     buffer = io.StringIO()

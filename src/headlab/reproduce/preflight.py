@@ -21,7 +21,7 @@ from headlab.resume import SkipStage
 
 __all__ = ["check_names", "check_inputs", "check_outputs"]
 
-DATA_FLAGS = ("--data", "--target", "--conllu", "--input", "--train-text", "--train-src", "--train-tgt",
+DATA_FLAGS = ("--source", "--data", "--target", "--conllu", "--input", "--train-text", "--train-src", "--train-tgt",
               "--valid-src", "--valid-tgt")
 """The flags of a stage's commands that name data (those under ``work_dir`` are made by the stages)."""
 
