@@ -433,7 +433,11 @@ class Analysis:
     def heads(self):
         """heads.csv as a pandas DataFrame (one row per head)."""
         columns, rows = self.heads_table()
-        return _pandas().DataFrame(rows, columns=columns)
+        frame = _pandas().DataFrame(rows, columns=columns)
+        # A measure no head scored is all None: NaN, as pandas.read_csv gives for heads.csv's empty cells.
+        scored = [c for c in columns if c not in ("model", "run", "kind", "functions") and frame[c].isna().all()]
+        frame[scored] = frame[scored].astype(float)
+        return frame
 
     def records(self) -> list[dict]:
         """The tidy table as dicts: one per model, kind, layer, head, measure (the heads.csv
