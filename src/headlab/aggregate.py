@@ -293,18 +293,7 @@ class AggregateStats:
         # maximum is a real (query, key) pair; a sentence with no ranked query is left out. Over
         # several views the earlier position wins a tie, as in one flattened maximum.
         if self.top_k and R:
-            # A ranked row's maximum is positive, so it is its maximum over words (view.word_max,
-            # padding words -1) at the same first position; the earliest row with the largest wins.
-            ranked = view.ranked_query_valid
-            row_best = view.word_max.masked_fill(~ranked, -1.0)  # [B, H, rows]
-            row_where = view.word_argmax.masked_fill(~ranked, 0)
-            best, row = row_best.max(-1)  # [B, H]
-            where = row * W + row_where.gather(2, row[..., None])[..., 0] + first * W
-            if key in self._best:
-                old_best, old_where = self._best[key]
-                better = best > old_best
-                best, where = torch.where(better, best, old_best), torch.where(better, where, old_where)
-            self._best[key] = (best, where)
+            self._keep_best(key, view, first, W)
         if view.last:
             self._settle(key, side, B, H, n, W)
 
@@ -376,18 +365,25 @@ class AggregateStats:
         if end > first:
             cells[:, :, first:end, :n] = view.word_block(n)
         if self.top_k and R:
-            ranked = view.ranked_query_valid
-            row_best = view.word_max.masked_fill(~ranked, -1.0)
-            row_where = view.word_argmax.masked_fill(~ranked, 0)
-            best, row = row_best.max(-1)
-            where = row * W + row_where.gather(2, row[..., None])[..., 0] + first * W
-            if key in self._best:
-                old_best, old_where = self._best[key]
-                better = best > old_best
-                best, where = torch.where(better, best, old_best), torch.where(better, where, old_where)
-            self._best[key] = (best, where)
+            self._keep_best(key, view, first, W)
         if view.last:
             self._settle(key, side, B, H, n, W)
+
+    def _keep_best(self, key: BlockKey, view: AttentionView | FusedView, first: int, W: int) -> None:
+        """The running maximum weight of each sentence and head over the block's views, and its flat
+        (query word, key word) index. A ranked row's maximum is positive, so it is its maximum over
+        words (view.word_max, padding words -1) at the same first position; the earliest row with
+        the largest wins, within a view and across views."""
+        ranked = view.ranked_query_valid
+        row_best = view.word_max.masked_fill(~ranked, -1.0)  # [B, H, rows]
+        row_where = view.word_argmax.masked_fill(~ranked, 0)
+        best, row = row_best.max(-1)  # [B, H]
+        where = row * W + row_where.gather(2, row[..., None])[..., 0] + first * W
+        if key in self._best:
+            old_best, old_where = self._best[key]
+            better = best > old_best
+            best, where = torch.where(better, best, old_best), torch.where(better, where, old_where)
+        self._best[key] = (best, where)
 
     def _settle(self, key: BlockKey, side: SideBatch, B: int, H: int, n: int, W: int) -> None:
         """A block's variability cells and exemplars for the batch, once all its rows were seen."""
