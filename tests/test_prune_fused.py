@@ -20,8 +20,7 @@ import transformers as tf
 
 from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.cli import main
-from support.family_matrix import tiny_model
-from support.models import VOCAB
+from support.family_matrix import greedy_generation, padded_inputs, padded_logits, tiny_model
 
 FUSED = ["gpt_neox", "phi3", "falcon", "falcon_mq", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "phi"]
 SPECS = {
@@ -31,54 +30,29 @@ SPECS = {
 ATOL = 1e-5  # measured: 0 on these logits; over the check's probe at most 3e-8 (Phi-3)
 
 
-def _padded_inputs(seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
-    mask = torch.ones(3, 7, dtype=torch.long)
-    mask[1, -2:] = 0  # right padding
-    mask[2, :3] = 0  # left padding
-    ids = ids.masked_fill(mask == 0, 2)
-    return ids, mask
-
-
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-
-
-def _generate(model, ids, mask):
-    """Greedy cached generation on left-padded rows: tokens and per-step scores."""
-    left = torch.stack([torch.cat([r[~m.bool()], r[m.bool()]]) for r, m in zip(ids, mask)])
-    left_mask = torch.stack([torch.cat([m[~m.bool()], m[m.bool()]]) for m in mask])
-    with torch.no_grad():
-        out = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=2)
-    return out.sequences, torch.stack(out.scores)
-
-
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", FUSED)
 def test_fused_prune_equals_mask_generates_and_reloads(family, spec_name, tmp_path):
     spec, heads_left = SPECS[spec_name]
     model = tiny_model(family)
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs(pad_id=2)
     with mask_heads(model, spec):
-        expected = _logits(model, ids, mask)
-        expected_tokens, expected_scores = _generate(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
+        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
     prune_heads(model, spec)
     assert [b.n_heads for b in attention_blocks(model)] == heads_left
-    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
-    tokens, scores = _generate(model, ids, mask)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    tokens, scores = greedy_generation(model, ids, mask)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(scores, expected_scores, atol=ATOL, rtol=0)
 
     save_pruned(model, tmp_path)
-    torch.testing.assert_close(_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
     record = json.loads((tmp_path / "headlab_pruning.json").read_text())
     assert record["portable"]["how"] == "remote code"
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
-    torch.testing.assert_close(_logits(plain, ids, mask), expected, atol=ATOL, rtol=0)
-    assert torch.equal(_generate(plain, ids, mask)[0], expected_tokens)
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=ATOL, rtol=0)
+    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
 
 
 def test_grouped_falcon_keeps_the_key_value_heads_its_query_heads_use():
@@ -102,11 +76,11 @@ def test_alibi_layers_keep_their_heads_slopes():
 
     spec = {("dec_self", 0): [0]}
     model = tiny_model("bloom")
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs(pad_id=2)
     with mask_heads(model, spec):
-        expected = _logits(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
     prune_heads(model, spec)
-    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
 
     unhooked = tiny_model("bloom")
     real = surgery._install_alibi_hooks
@@ -129,28 +103,28 @@ def test_pruned_phi3_layer_reads_its_own_head_count_and_follows_the_model():
     first, second = attention_blocks(model)
     assert isinstance(first.core.config, LayerConfig) and first.core.config.num_attention_heads == 3
     assert second.core.config is model.config and model.config.num_attention_heads == 4
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs(pad_id=2)
     with capture_attention(model) as record:
         model(input_ids=ids, attention_mask=mask)
     assert [record[("dec_self", i)].shape[1] for i in (0, 1)] == [3, 4]
     assert first.core.config._attn_implementation == model.config._attn_implementation == "sdpa"
     twin = copy.deepcopy(model)  # the view copies with its model
     assert twin.model.layers[0].self_attn.config.base is twin.config
-    torch.testing.assert_close(_logits(twin, ids, mask), _logits(model, ids, mask), atol=0, rtol=0)
+    torch.testing.assert_close(padded_logits(twin, ids, mask), padded_logits(model, ids, mask), atol=0, rtol=0)
 
 
 def test_cli_prunes_a_fused_family(tmp_path, capsys):
     """`headlab prune` on GPT-NeoX (refused before this change) writes a checked pruned model."""
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs(pad_id=2)
     model = tiny_model("gpt_neox")
     model.save_pretrained(tmp_path / "neox")
     with mask_heads(model, {("dec_self", 0): [1]}):
-        expected = _logits(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
     code = main(["prune", str(tmp_path / "neox"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err
     loaded = load_pruned(tmp_path / "out")
     assert [b.n_heads for b in attention_blocks(loaded)] == [3, 4]
-    torch.testing.assert_close(_logits(loaded, ids, mask), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["falcon", "phi3", "bloom"])
@@ -158,11 +132,11 @@ def test_pruning_twice_composes(family, tmp_path):
     """A second prune of pruned layers (Falcon's copied key/value heads, Phi-3's config view,
     Bloom's ALiBi hook, which reads what the layer keeps when called) equals masking the union."""
     model = tiny_model(family)
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs(pad_id=2)
     with mask_heads(model, {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 3]}):
-        expected = _logits(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
     prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [0]})
     prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [2]})  # current numbering: original 2 and 3
-    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
     save_pruned(model, tmp_path)
-    torch.testing.assert_close(_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_logits(load_pruned(tmp_path), ids, mask), expected, atol=ATOL, rtol=0)

@@ -19,7 +19,7 @@ from headlab import attention_blocks, load_pruned, mask_heads, prune_heads, save
 from headlab.cli import main
 from headlab.errors import HeadlabError, PruningNotExact
 from headlab.prune_check import tolerance
-from support.family_matrix import VOCAB, tiny_model
+from support.family_matrix import VOCAB, greedy_generation, padded_inputs, padded_logits, tiny_model
 
 # Layer 0 loses one query head of the first key/value group (groups of 2): the group's key/value
 # head must stay; layer 1 loses a whole group.
@@ -28,45 +28,21 @@ FIXED = ["stablelm", "stablelm-qk-norm", "opt", "gemma", "gemma2", "gemma3", "ol
          "llama", "qwen2", "qwen3"]
 
 
-def _padded_inputs(seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
-    mask = torch.ones(3, 7, dtype=torch.long)
-    mask[1, -2:] = 0  # right padding
-    mask[2, :3] = 0  # left padding
-    return ids, mask
-
-
-def _logits(model, ids, mask):
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-
-
-def _generate(model, ids, mask):
-    """Greedy cached generation on left-padded rows: tokens and per-step scores."""
-    left = torch.stack([torch.cat([r[~m.bool()], r[m.bool()]]) for r, m in zip(ids, mask)])
-    left_mask = torch.stack([torch.cat([m[~m.bool()], m[m.bool()]]) for m in mask])
-    with torch.no_grad():
-        out = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=2)
-    return out.sequences, torch.stack(out.scores)
-
-
 @pytest.mark.parametrize("family", FIXED)
 def test_prune_equals_mask_padded_and_generating(family, tmp_path):
     model = tiny_model(family)
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs()
     with mask_heads(model, PARTIAL_GROUP):
-        expected = _logits(model, ids, mask)
-        expected_tokens, expected_scores = _generate(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
+        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
     prune_heads(model, PARTIAL_GROUP)
     assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
-    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
-    tokens, scores = _generate(model, ids, mask)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    tokens, scores = greedy_generation(model, ids, mask)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
     save_pruned(model, tmp_path / "pruned")  # and the directory loads back to the same model
-    torch.testing.assert_close(_logits(load_pruned(tmp_path / "pruned"), ids, mask), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded_logits(load_pruned(tmp_path / "pruned"), ids, mask), expected, atol=1e-5, rtol=0)
 
 
 def test_mixtral_pruned_directory_loads(tmp_path):
@@ -80,8 +56,8 @@ def test_mixtral_pruned_directory_loads(tmp_path):
         names.update(load_file(file))
     assert any(".experts.0.w1.weight" in name for name in names)
     loaded = load_pruned(tmp_path)
-    ids, mask = _padded_inputs()
-    torch.testing.assert_close(_logits(loaded, ids, mask), _logits(model, ids, mask), atol=0, rtol=0)
+    ids, mask = padded_inputs()
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask), atol=0, rtol=0)
 
 
 def test_olmo2_whole_width_query_norm_is_refused_and_model_untouched():
@@ -93,12 +69,12 @@ def test_olmo2_whole_width_query_norm_is_refused_and_model_untouched():
     assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # A layer that loses all its heads or none keeps its norms exact: that pruning goes through.
-    ids, mask = _padded_inputs()
+    ids, mask = padded_inputs()
     spec = {("dec_self", 1): [0, 1, 2, 3]}
     with mask_heads(model, spec):
-        expected = _logits(model, ids, mask)
+        expected = padded_logits(model, ids, mask)
     prune_heads(model, spec)
-    torch.testing.assert_close(_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
 
 
 def _cohere():
@@ -119,15 +95,15 @@ def _cohere():
 
 def test_a_family_pruning_breaks_is_refused_and_restored():
     model = _cohere()
-    ids, mask = _padded_inputs()
-    before = _logits(model, ids, mask)
+    ids, mask = padded_inputs()
+    before = padded_logits(model, ids, mask)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(PruningNotExact, match=r"^cohere: the pruned model (fails|differs).* dec_self layer 0"):
         prune_heads(model, PARTIAL_GROUP)
     assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    torch.testing.assert_close(_logits(model, ids, mask), before, atol=0, rtol=0)
+    torch.testing.assert_close(padded_logits(model, ids, mask), before, atol=0, rtol=0)
 
 
 def test_a_wrong_slice_is_measured_and_named(monkeypatch):

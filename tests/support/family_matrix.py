@@ -180,3 +180,32 @@ def tiny_inputs(batch: int = 2, length: int = 7, seed: int = 1, pad: bool = True
     if pad and batch > 1:
         mask[1, -2:] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def padded_inputs(seed: int = 3, pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 7 random ids: one full, one padded on the right, one on the left (their
+    padded positions set to ``pad_id`` when given), with the attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, -2:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    if pad_id is not None:
+        ids = ids.masked_fill(mask == 0, pad_id)
+    return ids, mask
+
+
+def padded_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The logits of the positions the mask keeps."""
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+
+
+def greedy_generation(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy cached generation on the rows moved to left padding: tokens and per-step scores."""
+    left = torch.stack([torch.cat([r[~m.bool()], r[m.bool()]]) for r, m in zip(ids, mask)])
+    left_mask = torch.stack([torch.cat([m[~m.bool()], m[m.bool()]]) for m in mask])
+    with torch.no_grad():
+        out = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    return out.sequences, torch.stack(out.scores)
