@@ -9,11 +9,10 @@ import transformers as tf
 from headlab import HeadScores
 from headlab.cli import main
 from headlab.errors import HeadlabError
-from headlab.nmt.tokenizer import train_tokenizer
 from headlab.pipeline import STAGES, AnalyzeConfig, run_analysis
 from headlab.pipeline.pipeline import check_conllu_matches_source
 from support.models import tiny_model
-from support.treebank import SAMPLE_CONLLU, word_tokenizer
+from support.treebank import SAMPLE_CONLLU, TREEBANK_TEXTS, save_marian_for_treebank, word_tokenizer
 
 SENTENCES = [
     "a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
@@ -23,7 +22,6 @@ GERMAN = [
     "ein mann fährt fahrrad", "zwei hunde spielen im schnee", "eine frau liest ein buch",
     "kinder spielen fußball", "eine katze schläft auf dem sofa", "der mann kocht abendessen",
 ]
-TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
 FAST = ["--no-progress", "--prune-steps", "2", "--prune-max-tokens", "200", "--prune-keeps", "4,2"]
 
 
@@ -32,11 +30,7 @@ FAST = ["--no-progress", "--prune-steps", "2", "--prune-max-tokens", "200", "--p
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("analyze-inputs")
-    words = " ".join(line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit())
-    tokenizer = train_tokenizer(SENTENCES + GERMAN + TREEBANK_TEXTS + [words], vocab_size=90, min_frequency=1)
-    model = tiny_model("marian")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_marian_for_treebank(root / "model", SENTENCES + GERMAN)
     (root / "src.en").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     (root / "ref.de").write_text("\n".join(GERMAN) + "\n", encoding="utf-8")
     (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")

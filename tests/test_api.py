@@ -11,25 +11,18 @@ import headlab
 from headlab.cli import main
 from headlab.data.treebank import InMemoryTreebank, read_conllu
 from headlab.errors import HeadlabError
-from headlab.nmt.tokenizer import train_tokenizer
-from support.models import tiny_model
-from support.treebank import SAMPLE_CONLLU
+from support.treebank import SAMPLE_CONLLU, save_marian_for_treebank
 
 SENTENCES = ["a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
              "children are playing football", "a cat sleeps on the sofa"]
 GERMAN = ["ein mann fährt fahrrad", "zwei hunde spielen im schnee", "eine frau liest ein buch",
           "kinder spielen fußball", "eine katze schläft auf dem sofa"]
-TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
-    words = " ".join(line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit())
-    tokenizer = train_tokenizer(SENTENCES + GERMAN + TREEBANK_TEXTS + [words], vocab_size=90, min_frequency=1)
-    model = tiny_model("marian")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_marian_for_treebank(root / "model", SENTENCES + GERMAN)
     (root / "src.en").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
     # What the command line computes: the tests compare the API's results with these files.

@@ -126,6 +126,21 @@ class FakeBlock:
         return (self.kind, self.layer)
 
 
+TREEBANK_TEXTS = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+
+
+def save_marian_for_treebank(path, texts) -> None:
+    """The tiny random Marian of support.models with a subword tokenizer (headlab's own trainer)
+    fitted to ``texts`` plus the sample treebank's sentences and words, saved together at ``path``."""
+    from headlab.nmt.tokenizer import train_tokenizer
+    from support.models import tiny_model
+
+    words = " ".join(line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit())
+    tokenizer = train_tokenizer(list(texts) + TREEBANK_TEXTS + [words], vocab_size=90, min_frequency=1)
+    tiny_model("marian").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def side_batch(sentences, tokenizer, start_index: int = 0, max_length: int | None = None):
     """A SideBatch for ``sentences`` (all must align); ``side.lengths`` holds real token counts."""
     alignments = align_sentences(tokenizer, [s.words for s in sentences], max_length=max_length)
