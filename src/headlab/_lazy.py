@@ -5,8 +5,10 @@ first use."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from importlib import import_module
+from typing import Any
 
 
 def lazy_exports(package: str, exports: dict[str, tuple[str, ...]], also: tuple[str, ...] = ()):
@@ -28,25 +30,52 @@ def lazy_exports(package: str, exports: dict[str, tuple[str, ...]], also: tuple[
     return __getattr__, __dir__, [*sorted(where), *also]
 
 
-class LazyRegistry(Mapping):
+class LazyRegistry(MutableMapping[str, Any]):
     """``{name: object}`` whose keys are known at once and whose objects are imported on first
-    access, from their full path ``"package.module.Name"`` (never evaluated as code)."""
+    access, from their full path ``"package.module.Name"`` (never evaluated as code). An entry may
+    also be the object itself; :meth:`registered` adds one for the length of a ``with`` block (a
+    test's plug-in, :mod:`headlab.plugins`)."""
 
-    def __init__(self, paths: dict[str, str]) -> None:
-        self._paths = dict(paths)
+    def __init__(self, paths: Mapping[str, object]) -> None:
+        self._paths: dict[str, object] = dict(paths)
         self._loaded: dict[str, object] = {}
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         if name not in self._loaded:
-            module, _, attribute = self._paths[name].rpartition(".")
-            self._loaded[name] = getattr(import_module(module), attribute)
+            entry = self._paths[name]
+            if isinstance(entry, str):
+                module, _, attribute = entry.rpartition(".")
+                entry = getattr(import_module(module), attribute)
+            self._loaded[name] = entry
         return self._loaded[name]
+
+    def __setitem__(self, name: str, entry: object) -> None:
+        self._paths[name] = entry
+        self._loaded.pop(name, None)
+
+    def __delitem__(self, name: str) -> None:
+        del self._paths[name]
+        self._loaded.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
 
     def __len__(self) -> int:
         return len(self._paths)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self._paths)})"
+
+    @contextmanager
+    def registered(self, name: str, entry: object) -> Iterator[object]:
+        """``self[name] = entry`` inside the block (the last entry), removed after it, also after an error."""
+        if name in self._paths:
+            raise KeyError(f"{name!r} is registered already")
+        self[name] = entry
+        try:
+            yield entry
+        finally:
+            del self[name]
 
 
 def callable_module(name: str, target: str) -> None:

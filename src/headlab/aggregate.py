@@ -48,6 +48,7 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.plugins import Output, Statistic
 from headlab.shard import Ledger, active
 
 __all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
@@ -597,6 +598,20 @@ class AggregateResult:
     def describe_heads(self) -> list[str]:
         return []
 
+
+AGGREGATE = Statistic(
+    AggregateStats.from_config, stage="aggregate", title="the aggregate statistics",
+    outputs=(Output("aggregate/mean_distance.json", "Mean attention distance",
+                    "attention-weighted distance between words (Vig & Belinkov 2019)"),
+             Output("aggregate/mean_entropy.json", "Mean attention entropy",
+                    "entropy (nats) of each word's attention over words, averaged"),
+             Output("aggregate/variability.json", "Attention variability",
+                    "how much the pattern changes between sentences, 0 to 1 (Vig & Belinkov 2019)"),
+             Output("aggregate/dependency_alignment.json", "Dependency alignment",
+                    "share of attention between words joined by a dependency arc"),
+             Output("aggregate/pos/*.json", "Attention to {stem}",
+                    "share of attention on words tagged {stem} (Vig & Belinkov 2019)", group="pos")))
+"""Vig & Belinkov 2019."""
 
 # headlab.aggregate(model, tokenizer, treebank) is the API's headlab.api.aggregate
 callable_module(__name__, "headlab.api.aggregate")

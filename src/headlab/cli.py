@@ -24,6 +24,7 @@ import traceback
 from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.options import check_parsed
+from headlab.plugins import LateParser
 from headlab.shard import watch_launcher
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headlab {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="print the full traceback of any error (for reporting a bug)")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # A command's plug-in flags are added when it is used, not for `headlab --help` (headlab.plugins).
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=LateParser)
     subparsers.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

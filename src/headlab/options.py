@@ -16,7 +16,7 @@ from dataclasses import MISSING, field, fields
 from headlab.errors import HeadlabError
 
 _TYPES = {"int": int, "float": float, "str": str}
-_OWN_KEYS = ("flag", "positional", "range", "old_names")  # metadata read here, not handed to argparse
+_OWN_KEYS = ("flag", "positional", "range", "old_names", "signed")  # metadata read here, not handed to argparse
 
 
 class Renamed(argparse.Action):

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView
-from headlab.functions.statistic import Labels, empty_labels
+from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.plugins import Output
 
 __all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
 
@@ -224,3 +225,25 @@ class PositionalResult:
         if heads:
             return [f"positional  {h}" for h in heads]
         return [f"positional  none at {self.threshold:.0%}; closest: {h}" for h in self.top(1)]
+
+
+def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
+    """``positional +1``, ... from ``positional/offsets.json`` (a directory without labels.json)."""
+    labels: dict[str, list[str]] = {}
+    for head in (read(directory / "positional" / "offsets.json") or {}).get("positional_heads", []) or []:
+        labels.setdefault(f"{head['kind']}:{head['layer']}:{head['head']}", []).append(f"positional {int(head['offset']):+d}")
+    return labels
+
+
+POSITIONAL = Statistic(
+    PositionalStats.from_config, title="positional", label_group="positional", label_pattern=r"positional [+-]\d+",
+    outputs=(Output("positional/share.json", "Positional share",
+                    "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
+             Output("positional/offset.json", "Positional offset",
+                    "that most frequent offset (-1 = previous word, +1 = next word)", categorical=True)),
+    read_labels=_read_labels)
+"""Voita et al. 2019, Sec. 5.1, over words."""
+POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config)
+"""The same over subword tokens."""
+POSITIONAL_INTERIOR = Statistic(PositionalStats.interior_from_config)
+"""Words with both neighbours (``--sensitivity``)."""

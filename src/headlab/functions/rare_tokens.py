@@ -32,8 +32,9 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
-from headlab.functions.statistic import Labels, empty_labels
+from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.plugins import Output
 from headlab.shard import Ledger, active
 
 __all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
@@ -277,3 +278,19 @@ class RareTokenResult:
     def describe_heads(self) -> list[str]:
         return [f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}"
                 for kind, layer, head, share, two in self.top(1)]
+
+
+def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
+    """``rare`` from ``rare_tokens/summary.json`` (a directory without labels.json)."""
+    labels: dict[str, list[str]] = {}
+    for head in ((read(directory / "rare_tokens" / "summary.json") or {}).get("top_heads") or [])[:1]:
+        labels.setdefault(f"{head['kind']}:{head['layer']}:{head['head']}", []).append("rare")
+    return labels
+
+
+RARE = Statistic(
+    RareTokenStats.from_config, title="rare-token heads", needs=("frequencies",), label_group="rare", label_pattern="rare",
+    outputs=(Output("rare_tokens/rarest.json", "Rare-token share",
+                    "how often the head's maximum lands on the rarest token (Sec. 5.3)"),),
+    read_labels=_read_labels)
+"""Voita et al. 2019, Sec. 5.3 (needs token frequencies)."""

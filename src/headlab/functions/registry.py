@@ -1,30 +1,41 @@
 """The registry of head statistics, in the order they are computed, written and described.
 
-:func:`headlab.functions.analyze_heads` builds each one from its ``AnalysisConfig`` (a factory
-returns None when the configuration does not ask for that statistic), streams the treebank
-through the model once and feeds them all. A new statistic is a module with a class following
-:class:`~headlab.functions.statistic.HeadStatistic` and one entry here; its result is then
-``analysis.<name>``.
+:func:`headlab.functions.analyze_heads` builds each one from its ``AnalysisConfig`` (its
+:class:`~headlab.functions.statistic.Statistic` declaration returns None when the configuration
+does not ask for it), streams the treebank through the model once and feeds them all. A new
+statistic is a module with a class following :class:`~headlab.functions.statistic.HeadStatistic`
+and its ``Statistic`` declaration, and one entry here; its result is then ``analysis.<name>``,
+``headlab analyze`` writes it in its pass's stage, and ``heads.csv``, Figure 1 and the report show
+its labels and files (CONTRIBUTING.md). Entries are imported on first use.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from headlab._lazy import LazyRegistry
 
-from headlab.aggregate import AggregateStats
-from headlab.functions.positional import PositionalStats
-from headlab.functions.rare_tokens import RareTokenStats
-from headlab.functions.statistic import HeadStatistic
-from headlab.functions.syntactic import SyntacticStats
+__all__ = ["STATISTICS", "label_groups", "label_group"]
 
-__all__ = ["STATISTICS"]
+STATISTICS = LazyRegistry({
+    "positional": "headlab.functions.positional.POSITIONAL",  # Voita et al. 2019, Sec. 5.1, over words
+    "positional_tokens": "headlab.functions.positional.POSITIONAL_TOKENS",  # the same over subword tokens
+    "positional_interior": "headlab.functions.positional.POSITIONAL_INTERIOR",  # words with both neighbours
+    "syntactic": "headlab.functions.syntactic.SYNTACTIC",  # Sec. 5.2
+    "rare": "headlab.functions.rare_tokens.RARE",  # Sec. 5.3 (needs token frequencies)
+    "aggregate": "headlab.aggregate.AGGREGATE",  # Vig & Belinkov 2019
+})
+"""name -> :class:`~headlab.functions.statistic.Statistic`."""
 
-STATISTICS: dict[str, Callable[..., HeadStatistic | None]] = {
-    "positional": PositionalStats.from_config,  # Voita et al. 2019, Sec. 5.1, over words
-    "positional_tokens": PositionalStats.tokens_from_config,  # the same over subword tokens
-    "positional_interior": PositionalStats.interior_from_config,  # words with both neighbours (--sensitivity)
-    "syntactic": SyntacticStats.from_config,  # Sec. 5.2
-    "rare": RareTokenStats.from_config,  # Sec. 5.3 (needs token frequencies)
-    "aggregate": AggregateStats.from_config,  # Vig & Belinkov 2019
-}
-"""name -> factory ``(config: AnalysisConfig, frequencies: TokenFrequencies | None)``."""
+
+def label_groups() -> tuple[str, ...]:
+    """The label groups of the statistics, in registry order: the rows of Figure 1's function
+    grid and the label columns of ``heads.csv``."""
+    groups: list[str] = []
+    for statistic in STATISTICS.values():
+        if statistic.label_group is not None and statistic.label_group not in groups:
+            groups.append(statistic.label_group)
+    return tuple(groups)
+
+
+def label_group(label: str) -> str | None:
+    """The group of the first statistic that owns ``label`` (None: no registered statistic does)."""
+    return next((s.label_group for s in STATISTICS.values() if s.owns(label)), None)

@@ -10,8 +10,10 @@ functions README and its Figure 1 labels. A view's tensors, and its batch's (``v
 :meth:`~headlab.data.alignment.SideBatch.copy_to`), are on the statistics' device
 (:func:`headlab.functions.analysis.statistics_device`: a CUDA GPU's when the model runs there, else the CPU's): a
 statistic makes its tensors there (``device=``), keeps its state there, and brings it to the CPU in ``result``. The registry
-(:data:`headlab.functions.registry.STATISTICS`) lists them; :func:`headlab.functions.analyze_heads`,
-``headlab functions`` and ``headlab analyze`` take them from it.
+(:data:`headlab.functions.registry.STATISTICS`) lists each one's :class:`Statistic` declaration (its
+factory, the pass that feeds it, its label group, its output files with titles);
+:func:`headlab.functions.analyze_heads`, ``headlab functions``, ``headlab analyze``, ``heads.csv``,
+Figure 1 and the report take them from it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Protocol
 
 from headlab.data.alignment import AttentionView
 from headlab.heads import HeadScores
+from headlab.plugins import PASSES, WRITTEN_UNDER, LabelReader, Output, Statistic
 
-__all__ = ["HeadStatistic", "FusedStatistic", "StatisticResult", "Labels", "empty_labels"]
+__all__ = ["HeadStatistic", "FusedStatistic", "StatisticResult", "Statistic", "Labels", "LabelReader",
+           "Output", "empty_labels", "PASSES", "WRITTEN_UNDER"]
 
 Labels = dict[tuple[str, int, int], list[str]]
 """``{(kind, layer, head): [label, ...]}``; an analysed head without a function has ``[]``."""
@@ -40,7 +44,10 @@ class StatisticResult(Protocol):
         """Function labels per head for Figure 1 and the report (``{}``: it labels nothing)."""
 
     def describe_heads(self) -> list[str]:
-        """One line per head with a function, for the command line."""
+        """One line per head with a function, for the command line.
+
+        A result of the ``aggregate`` pass may also define ``summary_markdown() -> str``:
+        ``headlab analyze`` writes it as ``summary.md`` in the result's folder."""
 
 
 class HeadStatistic(Protocol):
@@ -54,7 +61,7 @@ class HeadStatistic(Protocol):
 
     def update(self, view: AttentionView) -> None: ...
 
-    def result(self, *, model: str = "", signature: dict | None = None) -> StatisticResult: ...
+    def result(self, *, model: str = "", signature: dict[str, object] | None = None) -> StatisticResult: ...
 
 
 class FusedStatistic(Protocol):

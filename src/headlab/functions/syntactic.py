@@ -29,8 +29,9 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
-from headlab.functions.statistic import Labels, empty_labels
+from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
+from headlab.plugins import Output
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 
@@ -366,3 +367,20 @@ class SyntacticResult:
     def describe_heads(self) -> list[str]:
         return [f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} {accuracy:.1%} "
                 f"(baseline {base:.1%})" for kind, layer, head, relation, direction, accuracy, base in self.syntactic_heads()]
+
+
+def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
+    """``relation direction`` from ``syntactic/table1.json`` (a directory without labels.json)."""
+    labels: dict[str, list[str]] = {}
+    for head in (read(directory / "syntactic" / "table1.json") or {}).get("syntactic_heads", []) or []:
+        labels.setdefault(f"{head['kind']}:{head['layer']}:{head['head']}", []).append(
+            f"{head['relation']} {head['direction']}")
+    return labels
+
+
+SYNTACTIC = Statistic(
+    SyntacticStats.from_config, title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
+    outputs=(Output("syntactic/margin.json", "Syntactic margin",
+                    "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),),
+    read_labels=_read_labels)
+"""Voita et al. 2019, Sec. 5.2."""

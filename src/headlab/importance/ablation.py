@@ -403,7 +403,7 @@ class Ablation(ImportanceMeasure):
                                        "the agreement table)")}
     needs_lm_head = True
     uses_loss = True
-    on_request = True
+    on_request = "also score heads by ablation (slow) and compare every measure with it"
     Options = AblationOptions
 
     def unavailable(self, info, data) -> str | None:

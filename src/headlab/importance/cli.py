@@ -11,6 +11,7 @@ from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
 from headlab.options import HelpFormatter, add_options, from_args, help_of, renamed
 from headlab.outdir import check_output, results_lock
+from headlab.plugins import add_plugin_options, defer, values_from_args
 from headlab.shard import add_process_options
 
 
@@ -32,8 +33,8 @@ def register(subparsers) -> None:
                    help="replace the results of an earlier run in --out (only the files it wrote)")
     renamed(p, "--limit", "--n-sentences", type=int, help="use the first N lines of --source")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
-    add_options(p, ImportanceConfig, ("batch_size", "metric", "beam", "lrp_strategy", "lrp_targets", "lrp_seed",
-                                      "lrp_bootstrap", "ablation_rows", "query_chunk"))
+    add_options(p, ImportanceConfig, ("batch_size", "beam"))
+    defer(p, _measure_options)  # declared by the measures: importing them imports torch, so not for --help
     p.add_argument("--kinds", help="comma-separated attention kinds to score (enc_self, dec_self, dec_cross)")
     p.add_argument("--plots", action="store_true", help="also write a heatmap PNG per method")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -42,6 +43,12 @@ def register(subparsers) -> None:
     add_device_options(p)
     add_process_options(p)
     p.set_defaults(func=run_importance_command)
+
+
+def _measure_options(parser) -> None:
+    from headlab.importance.registry import option_specs
+
+    add_plugin_options(parser, option_specs(), skip=ImportanceConfig.BASE)
 
 
 def _check(args) -> None:
@@ -55,9 +62,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("limit", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1),
-                          ("ablation_rows", 1), ("threads", 1), ("lrp_targets", 0), ("lrp_bootstrap", 0),
-                          ("query_chunk", 1)):
+    for flag, minimum in (("limit", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1), ("threads", 1)):
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
     check_output(args.out, args.overwrite)
@@ -95,7 +100,8 @@ def _run(args, part) -> int:
     set_threads(args.threads)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
     config = from_args(args, ImportanceConfig, methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
-                       kinds=kinds, progress=not args.no_progress and part.main)
+                       kinds=kinds, progress=not args.no_progress and part.main,
+                       options=values_from_args(args, ImportanceConfig.plugin_specs()))
     config.resolved_methods()  # fail on a bad --method before loading anything
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)

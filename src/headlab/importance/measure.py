@@ -4,19 +4,23 @@ A measure says what it needs (capability flags, as captum's ``Attribution`` clas
 its own options in a dataclass, and scores every head into one
 :class:`~headlab.heads.HeadScores`. The registry (:data:`headlab.importance.registry.MEASURES`)
 lists them; ``headlab importance``, the ``analyze`` stages, the report and ``reproduce`` take
-their lists from it. Adding a measure: a module with its subclass, and one line in the registry.
+their lists from it, and the flags of ``importance`` and ``analyze``, the scores' signature and
+the stage keys come from its ``Options`` (:mod:`headlab.plugins`). Adding a measure: a module with
+its subclass (and its test), and one line in the registry (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import nn
 
 from headlab.gates import mask_heads
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.data import ImportanceData, ModelInfo
+from headlab.plugins import OptionSpec, build_options, option_specs
 
 __all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]
 
@@ -41,25 +45,30 @@ class ImportanceMeasure:
     """A translation model's decoder runs on the model's own translation (confidence, LRP)."""
     uses_loss: ClassVar[bool] = False
     """It scores a loss: against the reference when there is one, else the model's own output."""
-    on_request: ClassVar[bool] = False
-    """Slow: ``headlab analyze`` runs it only when asked (``--ablation``)."""
+    on_request: ClassVar[bool | str] = False
+    """Slow: ``headlab analyze`` runs it only when asked (``--<name>``; a string: that flag's help)."""
     Options: ClassVar[type] = NoOptions
-    """A dataclass of the measure's own settings (validated in its ``__post_init__``)."""
+    """A frozen dataclass of the measure's own settings: fields made with
+    :func:`headlab.options.option` (help, ``range``, ``choices``; ``flag`` where the flag is not
+    ``--<name>-<field>``; ``signed=False`` where it changes no number), checked in ``__post_init__``."""
 
-    def __init__(self, options=None) -> None:
+    def __init__(self, options: Any = None) -> None:
         self.options = self.Options() if options is None else options
 
     @classmethod
-    def options_from(cls, config) -> object:
-        """The measure's options from a config object: its field ``<name>_<option>``, else
-        ``<option>`` (``ImportanceConfig.lrp_strategy`` fills LRP's ``strategy``)."""
-        values = {}
-        for option in fields(cls.Options):
-            for attribute in (f"{cls.name}_{option.name}", option.name):
-                if hasattr(config, attribute):
-                    values[option.name] = getattr(config, attribute)
-                    break
-        return cls.Options(**values)
+    def option_specs(cls) -> list[OptionSpec]:
+        """The measure's options as flags and config keywords (``--lrp-targets``: LRP's ``targets``)."""
+        return option_specs(cls.name, cls.Options, f"{cls.name}_")
+
+    @classmethod
+    def options_from(cls, config: Any) -> Any:
+        """The measure's options from a config: a mapping ``{dest: value}``, or an object whose
+        attributes are the dests (``ImportanceConfig.lrp_strategy`` fills LRP's ``strategy``)."""
+        specs = cls.option_specs()
+        if isinstance(config, Mapping):
+            return build_options(cls.Options, specs, config)
+        return build_options(cls.Options, specs, {s.dest: getattr(config, s.dest) for s in specs
+                                                  if hasattr(config, s.dest)})
 
     def unavailable(self, info: ModelInfo, data: ImportanceData) -> str | None:
         """Why the measure cannot run on this model and data; None when it can."""
@@ -72,20 +81,20 @@ class ImportanceMeasure:
         return None
 
     def score(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, batch_size: int = 32,
-              kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer=None) -> HeadScores:
+              kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer: Any = None) -> HeadScores:
         """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds); by
         default the first of :meth:`score_tables`. A subclass defines one of the two."""
         return self.score_tables(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress,
                                  tokenizer=tokenizer)[0]
 
-    def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options) -> list[HeadScores]:
+    def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options: Any) -> list[HeadScores]:
         """Every table of :attr:`tables`, in order; by default :meth:`score`'s one table."""
         if type(self).score is ImportanceMeasure.score:
             raise NotImplementedError(f"{type(self).__name__} defines neither score nor score_tables")
         return [self.score(model, data, info, **options)]
 
     def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
-            **options) -> list[HeadScores]:
+            **options: Any) -> list[HeadScores]:
         """:meth:`score_tables` of the model with the heads of ``mask`` switched off
         (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
         of the masked model, in which those heads are NaN, as a pruned model's removed heads are."""

@@ -1,12 +1,15 @@
-"""The measures' own options (``ImportanceMeasure.Options``), each default and check written once
-here: the measures and the command line's :class:`~headlab.importance.config.ImportanceConfig`
-read them. Importing this module costs no torch."""
+"""The measures' own options (``ImportanceMeasure.Options``), each default, help, range and check
+written once here: the command lines of ``importance`` and ``analyze``, the configs, the scores'
+signature and the stage keys are generated from them (:mod:`headlab.plugins`). A field's flag is
+``--<measure>-<field>`` unless its metadata names another (``flag``); ``signed=False``: it changes
+no number (not in the signature or the stage key). Importing this module costs no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from headlab.errors import HeadlabError
+from headlab.options import option
 
 __all__ = ["STRATEGIES", "METRICS", "LRPOptions", "AblationOptions", "ConfidenceOptions"]
 
@@ -16,10 +19,12 @@ METRICS = ("loss", "bleu", "accuracy")  # what ablation measures
 
 @dataclass(frozen=True)
 class LRPOptions:
-    strategy: str = "vmap"  # how the backward passes run: vmap (fast), loop or jacobian
-    targets: int | None = None  # steps explained per sentence, a seeded sample; None or 0: all
-    seed: int = 0  # of the target sample and of the bootstrap
-    bootstrap: int = 200  # resamples of the sentences for the standard errors; 0: none
+    strategy: str = option("vmap", "how LRP's backward passes run: vmap (fast), loop or jacobian", choices=STRATEGIES)
+    targets: int | None = option(None, "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at "
+                                 "each), not every position; 0 or absent: all", metavar="K", range="[0, inf)")
+    seed: int = option(0, "LRP: seed of the target sample and of the bootstrap", range="[0, inf)")
+    bootstrap: int = option(200, "LRP: resamples of the sentences for each score's standard error (0: none)",
+                            metavar="N", range="[0, inf)")
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -32,9 +37,10 @@ class LRPOptions:
 
 @dataclass(frozen=True)
 class AblationOptions:
-    metric: str = "loss"  # loss, bleu (translation models with references) or accuracy (classifiers)
-    rows: int = 256  # rows per forward call (masked copies x batch)
-    beam: int = 1  # beam of the translations BLEU scores
+    metric: str = option("loss", "ablation metric: loss, bleu (translation models with --target) or accuracy "
+                         "(classifiers; with loss they get both)", choices=METRICS, flag="metric")
+    rows: int = option(256, "rows per ablation forward call (masked copies x batch)", range="[1, inf)", signed=False)
+    beam: int = option(1, "beam size of the model's translations (1 = greedy)", range="[1, inf)", flag="beam")
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -43,7 +49,9 @@ class AblationOptions:
 
 @dataclass(frozen=True)
 class ConfidenceOptions:
-    query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
+    query_chunk: int | None = option(None, "confidence: headlab's own attention function, N query rows at a time "
+                                     "(memory linear in the length; default: eager capture, whole maps)",
+                                     metavar="N", range="[1, inf)", flag="query_chunk", signed=False)
 
     def __post_init__(self) -> None:
         if self.query_chunk is not None and self.query_chunk < 1:

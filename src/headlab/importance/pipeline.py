@@ -89,11 +89,7 @@ def run_importance(
     if needs_translation:
         log("translating the data with the model (its own output is what confidence and LRP score)")
         data = translate_data(model, data, info, batch_size=config.batch_size, beam=config.beam, progress=config.progress)
-    options = {
-        "batch_size": config.batch_size, "beam": config.beam, "lrp_strategy": config.lrp_strategy,
-        "lrp_targets": config.lrp_targets, "lrp_seed": config.lrp_seed, "lrp_bootstrap": config.lrp_bootstrap,
-        "metric": config.metric, "kinds": list(config.kinds) if config.kinds else None,
-    }
+    options = config.signature_options()  # every measure's options that change the numbers
     if mask:
         options["mask"] = {f"{kind}:{layer}": sorted(heads) for (kind, layer), heads in mask.items()}
     scores: dict[str, HeadScores] = {}

@@ -10,8 +10,9 @@ when it is first used.
 from __future__ import annotations
 
 from headlab._lazy import LazyRegistry
+from headlab.plugins import OptionSpec
 
-__all__ = ["MEASURES", "REFERENCE", "tables"]
+__all__ = ["MEASURES", "REFERENCE", "tables", "option_specs"]
 
 MEASURES = LazyRegistry({
     "confidence": "headlab.importance.confidence.Confidence",
@@ -19,7 +20,7 @@ MEASURES = LazyRegistry({
     "gradient": "headlab.importance.gradient.Gradient",
     "ablation": "headlab.importance.ablation.Ablation",
 })
-"""name -> :class:`~headlab.importance.measure.ImportanceMeasure` subclass."""
+"""name -> :class:`~headlab.importance.measure.ImportanceMeasure` subclass (or its full path)."""
 
 REFERENCE = "ablation"
 """The ground truth that the agreement table compares every other measure with."""
@@ -28,3 +29,8 @@ REFERENCE = "ablation"
 def tables() -> dict[str, tuple[str, str]]:
     """Every HeadScores table the measures write: name -> (title, caption), in registry order."""
     return {name: text for measure in MEASURES.values() for name, text in measure.tables.items()}
+
+
+def option_specs() -> list[OptionSpec]:
+    """Every measure's options, in registry order: the flags of ``importance`` and ``analyze``."""
+    return [spec for measure in MEASURES.values() for spec in measure.option_specs()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from headlab.device_options import add_device_options
 from headlab.options import HelpFormatter, add_options, from_args, help_of, numbers
 from headlab.pipeline.pipeline import STAGES, AnalyzeConfig
+from headlab.plugins import add_plugin_options, defer, values_from_args
 from headlab.shard import add_process_options
 
 
@@ -16,12 +17,12 @@ def register(subparsers) -> None:
     add_options(p, AnalyzeConfig, ("model", "source", "target", "conllu", "conllu_is_source"))
     p.add_argument("--train-text", action="append", default=[],
                    help=help_of(AnalyzeConfig, "train_text") + "; repeatable")
-    add_options(p, AnalyzeConfig, ("out", "prune", "ablation", "force"))
+    add_options(p, AnalyzeConfig, ("out", "prune", "force"))
     p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="STAGE",
                    help=f"stages not to run (space- or comma-separated): {', '.join(STAGES)}, "
                         "or importance (its five stages)")
-    add_options(p, AnalyzeConfig, ("limit", "conllu_limit", "threads", "batch_size", "max_length", "lrp_targets",
-                                   "lrp_seed", "query_chunk", "engine", "prune_source", "prune_target", "prune_limit"))
+    add_options(p, AnalyzeConfig, ("limit", "conllu_limit", "threads", "batch_size", "max_length", "query_chunk",
+                                   "engine", "prune_source", "prune_target", "prune_limit"))
     p.add_argument("--prune-keeps", help=help_of(AnalyzeConfig, "prune_keeps") + "; comma list")
     add_options(p, AnalyzeConfig, ("prune_gates", "prune_steps", "prune_max_tokens", "prune_eval_beam", "prune_gate_lr",
                                    "prune_init_log_alpha", "attention_sentences"))
@@ -29,6 +30,9 @@ def register(subparsers) -> None:
     add_options(p, AnalyzeConfig, ("trust_remote_code",))
     add_device_options(p)
     add_process_options(p)
+    # The measures' options and --<measure> for those run only when asked (--ablation): declared by
+    # the measures, added when the command is used (importing them imports torch).
+    defer(p, lambda parser: add_plugin_options(parser, AnalyzeConfig.plugin_specs()))
     p.set_defaults(func=run_analyze_command,
                    interrupted="the finished stages are kept in {out}; the same command resumes from them",
                    interrupted_if=("{out}/.headlab/stages/*",))
@@ -38,7 +42,8 @@ def config_from_args(args) -> AnalyzeConfig:
     return from_args(
         args, AnalyzeConfig, train_text=tuple(args.train_text),
         skip=tuple(name.strip() for item in args.skip for name in item.split(",") if name.strip()),
-        prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (), progress=not args.no_progress)
+        prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (), progress=not args.no_progress,
+        options=values_from_args(args, AnalyzeConfig.plugin_specs()))
 
 
 def print_summary(run) -> None:

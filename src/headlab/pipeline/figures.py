@@ -23,7 +23,7 @@ from headlab.aggregate import STATISTICS
 from headlab.data.batching import with_progress
 from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure, write_json
 from headlab.importance.registry import MEASURES
-from headlab.pipeline.labels import FUNCTION_GROUPS, label_group, label_key, load_labels
+from headlab.pipeline.labels import function_groups, label_group, label_key, load_labels
 
 __all__ = [
     "figure1_data",
@@ -81,7 +81,7 @@ def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
             "labels": [list(labels.get(label_key(kind, layer, h), [])) for h in heads],
         })
     return {"kind": kind, "sorted_by": "lrp" if order_by is relevance else "confidence",
-            "n_heads": n_heads, "layers": layers, "groups": list(FUNCTION_GROUPS)}
+            "n_heads": n_heads, "layers": layers, "groups": list(function_groups())}
 
 
 def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
@@ -125,19 +125,22 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
             if column == 0:
                 ax.set_ylabel(name, fontsize=7)
         ax_r.set_title(f"layer {layer['layer']}", fontsize=8)
-        grid = np.zeros((len(FUNCTION_GROUPS), n_heads))
+        groups = list(data["groups"])
+        grid = np.zeros((len(groups), n_heads))
         for i, head_labels in enumerate(layer["labels"]):
             texts: dict[str, list[str]] = {}
             for label in head_labels:
                 texts.setdefault(label_group(label), []).append(_short(label))
             for group, names in texts.items():
-                row = FUNCTION_GROUPS.index(group)
+                if group not in groups:
+                    continue  # a label no registered statistic declares: in heads.csv's functions column only
+                row = groups.index(group)
                 grid[row, i] = 1.0
                 ax_f.text(i, row, "\n".join(names), ha="center", va="center", fontsize=5, rotation=90
                           if max(len(n) for n in names) > 4 else 0)
         ax_f.imshow(grid, cmap="Greens", vmin=0, vmax=2.2, aspect="auto")
         ax_f.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
-        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column == 0 else [""] * 3, fontsize=7)
+        ax_f.set_yticks(range(len(groups)), groups if column == 0 else [""] * len(groups), fontsize=7)
         ax_f.set_xlabel("head", fontsize=7)
     fig.suptitle(f"{kind}: heads per layer sorted by {'LRP relevance' if data['sorted_by'] == 'lrp' else 'confidence'}"
                  " (Voita et al. 2019, Fig. 1)", fontsize=9)

@@ -12,23 +12,27 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, read_json, write_json
 
-__all__ = ["head_labels", "save_labels", "load_labels", "label_key", "FUNCTION_GROUPS", "label_group"]
+__all__ = ["head_labels", "save_labels", "load_labels", "label_key", "function_groups", "label_group"]
 
-FUNCTION_GROUPS = ("positional", "syntactic", "rare")
-"""The rows of Figure 1's function grid."""
+
+def function_groups() -> tuple[str, ...]:
+    """The rows of Figure 1's function grid and the label columns of ``heads.csv``: the label
+    groups the statistics declare (:func:`headlab.functions.registry.label_groups`)."""
+    from headlab.functions.registry import label_groups
+
+    return label_groups()
 
 
 def label_key(kind: str, layer: int, head: int) -> str:
     return f"{kind}:{layer}:{head}"
 
 
-def label_group(label: str) -> str:
-    """Which row of the function grid a label belongs to."""
-    if label.startswith("positional"):
-        return "positional"
-    if label == "rare":
-        return "rare"
-    return "syntactic"
+def label_group(label: str) -> str | None:
+    """Which row of the function grid a label belongs to: the group of the statistic that declares
+    it (None: no registered statistic does; the label is still in the ``functions`` column)."""
+    from headlab.functions.registry import label_group as group_of
+
+    return group_of(label)
 
 
 def head_labels(analysis) -> dict[str, list[str]]:

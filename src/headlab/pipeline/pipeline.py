@@ -43,10 +43,10 @@ from typing import Callable
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
-from headlab.importance.measure_options import ConfidenceOptions, LRPOptions
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
+from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
 from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
@@ -69,9 +69,25 @@ SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
 SOURCE_COUNTING = 2
 
 
+def _requests() -> list[OptionSpec]:
+    """``--<measure>`` for each measure that runs only when asked (``on_request``: ``--ablation``)."""
+    from dataclasses import make_dataclass
+
+    specs = []
+    for name, measure in MEASURES.items():
+        if measure.on_request:
+            flag = make_dataclass("Request", [(name, bool, field(default=False, metadata={
+                "help": measure.on_request if isinstance(measure.on_request, str) else f"also run {name} (slow)",
+                "signed": False}))])
+            specs += option_specs(name, flag)
+    return specs
+
+
+@plugin_options
 @dataclass
-class AnalyzeConfig:
-    """Options of ``headlab analyze``; the command's flags map onto these fields one to one."""
+class AnalyzeConfig(PluginOptions):
+    """Options of ``headlab analyze``; the command's flags map onto these fields one to one, and
+    onto the measures' options (``lrp_targets``, ``--ablation``, ...: keywords kept in ``options``)."""
 
     model: str = field(metadata={"help": "model directory (or hub id in the cache)", "positional": True})
     source: str = field(metadata={
@@ -85,8 +101,6 @@ class AnalyzeConfig:
     train_text: tuple[str, ...] = field(default=(), metadata={
         "help": "training text for token frequencies (rare-token heads); default: --source"})
     prune: bool = field(default=False, metadata={"help": "also run a short gate sweep (needs a translation model and --target)"})
-    ablation: bool = field(default=False, metadata={
-        "help": "also score heads by ablation (slow) and compare every measure with it"})
     force: bool = field(default=False, metadata={
         "help": "run every stage again, even if its results are in --out; also lets analyze write into a directory "
                 "holding files it did not write"})
@@ -99,12 +113,7 @@ class AnalyzeConfig:
     batch_size: int = field(default=32, metadata={"help": "sentences per batch", "range": "[1, inf)"})
     max_length: int | None = field(default=None, metadata={
         "help": "tokens per sentence (default: the model's maximum)", "range": "[2, inf)"})
-    lrp_targets: int | None = field(default=LRPOptions.targets, metadata={
-        "help": "LRP explains a seeded sample of K positions per sentence (0 or absent: every position)",
-        "metavar": "K", "range": "[0, inf)"})
-    lrp_seed: int = field(default=LRPOptions.seed, metadata={
-        "help": "seed of LRP's target sample and bootstrap", "range": "[0, inf)"})
-    query_chunk: int | None = field(default=ConfidenceOptions.query_chunk, metadata={
+    query_chunk: int | None = field(default=None, metadata={
         "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
                 "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N",
                 "range": "[1, inf)"})
@@ -133,6 +142,20 @@ class AnalyzeConfig:
     device: str | None = field(default=None, metadata={"help": "where the model runs: cpu, cuda or cuda:N"})
     dtype: str | None = field(default=None, metadata={"help": "the weights' dtype: float32, bfloat16 or float16"})
     device_map: str | None = field(default=None, metadata={"help": "auto: spread the model over the devices"})
+    options: dict[str, object] = field(default_factory=dict, metadata={
+        "help": "the measures' options by flag name (lrp_targets, ablation, ...)"})
+
+    @classmethod
+    def plugin_specs(cls) -> list[OptionSpec]:
+        """The measures' options that analyze does not declare itself (``--query-chunk`` and
+        ``--batch-size`` are its own, shared by the stages), and ``--<measure>`` of each measure
+        that runs only when asked."""
+        from dataclasses import fields
+
+        from headlab.importance.registry import option_specs as measure_options
+
+        own = {f.name for f in fields(cls)}
+        return [s for s in measure_options() if s.dest not in own] + _requests()
 
     @property
     def placement(self) -> dict:
@@ -212,6 +235,7 @@ def validate(config: AnalyzeConfig) -> Path:
     from headlab.options import check_ranges
 
     check_ranges(config)  # also for a config built in Python (the command line checked its flags already)
+    check_values(config.plugin_specs(), config.options)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
@@ -249,8 +273,7 @@ def validate(config: AnalyzeConfig) -> Path:
                                  ("--query-chunk", config.query_chunk, 1),
                                  ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),
                                  ("--prune-eval-beam", config.prune_eval_beam, 1),
-                                 ("--attention-sentences", config.attention_sentences, 0),
-                                 ("--lrp-targets", config.lrp_targets, 0)):
+                                 ("--attention-sentences", config.attention_sentences, 0)):
         preflight.at_least(value, minimum, flag)
     from headlab.device_options import device_options
 
@@ -392,12 +415,15 @@ class _Context:
                 "max_length": c.max_length}
         if name in IMPORTANCE_STAGES:
             payload = {**common, **text, "batch_size": c.batch_size}
-            if name == "lrp" and (c.lrp_targets or c.lrp_seed):  # other targets or resamples: other numbers
-                payload.update(lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed)
+            # The measure's options that change its numbers, where not their defaults (a default
+            # leaves the key as it was before the option existed).
+            own = {s.dest for s in c.plugin_specs()}
+            payload.update({s.dest: getattr(c, s.dest) for s in MEASURES[name].option_specs()
+                            if s.signed and s.dest in own and getattr(c, s.dest) != s.default})
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
-            if name == "functions":
+            if any("frequencies" in s.needs for s in _statistics(name).values()):
                 payload["frequencies"] = [self.fingerprint(p) for p in (c.train_text or (c.source,))]
                 if not c.train_text:
                     payload["source_counting"] = SOURCE_COUNTING
@@ -439,8 +465,10 @@ def _importance(name: str):
             raise SkipStage(f"the model has no language-model head: {name} needs logits to explain or a loss "
                             "to differentiate")
         data = ctx.importance_data()
+        values = c.option_values()
         config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress,
-                                  lrp_targets=c.lrp_targets, lrp_seed=c.lrp_seed, query_chunk=c.query_chunk)
+                                  query_chunk=c.query_chunk,
+                                  **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values})
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:
@@ -505,16 +533,29 @@ def write_agreement(measures: dict, directory: Path) -> list[Path]:
     return [json_path, md_path]
 
 
-def _head_analysis(ctx: _Context, functions: bool):
+def _statistics(stage: str) -> dict:
+    """The statistics that the pass ``stage`` (``functions`` or ``aggregate``) feeds, by name."""
+    from headlab.functions.registry import STATISTICS
+
+    return {name: s for name, s in STATISTICS.items() if s.stage == stage}
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1] if items else "nothing"
+
+
+def _head_analysis(ctx: _Context, stage: str):
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
     c = ctx.config
+    statistics = _statistics(stage)
     if c.conllu is None:
-        what = "positional, syntactic and rare-token heads" if functions else "the aggregate statistics"
+        what = _and([s.title for s in statistics.values() if s.title])
         raise SkipStage(f"no --conllu: {what} are computed on a parsed treebank (CoNLL-U)")
     model, tokenizer = ctx.load()
     frequencies, note = None, None
-    if functions:
+    needing = [s.title or name for name, s in statistics.items() if "frequencies" in s.needs]
+    if needing:
         from headlab.data.frequencies import TokenFrequencies
         from headlab.importance.data import is_classifier, labelled_texts
 
@@ -525,8 +566,8 @@ def _head_analysis(ctx: _Context, functions: bool):
         else:
             frequencies = TokenFrequencies.from_corpus(tokenizer, [c.source])
         if not c.train_text:
-            note = "token frequencies for rare-token heads counted on --source (pass --train-text for the training corpus)"
-    config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=c.batch_size,
+            note = f"token frequencies for {_and(needing)} counted on --source (pass --train-text for the training corpus)"
+    config = AnalysisConfig(functions=stage == "functions", aggregate=stage == "aggregate", batch_size=c.batch_size,
                             max_sentences=c.treebank_limit, max_length=c.max_length, engine=c.engine,
                             # --query-chunk also chunks confidence: under --engine eager it is that stage's alone
                             query_chunk=None if c.engine == "eager" else c.query_chunk)
@@ -538,7 +579,7 @@ def _head_analysis(ctx: _Context, functions: bool):
 
 
 def _functions(ctx: _Context) -> tuple[list, str | None]:
-    analysis, note = _head_analysis(ctx, functions=True)
+    analysis, note = _head_analysis(ctx, "functions")
     if not ctx.shard.main:
         return [], None
     written = write_functions(analysis, ctx.out_dir / "functions")
@@ -556,10 +597,29 @@ def write_functions(analysis, directory: Path) -> list[Path]:
 
 
 def _aggregate(ctx: _Context) -> tuple[list, str | None]:
-    analysis, note = _head_analysis(ctx, functions=False)
+    analysis, note = _head_analysis(ctx, "aggregate")
     if not ctx.shard.main:
         return [], None
-    return write_aggregate(analysis.aggregate, ctx.out_dir / "aggregate"), note
+    return write_pass(analysis, ctx.out_dir), note
+
+
+def write_pass(analysis, out_dir: Path) -> list[Path]:
+    """The aggregate stage's files: every result of the pass in its own folder of ``out_dir``
+    (``result.write``), and, for a result that has one, its ``summary_markdown()`` as
+    ``summary.md`` in that folder."""
+    import os
+
+    from headlab.heads import atomic_write_text
+
+    written = []
+    for result in analysis.results.values():
+        paths = result.write(out_dir)
+        if hasattr(result, "summary_markdown") and paths:
+            path = Path(os.path.commonpath(paths)) / "summary.md"
+            atomic_write_text(path, result.summary_markdown() + "\n")
+            paths.append(path)
+        written += paths
+    return written
 
 
 def write_aggregate(result, directory: Path) -> list[Path]:

@@ -4,7 +4,8 @@ One row per head (``model``, ``run``, ``kind``, ``layer``, ``head``: the model a
 and the name of its directory, so that the tables of several runs stack with ``pandas.concat``),
 one column per measure or statistic that the run wrote as a HeadScores file, then the head's
 function labels: ``functions`` (all of them, ``; ``-separated) and one column per group
-(``positional``, ``syntactic``, ``rare``). Column names are Python identifiers
+that the statistics declare (``positional``, ``syntactic``, ``rare``:
+:func:`~headlab.pipeline.labels.function_groups`). Column names are Python identifiers
 (``syntactic_advmod_dep_gov``; the POS tag ``_`` of words without one is ``pos_none``). Read it
 with ``pandas.read_csv(DIR / "heads.csv")``. Everything comes from the files of the analysis
 directory, so the table can be rebuilt from them at any time (:func:`write_heads_table`).
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text
-from headlab.pipeline.labels import FUNCTION_GROUPS, label_group
+from headlab.pipeline.labels import function_groups, label_group
 
 __all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
 
@@ -120,8 +121,9 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
     heads_sorted = sorted(heads, key=lambda h: (order.get(h[0], len(KINDS)), h[1], h[2]))
     measures = list(values)
     columns = [*KEY_COLUMNS, *measures]
+    groups = function_groups()
     if labels:
-        columns += ["functions", *FUNCTION_GROUPS]
+        columns += ["functions", *groups]
     rows = []
     for kind, layer, head in heads_sorted:
         row: list = [model, run, kind, layer, head]
@@ -131,7 +133,7 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
         if labels:
             found = labels.get(f"{kind}:{layer}:{head}", [])
             row.append("; ".join(found))
-            row += ["; ".join(x for x in found if label_group(x) == group) for group in FUNCTION_GROUPS]
+            row += ["; ".join(x for x in found if label_group(x) == group) for group in groups]
         rows.append(row)
     return columns, rows
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text
 from headlab.report.collect import Collected, collect
-from headlab.report.sections import render_body, render_navigation, template
+from headlab.report.sections import collect_sections, render_body, render_navigation, template
 
 __all__ = ["build_report", "json_for_script", "INLINE_LIMIT"]
 
@@ -90,6 +90,7 @@ def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:
     if not directory.is_dir():
         raise HeadlabError(f"{directory}: not an analysis directory (no such directory)")
     c = collect(directory)
+    collect_sections(c)
     attention_blocks, attention = _attention(c, inline_limit)
     data = {
         "heatmaps": c.heatmaps,

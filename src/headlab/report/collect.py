@@ -14,23 +14,10 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.registry import tables
+from headlab.plugins import Output
 
-__all__ = ["Collected", "collect", "AGGREGATE", "FUNCTION_MAPS", "CATEGORICAL", "EXEMPLARS_SHOWN"]
+__all__ = ["Collected", "collect", "statistic_maps", "EXEMPLARS_SHOWN"]
 
-AGGREGATE = {
-    "mean_distance": ("Mean attention distance", "attention-weighted distance between words (Vig & Belinkov 2019)"),
-    "mean_entropy": ("Mean attention entropy", "entropy (nats) of each word's attention over words, averaged"),
-    "variability": ("Attention variability", "how much the pattern changes between sentences, 0 to 1 (Vig & Belinkov 2019)"),
-    "dependency_alignment": ("Dependency alignment", "share of attention between words joined by a dependency arc"),
-}
-FUNCTION_MAPS = {
-    "positional/share.json": ("Positional share", "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
-    "positional/offset.json": ("Positional offset", "that most frequent offset (-1 = previous word, +1 = next word)"),
-    "syntactic/margin.json": ("Syntactic margin", "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),
-    "rare_tokens/rarest.json": ("Rare-token share", "how often the head's maximum lands on the rarest token (Sec. 5.3)"),
-}
-CATEGORICAL = {"functions/positional/offset"}
-"""Heatmaps whose values are categories (an offset), drawn with one colour per value."""
 EXEMPLARS_SHOWN = 3
 """Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
 
@@ -49,6 +36,7 @@ class Collected:
     exemplars: dict | None = None  # compact: {"sentences": [[word, ...]], "heads": {"kind:layer": [[[w, s, q, k]]]}}
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
+    sections: dict = field(default_factory=dict)  # what each section's own ``collect`` read, by section id
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -86,7 +74,8 @@ def _conservation(record) -> str:
         return ""
 
 
-def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str) -> None:
+def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str,
+             categorical: bool = False) -> None:
     if not path.is_file():
         return
     try:
@@ -102,7 +91,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
         "caption": caption + _conservation(scores.signature.get("conservation")), "method": scores.method,
         "file": str(path.relative_to(out.directory)), "scores": data,
-        "categorical": f"{group}/{name}" in CATEGORICAL,
+        "categorical": categorical,
     })
     try:
         errors = scores.stderr()
@@ -125,20 +114,42 @@ def _first_dir(directory: Path, *candidates: str) -> Path | None:
     return next((directory / c for c in candidates if (directory / c).is_dir()), None)
 
 
+def statistic_maps(directory: Path) -> list[tuple[Path, str, str, Output]]:
+    """``(file, group, name, output)`` of every HeadScores file that a registered statistic declares
+    (:attr:`~headlab.functions.statistic.Statistic.outputs`) and ``directory`` holds, in registry
+    order: ``functions/positional/share.json`` is group ``functions``, name ``positional/share``;
+    ``aggregate/mean_distance.json`` group ``aggregate``; a family (``aggregate/pos/*.json``) its
+    declared group, one map per file named by its stem. A run of ``headlab functions --aggregate``
+    wrote its aggregate statistics under ``functions/``: read there when not at the top."""
+    from headlab.functions.registry import STATISTICS
+    from headlab.plugins import WRITTEN_UNDER
+
+    found = []
+    for statistic in STATISTICS.values():
+        for output in statistic.outputs:
+            relative = Path(WRITTEN_UNDER[statistic.stage], output.path)  # where analyze wrote it
+            folder = directory
+            if statistic.stage == "aggregate" and not (directory / relative.parts[0]).is_dir():
+                folder = directory / "functions"  # headlab functions --aggregate
+            if "*" in output.path:
+                found += [(path, output.group or relative.parts[0], path.stem, output)
+                          for path in sorted(folder.glob(relative.as_posix()))]
+            else:
+                found.append((folder / relative, output.group or relative.parts[0],
+                              "/".join(relative.with_suffix("").parts[1:]), output))
+    return found
+
+
 def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]]:
-    """Head labels rebuilt from the functions outputs when functions/labels.json is absent."""
+    """Head labels read back by each statistic from its files when functions/labels.json is absent."""
+    from headlab.functions.registry import STATISTICS
+
     labels: dict[str, list[str]] = {}
-    positional = _read_json(functions / "positional" / "offsets.json", "functions", out) or {}
-    for head in positional.get("positional_heads", []) or []:
-        key = f"{head['kind']}:{head['layer']}:{head['head']}"
-        labels.setdefault(key, []).append(f"positional {int(head['offset']):+d}")
-    table = _read_json(functions / "syntactic" / "table1.json", "functions", out) or {}
-    for head in table.get("syntactic_heads", []) or []:
-        key = f"{head['kind']}:{head['layer']}:{head['head']}"
-        labels.setdefault(key, []).append(f"{head['relation']} {head['direction']}")
-    rare = _read_json(functions / "rare_tokens" / "summary.json", "functions", out) or {}
-    for head in (rare.get("top_heads") or [])[:1]:
-        labels.setdefault(f"{head['kind']}:{head['layer']}:{head['head']}", []).append("rare")
+    for statistic in STATISTICS.values():
+        if statistic.read_labels is None or statistic.stage != "functions":
+            continue
+        for key, names in statistic.read_labels(functions, lambda path: _read_json(path, "functions", out)).items():
+            labels.setdefault(str(key), []).extend(names)
     return labels
 
 
@@ -206,8 +217,11 @@ def collect(directory: Path) -> Collected:
         out.note("agreement", "importance/agreement.json: no 'spearman' or 'matrix' table")
 
     functions = d / "functions"
-    for rel, (title, caption) in FUNCTION_MAPS.items():
-        _heatmap(out, functions / rel, "functions", rel.split(".")[0], title, caption)
+    maps = statistic_maps(d)
+    for path, group, name, output in maps:
+        if group == "functions":
+            _heatmap(out, path, group, name, output.title.format(stem=name), output.caption.format(stem=name),
+                     output.categorical)
     labels = _read_json(functions / "labels.json", "functions", out)
     if isinstance(labels, dict):
         # labels.json lists every analysed head, most with no function: keep the labelled ones.
@@ -219,13 +233,12 @@ def collect(directory: Path) -> Collected:
     if isinstance(table1, dict):
         out.table1 = [row for row in table1.get("table", []) if isinstance(row, dict)]
 
+    for path, group, name, output in maps:
+        if group != "functions":
+            _heatmap(out, path, group, name, output.title.format(stem=name), output.caption.format(stem=name),
+                     output.categorical)
     aggregate = _first_dir(d, "aggregate", "functions/aggregate")
     if aggregate is not None:
-        for name, (title, caption) in AGGREGATE.items():
-            _heatmap(out, aggregate / f"{name}.json", "aggregate", name, title, caption)
-        for path in sorted((aggregate / "pos").glob("*.json")):
-            _heatmap(out, path, "pos", path.stem, f"Attention to {path.stem}",
-                     f"share of attention on words tagged {path.stem} (Vig & Belinkov 2019)")
         out.exemplars = _exemplars(aggregate / "exemplars.json", out)
 
     sweep = _read_json(d / "prune" / "sweep.json", "pruning", out)

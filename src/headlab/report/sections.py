@@ -2,31 +2,24 @@
 
 The report's body and its navigation are both generated from :data:`SECTIONS`. Every string that
 comes from the analysis directory goes through :func:`html.escape`; heatmap sections only hold a
-placeholder that ``templates/report.js`` fills from the embedded data. A new section is a
-function ``(Collected) -> HTML`` and one entry in :data:`SECTIONS`.
+placeholder that ``templates/report.js`` fills from the embedded data. A new section is a module
+with its :class:`Section` (its ``render(Collected) -> HTML`` and, for files no other section
+reads, its own ``collect(directory, note)``) and one entry in :data:`SECTIONS` (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from html import escape
 from importlib import resources
 from typing import Callable
 
+from headlab._lazy import LazyRegistry
 from headlab.heads import CAUSAL_KINDS, KINDS
 from headlab.report.collect import Collected
+from headlab.report.section import MEASURE_STAGES, REFERENCE_STAGE, Section
 
 __all__ = ["Section", "SECTIONS", "render_body", "render_navigation", "template"]
-
-
-@dataclass(frozen=True)
-class Section:
-    id: str  # the HTML id, the navigation's anchor and the ``section`` of Collected's notes
-    title: str
-    nav: str  # the link text in the navigation
-    render: Callable[[Collected], str]  # the section's HTML after its heading
-    stages: tuple[str, ...] = ()  # manifest stages (name prefixes) whose skip/failure notes it shows; () = its id
 
 
 def template(name: str) -> str:
@@ -53,7 +46,8 @@ def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
 def _notes(c: Collected, section: str, empty: bool) -> str:
     """What the section lacks and why: stage status from the manifest, then file notes."""
     parts = []
-    for stage in c.stages_for(STAGES.get(section, (section,))):
+    declared = SECTIONS.get(section)
+    for stage in c.stages_for(declared.stage_prefixes() if declared is not None else (section,)):
         status = str(stage.get("status", ""))
         if status in ("skipped", "failed"):
             reason = stage.get("reason") or "no reason given"
@@ -457,33 +451,41 @@ def _viewer(c: Collected) -> str:
     return _notes(c, "viewer", not c.viewer.get("sentences")) + template("viewer.html")
 
 
-SECTIONS: tuple[Section, ...] = (
+SECTIONS = LazyRegistry({**{s.id: s for s in (
     Section("overview", "Which heads matter and what they do", "Overview", _overview,
-            ("importance", "confidence", "lrp", "gradient", "ablation")),
+            ("importance", MEASURE_STAGES)),
     Section("summary", "Run summary", "Summary", _summary),
     Section("importance", "Head importance", "Importance", _heatmaps(
         "importance", "Layers (rows) by heads (columns), one map per measure and attention kind. "
                       "Click a cell to open the head in the attention viewer."),
-            ("importance", "confidence", "lrp", "gradient", "ablation")),
+            ("importance", MEASURE_STAGES)),
     Section("functions", "Head functions", "Functions", _heatmaps(
         "functions", "Positional, syntactic and rare-token heads (Voita et al. 2019, Sec. 5).",
-        extra=lambda c: _function_table(c) + _table1(c)), ("functions", "positional", "syntactic", "rare")),
+        extra=lambda c: _function_table(c) + _table1(c)), ("functions",)),
     Section("aggregate", "Aggregate attention statistics", "Aggregate", _heatmaps(
         "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",),
         before=_layer_curves, extra=lambda c: _pos_grid(c) + _exemplars(c))),
-    Section("agreement", "Measure agreement", "Agreement", _agreement, ("agreement", "ablation", "importance")),
+    Section("agreement", "Measure agreement", "Agreement", _agreement, ("agreement", REFERENCE_STAGE, "importance")),
     Section("pruning", "Pruning", "Pruning", _sweep, ("prune", "pruning", "sweep")),
     Section("figures", "Figures", "Figures", _figures),
     Section("viewer", "Attention viewer", "Viewer", _viewer, ("attention", "examples", "viewer")),
-)
-"""The registry, in page order."""
+)},
+    # A section in a module of its own: "id": "headlab.report.<module>.<SECTION>",
+})
+"""The registry, id -> :class:`Section` (or its full path), in page order."""
 
-STAGES = {s.id: s.stages or (s.id,) for s in SECTIONS}
+
+def collect_sections(c: Collected) -> None:
+    """Each section's own reading of the directory, into ``c.sections`` (its problems: its notes)."""
+    for section in SECTIONS.values():
+        if section.collect is not None:
+            c.sections[section.id] = section.collect(c.directory, lambda text, s=section.id: c.note(s, text))
 
 
 def render_body(c: Collected) -> str:
-    return "".join(f'<section id="{s.id}"><h2>{escape(s.title)}</h2>{s.render(c)}</section>' for s in SECTIONS)
+    return "".join(f'<section id="{escape(s.id)}"><h2>{escape(s.title)}</h2>{s.render(c)}</section>'
+                   for s in SECTIONS.values())
 
 
 def render_navigation() -> str:
-    return "".join(f'<a href="#{s.id}">{escape(s.nav)}</a>' for s in SECTIONS)
+    return "".join(f'<a href="#{escape(s.id)}">{escape(s.nav)}</a>' for s in SECTIONS.values())

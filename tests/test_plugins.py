@@ -1,0 +1,136 @@
+"""A plug-in of each kind (tests/support/plugins.py), registered here, runs through `headlab
+analyze`, `heads.csv` and the report with no other change to headlab; CONTRIBUTING.md shows that
+code as it is, and every step it lists is one this test takes."""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from headlab.adapters import attention_blocks
+from headlab.cli import build_parser, main
+from headlab.functions.registry import STATISTICS
+from headlab.heads import HeadScores
+from headlab.importance.registry import MEASURES
+from headlab.loading import load_model
+from headlab.report.sections import SECTIONS
+from support import plugins
+from support.treebank import SAMPLE_CONLLU, save_marian_for_treebank
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTENCES = ["a man is riding a bike", "two dogs play in the snow", "a woman reads a book"]
+FAST = ["--no-progress", "--skip", "prune", "attention", "figures"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plugin-inputs")
+    save_marian_for_treebank(root / "model", SENTENCES)
+    (root / "src.en").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    return root
+
+
+def _analyze(inputs, out, *extra) -> int:
+    return main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.en"), "--conllu",
+                 str(inputs / "tb.conllu"), "--out", str(out), *FAST, *extra])
+
+
+def _stages(out: Path) -> dict:
+    return {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+
+
+def test_registered_is_undone_after_the_block():
+    before = (list(MEASURES), list(STATISTICS), list(SECTIONS))
+    with plugins.registered():
+        assert "out_norm" in MEASURES and "first_token" in STATISTICS and "first_token" in SECTIONS
+        with pytest.raises(KeyError, match="registered already"):
+            with MEASURES.registered("out_norm", plugins.OutNorm):
+                pass
+    assert (list(MEASURES), list(STATISTICS), list(SECTIONS)) == before
+
+
+def test_a_measure_option_is_a_flag_of_importance_and_analyze():
+    with plugins.registered():
+        parser = build_parser()
+        for command in ("importance", "analyze"):
+            sub = parser._subparsers._group_actions[0].choices[command]
+            assert "--out-norm-power" in sub.format_help(), command
+    assert "--out-norm-power" not in build_parser()._subparsers._group_actions[0].choices["analyze"].format_help()
+
+
+def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inputs, tmp_path, capsys):
+    torch.set_num_threads(1)
+    out = tmp_path / "out"
+    with plugins.registered():
+        assert _analyze(inputs, out, "--out-norm-power", "1") == 0
+        stages = _stages(out)
+        # The measure: its own stage, its option in the scores' signature and in their values.
+        assert stages["out_norm"]["status"] == "done"
+        scores = HeadScores.load(out / "importance" / "out_norm.json")
+        assert scores.signature["options"]["out_norm_power"] == 1.0
+        block = next(b for b in attention_blocks(load_model(str(inputs / "model"))) if b.key == ("enc_self", 1))
+        columns = block.o.weight.detach().reshape(block.o.weight.shape[0], block.n_heads, block.d_head)
+        assert scores["enc_self"][1] == pytest.approx(columns.abs().sum(dim=(0, 2)).numpy(), rel=1e-6)  # L1
+        # The statistic: written by the functions stage, its labels in a column of their own.
+        assert stages["functions"]["status"] == "done"
+        assert (out / "functions" / "first_token" / "share.json").is_file()
+        with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+        assert "out_norm" in rows[0] and "first_token_share" in rows[0]
+        assert list(rows[0])[-5:] == ["functions", "positional", "syntactic", "rare", "first_token"]
+        labelled = [r for r in rows if r["first_token"]]
+        assert {r["first_token"] for r in labelled} == {"first-token"}
+        assert len(labelled) == 2  # one head per analysed layer (enc_self, 2 layers)
+        assert all("first-token" not in r["syntactic"] for r in rows)
+        # The report: the measure's and the statistic's maps, and the section with its own data.
+        html = (out / "index.html").read_text(encoding="utf-8")
+        assert '<section id="first_token"><h2>First-token heads</h2>' in html
+        assert "first_token_share: 2 heads attend most to the first token" in html
+        assert '<a href="#first_token">First token</a>' in html
+        assert "Output-projection norm" in html and "First-token share" in html
+        # The option is part of the measure's stage key: another value runs that stage again.
+        capsys.readouterr()
+        assert _analyze(inputs, out, "--out-norm-power", "2") == 0
+        err = capsys.readouterr().err
+        assert re.search(r"out_norm: running", err) and re.search(r"confidence: reused", err)
+        assert HeadScores.load(out / "importance" / "out_norm.json").signature["options"]["out_norm_power"] == 2.0
+    assert "out_norm" not in MEASURES and "first_token" not in STATISTICS
+
+
+def test_a_plugin_option_out_of_its_range_is_refused_before_any_work(inputs, tmp_path, capsys):
+    with plugins.registered():
+        assert _analyze(inputs, tmp_path / "out", "--out-norm-power", "0") == 2
+    assert "--out-norm-power must be > 0, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def _snippets(text: str) -> dict[str, str]:
+    """``--8<-- [start:NAME]`` ... ``[end:NAME]`` blocks."""
+    return {name: body.strip("\n") for name, body in
+            re.findall(r"# --8<-- \[start:(\w+)\]\n(.*?)# --8<-- \[end:\1\]", text, re.S)}
+
+
+REGISTRY_LINE = re.compile(r'# (src/headlab/\S+\.py), in (\w+):\n\s*"(\w+)": "([\w.]+)",\n')
+
+
+def test_contributing_shows_the_worked_example_as_it_is():
+    """CONTRIBUTING.md's code blocks are tests/support/plugins.py's blocks, verbatim, in order, and
+    each registry line it shows registers what `plugins.registered` registers, by the same name."""
+    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    text = (ROOT / "tests" / "support" / "plugins.py").read_text(encoding="utf-8")
+    source = _snippets(text)
+    assert list(source) == ["measure", "statistic", "section"]
+    blocks = re.findall(r"```python\n(.*?)```", contributing, re.S)
+    code = [b.strip("\n") for b in blocks if not REGISTRY_LINE.match(b)]
+    assert code == list(source.values())
+    lines = [REGISTRY_LINE.match(b).groups() for b in blocks if REGISTRY_LINE.match(b)]
+    assert [(registry, name) for _, registry, name, _ in lines] == [
+        ("MEASURES", "out_norm"), ("STATISTICS", "first_token"), ("SECTIONS", "first_token")]
+    for _, registry, name, path in lines:
+        attribute = path.rpartition(".")[2]
+        assert hasattr(plugins, attribute), path
+        assert f'{registry}.registered("{name}", {attribute})' in text
