@@ -9,7 +9,9 @@ import transformers as tf
 from headlab import HeadScores
 from headlab.cli import main
 from headlab.errors import HeadlabError
+from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.pipeline import STAGES, AnalyzeConfig, run_analysis
+from headlab.pipeline.labels import function_groups
 from headlab.pipeline.pipeline import check_conllu_matches_source
 from support.models import tiny_model
 from support.treebank import SAMPLE_CONLLU, TREEBANK_TEXTS, save_marian_for_treebank, word_tokenizer
@@ -79,18 +81,19 @@ def test_the_gate_sweep_records_the_weights_it_pruned(full_run, inputs):
 
 
 def test_outputs_layout(full_run):
-    for measure in ("confidence", "lrp", "gradient", "ablation"):
+    for measure in MEASURES:  # --ablation: every registered measure ran
         scores = HeadScores.load(full_run / "importance" / f"{measure}.json")
         assert scores["enc_self"].shape == (2, 4)
     agreement = json.loads((full_run / "importance" / "agreement.json").read_text())
-    assert agreement["measures"] == ["confidence", "lrp", "gradient", "ablation"]
-    assert agreement["columns"][-1] == "all" and agreement["reference"] == "ablation"
+    assert agreement["measures"] == list(MEASURES)
+    assert agreement["columns"][-1] == "all" and agreement["reference"] == REFERENCE
+    n = len(MEASURES)
     for column in agreement["columns"]:
         matrix = agreement["matrix"][column]
-        assert len(matrix) == 4 and all(len(row) == 4 for row in matrix)
-        assert all(matrix[i][i] in (1.0, None) for i in range(4))
+        assert len(matrix) == n and all(len(row) == n for row in matrix)
+        assert all(matrix[i][i] in (1.0, None) for i in range(n))
         assert matrix[0][1] == matrix[1][0]
-    assert set(agreement["spearman"]) == {"confidence", "lrp", "gradient"}
+    assert set(agreement["spearman"]) == set(MEASURES) - {REFERENCE}
     labels = json.loads((full_run / "functions" / "labels.json").read_text())
     assert set(labels) == {f"enc_self:{layer}:{head}" for layer in range(2) for head in range(4)}
     assert all(isinstance(v, list) for v in labels.values())
@@ -130,8 +133,7 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     assert calls == ["functions", "aggregate", "table", "figures", "report"]
     calls.clear()
     assert main(args + ["--force", "--skip", "prune", "figures"]) == 0
-    assert calls == ["confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate",
-                     "table", "attention", "report"]
+    assert calls == [*MEASURES, "agreement", "functions", "aggregate", "table", "attention", "report"]
     assert (out / "importance" / "lrp.json").stat().st_mtime_ns > before[out / "importance" / "lrp.json"]
     # A sample of LRP targets reruns LRP and what reads it, no other measure.
     calls.clear()
@@ -261,7 +263,8 @@ def test_heads_csv_has_one_row_per_head_with_every_measure_and_label(full_run):
                      for layer in range(2) for head in range(4)]
     columns = list(rows[0])
     assert columns[:5] == ["model", "run", "kind", "layer", "head"]
-    assert columns[-4:] == ["functions", "positional", "syntactic", "rare"]
+    groups = function_groups()  # the statistics' label groups: positional, syntactic, rare
+    assert columns[-1 - len(groups):] == ["functions", *groups]
     for name in ("confidence", "lrp", "lrp_stderr", "gradient", "gradient_raw", "ablation", "positional_share",
                  "syntactic_margin",
                  "rare_tokens_rarest", "mean_distance", "variability", "pos_NOUN"):

@@ -10,6 +10,7 @@ from headlab import HeadScores
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.importance import ImportanceData, describe_model, encode_texts
+from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.nmt.tokenizer import train_tokenizer
 from support.models import tiny_model
 
@@ -57,13 +58,13 @@ def test_all_methods_end_to_end(tmp_path, tokenizer, files, capsys):
                  "--batch-size", "3", "--ablation-rows", "12", "--no-progress", "--plots"])
     assert code == 0
     printed = capsys.readouterr()
-    for name in ("confidence", "lrp", "gradient", "gradient_raw", "ablation"):
+    for name in tables():  # every table of every registered measure
         scores = HeadScores.load(out / f"{name}.json")
         assert scores.method == name and scores.kinds == ("enc_self", "dec_self", "dec_cross")
         assert scores.signature["n_sentences"] == 6 and scores.signature["n_empty_skipped"] == 1
         assert (out / f"{name}.png").is_file()
     agreement = json.loads((out / "agreement.json").read_text())
-    assert set(agreement["spearman"]) == {"confidence", "lrp", "gradient", "gradient_raw"}
+    assert set(agreement["spearman"]) == set(tables()) - set(MEASURES[REFERENCE].tables)
     assert "| lrp |" in (out / "agreement.md").read_text()
     assert "Spearman correlation with ablation" in printed.out
     assert "6 sentences" in printed.err

@@ -90,6 +90,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
 
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import analyze_heads, describe_heads
+    from headlab.functions.registry import STATISTICS
     from headlab.loading import load_model, load_tokenizer
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
@@ -130,9 +131,12 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
         if analysis.syntactic is not None:
             print(analysis.syntactic.table_markdown())
         if frequencies is None:
-            print("rare-token heads skipped: give --train-text FILE or --frequencies FILE")
-    if aggregate and analysis.aggregate is not None:
-        print(analysis.aggregate.summary_markdown())
+            for statistic in STATISTICS.values():
+                if "frequencies" in statistic.needs and statistic.title:
+                    print(f"{statistic.title} skipped: give --train-text FILE or --frequencies FILE")
+    for name, result in analysis.results.items():  # the aggregate pass's summaries
+        if STATISTICS[name].stage == "aggregate" and hasattr(result, "summary_markdown"):
+            print(result.summary_markdown())
     print(f"wrote {out}/")
     return 0
 
