@@ -59,6 +59,9 @@ def test_a_measure_option_is_a_flag_of_importance_and_analyze():
         for command in ("importance", "analyze"):
             sub = parser._subparsers._group_actions[0].choices[command]
             assert "--out-norm-power" in sub.format_help(), command
+        for command in ("functions", "aggregate", "analyze"):
+            sub = parser._subparsers._group_actions[0].choices[command]
+            assert ("--first-token-per-layer" in sub.format_help()) == (command != "aggregate"), command
     assert "--out-norm-power" not in build_parser()._subparsers._group_actions[0].choices["analyze"].format_help()
 
 
@@ -92,12 +95,17 @@ def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inp
         assert "first_token_share: 2 heads attend most to the first token" in html
         assert '<a href="#first_token">First token</a>' in html
         assert "Output-projection norm" in html and "First-token share" in html
-        # The option is part of the measure's stage key: another value runs that stage again.
+        # Each option is part of its stage's key: another value runs that stage again, no other.
         capsys.readouterr()
-        assert _analyze(inputs, out, "--out-norm-power", "2") == 0
+        assert _analyze(inputs, out, "--out-norm-power", "2", "--first-token-per-layer", "2") == 0
         err = capsys.readouterr().err
         assert re.search(r"out_norm: running", err) and re.search(r"confidence: reused", err)
+        assert re.search(r"functions: running", err) and re.search(r"aggregate: reused", err)
         assert HeadScores.load(out / "importance" / "out_norm.json").signature["options"]["out_norm_power"] == 2.0
+        summary = json.loads((out / "functions" / "summary.json").read_text())
+        assert summary["config"]["options"] == {"first_token_per_layer": 2}
+        with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
+            assert sum(1 for r in csv.DictReader(handle) if r["first_token"]) == 4  # two per layer
     assert "out_norm" not in MEASURES and "first_token" not in STATISTICS
 
 

@@ -204,6 +204,12 @@ class Statistic:
     read_labels: Callable[[Path, LabelReader], dict[str, list[str]]] | None = None
     """Its labels read back from its files (``directory``: where its pass wrote), for a directory
     without ``labels.json``; ``{"kind:layer:head": [label]}``."""
+    Options: type | None = None
+    """A frozen dataclass of its own options, as a measure's (:func:`option_specs`, flags
+    ``--<option_prefix><field>`` of ``headlab functions``/``aggregate`` and ``analyze``); ``make``
+    then takes them as a third argument."""
+    option_prefix: str = ""
+    """The prefix of its options' flags and keywords, its registry name and ``_`` by convention."""
 
     def __post_init__(self) -> None:
         if self.stage not in PASSES:
@@ -214,7 +220,15 @@ class Statistic:
     def __call__(self, config: Any, frequencies: Any = None) -> Any:
         if not getattr(config, self.stage, False):
             return None
-        return self.make(config, frequencies)
+        if self.Options is None:
+            return self.make(config, frequencies)
+        specs = self.option_specs()
+        return self.make(config, frequencies, build_options(self.Options, specs, {
+            s.dest: getattr(config, s.dest) for s in specs if hasattr(config, s.dest)}))
+
+    def option_specs(self) -> list[OptionSpec]:
+        return [] if self.Options is None else option_specs(self.option_prefix.rstrip("_") or "statistic",
+                                                            self.Options, self.option_prefix)
 
     def owns(self, label: str) -> bool:
         """Whether ``label`` is one of its labels."""

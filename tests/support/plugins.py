@@ -63,9 +63,15 @@ class OutNorm(ImportanceMeasure):
 
 
 # --8<-- [start:statistic]
+@dataclass(frozen=True)
+class FirstTokenOptions:
+    per_layer: int = option(1, "first-token: heads labelled in each layer, those attending most to the first token",
+                            range="[1, inf)")
+
+
 class FirstTokenResult:
-    def __init__(self, share: HeadScores) -> None:
-        self.share = share
+    def __init__(self, share: HeadScores, per_layer: int) -> None:
+        self.share, self.per_layer = share, per_layer
 
     def write(self, directory: Path) -> list[Path]:
         return [self.share.save(Path(directory) / "first_token" / "share.json")]
@@ -78,7 +84,8 @@ class FirstTokenResult:
         labels = empty_labels(self.share)
         for kind in self.share.kinds:
             for layer, row in enumerate(self.share[kind]):
-                labels[(kind, layer, int(np.nanargmax(row)))].append("first-token")
+                for head in np.argsort(-row, kind="stable")[: self.per_layer]:
+                    labels[(kind, layer, int(head))].append("first-token")
         return labels
 
     def describe_heads(self) -> list[str]:
@@ -89,7 +96,8 @@ class FirstTokenResult:
 class FirstTokenStats:
     """The mean attention weight on a sentence's first token, per head (a streaming statistic)."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: FirstTokenOptions) -> None:
+        self.options = options
         self.sums: dict[tuple[str, int], torch.Tensor] = {}
         self.rows: dict[tuple[str, int], int] = {}
 
@@ -101,11 +109,13 @@ class FirstTokenStats:
 
     def result(self, *, model: str = "", signature: dict | None = None) -> FirstTokenResult:
         per_block = {key: (total / self.rows[key]).cpu().numpy() for key, total in self.sums.items()}
-        return FirstTokenResult(head_scores(per_block, "first_token_share", model, signature or {}))
+        share = head_scores(per_block, "first_token_share", model, signature or {})
+        return FirstTokenResult(share, self.options.per_layer)
 
 
 FIRST_TOKEN = Statistic(
-    lambda config, frequencies: FirstTokenStats(), title="first-token heads",
+    lambda config, frequencies, options: FirstTokenStats(options), title="first-token heads",
+    Options=FirstTokenOptions, option_prefix="first_token_",  # --first-token-per-layer
     label_group="first_token", label_pattern="first-token",
     outputs=(Output("first_token/share.json", "First-token share", "mean attention weight on the first token"),))
 # --8<-- [end:statistic]

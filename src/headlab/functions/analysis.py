@@ -103,7 +103,7 @@ def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
 
 # Options added after results were published, left out of summary.json at their defaults so that
 # a default run writes the files it always wrote.
-_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None}
+_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None, "options": {}}
 
 
 @dataclass

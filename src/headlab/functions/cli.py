@@ -11,6 +11,7 @@ from headlab.errors import HeadlabError, RunFailed
 from headlab.functions.config import AnalysisConfig
 from headlab.options import HelpFormatter, add_options, from_args, renamed
 from headlab.outdir import check_output, results_lock
+from headlab.plugins import add_plugin_options, defer, values_from_args
 from headlab.shard import add_process_options
 
 
@@ -54,6 +55,7 @@ def register(subparsers) -> None:
                    help="also compute the aggregate statistics in the same pass")
     add_options(p, AnalysisConfig, ("sensitivity",))
     _aggregate_options(p)
+    defer(p, _statistic_options(None))
     p.set_defaults(func=run_functions)
 
     p = subparsers.add_parser(
@@ -61,7 +63,19 @@ def register(subparsers) -> None:
         help="attention distance, entropy, variability, exemplars, POS and dependency shares (Vig & Belinkov 2019)")
     _common(p)
     _aggregate_options(p)
+    defer(p, _statistic_options("aggregate"))
     p.set_defaults(func=run_aggregate)
+
+
+def _statistic_options(stage: str | None):
+    """The flags of the options that the statistics (of the pass ``stage``) declare: added when
+    the command is used (declaring them imports the statistics, and with them torch)."""
+    def add(parser) -> None:
+        from headlab.functions.registry import option_specs
+
+        add_plugin_options(parser, option_specs(stage))
+
+    return add
 
 
 def _sentences(args) -> tuple[int, str]:
@@ -98,7 +112,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     set_threads(args.threads)
     relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
     config = from_args(args, AnalysisConfig, relations=relations or AnalysisConfig.relations, functions=functions,
-                       aggregate=aggregate)
+                       aggregate=aggregate, options=values_from_args(args, AnalysisConfig.plugin_specs()))
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)

@@ -3,11 +3,12 @@ costs no torch (``headlab functions`` and ``aggregate`` generate their flags fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headlab.data.treebank import PAPER_RELATIONS
 from headlab.errors import HeadlabError
 from headlab.options import option
+from headlab.plugins import OptionSpec, PluginOptions, check_values, plugin_options
 
 __all__ = ["AnalysisConfig", "ENGINES", "FUSED_QUERY_CHUNK", "WORD_POOLINGS"]
 
@@ -19,9 +20,11 @@ FUSED_QUERY_CHUNK = 128
 """Subword-to-word mappings (:data:`headlab.data.alignment.POOLINGS`, named here without importing torch)."""
 
 
+@plugin_options
 @dataclass
-class AnalysisConfig:
-    """What to compute and how. Each field maps one to one onto a CLI flag."""
+class AnalysisConfig(PluginOptions):
+    """What to compute and how. Each field maps one to one onto a CLI flag; the options that a
+    registered statistic declares itself (``Statistic.Options``) are keywords too, kept in ``options``."""
 
     relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
     positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]")
@@ -52,6 +55,14 @@ class AnalysisConfig:
                                "largest weight)", choices=WORD_POOLINGS)
     sensitivity: bool = option(False, "also the sensitivity readings: positional share over words with both "
                                "neighbours; rare-token share per sentence")
+    options: dict[str, object] = field(default_factory=dict, metadata={
+        "help": "the options the statistics declare, by flag name"})
+
+    @classmethod
+    def plugin_specs(cls) -> list[OptionSpec]:
+        from headlab.functions.registry import option_specs
+
+        return option_specs()
 
     def __post_init__(self) -> None:
         if self.spacing not in ("words", "text"):
@@ -69,6 +80,8 @@ class AnalysisConfig:
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         self.relations = tuple(self.relations)
+        if self.options:
+            check_values(self.plugin_specs(), self.options)
 
     @property
     def resolved_engine(self) -> str:

@@ -12,8 +12,9 @@ its labels and files (CONTRIBUTING.md). Entries are imported on first use.
 from __future__ import annotations
 
 from headlab._lazy import LazyRegistry
+from headlab.plugins import OptionSpec
 
-__all__ = ["STATISTICS", "label_groups", "label_group"]
+__all__ = ["STATISTICS", "label_groups", "label_group", "option_specs"]
 
 STATISTICS = LazyRegistry({
     "positional": "headlab.functions.positional.POSITIONAL",  # Voita et al. 2019, Sec. 5.1, over words
@@ -39,3 +40,9 @@ def label_groups() -> tuple[str, ...]:
 def label_group(label: str) -> str | None:
     """The group of the first statistic that owns ``label`` (None: no registered statistic does)."""
     return next((s.label_group for s in STATISTICS.values() if s.owns(label)), None)
+
+
+def option_specs(stage: str | None = None) -> list[OptionSpec]:
+    """The options that the statistics (of the pass ``stage``; None: all) declare, in registry order."""
+    return [spec for statistic in STATISTICS.values() if stage in (None, statistic.stage)
+            for spec in statistic.option_specs()]

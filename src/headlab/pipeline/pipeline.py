@@ -147,15 +147,16 @@ class AnalyzeConfig(PluginOptions):
 
     @classmethod
     def plugin_specs(cls) -> list[OptionSpec]:
-        """The measures' options that analyze does not declare itself (``--query-chunk`` and
-        ``--batch-size`` are its own, shared by the stages), and ``--<measure>`` of each measure
-        that runs only when asked."""
+        """The measures' and the statistics' options that analyze does not declare itself
+        (``--query-chunk`` and ``--batch-size`` are its own, shared by the stages), and
+        ``--<measure>`` of each measure that runs only when asked."""
         from dataclasses import fields
 
+        from headlab.functions.registry import option_specs as statistic_options
         from headlab.importance.registry import option_specs as measure_options
 
         own = {f.name for f in fields(cls)}
-        return [s for s in measure_options() if s.dest not in own] + _requests()
+        return [s for s in measure_options() + statistic_options() if s.dest not in own] + _requests()
 
     @property
     def placement(self) -> dict:
@@ -423,6 +424,10 @@ class _Context:
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
+            own = {s.dest for s in c.plugin_specs()}  # the pass's statistics' options, where not their defaults
+            payload.update({s.dest: getattr(c, s.dest) for statistic in _statistics(name).values()
+                            for s in statistic.option_specs()
+                            if s.signed and s.dest in own and getattr(c, s.dest) != s.default})
             if any("frequencies" in s.needs for s in _statistics(name).values()):
                 payload["frequencies"] = [self.fingerprint(p) for p in (c.train_text or (c.source,))]
                 if not c.train_text:
@@ -570,7 +575,9 @@ def _head_analysis(ctx: _Context, stage: str):
     config = AnalysisConfig(functions=stage == "functions", aggregate=stage == "aggregate", batch_size=c.batch_size,
                             max_sentences=c.treebank_limit, max_length=c.max_length, engine=c.engine,
                             # --query-chunk also chunks confidence: under --engine eager it is that stage's alone
-                            query_chunk=None if c.engine == "eager" else c.query_chunk)
+                            query_chunk=None if c.engine == "eager" else c.query_chunk,
+                            options={s.dest: getattr(c, s.dest) for statistic in statistics.values()
+                                     for s in statistic.option_specs()})
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
                              model_name=Path(c.model).name, progress=c.progress)
     if analysis.report.n_sentences == 0:
