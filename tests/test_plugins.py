@@ -16,6 +16,7 @@ from headlab.functions.registry import STATISTICS
 from headlab.heads import HeadScores
 from headlab.importance.registry import MEASURES
 from headlab.loading import load_model
+from headlab.pipeline.pipeline import STAGES  # imported before any plug-in is registered
 from headlab.report.sections import SECTIONS
 from support import plugins
 from support.treebank import SAMPLE_CONLLU, save_marian_for_treebank
@@ -47,10 +48,12 @@ def test_registered_is_undone_after_the_block():
     before = (list(MEASURES), list(STATISTICS), list(SECTIONS))
     with plugins.registered():
         assert "out_norm" in MEASURES and "first_token" in STATISTICS and "first_token" in SECTIONS
+        assert STAGES[: STAGES.index("agreement")] == tuple(MEASURES) and STAGES.index("out_norm") == len(MEASURES) - 1
         with pytest.raises(KeyError, match="registered already"):
             with MEASURES.registered("out_norm", plugins.OutNorm):
                 pass
     assert (list(MEASURES), list(STATISTICS), list(SECTIONS)) == before
+    assert "out_norm" not in STAGES
 
 
 def test_a_measure_option_is_a_flag_of_importance_and_analyze():

@@ -93,6 +93,7 @@ def _run(args, part) -> int:
 
     from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
     from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
+    from headlab.importance.registry import REFERENCE
     from headlab.loading import load_model, load_tokenizer
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
@@ -169,11 +170,11 @@ def _run(args, part) -> int:
                       f"({errors.signature.get('resamples')} resamples): median {np.median(values):.4f}, "
                       f"max {values.max():.4f}")
     if result.agreement is not None:
-        print(f"\nSpearman correlation with ablation ({result.agreement.metric}):")
+        print(f"\nSpearman correlation with {REFERENCE} ({result.agreement.metric}):")
         print(result.agreement.to_markdown(), end="")
         best = result.agreement.best()
         if best:
-            print(f"best predictor of ablation over all heads: {best}")
+            print(f"best predictor of {REFERENCE} over all heads: {best}")
     if failed is not None:
         raise failed
     log(f"done in {time.perf_counter() - start:.0f}s")

@@ -1,15 +1,17 @@
 """``headlab analyze``: every analysis of one model in one resumable run, into one directory.
 
-The stages, in order (:data:`STAGES`), each a thin call into the package that owns the work:
+The stages, in order (:data:`STAGES`), each a thin call into the package that owns the work. The
+measures, statistics and their options, files and labels come from their declarations
+(:mod:`headlab.plugins`); nothing here names one:
 
 =============  ==========================================================================
-confidence     :func:`headlab.importance.run_importance` (one measure) -> importance/confidence.json
-lrp            the same, LRP of the model's own translation (Voita et al. 2019, Sec. 4)
-gradient       the same, gradient importance (Michel et al. 2019) -> gradient.json, gradient_raw.json
-ablation       the same, only with ``--ablation`` (the ground truth; slow: one pass per head)
+<measure>      one stage per registered measure (:data:`headlab.importance.registry.MEASURES`:
+               confidence, lrp, gradient; ablation, ``on_request``, only with ``--ablation``):
+               :func:`headlab.importance.run_importance` -> importance/<table>.json
 agreement      Spearman tables between the measures (:func:`headlab.importance.compute_agreement`)
-functions      :func:`headlab.functions.analyze_heads`: positional, syntactic, rare-token heads
-aggregate      the same pass with the Vig & Belinkov statistics (:mod:`headlab.aggregate`)
+functions      :func:`headlab.functions.analyze_heads`: the statistics of the ``functions`` pass
+               (positional, syntactic, rare-token heads) -> functions/, labels.json
+aggregate      the same for the ``aggregate`` pass (the Vig & Belinkov statistics) -> aggregate/
 prune          only with ``--prune``: a short :func:`headlab.pruning.sweep.run_sweep` of head budgets
 table          :func:`headlab.pipeline.table.write_heads_table`: heads.csv (+ heads.parquet), one row per head
 attention      :func:`headlab.report.write_attention_examples` (attention of a few sentences)
@@ -39,7 +41,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
@@ -53,9 +55,35 @@ from headlab.shard import SINGLE, Shard, sharding
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
 
-IMPORTANCE_STAGES = tuple(MEASURES)
-STAGES = (*IMPORTANCE_STAGES, "agreement", "functions", "aggregate", "prune", "table", "attention", "figures", "report")
-STAGE_GROUPS = {"importance": (*IMPORTANCE_STAGES, "agreement")}
+
+
+class _Live(Sequence[str]):
+    """A tuple of stage names made from the registry at each use: a measure registered after this
+    module was imported (a test's plug-in) is a stage too."""
+
+    def __init__(self, make: Callable[[], tuple[str, ...]]) -> None:
+        self._make = make
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._make()[index]
+
+    def __len__(self) -> int:
+        return len(self._make())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (tuple, list, _Live)) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._make())
+
+    def __repr__(self) -> str:
+        return repr(self._make())
+
+
+IMPORTANCE_STAGES = _Live(lambda: tuple(MEASURES))
+STAGES = _Live(lambda: (*MEASURES, "agreement", "functions", "aggregate", "prune", "table", "attention", "figures",
+                        "report"))
+STAGE_GROUPS = {"importance": _Live(lambda: (*MEASURES, "agreement"))}
 # Stages that own a directory of DIR: cleared before they run again with other inputs, or with force.
 STAGE_DIRS = {"functions": "functions", "aggregate": "aggregate", "prune": "prune", "attention": "attention",
               "figures": "figures"}
@@ -63,7 +91,7 @@ KEY_FILE = ".headlab-key"
 # What analyze writes directly under DIR (the stages' folders, the table, the manifest and the report).
 WRITTEN_AT_TOP = ("index.html", "manifest.json", "heads.csv", "heads.parquet", "importance", *STAGE_DIRS.values())
 # Stages whose batches are split over the processes of a sharded run; the others run in the main one.
-SHARDED_STAGES = (*IMPORTANCE_STAGES, "functions", "aggregate")
+SHARDED_STAGES = _Live(lambda: (*MEASURES, "functions", "aggregate"))
 # How the functions stage counts token frequencies on --source, part of its key: 2 since a
 # classifier's labelled TSV is counted by its text columns only (its labels were counted before).
 SOURCE_COUNTING = 2
@@ -759,7 +787,8 @@ RUNNERS: dict[str, Callable[[_Context], tuple[list, str | None]]] = {
     "figures": _figures,
     "report": _report,
 }
-"""Registry: stage name -> runner returning (written paths, note or None)."""
+"""Registry: stage name -> runner returning (written paths, note or None); a measure registered
+later runs through :func:`_importance` too."""
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -844,7 +873,7 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         if shard.main:
             _prepare_dir(ctx, name, key)
         with sharding(shard if name in SHARDED_STAGES else SINGLE):
-            written, note = RUNNERS[name](ctx)
+            written, note = (RUNNERS[name] if name in RUNNERS else _importance(name))(ctx)
         record = StageRecord(name, "done", note, round(time.perf_counter() - start, 2), ctx.rel(written))
     except SkipStage as skip:
         record = StageRecord(name, "skipped", str(skip))
