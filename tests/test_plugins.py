@@ -112,6 +112,25 @@ def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inp
     assert "out_norm" not in MEASURES and "first_token" not in STATISTICS
 
 
+def test_a_statistic_of_the_aggregate_pass_is_written_by_its_stage(inputs, tmp_path):
+    """A statistic declared for the aggregate pass is computed by the aggregate stage and saved in
+    its own folder, drawn by the report and a column of heads.csv (it was computed and never saved
+    when analyze wrote the aggregate statistics by name)."""
+    from headlab.functions.statistic import Statistic
+    from headlab.plugins import Output
+
+    late = Statistic(lambda config, frequencies: plugins.FirstTokenStats(plugins.FirstTokenOptions()),
+                     stage="aggregate", outputs=(Output("first_token/share.json", "Late first-token share"),))
+    out = tmp_path / "out"
+    with STATISTICS.registered("late_first_token", late):
+        assert _analyze(inputs, out, "--skip", "importance") == 0
+    assert "first_token/share.json" in _stages(out)["aggregate"]["outputs"]
+    assert not (out / "functions" / "first_token").exists()
+    with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
+        assert "share" in next(csv.reader(handle))
+    assert "Late first-token share" in (out / "index.html").read_text(encoding="utf-8")
+
+
 def test_a_plugin_option_out_of_its_range_is_refused_before_any_work(inputs, tmp_path, capsys):
     with plugins.registered():
         assert _analyze(inputs, tmp_path / "out", "--out-norm-power", "0") == 2

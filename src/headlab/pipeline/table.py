@@ -31,8 +31,19 @@ KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
 TABLE_FORMAT = 2
 """2: ``model`` and ``run`` columns, identifier-safe names (part of the table stage's key)."""
 
-_SOURCES = ("importance", "functions", "aggregate")
-"""Directories of DIR whose HeadScores files become columns."""
+def _sources() -> tuple[str, ...]:
+    """Directories of DIR whose HeadScores files become columns: the measures', the functions pass's
+    and the folders the aggregate pass's statistics declare (``aggregate``)."""
+    from headlab.functions.registry import STATISTICS
+    from headlab.plugins import WRITTEN_UNDER
+
+    folders = ["importance", "functions"]
+    for statistic in STATISTICS.values():
+        for output in statistic.outputs:
+            folder = Path(WRITTEN_UNDER[statistic.stage], output.path).parts[0]
+            if folder not in folders:
+                folders.append(folder)
+    return tuple(folders)
 
 
 def _column(relative: Path) -> str:
@@ -59,7 +70,7 @@ def _model_of(out_dir: Path, scores: list[HeadScores]) -> str:
 
 def _documents(out_dir: Path):
     """``(path relative to DIR, JSON)`` of the JSON files of the score directories, in column order."""
-    for directory in _SOURCES:
+    for directory in _sources():
         root = out_dir / directory
         if not root.is_dir():
             continue
