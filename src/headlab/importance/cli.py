@@ -9,6 +9,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
 from headlab.importance.config import ImportanceConfig
+from headlab.importance.registry import MEASURES
 from headlab.options import HelpFormatter, add_options, from_args, help_of, renamed
 from headlab.outdir import check_output, results_lock
 from headlab.plugins import add_plugin_options, defer, values_from_args
@@ -18,7 +19,7 @@ from headlab.shard import add_process_options
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "importance",
-        help="score every head: confidence, LRP, gradient importance, ablation, and their agreement",
+        help=f"score every head: {', '.join(MEASURES)}, and their agreement",
         formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="local model directory or hub id (hub ids need the network or a cache)")

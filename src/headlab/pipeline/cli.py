@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     add_options(p, AnalyzeConfig, ("out", "prune", "force"))
     p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="STAGE",
                    help=f"stages not to run (space- or comma-separated): {', '.join(STAGES)}, "
-                        "or importance (its five stages)")
+                        "or importance (the measures' stages and agreement)")
     add_options(p, AnalyzeConfig, ("limit", "conllu_limit", "threads", "batch_size", "max_length", "query_chunk",
                                    "engine", "prune_source", "prune_target", "prune_limit"))
     p.add_argument("--prune-keeps", help=help_of(AnalyzeConfig, "prune_keeps") + "; comma list")
