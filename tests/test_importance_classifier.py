@@ -20,6 +20,7 @@ from headlab.errors import HeadlabError
 from headlab.gates import ConstantGates, ScalarGates
 from headlab.importance.common import forward_logits
 from headlab.importance.data import describe_model, make_batches, read_labelled_data
+from headlab.importance.registry import MEASURES
 from headlab.loading import load_model, load_tokenizer
 from support.treebank import word_tokenizer
 
@@ -141,7 +142,7 @@ def test_analyze_runs_end_to_end_on_a_classifier(classifier, tmp_path):
     assert main(["analyze", str(root / "model"), "--source", str(root / "dev.tsv"), "--out", str(out), "--ablation",
                  "--skip", "figures", "--no-progress", "--batch-size", "8"]) == 0
     stages = {s["name"]: s["status"] for s in json.loads((out / "manifest.json").read_text())["stages"]}
-    for name in ("confidence", "lrp", "gradient", "ablation", "agreement", "table", "attention", "report"):
+    for name in (*MEASURES, "agreement", "table", "attention", "report"):  # --ablation: every measure
         assert stages[name] == "done", (name, stages)
     with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
