@@ -130,10 +130,10 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
         for i, head_labels in enumerate(layer["labels"]):
             texts: dict[str, list[str]] = {}
             for label in head_labels:
-                texts.setdefault(label_group(label), []).append(_short(label))
+                group = label_group(label)
+                if group in groups:  # else no registered statistic declares it: heads.csv's functions column only
+                    texts.setdefault(group, []).append(_short(label))
             for group, names in texts.items():
-                if group not in groups:
-                    continue  # a label no registered statistic declares: in heads.csv's functions column only
                 row = groups.index(group)
                 grid[row, i] = 1.0
                 ax_f.text(i, row, "\n".join(names), ha="center", va="center", fontsize=5, rotation=90

@@ -499,9 +499,9 @@ def _importance(name: str):
                             "to differentiate")
         data = ctx.importance_data()
         values = c.option_values()
-        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress,
-                                  query_chunk=c.query_chunk,
-                                  **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values})
+        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress, options={
+            **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
+            "query_chunk": c.query_chunk})
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:
