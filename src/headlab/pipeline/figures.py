@@ -131,7 +131,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
             texts: dict[str, list[str]] = {}
             for label in head_labels:
                 group = label_group(label)
-                if group in groups:  # else no registered statistic declares it: heads.csv's functions column only
+                if group is not None and group in groups:  # else no statistic declares it: heads.csv only
                     texts.setdefault(group, []).append(_short(label))
             for group, names in texts.items():
                 row = groups.index(group)
