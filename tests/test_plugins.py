@@ -164,3 +164,26 @@ def test_contributing_shows_the_worked_example_as_it_is():
         attribute = path.rpartition(".")[2]
         assert hasattr(plugins, attribute), path
         assert f'{registry}.registered("{name}", {attribute})' in text
+
+
+def test_configs_take_the_declared_options_as_keywords():
+    """A plug-in's option is a keyword of the configs, read back as an attribute (its declared
+    default when not given), range-checked with its flag's name; an undeclared one is refused."""
+    from headlab.errors import HeadlabError
+    from headlab.functions.config import AnalysisConfig
+    from headlab.importance.config import ImportanceConfig
+    from headlab.pipeline.pipeline import AnalyzeConfig
+
+    with plugins.registered():
+        config = ImportanceConfig(methods=("out_norm",), out_norm_power=3.0)
+        assert config.out_norm_power == 3.0 and ImportanceConfig().out_norm_power == 2.0
+        assert config.signature_options()["out_norm_power"] == 3.0
+        assert plugins.OutNorm.options_from(config) == plugins.OutNormOptions(power=3.0)
+        with pytest.raises(HeadlabError, match=r"--out-norm-power must be > 0, got -1"):
+            ImportanceConfig(out_norm_power=-1.0).resolved_methods()
+        assert AnalyzeConfig("m", "s", "o", first_token_per_layer=3).first_token_per_layer == 3
+        assert AnalysisConfig(first_token_per_layer=2).options == {"first_token_per_layer": 2}
+        with pytest.raises(HeadlabError, match=r"--first-token-per-layer must be at least 1, got 0"):
+            AnalysisConfig(first_token_per_layer=0)
+    with pytest.raises(TypeError, match="out_norm_power"):
+        ImportanceConfig(out_norm_power=3.0)  # not registered any more
