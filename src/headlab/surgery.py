@@ -210,7 +210,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
     _slice_inputs(block.o, q_index, journal)
-    for path, module, is_key in _per_head_lists(block):
+    for _path, module, is_key in _per_head_lists(block):
         chosen = kv_keep if is_key else keep
         norms = [module.norms[h] for h in chosen]
         norms = [n if norms.index(n) == i else copy.deepcopy(n) for i, n in enumerate(norms)]  # repeats: own copy

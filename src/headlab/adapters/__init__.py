@@ -70,7 +70,7 @@ def out_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.out_features
     if hasattr(module, "nf"):
-        return int(getattr(module, "nf"))
+        return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
     raise HeadlabError(f"cannot read the output width of {type(module).__name__}")
 
 
@@ -78,7 +78,7 @@ def in_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.in_features
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
-        return int(getattr(module, "weight").shape[0])
+        return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
     raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
 
 

@@ -314,7 +314,7 @@ def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, sta
     word.
     """
     rows = []
-    for sentence, alignment, _ in items:
+    for _sentence, alignment, _ in items:
         ids = list(alignment.input_ids)
         word = alignment.word_of_token.tolist()
         if shift:

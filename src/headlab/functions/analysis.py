@@ -548,7 +548,7 @@ def _prepare(raw, index, tokenizer, config, max_length, report):
     ok = [True] * len(raw)
     source_alignments: list = [None] * len(raw)
     target_alignments: list = [None] * len(raw)
-    for which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
+    for _which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
         parsed = [(i, s) for i, s in enumerate(sentences) if isinstance(s, Sentence)]
         if not parsed:
             continue

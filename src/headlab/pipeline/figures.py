@@ -71,7 +71,7 @@ def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
         def values(scores):
             if scores is None or kind not in scores.kinds:
                 return None
-            return [_clean(float(scores[kind][layer, h])) for h in heads]
+            return [_clean(float(scores[kind][layer, h])) for h in heads]  # noqa: B023 (called in this iteration)
 
         layers.append({
             "layer": layer,

@@ -335,7 +335,7 @@ def baselines_markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         def stat(name):
-            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)
+            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)  # noqa: B023 (called in this iteration)
             if not len(values):
                 return ""
             return f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values.mean():.2f}"
