@@ -779,7 +779,6 @@ class WordRows:
         if have:
             assert self.pending is not None
             pending[:, :, :have] = self.pending
-
         rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
         _pool_rows(pending, rows_at, key_words, side.pooling)
         self.pending = pending[:, :, n:need] if need > n else None

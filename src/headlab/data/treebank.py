@@ -416,7 +416,6 @@ class Treebank:
         # read_conllu yields None only with keep_place=True
         return read_conllu(self.path, problems=problems, counts=counts, limit=self.limit)  # type: ignore[return-value]
 
-
     def __iter__(self) -> Iterator[Sentence]:
         return self.sentences()
 

@@ -415,7 +415,6 @@ class Ablation(ImportanceMeasure):
 
     def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,  # type: ignore[override]
                      tokenizer=None) -> list[HeadScores]:  # (the keywords the callers pass, named)
-
         o = self.options
         metrics = (o.metric, "accuracy") if info.arch == "classifier" and o.metric == "loss" else (o.metric,)
         return compute_ablation_tables(model, data, info, metrics=metrics, batch_size=batch_size, max_rows=o.rows,

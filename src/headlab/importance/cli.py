@@ -125,7 +125,6 @@ def _run(args, part) -> int:
         from dataclasses import replace
 
         log(f"the checkpoint was saved as {', '.join(cast(Any, model.config).architectures)}, without a language-model head")
-
         info = replace(info, has_lm_head=False)
     data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())
