@@ -192,7 +192,6 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
 
 
 class PrunedModel(_BASE):  # type: ignore[misc,valid-type]  # the base class is named in the saved config
-
     """The original class, with the pruned attention shapes of ``config.headlab_pruned``."""
 
     def __init__(self, config, *args, **kwargs):

@@ -478,7 +478,6 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             else:
                 assert block.q is not None and block.k is not None  # unfused projections
                 handles.append(block.q.register_forward_hook(_detach_output))
-
                 handles.append(block.k.register_forward_hook(_detach_output))
         yield
     finally:

@@ -91,8 +91,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         # A vocabulary headlab trained (or any fast tokenizer): never code from the directory, never a prompt.
         # type: ignore below: AutoTokenizer may give the SentencePiece backend; callers use only the API both share
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # type: ignore[return-value]
-
-
     except (ValueError, OSError) as error:
         if serialized.is_file():
             raise

@@ -287,7 +287,6 @@ def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable
                           f"{statistic.replace('_', ' ')} per head over the treebank (Vig & Belinkov 2019), "
                           "layers down, heads across.",
                           partial(plot_scores_heatmap, scores, title=statistic.replace("_", " "))))
-
     sweep = root / "prune" / "sweep.json"
     if sweep.is_file():
         rows = json.loads(sweep.read_text(encoding="utf-8"))

@@ -178,7 +178,6 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
     n = 0
     for n, sentence in enumerate(read_conllu(conllu, limit=limit), start=1):
         assert sentence is not None  # None only with keep_place=True
-
         text = sentence.text if sentence.text else " ".join(sentence.words)
         if n > len(lines):
             raise HeadlabError(f"--conllu {conllu} has more sentences than --source {source} has lines "

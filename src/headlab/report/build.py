@@ -54,7 +54,6 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
     directory = c.directory / "attention"
     sentences: list[dict] = []
     payloads: list = []
-
     for entry in index["sentences"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             continue
