@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from html import escape
 from importlib import resources
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from headlab.heads import CAUSAL_KINDS, KINDS
 from headlab.report.collect import Collected
@@ -228,7 +228,7 @@ def _tick_label(t: float) -> str:
 
 
 
-def _line_chart(series: dict[str, list[tuple[float, float | None]]], xlabel: str, ylabel: str, cls: str,
+def _line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabel: str, ylabel: str, cls: str,
                 title: str, integer_x: bool = False, reference: float | None = None) -> str:
     """A small line chart: one line per series (kinds take their colours), axes with ticks that
     never crowd (at most ~6 per axis), a ``<title>`` per point for its value."""
@@ -283,7 +283,7 @@ def _line_chart(series: dict[str, list[tuple[float, float | None]]], xlabel: str
 
 def _layer_means(heatmap: dict) -> dict[str, list[tuple[float, float | None]]]:
     """Per kind, the mean over the heads of each layer (heads not scored left out)."""
-    out = {}
+    out: dict[str, list[tuple[float, float | None]]] = {}
     for kind in KINDS:
         rows = heatmap["scores"].get(kind)
         if rows:
