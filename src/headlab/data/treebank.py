@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from conllu.exceptions import ParseException
 from conllu.parser import (
@@ -414,7 +415,7 @@ class Treebank:
 
     def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:
         # read_conllu yields None only with keep_place=True
-        return read_conllu(self.path, problems=problems, counts=counts, limit=self.limit)  # type: ignore[return-value]
+        return cast(Iterator[Sentence], read_conllu(self.path, problems=problems, counts=counts, limit=self.limit))
 
     def __iter__(self) -> Iterator[Sentence]:
         return self.sentences()
