@@ -14,8 +14,6 @@ no head computes what the full layer does with no head: the output projection's 
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
 """
 
-from typing import Any, cast
-
 import torch
 import transformers
 from torch import nn
@@ -42,7 +40,7 @@ def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
     """A projection of the pruned shape, on the old one's device and dtype (the weights follow)."""
-    weight = cast(torch.Tensor, old.weight)
+    weight = old.weight
     if kind == "conv1d":  # transformers' Conv1D (GPT-2): weight [in, out]
         from transformers.pytorch_utils import Conv1D
 
@@ -133,7 +131,7 @@ KEPT_ATTR = "_headlab_kept_heads"
 ORIGINAL_ATTR = "_headlab_original"
 
 
-def alibi_hook(cls: type[nn.Module]):
+def alibi_hook(cls: type):
     """A forward pre-hook for a pruned attention module of class ``cls`` that takes ALiBi biases
     (Bloom; Falcon with alibi=True). The model builds them once for all the heads of its config
     and every layer reads them in head order; the hook hands the layer the rows of the heads it
@@ -180,7 +178,7 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
                 setattr(module, name, value)
         for path, values in plan.get("config", {}).items():
             module = model.get_submodule(path)
-            cast(Any, module).config = LayerConfig(module.config, values)
+            module.config = LayerConfig(module.config, values)
         for path, (kept, original) in plan.get("alibi", {}).items():
             module = model.get_submodule(path)
             setattr(module, KEPT_ATTR, kept)
@@ -191,7 +189,7 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
                                                         residual[0] if residual else None))
 
 
-class PrunedModel(_BASE):  # type: ignore[misc,valid-type]  # the base class is named in the saved config
+class PrunedModel(_BASE):
     """The original class, with the pruned attention shapes of ``config.headlab_pruned``."""
 
     def __init__(self, config, *args, **kwargs):
