@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -71,7 +72,7 @@ def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
         def values(scores):
             if scores is None or kind not in scores.kinds:
                 return None
-            return [_clean(float(scores[kind][layer, h])) for h in heads]
+            return [_clean(float(scores[kind][layer, h])) for h in heads]  # noqa: B023 (called in this iteration)
 
         layers.append({
             "layer": layer,
@@ -272,20 +273,20 @@ def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable
             if not labels:
                 caption += " The function analysis did not run (no --conllu), so the grid is empty."
             specs.append((f"figure1_{kind}", f"Figure 1 ({kind}): importance and function of each head", caption,
-                          lambda kind=kind: plot_figure1(lrp, confidence, labels, kind)))
+                          partial(plot_figure1, lrp, confidence, labels, kind)))
     for measure in IMPORTANCE_MEASURES:
         scores = _load(root / "importance" / f"{measure}.json")
         if scores is not None:
             specs.append((f"importance_{measure}", f"Head importance: {measure}",
                           f"{measure} of every head, layers down, heads across, one panel per attention kind.",
-                          lambda s=scores, m=measure: plot_scores_heatmap(s, title=m)))
+                          partial(plot_scores_heatmap, scores, title=measure)))
     for statistic in AGGREGATE_STATISTICS:
         scores = _load(root / "aggregate" / f"{statistic}.json")
         if scores is not None:
             specs.append((f"aggregate_{statistic}", f"Aggregate statistic: {statistic.replace('_', ' ')}",
                           f"{statistic.replace('_', ' ')} per head over the treebank (Vig & Belinkov 2019), "
                           "layers down, heads across.",
-                          lambda s=scores, t=statistic: plot_scores_heatmap(s, title=t.replace("_", " "))))
+                          partial(plot_scores_heatmap, scores, title=statistic.replace("_", " "))))
     sweep = root / "prune" / "sweep.json"
     if sweep.is_file():
         rows = json.loads(sweep.read_text(encoding="utf-8"))
