@@ -17,6 +17,8 @@ JOBS=${JOBS:-6}
 PY=${PYTHON:-python3}
 EXTRA=${EXTRA:-}   # testing the script: EXTRA='--max-steps 2' LIMIT=3 (the first configurations only)
 LIMIT=${LIMIT:-1000}
+EPOCHS=${EPOCHS:-1}   # the plan's second-epoch step: EPOCHS=2 CONFIGS='gates-keep6 least-6 ...' ROOT=/tmp/heavy-lifting-e2
+CONFIGS=${CONFIGS:-}  # default: every configuration of the plan
 if [ -d .whl ] && ! "$PY" -c "import conllu" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,9 +44,11 @@ pack() {
 tail -3 "$ROOT/driver-full.log"
 NAMES=$("$PY" experiments/heavy_lifting_lm.py plan --labels "$LABELS" \
   | "$PY" -c 'import json, sys; print("\n".join(json.loads(l)["name"] for l in sys.stdin if json.loads(l)["name"] != "full"))' | head -n "$LIMIT")
+if [ -n "$CONFIGS" ]; then NAMES=$(echo "$CONFIGS" | tr ' ,' '\n\n' | grep .); fi
 for j in $(seq 0 $((JOBS - 1))); do
   ONLY=$(echo "$NAMES" | awk -v j="$j" -v n="$JOBS" '(NR - 1) % n == j' | paste -sd,)
-  "$PY" experiments/heavy_lifting_lm.py run --root "$ROOT" "${COMMON[@]}" --only "$ONLY" --deadline "$DEADLINE" \
+  [ -n "$ONLY" ] || continue  # more drivers than configurations (an empty --only would mean all)
+  "$PY" experiments/heavy_lifting_lm.py run --root "$ROOT" "${COMMON[@]}" --only "$ONLY" --deadline "$DEADLINE" --epochs "$EPOCHS" \
     ${EXTRA:+--extra-train-args "$EXTRA"} > "$ROOT/driver-$j.log" 2>&1 &
 done
 wait

@@ -235,6 +235,7 @@ class Runner:
         self.done: list[str] = []
         self.only = set(args.only.split(",")) if args.only else None
         self.extra = args.extra_train_args.split() if args.extra_train_args else []
+        self.recipe = [str(args.epochs) if i and RECIPE[i - 1] == "--epochs" else item for i, item in enumerate(RECIPE)]
 
     def status(self, line: str) -> None:
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -320,7 +321,7 @@ class Runner:
                         raise RuntimeError(f"{config['name']}: prune apply failed, see {log}")
                 args = ["--lam", "0"]
             started = time.time()
-            code = self.headlab(["prune", "train", model, "--train-text", str(self.train_file), *RECIPE, *self.extra, *args,
+            code = self.headlab(["prune", "train", model, "--train-text", str(self.train_file), *self.recipe, *self.extra, *args,
                                  "--out", str(run / "prune"), "--resume"], log)
             if code:
                 raise RuntimeError(f"{config['name']}: prune train exited {code}, see {log}")
@@ -370,6 +371,8 @@ def main(argv=None) -> int:
                    help="UTC time (ISO 8601) at which the running training is interrupted and the driver stops")
     p.add_argument("--only", help="comma list of configuration names (testing the driver)")
     p.add_argument("--extra-train-args", help="appended to every prune train command (testing: '--max-steps 2')")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="epochs of every trained configuration (the plan's second-epoch step: 2, in a new --root)")
     p = sub.add_parser("report", help="apply the decision rules to the finished configurations")
     p.add_argument("--root", required=True)
     p.add_argument("--labels", required=True)
