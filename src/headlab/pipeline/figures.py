@@ -55,6 +55,8 @@ def _short(label: str) -> str:
 
 # ----------------------------------------------------------------------------- Figure 1
 
+FIGURE1_COLUMNS = 8  # layers per band of Figure 1: more wrap into further bands
+
 
 def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
                  labels: Mapping[str, list[str]], kind: str = "enc_self") -> dict:
@@ -91,17 +93,30 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
     heads (bars, heads sorted by relevance within the layer) and the function grid below
     (positional / syntactic / rare), each function named in its cell.
 
-    ``axes``: a ``[3, n_layers]`` array of axes (created when None). Returns ``(figure, data)``.
+    ``axes``: a ``[3, n_layers]`` array of axes (created when None: more than
+    :data:`FIGURE1_COLUMNS` layers wrap into bands of at most that many, so that 24 or 32 layers
+    stay readable). Returns ``(figure, data)``.
     """
     plt = pyplot()
     data = figure1_data(relevance, confidence, labels, kind)
     n_layers, n_heads = len(data["layers"]), data["n_heads"]
     if axes is None:
-        fig, axes = plt.subplots(3, n_layers, figsize=(max(2.1 * n_layers, 6), 5.2), squeeze=False,
-                                 gridspec_kw={"height_ratios": [1.0, 1.0, 0.9]}, layout="constrained")
+        bands = -(-n_layers // FIGURE1_COLUMNS)
+        columns = -(-n_layers // bands)  # the layers spread evenly over the bands
+        fig, grid = plt.subplots(3 * bands, columns, figsize=(max(2.1 * columns, 6), 5.2 * bands), squeeze=False,
+                                 gridspec_kw={"height_ratios": [1.0, 1.0, 0.9] * bands}, layout="constrained")
+        axes = np.empty((3, n_layers), dtype=object)
+        for layer in range(n_layers):
+            band, column = divmod(layer, columns)
+            axes[:, layer] = grid[3 * band:3 * band + 3, column]
+        for cell in range(n_layers, bands * columns):  # the last band's empty places
+            band, column = divmod(cell, columns)
+            for ax in grid[3 * band:3 * band + 3, column]:
+                ax.set_axis_off()
     else:
         axes = np.asarray(axes).reshape(3, n_layers)
         fig = axes[0, 0].figure
+        columns = n_layers
     def limits(field: str) -> tuple[float, float]:
         # One scale per row, so layers compare; relevance can be negative (normalised by |sum|).
         values = [v for ly in data["layers"] for v in (ly[field] or []) if v is not None] or [0.0]
@@ -123,7 +138,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
             ax.set_ylim(*limits(field))
             ax.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
             ax.tick_params(axis="y", labelsize=6)
-            if column == 0:
+            if column % columns == 0:  # the first layer of each band
                 ax.set_ylabel(name, fontsize=7)
         ax_r.set_title(f"layer {layer['layer']}", fontsize=8)
         grid = np.zeros((len(FUNCTION_GROUPS), n_heads))
@@ -138,7 +153,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
                           if max(len(n) for n in names) > 4 else 0)
         ax_f.imshow(grid, cmap="Greens", vmin=0, vmax=2.2, aspect="auto")
         ax_f.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
-        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column == 0 else [""] * 3, fontsize=7)
+        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column % columns == 0 else [""] * 3, fontsize=7)
         ax_f.set_xlabel("head", fontsize=7)
     fig.suptitle(f"{kind}: heads per layer sorted by {'LRP relevance' if data['sorted_by'] == 'lrp' else 'confidence'}"
                  " (Voita et al. 2019, Fig. 1)", fontsize=9)
