@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.registry import tables
 from headlab.plugins import Output
 
-__all__ = ["Collected", "collect", "statistic_maps", "EXEMPLARS_SHOWN"]
-
-EXEMPLARS_SHOWN = 3
-"""Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
+__all__ = ["Collected", "collect", "statistic_maps", "read_json_noted"]
 
 
 @dataclass
@@ -28,12 +27,10 @@ class Collected:
     manifest: dict = field(default_factory=dict)
     heatmaps: list[dict] = field(default_factory=list)
     labels: dict[str, list[str]] = field(default_factory=dict)
-    table1: list[dict] = field(default_factory=list)
     agreement: dict | None = None
     sweep: list[dict] | None = None
     figures: list[dict] = field(default_factory=list)
     attention: dict | None = None
-    exemplars: dict | None = None  # compact: {"sentences": [[word, ...]], "heads": {"kind:layer": [[[w, s, q, k]]]}}
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
     sections: dict = field(default_factory=dict)  # what each section's own ``collect`` read, by section id
@@ -47,15 +44,20 @@ class Collected:
                 if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
 
 
-def _read_json(path: Path, section: str, out: Collected):
-    """The file's JSON; None when it is missing (silently) or unreadable (noted)."""
+def read_json_noted(path: Path, directory: Path, note: Callable[[str], None]) -> Any:
+    """The file's JSON; None when it is missing (silently) or unreadable (``note``d, with its path
+    relative to the analysis ``directory``)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         pass
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        out.note(section, f"{path.relative_to(out.directory)}: unreadable ({error})")
+        note(f"{path.relative_to(directory)}: unreadable ({error})")
     return None
+
+
+def _read_json(path: Path, section: str, out: Collected) -> Any:
+    return read_json_noted(path, out.directory, lambda text: out.note(section, text))
 
 
 def _finite(value):
@@ -110,10 +112,6 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         })
 
 
-def _first_dir(directory: Path, *candidates: str) -> Path | None:
-    return next((directory / c for c in candidates if (directory / c).is_dir()), None)
-
-
 def statistic_maps(directory: Path) -> list[tuple[Path, str, str, Output]]:
     """``(file, group, name, output)`` of every HeadScores file that a registered statistic declares
     (:attr:`~headlab.functions.statistic.Statistic.outputs`) and ``directory`` holds, in registry
@@ -151,42 +149,6 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
         for key, names in statistic.read_labels(functions, lambda path: _read_json(path, "functions", out)).items():
             labels.setdefault(str(key), []).extend(names)
     return labels
-
-
-def _exemplars(path: Path, out: Collected) -> dict | None:
-    """``aggregate/exemplars.json`` (``{"kind:layer": [[exemplar, ...] per head]}``) made compact:
-    each sentence's words once, each exemplar ``[weight, sentence, query, key]``, the first
-    :data:`EXEMPLARS_SHOWN` per head."""
-    raw = _read_json(path, "aggregate", out)
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        out.note("aggregate", f"{path.relative_to(out.directory)}: not a JSON object")
-        return None
-    sentences: list[list[str]] = []
-    slots: dict[tuple[int, str], int] = {}
-    heads: dict[str, list[list[list]]] = {}
-    for block, per_head in raw.items():
-        if not isinstance(per_head, list):
-            continue
-        rows = []
-        for items in per_head:
-            kept = []
-            for e in (items if isinstance(items, list) else [])[:EXEMPLARS_SHOWN]:
-                if not isinstance(e, dict) or not isinstance(e.get("text"), str):
-                    continue
-                try:
-                    key = (int(e.get("sentence", -1)), e["text"])
-                    item = [_finite(float(e.get("weight", math.nan))), int(e.get("query", 0)), int(e.get("key", 0))]
-                except (TypeError, ValueError):
-                    continue
-                if key not in slots:
-                    slots[key] = len(sentences)
-                    sentences.append(e["text"].split(" "))
-                kept.append([item[0], slots[key], item[1], item[2]])
-            rows.append(kept)
-        heads[str(block)] = rows
-    return {"sentences": sentences, "heads": heads} if heads else None
 
 
 def collect(directory: Path) -> Collected:
@@ -229,17 +191,11 @@ def collect(directory: Path) -> Collected:
                       if v not in (None, "", [])}
     elif functions.is_dir():
         out.labels = _labels_from_results(functions, out)
-    table1 = _read_json(functions / "syntactic" / "table1.json", "functions", out)
-    if isinstance(table1, dict):
-        out.table1 = [row for row in table1.get("table", []) if isinstance(row, dict)]
 
     for path, group, name, output in maps:
         if group != "functions":
             _heatmap(out, path, group, name, output.title.format(stem=name), output.caption.format(stem=name),
                      output.categorical)
-    aggregate = _first_dir(d, "aggregate", "functions/aggregate")
-    if aggregate is not None:
-        out.exemplars = _exemplars(aggregate / "exemplars.json", out)
 
     sweep = _read_json(d / "prune" / "sweep.json", "pruning", out)
     if isinstance(sweep, list):

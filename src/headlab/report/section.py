@@ -30,6 +30,8 @@ class Section:
     collect: Callable[[Path, Callable[[str], None]], Any] | None = None
     """What it reads from the analysis directory for itself: ``collect(directory, note)`` (``note(text)``
     shows a problem in the section; never raise); its result is ``Collected.sections[id]``."""
+    embed: str | None = None
+    """The key under which that result is also handed to the page's script (``exemplars``)."""
 
     def stage_prefixes(self) -> tuple[str, ...]:
         if not self.stages:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 from html import escape
 from importlib import resources
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from headlab._lazy import LazyRegistry
 from headlab.heads import CAUSAL_KINDS, KINDS
-from headlab.report.collect import Collected
+from headlab.report.collect import Collected, _finite, read_json_noted
 from headlab.report.section import MEASURE_STAGES, REFERENCE_STAGE, Section
 
 __all__ = ["Section", "SECTIONS", "render_body", "render_navigation", "template"]
@@ -102,11 +103,18 @@ def _function_table(c: Collected) -> str:
             f'<th>functions</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
 
 
+def _read_table1(directory: Path, note: Callable[[str], None]) -> list[dict]:
+    """The functions section's own file: the syntactic statistic's Table 1 rows."""
+    table1 = read_json_noted(directory / "functions" / "syntactic" / "table1.json", directory, note)
+    return [row for row in table1.get("table", []) if isinstance(row, dict)] if isinstance(table1, dict) else []
+
+
 def _table1(c: Collected) -> str:
-    if not c.table1:
+    table1 = c.sections.get("functions") or []
+    if not table1:
         return ""
     rows = []
-    for r in c.table1:
+    for r in table1:
         best = r.get("best_head")
         arcs = str(r.get("arcs", r.get("n_arcs")))  # "reachable / all" under a causal mask
         if r.get("n_arcs", 0) == 0 or r.get("unreachable"):
@@ -126,7 +134,7 @@ def _table1(c: Collected) -> str:
             '(Voita et al. 2019, Sec. 5.2, Table 1).'
             + (' Causal attention (decoder self-attention) sees only earlier words: its arcs read "reachable / all", '
                'a direction most of whose arcs point forward is unreachable and not scored, and its baselines use '
-               'backward offsets only.' if any(r.get("kind") in CAUSAL_KINDS for r in c.table1) else '') + '</p>'
+               'backward offsets only.' if any(r.get("kind") in CAUSAL_KINDS for r in table1) else '') + '</p>'
             + _table(["kind", "relation", "direction", "arcs", "best head", "accuracy", "baseline (offset)",
                       "syntactic heads"], rows, "table1"))
 
@@ -424,8 +432,53 @@ def _pos_grid(c: Collected) -> str:
     return html
 
 
+EXEMPLARS_SHOWN = 3
+"""Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
+
+
+def _read_exemplars(directory: Path, note: Callable[[str], None]) -> dict | None:
+    """The aggregate section's own file: ``aggregate/exemplars.json`` (``{"kind:layer": [[exemplar,
+    ...] per head]}``; under ``functions/`` from ``headlab functions --aggregate``) made compact: each
+    sentence's words once, each exemplar ``[weight, sentence, query, key]``, the first
+    :data:`EXEMPLARS_SHOWN` per head."""
+    folder = next((directory / c for c in ("aggregate", "functions/aggregate") if (directory / c).is_dir()), None)
+    if folder is None:
+        return None
+    path = folder / "exemplars.json"
+    raw = read_json_noted(path, directory, note)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        note(f"{path.relative_to(directory)}: not a JSON object")
+        return None
+    sentences: list[list[str]] = []
+    slots: dict[tuple[int, str], int] = {}
+    heads: dict[str, list[list[list]]] = {}
+    for block, per_head in raw.items():
+        if not isinstance(per_head, list):
+            continue
+        rows = []
+        for items in per_head:
+            kept = []
+            for e in (items if isinstance(items, list) else [])[:EXEMPLARS_SHOWN]:
+                if not isinstance(e, dict) or not isinstance(e.get("text"), str):
+                    continue
+                try:
+                    key = (int(e.get("sentence", -1)), e["text"])
+                    item = [_finite(float(e.get("weight", math.nan))), int(e.get("query", 0)), int(e.get("key", 0))]
+                except (TypeError, ValueError):
+                    continue
+                if key not in slots:
+                    slots[key] = len(sentences)
+                    sentences.append(e["text"].split(" "))
+                kept.append([item[0], slots[key], item[1], item[2]])
+            rows.append(kept)
+        heads[str(block)] = rows
+    return {"sentences": sentences, "heads": heads} if heads else None
+
+
 def _exemplars(c: Collected) -> str:
-    if not c.exemplars:
+    if not c.sections.get("aggregate"):
         return ""
     return ('<h3>Exemplars</h3><p class="caption">The sentences in which the selected head puts its largest single '
             'weight (query word → key word), from aggregate/exemplars.json. Select a head in any heatmap.</p>'
@@ -461,10 +514,11 @@ SECTIONS = LazyRegistry({**{s.id: s for s in (
             ("importance", MEASURE_STAGES)),
     Section("functions", "Head functions", "Functions", _heatmaps(
         "functions", "Positional, syntactic and rare-token heads (Voita et al. 2019, Sec. 5).",
-        extra=lambda c: _function_table(c) + _table1(c)), ("functions",)),
+        extra=lambda c: _function_table(c) + _table1(c)), ("functions",), collect=_read_table1),
     Section("aggregate", "Aggregate attention statistics", "Aggregate", _heatmaps(
         "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",),
-        before=_layer_curves, extra=lambda c: _pos_grid(c) + _exemplars(c))),
+        before=_layer_curves, extra=lambda c: _pos_grid(c) + _exemplars(c)), collect=_read_exemplars,
+            embed="exemplars"),
     Section("agreement", "Measure agreement", "Agreement", _agreement, ("agreement", REFERENCE_STAGE, "importance")),
     Section("pruning", "Pruning", "Pruning", _sweep, ("prune", "pruning", "sweep")),
     Section("figures", "Figures", "Figures", _figures),
