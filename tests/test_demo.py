@@ -7,6 +7,7 @@ import torch
 
 from headlab.cli import main
 from headlab.data import read_parallel
+from headlab.importance.registry import MEASURES
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
@@ -47,11 +48,12 @@ def test_demo_runs_analyze_with_pruning_and_prints_the_report(tmp_path, capsys):
     assert f"Open the report of the translation model: {out / 'index.html'}" in printed
     assert f"Open the report of the language model: {tmp_path / 'demo-lm' / 'index.html'}" in printed
     lm_stages = {s["name"]: s for s in json.loads((tmp_path / "demo-lm" / "manifest.json").read_text())["stages"]}
-    assert all(lm_stages[name]["status"] == "done" for name in ("confidence", "lrp", "gradient", "functions",
+    asked = {name for name, measure in MEASURES.items() if measure.on_request}  # run only when asked: --ablation
+    assert all(lm_stages[name]["status"] == "done" for name in (*(m for m in MEASURES if m not in asked), "functions",
                                                                    "aggregate", "report"))
     stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
-    assert stages["ablation"]["status"] == "skipped"
-    assert all(s["status"] == "done" for name, s in stages.items() if name != "ablation")
+    assert all(stages[name]["status"] == "skipped" for name in asked)
+    assert all(s["status"] == "done" for name, s in stages.items() if name not in asked)
     rows = json.loads((out / "prune" / "sweep.json").read_text())
     assert [r["enc_self"] for r in rows] == [8, 4, 2]
     assert "separate training data" not in stages["prune"]["reason"]  # fine-tuned on the training pairs

@@ -56,6 +56,13 @@ def test_registered_is_undone_after_the_block():
     assert "out_norm" not in STAGES
 
 
+def test_registered_is_undone_after_an_error_too():
+    with pytest.raises(RuntimeError, match="inside"):
+        with MEASURES.registered("out_norm", plugins.OutNorm):
+            raise RuntimeError("inside")
+    assert "out_norm" not in MEASURES
+
+
 def test_a_measure_option_is_a_flag_of_importance_and_analyze():
     with plugins.registered():
         parser = build_parser()
