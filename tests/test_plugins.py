@@ -75,8 +75,11 @@ def test_a_measure_option_is_a_flag_of_importance_and_analyze():
     assert "--out-norm-power" not in build_parser()._subparsers._group_actions[0].choices["analyze"].format_help()
 
 
-def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inputs, tmp_path, capsys):
+def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inputs, tmp_path, capsys, monkeypatch):
     torch.set_num_threads(1)
+    # Both runs finish within one second of the markers' clock: the table after a re-run stage
+    # must still be rebuilt (its key followed the upstream stages' finishing times only).
+    monkeypatch.setattr("headlab.pipeline.records.now_iso", lambda: "2026-01-01T00:00:00+00:00")
     out = tmp_path / "out"
     with plugins.registered():
         assert _analyze(inputs, out, "--out-norm-power", "1") == 0

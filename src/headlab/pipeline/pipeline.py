@@ -477,7 +477,10 @@ class _Context:
         else:  # agreement, figures, report: what the stages before them produced
             upstream = {"agreement": IMPORTANCE_STAGES}.get(name, STAGES[: STAGES.index(name)])
             payload = {"stage": name, "version": __version__,
-                       "upstream": {u: self.markers.get(u, {}).get("finished") for u in upstream}}
+                       # each upstream stage's key and finishing time: a stage run again with other
+                       # inputs within the same second of the clock changes its key, not its time
+                       "upstream": {u: [m.get("key"), m.get("finished")] if (m := self.markers.get(u)) else None
+                                    for u in upstream}}
             if name == "table":  # the table's own format: a resumed run rebuilds an older heads.csv
                 from headlab.pipeline.table import TABLE_FORMAT
 
