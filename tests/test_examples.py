@@ -125,7 +125,18 @@ def test_quickstart_notebook_runs_with_its_outputs(tmp_path):
     shown = _cell(notebook, "CONLLU = ")
     text = _outputs(shown, "text/plain")
     assert text.startswith("Analysis of GPT2LMHeadModel") and "top by lrp: dec_self L" in text
-    assert "<svg" in _outputs(shown, "text/html")
+    # As HTML: the report in a frame, with the measures' heatmaps and the first 3 texts in its viewer.
+    import base64
+    import json
+    import re
+
+    frame = re.search(r'<iframe src="data:text/html;base64,([A-Za-z0-9+/=]+)"', _outputs(shown, "text/html"))
+    assert frame is not None
+    page = base64.b64decode(frame.group(1)).decode("utf-8")
+    data = json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', page, re.S)[1])
+    assert {"importance/lrp", "functions/positional/share", "aggregate/mean_distance"} <= {h["id"] for h in data["heatmaps"]}
+    assert [e["source"] for e in data["attention"]["sentences"]] == ["the old dog quickly chased a red ball",
+                                                                     "cats sleep here", "birds sing and fish swim"]
     means = _outputs(_cell(notebook, "frame = analysis.to_pandas()"), "text/html")
     assert "<table" in means and all(f"<th>{m}</th>" in means for m in ("confidence", "gradient", "lrp"))
     assert "syntactic" in _outputs(_cell(notebook, "analysis.heads()"), "text/html")  # a label column of heads.csv
