@@ -217,6 +217,7 @@ def test_reprs_are_short_and_html_is_self_contained(setup):
     assert data["attention"]["mode"] == "inline" and [e["source"] for e in sentences] == SENTENCES[:3]
     assert all(f'id="headlab-attention-{i}"' in page for i in range(3)) and not any("script" in e for e in sentences)
     assert '<section id="viewer">' in page and '<section id="functions">' in page
+    assert "No data for this section" in _page(headlab.Analysis()._repr_html_())  # an empty one shows as empty
     scores = api["confidence"]
     assert repr(scores).startswith("HeadScores(confidence") and "enc_self 2x4" in repr(scores)
     assert scores._repr_html_().count("<svg") == len(scores.kinds)

@@ -567,6 +567,7 @@ class Analysis:
             target = Path(scratch) / "analysis"
             while True:
                 shutil.rmtree(target, ignore_errors=True)
+                target.mkdir()  # an empty analysis too: a report that says what is missing
                 self._write_files(target, shown)
                 # Every sentence inlined: a data: URL page cannot load attention/*.js beside it.
                 page = (build_report(target, inline_limit=PAGE_LIMIT).read_text(encoding="utf-8")
