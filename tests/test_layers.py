@@ -27,13 +27,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
     ("headlab.heads", "headlab.display", "headlab.resume", "headlab.preflight", "headlab.lock", "headlab.outdir",
-     "headlab.shard", "headlab.nmt.config", "headlab.pruning.config"),
+     "headlab.shard", "headlab.nmt.config", "headlab.training.config", "headlab.pruning.config"),
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
      "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable", "headlab.portable_code",
-     "headlab.pruning.hard_concrete"),
-    ("headlab.data",),
+     "headlab.pruning.hard_concrete", "headlab.model_description"),
+    # What the features share: data and batches, and the training engine (every trainer's loop and losses).
+    ("headlab.data", "headlab.training"),
     ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
      "headlab.parse"),
     ("headlab.pipeline", "headlab.report", "headlab.reproduce", "headlab.api"),

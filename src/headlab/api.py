@@ -56,11 +56,11 @@ def _model_name(model) -> str:
 
 
 def model_info(model, tokenizer, max_length: int | None = None):
-    """:func:`~headlab.importance.data.describe_model`, with a head the checkpoint does not carry
+    """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
     counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
     from dataclasses import replace
 
-    from headlab.importance.data import checkpoint_has_lm_head, describe_model
+    from headlab.model_description import checkpoint_has_lm_head, describe_model
 
     info = describe_model(model, tokenizer, max_length=max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
@@ -121,7 +121,7 @@ def importance(model, tokenizer, texts: Sequence[str], *, targets: Sequence[str]
     classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
-    from headlab.importance.data import texts_data
+    from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
     config = _importance_config(measures, batch_size, progress, options)
@@ -237,7 +237,7 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     writers: list = []  # (stage, function(directory) -> paths)
 
     if texts is not None and measures:
-        from headlab.importance.data import texts_data
+        from headlab.data.inputs import texts_data
         from headlab.importance.pipeline import run_importance
 
         info = model_info(model, tokenizer, max_length)

@@ -10,10 +10,10 @@ import torch
 
 from headlab.errors import HeadlabError
 
-__all__ = ["make_batches", "length_batches", "with_progress"]
+__all__ = ["token_budget_batches", "length_batches", "with_progress"]
 
 
-def make_batches(
+def token_budget_batches(
     corpus,
     max_tokens: int,
     *,

@@ -67,9 +67,10 @@ from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
 from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
+from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
 
-__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
+__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,28 +198,6 @@ class HeadAnalysis:
 
             paths += save_figures(self, directory)
         return paths
-
-
-def model_max_length(model, tokenizer) -> int:
-    """The longest input the model takes: its position table, or the tokenizer's limit."""
-    candidates = []
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            candidates.append(value)
-            break
-    value = getattr(tokenizer, "model_max_length", None)
-    if isinstance(value, int) and 0 < value < 1_000_000:
-        candidates.append(value)
-    if not candidates:
-        return 512
-    length = min(candidates)
-    # RoBERTa-style position tables reserve padding_idx + 1 rows.
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") \
-            and length == getattr(config, "max_position_embeddings", 0):
-        length -= (getattr(config, "pad_token_id", 1) or 1) + 1
-    return length
 
 
 def _batched(iterator: Iterator, size: int) -> Iterator[list]:

@@ -10,7 +10,7 @@ head, and fine-tune on L_xent + lambda L_C (Eq. (12) of Louizos et al. 2018 for 
 With ``keep=N`` the fixed lambda is replaced by the Lagrangian of :mod:`headlab.pruning.budget`
 and exactly N heads are kept at export.
 
-The loop is :func:`headlab.nmt.train.train` (Accelerate; runs under ``accelerate launch``
+The loop is :func:`headlab.training.loop.train` (Accelerate; runs under ``accelerate launch``
 unchanged), used through its hooks: ``extra_loss`` adds the penalty, ``trainable`` freezes the
 decoder, ``optimizer_factory`` gives the gates their own learning rate, ``callback`` writes the
 diagnostics trajectory, ``compute_loss`` swaps in an LM loss for encoder-only and decoder-only
@@ -43,14 +43,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.nmt.train import EncodedCorpus, TrainConfig, check_resume_point, evaluate_loss, has_model, label_smoothed_loss, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -58,6 +56,10 @@ from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.surgery import check_prunable, count_parameters, prune_heads, save_pruned
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import EncodedCorpus, encode_corpus
+from headlab.training.loop import check_resume_point, has_model, train
+from headlab.training.losses import causal_lm_loss_from_inputs, evaluate_loss, label_smoothed_loss, masked_lm_loss
 
 __all__ = [
     "PruneConfig",
@@ -68,8 +70,6 @@ __all__ = [
     "evaluate_model",
     "evaluate_point",
     "read_trajectory",
-    "causal_lm_loss",
-    "masked_lm_loss",
     "encode_lm_corpus",
 ]
 
@@ -141,9 +141,9 @@ def _decoder_parameters(model) -> set[int]:
 
 def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
     """Updates the run will make: epochs x this rank's batches, capped by max_steps."""
-    from headlab.data.batching import make_batches
+    from headlab.data.batching import token_budget_batches
 
-    per_epoch = len(make_batches(data, config.max_tokens, seed=config.seed, epoch=0,
+    per_epoch = len(token_budget_batches(data, config.max_tokens, seed=config.seed, epoch=0,
                                  rank=accelerator.process_index, world_size=accelerator.num_processes))
     total = per_epoch * config.max_epochs
     return min(total, config.max_steps) if config.max_steps is not None else total
@@ -151,39 +151,6 @@ def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
 
 def _is_seq2seq(model) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
-
-
-# ----------------------------------------------------------------------------- LM losses
-
-
-def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """Next-token cross-entropy (sum, token count) of a decoder-only model on ``input_ids``."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [batch, len-1, vocab]
-    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [batch, len-1]
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                               ignore_index=-100, reduction="sum")
-    return loss_sum, int((labels != -100).sum())
-
-
-def masked_lm_loss(mask_token_id: int, probability: float = 0.15, special_ids: tuple[int, ...] = ()):
-    """A masked-LM loss (Devlin et al. 2019, Sec. 3.1: 15% of tokens, replaced by [MASK])."""
-
-    def loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        chosen = (torch.rand(ids.shape, device=ids.device) < probability) & (mask == 1)
-        for special in special_ids:
-            chosen &= ids != special
-        if not chosen.any():  # always predict at least one token
-            chosen[0, 0] = True
-        inputs = ids.masked_fill(chosen, mask_token_id)
-        labels = ids.masked_fill(~chosen, -100)
-        logits = model(input_ids=inputs, attention_mask=mask).logits  # [batch, len, vocab]
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
-        return loss_sum, int(chosen.sum())
-
-    return loss
 
 
 def encode_lm_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpus:
@@ -208,7 +175,7 @@ def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
             raise HeadlabError(f"{type(model).__name__} is not an encoder-decoder model; use --loss causal_lm or masked_lm")
         return kind, label_smoothed_loss
     if kind == "causal_lm":
-        return kind, causal_lm_loss
+        return kind, causal_lm_loss_from_inputs
     if tokenizer.mask_token_id is None:
         raise HeadlabError("masked_lm loss needs a tokenizer with a mask token")
     specials = tuple(i for i in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.bos_token_id,
@@ -498,8 +465,6 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if dev_data is not None and loss_kind != "seq2seq":
         raise HeadlabError("the development curve is greedy BLEU: it needs a translation model (--loss seq2seq)")
     if not isinstance(train_data, EncodedCorpus):  # encode once here to know the number of steps
-        from headlab.nmt.train import encode_corpus
-
         train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
         if train_data.n_truncated:
             log(f"{train_data.n_truncated} training sequences cut to the model's positions")

@@ -84,10 +84,11 @@ def summarise_checkpoint(confidence: np.ndarray, token_share: np.ndarray, word_s
 
 def _measure(directory: Path, tokenizer_dir: Path, sources: list[str], references: list[str], conllu: Path,
              threshold: float, batch_size: int) -> dict:
+    from headlab.data.inputs import encode_texts
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
     from headlab.importance.confidence import compute_confidence
-    from headlab.importance.data import describe_model, encode_texts
     from headlab.loading import load_model, load_tokenizer
+    from headlab.model_description import describe_model
 
     model = load_model(str(directory))
     tokenizer = load_tokenizer(str(tokenizer_dir))
