@@ -438,6 +438,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     ``config.dev_every`` updates (:mod:`headlab.pruning.dev`; a translation model only), or None.
     Returns a :class:`PruneResult`; on divergence
     (``stopped == "diverged"``) nothing is exported and ``train/last`` is the last good checkpoint.
+    The stages: the gates and the checks before any work, the output directory, the gated run of
+    the trainer (its hooks: :class:`_GateHooks`), then export and evaluation (:func:`_export`).
     """
 
     config = config or PruneConfig()
@@ -478,7 +480,47 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if freeze is None:
         freeze = kinds == ("enc_self",) and _is_seq2seq(model)
     frozen = _decoder_parameters(model) if freeze else set()
+    _prepare_output(out_dir, run_dir, train_config, config, accelerator)
 
+    heads_total = heads_per_kind(model)
+    attach_gates(model, gates)
+    diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
+    dev = None
+    if dev_data is not None:
+        dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
+                       batch_size=config.eval_batch_size, log=log)
+        if accelerator.is_main_process and not dev.done(0):
+            dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+    hooks = _GateHooks(config, gates, frozen, diagnostics, dev)
+    try:
+        result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
+                       extra_loss=diagnostics.extra_loss, trainable=hooks.trainable, callback=hooks.callback,
+                       callback_every=hooks.callback_every(), optimizer_factory=hooks.optimizer,
+                       accelerator=accelerator, log=log)
+    except BaseException:
+        detach_gates(model)
+        raise
+    if result.stopped == "diverged":
+        detach_gates(model)
+        return PruneResult("diverged", result.message + "; nothing exported", str(out_dir), result.step, heads_total)
+
+    # ---- final gates, export, evaluation (main process)
+    model.eval()
+    final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
+    spec = gates.closed_heads()  # the test-time gates at 0 (with a budget: all but the top `keep`)
+    outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _export(model, tokenizer, eval_data, config, gates, spec, final, outcome, dev, loss_kind, compute_loss, log)
+    else:
+        detach_gates(model)  # other ranks: the main process wrote the pruned model
+    accelerator.wait_for_everyone()
+    return outcome
+
+
+def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, config: PruneConfig, accelerator) -> None:
+    """Refuse an occupied or damaged run directory; on a fresh start remove the old run's files;
+    write the options (``prune_config.json``)."""
     resuming = train_config.resume and (run_dir / "last").is_dir()
     if not resuming and has_model(run_dir) and not train_config.overwrite:
         raise HeadlabError(f"{out_dir} already holds a pruning run; pass --overwrite to replace it "
@@ -495,92 +537,79 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
                 shutil.rmtree(out_dir / DEV_DIR)
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
 
-    heads_total = heads_per_kind(model)
-    attach_gates(model, gates)
-    diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
-    dev = None
-    if dev_data is not None:
-        dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
-                       batch_size=config.eval_batch_size, log=log)
-        if accelerator.is_main_process and not dev.done(0):
-            dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
 
-    def callback(model, step: int, info: dict) -> None:
-        if config.log_every > 0 and step % config.log_every == 0:
-            diagnostics.callback(model, step, info)
-        if dev is not None:
-            dev.callback(model, step, info)
+class _GateHooks:
+    """The trainer's hooks of a gated run: which parameters train, the gates' and the budget's
+    own learning rates, and the diagnostics and development-curve callbacks."""
 
-    periods = [n for n in (config.log_every, config.dev_every) if n > 0]
-    gate_ids = {id(p) for p in gates.log_alpha.parameters()}
-    budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
+    def __init__(self, config: PruneConfig, gates: HardConcreteGates, frozen: set[int], diagnostics: _Diagnostics,
+                 dev: DevCurve | None) -> None:
+        self.config, self.frozen, self.diagnostics, self.dev = config, frozen, diagnostics, dev
+        self.gate_ids = {id(p) for p in gates.log_alpha.parameters()}
+        self.budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
 
-    def trainable(name: str, parameter) -> bool:
+    def callback_every(self) -> int:
+        periods = [n for n in (self.config.log_every, self.config.dev_every) if n > 0]
+        return math.gcd(*periods) if periods else 0
+
+    def callback(self, model, step: int, info: dict) -> None:
+        if self.config.log_every > 0 and step % self.config.log_every == 0:
+            self.diagnostics.callback(model, step, info)
+        if self.dev is not None:
+            self.dev.callback(model, step, info)
+
+    def trainable(self, name: str, parameter) -> bool:
         # Parameters the model itself freezes stay frozen (train() also freezes those it never saves,
         # e.g. Marian's sinusoidal positions, which from_pretrained leaves trainable).
-        return parameter.requires_grad and id(parameter) not in frozen
+        return parameter.requires_grad and id(parameter) not in self.frozen
 
-    def optimizer_factory(params, cfg: TrainConfig):
+    def optimizer(self, params, cfg: TrainConfig):
+        gate_ids, budget_ids = self.gate_ids, self.budget_ids
         groups = [
             {"params": [p for p in params if id(p) not in gate_ids | budget_ids], "lr_scale": 1.0},
-            {"params": [p for p in params if id(p) in gate_ids], "lr_scale": config.gate_lr / cfg.lr},
-            {"params": [p for p in params if id(p) in budget_ids], "lr_scale": config.multiplier_lr / cfg.lr},
+            {"params": [p for p in params if id(p) in gate_ids], "lr_scale": self.config.gate_lr / cfg.lr},
+            {"params": [p for p in params if id(p) in budget_ids], "lr_scale": self.config.multiplier_lr / cfg.lr},
         ]
         groups = [g for g in groups if g["params"]]
         return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay)
 
-    try:
-        result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
-                       extra_loss=diagnostics.extra_loss, trainable=trainable, callback=callback,
-                       callback_every=math.gcd(*periods) if periods else 0, optimizer_factory=optimizer_factory,
-                       accelerator=accelerator, log=log)
-    except BaseException:
-        detach_gates(model)
-        raise
-    if result.stopped == "diverged":
-        detach_gates(model)
-        return PruneResult("diverged", result.message + "; nothing exported", str(out_dir), result.step, heads_total)
 
-    # ---- final gates, export, evaluation (main process)
-    model.eval()
-    final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
-    spec = gates.closed_heads()  # the test-time gates at 0 (with a budget: all but the top `keep`)
-    outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if dev is not None and not dev.done(result.step):
-            dev.evaluate(model, result.step)  # test-time gates: the model about to be exported
-        gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
-        pruned_dir = out_dir / "pruned"
-        sizes = export_pruned(model, spec, pruned_dir, tokenizer)
-        outcome.pruned_dir = str(pruned_dir)
-        outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
-        metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
-                   "deterministic_open": sum(final["heads_open"].values()), **sizes}
-        metrics.update(evaluate_point(model, tokenizer, eval_data, config, loss_kind=loss_kind,
-                                      compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
-        outcome.metrics = metrics
-        record = outcome.to_dict()
-        record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
-                      model_sha256=config.model_fingerprint or None)
-        if dev is not None:
-            record["dev"] = dev.summary()
-            flat = record["dev"]["plateau"]
-            if flat is not None:
-                log(f"dev BLEU from step {flat['from_step']} to {flat['to_step']}: {flat['delta']:+.2f} "
-                    f"[{flat['low']:+.2f}, {flat['high']:+.2f}] ({flat['call']})")
-        from headlab.portable import how_to_load
-        from headlab.surgery import PRUNING_FILE
+def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcreteGates, spec, final: dict,
+            outcome: PruneResult, dev: DevCurve | None, loss_kind: str, compute_loss: Callable,
+            log: Callable[[str], None]) -> None:
+    """The main process's end of a run: the last development point, ``gates.json``, the pruned
+    model with its card, its evaluation, and ``result.json`` (written last)."""
+    out_dir = Path(outcome.out_dir)
+    if dev is not None and not dev.done(outcome.step):
+        dev.evaluate(model, outcome.step)  # test-time gates: the model about to be exported
+    gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
+    pruned_dir = out_dir / "pruned"
+    sizes = export_pruned(model, spec, pruned_dir, tokenizer)
+    outcome.pruned_dir = str(pruned_dir)
+    outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
+    metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
+               "deterministic_open": sum(final["heads_open"].values()), **sizes}
+    metrics.update(evaluate_point(model, tokenizer, eval_data, config, loss_kind=loss_kind,
+                                  compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
+    outcome.metrics = metrics
+    record = outcome.to_dict()
+    record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
+                  model_sha256=config.model_fingerprint or None)
+    if dev is not None:
+        record["dev"] = dev.summary()
+        flat = record["dev"]["plateau"]
+        if flat is not None:
+            log(f"dev BLEU from step {flat['from_step']} to {flat['to_step']}: {flat['delta']:+.2f} "
+                f"[{flat['low']:+.2f}, {flat['high']:+.2f}] ({flat['call']})")
+    from headlab.portable import how_to_load
+    from headlab.surgery import PRUNING_FILE
 
-        portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
-        atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
-        atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
-        if final.get("hint"):
-            log("hint: " + final["hint"])
-        log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
-            f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")
-    else:
-        detach_gates(model)  # other ranks: the main process wrote the pruned model
-    accelerator.wait_for_everyone()
-    return outcome
+    portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
+    atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
+    atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+    if final.get("hint"):
+        log("hint: " + final["hint"])
+    heads_total = outcome.heads_total
+    log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
+        f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")
