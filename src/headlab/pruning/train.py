@@ -452,13 +452,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     run_dir = out_dir / "train"
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
-    kinds = resolve_kinds(model, config.gates)
-    check_prunable(model, kinds)  # the export prunes: a family headlab cannot prune exactly is refused now
-    # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
-    gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
-                                        init_log_alpha=config.init_log_alpha, keep=config.keep)
-    if config.keep is not None:
-        LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
+    kinds, gates = _gates(model, config)
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
     loss_kind, compute_loss = _loss_for(model, tokenizer, config)
@@ -485,12 +479,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     heads_total = heads_per_kind(model)
     attach_gates(model, gates)
     diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
-    dev = None
-    if dev_data is not None:
-        dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
-                       batch_size=config.eval_batch_size, log=log)
-        if accelerator.is_main_process and not dev.done(0):
-            dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+    dev = _dev_curve(model, tokenizer, dev_data, out_dir, config, gates, accelerator, log)
     hooks = _GateHooks(config, gates, frozen, diagnostics, dev)
     try:
         result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
@@ -518,6 +507,19 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     return outcome
 
 
+def _gates(model, config: PruneConfig) -> tuple[tuple[str, ...], HardConcreteGates]:
+    """The gated kinds and their gates; a model headlab cannot prune exactly, or a bad budget, is
+    refused before any work."""
+    kinds = resolve_kinds(model, config.gates)
+    check_prunable(model, kinds)  # the export prunes: a family headlab cannot prune exactly is refused now
+    # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
+    gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
+                                        init_log_alpha=config.init_log_alpha, keep=config.keep)
+    if config.keep is not None:
+        LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
+    return kinds, gates
+
+
 def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, config: PruneConfig, accelerator) -> None:
     """Refuse an occupied or damaged run directory; on a fresh start remove the old run's files;
     write the options (``prune_config.json``)."""
@@ -536,6 +538,18 @@ def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, con
             if (out_dir / DEV_DIR).is_dir():
                 shutil.rmtree(out_dir / DEV_DIR)
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _dev_curve(model, tokenizer, dev_data, out_dir: Path, config: PruneConfig, gates: HardConcreteGates, accelerator,
+               log: Callable[[str], None]) -> DevCurve | None:
+    """The development curve (with development data), its starting point evaluated."""
+    if dev_data is None:
+        return None
+    dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
+                   batch_size=config.eval_batch_size, log=log)
+    if accelerator.is_main_process and not dev.done(0):
+        dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+    return dev
 
 
 class _GateHooks:
