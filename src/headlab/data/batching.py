@@ -1,5 +1,6 @@
 """Which sentences go into one batch: the trainers' token-budget batches and the analyses'
-length-sorted batches of a fixed number of sentences. Every batching of headlab is here."""
+length-sorted batches of a fixed number of sentences. Every grouping of sentences into batches
+is here (the padded tensors of the importance measures' batches: :mod:`headlab.data.inputs`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The training losses, each ``(model, batch, config) -> (loss summed over tokens, number of tokens)``.
+"""The training losses, each ``(model, batch, config) -> (loss summed over tokens, number of tokens)``,
+all one cross-entropy (:func:`token_loss`) on what differs: which logits predict which labels.
 
 * :func:`label_smoothed_loss` - an encoder-decoder model's, teacher-forced (the translation recipe);
 * :func:`causal_lm_loss` - a decoder-only model's next-token loss on batches whose ``labels`` are
