@@ -25,7 +25,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from headlab import preflight
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.attention import SINK_ATTRIBUTE, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
@@ -213,7 +212,8 @@ def stream_attention(
     eager fallback); with ``key_mask(block)`` (a ``[batch, k_len]`` bool mask of the keys, asked at
     each forward call, or None) the sums of :attr:`AttentionChunk.word_score` over those keys.
     """
-    preflight.query_chunk(query_chunk)
+    if query_chunk < 1:
+        raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
     every = attention_blocks(model)
     blocks = every if blocks is None else blocks
     unable = unregistrable(every)
