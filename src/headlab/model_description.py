@@ -8,6 +8,7 @@ report's examples, the one-call API), not from a module of another feature.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -153,7 +154,7 @@ def output_layer(model: nn.Module) -> nn.Module | None:
         n_labels = getattr(model.config, "num_labels", None)
         onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
         return onto_classes[-1] if onto_classes else None
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 def model_max_length(model, tokenizer) -> int:

@@ -15,7 +15,7 @@ __all__ = ["token_budget_batches", "length_batches", "with_progress"]
 
 
 def token_budget_batches(
-    corpus,
+    corpus: Any,
     max_tokens: int,
     *,
     seed: int,
@@ -57,7 +57,7 @@ def token_budget_batches(
     return batches[:usable][rank::world_size]
 
 
-def with_progress(batches: Iterable, enabled: bool, desc: str, **bar) -> Iterable:
+def with_progress(batches: Iterable, enabled: bool, desc: str, **bar: Any) -> Iterable:
     """``batches`` behind a progress bar named ``desc`` when ``enabled`` (tqdm's keywords in ``bar``)."""
     if not enabled:
         return batches

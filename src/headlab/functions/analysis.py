@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice, zip_longest
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, cast
 
 import torch
 
@@ -322,15 +322,18 @@ def _examples(conllu, target_conllu, source_text, problems: ProblemLog,
               counts: dict[str, TreebankCounts]) -> Iterator[tuple[Sentence | str | None, Sentence | None]]:
     """The example stream: (source sentence | text, target sentence | None)."""
     if target_conllu is None:
+        assert conllu is not None  # one of the two is given (checked by analyze_heads)
         yield from ((s, None) for s in read_conllu(conllu, problems=problems, counts=counts["source"]))
         return
     # Paired: sentence n of the target goes with sentence (or line) n of the source; a
     # malformed sentence on either side drops the pair, not the pairing.
     target = read_conllu(target_conllu, problems=problems, counts=counts["target"], keep_place=True)
     if conllu is not None:
-        source = read_conllu(conllu, problems=problems, counts=counts["source"], keep_place=True)
+        source: Iterator[Sentence | str | None] = read_conllu(conllu, problems=problems, counts=counts["source"],
+                                                              keep_place=True)
         source_name = str(conllu)
     else:
+        assert source_text is not None  # paired with a target: a source treebank or text (checked by analyze_heads)
         source = (line.strip() or None for line in read_lines(source_text))
         source_name = str(source_text)
     for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
@@ -343,13 +346,13 @@ def _examples(conllu, target_conllu, source_text, problems: ProblemLog,
             if src is None and conllu is None:
                 problems.add("malformed", Problem(source_name, number, "empty source line; pair skipped"))
             continue
-        yield src, tgt
+        yield cast("Sentence | str", src), cast(Sentence, tgt)
 
 
 def _progress_bar(config: AnalysisConfig, conllu, target_conllu):
     from tqdm.auto import tqdm
 
-    total = count_sentences(target_conllu or conllu)
+    total = count_sentences(cast("str | Path | InMemoryTreebank", target_conllu or conllu))
     if config.max_sentences is not None:
         total = min(total, config.max_sentences)
     return tqdm(total=total, unit="sent", desc="heads", leave=False)
@@ -371,6 +374,7 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
         items = _prepare(raw, index, tokenizer, config, max_length, report) if mine else []
         index += len(raw)
         if shard.split:
+            assert isinstance(report.problems, _ProblemEvents)  # a split run's log (set by _statistics)
             report.problems.marks.append(len(report.problems.events))
         if bar is not None:
             bar.update(len(raw))
@@ -382,6 +386,7 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
         feeder.update_sides()
         model(**inputs)
         main = feeder.current.get("target" if paired else "source")
+        assert main is not None  # the batch has the side read
         report.n_sentences += main.batch_size
         report.n_words += int(main.n_words.sum())
         report.n_tokens += int(main.token_mask.sum())
@@ -549,6 +554,7 @@ def _combine(shard: Shard, report: RunReport, stats: dict) -> None:
     for name in ("n_sentences", "n_words", "n_tokens", "n_truncated", "n_unaligned"):
         setattr(report, name, shard.sum(getattr(report, name)))
     log = report.problems
+    assert isinstance(log, _ProblemEvents)  # analyze_heads gives a split run one
     parts = shard.gather((log.events, log.marks))
     merged = ProblemLog(keep=log.keep)
     n_batches = len(log.marks) - 1
@@ -571,7 +577,7 @@ def _prepare(raw, index, tokenizer, config, max_length, report):
     ok = [True] * len(raw)
     source_alignments: list = [None] * len(raw)
     target_alignments: list = [None] * len(raw)
-    for which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
+    for _which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
         parsed = [(i, s) for i, s in enumerate(sentences) if isinstance(s, Sentence)]
         if not parsed:
             continue

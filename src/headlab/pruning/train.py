@@ -40,7 +40,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -203,7 +203,7 @@ class _Diagnostics:
         self.penalty = float("nan")
         self.term = float("nan")
         self.coefficient = config.lam  # d(penalty term)/d(L_C)
-        self.target = None
+        self.target: float | None = None
         self.grads: dict[str, torch.Tensor] = {}
         self.hinted = False
         for name, parameter in gates.log_alpha.items():
@@ -233,6 +233,8 @@ class _Diagnostics:
         flat = torch.cat([p_open[key] for key in gates.keys()])
         open_kind = gates.open_per_kind()
         # Gradients on log_alpha: the penalty part in closed form, the loss part as the rest.
+        penalty_grad: Any  # the pieces, then their mean
+        loss_grad: Any
         penalty_grad, loss_grad = [], []
         for key in gates.keys():
             name = block_name(key)
@@ -560,7 +562,8 @@ class _GateHooks:
                  dev: DevCurve | None) -> None:
         self.config, self.frozen, self.diagnostics, self.dev = config, frozen, diagnostics, dev
         self.gate_ids = {id(p) for p in gates.log_alpha.parameters()}
-        self.budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
+        self.budget_ids = ({id(p) for p in cast(torch.nn.Module, gates.budget).parameters()} if config.keep is not None
+                           else set())
 
     def callback_every(self) -> int:
         periods = [n for n in (self.config.log_every, self.config.dev_every) if n > 0]
@@ -585,8 +588,8 @@ class _GateHooks:
             {"params": [p for p in params if id(p) in budget_ids], "lr_scale": self.config.multiplier_lr / cfg.lr},
         ]
         groups = [g for g in groups if g["params"]]
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                                weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=cast(tuple[float, float], tuple(cfg.adam_betas)),
+                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
 
 def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcreteGates, spec, final: dict,

@@ -40,7 +40,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence, cast
 
 import torch
 from safetensors.torch import load_file
@@ -67,7 +67,7 @@ __all__ = [
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 # What the current epoch had done when `last/` was written (a fresh epoch: nothing yet).
-_NO_PROGRESS = {"seconds": 0.0, "tokens": 0, "loss": 0.0, "loss_tokens": 0}
+_NO_PROGRESS: dict[str, Any] = {"seconds": 0.0, "tokens": 0, "loss": 0.0, "loss_tokens": 0}
 
 
 @dataclass
@@ -373,7 +373,8 @@ def train(
         optimizer = optimizer_factory(params, config)
     else:
         optimizer = torch.optim.Adam(
-            params, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps, weight_decay=config.weight_decay
+            params, lr=config.lr, betas=cast(tuple[float, float], tuple(config.adam_betas)), eps=config.adam_eps,
+            weight_decay=config.weight_decay
         )
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
