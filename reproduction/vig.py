@@ -44,8 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import HeadScores
-from headlab.reproduce.claims import Cell, Check, Claim, _fill, _pct
-from headlab.reproduce.significance import spearman_interval
+from reproduction.claims import Cell, Check, Claim, _fill, _pct
+from reproduction.significance import spearman_interval
 
 __all__ = ["FILES", "vig_models", "claim_vig", "VIG_DIR", "MIN_WEIGHT", "HIGH_CONFIDENCE_DIR"]
 

@@ -1,4 +1,4 @@
-"""What ``headlab reproduce`` checks before its first stage runs (docs/cli.md, exit 2).
+"""What ``python -m reproduction`` checks before its first stage runs (docs/cli.md, exit 2).
 
 A reproduction runs for hours; a data file missing for its fifth stage, or a document it
 cannot write at the end, must refuse it in a second instead. For each stage that will run (no
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from headlab import preflight
 from headlab.errors import HeadlabError
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
-from headlab.reproduce.stages import STAGES, Context, marker_path
 from headlab.resume import SkipStage
+from reproduction.config import ModelEntry, ReproduceConfig
+from reproduction.stages import STAGES, Context, marker_path
 
 __all__ = ["check_names", "check_inputs", "check_outputs"]
 

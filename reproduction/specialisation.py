@@ -29,8 +29,8 @@ import numpy as np
 
 from headlab.errors import HeadlabError
 from headlab.heads import atomic_write_text
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
 from headlab.resume import SkipStage, weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig
 
 __all__ = ["run_specialisation", "checkpoint_dirs", "summarise_checkpoint"]
 

@@ -11,7 +11,7 @@ that is undefined: NaN never makes a claim fail),
 ``not testable`` (the premise is absent, e.g. no positional head to look at), ``not run`` (an
 input file is missing; the reason says which stage makes it) and ``-`` for rows that only report
 a number. Every BLEU comparison is judged on its paired-bootstrap interval and every correlation
-on its bootstrap interval over heads (:mod:`headlab.reproduce.significance`).
+on its bootstrap interval over heads (:mod:`reproduction.significance`).
 
 The criteria are fixed here, before looking at any result, and use the paper's thresholds
 (positional: >= 90% of maxima at one offset; syntactic: >= 10 points over the most frequent
@@ -30,8 +30,8 @@ import numpy as np
 from headlab.heads import KINDS, HeadScores
 from headlab.importance.agreement import spearman
 from headlab.pruning.dev import FLAT_BLEU
-from headlab.reproduce.results import ModelResults, kept_mask
-from headlab.reproduce.significance import bleu_interval, paired_bootstrap, spearman_interval
+from reproduction.results import ModelResults, kept_mask
+from reproduction.significance import bleu_interval, paired_bootstrap, spearman_interval
 
 __all__ = ["Check", "Claim", "Cell", "compute_claims", "PAPER", "POSITIONAL", "SYNTACTIC", "CONFIDENT"]
 
@@ -1054,7 +1054,7 @@ def _stale_note(sweep: dict) -> list[str]:
     if not sweep.get("stale"):
         return []
     return ["", f"Not used: {', '.join(sweep['stale'])}, made from other weights than the full model's result "
-                "(a model retrained since; `headlab reproduce` redoes them)."]
+                "(a model retrained since; `python -m reproduction` redoes them)."]
 
 
 def _heads(n: int) -> str:

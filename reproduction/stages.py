@@ -1,4 +1,4 @@
-"""The stages of ``headlab reproduce``, in order, each resumable: what each one runs.
+"""The stages of ``python -m reproduction``, in order, each resumable: what each one runs.
 
 Every stage of a model works in ``<work_dir>/<model>/<stage dir>/`` and, when it has finished,
 writes a marker ``<work_dir>/<model>/stages/<stage>.json`` (atomically, last) with its commands
@@ -12,7 +12,7 @@ The pruning sweeps first restore the finished points of those committed results 
 dir (:func:`restore_points`), and the baselines and from-scratch stages their finished rows
 (:func:`restore_rows`): a sweep of many hours goes on from a fresh checkout, which has no
 ``runs/``, instead of starting again.
-Running them is :mod:`headlab.reproduce.pipeline`'s job; this module only builds the commands.
+Running them is :mod:`reproduction.pipeline`'s job; this module only builds the commands.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Callable
 from headlab.heads import atomic_write_text
 from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.lock import DirectoryLock
-from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
-from headlab.reproduce.significance import run_hypotheses
-from headlab.reproduce.specialisation import run_specialisation
 from headlab.resume import SkipStage, weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig, flags
+from reproduction.significance import run_hypotheses
+from reproduction.specialisation import run_specialisation
 
 __all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "stage_settings", "marker_path",
            "command_text"]

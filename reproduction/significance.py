@@ -29,8 +29,8 @@ import numpy as np
 
 from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import N_SAMPLES, SEED, bleu_interval, paired_bootstrap
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
 from headlab.resume import SkipStage, weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig
 
 __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
 

@@ -58,7 +58,7 @@ class ModelEntry:
 
 @dataclass
 class ReproduceConfig:
-    """All settings of ``headlab reproduce`` (see ``experiments/reproduce.json`` for the values used)."""
+    """All settings of ``python -m reproduction`` (see ``experiments/reproduce.json`` for the values used)."""
 
     models: list[ModelEntry]
     data: dict[str, str]  # train / valid / test: path templates with {lang}

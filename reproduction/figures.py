@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import axes_or_new, pyplot, write_figure
-from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _layer_rows, _rows, _shape
-from headlab.reproduce.results import ModelResults, kept_mask
+from reproduction.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _layer_rows, _rows, _shape
+from reproduction.results import ModelResults, kept_mask
 
 __all__ = ["save_figures"]
 
