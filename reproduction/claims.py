@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from headlab.heads import KINDS, HeadScores
+from headlab import KINDS, HeadScores
 from headlab.importance.agreement import spearman
 from headlab.pruning.dev import FLAT_BLEU
 from reproduction.results import ModelResults, kept_mask

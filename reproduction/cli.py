@@ -11,7 +11,7 @@ import argparse
 import sys
 import traceback
 
-from headlab.errors import HeadlabError
+from headlab import HeadlabError
 from headlab.options import HelpFormatter
 
 PROG = "python -m reproduction"

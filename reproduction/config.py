@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.errors import HeadlabError
+from headlab import HeadlabError
 from headlab.heads import read_json
 
 __all__ = ["ModelEntry", "ReproduceConfig", "load_config", "flags"]

@@ -22,13 +22,22 @@ import time
 from typing import Callable
 
 import headlab
+from headlab import HeadlabError
 from headlab.cli import main  # the `headlab` console script's entry point (pyproject [project.scripts])
-from headlab.errors import HeadlabError
 from headlab.lock import locked_output
 from headlab.resume import SkipStage, now_iso, read_marker, weights_fingerprint, write_marker
 from reproduction.config import ReproduceConfig
 from reproduction.report import write_report
-from reproduction.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path, stage_settings
+from reproduction.stages import (
+    STAGES,
+    Context,
+    Stage,
+    StageOutcome,
+    command_text,
+    current_names,
+    marker_path,
+    stage_settings,
+)
 
 __all__ = ["run_pipeline"]
 
@@ -65,9 +74,10 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         if weights is not None and recorded != weights:
             ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 "
                     f"{(recorded or 'not recorded')[:12]}, now {weights[:12]}): run again")
-        elif settings is not None and earlier.get("settings") not in (None, settings):  # None: not recorded
-            changed = next((now for before, now in zip(earlier["settings"], settings) if before != now),
-                           f"{len(settings)} commands, {len(earlier['settings'])} then")
+        elif settings is not None and earlier.get("settings") is not None and \
+                current_names(earlier["settings"]) != current_names(settings):  # None: not recorded
+            changed = next((now for before, now in zip(current_names(earlier["settings"]), current_names(settings))
+                            if before != now), f"{len(settings)} commands, {len(earlier['settings'])} then")
             ctx.log(f"{model} {name}: finished earlier with other settings (the config changed; now `{changed}`): "
                     f"run again")
         else:

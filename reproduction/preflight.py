@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab import preflight
-from headlab.errors import HeadlabError
+from headlab import HeadlabError, preflight
 from headlab.resume import SkipStage
 from reproduction.config import ModelEntry, ReproduceConfig
 from reproduction.stages import STAGES, Context, marker_path
 
 __all__ = ["check_names", "check_inputs", "check_outputs"]
 
-DATA_FLAGS = ("--source", "--data", "--target", "--conllu", "--input", "--train-text", "--train-src", "--train-tgt",
+DATA_FLAGS = ("--source", "--target", "--conllu", "--train-text", "--train-src", "--train-tgt",
               "--valid-src", "--valid-tgt")
 """The flags of a stage's commands that name data (those under ``work_dir`` are made by the stages)."""
 

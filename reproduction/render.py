@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from headlab.errors import HeadlabError
+from headlab import HeadlabError
 from headlab.resume import SkipStage
 from reproduction.claims import Claim
 from reproduction.config import ReproduceConfig

@@ -40,7 +40,8 @@ from typing import Callable
 
 import numpy as np
 
-from headlab.heads import HeadScores, atomic_write_text
+from headlab import HeadScores
+from headlab.heads import atomic_write_text
 from headlab.importance.registry import tables
 from headlab.resume import weights_fingerprint
 from reproduction.config import ModelEntry, ReproduceConfig

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from headlab.errors import HeadlabError
+from headlab import HeadlabError
 from headlab.heads import atomic_write_text
 from headlab.resume import SkipStage, weights_fingerprint
 from reproduction.config import ModelEntry, ReproduceConfig
@@ -84,7 +84,7 @@ def summarise_checkpoint(confidence: np.ndarray, token_share: np.ndarray, word_s
 
 def _measure(directory: Path, tokenizer_dir: Path, sources: list[str], references: list[str], conllu: Path,
              threshold: float, batch_size: int) -> dict:
-    from headlab.functions.analysis import AnalysisConfig, analyze_heads
+    from headlab.api import functions
     from headlab.importance.confidence import compute_confidence
     from headlab.importance.data import describe_model, encode_texts
     from headlab.loading import load_model, load_tokenizer
@@ -96,9 +96,8 @@ def _measure(directory: Path, tokenizer_dir: Path, sources: list[str], reference
     # Encoder self-attention does not see the decoder: teacher-force the reference.
     data = replace(data, translations=data.references)
     confidence = compute_confidence(model, data, info, batch_size=batch_size, kinds=("enc_self",))["enc_self"]
-    analysis = analyze_heads(model, tokenizer, conllu,
-                             config=AnalysisConfig(aggregate=False, relations=(), positional_threshold=threshold,
-                                                   batch_size=batch_size))
+    analysis = functions(model, tokenizer, conllu, batch_size=batch_size, relations=(),
+                         positional_threshold=threshold)
     token_share = analysis.positional_tokens.share["enc_self"]
     token_offset = analysis.positional_tokens.offset["enc_self"]
     word_share = analysis.positional.share["enc_self"]

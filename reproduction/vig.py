@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores
+from headlab import HeadScores
 from reproduction.claims import Cell, Check, Claim, _fill, _pct
 from reproduction.significance import spearman_interval
 

@@ -87,7 +87,7 @@ def workspace(tmp_path_factory):
                    {"name": "absent", "path": "no-such-model", "src": "en", "tgt": "de"}],
         "data": {"train": "data/train.{lang}.gz", "valid": "data/val.{lang}.gz", "test": "data/test.{lang}.gz"},
         "work_dir": "work", "results_dir": "results", "doc": "reproduction.md", "img_dir": "img", "threads": 1,
-        "importance": {"n-sentences": 6, "method": "all", "batch-size": 4},
+        "importance": {"limit": 6, "method": "all", "batch-size": 4},
         "functions": {"conllu": "ewt.conllu", "top-frequent": 20, "sensitivity": True},
         "parse": {"model": "parser", "split": "valid"},
         "pooling": ["first"],
@@ -316,18 +316,41 @@ def test_a_config_change_makes_a_finished_stage_run_again_but_not_a_machine_opti
         outcomes = run_pipeline(config, models=["tiny"], stages=["importance", "prune-enc"], log=messages.append)
         assert [o.status for o in outcomes] == ["skipped", "skipped"], messages
         config = _config(workspace)
-        config.importance["n-sentences"] = 5
+        config.importance["limit"] = 5
         messages = []
         outcomes = run_pipeline(config, models=["tiny"], stages=["importance"], log=messages.append)
         assert [o.status for o in outcomes] == ["done"]
-        assert any("finished earlier with other settings" in m and "--n-sentences 5" in m for m in messages), messages
-        assert json.loads(marker.read_text())["settings"][0].count("--n-sentences 5") == 1
+        assert any("finished earlier with other settings" in m and "--limit 5" in m for m in messages), messages
+        assert json.loads(marker.read_text())["settings"][0].count("--limit 5") == 1
         assert "--threads" not in json.loads(marker.read_text())["settings"][0]
     finally:  # the module's other tests expect the first run's importance
         marker.write_text(saved)
         shutil.rmtree(work)
         shutil.copytree(kept, work)
         shutil.rmtree(kept)
+
+
+def test_markers_with_the_old_option_names_still_count(workspace, first_run):
+    """Regression (issue 33): the stages now run headlab with its current option names (--source,
+    --limit); a stage finished under the old ones (--data, --n-sentences, --input) computed the
+    same, and must not run again for the rename alone."""
+    stages = ["importance", "functions-parsed"]
+    markers = {stage: workspace / "work" / "tiny" / "stages" / f"{stage}.json" for stage in stages}
+    saved = {stage: path.read_text() for stage, path in markers.items()}
+    try:
+        for stage, path in markers.items():
+            marker = json.loads(saved[stage])
+            assert any(" --source " in text for text in marker["settings"]), marker["settings"]  # the current names
+            marker["settings"] = [text.replace(" --source ", " --input " if text.startswith("headlab parse") else " --data ")
+                                  .replace(" --limit ", " --n-sentences ") for text in marker["settings"]]
+            path.write_text(json.dumps(marker))
+        assert "--n-sentences 6" in json.loads(markers["importance"].read_text())["settings"][0]
+        messages = []
+        outcomes = run_pipeline(_config(workspace), models=["tiny"], stages=stages, log=messages.append)
+        assert [o.status for o in outcomes] == ["skipped", "skipped"], messages
+    finally:
+        for stage, path in markers.items():
+            path.write_text(saved[stage])
 
 
 def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):

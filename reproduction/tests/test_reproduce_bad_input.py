@@ -132,7 +132,7 @@ def test_reproduce_checks_only_the_stages_that_will_run(repro_config, capsys, mo
     assert main(["--config", str(repro_config), "--stages", "functions-parsed"]) == 0
     (root / "valid.en").unlink()
     assert main(["--config", str(repro_config), "--stages", "functions-parsed"]) == 2
-    assert f"stage functions-parsed: --input {root / 'valid.en'}: no such file" in capsys.readouterr().err
+    assert f"stage functions-parsed: --source {root / 'valid.en'}: no such file" in capsys.readouterr().err
     assert len(calls) == 4
 
 
