@@ -7,13 +7,16 @@ the `python -m reproduction --config experiments/news-reproduce.json` results); 
 blocks ``news-curve``, ``news-scores``, ``news-specialisation`` and ``news-claims``.
 """
 
+import sys
 from pathlib import Path
 
 from headlab.heads import atomic_write_text
 from headlab.pipeline.profiles import replace_block
-from reproduction.status import status_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the reproduction package of the checkout (not installed with headlab)
+from reproduction.status import status_blocks  # noqa: E402
+
 DOC = ROOT / "docs" / "nmt.md"
 
 text = DOC.read_text(encoding="utf-8")
