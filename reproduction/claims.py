@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from headlab import KINDS, HeadScores
-from headlab.importance.agreement import spearman
+from headlab.importance import spearman
 from headlab.pruning.dev import FLAT_BLEU
 from reproduction.results import ModelResults, kept_mask
 from reproduction.significance import bleu_interval, paired_bootstrap, spearman_interval

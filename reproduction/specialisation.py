@@ -85,8 +85,7 @@ def summarise_checkpoint(confidence: np.ndarray, token_share: np.ndarray, word_s
 def _measure(directory: Path, tokenizer_dir: Path, sources: list[str], references: list[str], conllu: Path,
              threshold: float, batch_size: int) -> dict:
     from headlab.api import functions
-    from headlab.importance.confidence import compute_confidence
-    from headlab.importance.data import describe_model, encode_texts
+    from headlab.importance import compute_confidence, describe_model, encode_texts
     from headlab.loading import load_model, load_tokenizer
 
     model = load_model(str(directory))
