@@ -171,7 +171,7 @@ def run_specialisation(config: ReproduceConfig, model: ModelEntry, *, force: boo
         "n_sentences": len(sources),
         "positional_threshold": threshold,
         "decoder_side": "reference (teacher-forced; encoder self-attention does not depend on it)",
-        "checkpoints": [{**p, "bleu": history.get(p.get("epoch"))} for p in points],
+        "checkpoints": [{**p, "bleu": history.get(p["epoch"]) if p.get("epoch") is not None else None} for p in points],
     }
     atomic_write_text(work / "specialisation.json", json.dumps(out, indent=1) + "\n")
     return [f"(Python) specialisation of {len(points)} checkpoints on {len(sources)} sentences of {src}"]
