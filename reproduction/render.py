@@ -3,7 +3,7 @@
 The document is prose written by hand with generated blocks between markers::
 
     <!-- BEGIN generated:sec4 -->
-    ... (rewritten by `headlab reproduce --docs-only`) ...
+    ... (rewritten by `python -m reproduction --docs-only`) ...
     <!-- END generated:sec4 -->
 
 :func:`render_blocks` makes every block from the result files (through the claims) and the
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import re
 
-from headlab.errors import HeadlabError
-from headlab.reproduce.claims import Claim
-from headlab.reproduce.config import ReproduceConfig
-from headlab.reproduce.results import ModelResults
-from headlab.reproduce.stages import STAGES, Context, stage_commands
-from headlab.reproduce.vig import claim_vig, vig_models
+from headlab import HeadlabError
 from headlab.resume import SkipStage
+from reproduction.claims import Claim
+from reproduction.config import ReproduceConfig
+from reproduction.results import ModelResults
+from reproduction.stages import STAGES, Context, stage_commands
+from reproduction.vig import claim_vig, vig_models
 
 __all__ = ["render_blocks", "vig_claim", "update_document", "read_blocks", "BLOCK"]
 
@@ -30,7 +30,7 @@ BLOCK = re.compile(r"<!-- BEGIN generated:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)<
                    re.DOTALL)
 
 STAGE_ORDER = tuple(name for name in STAGES if name != "report")
-PYTHON_STAGES = {"specialisation": "headlab.reproduce.specialisation", "hypotheses": "headlab.reproduce.significance"}
+PYTHON_STAGES = {"specialisation": "reproduction.specialisation", "hypotheses": "reproduction.significance"}
 
 
 def _cell(value: str) -> str:
@@ -46,7 +46,7 @@ def _verdict(text: str) -> str:
 
 def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> str:
     lines = [f"*Stages:* {', '.join(f'`{s}`' for s in claim.stages)} "
-             f"(`headlab reproduce --stages {','.join(claim.stages)},report`).", ""] if claim.stages else []
+             f"(`python -m reproduction --stages {','.join(claim.stages)},report`).", ""] if claim.stages else []
     for note in claim.notes:
         lines += [note, ""]
     lines.append("| check | paper | " + " | ".join(models) + " |")
@@ -130,9 +130,9 @@ def _commands_block(config: ReproduceConfig) -> str:
             except SkipStage as reason:
                 texts = [f"# {stage}: not run: {reason}"]
             if STAGES[stage].python is not None:
-                module = PYTHON_STAGES.get(stage, "headlab.reproduce.stages")
+                module = PYTHON_STAGES.get(stage, "reproduction.stages")
                 texts = [f"# {stage}: Python stage ({module}), "
-                         f"run by `headlab reproduce --stages {stage}`"]
+                         f"run by `python -m reproduction --stages {stage}`"]
             lines += [f"# {stage}"] + texts
         lines += ["```", ""]
     return "\n".join(lines)

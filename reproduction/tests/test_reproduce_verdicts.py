@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from headlab.heads import HeadScores
-from headlab.reproduce import compute_claims
-from headlab.reproduce.claims import (
+from reproduction import compute_claims
+from reproduction.claims import (
     NOTICEABLE_BLEU,
     _dominance,
     _dominance_verdict,
@@ -24,7 +24,7 @@ from headlab.reproduce.claims import (
     _unsettled,
     _within,
 )
-from headlab.reproduce.results import ModelResults
+from reproduction.results import ModelResults
 
 
 def _change(delta, low, high):
