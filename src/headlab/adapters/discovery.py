@@ -1,0 +1,385 @@
+"""Run-time discovery of a model's attention: which modules compute it, with how many heads, and
+where their heads' outputs meet the output projection, read from one probe forward pass.
+
+transformers v5 attention modules hand their queries, keys and values to a function picked from
+``ALL_ATTENTION_FUNCTIONS`` (``attention_interface(self, query, key, value, mask, ...)``) and feed
+what it returns, ``[batch, q_len, n_heads, d_head]``, to their output projection. The probe
+registers a function of its own under :data:`PROBE`, switches every config to it and runs the
+model once on a few tokens (on the meta device too: nothing is computed, the function returns
+zeros of the right shape). Each call names its module and the query/key/value shapes: the head
+counts and head size, from the tensors themselves. Every ``nn.Linear`` output of the model is
+traced (a tensor subclass that carries the modules it came from through any torch operation), so
+the probe also sees
+
+* which projections of the module the query, key and value came from (their provenance): one
+  projection each, of widths ``n_heads * d``, ``n_kv * d``, ``n_kv * d`` is the standard unfused
+  layout that physical pruning slices and LRP detaches (prune_check verifies every prune anyway);
+  anything else (fused, shared, mixed) is left to the family tables, and pruning and LRP are
+  refused;
+* the output projection: the first sub-module of the attention module that receives the
+  function's output, which must arrive through reshapes only (view, reshape, contiguous), its
+  width ``n_heads * d``; a gate, norm or transpose on the way means that masking a slice of that
+  input is not masking a head, and the module is refused.
+
+Mixture-of-experts blocks are run with an experts function that returns zeros (their routing
+needs values the meta device does not have). A model whose attention does not call the
+interface shows no call: :func:`discover` returns an empty list and the caller decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headlab.errors import HeadlabError
+
+__all__ = ["PROBE", "Discovered", "discover"]
+
+PROBE = "headlab_probe"
+"""The name under which the probe's attention (and experts) function is registered."""
+
+_VIEWS = frozenset({
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.contiguous, torch.reshape, torch.Tensor.flatten,
+    torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as,
+})
+"""Operations that only regroup elements in memory order: a head's slice stays a slice."""
+
+@dataclass(frozen=True)
+class Discovered:
+    """One attention layer as the probe saw it: the module whose forward called the attention
+    interface (``core``), the block around it that holds its output projection, and the heads."""
+
+    name: str
+    """Path of the block: the calling module, or its closest ancestor that holds the output
+    projection (BERT's ``attention`` around ``attention.self``)."""
+    core: str
+    """Path of the calling module relative to the block ("" when it is the block)."""
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    """Size of a head's output (its value vectors): the output projection reads ``n_heads * d_head``."""
+    d_qk: int
+    """Size of a head's queries and keys."""
+    o: str | None
+    """Path of the output projection, relative to the block (None: see ``problem``)."""
+    q: str | None
+    k: str | None
+    v: str | None
+    """Paths (relative to the block) of the projections the query, key and value came from, where
+    each came from exactly one projection of the standard width (None otherwise)."""
+    problem: str | None = None
+    """Why masking at the output projection's input would not mask this module's heads."""
+
+
+class _Traced(torch.Tensor):
+    """A tensor that remembers the modules its values came from (``_sources``) and whether it is
+    the attention function's output regrouped by views only (``_pure``)."""
+
+    _sources: frozenset = frozenset()
+    _pure: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        traced = [a for a in _tensors((args, kwargs)) if isinstance(a, _Traced)]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if not traced:
+            return out
+        sources = frozenset().union(*(t._sources for t in traced))
+        pure = len(traced) == 1 and traced[0]._pure and (func in _VIEWS or _is_identity_dropout(func, args, kwargs))
+        return _wrap(out, sources, pure)
+
+
+def _is_identity_dropout(func, args, kwargs) -> bool:
+    """``F.dropout`` outside training returns its input."""
+    if func is not nn.functional.dropout:
+        return False
+    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    return training is False
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _wrap(value, sources: frozenset, pure: bool):
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        traced = value.as_subclass(_Traced)
+        traced._sources, traced._pure = sources, pure
+        return traced
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_wrap(item, sources, pure) for item in value)
+    return value
+
+
+def _plain(value):
+    if isinstance(value, _Traced):
+        return value.as_subclass(torch.Tensor)
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+@dataclass(eq=False)
+class _Call:
+    module: nn.Module
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    sources: tuple[frozenset, frozenset, frozenset]
+    is_causal: bool | None
+    o: nn.Module | None = None
+    o_input: tuple[int, ...] | None = None
+    o_pure: bool = False
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
+
+    def attention(self, module, query, key, value, attention_mask, *args, **kwargs):
+        sources = tuple(t._sources if isinstance(t, _Traced) else frozenset() for t in (query, key, value))
+        call = _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), sources,
+                     kwargs.get("is_causal", getattr(module, "is_causal", None)))
+        self.calls.append(call)
+        self.pending.add(call)
+        batch, n_heads, q_len, _ = query.shape
+        with torch._C.DisableTorchFunctionSubclass():
+            out = torch.zeros(batch, q_len, n_heads, value.shape[-1], dtype=value.dtype, device=value.device)
+        return _wrap(out, frozenset({call}), True), None
+
+    def seen(self, module: nn.Module, x) -> None:
+        """``module`` is about to run on ``x``: the output projection of a pending call if it is
+        the first leaf module (a dropout in evaluation mode aside) to receive that call's output."""
+        if not isinstance(x, _Traced) or not self.pending or next(module.children(), None) is not None:
+            return
+        if isinstance(module, nn.Dropout):
+            return
+        for call in [c for c in x._sources if isinstance(c, _Call) and c in self.pending]:
+            self.pending.remove(call)
+            call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The probe's attention ignores masks: none is built (building one reads values)."""
+    return None
+
+
+def _experts(module, hidden_states, *args, **kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.zeros_like(hidden_states)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PROBE, _probe_attention)
+    AttentionMaskInterface.register(PROBE, _no_mask)
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - a transformers without the experts interface
+        return
+    ALL_EXPERTS_FUNCTIONS.register(PROBE, _experts)
+
+
+_ACTIVE: list[_Probe] = []
+
+
+def _probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    return _ACTIVE[-1].attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _configs(model: nn.Module) -> list:
+    found: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+            for name in ("text_config", "encoder", "decoder"):
+                sub = getattr(config, name, None)
+                if sub is not None and hasattr(sub, "_attn_implementation"):
+                    found.setdefault(id(sub), sub)
+    return list(found.values())
+
+
+def _probe_inputs(model: nn.Module, device: torch.device) -> dict:
+    ids = torch.zeros(1, 4, dtype=torch.long, device=device)
+    inputs: dict[str, torch.Tensor | bool] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = getattr(model, "config", None)
+    parameters = inspect.signature(model.forward).parameters
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        inputs["decoder_input_ids"] = ids[:, :3]
+    if "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _run(model: nn.Module) -> list[_Call]:
+    _register()
+    probe = _Probe()
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    handles = []
+    configs = _configs(model)
+    saved = [(config, config.__dict__.get("_attn_implementation_internal", None),
+              getattr(config, "_attn_implementation", None), getattr(config, "_experts_implementation", None))
+             for config in configs]
+
+    def mark(module, args, output):  # a projection's output: traced back to that projection
+        return _wrap(_plain(output), frozenset({module}), False)
+
+    def seen(module, args):
+        if args:
+            probe.seen(module, args[0])
+
+    try:
+        for module in model.modules():
+            if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+                handles.append(module.register_forward_hook(mark))
+        # The output projection: the first module of the attention module to receive the function's
+        # output; its pre-hook runs first, before any gate a user attached.
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(seen, prepend=True))
+        for config in configs:
+            config._attn_implementation = PROBE
+            if hasattr(config, "_experts_implementation"):
+                config._experts_implementation = PROBE
+        _ACTIVE.append(probe)
+        with torch.no_grad():
+            model(**_probe_inputs(model, device))
+    finally:
+        if _ACTIVE and _ACTIVE[-1] is probe:
+            _ACTIVE.pop()
+        for handle in handles:
+            handle.remove()
+        for config, _, attn, experts in saved:
+            config._attn_implementation = attn
+            if hasattr(config, "_experts_implementation"):
+                config._experts_implementation = experts
+    return probe.calls
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def discover(model: nn.Module) -> list[Discovered]:
+    """Every module of ``model`` whose forward calls transformers' attention interface, in call
+    order, from one probe forward (cached per model: the structure does not change, and head
+    counts are read from the weights by the caller). Empty when none calls it. Raises
+    :class:`HeadlabError` when the probe forward cannot run."""
+    found = _CACHE.get(model)
+    if found is None:
+        found = _discover(model)
+        _CACHE[model] = found
+    return found
+
+
+def _discover(model: nn.Module) -> list[Discovered]:
+    modes = [(module, module.training) for module in model.modules()]
+    parameter = next(model.parameters(), None)
+    devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices):  # the probe draws nothing from the user's generators
+            calls = _run(model)
+    except HeadlabError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any model's forward: reported, with what failed
+        raise HeadlabError(f"the probe forward pass that finds its attention modules failed "
+                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+    finally:
+        for module, training in modes:
+            module.training = training
+    modules = dict(model.named_modules())
+    names = {id(module): name for name, module in modules.items()}
+    counts: dict[int, int] = {}
+    for call in calls:
+        counts[id(call.module)] = counts.get(id(call.module), 0) + 1
+    firsts = [call for i, call in enumerate(calls) if all(c.module is not call.module for c in calls[:i])]
+    return [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
+
+
+def _width(module: nn.Module, which: str) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features if which == "in" else module.out_features
+    if type(module).__name__ == "Conv1D":  # transformers' Conv1D: weight [in, out]
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        return int(weight.shape[0 if which == "in" else 1])
+    return None
+
+
+def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str], n_calls: int) -> Discovered:
+    calling = names.get(id(call.module), type(call.module).__name__)
+    _, n_heads, _, d_qk = call.query
+    _, n_kv, _, d_v = call.value
+    o_name = names.get(id(call.o)) if call.o is not None else None
+    block = calling if o_name is None else _common_ancestor(calling, o_name)
+    problem = None
+    if n_calls > 1:
+        problem = (f"its forward ran the attention function {n_calls} times in one pass (a module shared by several "
+                   "layers, or one that attends twice): a head is not one layer's head")
+    elif call.key[1] != n_kv or call.key[-1] != d_qk:
+        problem = f"keys {list(call.key)} do not match queries {list(call.query)} and values {list(call.value)}"
+    elif n_kv == 0 or n_heads % n_kv:
+        problem = f"{n_heads} query heads do not group over {n_kv} key/value heads"
+    elif call.o is None or o_name is None:
+        problem = "no module received the attention function's output (no output projection)"
+    elif not call.o_pure:
+        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes (a "
+                   "gate, a norm, a transpose, a sum): a slice of that input is not one head's output")
+    elif _width(call.o, "in") is None:
+        problem = f"the first module to read the attention function's output, {o_name}, is a " \
+                  f"{type(call.o).__name__}, not a linear map"
+    elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
+        problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
+                   f"{n_heads} heads x {d_v}")
+    elif not block or block != calling and not calling.startswith(block + "."):
+        problem = f"its output projection {o_name} lies outside the attention layer"
+    owner = modules.get(block)
+    inside = {id(m) for m in owner.modules()} if owner is not None and problem is None else set()
+    paths = []
+    for sources, width in zip(call.sources, (n_heads * d_qk, n_kv * d_qk, n_kv * d_v)):
+        projections = [m for m in sources if isinstance(m, nn.Module)]
+        single = projections[0] if len(projections) == 1 and len(sources) == 1 and id(projections[0]) in inside \
+            and _width(projections[0], "out") == width else None
+        paths.append(_relative(block, names.get(id(single))) if single is not None else None)
+    q, k, v = paths
+    if d_qk != d_v or len({q, k, v}) < 3 or None in (q, k, v):
+        q = k = v = None
+    return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
+                      _relative(block, o_name), q, k, v, problem)
+
+
+def _common_ancestor(a: str, b: str) -> str:
+    common = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _relative(block: str, name: str | None) -> str | None:
+    """``name`` relative to ``block`` ("" for the block itself; None outside it)."""
+    if name is None:
+        return None
+    if name == block:
+        return ""
+    if not block:
+        return name
+    return name[len(block) + 1:] if name.startswith(block + ".") else None
