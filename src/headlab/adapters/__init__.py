@@ -176,6 +176,8 @@ def _discovered_candidates(model: nn.Module) -> list:
     if not found:
         if named and _ships_with_transformers(model):
             return named
+        if named:
+            raise HeadlabError(f"{where}: {_outside(named[0])}")
         raise HeadlabError(
             f"{where}: found no attention block: no module of it called transformers' attention interface "
             "(ALL_ATTENTION_FUNCTIONS) in a probe forward pass, and no family table describes it: headlab finds the "
@@ -193,10 +195,15 @@ def _discovered_candidates(model: nn.Module) -> list:
         if type(module).__name__ == "ZeroHeadAttention":  # a layer pruned to no head: it attends to nothing
             candidates.append(candidate)
             continue
-        raise HeadlabError(f"{where}: {name} ({type(module).__name__}) has query/key/value/output projections but did "
-                           "not call transformers' attention interface in the probe forward pass: headlab cannot "
-                           "tell what its heads are")
+        raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _outside(candidate: tuple) -> str:
+    name, module = candidate[2], candidate[3]
+    return (f"{name} ({type(module).__name__}) has query/key/value/output projections but did not call transformers' "
+            "attention interface (ALL_ATTENTION_FUNCTIONS) in a probe forward pass, and no family table describes it: "
+            "headlab cannot tell what its heads are")
 
 
 def _discovered(model: nn.Module, config, model_type: str, item: Discovered) -> tuple:
