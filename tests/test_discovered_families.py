@@ -297,3 +297,27 @@ def test_an_output_changed_before_the_output_projection_is_refused():
         layer.self_attn = gated
     with pytest.raises(HeadlabError, match="through operations other than reshapes"):
         attention_blocks(model)
+
+
+class _Adapted(nn.Module):
+    """A low-rank adapter around a projection (as PEFT's LoRA wraps o_proj): base(x) + B(A(x))."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base_layer, self.lora_A, self.lora_B = base, nn.Linear(base.in_features, 2), nn.Linear(2, base.out_features)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_a_second_reader_of_the_heads_outputs_is_refused():
+    """Masking the first projection to read the heads' outputs would leave the adapter's path
+    unmasked: refused, naming the other reader."""
+    config = tf.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.model_type = "adapted-llama"  # no table entry: found at run time
+    model = tf.LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = _Adapted(layer.self_attn.o_proj)
+    with pytest.raises(HeadlabError, match="besides its output projection .*base_layer, .*lora_A reads the heads"):
+        attention_blocks(model)

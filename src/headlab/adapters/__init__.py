@@ -2,8 +2,9 @@
 
 :func:`attention_blocks` returns one :class:`AttentionBlock` per attention layer, in forward
 order, with its kind, layer, head counts and projection modules. Known ``model_type`` values
-use the declarative tables of :mod:`headlab.adapters.families`; any other model goes through
-one generic discovery path. Either way every block is checked against its weight shapes, so
+use the declarative tables of :mod:`headlab.adapters.families`; any other model is found at run
+time from one probe forward pass through transformers' attention interface
+(:mod:`headlab.adapters.discovery`). Either way every block is checked against its weight shapes, so
 a model gets the right answer or a :class:`~headlab.errors.HeadlabError` naming what could not
 be found, never a silent wrong one.
 """
@@ -192,7 +193,7 @@ def _discovered_candidates(model: nn.Module) -> list:
         name, module = candidate[2], candidate[3]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
             continue
-        if type(module).__name__ == "ZeroHeadAttention":  # a layer pruned to no head: it attends to nothing
+        if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
             candidates.append(candidate)
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")

@@ -17,7 +17,7 @@ the probe also sees
   anything else (fused, shared, mixed) is left to the family tables, and pruning and LRP are
   refused;
 * the output projection: the first sub-module of the attention module that receives the
-  function's output, which must arrive through reshapes only (view, reshape, contiguous), its
+  function's output, which must arrive through reshapes and casts only (view, reshape, contiguous, to), its
   width ``n_heads * d``; a gate, norm or transpose on the way means that masking a slice of that
   input is not masking a head, and the module is refused.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,8 +45,10 @@ PROBE = "headlab_probe"
 _VIEWS = frozenset({
     torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.contiguous, torch.reshape, torch.Tensor.flatten,
     torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as,
+    torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
 })
-"""Operations that only regroup elements in memory order: a head's slice stays a slice."""
+"""Operations that only regroup elements in memory order (a head's slice stays that head's slice),
+or cast or move each element on its own."""
 
 @dataclass(frozen=True)
 class Discovered:
@@ -143,6 +145,8 @@ class _Call:
     o: nn.Module | None = None
     o_input: tuple[int, ...] | None = None
     o_pure: bool = False
+    readers: list[nn.Module] = field(default_factory=list)
+    """Every module that received this call's output, or a tensor made from it, in call order."""
 
 
 class _Probe:
@@ -162,15 +166,16 @@ class _Probe:
         return _wrap(out, frozenset({call}), True), None
 
     def seen(self, module: nn.Module, x) -> None:
-        """``module`` is about to run on ``x``: the output projection of a pending call if it is
-        the first leaf module (a dropout in evaluation mode aside) to receive that call's output."""
-        if not isinstance(x, _Traced) or not self.pending or next(module.children(), None) is not None:
+        """``module`` is about to run on ``x``: a reader of every call whose output ``x`` carries; the
+        first leaf reader (a dropout outside training aside) of a pending call is its output projection."""
+        if not isinstance(x, _Traced):
             return
-        if isinstance(module, nn.Dropout):
-            return
-        for call in [c for c in x._sources if isinstance(c, _Call) and c in self.pending]:
-            self.pending.remove(call)
-            call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
+        leaf = next(module.children(), None) is None and not isinstance(module, nn.Dropout)
+        for call in [c for c in x._sources if isinstance(c, _Call)]:
+            call.readers.append(module)
+            if leaf and call in self.pending:
+                self.pending.remove(call)
+                call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -340,7 +345,7 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o is None or o_name is None:
         problem = "no module received the attention function's output (no output projection)"
     elif not call.o_pure:
-        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes (a "
+        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes and casts (a "
                    "gate, a norm, a transpose, a sum): a slice of that input is not one head's output")
     elif _width(call.o, "in") is None:
         problem = f"the first module to read the attention function's output, {o_name}, is a " \
@@ -348,6 +353,10 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
         problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
                    f"{n_heads} heads x {d_v}")
+    elif others := [m for m in call.readers if not _nested(m, call.o)]:
+        problem = (f"besides its output projection {o_name}, {names.get(id(others[0]), type(others[0]).__name__)} reads "
+                   "the heads' outputs (an adapter around the projection?): masking the projection's input would "
+                   "not switch a head off")
     elif not block or block != calling and not calling.startswith(block + "."):
         problem = f"its output projection {o_name} lies outside the attention layer"
     owner = modules.get(block)
@@ -363,6 +372,11 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem)
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    """``a`` is ``b``, holds it or is held by it."""
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def _common_ancestor(a: str, b: str) -> str:
