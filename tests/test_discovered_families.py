@@ -1,5 +1,6 @@
 """Families headlab has no table for, found at run time (headlab.adapters.discovery): Granite,
-Cohere, Starcoder2, GLM, EXAONE 4 and Persimmon (fused per-head query_key_value), tiny models of
+Cohere, Starcoder2, GLM, EXAONE 4, Persimmon (fused per-head query_key_value) and RoBERTa-PreLayerNorm
+(an encoder whose output projection lies outside the module that calls the attention function), tiny models of
 tests/support/discovered.py; and modules that do not go through transformers' attention
 interface, or change the heads' outputs before the output projection, refused before any work.
 
@@ -24,8 +25,12 @@ from torch import nn
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.cli import main
-from support.discovered import FAMILIES, TIED, VALUE_ROWS, tiny_model
+from support.discovered import ENCODERS, FAMILIES, TIED, VALUE_ROWS, tiny_model
 from support.family_matrix import tiny_inputs
+
+
+def _kind(family: str) -> str:
+    return "enc_self" if family in ENCODERS else "dec_self"
 
 
 def _logits(model, inputs):
@@ -39,8 +44,13 @@ def test_blocks_are_discovered_with_the_configs_head_counts(family):
     blocks = attention_blocks(model)
     n_kv = VALUE_ROWS[family][2]
     assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
-        [("dec_self", 0, 4, n_kv, 8), ("dec_self", 1, 4, n_kv, 8)]
+        [(_kind(family), 0, 4, n_kv, 8), (_kind(family), 1, 4, n_kv, 8)]
     assert blocks[0].family.name == f"discovered:{model.config.model_type}"
+    if family in ENCODERS:  # the block around the calling module, holding the output projection
+        attn = model.roberta_prelayernorm.encoder.layer[1].attention
+        assert (blocks[1].module, blocks[1].core, blocks[1].o) == (attn, attn.self, attn.output.dense)
+        assert (blocks[1].q, blocks[1].k, blocks[1].v) == (attn.self.query, attn.self.key, attn.self.value)
+        return
     attn = model.model.layers[1].self_attn
     assert blocks[1].module is attn and blocks[1].o is getattr(attn, "dense" if family == "persimmon" else "o_proj")
     if family in TIED:
@@ -58,7 +68,7 @@ def test_capture_equals_output_attentions(family):
     model = tiny_model(family)  # sdpa
     with capture_attention(model) as record:
         _logits(model, inputs)
-    assert set(record) == {("dec_self", 0), ("dec_self", 1)}
+    assert set(record) == {(_kind(family), 0), (_kind(family), 1)}
     for (_, layer), probs in record.items():
         assert torch.equal(probs, reference[layer]), layer
     assert model.config._attn_implementation == "sdpa"  # restored
@@ -83,7 +93,7 @@ def test_masking_equals_zeroed_values(family):
         model = tiny_model(family)
         before = _logits(model, inputs)
         heads = list(range(kv_head * group, (kv_head + 1) * group))
-        with mask_heads(model, {("dec_self", 1): heads}):
+        with mask_heads(model, {(_kind(family), 1): heads}):
             masked = _logits(model, inputs)
         assert torch.equal(_logits(model, inputs), before)  # the mask came off
         _zero_values(model, family, 1, kv_head)
@@ -105,9 +115,9 @@ def test_gates_at_one_change_nothing_and_a_silent_head_has_no_gradient(family):
     g = torch.Generator().manual_seed(5)
     data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (5, 3, 6)])
     scores = compute_gradient(model, data, describe_model(model), batch_size=2, normalize=False)
-    layer0 = scores["dec_self"][0]
+    layer0 = scores[_kind(family)][0]
     assert (layer0[silent] == 0).all() and (layer0[len(silent):] > 0).all(), layer0
-    assert (scores["dec_self"][1] > 0).all()
+    assert (scores[_kind(family)][1] > 0).all()
 
 
 def _llama_twin(model):
@@ -141,7 +151,7 @@ def test_physical_pruning_equals_masking(family):
     from headlab import prune_heads
 
     model, inputs = tiny_model(family), tiny_inputs()
-    spec = {("dec_self", 0): [1], ("dec_self", 1): [0, 2]}
+    spec = {(_kind(family), 0): [1], (_kind(family), 1): [0, 2]}
     with mask_heads(model, spec):
         masked = _logits(model, inputs)
     prune_heads(model, spec)

@@ -6,7 +6,7 @@ projection holding layer i's values, rows(kv_head) -> its value rows, key/value 
 the modeling code by hand (not from headlab), for the zeroed-value reference of masking.
 ``TIED`` are the families whose query, key and value each come from one projection (discovery
 names them: pruning and LRP allowed, verified); the others (Persimmon's fused per-head
-``query_key_value``) are analysed and masked only.
+``query_key_value``) are analysed and masked only. ``ENCODERS`` have ``enc_self`` blocks.
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ DISCOVERED = {
     "exaone4": lambda: (tf.Exaone4ForCausalLM, tf.Exaone4Config(**_gqa())),  # q/k norms after the projections
     "persimmon": lambda: (tf.PersimmonForCausalLM, tf.PersimmonConfig(  # fused per-head query_key_value
         **{**_COMMON, "num_attention_heads": 4}, qk_layernorm=True)),
+    # BERT-style, pre-layer-norm: the output projection (attention.output.dense) lies outside the
+    # module that calls the attention function (attention.self)
+    "roberta-prelayernorm": lambda: (tf.RobertaPreLayerNormForMaskedLM, tf.RobertaPreLayerNormConfig(
+        **{**_COMMON, "num_attention_heads": 4, "max_position_embeddings": 70, "pad_token_id": 1})),
 }
 FAMILIES = tuple(DISCOVERED)
-TIED = ("granite", "cohere", "starcoder2", "glm", "exaone4")
+TIED = ("granite", "cohere", "starcoder2", "glm", "exaone4", "roberta-prelayernorm")
+ENCODERS = ("roberta-prelayernorm",)
 
 
 def _rows(j: int) -> range:
@@ -53,6 +58,7 @@ def _per_head(h: int) -> range:
 
 VALUE_ROWS = {
     **{family: (lambda m, i: m.model.layers[i].self_attn.v_proj, _rows, 2) for family in TIED},
+    "roberta-prelayernorm": (lambda m, i: m.roberta_prelayernorm.encoder.layer[i].attention.self.value, _rows, 4),
     "persimmon": (lambda m, i: m.model.layers[i].self_attn.query_key_value, _per_head, 4),
 }
 
