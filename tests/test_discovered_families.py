@@ -331,3 +331,29 @@ def test_a_second_reader_of_the_heads_outputs_is_refused():
         layer.self_attn.o_proj = _Adapted(layer.self_attn.o_proj)
     with pytest.raises(HeadlabError, match="besides its output projection .*base_layer, .*lora_A reads the heads"):
         attention_blocks(model)
+
+
+def test_the_probe_leaves_the_model_as_it_was_and_runs_once(monkeypatch):
+    """Implementation, training mode, hooks and the random generator are as before; a second call is
+    served from the cache, until a module it found is replaced (an adapter around the output projection)."""
+    import headlab.adapters.discovery as discovery
+
+    model = tiny_model("granite")
+    model.train()
+    model.model.layers[0].eval()
+    modes = [m.training for m in model.modules()]
+    state = torch.random.get_rng_state()
+    runs = []
+    probe = discovery._discover
+    monkeypatch.setattr(discovery, "_discover", lambda m: runs.append(1) or probe(m))
+    attention_blocks(model)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert [m.training for m in model.modules()] == modes
+    assert model.config._attn_implementation == "sdpa" and model.config._experts_implementation != "headlab_probe"
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    attention_blocks(model)
+    assert len(runs) == 1
+    model.model.layers[1].self_attn.o_proj = _Adapted(model.model.layers[1].self_attn.o_proj)
+    with pytest.raises(HeadlabError, match="besides its output projection"):
+        attention_blocks(model)
+    assert len(runs) == 2

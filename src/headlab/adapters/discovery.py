@@ -223,12 +223,15 @@ def _configs(model: nn.Module) -> list:
 
 def _probe_inputs(model: nn.Module, device: torch.device) -> dict:
     ids = torch.zeros(1, 4, dtype=torch.long, device=device)
-    inputs: dict[str, torch.Tensor | bool] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     config = getattr(model, "config", None)
     parameters = inspect.signature(model.forward).parameters
+    takes = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    inputs: dict[str, torch.Tensor | bool] = {"input_ids": ids}
+    if "attention_mask" in parameters or takes:  # a mask given: transformers does not look for packed sequences
+        inputs["attention_mask"] = torch.ones_like(ids)
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
         inputs["decoder_input_ids"] = ids[:, :3]
-    if "use_cache" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+    if "use_cache" in parameters or takes:
         inputs["use_cache"] = False
     return inputs
 
@@ -283,14 +286,31 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def discover(model: nn.Module) -> list[Discovered]:
     """Every module of ``model`` whose forward calls transformers' attention interface, in call
-    order, from one probe forward (cached per model: the structure does not change, and head
+    order, from one probe forward (cached per model while the modules found stay in place; head
     counts are read from the weights by the caller). Empty when none calls it. Raises
     :class:`HeadlabError` when the probe forward cannot run."""
-    found = _CACHE.get(model)
-    if found is None:
-        found = _discover(model)
-        _CACHE[model] = found
+    cached = _CACHE.get(model)
+    if cached is not None and cached[1] == _identity(model, cached[0]):
+        return cached[0]
+    found = _discover(model)
+    _CACHE[model] = (found, _identity(model, found))
     return found
+
+
+def _identity(model: nn.Module, found: list[Discovered]) -> tuple:
+    """The modules the discovered paths lead to now: a module replaced since (a pruned layer's stand-in,
+    an adapter around a projection) makes the probe run again."""
+    modules = dict(model.named_modules())
+    out = []
+    for item in found:
+        for path in (item.name, _join(item.name, item.core), *(_join(item.name, p) for p in (item.o, item.q, item.k,
+                                                                                         item.v) if p is not None)):
+            out.append(id(modules.get(path)))
+    return tuple(out)
+
+
+def _join(block: str, path: str) -> str:
+    return ".".join(part for part in (block, path) if part)
 
 
 def _discover(model: nn.Module) -> list[Discovered]:
