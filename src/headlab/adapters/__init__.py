@@ -215,7 +215,7 @@ def _discovered(model: nn.Module, config, model_type: str, item: Discovered) -> 
                            "layer index in its path")
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
-        d_head_attr="", core=item.core, probs_index=-1, d_head=item.d_head, kv_heads=item.n_kv_heads,
+        d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
     )
     return _guess_kind(item.name, module, config), int(layer[-1]), item.name, module, family
 

@@ -75,6 +75,8 @@ class Discovered:
     each came from exactly one projection of the standard width (None otherwise)."""
     problem: str | None = None
     """Why masking at the output projection's input would not mask this module's heads."""
+    probs_index: int = 1
+    """Where the calling module's output tuple holds the attention probabilities (eager mode)."""
 
 
 class _Traced(torch.Tensor):
@@ -145,6 +147,9 @@ class _Call:
     o: nn.Module | None = None
     o_input: tuple[int, ...] | None = None
     o_pure: bool = False
+    weights: torch.Tensor | None = None
+    probs_index: int | None = None
+    """Where the calling module's output tuple holds the attention weights (-1: nowhere)."""
     readers: list[nn.Module] = field(default_factory=list)
     """Every module that received this call's output, or a tensor made from it, in call order."""
 
@@ -163,7 +168,16 @@ class _Probe:
         batch, n_heads, q_len, _ = query.shape
         with torch._C.DisableTorchFunctionSubclass():
             out = torch.zeros(batch, q_len, n_heads, value.shape[-1], dtype=value.dtype, device=value.device)
-        return _wrap(out, frozenset({call}), True), None
+            call.weights = torch.zeros(batch, n_heads, q_len, key.shape[2], dtype=value.dtype, device=value.device)
+        return _wrap(out, frozenset({call}), True), call.weights
+
+    def returned(self, module: nn.Module, output) -> None:
+        """Where ``module``'s output tuple holds the weights its attention function returned (capture
+        reads them there, in eager mode)."""
+        items = output if isinstance(output, tuple) else (output,)
+        for call in self.calls:
+            if call.module is module and call.probs_index is None:
+                call.probs_index = next((i for i, item in enumerate(items) if item is call.weights), -1)
 
     def seen(self, module: nn.Module, x) -> None:
         """``module`` is about to run on ``x``: a reader of every call whose output ``x`` carries; the
@@ -254,6 +268,9 @@ def _run(model: nn.Module) -> list[_Call]:
         if args:
             probe.seen(module, args[0])
 
+    def returned(module, args, output):
+        probe.returned(module, output)
+
     try:
         for module in model.modules():
             if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
@@ -262,6 +279,7 @@ def _run(model: nn.Module) -> list[_Call]:
         # output; its pre-hook runs first, before any gate a user attached.
         for module in model.modules():
             handles.append(module.register_forward_pre_hook(seen, prepend=True))
+            handles.append(module.register_forward_hook(returned, prepend=True))
         for config in configs:
             config._attn_implementation = PROBE
             if hasattr(config, "_experts_implementation"):
@@ -373,6 +391,9 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
         problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
                    f"{n_heads} heads x {d_v}")
+    elif call.probs_index is None or call.probs_index < 0:
+        problem = ("its forward does not return the attention function's weights, where capture reads the attention "
+                   "probabilities")
     elif others := [m for m in call.readers if not _nested(m, call.o)]:
         problem = (f"besides its output projection {o_name}, {names.get(id(others[0]), type(others[0]).__name__)} reads "
                    "the heads' outputs (an adapter around the projection?): masking the projection's input would "
@@ -391,7 +412,7 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     if d_qk != d_v or len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
-                      _relative(block, o_name), q, k, v, problem)
+                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0)
 
 
 def _nested(a: nn.Module, b: nn.Module) -> bool:
