@@ -291,11 +291,17 @@ class _GatedAttention(tf.models.llama.modeling_llama.LlamaAttention):
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
-        out = out.reshape(*hidden_states.shape[:-1], -1) * torch.sigmoid(self.q_proj(hidden_states))
+        out = out.reshape(*hidden_states.shape[:-1], -1)
+        gate = torch.sigmoid(self.q_proj(hidden_states))
+        if self.in_place:  # the gated tensor keeps its name
+            out.mul_(gate)
+        else:
+            out = out * gate
         return self.o_proj(out), weights
 
 
-def test_an_output_changed_before_the_output_projection_is_refused():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_output_changed_before_the_output_projection_is_refused(in_place):
     cls, config = tf.LlamaForCausalLM, tf.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37,
                                                       num_hidden_layers=2, num_attention_heads=4,
                                                       num_key_value_heads=2, max_position_embeddings=64)
@@ -303,6 +309,7 @@ def test_an_output_changed_before_the_output_projection_is_refused():
     model = cls(config).eval()
     for i, layer in enumerate(model.model.layers):
         gated = _GatedAttention(config, i)
+        gated.in_place = in_place
         gated.load_state_dict(layer.self_attn.state_dict())
         layer.self_attn = gated
     with pytest.raises(HeadlabError, match="through operations other than reshapes"):

@@ -96,7 +96,16 @@ class _Traced(torch.Tensor):
             return out
         sources = frozenset().union(*(t._sources for t in traced))
         pure = len(traced) == 1 and traced[0]._pure and (func in _VIEWS or _is_identity_dropout(func, args, kwargs))
+        if _in_place(func, kwargs) and args and isinstance(args[0], _Traced):
+            # the tensor written to keeps being used under its old name: it carries what was written
+            args[0]._sources, args[0]._pure = sources, False
         return _wrap(out, sources, pure)
+
+
+def _in_place(func, kwargs) -> bool:
+    """``x.mul_(...)``, ``x[...] = ...`` or ``out=``: an operation that writes into an existing tensor."""
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name == "__setitem__" or name.endswith("_") and not name.endswith("__")
 
 
 def _is_identity_dropout(func, args, kwargs) -> bool:
