@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import Discovered, discover
+from headlab.adapters.discovery import Discovered, discover, ran
 from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
@@ -194,6 +194,9 @@ def _discovered_candidates(model: nn.Module) -> list:
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
             continue
         if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
+            candidates.append(candidate)
+            continue
+        if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention): as before
             candidates.append(candidate)
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")

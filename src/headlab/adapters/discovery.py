@@ -37,7 +37,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 
-__all__ = ["PROBE", "Discovered", "discover"]
+__all__ = ["PROBE", "Discovered", "discover", "ran"]
 
 PROBE = "headlab_probe"
 """The name under which the probe's attention (and experts) function is registered."""
@@ -166,6 +166,7 @@ class _Call:
 class _Probe:
     def __init__(self) -> None:
         self.calls: list[_Call] = []
+        self.ran: set[int] = set()  # ids of the modules whose forward ran
         self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
 
     def attention(self, module, query, key, value, attention_mask, *args, **kwargs):
@@ -259,7 +260,7 @@ def _probe_inputs(model: nn.Module, device: torch.device) -> dict:
     return inputs
 
 
-def _run(model: nn.Module) -> list[_Call]:
+def _run(model: nn.Module) -> _Probe:
     _register()
     probe = _Probe()
     parameter = next(model.parameters(), None)
@@ -274,6 +275,7 @@ def _run(model: nn.Module) -> list[_Call]:
         return _wrap(_plain(output), frozenset({module}), False)
 
     def seen(module, args):
+        probe.ran.add(id(module))
         if args:
             probe.seen(module, args[0])
 
@@ -305,7 +307,7 @@ def _run(model: nn.Module) -> list[_Call]:
             config._attn_implementation = attn
             if hasattr(config, "_experts_implementation"):
                 config._experts_implementation = experts
-    return probe.calls
+    return probe
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -319,9 +321,15 @@ def discover(model: nn.Module) -> list[Discovered]:
     cached = _CACHE.get(model)
     if cached is not None and cached[1] == _identity(model, cached[0]):
         return cached[0]
-    found = _discover(model)
-    _CACHE[model] = (found, _identity(model, found))
+    found, ran = _discover(model)
+    _CACHE[model] = (found, _identity(model, found), ran)
     return found
+
+
+def ran(model: nn.Module) -> frozenset[str]:
+    """The paths of the modules whose forward ran in ``model``'s probe pass (:func:`discover` first)."""
+    discover(model)
+    return _CACHE[model][2]
 
 
 def _identity(model: nn.Module, found: list[Discovered]) -> tuple:
@@ -340,14 +348,15 @@ def _join(block: str, path: str) -> str:
     return ".".join(part for part in (block, path) if part)
 
 
-def _discover(model: nn.Module) -> list[Discovered]:
+def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str]]:
     modes = [(module, module.training) for module in model.modules()]
+    saved = _plain_attributes(model)
     parameter = next(model.parameters(), None)
     devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices):  # the probe draws nothing from the user's generators
-            calls = _run(model)
+            probe = _run(model)
     except HeadlabError:
         raise
     except Exception as error:  # noqa: BLE001 - any model's forward: reported, with what failed
@@ -356,13 +365,33 @@ def _discover(model: nn.Module) -> list[Discovered]:
     finally:
         for module, training in modes:
             module.training = training
+        for owner, values in saved:  # what a forward set on the way (BigBird's attention_type for short inputs)
+            for name, value in values.items():
+                if owner.__dict__.get(name, value) is not value:
+                    setattr(owner, name, value)
     modules = dict(model.named_modules())
     names = {id(module): name for name, module in modules.items()}
+    calls = probe.calls
     counts: dict[int, int] = {}
     for call in calls:
         counts[id(call.module)] = counts.get(id(call.module), 0) + 1
     firsts = [call for i, call in enumerate(calls) if all(c.module is not call.module for c in calls[:i])]
-    return [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
+    found = [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
+    return found, frozenset(name for name, module in modules.items() if id(module) in probe.ran)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(model: nn.Module) -> list[tuple[object, dict]]:
+    """Every module's and config's plain attributes (numbers, strings, flags), to put back after the probe."""
+    owners: dict[int, object] = {}
+    for module in model.modules():
+        owners.setdefault(id(module), module)
+        config = getattr(module, "config", None)
+        if config is not None:
+            owners.setdefault(id(config), config)
+    return [(owner, {k: v for k, v in vars(owner).items() if isinstance(v, _PLAIN)}) for owner in owners.values()]
 
 
 def _width(module: nn.Module, which: str) -> int | None:
