@@ -364,3 +364,17 @@ def test_the_probe_leaves_the_model_as_it_was_and_runs_once(monkeypatch):
     with pytest.raises(HeadlabError, match="besides its output projection"):
         attention_blocks(model)
     assert len(runs) == 2
+
+
+def test_a_causal_lms_unused_cross_attention_keeps_its_block():
+    """PLBart's causal LM has cross-attention modules that run only with encoder states: the probe
+    pass does not run them, so they are not refused as attention outside the interface; they keep
+    the inert name-based blocks they had, beside the discovered self-attention."""
+    config = tf.PLBartConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
+                             max_position_embeddings=64)
+    model = tf.PLBartForCausalLM(config).eval()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.family.name.split(":")[0]) for b in blocks] == [
+        ("dec_self", 0, "discovered"), ("dec_cross", 0, "generic"), ("dec_self", 1, "discovered"),
+        ("dec_cross", 1, "generic")]
