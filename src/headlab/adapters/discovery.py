@@ -152,7 +152,6 @@ class _Call:
     key: tuple[int, ...]
     value: tuple[int, ...]
     sources: tuple[frozenset, frozenset, frozenset]
-    is_causal: bool | None
     o: nn.Module | None = None
     o_input: tuple[int, ...] | None = None
     o_pure: bool = False
@@ -171,8 +170,7 @@ class _Probe:
 
     def attention(self, module, query, key, value, attention_mask, *args, **kwargs):
         sources = tuple(t._sources if isinstance(t, _Traced) else frozenset() for t in (query, key, value))
-        call = _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), sources,
-                     kwargs.get("is_causal", getattr(module, "is_causal", None)))
+        call = _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), sources)
         self.calls.append(call)
         self.pending.add(call)
         batch, n_heads, q_len, _ = query.shape
