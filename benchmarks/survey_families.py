@@ -61,8 +61,11 @@ def survey(model_type: str, config_class) -> tuple[str, str]:
     try:
         with torch.no_grad():
             reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-            with capture_attention(model) as record:
-                model(input_ids=ids, attention_mask=mask)
+    except Exception as error:  # noqa: BLE001 - any model: reported
+        return how, f"{len(blocks)} blocks; the model's own forward fails at these sizes ({type(error).__name__})"
+    try:
+        with torch.no_grad(), capture_attention(model) as record:
+            model(input_ids=ids, attention_mask=mask)
     except Exception as error:  # noqa: BLE001 - any model: reported
         return how, f"{len(blocks)} blocks; capture failed ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
     if reference is None or len(reference) != len(blocks):
