@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +89,8 @@ class _Traced(torch.Tensor):
     _pure: bool = False
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         traced = [a for a in _tensors((args, kwargs)) if isinstance(a, _Traced)]
         with torch._C.DisableTorchFunctionSubclass():
@@ -102,13 +105,13 @@ class _Traced(torch.Tensor):
         return _wrap(out, sources, pure)
 
 
-def _in_place(func, kwargs) -> bool:
+def _in_place(func: Callable[..., Any], kwargs: dict) -> bool:
     """``x.mul_(...)``, ``x[...] = ...`` or ``out=``: an operation that writes into an existing tensor."""
     name = getattr(func, "__name__", "")
     return "out" in kwargs or name == "__setitem__" or name.endswith("_") and not name.endswith("__")
 
 
-def _is_identity_dropout(func, args, kwargs) -> bool:
+def _is_identity_dropout(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
     """``F.dropout`` outside training returns its input."""
     if func is not nn.functional.dropout:
         return False
@@ -116,7 +119,7 @@ def _is_identity_dropout(func, args, kwargs) -> bool:
     return training is False
 
 
-def _tensors(value):
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -127,7 +130,7 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def _wrap(value, sources: frozenset, pure: bool):
+def _wrap(value: Any, sources: frozenset, pure: bool) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         traced = value.as_subclass(_Traced)
         traced._sources, traced._pure = sources, pure
@@ -137,7 +140,7 @@ def _wrap(value, sources: frozenset, pure: bool):
     return value
 
 
-def _plain(value):
+def _plain(value: Any) -> Any:
     if isinstance(value, _Traced):
         return value.as_subclass(torch.Tensor)
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
@@ -168,8 +171,11 @@ class _Probe:
         self.ran: set[int] = set()  # ids of the modules whose forward ran
         self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
 
-    def attention(self, module, query, key, value, attention_mask, *args, **kwargs):
-        sources = tuple(t._sources if isinstance(t, _Traced) else frozenset() for t in (query, key, value))
+    def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q_sources, k_sources, v_sources = (t._sources if isinstance(t, _Traced) else frozenset()
+                                           for t in (query, key, value))
+        sources = (q_sources, k_sources, v_sources)
         call = _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), sources)
         self.calls.append(call)
         self.pending.add(call)
@@ -179,7 +185,7 @@ class _Probe:
             call.weights = torch.zeros(batch, n_heads, q_len, key.shape[2], dtype=value.dtype, device=value.device)
         return _wrap(out, frozenset({call}), True), call.weights
 
-    def returned(self, module: nn.Module, output) -> None:
+    def returned(self, module: nn.Module, output: Any) -> None:
         """Where ``module``'s output tuple holds the weights its attention function returned (capture
         reads them there, in eager mode)."""
         items = output if isinstance(output, tuple) else (output,)
@@ -187,7 +193,7 @@ class _Probe:
             if call.module is module and call.probs_index is None:
                 call.probs_index = next((i for i, item in enumerate(items) if item is call.weights), -1)
 
-    def seen(self, module: nn.Module, x) -> None:
+    def seen(self, module: nn.Module, x: Any) -> None:
         """``module`` is about to run on ``x``: a reader of every call whose output ``x`` carries; the
         first leaf reader (a dropout outside training aside) of a pending call is its output projection."""
         if not isinstance(x, _Traced):
@@ -200,12 +206,12 @@ class _Probe:
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
 
 
-def _no_mask(*args, **kwargs) -> None:
+def _no_mask(*args: Any, **kwargs: Any) -> None:
     """The probe's attention ignores masks: none is built (building one reads values)."""
     return None
 
 
-def _experts(module, hidden_states, *args, **kwargs):
+def _experts(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return torch.zeros_like(hidden_states)
 
@@ -226,7 +232,8 @@ def _register() -> None:
 _ACTIVE: list[_Probe] = []
 
 
-def _probe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+def _probe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return _ACTIVE[-1].attention(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -269,15 +276,15 @@ def _run(model: nn.Module) -> _Probe:
               getattr(config, "_attn_implementation", None), getattr(config, "_experts_implementation", None))
              for config in configs]
 
-    def mark(module, args, output):  # a projection's output: traced back to that projection
+    def mark(module: nn.Module, args: tuple, output: Any) -> Any:  # a projection's output: traced to it
         return _wrap(_plain(output), frozenset({module}), False)
 
-    def seen(module, args):
+    def seen(module: nn.Module, args: tuple) -> None:
         probe.ran.add(id(module))
         if args:
             probe.seen(module, args[0])
 
-    def returned(module, args, output):
+    def returned(module: nn.Module, args: tuple, output: Any) -> None:
         probe.returned(module, output)
 
     try:
