@@ -8,7 +8,8 @@ On each family: the blocks have the config's head counts; capture equals transfo
 ``output_attentions`` (eager); masking the query heads of a key/value head equals zeroing that
 head's value weights by hand; gates at one change nothing; a head whose values are zero gets a
 gradient score of exactly 0. Where discovery ties one projection to each of the query, key and
-value, physical pruning equals masking; elsewhere pruning and LRP are refused with what is
+value, physical pruning equals masking and LRP conserves relevance on a bias-free copy; elsewhere
+pruning and LRP are refused with what is
 missing. Granite with unit multipliers is Llama: its confidence and gradient scores through
 discovery equal those of the Llama table entry on the same weights.
 """
@@ -378,3 +379,34 @@ def test_a_causal_lms_unused_cross_attention_keeps_its_block():
     assert [(b.kind, b.layer, b.family.name.split(":")[0]) for b in blocks] == [
         ("dec_self", 0, "discovered"), ("dec_cross", 0, "generic"), ("dec_self", 1, "discovered"),
         ("dec_cross", 1, "generic")]
+
+
+@pytest.mark.parametrize("family", ["granite", "starcoder2", "glm", "exaone4"])
+def test_lrp_conserves_relevance_where_the_projections_are_tied(family):
+    """On a bias-free copy the LRP rules conserve relevance exactly (importance/rules.py): what
+    reaches the first layer's input sums to the explained logit. Catches a query or key projection
+    discovery tied wrongly (its relevance would leak through the attention weights)."""
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import check_rules, lrp_rules
+
+    model = tiny_model(family)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+        for module in model.modules():  # weights of unit gain, so that no branch is too small to count
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0, module.in_features ** -0.5)
+    check_rules(model)
+    seen = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(**tiny_inputs(batch=1)).logits
+            target = out[0, -1].argmax()
+            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+    finally:
+        handle.remove()
+    total = (seen[0].detach() * grad).sum()
+    torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
