@@ -16,10 +16,14 @@ the probe also sees
   layout that physical pruning slices and LRP detaches (prune_check verifies every prune anyway);
   anything else (fused, shared, mixed) is left to the family tables, and pruning and LRP are
   refused;
-* the output projection: the first sub-module of the attention module that receives the
-  function's output, which must arrive through reshapes and casts only (view, reshape, contiguous, to), its
-  width ``n_heads * d``; a gate, norm or transpose on the way means that masking a slice of that
-  input is not masking a head, and the module is refused.
+* the output projection: the first leaf module to receive the function's output, which must
+  arrive through reshapes and casts only (view, reshape, contiguous, to), of width ``n_heads * d``,
+  and be its only reader (an adapter reading it beside the projection is refused); a gate, norm or
+  transpose on the way means that masking a slice of that input is not masking a head, and the
+  module is refused. The block is the calling module, or the closest ancestor that also holds the
+  output projection (BERT's ``attention`` around ``attention.self``);
+* where the calling module's output tuple holds the weights the function returned, which capture
+  reads in eager mode (a module that drops them is refused).
 
 Mixture-of-experts blocks are run with an experts function that returns zeros (their routing
 needs values the meta device does not have). A model whose attention does not call the
@@ -291,8 +295,8 @@ def _run(model: nn.Module) -> _Probe:
         for module in model.modules():
             if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
                 handles.append(module.register_forward_hook(mark))
-        # The output projection: the first module of the attention module to receive the function's
-        # output; its pre-hook runs first, before any gate a user attached.
+        # Who reads the function's output, and what each module returns: these hooks run first, before
+        # any gate a user attached.
         for module in model.modules():
             handles.append(module.register_forward_pre_hook(seen, prepend=True))
             handles.append(module.register_forward_hook(returned, prepend=True))
