@@ -9,8 +9,9 @@ On each family: the blocks have the config's head counts; capture equals transfo
 head's value weights by hand; gates at one change nothing; a head whose values are zero gets a
 gradient score of exactly 0. Where discovery ties one projection to each of the query, key and
 value, physical pruning equals masking and LRP conserves relevance on a bias-free copy; elsewhere
-pruning and LRP are refused with what is missing. Granite with unit multipliers is Llama: its confidence and gradient scores through
-discovery equal those of the Llama table entry on the same weights.
+pruning and LRP are refused with what is missing. Granite with unit multipliers is Llama: its
+confidence and gradient scores through discovery equal those of the Llama table entry on the same
+weights.
 """
 
 from __future__ import annotations
