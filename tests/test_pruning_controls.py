@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from headlab.cli import main
 from headlab.nmt.train import TrainConfig, average_checkpoints
 from headlab.pruning import baselines
+from headlab.pruning.dev import read_dev_curve
 from headlab.pruning.train import _decoder_parameters, evaluate_model
 from headlab.surgery import prune_heads
 from support.nmt import DATA
@@ -69,7 +70,7 @@ def _run(out, config, corpus, tokenizer, monkeypatch, train=None):
     monkeypatch.setattr(baselines, "train", train or baselines.train)
     try:
         baselines.run_baselines(lambda: (marian(tokenizer), tokenizer), corpus.subset(60), corpus.subset(4), config,
-                                out)
+                                out, dev_data=corpus.subset(5), log=lambda message: None)
     finally:
         monkeypatch.undo()
     return json.loads((out / "baselines.json").read_text())
@@ -77,9 +78,11 @@ def _run(out, config, corpus, tokenizer, monkeypatch, train=None):
 
 def test_frozen_decoder_fine_tuning_killed_and_resumed_ends_bit_identical(corpus, tokenizer, tmp_path, monkeypatch):
     """A control costs 864 updates: one cut short continues from its last checkpoint to the
-    weights and translations of an uninterrupted run, the decoder still the starting one; one
-    killed after its last update, before its row, is not trained one update further."""
+    weights, translations and development curve of an uninterrupted run, the decoder still the
+    starting one; one killed after its last update, before its row, is not trained one update
+    further."""
     config = baselines.BaselineConfig(method="random", keeps=(2,), seeds=(1,), finetune_steps=9, freeze_decoder=True,
+                                      dev_every=3,
                                       max_tokens=400, lr=1e-3, eval_beam=1, model_fingerprint="tiny")
     whole = _run(tmp_path / "whole", config, corpus, tokenizer, monkeypatch)
     real_train = baselines.train
@@ -99,7 +102,12 @@ def test_frozen_decoder_fine_tuning_killed_and_resumed_ends_bit_identical(corpus
         assert rows == whole and rows[0]["finetune_steps"] == 9 and rows[0]["freeze_decoder"] is True
         a, b = (load_file(str(d / name / "last" / "model.safetensors")) for d in (tmp_path / "whole", out))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert (out / name / "hypotheses.txt").read_text() == (tmp_path / "whole" / name / "hypotheses.txt").read_text()
+        for text in ("hypotheses.txt", "dev/step-000000.txt", "dev/step-000006.txt", "dev/step-000009.txt"):
+            assert (out / name / text).read_text() == (tmp_path / "whole" / name / text).read_text()
+        assert read_dev_curve(out / name) == read_dev_curve(tmp_path / "whole" / name)
+    assert [r["step"] for r in read_dev_curve(tmp_path / "whole" / name)] == [0, 3, 6, 9]
+    plateau = whole[0]["dev_plateau"]
+    assert (plateau["from_step"], plateau["to_step"]) == (3, 9) and plateau["call"] in ("flat", "rising", "undecided")
     start = marian(tokenizer).state_dict()
     decoder = _decoder_names(marian(tokenizer))
     assert all(torch.equal(a[k], start[k]) for k in a if k in decoder)
@@ -160,8 +168,10 @@ def _args(model_dir, out, *extra):
     (("--freeze-decoder",), "--freeze-decoder freezes the decoder during the fine-tuning of --finetune-steps"),
     (("--freeze-decoder", "--from-scratch"), "it does not apply to --from-scratch"),
     (("--scratch-lr", "7e-4"), "--scratch-lr set the recipe of --from-scratch"),
+    (("--dev-src", str(DATA / "train.en.gz"), "--dev-tgt", str(DATA / "train.de.gz"), "--dev-every", "5"),
+     "the development curve is of the fine-tuning of --finetune-steps N > 0"),
     (("--from-scratch", "--scratch-epochs", "3", "--scratch-average-last", "4"), "has only 3 epoch checkpoints"),
-], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "average-more-than-epochs"])
+], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs"])
 def test_recipe_options_that_would_do_nothing_are_refused_before_any_work(extra, message, model_dir, tmp_path,
                                                                          capsys):
     assert main(_args(model_dir, tmp_path / "out", *extra)) == 2

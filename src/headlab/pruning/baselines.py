@@ -123,11 +123,14 @@ def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_
 
 def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=None,
                       finetune: TrainConfig | None = None, beam: int = 4, batch_size: int = 64,
-                      freeze_decoder: bool = False, hypotheses_file=None) -> dict:
+                      freeze_decoder: bool = False, hypotheses_file=None, dev=None) -> dict:
     """Remove ``spec`` physically, optionally fine-tune (``finetune`` with the spec fixed: the
     removed heads no longer exist; ``freeze_decoder``: the decoder's parameters, the output
     embeddings and everything tied to them get no gradient and are not in the optimizer), and
-    score on ``eval_data`` (its translations to ``hypotheses_file`` when given)."""
+    score on ``eval_data`` (its translations to ``hypotheses_file`` when given). ``dev``: a
+    :class:`headlab.pruning.dev.DevCurve` evaluated before the first update, every ``dev.every``
+    updates and after the last, as in gated fine-tuning; the row's ``dev_plateau`` is its
+    second-half comparison."""
     from headlab.pruning.train import _decoder_parameters, evaluate_model, heads_per_kind
     from headlab.surgery import prune_heads
 
@@ -145,8 +148,13 @@ def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=Non
             def trainable(name, parameter):
                 return parameter.requires_grad and id(parameter) not in frozen
         done = _finished_steps(finetune)
+        hooks = {}
+        if dev is not None:
+            if not dev.done(0):
+                dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+            hooks = {"callback": dev.callback, "callback_every": dev.every}
         if done is None:
-            outcome = train(model, tokenizer, train_data, None, finetune, trainable=trainable)
+            outcome = train(model, tokenizer, train_data, None, finetune, trainable=trainable, **hooks)
             result["finetune_steps"] = outcome.step
             if outcome.stopped == "diverged":
                 result["status"] = "diverged"
@@ -158,6 +166,10 @@ def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=Non
             result["finetune_steps"] = done
         if freeze_decoder:
             result["freeze_decoder"] = True
+        if dev is not None:
+            if not dev.done(result["finetune_steps"]):
+                dev.evaluate(model, result["finetune_steps"])
+            result["dev_plateau"] = dev.summary()["plateau"]
     result.update(evaluate_model(model, tokenizer, eval_data, beam=beam, batch_size=batch_size,
                                  hypotheses_file=hypotheses_file))
     return result
@@ -220,10 +232,12 @@ def read_rows(out_dir) -> list[dict]:
     return rows
 
 
-def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir) -> str:
+def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir, *,
+                  dev_data=None, log: Callable[[str], None] = print) -> str:
     """Run every (keep, seed) point of ``config`` not yet in ``out_dir/baselines.json`` (resumable:
     each row is written as soon as it is known) on a fresh model from ``load()``; write and return
-    the table ``baselines.md`` (mean +- std over seeds)."""
+    the table ``baselines.md`` (mean +- std over seeds). ``dev_data`` with ``config.dev_every``:
+    the development curve of each fine-tuning (:mod:`headlab.pruning.dev`)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
     settings = _settings(config, train_data, eval_data)
@@ -263,9 +277,10 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            save_every_steps=100,
                                            resume=_resumable_scratch(ft_dir, spec, c, settings, FINETUNE_RUN_FILE))
                     hypotheses = ft_dir / "hypotheses.txt"  # for a paired comparison with other systems
+                dev = _dev_curve(c, dev_data, finetune, tokenizer, model, log)
                 result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
                                            finetune=finetune, beam=c.eval_beam, freeze_decoder=c.freeze_decoder,
-                                           hypotheses_file=hypotheses)
+                                           hypotheses_file=hypotheses, dev=dev)
             rows.append({"method": method,
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
                          "from_scratch": c.from_scratch, **result, **_source(c), **settings})
@@ -273,6 +288,19 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     text = baselines_markdown(rows)
     atomic_write_text(out / "baselines.md", text)
     return text
+
+
+def _dev_curve(config: BaselineConfig, dev_data, finetune: TrainConfig | None, tokenizer, model, log):
+    """The development curve of a fine-tuning, in its directory (None without one)."""
+    from headlab.pruning.dev import DevCurve
+    from headlab.pruning.train import heads_per_kind
+
+    if finetune is None or dev_data is None or not config.dev_every:
+        return None
+    if config.dev_sentences:
+        dev_data = dev_data.subset(config.dev_sentences)
+    return DevCurve(dev_data, finetune.out_dir, config.dev_every, tokenizer=tokenizer,
+                    open_heads=lambda: heads_per_kind(model), log=log)
 
 
 SCRATCH_RUN_FILE = "scratch_run.json"

@@ -111,6 +111,9 @@ def register(subparsers) -> None:
     add_options(bl, BaselineConfig, ("finetune_steps", "freeze_decoder", "from_scratch", "scratch_epochs",
                                      "scratch_lr", "scratch_warmup_steps", "scratch_average_last", "lr", "max_tokens",
                                      "mixed_precision", "eval_beam", "importance_batches"))
+    bl.add_argument("--dev-src", help="development source file for the curve of --dev-every (not the evaluation set)")
+    bl.add_argument("--dev-tgt", help="development reference file")
+    add_options(bl, BaselineConfig, ("dev_every", "dev_sentences"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
                                                    "command resumes after them", interrupted_if=("{out}/baselines.json",))
@@ -325,12 +328,15 @@ def run_baseline(args) -> int:
                            model_fingerprint=weights_fingerprint(args.model) or "",
                            scores_fingerprint=scores.fingerprint() if scores is not None else "",
                            scores_file_fingerprint=file_fingerprint(args.scores) if args.scores else "")
-        print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
+        print(run_baselines(lambda: _load(args), train_data, eval_data, config, out, dev_data=_dev_data(args),
+                            log=_log()), end="")
     return 0
 
 
 def _check_baseline_recipe(args) -> None:
     """Options of one training recipe that do nothing for the other are refused, not ignored."""
+    if args.dev_every and (args.from_scratch or not args.finetune_steps):
+        raise HeadlabError("--dev-every N: the development curve is of the fine-tuning of --finetune-steps N > 0")
     if args.freeze_decoder and (args.from_scratch or not args.finetune_steps):
         raise HeadlabError("--freeze-decoder freezes the decoder during the fine-tuning of --finetune-steps N > 0; "
                            "it does not apply to " + ("--from-scratch" if args.from_scratch else "rows without fine-tuning"))

@@ -71,6 +71,11 @@ class BaselineConfig:
                                  range="[0, inf)")
     from_scratch: bool = option(False, "train the pruned configuration from random init instead "
                                 "(costs a full training)")
+    dev_every: int = option(0, "with --finetune-steps: translate the development set (--dev-src/--dev-tgt) greedily "
+                            "every N updates and before the first, as prune train does; the row's dev_plateau says "
+                            "whether the fine-tuning had stopped moving (0: off)", metavar="N", range="[0, inf)")
+    dev_sentences: int | None = option(None, "use the first N sentences of the development set (default: all)",
+                                       metavar="N", range="[1, inf)")
     scratch_epochs: int = option(12, "epochs of --from-scratch", range="[1, inf)")
     # The from-scratch recipe; the defaults are the trainer's (what earlier rows trained with).
     # The bundled Multi30k models' recipe: --scratch-lr 7e-4 --scratch-epochs 14 --scratch-average-last 4.
