@@ -177,3 +177,15 @@ def test_recipe_options_that_would_do_nothing_are_refused_before_any_work(extra,
     assert main(_args(model_dir, tmp_path / "out", *extra)) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_baseline_says_that_its_running_trainings_checkpoint_is_kept(tmp_path):
+    """Fine-tunings and from-scratch trainings resume from their last checkpoint: a Ctrl-C before
+    the first row must not say that nothing was kept."""
+    from headlab.cli import build_parser, interrupted_note
+
+    args = build_parser().parse_args(_args("m", tmp_path / "out", "--finetune-steps", "9"))
+    assert interrupted_note(args).startswith("nothing was kept")
+    (tmp_path / "out" / "ft-random-1-1" / "last").mkdir(parents=True)
+    assert interrupted_note(args).startswith(f"the finished rows of {tmp_path / 'out'}/baselines.json and the "
+                                             "running training's last checkpoint are kept")

@@ -115,8 +115,9 @@ def register(subparsers) -> None:
     bl.add_argument("--dev-tgt", help="development reference file")
     add_options(bl, BaselineConfig, ("dev_every", "dev_sentences"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
-    bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
-                                                   "command resumes after them", interrupted_if=("{out}/baselines.json",))
+    bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json and the running "
+                                                   "training's last checkpoint are kept; the same command resumes",
+                    interrupted_if=("{out}/baselines.json", "{out}/*/last", "{out}/*/last.old"))
 
     rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
