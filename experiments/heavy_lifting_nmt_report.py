@@ -27,6 +27,7 @@ RESAMPLES = 10_000
 SEED = 12345  # sacreBLEU's default bootstrap seed
 ALPHA = 0.05
 DELTA = 1.0  # non-inferiority bound in BLEU (heavy_lifting_nmt.md), fixed before any run
+PAPER_DELTA = 0.15  # the reproduction's "no noticeable loss" bound, reported beside it
 N_HEADS = 48
 # Table 2: from-scratch configuration -> the pruned point it is compared with (kinds/point).
 TABLE2 = {"scratch-enc-5": "enc/lam-0.01", "scratch-84": "all/lam-0.005", "scratch-30": "all/lam-0.02"}
@@ -226,8 +227,8 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
 
     # ---- non-inferiority of the controls, and no encoder self-attention at all
     lines += ["## Do the controls do as well as the gates? (non-inferiority, delta = "
-              f"{DELTA:g} BLEU)", "", "| k | random - gated [95%] | call | least - gated [95%] | call |",
-              "|---|---|---|---|---|"]
+              f"{DELTA:g} BLEU; at the reproduction's {PAPER_DELTA:g} in brackets)", "",
+              "| k | random - gated [95%] | call | least - gated [95%] | call |", "|---|---|---|---|---|"]
     for row in h1:
         if row.get("missing"):
             continue
@@ -236,8 +237,11 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
         l_low, l_high = -row["vs_least"]["high"], -row["vs_least"]["low"]
         row["random_non_inferior"] = non_inferiority(r_low, r_high)
         row["least_non_inferior"] = non_inferiority(l_low, l_high)
-        lines.append(f"| {row['k']} | {r['difference']:+.2f} [{r_low:+.2f}, {r_high:+.2f}] | {row['random_non_inferior']} | "
-                     f"{-row['vs_least']['difference']:+.2f} [{l_low:+.2f}, {l_high:+.2f}] | {row['least_non_inferior']} |")
+        row["random_non_inferior_paper"] = non_inferiority(r_low, r_high, PAPER_DELTA)
+        row["least_non_inferior_paper"] = non_inferiority(l_low, l_high, PAPER_DELTA)
+        lines.append(f"| {row['k']} | {r['difference']:+.2f} [{r_low:+.2f}, {r_high:+.2f}] | {row['random_non_inferior']} "
+                     f"({row['random_non_inferior_paper']}) | {-row['vs_least']['difference']:+.2f} "
+                     f"[{l_low:+.2f}, {l_high:+.2f}] | {row['least_non_inferior']} ({row['least_non_inferior_paper']}) |")
     g0, g0s = gated_stats("enc/lam-0")
     zero = controls["random-0"]
     if g0s is not None and zero is not None:
