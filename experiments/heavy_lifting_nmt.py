@@ -85,7 +85,7 @@ def heads() -> list[tuple[int, int]]:
 
 def atomic_json(path: Path, value) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # drivers side by side never share one
     tmp.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)
 
@@ -226,7 +226,7 @@ class Runner:
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         text = f"{stamp} {line}\nfinished: {len(self.done)}: {', '.join(self.done)}\npid {os.getpid()}\n"
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / "STATUS.tmp"
+        tmp = self.root / f".STATUS.{os.getpid()}.tmp"  # several drivers (--only) may share a root
         tmp.write_text(text)
         os.replace(tmp, self.root / "STATUS")
         print(f"{stamp} {line}", flush=True)
