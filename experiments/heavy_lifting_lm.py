@@ -173,7 +173,9 @@ def sentence_losses(model_dir: Path, path: str) -> dict:
     from headlab.loading import load_model, load_tokenizer
 
     text = read_text_corpus([path])
-    model = load_model(str(model_dir)).eval()
+    # float32 on the GPU when there is one (the amendment of 2026-11-26), else on the CPU
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(str(model_dir)).eval().to(device)
     tokenizer = load_tokenizer(str(model_dir))
     corpus = encode_lm_corpus(tokenizer, text.sentences, model.config.max_position_embeddings)
     order = sorted(range(len(corpus.targets)), key=lambda i: len(corpus.targets[i]))
@@ -189,14 +191,14 @@ def sentence_losses(model_dir: Path, path: str) -> dict:
     batches.append(batch)
     with torch.inference_mode():
         for indices in batches:
-            b = collate_lm(corpus, indices, tokenizer.pad_token_id)
+            b = {key: value.to(device) for key, value in collate_lm(corpus, indices, tokenizer.pad_token_id).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
             loss = F.cross_entropy(logits.float().transpose(1, 2), b["labels"], ignore_index=-100, reduction="none")
             for row, i in enumerate(indices):
                 nll[i] = float(loss[row].sum())
                 count[i] = int((b["labels"][row] != -100).sum())
     total, tokens = sum(nll), sum(count)
-    return {"file": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "sentences": len(nll),
+    return {"file": path, "device": str(device), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "sentences": len(nll),
             "tokens": tokens, "loss": total / tokens, "perplexity": math.exp(total / tokens),
             "sentence_nll": [round(x, 5) for x in nll], "sentence_tokens": count}
 
@@ -233,13 +235,15 @@ class Runner:
         self.done: list[str] = []
         self.only = set(args.only.split(",")) if args.only else None
         self.extra = args.extra_train_args.split() if args.extra_train_args else []
+        self.recipe = [str(args.epochs) if i and RECIPE[i - 1] == "--epochs" else item for i, item in enumerate(RECIPE)]
 
     def status(self, line: str) -> None:
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         text = f"{stamp} {line}\nfinished: {len(self.done)}: {', '.join(self.done)}\npid {os.getpid()}\n"
-        tmp = self.root / "STATUS.tmp"
+        name = "STATUS" if self.only is None else f"STATUS-{os.getpid()}"  # drivers side by side (--only)
+        tmp = self.root / f"{name}.tmp"
         tmp.write_text(text)
-        os.replace(tmp, self.root / "STATUS")
+        os.replace(tmp, self.root / name)
         print(f"{stamp} {line}", flush=True)
 
     def seconds_left(self) -> float:
@@ -317,7 +321,7 @@ class Runner:
                         raise RuntimeError(f"{config['name']}: prune apply failed, see {log}")
                 args = ["--lam", "0"]
             started = time.time()
-            code = self.headlab(["prune", "train", model, "--train-text", str(self.train_file), *RECIPE, *self.extra, *args,
+            code = self.headlab(["prune", "train", model, "--train-text", str(self.train_file), *self.recipe, *self.extra, *args,
                                  "--out", str(run / "prune"), "--resume"], log)
             if code:
                 raise RuntimeError(f"{config['name']}: prune train exited {code}, see {log}")
@@ -367,6 +371,8 @@ def main(argv=None) -> int:
                    help="UTC time (ISO 8601) at which the running training is interrupted and the driver stops")
     p.add_argument("--only", help="comma list of configuration names (testing the driver)")
     p.add_argument("--extra-train-args", help="appended to every prune train command (testing: '--max-steps 2')")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="epochs of every trained configuration (the plan's second-epoch step: 2, in a new --root)")
     p = sub.add_parser("report", help="apply the decision rules to the finished configurations")
     p.add_argument("--root", required=True)
     p.add_argument("--labels", required=True)

@@ -127,12 +127,14 @@ def rule_h1(runs: dict, idx: dict, unsettled: set[str]) -> dict:
         above = holm([r[name]["p_above"] for r in rows]) if rows else []
         for r, b, a in zip(rows, below, above):
             r[name]["gates_better"], r[name]["control_better"] = b, a
-        if any(above):
-            verdicts[name] = "does not hold: a control is better than the gates"
-        elif missing:
+        # The plan's text: a missing or unsettled run means a second epoch, "not a verdict", even
+        # when a control is already ahead (the amendment of 2026-11-26 09:40 UTC).
+        if missing:
             verdicts[name] = "inconclusive: not all runs finished"
         elif out["unsettled"]:
             verdicts[name] = "inconclusive: a run has not settled (" + ", ".join(out["unsettled"]) + ")"
+        elif any(above):
+            verdicts[name] = "does not hold: a control is better than the gates"
         elif all(below):
             verdicts[name] = "holds"
         elif any(below):

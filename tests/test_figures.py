@@ -118,3 +118,22 @@ def test_write_figures_from_an_analysis_directory(tmp_path):
     for entry in entries:
         assert (tmp_path / "a" / entry["svg"]).read_bytes() == (tmp_path / "b" / entry["svg"]).read_bytes()
     assert math.isclose(data["layers"][0]["relevance"][0], 0.5)
+
+
+def test_figure1_of_many_layers_wraps_into_bands_of_at_most_eight():
+    """24 layers in one row were 24 unreadable panels (issue 36): they wrap into 3 bands of 8."""
+    rng = np.random.default_rng(0)
+    relevance, confidence = rng.uniform(size=(24, 16)), rng.uniform(size=(24, 16))
+    fig, data = plot_figure1(_scores(relevance, "lrp"), _scores(confidence, "confidence"), {})
+    visible = [ax for ax in fig.axes if ax.axison]
+    assert len(visible) == 3 * 24 and len(data["layers"]) == 24
+    width, height = fig.get_size_inches()
+    assert width == pytest.approx(2.1 * 8) and height == pytest.approx(3 * 5.2)
+    titled = {ax.get_title(): ax for ax in visible if ax.get_title()}
+    assert len(titled) == 24  # every layer once, layer 8 starts the second band under layer 0
+    first, ninth = titled["layer 0"].get_position(), titled["layer 8"].get_position()
+    assert ninth.y0 < first.y0 and abs(ninth.x0 - first.x0) < 1e-6
+    assert titled["layer 8"].get_ylabel() == "LRP relevance" and titled["layer 9"].get_ylabel() == ""
+    fig, _ = plot_figure1(_scores(relevance[:11], "lrp"), _scores(confidence[:11], "confidence"), {})
+    assert len([ax for ax in fig.axes if ax.axison]) == 33 and len(fig.axes) == 36  # 2 bands of 6, one place empty
+    plt.close("all")

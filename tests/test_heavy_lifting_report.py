@@ -66,6 +66,8 @@ def test_h1_verdicts_on_constructed_runs():
     assert report.rule_h1(runs, idx, {"least-6"})["verdict"].startswith("inconclusive: a run has not settled")
     runs["least-24"] = _run(base - 0.3)  # a control better than the gates
     assert report.rule_h1(runs, idx, set())["verdict"] == "does not hold"
+    # ... but while a run it uses still falls, the plan asks for a second epoch, not a verdict
+    assert report.rule_h1(runs, idx, {"gates-keep24"})["verdict"].startswith("inconclusive: a run has not settled")
     del runs["least-24"]
     assert report.rule_h1(runs, idx, set())["verdict"] == "inconclusive: not all runs finished"
 
@@ -80,3 +82,17 @@ def test_h2_counts_labelled_heads_among_the_kept():
     runs = {f"gates-keep{k}": {"kept": [[0, h] for h in range(8)][:k] + [[2, h] for h in range(8)][: max(0, k - 8)]
                                + [[5, h] for h in range(7)][: max(0, k - 16)]} for k in report.KEEPS}
     assert report.rule_h2(runs, labels)["verdict"] == "does not hold"
+
+
+def test_the_committed_results_are_what_the_committed_runs_give(tmp_path):
+    """docs/results/heavy-lifting/results.{md,json} come from runs.tar.gz (every configuration's
+    eval.json and training trajectory, no weights): the page cannot drift from its result files."""
+    import tarfile
+
+    results = REPO / "docs" / "results" / "heavy-lifting"
+    with tarfile.open(results / "runs.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    labels = __import__("json").loads((results / "labels.json").read_text())
+    report.write_report(tmp_path / "heavy-lifting-gpu", labels, tmp_path / "out")
+    assert (tmp_path / "out" / "results.md").read_text() == (results / "results.md").read_text()
+    assert (tmp_path / "out" / "results.json").read_text() == (results / "results.json").read_text()

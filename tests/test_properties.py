@@ -154,7 +154,7 @@ def test_conllu_reading_keeps_every_position(tmp_path_factory, drawn, newline, b
     problems, counts = ProblemLog(), TreebankCounts()
     read = list(read_conllu(path, problems=problems, counts=counts, keep_place=True))
     assert len(read) == len(drawn)
-    for sentence, (form, heads, deprels, corrupt) in zip(read, drawn):
+    for sentence, (form, heads, _deprels, corrupt) in zip(read, drawn):
         if corrupt is not None:
             assert sentence is None
             continue

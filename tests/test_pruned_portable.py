@@ -32,6 +32,8 @@ CASES = {
     "gpt2": ({("dec_self", 0): [0, 3], ("dec_self", 1): [1]}, "AutoModelForCausalLM", "remote code"),
     "llama": ({("dec_self", 0): [0, 1], ("dec_self", 1): [2, 3]}, "AutoModelForCausalLM", "standard config"),
     "llama-mixed": ({("dec_self", 0): [0], ("dec_self", 1): [1, 2, 3]}, "AutoModelForCausalLM", "remote code"),
+    # the same count everywhere, but 3 heads do not divide the width: LlamaConfig refuses that standard config
+    "llama-indivisible": ({("dec_self", 0): [0], ("dec_self", 1): [2]}, "AutoModelForCausalLM", "remote code"),
     "qwen2": ({("dec_self", 0): [0, 1], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "standard config"),
     # fused q/k/v layouts (tests/support/family_matrix.py): GPT-NeoX's weight renaming (embed_out), Phi-3's
     # per-layer config view, Bloom's and Falcon's ALiBi hook, Bloom's residual in a layer with no head left

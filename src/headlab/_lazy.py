@@ -5,24 +5,26 @@ first use."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import import_module
+from typing import Any
 
 
-def lazy_exports(package: str, exports: dict[str, tuple[str, ...]], also: tuple[str, ...] = ()):
+def lazy_exports(package: str, exports: dict[str, tuple[str, ...]],
+                 also: tuple[str, ...] = ()) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package`` whose public names are
     ``exports[module]`` for each module (a full module path); ``also``: names it defines itself."""
     namespace = import_module(package).__dict__
     where = {name: module for module, names in exports.items() for name in names}
 
-    def __getattr__(name: str):
+    def __getattr__(name: str) -> Any:
         if name in where:
             value = getattr(import_module(where[name]), name)
             namespace[name] = value  # later look-ups skip this function
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
-    def __dir__():
+    def __dir__() -> list[str]:
         return sorted(set(namespace) | set(where))
 
     return __getattr__, __dir__, [*sorted(where), *also]
@@ -36,7 +38,7 @@ class LazyRegistry(Mapping):
         self._paths = dict(paths)
         self._loaded: dict[str, object] = {}
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Any:
         if name not in self._loaded:
             module, _, attribute = self._paths[name].rpartition(".")
             self._loaded[name] = getattr(import_module(module), attribute)
@@ -58,7 +60,7 @@ def callable_module(name: str, target: str) -> None:
     path, _, attribute = target.rpartition(".")
 
     class CallableModule(type(module)):  # type: ignore[misc]
-        def __call__(self, *args, **kwargs):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return getattr(import_module(path), attribute)(*args, **kwargs)
 
     CallableModule.__call__.__doc__ = f"Calls {target}."

@@ -38,6 +38,7 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -141,8 +142,8 @@ class _Scratch(dict):
     view would take fresh pages from the OS each time where the C allocator maps large blocks
     (glibc above its mmap threshold), which costs about as much as the arithmetic on it."""
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,  # type: ignore[override]
+            device: torch.device | None = None) -> torch.Tensor:  # (a dict of buffers; its own get, by design)
         size = math.prod(shape)
         buffer = dict.get(self, name)
         if buffer is None or buffer.numel() < size or buffer.dtype != dtype \
@@ -424,6 +425,7 @@ class AggregateStats:
         floor = heap[0].weight if len(heap) == self.top_k else -math.inf
         kept = [(value, b) for value, b in candidates if value >= floor]
         if kept:
+            assert self._candidates is not None  # a sharded run keeps them
             per_head = self._candidates.setdefault(key, [[] for _ in range(H)])
             per_head[h].append((order, [_exemplar(value, b, side, int(where[b, h]), W) for value, b in kept]))
 
@@ -526,8 +528,9 @@ def _offer(heap: list[Exemplar], top_k: int, candidates: list, side: SideBatch |
         value = candidate.weight if isinstance(candidate, Exemplar) else candidate[0]
         if len(heap) == top_k and value <= heap[0].weight:
             break  # values are sorted: nothing further gets in
-        item = candidate if isinstance(candidate, Exemplar) else _exemplar(value, candidate[1], side,
-                                                                           int(where[candidate[1]]), W)
+        # (weight, row) pairs come with their side and where
+        item = candidate if isinstance(candidate, Exemplar) else _exemplar(value, candidate[1], cast(SideBatch, side),
+                                                                           int(cast(torch.Tensor, where)[candidate[1]]), W)
         if len(heap) < top_k:
             heapq.heappush(heap, item)
         else:

@@ -22,12 +22,14 @@ import os
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores, format_head
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from headlab.aggregate import AggregateResult
     from headlab.data.treebank import InMemoryTreebank
     from headlab.functions.analysis import HeadAnalysis
@@ -50,12 +52,12 @@ _MANIFEST = "manifest.json"
 # ----------------------------------------------------------------------------- inputs
 
 
-def _model_name(model) -> str:
+def _model_name(model: nn.Module) -> str:
     name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
     return Path(name).name if name else type(model).__name__
 
 
-def model_info(model, tokenizer, max_length: int | None = None):
+def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None) -> Any:
     """:func:`~headlab.importance.data.describe_model`, with a head the checkpoint does not carry
     counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
     from dataclasses import replace
@@ -68,7 +70,7 @@ def model_info(model, tokenizer, max_length: int | None = None):
     return info
 
 
-def as_treebank(treebank) -> "str | Path | InMemoryTreebank":
+def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
     """A CoNLL-U path, CoNLL-U text (a string with a line break), or parsed sentences."""
     from headlab.data.treebank import InMemoryTreebank
 
@@ -91,7 +93,7 @@ def as_treebank(treebank) -> "str | Path | InMemoryTreebank":
     return path
 
 
-def _texts(texts) -> list:
+def _texts(texts: Any) -> list:
     if isinstance(texts, str):
         raise HeadlabError("texts: expected a list of sentences, got one string (wrap it in a list)")
     return list(texts)
@@ -105,17 +107,17 @@ def _frequency_texts(texts: Sequence) -> list[str]:
 # ----------------------------------------------------------------------------- single steps
 
 
-def _importance_config(measures, batch_size, progress, options):
+def _importance_config(measures: str | Sequence[str], batch_size: int, progress: bool, options: dict) -> Any:
     from headlab.importance.config import ImportanceConfig
 
     measures = (measures,) if isinstance(measures, str) else tuple(measures)
     return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
 
 
-def importance(model, tokenizer, texts: Sequence[str], *, targets: Sequence[str] | None = None,
+def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, targets: Sequence[str] | None = None,
                labels: Sequence[int | str] | None = None, measures: str | Sequence[str] = DEFAULT_MEASURES,
                limit: int | None = None, batch_size: int = 32, max_length: int | None = None,
-               progress: bool = False, **options) -> "ImportanceResult":
+               progress: bool = False, **options: Any) -> "ImportanceResult":
     """Score every head of ``model`` on ``texts`` by each of ``measures`` (``"all"``: every one
     that can run). ``targets``: reference translations (a translation model); ``labels``: the
     classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
@@ -132,8 +134,9 @@ def importance(model, tokenizer, texts: Sequence[str], *, targets: Sequence[str]
     return run_importance(model, data, info, config, tokenizer=tokenizer)
 
 
-def _head_pass(model, tokenizer, treebank, *, functions: bool, frequency_texts, limit, batch_size, max_length,
-               query_chunk, progress, options) -> "HeadAnalysis":
+def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bool,
+               frequency_texts: Iterable[str] | None, limit: int | None, batch_size: int, max_length: int | None,
+               query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
     frequencies = None
@@ -152,9 +155,9 @@ def _head_pass(model, tokenizer, treebank, *, functions: bool, frequency_texts, 
     return analysis
 
 
-def functions(model, tokenizer, treebank, *, frequency_texts: Iterable[str] | None = None, limit: int | None = None,
-              batch_size: int = 32, max_length: int | None = None, query_chunk: int | None = None,
-              progress: bool = False, **options) -> "HeadAnalysis":
+def functions(model: nn.Module, tokenizer: Any, treebank: Any, *, frequency_texts: Iterable[str] | None = None,
+              limit: int | None = None, batch_size: int = 32, max_length: int | None = None, query_chunk: int | None = None,
+              progress: bool = False, **options: Any) -> "HeadAnalysis":
     """Positional, syntactic and (with ``frequency_texts``, the corpus whose token frequencies
     define "rare") rare-token heads on ``treebank``: a CoNLL-U path, CoNLL-U text or parsed
     sentences. ``options``: fields of :class:`~headlab.functions.AnalysisConfig`."""
@@ -163,9 +166,9 @@ def functions(model, tokenizer, treebank, *, frequency_texts: Iterable[str] | No
                       options=options)
 
 
-def aggregate(model, tokenizer, treebank, *, limit: int | None = None, batch_size: int = 32,
+def aggregate(model: nn.Module, tokenizer: Any, treebank: Any, *, limit: int | None = None, batch_size: int = 32,
               max_length: int | None = None, query_chunk: int | None = None, progress: bool = False,
-              **options) -> "AggregateResult":
+              **options: Any) -> "AggregateResult":
     """The aggregate statistics of Vig & Belinkov 2019 per head on ``treebank`` (see :func:`functions`)."""
     analysis = _head_pass(model, tokenizer, treebank, functions=False, frequency_texts=None, limit=limit,
                           batch_size=batch_size, max_length=max_length, query_chunk=query_chunk, progress=progress,
@@ -173,7 +176,7 @@ def aggregate(model, tokenizer, treebank, *, limit: int | None = None, batch_siz
     return analysis.aggregate
 
 
-def prune(model, heads, *, keep: int | None = None, kinds: Sequence[str] | None = None) -> dict:
+def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Sequence[str] | None = None) -> dict:
     """Remove heads from ``model`` in place (:func:`headlab.prune_heads`, checked to be exact).
 
     ``heads``: ``{(kind, layer): [head, ...]}``, a spec string (``"enc_self:0:1,2 dec_cross:5:*"``),
@@ -200,7 +203,7 @@ def prune(model, heads, *, keep: int | None = None, kinds: Sequence[str] | None 
 # ----------------------------------------------------------------------------- everything
 
 
-def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=None,
+def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None, *, treebank: Any = None,
             targets: Sequence[str] | None = None, labels: Sequence[int | str] | None = None,
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
             frequency_texts: Iterable[str] | None = None, limit: int | None = None, treebank_limit: int | None = None,
@@ -298,7 +301,7 @@ def analyze(model, tokenizer, texts: Sequence[str] | None = None, *, treebank=No
     return analysis
 
 
-def _write_directory(directory: Path, write, overwrite: bool) -> None:
+def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: bool) -> None:
     """``write(tmp)`` into a new directory swapped in for ``directory`` at the end (a kill leaves
     the old one or the new one). A directory holding files headlab did not write is refused; a
     headlab directory is replaced whole (no stale stage of an earlier run stays) with ``overwrite``."""
@@ -430,7 +433,7 @@ class Analysis:
         model = manifest.get("model") if isinstance(manifest.get("model"), str) else self.model
         return table_rows(self.tables.items(), self.labels, model=model or "", run=self.run)
 
-    def heads(self):
+    def heads(self) -> Any:
         """heads.csv as a pandas DataFrame (one row per head)."""
         columns, rows = self.heads_table()
         frame = _pandas().DataFrame(rows, columns=columns)
@@ -445,7 +448,7 @@ class Analysis:
         return [{"model": self.model, "kind": kind, "layer": layer, "head": head, "measure": name, "value": value}
                 for name, table in self.tables.items() for (kind, layer, head), value in table.items()]
 
-    def to_pandas(self):
+    def to_pandas(self) -> Any:
         """:meth:`records` as a pandas DataFrame: stack several models' with ``pandas.concat``."""
         return _pandas().DataFrame(self.records(), columns=["model", "kind", "layer", "head", "measure", "value"])
 
@@ -515,7 +518,7 @@ def _label_suffix(labels: Mapping[str, list[str]], key: tuple[str, int, int]) ->
     return f" ({', '.join(found)})" if found else ""
 
 
-def _pandas():
+def _pandas() -> Any:
     try:
         import pandas
     except ImportError:

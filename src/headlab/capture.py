@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,7 +94,7 @@ def _switch(model: nn.Module, configs: list, names: list[str]) -> None:
             config._attn_implementation = name
 
 
-def _find_probs(block: AttentionBlock, output) -> torch.Tensor:
+def _find_probs(block: AttentionBlock, output: Any) -> torch.Tensor:
     """The attention probabilities in a core module's output tuple, shape-checked."""
     items = output if isinstance(output, tuple) else (output,)
     index = block.family.probs_index
@@ -140,8 +141,8 @@ def capture_attention(
     record = AttentionRecord()
     handles = []
 
-    def make_hook(block: AttentionBlock):
-        def hook(module, args, output):
+    def make_hook(block: AttentionBlock) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if block.n_heads == 0:
                 return
             probs = _find_probs(block, output)
@@ -155,10 +156,10 @@ def capture_attention(
 
         return hook
 
-    def ask_for_probs(argument: tuple[str, int]):
+    def ask_for_probs(argument: tuple[str, int]) -> Callable[..., tuple[tuple, dict]]:
         name, position = argument
 
-        def pre_hook(module, args, kwargs):
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if name in kwargs or len(args) <= position:
                 return args, {**kwargs, name: True}
             return (*args[:position], True, *args[position + 1:]), kwargs
@@ -235,7 +236,7 @@ def stream_attention(
     sinks: list[tuple[AttentionBlock, ChunkSink]] = []
     reporting = {block.key for block in blocks}
 
-    def make_callback(block: AttentionBlock):
+    def make_callback(block: AttentionBlock) -> Callable[[AttentionChunk], None]:
         def on_chunk(chunk: AttentionChunk) -> None:
             if chunk.last:
                 record.calls[block.key] = record.calls.get(block.key, 0) + 1
@@ -243,10 +244,10 @@ def stream_attention(
 
         return on_chunk
 
-    def make_check(block: AttentionBlock, sink: ChunkSink):
+    def make_check(block: AttentionBlock, sink: ChunkSink) -> Callable[..., None]:
         seen = [0]
 
-        def check(module, args, output) -> None:
+        def check(module: nn.Module, args: tuple, output: Any) -> None:
             seen[0] += 1
             if sink.calls != seen[0]:
                 raise HeadlabError(f"{block.name}: its forward did not call the registered attention function; "
@@ -295,8 +296,8 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     """
     handles = HookHandles()
 
-    def make_hook(block: AttentionBlock):
-        def pre_hook(module, args):
+    def make_hook(block: AttentionBlock) -> Callable[..., tuple | None]:
+        def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
             if block.n_heads == 0:
                 return None
             x = args[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from headlab.heads import BlockKey, HeadSpec
 
 GATES_ATTRIBUTE = "headlab_gates"
 _STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
+_Gates = TypeVar("_Gates", bound="HeadGates")
 
 
 def block_name(key: BlockKey) -> str:
@@ -66,7 +68,7 @@ class HeadGates(nn.Module):
         self.n_heads = dict(n_heads)
 
     @classmethod
-    def for_model(cls, model: nn.Module, kinds: tuple[str, ...] | None = None, **kwargs) -> "HeadGates":
+    def for_model(cls: type[_Gates], model: nn.Module, kinds: tuple[str, ...] | None = None, **kwargs: Any) -> _Gates:
         blocks = attention_blocks(model)
         return cls({b.key: b.n_heads for b in blocks if kinds is None or b.kind in kinds}, **kwargs)
 

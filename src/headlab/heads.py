@@ -17,7 +17,7 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -47,7 +47,7 @@ def format_head(kind: str, layer: int, head: int) -> str:
     return f"{kind} L{layer} H{head}"
 
 
-def read_json(path: str | os.PathLike, what: str):
+def read_json(path: str | os.PathLike, what: str) -> Any:
     """Parse a JSON file; a missing file or bad JSON is a HeadlabError naming the file (and line)."""
     path = Path(path)
     try:
@@ -140,14 +140,14 @@ def readable_as_umask_allows(directory: Path) -> None:
                 os.chmod(path, mode | allowed)
 
 
-def write_json(path: str | os.PathLike, data, **dumps_options) -> Path:
+def write_json(path: str | os.PathLike, data: Any, **dumps_options: Any) -> Path:
     """``data`` as JSON indented by one space, written atomically; returns the path."""
     path = Path(path)
     atomic_write_text(path, json.dumps(data, indent=1, **dumps_options) + "\n")
     return path
 
 
-def pyplot():
+def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (no display needed), or a notebook's inline one."""
     import matplotlib
 
@@ -158,7 +158,7 @@ def pyplot():
     return plt
 
 
-def panel_row(axes, n: int, figsize: tuple[float, float]):
+def panel_row(axes: Any, n: int, figsize: tuple[float, float]) -> tuple[Any, Any]:
     """``(figure, axes)``: the axes given, or a new row of ``n`` panels."""
     if axes is not None:
         axes = np.atleast_1d(axes)
@@ -167,7 +167,7 @@ def panel_row(axes, n: int, figsize: tuple[float, float]):
     return fig, axes[0]
 
 
-def axes_or_new(ax=None, figsize: tuple[float, float] = (6, 4), **subplots_options):
+def axes_or_new(ax: Any = None, figsize: tuple[float, float] = (6, 4), **subplots_options: Any) -> Any:
     """``ax``, or the axes of a new figure of ``figsize`` (on the current backend)."""
     if ax is not None:
         return ax
@@ -176,7 +176,7 @@ def axes_or_new(ax=None, figsize: tuple[float, float] = (6, 4), **subplots_optio
     return plt.subplots(figsize=figsize, **subplots_options)[1]
 
 
-def write_figure(fig, path: str | os.PathLike, close: bool = True, **savefig_options) -> Path:
+def write_figure(fig: Any, path: str | os.PathLike, close: bool = True, **savefig_options: Any) -> Path:
     """Save the matplotlib figure ``fig`` atomically (format from the suffix), then close it
     (unless ``close`` is False: another format of it follows)."""
     import matplotlib.pyplot as plt

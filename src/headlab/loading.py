@@ -15,6 +15,7 @@ import socket
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -144,7 +145,7 @@ def load_model(
             model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record)
             return _place(model, path, dtype, device, device_map)
         check_fits_weights(structure, shapes, f"{path}/config.json")
-    kwargs = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype,
+    kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code, "dtype": dtype,
               "output_loading_info": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -152,7 +153,7 @@ def load_model(
         kwargs["attn_implementation"] = attn_implementation
     try:
         with _quiet_load_report():
-            model, info = cls.from_pretrained(name_or_path, **kwargs)
+            model, info = cast(Any, cls).from_pretrained(name_or_path, **kwargs)
     except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
     except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
@@ -191,7 +192,7 @@ def _place(model: nn.Module, path: Path, dtype, device, device_map) -> nn.Module
     if (path / "generation_config.json").is_file():  # beam, lengths, forced tokens of the saved model
         import transformers
 
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+        cast(Any, model).generation_config = transformers.GenerationConfig.from_pretrained(path)
     model = model.to(dtype)
     if device_map is not None:
         model = _dispatch(model, device_map)
@@ -346,6 +347,6 @@ def _dispatch(model: nn.Module, device_map: str | dict) -> nn.Module:
         device_map = infer_auto_device_map(model, no_split_module_classes=no_split)
     elif not isinstance(device_map, dict):
         raise HeadlabError(f"--device-map {device_map}: expected auto")
-    if set(device_map.values()) <= {"cpu"}:
+    if set(cast(dict, device_map).values()) <= {"cpu"}:
         return model  # nothing to move (accelerate refuses a map that is all CPU)
     return dispatch_model(model, device_map=device_map)

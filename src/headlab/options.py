@@ -12,6 +12,7 @@ import dataclasses
 import math
 import sys
 from dataclasses import MISSING, field, fields
+from typing import Any, Sequence
 
 from headlab.errors import HeadlabError
 
@@ -25,14 +26,15 @@ class Renamed(argparse.Action):
     One name per concept in every command: ``--source`` for a text file of sentences, ``--conllu``
     for a treebank, ``--limit`` for "the first N sentences" (docs/cli.md)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         if option_string is not None and option_string != self.option_strings[0]:
             print(f"headlab: {option_string} is deprecated, use {self.option_strings[0]} (the old name goes in the "
                   "next release)", file=sys.stderr)
         setattr(namespace, self.dest, values)
 
 
-def renamed(parser, name: str, *old_names: str, **keywords) -> argparse.Action:
+def renamed(parser: Any, name: str, *old_names: str, **keywords: Any) -> argparse.Action:
     """``parser.add_argument(name, ...)`` that also accepts ``old_names`` (see :class:`Renamed`)."""
     return parser.add_argument(name, *old_names, action=Renamed, **keywords)
 
@@ -42,20 +44,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     help already says its default in words ("default: the model's maximum"), nor for None, False
     or a suppressed default (a flag, or an option whose absence means "not asked for")."""
 
-    def _format_action_invocation(self, action):
+    def _format_action_invocation(self, action: argparse.Action) -> str:
         if isinstance(action, Renamed):  # old names stay out of the help
             action = argparse.Action([action.option_strings[0]], action.dest, nargs=action.nargs,
                                      metavar=action.metavar, help=action.help)
         return super()._format_action_invocation(action)
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
 
 
-def option(default=MISSING, help: str = "", **argparse_keywords):
+def option(default: Any = MISSING, help: str = "", **argparse_keywords: Any) -> Any:
     """A dataclass field with its default, its command-line help and its argparse keywords."""
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
@@ -81,7 +83,7 @@ def _describe(interval: str) -> str:
     return f"in {interval}"
 
 
-def range_error(value, interval: str | None, flag: str) -> str | None:
+def range_error(value: Any, interval: str | None, flag: str) -> str | None:
     """Why ``value`` of option ``flag`` is outside ``interval`` (``"[0, 1)"``, ``"(0, inf)"``, a
     bound ``inf`` being open), or None when it is inside. NaN is outside every range, and an
     infinity outside every range that does not reach it."""
@@ -100,7 +102,7 @@ RANGES = "_option_ranges"
 """The parsed arguments' table of the options with a declared range: ``{dest: (range, flag)}``."""
 
 
-def check_parsed(args) -> None:
+def check_parsed(args: argparse.Namespace) -> None:
     """Every option of ``args`` added by :func:`add_options` inside its declared range (floats:
     finite); the CLI calls it right after parsing, so the error (exit 2) comes before any work."""
     for dest, (interval, flag) in sorted(getattr(args, RANGES, {}).items()):
@@ -109,7 +111,7 @@ def check_parsed(args) -> None:
             raise HeadlabError(error)
 
 
-def check_ranges(config) -> None:
+def check_ranges(config: Any) -> None:
     """Every field of the dataclass instance ``config`` that declares a ``range`` is inside it (a
     config built in Python, not through the command line); the error names the option."""
     for f in fields(config):
@@ -121,7 +123,7 @@ def check_ranges(config) -> None:
                 raise HeadlabError(error)
 
 
-def help_of(config, name: str) -> str:
+def help_of(config: Any, name: str) -> str:
     """The help of field ``name`` of the dataclass ``config`` (for an option written by hand)."""
     return next(f.metadata.get("help", "") for f in fields(config) if f.name == name)
 
@@ -130,7 +132,7 @@ def _dest(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", f.name).replace("-", "_")
 
 
-def add_options(parser, config, names) -> None:
+def add_options(parser: Any, config: Any, names: Sequence[str]) -> None:
     """Add an option to ``parser`` (a parser or an argument group) for each field of ``names`` of
     the dataclass ``config``, in that order. ``config`` may be an instance: its values are then
     the defaults (a recipe that trains differently from the loop's own defaults)."""
@@ -167,7 +169,7 @@ def add_options(parser, config, names) -> None:
         parser.add_argument("--" + _dest(f).replace("_", "-"), *old_names, **keywords)
 
 
-def from_args(args, config, **values):
+def from_args(args: argparse.Namespace, config: Any, **values: Any) -> Any:
     """The dataclass ``config`` (a class, or an instance whose values are the defaults) with every
     field that ``args`` holds an option for, and ``values`` on top."""
     present = {f.name: getattr(args, _dest(f)) for f in fields(config) if hasattr(args, _dest(f))}

@@ -80,6 +80,7 @@ def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str =
                            f"empty directory (--overwrite replaces only the files of an earlier headlab run, "
                            f"listed in {FILES})")
     if present and not overwrite:
+        assert record is not None  # present and none foreign: the manifest lists them
         raise HeadlabError(f"{flag} {directory}: holds the results of an earlier run ({record.get('command', '?')} "
                            f"of {record.get('model', '?')}, {record.get('created', '?')}); pass --overwrite to "
                            f"replace them, or choose another directory")

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 from torch import nn
+from transformers import PreTrainedModel
 
 from headlab.adapters import attention_blocks
 from headlab.heads import atomic_write_text
@@ -54,6 +56,17 @@ def standard_config_values(model: nn.Module) -> dict | None:
     if n_heads == 0:
         return None
     return dict(zip(fields, (n_heads, n_kv_heads, d_head)))
+
+
+def _transformers_accepts(model: PreTrainedModel, config: dict) -> bool:
+    """Whether transformers builds its config class from ``config``: its validation can refuse
+    pruned counts although ``head_dim`` states the head size (LlamaConfig wants the width to be a
+    multiple of the query heads: 256 wide with 7 heads is refused), and then remote code it is."""
+    try:
+        type(model.config).from_dict(config)
+    except Exception:  # noqa: BLE001 - huggingface_hub's StrictDataclassError is not a ValueError
+        return False
+    return True
 
 
 def _auto_map(model: nn.Module) -> dict[str, str]:
@@ -103,7 +116,7 @@ def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
         return {"how": None, "reason": "per-head query/key norms (StableLM's qk_layernorm) lose heads; "
                                        "load with headlab.load_pruned"}
     values = standard_config_values(model)
-    if values is not None:
+    if values is not None and _transformers_accepts(cast(PreTrainedModel, model), {**config, **values}):
         original = {name: config.get(name) for name in values}
         config.update(values)
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from headlab.errors import HeadlabError, RunFailed
 
@@ -70,7 +71,7 @@ class Shard:
         for _, item in self.numbered(items):
             yield item
 
-    def numbered(self, items: Iterable) -> Iterator[tuple[int, object]]:
+    def numbered(self, items: Iterable) -> Iterator[tuple[int, Any]]:
         """:meth:`take` with each item's number among all of ``items`` (its batch number)."""
         for index, item in enumerate(items):
             if self.owns(index):

@@ -22,6 +22,7 @@ import types
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor, journal: _Journa
     journal.set(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
 
 
-def _slice_outputs(module: nn.Module, index: torch.Tensor, journal: _Journal) -> None:
+def _slice_outputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
     """Keep output features ``index`` of a Linear or a Conv1D (weight [in, out])."""
     index = index.to(module.weight.device)
     if isinstance(module, nn.Linear):
@@ -98,7 +99,7 @@ def _slice_outputs(module: nn.Module, index: torch.Tensor, journal: _Journal) ->
         _replace(module, "bias", module.bias.index_select(0, index.to(module.bias.device)), journal)
 
 
-def _slice_inputs(module: nn.Module, index: torch.Tensor, journal: _Journal) -> None:
+def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
     index = index.to(module.weight.device)
     if isinstance(module, nn.Linear):
         _replace(module, "weight", module.weight.index_select(1, index), journal)
@@ -185,7 +186,8 @@ def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> 
     head i, the old column of query head ``keep[i]`` goes, and likewise for keys and values. Kept
     query heads are grouped by key/value head in ``kv_keep`` order (:func:`_kv_plan`), so the
     layout's pairing of query head i with key/value head i // group is the original pairing."""
-    device = block.qkv.weight.device
+    assert block.qkv is not None  # a fused projection
+    device = cast(torch.Tensor, block.qkv.weight).device
     d = block.d_head
     old = [c.view(-1, d) for c in block.qkv_columns(device)]
     new = qkv_columns(block.family.qkv_layout, len(keep), len(kv_keep), d, device)
@@ -206,13 +208,14 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
     else:
+        assert block.q is not None and block.k is not None and block.v is not None  # separate projections
         _slice_outputs(block.q, q_index, journal)
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
     _slice_inputs(block.o, q_index, journal)
-    for path, module, is_key in _per_head_lists(block):
+    for _path, module, is_key in _per_head_lists(block):
         chosen = kv_keep if is_key else keep
-        norms = [module.norms[h] for h in chosen]
+        norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
         norms = [n if norms.index(n) == i else copy.deepcopy(n) for i, n in enumerate(norms)]  # repeats: own copy
         journal.set(module, "norms", nn.ModuleList(norms))
         journal.set(module, "num_heads", len(chosen))
@@ -234,7 +237,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     if family.config_head_count_attrs and getattr(core, "config", None) is not None:
         base = core.config.base if isinstance(core.config, LayerConfig) else core.config
         journal.set(core, "config", LayerConfig(base, dict.fromkeys(family.config_head_count_attrs, len(keep))))
-    for attr in dict.fromkeys((family.kv_groups_attr, *_GROUP_ATTRS)):
+    for attr in dict.fromkeys((family.kv_groups_attr or "", *_GROUP_ATTRS)):
         if attr and hasattr(core, attr):
             journal.set(core, attr, groups)
 
@@ -269,8 +272,8 @@ class ZeroHeadAttention(NoHeadAttention):
             setattr(self, name, getattr(original, name))
         self.config = getattr(original, "config", None)
         if hasattr(original, "compute_bias"):  # T5's first layer: the position table the others read
-            self._relative_position_bucket = type(original)._relative_position_bucket
-            self.compute_bias = types.MethodType(type(original).compute_bias, self)
+            self._relative_position_bucket = cast(Any, type(original))._relative_position_bucket
+            self.compute_bias = types.MethodType(cast(Any, type(original)).compute_bias, self)
 
 
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _Journal) -> None:
@@ -336,7 +339,7 @@ def _t5_bias_hook(source: nn.Module):
         else:
             cache = cache_argument(kwargs)
             past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
-            full = source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
+            full = cast(Any, source).compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
             bias = full[:, kept]  # [1, kept heads, q_len, k_len]
         kwargs["position_bias"] = bias
         return args, kwargs
@@ -368,7 +371,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
-    blocks = {}
+    blocks: dict = {}
     for block in attention_blocks(model):
         kept = getattr(block.core, KEPT_ATTR, None)
         if kept is None:
@@ -434,7 +437,7 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
     and undo it, whatever the outcome. The sample removes every head of each kind's first layer
     (a layer with no head left) and head 0 of the others (one query head of a key/value group)."""
     blocks = [b for b in attention_blocks(model) if (kinds is None or b.kind in kinds) and b.n_heads]
-    first = {}
+    first: dict = {}
     for block in blocks:
         first.setdefault(block.kind, block.layer)
     spec = {}
@@ -524,7 +527,7 @@ def _core_path(block: AttentionBlock) -> str:
 def _projection(module: nn.Module) -> tuple[str, int, int]:
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
-    return "conv1d", int(module.weight.shape[0]), int(module.nf)  # Conv1D: weight [in, out]
+    return "conv1d", int(cast(Any, module).weight.shape[0]), int(cast(Any, module).nf)  # Conv1D: weight [in, out]
 
 
 def pruning_plan(model: nn.Module) -> dict:
@@ -556,11 +559,11 @@ def pruning_plan(model: nn.Module) -> dict:
                 ([list(core.residual)] if core.residual else [])
         else:
             if isinstance(getattr(core, "config", None), LayerConfig):
-                plan.setdefault("config", {})[_core_path(block)] = dict(core.config.overrides)
+                plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)
             if getattr(core, "_headlab_alibi_hooked", False):
                 plan.setdefault("alibi", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
             for path, module, _ in _per_head_lists(block):
-                plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(module.norms)
+                plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
     return plan
 
 
@@ -582,7 +585,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
         raise PruningNotExact(
             f"{_model_type(model)}: its pruning was not checked against masking (headlab.prune_heads and "
             "headlab.load_pruned check it); nothing written", model_type=_model_type(model))
-    model.save_pretrained(path, safe_serialization=True)
+    cast(Any, model).save_pretrained(path, safe_serialization=True)
     record["portable"] = make_portable(model, path, pruning_plan(model))
     atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
     readable_as_umask_allows(path)
@@ -637,7 +640,7 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
             missing, unexpected = model.load_state_dict(state, strict=False)
         except RuntimeError as error:
             raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
-    model.tie_weights()
+    cast(Any, model).tie_weights()
     loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
     # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
     rebuilt = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
@@ -655,7 +658,7 @@ def _converted_on_save(model: nn.Module) -> bool:
     "original format": Mixtral's experts one tensor per expert, held fused in the model)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    return bool(get_model_conversion_mapping(model, add_legacy=False))
+    return bool(get_model_conversion_mapping(cast(Any, model), add_legacy=False))
 
 
 def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
@@ -670,7 +673,8 @@ def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
     hf_logging.disable_progress_bar()
     try:
         info, _ = convert_and_load_state_dict_in_model(
-            model, state, LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model)))
+            cast(Any, model), state,
+            LoadStateDictConfig(weight_mapping=cast(Any, get_model_conversion_mapping(cast(Any, model)))))
     finally:
         if bars:
             hf_logging.enable_progress_bar()

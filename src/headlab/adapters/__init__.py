@@ -11,7 +11,9 @@ be found, never a silent wrong one.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +72,7 @@ def out_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.out_features
     if hasattr(module, "nf"):
-        return int(getattr(module, "nf"))
+        return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
     raise HeadlabError(f"cannot read the output width of {type(module).__name__}")
 
 
@@ -78,7 +80,7 @@ def in_features(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.in_features
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
-        return int(getattr(module, "weight").shape[0])
+        return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
     raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
 
 
@@ -130,7 +132,7 @@ _D_HEAD_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_
 _CROSS_WORDS = ("encoder_attn", "cross", "encdec")
 
 
-def _generic_candidates(model: nn.Module):
+def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
     """Yield ``(kind, layer, name, module, family)`` for modules that look like attention."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
@@ -151,7 +153,7 @@ def _generic_candidates(model: nn.Module):
             break
 
 
-def _guess_kind(name: str, module: nn.Module, config) -> str:
+def _guess_kind(name: str, module: nn.Module, config: Any) -> str:
     lowered = name.lower()
     if "decoder" in lowered:
         last = lowered.rsplit(".", 1)[-1]
@@ -164,7 +166,7 @@ def _guess_kind(name: str, module: nn.Module, config) -> str:
     return "dec_self" if causal else "enc_self"
 
 
-def _table_candidates(model: nn.Module, family: Family):
+def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
     compiled = [(kind, re.compile(pattern)) for kind, pattern in family.patterns]
     for name, module in model.named_modules():
         for kind, pattern in compiled:
@@ -261,7 +263,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     return blocks
 
 
-def family_for(config) -> Family | None:
+def family_for(config: Any) -> Family | None:
     """The table entry for ``config``'s model type (None: generic discovery)."""
     model_type = getattr(config, "model_type", None) or ""
     if model_type in CONFIG_FAMILIES:
@@ -269,7 +271,7 @@ def family_for(config) -> Family | None:
     return FAMILIES.get(model_type)
 
 
-def unsupported_reason(model_or_config) -> str | None:
+def unsupported_reason(model_or_config: Any) -> str | None:
     """Why headlab refuses this model (its model type, or any sub-config's), or None."""
     config = getattr(model_or_config, "config", model_or_config)
     seen = [config] + [getattr(config, name, None) for name in ("text_config", "encoder", "decoder")]

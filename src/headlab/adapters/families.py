@@ -9,6 +9,7 @@ probabilities and returns them at ``probs_index`` of its output tuple (the eager
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -198,14 +199,14 @@ def _gpt_bigcode(layout: str) -> Family:
     )
 
 
-def falcon(config) -> Family:
+def falcon(config: Any) -> Family:
     """Falcon's layout follows its config: grouped (new decoder architecture), multi-query, or per head."""
     if getattr(config, "new_decoder_architecture", False):
         return _falcon("grouped")
     return _falcon("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 
-def gpt_bigcode(config) -> Family:
+def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 

@@ -139,6 +139,7 @@ def _align_one(
         content = [t for t in range(n_tokens) if not special[t]]
         head = [t for t in range(n_tokens) if special[t] and (not content or t < content[0])]
         tail = [t for t in range(n_tokens) if special[t] and content and t > content[-1]]
+        assert max_length is not None  # truncated
         budget = max(max_length - len(head) - len(tail), 0)
         keep = content[:budget]
         # Words come in order: the word of the first token cut is the first word lost (whole
@@ -314,7 +315,7 @@ def build_side_batch(items: Sequence[tuple], pad_id: int, *, shift: int = 0, sta
     word.
     """
     rows = []
-    for sentence, alignment, _ in items:
+    for _sentence, alignment, _ in items:
         ids = list(alignment.input_ids)
         word = alignment.word_of_token.tolist()
         if shift:
@@ -776,6 +777,7 @@ class WordRows:
         need = max(have, top, n)
         pending = key_words.new_zeros(B, H, need + 1, K)  # the extra row takes tokens of no word
         if have:
+            assert self.pending is not None
             pending[:, :, :have] = self.pending
         rows_at = torch.where(real, index - self.done, torch.full_like(index, need))
         _pool_rows(pending, rows_at, key_words, side.pooling)

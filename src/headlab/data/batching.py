@@ -14,7 +14,7 @@ __all__ = ["make_batches", "length_batches", "with_progress"]
 
 
 def make_batches(
-    corpus,
+    corpus: Any,
     max_tokens: int,
     *,
     seed: int,
@@ -56,7 +56,7 @@ def make_batches(
     return batches[:usable][rank::world_size]
 
 
-def with_progress(batches: Iterable, enabled: bool, desc: str, **bar) -> Iterable:
+def with_progress(batches: Iterable, enabled: bool, desc: str, **bar: Any) -> Iterable:
     """``batches`` behind a progress bar named ``desc`` when ``enabled`` (tqdm's keywords in ``bar``)."""
     if not enabled:
         return batches

@@ -66,14 +66,13 @@ class TokenFrequencies:
         """Count the tokenizer's ids over text files (one sentence per line, plain or ``.gz``)."""
         if isinstance(paths, (str, Path)):
             paths = [paths]
-        paths = [Path(path) for path in paths]
-        for path in paths:
+        for path in (paths := [Path(path) for path in paths]):
             if not path.exists() or path.is_dir():
                 raise HeadlabError(f"training text not found: {path}")
 
         def sentences() -> Iterator[str]:
             for path in paths:
-                for _, line in _lines(path):
+                for _, line in _lines(Path(path)):
                     if line.strip():
                         yield line.strip()
 

@@ -106,15 +106,21 @@ class FusedView(AttentionView):
         self._rows = slice(self.word_start + offset - start, self.word_stop + offset - start)
 
     # -- word rows as a block of the probabilities ---------------------------------------------
+    @property
+    def _o(self) -> int:
+        """The word offset: the word passes run only where the side has one (:func:`unavailable_passes`)."""
+        assert self.offset is not None
+        return self.offset
+
     @cached_property
     def _word_columns(self) -> int:
         """How many key words the piece holds (word ``j`` is column ``o + j``)."""
-        return max(0, min(self.side.max_words, self.keys - self.offset))
+        return max(0, min(self.side.max_words, self.keys - self._o))
 
     @cached_property
     def words(self) -> torch.Tensor:
         """``[B, H, word rows, K]``: the word-to-word weights (0 on padding words), as the chunked path makes them."""
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         block = self.probs[:, :, self._rows, o:o + K]
         keep = self.side.word_mask[:, :K]
         if not bool(keep.all()):
@@ -126,7 +132,7 @@ class FusedView(AttentionView):
         # A word's token is the word: the largest weight on a word token, and where, is the word
         # row's (the same values in the same order; padding keys count as -1 on both paths).
         best, where = self._token_max
-        best, where = best[:, :, self._rows], where[:, :, self._rows] - self.offset
+        best, where = best[:, :, self._rows], where[:, :, self._rows] - self._o
         real = self.side.word_mask[:, None, self.word_start:self.word_stop]
         if bool(real.all()):
             return best, where
@@ -138,14 +144,14 @@ class FusedView(AttentionView):
         """``[B, H, word rows, F]``: ``sum_j alpha_ij features[b, j]`` for key-word features
         ``[B, W, F]`` (one matrix product with the features as values; padding words' rows of
         ``features`` must be 0)."""
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         block = self.probs[:, :, self._rows, o:o + K]
         return self._real_rows(torch.matmul(block, features[:, None, :K].to(block.dtype)))
 
     def word_dot(self, weights: torch.Tensor) -> torch.Tensor:
         """``[B, H, word rows]``: ``sum_j alpha_ij weights[b, i, j]`` for weights ``[B | 1, word rows, W]``
         (0 on padding words), a row-wise dot product."""
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         block = self.probs[:, :, self._rows, o:o + K]
         return self._real_rows(torch.linalg.vecdot(block, weights[:, None, :, :K].to(block.dtype)))
 
@@ -174,7 +180,7 @@ class FusedView(AttentionView):
         return torch.linalg.vecdot(words, logs)
 
     def _xlogx_from_scores(self) -> torch.Tensor:
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         dtype = self.probs.dtype
         best, where = self._word_max  # over the word columns, where = word index
         real = best > 0
@@ -188,6 +194,7 @@ class FusedView(AttentionView):
             dot, mass = self._real_rows(dot), self._real_rows(mass)
         else:
             words = self.words  # padding words and rows: 0
+            assert self.scores is not None  # word_xlogx comes here only with one of the two
             scores = self.scores[:, :, self._rows, o:o + K]
             dot = torch.linalg.vecdot(words, scores.to(dtype) if scores.dtype != dtype else scores)
             mass = words.sum(-1)
@@ -199,7 +206,7 @@ class FusedView(AttentionView):
     def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:
         """``[B, H, word rows, A]``: ``alpha_ij`` for the key words ``keys[b, i, a]`` ``[B, W, A]`` of
         each word row (-1: none, weight 0)."""
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         index = keys[:, self.word_start:self.word_stop]  # [B, R, A]
         held = (index >= 0) & (index < K)
         columns = (index.clamp(0, max(K - 1, 0)) + o).clamp(max=self.keys - 1)
@@ -212,7 +219,7 @@ class FusedView(AttentionView):
 
     def word_block(self, n: int) -> torch.Tensor:
         """``[B, H, word rows below n, n]``: the weights among the first ``n`` words (0 beyond the held keys)."""
-        o, K = self.offset, self._word_columns
+        o, K = self._o, self._word_columns
         end = max(min(self.word_stop, n) - self.word_start, 0)
         rows = slice(self._rows.start, self._rows.start + end)
         m = min(n, K)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from conllu.exceptions import ParseException
 from conllu.parser import (
@@ -254,6 +255,7 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
         raise _Malformed(start, "not a CoNLL-U sentence") from None
     if len(tokens) != len(token_lines):  # pragma: no cover - conllu keeps one token per line
         raise _Malformed(start, "conllu returned a different number of tokens than lines")
+    words: list[str]
     words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
     n_multiword = n_empty = 0
     for (number, _), token in zip(token_lines, tokens):
@@ -412,7 +414,8 @@ class Treebank:
             raise HeadlabError(f"CoNLL-U file not found: {self.path}")
 
     def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:
-        return read_conllu(self.path, problems=problems, counts=counts, limit=self.limit)
+        # read_conllu yields None only with keep_place=True
+        return cast(Iterator[Sentence], read_conllu(self.path, problems=problems, counts=counts, limit=self.limit))
 
     def __iter__(self) -> Iterator[Sentence]:
         return self.sentences()

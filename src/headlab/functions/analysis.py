@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice, zip_longest
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, cast
 
 import torch
 
@@ -303,15 +303,18 @@ def analyze_heads(
 
     def examples() -> Iterator[tuple[Sentence | str | None, Sentence | None]]:
         if target_conllu is None:
+            assert conllu is not None  # one of the two is given (checked above)
             yield from ((s, None) for s in read_conllu(conllu, problems=problems, counts=counts["source"]))
             return
         # Paired: sentence n of the target goes with sentence (or line) n of the source; a
         # malformed sentence on either side drops the pair, not the pairing.
         target = read_conllu(target_conllu, problems=problems, counts=counts["target"], keep_place=True)
         if conllu is not None:
-            source = read_conllu(conllu, problems=problems, counts=counts["source"], keep_place=True)
+            source: Iterator[Sentence | str | None] = read_conllu(conllu, problems=problems, counts=counts["source"],
+                                                                  keep_place=True)
             source_name = str(conllu)
         else:
+            assert source_text is not None  # paired with a target: a source treebank or text (checked above)
             source = (line.strip() or None for line in read_lines(source_text))
             source_name = str(source_text)
         for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
@@ -324,13 +327,13 @@ def analyze_heads(
                 if src is None and conllu is None:
                     problems.add("malformed", Problem(source_name, number, "empty source line; pair skipped"))
                 continue
-            yield src, tgt
+            yield cast("Sentence | str", src), cast(Sentence, tgt)
 
     bar = None
     if progress and shard.main:
         from tqdm.auto import tqdm
 
-        total = count_sentences(target_conllu or conllu)
+        total = count_sentences(cast("str | Path | InMemoryTreebank", target_conllu or conllu))
         if config.max_sentences is not None:
             total = min(total, config.max_sentences)
         bar = tqdm(total=total, unit="sent", desc="heads", leave=False)
@@ -453,6 +456,7 @@ def analyze_heads(
                 items = _prepare(raw, index, tokenizer, config, max_length, report) if mine else []
                 index += len(raw)
                 if shard.split:
+                    assert isinstance(problems, _ProblemEvents)  # a split run's log (set above)
                     problems.marks.append(len(problems.events))
                 if bar is not None:
                     bar.update(len(raw))
@@ -468,6 +472,7 @@ def analyze_heads(
                             stat.update_side(kind, current[name])
                 model(**inputs)
                 main = current.get("target" if target_conllu is not None else "source")
+                assert main is not None  # the batch has the side read
                 report.n_sentences += main.batch_size
                 report.n_words += int(main.n_words.sum())
                 report.n_tokens += int(main.token_mask.sum())
@@ -526,6 +531,7 @@ def _combine(shard: Shard, report: RunReport, stats: dict) -> None:
     for name in ("n_sentences", "n_words", "n_tokens", "n_truncated", "n_unaligned"):
         setattr(report, name, shard.sum(getattr(report, name)))
     log = report.problems
+    assert isinstance(log, _ProblemEvents)  # analyze_heads gives a split run one
     parts = shard.gather((log.events, log.marks))
     merged = ProblemLog(keep=log.keep)
     n_batches = len(log.marks) - 1
@@ -548,7 +554,7 @@ def _prepare(raw, index, tokenizer, config, max_length, report):
     ok = [True] * len(raw)
     source_alignments: list = [None] * len(raw)
     target_alignments: list = [None] * len(raw)
-    for which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
+    for _which, sentences, store in (("source", sources, source_alignments), ("target", targets, target_alignments)):
         parsed = [(i, s) for i, s in enumerate(sentences) if isinstance(s, Sentence)]
         if not parsed:
             continue

@@ -51,7 +51,7 @@ def plot_function_grid(analysis, kind: str, axes=None):
     rare-token head(s).
     """
     plt = pyplot()
-    panels = []
+    panels: list[tuple] = []
     if analysis.positional is not None:
         share = analysis.positional.share
         if kind in share.kinds:

@@ -279,6 +279,7 @@ class SyntacticResult:
                             flat = np.nan_to_num(array, nan=-1.0)
                             layer, head = np.unravel_index(int(flat.argmax()), flat.shape)
                             best_head, best_acc = (int(layer), int(head)), float(array[layer, head])
+                            assert base is not None  # n arcs scored
                             n_syn = int(np.sum(flat >= base + self.margin - 1e-12))
                     rows.append(Table1Row(kind, relation, direction, n_all, offset, base, best_head, best_acc, n_syn,
                                           n, self.unreachable(kind, relation, direction)))

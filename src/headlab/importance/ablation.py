@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ class _LayerRecorder:
                 container, layer = slot
                 recorded = [self.outputs.get((id(container), i)) for i in range(layer)]
                 if all(r is not None for r in recorded):
-                    for i, output in enumerate(recorded):
+                    for i, output in enumerate(cast(list[torch.Tensor], recorded)):
                         replaced.append((container, i, container[i]))
                         container[i] = _Recorded(output.repeat(copies, *([1] * (output.dim() - 1))), container[i])
             yield
@@ -306,7 +307,7 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
     for m in metrics:
         base = base_totals[m] / n_tokens
         sign = -1.0 if m == "accuracy" else 1.0  # higher = more important: a loss rise, an accuracy drop
-        values = {}
+        values: dict[str, list[float]] = {}
         for (key, head), total in totals[m].items():
             values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = sign * (total / n_tokens - base)
         score = "accuracy - accuracy(masked)" if m == "accuracy" else "loss(masked) - loss"
@@ -387,7 +388,7 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
     refs = [data.reference_texts]
     bleu = BLEU()
     base = bleu.corpus_score(base_hyps, refs).score
-    values = {}
+    values: dict[str, list[float]] = {}
     for (key, head), texts in hyps.items():
         values.setdefault(key, [0.0] * _n_heads(variants, key))[head] = base - BLEU().corpus_score(texts, refs).score
     signature = {"base_bleu": base, "beam": beam, "score": "BLEU - BLEU(masked)", "bleu_signature": str(bleu.get_signature())}
@@ -412,8 +413,8 @@ class Ablation(ImportanceMeasure):
             return "BLEU needs a translation model and reference translations (--target)"
         return reason
 
-    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
-                     tokenizer=None) -> list[HeadScores]:
+    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,  # type: ignore[override]
+                     tokenizer=None) -> list[HeadScores]:  # (the keywords the callers pass, named)
         o = self.options
         metrics = (o.metric, "accuracy") if info.arch == "classifier" and o.metric == "loss" else (o.metric,)
         return compute_ablation_tables(model, data, info, metrics=metrics, batch_size=batch_size, max_rows=o.rows,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
@@ -123,7 +124,7 @@ def _run(args, part) -> int:
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
         from dataclasses import replace
 
-        log(f"the checkpoint was saved as {', '.join(model.config.architectures)}, without a language-model head")
+        log(f"the checkpoint was saved as {', '.join(cast(Any, model.config).architectures)}, without a language-model head")
         info = replace(info, has_lm_head=False)
     data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())

@@ -26,6 +26,8 @@ for LRP, so that both measures look at the same attention maps.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -147,7 +149,7 @@ def compute_confidence(
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks)
-    batches = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
+    batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
                             unit="batch")

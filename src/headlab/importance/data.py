@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -183,7 +184,7 @@ def output_layer(model: nn.Module) -> nn.Module | None:
         n_labels = getattr(model.config, "num_labels", None)
         onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
         return onto_classes[-1] if onto_classes else None
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 @dataclass
@@ -517,7 +518,7 @@ def translate_data(
         for chunk in chunks:
             ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
             limit = min(int(max_length_a * ids.shape[1] + max_length_b), info.max_length - 1)
-            generated = model.generate(
+            generated = cast(Any, model).generate(
                 input_ids=ids, attention_mask=mask, num_beams=beam, do_sample=False,
                 max_new_tokens=max(limit, 1), min_new_tokens=1,
                 max_length=None,  # the limit is max_new_tokens: no warning about the config's max_length
@@ -622,7 +623,7 @@ def make_batches(
     """
     if batch_size < 1:
         raise HeadlabError(f"batch size must be at least 1, got {batch_size}")
-    decoder_side = None
+    decoder_side: list[list[int]] | None = None
     if info.is_seq2seq:
         if side == "reference" and data.references is not None:
             decoder_side = data.references
@@ -634,6 +635,7 @@ def make_batches(
         ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
         src_valid = _not_special(ids, mask, info.special_ids)
         if info.is_seq2seq:
+            assert decoder_side is not None  # set above for seq2seq
             targets = [decoder_side[i] for i in chunk]
             start_id = info.decoder_start_id if info.decoder_start_id is not None else info.pad_id
             width = max(1, max(len(t) for t in targets))

@@ -126,7 +126,7 @@ def compute_gradient(
         raise HeadlabError("gradient importance of a classifier needs the texts' labels (a labelled TSV)")
     device = next(model.parameters()).device
     shard = active()  # several processes: each its own batches, the sums added in gate_gradients
-    batches = shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device,
+    batches: Iterable = shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device,
                                       mask_tokens=True))
     batches = with_progress(batches, progress, "gradient", total=shard.count(count_batches(data, batch_size)),
                             unit="batch")
@@ -164,8 +164,8 @@ class Gradient(ImportanceMeasure):
     needs_lm_head = True
     uses_loss = True
 
-    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,
-                     tokenizer=None) -> list[HeadScores]:
+    def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,  # type: ignore[override]
+                     tokenizer=None) -> list[HeadScores]:  # (the keywords the callers pass, named)
         raw = compute_gradient(model, data, info, batch_size=batch_size, normalize=False, kinds=kinds,
                                progress=progress)
         return [l2_normalize_per_layer(raw, "gradient"), raw]

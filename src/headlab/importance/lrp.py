@@ -38,9 +38,10 @@ happens to sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 import torch
@@ -100,6 +101,7 @@ def normalize_per_layer(relevance: torch.Tensor) -> torch.Tensor:
 def _lm_input(model: nn.Module) -> Iterator[dict]:
     """Record the input of the output projection (the LM head's, or a classifier's last linear map)."""
     output = output_layer(model)
+    assert output is not None  # head_relevance refuses a model without one first
     seen: dict = {}
 
     def hook(module, args):
@@ -269,10 +271,12 @@ def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
     output = output_layer(model)
     if logits.dim() == 2:  # a sequence classifier
         if z.dim() == 3:  # its class layer ran at every position (GPT-2's score): take the pooled one
+            assert input_ids is not None  # a classifier's batch has them
             z = z[torch.arange(z.shape[0], device=z.device), _pooled_positions(model, input_ids)]
         z, logits = z[:, None, :], logits[:, None, :]  # [batch, 1, d], [batch, 1, classes]
     top = logits.detach().argmax(-1)  # [batch, t_len]
-    weight = output.weight.detach()  # [vocab, d]
+    assert output is not None  # head_relevance refuses a model without one first
+    weight = cast(torch.Tensor, output.weight).detach()  # [vocab, d]
     y = (z * weight[top]).sum(-1)  # [batch, t_len]
     bias = getattr(output, "bias", None)
     if isinstance(bias, torch.Tensor):
@@ -392,7 +396,7 @@ def head_relevance(
         values = [t.detach() for t in ends]
         rank, n_slots = _slots(steps)
         if strategy == "jacobian":  # one backward per output element: full Jacobian rows
-            rows = {k: [] for k in keys}
+            rows: dict = {k: [] for k in keys}
             reached = []
             for r, p in index.tolist():
                 grads = torch.autograd.grad(y[r, p], tensors + ends, retain_graph=True, allow_unused=True)
@@ -407,7 +411,7 @@ def head_relevance(
             }
             shares = torch.stack(reached) if reached else y.new_zeros(0, 2)
         else:
-            per_slot = {k: [] for k in keys}  # pieces of [n_slots, batch, H]
+            per_slot: dict = {k: [] for k in keys}  # pieces of [n_slots, batch, H]
             at_ends = []  # pieces of [n_slots, batch, 2]
             if strategy == "vmap":
                 size = chunk_size or _auto_chunk(y, tensors, n_slots)
@@ -521,7 +525,7 @@ def compute_lrp(
     # Per sentence: relevance that reached the input embeddings, that the biases kept, and the logits.
     reached, kept, explained = (torch.zeros(len(data), dtype=torch.float64) for _ in range(3))
     n_steps = n_available = 0
-    batches = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
+    batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "lrp", total=shard.count(count_batches(data, batch_size)), unit="batch")
     precision = {p.dtype for p in model.parameters() if p.is_floating_point()}

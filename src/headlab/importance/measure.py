@@ -10,7 +10,7 @@ their lists from it. Adding a measure: a module with its subclass, and one line 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -46,11 +46,11 @@ class ImportanceMeasure:
     Options: ClassVar[type] = NoOptions
     """A dataclass of the measure's own settings (validated in its ``__post_init__``)."""
 
-    def __init__(self, options=None) -> None:
+    def __init__(self, options: Any = None) -> None:
         self.options = self.Options() if options is None else options
 
     @classmethod
-    def options_from(cls, config) -> object:
+    def options_from(cls, config: Any) -> object:
         """The measure's options from a config object: its field ``<name>_<option>``, else
         ``<option>`` (``ImportanceConfig.lrp_strategy`` fills LRP's ``strategy``)."""
         values = {}
@@ -72,20 +72,20 @@ class ImportanceMeasure:
         return None
 
     def score(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, batch_size: int = 32,
-              kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer=None) -> HeadScores:
+              kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer: Any = None) -> HeadScores:
         """The measure's HeadScores over ``data`` (``kinds``: only these attention kinds); by
         default the first of :meth:`score_tables`. A subclass defines one of the two."""
         return self.score_tables(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress,
                                  tokenizer=tokenizer)[0]
 
-    def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options) -> list[HeadScores]:
+    def score_tables(self, model: nn.Module, data: ImportanceData, info: ModelInfo, **options: Any) -> list[HeadScores]:
         """Every table of :attr:`tables`, in order; by default :meth:`score`'s one table."""
         if type(self).score is ImportanceMeasure.score:
             raise NotImplementedError(f"{type(self).__name__} defines neither score nor score_tables")
         return [self.score(model, data, info, **options)]
 
     def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
-            **options) -> list[HeadScores]:
+            **options: Any) -> list[HeadScores]:
         """:meth:`score_tables` of the model with the heads of ``mask`` switched off
         (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
         of the masked model, in which those heads are NaN, as a pruned model's removed heads are."""

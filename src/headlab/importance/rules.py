@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def _activation_classes() -> tuple[type, ...]:
         nn.Hardswish, nn.ReLU6, nn.Softplus, nn.SELU, nn.CELU, nn.Hardtanh,
     }
     for value in ACT2CLS.values():
-        classes.add(value[0] if isinstance(value, tuple) else value)
+        classes.add(cast(type, value[0] if isinstance(value, tuple) else value))
     return tuple(classes)
 
 
@@ -89,7 +90,7 @@ def _swap_backward(output: torch.Tensor, surrogate: torch.Tensor) -> torch.Tenso
 
 
 # -- the rules, one hook each ---------------------------------------------------------------
-def _activation_rule(module: nn.Module, args, output):
+def _activation_rule(module: nn.Module | None, args, output):
     """Non-linear activations are ignored: R(x) = R(f(x)) (Ding et al. 2017; Voita et al. 2019, App. A.2)."""
     x = args[0]
     if not isinstance(output, torch.Tensor) or output.shape != x.shape:
@@ -237,6 +238,7 @@ def _detach_columns(block: AttentionBlock):
     """For a fused projection in any other layout (per head, grouped): detach the q and k columns
     wherever the layout puts them, keep the values'."""
     q, k, _ = block.qkv_columns()
+    assert block.qkv is not None  # called for fused projections only
     is_qk = torch.zeros(out_features(block.qkv), dtype=torch.bool)
     is_qk[torch.cat([q, k])] = True
 
@@ -304,7 +306,7 @@ def _moe_layout_problem(module: nn.Module) -> str | None:
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # a transformers without it: the experts' own forward, checked on every call
-        _default_apply_gate = None
+        _default_apply_gate = None  # type: ignore[assignment]  # compared by identity below
     apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
     if apply_gate is not _default_apply_gate:
         return "it applies its own gate (_apply_gate)"
@@ -322,7 +324,7 @@ def routed_experts(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if _is_experts(module)]
 
 
-def _experts_rule(module: nn.Module, args, kwargs, output):
+def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' experts module, its weights by name
     """Routed gated experts: ``sum_k w_k down_e(act(gate_e x) * up_e x)`` over each token's top-k
     experts ``e`` with routing weights ``w_k``. Each expert gets the rules of a gated MLP (the
     activation rule and Ding et al.'s product rule); the routing weights are constants of the
@@ -380,7 +382,7 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
         if not type(module).__name__.endswith("LMHead"):
             continue
         for before, after, _ in _FUNCTIONAL_ACTIVATIONS:
-            parts = [getattr(module, name, None) for name in (before, after)]
+            parts: list = [getattr(module, name, None) for name in (before, after)]
             has_act_module = any(_is_activation(child) for child in module.children())
             if all(isinstance(p, nn.Module) for p in parts) and not has_act_module:
                 found.append((parts[0], parts[1]))
@@ -400,7 +402,7 @@ def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Mo
     found = []
     for module in model.modules():
         for gate_up, down, act in _FUSED_GATED_NAMES:
-            parts = [getattr(module, name, None) for name in (act, gate_up, down)]
+            parts: list = [getattr(module, name, None) for name in (act, gate_up, down)]
             if all(isinstance(p, nn.Module) for p in parts):
                 found.append((parts[0], parts[1], parts[2]))
     return found
@@ -410,7 +412,7 @@ def gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]
     found = []
     for module in model.modules():
         for gate, up, down, act in _GATED_NAMES:
-            parts = [getattr(module, name, None) for name in (gate, up, down, act)]
+            parts: list = [getattr(module, name, None) for name in (gate, up, down, act)]
             if all(isinstance(p, nn.Module) for p in parts):
                 found.append((parts[3], parts[1], parts[2]))
                 break
@@ -454,7 +456,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
-                config = getattr(module, "config", None)
+                config: Any = getattr(module, "config", None)
                 if getattr(config, "_experts_implementation", "eager") != "eager":
                     # transformers' grouped and batched matmuls take no float64: its reference loop
                     restore.append((config, config._experts_implementation))
@@ -474,6 +476,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 width = (block.n_heads + block.n_kv_heads) * block.d_head
                 handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
             else:
+                assert block.q is not None and block.k is not None  # unfused projections
                 handles.append(block.q.register_forward_hook(_detach_output))
                 handles.append(block.k.register_forward_hook(_detach_output))
         yield

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import fields
+from typing import Any, cast
 
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
@@ -77,7 +78,7 @@ def _evaluate(args) -> int:
     tokenizer = load_tokenizer(args.model)
     if tokenizer.bos_token_id is None:
         raise HeadlabError(f"{args.model}: the tokenizer has no BOS token (not a headlab language model)")
-    corpus = encode_lm_corpus(tokenizer, text.sentences, model.config.max_position_embeddings)
+    corpus = encode_lm_corpus(tokenizer, text.sentences, cast(Any, model.config).max_position_embeddings)
     result = perplexity(model, corpus, tokenizer.pad_token_id, max_tokens=args.max_tokens)
     result.update({"sentences": len(text), "files": list(text.per_file)})
     if args.json:

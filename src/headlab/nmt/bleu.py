@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
@@ -65,7 +65,7 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
                      n_samples: int = N_SAMPLES, seed: int = SEED) -> dict:
     """BLEU(system) - BLEU(baseline) with its 95% paired-bootstrap interval and sacreBLEU's p-value
     (Koehn 2004: the same resampled sentences score both systems)."""
-    from sacrebleu.significance import PairedTest
+    from sacrebleu.significance import PairedTest, Result
 
     if not len(baseline) == len(system) == len(references):
         raise ValueError(f"{len(baseline)} / {len(system)} hypotheses for {len(references)} references")
@@ -78,7 +78,8 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
     diffs = np.array([score(stats_s[i]) - score(stats_b[i]) for i in idxs])
     _, results = PairedTest([("baseline", list(baseline)), ("system", list(system))], {"BLEU": BLEU()}, refs,
                             test_type="bs", n_samples=n_samples)()
-    p = results["BLEU"][1].p_value
+    p = cast(Result, results["BLEU"][1]).p_value
+    assert p is not None  # a bootstrap test always sets it
     low, high = np.percentile(diffs, [2.5, 97.5])
     return {"baseline": score(stats_b), "system": score(stats_s), "delta": score(stats_s) - score(stats_b),
             "low": float(low), "high": float(high), "p": float(p), "n_sentences": len(references),

@@ -24,7 +24,8 @@ def _covered(history: list[dict]) -> list[float | None]:
     (train loss, minutes, speed) covered only the part after the resume. None where the record
     has no ``tokens_seen`` to tell.
     """
-    shares, before = [], 0
+    shares: list[float | None] = []
+    before: int | None = 0
     for row in history:
         seen = row.get("tokens_seen")
         if seen is None or before is None or seen <= before:

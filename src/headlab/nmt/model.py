@@ -8,6 +8,7 @@ CPU-friendly (d_model 256, FFN 1024); ``d_model=512, ffn_dim=2048`` is the paper
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
@@ -81,7 +82,7 @@ def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=tor
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HeadlabError(f"no model in {path} (expected config.json and model.safetensors)")
-    model = load_any(str(path), dtype=torch.float32 if dtype is None else dtype, device=device, device_map=device_map,
+    model: Any = load_any(str(path), dtype=torch.float32 if dtype is None else dtype, device=device, device_map=device_map,
                      attn_implementation=attn_implementation)
     if not model.config.is_encoder_decoder:
         raise HeadlabError(f"{path}: a {model.config.model_type} model, not a translation (encoder-decoder) model")

@@ -24,6 +24,7 @@ def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
     log(f"training data: {corpus.summary()}")
     valid = None
     if recipe.valid_src:
+        assert recipe.valid_tgt is not None  # the CLI refuses one without the other
         valid = read_parallel(recipe.valid_src, recipe.valid_tgt)
         log(f"validation data: {valid.summary()}")
 

@@ -76,7 +76,7 @@ class AdaptiveThreads:
             self._probe_queue = others[1:]
 
     def _finish_probe(self, step: int) -> None:
-        best = max(self.rates, key=self.rates.get)
+        best = max(self.rates, key=self.rates.__getitem__)
         if best == self.best:
             self.interval = min(2 * self.interval, self.max_interval)
         else:

@@ -89,7 +89,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
             raise HeadlabError(f"{serialized}: {reason}; copy it again from the model it came with") from error
     try:
         # A vocabulary headlab trained (or any fast tokenizer): never code from the directory, never a prompt.
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        # the ignore below: AutoTokenizer may give the SentencePiece backend; callers use only the API both share
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # type: ignore[return-value]
     except (ValueError, OSError) as error:
         if serialized.is_file():
             raise

@@ -37,7 +37,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -519,7 +519,8 @@ def train(
         optimizer = optimizer_factory(params, config)
     else:
         optimizer = torch.optim.Adam(
-            params, lr=config.lr, betas=tuple(config.adam_betas), eps=config.adam_eps, weight_decay=config.weight_decay
+            params, lr=config.lr, betas=cast(tuple[float, float], tuple(config.adam_betas)), eps=config.adam_eps,
+            weight_decay=config.weight_decay
         )
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,

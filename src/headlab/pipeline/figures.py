@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -54,6 +55,8 @@ def _short(label: str) -> str:
 
 # ----------------------------------------------------------------------------- Figure 1
 
+FIGURE1_COLUMNS = 8  # layers per band of Figure 1: more wrap into further bands
+
 
 def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
                  labels: Mapping[str, list[str]], kind: str = "enc_self") -> dict:
@@ -71,7 +74,7 @@ def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
         def values(scores):
             if scores is None or kind not in scores.kinds:
                 return None
-            return [_clean(float(scores[kind][layer, h])) for h in heads]
+            return [_clean(float(scores[kind][layer, h])) for h in heads]  # noqa: B023 (called in this iteration)
 
         layers.append({
             "layer": layer,
@@ -90,17 +93,30 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
     heads (bars, heads sorted by relevance within the layer) and the function grid below
     (positional / syntactic / rare), each function named in its cell.
 
-    ``axes``: a ``[3, n_layers]`` array of axes (created when None). Returns ``(figure, data)``.
+    ``axes``: a ``[3, n_layers]`` array of axes (created when None: more than
+    :data:`FIGURE1_COLUMNS` layers wrap into bands of at most that many, so that 24 or 32 layers
+    stay readable). Returns ``(figure, data)``.
     """
     plt = pyplot()
     data = figure1_data(relevance, confidence, labels, kind)
     n_layers, n_heads = len(data["layers"]), data["n_heads"]
     if axes is None:
-        fig, axes = plt.subplots(3, n_layers, figsize=(max(2.1 * n_layers, 6), 5.2), squeeze=False,
-                                 gridspec_kw={"height_ratios": [1.0, 1.0, 0.9]}, layout="constrained")
+        bands = -(-n_layers // FIGURE1_COLUMNS)
+        columns = -(-n_layers // bands)  # the layers spread evenly over the bands
+        fig, grid = plt.subplots(3 * bands, columns, figsize=(max(2.1 * columns, 6), 5.2 * bands), squeeze=False,
+                                 gridspec_kw={"height_ratios": [1.0, 1.0, 0.9] * bands}, layout="constrained")
+        axes = np.empty((3, n_layers), dtype=object)
+        for layer in range(n_layers):
+            band, column = divmod(layer, columns)
+            axes[:, layer] = grid[3 * band:3 * band + 3, column]
+        for cell in range(n_layers, bands * columns):  # the last band's empty places
+            band, column = divmod(cell, columns)
+            for ax in grid[3 * band:3 * band + 3, column]:
+                ax.set_axis_off()
     else:
         axes = np.asarray(axes).reshape(3, n_layers)
         fig = axes[0, 0].figure
+        columns = n_layers
     def limits(field: str) -> tuple[float, float]:
         # One scale per row, so layers compare; relevance can be negative (normalised by |sum|).
         values = [v for ly in data["layers"] for v in (ly[field] or []) if v is not None] or [0.0]
@@ -122,7 +138,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
             ax.set_ylim(*limits(field))
             ax.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
             ax.tick_params(axis="y", labelsize=6)
-            if column == 0:
+            if column % columns == 0:  # the first layer of each band
                 ax.set_ylabel(name, fontsize=7)
         ax_r.set_title(f"layer {layer['layer']}", fontsize=8)
         grid = np.zeros((len(FUNCTION_GROUPS), n_heads))
@@ -137,7 +153,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
                           if max(len(n) for n in names) > 4 else 0)
         ax_f.imshow(grid, cmap="Greens", vmin=0, vmax=2.2, aspect="auto")
         ax_f.set_xticks(x, [str(h) for h in layer["heads"]], fontsize=6)
-        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column == 0 else [""] * 3, fontsize=7)
+        ax_f.set_yticks(range(len(FUNCTION_GROUPS)), FUNCTION_GROUPS if column % columns == 0 else [""] * 3, fontsize=7)
         ax_f.set_xlabel("head", fontsize=7)
     fig.suptitle(f"{kind}: heads per layer sorted by {'LRP relevance' if data['sorted_by'] == 'lrp' else 'confidence'}"
                  " (Voita et al. 2019, Fig. 1)", fontsize=9)
@@ -272,20 +288,20 @@ def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable
             if not labels:
                 caption += " The function analysis did not run (no --conllu), so the grid is empty."
             specs.append((f"figure1_{kind}", f"Figure 1 ({kind}): importance and function of each head", caption,
-                          lambda kind=kind: plot_figure1(lrp, confidence, labels, kind)))
+                          partial(plot_figure1, lrp, confidence, labels, kind)))
     for measure in IMPORTANCE_MEASURES:
         scores = _load(root / "importance" / f"{measure}.json")
         if scores is not None:
             specs.append((f"importance_{measure}", f"Head importance: {measure}",
                           f"{measure} of every head, layers down, heads across, one panel per attention kind.",
-                          lambda s=scores, m=measure: plot_scores_heatmap(s, title=m)))
+                          partial(plot_scores_heatmap, scores, title=measure)))
     for statistic in AGGREGATE_STATISTICS:
         scores = _load(root / "aggregate" / f"{statistic}.json")
         if scores is not None:
             specs.append((f"aggregate_{statistic}", f"Aggregate statistic: {statistic.replace('_', ' ')}",
                           f"{statistic.replace('_', ' ')} per head over the treebank (Vig & Belinkov 2019), "
                           "layers down, heads across.",
-                          lambda s=scores, t=statistic: plot_scores_heatmap(s, title=t.replace("_", " "))))
+                          partial(plot_scores_heatmap, scores, title=statistic.replace("_", " "))))
     sweep = root / "prune" / "sweep.json"
     if sweep.is_file():
         rows = json.loads(sweep.read_text(encoding="utf-8"))

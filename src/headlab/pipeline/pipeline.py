@@ -39,7 +39,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
@@ -177,6 +177,7 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
         lines = lines[:limit]
     n = 0
     for n, sentence in enumerate(read_conllu(conllu, limit=limit), start=1):
+        assert sentence is not None  # None only with keep_place=True
         text = sentence.text if sentence.text else " ".join(sentence.words)
         if n > len(lines):
             raise HeadlabError(f"--conllu {conllu} has more sentences than --source {source} has lines "
@@ -324,6 +325,11 @@ def check_processes(config: AnalyzeConfig, processes: int) -> None:
 class _Context:
     """Lazily loaded model, tokenizer and data, shared by the stages of one run."""
 
+    _model: Any  # None until loaded; typed loosely so that this module does not import torch's types
+    _tokenizer: Any
+    _info: Any
+    _data: Any
+
     def __init__(self, config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None],
                  shard: Shard = SINGLE) -> None:
         self.config, self.out_dir, self.log, self.shard = config, out_dir, log, shard
@@ -385,7 +391,7 @@ class _Context:
 
     def key(self, name: str) -> str:
         c = self.config
-        common = {"stage": name, "version": __version__, "model": self.fingerprint(c.model)}
+        common: dict[str, Any] = {"stage": name, "version": __version__, "model": self.fingerprint(c.model)}
         if c.dtype is not None:  # other weights, other numbers (the device only moves them)
             common["dtype"] = c.dtype
         text = {"source": self.fingerprint(c.source), "target": self.fingerprint(c.target), "limit": c.limit,

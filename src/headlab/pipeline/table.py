@@ -114,8 +114,8 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
         values[name] = dict(scores.items())
     heads = {key for column in values.values() for key in column}
     for key in labels:
-        kind, layer, head = key.split(":")
-        heads.add((kind, int(layer), int(head)))
+        kind, layer_s, head_s = key.split(":")
+        heads.add((kind, int(layer_s), int(head_s)))
     order = {kind: i for i, kind in enumerate(KINDS)}
     heads_sorted = sorted(heads, key=lambda h: (order.get(h[0], len(KINDS)), h[1], h[2]))
     measures = list(values)

@@ -34,7 +34,7 @@ import json
 import math
 from itertools import islice
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -135,7 +135,7 @@ def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=Non
     from headlab.surgery import prune_heads
 
     prune_heads(model, spec)
-    result = {"heads_kept": heads_per_kind(model)}
+    result: dict[str, Any] = {"heads_kept": heads_per_kind(model)}
     if finetune is not None:
         if train_data is None:
             raise HeadlabError("fine-tuning a baseline needs training data")
@@ -252,8 +252,10 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                 continue
             model, tokenizer = load()
             if c.method == "random":
+                assert seed is not None  # --method random has seeds (the CLI refuses none)
                 spec = random_spec(model, keep, c.kinds, seed)
             elif c.method == "scores":
+                assert c.scores is not None  # --method scores reads a score file
                 spec = scores_spec(c.scores, keep, c.kinds)
             else:
                 spec = michel_spec(model, tokenizer, train_data, keep, c.kinds, max_batches=c.importance_batches)
@@ -332,7 +334,7 @@ def _trains(config: BaselineConfig) -> bool:
 
 def _row_method(config: BaselineConfig) -> str:
     """The method a row names: ``scores:<measure>`` for heads ranked by a score file."""
-    return config.method if config.method != "scores" else f"scores:{config.scores.method}"
+    return config.method if config.method != "scores" else f"scores:{cast(HeadScores, config.scores).method}"
 
 
 def _source(config: BaselineConfig) -> dict:
@@ -349,7 +351,7 @@ def _source(config: BaselineConfig) -> dict:
 def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
     """What else a row's numbers depend on, recorded in the row: the test set and beam, and for a
     row that trains, its data and the settings of its training."""
-    out = {"eval_beam": config.eval_beam, "eval_data_sha256": _data_fingerprint(eval_data)}
+    out: dict[str, Any] = {"eval_beam": config.eval_beam, "eval_data_sha256": _data_fingerprint(eval_data)}
     if config.method == "michel":
         out["importance_batches"] = config.importance_batches
     if config.finetune_steps and not config.from_scratch:
@@ -431,7 +433,7 @@ def baselines_markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         def stat(name):
-            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)
+            values = np.array([r[name] for r in group if r.get(name) is not None], dtype=float)  # noqa: B023 (called in this iteration)
             if not len(values):
                 return ""
             return f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values.mean():.2f}"

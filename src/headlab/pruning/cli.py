@@ -17,6 +17,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from headlab.device_options import set_threads
 from headlab.errors import HeadlabError
@@ -210,7 +211,7 @@ def _data(args, tokenizer, model):
         lines = read_lines(args.train_text)[: args.limit] if args.limit else read_lines(args.train_text)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_data = encode_lm_corpus(tokenizer, lines, getattr(model.config, "max_position_embeddings", 512))
+        train_data: Any = encode_lm_corpus(tokenizer, lines, getattr(model.config, "max_position_embeddings", 512))
     elif args.train_src and args.train_tgt:
         train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
         if args.limit:

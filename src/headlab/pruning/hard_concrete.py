@@ -160,7 +160,7 @@ class HardConcreteGates(HeadGates):
         total = self.n_gates()
         if not 0 <= keep <= total:
             raise HeadlabError(f"cannot keep {keep} heads: the gates cover {total} heads")
-        ranked = []
+        ranked: list[tuple[float, BlockKey, int]] = []
         for key in self.keys():
             values = self.log_alpha[block_name(key)].detach().float().cpu().tolist()
             ranked.extend((value, key, head) for head, value in enumerate(values))

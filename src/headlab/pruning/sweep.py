@@ -19,7 +19,7 @@ import io
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
@@ -237,8 +237,8 @@ def _baseline_groups(rows: list[dict], kind: str = "enc_self") -> dict[str, list
         groups.setdefault((label, kept), []).append(row["bleu"])
     out: dict[str, list[tuple[int, float, float]]] = {}
     for (label, kept), values in sorted(groups.items()):
-        values = np.array(values)
-        out.setdefault(label, []).append((kept, float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0))
+        array = np.array(values)
+        out.setdefault(label, []).append((kept, float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0))
     return out
 
 
@@ -258,7 +258,7 @@ SERIES_STYLE = {"fixed": ("o-", "Hard Concrete gates, fixed lambda (the paper's 
                 "control": ("*", "lambda = 0 control (fine-tuning alone)")}
 
 
-def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), kind: str = "enc_self", ax=None):
+def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: Sequence[dict] = (), kind: str = "enc_self", ax=None):
     """Voita et al. 2019, Fig. 7: BLEU against the number of retained ``kind`` heads, gated
     pruning (the sweep: fixed-lambda points, budget points and the lambda = 0 control as separate
     series) next to the baselines (mean +- std over seeds as error bars)."""
@@ -275,8 +275,8 @@ def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: list[dict] = (), k
         if series == "fixed":
             for x, y, lam in (p for p in points if p[2] is not None):
                 ax.annotate(f"{lam:g}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
-    for label, series in _baseline_groups(list(baseline_rows), kind).items():
-        xs, ys, es = zip(*series)
+    for label, baseline in _baseline_groups(list(baseline_rows), kind).items():
+        xs, ys, es = zip(*baseline)
         ax.errorbar(xs, ys, yerr=es, marker="s", capsize=3, label=label)
     if full:
         ax.axhline(full[0]["bleu"], color="gray", linestyle="--", label=f"full model ({full[0][kind]} heads)")
@@ -302,7 +302,7 @@ def plot_heads_per_kind(sweep_rows: list[dict], ax=None):
     return ax
 
 
-def heads_table(sweep_rows: list[dict], scratch_rows: list[dict] = ()) -> str:
+def heads_table(sweep_rows: list[dict], scratch_rows: Sequence[dict] = ()) -> str:
     """Voita et al. 2019, Table 2: heads per kind and BLEU, pruned against from scratch."""
     scratch = {sum(row["heads_kept"].values()): row["bleu"] for row in scratch_rows
                if row.get("from_scratch") and row.get("bleu") is not None}

@@ -40,7 +40,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -236,7 +236,7 @@ class _Diagnostics:
         self.penalty = float("nan")
         self.term = float("nan")
         self.coefficient = config.lam  # d(penalty term)/d(L_C)
-        self.target = None
+        self.target: float | None = None
         self.grads: dict[str, torch.Tensor] = {}
         self.hinted = False
         for name, parameter in gates.log_alpha.items():
@@ -266,6 +266,8 @@ class _Diagnostics:
         flat = torch.cat([p_open[key] for key in gates.keys()])
         open_kind = gates.open_per_kind()
         # Gradients on log_alpha: the penalty part in closed form, the loss part as the rest.
+        penalty_grad: Any  # the pieces, then their mean
+        loss_grad: Any
         penalty_grad, loss_grad = [], []
         for key in gates.keys():
             name = block_name(key)
@@ -548,7 +550,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
 
     periods = [n for n in (config.log_every, config.dev_every) if n > 0]
     gate_ids = {id(p) for p in gates.log_alpha.parameters()}
-    budget_ids = {id(p) for p in gates.budget.parameters()} if config.keep is not None else set()
+    budget_ids = {id(p) for p in cast(torch.nn.Module, gates.budget).parameters()} if config.keep is not None else set()
 
     def trainable(name: str, parameter) -> bool:
         # Parameters the model itself freezes stay frozen (train() also freezes those it never saves,
@@ -562,7 +564,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
             {"params": [p for p in params if id(p) in budget_ids], "lr_scale": config.multiplier_lr / cfg.lr},
         ]
         groups = [g for g in groups if g["params"]]
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=cast(tuple[float, float], tuple(cfg.adam_betas)), eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay)
 
     try:

@@ -52,7 +52,8 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
     if not index:
         return "", {"sentences": [], "mode": "none"}
     directory = c.directory / "attention"
-    sentences, payloads = [], []
+    sentences: list[dict] = []
+    payloads: list = []
     for entry in index["sentences"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             continue

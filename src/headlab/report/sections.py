@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from html import escape
 from importlib import resources
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from headlab.heads import CAUSAL_KINDS, KINDS
 from headlab.report.collect import Collected
@@ -30,7 +30,7 @@ class Section:
 
 
 def template(name: str) -> str:
-    return resources.files("headlab.report").joinpath("templates", name).read_text(encoding="utf-8")
+    return resources.files("headlab.report").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -228,7 +228,7 @@ def _tick_label(t: float) -> str:
 
 
 
-def _line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, cls: str,
+def _line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabel: str, ylabel: str, cls: str,
                 title: str, integer_x: bool = False, reference: float | None = None) -> str:
     """A small line chart: one line per series (kinds take their colours), axes with ticks that
     never crowd (at most ~6 per axis), a ``<title>`` per point for its value."""
@@ -281,9 +281,9 @@ def _line_chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabe
     return "".join(parts) + "</svg>"
 
 
-def _layer_means(heatmap: dict) -> dict[str, list[tuple[float, float]]]:
+def _layer_means(heatmap: dict) -> dict[str, list[tuple[float, float | None]]]:
     """Per kind, the mean over the heads of each layer (heads not scored left out)."""
-    out = {}
+    out: dict[str, list[tuple[float, float | None]]] = {}
     for kind in KINDS:
         rows = heatmap["scores"].get(kind)
         if rows:
@@ -411,7 +411,7 @@ def _pos_grid(c: Collected) -> str:
             'UPOS tag (rows), mean over the heads of each layer (columns), per attention kind; darker = more. '
             'Pick a tag below for its heads.</p>')
     for kind in KINDS:
-        table = {h["name"]: dict(_layer_means(h)).get(kind) for h in maps}
+        table = {h["name"]: dict(_layer_means(h)).get(kind) or [] for h in maps}
         table = {tag: line for tag, line in table.items() if line}
         if not table:
             continue
