@@ -224,7 +224,8 @@ def test_texts_data_equals_read_data(tmp_path, setup):
     model (with references) and for a classifier (texts, pairs, labels by name or index)."""
     import transformers as tf
 
-    from headlab.importance.data import describe_model, read_data, texts_data
+    from headlab.data.inputs import read_data, texts_data
+    from headlab.model_description import describe_model
     from support.treebank import word_tokenizer
 
     _, _, (model, tokenizer), _ = setup

@@ -7,17 +7,13 @@ import torch
 from safetensors.torch import load_file
 
 from headlab.cli import main
-from headlab.data.batching import length_batches, make_batches
+from headlab.data.batching import length_batches, token_budget_batches
 from headlab.errors import HeadlabError
-from headlab.nmt.train import (
-    TrainConfig,
-    collate,
-    encode_corpus,
-    evaluate_loss,
-    inverse_sqrt_lr,
-    label_smoothed_loss,
-    train,
-)
+from headlab.nmt.train import train
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import collate, encode_corpus
+from headlab.training.loop import inverse_sqrt_lr
+from headlab.training.losses import evaluate_loss, label_smoothed_loss
 from support.nmt import DATA
 from support.nmt import tiny_marian as tiny_model
 
@@ -35,13 +31,13 @@ def weights(model):
 
 def test_batches_are_token_bounded_deterministic_and_sharded(corpus, tokenizer):
     encoded = encode_corpus(tokenizer, corpus)
-    batches = make_batches(encoded, 300, seed=1, epoch=0)
+    batches = token_budget_batches(encoded, 300, seed=1, epoch=0)
     assert sorted(i for b in batches for i in b) == list(range(len(encoded)))
     assert all(sum(len(encoded.targets[i]) for i in b) <= 300 for b in batches)
-    assert batches == make_batches(encoded, 300, seed=1, epoch=0)
-    assert batches != make_batches(encoded, 300, seed=1, epoch=1)
-    rank0 = make_batches(encoded, 300, seed=1, epoch=0, rank=0, world_size=2)
-    rank1 = make_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
+    assert batches == token_budget_batches(encoded, 300, seed=1, epoch=0)
+    assert batches != token_budget_batches(encoded, 300, seed=1, epoch=1)
+    rank0 = token_budget_batches(encoded, 300, seed=1, epoch=0, rank=0, world_size=2)
+    rank1 = token_budget_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
     assert len(rank0) == len(rank1) == len(batches) // 2
     assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
 

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from headlab.cli import main
-from headlab.nmt.train import TrainConfig, average_checkpoints
 from headlab.pruning import baselines
 from headlab.pruning.dev import read_dev_curve
 from headlab.pruning.train import _decoder_parameters, evaluate_model
 from headlab.surgery import prune_heads
+from headlab.training.config import TrainConfig
+from headlab.training.loop import average_checkpoints
 from support.nmt import DATA
 from support.nmt import tiny_marian as marian
 

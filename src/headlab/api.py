@@ -58,11 +58,11 @@ def _model_name(model: nn.Module) -> str:
 
 
 def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None) -> Any:
-    """:func:`~headlab.importance.data.describe_model`, with a head the checkpoint does not carry
+    """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
     counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
     from dataclasses import replace
 
-    from headlab.importance.data import checkpoint_has_lm_head, describe_model
+    from headlab.model_description import checkpoint_has_lm_head, describe_model
 
     info = describe_model(model, tokenizer, max_length=max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
@@ -123,7 +123,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
-    from headlab.importance.data import texts_data
+    from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
     config = _importance_config(measures, batch_size, progress, options)
@@ -240,7 +240,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     writers: list = []  # (stage, function(directory) -> paths)
 
     if texts is not None and measures:
-        from headlab.importance.data import texts_data
+        from headlab.data.inputs import texts_data
         from headlab.importance.pipeline import run_importance
 
         info = model_info(model, tokenizer, max_length)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from headlab import preflight
 from headlab.errors import HeadlabError
 
 __all__ = ["STRATEGIES", "METRICS", "LRPOptions", "AblationOptions", "ConfidenceOptions"]
@@ -46,5 +47,4 @@ class ConfidenceOptions:
     query_chunk: int | None = None  # None: eager capture, whole maps; N: headlab's attention, N query rows at a time
 
     def __post_init__(self) -> None:
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+        preflight.query_chunk(self.query_chunk)

@@ -42,10 +42,12 @@ import torch
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
-from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
-from headlab.nmt.train import STATE_FILE, TrainConfig, load_weights, scoring_batches, train
+from headlab.model_description import describe_model
+from headlab.nmt.train import TrainConfig, train
 from headlab.pruning.config import BaselineConfig
+from headlab.training.corpus import scoring_batches
+from headlab.training.loop import STATE_FILE, load_weights
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
            "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "read_rows", "baselines_markdown"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from headlab.nmt.config import TrainConfig
 from headlab.options import option
+from headlab.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from headlab.heads import HeadScores

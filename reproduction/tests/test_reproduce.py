@@ -1,4 +1,4 @@
-"""`headlab reproduce` end to end on a tiny random Marian model and a handful of sentences.
+"""`python -m reproduction` end to end on a tiny random Marian model and a handful of sentences.
 
 Stages run in order and write their outputs and markers; a second run skips every finished
 stage; --force reruns one; a missing model makes the stages "not run" and the report says so
@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headlab.cli import main
 from headlab.data import read_parallel
 from headlab.data.parallel import read_lines
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
-from headlab.reproduce import (
+from reproduction import (
     STAGES,
     compute_claims,
     load_config,
@@ -30,11 +29,12 @@ from headlab.reproduce import (
     render_blocks,
     update_document,
 )
-from headlab.reproduce.pipeline import run_pipeline
-from headlab.reproduce.results import kept_mask
+from reproduction.cli import main
+from reproduction.pipeline import run_pipeline
+from reproduction.results import kept_mask
 from support.parser import tiny_parser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "multi30k"
 EWT = REPO / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
 TINY = ModelConfig(d_model=32, ffn_dim=64, encoder_layers=2, decoder_layers=2, n_heads=4, max_positions=64)
@@ -87,7 +87,7 @@ def workspace(tmp_path_factory):
                    {"name": "absent", "path": "no-such-model", "src": "en", "tgt": "de"}],
         "data": {"train": "data/train.{lang}.gz", "valid": "data/val.{lang}.gz", "test": "data/test.{lang}.gz"},
         "work_dir": "work", "results_dir": "results", "doc": "reproduction.md", "img_dir": "img", "threads": 1,
-        "importance": {"n-sentences": 6, "method": "all", "batch-size": 4},
+        "importance": {"limit": 6, "method": "all", "batch-size": 4},
         "functions": {"conllu": "ewt.conllu", "top-frequent": 20, "sensitivity": True},
         "parse": {"model": "parser", "split": "valid"},
         "pooling": ["first"],
@@ -316,12 +316,12 @@ def test_a_config_change_makes_a_finished_stage_run_again_but_not_a_machine_opti
         outcomes = run_pipeline(config, models=["tiny"], stages=["importance", "prune-enc"], log=messages.append)
         assert [o.status for o in outcomes] == ["skipped", "skipped"], messages
         config = _config(workspace)
-        config.importance["n-sentences"] = 5
+        config.importance["limit"] = 5
         messages = []
         outcomes = run_pipeline(config, models=["tiny"], stages=["importance"], log=messages.append)
         assert [o.status for o in outcomes] == ["done"]
-        assert any("finished earlier with other settings" in m and "--n-sentences 5" in m for m in messages), messages
-        assert json.loads(marker.read_text())["settings"][0].count("--n-sentences 5") == 1
+        assert any("finished earlier with other settings" in m and "--limit 5" in m for m in messages), messages
+        assert json.loads(marker.read_text())["settings"][0].count("--limit 5") == 1
         assert "--threads" not in json.loads(marker.read_text())["settings"][0]
     finally:  # the module's other tests expect the first run's importance
         marker.write_text(saved)
@@ -330,21 +330,44 @@ def test_a_config_change_makes_a_finished_stage_run_again_but_not_a_machine_opti
         shutil.rmtree(kept)
 
 
+def test_markers_with_the_old_option_names_still_count(workspace, first_run):
+    """Regression (issue 33): the stages now run headlab with its current option names (--source,
+    --limit); a stage finished under the old ones (--data, --n-sentences, --input) computed the
+    same, and must not run again for the rename alone."""
+    stages = ["importance", "functions-parsed"]
+    markers = {stage: workspace / "work" / "tiny" / "stages" / f"{stage}.json" for stage in stages}
+    saved = {stage: path.read_text() for stage, path in markers.items()}
+    try:
+        for stage, path in markers.items():
+            marker = json.loads(saved[stage])
+            assert any(" --source " in text for text in marker["settings"]), marker["settings"]  # the current names
+            marker["settings"] = [text.replace(" --source ", " --input " if text.startswith("headlab parse") else " --data ")
+                                  .replace(" --limit ", " --n-sentences ") for text in marker["settings"]]
+            path.write_text(json.dumps(marker))
+        assert "--n-sentences 6" in json.loads(markers["importance"].read_text())["settings"][0]
+        messages = []
+        outcomes = run_pipeline(_config(workspace), models=["tiny"], stages=stages, log=messages.append)
+        assert [o.status for o in outcomes] == ["skipped", "skipped"], messages
+    finally:
+        for stage, path in markers.items():
+            path.write_text(saved[stage])
+
+
 def test_cli_dry_run_and_docs_only(workspace, first_run, capsys):
     doc = workspace / "reproduction.md"
     text = doc.read_text()
-    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
+    assert main(["--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
                  "importance", "--dry-run", "--force"]) == 0
     out = capsys.readouterr()
     assert "headlab importance" in out.err and "tiny importance: dry run" in out.out
     doc.write_text(text.replace("<!-- END generated:sec4 -->", "stale\n<!-- END generated:sec4 -->"))
-    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--docs-only"]) == 0
+    assert main(["--config", str(workspace / "reproduce.json"), "--docs-only"]) == 0
     assert doc.read_text() == text
 
 
 def test_cli_device_and_threads_replace_the_configs(workspace, first_run, capsys):
     # One config for a laptop and a GPU machine: --device reaches importance and functions, --threads every stage.
-    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
+    assert main(["--config", str(workspace / "reproduce.json"), "--models", "tiny", "--stages",
                  "importance,functions,prune-enc", "--dry-run", "--force", "--device", "cuda:1", "--threads", "3"]) == 0
     commands = [line for line in capsys.readouterr().err.splitlines() if "headlab " in line]
     by_tool = {tool: [c for c in commands if f"headlab {tool} " in c] for tool in ("importance", "functions", "prune")}
@@ -353,7 +376,7 @@ def test_cli_device_and_threads_replace_the_configs(workspace, first_run, capsys
         for line in lines:
             assert "--threads 3" in line and "--threads 1" not in line, line
             assert ("--device cuda:1" in line) == (tool != "prune"), line  # the trainers pick the GPU themselves
-    assert main(["reproduce", "--config", str(workspace / "reproduce.json"), "--dry-run", "--threads", "0"]) == 2
+    assert main(["--config", str(workspace / "reproduce.json"), "--dry-run", "--threads", "0"]) == 2
     assert "--threads must be a positive integer" in capsys.readouterr().err
 
 
@@ -391,7 +414,7 @@ def test_busy_sweep_is_left_alone_and_a_killed_ones_points_resume(workspace, fir
     import subprocess
 
     from headlab.lock import LOCK_FILE, _start_time
-    from headlab.reproduce.stages import _check_idle
+    from reproduction.stages import _check_idle
 
     config = _config(workspace)
     enc = workspace / "work" / "tiny" / "prune" / "enc"
@@ -452,7 +475,7 @@ def test_claims_on_hand_made_results(tmp_path):
              "summary": {"token_share": {"max": 0.93, "mean": 0.3}, "word_share": {"max": 0.9, "mean": 0.3},
                          "confidence": {"max": 0.85, "mean": 0.3}, "n_positional_token": 1}}
     (res / "specialisation.json").write_text(json.dumps({"n_sentences": 5, "checkpoints": [point]}))
-    from headlab.reproduce.results import ModelResults
+    from reproduction.results import ModelResults
 
     claims = {c.key: c for c in compute_claims({"m": ModelResults(res, "m")})}
     sec4 = claims["sec4"].checks
@@ -499,7 +522,7 @@ def test_specialisation_without_checkpoints_keeps_committed_results(workspace, f
 def test_specialisation_remeasures_a_checkpoint_whose_weights_changed(workspace, first_run):
     """"final" is the model directory, which a re-export replaces under the same name: its cached
     numbers must not outlive its weights, while the unchanged epoch checkpoints are reused."""
-    from headlab.reproduce.specialisation import run_specialisation
+    from reproduction.specialisation import run_specialisation
 
     config = _config(workspace)
     model = config.models[0]
@@ -517,7 +540,7 @@ def test_specialisation_remeasures_a_checkpoint_whose_weights_changed(workspace,
 def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
     """Hand-made sweep files: the BLEU verdicts read the fixed-lambda points only, the control's
     development curve gives the 'stopped moving' verdict, a point of other weights is left out."""
-    from headlab.reproduce.results import ModelResults
+    from reproduction.results import ModelResults
 
     enc = tmp_path / "m" / "prune" / "enc"
     total = {"enc_self": 4, "dec_self": 4, "dec_cross": 4}
@@ -556,8 +579,8 @@ def test_pruning_claims_use_the_fixed_lambda_series_and_the_control(tmp_path):
 def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
     """The setting row and a note over every pruning section compare the sweep's model_sha256 with
     the bundled model's; the training budget reads the trainer's running token count."""
-    from headlab.reproduce.results import ModelResults
     from headlab.resume import weights_fingerprint
+    from reproduction.results import ModelResults
 
     model = tmp_path / "model"
     model.mkdir()
@@ -591,7 +614,7 @@ def test_pruning_sections_say_when_the_sweep_is_of_other_weights(tmp_path):
 def test_the_training_budget_is_the_exported_epochs(tmp_path):
     """A run goes on after its best epoch: the setting row counts the updates and tokens behind the
     weights exported (train_metrics.json: the best epoch, or the last epoch of an average)."""
-    from headlab.reproduce.results import ModelResults
+    from reproduction.results import ModelResults
 
     model = tmp_path / "model"
     model.mkdir()
@@ -631,7 +654,7 @@ TOTAL_HEADS = {"enc_self": 48, "dec_self": 48, "dec_cross": 48}
 
 def _survival_claim(tmp_path, point: str, lam: float, heads_kept: dict, kept_blocks: dict):
     """Sec. 6.2.2 of the committed EN-DE analyses with one hand-made encoder sweep point."""
-    from headlab.reproduce.results import ModelResults
+    from reproduction.results import ModelResults
 
     committed = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"
     res = tmp_path / "m"
@@ -671,7 +694,7 @@ def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_mode
     """A sweep cut short after a heavily pruned point cannot say that more than half of the heads
     (or 3/4 of the encoder's) can never go for free: inconclusive until the next larger point is
     also below the bar (fewer heads assumed to cost no less), as in Sec. 6.2."""
-    from headlab.reproduce.results import ModelResults
+    from reproduction.results import ModelResults
 
     res = tmp_path / "m"
     sweep = res / "prune" / "all"
@@ -708,7 +731,7 @@ def test_sec63_does_not_hold_only_with_a_point_between_the_cut_and_the_full_mode
 
 
 def test_baselines_of_other_weights_than_the_sweep_are_left_out_and_dropped(tmp_path):
-    from headlab.reproduce.results import ModelResults, _drop_stale_rows
+    from reproduction.results import ModelResults, _drop_stale_rows
 
     res = tmp_path / "m"
     (res / "prune" / "enc").mkdir(parents=True)

@@ -1,10 +1,10 @@
-"""Run the stages of ``headlab reproduce``: the one part of reproduce that calls the command line.
+"""Run the stages of ``python -m reproduction``: the one part of reproduce that calls the command line.
 
-Each stage of :data:`headlab.reproduce.stages.STAGES` is skipped when its marker
+Each stage of :data:`reproduction.stages.STAGES` is skipped when its marker
 ``<work_dir>/<model>/stages/<stage>.json`` exists and records the weights the model directory
 holds now (``model_sha256``, :func:`headlab.resume.weights_fingerprint`) and, for a stage whose
 commands follow from the config alone, the settings they had then
-(:func:`headlab.reproduce.stages.stage_settings`), unless ``force``: a marker of other weights (the
+(:func:`reproduction.stages.stage_settings`), unless ``force``: a marker of other weights (the
 bundled model was retrained since) or of none (an older marker), or of other settings (the config
 changed), does not count, and the stage runs again (the pruning tools then set their own stale points
 and rows aside, :mod:`headlab.pruning.sweep`). Otherwise its commands run
@@ -21,14 +21,23 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from headlab._version import __version__
-from headlab.cli import main
-from headlab.errors import HeadlabError
+import headlab
+from headlab import HeadlabError
+from headlab.cli import main  # the `headlab` console script's entry point (pyproject [project.scripts])
 from headlab.lock import locked_output
-from headlab.reproduce.config import ReproduceConfig
-from headlab.reproduce.report import write_report
-from headlab.reproduce.stages import STAGES, Context, Stage, StageOutcome, command_text, marker_path, stage_settings
 from headlab.resume import SkipStage, now_iso, read_marker, weights_fingerprint, write_marker
+from reproduction.config import ReproduceConfig
+from reproduction.report import write_report
+from reproduction.stages import (
+    STAGES,
+    Context,
+    Stage,
+    StageOutcome,
+    command_text,
+    current_names,
+    marker_path,
+    stage_settings,
+)
 
 __all__ = ["run_pipeline"]
 
@@ -65,9 +74,10 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         if weights is not None and recorded != weights:
             ctx.log(f"{model} {name}: finished earlier on other weights (model_sha256 "
                     f"{(recorded or 'not recorded')[:12]}, now {weights[:12]}): run again")
-        elif settings is not None and earlier.get("settings") not in (None, settings):  # None: not recorded
-            changed = next((now for before, now in zip(earlier["settings"], settings) if before != now),
-                           f"{len(settings)} commands, {len(earlier['settings'])} then")
+        elif settings is not None and earlier.get("settings") is not None and \
+                current_names(earlier["settings"]) != current_names(settings):  # None: not recorded
+            changed = next((now for before, now in zip(current_names(earlier["settings"]), current_names(settings))
+                            if before != now), f"{len(settings)} commands, {len(earlier['settings'])} then")
             ctx.log(f"{model} {name}: finished earlier with other settings (the config changed; now `{changed}`): "
                     f"run again")
         else:
@@ -82,7 +92,7 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         commands = spec.commands(ctx) if spec.commands else []
         texts = [command_text(argv) for argv in commands]
         if ctx.dry_run:
-            for text in texts or [f"(Python) headlab.reproduce {name}"]:
+            for text in texts or [f"(Python) reproduction {name}"]:
                 ctx.log(f"{model} {name}: {text}")
             return StageOutcome(model, name, "dry run", commands=texts)
         ctx.log(f"{model} {name}: running")
@@ -97,7 +107,7 @@ def _run_stage_unlocked(ctx: Context, spec: Stage) -> StageOutcome:
         return StageOutcome(model, name, "not run", reason=str(reason))
     seconds = time.perf_counter() - started
     write_marker(marker, {"stage": name, "model": model, "commands": texts, "settings": settings,
-                          "seconds": round(seconds, 1), "finished": now_iso(), "headlab": __version__,
+                          "seconds": round(seconds, 1), "finished": now_iso(), "headlab": headlab.__version__,
                           "model_sha256": weights})
     ctx.log(f"{model} {name}: done in {seconds:.0f} s")
     return StageOutcome(model, name, "done", seconds, commands=texts)

@@ -11,15 +11,17 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import axes_or_new, pyplot, write_figure
-from headlab.reproduce.claims import POSITIONAL, Claim, _function_masks, _kept_by_function, _layer_rows, _rows, _shape
-from headlab.reproduce.results import ModelResults, kept_mask
+from reproduction.claims import POSITIONAL, Claim, _function_masks, _kept, _kept_by_function, _layer_rows, _rows, _shape
+from reproduction.results import ModelResults
 
 __all__ = ["save_figures"]
 
 
 def plot_lrp_confidence(r: ModelResults, ax=None):
     ax = axes_or_new(ax)
-    lrp, conf = r.importance("lrp")["enc_self"], r.importance("confidence")["enc_self"]
+    lrp_scores, conf_scores = r.importance("lrp"), r.importance("confidence")
+    assert lrp_scores is not None and conf_scores is not None  # the claim that shows this figure had both
+    lrp, conf = lrp_scores["enc_self"], conf_scores["enc_self"]
     for layer in range(lrp.shape[0]):
         ax.scatter(conf[layer], lrp[layer], label=f"layer {layer + 1}", s=18)
     ax.set(xlabel="confidence", ylabel="LRP relevance (normalised per layer)",
@@ -43,7 +45,9 @@ def plot_fig7(r: ModelResults, ax=None):
 
 def plot_fig8(r: ModelResults, ax=None):
     ax = axes_or_new(ax)
-    points = _kept_by_function(r.sweep("enc"), _function_masks(r), _shape(r, "enc_self"))
+    masks, shape = _function_masks(r), _shape(r, "enc_self")
+    assert masks is not None and shape is not None  # the claim that shows this figure had both
+    points = _kept_by_function(r.sweep("enc"), masks, shape)
     labels = [str(n_kept) for _, n_kept, _ in points]
     bottoms = np.zeros(len(labels))
     for f in ("positional", "syntactic", "rare", "other"):
@@ -71,7 +75,7 @@ def plot_fig10(r: ModelResults, ax=None):
     point = sweep["points"][rows[-1]["point"]]
     width = 0.4
     for i, kind in enumerate(("dec_self", "dec_cross")):
-        mask = kept_mask(point, kind, _shape(r, kind))
+        mask = _kept(point, kind, _shape(r, kind))
         layers = np.arange(1, mask.shape[0] + 1)
         ax.bar(layers + (i - 0.5) * width, mask.sum(axis=1), width, label=kind)
     ax.set(xlabel="decoder layer", ylabel="heads kept", title=f"Decoder heads kept by layer at {rows[-1]['point']} ({r.name})")
@@ -81,7 +85,7 @@ def plot_fig10(r: ModelResults, ax=None):
 
 def plot_specialisation(r: ModelResults, ax=None):
     ax = axes_or_new(ax, (9, 4))
-    points = r.specialisation["checkpoints"]
+    points = (r.specialisation or {})["checkpoints"]
     xs = list(range(len(points)))
     labels = [str(p["epoch"]) if p.get("epoch") is not None else p["checkpoint"] for p in points]
     get = lambda key, stat: [p["summary"][key][stat] for p in points]  # noqa: E731

@@ -2,7 +2,7 @@
 
 The generated blocks are rendered again from docs/results/reproduction/ and
 experiments/reproduce.json (no model, no run directory needed) and compared with the
-document; claims.json likewise. On a mismatch: `headlab reproduce --docs-only`.
+document; claims.json likewise. On a mismatch: `python -m reproduction --docs-only`.
 """
 
 import json
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from headlab.reproduce import compute_claims, load_config, load_results, read_blocks, render_blocks
-from headlab.reproduce.render import vig_claim
-from headlab.reproduce.report import claims_json
+from reproduction import compute_claims, load_config, load_results, read_blocks, render_blocks
+from reproduction.render import vig_claim
+from reproduction.report import claims_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_document_matches_the_result_files(rendered):
     assert set(document) == set(blocks), "generated blocks missing from or extra in docs/reproduction.md"
     for name, body in blocks.items():
         assert document[name] == body, (
-            f"docs/reproduction.md block {name!r} differs from the result files; run `headlab reproduce --docs-only`")
+            f"docs/reproduction.md block {name!r} differs from the result files; run `python -m reproduction --docs-only`")
 
 
 def test_claims_json_matches_the_result_files(rendered):
@@ -51,7 +51,7 @@ def test_every_figure_the_document_shows_exists(rendered):
 def test_the_news_runs_tables_in_nmt_md_match_its_result_files():
     """docs/nmt.md's news-domain section: its tables are rendered from docs/results/news-en-de/."""
     from headlab.pipeline.profiles import read_block
-    from headlab.reproduce.status import status_blocks
+    from reproduction.status import status_blocks
 
     blocks = status_blocks(REPO / "docs" / "results" / "news-en-de", "news-en-de", prefix="news-")
     assert set(blocks) == {"news-curve", "news-scores", "news-specialisation", "news-claims"}
@@ -62,7 +62,7 @@ def test_the_news_runs_tables_in_nmt_md_match_its_result_files():
 
 
 def test_checkpoint_losses_fill_only_the_records_without_one():
-    from headlab.reproduce.status import with_checkpoint_losses
+    from reproduction.status import with_checkpoint_losses
 
     history = [{"epoch": 1}, {"epoch": 2, "valid_loss": 2.0}, {"epoch": 3}]
     measured = {"epochs": [{"epoch": 1, "valid_loss": 3.0}, {"epoch": 2, "valid_loss": 9.9}]}

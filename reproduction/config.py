@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.errors import HeadlabError
+from headlab import HeadlabError
 from headlab.heads import read_json
 
 __all__ = ["ModelEntry", "ReproduceConfig", "load_config", "flags"]
@@ -58,7 +58,7 @@ class ModelEntry:
 
 @dataclass
 class ReproduceConfig:
-    """All settings of ``headlab reproduce`` (see ``experiments/reproduce.json`` for the values used)."""
+    """All settings of ``python -m reproduction`` (see ``experiments/reproduce.json`` for the values used)."""
 
     models: list[ModelEntry]
     data: dict[str, str]  # train / valid / test: path templates with {lang}

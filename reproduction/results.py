@@ -23,7 +23,7 @@ prune/<enc|all>/<point>/result.json, gates.json, kept.json,        one sweep poi
                        prune_config.json                           result.json holds its development curve, "dev")
 baselines/<name>.json                                              baselines.json of prune/base-<name>
 scratch.json, scratch-enc.json                                     baselines.json of prune/scratch, prune/scratch-enc
-specialisation.json                                                checkpoints (headlab.reproduce.specialisation)
+specialisation.json                                                checkpoints (reproduction.specialisation)
 hypotheses/<full|sweep-point>.txt                                  greedy test-set translations (a point's own
                                                                    hypotheses.txt, else stage hypotheses)
 hypotheses/scratch[-enc]-<heads>.txt                               those of the from-scratch run at that many heads
@@ -40,10 +40,11 @@ from typing import Callable
 
 import numpy as np
 
-from headlab.heads import HeadScores, atomic_write_text
+from headlab import HeadScores
+from headlab.heads import atomic_write_text
 from headlab.importance.registry import tables
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
 from headlab.resume import weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig
 
 __all__ = ["collect_results", "ModelResults", "kept_mask"]
 

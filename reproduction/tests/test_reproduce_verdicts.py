@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from headlab.heads import HeadScores
-from headlab.reproduce import compute_claims
-from headlab.reproduce.claims import (
+from reproduction import compute_claims
+from reproduction.claims import (
     NOTICEABLE_BLEU,
     _dominance,
     _dominance_verdict,
@@ -24,7 +24,7 @@ from headlab.reproduce.claims import (
     _unsettled,
     _within,
 )
-from headlab.reproduce.results import ModelResults
+from reproduction.results import ModelResults
 
 
 def _change(delta, low, high):
@@ -228,3 +228,23 @@ def test_the_dominance_share_is_of_magnitudes_not_signed_relevances(tmp_path):
     assert "L5 H0 80.0% (16.0x, negative)" in cell.value
     even = np.full((6, 8), 0.1)
     assert _sec4(tmp_path / "even", even, np.full((6, 8), 0.3))[0].cells["m"].verdict == "does not hold"
+
+
+def test_the_summary_opens_with_the_titles_claim_from_its_result_file(tmp_path):
+    """Issue 35, item 5: the first rows are the heavy-lifting tests, read from their result file."""
+    import json
+
+    from reproduction.render import _title_rows
+
+    assert _title_rows(tmp_path / "absent.json")[-1].endswith("not run (no results.json) |")
+    cmp = {"newstest2019": {"difference": 0.05}}
+    result = {"h1": {"verdict": "holds", "comparisons": [cmp, {"newstest2019": {"difference": -0.02}}]},
+              "h2": {"verdict": "partly", "rows": [{"run": "gates-keep6", "kept": 6, "primary": {"labelled_kept": 3}},
+                                                   {"run": "gates-lam0.1", "kept": 7, "primary": {"labelled_kept": 1}}]},
+              "h3": {"verdict": "does not hold", "newstest2019": {"p": 0.5}, "ewt-test": {"p": 0.25}}}
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    rows = _title_rows(tmp_path / "results.json")
+    assert "| holds (gates - control on newstest2019 from -0.020 to +0.050 nats) |" in rows[4]
+    assert rows[5].endswith("| partly (3 of 6 kept at 6 heads) |")  # budget points only
+    assert rows[6].endswith("| does not hold (p = 0.50 / 0.25) |")
+    assert rows[7].endswith("| not run |")

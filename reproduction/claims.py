@@ -11,7 +11,7 @@ that is undefined: NaN never makes a claim fail),
 ``not testable`` (the premise is absent, e.g. no positional head to look at), ``not run`` (an
 input file is missing; the reason says which stage makes it) and ``-`` for rows that only report
 a number. Every BLEU comparison is judged on its paired-bootstrap interval and every correlation
-on its bootstrap interval over heads (:mod:`headlab.reproduce.significance`).
+on its bootstrap interval over heads (:mod:`reproduction.significance`).
 
 The criteria are fixed here, before looking at any result, and use the paper's thresholds
 (positional: >= 90% of maxima at one offset; syntactic: >= 10 points over the most frequent
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from headlab.heads import KINDS, HeadScores
-from headlab.importance.agreement import spearman
+from headlab import KINDS, HeadScores
+from headlab.importance import spearman
 from headlab.pruning.dev import FLAT_BLEU
-from headlab.reproduce.results import ModelResults, kept_mask
-from headlab.reproduce.significance import bleu_interval, paired_bootstrap, spearman_interval
+from reproduction.results import ModelResults, kept_mask
+from reproduction.significance import bleu_interval, paired_bootstrap, spearman_interval
 
 __all__ = ["Check", "Claim", "Cell", "compute_claims", "PAPER", "POSITIONAL", "SYNTACTIC", "CONFIDENT"]
 
@@ -137,6 +137,21 @@ def _argmax(a: np.ndarray) -> tuple[int, int] | None:
     return divmod(flat, a.shape[1])
 
 
+def _kept(point: dict, kind: str, shape: tuple[int, int] | None) -> np.ndarray:
+    """:func:`kept_mask` of a point with a kept record, of a kind whose shape is known (checked before)."""
+    assert shape is not None, f"no shape for {kind}"
+    mask = kept_mask(point, kind, shape)
+    assert mask is not None, "the point has no kept record"
+    return mask
+
+
+def _best(a: np.ndarray) -> tuple[int, int]:
+    """:func:`_argmax` of values checked before not to be all NaN."""
+    best = _argmax(a)
+    assert best is not None, "every value is NaN"
+    return best
+
+
 def _rank_in_layer(values: np.ndarray, layer: int, head: int) -> int:
     """1 = the largest value of its layer."""
     row = np.nan_to_num(values[layer], nan=-np.inf)
@@ -160,7 +175,7 @@ def _positional(r: ModelResults) -> tuple[np.ndarray | None, np.ndarray | None, 
     if p is None:
         return None, None, ""
     share, offset = np.array(p["token_share"], dtype=float), np.array(p["token_offset"], dtype=float)
-    return share, offset, f"{r.specialisation['n_sentences']} validation sentences, subword tokens"
+    return share, offset, f"{(r.specialisation or {})['n_sentences']} validation sentences, subword tokens"
 
 
 def _positional_tokens(r: ModelResults) -> int:
@@ -220,8 +235,7 @@ def _pruning_points(sweep: dict) -> list[dict]:
 
 def _survival(sweep: dict, kind: str, shape: tuple[int, int]) -> np.ndarray | None:
     """Share of the sweep's pruning points that keep each head: 1 = never pruned. (Pruning order.)"""
-    masks = [kept_mask(p, kind, shape) for p in _pruning_points(sweep)]
-    masks = [m for m in masks if m is not None]
+    masks = [m for m in (kept_mask(p, kind, shape) for p in _pruning_points(sweep)) if m is not None]
     return None if not masks else np.mean(masks, axis=0)
 
 
@@ -302,7 +316,7 @@ def _best_share(share: np.ndarray | None) -> str:
     """``36.7% (L4 H6)``: the largest share of a head, and which head."""
     if share is None or _argmax(share) is None:
         return "-"
-    l, h = _argmax(share)
+    l, h = _best(share)
     return f"{_pct(share[l, h])} (L{l} H{h})"
 
 
@@ -395,6 +409,7 @@ def claim_sec4(results: dict[str, ModelResults]) -> Claim:
             _fill((top, agree, first), name, _missing("importance/lrp.json or confidence.json", "importance"))
             continue
         enc_lrp, enc_conf = _enc(lrp), _enc(conf)
+        assert enc_lrp is not None and enc_conf is not None, "a translation model's scores have enc_self"
         n_heads = enc_lrp.shape[1]
         per_layer = [_dominance(row) for row in enc_lrp]
         top.cells[name] = Cell(", ".join(f"L{layer} H{h} {_pct(share)} ({_ratio(ratio)}{', negative' if sign < 0 else ''})"
@@ -434,12 +449,12 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
                    "mapping: " + " / ".join(POOLING_NAMES.values()), "-")
     for name, r in results.items():
         share, offset, where = _positional(r)
-        if share is None or _argmax(share) is None:
+        if share is None or offset is None or _argmax(share) is None:  # (offset is None with share)
             exist.cells[name] = _missing("specialisation.json (final model)", "specialisation")
             relevant.cells[name] = confident.cells[name] = Cell("", "not run: no positional measurement")
         else:
             heads = [(int(l), int(h)) for l, h in zip(*np.nonzero(np.nan_to_num(share) >= POSITIONAL))]
-            bl, bh = _argmax(share)
+            bl, bh = _best(share)
             n = _positional_tokens(r)
             low, high = _binomial_interval(float(share[bl, bh]), n) if n else (math.nan, math.nan)
             best = (f"best L{bl} H{bh} {_pct(share[bl, bh])} [{_pct(low)}, {_pct(high)}] at {int(offset[bl, bh]):+d} "
@@ -474,6 +489,7 @@ def claim_sec51(results: dict[str, ModelResults]) -> Claim:
             every, inner = r.functions_scores("positional_share", run), r.functions_scores("interior_share", run)
             if every is not None and inner is not None:
                 inner_enc = _enc(inner)
+                assert inner_enc is not None, "a translation model's scores have enc_self"
                 parts.append(f"{text}: all words {_best_share(_enc(every))}, both neighbours {_best_share(inner_enc)}; "
                              f"heads >= 90%: {(np.nan_to_num(inner_enc) >= POSITIONAL).sum()}")
         interior.cells[name] = Cell("; ".join(parts)) if parts else \
@@ -650,7 +666,7 @@ def claim_sec53(results: dict[str, ModelResults]) -> Claim:
             _fill((where, relevant, pct, layer0), name, Cell("no sentence has its rarest token outside the most frequent ones",
                                                              "not testable: no qualifying sentence"))
             continue
-        l, h = _argmax(rarest)
+        l, h = _best(rarest)
         rl, rh = _rival(rarest, l)
         per_sentence = r.functions_json("rare_per_sentence")
         if per_sentence is not None:  # query tokens per head: the unit the shares are measured on
@@ -692,7 +708,7 @@ def _rival(shares: np.ndarray, layer: int) -> tuple[int, int]:
         rival[0] = np.nan
     else:
         rival[1:] = np.nan
-    return _argmax(rival)
+    return _best(rival)
 
 
 def _per_sentence_cell(data: dict | None, shape: tuple[int, int]) -> Cell:
@@ -705,7 +721,7 @@ def _per_sentence_cell(data: dict | None, shape: tuple[int, int]) -> Cell:
     n = np.array([row["sentences"] for row in rows])
     if _argmax(mean) is None:
         return Cell("no eligible sentence")
-    l, h = _argmax(mean)
+    l, h = _best(mean)
     rl, rh = _rival(mean, l)
     top_iv = _mean_interval(mean[l, h], sd[l, h], int(n[l, h]))
     rival_iv = _mean_interval(mean[rl, rh], sd[rl, rh], int(n[rl, rh]))
@@ -820,7 +836,7 @@ def _settled(verdict: str, rows: list[dict | None]) -> str:
         return verdict
     for row in rows:
         why = _unsettled(row)
-        if why is not None:
+        if why is not None and row is not None:  # (a row of None is settled: why is None)
             return f"inconclusive: {row['point']} has not settled ({why})"
     return verdict
 
@@ -1054,7 +1070,7 @@ def _stale_note(sweep: dict) -> list[str]:
     if not sweep.get("stale"):
         return []
     return ["", f"Not used: {', '.join(sweep['stale'])}, made from other weights than the full model's result "
-                "(a model retrained since; `headlab reproduce` redoes them)."]
+                "(a model retrained since; `python -m reproduction` redoes them)."]
 
 
 def _heads(n: int) -> str:
@@ -1273,7 +1289,7 @@ def _layer_rows(r: ModelResults) -> list[dict]:
     if any(shape is None for shape in shapes.values()):
         return []
     rows = [row for row in _figure_rows(_rows(sweep)) if sweep["points"][row["point"]]["kept"] is not None]
-    return [row for row in rows if all(kept_mask(sweep["points"][row["point"]], kind, shape).any()
+    return [row for row in rows if all(_kept(sweep["points"][row["point"]], kind, shape).any()
                                        for kind, shape in shapes.items())]
 
 
@@ -1306,7 +1322,7 @@ def claim_sec632(results: dict[str, ModelResults]) -> Claim:
                             "|---:|---:|---:|"]
         per_layer = {}
         for kind, shape in shapes.items():
-            mask = kept_mask(point, kind, shape)
+            mask = _kept(point, kind, shape)
             per_layer[kind] = mask.sum(axis=1)
             means[kind] = float((np.nonzero(mask)[0] + 1).mean())
         middle = (shape_s[0] + 1) / 2
@@ -1349,14 +1365,14 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
                 order_rho[m] = spearman(s["enc_self"], enc_survival)
             if all_survival and all(v is not None for v in all_survival.values()):
                 a = np.concatenate([np.ravel(s[k]) for k in all_survival])
-                b = np.concatenate([np.ravel(v) for v in all_survival.values()])
+                b = np.concatenate([np.ravel(v) for v in all_survival.values() if v is not None])  # (all are)
                 all_rho[m] = spearman(a, b)
             row = agreement.get(m, {})
             cells = [_f(row.get(k)) for k in ("enc_self", "dec_self", "dec_cross", "all")]
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {_f(order_rho.get(m))} | {_f(all_rho.get(m))} |")
         if agreement:
             pooled = {m: v.get("all") for m, v in agreement.items() if v.get("all") is not None}
-            m = max(pooled, key=pooled.get)
+            m = max(pooled, key=lambda k: pooled[k])
             ablation, scores_m = r.importance("ablation"), scores.get(m)
             interval = ""
             if ablation is not None and scores_m is not None:
@@ -1369,8 +1385,10 @@ def claim_beyond(results: dict[str, ModelResults]) -> Claim:
             best_ablation.cells[name] = _missing("importance/agreement.json", "importance")
         valid = {m: v for m, v in order_rho.items() if not math.isnan(v)}
         if valid:
-            m = max(valid, key=valid.get)
-            _, low, high = spearman_interval(scores[m]["enc_self"], enc_survival)
+            m = max(valid, key=lambda k: valid[k])
+            best_scores = scores[m]
+            assert best_scores is not None  # order_rho has only the measures with scores
+            _, low, high = spearman_interval(best_scores["enc_self"], enc_survival)
             best_order.cells[name] = Cell(f"{m} ({valid[m]:+.2f} [{low:+.2f}, {high:+.2f}])")
         else:
             best_order.cells[name] = _missing("prune/enc points or importance", "prune-enc")

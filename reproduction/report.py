@@ -1,6 +1,6 @@
 """The report stage: collect the small results, compute the claims, write the document and figures.
 
-``headlab reproduce --docs-only`` runs only the last two steps, from the committed result files.
+``python -m reproduction --docs-only`` runs only the last two steps, from the committed result files.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Callable
 
 from headlab.heads import atomic_write_text
-from headlab.reproduce.claims import Claim, compute_claims
-from headlab.reproduce.config import ReproduceConfig
-from headlab.reproduce.render import render_blocks, update_document, vig_claim
-from headlab.reproduce.results import ModelResults, collect_results
+from reproduction.claims import Claim, compute_claims
+from reproduction.config import ReproduceConfig
+from reproduction.render import render_blocks, update_document, vig_claim
+from reproduction.results import ModelResults, collect_results
 
 __all__ = ["load_results", "write_report", "claims_json", "document_template"]
 
@@ -74,7 +74,7 @@ def write_report(config: ReproduceConfig, models: list[str] | None = None, *, co
         atomic_write_text(path, data)
         written.append(path)
     if figures:
-        from headlab.reproduce.figures import save_figures
+        from reproduction.figures import save_figures
 
         written += save_figures(claims, results, config.path(config.img_dir))
     log(f"wrote {doc} ({len(blocks)} generated blocks) and {path}")

@@ -1,4 +1,4 @@
-"""What ``headlab reproduce`` checks before its first stage runs (docs/cli.md, exit 2).
+"""What ``python -m reproduction`` checks before its first stage runs (docs/cli.md, exit 2).
 
 A reproduction runs for hours; a data file missing for its fifth stage, or a document it
 cannot write at the end, must refuse it in a second instead. For each stage that will run (no
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab import preflight
-from headlab.errors import HeadlabError
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
-from headlab.reproduce.stages import STAGES, Context, marker_path
+from headlab import HeadlabError, preflight
 from headlab.resume import SkipStage
+from reproduction.config import ModelEntry, ReproduceConfig
+from reproduction.stages import STAGES, Context, marker_path
 
 __all__ = ["check_names", "check_inputs", "check_outputs"]
 
-DATA_FLAGS = ("--source", "--data", "--target", "--conllu", "--input", "--train-text", "--train-src", "--train-tgt",
+DATA_FLAGS = ("--source", "--target", "--conllu", "--train-text", "--train-src", "--train-tgt",
               "--valid-src", "--valid-tgt")
 """The flags of a stage's commands that name data (those under ``work_dir`` are made by the stages)."""
 

@@ -1,4 +1,4 @@
-"""The Vig and Belinkov rows of docs/reproduction.md (headlab.reproduce.vig), judged on constructed
+"""The Vig and Belinkov rows of docs/reproduction.md (reproduction.vig), judged on constructed
 numbers: entropy by layer, parts of speech by depth, alignment with distance over high-confidence
 weights only, and the exemplars shown."""
 
@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from headlab.heads import HeadScores
-from headlab.reproduce.significance import spearman_interval
-from headlab.reproduce.vig import HIGH_CONFIDENCE_DIR, MIN_WEIGHT, _inverse_verdict, _pos_depth, claim_vig
+from reproduction.significance import spearman_interval
+from reproduction.vig import HIGH_CONFIDENCE_DIR, MIN_WEIGHT, _inverse_verdict, _pos_depth, claim_vig
 
 LAYERS, HEADS = 6, 8
 

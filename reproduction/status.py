@@ -8,8 +8,8 @@ wrote (see docs/nmt.md, "Where the CPU run stands", for the commands that fill i
                                        epochs recorded before the trainer kept it
     eval_results.json                  experiments/evaluate_model.py: test BLEU and chrF2
     export.json                        headlab nmt export: which checkpoint was exported
-    reproduction/specialisation.json   headlab reproduce, stage specialisation
-    reproduction/claims.json           headlab reproduce, stage report
+    reproduction/specialisation.json   python -m reproduction, stage specialisation
+    reproduction/claims.json           python -m reproduction, stage report
 
 :func:`status_blocks` renders each present file into one block, so the document's numbers are
 never typed by hand; tests/test_reproduce_docs.py renders them again and compares.

@@ -1,4 +1,4 @@
-"""The stages of ``headlab reproduce``, in order, each resumable: what each one runs.
+"""The stages of ``python -m reproduction``, in order, each resumable: what each one runs.
 
 Every stage of a model works in ``<work_dir>/<model>/<stage dir>/`` and, when it has finished,
 writes a marker ``<work_dir>/<model>/stages/<stage>.json`` (atomically, last) with its commands
@@ -12,7 +12,7 @@ The pruning sweeps first restore the finished points of those committed results 
 dir (:func:`restore_points`), and the baselines and from-scratch stages their finished rows
 (:func:`restore_rows`): a sweep of many hours goes on from a fresh checkout, which has no
 ``runs/``, instead of starting again.
-Running them is :mod:`headlab.reproduce.pipeline`'s job; this module only builds the commands.
+Running them is :mod:`reproduction.pipeline`'s job; this module only builds the commands.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Callable
 from headlab.heads import atomic_write_text
 from headlab.importance.registry import MEASURES, REFERENCE, tables
 from headlab.lock import DirectoryLock
-from headlab.reproduce.config import ModelEntry, ReproduceConfig, flags
-from headlab.reproduce.significance import run_hypotheses
-from headlab.reproduce.specialisation import run_specialisation
 from headlab.resume import SkipStage, weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig, flags
+from reproduction.significance import run_hypotheses
+from reproduction.specialisation import run_specialisation
 
-__all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "stage_settings", "marker_path",
-           "command_text"]
+__all__ = ["STAGES", "Context", "Stage", "StageOutcome", "stage_commands", "stage_settings", "current_names",
+           "marker_path", "command_text"]
 
 
 @dataclass
@@ -100,7 +100,7 @@ def importance_commands(ctx: Context) -> list[list[str]]:
     model = _require_model(ctx)
     src, tgt = _data(ctx, options.pop("split", "valid"))
     out = ctx.config.work(ctx.model, "importance")
-    argv = ["importance", model, "--data", src, "--target", tgt, "--out", _p(ctx, out), "--no-progress"]
+    argv = ["importance", model, "--source", src, "--target", tgt, "--out", _p(ctx, out), "--no-progress"]
     return [argv + flags(options) + _threads(ctx)]
 
 
@@ -137,7 +137,7 @@ def parsed_commands(ctx: Context) -> list[list[str]]:
     split = ctx.config.parse_split
     text, _ = _data(ctx, split)
     conllu = ctx.config.work(ctx.model, "parsed", f"{split}.{ctx.model.src}.conllu")
-    parse = ["parse", "--model", _p(ctx, parser), "--input", text, "--out", _p(ctx, conllu), "--no-progress"]
+    parse = ["parse", "--model", _p(ctx, parser), "--source", text, "--out", _p(ctx, conllu), "--no-progress"]
     train_src, _ = _data(ctx, "train")
     return [parse, _functions_argv(ctx, model, conllu, "functions-parsed", "--train-text", train_src)]
 
@@ -418,6 +418,18 @@ STAGES: dict[str, Stage] = {
 
 # Options that say where and how fast a command runs, not what it computes.
 MACHINE_OPTIONS = {"--threads": 1, "--device": 1, "--no-progress": 0}
+
+
+# The options headlab renamed (docs/cli.md: the old names still work for one release); the
+# stages used the old names before: a marker that records them records the same settings.
+RENAMED_OPTIONS = {"--data": "--source", "--input": "--source", "--source-text": "--source", "--n-sentences": "--limit",
+                   "--max-sentences": "--limit"}
+
+
+def current_names(settings: list[str]) -> list[str]:
+    """``settings`` (:func:`stage_settings`) with each renamed option under its current name."""
+    return ["headlab " + " ".join(shlex.quote(RENAMED_OPTIONS.get(a, a)) for a in shlex.split(text)[1:])
+            for text in settings]
 
 
 def stage_settings(ctx: Context, spec: Stage) -> list[str] | None:

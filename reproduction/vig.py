@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.heads import HeadScores
-from headlab.reproduce.claims import Cell, Check, Claim, _fill, _pct
-from headlab.reproduce.significance import spearman_interval
+from headlab import HeadScores
+from reproduction.claims import Cell, Check, Claim, _fill, _pct
+from reproduction.significance import spearman_interval
 
 __all__ = ["FILES", "vig_models", "claim_vig", "VIG_DIR", "MIN_WEIGHT", "HIGH_CONFIDENCE_DIR"]
 
@@ -234,11 +234,12 @@ def claim_vig(directories: dict[str, Path]) -> Claim:
         if freq_path.is_file() and tags:
             freq = json.loads(freq_path.read_text(encoding="utf-8"))
             freq = freq.get("enc_self") or next(iter(freq.values()))
-            shares = {t: _scores(directory / "pos", t) for t in tags if freq.get(t, 0) >= MIN_FREQUENCY}
+            shares = {t: s for t in tags if freq.get(t, 0) >= MIN_FREQUENCY
+                      and (s := _scores(directory / "pos", t)) is not None}  # (each file was globbed: never None)
             per_layer = []
             for layer in range(dist.shape[0] if dist is not None else 0):
                 ratios = {t: float(np.nanmean(v[layer])) / freq[t] for t, v in shares.items()}
-                best = max(ratios, key=ratios.get)
+                best = max(ratios, key=lambda t: ratios[t])
                 per_layer.append(f"L{layer + 1} {best} {ratios[best]:.1f}x")
             pos_top.cells[name] = Cell(", ".join(per_layer), "not testable: descriptive")
             pos.cells[name] = Cell(*_pos_depth({t: v for t, v in shares.items() if v is not None}))

@@ -29,8 +29,8 @@ import numpy as np
 
 from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import N_SAMPLES, SEED, bleu_interval, paired_bootstrap
-from headlab.reproduce.config import ModelEntry, ReproduceConfig
 from headlab.resume import SkipStage, weights_fingerprint
+from reproduction.config import ModelEntry, ReproduceConfig
 
 __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_models", "run_hypotheses", "N_SAMPLES", "SEED"]
 
@@ -38,7 +38,7 @@ __all__ = ["paired_bootstrap", "bleu_interval", "spearman_interval", "pruned_mod
 def spearman_interval(a, b, *, n_samples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
     """Spearman's rho over the finite pairs of ``a``, ``b`` and its bootstrap interval over heads
     (95% unless ``level`` says otherwise, e.g. a Bonferroni-widened one)."""
-    from headlab.importance.agreement import spearman
+    from headlab.importance import spearman
 
     x, y = np.ravel(np.asarray(a, dtype=float)), np.ravel(np.asarray(b, dtype=float))
     ok = np.isfinite(x) & np.isfinite(y)

@@ -1,11 +1,8 @@
-"""What every importance measure reads: token ids, batches, and the model's own translations.
+"""What a model reads when headlab scores its heads: token ids, batches, and its own translations.
 
-The measures share one preparation step so that they score the same tokens:
+The importance measures share one preparation step so that they score the same tokens; it
+reads the model through :func:`headlab.model_description.describe_model`.
 
-* :func:`describe_model` says what kind of model it is (``seq2seq``, ``causal``, ``masked`` or
-  ``classifier``: a fine-tuned sequence classifier, whose loss is the task's),
-  which token ids are special, how long an input may be, and whether it has a language-model
-  head (LRP, gradient importance and ablation need one; confidence does not).
 * :class:`ImportanceData` holds the tokenized data set: source sentences (for a
   decoder-only or encoder-only model, the text itself), optional references, and the model's
   own translations once :func:`translate_data` has made them. It counts what loading did:
@@ -16,7 +13,8 @@ The measures share one preparation step so that they score the same tokens:
   decoder side is either the model's translation (``side="translation"``, used by confidence
   and LRP: Voita et al. 2019, Sec. 4, score the model's own output) or the reference
   (``side="reference"``, used by the loss of gradient importance and ablation when
-  references are given).
+  references are given). (The trainers' batches are another thing:
+  :func:`headlab.data.batching.token_budget_batches`.)
 """
 
 from __future__ import annotations
@@ -26,165 +24,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eval_mode
 from headlab.data.batching import length_batches, with_progress
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS
+from headlab.model_description import ModelInfo
 from headlab.shard import active
 
 __all__ = [
     "Batch",
     "ImportanceData",
-    "ModelInfo",
-    "block_scores",
-    "checkpoint_has_lm_head",
-    "describe_model",
+    "batch_lengths",
+    "count_batches",
     "encode_texts",
-    "make_batches",
-    "output_layer",
-    "read_data",
+    "generated_tokens",
     "labelled_lines_data",
+    "labelled_texts",
+    "make_batches",
+    "read_data",
     "read_labelled_data",
     "texts_data",
     "translate_data",
 ]
-
-_NO_LIMIT = 1_000_000  # tokenizers report model_max_length = 1e30 when they know none
-
-# Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
-# encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
-_LM_HEAD_SUFFIXES = (
-    "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
-    "ForSeq2SeqLM", "ForSequenceClassification",
-)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the importance measures need to know about a model.
-
-    ``arch`` is ``"seq2seq"`` (encoder-decoder), ``"causal"`` (decoder-only), ``"masked"``
-    (encoder-only) or ``"classifier"`` (a sequence classifier: one prediction per text, its
-    ``n_labels`` classes named ``label_names``). ``special_ids`` are the ids that confidence leaves out as queries and keys
-    and that are never LRP targets of a masked LM (padding, EOS, BOS, CLS, SEP, ...).
-    """
-
-    arch: str
-    pad_id: int
-    eos_ids: frozenset[int]
-    special_ids: frozenset[int]
-    decoder_start_id: int | None
-    max_length: int
-    has_lm_head: bool
-    mask_id: int | None = None
-    name: str = ""
-    n_labels: int = 0
-    label_names: tuple[str, ...] = ()
-
-    @property
-    def is_seq2seq(self) -> bool:
-        return self.arch == "seq2seq"
-
-
-def _ids(value) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return {int(v) for v in value if v is not None}
-    return {int(value)}
-
-
-def _max_positions(config) -> int | None:
-    for attr in ("max_position_embeddings", "n_positions", "max_target_positions"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def checkpoint_has_lm_head(config) -> bool:
-    """Whether the checkpoint's saved architecture has a language-model head (True when unknown)."""
-    architectures = getattr(config, "architectures", None) or []
-    return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
-
-
-def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:
-    """Read architecture, special tokens and length limit from ``model`` (and ``tokenizer``)."""
-    from headlab.loading import check_tokenizer_fits
-
-    check_tokenizer_fits(tokenizer, model, getattr(model.config, "_name_or_path", "") or type(model).__name__)
-    config = model.config
-    blocks = attention_blocks(model)
-    kinds = {b.kind for b in blocks}
-    if is_classifier(model):
-        arch = "classifier"
-    elif getattr(config, "is_encoder_decoder", False):
-        arch = "seq2seq"
-    elif "dec_self" in kinds and "enc_self" not in kinds:
-        arch = "causal"
-    else:
-        arch = "masked"
-    generation = getattr(model, "generation_config", None)
-    eos = _ids(getattr(config, "eos_token_id", None)) or _ids(getattr(generation, "eos_token_id", None))
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None and tokenizer is not None:
-        pad = tokenizer.pad_token_id
-    if pad is None:
-        pad = min(eos) if eos else 0
-    start = getattr(config, "decoder_start_token_id", None)
-    if start is None and generation is not None:
-        start = getattr(generation, "decoder_start_token_id", None)
-    special = {int(pad)} | eos | _ids(getattr(config, "bos_token_id", None)) | _ids(start)
-    for attr in ("sep_token_id", "cls_token_id"):
-        special |= _ids(getattr(config, attr, None))
-    mask_id = None
-    if tokenizer is not None:
-        # UNK stands for a real word, so it stays a token like any other.
-        special |= set(getattr(tokenizer, "all_special_ids", []) or []) - _ids(getattr(tokenizer, "unk_token_id", None))
-        eos |= _ids(getattr(tokenizer, "eos_token_id", None)) if not eos else set()
-        mask_id = getattr(tokenizer, "mask_token_id", None)
-    limits = [v for v in (_max_positions(config), max_length) if v]
-    if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
-        limits.append(int(tokenizer.model_max_length))
-    output = output_layer(model)
-    has_lm_head = isinstance(getattr(output, "weight", None), torch.Tensor)
-    n_labels = int(getattr(config, "num_labels", 0) or 0) if arch == "classifier" else 0
-    id2label = getattr(config, "id2label", None) or {}
-    label_names = tuple(str(id2label.get(i, id2label.get(str(i), i))) for i in range(n_labels))
-    name = getattr(config, "_name_or_path", "") or type(model).__name__
-    return ModelInfo(
-        arch=arch,
-        pad_id=int(pad),
-        eos_ids=frozenset(eos),
-        special_ids=frozenset(special),
-        decoder_start_id=None if start is None else int(start),
-        max_length=min(limits) if limits else 512,
-        has_lm_head=has_lm_head,
-        mask_id=None if mask_id is None else int(mask_id),
-        name=str(name),
-        n_labels=n_labels,
-        label_names=label_names,
-    )
-
-
-def is_classifier(model: nn.Module) -> bool:
-    """A sequence classifier (``...ForSequenceClassification``): one set of class logits per text."""
-    return type(model).__name__.endswith("ForSequenceClassification")
-
-
-def output_layer(model: nn.Module) -> nn.Module | None:
-    """The last linear map to the logits: the language-model head, or a classifier's last layer
-    onto its classes (BERT's ``classifier``, RoBERTa's ``classifier.out_proj``, GPT-2's ``score``)."""
-    if is_classifier(model):
-        n_labels = getattr(model.config, "num_labels", None)
-        onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
-        return onto_classes[-1] if onto_classes else None
-    return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 @dataclass
@@ -681,37 +544,3 @@ def make_batches(
 def count_batches(data: ImportanceData, batch_size: int) -> int:
     return (len(data) + batch_size - 1) // batch_size
 
-
-# -- scores --------------------------------------------------------------------------------
-def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
-    """The original numbering of ``block``'s heads, and the original head count.
-
-    A physically pruned model (headlab.surgery) keeps its heads' original indices, so that
-    its scores line up with those of the unpruned model.
-    """
-    from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR
-
-    kept = getattr(block.core, KEPT_ATTR, None)
-    if kept is None:
-        return list(range(block.n_heads)), block.n_heads
-    return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
-
-
-def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray],
-                 kinds: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
-    """``{kind: [n_layers, n_heads]}`` from per-block vectors (only ``kinds``, when given); heads
-    without a value are NaN."""
-    shapes: dict[str, tuple[int, int]] = {}
-    for block in blocks:
-        _, n_original = original_heads(block)
-        layers, heads = shapes.get(block.kind, (0, 0))
-        shapes[block.kind] = (max(layers, block.layer + 1), max(heads, n_original))
-    out = {kind: np.full(shape, np.nan) for kind, shape in shapes.items()}
-    for block in blocks:
-        if block.key not in values:
-            continue
-        numbering, _ = original_heads(block)
-        vector = np.asarray(values[block.key], dtype=np.float64)
-        for h, original in enumerate(numbering):
-            out[block.kind][block.layer, original] = vector[h]
-    return {kind: out[kind] for kind in KINDS if kind in out and (kinds is None or kind in kinds)}
