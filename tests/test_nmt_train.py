@@ -123,6 +123,20 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokeni
     assert record["tokens_per_s"] * record["epoch_minutes"] * 60 == pytest.approx(whole["tokens_seen"], rel=1e-6)
 
 
+def test_a_resume_of_a_run_already_at_max_steps_makes_no_update(tmp_path, corpus, tokenizer):
+    """A run stopped by --max-steps and resumed with the same limit stays where it was (it made one
+    more update: 23 became 24)."""
+    out = tmp_path / "run"
+    first = train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_tokens=1000, max_steps=3))
+    assert first.step == 3
+    before = load_file(str(out / "last" / "model.safetensors"))
+    again = tiny_model(tokenizer, seed=123)
+    resumed = train(again, tokenizer, corpus, None, config(out, max_tokens=1000, max_steps=3, resume=True))
+    assert resumed.step == 3 and resumed.stopped == "max_steps"
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 3
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in before.items() if k in again.state_dict())
+
+
 def test_a_resume_that_changes_options_is_recorded(tmp_path, corpus, tokenizer):
     """train_config.json keeps the first start's options; a resume with other values for options that
     change the training appends them with its step (a time limit alone is no change)."""

@@ -543,6 +543,9 @@ class _Run:
         bar = self._bar(len(batches), epoch)
         stopped = "finished"
         while state["batch_in_epoch"] < len(batches):
+            if config.max_steps is not None and state["step"] >= config.max_steps:  # resumed at the limit: no update
+                stopped = "max_steps"
+                break
             batch = self.hooks.collate_fn(train_data, batches[state["batch_in_epoch"]])
             batch = {key: value.to(device) for key, value in batch.items()}
             step = state["step"] + 1
