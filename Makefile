@@ -24,7 +24,7 @@ test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples reproduction
 	$(VENV)/bin/mypy
 
 clean:

@@ -6,7 +6,7 @@ long news sentences, sorted by source length, is padded to the longest (possibly
 translation among them, so the batch size sets both the peak memory and the padding.
 
 ``--orders`` compares how sentences are grouped into batches: ``decoder`` (headlab's order: by
-the length of the translation, then of the source; :func:`headlab.importance.data.batch_lengths`)
+the length of the translation, then of the source; :func:`headlab.data.inputs.batch_lengths`)
 against ``source`` (by the source's length alone, headlab's order before 2026-11-24).
 
 Each (order, batch size) runs in its own process (so that each peak resident set size is its
@@ -49,13 +49,13 @@ def measure_one(args) -> dict:
     """In a child process: translate, then LRP at ``args.one`` sentences per batch."""
     import torch
 
+    from headlab.data.inputs import translate_data
     from headlab.importance import compute_lrp, describe_model, read_data
-    from headlab.importance.data import translate_data
     from headlab.loading import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
     if args.order == "source":  # the earlier grouping, by the source's length alone
-        import headlab.importance.data as importance_data
+        import headlab.data.inputs as importance_data
 
         importance_data.batch_lengths = lambda data, decoder_side=None: [len(ids) for ids in data.sources]
     model = load_model(args.model, dtype=torch.float32).eval()

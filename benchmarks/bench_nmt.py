@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 
 from headlab.data import read_parallel
-from headlab.data.batching import make_batches
-from headlab.nmt.model import ModelConfig, build_marian_config, create_model, load_model
+from headlab.data.batching import token_budget_batches
+from headlab.nmt.model import ModelConfig, build_marian_config, create_model, load_translation_model
 from headlab.nmt.tokenizer import load_tokenizer, train_tokenizer
-from headlab.nmt.train import TrainConfig, collate, encode_corpus, inverse_sqrt_lr, label_smoothed_loss
 from headlab.nmt.translate import translate
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import collate, encode_corpus
+from headlab.training.loop import inverse_sqrt_lr
+from headlab.training.losses import label_smoothed_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "multi30k"
@@ -78,7 +81,7 @@ def main() -> None:
 
     if not args.skip_training:
         encoded = encode_corpus(tokenizer, corpus)
-        all_batches = make_batches(encoded, args.max_tokens, seed=1, epoch=0)
+        all_batches = token_budget_batches(encoded, args.max_tokens, seed=1, epoch=0)
         model = create_model(build_marian_config(ModelConfig(), tokenizer), seed=1)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
         variants = [(p, t) for p in ("fp32", "bf16") for t in thread_counts]
@@ -100,7 +103,7 @@ def main() -> None:
 
     if not args.skip_translation:
         if BUNDLED.is_dir():
-            model = load_model(BUNDLED)
+            model = load_translation_model(BUNDLED)
             source = "bundled models/multi30k-en-de"
         else:
             model = create_model(build_marian_config(ModelConfig(), tokenizer), seed=1)

@@ -26,10 +26,12 @@ import torch
 
 from headlab import attach_gates
 from headlab.data import read_parallel
-from headlab.data.batching import make_batches
+from headlab.data.batching import token_budget_batches
 from headlab.loading import load_model, load_tokenizer
-from headlab.nmt.train import TrainConfig, collate, encode_corpus, label_smoothed_loss
 from headlab.pruning import HardConcreteGates
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import collate, encode_corpus
+from headlab.training.losses import label_smoothed_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     corpus = read_parallel(ROOT / "data/multi30k/train.en.gz", ROOT / "data/multi30k/train.de.gz").subset(3000)
     data = encode_corpus(tokenizer, corpus, 128)
-    batches = make_batches(data, args.max_tokens, seed=1, epoch=0)
+    batches = token_budget_batches(data, args.max_tokens, seed=1, epoch=0)
     copies = {}
     for precision in ("fp32", "bf16"):
         model = load_model(args.model).float().train()

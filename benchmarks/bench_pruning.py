@@ -37,8 +37,9 @@ from headlab import count_parameters, load_pruned
 from headlab.data import read_parallel
 from headlab.nmt.model import ModelConfig, build_marian_config, create_model
 from headlab.nmt.tokenizer import train_tokenizer
-from headlab.nmt.train import TrainConfig, train
+from headlab.nmt.train import train
 from headlab.pruning.train import PruneConfig, measure_latency, prune_train
+from headlab.training.config import TrainConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 SHAPE = ModelConfig(d_model=128, ffn_dim=512, encoder_layers=3, decoder_layers=3, n_heads=8, max_positions=128)
@@ -49,12 +50,13 @@ def interleaved_steps(config, tokenizer, corpus, max_tokens: int, n_pairs: int) 
     import time
 
     from headlab import attach_gates
-    from headlab.data.batching import make_batches
-    from headlab.nmt.train import collate, encode_corpus, label_smoothed_loss
+    from headlab.data.batching import token_budget_batches
     from headlab.pruning import HardConcreteGates
+    from headlab.training.corpus import collate, encode_corpus
+    from headlab.training.losses import label_smoothed_loss
 
     data = encode_corpus(tokenizer, corpus, 128)
-    batches = make_batches(data, max_tokens, seed=1, epoch=0)
+    batches = token_budget_batches(data, max_tokens, seed=1, epoch=0)
     plain, gated = create_model(config, seed=0).train(), create_model(config, seed=0).train()
     gates = HardConcreteGates.for_model(gated)
     attach_gates(gated, gates)

@@ -65,8 +65,8 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     # timeout ends the stages inside the call's limit; the point in training resumes from its
     # last checkpoint (every 200 updates) if the machine is still warm, else starts again.
     timeout --signal=TERM --kill-after=30 $((MINUTES * 60)) \
-      headlab reproduce --models "$MODEL" --stages "${STAGES:-prune-enc,prune-all,scratch}" || echo "stages stopped: $?"
-    headlab reproduce --models "$MODEL" --stages hypotheses,report
+      "$PY" -m reproduction --models "$MODEL" --stages "${STAGES:-prune-enc,prune-all,scratch}" || echo "stages stopped: $?"
+    "$PY" -m reproduction --models "$MODEL" --stages hypotheses,report
     tar czf "$OUT/results-$MODEL.tar.gz" "docs/results/reproduction/$MODEL"
     ;;
   news)
@@ -86,9 +86,9 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       CONFIG=runs/news-reproduce-gpu.json
       "$PY" -c 'import json, os, sys; c = json.load(open(sys.argv[1])); c["models"][0]["path"] = "runs/news-en-de-model"; c["root"] = os.getcwd(); json.dump(c, open(sys.argv[2], "w"), indent=1)' \
         experiments/news-reproduce.json "$CONFIG"
-      timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" headlab reproduce --config "$CONFIG" \
+      timeout --signal=TERM --kill-after=10 "${ANALYSES_S:-240}" "$PY" -m reproduction --config "$CONFIG" \
         --device cuda --threads 8 --stages importance,functions,specialisation,report || echo "analyses stopped: $?"
-      timeout --signal=TERM --kill-after=10 120 headlab reproduce --config "$CONFIG" \
+      timeout --signal=TERM --kill-after=10 120 "$PY" -m reproduction --config "$CONFIG" \
         --device cuda --threads 8 --stages functions-parsed,report || echo "parsed analyses stopped: $?"
     fi
     tar czf "$OUT/news-en-de.tar.gz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
@@ -115,13 +115,13 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       mkdir -p "runs/reproduce/$MODEL/importance"
       cp -n docs/results/reproduction/"$MODEL"/importance/*.json "runs/reproduce/$MODEL/importance/" 2>/dev/null || true
       for SET in ${STAGE_SETS:-prune-enc prune-all,scratch baselines}; do
-        timeout --signal=TERM --kill-after=30 $STOP headlab reproduce --models "$MODEL" --stages "$SET" \
+        timeout --signal=TERM --kill-after=30 $STOP "$PY" -m reproduction --models "$MODEL" --stages "$SET" \
           > "$LOGS/$MODEL-$SET.log" 2>&1 &
       done
     done
     wait || true
     for MODEL in ${MODELS:-}; do
-      timeout --signal=TERM --kill-after=10 "${REPORT_S:-150}" headlab reproduce --models "$MODEL" \
+      timeout --signal=TERM --kill-after=10 "${REPORT_S:-150}" "$PY" -m reproduction --models "$MODEL" \
         --stages hypotheses,report > "$LOGS/$MODEL-report.log" 2>&1 || echo "report of $MODEL stopped: $?" >> "$LOGS/$MODEL-report.log"
       tar czf "$OUT/results-$MODEL.tar.gz" "docs/results/reproduction/$MODEL"
     done

@@ -171,10 +171,29 @@ def test_analyze_writes_out_like_the_cli(setup, tmp_path):
                                statistics=["aggregate"], measures=["confidence"])
     assert (tmp_path / "run" / "aggregate" / "exemplars.json").is_file()
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate"]
+    assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate", "attention"]
+    assert len(json.loads((tmp_path / "run" / "attention" / "index.json").read_text())["sentences"]) == 3
     assert "positional_share" not in analysis.tables and "mean_entropy" in analysis.tables
     with pytest.raises(HeadlabError, match="overwrite=True"):  # refused before any work: no texts needed
         headlab.analyze(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
+
+
+def _page(html: str) -> str:
+    """The report page inside ``Analysis._repr_html_``'s frame (a base64 data: URL)."""
+    import base64
+    import re
+
+    found = re.search(r'<iframe src="data:text/html;base64,([A-Za-z0-9+/=]+)"', html)
+    assert found is not None, html[:300]
+    return base64.b64decode(found.group(1)).decode("utf-8")
+
+
+def _report_data(page: str) -> dict:
+    import re
+
+    found = re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', page, re.S)
+    assert found is not None
+    return json.loads(found.group(1))
 
 
 def test_reprs_are_short_and_html_is_self_contained(setup):
@@ -182,14 +201,104 @@ def test_reprs_are_short_and_html_is_self_contained(setup):
     text = repr(api)
     assert "top by confidence" in text and "array(" not in text and len(text) < 1000
     html = api._repr_html_()
-    assert "<svg" in html and "<script" not in html and "http" not in html.replace("http://www.w3.org/2000/svg", "")
-    assert len(html) < 300_000
-    import xml.etree.ElementTree as ElementTree
+    assert html.startswith('<iframe src="data:text/html;base64,') and "<script" not in html
+    assert len(html) < 300_000  # 220 kB on this model
+    page = _page(html)
+    assert page == api.report_html()  # the report of `headlab analyze`, built from the held files
+    assert "default-src &#x27;none&#x27;" in page  # its Content-Security-Policy: nothing from the network
+    import re
 
-    ElementTree.fromstring(f"<div>{html}</div>")  # well-formed: every svg, table and tooltip closed and escaped
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", page)  # nor any link to load from it
+    data = _report_data(page)
+    shown = {h["id"] for h in data["heatmaps"]}
+    assert {"importance/confidence", "importance/lrp", "importance/gradient", "functions/positional/share",
+            "aggregate/mean_entropy", "pos/NOUN"} <= shown
+    # The viewer: the 3 sentences analyze kept, every one inlined (the frame has no file beside it).
+    sentences = data["attention"]["sentences"]
+    assert data["attention"]["mode"] == "inline" and [e["source"] for e in sentences] == SENTENCES[:3]
+    assert all(f'id="headlab-attention-{i}"' in page for i in range(3)) and not any("script" in e for e in sentences)
+    assert '<section id="viewer">' in page and '<section id="functions">' in page
+    assert "No data for this section" in _page(headlab.Analysis()._repr_html_())  # an empty one shows as empty
     scores = api["confidence"]
     assert repr(scores).startswith("HeadScores(confidence") and "enc_self 2x4" in repr(scores)
     assert scores._repr_html_().count("<svg") == len(scores.kinds)
+
+
+def test_notebook_html_shows_the_function_labels(setup, tmp_path):
+    """A labelled head (here one written into labels.json) appears in the page's function table
+    and in the report's data for the heatmaps' marks."""
+    _, _, _, api = setup
+    api.save(tmp_path / "run")
+    labels = json.loads((tmp_path / "run" / "functions" / "labels.json").read_text())
+    key = next(iter(labels))
+    labels[key] = ["positional -1", "nsubj v->s"]
+    (tmp_path / "run" / "functions" / "labels.json").write_text(json.dumps(labels))
+    page = _page(headlab.Analysis.load(tmp_path / "run")._repr_html_())
+    kind, layer, head = key.split(":")
+    assert (f'data-head="{head}"><td>{kind}</td><td>{layer}</td><td>{head}</td><td>positional -1, nsubj v-&gt;s</td>'
+            in page)
+    assert _report_data(page)["labels"][key] == ["positional -1", "nsubj v->s"]
+
+
+def test_notebook_html_escapes_corpus_text(tmp_path):
+    """Corpus text with markup reaches the page escaped (in HTML) or \\u003c-escaped (in JSON)."""
+    from support.report import IMG_SENTENCE, SCRIPT_SENTENCE, build_analysis_dir
+
+    analysis = headlab.Analysis.load(build_analysis_dir(tmp_path / "hostile", long=False))
+    html = analysis._repr_html_()
+    page = _page(html)
+    for hostile in (SCRIPT_SENTENCE, IMG_SENTENCE, "<script>window.__pwned=1</script>", "<img src=x"):
+        assert hostile not in page and hostile not in html
+    sources = [e["source"] for e in _report_data(page)["attention"]["sentences"]]
+    assert SCRIPT_SENTENCE in sources and IMG_SENTENCE in sources  # shown, as text
+    assert page.count("<script") == 2 + len(sources)  # the data, one per inlined sentence and report.js: no other
+
+
+def test_notebook_html_is_bounded_at_32_by_32_heads(tmp_path, monkeypatch):
+    """A 32 x 32-head analysis: the page stays under PAGE_LIMIT (a longer data: URL shows a blank
+    frame in Chromium); attention sentences are held while they fit VIEWER_BYTES, then dropped
+    from the page, last first, to fit; a page too large even without them is not embedded."""
+    import headlab.api as api_module
+    from support.report import build_large_dir
+
+    directory = build_large_dir(tmp_path / "large", 32, 32, sentences=3, n_tokens=20)
+    analysis = headlab.Analysis.load(directory)
+    assert len(analysis._viewer_sentences()) == 1  # 550 kB a sentence at 32 x 32 x 20 x 20
+    html = analysis._repr_html_()
+    page = _page(html)
+    assert len(page.encode()) <= api_module.PAGE_LIMIT and len(html) < 2 * 1024 * 1024  # measured: 1.04 / 1.39 MB
+    assert len(_report_data(page)["heatmaps"]) >= 4 + 4 + 4 + 18  # measures, functions, aggregate, POS
+    assert "shows 1 of the 3 example sentences" in html
+    # The held sentence does not fit a smaller page: dropped, the maps stay.
+    monkeypatch.setattr(api_module, "PAGE_LIMIT", len(page.encode()) - 1)
+    smaller = _page(analysis._repr_html_())
+    assert _report_data(smaller)["attention"]["sentences"] == [] and len(smaller) < len(page) - 500_000
+    monkeypatch.setattr(api_module, "PAGE_LIMIT", 100_000)  # not even the maps
+    fallback = analysis._repr_html_()
+    assert fallback.startswith("<pre>Analysis of synthetic") and "save(directory, report=True)" in fallback
+
+
+def test_a_loaded_analysis_holds_the_first_sentences_that_fit(tmp_path, monkeypatch):
+    """Analysis.load holds attention/index.json and its first sentences while they fit
+    VIEWER_BYTES; save writes back those (the index trimmed to them); the caption counts the
+    directory's sentences."""
+    import headlab.api as api_module
+    from support.report import build_large_dir
+
+    directory = build_large_dir(tmp_path / "run", 4, 4, sentences=5, n_tokens=10)
+    everything = headlab.Analysis.load(directory)
+    assert everything._viewer_sentences() == [f"attention/sentence-{i:03d}.json" for i in range(5)]
+    from headlab.report.build import json_for_script
+
+    size = [len(json_for_script(json.loads(everything.files[f"attention/sentence-{i:03d}.json"]))) for i in range(3)]
+    monkeypatch.setattr(api_module, "VIEWER_BYTES", size[0] + size[1] + size[2] - 1)  # as the report embeds them
+    two = headlab.Analysis.load(directory)
+    assert two._viewer_sentences() == ["attention/sentence-000.json", "attention/sentence-001.json"]
+    assert "shows 2 of the 5 example sentences" in two._repr_html_()
+    two.save(tmp_path / "saved")
+    index = json.loads((tmp_path / "saved" / "attention" / "index.json").read_text())
+    assert [e["file"] for e in index["sentences"]] == ["sentence-000.json", "sentence-001.json"]
+    assert "shows 2 of the 5" in headlab.Analysis.load(tmp_path / "saved")._repr_html_()
 
 
 def test_prune_by_spec_and_by_scores(setup):
@@ -225,7 +334,8 @@ def test_texts_data_equals_read_data(tmp_path, setup):
     model (with references) and for a classifier (texts, pairs, labels by name or index)."""
     import transformers as tf
 
-    from headlab.importance.data import describe_model, read_data, texts_data
+    from headlab.data.inputs import read_data, texts_data
+    from headlab.model_description import describe_model
     from support.treebank import word_tokenizer
 
     _, _, (model, tokenizer), _ = setup

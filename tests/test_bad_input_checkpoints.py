@@ -20,8 +20,8 @@ from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.loading import load_model
 from headlab.lock import LOCK_FILE, _start_time
-from headlab.nmt.train import TrainConfig
 from headlab.pruning.train import PruneConfig, prune_train
+from headlab.training.config import TrainConfig
 from support.bad_input import SENTENCES, files_under, save_tiny_marian
 from support.nmt import tiny_marian
 
@@ -36,7 +36,7 @@ def _full_disk_for_safetensors(monkeypatch):
 
 
 def _full_disk_for_torch_save(monkeypatch):
-    import headlab.nmt.train as trainer
+    import headlab.training.loop as trainer
 
     def save(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 54720 vs 54612")
@@ -169,7 +169,7 @@ def test_damaged_resume_state_in_prune_train(tokenizer, corpus, tmp_path):
 
 def test_torch_save_failure_on_a_disk_with_room_stays_a_bug(tmp_path, monkeypatch):
     """Only a full disk turns torch.save's RuntimeError into the user's OSError."""
-    import headlab.nmt.train as trainer
+    import headlab.training.loop as trainer
 
     monkeypatch.setattr(trainer.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):

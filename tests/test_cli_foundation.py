@@ -73,3 +73,15 @@ def test_json_mask_files(tmp_path):
         parse_heads(str(wrong), blocks)
     with pytest.raises(HeadlabError, match="no such mask file"):
         parse_heads(str(tmp_path / "missing.json"), blocks)
+
+
+@pytest.mark.parametrize("argv", [["reproduce"], ["reproduce", "--docs-only"], ["--debug", "reproduce", "--models", "x"]])
+def test_reproduce_left_the_package_and_says_where_it_went(argv, capsys):
+    """`headlab reproduce` is no command of the package any more (issue 33): one line naming
+    `python -m reproduction`, exit 2, and it is not listed in --help."""
+    from headlab.cli import build_parser
+
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and "python -m reproduction" in out.err and out.out == ""
+    assert "reproduce" not in build_parser().format_help()

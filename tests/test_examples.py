@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 
@@ -77,13 +79,75 @@ def test_readme_quick_tour_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "pruned" / "headlab_pruning.json").is_file()
 
 
-def test_notebook_example_runs(monkeypatch, capsys):
-    """examples/notebook.py (a percent-format notebook) top to bottom, as a script: nbclient and
-    a Jupyter kernel are not test dependencies, and the cells are plain Python."""
-    _run("notebook.py", [], monkeypatch)
-    out = capsys.readouterr().out
-    assert "Analysis of" in out and "top by lrp" in out
-    assert "heads kept per layer" in out
+def _execute_notebook(path: Path, cwd: Path):
+    """Run the notebook top to bottom in a fresh Jupyter kernel (nbclient, ipykernel), with this
+    checkout's headlab importable, offline and on one thread; return it with its outputs."""
+    import os
+
+    import headlab
+
+    nbclient = pytest.importorskip("nbclient", reason="the notebook tests need nbclient and ipykernel "
+                                                      "(pip install -e '.[test]')")
+    pytest.importorskip("ipykernel", reason="the notebook tests need ipykernel (pip install -e '.[test]')")
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    src = str(Path(headlab.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(cwd)}})
+    client.execute(env=env)
+    return notebook
+
+
+def _outputs(cell, kind: str) -> str:
+    """All of a cell's output of one MIME type (``text/plain``, ``text/html``) or its stdout."""
+    found = []
+    for output in cell.get("outputs", []):
+        if kind == "stdout" and output.get("name") == "stdout":
+            found.append(output["text"])
+        elif kind in output.get("data", {}):
+            found.append(output["data"][kind])
+    return "\n".join(found)
+
+
+def _cell(notebook, source_start: str):
+    return next(c for c in notebook.cells if c.cell_type == "code" and c.source.startswith(source_start))
+
+
+def test_quickstart_notebook_runs_with_its_outputs(tmp_path):
+    """examples/quickstart.ipynb executed in a Jupyter kernel (nbclient): the analysis displays
+    as text and as HTML, the tables come out in pandas, pruning keeps the 6 heads asked for, and
+    the analysis reads back from its directory."""
+    notebook = _execute_notebook(EXAMPLES / "quickstart.ipynb", tmp_path)
+    assert not [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    shown = _cell(notebook, "CONLLU = ")
+    text = _outputs(shown, "text/plain")
+    assert text.startswith("Analysis of GPT2LMHeadModel") and "top by lrp: dec_self L" in text
+    # As HTML: the report in a frame, with the measures' heatmaps and the first 3 texts in its viewer.
+    import base64
+    import json
+    import re
+
+    frame = re.search(r'<iframe src="data:text/html;base64,([A-Za-z0-9+/=]+)"', _outputs(shown, "text/html"))
+    assert frame is not None
+    page = base64.b64decode(frame.group(1)).decode("utf-8")
+    data = json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', page, re.S)[1])
+    assert {"importance/lrp", "functions/positional/share", "aggregate/mean_distance"} <= {h["id"] for h in data["heatmaps"]}
+    assert [e["source"] for e in data["attention"]["sentences"]] == ["the old dog quickly chased a red ball",
+                                                                     "cats sleep here", "birds sing and fish swim"]
+    means = _outputs(_cell(notebook, "frame = analysis.to_pandas()"), "text/html")
+    assert "<table" in means and all(f"<th>{m}</th>" in means for m in ("confidence", "gradient", "lrp"))
+    assert "syntactic" in _outputs(_cell(notebook, "analysis.heads()"), "text/html")  # a label column of heads.csv
+    pruned = _cell(notebook, "lrp = headlab.importance(")
+    assert _outputs(pruned, "text/plain").startswith("HeadScores(lrp of GPT2LMHeadModel: dec_self 2x4")
+    printed = _outputs(pruned, "stdout")
+    kept = ast.literal_eval(printed.split("heads kept in the pruned layers: ")[1].splitlines()[0])  # {(kind, layer): [head, ...]}
+    assert 8 - sum(4 - len(heads) for heads in kept.values()) == 6  # layers left out keep all 4 heads
+    before, after = map(int, printed.split("parameters: ")[1].split()[::2])
+    assert after < before
+    assert "read back the same tables and labels: True" in _outputs(_cell(notebook, "with tempfile"), "stdout")
 
 
 def test_readme_python_api_runs_as_written(tmp_path, monkeypatch):

@@ -16,12 +16,13 @@ from tokenizers import processors
 
 from headlab import HeadScores, attention_blocks, gates_attached
 from headlab.cli import main
+from headlab.data.inputs import make_batches, read_labelled_data
 from headlab.errors import HeadlabError
 from headlab.gates import ConstantGates, ScalarGates
 from headlab.importance.common import forward_logits
-from headlab.importance.data import describe_model, make_batches, read_labelled_data
 from headlab.importance.registry import MEASURES
 from headlab.loading import load_model, load_tokenizer
+from headlab.model_description import describe_model
 from support.treebank import word_tokenizer
 
 WORDS = ["yes", "the", "a", "cat", "dog", "runs", "sleeps", "big", "small", "red", "blue", "sees", "house", "tree"]
@@ -194,7 +195,7 @@ def test_lrp_targets_are_the_predicted_class_logits(family):
         model = tf.RobertaForSequenceClassification(config).eval()
     info = describe_model(model)
     assert info.arch == "classifier" and info.has_lm_head
-    from headlab.importance.data import ImportanceData
+    from headlab.data.inputs import ImportanceData
 
     data = ImportanceData.from_ids([[5, 6, 7, 8, 9], [10, 11, 12]])
     data.classes = [0, 2]

@@ -141,6 +141,26 @@ def test_bootstrap_standard_error_behaves_as_one():
     assert np.isnan(bootstrap_stderr(x, ones, 0, 0)).all()
 
 
+
+def test_bootstrap_standard_error_agrees_with_scipy():
+    """The hand-written bootstrap stays (its multinomial weights are a matrix product: 0.13 s
+    where scipy.stats.bootstrap took 4.8 s at 60 sentences x 384 heads x 4000 resamples, and
+    its seeded stream fixes the standard errors already written): scipy's, resampling the
+    same sentences in pairs (sums, counts), gives the same standard error up to Monte Carlo
+    noise, with targets per sentence from 1 to 29."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(1)
+    counts = rng.integers(1, 30, size=60).astype(float)
+    sums = (rng.normal(size=(60, 8)) + rng.gamma(2, size=(60, 1))) * counts[:, None]
+    ours = bootstrap_stderr(sums, counts, resamples=4000, seed=0)
+    theirs = scipy_stats.bootstrap((sums, counts[:, None]), lambda s, c, axis: s.sum(axis) / c.sum(axis),
+                                   paired=True, vectorized=True, n_resamples=4000, method="percentile", rng=0,
+                                   axis=0).standard_error
+    # Each estimate's relative Monte Carlo error is about 1 / sqrt(2 * 4000) = 1.1%.
+    np.testing.assert_allclose(ours, theirs, rtol=0.06)
+    assert abs(float(np.mean(ours / theirs)) - 1) < 0.03
+
+
 def test_lrp_writes_its_standard_error_beside_the_scores(tmp_path):
     model, info, _ = _prepared("llama", _data())
     same = ImportanceData.from_ids([list(range(3, 12))] * 5)

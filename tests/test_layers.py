@@ -27,17 +27,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab._version", "headlab._lazy", "headlab.errors", "headlab.options", "headlab.plugins"),
     # Training options are plain values (the Hard Concrete gates' defaults live with them).
     ("headlab.heads", "headlab.display", "headlab.resume", "headlab.preflight", "headlab.lock", "headlab.outdir",
-     "headlab.shard", "headlab.nmt.config", "headlab.pruning.config"),
+     "headlab.shard", "headlab.nmt.config", "headlab.training.config", "headlab.pruning.config"),
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
      "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable", "headlab.portable_code",
-     "headlab.pruning.hard_concrete"),
-    ("headlab.data",),
+     "headlab.pruning.hard_concrete", "headlab.model_description"),
+    # What the features share: data and batches, and the training engine (every trainer's loop and losses).
+    ("headlab.data", "headlab.training"),
     ("headlab.importance", "headlab.functions", "headlab.aggregate", "headlab.pruning", "headlab.nmt", "headlab.lm",
      "headlab.parse"),
-    ("headlab.pipeline", "headlab.report", "headlab.reproduce", "headlab.api"),
-    ("headlab.cli", "headlab.__main__", "headlab.commands", "headlab.demo", "headlab.reproduce.pipeline", "*.cli"),
+    ("headlab.pipeline", "headlab.report", "headlab.api"),
+    ("headlab.cli", "headlab.__main__", "headlab.commands", "headlab.demo", "*.cli"),
 )
 """Bottom to top; a module belongs to the layer of its longest matching prefix."""
 
@@ -239,3 +240,35 @@ def test_the_readmes_layer_table_is_this_tests():
         named = set(re.findall(r"`([^`]+)`", table[index]))
         expected = {p.removeprefix("headlab.") for p in prefixes}
         assert named == expected, (index, sorted(named ^ expected))
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module an ``import`` statement of ``path`` names (absolute imports; any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_headlab_never_imports_the_reproduction():
+    """The paper's reproduction (``reproduction/`` at the repository root, not installed) uses
+    headlab; headlab, which users install without it, must not import it, not even lazily."""
+    offenders = sorted(f"{name} imports {target}" for name, (path, _) in MODULES.items()
+                       for target in _imported_names(path) if target.split(".")[0] == "reproduction")
+    assert not offenders, offenders
+    assert (SRC.parent / "reproduction" / "__init__.py").is_file()  # the reproduction is where this test says
+
+
+def test_the_reproduction_is_not_installed_with_headlab():
+    """pyproject finds the wheel's packages under src/ only: ``reproduction`` stays in the checkout."""
+    import re
+
+    from setuptools import find_packages
+
+    pyproject = (SRC.parent / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'\[tool\.setuptools\.packages\.find\]\nwhere = \["src"\]\n', pyproject)
+    packages = find_packages(where=str(SRC))
+    assert "headlab" in packages and not [p for p in packages if p.split(".")[0] in ("reproduction", "tests")]

@@ -18,7 +18,7 @@ from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMConfig, build_lm_config, create_lm
 from headlab.lm.train import LMRecipe, perplexity, run_lm_recipe
 from headlab.nmt.tokenizer import train_tokenizer
-from headlab.nmt.train import TrainConfig
+from headlab.training.config import TrainConfig
 from support.nmt import DATA
 
 TRAIN = DATA / "val.en.gz"  # 1,014 sentences, in the repository

@@ -93,7 +93,8 @@ def test_help_imports_neither_torch_nor_transformers():
 
 
 def test_headlab_generate_calls_do_not_warn_about_max_length():
-    from headlab.importance.data import describe_model, read_data, translate_data
+    from headlab.data.inputs import read_data, translate_data
+    from headlab.model_description import describe_model
 
     model = tiny_model("marian")
     model.generation_config.max_length = 256  # as in the bundled models' generation_config.json

@@ -19,8 +19,9 @@ def _worker(out_dir: str) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
-    from headlab.nmt.train import TrainConfig, train
+    from headlab.nmt.train import train
     from headlab.shard import before_joining
+    from headlab.training.config import TrainConfig
     from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
     before_joining()  # as headlab.shard.new_accelerator does

@@ -7,17 +7,13 @@ import torch
 from safetensors.torch import load_file
 
 from headlab.cli import main
-from headlab.data.batching import length_batches, make_batches
+from headlab.data.batching import length_batches, token_budget_batches
 from headlab.errors import HeadlabError
-from headlab.nmt.train import (
-    TrainConfig,
-    collate,
-    encode_corpus,
-    evaluate_loss,
-    inverse_sqrt_lr,
-    label_smoothed_loss,
-    train,
-)
+from headlab.nmt.train import train
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import collate, encode_corpus
+from headlab.training.loop import inverse_sqrt_lr
+from headlab.training.losses import evaluate_loss, label_smoothed_loss
 from support.nmt import DATA
 from support.nmt import tiny_marian as tiny_model
 
@@ -35,13 +31,13 @@ def weights(model):
 
 def test_batches_are_token_bounded_deterministic_and_sharded(corpus, tokenizer):
     encoded = encode_corpus(tokenizer, corpus)
-    batches = make_batches(encoded, 300, seed=1, epoch=0)
+    batches = token_budget_batches(encoded, 300, seed=1, epoch=0)
     assert sorted(i for b in batches for i in b) == list(range(len(encoded)))
     assert all(sum(len(encoded.targets[i]) for i in b) <= 300 for b in batches)
-    assert batches == make_batches(encoded, 300, seed=1, epoch=0)
-    assert batches != make_batches(encoded, 300, seed=1, epoch=1)
-    rank0 = make_batches(encoded, 300, seed=1, epoch=0, rank=0, world_size=2)
-    rank1 = make_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
+    assert batches == token_budget_batches(encoded, 300, seed=1, epoch=0)
+    assert batches != token_budget_batches(encoded, 300, seed=1, epoch=1)
+    rank0 = token_budget_batches(encoded, 300, seed=1, epoch=0, rank=0, world_size=2)
+    rank1 = token_budget_batches(encoded, 300, seed=1, epoch=0, rank=1, world_size=2)
     assert len(rank0) == len(rank1) == len(batches) // 2
     assert not {i for b in rank0 for i in b} & {i for b in rank1 for i in b}
 
@@ -125,6 +121,20 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, corpus, tokeni
     assert record["tokens_seen"] == whole["tokens_seen"]
     # speed x minutes: the tokens of both parts of the epoch
     assert record["tokens_per_s"] * record["epoch_minutes"] * 60 == pytest.approx(whole["tokens_seen"], rel=1e-6)
+
+
+def test_a_resume_of_a_run_already_at_max_steps_makes_no_update(tmp_path, corpus, tokenizer):
+    """A run stopped by --max-steps and resumed with the same limit stays where it was (it made one
+    more update: 23 became 24)."""
+    out = tmp_path / "run"
+    first = train(tiny_model(tokenizer), tokenizer, corpus, None, config(out, max_tokens=1000, max_steps=3))
+    assert first.step == 3
+    before = load_file(str(out / "last" / "model.safetensors"))
+    again = tiny_model(tokenizer, seed=123)
+    resumed = train(again, tokenizer, corpus, None, config(out, max_tokens=1000, max_steps=3, resume=True))
+    assert resumed.step == 3 and resumed.stopped == "max_steps"
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 3
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in before.items() if k in again.state_dict())
 
 
 def test_a_resume_that_changes_options_is_recorded(tmp_path, corpus, tokenizer):

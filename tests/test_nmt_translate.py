@@ -6,9 +6,10 @@ import torch
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.nmt.bleu import compute_scores
-from headlab.nmt.model import load_model
-from headlab.nmt.train import TrainConfig, train
+from headlab.nmt.model import load_translation_model
+from headlab.nmt.train import train
 from headlab.nmt.translate import translate
+from headlab.training.config import TrainConfig
 from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
 
 
@@ -50,8 +51,8 @@ def test_output_is_detokenized_text(trained):
 
 def test_saved_best_model_loads_and_translates_the_same(trained):
     model, tokenizer, best, corpus = trained
-    assert load_model(best).config._attn_implementation == "sdpa"
-    final = load_model(best.parent / "epochs" / "epoch-004")  # the weights the run ended with
+    assert load_translation_model(best).config._attn_implementation == "sdpa"
+    final = load_translation_model(best.parent / "epochs" / "epoch-004")  # the weights the run ended with
     assert translate(final, tokenizer, corpus.sources[:4], beam=2) == translate(model, tokenizer, corpus.sources[:4], beam=2)
 
 
@@ -112,7 +113,7 @@ def test_export_writes_a_from_pretrained_directory(trained, tmp_path, capsys):
 
 
 def test_average_command_writes_an_exportable_checkpoint(trained, tmp_path, capsys):
-    from headlab.nmt.train import average_checkpoints
+    from headlab.training.loop import average_checkpoints
 
     _, _, best, _ = trained
     run = best.parent
@@ -120,7 +121,7 @@ def test_average_command_writes_an_exportable_checkpoint(trained, tmp_path, caps
     assert main(["nmt", "average", "--run", str(run), "--last", "2", "--overwrite"]) == 0
     averaged = run / "averaged-last2"
     expected = average_checkpoints(epochs[-2:])
-    model = load_model(averaged)
+    model = load_translation_model(averaged)
     for name, value in model.state_dict().items():
         if name in expected:
             assert torch.equal(value, expected[name]), name

@@ -173,9 +173,9 @@ def test_tolerance_follows_the_dtype():
 
 
 def test_check_prunable_refuses_before_a_pruning_run_and_changes_nothing(tmp_path):
-    from headlab.nmt.train import TrainConfig
     from headlab.pruning.train import PruneConfig, prune_train
     from headlab.surgery import check_prunable
+    from headlab.training.config import TrainConfig
 
     config = PruneConfig(gates="all", train=TrainConfig(out_dir=str(tmp_path / "run"), progress=False))
     with pytest.raises(PruningNotExact, match="^cohere: "):

@@ -16,9 +16,9 @@ def _worker(out_dir: str) -> None:
     import torch
     from accelerate import Accelerator
 
-    from headlab.nmt.train import TrainConfig
     from headlab.pruning.train import PruneConfig, prune_train
     from headlab.shard import before_joining
+    from headlab.training.config import TrainConfig
     from support.nmt import tiny_corpus, tiny_marian, tiny_tokenizer
     torch.set_num_threads(1)
     before_joining()  # as headlab.shard.new_accelerator does

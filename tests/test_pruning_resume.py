@@ -17,9 +17,10 @@ import headlab.pruning.train as pruning_train
 from headlab import load_pruned
 from headlab.errors import HeadlabError
 from headlab.loading import load_model
-from headlab.nmt.train import TrainConfig, train
+from headlab.nmt.train import train
 from headlab.pruning.dev import read_dev_curve
 from headlab.pruning.train import PruneConfig, prune_train, read_trajectory
+from headlab.training.config import TrainConfig
 from support.nmt import tiny_marian
 
 # 23 updates an epoch at 400 tokens (300 pairs); checkpoints every 3 updates and at the epoch's end.

@@ -10,10 +10,11 @@ import torch
 from headlab import attach_gates, load_pruned
 from headlab.cli import main
 from headlab.errors import HeadlabError
-from headlab.nmt.train import TrainConfig, load_weights
 from headlab.pruning import HardConcreteGates, baselines
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.train import PruneConfig, encode_lm_corpus, export_pruned, prune_train, read_trajectory
+from headlab.training.config import TrainConfig
+from headlab.training.loop import load_weights
 from support.nmt import DATA
 from support.nmt import tiny_marian as marian
 
@@ -340,7 +341,7 @@ def test_michel_importance_equals_a_sentence_by_sentence_reference(corpus, token
     import numpy as np
 
     from headlab import ScalarGates, gates_attached
-    from headlab.nmt.train import collate, encode_corpus
+    from headlab.training.corpus import collate, encode_corpus
 
     model = marian(tokenizer).eval()
     small = corpus.subset(3)

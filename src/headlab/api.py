@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,10 +44,20 @@ DEFAULT_MEASURES = ("confidence", "lrp", "gradient")
 STATISTICS = ("functions", "aggregate")
 """What :func:`analyze` computes on a treebank."""
 
-# Directories of an analysis directory that an Analysis holds (small JSON and Markdown files);
-# attention/, figures/, prune/ and index.html stay on disk.
+# Directories of an analysis directory that an Analysis holds (small JSON and Markdown files), and
+# the first sentences of attention/ (for its viewer, up to VIEWER_BYTES); figures/, prune/,
+# index.html and the other sentences stay on disk.
 _HELD = ("importance", "functions", "aggregate")
 _MANIFEST = "manifest.json"
+
+VIEWER_BYTES = 600_000
+"""Attention data (bytes, as the report embeds it) an :class:`Analysis` holds for its viewer: the
+first sentences of ``attention/`` that fit. At 32 layers x 32 heads one 20-token sentence takes
+about 550 kB, so a notebook output stays far below :data:`PAGE_LIMIT`."""
+PAGE_LIMIT = 1_500_000
+"""The most bytes of report page that :meth:`Analysis._repr_html_` embeds: as a base64 ``data:``
+URL that is 2.0 MB, within Chromium's 2 MiB limit on URLs (a longer one shows a blank frame).
+Sentences of the viewer are dropped, last first, to fit."""
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -58,11 +69,11 @@ def _model_name(model: nn.Module) -> str:
 
 
 def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None) -> Any:
-    """:func:`~headlab.importance.data.describe_model`, with a head the checkpoint does not carry
+    """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
     counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
     from dataclasses import replace
 
-    from headlab.importance.data import checkpoint_has_lm_head, describe_model
+    from headlab.model_description import checkpoint_has_lm_head, describe_model
 
     info = describe_model(model, tokenizer, max_length=max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
@@ -123,7 +134,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
-    from headlab.importance.data import texts_data
+    from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
     config = _importance_config(measures, batch_size, progress, options)
@@ -208,15 +219,17 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
             frequency_texts: Iterable[str] | None = None, limit: int | None = None, treebank_limit: int | None = None,
             batch_size: int = 32, max_length: int | None = None, lrp_targets: int | None = None, lrp_seed: int = 0,
-            query_chunk: int | None = None, progress: bool = False, out: str | os.PathLike | None = None,
-            overwrite: bool = False) -> "Analysis":
+            query_chunk: int | None = None, attention_sentences: int = 3, progress: bool = False,
+            out: str | os.PathLike | None = None, overwrite: bool = False) -> "Analysis":
     """What ``headlab analyze`` computes, in one call: the importance ``measures`` of every head
     on ``texts`` (with their agreement), and the ``statistics`` (``functions``, ``aggregate``) on
     ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
     frequencies on ``frequency_texts``, by default ``texts``, as ``analyze`` counts them on
-    ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. With ``out``, the
-    files are also written there, as ``headlab analyze`` writes them (:meth:`Analysis.save`; an
-    earlier analysis there is replaced only with ``overwrite``)."""
+    ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. The attention of
+    the first ``attention_sentences`` texts is kept for the viewer of the report and of
+    :meth:`Analysis._repr_html_` (``headlab analyze --attention-sentences``, 20 there; 0: none).
+    With ``out``, the files are also written there, as ``headlab analyze`` writes them
+    (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``)."""
     from headlab.importance.measure_options import LRPOptions
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
@@ -230,6 +243,8 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     for name in statistics:
         if name not in STATISTICS:
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    if attention_sentences < 0:
+        raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
     texts = None if texts is None else _texts(texts)
@@ -240,7 +255,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     writers: list = []  # (stage, function(directory) -> paths)
 
     if texts is not None and measures:
-        from headlab.importance.data import texts_data
+        from headlab.data.inputs import texts_data
         from headlab.importance.pipeline import run_importance
 
         info = model_info(model, tokenizer, max_length)
@@ -276,6 +291,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
                                          max_length=max_length, query_chunk=query_chunk, progress=progress)
             writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
+    if texts is not None and attention_sentences:
+        writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
+                                                       query_chunk)))
 
     header = {"model": model_name, "source": "<texts>" if texts is not None else None,
               "target": "<targets>" if targets is not None else None,
@@ -299,6 +317,57 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             analysis = replace(Analysis.load(scratch), run="")
     analysis.skipped.update(skipped)
     return analysis
+
+
+def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Sequence[str] | None, n: int,
+                      query_chunk: int | None) -> Callable[[Path], list[Path]]:
+    """The attention stage of ``headlab analyze`` on in-memory texts: a function(directory) that
+    writes ``attention/`` (:func:`headlab.report.write_attention_examples`) and returns its paths."""
+    from headlab.report import write_attention_examples
+
+    # A classifier's pair of texts is shown joined, as the command shows a labelled TSV's.
+    sources = [text if isinstance(text, str) else " ".join(text) for text in texts]
+    seq2seq = model_info(model, tokenizer).is_seq2seq
+    references = _texts(targets)[: len(sources)] if targets is not None and seq2seq else None
+
+    def write(directory: Path) -> list[Path]:
+        written = write_attention_examples(model, tokenizer, sources, references, directory / "attention",
+                                           max_sentences=n, query_chunk=query_chunk)
+        return [directory / path for path in written]
+
+    return write
+
+
+def _held_attention(directory: Path) -> dict[str, bytes]:
+    """``attention/index.json`` and the first sentences it lists that fit :data:`VIEWER_BYTES` (as
+    the report embeds them), the index trimmed to those; nothing when there is no readable index."""
+    from headlab.report.build import json_for_script
+
+    try:
+        index = json.loads((directory / "attention" / "index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(index, dict) or not isinstance(index.get("sentences"), list):
+        return {}
+    held: dict[str, bytes] = {}
+    kept, used = [], 0
+    for entry in index["sentences"]:
+        name = Path(str(entry.get("file", ""))).name if isinstance(entry, dict) else ""
+        try:
+            content = (directory / "attention" / name).read_bytes() if name else b""
+            size = len(json_for_script(json.loads(content)))
+        except (OSError, ValueError):
+            continue  # the report notes an unreadable sentence; the analysis leaves it out
+        if used + size > VIEWER_BYTES:
+            break
+        held[f"attention/{name}"] = content
+        kept.append(entry)
+        used += size
+    # How many the directory has, for the notebook's caption (a held subset saved and loaded keeps it).
+    total = index.get("sentences_in_directory", len(index["sentences"]))
+    held["attention/index.json"] = (json.dumps({**index, "sentences": kept, "sentences_in_directory": total},
+                                               indent=1) + "\n").encode("utf-8")
+    return held
 
 
 def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: bool) -> None:
@@ -344,8 +413,9 @@ class Analysis:
     function labels, the agreement between measures, and the files they came from.
 
     ``files`` holds the analysis directory's ``importance/``, ``functions/`` and ``aggregate/``
-    files (relative path -> bytes) and its manifest, so that :meth:`save` writes back what
-    :meth:`load` read, in the layout of ``headlab analyze``."""
+    files (relative path -> bytes), the first sentences of ``attention/`` (up to
+    :data:`VIEWER_BYTES`) and its manifest, so that :meth:`save` writes back what :meth:`load`
+    read, in the layout of ``headlab analyze``."""
 
     model: str = ""
     tables: dict[str, HeadScores] = field(default_factory=dict)
@@ -375,6 +445,7 @@ class Analysis:
                     inside = path.relative_to(directory)
                     if path.is_file() and not any(part.startswith(".") for part in inside.parts):
                         files[inside.as_posix()] = path.read_bytes()
+        files.update(_held_attention(directory))
         if (directory / _MANIFEST).is_file():
             files[_MANIFEST] = (directory / _MANIFEST).read_bytes()
         if not files:
@@ -382,7 +453,7 @@ class Analysis:
                                "or manifest.json)")
         documents: list[tuple[str, object]] = []
         for relative, content in files.items():
-            if relative.endswith(".json") and relative != _MANIFEST:
+            if relative.endswith(".json") and relative != _MANIFEST and not relative.startswith("attention/"):
                 try:
                     documents.append((relative, json.loads(content)))
                 except ValueError as error:
@@ -481,36 +552,90 @@ class Analysis:
             lines.append(f"  skipped {name}: {reason}")
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
+    def report_html(self) -> str:
+        """The report of ``headlab analyze`` (:func:`headlab.report.build_report`) for this analysis
+        as one self-contained page: the heatmaps, function labels, agreement and the attention
+        viewer on the held sentences, with no file beside it and nothing from the network. At most
+        :data:`PAGE_LIMIT` bytes: the viewer's sentences are dropped, last first, to fit (a
+        heads x layers map is never dropped; a page too large without them raises HeadlabError)."""
+        return self._report_page()[0]
+
+    def _report_page(self) -> tuple[str, int]:
+        """:meth:`report_html`'s page and the number of attention sentences it shows."""
         from html import escape
 
-        from headlab.display import heatmaps_html, table_html
+        from headlab.report import build_report
 
-        marks: dict[str, dict[tuple[int, int], str]] = {}
-        for key, found in self.labels.items():
-            if found:
-                kind, layer, head = key.split(":")
-                marks.setdefault(kind, {})[(int(layer), int(head))] = ", ".join(found)
-        maps_of = ("positional_share", "syntactic_margin", "rare_tokens_rarest", "mean_distance", "mean_entropy",
-                   "dependency_alignment")
-        shown = [*(m for m in self.measures if not m.endswith(("_raw", "_stderr"))),
-                 *(n for n in maps_of if n in self.tables)]
-        maps = [(f"{name} {kind}", table[kind], marks.get(kind)) for name in shown
-                for table in (self.tables[name],) for kind in table.kinds]
-        parts = [f"<div><b>{escape(repr(self).splitlines()[0])}</b></div>",
-                 heatmaps_html(maps, "layers (rows) x heads (columns); a dot: the head has a function (hover "
-                                     "for its labels and score)")]
-        labelled = [(key.replace(":", " L", 1).replace(":", " H"), ", ".join(found))
-                    for key, found in self.labels.items() if found]
-        if labelled:
-            parts.append(table_html(["head", "functions"], labelled[:40]))
-        if self.agreement and self.agreement.get("matrix", {}).get("all"):
-            names = self.agreement["measures"]
-            rows = [[m, *("n/a" if v is None else f"{v:+.2f}" for v in row)]
-                    for m, row in zip(names, self.agreement["matrix"]["all"])]
-            parts.append("<div>Spearman correlation between the measures, all heads</div>"
-                         + table_html(["", *names], rows))
-        return "".join(parts)
+        shown = self._viewer_sentences()
+        with tempfile.TemporaryDirectory(prefix="headlab-report-") as scratch:
+            target = Path(scratch) / "analysis"
+            while True:
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir()  # an empty analysis too: a report that says what is missing
+                self._write_files(target, shown)
+                # Every sentence inlined: a data: URL page cannot load attention/*.js beside it.
+                page = (build_report(target, inline_limit=PAGE_LIMIT).read_text(encoding="utf-8")
+                        .replace(escape(str(target)), escape(self.run or "(in memory)")))
+                size = len(page.encode("utf-8"))
+                if size <= PAGE_LIMIT or not shown:
+                    break
+                excess = size - PAGE_LIMIT
+                while shown and excess > 0:  # last first, until about enough bytes go
+                    excess -= len(self.files[shown.pop()])
+        if size > PAGE_LIMIT:
+            raise HeadlabError(f"the report of this analysis takes {size / 1e6:.1f} MB without attention "
+                               f"examples, more than a notebook embeds ({PAGE_LIMIT / 1e6:.1f} MB); write it with "
+                               "save(directory, report=True) and open index.html")
+        return page, len(shown)
+
+    def _viewer_sentences(self) -> list[str]:
+        """The held attention sentences (``attention/sentence-NNN.json``), in the index's order."""
+        try:
+            index = json.loads(self.files["attention/index.json"])
+            names = [f"attention/{Path(str(entry['file'])).name}" for entry in index["sentences"]]
+        except (KeyError, TypeError, ValueError):
+            return []
+        return [name for name in names if name in self.files]
+
+    def _write_files(self, target: Path, sentences: list[str]) -> None:
+        """The held files under ``target``, of the attention examples only ``sentences`` (the
+        index trimmed to them)."""
+        for relative, content in self.files.items():
+            if relative.startswith("attention/sentence-") and relative not in sentences:
+                continue
+            if relative == "attention/index.json":
+                index = json.loads(content)
+                index["sentences"] = [e for e in index["sentences"]
+                                      if f"attention/{Path(str(e.get('file', ''))).name}" in sentences]
+                content = json.dumps(index).encode("utf-8")
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            (target / relative).write_bytes(content)
+
+    def _repr_html_(self) -> str:
+        """In Jupyter: the report of this analysis (:meth:`report_html`) in a frame, as a base64
+        ``data:`` URL, so that its styles and script stay inside it and its links work (a
+        ``srcdoc`` frame resolves ``#section`` links against the notebook's address). Too large
+        a report: the text summary and how to write the report."""
+        import base64
+        from html import escape
+
+        try:
+            page, shown = self._report_page()
+        except HeadlabError as too_large:
+            return f"<pre>{escape(repr(self))}</pre><p>{escape(str(too_large))}</p>"
+        url = "data:text/html;base64," + base64.b64encode(page.encode("utf-8")).decode("ascii")
+        title = escape(f"headlab report: {self.model or 'analysis'}", quote=True)
+        try:
+            total = int(json.loads(self.files["attention/index.json"])["sentences_in_directory"])
+        except (KeyError, TypeError, ValueError):
+            total = shown
+        viewer = (f" The attention viewer shows {shown} of the {total} example sentences: a notebook output holds "
+                  f"{PAGE_LIMIT / 1e6:.1f} MB at most; the analysis directory's own report shows every one."
+                  if shown < total else "")
+        return (f'<iframe src="{url}" title="{title}" style="width:100%;height:760px;border:1px solid #ccc"></iframe>'
+                f'<div style="font-size:11px;color:#555">{escape(repr(self).splitlines()[0])}. The report of '
+                "<code>headlab analyze</code>, self-contained (no network); "
+                f"<code>analysis.save(directory, report=True)</code> writes it as index.html.{escape(viewer)}</div>")
 
 
 def _label_suffix(labels: Mapping[str, list[str]], key: tuple[str, int, int]) -> str:

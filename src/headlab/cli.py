@@ -37,7 +37,6 @@ COMMAND_MODULES = (
     "headlab.parse.cli",
     "headlab.pruning.cli",
     "headlab.pipeline.cli",
-    "headlab.reproduce.cli",
     "headlab.demo",
 )
 
@@ -60,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 STARTUP_INTERRUPTED = "headlab: interrupted while starting; nothing was done"
 
+# The paper's reproduction left the package (issue 33): `headlab reproduce`, no longer in --help, says where it went.
+REPRODUCE_MOVED = ("headlab reproduce: the reproduction of Voita et al. 2019 is no longer part of the headlab package; "
+                   "run `python -m reproduction` (same options) from the root of a headlab checkout "
+                   "(docs/reproduction.md)")
+
 
 def main(argv: list[str] | None = None) -> int:
     watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
@@ -71,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if [a for a in argv if not a.startswith("-")][:1] == ["reproduce"]:
+        print(REPRODUCE_MOVED, file=sys.stderr)
+        return 2
+    parser = build_parser()
     # A command module may define rewrite_argv(argv) -> argv to keep an older command form
     # working (headlab.pruning.cli: `prune MODEL ...` -> `prune apply MODEL ...`).
     for name in COMMAND_MODULES:

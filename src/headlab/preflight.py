@@ -14,7 +14,8 @@ from pathlib import Path
 
 from headlab.errors import HeadlabError
 
-__all__ = ["input_file", "output_dir", "output_file", "at_least", "model_dir", "stream_bytes", "text_problem"]
+__all__ = ["input_file", "output_dir", "output_file", "at_least", "query_chunk", "model_dir", "stream_bytes",
+           "text_problem"]
 
 HEAD = 1 << 16
 """How much of a text file the checks look at (its encoding and line ends)."""
@@ -151,6 +152,13 @@ def at_least(value: int | float | None, minimum: int | float, flag: str) -> None
     """An option that must be at least ``minimum`` (``None``: not given, fine)."""
     if value is not None and value < minimum:
         raise HeadlabError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def query_chunk(value: int | None) -> None:
+    """``--query-chunk``: None (whole attention maps) or at least one query row per chunk; every
+    command and option class that takes it checks it here."""
+    if value is not None and value < 1:
+        raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {value}")
 
 
 def model_dir(name: str, flag: str = "model") -> None:

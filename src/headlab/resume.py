@@ -1,4 +1,4 @@
-"""What the resumable stages of ``headlab analyze`` and ``headlab reproduce`` share.
+"""What the resumable stages of ``headlab analyze`` and the paper's reproduction (``python -m reproduction``) share.
 
 A stage is finished when its *marker*, a small JSON file, exists (and, for ``analyze``, records
 the same key: a hash of the inputs and options the stage depends on). Markers are written last
@@ -25,7 +25,7 @@ _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by s
 class SkipStage(Exception):
     """A stage cannot run on this model or input (yet); the message is the reason.
 
-    ``headlab analyze`` records the stage as skipped, ``headlab reproduce`` as not run.
+    ``headlab analyze`` records the stage as skipped, the reproduction as not run.
     """
 
 

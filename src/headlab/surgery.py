@@ -503,6 +503,12 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     """Refuse, before anything changes, a block whose projections the slicing here does not know.
     Fused projections are sliced in every layout of adapters.families.QKV_LAYOUTS (the adapter
     refuses a width that does not fit its layout)."""
+    if block.qkv is None and block.q is None and block.n_heads:  # found at run time, its projections not tied
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "
+            "unknown (no family table, and discovery did not find one query, one key and one value projection of "
+            "the heads' widths feeding the attention function); mask the heads instead (mask_heads, or headlab "
+            "prune train's gates)")
     if block.qkv is not None and block.family.qkv_layout not in QKV_LAYOUTS:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "

@@ -84,4 +84,4 @@ def forbid_model_loading(monkeypatch) -> None:
         raise AssertionError("the model was loaded although the command should have refused first")
 
     monkeypatch.setattr(headlab.loading, "load_model", refuse)
-    monkeypatch.setattr(headlab.nmt.model, "load_model", refuse)  # headlab.commands imports it when it runs
+    monkeypatch.setattr(headlab.nmt.model, "load_translation_model", refuse)  # nmt translate/evaluate load with it

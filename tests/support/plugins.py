@@ -22,13 +22,14 @@ from torch import nn
 
 from headlab.adapters import attention_blocks
 from headlab.data.alignment import AttentionView
+from headlab.data.inputs import ImportanceData
 from headlab.errors import HeadlabError
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import Labels, Statistic, empty_labels
 from headlab.heads import HeadScores, head_scores, read_json
-from headlab.importance.data import ImportanceData, ModelInfo
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.registry import MEASURES
+from headlab.model_description import ModelInfo
 from headlab.options import option
 from headlab.plugins import Output
 from headlab.report.collect import Collected

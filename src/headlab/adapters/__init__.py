@@ -2,8 +2,9 @@
 
 :func:`attention_blocks` returns one :class:`AttentionBlock` per attention layer, in forward
 order, with its kind, layer, head counts and projection modules. Known ``model_type`` values
-use the declarative tables of :mod:`headlab.adapters.families`; any other model goes through
-one generic discovery path. Either way every block is checked against its weight shapes, so
+use the declarative tables of :mod:`headlab.adapters.families`; any other model is found at run
+time from one probe forward pass through transformers' attention interface
+(:mod:`headlab.adapters.discovery`). Either way every block is checked against its weight shapes, so
 a model gets the right answer or a :class:`~headlab.errors.HeadlabError` naming what could not
 be found, never a silent wrong one.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headlab.adapters.discovery import Discovered, discover, ran
 from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
@@ -153,6 +155,81 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
             break
 
 
+def _discovered_candidates(model: nn.Module) -> list:
+    """``(kind, layer, name, module, family)`` of every module that the probe forward
+    (:func:`headlab.adapters.discovery.discover`) saw calling transformers' attention interface.
+
+    A module that looks like attention by its projections' names but did not call the interface
+    is refused, as is one whose heads' outputs do not reach the output projection as they are.
+    Where no module calls the interface (transformers' own older modeling code: RoFormer, XGLM,
+    MPT...) or the probe cannot run (a meta-device model whose forward reads values), a model
+    class that transformers ships keeps the name-based discovery of :data:`_GENERIC_SCHEMES`;
+    any other model is refused.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None) or type(model).__name__
+    named = list(_generic_candidates(model))
+    where = f"{type(model).__name__} (model_type {model_type!r})"
+    try:
+        found = discover(model)
+    except HeadlabError as error:
+        if named and _ships_with_transformers(model):
+            return named
+        raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
+    if not found:
+        if named and _ships_with_transformers(model):
+            return named
+        if named:
+            raise HeadlabError(f"{where}: {_outside(named[0])}")
+        raise HeadlabError(
+            f"{where}: found no attention block: no module of it called transformers' attention interface "
+            "(ALL_ATTENTION_FUNCTIONS) in a probe forward pass, and no family table describes it: headlab finds the "
+            "heads of a model it has no table for through that interface only")
+    candidates = []
+    for item in found:
+        if item.problem:
+            raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
+        candidates.append(_discovered(model, config, model_type, item))
+    seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
+    for candidate in named:
+        name, module = candidate[2], candidate[3]
+        if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
+            continue
+        if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
+            candidates.append(candidate)
+            continue
+        if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention): as before
+            candidates.append(candidate)
+            continue
+        raise HeadlabError(f"{where}: {_outside(candidate)}")
+    return candidates
+
+
+def _outside(candidate: tuple) -> str:
+    name, module = candidate[2], candidate[3]
+    return (f"{name} ({type(module).__name__}) has query/key/value/output projections but did not call transformers' "
+            "attention interface (ALL_ATTENTION_FUNCTIONS) in a probe forward pass, and no family table describes it: "
+            "headlab cannot tell what its heads are")
+
+
+def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered) -> tuple:
+    module = model.get_submodule(item.name)
+    layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", item.name)
+    if not layer:
+        raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}): attention module {item.name!r} has no "
+                           "layer index in its path")
+    family = Family(
+        name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
+        d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
+    )
+    return _guess_kind(item.name, module, config), int(layer[-1]), item.name, module, family
+
+
+def _ships_with_transformers(model: nn.Module) -> bool:
+    """The model's class is transformers' own modeling code (not a hub repository's)."""
+    return type(model).__module__.startswith("transformers.models.")
+
+
 def _guess_kind(name: str, module: nn.Module, config: Any) -> str:
     lowered = name.lower()
     if "decoder" in lowered:
@@ -181,7 +258,7 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     o = _get(module, family.o)
     if core is None or o is None:
         raise HeadlabError(f"{where}: no {'core ' + family.core if core is None else family.o!r} module")
-    d_head = getattr(core, family.d_head_attr, None)
+    d_head = family.d_head or getattr(core, family.d_head_attr, None)
     if not isinstance(d_head, int) or d_head <= 0:
         raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
     if family.qkv:
@@ -198,6 +275,9 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             raise HeadlabError(f"{where}: a per-head [q|k|v] projection of width {width} needs as many key/value "
                                f"heads as query heads (output projection input {q_width})")
         q = k = v = None
+    elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
+        qkv = q = k = v = None
+        q_width, kv_width = in_features(o), family.kv_heads * d_head
     else:
         qkv = None
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
@@ -242,7 +322,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
     family = family_for(config)
-    candidates = list(_table_candidates(model, family) if family else _generic_candidates(model))
+    candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
     if not candidates:
         raise HeadlabError(
             f"{type(model).__name__} (model_type {model_type!r}): found no attention block "

@@ -52,6 +52,11 @@ class Family:
     residual_argument: tuple[str, int] | None = None
     """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
     ``residual``): a layer left with no head still adds it."""
+    d_head: int = 0
+    """The head size, where run-time discovery measured it (0: read ``d_head_attr``)."""
+    kv_heads: int = 0
+    """Key/value heads measured by run-time discovery, for a block whose key projection it could
+    not name (no ``q``/``k``/``v``, no ``qkv``: analysis and masking only)."""
 
 
 QKV_LAYOUTS = {

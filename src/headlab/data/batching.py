@@ -1,5 +1,6 @@
 """Which sentences go into one batch: the trainers' token-budget batches and the analyses'
-length-sorted batches of a fixed number of sentences. Every batching of headlab is here."""
+length-sorted batches of a fixed number of sentences. Every grouping of sentences into batches
+is here (the padded tensors of the importance measures' batches: :mod:`headlab.data.inputs`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 
 from headlab.errors import HeadlabError
 
-__all__ = ["make_batches", "length_batches", "with_progress"]
+__all__ = ["token_budget_batches", "length_batches", "with_progress"]
 
 
-def make_batches(
+def token_budget_batches(
     corpus: Any,
     max_tokens: int,
     *,

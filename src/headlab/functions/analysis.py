@@ -67,9 +67,10 @@ from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
 from headlab.heads import atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
+from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
 
-__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads", "model_max_length"]
+__all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,28 +200,6 @@ class HeadAnalysis:
         return paths
 
 
-def model_max_length(model, tokenizer) -> int:
-    """The longest input the model takes: its position table, or the tokenizer's limit."""
-    candidates = []
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            candidates.append(value)
-            break
-    value = getattr(tokenizer, "model_max_length", None)
-    if isinstance(value, int) and 0 < value < 1_000_000:
-        candidates.append(value)
-    if not candidates:
-        return 512
-    length = min(candidates)
-    # RoBERTa-style position tables reserve padding_idx + 1 rows.
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") \
-            and length == getattr(config, "max_position_embeddings", 0):
-        length -= (getattr(config, "pad_token_id", 1) or 1) + 1
-    return length
-
-
 def _batched(iterator: Iterator, size: int) -> Iterator[list]:
     while True:
         batch = list(islice(iterator, size))
@@ -248,7 +227,10 @@ def analyze_heads(
     """Stream a treebank through ``model`` once and compute head functions and statistics.
 
     ``frequencies`` enables rare-token heads. ``on_batch(n)`` is called after each batch with
-    the number of sentences read so far. See the module docstring for what is analysed.
+    the number of sentences read so far. See the module docstring for what is analysed. The
+    stages: which attention is analysed on which side (:func:`_analysed_sides`), the statistics
+    (:func:`_statistics`), the example stream (:func:`_examples`), the batches through the model
+    with the statistics fed by a :class:`_Feeder`, and the results with their signature.
     """
     config = config or AnalysisConfig()
     seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
@@ -260,15 +242,59 @@ def analyze_heads(
         raise HeadlabError("decoder analysis needs the source sentences: give the source CoNLL-U or a "
                            "source text file, one sentence per line, aligned with the target parses")
     check_tokenizer_fits(tokenizer, model, model_name or type(model).__name__)
+    sides, blocks = _analysed_sides(model, seq2seq, conllu is not None, target_conllu is not None)
+    max_length = config.max_length or model_max_length(model, tokenizer)
+    report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
+                       max_length=max_length)
+    shard = active()
+    stats = _statistics(config, frequencies, shard, report)
+
+    counts = {name: TreebankCounts() for name in ("source", "target")}
+    bar = _progress_bar(config, conllu, target_conllu) if progress and shard.main else None
+    feeder = _Feeder(sides, stats, report, next(model.parameters()).device)
+    capture = feeder.capture(model, config, blocks)
+    started = time.perf_counter()
+    stream = _examples(conllu, target_conllu, source_text, report.problems, counts)
+    if config.max_sentences is not None:
+        stream = islice(stream, config.max_sentences)
+    try:
+        # eval mode: attention dropout would blur the probabilities
+        with eval_mode(model), capture, torch.inference_mode():
+            _run_batches(model, tokenizer, stream, feeder, config, max_length, target_conllu is not None, shard, bar,
+                         on_batch)
+        if shard.split:
+            _combine(shard, report, stats)
+        report.seconds = time.perf_counter() - started
+        if config.engine is None:  # fused by default (--query-chunk): the files a chunked run always wrote; logged
+            report.chunked_statistics = {}
+        report.treebanks = {
+            str(path): counts[name].to_json()
+            for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
+        }
+        signature = _signature(report, config, target_conllu or conllu, max_length)
+        results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
+        return HeadAnalysis(config=config, report=report, model=model_name, results=results)
+    finally:
+        if bar is not None:
+            bar.close()
+        for stat in stats.values():
+            if hasattr(stat, "close"):
+                stat.close()
+
+
+def _analysed_sides(model, seq2seq: bool, source: bool, target: bool) -> tuple[dict[str, str], list]:
+    """Which attention kind is analysed on which side (``{kind: "source" | "target"}``) and its
+    blocks: an encoder-decoder's encoder self-attention on the source parses, its decoder
+    self-attention on the target parses; a single stack's self-attention on the parses."""
     all_blocks = attention_blocks(model)
     sides: dict[str, str] = {}  # kind -> "source" | "target"
     for block in all_blocks:
         if seq2seq:
-            if block.kind == "enc_self" and conllu is not None:
+            if block.kind == "enc_self" and source:
                 sides[block.kind] = "source"
-            elif block.kind == "dec_self" and target_conllu is not None:
+            elif block.kind == "dec_self" and target:
                 sides[block.kind] = "target"
-        elif block.kind in ("enc_self", "dec_self") and conllu is not None:
+        elif block.kind in ("enc_self", "dec_self") and source:
             sides[block.kind] = "source"
     blocks = [b for b in all_blocks if b.kind in sides]
     if not blocks:
@@ -276,115 +302,186 @@ def analyze_heads(
     if not any(b.n_heads for b in blocks):  # every analysed layer pruned to zero heads: all tables would be empty
         raise HeadlabError(f"every {' and '.join(sorted(sides))} head of the model was pruned; there is no head "
                            "to analyse on the given data")
-    max_length = config.max_length or model_max_length(model, tokenizer)
-    report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
-                       max_length=max_length)
-    problems = report.problems
+    return sides, blocks
 
+
+def _statistics(config: AnalysisConfig, frequencies: TokenFrequencies | None, shard: Shard, report: RunReport) -> dict:
+    """The registry's statistics this run computes; a sharded run needs each to combine over
+    processes, and keeps every problem event (``report.problems`` becomes a :class:`_ProblemEvents`)."""
     stats = {name: stat for name, make in STATISTICS.items() if (stat := make(config, frequencies)) is not None}
-    shard = active()
     if shard.split:
         for name, stat in stats.items():
             if not hasattr(stat, "reduce"):
                 raise HeadlabError(f"the statistic {name} cannot be combined over processes (it has no reduce); "
                                    "run it in one process")
-        report.problems = problems = _ProblemEvents()
-    side_stats = [s for s in stats.values() if hasattr(s, "update_side")]
-    block_stats = list(stats.values())
+        report.problems = _ProblemEvents()
+    return stats
 
+
+def _examples(conllu, target_conllu, source_text, problems: ProblemLog,
+              counts: dict[str, TreebankCounts]) -> Iterator[tuple[Sentence | str | None, Sentence | None]]:
+    """The example stream: (source sentence | text, target sentence | None)."""
+    if target_conllu is None:
+        assert conllu is not None  # one of the two is given (checked by analyze_heads)
+        yield from ((s, None) for s in read_conllu(conllu, problems=problems, counts=counts["source"]))
+        return
+    # Paired: sentence n of the target goes with sentence (or line) n of the source; a
+    # malformed sentence on either side drops the pair, not the pairing.
+    target = read_conllu(target_conllu, problems=problems, counts=counts["target"], keep_place=True)
+    if conllu is not None:
+        source: Iterator[Sentence | str | None] = read_conllu(conllu, problems=problems, counts=counts["source"],
+                                                              keep_place=True)
+        source_name = str(conllu)
+    else:
+        assert source_text is not None  # paired with a target: a source treebank or text (checked by analyze_heads)
+        source = (line.strip() or None for line in read_lines(source_text))
+        source_name = str(source_text)
+    for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
+        if src is _END or tgt is _END:
+            longer, shorter = (source_name, target_conllu) if tgt is _END else (target_conllu, source_name)
+            problems.add("unpaired", Problem(str(longer), 0, f"has more sentences than {shorter} "
+                                             f"(from sentence {number} on); the extra ones are ignored"))
+            return
+        if src is None or tgt is None:
+            if src is None and conllu is None:
+                problems.add("malformed", Problem(source_name, number, "empty source line; pair skipped"))
+            continue
+        yield cast("Sentence | str", src), cast(Sentence, tgt)
+
+
+def _progress_bar(config: AnalysisConfig, conllu, target_conllu):
+    from tqdm.auto import tqdm
+
+    total = count_sentences(cast("str | Path | InMemoryTreebank", target_conllu or conllu))
+    if config.max_sentences is not None:
+        total = min(total, config.max_sentences)
+    return tqdm(total=total, unit="sent", desc="heads", leave=False)
+
+
+def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: AnalysisConfig, max_length: int,
+                 paired: bool, shard: Shard, bar, on_batch: Callable[[int], None] | None) -> None:
+    """Every batch of ``stream`` this process owns, aligned, through the model (the feeder's
+    capture gives the statistics its attention), and counted in the report."""
+    report = feeder.report
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start_id = getattr(model.config, "decoder_start_token_id", None)
     if seq2seq and start_id is None:
         start_id = pad_id
-    device = next(model.parameters()).device
+    index = 0
+    for number, raw in enumerate(_batched(stream, config.batch_size)):
+        mine = shard.owns(number)
+        items = _prepare(raw, index, tokenizer, config, max_length, report) if mine else []
+        index += len(raw)
+        if shard.split:
+            assert isinstance(report.problems, _ProblemEvents)  # a split run's log (set by _statistics)
+            report.problems.marks.append(len(report.problems.events))
+        if bar is not None:
+            bar.update(len(raw))
+        if not items:
+            continue
+        feeder.new_batch()
+        inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, feeder.current, feeder.device,
+                               config.word_pooling)
+        feeder.update_sides()
+        model(**inputs)
+        main = feeder.current.get("target" if paired else "source")
+        assert main is not None  # the batch has the side read
+        report.n_sentences += main.batch_size
+        report.n_words += int(main.n_words.sum())
+        report.n_tokens += int(main.token_mask.sum())
+        feeder.new_batch()
+        if on_batch is not None:
+            on_batch(index)
 
-    # -- the example stream: (source sentence | text, target sentence | None) ---------------
-    counts = {name: TreebankCounts() for name in ("source", "target")}
 
-    def examples() -> Iterator[tuple[Sentence | str | None, Sentence | None]]:
-        if target_conllu is None:
-            assert conllu is not None  # one of the two is given (checked above)
-            yield from ((s, None) for s in read_conllu(conllu, problems=problems, counts=counts["source"]))
-            return
-        # Paired: sentence n of the target goes with sentence (or line) n of the source; a
-        # malformed sentence on either side drops the pair, not the pairing.
-        target = read_conllu(target_conllu, problems=problems, counts=counts["target"], keep_place=True)
-        if conllu is not None:
-            source: Iterator[Sentence | str | None] = read_conllu(conllu, problems=problems, counts=counts["source"],
-                                                                  keep_place=True)
-            source_name = str(conllu)
-        else:
-            assert source_text is not None  # paired with a target: a source treebank or text (checked above)
-            source = (line.strip() or None for line in read_lines(source_text))
-            source_name = str(source_text)
-        for number, (src, tgt) in enumerate(zip_longest(source, target, fillvalue=_END), start=1):
-            if src is _END or tgt is _END:
-                longer, shorter = (source_name, target_conllu) if tgt is _END else (target_conllu, source_name)
-                problems.add("unpaired", Problem(str(longer), 0, f"has more sentences than {shorter} "
-                                                 f"(from sentence {number} on); the extra ones are ignored"))
-                return
-            if src is None or tgt is None:
-                if src is None and conllu is None:
-                    problems.add("malformed", Problem(source_name, number, "empty source line; pair skipped"))
-                continue
-            yield cast("Sentence | str", src), cast(Sentence, tgt)
+def _signature(report: RunReport, config: AnalysisConfig, data, max_length: int) -> dict:
+    signature = {
+        "data": str(data),
+        "sentences": report.n_sentences,
+        "words": report.n_words,
+        "tokens": report.n_tokens,
+        "spacing": config.spacing,
+        "max_length": max_length,
+    }
+    if config.word_pooling != "sum":  # the default leaves the signature (and older result files) as they were
+        signature["word_pooling"] = config.word_pooling
+    signature["version"] = __version__
+    return signature
 
-    bar = None
-    if progress and shard.main:
-        from tqdm.auto import tqdm
 
-        total = count_sentences(cast("str | Path | InMemoryTreebank", target_conllu or conllu))
-        if config.max_sentences is not None:
-            total = min(total, config.max_sentences)
-        bar = tqdm(total=total, unit="sent", desc="heads", leave=False)
+class _Feeder:
+    """The current batch's analysed sides and the capture callbacks that feed them, with the
+    attention, to the statistics: whole maps (eager), word rows of query chunks (chunked) or
+    the fused engine's views (:mod:`headlab.data.fused`)."""
 
-    current: dict[str, SideBatch] = {}
-    placed: dict[tuple[str, torch.device], SideBatch] = {}  # (side, device) -> the batch's copy there
+    def __init__(self, sides: dict[str, str], stats: dict, report: RunReport, device: torch.device) -> None:
+        self.sides, self.stats, self.report, self.device = sides, stats, report, device
+        self.side_stats = [s for s in stats.values() if hasattr(s, "update_side")]
+        self.block_stats = list(stats.values())
+        self.current: dict[str, SideBatch] = {}
+        self.placed: dict[tuple[str, torch.device], SideBatch] = {}  # (side, device) -> the batch's copy there
+        self.assemblers: dict = {}  # block key -> WordRows of the block's current forward call
+        # The fused engine: per block and batch, the statistics whose declared passes apply get
+        # FusedViews; the others the chunked path's word-row views, for that batch.
+        self.fused_plan: dict = {}  # block key -> (fused statistics, chunked statistics, WordRows | None)
 
-    def side_on(name: str, device: torch.device) -> SideBatch:
+    def capture(self, model, config: AnalysisConfig, blocks: list):
+        engine = config.resolved_engine
+        if engine == "eager":
+            return capture_attention(model, self.on_probs, blocks=blocks)
+        return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
+                                query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
+                                key_mask=self.word_tokens if engine == "fused" else None)
+
+    def new_batch(self) -> None:
+        self.current.clear()
+        self.placed.clear()
+
+    def update_sides(self) -> None:
+        for kind, name in self.sides.items():
+            if name in self.current:
+                for stat in self.side_stats:
+                    stat.update_side(kind, self.current[name])
+
+    def side_on(self, name: str, device: torch.device) -> SideBatch:
         """The batch's side ``name`` on ``device``: copied there once per batch, shared by every
         block and chunk on it (with the tensors they derive from it)."""
-        if (name, device) not in placed:
-            placed[(name, device)] = current[name].to(device)
-        return placed[(name, device)]
+        if (name, device) not in self.placed:
+            self.placed[(name, device)] = self.current[name].to(device)
+        return self.placed[(name, device)]
 
-    def on_probs(block, probs: torch.Tensor) -> None:
-        name = sides.get(block.kind, "")
-        if name not in current:
+    def on_probs(self, block, probs: torch.Tensor) -> None:
+        name = self.sides.get(block.kind, "")
+        if name not in self.current:
             return
         probs = probs.to(statistics_device(probs.device))
-        view = AttentionView(block, probs, side_on(name, probs.device))
-        for stat in block_stats:
+        view = AttentionView(block, probs, self.side_on(name, probs.device))
+        for stat in self.block_stats:
             stat.update(view)
 
-    assemblers: dict = {}  # block key -> WordRows of the block's current forward call
-
-    def on_chunk(block, chunk: AttentionChunk) -> None:
-        name = sides.get(block.kind, "")
-        if name not in current:
+    def on_chunk(self, block, chunk: AttentionChunk) -> None:
+        name = self.sides.get(block.kind, "")
+        if name not in self.current:
             return
         probs = chunk.probs.to(statistics_device(chunk.probs.device))
         if chunk.start == 0:
-            assemblers[block.key] = WordRows(block, side_on(name, probs.device))
+            self.assemblers[block.key] = WordRows(block, self.side_on(name, probs.device))
         rows = probs.shape[2]
         step = piece_rows(probs)
         for first in range(0, rows, step):
             piece = probs[:, :, first:first + step]
             last = chunk.last and first + step >= rows
-            view = assemblers[block.key].view(piece, chunk.start + first, last)
-            for stat in block_stats:
+            view = self.assemblers[block.key].view(piece, chunk.start + first, last)
+            for stat in self.block_stats:
                 stat.update(view)
         if chunk.last:
-            del assemblers[block.key]
+            del self.assemblers[block.key]
 
-    # The fused engine (headlab.data.fused): per block and batch, the statistics whose declared
-    # passes apply get FusedViews; the others the chunked path's word-row views, for that batch.
-    fused_plan: dict = {}  # block key -> (fused statistics, chunked statistics, WordRows | None)
-
-    def plan(block, side: SideBatch) -> tuple:
+    def plan(self, block, side: SideBatch) -> tuple:
         missing = set(unavailable_passes(side))
         fused, chunked = [], []
-        for name, stat in stats.items():
+        for name, stat in self.stats.items():
             passes = getattr(stat, "fused_passes", None)
             if passes is not None and not missing.intersection(passes):
                 fused.append(stat)
@@ -392,20 +489,20 @@ def analyze_heads(
                 chunked.append(stat)
                 reason = "it declares no fused passes" if passes is None else \
                     "the words of a batch are not single tokens"
-                if name not in report.chunked_statistics:
+                if name not in self.report.chunked_statistics:
                     logger.info("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
-                    report.chunked_statistics[name] = reason
+                    self.report.chunked_statistics[name] = reason
         return fused, chunked, WordRows(block, side) if chunked else None
 
-    def on_fused_chunk(block, chunk: AttentionChunk) -> None:
-        name = sides.get(block.kind, "")
-        if name not in current:
+    def on_fused_chunk(self, block, chunk: AttentionChunk) -> None:
+        name = self.sides.get(block.kind, "")
+        if name not in self.current:
             return
         probs = chunk.probs.to(statistics_device(chunk.probs.device))
-        side = side_on(name, probs.device)
+        side = self.side_on(name, probs.device)
         if chunk.start == 0:
-            fused_plan[block.key] = plan(block, side)
-        fused, chunked, words = fused_plan[block.key]
+            self.fused_plan[block.key] = self.plan(block, side)
+        fused, chunked, words = self.fused_plan[block.key]
         rows = probs.shape[2]
         step = piece_rows(probs, PIECE_ELEMENTS if chunked else FUSED_PIECE_ELEMENTS)
         for first in range(0, rows, step):
@@ -425,89 +522,15 @@ def analyze_heads(
                 for stat in chunked:
                     stat.update(word_view)
         if chunk.last:
-            del fused_plan[block.key]
+            del self.fused_plan[block.key]
 
-    def word_tokens(block) -> torch.Tensor | None:
+    def word_tokens(self, block) -> torch.Tensor | None:
         """The fused engine's word keys for the attention pass (AttentionChunk.word_score): the
         tokens of the words where every word is one token, on the model's device; else None."""
-        name = sides.get(block.kind, "")
-        if name not in current or word_offset(current[name]) is None:
+        name = self.sides.get(block.kind, "")
+        if name not in self.current or word_offset(self.current[name]) is None:
             return None
-        return current[name].token_mask.to(device)  # [B, T] bool: a copy per block and batch, small
-
-    engine = config.resolved_engine
-    if engine == "eager":
-        capture = capture_attention(model, on_probs, blocks=blocks)
-    else:
-        capture = stream_attention(model, on_fused_chunk if engine == "fused" else on_chunk,
-                                   query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
-                                   key_mask=word_tokens if engine == "fused" else None)
-
-    started = time.perf_counter()
-    index = 0
-    stream = examples()
-    if config.max_sentences is not None:
-        stream = islice(stream, config.max_sentences)
-    try:
-        # eval mode: attention dropout would blur the probabilities
-        with eval_mode(model), capture, torch.inference_mode():
-            for number, raw in enumerate(_batched(stream, config.batch_size)):
-                mine = shard.owns(number)
-                items = _prepare(raw, index, tokenizer, config, max_length, report) if mine else []
-                index += len(raw)
-                if shard.split:
-                    assert isinstance(problems, _ProblemEvents)  # a split run's log (set above)
-                    problems.marks.append(len(problems.events))
-                if bar is not None:
-                    bar.update(len(raw))
-                if not items:
-                    continue
-                current.clear()
-                placed.clear()
-                inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, current, device,
-                                       config.word_pooling)
-                for kind, name in sides.items():
-                    if name in current:
-                        for stat in side_stats:
-                            stat.update_side(kind, current[name])
-                model(**inputs)
-                main = current.get("target" if target_conllu is not None else "source")
-                assert main is not None  # the batch has the side read
-                report.n_sentences += main.batch_size
-                report.n_words += int(main.n_words.sum())
-                report.n_tokens += int(main.token_mask.sum())
-                current.clear()
-                placed.clear()
-                if on_batch is not None:
-                    on_batch(index)
-        if shard.split:
-            _combine(shard, report, stats)
-        report.seconds = time.perf_counter() - started
-        if config.engine is None:  # fused by default (--query-chunk): the files a chunked run always wrote; logged
-            report.chunked_statistics = {}
-        report.treebanks = {
-            str(path): counts[name].to_json()
-            for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
-        }
-        signature = {
-            "data": str(target_conllu or conllu),
-            "sentences": report.n_sentences,
-            "words": report.n_words,
-            "tokens": report.n_tokens,
-            "spacing": config.spacing,
-            "max_length": max_length,
-        }
-        if config.word_pooling != "sum":  # the default leaves the signature (and older result files) as they were
-            signature["word_pooling"] = config.word_pooling
-        signature["version"] = __version__
-        results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
-        return HeadAnalysis(config=config, report=report, model=model_name, results=results)
-    finally:
-        if bar is not None:
-            bar.close()
-        for stat in stats.values():
-            if hasattr(stat, "close"):
-                stat.close()
+        return self.current[name].token_mask.to(self.device)  # [B, T] bool: a copy per block and batch, small
 
 
 class _ProblemEvents(ProblemLog):

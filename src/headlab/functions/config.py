@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headlab import preflight
 from headlab.data.treebank import PAPER_RELATIONS
 from headlab.errors import HeadlabError
 from headlab.options import option
@@ -75,8 +76,7 @@ class AnalysisConfig(PluginOptions):
             raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
         if self.engine is not None and self.engine not in ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+        preflight.query_chunk(self.query_chunk)
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         self.relations = tuple(self.relations)

@@ -18,8 +18,9 @@ _EXPORTS = {  # module -> the names it exports
     "headlab.importance.ablation": ("Ablation", "METRICS", "compute_ablation"),
     "headlab.importance.agreement": ("AgreementTable", "compute_agreement", "spearman", "top_share"),
     "headlab.importance.confidence": ("Confidence", "compute_confidence"),
-    "headlab.importance.data": ("ImportanceData", "ModelInfo", "describe_model", "encode_texts", "make_batches",
-                                "read_data", "translate_data"),
+    # The data and the model's description live below the features; exported here too, as documented.
+    "headlab.data.inputs": ("ImportanceData", "encode_texts", "make_batches", "read_data", "translate_data"),
+    "headlab.model_description": ("ModelInfo", "describe_model"),
     "headlab.importance.gradient": ("Gradient", "compute_gradient", "l2_normalize_per_layer"),
     "headlab.importance.lrp": ("LRP", "STRATEGIES", "compute_lrp", "head_relevance"),
     "headlab.importance.measure": ("ImportanceMeasure",),

@@ -38,21 +38,14 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eval_mode
+from headlab.data.inputs import Batch, ImportanceData, generated_tokens, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores
-from headlab.importance.common import ExampleGates, expand_batch, forward_logits, sequence_nll
-from headlab.importance.data import (
-    Batch,
-    ImportanceData,
-    ModelInfo,
-    block_scores,
-    describe_model,
-    generated_tokens,
-    make_batches,
-)
+from headlab.importance.common import ExampleGates, block_scores, expand_batch, forward_logits, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import METRICS, AblationOptions
+from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
 
 __all__ = ["Ablation", "AblationOptions", "METRICS", "compute_ablation", "compute_ablation_tables"]

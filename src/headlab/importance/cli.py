@@ -93,10 +93,11 @@ def run_importance_command(args) -> int:
 
 def _run(args, part) -> int:
 
-    from headlab.importance.data import checkpoint_has_lm_head, describe_model, read_data
+    from headlab.data.inputs import read_data
     from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.importance.registry import REFERENCE
     from headlab.loading import load_model, load_tokenizer
+    from headlab.model_description import checkpoint_has_lm_head, describe_model
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 

@@ -1,18 +1,22 @@
-"""Pieces shared by gradient importance and ablation: per-example gates and the loss."""
+"""Pieces shared by the measures: per-example gates and the loss (gradient importance and
+ablation), and the per-head score tables every measure fills (:func:`block_scores`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock
+from headlab.data.inputs import Batch
 from headlab.errors import HeadlabError
 from headlab.gates import HeadGates
-from headlab.importance.data import Batch, ModelInfo
+from headlab.heads import KINDS
+from headlab.model_description import ModelInfo
 
-__all__ = ["ExampleGates", "forward_logits", "sequence_nll"]
+__all__ = ["ExampleGates", "block_scores", "forward_logits", "original_heads", "sequence_nll"]
 
 
 class ExampleGates(HeadGates):
@@ -66,3 +70,37 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 def expand_batch(batch: Batch, copies: int) -> dict[str, torch.Tensor]:
     """The batch's inputs repeated ``copies`` times along the batch dimension (copy-major)."""
     return {key: value.repeat(copies, *([1] * (value.dim() - 1))) for key, value in batch.inputs.items()}
+
+
+def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
+    """The original numbering of ``block``'s heads, and the original head count.
+
+    A physically pruned model (headlab.surgery) keeps its heads' original indices, so that
+    its scores line up with those of the unpruned model.
+    """
+    from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR
+
+    kept = getattr(block.core, KEPT_ATTR, None)
+    if kept is None:
+        return list(range(block.n_heads)), block.n_heads
+    return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
+
+
+def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray],
+                 kinds: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """``{kind: [n_layers, n_heads]}`` from per-block vectors (only ``kinds``, when given); heads
+    without a value are NaN."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for block in blocks:
+        _, n_original = original_heads(block)
+        layers, heads = shapes.get(block.kind, (0, 0))
+        shapes[block.kind] = (max(layers, block.layer + 1), max(heads, n_original))
+    out = {kind: np.full(shape, np.nan) for kind, shape in shapes.items()}
+    for block in blocks:
+        if block.key not in values:
+            continue
+        numbering, _ = original_heads(block)
+        vector = np.asarray(values[block.key], dtype=np.float64)
+        for h, original in enumerate(numbering):
+            out[block.kind][block.layer, original] = vector[h]
+    return {kind: out[kind] for kind in KINDS if kind in out and (kinds is None or kind in kinds)}

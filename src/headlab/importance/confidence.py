@@ -31,22 +31,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from headlab import preflight
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.attention import AttentionChunk
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.data.batching import with_progress
+from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
-from headlab.importance.data import (
-    ImportanceData,
-    ModelInfo,
-    block_scores,
-    count_batches,
-    describe_model,
-    make_batches,
-)
+from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import ConfidenceOptions
+from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
 
 __all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
@@ -106,8 +102,7 @@ def compute_confidence(
     info = info or describe_model(model)
     if info.is_seq2seq and data.translations is None:
         raise HeadlabError("confidence reads the decoder on the model's own translation: run translate_data first")
-    if query_chunk is not None and query_chunk < 1:
-        raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {query_chunk}")
+    preflight.query_chunk(query_chunk)
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     shard = active()  # several processes: each its own batches, the sums added in batch order below
     # Per batch and block: the sum of the heads' maxima and the number of queries counted.

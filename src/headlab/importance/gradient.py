@@ -29,19 +29,13 @@ from torch import nn
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
 from headlab.data.batching import with_progress
+from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.common import ExampleGates, forward_logits, sequence_nll
-from headlab.importance.data import (
-    ImportanceData,
-    ModelInfo,
-    block_scores,
-    count_batches,
-    describe_model,
-    make_batches,
-)
+from headlab.importance.common import ExampleGates, block_scores, forward_logits, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
+from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import SINGLE, Ledger, Shard, active
 
 __all__ = ["Gradient", "compute_gradient", "gate_gradients", "l2_normalize_per_layer"]

@@ -50,21 +50,14 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import HookHandles, eager_attention, eval_mode, head_output_hooks
 from headlab.data.batching import with_progress
+from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores
-from headlab.importance.data import (
-    Batch,
-    ImportanceData,
-    ModelInfo,
-    block_scores,
-    count_batches,
-    describe_model,
-    make_batches,
-    output_layer,
-)
+from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import check_rules, fused_gated_mlps, gated_mlps, lrp_rules, norm_rule, routed_experts
+from headlab.model_description import ModelInfo, describe_model, output_layer
 from headlab.shard import Ledger, active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
@@ -501,7 +494,7 @@ def compute_lrp(
     """LRP head relevance over ``data`` (Voita et al. 2019, Sec. 4), one HeadScores table.
 
     For a translation model ``data`` must hold the model's translations
-    (:func:`~headlab.importance.data.translate_data`): the targets are their top-1 logits.
+    (:func:`~headlab.data.inputs.translate_data`): the targets are their top-1 logits.
     ``targets``: explain a seeded sample of that many steps per sentence (``seed``), all of
     them when None or 0. ``bootstrap``: resamples of the sentences for the standard error of
     every score, written to the signature's ``bootstrap`` (0: none).

@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from headlab.data.inputs import ImportanceData
 from headlab.gates import mask_heads
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.data import ImportanceData, ModelInfo
+from headlab.model_description import ModelInfo
 from headlab.plugins import OptionSpec, build_options, option_specs
 
 __all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]

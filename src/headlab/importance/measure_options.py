@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from headlab import preflight
 from headlab.errors import HeadlabError
 from headlab.options import option
 
@@ -54,5 +55,4 @@ class ConfidenceOptions:
                                      metavar="N", range="[1, inf)", flag="query_chunk", signed=False)
 
     def __post_init__(self) -> None:
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {self.query_chunk}")
+        preflight.query_chunk(self.query_chunk)

@@ -20,12 +20,13 @@ from pathlib import Path
 from torch import nn
 
 from headlab._version import __version__
+from headlab.data.inputs import ImportanceData, translate_data
 from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.agreement import AgreementTable, compute_agreement
 from headlab.importance.config import ImportanceConfig
-from headlab.importance.data import ImportanceData, ModelInfo, translate_data
 from headlab.importance.registry import MEASURES, REFERENCE
+from headlab.model_description import ModelInfo
 from headlab.shard import active
 
 __all__ = ["ImportanceConfig", "ImportanceResult", "MeasuresFailed", "run_importance", "save_results"]

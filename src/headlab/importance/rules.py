@@ -203,6 +203,12 @@ def norm_rule(module: nn.Module):
 def check_rules(model: nn.Module) -> None:
     """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
     a normalisation headlab does not know (named by its class and path) or an in-place activation."""
+    for block in attention_blocks(model):
+        if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
+            raise HeadlabError(
+                f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
+                "are unknown (no family table, and discovery did not tie one projection to each of the attention "
+                "function's queries, keys and values), so the attention weights cannot be held constant")
     unknown: dict[str, list[str]] = {}
     for path, module in model.named_modules():
         try:

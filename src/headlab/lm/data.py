@@ -17,7 +17,7 @@ from headlab.data import read_lines
 from headlab.data.alignment import join_words
 from headlab.data.treebank import read_conllu
 from headlab.errors import HeadlabError
-from headlab.nmt.train import EncodedCorpus
+from headlab.training.corpus import EncodedCorpus
 
 __all__ = ["TextCorpus", "read_text_corpus", "encode_lm_corpus", "collate_lm", "is_conllu"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
-from headlab.nmt.config import TrainConfig
 from headlab.options import option
+from headlab.training.config import TrainConfig
 
 __all__ = ["LMConfig", "LMRecipe", "lm_training", "ARCHITECTURES", "build_lm_config", "create_lm"]
 

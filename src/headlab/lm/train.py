@@ -1,10 +1,11 @@
 """Training a language model end to end: read text, train a vocabulary, build, train.
 
-The loop is the translation trainer's (:func:`headlab.nmt.train.train`: Accelerate, bf16
+The loop is headlab's training engine (:func:`headlab.training.loop.train`: Accelerate, bf16
 autocast, token-based batches, atomic checkpoints, resume, time limit, early stopping); this
 module supplies what differs for a decoder-only model: the batches (next-token inputs and
-labels), the loss, and validation by perplexity. The validation score is the negated mean loss
-(higher is better), so the trainer's best checkpoint and patience rule work unchanged.
+labels), the loss (:func:`headlab.training.losses.causal_lm_loss`), and validation by
+perplexity. The validation score is the negated mean loss (higher is better), so the trainer's
+best checkpoint and patience rule work unchanged.
 """
 
 from __future__ import annotations
@@ -12,28 +13,20 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from headlab.capture import eval_mode
-from headlab.data.batching import make_batches
+from headlab.data.batching import token_budget_batches
 from headlab.errors import HeadlabError
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMRecipe, build_lm_config, create_lm
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
-from headlab.nmt.train import EncodedCorpus, TrainConfig, TrainResult, refuse_occupied_output, train
 from headlab.shard import new_accelerator
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import EncodedCorpus
+from headlab.training.loop import TrainResult, refuse_occupied_output, train
+from headlab.training.losses import causal_lm_loss
 
-__all__ = ["LMRecipe", "run_lm_recipe", "causal_lm_loss", "perplexity"]
-
-
-def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy (label-smoothed by ``config.label_smoothing``) and the
-    number of predicted tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = batch["labels"]  # [batch, len]
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                               ignore_index=-100, label_smoothing=config.label_smoothing, reduction="sum")
-    return loss_sum, int((labels != -100).sum())
+__all__ = ["LMRecipe", "run_lm_recipe", "perplexity"]
 
 
 @torch.no_grad()
@@ -44,7 +37,7 @@ def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096
     device = next(model.parameters()).device
     plain = TrainConfig(label_smoothing=0.0)
     with eval_mode(model):
-        for indices in make_batches(corpus, max_tokens, seed=0, epoch=0):
+        for indices in token_budget_batches(corpus, max_tokens, seed=0, epoch=0):
             batch = {k: v.to(device) for k, v in collate_lm(corpus, indices, pad_id).items()}
             batch_loss, batch_tokens = causal_lm_loss(model, batch, plain)
             loss_sum += batch_loss.item()

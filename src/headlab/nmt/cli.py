@@ -9,8 +9,9 @@ from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
-from headlab.nmt.config import ModelConfig, TrainConfig, TrainRecipe
+from headlab.nmt.config import ModelConfig, TrainRecipe
 from headlab.options import HelpFormatter, add_options, from_args
+from headlab.training.config import TrainConfig
 
 # The training loop's options that `nmt train` and `lm train` share.
 TRAIN_OPTIONS = ("out_dir", "max_tokens", "lr", "warmup_steps", "label_smoothing", "mixed_precision", "clip_norm",
@@ -145,12 +146,12 @@ def _check_translation_options(args) -> None:
 
 
 def _load(model_dir: str, args=None):
-    from headlab.nmt.model import load_model
+    from headlab.nmt.model import load_translation_model
     from headlab.nmt.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # first: a directory without one fails before the weights load
     placement = device_options(args) if args is not None else {}
-    return load_model(model_dir, **placement), tokenizer
+    return load_translation_model(model_dir, **placement), tokenizer
 
 
 def _translate_lines(args, command: str, sentences: list[str], progress: bool = False) -> tuple[list[str], float]:

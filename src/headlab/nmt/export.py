@@ -14,14 +14,14 @@ import torch
 
 from headlab.errors import HeadlabError
 from headlab.heads import readable_as_umask_allows
-from headlab.loading import load_model as _load_any
+from headlab.loading import load_model
 from headlab.nmt.tokenizer import load_tokenizer
 from headlab.outdir import check_output, results_lock, write_results
 
 
-def load_model(path: str | Path):
-    """A checkpoint of a training run in fp32, whatever its architecture."""
-    return _load_any(str(path), dtype=torch.float32, attn_implementation="sdpa")
+def _load_checkpoint(path: str | Path):
+    # A checkpoint of a training run in fp32, whatever its architecture (its config names its class).
+    return load_model(str(path), dtype=torch.float32, attn_implementation="sdpa")
 
 __all__ = ["export_model", "checkpoint_dir", "average_last_epochs", "exported_epoch"]
 
@@ -58,7 +58,7 @@ def export_model(
     check_output(out_dir, overwrite, "--to")
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_dir)
-    model = load_model(source).to(getattr(torch, dtype))
+    model = _load_checkpoint(source).to(getattr(torch, dtype))
 
     def write(directory: Path) -> None:
         model.save_pretrained(str(directory), safe_serialization=True)
@@ -96,7 +96,7 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
     The trainer does this itself when it reaches ``--epochs``; this is for runs that a time
     or step limit stopped earlier. Written to a temporary directory, then renamed into place.
     """
-    from headlab.nmt.train import average_checkpoints
+    from headlab.training.loop import average_checkpoints
 
     run_dir = Path(run_dir)
     epochs = sorted((run_dir / "epochs").glob("epoch-*"))
@@ -106,7 +106,7 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
     out = run_dir / f"averaged-last{last}"
     if out.exists() and not overwrite:
         raise HeadlabError(f"{out} exists; pass --overwrite to replace it")
-    model = load_model(chosen[-1])
+    model = _load_checkpoint(chosen[-1])
     result = model.load_state_dict(average_checkpoints(chosen), strict=False)
     if result.unexpected_keys:
         raise HeadlabError(f"{chosen[-1]}: checkpoints hold unexpected weights {result.unexpected_keys[:3]}")

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, MarianConfig, MarianMTModel
 from headlab.errors import HeadlabError
 from headlab.nmt.config import ModelConfig
 
-__all__ = ["ModelConfig", "build_marian_config", "create_model", "load_model"]
+__all__ = ["ModelConfig", "build_marian_config", "create_model", "load_translation_model"]
 
 
 def build_marian_config(model: ModelConfig, tokenizer) -> MarianConfig:
@@ -73,17 +73,17 @@ def create_model(config: MarianConfig, *, seed: int | None = None, attn_implemen
     return model
 
 
-def load_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=torch.float32, device=None,
-               device_map=None) -> MarianMTModel:
+def load_translation_model(path: str | Path, *, attn_implementation: str = "sdpa", dtype=torch.float32, device=None,
+                           device_map=None) -> MarianMTModel:
     """Load a translation model with headlab's one loader (:func:`headlab.loading.load_model`):
     safetensors only, never pickles, and a pruned directory rebuilt with its heads removed."""
-    from headlab.loading import load_model as load_any
+    from headlab.loading import load_model
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HeadlabError(f"no model in {path} (expected config.json and model.safetensors)")
-    model: Any = load_any(str(path), dtype=torch.float32 if dtype is None else dtype, device=device, device_map=device_map,
-                     attn_implementation=attn_implementation)
+    model: Any = load_model(str(path), dtype=torch.float32 if dtype is None else dtype, device=device,
+                            device_map=device_map, attn_implementation=attn_implementation)
     if not model.config.is_encoder_decoder:
         raise HeadlabError(f"{path}: a {model.config.model_type} model, not a translation (encoder-decoder) model")
     return model

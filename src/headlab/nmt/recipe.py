@@ -6,8 +6,9 @@ from headlab.data import read_parallel
 from headlab.nmt.config import TrainRecipe
 from headlab.nmt.model import build_marian_config, create_model
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
-from headlab.nmt.train import TrainResult, refuse_occupied_output, train
+from headlab.nmt.train import train
 from headlab.shard import new_accelerator
+from headlab.training.loop import TrainResult, refuse_occupied_output
 
 __all__ = ["TrainRecipe", "run_recipe"]
 

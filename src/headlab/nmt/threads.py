@@ -20,7 +20,7 @@ __all__ = ["AdaptiveThreads"]
 
 
 class AdaptiveThreads:
-    """A ``callback(model, step, info)`` for :func:`headlab.nmt.train.train`; call it every step.
+    """A ``callback(model, step, info)`` for :func:`headlab.training.loop.train`; call it every step.
 
     ``choices`` defaults to ``[1, all cores]``; it starts with the first, measures the others
     in probes of ``probe_steps`` steps (the first step after a switch is not counted), first

@@ -409,7 +409,7 @@ class _Context:
         if self._info is None:
             from dataclasses import replace
 
-            from headlab.importance.data import checkpoint_has_lm_head, describe_model
+            from headlab.model_description import checkpoint_has_lm_head, describe_model
 
             model, tokenizer = self.load()
             info = describe_model(model, tokenizer, max_length=self.config.max_length)
@@ -420,7 +420,7 @@ class _Context:
 
     def importance_data(self):
         if self._data is None:
-            from headlab.importance.data import read_data
+            from headlab.data.inputs import read_data
 
             _, tokenizer = self.load()
             self._data = read_data(self.config.source, tokenizer, self.info, target_path=self.config.target,
@@ -599,7 +599,8 @@ def _head_analysis(ctx: _Context, stage: str):
     needing = [s.title or name for name, s in statistics.items() if "frequencies" in s.needs]
     if needing:
         from headlab.data.frequencies import TokenFrequencies
-        from headlab.importance.data import is_classifier, labelled_texts
+        from headlab.data.inputs import labelled_texts
+        from headlab.model_description import is_classifier
 
         if c.train_text:
             frequencies = TokenFrequencies.from_corpus(tokenizer, list(c.train_text))
@@ -693,9 +694,9 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
     from headlab.adapters import attention_blocks
     from headlab.data.parallel import read_parallel
     from headlab.loading import load_model, load_tokenizer
-    from headlab.nmt.train import TrainConfig
     from headlab.pruning.sweep import run_sweep, sweep_points
     from headlab.pruning.train import PruneConfig, resolve_kinds
+    from headlab.training.config import TrainConfig
 
     kinds = resolve_kinds(model, c.prune_gates)
     n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds)

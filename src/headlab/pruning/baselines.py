@@ -11,9 +11,11 @@ leaving ``keep`` heads of the chosen kinds:
 - ``scores``: the ``keep`` best heads of a HeadScores file (confidence, LRP, ...).
 
 :func:`evaluate_baseline` removes the heads physically, optionally fine-tunes with the same
-budget as gated fine-tuning (the spec fixed), and scores with
+budget as gated fine-tuning (the spec fixed; with ``freeze_decoder`` every decoder parameter
+frozen, as gated fine-tuning of encoder heads, Sec. 6.2), and scores with
 :func:`headlab.pruning.train.evaluate_model`. :func:`train_from_scratch` is the paper's "from
-scratch" column: the pruned configuration trained from random initialisation.
+scratch" column: the pruned configuration trained from random initialisation (optionally scored
+as the mean of its last epoch checkpoints, as the full model was made).
 
 Each row records the weights it started from (``model_sha256``), the precision of its training
 if it trains (``mixed_precision``) and, for ``scores``, the score file's fingerprint
@@ -21,8 +23,8 @@ if it trains (``mixed_precision``) and, for ``scores``, the score file's fingerp
 beam, the training data and settings). A row of other weights, or of the same method and head
 count trained in another precision, from another score file or with other settings, is stale:
 :func:`run_baselines` moves it to ``baselines.stale.json`` and runs it again. A from-scratch
-training cut short goes on from its last checkpoint when it was started for the same heads
-(``scratch_run.json``).
+training or a fine-tuning cut short goes on from its last checkpoint when it was started for the
+same heads and settings (``scratch_run.json``, ``finetune_run.json``).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ import torch
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
-from headlab.importance.data import describe_model
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
-from headlab.nmt.train import TrainConfig, scoring_batches, train
+from headlab.model_description import describe_model
+from headlab.nmt.train import TrainConfig, train
 from headlab.pruning.config import BaselineConfig
+from headlab.training.corpus import scoring_batches
+from headlab.training.loop import STATE_FILE, load_weights
 
 __all__ = ["random_spec", "scores_spec", "gradient_importance", "michel_spec", "evaluate_baseline",
            "train_from_scratch", "METHODS", "BaselineConfig", "run_baselines", "read_rows", "baselines_markdown"]
@@ -120,10 +124,16 @@ def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_
 
 
 def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=None,
-                      finetune: TrainConfig | None = None, beam: int = 4, batch_size: int = 64) -> dict:
+                      finetune: TrainConfig | None = None, beam: int = 4, batch_size: int = 64,
+                      freeze_decoder: bool = False, hypotheses_file=None, dev=None) -> dict:
     """Remove ``spec`` physically, optionally fine-tune (``finetune`` with the spec fixed: the
-    removed heads no longer exist), and score on ``eval_data``."""
-    from headlab.pruning.train import evaluate_model, heads_per_kind
+    removed heads no longer exist; ``freeze_decoder``: the decoder's parameters, the output
+    embeddings and everything tied to them get no gradient and are not in the optimizer), and
+    score on ``eval_data`` (its translations to ``hypotheses_file`` when given). ``dev``: a
+    :class:`headlab.pruning.dev.DevCurve` evaluated before the first update, every ``dev.every``
+    updates and after the last, as in gated fine-tuning; the row's ``dev_plateau`` is its
+    second-half comparison."""
+    from headlab.pruning.train import _decoder_parameters, evaluate_model, heads_per_kind
     from headlab.surgery import prune_heads
 
     prune_heads(model, spec)
@@ -131,12 +141,53 @@ def evaluate_baseline(model, tokenizer, spec: Spec, eval_data, *, train_data=Non
     if finetune is not None:
         if train_data is None:
             raise HeadlabError("fine-tuning a baseline needs training data")
-        outcome = train(model, tokenizer, train_data, None, finetune)
-        result["finetune_steps"] = outcome.step
-        if outcome.stopped == "diverged":
-            result["status"] = "diverged"
-    result.update(evaluate_model(model, tokenizer, eval_data, beam=beam, batch_size=batch_size))
+        trainable = None
+        if freeze_decoder:
+            if not getattr(model.config, "is_encoder_decoder", False):
+                raise HeadlabError(f"--freeze-decoder: {type(model).__name__} has no decoder to freeze")
+            frozen = _decoder_parameters(model)  # after the pruning: the parameters that train
+
+            def trainable(name, parameter):
+                return parameter.requires_grad and id(parameter) not in frozen
+        done = _finished_steps(finetune)
+        hooks = {}
+        if dev is not None:
+            if not dev.done(0):
+                dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+            hooks = {"callback": dev.callback, "callback_every": dev.every}
+        if done is None:
+            outcome = train(model, tokenizer, train_data, None, finetune, trainable=trainable, **hooks)
+            result["finetune_steps"] = outcome.step
+            if outcome.stopped == "diverged":
+                result["status"] = "diverged"
+        else:  # stopped after its last update, before its row: another update would be one too many
+            from headlab.shard import new_accelerator
+
+            load_weights(model, Path(finetune.out_dir) / "last")
+            model.to(new_accelerator().device)  # translated where the trainer would have left it
+            result["finetune_steps"] = done
+        if freeze_decoder:
+            result["freeze_decoder"] = True
+        if dev is not None:
+            if not dev.done(result["finetune_steps"]):
+                dev.evaluate(model, result["finetune_steps"])
+            result["dev_plateau"] = dev.summary()["plateau"]
+    result.update(evaluate_model(model, tokenizer, eval_data, beam=beam, batch_size=batch_size,
+                                 hypotheses_file=hypotheses_file))
     return result
+
+
+def _finished_steps(config: TrainConfig) -> int | None:
+    """The updates of a resumable run in ``config.out_dir`` that already made its ``max_steps``
+    (its ``last/`` holds the final weights), else None. The trainer, resumed there, would start
+    another epoch and make one more update before it saw the limit."""
+    if not config.resume or config.max_steps is None:
+        return None
+    try:
+        step = json.loads((Path(config.out_dir) / "last" / STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and step >= config.max_steps else None
 
 
 def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, config: TrainConfig, *,
@@ -155,6 +206,12 @@ def train_from_scratch(model, tokenizer, spec: Spec, train_data, eval_data, conf
     prune_heads(fresh, spec)
     outcome = train(fresh, tokenizer, train_data, valid_data, config)
     result = {"heads_kept": heads_per_kind(fresh), "train_steps": outcome.step, "status": outcome.stopped}
+    averaged = Path(config.out_dir) / "averaged"
+    if config.average_last and outcome.stopped in ("finished", "converged"):
+        # The trainer wrote the mean of the last epoch checkpoints there (Vaswani et al. 2017,
+        # Sec. 6.1); the full model was made so, so the from-scratch column is scored so too.
+        load_weights(fresh, averaged)
+        result["averaged_epochs"] = json.loads((averaged / "metrics.json").read_text())["averaged_epochs"]
     result.update(evaluate_model(fresh.eval(), tokenizer, eval_data, beam=beam,
                                  hypotheses_file=Path(config.out_dir) / HYPOTHESES_FILE))
     return result
@@ -177,20 +234,23 @@ def read_rows(out_dir) -> list[dict]:
     return rows
 
 
-def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir) -> str:
+def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir, *,
+                  dev_data=None, log: Callable[[str], None] = print) -> str:
     """Run every (keep, seed) point of ``config`` not yet in ``out_dir/baselines.json`` (resumable:
     each row is written as soon as it is known) on a fresh model from ``load()``; write and return
-    the table ``baselines.md`` (mean +- std over seeds)."""
+    the table ``baselines.md`` (mean +- std over seeds). ``dev_data`` with ``config.dev_every``:
+    the development curve of each fine-tuning (:mod:`headlab.pruning.dev`)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
     settings = _settings(config, train_data, eval_data)
     rows = _set_aside_stale(read_rows(out), config, out, settings)
-    done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False)) for r in rows}
+    done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False),
+             bool(r.get("freeze_decoder"))) for r in rows}
     c = config
     method = _row_method(c)
     for keep in c.keeps:
         for seed in c.seeds:
-            if (method, keep, seed, c.finetune_steps, c.from_scratch) in done:
+            if (method, keep, seed, c.finetune_steps, c.from_scratch, c.freeze_decoder and bool(c.finetune_steps)) in done:
                 continue
             model, tokenizer = load()
             if c.method == "random":
@@ -204,19 +264,27 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
             if c.from_scratch:
                 run_dir = out / f"scratch-{c.method}-{keep}-{seed}"
                 train_config = TrainConfig(out_dir=str(run_dir), max_tokens=c.max_tokens, max_epochs=c.scratch_epochs,
+                                           lr=c.scratch_lr, warmup_steps=c.scratch_warmup_steps,
+                                           average_last=c.scratch_average_last,
                                            validate=False, mixed_precision=c.mixed_precision, save_every_steps=100,
                                            overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings))
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
             else:
-                finetune = None
+                finetune, hypotheses = None, None
                 if c.finetune_steps:
-                    finetune = TrainConfig(out_dir=str(out / f"ft-{c.method}-{keep}-{seed}"), max_tokens=c.max_tokens,
+                    ft_dir = out / f"ft-{c.method}-{keep}-{seed}"
+                    finetune = TrainConfig(out_dir=str(ft_dir), max_tokens=c.max_tokens,
                                            lr=c.lr, warmup_steps=0, schedule="constant", max_epochs=10**6,
                                            max_steps=c.finetune_steps, validate=False, keep_epoch_checkpoints=False,
-                                           mixed_precision=c.mixed_precision, overwrite=True, progress=False)
+                                           mixed_precision=c.mixed_precision, overwrite=True, progress=False,
+                                           save_every_steps=100,
+                                           resume=_resumable_scratch(ft_dir, spec, c, settings, FINETUNE_RUN_FILE))
+                    hypotheses = ft_dir / "hypotheses.txt"  # for a paired comparison with other systems
+                dev = _dev_curve(c, dev_data, finetune, tokenizer, model, log)
                 result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
-                                           finetune=finetune, beam=c.eval_beam)
+                                           finetune=finetune, beam=c.eval_beam, freeze_decoder=c.freeze_decoder,
+                                           hypotheses_file=hypotheses, dev=dev)
             rows.append({"method": method,
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
                          "from_scratch": c.from_scratch, **result, **_source(c), **settings})
@@ -226,18 +294,33 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     return text
 
 
+def _dev_curve(config: BaselineConfig, dev_data, finetune: TrainConfig | None, tokenizer, model, log):
+    """The development curve of a fine-tuning, in its directory (None without one)."""
+    from headlab.pruning.dev import DevCurve
+    from headlab.pruning.train import heads_per_kind
+
+    if finetune is None or dev_data is None or not config.dev_every:
+        return None
+    if config.dev_sentences:
+        dev_data = dev_data.subset(config.dev_sentences)
+    return DevCurve(dev_data, finetune.out_dir, config.dev_every, tokenizer=tokenizer,
+                    open_heads=lambda: heads_per_kind(model), log=log)
+
+
 SCRATCH_RUN_FILE = "scratch_run.json"
+FINETUNE_RUN_FILE = "finetune_run.json"
 
 
-def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig, settings: dict) -> bool:
-    """Whether the from-scratch training in ``run_dir`` may be continued: only when it was started
-    for the same heads, starting weights, training data and settings (the row's, without those of
-    the evaluation; ``scratch_run.json``, written here before the training starts). Otherwise the
-    run starts over (the trainer clears the directory)."""
+def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig, settings: dict,
+                       run_file_name: str = SCRATCH_RUN_FILE) -> bool:
+    """Whether the from-scratch training (or the fine-tuning) in ``run_dir`` may be continued: only
+    when it was started for the same heads, starting weights, training data and settings (the
+    row's, without those of the evaluation; ``run_file_name``, written here before the training
+    starts). Otherwise the run starts over (the trainer clears the directory)."""
     training = {name: value for name, value in settings.items() if not name.startswith("eval_")}
     run = {"spec": sorted([kind, layer, sorted(int(h) for h in heads)] for (kind, layer), heads in spec.items()),
            **_source(config), **training}
-    run_file = run_dir / SCRATCH_RUN_FILE
+    run_file = run_dir / run_file_name
     try:
         same = json.loads(run_file.read_text()) == run
     except (OSError, ValueError):
@@ -275,8 +358,14 @@ def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
         out["importance_batches"] = config.importance_batches
     if config.finetune_steps and not config.from_scratch:
         out.update(lr=config.lr, max_tokens=config.max_tokens)
+        if config.freeze_decoder:
+            out["freeze_decoder"] = True
     if config.from_scratch:
         out.update(max_tokens=config.max_tokens, scratch_epochs=config.scratch_epochs)
+        # Recorded when not what every earlier row trained with (_IMPLICIT), so that their
+        # rows and interrupted runs stay valid.
+        out.update({name: getattr(config, name) for name in ("scratch_lr", "scratch_warmup_steps", "scratch_average_last")
+                    if getattr(config, name) != _IMPLICIT[name]})
     if config.method == "michel" or _trains(config):  # importance or training reads the training data
         out["train_data_sha256"] = _data_fingerprint(train_data)
     return out
@@ -292,6 +381,11 @@ def _data_fingerprint(data) -> str | None:
             digest.update((item if isinstance(item, str) else " ".join(map(str, item))).encode() + b"\n")
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+_IMPLICIT = {"freeze_decoder": False, "scratch_lr": 1e-3, "scratch_warmup_steps": 400, "scratch_average_last": 0}
+"""Settings a row records only when they differ from these values (what rows trained with before
+the options existed): a row without one of them was trained with this value."""
 
 
 def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path, settings: dict | None = None) -> list[dict]:
@@ -311,6 +405,9 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path, settin
         if same and _trains(config) and row.get("mixed_precision", "no") != config.mixed_precision:
             return True
         if same and any(name in row and row[name] != value for name, value in (settings or {}).items()):
+            return True
+        if same and any(row.get(name, default) != (settings or {}).get(name, default)
+                        for name, default in _IMPLICIT.items()):
             return True
         # Rows record the scores' content fingerprint; older rows the file's bytes, which the
         # report's copy (paths made relative) changes, so a restored score file no longer matched.
@@ -332,7 +429,8 @@ def baselines_markdown(rows: list[dict]) -> str:
     """The baselines table: mean +- std over seeds per (method, keep, fine-tuning, from scratch)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["method"], row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
+        method = row["method"] + (", decoder frozen" if row.get("freeze_decoder") else "")
+        groups.setdefault((method, row["keep"], row["finetune_steps"], row.get("from_scratch", False)), []).append(row)
     lines = ["| method | keep | fine-tune steps | from scratch | runs | BLEU | chrF | loss |",
              "|---|---|---|---|---|---|---|---|"]
     for (method, keep, steps, scratch), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):

@@ -109,11 +109,16 @@ def register(subparsers) -> None:
     bl.add_argument("--keeps", required=True, help="comma list of head counts to keep")
     bl.add_argument("--kinds", default="enc_self", help="kinds to prune (comma list or all)")
     bl.add_argument("--seeds", default="1,2,3", help="seeds of --method random")
-    add_options(bl, BaselineConfig, ("finetune_steps", "from_scratch", "scratch_epochs", "lr", "max_tokens",
+    add_options(bl, BaselineConfig, ("finetune_steps", "freeze_decoder", "from_scratch", "scratch_epochs",
+                                     "scratch_lr", "scratch_warmup_steps", "scratch_average_last", "lr", "max_tokens",
                                      "mixed_precision", "eval_beam", "importance_batches"))
+    bl.add_argument("--dev-src", help="development source file for the curve of --dev-every (not the evaluation set)")
+    bl.add_argument("--dev-tgt", help="development reference file")
+    add_options(bl, BaselineConfig, ("dev_every", "dev_sentences"))
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
-    bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json are kept; the same "
-                                                   "command resumes after them", interrupted_if=("{out}/baselines.json",))
+    bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json and the running "
+                                                   "training's last checkpoint are kept; the same command resumes",
+                    interrupted_if=("{out}/baselines.json", "{out}/*/last", "{out}/*/last.old"))
 
     rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
@@ -306,13 +311,16 @@ def run_baseline(args) -> int:
         except HeadlabError as error:
             raise HeadlabError(f"--scores {error}") from None
     for name, minimum in (("finetune_steps", 0), ("scratch_epochs", 1), ("max_tokens", 1), ("eval_beam", 1),
-                          ("importance_batches", 1)):
+                          ("importance_batches", 1), ("scratch_warmup_steps", 0), ("scratch_average_last", 0)):
         preflight.at_least(getattr(args, name), minimum, "--" + name.replace("_", "-"))
+    _check_baseline_recipe(args)
     out = Path(args.out)
     read_rows(out)  # a baselines.json that is not one refuses here, not after the first row
     set_threads(args.threads)
     with locked_output(out, "--out"):  # a second run on the same directory refuses
         model, tokenizer = _load(args)
+        if args.freeze_decoder and not getattr(model.config, "is_encoder_decoder", False):
+            raise HeadlabError(f"--freeze-decoder: {args.model} ({type(model).__name__}) has no decoder to freeze")
         kinds = resolve_kinds(model, args.kinds)
         available = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
         if max(keeps) > available:
@@ -322,8 +330,27 @@ def run_baseline(args) -> int:
                            model_fingerprint=weights_fingerprint(args.model) or "",
                            scores_fingerprint=scores.fingerprint() if scores is not None else "",
                            scores_file_fingerprint=file_fingerprint(args.scores) if args.scores else "")
-        print(run_baselines(lambda: _load(args), train_data, eval_data, config, out), end="")
+        print(run_baselines(lambda: _load(args), train_data, eval_data, config, out, dev_data=_dev_data(args),
+                            log=_log()), end="")
     return 0
+
+
+def _check_baseline_recipe(args) -> None:
+    """Options of one training recipe that do nothing for the other are refused, not ignored."""
+    if args.dev_every and (args.from_scratch or not args.finetune_steps):
+        raise HeadlabError("--dev-every N: the development curve is of the fine-tuning of --finetune-steps N > 0")
+    if args.freeze_decoder and (args.from_scratch or not args.finetune_steps):
+        raise HeadlabError("--freeze-decoder freezes the decoder during the fine-tuning of --finetune-steps N > 0; "
+                           "it does not apply to " + ("--from-scratch" if args.from_scratch else "rows without fine-tuning"))
+    if not args.from_scratch:
+        given = [flag for flag, name in (("--scratch-lr", "scratch_lr"), ("--scratch-warmup-steps", "scratch_warmup_steps"),
+                                         ("--scratch-average-last", "scratch_average_last"))
+                 if getattr(args, name) != BaselineConfig.__dataclass_fields__[name].default]
+        if given:
+            raise HeadlabError(f"{', '.join(given)} set the recipe of --from-scratch; add --from-scratch or drop them")
+    elif args.scratch_average_last > args.scratch_epochs:
+        raise HeadlabError(f"--scratch-average-last {args.scratch_average_last}: a run of --scratch-epochs "
+                           f"{args.scratch_epochs} has only {args.scratch_epochs} epoch checkpoints")
 
 
 def run_report(args) -> int:

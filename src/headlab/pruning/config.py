@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from headlab.nmt.config import TrainConfig
 from headlab.options import option
+from headlab.training.config import TrainConfig
 
 if TYPE_CHECKING:
     from headlab.heads import HeadScores
@@ -71,7 +71,21 @@ class BaselineConfig:
                                  range="[0, inf)")
     from_scratch: bool = option(False, "train the pruned configuration from random init instead "
                                 "(costs a full training)")
+    dev_every: int = option(0, "with --finetune-steps: translate the development set (--dev-src/--dev-tgt) greedily "
+                            "every N updates and before the first, as prune train does; the row's dev_plateau says "
+                            "whether the fine-tuning had stopped moving (0: off)", metavar="N", range="[0, inf)")
+    dev_sentences: int | None = option(None, "use the first N sentences of the development set (default: all)",
+                                       metavar="N", range="[1, inf)")
     scratch_epochs: int = option(12, "epochs of --from-scratch", range="[1, inf)")
+    # The from-scratch recipe; the defaults are the trainer's (what earlier rows trained with).
+    # The bundled Multi30k models' recipe: --scratch-lr 7e-4 --scratch-epochs 14 --scratch-average-last 4.
+    scratch_lr: float = option(1e-3, "peak learning rate of --from-scratch", range="(0, inf)")
+    scratch_warmup_steps: int = option(400, "updates of linear warm-up of --from-scratch", range="[0, inf)")
+    scratch_average_last: int = option(0, "score the mean of the last N epoch checkpoints of --from-scratch, as the "
+                                       "full model was made (0: the last checkpoint)", range="[0, inf)")
+    freeze_decoder: bool = option(False, "fine-tune (--finetune-steps) with every decoder parameter frozen, the "
+                                  "embeddings it shares included, as gated fine-tuning of encoder heads does "
+                                  "(Sec. 6.2)")
     lr: float = option(1e-4, "learning rate of the fine-tuning", range="(0, inf)")
     max_tokens: int = option(4096, "target tokens per batch", range="[1, inf)")
     mixed_precision: str = option("no", "bf16: autocast the fine-tuning's or the from-scratch training's forward "

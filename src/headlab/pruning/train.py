@@ -10,7 +10,7 @@ head, and fine-tune on L_xent + lambda L_C (Eq. (12) of Louizos et al. 2018 for 
 With ``keep=N`` the fixed lambda is replaced by the Lagrangian of :mod:`headlab.pruning.budget`
 and exactly N heads are kept at export.
 
-The loop is :func:`headlab.nmt.train.train` (Accelerate; runs under ``accelerate launch``
+The loop is :func:`headlab.training.loop.train` (Accelerate; runs under ``accelerate launch``
 unchanged), used through its hooks: ``extra_loss`` adds the penalty, ``trainable`` freezes the
 decoder, ``optimizer_factory`` gives the gates their own learning rate, ``callback`` writes the
 diagnostics trajectory, ``compute_loss`` swaps in an LM loss for encoder-only and decoder-only
@@ -43,14 +43,12 @@ from pathlib import Path
 from typing import Any, Callable, cast
 
 import torch
-import torch.nn.functional as F
 
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.nmt.train import EncodedCorpus, TrainConfig, check_resume_point, evaluate_loss, has_model, label_smoothed_loss, train
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -58,6 +56,10 @@ from headlab.pruning.hard_concrete import HardConcreteGates
 from headlab.resume import append_record, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.surgery import check_prunable, count_parameters, prune_heads, save_pruned
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import EncodedCorpus, encode_corpus
+from headlab.training.loop import check_resume_point, has_model, train
+from headlab.training.losses import causal_lm_loss_from_inputs, evaluate_loss, label_smoothed_loss, masked_lm_loss
 
 __all__ = [
     "PruneConfig",
@@ -68,8 +70,6 @@ __all__ = [
     "evaluate_model",
     "evaluate_point",
     "read_trajectory",
-    "causal_lm_loss",
-    "masked_lm_loss",
     "encode_lm_corpus",
 ]
 
@@ -141,9 +141,9 @@ def _decoder_parameters(model) -> set[int]:
 
 def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
     """Updates the run will make: epochs x this rank's batches, capped by max_steps."""
-    from headlab.data.batching import make_batches
+    from headlab.data.batching import token_budget_batches
 
-    per_epoch = len(make_batches(data, config.max_tokens, seed=config.seed, epoch=0,
+    per_epoch = len(token_budget_batches(data, config.max_tokens, seed=config.seed, epoch=0,
                                  rank=accelerator.process_index, world_size=accelerator.num_processes))
     total = per_epoch * config.max_epochs
     return min(total, config.max_steps) if config.max_steps is not None else total
@@ -151,39 +151,6 @@ def _total_steps(data: EncodedCorpus, config: TrainConfig, accelerator) -> int:
 
 def _is_seq2seq(model) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
-
-
-# ----------------------------------------------------------------------------- LM losses
-
-
-def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """Next-token cross-entropy (sum, token count) of a decoder-only model on ``input_ids``."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [batch, len-1, vocab]
-    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [batch, len-1]
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                               ignore_index=-100, reduction="sum")
-    return loss_sum, int((labels != -100).sum())
-
-
-def masked_lm_loss(mask_token_id: int, probability: float = 0.15, special_ids: tuple[int, ...] = ()):
-    """A masked-LM loss (Devlin et al. 2019, Sec. 3.1: 15% of tokens, replaced by [MASK])."""
-
-    def loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        chosen = (torch.rand(ids.shape, device=ids.device) < probability) & (mask == 1)
-        for special in special_ids:
-            chosen &= ids != special
-        if not chosen.any():  # always predict at least one token
-            chosen[0, 0] = True
-        inputs = ids.masked_fill(chosen, mask_token_id)
-        labels = ids.masked_fill(~chosen, -100)
-        logits = model(input_ids=inputs, attention_mask=mask).logits  # [batch, len, vocab]
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
-        return loss_sum, int(chosen.sum())
-
-    return loss
 
 
 def encode_lm_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpus:
@@ -208,7 +175,7 @@ def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
             raise HeadlabError(f"{type(model).__name__} is not an encoder-decoder model; use --loss causal_lm or masked_lm")
         return kind, label_smoothed_loss
     if kind == "causal_lm":
-        return kind, causal_lm_loss
+        return kind, causal_lm_loss_from_inputs
     if tokenizer.mask_token_id is None:
         raise HeadlabError("masked_lm loss needs a tokenizer with a mask token")
     specials = tuple(i for i in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.bos_token_id,
@@ -473,6 +440,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     ``config.dev_every`` updates (:mod:`headlab.pruning.dev`; a translation model only), or None.
     Returns a :class:`PruneResult`; on divergence
     (``stopped == "diverged"``) nothing is exported and ``train/last`` is the last good checkpoint.
+    The stages: the gates and the checks before any work, the output directory, the gated run of
+    the trainer (its hooks: :class:`_GateHooks`), then export and evaluation (:func:`_export`).
     """
 
     config = config or PruneConfig()
@@ -485,13 +454,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     run_dir = out_dir / "train"
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
-    kinds = resolve_kinds(model, config.gates)
-    check_prunable(model, kinds)  # the export prunes: a family headlab cannot prune exactly is refused now
-    # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
-    gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
-                                        init_log_alpha=config.init_log_alpha, keep=config.keep)
-    if config.keep is not None:
-        LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
+    kinds, gates = _gates(model, config)
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
     loss_kind, compute_loss = _loss_for(model, tokenizer, config)
@@ -500,8 +463,6 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if dev_data is not None and loss_kind != "seq2seq":
         raise HeadlabError("the development curve is greedy BLEU: it needs a translation model (--loss seq2seq)")
     if not isinstance(train_data, EncodedCorpus):  # encode once here to know the number of steps
-        from headlab.nmt.train import encode_corpus
-
         train_data = encode_corpus(tokenizer, train_data, getattr(model.config, "max_position_embeddings", 1024))
         if train_data.n_truncated:
             log(f"{train_data.n_truncated} training sequences cut to the model's positions")
@@ -515,7 +476,55 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if freeze is None:
         freeze = kinds == ("enc_self",) and _is_seq2seq(model)
     frozen = _decoder_parameters(model) if freeze else set()
+    _prepare_output(out_dir, run_dir, train_config, config, accelerator)
 
+    heads_total = heads_per_kind(model)
+    attach_gates(model, gates)
+    diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
+    dev = _dev_curve(model, tokenizer, dev_data, out_dir, config, gates, accelerator, log)
+    hooks = _GateHooks(config, gates, frozen, diagnostics, dev)
+    try:
+        result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
+                       extra_loss=diagnostics.extra_loss, trainable=hooks.trainable, callback=hooks.callback,
+                       callback_every=hooks.callback_every(), optimizer_factory=hooks.optimizer,
+                       accelerator=accelerator, log=log)
+    except BaseException:
+        detach_gates(model)
+        raise
+    if result.stopped == "diverged":
+        detach_gates(model)
+        return PruneResult("diverged", result.message + "; nothing exported", str(out_dir), result.step, heads_total)
+
+    # ---- final gates, export, evaluation (main process)
+    model.eval()
+    final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
+    spec = gates.closed_heads()  # the test-time gates at 0 (with a budget: all but the top `keep`)
+    outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _export(model, tokenizer, eval_data, config, gates, spec, final, outcome, dev, loss_kind, compute_loss, log)
+    else:
+        detach_gates(model)  # other ranks: the main process wrote the pruned model
+    accelerator.wait_for_everyone()
+    return outcome
+
+
+def _gates(model, config: PruneConfig) -> tuple[tuple[str, ...], HardConcreteGates]:
+    """The gated kinds and their gates; a model headlab cannot prune exactly, or a bad budget, is
+    refused before any work."""
+    kinds = resolve_kinds(model, config.gates)
+    check_prunable(model, kinds)  # the export prunes: a family headlab cannot prune exactly is refused now
+    # With a budget the test-time gates are the `keep` heads the export keeps (dev curve = export).
+    gates = HardConcreteGates.for_model(model, kinds, beta=config.beta, gamma=config.gamma, zeta=config.zeta,
+                                        init_log_alpha=config.init_log_alpha, keep=config.keep)
+    if config.keep is not None:
+        LagrangianBudget(gates.n_gates(), config.keep)  # refuse a bad budget before any work
+    return kinds, gates
+
+
+def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, config: PruneConfig, accelerator) -> None:
+    """Refuse an occupied or damaged run directory; on a fresh start remove the old run's files;
+    write the options (``prune_config.json``)."""
     resuming = train_config.resume and (run_dir / "last").is_dir()
     if not resuming and has_model(run_dir) and not train_config.overwrite:
         raise HeadlabError(f"{out_dir} already holds a pruning run; pass --overwrite to replace it "
@@ -532,92 +541,92 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
                 shutil.rmtree(out_dir / DEV_DIR)
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
 
-    heads_total = heads_per_kind(model)
-    attach_gates(model, gates)
-    diagnostics = _Diagnostics(gates, config, out_dir / TRAJECTORY_FILE, log, total_steps)
-    dev = None
-    if dev_data is not None:
-        dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
-                       batch_size=config.eval_batch_size, log=log)
-        if accelerator.is_main_process and not dev.done(0):
-            dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
 
-    def callback(model, step: int, info: dict) -> None:
-        if config.log_every > 0 and step % config.log_every == 0:
-            diagnostics.callback(model, step, info)
-        if dev is not None:
-            dev.callback(model, step, info)
+def _dev_curve(model, tokenizer, dev_data, out_dir: Path, config: PruneConfig, gates: HardConcreteGates, accelerator,
+               log: Callable[[str], None]) -> DevCurve | None:
+    """The development curve (with development data), its starting point evaluated."""
+    if dev_data is None:
+        return None
+    dev = DevCurve(dev_data, out_dir, config.dev_every, tokenizer=tokenizer, open_heads=gates.open_per_kind,
+                   batch_size=config.eval_batch_size, log=log)
+    if accelerator.is_main_process and not dev.done(0):
+        dev.evaluate(model, 0)  # the starting point (on resume, train() loads the later weights)
+    return dev
 
-    periods = [n for n in (config.log_every, config.dev_every) if n > 0]
-    gate_ids = {id(p) for p in gates.log_alpha.parameters()}
-    budget_ids = {id(p) for p in cast(torch.nn.Module, gates.budget).parameters()} if config.keep is not None else set()
 
-    def trainable(name: str, parameter) -> bool:
+class _GateHooks:
+    """The trainer's hooks of a gated run: which parameters train, the gates' and the budget's
+    own learning rates, and the diagnostics and development-curve callbacks."""
+
+    def __init__(self, config: PruneConfig, gates: HardConcreteGates, frozen: set[int], diagnostics: _Diagnostics,
+                 dev: DevCurve | None) -> None:
+        self.config, self.frozen, self.diagnostics, self.dev = config, frozen, diagnostics, dev
+        self.gate_ids = {id(p) for p in gates.log_alpha.parameters()}
+        self.budget_ids = ({id(p) for p in cast(torch.nn.Module, gates.budget).parameters()} if config.keep is not None
+                           else set())
+
+    def callback_every(self) -> int:
+        periods = [n for n in (self.config.log_every, self.config.dev_every) if n > 0]
+        return math.gcd(*periods) if periods else 0
+
+    def callback(self, model, step: int, info: dict) -> None:
+        if self.config.log_every > 0 and step % self.config.log_every == 0:
+            self.diagnostics.callback(model, step, info)
+        if self.dev is not None:
+            self.dev.callback(model, step, info)
+
+    def trainable(self, name: str, parameter) -> bool:
         # Parameters the model itself freezes stay frozen (train() also freezes those it never saves,
         # e.g. Marian's sinusoidal positions, which from_pretrained leaves trainable).
-        return parameter.requires_grad and id(parameter) not in frozen
+        return parameter.requires_grad and id(parameter) not in self.frozen
 
-    def optimizer_factory(params, cfg: TrainConfig):
+    def optimizer(self, params, cfg: TrainConfig):
+        gate_ids, budget_ids = self.gate_ids, self.budget_ids
         groups = [
             {"params": [p for p in params if id(p) not in gate_ids | budget_ids], "lr_scale": 1.0},
-            {"params": [p for p in params if id(p) in gate_ids], "lr_scale": config.gate_lr / cfg.lr},
-            {"params": [p for p in params if id(p) in budget_ids], "lr_scale": config.multiplier_lr / cfg.lr},
+            {"params": [p for p in params if id(p) in gate_ids], "lr_scale": self.config.gate_lr / cfg.lr},
+            {"params": [p for p in params if id(p) in budget_ids], "lr_scale": self.config.multiplier_lr / cfg.lr},
         ]
         groups = [g for g in groups if g["params"]]
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=cast(tuple[float, float], tuple(cfg.adam_betas)), eps=cfg.adam_eps,
-                                weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=cast(tuple[float, float], tuple(cfg.adam_betas)),
+                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
-    try:
-        result = train(model, tokenizer, train_data, None, train_config, compute_loss=compute_loss,
-                       extra_loss=diagnostics.extra_loss, trainable=trainable, callback=callback,
-                       callback_every=math.gcd(*periods) if periods else 0, optimizer_factory=optimizer_factory,
-                       accelerator=accelerator, log=log)
-    except BaseException:
-        detach_gates(model)
-        raise
-    if result.stopped == "diverged":
-        detach_gates(model)
-        return PruneResult("diverged", result.message + "; nothing exported", str(out_dir), result.step, heads_total)
 
-    # ---- final gates, export, evaluation (main process)
-    model.eval()
-    final = diagnostics.record(model, result.step, {"loss": float("nan")}, final=True)
-    spec = gates.closed_heads()  # the test-time gates at 0 (with a budget: all but the top `keep`)
-    outcome = PruneResult(result.stopped, result.message, str(out_dir), result.step, heads_total)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if dev is not None and not dev.done(result.step):
-            dev.evaluate(model, result.step)  # test-time gates: the model about to be exported
-        gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
-        pruned_dir = out_dir / "pruned"
-        sizes = export_pruned(model, spec, pruned_dir, tokenizer)
-        outcome.pruned_dir = str(pruned_dir)
-        outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
-        metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
-                   "deterministic_open": sum(final["heads_open"].values()), **sizes}
-        metrics.update(evaluate_point(model, tokenizer, eval_data, config, loss_kind=loss_kind,
-                                      compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
-        outcome.metrics = metrics
-        record = outcome.to_dict()
-        record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
-                      model_sha256=config.model_fingerprint or None)
-        if dev is not None:
-            record["dev"] = dev.summary()
-            flat = record["dev"]["plateau"]
-            if flat is not None:
-                log(f"dev BLEU from step {flat['from_step']} to {flat['to_step']}: {flat['delta']:+.2f} "
-                    f"[{flat['low']:+.2f}, {flat['high']:+.2f}] ({flat['call']})")
-        from headlab.portable import how_to_load
-        from headlab.surgery import PRUNING_FILE
+def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcreteGates, spec, final: dict,
+            outcome: PruneResult, dev: DevCurve | None, loss_kind: str, compute_loss: Callable,
+            log: Callable[[str], None]) -> None:
+    """The main process's end of a run: the last development point, ``gates.json``, the pruned
+    model with its card, its evaluation, and ``result.json`` (written last)."""
+    out_dir = Path(outcome.out_dir)
+    if dev is not None and not dev.done(outcome.step):
+        dev.evaluate(model, outcome.step)  # test-time gates: the model about to be exported
+    gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
+    pruned_dir = out_dir / "pruned"
+    sizes = export_pruned(model, spec, pruned_dir, tokenizer)
+    outcome.pruned_dir = str(pruned_dir)
+    outcome.heads_kept = {kind: n for kind, n in heads_per_kind(model).items()}
+    metrics = {"expected_l0": final["expected_l0"], "polarized": final["polarized"],
+               "deterministic_open": sum(final["heads_open"].values()), **sizes}
+    metrics.update(evaluate_point(model, tokenizer, eval_data, config, loss_kind=loss_kind,
+                                  compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
+    outcome.metrics = metrics
+    record = outcome.to_dict()
+    record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
+                  model_sha256=config.model_fingerprint or None)
+    if dev is not None:
+        record["dev"] = dev.summary()
+        flat = record["dev"]["plateau"]
+        if flat is not None:
+            log(f"dev BLEU from step {flat['from_step']} to {flat['to_step']}: {flat['delta']:+.2f} "
+                f"[{flat['low']:+.2f}, {flat['high']:+.2f}] ({flat['call']})")
+    from headlab.portable import how_to_load
+    from headlab.surgery import PRUNING_FILE
 
-        portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
-        atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
-        atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
-        if final.get("hint"):
-            log("hint: " + final["hint"])
-        log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
-            f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")
-    else:
-        detach_gates(model)  # other ranks: the main process wrote the pruned model
-    accelerator.wait_for_everyone()
-    return outcome
+    portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
+    atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
+    atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+    if final.get("hint"):
+        log("hint: " + final["hint"])
+    heads_total = outcome.heads_total
+    log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
+        f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")

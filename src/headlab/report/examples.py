@@ -27,10 +27,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from headlab import preflight
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, write_json
-from headlab.importance.data import describe_model
+from headlab.model_description import describe_model
 
 __all__ = ["FORMAT", "SCALE", "write_attention_examples", "write_example", "write_index", "load_example",
            "quantize", "dequantize"]
@@ -151,8 +152,7 @@ def write_attention_examples(
         raise HeadlabError(f"{out_dir}: exists and is not a directory")
     if max_sentences < 0:
         raise HeadlabError(f"max_sentences must be >= 0, got {max_sentences}")
-    if query_chunk is not None and query_chunk < 1:
-        raise HeadlabError(f"--query-chunk must be at least 1 (query rows per chunk), got {query_chunk}")
+    preflight.query_chunk(query_chunk)
     if targets is not None and len(targets) != len(sources):
         raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
     info = describe_model(model, tokenizer)

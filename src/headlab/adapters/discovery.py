@@ -1,0 +1,487 @@
+"""Run-time discovery of a model's attention: which modules compute it, with how many heads, and
+where their heads' outputs meet the output projection, read from one probe forward pass.
+
+transformers v5 attention modules hand their queries, keys and values to a function picked from
+``ALL_ATTENTION_FUNCTIONS`` (``attention_interface(self, query, key, value, mask, ...)``) and feed
+what it returns, ``[batch, q_len, n_heads, d_head]``, to their output projection. The probe
+registers a function of its own under :data:`PROBE`, switches every config to it and runs the
+model once on a few tokens (on the meta device too: nothing is computed, the function returns
+zeros of the right shape). Each call names its module and the query/key/value shapes: the head
+counts and head size, from the tensors themselves. Every ``nn.Linear`` output of the model is
+traced (a tensor subclass that carries the modules it came from through any torch operation), so
+the probe also sees
+
+* which projections of the module the query, key and value came from (their provenance): one
+  projection each, of widths ``n_heads * d``, ``n_kv * d``, ``n_kv * d`` is the standard unfused
+  layout that physical pruning slices and LRP detaches (prune_check verifies every prune anyway);
+  anything else (fused, shared, mixed) is left to the family tables, and pruning and LRP are
+  refused;
+* the output projection: the first leaf module to receive the function's output, which must
+  arrive through reshapes and casts only (view, reshape, contiguous, to), of width ``n_heads * d``,
+  and be its only reader (an adapter reading it beside the projection is refused); a gate, norm or
+  transpose on the way means that masking a slice of that input is not masking a head, and the
+  module is refused. The block is the calling module, or the closest ancestor that also holds the
+  output projection (BERT's ``attention`` around ``attention.self``);
+* where the calling module's output tuple holds the weights the function returned, which capture
+  reads in eager mode (a module that drops them is refused).
+
+Mixture-of-experts blocks are run with an experts function that returns zeros (their routing
+needs values the meta device does not have). A model whose attention does not call the
+interface shows no call: :func:`discover` returns an empty list and the caller decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from headlab.errors import HeadlabError
+
+__all__ = ["PROBE", "Discovered", "discover", "ran"]
+
+PROBE = "headlab_probe"
+"""The name under which the probe's attention (and experts) function is registered."""
+
+_VIEWS = frozenset({
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.contiguous, torch.reshape, torch.Tensor.flatten,
+    torch.flatten, torch.Tensor.view_as, torch.Tensor.reshape_as,
+    torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+})
+"""Operations that only regroup elements in memory order (a head's slice stays that head's slice),
+or cast or move each element on its own."""
+
+@dataclass(frozen=True)
+class Discovered:
+    """One attention layer as the probe saw it: the module whose forward called the attention
+    interface (``core``), the block around it that holds its output projection, and the heads."""
+
+    name: str
+    """Path of the block: the calling module, or its closest ancestor that holds the output
+    projection (BERT's ``attention`` around ``attention.self``)."""
+    core: str
+    """Path of the calling module relative to the block ("" when it is the block)."""
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    """Size of a head's output (its value vectors): the output projection reads ``n_heads * d_head``."""
+    d_qk: int
+    """Size of a head's queries and keys."""
+    o: str | None
+    """Path of the output projection, relative to the block (None: see ``problem``)."""
+    q: str | None
+    k: str | None
+    v: str | None
+    """Paths (relative to the block) of the projections the query, key and value came from, where
+    each came from exactly one projection of the standard width (None otherwise)."""
+    problem: str | None = None
+    """Why masking at the output projection's input would not mask this module's heads."""
+    probs_index: int = 1
+    """Where the calling module's output tuple holds the attention probabilities (eager mode)."""
+
+
+class _Traced(torch.Tensor):
+    """A tensor that remembers the modules its values came from (``_sources``) and whether it is
+    the attention function's output regrouped by views only (``_pure``)."""
+
+    _sources: frozenset = frozenset()
+    _pure: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        traced = [a for a in _tensors((args, kwargs)) if isinstance(a, _Traced)]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if not traced:
+            return out
+        sources = frozenset().union(*(t._sources for t in traced))
+        pure = len(traced) == 1 and traced[0]._pure and (func in _VIEWS or _is_identity_dropout(func, args, kwargs))
+        if _in_place(func, kwargs) and args and isinstance(args[0], _Traced):
+            # the tensor written to keeps being used under its old name: it carries what was written
+            args[0]._sources, args[0]._pure = sources, False
+        return _wrap(out, sources, pure)
+
+
+def _in_place(func: Callable[..., Any], kwargs: dict) -> bool:
+    """``x.mul_(...)``, ``x[...] = ...`` or ``out=``: an operation that writes into an existing tensor."""
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name == "__setitem__" or name.endswith("_") and not name.endswith("__")
+
+
+def _is_identity_dropout(func: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
+    """``F.dropout`` outside training returns its input."""
+    if func is not nn.functional.dropout:
+        return False
+    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    return training is False
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _wrap(value: Any, sources: frozenset, pure: bool) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        traced = value.as_subclass(_Traced)
+        traced._sources, traced._pure = sources, pure
+        return traced
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_wrap(item, sources, pure) for item in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Traced):
+        return value.as_subclass(torch.Tensor)
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+@dataclass(eq=False)
+class _Call:
+    module: nn.Module
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    sources: tuple[frozenset, frozenset, frozenset]
+    o: nn.Module | None = None
+    o_input: tuple[int, ...] | None = None
+    o_pure: bool = False
+    weights: torch.Tensor | None = None
+    probs_index: int | None = None
+    """Where the calling module's output tuple holds the attention weights (-1: nowhere)."""
+    readers: list[nn.Module] = field(default_factory=list)
+    """Every module that received this call's output, or a tensor made from it, in call order."""
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.ran: set[int] = set()  # ids of the modules whose forward ran
+        self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
+
+    def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q_sources, k_sources, v_sources = (t._sources if isinstance(t, _Traced) else frozenset()
+                                           for t in (query, key, value))
+        sources = (q_sources, k_sources, v_sources)
+        call = _Call(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), sources)
+        self.calls.append(call)
+        self.pending.add(call)
+        batch, n_heads, q_len, _ = query.shape
+        with torch._C.DisableTorchFunctionSubclass():
+            out = torch.zeros(batch, q_len, n_heads, value.shape[-1], dtype=value.dtype, device=value.device)
+            call.weights = torch.zeros(batch, n_heads, q_len, key.shape[2], dtype=value.dtype, device=value.device)
+        return _wrap(out, frozenset({call}), True), call.weights
+
+    def returned(self, module: nn.Module, output: Any) -> None:
+        """Where ``module``'s output tuple holds the weights its attention function returned (capture
+        reads them there, in eager mode)."""
+        items = output if isinstance(output, tuple) else (output,)
+        for call in self.calls:
+            if call.module is module and call.probs_index is None:
+                call.probs_index = next((i for i, item in enumerate(items) if item is call.weights), -1)
+
+    def seen(self, module: nn.Module, x: Any) -> None:
+        """``module`` is about to run on ``x``: a reader of every call whose output ``x`` carries; the
+        first leaf reader (a dropout outside training aside) of a pending call is its output projection."""
+        if not isinstance(x, _Traced):
+            return
+        leaf = next(module.children(), None) is None and not isinstance(module, nn.Dropout)
+        for call in [c for c in x._sources if isinstance(c, _Call)]:
+            call.readers.append(module)
+            if leaf and call in self.pending:
+                self.pending.remove(call)
+                call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The probe's attention ignores masks: none is built (building one reads values)."""
+    return None
+
+
+def _experts(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.zeros_like(hidden_states)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PROBE, _probe_attention)
+    AttentionMaskInterface.register(PROBE, _no_mask)
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - a transformers without the experts interface
+        return
+    ALL_EXPERTS_FUNCTIONS.register(PROBE, _experts)
+
+
+_ACTIVE: list[_Probe] = []
+
+
+def _probe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ACTIVE[-1].attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _configs(model: nn.Module) -> list:
+    found: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+            for name in ("text_config", "encoder", "decoder"):
+                sub = getattr(config, name, None)
+                if sub is not None and hasattr(sub, "_attn_implementation"):
+                    found.setdefault(id(sub), sub)
+    return list(found.values())
+
+
+def _probe_inputs(model: nn.Module, device: torch.device) -> dict:
+    ids = torch.zeros(1, 4, dtype=torch.long, device=device)
+    config = getattr(model, "config", None)
+    parameters = inspect.signature(model.forward).parameters
+    takes = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    inputs: dict[str, torch.Tensor | bool] = {"input_ids": ids}
+    if "attention_mask" in parameters or takes:  # a mask given: transformers does not look for packed sequences
+        inputs["attention_mask"] = torch.ones_like(ids)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        inputs["decoder_input_ids"] = ids[:, :3]
+    if "use_cache" in parameters or takes:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _run(model: nn.Module) -> _Probe:
+    _register()
+    probe = _Probe()
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    handles = []
+    configs = _configs(model)
+    saved = [(config, config.__dict__.get("_attn_implementation_internal", None),
+              getattr(config, "_attn_implementation", None), getattr(config, "_experts_implementation", None))
+             for config in configs]
+
+    def mark(module: nn.Module, args: tuple, output: Any) -> Any:  # a projection's output: traced to it
+        return _wrap(_plain(output), frozenset({module}), False)
+
+    def seen(module: nn.Module, args: tuple) -> None:
+        probe.ran.add(id(module))
+        if args:
+            probe.seen(module, args[0])
+
+    def returned(module: nn.Module, args: tuple, output: Any) -> None:
+        probe.returned(module, output)
+
+    try:
+        for module in model.modules():
+            if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+                handles.append(module.register_forward_hook(mark))
+        # Who reads the function's output, and what each module returns: these hooks run first, before
+        # any gate a user attached.
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(seen, prepend=True))
+            handles.append(module.register_forward_hook(returned, prepend=True))
+        for config in configs:
+            config._attn_implementation = PROBE
+            if hasattr(config, "_experts_implementation"):
+                config._experts_implementation = PROBE
+        _ACTIVE.append(probe)
+        with torch.no_grad():
+            model(**_probe_inputs(model, device))
+    finally:
+        if _ACTIVE and _ACTIVE[-1] is probe:
+            _ACTIVE.pop()
+        for handle in handles:
+            handle.remove()
+        for config, _, attn, experts in saved:
+            config._attn_implementation = attn
+            if hasattr(config, "_experts_implementation"):
+                config._experts_implementation = experts
+    return probe
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def discover(model: nn.Module) -> list[Discovered]:
+    """Every module of ``model`` whose forward calls transformers' attention interface, in call
+    order, from one probe forward (cached per model while the modules found stay in place; head
+    counts are read from the weights by the caller). Empty when none calls it. Raises
+    :class:`HeadlabError` when the probe forward cannot run."""
+    cached = _CACHE.get(model)
+    if cached is not None and cached[1] == _identity(model, cached[0]):
+        return cached[0]
+    found, ran = _discover(model)
+    _CACHE[model] = (found, _identity(model, found), ran)
+    return found
+
+
+def ran(model: nn.Module) -> frozenset[str]:
+    """The paths of the modules whose forward ran in ``model``'s probe pass (:func:`discover` first)."""
+    discover(model)
+    return _CACHE[model][2]
+
+
+def _identity(model: nn.Module, found: list[Discovered]) -> tuple:
+    """The modules the discovered paths lead to now: a module replaced since (a pruned layer's stand-in,
+    an adapter around a projection) makes the probe run again."""
+    modules = dict(model.named_modules())
+    out = []
+    for item in found:
+        for path in (item.name, _join(item.name, item.core), *(_join(item.name, p) for p in (item.o, item.q, item.k,
+                                                                                         item.v) if p is not None)):
+            out.append(id(modules.get(path)))
+    return tuple(out)
+
+
+def _join(block: str, path: str) -> str:
+    return ".".join(part for part in (block, path) if part)
+
+
+def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str]]:
+    modes = [(module, module.training) for module in model.modules()]
+    saved = _plain_attributes(model)
+    parameter = next(model.parameters(), None)
+    devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices):  # the probe draws nothing from the user's generators
+            probe = _run(model)
+    except HeadlabError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any model's forward: reported, with what failed
+        raise HeadlabError(f"the probe forward pass that finds its attention modules failed "
+                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from error
+    finally:
+        for module, training in modes:
+            module.training = training
+        for owner, values in saved:  # what a forward set on the way (BigBird's attention_type for short inputs)
+            for name, value in values.items():
+                if owner.__dict__.get(name, value) is not value:
+                    setattr(owner, name, value)
+    modules = dict(model.named_modules())
+    names = {id(module): name for name, module in modules.items()}
+    calls = probe.calls
+    counts: dict[int, int] = {}
+    for call in calls:
+        counts[id(call.module)] = counts.get(id(call.module), 0) + 1
+    firsts = [call for i, call in enumerate(calls) if all(c.module is not call.module for c in calls[:i])]
+    found = [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
+    return found, frozenset(name for name, module in modules.items() if id(module) in probe.ran)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(model: nn.Module) -> list[tuple[object, dict]]:
+    """Every module's and config's plain attributes (numbers, strings, flags), to put back after the probe."""
+    owners: dict[int, object] = {}
+    for module in model.modules():
+        owners.setdefault(id(module), module)
+        config = getattr(module, "config", None)
+        if config is not None:
+            owners.setdefault(id(config), config)
+    return [(owner, {k: v for k, v in vars(owner).items() if isinstance(v, _PLAIN)}) for owner in owners.values()]
+
+
+def _width(module: nn.Module, which: str) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features if which == "in" else module.out_features
+    if type(module).__name__ == "Conv1D":  # transformers' Conv1D: weight [in, out]
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        return int(weight.shape[0 if which == "in" else 1])
+    return None
+
+
+def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str], n_calls: int) -> Discovered:
+    calling = names.get(id(call.module), type(call.module).__name__)
+    _, n_heads, _, d_qk = call.query
+    _, n_kv, _, d_v = call.value
+    o_name = names.get(id(call.o)) if call.o is not None else None
+    block = calling if o_name is None else _common_ancestor(calling, o_name)
+    problem = None
+    if n_calls > 1:
+        problem = (f"its forward ran the attention function {n_calls} times in one pass (a module shared by several "
+                   "layers, or one that attends twice): a head is not one layer's head")
+    elif call.key[1] != n_kv or call.key[-1] != d_qk:
+        problem = f"keys {list(call.key)} do not match queries {list(call.query)} and values {list(call.value)}"
+    elif n_kv == 0 or n_heads % n_kv:
+        problem = f"{n_heads} query heads do not group over {n_kv} key/value heads"
+    elif call.o is None or o_name is None:
+        problem = "no module received the attention function's output (no output projection)"
+    elif not call.o_pure:
+        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes and casts (a "
+                   "gate, a norm, a transpose, a sum): a slice of that input is not one head's output")
+    elif _width(call.o, "in") is None:
+        problem = f"the first module to read the attention function's output, {o_name}, is a " \
+                  f"{type(call.o).__name__}, not a linear map"
+    elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
+        problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
+                   f"{n_heads} heads x {d_v}")
+    elif call.probs_index is None or call.probs_index < 0:
+        problem = ("its forward does not return the attention function's weights, where capture reads the attention "
+                   "probabilities")
+    elif others := [m for m in call.readers if not _nested(m, call.o)]:
+        problem = (f"besides its output projection {o_name}, {names.get(id(others[0]), type(others[0]).__name__)} reads "
+                   "the heads' outputs (an adapter around the projection?): masking the projection's input would "
+                   "not switch a head off")
+    elif not block or block != calling and not calling.startswith(block + "."):
+        problem = f"its output projection {o_name} lies outside the attention layer"
+    owner = modules.get(block)
+    inside = {id(m) for m in owner.modules()} if owner is not None and problem is None else set()
+    paths = []
+    for sources, width in zip(call.sources, (n_heads * d_qk, n_kv * d_qk, n_kv * d_v)):
+        projections = [m for m in sources if isinstance(m, nn.Module)]
+        single = projections[0] if len(projections) == 1 and len(sources) == 1 and id(projections[0]) in inside \
+            and _width(projections[0], "out") == width else None
+        paths.append(_relative(block, names.get(id(single))) if single is not None else None)
+    q, k, v = paths
+    if d_qk != d_v or len({q, k, v}) < 3 or None in (q, k, v):
+        q = k = v = None
+    return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
+                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0)
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    """``a`` is ``b``, holds it or is held by it."""
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
+
+
+def _common_ancestor(a: str, b: str) -> str:
+    common = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _relative(block: str, name: str | None) -> str | None:
+    """``name`` relative to ``block`` ("" for the block itself; None outside it)."""
+    if name is None:
+        return None
+    if name == block:
+        return ""
+    if not block:
+        return name
+    return name[len(block) + 1:] if name.startswith(block + ".") else None

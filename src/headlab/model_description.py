@@ -1,0 +1,179 @@
+"""What kind of model this is: :func:`describe_model` reads the architecture, the special tokens,
+the longest input and whether it has a language-model head, from the model (and tokenizer).
+
+Every feature that runs a model on text reads it here (importance, the pruning baselines, the
+report's examples, the one-call API), not from a module of another feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from headlab.adapters import attention_blocks
+
+__all__ = [
+    "ModelInfo",
+    "checkpoint_has_lm_head",
+    "describe_model",
+    "is_classifier",
+    "model_max_length",
+    "output_layer",
+]
+
+_NO_LIMIT = 1_000_000  # tokenizers report model_max_length = 1e30 when they know none
+
+# Architectures whose checkpoints carry a language-model head; a checkpoint saved from a bare
+# encoder (e.g. "BertModel") would get a randomly initialised head, so it counts as having none.
+_LM_HEAD_SUFFIXES = (
+    "LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration", "MTModel", "ForPreTraining",
+    "ForSeq2SeqLM", "ForSequenceClassification",
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the importance measures need to know about a model.
+
+    ``arch`` is ``"seq2seq"`` (encoder-decoder), ``"causal"`` (decoder-only), ``"masked"``
+    (encoder-only) or ``"classifier"`` (a sequence classifier: one prediction per text, its
+    ``n_labels`` classes named ``label_names``). ``special_ids`` are the ids that confidence leaves out as queries and keys
+    and that are never LRP targets of a masked LM (padding, EOS, BOS, CLS, SEP, ...).
+    """
+
+    arch: str
+    pad_id: int
+    eos_ids: frozenset[int]
+    special_ids: frozenset[int]
+    decoder_start_id: int | None
+    max_length: int
+    has_lm_head: bool
+    mask_id: int | None = None
+    name: str = ""
+    n_labels: int = 0
+    label_names: tuple[str, ...] = ()
+
+    @property
+    def is_seq2seq(self) -> bool:
+        return self.arch == "seq2seq"
+
+
+def _ids(value) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return {int(v) for v in value if v is not None}
+    return {int(value)}
+
+
+def _max_positions(config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def checkpoint_has_lm_head(config) -> bool:
+    """Whether the checkpoint's saved architecture has a language-model head (True when unknown)."""
+    architectures = getattr(config, "architectures", None) or []
+    return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
+
+
+def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = None) -> ModelInfo:
+    """Read architecture, special tokens and length limit from ``model`` (and ``tokenizer``)."""
+    from headlab.loading import check_tokenizer_fits
+
+    check_tokenizer_fits(tokenizer, model, getattr(model.config, "_name_or_path", "") or type(model).__name__)
+    config = model.config
+    blocks = attention_blocks(model)
+    kinds = {b.kind for b in blocks}
+    if is_classifier(model):
+        arch = "classifier"
+    elif getattr(config, "is_encoder_decoder", False):
+        arch = "seq2seq"
+    elif "dec_self" in kinds and "enc_self" not in kinds:
+        arch = "causal"
+    else:
+        arch = "masked"
+    generation = getattr(model, "generation_config", None)
+    eos = _ids(getattr(config, "eos_token_id", None)) or _ids(getattr(generation, "eos_token_id", None))
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = min(eos) if eos else 0
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None and generation is not None:
+        start = getattr(generation, "decoder_start_token_id", None)
+    special = {int(pad)} | eos | _ids(getattr(config, "bos_token_id", None)) | _ids(start)
+    for attr in ("sep_token_id", "cls_token_id"):
+        special |= _ids(getattr(config, attr, None))
+    mask_id = None
+    if tokenizer is not None:
+        # UNK stands for a real word, so it stays a token like any other.
+        special |= set(getattr(tokenizer, "all_special_ids", []) or []) - _ids(getattr(tokenizer, "unk_token_id", None))
+        eos |= _ids(getattr(tokenizer, "eos_token_id", None)) if not eos else set()
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+    limits = [v for v in (_max_positions(config), max_length) if v]
+    if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
+        limits.append(int(tokenizer.model_max_length))
+    output = output_layer(model)
+    has_lm_head = isinstance(getattr(output, "weight", None), torch.Tensor)
+    n_labels = int(getattr(config, "num_labels", 0) or 0) if arch == "classifier" else 0
+    id2label = getattr(config, "id2label", None) or {}
+    label_names = tuple(str(id2label.get(i, id2label.get(str(i), i))) for i in range(n_labels))
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    return ModelInfo(
+        arch=arch,
+        pad_id=int(pad),
+        eos_ids=frozenset(eos),
+        special_ids=frozenset(special),
+        decoder_start_id=None if start is None else int(start),
+        max_length=min(limits) if limits else 512,
+        has_lm_head=has_lm_head,
+        mask_id=None if mask_id is None else int(mask_id),
+        name=str(name),
+        n_labels=n_labels,
+        label_names=label_names,
+    )
+
+
+def is_classifier(model: nn.Module) -> bool:
+    """A sequence classifier (``...ForSequenceClassification``): one set of class logits per text."""
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The last linear map to the logits: the language-model head, or a classifier's last layer
+    onto its classes (BERT's ``classifier``, RoBERTa's ``classifier.out_proj``, GPT-2's ``score``)."""
+    if is_classifier(model):
+        n_labels = getattr(model.config, "num_labels", None)
+        onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
+        return onto_classes[-1] if onto_classes else None
+    return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def model_max_length(model, tokenizer) -> int:
+    """The longest input the model takes: its position table, or the tokenizer's limit."""
+    candidates = []
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            candidates.append(value)
+            break
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 1_000_000:
+        candidates.append(value)
+    if not candidates:
+        return 512
+    length = min(candidates)
+    # RoBERTa-style position tables reserve padding_idx + 1 rows.
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") \
+            and length == getattr(config, "max_position_embeddings", 0):
+        length -= (getattr(config, "pad_token_id", 1) or 1) + 1
+    return length

@@ -1,0 +1,98 @@
+"""The training losses, each ``(model, batch, config) -> (loss summed over tokens, number of tokens)``,
+all one cross-entropy (:func:`token_loss`) on what differs: which logits predict which labels.
+
+* :func:`label_smoothed_loss` - an encoder-decoder model's, teacher-forced (the translation recipe);
+* :func:`causal_lm_loss` - a decoder-only model's next-token loss on batches whose ``labels`` are
+  already shifted (``headlab lm train``'s ``collate_lm``);
+* :func:`causal_lm_loss_from_inputs` - the same next-token loss on batches that hold only the
+  text (``prune train --loss causal_lm``): the labels are the inputs shifted by one, and no label
+  smoothing;
+* :func:`masked_lm_loss` - a masked LM's (Devlin et al. 2019).
+
+:func:`evaluate_loss` is the mean loss per target token of a model over a corpus (no smoothing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from headlab.capture import eval_mode
+from headlab.training.config import TrainConfig
+from headlab.training.corpus import scoring_batches
+
+__all__ = ["token_loss", "label_smoothed_loss", "causal_lm_loss", "causal_lm_loss_from_inputs", "masked_lm_loss", "evaluate_loss"]
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
+    """The one cross-entropy of every loss here: summed over the tokens whose label is not -100
+    (in fp32), and their number. ``logits`` ``[..., vocab]``, ``labels`` the same shape less the last axis."""
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                               ignore_index=-100, label_smoothing=label_smoothing, reduction="sum")
+    return loss_sum, int((labels != -100).sum())
+
+
+def label_smoothed_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Sum of label-smoothed cross-entropy over target tokens, and their number.
+
+    Label smoothing as in Szegedy et al. 2016 / Vaswani et al. 2017, Sec. 5.4 (epsilon 0.1).
+    Swap this function (``train(..., compute_loss=...)``) for another kind of model.
+    """
+    outputs = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        decoder_input_ids=batch["decoder_input_ids"],
+        use_cache=False,
+    )
+    # logits [batch, tgt_len, vocab], labels [batch, tgt_len]
+    return token_loss(outputs.logits, batch["labels"], config.label_smoothing)
+
+
+@torch.no_grad()
+def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss: Callable | None = None) -> float:
+    """Mean cross-entropy per target token (no label smoothing), model in eval mode."""
+    config = TrainConfig(label_smoothing=0.0)
+    compute_loss = compute_loss or label_smoothed_loss
+    total, count = 0.0, 0
+    with eval_mode(model):
+        for batch in scoring_batches(model, tokenizer, data, batch_tokens):
+            loss_sum, n = compute_loss(model, batch, config)
+            total += loss_sum.item()
+            count += n
+    return total / max(count, 1)
+
+
+def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy (label-smoothed by ``config.label_smoothing``) and the
+    number of predicted tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return token_loss(logits, batch["labels"], config.label_smoothing)  # labels [batch, len]
+
+
+def causal_lm_loss_from_inputs(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """Next-token cross-entropy (sum, token count) of a decoder-only model on ``input_ids``: the labels
+    are the inputs shifted by one; not label-smoothed (what ``prune train --loss causal_lm`` trains with)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [batch, len-1, vocab]
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [batch, len-1]
+    return token_loss(logits, labels)
+
+
+def masked_lm_loss(mask_token_id: int, probability: float = 0.15, special_ids: tuple[int, ...] = ()):
+    """A masked-LM loss (Devlin et al. 2019, Sec. 3.1: 15% of tokens, replaced by [MASK])."""
+
+    def loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        chosen = (torch.rand(ids.shape, device=ids.device) < probability) & (mask == 1)
+        for special in special_ids:
+            chosen &= ids != special
+        if not chosen.any():  # always predict at least one token
+            chosen[0, 0] = True
+        inputs = ids.masked_fill(chosen, mask_token_id)
+        labels = ids.masked_fill(~chosen, -100)
+        logits = model(input_ids=inputs, attention_mask=mask).logits  # [batch, len, vocab]
+        return token_loss(logits, labels)  # the chosen tokens: the ids are never -100
+
+    return loss

@@ -1,0 +1,113 @@
+"""The translation heavy-lifting experiment (experiments/heavy_lifting_nmt.md): its labels, plan and
+decision rules on constructed numbers, and the bootstrap on constructed translations; no model
+is trained here (the driver was run end to end with --extra-*-args, docs/results/heavy-lifting-nmt)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+driver, report = _load("heavy_lifting_nmt"), _load("heavy_lifting_nmt_report")
+FUNCTIONS = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de" / "functions"
+
+
+def test_the_committed_labels_are_those_of_the_functions_results():
+    labels = driver.labels_from_functions(FUNCTIONS)
+    committed = json.loads((REPO / "docs" / "results" / "heavy-lifting-nmt" / "labels.json").read_text())
+    assert labels["heads"] == committed["heads"] and labels["sha256"] == committed["sha256"]
+    assert labels["specialised"] == [[2, 5]]  # the rare-token head; no positional or syntactic head reaches its bar
+    assert driver.least_specialised(labels, 2) == [(0, 4), (0, 5)]
+    # The score file's k best heads are the k least specialised, for every k of the plan.
+    ranked = sorted(((v, layer, h) for layer, row in enumerate(driver.least_scores(labels)) for h, v in enumerate(row)),
+                    reverse=True)
+    for k in driver.KS:
+        assert sorted((layer, h) for _, layer, h in ranked[:k]) == driver.least_specialised(labels, k)
+
+
+def test_the_plan_runs_every_control_and_the_fair_table_2_once():
+    labels = json.loads((REPO / "docs" / "results" / "heavy-lifting-nmt" / "labels.json").read_text())
+    stage1, stage2 = driver.plan(labels, 1), driver.plan(labels, 2)
+    names = [c["name"] for c in stage1]
+    assert len(names) == len(set(names)) == 4 + 12 + 1 + 4
+    assert {c["steps"] for c in stage1 if c["type"] == "control"} == {864}
+    assert {c["steps"] for c in stage2} == {1728} and not any(c["type"] == "scratch" for c in stage2)
+    assert [driver.eval_file(c) for c in (stage1[0], stage2[0])] == ["eval.json", "eval-1728.json"]
+    assert {c["name"] for c in stage2 if c["type"] == "gated"} == {f"gated-{p}" for p in driver.GATED.values()} | \
+        {"gated-lam-0"}
+
+
+def test_non_inferiority_never_calls_an_interval_containing_0_but_crossing_the_bound_no_loss():
+    assert report.non_inferiority(-0.5, 0.8) == "non-inferior"
+    assert report.non_inferiority(-1.6, 0.25) == "undecided"  # contains 0, reaches below -1
+    assert report.non_inferiority(-2.5, -1.2) == "inferior"
+    assert report.non_inferiority(float("nan"), 0.3) == "undecided"
+
+
+def _row(k, above, below=0.5, settled=True, heads=None):
+    comparison = {"difference": 1.0, "low": 0.1, "high": 2.0, "p_above": above, "p_below": below}
+    return {"k": k, "equal_heads": heads is None or heads == k, "vs_random": comparison, "vs_least": comparison,
+            "settled": {"gated": settled, "controls": True}}
+
+
+def test_h1_rules():
+    significant = [_row(k, 0.0001) for k in driver.KS]
+    assert report._h1_verdict(significant)[0] == "holds"
+    assert report._h1_verdict([_row(8, 0.3)] + significant[1:])[0] == "partly"
+    assert report._h1_verdict([_row(k, 0.3) for k in driver.KS])[0] == "does not hold"
+    control_better = [_row(8, 0.9, below=0.0001)] + significant[1:]
+    assert report._h1_verdict(control_better)[0] == "does not hold"
+    verdict, why = report._h1_verdict([_row(8, 0.0001, settled=False)] + significant[1:])
+    assert verdict == "inconclusive" and "not settled at k = [8]" in why and "8 of 8" in why
+    assert report._h1_verdict([_row(8, 0.0001, heads=9)] + significant[1:])[0] == "inconclusive"
+    assert report._h1_verdict([{"k": 8, "missing": True}] + significant[1:])[0] == "inconclusive"
+
+
+def _h3(low, high, settled=True):
+    return {"point": "p", "difference": {"difference": (low + high) / 2, "low": low, "high": high},
+            "pruned_settled": settled}
+
+
+def test_h3_rules():
+    calibrated = {"difference": -0.2, "low": -0.8, "high": 0.4, "call": "non-inferior"}
+    assert report._h3_verdict([_h3(0.2, 1.5)] * 3, calibrated)[0] == "holds"
+    assert report._h3_verdict([_h3(-0.6, 0.7)] * 3, calibrated)[0] == "does not hold"  # all within +-1
+    assert report._h3_verdict([_h3(0.2, 1.5), _h3(-2.0, -0.1), _h3(0.2, 1.5)], calibrated)[0] == "does not hold"
+    assert report._h3_verdict([_h3(0.2, 1.5), _h3(-0.5, 1.5), _h3(0.2, 1.5)], calibrated)[0] == "inconclusive"
+    assert report._h3_verdict([_h3(0.2, 1.5, settled=False)] * 3, calibrated)[0] == "inconclusive"
+    handicapped = {**calibrated, "low": -2.0, "call": "undecided"}
+    verdict, why = report._h3_verdict([_h3(0.2, 1.5)] * 3, handicapped)
+    assert verdict == "inconclusive" and "does not reproduce the bundled model" in why
+    assert report._h3_verdict([_h3(0.2, 1.5)] * 3, None)[0] == "inconclusive"
+
+
+def test_holm_and_the_hypergeometric_tail():
+    assert report.holm([0.01, 0.04, 0.03]) == [True, False, False]
+    assert report.hypergeometric_tail(0, 48, 1, 8) == 1.0
+    assert math.isclose(report.hypergeometric_tail(1, 48, 1, 8), 8 / 48)
+
+
+def test_the_bootstrap_difference_of_identical_systems_is_zero_and_of_a_better_one_positive():
+    references = [f"a small dog runs on the green grass number {i}" for i in range(40)]
+    worse = [f"a dog runs on grass number {i}" for i in range(40)]
+    boot = report.Bootstrap(references, resamples=200)
+    same = boot.difference([boot.stats(worse)], [boot.stats(worse)])
+    assert same["difference"] == same["low"] == same["high"] == 0.0
+    better = boot.difference([boot.stats(references)], [boot.stats(worse)])
+    assert better["low"] > 0 and better["p_above"] == pytest.approx(1 / 201)
+    # The random control is the mean of its seeds, resample by resample.
+    mean = boot.difference([boot.stats(references), boot.stats(worse)], [boot.stats(worse)])
+    assert mean["difference"] == pytest.approx(better["difference"] / 2)

@@ -1,0 +1,192 @@
+"""Controls of issue 35: `prune baseline --freeze-decoder` (k random or chosen encoder heads
+fine-tuned as gated fine-tuning of encoder heads is, every decoder parameter frozen) and the
+from-scratch recipe options (learning rate, warm-up, checkpoint averaging), on a tiny Marian."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from headlab.cli import main
+from headlab.pruning import baselines
+from headlab.pruning.dev import read_dev_curve
+from headlab.pruning.train import _decoder_parameters, evaluate_model
+from headlab.surgery import prune_heads
+from headlab.training.config import TrainConfig
+from headlab.training.loop import average_checkpoints
+from support.nmt import DATA
+from support.nmt import tiny_marian as marian
+
+
+def _decoder_names(model) -> set[str]:
+    frozen = _decoder_parameters(model)
+    return {name for name, p in model.named_parameters() if id(p) in frozen}
+
+
+class _AdamSpy(torch.optim.Adam):
+    params: list[int] = []
+
+    def __init__(self, params, *args, **kwargs):
+        params = list(params)
+        for item in params:
+            _AdamSpy.params += [id(p) for p in (item["params"] if isinstance(item, dict) else [item])]
+        super().__init__(params, *args, **kwargs)
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "trained"])
+def test_frozen_decoder_fine_tuning_leaves_every_decoder_weight_bit_identical(freeze, corpus, tokenizer, tmp_path,
+                                                                             monkeypatch):
+    model = marian(tokenizer)
+    spec = baselines.random_spec(model, 3, ("enc_self",), seed=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    monkeypatch.setattr(torch.optim, "Adam", _AdamSpy)
+    _AdamSpy.params = []
+    config = TrainConfig(out_dir=str(tmp_path / "ft"), max_tokens=400, lr=1e-3, warmup_steps=0, schedule="constant",
+                         max_epochs=10**6, max_steps=4, validate=False, keep_epoch_checkpoints=False, progress=False)
+    row = baselines.evaluate_baseline(model, tokenizer, spec, corpus.subset(3), train_data=corpus.subset(60),
+                                      finetune=config, beam=1, freeze_decoder=freeze)
+    assert row["finetune_steps"] == 4 and row["heads_kept"]["enc_self"] == 3
+    decoder = _decoder_names(model)
+    assert "model.decoder.layers.0.self_attn.q_proj.weight" in decoder
+    assert "model.shared.weight" in decoder  # tied to the output layer: the embeddings are the decoder's too
+    after = dict(model.named_parameters())
+    moved = {name for name in decoder if not torch.equal(after[name], before[name])}
+    encoder = [name for name in after if name.startswith("model.encoder.layers.")
+               and not name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                                      "v_proj.weight", "v_proj.bias", "out_proj.weight"))]  # pruned: other shapes
+    assert encoder and all(not torch.equal(after[name], before[name]) for name in encoder)
+    in_optimizer = set(_AdamSpy.params)
+    if freeze:
+        assert not moved  # bit for bit
+        assert not any(after[name].requires_grad or id(after[name]) in in_optimizer for name in decoder)
+        assert row["freeze_decoder"] is True
+    else:
+        assert moved == decoder - {"model.decoder.embed_positions.weight"}  # never saved, never trained
+        assert "freeze_decoder" not in row
+
+
+def _run(out, config, corpus, tokenizer, monkeypatch, train=None):
+    monkeypatch.setattr(baselines, "train", train or baselines.train)
+    try:
+        baselines.run_baselines(lambda: (marian(tokenizer), tokenizer), corpus.subset(60), corpus.subset(4), config,
+                                out, dev_data=corpus.subset(5), log=lambda message: None)
+    finally:
+        monkeypatch.undo()
+    return json.loads((out / "baselines.json").read_text())
+
+
+def test_frozen_decoder_fine_tuning_killed_and_resumed_ends_bit_identical(corpus, tokenizer, tmp_path, monkeypatch):
+    """A control costs 864 updates: one cut short continues from its last checkpoint to the
+    weights, translations and development curve of an uninterrupted run, the decoder still the
+    starting one; one killed after its last update, before its row, is not trained one update
+    further."""
+    config = baselines.BaselineConfig(method="random", keeps=(2,), seeds=(1,), finetune_steps=9, freeze_decoder=True,
+                                      dev_every=3,
+                                      max_tokens=400, lr=1e-3, eval_beam=1, model_fingerprint="tiny")
+    whole = _run(tmp_path / "whole", config, corpus, tokenizer, monkeypatch)
+    real_train = baselines.train
+
+    def killed_at(step):
+        def train(*args, **kwargs):
+            real_train(*args[:4], replace(args[4], max_steps=step), **kwargs)
+            raise KeyboardInterrupt
+        return train
+
+    name = "ft-random-2-1"
+    for out, kill in ((tmp_path / "mid", 4), (tmp_path / "end", 9)):
+        with pytest.raises(KeyboardInterrupt):
+            _run(out, config, corpus, tokenizer, monkeypatch, killed_at(kill))
+        assert json.loads((out / name / "last" / "trainer_state.json").read_text())["step"] == kill
+        rows = _run(out, config, corpus, tokenizer, monkeypatch)
+        assert rows == whole and rows[0]["finetune_steps"] == 9 and rows[0]["freeze_decoder"] is True
+        a, b = (load_file(str(d / name / "last" / "model.safetensors")) for d in (tmp_path / "whole", out))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for text in ("hypotheses.txt", "dev/step-000000.txt", "dev/step-000006.txt", "dev/step-000009.txt"):
+            assert (out / name / text).read_text() == (tmp_path / "whole" / name / text).read_text()
+        assert read_dev_curve(out / name) == read_dev_curve(tmp_path / "whole" / name)
+    assert [r["step"] for r in read_dev_curve(tmp_path / "whole" / name)] == [0, 3, 6, 9]
+    plateau = whole[0]["dev_plateau"]
+    assert (plateau["from_step"], plateau["to_step"]) == (3, 9) and plateau["call"] in ("flat", "rising", "undecided")
+    start = marian(tokenizer).state_dict()
+    decoder = _decoder_names(marian(tokenizer))
+    assert all(torch.equal(a[k], start[k]) for k in a if k in decoder)
+    assert any(not torch.equal(a[k], start[k]) for k in a if k.startswith("model.encoder.layers.1.fc1"))
+    # The same heads fine-tuned with the decoder trained: another row, not the frozen one re-used.
+    rows = _run(tmp_path / "whole", replace(config, freeze_decoder=False), corpus, tokenizer, monkeypatch)
+    assert len(rows) == 1 and "freeze_decoder" not in rows[0]
+    assert json.loads((tmp_path / "whole" / "baselines.stale.json").read_text()) == whole
+
+
+def test_from_scratch_with_the_full_models_recipe_scores_the_mean_of_its_last_epochs(corpus, tokenizer, tmp_path,
+                                                                                     monkeypatch):
+    config = baselines.BaselineConfig(method="random", keeps=(3,), seeds=(1,), from_scratch=True, scratch_epochs=3,
+                                      scratch_lr=7e-4, scratch_warmup_steps=5, scratch_average_last=2, max_tokens=400,
+                                      eval_beam=1, model_fingerprint="tiny")
+    rows = _run(tmp_path / "b", config, corpus, tokenizer, monkeypatch)
+    run = tmp_path / "b" / "scratch-random-3-1"
+    recipe = json.loads((run / "train_config.json").read_text())
+    assert (recipe["lr"], recipe["warmup_steps"], recipe["average_last"], recipe["max_epochs"]) == (7e-4, 5, 2, 3)
+    row = rows[0]
+    assert row["averaged_epochs"] == [2, 3]
+    assert (row["scratch_lr"], row["scratch_warmup_steps"], row["scratch_average_last"]) == (7e-4, 5, 2)
+    # The row scores the element-wise mean of epochs 2 and 3, not the last checkpoint.
+    spec = baselines.random_spec(marian(tokenizer), 3, ("enc_self",), seed=1)
+
+    def loss_of(weights):
+        model = marian(tokenizer)
+        prune_heads(model, spec)
+        model.load_state_dict(weights, strict=False)
+        return evaluate_model(model.eval(), tokenizer, corpus.subset(4), beam=1)["loss"]
+
+    mean = average_checkpoints([run / "epochs" / "epoch-002", run / "epochs" / "epoch-003"])
+    assert row["loss"] == loss_of(mean)
+    assert row["loss"] != loss_of(load_file(str(run / "epochs" / "epoch-003" / "model.safetensors")))
+    # A row of the earlier recipe (no such keys: lr 1e-3, warm-up 400, the last checkpoint) is stale.
+    earlier = {k: v for k, v in row.items() if not k.startswith("scratch_") and k != "averaged_epochs"}
+    (tmp_path / "b" / "baselines.json").write_text(json.dumps([earlier]))
+    rows = _run(tmp_path / "b", config, corpus, tokenizer, monkeypatch)
+    assert json.loads((tmp_path / "b" / "baselines.stale.json").read_text()) == [earlier]
+    assert rows[0]["loss"] == row["loss"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("controls") / "tiny"
+    marian(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _args(model_dir, out, *extra):
+    return ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--method", "random", "--keeps", "1", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--freeze-decoder",), "--freeze-decoder freezes the decoder during the fine-tuning of --finetune-steps"),
+    (("--freeze-decoder", "--from-scratch"), "it does not apply to --from-scratch"),
+    (("--scratch-lr", "7e-4"), "--scratch-lr set the recipe of --from-scratch"),
+    (("--dev-src", str(DATA / "train.en.gz"), "--dev-tgt", str(DATA / "train.de.gz"), "--dev-every", "5"),
+     "the development curve is of the fine-tuning of --finetune-steps N > 0"),
+    (("--from-scratch", "--scratch-epochs", "3", "--scratch-average-last", "4"), "has only 3 epoch checkpoints"),
+], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs"])
+def test_recipe_options_that_would_do_nothing_are_refused_before_any_work(extra, message, model_dir, tmp_path,
+                                                                         capsys):
+    assert main(_args(model_dir, tmp_path / "out", *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_baseline_says_that_its_running_trainings_checkpoint_is_kept(tmp_path):
+    """Fine-tunings and from-scratch trainings resume from their last checkpoint: a Ctrl-C before
+    the first row must not say that nothing was kept."""
+    from headlab.cli import build_parser, interrupted_note
+
+    args = build_parser().parse_args(_args("m", tmp_path / "out", "--finetune-steps", "9"))
+    assert interrupted_note(args).startswith("nothing was kept")
+    (tmp_path / "out" / "ft-random-1-1" / "last").mkdir(parents=True)
+    assert interrupted_note(args).startswith(f"the finished rows of {tmp_path / 'out'}/baselines.json and the "
+                                             "running training's last checkpoint are kept")
