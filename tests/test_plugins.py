@@ -63,6 +63,25 @@ def test_registered_is_undone_after_an_error_too():
     assert "out_norm" not in MEASURES
 
 
+def test_the_apis_default_measures_are_those_analyze_runs_unasked():
+    """headlab.analyze and headlab.importance default to the measures that `headlab analyze` runs
+    without a flag: a registered measure is among them, one declared ``on_request`` is not."""
+    import headlab.api
+    from headlab.pipeline.pipeline import AnalyzeConfig, not_requested
+
+    def unasked() -> tuple:
+        config = AnalyzeConfig("model", "src", "out")
+        return tuple(name for name in MEASURES if not_requested(name, config) is None)
+
+    assert headlab.api.DEFAULT_MEASURES == unasked() == ("confidence", "lrp", "gradient")
+    with plugins.registered():
+        assert headlab.api.DEFAULT_MEASURES == unasked() == ("confidence", "lrp", "gradient", "out_norm")
+    slow = type("SlowOutNorm", (plugins.OutNorm,), {"name": "slow_out_norm", "on_request": True})
+    with MEASURES.registered("slow_out_norm", slow):
+        assert "slow_out_norm" not in headlab.api.DEFAULT_MEASURES and "slow_out_norm" not in unasked()
+    assert headlab.api.DEFAULT_MEASURES == ("confidence", "lrp", "gradient")
+
+
 def test_a_measure_option_is_a_flag_of_importance_and_analyze():
     with plugins.registered():
         parser = build_parser()

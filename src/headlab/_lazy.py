@@ -5,7 +5,7 @@ first use."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from importlib import import_module
 from typing import Any
@@ -77,6 +77,29 @@ class LazyRegistry(MutableMapping[str, Any]):
             yield entry
         finally:
             del self[name]
+
+
+class LiveNames(Sequence[str]):
+    """A tuple of names made from a registry at each use: an entry registered after the module that
+    holds it was imported (a test's plug-in) is among them too."""
+
+    def __init__(self, make: Callable[[], tuple[str, ...]]) -> None:
+        self._make = make
+
+    def __getitem__(self, index: Any) -> Any:  # an int gives a name, a slice a tuple of them
+        return self._make()[index]
+
+    def __len__(self) -> int:
+        return len(self._make())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (tuple, list, LiveNames)) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._make())
+
+    def __repr__(self) -> str:
+        return repr(self._make())
 
 
 def callable_module(name: str, target: str) -> None:

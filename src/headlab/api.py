@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores, format_head
+from headlab.importance.registry import DEFAULT_MEASURES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
     from headlab.importance.pipeline import ImportanceResult
 
 __all__ = ["Analysis", "DEFAULT_MEASURES", "aggregate", "analyze", "functions", "importance", "prune"]
-
-DEFAULT_MEASURES = ("confidence", "lrp", "gradient")
-"""The measures ``headlab analyze`` runs unless asked for ablation."""
 
 STATISTICS = ("functions", "aggregate")
 """What :func:`analyze` computes on a treebank."""

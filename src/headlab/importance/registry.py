@@ -9,10 +9,10 @@ when it is first used.
 
 from __future__ import annotations
 
-from headlab._lazy import LazyRegistry
+from headlab._lazy import LazyRegistry, LiveNames
 from headlab.plugins import OptionSpec
 
-__all__ = ["MEASURES", "REFERENCE", "tables", "option_specs"]
+__all__ = ["MEASURES", "DEFAULT_MEASURES", "REFERENCE", "tables", "option_specs"]
 
 MEASURES = LazyRegistry({
     "confidence": "headlab.importance.confidence.Confidence",
@@ -21,6 +21,10 @@ MEASURES = LazyRegistry({
     "ablation": "headlab.importance.ablation.Ablation",
 })
 """name -> :class:`~headlab.importance.measure.ImportanceMeasure` subclass (or its full path)."""
+
+DEFAULT_MEASURES = LiveNames(lambda: tuple(name for name, measure in MEASURES.items() if not measure.on_request))
+"""The measures ``headlab analyze`` runs unasked, in registry order: every one not ``on_request``
+(read from the registry at each use, so a measure registered later is among them)."""
 
 REFERENCE = "ablation"
 """The ground truth that the agreement table compares every other measure with."""

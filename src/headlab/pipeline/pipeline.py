@@ -41,8 +41,9 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
+from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES, REFERENCE
@@ -54,30 +55,6 @@ from headlab.shard import SINGLE, Shard, sharding
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
            "check_conllu_matches_source"]
-
-
-
-class _Live(Sequence[str]):
-    """A tuple of stage names made from the registry at each use: a measure registered after this
-    module was imported (a test's plug-in) is a stage too."""
-
-    def __init__(self, make: Callable[[], tuple[str, ...]]) -> None:
-        self._make = make
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._make()[index]
-
-    def __len__(self) -> int:
-        return len(self._make())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, (tuple, list, _Live)) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(self._make())
-
-    def __repr__(self) -> str:
-        return repr(self._make())
 
 
 IMPORTANCE_STAGES = _Live(lambda: tuple(MEASURES))
