@@ -94,6 +94,23 @@ def test_a_measure_option_is_a_flag_of_importance_and_analyze():
     assert "--out-norm-power" not in build_parser()._subparsers._group_actions[0].choices["analyze"].format_help()
 
 
+def test_a_statistics_table_and_warnings_reach_headlab_functions(inputs, tmp_path, capsys, monkeypatch):
+    """`headlab functions` prints each result's summary_markdown() after the heads' lines and its
+    warnings() on stderr: the command names no statistic, a registered one is heard too."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(plugins.FirstTokenResult, "summary_markdown", lambda self: "| first-token table |",
+                        raising=False)
+    monkeypatch.setattr(plugins.FirstTokenResult, "warnings", lambda self: ["--first-token-per-layer: a warning"],
+                        raising=False)
+    with plugins.registered():
+        assert main(["functions", str(inputs / "model"), "--conllu", str(inputs / "tb.conllu"), "--out",
+                     str(tmp_path / "out"), "--no-progress", "--no-figures", "--relations", "nsubj,iobj"]) == 0
+    out, err = capsys.readouterr()
+    assert "--first-token-per-layer: a warning" in err and "--relations iobj: no arc of it in the data" in err
+    assert "first-token" not in out.split("| first-token table |")[1]  # after every head's line
+    assert out.index("| kind | relation | direction |") < out.index("| first-token table |")  # registry order
+
+
 def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inputs, tmp_path, capsys, monkeypatch):
     torch.set_num_threads(1)
     # Both runs finish within one second of the markers' clock: the table after a re-run stage

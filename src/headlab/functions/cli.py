@@ -135,15 +135,15 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
                   command=args.command, model=args.model, overwrite=args.overwrite)
     args.interrupted = written_note(out)
     print(analysis.report.describe())
-    if analysis.syntactic is not None:
-        for relation in analysis.syntactic.relations:
-            if not any(sum(table.get((relation, "gov->dep"), {}).values()) for table in analysis.syntactic.offsets.values()):
-                print(f"--relations {relation}: no arc of it in the data", file=sys.stderr)
+    for result in analysis.results.values():  # options the data could not honour
+        for warning in getattr(result, "warnings", list)():
+            print(warning, file=sys.stderr)
     if functions:
         lines = describe_heads(analysis)
         print("\n".join(lines) if lines else "no head passes the positional or syntactic test")
-        if analysis.syntactic is not None:
-            print(analysis.syntactic.table_markdown())
+        for name, result in analysis.results.items():  # the functions pass's tables (Table 1)
+            if STATISTICS[name].stage == "functions" and hasattr(result, "summary_markdown"):
+                print(result.summary_markdown())
         if frequencies is None:
             for statistic in STATISTICS.values():
                 if "frequencies" in statistic.needs and statistic.title:

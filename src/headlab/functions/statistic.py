@@ -46,8 +46,11 @@ class StatisticResult(Protocol):
     def describe_heads(self) -> list[str]:
         """One line per head with a function, for the command line.
 
-        A result of the ``aggregate`` pass may also define ``summary_markdown() -> str``:
-        ``headlab analyze`` writes it as ``summary.md`` in the result's folder."""
+        A result may also define ``summary_markdown() -> str``, its summary table, which ``headlab
+        functions`` and ``aggregate`` print (after the heads' lines) and, for a result of the
+        ``aggregate`` pass, ``headlab analyze`` writes as ``summary.md`` in the result's folder; and
+        ``warnings() -> list[str]``: what its options asked for that the data could not give, which
+        ``headlab functions`` and ``aggregate`` print to stderr."""
 
 
 class HeadStatistic(Protocol):

@@ -365,6 +365,14 @@ class SyntacticResult:
                 bucket.append(label)
         return labels
 
+    def summary_markdown(self) -> str:
+        return self.table_markdown()
+
+    def warnings(self) -> list[str]:
+        """A relation asked for with no arc in the data: its rows of Table 1 are empty for that reason."""
+        return [f"--relations {relation}: no arc of it in the data" for relation in self.relations
+                if not any(sum(table.get((relation, "gov->dep"), {}).values()) for table in self.offsets.values())]
+
     def describe_heads(self) -> list[str]:
         return [f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} {accuracy:.1%} "
                 f"(baseline {base:.1%})" for kind, layer, head, relation, direction, accuracy, base in self.syntactic_heads()]
