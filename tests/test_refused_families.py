@@ -77,3 +77,26 @@ def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     assert code == 2
     assert err.count("is not supported") == 1 and "running" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type", ["mpnet", "tapas", "nystromformer", "trocr", "mra", "yoso"])
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_name_based_blocks_must_return_per_head_weights(model_type, device, monkeypatch):
+    """Without its table entry, a name-based block whose module returned no [batch, heads, q, k]
+    weights in the probe pass is refused (on the meta device too: before any work)."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.UNSUPPORTED, model_type)
+    with torch.device(device):
+        model = _tiny(model_type)
+    with pytest.raises(HeadlabError, match="returned no per-head attention weights"):
+        attention_blocks(model)
+
+
+@pytest.mark.parametrize("model_type", ["roformer", "rembert", "megatron-bert", "xglm"])
+def test_name_based_blocks_that_return_weights_stay_found(model_type):
+    with torch.device("meta"):
+        model = _tiny(model_type)
+    blocks = attention_blocks(model)
+    assert [(b.layer, b.n_heads, b.family.name) for b in blocks] == \
+        [(0, 4, f"generic:{model_type}"), (1, 4, f"generic:{model_type}")]
