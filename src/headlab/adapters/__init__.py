@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import Discovered, discover, ran
+from headlab.adapters.discovery import Discovered, discover, maps, ran
 from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
@@ -178,6 +178,8 @@ def _discovered_candidates(model: nn.Module) -> list:
         raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
     if not found:
         if named and _ships_with_transformers(model):
+            for candidate in named:
+                _check_returns_weights(model, where, candidate)
             return named
         if named:
             raise HeadlabError(f"{where}: {_outside(named[0])}")
@@ -203,6 +205,22 @@ def _discovered_candidates(model: nn.Module) -> list:
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _check_returns_weights(model: nn.Module, where: str, candidate: tuple) -> None:
+    """A name-based block whose core ran in the probe pass returned per-head weights ``[batch, heads, q, k]``
+    (heads x head size = the output projection's input), where capture reads them; else refused."""
+    name, module, family = candidate[2], candidate[3], candidate[4]
+    core = f"{name}.{family.core}" if family.core else name
+    core_module, o = _get(module, family.core) if family.core else module, _get(module, family.o)
+    d_head = getattr(core_module, family.d_head_attr, None)
+    returned = maps(model).get(core)
+    if returned is None or o is None or not isinstance(d_head, int):  # did not run (unused cross-attention): as before
+        return
+    if not any(shape[1] * d_head == in_features(o) for shape in returned):
+        raise HeadlabError(f"{where}: {core} ({type(core_module).__name__}) does not call transformers' attention "
+                           "interface and returned no per-head attention weights [batch, heads, q, k] in a probe "
+                           "forward pass, where headlab reads them: headlab cannot read its heads' attention")
 
 
 def _outside(candidate: tuple) -> str:

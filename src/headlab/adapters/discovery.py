@@ -43,7 +43,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 
-__all__ = ["PROBE", "Discovered", "discover", "ran"]
+__all__ = ["PROBE", "Discovered", "discover", "maps", "ran"]
 
 PROBE = "headlab_probe"
 """The name under which the probe's attention (and experts) function is registered."""
@@ -173,6 +173,7 @@ class _Probe:
     def __init__(self) -> None:
         self.calls: list[_Call] = []
         self.ran: set[int] = set()  # ids of the modules whose forward ran
+        self.maps: dict[int, tuple[tuple[int, ...], ...]] = {}  # id -> shapes of the 4-D tensors a module returned
         self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -193,6 +194,8 @@ class _Probe:
         """Where ``module``'s output tuple holds the weights its attention function returned (capture
         reads them there, in eager mode)."""
         items = output if isinstance(output, tuple) else (output,)
+        self.maps[id(module)] = tuple(tuple(item.shape) for item in items
+                                      if isinstance(item, torch.Tensor) and item.dim() == 4)
         for call in self.calls:
             if call.module is module and call.probs_index is None:
                 call.probs_index = next((i for i, item in enumerate(items) if item is call.weights), -1)
@@ -330,8 +333,8 @@ def discover(model: nn.Module) -> list[Discovered]:
     cached = _CACHE.get(model)
     if cached is not None and cached[1] == _identity(model, cached[0]):
         return cached[0]
-    found, ran = _discover(model)
-    _CACHE[model] = (found, _identity(model, found), ran)
+    found, ran, returned = _discover(model)
+    _CACHE[model] = (found, _identity(model, found), ran, returned)
     return found
 
 
@@ -339,6 +342,13 @@ def ran(model: nn.Module) -> frozenset[str]:
     """The paths of the modules whose forward ran in ``model``'s probe pass (:func:`discover` first)."""
     discover(model)
     return _CACHE[model][2]
+
+
+def maps(model: nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Path -> shapes of the 4-D tensors each module that ran returned in the probe pass (a module that
+    does not call the attention interface and returns per-head weights returns them here)."""
+    discover(model)
+    return _CACHE[model][3]
 
 
 def _identity(model: nn.Module, found: list[Discovered]) -> tuple:
@@ -357,7 +367,7 @@ def _join(block: str, path: str) -> str:
     return ".".join(part for part in (block, path) if part)
 
 
-def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str]]:
+def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[str, tuple[tuple[int, ...], ...]]]:
     modes = [(module, module.training) for module in model.modules()]
     saved = _plain_attributes(model)
     parameter = next(model.parameters(), None)
@@ -386,7 +396,8 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str]]:
         counts[id(call.module)] = counts.get(id(call.module), 0) + 1
     firsts = [call for i, call in enumerate(calls) if all(c.module is not call.module for c in calls[:i])]
     found = [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
-    return found, frozenset(name for name, module in modules.items() if id(module) in probe.ran)
+    return (found, frozenset(name for name, module in modules.items() if id(module) in probe.ran),
+            {name: probe.maps[id(module)] for name, module in modules.items() if id(module) in probe.maps})
 
 
 _PLAIN = (bool, int, float, str, type(None))

@@ -241,5 +241,22 @@ UNSUPPORTED: dict[str, str] = {
                "DeBERTa-v2 is supported",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
+    # transformers' own attention code outside the attention interface, whose module returns no
+    # [batch, heads, q, k] probabilities where capture reads them: found by its projections' names, it
+    # failed only at run time (docs/benchmarks.md's survey)
+    **{model_type: f"{name}'s attention does not go through transformers' attention interface and returns its "
+                   "attention probabilities only when asked for them (output_attentions), which headlab does not "
+                   "do for a model it has no table entry for"
+       for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("mpnet", "MPNet"), ("tapas", "TAPAS"),
+                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"))},
+    "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
+                  "probabilities are per window band), which headlab's analysis reads",
+    "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
+           "which headlab's analysis reads",
+    "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
+            "which headlab's analysis reads",
+    "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
+                       "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
+                       "class drops the encoder)",
 }
 """Model types refused before any work, with what is missing."""
