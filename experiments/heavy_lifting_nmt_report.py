@@ -16,16 +16,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
+
+# Holm's step-down and the hypergeometric tail are the LM test's (experiments/heavy_lifting_report.py, beside this file).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from heavy_lifting_report import holm, hypergeometric_tail  # noqa: E402
 
 KS = (8, 5, 2, 1)
 GATED = {8: "lam-0.005", 5: "lam-0.01", 2: "lam-0.02", 1: "lam-0.05"}
 SEEDS = (1, 2, 3)
 RESAMPLES = 10_000
 SEED = 12345  # sacreBLEU's default bootstrap seed
-ALPHA = 0.05
 DELTA = 1.0  # non-inferiority bound in BLEU (heavy_lifting_nmt.md), fixed before any run
 PAPER_DELTA = 0.15  # the reproduction's "no noticeable loss" bound, reported beside it
 N_HEADS = 48
@@ -74,17 +78,6 @@ class Bootstrap:
                 "p_below": float((1 + (boot >= 0).sum()) / (1 + n))}
 
 
-def holm(pvalues: list[float], alpha: float = ALPHA) -> list[bool]:
-    """Holm's step-down: which of ``pvalues`` are significant at family-wise ``alpha``."""
-    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
-    significant = [False] * len(pvalues)
-    for rank, i in enumerate(order):
-        if pvalues[i] > alpha / (len(pvalues) - rank):
-            break
-        significant[i] = True
-    return significant
-
-
 def non_inferiority(low: float, high: float, delta: float = DELTA) -> str:
     """A difference (system minus reference) is non-inferior when its interval's lower end lies
     above -delta, inferior when its upper end lies below -delta, undecided otherwise: an interval
@@ -92,13 +85,6 @@ def non_inferiority(low: float, high: float, delta: float = DELTA) -> str:
     if not (math.isfinite(low) and math.isfinite(high)):
         return "undecided"
     return "non-inferior" if low > -delta else "inferior" if high < -delta else "undecided"
-
-
-def hypergeometric_tail(x: int, population: int, marked: int, drawn: int) -> float:
-    """P(X >= x), X hypergeometric: ``drawn`` of ``population`` heads, ``marked`` of them labelled."""
-    total = math.comb(population, drawn)
-    return sum(math.comb(marked, i) * math.comb(population - marked, drawn - i)
-               for i in range(x, min(marked, drawn) + 1)) / total
 
 
 # ----------------------------------------------------------------------------- reading
