@@ -300,3 +300,11 @@ def test_pruning_commands_refuse_before_any_work(command, tmp_path, capsys):
     assert code == 2
     assert err.count("shared by 3 depths") == 1 and "running" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_heads_lists_each_depth_with_its_call(tmp_path, capsys):
+    path = _save(tmp_path)
+    assert main(["heads", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[1:4]] == ["0", "1", "2"]
+    assert lines[2].endswith("albert.encoder.albert_layer_groups.0.albert_layers.0.attention (shared: its call 2 of 3)")
