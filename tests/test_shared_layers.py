@@ -6,9 +6,9 @@ Tiny ALBERTs from tests/support/family_matrix.py (``SHARED``): one module at thr
 groups of two layers over four depths (eight maps). References of their own: transformers'
 ``output_attentions``; masking checked against zeroing the head's values at that one call of the
 value projection (a hand-written hook counting its calls); the gradient against a hand-written
-gate at that call; ablation against one masked pass per head. Physical pruning (slicing shared
-weights removes a head at every depth), ``prune train`` (its end prunes) and LRP are refused before
-any work.
+gate at that call; ablation against one masked pass per head; LRP's conservation (relevance at the
+first depth's input, with and without biases). Physical pruning (slicing shared weights removes a
+head at every depth) and ``prune train`` (its end prunes) are refused before any work.
 """
 
 from __future__ import annotations
@@ -214,9 +214,8 @@ def test_ablation_equals_one_masked_pass_per_head():
             assert scores["enc_self"][depth, head] == pytest.approx(masked - base, abs=2e-6), (depth, head)
 
 
-def test_pruning_and_lrp_are_refused_before_any_change():
+def test_pruning_is_refused_before_any_change():
     from headlab import prune_heads
-    from headlab.importance.rules import check_rules
     from headlab.surgery import check_prunable
 
     model = tiny_model("albert")
@@ -225,8 +224,6 @@ def test_pruning_and_lrp_are_refused_before_any_change():
         prune_heads(model, {("enc_self", 1): [0]})
     with pytest.raises(HeadlabError, match="shared by 3 depths"):
         check_prunable(model)
-    with pytest.raises(HeadlabError, match="LRP: not supported .* shared layers"):
-        check_rules(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert not model._forward_hooks
 
@@ -272,7 +269,7 @@ def _save(tmp_path, family="albert"):
 
 
 def test_analyze_end_to_end(tmp_path, capsys):
-    """Every stage but LRP, which fails alone, saying why; the other measures are written."""
+    """Every stage, LRP with its conservation check, one row of scores per depth."""
     path = _save(tmp_path)
     out = tmp_path / "out"
     code = main(["analyze", str(path), "--source", str(tmp_path / "text.txt"), "--conllu",
@@ -280,12 +277,11 @@ def test_analyze_end_to_end(tmp_path, capsys):
                  "--attention-sentences", "2", "--ablation"])
     err = capsys.readouterr().err
     stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
-    for name in ("confidence", "gradient", "ablation", "agreement", "functions", "aggregate", "table", "attention",
-                 "report"):
-        assert stages[name]["status"] == "done", stages[name]
-    assert stages["lrp"]["status"] == "failed" and "shared layers" in err
-    assert code == 1
-    for measure in ("confidence", "gradient", "ablation"):  # one row per depth
+    for name in ("confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate", "table",
+                 "attention", "report"):
+        assert stages[name]["status"] == "done", (stages[name], err)
+    assert code == 0
+    for measure in ("confidence", "lrp", "gradient", "ablation"):  # one row per depth
         scores = json.loads((out / "importance" / f"{measure}.json").read_text())["scores"]["enc_self"]
         assert [len(row) for row in scores] == [4, 4, 4], measure
 
@@ -308,3 +304,45 @@ def test_heads_lists_each_depth_with_its_call(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[1:4]] == ["0", "1", "2"]
     assert lines[2].endswith("albert.encoder.albert_layer_groups.0.albert_layers.0.attention (shared: its call 2 of 3)")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lrp_conserves_relevance(family):
+    """Relevance is measured at the stack's input as the first depth receives it (not at every depth's
+    input of the shared layer): embeddings plus biases equal the explained logit, per sentence."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (4, 6, 3, 8)])
+    scores = compute_lrp(model, data, describe_model(model), bootstrap=0)
+    record = scores.signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-6 and abs(record["with_biases"]["max"] - 1) < 1e-6
+    assert scores["enc_self"].shape == (DEPTHS[family], 4)
+
+
+def test_lrp_rules_conserve_on_a_bias_free_model():
+    """Bias-free, the relevance reaching the first depth's input (the encoder's first call of the
+    shared layer) is the explained logit."""
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import lrp_rules
+
+    model = tiny_model("albert-groups")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+    seen = []
+    layer = model.albert.encoder.albert_layer_groups[0].albert_layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(**tiny_inputs(batch=1)).logits
+            target = out[0, -1].argmax()
+            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # called at depths 0 and 2
+    torch.testing.assert_close(float((grad * seen[0]).sum().detach()), float(out[0, -1, target].detach()), rtol=1e-4,
+                               atol=1e-5)

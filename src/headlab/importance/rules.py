@@ -204,11 +204,6 @@ def check_rules(model: nn.Module) -> None:
     """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
     a normalisation headlab does not know (named by its class and path) or an in-place activation."""
     for block in attention_blocks(model):
-        if block.shared:
-            raise HeadlabError(
-                f"LRP: not supported for {block.name} ({block.family.name}): one attention module runs at "
-                f"{block.applications} depths (shared layers), and headlab's LRP has not been checked to conserve "
-                "relevance through shared layers; use the other importance measures (confidence, gradient, ablation)")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
