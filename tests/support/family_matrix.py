@@ -14,6 +14,8 @@
   used by tests/test_prune_verify.py.
 * ``SHARED``: shared layers (ALBERT: one attention module run at several depths; a block is one
   depth), checked by tests/test_shared_layers.py.
+* ``HYBRID``: attention beside other token mixers (LFM2's gated short convolutions), checked by
+  tests/test_hybrid_families.py.
 * ``REFUSED``: families headlab refuses before any work.
 
 :func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
@@ -128,6 +130,15 @@ SHARED = {
 """Shared layers: ``(depth -> (group, layer in group))`` as transformers' AlbertTransformer runs them."""
 
 
+HYBRID = {
+    # attention at layers 1 and 3, gated short convolutions at 0 and 2
+    "lfm2": lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, layer_types=["conv", "full_attention"] * 2,
+        **_SPECIAL)),
+}
+
+
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
@@ -169,7 +180,7 @@ FAMILIES = ANALYSIS_FAMILIES + PRUNING_FAMILIES
 
 
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    cls, config = {**CONFIGS, **SHARED, **REFUSED}[family]()
+    cls, config = {**CONFIGS, **SHARED, **HYBRID, **REFUSED}[family]()
     if family in EAGER_ONLY or (attn_implementation == "sdpa" and not cls._supports_sdpa):  # Bloom, DeBERTa-v2
         attn_implementation = "eager"
     config._attn_implementation = attn_implementation
