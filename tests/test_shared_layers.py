@@ -228,12 +228,12 @@ def test_pruning_is_refused_before_any_change():
     assert not model._forward_hooks
 
 
-def test_unshared_albert_prunes_like_masking():
+def test_unshared_albert_prunes_like_masking(tmp_path):
     """One group per depth (num_hidden_groups == num_hidden_layers): every module is one depth's,
     so physical pruning is allowed, and checked against masking like any other family."""
     import transformers as tf
 
-    from headlab import prune_heads
+    from headlab import load_pruned, prune_heads, save_pruned
 
     config = tf.AlbertConfig(vocab_size=99, embedding_size=16, hidden_size=32, num_attention_heads=4,
                              intermediate_size=37, max_position_embeddings=64, num_hidden_layers=2,
@@ -249,6 +249,8 @@ def test_unshared_albert_prunes_like_masking():
     pruned = _logits(model, inputs)
     keep = inputs["attention_mask"].bool()
     torch.testing.assert_close(pruned[keep], masked[keep], atol=1e-6, rtol=0)
+    save_pruned(model, tmp_path / "albert")
+    assert torch.equal(_logits(load_pruned(tmp_path / "albert"), inputs), pruned)
 
 
 def _save(tmp_path, family="albert"):
