@@ -289,6 +289,8 @@ def test_analyze_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["prune", "{model}", "--heads", "enc_self:1:0", "--out", "{out}"],
+                                     ["prune", "train", "{model}", "--train-text", "{text}", "--keep", "4", "--out",
+                                      "{out}"],
                                      ["analyze", "{model}", "--source", "{text}", "--out", "{out}", "--prune"]])
 def test_pruning_commands_refuse_before_any_work(command, tmp_path, capsys):
     path = _save(tmp_path)
