@@ -224,8 +224,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
     frequencies on ``frequency_texts``, by default ``texts``, as ``analyze`` counts them on
     ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. The attention of
-    the first ``attention_sentences`` texts is kept for the viewer of the report and of
-    :meth:`Analysis._repr_html_` (``headlab analyze --attention-sentences``, 20 there; 0: none).
+    the first ``attention_sentences`` sentences of the treebank (with their gold arcs), or without
+    one of the texts, is kept for the viewer of the report and of :meth:`Analysis._repr_html_`
+    (``headlab analyze --attention-sentences``, 20 there; 0: none).
     With ``out``, the files are also written there, as ``headlab analyze`` writes them
     (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``)."""
     from headlab.importance.measure_options import LRPOptions
@@ -289,7 +290,11 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
                                          max_length=max_length, query_chunk=query_chunk, progress=progress)
             writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
-    if texts is not None and attention_sentences:
+    if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
+        writers.append(("attention", _treebank_attention_writer(
+            model, tokenizer, treebank, treebank_limit if treebank_limit is not None else limit, attention_sentences,
+            query_chunk)))
+    elif texts is not None and attention_sentences:
         writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
                                                        query_chunk)))
 
@@ -331,6 +336,23 @@ def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Se
     def write(directory: Path) -> list[Path]:
         written = write_attention_examples(model, tokenizer, sources, references, directory / "attention",
                                            max_sentences=n, query_chunk=query_chunk)
+        return [directory / path for path in written]
+
+    return write
+
+
+def _treebank_attention_writer(model: nn.Module, tokenizer: Any, treebank: Any, limit: int | None, n: int,
+                               query_chunk: int | None) -> Callable[[Path], list[Path]]:
+    """The attention stage of ``headlab analyze --conllu``: the treebank's first ``n`` sentences,
+    each with its gold parse (:func:`headlab.report.examples.write_treebank_examples`); a
+    translation model is teacher-forced on its own translation (a treebank has no reference)."""
+    from headlab.data.treebank import ProblemLog, read_conllu
+    from headlab.report.examples import write_treebank_examples
+
+    def write(directory: Path) -> list[Path]:
+        sentences = read_conllu(treebank, problems=ProblemLog(), limit=limit, keep_place=True)
+        written = write_treebank_examples(model, tokenizer, sentences, None, directory / "attention", max_sentences=n,
+                                          query_chunk=query_chunk)
         return [directory / path for path in written]
 
     return write

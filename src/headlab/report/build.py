@@ -65,9 +65,16 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
             c.note("viewer", f"attention/{path.name}: unreadable ({error.__class__.__name__})")
             continue
         keep = {k: entry.get(k) for k in ("id", "line", "source", "target", "target_from", "n_tokens", "blocks")}
+        if isinstance(entry.get("treebank"), str):  # a treebank sentence: its payload holds the gold parse
+            keep["treebank"] = entry["treebank"]
         keep["slot"] = len(sentences)
         sentences.append(keep)
         payloads.append((path, text))
+    skipped = index.get("skipped")
+    if isinstance(skipped, list) and skipped:
+        first = skipped[0] if isinstance(skipped[0], dict) else {}
+        c.note("viewer", f"{len(skipped)} treebank sentence(s) could not be aligned to the tokenizer's tokens and are "
+                         f"not shown (first: {first.get('where')}: {first.get('reason')})")
     # Inline sentences in order while they fit the budget; the rest go to script files.
     blocks, used, n_inline = [], 0, 0
     for slot, (path, text) in enumerate(payloads):
