@@ -289,6 +289,33 @@ def test_notebook_html_is_bounded_at_32_by_32_heads(tmp_path, monkeypatch):
     assert fallback.startswith("<pre>Analysis of synthetic") and "save(directory, report=True)" in fallback
 
 
+def test_notebook_html_says_why_long_sentences_are_not_shown(tmp_path, monkeypatch):
+    """At 32 x 32 heads a 30-token sentence (1.2 MB) does not fit the notebook's viewer: the viewer
+    says how many sentences are left out and why, not "No data for this section"."""
+    import headlab.api as api_module
+    from support.report import build_large_dir
+
+    analysis = headlab.Analysis.load(build_large_dir(tmp_path / "long", 32, 32, sentences=3, n_tokens=30))
+    assert analysis._viewer_sentences() == []
+    html = analysis._repr_html_()
+    page = _page(html)
+    viewer = page[page.index('<section id="viewer">'):]
+    viewer = viewer[: viewer.index("</section>")]
+    assert "No data for this section" not in viewer
+    expected = ("3 of the 3 example sentences of this analysis are not shown in this notebook view: 3 not held by the "
+                "Analysis, whose viewer keeps at most 0.6 MB of attention data (the first of them, sentence 0 of 30 "
+                "tokens, takes 1.23 MB of attention data")
+    assert expected in viewer.replace("&#x27;", "'")
+    assert _report_data(page)["attention"]["not_shown"].startswith(expected)  # the viewer's status line (report.js)
+    assert "shows 0 of the 3 example sentences (its section says why" in html
+    # held, then dropped to fit the page: said too
+    short = headlab.Analysis.load(build_large_dir(tmp_path / "short", 32, 32, sentences=3, n_tokens=20))
+    monkeypatch.setattr(api_module, "PAGE_LIMIT", len(short.report_html().encode()) - 1)
+    note = _report_data(_page(short._repr_html_()))["attention"]["not_shown"]
+    assert note.startswith("3 of the 3 example sentences") and "1 dropped, last first, to keep this page within" in note
+    assert "2 not held by the Analysis" in note
+
+
 def test_a_loaded_analysis_holds_the_first_sentences_that_fit(tmp_path, monkeypatch):
     """Analysis.load holds attention/index.json and its first sentences while they fit
     VIEWER_BYTES; save writes back those (the index trimmed to them); the caption counts the

@@ -70,6 +70,9 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
         keep["slot"] = len(sentences)
         sentences.append(keep)
         payloads.append((path, text))
+    not_shown = index.get("not_shown")  # a notebook's page (headlab.api): sentences it could not hold, and why
+    if isinstance(not_shown, str) and not_shown:
+        c.note("viewer", not_shown)
     skipped = index.get("skipped")
     if isinstance(skipped, list) and skipped:
         first = skipped[0] if isinstance(skipped[0], dict) else {}
@@ -88,8 +91,10 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
             atomic_write_text(js, f"window.headlabAttention({slot},{data});\n")
             sentences[slot]["script"] = f"attention/{js.name}"
     mode = "inline" if n_inline == len(payloads) else "script" if n_inline == 0 else "mixed"
-    return "\n".join(blocks), {"sentences": sentences, "mode": mode,
-                               "model": index.get("model", "")}
+    viewer = {"sentences": sentences, "mode": mode, "model": index.get("model", "")}
+    if isinstance(not_shown, str) and not_shown:
+        viewer["not_shown"] = not_shown
+    return "\n".join(blocks), viewer
 
 
 def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:

@@ -381,7 +381,7 @@
     markSelected();
     renderExemplars();
     var block = currentBlock();
-    if (!ATT.sentences.length) { status("No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
+    if (!ATT.sentences.length) { status(ATT.not_shown || "No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
     if (!block || st.head >= block.shape[0]) {
       if (st.payload) status("No example sentence has attention for " + (st.kind ? headName(st.kind, st.layer, st.head) : "this head") + ".");
       clearViews();
