@@ -462,3 +462,18 @@ def test_cli_viewer_shows_the_treebank_sentences_with_gold_arcs(setup, tmp_path)
     assert gold["words"] == list(next(iter(read_conllu(root / "tb.conllu"))).words) and len(gold["arcs"]) == 8
     manifest = json.loads((tmp_path / "plain" / "manifest.json").read_text())
     assert next(s for s in manifest["stages"] if s["name"] == "attention")["reason"].startswith("the treebank's")
+
+
+def test_model_info_counts_a_head_the_checkpoint_lacks_as_absent():
+    """headlab.api.model_info (which ``headlab importance`` calls): a model object with an LM head
+    whose checkpoint was saved without one has no usable head, and ``log`` says why."""
+    from headlab.api import model_info
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    model, tokenizer = tiny_model("marian"), word_tokenizer(SENTENCES)
+    assert model_info(model, tokenizer).has_lm_head
+    model.config.architectures = ["MarianModel"]
+    said: list[str] = []
+    assert not model_info(model, tokenizer, log=said.append).has_lm_head
+    assert said == ["the checkpoint was saved as MarianModel, without a language-model head"]

@@ -66,15 +66,20 @@ def _model_name(model: nn.Module) -> str:
     return Path(name).name if name else type(model).__name__
 
 
-def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None) -> Any:
+def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None,
+               log: Callable[[str], None] | None = None) -> Any:
     """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
-    counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
+    counted as absent (as ``headlab analyze`` counts it; ``headlab importance`` calls this, and
+    ``log`` says so)."""
     from dataclasses import replace
 
     from headlab.model_description import checkpoint_has_lm_head, describe_model
 
     info = describe_model(model, tokenizer, max_length=max_length)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+        if log is not None:
+            architectures = getattr(model.config, "architectures", None) or []
+            log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
         info = replace(info, has_lm_head=False)
     return info
 
@@ -346,13 +351,11 @@ def _treebank_attention_writer(model: nn.Module, tokenizer: Any, treebank: Any, 
     """The attention stage of ``headlab analyze --conllu``: the treebank's first ``n`` sentences,
     each with its gold parse (:func:`headlab.report.examples.write_treebank_examples`); a
     translation model is teacher-forced on its own translation (a treebank has no reference)."""
-    from headlab.data.treebank import ProblemLog, read_conllu
     from headlab.report.examples import write_treebank_examples
 
     def write(directory: Path) -> list[Path]:
-        sentences = read_conllu(treebank, problems=ProblemLog(), limit=limit, keep_place=True)
-        written = write_treebank_examples(model, tokenizer, sentences, None, directory / "attention", max_sentences=n,
-                                          query_chunk=query_chunk)
+        written = write_treebank_examples(model, tokenizer, treebank, None, directory / "attention", max_sentences=n,
+                                          limit=limit, query_chunk=query_chunk)
         return [directory / path for path in written]
 
     return write

@@ -734,7 +734,6 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
     c = ctx.config
     model, tokenizer = ctx.load()
     if c.conllu is not None:  # the treebank's sentences, with their gold arcs for the viewer
-        from headlab.data.treebank import ProblemLog, read_conllu
         from headlab.report.examples import write_treebank_examples
 
         paired = None
@@ -742,9 +741,9 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
             # sentence i is the i-th non-empty line of --source (checked): that line's --target is its reference
             lines, references = read_lines(c.source), read_lines(c.target)
             paired = [references[i].strip() if i < len(references) else "" for i, s in enumerate(lines) if s.strip()]
-        sentences = read_conllu(c.conllu, problems=ProblemLog(), limit=c.treebank_limit, keep_place=True)
-        written = write_treebank_examples(model, tokenizer, sentences, paired, ctx.out_dir / "attention",
-                                          max_sentences=c.attention_sentences, query_chunk=c.query_chunk)
+        written = write_treebank_examples(model, tokenizer, c.conllu, paired, ctx.out_dir / "attention",
+                                          max_sentences=c.attention_sentences, limit=c.treebank_limit,
+                                          query_chunk=c.query_chunk)
         return [ctx.out_dir / p for p in written], "the treebank's sentences (--conllu), with their gold arcs"
     n = c.attention_sentences if c.limit is None else min(c.attention_sentences, c.limit)
     sources = [line.strip() for line in read_lines(c.source)]

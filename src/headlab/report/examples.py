@@ -33,7 +33,7 @@ import torch
 
 from headlab import preflight
 from headlab.capture import capture_attention, eval_mode, stream_attention
-from headlab.data.treebank import Sentence
+from headlab.data.treebank import InMemoryTreebank, ProblemLog, Sentence, read_conllu
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, write_json
 from headlab.model_description import describe_model
@@ -186,17 +186,20 @@ def gold_arcs(sentence: Sentence, word_of_token: Sequence[int]) -> dict:
 def write_treebank_examples(
     model,
     tokenizer,
-    sentences: Iterable[Sentence | None],
+    treebank: "str | Path | InMemoryTreebank | Iterable[Sentence | None]",
     targets: Sequence[str] | None,
     out_dir: Path,
     max_sentences: int = 20,
     max_new_tokens: int | None = None,
     query_chunk: int | None = None,
+    limit: int | None = None,
 ) -> list[str]:
     """:func:`write_attention_examples` on the first ``max_sentences`` sentences of a treebank
     that can be aligned (:func:`headlab.data.alignment.align_sentences`, words joined by spaces as
     the head functions join them), each stored with its gold parse on the displayed tokens
     (:func:`gold_arcs`), so that the viewer can overlay the gold arcs on a head's attention.
+    ``treebank``: a CoNLL-U file or :class:`~headlab.data.treebank.InMemoryTreebank` (its first
+    ``limit`` sentences; a malformed one is skipped in its place), or sentences already read.
     ``targets[i]`` is the reference translation of sentence ``i`` (a ``None`` sentence keeps its
     place, as :func:`~headlab.data.treebank.read_conllu` yields with ``keep_place``). A sentence
     that cannot be aligned is left out and listed in index.json's ``skipped``."""
@@ -204,6 +207,11 @@ def write_treebank_examples(
 
     info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk)
     skipped: list[dict] = []
+    if isinstance(treebank, (str, Path, InMemoryTreebank)):
+        sentences: Iterable[Sentence | None] = read_conllu(treebank, problems=ProblemLog(), limit=limit,
+                                                           keep_place=True)
+    else:
+        sentences = list(treebank)[:limit]
 
     def items() -> Iterator[tuple[int, str, list[int], dict]]:
         for n, sentence in enumerate(sentences):
