@@ -68,20 +68,11 @@ def _model_name(model: nn.Module) -> str:
 
 def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None,
                log: Callable[[str], None] | None = None) -> Any:
-    """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
-    counted as absent (as ``headlab analyze`` counts it; ``headlab importance`` calls this, and
-    ``log`` says so)."""
-    from dataclasses import replace
+    """:func:`headlab.model_description.model_info` (imported on first use: ``import headlab.api``
+    stays free of torch)."""
+    from headlab.model_description import model_info as describe
 
-    from headlab.model_description import checkpoint_has_lm_head, describe_model
-
-    info = describe_model(model, tokenizer, max_length=max_length)
-    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
-        if log is not None:
-            architectures = getattr(model.config, "architectures", None) or []
-            log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
-        info = replace(info, has_lm_head=False)
-    return info
+    return describe(model, tokenizer, max_length, log)
 
 
 def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":

@@ -7,8 +7,8 @@ report's examples, the one-call API), not from a module of another feature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, replace
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -88,6 +88,20 @@ def _reserved_positions(model: nn.Module) -> int:
         if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int):
             return padding + 1
     return 0
+
+
+def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
+               log: Callable[[str], None] | None = None) -> ModelInfo:
+    """:func:`describe_model`, with a language-model head the checkpoint does not carry counted as
+    absent (transformers initialises it at random on loading); ``log`` says so. What ``headlab
+    analyze``, ``headlab importance`` and the Python API describe."""
+    info = describe_model(model, tokenizer, max_length=max_length)
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+        if log is not None:
+            architectures = getattr(model.config, "architectures", None) or []
+            log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
+        info = replace(info, has_lm_head=False)
+    return info
 
 
 def checkpoint_has_lm_head(config) -> bool:

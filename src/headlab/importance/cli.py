@@ -92,11 +92,11 @@ def run_importance_command(args) -> int:
 
 def _run(args, part) -> int:
 
-    from headlab.api import model_info
     from headlab.data.inputs import read_data
     from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.importance.registry import REFERENCE
     from headlab.loading import load_model, load_tokenizer
+    from headlab.model_description import model_info
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
@@ -128,7 +128,7 @@ def _run(args, part) -> int:
     for kind in kinds or ():
         if kind not in present:
             raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
-    info = model_info(model, tokenizer, args.max_length, log=log)  # what headlab.importance(...) describes
+    info = model_info(model, tokenizer, args.max_length, log=log)
     data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())
     failed = None

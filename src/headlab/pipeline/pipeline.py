@@ -385,15 +385,10 @@ class _Context:
     @property
     def info(self):
         if self._info is None:
-            from dataclasses import replace
-
-            from headlab.model_description import checkpoint_has_lm_head, describe_model
+            from headlab.model_description import model_info
 
             model, tokenizer = self.load()
-            info = describe_model(model, tokenizer, max_length=self.config.max_length)
-            if info.has_lm_head and not checkpoint_has_lm_head(model.config):
-                info = replace(info, has_lm_head=False)
-            self._info = info
+            self._info = model_info(model, tokenizer, max_length=self.config.max_length)
         return self._info
 
     def importance_data(self):
