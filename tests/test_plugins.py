@@ -233,3 +233,34 @@ def test_configs_take_the_declared_options_as_keywords():
             AnalysisConfig(first_token_per_layer=0)
     with pytest.raises(TypeError, match="out_norm_power"):
         ImportanceConfig(out_norm_power=3.0)  # not registered any more
+
+
+def test_a_statistics_report_parts_reach_their_section_and_the_pages_script(tmp_path):
+    """A statistic's own report parts (as Table 1 and the exemplars are): what one reads is collected
+    (its notes in its section) and handed to report.js under its embed key; each is drawn above or
+    below its section's heatmaps; one naming a section that draws no parts is refused, not dropped."""
+    from headlab.plugins import ReportPart, Statistic
+    from headlab.report import build_report
+
+    (tmp_path / "functions" / "probe").mkdir(parents=True)
+    (tmp_path / "functions" / "probe" / "count.json").write_text('{"n": 7}', encoding="utf-8")
+
+    def read(directory: Path, note) -> dict:
+        note("probe: read")
+        return json.loads((directory / "functions" / "probe" / "count.json").read_text(encoding="utf-8"))
+
+    parts = (ReportPart("probe_top", "functions", lambda c: '<p id="probe-top"></p>', before=True),
+             ReportPart("probe", "functions", lambda c: f'<p id="probe">{c.sections["probe"]["n"]}</p>',
+                        collect=read, embed="probe"))
+    with STATISTICS.registered("probe", Statistic(lambda config, frequencies: None, report=parts)):
+        html = build_report(tmp_path).read_text(encoding="utf-8")
+    section = html[html.index('<section id="functions">'):]
+    section = section[:section.index("</section>")]
+    assert section.index('id="probe-top"') < section.index('data-group="functions"') < section.index('<p id="probe">7</p>')
+    assert '<p class="note">probe: read</p>' in section
+    data = json.loads(re.search(r'id="headlab-data">(.*?)</script>', html).group(1))
+    assert data["probe"] == {"n": 7}
+
+    stray = Statistic(lambda config, frequencies: None, report=(ReportPart("stray", "summary", lambda c: "x"),))
+    with STATISTICS.registered("stray", stray), pytest.raises(ValueError, match="no section that draws parts"):
+        build_report(tmp_path)

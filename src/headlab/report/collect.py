@@ -6,9 +6,6 @@ Nothing here raises on a missing or unreadable file: each problem becomes a note
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +13,7 @@ from typing import Any
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
 from headlab.importance.registry import tables
+from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
 
 __all__ = ["Collected", "collect", "statistic_maps", "read_json_noted"]
@@ -33,7 +31,7 @@ class Collected:
     attention: dict | None = None
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
-    sections: dict = field(default_factory=dict)  # what each section's own ``collect`` read, by section id
+    sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -44,24 +42,8 @@ class Collected:
                 if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
 
 
-def read_json_noted(path: Path, directory: Path, note: Callable[[str], None]) -> Any:
-    """The file's JSON; None when it is missing (silently) or unreadable (``note``d, with its path
-    relative to the analysis ``directory``)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        pass
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        note(f"{path.relative_to(directory)}: unreadable ({error})")
-    return None
-
-
 def _read_json(path: Path, section: str, out: Collected) -> Any:
     return read_json_noted(path, out.directory, lambda text: out.note(section, text))
-
-
-def _finite(value):
-    return None if value is None or not math.isfinite(value) else round(float(value), 6)
 
 
 def _conservation(record) -> str:
@@ -85,7 +67,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
     except HeadlabError as error:
         out.note(group, str(error).replace(str(out.directory) + "/", ""))
         return
-    data = {kind: [[_finite(v) for v in row] for row in array.tolist()] for kind, array in scores.scores.items()}
+    data = {kind: [[finite(v) for v in row] for row in array.tolist()] for kind, array in scores.scores.items()}
     if not data:
         out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
         return
@@ -107,7 +89,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
             "title": f"{title}: standard error",
             "caption": f"bootstrap standard error of each score ({resamples} resamples of the sentences)",
             "method": errors.method, "file": str(path.relative_to(out.directory)),
-            "scores": {kind: [[_finite(v) for v in row] for row in array.tolist()]
+            "scores": {kind: [[finite(v) for v in row] for row in array.tolist()]
                        for kind, array in errors.scores.items()},
         })
 
