@@ -52,10 +52,11 @@ from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import KINDS, BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.markup import finite, fmt, layer_means, line_chart, read_json_noted, shade
+from headlab.options import option
 from headlab.plugins import Output, ReportPart, Statistic
 from headlab.shard import Ledger, active
 
-__all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
+__all__ = ["AggregateStats", "AggregateResult", "AggregateOptions", "Exemplar", "STATISTICS", "POS_TAGS"]
 
 POS_TAGS = UPOS_TAGS + ("_",)
 """UPOS tags; "_" collects a missing or non-standard tag."""
@@ -182,6 +183,16 @@ class _Spool:
         self.file.close()
 
 
+@dataclass(frozen=True)
+class AggregateOptions:
+    """The options of the aggregate statistics (the flags keep their names: no prefix)."""
+
+    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only", range="[0, 1)",
+                               flag="min_weight")
+    window: int = option(10, "variability over the first N words", range="[1, inf)", flag="window")
+    top_k: int = option(5, "exemplars per head", range="[0, inf)", flag="top_k")
+
+
 class AggregateStats:
     """Streaming accumulator of the Vig & Belinkov statistics for every analysed block."""
 
@@ -211,11 +222,12 @@ class AggregateStats:
         self._candidates: dict[BlockKey, list[list[tuple]]] | None = {} if active().split else None
 
     @classmethod
-    def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
+    def from_config(cls, config, frequencies=None, options: AggregateOptions | None = None) -> "AggregateStats | None":
         """When ``config.aggregate`` (registry entry ``aggregate``)."""
         if not config.aggregate:
             return None
-        return cls(min_weight=config.min_weight, window=config.window, top_k=config.top_k)
+        options = options or AggregateOptions()
+        return cls(min_weight=options.min_weight, window=options.window, top_k=options.top_k)
 
     @property
     def sums(self) -> dict[BlockKey, dict[str, torch.Tensor]]:
@@ -716,7 +728,7 @@ AGGREGATE = Statistic(
                     "share of attention between words joined by a dependency arc"),
              Output("aggregate/pos/*.json", "Attention to {stem}",
                     "share of attention on words tagged {stem} (Vig & Belinkov 2019)", group="pos")),
-    report=(ReportPart("layer_curves", "aggregate", _layer_curves, before=True),
+    Options=AggregateOptions, report=(ReportPart("layer_curves", "aggregate", _layer_curves, before=True),
             ReportPart("pos_grid", "aggregate", _pos_grid),
             ReportPart("exemplars", "aggregate", _exemplars, collect=_read_exemplars, embed="exemplars")))
 """Vig & Belinkov 2019."""

@@ -248,9 +248,12 @@ class Statistic:
             return None
         if self.Options is None:
             return self.make(config, frequencies)
-        specs = self.option_specs()
-        return self.make(config, frequencies, build_options(self.Options, specs, {
-            s.dest: getattr(config, s.dest) for s in specs if hasattr(config, s.dest)}))
+        return self.make(config, frequencies, self.options_from(
+            {s.dest: getattr(config, s.dest) for s in self.option_specs() if hasattr(config, s.dest)}))
+
+    def options_from(self, values: Mapping[str, object]) -> Any:
+        """Its options dataclass from ``{dest: value}`` (missing: the defaults); its checks run."""
+        return None if self.Options is None else build_options(self.Options, self.option_specs(), values)
 
     def option_specs(self) -> list[OptionSpec]:
         return [] if self.Options is None else option_specs(self.option_prefix.rstrip("_") or "statistic",

@@ -32,10 +32,12 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
+from headlab.errors import HeadlabError
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
 from headlab.markup import read_json_noted
 from headlab.markup import table as html_table
+from headlab.options import option
 from headlab.plugins import Output, ReportPart
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
@@ -82,6 +84,30 @@ def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.T
     return cache[relation]
 
 
+def relation_list(text: str) -> tuple[str, ...]:
+    """``--relations``: a comma list of relations (the paper's four when empty)."""
+    return tuple(r.strip() for r in text.split(",") if r.strip()) or PAPER_RELATIONS
+
+
+@dataclass(frozen=True)
+class SyntacticOptions:
+    """The options of the syntactic statistic; an unknown relation is refused when they are made
+    (:func:`headlab.functions.registry.check_options`: before any work)."""
+
+    relations: tuple[str, ...] = option(PAPER_RELATIONS, "comma-separated dependency relations (dobj = UD obj; X:* = X "
+                                        "and its subtypes; default: nsubj,dobj,amod,advmod)", type=relation_list,
+                                        flag="relations")
+    margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head", range="[0, 1]",
+                           flag="syntactic_margin")
+
+    def __post_init__(self) -> None:
+        for relation in self.relations:
+            try:
+                relation_matcher(relation)
+            except HeadlabError as error:
+                raise HeadlabError(f"--relations: {error}") from None
+
+
 class SyntacticStats:
     """Streaming arc accuracies per head and relative-offset baselines per relation."""
 
@@ -96,9 +122,10 @@ class SyntacticStats:
         self.hits: dict[BlockKey, dict[tuple[str, str], torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config, frequencies=None) -> "SyntacticStats | None":
+    def from_config(cls, config, frequencies=None, options: SyntacticOptions | None = None) -> "SyntacticStats | None":
         """When ``config.functions`` (registry entry ``syntactic``)."""
-        return cls(config.relations, config.syntactic_margin) if config.functions else None
+        options = options or SyntacticOptions()
+        return cls(options.relations, options.margin) if config.functions else None
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         """Baseline counts; call once per batch for each analysed kind."""
@@ -433,5 +460,6 @@ SYNTACTIC = Statistic(
     SyntacticStats.from_config, title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
     outputs=(Output("syntactic/margin.json", "Syntactic margin",
                     "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),),
-    read_labels=_read_labels, report=(ReportPart("table1", "functions", _table1, collect=_read_table1),))
+    read_labels=_read_labels, report=(ReportPart("table1", "functions", _table1, collect=_read_table1),),
+    Options=SyntacticOptions)
 """Voita et al. 2019, Sec. 5.2."""

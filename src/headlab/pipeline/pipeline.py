@@ -243,6 +243,9 @@ def validate(config: AnalyzeConfig) -> Path:
 
     check_ranges(config)  # also for a config built in Python (the command line checked its flags already)
     check_values(config.plugin_specs(), config.options)
+    from headlab.functions.registry import check_options
+
+    check_options(config.options)  # each statistic's own checks (an unknown --relations)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
