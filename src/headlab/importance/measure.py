@@ -73,6 +73,11 @@ class ImportanceMeasure:
         return build_options(cls.Options, specs, {s.dest: getattr(config, s.dest) for s in specs
                                                   if hasattr(config, s.dest)})
 
+    @classmethod
+    def caption_note(cls, signature: Mapping[str, Any]) -> str:
+        """What the report adds to the caption of a map from the map's signature ("": nothing)."""
+        return ""
+
     def unavailable(self, info: ModelInfo, data: ImportanceData) -> str | None:
         """Why the measure cannot run on this model and data; None when it can."""
         if self.needs_lm_head and not info.has_lm_head:

@@ -6,13 +6,14 @@ Nothing here raises on a missing or unreadable file: each problem becomes a note
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
-from headlab.importance.registry import tables
+from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
 
@@ -46,16 +47,9 @@ def _read_json(path: Path, section: str, out: Collected) -> Any:
     return read_json_noted(path, out.directory, lambda text: out.note(section, text))
 
 
-def _conservation(record) -> str:
-    """LRP's conservation, per sentence, for the caption of its map ("" for other measures)."""
-    try:
-        embeddings, total = record["embeddings"], record["with_biases"]
-        return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
-                f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
-                f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
-                f"(tolerance 1 ± {record['tolerance']:g})")
-    except (KeyError, TypeError, ValueError):
-        return ""
+def _caption_notes(signature: Mapping[str, Any]) -> str:
+    """What the measures add to a map's caption from its signature (``ImportanceMeasure.caption_note``)."""
+    return "".join(measure.caption_note(signature) for measure in MEASURES.values())
 
 
 def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str,
@@ -73,7 +67,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         return
     out.heatmaps.append({
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
-        "caption": caption + _conservation(scores.signature.get("conservation")), "method": scores.method,
+        "caption": caption + _caption_notes(scores.signature), "method": scores.method,
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
