@@ -166,8 +166,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("batch_size", 1), ("limit", 1), ("max_length", 2), ("threads", 1), ("query_chunk", 1)):
-        preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
+    preflight.at_least(args.threads, 1, "--threads")  # the declared options' ranges: checked when parsed
     _config(args, True, True)  # the statistics' options: an unknown --relations
     preflight.output_dir(args.out)
     check_output(args.out, args.overwrite)
