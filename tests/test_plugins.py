@@ -152,7 +152,7 @@ def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inp
         assert re.search(r"functions: running", err) and re.search(r"aggregate: reused", err)
         assert HeadScores.load(out / "importance" / "out_norm.json").signature["options"]["out_norm_power"] == 2.0
         summary = json.loads((out / "functions" / "summary.json").read_text())
-        assert summary["config"]["options"] == {"first_token_per_layer": 2}
+        assert summary["config"]["first_token_per_layer"] == 2
         with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
             assert sum(1 for r in csv.DictReader(handle) if r["first_token"]) == 4  # two per layer
     assert "out_norm" not in MEASURES and "first_token" not in STATISTICS
@@ -233,3 +233,62 @@ def test_configs_take_the_declared_options_as_keywords():
             AnalysisConfig(first_token_per_layer=0)
     with pytest.raises(TypeError, match="out_norm_power"):
         ImportanceConfig(out_norm_power=3.0)  # not registered any more
+
+
+def test_a_statistics_report_parts_reach_their_section_and_the_pages_script(tmp_path):
+    """A statistic's own report parts (as Table 1 and the exemplars are): what one reads is collected
+    (its notes in its section) and handed to report.js under its embed key; each is drawn above or
+    below its section's heatmaps; one naming a section that draws no parts is refused, not dropped."""
+    from headlab.plugins import ReportPart, Statistic
+    from headlab.report import build_report
+
+    (tmp_path / "functions" / "probe").mkdir(parents=True)
+    (tmp_path / "functions" / "probe" / "count.json").write_text('{"n": 7}', encoding="utf-8")
+
+    def read(directory: Path, note) -> dict:
+        note("probe: read")
+        return json.loads((directory / "functions" / "probe" / "count.json").read_text(encoding="utf-8"))
+
+    parts = (ReportPart("probe_top", "functions", lambda c: '<p id="probe-top"></p>', before=True),
+             ReportPart("probe", "functions", lambda c: f'<p id="probe">{c.sections["probe"]["n"]}</p>',
+                        collect=read, embed="probe"))
+    with STATISTICS.registered("probe", Statistic(lambda config, frequencies: None, report=parts)):
+        html = build_report(tmp_path).read_text(encoding="utf-8")
+    section = html[html.index('<section id="functions">'):]
+    section = section[:section.index("</section>")]
+    assert section.index('id="probe-top"') < section.index('data-group="functions"') < section.index('<p id="probe">7</p>')
+    assert '<p class="note">probe: read</p>' in section
+    data = json.loads(re.search(r'id="headlab-data">(.*?)</script>', html).group(1))
+    assert data["probe"] == {"n": 7}
+
+    stray = Statistic(lambda config, frequencies: None, report=(ReportPart("stray", "summary", lambda c: "x"),))
+    with STATISTICS.registered("stray", stray), pytest.raises(ValueError, match="no section that draws parts"):
+        build_report(tmp_path)
+
+
+def test_the_builtin_statistics_options_reach_analyze_through_their_declarations(inputs, tmp_path, capsys):
+    """--relations and --window are the syntactic and aggregate statistics' own options: analyze
+    takes them with no flag of its own; given at their defaults they leave every stage's key as it
+    was (a directory written before resumes), another value runs only its stage again, and an
+    unknown relation is refused before any work."""
+    out = tmp_path / "out"
+
+    def analyze(*extra: str) -> tuple[int, str]:
+        code = main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.en"), "--conllu",
+                     str(inputs / "tb.conllu"), "--out", str(out), "--no-progress", "--skip", "importance", "prune",
+                     "attention", "figures", "report", *extra])
+        return code, capsys.readouterr().err
+
+    assert analyze()[0] == 0
+    code, err = analyze("--relations", "nsubj,dobj,amod,advmod", "--window", "10")
+    assert code == 0 and re.search(r"functions: reused", err) and re.search(r"aggregate: reused", err)
+    code, err = analyze("--window", "3")
+    assert code == 0 and re.search(r"functions: reused", err) and re.search(r"aggregate: running", err)
+    assert HeadScores.load(out / "aggregate" / "variability.json").signature["window"] == 3
+    code, err = analyze("--relations", "nsubj,iobj", "--window", "3")
+    assert code == 0 and re.search(r"functions: running", err) and re.search(r"aggregate: reused", err)
+    assert json.loads((out / "functions" / "summary.json").read_text())["config"]["relations"] == ["nsubj", "iobj"]
+    marker = (out / ".headlab" / "stages" / "functions.json").read_text()
+    code, err = analyze("--relations", "nsubj,objj")
+    assert code == 2 and "--relations: 'objj' is not a Universal Dependencies relation" in err
+    assert (out / ".headlab" / "stages" / "functions.json").read_text() == marker

@@ -345,7 +345,8 @@ def test_attention_beyond_the_inline_budget_is_loaded_on_demand(analysis_dir, tm
 
 def test_chart_ticks_never_repeat_a_label():
     """A loss curve from 2.000 to 2.008 used to read "2", "2" on its axis."""
-    from headlab.report.sections import _tick_label, _ticks
+    from headlab.markup import tick_label as _tick_label
+    from headlab.markup import ticks as _ticks
 
     for lo, hi in ((1.9995, 2.0083), (0.0, 1.0), (128.0, 512.0), (0.1, 0.73), (0.0, 31.0)):
         labels = [_tick_label(t) for t in _ticks(lo, hi, 4)]

@@ -36,9 +36,11 @@ from __future__ import annotations
 import heapq
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -48,11 +50,13 @@ from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
-from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
-from headlab.plugins import Output, Statistic
+from headlab.heads import KINDS, BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.markup import finite, fmt, layer_means, line_chart, read_json_noted, shade
+from headlab.options import option
+from headlab.plugins import Output, ReportPart, Statistic
 from headlab.shard import Ledger, active
 
-__all__ = ["AggregateStats", "AggregateResult", "Exemplar", "STATISTICS", "POS_TAGS"]
+__all__ = ["AggregateStats", "AggregateResult", "AggregateOptions", "Exemplar", "STATISTICS", "POS_TAGS"]
 
 POS_TAGS = UPOS_TAGS + ("_",)
 """UPOS tags; "_" collects a missing or non-standard tag."""
@@ -179,6 +183,16 @@ class _Spool:
         self.file.close()
 
 
+@dataclass(frozen=True)
+class AggregateOptions:
+    """The options of the aggregate statistics (the flags keep their names: no prefix)."""
+
+    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only", range="[0, 1)",
+                               flag="min_weight")
+    window: int = option(10, "variability over the first N words", range="[1, inf)", flag="window")
+    top_k: int = option(5, "exemplars per head", range="[0, inf)", flag="top_k")
+
+
 class AggregateStats:
     """Streaming accumulator of the Vig & Belinkov statistics for every analysed block."""
 
@@ -208,11 +222,12 @@ class AggregateStats:
         self._candidates: dict[BlockKey, list[list[tuple]]] | None = {} if active().split else None
 
     @classmethod
-    def from_config(cls, config, frequencies=None) -> "AggregateStats | None":
+    def from_config(cls, config, frequencies=None, options: AggregateOptions | None = None) -> "AggregateStats | None":
         """When ``config.aggregate`` (registry entry ``aggregate``)."""
         if not config.aggregate:
             return None
-        return cls(min_weight=config.min_weight, window=config.window, top_k=config.top_k)
+        options = options or AggregateOptions()
+        return cls(min_weight=options.min_weight, window=options.window, top_k=options.top_k)
 
     @property
     def sums(self) -> dict[BlockKey, dict[str, torch.Tensor]]:
@@ -602,6 +617,105 @@ class AggregateResult:
         return []
 
 
+# -- what the report shows of them beside their heatmaps -------------------------------------------
+
+def _layer_curves(c: Any) -> str:
+    """Vig & Belinkov's per-layer curves: the mean over heads of each statistic, per layer."""
+    charts = []
+    for name, ylabel in (("mean_distance", "words"), ("dependency_alignment", "share"), ("mean_entropy", "nats")):
+        h = next((h for h in c.heatmaps if h["group"] == "aggregate" and h["name"] == name), None)
+        if h is not None:
+            charts.append(line_chart(layer_means(h), "layer", ylabel, f"layer-curve {name}",
+                                     f"{h['title']} by layer", integer_x=True))
+    if not any(charts):
+        return ""
+    return ('<h3>By layer</h3><p class="caption">Mean over the heads of each layer (Vig &amp; Belinkov 2019, '
+            'Figs. 2-4): attention distance, dependency alignment and entropy.</p><div class="charts">'
+            + "".join(charts) + "</div>")
+
+
+def _pos_grid(c: Any) -> str:
+    """Tags (rows) by layers (columns): the share of attention on words of the tag, mean over heads."""
+    maps = [h for h in c.heatmaps if h["group"] == "pos"]
+    if not maps:
+        return ""
+    html = ('<h3>Attention by part of speech, all tags</h3><p class="caption">Share of attention on words of each '
+            'UPOS tag (rows), mean over the heads of each layer (columns), per attention kind; darker = more. '
+            'Pick a tag below for its heads.</p>')
+    for kind in KINDS:
+        table = {h["name"]: dict(layer_means(h)).get(kind) or [] for h in maps}
+        table = {tag: line for tag, line in table.items() if line}
+        if not table:
+            continue
+        n_layers = max(len(line) for line in table.values())
+        hi = max((v for line in table.values() for _, v in line if v is not None), default=0.0)
+        step = 1 if n_layers <= 16 else 2
+        head = "".join(f"<th>{layer if layer % step == 0 else ''}</th>" for layer in range(n_layers))
+        body = "".join(
+            f"<tr><th>{escape(tag)}</th>" + "".join(
+                f'<td style="{shade(v, hi)}" title="{escape(f"{tag}, layer {x}: " + fmt(v), quote=True)}"></td>'
+                for x, v in line) + "</tr>"
+            for tag, line in table.items())
+        html += (f'<div class="pos-grid-wrap"><div class="hm-kind-title">{escape(kind)} (layer →)</div>'
+                 f'<table class="pos-grid" data-kind="{escape(kind)}"><thead><tr><th>tag</th>{head}</tr></thead>'
+                 f'<tbody>{body}</tbody></table></div>')
+    return html
+
+
+EXEMPLARS_SHOWN = 3
+"""Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
+
+
+def _read_exemplars(directory: Path, note: Callable[[str], None]) -> dict | None:
+    """``aggregate/exemplars.json`` (``{"kind:layer": [[exemplar, ...] per head]}``; under
+    ``functions/`` from ``headlab functions --aggregate``) made compact for the report's script:
+    each sentence's words once, each exemplar ``[weight, sentence, query, key]``, the first
+    :data:`EXEMPLARS_SHOWN` per head."""
+    folder = next((directory / c for c in ("aggregate", "functions/aggregate") if (directory / c).is_dir()), None)
+    if folder is None:
+        return None
+    path = folder / "exemplars.json"
+    raw = read_json_noted(path, directory, note)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        note(f"{path.relative_to(directory)}: not a JSON object")
+        return None
+    sentences: list[list[str]] = []
+    slots: dict[tuple[int, str], int] = {}
+    heads: dict[str, list[list[list]]] = {}
+    for block, per_head in raw.items():
+        if not isinstance(per_head, list):
+            continue
+        rows = []
+        for items in per_head:
+            kept = []
+            for e in (items if isinstance(items, list) else [])[:EXEMPLARS_SHOWN]:
+                if not isinstance(e, dict) or not isinstance(e.get("text"), str):
+                    continue
+                try:
+                    key = (int(e.get("sentence", -1)), e["text"])
+                    item = [finite(float(e.get("weight", math.nan))), int(e.get("query", 0)), int(e.get("key", 0))]
+                except (TypeError, ValueError):
+                    continue
+                if key not in slots:
+                    slots[key] = len(sentences)
+                    sentences.append(e["text"].split(" "))
+                kept.append([item[0], slots[key], item[1], item[2]])
+            rows.append(kept)
+        heads[str(block)] = rows
+    return {"sentences": sentences, "heads": heads} if heads else None
+
+
+def _exemplars(c: Any) -> str:
+    """The exemplars' panel, filled by the report's script for the selected head."""
+    if not c.sections.get("exemplars"):
+        return ""
+    return ('<h3>Exemplars</h3><p class="caption">The sentences in which the selected head puts its largest single '
+            'weight (query word → key word), from aggregate/exemplars.json. Select a head in any heatmap.</p>'
+            '<div id="exemplars" class="exemplars"></div>')
+
+
 AGGREGATE = Statistic(
     AggregateStats.from_config, stage="aggregate", title="the aggregate statistics",
     outputs=(Output("aggregate/mean_distance.json", "Mean attention distance",
@@ -613,7 +727,10 @@ AGGREGATE = Statistic(
              Output("aggregate/dependency_alignment.json", "Dependency alignment",
                     "share of attention between words joined by a dependency arc"),
              Output("aggregate/pos/*.json", "Attention to {stem}",
-                    "share of attention on words tagged {stem} (Vig & Belinkov 2019)", group="pos")))
+                    "share of attention on words tagged {stem} (Vig & Belinkov 2019)", group="pos")),
+    Options=AggregateOptions, report=(ReportPart("layer_curves", "aggregate", _layer_curves, before=True),
+            ReportPart("pos_grid", "aggregate", _pos_grid),
+            ReportPart("exemplars", "aggregate", _exemplars, collect=_read_exemplars, embed="exemplars")))
 """Vig & Belinkov 2019."""
 
 # headlab.aggregate(model, tokenizer, treebank) is the API's headlab.api.aggregate

@@ -10,7 +10,8 @@ An importance measure (:class:`headlab.importance.measure.ImportanceMeasure`), a
   flags (``headlab importance`` and ``headlab analyze`` add them with :func:`add_plugin_options`), the
   values of a config (:class:`PluginOptions`), the scores' signature and the stage keys of ``analyze``
   (a field with ``signed=False`` in its metadata changes no number and is left out of both);
-* their output files with titles (:class:`Output`), which the report draws;
+* their output files with titles (:class:`Output`), which the report draws, and what else the
+  report shows of them (:class:`ReportPart`: their own tables and charts, drawn in their own module);
 * their label group (statistics: the ``heads.csv`` column their labels go to);
 * what they need from a run (measures: capability flags; statistics: the pass that feeds them).
 
@@ -32,7 +33,7 @@ from typing import Any
 from headlab.errors import HeadlabError
 from headlab.options import add_options, check_ranges
 
-__all__ = ["Output", "OptionSpec", "Statistic", "PASSES", "WRITTEN_UNDER", "LabelReader", "option_specs",
+__all__ = ["Output", "ReportPart", "OptionSpec", "Statistic", "PASSES", "WRITTEN_UNDER", "LabelReader", "option_specs",
            "option_table", "add_plugin_options", "values_from_args", "build_options", "check_values", "PluginOptions",
            "plugin_options", "defer", "LateParser"]
 
@@ -50,6 +51,29 @@ class Output:
     caption: str = ""
     group: str | None = None
     categorical: bool = False
+
+
+@dataclass(frozen=True)
+class ReportPart:
+    """HTML that a plug-in adds to a report section, drawn from its own files by its own module
+    (:attr:`Statistic.report`, :attr:`headlab.importance.measure.ImportanceMeasure.report`); the
+    section is one that draws heatmaps (``functions``, ``aggregate``, ``importance``). The pieces
+    of HTML it may share with the report are in :mod:`headlab.markup`."""
+
+    name: str
+    """Its key: what ``collect`` read is ``Collected.sections[name]``."""
+    section: str
+    """The id of the report section it goes in."""
+    render: Callable[[Any], str]
+    """``render(collected: headlab.report.collect.Collected) -> HTML`` ("" for nothing); escape what
+    the directory gave."""
+    before: bool = False
+    """Above the section's heatmaps (else below them, after the section's own tables)."""
+    collect: Callable[[Path, Callable[[str], None]], Any] | None = None
+    """What it reads from the analysis directory: ``collect(directory, note)``; never raises:
+    ``note(text)`` shows a problem in its section."""
+    embed: str | None = None
+    """The key under which what it read is also handed to the page's script (``exemplars``)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +225,8 @@ class Statistic:
     ``labels.json``, knows a label's group."""
     outputs: tuple[Output, ...] = ()
     """Its HeadScores files that the report draws, relative to where its pass writes (:data:`WRITTEN_UNDER`)."""
+    report: tuple[ReportPart, ...] = ()
+    """What else the report shows of it, drawn by its own module (Table 1, the per-layer curves)."""
     read_labels: Callable[[Path, LabelReader], dict[str, list[str]]] | None = None
     """Its labels read back from its files (``directory``: where its pass wrote), for a directory
     without ``labels.json``; ``{"kind:layer:head": [label]}``."""
@@ -222,9 +248,12 @@ class Statistic:
             return None
         if self.Options is None:
             return self.make(config, frequencies)
-        specs = self.option_specs()
-        return self.make(config, frequencies, build_options(self.Options, specs, {
-            s.dest: getattr(config, s.dest) for s in specs if hasattr(config, s.dest)}))
+        return self.make(config, frequencies, self.options_from(
+            {s.dest: getattr(config, s.dest) for s in self.option_specs() if hasattr(config, s.dest)}))
+
+    def options_from(self, values: Mapping[str, object]) -> Any:
+        """Its options dataclass from ``{dest: value}`` (missing: the defaults); its checks run."""
+        return None if self.Options is None else build_options(self.Options, self.option_specs(), values)
 
     def option_specs(self) -> list[OptionSpec]:
         return [] if self.Options is None else option_specs(self.option_prefix.rstrip("_") or "statistic",

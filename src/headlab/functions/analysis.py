@@ -104,7 +104,7 @@ def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
 
 # Options added after results were published, left out of summary.json at their defaults so that
 # a default run writes the files it always wrote.
-_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None, "options": {}}
+_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None}
 
 
 @dataclass
@@ -187,7 +187,9 @@ class HeadAnalysis:
         """Each result's files, ``summary.json`` and ``README.md`` (and the figures) under ``directory``."""
         directory = Path(directory)
         paths = [path for result in self.results.values() for path in result.write(directory)]
-        config = {k: v for k, v in asdict(self.config).items() if _LATER_DEFAULTS.get(k, object()) != v}
+        # the pass's own settings, then every statistic's options (given or default) by flag name
+        config = {**{k: v for k, v in asdict(self.config).items() if k != "options"}, **self.config.option_values()}
+        config = {k: v for k, v in config.items() if _LATER_DEFAULTS.get(k, object()) != v}
         summary = {"model": self.model, "config": config, "report": self.report.to_json()}
         paths.append(write_json(directory / "summary.json", summary, ensure_ascii=False))
         path = directory / "README.md"

@@ -35,26 +35,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_process_options(parser)
 
 
-def _aggregate_options(parser: argparse.ArgumentParser) -> None:
-    add_options(parser, AnalysisConfig, ("min_weight", "window", "top_k"))
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "functions", formatter_class=HelpFormatter,
         help="positional, syntactic and rare-token heads over a treebank (Voita et al. 2019, Sec. 5)")
     _common(p)
-    p.add_argument("--relations", default=",".join(AnalysisConfig.relations),
-                   help="comma-separated dependency relations (dobj = UD obj; X:* = X and its subtypes)")
-    add_options(p, AnalysisConfig, ("positional_threshold", "syntactic_margin"))
     p.add_argument("--train-text", action="append",
                    help="training text for token frequencies (rare-token heads); repeatable")
     p.add_argument("--frequencies", help="token<TAB>count file instead of --train-text")
-    add_options(p, AnalysisConfig, ("top_frequent",))
     p.add_argument("--aggregate", action="store_true",
                    help="also compute the aggregate statistics in the same pass")
     add_options(p, AnalysisConfig, ("sensitivity",))
-    _aggregate_options(p)
     defer(p, _statistic_options(None))
     p.set_defaults(func=run_functions)
 
@@ -62,7 +53,6 @@ def register(subparsers) -> None:
         "aggregate", formatter_class=HelpFormatter,
         help="attention distance, entropy, variability, exemplars, POS and dependency shares (Vig & Belinkov 2019)")
     _common(p)
-    _aggregate_options(p)
     defer(p, _statistic_options("aggregate"))
     p.set_defaults(func=run_aggregate)
 
@@ -110,9 +100,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     from headlab.shard import rank_device
 
     set_threads(args.threads)
-    relations = tuple(r.strip() for r in getattr(args, "relations", "").split(",") if r.strip())
-    config = from_args(args, AnalysisConfig, relations=relations or AnalysisConfig.relations, functions=functions,
-                       aggregate=aggregate, options=values_from_args(args, AnalysisConfig.plugin_specs()))
+    config = _config(args, functions, aggregate)
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **placement)
@@ -155,10 +143,15 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     return 0
 
 
+def _config(args, functions: bool, aggregate: bool) -> AnalysisConfig:
+    """The pass's config from the parsed flags (the statistics' options checked)."""
+    return from_args(args, AnalysisConfig, functions=functions, aggregate=aggregate,
+                     options=values_from_args(args, AnalysisConfig.plugin_specs()))
+
+
 def _check(args) -> None:
     """Inputs, output directory and options, before the model loads (docs/cli.md: exit 2)."""
     from headlab import preflight
-    from headlab.data.treebank import relation_matcher
 
     if args.conllu is None and args.target_conllu is None:
         raise HeadlabError("give --conllu FILE (and/or --target-conllu FILE)")
@@ -173,17 +166,8 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("batch_size", 1), ("limit", 1), ("max_length", 2), ("threads", 1),
-                          ("window", 1), ("top_k", 0), ("top_frequent", 1), ("query_chunk", 1)):
-        preflight.at_least(getattr(args, flag, None), minimum, "--" + flag.replace("_", "-"))
-    if not 0 <= args.min_weight < 1:
-        raise HeadlabError(f"--min-weight must be in [0, 1), got {args.min_weight}")
-    for relation in getattr(args, "relations", "").split(","):
-        if relation.strip():
-            try:
-                relation_matcher(relation)
-            except HeadlabError as error:
-                raise HeadlabError(f"--relations: {error}") from None
+    preflight.at_least(args.threads, 1, "--threads")  # the declared options' ranges: checked when parsed
+    _config(args, True, True)  # the statistics' options: an unknown --relations
     preflight.output_dir(args.out)
     check_output(args.out, args.overwrite)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headlab import preflight
-from headlab.data.treebank import PAPER_RELATIONS
 from headlab.errors import HeadlabError
 from headlab.options import option
 from headlab.plugins import OptionSpec, PluginOptions, check_values, plugin_options
@@ -25,18 +24,12 @@ FUSED_QUERY_CHUNK = 128
 @dataclass
 class AnalysisConfig(PluginOptions):
     """What to compute and how. Each field maps one to one onto a CLI flag; the options that a
-    registered statistic declares itself (``Statistic.Options``) are keywords too, kept in ``options``."""
+    registered statistic declares itself (``Statistic.Options``: ``relations``, ``positional_threshold``,
+    ``top_frequent``, ``min_weight``, ...) are keywords and attributes too, kept in ``options``."""
 
-    relations: tuple[str, ...] = PAPER_RELATIONS  # dependency relations for syntactic heads
-    positional_threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]")
-    syntactic_margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head", range="[0, 1]")
-    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent", range="[1, inf)")
     max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
     functions: bool = True  # positional, syntactic and rare-token heads
     aggregate: bool = True  # Vig & Belinkov statistics
-    min_weight: float = option(0.0, "distance/POS/dependency proportions over weights above this only", range="[0, 1)")
-    window: int = option(10, "variability over the first N words", range="[1, inf)")
-    top_k: int = option(5, "exemplars per head", range="[0, inf)")
     batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")
     max_sentences: int | None = option(None, "analyse only the first N sentences", range="[1, inf)",
                                        flag="limit", old_names=("--max-sentences",))
@@ -70,8 +63,6 @@ class AnalysisConfig(PluginOptions):
             raise HeadlabError(f"spacing must be 'words' or 'text', got {self.spacing!r}")
         if self.word_pooling not in WORD_POOLINGS:
             raise HeadlabError(f"word pooling must be one of {', '.join(WORD_POOLINGS)}, got {self.word_pooling!r}")
-        if not 0 < self.positional_threshold <= 1:
-            raise HeadlabError(f"positional threshold must be in (0, 1], got {self.positional_threshold}")
         if self.batch_size < 1:
             raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
         if self.engine is not None and self.engine not in ENGINES:
@@ -79,9 +70,11 @@ class AnalysisConfig(PluginOptions):
         preflight.query_chunk(self.query_chunk)
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
-        self.relations = tuple(self.relations)
         if self.options:
+            from headlab.functions.registry import check_options
+
             check_values(self.plugin_specs(), self.options)
+            check_options(self.options)
 
     @property
     def resolved_engine(self) -> str:

@@ -27,9 +27,18 @@ import torch
 from headlab.data.alignment import AttentionView
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.options import option
 from headlab.plugins import Output
 
-__all__ = ["PositionalStats", "PositionalResult", "PositionalHead"]
+__all__ = ["PositionalStats", "PositionalResult", "PositionalHead", "PositionalOptions"]
+
+
+@dataclass(frozen=True)
+class PositionalOptions:
+    """The options of the positional statistics (words, tokens, interior words alike)."""
+
+    threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]",
+                              flag="positional_threshold")
 
 
 class PositionalStats:
@@ -44,21 +53,25 @@ class PositionalStats:
         self.counts: dict[BlockKey, torch.Tensor] = {}  # [n_heads, 2 * max_offset + 3]
 
     @classmethod
-    def from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+    def from_config(cls, config, frequencies=None, options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Word level, when ``config.functions`` (registry entry ``positional``)."""
-        return cls(config.max_offset, "word", config.positional_threshold) if config.functions else None
+        threshold = (options or PositionalOptions()).threshold
+        return cls(config.max_offset, "word", threshold) if config.functions else None
 
     @classmethod
-    def tokens_from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+    def tokens_from_config(cls, config, frequencies=None,
+                           options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Subword-token level, when ``config.functions`` (registry entry ``positional_tokens``)."""
-        return cls(config.max_offset, "token", config.positional_threshold) if config.functions else None
+        threshold = (options or PositionalOptions()).threshold
+        return cls(config.max_offset, "token", threshold) if config.functions else None
 
     @classmethod
-    def interior_from_config(cls, config, frequencies=None) -> "PositionalStats | None":
+    def interior_from_config(cls, config, frequencies=None,
+                             options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Words with both neighbours, when ``config.functions`` and ``config.sensitivity``
         (registry entry ``positional_interior``)."""
-        return cls(config.max_offset, "interior", config.positional_threshold) \
-            if config.functions and config.sensitivity else None
+        threshold = (options or PositionalOptions()).threshold
+        return cls(config.max_offset, "interior", threshold) if config.functions and config.sensitivity else None
 
     @property
     def fused_passes(self) -> tuple[str, ...]:
@@ -241,9 +254,9 @@ POSITIONAL = Statistic(
                     "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
              Output("positional/offset.json", "Positional offset",
                     "that most frequent offset (-1 = previous word, +1 = next word)", categorical=True)),
-    read_labels=_read_labels)
+    read_labels=_read_labels, Options=PositionalOptions)
 """Voita et al. 2019, Sec. 5.1, over words."""
-POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config)
+POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config, Options=PositionalOptions)
 """The same over subword tokens."""
-POSITIONAL_INTERIOR = Statistic(PositionalStats.interior_from_config)
+POSITIONAL_INTERIOR = Statistic(PositionalStats.interior_from_config, Options=PositionalOptions)
 """Words with both neighbours (``--sensitivity``)."""

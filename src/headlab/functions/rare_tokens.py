@@ -34,10 +34,11 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.options import option
 from headlab.plugins import Output
 from headlab.shard import Ledger, active
 
-__all__ = ["RareTokenStats", "RareTokenResult", "rare_token_masks"]
+__all__ = ["RareTokenStats", "RareTokenResult", "RareOptions", "rare_token_masks"]
 
 
 def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,6 +69,14 @@ def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -
     return cache[key]
 
 
+@dataclass(frozen=True)
+class RareOptions:
+    """The options of the rare-token statistic."""
+
+    top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent",
+                               range="[1, inf)", flag="top_frequent")
+
+
 class RareTokenStats:
     """Streaming: how often each head's maximum attention lands on the rarest token(s)."""
 
@@ -89,11 +98,13 @@ class RareTokenStats:
         self.queries: dict[BlockKey, torch.Tensor] = {}
 
     @classmethod
-    def from_config(cls, config, frequencies: TokenFrequencies | None = None) -> "RareTokenStats | None":
+    def from_config(cls, config, frequencies: TokenFrequencies | None = None,
+                    options: RareOptions | None = None) -> "RareTokenStats | None":
         """When ``config.functions`` and token frequencies are given (registry entry ``rare``)."""
         if not (config.functions and frequencies):
             return None
-        return cls(frequencies, config.top_frequent, per_sentence=getattr(config, "sensitivity", False))
+        top = (options or RareOptions()).top_frequent
+        return cls(frequencies, top, per_sentence=getattr(config, "sensitivity", False))
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         eligible, _, _ = rare_token_masks(side, self.counts, self.top)
@@ -292,5 +303,5 @@ RARE = Statistic(
     RareTokenStats.from_config, title="rare-token heads", needs=("frequencies",), label_group="rare", label_pattern="rare",
     outputs=(Output("rare_tokens/rarest.json", "Rare-token share",
                     "how often the head's maximum lands on the rarest token (Sec. 5.3)"),),
-    read_labels=_read_labels)
+    read_labels=_read_labels, Options=RareOptions)
 """Voita et al. 2019, Sec. 5.3 (needs token frequencies)."""

@@ -11,10 +11,12 @@ its labels and files (CONTRIBUTING.md). Entries are imported on first use.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from headlab._lazy import LazyRegistry
 from headlab.plugins import OptionSpec
 
-__all__ = ["STATISTICS", "label_groups", "label_group", "option_specs"]
+__all__ = ["STATISTICS", "label_groups", "label_group", "option_specs", "check_options"]
 
 STATISTICS = LazyRegistry({
     "positional": "headlab.functions.positional.POSITIONAL",  # Voita et al. 2019, Sec. 5.1, over words
@@ -46,3 +48,10 @@ def option_specs(stage: str | None = None) -> list[OptionSpec]:
     """The options that the statistics (of the pass ``stage``; None: all) declare, in registry order."""
     return [spec for statistic in STATISTICS.values() if stage in (None, statistic.stage)
             for spec in statistic.option_specs()]
+
+
+def check_options(values: Mapping[str, object]) -> None:
+    """Each statistic's options made from ``{dest: value}``: the checks of their ``__post_init__``
+    (an unknown ``--relations``) before any work, as the ranges are."""
+    for statistic in STATISTICS.values():
+        statistic.options_from(values)

@@ -21,17 +21,24 @@ not scored.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
+from headlab.errors import HeadlabError
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
-from headlab.plugins import Output
+from headlab.markup import read_json_noted
+from headlab.markup import table as html_table
+from headlab.options import option
+from headlab.plugins import Output, ReportPart
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 
@@ -77,6 +84,30 @@ def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.T
     return cache[relation]
 
 
+def relation_list(text: str) -> tuple[str, ...]:
+    """``--relations``: a comma list of relations (the paper's four when empty)."""
+    return tuple(r.strip() for r in text.split(",") if r.strip()) or PAPER_RELATIONS
+
+
+@dataclass(frozen=True)
+class SyntacticOptions:
+    """The options of the syntactic statistic; an unknown relation is refused when they are made
+    (:func:`headlab.functions.registry.check_options`: before any work)."""
+
+    relations: tuple[str, ...] = option(PAPER_RELATIONS, "comma-separated dependency relations (dobj = UD obj; X:* = X "
+                                        "and its subtypes; default: nsubj,dobj,amod,advmod)", type=relation_list,
+                                        flag="relations")
+    margin: float = option(0.10, "accuracy over the offset baseline for a syntactic head", range="[0, 1]",
+                           flag="syntactic_margin")
+
+    def __post_init__(self) -> None:
+        for relation in self.relations:
+            try:
+                relation_matcher(relation)
+            except HeadlabError as error:
+                raise HeadlabError(f"--relations: {error}") from None
+
+
 class SyntacticStats:
     """Streaming arc accuracies per head and relative-offset baselines per relation."""
 
@@ -91,9 +122,10 @@ class SyntacticStats:
         self.hits: dict[BlockKey, dict[tuple[str, str], torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config, frequencies=None) -> "SyntacticStats | None":
+    def from_config(cls, config, frequencies=None, options: SyntacticOptions | None = None) -> "SyntacticStats | None":
         """When ``config.functions`` (registry entry ``syntactic``)."""
-        return cls(config.relations, config.syntactic_margin) if config.functions else None
+        options = options or SyntacticOptions()
+        return cls(options.relations, options.margin) if config.functions else None
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         """Baseline counts; call once per batch for each analysed kind."""
@@ -387,9 +419,47 @@ def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
     return labels
 
 
+def _read_table1(directory: Path, note: Callable[[str], None]) -> list[dict]:
+    """The report's Table 1: the rows of ``functions/syntactic/table1.json``."""
+    table1 = read_json_noted(directory / "functions" / "syntactic" / "table1.json", directory, note)
+    return [row for row in table1.get("table", []) if isinstance(row, dict)] if isinstance(table1, dict) else []
+
+
+def _table1(c: Any) -> str:
+    """Table 1 in the report's functions section, its best heads linked to the viewer."""
+    table1 = c.sections.get("table1") or []
+    if not table1:
+        return ""
+    rows = []
+    for r in table1:
+        best = r.get("best_head")
+        arcs = str(r.get("arcs", r.get("n_arcs")))  # "reachable / all" under a causal mask
+        if r.get("n_arcs", 0) == 0 or r.get("unreachable"):
+            rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
+                         escape(arcs), escape(str(r.get("status") or "absent from the data")), "", "", ""])
+            continue
+        head = (f'<a href="#viewer" class="head-link" data-kind="{escape(str(r.get("kind")))}" data-layer="{int(best[0])}" '
+                f'data-head="{int(best[1])}">L{int(best[0])} H{int(best[1])}</a>') if best else "–"
+        acc, base = r.get("best_accuracy"), r.get("baseline")
+        offset = r.get("baseline_offset")
+        rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
+                     escape(arcs), head, escape(f"{acc:.1%}" if isinstance(acc, (int, float)) else "–"),
+                     escape(f"{base:.1%} ({offset:+d})" if isinstance(base, (int, float)) and isinstance(offset, int) else "–"),
+                     escape(str(r.get("n_syntactic", "")))])
+    return ('<h3>Syntactic heads (Table 1 analogue)</h3><p class="caption">Accuracy of the best head per dependency '
+            'relation and direction, against the baseline of always guessing the most frequent relative offset '
+            '(Voita et al. 2019, Sec. 5.2, Table 1).'
+            + (' Causal attention (decoder self-attention) sees only earlier words: its arcs read "reachable / all", '
+               'a direction most of whose arcs point forward is unreachable and not scored, and its baselines use '
+               'backward offsets only.' if any(r.get("kind") in CAUSAL_KINDS for r in table1) else '') + '</p>'
+            + html_table(["kind", "relation", "direction", "arcs", "best head", "accuracy", "baseline (offset)",
+                          "syntactic heads"], rows, "table1"))
+
+
 SYNTACTIC = Statistic(
     SyntacticStats.from_config, title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
     outputs=(Output("syntactic/margin.json", "Syntactic margin",
                     "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),),
-    read_labels=_read_labels)
+    read_labels=_read_labels, report=(ReportPart("table1", "functions", _table1, collect=_read_table1),),
+    Options=SyntacticOptions)
 """Voita et al. 2019, Sec. 5.2."""

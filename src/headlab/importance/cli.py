@@ -63,7 +63,7 @@ def _check(args) -> None:
     from headlab.loading import check_supported
 
     check_supported(args.model, args.trust_remote_code)
-    for flag, minimum in (("limit", 1), ("max_length", 2), ("batch_size", 1), ("beam", 1), ("threads", 1)):
+    for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
     check_output(args.out, args.overwrite)

@@ -38,10 +38,10 @@ happens to sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -656,6 +656,19 @@ class LRP(ImportanceMeasure):
     needs_lm_head = True
     reads_translation = True
     Options = LRPOptions
+
+    @classmethod
+    def caption_note(cls, signature: Mapping[str, Any]) -> str:
+        """The conservation of :func:`conservation_record`, per sentence, for the report's caption."""
+        record: Any = signature.get("conservation")
+        try:
+            embeddings, total = record["embeddings"], record["with_biases"]
+            return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
+                    f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
+                    f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
+                    f"(tolerance 1 ± {record['tolerance']:g})")
+        except (KeyError, TypeError, ValueError):
+            return ""
 
     def unsupported(self, model: nn.Module) -> str | None:
         """A module without an LRP rule (a normalisation headlab does not know), found before any work."""

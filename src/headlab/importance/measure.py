@@ -21,7 +21,7 @@ from headlab.data.inputs import ImportanceData
 from headlab.gates import mask_heads
 from headlab.heads import HeadScores, HeadSpec
 from headlab.model_description import ModelInfo
-from headlab.plugins import OptionSpec, build_options, option_specs
+from headlab.plugins import OptionSpec, ReportPart, build_options, option_specs
 
 __all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]
 
@@ -48,6 +48,8 @@ class ImportanceMeasure:
     """It scores a loss: against the reference when there is one, else the model's own output."""
     on_request: ClassVar[bool | str] = False
     """Slow: ``headlab analyze`` runs it only when asked (``--<name>``; a string: that flag's help)."""
+    report: ClassVar[tuple[ReportPart, ...]] = ()
+    """What the report shows of it beside its heatmaps, drawn by its own module (:class:`~headlab.plugins.ReportPart`)."""
     Options: ClassVar[type] = NoOptions
     """A frozen dataclass of the measure's own settings: fields made with
     :func:`headlab.options.option` (help, ``range``, ``choices``; ``flag`` where the flag is not
@@ -70,6 +72,11 @@ class ImportanceMeasure:
             return build_options(cls.Options, specs, config)
         return build_options(cls.Options, specs, {s.dest: getattr(config, s.dest) for s in specs
                                                   if hasattr(config, s.dest)})
+
+    @classmethod
+    def caption_note(cls, signature: Mapping[str, Any]) -> str:
+        """What the report adds to the caption of a map from the map's signature ("": nothing)."""
+        return ""
 
     def unavailable(self, info: ModelInfo, data: ImportanceData) -> str | None:
         """Why the measure cannot run on this model and data; None when it can."""

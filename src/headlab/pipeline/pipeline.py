@@ -244,6 +244,9 @@ def validate(config: AnalyzeConfig) -> Path:
 
     check_ranges(config)  # also for a config built in Python (the command line checked its flags already)
     check_values(config.plugin_specs(), config.options)
+    from headlab.functions.registry import check_options
+
+    check_options(config.options)  # each statistic's own checks (an unknown --relations)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
@@ -275,14 +278,6 @@ def validate(config: AnalyzeConfig) -> Path:
                        *(("--train-text", path) for path in config.train_text)):
         if path is not None:
             preflight.input_file(path, flag)
-    for flag, value, minimum in (("--limit", config.limit, 1), ("--conllu-limit", config.conllu_limit, 1),
-                                 ("--batch-size", config.batch_size, 1), ("--prune-steps", config.prune_steps, 1),
-                                 ("--threads", config.threads, 1), ("--max-length", config.max_length, 2),
-                                 ("--query-chunk", config.query_chunk, 1),
-                                 ("--prune-limit", config.prune_limit, 1), ("--prune-max-tokens", config.prune_max_tokens, 1),
-                                 ("--prune-eval-beam", config.prune_eval_beam, 1),
-                                 ("--attention-sentences", config.attention_sentences, 0)):
-        preflight.at_least(value, minimum, flag)
     from headlab.device_options import device_options
 
     device_options(config)  # a missing CUDA device fails here

@@ -310,9 +310,6 @@ def run_baseline(args) -> int:
             scores = HeadScores.load(args.scores)
         except HeadlabError as error:
             raise HeadlabError(f"--scores {error}") from None
-    for name, minimum in (("finetune_steps", 0), ("scratch_epochs", 1), ("max_tokens", 1), ("eval_beam", 1),
-                          ("importance_batches", 1), ("scratch_warmup_steps", 0), ("scratch_average_last", 0)):
-        preflight.at_least(getattr(args, name), minimum, "--" + name.replace("_", "-"))
     _check_baseline_recipe(args)
     out = Path(args.out)
     read_rows(out)  # a baselines.json that is not one refuses here, not after the first row

@@ -59,7 +59,7 @@ from headlab.surgery import check_prunable, count_parameters, prune_heads, save_
 from headlab.training.config import TrainConfig
 from headlab.training.corpus import EncodedCorpus, encode_corpus
 from headlab.training.loop import check_resume_point, has_model, train
-from headlab.training.losses import causal_lm_loss_from_inputs, evaluate_loss, label_smoothed_loss, masked_lm_loss
+from headlab.training.losses import causal_lm_loss, evaluate_loss, label_smoothed_loss, masked_lm_loss, next_token_labels
 
 __all__ = [
     "PruneConfig",
@@ -160,6 +160,17 @@ def encode_lm_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpu
     return EncodedCorpus(ids, [list(x) for x in ids])
 
 
+_UNSMOOTHED = TrainConfig(label_smoothing=0.0)
+
+
+def _next_token_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """:func:`~headlab.training.losses.causal_lm_loss` on a batch of text (its ``labels`` are the
+    inputs, not shifted), not label-smoothed, as the masked-LM loss is not: ``--label-smoothing``
+    is the translation loss's."""
+    labels = next_token_labels(batch["input_ids"], batch["attention_mask"])
+    return causal_lm_loss(model, {**batch, "labels": labels}, _UNSMOOTHED)
+
+
 def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
     kind = config.loss
     if kind == "auto":
@@ -175,7 +186,7 @@ def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
             raise HeadlabError(f"{type(model).__name__} is not an encoder-decoder model; use --loss causal_lm or masked_lm")
         return kind, label_smoothed_loss
     if kind == "causal_lm":
-        return kind, causal_lm_loss_from_inputs
+        return kind, _next_token_loss
     if tokenizer.mask_token_id is None:
         raise HeadlabError("masked_lm loss needs a tokenizer with a mask token")
     specials = tuple(i for i in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.bos_token_id,

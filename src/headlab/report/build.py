@@ -26,7 +26,7 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text
 from headlab.report.collect import Collected, collect
-from headlab.report.sections import SECTIONS, collect_sections, render_body, render_navigation, template
+from headlab.report.sections import collect_sections, embedded, render_body, render_navigation, template
 
 __all__ = ["build_report", "json_for_script", "INLINE_LIMIT"]
 
@@ -108,7 +108,7 @@ def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:
     data = {
         "heatmaps": c.heatmaps,
         "labels": c.labels,
-        **{s.embed: c.sections.get(s.id) for s in SECTIONS.values() if s.embed},  # for report.js
+        **embedded(c),  # for report.js
         "attention": attention,
         "kinds": list(KINDS),
     }

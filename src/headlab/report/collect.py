@@ -6,16 +6,15 @@ Nothing here raises on a missing or unreadable file: each problem becomes a note
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
-from headlab.importance.registry import tables
+from headlab.importance.registry import MEASURES, tables
+from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
 
 __all__ = ["Collected", "collect", "statistic_maps", "read_json_noted"]
@@ -33,7 +32,7 @@ class Collected:
     attention: dict | None = None
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
-    sections: dict = field(default_factory=dict)  # what each section's own ``collect`` read, by section id
+    sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -44,36 +43,13 @@ class Collected:
                 if isinstance(s, dict) and str(s.get("name", "")).lower().startswith(prefixes)]
 
 
-def read_json_noted(path: Path, directory: Path, note: Callable[[str], None]) -> Any:
-    """The file's JSON; None when it is missing (silently) or unreadable (``note``d, with its path
-    relative to the analysis ``directory``)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        pass
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        note(f"{path.relative_to(directory)}: unreadable ({error})")
-    return None
-
-
 def _read_json(path: Path, section: str, out: Collected) -> Any:
     return read_json_noted(path, out.directory, lambda text: out.note(section, text))
 
 
-def _finite(value):
-    return None if value is None or not math.isfinite(value) else round(float(value), 6)
-
-
-def _conservation(record) -> str:
-    """LRP's conservation, per sentence, for the caption of its map ("" for other measures)."""
-    try:
-        embeddings, total = record["embeddings"], record["with_biases"]
-        return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
-                f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
-                f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
-                f"(tolerance 1 ± {record['tolerance']:g})")
-    except (KeyError, TypeError, ValueError):
-        return ""
+def _caption_notes(signature: Mapping[str, Any]) -> str:
+    """What the measures add to a map's caption from its signature (``ImportanceMeasure.caption_note``)."""
+    return "".join(measure.caption_note(signature) for measure in MEASURES.values())
 
 
 def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, caption: str,
@@ -85,13 +61,13 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
     except HeadlabError as error:
         out.note(group, str(error).replace(str(out.directory) + "/", ""))
         return
-    data = {kind: [[_finite(v) for v in row] for row in array.tolist()] for kind, array in scores.scores.items()}
+    data = {kind: [[finite(v) for v in row] for row in array.tolist()] for kind, array in scores.scores.items()}
     if not data:
         out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
         return
     out.heatmaps.append({
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
-        "caption": caption + _conservation(scores.signature.get("conservation")), "method": scores.method,
+        "caption": caption + _caption_notes(scores.signature), "method": scores.method,
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
@@ -107,7 +83,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
             "title": f"{title}: standard error",
             "caption": f"bootstrap standard error of each score ({resamples} resamples of the sentences)",
             "method": errors.method, "file": str(path.relative_to(out.directory)),
-            "scores": {kind: [[_finite(v) for v in row] for row in array.tolist()]
+            "scores": {kind: [[finite(v) for v in row] for row in array.tolist()]
                        for kind, array in errors.scores.items()},
         })
 

@@ -31,7 +31,10 @@ class Section:
     """What it reads from the analysis directory for itself: ``collect(directory, note)`` (``note(text)``
     shows a problem in the section; never raise); its result is ``Collected.sections[id]``."""
     embed: str | None = None
-    """The key under which that result is also handed to the page's script (``exemplars``)."""
+    """The key under which that result is also handed to the page's script."""
+    parts: bool = False
+    """It draws the :class:`~headlab.plugins.ReportPart` objects that plug-ins declare for it (its
+    id is their ``section``): the sections of heatmaps do."""
 
     def stage_prefixes(self) -> tuple[str, ...]:
         if not self.stages:

@@ -9,39 +9,25 @@ reads, its own ``collect(directory, note)``) and one entry in :data:`SECTIONS` (
 
 from __future__ import annotations
 
-import math
+import functools
 from html import escape
 from importlib import resources
-from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable
 
 from headlab._lazy import LazyRegistry
-from headlab.heads import CAUSAL_KINDS, KINDS
-from headlab.report.collect import Collected, _finite, read_json_noted
+from headlab.heads import KINDS
+from headlab.markup import fmt as _fmt
+from headlab.markup import line_chart as _line_chart
+from headlab.markup import table as _table
+from headlab.plugins import ReportPart
+from headlab.report.collect import Collected
 from headlab.report.section import MEASURE_STAGES, REFERENCE_STAGE, Section
 
-__all__ = ["Section", "SECTIONS", "render_body", "render_navigation", "template"]
+__all__ = ["Section", "SECTIONS", "render_body", "render_navigation", "template", "report_parts", "embedded"]
 
 
 def template(name: str) -> str:
     return resources.files("headlab.report").joinpath("templates").joinpath(name).read_text(encoding="utf-8")
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        return "–" if math.isnan(value) else f"{value:.{digits}g}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
-    """Rows are already-escaped HTML cells."""
-    head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{escape(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _notes(c: Collected, section: str, empty: bool) -> str:
@@ -85,6 +71,16 @@ def _summary(c: Collected) -> str:
     return html + _notes(c, "summary", False)
 
 
+def report_parts(section: str | None = None) -> list[ReportPart]:
+    """The report parts that the registered measures and statistics declare (of ``section``; None:
+    all), in registry order."""
+    from headlab.functions.registry import STATISTICS
+    from headlab.importance.registry import MEASURES
+
+    return [part for plugin in (*MEASURES.values(), *STATISTICS.values()) for part in plugin.report
+            if section in (None, part.section)]
+
+
 def _function_table(c: Collected) -> str:
     if not c.labels:
         return ""
@@ -101,42 +97,6 @@ def _function_table(c: Collected) -> str:
     return ('<h3>Head functions</h3><p class="caption">Heads that pass a function test (click a row to see the '
             'head in the viewer).</p><table class="functions"><thead><tr><th>kind</th><th>layer</th><th>head</th>'
             f'<th>functions</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
-
-
-def _read_table1(directory: Path, note: Callable[[str], None]) -> list[dict]:
-    """The functions section's own file: the syntactic statistic's Table 1 rows."""
-    table1 = read_json_noted(directory / "functions" / "syntactic" / "table1.json", directory, note)
-    return [row for row in table1.get("table", []) if isinstance(row, dict)] if isinstance(table1, dict) else []
-
-
-def _table1(c: Collected) -> str:
-    table1 = c.sections.get("functions") or []
-    if not table1:
-        return ""
-    rows = []
-    for r in table1:
-        best = r.get("best_head")
-        arcs = str(r.get("arcs", r.get("n_arcs")))  # "reachable / all" under a causal mask
-        if r.get("n_arcs", 0) == 0 or r.get("unreachable"):
-            rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
-                         escape(arcs), escape(str(r.get("status") or "absent from the data")), "", "", ""])
-            continue
-        head = (f'<a href="#viewer" class="head-link" data-kind="{escape(str(r.get("kind")))}" data-layer="{int(best[0])}" '
-                f'data-head="{int(best[1])}">L{int(best[0])} H{int(best[1])}</a>') if best else "–"
-        acc, base = r.get("best_accuracy"), r.get("baseline")
-        offset = r.get("baseline_offset")
-        rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
-                     escape(arcs), head, escape(f"{acc:.1%}" if isinstance(acc, (int, float)) else "–"),
-                     escape(f"{base:.1%} ({offset:+d})" if isinstance(base, (int, float)) and isinstance(offset, int) else "–"),
-                     escape(str(r.get("n_syntactic", "")))])
-    return ('<h3>Syntactic heads (Table 1 analogue)</h3><p class="caption">Accuracy of the best head per dependency '
-            'relation and direction, against the baseline of always guessing the most frequent relative offset '
-            '(Voita et al. 2019, Sec. 5.2, Table 1).'
-            + (' Causal attention (decoder self-attention) sees only earlier words: its arcs read "reachable / all", '
-               'a direction most of whose arcs point forward is unreachable and not scored, and its baselines use '
-               'backward offsets only.' if any(r.get("kind") in CAUSAL_KINDS for r in table1) else '') + '</p>'
-            + _table(["kind", "relation", "direction", "arcs", "best head", "accuracy", "baseline (offset)",
-                      "syntactic heads"], rows, "table1"))
 
 
 def _num(v) -> str:
@@ -209,89 +169,8 @@ def _figures(c: Collected) -> str:
 
 # ---- charts drawn here, as inline SVG (no script needed) -------------------------------------------
 
-KIND_COLOURS = {"enc_self": "#2b6cb0", "dec_self": "#2f855a", "dec_cross": "#c05621"}
 TOP_N = 10
 """Heads listed per importance measure on the overview."""
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    step = 10 ** math.floor(math.log10(raw))
-    step *= next(m for m in (1, 2, 5, 10) if raw <= m * step)
-    first = math.ceil(lo / step) * step
-    digits = max(0, -math.floor(math.log10(step)))  # as many decimals as the step needs: no two labels alike
-    return [round(first + i * step, digits) for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _tick_label(t: float) -> str:
-    return f"{t:.10g}"
-
-
-
-def _line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabel: str, ylabel: str, cls: str,
-                title: str, integer_x: bool = False, reference: float | None = None) -> str:
-    """A small line chart: one line per series (kinds take their colours), axes with ticks that
-    never crowd (at most ~6 per axis), a ``<title>`` per point for its value."""
-    points = [(x, y) for line in series.values() for x, y in line if y is not None and math.isfinite(y)]
-    if not points:
-        return ""
-    w, h, left, bottom, top, right = 380, 210, 52, 38, 22, 12
-    xs, ys = [p[0] for p in points], [p[1] for p in points] + ([reference] if reference is not None else [])
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    pad = (y1 - y0) * 0.06
-    y0, y1 = y0 - pad, y1 + pad
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
-    sy = lambda y: top + (y1 - y) / (y1 - y0) * (h - top - bottom)  # noqa: E731
-    parts = [f'<svg class="chart {escape(cls)}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
-             f'aria-label="{escape(title, quote=True)}"><text class="chart-title" x="{left}" y="14">{escape(title)}</text>']
-    xt = _ticks(x0, x1, 6)
-    if integer_x:
-        xt = sorted({round(t) for t in xt if abs(t - round(t)) < 1e-9})
-    for t in xt:
-        parts.append(f'<line class="grid" x1="{sx(t):.1f}" x2="{sx(t):.1f}" y1="{top}" y2="{h - bottom}"/>'
-                     f'<text x="{sx(t):.1f}" y="{h - bottom + 13}" text-anchor="middle">{escape(_tick_label(t))}</text>')
-    for t in _ticks(y0, y1, 4):
-        parts.append(f'<line class="grid" x1="{left}" x2="{w - right}" y1="{sy(t):.1f}" y2="{sy(t):.1f}"/>'
-                     f'<text x="{left - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{escape(_tick_label(t))}</text>')
-    parts.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 6}" text-anchor="middle">{escape(xlabel)}</text>'
-                 f'<text x="12" y="{(top + h - bottom) / 2:.0f}" text-anchor="middle" '
-                 f'transform="rotate(-90 12 {(top + h - bottom) / 2:.0f})">{escape(ylabel)}</text>')
-    if reference is not None:
-        parts.append(f'<line class="reference" x1="{left}" x2="{w - right}" y1="{sy(reference):.1f}" '
-                     f'y2="{sy(reference):.1f}"/>')
-    legend_x = left + 6
-    for i, (name, line) in enumerate(series.items()):
-        colour = KIND_COLOURS.get(name, ("#553c9a", "#b7791f", "#4a5568")[i % 3])
-        line = [(x, y) for x, y in line if y is not None and math.isfinite(y)]
-        if not line:
-            continue
-        path = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(line))
-        parts.append(f'<path class="series" data-series="{escape(name, quote=True)}" d="{path}" stroke="{colour}"/>')
-        for x, y in line:
-            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"><title>'
-                         f'{escape(name)}: {escape(xlabel)} {escape(f"{x:g}")}, {escape(f"{y:.4g}")}</title></circle>')
-        if len(series) > 1:
-            parts.append(f'<text x="{legend_x}" y="{top + 10}" fill="{colour}" class="legend">{escape(name)}</text>')
-            legend_x += 8 + 7 * len(name)
-    return "".join(parts) + "</svg>"
-
-
-def _layer_means(heatmap: dict) -> dict[str, list[tuple[float, float | None]]]:
-    """Per kind, the mean over the heads of each layer (heads not scored left out)."""
-    out: dict[str, list[tuple[float, float | None]]] = {}
-    for kind in KINDS:
-        rows = heatmap["scores"].get(kind)
-        if rows:
-            out[kind] = [(layer, (sum(v for v in row if v is not None) / n) if (n := sum(v is not None for v in row))
-                          else None) for layer, row in enumerate(rows)]
-    return out
 
 
 def _head_link(kind: str, layer: int, head: int, text: str | None = None) -> str:
@@ -381,117 +260,13 @@ def _overview(c: Collected) -> str:
     return html or '<p class="note">No importance, agreement or pruning results in the analysis directory.</p>'
 
 
-def _layer_curves(c: Collected) -> str:
-    """Vig & Belinkov's per-layer curves: the mean over heads of each statistic, per layer."""
-    charts = []
-    for name, ylabel in (("mean_distance", "words"), ("dependency_alignment", "share"), ("mean_entropy", "nats")):
-        h = next((h for h in c.heatmaps if h["group"] == "aggregate" and h["name"] == name), None)
-        if h is not None:
-            charts.append(_line_chart(_layer_means(h), "layer", ylabel, f"layer-curve {name}",
-                                      f"{h['title']} by layer", integer_x=True))
-    if not any(charts):
-        return ""
-    return ('<h3>By layer</h3><p class="caption">Mean over the heads of each layer (Vig &amp; Belinkov 2019, '
-            'Figs. 2-4): attention distance, dependency alignment and entropy.</p><div class="charts">'
-            + "".join(charts) + "</div>")
-
-
-def _shade(value: float | None, hi: float) -> str:
-    if value is None:
-        return "background:#eee"
-    t = 0.0 if hi <= 0 else max(0.0, min(1.0, value / hi))
-    r, g, b = (round(255 - t * (255 - c)) for c in (43, 108, 176))
-    return f"background:rgb({r},{g},{b});color:{'#fff' if t > 0.6 else '#1d2330'}"
-
-
-def _pos_grid(c: Collected) -> str:
-    """Tags (rows) by layers (columns): the share of attention on words of the tag, mean over heads."""
-    maps = [h for h in c.heatmaps if h["group"] == "pos"]
-    if not maps:
-        return ""
-    html = ('<h3>Attention by part of speech, all tags</h3><p class="caption">Share of attention on words of each '
-            'UPOS tag (rows), mean over the heads of each layer (columns), per attention kind; darker = more. '
-            'Pick a tag below for its heads.</p>')
-    for kind in KINDS:
-        table = {h["name"]: dict(_layer_means(h)).get(kind) or [] for h in maps}
-        table = {tag: line for tag, line in table.items() if line}
-        if not table:
-            continue
-        n_layers = max(len(line) for line in table.values())
-        hi = max((v for line in table.values() for _, v in line if v is not None), default=0.0)
-        step = 1 if n_layers <= 16 else 2
-        head = "".join(f"<th>{layer if layer % step == 0 else ''}</th>" for layer in range(n_layers))
-        body = "".join(
-            f"<tr><th>{escape(tag)}</th>" + "".join(
-                f'<td style="{_shade(v, hi)}" title="{escape(f"{tag}, layer {x}: " + _fmt(v), quote=True)}"></td>'
-                for x, v in line) + "</tr>"
-            for tag, line in table.items())
-        html += (f'<div class="pos-grid-wrap"><div class="hm-kind-title">{escape(kind)} (layer →)</div>'
-                 f'<table class="pos-grid" data-kind="{escape(kind)}"><thead><tr><th>tag</th>{head}</tr></thead>'
-                 f'<tbody>{body}</tbody></table></div>')
-    return html
-
-
-EXEMPLARS_SHOWN = 3
-"""Exemplars per head the report embeds (``aggregate/exemplars.json`` keeps ``top_k``)."""
-
-
-def _read_exemplars(directory: Path, note: Callable[[str], None]) -> dict | None:
-    """The aggregate section's own file: ``aggregate/exemplars.json`` (``{"kind:layer": [[exemplar,
-    ...] per head]}``; under ``functions/`` from ``headlab functions --aggregate``) made compact: each
-    sentence's words once, each exemplar ``[weight, sentence, query, key]``, the first
-    :data:`EXEMPLARS_SHOWN` per head."""
-    folder = next((directory / c for c in ("aggregate", "functions/aggregate") if (directory / c).is_dir()), None)
-    if folder is None:
-        return None
-    path = folder / "exemplars.json"
-    raw = read_json_noted(path, directory, note)
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        note(f"{path.relative_to(directory)}: not a JSON object")
-        return None
-    sentences: list[list[str]] = []
-    slots: dict[tuple[int, str], int] = {}
-    heads: dict[str, list[list[list]]] = {}
-    for block, per_head in raw.items():
-        if not isinstance(per_head, list):
-            continue
-        rows = []
-        for items in per_head:
-            kept = []
-            for e in (items if isinstance(items, list) else [])[:EXEMPLARS_SHOWN]:
-                if not isinstance(e, dict) or not isinstance(e.get("text"), str):
-                    continue
-                try:
-                    key = (int(e.get("sentence", -1)), e["text"])
-                    item = [_finite(float(e.get("weight", math.nan))), int(e.get("query", 0)), int(e.get("key", 0))]
-                except (TypeError, ValueError):
-                    continue
-                if key not in slots:
-                    slots[key] = len(sentences)
-                    sentences.append(e["text"].split(" "))
-                kept.append([item[0], slots[key], item[1], item[2]])
-            rows.append(kept)
-        heads[str(block)] = rows
-    return {"sentences": sentences, "heads": heads} if heads else None
-
-
-def _exemplars(c: Collected) -> str:
-    if not c.sections.get("aggregate"):
-        return ""
-    return ('<h3>Exemplars</h3><p class="caption">The sentences in which the selected head puts its largest single '
-            'weight (query word → key word), from aggregate/exemplars.json. Select a head in any heatmap.</p>'
-            '<div id="exemplars" class="exemplars"></div>')
-
-
-def _heatmaps(group: str, caption: str, also: tuple[str, ...] = (), extra: Callable[[Collected], str] | None = None,
-              before: Callable[[Collected], str] | None = None):
+def _heatmaps(group: str, caption: str, also: tuple[str, ...] = (), extra: Callable[[Collected], str] | None = None):
     """A section of heatmaps of ``group`` (and of ``also``, behind a selector) drawn by report.js,
-    with ``before`` above them and ``extra`` below."""
+    with ``extra`` below them, and the plug-ins' report parts of ``group`` above (``before``) or below."""
     def render(c: Collected) -> str:
-        html = extra(c) if extra is not None else ""
-        top = before(c) if before is not None else ""
+        parts = report_parts(group)
+        html = (extra(c) if extra is not None else "") + "".join(p.render(c) for p in parts if not p.before)
+        top = "".join(p.render(c) for p in parts if p.before)
         has = any(h["group"] in (group, *also) for h in c.heatmaps)
         return (f'<p class="caption">{escape(caption)}</p>{_notes(c, group, not has and not html)}{top}'
                 f'<div class="heatmaps" data-group="{group}"></div>'
@@ -511,14 +286,12 @@ SECTIONS = LazyRegistry({**{s.id: s for s in (
     Section("importance", "Head importance", "Importance", _heatmaps(
         "importance", "Layers (rows) by heads (columns), one map per measure and attention kind. "
                       "Click a cell to open the head in the attention viewer."),
-            ("importance", MEASURE_STAGES)),
+            ("importance", MEASURE_STAGES), parts=True),
     Section("functions", "Head functions", "Functions", _heatmaps(
         "functions", "Positional, syntactic and rare-token heads (Voita et al. 2019, Sec. 5).",
-        extra=lambda c: _function_table(c) + _table1(c)), ("functions",), collect=_read_table1),
+        extra=_function_table), ("functions",), parts=True),
     Section("aggregate", "Aggregate attention statistics", "Aggregate", _heatmaps(
-        "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",),
-        before=_layer_curves, extra=lambda c: _pos_grid(c) + _exemplars(c)), collect=_read_exemplars,
-            embed="exemplars"),
+        "aggregate", "Per-head statistics over the treebank (Vig & Belinkov 2019).", also=("pos",)), parts=True),
     Section("agreement", "Measure agreement", "Agreement", _agreement, ("agreement", REFERENCE_STAGE, "importance")),
     Section("pruning", "Pruning", "Pruning", _sweep, ("prune", "pruning", "sweep")),
     Section("figures", "Figures", "Figures", _figures),
@@ -530,10 +303,24 @@ SECTIONS = LazyRegistry({**{s.id: s for s in (
 
 
 def collect_sections(c: Collected) -> None:
-    """Each section's own reading of the directory, into ``c.sections`` (its problems: its notes)."""
+    """Each section's and each report part's own reading of the directory, into ``c.sections``
+    (its problems: its section's notes)."""
     for section in SECTIONS.values():
         if section.collect is not None:
             c.sections[section.id] = section.collect(c.directory, lambda text, s=section.id: c.note(s, text))
+    for part in report_parts():
+        host = SECTIONS.get(part.section)
+        if host is None or not host.parts:
+            raise ValueError(f"report part {part.name!r}: {part.section!r} is no section that draws parts "
+                             f"({', '.join(s.id for s in SECTIONS.values() if s.parts)})")
+        if part.collect is not None:
+            c.sections[part.name] = part.collect(c.directory, functools.partial(c.note, part.section))
+
+
+def embedded(c: Collected) -> dict:
+    """What the sections and the report parts hand to the page's script, by their ``embed`` key."""
+    return {**{s.embed: c.sections.get(s.id) for s in SECTIONS.values() if s.embed},
+            **{p.embed: c.sections.get(p.name) for p in report_parts() if p.embed}}
 
 
 def render_body(c: Collected) -> str:

@@ -2,11 +2,9 @@
 all one cross-entropy (:func:`token_loss`) on what differs: which logits predict which labels.
 
 * :func:`label_smoothed_loss` - an encoder-decoder model's, teacher-forced (the translation recipe);
-* :func:`causal_lm_loss` - a decoder-only model's next-token loss on batches whose ``labels`` are
-  already shifted (``headlab lm train``'s ``collate_lm``);
-* :func:`causal_lm_loss_from_inputs` - the same next-token loss on batches that hold only the
-  text (``prune train --loss causal_lm``): the labels are the inputs shifted by one, and no label
-  smoothing;
+* :func:`causal_lm_loss` - a decoder-only model's next-token loss: position ``i`` predicts
+  ``labels[i]``, the inputs shifted by one (``headlab lm train``'s ``collate_lm``, or
+  :func:`next_token_labels` of a batch that holds only the text, as ``prune train --loss causal_lm``'s);
 * :func:`masked_lm_loss` - a masked LM's (Devlin et al. 2019).
 
 :func:`evaluate_loss` is the mean loss per target token of a model over a corpus (no smoothing).
@@ -23,7 +21,8 @@ from headlab.capture import eval_mode
 from headlab.training.config import TrainConfig
 from headlab.training.corpus import scoring_batches
 
-__all__ = ["token_loss", "label_smoothed_loss", "causal_lm_loss", "causal_lm_loss_from_inputs", "masked_lm_loss", "evaluate_loss"]
+__all__ = ["token_loss", "label_smoothed_loss", "causal_lm_loss", "next_token_labels", "masked_lm_loss",
+           "evaluate_loss"]
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> tuple[torch.Tensor, int]:
@@ -65,19 +64,20 @@ def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss
 
 
 def causal_lm_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy (label-smoothed by ``config.label_smoothing``) and the
-    number of predicted tokens."""
+    """Summed next-token cross-entropy of a decoder-only model (label-smoothed by
+    ``config.label_smoothing``) and the number of predicted tokens: the logits at position ``i`` of
+    ``input_ids`` predict ``labels[:, i]`` (-100: nothing). ``labels`` may be narrower than the
+    inputs (:func:`next_token_labels`: the last position has no next token); the positions past
+    its width are left out."""
+    labels = batch["labels"]  # [batch, width <= len]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return token_loss(logits, batch["labels"], config.label_smoothing)  # labels [batch, len]
+    return token_loss(logits[:, : labels.shape[1]], labels, config.label_smoothing)  # [batch, width, vocab]
 
 
-def causal_lm_loss_from_inputs(model, batch: dict, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """Next-token cross-entropy (sum, token count) of a decoder-only model on ``input_ids``: the labels
-    are the inputs shifted by one; not label-smoothed (what ``prune train --loss causal_lm`` trains with)."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]  # [batch, len-1, vocab]
-    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [batch, len-1]
-    return token_loss(logits, labels)
+def next_token_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The labels of :func:`causal_lm_loss` for a batch that holds only the text: each position's
+    next token, padding -100; ``[batch, len - 1]`` for inputs ``[batch, len]``."""
+    return input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
 
 
 def masked_lm_loss(mask_token_id: int, probability: float = 0.15, special_ids: tuple[int, ...] = ()):
