@@ -12,7 +12,7 @@ from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.pruning import HardConcreteGates, baselines
 from headlab.pruning.budget import LagrangianBudget
-from headlab.pruning.train import PruneConfig, encode_lm_corpus, export_pruned, prune_train, read_trajectory
+from headlab.pruning.train import PruneConfig, encode_monolingual_corpus, export_pruned, prune_train, read_trajectory
 from headlab.training.config import TrainConfig
 from headlab.training.loop import load_weights
 from support.nmt import DATA
@@ -165,7 +165,7 @@ def test_decoder_only_model_with_lm_loss(corpus, tokenizer, tmp_path):
 
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
-    data = encode_lm_corpus(tokenizer, corpus.targets, 64)
+    data = encode_monolingual_corpus(tokenizer, corpus.targets, 64)
     result = prune_train(gpt2, tokenizer, data, None, config(tmp_path / "r", epochs=2, lam=1.0))
     assert result.heads_total == {"dec_self": 8}
     assert sum(result.heads_kept.values()) < 8
@@ -330,7 +330,7 @@ def test_encoder_only_model_with_masked_lm_loss(corpus, tokenizer, tmp_path):
     bert = tf.BertForMaskedLM(tf.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
                                             num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
                                             pad_token_id=tok.pad_token_id))
-    data = encode_lm_corpus(tok, corpus.sources, 64)
+    data = encode_monolingual_corpus(tok, corpus.sources, 64)
     result = prune_train(bert, tok, data, None, config(tmp_path / "r", gates="enc_self", epochs=2, lam=1.0))
     assert result.heads_total == {"enc_self": 8} and sum(result.heads_kept.values()) < 8
     assert json.loads((tmp_path / "r" / "prune_config.json").read_text())["loss"] == "auto"
@@ -441,3 +441,30 @@ def test_a_from_scratch_training_cut_short_goes_on_only_for_the_same_heads(corpu
         weights = [load_file(str(d / "scratch-random-3-1" / "last" / "model.safetensors"))
                    for d in (tmp_path / "whole", out)]
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "roberta"])
+def test_cli_lm_text_is_cut_to_the_positions_the_model_takes(family, tmp_path):
+    """--train-text lines were cut at ``max_position_embeddings``, 2 rows more than RoBERTa's
+    embeddings take (positions start at padding_idx + 1): a long line crashed the run there."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from support.models import CONFIGS
+
+    words = [f"w{i}" for i in range(90)]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>", "<mask>", *words])},
+                                     unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>", mask_token="<mask>")
+    cls, config = CONFIGS[family]()
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 2, 3
+    path = tmp_path / "model"
+    cls(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(words) + "\n" + " ".join(words[:5]) + "\n")  # 90 tokens > the 64 / 68 positions
+    out = tmp_path / "out"
+    assert main(["prune", "train", str(path), "--train-text", str(text), "--gates", "all", "--lam", "0.1",
+                 "--max-steps", "1", "--no-progress", "--out", str(out)]) == 0

@@ -205,13 +205,14 @@ def _load(args):
 
 def _data(args, tokenizer, model):
     from headlab.data import read_lines, read_parallel
-    from headlab.pruning.train import encode_lm_corpus
+    from headlab.model_description import model_max_length
+    from headlab.pruning.train import encode_monolingual_corpus
 
     if args.train_text:
         lines = read_lines(args.train_text)[: args.limit] if args.limit else read_lines(args.train_text)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        train_data: Any = encode_lm_corpus(tokenizer, lines, getattr(model.config, "max_position_embeddings", 512))
+        train_data: Any = encode_monolingual_corpus(tokenizer, lines, model_max_length(model, tokenizer))
     elif args.train_src and args.train_tgt:
         train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
         if args.limit:

@@ -70,7 +70,7 @@ __all__ = [
     "evaluate_model",
     "evaluate_point",
     "read_trajectory",
-    "encode_lm_corpus",
+    "encode_monolingual_corpus",
 ]
 
 TRAJECTORY_FILE = "trajectory.jsonl"
@@ -153,9 +153,11 @@ def _is_seq2seq(model) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
-def encode_lm_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpus:
-    """Monolingual text for the LM losses: the trainer batches by ``targets``, the loss reads
-    ``input_ids`` (the ``sources``); both hold the same ids."""
+def encode_monolingual_corpus(tokenizer, lines, max_positions: int = 512) -> EncodedCorpus:
+    """Monolingual text for ``prune train``'s causal and masked LM losses, cut to ``max_positions``
+    tokens (the tokenizer's truncation): the trainer batches by ``targets``, the loss reads
+    ``input_ids`` (the ``sources``); both hold the same ids. Not ``headlab.lm.data``'s
+    ``encode_lm_corpus``, which keeps ``</s>`` and one token more for next-token targets."""
     ids = tokenizer([line for line in lines if line.strip()], truncation=True, max_length=max_positions)["input_ids"]
     return EncodedCorpus(ids, [list(x) for x in ids])
 
@@ -446,7 +448,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     """Gated fine-tuning of ``model`` into ``config.train.out_dir``'s parent layout (see module doc).
 
     ``train_data``: a ParallelCorpus for translation, an EncodedCorpus for LMs
-    (:func:`encode_lm_corpus`). ``eval_data``: a ParallelCorpus scored at the end (BLEU, chrF,
+    (:func:`encode_monolingual_corpus`). ``eval_data``: a ParallelCorpus scored at the end (BLEU, chrF,
     loss) with the pruned model, or None. ``dev_data``: a ParallelCorpus translated every
     ``config.dev_every`` updates (:mod:`headlab.pruning.dev`; a translation model only), or None.
     Returns a :class:`PruneResult`; on divergence
