@@ -239,3 +239,45 @@ def test_visible_keys_from_the_mask():
     assert visible_keys(None, True, 130, 300) == 3 * KEY_BLOCK
     assert visible_keys(None, True, 290, 300) == 300
     assert visible_keys(None, False, 10, 300) == 300
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reused_buffers_give_the_same_bits(family):
+    """``reuse=True`` (the callback copies what it keeps): each call's chunks are written into the
+    same work buffers, and the chunks, their scores and the model's output are, to the bit, those
+    of fresh tensors per chunk."""
+    model = tiny_model(family, attn_implementation="eager")
+    inputs = tiny_inputs(family, src_len=8, tgt_len=6)
+    runs = []
+    for reuse in (False, True):
+        chunks: dict = {}
+        pointers: dict = {}
+
+        def on_chunk(block, chunk, chunks=chunks, pointers=pointers):
+            pointers.setdefault(block.key, set()).add(chunk.probs.data_ptr())
+            chunks.setdefault(block.key, []).append((chunk.probs.clone(), chunk.scores.clone()))
+
+        with stream_attention(model, on_chunk, query_chunk=3, scores=True, reuse=reuse):
+            out = logits(model, inputs)
+        runs.append((out, chunks, pointers))
+    (fresh, fresh_chunks, fresh_pointers), (reused, reused_chunks, reused_pointers) = runs
+    assert torch.equal(fresh, reused)
+    assert set(fresh_chunks) == set(reused_chunks)
+    for key, parts in fresh_chunks.items():
+        for (probs, scores), (probs2, scores2) in zip(parts, reused_chunks[key], strict=True):
+            assert torch.equal(probs, probs2) and torch.equal(scores, scores2)
+        if len(parts) > 1:  # several chunks of one call: one buffer
+            assert len(reused_pointers[key]) == 1 and len(fresh_pointers[key]) > 1
+
+
+def test_reused_buffers_not_under_autograd():
+    """A chunked forward that autograd records keeps fresh tensors (``out=`` has no gradient)."""
+    from headlab.attention import SINK_ATTRIBUTE, ChunkSink, attention_forward
+
+    module = torch.nn.Module()
+    setattr(module, SINK_ATTRIBUTE, ChunkSink(2, lambda chunk: None, reuse=True))
+    query = torch.randn(1, 2, 5, 4, requires_grad=True)
+    key, value = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    out, _ = attention_forward(module, query, key, value, None, is_causal=True)
+    out.sum().backward()
+    assert query.grad is not None and torch.isfinite(query.grad).all()

@@ -103,6 +103,31 @@ class ChunkSink:
     calls: int = 0
     scores: bool = False  # hand each chunk's scores over too (AttentionChunk.scores)
     key_mask: Callable[[], torch.Tensor | None] | None = None  # [batch, k_len] bool: the keys of word_score
+    reuse: bool = False
+    """The callback keeps no chunk's tensors past its return (it copies what it keeps): every chunk
+    of a call may then be written into the same work buffers (:class:`_Buffers`)."""
+
+
+class _Buffers:
+    """Work buffers of one call, reused by every chunk: a chunk's scores, probabilities and output
+    rows are written into the leading part of a buffer sized for the largest chunk, not into fresh
+    tensors. A fresh tensor of a few MB costs the first touch of its pages wherever the allocator
+    maps large blocks anew (glibc above its mmap threshold): about as long again as the softmax or
+    the matrix product that fills it, on the CPU. The largest chunk's tensors existed before too:
+    the peak is the same."""
+
+    def __init__(self) -> None:
+        self.flat: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor, size: int, *shape: int) -> torch.Tensor:
+        """A ``shape`` tensor of ``like``'s dtype and device in buffer ``name`` (``size`` elements: its largest use)."""
+        flat = self.flat.get(name)
+        if flat is None or flat.dtype != like.dtype:
+            flat = self.flat[name] = like.new_empty(size)
+        n = 1
+        for extent in shape:
+            n *= extent
+        return flat[:n].view(shape)
 
 
 def _scores_mask(attention_mask, start: int, stop: int, k_len: int) -> torch.Tensor | None:
@@ -167,6 +192,11 @@ def attention_forward(
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform
     step = sink.query_chunk if sink is not None and sink.query_chunk > 0 else q_len
+    # work buffers (`out=`) where no chunk outlives the callback and no gradient is asked for
+    buffers = _Buffers() if (sink is None or sink.callback is None or sink.reuse) and not (
+        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None
+    most = batch * n_heads * min(step, q_len)  # the largest chunk's rows, over every head
+    own_softmax = query.dtype in (torch.float32, torch.float64)  # its softmax is in its own dtype
     # sum_k p_k s_k over the marked keys as a product of the weights with [k * scaling | 1] (an attention
     # pass with the keys as values): exact where the scores are q k^T * scaling on those keys
     marked = None
@@ -188,7 +218,12 @@ def attention_forward(
         mask = _scores_mask(attention_mask, start, stop, k_len)
         keys = visible_keys(mask, causal, stop, k_len)  # keys from `keys` on: hidden from every row here
         grouped = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, d_head)
-        scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
+        if buffers is not None:
+            scores = torch.matmul(grouped, key_t[..., :keys], out=buffers.take(
+                "scores", query, most * k_len, batch, kv_heads, groups * rows, keys))
+            scores = scores.view(batch, n_heads, rows, keys)
+        else:
+            scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
         scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -209,7 +244,12 @@ def attention_forward(
             hidden = torch.arange(start, stop, device=scores.device)[:, None] < \
                 torch.arange(start + 1, keys, device=scores.device)
             corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        if buffers is not None and own_softmax and scores.dtype == query.dtype:
+            # the kernel torch.softmax(scores, -1, dtype=scores.dtype) runs, into a buffer
+            probs = torch.ops.aten._softmax.out(scores, -1, False, out=buffers.take(
+                "probs", scores, most * k_len, batch, n_heads, rows, keys))
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         if sink is not None and sink.callback is not None:
             # an additive mask of -inf would make p * s = 0 * -inf: no scores then
             finite = mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any())
@@ -225,7 +265,9 @@ def attention_forward(
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)
-        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys])
+        out = None if buffers is None or weights.dtype != value.dtype else \
+            buffers.take("output", value, most * value.shape[-1], batch, kv_heads, groups * rows, value.shape[-1])
+        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys], out=out)
         output[:, start:stop] = chunk.view(batch, n_heads, rows, -1).transpose(1, 2)
         del probs, weights, chunk
     if sink is not None:

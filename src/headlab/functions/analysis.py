@@ -432,7 +432,7 @@ class _Feeder:
             return capture_attention(model, self.on_probs, blocks=blocks)
         return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
                                 query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
-                                key_mask=self.word_tokens if engine == "fused" else None)
+                                key_mask=self.word_tokens if engine == "fused" else None, reuse=True)
 
     def new_batch(self) -> None:
         self.current.clear()
