@@ -260,14 +260,14 @@ def test_reused_buffers_give_the_same_bits(family):
         with stream_attention(model, on_chunk, query_chunk=3, scores=True, reuse=reuse):
             out = logits(model, inputs)
         runs.append((out, chunks, pointers))
-    (fresh, fresh_chunks, fresh_pointers), (reused, reused_chunks, reused_pointers) = runs
+    (fresh, fresh_chunks, _), (reused, reused_chunks, reused_pointers) = runs
     assert torch.equal(fresh, reused)
     assert set(fresh_chunks) == set(reused_chunks)
     for key, parts in fresh_chunks.items():
         for (probs, scores), (probs2, scores2) in zip(parts, reused_chunks[key], strict=True):
             assert torch.equal(probs, probs2) and torch.equal(scores, scores2)
-        if len(parts) > 1:  # several chunks of one call: one buffer
-            assert len(reused_pointers[key]) == 1 and len(fresh_pointers[key]) > 1
+        if len(parts) > 1:  # several chunks of one call: one buffer (fresh tensors may land there too)
+            assert len(reused_pointers[key]) == 1
 
 
 def test_reused_buffers_not_under_autograd():

@@ -63,12 +63,6 @@ class AttentionChunk:
     q_len: int
     k_len: int = -1  # all keys of the block; -1: the probabilities' width (no key left out)
     scores: torch.Tensor | None = None
-    word_score: torch.Tensor | None = None
-    """``[batch, n_heads, rows, 2]``: per row, ``sum_k p_k s_k`` and ``sum_k p_k`` over the keys the
-    sink's ``key_mask`` marks, from one product of the weights with ``[keys * scaling | 1]`` of those
-    keys (``sum_k p_k s_k = q . sum_k p_k k_k * scaling``), where the scores are exactly
-    ``q k^T * scaling`` on them (no soft-capping, position bias or additive mask) in float32 or
-    float64. None otherwise."""
     """The scores the probabilities are the softmax of (``[batch, n_heads, rows, keys]``, the model's
     dtype: scaled, biased, capped and masked, hidden keys at the dtype's minimum), where the chunk has
     them and every one is finite: ``log p = s - lse`` (:mod:`headlab.data.fused` takes entropies from
@@ -102,7 +96,6 @@ class ChunkSink:
     callback: Callable[[AttentionChunk], None] | None = None
     calls: int = 0
     scores: bool = False  # hand each chunk's scores over too (AttentionChunk.scores)
-    key_mask: Callable[[], torch.Tensor | None] | None = None  # [batch, k_len] bool: the keys of word_score
     reuse: bool = False
     """The callback keeps no chunk's tensors past its return (it copies what it keeps): every chunk
     of a call may then be written into the same work buffers (:class:`_Buffers`)."""
@@ -197,15 +190,6 @@ def attention_forward(
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None
     most = batch * n_heads * min(step, q_len)  # the largest chunk's rows, over every head
     own_softmax = query.dtype in (torch.float32, torch.float64)  # its softmax is in its own dtype
-    # sum_k p_k s_k over the marked keys as a product of the weights with [k * scaling | 1] (an attention
-    # pass with the keys as values): exact where the scores are q k^T * scaling on those keys
-    marked = None
-    key_mask = sink.key_mask() if sink is not None and sink.key_mask is not None else None
-    if key_mask is not None and softcap is None and position_bias is None \
-            and (attention_mask is None or attention_mask.dtype == torch.bool) \
-            and query.dtype in (torch.float32, torch.float64) and key_mask.shape == (batch, k_len):
-        keep = key_mask.to(key.dtype)[:, None, :, None]  # [batch, 1, k_len, 1]
-        marked = torch.cat([key * (keep * scaling), keep.expand(-1, kv_heads, -1, -1)], -1)
     # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
     # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
     output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
@@ -253,14 +237,8 @@ def attention_forward(
         if sink is not None and sink.callback is not None:
             # an additive mask of -inf would make p * s = 0 * -inf: no scores then
             finite = mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any())
-            word_score = None
-            if marked is not None:
-                pk = torch.matmul(probs.view(batch, kv_heads, groups * rows, keys), marked[:, :, :keys])
-                pk = pk.view(batch, n_heads, rows, d_head + 1)
-                dot = torch.linalg.vecdot(pk[..., :d_head], query[:, :, start:stop])
-                word_score = torch.stack([dot, pk[..., d_head]], -1)
             sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len,
-                                         scores.detach() if finite and sink.scores else None, word_score))
+                                         scores.detach() if finite and sink.scores else None))
         del scores
         weights = probs.to(value.dtype)
         if dropout and module.training:
