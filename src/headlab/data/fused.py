@@ -162,8 +162,10 @@ class FusedView(AttentionView):
             return x
         return x * real.view(real.shape[0], 1, real.shape[1], *([1] * (x.dim() - 3))).to(x.dtype)
 
-    def word_xlogx(self) -> torch.Tensor:
+    def word_xlogx(self, mass: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H, word rows]``: ``sum_j alpha_ij log alpha_ij`` over the words (``0 log 0 = 0``).
+        ``mass``: each row's weight on words where the caller has it (``word_linear`` with a column
+        that is 1 on the words), else a row sum makes it.
 
         With the scores ``s`` the probabilities are the softmax of, ``log p = s - lse`` and the sum is
         ``sum_j p_j s_j - m lse`` (``m = sum_j p_j``): one row-wise dot product and no logarithm per
@@ -172,13 +174,13 @@ class FusedView(AttentionView):
         largest word weight is below the dtype's normal range, a score gap of more than 87 nats in
         float32, gets ``lse`` to fewer digits)."""
         if self.scores is not None:
-            return self._xlogx_from_scores(self.scores)
+            return self._xlogx_from_scores(self.scores, mass)
         words = self.words  # padding words' rows: over their tokens' weights (their rows are not counted)
         # log of the smallest positive value instead of log 0: a 0 weight adds 0 * finite = 0
         logs = words.clamp(min=torch.finfo(words.dtype).tiny).log_()
         return torch.linalg.vecdot(words, logs)
 
-    def _xlogx_from_scores(self, scores: torch.Tensor) -> torch.Tensor:
+    def _xlogx_from_scores(self, scores: torch.Tensor, mass: torch.Tensor | None) -> torch.Tensor:
         o, K = self._o, self._word_columns
         dtype = self.probs.dtype
         best, where = self._word_max  # over the word columns, where = word index
@@ -190,7 +192,7 @@ class FusedView(AttentionView):
         # sum_j p_j s_j as one batched product, [.., 1, K] @ [.., K, 1] (einsum's plan): no tensor of
         # the products p_j s_j, and no copy where (batch, head, row) merge into one dimension (a whole chunk)
         dot = torch.einsum("bhrk,bhrk->bhr", words, scores.to(dtype) if scores.dtype != dtype else scores)
-        mass = words.sum(-1)
+        mass = words.sum(-1) if mass is None else mass.to(dtype)
         lse = s_best - best.clamp(min=torch.finfo(dtype).tiny).log()
         return torch.where(real, dot - mass * lse, 0.0)
 
