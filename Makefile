@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # torch first: on the project's machines its CPU wheel is local and a bare `torch`
 # would pull gigabytes of CUDA packages. Override with TORCH_SPEC=torch elsewhere.
 TORCH_SPEC ?= torch==2.13.0
+# One pytest worker per core (pytest-xdist; every test runs torch on one thread), a test file per
+# worker so module fixtures are built once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 
 .PHONY: demo test lint venv clean
 
@@ -21,7 +24,7 @@ demo: venv
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headlab demo
 
 test: venv
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples reproduction

@@ -130,7 +130,8 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     (out / "tb2.conllu").write_text(SAMPLE_CONLLU.replace("quickly", "slowly"), encoding="utf-8")
     args[args.index(str(inputs / "tb.conllu"))] = str(out / "tb2.conllu")
     assert main(args) == 0
-    assert calls == ["functions", "aggregate", "table", "figures", "report"]
+    # (the viewer shows the treebank's sentences, with their gold arcs: attention too)
+    assert calls == ["functions", "aggregate", "table", "attention", "figures", "report"]
     calls.clear()
     assert main(args + ["--force", "--skip", "prune", "figures"]) == 0
     assert calls == [*MEASURES, "agreement", "functions", "aggregate", "table", "attention", "report"]

@@ -172,7 +172,13 @@ def test_analyze_writes_out_like_the_cli(setup, tmp_path):
     assert (tmp_path / "run" / "aggregate" / "exemplars.json").is_file()
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert [s["name"] for s in manifest["stages"]] == ["confidence", "aggregate", "attention"]
-    assert len(json.loads((tmp_path / "run" / "attention" / "index.json").read_text())["sentences"]) == 3
+    index = json.loads((tmp_path / "run" / "attention" / "index.json").read_text())
+    assert [e["treebank"] for e in index["sentences"]] == ["<conllu text>:1 (s1)", "<conllu text>:13 (s2)",
+                                                           "<conllu text>:23 (s3)"]
+    # without a treebank, the texts are shown
+    plain = headlab.analyze(model, tokenizer, SENTENCES, measures=["confidence"], attention_sentences=2)
+    shown = json.loads(plain.files["attention/index.json"])["sentences"]
+    assert [e["source"] for e in shown] == SENTENCES[:2] and not any("treebank" in e for e in shown)
     assert "positional_share" not in analysis.tables and "mean_entropy" in analysis.tables
     with pytest.raises(HeadlabError, match="overwrite=True"):  # refused before any work: no texts needed
         headlab.analyze(model, tokenizer, ["x"], treebank="no/such.conllu", out=tmp_path / "run")
@@ -197,7 +203,7 @@ def _report_data(page: str) -> dict:
 
 
 def test_reprs_are_short_and_html_is_self_contained(setup):
-    _, _, _, api = setup
+    root, _, _, api = setup
     text = repr(api)
     assert "top by confidence" in text and "array(" not in text and len(text) < 1000
     html = api._repr_html_()
@@ -213,9 +219,14 @@ def test_reprs_are_short_and_html_is_self_contained(setup):
     shown = {h["id"] for h in data["heatmaps"]}
     assert {"importance/confidence", "importance/lrp", "importance/gradient", "functions/positional/share",
             "aggregate/mean_entropy", "pos/NOUN"} <= shown
-    # The viewer: the 3 sentences analyze kept, every one inlined (the frame has no file beside it).
+    # The viewer: the treebank's first 3 sentences (with their gold parse), every one inlined (the
+    # frame has no file beside it).
     sentences = data["attention"]["sentences"]
-    assert data["attention"]["mode"] == "inline" and [e["source"] for e in sentences] == SENTENCES[:3]
+    words = [" ".join(s.words) for s in read_conllu(root / "tb.conllu")]
+    assert data["attention"]["mode"] == "inline" and [e["source"] for e in sentences] == words[:3]
+    assert [e["treebank"] for e in sentences] == [f"{root / 'tb.conllu'}:{line} (s{n})"
+                                                  for n, line in ((1, 1), (2, 13), (3, 23))]
+    assert '"gold":{"side":"source"' in page
     assert all(f'id="headlab-attention-{i}"' in page for i in range(3)) and not any("script" in e for e in sentences)
     assert '<section id="viewer">' in page and '<section id="functions">' in page
     assert "No data for this section" in _page(headlab.Analysis()._repr_html_())  # an empty one shows as empty
@@ -276,6 +287,33 @@ def test_notebook_html_is_bounded_at_32_by_32_heads(tmp_path, monkeypatch):
     monkeypatch.setattr(api_module, "PAGE_LIMIT", 100_000)  # not even the maps
     fallback = analysis._repr_html_()
     assert fallback.startswith("<pre>Analysis of synthetic") and "save(directory, report=True)" in fallback
+
+
+def test_notebook_html_says_why_long_sentences_are_not_shown(tmp_path, monkeypatch):
+    """At 32 x 32 heads a 30-token sentence (1.2 MB) does not fit the notebook's viewer: the viewer
+    says how many sentences are left out and why, not "No data for this section"."""
+    import headlab.api as api_module
+    from support.report import build_large_dir
+
+    analysis = headlab.Analysis.load(build_large_dir(tmp_path / "long", 32, 32, sentences=3, n_tokens=30))
+    assert analysis._viewer_sentences() == []
+    html = analysis._repr_html_()
+    page = _page(html)
+    viewer = page[page.index('<section id="viewer">'):]
+    viewer = viewer[: viewer.index("</section>")]
+    assert "No data for this section" not in viewer
+    expected = ("3 of the 3 example sentences of this analysis are not shown in this notebook view: 3 not held by the "
+                "Analysis, whose viewer keeps at most 0.6 MB of attention data (the first of them, sentence 0 of 30 "
+                "tokens, takes 1.23 MB of attention data")
+    assert expected in viewer.replace("&#x27;", "'")
+    assert _report_data(page)["attention"]["not_shown"].startswith(expected)  # the viewer's status line (report.js)
+    assert "shows 0 of the 3 example sentences (its section says why" in html
+    # held, then dropped to fit the page: said too
+    short = headlab.Analysis.load(build_large_dir(tmp_path / "short", 32, 32, sentences=3, n_tokens=20))
+    monkeypatch.setattr(api_module, "PAGE_LIMIT", len(short.report_html().encode()) - 1)
+    note = _report_data(_page(short._repr_html_()))["attention"]["not_shown"]
+    assert note.startswith("3 of the 3 example sentences") and "1 dropped, last first, to keep this page within" in note
+    assert "2 not held by the Analysis" in note
 
 
 def test_a_loaded_analysis_holds_the_first_sentences_that_fit(tmp_path, monkeypatch):
@@ -400,3 +438,42 @@ def test_the_command_keeps_its_name():
     out = subprocess.run([sys.executable, "-m", "headlab", "analyze", "--help"], capture_output=True, text=True,
                          env=env, check=True)
     assert out.stdout.startswith("usage: headlab analyze")
+
+
+def test_cli_viewer_shows_the_treebank_sentences_with_gold_arcs(setup, tmp_path):
+    """``headlab analyze --conllu``: the attention stage stores the treebank's sentences, each with
+    its gold parse; with ``--conllu-is-source`` the decoder is teacher-forced on sentence i's
+    --target line (the reference), else on the model's translation."""
+    root, _, _, _ = setup
+    treebank_lines = [s.text for s in read_conllu(root / "tb.conllu")]
+    (root / "tb.en").write_text("\n".join(treebank_lines) + "\n", encoding="utf-8")
+    (root / "tb.de").write_text("\n".join(GERMAN[:4]) + "\n", encoding="utf-8")
+    skip = ["--skip", "confidence,lrp,gradient,agreement,functions,aggregate,table,figures,report"]
+    for out, extra in (("plain", []), ("paired", ["--conllu-is-source", "--target", str(root / "tb.de")])):
+        assert main(["analyze", str(root / "model"), "--source", str(root / "tb.en"), "--conllu",
+                     str(root / "tb.conllu"), "--out", str(tmp_path / out), "--no-progress",
+                     "--attention-sentences", "2", *skip, *extra]) == 0
+    plain = json.loads((tmp_path / "plain" / "attention" / "index.json").read_text())["sentences"]
+    paired = json.loads((tmp_path / "paired" / "attention" / "index.json").read_text())["sentences"]
+    assert [e["treebank"] for e in plain] == [f"{root / 'tb.conllu'}:1 (s1)", f"{root / 'tb.conllu'}:13 (s2)"]
+    assert [e["target_from"] for e in plain] == ["translation"] * 2
+    assert [(e["target_from"], e["target"]) for e in paired] == [("reference", GERMAN[0]), ("reference", GERMAN[1])]
+    gold = json.loads((tmp_path / "paired" / "attention" / "sentence-000.json").read_text())["gold"]
+    assert gold["words"] == list(next(iter(read_conllu(root / "tb.conllu"))).words) and len(gold["arcs"]) == 8
+    manifest = json.loads((tmp_path / "plain" / "manifest.json").read_text())
+    assert next(s for s in manifest["stages"] if s["name"] == "attention")["reason"].startswith("the treebank's")
+
+
+def test_model_info_counts_a_head_the_checkpoint_lacks_as_absent():
+    """headlab.api.model_info (which ``headlab importance`` calls): a model object with an LM head
+    whose checkpoint was saved without one has no usable head, and ``log`` says why."""
+    from headlab.api import model_info
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    model, tokenizer = tiny_model("marian"), word_tokenizer(SENTENCES)
+    assert model_info(model, tokenizer).has_lm_head
+    model.config.architectures = ["MarianModel"]
+    said: list[str] = []
+    assert not model_info(model, tokenizer, log=said.append).has_lm_head
+    assert said == ["the checkpoint was saved as MarianModel, without a language-model head"]

@@ -76,3 +76,17 @@ def test_notebook_output_at_32_by_32_heads_loads(browser_context, tmp_path):  # 
         assert not errors, errors
     finally:
         page.close()
+
+
+def test_notebook_output_says_why_a_long_sentence_is_not_shown(browser_context, tmp_path):  # noqa: F811
+    """32 x 32 heads and 30-token sentences (1.2 MB each): none fits the notebook's viewer, and the
+    viewer's status line says so and why (not "no example attention")."""
+    analysis = headlab.Analysis.load(build_large_dir(tmp_path / "long", 32, 32, sentences=2, n_tokens=30))
+    page, frame, errors = _frame(browser_context, _host(tmp_path, analysis, "long"))
+    try:
+        status = frame.evaluate("document.getElementById('v-status').textContent")
+        assert status.startswith("2 of the 2 example sentences of this analysis are not shown in this notebook view")
+        assert "takes 1.23 MB of attention data" in status
+        assert not errors, errors
+    finally:
+        page.close()

@@ -125,7 +125,7 @@ def test_quickstart_notebook_runs_with_its_outputs(tmp_path):
     shown = _cell(notebook, "CONLLU = ")
     text = _outputs(shown, "text/plain")
     assert text.startswith("Analysis of GPT2LMHeadModel") and "top by lrp: dec_self L" in text
-    # As HTML: the report in a frame, with the measures' heatmaps and the first 3 texts in its viewer.
+    # As HTML: the report in a frame, with the measures' heatmaps and the treebank's sentences in its viewer.
     import base64
     import json
     import re
@@ -135,8 +135,11 @@ def test_quickstart_notebook_runs_with_its_outputs(tmp_path):
     page = base64.b64decode(frame.group(1)).decode("utf-8")
     data = json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>', page, re.S)[1])
     assert {"importance/lrp", "functions/positional/share", "aggregate/mean_distance"} <= {h["id"] for h in data["heatmaps"]}
+    # the viewer shows the treebank's sentences, with their gold arcs
     assert [e["source"] for e in data["attention"]["sentences"]] == ["the old dog quickly chased a red ball",
-                                                                     "cats sleep here", "birds sing and fish swim"]
+                                                                     "birds sing and fish swim"]
+    assert [e["treebank"] for e in data["attention"]["sentences"]] == ["<conllu text>:1", "<conllu text>:11"]
+    assert '"gold":{"side":"source"' in page
     means = _outputs(_cell(notebook, "frame = analysis.to_pandas()"), "text/html")
     assert "<table" in means and all(f"<th>{m}</th>" in means for m in ("confidence", "gradient", "lrp"))
     assert "syntactic" in _outputs(_cell(notebook, "analysis.heads()"), "text/html")  # a label column of heads.csv

@@ -155,13 +155,13 @@ def _save(model, path, words=("the", "a", "cat", "dog", "sat", "on", "mat", "ran
 
 def test_analyze_refuses_an_unsupported_model_once_before_any_work(tmp_path, capsys):
     """One error naming what is missing, exit 2, no stage run and no --out written."""
-    _save(tiny_model("albert", attn_implementation="eager"), tmp_path / "albert")
+    _save(tiny_model("deberta", attn_implementation="eager"), tmp_path / "deberta")
     (tmp_path / "text.txt").write_text("the cat sat\n", encoding="utf-8")
-    code = main(["analyze", str(tmp_path / "albert"), "--source", str(tmp_path / "text.txt"),
+    code = main(["analyze", str(tmp_path / "deberta"), "--source", str(tmp_path / "text.txt"),
                  "--out", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.count("is not supported") == 1 and "shared" in err
+    assert err.count("is not supported") == 1 and "talking-head" in err
     assert "running" not in err
     assert not (tmp_path / "out").exists()
 

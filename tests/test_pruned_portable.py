@@ -145,3 +145,31 @@ def test_bundled_pruned_models_ship_the_current_module(directory):
     copy would keep a bug fixed since, e.g. the key/value cache read under transformers' old name."""
     base = json.loads((directory.parent / "config.json").read_text())["architectures"][0]
     assert directory.read_text(encoding="utf-8") == module_code(base)
+
+
+def test_a_pruned_stablelm_with_per_head_norms_says_it_needs_headlab(tmp_path):
+    """StableLM with ``qk_layernorm`` keeps one LayerNorm per head in a list that the shipped module does
+    not resize (a query head of a key/value group removed also gives the kept heads their own key/value
+    copies: 3 key norms where the config builds 2). The directory says so (record, how_to_load, README),
+    headlab's loader gives the pruned model's logits exactly, and plain transformers refuses the
+    weights' shapes instead of loading a wrong model."""
+    import transformers
+
+    from headlab.portable import how_to_load
+
+    model = matrix.tiny_model("stablelm-qk-norm", attn_implementation="eager")
+    prune_heads(model, {("dec_self", 0): [1], ("dec_self", 1): [0, 1]})
+    save_pruned(model, tmp_path / "stablelm")
+    record = json.loads((tmp_path / "stablelm" / "headlab_pruning.json").read_text())
+    assert record["portable"]["how"] is None and "qk_layernorm" in record["portable"]["reason"]
+    assert not (tmp_path / "stablelm" / CODE_FILE).exists()
+    assert "auto_map" not in json.loads((tmp_path / "stablelm" / "config.json").read_text())
+    assert how_to_load(model, record["portable"]).startswith("Load with `headlab.load_pruned('path')` (per-head")
+    inputs = matrix.tiny_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        loaded = load_pruned(tmp_path / "stablelm")
+        loaded.config._attn_implementation = "eager"
+        assert torch.equal(loaded(**inputs).logits, expected)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "stablelm")

@@ -350,3 +350,82 @@ def test_chart_ticks_never_repeat_a_label():
     for lo, hi in ((1.9995, 2.0083), (0.0, 1.0), (128.0, 512.0), (0.1, 0.73), (0.0, 31.0)):
         labels = [_tick_label(t) for t in _ticks(lo, hi, 4)]
         assert len(set(labels)) == len(labels) >= 2
+
+
+HOSTILE_CONLLU = """\
+# sent_id = <b>x</b>
+1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_
+2\t<script>window.__pwned=3</script>\tx\tNOUN\tNN\t_\t3\tnsubj\t_\t_
+3\tsleeps\tsleep\tVERB\tVBZ\t_\t0\troot\t_\t_
+"""
+
+
+def test_gold_arcs_map_word_heads_to_the_displayed_tokens(tmp_path):
+    """Word-level gold heads become arcs between the words' first tokens; special tokens belong to
+    no word; a word cut off by truncation takes its arcs with it."""
+    from headlab.report.examples import gold_arcs
+    from support.treebank import sample_sentences
+
+    sentence = sample_sentences(tmp_path)[0]  # The old dog quickly chased a red ball .
+    # [CLS] The old dog(2 tokens) quickly chased a red ball . [SEP]
+    word_of_token = [-1, 0, 1, 2, 2, 3, 4, 5, 6, 7, 8, -1]
+    gold = gold_arcs(sentence, word_of_token)
+    assert gold["spans"] == [[1, 1], [2, 2], [3, 4], [5, 5], [6, 6], [7, 7], [8, 8], [9, 9], [10, 10]]
+    assert gold["arcs"] == [[1, 3, "det"], [2, 3, "amod"], [3, 6, "nsubj"], [5, 6, "advmod"], [7, 9, "det"],
+                            [8, 9, "amod"], [9, 6, "obj"], [10, 6, "punct"]]
+    assert gold["root"] == [6] and gold["n_arcs"] == 8 and gold["where"].endswith(":1 (s1)")
+    assert gold["words"] == list(sentence.words) and gold["deprels"][2] == "nsubj"
+    # truncated after "quickly": the arcs into or out of words 4.. are dropped, the root too
+    cut = gold_arcs(sentence, [-1, 0, 1, 2, 2, 3, -1])
+    assert cut["arcs"] == [[1, 3, "det"], [2, 3, "amod"]] and cut["root"] == [] and cut["spans"][4] is None
+    json.dumps(gold)  # JSON as it is
+
+
+def test_treebank_examples_carry_the_gold_parse(tmp_path):
+    """write_treebank_examples: the treebank's sentences (subword-tokenized as the head functions
+    tokenize them), each with its gold arcs on the stored tokens; markup in the treebank reaches
+    the report only escaped."""
+    from headlab.data.alignment import align_sentences
+    from headlab.data.treebank import InMemoryTreebank, read_conllu
+    from headlab.report.examples import gold_arcs, write_treebank_examples
+    from support.treebank import SAMPLE_CONLLU, TREEBANK_TEXTS, bpe_tokenizer
+
+    tok = bpe_tokenizer(TREEBANK_TEXTS + ["The sleeps <script>window.__pwned=3</script>"])
+    sentences = list(read_conllu(InMemoryTreebank(SAMPLE_CONLLU + "\n" + HOSTILE_CONLLU, "tb.conllu")))
+    out = tmp_path / "analysis"
+    paths = write_treebank_examples(tiny_marian(), tok, sentences, None, out / "attention", max_sentences=10)
+    assert paths[-1] == "attention/index.json" and len(paths) == 6
+    index = json.loads((out / "attention" / "index.json").read_text())
+    assert [e["treebank"] for e in index["sentences"]][:2] == ["tb.conllu:1 (s1)", "tb.conllu:13 (s2)"]
+    assert [e["source"] for e in index["sentences"]][0] == "The old dog quickly chased a red ball ."
+    assert index["skipped"] == [] and all(e["target_from"] == "translation" for e in index["sentences"])
+    for n, sentence in enumerate(sentences):
+        payload = json.loads((out / "attention" / f"sentence-{n:03d}.json").read_text())
+        aligned = align_sentences(tok, [sentence.words])[0]
+        assert payload["tokens"]["source"] == tok.convert_ids_to_tokens(list(aligned.input_ids))
+        assert payload["gold"] == gold_arcs(sentence, aligned.word_of_token.tolist())
+        assert len(payload["gold"]["arcs"]) == payload["gold"]["n_arcs"] == len(sentence) - 1
+    assert any(len(set(map(tuple, filter(None, json.loads((out / "attention" / f"sentence-{n:03d}.json")
+                                                          .read_text())["gold"]["spans"])))) for n in range(4))
+    page = build_report(out).read_text(encoding="utf-8")
+    assert "<script>window.__pwned=3</script>" not in page and "<b>x</b>" not in page
+    assert "\\u003cscript\\u003ewindow.__pwned=3\\u003c/script\\u003e" in page
+
+
+def test_treebank_sentences_that_cannot_be_aligned_are_listed(tmp_path):
+    """A sentence the tokenizer cannot align is left out, and index.json says where and why; a
+    place kept by a malformed sentence (None) is skipped; the line is the sentence's place."""
+    from dataclasses import replace
+
+    from headlab.data.treebank import InMemoryTreebank, read_conllu
+    from headlab.report.examples import write_treebank_examples
+    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+
+    sentences = list(read_conllu(InMemoryTreebank(SAMPLE_CONLLU, "tb.conllu")))
+    tok = word_tokenizer([w for s in sentences for w in s.words])
+    broken = replace(sentences[2], words=("Birds", "", "and", "fish", "swim", "."))  # an empty word: no token
+    write_treebank_examples(tiny_marian(), tok, [sentences[0], None, broken, sentences[1]], None, tmp_path / "attention",
+                            max_sentences=5)
+    index = json.loads((tmp_path / "attention" / "index.json").read_text())
+    assert [e["line"] for e in index["sentences"]] == [1, 4]
+    assert index["skipped"] == [{"where": "tb.conllu:23 (s3)", "reason": "word 2 '' gets no subword from the tokenizer"}]

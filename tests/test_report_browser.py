@@ -373,3 +373,91 @@ def test_a_32_by_32_report_is_light_and_fast(browser_context, tmp_path):
         assert page.locator("#v-heads button.head-toggle").count() == 32
         assert page.locator("#aggregate table.pos-grid tbody tr").count() == 18
         assert p.errors == []
+
+
+HOSTILE_TREEBANK = """\
+# sent_id = <b>s5</b>
+1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_
+2\t<img src=x onerror="window.__pwned=5">\tx\tNOUN\tNN\t_\t3\tnsubj\t_\t_
+3\tsleeps\tsleep\tVERB\tVBZ\t_\t0\troot\t_\t_
+"""
+
+
+@pytest.fixture(scope="module")
+def treebank_report(tmp_path_factory):
+    """A report whose viewer shows a treebank's sentences (the sample treebank and one with
+    markup in a word), each with its gold parse, as ``headlab analyze --conllu`` writes them."""
+    import torch
+
+    from headlab.data.treebank import InMemoryTreebank, read_conllu
+    from headlab.report import build_report
+    from headlab.report.examples import write_treebank_examples
+    from support.report import tiny_marian
+    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+
+    sentences = list(read_conllu(InMemoryTreebank(SAMPLE_CONLLU + "\n" + HOSTILE_TREEBANK, "tb.conllu")))
+    directory = tmp_path_factory.mktemp("treebank") / "analysis"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        write_treebank_examples(tiny_marian(), word_tokenizer([w for s in sentences for w in s.words]), sentences,
+                                None, directory / "attention", max_sentences=5)
+    finally:
+        torch.set_num_threads(previous)
+    return build_report(directory)
+
+
+def test_gold_arcs_are_overlaid_on_treebank_sentences(browser_context, treebank_report, tmp_path):
+    """The viewer draws the gold arcs of a treebank sentence (dashed) on the lines, head and matrix
+    views, in either direction or not at all; says how often the head's strongest key is the gold
+    partner; and draws none on a block whose tokens are not the parsed side (cross-attention)."""
+    with Page(browser_context, treebank_report) as p:
+        page = p.page
+        viewer, canvas, note = page.locator("#viewer"), page.locator("#v-canvas"), page.locator("#v-gold-note")
+        assert page.locator("#v-gold-control").is_visible() and viewer.get_attribute("data-gold") == "dep"
+        # "The old dog quickly chased a red ball ." + </s>: 8 arcs, one token a word
+        assert canvas.get_attribute("data-gold") == "8"
+        assert note.text_content().startswith("Gold parse of tb.conllu:1 (s1): 8 arcs. enc_self L0 H0 attends most "
+                                              "to a gold governor from ")
+        assert 0 <= int(note.get_attribute("data-hits")) <= 8
+        page.locator("#v-left span").nth(2).hover()  # "dog": its arc to "chased" (token 4) alone
+        _wait_until(page, "document.querySelector('#v-canvas').dataset.gold === '1'")
+        assert page.locator("#v-right span.gold-key").count() == 1
+        assert page.locator("#v-right span").nth(4).get_attribute("class") == "gold-key"
+        page.mouse.move(1000, 10)
+        page.select_option("#v-gold", "gov")
+        assert viewer.get_attribute("data-gold") == "gov" and canvas.get_attribute("data-gold") == "8"
+        assert "attends most to a gold dependent from " in note.text_content()
+        page.locator("#v-left span").nth(4).hover()  # "chased" governs dog, quickly, ball and "."
+        _wait_until(page, "document.querySelector('#v-canvas').dataset.gold === '4'")
+        page.mouse.move(1000, 10)
+        page.select_option("#v-gold", "off")
+        assert canvas.get_attribute("data-gold") == "0"
+        page.select_option("#v-gold", "dep")
+        page.locator("input[name=v-view][value=heads]").check()
+        assert canvas.get_attribute("data-gold") == "8" and int(canvas.get_attribute("data-lines")) > 0
+        page.locator("input[name=v-view][value=matrix]").check()
+        assert page.locator("#v-matrix-canvas").get_attribute("data-gold") == "8"
+        _artifact(page, tmp_path, "gold-arcs-matrix.png")
+        page.locator("input[name=v-view][value=lines]").check()
+        page.select_option("#v-kind", "dec_cross")  # target -> source: the parse is of the source side only
+        _wait_until(page, "document.querySelector('#viewer').dataset.kind === 'dec_cross'")
+        assert canvas.get_attribute("data-gold") == "0"
+        assert "not drawn: this block attends target → source, the parse is of the source" in note.text_content()
+        page.select_option("#v-kind", "enc_self")
+        page.select_option("#v-sentence", "4")  # markup in a word and a sent_id: shown as text, never run
+        _wait_until(page, "document.querySelector('#viewer').dataset.sentence === '4'")
+        _wait_until(page, "document.querySelector('#v-canvas').dataset.gold === '2'")
+        assert page.locator("#v-source").text_content() == 'The <img src=x onerror="window.__pwned=5"> sleeps'
+        assert note.text_content().startswith("Gold parse of tb.conllu:45 (<b>s5</b>): 2 arcs")
+        assert page.evaluate("window.__pwned") is None and page.locator("img").count() == 0
+        _artifact(page, tmp_path, "gold-arcs-lines.png")
+        assert p.errors == []
+
+
+def test_a_report_without_gold_has_no_gold_control(browser_context, report):
+    with Page(browser_context, report) as p:
+        page = p.page
+        assert not page.locator("#v-gold-control").is_visible() and not page.locator("#v-gold-note").is_visible()
+        assert page.locator("#viewer").get_attribute("data-gold") == ""
+        assert p.errors == []

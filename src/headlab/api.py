@@ -66,17 +66,13 @@ def _model_name(model: nn.Module) -> str:
     return Path(name).name if name else type(model).__name__
 
 
-def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None) -> Any:
-    """:func:`~headlab.model_description.describe_model`, with a head the checkpoint does not carry
-    counted as absent (as ``headlab analyze`` and ``headlab importance`` count it)."""
-    from dataclasses import replace
+def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None,
+               log: Callable[[str], None] | None = None) -> Any:
+    """:func:`headlab.model_description.model_info` (imported on first use: ``import headlab.api``
+    stays free of torch)."""
+    from headlab.model_description import model_info as describe
 
-    from headlab.model_description import checkpoint_has_lm_head, describe_model
-
-    info = describe_model(model, tokenizer, max_length=max_length)
-    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
-        info = replace(info, has_lm_head=False)
-    return info
+    return describe(model, tokenizer, max_length, log)
 
 
 def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
@@ -224,8 +220,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
     frequencies on ``frequency_texts``, by default ``texts``, as ``analyze`` counts them on
     ``--source``). ``limit`` / ``treebank_limit``: the first N texts / sentences. The attention of
-    the first ``attention_sentences`` texts is kept for the viewer of the report and of
-    :meth:`Analysis._repr_html_` (``headlab analyze --attention-sentences``, 20 there; 0: none).
+    the first ``attention_sentences`` sentences of the treebank (with their gold arcs), or without
+    one of the texts, is kept for the viewer of the report and of :meth:`Analysis._repr_html_`
+    (``headlab analyze --attention-sentences``, 20 there; 0: none).
     With ``out``, the files are also written there, as ``headlab analyze`` writes them
     (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``)."""
     from headlab.importance.measure_options import LRPOptions
@@ -289,7 +286,11 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
                                          max_length=max_length, query_chunk=query_chunk, progress=progress)
             writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
-    if texts is not None and attention_sentences:
+    if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
+        writers.append(("attention", _treebank_attention_writer(
+            model, tokenizer, treebank, treebank_limit if treebank_limit is not None else limit, attention_sentences,
+            query_chunk)))
+    elif texts is not None and attention_sentences:
         writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
                                                        query_chunk)))
 
@@ -336,6 +337,21 @@ def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Se
     return write
 
 
+def _treebank_attention_writer(model: nn.Module, tokenizer: Any, treebank: Any, limit: int | None, n: int,
+                               query_chunk: int | None) -> Callable[[Path], list[Path]]:
+    """The attention stage of ``headlab analyze --conllu``: the treebank's first ``n`` sentences,
+    each with its gold parse (:func:`headlab.report.examples.write_treebank_examples`); a
+    translation model is teacher-forced on its own translation (a treebank has no reference)."""
+    from headlab.report.examples import write_treebank_examples
+
+    def write(directory: Path) -> list[Path]:
+        written = write_treebank_examples(model, tokenizer, treebank, None, directory / "attention", max_sentences=n,
+                                          limit=limit, query_chunk=query_chunk)
+        return [directory / path for path in written]
+
+    return write
+
+
 def _held_attention(directory: Path) -> dict[str, bytes]:
     """``attention/index.json`` and the first sentences it lists that fit :data:`VIEWER_BYTES` (as
     the report embeds them), the index trimmed to those; nothing when there is no readable index."""
@@ -348,7 +364,7 @@ def _held_attention(directory: Path) -> dict[str, bytes]:
     if not isinstance(index, dict) or not isinstance(index.get("sentences"), list):
         return {}
     held: dict[str, bytes] = {}
-    kept, used = [], 0
+    kept, used, first_left = [], 0, None
     for entry in index["sentences"]:
         name = Path(str(entry.get("file", ""))).name if isinstance(entry, dict) else ""
         try:
@@ -357,13 +373,17 @@ def _held_attention(directory: Path) -> dict[str, bytes]:
         except (OSError, ValueError):
             continue  # the report notes an unreadable sentence; the analysis leaves it out
         if used + size > VIEWER_BYTES:
+            tokens = entry.get("n_tokens") if isinstance(entry.get("n_tokens"), dict) else {}
+            first_left = {"id": entry.get("id"), "tokens": max(tokens.values(), default=0), "bytes": size}
             break
         held[f"attention/{name}"] = content
         kept.append(entry)
         used += size
-    # How many the directory has, for the notebook's caption (a held subset saved and loaded keeps it).
+    # How many the directory has, for the notebook's caption (a held subset saved and loaded keeps it),
+    # and the first sentence left out, for the viewer's note on why.
     total = index.get("sentences_in_directory", len(index["sentences"]))
-    held["attention/index.json"] = (json.dumps({**index, "sentences": kept, "sentences_in_directory": total},
+    extra = {"first_not_held": first_left} if first_left is not None else {}
+    held["attention/index.json"] = (json.dumps({**index, "sentences": kept, "sentences_in_directory": total, **extra},
                                                indent=1) + "\n").encode("utf-8")
     return held
 
@@ -603,8 +623,11 @@ class Analysis:
                 continue
             if relative == "attention/index.json":
                 index = json.loads(content)
-                index["sentences"] = [e for e in index["sentences"]
-                                      if f"attention/{Path(str(e.get('file', ''))).name}" in sentences]
+                held = index["sentences"]
+                index["sentences"] = [e for e in held if f"attention/{Path(str(e.get('file', ''))).name}" in sentences]
+                note = _not_shown_note(index, len(held))
+                if note:
+                    index["not_shown"] = note  # the viewer says it (headlab.report.build), not "no data"
                 content = json.dumps(index).encode("utf-8")
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
             (target / relative).write_bytes(content)
@@ -627,13 +650,41 @@ class Analysis:
             total = int(json.loads(self.files["attention/index.json"])["sentences_in_directory"])
         except (KeyError, TypeError, ValueError):
             total = shown
-        viewer = (f" The attention viewer shows {shown} of the {total} example sentences: a notebook output holds "
-                  f"{PAGE_LIMIT / 1e6:.1f} MB at most; the analysis directory's own report shows every one."
-                  if shown < total else "")
+        viewer = (f" The attention viewer shows {shown} of the {total} example sentences (its section says why: a "
+                  f"notebook output holds {PAGE_LIMIT / 1e6:.1f} MB at most); the analysis directory's own report "
+                  "shows every one." if shown < total else "")
         return (f'<iframe src="{url}" title="{title}" style="width:100%;height:760px;border:1px solid #ccc"></iframe>'
                 f'<div style="font-size:11px;color:#555">{escape(repr(self).splitlines()[0])}. The report of '
                 "<code>headlab analyze</code>, self-contained (no network); "
                 f"<code>analysis.save(directory, report=True)</code> writes it as index.html.{escape(viewer)}</div>")
+
+
+def _not_shown_note(index: dict, n_held: int) -> str | None:
+    """Why the viewer of the notebook's page lacks some of the directory's example sentences: not
+    held by the Analysis (:data:`VIEWER_BYTES`), or dropped to fit the page (:data:`PAGE_LIMIT`)."""
+    shown = len(index["sentences"])
+    try:
+        total = int(index.get("sentences_in_directory", n_held))
+    except (TypeError, ValueError):
+        total = n_held
+    if shown >= total:
+        return None
+    reasons = []
+    if n_held > shown:
+        reasons.append(f"{n_held - shown} dropped, last first, to keep this page within the {PAGE_LIMIT / 1e6:.1f} MB "
+                       "a notebook output holds")
+    if total > n_held:
+        first = index.get("first_not_held")
+        size = ""
+        if isinstance(first, dict) and isinstance(first.get("bytes"), int):
+            size = (f" (the first of them, sentence {first.get('id')} of {first.get('tokens')} tokens, takes "
+                    f"{first['bytes'] / 1e6:.2f} MB of attention data: a sentence's weight grows with layers x heads "
+                    "x tokens squared)")
+        reasons.append(f"{total - n_held} not held by the Analysis, whose viewer keeps at most "
+                       f"{VIEWER_BYTES / 1e6:.1f} MB of attention data{size}")
+    return (f"{total - shown} of the {total} example sentences of this analysis are not shown in this notebook "
+            f"view: {'; '.join(reasons)}. The analysis directory's own report shows every one "
+            "(analysis.save(directory, report=True), then open its index.html).")
 
 
 def _label_suffix(labels: Mapping[str, list[str]], key: tuple[str, int, int]) -> str:

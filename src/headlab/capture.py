@@ -108,6 +108,43 @@ def _find_probs(block: AttentionBlock, output: Any) -> torch.Tensor:
     )
 
 
+class Applications:
+    """Which call of each shared attention module runs now (ALBERT runs one module at every depth:
+    block ``(kind, layer)`` is its ``block.application``-th call in a pass, and a hook of that
+    block acts on that call only). A pre-hook on each block's ``scope`` starts a pass, one on each
+    shared core counts its calls (first among the core's pre-hooks). Nothing is registered for
+    blocks of their own module."""
+
+    def __init__(self, blocks: list[AttentionBlock]) -> None:
+        self.running: dict[int, int] = {}
+        self.handles = HookHandles()
+        shared = [block for block in blocks if block.shared]
+        try:
+            for scope in {id(b.scope): b.scope for b in shared if b.scope is not None}.values():
+                self.handles.append(scope.register_forward_pre_hook(self._start))
+            for core in {id(b.core): b.core for b in shared}.values():
+                self.handles.append(core.register_forward_pre_hook(self._count, prepend=True))
+        except BaseException:
+            self.handles.remove()
+            raise
+
+    def _start(self, module: nn.Module, args: tuple) -> None:
+        self.running.clear()
+
+    def _count(self, module: nn.Module, args: tuple) -> None:
+        self.running[id(module)] = self.running.get(id(module), -1) + 1
+
+    def runs(self, block: AttentionBlock) -> bool:
+        """Whether the call of ``block.core`` under way is ``block``'s (always, for an unshared block)."""
+        if not block.shared:
+            return True
+        call = self.running.get(id(block.core), -1)
+        if not 0 <= call < block.applications:
+            raise HeadlabError(f"{block.name}: a shared attention module ran {call + 1} times in one pass of "
+                               f"{type(block.scope).__name__}, expected {block.applications}")
+        return call == block.application
+
+
 class AttentionRecord(dict):
     """``{(kind, layer): probs [batch, n_heads, q_len, k_len]}`` of the latest forward call.
 
@@ -139,11 +176,12 @@ def capture_attention(
     """
     blocks = attention_blocks(model) if blocks is None else blocks
     record = AttentionRecord()
-    handles = []
+    handles = HookHandles()
+    applications: Applications | None = None
 
     def make_hook(block: AttentionBlock) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if block.n_heads == 0:
+            if block.n_heads == 0 or applications is not None and not applications.runs(block):
                 return
             probs = _find_probs(block, output)
             if detach:
@@ -168,6 +206,8 @@ def capture_attention(
 
     with eval_mode(model), eager_attention(model):
         try:
+            applications = Applications(blocks)
+            handles.extend(applications.handles)
             for block in blocks:
                 if block.family.probs_argument is not None:  # a core that returns probabilities when asked
                     handles.append(block.core.register_forward_pre_hook(
@@ -175,8 +215,7 @@ def capture_attention(
                 handles.append(block.core.register_forward_hook(make_hook(block)))
             yield record
         finally:
-            for handle in handles:
-                handle.remove()
+            handles.remove()
 
 
 ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
@@ -250,6 +289,8 @@ def stream_attention(
         seen = [0]
 
         def check(module: nn.Module, args: tuple, output: Any) -> None:
+            if not applications.runs(block):
+                return
             seen[0] += 1
             if sink.calls != seen[0]:
                 raise HeadlabError(f"{block.name}: its forward did not call the registered attention function; "
@@ -257,14 +298,26 @@ def stream_attention(
 
         return check
 
+    def make_switch(block: AttentionBlock, sink: ChunkSink) -> Callable[..., None]:
+        def switch(module: nn.Module, args: tuple) -> None:  # a shared core gets the sink of the depth it runs at
+            if applications.runs(block):
+                setattr(module, SINK_ATTRIBUTE, sink)
+
+        return switch
+
     handles = HookHandles()
+    applications = Applications([])
     with eval_mode(model), _attention_implementation(model, register()):  # no dropout: as capture_attention
         try:
+            applications = Applications(every)
+            handles.extend(applications.handles)
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
                                  reuse=reuse)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
+                if block.shared:
+                    handles.append(block.core.register_forward_pre_hook(make_switch(block, sink)))
                 sinks.append((block, sink))
                 if report:
                     handles.append(block.core.register_forward_hook(make_check(block, sink)))
@@ -290,13 +343,15 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     ``heads`` is the input of the output projection viewed as ``[batch, pos, n_heads, d_head]``;
     ``fn`` returns a tensor of the same shape. Works whatever attention implementation runs,
     since the concatenated head outputs always enter the output projection. Blocks pruned to
-    zero heads are left alone. Call ``remove()`` on the result to take the hooks off.
+    zero heads are left alone. A block of a shared module (ALBERT) acts at its own depth only.
+    Call ``remove()`` on the result to take the hooks off.
     """
     handles = HookHandles()
+    applications = Applications([])
 
     def make_hook(block: AttentionBlock) -> Callable[..., tuple | None]:
         def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-            if block.n_heads == 0:
+            if block.n_heads == 0 or not applications.runs(block):  # a shared module at another depth
                 return None
             x = args[0]
             heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
@@ -305,6 +360,8 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
         return pre_hook
 
     try:
+        applications = Applications(blocks)
+        handles.extend(applications.handles)
         for block in blocks:
             handles.append(block.o.register_forward_pre_hook(make_hook(block)))
     except BaseException:

@@ -42,7 +42,8 @@ def heads_table(blocks) -> str:
     lines = [f"{'kind':<10}{'layer':>6}{'heads':>7}{'kv heads':>10}{'d_head':>8}  module"]
     totals: dict[str, int] = {}
     for b in blocks:
-        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}")
+        shared = f" (shared: its call {b.application + 1} of {b.applications})" if b.shared else ""
+        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{shared}")
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
     lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items()) + f"; {sum(totals.values())} heads")
     return "\n".join(lines)

@@ -7,8 +7,8 @@ report's examples, the one-call API), not from a module of another feature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, replace
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -69,12 +69,39 @@ def _ids(value) -> set[int]:
     return {int(value)}
 
 
-def _max_positions(config) -> int | None:
-    for attr in ("max_position_embeddings", "n_positions", "max_target_positions"):
+def _max_positions(model: nn.Module) -> int | None:
+    """The longest input the model's position table takes, or None where it has none."""
+    config = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return value - _reserved_positions(model) if attr == "max_position_embeddings" else value
     return None
+
+
+def _reserved_positions(model: nn.Module) -> int:
+    """Rows of the position table no token can use: RoBERTa-style embeddings number positions
+    from ``padding_idx + 1`` (transformers' ``create_position_ids_from_input_ids``), so a table of
+    514 rows takes 512 tokens."""
+    for module in model.modules():
+        padding = getattr(module, "padding_idx", None)
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int):
+            return padding + 1
+    return 0
+
+
+def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
+               log: Callable[[str], None] | None = None) -> ModelInfo:
+    """:func:`describe_model`, with a language-model head the checkpoint does not carry counted as
+    absent (transformers initialises it at random on loading); ``log`` says so. What ``headlab
+    analyze``, ``headlab importance`` and the Python API describe."""
+    info = describe_model(model, tokenizer, max_length=max_length)
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+        if log is not None:
+            architectures = getattr(model.config, "architectures", None) or []
+            log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
+        info = replace(info, has_lm_head=False)
+    return info
 
 
 def checkpoint_has_lm_head(config) -> bool:
@@ -118,9 +145,6 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
         special |= set(getattr(tokenizer, "all_special_ids", []) or []) - _ids(getattr(tokenizer, "unk_token_id", None))
         eos |= _ids(getattr(tokenizer, "eos_token_id", None)) if not eos else set()
         mask_id = getattr(tokenizer, "mask_token_id", None)
-    limits = [v for v in (_max_positions(config), max_length) if v]
-    if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
-        limits.append(int(tokenizer.model_max_length))
     output = output_layer(model)
     has_lm_head = isinstance(getattr(output, "weight", None), torch.Tensor)
     n_labels = int(getattr(config, "num_labels", 0) or 0) if arch == "classifier" else 0
@@ -133,7 +157,7 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
         eos_ids=frozenset(eos),
         special_ids=frozenset(special),
         decoder_start_id=None if start is None else int(start),
-        max_length=min(limits) if limits else 512,
+        max_length=_length_limit(model, tokenizer, max_length),
         has_lm_head=has_lm_head,
         mask_id=None if mask_id is None else int(mask_id),
         name=str(name),
@@ -157,23 +181,13 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
+def _length_limit(model: nn.Module, tokenizer=None, max_length: int | None = None) -> int:
+    limits = [v for v in (_max_positions(model), max_length) if v]
+    if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
+        limits.append(int(tokenizer.model_max_length))
+    return min(limits) if limits else 512
+
+
 def model_max_length(model, tokenizer) -> int:
     """The longest input the model takes: its position table, or the tokenizer's limit."""
-    candidates = []
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            candidates.append(value)
-            break
-    value = getattr(tokenizer, "model_max_length", None)
-    if isinstance(value, int) and 0 < value < 1_000_000:
-        candidates.append(value)
-    if not candidates:
-        return 512
-    length = min(candidates)
-    # RoBERTa-style position tables reserve padding_idx + 1 rows.
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert") \
-            and length == getattr(config, "max_position_embeddings", 0):
-        length -= (getattr(config, "pad_token_id", 1) or 1) + 1
-    return length
+    return _length_limit(model, tokenizer)

@@ -168,7 +168,7 @@ def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]
     q_changes = 0 < len(keep) < block.n_heads
     kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
     for name, module in block.core.named_children():
-        if id(module) in projections:
+        if id(module) in projections or name in block.family.output_norms:
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_head:
@@ -503,6 +503,11 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     """Refuse, before anything changes, a block whose projections the slicing here does not know.
     Fused projections are sliced in every layout of adapters.families.QKV_LAYOUTS (the adapter
     refuses a width that does not fit its layout)."""
+    if block.shared:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: this module's weights are shared by "
+            f"{block.applications} depths, so slicing a head out of them removes it at every depth, which masking "
+            "one depth's head does not; mask the heads instead (mask_heads)")
     if block.qkv is None and block.q is None and block.n_heads:  # found at run time, its projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "

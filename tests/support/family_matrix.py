@@ -12,6 +12,10 @@
 * ``PRUNING`` (``PRUNING_FAMILIES``): families whose physical pruning needs care (partial rotary,
   per-head and whole-width query/key norms, grouped key/value heads, MoE feed-forward layers),
   used by tests/test_prune_verify.py.
+* ``SHARED``: shared layers (ALBERT: one attention module run at several depths; a block is one
+  depth), checked by tests/test_shared_layers.py.
+* ``HYBRID``: attention beside other token mixers (LFM2's gated short convolutions), checked by
+  tests/test_hybrid_families.py.
 * ``REFUSED``: families headlab refuses before any work.
 
 :func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
@@ -104,14 +108,34 @@ REFUSED = {
     "deberta": lambda: (tf.DebertaForMaskedLM, tf.DebertaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64)),
-    "albert": lambda: (tf.AlbertForMaskedLM, tf.AlbertConfig(
-        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64)),
     "whisper": lambda: (tf.WhisperForConditionalGeneration, tf.WhisperConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, num_mel_bins=8,
         max_source_positions=16, max_target_positions=32, pad_token_id=2, bos_token_id=0, eos_token_id=1,
         decoder_start_token_id=0)),
+}
+
+
+def _albert(**extra):
+    return lambda: (tf.AlbertForMaskedLM, tf.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pad_token_id=2, bos_token_id=0, eos_token_id=1, **extra))
+
+
+SHARED = {
+    "albert": _albert(num_hidden_layers=3),  # one module at depths 0, 1, 2
+    # two groups of two layers each, over 4 depths: groups 0, 0, 1, 1, each running its 2 layers (8 maps)
+    "albert-groups": _albert(num_hidden_layers=4, num_hidden_groups=2, inner_group_num=2),
+}
+"""Shared layers: ``(depth -> (group, layer in group))`` as transformers' AlbertTransformer runs them."""
+
+
+HYBRID = {
+    # attention at layers 1 and 3, gated short convolutions at 0 and 2
+    "lfm2": lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, layer_types=["conv", "full_attention"] * 2,
+        **_SPECIAL)),
 }
 
 
@@ -156,7 +180,7 @@ FAMILIES = ANALYSIS_FAMILIES + PRUNING_FAMILIES
 
 
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    cls, config = {**CONFIGS, **REFUSED}[family]()
+    cls, config = {**CONFIGS, **SHARED, **HYBRID, **REFUSED}[family]()
     if family in EAGER_ONLY or (attn_implementation == "sdpa" and not cls._supports_sdpa):  # Bloom, DeBERTa-v2
         attn_implementation = "eager"
     config._attn_implementation = attn_implementation

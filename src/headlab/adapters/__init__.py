@@ -11,6 +11,7 @@ be found, never a silent wrong one.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,10 +52,22 @@ class AttentionBlock:
     o: nn.Module
     qkv: nn.Module | None
     family: Family
+    application: int = 0
+    """Which call of ``core`` in one pass this block is (shared layers: ALBERT runs one module at
+    every depth; 0 otherwise)."""
+    applications: int = 1
+    """How many times ``core`` runs in one pass (1: a module of its own)."""
+    scope: nn.Module | None = None
+    """With shared layers: the module whose forward is one pass over every depth."""
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.kind, self.layer)
+
+    @property
+    def shared(self) -> bool:
+        """One module computes this block and others (a head here is this depth's head only)."""
+        return self.applications > 1
 
     def qkv_columns(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Columns of the fused projection holding the queries, keys and values, head by head."""
@@ -63,9 +76,10 @@ class AttentionBlock:
         return qkv_columns(self.family.qkv_layout, self.n_heads, self.n_kv_heads, self.d_head, device)
 
     def __repr__(self) -> str:
+        shared = f", application={self.application}/{self.applications}" if self.shared else ""
         return (
             f"AttentionBlock({self.kind}, layer={self.layer}, n_heads={self.n_heads}, "
-            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, name={self.name!r})"
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, name={self.name!r}{shared})"
         )
 
 
@@ -340,6 +354,8 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
     family = family_for(config)
+    if family is not None and family.applications is not None:
+        return _shared_blocks(model, family)
     candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
     if not candidates:
         raise HeadlabError(
@@ -358,6 +374,37 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                 f"two modules claim {block.kind} layer {block.layer}: {seen[block.key]} and {block.name}"
             )
         seen[block.key] = block.name
+    return blocks
+
+
+def _shared_blocks(model: nn.Module, family: Family) -> list[AttentionBlock]:
+    """Shared layers (ALBERT): one block per application of a module, numbered by depth in forward
+    order, as transformers' ``output_attentions`` lists them; ``block.application`` is the module's
+    call within a pass that it is."""
+    assert family.applications is not None
+    pattern = re.compile(family.patterns[0][1])
+    kind = family.patterns[0][0]
+    found: dict[tuple[int, ...], tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        match = pattern.search(name)
+        if match:
+            found[tuple(int(g) for g in match.groups())] = (name, module)
+    order = family.applications(model.config)
+    where = f"{type(model).__name__} ({family.name})"
+    missing = sorted(set(order) - set(found))
+    if not order or missing:
+        raise HeadlabError(f"{where}: found no attention module {missing[0] if missing else ''} of its shared "
+                           "layers that its config runs")
+    counts = {position: order.count(position) for position in found}
+    calls: dict[tuple[int, ...], int] = {}
+    blocks = []
+    for layer, position in enumerate(order):
+        name, module = found[position]
+        scope_name = name[:name.index(family.scope)].rstrip(".") if family.scope in name else ""
+        block = _make_block(kind, layer, name, module, family)
+        blocks.append(dataclasses.replace(block, application=calls.get(position, 0), applications=counts[position],
+                                          scope=model.get_submodule(scope_name)))
+        calls[position] = calls.get(position, 0) + 1
     return blocks
 
 

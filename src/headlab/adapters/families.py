@@ -8,6 +8,7 @@ probabilities and returns them at ``probs_index`` of its output tuple (the eager
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,15 @@ class Family:
     kv_heads: int = 0
     """Key/value heads measured by run-time discovery, for a block whose key projection it could
     not name (no ``q``/``k``/``v``, no ``qkv``: analysis and masking only)."""
+    applications: Callable[[Any], list[tuple[int, ...]]] | None = None
+    """Shared layers (ALBERT): the pattern's groups of the module run at each depth, in forward
+    order, from the config; a block is one application of a module (one depth), not the module."""
+    scope: str = ""
+    output_norms: tuple[str, ...] = ()
+    """Children of the block that normalise its output after the output projection (ALBERT's
+    ``LayerNorm`` of the residual sum), not a projection's width: pruning leaves them as they are."""
+    """With ``applications``: the name of the module list whose parent's forward is one pass over
+    every depth (where headlab starts counting a shared module's applications)."""
 
 
 QKV_LAYOUTS = {
@@ -182,6 +192,26 @@ MODERNBERT = Family(
 )
 
 
+def albert_applications(config: Any) -> list[tuple[int, ...]]:
+    """(group, layer within the group) of each application, in forward order: AlbertTransformer runs
+    group ``int(i / (num_hidden_layers / num_hidden_groups))`` at depth ``i``, each group its
+    ``inner_group_num`` layers in turn (transformers' modeling_albert.py)."""
+    depths, groups = config.num_hidden_layers, config.num_hidden_groups
+    return [(int(i / (depths / groups)), j) for i in range(depths) for j in range(config.inner_group_num)]
+
+
+ALBERT = Family(
+    name="albert",
+    patterns=(("enc_self", r"(?:^|\.)albert_layer_groups\.(\d+)\.albert_layers\.(\d+)\.attention$"),),
+    q="query", k="key", v="value", o="dense",
+    d_head_attr="attention_head_size",
+    head_count_attrs=("num_attention_heads",),
+    applications=albert_applications,
+    scope="albert_layer_groups",
+    output_norms=("LayerNorm",),
+)
+
+
 def _falcon(layout: str) -> Family:
     return Family(
         name=f"falcon ({layout})",
@@ -228,6 +258,7 @@ FAMILIES: dict[str, Family] = {
     "bloom": BLOOM,
     "modernbert": MODERNBERT,
     "deberta-v2": DEBERTA_V2,
+    "albert": ALBERT,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -235,8 +266,6 @@ CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode}
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
-    "albert": "ALBERT's layers share one attention module, so a head is not one layer's head (masking it "
-              "switches it off in every layer at once); headlab does not model shared layers",
     "deberta": "DeBERTa (v1) can mix its heads (talking-head projections) and has no adapter entry; "
                "DeBERTa-v2 is supported",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "

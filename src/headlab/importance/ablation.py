@@ -98,7 +98,10 @@ class _Recorded(nn.Module):
 
 
 def _layer_slot(model: nn.Module, block: AttentionBlock) -> tuple[nn.ModuleList, int] | None:
-    """The layer list holding ``block``'s layer, and the layer's index in it."""
+    """The layer list holding ``block``'s layer, and the layer's index in it (None for a shared
+    module's depth, ALBERT's: its layer list is not a list of depths)."""
+    if block.shared:
+        return None
     parts = block.name.split(".")
     for end in range(1, len(parts)):
         if parts[end].isdigit() and int(parts[end]) == block.layer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
 
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError
@@ -97,7 +96,7 @@ def _run(args, part) -> int:
     from headlab.importance.pipeline import MeasuresFailed, run_importance, save_results
     from headlab.importance.registry import REFERENCE
     from headlab.loading import load_model, load_tokenizer
-    from headlab.model_description import checkpoint_has_lm_head, describe_model
+    from headlab.model_description import model_info
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
 
@@ -129,12 +128,7 @@ def _run(args, part) -> int:
     for kind in kinds or ():
         if kind not in present:
             raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
-    info = describe_model(model, tokenizer, max_length=args.max_length)
-    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
-        from dataclasses import replace
-
-        log(f"the checkpoint was saved as {', '.join(cast(Any, model.config).architectures)}, without a language-model head")
-        info = replace(info, has_lm_head=False)
+    info = model_info(model, tokenizer, args.max_length, log=log)
     data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())
     failed = None

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import HookHandles, eager_attention, eval_mode, head_output_hooks
+from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError, RunFailed
@@ -122,8 +122,13 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
     layers = {id(names[b.name.rpartition(".")[0]]): names[b.name.rpartition(".")[0]] for b in firsts.values()}
+    applications = Applications(list(firsts.values()))
+    shared = {id(names[b.name.rpartition(".")[0]]): b.core for b in firsts.values() if b.shared}
 
     def record(module, args, kwargs):
+        core = shared.get(id(module))
+        if core is not None and applications.running.get(id(core), -1) != -1:
+            return  # a shared layer (ALBERT) at a later depth: the stack's input is its first call's
         x = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(x, torch.Tensor):
             raise HeadlabError(f"LRP: cannot find the input of {type(module).__name__}, so conservation cannot "
@@ -132,6 +137,7 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             found.append(x)
 
     handles = HookHandles()
+    handles.extend(applications.handles)
     try:
         for layer in layers.values():
             handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))

@@ -218,6 +218,11 @@ def check_rules(model: nn.Module) -> None:
         if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
             raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                                f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
+        if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
+            raise HeadlabError(f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
+                               "multiplies two projections of its input (B * x before the convolution, C * y after "
+                               "it), which none of headlab's rules splits, so relevance would not be conserved; the "
+                               "other measures work on the model's attention layers")
         if _is_activation(module) and getattr(module, "inplace", False):
             raise HeadlabError(f"LRP: in-place activation {type(module).__name__} ({path}) is not supported")
     if unknown:

@@ -141,7 +141,8 @@ class AnalyzeConfig(PluginOptions):
                                                                  "prune train's 0.02: the sweep is short)", "range": "(0, inf)"})
     prune_init_log_alpha: float = field(default=1.0, metadata={"help": "initial log alpha of the gates (prune train: 3)"})
     attention_sentences: int = field(default=20, metadata={
-        "help": "sentences stored for the attention viewer", "range": "[0, inf)"})
+        "help": "sentences stored for the attention viewer: the first of --conllu (with their gold arcs) when given, "
+                "else of --source", "range": "[0, inf)"})
     progress: bool = field(default=True, metadata={"help": "progress bars"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow code from the model repository to run"})
     device: str | None = field(default=None, metadata={"help": "where the model runs: cpu, cuda or cuda:N"})
@@ -384,15 +385,10 @@ class _Context:
     @property
     def info(self):
         if self._info is None:
-            from dataclasses import replace
-
-            from headlab.model_description import checkpoint_has_lm_head, describe_model
+            from headlab.model_description import model_info
 
             model, tokenizer = self.load()
-            info = describe_model(model, tokenizer, max_length=self.config.max_length)
-            if info.has_lm_head and not checkpoint_has_lm_head(model.config):
-                info = replace(info, has_lm_head=False)
-            self._info = info
+            self._info = model_info(model, tokenizer, max_length=self.config.max_length)
         return self._info
 
     def importance_data(self):
@@ -451,6 +447,9 @@ class _Context:
                        "init_log_alpha": c.prune_init_log_alpha}
         elif name == "attention":
             payload = {**common, **text, "sentences": c.attention_sentences}
+            if c.conllu is not None:  # the treebank's sentences are shown (the key without --conllu is as it was)
+                payload.update(conllu=self.fingerprint(c.conllu), conllu_limit=c.treebank_limit,
+                               conllu_is_source=c.conllu_is_source)
         else:  # agreement, figures, report: what the stages before them produced
             upstream = {"agreement": IMPORTANCE_STAGES}.get(name, STAGES[: STAGES.index(name)])
             payload = {"stage": name, "version": __version__,
@@ -729,6 +728,18 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
 
     c = ctx.config
     model, tokenizer = ctx.load()
+    if c.conllu is not None:  # the treebank's sentences, with their gold arcs for the viewer
+        from headlab.report.examples import write_treebank_examples
+
+        paired = None
+        if c.conllu_is_source and c.target and ctx.info.is_seq2seq:
+            # sentence i is the i-th non-empty line of --source (checked): that line's --target is its reference
+            lines, references = read_lines(c.source), read_lines(c.target)
+            paired = [references[i].strip() if i < len(references) else "" for i, s in enumerate(lines) if s.strip()]
+        written = write_treebank_examples(model, tokenizer, c.conllu, paired, ctx.out_dir / "attention",
+                                          max_sentences=c.attention_sentences, limit=c.treebank_limit,
+                                          query_chunk=c.query_chunk)
+        return [ctx.out_dir / p for p in written], "the treebank's sentences (--conllu), with their gold arcs"
     n = c.attention_sentences if c.limit is None else min(c.attention_sentences, c.limit)
     sources = [line.strip() for line in read_lines(c.source)]
     if ctx.info.arch == "classifier":  # a labelled TSV: the text (pairs joined), not the label

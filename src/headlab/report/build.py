@@ -65,9 +65,19 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
             c.note("viewer", f"attention/{path.name}: unreadable ({error.__class__.__name__})")
             continue
         keep = {k: entry.get(k) for k in ("id", "line", "source", "target", "target_from", "n_tokens", "blocks")}
+        if isinstance(entry.get("treebank"), str):  # a treebank sentence: its payload holds the gold parse
+            keep["treebank"] = entry["treebank"]
         keep["slot"] = len(sentences)
         sentences.append(keep)
         payloads.append((path, text))
+    not_shown = index.get("not_shown")  # a notebook's page (headlab.api): sentences it could not hold, and why
+    if isinstance(not_shown, str) and not_shown:
+        c.note("viewer", not_shown)
+    skipped = index.get("skipped")
+    if isinstance(skipped, list) and skipped:
+        first = skipped[0] if isinstance(skipped[0], dict) else {}
+        c.note("viewer", f"{len(skipped)} treebank sentence(s) could not be aligned to the tokenizer's tokens and are "
+                         f"not shown (first: {first.get('where')}: {first.get('reason')})")
     # Inline sentences in order while they fit the budget; the rest go to script files.
     blocks, used, n_inline = [], 0, 0
     for slot, (path, text) in enumerate(payloads):
@@ -81,8 +91,10 @@ def _attention(c: Collected, inline_limit: int) -> tuple[str, dict]:
             atomic_write_text(js, f"window.headlabAttention({slot},{data});\n")
             sentences[slot]["script"] = f"attention/{js.name}"
     mode = "inline" if n_inline == len(payloads) else "script" if n_inline == 0 else "mixed"
-    return "\n".join(blocks), {"sentences": sentences, "mode": mode,
-                               "model": index.get("model", "")}
+    viewer = {"sentences": sentences, "mode": mode, "model": index.get("model", "")}
+    if isinstance(not_shown, str) and not_shown:
+        viewer["not_shown"] = not_shown
+    return "\n".join(blocks), viewer
 
 
 def build_report(analysis_dir: Path, inline_limit: int = INLINE_LIMIT) -> Path:

@@ -7,7 +7,11 @@ Layout under ``out_dir`` (normally ``ANALYSIS_DIR/attention/``)::
                            "blocks": ["enc_self:0", ...]}]}
     sentence-000.json     {"id", "tokens": {"source": [...], "target": [...]},
                            "blocks": {"enc_self:0": {"kind", "layer", "q": side, "k": side,
-                                      "shape": [heads, q_len, k_len], "data": base64(uint8)}}}
+                                      "shape": [heads, q_len, k_len], "data": base64(uint8)}},
+                           "gold": {...}}   (treebank sentences only: see gold_arcs)
+
+Sentences from a treebank (:func:`write_treebank_examples`) also carry ``"treebank": "file:line
+(sent_id)"`` in index.json, which lists the ones that could not be aligned under ``"skipped"``.
 
 Each probability ``p`` is stored as ``round(255 p)`` (one byte), so a value read back as
 ``q / 255`` is within ``0.5 / 255`` of the captured one. Sides: ``source`` (encoder input, or
@@ -22,19 +26,20 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from headlab import preflight
 from headlab.capture import capture_attention, eval_mode, stream_attention
+from headlab.data.treebank import InMemoryTreebank, ProblemLog, Sentence, read_conllu
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, write_json
 from headlab.model_description import describe_model
 
-__all__ = ["FORMAT", "SCALE", "write_attention_examples", "write_example", "write_index", "load_example",
-           "quantize", "dequantize"]
+__all__ = ["FORMAT", "SCALE", "gold_arcs", "write_attention_examples", "write_treebank_examples", "write_example",
+           "write_index", "load_example", "quantize", "dequantize"]
 
 FORMAT = 1
 SCALE = 255
@@ -62,9 +67,10 @@ def write_example(
     tokens: Mapping[str, Sequence[str]],
     attention: Mapping[tuple[str, int], np.ndarray],
     seq2seq: bool,
+    gold: dict | None = None,
 ) -> dict:
     """Store one sentence: ``attention[(kind, layer)]`` is a float array ``[heads, q_len, k_len]``
-    (or one already quantised, ``uint8``).
+    (or one already quantised, ``uint8``); ``gold``, a treebank sentence's parse (:func:`gold_arcs`).
 
     Returns the sentence's entry for ``index.json`` (without the text fields).
     """
@@ -83,14 +89,18 @@ def write_example(
     name = f"sentence-{index:03d}.json"
     payload = {"format": FORMAT, "id": index, "scale": SCALE,
                "tokens": {side: [str(t) for t in toks] for side, toks in tokens.items()}, "blocks": blocks}
+    if gold is not None:
+        payload["gold"] = gold
     atomic_write_text(out_dir / name, json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n")
     return {"id": index, "file": name, "n_tokens": {side: len(t) for side, t in tokens.items()},
             "blocks": list(blocks)}
 
 
-def write_index(out_dir: Path, entries: list[dict], model: str = "") -> Path:
-    return write_json(out_dir / "index.json", {"format": FORMAT, "model": model, "scale": SCALE, "sentences": entries},
-                      ensure_ascii=False)
+def write_index(out_dir: Path, entries: list[dict], model: str = "", skipped: list[dict] | None = None) -> Path:
+    index: dict = {"format": FORMAT, "model": model, "scale": SCALE, "sentences": entries}
+    if skipped is not None:  # treebank sentences that could not be aligned
+        index["skipped"] = skipped
+    return write_json(out_dir / "index.json", index, ensure_ascii=False)
 
 
 def load_example(path: Path) -> tuple[dict[str, list[str]], dict[tuple[str, int], np.ndarray]]:
@@ -147,15 +157,95 @@ def write_attention_examples(
     attention; with ``query_chunk``, through headlab's own attention function
     (:func:`headlab.capture.stream_attention`), each chunk of query rows quantised as it arrives,
     so no block's float map exists (the stored maps, one byte a weight, remain)."""
+    if targets is not None and len(targets) != len(sources):
+        raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
+    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk)
+    items = ((line, source.strip(), None, None) for line, source in enumerate(sources, start=1) if source.strip())
+    return _write_all(model, tokenizer, info, items, targets, Path(out_dir), max_sentences, max_new_tokens, query_chunk)
+
+
+def gold_arcs(sentence: Sentence, word_of_token: Sequence[int]) -> dict:
+    """A treebank sentence's gold parse on its displayed tokens (the ``gold`` field of
+    ``sentence-NNN.json``): each word's token span ``[first, last]`` (None for a word cut off by
+    truncation) and each arc ``[dependent token, governor token, deprel]`` between the words'
+    first tokens, the token that stands for a word as query and as key (the ``first`` word
+    pooling of :mod:`headlab.data.alignment`). An arc with a word cut off is left out."""
+    spans: dict[int, list[int]] = {}
+    for token, word in enumerate(int(w) for w in word_of_token):
+        if word >= 0:
+            spans.setdefault(word, [token, token])[1] = token
+    arcs = [[spans[dependent][0], spans[governor][0], label] for governor, dependent, label in sentence.arcs()
+            if dependent in spans and governor in spans]
+    root = [spans[i][0] for i, head in enumerate(sentence.heads) if head < 0 and i in spans]
+    return {"side": "source", "where": sentence.where, "words": list(sentence.words), "upos": list(sentence.upos),
+            "heads": list(sentence.heads), "deprels": list(sentence.deprels),
+            "spans": [spans.get(i) for i in range(len(sentence))], "arcs": arcs, "root": root,
+            "n_arcs": sum(1 for head in sentence.heads if head >= 0)}
+
+
+def write_treebank_examples(
+    model,
+    tokenizer,
+    treebank: "str | Path | InMemoryTreebank | Iterable[Sentence | None]",
+    targets: Sequence[str] | None,
+    out_dir: Path,
+    max_sentences: int = 20,
+    max_new_tokens: int | None = None,
+    query_chunk: int | None = None,
+    limit: int | None = None,
+) -> list[str]:
+    """:func:`write_attention_examples` on the first ``max_sentences`` sentences of a treebank
+    that can be aligned (:func:`headlab.data.alignment.align_sentences`, words joined by spaces as
+    the head functions join them), each stored with its gold parse on the displayed tokens
+    (:func:`gold_arcs`), so that the viewer can overlay the gold arcs on a head's attention.
+    ``treebank``: a CoNLL-U file or :class:`~headlab.data.treebank.InMemoryTreebank` (its first
+    ``limit`` sentences; a malformed one is skipped in its place), or sentences already read.
+    ``targets[i]`` is the reference translation of sentence ``i`` (a ``None`` sentence keeps its
+    place, as :func:`~headlab.data.treebank.read_conllu` yields with ``keep_place``). A sentence
+    that cannot be aligned is left out and listed in index.json's ``skipped``."""
+    from headlab.data.alignment import AlignmentError, align_sentences
+
+    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk)
+    skipped: list[dict] = []
+    if isinstance(treebank, (str, Path, InMemoryTreebank)):
+        sentences: Iterable[Sentence | None] = read_conllu(treebank, problems=ProblemLog(), limit=limit,
+                                                           keep_place=True)
+    else:
+        sentences = list(treebank)[:limit]
+
+    def items() -> Iterator[tuple[int, str, list[int], dict]]:
+        for n, sentence in enumerate(sentences):
+            if sentence is None or not len(sentence):
+                continue
+            aligned = align_sentences(tokenizer, [sentence.words], max_length=info.max_length)[0]
+            if isinstance(aligned, AlignmentError):
+                skipped.append({"where": sentence.where, "reason": str(aligned)})
+                continue
+            gold = gold_arcs(sentence, aligned.word_of_token.tolist())
+            yield n + 1, " ".join(sentence.words), list(aligned.input_ids), gold
+
+    if targets is not None:
+        targets = list(targets)
+    return _write_all(model, tokenizer, info, items(), targets, Path(out_dir), max_sentences, max_new_tokens,
+                      query_chunk, skipped)
+
+
+def _prepare(model, tokenizer, out_dir: Path, max_sentences: int, query_chunk: int | None):
+    """The checks before any work; the model's description."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise HeadlabError(f"{out_dir}: exists and is not a directory")
     if max_sentences < 0:
         raise HeadlabError(f"max_sentences must be >= 0, got {max_sentences}")
     preflight.query_chunk(query_chunk)
-    if targets is not None and len(targets) != len(sources):
-        raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
-    info = describe_model(model, tokenizer)
+    return describe_model(model, tokenizer)
+
+
+def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int] | None, dict | None]],
+               targets: Sequence[str] | None, out_dir: Path, max_sentences: int, max_new_tokens: int | None,
+               query_chunk: int | None, skipped: list[dict] | None = None) -> list[str]:
+    """Capture and store each ``(line, text, token ids or None, gold parse or None)`` of ``items``
+    (``line`` is 1-based, the place of ``targets``' reference) until ``max_sentences`` are written."""
     seq2seq = info.is_seq2seq
     device = next(model.parameters()).device
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,13 +254,14 @@ def write_attention_examples(
     entries: list[dict] = []
     written: list[Path] = []
     with eval_mode(model):
-        for line, source in enumerate(sources, start=1):
+        for line, source, ids, gold in items:
             if len(entries) >= max_sentences:
                 break
             target = targets[line - 1] if targets is not None else None
-            if not source.strip() or (target is not None and seq2seq and not target.strip()):
+            if target is not None and seq2seq and not target.strip():
                 continue
-            ids = _encode(tokenizer, source.strip(), info.max_length)
+            if ids is None:
+                ids = _encode(tokenizer, source, info.max_length)
             inputs = {"input_ids": torch.tensor([ids], device=device),
                       "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
             tokens = {"source": tokenizer.convert_ids_to_tokens(ids)}
@@ -196,13 +287,15 @@ def write_attention_examples(
                 attention = {key: probs[0].float().cpu().numpy() for key, probs in record.items()}
             else:
                 attention = _quantized_attention(model, inputs, query_chunk)
-            entry = write_example(out_dir, len(entries), tokens, attention, seq2seq)
-            entry.update({"line": line, "source": source.strip(), "target": target.strip() if target else None,
+            entry = write_example(out_dir, len(entries), tokens, attention, seq2seq, gold)
+            entry.update({"line": line, "source": source, "target": target.strip() if target else None,
                           "target_from": target_from})
+            if gold is not None:
+                entry["treebank"] = gold["where"]
             if target_from == "translation":
                 entry["target"] = tokenizer.decode(target_ids, skip_special_tokens=True)
             entries.append(entry)
             written.append(out_dir / entry["file"])
     name = getattr(getattr(model, "config", None), "name_or_path", "") or ""
-    written.append(write_index(out_dir, entries, str(name)))
+    written.append(write_index(out_dir, entries, str(name), skipped))
     return [str(path.relative_to(out_dir.parent)) for path in written]

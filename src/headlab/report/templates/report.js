@@ -297,7 +297,7 @@
   /* ---- viewer ------------------------------------------------------------------------------ */
   var $ = function (id) { return document.getElementById(id); };
   var viewer = {
-    state: { slot: 0, kind: null, layer: 0, head: 0, view: "lines", threshold: 0.02, payload: null },
+    state: { slot: 0, kind: null, layer: 0, head: 0, view: "lines", threshold: 0.02, payload: null, gold: "dep" },
     hover: null
   };
 
@@ -381,13 +381,14 @@
     markSelected();
     renderExemplars();
     var block = currentBlock();
-    if (!ATT.sentences.length) { status("No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
+    if (!ATT.sentences.length) { status(ATT.not_shown || "No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
     if (!block || st.head >= block.shape[0]) {
       if (st.payload) status("No example sentence has attention for " + (st.kind ? headName(st.kind, st.layer, st.head) : "this head") + ".");
       clearViews();
       return;
     }
     status("");
+    goldNote(block);
     root.setAttribute("data-view", st.view);
     $("v-lines").hidden = st.view !== "lines" && st.view !== "heads";
     $("v-matrix").hidden = st.view !== "matrix";
@@ -400,6 +401,7 @@
     document.body.setAttribute("data-rendered", "1");
   }
   function clearViews() {
+    goldNote(null);
     $("v-left").replaceChildren(); $("v-right").replaceChildren();
     var c = $("v-canvas"); c.width = 0; c.height = 0;
     var m = $("v-matrix-canvas"); m.width = 0; m.height = 0;
@@ -464,6 +466,7 @@
       ctx.stroke();
     });
     ctx.globalAlpha = 1;
+    drawGoldLines(ctx, block, width, onlyRow, right);
     Array.prototype.forEach.call(left.children, function (s, idx) { s.classList.toggle("active", idx === onlyRow); });
     Array.prototype.forEach.call(right.children, function (s, idx) {
       var w = onlyRow === null ? 0 : bytes[base + onlyRow * nk + idx] / 255;
@@ -477,6 +480,64 @@
     if (!block || (view !== "lines" && view !== "heads")) return;
     var row = +event.currentTarget.getAttribute("data-i");
     if (view === "lines") drawLines(block, row); else drawHeads(block, row);
+  }
+
+  /* ---- gold arcs of a treebank sentence (payload.gold, written by write_treebank_examples) ---- */
+  function goldOf(block) {
+    var gold = viewer.state.payload && viewer.state.payload.gold;
+    return gold && block && block.q === gold.side && block.k === gold.side ? gold : null;
+  }
+  // [query token, key token, deprel] per arc in the chosen direction, or null (no gold, or off)
+  function goldPairs(block) {
+    var gold = goldOf(block), dir = viewer.state.gold;
+    if (!gold || dir === "off") return null;
+    return (gold.arcs || []).map(function (a) { return dir === "gov" ? [a[1], a[0], a[2]] : [a[0], a[1], a[2]]; });
+  }
+  function drawGoldLines(ctx, block, width, onlyRow, right) {
+    var pairs = goldPairs(block), drawn = 0, keys = {};
+    if (pairs) {
+      ctx.save();
+      ctx.strokeStyle = "#111"; ctx.lineWidth = 1.6; ctx.setLineDash([5, 3]); ctx.globalAlpha = 0.9;
+      ctx.beginPath();
+      pairs.forEach(function (a) {
+        if (onlyRow !== null && a[0] !== onlyRow) return;
+        ctx.moveTo(0, a[0] * ROW + ROW / 2);
+        ctx.lineTo(width, a[1] * ROW + ROW / 2);
+        keys[a[1]] = true; drawn++;
+      });
+      ctx.stroke();
+      ctx.restore();
+    }
+    Array.prototype.forEach.call(right.children, function (s, idx) { s.classList.toggle("gold-key", onlyRow !== null && !!keys[idx]); });
+    $("v-canvas").setAttribute("data-gold", String(drawn));
+  }
+  // The note under the controls: where the parse is from, and how often the head's strongest
+  // key from a query token is that token's gold partner (first tokens; the functions stage pools words).
+  function goldNote(block) {
+    var st = viewer.state, note = $("v-gold-note"), gold = st.payload && st.payload.gold;
+    $("v-gold-control").hidden = !gold;
+    note.hidden = !gold;
+    $("viewer").setAttribute("data-gold", gold ? st.gold : "");
+    if (!gold) { note.textContent = ""; return; }
+    var text = "Gold parse of " + gold.where + ": " + (gold.arcs || []).length + " arcs";
+    if ((gold.arcs || []).length < gold.n_arcs) text += " (" + (gold.n_arcs - gold.arcs.length) + " more with a word cut off by the model's maximum length)";
+    var pairs = block ? goldPairs(block) : null;
+    if (block && !goldOf(block)) text += "; not drawn: this block attends " + block.q + " \u2192 " + block.k + ", the parse is of the " + gold.side;
+    else if (pairs && st.head < block.shape[0]) {
+      var bytes = decode(block), nq = block.shape[1], nk = block.shape[2], base = st.head * nq * nk, hits = 0;
+      var partners = {};  // query token -> its gold keys (a governor has several dependents)
+      pairs.forEach(function (a) { (partners[a[0]] || (partners[a[0]] = {}))[a[1]] = true; });
+      var queries = Object.keys(partners).map(Number);
+      queries.forEach(function (q) {
+        var best = 0;
+        for (var j = 1; j < nk; j++) if (bytes[base + q * nk + j] > bytes[base + q * nk + best]) best = j;
+        if (partners[q][best]) hits++;
+      });
+      text += ". " + headName(st.kind, st.layer, st.head) + " attends most to a gold " + (st.gold === "gov" ? "dependent" : "governor") +
+        " from " + hits + " of " + queries.length + " " + (st.gold === "gov" ? "governors" : "dependents") + " (first tokens)";
+      note.setAttribute("data-hits", String(hits));
+    }
+    note.textContent = text + ".";
   }
 
   /* ---- head view: every head of one layer overlaid (bertviz's head view) --------------------- */
@@ -545,6 +606,7 @@
     }
     ctx.globalAlpha = 1;
     $("v-canvas").setAttribute("data-lines", String(drawn));
+    drawGoldLines(ctx, block, width, onlyRow, cols.right);
     Array.prototype.forEach.call(cols.left.children, function (s, idx) { s.classList.toggle("active", idx === onlyRow); });
     Array.prototype.forEach.call(cols.right.children, function (s) { s.style.background = ""; s.style.color = ""; });
   }
@@ -659,6 +721,13 @@
         ctx.fillRect(margin + j * cell, margin + i * cell, cell, cell);
       }
     }
+    var gold = goldPairs(block);
+    if (gold) {
+      ctx.strokeStyle = "#111"; ctx.lineWidth = Math.max(1, Math.min(2, cell / 6)); ctx.setLineDash([Math.max(2, cell / 4), 2]);
+      gold.forEach(function (a) { if (a[0] < nq && a[1] < nk) ctx.strokeRect(margin + a[1] * cell + 0.5, margin + a[0] * cell + 0.5, cell - 1, cell - 1); });
+      ctx.setLineDash([]);
+    }
+    canvas.setAttribute("data-gold", String(gold ? gold.length : 0));
     if (labelled) {
       ctx.fillStyle = "#1d2330"; ctx.font = Math.min(12, cell - 1) + "px monospace"; ctx.textBaseline = "middle";
       var cut = function (t) { t = String(t); return t.length > 12 ? t.slice(0, 11) + "…" : t; };
@@ -686,6 +755,7 @@
       sel.appendChild(el("option", { value: String(i) }, (s.id !== undefined ? s.id : i) + ": " + text));
     });
     sel.addEventListener("change", function () { selectSentence(+sel.value, true); });
+    $("v-gold").addEventListener("change", function () { viewer.state.gold = $("v-gold").value; render(); });
     $("v-kind").addEventListener("change", function () {
       var st = viewer.state; st.kind = $("v-kind").value;
       refreshControls(); st.layer = +$("v-layer").value; st.head = Math.min(st.head, $("v-head").options.length - 1);
