@@ -27,6 +27,7 @@ A model uses this only when its attention classes dispatch through ``ALL_ATTENTI
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -151,6 +152,38 @@ def visible_keys(mask: torch.Tensor | None, causal: bool, stop: int, k_len: int)
     return min(k_len, -(-needed // KEY_BLOCK) * KEY_BLOCK)
 
 
+PRESCALE_FLOOR = 2.0 ** -36
+"""The smallest nonzero magnitude of a query or key component under which :func:`exact_prescale` says no."""
+
+
+def exact_prescale(query: torch.Tensor, key: torch.Tensor, scaling: float) -> bool:
+    """Whether ``(q * scaling) k^T`` is, to the bit, ``(q k^T) * scaling`` (eager's order), so that
+    the scaling costs a pass over the query rows instead of one over the scores.
+
+    It is where ``scaling`` is a power of two in ``[2^-8, 1)`` and the dtype float32 or float64,
+    as long as no value of either computation leaves the normal range: multiplying by ``2^-e`` is
+    then exact, and every rounding of the product's sums (in whatever order and with fused
+    multiply-adds) commutes with it. With every nonzero component of ``q`` and ``k`` at least
+    :data:`PRESCALE_FLOOR` (2^-36) in magnitude, every exact product and partial sum is a multiple
+    of ``(2^-36 * 2^-23)^2 = 2^-118`` (float32: 24-bit significands; float64 finer), so any nonzero
+    one, scaled by ``2^-8`` at least, stays at or above ``2^-126``, float32's smallest normal; and
+    with ``max |q| max |k| d_head`` far below the dtype's largest value, no sum overflows.
+    NaN and infinite components fail the last test."""
+    if query.dtype not in (torch.float32, torch.float64) or key.dtype != query.dtype:
+        return False
+    mantissa, _ = math.frexp(scaling)
+    if mantissa != 0.5 or not 2.0 ** -8 <= scaling < 1:
+        return False
+    largest = []
+    for x in (query, key):
+        magnitude = x.abs()
+        if bool(((magnitude < PRESCALE_FLOOR) & (magnitude > 0)).any()):
+            return False
+        largest.append(float(magnitude.amax()) if magnitude.numel() else 0.0)
+    # no sum near the dtype's largest value either (unscaled, it could overflow where the scaled one does not)
+    return largest[0] * largest[1] * query.shape[-1] < torch.finfo(query.dtype).max / 4
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -190,6 +223,7 @@ def attention_forward(
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None
     most = batch * n_heads * min(step, q_len)  # the largest chunk's rows, over every head
     own_softmax = query.dtype in (torch.float32, torch.float64)  # its softmax is in its own dtype
+    prescale = exact_prescale(query, key, scaling)  # the scaling on the query rows: the same scores
     # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
     # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
     output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
@@ -202,13 +236,16 @@ def attention_forward(
         mask = _scores_mask(attention_mask, start, stop, k_len)
         keys = visible_keys(mask, causal, stop, k_len)  # keys from `keys` on: hidden from every row here
         grouped = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, d_head)
+        if prescale:
+            grouped = grouped * scaling  # a copy: never the caller's query
         if buffers is not None:
             scores = torch.matmul(grouped, key_t[..., :keys], out=buffers.take(
                 "scores", query, most * k_len, batch, kv_heads, groups * rows, keys))
             scores = scores.view(batch, n_heads, rows, keys)
         else:
             scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
-        scores.mul_(scaling)
+        if not prescale:
+            scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if position_bias is not None:
