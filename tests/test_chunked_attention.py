@@ -239,3 +239,106 @@ def test_visible_keys_from_the_mask():
     assert visible_keys(None, True, 130, 300) == 3 * KEY_BLOCK
     assert visible_keys(None, True, 290, 300) == 300
     assert visible_keys(None, False, 10, 300) == 300
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reused_buffers_give_the_same_bits(family):
+    """``reuse=True`` (the callback copies what it keeps): each call's chunks are written into the
+    same work buffers, and the chunks, their scores and the model's output are, to the bit, those
+    of fresh tensors per chunk."""
+    model = tiny_model(family, attn_implementation="eager")
+    inputs = tiny_inputs(family, src_len=8, tgt_len=6)
+    runs = []
+    for reuse in (False, True):
+        chunks: dict = {}
+        pointers: dict = {}
+
+        def on_chunk(block, chunk, chunks=chunks, pointers=pointers):
+            pointers.setdefault(block.key, set()).add(chunk.probs.data_ptr())
+            chunks.setdefault(block.key, []).append((chunk.probs.clone(), chunk.scores.clone()))
+
+        with stream_attention(model, on_chunk, query_chunk=3, scores=True, reuse=reuse):
+            out = logits(model, inputs)
+        runs.append((out, chunks, pointers))
+    (fresh, fresh_chunks, _), (reused, reused_chunks, reused_pointers) = runs
+    assert torch.equal(fresh, reused)
+    assert set(fresh_chunks) == set(reused_chunks)
+    for key, parts in fresh_chunks.items():
+        for (probs, scores), (probs2, scores2) in zip(parts, reused_chunks[key], strict=True):
+            assert torch.equal(probs, probs2) and torch.equal(scores, scores2)
+        if len(parts) > 1:  # several chunks of one call: one buffer (fresh tensors may land there too)
+            assert len(reused_pointers[key]) == 1
+
+
+def test_reused_buffers_not_under_autograd():
+    """A chunked forward that autograd records keeps fresh tensors (``out=`` has no gradient)."""
+    from headlab.attention import SINK_ATTRIBUTE, ChunkSink, attention_forward
+
+    module = torch.nn.Module()
+    setattr(module, SINK_ATTRIBUTE, ChunkSink(2, lambda chunk: None, reuse=True))
+    query = torch.randn(1, 2, 5, 4, requires_grad=True)
+    key, value = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    out, _ = attention_forward(module, query, key, value, None, is_causal=True)
+    out.sum().backward()
+    assert query.grad is not None and torch.isfinite(query.grad).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_prescaled_query_gives_the_same_bits(monkeypatch, family):
+    """Where the scaling is a power of two, the query rows are scaled instead of the scores: the
+    chunks' scores and probabilities and the model's output are, to the bit, those of scaling the
+    scores (eager's order)."""
+    import headlab.attention as attention
+    from support.models import CONFIGS
+
+    cls, config = CONFIGS[family]()
+    config.num_attention_heads = config.num_key_value_heads = 2  # heads of 16: scaling 1/4
+    if hasattr(config, "head_dim"):
+        config.head_dim = config.hidden_size // 2
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    inputs = tiny_inputs(family, src_len=8, tgt_len=6)
+    runs = []
+    for allowed in (True, False):
+        seen = []
+        real = attention.exact_prescale
+        monkeypatch.setattr(attention, "exact_prescale",
+                            lambda q, k, s, real=real, allowed=allowed, seen=seen: seen.append(real(q, k, s)) or
+                            (allowed and seen[-1]))
+        chunks: list = []
+        with stream_attention(model, lambda block, chunk, chunks=chunks: chunks.append(
+                (chunk.probs.clone(), chunk.scores.clone())), query_chunk=3, scores=True):
+            out = logits(model, inputs)
+        runs.append((out, chunks, seen))
+    (out, chunks, seen), (reference, reference_chunks, _) = runs
+    assert all(seen) and seen  # every call prescaled
+    assert torch.equal(out, reference)
+    for (probs, scores), (probs2, scores2) in zip(chunks, reference_chunks, strict=True):
+        assert torch.equal(probs, probs2) and torch.equal(scores, scores2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_prescale(dtype):
+    """(q * 2^-e) k^T equals (q k^T) * 2^-e bit for bit on ordinary values; tiny or huge components,
+    scalings that are no power of two, and half precision keep eager's order."""
+    from headlab.attention import PRESCALE_FLOOR, exact_prescale
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 300, 64, dtype=dtype) * 3, torch.randn(2, 4, 300, 64, dtype=dtype) * 3
+    for scaling in (0.5, 0.125, 2.0 ** -8):
+        assert exact_prescale(q, k, scaling)
+        assert torch.equal(torch.matmul(q * scaling, k.transpose(2, 3)), torch.matmul(q, k.transpose(2, 3)) * scaling)
+    assert not exact_prescale(q, k, 64 ** -0.5 * 1.0001) and not exact_prescale(q, k, 1.0)
+    assert not exact_prescale(q, k, 2.0 ** -9)
+    assert not exact_prescale(q.bfloat16(), k.bfloat16(), 0.125)
+    tiny = q.clone()
+    tiny[0, 0, 0, 0] = PRESCALE_FLOOR / 2
+    assert not exact_prescale(tiny, k, 0.125)
+    tiny[0, 0, 0, 0] = 0.0  # zeros are exact
+    assert exact_prescale(tiny, k, 0.125)
+    huge = k.clone()
+    huge[1, 1, 1, 1] = torch.finfo(dtype).max / 1e3
+    assert not exact_prescale(q, huge, 0.125)
+    huge[1, 1, 1, 1] = float("nan")
+    assert not exact_prescale(q, huge, 0.125)

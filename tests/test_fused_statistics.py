@@ -178,3 +178,27 @@ def test_fused_in_bfloat16_agrees_with_chunked(tmp_path):
         analysis = analyze_heads(model, tokenizer, path, config=config, frequencies=TokenFrequencies(counts, "hand-set"))
         written[engine] = _written(analysis.results.values(), tmp_path / engine)
     _assert_close(written["fused"], written["chunked"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("columns", [255, 256, 300, 1087, 1088])
+def test_first_max_is_max_with_its_first_position(columns):
+    """The blocked maximum of long rows (the maxima and their positions of every view) gives
+    ``max(-1)``'s values and positions: ties to the first column, within a block, across blocks and
+    after the last whole block, NaN included; over contiguous rows, a slice of columns and strided rows."""
+    from headlab.data.alignment import first_max
+
+    torch.manual_seed(columns)
+    x = torch.softmax(torch.randn(2, 3, 40, columns) * 4, -1)
+    best = x.max(-1).values
+    x[0, 0, :, 0] = best[0, 0]  # a tie in the first block
+    x[0, 1, :, -1] = best[0, 1]  # a tie after the maximum: in the last block or after it
+    x[0, 2, :, 70] = best[0, 2] * 2  # a larger value in the second block, tied again in the last column
+    x[0, 2, :, -1] = best[0, 2] * 2
+    x[1, 0, :, columns // 2] = best[1, 0]
+    x[1, 1] = 0.0  # every column tied
+    x[1, 2, 3, 7] = x[1, 2, 4, -1] = x[1, 2, 5, 70] = x[1, 2, 5, -2] = float("nan")
+    for y in (x, x[..., 1:], x.transpose(2, 3).contiguous().transpose(2, 3)):
+        values, positions = y.max(-1)
+        got_values, got_positions = first_max(y)
+        assert torch.equal(got_positions, positions)
+        torch.testing.assert_close(got_values, values, rtol=0, atol=0, equal_nan=True)

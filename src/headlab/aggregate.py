@@ -348,7 +348,8 @@ class AggregateStats:
                 c = first
                 offsets = torch.arange(W, dtype=f64, device=device) - c
                 features = torch.cat([features, (offsets * side.word_mask.to(f64))[..., None]], -1)
-            linear = view.word_linear(features).to(f64)  # [B, H, R, 1 + tags (+ 1)]
+            products = view.word_linear(features)  # [B, H, R, 1 + tags (+ 1)]
+            linear = products.to(f64)
             mass = linear[..., 0]
             add("weight", mass.sum((0, 2)))
             if view.causal:
@@ -364,7 +365,7 @@ class AggregateStats:
             add("arcs", view.word_pairs(_related_words(side)).to(f64).sum((0, 2, 3)))
             valid = view.query_valid  # [B, H, R]
             m = mass.clamp(min=1e-300)
-            entropy = m.log() - view.word_xlogx().to(f64) / m
+            entropy = m.log() - view.word_xlogx(products[..., 0]).to(f64) / m  # the mass: no second row sum
             add("entropy", torch.where(valid, entropy, 0.0).sum((0, 2)))
             add("entropy_n", valid.sum((0, 2)).to(f64))
         else:

@@ -27,6 +27,7 @@ A model uses this only when its attention classes dispatch through ``ALL_ATTENTI
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,12 +64,6 @@ class AttentionChunk:
     q_len: int
     k_len: int = -1  # all keys of the block; -1: the probabilities' width (no key left out)
     scores: torch.Tensor | None = None
-    word_score: torch.Tensor | None = None
-    """``[batch, n_heads, rows, 2]``: per row, ``sum_k p_k s_k`` and ``sum_k p_k`` over the keys the
-    sink's ``key_mask`` marks, from one product of the weights with ``[keys * scaling | 1]`` of those
-    keys (``sum_k p_k s_k = q . sum_k p_k k_k * scaling``), where the scores are exactly
-    ``q k^T * scaling`` on them (no soft-capping, position bias or additive mask) in float32 or
-    float64. None otherwise."""
     """The scores the probabilities are the softmax of (``[batch, n_heads, rows, keys]``, the model's
     dtype: scaled, biased, capped and masked, hidden keys at the dtype's minimum), where the chunk has
     them and every one is finite: ``log p = s - lse`` (:mod:`headlab.data.fused` takes entropies from
@@ -102,7 +97,31 @@ class ChunkSink:
     callback: Callable[[AttentionChunk], None] | None = None
     calls: int = 0
     scores: bool = False  # hand each chunk's scores over too (AttentionChunk.scores)
-    key_mask: Callable[[], torch.Tensor | None] | None = None  # [batch, k_len] bool: the keys of word_score
+    reuse: bool = False
+    """The callback keeps no chunk's tensors past its return (it copies what it keeps): every chunk
+    of a call may then be written into the same work buffers (:class:`_Buffers`)."""
+
+
+class _Buffers:
+    """Work buffers of one call, reused by every chunk: a chunk's scores, probabilities and output
+    rows are written into the leading part of a buffer sized for the largest chunk, not into fresh
+    tensors. A fresh tensor of a few MB costs the first touch of its pages wherever the allocator
+    maps large blocks anew (glibc above its mmap threshold): about as long again as the softmax or
+    the matrix product that fills it, on the CPU. The largest chunk's tensors existed before too:
+    the peak is the same."""
+
+    def __init__(self) -> None:
+        self.flat: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor, size: int, *shape: int) -> torch.Tensor:
+        """A ``shape`` tensor of ``like``'s dtype and device in buffer ``name`` (``size`` elements: its largest use)."""
+        flat = self.flat.get(name)
+        if flat is None or flat.dtype != like.dtype:
+            flat = self.flat[name] = like.new_empty(size)
+        n = 1
+        for extent in shape:
+            n *= extent
+        return flat[:n].view(shape)
 
 
 def _scores_mask(attention_mask, start: int, stop: int, k_len: int) -> torch.Tensor | None:
@@ -131,6 +150,38 @@ def visible_keys(mask: torch.Tensor | None, causal: bool, stop: int, k_len: int)
         columns = seen.flatten(0, -2).any(0).nonzero()
         needed = int(columns[-1, 0]) + 1
     return min(k_len, -(-needed // KEY_BLOCK) * KEY_BLOCK)
+
+
+PRESCALE_FLOOR = 2.0 ** -36
+"""The smallest nonzero magnitude of a query or key component under which :func:`exact_prescale` says no."""
+
+
+def exact_prescale(query: torch.Tensor, key: torch.Tensor, scaling: float) -> bool:
+    """Whether ``(q * scaling) k^T`` is, to the bit, ``(q k^T) * scaling`` (eager's order), so that
+    the scaling costs a pass over the query rows instead of one over the scores.
+
+    It is where ``scaling`` is a power of two in ``[2^-8, 1)`` and the dtype float32 or float64,
+    as long as no value of either computation leaves the normal range: multiplying by ``2^-e`` is
+    then exact, and every rounding of the product's sums (in whatever order and with fused
+    multiply-adds) commutes with it. With every nonzero component of ``q`` and ``k`` at least
+    :data:`PRESCALE_FLOOR` (2^-36) in magnitude, every exact product and partial sum is a multiple
+    of ``(2^-36 * 2^-23)^2 = 2^-118`` (float32: 24-bit significands; float64 finer), so any nonzero
+    one, scaled by ``2^-8`` at least, stays at or above ``2^-126``, float32's smallest normal; and
+    with ``max |q| max |k| d_head`` far below the dtype's largest value, no sum overflows.
+    NaN and infinite components fail the last test."""
+    if query.dtype not in (torch.float32, torch.float64) or key.dtype != query.dtype:
+        return False
+    mantissa, _ = math.frexp(scaling)
+    if mantissa != 0.5 or not 2.0 ** -8 <= scaling < 1:
+        return False
+    largest = []
+    for x in (query, key):
+        magnitude = x.abs()
+        if bool(((magnitude < PRESCALE_FLOOR) & (magnitude > 0)).any()):
+            return False
+        largest.append(float(magnitude.amax()) if magnitude.numel() else 0.0)
+    # no sum near the dtype's largest value either (unscaled, it could overflow where the scaled one does not)
+    return largest[0] * largest[1] * query.shape[-1] < torch.finfo(query.dtype).max / 4
 
 
 def attention_forward(
@@ -167,15 +218,12 @@ def attention_forward(
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform
     step = sink.query_chunk if sink is not None and sink.query_chunk > 0 else q_len
-    # sum_k p_k s_k over the marked keys as a product of the weights with [k * scaling | 1] (an attention
-    # pass with the keys as values): exact where the scores are q k^T * scaling on those keys
-    marked = None
-    key_mask = sink.key_mask() if sink is not None and sink.key_mask is not None else None
-    if key_mask is not None and softcap is None and position_bias is None \
-            and (attention_mask is None or attention_mask.dtype == torch.bool) \
-            and query.dtype in (torch.float32, torch.float64) and key_mask.shape == (batch, k_len):
-        keep = key_mask.to(key.dtype)[:, None, :, None]  # [batch, 1, k_len, 1]
-        marked = torch.cat([key * (keep * scaling), keep.expand(-1, kv_heads, -1, -1)], -1)
+    # work buffers (`out=`) where no chunk outlives the callback and no gradient is asked for
+    buffers = _Buffers() if (sink is None or sink.callback is None or sink.reuse) and not (
+        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None
+    most = batch * n_heads * min(step, q_len)  # the largest chunk's rows, over every head
+    own_softmax = query.dtype in (torch.float32, torch.float64)  # its softmax is in its own dtype
+    prescale = exact_prescale(query, key, scaling)  # the scaling on the query rows: the same scores
     # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
     # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
     output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
@@ -188,8 +236,16 @@ def attention_forward(
         mask = _scores_mask(attention_mask, start, stop, k_len)
         keys = visible_keys(mask, causal, stop, k_len)  # keys from `keys` on: hidden from every row here
         grouped = query[:, :, start:stop].reshape(batch, kv_heads, groups * rows, d_head)
-        scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
-        scores.mul_(scaling)
+        if prescale:
+            grouped = grouped * scaling  # a copy: never the caller's query
+        if buffers is not None:
+            scores = torch.matmul(grouped, key_t[..., :keys], out=buffers.take(
+                "scores", query, most * k_len, batch, kv_heads, groups * rows, keys))
+            scores = scores.view(batch, n_heads, rows, keys)
+        else:
+            scores = torch.matmul(grouped, key_t[..., :keys]).view(batch, n_heads, rows, keys)
+        if not prescale:
+            scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if position_bias is not None:
@@ -209,23 +265,24 @@ def attention_forward(
             hidden = torch.arange(start, stop, device=scores.device)[:, None] < \
                 torch.arange(start + 1, keys, device=scores.device)
             corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        if buffers is not None and own_softmax and scores.dtype == query.dtype:
+            # the kernel torch.softmax(scores, -1, dtype=scores.dtype) runs, into a buffer
+            probs = torch.ops.aten._softmax.out(scores, -1, False, out=buffers.take(
+                "probs", scores, most * k_len, batch, n_heads, rows, keys))
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         if sink is not None and sink.callback is not None:
             # an additive mask of -inf would make p * s = 0 * -inf: no scores then
             finite = mask is None or mask.dtype == torch.bool or not bool(torch.isinf(mask).any())
-            word_score = None
-            if marked is not None:
-                pk = torch.matmul(probs.view(batch, kv_heads, groups * rows, keys), marked[:, :, :keys])
-                pk = pk.view(batch, n_heads, rows, d_head + 1)
-                dot = torch.linalg.vecdot(pk[..., :d_head], query[:, :, start:stop])
-                word_score = torch.stack([dot, pk[..., d_head]], -1)
             sink.callback(AttentionChunk(probs.detach(), start, stop, q_len, k_len,
-                                         scores.detach() if finite and sink.scores else None, word_score))
+                                         scores.detach() if finite and sink.scores else None))
         del scores
         weights = probs.to(value.dtype)
         if dropout and module.training:
             weights = nn.functional.dropout(weights, p=dropout, training=True)
-        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys])
+        out = None if buffers is None or weights.dtype != value.dtype else \
+            buffers.take("output", value, most * value.shape[-1], batch, kv_heads, groups * rows, value.shape[-1])
+        chunk = torch.matmul(weights.view(batch, kv_heads, groups * rows, keys), value[:, :, :keys], out=out)
         output[:, start:stop] = chunk.view(batch, n_heads, rows, -1).transpose(1, 2)
         del probs, weights, chunk
     if sink is not None:

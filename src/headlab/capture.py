@@ -234,7 +234,7 @@ def stream_attention(
     query_chunk: int,
     blocks: list[AttentionBlock] | None = None,
     scores: bool = False,
-    key_mask: Callable[[AttentionBlock], torch.Tensor | None] | None = None,
+    reuse: bool = False,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -249,8 +249,10 @@ def stream_attention(
     did not (its module bypassed the registry) raises rather than leave a statistic silently short.
     The model runs in evaluation mode inside, as in :func:`capture_attention`.
     With ``scores`` the chunks carry the scores too (:attr:`AttentionChunk.scores`; not from the
-    eager fallback); with ``key_mask(block)`` (a ``[batch, k_len]`` bool mask of the keys, asked at
-    each forward call, or None) the sums of :attr:`AttentionChunk.word_score` over those keys.
+    eager fallback).
+    With ``reuse`` the callback promises to keep nothing of a chunk past its return (it copies
+    what it keeps): the chunks of a call are then written into the same memory
+    (:attr:`~headlab.attention.ChunkSink.reuse`), which saves a fresh allocation per chunk.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -296,10 +298,6 @@ def stream_attention(
 
         return check
 
-    def make_key_mask(block: AttentionBlock) -> Callable[[], torch.Tensor | None]:
-        assert key_mask is not None
-        return lambda: key_mask(block)
-
     def make_switch(block: AttentionBlock, sink: ChunkSink) -> Callable[..., None]:
         def switch(module: nn.Module, args: tuple) -> None:  # a shared core gets the sink of the depth it runs at
             if applications.runs(block):
@@ -316,7 +314,7 @@ def stream_attention(
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
-                                 key_mask=make_key_mask(block) if report and key_mask is not None else None)
+                                 reuse=reuse)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 if block.shared:
                     handles.append(block.core.register_forward_pre_hook(make_switch(block, sink)))

@@ -523,6 +523,36 @@ def word_attention(probs: torch.Tensor, side: SideBatch) -> torch.Tensor:
     return _words_from(_key_words(probs.float(), side), side)
 
 
+MAX_BLOCK = 64
+"""Columns per block of :func:`first_max`."""
+
+
+def first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(-1)``: each row's largest value and its first position, the same values and
+    positions (a NaN wins, as there). On the CPU ``max`` with positions compares column by column
+    (about 1.1 ns a value here), while ``amax`` runs vectorised (0.15 to 0.35 ns): so the maxima of
+    blocks of :data:`MAX_BLOCK` columns come from ``amax``, the first block holding the row's
+    maximum from a ``max`` over them, and the position from a ``max`` over that block's columns
+    (about half the time over long rows). The first block with the largest maximum holds the first
+    column with the largest value; the columns after the last whole block are compared apart, and
+    win only with a larger value (or a NaN where the blocks have none)."""
+    C = x.shape[-1]
+    n = C // MAX_BLOCK
+    if x.device.type != "cpu" or n < 4 or x.numel() == 0:
+        return x.max(-1)
+    whole = x[..., :n * MAX_BLOCK]
+    best, block = whole.unflatten(-1, (n, MAX_BLOCK)).amax(-1).max(-1)
+    columns = block[..., None] * MAX_BLOCK + torch.arange(MAX_BLOCK, device=x.device)
+    _, within = whole.gather(-1, columns).max(-1)
+    where = block * MAX_BLOCK + within
+    if n * MAX_BLOCK < C:
+        tail_best, tail_where = x[..., n * MAX_BLOCK:].max(-1)
+        later = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+        best = torch.where(later, tail_best, best)
+        where = torch.where(later, tail_where + n * MAX_BLOCK, where)
+    return best, where
+
+
 def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max, index)`` over the last dimension of ``x`` ``[B, H, rows, C]`` (values >= 0) among
     the columns ``keep`` ``[B, C]``, the others counted as -1; the first maximum on ties, as
@@ -534,10 +564,10 @@ def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torc
         a, e = int(columns[0]), int(columns[-1]) + 1
         if e - a == columns.numel():  # one range [a, e): the max over it, where nothing is -1
             if a == 0 and e == C:
-                return x.max(-1)
-            best, index = x[..., a:e].max(-1)
+                return first_max(x)
+            best, index = first_max(x[..., a:e])
             return best, index + a
-    return x.masked_fill(~keep[:, None, None, :], -1.0).max(-1)
+    return first_max(x.masked_fill(~keep[:, None, None, :], -1.0))
 
 
 class AttentionView:

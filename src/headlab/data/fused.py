@@ -84,10 +84,9 @@ class FusedView(AttentionView):
     :func:`word_offset`); ``words`` (the word-to-word block) is only made when asked for."""
 
     def __init__(self, block, probs: torch.Tensor, side: SideBatch, *, start: int, last: bool,
-                 scores: torch.Tensor | None = None, word_score: torch.Tensor | None = None) -> None:
+                 scores: torch.Tensor | None = None) -> None:
         self.block = block
         self.scores = scores  # what the probabilities are the softmax of, where the chunk has them
-        self.word_score = word_score  # [B, H, rows, 2]: sum p s and sum p over the word tokens, where given
         self.side = side
         self.probs = probs if probs.dtype == torch.float64 else probs.float()
         self.keys = probs.shape[3]
@@ -163,8 +162,10 @@ class FusedView(AttentionView):
             return x
         return x * real.view(real.shape[0], 1, real.shape[1], *([1] * (x.dim() - 3))).to(x.dtype)
 
-    def word_xlogx(self) -> torch.Tensor:
+    def word_xlogx(self, mass: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H, word rows]``: ``sum_j alpha_ij log alpha_ij`` over the words (``0 log 0 = 0``).
+        ``mass``: each row's weight on words where the caller has it (``word_linear`` with a column
+        that is 1 on the words), else a row sum makes it.
 
         With the scores ``s`` the probabilities are the softmax of, ``log p = s - lse`` and the sum is
         ``sum_j p_j s_j - m lse`` (``m = sum_j p_j``): one row-wise dot product and no logarithm per
@@ -172,34 +173,26 @@ class FusedView(AttentionView):
         (a row whose largest word weight is 0 has no word attention, and is not counted; one whose
         largest word weight is below the dtype's normal range, a score gap of more than 87 nats in
         float32, gets ``lse`` to fewer digits)."""
-        if self.scores is not None or self.word_score is not None:
-            return self._xlogx_from_scores()
+        if self.scores is not None:
+            return self._xlogx_from_scores(self.scores, mass)
         words = self.words  # padding words' rows: over their tokens' weights (their rows are not counted)
         # log of the smallest positive value instead of log 0: a 0 weight adds 0 * finite = 0
         logs = words.clamp(min=torch.finfo(words.dtype).tiny).log_()
         return torch.linalg.vecdot(words, logs)
 
-    def _xlogx_from_scores(self) -> torch.Tensor:
+    def _xlogx_from_scores(self, scores: torch.Tensor, mass: torch.Tensor | None) -> torch.Tensor:
         o, K = self._o, self._word_columns
         dtype = self.probs.dtype
         best, where = self._word_max  # over the word columns, where = word index
         real = best > 0
         where = where.clamp(0, max(K - 1, 0)) + o
-        if self.scores is not None:
-            s_best = self.scores[:, :, self._rows].gather(3, where[..., None])[..., 0].to(dtype)
-        else:  # s = q k^T * scaling there: the weight's own score from log p = s - lse is not needed,
-            s_best = None  # lse comes from the row's largest weight and its score (below)
-        if self.word_score is not None:
-            dot, mass = self.word_score[:, :, self._rows].to(dtype).unbind(-1)  # from the attention pass
-            dot, mass = self._real_rows(dot), self._real_rows(mass)
-        else:
-            words = self.words  # padding words and rows: 0
-            assert self.scores is not None  # word_xlogx comes here only with one of the two
-            scores = self.scores[:, :, self._rows, o:o + K]
-            dot = torch.linalg.vecdot(words, scores.to(dtype) if scores.dtype != dtype else scores)
-            mass = words.sum(-1)
-        if s_best is None:
-            raise RuntimeError("a FusedView with word_score needs the chunk's scores too")
+        s_best = scores[:, :, self._rows].gather(3, where[..., None])[..., 0].to(dtype)
+        words = self.words  # padding words and rows: 0
+        scores = scores[:, :, self._rows, o:o + K]
+        # sum_j p_j s_j as one batched product, [.., 1, K] @ [.., K, 1] (einsum's plan): no tensor of
+        # the products p_j s_j, and no copy where (batch, head, row) merge into one dimension (a whole chunk)
+        dot = torch.einsum("bhrk,bhrk->bhr", words, scores.to(dtype) if scores.dtype != dtype else scores)
+        mass = words.sum(-1) if mass is None else mass.to(dtype)
         lse = s_best - best.clamp(min=torch.finfo(dtype).tiny).log()
         return torch.where(real, dot - mass * lse, 0.0)
 

@@ -50,7 +50,7 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
-from headlab.data.fused import FusedView, unavailable_passes, word_offset
+from headlab.data.fused import FusedView, unavailable_passes
 from headlab.data.parallel import read_lines
 from headlab.data.treebank import (
     InMemoryTreebank,
@@ -89,8 +89,10 @@ def statistics_device(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
 
 
-FUSED_PIECE_ELEMENTS = 1 << 21
-"""The same for the fused engine, whose passes read each weight once or twice: larger pieces, fewer calls."""
+FUSED_PIECE_ELEMENTS = 1 << 30
+"""The same for the fused engine: in practice a whole chunk. Its passes read each weight once or
+twice (no cache to stay in), and its batched products (entropy's ``sum_j p_j s_j``) read a whole
+chunk's ``[batch, heads, rows, keys]`` as one matrix of rows; a piece of some rows would be copied first."""
 
 
 def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
@@ -434,7 +436,7 @@ class _Feeder:
             return capture_attention(model, self.on_probs, blocks=blocks)
         return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
                                 query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
-                                key_mask=self.word_tokens if engine == "fused" else None)
+                                reuse=True)
 
     def new_batch(self) -> None:
         self.current.clear()
@@ -513,10 +515,7 @@ class _Feeder:
             if fused:
                 scores = None if chunk.scores is None else \
                     chunk.scores[:, :, first:first + step].to(statistics_device(chunk.scores.device))
-                word_score = None if chunk.word_score is None else \
-                    chunk.word_score[:, :, first:first + step].to(probs.device)
-                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores,
-                                 word_score=word_score)
+                view = FusedView(block, piece, side, start=chunk.start + first, last=last, scores=scores)
                 for stat in fused:
                     stat.update_fused(view)
             if chunked:
@@ -525,14 +524,6 @@ class _Feeder:
                     stat.update(word_view)
         if chunk.last:
             del self.fused_plan[block.key]
-
-    def word_tokens(self, block) -> torch.Tensor | None:
-        """The fused engine's word keys for the attention pass (AttentionChunk.word_score): the
-        tokens of the words where every word is one token, on the model's device; else None."""
-        name = self.sides.get(block.kind, "")
-        if name not in self.current or word_offset(self.current[name]) is None:
-            return None
-        return self.current[name].token_mask.to(self.device)  # [B, T] bool: a copy per block and batch, small
 
 
 class _ProblemEvents(ProblemLog):
