@@ -114,7 +114,7 @@ def option_table(specs: list[OptionSpec], name: str = "PluginOptionTable") -> ty
         first = seen.setdefault(spec.dest, spec)
         if _declared(first) != _declared(spec):
             raise ValueError(f"--{spec.dest.replace('_', '-')} is declared differently by {first.owner} and "
-                             f"{spec.owner}: a flag that several plug-ins declare is declared alike")
+                             f"{spec.owner}: plug-ins that share a flag declare it alike (type, default, help, range)")
     columns = []
     for dest, spec in seen.items():
         metadata = {k: v for k, v in spec.field.metadata.items() if k not in ("flag", "signed")}
