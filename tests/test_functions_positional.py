@@ -6,6 +6,7 @@ import torch
 from headlab.adapters import attention_blocks
 from headlab.data.alignment import AttentionView
 from headlab.functions import AnalysisConfig, PositionalStats, analyze_heads
+from headlab.functions.positional import POSITIONAL_INTERIOR
 from support.models import tiny_model
 from support.treebank import (
     FakeBlock,
@@ -127,5 +128,5 @@ def test_interior_reading_counts_only_words_with_both_neighbours(tmp_path):
     assert interior.result().share["enc_self"][0, 0] == 1.0
     assert interior.counts[("enc_self", 0)].sum() == sum(n - 2 for n in n_words)
     assert interior.result().labels() == {} and interior.result().describe_heads() == []
-    assert PositionalStats.interior_from_config(AnalysisConfig()) is None  # only with sensitivity
-    assert PositionalStats.interior_from_config(AnalysisConfig(sensitivity=True)).level == "interior"
+    assert POSITIONAL_INTERIOR(AnalysisConfig()) is None  # only with sensitivity (its own option)
+    assert POSITIONAL_INTERIOR(AnalysisConfig(sensitivity=True)).level == "interior"

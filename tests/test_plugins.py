@@ -292,3 +292,48 @@ def test_the_builtin_statistics_options_reach_analyze_through_their_declarations
     code, err = analyze("--relations", "nsubj,objj")
     assert code == 2 and "--relations: 'objj' is not a Universal Dependencies relation" in err
     assert (out / ".headlab" / "stages" / "functions.json").read_text() == marker
+    # --sensitivity, declared by the positional and the rare-token statistics: the functions stage only
+    code, err = analyze("--relations", "nsubj,iobj", "--window", "3", "--sensitivity")
+    assert code == 0 and re.search(r"functions: running", err) and re.search(r"aggregate: reused", err)
+    assert json.loads((out / "functions" / "summary.json").read_text())["config"]["sensitivity"] is True
+    assert (out / "functions" / "positional" / "interior_share.json").is_file()
+    assert (out / "functions" / "rare_tokens" / "rarest_per_sentence.json").is_file()
+
+
+def test_a_flag_that_several_statistics_declare_is_one_option(capsys):
+    """--sensitivity is declared by the positional statistics and by the rare-token one (each reads
+    it from its own options): functions shows it once, one value reaches both, summary.json leaves
+    it out at its default; a plug-in that declares the flag otherwise is refused, not merged."""
+    from dataclasses import dataclass
+
+    from headlab.functions.config import AnalysisConfig
+    from headlab.functions.positional import POSITIONAL_INTERIOR
+    from headlab.functions.registry import option_specs
+    from headlab.functions.statistic import Statistic, sensitivity_option
+    from headlab.options import option
+    from headlab.plugins import option_table
+
+    owners = {s.owner for s in option_specs() if s.dest == "sensitivity"}
+    assert owners == {"positional", "positional_tokens", "positional_interior", "rare"}
+    with pytest.raises(SystemExit):
+        main(["functions", "--help"])
+    assert capsys.readouterr().out.count("--sensitivity ") == 1
+    config = AnalysisConfig(sensitivity=True)
+    assert "sensitivity" not in {f for f in AnalysisConfig.__dataclass_fields__}  # not the pass's own field
+    assert STATISTICS["positional"].options_from(config.option_values()).sensitivity is True
+    assert STATISTICS["rare"].options_from(config.option_values()).sensitivity is True
+    assert POSITIONAL_INTERIOR(config).level == "interior" and POSITIONAL_INTERIOR(AnalysisConfig()) is None
+
+    @dataclass(frozen=True)
+    class Alike:
+        sensitivity: bool = sensitivity_option()
+
+    @dataclass(frozen=True)
+    class Otherwise:
+        sensitivity: bool = option(True, "on unless asked", flag="sensitivity")
+
+    with STATISTICS.registered("alike", Statistic(lambda config, frequencies, options: None, Options=Alike)):
+        assert [f.name for f in option_table(option_specs()).__dataclass_fields__.values()].count("sensitivity") == 1
+    with STATISTICS.registered("otherwise", Statistic(lambda config, frequencies, options: None, Options=Otherwise)):
+        with pytest.raises(ValueError, match="--sensitivity is declared differently by positional and otherwise"):
+            AnalysisConfig(sensitivity=True)

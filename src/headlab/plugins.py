@@ -9,7 +9,9 @@ An importance measure (:class:`headlab.importance.measure.ImportanceMeasure`), a
   metadata (:func:`headlab.options.option`). :func:`option_specs` turns it into the command line's
   flags (``headlab importance`` and ``headlab analyze`` add them with :func:`add_plugin_options`), the
   values of a config (:class:`PluginOptions`), the scores' signature and the stage keys of ``analyze``
-  (a field with ``signed=False`` in its metadata changes no number and is left out of both);
+  (a field with ``signed=False`` in its metadata changes no number and is left out of both; one with
+  ``omit_default=True`` came after results were published and is left out of ``summary.json`` at its
+  default); several plug-ins may declare one flag alike (one option, one value);
 * their output files with titles (:class:`Output`), which the report draws, and what else the
   report shows of them (:class:`ReportPart`: their own tables and charts, drawn in their own module);
 * their label group (statistics: the ``heads.csv`` column their labels go to);
@@ -103,17 +105,26 @@ def option_specs(owner: str, options: type, prefix: str = "") -> list[OptionSpec
 
 
 def option_table(specs: list[OptionSpec], name: str = "PluginOptionTable") -> type:
-    """A dataclass with one field per distinct ``dest`` of ``specs`` (the first spec of a dest gives
-    its default, help and range): what :func:`headlab.options.add_options` and
-    :func:`headlab.options.check_ranges` read."""
+    """A dataclass with one field per distinct ``dest`` of ``specs``: what
+    :func:`headlab.options.add_options` and :func:`headlab.options.check_ranges` read. Plug-ins
+    that declare one flag (``--sensitivity``) share it, one value for all; they must declare it
+    alike (type, default, help, range, ...), else the flag would mean what the first one says."""
     seen: dict[str, OptionSpec] = {}
     for spec in specs:
-        seen.setdefault(spec.dest, spec)
+        first = seen.setdefault(spec.dest, spec)
+        if _declared(first) != _declared(spec):
+            raise ValueError(f"--{spec.dest.replace('_', '-')} is declared differently by {first.owner} and "
+                             f"{spec.owner}: plug-ins that share a flag declare it alike (type, default, help, range)")
     columns = []
     for dest, spec in seen.items():
         metadata = {k: v for k, v in spec.field.metadata.items() if k not in ("flag", "signed")}
         columns.append((dest, spec.field.type, dataclasses.field(default=spec.default, metadata=metadata)))
     return dataclasses.make_dataclass(name, columns, frozen=True)
+
+
+def _declared(spec: OptionSpec) -> tuple[str, object, dict[str, Any]]:
+    """What a declaration of a flag says (its type by name: a module may postpone annotations)."""
+    return str(getattr(spec.field.type, "__name__", spec.field.type)), spec.default, dict(spec.field.metadata)
 
 
 def add_plugin_options(parser: Any, specs: list[OptionSpec], skip: tuple[str, ...] = ()) -> None:

@@ -105,8 +105,8 @@ def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
 
 
 # Options added after results were published, left out of summary.json at their defaults so that
-# a default run writes the files it always wrote.
-_LATER_DEFAULTS = {"word_pooling": "sum", "sensitivity": False, "engine": None}
+# a default run writes the files it always wrote (a statistic's: ``omit_default`` in its metadata).
+_LATER_DEFAULTS = {"word_pooling": "sum", "engine": None}
 
 
 @dataclass
@@ -191,7 +191,9 @@ class HeadAnalysis:
         paths = [path for result in self.results.values() for path in result.write(directory)]
         # the pass's own settings, then every statistic's options (given or default) by flag name
         config = {**{k: v for k, v in asdict(self.config).items() if k != "options"}, **self.config.option_values()}
-        config = {k: v for k, v in config.items() if _LATER_DEFAULTS.get(k, object()) != v}
+        later = {**_LATER_DEFAULTS, **{s.dest: s.default for s in self.config.plugin_specs()
+                                        if s.field.metadata.get("omit_default")}}
+        config = {k: v for k, v in config.items() if later.get(k, object()) != v}
         summary = {"model": self.model, "config": config, "report": self.report.to_json()}
         paths.append(write_json(directory / "summary.json", summary, ensure_ascii=False))
         path = directory / "README.md"

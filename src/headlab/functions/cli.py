@@ -45,7 +45,6 @@ def register(subparsers) -> None:
     p.add_argument("--frequencies", help="token<TAB>count file instead of --train-text")
     p.add_argument("--aggregate", action="store_true",
                    help="also compute the aggregate statistics in the same pass")
-    add_options(p, AnalysisConfig, ("sensitivity",))
     defer(p, _statistic_options(None))
     p.set_defaults(func=run_functions)
 

@@ -25,9 +25,11 @@ FUSED_QUERY_CHUNK = 128
 class AnalysisConfig(PluginOptions):
     """What to compute and how. Each field maps one to one onto a CLI flag; the options that a
     registered statistic declares itself (``Statistic.Options``: ``relations``, ``positional_threshold``,
-    ``top_frequent``, ``min_weight``, ...) are keywords and attributes too, kept in ``options``."""
+    ``sensitivity``, ``top_frequent``, ``min_weight``, ...) are keywords and attributes too, kept in ``options``."""
 
-    max_offset: int = 32  # positional offsets tracked in [-max_offset, max_offset]
+    # The positional statistics' offsets, tracked in [-max_offset, max_offset]. Not one of their
+    # declared options: each of those is a flag, and this never was; summary.json records it first.
+    max_offset: int = 32
     functions: bool = True  # positional, syntactic and rare-token heads
     aggregate: bool = True  # Vig & Belinkov statistics
     batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")
@@ -47,8 +49,6 @@ class AnalysisConfig(PluginOptions):
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
                                "largest weight)", choices=WORD_POOLINGS)
-    sensitivity: bool = option(False, "also the sensitivity readings: positional share over words with both "
-                               "neighbours; rare-token share per sentence")
     options: dict[str, object] = field(default_factory=dict, metadata={
         "help": "the options the statistics declare, by flag name"})
 

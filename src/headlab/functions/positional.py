@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from headlab.data.alignment import AttentionView
-from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
+from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.options import option
 from headlab.plugins import Output
@@ -37,6 +37,7 @@ __all__ = ["PositionalStats", "PositionalResult", "PositionalHead", "PositionalO
 class PositionalOptions:
     """The options of the positional statistics (words, tokens, interior words alike)."""
 
+    sensitivity: bool = sensitivity_option()  # interior words too; first: summary.json's order of before
     threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]",
                               flag="positional_threshold")
 
@@ -68,10 +69,10 @@ class PositionalStats:
     @classmethod
     def interior_from_config(cls, config, frequencies=None,
                              options: PositionalOptions | None = None) -> "PositionalStats | None":
-        """Words with both neighbours, when ``config.functions`` and ``config.sensitivity``
+        """Words with both neighbours, when ``config.functions`` and ``options.sensitivity``
         (registry entry ``positional_interior``)."""
-        threshold = (options or PositionalOptions()).threshold
-        return cls(config.max_offset, "interior", threshold) if config.functions and config.sensitivity else None
+        options = options or PositionalOptions()
+        return cls(config.max_offset, "interior", options.threshold) if config.functions and options.sensitivity else None
 
     @property
     def fused_passes(self) -> tuple[str, ...]:

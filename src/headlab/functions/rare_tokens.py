@@ -32,7 +32,7 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
-from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
+from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.options import option
 from headlab.plugins import Output
@@ -75,6 +75,7 @@ class RareOptions:
 
     top_frequent: int = option(500, "rare-token sentences: least frequent token outside the N most frequent",
                                range="[1, inf)", flag="top_frequent")
+    sensitivity: bool = sensitivity_option()  # the share per sentence too
 
 
 class RareTokenStats:
@@ -103,8 +104,8 @@ class RareTokenStats:
         """When ``config.functions`` and token frequencies are given (registry entry ``rare``)."""
         if not (config.functions and frequencies):
             return None
-        top = (options or RareOptions()).top_frequent
-        return cls(frequencies, top, per_sentence=getattr(config, "sensitivity", False))
+        options = options or RareOptions()
+        return cls(frequencies, options.top_frequent, per_sentence=options.sensitivity)
 
     def update_side(self, kind: str, side: SideBatch) -> None:
         eligible, _, _ = rare_token_masks(side, self.counts, self.top)

@@ -12,6 +12,7 @@ its labels and files (CONTRIBUTING.md). Entries are imported on first use.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from headlab._lazy import LazyRegistry
 from headlab.plugins import OptionSpec
@@ -45,8 +46,9 @@ def label_group(label: str) -> str | None:
 
 
 def option_specs(stage: str | None = None) -> list[OptionSpec]:
-    """The options that the statistics (of the pass ``stage``; None: all) declare, in registry order."""
-    return [spec for statistic in STATISTICS.values() if stage in (None, statistic.stage)
+    """The options that the statistics (of the pass ``stage``; None: all) declare, in registry order,
+    each owned by its statistic's registry name (what names it when two declare a flag otherwise)."""
+    return [replace(spec, owner=name) for name, statistic in STATISTICS.items() if stage in (None, statistic.stage)
             for spec in statistic.option_specs()]
 
 

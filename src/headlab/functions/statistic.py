@@ -19,17 +19,27 @@ Figure 1 and the report take them from it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from headlab.data.alignment import AttentionView
 from headlab.heads import HeadScores
+from headlab.options import option
 from headlab.plugins import PASSES, WRITTEN_UNDER, LabelReader, Output, Statistic
 
 __all__ = ["HeadStatistic", "FusedStatistic", "StatisticResult", "Statistic", "Labels", "LabelReader",
-           "Output", "empty_labels", "PASSES", "WRITTEN_UNDER"]
+           "Output", "empty_labels", "sensitivity_option", "PASSES", "WRITTEN_UNDER"]
 
 Labels = dict[tuple[str, int, int], list[str]]
 """``{(kind, layer, head): [label, ...]}``; an analysed head without a function has ``[]``."""
+
+
+def sensitivity_option() -> Any:
+    """``--sensitivity``: a field of the options of each statistic with a sensitivity reading (the
+    positional and the rare-token statistics). Declared alike by each, it is one flag and one value
+    (:func:`headlab.plugins.option_table`); left out of ``summary.json`` at its default (it came
+    after results were published)."""
+    return option(False, "also the sensitivity readings: positional share over words with both neighbours; "
+                  "rare-token share per sentence", flag="sensitivity", omit_default=True)
 
 
 class StatisticResult(Protocol):
