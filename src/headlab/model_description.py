@@ -82,10 +82,12 @@ def _max_positions(model: nn.Module) -> int | None:
 def _reserved_positions(model: nn.Module) -> int:
     """Rows of the position table no token can use: RoBERTa-style embeddings number positions
     from ``padding_idx + 1`` (transformers' ``create_position_ids_from_input_ids``), so a table of
-    514 rows takes 512 tokens."""
+    514 rows takes 512 tokens. Only a learned table of that many rows: M2M100's sinusoidal one
+    (the same numbering) has ``padding_idx + 1`` rows more and grows on demand."""
     for module in model.modules():
         padding = getattr(module, "padding_idx", None)
-        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int):
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int) \
+                and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
             return padding + 1
     return 0
 
