@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
+from headlab.portable import CLASS_NAME
 
 __all__ = [
     "ModelInfo",
@@ -98,7 +99,7 @@ def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
     absent (transformers initialises it at random on loading); ``log`` says so. What ``headlab
     analyze``, ``headlab importance`` and the Python API describe."""
     info = describe_model(model, tokenizer, max_length=max_length)
-    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config, type(model)):
         if log is not None:
             architectures = getattr(model.config, "architectures", None) or []
             log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
@@ -106,9 +107,13 @@ def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
     return info
 
 
-def checkpoint_has_lm_head(config) -> bool:
-    """Whether the checkpoint's saved architecture has a language-model head (True when unknown)."""
+def checkpoint_has_lm_head(config, model_class: type | None = None) -> bool:
+    """Whether the checkpoint's saved architecture has a language-model head (True when unknown).
+    headlab's ``PrunedModel`` (a pruned directory re-saved by transformers) is the class it was
+    loaded as, ``model_class`` (or the original class its remote code subclasses)."""
     architectures = getattr(config, "architectures", None) or []
+    if model_class is not None and CLASS_NAME in architectures:
+        architectures = [c.__name__ for c in model_class.__mro__]
     return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
 
 
