@@ -288,6 +288,31 @@ def test_unshared_albert_loses_a_whole_depth(tmp_path):
     torch.testing.assert_close(_logits(plain, inputs), pruned, atol=1e-6, rtol=0)
 
 
+def test_partly_shared_albert_prunes_its_unshared_depth():
+    """Three depths over two groups (groups 0, 0, 1): group 1's module runs once, so its heads can be
+    pruned; group 0's cannot. Regression: pruning's check compared the shared module's first call
+    with its last one, and refused every such prune ("differs ... in enc_self layer 0")."""
+    import transformers as tf
+
+    from headlab import prune_heads
+
+    config = tf.AlbertConfig(vocab_size=99, embedding_size=16, hidden_size=32, num_attention_heads=4,
+                             intermediate_size=37, max_position_embeddings=64, num_hidden_layers=3,
+                             num_hidden_groups=2)
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM(config).eval()
+    assert [b.shared for b in attention_blocks(model)] == [True, True, False]
+    inputs = tiny_inputs()
+    with mask_heads(model, {("enc_self", 2): [1]}):
+        masked = _logits(model, inputs)
+    with pytest.raises(HeadlabError, match="shared by 2 depths"):
+        prune_heads(model, {("enc_self", 0): [1]})
+    prune_heads(model, {("enc_self", 2): [1]})
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 4, 3]
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(_logits(model, inputs)[keep], masked[keep], atol=1e-6, rtol=0)
+
+
 def _save(tmp_path, family="albert"):
     from support.treebank import SAMPLE_CONLLU, word_tokenizer
 
