@@ -40,3 +40,21 @@ def test_offset_sinusoidal_table_reserves_nothing():
     ids = torch.full((1, 12), 5)
     with torch.no_grad():
         model(input_ids=ids, decoder_input_ids=ids)
+
+
+def test_module_level_position_numbering_reserves_rows_too():
+    # ESM numbers positions from padding_idx + 1 with a module-level create_position_ids_from_input_ids
+    # (not a method of its embeddings): a table of 12 rows takes 10 tokens. The limit was 12, and an
+    # input of 11 or 12 tokens crashed in the embeddings.
+    import transformers as tf
+
+    config = tf.EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=12, pad_token_id=1, mask_token_id=32,
+                          position_embedding_type="absolute")
+    torch.manual_seed(0)
+    model = tf.EsmForMaskedLM(config).eval()
+    assert describe_model(model).max_length == model_max_length(model, None) == 10
+    with torch.no_grad():
+        model(input_ids=torch.full((1, 10), 5))
+        with pytest.raises((IndexError, RuntimeError)):
+            model(input_ids=torch.full((1, 11), 5))

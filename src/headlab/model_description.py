@@ -7,6 +7,7 @@ report's examples, the one-call API), not from a module of another feature.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, cast
 
@@ -83,12 +84,15 @@ def _max_positions(model: nn.Module) -> int | None:
 def _reserved_positions(model: nn.Module) -> int:
     """Rows of the position table no token can use: RoBERTa-style embeddings number positions
     from ``padding_idx + 1`` (transformers' ``create_position_ids_from_input_ids``), so a table of
-    514 rows takes 512 tokens. Only a learned table of that many rows: M2M100's sinusoidal one
-    (the same numbering) has ``padding_idx + 1`` rows more and grows on demand."""
+    514 rows takes 512 tokens (ESM's is a function of its module, not a method). Only a learned
+    table of that many rows: M2M100's sinusoidal one (the same numbering) has ``padding_idx + 1``
+    rows more and grows on demand."""
     for module in model.modules():
         padding = getattr(module, "padding_idx", None)
-        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int) \
-                and isinstance(getattr(module, "position_embeddings", None), nn.Embedding):
+        numbers = hasattr(module, "create_position_ids_from_input_ids") or \
+            hasattr(sys.modules.get(type(module).__module__), "create_position_ids_from_input_ids")
+        if numbers and isinstance(padding, int) \
+                and isinstance(getattr(getattr(module, "position_embeddings", None), "num_embeddings", None), int):
             return padding + 1
     return 0
 
