@@ -379,6 +379,34 @@ def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tm
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),
+                                           ("AutoModel", "BertModel", False)])
+def test_resaved_pruned_model_is_the_class_it_was_saved_as(auto, cls, head, tmp_path, capsys):
+    """Regression: a re-saved directory names headlab's PrunedModel, which transformers maps to
+    ``auto``; headlab built the first auto class with a head instead (BertLMHeadModel): a pruned bare
+    BertModel's weights then matched nothing, `heads` said 4 heads where 3 are left and the
+    measures crashed; a pruned BertForMaskedLM counted as having no language-model head, so
+    importance skipped lrp, gradient and ablation."""
+    from headlab import prune_heads, save_pruned
+    from headlab.model_description import model_info
+
+    model = tiny_model("bert") if head else transformers.BertModel(tiny_model("bert").config).eval()
+    prune_heads(model, {("enc_self", 0): [1]})
+    save_pruned(model, tmp_path / "pruned")
+    getattr(transformers, auto).from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    assert _heads_per_kind(capsys, tmp_path / "resaved") == "total: enc_self 7; 7 heads"
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert type(loaded).__name__ == cls
+    assert [(b.key, b.n_heads) for b in attention_blocks(loaded)] == [(b.key, b.n_heads) for b in attention_blocks(model)]
+    notes: list[str] = []
+    assert model_info(loaded, log=notes.append).has_lm_head == head and not notes
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        expected, got = model(**inputs), loaded(**inputs)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-6)
+
+
 def _forbid_hub(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the hub client was asked although the hub cannot be reached")

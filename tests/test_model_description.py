@@ -23,3 +23,38 @@ def test_roberta_limit_leaves_out_the_reserved_positions():
 def test_limit_is_the_position_table(family):
     model = tiny_model(family)
     assert describe_model(model).max_length == model_max_length(model, None) == 64
+
+
+def test_offset_sinusoidal_table_reserves_nothing():
+    # M2M100 (NLLB) numbers positions from padding_idx + 1 too, but its sinusoidal table has
+    # max_position_embeddings + 2 rows (and grows on demand): all max_position_embeddings positions
+    # are usable, as they were before RoBERTa's reserved rows were counted.
+    import transformers as tf
+
+    config = tf.M2M100Config(vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
+                             max_position_embeddings=12, pad_token_id=1, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = tf.M2M100ForConditionalGeneration(config).eval()
+    assert describe_model(model).max_length == model_max_length(model, None) == 12
+    ids = torch.full((1, 12), 5)
+    with torch.no_grad():
+        model(input_ids=ids, decoder_input_ids=ids)
+
+
+def test_module_level_position_numbering_reserves_rows_too():
+    # ESM numbers positions from padding_idx + 1 with a module-level create_position_ids_from_input_ids
+    # (not a method of its embeddings): a table of 12 rows takes 10 tokens. The limit was 12, and an
+    # input of 11 or 12 tokens crashed in the embeddings.
+    import transformers as tf
+
+    config = tf.EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=12, pad_token_id=1, mask_token_id=32,
+                          position_embedding_type="absolute")
+    torch.manual_seed(0)
+    model = tf.EsmForMaskedLM(config).eval()
+    assert describe_model(model).max_length == model_max_length(model, None) == 10
+    with torch.no_grad():
+        model(input_ids=torch.full((1, 10), 5))
+        with pytest.raises((IndexError, RuntimeError)):
+            model(input_ids=torch.full((1, 11), 5))

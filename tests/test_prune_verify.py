@@ -207,3 +207,22 @@ def test_check_prunable_passes_and_undoes_on_the_supported_families(family):
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes
     torch.testing.assert_close(models.logits(model, inputs), expected, atol=0, rtol=0)
     prune_heads(model, {(b.kind, 0): [1] for b in attention_blocks(model)})  # and pruning still works after it
+
+
+@pytest.mark.parametrize("family", ["stablelm", "opt", "gemma", "olmo", "mixtral", "lfm2"])
+def test_check_prunable_passes_and_undoes_on_discovered_families(family):
+    """Regression: on a family found at run time, the sample's layer with no head was probed in its
+    pruned state, and after the undo the cached discovery still lacked it ("did not call transformers'
+    attention interface"): prune train, prune sweep and analyze --prune refused every such model."""
+    from headlab.surgery import check_prunable
+
+    model = tiny_model(family)
+    ids, mask = padded_inputs()
+    expected = padded_logits(model, ids, mask)
+    blocks = [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(model)]
+    check_prunable(model)
+    assert [(b.key, b.n_heads, b.n_kv_heads) for b in attention_blocks(model)] == blocks
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=0, rtol=0)
+    key = attention_blocks(model)[-1].key
+    prune_heads(model, {key: [1]})  # and pruning still works after it
+    assert [b.n_heads for b in attention_blocks(model)][-1] == 3

@@ -253,6 +253,66 @@ def test_unshared_albert_prunes_like_masking(tmp_path):
     assert torch.equal(_logits(load_pruned(tmp_path / "albert"), inputs), pruned)
 
 
+def test_unshared_albert_loses_a_whole_depth(tmp_path):
+    """Every head of a depth pruned: ALBERT's attention module ends in LayerNorm(input + dense(heads)),
+    so a depth with no head computes LayerNorm(input + dense bias), as masking all its heads does
+    (not the bias alone); two groups of two layers over two depths (num_hidden_layers ==
+    num_hidden_groups, inner_group_num 2): four modules, nothing shared. Reloaded by load_pruned
+    and by plain transformers (the portable pruned_heads.py) to the same logits."""
+    import transformers as tf
+
+    from headlab import load_pruned, prune_heads, save_pruned
+
+    config = tf.AlbertConfig(vocab_size=99, embedding_size=16, hidden_size=32, num_attention_heads=4,
+                             intermediate_size=37, max_position_embeddings=64, num_hidden_layers=2,
+                             num_hidden_groups=2, inner_group_num=2)
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+    assert len(attention_blocks(model)) == 4 and not any(b.shared for b in attention_blocks(model))
+    inputs = tiny_inputs()
+    spec = {("enc_self", 1): [0, 1, 2, 3], ("enc_self", 2): [1]}
+    with mask_heads(model, spec):
+        masked = _logits(model, inputs)
+    prune_heads(model, spec)  # checks itself against masking
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 0, 3, 4]
+    pruned = _logits(model, inputs)
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(pruned[keep], masked[keep], atol=1e-6, rtol=0)
+    save_pruned(model, tmp_path / "albert")
+    assert torch.equal(_logits(load_pruned(tmp_path / "albert"), inputs), pruned)
+    plain = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "albert", trust_remote_code=True).eval()
+    torch.testing.assert_close(_logits(plain, inputs), pruned, atol=1e-6, rtol=0)
+
+
+def test_partly_shared_albert_prunes_its_unshared_depth():
+    """Three depths over two groups (groups 0, 0, 1): group 1's module runs once, so its heads can be
+    pruned; group 0's cannot. Regression: pruning's check compared the shared module's first call
+    with its last one, and refused every such prune ("differs ... in enc_self layer 0")."""
+    import transformers as tf
+
+    from headlab import prune_heads
+
+    config = tf.AlbertConfig(vocab_size=99, embedding_size=16, hidden_size=32, num_attention_heads=4,
+                             intermediate_size=37, max_position_embeddings=64, num_hidden_layers=3,
+                             num_hidden_groups=2)
+    torch.manual_seed(0)
+    model = tf.AlbertForMaskedLM(config).eval()
+    assert [b.shared for b in attention_blocks(model)] == [True, True, False]
+    inputs = tiny_inputs()
+    with mask_heads(model, {("enc_self", 2): [1]}):
+        masked = _logits(model, inputs)
+    with pytest.raises(HeadlabError, match="shared by 2 depths"):
+        prune_heads(model, {("enc_self", 0): [1]})
+    prune_heads(model, {("enc_self", 2): [1]})
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 4, 3]
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(_logits(model, inputs)[keep], masked[keep], atol=1e-6, rtol=0)
+
+
 def _save(tmp_path, family="albert"):
     from support.treebank import SAMPLE_CONLLU, word_tokenizer
 

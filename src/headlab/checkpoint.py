@@ -58,6 +58,13 @@ def model_class_for(config) -> type:
     ``config``'s type: a language-model head when there is one, else the bare model."""
     import transformers
 
+    if CLASS_NAME in (getattr(config, "architectures", None) or ()):
+        # headlab's PrunedModel re-saved by transformers: the auto class auto_map names for it (a
+        # pruned bare BertModel is a BertModel, not a BertLMHeadModel whose weights it lacks)
+        for auto, target in (getattr(config, "auto_map", None) or {}).items():
+            mapping = getattr(getattr(transformers, str(auto), None), "_model_mapping", {})
+            if str(target).endswith(f".{CLASS_NAME}") and type(config) in mapping:
+                return mapping[type(config)]
     candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
     classes = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
     by_name = {cls.__name__: cls for cls in classes}

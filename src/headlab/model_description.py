@@ -7,6 +7,7 @@ report's examples, the one-call API), not from a module of another feature.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, cast
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
+from headlab.portable import CLASS_NAME
 
 __all__ = [
     "ModelInfo",
@@ -82,10 +84,15 @@ def _max_positions(model: nn.Module) -> int | None:
 def _reserved_positions(model: nn.Module) -> int:
     """Rows of the position table no token can use: RoBERTa-style embeddings number positions
     from ``padding_idx + 1`` (transformers' ``create_position_ids_from_input_ids``), so a table of
-    514 rows takes 512 tokens."""
+    514 rows takes 512 tokens (ESM's is a function of its module, not a method). Only a learned
+    table of that many rows: M2M100's sinusoidal one (the same numbering) has ``padding_idx + 1``
+    rows more and grows on demand."""
     for module in model.modules():
         padding = getattr(module, "padding_idx", None)
-        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(padding, int):
+        numbers = hasattr(module, "create_position_ids_from_input_ids") or \
+            hasattr(sys.modules.get(type(module).__module__), "create_position_ids_from_input_ids")
+        if numbers and isinstance(padding, int) \
+                and isinstance(getattr(getattr(module, "position_embeddings", None), "num_embeddings", None), int):
             return padding + 1
     return 0
 
@@ -96,7 +103,7 @@ def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
     absent (transformers initialises it at random on loading); ``log`` says so. What ``headlab
     analyze``, ``headlab importance`` and the Python API describe."""
     info = describe_model(model, tokenizer, max_length=max_length)
-    if info.has_lm_head and not checkpoint_has_lm_head(model.config):
+    if info.has_lm_head and not checkpoint_has_lm_head(model.config, type(model)):
         if log is not None:
             architectures = getattr(model.config, "architectures", None) or []
             log(f"the checkpoint was saved as {', '.join(architectures)}, without a language-model head")
@@ -104,9 +111,13 @@ def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
     return info
 
 
-def checkpoint_has_lm_head(config) -> bool:
-    """Whether the checkpoint's saved architecture has a language-model head (True when unknown)."""
+def checkpoint_has_lm_head(config, model_class: type | None = None) -> bool:
+    """Whether the checkpoint's saved architecture has a language-model head (True when unknown).
+    headlab's ``PrunedModel`` (a pruned directory re-saved by transformers) is the class it was
+    loaded as, ``model_class`` (or the original class its remote code subclasses)."""
     architectures = getattr(config, "architectures", None) or []
+    if model_class is not None and CLASS_NAME in architectures:
+        architectures = [c.__name__ for c in model_class.__mro__]
     return not architectures or any(a.endswith(_LM_HEAD_SUFFIXES) for a in architectures)
 
 

@@ -51,15 +51,17 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
 
 class NoHeadAttention(nn.Module):
     """An attention layer with no head left: Concat() W^O + b = b at every position (plus the
-    residual where the attention adds it itself: ``residual`` = (argument name, position))."""
+    residual where the attention adds it itself: ``residual`` = (argument name, position); ALBERT
+    ends in ``norm``: LayerNorm(input + b))."""
 
-    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int, residual=None):
+    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int, residual=None, norm=None):
         super().__init__()
         for name, child in original.named_children():  # same state_dict keys as before
             self.add_module(name, child)
         self.layer_idx = getattr(original, "layer_idx", None)
         self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
         self.residual = tuple(residual) if residual else None
+        self.norm = norm
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.o_name:
@@ -73,6 +75,8 @@ class NoHeadAttention(nn.Module):
         if self.residual is not None:  # Bloom adds the residual inside its attention
             name, position = self.residual
             out = out + (kwargs[name] if name in kwargs else args[position - 1])
+        if self.norm:  # the block's own output norm of its input plus the attention
+            out = getattr(self, self.norm)(hidden_states + out)
         self._keep_cache_in_step(hidden_states, kwargs)
         extras = [None] * (self.n_outputs - 1)
         if self.n_outputs == 3:  # (output, position_bias, probs)
@@ -184,9 +188,9 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
             module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
-        for path, (o_name, n_outputs, d_head, *residual) in plan["no_head"].items():
+        for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # rest: [residual[, norm]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
-                                                        residual[0] if residual else None))
+                                                        *rest[:2]))
 
 
 class PrunedModel(_BASE):

@@ -253,15 +253,15 @@ def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Misma
     if pruned.error is not None:
         error = f"{type(pruned.error).__name__}: {pruned.error}".splitlines()[0][:300]
         return Mismatch("forward", pruned.where or "model", math.inf, 0.0, error)
-    ref = {(call, what): value for call, what, value in reference.entries}
-    got = {(call, what): value for call, what, value in pruned.entries}
+    ref = _numbered(reference.entries)
+    got = _numbered(pruned.entries)
     rel = tolerance(dtype)
-    for call, what, value in reference.entries:
-        if (call, what) not in got:
+    for (call, what, n), value in ref.items():
+        if (call, what, n) not in got:
             if isinstance(what, tuple):
                 continue  # a block reduced to no head is not an attention block any more: its output is in the next
             return Mismatch(call, what, math.inf, 0.0, "the pruned model did not compute it")
-        difference, scale = _difference(value, got[(call, what)])
+        difference, scale = _difference(value, got[(call, what, n)])
         allowed = rel * max(scale, torch.finfo(dtype).tiny)
         if not difference <= allowed:
             return Mismatch(call, what, difference, allowed)
@@ -269,6 +269,17 @@ def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Misma
     if extra:
         return Mismatch(extra[0][0], extra[0][1], math.inf, 0.0, "the masked model did not compute it")
     return None
+
+
+def _numbered(entries: list) -> dict:
+    """``(call, what, n)`` -> value, in forward order: the n-th output recorded as ``what`` in ``call``
+    (a shared module, ALBERT's, runs several times in one call: each run is compared with its own)."""
+    out: dict = {}
+    counts: dict = {}
+    for call, what, value in entries:
+        n = counts[(call, what)] = counts.get((call, what), -1) + 1
+        out[(call, what, n)] = value
+    return out
 
 
 def not_finite(trace: Trace) -> str | None:

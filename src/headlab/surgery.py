@@ -263,8 +263,8 @@ class ZeroHeadAttention(NoHeadAttention):
     """
 
     def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int,
-                 residual: tuple[str, int] | None = None):
-        super().__init__(original, o_name, n_outputs, d_head, residual)
+                 residual: tuple[str, int] | None = None, norm: str | None = None):
+        super().__init__(original, o_name, n_outputs, d_head, residual, norm)
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
@@ -281,8 +281,9 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
     n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
+    norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
     journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head,
-                                                block.family.residual_argument))
+                                                block.family.residual_argument, norm))
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------
@@ -566,8 +567,12 @@ def pruning_plan(model: nn.Module) -> dict:
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
         if isinstance(core, ZeroHeadAttention):
-            plan["no_head"][_core_path(block)] = [core.o_name, core.n_outputs, core.d_head] + \
-                ([list(core.residual)] if core.residual else [])
+            entry = [core.o_name, core.n_outputs, core.d_head]
+            if core.residual or core.norm:
+                entry.append(list(core.residual) if core.residual else None)
+            if core.norm:
+                entry.append(core.norm)
+            plan["no_head"][_core_path(block)] = entry
         else:
             if isinstance(getattr(core, "config", None), LayerConfig):
                 plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)

@@ -331,10 +331,11 @@ def discover(model: nn.Module) -> list[Discovered]:
     counts are read from the weights by the caller). Empty when none calls it. Raises
     :class:`HeadlabError` when the probe forward cannot run."""
     cached = _CACHE.get(model)
-    if cached is not None and cached[1] == _identity(model, cached[0]):
+    if cached is not None and cached[1] == _identity(model, cached[4]):
         return cached[0]
     found, ran, returned = _discover(model)
-    _CACHE[model] = (found, _identity(model, found), ran, returned)
+    paths = _paths(model, found)
+    _CACHE[model] = (found, _identity(model, paths), ran, returned, paths)
     return found
 
 
@@ -351,16 +352,22 @@ def maps(model: nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
     return _CACHE[model][3]
 
 
-def _identity(model: nn.Module, found: list[Discovered]) -> tuple:
-    """The modules the discovered paths lead to now: a module replaced since (a pruned layer's stand-in,
-    an adapter around a projection) makes the probe run again."""
-    modules = dict(model.named_modules())
-    out = []
+def _paths(model: nn.Module, found: list[Discovered]) -> tuple[str, ...]:
+    """The discovered modules' paths, and those of layers pruned to no head (their stand-in calls no
+    attention function: pruning undone puts back a module this probe did not see)."""
+    out = [name for name, module in model.named_modules()
+           if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention")]
     for item in found:
-        for path in (item.name, _join(item.name, item.core), *(_join(item.name, p) for p in (item.o, item.q, item.k,
-                                                                                         item.v) if p is not None)):
-            out.append(id(modules.get(path)))
+        out += [item.name, _join(item.name, item.core),
+                *(_join(item.name, p) for p in (item.o, item.q, item.k, item.v) if p is not None)]
     return tuple(out)
+
+
+def _identity(model: nn.Module, paths: tuple[str, ...]) -> tuple:
+    """The modules the paths lead to now: a module replaced since (a pruned layer's stand-in, an adapter
+    around a projection, the original put back) makes the probe run again."""
+    modules = dict(model.named_modules())
+    return tuple(id(modules.get(path)) for path in paths)
 
 
 def _join(block: str, path: str) -> str:
