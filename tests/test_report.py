@@ -430,3 +430,21 @@ def test_treebank_sentences_that_cannot_be_aligned_are_listed(tmp_path):
     index = json.loads((tmp_path / "attention" / "index.json").read_text())
     assert [e["line"] for e in index["sentences"]] == [1, 4]
     assert index["skipped"] == [{"where": "tb.conllu:23 (s3)", "reason": "word 2 '' gets no subword from the tokenizer"}]
+
+
+def test_viewer_sentences_are_cut_to_max_length_as_the_statistics_cut_them(tmp_path):
+    """``max_length`` (``--max-length``) reaches the viewer's sentences: they used to be cut at the
+    model's limit only, so the viewer could show attention over tokens the statistics never saw."""
+    from headlab.data.treebank import InMemoryTreebank, read_conllu
+    from headlab.report.examples import write_treebank_examples
+    from support.treebank import SAMPLE_CONLLU, TREEBANK_TEXTS, bpe_tokenizer
+
+    model, tok = tiny_marian(), tokenizer()
+    write_attention_examples(model, tok, SOURCES, TARGETS, tmp_path / "a" / "attention", max_sentences=3, max_length=4)
+    lengths = [len(load_example(p)[0]["source"]) for p in sorted((tmp_path / "a" / "attention").glob("sentence-*.json"))]
+    assert lengths and max(lengths) == 4
+    sentences = list(read_conllu(InMemoryTreebank(SAMPLE_CONLLU, "tb.conllu")))
+    write_treebank_examples(model, bpe_tokenizer(TREEBANK_TEXTS), sentences, None, tmp_path / "t" / "attention",
+                            max_sentences=2, max_length=5)
+    payload = json.loads((tmp_path / "t" / "attention" / "sentence-000.json").read_text())
+    assert len(payload["tokens"]["source"]) <= 5 and None in payload["gold"]["spans"]

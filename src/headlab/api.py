@@ -289,10 +289,10 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
         writers.append(("attention", _treebank_attention_writer(
             model, tokenizer, treebank, treebank_limit if treebank_limit is not None else limit, attention_sentences,
-            query_chunk)))
+            query_chunk, max_length)))
     elif texts is not None and attention_sentences:
         writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
-                                                       query_chunk)))
+                                                       query_chunk, max_length)))
 
     header = {"model": model_name, "source": "<texts>" if texts is not None else None,
               "target": "<targets>" if targets is not None else None,
@@ -319,7 +319,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
 
 
 def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Sequence[str] | None, n: int,
-                      query_chunk: int | None) -> Callable[[Path], list[Path]]:
+                      query_chunk: int | None, max_length: int | None) -> Callable[[Path], list[Path]]:
     """The attention stage of ``headlab analyze`` on in-memory texts: a function(directory) that
     writes ``attention/`` (:func:`headlab.report.write_attention_examples`) and returns its paths."""
     from headlab.report import write_attention_examples
@@ -331,14 +331,14 @@ def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Se
 
     def write(directory: Path) -> list[Path]:
         written = write_attention_examples(model, tokenizer, sources, references, directory / "attention",
-                                           max_sentences=n, query_chunk=query_chunk)
+                                           max_sentences=n, query_chunk=query_chunk, max_length=max_length)
         return [directory / path for path in written]
 
     return write
 
 
 def _treebank_attention_writer(model: nn.Module, tokenizer: Any, treebank: Any, limit: int | None, n: int,
-                               query_chunk: int | None) -> Callable[[Path], list[Path]]:
+                               query_chunk: int | None, max_length: int | None) -> Callable[[Path], list[Path]]:
     """The attention stage of ``headlab analyze --conllu``: the treebank's first ``n`` sentences,
     each with its gold parse (:func:`headlab.report.examples.write_treebank_examples`); a
     translation model is teacher-forced on its own translation (a treebank has no reference)."""
@@ -346,7 +346,7 @@ def _treebank_attention_writer(model: nn.Module, tokenizer: Any, treebank: Any, 
 
     def write(directory: Path) -> list[Path]:
         written = write_treebank_examples(model, tokenizer, treebank, None, directory / "attention", max_sentences=n,
-                                          limit=limit, query_chunk=query_chunk)
+                                          limit=limit, query_chunk=query_chunk, max_length=max_length)
         return [directory / path for path in written]
 
     return write

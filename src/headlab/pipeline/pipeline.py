@@ -733,7 +733,7 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
             paired = [references[i].strip() if i < len(references) else "" for i, s in enumerate(lines) if s.strip()]
         written = write_treebank_examples(model, tokenizer, c.conllu, paired, ctx.out_dir / "attention",
                                           max_sentences=c.attention_sentences, limit=c.treebank_limit,
-                                          query_chunk=c.query_chunk)
+                                          query_chunk=c.query_chunk, max_length=c.max_length)
         return [ctx.out_dir / p for p in written], "the treebank's sentences (--conllu), with their gold arcs"
     n = c.attention_sentences if c.limit is None else min(c.attention_sentences, c.limit)
     sources = [line.strip() for line in read_lines(c.source)]
@@ -747,7 +747,7 @@ def _attention(ctx: _Context) -> tuple[list, str | None]:
     if not ctx.info.is_seq2seq:
         targets = None
     written = write_attention_examples(model, tokenizer, sources, targets, ctx.out_dir / "attention", max_sentences=n,
-                                       query_chunk=c.query_chunk)
+                                       query_chunk=c.query_chunk, max_length=c.max_length)
     return [ctx.out_dir / p if not Path(p).is_absolute() else Path(p) for p in written], None
 
 

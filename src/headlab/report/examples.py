@@ -147,6 +147,7 @@ def write_attention_examples(
     max_sentences: int = 20,
     max_new_tokens: int | None = None,
     query_chunk: int | None = None,
+    max_length: int | None = None,
 ) -> list[str]:
     """Capture and store the attention of up to ``max_sentences`` sentences under ``out_dir``.
 
@@ -156,10 +157,11 @@ def write_attention_examples(
     forward pass (no padding, so nothing has to be cut away), under ``torch.no_grad`` in eager
     attention; with ``query_chunk``, through headlab's own attention function
     (:func:`headlab.capture.stream_attention`), each chunk of query rows quantised as it arrives,
-    so no block's float map exists (the stored maps, one byte a weight, remain)."""
+    so no block's float map exists (the stored maps, one byte a weight, remain). ``max_length``:
+    sentences cut to it, as the statistics cut them (default: the model's limit)."""
     if targets is not None and len(targets) != len(sources):
         raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
-    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk)
+    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk, max_length)
     items = ((line, source.strip(), None, None) for line, source in enumerate(sources, start=1) if source.strip())
     return _write_all(model, tokenizer, info, items, targets, Path(out_dir), max_sentences, max_new_tokens, query_chunk)
 
@@ -193,6 +195,7 @@ def write_treebank_examples(
     max_new_tokens: int | None = None,
     query_chunk: int | None = None,
     limit: int | None = None,
+    max_length: int | None = None,
 ) -> list[str]:
     """:func:`write_attention_examples` on the first ``max_sentences`` sentences of a treebank
     that can be aligned (:func:`headlab.data.alignment.align_sentences`, words joined by spaces as
@@ -205,7 +208,7 @@ def write_treebank_examples(
     that cannot be aligned is left out and listed in index.json's ``skipped``."""
     from headlab.data.alignment import AlignmentError, align_sentences
 
-    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk)
+    info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk, max_length)
     skipped: list[dict] = []
     if isinstance(treebank, (str, Path, InMemoryTreebank)):
         sentences: Iterable[Sentence | None] = read_conllu(treebank, problems=ProblemLog(), limit=limit,
@@ -230,7 +233,7 @@ def write_treebank_examples(
                       query_chunk, skipped)
 
 
-def _prepare(model, tokenizer, out_dir: Path, max_sentences: int, query_chunk: int | None):
+def _prepare(model, tokenizer, out_dir: Path, max_sentences: int, query_chunk: int | None, max_length: int | None):
     """The checks before any work; the model's description."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -238,7 +241,7 @@ def _prepare(model, tokenizer, out_dir: Path, max_sentences: int, query_chunk: i
     if max_sentences < 0:
         raise HeadlabError(f"max_sentences must be >= 0, got {max_sentences}")
     preflight.query_chunk(query_chunk)
-    return describe_model(model, tokenizer)
+    return describe_model(model, tokenizer, max_length=max_length)
 
 
 def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int] | None, dict | None]],
