@@ -218,3 +218,17 @@ def test_pruned_blocks_keep_original_head_numbering():
     assert np.isnan(scores["dec_self"][0, [1, 3]]).all()
     assert not np.isnan(scores["dec_self"][0, [0, 2]]).any()
     assert len(attention_blocks(model)) == 2
+
+
+def test_no_token_to_explain_is_blamed_on_the_length_not_on_translations():
+    """A masked LM's sentences cut to [CLS] [SEP] leave LRP nothing to explain; the error used to
+    ask whether "all translations" were empty on a model that translates nothing."""
+    from headlab.data.inputs import encode_texts
+    from support.treebank import word_tokenizer
+
+    model = tiny_model("bert").eval()
+    tokenizer = word_tokenizer(["a", "dog", "runs"], style="bert")
+    info = describe_model(model, tokenizer, max_length=2)
+    with pytest.raises(HeadlabError, match="cut to 2 tokens: --max-length") as error:
+        compute_lrp(model, encode_texts(tokenizer, info, ["a dog runs", "a dog"]), info)
+    assert "translations" not in str(error.value)

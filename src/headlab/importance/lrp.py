@@ -553,7 +553,9 @@ def compute_lrp(
     per_sentence, counts, n_steps, n_available, reached, kept, explained = shard.sum(
         (per_sentence, counts, n_steps, n_available, reached, kept, explained))
     if n_steps == 0:
-        raise HeadlabError("LRP found no generation step in the data (are all translations empty?)")
+        why = ("are all translations empty?" if info.is_seq2seq else
+               f"no sentence keeps a token to explain once cut to {info.max_length} tokens: --max-length?")
+        raise HeadlabError(f"LRP found no token to explain in the data ({why})")
     conservation = conservation_record(reached, kept, explained, counts)
     signature = {
         **data.signature(),
