@@ -95,6 +95,13 @@ twice (no cache to stay in), and its batched products (entropy's ``sum_j p_j s_j
 chunk's ``[batch, heads, rows, keys]`` as one matrix of rows; a piece of some rows would be copied first."""
 
 
+FUSED_CHUNK_ELEMENTS = 1 << 22
+"""The fused engine's chunks on the CPU: at most this many weights (16 MiB of float32), fewer rows
+than ``--query-chunk`` where needed (:attr:`headlab.attention.ChunkSink.chunk_elements`). The scores,
+the softmax, the output product and the statistics' passes each read or write a whole chunk; past
+the cache (64 MiB for 128 rows of 16 heads at 8k keys) each goes through memory."""
+
+
 def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
     """How many query rows of a chunk ``probs`` ``[B, H, rows, T]`` the statistics take at a time:
     about ``elements`` weights on the CPU, the whole chunk elsewhere."""
@@ -436,7 +443,7 @@ class _Feeder:
             return capture_attention(model, self.on_probs, blocks=blocks)
         return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
                                 query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
-                                reuse=True)
+                                reuse=True, chunk_elements=FUSED_CHUNK_ELEMENTS if engine == "fused" else 0)
 
     def new_batch(self) -> None:
         self.current.clear()

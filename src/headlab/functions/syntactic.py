@@ -20,6 +20,7 @@ not scored.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,24 @@ def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.T
                     gov.append(g)
                     dep.append(d)
         cache[relation] = tuple(torch.tensor(x, dtype=torch.long) for x in (b_idx, gov, dep))
+    return cache[relation]
+
+
+def arcs_by_source(side: SideBatch, relation: str) -> tuple[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  list[int]], ...]:
+    """For each direction (``gov->dep``, ``dep->gov``): ``(direction, batch index, source word, target
+    word, source words as a list)`` of :func:`relation_arcs`, ordered by source word (stably), so
+    that the arcs from a range of word rows are one slice (:func:`bisect.bisect_left` on the list).
+    Cached on the batch."""
+    cache = side.__dict__.setdefault("_arcs_by_source", {})
+    if relation not in cache:
+        arcs_b, gov, dep = relation_arcs(side, relation)
+        directions = []
+        for direction, source, target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
+            order = torch.sort(source, stable=True).indices
+            source = source[order]
+            directions.append((direction, arcs_b[order], source, target[order], source.tolist()))
+        cache[relation] = tuple(directions)
     return cache[relation]
 
 
@@ -147,9 +166,9 @@ class SyntacticStats:
         first, stop = view.word_start, view.word_stop
         table = self.hits.setdefault(view.block.key, {})
         for relation in self.relations:
-            arcs_b, gov, dep = relation_arcs(view.side, relation)
-            for direction, arcs_source, arcs_target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
-                rows = (arcs_source >= first) & (arcs_source < stop)  # arcs from this view's word rows
+            for direction, arcs_b, arcs_source, arcs_target, sources in arcs_by_source(view.side, relation):
+                # the arcs from this view's word rows: a slice of the arcs ordered by source
+                rows = slice(bisect_left(sources, first), bisect_left(sources, stop))
                 b, source, target = arcs_b[rows], arcs_source[rows], arcs_target[rows]
                 if b.numel():
                     hit = argmax[b, :, source - first] == target[:, None]  # [n_arcs, H]
