@@ -347,11 +347,11 @@ def test_exact_prescale(dtype):
 def test_chunk_rows():
     from headlab.attention import MIN_CHUNK_ROWS, chunk_rows
 
-    assert chunk_rows(128, 0, 1, 16, 8192) == 128  # no budget: the query chunk
-    assert chunk_rows(128, 1 << 22, 1, 16, 2048) == 128  # fits
-    assert chunk_rows(128, 1 << 22, 1, 16, 8192) == 32
-    assert chunk_rows(128, 1 << 22, 1, 16, 1 << 20) == MIN_CHUNK_ROWS  # never fewer
-    assert chunk_rows(4, 1 << 22, 1, 16, 1 << 20) == 4  # never more than the query chunk
+    assert chunk_rows(128, 0, 16, 8192) == 128  # no budget: the query chunk
+    assert chunk_rows(128, 1 << 22, 16, 2048) == 128  # fits
+    assert chunk_rows(128, 1 << 22, 16, 8192) == 32
+    assert chunk_rows(128, 1 << 22, 16, 1 << 20) == MIN_CHUNK_ROWS  # never fewer
+    assert chunk_rows(4, 1 << 22, 16, 1 << 20) == 4  # never more than the query chunk
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
@@ -364,7 +364,7 @@ def test_chunk_elements_gives_fewer_rows_and_the_same_attention(monkeypatch, fam
     model = tiny_model(family, attn_implementation="eager")
     inputs = tiny_inputs(family, src_len=8, tgt_len=6)
     runs = []
-    for elements in (0, 2 * 4 * 8):  # 2 sentences x 4 heads x 8 keys: one row per chunk
+    for elements in (0, 4 * 8):  # 4 heads x 8 keys: one row per chunk
         chunks: dict = {}
         with stream_attention(model, lambda block, chunk, chunks=chunks: chunks.setdefault(block.key, []).append(
                 (chunk.start, chunk.stop, chunk.full().clone())), query_chunk=4, reuse=True, chunk_elements=elements):

@@ -96,10 +96,12 @@ chunk's ``[batch, heads, rows, keys]`` as one matrix of rows; a piece of some ro
 
 
 FUSED_CHUNK_ELEMENTS = 1 << 22
-"""The fused engine's chunks on the CPU: at most this many weights (16 MiB of float32), fewer rows
-than ``--query-chunk`` where needed (:attr:`headlab.attention.ChunkSink.chunk_elements`). The scores,
-the softmax, the output product and the statistics' passes each read or write a whole chunk; past
-the cache (64 MiB for 128 rows of 16 heads at 8k keys) each goes through memory."""
+"""The fused engine's chunks on the CPU: at most this many weights per sentence (16 MiB of float32),
+fewer rows than ``--query-chunk`` where needed (:attr:`headlab.attention.ChunkSink.chunk_elements`;
+with 16 heads, beyond 2048 keys at 128 rows). The scores, the softmax, the output product and the
+statistics' passes each read or write a whole chunk; past the cache (64 MiB for 128 rows of 16
+heads at 8k keys) each goes through memory. Measured at 8k tokens: 32 rows instead of 128 take
+about a sixth less time for those passes (docs/benchmarks.md, issue 34)."""
 
 
 def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
