@@ -342,3 +342,40 @@ def test_exact_prescale(dtype):
     assert not exact_prescale(q, huge, 0.125)
     huge[1, 1, 1, 1] = float("nan")
     assert not exact_prescale(q, huge, 0.125)
+
+
+def test_chunk_rows():
+    from headlab.attention import MIN_CHUNK_ROWS, chunk_rows
+
+    assert chunk_rows(128, 0, 16, 8192) == 128  # no budget: the query chunk
+    assert chunk_rows(128, 1 << 22, 16, 2048) == 128  # fits
+    assert chunk_rows(128, 1 << 22, 16, 8192) == 32
+    assert chunk_rows(128, 1 << 22, 16, 1 << 20) == MIN_CHUNK_ROWS  # never fewer
+    assert chunk_rows(4, 1 << 22, 16, 1 << 20) == 4  # never more than the query chunk
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_chunk_elements_gives_fewer_rows_and_the_same_attention(monkeypatch, family):
+    """``chunk_elements`` (the fused engine's cache budget): chunks of fewer rows than the query
+    chunk, in order, holding the same probabilities; the model's output is the same (to rounding)."""
+    import headlab.attention as attention
+
+    monkeypatch.setattr(attention, "MIN_CHUNK_ROWS", 1)
+    model = tiny_model(family, attn_implementation="eager")
+    inputs = tiny_inputs(family, src_len=8, tgt_len=6)
+    runs = []
+    for elements in (0, 4 * 8):  # 4 heads x 8 keys: one row per chunk
+        chunks: dict = {}
+        with stream_attention(model, lambda block, chunk, chunks=chunks: chunks.setdefault(block.key, []).append(
+                (chunk.start, chunk.stop, chunk.full().clone())), query_chunk=4, reuse=True, chunk_elements=elements):
+            out = logits(model, inputs)
+        runs.append((out, chunks))
+    (out, chunks), (small_out, small_chunks) = runs
+    torch.testing.assert_close(small_out, out, atol=1e-6, rtol=0)
+    for key, parts in chunks.items():
+        small = small_chunks[key]
+        assert max(stop - start for start, stop, _ in small) < max(stop - start for start, stop, _ in parts)
+        assert [start for start, _, _ in small] == sorted(start for start, _, _ in small)
+        # to rounding: products of fewer rows may differ in the last bits, as with any other query chunk
+        torch.testing.assert_close(torch.cat([p for _, _, p in small], 2), torch.cat([p for _, _, p in parts], 2),
+                                   atol=1e-6, rtol=0)

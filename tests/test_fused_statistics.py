@@ -202,3 +202,32 @@ def test_first_max_is_max_with_its_first_position(columns):
         got_values, got_positions = first_max(y)
         assert torch.equal(got_positions, positions)
         torch.testing.assert_close(got_values, values, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "marian"])
+@pytest.mark.parametrize("engine", ["fused", "chunked"])
+def test_forward_stops_after_the_last_analysed_block(tmp_path, monkeypatch, family, engine):
+    """Under headlab's attention function the forward pass stops once every analysed block has
+    reported (functions.analysis._ForwardDone): the logits are never computed (nor, for an encoder
+    analysed alone, the decoder), and every file is, to the bit, that of the whole forward."""
+    import headlab.functions.analysis as analysis
+
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, query_chunk=3)
+    runs = []
+    for stop in (True, False):
+        if not stop:  # as where a block falls back to the eager capture: the whole forward
+            monkeypatch.setattr(analysis, "unregistrable", lambda blocks: blocks[:1])
+        model = tiny_model(family, attn_implementation="sdpa").double()
+        heads = []
+        model.get_output_embeddings().register_forward_hook(lambda *args, heads=heads: heads.append(1))
+        result = analyze_heads(model, tokenizer, path, config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        runs.append((_written(result.results.values(), tmp_path / str(stop)), heads))
+    (stopped, heads), (whole, whole_heads) = runs
+    assert not heads and whole_heads  # the logits: only in the whole forward
+    assert len(stopped) > 10 and stopped.keys() == whole.keys()
+    for name, value in whole.items():
+        assert stopped[name] == value, name

@@ -134,3 +134,33 @@ def test_confidence_query_chunk_must_be_positive():
             compute_confidence(model, ImportanceData.from_ids(_sentences(2)), query_chunk=bad)
         with pytest.raises(HeadlabError, match="--query-chunk must be at least 1"):
             ConfidenceOptions(query_chunk=bad)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_confidence_reuses_the_chunk_buffers(monkeypatch, family):
+    """Under ``query_chunk`` the chunks are written into reused work buffers (``reuse=True``: the
+    callback keeps only copies): the same scores, to the bit, as fresh tensors per chunk."""
+    import headlab.importance.confidence as confidence
+
+    model = tiny_model(family, attn_implementation="sdpa")
+    info = describe_model(model)
+    eos = min(info.eos_ids) if info.eos_ids else 1
+    info = replace(info, special_ids=info.special_ids | {SEP, eos})
+    data = ImportanceData.from_ids(_sentences(eos))
+    real = confidence.stream_attention
+    runs = []
+    for forced in (None, False):
+        asked = []
+
+        def spy(*args, forced=forced, asked=asked, **kwargs):
+            asked.append(kwargs.get("reuse", False))
+            if forced is not None:
+                kwargs["reuse"] = forced
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(confidence, "stream_attention", spy)
+        runs.append((compute_confidence(model, data, info, batch_size=3, query_chunk=2), asked))
+    (reused, asked), (fresh, _) = runs
+    assert asked == [True]
+    for kind in fresh.kinds:
+        np.testing.assert_array_equal(reused[kind], fresh[kind])

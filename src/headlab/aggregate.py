@@ -117,6 +117,26 @@ def _mass_and_tags(side: SideBatch) -> torch.Tensor:
     return side.__dict__["_mass_and_tags"]
 
 
+def _linear_features(side: SideBatch, dtype: torch.dtype, causal: bool, c: int) -> torch.Tensor:
+    """``[B, W, 1 + n_tags (+ 1)]`` in ``dtype`` (the probabilities'): :func:`_mass_and_tags`, and
+    under a causal mask a last column ``(j - c)`` on words (0 on padding). Small integers and 0/1, the
+    same values in any float dtype: one tensor per batch and dtype, its last column rewritten in
+    place for each ``c`` (no concatenation and conversion of ``[B, W, F]`` per chunk)."""
+    cache = side.__dict__.setdefault("_linear_features", {})
+    key = (dtype, causal)
+    if key not in cache:
+        base = _mass_and_tags(side)
+        if causal:
+            base = torch.cat([base, base.new_zeros(*base.shape[:2], 1)], -1)
+        cache[key] = base.to(dtype)
+    features = cache[key]
+    if causal:
+        W = side.max_words
+        offsets = torch.arange(-c, W - c, dtype=dtype, device=features.device)
+        torch.mul(offsets, side.word_mask, out=features[..., -1])
+    return features
+
+
 def _related_words(side: SideBatch) -> torch.Tensor:
     """``[B, W, A]`` long: the words joined to each word by an arc (its governor, its dependents),
     -1 for none: the key words of :func:`arc_rows`. Cached on the batch."""
@@ -340,14 +360,11 @@ class AggregateStats:
             sums[name] = sums[name] + value if name in sums else value.clone()
 
         if R:
-            features = _mass_and_tags(side)  # [B, W, 1 + tags]
-            if view.causal:
-                # Every key word a row sees is at or before it: |i - j| = i - j, and
-                # sum_j alpha_ij (i - j) = (i - c) m_i - sum_j alpha_ij (j - c), a column of the same
-                # product. c (the piece's first row) keeps the two terms near the distance itself.
-                c = first
-                offsets = torch.arange(W, dtype=f64, device=device) - c
-                features = torch.cat([features, (offsets * side.word_mask.to(f64))[..., None]], -1)
+            # Under a causal mask every key word a row sees is at or before it: |i - j| = i - j, and
+            # sum_j alpha_ij (i - j) = (i - c) m_i - sum_j alpha_ij (j - c), a last column of the same
+            # product. c (the piece's first row) keeps the two terms near the distance itself.
+            c = first
+            features = _linear_features(side, view.probs.dtype, view.causal, c)  # [B, W, 1 + tags (+ 1)]
             products = view.word_linear(features)  # [B, H, R, 1 + tags (+ 1)]
             linear = products.to(f64)
             mass = linear[..., 0]

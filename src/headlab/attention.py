@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 __all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward", "dispatches",
-           "register", "visible_keys"]
+           "chunk_rows", "register", "visible_keys"]
 
 NAME = "headlab_chunked"
 """The name under which the function (and its mask builder) is registered."""
@@ -100,6 +100,10 @@ class ChunkSink:
     reuse: bool = False
     """The callback keeps no chunk's tensors past its return (it copies what it keeps): every chunk
     of a call may then be written into the same work buffers (:class:`_Buffers`)."""
+    chunk_elements: int = 0
+    """Where positive, on the CPU: fewer rows per chunk where ``query_chunk`` rows of every head of a
+    sentence over all keys would hold more weights than this (:func:`chunk_rows`): the passes over a
+    chunk then find it in the cache. ``query_chunk`` stays the most rows of a chunk."""
 
 
 class _Buffers:
@@ -150,6 +154,21 @@ def visible_keys(mask: torch.Tensor | None, causal: bool, stop: int, k_len: int)
         columns = seen.flatten(0, -2).any(0).nonzero()
         needed = int(columns[-1, 0]) + 1
     return min(k_len, -(-needed // KEY_BLOCK) * KEY_BLOCK)
+
+
+MIN_CHUNK_ROWS = 16
+"""The fewest rows :func:`chunk_rows` gives a chunk (fewer would cost more in per-chunk overhead than the cache saves)."""
+
+
+def chunk_rows(query_chunk: int, elements: int, n_heads: int, k_len: int) -> int:
+    """Rows per chunk: ``query_chunk``, or fewer (down to :data:`MIN_CHUNK_ROWS`) where ``elements``
+    is positive and one sentence's ``n_heads * rows * k_len`` weights would exceed it. Per sentence,
+    not per batch: only long inputs get fewer rows (a batch of short sentences keeps its chunks,
+    and the bits they give)."""
+    if elements <= 0:
+        return query_chunk
+    fit = elements // max(1, n_heads * k_len)
+    return max(1, min(query_chunk, max(MIN_CHUNK_ROWS, fit)))
 
 
 PRESCALE_FLOOR = 2.0 ** -36
@@ -218,6 +237,8 @@ def attention_forward(
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform
     step = sink.query_chunk if sink is not None and sink.query_chunk > 0 else q_len
+    if sink is not None and sink.chunk_elements > 0 and query.device.type == "cpu":
+        step = chunk_rows(step, sink.chunk_elements, n_heads, k_len)
     # work buffers (`out=`) where no chunk outlives the callback and no gradient is asked for
     buffers = _Buffers() if (sink is None or sink.callback is None or sink.reuse) and not (
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None

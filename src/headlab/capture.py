@@ -235,6 +235,7 @@ def stream_attention(
     blocks: list[AttentionBlock] | None = None,
     scores: bool = False,
     reuse: bool = False,
+    chunk_elements: int = 0,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -253,6 +254,9 @@ def stream_attention(
     With ``reuse`` the callback promises to keep nothing of a chunk past its return (it copies
     what it keeps): the chunks of a call are then written into the same memory
     (:attr:`~headlab.attention.ChunkSink.reuse`), which saves a fresh allocation per chunk.
+    With ``chunk_elements`` the chunks may have fewer rows than ``query_chunk`` on the CPU (as many
+    as keep a chunk's weights within it: :attr:`~headlab.attention.ChunkSink.chunk_elements`); the
+    callback must then take the rows each chunk has.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -314,7 +318,7 @@ def stream_attention(
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
-                                 reuse=reuse)
+                                 reuse=reuse, chunk_elements=chunk_elements)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 if block.shared:
                     handles.append(block.core.register_forward_pre_hook(make_switch(block, sink)))

@@ -40,7 +40,7 @@ import torch
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.attention import AttentionChunk
-from headlab.capture import capture_attention, eval_mode, stream_attention
+from headlab.capture import capture_attention, eval_mode, stream_attention, unregistrable
 from headlab.data.alignment import (
     AlignmentError,
     AttentionView,
@@ -93,6 +93,15 @@ FUSED_PIECE_ELEMENTS = 1 << 30
 """The same for the fused engine: in practice a whole chunk. Its passes read each weight once or
 twice (no cache to stay in), and its batched products (entropy's ``sum_j p_j s_j``) read a whole
 chunk's ``[batch, heads, rows, keys]`` as one matrix of rows; a piece of some rows would be copied first."""
+
+
+FUSED_CHUNK_ELEMENTS = 1 << 22
+"""The fused engine's chunks on the CPU: at most this many weights per sentence (16 MiB of float32),
+fewer rows than ``--query-chunk`` where needed (:attr:`headlab.attention.ChunkSink.chunk_elements`;
+with 16 heads, beyond 2048 keys at 128 rows). The scores, the softmax, the output product and the
+statistics' passes each read or write a whole chunk; past the cache (64 MiB for 128 rows of 16
+heads at 8k keys) each goes through memory. Measured at 8k tokens: 32 rows instead of 128 take
+about a sixth less time for those passes (docs/benchmarks.md, issue 34)."""
 
 
 def piece_rows(probs: torch.Tensor, elements: int = PIECE_ELEMENTS) -> int:
@@ -390,7 +399,10 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
         inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, feeder.current, feeder.device,
                                config.word_pooling)
         feeder.update_sides()
-        model(**inputs)
+        try:
+            model(**inputs)
+        except _ForwardDone:
+            pass  # every analysed block has reported: the rest of the forward (later layers, logits) feeds nothing
         main = feeder.current.get("target" if paired else "source")
         assert main is not None  # the batch has the side read
         report.n_sentences += main.batch_size
@@ -416,6 +428,12 @@ def _signature(report: RunReport, config: AnalysisConfig, data, max_length: int)
     return signature
 
 
+class _ForwardDone(Exception):
+    """Raised by the feeder once every analysed block of a batch has handed over its last chunk:
+    nothing after it in the forward pass (later layers' MLPs, an encoder-only analysis's decoder, the
+    logits) feeds a statistic, so the model need not compute it."""
+
+
 class _Feeder:
     """The current batch's analysed sides and the capture callbacks that feed them, with the
     attention, to the statistics: whole maps (eager), word rows of query chunks (chunked) or
@@ -431,18 +449,36 @@ class _Feeder:
         # The fused engine: per block and batch, the statistics whose declared passes apply get
         # FusedViews; the others the chunked path's word-row views, for that batch.
         self.fused_plan: dict = {}  # block key -> (fused statistics, chunked statistics, WordRows | None)
+        # Under headlab's attention function (every block dispatching): stop the forward pass once
+        # every analysed block of the batch has reported (_ForwardDone).
+        self.stop_early = False
+        self.blocks: list = []
+        self.reported: set = set()
 
     def capture(self, model, config: AnalysisConfig, blocks: list):
         engine = config.resolved_engine
         if engine == "eager":
             return capture_attention(model, self.on_probs, blocks=blocks)
+        self.blocks = [block for block in blocks if block.n_heads > 0]
+        self.stop_early = not unregistrable(attention_blocks(model))  # not the eager fallback
         return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
                                 query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
-                                reuse=True)
+                                reuse=True, chunk_elements=FUSED_CHUNK_ELEMENTS if engine == "fused" else 0)
 
     def new_batch(self) -> None:
         self.current.clear()
         self.placed.clear()
+        self.reported.clear()
+
+    def block_done(self, block) -> None:
+        """``block`` has handed over its last chunk of the batch: the forward stops (:class:`_ForwardDone`)
+        once every analysed block with heads has, where :attr:`stop_early`. Raised from the attention
+        function, after the chunk's statistics: the block's own output is not needed either."""
+        if not self.stop_early:
+            return
+        self.reported.add(block.key)
+        if all(b.key in self.reported for b in self.blocks if self.sides.get(b.kind, "") in self.current):
+            raise _ForwardDone
 
     def update_sides(self) -> None:
         for kind, name in self.sides.items():
@@ -483,6 +519,7 @@ class _Feeder:
                 stat.update(view)
         if chunk.last:
             del self.assemblers[block.key]
+            self.block_done(block)
 
     def plan(self, block, side: SideBatch) -> tuple:
         missing = set(unavailable_passes(side))
@@ -526,6 +563,7 @@ class _Feeder:
                     stat.update(word_view)
         if chunk.last:
             del self.fused_plan[block.key]
+            self.block_done(block)
 
 
 class _ProblemEvents(ProblemLog):

@@ -20,6 +20,7 @@ not scored.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,32 @@ def relation_arcs(side: SideBatch, relation: str) -> tuple[torch.Tensor, torch.T
     return cache[relation]
 
 
+def arcs_by_source(side: SideBatch, relations: tuple[str, ...]) -> tuple[list[tuple[str, str]], torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, list[int]]:
+    """Every arc of :func:`relation_arcs` for each of ``relations`` in both directions (``gov->dep``,
+    ``dep->gov``), ordered by source word (stably), so that the arcs from a range of word rows are one
+    slice (:func:`bisect.bisect_left` on the list of sources): ``(pairs, pair index, batch index,
+    source word, target word, backward, sources)``, ``pairs`` the ``(relation, direction)`` of each
+    pair index, ``backward`` whether the target comes before the source. Cached on the batch."""
+    cache = side.__dict__.setdefault("_arcs_by_source", {})
+    if relations not in cache:
+        pairs: list[tuple[str, str]] = []
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for relation in relations:
+            arcs_b, gov, dep = relation_arcs(side, relation)
+            for direction, source, target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
+                parts.append((torch.full_like(arcs_b, len(pairs)), arcs_b, source, target))
+                pairs.append((relation, direction))
+        if not parts:  # no relation: no arc
+            parts.append(tuple(torch.zeros(0, dtype=torch.long, device=side.device) for _ in range(4)))
+        pair, arcs_b, source, target = (torch.cat(x) for x in zip(*parts, strict=True))
+        order = torch.sort(source, stable=True).indices
+        pair, arcs_b, source, target = pair[order], arcs_b[order], source[order], target[order]
+        cache[relations] = (pairs, pair, arcs_b, source, target, target < source, source.tolist())
+    return cache[relations]
+
+
 def relation_list(text: str) -> tuple[str, ...]:
     """``--relations``: a comma list of relations (the paper's four when empty)."""
     return tuple(r.strip() for r in text.split(",") if r.strip()) or PAPER_RELATIONS
@@ -146,23 +173,20 @@ class SyntacticStats:
         argmax = view.word_argmax  # [B, H, word rows]
         first, stop = view.word_start, view.word_stop
         table = self.hits.setdefault(view.block.key, {})
-        for relation in self.relations:
-            arcs_b, gov, dep = relation_arcs(view.side, relation)
-            for direction, arcs_source, arcs_target in (("gov->dep", gov, dep), ("dep->gov", dep, gov)):
-                rows = (arcs_source >= first) & (arcs_source < stop)  # arcs from this view's word rows
-                b, source, target = arcs_b[rows], arcs_source[rows], arcs_target[rows]
-                if b.numel():
-                    hit = argmax[b, :, source - first] == target[:, None]  # [n_arcs, H]
-                    if view.causal:  # only backward arcs are reachable (and scored)
-                        hit &= (target < source)[:, None]
-                    hits = hit.sum(0)  # [H]
-                else:
-                    hits = torch.zeros(argmax.shape[1], dtype=torch.long, device=argmax.device)
-                key = (relation, direction)
-                if key in table:
-                    table[key] += hits
-                else:
-                    table[key] = hits.clone()
+        pairs, pair, arcs_b, arcs_source, arcs_target, backward, sources = arcs_by_source(view.side, self.relations)
+        # the arcs from this view's word rows, every relation and direction: a slice of the arcs ordered by source
+        rows = slice(bisect_left(sources, first), bisect_left(sources, stop))
+        b, source, target = arcs_b[rows], arcs_source[rows], arcs_target[rows]
+        hit = argmax[b, :, source - first] == target[:, None]  # [n_arcs, H]
+        if view.causal:  # only backward arcs are reachable (and scored)
+            hit &= backward[rows, None]
+        counts = torch.zeros(len(pairs), argmax.shape[1], dtype=torch.long, device=argmax.device)
+        counts.index_add_(0, pair[rows], hit.long())  # [pairs, H]: the hits of each (relation, direction)
+        for key, hits in zip(pairs, counts, strict=True):
+            if key in table:
+                table[key] += hits
+            else:
+                table[key] = hits.clone()
 
     def reduce(self, shard) -> None:
         """Add the other processes' offset counts and hits (:mod:`headlab.shard`)."""

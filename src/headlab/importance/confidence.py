@@ -143,7 +143,8 @@ def compute_confidence(
     if query_chunk is None:
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
-        capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks)
+        # on_chunk keeps nothing of a chunk (its maxima are fresh tensors, copied into the buffers)
+        capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks, reuse=True)
     batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
