@@ -202,6 +202,10 @@ class Deadline(Exception):
     pass
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Runner:
     def __init__(self, args):
         self.root = Path(args.root).resolve()
@@ -242,8 +246,10 @@ class Runner:
         with open(log, "a") as out:
             out.write(f"\n$ headlab {shlex.join(argv)}\n")
             out.flush()
+            # SIGINT restored in the child: a driver started in the background (`... &`) inherits it
+            # ignored, and the deadline's SIGINT would then not stop the training at a checkpoint.
             proc = subprocess.Popen([self.python, "-m", "headlab", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env, cwd=ROOT)
+                                    env=self.env, cwd=ROOT, preexec_fn=_default_sigint)
             while True:
                 try:
                     return proc.wait(timeout=min(30.0, max(self.seconds_left(), 1.0)))
