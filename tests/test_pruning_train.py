@@ -268,6 +268,10 @@ def test_cli_sweep_resumes_and_skips_finished_points(model_dir, tmp_path, capsys
     assert "lam-0: finished earlier, skipped" in captured.out + captured.err
     assert "lam-2: resuming" in captured.out + captured.err
     assert len(json.loads((out / "sweep.json").read_text())) == 3
+    # The default, --gates auto, is enc_self on a translation model: the points made with enc_self are its own.
+    assert main([a for a in args if a not in ("--gates", "enc_self")]) == 0
+    captured = capsys.readouterr()
+    assert "lam-2: finished earlier, skipped" in captured.out + captured.err and not (out / "stale").exists()
 
 
 def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):

@@ -117,6 +117,13 @@ def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     return kinds
 
 
+def with_gates_resolved(config: PruneConfig, model) -> PruneConfig:
+    """``config`` with ``gates="auto"`` replaced by the kinds it means for ``model``."""
+    if config.gates != "auto":
+        return config
+    return replace(config, gates=",".join(resolve_kinds(model, "auto")))
+
+
 def _check_config(config: PruneConfig) -> None:
     if not (isinstance(config.lam, (int, float)) and math.isfinite(config.lam)) or config.lam < 0:
         raise HeadlabError(f"lambda must be a finite number >= 0, got {config.lam}")
@@ -471,9 +478,8 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     run_dir = out_dir / "train"
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
+    config = with_gates_resolved(config, model)  # recorded as the kinds chosen: the record says what was gated
     kinds, gates = _gates(model, config)
-    if config.gates == "auto":  # recorded as the kinds it chose, so that the record says what was gated
-        config = replace(config, gates=",".join(kinds))
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
     loss_kind, compute_loss = _loss_for(model, tokenizer, config)
