@@ -23,8 +23,15 @@ from typing import Callable, Sequence
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
-from headlab.pruning.train import (CONFIG_FILE, RESULT_FILE, PruneConfig, evaluate_point, heads_per_kind, prune_train,
-                                   with_gates_resolved)
+from headlab.pruning.train import (
+    CONFIG_FILE,
+    RESULT_FILE,
+    PruneConfig,
+    evaluate_point,
+    heads_per_kind,
+    prune_train,
+    with_gates_resolved,
+)
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
 
