@@ -172,6 +172,25 @@ def test_decoder_only_model_with_lm_loss(corpus, tokenizer, tmp_path):
     assert read_trajectory(tmp_path / "r")[0]["loss"] > 0
 
 
+def test_default_gates_are_the_encoder_or_a_decoder_only_model_s_self_attention(corpus, tokenizer, tmp_path):
+    """--gates auto (the default): a decoder-only model is gated on its own self-attention (it was
+    refused for lacking enc_self), a translation model keeps the paper's enc_self with the decoder
+    frozen, and the record names the kinds chosen."""
+    import transformers as tf
+
+    from headlab.pruning.train import resolve_kinds
+
+    assert PruneConfig().gates == "auto"
+    assert resolve_kinds(marian(tokenizer), "auto") == ("enc_self",)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+    data = encode_monolingual_corpus(tokenizer, corpus.targets[:8], 64)
+    options = config(tmp_path / "r", lam=1.0)
+    result = prune_train(gpt2, tokenizer, data, None, replace(options, gates=PruneConfig().gates))
+    assert result.heads_total == {"dec_self": 8}
+    assert json.loads((tmp_path / "r" / "prune_config.json").read_text())["gates"] == "dec_self"
+
+
 def test_baselines_give_equal_head_counts(corpus, tokenizer):
     model = marian(tokenizer)
     first = baselines.random_spec(model, 3, ("enc_self",), seed=1)
@@ -249,6 +268,10 @@ def test_cli_sweep_resumes_and_skips_finished_points(model_dir, tmp_path, capsys
     assert "lam-0: finished earlier, skipped" in captured.out + captured.err
     assert "lam-2: resuming" in captured.out + captured.err
     assert len(json.loads((out / "sweep.json").read_text())) == 3
+    # The default, --gates auto, is enc_self on a translation model: the points made with enc_self are its own.
+    assert main([a for a in args if a not in ("--gates", "enc_self")]) == 0
+    captured = capsys.readouterr()
+    assert "lam-2: finished earlier, skipped" in captured.out + captured.err and not (out / "stale").exists()
 
 
 def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):

@@ -107,7 +107,9 @@ def register(subparsers) -> None:
     bl.add_argument("--method", required=True, choices=("random", "michel", "scores"))
     bl.add_argument("--scores", help="HeadScores JSON (confidence, LRP, ...) for --method scores")
     bl.add_argument("--keeps", required=True, help="comma list of head counts to keep")
-    bl.add_argument("--kinds", default="enc_self", help="kinds to prune (comma list or all)")
+    bl.add_argument("--kinds", default="auto",
+                    help="kinds to prune: auto (enc_self on a model with an encoder, dec_self on a decoder-only "
+                         "model), all, or a comma list")
     bl.add_argument("--seeds", default="1,2,3", help="seeds of --method random")
     add_options(bl, BaselineConfig, ("finetune_steps", "freeze_decoder", "from_scratch", "scratch_epochs",
                                      "scratch_lr", "scratch_warmup_steps", "scratch_average_last", "lr", "max_tokens",
@@ -297,8 +299,8 @@ def run_baseline(args) -> int:
     if not seeds:
         raise HeadlabError("--seeds is empty: give one or more seeds for --method random")
     named = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if args.kinds != "all" and (not named or any(k not in KINDS for k in named)):
-        raise HeadlabError(f"--kinds {args.kinds}: expected all or a comma list of {', '.join(KINDS)}")
+    if args.kinds not in ("all", "auto") and (not named or any(k not in KINDS for k in named)):
+        raise HeadlabError(f"--kinds {args.kinds}: expected auto, all or a comma list of {', '.join(KINDS)}")
     if args.method == "scores" and not args.scores:
         raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
     if args.valid_src is None and args.valid_tgt is None:

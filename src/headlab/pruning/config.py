@@ -23,7 +23,8 @@ DEFAULT_ZETA = 1.1
 class PruneConfig:
     """Options of gated fine-tuning; ``headlab prune train`` maps its flags onto these fields."""
 
-    gates: str = option("enc_self", "enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
+    gates: str = option("auto", "auto (enc_self on a model with an encoder, dec_self on a decoder-only model), "
+                        "enc_self (decoder frozen, Sec. 6.2), all (all parameters trained, Sec. 6.3) "
                         "or a comma list of kinds")
     lam: float = option(0.05, "weight of the L0 penalty (lambda)")  # ignored with keep
     keep: int | None = option(None, "reach exactly N open heads (Lagrangian budget, CoFi)", range="[1, inf)")

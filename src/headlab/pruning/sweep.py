@@ -23,7 +23,15 @@ from typing import Callable, Sequence
 
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
-from headlab.pruning.train import CONFIG_FILE, RESULT_FILE, PruneConfig, evaluate_point, heads_per_kind, prune_train
+from headlab.pruning.train import (
+    CONFIG_FILE,
+    RESULT_FILE,
+    PruneConfig,
+    evaluate_point,
+    heads_per_kind,
+    prune_train,
+    with_gates_resolved,
+)
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
 
@@ -163,6 +171,8 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if base.gates == "auto":  # the points record the kinds chosen, so their options are compared with those
+        base = with_gates_resolved(base, load()[0])
     rows: list[dict] = []
     if reference and eval_data is not None:
         full_file = out_dir / "full.json"

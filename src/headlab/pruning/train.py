@@ -3,6 +3,8 @@
 Voita et al. 2019, Sec. 6: start from a converged model, attach one Hard Concrete gate per
 head, and fine-tune on L_xent + lambda L_C (Eq. (12) of Louizos et al. 2018 for L_C). Two modes:
 
+- ``gates="auto"`` (the default): ``enc_self`` on a model with an encoder, ``dec_self`` on a
+  decoder-only model; the record names the kinds it chose;
 - ``gates="enc_self"``: gates on encoder self-attention only, decoder (and the embeddings it
   shares) frozen, so that encoder functions cannot migrate to the decoder (Sec. 6.2);
 - ``gates="all"``: gates on every attention kind the model has, all parameters trained (Sec. 6.3).
@@ -38,7 +40,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, cast
 
@@ -102,15 +104,24 @@ def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     have = tuple(kind for kind in KINDS if any(b.kind == kind for b in attention_blocks(model)))
     if gates == "all":
         return have
+    if gates == "auto":  # the paper's encoder self-attention where there is one; a decoder-only model's own
+        return ("enc_self",) if "enc_self" in have else ("dec_self",) if "dec_self" in have else have
     kinds = tuple(k.strip() for k in gates.split(",") if k.strip())
     if not kinds:
-        raise HeadlabError("--gates is empty; use enc_self, all, or a comma list of kinds")
+        raise HeadlabError("--gates is empty; use auto, enc_self, all, or a comma list of kinds")
     for kind in kinds:
         if kind not in KINDS:
-            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected all or {', '.join(KINDS)}")
+            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected auto, all or {', '.join(KINDS)}")
         if kind not in have:
             raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
     return kinds
+
+
+def with_gates_resolved(config: PruneConfig, model) -> PruneConfig:
+    """``config`` with ``gates="auto"`` replaced by the kinds it means for ``model``."""
+    if config.gates != "auto":
+        return config
+    return replace(config, gates=",".join(resolve_kinds(model, "auto")))
 
 
 def _check_config(config: PruneConfig) -> None:
@@ -467,6 +478,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     run_dir = out_dir / "train"
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
+    config = with_gates_resolved(config, model)  # recorded as the kinds chosen: the record says what was gated
     kinds, gates = _gates(model, config)
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
