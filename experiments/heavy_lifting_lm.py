@@ -37,11 +37,12 @@ import hashlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the experiments beside this one
+import heavy_lifting_runner  # noqa: E402  experiments/heavy_lifting_runner.py
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "dec_self"
@@ -216,68 +217,17 @@ def kept_heads(model_dir: Path) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- running
 
 
-class Deadline(Exception):
-    pass
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-class Runner:
+class Runner(heavy_lifting_runner.Runner):
     def __init__(self, args):
-        self.root = Path(args.root).resolve()
-        self.model = str(Path(args.model).resolve())
-        self.deadline = args.deadline
+        super().__init__(args)
         self.evals = dict(item.split("=", 1) for item in args.eval)
-        self.python = sys.executable
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                    "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.train_file = self.root / "data" / "train.txt"
         self.train_files = args.train
-        self.labels = json.loads(Path(args.labels).read_text())
-        self.done: list[str] = []
-        self.only = set(args.only.split(",")) if args.only else None
         self.extra = args.extra_train_args.split() if args.extra_train_args else []
         self.recipe = [str(args.epochs) if i and RECIPE[i - 1] == "--epochs" else item for i, item in enumerate(RECIPE)]
 
-    def status(self, line: str) -> None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        text = f"{stamp} {line}\nfinished: {len(self.done)}: {', '.join(self.done)}\npid {os.getpid()}\n"
-        name = "STATUS" if self.only is None else f"STATUS-{os.getpid()}"  # drivers side by side (--only)
-        tmp = self.root / f"{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.root / name)
-        print(f"{stamp} {line}", flush=True)
-
-    def seconds_left(self) -> float:
-        if self.deadline is None:
-            return float("inf")
-        return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
-
-    def headlab(self, argv: list[str], log: Path) -> int:
-        """Run ``headlab ARGV`` with its output in ``log``; SIGINT at the deadline (checkpoint kept)."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as out:
-            out.write(f"\n$ headlab {' '.join(argv)}\n")
-            out.flush()
-            # SIGINT restored in the child: a driver started in the background (`... &`) inherits it
-            # ignored, and the deadline's SIGINT would then not stop the training at a checkpoint.
-            proc = subprocess.Popen([self.python, "-m", "headlab", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env, cwd=ROOT, preexec_fn=_default_sigint)
-            while True:
-                try:
-                    return proc.wait(timeout=min(30.0, max(self.seconds_left(), 1.0)))
-                except subprocess.TimeoutExpired:
-                    if self.seconds_left() > 0:
-                        continue
-                    proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(timeout=120)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                    raise Deadline(f"deadline reached during headlab {argv[0]} {argv[1]}") from None
+    def status_name(self) -> str:
+        return "STATUS" if self.only is None else f"STATUS-{os.getpid()}"  # drivers side by side (--only)
 
     def prepare(self) -> None:
         """The fine-tuning text: the LM's own training files, one sentence a line (CoNLL-U read
@@ -337,23 +287,7 @@ class Runner:
 
     def run(self) -> int:
         self.prepare()
-        configs = [c for c in plan(self.labels) if self.only is None or c["name"] in self.only]
-        self.done = [c["name"] for c in configs if (self.root / c["name"] / "eval.json").is_file()]
-        for config in configs:
-            try:
-                self.run_one(config)
-            except Deadline as stop:
-                self.status(f"stopped: {stop}; rerun the same command to resume")
-                return 0
-            except Exception as error:  # noqa: BLE001 - one failed configuration must not stop the rest
-                self.status(f"FAILED {config['name']}: {error}")
-                continue
-            if self.seconds_left() < 60:
-                self.status("stopped: deadline; rerun the same command to resume")
-                return 0
-        left = [c["name"] for c in configs if not (self.root / c["name"] / "eval.json").is_file()]
-        self.status("all configurations finished" if not left else f"finished with failures: {', '.join(left)}")
-        return 0 if not left else 1
+        return self.run_configs([c for c in plan(self.labels) if self.only is None or c["name"] in self.only])
 
 
 # ----------------------------------------------------------------------------- main
