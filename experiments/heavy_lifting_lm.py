@@ -43,6 +43,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the experiments beside this one
 import heavy_lifting_runner  # noqa: E402  experiments/heavy_lifting_runner.py
+from heavy_lifting_labels import (  # noqa: E402  experiments/heavy_lifting_labels.py
+    POSITIONAL_BAR,
+    SYNTACTIC_BAR,
+    label_rows,
+    least_specialised,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "dec_self"
@@ -51,7 +57,6 @@ KEEPS = (6, 12, 24)  # the head counts of the comparison (issue 35: about 24, 12
 SEEDS = (1, 2, 3)
 LAMS = (0.01, 0.02, 0.05, 0.1)  # the fixed-lambda series besides lambda = 0
 N_RANDOM_ABLATIONS = 39  # smallest p of the ablation test: 1/40
-POSITIONAL_BAR, SYNTACTIC_BAR = 0.90, 0.10  # Voita et al. 2019, Sec. 5.1 and 5.2.1 (headlab's defaults)
 
 # The fine-tuning recipe every trained configuration shares (gated and controls alike).
 RECIPE = ["--gates", "all", "--loss", "causal_lm", "--label-smoothing", "0", "--max-tokens", "4096",
@@ -81,19 +86,7 @@ def labels_from_functions(functions_dir: Path) -> dict:
 
     share, offset = table("positional/share.json"), table("positional/offset.json")
     margin, rarest = table("syntactic/margin.json"), table("rare_tokens/rarest.json")
-    top_rare = max(heads(), key=lambda lh: rarest[lh[0]][lh[1]])
-    best_rare = rarest[top_rare[0]][top_rare[1]]
-    rows = []
-    for layer, head in heads():
-        m = margin[layer][head]
-        parts = {"positional": share[layer][head] / POSITIONAL_BAR,
-                 "syntactic": (m / SYNTACTIC_BAR) if m is not None else 0.0,
-                 "rare": rarest[layer][head] / best_rare}
-        functions = [name for name, value in parts.items() if value >= 1.0]
-        rows.append({"layer": layer, "head": head, "positional_share": share[layer][head],
-                     "positional_offset": offset[layer][head], "syntactic_margin": m,
-                     "rarest_share": rarest[layer][head], "functions": functions,
-                     "specialised": bool(functions), "score": max(parts.values())})
+    rows = label_rows(heads(), share, offset, margin, rarest)
     signature = json.loads((functions_dir / "positional/share.json").read_text()).get("signature", {})
     return {"kind": KIND, "source": str(functions_dir), "signature": signature,
             "criteria": {"positional": f"share of maxima at one offset >= {POSITIONAL_BAR}",
@@ -102,12 +95,6 @@ def labels_from_functions(functions_dir: Path) -> dict:
                          "score": "max(positional share / 0.90, syntactic margin / 0.10, rarest share / largest)"},
             "heads": rows,
             "specialised": [[r["layer"], r["head"]] for r in rows if r["specialised"]]}
-
-
-def least_specialised(labels: dict, k: int) -> list[tuple[int, int]]:
-    """The ``k`` heads of lowest specialisation score (ties: layer, head order)."""
-    ranked = sorted(labels["heads"], key=lambda r: (r["score"], r["layer"], r["head"]))
-    return sorted((r["layer"], r["head"]) for r in ranked[:k])
 
 
 def random_heads(k: int, seed: int) -> list[tuple[int, int]]:

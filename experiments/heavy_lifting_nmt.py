@@ -53,6 +53,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the experiments beside this one
 import heavy_lifting_runner  # noqa: E402  experiments/heavy_lifting_runner.py
+from heavy_lifting_labels import (  # noqa: E402  experiments/heavy_lifting_labels.py
+    POSITIONAL_BAR,
+    SYNTACTIC_BAR,
+    label_rows,
+    least_specialised,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "enc_self"
@@ -61,7 +67,6 @@ KS = (8, 5, 2, 1)  # the encoder head counts of the reproduction's fixed-lambda 
 GATED = {8: "lam-0.005", 5: "lam-0.01", 2: "lam-0.02", 1: "lam-0.05"}  # prune/enc/<point> keeping k heads
 SEEDS = (1, 2, 3)
 STEPS = {1: 864, 2: 1728}  # stage 1: the gated points' 4 epochs of 216 updates; stage 2: 8 epochs
-POSITIONAL_BAR, SYNTACTIC_BAR = 0.90, 0.10  # Voita et al. 2019, Sec. 5.1 and 5.2.1 (headlab's defaults)
 
 # The fine-tuning of the fixed-lambda points (docs/reproduction.md, stage prune-enc), without gates.
 CONTROL = ["--freeze-decoder", "--lr", "1e-4", "--max-tokens", "2048", "--mixed-precision", "bf16",
@@ -115,19 +120,7 @@ def labels_from_functions(functions_dir: Path) -> dict:
               "rarest": ("rare_rarest.json", "rare_tokens/rarest.json")}
     files = {key: _table(functions_dir, *names) for key, names in tables.items()}
     share, offset, margin, rarest = (files[key]["scores"][KIND] for key in ("share", "offset", "margin", "rarest"))
-    top_rare = max(heads(), key=lambda lh: rarest[lh[0]][lh[1]])
-    best_rare = rarest[top_rare[0]][top_rare[1]]
-    rows = []
-    for layer, head in heads():
-        m = margin[layer][head]
-        parts = {"positional": share[layer][head] / POSITIONAL_BAR,
-                 "syntactic": (m / SYNTACTIC_BAR) if m is not None else 0.0,
-                 "rare": rarest[layer][head] / best_rare}
-        functions = [name for name, value in parts.items() if value >= 1.0]
-        rows.append({"layer": layer, "head": head, "positional_share": share[layer][head],
-                     "positional_offset": offset[layer][head], "syntactic_margin": m,
-                     "rarest_share": rarest[layer][head], "functions": functions,
-                     "specialised": bool(functions), "score": max(parts.values())})
+    rows = label_rows(heads(), share, offset, margin, rarest)
     return {"kind": KIND, "source": str(functions_dir),
             "sha256": {key: sha256(functions_dir / next(n for n in names if (functions_dir / n).is_file()))
                        for key, names in tables.items()},
@@ -139,12 +132,6 @@ def labels_from_functions(functions_dir: Path) -> dict:
             "heads": rows,
             "specialised": [[r["layer"], r["head"]] for r in rows if r["specialised"]],
             "least_specialised_8": [list(h) for h in least_specialised({"heads": rows}, 8)]}
-
-
-def least_specialised(labels: dict, k: int) -> list[tuple[int, int]]:
-    """The ``k`` heads of lowest specialisation score (ties: layer, head order)."""
-    ranked = sorted(labels["heads"], key=lambda r: (r["score"], r["layer"], r["head"]))
-    return sorted((r["layer"], r["head"]) for r in ranked[:k])
 
 
 def least_scores(labels: dict) -> dict:
