@@ -5,26 +5,18 @@ does not stop the rest. A shell script stands in for ``python -m headlab``."""
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.experiments import load_experiment
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-runner = _load("heavy_lifting_runner")
+runner = load_experiment("heavy_lifting_runner")
 
 
 def _runner(tmp_path, cls=None, deadline=None, only=None):
@@ -103,7 +95,7 @@ def test_a_failed_configuration_does_not_stop_the_rest(tmp_path):
 def test_the_drivers_share_the_loop(tmp_path):
     """Both drivers' Runners are the shared one; the translation driver's stage-2 controls are
     finished by eval-1728.json, and the LM driver's side-by-side drivers each write a STATUS of their own."""
-    lm, nmt = _load("heavy_lifting_lm"), _load("heavy_lifting_nmt")
+    lm, nmt = load_experiment("heavy_lifting_lm"), load_experiment("heavy_lifting_nmt")
     assert issubclass(lm.Runner, runner.Runner) and issubclass(nmt.Runner, runner.Runner)
     labels = json.loads((REPO / "docs" / "results" / "heavy-lifting-nmt" / "labels.json").read_text())
     args = argparse.Namespace(root=str(tmp_path), model=str(tmp_path), deadline=None, only=None,
