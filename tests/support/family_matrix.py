@@ -20,6 +20,10 @@
 
 :func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
 non-zero, so that slicing them is exercised.
+
+The checks the family test files share (test_more_families.py, test_discovered_families.py,
+test_shared_layers.py) follow at the end: ``check_*`` take a family's model (or its builder) and
+its own references.
 """
 
 from __future__ import annotations
