@@ -37,11 +37,18 @@ import hashlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the experiments beside this one
+import heavy_lifting_runner  # noqa: E402  experiments/heavy_lifting_runner.py
+from heavy_lifting_labels import (  # noqa: E402  experiments/heavy_lifting_labels.py
+    POSITIONAL_BAR,
+    SYNTACTIC_BAR,
+    label_rows,
+    least_specialised,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "dec_self"
@@ -50,7 +57,6 @@ KEEPS = (6, 12, 24)  # the head counts of the comparison (issue 35: about 24, 12
 SEEDS = (1, 2, 3)
 LAMS = (0.01, 0.02, 0.05, 0.1)  # the fixed-lambda series besides lambda = 0
 N_RANDOM_ABLATIONS = 39  # smallest p of the ablation test: 1/40
-POSITIONAL_BAR, SYNTACTIC_BAR = 0.90, 0.10  # Voita et al. 2019, Sec. 5.1 and 5.2.1 (headlab's defaults)
 
 # The fine-tuning recipe every trained configuration shares (gated and controls alike).
 RECIPE = ["--gates", "all", "--loss", "causal_lm", "--label-smoothing", "0", "--max-tokens", "4096",
@@ -80,19 +86,7 @@ def labels_from_functions(functions_dir: Path) -> dict:
 
     share, offset = table("positional/share.json"), table("positional/offset.json")
     margin, rarest = table("syntactic/margin.json"), table("rare_tokens/rarest.json")
-    top_rare = max(heads(), key=lambda lh: rarest[lh[0]][lh[1]])
-    best_rare = rarest[top_rare[0]][top_rare[1]]
-    rows = []
-    for layer, head in heads():
-        m = margin[layer][head]
-        parts = {"positional": share[layer][head] / POSITIONAL_BAR,
-                 "syntactic": (m / SYNTACTIC_BAR) if m is not None else 0.0,
-                 "rare": rarest[layer][head] / best_rare}
-        functions = [name for name, value in parts.items() if value >= 1.0]
-        rows.append({"layer": layer, "head": head, "positional_share": share[layer][head],
-                     "positional_offset": offset[layer][head], "syntactic_margin": m,
-                     "rarest_share": rarest[layer][head], "functions": functions,
-                     "specialised": bool(functions), "score": max(parts.values())})
+    rows = label_rows(heads(), share, offset, margin, rarest)
     signature = json.loads((functions_dir / "positional/share.json").read_text()).get("signature", {})
     return {"kind": KIND, "source": str(functions_dir), "signature": signature,
             "criteria": {"positional": f"share of maxima at one offset >= {POSITIONAL_BAR}",
@@ -101,12 +95,6 @@ def labels_from_functions(functions_dir: Path) -> dict:
                          "score": "max(positional share / 0.90, syntactic margin / 0.10, rarest share / largest)"},
             "heads": rows,
             "specialised": [[r["layer"], r["head"]] for r in rows if r["specialised"]]}
-
-
-def least_specialised(labels: dict, k: int) -> list[tuple[int, int]]:
-    """The ``k`` heads of lowest specialisation score (ties: layer, head order)."""
-    ranked = sorted(labels["heads"], key=lambda r: (r["score"], r["layer"], r["head"]))
-    return sorted((r["layer"], r["head"]) for r in ranked[:k])
 
 
 def random_heads(k: int, seed: int) -> list[tuple[int, int]]:
@@ -216,68 +204,17 @@ def kept_heads(model_dir: Path) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- running
 
 
-class Deadline(Exception):
-    pass
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-class Runner:
+class Runner(heavy_lifting_runner.Runner):
     def __init__(self, args):
-        self.root = Path(args.root).resolve()
-        self.model = str(Path(args.model).resolve())
-        self.deadline = args.deadline
+        super().__init__(args)
         self.evals = dict(item.split("=", 1) for item in args.eval)
-        self.python = sys.executable
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                    "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.train_file = self.root / "data" / "train.txt"
         self.train_files = args.train
-        self.labels = json.loads(Path(args.labels).read_text())
-        self.done: list[str] = []
-        self.only = set(args.only.split(",")) if args.only else None
         self.extra = args.extra_train_args.split() if args.extra_train_args else []
         self.recipe = [str(args.epochs) if i and RECIPE[i - 1] == "--epochs" else item for i, item in enumerate(RECIPE)]
 
-    def status(self, line: str) -> None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        text = f"{stamp} {line}\nfinished: {len(self.done)}: {', '.join(self.done)}\npid {os.getpid()}\n"
-        name = "STATUS" if self.only is None else f"STATUS-{os.getpid()}"  # drivers side by side (--only)
-        tmp = self.root / f"{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.root / name)
-        print(f"{stamp} {line}", flush=True)
-
-    def seconds_left(self) -> float:
-        if self.deadline is None:
-            return float("inf")
-        return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
-
-    def headlab(self, argv: list[str], log: Path) -> int:
-        """Run ``headlab ARGV`` with its output in ``log``; SIGINT at the deadline (checkpoint kept)."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as out:
-            out.write(f"\n$ headlab {' '.join(argv)}\n")
-            out.flush()
-            # SIGINT restored in the child: a driver started in the background (`... &`) inherits it
-            # ignored, and the deadline's SIGINT would then not stop the training at a checkpoint.
-            proc = subprocess.Popen([self.python, "-m", "headlab", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env, cwd=ROOT, preexec_fn=_default_sigint)
-            while True:
-                try:
-                    return proc.wait(timeout=min(30.0, max(self.seconds_left(), 1.0)))
-                except subprocess.TimeoutExpired:
-                    if self.seconds_left() > 0:
-                        continue
-                    proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(timeout=120)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                    raise Deadline(f"deadline reached during headlab {argv[0]} {argv[1]}") from None
+    def status_name(self) -> str:
+        return "STATUS" if self.only is None else f"STATUS-{os.getpid()}"  # drivers side by side (--only)
 
     def prepare(self) -> None:
         """The fine-tuning text: the LM's own training files, one sentence a line (CoNLL-U read
@@ -337,23 +274,7 @@ class Runner:
 
     def run(self) -> int:
         self.prepare()
-        configs = [c for c in plan(self.labels) if self.only is None or c["name"] in self.only]
-        self.done = [c["name"] for c in configs if (self.root / c["name"] / "eval.json").is_file()]
-        for config in configs:
-            try:
-                self.run_one(config)
-            except Deadline as stop:
-                self.status(f"stopped: {stop}; rerun the same command to resume")
-                return 0
-            except Exception as error:  # noqa: BLE001 - one failed configuration must not stop the rest
-                self.status(f"FAILED {config['name']}: {error}")
-                continue
-            if self.seconds_left() < 60:
-                self.status("stopped: deadline; rerun the same command to resume")
-                return 0
-        left = [c["name"] for c in configs if not (self.root / c["name"] / "eval.json").is_file()]
-        self.status("all configurations finished" if not left else f"finished with failures: {', '.join(left)}")
-        return 0 if not left else 1
+        return self.run_configs([c for c in plan(self.labels) if self.only is None or c["name"] in self.only])
 
 
 # ----------------------------------------------------------------------------- main

@@ -47,11 +47,18 @@ import hashlib
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the experiments beside this one
+import heavy_lifting_runner  # noqa: E402  experiments/heavy_lifting_runner.py
+from heavy_lifting_labels import (  # noqa: E402  experiments/heavy_lifting_labels.py
+    POSITIONAL_BAR,
+    SYNTACTIC_BAR,
+    label_rows,
+    least_specialised,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KIND = "enc_self"
@@ -60,7 +67,6 @@ KS = (8, 5, 2, 1)  # the encoder head counts of the reproduction's fixed-lambda 
 GATED = {8: "lam-0.005", 5: "lam-0.01", 2: "lam-0.02", 1: "lam-0.05"}  # prune/enc/<point> keeping k heads
 SEEDS = (1, 2, 3)
 STEPS = {1: 864, 2: 1728}  # stage 1: the gated points' 4 epochs of 216 updates; stage 2: 8 epochs
-POSITIONAL_BAR, SYNTACTIC_BAR = 0.90, 0.10  # Voita et al. 2019, Sec. 5.1 and 5.2.1 (headlab's defaults)
 
 # The fine-tuning of the fixed-lambda points (docs/reproduction.md, stage prune-enc), without gates.
 CONTROL = ["--freeze-decoder", "--lr", "1e-4", "--max-tokens", "2048", "--mixed-precision", "bf16",
@@ -114,19 +120,7 @@ def labels_from_functions(functions_dir: Path) -> dict:
               "rarest": ("rare_rarest.json", "rare_tokens/rarest.json")}
     files = {key: _table(functions_dir, *names) for key, names in tables.items()}
     share, offset, margin, rarest = (files[key]["scores"][KIND] for key in ("share", "offset", "margin", "rarest"))
-    top_rare = max(heads(), key=lambda lh: rarest[lh[0]][lh[1]])
-    best_rare = rarest[top_rare[0]][top_rare[1]]
-    rows = []
-    for layer, head in heads():
-        m = margin[layer][head]
-        parts = {"positional": share[layer][head] / POSITIONAL_BAR,
-                 "syntactic": (m / SYNTACTIC_BAR) if m is not None else 0.0,
-                 "rare": rarest[layer][head] / best_rare}
-        functions = [name for name, value in parts.items() if value >= 1.0]
-        rows.append({"layer": layer, "head": head, "positional_share": share[layer][head],
-                     "positional_offset": offset[layer][head], "syntactic_margin": m,
-                     "rarest_share": rarest[layer][head], "functions": functions,
-                     "specialised": bool(functions), "score": max(parts.values())})
+    rows = label_rows(heads(), share, offset, margin, rarest)
     return {"kind": KIND, "source": str(functions_dir),
             "sha256": {key: sha256(functions_dir / next(n for n in names if (functions_dir / n).is_file()))
                        for key, names in tables.items()},
@@ -138,12 +132,6 @@ def labels_from_functions(functions_dir: Path) -> dict:
             "heads": rows,
             "specialised": [[r["layer"], r["head"]] for r in rows if r["specialised"]],
             "least_specialised_8": [list(h) for h in least_specialised({"heads": rows}, 8)]}
-
-
-def least_specialised(labels: dict, k: int) -> list[tuple[int, int]]:
-    """The ``k`` heads of lowest specialisation score (ties: layer, head order)."""
-    ranked = sorted(labels["heads"], key=lambda r: (r["score"], r["layer"], r["head"]))
-    return sorted((r["layer"], r["head"]) for r in ranked[:k])
 
 
 def least_scores(labels: dict) -> dict:
@@ -198,71 +186,20 @@ def eval_file(config: dict) -> str:
 # ----------------------------------------------------------------------------- running
 
 
-class Deadline(Exception):
-    pass
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-class Runner:
+class Runner(heavy_lifting_runner.Runner):
     def __init__(self, args):
-        self.root = Path(args.root).resolve()
-        self.model = str(Path(args.model).resolve())
+        super().__init__(args)
         self.data = Path(args.data).resolve()
         self.results = Path(args.results).resolve()
-        self.deadline = args.deadline
         self.stage = args.stage
-        self.python = sys.executable
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                    "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.labels = json.loads(Path(args.labels).read_text())
-        self.done: list[str] = []
-        self.only = set(args.only.split(",")) if args.only else None
         self.extra = shlex.split(args.extra_train_args or "")
         self.extra_control = shlex.split(args.extra_control_args or "")
         self.extra_scratch = shlex.split(args.extra_scratch_args or "")
         self.extra_gated = shlex.split(args.extra_gated_args or "")
         self._model = None
 
-    def status(self, line: str) -> None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        text = f"{stamp} {line}\nfinished: {len(self.done)}: {', '.join(self.done)}\npid {os.getpid()}\n"
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".STATUS.{os.getpid()}.tmp"  # several drivers (--only) may share a root
-        tmp.write_text(text)
-        os.replace(tmp, self.root / "STATUS")
-        print(f"{stamp} {line}", flush=True)
-
-    def seconds_left(self) -> float:
-        if self.deadline is None:
-            return float("inf")
-        return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
-
-    def headlab(self, argv: list[str], log: Path) -> int:
-        """Run ``headlab ARGV`` with its output in ``log``; SIGINT at the deadline (checkpoint kept)."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as out:
-            out.write(f"\n$ headlab {shlex.join(argv)}\n")
-            out.flush()
-            # SIGINT restored in the child: a driver started in the background (`... &`) inherits it
-            # ignored, and the deadline's SIGINT would then not stop the training at a checkpoint.
-            proc = subprocess.Popen([self.python, "-m", "headlab", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env, cwd=ROOT, preexec_fn=_default_sigint)
-            while True:
-                try:
-                    return proc.wait(timeout=min(30.0, max(self.seconds_left(), 1.0)))
-                except subprocess.TimeoutExpired:
-                    if self.seconds_left() > 0:
-                        continue
-                    proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(timeout=120)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                    raise Deadline(f"deadline reached during headlab {' '.join(argv[:2])}") from None
+    def result_file(self, config: dict) -> str:
+        return eval_file(config)
 
     def file(self, name: str) -> str:
         path = self.data / name
@@ -411,22 +348,7 @@ class Runner:
         configs = [c for c in plan(self.labels, self.stage) if self.only is None or c["name"] in self.only]
         if self.only is not None and len(configs) != len(self.only):
             raise SystemExit(f"--only: no configuration named {sorted(self.only - {c['name'] for c in configs})}")
-        self.done = [c["name"] for c in configs if (self.root / c["name"] / eval_file(c)).is_file()]
-        for config in configs:
-            try:
-                self.run_one(config)
-            except Deadline as stop:
-                self.status(f"stopped: {stop}; rerun the same command to resume")
-                return 0
-            except Exception as error:  # noqa: BLE001 - one failed configuration must not stop the rest
-                self.status(f"FAILED {config['name']}: {error}")
-                continue
-            if self.seconds_left() < 60:
-                self.status("stopped: deadline; rerun the same command to resume")
-                return 0
-        left = [c["name"] for c in configs if not (self.root / c["name"] / eval_file(c)).is_file()]
-        self.status("all configurations finished" if not left else f"finished with failures: {', '.join(left)}")
-        return 0 if not left else 1
+        return self.run_configs(configs)
 
 
 # ----------------------------------------------------------------------------- speed
@@ -542,7 +464,6 @@ def main(argv=None) -> int:
         return 0
     if args.command == "run":
         return Runner(args).run()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from heavy_lifting_nmt_report import write_report  # experiments/heavy_lifting_nmt_report.py
 
     write_report(Path(args.root), json.loads(Path(args.labels).read_text()), Path(args.data), Path(args.results),

@@ -16,36 +16,44 @@ weights.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 from torch import nn
 
-from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads
 from headlab.cli import main
 from support.discovered import ENCODERS, FAMILIES, TIED, VALUE_ROWS, tiny_model
-from support.family_matrix import tiny_inputs
+from support.family_matrix import (
+    ANALYZE_STAGES,
+    analyze,
+    check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
+    check_head_counts,
+    check_lrp_conserves,
+    check_masking_equals_zeroed_values,
+    check_pruning_equals_masking,
+    save_tiny,
+    tiny_inputs,
+    treebank_files,
+    zero_values,
+)
+from support.family_matrix import logits as _logits
 
 
 def _kind(family: str) -> str:
     return "enc_self" if family in ENCODERS else "dec_self"
 
 
-def _logits(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).logits
+def _build(family: str):
+    return lambda **kwargs: tiny_model(family, **kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_are_discovered_with_the_configs_head_counts(family):
     model = tiny_model(family)
-    blocks = attention_blocks(model)
-    n_kv = VALUE_ROWS[family][2]
-    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
-        [(_kind(family), 0, 4, n_kv, 8), (_kind(family), 1, 4, n_kv, 8)]
+    blocks = check_head_counts(model, _kind(family), VALUE_ROWS[family][2])
     assert blocks[0].family.name == f"discovered:{model.config.model_type}"
     if family in ENCODERS:  # the block around the calling module, holding the output projection
         attn = model.roberta_prelayernorm.encoder.layer[1].attention
@@ -62,56 +70,23 @@ def test_blocks_are_discovered_with_the_configs_head_counts(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_equals_output_attentions(family):
-    eager = tiny_model(family, attn_implementation="eager")
-    inputs = tiny_inputs()  # the second sequence is padded
-    with torch.no_grad():
-        reference = eager(**inputs, output_attentions=True).attentions
-    model = tiny_model(family)  # sdpa
-    with capture_attention(model) as record:
-        _logits(model, inputs)
-    assert set(record) == {(_kind(family), 0), (_kind(family), 1)}
-    for (_, layer), probs in record.items():
-        assert torch.equal(probs, reference[layer]), layer
+    # the second sequence is padded
+    model, _ = check_capture_equals_output_attentions(_build(family), _kind(family), tiny_inputs())
     assert model.config._attn_implementation == "sdpa"  # restored
-
-
-def _zero_values(model, family: str, layer: int, kv_head: int) -> None:
-    module_of, rows, _ = VALUE_ROWS[family]
-    module = module_of(model, layer)
-    index = torch.tensor(list(rows(kv_head)))
-    with torch.no_grad():
-        module.weight[index] = 0
-        if module.bias is not None:
-            module.bias[index] = 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_masking_equals_zeroed_values(family):
-    inputs = tiny_inputs()
-    n_kv = VALUE_ROWS[family][2]
-    group = 4 // n_kv
-    for kv_head in range(n_kv):
-        model = tiny_model(family)
-        before = _logits(model, inputs)
-        heads = list(range(kv_head * group, (kv_head + 1) * group))
-        with mask_heads(model, {(_kind(family), 1): heads}):
-            masked = _logits(model, inputs)
-        assert torch.equal(_logits(model, inputs), before)  # the mask came off
-        _zero_values(model, family, 1, kv_head)
-        reference = _logits(model, inputs)
-        assert not torch.allclose(reference, before)
-        torch.testing.assert_close(masked, reference, atol=1e-6, rtol=0)
+    check_masking_equals_zeroed_values(_build(family), _kind(family), VALUE_ROWS[family], tiny_inputs())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gates_at_one_change_nothing_and_a_silent_head_has_no_gradient(family):
     from headlab.importance import ImportanceData, compute_gradient, describe_model
 
-    model, inputs = tiny_model(family), tiny_inputs()
-    before = _logits(model, inputs)
-    with gates_attached(model, ScalarGates.for_model(model)):
-        assert torch.equal(_logits(model, inputs), before)
-    _zero_values(model, family, 0, 0)  # the heads reading key/value head 0 of layer 0 now output 0
+    model = tiny_model(family)
+    check_gates_at_one_change_nothing(model, tiny_inputs())
+    zero_values(model, VALUE_ROWS[family], 0, 0)  # the heads reading key/value head 0 of layer 0 now output 0
     silent = list(range(4 // VALUE_ROWS[family][2]))
     g = torch.Generator().manual_seed(5)
     data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (5, 3, 6)])
@@ -149,15 +124,7 @@ def test_discovered_scores_equal_the_table_entrys_on_the_same_weights():
 
 @pytest.mark.parametrize("family", TIED)
 def test_physical_pruning_equals_masking(family):
-    from headlab import prune_heads
-
-    model, inputs = tiny_model(family), tiny_inputs()
-    spec = {(_kind(family), 0): [1], (_kind(family), 1): [0, 2]}
-    with mask_heads(model, spec):
-        masked = _logits(model, inputs)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
-    torch.testing.assert_close(_logits(model, inputs), masked, atol=1e-5, rtol=0)
+    check_pruning_equals_masking(tiny_model(family), _kind(family), tiny_inputs(), atol=1e-5)
 
 
 def test_pruning_and_lrp_are_refused_where_the_projections_are_not_tied():
@@ -175,41 +142,14 @@ def test_pruning_and_lrp_are_refused_where_the_projections_are_not_tied():
         check_rules(model)
 
 
-def _save(model, path, words):
-    from support.treebank import word_tokenizer
-
-    tokenizer = word_tokenizer(list(words), style="gpt2")
-    for name in ("pad", "bos", "eos"):
-        if getattr(model.config, f"{name}_token_id", None) is not None:
-            setattr(model.config, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id", None) or 0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-def _treebank(tmp_path):
-    from support.treebank import SAMPLE_CONLLU
-
-    texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
-    words = [w for text in texts for w in text.split()]
-    words += [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
-    (tmp_path / "text.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
-    return words
-
-
 @pytest.mark.parametrize("family", ["granite", "persimmon"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
     """Every stage on a discovered family; on Persimmon LRP is refused and the rest is done."""
-    _save(tiny_model(family), tmp_path / family, _treebank(tmp_path))
-    out = tmp_path / "out"
-    code = main(["analyze", str(tmp_path / family), "--source", str(tmp_path / "text.txt"), "--conllu",
-                 str(tmp_path / "tb.conllu"), "--out", str(out), "--skip", "figures", "--no-progress",
-                 "--attention-sentences", "2", "--ablation"])
+    save_tiny(tiny_model(family), tmp_path / family, treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / family, tmp_path)
     err = capsys.readouterr().err
-    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
     assert code == (0 if family == "granite" else 1), err
-    for name in ("confidence", "gradient", "ablation", "agreement", "functions", "aggregate", "table", "attention",
-                 "report"):
+    for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
     if family == "granite":
         assert stages["lrp"]["status"] == "done", stages["lrp"]
@@ -220,7 +160,7 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
 def test_prune_is_refused_before_loading_where_the_projections_are_not_tied(tmp_path, capsys, monkeypatch):
     import headlab.loading
 
-    _save(tiny_model("persimmon"), tmp_path / "persimmon", ["the", "cat"])
+    save_tiny(tiny_model("persimmon"), tmp_path / "persimmon", ["the", "cat"])
     monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code = main(["prune", str(tmp_path / "persimmon"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -386,27 +326,8 @@ def test_lrp_conserves_relevance_where_the_projections_are_tied(family):
     """On a bias-free copy the LRP rules conserve relevance exactly (importance/rules.py): what
     reaches the first layer's input sums to the explained logit. Catches a query or key projection
     discovery tied wrongly (its relevance would leak through the attention weights)."""
-    from headlab.capture import eager_attention
-    from headlab.importance.rules import check_rules, lrp_rules
+    from headlab.importance.rules import check_rules
 
     model = tiny_model(family)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.zero_()
-        for module in model.modules():  # weights of unit gain, so that no branch is too small to count
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0, module.in_features ** -0.5)
     check_rules(model)
-    seen = []
-    handle = model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-    try:
-        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-            out = model(**tiny_inputs(batch=1)).logits
-            target = out[0, -1].argmax()
-            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
-    finally:
-        handle.remove()
-    total = (seen[0].detach() * grad).sum()
-    torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
+    check_lrp_conserves(model, model.model.layers[0])

@@ -2,26 +2,18 @@
 decision rules on constructed numbers, and the bootstrap on constructed translations; no model
 is trained here (the driver was run end to end with --extra-*-args, docs/results/heavy-lifting-nmt)."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.experiments import load_experiment
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-driver, report = _load("heavy_lifting_nmt"), _load("heavy_lifting_nmt_report")
+driver, report = load_experiment("heavy_lifting_nmt"), load_experiment("heavy_lifting_nmt_report")
 FUNCTIONS = REPO / "docs" / "results" / "reproduction" / "multi30k-en-de" / "functions"
 
 

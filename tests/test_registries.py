@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from headlab import mask_heads, prune_heads
-from headlab.adapters import attention_blocks
-from headlab.capture import _configs
+from headlab.adapters import attention_blocks, attention_configs
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
@@ -42,7 +41,7 @@ def _hooks(model) -> int:
 
 
 def _implementations(model) -> list[str]:
-    return [config._attn_implementation for config in _configs(model)]
+    return [config._attn_implementation for config in attention_configs(model)]
 
 
 @pytest.mark.parametrize("name", list(MEASURES))

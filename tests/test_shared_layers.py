@@ -18,10 +18,22 @@ import json
 import pytest
 import torch
 
-from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
-from headlab.capture import stream_attention
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads
 from headlab.cli import main
-from support.family_matrix import SHARED, tiny_inputs, tiny_model
+from support.family_matrix import (
+    ANALYZE_STAGES,
+    SHARED,
+    analyze,
+    check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
+    check_head_counts,
+    check_lrp_conserves,
+    check_streamed_chunks_equal_capture,
+    tiny_inputs,
+    tiny_model,
+    treebank_files,
+)
+from support.family_matrix import logits as _logits
 
 FAMILIES = tuple(SHARED)
 DEPTHS = {"albert": 3, "albert-groups": 8}
@@ -31,11 +43,6 @@ MODULE_OF_DEPTH = {  # (group, layer in group) run at each depth, read off Alber
 }
 
 
-def _logits(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).logits
-
-
 def _attention(model, group: int, layer: int):
     return model.albert.encoder.albert_layer_groups[group].albert_layers[layer].attention
 
@@ -43,9 +50,7 @@ def _attention(model, group: int, layer: int):
 def test_blocks_are_depths():
     for family in FAMILIES:
         model = tiny_model(family)
-        blocks = attention_blocks(model)
-        assert [(b.kind, b.layer, b.n_heads, b.d_head) for b in blocks] == \
-            [("enc_self", depth, 4, 8) for depth in range(DEPTHS[family])]
+        blocks = check_head_counts(model, "enc_self", 4, DEPTHS[family])
         for block, (group, layer) in zip(blocks, MODULE_OF_DEPTH[family]):
             assert block.core is _attention(model, group, layer)
             assert block.shared and block.scope is model.albert.encoder
@@ -57,24 +62,11 @@ def test_blocks_are_depths():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_equals_output_attentions(family):
     inputs = tiny_inputs()  # the second sequence padded
-    eager = tiny_model(family, attn_implementation="eager")
-    with torch.no_grad():
-        reference = eager(**inputs, output_attentions=True).attentions
-    assert len(reference) == DEPTHS[family]
-    model = tiny_model(family)  # sdpa
-    with capture_attention(model) as record:
-        _logits(model, inputs)
-    assert sorted(record) == [("enc_self", d) for d in range(DEPTHS[family])]
+    model, record = check_capture_equals_output_attentions(  # sdpa
+        lambda **kwargs: tiny_model(family, **kwargs), "enc_self", inputs, DEPTHS[family])
     assert all(n == 1 for n in record.calls.values())
-    for (_, depth), probs in record.items():
-        assert torch.equal(probs, reference[depth]), depth
     assert not torch.equal(record[("enc_self", 0)], record[("enc_self", 1)])  # not one map for all depths
-    chunks: dict = {}
-    with stream_attention(model, lambda block, chunk: chunks.setdefault(block.key, []).append(chunk), query_chunk=3):
-        _logits(model, inputs)
-    for (_, depth), probs in record.items():
-        torch.testing.assert_close(torch.cat([c.full() for c in chunks[("enc_self", depth)]], 2), probs.float(),
-                                   atol=1e-6, rtol=0)
+    check_streamed_chunks_equal_capture(model, inputs, record)
 
 
 def _zero_value_head_at(model, family: str, depth: int, head: int):
@@ -134,12 +126,7 @@ def test_masking_one_depth_equals_zeroed_values_at_that_depth(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gates_at_one_change_nothing_and_hooks_come_off(family):
-    model, inputs = tiny_model(family), tiny_inputs()
-    before = _logits(model, inputs)
-    with gates_attached(model, ScalarGates.for_model(model)):
-        assert torch.equal(_logits(model, inputs), before)
-    for module in model.modules():
-        assert not module._forward_pre_hooks and not module._forward_hooks, module
+    check_gates_at_one_change_nothing(tiny_model(family), tiny_inputs())
 
 
 def test_gradient_per_depth_equals_a_hand_written_gate():
@@ -314,33 +301,23 @@ def test_partly_shared_albert_prunes_its_unshared_depth():
 
 
 def _save(tmp_path, family="albert"):
-    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+    from support.treebank import word_tokenizer
 
-    texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
-    words = [w for text in texts for w in text.split()]
-    words += [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
-    tokenizer = word_tokenizer(words, style="bert")
+    tokenizer = word_tokenizer(treebank_files(tmp_path), style="bert")
     model = tiny_model(family)
     model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = \
         tokenizer.pad_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id
     model.save_pretrained(tmp_path / family)
     tokenizer.save_pretrained(tmp_path / family)
-    (tmp_path / "text.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
     return tmp_path / family
 
 
 def test_analyze_end_to_end(tmp_path, capsys):
     """Every stage, LRP with its conservation check, one row of scores per depth."""
-    path = _save(tmp_path)
-    out = tmp_path / "out"
-    code = main(["analyze", str(path), "--source", str(tmp_path / "text.txt"), "--conllu",
-                 str(tmp_path / "tb.conllu"), "--out", str(out), "--skip", "figures", "--no-progress",
-                 "--attention-sentences", "2", "--ablation"])
+    code, stages = analyze(_save(tmp_path), tmp_path)
     err = capsys.readouterr().err
-    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
-    for name in ("confidence", "lrp", "gradient", "ablation", "agreement", "functions", "aggregate", "table",
-                 "attention", "report"):
+    out = tmp_path / "out"
+    for name in ("lrp", *ANALYZE_STAGES):
         assert stages[name]["status"] == "done", (stages[name], err)
     assert code == 0
     for measure in ("confidence", "lrp", "gradient", "ablation"):  # one row per depth
@@ -389,24 +366,6 @@ def test_lrp_conserves_relevance(family):
 def test_lrp_rules_conserve_on_a_bias_free_model():
     """Bias-free, the relevance reaching the first depth's input (the encoder's first call of the
     shared layer) is the explained logit."""
-    from headlab.capture import eager_attention
-    from headlab.importance.rules import lrp_rules
-
     model = tiny_model("albert-groups")
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.zero_()
-    seen = []
     layer = model.albert.encoder.albert_layer_groups[0].albert_layers[0]
-    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    try:
-        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-            out = model(**tiny_inputs(batch=1)).logits
-            target = out[0, -1].argmax()
-            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
-    finally:
-        handle.remove()
-    assert len(seen) == 2  # called at depths 0 and 2
-    torch.testing.assert_close(float((grad * seen[0]).sum().detach()), float(out[0, -1, target].detach()), rtol=1e-4,
-                               atol=1e-5)
+    assert check_lrp_conserves(model, layer, unit_gain=False) == 2  # called at depths 0 and 2

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
 from headlab.attention import SINK_ATTRIBUTE, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
 
@@ -34,16 +34,6 @@ logger = logging.getLogger(__name__)
 
 ProbsCallback = Callable[[AttentionBlock, torch.Tensor], None]
 HeadOutputFn = Callable[[AttentionBlock, torch.Tensor], torch.Tensor]
-
-
-def _configs(model: nn.Module) -> list:
-    """Every distinct config object that an attention module of ``model`` may read."""
-    found: dict[int, object] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            found.setdefault(id(config), config)
-    return list(found.values())
 
 
 @contextmanager
@@ -71,7 +61,7 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
 
 @contextmanager
 def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
-    configs = _configs(model)
+    configs = attention_configs(model)
     previous = [config._attn_implementation for config in configs]
     try:
         _switch(model, configs, [name] * len(configs))

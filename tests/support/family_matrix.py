@@ -20,6 +20,10 @@
 
 :func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
 non-zero, so that slicing them is exercised.
+
+The checks the family test files share (test_more_families.py, test_discovered_families.py,
+test_shared_layers.py) follow at the end: ``check_*`` take a family's model (or its builder) and
+its own references.
 """
 
 from __future__ import annotations
@@ -233,3 +237,181 @@ def greedy_generation(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
         out = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
                              output_scores=True, return_dict_in_generate=True, pad_token_id=2)
     return out.sequences, torch.stack(out.scores)
+
+
+# -- checks the family test files share (tests/test_more_families.py, test_discovered_families.py,
+# test_shared_layers.py); each takes the model builder or model and the family's own references.
+
+ANALYZE_STAGES = ("confidence", "gradient", "ablation", "agreement", "functions", "aggregate", "table", "attention",
+                  "report")
+"""The stages ``headlab analyze --ablation`` runs on every supported family (LRP besides, where it can)."""
+
+
+def logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def check_head_counts(model, kind: str, n_kv: int, n_layers: int = 2) -> list:
+    """The blocks have the config's head counts (4 heads of 8, ``n_kv`` key/value heads); the blocks back."""
+    from headlab import attention_blocks
+
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
+        [(kind, layer, 4, n_kv, 8) for layer in range(n_layers)]
+    return blocks
+
+
+def check_capture_equals_output_attentions(build, kind: str, inputs: dict, n_layers: int = 2):
+    """capture_attention on ``build()`` (SDPA where the family has it) equals transformers' own
+    ``output_attentions`` of ``build(attn_implementation="eager")``, map for map, and the model's
+    implementation is restored; the model and the record back."""
+    from headlab import capture_attention
+
+    eager = build(attn_implementation="eager")
+    with torch.no_grad():
+        reference = eager(**inputs, output_attentions=True).attentions
+    assert len(reference) == n_layers
+    model = build()
+    implementation = model.config._attn_implementation
+    with capture_attention(model) as record:
+        logits(model, inputs)
+    assert sorted(record) == [(kind, layer) for layer in range(n_layers)]
+    for (_, layer), probs in record.items():
+        assert torch.equal(probs, reference[layer]), layer
+    assert model.config._attn_implementation == implementation  # restored
+    return model, record
+
+
+def check_streamed_chunks_equal_capture(model, inputs: dict, record) -> torch.Tensor:
+    """stream_attention's chunks, put together, equal the captured maps ``record``; the logits back."""
+    from headlab.capture import stream_attention
+
+    chunks: dict = {}
+    with stream_attention(model, lambda block, chunk: chunks.setdefault(block.key, []).append(chunk), query_chunk=3):
+        out = logits(model, inputs)
+    for key, probs in record.items():
+        torch.testing.assert_close(torch.cat([c.full() for c in chunks[key]], 2), probs.float(), atol=1e-6, rtol=0)
+    return out
+
+
+def zero_values(model, values, layer: int, kv_head: int) -> None:
+    """Zero key/value head ``kv_head``'s value weights and biases in place (``values``: the family's
+    ``(module(model, layer), rows(kv_head), n_kv_heads)``, read off the modeling code): its heads then output 0."""
+    module_of, rows, _ = values
+    module = module_of(model, layer)
+    index = torch.tensor(list(rows(kv_head)))
+    with torch.no_grad():
+        module.weight[index] = 0
+        if module.bias is not None:
+            module.bias[index] = 0
+
+
+def check_masking_equals_zeroed_values(build, kind: str, values, inputs: dict) -> None:
+    """Masking every query head of layer 1 that reads key/value head j equals zeroing j's values by hand."""
+    from headlab import mask_heads
+
+    n_kv = values[2]
+    group = 4 // n_kv
+    for kv_head in range(n_kv):
+        model = build()
+        before = logits(model, inputs)
+        heads = list(range(kv_head * group, (kv_head + 1) * group))
+        with mask_heads(model, {(kind, 1): heads}):
+            masked = logits(model, inputs)
+        assert torch.equal(logits(model, inputs), before)  # the mask came off
+        zero_values(model, values, 1, kv_head)
+        reference = logits(model, inputs)
+        assert not torch.allclose(reference, before)
+        torch.testing.assert_close(masked, reference, atol=1e-6, rtol=0)
+
+
+def check_gates_at_one_change_nothing(model, inputs: dict) -> None:
+    """Scalar gates at one leave the logits as they are, and their hooks come off."""
+    from headlab import ScalarGates, gates_attached
+
+    before = logits(model, inputs)
+    with gates_attached(model, ScalarGates.for_model(model)):
+        assert torch.equal(logits(model, inputs), before)
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks, module
+
+
+def check_pruning_equals_masking(model, kind: str, inputs: dict, atol: float = 1e-6) -> None:
+    """Head 1 of layer 0 and heads 0 and 2 of layer 1 pruned: the logits of the masked model."""
+    from headlab import attention_blocks, mask_heads, prune_heads
+
+    spec = {(kind, 0): [1], (kind, 1): [0, 2]}
+    with mask_heads(model, spec):
+        masked = logits(model, inputs)
+    prune_heads(model, spec)
+    assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
+    torch.testing.assert_close(logits(model, inputs), masked, atol=atol, rtol=0)
+
+
+def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = True) -> int:
+    """On a bias-free copy (``unit_gain``: Linear weights redrawn at unit gain, so that no branch is
+    too small to count) the LRP rules conserve relevance exactly (importance/rules.py): what reaches
+    ``first_layer``'s input sums to the explained logit. The number of calls of ``first_layer`` back."""
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import lrp_rules
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+        if unit_gain:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.normal_(0, module.in_features ** -0.5)
+    seen = []
+    handle = first_layer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(**tiny_inputs(batch=1)).logits
+            target = out[0, -1].argmax()
+            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+    finally:
+        handle.remove()
+    total = (seen[0].detach() * grad).sum()
+    torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
+    return len(seen)
+
+
+def save_tiny(model, path, words, style: str = "gpt2") -> None:
+    """``model`` and a word tokenizer of ``words`` saved to ``path``, the config's special ids the tokenizer's."""
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(list(words), style=style)
+    for name in ("pad", "bos", "eos", "cls", "sep"):
+        if getattr(model.config, f"{name}_token_id", None) is not None:
+            setattr(model.config, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id", None) or 0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def treebank_files(tmp_path) -> list[str]:
+    """text.txt (the sample treebank's sentences) and tb.conllu in ``tmp_path``; their words back."""
+    from support.treebank import SAMPLE_CONLLU
+
+    texts = [line[len("# text = "):] for line in SAMPLE_CONLLU.splitlines() if line.startswith("# text = ")]
+    words = [w for text in texts for w in text.split()]
+    words += [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
+    (tmp_path / "text.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    return words
+
+
+def analyze(model_dir, tmp_path) -> tuple[int, dict]:
+    """``headlab analyze`` with every stage but the figures on the files of :func:`treebank_files`:
+    the exit code and the manifest's stages by name."""
+    import json
+
+    from headlab.cli import main
+
+    out = tmp_path / "out"
+    code = main(["analyze", str(model_dir), "--source", str(tmp_path / "text.txt"), "--conllu",
+                 str(tmp_path / "tb.conllu"), "--out", str(out), "--skip", "figures", "--no-progress",
+                 "--attention-sentences", "2", "--ablation"])
+    return code, {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import Discovered, discover, maps, ran
+from headlab.adapters.discovery import SUB_CONFIGS, Discovered, attention_configs, discover, maps, ran
 from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
-__all__ = ["AttentionBlock", "attention_blocks", "find_block", "n_layers_per_kind", "Family", "FAMILIES",
-           "family_for", "qkv_columns", "unsupported_reason"]
+__all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "n_layers_per_kind", "Family",
+           "FAMILIES", "family_for", "qkv_columns", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,7 @@ def family_for(config: Any) -> Family | None:
 def unsupported_reason(model_or_config: Any) -> str | None:
     """Why headlab refuses this model (its model type, or any sub-config's), or None."""
     config = getattr(model_or_config, "config", model_or_config)
-    seen = [config] + [getattr(config, name, None) for name in ("text_config", "encoder", "decoder")]
+    seen = [config] + [getattr(config, name, None) for name in SUB_CONFIGS]
     for sub in seen:
         reason = UNSUPPORTED.get(getattr(sub, "model_type", None) or "")
         if reason:

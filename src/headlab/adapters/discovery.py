@@ -244,13 +244,19 @@ def _probe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return _ACTIVE[-1].attention(module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _configs(model: nn.Module) -> list:
+SUB_CONFIGS = ("text_config", "encoder", "decoder")
+"""The sub-configs of a composite config (a multimodal model's text model, an encoder-decoder's halves)."""
+
+
+def attention_configs(model: nn.Module) -> list:
+    """Every distinct config object that an attention module of ``model`` may read: those its
+    modules hold and their sub-configs, each once, in module order (a parent before its parts)."""
     found: dict[int, object] = {}
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
-            for name in ("text_config", "encoder", "decoder"):
+            for name in SUB_CONFIGS:
                 sub = getattr(config, name, None)
                 if sub is not None and hasattr(sub, "_attn_implementation"):
                     found.setdefault(id(sub), sub)
@@ -278,7 +284,7 @@ def _run(model: nn.Module) -> _Probe:
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     handles = []
-    configs = _configs(model)
+    configs = attention_configs(model)
     saved = [(config, config.__dict__.get("_attn_implementation_internal", None),
               getattr(config, "_attn_implementation", None), getattr(config, "_experts_implementation", None))
              for config in configs]
