@@ -6,10 +6,11 @@ subprocess so that peak memory is its own:
 
 * ``sdpa``: a plain forward pass with PyTorch's SDPA attention (what the model does anyway);
 * ``eager``: ``analyze_heads`` with positional, syntactic, rare-token and aggregate statistics
-  over today's eager capture (each block's whole ``[1, heads, n, n]`` map);
+  over the eager capture (``engine="eager"``, the reference: each block's whole ``[1, heads, n, n]`` map);
 * ``chunked``: the same analysis with ``query_chunk`` (headlab's registered attention function,
   ``--query-chunk`` rows at a time, statistics over word rows);
-* ``fused``: the same analysis under the fused engine (``engine="fused"``, :mod:`headlab.data.fused`:
+* ``fused``: the same analysis under the fused engine (``engine="fused"``, the default of ``functions``,
+  ``aggregate`` and ``analyze`` since issue 34, :mod:`headlab.data.fused`:
   the same chunks of rows, the statistics from a few passes over each: maxima, products with key
   features, row-wise dot products; every word of the synthetic sentence is one token, so every
   statistic runs fused).

@@ -18,6 +18,7 @@
    fragmentation, for a plain forward loop as much as for the analysis).
 
     python benchmarks/bench_functions.py                         # the bundled model
+    python benchmarks/bench_functions.py --engine eager          # the eager reference (the default before issue 34)
     python benchmarks/bench_functions.py --model DIR --train-text data/multi30k/train.en.gz
 
 Without a trained model (``--random``) a randomly initialised Marian of the bundled model's
@@ -115,7 +116,7 @@ def time_analysis(args, model, tokenizer, frequencies, on_batch=None):
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
     config = AnalysisConfig(batch_size=args.batch_size, max_sentences=args.sentences,
-                            max_length=getattr(args, "max_length", None))
+                            max_length=getattr(args, "max_length", None), engine=args.engine)
     started = time.perf_counter()
     analysis = analyze_heads(model, tokenizer, args.conllu, frequencies=frequencies, config=config,
                              on_batch=on_batch)
@@ -194,7 +195,7 @@ def memory_child(args) -> dict:
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
     analyze_heads(model, tokenizer, args.conllu, frequencies=frequencies,
-                  config=AnalysisConfig(batch_size=args.batch_size, max_sentences=2))
+                  config=AnalysisConfig(batch_size=args.batch_size, max_sentences=2, engine=args.engine))
     gc.collect()
     exact = _reset_peak_rss()
     before = _status_kb("VmRSS") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -246,6 +247,8 @@ def memory(args) -> list[dict]:
                    str(args.memory_batch_size), "--threads", str(args.threads), "--conllu", str(conllu)]
         if args.memory_max_length:
             command += ["--max-length", str(args.memory_max_length)]
+        if args.engine:
+            command += ["--engine", args.engine]
         if control:
             command.append("--control")
         if args.random:
@@ -275,6 +278,8 @@ def main() -> None:
     parser.add_argument("--train-text", default=str(DEFAULT_TRAIN), help="token frequencies (rare-token heads)")
     parser.add_argument("--sentences", type=int, help="throughput over the first N sentences (default: all)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--engine", choices=("eager", "chunked", "fused"),
+                        help="where the statistics run (default: the fused engine, as headlab functions)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the bench machine is shared)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--memory-sizes", type=int, nargs="*", default=[200, 2000])

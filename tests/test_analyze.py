@@ -324,3 +324,21 @@ def test_heads_table_of_a_directory_written_before(tmp_path):
     columns, rows = heads_table(run)
     assert rows[0][:2] == ["models/tiny", "old-run"]
     assert heads_table(run, model="given")[1][0][0] == "given"
+
+
+def test_default_engine_agrees_with_the_eager_reference(full_run, inputs, tmp_path):
+    """Issue 34: confidence, functions and aggregate run fused (headlab's attention function in query
+    chunks) by default; ``--engine eager`` (the reference: whole maps) writes the same decisions,
+    counts and positions, and floats equal to float32 rounding (the tiny model runs in float32)."""
+    from test_functions_cli import _assert_json_close
+
+    out = tmp_path / "eager"
+    assert main(_args(inputs, out, "--target", str(inputs / "ref.de"), "--conllu", str(inputs / "tb.conllu"),
+                      "--engine", "eager", "--skip", "lrp", "gradient", "prune", "figures", "attention")) == 0
+    files = sorted(p.relative_to(out) for p in out.rglob("*.json") if ".headlab" not in p.parts and (
+        p.parts[len(out.parts)] in ("functions", "aggregate") or p.name == "confidence.json"))
+    assert len(files) > 20 and all((full_run / path).exists() for path in files)
+    for path in files:
+        if path.name != "summary.json":  # the run's time and configuration
+            _assert_json_close(json.loads((full_run / path).read_text()), json.loads((out / path).read_text()),
+                               str(path))

@@ -477,3 +477,27 @@ def test_model_info_counts_a_head_the_checkpoint_lacks_as_absent():
     said: list[str] = []
     assert not model_info(model, tokenizer, log=said.append).has_lm_head
     assert said == ["the checkpoint was saved as MarianModel, without a language-model head"]
+
+
+def test_analyze_engine_eager_is_the_reference(setup, monkeypatch):
+    """``headlab.analyze(..., engine="eager")``, as ``headlab analyze --engine eager``: confidence,
+    functions and aggregate on each block's whole map (no chunked stream), the default's numbers to
+    float32 rounding; a bad engine is refused before any work."""
+    import numpy as np
+
+    import headlab.capture
+
+    root, _, (model, tokenizer), api = setup
+    streamed = []
+    original = headlab.capture.stream_attention
+    monkeypatch.setattr(headlab.capture, "stream_attention", lambda *a, **k: streamed.append(1) or original(*a, **k))
+    for module in ("headlab.functions.analysis", "headlab.importance.confidence"):
+        monkeypatch.setattr(f"{module}.stream_attention", headlab.capture.stream_attention)
+    eager = headlab.analyze(model, tokenizer, SENTENCES, treebank=root / "tb.conllu", measures=["confidence"],
+                            engine="eager", attention_sentences=0)
+    assert not streamed
+    for name in ("confidence", "positional_share", "mean_entropy", "mean_distance"):
+        for kind in eager[name].kinds:
+            np.testing.assert_allclose(eager[name][kind], api[name][kind], rtol=1e-5, atol=1e-6)
+    with pytest.raises(HeadlabError, match="engine must be one of"):
+        headlab.analyze(model, tokenizer, ["x"], engine="flash")

@@ -119,7 +119,8 @@ def _analyse(family, tmp_path, query_chunk, target):
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")
     counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
-    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True)
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True,
+                            engine="eager" if query_chunk is None else None)
     return analyze_heads(model, tokenizer, path, target_conllu=path if target else None, config=config,
                          frequencies=TokenFrequencies(counts, "hand-set"))
 
@@ -266,7 +267,8 @@ def test_analyze_long_causal_sentences_with_query_chunks_equals_eager(tmp_path):
     for query_chunk in (None, 48):
         analysis = analyze_heads(model, tokenizer, path, frequencies=TokenFrequencies(counts, "hand-set"),
                                  config=AnalysisConfig(batch_size=2, top_frequent=3, window=4, top_k=3,
-                                                       query_chunk=query_chunk, sensitivity=True))
+                                                       query_chunk=query_chunk, sensitivity=True,
+                                                       engine="eager" if query_chunk is None else None))
         assert analysis.report.n_tokens > 3 * 128 and analysis.report.n_truncated == 0
         written[query_chunk] = _written(analysis.results.values(), tmp_path / str(query_chunk))
     _assert_close(written[48], written[None], rtol=1e-6)

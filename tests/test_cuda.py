@@ -149,9 +149,10 @@ def test_statistics_of_the_same_probabilities_on_cuda_equal_the_cpu(tmp_path):
     _close(files["cuda"], files["cpu"])
 
 
-@pytest.mark.parametrize("family, target, query_chunk", [
-    ("marian", True, None), ("marian", True, 2), ("bert", False, None), ("gpt2", False, 3), ("llama", False, 2)])
-def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_chunk):
+@pytest.mark.parametrize("family, target, query_chunk, engine", [
+    ("marian", True, None, "eager"), ("marian", True, 2, None), ("bert", False, None, "eager"),
+    ("bert", False, None, None), ("gpt2", False, 3, None), ("llama", False, 2, None)])
+def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_chunk, engine):
     """``analyze_heads`` of one float32 tiny model on the CPU and on the GPU, where the statistics
     now run: every written statistic agrees, counts, offsets, argmax decisions and exemplar
     positions identical, float totals within 1e-6 relative. Not to the bit: the GPU's attention
@@ -172,7 +173,8 @@ def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_ch
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")
     counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
-    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True)
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, query_chunk=query_chunk, sensitivity=True,
+                            engine=engine)  # None: the default, the fused engine
     model = tiny_model(family)  # float32
     files = {}
     for device in ("cpu", "cuda"):
@@ -181,6 +183,41 @@ def test_analyze_heads_on_cuda_equals_the_cpu(tmp_path, family, target, query_ch
         files[device] = _written(analysis.results.values(), tmp_path / device)
     assert len(files["cpu"]) > 20
     _close(files["cuda"], files["cpu"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, target", [("marian", True), ("gpt2", False), ("llama", False)])
+def test_default_fused_engine_on_cuda_agrees_with_the_references(tmp_path, family, target, dtype):
+    """On the GPU, the default (the fused engine, issue 34) against the references on the same GPU,
+    with a word-level tokenizer (every statistic fused). float32: against ``engine="eager"``, counts,
+    offsets, decisions and exemplar positions identical, floats within 1e-5 relative (other
+    products, other orders of addition). bfloat16: eager's probabilities are rounded to bfloat16
+    (transformers' eager softmax casts back to the model's dtype) and the chunked attention's are
+    float32, so decisions may differ from eager's at near-ties; against ``engine="chunked"`` (the
+    same float32 probabilities) they are identical, floats within 1e-5 relative."""
+    pytest.importorskip("conllu")
+    import numpy as np
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU
+    from test_fused_statistics import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    model = tiny_model(family).to("cuda", dtype)
+    reference = "eager" if dtype == torch.float32 else "chunked"
+    files = {}
+    for engine in (None, reference):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, sensitivity=True)
+        analysis = analyze_heads(model, tokenizer, path, target_conllu=path if target else None,
+                                 config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        assert analysis.config.resolved_engine == (engine or "fused")
+        files[engine] = _written(analysis.results.values(), tmp_path / str(engine))
+    assert len(files[None]) > 20
+    _close(files[None], files[reference], rtol=1e-5)
 
 
 @pytest.mark.parametrize("family, target", [("marian", True), ("gpt2", False), ("llama", False)])

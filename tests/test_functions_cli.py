@@ -161,30 +161,41 @@ def test_query_chunk_below_one_is_a_usage_error(tmp_path, model_dir, command, ba
 @pytest.mark.parametrize("registrable", [True, False])
 def test_functions_cli_with_query_chunk_writes_what_eager_writes(tmp_path, model_dir, capsys, monkeypatch, caplog,
                                                                   registrable):
-    """With --query-chunk the files are eager's; a model whose attention cannot be registered runs
-    the eager capture instead and says so in the log (a warning of ``headlab.capture``)."""
+    """By default (the fused engine) and with --query-chunk the files are the eager reference's
+    (--engine eager); a model whose attention cannot be registered runs the eager path instead and
+    says so in the log, once: by default (an info of ``headlab.functions.analysis``), and under an
+    explicit --engine chunked (a warning of ``headlab.capture``)."""
+    import logging
+
     conllu = tmp_path / "tb.conllu"
     conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
     outputs = {}
-    for name, extra in (("eager", []), ("chunked", ["--query-chunk", "3"])):
-        if name == "chunked" and not registrable:
+    runs = (("eager", ["--engine", "eager"]), ("default", []), ("query_chunk", ["--query-chunk", "3"]),
+            ("chunked", ["--engine", "chunked", "--query-chunk", "3"]))
+    for name, extra in runs:
+        if name == "default" and not registrable:
             import headlab.capture
 
             monkeypatch.setattr(headlab.capture, "dispatches", lambda module: False)
         out = tmp_path / name
-        assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), "--aggregate",
-                     "--no-figures", "--no-progress", *extra]) == 0, capsys.readouterr().err
-        assert ("falling back to eager capture" in caplog.text) == (name == "chunked" and not registrable)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="headlab.functions.analysis"):
+            assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), "--aggregate",
+                         "--no-figures", "--no-progress", *extra]) == 0, capsys.readouterr().err
+        fell_back = not registrable and name != "eager"
+        assert ("falling back to eager capture" in caplog.text) == (fell_back and name == "chunked")
+        assert caplog.text.count("not the fused engine") == (fell_back and name != "chunked")
         outputs[name] = out
     def results(directory):  # .headlab/files.json: the run's own bookkeeping (with its time)
         return sorted(p.relative_to(directory) for p in directory.rglob("*.json") if ".headlab" not in p.parts)
 
     files = results(outputs["eager"])
-    assert files == results(outputs["chunked"])
-    for path in files:
-        if path.name != "summary.json":  # summary.json holds the run's time and configuration
-            _assert_json_close(json.loads((outputs["chunked"] / path).read_text()),
-                               json.loads((outputs["eager"] / path).read_text()), str(path))
+    for name in ("default", "query_chunk", "chunked"):
+        assert files == results(outputs[name])
+        for path in files:
+            if path.name != "summary.json":  # summary.json holds the run's time and configuration
+                _assert_json_close(json.loads((outputs[name] / path).read_text()),
+                                   json.loads((outputs["eager"] / path).read_text()), str(path))
 
 
 def _assert_json_close(a, b, where):

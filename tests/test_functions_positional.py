@@ -103,7 +103,7 @@ def test_forced_head_in_a_real_model_is_found(sample_path):
     model.train()  # the analysis runs in eval mode (no attention dropout) and gives the mode back
     with ForcedAttention(model, block, 2, pattern):
         analysis = analyze_heads(model, tokenizer, sample_path,
-                                 config=AnalysisConfig(aggregate=False, batch_size=3))
+                                 config=AnalysisConfig(aggregate=False, batch_size=3, engine="eager"))
     assert model.training
     found = [(h.kind, h.layer, h.head, h.offset, h.share) for h in analysis.positional.heads()]
     assert found == [("enc_self", 1, 2, -1, 1.0)]

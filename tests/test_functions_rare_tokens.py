@@ -105,7 +105,7 @@ def test_forced_rare_head_in_a_real_model(sample_path):
     pattern = lambda ids, T: token_pattern(ids, T, tokenizer.pad_token_id, rarest)  # noqa: E731
     with ForcedAttention(model, block, 0, pattern):
         analysis = analyze_heads(model, tokenizer, sample_path, frequencies=frequencies,
-                                 config=AnalysisConfig(aggregate=False, top_frequent=3))
+                                 config=AnalysisConfig(aggregate=False, top_frequent=3, engine="eager"))
     assert analysis.rare.rare_heads() == [("enc_self", 1, 0)]
     assert analysis.rare.rarest["enc_self"][1, 0] == 1.0
     assert "enc_self L1 H0: rarest token 100.0%" in analysis.rare.describe()

@@ -143,7 +143,7 @@ def test_forced_gold_arcs_in_a_real_model(sample_path):
     pattern = lambda ids, T: token_pattern(ids, T, tokenizer.pad_token_id, to_governor)  # noqa: E731
     with ForcedAttention(model, block, 3, pattern):
         analysis = analyze_heads(model, tokenizer, sample_path,
-                                 config=AnalysisConfig(aggregate=False, relations=RELATIONS))
+                                 config=AnalysisConfig(aggregate=False, relations=RELATIONS, engine="eager"))
     for relation in ("nsubj", "dobj", "amod", "advmod"):
         accuracy = analysis.syntactic.accuracy(relation, "dep->gov")
         assert accuracy["enc_self"][0, 3] == 1.0

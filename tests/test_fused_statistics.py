@@ -119,7 +119,9 @@ def test_engine_option_is_checked():
         AnalysisConfig(engine="flash")
     with pytest.raises(HeadlabError, match="not with --engine eager"):
         AnalysisConfig(engine="eager", query_chunk=4)
-    assert AnalysisConfig().resolved_engine == "eager" and AnalysisConfig(query_chunk=4).resolved_engine == "fused"
+    # fused is the default (issue 34), with or without --query-chunk; eager and chunked stay as references
+    assert AnalysisConfig().resolved_engine == "fused" and AnalysisConfig(query_chunk=4).resolved_engine == "fused"
+    assert AnalysisConfig(engine="eager").resolved_engine == "eager"
     assert AnalysisConfig(engine="chunked").resolved_engine == "chunked"
     assert AnalysisConfig(engine="fused").chunk_rows == 128
 
@@ -231,3 +233,61 @@ def test_forward_stops_after_the_last_analysed_block(tmp_path, monkeypatch, fami
     assert len(stopped) > 10 and stopped.keys() == whole.keys()
     for name, value in whole.items():
         assert stopped[name] == value, name
+
+
+def test_fused_is_the_default_without_query_chunk(tmp_path, monkeypatch):
+    """Issue 34: with neither --engine nor --query-chunk the statistics run on the fused engine, in
+    chunks of ``FUSED_QUERY_CHUNK`` rows (the forward stops after the last analysed block: no
+    logits), and write what ``engine="fused", query_chunk=128`` writes, byte for byte; the eager
+    reference agrees to 1e-8 in float64."""
+    import headlab.functions.analysis as analysis
+    from headlab.functions.config import FUSED_QUERY_CHUNK
+    from test_statistics_device import _files
+
+    asked = []
+    original = analysis.stream_attention
+
+    def spy(model, callback, **kwargs):
+        asked.append(kwargs["query_chunk"])
+        return original(model, callback, **kwargs)
+
+    monkeypatch.setattr(analysis, "stream_attention", spy)
+    tokenizer = word_tokenizer()
+    default = _analyse("llama", tmp_path, tokenizer, None)
+    assert asked == [FUSED_QUERY_CHUNK] and default.config.resolved_engine == "fused"
+    assert default.report.chunked_statistics == {}
+    fused = _analyse("llama", tmp_path, tokenizer, "fused", query_chunk=FUSED_QUERY_CHUNK)
+    assert _files(default, tmp_path / "default") == _files(fused, tmp_path / "fused")
+    eager = _analyse("llama", tmp_path, tokenizer, "eager")
+    assert len(asked) == 2  # eager: no stream
+    _assert_close(_written(default.results.values(), tmp_path / "d"), _written(eager.results.values(), tmp_path / "e"),
+                  atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cause", ["dispatch", "sinks"])
+def test_default_runs_eager_where_the_model_cannot_use_headlabs_attention(tmp_path, monkeypatch, caplog, cause):
+    """A model whose attention does not go through headlab's attention function (no dispatch through
+    transformers' registry, or attention sinks, ``s_aux``, which the function refuses mid-forward)
+    gets the eager reference by default, said once, with eager's files to the bit."""
+    import inspect
+    import logging
+
+    import headlab.capture
+    import headlab.functions.analysis as analysis
+    from test_statistics_device import _files
+
+    tokenizer = word_tokenizer()
+    eager = _analyse("gpt2", tmp_path, tokenizer, "eager")
+    if cause == "dispatch":
+        monkeypatch.setattr(headlab.capture, "unregistrable", lambda blocks: blocks[:1])
+    else:
+        getsource = inspect.getsource  # as GPT-OSS's forward: the interface called with s_aux=self.sinks
+        monkeypatch.setattr(inspect, "getsource", lambda obj: getsource(obj) + "\n    s_aux=self.sinks")
+    streamed = []
+    monkeypatch.setattr(analysis, "stream_attention", lambda *args, **kwargs: streamed.append(1))
+    with caplog.at_level(logging.INFO, logger="headlab.functions.analysis"):
+        default = _analyse("gpt2", tmp_path, tokenizer, None)
+    assert not streamed
+    assert caplog.text.count("not the fused engine") == 1
+    assert ("sinks" in caplog.text) == (cause == "sinks")
+    assert _files(default, tmp_path / "default") == _files(eager, tmp_path / "eager")

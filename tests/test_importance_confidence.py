@@ -114,9 +114,9 @@ def test_confidence_from_query_chunks_equals_eager(family, rtol):
     data = ImportanceData.from_ids(_sentences(eos))
     if info.is_seq2seq:
         data = translate_data(model, data, info, max_length_a=0, max_length_b=5)
-    eager = compute_confidence(model, data, info, batch_size=3)  # padded batches
+    eager = compute_confidence(model, data, info, batch_size=3, engine="eager")  # padded batches
     assert model.config._attn_implementation == "sdpa"  # restored after the eager capture
-    for query_chunk in (1, 2, 5):
+    for query_chunk in (1, 2, 5, None):  # None: the default chunk (128 rows), fused/chunked by default
         chunked = compute_confidence(model, data, info, batch_size=3, query_chunk=query_chunk)
         assert chunked.kinds == eager.kinds
         for kind in eager.kinds:
@@ -164,3 +164,42 @@ def test_confidence_reuses_the_chunk_buffers(monkeypatch, family):
     assert asked == [True]
     for kind in fresh.kinds:
         np.testing.assert_array_equal(reused[kind], fresh[kind])
+
+
+def test_confidence_streams_by_default_and_eager_stays_the_reference(monkeypatch, caplog):
+    """Issue 34: by default confidence reads the chunks of headlab's attention function (128 rows),
+    ``engine="eager"`` the whole maps; a model whose attention cannot go through that function gets
+    the eager path by default, said once; ``--engine eager`` with ``--query-chunk`` is refused."""
+    import logging
+
+    import headlab.capture
+    import headlab.importance.confidence as confidence
+    from headlab.errors import HeadlabError
+    from headlab.importance.confidence import ConfidenceOptions
+
+    model = tiny_model("gpt2", attn_implementation="sdpa").double()
+    info = describe_model(model)
+    data = ImportanceData.from_ids(_sentences(min(info.eos_ids) if info.eos_ids else 1))
+    streamed, captured = [], []
+    stream, capture = confidence.stream_attention, confidence.capture_attention
+    monkeypatch.setattr(confidence, "stream_attention",
+                        lambda *a, **k: streamed.append(k["query_chunk"]) or stream(*a, **k))
+    monkeypatch.setattr(confidence, "capture_attention", lambda *a, **k: captured.append(1) or capture(*a, **k))
+    default = compute_confidence(model, data, info, batch_size=3)
+    assert streamed == [128] and not captured
+    eager = compute_confidence(model, data, info, batch_size=3, engine="eager")
+    assert streamed == [128] and captured == [1]
+    for kind in eager.kinds:
+        np.testing.assert_allclose(default[kind], eager[kind], rtol=0, atol=1e-8)
+    monkeypatch.setattr(headlab.capture, "unregistrable", lambda blocks: blocks[:1])
+    with caplog.at_level(logging.INFO, logger="headlab.importance.confidence"):
+        fallback = compute_confidence(model, data, info, batch_size=3)
+    assert streamed == [128] and captured == [1, 1] and caplog.text.count("on the eager path") == 1
+    for kind in eager.kinds:
+        np.testing.assert_array_equal(fallback[kind], eager[kind])
+    for bad in (lambda: ConfidenceOptions(engine="eager", query_chunk=4),
+                lambda: compute_confidence(model, data, info, engine="eager", query_chunk=4)):
+        with pytest.raises(HeadlabError, match="not with --engine eager"):
+            bad()
+    with pytest.raises(HeadlabError, match="engine must be one of"):
+        ConfidenceOptions(engine="flash")

@@ -213,8 +213,8 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
             frequency_texts: Iterable[str] | None = None, limit: int | None = None, treebank_limit: int | None = None,
             batch_size: int = 32, max_length: int | None = None, lrp_targets: int | None = None, lrp_seed: int = 0,
-            query_chunk: int | None = None, attention_sentences: int = 3, progress: bool = False,
-            out: str | os.PathLike | None = None, overwrite: bool = False) -> "Analysis":
+            query_chunk: int | None = None, engine: str | None = None, attention_sentences: int = 3,
+            progress: bool = False, out: str | os.PathLike | None = None, overwrite: bool = False) -> "Analysis":
     """What ``headlab analyze`` computes, in one call: the importance ``measures`` of every head
     on ``texts`` (with their agreement), and the ``statistics`` (``functions``, ``aggregate``) on
     ``treebank`` (a CoNLL-U path, CoNLL-U text or parsed sentences; rare-token heads count token
@@ -224,7 +224,10 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     one of the texts, is kept for the viewer of the report and of :meth:`Analysis._repr_html_`
     (``headlab analyze --attention-sentences``, 20 there; 0: none).
     With ``out``, the files are also written there, as ``headlab analyze`` writes them
-    (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``)."""
+    (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``).
+    ``engine``: where confidence, functions and aggregate run, as ``headlab analyze --engine``
+    (None: the fused engine; "eager" or "chunked": the references)."""
+    from headlab.functions.config import ENGINES
     from headlab.importance.measure_options import LRPOptions
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
@@ -240,6 +243,8 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
     if attention_sentences < 0:
         raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
+    if engine is not None and engine not in ENGINES:
+        raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
     texts = None if texts is None else _texts(texts)
@@ -263,7 +268,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                                  "to differentiate")
                 continue
             config = _importance_config((name,), batch_size, progress,
-                                        {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk})
+                                        {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk,
+                                         # as analyze: with query_chunk, eager is the statistics' engine alone
+                                         "engine": "eager" if engine == "eager" and query_chunk is None else None})
             result = run_importance(model, data, info, config, tokenizer=tokenizer)
             data = result.data  # the model's translations, made once, for the next measures
             skipped.update(result.skipped)
@@ -279,12 +286,14 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             if frequency_texts is None and texts is not None:
                 frequency_texts = texts
             head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, limit=sentences,
-                                      batch_size=batch_size, max_length=max_length, query_chunk=query_chunk,
-                                      progress=progress)
+                                      batch_size=batch_size, max_length=max_length,
+                                      query_chunk=None if engine == "eager" else query_chunk, progress=progress,
+                                      engine=engine)
             writers.append(("functions", lambda d: write_functions(head_analysis, d / "functions")))
         if "aggregate" in statistics:
             result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
-                                         max_length=max_length, query_chunk=query_chunk, progress=progress)
+                                         max_length=max_length, query_chunk=None if engine == "eager" else query_chunk,
+                                         progress=progress, engine=engine)
             writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
     if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
         writers.append(("attention", _treebank_attention_writer(

@@ -18,6 +18,7 @@ leaves the model as it was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -214,6 +215,26 @@ ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
 def unregistrable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
     """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can)."""
     return [block for block in blocks if block.n_heads and not dispatches(block.core)]
+
+
+def not_streamable(model: nn.Module) -> str | None:
+    """Why ``model``'s attention cannot run through headlab's attention function, or None where it
+    can: a block that does not dispatch through transformers' registry (:func:`unregistrable`;
+    :func:`stream_attention` would cut the whole map), or one that hands the function attention
+    sinks (``s_aux``, GPT-OSS), which it refuses mid-forward. The engines that default to the
+    function (the fused statistics, confidence) run the eager path instead."""
+    blocks = attention_blocks(model)
+    unable = unregistrable(blocks)
+    if unable:
+        return f"attention does not dispatch through transformers' AttentionInterface ({unable[0].name})"
+    for block in blocks:
+        try:
+            source = inspect.getsource(type(block.core).forward)
+        except (OSError, TypeError):
+            continue
+        if "s_aux" in source:
+            return f"its attention has sinks (s_aux, {block.name}), which headlab's attention function does not implement"
+    return None
 
 
 @contextmanager

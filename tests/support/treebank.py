@@ -194,7 +194,8 @@ class ForcedAttention:
     A forward pre-hook on the model keeps the batch's ``input_ids``; a forward hook on the
     block's attention core (registered before :func:`headlab.capture_attention` adds its own,
     so it runs first) replaces head ``head``'s probabilities with ``pattern(ids, T)``, a
-    ``[B, T, T]`` tensor. Use as a context manager around the analysis.
+    ``[B, T, T]`` tensor. Use as a context manager around the analysis, on the eager path
+    (``engine="eager"``: the fused default never returns the module's probabilities).
     """
 
     def __init__(self, model, block, head: int, pattern) -> None:

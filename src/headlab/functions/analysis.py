@@ -3,10 +3,13 @@
 Sentences are read, aligned and batched a batch at a time; one forward pass per batch feeds
 every statistic through :func:`headlab.capture_attention`'s callback, block by block, and the
 attention is dropped as soon as the statistics have seen it. Memory does not grow with the
-number of sentences. With ``query_chunk`` (``--query-chunk N``) the model runs headlab's own
-attention function (:func:`headlab.capture.stream_attention`) and the statistics are fed
-``N`` query rows at a time (:class:`~headlab.data.alignment.WordRows`), so no block's whole
-``[batch, heads, n, n]`` map exists: memory grows linearly in the length.
+number of sentences. By default (the fused engine, :mod:`headlab.data.fused`) and under
+``engine="chunked"`` the model runs headlab's own attention function
+(:func:`headlab.capture.stream_attention`) and the statistics are fed ``query_chunk`` query rows at
+a time (``--query-chunk N``, default :data:`~headlab.functions.config.FUSED_QUERY_CHUNK`), so no
+block's whole ``[batch, heads, n, n]`` map exists: memory grows linearly in the length. The eager
+reference (``engine="eager"``) hands the statistics each block's whole map; it is also what a
+model gets by default whose attention cannot go through headlab's attention function (logged).
 
 Which attention is analysed:
 
@@ -40,7 +43,7 @@ import torch
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
 from headlab.attention import AttentionChunk
-from headlab.capture import capture_attention, eval_mode, stream_attention, unregistrable
+from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention, unregistrable
 from headlab.data.alignment import (
     AlignmentError,
     AttentionView,
@@ -280,7 +283,7 @@ def analyze_heads(
         if shard.split:
             _combine(shard, report, stats)
         report.seconds = time.perf_counter() - started
-        if config.engine is None:  # fused by default (--query-chunk): the files a chunked run always wrote; logged
+        if config.engine is None:  # fused by default: the files the eager and chunked runs always wrote; logged
             report.chunked_statistics = {}
         report.treebanks = {
             str(path): counts[name].to_json()
@@ -457,6 +460,12 @@ class _Feeder:
 
     def capture(self, model, config: AnalysisConfig, blocks: list):
         engine = config.resolved_engine
+        if config.engine is None and (why := not_streamable(model)):
+            # The default engine (fused) needs headlab's attention function; without it the chunks would
+            # be cut from the whole map anyway (stream_attention's fallback): the eager reference runs.
+            logger.info("%s: %s; the statistics run on the eager path (whole maps), not the fused engine",
+                        type(model).__name__, why)
+            engine = "eager"
         if engine == "eager":
             return capture_attention(model, self.on_probs, blocks=blocks)
         self.blocks = [block for block in blocks if block.n_heads > 0]

@@ -16,7 +16,11 @@ WORD_POOLINGS = ("sum", "first", "max")
 ENGINES = ("eager", "chunked", "fused")
 """Where the statistics of ``functions``/``aggregate`` run (``--engine``): see :mod:`headlab.data.fused`."""
 FUSED_QUERY_CHUNK = 128
-"""Query rows per chunk of the fused and chunked engines when ``--query-chunk`` is not given."""
+"""Query rows per chunk of the fused and chunked engines when ``--query-chunk`` is not given, on
+the CPU and on a GPU. On the CPU the fused engine's chunks get fewer rows where 128 rows of every
+head of a sentence would hold more than 2^22 weights (``analysis.FUSED_CHUNK_ELEMENTS``). On a GPU
+(H200, Llama-3-8B shape, docs/benchmarks.md) 128 rows kept the memory at the SDPA forward's (1.00x
+at 4k-64k tokens); 1024 rows were 1.3-1.7x faster at 1.87x the memory (``--query-chunk 1024``)."""
 """Subword-to-word mappings (:data:`headlab.data.alignment.POOLINGS`, named here without importing torch)."""
 
 
@@ -38,14 +42,18 @@ class AnalysisConfig(PluginOptions):
     spacing: str = option("words", "words: join the treebank's words by spaces; text: keep its SpaceAfter=No",
                           choices=("words", "text"))
     max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)", range="[2, inf)")
-    query_chunk: int | None = option(None, "run headlab's own attention function and feed the statistics N query "
-                                     "rows at a time: memory linear in the length (default: eager capture, whole maps)",
+    query_chunk: int | None = option(None, "query rows per chunk of headlab's own attention function, which feeds "
+                                     "the statistics (fused and chunked engines): memory linear in the length "
+                                     f"(default: {FUSED_QUERY_CHUNK}, fewer on the CPU for long inputs)",
                                      metavar="N", range="[1, inf)")
-    engine: str | None = option(None, "where the statistics run: eager (each block's whole attention map), "
-                                "chunked (--query-chunk rows of probabilities at a time, statistics over word rows) or "
-                                "fused (the same chunks, statistics from a few passes over each: maxima, products with "
-                                "key features; word rows where words have several subwords); default: fused with "
-                                "--query-chunk, else eager", choices=ENGINES)
+    engine: str | None = option(None, "where the statistics run: fused (the default: headlab's attention function "
+                                "in query chunks, statistics from a few passes over each: maxima, products with key "
+                                "features; a statistic that cannot, such as the word statistics where words have "
+                                "several subwords, takes the chunked path, logged once), chunked (the reference: "
+                                "statistics over word rows of each chunk) or eager (the reference: each block's "
+                                "whole attention map, as output_attentions; also the default for a model whose "
+                                "attention does not dispatch through transformers' attention interface)",
+                                choices=ENGINES)
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
                                "largest weight)", choices=WORD_POOLINGS)
@@ -78,12 +86,12 @@ class AnalysisConfig(PluginOptions):
 
     @property
     def resolved_engine(self) -> str:
-        """The engine that runs: :attr:`engine`, or by default fused with ``query_chunk``, else eager.
-        (Fused writes the chunked path's files to the bit wherever a word has several subwords, as on
-        every bundled model: it feeds the word statistics the same word rows there.)"""
-        if self.engine is not None:
-            return self.engine
-        return "fused" if self.query_chunk is not None else "eager"
+        """The engine asked for: :attr:`engine`, by default fused (issue 34; the analysis runs eager
+        instead where the model's attention cannot go through headlab's attention function). Fused
+        writes the chunked path's files to the bit wherever a word has several subwords, as on every
+        bundled model: it feeds the word statistics the same word rows there. Against eager, those
+        agree to rounding (the last bit of a few sums: the chunked attention's products)."""
+        return self.engine if self.engine is not None else "fused"
 
     @property
     def chunk_rows(self) -> int:

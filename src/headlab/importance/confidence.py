@@ -26,6 +26,7 @@ for LRP, so that both measures look at the same attention maps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -34,18 +35,21 @@ from torch import nn
 from headlab import preflight
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.attention import AttentionChunk
-from headlab.capture import capture_attention, eval_mode, stream_attention
+from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
+from headlab.functions.config import FUSED_QUERY_CHUNK
 from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
-from headlab.importance.measure_options import ConfidenceOptions
+from headlab.importance.measure_options import CONFIDENCE_ENGINES, ConfidenceOptions
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
 
 __all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
+
+logger = logging.getLogger(__name__)
 
 
 def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, causal: bool,
@@ -90,19 +94,33 @@ def compute_confidence(
     kinds: tuple[str, ...] | None = None,
     progress: bool = False,
     query_chunk: int | None = None,
+    engine: str | None = None,
 ) -> HeadScores:
     """Confidence of every head over ``data`` (Voita et al. 2019, Sec. 4).
 
-    With ``query_chunk`` the model runs headlab's own attention function
-    (:func:`headlab.capture.stream_attention`), ``query_chunk`` query rows at a time: each
-    chunk's row maxima go into a ``[batch, n_heads, q_len]`` buffer, summed as the eager path
-    sums them once the block's last chunk has arrived, so the scores are the eager ones and no
-    block's whole map exists.
+    By default (``engine`` None, "fused" or "chunked": one path here) the model runs headlab's own
+    attention function (:func:`headlab.capture.stream_attention`), ``query_chunk`` query rows at a
+    time (default :data:`FUSED_QUERY_CHUNK`): each chunk's row maxima (the largest allowed weight,
+    ``exp(max s - lse)``, read off the probabilities the chunk's softmax made: one reduction) go into a
+    ``[batch, n_heads, q_len]`` buffer, summed as the eager path sums them once the block's last chunk
+    has arrived, so the scores are the eager ones (to rounding: the last bit of some maxima, as the
+    chunk's products round) and no block's whole map exists. ``engine="eager"``, the reference,
+    captures each block's whole map; it is also the default for a model whose attention cannot go
+    through headlab's function (:func:`headlab.capture.not_streamable`, logged).
     """
     info = info or describe_model(model)
     if info.is_seq2seq and data.translations is None:
         raise HeadlabError("confidence reads the decoder on the model's own translation: run translate_data first")
     preflight.query_chunk(query_chunk)
+    if engine is not None and engine not in CONFIDENCE_ENGINES:
+        raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {engine!r}")
+    if engine == "eager" and query_chunk is not None:
+        raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
+    if engine is None and (why := not_streamable(model)):
+        logger.info("confidence: %s: %s; the row maxima are taken on the eager path (whole maps)",
+                    type(model).__name__, why)
+        engine = "eager"
+    streamed = engine != "eager"
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
     shard = active()  # several processes: each its own batches, the sums added in batch order below
     # Per batch and block: the sum of the heads' maxima and the number of queries counted.
@@ -140,11 +158,12 @@ def compute_confidence(
         if chunk.last:
             add(block, *sum_maxima(*buffers.pop(block.key)))
 
-    if query_chunk is None:
+    if not streamed:
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         # on_chunk keeps nothing of a chunk (its maxima are fresh tensors, copied into the buffers)
-        capture = stream_attention(model, on_chunk, query_chunk=query_chunk, blocks=blocks, reuse=True)
+        capture = stream_attention(model, on_chunk, query_chunk=query_chunk or FUSED_QUERY_CHUNK, blocks=blocks,
+                                   reuse=True)
     batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
@@ -182,4 +201,4 @@ class Confidence(ImportanceMeasure):
 
     def score(self, model, data, info, *, batch_size=32, kinds=None, progress=False, tokenizer=None) -> HeadScores:
         return compute_confidence(model, data, info, batch_size=batch_size, kinds=kinds, progress=progress,
-                                  query_chunk=self.options.query_chunk)
+                                  query_chunk=self.options.query_chunk, engine=self.options.engine)

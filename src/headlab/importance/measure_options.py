@@ -12,7 +12,7 @@ from headlab import preflight
 from headlab.errors import HeadlabError
 from headlab.options import option
 
-__all__ = ["STRATEGIES", "METRICS", "LRPOptions", "AblationOptions", "ConfidenceOptions"]
+__all__ = ["STRATEGIES", "METRICS", "CONFIDENCE_ENGINES", "LRPOptions", "AblationOptions", "ConfidenceOptions"]
 
 STRATEGIES = ("vmap", "loop", "jacobian")  # how LRP's backward passes run
 METRICS = ("loss", "bleu", "accuracy")  # what ablation measures
@@ -48,11 +48,24 @@ class AblationOptions:
             raise HeadlabError(f"unknown ablation metric {self.metric!r}; expected one of {', '.join(METRICS)}")
 
 
+CONFIDENCE_ENGINES = ("eager", "chunked", "fused")
+"""Where confidence's row maxima are taken (``--engine``, as the statistics' engines are named)."""
+
+
 @dataclass(frozen=True)
 class ConfidenceOptions:
-    query_chunk: int | None = option(None, "confidence: headlab's own attention function, N query rows at a time "
-                                     "(memory linear in the length; default: eager capture, whole maps)",
+    query_chunk: int | None = option(None, "confidence: query rows per chunk of headlab's own attention function "
+                                     "(memory linear in the length; default: 128)",
                                      metavar="N", range="[1, inf)", flag="query_chunk", signed=False)
+    engine: str | None = option(None, "confidence: fused or chunked (the default; the same path here: headlab's "
+                                "attention function in query chunks, each chunk's largest allowed weight per row, "
+                                "one reduction) or eager (the reference: each block's whole map; also the default "
+                                "for a model whose attention cannot go through that function)",
+                                choices=CONFIDENCE_ENGINES, flag="engine", signed=False)
 
     def __post_init__(self) -> None:
         preflight.query_chunk(self.query_chunk)
+        if self.engine is not None and self.engine not in CONFIDENCE_ENGINES:
+            raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {self.engine!r}")
+        if self.engine == "eager" and self.query_chunk is not None:
+            raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")

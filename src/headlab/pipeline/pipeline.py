@@ -119,12 +119,13 @@ class AnalyzeConfig(PluginOptions):
     max_length: int | None = field(default=None, metadata={
         "help": "tokens per sentence (default: the model's maximum)", "range": "[2, inf)"})
     query_chunk: int | None = field(default=None, metadata={
-        "help": "confidence, functions, aggregate and the attention viewer: headlab's own attention function, "
-                "N query rows at a time (memory linear in the length; default: eager capture, whole maps)", "metavar": "N",
-                "range": "[1, inf)"})
+        "help": "confidence, functions, aggregate: query rows per chunk of headlab's own attention function (memory "
+                "linear in the length; default: 128); the attention viewer: read through that function N rows at a "
+                "time (default: eager capture)", "metavar": "N", "range": "[1, inf)"})
     engine: str | None = field(default=None, metadata={
-        "help": "functions and aggregate: where the statistics run (eager, chunked or fused; see headlab functions "
-                "--engine; default: fused with --query-chunk, else eager)", "choices": ("eager", "chunked", "fused")})
+        "help": "confidence, functions and aggregate: where the maxima and statistics run (fused, the default; "
+                "chunked or eager, the references; see headlab functions --engine). With --engine eager, "
+                "--query-chunk chunks confidence alone", "choices": ("eager", "chunked", "fused")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={
@@ -481,7 +482,8 @@ def _importance(name: str):
         values = c.option_values()
         config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress, options={
             **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
-            "query_chunk": c.query_chunk})
+            # --engine eager with --query-chunk: the functions' and aggregate's engine; confidence is chunked
+            "query_chunk": c.query_chunk, "engine": "eager" if c.engine == "eager" and c.query_chunk is None else None})
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:
