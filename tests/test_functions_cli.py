@@ -183,6 +183,8 @@ def test_functions_cli_with_query_chunk_writes_what_eager_writes(tmp_path, model
             assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), "--aggregate",
                          "--no-figures", "--no-progress", *extra]) == 0, capsys.readouterr().err
         fell_back = not registrable and name != "eager"
+        # The CLI shows the note on stderr (Python's default would show warnings only).
+        assert ("not the fused engine" in capsys.readouterr().err) == (fell_back and name != "chunked")
         assert ("falling back to eager capture" in caplog.text) == (fell_back and name == "chunked")
         assert caplog.text.count("not the fused engine") == (fell_back and name != "chunked")
         outputs[name] = out

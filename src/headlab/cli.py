@@ -16,6 +16,7 @@ import argparse
 import errno
 import glob
 import importlib
+import logging
 import os
 import re
 import sys
@@ -65,7 +66,23 @@ REPRODUCE_MOVED = ("headlab reproduce: the reproduction of Voita et al. 2019 is 
                    "(docs/reproduction.md)")
 
 
+class _Notes(logging.Handler):
+    """headlab's INFO notes (which engine or path a model or statistic fell back to, and why) on the
+    current sys.stderr; Python's default shows only warnings, so the CLI would keep them from its user."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"headlab: {self.format(record)}", file=sys.stderr)
+
+
+def _show_notes() -> None:
+    logger = logging.getLogger("headlab")
+    if not any(isinstance(handler, _Notes) for handler in logger.handlers):
+        logger.addHandler(_Notes(logging.INFO))
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _show_notes()
     watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
     try:
         return _run(argv)
