@@ -27,7 +27,7 @@ test: venv
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks examples reproduction
+	$(VENV)/bin/ruff check src tests benchmarks examples reproduction experiments
 	$(VENV)/bin/mypy
 
 clean:

@@ -139,7 +139,11 @@ def main(argv=None) -> int:
                            f"left in {stage}")
     repo_point = "/".join(args.point.parts[-2:])
     atomic_write_text(stage / "README.md", card(args.out.name, args.point, result, args.full, scores, repo_point))
-    atomic_dir(args.out, lambda tmp: shutil.copytree(stage, tmp, dirs_exist_ok=True))
+
+    def copy_stage(tmp: Path) -> None:
+        shutil.copytree(stage, tmp, dirs_exist_ok=True)
+
+    atomic_dir(args.out, copy_stage)
     shutil.rmtree(stage)
     return 0
 

@@ -165,7 +165,8 @@ def sentence_losses(model_dir: Path, path: str) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(str(model_dir)).eval().to(device)
     tokenizer = load_tokenizer(str(model_dir))
-    corpus = encode_lm_corpus(tokenizer, text.sentences, model.config.max_position_embeddings)
+    max_positions: int = model.config.max_position_embeddings  # type: ignore[union-attr, assignment]  # a PreTrainedModel
+    corpus = encode_lm_corpus(tokenizer, text.sentences, max_positions)
     order = sorted(range(len(corpus.targets)), key=lambda i: len(corpus.targets[i]))
     nll = [0.0] * len(order)
     count = [0] * len(order)
@@ -186,8 +187,8 @@ def sentence_losses(model_dir: Path, path: str) -> dict:
                 nll[i] = float(loss[row].sum())
                 count[i] = int((b["labels"][row] != -100).sum())
     total, tokens = sum(nll), sum(count)
-    return {"file": path, "device": str(device), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "sentences": len(nll),
-            "tokens": tokens, "loss": total / tokens, "perplexity": math.exp(total / tokens),
+    return {"file": path, "device": str(device), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+            "sentences": len(nll), "tokens": tokens, "loss": total / tokens, "perplexity": math.exp(total / tokens),
             "sentence_nll": [round(x, 5) for x in nll], "sentence_tokens": count}
 
 

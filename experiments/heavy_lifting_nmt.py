@@ -134,7 +134,7 @@ def labels_from_functions(functions_dir: Path) -> dict:
             "least_specialised_8": [list(h) for h in least_specialised({"heads": rows}, 8)]}
 
 
-def least_scores(labels: dict) -> dict:
+def least_scores(labels: dict) -> list[list[float]]:
     """A HeadScores table whose k best heads are the k least specialised: minus the score, and a
     tie-break by (layer, head) well below the scores' spacing."""
     scores = [[0.0] * N_HEADS for _ in range(N_LAYERS)]
@@ -384,7 +384,7 @@ def measure_speed(model_dir: str, data: Path, which: str, updates: int) -> dict:
                              mixed_precision="bf16", overwrite=True, progress=False)
     else:
         torch.manual_seed(1)
-        model = type(model)._from_config(model.config)
+        model = type(model)._from_config(model.config)  # type: ignore[attr-defined]  # a PreTrainedModel
         config = TrainConfig(out_dir=str(out), max_tokens=2048, lr=7e-4, warmup_steps=400, max_epochs=10**6,
                              max_steps=updates, validate=False, keep_epoch_checkpoints=False, mixed_precision="bf16",
                              overwrite=True, progress=False)

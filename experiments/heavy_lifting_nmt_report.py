@@ -97,7 +97,7 @@ def _lines(path: Path) -> list[str]:
 def _settled(plateau: dict | None) -> bool:
     """The page's rule (docs/pruning.md): settled when a further gain of 0.5 BLEU over the second
     half is excluded (``flat``); ``rising``, ``undecided`` or no curve are not settled."""
-    return bool(plateau) and plateau.get("call") == "flat"
+    return bool(plateau and plateau.get("call") == "flat")
 
 
 class Runs:
@@ -184,7 +184,7 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
     lines += ["## H1: the gates against k random and the k least specialised encoder heads", "",
               "| k | gated point | gated BLEU | random (3 seeds) | least specialised | gated - random [95%] | "
               "gated - least [95%] | settled (gated / controls) |", "|---|---|---|---|---|---|---|---|"]
-    h1 = []
+    h1: list[dict] = []
     for k in KS:
         g, gs = gated_stats(f"enc/{GATED[k]}")
         randoms = [controls[f"random-{k}-s{s}"] for s in SEEDS]
@@ -198,7 +198,7 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
         ls = stats_of(least)
         vs_random, vs_least = boot.difference([gs], rs), boot.difference([gs], [ls])
         settled = {"gated": _settled(g["dev_plateau"]),
-                   "controls": all(_settled(e["dev_plateau"]) for e in (*randoms, least))}
+                   "controls": all(_settled(e["dev_plateau"]) for e in (*randoms, least))}  # type: ignore[index]  # checked above
         h1.append({"k": k, "point": GATED[k], "gated_heads": g["heads_kept"].get("enc_self"), "equal_heads": heads_ok,
                    "gated_bleu": boot.bleu(gs), "random_bleu": [boot.bleu(s) for s in rs], "least_bleu": boot.bleu(ls),
                    "vs_random": vs_random, "vs_least": vs_least, "settled": settled})

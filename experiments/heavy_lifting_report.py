@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 
@@ -34,6 +35,10 @@ def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 12345) -> n
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n), dtype=np.int32)
 
 
+@overload
+def loss_of(run: dict, name: str, idx: None = None) -> float: ...
+@overload
+def loss_of(run: dict, name: str, idx: np.ndarray) -> np.ndarray: ...
 def loss_of(run: dict, name: str, idx: np.ndarray | None = None) -> np.ndarray | float:
     """Nats per subword of ``run`` on set ``name``: over all sentences, or per resample of ``idx``."""
     nll = np.asarray(run["sets"][name]["sentence_nll"], dtype=float)
@@ -212,7 +217,7 @@ def rule_noninferiority(runs: dict, idx: dict) -> list[dict]:
         gated = runs.get(f"gates-keep{k}")
         if gated is None or control is None:
             continue
-        row = {"k": k}
+        row: dict = {"k": k}
         for name in SETS:
             d = paired_difference([gated], [control], name, idx[name])
             row[name] = {**d, "call": non_inferiority(d)}

@@ -31,7 +31,7 @@ def translate_run(run: Path, model_dir: str, scores: HeadScores, keep: int, data
     if len(rows) != 1:
         raise HeadlabError(f"{run.parent / 'baselines.json'}: {len(rows)} from-scratch rows at keep {keep}, not 1")
     full = load_model(model_dir)
-    net = type(full)._from_config(full.config)
+    net = type(full)._from_config(full.config)  # type: ignore[attr-defined]  # a PreTrainedModel
     prune_heads(net, scores_spec(scores, keep, ("enc_self", "dec_self", "dec_cross")))
     # The file leaves out what transformers ties or computes (embeddings shared with the output
     # layer, sinusoidal positions); the BLEU check below says whether the weights are the run's.

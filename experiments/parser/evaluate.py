@@ -28,7 +28,7 @@ def evaluate(model: str, treebank: str, batch_size: int = 64) -> dict:
     from spacy.tokens import Doc
 
     nlp = load_pipeline(model)
-    sentences = list(read_conllu(treebank))
+    sentences = [s for s in read_conllu(treebank) if s is not None]  # None only with keep_place
     docs = []
     for sentence in sentences:
         doc = Doc(nlp.vocab, words=list(sentence.words), spaces=list(sentence.space_after))
