@@ -337,3 +337,20 @@ def test_a_flag_that_several_statistics_declare_is_one_option(capsys):
     with STATISTICS.registered("otherwise", Statistic(lambda config, frequencies, options: None, Options=Otherwise)):
         with pytest.raises(ValueError, match="--sensitivity is declared differently by positional and otherwise"):
             AnalysisConfig(sensitivity=True)
+
+
+def test_an_option_for_configs_only_is_no_flag(capsys):
+    """The positional statistics' max_offset (declared with command_line=False): a keyword of the
+    configs that reaches the statistic and summary.json, yet no flag of any command."""
+    from headlab.functions.config import AnalysisConfig
+    from headlab.pipeline.pipeline import AnalyzeConfig
+
+    assert "max_offset" not in AnalysisConfig.__dataclass_fields__
+    assert STATISTICS["positional"](AnalysisConfig(max_offset=4)).max_offset == 4
+    assert STATISTICS["positional_tokens"](AnalysisConfig()).max_offset == 32
+    assert AnalysisConfig(max_offset=4).option_values()["max_offset"] == 4
+    assert AnalyzeConfig("m", "s", "o").max_offset == 32
+    for command in ("functions", "aggregate", "analyze"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--max-offset" not in capsys.readouterr().out, command

@@ -11,7 +11,8 @@ An importance measure (:class:`headlab.importance.measure.ImportanceMeasure`), a
   values of a config (:class:`PluginOptions`), the scores' signature and the stage keys of ``analyze``
   (a field with ``signed=False`` in its metadata changes no number and is left out of both; one with
   ``omit_default=True`` came after results were published and is left out of ``summary.json`` at its
-  default); several plug-ins may declare one flag alike (one option, one value);
+  default; one with ``command_line=False`` is a keyword of the configs and part of ``summary.json``
+  but no flag); several plug-ins may declare one flag alike (one option, one value);
 * their output files with titles (:class:`Output`), which the report draws, and what else the
   report shows of them (:class:`ReportPart`: their own tables and charts, drawn in their own module);
 * their label group (statistics: the ``heads.csv`` column and Figure 1 row their labels go to, how
@@ -188,8 +189,8 @@ def _declared(spec: OptionSpec) -> tuple[str, object, dict[str, Any]]:
 
 def add_plugin_options(parser: Any, specs: list[OptionSpec], skip: tuple[str, ...] = ()) -> None:
     """A flag for each option of ``specs`` whose dest is not in ``skip`` (a flag the command declares
-    itself, such as ``--query-chunk``)."""
-    table = option_table([s for s in specs if s.dest not in skip])
+    itself, such as ``--query-chunk``) and that is meant for the command line (not ``command_line=False``)."""
+    table = option_table([s for s in specs if s.dest not in skip and s.field.metadata.get("command_line", True)])
     add_options(parser, table, [f.name for f in fields(table)])
 
 

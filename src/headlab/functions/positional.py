@@ -41,6 +41,9 @@ class PositionalOptions:
     sensitivity: bool = sensitivity_option()  # interior words too; first: summary.json's order of before
     threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]",
                               flag="positional_threshold")
+    # Offsets tracked in [-max_offset, max_offset], the rest pooled into two overflow bins: a keyword of
+    # AnalysisConfig and part of summary.json, never a flag.
+    max_offset: int = option(32, "relative offsets tracked each way; farther ones are pooled", command_line=False)
 
 
 class PositionalStats:
@@ -57,15 +60,15 @@ class PositionalStats:
     @classmethod
     def from_config(cls, config, frequencies=None, options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Word level, when ``config.functions`` (registry entry ``positional``)."""
-        threshold = (options or PositionalOptions()).threshold
-        return cls(config.max_offset, "word", threshold) if config.functions else None
+        options = options or PositionalOptions()
+        return cls(options.max_offset, "word", options.threshold) if config.functions else None
 
     @classmethod
     def tokens_from_config(cls, config, frequencies=None,
                            options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Subword-token level, when ``config.functions`` (registry entry ``positional_tokens``)."""
-        threshold = (options or PositionalOptions()).threshold
-        return cls(config.max_offset, "token", threshold) if config.functions else None
+        options = options or PositionalOptions()
+        return cls(options.max_offset, "token", options.threshold) if config.functions else None
 
     @classmethod
     def interior_from_config(cls, config, frequencies=None,
@@ -73,7 +76,7 @@ class PositionalStats:
         """Words with both neighbours, when ``config.functions`` and ``options.sensitivity``
         (registry entry ``positional_interior``)."""
         options = options or PositionalOptions()
-        return cls(config.max_offset, "interior", options.threshold) if config.functions and options.sensitivity else None
+        return cls(options.max_offset, "interior", options.threshold) if config.functions and options.sensitivity else None
 
     @property
     def fused_passes(self) -> tuple[str, ...]:
