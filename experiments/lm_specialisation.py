@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.pipeline.profiles import positional_summary  # the same numbers as the model profiles
+from headlab.functions.positional import positional_summary  # the same numbers as the model profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLAB = str(ROOT / ".venv" / "bin" / "headlab")

@@ -137,3 +137,39 @@ def test_figure1_of_many_layers_wraps_into_bands_of_at_most_eight():
     fig, _ = plot_figure1(_scores(relevance[:11], "lrp"), _scores(confidence[:11], "confidence"), {})
     assert len([ax for ax in fig.axes if ax.axison]) == 33 and len(fig.axes) == 36  # 2 bands of 6, one place empty
     plt.close("all")
+
+
+def test_figure1_and_the_statistics_figures_come_from_their_declarations(tmp_path):
+    """Figure 1's grid rows, cells and caption and the statistics' own figures are what the
+    registered statistics declare: a new one's labels get a row, its words and its cells, and a
+    file it declares with a Figure is drawn, with no change to this module."""
+    from headlab.functions.registry import STATISTICS
+    from headlab.pipeline.figures import figure_specs
+    from headlab.plugins import Figure, Output, Statistic
+
+    probe = Statistic(lambda config, frequencies: None, label_group="probe", label_pattern=r"probe:\w+",
+                      label_caption="probe (its word)", label_cell=lambda label: label.split(":")[1],
+                      outputs=(Output("probe/*.json", "Probe {stem}", figure=Figure("probe_{stem}", "Probe: {label}",
+                                                                                  "{stem} caption", "drawn {label}")),))
+    root = _analysis_dir(tmp_path)
+    (root / "functions" / "labels.json").write_text(json.dumps({**LABELS, "enc_self:0:0": ["probe:zz"]}))
+    (root / "functions" / "probe").mkdir()
+    _scores(CONFIDENCE, "probe").save(root / "functions" / "probe" / "some_share.json")
+    words = [s.label_caption for s in STATISTICS.values() if s.label_caption]
+    specs = {name: (title, caption, draw) for name, title, caption, draw in figure_specs(root)}
+    assert "probe_some_share" not in specs and "probe" not in specs["figure1_enc_self"][1]
+    assert specs["figure1_enc_self"][1].endswith(f"function: {', '.join(words[:-1])} and {words[-1]}.")
+    with STATISTICS.registered("probe", probe):
+        specs = {name: (title, caption, draw) for name, title, caption, draw in figure_specs(root)}
+        assert specs["figure1_enc_self"][1].endswith(f"{words[-1]} and probe (its word).")
+        fig, data = specs["figure1_enc_self"][2]()
+        assert data["groups"][-1] == "probe"
+        cells = [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert "zz" in cells and "-1" in cells  # probe:zz and positional -1, as their statistics write them
+        plt.close(fig)
+        title, caption, draw = specs["probe_some_share"]
+        assert (title, caption) == ("Probe: some share", "some_share caption")
+        fig, data = draw()
+        assert fig.get_suptitle() == "drawn some share"
+        plt.close(fig)
+    assert list(specs).index("probe_some_share") > list(specs).index("aggregate_mean_entropy")

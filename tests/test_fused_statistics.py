@@ -24,7 +24,7 @@ from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
 from support.models import FAMILIES, SEQ2SEQ, VOCAB, tiny_model
 from support.treebank import SAMPLE_CONLLU, FakeBlock, bpe_tokenizer, sample_sentences, side_batch
-from test_chunked_statistics import TOKENIZER_TEXTS, _assert_close, _written
+from test_chunked_statistics import TOKENIZER_TEXTS, _assert_close, _statistics, _written
 
 pytestmark = pytest.mark.unit
 
@@ -44,6 +44,12 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 3), ("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                                    bos_token="<s>")
+
+
+def _unfused(tokenizer) -> dict[str, str]:
+    """The registered statistics that declare no fused passes: always the chunked path, said so."""
+    return {name: "it declares no fused passes" for name, stat in _statistics(tokenizer).items()
+            if stat is not None and getattr(stat, "fused_passes", None) is None}
 
 
 def _analyse(family, tmp_path, tokenizer, engine, query_chunk=None, pooling="sum"):
@@ -73,9 +79,10 @@ def test_fused_equals_eager_and_chunked(tmp_path, family, words):
     _assert_close(got, reference, atol=1e-8)
     _assert_close(got, expected, atol=1e-8, rtol=1e-6 if family in FLOAT32_EAGER else 0.0)
     if words == "word":
-        assert fused.report.chunked_statistics == {}  # every statistic fused
+        assert fused.report.chunked_statistics == _unfused(tokenizer)  # every statistic with fused passes fused
     else:  # the word statistics over word rows, said so; the token ones fused
-        assert set(fused.report.chunked_statistics) == {"positional", "positional_interior", "syntactic", "aggregate"}
+        assert set(fused.report.chunked_statistics) == {"positional", "positional_interior", "syntactic", "aggregate",
+                                                        *_unfused(tokenizer)}
         assert "chunked path" in fused.report.describe()
 
 
@@ -85,7 +92,7 @@ def test_fused_under_other_poolings(tmp_path, pooling):
     tokenizer = word_tokenizer()
     eager = _analyse("bert", tmp_path, tokenizer, "eager", pooling=pooling)
     fused = _analyse("bert", tmp_path, tokenizer, "fused", query_chunk=2, pooling=pooling)
-    assert fused.report.chunked_statistics == {}
+    assert fused.report.chunked_statistics == _unfused(tokenizer)
     _assert_close(_written(fused.results.values(), tmp_path / "fused"),
                   _written(eager.results.values(), tmp_path / "eager"), atol=1e-8)
 
@@ -142,7 +149,7 @@ def test_fused_statistics_on_a_device_make_nothing_on_the_host(tmp_path, monkeyp
     with FakeDevice() as device:
         result = _analyse("gpt2", tmp_path, tokenizer, "fused", query_chunk=3)
         written = _files(result, tmp_path / "device")
-    assert result.report.chunked_statistics == {}
+    assert result.report.chunked_statistics == _unfused(tokenizer)
     assert not device.mixed, "\n".join(device.mixed[:3])
     assert written == expected
 

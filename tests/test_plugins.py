@@ -16,6 +16,7 @@ from headlab.functions.registry import STATISTICS
 from headlab.heads import HeadScores
 from headlab.importance.registry import MEASURES
 from headlab.loading import load_model
+from headlab.pipeline.labels import function_groups
 from headlab.pipeline.pipeline import STAGES  # imported before any plug-in is registered
 from headlab.report.sections import SECTIONS
 from support import plugins
@@ -73,13 +74,14 @@ def test_the_apis_default_measures_are_those_analyze_runs_unasked():
         config = AnalyzeConfig("model", "src", "out")
         return tuple(name for name in MEASURES if not_requested(name, config) is None)
 
-    assert headlab.api.DEFAULT_MEASURES == unasked() == ("confidence", "lrp", "gradient")
+    before = tuple(headlab.api.DEFAULT_MEASURES)  # a live view of the registry
+    assert before == unasked() and {"confidence", "lrp", "gradient"} <= set(before) and "ablation" not in before
     with plugins.registered():
-        assert headlab.api.DEFAULT_MEASURES == unasked() == ("confidence", "lrp", "gradient", "out_norm")
+        assert headlab.api.DEFAULT_MEASURES == unasked() == (*before, "out_norm")
     slow = type("SlowOutNorm", (plugins.OutNorm,), {"name": "slow_out_norm", "on_request": True})
     with MEASURES.registered("slow_out_norm", slow):
         assert "slow_out_norm" not in headlab.api.DEFAULT_MEASURES and "slow_out_norm" not in unasked()
-    assert headlab.api.DEFAULT_MEASURES == ("confidence", "lrp", "gradient")
+    assert headlab.api.DEFAULT_MEASURES == before
 
 
 def test_a_measure_option_is_a_flag_of_importance_and_analyze():
@@ -133,7 +135,8 @@ def test_a_plugin_of_each_kind_runs_through_analyze_heads_csv_and_the_report(inp
         with open(out / "heads.csv", newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle))
         assert "out_norm" in rows[0] and "first_token_share" in rows[0]
-        assert list(rows[0])[-5:] == ["functions", "positional", "syntactic", "rare", "first_token"]
+        assert list(rows[0])[-len(function_groups()) - 1:] == ["functions", *function_groups()]
+        assert function_groups()[-1] == "first_token"
         labelled = [r for r in rows if r["first_token"]]
         assert {r["first_token"] for r in labelled} == {"first-token"}
         assert len(labelled) == 2  # one head per analysed layer (enc_self, 2 layers)
@@ -337,3 +340,35 @@ def test_a_flag_that_several_statistics_declare_is_one_option(capsys):
     with STATISTICS.registered("otherwise", Statistic(lambda config, frequencies, options: None, Options=Otherwise)):
         with pytest.raises(ValueError, match="--sensitivity is declared differently by positional and otherwise"):
             AnalysisConfig(sensitivity=True)
+
+
+def test_an_option_for_configs_only_is_no_flag(capsys):
+    """The positional statistics' max_offset (declared with command_line=False): a keyword of the
+    configs that reaches the statistic and summary.json, yet no flag of any command."""
+    from headlab.functions.config import AnalysisConfig
+    from headlab.pipeline.pipeline import AnalyzeConfig
+
+    assert "max_offset" not in AnalysisConfig.__dataclass_fields__
+    assert STATISTICS["positional"](AnalysisConfig(max_offset=4)).max_offset == 4
+    assert STATISTICS["positional_tokens"](AnalysisConfig()).max_offset == 32
+    assert AnalysisConfig(max_offset=4).option_values()["max_offset"] == 4
+    assert AnalyzeConfig("m", "s", "o").max_offset == 32
+    for command in ("functions", "aggregate", "analyze"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--max-offset" not in capsys.readouterr().out, command
+
+
+@pytest.mark.parametrize("family", ["marian", "gpt2"])
+def test_the_worked_example_measure_keeps_the_registrys_contracts(family):
+    """CONTRIBUTING's measure, registered, passes what tests/test_registries.py asks of every measure:
+    under a mask and on the pruned model its removed heads are NaN and the others in their places
+    (it put a pruned layer's vectors at indices 0..n-1 before it used block_scores)."""
+    from test_registries import (
+        test_a_failing_forward_leaves_the_model_as_it_was,
+        test_scoring_under_a_mask_equals_scoring_the_masked_and_the_pruned_model,
+    )
+
+    with plugins.registered():
+        test_scoring_under_a_mask_equals_scoring_the_masked_and_the_pruned_model(family, "out_norm")
+        test_a_failing_forward_leaves_the_model_as_it_was("out_norm")

@@ -75,3 +75,29 @@ def test_docs_functions_md_matches_the_committed_profiles():
     document = (REPO / "docs" / "functions.md").read_text(encoding="utf-8")
     assert read_block(document, "model-profiles") == render_profiles(profiles), (
         "docs/functions.md differs from docs/results/profiles/; run experiments/model_profiles.py --docs-only")
+
+
+def test_a_statistics_profile_part_reaches_the_profile_and_its_tables(analysis):
+    """The profile names no statistic: a registered statistic's ProfilePart adds its entries (read
+    from where its pass wrote), its overview columns after the others' and its own table."""
+    from headlab.functions.registry import STATISTICS
+    from headlab.plugins import ProfilePart, Statistic, read_result
+
+    def collect(directory: Path, kind: str) -> dict:
+        share = read_result(directory / "positional" / "share.json")["scores"][kind]
+        return {"probe": len(share)}
+
+    part = ProfilePart(collect, ("probe layers",), lambda kind, entries: [str(entries["probe"])],
+                       lambda kinds: ["| probe |", "|---|"] + [f"| {kind} |" for kind in kinds])
+    before = render_profiles([collect_profile(analysis, "tiny")])
+    with STATISTICS.registered("probe", Statistic(lambda config, frequencies: None, profile=part)):
+        profile = collect_profile(analysis, "tiny")
+        text = render_profiles([profile])
+    assert profile["kinds"]["dec_self"]["probe"] == 2 and list(profile["kinds"]["dec_self"])[-1] == "probe"
+    header, _, row = text.splitlines()[:3]
+    assert header == before.splitlines()[0] + " probe layers |" and row.endswith(" | 2 |")
+    assert text.endswith("\n\n| probe |\n|---|\n| dec_self |\n")
+    columns = [c for s in STATISTICS.values() if s.profile is not None for c in s.profile.columns]
+    assert before.splitlines()[0] == "| " + " | ".join(["model", "kind", *columns]) + " |"  # the registry's, in order
+    with pytest.raises(ValueError, match="together"):
+        ProfilePart(collect, ("no cells",))

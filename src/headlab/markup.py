@@ -1,6 +1,7 @@
 """The HTML pieces that the report and the plug-ins' own report parts share (:class:`headlab.plugins.ReportPart`):
 number formatting, tables, inline SVG line charts, per-layer means and the reading of a JSON file
-that notes its problems. Below the features, so that a statistic's module can draw its own part of
+that notes its problems; and the markdown cells of the statistics' parts of the model profiles
+(:class:`headlab.plugins.ProfilePart`). Below the features, so that a statistic's module can draw its own part of
 the report without importing the report; the report's sections use the same pieces."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from headlab.heads import KINDS
 
 __all__ = ["KIND_COLOURS", "fmt", "table", "ticks", "tick_label", "line_chart", "layer_means", "shade", "finite",
-           "read_json_noted"]
+           "read_json_noted", "percent", "head_cell"]
 
 KIND_COLOURS = {"enc_self": "#2b6cb0", "dec_self": "#2f855a", "dec_cross": "#c05621"}
 
@@ -140,3 +141,13 @@ def read_json_noted(path: Path, directory: Path, note: Callable[[str], None]) ->
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         note(f"{path.relative_to(directory)}: unreadable ({error})")
     return None
+
+
+def percent(value) -> str:
+    """A share as a model profile writes it: ``84.9%``; ``n/a`` when missing or NaN."""
+    return "n/a" if value is None or value != value else f"{100 * value:.1f}%"
+
+
+def head_cell(kind: str, head) -> str:
+    """``[layer, head]`` as a model profile writes it: ``enc_self L4 H6``; ``-`` for none."""
+    return "-" if head is None or head[0] < 0 else f"{kind} L{head[0]} H{head[1]}"

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from headlab.errors import HeadlabError
 
 _TYPES = {"int": int, "float": float, "str": str}
-_OWN_KEYS = ("flag", "positional", "range", "old_names", "signed", "omit_default")  # metadata read here, not handed to argparse
+# metadata read here, not handed to argparse
+_OWN_KEYS = ("flag", "positional", "range", "old_names", "signed", "omit_default", "command_line")
 
 
 class Renamed(argparse.Action):

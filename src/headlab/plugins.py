@@ -11,10 +11,12 @@ An importance measure (:class:`headlab.importance.measure.ImportanceMeasure`), a
   values of a config (:class:`PluginOptions`), the scores' signature and the stage keys of ``analyze``
   (a field with ``signed=False`` in its metadata changes no number and is left out of both; one with
   ``omit_default=True`` came after results were published and is left out of ``summary.json`` at its
-  default); several plug-ins may declare one flag alike (one option, one value);
+  default; one with ``command_line=False`` is a keyword of the configs and part of ``summary.json``
+  but no flag); several plug-ins may declare one flag alike (one option, one value);
 * their output files with titles (:class:`Output`), which the report draws, and what else the
   report shows of them (:class:`ReportPart`: their own tables and charts, drawn in their own module);
-* their label group (statistics: the ``heads.csv`` column their labels go to);
+* their label group (statistics: the ``heads.csv`` column and Figure 1 row their labels go to, how
+  Figure 1 names and writes them) and what they add to a model's profile (:class:`ProfilePart`);
 * what they need from a run (measures: capability flags; statistics: the pass that feeds them).
 
 The registries are :class:`~headlab._lazy.LazyRegistry` objects;
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
@@ -35,9 +38,32 @@ from typing import Any
 from headlab.errors import HeadlabError
 from headlab.options import add_options, check_ranges
 
-__all__ = ["Output", "ReportPart", "OptionSpec", "Statistic", "PASSES", "WRITTEN_UNDER", "LabelReader", "option_specs",
+__all__ = ["Output", "Figure", "ReportPart", "ProfilePart", "read_result",
+           "OptionSpec", "Statistic", "PASSES", "WRITTEN_UNDER", "LabelReader", "option_specs",
            "option_table", "add_plugin_options", "values_from_args", "build_options", "check_values", "PluginOptions",
            "plugin_options", "defer", "LateParser"]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """An :class:`Output` that ``headlab analyze``'s figures stage also draws as a figure of its own:
+    ``figures/<name>.png`` and ``.svg``, a layer x head heatmap per attention kind. Each text may
+    name ``{stem}``, the file's name without ``.json``, and ``{label}``, the stem with spaces for
+    underscores."""
+
+    name: str
+    """The figure's file name without its suffix (``aggregate_{stem}``)."""
+    title: str
+    """Its title in the manifest and the report."""
+    caption: str
+    heading: str = "{label}"
+    """The title drawn above the heatmap."""
+
+    def texts(self, stem: str) -> tuple[str, str, str, str]:
+        """``(name, title, caption, heading)`` of the file ``<stem>.json``."""
+        words = {"stem": stem, "label": stem.replace("_", " ")}
+        return (self.name.format(**words), self.title.format(**words), self.caption.format(**words),
+                self.heading.format(**words))
 
 
 @dataclass(frozen=True)
@@ -53,6 +79,8 @@ class Output:
     caption: str = ""
     group: str | None = None
     categorical: bool = False
+    figure: Figure | None = None
+    """Also drawn as a figure of its own (a family: one per file)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +104,38 @@ class ReportPart:
     ``note(text)`` shows a problem in its section."""
     embed: str | None = None
     """The key under which what it read is also handed to the page's script (``exemplars``)."""
+
+
+def read_result(path: Path) -> Any:
+    """A result file's JSON content, as the model profiles read it: a missing file is an error
+    that names it and the command that writes it."""
+    if not path.is_file():
+        raise HeadlabError(f"{path}: missing; run headlab analyze (functions and aggregate stages) first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True)
+class ProfilePart:
+    """What a statistic adds to a model's profile (:mod:`headlab.pipeline.profiles`: the few numbers
+    docs/functions.md compares across models), read from its own files and written as markdown by
+    its own module (:attr:`Statistic.profile`). The profile's consumers name no statistic: they join
+    the parts in registry order. The markdown pieces it may share are in :mod:`headlab.markup`."""
+
+    collect: Callable[[Path, str], dict[str, Any]]
+    """``collect(directory, kind) -> {key: value}``: its entries in the profile of the attention
+    kind ``kind`` (``profile["kinds"][kind]``), from its files under ``directory`` (where its pass
+    wrote, :data:`WRITTEN_UNDER`), read with :func:`read_result`."""
+    columns: tuple[str, ...] = ()
+    """Its columns of the overview table (one row per model and kind)."""
+    cells: Callable[[str, dict[str, Any]], list[str]] | None = None
+    """``cells(kind, entries) -> [markdown]``, one per column; ``entries``: ``profile["kinds"][kind]``
+    (every part's entries, its own among them)."""
+    table: Callable[[Mapping[str, dict[str, Any]]], list[str]] | None = None
+    """``table(profile["kinds"]) -> [markdown line]``: a table of its own under each model's heading."""
+
+    def __post_init__(self) -> None:
+        if bool(self.columns) != (self.cells is not None):
+            raise ValueError("a profile part declares its overview columns and their cells together")
 
 
 @dataclass(frozen=True)
@@ -129,8 +189,8 @@ def _declared(spec: OptionSpec) -> tuple[str, object, dict[str, Any]]:
 
 def add_plugin_options(parser: Any, specs: list[OptionSpec], skip: tuple[str, ...] = ()) -> None:
     """A flag for each option of ``specs`` whose dest is not in ``skip`` (a flag the command declares
-    itself, such as ``--query-chunk``)."""
-    table = option_table([s for s in specs if s.dest not in skip])
+    itself, such as ``--query-chunk``) and that is meant for the command line (not ``command_line=False``)."""
+    table = option_table([s for s in specs if s.dest not in skip and s.field.metadata.get("command_line", True)])
     add_options(parser, table, [f.name for f in fields(table)])
 
 
@@ -234,10 +294,16 @@ class Statistic:
     label_pattern: str = ""
     """A regular expression that each of its labels matches in full: how ``heads.csv``, built from
     ``labels.json``, knows a label's group."""
+    label_caption: str = ""
+    """How Figure 1's caption names its labels (``positional (offset)``); "": not named."""
+    label_cell: Callable[[str], str] | None = None
+    """One of its labels as a cell of Figure 1's grid writes it (``positional -1`` -> ``-1``); None: as it is."""
     outputs: tuple[Output, ...] = ()
     """Its HeadScores files that the report draws, relative to where its pass writes (:data:`WRITTEN_UNDER`)."""
     report: tuple[ReportPart, ...] = ()
     """What else the report shows of it, drawn by its own module (Table 1, the per-layer curves)."""
+    profile: ProfilePart | None = None
+    """What it adds to a model's profile (the tables of docs/functions.md)."""
     read_labels: Callable[[Path, LabelReader], dict[str, list[str]]] | None = None
     """Its labels read back from its files (``directory``: where its pass wrote), for a directory
     without ``labels.json``; ``{"kind:layer:head": [label]}``."""

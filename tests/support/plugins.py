@@ -27,6 +27,7 @@ from headlab.errors import HeadlabError
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import Labels, Statistic, empty_labels
 from headlab.heads import HeadScores, head_scores, read_json
+from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.registry import MEASURES
 from headlab.model_description import ModelInfo
@@ -54,12 +55,12 @@ class OutNorm(ImportanceMeasure):
               kinds: tuple[str, ...] | None = None, progress: bool = False, tokenizer: Any = None) -> HeadScores:
         per_block = {}
         for block in attention_blocks(model):
-            if kinds is not None and block.kind not in kinds:
-                continue
             weight = block.o.weight if isinstance(block.o, nn.Linear) else block.o.weight.T  # [d_model, heads x d]
             columns = weight.detach().float().reshape(weight.shape[0], block.n_heads, block.d_head)
             per_block[block.key] = torch.linalg.vector_norm(columns, ord=self.options.power, dim=(0, 2)).numpy()
-        return head_scores(per_block, self.name, info.name, {"n_sentences": len(data)})
+        # block_scores: a pruned model's heads at their original indices, the removed ones NaN
+        scores = block_scores(attention_blocks(model), per_block, kinds)
+        return HeadScores(scores, self.name, info.name, {"n_sentences": len(data)})
 # --8<-- [end:measure]
 
 

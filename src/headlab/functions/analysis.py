@@ -201,7 +201,8 @@ class HeadAnalysis:
         """Each result's files, ``summary.json`` and ``README.md`` (and the figures) under ``directory``."""
         directory = Path(directory)
         paths = [path for result in self.results.values() for path in result.write(directory)]
-        # the pass's own settings, then every statistic's options (given or default) by flag name
+        # the pass's own settings (AnalysisConfig's order), then every statistic's options (given or default)
+        # by flag name, in registry order (docs/functions.md, "One pass, constant memory")
         config = {**{k: v for k, v in asdict(self.config).items() if k != "options"}, **self.config.option_values()}
         later = {**_LATER_DEFAULTS, **{s.dest: s.default for s in self.config.plugin_specs()
                                         if s.field.metadata.get("omit_default")}}

@@ -29,11 +29,9 @@ at 4k-64k tokens); 1024 rows were 1.3-1.7x faster at 1.87x the memory (``--query
 class AnalysisConfig(PluginOptions):
     """What to compute and how. Each field maps one to one onto a CLI flag; the options that a
     registered statistic declares itself (``Statistic.Options``: ``relations``, ``positional_threshold``,
-    ``sensitivity``, ``top_frequent``, ``min_weight``, ...) are keywords and attributes too, kept in ``options``."""
+    ``sensitivity``, ``max_offset``, ``top_frequent``, ``min_weight``, ...) are keywords and attributes
+    too, kept in ``options``."""
 
-    # The positional statistics' offsets, tracked in [-max_offset, max_offset]. Not one of their
-    # declared options: each of those is a flag, and this never was; summary.json records it first.
-    max_offset: int = 32
     functions: bool = True  # positional, syntactic and rare-token heads
     aggregate: bool = True  # Vig & Belinkov statistics
     batch_size: int = option(32, "sentences per forward pass", range="[1, inf)")

@@ -27,10 +27,11 @@ import torch
 from headlab.data.alignment import AttentionView
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.markup import head_cell, percent
 from headlab.options import option
-from headlab.plugins import Output
+from headlab.plugins import Output, ProfilePart, read_result
 
-__all__ = ["PositionalStats", "PositionalResult", "PositionalHead", "PositionalOptions"]
+__all__ = ["PositionalStats", "PositionalResult", "PositionalHead", "PositionalOptions", "positional_summary"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class PositionalOptions:
     sensitivity: bool = sensitivity_option()  # interior words too; first: summary.json's order of before
     threshold: float = option(0.90, "share of maxima at one offset for a positional head (Sec. 5.1)", range="(0, 1]",
                               flag="positional_threshold")
+    # Offsets tracked in [-max_offset, max_offset], the rest pooled into two overflow bins: a keyword of
+    # AnalysisConfig and part of summary.json, never a flag.
+    max_offset: int = option(32, "relative offsets tracked each way; farther ones are pooled", command_line=False)
 
 
 class PositionalStats:
@@ -56,15 +60,15 @@ class PositionalStats:
     @classmethod
     def from_config(cls, config, frequencies=None, options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Word level, when ``config.functions`` (registry entry ``positional``)."""
-        threshold = (options or PositionalOptions()).threshold
-        return cls(config.max_offset, "word", threshold) if config.functions else None
+        options = options or PositionalOptions()
+        return cls(options.max_offset, "word", options.threshold) if config.functions else None
 
     @classmethod
     def tokens_from_config(cls, config, frequencies=None,
                            options: PositionalOptions | None = None) -> "PositionalStats | None":
         """Subword-token level, when ``config.functions`` (registry entry ``positional_tokens``)."""
-        threshold = (options or PositionalOptions()).threshold
-        return cls(config.max_offset, "token", threshold) if config.functions else None
+        options = options or PositionalOptions()
+        return cls(options.max_offset, "token", options.threshold) if config.functions else None
 
     @classmethod
     def interior_from_config(cls, config, frequencies=None,
@@ -72,7 +76,7 @@ class PositionalStats:
         """Words with both neighbours, when ``config.functions`` and ``options.sensitivity``
         (registry entry ``positional_interior``)."""
         options = options or PositionalOptions()
-        return cls(config.max_offset, "interior", options.threshold) if config.functions and options.sensitivity else None
+        return cls(options.max_offset, "interior", options.threshold) if config.functions and options.sensitivity else None
 
     @property
     def fused_passes(self) -> tuple[str, ...]:
@@ -249,13 +253,65 @@ def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
     return labels
 
 
+def _best(scores: dict, kind: str) -> tuple[float, int, int]:
+    table = np.asarray(scores[kind], dtype=float)
+    if np.all(np.isnan(table)):
+        return float("nan"), -1, -1
+    layer, head = np.unravel_index(np.nanargmax(table), table.shape)
+    return float(table[layer, head]), int(layer), int(head)
+
+
+def positional_summary(functions: Path, kind: str) -> dict:
+    """The most positional head of ``kind`` at word and subword level and the best previous-word
+    head, from a ``functions/`` result directory (its part of a model's profile)."""
+    read = read_result
+    share, offset = read(functions / "positional" / "share.json"), read(functions / "positional" / "offset.json")
+    token_share = read(functions / "positional" / "token_share.json")
+    token_offset = read(functions / "positional" / "token_offset.json")
+    offsets = read(functions / "positional" / "offsets.json")
+    threshold = offsets["threshold"]
+    word, layer, head = _best(share["scores"], kind)
+    token, t_layer, t_head = _best(token_share["scores"], kind)
+    # The share of each head's maxima at offset -1 (a previous-word head, Vig & Belinkov's "attends
+    # to the previous token"), from the counts of every offset.
+    column = offsets["offsets"].index(-1)
+    previous = []
+    for layer_index in range(len(share["scores"][kind])):
+        counts = np.asarray(offsets["counts"][f"{kind}:{layer_index}"], dtype=float)  # [heads, offsets]
+        totals = counts.sum(axis=1)
+        previous.append(np.where(totals > 0, counts[:, column] / np.maximum(totals, 1), np.nan))
+    prev, p_layer, p_head = _best({kind: previous}, kind)
+    n_word = int(np.sum(np.asarray(share["scores"][kind], dtype=float) >= threshold))
+    n_token = int(np.sum(np.asarray(token_share["scores"][kind], dtype=float) >= threshold))
+    return {
+        "threshold": threshold,
+        "word": {"share": word, "offset": int(offset["scores"][kind][layer][head]), "head": [layer, head],
+                 "n_positional": n_word},
+        "token": {"share": token, "offset": int(token_offset["scores"][kind][t_layer][t_head]),
+                  "head": [t_layer, t_head], "n_positional": n_token},
+        "previous_word": {"share": prev, "head": [p_layer, p_head]},
+    }
+
+
+def _profile_cells(kind: str, entries: dict) -> list[str]:
+    pos = entries["positional"]
+    word, token, prev = pos["word"], pos["token"], pos["previous_word"]
+    return [f"{head_cell(kind, word['head'])}: {percent(word['share'])} at {word['offset']:+d}",
+            f"{head_cell(kind, token['head'])}: {percent(token['share'])} at {token['offset']:+d}",
+            f"{head_cell(kind, prev['head'])}: {percent(prev['share'])}"]
+
+
 POSITIONAL = Statistic(
     PositionalStats.from_config, title="positional", label_group="positional", label_pattern=r"positional [+-]\d+",
+    label_caption="positional (offset)", label_cell=lambda label: label.split(" ", 1)[1],
     outputs=(Output("positional/share.json", "Positional share",
                     "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
              Output("positional/offset.json", "Positional offset",
                     "that most frequent offset (-1 = previous word, +1 = next word)", categorical=True)),
-    read_labels=_read_labels, Options=PositionalOptions)
+    read_labels=_read_labels, Options=PositionalOptions,
+    profile=ProfilePart(lambda directory, kind: {"positional": positional_summary(directory, kind)},
+                        ("most positional head (word level)", "subword level", "best previous-word head"),
+                        _profile_cells))
 """Voita et al. 2019, Sec. 5.1, over words."""
 POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config, Options=PositionalOptions)
 """The same over subword tokens."""

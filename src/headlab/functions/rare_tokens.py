@@ -34,8 +34,9 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.markup import head_cell, percent
 from headlab.options import option
-from headlab.plugins import Output
+from headlab.plugins import Output, ProfilePart, read_result
 from headlab.shard import Ledger, active
 
 __all__ = ["RareTokenStats", "RareTokenResult", "RareOptions", "rare_token_masks"]
@@ -300,9 +301,24 @@ def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
     return labels
 
 
+def _profile(functions: Path, kind: str) -> dict:
+    """A model profile's rare-token head of ``kind``: the one that points to the rarest token most."""
+    rare = read_result(functions / "rare_tokens" / "summary.json")
+    top = next((row for row in rare.get("top_heads", []) if row["kind"] == kind), None)
+    return {"rare_token": None if top is None else {"head": [top["layer"], top["head"]], "rarest": top["rarest"],
+                                                    "two_rarest": top["two_rarest"]}}
+
+
+def _profile_cells(kind: str, entries: dict) -> list[str]:
+    rare = entries["rare_token"]
+    return ["-" if rare is None else f"{head_cell(kind, rare['head'])}: {percent(rare['rarest'])}"]
+
+
 RARE = Statistic(
     RareTokenStats.from_config, title="rare-token heads", needs=("frequencies",), label_group="rare", label_pattern="rare",
+    label_caption="rare-token",
     outputs=(Output("rare_tokens/rarest.json", "Rare-token share",
                     "how often the head's maximum lands on the rarest token (Sec. 5.3)"),),
-    read_labels=_read_labels, Options=RareOptions)
+    read_labels=_read_labels, Options=RareOptions,
+    profile=ProfilePart(_profile, ("rarest-token head",), _profile_cells))
 """Voita et al. 2019, Sec. 5.3 (needs token frequencies)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -36,10 +36,10 @@ from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
 from headlab.errors import HeadlabError
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
 from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
-from headlab.markup import read_json_noted
+from headlab.markup import head_cell, percent, read_json_noted
 from headlab.markup import table as html_table
 from headlab.options import option
-from headlab.plugins import Output, ReportPart
+from headlab.plugins import Output, ProfilePart, ReportPart, read_result
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
 
@@ -480,10 +480,48 @@ def _table1(c: Any) -> str:
                           "syntactic heads"], rows, "table1"))
 
 
+_PROFILE_KEYS = ("relation", "label", "n_arcs", "arcs", "best_head", "best_accuracy", "baseline", "baseline_offset",
+                 "n_syntactic", "status")
+
+
+def _profile(functions: Path, kind: str) -> dict[str, Any]:
+    """A model profile's Table 1 rows of ``kind`` and the margin they were judged with."""
+    table1 = read_result(functions / "syntactic" / "table1.json")
+    return {"syntactic": [{key: row.get(key) for key in _PROFILE_KEYS} for row in table1["table"] if row["kind"] == kind],
+            "syntactic_margin": table1["margin"]}
+
+
+def _profile_cells(kind: str, entries: dict) -> list[str]:
+    scored = [row for row in entries["syntactic"] if row.get("status", "ok") == "ok"]
+    n_syntactic = sum(1 for row in scored if (row["n_syntactic"] or 0) > 0)
+    return [f"{n_syntactic} of {len(scored)}"]
+
+
+def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
+    """A model's Table 1 in docs/functions.md: the best head per relation and direction against its baseline."""
+    lines = ["| kind | relation | direction | arcs | best head | accuracy | baseline (offset) | margin |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for kind, body in kinds.items():
+        for row in body["syntactic"]:
+            status, arcs = row.get("status", "ok"), row.get("arcs") or row["n_arcs"]  # "reachable / all" if causal
+            if status != "ok":
+                lines.append(f"| {kind} | {row['relation']} | {row['label']} | {arcs} | {status} | | | |")
+                continue
+            margin = row["best_accuracy"] - row["baseline"]
+            lines.append(
+                f"| {kind} | {row['relation']} | {row['label']} | {arcs} | {head_cell(kind, row['best_head'])} "
+                f"| {percent(row['best_accuracy'])} | {percent(row['baseline'])} ({row['baseline_offset']:+d}) "
+                f"| {100 * margin:+.1f} |"
+            )
+    return lines
+
+
 SYNTACTIC = Statistic(
     SyntacticStats.from_config, title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
+    label_caption="syntactic (relation direction, e.g. s->v: from subject to verb)",
     outputs=(Output("syntactic/margin.json", "Syntactic margin",
                     "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),),
     read_labels=_read_labels, report=(ReportPart("table1", "functions", _table1, collect=_read_table1),),
-    Options=SyntacticOptions)
+    Options=SyntacticOptions,
+    profile=ProfilePart(_profile, ("syntactic heads (of relation-directions scored)",), _profile_cells, _profile_table))
 """Voita et al. 2019, Sec. 5.2."""

@@ -20,11 +20,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from headlab.aggregate import STATISTICS
 from headlab.data.batching import with_progress
+from headlab.functions.registry import STATISTICS
 from headlab.heads import KINDS, HeadScores, axes_or_new, panel_row, pyplot, write_figure, write_json
 from headlab.importance.registry import MEASURES
-from headlab.pipeline.labels import function_groups, label_group, label_key, load_labels
+from headlab.pipeline.labels import function_groups, label_cell, label_group, label_key, load_labels
+from headlab.plugins import WRITTEN_UNDER
 
 __all__ = [
     "figure1_data",
@@ -35,22 +36,13 @@ __all__ = [
     "plot_gate_trajectories",
     "save_figure",
     "write_figures",
-    "IMPORTANCE_MEASURES",
-    "AGGREGATE_STATISTICS",
 ]
 
-IMPORTANCE_MEASURES = tuple(MEASURES)
-AGGREGATE_STATISTICS = STATISTICS
 _SVG_SALT = "headlab"
 
 
 def _clean(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
-
-
-def _short(label: str) -> str:
-    """A grid cell's text: ``positional -1`` -> ``-1``; other labels as they are."""
-    return label.split(" ", 1)[1] if label.startswith("positional ") else label
 
 
 # ----------------------------------------------------------------------------- Figure 1
@@ -90,8 +82,8 @@ def figure1_data(relevance: HeadScores | None, confidence: HeadScores | None,
 def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
                  labels: Mapping[str, list[str]], kind: str = "enc_self", axes=None):
     """Voita et al. 2019, Fig. 1: for each layer (columns), LRP relevance and confidence of its
-    heads (bars, heads sorted by relevance within the layer) and the function grid below
-    (positional / syntactic / rare), each function named in its cell.
+    heads (bars, heads sorted by relevance within the layer) and the function grid below (a row
+    per label group the statistics declare), each function named in its cell as its statistic writes it.
 
     ``axes``: a ``[3, n_layers]`` array of axes (created when None: more than
     :data:`FIGURE1_COLUMNS` layers wrap into bands of at most that many, so that 24 or 32 layers
@@ -148,7 +140,7 @@ def plot_figure1(relevance: HeadScores | None, confidence: HeadScores | None,
             for label in head_labels:
                 group = label_group(label)
                 if group is not None and group in groups:  # else no statistic declares it: heads.csv only
-                    texts.setdefault(group, []).append(_short(label))
+                    texts.setdefault(group, []).append(label_cell(label))
             for group, names in texts.items():
                 row = groups.index(group)
                 grid[row, i] = 1.0
@@ -267,6 +259,14 @@ def save_figure(fig, directory: str | Path, name: str) -> tuple[Path, Path]:
     return png, svg
 
 
+def _label_words() -> str:
+    """``: positional (offset), syntactic (...) and rare-token``: the statistics' ``label_caption``s."""
+    words = [s.label_caption for s in STATISTICS.values() if s.label_group is not None and s.label_caption]
+    if not words:
+        return ""
+    return ": " + (words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1])
+
+
 def _load(path: Path) -> HeadScores | None:
     return HeadScores.load(path) if path.is_file() else None
 
@@ -286,25 +286,27 @@ def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable
             sorted_by = "LRP relevance" if lrp is not None and kind in lrp.kinds else "confidence"
             caption = (f"Each column is a layer of {kind} attention; its heads are sorted by {sorted_by}. "
                        "Bars: LRP relevance (normalised per layer) and confidence (mean maximum attention, "
-                       "EOS excluded). Below: the head's function: positional (offset), syntactic "
-                       "(relation direction, e.g. s->v: from subject to verb) and rare-token.")
+                       f"EOS excluded). Below: the head's function{_label_words()}.")
             if not labels:
                 caption += " The function analysis did not run (no --conllu), so the grid is empty."
             specs.append((f"figure1_{kind}", f"Figure 1 ({kind}): importance and function of each head", caption,
                           partial(plot_figure1, lrp, confidence, labels, kind)))
-    for measure in IMPORTANCE_MEASURES:
+    for measure in MEASURES:
         scores = _load(root / "importance" / f"{measure}.json")
         if scores is not None:
             specs.append((f"importance_{measure}", f"Head importance: {measure}",
                           f"{measure} of every head, layers down, heads across, one panel per attention kind.",
                           partial(plot_scores_heatmap, scores, title=measure)))
-    for statistic in AGGREGATE_STATISTICS:
-        scores = _load(root / "aggregate" / f"{statistic}.json")
-        if scores is not None:
-            specs.append((f"aggregate_{statistic}", f"Aggregate statistic: {statistic.replace('_', ' ')}",
-                          f"{statistic.replace('_', ' ')} per head over the treebank (Vig & Belinkov 2019), "
-                          "layers down, heads across.",
-                          partial(plot_scores_heatmap, scores, title=statistic.replace("_", " "))))
+    for statistic in STATISTICS.values():  # the statistics' files declared with a figure of their own
+        for output in statistic.outputs:
+            if output.figure is None:
+                continue
+            relative = Path(WRITTEN_UNDER[statistic.stage], output.path)
+            for path in sorted(root.glob(relative.as_posix())) if "*" in output.path else [root / relative]:
+                scores = _load(path)
+                if scores is not None:
+                    name, title, caption, heading = output.figure.texts(path.stem)
+                    specs.append((name, title, caption, partial(plot_scores_heatmap, scores, title=heading)))
     sweep = root / "prune" / "sweep.json"
     if sweep.is_file():
         rows = json.loads(sweep.read_text(encoding="utf-8"))

@@ -12,7 +12,7 @@ from pathlib import Path
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS, read_json, write_json
 
-__all__ = ["head_labels", "save_labels", "load_labels", "label_key", "function_groups", "label_group"]
+__all__ = ["head_labels", "save_labels", "load_labels", "label_key", "function_groups", "label_group", "label_cell"]
 
 
 def function_groups() -> tuple[str, ...]:
@@ -33,6 +33,15 @@ def label_group(label: str) -> str | None:
     from headlab.functions.registry import label_group as group_of
 
     return group_of(label)
+
+
+def label_cell(label: str) -> str:
+    """A label as a cell of Figure 1's grid writes it: as the statistic that declares it says
+    (``positional -1`` -> ``-1``); as it is when none says."""
+    from headlab.functions.registry import STATISTICS
+
+    owner = next((s for s in STATISTICS.values() if s.owns(label)), None)
+    return label if owner is None or owner.label_cell is None else owner.label_cell(label)
 
 
 def head_labels(analysis) -> dict[str, list[str]]:
