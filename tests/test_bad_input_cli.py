@@ -262,7 +262,7 @@ def _forbid_pruning_work(monkeypatch):
     ("no scores", "--scores {root}/none.json: no such file"),
     ("bad scores", "--scores {root}/src.txt: line 1: invalid JSON"),
     ("bad keeps", "--keeps -1: give one or more head counts >= 0"),
-    ("bad kinds", "--kinds enc_slf: expected all or a comma list of"),
+    ("bad kinds", "--kinds enc_slf: expected auto, all or a comma list of"),
     ("bad table", "{out}/baselines.json: not a baselines table"),
     ("no valid", "baselines need --valid-src and --valid-tgt"),
 ])
