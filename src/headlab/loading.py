@@ -248,6 +248,13 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
                 check_block_sliceable(block)
     except HeadlabError as error:
         raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
+    if path.is_dir() and getattr(config, "quantization_config", None) is None:
+        # The weights' headers (no tensor read), as load_model reads them: none (a pickle .bin only),
+        # a corrupt file or shapes that do not fit the config are refused here, not when a stage
+        # loads the model (analyze failed every stage and wrote an empty report).
+        shapes = tensor_shapes(path)
+        if not (path / PRUNING_FILE).is_file() and _record_from_weights(model, shapes) is None:
+            check_fits_weights(model, shapes, f"{path}/config.json")
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).
