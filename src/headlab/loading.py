@@ -296,6 +296,13 @@ def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") ->
     size = vocab_size_of(model_or_config)
     if size is None or tokenizer is None:
         return
+    # Its ordinary vocabulary (added tokens aside) larger than the embeddings: another model's
+    # tokenizer, whose ids beyond them would fail deep inside the model as an IndexError.
+    base = getattr(tokenizer, "vocab_size", None)
+    if isinstance(base, int) and base > size:
+        raise HeadlabError(
+            f"tokenizer of {name}: its vocabulary has {base} tokens, more than the model's {size} embeddings "
+            f"(ids 0..{size - 1}); use the tokenizer the model was trained with")
     for special in _SPECIAL_TOKENS:
         token_id = getattr(tokenizer, f"{special}_token_id", None)
         if isinstance(token_id, int) and not 0 <= token_id < size:
