@@ -44,6 +44,11 @@ BAD_MASKS = {
     "keep-matrix-values": ({"enc_self": [[1, 0.5, 1, 1], [1, 1, 1, 1]]}, "a keep-mask holds only 0 and 1"),
     "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layers; the model has 2"),
     "invalid-json": ('{"enc_self": {"0": [1,}}', "line 1: invalid JSON"),
+    # regressions: "²".isdigit() is true and int("²") a ValueError (an internal error); a row that
+    # is not a list was said to have "5 entries"
+    "layer-superscript-digit": ({"enc_self": {"\u00b2": [0]}}, "layer '\u00b2': a layer key is a layer number"),
+    "keep-matrix-row-not-a-list": ({"enc_self": [[1, 1, 1, 1], 5]}, "enc_self layer 1: expected a list of 4 0/1 "
+                                                                    "entries, found 5"),
 }
 
 
