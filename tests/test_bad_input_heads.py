@@ -134,6 +134,20 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     assert f"{tmp_path}: a directory without config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spec,message", [("enc_self:0:7", "enc_self layer 0 has no head 7"),
+                                          ("dec_cross:5:0", "dec_cross has no layer 5"),
+                                          ("bad.json", "no such mask file")])
+def test_prune_refuses_a_head_the_model_lacks_before_loading(spec, message, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: the spec was checked against the loaded model, after reading every weight
+    (minutes for a large checkpoint); the structure built from the config (no weights) has the heads."""
+    forbid_model_loading(monkeypatch)
+    code = main(["prune", "apply", str(model_dir), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
     with world_readable_dir() as root:
         model = save_tiny_marian(root / "model")
