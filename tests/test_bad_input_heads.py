@@ -84,6 +84,30 @@ def test_bad_typed_spec(spec, message, blocks):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("heads,message", [([1.7], "head 1.7 is not an integer"),
+                                           ([True], "head True is not an integer"),
+                                           (["1"], "head '1' is not an integer")])
+def test_python_head_specs_refuse_what_is_not_an_integer(heads, message):
+    """Regression: prune_heads, mask_heads and headlab.prune took head 1.7, True and "1" for head 1
+    (int() without a type check), as mask files once did: another head than the one meant."""
+    import headlab
+    from headlab import mask_heads, prune_heads
+
+    for call in (lambda m, spec: prune_heads(m, spec), lambda m, spec: mask_heads(m, spec).__enter__(),
+                 lambda m, spec: headlab.prune(m, spec)):
+        model = tiny_model("marian")
+        with pytest.raises(HeadlabError, match=f"enc_self layer 0: {message}"):
+            call(model, {("enc_self", 0): heads})
+        assert [b.n_heads for b in attention_blocks(model)][0] == 4
+    with pytest.raises(HeadlabError, match="layer 0.5 is not an integer"):
+        prune_heads(tiny_model("marian"), {("enc_self", 0.5): [1]})
+    import numpy as np
+    import torch
+
+    model = tiny_model("marian")  # integers of numpy and torch are integers
+    assert prune_heads(model, {("enc_self", np.int64(0)): [np.int64(1), torch.tensor(2)]}) == {("enc_self", 0): [0, 3]}
+
+
 def test_cli_counts_removed_heads_right_and_refuses_wrong_types(model_dir, tmp_path, capsys):
     """Regression: {"enc_self": {"0": [1.7, true]}} exited 0 with "removed 2 heads" while one
     head was removed."""
