@@ -166,6 +166,21 @@ def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
         headlab.Analysis.load(tmp_path / "foreign")
 
 
+def test_save_over_another_commands_results_is_refused_with_overwrite_too(setup, tmp_path):
+    """Regression: save(..., overwrite=True) into a directory written by `headlab prune apply` (or
+    functions, importance: .headlab/files.json) took it for an earlier analysis and deleted the model."""
+    root, _, (model, _tokenizer), api = setup
+    pruned = tmp_path / "pruned"
+    assert main(["prune", "apply", str(root / "model"), "--heads", "enc_self:0:1", "--out", str(pruned)]) == 0
+    before = {p.name: p.read_bytes() for p in pruned.iterdir() if p.is_file()}
+    for overwrite in (False, True):
+        with pytest.raises(HeadlabError, match="holds the results of `headlab prune`"):
+            api.save(pruned, overwrite=overwrite)
+        with pytest.raises(HeadlabError, match="holds the results of `headlab prune`"):
+            headlab.analyze(model, _tokenizer, SENTENCES, measures=["confidence"], out=pruned, overwrite=overwrite)
+    assert {p.name: p.read_bytes() for p in pruned.iterdir() if p.is_file()} == before
+
+
 def test_analyze_writes_out_like_the_cli(setup, tmp_path):
     root, cli, (model, tokenizer), _ = setup
     analysis = headlab.analyze(model, tokenizer, SENTENCES, treebank=SAMPLE_CONLLU, out=tmp_path / "run",

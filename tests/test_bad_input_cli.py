@@ -225,6 +225,31 @@ def test_model_without_tokenizer_is_refused(command, inputs, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["functions", "importance", "analyze"])
+def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, inputs, tmp_path, capsys):
+    """Regression: `functions --tokenizer` (or a model directory's own tokenizer) whose ordinary
+    vocabulary is larger than the model's embeddings ended in an IndexError traceback (internal
+    error) from the embedding lookup."""
+    from support.treebank import word_tokenizer
+
+    words = [f"w{i}" for i in range(150)] + [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines()
+                                             if line and line[0].isdigit()]
+    big = tmp_path / "big"
+    if command == "functions":
+        word_tokenizer(words, max_vocab=400).save_pretrained(big)
+        args = ["functions", str(inputs / "model"), "--tokenizer", str(big), "--conllu", str(inputs / "tb.conllu"),
+                "--no-figures"]
+    else:
+        save_tiny_marian(big, tokenizer=False)
+        word_tokenizer(words, max_vocab=400).save_pretrained(big)
+        args = [command, str(big), "--source", str(inputs / "src.txt")]
+    code = main([*args, "--out", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "more than the model's 99 embeddings" in err
+    assert not files_under(tmp_path / "o")
+
+
 @pytest.mark.parametrize("content", ['{"pid": "x"}', "[1, 2]", ""])
 def test_garbage_lock_is_held_for_a_while_then_taken_over(content, tmp_path):
     path = tmp_path / LOCK_FILE

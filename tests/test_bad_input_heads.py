@@ -44,6 +44,11 @@ BAD_MASKS = {
     "keep-matrix-values": ({"enc_self": [[1, 0.5, 1, 1], [1, 1, 1, 1]]}, "a keep-mask holds only 0 and 1"),
     "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layers; the model has 2"),
     "invalid-json": ('{"enc_self": {"0": [1,}}', "line 1: invalid JSON"),
+    # regressions: "²".isdigit() is true and int("²") a ValueError (an internal error); a row that
+    # is not a list was said to have "5 entries"
+    "layer-superscript-digit": ({"enc_self": {"\u00b2": [0]}}, "layer '\u00b2': a layer key is a layer number"),
+    "keep-matrix-row-not-a-list": ({"enc_self": [[1, 1, 1, 1], 5]}, "enc_self layer 1: expected a list of 4 0/1 "
+                                                                    "entries, found 5"),
 }
 
 
@@ -77,6 +82,30 @@ def test_bad_typed_spec(spec, message, blocks):
     with pytest.raises(HeadlabError, match="^--heads") as error:
         parse_heads(spec, blocks)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("heads,message", [([1.7], "head 1.7 is not an integer"),
+                                           ([True], "head True is not an integer"),
+                                           (["1"], "head '1' is not an integer")])
+def test_python_head_specs_refuse_what_is_not_an_integer(heads, message):
+    """Regression: prune_heads, mask_heads and headlab.prune took head 1.7, True and "1" for head 1
+    (int() without a type check), as mask files once did: another head than the one meant."""
+    import headlab
+    from headlab import mask_heads, prune_heads
+
+    for call in (lambda m, spec: prune_heads(m, spec), lambda m, spec: mask_heads(m, spec).__enter__(),
+                 lambda m, spec: headlab.prune(m, spec)):
+        model = tiny_model("marian")
+        with pytest.raises(HeadlabError, match=f"enc_self layer 0: {message}"):
+            call(model, {("enc_self", 0): heads})
+        assert [b.n_heads for b in attention_blocks(model)][0] == 4
+    with pytest.raises(HeadlabError, match="layer 0.5 is not an integer"):
+        prune_heads(tiny_model("marian"), {("enc_self", 0.5): [1]})
+    import numpy as np
+    import torch
+
+    model = tiny_model("marian")  # integers of numpy and torch are integers
+    assert prune_heads(model, {("enc_self", np.int64(0)): [np.int64(1), torch.tensor(2)]}) == {("enc_self", 0): [0, 3]}
 
 
 def test_cli_counts_removed_heads_right_and_refuses_wrong_types(model_dir, tmp_path, capsys):
@@ -127,6 +156,20 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     assert "models/nonexistent: no such model directory, and not a model id" in capsys.readouterr().err
     assert main(["heads", str(tmp_path)]) == 2
     assert f"{tmp_path}: a directory without config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec,message", [("enc_self:0:7", "enc_self layer 0 has no head 7"),
+                                          ("dec_cross:5:0", "dec_cross has no layer 5"),
+                                          ("bad.json", "no such mask file")])
+def test_prune_refuses_a_head_the_model_lacks_before_loading(spec, message, model_dir, tmp_path, capsys, monkeypatch):
+    """Regression: the spec was checked against the loaded model, after reading every weight
+    (minutes for a large checkpoint); the structure built from the config (no weights) has the heads."""
+    forbid_model_loading(monkeypatch)
+    code = main(["prune", "apply", str(model_dir), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):

@@ -179,6 +179,37 @@ def test_incomplete_or_foreign_weights_are_refused_naming_the_tensors(row, dirs,
     assert not (tmp_path / "out").exists()
 
 
+def _pickle_only(directory: Path) -> None:
+    state = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    torch.save(state, directory / "pytorch_model.bin")
+
+
+BAD_WEIGHTS = {
+    # what analyze is given: (make the directory, what the one line must say)
+    "pickle-only": (_pickle_only, "no .safetensors weights (pytorch_model.bin: pickle checkpoints"),
+    "no-weights": (lambda d: (d / "model.safetensors").unlink(), "no .safetensors weights"),
+    "corrupt-safetensors": (lambda d: os.truncate(d / "model.safetensors", 100), "not a readable safetensors file"),
+    "missing-encoder-layer": (lambda d: _drop_tensors(d, "model.encoder.layers.1."), "do not fit the model's config"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(BAD_WEIGHTS))
+def test_analyze_refuses_weights_it_cannot_load_before_any_stage(row, dirs, tmp_path, capsys):
+    """Regression: analyze ran every stage, each failing to load the model, then wrote an empty
+    report (exit 1) where the other commands refuse the model with one line (exit 2)."""
+    make, said = BAD_WEIGHTS[row]
+    directory = _copy(dirs, "plain", tmp_path)
+    make(directory)
+    (tmp_path / "src.txt").write_text("The old dog chased a red ball .\nCats sleep here .\n", encoding="utf-8")
+    out = tmp_path / "out"
+    code = main(["analyze", str(directory), "--source", str(tmp_path / "src.txt"), "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "failed" not in err, err
+    assert err.strip().splitlines()[-1].startswith("headlab analyze: error: ") and said in err.strip().splitlines()[-1]
+    assert not [p for p in out.rglob("*") if p.is_file()]
+
+
 def test_missing_tensor_names_it(dirs, tmp_path):
     directory = _copy(dirs, "plain", tmp_path)
     _drop_tensors(directory, "model.encoder.layers.1.fc1.bias")

@@ -85,3 +85,37 @@ def test_reproduce_left_the_package_and_says_where_it_went(argv, capsys):
     out = capsys.readouterr()
     assert out.err.count("\n") == 1 and "python -m reproduction" in out.err and out.out == ""
     assert "reproduce" not in build_parser().format_help()
+
+
+def test_output_cut_short_by_its_reader_is_not_an_error(tmp_path):
+    """Regression: `headlab heads MODEL --json | head -1` ended with "headlab heads: error: Broken
+    pipe" (exit 1) once the reader had left: the convention of `yes | head` is a quiet exit 141."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from support.models import CONFIGS
+
+    _, config = CONFIGS["gpt2"]()
+    config.n_layer = 2000  # a long listing, more than a pipe holds; no weights: the config's heads
+    config.save_pretrained(tmp_path / "long")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "headlab", "heads", str(tmp_path / "long"), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert process.stdout.readline() == b"[\n"
+    process.stdout.close()  # the reader leaves, as `head -1` does
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and err == "", err
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error(marian_dir, capsys, monkeypatch):
+    import headlab.commands
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(headlab.commands, "run_heads", broken)  # the parser is built on each call
+    assert main(["heads", str(marian_dir[0])]) == 1
+    assert "headlab heads: error: Broken pipe" in capsys.readouterr().err

@@ -145,3 +145,20 @@ def test_confidence_with_query_chunk_writes_the_eager_scores(tmp_path, tokenizer
                      "--batch-size", "3", "--no-progress", *extra]) == 0
         written[name] = HeadScores.load(out / "confidence.json")
     assert written["chunked"].to_json() == written["eager"].to_json()
+
+
+def test_accuracy_metric_on_a_translation_model_is_refused_before_any_work(tmp_path, tokenizer, files, capsys):
+    # It was refused only after the model had translated every sentence (the check sat in the measure).
+    model_dir = _save(tiny_model("marian"), tokenizer, tmp_path / "marian")
+    source, target = files
+    out = tmp_path / "out"
+    assert main(["importance", model_dir, "--source", str(source), "--target", str(target), "--out", str(out),
+                 "--method", "ablation", "--metric", "accuracy", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run ablation: --metric accuracy is for classifiers" in err
+    assert "translating" not in err and not out.exists()
+    # With every method asked for, ablation is skipped with its reason and the others run.
+    assert main(["importance", model_dir, "--source", str(source), "--target", str(target), "--out", str(out),
+                 "--metric", "accuracy", "--no-progress"]) == 0
+    assert "skipped ablation: --metric accuracy is for classifiers" in capsys.readouterr().out
+    assert not (out / "ablation.json").exists() and (out / "lrp.json").is_file()

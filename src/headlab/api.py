@@ -408,8 +408,9 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
-    from headlab.pipeline.pipeline import _foreign_files
+    from headlab.pipeline.pipeline import _foreign_files, _refuse_other_commands_results
 
+    _refuse_other_commands_results(directory, where="")  # a pruned model, functions' results ...: also with overwrite
     foreign = _foreign_files(directory)
     if foreign:
         raise HeadlabError(f"{directory}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "

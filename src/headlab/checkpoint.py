@@ -140,7 +140,10 @@ def build_model(cls: type, config, source: str | Path, meta: bool = False) -> nn
 def _weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise HeadlabError(f"{path}: no .safetensors weights")
+        pickles = sorted(p.name for p in path.glob("*.bin"))
+        found = f" ({', '.join(pickles[:3])}: pickle checkpoints, which headlab never loads; convert them to " \
+                "safetensors)" if pickles else ""
+        raise HeadlabError(f"{path}: no .safetensors weights{found}")
     return files
 
 

@@ -117,6 +117,11 @@ def _run(argv: list[str] | None) -> int:
         return 130
     except HeadlabError as error:
         return _fail(args, name, str(error), error.exit_code)
+    except BrokenPipeError as error:  # stdout's reader left (`headlab heads MODEL | head`): not a failure
+        if not _stdout_gone():  # another pipe (a process of the run): an error like any other
+            return _fail(args, name, f"{error.strerror or error}", 1)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+        return 141  # 128 + SIGPIPE, as `yes | head` ends
     except OSError as error:  # the user's paths: unreadable, unwritable, disk full
         where = f"{error.filename}: " if error.filename else ""
         kept = _kept_after_failure(args) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
@@ -130,6 +135,20 @@ def _run(argv: list[str] | None) -> int:
               "the traceback above says where", file=sys.stderr)
         return 1
     return int(result or 0)
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has left (poll says POLLERR), without writing to it."""
+    import select
+
+    if not hasattr(select, "poll"):  # Windows: the broken pipe is taken for stdout's
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # stdout replaced by an object without a file (a notebook's)
+        return False
 
 
 def interrupted_note(args) -> str:

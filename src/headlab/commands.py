@@ -71,7 +71,7 @@ def run_heads(args) -> int:
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
     from headlab.headspec import parse_heads
-    from headlab.loading import check_supported, load_model, load_tokenizer
+    from headlab.loading import build_from_config, check_supported, load_model, load_tokenizer
     from headlab.outdir import check_output, results_lock, write_results, written_note
     from headlab.portable import how_to_load
     from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
@@ -82,6 +82,10 @@ def run_prune(args) -> int:
     # (or a model written before headlab listed its files) is refused, with or without --overwrite.
     check_output(out, args.overwrite)
     check_supported(args.model, args.trust_remote_code, prune=True)
+    if not (Path(args.model) / PRUNING_FILE).is_file():  # a pruned model's heads are in its weights
+        # The spec against the structure built from the config (no weights read): a head the model
+        # lacks is refused before the checkpoint is read, which takes minutes for a large one.
+        parse_heads(args.heads, attention_blocks(build_from_config(args.model, args.trust_remote_code)))
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)

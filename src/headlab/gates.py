@@ -11,6 +11,7 @@ The Hard Concrete gates of the pruning package subclass :class:`HeadGates`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -33,6 +34,17 @@ def block_name(key: BlockKey) -> str:
     return f"{key[0]}_{key[1]}"
 
 
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an index: an int (numpy's and 0-d torch integers too), never a bool, float or
+    string, which int() would turn into another head (1.7 -> 1, True -> 1)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise HeadlabError(f"{what} {value!r} is not an integer")
+
+
 def validate_heads(blocks: list[AttentionBlock], heads: HeadSpec) -> dict[BlockKey, list[int]]:
     """Check a head spec against the model; return it sorted and deduplicated.
 
@@ -42,8 +54,8 @@ def validate_heads(blocks: list[AttentionBlock], heads: HeadSpec) -> dict[BlockK
     for key, indices in heads.items():
         if not (isinstance(key, tuple) and len(key) == 2):
             raise HeadlabError(f"head spec keys must be (kind, layer), got {key!r}")
-        block = find_block(blocks, key[0], int(key[1]))
-        chosen = sorted({int(h) for h in indices})
+        block = find_block(blocks, key[0], _integer(key[1], f"{key[0]}: layer"))
+        chosen = sorted({_integer(h, f"{block.kind} layer {block.layer}: head") for h in indices})
         bad = [h for h in chosen if not 0 <= h < block.n_heads]
         if bad:
             raise HeadlabError(

@@ -86,7 +86,7 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
         if isinstance(value, dict):
             for layer, heads in value.items():
                 where = f"{path}: {kind}: layer {layer!r}"
-                if not (isinstance(layer, str) and layer.isdigit()):
+                if not (isinstance(layer, str) and re.fullmatch(r"[0-9]+", layer)):  # not str.isdigit: "²"
                     raise HeadlabError(f"{where}: a layer key is a layer number, e.g. \"0\"")
                 if not isinstance(heads, list) or not all(type(h) is int for h in heads):
                     raise HeadlabError(f"{where}: expected a list of head numbers (integers), found {json.dumps(heads)}")
@@ -102,9 +102,12 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
                 raise HeadlabError(f"{path}: {kind} mask has {len(value)} layers; the model has {n_layers}")
             for layer, row in enumerate(value):
                 block = find_block(blocks, kind, layer)
-                if not isinstance(row, list) or len(row) != block.n_heads:
+                if not isinstance(row, list):
+                    raise HeadlabError(f"{path}: {kind} layer {layer}: expected a list of {block.n_heads} 0/1 "
+                                       f"entries, found {json.dumps(row)}")
+                if len(row) != block.n_heads:
                     raise HeadlabError(
-                        f"{path}: {kind} layer {layer} mask has {len(row) if isinstance(row, list) else row!r} "
+                        f"{path}: {kind} layer {layer} mask has {len(row)} "
                         f"entries; the layer has {block.n_heads} heads"
                     )
                 if any(type(v) not in (int, float, bool) or v not in (0, 1) for v in row):

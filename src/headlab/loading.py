@@ -248,6 +248,13 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
                 check_block_sliceable(block)
     except HeadlabError as error:
         raise HeadlabError(f"{flag} {name_or_path}: {error}") from None
+    if path.is_dir() and getattr(config, "quantization_config", None) is None:
+        # The weights' headers (no tensor read), as load_model reads them: none (a pickle .bin only),
+        # a corrupt file or shapes that do not fit the config are refused here, not when a stage
+        # loads the model (analyze failed every stage and wrote an empty report).
+        shapes = tensor_shapes(path)
+        if not (path / PRUNING_FILE).is_file() and _record_from_weights(model, shapes) is None:
+            check_fits_weights(model, shapes, f"{path}/config.json")
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).
@@ -289,6 +296,13 @@ def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") ->
     size = vocab_size_of(model_or_config)
     if size is None or tokenizer is None:
         return
+    # Its ordinary vocabulary (added tokens aside) larger than the embeddings: another model's
+    # tokenizer, whose ids beyond them would fail deep inside the model as an IndexError.
+    base = getattr(tokenizer, "vocab_size", None)
+    if isinstance(base, int) and base > size:
+        raise HeadlabError(
+            f"tokenizer of {name}: its vocabulary has {base} tokens, more than the model's {size} embeddings "
+            f"(ids 0..{size - 1}); use the tokenizer the model was trained with")
     for special in _SPECIAL_TOKENS:
         token_id = getattr(tokenizer, f"{special}_token_id", None)
         if isinstance(token_id, int) and not 0 <= token_id < size:

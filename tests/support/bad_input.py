@@ -24,6 +24,7 @@ def save_tiny_marian(path: Path, *, tokenizer: bool = True) -> Path:
     tiny_model("marian").save_pretrained(path)
     if tokenizer:
         word_tokenizer(WORDS + ["do", "n't"]).save_pretrained(path)
+    (path / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the runs as user nobody read it
     return path
 
 

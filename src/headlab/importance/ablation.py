@@ -407,6 +407,8 @@ class Ablation(ImportanceMeasure):
         reason = super().unavailable(info, data)
         if reason is None and self.options.metric == "bleu" and (not info.is_seq2seq or data.references is None):
             return "BLEU needs a translation model and reference translations (--target)"
+        if reason is None and self.options.metric == "accuracy" and info.arch != "classifier":
+            return "--metric accuracy is for classifiers (a labelled TSV); use --metric loss or bleu"
         return reason
 
     def score_tables(self, model, data, info, *, batch_size=32, kinds=None, progress=False,  # type: ignore[override]

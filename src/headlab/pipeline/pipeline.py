@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, RunFailed
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
@@ -224,6 +224,11 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
     return n
 
 
+class _ModelNotLoadable(HeadlabError):
+    """The model cannot be loaded (the user's input, exit 2): the run stops at the first stage
+    that needs it instead of failing that stage and every later one."""
+
+
 def _foreign_files(out: Path) -> list[str]:
     """Files in ``out`` that a headlab run did not write: ``out`` is headlab's when it holds the
     stage markers (``.headlab/``) or a manifest that names a headlab version."""
@@ -236,6 +241,24 @@ def _foreign_files(out: Path) -> list[str]:
     except (OSError, ValueError):
         pass
     return sorted(p.name for p in out.iterdir())
+
+
+def _refuse_other_commands_results(out: Path, where: str = "--out ") -> None:
+    """``out`` holding the results of functions, importance, prune apply ... (listed in
+    ``.headlab/files.json``, headlab.outdir) is not an analysis: its ``.headlab/`` would pass it
+    for analyze's own, and the report would be written among that command's files."""
+    from headlab.outdir import FILES
+
+    try:
+        record = json.loads((out / FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    files = record.get("files") if isinstance(record, dict) else None
+    if not files or not any((out / str(name)).exists() for name in files):
+        return
+    shown = ", ".join(str(name) for name in files[:3]) + (", ..." if len(files) > 3 else "")
+    raise HeadlabError(f"{where}{out}: holds the results of `headlab {record.get('command', '?')}` ({shown}), "
+                       "not an analysis, which are not replaced by one; choose a new or empty directory")
 
 
 def validate(config: AnalyzeConfig) -> Path:
@@ -251,6 +274,7 @@ def validate(config: AnalyzeConfig) -> Path:
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
+    _refuse_other_commands_results(out)
     foreign = _foreign_files(out)
     if foreign and not config.force:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -374,7 +398,13 @@ class _Context:
             from headlab.shard import rank_device
 
             placement = {**self.config.placement, "device": rank_device(self.config.device, self.shard)}
-            self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code, **placement)
+            try:
+                self._model = load_model(self.config.model, trust_remote_code=self.config.trust_remote_code,
+                                         **placement)
+            except RunFailed:
+                raise
+            except HeadlabError as error:  # the user's model (weights missing a layer ...): no stage can run
+                raise _ModelNotLoadable(str(error)) from None
             self._tokenizer = load_tokenizer(self.config.model, trust_remote_code=self.config.trust_remote_code)
         return self._model, self._tokenizer
 
@@ -873,6 +903,8 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     except SkipStage as skip:
         record = StageRecord(name, "skipped", str(skip))
         ctx.log(f"{position} {name}: skipped: {skip}")
+    except _ModelNotLoadable:
+        raise  # exit 2 with its one line, before the first stage's work: not every stage failed in turn
     except HeadlabError as error:
         record = StageRecord(name, "failed", str(error), round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {error}")
