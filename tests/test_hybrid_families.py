@@ -117,3 +117,10 @@ def test_analyze_end_to_end(tmp_path, capsys):
     for measure in ("confidence", "gradient", "ablation"):
         rows = json.loads((out / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
         assert [all(v is None for v in row) for row in rows] == [True, False, True, False], measure  # conv: no heads
+    # The model's profile (docs/functions.md's table) reads the analysis; its convolution layers have
+    # no offset counts (a KeyError before).
+    from headlab.pipeline.profiles import collect_profile, render_profiles
+
+    profile = collect_profile(out, "lfm2")
+    assert profile["kinds"]["dec_self"]["positional"]["previous_word"]["head"][0] in (1, 3)  # an attention layer
+    assert "lfm2" in render_profiles([profile])

@@ -746,7 +746,8 @@ def _profile(directory: Path, kind: str) -> dict:
     profiles = {}
     for name in LAYER_PROFILES:
         table = np.asarray(read_result(directory / "aggregate" / f"{name}.json")["scores"][kind], dtype=float)
-        profiles[name] = [float(np.nanmean(row)) for row in table]
+        # a layer without heads (a hybrid's convolution, a layer pruned to none) is NaN, without numpy's warning
+        profiles[name] = [float(np.nanmean(row)) if not np.isnan(row).all() else float("nan") for row in table]
     return {"layers": profiles}
 
 

@@ -276,8 +276,12 @@ def positional_summary(functions: Path, kind: str) -> dict:
     # to the previous token"), from the counts of every offset.
     column = offsets["offsets"].index(-1)
     previous = []
-    for layer_index in range(len(share["scores"][kind])):
-        counts = np.asarray(offsets["counts"][f"{kind}:{layer_index}"], dtype=float)  # [heads, offsets]
+    for layer_index, row in enumerate(share["scores"][kind]):
+        # [heads, offsets]; none for a layer without attention (a hybrid's convolution) or without heads
+        counts = np.asarray(offsets["counts"].get(f"{kind}:{layer_index}", []), dtype=float)
+        if counts.ndim != 2:
+            previous.append(np.full(len(row), np.nan))
+            continue
         totals = counts.sum(axis=1)
         previous.append(np.where(totals > 0, counts[:, column] / np.maximum(totals, 1), np.nan))
     prev, p_layer, p_head = _best({kind: previous}, kind)
