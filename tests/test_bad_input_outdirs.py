@@ -435,3 +435,29 @@ def test_nmt_train_interrupted_before_its_first_checkpoint(inputs, tmp_path, cap
     assert main(["nmt", "train", "--train-src", str(inputs / "src.txt"), "--train-tgt", str(inputs / "src.txt"),
                  "--out", str(out), "--overwrite"]) == 130
     assert f"the last checkpoint in {out} is kept" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command,recorded,files", [
+    ("functions", "prune", ["config.json", "model.safetensors"]),
+    ("importance", "prune", ["config.json", "model.safetensors"]),
+    ("functions", "importance", ["confidence.json"]),
+    ("importance", "functions", ["summary.json", "positional/share.json"]),
+])
+def test_overwrite_replaces_only_the_same_commands_results(command, recorded, files, inputs, tmp_path, capsys,
+                                                             monkeypatch):
+    """Regression: --overwrite took any directory listed in .headlab/files.json for an earlier run
+    of its own, so `functions --overwrite` into a `prune apply` model deleted the model."""
+    out = tmp_path / "results"
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}\n")
+    (out / FILES).parent.mkdir()
+    (out / FILES).write_text(json.dumps({"headlab_version": "0.1.0", "command": recorded, "model": "m",
+                                         "created": "2026-01-01T00:00:00+00:00", "complete": True, "files": files}))
+    before = {name: (out / name).read_bytes() for name in files_under(out)}
+    forbid_model_loading(monkeypatch)
+    build = _functions if command == "functions" else _importance
+    assert main(build(inputs, out, "--overwrite")) == 2
+    err = capsys.readouterr().err
+    assert f"holds the results of `headlab {recorded}`" in err and "Traceback" not in err
+    assert {name: (out / name).read_bytes() for name in files_under(out)} == before

@@ -80,7 +80,7 @@ def run_prune(args) -> int:
     preflight.output_dir(out)
     # Like functions' --out (headlab.outdir): one run at a time; a directory holding the user's files
     # (or a model written before headlab listed its files) is refused, with or without --overwrite.
-    check_output(out, args.overwrite)
+    check_output(out, args.overwrite, command="prune")
     check_supported(args.model, args.trust_remote_code, prune=True)
     if not (Path(args.model) / PRUNING_FILE).is_file():  # a pruned model's heads are in its weights
         # The spec against the structure built from the config (no weights read): a head the model
@@ -103,7 +103,7 @@ def run_prune(args) -> int:
 
     # Written whole into out/.headlab/incoming-*, then moved in and listed: --overwrite removes the
     # earlier model's files this one does not write, and a failure leaves the earlier model whole.
-    with results_lock(out, args.overwrite, True):
+    with results_lock(out, args.overwrite, True, command="prune"):
         write_results(out, write, command="prune", model=str(args.model), overwrite=args.overwrite)
     args.interrupted = written_note(out)  # a Ctrl-C from here on: the model is there, whole
     removed = sum(len(h) for h in spec.values())

@@ -64,13 +64,40 @@ def _entries(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str = "--out") -> None:
+# Commands whose results may replace each other's under --overwrite (functions --aggregate writes
+# what aggregate writes); any other pair is refused, so that --overwrite never removes a pruned
+# model or importance scores to put another command's results in their place.
+_SAME_RESULTS = ({"functions", "aggregate"},)
+
+
+def _replaceable(recorded: str | None, command: str | None) -> bool:
+    if command is None or recorded is None or recorded == command:
+        return True
+    return any({recorded, command} <= group for group in _SAME_RESULTS)
+
+
+def _other_command(directory: Path, record: dict | None, command: str | None, flag: str) -> str | None:
+    """Why ``command`` may not replace what ``directory`` holds (another command's results), or None."""
+    if record is None or _replaceable(record.get("command"), command):
+        return None
+    if not any(os.path.lexists(directory / name) for name in record["files"]):
+        return None
+    return (f"{flag} {directory}: holds the results of `headlab {record.get('command')}` of "
+            f"{record.get('model', '?')}, which `headlab {command} --overwrite` does not replace; choose a new or "
+            f"empty directory")
+
+
+def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str = "--out",
+                      command: str | None = None) -> None:
     """Refuse ``directory`` before any work (exit 2) unless it is new, empty, or (with
-    ``overwrite``) holds an earlier headlab run's files only."""
+    ``overwrite``) holds an earlier headlab run's files only, of ``command`` (or one writing the
+    same results) when it is given."""
     directory = Path(directory)
     if not directory.is_dir():
         return
     record = _listed(directory)
+    if overwrite and (why := _other_command(directory, record, command, flag)):
+        raise HeadlabError(why)
     ours = set(record["files"]) if record else set()
     present = _entries(directory)
     foreign = [name for name in present if name not in ours]
@@ -86,7 +113,7 @@ def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str =
                            f"replace them, or choose another directory")
 
 
-def check_output(directory: str | os.PathLike, overwrite: bool, flag: str = "--out") -> None:
+def check_output(directory: str | os.PathLike, overwrite: bool, flag: str = "--out", command: str | None = None) -> None:
     """Before any work (exit 2): no run is writing ``directory`` and it holds nothing but an
     earlier run's results (with ``overwrite``)."""
     # Under a launcher the main process (RANK 0) holds the lock for all: the others do not look.
@@ -95,18 +122,19 @@ def check_output(directory: str | os.PathLike, overwrite: bool, flag: str = "--o
         raise HeadlabError(f"{flag} {directory} is in use by another headlab run (pid {holder.get('pid', '?')} on "
                            f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish "
                            f"or choose another {flag}")
-    check_results_dir(directory, overwrite, flag)
+    check_results_dir(directory, overwrite, flag, command)
 
 
 @contextmanager
-def results_lock(directory: str | os.PathLike, overwrite: bool, main: bool, flag: str = "--out") -> Iterator[None]:
+def results_lock(directory: str | os.PathLike, overwrite: bool, main: bool, flag: str = "--out",
+                 command: str | None = None) -> Iterator[None]:
     """The lock of ``directory``, held by the main process (the one that writes), with the check of
     what it holds made again under it (another run may have finished into it since)."""
     if not main:
         yield
         return
     with locked_output(directory, flag):
-        check_results_dir(directory, overwrite, flag)
+        check_results_dir(directory, overwrite, flag, command)
         yield
 
 
@@ -156,6 +184,8 @@ def write_results(directory: str | os.PathLike, write: Callable[[Path], object],
     # The directory was checked before the work; a run that finished into it since, or a file the
     # user put there meanwhile, is not replaced: the new results stay in the staging directory.
     clash = [name for name in new if name not in old and os.path.lexists(directory / name)]
+    if other := _other_command(directory, record, command, flag):
+        raise RunFailed(f"{other}; nothing was replaced, this run's results are kept in {staging}")
     if (old and not overwrite) or clash:
         raise RunFailed(f"{flag} {directory}: "
                         + (f"now holds {', '.join(clash[:5])}, not written by headlab" if clash

@@ -85,7 +85,7 @@ def _run(args, functions: bool, aggregate: bool) -> int:
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:
         return launched
-    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main):
+    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main, command=args.command):
         return _analyse(args, functions, aggregate, part)
 
 
@@ -168,7 +168,7 @@ def _check(args) -> None:
     preflight.at_least(args.threads, 1, "--threads")  # the declared options' ranges: checked when parsed
     _config(args, True, True)  # the statistics' options: an unknown --relations
     preflight.output_dir(args.out)
-    check_output(args.out, args.overwrite)
+    check_output(args.out, args.overwrite, command=args.command)
 
 
 def run_functions(args) -> int:

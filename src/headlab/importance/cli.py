@@ -66,7 +66,7 @@ def _check(args) -> None:
     for flag, minimum in (("limit", 1), ("max_length", 2), ("threads", 1)):  # the others' ranges: checked when parsed
         preflight.at_least(getattr(args, flag), minimum, "--" + flag.replace("_", "-"))
     preflight.output_dir(args.out)
-    check_output(args.out, args.overwrite)
+    check_output(args.out, args.overwrite, command="importance")
 
 
 def _sentences(args) -> tuple[int, str]:
@@ -86,7 +86,7 @@ def run_importance_command(args) -> int:
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:
         return launched
-    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main):
+    with shard.joined(args.device) as part, results_lock(args.out, args.overwrite, part.main, command="importance"):
         return _run(args, part)
 
 

@@ -55,7 +55,7 @@ def export_model(
     # Like functions' --out (headlab.outdir): one run at a time, a directory of the user's files or
     # of an export older than the manifest refused, written whole and listed, --overwrite replacing
     # only what an earlier export wrote.
-    check_output(out_dir, overwrite, "--to")
+    check_output(out_dir, overwrite, "--to", command="export")
     tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_dir)
     model = _load_checkpoint(source).to(getattr(torch, dtype))
@@ -71,7 +71,7 @@ def export_model(
         (directory / "export.json").write_text(
             json.dumps({"run": str(run_dir), "checkpoint": which, "dtype": dtype}, indent=2) + "\n")
 
-    with results_lock(out_dir, overwrite, True, "--to"):
+    with results_lock(out_dir, overwrite, True, "--to", command="export"):
         write_results(out_dir, write, command="export", model=str(source), overwrite=overwrite, flag="--to")
     return out_dir
 
