@@ -164,7 +164,7 @@ def test_query_chunk_runs_fused_and_writes_the_chunked_files_where_words_have_su
 
     tokenizer = bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
     chunked = _analyse("gpt2", tmp_path, tokenizer, "chunked", query_chunk=3)
-    with caplog.at_level(logging.INFO, logger="headlab.functions.analysis"):
+    with caplog.at_level(logging.DEBUG, logger="headlab.functions.analysis"):
         default = _analyse("gpt2", tmp_path, tokenizer, None, query_chunk=3)
     assert default.config.resolved_engine == "fused"
     assert _files(default, tmp_path / "default") == _files(chunked, tmp_path / "chunked")

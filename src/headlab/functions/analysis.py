@@ -543,7 +543,9 @@ class _Feeder:
                 reason = "it declares no fused passes" if passes is None else \
                     "the words of a batch are not single tokens"
                 if name not in self.report.chunked_statistics:
-                    logger.info("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
+                    # The documented path of word statistics over multi-subword words, equal to the chunked
+                    # reference to the bit: a debug note (summary.json records it under --engine fused).
+                    logger.debug("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
                     self.report.chunked_statistics[name] = reason
         return fused, chunked, WordRows(block, side) if chunked else None
 

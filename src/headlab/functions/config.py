@@ -47,7 +47,7 @@ class AnalysisConfig(PluginOptions):
     engine: str | None = option(None, "where the statistics run: fused (the default: headlab's attention function "
                                 "in query chunks, statistics from a few passes over each: maxima, products with key "
                                 "features; a statistic that cannot, such as the word statistics where words have "
-                                "several subwords, takes the chunked path, logged once), chunked (the reference: "
+                                "several subwords, takes the chunked path, equal to it to the bit), chunked (the reference: "
                                 "statistics over word rows of each chunk) or eager (the reference: each block's "
                                 "whole attention map, as output_attentions; also the default for a model whose "
                                 "attention does not dispatch through transformers' attention interface)",
