@@ -104,6 +104,9 @@ def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
     source, target = files
     assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), "--method", "magic"]) == 2
     assert "unknown importance method 'magic'" in capsys.readouterr().err
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"),
+                 "--kinds", "enc_self,enc_cross"]) == 2
+    assert "--kinds enc_self,enc_cross: unknown attention kind 'enc_cross'" in capsys.readouterr().err
     assert main(["importance", model_dir, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "missing.txt: no such file" in capsys.readouterr().err
     long = tmp_path / "long.txt"

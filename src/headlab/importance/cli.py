@@ -109,10 +109,12 @@ def _run(args, part) -> int:
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
     if kinds:
-        from headlab.heads import check_kind
+        from headlab.heads import KINDS
 
-        for kind in kinds:
-            check_kind(kind)
+        for kind in kinds:  # named after the option, where check_kind's message names no option
+            if kind not in KINDS:
+                raise HeadlabError(f"--kinds {args.kinds}: unknown attention kind {kind!r}; "
+                                   f"expected a comma list of {', '.join(KINDS)}")
     def log(message: str) -> None:
         if part.main:
             print(f"headlab importance: {message}", file=sys.stderr)
