@@ -4,6 +4,7 @@ Marian: the same numbers as the command line's files, in-memory inputs, pandas, 
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,10 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.importance(model, tokenizer, SENTENCES, measures=["nope"])
     with pytest.raises(HeadlabError, match="CoNLL-U file not found"):
         headlab.functions(model, tokenizer, "no/such.conllu")
+    with pytest.raises(HeadlabError, match="CoNLL-U path is empty"):
+        headlab.functions(model, tokenizer, "")
+    with pytest.raises(HeadlabError, match="is a directory, not a CoNLL-U file"):
+        headlab.functions(model, tokenizer, Path(__file__).parent)
 
 
 def test_tidy_records_and_pandas(setup, monkeypatch):

@@ -93,6 +93,10 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
         except TypeError:
             raise HeadlabError(f"treebank: expected a CoNLL-U path, CoNLL-U text or parsed sentences, got "
                                f"{type(treebank).__name__}") from None
+    if not os.fspath(treebank):  # Path("") is the current directory
+        raise HeadlabError("treebank: the CoNLL-U path is empty")
+    if path.is_dir():
+        raise HeadlabError(f"treebank: {path} is a directory, not a CoNLL-U file")
     if not path.is_file():
         raise HeadlabError(f"treebank: CoNLL-U file not found: {path}")
     return path

@@ -81,6 +81,8 @@ def text_problem(head: bytes) -> str | None:
 def input_file(path: str | os.PathLike, flag: str, *, allow_empty: bool = False) -> Path:
     """``path`` is a readable file (plain or ``.gz``), or a pipe (``/dev/stdin``, ``<(cmd)``),
     holding at least one non-blank character, in UTF-8 with LF or CRLF line ends."""
+    if not os.fspath(path):  # Path("") is the current directory
+        raise HeadlabError(f"{flag}: the path is empty")
     path = Path(path)
     if not path.exists():
         raise HeadlabError(f"{flag} {path}: no such file")
