@@ -70,7 +70,6 @@ def _evaluate(args) -> int:
     from headlab.lm.data import encode_lm_corpus, read_text_corpus
     from headlab.lm.train import perplexity
     from headlab.loading import load_model, load_tokenizer
-
     from headlab.preflight import at_least
 
     set_threads(args.threads)
