@@ -132,6 +132,19 @@ def test_encoding_counts_truncations_and_refuses_empty_data(tokenizer):
         ImportanceData.from_ids([])
 
 
+def test_max_length_below_the_special_tokens_is_refused():
+    """Regression: a tokenizer asked to cut below its own special tokens ([CLS] A [SEP] to 1 token)
+    returns the input whole; the scores were of the full inputs, recorded as cut to 1 token."""
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(" ".join(SENTENCES).split(), style="bert")
+    info = describe_model(tiny_model("bert"), tokenizer, max_length=1)
+    with pytest.raises(HeadlabError, match="--max-length 1: too short for the tokenizer"):
+        encode_texts(tokenizer, info, SENTENCES[:2])
+    info = describe_model(tiny_model("bert"), tokenizer, max_length=3)
+    assert all(len(ids) == 3 for ids in encode_texts(tokenizer, info, SENTENCES[:2]).sources)
+
+
 def test_confidence_with_query_chunk_writes_the_eager_scores(tmp_path, tokenizer, files, capsys):
     model_dir = _save(tiny_model("gpt2"), tokenizer, tmp_path / "gpt2")
     source, _ = files
