@@ -14,6 +14,7 @@ from headlab.cli import main
 from headlab.data.treebank import InMemoryTreebank, read_conllu
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES
+from support.models import tiny_model
 from support.treebank import SAMPLE_CONLLU, save_marian_for_treebank
 
 SENTENCES = ["a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
@@ -373,6 +374,24 @@ def test_prune_by_spec_and_by_scores(setup):
         4 for kind in ("enc_self", "dec_self") for layer in range(2) if (kind, layer) not in kept) == 14
     with pytest.raises(HeadlabError, match="keep=N"):
         headlab.prune(model, api["confidence"])
+
+
+def test_kinds_are_checked_and_a_string_is_a_comma_list(setup):
+    """Regression: an unknown or absent kind scored nothing, silently (empty HeadScores), and a
+    string was taken letter by letter (the signature's kinds, prune's keep=0 removing nothing)."""
+    root, _, (model, tokenizer), api = setup
+    from headlab.loading import load_model
+
+    with pytest.raises(HeadlabError, match="unknown attention kind 'enc_cross'"):
+        headlab.importance(model, tokenizer, SENTENCES, measures="confidence", kinds=("enc_cross",))
+    with pytest.raises(HeadlabError, match="the model has no enc_self heads"):
+        headlab.importance(tiny_model("gpt2"), None, SENTENCES, measures="confidence", kinds=["enc_self"])
+    scores = headlab.importance(model, tokenizer, SENTENCES, measures="confidence",
+                                kinds="enc_self,dec_cross").scores["confidence"]
+    assert set(scores.kinds) == {"enc_self", "dec_cross"}
+    assert scores.signature["options"]["kinds"] == ["enc_self", "dec_cross"]
+    kept = headlab.prune(load_model(str(root / "model")), api["confidence"], keep=0, kinds="dec_cross")
+    assert kept == {("dec_cross", 0): [], ("dec_cross", 1): []}
 
 
 def test_the_verbs_are_callable_packages():

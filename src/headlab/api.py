@@ -116,6 +116,24 @@ def _frequency_texts(texts: Sequence) -> list[str]:
 # ----------------------------------------------------------------------------- single steps
 
 
+def _kinds(model: nn.Module, kinds: str | Sequence[str]) -> tuple[str, ...]:
+    """``kinds`` as a tuple of kinds the model has, as ``headlab importance --kinds`` checks them:
+    an unknown or absent kind scored nothing, silently (and a string was taken letter by letter)."""
+    from headlab.adapters import attention_blocks
+    from headlab.heads import KINDS
+
+    named = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) else tuple(kinds)
+    present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
+    for kind in named:
+        if kind not in KINDS:
+            raise HeadlabError(f"kinds: unknown attention kind {kind!r}; expected some of {', '.join(KINDS)}")
+        if kind not in present:
+            raise HeadlabError(f"kinds: the model has no {kind} heads (it has {', '.join(sorted(present))})")
+    if not named:
+        raise HeadlabError("kinds: no kind given (None scores every kind)")
+    return named
+
+
 def _importance_config(measures: str | Sequence[str], batch_size: int, progress: bool, options: dict) -> Any:
     from headlab.importance.config import ImportanceConfig
 
@@ -135,6 +153,8 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
+    if options.get("kinds") is not None:
+        options["kinds"] = _kinds(model, options["kinds"])
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     info = model_info(model, tokenizer, max_length)
@@ -197,7 +217,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = heads.top_mask(keep, tuple(kinds) if kinds else None)
+        spec = heads.top_mask(keep, _kinds(model, kinds) if kinds else None)
     elif keep is not None:
         raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
     elif isinstance(heads, str):
