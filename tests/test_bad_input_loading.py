@@ -258,6 +258,13 @@ def test_truncated_or_corrupt_safetensors_is_one_line_naming_the_file(damage, so
     assert f"{file}: not a readable safetensors file" in line
 
 
+@pytest.mark.parametrize("command", ["heads", "importance"])
+def test_empty_model_path_says_so(command, tmp_path, capsys):
+    """Regression: "" was ": a directory without config.json" (Path("") is the current directory)."""
+    args = [command, ""] + (["--source", __file__, "--out", str(tmp_path / "out")] if command == "importance" else [])
+    assert "the model path is empty" in _one_line_error(capsys, main(args))
+
+
 def test_unreadable_weights_say_so(dirs, capsys):
     """Regression: a weights file without read permission was "No such file or directory"
     (safetensors' text). Root reads any file, so a root process reads it as user nobody."""
