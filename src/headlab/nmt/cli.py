@@ -141,7 +141,9 @@ def _check_translation_options(args) -> None:
     preflight.at_least(args.threads, 1, "--threads")
     preflight.model_dir(args.model, "--model")
     if args.output not in (None, "-"):
-        preflight.output_file(args.output, "--output")
+        inputs = {flag: getattr(args, flag[2:]) for flag in ("--input", "--src", "--ref")
+                  if getattr(args, flag[2:], None) not in (None, "-")}
+        preflight.output_file(args.output, "--output", inputs)
     device_options(args)  # a GPU that is not there: before any work
 
 
