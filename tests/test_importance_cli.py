@@ -107,6 +107,12 @@ def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
     assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"),
                  "--kinds", "enc_self,enc_cross"]) == 2
     assert "--kinds enc_self,enc_cross: unknown attention kind 'enc_cross'" in capsys.readouterr().err
+    for option, value, expected in (("--kinds", ",", "--kinds ',': no kind named"),
+                                    ("--kinds", "", "--kinds '': no kind named"),
+                                    ("--method", ",", "no importance method given (--method)")):
+        assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), option, value]) == 2
+        assert expected in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert main(["importance", model_dir, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "missing.txt: no such file" in capsys.readouterr().err
     long = tmp_path / "long.txt"
