@@ -125,6 +125,19 @@ def test_output_naming_an_input_is_refused(command, models, source, tmp_path, ca
     assert text.read_bytes() == source.read_bytes()
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_empty_standard_input_is_refused_like_an_empty_file(text, models, capsys, monkeypatch):
+    """Regression: `nmt translate --input -` on an empty stdin said "translated 0 lines", exit 0."""
+    import io
+    import sys
+
+    full, _ = models
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    forbid_model_loading(monkeypatch)
+    assert main(["nmt", "translate", "--model", str(full), "--input", "-"]) == 2
+    assert "--input -: standard input is empty" in capsys.readouterr().err
+
+
 def test_model_without_tokenizer_is_refused(tmp_path, source, capsys):
     bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
     assert main(["nmt", "translate", "--model", str(bare), "--input", str(source)]) == 2

@@ -183,6 +183,8 @@ def _translate(args) -> int:
     if args.input != "-":
         preflight.input_file(args.input, "--input")
     sentences = _read_input(args.input)
+    if args.input == "-" and not any(line.strip() for line in sentences):  # as an empty --input file (docs/cli.md)
+        raise HeadlabError("--input -: standard input is empty")
     outputs, seconds = _translate_lines(args, "translate", sentences, progress=sys.stderr.isatty())
     _write_output(args.output, outputs)
     print(f"translated {len(sentences)} lines in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
