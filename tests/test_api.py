@@ -365,6 +365,18 @@ def test_a_loaded_analysis_holds_the_first_sentences_that_fit(tmp_path, monkeypa
     assert "shows 2 of the 5" in headlab.Analysis.load(tmp_path / "saved")._repr_html_()
 
 
+def test_saving_onto_a_file_is_refused_and_keeps_it(setup, tmp_path):
+    """Regression: Analysis.save(FILE) and analyze(out=FILE) replaced the user's file with the directory."""
+    _, _, (model, tokenizer), api = setup
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine", encoding="utf-8")
+    with pytest.raises(HeadlabError, match="notes.txt: exists and is not a directory"):
+        api.save(notes)
+    with pytest.raises(HeadlabError, match="notes.txt: exists and is not a directory"):
+        headlab.analyze(model, tokenizer, SENTENCES, measures=["confidence"], statistics=(), out=notes)
+    assert notes.read_text(encoding="utf-8") == "mine"
+
+
 def test_prune_by_spec_and_by_scores(setup):
     root, _, _, api = setup
     from headlab.loading import load_model
