@@ -75,7 +75,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` so that a reader sees the old file or the new one, never half of one."""
+    if not os.fspath(path):  # Path("") is the current directory
+        raise HeadlabError("cannot write a file at an empty path")
     path = Path(path)
+    if path.is_dir():  # os.replace would fail naming its temporary file
+        raise HeadlabError(f"{path}: a directory, not a file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
