@@ -123,6 +123,18 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.functions(model, tokenizer, Path(__file__).parent)
 
 
+def test_top_heads_are_the_highest_scores_and_n_is_checked(setup):
+    """Regression: top_heads(measure, -1) returned every head but the lowest (a slice), silently."""
+    _, _, _, api = setup
+    top = api.top_heads("confidence", 3)
+    values = sorted((v for _, v in api["confidence"].items() if not math.isnan(v)), reverse=True)
+    assert [value for _, value in top] == values[:3]
+    assert api.top_heads("confidence", 0) == []
+    for n in (-1, 1.5, True):
+        with pytest.raises(HeadlabError, match="n must be an integer >= 0"):
+            api.top_heads("confidence", n)
+
+
 def test_tidy_records_and_pandas(setup, monkeypatch):
     _, _, _, api = setup
     records = api.records()

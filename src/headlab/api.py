@@ -590,6 +590,8 @@ class Analysis:
     # -- display ----------------------------------------------------------------------------
     def top_heads(self, measure: str, n: int = 5) -> list[tuple[str, float]]:
         """The ``n`` heads ``measure`` scores highest, as ``(name, score)``, with their labels."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # n=-1 sliced off the lowest head, silently
+            raise HeadlabError(f"top_heads: n must be an integer >= 0, got {n!r}")
         ranked = sorted(((v, k) for k, v in self[measure].items() if not math.isnan(v)), reverse=True)[:n]
         return [(format_head(*key) + _label_suffix(self.labels, key), value) for value, key in ranked]
 
