@@ -35,6 +35,15 @@ def test_save_to_a_directory_or_an_empty_path_says_so(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_top_mask_refuses_a_keep_that_is_not_an_integer():
+    """Regression: keep=True kept one head (bool is an int), 1.5 and "2" were TypeError tracebacks."""
+    scores = _scores()
+    for keep in (True, 1.5, "2"):
+        with pytest.raises(HeadlabError, match="keep must be an integer number of heads"):
+            scores.top_mask(keep)
+    assert scores.top_mask(np.int64(6)) == scores.top_mask(6)
+
+
 def test_normalise_rank_and_mask():
     scores = _scores()
     normal = scores.normalize_per_layer()

@@ -11,6 +11,7 @@ import csv
 import hashlib
 import json
 import math
+import numbers
 import os
 import shutil
 import stat
@@ -303,6 +304,9 @@ class HeadScores:
 
         The result is a head spec for :func:`headlab.mask_heads` / :func:`headlab.prune_heads`.
         """
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):  # True was 1 head, 1.5 a TypeError
+            raise HeadlabError(f"keep must be an integer number of heads, got {keep!r}")
+        keep = int(keep)
         kinds = kinds or self.kinds
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):
