@@ -144,6 +144,26 @@ def test_resume_reuses_every_stage_and_force_runs_them_again(full_run, inputs, t
     assert signature["targets_per_sentence"] == 2 and signature["target_sample"]["seed"] == 1
 
 
+def test_a_skipped_stage_leaves_no_results_of_other_inputs(inputs, tmp_path, capsys):
+    """Regression: with --skip, a measure's results of an earlier run on other sentences (another
+    --limit) stayed and joined heads.csv beside this run's: confidence on 2 sentences, gradient on 6."""
+    out = tmp_path / "out"
+    skip = ["--skip", "lrp", "ablation", "prune", "figures", "attention", "report"]
+    assert main(_args(inputs, out, *skip)) == 0
+    assert (out / "importance" / "gradient.json").exists()
+    capsys.readouterr()
+    assert main(_args(inputs, out, "--limit", "2", *skip, "gradient")) == 0
+    assert "gradient: skipped (--skip); its results of an earlier run" in capsys.readouterr().err
+    assert not (out / "importance" / "gradient.json").exists()
+    assert "gradient" not in (out / "heads.csv").read_text().splitlines()[0]
+    assert HeadScores.load(out / "importance" / "confidence.json").signature["n_sentences"] == 2
+    # the same inputs: the skipped stage's results are still valid, and kept
+    assert main(_args(inputs, out, "--limit", "2", *skip)) == 0
+    assert main(_args(inputs, out, "--limit", "2", *skip, "gradient")) == 0
+    assert (out / "importance" / "gradient.json").exists()
+    assert "gradient" in (out / "heads.csv").read_text().splitlines()[0]
+
+
 def test_functions_counted_on_source_by_another_rule_run_again(full_run, inputs, tmp_path, monkeypatch):
     """Regression: a classifier's rare-token counts on --source changed (its TSV's text columns
     only) but the functions key did not, so an older run kept its stale counts until --force."""

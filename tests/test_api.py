@@ -4,6 +4,7 @@ Marian: the same numbers as the command line's files, in-memory inputs, pandas, 
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from headlab.cli import main
 from headlab.data.treebank import InMemoryTreebank, read_conllu
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES
+from support.models import tiny_model
 from support.treebank import SAMPLE_CONLLU, save_marian_for_treebank
 
 SENTENCES = ["a man is riding a bike", "two dogs play in the snow", "a woman reads a book",
@@ -111,6 +113,26 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.importance(model, tokenizer, SENTENCES, measures=["nope"])
     with pytest.raises(HeadlabError, match="CoNLL-U file not found"):
         headlab.functions(model, tokenizer, "no/such.conllu")
+    with pytest.raises(HeadlabError, match="--limit must be at least 1, got 0"):
+        headlab.functions(model, tokenizer, SAMPLE_CONLLU, limit=0)  # was "no sentence could be analysed"
+    with pytest.raises(HeadlabError, match="--max-length must be at least 2, got 1"):
+        headlab.aggregate(model, tokenizer, SAMPLE_CONLLU, max_length=1)
+    with pytest.raises(HeadlabError, match="CoNLL-U path is empty"):
+        headlab.functions(model, tokenizer, "")
+    with pytest.raises(HeadlabError, match="is a directory, not a CoNLL-U file"):
+        headlab.functions(model, tokenizer, Path(__file__).parent)
+
+
+def test_top_heads_are_the_highest_scores_and_n_is_checked(setup):
+    """Regression: top_heads(measure, -1) returned every head but the lowest (a slice), silently."""
+    _, _, _, api = setup
+    top = api.top_heads("confidence", 3)
+    values = sorted((v for _, v in api["confidence"].items() if not math.isnan(v)), reverse=True)
+    assert [value for _, value in top] == values[:3]
+    assert api.top_heads("confidence", 0) == []
+    for n in (-1, 1.5, True):
+        with pytest.raises(HeadlabError, match="n must be an integer >= 0"):
+            api.top_heads("confidence", n)
 
 
 def test_tidy_records_and_pandas(setup, monkeypatch):
@@ -355,6 +377,18 @@ def test_a_loaded_analysis_holds_the_first_sentences_that_fit(tmp_path, monkeypa
     assert "shows 2 of the 5" in headlab.Analysis.load(tmp_path / "saved")._repr_html_()
 
 
+def test_saving_onto_a_file_is_refused_and_keeps_it(setup, tmp_path):
+    """Regression: Analysis.save(FILE) and analyze(out=FILE) replaced the user's file with the directory."""
+    _, _, (model, tokenizer), api = setup
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine", encoding="utf-8")
+    with pytest.raises(HeadlabError, match="notes.txt: exists and is not a directory"):
+        api.save(notes)
+    with pytest.raises(HeadlabError, match="notes.txt: exists and is not a directory"):
+        headlab.analyze(model, tokenizer, SENTENCES, measures=["confidence"], statistics=(), out=notes)
+    assert notes.read_text(encoding="utf-8") == "mine"
+
+
 def test_prune_by_spec_and_by_scores(setup):
     root, _, _, api = setup
     from headlab.loading import load_model
@@ -368,6 +402,24 @@ def test_prune_by_spec_and_by_scores(setup):
         4 for kind in ("enc_self", "dec_self") for layer in range(2) if (kind, layer) not in kept) == 14
     with pytest.raises(HeadlabError, match="keep=N"):
         headlab.prune(model, api["confidence"])
+
+
+def test_kinds_are_checked_and_a_string_is_a_comma_list(setup):
+    """Regression: an unknown or absent kind scored nothing, silently (empty HeadScores), and a
+    string was taken letter by letter (the signature's kinds, prune's keep=0 removing nothing)."""
+    root, _, (model, tokenizer), api = setup
+    from headlab.loading import load_model
+
+    with pytest.raises(HeadlabError, match="unknown attention kind 'enc_cross'"):
+        headlab.importance(model, tokenizer, SENTENCES, measures="confidence", kinds=("enc_cross",))
+    with pytest.raises(HeadlabError, match="the model has no enc_self heads"):
+        headlab.importance(tiny_model("gpt2"), None, SENTENCES, measures="confidence", kinds=["enc_self"])
+    scores = headlab.importance(model, tokenizer, SENTENCES, measures="confidence",
+                                kinds="enc_self,dec_cross").scores["confidence"]
+    assert set(scores.kinds) == {"enc_self", "dec_cross"}
+    assert scores.signature["options"]["kinds"] == ["enc_self", "dec_cross"]
+    kept = headlab.prune(load_model(str(root / "model")), api["confidence"], keep=0, kinds="dec_cross")
+    assert kept == {("dec_cross", 0): [], ("dec_cross", 1): []}
 
 
 def test_the_verbs_are_callable_packages():

@@ -287,6 +287,8 @@ def _forbid_pruning_work(monkeypatch):
     ("no scores", "--scores {root}/none.json: no such file"),
     ("bad scores", "--scores {root}/src.txt: line 1: invalid JSON"),
     ("bad keeps", "--keeps -1: give one or more head counts >= 0"),
+    ("keeps not numbers", "--keeps 4,a: cannot read a list of integers"),
+    ("seeds not numbers", "--seeds 1,x: cannot read a list of integers"),
     ("bad kinds", "--kinds enc_slf: expected auto, all or a comma list of"),
     ("bad table", "{out}/baselines.json: not a baselines table"),
     ("no valid", "baselines need --valid-src and --valid-tgt"),
@@ -310,6 +312,10 @@ def test_prune_baseline_refuses_bad_input_before_loading(case, expected, inputs,
         args += ["--scores", str(scores)]
     elif case == "bad keeps":
         args[args.index("--keeps") + 1] = "-1"
+    elif case == "keeps not numbers":
+        args[args.index("--keeps") + 1] = "4,a"
+    elif case == "seeds not numbers":
+        args += ["--seeds", "1,x"]
     elif case == "bad kinds":
         args += ["--kinds", "enc_slf"]
     elif case == "bad table":

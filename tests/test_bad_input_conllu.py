@@ -114,6 +114,19 @@ def test_truncated_gzip_names_the_file(tmp_path):
         list(read_conllu(path, problems=ProblemLog()))
 
 
+def test_empty_path_and_directory_are_named_for_what_they_are(model_dir, tmp_path, capsys):
+    """Regression: "" (Path("") is ".") and a directory were both "CoNLL-U file not found"."""
+    from headlab.data.treebank import Treebank, count_sentences
+
+    for read in (lambda p: list(read_conllu(p)), count_sentences, Treebank):
+        with pytest.raises(HeadlabError, match="CoNLL-U file: the path is empty"):
+            read("")
+        with pytest.raises(HeadlabError, match=f"CoNLL-U file {tmp_path}: a directory, not a file"):
+            read(tmp_path)
+    assert main(["functions", str(model_dir), "--conllu", "", "--out", str(tmp_path / "out")]) == 2
+    assert "--conllu: the path is empty" in capsys.readouterr().err
+
+
 def test_relation_aliases_and_unknown_relations():
     """Regression: dobj:* skipped the dobj -> obj alias and found no arc."""
     assert relation_matcher("dobj:*")("obj") and relation_matcher("dobj:*")("obj:lvc")

@@ -24,7 +24,7 @@ from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.loading import load_model
 from headlab.surgery import PRUNING_FILE, load_pruned
-from support.bad_input import save_tiny_marian, save_tiny_pruned
+from support.bad_input import save_tiny_marian, save_tiny_pruned, world_readable_dir
 from support.models import tiny_inputs, tiny_model
 
 SRC = Path(headlab.__file__).resolve().parents[1]  # the headlab under test, for the subprocesses
@@ -256,6 +256,35 @@ def test_truncated_or_corrupt_safetensors_is_one_line_naming_the_file(damage, so
         load_model(str(directory))
     line = _one_line_error(capsys, main(["heads", str(directory)]))
     assert f"{file}: not a readable safetensors file" in line
+
+
+@pytest.mark.parametrize("command", ["heads", "importance"])
+def test_empty_model_path_says_so(command, tmp_path, capsys):
+    """Regression: "" was ": a directory without config.json" (Path("") is the current directory)."""
+    args = [command, ""] + (["--source", __file__, "--out", str(tmp_path / "out")] if command == "importance" else [])
+    assert "the model path is empty" in _one_line_error(capsys, main(args))
+
+
+def test_unreadable_weights_say_so(dirs, capsys):
+    """Regression: a weights file without read permission was "No such file or directory"
+    (safetensors' text). Root reads any file, so a root process reads it as user nobody."""
+    with world_readable_dir() as root:
+        directory = Path(shutil.copytree(dirs / "plain", root / "plain"))
+        file = directory / "model.safetensors"
+        file.chmod(0o000)
+        as_root = os.geteuid() == 0
+        if as_root:
+            os.setegid(65534)
+            os.seteuid(65534)
+        try:
+            with pytest.raises(HeadlabError, match="cannot read the weights"):
+                load_model(str(directory))
+            line = _one_line_error(capsys, main(["heads", str(directory)]))
+        finally:
+            if as_root:
+                os.seteuid(0)
+                os.setegid(0)
+        assert f"{file}: cannot read the weights (Permission denied)" in line
 
 
 def test_config_whose_heads_do_not_divide_the_width(dirs, tmp_path, capsys):

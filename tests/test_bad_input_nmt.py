@@ -111,6 +111,33 @@ def test_mismatched_parallel_files_are_refused(models, source, tmp_path, capsys,
     assert f"--src {source} has 4 lines, --ref {ref} has 1 lines" in err
 
 
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_output_naming_an_input_is_refused(command, models, source, tmp_path, capsys, monkeypatch):
+    """Regression: --output naming --input (or --src, --ref) overwrote the text with its translation."""
+    full, _ = models
+    text = tmp_path / "text.txt"
+    text.write_bytes(source.read_bytes())
+    forbid_model_loading(monkeypatch)
+    files = ["--input", str(text)] if command == "translate" else ["--src", str(source), "--ref", str(text)]
+    flag = "--input" if command == "translate" else "--ref"
+    assert main(["nmt", command, "--model", str(full), *files, "--output", str(tmp_path / "." / "text.txt")]) == 2
+    assert f"the same file as {flag} {text}; writing it would destroy the input" in capsys.readouterr().err
+    assert text.read_bytes() == source.read_bytes()
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_empty_standard_input_is_refused_like_an_empty_file(text, models, capsys, monkeypatch):
+    """Regression: `nmt translate --input -` on an empty stdin said "translated 0 lines", exit 0."""
+    import io
+    import sys
+
+    full, _ = models
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    forbid_model_loading(monkeypatch)
+    assert main(["nmt", "translate", "--model", str(full), "--input", "-"]) == 2
+    assert "--input -: standard input is empty" in capsys.readouterr().err
+
+
 def test_model_without_tokenizer_is_refused(tmp_path, source, capsys):
     bare = save_tiny_marian(tmp_path / "bare", tokenizer=False)
     assert main(["nmt", "translate", "--model", str(bare), "--input", str(source)]) == 2

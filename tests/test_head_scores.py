@@ -24,6 +24,26 @@ def test_json_round_trip_keeps_nan_and_order(tmp_path):
     assert again.signature == {"tokens": 12} and again.method == "confidence"
 
 
+def test_save_to_a_directory_or_an_empty_path_says_so(tmp_path, monkeypatch):
+    """Regression: an IsADirectoryError naming a temporary file, and for "" an OSError that left
+    a temporary file in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HeadlabError, match=f"{tmp_path}: a directory, not a file"):
+        _scores().save(tmp_path)
+    with pytest.raises(HeadlabError, match=r"empty path|^\.: a directory, not a file"):
+        _scores().save("")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_top_mask_refuses_a_keep_that_is_not_an_integer():
+    """Regression: keep=True kept one head (bool is an int), 1.5 and "2" were TypeError tracebacks."""
+    scores = _scores()
+    for keep in (True, 1.5, "2"):
+        with pytest.raises(HeadlabError, match="keep must be an integer number of heads"):
+            scores.top_mask(keep)
+    assert scores.top_mask(np.int64(6)) == scores.top_mask(6)
+
+
 def test_normalise_rank_and_mask():
     scores = _scores()
     normal = scores.normalize_per_layer()

@@ -104,6 +104,15 @@ def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
     source, target = files
     assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), "--method", "magic"]) == 2
     assert "unknown importance method 'magic'" in capsys.readouterr().err
+    assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"),
+                 "--kinds", "enc_self,enc_cross"]) == 2
+    assert "--kinds enc_self,enc_cross: unknown attention kind 'enc_cross'" in capsys.readouterr().err
+    for option, value, expected in (("--kinds", ",", "--kinds ',': no kind named"),
+                                    ("--kinds", "", "--kinds '': no kind named"),
+                                    ("--method", ",", "no importance method given (--method)")):
+        assert main(["importance", model_dir, "--data", str(source), "--out", str(tmp_path / "o"), option, value]) == 2
+        assert expected in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert main(["importance", model_dir, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "missing.txt: no such file" in capsys.readouterr().err
     long = tmp_path / "long.txt"
@@ -127,6 +136,19 @@ def test_encoding_counts_truncations_and_refuses_empty_data(tokenizer):
         encode_texts(tokenizer, info, ["", " "])
     with pytest.raises(HeadlabError, match="empty data set"):
         ImportanceData.from_ids([])
+
+
+def test_max_length_below_the_special_tokens_is_refused():
+    """Regression: a tokenizer asked to cut below its own special tokens ([CLS] A [SEP] to 1 token)
+    returns the input whole; the scores were of the full inputs, recorded as cut to 1 token."""
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(" ".join(SENTENCES).split(), style="bert")
+    info = describe_model(tiny_model("bert"), tokenizer, max_length=1)
+    with pytest.raises(HeadlabError, match="--max-length 1: too short for the tokenizer"):
+        encode_texts(tokenizer, info, SENTENCES[:2])
+    info = describe_model(tiny_model("bert"), tokenizer, max_length=3)
+    assert all(len(ids) == 3 for ids in encode_texts(tokenizer, info, SENTENCES[:2]).sources)
 
 
 def test_confidence_with_query_chunk_writes_the_eager_scores(tmp_path, tokenizer, files, capsys):

@@ -176,6 +176,18 @@ def test_cli_trains_evaluates_and_refuses_bad_input(tmp_path, capsys):
     assert "--valid" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_evaluate_refuses_max_tokens_below_one_before_loading(value, tmp_path, capsys, monkeypatch):
+    """Regression: lm evaluate --max-tokens 0 (or -5) ran, where lm train refuses it."""
+    import headlab.loading
+
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    text = tmp_path / "text.txt"
+    text.write_text("a dog runs\n", encoding="utf-8")
+    assert main(["lm", "evaluate", "--model", str(tmp_path), "--text", str(text), "--max-tokens", value]) == 2
+    assert f"--max-tokens must be at least 1, got {value}" in capsys.readouterr().err
+
+
 def test_export_writes_fp16_that_plain_transformers_loads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -89,6 +89,9 @@ def test_bad_inputs_exit_2_and_write_nothing(pipeline_dir, tmp_path, capsys):
     bad.write_bytes(b"A dog runs .\nThe \xff man\n")
     _fails(argv(source=bad), capsys, "bad.txt, line 2: not valid UTF-8")
     _fails(argv() + ["--batch-size", "0"], capsys, "--batch-size must be at least 1")
+    # regression: --out naming --source overwrote the text with its parse
+    _fails(argv()[:-3] + ["--out", str(good), "--no-progress"], capsys, f"--out {good}: the same file as --source")
+    assert good.read_text(encoding="utf-8") == "A dog runs .\n"
     assert not out.exists()
     assert not list(tmp_path.glob(".out.conllu.*"))  # no temporary file left
 

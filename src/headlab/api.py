@@ -93,6 +93,10 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
         except TypeError:
             raise HeadlabError(f"treebank: expected a CoNLL-U path, CoNLL-U text or parsed sentences, got "
                                f"{type(treebank).__name__}") from None
+    if not os.fspath(treebank):  # Path("") is the current directory
+        raise HeadlabError("treebank: the CoNLL-U path is empty")
+    if path.is_dir():
+        raise HeadlabError(f"treebank: {path} is a directory, not a CoNLL-U file")
     if not path.is_file():
         raise HeadlabError(f"treebank: CoNLL-U file not found: {path}")
     return path
@@ -110,6 +114,24 @@ def _frequency_texts(texts: Sequence) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- single steps
+
+
+def _kinds(model: nn.Module, kinds: str | Sequence[str]) -> tuple[str, ...]:
+    """``kinds`` as a tuple of kinds the model has, as ``headlab importance --kinds`` checks them:
+    an unknown or absent kind scored nothing, silently (and a string was taken letter by letter)."""
+    from headlab.adapters import attention_blocks
+    from headlab.heads import KINDS
+
+    named = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) else tuple(kinds)
+    present = {b.kind for b in attention_blocks(model) if b.n_heads > 0}
+    for kind in named:
+        if kind not in KINDS:
+            raise HeadlabError(f"kinds: unknown attention kind {kind!r}; expected some of {', '.join(KINDS)}")
+        if kind not in present:
+            raise HeadlabError(f"kinds: the model has no {kind} heads (it has {', '.join(sorted(present))})")
+    if not named:
+        raise HeadlabError("kinds: no kind given (None scores every kind)")
+    return named
 
 
 def _importance_config(measures: str | Sequence[str], batch_size: int, progress: bool, options: dict) -> Any:
@@ -131,6 +153,8 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
+    if options.get("kinds") is not None:
+        options["kinds"] = _kinds(model, options["kinds"])
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     info = model_info(model, tokenizer, max_length)
@@ -193,7 +217,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = heads.top_mask(keep, tuple(kinds) if kinds else None)
+        spec = heads.top_mask(keep, _kinds(model, kinds) if kinds else None)
     elif keep is not None:
         raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
     elif isinstance(heads, str):
@@ -410,6 +434,8 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
 def _check_directory(directory: Path, overwrite: bool) -> None:
     from headlab.pipeline.pipeline import _foreign_files, _refuse_other_commands_results
 
+    if directory.exists() and not directory.is_dir():  # the swap at the end would replace the user's file
+        raise HeadlabError(f"{directory}: exists and is not a directory")
     _refuse_other_commands_results(directory, where="")  # a pruned model, functions' results ...: also with overwrite
     foreign = _foreign_files(directory)
     if foreign:
@@ -564,6 +590,8 @@ class Analysis:
     # -- display ----------------------------------------------------------------------------
     def top_heads(self, measure: str, n: int = 5) -> list[tuple[str, float]]:
         """The ``n`` heads ``measure`` scores highest, as ``(name, score)``, with their labels."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # n=-1 sliced off the lowest head, silently
+            raise HeadlabError(f"top_heads: n must be an integer >= 0, got {n!r}")
         ranked = sorted(((v, k) for k, v in self[measure].items() if not math.isnan(v)), reverse=True)[:n]
         return [(format_head(*key) + _label_suffix(self.labels, key), value) for value, key in ranked]
 

@@ -147,6 +147,16 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _check_readable(file: Path) -> None:
+    """safetensors reports a file it may not open as "No such file or directory": open it here
+    first, so that the error says what is wrong (permission denied, say)."""
+    try:
+        with open(file, "rb"):
+            pass
+    except OSError as error:
+        raise HeadlabError(f"{file}: cannot read the weights ({error.strerror or error})") from error
+
+
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the directory's safetensors files, from their headers
     (nothing is loaded). A truncated or corrupt file is a one-line error naming it."""
@@ -154,6 +164,7 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 
     shapes: dict[str, tuple[int, ...]] = {}
     for file in _weight_files(Path(path)):
+        _check_readable(file)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
@@ -171,6 +182,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(Path(path)):
+        _check_readable(file)
         try:
             state.update(load_file(file))
         except (SafetensorError, OSError) as error:

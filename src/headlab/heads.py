@@ -11,6 +11,7 @@ import csv
 import hashlib
 import json
 import math
+import numbers
 import os
 import shutil
 import stat
@@ -75,7 +76,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` so that a reader sees the old file or the new one, never half of one."""
+    if not os.fspath(path):  # Path("") is the current directory
+        raise HeadlabError("cannot write a file at an empty path")
     path = Path(path)
+    if path.is_dir():  # os.replace would fail naming its temporary file
+        raise HeadlabError(f"{path}: a directory, not a file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -299,6 +304,9 @@ class HeadScores:
 
         The result is a head spec for :func:`headlab.mask_heads` / :func:`headlab.prune_heads`.
         """
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):  # True was 1 head, 1.5 a TypeError
+            raise HeadlabError(f"keep must be an integer number of heads, got {keep!r}")
+        keep = int(keep)
         kinds = kinds or self.kinds
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):

@@ -41,6 +41,8 @@ __all__ = ["load_config", "load_model", "build_from_config", "check_supported", 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     import transformers
 
+    if not str(name_or_path).strip():  # Path("") is the current directory
+        raise HeadlabError("the model path is empty: give a model directory or a hub id")
     path = Path(name_or_path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise HeadlabError(f"{name_or_path}: a directory without config.json, not a model directory")

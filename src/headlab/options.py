@@ -63,12 +63,15 @@ def option(default: Any = MISSING, help: str = "", **argparse_keywords: Any) -> 
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
-def numbers(text: str, kind: type = int) -> tuple:
-    """A comma list of numbers (``"24, 12,6"``); anything else is an error naming the text."""
+def numbers(text: str, kind: type = int, flag: str | None = None) -> tuple:
+    """A comma list of numbers (``"24, 12,6"``); anything else is an error naming the text (and
+    ``flag``, the option that gave it)."""
     try:
         return tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError as error:
-        raise HeadlabError(f"cannot read a list of {'integers' if kind is int else 'numbers'} from {text!r}") from error
+        where = f"{flag} {text}: " if flag else ""
+        raise HeadlabError(f"{where}cannot read a list of {'integers' if kind is int else 'numbers'} "
+                           f"from {text!r}") from error
 
 
 def _bounds(interval: str) -> tuple[float, bool, float, bool]:

@@ -81,6 +81,8 @@ def text_problem(head: bytes) -> str | None:
 def input_file(path: str | os.PathLike, flag: str, *, allow_empty: bool = False) -> Path:
     """``path`` is a readable file (plain or ``.gz``), or a pipe (``/dev/stdin``, ``<(cmd)``),
     holding at least one non-blank character, in UTF-8 with LF or CRLF line ends."""
+    if not os.fspath(path):  # Path("") is the current directory
+        raise HeadlabError(f"{flag}: the path is empty")
     path = Path(path)
     if not path.exists():
         raise HeadlabError(f"{flag} {path}: no such file")
@@ -137,11 +139,17 @@ def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
-def output_file(path: str | os.PathLike, flag: str = "--output") -> Path:
-    """``path`` is a file that can be (over)written, in a directory that exists or can be made."""
+def output_file(path: str | os.PathLike, flag: str = "--output",
+                inputs: "dict[str, str | os.PathLike] | None" = None) -> Path:
+    """``path`` is a file that can be (over)written, in a directory that exists or can be made,
+    and none of ``inputs`` (``{flag: path}``): writing an input would destroy it."""
     path = Path(path)
     if path.is_dir():
         raise HeadlabError(f"{flag} {path}: a directory, not a file")
+    for input_flag, input_path in (inputs or {}).items():
+        if path.exists() and Path(input_path).exists() and os.path.samefile(path, input_path):
+            raise HeadlabError(f"{flag} {path}: the same file as {input_flag} {input_path}; writing it would "
+                               "destroy the input")
     if path.exists() and not os.access(path, os.W_OK):
         raise HeadlabError(f"{flag} {path}: the file is read-only")
     _probe(path.parent if path.parent.exists() else _existing_parent(path, flag), flag, path)

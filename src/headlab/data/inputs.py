@@ -124,6 +124,15 @@ class ImportanceData:
         }
 
 
+def _check_cut(cut: Sequence[Sequence[int]], max_length: int) -> None:
+    """A tokenizer asked to cut below its own special tokens returns the input whole (with a
+    warning): the numbers would be of the full inputs, recorded as cut to ``max_length``."""
+    longest = max((len(ids) for ids in cut), default=0)
+    if longest > max_length:
+        raise HeadlabError(f"--max-length {max_length}: too short for the tokenizer, which cannot cut an input "
+                           f"below its special tokens (an input kept {longest} tokens); give a larger max length")
+
+
 def _encode(tokenizer, texts: list[str], max_length: int, target: bool = False) -> tuple[list[list[int]], int]:
     """Token ids of ``texts`` cut to ``max_length`` tokens, and how many had to be cut."""
     key = "text_target" if target else "text"
@@ -131,6 +140,7 @@ def _encode(tokenizer, texts: list[str], max_length: int, target: bool = False) 
     cut = [i for i, ids in enumerate(full) if len(ids) > max_length]
     if cut:
         short = tokenizer(**{key: [texts[i] for i in cut]}, truncation=True, max_length=max_length)["input_ids"]
+        _check_cut(short, max_length)
         for i, ids in zip(cut, short):
             full[i] = ids
     return [list(ids) for ids in full], len(cut)
@@ -327,6 +337,7 @@ def labelled_lines_data(
     if too_long:
         short = tokenizer([firsts[i] for i in too_long], None if seconds is None else [seconds[i] for i in too_long],
                           truncation=True, max_length=info.max_length)
+        _check_cut(short["input_ids"], info.max_length)
         for key in encoded:
             for i, value in zip(too_long, short[key]):
                 encoded[key][i] = value

@@ -12,6 +12,7 @@ matches ``X`` and every subtype of it. The paper's (Stanford) ``dobj`` is UD's `
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,9 +347,7 @@ def read_conllu(
             yield sentence
         return
     if not isinstance(path, InMemoryTreebank):
-        path = Path(path)
-        if not path.exists() or path.is_dir():
-            raise HeadlabError(f"CoNLL-U file not found: {path}")
+        path = _conllu_path(path)
     seen = 0
     for start, block, bad in _blocks(path):
         if all(line.startswith("#") for _, line in block):
@@ -379,13 +378,24 @@ def read_conllu(
         yield sentence
 
 
+def _conllu_path(path: "str | os.PathLike") -> Path:
+    """``path`` as a Path, refused if empty (``Path("")`` would be the current directory), missing
+    or a directory, each said as it is."""
+    if not os.fspath(path):
+        raise HeadlabError("CoNLL-U file: the path is empty")
+    path = Path(path)
+    if path.is_dir():
+        raise HeadlabError(f"CoNLL-U file {path}: a directory, not a file")
+    if not path.exists():
+        raise HeadlabError(f"CoNLL-U file not found: {path}")
+    return path
+
+
 def count_sentences(path: "str | Path | InMemoryTreebank") -> int:
     """The number of sentence blocks in a CoNLL-U file, without parsing them (for progress bars)."""
     if isinstance(path, InMemoryTreebank):
         return len(path.source) if not isinstance(path.source, str) else _count_blocks(raw for _, raw in path.lines())
-    path = Path(path)
-    if not path.exists() or path.is_dir():
-        raise HeadlabError(f"CoNLL-U file not found: {path}")
+    path = _conllu_path(path)
     with open_binary(path) as handle:
         return _count_blocks(handle)
 
@@ -409,9 +419,7 @@ class Treebank:
     limit: int | None = None
 
     def __post_init__(self) -> None:
-        self.path = Path(self.path)
-        if not self.path.exists() or self.path.is_dir():
-            raise HeadlabError(f"CoNLL-U file not found: {self.path}")
+        self.path = _conllu_path(self.path)
 
     def sentences(self, problems: ProblemLog | None = None, counts: TreebankCounts | None = None) -> Iterator[Sentence]:
         # read_conllu yields None only with keep_place=True

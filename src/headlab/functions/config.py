@@ -71,6 +71,9 @@ class AnalysisConfig(PluginOptions):
             raise HeadlabError(f"word pooling must be one of {', '.join(WORD_POOLINGS)}, got {self.word_pooling!r}")
         if self.batch_size < 1:
             raise HeadlabError(f"batch size must be at least 1, got {self.batch_size}")
+        # the ranges the command line checks, for the API (limit=0 was "no sentence could be analysed")
+        preflight.at_least(self.max_sentences, 1, "--limit")
+        preflight.at_least(self.max_length, 2, "--max-length")
         if self.engine is not None and self.engine not in ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         preflight.query_chunk(self.query_chunk)

@@ -101,7 +101,10 @@ def _run(args, part) -> int:
     from headlab.shard import rank_device
 
     set_threads(args.threads)
-    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else None
+    kinds = tuple(dict.fromkeys(k.strip() for k in args.kinds.split(",") if k.strip())) if args.kinds is not None \
+        else None
+    if kinds == ():  # scored nothing and wrote an empty table, exit 0
+        raise HeadlabError(f"--kinds {args.kinds!r}: no kind named; expected a comma list of enc_self, dec_self, dec_cross")
     config = from_args(args, ImportanceConfig, methods=tuple(m.strip() for m in args.method.split(",") if m.strip()),
                        kinds=kinds, progress=not args.no_progress and part.main,
                        options=values_from_args(args, ImportanceConfig.plugin_specs()))
@@ -109,10 +112,12 @@ def _run(args, part) -> int:
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
     if kinds:
-        from headlab.heads import check_kind
+        from headlab.heads import KINDS
 
-        for kind in kinds:
-            check_kind(kind)
+        for kind in kinds:  # named after the option, where check_kind's message names no option
+            if kind not in KINDS:
+                raise HeadlabError(f"--kinds {args.kinds}: unknown attention kind {kind!r}; "
+                                   f"expected a comma list of {', '.join(KINDS)}")
     def log(message: str) -> None:
         if part.main:
             print(f"headlab importance: {message}", file=sys.stderr)

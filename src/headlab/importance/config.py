@@ -53,6 +53,8 @@ class ImportanceConfig(PluginOptions):
                     raise HeadlabError(f"unknown importance method {n!r}; expected one of {', '.join(MEASURES)} or all")
                 if n not in chosen:
                     chosen.append(n)
+        if not chosen:  # "--method ," was "no importance measure can run on this model: " (nothing after it)
+            raise HeadlabError(f"no importance method given (--method); expected some of {', '.join(MEASURES)} or all")
         check_values(self.plugin_specs(), self.options)  # declared ranges, also for a config built in Python
         for measure in MEASURES.values():
             measure.options_from(self)  # each measure checks its own options

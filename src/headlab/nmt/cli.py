@@ -141,7 +141,9 @@ def _check_translation_options(args) -> None:
     preflight.at_least(args.threads, 1, "--threads")
     preflight.model_dir(args.model, "--model")
     if args.output not in (None, "-"):
-        preflight.output_file(args.output, "--output")
+        inputs = {flag: getattr(args, flag[2:]) for flag in ("--input", "--src", "--ref")
+                  if getattr(args, flag[2:], None) not in (None, "-")}
+        preflight.output_file(args.output, "--output", inputs)
     device_options(args)  # a GPU that is not there: before any work
 
 
@@ -181,6 +183,8 @@ def _translate(args) -> int:
     if args.input != "-":
         preflight.input_file(args.input, "--input")
     sentences = _read_input(args.input)
+    if args.input == "-" and not any(line.strip() for line in sentences):  # as an empty --input file (docs/cli.md)
+        raise HeadlabError("--input -: standard input is empty")
     outputs, seconds = _translate_lines(args, "translate", sentences, progress=sys.stderr.isatty())
     _write_output(args.output, outputs)
     print(f"translated {len(sentences)} lines in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)

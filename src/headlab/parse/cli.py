@@ -23,7 +23,7 @@ def run_parse(args) -> int:
     from headlab.parse.core import check_pipeline_dir, import_spacy, parse_text_file
 
     preflight.input_file(args.source, "--source")
-    preflight.output_file(args.out, "--out")
+    preflight.output_file(args.out, "--out", {"--source": args.source})
     preflight.at_least(args.batch_size, 1, "--batch-size")
     model = check_pipeline_dir(args.model)
     import_spacy()  # a missing spaCy is reported before the input is read

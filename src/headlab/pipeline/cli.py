@@ -42,7 +42,7 @@ def config_from_args(args) -> AnalyzeConfig:
     return from_args(
         args, AnalyzeConfig, train_text=tuple(args.train_text),
         skip=tuple(name.strip() for item in args.skip for name in item.split(",") if name.strip()),
-        prune_keeps=numbers(args.prune_keeps) if args.prune_keeps else (), progress=not args.no_progress,
+        prune_keeps=numbers(args.prune_keeps, flag="--prune-keeps") if args.prune_keeps else (), progress=not args.no_progress,
         options=values_from_args(args, AnalyzeConfig.plugin_specs()))
 
 

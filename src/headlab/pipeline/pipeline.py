@@ -871,8 +871,11 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
             ctx.figures = marker.get("figures", [])
         ctx.log(f"{position} {name}: reused (done earlier; --force runs it again)")
         return record
-    if flagged:
-        ctx.log(f"{position} {name}: skipped (--skip)")
+    if flagged:  # results of other inputs or options would join this run's table and report: removed
+        stale = raw_marker(ctx.out_dir, name) is not None
+        _discard(ctx, name)
+        ctx.log(f"{position} {name}: skipped (--skip)" + ("; its results of an earlier run with other inputs or "
+                                                          "options were removed" if stale else ""))
         return StageRecord(name, "skipped", "skipped with --skip")
     reason = not_requested(name, ctx.config)
     if reason:

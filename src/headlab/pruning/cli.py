@@ -272,7 +272,8 @@ def run_sweep_command(args) -> int:
     from headlab.lock import training_lock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
-    points = sweep_points(numbers(args.lams, float) if args.lams else (), numbers(args.keeps) if args.keeps else ())
+    points = sweep_points(numbers(args.lams, float, "--lams") if args.lams else (),
+                          numbers(args.keeps, flag="--keeps") if args.keeps else ())
     args.lam, args.keep = 0.0, None
     config = _config(args)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
@@ -292,10 +293,10 @@ def run_baseline(args) -> int:
     from headlab.pruning.baselines import read_rows, run_baselines
     from headlab.pruning.train import heads_per_kind, resolve_kinds
 
-    keeps = numbers(args.keeps)
+    keeps = numbers(args.keeps, flag="--keeps")
     if not keeps or min(keeps) < 0:
         raise HeadlabError(f"--keeps {args.keeps}: give one or more head counts >= 0")
-    seeds = numbers(args.seeds) if args.method == "random" else (None,)
+    seeds = numbers(args.seeds, flag="--seeds") if args.method == "random" else (None,)
     if not seeds:
         raise HeadlabError("--seeds is empty: give one or more seeds for --method random")
     named = [k.strip() for k in args.kinds.split(",") if k.strip()]
