@@ -234,8 +234,10 @@ def _evaluate(args) -> int:
 
 
 def _average(args) -> int:
+    from headlab import preflight
     from headlab.nmt.export import average_last_epochs
 
+    preflight.at_least(args.last, 1, "--last")
     out = average_last_epochs(args.run, args.last, overwrite=args.overwrite)
     print(f"averaged the last {args.last} epochs of {args.run} into {out} (export it with --checkpoint {out.name})")
     return 0
