@@ -186,6 +186,8 @@ def test_save_and_load_round_trip_and_cli_directories_load(setup, tmp_path):
         api.save(tmp_path / "foreign")
     with pytest.raises(HeadlabError, match="not an analysis directory"):
         headlab.Analysis.load(tmp_path / "foreign")
+    with pytest.raises(HeadlabError, match="the directory path is empty"):  # was '.: not an analysis directory'
+        headlab.Analysis.load("")
 
 
 def test_save_over_another_commands_results_is_refused_with_overwrite_too(setup, tmp_path):

@@ -185,3 +185,19 @@ def test_unwritable_output_is_refused_before_any_work(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert f"--output {ro / 'out.txt'}: cannot write" in err and "Traceback" not in err
         assert files_under(ro) == set()
+
+
+def test_train_refuses_mismatched_validation_files_before_reading_the_training_data(source, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Regression: the validation pair's differing lengths were found only after the training data
+    had been read, and the message named no option."""
+    import headlab.nmt.recipe
+
+    ref = _write(tmp_path / "ref.txt", b"one line\n")
+    monkeypatch.setattr(headlab.nmt.recipe, "run_recipe", lambda *a, **k: pytest.fail("the training started"))
+    out = tmp_path / "run"
+    assert main(["nmt", "train", "--train-src", str(source), "--train-tgt", str(source), "--valid-src", str(source),
+                 "--valid-tgt", str(ref), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--valid-src/--valid-tgt: parallel files differ in length: {source} has 4 lines" in err
+    assert "Traceback" not in err and not out.exists()

@@ -128,3 +128,5 @@ def test_average_command_writes_an_exportable_checkpoint(trained, tmp_path, caps
     assert main(["nmt", "export", "--run", str(run), "--checkpoint", "averaged-last2", "--to", str(tmp_path / "m")]) == 0
     assert main(["nmt", "average", "--run", str(run), "--last", "99"]) == 2
     assert "cannot average the last 99" in capsys.readouterr().err
+    assert main(["nmt", "average", "--run", str(run), "--last", "0"]) == 2
+    assert "--last must be at least 1, got 0" in capsys.readouterr().err

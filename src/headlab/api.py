@@ -488,6 +488,8 @@ class Analysis:
         from headlab.pipeline.labels import load_labels
         from headlab.pipeline.table import score_columns
 
+        if not str(directory).strip():  # Path("") is the working directory
+            raise HeadlabError("Analysis.load: the directory path is empty")
         directory = Path(directory)
         if not directory.is_dir():
             raise HeadlabError(f"{directory}: no such analysis directory")

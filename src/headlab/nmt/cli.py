@@ -81,6 +81,13 @@ def _train(args) -> int:
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None:
             preflight.input_file(path, flag)
+    if args.valid_src is not None:  # small: checked before the training data are read and encoded
+        from headlab.data.parallel import read_parallel
+
+        try:
+            read_parallel(args.valid_src, args.valid_tgt)
+        except HeadlabError as error:
+            raise HeadlabError(f"--valid-src/--valid-tgt: {error}") from None
     preflight.output_dir(args.out)
     hooks = {}
     if args.threads == "auto":
@@ -227,8 +234,10 @@ def _evaluate(args) -> int:
 
 
 def _average(args) -> int:
+    from headlab import preflight
     from headlab.nmt.export import average_last_epochs
 
+    preflight.at_least(args.last, 1, "--last")
     out = average_last_epochs(args.run, args.last, overwrite=args.overwrite)
     print(f"averaged the last {args.last} epochs of {args.run} into {out} (export it with --checkpoint {out.name})")
     return 0
