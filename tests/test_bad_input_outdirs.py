@@ -186,19 +186,24 @@ def test_analyze_force_into_an_out_holding_a_users_folder(mine, inputs, tmp_path
     assert files_under(out) == {mine, "notes.txt"} and (out / mine).read_text() == "mine\n"
 
 
-@pytest.mark.parametrize("command,files", [("functions", ["summary.json", "README.md", "positional/share.json"]),
-                                           ("prune", ["config.json", "model.safetensors"])])
-def test_analyze_into_an_out_holding_another_commands_results(command, files, inputs, tmp_path, capsys, monkeypatch):
-    """Regression: analyze took a directory holding the results of functions, importance or prune
-    apply (listed in .headlab/files.json) for its own and wrote its report among them."""
-    out = tmp_path / "results"
+def _results_of(out, command, files):
+    """``out`` as ``headlab COMMAND`` leaves it: ``files`` listed in .headlab/files.json; their bytes."""
     for name in files:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("{}\n")
     (out / FILES).parent.mkdir()
     (out / FILES).write_text(json.dumps({"headlab_version": "0.1.0", "command": command, "model": "m",
                                          "created": "2026-01-01T00:00:00+00:00", "complete": True, "files": files}))
-    before = {name: (out / name).read_bytes() for name in files_under(out)}
+    return {name: (out / name).read_bytes() for name in files_under(out)}
+
+
+@pytest.mark.parametrize("command,files", [("functions", ["summary.json", "README.md", "positional/share.json"]),
+                                           ("prune", ["config.json", "model.safetensors"])])
+def test_analyze_into_an_out_holding_another_commands_results(command, files, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: analyze took a directory holding the results of functions, importance or prune
+    apply (listed in .headlab/files.json) for its own and wrote its report among them."""
+    out = tmp_path / "results"
+    before = _results_of(out, command, files)
     forbid_model_loading(monkeypatch)
     assert main(["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out),
                  "--no-progress"]) == 2
@@ -448,13 +453,7 @@ def test_overwrite_replaces_only_the_same_commands_results(command, recorded, fi
     """Regression: --overwrite took any directory listed in .headlab/files.json for an earlier run
     of its own, so `functions --overwrite` into a `prune apply` model deleted the model."""
     out = tmp_path / "results"
-    for name in files:
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text("{}\n")
-    (out / FILES).parent.mkdir()
-    (out / FILES).write_text(json.dumps({"headlab_version": "0.1.0", "command": recorded, "model": "m",
-                                         "created": "2026-01-01T00:00:00+00:00", "complete": True, "files": files}))
-    before = {name: (out / name).read_bytes() for name in files_under(out)}
+    before = _results_of(out, recorded, files)
     forbid_model_loading(monkeypatch)
     build = _functions if command == "functions" else _importance
     assert main(build(inputs, out, "--overwrite")) == 2
