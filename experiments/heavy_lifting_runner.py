@@ -71,6 +71,10 @@ class Runner:
             while True:
                 try:
                     return proc.wait(timeout=min(30.0, max(self.seconds_left(), 1.0)))
+                except KeyboardInterrupt:  # the driver stopped by hand: the training too, at its checkpoint
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait()
+                    raise
                 except subprocess.TimeoutExpired:
                     if self.seconds_left() > 0:
                         continue
