@@ -5,7 +5,7 @@ The prediction and the decision rules, written before any run: experiments/heavy
     python experiments/heavy_lifting_lm.py labels FUNCTIONS_DIR --out labels.json
     python experiments/heavy_lifting_lm.py run --root RUNS --labels labels.json \
         --train FILE [FILE ...] --eval NAME=FILE [NAME=FILE ...] [--deadline 2026-11-26T09:10Z]
-    python experiments/heavy_lifting_lm.py report --root RUNS --labels labels.json --out DIR
+    python experiments/heavy_lifting_lm.py report --root RUNS --labels labels.json --out DIR [--previous RUNS_EPOCH1]
 
 ``labels`` turns a ``headlab functions`` run on EWT dev (not the fine-tuning data) into one label
 per head by Voita et al.'s criteria (positional: one offset holds >= 90% of the maxima, Sec. 5.1;
@@ -305,6 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--root", required=True)
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--previous", help="the run directory of the epoch before: each run's held-out change since then")
     args = parser.parse_args(argv)
     if args.command == "labels":
         atomic_json(Path(args.out), labels_from_functions(Path(args.functions_dir)))
@@ -319,7 +320,8 @@ def main(argv=None) -> int:
         return Runner(args).run()
     from heavy_lifting_report import write_report  # experiments/heavy_lifting_report.py
 
-    write_report(Path(args.root), json.loads(Path(args.labels).read_text()), Path(args.out))
+    write_report(Path(args.root), json.loads(Path(args.labels).read_text()), Path(args.out),
+                 Path(args.previous) if args.previous else None)
     return 0
 
 

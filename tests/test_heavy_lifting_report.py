@@ -96,3 +96,40 @@ def test_the_committed_results_are_what_the_committed_runs_give(tmp_path):
     report.write_report(tmp_path / "heavy-lifting-gpu", labels, tmp_path / "out")
     assert (tmp_path / "out" / "results.md").read_text() == (results / "results.md").read_text()
     assert (tmp_path / "out" / "results.json").read_text() == (results / "results.json").read_text()
+
+
+def test_the_second_epochs_results_are_what_its_runs_give(tmp_path):
+    """docs/results/heavy-lifting/epoch2/results.{md,json} come from runs-epoch2.tar.gz (the 15 runs
+    at k = 24, 12, 6 for two epochs), with the first epoch's runs.tar.gz as --previous."""
+    import tarfile
+
+    results = REPO / "docs" / "results" / "heavy-lifting"
+    for name in ("runs.tar.gz", "runs-epoch2.tar.gz"):
+        with tarfile.open(results / name) as archive:
+            archive.extractall(tmp_path, filter="data")
+    labels = __import__("json").loads((results / "labels.json").read_text())
+    out = report.write_report(tmp_path / "heavy-lifting-e2", labels, tmp_path / "out", previous=tmp_path / "heavy-lifting-gpu")
+    assert (tmp_path / "out" / "results.md").read_text() == (results / "epoch2" / "results.md").read_text()
+    assert (tmp_path / "out" / "results.json").read_text() == (results / "epoch2" / "results.json").read_text()
+    assert out["h3"]["verdict"].startswith("not in this run directory")  # no ablation in a second epoch
+
+
+def test_a_reading_without_settling_is_given_beside_an_inconclusive_h1_never_as_its_verdict(tmp_path):
+    import json
+
+    base = np.random.default_rng(2).uniform(4, 6, size=60)
+    root = tmp_path / "runs"
+    falling = "".join(json.dumps({"step": s, "loss": 5.0 - s / 400}) + "\n" for s in range(25, 476, 25))
+    names = {f"gates-keep{k}": base for k in report.KEEPS}
+    names |= {f"least-{k}": base - 0.3 for k in report.KEEPS}
+    names |= {f"random-{k}-s{s}": base - 0.3 for k in report.KEEPS for s in report.SEEDS}
+    for name, losses in {"full": base, **names}.items():
+        (root / name / "prune").mkdir(parents=True)
+        (root / name / "eval.json").write_text(json.dumps(_run(losses)))
+        (root / name / "prune" / "trajectory.jsonl").write_text(falling)
+    labels = {"specialised": [[1, 2]], "secondary": [[1, 2]]}
+    out = report.write_report(root, labels, tmp_path / "out")
+    assert out["h1"]["verdict"].startswith("inconclusive: a run has not settled")
+    assert out["h1_without_settling"]["verdict"] == "does not hold"  # the controls are better
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "Not the verdict" in text and "**H1 (gates beat both controls at equal heads): inconclusive" in text

@@ -243,8 +243,17 @@ def test_the_summary_opens_with_the_titles_claim_from_its_result_file(tmp_path):
                                                    {"run": "gates-lam0.1", "kept": 7, "primary": {"labelled_kept": 1}}]},
               "h3": {"verdict": "does not hold", "newstest2019": {"p": 0.5}, "ewt-test": {"p": 0.25}}}
     (tmp_path / "results.json").write_text(json.dumps(result))
-    rows = _title_rows(tmp_path / "results.json")
+    rows = _title_rows(tmp_path / "results.json", tmp_path / "no-second-epoch.json")
     assert "| holds (gates - control on newstest2019 from -0.020 to +0.050 nats) |" in rows[4]
     assert rows[5].endswith("| partly (3 of 6 kept at 6 heads) |")  # budget points only
     assert rows[6].endswith("| does not hold (p = 0.50 / 0.25) |")
-    assert rows[7].endswith("| not run |")
+    assert "| not run (" in rows[7]
+    # A second epoch's results replace H1 (only): the plan's step after an inconclusive first epoch
+    second = {"h1": {"verdict": "inconclusive: a run has not settled (least-6)", "comparisons": [cmp]},
+              "h1_without_settling": {"verdict": "does not hold"}, "h2": {"verdict": "holds", "rows": []}}
+    (tmp_path / "epoch2.json").write_text(json.dumps(second))
+    rows = _title_rows(tmp_path / "results.json", tmp_path / "epoch2.json")
+    assert "(two epochs, the plan's step after one)" in rows[4]
+    assert rows[4].endswith("| inconclusive: a run has not settled (least-6) (gates - control on newstest2019 from "
+                            "+0.050 to +0.050 nats; with every run taken as settled: does not hold) |")
+    assert rows[5].endswith("| partly (3 of 6 kept at 6 heads) |")  # H2 stays the first epoch's
