@@ -102,14 +102,14 @@ class PositionalStats:
             valid = valid & ((position >= 1) & (position < view.side.n_words[:, None] - 1))[:, None, :]
         offsets = argmax - (first + torch.arange(Q, device=device))[None, None, :]  # key - query
         bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
-        head = torch.arange(H, device=device)[None, :, None].expand(B, H, Q)
-        flat = (head * self.n_bins + bins)[valid]
-        counts = torch.bincount(flat, minlength=H * self.n_bins).view(H, self.n_bins)
+        bins += (torch.arange(H, device=device) * self.n_bins)[None, :, None]  # each head's own bins
+        # the valid queries counted (an index_add of 0/1: no selection of them, which would wait for
+        # a GPU to say how many there are, nor a bincount, which waits for its largest value)
         key = view.block.key
-        if key in self.counts:
-            self.counts[key] += counts
-        else:
-            self.counts[key] = counts.clone()
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = torch.zeros(H, self.n_bins, dtype=torch.long, device=device)
+        counts.view(-1).index_add_(0, bins.reshape(-1), valid.reshape(-1).long())
 
     def reduce(self, shard) -> None:
         """Add the other processes' counts (:mod:`headlab.shard`)."""
