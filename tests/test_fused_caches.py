@@ -190,3 +190,25 @@ def test_chunks_after_the_first_layer_ask_the_tensors_nothing(tmp_path, monkeypa
         _assert_close(results["fused"], results["chunked"], atol=1e-8)
     assert chunks and sum(chunks.values()) > 8  # later layers were watched
     assert not later, dict(later)
+
+
+def test_fused_chunks_on_a_cuda_gpu_default_to_more_rows(monkeypatch):
+    """Without ``--query-chunk`` the fused engine takes FUSED_CUDA_QUERY_CHUNK rows on a CUDA GPU (fewer
+    chunks: each costs the host a fixed number of kernel launches); elsewhere, with ``--query-chunk``
+    and under the chunked engine, the rows are those of before."""
+    from headlab.adapters import attention_blocks
+    from headlab.functions.config import FUSED_CUDA_QUERY_CHUNK, FUSED_QUERY_CHUNK
+
+    assert FUSED_CUDA_QUERY_CHUNK == 2 * FUSED_QUERY_CHUNK
+    assert AnalysisConfig().chunk_rows_on("cuda") == FUSED_CUDA_QUERY_CHUNK
+    assert AnalysisConfig().chunk_rows_on("cpu") == FUSED_QUERY_CHUNK == AnalysisConfig().chunk_rows
+    assert AnalysisConfig(query_chunk=64).chunk_rows_on("cuda") == 64
+    assert AnalysisConfig(engine="chunked").chunk_rows_on("cuda") == FUSED_QUERY_CHUNK
+    model = tiny_model("llama")
+    asked = {}
+    monkeypatch.setattr(analysis_module, "stream_attention", lambda model, callback, **kwargs: asked.update(kwargs))
+    for device, engine, rows in (("cuda", None, FUSED_CUDA_QUERY_CHUNK), ("cpu", None, FUSED_QUERY_CHUNK),
+                                 ("cuda", "chunked", FUSED_QUERY_CHUNK)):
+        feeder = analysis_module._Feeder({}, {}, analysis_module.RunReport(), torch.device(device))
+        feeder.capture(model, AnalysisConfig(engine=engine), attention_blocks(model))
+        assert asked["query_chunk"] == rows, (device, engine)
