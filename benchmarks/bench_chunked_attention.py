@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--modes", nargs="+", default=["sdpa", "fused", "chunked", "eager"],
                         choices=["sdpa", "fused", "chunked", "eager"])
-    parser.add_argument("--query-chunk", type=int, default=128)
+    parser.add_argument("--query-chunk", type=int, default=None,
+                        help="query rows per chunk (default: the analysis's, 128; 256 for fused on a CUDA GPU)")
     parser.add_argument("--sentences", type=int, default=1, help="sentences per run (time is per sentence)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
                         help="the model's preset shape; the options below override its fields")
@@ -359,7 +360,7 @@ def main() -> None:
     print(f"model: Llama ({args.shape}) {fields['num_hidden_layers']} layers x {fields['num_attention_heads']} heads "
           f"({fields['num_key_value_heads']} key/value heads), d_model {fields['hidden_size']}, "
           f"FFN {fields['intermediate_size']}, vocabulary {fields['vocab_size']}; {args.device}, {args.dtype}; "
-          f"query chunk {args.query_chunk}; {args.threads} thread(s); mmap threshold {args.malloc_threshold}; "
+          f"query chunk {args.query_chunk or 'default'}; {args.threads} thread(s); mmap threshold {args.malloc_threshold}; "
           f"{platform.machine()}, {platform.python_version()}", flush=True)
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     runs = [(length, mode) for length in args.lengths for mode in args.modes]

@@ -144,21 +144,21 @@ def _related_words(side: SideBatch) -> torch.Tensor:
         if side.host is not side:
             side.__dict__["_related_words"] = _related_words(side.host).to(side.device)
             return side.__dict__["_related_words"]
-        heads = side.heads.tolist()
-        B, W = side.heads.shape
-        related: list[list[list[int]]] = [[[] for _ in range(W)] for _ in range(B)]
-        for b in range(B):
-            for d, g in enumerate(heads[b]):
-                if g >= 0 and g != d:
-                    related[b][d].append(g)
-                    related[b][g].append(d)
-        A = max([len(r) for rows in related for r in rows] + [1])
-        out = torch.full((B, W, A), -1, dtype=torch.long)
-        for b in range(B):
-            for i, keys in enumerate(related[b]):
-                if keys:
-                    out[b, i, :len(keys)] = torch.tensor(sorted(set(keys)), dtype=torch.long)
-        side.__dict__["_related_words"] = out
+        heads = side.heads.numpy()
+        B, W = heads.shape
+        # every arc both ways, (b, word, related word), sorted and without repeats (a word may be
+        # both governor and dependent of another in a malformed tree): vectorised, as the words of
+        # a long sentence are many
+        b, d = np.nonzero((heads >= 0) & (heads != np.arange(W)[None, :]))
+        g = heads[b, d]
+        pairs = np.unique(np.concatenate([(b * W + d) * W + g, (b * W + g) * W + d]))
+        rows, keys = pairs // W, pairs % W  # row: b * W + word
+        starts = np.searchsorted(rows, rows, side="left")  # each row's first pair
+        rank = np.arange(len(pairs)) - starts
+        A = int(rank.max()) + 1 if len(pairs) else 1
+        out = np.full((B * W, A), -1, dtype=np.int64)
+        out[rows, rank] = keys
+        side.__dict__["_related_words"] = torch.from_numpy(out.reshape(B, W, A))
     return side.__dict__["_related_words"]
 
 

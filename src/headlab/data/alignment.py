@@ -234,8 +234,29 @@ class SideBatch:
 
     @property
     def max_words(self) -> int:
-        n_words = self.host.n_words  # read on the CPU: no wait for a device
-        return int(n_words.max()) if n_words.numel() else 0
+        return self._word_extremes()[1]
+
+    @property
+    def min_words(self) -> int:
+        """The fewest words of a sentence of the batch (0 for no sentence)."""
+        return self._word_extremes()[0]
+
+    def _word_extremes(self) -> tuple[int, int]:
+        # read on the CPU batch once: every chunk of every block asks (no wait for a device, no tiny
+        # reduction per chunk)
+        host = self.host
+        extremes = host.__dict__.get("_extremes")
+        if extremes is None:
+            n_words = host.n_words
+            extremes = (int(n_words.min()), int(n_words.max())) if n_words.numel() else (0, 0)
+            host.__dict__["_extremes"] = extremes
+        return extremes
+
+    def words_real(self, start: int, stop: int) -> bool:
+        """Whether words ``start:stop`` (cut at :attr:`max_words`) are real words of every sentence,
+        ``word_mask[:, start:stop].all()`` decided on the CPU (no wait for a device)."""
+        stop = min(stop, self.max_words)
+        return start >= stop or self.min_words >= stop
 
     @property
     def device(self) -> torch.device:
@@ -553,21 +574,73 @@ def first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return best, where
 
 
-def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(max, index)`` over the last dimension of ``x`` ``[B, H, rows, C]`` (values >= 0) among
-    the columns ``keep`` ``[B, C]``, the others counted as -1; the first maximum on ties, as
-    ``argmax``. Without a copy where the kept columns are one range shared by the batch."""
-    C = x.shape[-1]
+def kept_range(keep: torch.Tensor) -> tuple[int, int] | None:
+    """``[a, e)`` where the columns ``keep`` ``[B, C]`` keeps are that one range in every row of the
+    batch, else None (see :func:`_masked_max`)."""
     kept = keep.any(0)
     if bool(kept.any()) and bool((keep == kept[None]).all()):
         columns = torch.nonzero(kept)[:, 0]
         a, e = int(columns[0]), int(columns[-1]) + 1
-        if e - a == columns.numel():  # one range [a, e): the max over it, where nothing is -1
-            if a == 0 and e == C:
-                return first_max(x)
-            best, index = first_max(x[..., a:e])
-            return best, index + a
+        if e - a == columns.numel():
+            return a, e
+    return None
+
+
+def key_range(side: SideBatch, level: str, width: int) -> tuple[int, int] | None:
+    """:func:`kept_range` of the first ``width`` key columns of ``side``'s tokens that belong to a word
+    (``level`` "token": ``token_mask``) or of its real words ("word": ``word_mask``). Decided once per
+    batch and width on the CPU batch: every chunk of every block with those keys reuses it (on a GPU,
+    without the waits for the device that deciding it from the device's tensors costs)."""
+    host = side.host
+    cache = host.__dict__.setdefault("_key_ranges", {})
+    if (level, width) not in cache:
+        mask = host.token_mask if level == "token" else host.word_mask
+        cache[(level, width)] = kept_range(mask[:, :width])
+    return cache[(level, width)]
+
+
+_UNDECIDED = (-1, -1)
+
+
+def _masked_max(x: torch.Tensor, keep: torch.Tensor,
+                columns: tuple[int, int] | None = _UNDECIDED) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, index)`` over the last dimension of ``x`` ``[B, H, rows, C]`` (values >= 0) among
+    the columns ``keep`` ``[B, C]``, the others counted as -1; the first maximum on ties, as
+    ``argmax``. Without a copy where the kept columns are one range shared by the batch
+    (``columns``: that range, or None for none, where the caller knows it: :func:`key_range`)."""
+    C = x.shape[-1]
+    if columns == _UNDECIDED:
+        columns = kept_range(keep)
+    if columns is not None:  # one range [a, e): the max over it, where nothing is -1
+        a, e = columns
+        if a == 0 and e == C:
+            return first_max(x)
+        best, index = first_max(x[..., a:e])
+        return best, index + a
     return first_max(x.masked_fill(~keep[:, None, None, :], -1.0))
+
+
+def reachable_keys(side: SideBatch, level: str, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(visible [B, n], at least two [B, n])`` for every word (``level`` "word", ``n = W``) or token
+    ("token", ``n = T``) of ``side``: how many words (word tokens) its attention can reach, all of
+    the sentence's or under a causal mask those up to itself, 0 for padding (and tokens of no
+    word); and whether that is two or more. Made once per batch, device and mask: each view takes
+    its rows' slice (:attr:`AttentionView.word_visible_keys`, :attr:`AttentionView.token_visible_keys`)."""
+    cache = side.__dict__.setdefault("_visible_keys", {})
+    if (level, causal) not in cache:
+        if level == "word":
+            W = side.max_words
+            if causal:
+                positions = torch.arange(W, device=side.device)
+                visible = (positions[None, :] + 1).clamp(max=side.n_words[:, None]) * side.word_mask
+            else:
+                visible = side.n_words[:, None].expand(-1, W) * side.word_mask
+        else:
+            mask = side.token_mask.long()
+            counts = mask.cumsum(1) if causal else mask.sum(1, keepdim=True).expand_as(mask)
+            visible = counts * mask
+        cache[(level, causal)] = (visible, visible >= 2)
+    return cache[(level, causal)]
 
 
 class AttentionView:
@@ -643,20 +716,12 @@ class AttentionView:
     def word_visible_keys(self) -> torch.Tensor:
         """``[B, word rows]`` long: how many words each word's attention can reach (all of the
         sentence's words, or under a causal mask the words up to and including itself)."""
-        W = self.side.max_words
-        if self.causal:
-            positions = torch.arange(W, device=self.side.device)
-            visible = (positions[None, :] + 1).clamp(max=self.side.n_words[:, None]) * self.side.word_mask
-        else:
-            visible = self.side.n_words[:, None].expand(-1, W) * self.side.word_mask
-        return visible[:, self.word_start:self.word_stop]
+        return reachable_keys(self.side, "word", self.causal)[0][:, self.word_start:self.word_stop]
 
     @cached_property
     def token_visible_keys(self) -> torch.Tensor:
         """``[B, rows]`` long: how many word tokens each token's attention can reach."""
-        mask = self.side.token_mask.long()
-        visible = mask.cumsum(1) if self.causal else mask.sum(1, keepdim=True).expand_as(mask)
-        return (visible * mask)[:, self.start:self.stop]
+        return reachable_keys(self.side, "token", self.causal)[0][:, self.start:self.stop]
 
     @cached_property
     def ranked_query_valid(self) -> torch.Tensor:
@@ -664,17 +729,19 @@ class AttentionView:
         with one reachable word (the first word under a causal mask, a one-word sentence) puts
         its largest weight there whatever the head does, so statistics that rank single
         weights (maxima, exemplars) leave it out."""
-        return self.query_valid & (self.word_visible_keys >= 2)[:, None, :]
+        two = reachable_keys(self.side, "word", self.causal)[1][:, self.word_start:self.word_stop]
+        return self.query_valid & two[:, None, :]
 
     @cached_property
     def ranked_token_query_valid(self) -> torch.Tensor:
         """``[B, H, rows]`` bool: :attr:`token_query_valid` tokens that can reach two word tokens."""
-        return self.token_query_valid & (self.token_visible_keys >= 2)[:, None, :]
+        return self.token_query_valid & reachable_keys(self.side, "token", self.causal)[1][:, None, self.start:self.stop]
 
     @cached_property
     def _word_max(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each word row's largest weight on a word and where (padding words count as -1)."""
-        return _masked_max(self.words, self.side.word_mask[:, :self.words.shape[3]])
+        K = self.words.shape[3]
+        return _masked_max(self.words, self.side.word_mask[:, :K], key_range(self.side, "word", K))
 
     @property
     def word_max(self) -> torch.Tensor:
@@ -688,7 +755,7 @@ class AttentionView:
 
     @cached_property
     def _token_max(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return _masked_max(self.probs, self.side.token_mask[:, :self.keys])
+        return _masked_max(self.probs, self.side.token_mask[:, :self.keys], key_range(self.side, "token", self.keys))
 
     @property
     def token_argmax(self) -> torch.Tensor:

@@ -121,9 +121,8 @@ class FusedView(AttentionView):
         """``[B, H, word rows, K]``: the word-to-word weights (0 on padding words), as the chunked path makes them."""
         o, K = self._o, self._word_columns
         block = self.probs[:, :, self._rows, o:o + K]
-        keep = self.side.word_mask[:, :K]
-        if not bool(keep.all()):
-            block = block * keep[:, None, None, :].to(block.dtype)
+        if not self.side.words_real(0, K):  # decided on the CPU batch: no wait for a device
+            block = block * self.side.word_mask[:, None, None, :K].to(block.dtype)
         return self._real_rows(block)
 
     @cached_property
@@ -132,10 +131,10 @@ class FusedView(AttentionView):
         # row's (the same values in the same order; padding keys count as -1 on both paths).
         best, where = self._token_max
         best, where = best[:, :, self._rows], where[:, :, self._rows] - self._o
-        real = self.side.word_mask[:, None, self.word_start:self.word_stop]
-        if bool(real.all()):
+        if self.side.words_real(self.word_start, self.word_stop):
             return best, where
         # a padding word's row is all 0 on the chunked path: its maximum is 0, at word 0
+        real = self.side.word_mask[:, None, self.word_start:self.word_stop]
         return best.masked_fill(~real, 0.0), where.masked_fill(~real, 0)
 
     # -- the passes ------------------------------------------------------------------------------
@@ -157,9 +156,9 @@ class FusedView(AttentionView):
     def _real_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, H, word rows, ...]`` with the rows of padding words 0 (their token rows are a
         special token's or padding's, not a word's: the word rows hold 0 there)."""
-        real = self.side.word_mask[:, self.word_start:self.word_stop]
-        if bool(real.all()):
+        if self.side.words_real(self.word_start, self.word_stop):  # on the CPU batch: no wait for a device
             return x
+        real = self.side.word_mask[:, self.word_start:self.word_stop]
         return x * real.view(real.shape[0], 1, real.shape[1], *([1] * (x.dim() - 3))).to(x.dtype)
 
     def word_xlogx(self, mass: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,16 +198,29 @@ class FusedView(AttentionView):
     def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:
         """``[B, H, word rows, A]``: ``alpha_ij`` for the key words ``keys[b, i, a]`` ``[B, W, A]`` of
         each word row (-1: none, weight 0)."""
-        o, K = self._o, self._word_columns
-        index = keys[:, self.word_start:self.word_stop]  # [B, R, A]
-        held = (index >= 0) & (index < K)
-        columns = (index.clamp(0, max(K - 1, 0)) + o).clamp(max=self.keys - 1)
         block = self.probs[:, :, self._rows]
         B, H, R, _ = block.shape
-        if R == 0 or K == 0:
-            return block.new_zeros(B, H, R, index.shape[2])
-        picked = block.gather(3, columns[:, None].expand(B, H, R, index.shape[2]))
-        return picked * held[:, None].to(picked.dtype)
+        if R == 0 or self._word_columns == 0:
+            return block.new_zeros(B, H, R, keys.shape[2])
+        columns, held = self._pair_columns(keys, block.dtype)
+        picked = block.gather(3, columns[:, None].expand(B, H, R, keys.shape[2]))
+        return picked * held[:, None]
+
+    def _pair_columns(self, keys: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token columns ``[B, R, A]`` of :meth:`word_pairs`' key words for this piece's word rows,
+        and 1 where a pair is held (0: none, or a key word beyond the held keys). They depend on the
+        rows and the keys held only, not on the block: made once per batch for each piece position
+        and reused by every layer (kept on the side with ``keys``: linear in the words in all)."""
+        o, K = self._o, self._word_columns
+        cache = self.side.__dict__.setdefault("_pair_columns", {})
+        position = (id(keys), self.word_start, self.word_stop, K, self.keys, dtype)
+        if position not in cache:
+            index = keys[:, self.word_start:self.word_stop]  # [B, R, A]
+            held = (index >= 0) & (index < K)
+            columns = (index.clamp(0, max(K - 1, 0)) + o).clamp(max=self.keys - 1)
+            cache[position] = (keys, columns, held.to(dtype))  # keys: its id stays its own
+        _, columns, held = cache[position]
+        return columns, held
 
     def word_block(self, n: int) -> torch.Tensor:
         """``[B, H, word rows below n, n]``: the weights among the first ``n`` words (0 beyond the held keys)."""

@@ -472,7 +472,7 @@ class _Feeder:
         self.blocks = [block for block in blocks if block.n_heads > 0]
         self.stop_early = not unregistrable(attention_blocks(model))  # not the eager fallback
         return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
-                                query_chunk=config.chunk_rows, blocks=blocks, scores=engine == "fused",
+                                query_chunk=config.chunk_rows_on(self.device.type), blocks=blocks, scores=engine == "fused",
                                 reuse=True, chunk_elements=FUSED_CHUNK_ELEMENTS if engine == "fused" else 0)
 
     def new_batch(self) -> None:

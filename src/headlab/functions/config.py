@@ -10,7 +10,7 @@ from headlab.errors import HeadlabError
 from headlab.options import option
 from headlab.plugins import OptionSpec, PluginOptions, check_values, plugin_options
 
-__all__ = ["AnalysisConfig", "ENGINES", "FUSED_QUERY_CHUNK", "WORD_POOLINGS"]
+__all__ = ["AnalysisConfig", "ENGINES", "FUSED_CUDA_QUERY_CHUNK", "FUSED_QUERY_CHUNK", "WORD_POOLINGS"]
 
 WORD_POOLINGS = ("sum", "first", "max")
 ENGINES = ("eager", "chunked", "fused")
@@ -20,7 +20,15 @@ FUSED_QUERY_CHUNK = 128
 the CPU and on a GPU. On the CPU the fused engine's chunks get fewer rows where 128 rows of every
 head of a sentence would hold more than 2^22 weights (``analysis.FUSED_CHUNK_ELEMENTS``). On a GPU
 (H200, Llama-3-8B shape, docs/benchmarks.md) 128 rows kept the memory at the SDPA forward's (1.00x
-at 4k-64k tokens); 1024 rows were 1.3-1.7x faster at 1.87x the memory (``--query-chunk 1024``)."""
+at 4k-64k tokens); 1024 rows were 1.3-1.7x faster at 1.87x the memory (``--query-chunk 1024``).
+The fused engine on a CUDA GPU takes :data:`FUSED_CUDA_QUERY_CHUNK` rows instead."""
+FUSED_CUDA_QUERY_CHUNK = 256
+"""Query rows per chunk of the fused engine on a CUDA GPU when ``--query-chunk`` is not given. Each
+chunk costs the host a fixed number of kernel launches whatever its size, which dominated the
+first GPU measurement (H100, Llama-3-8B shape, 1,024 chunks at 16k tokens: docs/benchmarks.md,
+issue 34): twice the rows halve them. Memory: at 128 rows the fused engine's GPU peak growth was
+0.50x the SDPA forward's at 4k, 16k and 64k tokens; only the chunk's part of it grows with the rows,
+so at 256 rows it is at most 1.00x (within issue 34's 1.2x)."""
 """Subword-to-word mappings (:data:`headlab.data.alignment.POOLINGS`, named here without importing torch)."""
 
 
@@ -42,7 +50,8 @@ class AnalysisConfig(PluginOptions):
     max_length: int | None = option(None, "tokens per sentence (default: the model's maximum)", range="[2, inf)")
     query_chunk: int | None = option(None, "query rows per chunk of headlab's own attention function, which feeds "
                                      "the statistics (fused and chunked engines): memory linear in the length "
-                                     f"(default: {FUSED_QUERY_CHUNK}, fewer on the CPU for long inputs)",
+                                     f"(default: {FUSED_QUERY_CHUNK}, fewer on the CPU for long inputs, "
+                                     f"{FUSED_CUDA_QUERY_CHUNK} for the fused engine on a CUDA GPU)",
                                      metavar="N", range="[1, inf)")
     engine: str | None = option(None, "where the statistics run: fused (the default: headlab's attention function "
                                 "in query chunks, statistics from a few passes over each: maxima, products with key "
@@ -98,3 +107,10 @@ class AnalysisConfig(PluginOptions):
     def chunk_rows(self) -> int:
         """Query rows per chunk of the chunked and fused engines."""
         return self.query_chunk if self.query_chunk is not None else FUSED_QUERY_CHUNK
+
+    def chunk_rows_on(self, device_type: str) -> int:
+        """:attr:`chunk_rows` for a model on a device of ``device_type`` ("cpu", "cuda", ...): by default the
+        fused engine takes :data:`FUSED_CUDA_QUERY_CHUNK` rows on a CUDA GPU."""
+        if self.query_chunk is None and self.resolved_engine == "fused" and device_type == "cuda":
+            return FUSED_CUDA_QUERY_CHUNK
+        return self.chunk_rows

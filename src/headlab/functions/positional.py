@@ -56,6 +56,8 @@ class PositionalStats:
         self.level = level
         self.threshold = threshold
         self.counts: dict[BlockKey, torch.Tensor] = {}  # [n_heads, 2 * max_offset + 3]
+        self._aranges: dict[torch.device, torch.Tensor] = {}  # query positions (_positions)
+        self._bins: dict[tuple[int, torch.device], torch.Tensor] = {}  # _head_bins
 
     @classmethod
     def from_config(cls, config, frequencies=None, options: PositionalOptions | None = None) -> "PositionalStats | None":
@@ -86,6 +88,20 @@ class PositionalStats:
     def update_fused(self, view: AttentionView) -> None:
         self.update(view)  # it reads the maxima only, which a FusedView has
 
+    def _positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """``arange(m)`` on ``device``, ``m >= n``: made once (grown by doubling), sliced by every view."""
+        positions = self._aranges.get(device)
+        if positions is None or positions.numel() < n:
+            positions = self._aranges[device] = torch.arange(max(n, 2 * (0 if positions is None else positions.numel())),
+                                                             device=device)
+        return positions[:n]
+
+    def _head_bins(self, H: int, device: torch.device) -> torch.Tensor:
+        """``[H]``: each head's first bin in the flat counts, plus ``max_offset + 1`` (offset 0's bin)."""
+        if (H, device) not in self._bins:
+            self._bins[(H, device)] = torch.arange(H, device=device) * self.n_bins + self.max_offset + 1
+        return self._bins[(H, device)]
+
     @property
     def n_bins(self) -> int:
         return 2 * self.max_offset + 3
@@ -100,16 +116,16 @@ class PositionalStats:
         if self.level == "interior":
             position = first + torch.arange(Q, device=device)[None, :]  # [1, word rows]
             valid = valid & ((position >= 1) & (position < view.side.n_words[:, None] - 1))[:, None, :]
-        offsets = argmax - (first + torch.arange(Q, device=device))[None, None, :]  # key - query
-        bins = offsets.clamp(-self.max_offset - 1, self.max_offset + 1) + self.max_offset + 1
-        head = torch.arange(H, device=device)[None, :, None].expand(B, H, Q)
-        flat = (head * self.n_bins + bins)[valid]
-        counts = torch.bincount(flat, minlength=H * self.n_bins).view(H, self.n_bins)
+        offsets = argmax - self._positions(first + Q, device)[None, None, first:]  # key - query
+        bins = offsets.clamp_(-self.max_offset - 1, self.max_offset + 1)
+        bins += self._head_bins(H, device)[None, :, None]  # each head's own bins
+        # the valid queries counted (an index_add of 0/1: no selection of them, which would wait for
+        # a GPU to say how many there are, nor a bincount, which waits for its largest value)
         key = view.block.key
-        if key in self.counts:
-            self.counts[key] += counts
-        else:
-            self.counts[key] = counts.clone()
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = torch.zeros(H, self.n_bins, dtype=torch.long, device=device)
+        counts.view(-1).index_add_(0, bins.reshape(-1), valid.reshape(-1).long())
 
     def reduce(self, shard) -> None:
         """Add the other processes' counts (:mod:`headlab.shard`)."""

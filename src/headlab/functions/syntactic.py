@@ -147,6 +147,7 @@ class SyntacticStats:
         self.offsets: dict[str, dict[tuple[str, str], Counter]] = {}
         # block -> (relation, direction) -> hits [n_heads]
         self.hits: dict[BlockKey, dict[tuple[str, str], torch.Tensor]] = {}
+        self._totals: dict[BlockKey, torch.Tensor] = {}  # block -> [pairs, H], whose rows are hits[block]'s values
 
     @classmethod
     def from_config(cls, config, frequencies=None, options: SyntacticOptions | None = None) -> "SyntacticStats | None":
@@ -180,17 +181,21 @@ class SyntacticStats:
         hit = argmax[b, :, source - first] == target[:, None]  # [n_arcs, H]
         if view.causal:  # only backward arcs are reachable (and scored)
             hit &= backward[rows, None]
-        counts = torch.zeros(len(pairs), argmax.shape[1], dtype=torch.long, device=argmax.device)
-        counts.index_add_(0, pair[rows], hit.long())  # [pairs, H]: the hits of each (relation, direction)
-        for key, hits in zip(pairs, counts, strict=True):
-            if key in table:
-                table[key] += hits
-            else:
-                table[key] = hits.clone()
+        # [pairs, H]: the block's hits of each (relation, direction), whose rows are the table's entries
+        # (one addition per chunk, not one per pair)
+        total = self._totals.get(view.block.key)
+        if total is None:
+            H = argmax.shape[1]
+            total = torch.stack([table[k] if k in table else argmax.new_zeros(H, dtype=torch.long) for k in pairs]) \
+                if pairs else argmax.new_zeros(0, H, dtype=torch.long)
+            self._totals[view.block.key] = total
+            table.update(zip(pairs, total, strict=True))
+        total.index_add_(0, pair[rows], hit.long())
 
     def reduce(self, shard) -> None:
         """Add the other processes' offset counts and hits (:mod:`headlab.shard`)."""
         self.offsets, self.hits = shard.sum((self.offsets, self.hits))
+        self._totals = {}  # the sums are new tensors: a later update starts from them
 
     def result(self, margin: float | None = None, model: str = "", signature: dict | None = None) -> "SyntacticResult":
         return SyntacticResult(
