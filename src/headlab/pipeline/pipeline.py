@@ -243,24 +243,6 @@ def _foreign_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
-def _refuse_other_commands_results(out: Path, where: str = "--out ") -> None:
-    """``out`` holding the results of functions, importance, prune apply ... (listed in
-    ``.headlab/files.json``, headlab.outdir) is not an analysis: its ``.headlab/`` would pass it
-    for analyze's own, and the report would be written among that command's files."""
-    from headlab.outdir import FILES
-
-    try:
-        record = json.loads((out / FILES).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    files = record.get("files") if isinstance(record, dict) else None
-    if not files or not any((out / str(name)).exists() for name in files):
-        return
-    shown = ", ".join(str(name) for name in files[:3]) + (", ..." if len(files) > 3 else "")
-    raise HeadlabError(f"{where}{out}: holds the results of `headlab {record.get('command', '?')}` ({shown}), "
-                       "not an analysis, which are not replaced by one; choose a new or empty directory")
-
-
 def validate(config: AnalyzeConfig) -> Path:
     """Every check that needs no model: paths, flags, the CoNLL-U/source contract."""
     from headlab import preflight
@@ -274,7 +256,10 @@ def validate(config: AnalyzeConfig) -> Path:
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
-    _refuse_other_commands_results(out)
+    from headlab.outdir import other_commands_results
+
+    if other := other_commands_results(out, "analyze", "--force"):  # its .headlab/ would pass it for analyze's own
+        raise HeadlabError(other)
     foreign = _foreign_files(out)
     if foreign and not config.force:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
