@@ -81,6 +81,23 @@ def test_bleu_metric_and_single_method(tmp_path, tokenizer, files, capsys):
     assert HeadScores.load(out / "ablation.json").signature["metric"] == "bleu"
 
 
+def test_limit_counts_sentences_not_lines(tmp_path, tokenizer, files, capsys):
+    """Regression: --limit N kept the first N lines, so a blank line among them (or in the
+    references) gave N-1 sentences. The pruning data (prune train --train-text) reads the same way."""
+    model_dir = _save(tiny_model("marian"), tokenizer, tmp_path / "marian")
+    source, target = files  # 5 sentences, a blank line (both sides), 1 sentence
+    out = tmp_path / "out"
+    assert main(["importance", model_dir, "--source", str(source), "--target", str(target), "--out", str(out),
+                 "--method", "confidence", "--no-progress", "--limit", "6"]) == 0
+    signature = HeadScores.load(out / "confidence.json").signature
+    assert signature["n_sentences"] == 6 and signature["n_empty_skipped"] == 1
+    assert "6 sentences" in capsys.readouterr().err
+    from headlab.data.parallel import first_sentences
+
+    assert first_sentences(["a", "", "b", "c"], 2) == 3 and first_sentences(["a", "", "b"], 5) == 3
+    assert first_sentences(["a", "b", "c"], 2, aligned=["x", "", "z"]) == 3  # a pair with a blank side is none
+
+
 def test_model_without_lm_head_skips_what_needs_one(tmp_path, tokenizer, files, capsys):
     bare = tf.BertModel(tiny_model("bert").config).eval()
     model_dir = _save(bare, tokenizer, tmp_path / "bert")

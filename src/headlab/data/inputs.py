@@ -194,7 +194,7 @@ def read_data(
     """Read a text file (plain or ``.gz``, one sentence per line) and tokenize it.
 
     With ``target_path`` the two files are a line-aligned parallel corpus (references).
-    ``n_sentences`` keeps the first N lines. Empty lines (either side) are skipped and counted.
+    ``n_sentences`` keeps the first N sentences. Empty lines (either side) are skipped and counted.
     """
     from headlab.data.parallel import read_lines
 
@@ -248,10 +248,13 @@ def texts_data(
             "source and reference files must match line for line"
         )
     if n_sentences is not None:
+        from headlab.data.parallel import first_sentences
+
         if n_sentences < 1:
             raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
-        sources = sources[:n_sentences]
-        references = None if references is None else references[:n_sentences]
+        end = first_sentences(sources, n_sentences, references)  # N sentences: blank lines are not counted
+        sources = sources[:end]
+        references = None if references is None else references[:end]
     if not any(line.strip() for line in sources):
         raise HeadlabError(f"empty data set: {where} has no non-empty line")
     return encode_texts(tokenizer, info, sources, references, source_path=name, target_path=target_name)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import gzip
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.errors import HeadlabError
 from headlab.preflight import HEAD, stream_bytes, text_problem
 
-__all__ = ["ParallelCorpus", "read_lines", "read_parallel"]
+__all__ = ["ParallelCorpus", "first_sentences", "read_lines", "read_parallel"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,21 @@ def read_lines(path: str | Path) -> list[str]:
     if path.is_dir():
         raise HeadlabError(f"{path}: a directory, not a file")
     return _decoded(numbered_lines(path), path)
+
+
+def first_sentences(lines: Sequence[str], n: int | None, aligned: Sequence[str] | None = None) -> int:
+    """How many of ``lines`` hold their first ``n`` sentences (``--limit N``; all of them when
+    ``n`` is None): a blank line is no sentence, nor is a line whose ``aligned`` line (the
+    reference translation) is blank, so ``--limit N`` counts sentences, not lines."""
+    if n is None:
+        return len(lines)
+    found = 0
+    for end, line in enumerate(lines, start=1):
+        if line.strip() and (aligned is None or aligned[end - 1].strip()):
+            found += 1
+            if found == n:
+                return end
+    return len(lines)
 
 
 def _decoded(numbered: Iterator[tuple[int, bytes]], path: Path) -> list[str]:
