@@ -63,15 +63,27 @@ def option(default: Any = MISSING, help: str = "", **argparse_keywords: Any) -> 
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
+def comma_list(text: str, flag: str) -> tuple[str, ...]:
+    """A comma list of names (``"nsubj, amod"``), each stripped. An empty one (``","``, ``""``)
+    is an error naming ``flag``: it would otherwise pass for the option's default."""
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items:
+        raise HeadlabError(f"{flag} {text!r}: an empty list; give one or more comma-separated values")
+    return items
+
+
 def numbers(text: str, kind: type = int, flag: str | None = None) -> tuple:
-    """A comma list of numbers (``"24, 12,6"``); anything else is an error naming the text (and
-    ``flag``, the option that gave it)."""
+    """A comma list of numbers (``"24, 12,6"``); anything else, or none (``","``), is an error
+    naming the text (and ``flag``, the option that gave it)."""
+    where = f"{flag} {text}: " if flag else ""
+    kind_name = "integers" if kind is int else "numbers"
     try:
-        return tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
+        values = tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError as error:
-        where = f"{flag} {text}: " if flag else ""
-        raise HeadlabError(f"{where}cannot read a list of {'integers' if kind is int else 'numbers'} "
-                           f"from {text!r}") from error
+        raise HeadlabError(f"{where}cannot read a list of {kind_name} from {text!r}") from error
+    if not values:
+        raise HeadlabError(f"{where}an empty list; give one or more comma-separated {kind_name}")
+    return values
 
 
 def _bounds(interval: str) -> tuple[float, bool, float, bool]:

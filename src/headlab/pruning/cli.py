@@ -275,8 +275,8 @@ def run_sweep_command(args) -> int:
     from headlab.lock import training_lock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
-    points = sweep_points(numbers(args.lams, float, "--lams") if args.lams else (),
-                          numbers(args.keeps, flag="--keeps") if args.keeps else ())
+    points = sweep_points(numbers(args.lams, float, "--lams") if args.lams is not None else (),
+                          numbers(args.keeps, flag="--keeps") if args.keeps is not None else ())
     args.lam, args.keep = 0.0, None
     config = _config(args)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
