@@ -57,7 +57,7 @@ def test_long_input_is_cut_and_the_user_told(models, tmp_path, capsys):
     assert main(["nmt", "translate", "--model", str(full), "--input", str(source), "--beam", "1",
                  "--output", str(tmp_path / "o.txt")]) == 0
     err = capsys.readouterr().err
-    assert "1 of 2 inputs are longer than 64 tokens and were cut to 64 (lines 2)" in err
+    assert "1 of 2 inputs is longer than 64 tokens and was cut to 64 (line 2); only its first 64 tokens" in err
     truncated = []
     translate(load_model(str(full)), load_tokenizer(full), ["Cats", long, long], beam=1, truncated=truncated)
     assert truncated == [1, 2]
@@ -108,7 +108,7 @@ def test_mismatched_parallel_files_are_refused(models, source, tmp_path, capsys,
     forbid_model_loading(monkeypatch)
     assert main(["nmt", "evaluate", "--model", str(full), "--src", str(source), "--ref", str(ref)]) == 2
     err = capsys.readouterr().err
-    assert f"--src {source} has 4 lines, --ref {ref} has 1 lines" in err
+    assert f"--src {source} has 4 lines, --ref {ref} has 1 line:" in err
 
 
 @pytest.mark.parametrize("command", ["translate", "evaluate"])

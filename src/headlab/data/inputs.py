@@ -29,7 +29,7 @@ from torch import nn
 
 from headlab.capture import eval_mode
 from headlab.data.batching import length_batches, with_progress
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.model_description import ModelInfo
 from headlab.shard import active
 
@@ -78,7 +78,7 @@ class ImportanceData:
             where = f" in {self.source_path}" if self.source_path else ""
             raise HeadlabError(
                 f"empty data set: no non-empty sentence{where}"
-                + (f" ({self.n_empty} empty lines skipped)" if self.n_empty else "")
+                + (f" ({counted(self.n_empty, 'empty line')} skipped)" if self.n_empty else "")
             )
         if self.references is not None and len(self.references) != len(self.sources):
             raise HeadlabError(f"{len(self.sources)} sources but {len(self.references)} references")
@@ -102,13 +102,14 @@ class ImportanceData:
         return f"ImportanceData({self.summary()})"
 
     def summary(self) -> str:
-        text = f"{len(self)} sentences ({self.n_source_tokens} source tokens)"
+        text = f"{counted(len(self), 'sentence')} ({counted(self.n_source_tokens, 'source token')})"
         if self.source_path:
             text += f" from {self.source_path}"
         if self.n_empty:
-            text += f"; {self.n_empty} empty lines skipped"
+            text += f"; {counted(self.n_empty, 'empty line')} skipped"
         if self.n_truncated:
-            text += f"; {self.n_truncated} inputs longer than {self.max_length} tokens were truncated"
+            text += (f"; {counted(self.n_truncated, 'input')} longer than {counted(self.max_length or 0, 'token')} "
+                     f"{'was' if self.n_truncated == 1 else 'were'} truncated")
         return text
 
     def signature(self) -> dict:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.registry import MEASURES
 from headlab.options import HelpFormatter, add_options, from_args, help_of, renamed
@@ -167,7 +167,9 @@ def _run(args, part) -> int:
 
             values = np.concatenate([a[~np.isnan(a)] for a in errors.scores.values()])
             if len(values):
-                print(f"{name}: bootstrap standard error over {table.signature.get('n_sentences')} sentences "
+                n = table.signature.get("n_sentences")
+                over = counted(n, "sentence") if isinstance(n, int) else f"{n} sentences"
+                print(f"{name}: bootstrap standard error over {over} "
                       f"({errors.signature.get('resamples')} resamples): median {np.median(values):.4f}, "
                       f"max {values.max():.4f}")
     if result.agreement is not None:

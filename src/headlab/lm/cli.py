@@ -8,7 +8,7 @@ from dataclasses import fields
 from typing import Any, cast
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
 from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
 from headlab.options import HelpFormatter, add_options, from_args
@@ -87,5 +87,5 @@ def _evaluate(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "
-              f"{result['tokens']:,} tokens in {len(text):,} sentences)")
+              f"{counted(result['tokens'], 'token', spec=',')} in {counted(len(text), 'sentence', spec=',')})")
     return 0

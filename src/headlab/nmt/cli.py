@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.nmt.config import ModelConfig, TrainRecipe
 from headlab.options import HelpFormatter, add_options, from_args
 from headlab.training.config import TrainConfig
@@ -178,8 +178,11 @@ def _translate_lines(args, command: str, sentences: list[str], progress: bool = 
     if truncated:
         limit = source_limit(model, tokenizer)
         lines = ", ".join(str(i + 1) for i in sorted(truncated)[:10]) + (", ..." if len(truncated) > 10 else "")
-        print(f"headlab nmt {command}: {len(truncated)} of {len(sentences)} inputs are longer than {limit} tokens and "
-              f"were cut to {limit} (lines {lines}); only their first {limit} tokens are translated", file=sys.stderr)
+        one = len(truncated) == 1
+        print(f"headlab nmt {command}: {len(truncated)} of {counted(len(sentences), 'input')} "
+              f"{'is' if one else 'are'} longer than {counted(limit, 'token')} and {'was' if one else 'were'} cut "
+              f"to {limit} ({'line' if one else 'lines'} {lines}); only {'its' if one else 'their'} first "
+              f"{counted(limit, 'token')} {'is' if limit == 1 else 'are'} translated", file=sys.stderr)
     return outputs, seconds
 
 
@@ -194,7 +197,7 @@ def _translate(args) -> int:
         raise HeadlabError("--input -: standard input is empty")
     outputs, seconds = _translate_lines(args, "translate", sentences, progress=sys.stderr.isatty())
     _write_output(args.output, outputs)
-    print(f"translated {len(sentences)} lines in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
+    print(f"translated {counted(len(sentences), 'line')} in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
     return 0
 
 
@@ -220,7 +223,8 @@ def _evaluate(args) -> int:
     preflight.input_file(args.ref, "--ref")
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):
-        raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
+        raise HeadlabError(f"--src {args.src} has {counted(len(sources), 'line')}, --ref {args.ref} has "
+                           f"{counted(len(references), 'line')}: "
                            "they must match line for line")
     outputs, seconds = _translate_lines(args, "evaluate", sources)
     if args.output:
@@ -229,7 +233,7 @@ def _evaluate(args) -> int:
     if args.json:
         print(json.dumps({**scores.to_dict(), "beam": args.beam, "seconds": seconds}, indent=2))
     else:
-        print(f"{scores.format()}\n(beam {args.beam}, {len(sources)} sentences in {seconds:.1f} s)")
+        print(f"{scores.format()}\n(beam {args.beam}, {counted(len(sources), 'sentence')} in {seconds:.1f} s)")
     return 0
 
 

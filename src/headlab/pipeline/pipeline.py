@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
-from headlab.errors import HeadlabError, RunFailed
+from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
@@ -219,8 +219,8 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
                 f"{text[:80]!r} but line {n} of the source is {lines[n - 1][:80]!r}. Without --conllu-is-source "
                 "the treebank is analysed as a corpus of its own")
     if n < len(lines):
-        raise HeadlabError(f"--conllu {conllu} has {n} sentences but --source {source} has {len(lines)} "
-                           "non-empty lines: with --conllu-is-source they must match one to one")
+        raise HeadlabError(f"--conllu {conllu} has {counted(n, 'sentence')} but --source {source} has "
+                           f"{counted(len(lines), 'non-empty line')}: with --conllu-is-source they must match one to one")
     return n
 
 
@@ -306,7 +306,7 @@ def validate(config: AnalyzeConfig) -> Path:
     if config.target is not None:
         n_target = len(_read_checked(config.target, "--target"))
         if n_source != n_target:
-            raise HeadlabError(f"--source {config.source} has {n_source} lines but --target {config.target} has "
+            raise HeadlabError(f"--source {config.source} has {counted(n_source, 'line')} but --target {config.target} has "
                                f"{n_target}: they must match line for line")
     if config.prune and "prune" not in _skipped_by_flag(config) and config.target is not None \
             and getattr(model_config, "is_encoder_decoder", False):
