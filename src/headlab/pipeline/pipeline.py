@@ -50,7 +50,7 @@ from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
-from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
+from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
@@ -828,12 +828,17 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file.write_text(key + "\n")
 
 
-def _discard(ctx: _Context, name: str) -> None:
-    """A stage that is not done this time leaves no marker and no outputs of an earlier run."""
+def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
+    """A stage that is not done this time leaves no marker and no outputs of an earlier run; with
+    ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), not
+    deleted. Returns where they went."""
     marker = raw_marker(ctx.out_dir, name)
+    kept = []
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
-        if path.is_dir():
+        if keep and path.exists():
+            kept.append(set_aside(path, ctx.out_dir))
+        elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
@@ -843,6 +848,7 @@ def _discard(ctx: _Context, name: str) -> None:
         directory = ctx.out_dir / STAGE_DIRS[name]
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
+    return kept
 
 
 def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord | None:
@@ -856,11 +862,11 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
             ctx.figures = marker.get("figures", [])
         ctx.log(f"{position} {name}: reused (done earlier; --force runs it again)")
         return record
-    if flagged:  # results of other inputs or options would join this run's table and report: removed
-        stale = raw_marker(ctx.out_dir, name) is not None
-        _discard(ctx, name)
-        ctx.log(f"{position} {name}: skipped (--skip)" + ("; its results of an earlier run with other inputs or "
-                                                          "options were removed" if stale else ""))
+    if flagged:  # results of other inputs or options would join this run's table and report: set aside
+        kept = _discard(ctx, name, keep=True)
+        shown = ", ".join(str(path.relative_to(ctx.out_dir)) for path in kept)
+        ctx.log(f"{position} {name}: skipped (--skip)" + (f"; its results of an earlier run with other inputs or "
+                                                          f"options were moved aside to {shown}" if kept else ""))
         return StageRecord(name, "skipped", "skipped with --skip")
     reason = not_requested(name, ctx.config)
     if reason:
