@@ -48,6 +48,28 @@ def test_translate_and_evaluate_a_pruned_model(models, source, tmp_path, capsys)
     assert '"bleu"' in capsys.readouterr().out
 
 
+def test_the_model_is_a_positional_argument_as_elsewhere_and_model_the_older_form(models, source, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Regression: nmt translate, nmt evaluate and lm evaluate took --model only, where every other
+    command takes MODEL first; both forms now give the same run."""
+    import headlab.loading
+
+    full, _ = models
+    for n, model in enumerate(([str(full)], ["--model", str(full)], [f"--model={str(full)}"])):
+        assert main(["nmt", "translate", *model, "--input", str(source), "--beam", "1",
+                     "--output", str(tmp_path / f"{n}.txt")]) == 0
+        assert main(["nmt", "evaluate", *model, "--src", str(source), "--ref", str(source), "--beam", "1",
+                     "--json"]) == 0
+    assert (tmp_path / "0.txt").read_text() == (tmp_path / "1.txt").read_text() == (tmp_path / "2.txt").read_text()
+    capsys.readouterr()
+    assert main(["--debug", "nmt", "translate", "--input", str(source), "--model", str(tmp_path / "none")]) == 2
+    assert f"model {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for model in ([str(full)], ["--model", str(full)]):
+        assert main(["lm", "evaluate", *model, "--text", str(source), "--max-tokens", "0"]) == 2
+        assert "--max-tokens must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_long_input_is_cut_and_the_user_told(models, tmp_path, capsys):
     """Regression: a sentence longer than the model's positions was cut without a word."""
     full, _ = models

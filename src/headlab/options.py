@@ -63,6 +63,24 @@ def option(default: Any = MISSING, help: str = "", **argparse_keywords: Any) -> 
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
+def model_flag_to_positional(argv: list[str], command: tuple[str, ...]) -> list[str]:
+    """``COMMAND ... --model DIR ...`` -> ``COMMAND DIR ...``: the older form of a command that now
+    takes its model as its first positional argument, as the other commands do (``rewrite_argv``
+    of its module, before parsing). Global options (``--debug``) may come before ``COMMAND``."""
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+    if tuple(argv[at:at + len(command)]) != command:
+        return argv
+    head, rest = argv[:at + len(command)], argv[at + len(command):]
+    for i, arg in enumerate(rest):
+        if arg == "--":
+            break
+        if arg == "--model" and i + 1 < len(rest):
+            return [*head, rest[i + 1], *rest[:i], *rest[i + 2:]]
+        if arg.startswith("--model="):
+            return [*head, arg[len("--model="):], *rest[:i], *rest[i + 1:]]
+    return argv
+
+
 def comma_list(text: str, flag: str) -> tuple[str, ...]:
     """A comma list of names (``"nsubj, amod"``), each stripped. An empty one (``","``, ``""``)
     is an error naming ``flag``: it would otherwise pass for the option's default."""

@@ -11,7 +11,12 @@ from headlab.device_options import add_device_options, device_options, set_threa
 from headlab.errors import HeadlabError, counted
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
 from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
-from headlab.options import HelpFormatter, add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
+
+
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """``lm evaluate --model DIR ...`` (the older form) -> ``lm evaluate DIR ...``."""
+    return model_flag_to_positional(argv, ("lm", "evaluate"))
 
 
 def register(subparsers) -> None:
@@ -32,8 +37,10 @@ def register(subparsers) -> None:
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
                             formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
-    p.add_argument("--text", nargs="+", required=True, metavar="FILE", help="one sentence a line, or CoNLL-U")
+    p.add_argument("model", help="model directory (config, safetensors, tokenizer); --model DIR, the older form, "
+                                 "works too")
+    p.add_argument("--text", nargs="+", required=True, metavar="FILE",
+                   help="one sentence a line, or CoNLL-U (after MODEL: FILE ... takes what follows it)")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print JSON")

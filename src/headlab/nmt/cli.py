@@ -10,7 +10,7 @@ from pathlib import Path
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, counted
 from headlab.nmt.config import ModelConfig, TrainRecipe
-from headlab.options import HelpFormatter, add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
 from headlab.training.config import TrainConfig
 
 # The training loop's options that `nmt train` and `lm train` share.
@@ -112,8 +112,16 @@ def _train(args) -> int:
     return 0
 
 
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """``nmt translate --model DIR ...`` (the older form) -> ``nmt translate DIR ...``; evaluate alike."""
+    for command in ("translate", "evaluate"):
+        argv = model_flag_to_positional(argv, ("nmt", command))
+    return argv
+
+
 def _add_translation_options(p) -> None:
-    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
+    p.add_argument("model", help="model directory (config, safetensors, tokenizer); --model DIR, the older form, "
+                                 "works too")
     p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -146,7 +154,7 @@ def _check_translation_options(args) -> None:
     preflight.at_least(args.beam, 1, "--beam")
     preflight.at_least(args.batch_size, 1, "--batch-size")
     preflight.at_least(args.threads, 1, "--threads")
-    preflight.model_dir(args.model, "--model")
+    preflight.model_dir(args.model)
     if args.output not in (None, "-"):
         inputs = {flag: getattr(args, flag[2:]) for flag in ("--input", "--src", "--ref")
                   if getattr(args, flag[2:], None) not in (None, "-")}
