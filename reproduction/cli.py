@@ -70,8 +70,11 @@ def run_reproduce(args) -> int:
 
     config = load_config(args.config)
     _override(config, device=args.device, threads=args.threads)
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
-    models, stages = split(args.models), split(args.stages)
+    from headlab.options import comma_list
+
+    # `--stages ,` is an error, not every stage (None: the option not given)
+    models = list(comma_list(args.models, "--models")) if args.models is not None else None
+    stages = list(comma_list(args.stages, "--stages")) if args.stages is not None else None
     preflight.check_names(config, models, stages)  # before any work (docs/cli.md): exit 2
     stages_run = not args.dry_run and not args.docs_only and stages != ["report"]
     if stages_run:

@@ -150,11 +150,15 @@ def test_a_skipped_stage_leaves_no_results_of_other_inputs(inputs, tmp_path, cap
     out = tmp_path / "out"
     skip = ["--skip", "lrp", "ablation", "prune", "figures", "attention", "report"]
     assert main(_args(inputs, out, *skip)) == 0
-    assert (out / "importance" / "gradient.json").exists()
+    earlier = (out / "importance" / "gradient.json").read_bytes()
     capsys.readouterr()
     assert main(_args(inputs, out, "--limit", "2", *skip, "gradient")) == 0
-    assert "gradient: skipped (--skip); its results of an earlier run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "gradient: skipped (--skip); its results of an earlier run" in err
     assert not (out / "importance" / "gradient.json").exists()
+    # Regression: they were deleted (an LRP or a sweep of hours with them); now set aside, as prune sweep does
+    assert "were moved aside to stale/gradient.json" in err
+    assert (out / "stale" / "gradient.json").read_bytes() == earlier
     assert "gradient" not in (out / "heads.csv").read_text().splitlines()[0]
     assert HeadScores.load(out / "importance" / "confidence.json").signature["n_sentences"] == 2
     # the same inputs: the skipped stage's results are still valid, and kept

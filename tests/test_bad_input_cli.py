@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import pytest
 
@@ -65,6 +66,31 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["functions"])
     assert exit_.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command,expected", [
+    (["functions", "--relations", ","], "argument --relations: an empty list (','); give one or more comma-separated "
+                                        "relations"),
+    (["functions", "--relations", " "], "argument --relations: an empty list (' ')"),
+    (["analyze", "--skip", ","], "--skip ',': an empty list; give one or more comma-separated values"),
+    (["analyze", "--prune-keeps", ","], "--prune-keeps ,: an empty list; give one or more comma-separated integers"),
+    (["analyze", "--prune-keeps", ""], "--prune-keeps : an empty list"),
+    (["prune", "sweep", "--keeps", ","], "--keeps ,: an empty list; give one or more comma-separated integers"),
+    (["prune", "sweep", "--lams", ","], "--lams ,: an empty list; give one or more comma-separated numbers"),
+])
+def test_an_empty_comma_list_is_a_usage_error(command, expected, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: `--relations ,` (an empty list once split) ran with the default relations, and
+    `analyze --skip ,` / `--prune-keeps ,` with none skipped / the default budgets, silently."""
+    forbid_model_loading(monkeypatch)
+    model, source, out = str(inputs / "model"), str(inputs / "src.txt"), str(tmp_path / "out")
+    args = {"functions": ["--conllu", str(inputs / "tb.conllu"), "--no-figures"], "analyze": ["--source", source],
+            "prune": ["--train-src", source, "--train-tgt", source]}[command[0]]
+    with pytest.raises(SystemExit) if command[0] == "functions" else nullcontext() as usage:  # argparse's exit
+        code = main([*command[:-2], model, *args, "--out", out, "--no-progress", *command[-2:]])
+    assert (usage.value.code if usage else code) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_interrupt_exits_130_with_one_line(inputs, tmp_path, capsys, monkeypatch):

@@ -196,7 +196,7 @@ def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress",
                  "--no-figures"]) == 0
-    assert "1 sentences truncated to 64 tokens" in capsys.readouterr().out
+    assert "1 sentence truncated to 64 tokens" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["report"]["n_truncated"] == 1
 
 

@@ -117,7 +117,7 @@ def test_cli_counts_removed_heads_right_and_refuses_wrong_types(model_dir, tmp_p
     assert files_under(tmp_path / "bad") == set()
     dup = _mask(tmp_path, {"enc_self": {"0": [1, 1]}}, "dup.json")
     assert main(["prune", str(model_dir), "--heads", str(dup), "--out", str(tmp_path / "dup")]) == 0
-    assert "removed 1 heads" in capsys.readouterr().out
+    assert "removed 1 head;" in capsys.readouterr().out
     pruned = load_model(str(tmp_path / "dup"))
     assert [b.n_heads for b in attention_blocks(pruned) if b.kind == "enc_self"] == [3, 4]
 

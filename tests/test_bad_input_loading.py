@@ -306,7 +306,7 @@ LYING_RECORDS = {
     "bool-kept-head": ([True, 3], "must be a list of head numbers"),
     "string-kept-head": (["0", 3], "must be a list of head numbers"),
     "kept-heads-not-grouping-over-kv-heads": ([0, 1, 3], "3 kept heads do not group over 2"),
-    "fewer-kept-heads-than-the-weights": ([0], "enc_self layer 0 (1 heads)"),
+    "fewer-kept-heads-than-the-weights": ([0], "enc_self layer 0 (1 head)"),
     "more-kept-heads-than-the-weights": ([0, 1, 3], "enc_self layer 0 (3 heads)"),
 }
 

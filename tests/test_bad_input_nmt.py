@@ -48,6 +48,28 @@ def test_translate_and_evaluate_a_pruned_model(models, source, tmp_path, capsys)
     assert '"bleu"' in capsys.readouterr().out
 
 
+def test_the_model_is_a_positional_argument_as_elsewhere_and_model_the_older_form(models, source, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Regression: nmt translate, nmt evaluate and lm evaluate took --model only, where every other
+    command takes MODEL first; both forms now give the same run."""
+    import headlab.loading
+
+    full, _ = models
+    for n, model in enumerate(([str(full)], ["--model", str(full)], [f"--model={str(full)}"])):
+        assert main(["nmt", "translate", *model, "--input", str(source), "--beam", "1",
+                     "--output", str(tmp_path / f"{n}.txt")]) == 0
+        assert main(["nmt", "evaluate", *model, "--src", str(source), "--ref", str(source), "--beam", "1",
+                     "--json"]) == 0
+    assert (tmp_path / "0.txt").read_text() == (tmp_path / "1.txt").read_text() == (tmp_path / "2.txt").read_text()
+    capsys.readouterr()
+    assert main(["--debug", "nmt", "translate", "--input", str(source), "--model", str(tmp_path / "none")]) == 2
+    assert f"model {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for model in ([str(full)], ["--model", str(full)]):
+        assert main(["lm", "evaluate", *model, "--text", str(source), "--max-tokens", "0"]) == 2
+        assert "--max-tokens must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_long_input_is_cut_and_the_user_told(models, tmp_path, capsys):
     """Regression: a sentence longer than the model's positions was cut without a word."""
     full, _ = models
@@ -57,7 +79,7 @@ def test_long_input_is_cut_and_the_user_told(models, tmp_path, capsys):
     assert main(["nmt", "translate", "--model", str(full), "--input", str(source), "--beam", "1",
                  "--output", str(tmp_path / "o.txt")]) == 0
     err = capsys.readouterr().err
-    assert "1 of 2 inputs are longer than 64 tokens and were cut to 64 (lines 2)" in err
+    assert "1 of 2 inputs is longer than 64 tokens and was cut to 64 (line 2); only its first 64 tokens" in err
     truncated = []
     translate(load_model(str(full)), load_tokenizer(full), ["Cats", long, long], beam=1, truncated=truncated)
     assert truncated == [1, 2]
@@ -108,7 +130,7 @@ def test_mismatched_parallel_files_are_refused(models, source, tmp_path, capsys,
     forbid_model_loading(monkeypatch)
     assert main(["nmt", "evaluate", "--model", str(full), "--src", str(source), "--ref", str(ref)]) == 2
     err = capsys.readouterr().err
-    assert f"--src {source} has 4 lines, --ref {ref} has 1 lines" in err
+    assert f"--src {source} has 4 lines, --ref {ref} has 1 line:" in err
 
 
 @pytest.mark.parametrize("command", ["translate", "evaluate"])

@@ -212,6 +212,34 @@ def test_analyze_into_an_out_holding_another_commands_results(command, files, in
     assert {name: (out / name).read_bytes() for name in files_under(out)} == before
 
 
+def test_another_commands_results_named_with_the_flag_that_does_not_replace_them(inputs, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Regression: analyze, Analysis.save and the --overwrite commands had twin checks with two
+    wordings, and analyze's named neither the flag nor the command refused; one check now says
+    which flag does not replace the results, for each."""
+    from headlab.api import _check_directory
+    from headlab.errors import HeadlabError
+
+    forbid_model_loading(monkeypatch)
+    for command, argv, flag in [
+            ("analyze", lambda out: ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out",
+                                     str(out), "--force", "--no-progress"], "--force"),
+            ("functions", lambda out: _functions(inputs, out, "--overwrite"), "--overwrite")]:
+        out = tmp_path / command
+        before = _results_of(out, "prune", ["config.json", "model.safetensors"])
+        assert main(argv(out)) == 2
+        err = capsys.readouterr().err
+        assert (f"--out {out}: holds the results of `headlab prune` of m (config.json, model.safetensors), not of "
+                f"`headlab {command}`; {flag} does not replace another command's results: choose a new or empty "
+                "directory") in err
+        assert {name: (out / name).read_bytes() for name in files_under(out)} == before
+    out = tmp_path / "api"
+    _results_of(out, "importance", ["confidence.json"])
+    with pytest.raises(HeadlabError, match=f"^{out}: holds the results of `headlab importance` of m "
+                                           r"\(confidence.json\), not of `headlab analyze`; overwrite=True does not"):
+        _check_directory(out, True)
+
+
 # ----------------------------------------------------------------------------- text input
 
 TEXT = "\n".join(SENTENCES) + "\n"

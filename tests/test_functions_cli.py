@@ -67,7 +67,7 @@ def test_functions_cli_reports_bad_input_and_loses_nothing_else(tmp_path, corpus
     assert code == 0
     assert f"{conllu}:{bad_line}: expected 10 tab-separated columns" in printed
     assert f"{conllu}:{hash_line}: sentence hash: word 3 '#' gets no subword" in printed
-    assert "1 sentences truncated to 64 tokens" in printed
+    assert "1 sentence truncated to 64 tokens" in printed
     summary = json.loads((out / "summary.json").read_text())
     report = summary["report"]
     assert report["n_sentences"] == 4  # s2, s3, s4 and the long one (cut to 63 words)

@@ -81,6 +81,37 @@ def test_bleu_metric_and_single_method(tmp_path, tokenizer, files, capsys):
     assert HeadScores.load(out / "ablation.json").signature["metric"] == "bleu"
 
 
+def test_limit_counts_sentences_not_lines(tmp_path, tokenizer, files, capsys):
+    """Regression: --limit N kept the first N lines, so a blank line among them (or in the
+    references) gave N-1 sentences. The pruning data (prune train --train-text) reads the same way."""
+    model_dir = _save(tiny_model("marian"), tokenizer, tmp_path / "marian")
+    source, target = files  # 5 sentences, a blank line (both sides), 1 sentence
+    out = tmp_path / "out"
+    assert main(["importance", model_dir, "--source", str(source), "--target", str(target), "--out", str(out),
+                 "--method", "confidence", "--no-progress", "--limit", "6"]) == 0
+    signature = HeadScores.load(out / "confidence.json").signature
+    assert signature["n_sentences"] == 6 and signature["n_empty_skipped"] == 1
+    assert "6 sentences" in capsys.readouterr().err
+    from headlab.data.parallel import first_sentences
+
+    assert first_sentences(["a", "", "b", "c"], 2) == 3 and first_sentences(["a", "", "b"], 5) == 3
+    assert first_sentences(["a", "b", "c"], 2, aligned=["x", "", "z"]) == 3  # a pair with a blank side is none
+
+
+def test_counts_in_summaries_agree_in_number(tmp_path):
+    """Regression: one sentence was "1 sentences" in the summaries and messages the CLI prints."""
+    from headlab.data.parallel import read_parallel
+    from headlab.errors import counted
+
+    assert [counted(1, "sentence"), counted(2, "sentence"), counted(1204, "line", spec=","),
+            counted(0, "sentence pair")] == ["1 sentence", "2 sentences", "1,204 lines", "0 sentence pairs"]
+    assert ImportanceData.from_ids([[4, 5]]).summary() == "1 sentence (2 source tokens)"
+    (tmp_path / "a").write_text("a b\n\n", encoding="utf-8")
+    (tmp_path / "b").write_text("c d\n\n", encoding="utf-8")
+    assert read_parallel(tmp_path / "a", tmp_path / "b").summary().startswith("1 sentence pair from ")
+    assert read_parallel(tmp_path / "a", tmp_path / "b").summary().endswith("; 1 pair with an empty side skipped")
+
+
 def test_model_without_lm_head_skips_what_needs_one(tmp_path, tokenizer, files, capsys):
     bare = tf.BertModel(tiny_model("bert").config).eval()
     model_dir = _save(bare, tokenizer, tmp_path / "bert")
@@ -120,7 +151,7 @@ def test_bad_input_gets_clear_errors(tmp_path, tokenizer, files, capsys):
     out = tmp_path / "trunc"
     assert main(["importance", model_dir, "--data", str(long), "--out", str(out), "--max-length", "8",
                  "--method", "confidence,lrp", "--no-progress"]) == 0
-    assert "1 inputs longer than 8 tokens were truncated" in capsys.readouterr().err
+    assert "1 input longer than 8 tokens was truncated" in capsys.readouterr().err
     assert HeadScores.load(out / "lrp.json").signature["n_truncated"] == 1
 
 

@@ -107,6 +107,16 @@ def test_reproduce_refuses_bad_input_before_the_first_stage(case, expected, repr
     assert not (root / "work").exists()
 
 
+@pytest.mark.parametrize("flag", ["--stages", "--models"])
+def test_reproduce_refuses_an_empty_list(flag, repro_config, capsys, monkeypatch):
+    """Regression: `--stages ,` (an empty list once split) ran every stage, as if not given."""
+    _forbid_reproduction_work(monkeypatch)
+    assert main(["--config", str(repro_config), flag, ","]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} ',': an empty list" in err and "Traceback" not in err
+    assert not (repro_config.parent / "work").exists()
+
+
 def test_reproduce_checks_only_the_stages_that_will_run(repro_config, capsys, monkeypatch):
     import reproduction.pipeline
 

@@ -432,11 +432,14 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
-    from headlab.pipeline.pipeline import _foreign_files, _refuse_other_commands_results
+    from headlab.outdir import other_commands_results
+    from headlab.pipeline.pipeline import _foreign_files
 
     if directory.exists() and not directory.is_dir():  # the swap at the end would replace the user's file
         raise HeadlabError(f"{directory}: exists and is not a directory")
-    _refuse_other_commands_results(directory, where="")  # a pruned model, functions' results ...: also with overwrite
+    # A pruned model, functions' results ...: refused also with overwrite.
+    if other := other_commands_results(directory, "analyze", "overwrite=True", where=""):
+        raise HeadlabError(other)
     foreign = _foreign_files(directory)
     if foreign:
         raise HeadlabError(f"{directory}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import KINDS
 from headlab.portable import CLASS_NAME
 
@@ -222,7 +222,7 @@ def _tensor_block(model: nn.Module) -> dict[str, str]:
         for module in (block.q, block.k, block.v, block.qkv, block.o):
             if module is not None and id(module) in names:
                 for pname, _ in module.named_parameters(recurse=False):
-                    out[f"{names[id(module)]}.{pname}"] = f"{block.kind} layer {block.layer} ({block.n_heads} heads)"
+                    out[f"{names[id(module)]}.{pname}"] = f"{block.kind} layer {block.layer} ({counted(block.n_heads, 'head')})"
     return out
 
 

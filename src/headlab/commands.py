@@ -7,6 +7,7 @@ from pathlib import Path
 
 from headlab import preflight
 from headlab.device_options import add_device_options, device_options
+from headlab.errors import counted
 
 # torch and transformers are imported by the commands that run, not at registration
 # (``headlab --help`` stays fast).
@@ -45,7 +46,8 @@ def heads_table(blocks) -> str:
         shared = f" (shared: its call {b.application + 1} of {b.applications})" if b.shared else ""
         lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{shared}")
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
-    lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items()) + f"; {sum(totals.values())} heads")
+    lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items())
+                 + f"; {counted(sum(totals.values()), 'head')}")
     return "\n".join(lines)
 
 
@@ -108,7 +110,7 @@ def run_prune(args) -> int:
     args.interrupted = written_note(out)  # a Ctrl-C from here on: the model is there, whole
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
-    print(f"removed {removed} heads; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
+    print(f"removed {counted(removed, 'head')}; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
     record = json.loads((out.absolute() / PRUNING_FILE).read_text(encoding="utf-8"))
     print(how_to_load(model, record.get("portable") or {}, str(out)))
     return 0

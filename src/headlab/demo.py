@@ -62,7 +62,7 @@ def demo_config(args):
         conllu_limit=args.conllu_limit, threads=args.threads,
         prune_source=args.train_source, prune_target=args.train_target,
         prune_limit=max(2000, 4 * args.limit), prune_steps=args.prune_steps,
-        prune_keeps=numbers(args.prune_keeps, flag="--prune-keeps") if args.prune_keeps else (),
+        prune_keeps=numbers(args.prune_keeps, flag="--prune-keeps") if args.prune_keeps is not None else (),
         force=args.force, progress=not args.no_progress,
     )
 

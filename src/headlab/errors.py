@@ -25,3 +25,9 @@ class PruningNotExact(HeadlabError):
                  difference: float | None = None) -> None:
         super().__init__(message)
         self.model_type, self.block, self.difference = model_type, block, difference
+
+
+def counted(n: int, noun: str, plural: str | None = None, spec: str = "") -> str:
+    """``n`` and its noun, singular for one, for messages and summaries: ``1 sentence``,
+    ``2 sentences``, ``1,204 lines`` (``spec=","``); ``plural`` where adding an s is wrong."""
+    return f"{n:{spec}} {noun if n == 1 else plural or noun + 's'}"

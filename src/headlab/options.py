@@ -63,15 +63,45 @@ def option(default: Any = MISSING, help: str = "", **argparse_keywords: Any) -> 
     return field(default=default, metadata={"help": help, **argparse_keywords})
 
 
+def model_flag_to_positional(argv: list[str], command: tuple[str, ...]) -> list[str]:
+    """``COMMAND ... --model DIR ...`` -> ``COMMAND DIR ...``: the older form of a command that now
+    takes its model as its first positional argument, as the other commands do (``rewrite_argv``
+    of its module, before parsing). Global options (``--debug``) may come before ``COMMAND``."""
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+    if tuple(argv[at:at + len(command)]) != command:
+        return argv
+    head, rest = argv[:at + len(command)], argv[at + len(command):]
+    for i, arg in enumerate(rest):
+        if arg == "--":
+            break
+        if arg == "--model" and i + 1 < len(rest):
+            return [*head, rest[i + 1], *rest[:i], *rest[i + 2:]]
+        if arg.startswith("--model="):
+            return [*head, arg[len("--model="):], *rest[:i], *rest[i + 1:]]
+    return argv
+
+
+def comma_list(text: str, flag: str) -> tuple[str, ...]:
+    """A comma list of names (``"nsubj, amod"``), each stripped. An empty one (``","``, ``""``)
+    is an error naming ``flag``: it would otherwise pass for the option's default."""
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items:
+        raise HeadlabError(f"{flag} {text!r}: an empty list; give one or more comma-separated values")
+    return items
+
+
 def numbers(text: str, kind: type = int, flag: str | None = None) -> tuple:
-    """A comma list of numbers (``"24, 12,6"``); anything else is an error naming the text (and
-    ``flag``, the option that gave it)."""
+    """A comma list of numbers (``"24, 12,6"``); anything else, or none (``","``), is an error
+    naming the text (and ``flag``, the option that gave it)."""
+    where = f"{flag} {text}: " if flag else ""
+    kind_name = "integers" if kind is int else "numbers"
     try:
-        return tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
+        values = tuple(kind(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError as error:
-        where = f"{flag} {text}: " if flag else ""
-        raise HeadlabError(f"{where}cannot read a list of {'integers' if kind is int else 'numbers'} "
-                           f"from {text!r}") from error
+        raise HeadlabError(f"{where}cannot read a list of {kind_name} from {text!r}") from error
+    if not values:
+        raise HeadlabError(f"{where}an empty list; give one or more comma-separated {kind_name}")
+    return values
 
 
 def _bounds(interval: str) -> tuple[float, bool, float, bool]:

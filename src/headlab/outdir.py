@@ -32,7 +32,8 @@ from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import atomic_write_text, readable_as_umask_allows
 from headlab.lock import LOCK_FILE, DirectoryLock, locked_output
 
-__all__ = ["FILES", "check_output", "check_results_dir", "results_lock", "write_results", "written_note"]
+__all__ = ["FILES", "check_output", "check_results_dir", "other_commands_results", "results_lock", "write_results",
+           "written_note"]
 
 FILES = Path(".headlab") / "files.json"
 
@@ -70,21 +71,31 @@ def _entries(directory: Path) -> list[str]:
 _SAME_RESULTS = ({"functions", "aggregate"},)
 
 
-def _replaceable(recorded: str | None, command: str | None) -> bool:
-    if command is None or recorded is None or recorded == command:
+def _replaceable(recorded: str, command: str) -> bool:
+    if recorded == command:
         return True
     return any({recorded, command} <= group for group in _SAME_RESULTS)
 
 
-def _other_command(directory: Path, record: dict | None, command: str | None, flag: str) -> str | None:
-    """Why ``command`` may not replace what ``directory`` holds (another command's results), or None."""
-    if record is None or _replaceable(record.get("command"), command):
+def other_commands_results(directory: str | os.PathLike, command: str, flag: str, where: str = "--out") -> str | None:
+    """Why ``command`` may not write into ``directory`` (``where``: the option naming it, "" for
+    none), or None: it holds the results of another command, listed in its manifest, which no
+    flag of ``command`` (``flag``: ``--overwrite``, analyze's ``--force``, ``overwrite=True``)
+    replaces. Shared by the commands of this module and by analyze and ``Analysis.save``."""
+    directory = Path(directory)
+    record = _listed(directory)
+    if record is None:
         return None
-    if not any(os.path.lexists(directory / name) for name in record["files"]):
+    recorded = record.get("command")
+    if recorded is not None and _replaceable(recorded, command):
         return None
-    return (f"{flag} {directory}: holds the results of `headlab {record.get('command')}` of "
-            f"{record.get('model', '?')}, which `headlab {command} --overwrite` does not replace; choose a new or "
-            f"empty directory")
+    files = record["files"]
+    if not any(os.path.lexists(directory / name) for name in files):
+        return None
+    shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+    return (f"{where + ' ' if where else ''}{directory}: holds the results of `headlab {recorded or '?'}` of "
+            f"{record.get('model', '?')} ({shown}), not of `headlab {command}`; {flag} does not replace another "
+            f"command's results: choose a new or empty directory")
 
 
 def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str = "--out",
@@ -95,9 +106,9 @@ def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str =
     directory = Path(directory)
     if not directory.is_dir():
         return
-    record = _listed(directory)
-    if overwrite and (why := _other_command(directory, record, command, flag)):
+    if overwrite and command is not None and (why := other_commands_results(directory, command, "--overwrite", flag)):
         raise HeadlabError(why)
+    record = _listed(directory)
     ours = set(record["files"]) if record else set()
     present = _entries(directory)
     foreign = [name for name in present if name not in ours]
@@ -184,7 +195,7 @@ def write_results(directory: str | os.PathLike, write: Callable[[Path], object],
     # The directory was checked before the work; a run that finished into it since, or a file the
     # user put there meanwhile, is not replaced: the new results stay in the staging directory.
     clash = [name for name in new if name not in old and os.path.lexists(directory / name)]
-    if other := _other_command(directory, record, command, flag):
+    if other := other_commands_results(directory, command, "--overwrite", flag):
         raise RunFailed(f"{other}; nothing was replaced, this run's results are kept in {staging}")
     if (old and not overwrite) or clash:
         raise RunFailed(f"{flag} {directory}: "

@@ -17,7 +17,7 @@ from pathlib import Path
 from headlab.heads import atomic_write_text
 
 __all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso",
-           "append_record", "read_step_records"]
+           "append_record", "read_step_records", "set_aside"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
@@ -110,3 +110,17 @@ def read_step_records(path: str | os.PathLike) -> list[dict]:
             continue
         by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def set_aside(path: Path, out_dir: Path) -> Path:
+    """Move a stale result (a file or a directory made with other inputs or options) to
+    ``out_dir/stale/`` under a name not taken yet, rather than delete what may have cost hours;
+    return where it went. ``prune sweep``'s points and ``analyze --skip``'s stages."""
+    stale = out_dir / "stale"
+    stale.mkdir(exist_ok=True)
+    target, i = stale / path.name, 1
+    while target.exists():
+        i += 1
+        target = stale / f"{path.name}.old{i}"
+    path.rename(target)
+    return target

@@ -93,7 +93,7 @@ class _Traced(torch.Tensor):
     _pure: bool = False
 
     @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),  # type: ignore[override]
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         traced = [a for a in _tensors((args, kwargs)) if isinstance(a, _Traced)]

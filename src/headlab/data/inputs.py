@@ -29,7 +29,7 @@ from torch import nn
 
 from headlab.capture import eval_mode
 from headlab.data.batching import length_batches, with_progress
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.model_description import ModelInfo
 from headlab.shard import active
 
@@ -78,7 +78,7 @@ class ImportanceData:
             where = f" in {self.source_path}" if self.source_path else ""
             raise HeadlabError(
                 f"empty data set: no non-empty sentence{where}"
-                + (f" ({self.n_empty} empty lines skipped)" if self.n_empty else "")
+                + (f" ({counted(self.n_empty, 'empty line')} skipped)" if self.n_empty else "")
             )
         if self.references is not None and len(self.references) != len(self.sources):
             raise HeadlabError(f"{len(self.sources)} sources but {len(self.references)} references")
@@ -102,13 +102,14 @@ class ImportanceData:
         return f"ImportanceData({self.summary()})"
 
     def summary(self) -> str:
-        text = f"{len(self)} sentences ({self.n_source_tokens} source tokens)"
+        text = f"{counted(len(self), 'sentence')} ({counted(self.n_source_tokens, 'source token')})"
         if self.source_path:
             text += f" from {self.source_path}"
         if self.n_empty:
-            text += f"; {self.n_empty} empty lines skipped"
+            text += f"; {counted(self.n_empty, 'empty line')} skipped"
         if self.n_truncated:
-            text += f"; {self.n_truncated} inputs longer than {self.max_length} tokens were truncated"
+            text += (f"; {counted(self.n_truncated, 'input')} longer than {counted(self.max_length or 0, 'token')} "
+                     f"{'was' if self.n_truncated == 1 else 'were'} truncated")
         return text
 
     def signature(self) -> dict:
@@ -194,7 +195,7 @@ def read_data(
     """Read a text file (plain or ``.gz``, one sentence per line) and tokenize it.
 
     With ``target_path`` the two files are a line-aligned parallel corpus (references).
-    ``n_sentences`` keeps the first N lines. Empty lines (either side) are skipped and counted.
+    ``n_sentences`` keeps the first N sentences. Empty lines (either side) are skipped and counted.
     """
     from headlab.data.parallel import read_lines
 
@@ -248,10 +249,13 @@ def texts_data(
             "source and reference files must match line for line"
         )
     if n_sentences is not None:
+        from headlab.data.parallel import first_sentences
+
         if n_sentences < 1:
             raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
-        sources = sources[:n_sentences]
-        references = None if references is None else references[:n_sentences]
+        end = first_sentences(sources, n_sentences, references)  # N sentences: blank lines are not counted
+        sources = sources[:end]
+        references = None if references is None else references[:end]
     if not any(line.strip() for line in sources):
         raise HeadlabError(f"empty data set: {where} has no non-empty line")
     return encode_texts(tokenizer, info, sources, references, source_path=name, target_path=target_name)

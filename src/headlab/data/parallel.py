@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import gzip
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.preflight import HEAD, stream_bytes, text_problem
 
-__all__ = ["ParallelCorpus", "read_lines", "read_parallel"]
+__all__ = ["ParallelCorpus", "first_sentences", "read_lines", "read_parallel"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ class ParallelCorpus:
         )
 
     def summary(self) -> str:
-        text = f"{len(self)} sentence pairs from {self.source_path} / {self.target_path}"
+        text = f"{counted(len(self), 'sentence pair')} from {self.source_path} / {self.target_path}"
         if self.n_empty:
-            text += f"; {self.n_empty} pairs with an empty side skipped"
+            text += f"; {counted(self.n_empty, 'pair')} with an empty side skipped"
         if self.n_truncated:
-            text += f"; {self.n_truncated} pairs truncated to {self.max_tokens} tokens"
+            text += f"; {counted(self.n_truncated, 'pair')} truncated to {counted(self.max_tokens or 0, 'token')}"
         return text
 
 
@@ -112,6 +112,21 @@ def read_lines(path: str | Path) -> list[str]:
     return _decoded(numbered_lines(path), path)
 
 
+def first_sentences(lines: Sequence[str], n: int | None, aligned: Sequence[str] | None = None) -> int:
+    """How many of ``lines`` hold their first ``n`` sentences (``--limit N``; all of them when
+    ``n`` is None): a blank line is no sentence, nor is a line whose ``aligned`` line (the
+    reference translation) is blank, so ``--limit N`` counts sentences, not lines."""
+    if n is None:
+        return len(lines)
+    found = 0
+    for end, line in enumerate(lines, start=1):
+        if line.strip() and (aligned is None or aligned[end - 1].strip()):
+            found += 1
+            if found == n:
+                return end
+    return len(lines)
+
+
 def _decoded(numbered: Iterator[tuple[int, bytes]], path: Path) -> list[str]:
     lines: list[str] = []
     for number, raw in numbered:
@@ -155,8 +170,8 @@ def read_parallel(
     target_lines = read_lines(target_path)
     if len(source_lines) != len(target_lines):
         raise HeadlabError(
-            f"parallel files differ in length: {source_path} has {len(source_lines)} lines, "
-            f"{target_path} has {len(target_lines)} lines"
+            f"parallel files differ in length: {source_path} has {counted(len(source_lines), 'line')}, "
+            f"{target_path} has {counted(len(target_lines), 'line')}"
         )
     sources: list[str] = []
     targets: list[str] = []
@@ -176,7 +191,7 @@ def read_parallel(
     if not sources and not allow_empty:
         raise HeadlabError(
             f"empty corpus: no sentence pair in {source_path} / {target_path}"
-            + (f" ({n_empty} pairs with an empty side)" if n_empty else "")
+            + (f" ({counted(n_empty, 'pair')} with an empty side)" if n_empty else "")
         )
     return ParallelCorpus(
         sources, targets, str(source_path), str(target_path),

@@ -64,7 +64,7 @@ from headlab.data.treebank import (
     count_sentences,
     read_conllu,
 )
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
@@ -156,11 +156,12 @@ class RunReport:
             if extras:
                 text += f"\n{name}: " + ", ".join(extras)
         if self.n_truncated:
-            text += f"\n{self.n_truncated} sentences truncated to {self.max_length} tokens"
+            text += f"\n{counted(self.n_truncated, 'sentence')} truncated to {self.max_length} tokens"
         for name, reason in self.chunked_statistics.items():
             text += f"\n{name}: computed over word rows (chunked path) for some batches: {reason}"
         if self.n_unaligned:
-            text += f"\n{self.n_unaligned} sentences could not be aligned to subwords and were skipped"
+            text += (f"\n{counted(self.n_unaligned, 'sentence')} could not be aligned to subwords and "
+                     f"{'was' if self.n_unaligned == 1 else 'were'} skipped")
         for problem in self.problems.problems[:10]:
             text += f"\n  {problem}"
         if self.problems.total > 10:

@@ -20,6 +20,7 @@ not scored.
 
 from __future__ import annotations
 
+import argparse
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -38,7 +39,7 @@ from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_la
 from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
 from headlab.markup import head_cell, percent, read_json_noted
 from headlab.markup import table as html_table
-from headlab.options import option
+from headlab.options import comma_list, option
 from headlab.plugins import Output, ProfilePart, ReportPart, read_result
 
 __all__ = ["DIRECTIONS", "SyntacticStats", "SyntacticResult", "Table1Row", "relation_arcs", "direction_label"]
@@ -112,8 +113,13 @@ def arcs_by_source(side: SideBatch, relations: tuple[str, ...]) -> tuple[list[tu
 
 
 def relation_list(text: str) -> tuple[str, ...]:
-    """``--relations``: a comma list of relations (the paper's four when empty)."""
-    return tuple(r.strip() for r in text.split(",") if r.strip()) or PAPER_RELATIONS
+    """``--relations``: a comma list of relations; an empty one (``","``) is a usage error, not
+    the paper's four (the default is what the option's absence gives)."""
+    try:
+        return comma_list(text, "--relations")
+    except HeadlabError:  # argparse's usage error (exit 2, "argument --relations: ...") for what its type refuses
+        raise argparse.ArgumentTypeError(f"an empty list ({text!r}); give one or more comma-separated relations") \
+            from None
 
 
 @dataclass(frozen=True)

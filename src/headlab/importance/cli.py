@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.registry import MEASURES
 from headlab.options import HelpFormatter, add_options, from_args, help_of, renamed
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory: one HeadScores JSON per method + agreement table")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (only the files it wrote)")
-    renamed(p, "--limit", "--n-sentences", type=int, help="use the first N lines of --source")
+    renamed(p, "--limit", "--n-sentences", type=int, help="use the first N sentences of --source (blank lines not counted)")
     p.add_argument("--max-length", type=int, help="truncate inputs to this many tokens; None: the model's maximum")
     add_options(p, ImportanceConfig, ("batch_size", "beam"))
     defer(p, _measure_options)  # declared by the measures: importing them imports torch, so not for --help
@@ -71,11 +71,10 @@ def _check(args) -> None:
 
 def _sentences(args) -> tuple[int, str]:
     """The sentences a sharded run splits (for the check of --num-processes): non-empty lines."""
-    from headlab.data.parallel import read_lines
+    from headlab.data.parallel import first_sentences, read_lines
 
     lines = read_lines(args.source)
-    if args.limit is not None:
-        lines = lines[: args.limit]
+    lines = lines[: first_sentences(lines, args.limit)]
     return sum(1 for line in lines if line.strip()), f"non-empty lines of --source {args.source}"
 
 
@@ -168,7 +167,9 @@ def _run(args, part) -> int:
 
             values = np.concatenate([a[~np.isnan(a)] for a in errors.scores.values()])
             if len(values):
-                print(f"{name}: bootstrap standard error over {table.signature.get('n_sentences')} sentences "
+                n = table.signature.get("n_sentences")
+                over = counted(n, "sentence") if isinstance(n, int) else f"{n} sentences"
+                print(f"{name}: bootstrap standard error over {over} "
                       f"({errors.signature.get('resamples')} resamples): median {np.median(values):.4f}, "
                       f"max {values.max():.4f}")
     if result.agreement is not None:

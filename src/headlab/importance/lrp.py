@@ -187,7 +187,7 @@ def _widened(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
             if name == "data":
                 owner.data = owner.data.to(narrow)  # type: ignore[attr-defined]
             else:
-                owner._buffers[name] = owner._buffers[name].to(narrow)  # type: ignore[attr-defined, index]
+                owner._buffers[name] = owner._buffers[name].to(narrow)  # type: ignore[attr-defined]
 
 
 @contextmanager

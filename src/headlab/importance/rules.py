@@ -494,4 +494,4 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     finally:
         handles.remove()
         for config, implementation in reversed(restore):
-            config._experts_implementation = implementation  # type: ignore[attr-defined]
+            config._experts_implementation = implementation

@@ -8,10 +8,15 @@ from dataclasses import fields
 from typing import Any, cast
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
 from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
-from headlab.options import HelpFormatter, add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
+
+
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """``lm evaluate --model DIR ...`` (the older form) -> ``lm evaluate DIR ...``."""
+    return model_flag_to_positional(argv, ("lm", "evaluate"))
 
 
 def register(subparsers) -> None:
@@ -32,8 +37,10 @@ def register(subparsers) -> None:
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
                             formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
-    p.add_argument("--text", nargs="+", required=True, metavar="FILE", help="one sentence a line, or CoNLL-U")
+    p.add_argument("model", help="model directory (config, safetensors, tokenizer); --model DIR, the older form, "
+                                 "works too")
+    p.add_argument("--text", nargs="+", required=True, metavar="FILE",
+                   help="one sentence a line, or CoNLL-U (after MODEL: FILE ... takes what follows it)")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -87,5 +94,5 @@ def _evaluate(args) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "
-              f"{result['tokens']:,} tokens in {len(text):,} sentences)")
+              f"{counted(result['tokens'], 'token', spec=',')} in {counted(len(text), 'sentence', spec=',')})")
     return 0

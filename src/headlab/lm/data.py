@@ -16,7 +16,7 @@ import torch
 from headlab.data import read_lines
 from headlab.data.alignment import join_words
 from headlab.data.treebank import read_conllu
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.training.corpus import EncodedCorpus
 
 __all__ = ["TextCorpus", "read_text_corpus", "encode_lm_corpus", "collate_lm", "is_conllu"]
@@ -35,8 +35,8 @@ class TextCorpus:
 
     def summary(self) -> str:
         files = ", ".join(f"{Path(path).name} {count:,}" for path, count in self.per_file.items())
-        blank = f"; {self.n_blank:,} blank lines skipped" if self.n_blank else ""
-        return f"{len(self):,} sentences ({files}){blank}"
+        blank = f"; {counted(self.n_blank, 'blank line', spec=',')} skipped" if self.n_blank else ""
+        return f"{counted(len(self), 'sentence', spec=',')} ({files}){blank}"
 
 
 def is_conllu(path: str | Path) -> bool:

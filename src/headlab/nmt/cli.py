@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from headlab.device_options import add_device_options, device_options, set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.nmt.config import ModelConfig, TrainRecipe
-from headlab.options import HelpFormatter, add_options, from_args
+from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
 from headlab.training.config import TrainConfig
 
 # The training loop's options that `nmt train` and `lm train` share.
@@ -112,8 +112,16 @@ def _train(args) -> int:
     return 0
 
 
+def rewrite_argv(argv: list[str]) -> list[str]:
+    """``nmt translate --model DIR ...`` (the older form) -> ``nmt translate DIR ...``; evaluate alike."""
+    for command in ("translate", "evaluate"):
+        argv = model_flag_to_positional(argv, ("nmt", command))
+    return argv
+
+
 def _add_translation_options(p) -> None:
-    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
+    p.add_argument("model", help="model directory (config, safetensors, tokenizer); --model DIR, the older form, "
+                                 "works too")
     p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -146,7 +154,7 @@ def _check_translation_options(args) -> None:
     preflight.at_least(args.beam, 1, "--beam")
     preflight.at_least(args.batch_size, 1, "--batch-size")
     preflight.at_least(args.threads, 1, "--threads")
-    preflight.model_dir(args.model, "--model")
+    preflight.model_dir(args.model)
     if args.output not in (None, "-"):
         inputs = {flag: getattr(args, flag[2:]) for flag in ("--input", "--src", "--ref")
                   if getattr(args, flag[2:], None) not in (None, "-")}
@@ -178,8 +186,11 @@ def _translate_lines(args, command: str, sentences: list[str], progress: bool = 
     if truncated:
         limit = source_limit(model, tokenizer)
         lines = ", ".join(str(i + 1) for i in sorted(truncated)[:10]) + (", ..." if len(truncated) > 10 else "")
-        print(f"headlab nmt {command}: {len(truncated)} of {len(sentences)} inputs are longer than {limit} tokens and "
-              f"were cut to {limit} (lines {lines}); only their first {limit} tokens are translated", file=sys.stderr)
+        one = len(truncated) == 1
+        print(f"headlab nmt {command}: {len(truncated)} of {counted(len(sentences), 'input')} "
+              f"{'is' if one else 'are'} longer than {counted(limit, 'token')} and {'was' if one else 'were'} cut "
+              f"to {limit} ({'line' if one else 'lines'} {lines}); only {'its' if one else 'their'} first "
+              f"{counted(limit, 'token')} {'is' if limit == 1 else 'are'} translated", file=sys.stderr)
     return outputs, seconds
 
 
@@ -194,7 +205,7 @@ def _translate(args) -> int:
         raise HeadlabError("--input -: standard input is empty")
     outputs, seconds = _translate_lines(args, "translate", sentences, progress=sys.stderr.isatty())
     _write_output(args.output, outputs)
-    print(f"translated {len(sentences)} lines in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
+    print(f"translated {counted(len(sentences), 'line')} in {seconds:.1f} s (beam {args.beam})", file=sys.stderr)
     return 0
 
 
@@ -220,7 +231,8 @@ def _evaluate(args) -> int:
     preflight.input_file(args.ref, "--ref")
     sources, references = read_lines(args.src), read_lines(args.ref)
     if len(sources) != len(references):
-        raise HeadlabError(f"--src {args.src} has {len(sources)} lines, --ref {args.ref} has {len(references)} lines: "
+        raise HeadlabError(f"--src {args.src} has {counted(len(sources), 'line')}, --ref {args.ref} has "
+                           f"{counted(len(references), 'line')}: "
                            "they must match line for line")
     outputs, seconds = _translate_lines(args, "evaluate", sources)
     if args.output:
@@ -229,7 +241,7 @@ def _evaluate(args) -> int:
     if args.json:
         print(json.dumps({**scores.to_dict(), "beam": args.beam, "seconds": seconds}, indent=2))
     else:
-        print(f"{scores.format()}\n(beam {args.beam}, {len(sources)} sentences in {seconds:.1f} s)")
+        print(f"{scores.format()}\n(beam {args.beam}, {counted(len(sources), 'sentence')} in {seconds:.1f} s)")
     return 0
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from headlab.data.parallel import read_lines
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import atomic_write_bytes
 
 __all__ = ["ParseReport", "check_pipeline_dir", "import_spacy", "load_pipeline", "parse_lines", "parse_text_file",
@@ -47,7 +47,8 @@ class ParseReport:
     blank_lines: list[int] = field(default_factory=list)  # the first few, for the message
 
     def describe(self) -> str:
-        text = f"{self.n_sentences:,} sentences ({self.n_tokens:,} tokens) parsed from {self.n_lines:,} lines"
+        text = (f"{counted(self.n_sentences, 'sentence', spec=',')} ({counted(self.n_tokens, 'token', spec=',')}) parsed "
+                f"from {counted(self.n_lines, 'line', spec=',')}")
         if self.n_blank:
             shown = ", ".join(map(str, self.blank_lines))
             more = ", ..." if self.n_blank > len(self.blank_lines) else ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from headlab.device_options import add_device_options
-from headlab.options import HelpFormatter, add_options, from_args, help_of, numbers
+from headlab.options import HelpFormatter, add_options, comma_list, from_args, help_of, numbers
 from headlab.pipeline.pipeline import STAGES, AnalyzeConfig
 from headlab.plugins import add_plugin_options, defer, values_from_args
 from headlab.shard import add_process_options
@@ -41,8 +41,9 @@ def register(subparsers) -> None:
 def config_from_args(args) -> AnalyzeConfig:
     return from_args(
         args, AnalyzeConfig, train_text=tuple(args.train_text),
-        skip=tuple(name.strip() for item in args.skip for name in item.split(",") if name.strip()),
-        prune_keeps=numbers(args.prune_keeps, flag="--prune-keeps") if args.prune_keeps else (), progress=not args.no_progress,
+        skip=comma_list(",".join(args.skip), "--skip") if args.skip else (),
+        prune_keeps=numbers(args.prune_keeps, flag="--prune-keeps") if args.prune_keeps is not None else (),
+        progress=not args.no_progress,
         options=values_from_args(args, AnalyzeConfig.plugin_specs()))
 
 

@@ -45,12 +45,12 @@ from typing import Any, Callable
 
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
-from headlab.errors import HeadlabError, RunFailed
+from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
-from headlab.resume import SkipStage, file_fingerprint, now_iso, stage_key, weights_fingerprint
+from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
 __all__ = ["AnalyzeConfig", "AnalysisRun", "STAGES", "STAGE_GROUPS", "SkipStage", "run_analysis",
@@ -219,8 +219,8 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
                 f"{text[:80]!r} but line {n} of the source is {lines[n - 1][:80]!r}. Without --conllu-is-source "
                 "the treebank is analysed as a corpus of its own")
     if n < len(lines):
-        raise HeadlabError(f"--conllu {conllu} has {n} sentences but --source {source} has {len(lines)} "
-                           "non-empty lines: with --conllu-is-source they must match one to one")
+        raise HeadlabError(f"--conllu {conllu} has {counted(n, 'sentence')} but --source {source} has "
+                           f"{counted(len(lines), 'non-empty line')}: with --conllu-is-source they must match one to one")
     return n
 
 
@@ -243,24 +243,6 @@ def _foreign_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
-def _refuse_other_commands_results(out: Path, where: str = "--out ") -> None:
-    """``out`` holding the results of functions, importance, prune apply ... (listed in
-    ``.headlab/files.json``, headlab.outdir) is not an analysis: its ``.headlab/`` would pass it
-    for analyze's own, and the report would be written among that command's files."""
-    from headlab.outdir import FILES
-
-    try:
-        record = json.loads((out / FILES).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    files = record.get("files") if isinstance(record, dict) else None
-    if not files or not any((out / str(name)).exists() for name in files):
-        return
-    shown = ", ".join(str(name) for name in files[:3]) + (", ..." if len(files) > 3 else "")
-    raise HeadlabError(f"{where}{out}: holds the results of `headlab {record.get('command', '?')}` ({shown}), "
-                       "not an analysis, which are not replaced by one; choose a new or empty directory")
-
-
 def validate(config: AnalyzeConfig) -> Path:
     """Every check that needs no model: paths, flags, the CoNLL-U/source contract."""
     from headlab import preflight
@@ -274,7 +256,10 @@ def validate(config: AnalyzeConfig) -> Path:
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     out = preflight.output_dir(config.out)
-    _refuse_other_commands_results(out)
+    from headlab.outdir import other_commands_results
+
+    if other := other_commands_results(out, "analyze", "--force"):  # its .headlab/ would pass it for analyze's own
+        raise HeadlabError(other)
     foreign = _foreign_files(out)
     if foreign and not config.force:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -321,7 +306,7 @@ def validate(config: AnalyzeConfig) -> Path:
     if config.target is not None:
         n_target = len(_read_checked(config.target, "--target"))
         if n_source != n_target:
-            raise HeadlabError(f"--source {config.source} has {n_source} lines but --target {config.target} has "
+            raise HeadlabError(f"--source {config.source} has {counted(n_source, 'line')} but --target {config.target} has "
                                f"{n_target}: they must match line for line")
     if config.prune and "prune" not in _skipped_by_flag(config) and config.target is not None \
             and getattr(model_config, "is_encoder_decoder", False):
@@ -843,12 +828,17 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file.write_text(key + "\n")
 
 
-def _discard(ctx: _Context, name: str) -> None:
-    """A stage that is not done this time leaves no marker and no outputs of an earlier run."""
+def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
+    """A stage that is not done this time leaves no marker and no outputs of an earlier run; with
+    ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), not
+    deleted. Returns where they went."""
     marker = raw_marker(ctx.out_dir, name)
+    kept = []
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
-        if path.is_dir():
+        if keep and path.exists():
+            kept.append(set_aside(path, ctx.out_dir))
+        elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
@@ -858,6 +848,7 @@ def _discard(ctx: _Context, name: str) -> None:
         directory = ctx.out_dir / STAGE_DIRS[name]
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
+    return kept
 
 
 def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord | None:
@@ -871,11 +862,11 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
             ctx.figures = marker.get("figures", [])
         ctx.log(f"{position} {name}: reused (done earlier; --force runs it again)")
         return record
-    if flagged:  # results of other inputs or options would join this run's table and report: removed
-        stale = raw_marker(ctx.out_dir, name) is not None
-        _discard(ctx, name)
-        ctx.log(f"{position} {name}: skipped (--skip)" + ("; its results of an earlier run with other inputs or "
-                                                          "options were removed" if stale else ""))
+    if flagged:  # results of other inputs or options would join this run's table and report: set aside
+        kept = _discard(ctx, name, keep=True)
+        shown = ", ".join(str(path.relative_to(ctx.out_dir)) for path in kept)
+        ctx.log(f"{position} {name}: skipped (--skip)" + (f"; its results of an earlier run with other inputs or "
+                                                          f"options were moved aside to {shown}" if kept else ""))
         return StageRecord(name, "skipped", "skipped with --skip")
     reason = not_requested(name, ctx.config)
     if reason:

@@ -46,7 +46,8 @@ def _add_data_options(p) -> None:
     p.add_argument("--train-text", help="training text, one sentence per line (encoder-/decoder-only LM loss)")
     p.add_argument("--valid-src", help="evaluation source file (BLEU, chrF, loss of the pruned model)")
     p.add_argument("--valid-tgt", help="evaluation reference file")
-    p.add_argument("--limit", type=int, help="use the first N training pairs")
+    p.add_argument("--limit", type=int,
+                   help="use the first N training pairs (or sentences of --train-text, blank lines not counted)")
     p.add_argument("--eval-limit", type=int, help="evaluate on the first N pairs")
     p.add_argument("--max-sentence-tokens", type=int, default=100, help="cut longer sentences (whitespace tokens)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -207,11 +208,13 @@ def _load(args):
 
 def _data(args, tokenizer, model):
     from headlab.data import read_lines, read_parallel
+    from headlab.data.parallel import first_sentences
     from headlab.model_description import model_max_length
     from headlab.pruning.train import encode_monolingual_corpus
 
     if args.train_text:
-        lines = read_lines(args.train_text)[: args.limit] if args.limit else read_lines(args.train_text)
+        lines = read_lines(args.train_text)
+        lines = lines[: first_sentences(lines, args.limit)]  # --limit N: N sentences, blank lines not counted
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         train_data: Any = encode_monolingual_corpus(tokenizer, lines, model_max_length(model, tokenizer))
@@ -272,8 +275,8 @@ def run_sweep_command(args) -> int:
     from headlab.lock import training_lock
     from headlab.pruning.sweep import run_sweep, sweep_points
 
-    points = sweep_points(numbers(args.lams, float, "--lams") if args.lams else (),
-                          numbers(args.keeps, flag="--keeps") if args.keeps else ())
+    points = sweep_points(numbers(args.lams, float, "--lams") if args.lams is not None else (),
+                          numbers(args.keeps, flag="--keeps") if args.keeps is not None else ())
     args.lam, args.keep = 0.0, None
     config = _config(args)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from headlab.errors import counted
 from headlab.heads import atomic_write_text
 from headlab.nmt.bleu import bleu_interval, compute_scores, paired_bootstrap
 from headlab.resume import append_record, read_step_records
@@ -74,7 +75,8 @@ class DevCurve:
         record = {"step": step, "bleu": scores.bleu, "low": low, "high": high, "chrf": scores.chrf, "beam": 1,
                   "n_sentences": len(references), "heads_open": self.open_heads()}
         append_record(self.path, record)
-        self.log(f"step {step}: dev BLEU {scores.bleu:.2f} [{low:.2f}, {high:.2f}] (greedy, {len(references)} sentences)")
+        self.log(f"step {step}: dev BLEU {scores.bleu:.2f} [{low:.2f}, {high:.2f}] "
+                 f"(greedy, {counted(len(references), 'sentence')})")
         return record
 
     def callback(self, model, step: int, info: dict) -> None:

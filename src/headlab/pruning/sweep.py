@@ -32,6 +32,7 @@ from headlab.pruning.train import (
     prune_train,
     with_gates_resolved,
 )
+from headlab.resume import set_aside
 
 __all__ = ["sweep_points", "run_sweep", "write_table", "point_name"]
 
@@ -117,13 +118,7 @@ def _option(options: dict, key: str):
 
 def _set_aside(path: Path, out_dir: Path, log: Callable[[str], None], reason: str) -> None:
     """Move a stale point (or full.json) to ``out_dir/stale/`` under a name not taken yet."""
-    stale = out_dir / "stale"
-    stale.mkdir(exist_ok=True)
-    target, i = stale / path.name, 1
-    while target.exists():
-        i += 1
-        target = stale / f"{path.name}.old{i}"
-    path.rename(target)
+    target = set_aside(path, out_dir)
     log(f"{path.name}: {reason}; moved to {target} and run again")
 
 
