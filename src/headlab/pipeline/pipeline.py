@@ -512,7 +512,8 @@ def _importance(name: str):
                             "to differentiate")
         data = ctx.importance_data()
         values = c.option_values()
-        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, beam=c.beam, progress=c.progress, options={
+        beam: Any = c.beam  # a measure's option (ablation declares --beam), an int
+        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, beam=beam, progress=c.progress, options={
             **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
             # --engine eager with --query-chunk: the functions' and aggregate's engine; confidence is chunked
             "query_chunk": c.query_chunk, "engine": "eager" if c.engine == "eager" and c.query_chunk is None else None})
