@@ -491,3 +491,16 @@ def test_cli_lm_text_is_cut_to_the_positions_the_model_takes(family, tmp_path):
     out = tmp_path / "out"
     assert main(["prune", "train", str(path), "--train-text", str(text), "--gates", "all", "--lam", "0.1",
                  "--max-steps", "1", "--no-progress", "--out", str(out)]) == 0
+
+
+def test_cli_baseline_runs_a_seed_or_keep_given_twice_once(model_dir, tmp_path, capsys):
+    """Regression: `--seeds 1,1` made two rows of the same run, reported as 2 runs with std 0.00
+    (a spread the numbers do not have), and `--keeps 3,3` two rows of one configuration."""
+    out = tmp_path / "b"
+    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
+            "--method", "random", "--keeps", "3,3", "--seeds", "1,1", "--out", str(out)]
+    assert main(args) == 0
+    assert "| random | 3 | 0 | no | 1 |" in capsys.readouterr().out
+    assert [(r["keep"], r["seed"]) for r in json.loads((out / "baselines.json").read_text())] == [(3, 1)]

@@ -250,8 +250,10 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     method = _row_method(c)
     for keep in c.keeps:
         for seed in c.seeds:
-            if (method, keep, seed, c.finetune_steps, c.from_scratch, c.freeze_decoder and bool(c.finetune_steps)) in done:
+            row_key = (method, keep, seed, c.finetune_steps, c.from_scratch, c.freeze_decoder and bool(c.finetune_steps))
+            if row_key in done:
                 continue
+            done.add(row_key)  # a keep or seed given twice is one run, not two runs with no spread
             model, tokenizer = load()
             if c.method == "random":
                 assert seed is not None  # --method random has seeds (the CLI refuses none)
