@@ -46,11 +46,14 @@ def point_name(point: dict) -> str:
 def sweep_points(lams=(), keeps=()) -> list[dict]:
     """Validated sweep points: ``{"lam": x}`` for each lambda, ``{"keep": n}`` for each budget."""
     points = []
+    # Checked here, before the model loads and the full model is evaluated, not when a point starts.
     for lam in lams:
-        if not lam >= 0:
-            raise HeadlabError(f"lambda must be >= 0, got {lam}")
-        points.append({"lam": float(lam), "keep": None})
+        if not 0 <= lam < float("inf"):
+            raise HeadlabError(f"lambda must be a finite number >= 0, got {lam}")
+        points.append({"lam": float(lam) + 0.0, "keep": None})  # + 0.0: -0.0 is 0.0, not a point "lam--0"
     for keep in keeps:
+        if keep < 0:
+            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 0")
         points.append({"lam": 0.0, "keep": int(keep)})
     if not points:
         raise HeadlabError("a sweep needs --lams or --keeps")
