@@ -105,6 +105,11 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
     _, _, (model, tokenizer), _ = setup
     with pytest.raises(HeadlabError, match="one string"):
         headlab.importance(model, tokenizer, "a man is riding a bike")
+    # Regression: a string of targets (or frequency texts) was said to be a string of texts
+    with pytest.raises(HeadlabError, match="^targets: expected a list of sentences, got one string"):
+        headlab.importance(model, tokenizer, ["a man"], targets="ein mann", measures="confidence")
+    with pytest.raises(HeadlabError, match="^frequency_texts: expected a list of sentences, got one string"):
+        headlab.functions(model, tokenizer, SAMPLE_CONLLU, frequency_texts="a man")
     with pytest.raises(HeadlabError, match="no non-empty line"):
         headlab.importance(model, tokenizer, ["", "  "], measures="confidence")
     with pytest.raises(HeadlabError, match="has 2 lines but <targets> has 1"):
