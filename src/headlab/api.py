@@ -173,7 +173,8 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
         from headlab.data.frequencies import TokenFrequencies
 
         frequencies = (frequency_texts if isinstance(frequency_texts, TokenFrequencies) else
-                       TokenFrequencies.from_texts(tokenizer, _frequency_texts(_texts(frequency_texts, "frequency_texts")), "<texts>"))
+                       TokenFrequencies.from_texts(tokenizer, _frequency_texts(_texts(frequency_texts, "frequency_texts")),
+                                                   "<texts>"))
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=batch_size, max_sentences=limit,
                             max_length=max_length, query_chunk=query_chunk, **options)
     source = as_treebank(treebank)
