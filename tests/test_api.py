@@ -411,6 +411,33 @@ def test_prune_by_spec_and_by_scores(setup):
         headlab.prune(model, api["confidence"])
 
 
+def test_prune_by_scores_of_a_pruned_model_keeps_the_best_heads():
+    """Regression: scores number a pruned model's heads as the model did before pruning (NaN for
+    the heads it lost), but prune(model, scores, keep=N) applied their numbers to the model's
+    current numbering: with heads 0 and 3 of a layer kept, the least important head 3 went as
+    'head 3' (refused) or, worse, original head 1 was taken for the current head 1 (original 2)."""
+    import numpy as np
+
+    from headlab.pruning.baselines import scores_spec
+
+    for prune in (lambda model, scores: headlab.prune(model, scores, keep=3, kinds=["enc_self"]),
+                  lambda model, scores: headlab.prune_heads(model, scores_spec(scores, 3, ["enc_self"], model))):
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")  # layer 0 keeps heads 0, 3; layer 1 heads 1, 2, 3
+        values = np.array([[0.9, np.nan, np.nan, 0.8], [np.nan, 0.1, 0.7, 0.6]])  # as importance writes them
+        scores = headlab.HeadScores({"enc_self": values}, "confidence", "m")
+        prune(model, scores)
+        assert headlab.surgery.pruning_record(model)["blocks"]["enc_self"] == {
+            "0": {"n_heads": 4, "kept_heads": [0, 3], "kept_kv_heads": [0, 3]},
+            "1": {"n_heads": 4, "kept_heads": [2], "kept_kv_heads": [2]}}
+        # scores of the model before it was pruned: a head it lost is not among the N kept
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")
+        full = headlab.HeadScores({"enc_self": np.array([[0.9, 0.95, 0.2, 0.8], [0.99, 0.1, 0.7, 0.6]])}, "c", "m")
+        prune(model, full)
+        assert headlab.surgery.pruning_record(model)["blocks"]["enc_self"]["1"]["kept_heads"] == [2]
+
+
 def test_kinds_are_checked_and_a_string_is_a_comma_list(setup):
     """Regression: an unknown or absent kind scored nothing, silently (empty HeadScores), and a
     string was taken letter by letter (the signature's kinds, prune's keep=0 removing nothing)."""

@@ -213,12 +213,12 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay.
     Returns the heads each pruned block keeps, in the model's original numbering."""
     from headlab.adapters import attention_blocks
-    from headlab.surgery import prune_heads
+    from headlab.surgery import prune_heads, removal_by_scores
 
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = heads.top_mask(keep, _kinds(model, kinds) if kinds else None)
+        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
     elif keep is not None:
         raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
     elif isinstance(heads, str):
