@@ -215,3 +215,12 @@ def test_export_of_an_epoch_that_is_not_a_number(which, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--checkpoint {which}: not an epoch number; expected epoch-N with N >= 1" in err and "internal" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_help_says_the_default_dtype(capsys):
+    """Regression: `lm export` writes float16 and `nmt export` float32 by default, and neither
+    --help said so (docs/lm.md wrote `[--dtype float16]` as if it were not the default)."""
+    for command, dtype in (("lm", "float16"), ("nmt", "float32")):
+        with pytest.raises(SystemExit):
+            main([command, "export", "--help"])
+        assert f"the exported weights' dtype (default: {dtype})" in " ".join(capsys.readouterr().out.split())

@@ -257,7 +257,8 @@ def add_export_command(commands, trainer: str, checkpoints: str, dtype: str) -> 
     p.add_argument("--run", required=True, help=f"training output directory (--out of {trainer} train)")
     p.add_argument("--to", required=True, help="model directory to write")
     p.add_argument("--checkpoint", default="best", help=checkpoints)
-    p.add_argument("--dtype", default=dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=dtype, choices=["float32", "float16", "bfloat16"],
+                   help="the exported weights' dtype")  # lm and nmt differ: say the default
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_export)
 
