@@ -366,3 +366,25 @@ def test_default_engine_agrees_with_the_eager_reference(full_run, inputs, tmp_pa
         if path.name != "summary.json":  # the run's time and configuration
             _assert_json_close(json.loads((full_run / path).read_text()), json.loads((out / path).read_text()),
                                str(path))
+
+
+def test_beam_reaches_the_measures_and_their_stage_keys(inputs, tmp_path, capsys):
+    """Regression: `analyze --beam 4` was ignored (the measures scored the model's greedy
+    translations, signature beam 1, as `headlab importance --beam 4` does not), and a resumed run
+    with another --beam reused the measures of the earlier beam."""
+    out = tmp_path / "out"
+    skip = ["--skip", "gradient", "ablation", "functions", "aggregate", "prune", "figures", "attention", "report"]
+    assert main(_args(inputs, out, *skip)) == 0
+    assert HeadScores.load(out / "importance" / "confidence.json").signature["options"]["beam"] == 1
+    capsys.readouterr()
+    assert main(_args(inputs, out, *skip, "--beam", "3")) == 0
+    assert "confidence: reused" not in capsys.readouterr().err
+    for measure in ("confidence", "lrp"):
+        assert HeadScores.load(out / "importance" / f"{measure}.json").signature["options"]["beam"] == 3
+    reference = tmp_path / "importance"
+    assert main(["importance", str(inputs / "model"), "--source", str(inputs / "src.en"), "--out", str(reference),
+                 "--method", "confidence", "--beam", "3", "--no-progress"]) == 0
+    assert HeadScores.load(out / "importance" / "confidence.json").scores.keys() == \
+        HeadScores.load(reference / "confidence.json").scores.keys()
+    for kind, values in HeadScores.load(reference / "confidence.json").scores.items():
+        assert (HeadScores.load(out / "importance" / "confidence.json").scores[kind] == values).all()

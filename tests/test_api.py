@@ -105,6 +105,11 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
     _, _, (model, tokenizer), _ = setup
     with pytest.raises(HeadlabError, match="one string"):
         headlab.importance(model, tokenizer, "a man is riding a bike")
+    # Regression: a string of targets (or frequency texts) was said to be a string of texts
+    with pytest.raises(HeadlabError, match="^targets: expected a list of sentences, got one string"):
+        headlab.importance(model, tokenizer, ["a man"], targets="ein mann", measures="confidence")
+    with pytest.raises(HeadlabError, match="^frequency_texts: expected a list of sentences, got one string"):
+        headlab.functions(model, tokenizer, SAMPLE_CONLLU, frequency_texts="a man")
     with pytest.raises(HeadlabError, match="no non-empty line"):
         headlab.importance(model, tokenizer, ["", "  "], measures="confidence")
     with pytest.raises(HeadlabError, match="has 2 lines but <targets> has 1"):
@@ -404,6 +409,33 @@ def test_prune_by_spec_and_by_scores(setup):
         4 for kind in ("enc_self", "dec_self") for layer in range(2) if (kind, layer) not in kept) == 14
     with pytest.raises(HeadlabError, match="keep=N"):
         headlab.prune(model, api["confidence"])
+
+
+def test_prune_by_scores_of_a_pruned_model_keeps_the_best_heads():
+    """Regression: scores number a pruned model's heads as the model did before pruning (NaN for
+    the heads it lost), but prune(model, scores, keep=N) applied their numbers to the model's
+    current numbering: with heads 0 and 3 of a layer kept, the least important head 3 went as
+    'head 3' (refused) or, worse, original head 1 was taken for the current head 1 (original 2)."""
+    import numpy as np
+
+    from headlab.pruning.baselines import scores_spec
+
+    for prune in (lambda model, scores: headlab.prune(model, scores, keep=3, kinds=["enc_self"]),
+                  lambda model, scores: headlab.prune_heads(model, scores_spec(scores, 3, ["enc_self"], model))):
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")  # layer 0 keeps heads 0, 3; layer 1 heads 1, 2, 3
+        values = np.array([[0.9, np.nan, np.nan, 0.8], [np.nan, 0.1, 0.7, 0.6]])  # as importance writes them
+        scores = headlab.HeadScores({"enc_self": values}, "confidence", "m")
+        prune(model, scores)
+        assert headlab.surgery.pruning_record(model)["blocks"]["enc_self"] == {
+            "0": {"n_heads": 4, "kept_heads": [0, 3], "kept_kv_heads": [0, 3]},
+            "1": {"n_heads": 4, "kept_heads": [2], "kept_kv_heads": [2]}}
+        # scores of the model before it was pruned: a head it lost is not among the N kept
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")
+        full = headlab.HeadScores({"enc_self": np.array([[0.9, 0.95, 0.2, 0.8], [0.99, 0.1, 0.7, 0.6]])}, "c", "m")
+        prune(model, full)
+        assert headlab.surgery.pruning_record(model)["blocks"]["enc_self"]["1"]["kept_heads"] == [2]
 
 
 def test_kinds_are_checked_and_a_string_is_a_comma_list(setup):

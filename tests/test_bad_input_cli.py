@@ -415,6 +415,7 @@ def test_prune_lock_is_held_by_the_main_process_only(command, runner, inputs, tm
 
     monkeypatch.setattr(headlab.pruning.cli, "_load", lambda args: (None, None))
     monkeypatch.setattr(headlab.pruning.cli, "_data", lambda args, tokenizer, model: (None, None))
+    monkeypatch.setattr(headlab.pruning.cli, "_check_budgets", lambda model, config, points: None)  # no model here
     monkeypatch.setattr(runner, run)
     src = str(inputs / "src.txt")
     args = ["prune", command, str(inputs / "model"), "--train-src", src, "--train-tgt", src, "--out", str(out)]
@@ -425,3 +426,33 @@ def test_prune_lock_is_held_by_the_main_process_only(command, runner, inputs, tm
     _hold(out, sleeper.pid)  # rank 0 of a launch holds it
     monkeypatch.setenv("RANK", "1")
     assert main(args) == 130 and held == [True, True]
+
+
+@pytest.mark.parametrize("points, expected", [
+    (["--keeps", "-1"], "--keeps -1: a head budget must be >= 0"),
+    (["--lams", "inf"], "lambda must be a finite number >= 0, got inf"),
+    (["--lams", "0.1,-0.0,0"], "repeated sweep points"),  # -0.0 was a point of its own, "lam--0"
+])
+def test_sweep_refuses_bad_points_before_loading(points, expected, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: a negative budget or an infinite lambda was refused only when its point started,
+    after the model was loaded and the full model evaluated (full.json written)."""
+    forbid_model_loading(monkeypatch)
+    import headlab.pruning.cli
+
+    monkeypatch.setattr(headlab.pruning.cli, "_load", _raise(AssertionError("model loaded")))
+    out = tmp_path / "sweep"
+    assert main(["prune", "sweep", str(inputs / "model"), "--train-src", str(inputs / "src.txt"), "--train-tgt",
+                 str(inputs / "src.txt"), *points, "--out", str(out)]) == 2
+    assert expected in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sweep_refuses_a_budget_above_the_gated_heads_before_any_point(inputs, tmp_path, capsys):
+    """Regression: `--keeps 999` was refused when its point started, after the full model had been
+    evaluated and full.json written."""
+    out = tmp_path / "sweep"
+    assert main(["prune", "sweep", str(inputs / "model"), "--train-src", str(inputs / "src.txt"), "--train-tgt",
+                 str(inputs / "src.txt"), "--valid-src", str(inputs / "src.txt"), "--valid-tgt", str(inputs / "src.txt"),
+                 "--keeps", "2,999", "--out", str(out)]) == 2
+    assert "--keeps 999 is larger than the 8 gated heads (enc_self)" in capsys.readouterr().err
+    assert not (out / "full.json").exists()

@@ -223,3 +223,26 @@ def test_train_refuses_mismatched_validation_files_before_reading_the_training_d
     err = capsys.readouterr().err
     assert f"--valid-src/--valid-tgt: parallel files differ in length: {source} has 4 lines" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("which", ["epoch-x", "epoch-", "epoch-0", "epoch--1", "epoch-1.5"])
+def test_export_of_an_epoch_that_is_not_a_number(which, tmp_path, capsys):
+    """Regression: `lm export`/`nmt export --checkpoint epoch-x` was an internal error (ValueError
+    from int()), and `epoch--1` looked for `epochs/epoch--01`."""
+    (tmp_path / "run" / "epochs" / "epoch-001").mkdir(parents=True)
+    (tmp_path / "run" / "epochs" / "epoch-001" / "model.safetensors").write_bytes(b"")
+    for command in ("lm", "nmt"):
+        assert main([command, "export", "--run", str(tmp_path / "run"), "--to", str(tmp_path / "out"),
+                     "--checkpoint", which]) == 2
+        err = capsys.readouterr().err
+        assert f"--checkpoint {which}: not an epoch number; expected epoch-N with N >= 1" in err and "internal" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_help_says_the_default_dtype(capsys):
+    """Regression: `lm export` writes float16 and `nmt export` float32 by default, and neither
+    --help said so (docs/lm.md wrote `[--dtype float16]` as if it were not the default)."""
+    for command, dtype in (("lm", "float16"), ("nmt", "float32")):
+        with pytest.raises(SystemExit):
+            main([command, "export", "--help"])
+        assert f"the exported weights' dtype (default: {dtype})" in " ".join(capsys.readouterr().out.split())

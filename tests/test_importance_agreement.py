@@ -89,6 +89,18 @@ def test_agreement_table_per_kind_and_pooled(tmp_path):
     assert "Spearman" in md_path.read_text()
 
 
+def test_no_best_predictor_when_no_measure_agrees():
+    """Regression: with every correlation negative, `headlab importance` printed "best predictor
+    of ablation over all heads: X" for the measure that disagreed least, a claim its numbers do
+    not support."""
+    ablation = _table("ablation", [[1, 2], [3, 4]], [[4, 3], [2, 1]])
+    flipped = _table("confidence", [[4, 3], [2, 1]], [[1, 2], [3, 4]])
+    worse = _table("lrp", [[4, 3], [1, 2]], [[1, 2], [4, 3]])
+    table = compute_agreement({"confidence": flipped, "lrp": worse}, ablation)
+    assert table.rho["lrp"]["all"] < 0 and table.rho["confidence"]["all"] < 0
+    assert table.best() is None
+
+
 def test_top_share_shows_dominant_heads():
     scores = HeadScores({"enc_self": np.array([[0.7, 0.1, 0.1, 0.1], [0.25, -0.25, 0.25, 0.25]])}, "lrp")
     shares = top_share(scores, top=1)["enc_self"]

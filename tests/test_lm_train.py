@@ -235,3 +235,20 @@ def test_training_into_a_directory_in_use_or_unwritable_is_refused_before_work(f
     bad[3] = str(missing)  # the (first) training file
     assert main(bad + ["--out", str(tmp_path / "x")]) == 2
     assert "missing.txt: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--heads", "3", "--d-model 32 is not divisible by --heads 3"),
+    ("--vocab-size", "5", "--vocab-size 5 is too small"),
+])
+def test_train_refuses_a_bad_shape_before_reading_the_text(option, value, expected, tmp_path, capsys, monkeypatch):
+    """Regression: --heads not dividing --d-model, or a vocabulary too small for the special
+    tokens, was refused only after the whole training text was read and a vocabulary trained."""
+    import headlab.lm.train
+
+    monkeypatch.setattr(headlab.lm.train, "read_text_corpus", lambda *a, **k: pytest.fail("the text was read"))
+    args = ["lm", "train", "--train", str(TRAIN), "--out", str(tmp_path / "run"), "--patience", "0",
+            "--d-model", "32", "--heads", "4", "--vocab-size", "300", option, value]
+    assert main(args) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -321,3 +321,23 @@ def test_the_card_marks_an_epoch_recorded_only_after_a_resume(tmp_path):
     rows = [line for line in curve.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.count("*") for row in rows] == [0, 3, 0]
     assert curve.rstrip().endswith("epoch 2 (25%).")
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--heads", "3", "--d-model 32 is not divisible by --heads 3"),
+    ("--vocab-size", "5", "--vocab-size 5 is too small"),
+])
+def test_train_refuses_a_bad_shape_before_reading_the_data(option, value, expected, tmp_path, capsys, monkeypatch):
+    """Regression: --heads not dividing --d-model, or a vocabulary too small for the special
+    tokens, was refused only after the training data were read and a vocabulary trained."""
+    import headlab.nmt.recipe
+
+    monkeypatch.setattr(headlab.nmt.recipe, "run_tokenizer", lambda *a, **k: pytest.fail("a vocabulary was made"))
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    src.write_text("a dog runs\n", encoding="utf-8")
+    tgt.write_text("ein hund rennt\n", encoding="utf-8")
+    args = ["nmt", "train", "--train-src", str(src), "--train-tgt", str(tgt), "--out", str(tmp_path / "run"),
+            "--d-model", "32", "--heads", "4", "--vocab-size", "300", option, value]
+    assert main(args) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -491,3 +491,45 @@ def test_cli_lm_text_is_cut_to_the_positions_the_model_takes(family, tmp_path):
     out = tmp_path / "out"
     assert main(["prune", "train", str(path), "--train-text", str(text), "--gates", "all", "--lam", "0.1",
                  "--max-steps", "1", "--no-progress", "--out", str(out)]) == 0
+
+
+def test_cli_baseline_runs_a_seed_or_keep_given_twice_once(model_dir, tmp_path, capsys):
+    """Regression: `--seeds 1,1` made two rows of the same run, reported as 2 runs with std 0.00
+    (a spread the numbers do not have), and `--keeps 3,3` two rows of one configuration."""
+    out = tmp_path / "b"
+    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
+            "--method", "random", "--keeps", "3,3", "--seeds", "1,1", "--out", str(out)]
+    assert main(args) == 0
+    assert "| random | 3 | 0 | no | 1 |" in capsys.readouterr().out
+    assert [(r["keep"], r["seed"]) for r in json.loads((out / "baselines.json").read_text())] == [(3, 1)]
+
+
+def test_report_refuses_baselines_of_another_beam_or_other_weights(tmp_path, capsys):
+    """Regression: baselines scored greedily were drawn beside a sweep scored with beam 4 (and its
+    beam-4 full model as the line), so a greedy baseline appeared to beat or trail the gates by the
+    beam's difference alone; baselines of other weights likewise. Nothing is written then."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps(
+        [{"point": "full", "lam": None, "keep": None, "enc_self": 8, "dec_self": 8, "dec_cross": 8, "heads": 24,
+          "bleu": 30.0}]))
+    (sweep / "full.json").write_text(json.dumps({"metrics": {"bleu": 30.0, "beam": 4}, "model_sha256": "a" * 64}))
+    base = tmp_path / "base"
+    base.mkdir()
+    row = {"method": "random", "keep": 3, "seed": 1, "finetune_steps": 0, "heads_kept": {"enc_self": 3}, "bleu": 20.0,
+           "eval_beam": 1, "model_sha256": "a" * 64}
+    args = ["prune", "report", str(sweep), "--baselines", str(base), "--out", str(tmp_path / "fig")]
+    (base / "baselines.json").write_text(json.dumps([row]))
+    assert main(args) == 2
+    assert f"--baselines {base}: its rows were scored with beam 1, the sweep {sweep} with beam 4" in capsys.readouterr().err
+    (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4, "model_sha256": "b" * 64}]))
+    assert main(args) == 2
+    assert "its rows were made from other weights than the sweep" in capsys.readouterr().err
+    assert not (tmp_path / "fig").exists()
+    (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4}]))
+    assert main(args) == 0
+    assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").is_file()
+    assert main(["prune", "report", str(tmp_path / "none"), "--out", str(tmp_path / "fig2")]) == 2
+    assert not (tmp_path / "fig2").exists()  # a refused report leaves no empty directory behind

@@ -102,9 +102,9 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
     return path
 
 
-def _texts(texts: Any) -> list:
+def _texts(texts: Any, name: str = "texts") -> list:
     if isinstance(texts, str):
-        raise HeadlabError("texts: expected a list of sentences, got one string (wrap it in a list)")
+        raise HeadlabError(f"{name}: expected a list of sentences, got one string (wrap it in a list)")
     return list(texts)
 
 
@@ -158,7 +158,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     info = model_info(model, tokenizer, max_length)
-    data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets),
+    data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
     return run_importance(model, data, info, config, tokenizer=tokenizer)
 
@@ -173,7 +173,8 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
         from headlab.data.frequencies import TokenFrequencies
 
         frequencies = (frequency_texts if isinstance(frequency_texts, TokenFrequencies) else
-                       TokenFrequencies.from_texts(tokenizer, _frequency_texts(_texts(frequency_texts)), "<texts>"))
+                       TokenFrequencies.from_texts(tokenizer, _frequency_texts(_texts(frequency_texts, "frequency_texts")),
+                                                   "<texts>"))
     config = AnalysisConfig(functions=functions, aggregate=not functions, batch_size=batch_size, max_sentences=limit,
                             max_length=max_length, query_chunk=query_chunk, **options)
     source = as_treebank(treebank)
@@ -212,12 +213,12 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay.
     Returns the heads each pruned block keeps, in the model's original numbering."""
     from headlab.adapters import attention_blocks
-    from headlab.surgery import prune_heads
+    from headlab.surgery import prune_heads, removal_by_scores
 
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = heads.top_mask(keep, _kinds(model, kinds) if kinds else None)
+        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
     elif keep is not None:
         raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
     elif isinstance(heads, str):
@@ -283,7 +284,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
         from headlab.importance.pipeline import run_importance
 
         info = model_info(model, tokenizer, max_length)
-        data = texts_data(texts, tokenizer, info, targets=None if targets is None else _texts(targets), labels=labels,
+        data = texts_data(texts, tokenizer, info, targets=None if targets is None else _texts(targets, "targets"), labels=labels,
                           n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
         scores: dict[str, HeadScores] = {}
         for name in (m for m in IMPORTANCE_STAGES if m in measures):  # the pipeline's order, one run each
@@ -360,7 +361,7 @@ def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Se
     # A classifier's pair of texts is shown joined, as the command shows a labelled TSV's.
     sources = [text if isinstance(text, str) else " ".join(text) for text in texts]
     seq2seq = model_info(model, tokenizer).is_seq2seq
-    references = _texts(targets)[: len(sources)] if targets is not None and seq2seq else None
+    references = _texts(targets, "targets")[: len(sources)] if targets is not None and seq2seq else None
 
     def write(directory: Path) -> list[Path]:
         written = write_attention_examples(model, tokenizer, sources, references, directory / "attention",

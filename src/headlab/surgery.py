@@ -370,6 +370,26 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+def removal_by_scores(model: nn.Module, scores: Any, keep: int,
+                      kinds: tuple[str, ...] | None = None) -> dict[tuple[str, int], list[int]]:
+    """The heads to remove so that the ``keep`` best-scored heads of ``model`` remain
+    (:meth:`HeadScores.top_mask`), in the model's current numbering.
+
+    Scores number a pruned model's heads as before pruning (headlab's score tables of a pruned
+    model do, NaN for the heads it lost): the heads already removed are not ranked, and the others
+    are renumbered (a layer that kept heads 0 and 3 calls head 3 its head 1). A kind whose scores
+    are as wide as the model's current heads is taken as numbered so already."""
+    absent: dict[tuple[str, int], list[int]] = {}
+    kept: dict[tuple[str, int], list[int]] = {}
+    for block in attention_blocks(model):
+        heads, _, n = _original(block)
+        if len(heads) != n and block.kind in scores.scores and scores.scores[block.kind].shape[1] == n:
+            kept[block.key] = heads
+            absent[block.key] = [h for h in range(n) if h not in heads]
+    mask = scores.without(absent).top_mask(keep, kinds)
+    return {key: [kept[key].index(h) for h in heads] if key in kept else heads for key, heads in mask.items()}
+
+
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
     blocks: dict = {}
@@ -727,5 +747,5 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
-    "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS",
+    "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores",
 ]

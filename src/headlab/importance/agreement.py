@@ -73,9 +73,10 @@ class AgreementTable:
         return "\n".join(lines) + "\n"
 
     def best(self, column: str = "all") -> str | None:
-        """The measure that agrees best with the ground truth in ``column``."""
+        """The measure that agrees best with the ground truth in ``column``; None when none agrees
+        (no correlation above 0: the least negative one predicts nothing)."""
         candidates = [(row.get(column, math.nan), m) for m, row in self.rho.items()]
-        candidates = [(v, m) for v, m in candidates if not math.isnan(v)]
+        candidates = [(v, m) for v, m in candidates if not math.isnan(v) and v > 0]
         return max(candidates)[1] if candidates else None
 
     def save(self, directory: str | os.PathLike) -> tuple[Path, Path]:

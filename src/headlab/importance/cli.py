@@ -178,6 +178,8 @@ def _run(args, part) -> int:
         best = result.agreement.best()
         if best:
             print(f"best predictor of {REFERENCE} over all heads: {best}")
+        else:
+            print(f"no measure predicts {REFERENCE} over all heads (no correlation above 0)")
     if failed is not None:
         raise failed
     log(f"done in {time.perf_counter() - start:.0f}s")

@@ -104,6 +104,13 @@ def _train(args) -> int:
     layers = {"encoder_layers": args.layers, "decoder_layers": args.layers}
     recipe = from_args(args, TrainRecipe, model=from_args(args, ModelConfig, **layers),
                        train=from_args(args, TrainConfig, progress=not args.no_progress))
+    # The model's shape and the vocabulary's size before the data are read and a vocabulary trained
+    if recipe.model.d_model % recipe.model.n_heads:
+        raise HeadlabError(f"--d-model {recipe.model.d_model} is not divisible by --heads {recipe.model.n_heads}")
+    from headlab.nmt.tokenizer import SPECIAL_TOKENS
+
+    if recipe.tokenizer is None and recipe.vocab_size < len(SPECIAL_TOKENS) + 10:
+        raise HeadlabError(f"--vocab-size {recipe.vocab_size} is too small (at least {len(SPECIAL_TOKENS) + 10})")
     with training_lock(args.out):  # a second run on the same directory refuses
         result = run_recipe(recipe, **hooks)
     if result.stopped == "diverged":
@@ -262,7 +269,8 @@ def add_export_command(commands, trainer: str, checkpoints: str, dtype: str) -> 
     p.add_argument("--run", required=True, help=f"training output directory (--out of {trainer} train)")
     p.add_argument("--to", required=True, help="model directory to write")
     p.add_argument("--checkpoint", default="best", help=checkpoints)
-    p.add_argument("--dtype", default=dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=dtype, choices=["float32", "float16", "bfloat16"],
+                   help="the exported weights' dtype")  # lm and nmt differ: say the default
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_export)
 

@@ -30,7 +30,10 @@ def checkpoint_dir(run_dir: str | Path, which: str = "best") -> Path:
     """``best``, ``averaged``, ``last`` or ``epoch-N`` of a run made by ``headlab nmt train``."""
     run_dir = Path(run_dir)
     if which.startswith("epoch-"):
-        path = run_dir / "epochs" / f"epoch-{int(which.split('-', 1)[1]):03d}"
+        number = which.split("-", 1)[1]
+        if not (number.isascii() and number.isdigit() and int(number) >= 1):  # int() took "-1", "x" raised
+            raise HeadlabError(f"--checkpoint {which}: not an epoch number; expected epoch-N with N >= 1")
+        path = run_dir / "epochs" / f"epoch-{int(number):03d}"
     else:
         path = run_dir / which
     if not (path / "model.safetensors").is_file():

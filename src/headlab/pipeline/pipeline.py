@@ -439,6 +439,8 @@ class _Context:
             own = {s.dest for s in c.plugin_specs()}
             payload.update({s.dest: getattr(c, s.dest) for s in MEASURES[name].option_specs()
                             if s.signed and s.dest in own and getattr(c, s.dest) != s.default})
+            if c.beam != 1:  # every measure scores the model's translations of a beam (without --target)
+                payload["beam"] = c.beam
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
@@ -495,7 +497,8 @@ def _importance(name: str):
                             "to differentiate")
         data = ctx.importance_data()
         values = c.option_values()
-        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, progress=c.progress, options={
+        beam: Any = c.beam  # a measure's option (ablation declares --beam), an int
+        config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, beam=beam, progress=c.progress, options={
             **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
             # --engine eager with --query-chunk: the functions' and aggregate's engine; confidence is chunked
             "query_chunk": c.query_chunk, "engine": "eager" if c.engine == "eager" and c.query_chunk is None else None})
@@ -509,7 +512,8 @@ def _importance(name: str):
         written = [table.save(directory / f"{method}.json") for method, table in result.scores.items()]
         note = None
         if info.is_seq2seq and data.references is None and MEASURES[name].uses_loss:
-            note = "no --target: the loss is taken against the model's own greedy translation"
+            note = ("no --target: the loss is taken against the model's own "
+                    + ("greedy translation" if c.beam == 1 else f"translation (beam {c.beam})"))
         return written, note
 
     return run

@@ -79,8 +79,13 @@ def random_spec(model, keep: int, kinds=("enc_self",), seed: int = 0) -> Spec:
     return _spec(heads[i] for i in order[keep:])
 
 
-def scores_spec(scores: HeadScores, keep: int, kinds=("enc_self",)) -> Spec:
-    """Keep the ``keep`` best-scored heads (e.g. confidence or LRP, Voita et al. 2019, Sec. 4)."""
+def scores_spec(scores: HeadScores, keep: int, kinds=("enc_self",), model=None) -> Spec:
+    """Keep the ``keep`` best-scored heads (e.g. confidence or LRP, Voita et al. 2019, Sec. 4);
+    with ``model``, in its current numbering (a pruned model's scores number its heads as before)."""
+    if model is not None:
+        from headlab.surgery import removal_by_scores
+
+        return removal_by_scores(model, scores, keep, tuple(kinds))
     return scores.top_mask(keep, tuple(kinds))
 
 
@@ -250,15 +255,17 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     method = _row_method(c)
     for keep in c.keeps:
         for seed in c.seeds:
-            if (method, keep, seed, c.finetune_steps, c.from_scratch, c.freeze_decoder and bool(c.finetune_steps)) in done:
+            row_key = (method, keep, seed, c.finetune_steps, c.from_scratch, c.freeze_decoder and bool(c.finetune_steps))
+            if row_key in done:
                 continue
+            done.add(row_key)  # a keep or seed given twice is one run, not two runs with no spread
             model, tokenizer = load()
             if c.method == "random":
                 assert seed is not None  # --method random has seeds (the CLI refuses none)
                 spec = random_spec(model, keep, c.kinds, seed)
             elif c.method == "scores":
                 assert c.scores is not None  # --method scores reads a score file
-                spec = scores_spec(c.scores, keep, c.kinds)
+                spec = scores_spec(c.scores, keep, c.kinds, model)
             else:
                 spec = michel_spec(model, tokenizer, train_data, keep, c.kinds, max_batches=c.importance_batches)
             if c.from_scratch:

@@ -271,6 +271,18 @@ def run_train(args) -> int:
     return 0
 
 
+def _check_budgets(model, config, points: list[dict]) -> None:
+    """Each budget of a sweep against the gated heads, before the full model is evaluated (a
+    point refused its budget only when it started)."""
+    from headlab.pruning.train import heads_per_kind, resolve_kinds
+
+    kinds = resolve_kinds(model, config.gates)
+    gated = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
+    for point in points:
+        if point["keep"] is not None and point["keep"] > gated:
+            raise HeadlabError(f"--keeps {point['keep']} is larger than the {gated} gated heads ({', '.join(kinds)})")
+
+
 def run_sweep_command(args) -> int:
     from headlab.lock import training_lock
     from headlab.pruning.sweep import run_sweep, sweep_points
@@ -281,6 +293,7 @@ def run_sweep_command(args) -> int:
     config = _config(args)
     with training_lock(args.out):  # a second sweep on the same directory refuses (main process only)
         model, tokenizer = _load(args)
+        _check_budgets(model, config, points)
         train_data, eval_data = _data(args, tokenizer, model)
         del model
         rows = run_sweep(lambda: _load(args), train_data, eval_data, config, points, args.out,

@@ -47,11 +47,14 @@ def point_name(point: dict) -> str:
 def sweep_points(lams=(), keeps=()) -> list[dict]:
     """Validated sweep points: ``{"lam": x}`` for each lambda, ``{"keep": n}`` for each budget."""
     points = []
+    # Checked here, before the model loads and the full model is evaluated, not when a point starts.
     for lam in lams:
-        if not lam >= 0:
-            raise HeadlabError(f"lambda must be >= 0, got {lam}")
-        points.append({"lam": float(lam), "keep": None})
+        if not 0 <= lam < float("inf"):
+            raise HeadlabError(f"lambda must be a finite number >= 0, got {lam}")
+        points.append({"lam": float(lam) + 0.0, "keep": None})  # + 0.0: -0.0 is 0.0, not a point "lam--0"
     for keep in keeps:
+        if keep < 0:
+            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 0")
         points.append({"lam": 0.0, "keep": int(keep)})
     if not points:
         raise HeadlabError("a sweep needs --lams or --keeps")
@@ -323,20 +326,42 @@ def heads_table(sweep_rows: list[dict], scratch_rows: Sequence[dict] = ()) -> st
     return "\n".join(lines) + "\n"
 
 
+def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
+    """Refuse baselines scored with another beam, or made from other weights, than the sweep's
+    full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
+    baseline plotted against beam-4 points and the beam-4 full model)."""
+    full_file = Path(sweep_dir) / "full.json"
+    if not full_file.is_file():
+        return
+    full = json.loads(full_file.read_text(encoding="utf-8"))
+    beam, weights = full.get("metrics", {}).get("beam"), full.get("model_sha256")
+    for row in baseline_rows:
+        if beam is not None and row.get("eval_beam") is not None and row["eval_beam"] != beam:
+            raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored with beam {row['eval_beam']}, the "
+                               f"sweep {sweep_dir} with beam {beam}; their BLEU is not comparable (run prune "
+                               f"baseline again with --eval-beam {beam})")
+        if weights and row.get("model_sha256") and row["model_sha256"] != weights:
+            raise HeadlabError(f"--baselines {row['_dir']}: its rows were made from other weights than the sweep "
+                               f"{sweep_dir} (model_sha256 {row['model_sha256'][:12]}, the sweep's {weights[:12]})")
+
+
 def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Figure 7 (per sweep of enc_self gates), Figure 9 and Table 2 into ``out_dir``."""
     pyplot()  # the Agg backend, unless a notebook's inline one is active
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     baseline_rows = []
     for directory in baseline_dirs:
         path = Path(directory) / "baselines.json"
         if not path.is_file():
             raise HeadlabError(f"{directory}: no baselines.json; run `headlab prune baseline` first")
-        baseline_rows += json.loads(path.read_text())
-    written = []
+        baseline_rows += [{**row, "_dir": str(directory)} for row in json.loads(path.read_text())]
+    sweeps = {directory: read_rows(directory) for directory in sweep_dirs}  # all read before anything is written
     for directory in sweep_dirs:
-        rows = read_rows(directory)
+        _check_comparable(directory, baseline_rows)
+    baseline_rows = [{k: v for k, v in row.items() if k != "_dir"} for row in baseline_rows]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for directory, rows in sweeps.items():
         name = Path(directory).name
         ax = plot_bleu_vs_heads(rows, [r for r in baseline_rows if not r.get("from_scratch")])
         ax.set_title(f"BLEU against retained encoder heads ({name})")
