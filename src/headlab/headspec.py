@@ -31,12 +31,17 @@ def _check_heads(heads: list[int], block: AttentionBlock, where: str) -> None:
             raise HeadlabError(f"{where}: {block.kind} layer {block.layer} has no head {head} ({have})")
 
 
-def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
+def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[str, int], list[int]]:
     """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file.
 
-    Every head named must exist in ``blocks``; a head named twice is removed once.
+    Every head named must exist in ``blocks``; a head named twice is removed once. ``blocks``
+    None checks the spec's form only (a pruned model's heads are known once its weights are read):
+    the heads of ``*`` are then left out of the result.
     """
     if text.endswith(".json") or Path(text).is_file():
+        if blocks is None:
+            read_json(Path(text), "mask file")  # a missing or unreadable file: before the weights load
+            return {}
         return load_mask_file(text, blocks)
     spec: dict[tuple[str, int], list[int]] = {}
     items = [item for item in re.split(r"[;\s]+", text.strip()) if item]
@@ -48,12 +53,12 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
             raise HeadlabError(f"--heads: cannot read {item!r}; expected KIND:LAYER:HEADS, e.g. enc_self:0:1,2 or dec_cross:5:*")
         try:
             kind, layer = check_kind(match["kind"]), int(match["layer"])
-            block = find_block(blocks, kind, layer)
+            block = find_block(blocks, kind, layer) if blocks is not None else None
         except HeadlabError as error:
             raise HeadlabError(f"--heads {item!r}: {error}") from None
         heads = spec.setdefault((kind, layer), [])
         if match["heads"] == "*":
-            heads.extend(range(block.n_heads))
+            heads.extend(range(block.n_heads) if block is not None else ())
             continue
         for part in match["heads"].split(","):
             if "-" in part:
@@ -65,7 +70,8 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
                 heads.append(int(part))
             else:
                 raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
-        _check_heads(heads, block, f"--heads {item!r}")
+        if block is not None:
+            _check_heads(heads, block, f"--heads {item!r}")
     return {key: sorted(set(value)) for key, value in spec.items() if value}
 
 

@@ -234,6 +234,9 @@ def _data(args, tokenizer, model):
 
 def _config(args) -> PruneConfig:
     """The config of ``prune train`` and ``prune sweep``, made and checked before anything heavy loads."""
+    from headlab.pruning.train import named_kinds
+
+    named_kinds(args.gates)  # an empty list (--gates ,) or an unknown kind: exit 2 before the model loads
     keep = getattr(args, "keep", None)
     config = from_args(
         args, PruneConfig, keep=keep, lam=0.0 if keep is not None else (getattr(args, "lam", 0.0) or 0.0),

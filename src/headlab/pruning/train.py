@@ -51,6 +51,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
+from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -99,6 +100,18 @@ class PruneResult:
 # ----------------------------------------------------------------------------- checks
 
 
+def named_kinds(gates: str) -> tuple[str, ...]:
+    """The kinds a comma list of ``--gates`` names (``()`` for auto and all), checked without a
+    model: the command refuses an empty list or an unknown kind before loading one."""
+    if gates in ("all", "auto"):
+        return ()
+    kinds = comma_list(gates, "--gates")
+    for kind in kinds:
+        if kind not in KINDS:
+            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected auto, all or {', '.join(KINDS)}")
+    return kinds
+
+
 def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     """The gated kinds for ``--gates``; an error if the model lacks one of them."""
     have = tuple(kind for kind in KINDS if any(b.kind == kind for b in attention_blocks(model)))
@@ -106,12 +119,8 @@ def resolve_kinds(model, gates: str) -> tuple[str, ...]:
         return have
     if gates == "auto":  # the paper's encoder self-attention where there is one; a decoder-only model's own
         return ("enc_self",) if "enc_self" in have else ("dec_self",) if "dec_self" in have else have
-    kinds = tuple(k.strip() for k in gates.split(",") if k.strip())
-    if not kinds:
-        raise HeadlabError("--gates is empty; use auto, enc_self, all, or a comma list of kinds")
+    kinds = named_kinds(gates)
     for kind in kinds:
-        if kind not in KINDS:
-            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected auto, all or {', '.join(KINDS)}")
         if kind not in have:
             raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
     return kinds
