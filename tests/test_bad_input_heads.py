@@ -42,7 +42,7 @@ BAD_MASKS = {
     "layer-not-a-number": ({"enc_self": {"first": [0]}}, "layer 'first': a layer key is a layer number"),
     "unknown-kind": ({"encoder": {"0": [0]}}, "unknown attention kind 'encoder'"),
     "keep-matrix-values": ({"enc_self": [[1, 0.5, 1, 1], [1, 1, 1, 1]]}, "a keep-mask holds only 0 and 1"),
-    "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layers; the model has 2"),
+    "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layer; the model has 2"),
     "invalid-json": ('{"enc_self": {"0": [1,}}', "line 1: invalid JSON"),
     # regressions: "²".isdigit() is true and int("²") a ValueError (an internal error); a row that
     # is not a list was said to have "5 entries"

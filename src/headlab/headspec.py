@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from headlab.adapters import AttentionBlock, find_block
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import check_kind, read_json
 
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+):(?P<layer>\d+):(?P<heads>\*|[\d,\-]+)$")
@@ -105,7 +105,7 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
         elif isinstance(value, list):
             n_layers = sum(1 for b in blocks if b.kind == kind)
             if len(value) != n_layers:
-                raise HeadlabError(f"{path}: {kind} mask has {len(value)} layers; the model has {n_layers}")
+                raise HeadlabError(f"{path}: {kind} mask has {counted(len(value), 'layer')}; the model has {n_layers}")
             for layer, row in enumerate(value):
                 block = find_block(blocks, kind, layer)
                 if not isinstance(row, list):
@@ -113,8 +113,8 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
                                        f"entries, found {json.dumps(row)}")
                 if len(row) != block.n_heads:
                     raise HeadlabError(
-                        f"{path}: {kind} layer {layer} mask has {len(row)} "
-                        f"entries; the layer has {block.n_heads} heads"
+                        f"{path}: {kind} layer {layer} mask has {counted(len(row), 'entry', 'entries')}; "
+                        f"the layer has {counted(block.n_heads, 'head')}"
                     )
                 if any(type(v) not in (int, float, bool) or v not in (0, 1) for v in row):
                     raise HeadlabError(f"{path}: {kind} layer {layer}: a keep-mask holds only 0 and 1, found {json.dumps(row)}")

@@ -717,9 +717,9 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
         shutil.rmtree(point / "train", ignore_errors=True)  # resume checkpoints: not needed once finished
         written += [p for p in (point / "result.json", point / "trajectory.jsonl", point / "gates.json",
                                 point / "pruned") if p.exists()]
-    note = (f"{len(keeps)} head budgets of the {n_gated} {'/'.join(kinds)} heads, {c.prune_steps} steps of "
-            f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on {len(eval_data)} "
-            f"pairs of --source/--target")
+    note = (f"{counted(len(keeps), 'head budget')} of the {n_gated} {'/'.join(kinds)} heads, {counted(c.prune_steps, 'step')} of "
+            f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on "
+            f"{counted(len(eval_data), 'pair')} of --source/--target")
     if c.prune_source is None:
         note += "; fine-tuned on the same pairs (give --prune-source/--prune-target for separate training data)"
     return written, note

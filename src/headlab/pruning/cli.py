@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.device_options import set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.options import HelpFormatter as DEFAULTS
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
@@ -331,7 +331,7 @@ def run_baseline(args) -> int:
         kinds = resolve_kinds(model, args.kinds)
         available = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
         if max(keeps) > available:
-            raise HeadlabError(f"--keeps {args.keeps}: the model has {available} heads of {', '.join(kinds)}")
+            raise HeadlabError(f"--keeps {args.keeps}: the model has {counted(available, 'head')} of {', '.join(kinds)}")
         train_data, eval_data = _data(args, tokenizer, model)
         config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds,
                            model_fingerprint=weights_fingerprint(args.model) or "",

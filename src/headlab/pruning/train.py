@@ -48,7 +48,7 @@ import torch
 
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
 from headlab.options import comma_list
@@ -447,7 +447,7 @@ def model_card(result: dict, config: PruneConfig, load_line: str = "Load with `h
     lines += ["| kind | heads kept | of |", "|---|---|---|"]
     lines += [f"| {kind} | {kept.get(kind, 0)} | {n} |" for kind, n in total.items()]
     metrics = result.get("metrics", {})
-    lines += ["", f"Mode: gates on {config.gates}" + (f", budget {config.keep} heads" if config.keep is not None
+    lines += ["", f"Mode: gates on {config.gates}" + (f", budget {counted(config.keep, 'head')}" if config.keep is not None
                                                          else f", lambda {config.lam}")]
     if "bleu" in metrics:
         lines.append(f"BLEU {metrics['bleu']:.2f}, chrF {metrics['chrf']:.2f} (beam {metrics.get('beam')}; "
@@ -662,5 +662,5 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
     if final.get("hint"):
         log("hint: " + final["hint"])
     heads_total = outcome.heads_total
-    log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
+    log(f"kept {sum(outcome.heads_kept.values())} of {counted(sum(heads_total.values()), 'head')} "
         f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")
