@@ -388,3 +388,31 @@ def test_beam_reaches_the_measures_and_their_stage_keys(inputs, tmp_path, capsys
         HeadScores.load(reference / "confidence.json").scores.keys()
     for kind, values in HeadScores.load(reference / "confidence.json").scores.items():
         assert (HeadScores.load(out / "importance" / "confidence.json").scores[kind] == values).all()
+
+
+def test_a_stage_not_asked_for_keeps_its_earlier_results(inputs, tmp_path, capsys):
+    """Regression: `analyze --prune` then `analyze` (without --prune, here with --force or another
+    --limit) deleted the earlier sweep; a stage not asked for now keeps results still valid for this
+    run's inputs and sets aside the others in DIR/stale/, as --skip does."""
+    out = tmp_path / "out"
+    skip = ["--skip", "importance", "attention", "figures", "report"]
+    target = ["--target", str(inputs / "ref.de")]
+    assert main(_args(inputs, out, *target, *skip, "--prune", "--prune-keeps", "2")) == 0
+    sweep = (out / "prune" / "sweep.json").read_bytes()
+    capsys.readouterr()
+    # the same inputs, --force: the sweep was not asked for, so it is not run again, and kept
+    assert main(_args(inputs, out, *target, *skip, "--prune-keeps", "2", "--force")) == 0
+    err = capsys.readouterr().err
+    assert (out / "prune" / "sweep.json").read_bytes() == sweep
+    assert "prune: kept (done earlier; not requested (pass --prune))" in err
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["prune"]["status"] == "done"
+    # other inputs (--limit 3): set aside, not deleted
+    assert main(_args(inputs, out, *target, *skip, "--prune-keeps", "2", "--limit", "3")) == 0
+    err = capsys.readouterr().err
+    assert not (out / "prune").exists()
+    assert "prune: not requested (pass --prune); its results of an earlier run with other inputs or options " \
+           "were moved aside to stale/prune" in err
+    assert (out / "stale" / "prune" / "sweep.json").read_bytes() == sweep
+    stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["prune"]["status"] == "skipped"

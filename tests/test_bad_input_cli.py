@@ -77,6 +77,10 @@ def test_usage_errors_exit_2(capsys):
     (["analyze", "--prune-keeps", ""], "--prune-keeps : an empty list"),
     (["prune", "sweep", "--keeps", ","], "--keeps ,: an empty list; give one or more comma-separated integers"),
     (["prune", "sweep", "--lams", ","], "--lams ,: an empty list; give one or more comma-separated numbers"),
+    # Regression: refused only after the model had loaded (prune train, prune sweep)
+    (["prune", "train", "--gates", ","], "--gates ',': an empty list; give one or more comma-separated values"),
+    (["prune", "train", "--gates", " , "], "--gates ' , ': an empty list"),
+    (["prune", "train", "--gates", "enc_self,encself"], "--gates enc_self,encself: unknown kind 'encself'"),
 ])
 def test_an_empty_comma_list_is_a_usage_error(command, expected, inputs, tmp_path, capsys, monkeypatch):
     """Regression: `--relations ,` (an empty list once split) ran with the default relations, and

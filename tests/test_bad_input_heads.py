@@ -42,7 +42,7 @@ BAD_MASKS = {
     "layer-not-a-number": ({"enc_self": {"first": [0]}}, "layer 'first': a layer key is a layer number"),
     "unknown-kind": ({"encoder": {"0": [0]}}, "unknown attention kind 'encoder'"),
     "keep-matrix-values": ({"enc_self": [[1, 0.5, 1, 1], [1, 1, 1, 1]]}, "a keep-mask holds only 0 and 1"),
-    "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layers; the model has 2"),
+    "keep-matrix-layers": ({"enc_self": [[1, 0, 1, 1]]}, "enc_self mask has 1 layer; the model has 2"),
     "invalid-json": ('{"enc_self": {"0": [1,}}', "line 1: invalid JSON"),
     # regressions: "²".isdigit() is true and int("²") a ValueError (an internal error); a row that
     # is not a list was said to have "5 entries"
@@ -256,3 +256,23 @@ def test_every_encoder_head_pruned_then_functions_aggregate_and_importance(model
     err = capsys.readouterr().err
     assert "every attention head of the model was pruned; there is no head to score" in err
     assert files_under(tmp_path / "i") == set()
+
+
+@pytest.mark.parametrize("spec,message", [(",", "--heads: cannot read ','"),
+                                          ("enc_self:1:0,,1", "--heads: bad head index '' in 'enc_self:1:0,,1'"),
+                                          ("enc_slf:1:0", "--heads 'enc_slf:1:0': unknown attention kind"),
+                                          ("bad.json", "no such mask file")])
+def test_prune_of_a_pruned_model_refuses_a_malformed_spec_before_loading(spec, message, model_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Regression: on a model pruned before (its heads are in its weights), --heads was read only
+    after the weights had loaded, a malformed spec (an empty comma list) with it; its form is now
+    checked first, the heads it names once the weights are read."""
+    pruned = tmp_path / "pruned"
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1", "--out", str(pruned)]) == 0
+    capsys.readouterr()
+    forbid_model_loading(monkeypatch)
+    code = main(["prune", "apply", str(pruned), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

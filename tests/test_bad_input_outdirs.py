@@ -488,3 +488,23 @@ def test_overwrite_replaces_only_the_same_commands_results(command, recorded, fi
     err = capsys.readouterr().err
     assert f"holds the results of `headlab {recorded}`" in err and "Traceback" not in err
     assert {name: (out / name).read_bytes() for name in files_under(out)} == before
+
+
+@pytest.mark.parametrize("command,recorded,files", [
+    ("functions", "prune", ["config.json", "model.safetensors"]),
+    ("importance", "functions", ["summary.json", "positional/share.json"]),
+])
+def test_another_commands_results_without_overwrite_do_not_suggest_it(command, recorded, files, inputs, tmp_path,
+                                                                       capsys, monkeypatch):
+    """Regression: without --overwrite, a directory holding another command's results said "pass
+    --overwrite to replace them", and --overwrite was then refused; now the first message says
+    whose results they are and to choose a new or empty directory."""
+    out = tmp_path / "results"
+    before = _results_of(out, recorded, files)
+    forbid_model_loading(monkeypatch)
+    build = _functions if command == "functions" else _importance
+    assert main(build(inputs, out)) == 2
+    err = capsys.readouterr().err
+    assert f"holds the results of `headlab {recorded}` of m" in err and f"not of `headlab {command}`" in err
+    assert "choose a new or empty directory" in err and "pass --overwrite" not in err
+    assert {name: (out / name).read_bytes() for name in files_under(out)} == before

@@ -69,7 +69,7 @@ def test_json_mask_files(tmp_path):
     with pytest.raises(HeadlabError, match="layer 0 mask has 3 entries; the layer has 4 heads"):
         parse_heads(str(wrong), blocks)
     wrong.write_text(json.dumps({"enc_self": [[1, 1, 1, 1]]}))
-    with pytest.raises(HeadlabError, match="mask has 1 layers; the model has 2"):
+    with pytest.raises(HeadlabError, match="mask has 1 layer; the model has 2"):
         parse_heads(str(wrong), blocks)
     with pytest.raises(HeadlabError, match="no such mask file"):
         parse_heads(str(tmp_path / "missing.json"), blocks)

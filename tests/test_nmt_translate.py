@@ -80,7 +80,7 @@ def test_cli_errors_are_clean(tmp_path, capsys):
     hyp.write_text("a\nb\n")
     ref.write_text("a\n")
     assert main(["nmt", "bleu", "--hyp", str(hyp), "--ref", str(ref)]) == 2
-    assert "2 hypotheses but 1 references" in capsys.readouterr().err
+    assert "2 hypotheses but 1 reference:" in capsys.readouterr().err  # one: not "1 references"
 
 
 def test_scores_match_sacrebleu_conventions():

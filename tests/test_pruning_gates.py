@@ -99,6 +99,9 @@ def test_keep_top_and_closed_heads():
     assert gates.keep_top(5) == {}
     with pytest.raises(HeadlabError, match="cannot keep 6 heads"):
         gates.keep_top(6)
+    # one is one head, not "1 heads" (regression)
+    with pytest.raises(HeadlabError, match="^cannot keep 2 heads: the gates cover 1 head$"):
+        HardConcreteGates({("enc_self", 0): 1}).keep_top(2)
     scores = gates.p_open_scores()
     assert scores["enc_self"].shape == (1, 3) and scores["enc_self"][0, 0] > 0.99
 
@@ -135,3 +138,19 @@ def test_budget_multipliers_ascend():
     budget.penalty(expected, 20).backward()
     # Minimising with these gradients raises lambda_1 while the gap (8 - 4) is positive.
     assert budget.lambda_1.grad.item() == -4.0 and budget.lambda_2.grad.item() == -16.0
+
+
+def test_counts_of_one_are_singular_in_messages():
+    """Regression: "cannot keep 2 heads: the model has 1 heads", "converged: 1 epochs without ...";
+    every count in a message goes through errors.counted."""
+    from pathlib import Path
+
+    from headlab.pruning.baselines import _check_keep
+    from headlab.training.config import TrainConfig
+    from headlab.training.loop import _stop_message
+
+    with pytest.raises(HeadlabError, match="^cannot keep 2 heads: the model has 1 head of enc_self$"):
+        _check_keep(2, 1, ("enc_self",))
+    state = {"history": [], "best_score": 30.0, "best_epoch": 1, "epoch": 1}
+    message, _ = _stop_message("converged", state, TrainConfig(patience=1), Path("out"))
+    assert message.startswith("converged: 1 epoch without a validation gain") and message.endswith(", 1 epoch)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head
 from headlab.importance.registry import DEFAULT_MEASURES
 
@@ -603,7 +603,7 @@ class Analysis:
 
     def __repr__(self) -> str:
         labelled = sum(1 for found in self.labels.values() if found)
-        lines = [f"Analysis of {self.model or 'a model'}: {len(self.tables)} tables "
+        lines = [f"Analysis of {self.model or 'a model'}: {counted(len(self.tables), 'table')} "
                  f"({', '.join(self.measures) or 'no importance measure'}; "
                  f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
                  f"{labelled} of {len(self.labels)} analysed heads with a function"]

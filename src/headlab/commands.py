@@ -88,6 +88,8 @@ def run_prune(args) -> int:
         # The spec against the structure built from the config (no weights read): a head the model
         # lacks is refused before the checkpoint is read, which takes minutes for a large one.
         parse_heads(args.heads, attention_blocks(build_from_config(args.model, args.trust_remote_code)))
+    else:  # its form at least (--heads ,), the heads it names once the weights are read
+        parse_heads(args.heads, None)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)

@@ -21,7 +21,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.capture import HookHandles, register_head_output_hooks
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import BlockKey, HeadSpec
 
 GATES_ATTRIBUTE = "headlab_gates"
@@ -142,7 +142,7 @@ def _check_gates_fit(blocks: list[AttentionBlock], gates: HeadGates) -> list[Att
         block = find_block(blocks, *key)
         if block.n_heads != n:
             raise HeadlabError(
-                f"gates for {block.kind} layer {block.layer} have {n} heads; the model has {block.n_heads}"
+                f"gates for {block.kind} layer {block.layer} have {counted(n, 'head')}; the model has {block.n_heads}"
             )
         chosen.append(block)
     return chosen

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 
 KINDS = ("enc_self", "dec_self", "dec_cross")
 """Attention kinds, in the order the paper discusses them."""
@@ -310,7 +310,7 @@ class HeadScores:
         kinds = kinds or self.kinds
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):
-            raise HeadlabError(f"cannot keep {keep} heads: {len(ranked)} are scored in {', '.join(kinds)}")
+            raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(ranked)} are scored in {', '.join(kinds)}")
         removed: dict[tuple[str, int], list[int]] = {}
         for kind, layer, head in ranked[keep:]:
             removed.setdefault((kind, layer), []).append(head)

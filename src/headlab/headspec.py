@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from headlab.adapters import AttentionBlock, find_block
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import check_kind, read_json
 
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+):(?P<layer>\d+):(?P<heads>\*|[\d,\-]+)$")
@@ -31,12 +31,17 @@ def _check_heads(heads: list[int], block: AttentionBlock, where: str) -> None:
             raise HeadlabError(f"{where}: {block.kind} layer {block.layer} has no head {head} ({have})")
 
 
-def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:
+def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[str, int], list[int]]:
     """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file.
 
-    Every head named must exist in ``blocks``; a head named twice is removed once.
+    Every head named must exist in ``blocks``; a head named twice is removed once. ``blocks``
+    None checks the spec's form only (a pruned model's heads are known once its weights are read):
+    the heads of ``*`` are then left out of the result.
     """
     if text.endswith(".json") or Path(text).is_file():
+        if blocks is None:
+            read_json(Path(text), "mask file")  # a missing or unreadable file: before the weights load
+            return {}
         return load_mask_file(text, blocks)
     spec: dict[tuple[str, int], list[int]] = {}
     items = [item for item in re.split(r"[;\s]+", text.strip()) if item]
@@ -48,12 +53,12 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
             raise HeadlabError(f"--heads: cannot read {item!r}; expected KIND:LAYER:HEADS, e.g. enc_self:0:1,2 or dec_cross:5:*")
         try:
             kind, layer = check_kind(match["kind"]), int(match["layer"])
-            block = find_block(blocks, kind, layer)
+            block = find_block(blocks, kind, layer) if blocks is not None else None
         except HeadlabError as error:
             raise HeadlabError(f"--heads {item!r}: {error}") from None
         heads = spec.setdefault((kind, layer), [])
         if match["heads"] == "*":
-            heads.extend(range(block.n_heads))
+            heads.extend(range(block.n_heads) if block is not None else ())
             continue
         for part in match["heads"].split(","):
             if "-" in part:
@@ -65,7 +70,8 @@ def parse_heads(text: str, blocks: list[AttentionBlock]) -> dict[tuple[str, int]
                 heads.append(int(part))
             else:
                 raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
-        _check_heads(heads, block, f"--heads {item!r}")
+        if block is not None:
+            _check_heads(heads, block, f"--heads {item!r}")
     return {key: sorted(set(value)) for key, value in spec.items() if value}
 
 
@@ -99,7 +105,7 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
         elif isinstance(value, list):
             n_layers = sum(1 for b in blocks if b.kind == kind)
             if len(value) != n_layers:
-                raise HeadlabError(f"{path}: {kind} mask has {len(value)} layers; the model has {n_layers}")
+                raise HeadlabError(f"{path}: {kind} mask has {counted(len(value), 'layer')}; the model has {n_layers}")
             for layer, row in enumerate(value):
                 block = find_block(blocks, kind, layer)
                 if not isinstance(row, list):
@@ -107,8 +113,8 @@ def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple
                                        f"entries, found {json.dumps(row)}")
                 if len(row) != block.n_heads:
                     raise HeadlabError(
-                        f"{path}: {kind} layer {layer} mask has {len(row)} "
-                        f"entries; the layer has {block.n_heads} heads"
+                        f"{path}: {kind} layer {layer} mask has {counted(len(row), 'entry', 'entries')}; "
+                        f"the layer has {counted(block.n_heads, 'head')}"
                     )
                 if any(type(v) not in (int, float, bool) or v not in (0, 1) for v in row):
                     raise HeadlabError(f"{path}: {kind} layer {layer}: a keep-mask holds only 0 and 1, found {json.dumps(row)}")

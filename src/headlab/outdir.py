@@ -106,7 +106,8 @@ def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str =
     directory = Path(directory)
     if not directory.is_dir():
         return
-    if overwrite and command is not None and (why := other_commands_results(directory, command, "--overwrite", flag)):
+    # Another command's results first, with or without --overwrite: a hint to pass it would be refused.
+    if command is not None and (why := other_commands_results(directory, command, "--overwrite", flag)):
         raise HeadlabError(why)
     record = _listed(directory)
     ours = set(record["files"]) if record else set()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headlab.errors import HeadlabError, RunFailed
+from headlab.errors import HeadlabError, RunFailed, counted
 
 __all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "before_joining", "check_processes", "launch",
            "leave_process_group_at_exit", "new_accelerator", "sharding", "start", "watch_launcher", "world_size"]
@@ -245,7 +245,8 @@ def check_processes(args, count: Callable[[], tuple[int, str]]) -> int:
     if asked is not None and asked < 1:
         raise HeadlabError(f"{FLAG} must be at least 1, got {asked}")
     if asked is not None and launched > 1 and asked != launched:
-        raise HeadlabError(f"{FLAG} {asked}, but the launcher started {launched} processes: give one or the other")
+        raise HeadlabError(f"{FLAG} {asked}, but the launcher started {counted(launched, 'process', 'processes')}: "
+                           "give one or the other")
     n = max(asked or 1, launched)
     if n > 1 and getattr(args, "device_map", None):
         raise HeadlabError(f"--device-map spreads one model over the devices; with several processes give "

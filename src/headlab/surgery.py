@@ -29,7 +29,7 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, qkv_columns
 from headlab.adapters.families import QKV_LAYOUTS
-from headlab.errors import HeadlabError, PruningNotExact
+from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
@@ -420,7 +420,7 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
                         or any(not 0 <= h < block.n_kv_heads for h in kv_keep):
                     raise HeadlabError(
                         f"{source}: {kind} layer {layer} does not fit the model "
-                        f"({block.n_heads} heads, {block.n_kv_heads} key/value heads)"
+                        f"({counted(block.n_heads, 'head')}, {counted(block.n_kv_heads, 'key/value head')})"
                     )
                 groups = len(keep) // len(kv_keep) if kv_keep and len(keep) % len(kv_keep) == 0 else 1
                 plans.append((block, keep, kv_keep, groups))

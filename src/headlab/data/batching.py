@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 
 __all__ = ["token_budget_batches", "length_batches", "with_progress"]
 
@@ -52,7 +52,7 @@ def token_budget_batches(
     usable = len(batches) // world_size * world_size
     if usable == 0:
         raise HeadlabError(
-            f"too little data for {world_size} processes: {len(batches)} batches of {max_tokens} tokens"
+            f"too little data for {world_size} processes: {counted(len(batches), 'batch', 'batches')} of {max_tokens} tokens"
         )
     return batches[:usable][rank::world_size]
 

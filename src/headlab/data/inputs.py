@@ -81,9 +81,9 @@ class ImportanceData:
                 + (f" ({counted(self.n_empty, 'empty line')} skipped)" if self.n_empty else "")
             )
         if self.references is not None and len(self.references) != len(self.sources):
-            raise HeadlabError(f"{len(self.sources)} sources but {len(self.references)} references")
+            raise HeadlabError(f"{counted(len(self.sources), 'source')} but {counted(len(self.references), 'reference')}")
         if self.classes is not None and len(self.classes) != len(self.sources):
-            raise HeadlabError(f"{len(self.sources)} texts but {len(self.classes)} labels")
+            raise HeadlabError(f"{counted(len(self.sources), 'text')} but {counted(len(self.classes), 'label')}")
         if not self.n_lines:
             self.n_lines = len(self.sources) + self.n_empty
 
@@ -131,7 +131,7 @@ def _check_cut(cut: Sequence[Sequence[int]], max_length: int) -> None:
     longest = max((len(ids) for ids in cut), default=0)
     if longest > max_length:
         raise HeadlabError(f"--max-length {max_length}: too short for the tokenizer, which cannot cut an input "
-                           f"below its special tokens (an input kept {longest} tokens); give a larger max length")
+                           f"below its special tokens (an input kept {counted(longest, 'token')}); give a larger max length")
 
 
 def _encode(tokenizer, texts: list[str], max_length: int, target: bool = False) -> tuple[list[list[int]], int]:
@@ -230,8 +230,8 @@ def texts_data(
         if targets is not None:
             raise HeadlabError("targets are for translation models; a classifier takes labels")
         if labels is None or len(labels) != len(texts):
-            raise HeadlabError(f"a classifier needs one label per text: {len(texts)} texts, "
-                               f"{'no' if labels is None else len(labels)} labels")
+            raise HeadlabError(f"a classifier needs one label per text: {counted(len(texts), 'text')}, "
+                               f"{'no labels' if labels is None else counted(len(labels), 'label')}")
         lines = []
         for number, (text, label) in enumerate(zip(texts, labels), start=1):
             fields = [text] if isinstance(text, str) else list(text)
@@ -245,7 +245,7 @@ def texts_data(
     references = None if targets is None else list(targets)
     if references is not None and len(references) != len(sources):
         raise HeadlabError(
-            f"{where} has {len(sources)} lines but {target_name or 'the targets'} has {len(references)}: "
+            f"{where} has {counted(len(sources), 'line')} but {target_name or 'the targets'} has {len(references)}: "
             "source and reference files must match line for line"
         )
     if n_sentences is not None:
@@ -324,7 +324,7 @@ def labelled_lines_data(
             raise HeadlabError(f"{where}: expected text<TAB>label or text_a<TAB>text_b<TAB>label, got "
                                f"{len(fields)} tab-separated field(s)")
         if width is not None and len(fields) != width:
-            raise HeadlabError(f"{where}: {len(fields)} fields, but earlier lines have {width}")
+            raise HeadlabError(f"{where}: {counted(len(fields), 'field')}, but earlier lines have {width}")
         width = len(fields)
         if not all(f.strip() for f in fields[:-1]):
             raise HeadlabError(f"{where}: empty text")

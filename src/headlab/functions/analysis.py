@@ -145,7 +145,8 @@ class RunReport:
         return data
 
     def describe(self) -> str:
-        text = (f"{self.n_sentences} sentences ({self.n_words} words, {self.n_tokens} tokens) analysed "
+        text = (f"{counted(self.n_sentences, 'sentence')} ({counted(self.n_words, 'word')}, "
+                f"{counted(self.n_tokens, 'token')}) analysed "
                 f"in {self.seconds:.1f} s for {', '.join(self.analysed) or 'nothing'}")
         for name, counts in self.treebanks.items():
             extras = [f"{counts[k]} {label}" for k, label in (
@@ -187,8 +188,8 @@ class HeadAnalysis:
     def __repr__(self) -> str:
         found = describe_heads(self)
         labelled = {head for result in self.results.values() for head, names in result.labels().items() if names}
-        lines = [f"HeadAnalysis of {self.model or 'a model'}: {self.report.n_sentences} sentences, "
-                 f"{', '.join(self.results) or 'no statistic'}; {len(labelled)} heads with a function"]
+        lines = [f"HeadAnalysis of {self.model or 'a model'}: {counted(self.report.n_sentences, 'sentence')}, "
+                 f"{', '.join(self.results) or 'no statistic'}; {counted(len(labelled), 'head')} with a function"]
         lines += [f"  {line}" for line in found[:8]] + ([f"  ... {len(found) - 8} more"] if len(found) > 8 else [])
         return "\n".join(lines)
 
@@ -648,7 +649,7 @@ def _prepare(raw, index, tokenizer, config, max_length, report):
                 truncated = True
                 problems.add("truncated", Problem(
                     sentence.path, sentence.line,
-                    f"sentence {sentence.sent_id or '?'}: {len(sentence)} words, cut to the first "
+                    f"sentence {sentence.sent_id or '?'}: {counted(len(sentence), 'word')}, cut to the first "
                     f"{alignment.n_words} to fit {max_length} tokens"))
         report.n_truncated += truncated
         items.append((index + i, source, source_alignments[i], target, target_alignments[i]))

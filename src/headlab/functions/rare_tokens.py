@@ -32,6 +32,7 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
+from headlab.errors import counted
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
 from headlab.markup import head_cell, percent
@@ -253,7 +254,7 @@ class RareTokenResult:
         return [key for key, share in items if share >= best - tolerance]
 
     def describe(self) -> str:
-        lines = [f"{kind}: {self.n_eligible.get(kind, 0)} of {n} sentences have a least frequent token outside the "
+        lines = [f"{kind}: {self.n_eligible.get(kind, 0)} of {counted(n, 'sentence')} have a least frequent token outside the "
                  f"top {self.top_k}" for kind, n in self.n_sentences.items()]
         lines += [f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}"
                   for kind, layer, head, share, two in self.top()]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import KINDS, HeadScores, atomic_write_text
 
 __all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
@@ -65,7 +65,7 @@ class AgreementTable:
         }
 
     def to_markdown(self) -> str:
-        header = "| measure | " + " | ".join(f"{c} ({self.n_heads[c]} heads)" for c in self.columns) + " |"
+        header = "| measure | " + " | ".join(f"{c} ({counted(self.n_heads[c], 'head')})" for c in self.columns) + " |"
         lines = [header, "|---|" + "---:|" * len(self.columns)]
         for method, row in self.rho.items():
             cells = ["n/a" if math.isnan(row.get(c, math.nan)) else f"{row[c]:+.2f}" for c in self.columns]

@@ -51,7 +51,7 @@ from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
-from headlab.errors import HeadlabError, RunFailed
+from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
@@ -665,7 +665,7 @@ class LRP(ImportanceMeasure):
         record: Any = signature.get("conservation")
         try:
             embeddings, total = record["embeddings"], record["with_biases"]
-            return (f"; conservation over {record['n_sentences']} sentences: relevance reaching the input embeddings "
+            return (f"; conservation over {counted(record['n_sentences'], 'sentence')}: relevance reaching the input embeddings "
                     f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
                     f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
                     f"(tolerance 1 ± {record['tolerance']:g})")

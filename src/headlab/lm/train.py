@@ -16,7 +16,7 @@ import torch
 
 from headlab.capture import eval_mode
 from headlab.data.batching import token_budget_batches
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
 from headlab.lm.model import LMRecipe, build_lm_config, create_lm
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
@@ -71,9 +71,9 @@ def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
     train_data = encode_lm_corpus(tokenizer, text.sentences, recipe.model.max_positions)
     n_tokens = sum(len(ids) - 1 for ids in train_data.targets)
     log(f"model: {type(model).__name__}, d_model {recipe.model.d_model}, FFN {recipe.model.ffn_dim}, "
-        f"{recipe.model.layers} layers x {recipe.model.n_heads} heads, {n_params / 1e6:.1f}M parameters; "
+        f"{counted(recipe.model.layers, 'layer')} x {counted(recipe.model.n_heads, 'head')}, {n_params / 1e6:.1f}M parameters; "
         f"{n_tokens:,} training tokens per epoch"
-        + (f" ({train_data.n_truncated} sentences cut to {recipe.model.max_positions} tokens)"
+        + (f" ({counted(train_data.n_truncated, 'sentence')} cut to {recipe.model.max_positions} tokens)"
            if train_data.n_truncated else ""))
     valid_data = None
     if valid_text is not None:

@@ -8,7 +8,7 @@ from typing import Sequence, cast
 import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 
 __all__ = ["Scores", "compute_scores", "paired_bootstrap", "bleu_interval", "N_SAMPLES", "SEED"]
 
@@ -37,7 +37,8 @@ def compute_scores(hypotheses: Sequence[str], references: Sequence[str]) -> Scor
     """Corpus BLEU (13a tokenisation, exp smoothing) and chrF2 of detokenized hypotheses."""
     if len(hypotheses) != len(references):
         raise HeadlabError(
-            f"{len(hypotheses)} hypotheses but {len(references)} references: they must match line for line"
+            f"{counted(len(hypotheses), 'hypothesis', 'hypotheses')} but {counted(len(references), 'reference')}: "
+            "they must match line for line"
         )
     if not references:
         raise HeadlabError("no sentences to score")

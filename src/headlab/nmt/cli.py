@@ -258,7 +258,7 @@ def _average(args) -> int:
 
     preflight.at_least(args.last, 1, "--last")
     out = average_last_epochs(args.run, args.last, overwrite=args.overwrite)
-    print(f"averaged the last {args.last} epochs of {args.run} into {out} (export it with --checkpoint {out.name})")
+    print(f"averaged the last {counted(args.last, 'epoch')} of {args.run} into {out} (export it with --checkpoint {out.name})")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from headlab.data import read_parallel
+from headlab.errors import counted
 from headlab.nmt.config import TrainRecipe
 from headlab.nmt.model import build_marian_config, create_model
 from headlab.nmt.tokenizer import run_tokenizer, train_tokenizer
@@ -38,6 +39,6 @@ def run_recipe(recipe: TrainRecipe, accelerator=None, **hooks) -> TrainResult:
     model = create_model(marian_config, seed=config.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: MarianMTModel, d_model {recipe.model.d_model}, FFN {recipe.model.ffn_dim}, "
-        f"{recipe.model.encoder_layers}+{recipe.model.decoder_layers} layers x {recipe.model.n_heads} heads, "
+        f"{recipe.model.encoder_layers}+{recipe.model.decoder_layers} layers x {counted(recipe.model.n_heads, 'head')}, "
         f"{n_params / 1e6:.1f}M parameters")
     return train(model, tokenizer, corpus, valid, config, accelerator=accelerator, **hooks)

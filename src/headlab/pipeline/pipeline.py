@@ -721,9 +721,9 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
         shutil.rmtree(point / "train", ignore_errors=True)  # resume checkpoints: not needed once finished
         written += [p for p in (point / "result.json", point / "trajectory.jsonl", point / "gates.json",
                                 point / "pruned") if p.exists()]
-    note = (f"{len(keeps)} head budgets of the {n_gated} {'/'.join(kinds)} heads, {c.prune_steps} steps of "
-            f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on {len(eval_data)} "
-            f"pairs of --source/--target")
+    note = (f"{counted(len(keeps), 'head budget')} of the {n_gated} {'/'.join(kinds)} heads, {counted(c.prune_steps, 'step')} of "
+            f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on "
+            f"{counted(len(eval_data), 'pair')} of --source/--target")
     if c.prune_source is None:
         note += "; fine-tuned on the same pairs (give --prune-source/--prune-target for separate training data)"
     return written, note
@@ -838,6 +838,9 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
     deleted. Returns where they went."""
     marker = raw_marker(ctx.out_dir, name)
     kept = []
+    own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
+    if keep and marker and own is not None and own.is_dir():  # whole, not its files flattened into stale/
+        kept.append(set_aside(own, ctx.out_dir))
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
         if keep and path.exists():
@@ -859,24 +862,24 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
     """The record of a stage that does not run this time (reused, skipped, not requested), or None."""
     marker = read_marker(ctx.out_dir, name, key)
     flagged = name in _skipped_by_flag(ctx.config)
-    if marker is not None and (not ctx.config.force or flagged):
+    # A stage not run this time (--skip, or not asked for: --prune, --ablation) is not run by
+    # --force either: its earlier results stay when still valid, else go to stale/, never deleted.
+    why = "--skip" if flagged else not_requested(name, ctx.config)
+    if marker is not None and (not ctx.config.force or why):
         record = StageRecord(**marker["record"])
         ctx.markers[name] = marker
         if name == "figures":
             ctx.figures = marker.get("figures", [])
-        ctx.log(f"{position} {name}: reused (done earlier; --force runs it again)")
+        ctx.log(f"{position} {name}: " + (f"kept (done earlier; {why})" if why and ctx.config.force
+                                          else "reused (done earlier; --force runs it again)"))
         return record
-    if flagged:  # results of other inputs or options would join this run's table and report: set aside
+    if why:  # results of other inputs or options would join this run's table and report: set aside
         kept = _discard(ctx, name, keep=True)
         shown = ", ".join(str(path.relative_to(ctx.out_dir)) for path in kept)
-        ctx.log(f"{position} {name}: skipped (--skip)" + (f"; its results of an earlier run with other inputs or "
-                                                          f"options were moved aside to {shown}" if kept else ""))
-        return StageRecord(name, "skipped", "skipped with --skip")
-    reason = not_requested(name, ctx.config)
-    if reason:
-        _discard(ctx, name)
-        ctx.log(f"{position} {name}: {reason}")
-        return StageRecord(name, "skipped", reason)
+        said = "skipped (--skip)" if flagged else why
+        ctx.log(f"{position} {name}: {said}" + (f"; its results of an earlier run with other inputs or "
+                                                f"options were moved aside to {shown}" if kept else ""))
+        return StageRecord(name, "skipped", "skipped with --skip" if flagged else why)
     return None
 
 

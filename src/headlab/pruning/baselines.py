@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from headlab.adapters import attention_blocks
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
 from headlab.model_description import describe_model
@@ -61,7 +61,7 @@ def _heads(model, kinds) -> list[tuple[str, int, int]]:
 
 def _check_keep(keep: int, n: int, kinds) -> None:
     if not 0 <= keep <= n:
-        raise HeadlabError(f"cannot keep {keep} heads: the model has {n} heads of {', '.join(kinds)}")
+        raise HeadlabError(f"cannot keep {counted(keep, 'head')}: the model has {counted(n, 'head')} of {', '.join(kinds)}")
 
 
 def _spec(removed) -> Spec:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.device_options import set_threads
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.options import HelpFormatter as DEFAULTS
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
@@ -234,6 +234,9 @@ def _data(args, tokenizer, model):
 
 def _config(args) -> PruneConfig:
     """The config of ``prune train`` and ``prune sweep``, made and checked before anything heavy loads."""
+    from headlab.pruning.train import named_kinds
+
+    named_kinds(args.gates)  # an empty list (--gates ,) or an unknown kind: exit 2 before the model loads
     keep = getattr(args, "keep", None)
     config = from_args(
         args, PruneConfig, keep=keep, lam=0.0 if keep is not None else (getattr(args, "lam", 0.0) or 0.0),
@@ -341,7 +344,7 @@ def run_baseline(args) -> int:
         kinds = resolve_kinds(model, args.kinds)
         available = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
         if max(keeps) > available:
-            raise HeadlabError(f"--keeps {args.keeps}: the model has {available} heads of {', '.join(kinds)}")
+            raise HeadlabError(f"--keeps {args.keeps}: the model has {counted(available, 'head')} of {', '.join(kinds)}")
         train_data, eval_data = _data(args, tokenizer, model)
         config = from_args(args, BaselineConfig, keeps=tuple(keeps), kinds=kinds, scores=scores, seeds=seeds,
                            model_fingerprint=weights_fingerprint(args.model) or "",

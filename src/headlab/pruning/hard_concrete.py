@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.gates import BlockKey, HeadGates, block_name
 from headlab.heads import KINDS, HeadScores
 from headlab.pruning.config import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA
@@ -159,7 +159,7 @@ class HardConcreteGates(HeadGates):
         log_alpha (equivalently the highest P(open)) stay. Used by the budget mode."""
         total = self.n_gates()
         if not 0 <= keep <= total:
-            raise HeadlabError(f"cannot keep {keep} heads: the gates cover {total} heads")
+            raise HeadlabError(f"cannot keep {counted(keep, 'head')}: the gates cover {counted(total, 'head')}")
         ranked: list[tuple[float, BlockKey, int]] = []
         for key in self.keys():
             values = self.log_alpha[block_name(key)].detach().float().cpu().tolist()

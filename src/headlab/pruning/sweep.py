@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
 from headlab.pruning.train import (
     CONFIG_FILE,
@@ -287,7 +287,7 @@ def plot_bleu_vs_heads(sweep_rows: list[dict], baseline_rows: Sequence[dict] = (
         xs, ys, es = zip(*baseline)
         ax.errorbar(xs, ys, yerr=es, marker="s", capsize=3, label=label)
     if full:
-        ax.axhline(full[0]["bleu"], color="gray", linestyle="--", label=f"full model ({full[0][kind]} heads)")
+        ax.axhline(full[0]["bleu"], color="gray", linestyle="--", label=f"full model ({counted(full[0][kind], 'head')})")
     ax.set(xlabel=f"retained {kind} heads (fixed-lambda points labelled with lambda)", ylabel="BLEU")
     ax.legend(fontsize=7)
     return ax

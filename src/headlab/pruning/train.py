@@ -48,9 +48,10 @@ import torch
 
 from headlab.adapters import attention_blocks
 from headlab.capture import eval_mode
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
+from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
@@ -99,6 +100,18 @@ class PruneResult:
 # ----------------------------------------------------------------------------- checks
 
 
+def named_kinds(gates: str) -> tuple[str, ...]:
+    """The kinds a comma list of ``--gates`` names (``()`` for auto and all), checked without a
+    model: the command refuses an empty list or an unknown kind before loading one."""
+    if gates in ("all", "auto"):
+        return ()
+    kinds = comma_list(gates, "--gates")
+    for kind in kinds:
+        if kind not in KINDS:
+            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected auto, all or {', '.join(KINDS)}")
+    return kinds
+
+
 def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     """The gated kinds for ``--gates``; an error if the model lacks one of them."""
     have = tuple(kind for kind in KINDS if any(b.kind == kind for b in attention_blocks(model)))
@@ -106,12 +119,8 @@ def resolve_kinds(model, gates: str) -> tuple[str, ...]:
         return have
     if gates == "auto":  # the paper's encoder self-attention where there is one; a decoder-only model's own
         return ("enc_self",) if "enc_self" in have else ("dec_self",) if "dec_self" in have else have
-    kinds = tuple(k.strip() for k in gates.split(",") if k.strip())
-    if not kinds:
-        raise HeadlabError("--gates is empty; use auto, enc_self, all, or a comma list of kinds")
+    kinds = named_kinds(gates)
     for kind in kinds:
-        if kind not in KINDS:
-            raise HeadlabError(f"--gates {gates}: unknown kind {kind!r}; expected auto, all or {', '.join(KINDS)}")
         if kind not in have:
             raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
     return kinds
@@ -438,7 +447,7 @@ def model_card(result: dict, config: PruneConfig, load_line: str = "Load with `h
     lines += ["| kind | heads kept | of |", "|---|---|---|"]
     lines += [f"| {kind} | {kept.get(kind, 0)} | {n} |" for kind, n in total.items()]
     metrics = result.get("metrics", {})
-    lines += ["", f"Mode: gates on {config.gates}" + (f", budget {config.keep} heads" if config.keep is not None
+    lines += ["", f"Mode: gates on {config.gates}" + (f", budget {counted(config.keep, 'head')}" if config.keep is not None
                                                          else f", lambda {config.lam}")]
     if "bleu" in metrics:
         lines.append(f"BLEU {metrics['bleu']:.2f}, chrF {metrics['chrf']:.2f} (beam {metrics.get('beam')}; "
@@ -653,5 +662,5 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
     if final.get("hint"):
         log("hint: " + final["hint"])
     heads_total = outcome.heads_total
-    log(f"kept {sum(outcome.heads_kept.values())} of {sum(heads_total.values())} heads "
+    log(f"kept {sum(outcome.heads_kept.values())} of {counted(sum(heads_total.values()), 'head')} "
         f"({', '.join(f'{k} {v}/{heads_total[k]}' for k, v in outcome.heads_kept.items())}); saved to {pruned_dir}")

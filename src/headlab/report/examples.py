@@ -34,7 +34,7 @@ import torch
 from headlab import preflight
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.data.treebank import InMemoryTreebank, ProblemLog, Sentence, read_conllu
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import KINDS, atomic_write_text, write_json
 from headlab.model_description import describe_model
 
@@ -160,7 +160,7 @@ def write_attention_examples(
     so no block's float map exists (the stored maps, one byte a weight, remain). ``max_length``:
     sentences cut to it, as the statistics cut them (default: the model's limit)."""
     if targets is not None and len(targets) != len(sources):
-        raise HeadlabError(f"{len(sources)} source sentences but {len(targets)} targets")
+        raise HeadlabError(f"{counted(len(sources), 'source sentence')} but {counted(len(targets), 'target')}")
     info = _prepare(model, tokenizer, out_dir, max_sentences, query_chunk, max_length)
     items = ((line, source.strip(), None, None) for line, source in enumerate(sources, start=1) if source.strip())
     return _write_all(model, tokenizer, info, items, targets, Path(out_dir), max_sentences, max_new_tokens, query_chunk)

@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Callable
 
 from headlab._lazy import LazyRegistry
+from headlab.errors import counted
 from headlab.heads import KINDS
 from headlab.markup import fmt as _fmt
 from headlab.markup import line_chart as _line_chart
@@ -115,7 +116,7 @@ def _agreement_matrix(a: dict) -> str:
                 for m, row in zip(names, matrix[col])]
         title = "all heads" if col == "all" else col
         if col in n_heads:
-            title += f" ({n_heads[col]} heads)"
+            title += f" ({counted(n_heads[col], 'head')})"
         html += f"<h3>{escape(title)}</h3>" + _table(["measure"] + names, rows, "agreement")
     return html
 
@@ -134,7 +135,7 @@ def _agreement(c: Collected) -> str:
         columns = list(n_heads) or sorted({col for row in spearman.values() for col in row})
         rows = [[escape(str(method))] + [_num(row.get(col) if isinstance(row, dict) else None) for col in columns]
                 for method, row in spearman.items()]
-        header = ["measure"] + [f"{col} ({n_heads[col]} heads)" if col in n_heads else col for col in columns]
+        header = ["measure"] + [f"{col} ({counted(n_heads[col], 'head')})" if col in n_heads else col for col in columns]
         metric = f" ({a.get('metric')})" if a.get("metric") else ""
         html += (f'<p class="caption">Spearman rank correlation of each measure with {escape(str(a["reference"]))}'
                  f'{escape(metric)}, per attention kind and over all heads.</p>' + _table(header, rows, "agreement"))

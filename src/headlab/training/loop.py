@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file
 
 from headlab.data.batching import token_budget_batches
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import atomic_dir, atomic_write_text, moved_aside
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.training.config import TrainConfig
@@ -433,8 +433,8 @@ def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfi
         raise HeadlabError(_damaged(resume_from / STATE_FILE, "not a training state"))
     if saved.get("world_size", 1) != world_size:
         raise HeadlabError(
-            f"{resume_from} was written by {saved.get('world_size')} processes; resume with the same number "
-            f"(now {world_size}) so the data order is the same"
+            f"{resume_from} was written by {counted(saved.get('world_size', 1), 'process', 'processes')}; resume with "
+            f"the same number (now {world_size}) so the data order is the same"
         )
     state.update(saved)
     _resume_file(resume_from / WEIGHTS_FILE, lambda path: load_weights(model, path))
@@ -751,12 +751,12 @@ def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path)
         perplexity_run = bool(state["history"]) and "valid_perplexity" in state["history"][-1]
         best = f"loss {-state['best_score']:.4f}" if perplexity_run else f"{state['best_score']:.4g}"
         if config.patience_metric == "loss" and not perplexity_run:  # the rule watched the loss, not the score
-            return (f"converged: {config.patience} epochs without lowering the validation loss by "
+            return (f"converged: {counted(config.patience, 'epoch')} without lowering the validation loss by "
                     f"{config.min_improvement} (lowest {-state['patience_best']:.4f}, last lowered so at epoch "
                     f"{state['improved_epoch']}; best score {best} at epoch {state['best_epoch']}, "
-                    f"{state['epoch']} epochs)"), True
-        return (f"converged: {config.patience} epochs without a validation gain of {config.min_improvement} "
-                f"(best {best} at epoch {state['best_epoch']}, {state['epoch']} epochs)"), True
+                    f"{counted(state['epoch'], 'epoch')})"), True
+        return (f"converged: {counted(config.patience, 'epoch')} without a validation gain of {config.min_improvement} "
+                f"(best {best} at epoch {state['best_epoch']}, {counted(state['epoch'], 'epoch')})"), True
     return "", False
 
 
