@@ -132,7 +132,7 @@ def test_zero_head_layer_and_kind(model_dir, tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["kind"], r["layer"]) for r in rows if r["n_heads"] == 0] == [("enc_self", 0), ("dec_cross", 1)]
     assert main(["prune", str(out), "--heads", "enc_self:0:0", "--out", str(tmp_path / "again")]) == 2
-    assert "enc_self layer 0 has no head 0 (it has no heads left)" in capsys.readouterr().err
+    assert "enc_self:0: head 0 already removed; that layer has no heads left" in capsys.readouterr().err
     conllu = tmp_path / "tb.conllu"
     conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
     assert main(["functions", str(out), "--conllu", str(conllu), "--out", str(tmp_path / "f"), "--no-progress",
@@ -276,3 +276,33 @@ def test_prune_of_a_pruned_model_refuses_a_malformed_spec_before_loading(spec, m
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_of_a_pruned_model_names_heads_in_the_original_numbering(model_dir, tmp_path, capsys):
+    """Regression (silent wrong head): `prune apply` on a pruned model read --heads in its current
+    numbering while its heads.csv, score tables and headlab_pruning.json use the original one, so
+    `enc_self:0:2` after removing head 1 removed original head 3. Pruning twice now equals pruning
+    the union once; a head already removed is refused (the spec was likely in the other numbering),
+    except under `*`."""
+    import torch
+
+    from headlab.surgery import load_pruned
+
+    once, twice, union = tmp_path / "once", tmp_path / "twice", tmp_path / "union"
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1", "--out", str(once)]) == 0
+    assert main(["prune", "apply", str(once), "--heads", "enc_self:0:2", "--out", str(twice)]) == 0
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1,2", "--out", str(union)]) == 0
+    record = json.loads((twice / "headlab_pruning.json").read_text())
+    assert record["blocks"]["enc_self"]["0"]["kept_heads"] == [0, 3]
+    a, b = load_pruned(twice).eval(), load_pruned(union).eval()
+    ids = torch.tensor([[5, 6, 7, 2]])
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=ids, decoder_input_ids=ids).logits, b(input_ids=ids, decoder_input_ids=ids).logits)
+    capsys.readouterr()
+    assert main(["prune", "apply", str(once), "--heads", "enc_self:0:1", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "enc_self:0: head 1 already removed; this model keeps heads 0,2,3 of that layer" in err
+    assert not (tmp_path / "again").exists()
+    assert main(["prune", "apply", str(once), "--heads", "enc_self:1:*", "--out", str(tmp_path / "star")]) == 0
+    assert main(["prune", "apply", str(once), "--heads", "enc_self:0:4", "--out", str(tmp_path / "range")]) == 2
+    assert "has no head 4" in capsys.readouterr().err

@@ -72,11 +72,18 @@ def run_heads(args) -> int:
 
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
-    from headlab.headspec import parse_heads
+    from headlab.headspec import parse_heads, whole_layers
     from headlab.loading import build_from_config, check_supported, load_model, load_tokenizer
     from headlab.outdir import check_output, results_lock, write_results, written_note
     from headlab.portable import how_to_load
-    from headlab.surgery import PRUNING_FILE, count_parameters, prune_heads, save_pruned
+    from headlab.surgery import (
+        PRUNING_FILE,
+        count_parameters,
+        in_original_numbering,
+        prune_heads,
+        save_pruned,
+        to_current_numbering,
+    )
 
     out = Path(args.out)
     preflight.output_dir(out)
@@ -91,7 +98,14 @@ def run_prune(args) -> int:
     else:  # its form at least (--heads ,), the heads it names once the weights are read
         parse_heads(args.heads, None)
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
-    spec = parse_heads(args.heads, attention_blocks(model))
+    if (Path(args.model) / PRUNING_FILE).is_file():
+        # Heads in the original numbering, as the pruned model's heads.csv, scores and
+        # headlab_pruning.json name them: its current indices would silently name other heads.
+        original = parse_heads(args.heads, in_original_numbering(model))
+        whole = whole_layers(args.heads)
+        spec = to_current_numbering(model, original, frozenset(original) if whole is None else whole)
+    else:
+        spec = parse_heads(args.heads, attention_blocks(model))
     source = Path(args.model)
     tokenizer = None
     if not source.is_dir() or any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):

@@ -31,6 +31,19 @@ def _check_heads(heads: list[int], block: AttentionBlock, where: str) -> None:
             raise HeadlabError(f"{where}: {block.kind} layer {block.layer} has no head {head} ({have})")
 
 
+def is_mask_file(text: str) -> bool:
+    """Whether a ``--heads`` value names a JSON mask file rather than a typed spec."""
+    return text.endswith(".json") or Path(text).is_file()
+
+
+def whole_layers(text: str) -> frozenset[tuple[str, int]] | None:
+    """The layers a typed spec names whole (``KIND:LAYER:*``); None for a mask file."""
+    if is_mask_file(text):
+        return None
+    matches = (_ITEM.match(item) for item in re.split(r"[;\s]+", text.strip()) if item)
+    return frozenset((check_kind(m["kind"]), int(m["layer"])) for m in matches if m and m["heads"] == "*")
+
+
 def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[str, int], list[int]]:
     """Parse a typed spec or, if ``text`` names a ``.json`` file, a mask file.
 
@@ -38,7 +51,7 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
     None checks the spec's form only (a pruned model's heads are known once its weights are read):
     the heads of ``*`` are then left out of the result.
     """
-    if text.endswith(".json") or Path(text).is_file():
+    if is_mask_file(text):
         if blocks is None:
             read_json(Path(text), "mask file")  # a missing or unreadable file: before the weights load
             return {}

@@ -14,6 +14,7 @@ path (Voita et al. 2019, footnote 9).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -390,6 +391,34 @@ def removal_by_scores(model: nn.Module, scores: Any, keep: int,
     return {key: [kept[key].index(h) for h in heads] if key in kept else heads for key, heads in mask.items()}
 
 
+def in_original_numbering(model: nn.Module) -> list[AttentionBlock]:
+    """``model``'s blocks with their original head counts: a head spec read against them names a
+    pruned model's heads as its ``heads.csv``, score tables and ``headlab_pruning.json`` do."""
+    return [dataclasses.replace(block, n_heads=_original(block)[2]) for block in attention_blocks(model)]
+
+
+def to_current_numbering(model: nn.Module, spec: Mapping[tuple[str, int], list[int]],
+                         gone_ok: frozenset[tuple[str, int]] = frozenset()) -> dict[tuple[str, int], list[int]]:
+    """A removal ``spec`` in original numbering (:func:`in_original_numbering`) as the model's current
+    head indices. A head already removed is an error (the spec was likely written in the current
+    numbering), except in the layers of ``gone_ok`` (``*``, a mask file), where it is skipped."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for block in attention_blocks(model):
+        if block.key not in spec:
+            continue
+        kept = _original(block)[0]
+        gone = sorted(h for h in spec[block.key] if h not in kept)
+        if gone and block.key not in gone_ok:
+            raise HeadlabError(
+                f"--heads {block.kind}:{block.layer}: {'head' if len(gone) == 1 else 'heads'} "
+                f"{','.join(map(str, gone))} already removed; "
+                + (f"this model keeps heads {','.join(map(str, kept))} of that layer" if kept else
+                   "that layer has no heads left")
+                + ". Heads are named in the original model's numbering, as in heads.csv and headlab_pruning.json")
+        out[block.key] = [kept.index(h) for h in spec[block.key] if h in kept]
+    return out
+
+
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
     blocks: dict = {}
@@ -747,5 +776,6 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
-    "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores",
+    "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores", "in_original_numbering",
+    "to_current_numbering",
 ]
