@@ -119,3 +119,27 @@ def test_headlab_generate_calls_do_not_warn_about_max_length():
         logger.removeHandler(handler)
     assert len(translated.translations) == 3
     assert not [m for m in messages if "max_new_tokens" in m], messages
+
+
+def test_a_tokenizer_json_is_loaded_as_written_when_transformers_builds_another_model(tmp_path, caplog):
+    """Regression (silent wrong tokens): transformers v5 builds Qwen2's own BPE tokenizer for a
+    model_type qwen2 directory whose tokenizer.json holds a WordLevel model (tokenizer_config names
+    the generic backend): "the cat sat" encoded to no ids at all. headlab loads the file as written."""
+    from headlab.loading import load_tokenizer
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(["the", "cat", "sat"], style="gpt2")
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="headlab"):
+        loaded = load_tokenizer(str(tmp_path))
+    assert loaded("the cat sat").input_ids == tokenizer("the cat sat").input_ids != []
+    assert "holding a WordLevel model; using tokenizer.json as written" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="headlab"):  # a tokenizer transformers builds right: untouched
+        gpt2 = tmp_path / "gpt2"
+        tiny_model("gpt2").save_pretrained(gpt2)
+        tokenizer.save_pretrained(gpt2)
+        assert load_tokenizer(str(gpt2))("the cat sat").input_ids == tokenizer("the cat sat").input_ids
+    assert "as written" not in caplog.text

@@ -273,9 +273,35 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     if not path.exists():
         check_hub_reachable(name_or_path, ("tokenizer_config.json", "tokenizer.json", "config.json"))
     try:
-        return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
+    return _as_written(tokenizer, path)
+
+
+def _as_written(tokenizer, path: Path):
+    """The tokenizer that ``path/tokenizer.json`` describes. transformers v5 builds the model type's
+    own tokenizer class (Qwen2's: BPE) even where tokenizer_config.json names the generic backend and
+    the file holds another model (a WordLevel one): every word then encodes to nothing or junk, with
+    no error. Where the built tokenizer's model differs from the file's, the file is loaded as it is."""
+    import json
+
+    import transformers
+
+    file = path / "tokenizer.json"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not path.is_dir() or not file.is_file() or backend is None:
+        return tokenizer
+    try:
+        written = json.loads(file.read_text(encoding="utf-8")).get("model", {}).get("type")
+    except (OSError, ValueError, AttributeError):
+        return tokenizer
+    built = type(backend.model).__name__
+    if not written or written == built:
+        return tokenizer
+    logging.getLogger(__name__).warning("%s: transformers built a %s tokenizer (%s) from a tokenizer.json holding a %s model; "
+                   "using tokenizer.json as written", path, built, type(tokenizer).__name__, written)
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def vocab_size_of(model_or_config) -> int | None:
