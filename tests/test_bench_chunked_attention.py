@@ -42,6 +42,10 @@ def test_child_rows_on_cpu_in_bfloat16(bench, mode):
     assert row["mode"] == mode and row["length"] == 40 and row["status"] == "ok"
     assert row["seconds_per_sentence"] > 0 and row["peak_total_mb"] >= row["base_mb"] > 0
     assert "gpu_peak_total_mb" not in row
+    # the CoNLL-U is read before the timed region and timed apart; the analysis's total includes it
+    assert row["read_seconds_per_sentence"] > 0 and row["read_cpu_seconds_per_sentence"] >= 0
+    included = row["statistics_seconds_per_sentence"] + (mode != "sdpa") * row["read_seconds_per_sentence"]
+    assert row["seconds_per_sentence"] == pytest.approx(included, rel=1e-12)
 
 
 def test_child_reports_the_gpu_counters(bench, monkeypatch):
@@ -59,7 +63,7 @@ def test_child_reports_the_gpu_counters(bench, monkeypatch):
 
     monkeypatch.setattr(bench, "Meter", CudaMeter)
     row = bench.child(_args(bench, "--child-mode", "chunked", "--child-length", "24"))
-    assert calls == ["sync", "reset", "sync"]
+    assert calls == ["sync", "reset", "sync"] * 2  # the reading's meter, then the analysis's
     assert (row["gpu"], row["gpu_base_mb"], row["gpu_peak_growth_mb"], row["gpu_peak_total_mb"]) == \
         ("stub GPU", 3, 7, 10)
     fields = bench.model_fields(_args(bench))
@@ -77,5 +81,13 @@ def test_runs_that_do_not_run_are_rows(bench, capsys):
           "peak_growth_mb": 10.0, "peak_total_mb": 50.0}
     bench.print_table([ok, {**ok, "mode": "chunked", "seconds_per_sentence": 3.0}, skipped, late], cuda=False)
     table = capsys.readouterr().out.splitlines()
-    assert table[3] == "| 200 | chunked | 3.00 | 1.50 | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"
+    # rows of an older run (no reading apart) keep their columns, "-" in the new ones
+    assert table[3] == "| 200 | chunked | 3.00 | 1.50 | - | - | - | - | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"
     assert table[4].startswith("| 512 | eager | skipped: eager beyond --eager-max-length 100")
+    # the analysis without its reading and the reading, each against the SDPA forward's time
+    read = {"statistics_seconds_per_sentence": 2.0, "read_seconds_per_sentence": 0.5}
+    bench.print_table([{**ok, **read}, {**ok, **read, "mode": "fused", "seconds_per_sentence": 3.5,
+                                         "statistics_seconds_per_sentence": 3.0}], cuda=False)
+    table = capsys.readouterr().out.splitlines()
+    assert table[2] == "| 200 | sdpa | 2.00 | 1.00 | 2.00 | 1.00 | 0.50 | 0.25 | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"
+    assert table[3] == "| 200 | fused | 3.50 | 1.75 | 3.00 | 1.50 | 0.50 | 0.25 | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"

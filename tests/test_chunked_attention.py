@@ -344,6 +344,26 @@ def test_exact_prescale(dtype):
     assert not exact_prescale(q, huge, 0.125)
 
 
+def test_no_prescale_check_off_the_cpu(monkeypatch):
+    """Off the CPU the prescale check is not made (its bool() and float() of device tensors would
+    each be a host sync per layer on a GPU); the scaling stays on the scores, eager's order. A meta
+    tensor stands in for a GPU one: reading any of its values raises, as exact_prescale does."""
+    import headlab.attention as attention
+
+    query, key, value = (torch.randn(1, 2, 6, 16, dtype=torch.float32) for _ in range(3))
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        attention.exact_prescale(query.to("meta"), key.to("meta"), 0.25)
+    seen = []
+    real = attention.exact_prescale
+    monkeypatch.setattr(attention, "exact_prescale", lambda q, k, s: seen.append(q.device.type) or real(q, k, s))
+    module = torch.nn.Module()
+    out, _ = attention.attention_forward(module, query.to("meta"), key.to("meta"), value.to("meta"), None,
+                                         scaling=0.25, is_causal=True)
+    assert out.device.type == "meta" and out.shape == (1, 6, 2, 16) and seen == []
+    attention.attention_forward(module, query, key, value, None, scaling=0.25, is_causal=True)
+    assert seen == ["cpu"]  # the CPU still checks (and prescales: 0.25 is a power of two)
+
+
 def test_chunk_rows():
     from headlab.attention import MIN_CHUNK_ROWS, chunk_rows
 

@@ -244,7 +244,11 @@ def attention_forward(
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) else None
     most = batch * n_heads * min(step, q_len)  # the largest chunk's rows, over every head
     own_softmax = query.dtype in (torch.float32, torch.float64)  # its softmax is in its own dtype
-    prescale = exact_prescale(query, key, scaling)  # the scaling on the query rows: the same scores
+    # The scaling on the query rows where that gives the same scores. Only on the CPU: the check's
+    # answer picks a branch here, so on a GPU it would wait for the queued work (a host sync per
+    # tensor test, per layer); there the scaling stays on the scores, one more elementwise pass on the
+    # device, in eager's order: the scores are the same bits either way (exact_prescale's claim).
+    prescale = query.device.type == "cpu" and exact_prescale(query, key, scaling)
     # Written chunk by chunk in the layout the caller gets, [batch, q_len, n_heads, d_head]: no list
     # of chunk outputs to concatenate and transpose at the end (each a copy of the whole output).
     output = value.new_empty(batch, q_len, n_heads, value.shape[-1])
