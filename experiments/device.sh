@@ -32,7 +32,7 @@
 #                                       SDPA forward and eager capture on a random model of Llama-3-8B's
 #                                       shape in bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), modes
 #                                       MODES= (default sdpa fused chunked eager), QUERY_CHUNK= rows
-#                                       (default 128), LAYERS (default 8) of
+#                                       (default: the analysis's own, 256 for fused on CUDA), LAYERS (default 8) of
 #                                       its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows) and
 #                                       $OUT/bench-gpu.log. Needs the .whl carry (conllu).
 #
@@ -157,7 +157,7 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
       # shellcheck disable=SC2086  # LENGTHS: one argument per length
       "$PY" benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b \
         --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes ${MODES:-sdpa fused chunked eager} \
-        --query-chunk "${QUERY_CHUNK:-128}" \
+        ${QUERY_CHUNK:+--query-chunk "$QUERY_CHUNK"} \
         --eager-max-length 4096 --last chunked eager --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
         --json "$OUT/bench-gpu.json"
     } 2>&1 | tee "$OUT/bench-gpu.log"
