@@ -276,10 +276,10 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
-    return _as_written(tokenizer, path)
+    return _as_written(tokenizer, path, trust_remote_code)
 
 
-def _as_written(tokenizer, path: Path):
+def _as_written(tokenizer, path: Path, trust_remote_code: bool):
     """The tokenizer that ``path/tokenizer.json`` describes. transformers v5 builds the model type's
     own tokenizer class (Qwen2's: BPE) even where tokenizer_config.json names the generic backend and
     the file holds another model (a WordLevel one): every word then encodes to nothing or junk, with
@@ -301,7 +301,7 @@ def _as_written(tokenizer, path: Path):
         return tokenizer
     logging.getLogger(__name__).warning("%s: transformers built a %s tokenizer (%s) from a tokenizer.json holding a %s model; "
                    "using tokenizer.json as written", path, built, type(tokenizer).__name__, written)
-    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def vocab_size_of(model_or_config) -> int | None:
