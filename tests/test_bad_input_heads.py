@@ -158,6 +158,15 @@ def test_model_path_that_does_not_exist(tmp_path, capsys):
     assert f"{tmp_path}: a directory without config.json" in capsys.readouterr().err
 
 
+def _refused_before_loading(model, spec, message, tmp_path, capsys) -> None:
+    """`prune apply MODEL --heads SPEC` (``bad.json``: a missing mask file) is exit 2 with ``message``, nothing written."""
+    code = main(["prune", "apply", str(model), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("spec,message", [("enc_self:0:7", "enc_self layer 0 has no head 7"),
                                           ("dec_cross:5:0", "dec_cross has no layer 5"),
                                           ("bad.json", "no such mask file")])
@@ -165,11 +174,7 @@ def test_prune_refuses_a_head_the_model_lacks_before_loading(spec, message, mode
     """Regression: the spec was checked against the loaded model, after reading every weight
     (minutes for a large checkpoint); the structure built from the config (no weights) has the heads."""
     forbid_model_loading(monkeypatch)
-    code = main(["prune", "apply", str(model_dir), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
-                 "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
+    _refused_before_loading(model_dir, spec, message, tmp_path, capsys)
 
 
 def test_prune_refuses_unwritable_out_before_loading(capsys, monkeypatch):
@@ -271,11 +276,7 @@ def test_prune_of_a_pruned_model_refuses_a_malformed_spec_before_loading(spec, m
     assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1", "--out", str(pruned)]) == 0
     capsys.readouterr()
     forbid_model_loading(monkeypatch)
-    code = main(["prune", "apply", str(pruned), "--heads", spec if spec != "bad.json" else str(tmp_path / spec),
-                 "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
+    _refused_before_loading(pruned, spec, message, tmp_path, capsys)
 
 
 def test_prune_of_a_pruned_model_names_heads_in_the_original_numbering(model_dir, tmp_path, capsys):

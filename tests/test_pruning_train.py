@@ -225,6 +225,13 @@ def _data_args(limit=200):
             "--log-every", "5", "--no-progress", "--lr", "1e-3", "--gate-lr", "0.1"]
 
 
+def _baseline_args(model_dir, *options) -> list[str]:
+    """`prune baseline` on 50 training pairs, scored greedily on 5 validation sentences."""
+    return ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
+            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
+            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1", *options]
+
+
 def test_cli_train_and_its_errors(model_dir, tmp_path, capsys):
     out = tmp_path / "t"
     assert main(["prune", "train", str(model_dir), *_data_args(), "--gates", "all", "--lam", "0.5", "--out", str(out)]) == 0
@@ -276,10 +283,7 @@ def test_cli_sweep_resumes_and_skips_finished_points(model_dir, tmp_path, capsys
 
 def test_cli_baseline_random_over_seeds(model_dir, tmp_path, capsys):
     out = tmp_path / "b"
-    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
-            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
-            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
-            "--method", "random", "--keeps", "3", "--seeds", "1,2", "--out", str(out)]
+    args = _baseline_args(model_dir, "--method", "random", "--keeps", "3", "--seeds", "1,2", "--out", str(out))
     assert main(args) == 0
     assert "| random | 3 | 0 | no | 2 |" in capsys.readouterr().out
     rows = json.loads((out / "baselines.json").read_text())
@@ -301,10 +305,8 @@ def test_cli_baseline_by_scores_skips_its_finished_rows_wherever_the_score_file_
     scores = HeadScores({"enc_self": np.arange(8, dtype=float).reshape(2, 4)}, "lrp", str(model_dir))
     scores.save(tmp_path / "lrp.json")
     out = tmp_path / "b"
-    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
-            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
-            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
-            "--method", "scores", "--scores", str(tmp_path / "lrp.json"), "--keeps", "3", "--out", str(out)]
+    args = _baseline_args(model_dir, "--method", "scores", "--scores", str(tmp_path / "lrp.json"), "--keeps", "3",
+                          "--out", str(out))
     assert main(args) == 0
     rows = json.loads((out / "baselines.json").read_text())
     assert [(r["method"], r["keep"]) for r in rows] == [("scores:lrp", 3)]
@@ -497,10 +499,7 @@ def test_cli_baseline_runs_a_seed_or_keep_given_twice_once(model_dir, tmp_path, 
     """Regression: `--seeds 1,1` made two rows of the same run, reported as 2 runs with std 0.00
     (a spread the numbers do not have), and `--keeps 3,3` two rows of one configuration."""
     out = tmp_path / "b"
-    args = ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
-            "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
-            "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1",
-            "--method", "random", "--keeps", "3,3", "--seeds", "1,1", "--out", str(out)]
+    args = _baseline_args(model_dir, "--method", "random", "--keeps", "3,3", "--seeds", "1,1", "--out", str(out))
     assert main(args) == 0
     assert "| random | 3 | 0 | no | 1 |" in capsys.readouterr().out
     assert [(r["keep"], r["seed"]) for r in json.loads((out / "baselines.json").read_text())] == [(3, 1)]

@@ -36,11 +36,16 @@ def is_mask_file(text: str) -> bool:
     return text.endswith(".json") or Path(text).is_file()
 
 
+def _items(text: str) -> list[str]:
+    """The ``KIND:LAYER:HEADS`` items of a typed spec, separated by spaces or semicolons."""
+    return [item for item in re.split(r"[;\s]+", text.strip()) if item]
+
+
 def whole_layers(text: str) -> frozenset[tuple[str, int]] | None:
     """The layers a typed spec names whole (``KIND:LAYER:*``); None for a mask file."""
     if is_mask_file(text):
         return None
-    matches = (_ITEM.match(item) for item in re.split(r"[;\s]+", text.strip()) if item)
+    matches = (_ITEM.match(item) for item in _items(text))
     return frozenset((check_kind(m["kind"]), int(m["layer"])) for m in matches if m and m["heads"] == "*")
 
 
@@ -57,7 +62,7 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
             return {}
         return load_mask_file(text, blocks)
     spec: dict[tuple[str, int], list[int]] = {}
-    items = [item for item in re.split(r"[;\s]+", text.strip()) if item]
+    items = _items(text)
     if not items:
         raise HeadlabError("--heads: empty head spec")
     for item in items:

@@ -290,7 +290,8 @@ def _as_written(tokenizer, path: Path, trust_remote_code: bool):
 
     file = path / "tokenizer.json"
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not path.is_dir() or not file.is_file() or backend is None:
+    generic = type(tokenizer) is transformers.PreTrainedTokenizerFast  # (v5's TokenizersBackend is this class)
+    if generic or not path.is_dir() or not file.is_file() or backend is None:  # a generic class reads the file as is
         return tokenizer
     try:
         written = json.loads(file.read_text(encoding="utf-8")).get("model", {}).get("type")

@@ -381,14 +381,13 @@ def removal_by_scores(model: nn.Module, scores: Any, keep: int,
     are renumbered (a layer that kept heads 0 and 3 calls head 3 its head 1). A kind whose scores
     are as wide as the model's current heads is taken as numbered so already."""
     absent: dict[tuple[str, int], list[int]] = {}
-    kept: dict[tuple[str, int], list[int]] = {}
     for block in attention_blocks(model):
         heads, _, n = _original(block)
         if len(heads) != n and block.kind in scores.scores and scores.scores[block.kind].shape[1] == n:
-            kept[block.key] = heads
             absent[block.key] = [h for h in range(n) if h not in heads]
     mask = scores.without(absent).top_mask(keep, kinds)
-    return {key: [kept[key].index(h) for h in heads] if key in kept else heads for key, heads in mask.items()}
+    # The layers numbered as before pruning: none of their removed heads is ranked, so none is named.
+    return {**mask, **to_current_numbering(model, {key: mask[key] for key in absent if key in mask})}
 
 
 def in_original_numbering(model: nn.Module) -> list[AttentionBlock]:
