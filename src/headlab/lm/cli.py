@@ -10,7 +10,7 @@ from typing import Any, cast
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, counted
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
-from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command
+from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command, check_shape
 from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
 
 
@@ -65,13 +65,7 @@ def _train(args) -> int:
     preflight.output_dir(args.out)
     recipe = from_args(args, LMRecipe, model=from_args(args, LMConfig),
                        train=from_args(args, lm_training(), progress=not args.no_progress))
-    # The model's shape and the vocabulary's size before the text is read and a vocabulary trained
-    if recipe.model.d_model % recipe.model.n_heads:
-        raise HeadlabError(f"--d-model {recipe.model.d_model} is not divisible by --heads {recipe.model.n_heads}")
-    from headlab.nmt.tokenizer import SPECIAL_TOKENS
-
-    if recipe.tokenizer is None and recipe.vocab_size < len(SPECIAL_TOKENS) + 10:
-        raise HeadlabError(f"--vocab-size {recipe.vocab_size} is too small (at least {len(SPECIAL_TOKENS) + 10})")
+    check_shape(recipe)  # before the text is read and a vocabulary trained
     with training_lock(args.out):  # a second run on the same directory refuses
         result = run_lm_recipe(recipe)
     if result.stopped == "diverged":

@@ -104,19 +104,24 @@ def _train(args) -> int:
     layers = {"encoder_layers": args.layers, "decoder_layers": args.layers}
     recipe = from_args(args, TrainRecipe, model=from_args(args, ModelConfig, **layers),
                        train=from_args(args, TrainConfig, progress=not args.no_progress))
-    # The model's shape and the vocabulary's size before the data are read and a vocabulary trained
-    if recipe.model.d_model % recipe.model.n_heads:
-        raise HeadlabError(f"--d-model {recipe.model.d_model} is not divisible by --heads {recipe.model.n_heads}")
-    from headlab.nmt.tokenizer import SPECIAL_TOKENS
-
-    if recipe.tokenizer is None and recipe.vocab_size < len(SPECIAL_TOKENS) + 10:
-        raise HeadlabError(f"--vocab-size {recipe.vocab_size} is too small (at least {len(SPECIAL_TOKENS) + 10})")
+    check_shape(recipe)  # before the data are read and a vocabulary trained
     with training_lock(args.out):  # a second run on the same directory refuses
         result = run_recipe(recipe, **hooks)
     if result.stopped == "diverged":
         print(f"headlab nmt train: {result.message}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_shape(recipe) -> None:
+    """The model's shape and the vocabulary's size of a training recipe (``nmt train``, ``lm train``),
+    checked before its data are read and a vocabulary trained."""
+    from headlab.nmt.tokenizer import SPECIAL_TOKENS
+
+    if recipe.model.d_model % recipe.model.n_heads:
+        raise HeadlabError(f"--d-model {recipe.model.d_model} is not divisible by --heads {recipe.model.n_heads}")
+    if recipe.tokenizer is None and recipe.vocab_size < len(SPECIAL_TOKENS) + 10:
+        raise HeadlabError(f"--vocab-size {recipe.vocab_size} is too small (at least {len(SPECIAL_TOKENS) + 10})")
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
