@@ -239,6 +239,28 @@ def test_export_of_an_epoch_that_is_not_a_number(which, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_takes_a_checkpoint_of_the_run_never_a_path(tmp_path, capsys):
+    """Regression: `lm export`/`nmt export --checkpoint ../x` exported a checkpoint outside --run
+    (another run's weights, recorded in export.json as this run's). --checkpoint names one of the
+    run's checkpoints; a path, or a link out of the run, is refused naming the option."""
+    for checkpoint in ("run/best", "run/epochs/epoch-001", "other/best"):
+        (tmp_path / checkpoint).mkdir(parents=True)
+        (tmp_path / checkpoint / "model.safetensors").write_bytes(b"")
+    (tmp_path / "run" / "linked").symlink_to(tmp_path / "other" / "best")
+    run, out = tmp_path / "run", tmp_path / "out"
+    for command in ("lm", "nmt"):
+        for which in ("../other/best", str(tmp_path / "other" / "best"), "best/", "./best", "..", "."):
+            assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", which]) == 2
+            assert (f"--checkpoint {which}: not the name of a checkpoint of the run (best, epoch-1); a path, inside "
+                    f"{run} or not, is not one") in capsys.readouterr().err
+        assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", "linked"]) == 2
+        assert f"--checkpoint linked: {run / 'linked'} leads out of the run directory {run}" in capsys.readouterr().err
+        assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", "last"]) == 2
+        assert (f"--checkpoint last: no checkpoint 'last' in {run} (looked for {run / 'last' / 'model.safetensors'}; "
+                "the run has best, epoch-1)") in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_export_help_says_the_default_dtype(capsys):
     """Regression: `lm export` writes float16 and `nmt export` float32 by default, and neither
     --help said so (docs/lm.md wrote `[--dtype float16]` as if it were not the default)."""
