@@ -3,6 +3,12 @@ rows (missing, empty, directory, non-UTF-8, CRLF, BOM, truncated gzip, mismatche
 model without a tokenizer and an unwritable --output. docs/cli.md lists the contract."""
 
 import gzip
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -259,6 +265,41 @@ def test_export_takes_a_checkpoint_of_the_run_never_a_path(tmp_path, capsys):
         assert (f"--checkpoint last: no checkpoint 'last' in {run} (looked for {run / 'last' / 'model.safetensors'}; "
                 "the run has best, epoch-1)") in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_average_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
+    """Regression: `nmt average` wrote DIR/averaged-lastN without the run's lock, so a training still
+    writing DIR (which averages into the same place when it reaches --epochs) or a second average
+    could interleave their writes. It now holds DIR/.headlab/lock while it reads and writes."""
+    import headlab.training.loop
+    from headlab.lock import LOCK_FILE, _start_time
+
+    run = tmp_path / "run"
+    for epoch in (1, 2):
+        save_tiny_marian(run / "epochs" / f"epoch-{epoch:03d}")
+    shutil.copytree(run / "epochs" / "epoch-001", run / "tokenizer")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a training, say
+    try:
+        (run / LOCK_FILE).parent.mkdir()
+        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+        assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 2
+        assert f"--run {run} is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+        assert not (run / "averaged-last2").exists() and not (run / ".averaged-last2.tmp").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    holders = []
+    average = headlab.training.loop.average_checkpoints
+
+    def spy(paths):
+        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
+        return average(paths)
+
+    monkeypatch.setattr(headlab.training.loop, "average_checkpoints", spy)
+    assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 0  # the holder is gone: stale, taken over
+    assert holders == [os.getpid()] and not (run / LOCK_FILE).exists()
+    assert (run / "averaged-last2" / "model.safetensors").is_file()
 
 
 def test_export_help_says_the_default_dtype(capsys):

@@ -118,14 +118,28 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
     ``run_dir/averaged-lastN`` (Vaswani et al. 2017, Sec. 6.1), with the run's tokenizer.
 
     The trainer does this itself when it reaches ``--epochs``; this is for runs that a time
-    or step limit stopped earlier. Written to a temporary directory, then renamed into place.
+    or step limit stopped earlier. Written to a temporary directory, then renamed into place,
+    holding the run's lock (:mod:`headlab.lock`): a training still writing the run, or a second
+    average, is refused instead of interleaving its writes with this one's.
     """
-    from headlab.training.loop import average_checkpoints
+    from headlab.lock import DirectoryLock
 
     run_dir = Path(run_dir)
-    epochs = sorted((run_dir / "epochs").glob("epoch-*"))
-    if last < 1 or len(epochs) < last:
-        raise HeadlabError(f"{run_dir}/epochs holds {len(epochs)} epoch checkpoints; cannot average the last {last}")
+    if last < 1 or len(_epochs(run_dir)) < last:  # before the lock: no .headlab/ made in a wrong --run
+        raise HeadlabError(f"{run_dir}/epochs holds {len(_epochs(run_dir))} epoch checkpoints; cannot average the "
+                           f"last {last}")
+    with DirectoryLock(run_dir, "--run"):
+        return _average_last_epochs(run_dir, last, overwrite)
+
+
+def _epochs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "epochs").glob("epoch-*"))
+
+
+def _average_last_epochs(run_dir: Path, last: int, overwrite: bool) -> Path:
+    from headlab.training.loop import average_checkpoints
+
+    epochs = _epochs(run_dir)  # read again under the lock: what is averaged is what no run is writing
     chosen = epochs[-last:]
     out = run_dir / f"averaged-last{last}"
     if out.exists() and not overwrite:
