@@ -302,6 +302,14 @@ def test_average_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
     assert (run / "averaged-last2" / "model.safetensors").is_file()
 
 
+def test_average_of_more_epochs_than_the_run_has_counts_them(tmp_path, capsys):
+    """Regression: "holds 1 epoch checkpoints" (plural for one)."""
+    (tmp_path / "run" / "epochs" / "epoch-001").mkdir(parents=True)
+    assert main(["nmt", "average", "--run", str(tmp_path / "run"), "--last", "2"]) == 2
+    assert "epochs holds 1 epoch checkpoint; cannot average the last 2" in capsys.readouterr().err
+    assert not (tmp_path / "run" / ".headlab").exists()  # refused before the lock: nothing made in --run
+
+
 def test_export_help_says_the_default_dtype(capsys):
     """Regression: `lm export` writes float16 and `nmt export` float32 by default, and neither
     --help said so (docs/lm.md wrote `[--dtype float16]` as if it were not the default)."""

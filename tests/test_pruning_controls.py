@@ -172,7 +172,9 @@ def _args(model_dir, out, *extra):
     (("--dev-src", str(DATA / "train.en.gz"), "--dev-tgt", str(DATA / "train.de.gz"), "--dev-every", "5"),
      "the development curve is of the fine-tuning of --finetune-steps N > 0"),
     (("--from-scratch", "--scratch-epochs", "3", "--scratch-average-last", "4"), "has only 3 epoch checkpoints"),
-], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs"])
+    (("--from-scratch", "--scratch-epochs", "1", "--scratch-average-last", "2"), "has only 1 epoch checkpoint\n"),
+], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs",
+        "average-more-than-one-epoch"])
 def test_recipe_options_that_would_do_nothing_are_refused_before_any_work(extra, message, model_dir, tmp_path,
                                                                          capsys):
     assert main(_args(model_dir, tmp_path / "out", *extra)) == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import readable_as_umask_allows
 from headlab.loading import load_model
 from headlab.nmt.tokenizer import load_tokenizer
@@ -126,8 +126,8 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
 
     run_dir = Path(run_dir)
     if last < 1 or len(_epochs(run_dir)) < last:  # before the lock: no .headlab/ made in a wrong --run
-        raise HeadlabError(f"{run_dir}/epochs holds {len(_epochs(run_dir))} epoch checkpoints; cannot average the "
-                           f"last {last}")
+        raise HeadlabError(f"{run_dir}/epochs holds {counted(len(_epochs(run_dir)), 'epoch checkpoint')}; cannot "
+                           f"average the last {last}")
     with DirectoryLock(run_dir, "--run"):
         return _average_last_epochs(run_dir, last, overwrite)
 

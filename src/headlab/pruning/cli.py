@@ -291,7 +291,7 @@ def _check_budgets(model, config, points: list[dict]) -> None:
     gated = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
     for point in points:
         if point["keep"] is not None and point["keep"] > gated:
-            raise HeadlabError(f"--keeps {point['keep']} is larger than the {gated} gated heads ({', '.join(kinds)})")
+            raise HeadlabError(f"--keeps {point['keep']} is larger than the {counted(gated, 'gated head')} ({', '.join(kinds)})")
 
 
 def run_sweep_command(args) -> int:
@@ -390,7 +390,7 @@ def _check_baseline_recipe(args) -> None:
             raise HeadlabError(f"{', '.join(given)} set the recipe of --from-scratch; add --from-scratch or drop them")
     elif args.scratch_average_last > args.scratch_epochs:
         raise HeadlabError(f"--scratch-average-last {args.scratch_average_last}: a run of --scratch-epochs "
-                           f"{args.scratch_epochs} has only {args.scratch_epochs} epoch checkpoints")
+                           f"{args.scratch_epochs} has only {counted(args.scratch_epochs, 'epoch checkpoint')}")
 
 
 def run_report(args) -> int:
