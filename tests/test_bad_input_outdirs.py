@@ -398,6 +398,10 @@ def test_device_mps_on_a_machine_without_one(inputs, tmp_path, capsys):
     (["--prune", "--prune-gate-lr", "nan"], "--prune-gate-lr must be a number > 0, got nan"),
     (["--prune", "--prune-init-log-alpha", "inf"], "--prune-init-log-alpha must be finite, got inf"),
     (["--lrp-seed", "-1"], "--lrp-seed must be at least 0, got -1"),
+    # Without --prune too: the sweep's options decide whether an earlier sweep is kept (its stage key)
+    (["--prune-gates", ","], "--prune-gates ',': an empty list"),
+    (["--prune-gates", "bogus"], "--prune-gates bogus: unknown kind 'bogus'"),
+    (["--prune-keeps", "0"], "--prune-keeps must be at least 1, got 0"),
 ])
 def test_analyze_with_out_of_range_prune_options(extra, said, inputs, tmp_path, capsys, monkeypatch):
     """Regression: analyze started work on out-of-range --prune-* options, failed the prune stage

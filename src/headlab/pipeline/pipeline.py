@@ -255,6 +255,15 @@ def validate(config: AnalyzeConfig) -> Path:
     check_options(config.options)  # each statistic's own checks (an unknown --relations)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
+    # Its form, with or without --prune: the sweep's options are in its stage key, so a run without
+    # --prune keeps an earlier sweep made with the same ones and sets aside another's (docs/analyze.md);
+    # a malformed --prune-gates (",") would have set it aside.
+    from headlab.pruning.train import named_kinds
+
+    try:
+        named_kinds(config.prune_gates)
+    except HeadlabError as error:
+        raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
     out = preflight.output_dir(config.out)
     from headlab.outdir import other_commands_results
 
