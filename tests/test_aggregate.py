@@ -190,3 +190,12 @@ def test_one_word_sentences_are_not_exemplars(tmp_path):
     stats.close()
     for heap in result.exemplars[("enc_self", 0)]:
         assert [e.sent_id for e in heap] == ["good-morning"]
+
+
+def test_repr_counts_one_sentence_and_one_tag_in_the_singular():
+    """Regression: the repr said "(enc_self 1 sentences)" and "POS shares of 1 tags"."""
+    from headlab.aggregate import AggregateResult
+
+    one = AggregateResult(scores={}, pos={"NOUN": None}, exemplars={}, pos_frequency={},  # type: ignore[dict-item]
+                          n_sentences={"enc_self": 1, "dec_self": 2})
+    assert repr(one).startswith("AggregateResult (enc_self 1 sentence, dec_self 2 sentences): ; POS shares of 1 tag")

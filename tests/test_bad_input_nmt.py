@@ -3,6 +3,12 @@ rows (missing, empty, directory, non-UTF-8, CRLF, BOM, truncated gzip, mismatche
 model without a tokenizer and an unwritable --output. docs/cli.md lists the contract."""
 
 import gzip
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -237,6 +243,71 @@ def test_export_of_an_epoch_that_is_not_a_number(which, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--checkpoint {which}: not an epoch number; expected epoch-N with N >= 1" in err and "internal" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_takes_a_checkpoint_of_the_run_never_a_path(tmp_path, capsys):
+    """Regression: `lm export`/`nmt export --checkpoint ../x` exported a checkpoint outside --run
+    (another run's weights, recorded in export.json as this run's). --checkpoint names one of the
+    run's checkpoints; a path, or a link out of the run, is refused naming the option."""
+    for checkpoint in ("run/best", "run/epochs/epoch-001", "other/best"):
+        (tmp_path / checkpoint).mkdir(parents=True)
+        (tmp_path / checkpoint / "model.safetensors").write_bytes(b"")
+    (tmp_path / "run" / "linked").symlink_to(tmp_path / "other" / "best")
+    run, out = tmp_path / "run", tmp_path / "out"
+    for command in ("lm", "nmt"):
+        for which in ("../other/best", str(tmp_path / "other" / "best"), "best/", "./best", "..", "."):
+            assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", which]) == 2
+            assert (f"--checkpoint {which}: not the name of a checkpoint of the run (best, epoch-1); a path, inside "
+                    f"{run} or not, is not one") in capsys.readouterr().err
+        assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", "linked"]) == 2
+        assert f"--checkpoint linked: {run / 'linked'} leads out of the run directory {run}" in capsys.readouterr().err
+        assert main([command, "export", "--run", str(run), "--to", str(out), "--checkpoint", "last"]) == 2
+        assert (f"--checkpoint last: no checkpoint 'last' in {run} (looked for {run / 'last' / 'model.safetensors'}; "
+                "the run has best, epoch-1)") in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_average_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
+    """Regression: `nmt average` wrote DIR/averaged-lastN without the run's lock, so a training still
+    writing DIR (which averages into the same place when it reaches --epochs) or a second average
+    could interleave their writes. It now holds DIR/.headlab/lock while it reads and writes."""
+    import headlab.training.loop
+    from headlab.lock import LOCK_FILE, _start_time
+
+    run = tmp_path / "run"
+    for epoch in (1, 2):
+        save_tiny_marian(run / "epochs" / f"epoch-{epoch:03d}")
+    shutil.copytree(run / "epochs" / "epoch-001", run / "tokenizer")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a training, say
+    try:
+        (run / LOCK_FILE).parent.mkdir()
+        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+        assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 2
+        assert f"--run {run} is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+        assert not (run / "averaged-last2").exists() and not (run / ".averaged-last2.tmp").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    holders = []
+    average = headlab.training.loop.average_checkpoints
+
+    def spy(paths):
+        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
+        return average(paths)
+
+    monkeypatch.setattr(headlab.training.loop, "average_checkpoints", spy)
+    assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 0  # the holder is gone: stale, taken over
+    assert holders == [os.getpid()] and not (run / LOCK_FILE).exists()
+    assert (run / "averaged-last2" / "model.safetensors").is_file()
+
+
+def test_average_of_more_epochs_than_the_run_has_counts_them(tmp_path, capsys):
+    """Regression: "holds 1 epoch checkpoints" (plural for one)."""
+    (tmp_path / "run" / "epochs" / "epoch-001").mkdir(parents=True)
+    assert main(["nmt", "average", "--run", str(tmp_path / "run"), "--last", "2"]) == 2
+    assert "epochs holds 1 epoch checkpoint; cannot average the last 2" in capsys.readouterr().err
+    assert not (tmp_path / "run" / ".headlab").exists()  # refused before the lock: nothing made in --run
 
 
 def test_export_help_says_the_default_dtype(capsys):

@@ -398,6 +398,10 @@ def test_device_mps_on_a_machine_without_one(inputs, tmp_path, capsys):
     (["--prune", "--prune-gate-lr", "nan"], "--prune-gate-lr must be a number > 0, got nan"),
     (["--prune", "--prune-init-log-alpha", "inf"], "--prune-init-log-alpha must be finite, got inf"),
     (["--lrp-seed", "-1"], "--lrp-seed must be at least 0, got -1"),
+    # Without --prune too: the sweep's options decide whether an earlier sweep is kept (its stage key)
+    (["--prune-gates", ","], "--prune-gates ',': an empty list"),
+    (["--prune-gates", "bogus"], "--prune-gates bogus: unknown kind 'bogus'"),
+    (["--prune-keeps", "0"], "--prune-keeps must be at least 1, got 0"),
 ])
 def test_analyze_with_out_of_range_prune_options(extra, said, inputs, tmp_path, capsys, monkeypatch):
     """Regression: analyze started work on out-of-range --prune-* options, failed the prune stage
@@ -508,3 +512,29 @@ def test_another_commands_results_without_overwrite_do_not_suggest_it(command, r
     assert f"holds the results of `headlab {recorded}` of m" in err and f"not of `headlab {command}`" in err
     assert "choose a new or empty directory" in err and "pass --overwrite" not in err
     assert {name: (out / name).read_bytes() for name in files_under(out)} == before
+
+
+@pytest.mark.parametrize("recorded, refused", [("functions", False), ("prune", True)])
+def test_an_outs_manifest_is_read_once_per_check(recorded, refused, tmp_path, monkeypatch):
+    """Regression: check_results_dir (and write_results) read .headlab/files.json twice, once in
+    other_commands_results and once for the files it lists: two reads of a manifest another run
+    may replace in between, judged as one. Each now reads it once."""
+    import headlab.outdir as outdir
+    from headlab.errors import HeadlabError
+
+    out = tmp_path / "results"
+    _results_of(out, recorded, ["summary.json"])
+    reads = []
+    listed = outdir._listed
+    monkeypatch.setattr(outdir, "_listed", lambda directory: reads.append(directory) or listed(directory))
+    if refused:
+        with pytest.raises(HeadlabError, match="holds the results of `headlab prune`"):
+            outdir.check_results_dir(out, True, command="functions")
+    else:
+        outdir.check_results_dir(out, True, command="functions")
+    assert reads == [out]
+    reads.clear()
+    if not refused:
+        outdir.write_results(out, lambda staging: (staging / "summary.json").write_text("[]\n"), command="functions",
+                             model="m", overwrite=True)
+        assert reads == [out]

@@ -128,3 +128,15 @@ def test_failing_worker_names_its_rank(capsys):
     script = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(2)\ntime.sleep(60)"
     assert shard.launch([], 2, command=[sys.executable, "-c", script]) == 2
     assert "process rank 1 of 2 failed (exit 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, said", [(1, "the 1 sentence of"), (3, "the 3 sentences of")])
+def test_more_processes_than_sentences_counts_them_in_the_right_number(n, said, tmp_path, capsys, monkeypatch):
+    """Regression: `--num-processes 2` on a one-sentence treebank said "the 1 sentences"."""
+    monkeypatch.setattr(shard, "launch", lambda *a, **k: pytest.fail("no process may start"))
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text("".join(s.strip() + "\n\n" for s in SAMPLE_CONLLU.split("\n\n")[:n]), encoding="utf-8")
+    model = save_tiny_marian(tmp_path / "model")
+    assert main(["functions", str(model), "--conllu", str(conllu), "--out", str(tmp_path / "o"),
+                 "--num-processes", str(n + 1)]) == 2
+    assert f"--num-processes {n + 1}: more processes than {said} {conllu}; use at most" in capsys.readouterr().err

@@ -115,3 +115,24 @@ def test_device_map_auto_puts_the_model_on_the_gpu(saved):
         inputs = {k: v.to("cuda") for k, v in tiny_inputs("marian").items()}
         with torch.no_grad():
             assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_prune_apply_writes_the_weights_in_the_dtype_it_says(saved, tmp_path, capsys):
+    """--dtype of prune apply is the dtype of the written weights: applied, in config.json, and said
+    (as is the float32 default that widens a float16 checkpoint)."""
+    from safetensors import safe_open
+
+    half = tmp_path / "half"
+    load_model(str(saved / "gpt2"), dtype="float16").save_pretrained(half)
+    cases = {(): ("float32", "in float32 (the default without --dtype; the checkpoint stores float16: --dtype "
+                             "float16 keeps it)"),
+             ("--dtype", "bfloat16"): ("bfloat16", "in bfloat16 (--dtype bfloat16; the checkpoint stores float16)"),
+             ("--dtype", "float16"): ("float16", "in float16, as the checkpoint stores it")}
+    for extra, (dtype, said) in cases.items():
+        out = tmp_path / f"p-{dtype}"
+        assert main(["prune", "apply", str(half), "--heads", "dec_self:0:1", "--out", str(out), *extra]) == 0
+        assert f"saved to {out} {said}\n" in capsys.readouterr().out
+        assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+        with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
+            stored = {weights.get_slice(name).get_dtype() for name in weights.keys()}
+        assert stored == {{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]}

@@ -188,6 +188,21 @@ def test_evaluate_refuses_max_tokens_below_one_before_loading(value, tmp_path, c
     assert f"--max-tokens must be at least 1, got {value}" in capsys.readouterr().err
 
 
+def test_evaluate_names_text_for_a_bad_file_before_loading(tmp_path, capsys, monkeypatch):
+    """Regression: `lm evaluate --text nope.txt` said "file not found: nope.txt", not naming --text
+    (lm train names --train and --valid)."""
+    import headlab.loading
+
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    good, empty = tmp_path / "good.txt", tmp_path / "empty.txt"
+    good.write_text("a dog runs\n", encoding="utf-8")
+    empty.write_text("\n\n", encoding="utf-8")
+    for text, said in ((tmp_path / "nope.txt", "no such file"), (tmp_path, "a directory, not a file"),
+                       (empty, "the file is empty")):
+        assert main(["lm", "evaluate", str(tmp_path), "--text", str(good), str(text)]) == 2
+        assert f"--text {text}: {said}" in capsys.readouterr().err
+
+
 def test_export_writes_fp16_that_plain_transformers_loads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -172,7 +172,9 @@ def _args(model_dir, out, *extra):
     (("--dev-src", str(DATA / "train.en.gz"), "--dev-tgt", str(DATA / "train.de.gz"), "--dev-every", "5"),
      "the development curve is of the fine-tuning of --finetune-steps N > 0"),
     (("--from-scratch", "--scratch-epochs", "3", "--scratch-average-last", "4"), "has only 3 epoch checkpoints"),
-], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs"])
+    (("--from-scratch", "--scratch-epochs", "1", "--scratch-average-last", "2"), "has only 1 epoch checkpoint\n"),
+], ids=["no-finetuning", "from-scratch", "scratch-option-alone", "dev-without-finetuning", "average-more-than-epochs",
+        "average-more-than-one-epoch"])
 def test_recipe_options_that_would_do_nothing_are_refused_before_any_work(extra, message, model_dir, tmp_path,
                                                                          capsys):
     assert main(_args(model_dir, tmp_path / "out", *extra)) == 2
@@ -190,3 +192,31 @@ def test_an_interrupted_baseline_says_that_its_running_trainings_checkpoint_is_k
     (tmp_path / "out" / "ft-random-1-1" / "last").mkdir(parents=True)
     assert interrupted_note(args).startswith(f"the finished rows of {tmp_path / 'out'}/baselines.json and the "
                                              "running training's last checkpoint are kept")
+
+
+def _no_training_data(model_dir, out, *extra):
+    return ["prune", "baseline", str(model_dir), "--valid-src", str(DATA / "val.en.gz"), "--valid-tgt",
+            str(DATA / "val.de.gz"), "--eval-limit", "3", "--eval-beam", "1", "--keeps", "1", "--out", str(out), *extra]
+
+
+def test_a_baseline_that_neither_estimates_nor_trains_needs_no_training_data(model_dir, tmp_path, capsys):
+    """Random and score-ranked rows without fine-tuning only remove heads and evaluate: the row is
+    the one made with training data given (which it does not read)."""
+    assert main(_no_training_data(model_dir, tmp_path / "alone", "--method", "random", "--seeds", "1")) == 0
+    assert main(_args(model_dir, tmp_path / "with", "--eval-limit", "3", "--eval-beam", "1", "--seeds", "1")) == 0
+    capsys.readouterr()
+    alone, given = (json.loads((tmp_path / name / "baselines.json").read_text()) for name in ("alone", "with"))
+    assert alone == given and "train_data_sha256" not in alone[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--method", "michel"), "--method michel estimates head importance on it"),
+    (("--method", "random", "--finetune-steps", "2"), "--finetune-steps fine-tunes on it"),
+    (("--method", "random", "--from-scratch"), "--from-scratch trains on it"),
+    (("--method", "random", "--limit", "5"), "--limit N counts training sentences"),
+    (("--method", "random", "--train-src", str(DATA / "train.en.gz")), "give both --train-src and --train-tgt"),
+], ids=["michel", "finetune", "from-scratch", "limit", "half-a-pair"])
+def test_a_baseline_that_reads_training_data_refuses_without_it(extra, message, model_dir, tmp_path, capsys):
+    assert main(_no_training_data(model_dir, tmp_path / "out", *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -129,6 +129,8 @@ def test_bad_parameters_are_refused():
         HardConcreteGates({("enc_self", 0): 2}, beta=0)
     with pytest.raises(HeadlabError, match="larger than the 4 gated heads"):
         LagrangianBudget(4, 5)
+    with pytest.raises(HeadlabError, match="larger than the 1 gated head$"):  # not "1 gated heads"
+        LagrangianBudget(1, 2)
 
 
 def test_budget_multipliers_ascend():

@@ -590,8 +590,10 @@ class AggregateResult:
         raise KeyError(name)
 
     def __repr__(self) -> str:
-        sentences = ", ".join(f"{kind} {n}" for kind, n in self.n_sentences.items())
-        lines = [f"AggregateResult ({sentences} sentences): {', '.join(self.scores)}; POS shares of {len(self.pos)} tags"]
+        from headlab.errors import counted
+
+        sentences = ", ".join(f"{kind} {counted(n, 'sentence')}" for kind, n in self.n_sentences.items())
+        lines = [f"AggregateResult ({sentences}): {', '.join(self.scores)}; POS shares of {counted(len(self.pos), 'tag')}"]
         lines += [f"  {scores!r}" for scores in self.scores.values()]
         return "\n".join(lines)
 

@@ -694,7 +694,7 @@ class Analysis:
             total = int(json.loads(self.files["attention/index.json"])["sentences_in_directory"])
         except (KeyError, TypeError, ValueError):
             total = shown
-        viewer = (f" The attention viewer shows {shown} of the {total} example sentences (its section says why: a "
+        viewer = (f" The attention viewer shows {shown} of the {counted(total, 'example sentence')} (its section says why: a "
                   f"notebook output holds {PAGE_LIMIT / 1e6:.1f} MB at most); the analysis directory's own report "
                   "shows every one." if shown < total else "")
         return (f'<iframe src="{url}" title="{title}" style="width:100%;height:760px;border:1px solid #ccc"></iframe>'
@@ -726,7 +726,7 @@ def _not_shown_note(index: dict, n_held: int) -> str | None:
                     "x tokens squared)")
         reasons.append(f"{total - n_held} not held by the Analysis, whose viewer keeps at most "
                        f"{VIEWER_BYTES / 1e6:.1f} MB of attention data{size}")
-    return (f"{total - shown} of the {total} example sentences of this analysis are not shown in this notebook "
+    return (f"{total - shown} of the {counted(total, 'example sentence')} of this analysis are not shown in this notebook "
             f"view: {'; '.join(reasons)}. The analysis directory's own report shows every one "
             "(analysis.save(directory, report=True), then open its index.html).")
 

@@ -32,8 +32,8 @@ from headlab.heads import KINDS
 from headlab.portable import CLASS_NAME
 
 __all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "check_fits_weights", "model_class_for",
-           "named_model_class", "one_line", "read_config", "read_weights", "record_from_weights", "tensor_shapes",
-           "validate_record"]
+           "named_model_class", "one_line", "read_config", "read_weights", "record_from_weights", "stored_dtypes",
+           "tensor_shapes", "validate_record"]
 
 # Model classes to try, most specific head first: analyses need an LM head when there is one.
 _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModel",
@@ -173,6 +173,29 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
             raise HeadlabError(f"{file}: not a readable safetensors file, truncated or corrupt "
                                f"({one_line(error)})") from error
     return shapes
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def stored_dtypes(path: str | Path) -> set[str]:
+    """The dtypes (torch names: float32, float16, ...) the directory's safetensors files store its
+    floating-point tensors in, from their headers (nothing is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    found: set[str] = set()
+    for file in _weight_files(Path(path)):
+        _check_readable(file)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    stored = handle.get_slice(name).get_dtype()
+                    if stored in _SAFETENSORS_DTYPES or stored.startswith("F8"):
+                        found.add(_SAFETENSORS_DTYPES.get(stored, stored))
+        except (SafetensorError, OSError) as error:
+            raise HeadlabError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                               f"({one_line(error)})") from error
+    return found
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

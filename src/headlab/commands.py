@@ -36,7 +36,8 @@ def add_prune_arguments(prune) -> None:
                        help='heads to remove: "enc_self:0:1,2 dec_cross:5:*" or a JSON mask file')
     prune.add_argument("--out", required=True, help="directory for the pruned model")
     prune.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    add_device_options(prune)
+    add_device_options(prune, dtype_help="the dtype the pruned weights are computed and written in (none: float32, "
+                                         "whatever the checkpoint stores; the summary line says which)")
 
 
 def heads_table(blocks) -> str:
@@ -70,8 +71,23 @@ def run_heads(args) -> int:
     return 0
 
 
+def _written_dtype(model, stored: set[str], asked: str | None) -> str:
+    """The precision the pruned weights were written in and why: --dtype, or load_model's float32
+    (a float16 checkpoint is widened and its file doubles unless --dtype float16 keeps it)."""
+    written = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}))
+    source = "/".join(sorted(stored))
+    if stored and {written} == stored:
+        return f"in {written}, as the checkpoint stores it"
+    if asked:
+        return f"in {written} (--dtype {asked}; the checkpoint stores {source})" if stored else f"in {written}"
+    keep = f": --dtype {source} keeps it" if source in ("float16", "bfloat16") else ""
+    return f"in {written} (the default without --dtype; the checkpoint stores {source}{keep})" if stored \
+        else f"in {written} (the default without --dtype)"
+
+
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
+    from headlab.checkpoint import stored_dtypes
     from headlab.headspec import parse_heads, whole_layers
     from headlab.loading import build_from_config, check_supported, load_model, load_tokenizer
     from headlab.outdir import check_output, results_lock, write_results, written_note
@@ -97,6 +113,8 @@ def run_prune(args) -> int:
         parse_heads(args.heads, attention_blocks(build_from_config(args.model, args.trust_remote_code)))
     else:  # its form at least (--heads ,), the heads it names once the weights are read
         parse_heads(args.heads, None)
+    # The weights are written in the dtype they are loaded in (float32 unless --dtype): said below.
+    stored = stored_dtypes(args.model) if Path(args.model).is_dir() else set()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))
     if (Path(args.model) / PRUNING_FILE).is_file():
         # Heads in the original numbering, as the pruned model's heads.csv, scores and
@@ -126,7 +144,8 @@ def run_prune(args) -> int:
     args.interrupted = written_note(out)  # a Ctrl-C from here on: the model is there, whole
     removed = sum(len(h) for h in spec.values())
     after = count_parameters(model)
-    print(f"removed {counted(removed, 'head')}; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out}")
+    print(f"removed {counted(removed, 'head')}; parameters {before:,} -> {after:,} ({after / before:.1%}); saved to {out} "
+          + _written_dtype(model, stored, args.dtype))
     record = json.loads((out.absolute() / PRUNING_FILE).read_text(encoding="utf-8"))
     print(how_to_load(model, record.get("portable") or {}, str(out)))
     return 0

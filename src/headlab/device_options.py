@@ -7,10 +7,10 @@ from __future__ import annotations
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def add_device_options(parser) -> None:
+def add_device_options(parser, dtype_help: str = "the weights' dtype (none: float32, whatever the checkpoint stores)"
+                       ) -> None:
     parser.add_argument("--device", help="where the model runs: cpu, cuda or cuda:N (none: the CPU)")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES,
-                        help="the weights' dtype (none: float32, whatever the checkpoint stores)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype_help)
     parser.add_argument("--device-map", choices=("auto",),
                         help="auto: spread a model that does not fit one device over the GPUs and the CPU "
                              "(accelerate); excludes --device")

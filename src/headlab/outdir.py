@@ -83,7 +83,11 @@ def other_commands_results(directory: str | os.PathLike, command: str, flag: str
     flag of ``command`` (``flag``: ``--overwrite``, analyze's ``--force``, ``overwrite=True``)
     replaces. Shared by the commands of this module and by analyze and ``Analysis.save``."""
     directory = Path(directory)
-    record = _listed(directory)
+    return _other_commands(directory, _listed(directory), command, flag, where)
+
+
+def _other_commands(directory: Path, record: dict | None, command: str, flag: str, where: str) -> str | None:
+    """:func:`other_commands_results` on the manifest ``record`` already read from ``directory``."""
     if record is None:
         return None
     recorded = record.get("command")
@@ -106,10 +110,10 @@ def check_results_dir(directory: str | os.PathLike, overwrite: bool, flag: str =
     directory = Path(directory)
     if not directory.is_dir():
         return
+    record = _listed(directory)  # read once: both checks below judge the same manifest
     # Another command's results first, with or without --overwrite: a hint to pass it would be refused.
-    if command is not None and (why := other_commands_results(directory, command, "--overwrite", flag)):
+    if command is not None and (why := _other_commands(directory, record, command, "--overwrite", flag)):
         raise HeadlabError(why)
-    record = _listed(directory)
     ours = set(record["files"]) if record else set()
     present = _entries(directory)
     foreign = [name for name in present if name not in ours]
@@ -196,7 +200,7 @@ def write_results(directory: str | os.PathLike, write: Callable[[Path], object],
     # The directory was checked before the work; a run that finished into it since, or a file the
     # user put there meanwhile, is not replaced: the new results stay in the staging directory.
     clash = [name for name in new if name not in old and os.path.lexists(directory / name)]
-    if other := other_commands_results(directory, command, "--overwrite", flag):
+    if other := _other_commands(directory, record, command, "--overwrite", flag):
         raise RunFailed(f"{other}; nothing was replaced, this run's results are kept in {staging}")
     if (old and not overwrite) or clash:
         raise RunFailed(f"{flag} {directory}: "

@@ -236,10 +236,10 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def check_processes(args, count: Callable[[], tuple[int, str]]) -> int:
+def check_processes(args, count: Callable[[], tuple[int, str, str]]) -> int:
     """The number of processes the command runs in, checked before any work: ``--num-processes``
-    at least 1, agreeing with a launcher's, and not more than ``count()`` (the sentences, and
-    what they are, e.g. ``"sentences in --conllu FILE"``)."""
+    at least 1, agreeing with a launcher's, and not more than ``count()`` (the sentences, what one
+    is and where they are, e.g. ``(3, "sentence", "of --conllu FILE")``)."""
     asked = getattr(args, "num_processes", None)
     launched = world_size()
     if asked is not None and asked < 1:
@@ -252,15 +252,15 @@ def check_processes(args, count: Callable[[], tuple[int, str]]) -> int:
         raise HeadlabError(f"--device-map spreads one model over the devices; with several processes give "
                            f"--device cuda instead (each process its own GPU), or drop {FLAG}")
     if n > 1:
-        sentences, what = count()
+        sentences, noun, where = count()
         if n > sentences:
             flag = FLAG if asked else "the launcher's --num_processes"
-            raise HeadlabError(f"{flag} {n}: more processes than the {sentences} {what}; "
+            raise HeadlabError(f"{flag} {n}: more processes than the {counted(sentences, noun)} {where}; "
                                "use at most one process per sentence")
     return n
 
 
-def start(args, count: Callable[[], tuple[int, str]]) -> int | None:
+def start(args, count: Callable[[], tuple[int, str, str]]) -> int | None:
     """Before any work: check the processes (:func:`check_processes`); with ``--num-processes N > 1``
     outside a launcher, run the command in N processes and return its exit status; None when this
     process is to do the work (one process, or one of a launcher's)."""

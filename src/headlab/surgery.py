@@ -473,7 +473,7 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         if norm is not None:
             raise PruningNotExact(
                 f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises the "
-                f"whole projection ({block.n_heads if norm.startswith('q') else block.n_kv_heads} heads at once), "
+                f"whole projection ({counted(block.n_heads if norm.startswith('q') else block.n_kv_heads, 'head')} at once), "
                 "so removing a head changes how the others are normalised; physical pruning cannot be exact for "
                 "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
                 model_type=_model_type(model), block=block.key,

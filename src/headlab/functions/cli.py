@@ -67,7 +67,7 @@ def _statistic_options(stage: str | None):
     return add
 
 
-def _sentences(args) -> tuple[int, str]:
+def _sentences(args) -> tuple[int, str, str]:
     """The sentences a sharded run splits (for the check of --num-processes)."""
     from headlab.data.treebank import count_sentences
 
@@ -75,7 +75,7 @@ def _sentences(args) -> tuple[int, str]:
     n = count_sentences(path)
     if args.limit is not None:
         n = min(n, args.limit)
-    return n, f"sentences of {path}" + (f" (--limit {args.limit})" if args.limit else "")
+    return n, "sentence", f"of {path}" + (f" (--limit {args.limit})" if args.limit else "")
 
 
 def _run(args, functions: bool, aggregate: bool) -> int:

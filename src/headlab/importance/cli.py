@@ -69,13 +69,13 @@ def _check(args) -> None:
     check_output(args.out, args.overwrite, command="importance")
 
 
-def _sentences(args) -> tuple[int, str]:
+def _sentences(args) -> tuple[int, str, str]:
     """The sentences a sharded run splits (for the check of --num-processes): non-empty lines."""
     from headlab.data.parallel import first_sentences, read_lines
 
     lines = read_lines(args.source)
     lines = lines[: first_sentences(lines, args.limit)]
-    return sum(1 for line in lines if line.strip()), f"non-empty lines of --source {args.source}"
+    return sum(1 for line in lines if line.strip()), "non-empty line", f"of --source {args.source}"
 
 
 def run_importance_command(args) -> int:

@@ -78,11 +78,13 @@ def _evaluate(args) -> int:
     from headlab.lm.data import encode_lm_corpus, read_text_corpus
     from headlab.lm.train import perplexity
     from headlab.loading import load_model, load_tokenizer
-    from headlab.preflight import at_least
+    from headlab.preflight import at_least, input_file
 
     set_threads(args.threads)
     at_least(args.max_tokens, 1, "--max-tokens")  # 0 or less was taken, as one sentence a batch
     placement = device_options(args)  # a GPU that is not there fails before any work
+    for path in args.text:
+        input_file(path, "--text")  # missing, a directory, empty, not UTF-8: named as lm train names --train
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
     model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
     tokenizer = load_tokenizer(args.model)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import readable_as_umask_allows
 from headlab.loading import load_model
 from headlab.nmt.tokenizer import load_tokenizer
@@ -27,18 +27,39 @@ __all__ = ["export_model", "checkpoint_dir", "average_last_epochs", "exported_ep
 
 
 def checkpoint_dir(run_dir: str | Path, which: str = "best") -> Path:
-    """``best``, ``averaged``, ``last`` or ``epoch-N`` of a run made by ``headlab nmt train``."""
+    """``best``, ``averaged``, ``averaged-lastN``, ``last`` or ``epoch-N`` of a run made by
+    ``headlab nmt train`` or ``headlab lm train``: a checkpoint *of the run*, named, never a path
+    (``../x`` or an absolute path would export another run's weights under this run's name)."""
     run_dir = Path(run_dir)
     if which.startswith("epoch-"):
         number = which.split("-", 1)[1]
         if not (number.isascii() and number.isdigit() and int(number) >= 1):  # int() took "-1", "x" raised
             raise HeadlabError(f"--checkpoint {which}: not an epoch number; expected epoch-N with N >= 1")
         path = run_dir / "epochs" / f"epoch-{int(number):03d}"
+    elif not which or which in (".", "..") or Path(which).name != which:
+        raise HeadlabError(f"--checkpoint {which}: not the name of a checkpoint of the run ({_named(run_dir)}); "
+                           f"a path, inside {run_dir} or not, is not one")
     else:
         path = run_dir / which
     if not (path / "model.safetensors").is_file():
-        raise HeadlabError(f"no checkpoint {which!r} in {run_dir} (looked for {path / 'model.safetensors'})")
+        raise HeadlabError(f"--checkpoint {which}: no checkpoint {which!r} in {run_dir} (looked for "
+                           f"{path / 'model.safetensors'}; the run has {_named(run_dir)})")
+    if not path.resolve().is_relative_to(run_dir.resolve()):  # a link out of the run
+        raise HeadlabError(f"--checkpoint {which}: {path} leads out of the run directory {run_dir} (to "
+                           f"{path.resolve()}); export from the run that holds it")
     return path
+
+
+def _named(run_dir: Path) -> str:
+    """The checkpoints of a run, by the names --checkpoint takes."""
+    inside = run_dir.resolve()
+    names = sorted(p.parent.name for p in run_dir.glob("*/model.safetensors")
+                   if not p.parent.name.startswith(".") and p.parent.resolve().is_relative_to(inside))
+    epochs = sorted(int(p.parent.name.split("-")[1]) for p in run_dir.glob("epochs/epoch-*/model.safetensors")
+                    if p.parent.name.split("-")[1].isdigit())
+    if epochs:
+        names.append(f"epoch-{epochs[0]}" if len(epochs) == 1 else f"epoch-{epochs[0]}..epoch-{epochs[-1]}")
+    return ", ".join(names) if names else "none"
 
 
 def export_model(
@@ -97,14 +118,28 @@ def average_last_epochs(run_dir: str | Path, last: int, *, overwrite: bool = Fal
     ``run_dir/averaged-lastN`` (Vaswani et al. 2017, Sec. 6.1), with the run's tokenizer.
 
     The trainer does this itself when it reaches ``--epochs``; this is for runs that a time
-    or step limit stopped earlier. Written to a temporary directory, then renamed into place.
+    or step limit stopped earlier. Written to a temporary directory, then renamed into place,
+    holding the run's lock (:mod:`headlab.lock`): a training still writing the run, or a second
+    average, is refused instead of interleaving its writes with this one's.
     """
-    from headlab.training.loop import average_checkpoints
+    from headlab.lock import DirectoryLock
 
     run_dir = Path(run_dir)
-    epochs = sorted((run_dir / "epochs").glob("epoch-*"))
-    if last < 1 or len(epochs) < last:
-        raise HeadlabError(f"{run_dir}/epochs holds {len(epochs)} epoch checkpoints; cannot average the last {last}")
+    if last < 1 or len(_epochs(run_dir)) < last:  # before the lock: no .headlab/ made in a wrong --run
+        raise HeadlabError(f"{run_dir}/epochs holds {counted(len(_epochs(run_dir)), 'epoch checkpoint')}; cannot "
+                           f"average the last {last}")
+    with DirectoryLock(run_dir, "--run"):
+        return _average_last_epochs(run_dir, last, overwrite)
+
+
+def _epochs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "epochs").glob("epoch-*"))
+
+
+def _average_last_epochs(run_dir: Path, last: int, overwrite: bool) -> Path:
+    from headlab.training.loop import average_checkpoints
+
+    epochs = _epochs(run_dir)  # read again under the lock: what is averaged is what no run is writing
     chosen = epochs[-last:]
     out = run_dir / f"averaged-last{last}"
     if out.exists() and not overwrite:

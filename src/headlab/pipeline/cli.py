@@ -58,19 +58,19 @@ def print_summary(run) -> None:
         print(f"report: {run.report}")
 
 
-def _sentences(config) -> tuple[int, str]:
+def _sentences(config) -> tuple[int, str, str]:
     """The sentences a sharded run splits (for the check of --num-processes): the fewer of --source's
     non-empty lines and --conllu's sentences."""
     from headlab.data.parallel import read_lines
 
     lines = [line for line in read_lines(config.source) if line.strip()]
-    counts = [(len(lines[: config.limit] if config.limit else lines), f"non-empty lines of --source {config.source}")]
+    counts = [(len(lines[: config.limit] if config.limit else lines), "non-empty line", f"of --source {config.source}")]
     if config.conllu is not None:
         from headlab.data.treebank import count_sentences
 
         n = count_sentences(config.conllu)
         limit = config.treebank_limit
-        counts.append((min(n, limit) if limit else n, f"sentences of --conllu {config.conllu}"))
+        counts.append((min(n, limit) if limit else n, "sentence", f"of --conllu {config.conllu}"))
     return min(counts)
 
 

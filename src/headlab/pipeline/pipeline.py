@@ -255,6 +255,15 @@ def validate(config: AnalyzeConfig) -> Path:
     check_options(config.options)  # each statistic's own checks (an unknown --relations)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
+    # Its form, with or without --prune: the sweep's options are in its stage key, so a run without
+    # --prune keeps an earlier sweep made with the same ones and sets aside another's (docs/analyze.md);
+    # a malformed --prune-gates (",") would have set it aside.
+    from headlab.pruning.train import named_kinds
+
+    try:
+        named_kinds(config.prune_gates)
+    except HeadlabError as error:
+        raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
     out = preflight.output_dir(config.out)
     from headlab.outdir import other_commands_results
 
@@ -344,7 +353,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
     n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds)
     if any(keep > n_gated for keep in config.prune_keeps):
         raise HeadlabError(f"--prune-keeps {','.join(map(str, config.prune_keeps))}: each budget must be between 1 "
-                           f"and the {n_gated} gated heads ({', '.join(kinds)})")
+                           f"and the {counted(n_gated, 'gated head')} ({', '.join(kinds)})")
 
 
 def check_processes(config: AnalyzeConfig, processes: int) -> None:
@@ -694,7 +703,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
     n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds)
     keeps = list(c.prune_keeps) or default_keeps(n_gated)
     if any(k < 1 or k > n_gated for k in keeps):
-        raise HeadlabError(f"--prune-keeps {keeps}: each budget must be between 1 and the {n_gated} gated heads")
+        raise HeadlabError(f"--prune-keeps {keeps}: each budget must be between 1 and the {counted(n_gated, 'gated head')}")
     eval_data = read_parallel(c.source, c.target)
     if c.limit:
         eval_data = eval_data.subset(c.limit)
@@ -721,7 +730,8 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
         shutil.rmtree(point / "train", ignore_errors=True)  # resume checkpoints: not needed once finished
         written += [p for p in (point / "result.json", point / "trajectory.jsonl", point / "gates.json",
                                 point / "pruned") if p.exists()]
-    note = (f"{counted(len(keeps), 'head budget')} of the {n_gated} {'/'.join(kinds)} heads, {counted(c.prune_steps, 'step')} of "
+    note = (f"{counted(len(keeps), 'head budget')} of the {counted(n_gated, '/'.join(kinds) + ' head')}, "
+            f"{counted(c.prune_steps, 'step')} of "
             f"{c.prune_max_tokens} target tokens each; BLEU with beam {c.prune_eval_beam} on "
             f"{counted(len(eval_data), 'pair')} of --source/--target")
     if c.prune_source is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 
 __all__ = ["LagrangianBudget"]
 
@@ -39,7 +39,7 @@ class LagrangianBudget(nn.Module):
         if not isinstance(keep, int) or keep < 0:
             raise HeadlabError(f"--keep must be a non-negative number of heads, got {keep!r}")
         if keep > n_gates:
-            raise HeadlabError(f"--keep {keep} is larger than the {n_gates} gated heads")
+            raise HeadlabError(f"--keep {keep} is larger than the {counted(n_gates, 'gated head')}")
         self.n_gates, self.keep, self.warmup_steps = int(n_gates), int(keep), int(warmup_steps)
         self.lambda_1 = nn.Parameter(torch.zeros(()))
         self.lambda_2 = nn.Parameter(torch.zeros(()))

@@ -146,13 +146,21 @@ def _log():
     return log
 
 
-def _check_inputs(args) -> None:
+def _check_inputs(args, needs_training: str | None = "gated fine-tuning trains on it") -> None:
     """Before any model is loaded (docs/cli.md, exit 2): the data files readable and not empty,
-    the model and tokenizer directories there, the options in range, ``--out`` writable."""
+    the model and tokenizer directories there, the options in range, ``--out`` writable.
+    ``needs_training``: why training data is needed (None: it is not, as for a baseline that
+    neither estimates importance nor trains)."""
     from headlab import preflight
 
-    if not args.train_text and not (args.train_src and args.train_tgt):
-        raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
+    if (args.train_src is None) != (args.train_tgt is None):
+        raise HeadlabError("give both --train-src and --train-tgt, or neither")
+    if not args.train_text and not args.train_src:
+        if needs_training:
+            raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model): "
+                               + needs_training)
+        if args.limit is not None:
+            raise HeadlabError("--limit N counts training sentences: it needs --train-src/--train-tgt or --train-text")
     if (args.valid_src is None) != (args.valid_tgt is None):
         raise HeadlabError("give both --valid-src and --valid-tgt, or neither")
     for flag in ("--train-text", "--train-src", "--train-tgt", "--valid-src", "--valid-tgt", "--dev-src", "--dev-tgt"):
@@ -222,8 +230,8 @@ def _data(args, tokenizer, model):
         train_data = read_parallel(args.train_src, args.train_tgt, max_tokens=args.max_sentence_tokens)
         if args.limit:
             train_data = train_data.subset(args.limit)
-    else:  # _check_inputs has refused this
-        raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model)")
+    else:  # a baseline that neither estimates importance nor trains (_check_inputs refused the others)
+        train_data = None
     eval_data = None
     if args.valid_src:
         eval_data = read_parallel(args.valid_src, args.valid_tgt)
@@ -283,7 +291,7 @@ def _check_budgets(model, config, points: list[dict]) -> None:
     gated = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
     for point in points:
         if point["keep"] is not None and point["keep"] > gated:
-            raise HeadlabError(f"--keeps {point['keep']} is larger than the {gated} gated heads ({', '.join(kinds)})")
+            raise HeadlabError(f"--keeps {point['keep']} is larger than the {counted(gated, 'gated head')} ({', '.join(kinds)})")
 
 
 def run_sweep_command(args) -> int:
@@ -325,7 +333,7 @@ def run_baseline(args) -> int:
         raise HeadlabError("--method scores needs --scores FILE (a HeadScores JSON)")
     if args.valid_src is None and args.valid_tgt is None:
         raise HeadlabError("baselines need --valid-src and --valid-tgt to evaluate on")
-    _check_inputs(args)
+    _check_inputs(args, _training_use(args))
     scores = None
     if args.scores:
         preflight.input_file(args.scores, "--scores")
@@ -355,6 +363,18 @@ def run_baseline(args) -> int:
     return 0
 
 
+def _training_use(args) -> str | None:
+    """What a baseline reads its training data for (None: nothing; random and score-ranked rows
+    without fine-tuning only remove heads and evaluate)."""
+    if args.from_scratch:
+        return "--from-scratch trains on it"
+    if args.finetune_steps:
+        return "--finetune-steps fine-tunes on it"
+    if args.method == "michel":
+        return "--method michel estimates head importance on it"
+    return None
+
+
 def _check_baseline_recipe(args) -> None:
     """Options of one training recipe that do nothing for the other are refused, not ignored."""
     if args.dev_every and (args.from_scratch or not args.finetune_steps):
@@ -370,7 +390,7 @@ def _check_baseline_recipe(args) -> None:
             raise HeadlabError(f"{', '.join(given)} set the recipe of --from-scratch; add --from-scratch or drop them")
     elif args.scratch_average_last > args.scratch_epochs:
         raise HeadlabError(f"--scratch-average-last {args.scratch_average_last}: a run of --scratch-epochs "
-                           f"{args.scratch_epochs} has only {args.scratch_epochs} epoch checkpoints")
+                           f"{args.scratch_epochs} has only {counted(args.scratch_epochs, 'epoch checkpoint')}")
 
 
 def run_report(args) -> int:
