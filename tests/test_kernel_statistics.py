@@ -87,6 +87,8 @@ def _check(got, want, tol=TOL):
 @pytest.mark.parametrize(("q_len", "d", "causal", "blocks", "mask4d"), [
     (37, 16, True, (16, 16), False),
     (37, 32, False, (16, 32), True),
+    (37, 8, True, (16, 16), True),  # d_head 8 and 24: padded with zeros to 16 and 32
+    (37, 24, False, (16, 16), False),
     (130, 16, True, (32, 32), True),
     (130, 16, False, (64, 32), False),
 ])
@@ -161,7 +163,8 @@ def test_what_it_cannot_compute_is_refused_with_the_reason():
     assert "position bias" in refusal(q, k, v, bias=True)
     assert "sinks" in refusal(q, k, v, sinks=True)
     assert "dropout" in refusal(q, k, v, dropout=0.1)
-    assert "d_head 24" in refusal(*_inputs(37, 24)[:3])
+    wide = torch.zeros(1, 1, 3, 512, dtype=torch.float64)
+    assert "d_head 512" in refusal(wide, wide, wide)
     assert "share" in refusal(q[:, :3], k, v)
     with pytest.raises(ValueError, match="float attention mask"):
         attention_statistics(q, k, v, mask=torch.zeros(2, 1, 37, 37, dtype=torch.float64))

@@ -100,8 +100,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (k {k.dtype}, v {v.dtype}) is not one of {', '.join(map(str, DTYPES))}"
     d = q.shape[3]
-    if d < 16 or d > 256 or d & (d - 1) or k.shape[3] != d or v.shape[3] != d:
-        return f"d_head {d} is not a power of two from 16 to 256 (or k, v differ from q)"
+    if d > 256 or k.shape[3] != d or v.shape[3] != d:
+        return f"d_head {d} (k {k.shape[3]}, v {v.shape[3]}): the kernel takes one d_head of at most 256"
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         return f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly"
     if q.device.type != "cuda" and not interpreted():
@@ -231,9 +231,13 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
     import triton
 
-    B, H, Q, D = q.shape
+    B, H, Q, d = q.shape
     Hkv, K = k.shape[1], k.shape[2]
-    scaling = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
+    scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    # tl.dot's dimensions are powers of two of at least 16: zeros after d change no dot product
+    D = max(16, 1 << (d - 1).bit_length())
+    if D != d:
+        q, k, v = (torch.nn.functional.pad(x, (0, D - d)) for x in (q, k, v))
     wide = q.dtype == torch.float64
     acc = torch.float64 if wide else torch.float32
     device = q.device
@@ -281,6 +285,6 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         ACC=triton.language.float64 if wide else triton.language.float32,
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
     )
-    return KernelStatistics(out=out, lse=lse, max_score=smax, argmax=arg,
+    return KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
                             linear=pf[..., :f] if has_f else None,
                             linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
