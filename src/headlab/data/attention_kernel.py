@@ -124,7 +124,7 @@ def _kernel(interpret: bool) -> Any:
         sob, soh, som, sod, srb, srh, srm, spb, sph, spm, spf,
         D: tl.constexpr, NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_F: tl.constexpr,
-        ACC: tl.constexpr, PV_LOW: tl.constexpr,
+        ACC: tl.constexpr, PV_LOW: tl.constexpr, QK_PRECISION: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -155,7 +155,7 @@ def _kernel(interpret: bool) -> Any:
             col_ok = cols < k_len
             k = tl.load(K + b * skb + hk * skh + cols[None, :] * skn + dims[:, None] * skd,
                         mask=col_ok[None, :], other=0.0)
-            s = tl.dot(q, k, out_dtype=ACC, input_precision="ieee") * sm_scale  # [BM, BN]
+            s = tl.dot(q, k, out_dtype=ACC, input_precision=QK_PRECISION) * sm_scale  # [BM, BN]
             seen = row_ok[:, None] & col_ok[None, :]
             if CAUSAL:
                 seen = seen & (cols[None, :] <= diag[:, None])
@@ -268,10 +268,13 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     else:
         f, nf = 0, 16
         feats = pf = pfl = lse  # not read or written
+    # 64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
+    # smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory
+    small = wide or D > 128 or (q.dtype == torch.float32 and D > 64)
     if block_m is None:
-        block_m = 64 if not wide else 32
+        block_m = 32 if small else 64
     if block_n is None:
-        block_n = 64 if not wide else 32
+        block_n = 32 if small else 64
     grid = (triton.cdiv(Q, block_m), B * H)
     pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
     _kernel(interpreted())[grid](
@@ -284,6 +287,8 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_F=has_f,
         ACC=triton.language.float64 if wide else triton.language.float32,
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
+        # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
+        QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
     )
     return KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
                             linear=pf[..., :f] if has_f else None,

@@ -89,6 +89,11 @@ class AnalysisConfig(PluginOptions):
         if self.engine is not None and self.engine not in ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         preflight.query_chunk(self.query_chunk)
+        if self.engine == "kernel":
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is None:  # found, not imported: before the model is loaded
+                raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)")
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         if self.options:
