@@ -674,9 +674,9 @@ class _Feeder:
 
         def seen(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
             visible = keys <= rows[..., None] if call.causal else torch.ones_like(keys, dtype=torch.bool)
-            if seen_mask is not None:
-                by_row = seen_mask.gather(1, rows[..., None].expand(*rows.shape, T))
-                visible = visible & by_row.gather(2, keys)
+            if seen_mask is not None:  # the few (row, key) entries, not the rows' whole mask
+                sentence = torch.arange(B, device=keys.device).view(B, *([1] * (keys.dim() - 1)))
+                visible = visible & seen_mask[sentence, rows[..., None], keys]
             return visible
 
         view = KernelView(block, stats, side, linear=columns, query=q, key=k, scaling=call.scaling, seen=seen)
