@@ -62,3 +62,52 @@ def test_one_sentence_per_batch_runs_the_causal_kernel_without_a_mask(tmp_path, 
         written[engine] = _written(analysis.results.values(), tmp_path / engine)
     assert causal and all(flag and unmasked for flag, unmasked in causal)
     _assert_close(written["kernel"], written["fused"], atol=1e-8)
+
+
+@pytest.mark.parametrize(("family", "words", "fallback"), [
+    ("t5", "word", "model"),  # T5's position bias: the kernel refuses the model, once
+    ("bert", "bpe", "word statistics"),  # words of several subwords: no word passes in any batch
+])
+def test_what_the_kernel_cannot_serve_runs_fused_and_says_so(tmp_path, family, words, fallback):
+    from support.treebank import bpe_tokenizer
+    from test_chunked_statistics import TOKENIZER_TEXTS
+
+    tokenizer = word_tokenizer() if words == "word" else bpe_tokenizer(TOKENIZER_TEXTS * 3, vocab_size=45)
+    fused = _analyse(family, tmp_path, tokenizer, "fused")
+    kernel = _analyse(family, tmp_path, tokenizer, "kernel")
+    assert list(kernel.report.kernel_fallback) == [fallback]
+    assert "instead of the kernel" in kernel.report.describe()
+    assert kernel.report.to_json()["kernel_fallback"] == kernel.report.kernel_fallback
+    assert "kernel_fallback" not in fused.report.to_json()
+    _assert_close(_written(kernel.results.values(), tmp_path / "kernel"),
+                  _written(fused.results.values(), tmp_path / "fused"), atol=0.0)
+
+
+def test_a_statistic_without_the_kernel_passes_sends_the_call_to_fused(tmp_path):
+    """``--min-weight`` > 0: the aggregate statistics declare no fused passes (a threshold on each
+    weight is no sum linear in the weights), so every call runs fused, named by the statistic."""
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    model = tiny_model("bert", attn_implementation="sdpa").double()
+    written = {}
+    for engine in ("fused", "kernel"):
+        config = AnalysisConfig(batch_size=3, window=4, top_k=3, engine=engine, functions=False, min_weight=0.1)
+        analysis = analyze_heads(model, word_tokenizer(), path, config=config)
+        written[engine] = _written(analysis.results.values(), tmp_path / engine)
+    assert analysis.report.kernel_fallback == {"aggregate": "it declares no fused passes"}
+    _assert_close(written["kernel"], written["fused"], atol=0.0)
+
+
+def test_the_kernel_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    from headlab.errors import HeadlabError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    with pytest.raises(HeadlabError, match="runs on a CUDA GPU; the model is on cpu"):
+        analyze_heads(tiny_model("bert"), word_tokenizer(), path, config=AnalysisConfig(engine="kernel"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
+    with pytest.raises(HeadlabError, match="needs triton"):
+        AnalysisConfig(engine="kernel")
