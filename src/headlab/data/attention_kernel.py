@@ -117,8 +117,8 @@ def _kernel(interpret: bool) -> Any:
 
     @triton.jit
     def _attention_statistics(
-        Q, K, V, M, E, F, O, LSE, SMAX, ARG, PF, PFL, PS,
-        sm_scale, n_heads, group, q_len, k_len, causal_offset,
+        Q, K, V, M, E, F, O, LSE, SMAX, ARG, PF, PFL, PS, SCALE,
+        n_heads, group, q_len, k_len, causal_offset,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         smb, smh, smm, smn, seb, sen, sfb, sfn, sff,
         sob, soh, som, sod, srb, srh, srm, spb, sph, spm, spf,
@@ -126,6 +126,7 @@ def _kernel(interpret: bool) -> Any:
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_F: tl.constexpr,
         ACC: tl.constexpr, PV_LOW: tl.constexpr, QK_PRECISION: tl.constexpr,
     ):
+        sm_scale = tl.load(SCALE)  # in the accumulator's dtype (a float argument would be float32)
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // n_heads
@@ -279,7 +280,7 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
     _kernel(interpreted())[grid](
         q, k, v, m, elig, feats, out, lse, smax, arg, pf, pfl, ps,
-        scaling, H, H // Hkv, Q, K, K - Q,
+        torch.tensor([scaling], dtype=acc, device=device), H, H // Hkv, Q, K, K - Q,
         *q.stride(), *k.stride(), *v.stride(),
         *mask_strides, *elig.stride(), *(feats.stride() if has_f else (0, 0, 0)),
         *out.stride(), *lse.stride(), *pf_strides,
