@@ -111,3 +111,40 @@ def test_the_kernel_engine_is_refused_where_it_cannot_run(tmp_path, monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
     with pytest.raises(HeadlabError, match="needs triton"):
         AnalysisConfig(engine="kernel")
+
+
+@pytest.mark.parametrize("command", ["functions", "aggregate"])
+def test_cli_engine_kernel_writes_the_fused_files(tmp_path, command, monkeypatch):
+    """``headlab functions|aggregate --engine kernel`` on a tiny saved Marian model (word-level
+    tokenizer: every statistic from the kernel) writes the files ``--engine fused`` writes."""
+    import json
+
+    from headlab.cli import main
+    from support.treebank import word_tokenizer as saved_word_tokenizer
+
+    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and not line.startswith("#")]
+    model_dir = tmp_path / "tiny-marian"
+    tiny_model("marian").save_pretrained(model_dir)
+    saved_word_tokenizer(words).save_pretrained(model_dir)
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return attention_statistics(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "attention_statistics", counted)
+    files = {}
+    for engine in ("fused", "kernel"):
+        assert not launches  # none before the kernel run
+        out = tmp_path / engine
+        assert main([command, str(model_dir), "--conllu", str(conllu), "--out", str(out), "--no-progress",
+                     "--batch-size", "2", "--engine", engine, "--no-figures"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["config"]["engine"] == engine and "kernel_fallback" not in summary["report"]
+        files[engine] = {str(p.relative_to(out)): json.loads(p.read_text()) for p in sorted(out.rglob("*.json"))
+                         if p.name != "summary.json" and ".headlab" not in p.parts}  # not the run's own records
+    assert len(files["kernel"]) > 3 and launches
+    # float32: the same decisions, the sums to float32 rounding
+    _assert_close(files["kernel"], files["fused"], atol=1e-6, rtol=1e-5)
