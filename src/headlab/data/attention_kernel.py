@@ -212,6 +212,12 @@ def _kernel(interpret: bool) -> Any:
     return _attention_statistics
 
 
+@lru_cache(maxsize=16)
+def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``scaling`` as a one-element tensor on ``device``: made once, not copied to a GPU per call."""
+    return torch.tensor([scaling], dtype=dtype, device=device)
+
+
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                          causal: bool = False, mask: torch.Tensor | None = None,
                          eligible: torch.Tensor | None = None, features: torch.Tensor | None = None,
@@ -280,7 +286,7 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
     _kernel(interpreted())[grid](
         q, k, v, m, elig, feats, out, lse, smax, arg, pf, pfl, ps,
-        torch.tensor([scaling], dtype=acc, device=device), H, H // Hkv, Q, K, K - Q,
+        _scale(scaling, acc, device), H, H // Hkv, Q, K, K - Q,
         *q.stride(), *k.stride(), *v.stride(),
         *mask_strides, *elig.stride(), *(feats.stride() if has_f else (0, 0, 0)),
         *out.stride(), *lse.stride(), *pf_strides,

@@ -612,6 +612,36 @@ class _Feeder:
                 return False
         return True
 
+    def kernel_features(self, side: SideBatch, causal: bool, dtype: torch.dtype, T: int,
+                        offset: int) -> tuple[dict[int, slice], torch.Tensor | None]:
+        """The key features ``[B, T, f]`` on the token columns of the words (0 elsewhere): those the
+        statistics declared for ``word_linear`` (``fused_features``; their columns by ``id``), then
+        ``[word, j]`` for ``word_distance``. Made once per batch, kind and dtype: every layer reuses them."""
+        cache = side.__dict__.setdefault("_kernel_features", {})
+        key = (causal, dtype, T)
+        if key in cache:
+            return cache[key][1:]
+        parts: list[torch.Tensor] = []
+        columns: dict[int, slice] = {}
+        at = 0
+        for stat in self.stats.values():
+            for features in getattr(stat, "fused_features", lambda *_: ())(side, causal, dtype):
+                if id(features) not in columns:
+                    columns[id(features)] = slice(at, at + features.shape[2])
+                    at += features.shape[2]
+                    parts.append(features)
+        W = max(0, min(side.max_words, T - offset))
+        if any("word_distance" in (getattr(stat, "fused_passes", None) or ()) for stat in self.stats.values()):
+            words = side.word_mask[:, :W].to(dtype)
+            parts.append(torch.stack([words, words * torch.arange(W, dtype=dtype, device=words.device)], -1))
+        features = None
+        if parts:
+            word_features = torch.cat([part[:, :W].to(dtype) for part in parts], -1)
+            features = word_features.new_zeros(word_features.shape[0], T, word_features.shape[2])
+            features[:, offset:offset + W] = word_features
+        cache[key] = (parts, columns, features)  # the parts: their ids stay theirs while cached
+        return columns, features
+
     def _kernel_fallback(self, name: str, reason: str) -> None:
         if name not in self.report.kernel_fallback:
             logger.warning("%s: the fused engine instead of the kernel for some batches: %s", name, reason)
@@ -645,25 +675,7 @@ class _Feeder:
         assert offset is not None  # kernel_plan: the word passes apply
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the probabilities' dtype
         causal = block.kind in CAUSAL_KINDS
-        # the key features the statistics declared for word_linear, then [word, j] for the distance
-        parts: list[torch.Tensor] = []
-        columns: dict[int, slice] = {}
-        at = 0
-        for stat in self.stats.values():
-            for features in getattr(stat, "fused_features", lambda *_: ())(side, causal, dtype):
-                if id(features) not in columns:
-                    columns[id(features)] = slice(at, at + features.shape[2])
-                    at += features.shape[2]
-                    parts.append(features)
-        W = max(0, min(side.max_words, T - offset))
-        if any("word_distance" in (getattr(stat, "fused_passes", None) or ()) for stat in self.stats.values()):
-            words = side.word_mask[:, :W].to(dtype)
-            parts.append(torch.stack([words, words * torch.arange(W, dtype=dtype, device=words.device)], -1))
-        features = None
-        if parts:
-            word_features = torch.cat([part[:, :W].to(dtype) for part in parts], -1)
-            features = word_features.new_zeros(B, T, word_features.shape[2])
-            features[:, offset:offset + W] = word_features
+        columns, features = self.kernel_features(side, causal, dtype, T, offset)
         stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask,
                                      eligible=side.token_mask, features=features)
         output = stats.out
