@@ -1,6 +1,6 @@
 """Statistics inside attention: peak memory and time per sentence of ``functions`` + ``aggregate``.
 
-Four ways to run one long sentence through a randomly initialised Llama-like model (default
+Five ways to run one long sentence through a randomly initialised Llama-like model (default
 4 layers x 16 heads, 4 key/value heads (grouped-query), d_model 1024), each in a fresh
 subprocess so that peak memory is its own:
 
@@ -13,7 +13,10 @@ subprocess so that peak memory is its own:
   ``aggregate`` and ``analyze`` since issue 34, :mod:`headlab.data.fused`:
   the same chunks of rows, the statistics from a few passes over each: maxima, products with key
   features, row-wise dot products; every word of the synthetic sentence is one token, so every
-  statistic runs fused).
+  statistic runs fused);
+* ``kernel`` (CUDA only: ``--device cuda``): the same analysis under ``engine="kernel"``
+  (:mod:`headlab.data.attention_kernel`): one Triton flash-attention pass per block gives the
+  model's output and every statistic's passes, no probabilities.
 
 The sentence is synthetic (random words of a word-level vocabulary, one token per word, a
 random projective-ish tree: each word's governor is one of the five words before it), so the
@@ -336,11 +339,14 @@ def print_table(rows: list[dict], cuda: bool) -> None:
         print(f"| {row['length']} | {row['mode']} | " + " | ".join(cells) + " |")
 
 
+MODES = ["sdpa", "fused", "chunked", "eager", "kernel"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--modes", nargs="+", default=["sdpa", "fused", "chunked", "eager"],
-                        choices=["sdpa", "fused", "chunked", "eager"])
+                        choices=MODES)
     parser.add_argument("--query-chunk", type=int, default=None,
                         help="query rows per chunk (default: the analysis's, 128; 256 for fused on a CUDA GPU)")
     parser.add_argument("--sentences", type=int, default=1, help="sentences per run (time is per sentence)")
@@ -361,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="record eager runs longer than this as skipped (their maps would not fit)")
     parser.add_argument("--eager-last", action="store_true",
                         help="run the eager rows after all the others (under --budget-s the others come first)")
-    parser.add_argument("--last", nargs="+", default=[], choices=["sdpa", "fused", "chunked", "eager"],
+    parser.add_argument("--last", nargs="+", default=[], choices=MODES,
                         metavar="MODE", help="run these modes' rows after all the others, in this order "
                                              "(after them --eager-last's eager rows)")
     parser.add_argument("--budget-s", type=float,
@@ -386,6 +392,9 @@ def main() -> None:
         return
     if args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device {args.device}: cpu or cuda[:N]")
+    if "kernel" in args.modes and not args.device.startswith("cuda"):
+        parser.error("--modes kernel: the Triton kernel runs on a CUDA GPU (--device cuda); on the CPU only "
+                     "under Triton's interpreter, for tests, not for timing")
     fields = model_fields(args)
     print(f"model: Llama ({args.shape}) {fields['num_hidden_layers']} layers x {fields['num_attention_heads']} heads "
           f"({fields['num_key_value_heads']} key/value heads), d_model {fields['hidden_size']}, "

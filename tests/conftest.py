@@ -12,6 +12,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels (tests/test_kernel_statistics.py) run in triton's interpreter on a CPU; triton
+    # reads this when first imported, which transformers' imports below may already do.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support.nmt import tiny_corpus, tiny_tokenizer  # noqa: E402 (after the path above)

@@ -91,3 +91,11 @@ def test_runs_that_do_not_run_are_rows(bench, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[2] == "| 200 | sdpa | 2.00 | 1.00 | 2.00 | 1.00 | 0.50 | 0.25 | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"
     assert table[3] == "| 200 | fused | 3.50 | 1.75 | 3.00 | 1.50 | 0.50 | 0.25 | 1.00 | 1.00 | 10 | 1.00 | 50 | 1.00 |"
+
+
+def test_kernel_mode_is_cuda_only(bench, monkeypatch, capsys):
+    """``--modes kernel`` on the CPU says it needs a CUDA GPU (exit 2) before any run."""
+    monkeypatch.setattr("sys.argv", [str(SCRIPT), "--modes", "sdpa", "kernel", "--lengths", "40"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and "runs on a CUDA GPU" in capsys.readouterr().err

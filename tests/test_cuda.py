@@ -248,3 +248,41 @@ def test_fused_engine_on_cuda_equals_the_cpu(tmp_path, family, target):
         files[device] = _written(analysis.results.values(), tmp_path / device)
     assert len(files["cpu"]) > 20
     _close(files["cuda"], files["cpu"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, target", [("marian", True), ("bert", False), ("llama", False)])
+def test_kernel_engine_on_cuda_agrees_with_the_fused_engine(tmp_path, family, target, dtype):
+    """``engine="kernel"`` (one Triton pass per block, headlab.data.attention_kernel) against the fused
+    engine on the same GPU, word-level tokenizer (every statistic from the kernel: no fallback).
+    float32: the kernel's statistics accumulate in float32 with IEEE products (no TF32), the
+    decisions identical, floats within 1e-5 relative. bfloat16: the kernel's output is a bfloat16
+    ``P @ V`` as FlashAttention's, so the later layers' inputs differ from the fused engine's in
+    bfloat16 rounding and counts may move at near-ties: the same files, every statistic from the
+    kernel (a smoke test of the bfloat16 path, which Triton's interpreter cannot run on the CPU)."""
+    pytest.importorskip("conllu")
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU
+    from test_fused_statistics import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    model = tiny_model(family).to("cuda", dtype)
+    files = {}
+    for engine in ("fused", "kernel"):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, sensitivity=True)
+        analysis = analyze_heads(model, tokenizer, path, target_conllu=path if target else None,
+                                 config=config, frequencies=TokenFrequencies(counts, "hand-set"))
+        assert analysis.report.kernel_fallback == {}
+        files[engine] = _written(analysis.results.values(), tmp_path / engine)
+    assert len(files["kernel"]) > 20
+    if dtype == torch.float32:
+        _close(files["kernel"], files["fused"], rtol=1e-5)
+    else:
+        assert files["kernel"].keys() == files["fused"].keys()

@@ -340,7 +340,12 @@ class AggregateStats:
         > 0, which keeps the weights above it only: not a sum linear in the weights."""
         if self.min_weight > 0:
             return None
-        return ("word_max", "word_linear", "word_dot", "word_xlogx", "word_pairs", "word_block")
+        return ("word_max", "word_linear", "word_distance", "word_xlogx", "word_pairs", "word_block")
+
+    def fused_features(self, side: SideBatch, causal: bool, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The features :meth:`update_fused` passes to ``word_linear`` on a view of a whole block
+        (its first row 0), for an engine that needs them before the pass (``engine="kernel"``)."""
+        return (_linear_features(side, dtype, causal, 0),)
 
     def update_fused(self, view: FusedView) -> None:
         """:meth:`update` from the passes of a :class:`~headlab.data.fused.FusedView`, without the word
@@ -374,10 +379,7 @@ class AggregateStats:
                 add("distance", (rows * mass - linear[..., -1]).sum((0, 2)))
                 linear = linear[..., :-1]
             else:
-                positions = torch.arange(W, dtype=view.probs.dtype, device=device)
-                distance = (positions[first:first + R, None] - positions[None, :]).abs()  # [R, W] |i - j|
-                distance = distance[None] * side.word_mask[:, None, :].to(distance.dtype)  # padding words: 0
-                add("distance", view.word_dot(distance).to(f64).sum((0, 2)))
+                add("distance", view.word_distance().to(f64).sum((0, 2)))
             add("pos", linear[..., 1:].sum((0, 2)))
             add("arcs", view.word_pairs(_related_words(side)).to(f64).sum((0, 2, 3)))
             valid = view.query_valid  # [B, H, R]

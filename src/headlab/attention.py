@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward", "dispatches",
-           "chunk_rows", "register", "visible_keys"]
+__all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward",
+           "dispatches", "chunk_rows", "register", "visible_keys"]
 
 NAME = "headlab_chunked"
 """The name under which the function (and its mask builder) is registered."""
@@ -89,6 +89,25 @@ class AttentionChunk:
         return nn.functional.pad(self.probs, (0, self.k_len - self.keys))
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of the attention function, before any score is computed, for a :attr:`ChunkSink.kernel`:
+    ``query`` ``[batch, n_heads, q_len, d]``, ``key``/``value`` ``[batch, kv_heads, k_len, d]``,
+    ``mask`` as the model gave it (boolean True where a key is seen, an additive float mask, or
+    None), ``causal`` (upper-left aligned, with no mask) and what else changes the scores."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    scaling: float
+    softcap: float | None = None
+    position_bias: bool = False
+    sinks: bool = False
+    dropout: float = 0.0
+
+
 @dataclass
 class ChunkSink:
     """Where one attention module's chunks go: ``callback(chunk)`` (None: compute only)."""
@@ -100,6 +119,10 @@ class ChunkSink:
     reuse: bool = False
     """The callback keeps no chunk's tensors past its return (it copies what it keeps): every chunk
     of a call may then be written into the same work buffers (:class:`_Buffers`)."""
+    kernel: Callable[[AttentionCall], torch.Tensor | None] | None = None
+    """Computes the whole call itself where it can (a fused kernel with the statistics,
+    :mod:`headlab.data.attention_kernel`): the output ``[batch, q_len, n_heads, d]``, or None to
+    leave the call to the chunks and ``callback``."""
     chunk_elements: int = 0
     """Where positive, on the CPU: fewer rows per chunk where ``query_chunk`` rows of every head of a
     sentence over all keys would hold more weights than this (:func:`chunk_rows`): the passes over a
@@ -233,6 +256,12 @@ def attention_forward(
         key, value, k_len = key[:, :, :q_len], value[:, :, :q_len], q_len
         if position_bias is not None:
             position_bias = position_bias[..., :q_len]
+    if sink is not None and sink.kernel is not None:
+        done = sink.kernel(AttentionCall(query, key, value, attention_mask, causal, scaling, softcap,
+                                         position_bias is not None, False, dropout if module.training else 0.0))
+        if done is not None:
+            sink.calls += 1
+            return done, None
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = ~attention_mask  # True where a key is hidden
         fill = torch.finfo(torch.float32).min  # as eager's additive minimum: a fully hidden row is uniform

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
-from headlab.attention import SINK_ATTRIBUTE, AttentionChunk, ChunkSink, dispatches, register
+from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,7 @@ def stream_attention(
     scores: bool = False,
     reuse: bool = False,
     chunk_elements: int = 0,
+    kernel: Callable[[AttentionBlock, AttentionCall], torch.Tensor | None] | None = None,
 ) -> Iterator[AttentionRecord]:
     """Hand every block's attention probabilities to ``callback(block, chunk)``, ``query_chunk``
     query rows at a time (an :class:`~headlab.attention.AttentionChunk`, rows in order, the last
@@ -268,6 +269,9 @@ def stream_attention(
     With ``chunk_elements`` the chunks may have fewer rows than ``query_chunk`` on the CPU (as many
     as keep a chunk's weights within it: :attr:`~headlab.attention.ChunkSink.chunk_elements`); the
     callback must then take the rows each chunk has.
+    With ``kernel`` a reporting block's attention calls go first to ``kernel(block, call)``
+    (:attr:`~headlab.attention.ChunkSink.kernel`), which computes a call whole (it reports to no
+    ``callback`` then) or returns None to leave it to the chunks.
     """
     if query_chunk < 1:
         raise HeadlabError(f"query chunk must be at least 1 row, got {query_chunk}")
@@ -300,6 +304,18 @@ def stream_attention(
 
         return on_chunk
 
+    def make_kernel(block: AttentionBlock) -> Callable[[AttentionCall], torch.Tensor | None] | None:
+        if kernel is None:
+            return None
+
+        def on_call(call: AttentionCall) -> torch.Tensor | None:
+            output = kernel(block, call)
+            if output is not None:
+                record.calls[block.key] = record.calls.get(block.key, 0) + 1
+            return output
+
+        return on_call
+
     def make_check(block: AttentionBlock, sink: ChunkSink) -> Callable[..., None]:
         seen = [0]
 
@@ -329,7 +345,8 @@ def stream_attention(
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
-                                 reuse=reuse, chunk_elements=chunk_elements)
+                                 reuse=reuse, chunk_elements=chunk_elements,
+                                 kernel=make_kernel(block) if report else None)
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 if block.shared:
                     handles.append(block.core.register_forward_pre_hook(make_switch(block, sink)))

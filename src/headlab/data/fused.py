@@ -41,16 +41,21 @@ import torch
 
 from headlab.data.alignment import AttentionView, SideBatch, _word_spans
 
-__all__ = ["PASSES", "WORD_PASSES", "FusedView", "word_offset", "unavailable_passes"]
+__all__ = ["PASSES", "WORD_PASSES", "KERNEL_PASSES", "FusedView", "KernelView", "word_offset", "unavailable_passes"]
 
-WORD_PASSES = ("word_max", "word_linear", "word_dot", "word_xlogx", "word_pairs", "word_block")
+WORD_PASSES = ("word_max", "word_linear", "word_dot", "word_distance", "word_xlogx", "word_pairs", "word_block")
 PASSES = ("token_max",) + WORD_PASSES
 """The passes a statistic may declare: ``token_max`` (each token row's largest weight on a word
 token and where: :attr:`AttentionView.token_argmax`), ``word_max`` (the same over words:
 :attr:`AttentionView.word_argmax`, ``word_max``, ``query_valid``), ``word_linear``
-(:meth:`FusedView.word_linear`), ``word_dot`` (:meth:`FusedView.word_dot`), ``word_xlogx``
+(:meth:`FusedView.word_linear`), ``word_dot`` (:meth:`FusedView.word_dot`), ``word_distance``
+(:meth:`FusedView.word_distance`), ``word_xlogx``
 (:meth:`FusedView.word_xlogx`), ``word_pairs`` (:meth:`FusedView.word_pairs`) and ``word_block``
 (:meth:`FusedView.word_block`)."""
+
+KERNEL_PASSES = tuple(name for name in PASSES if name != "word_dot")
+"""The passes a :class:`KernelView` offers: all but ``word_dot`` (a sum with arbitrary weights
+``g(i, j)`` needs the weights themselves)."""
 
 
 def word_offset(side: SideBatch) -> int | None:
@@ -153,6 +158,14 @@ class FusedView(AttentionView):
         block = self.probs[:, :, self._rows, o:o + K]
         return self._real_rows(torch.linalg.vecdot(block, weights[:, None, :, :K].to(block.dtype)))
 
+    def word_distance(self) -> torch.Tensor:
+        """``[B, H, word rows]``: ``sum_j alpha_ij |i - j|`` over the words (attention distance, Vig &
+        Belinkov 2019): :meth:`word_dot` with the weights ``|i - j|`` (0 on padding words)."""
+        positions = torch.arange(self.side.max_words, dtype=self.probs.dtype, device=self.probs.device)
+        distance = (positions[self.word_start:self.word_stop, None] - positions[None, :]).abs()  # [R, W] |i - j|
+        distance = distance[None] * self.side.word_mask[:, None, :].to(distance.dtype)  # padding words: 0
+        return self.word_dot(distance)
+
     def _real_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, H, word rows, ...]`` with the rows of padding words 0 (their token rows are a
         special token's or padding's, not a word's: the word rows hold 0 there)."""
@@ -229,6 +242,128 @@ class FusedView(AttentionView):
         rows = slice(self._rows.start, self._rows.start + end)
         m = min(n, K)
         block = self.probs[:, :, rows, o:o + m]
+        if m < n:
+            block = torch.nn.functional.pad(block, (0, n - m))
+        return block
+
+
+class KernelView(FusedView):
+    """A whole block's (``start`` 0, ``last``) passes of :data:`PASSES` from one fused attention
+    kernel pass (:mod:`headlab.data.attention_kernel`, ``engine="kernel"``) instead of the
+    probabilities: the token maxima from the kernel's eligible maximum (the word tokens), sums
+    linear in the weights from its ``P @ F`` with the features declared before the pass
+    (:meth:`headlab.functions.statistic.FusedStatistic.fused_features`), attention distance from
+    ``P @ [1, j]`` split at the diagonal, ``sum p log p`` from its ``sum_j p_ij s_ij``, and the few
+    weights of :meth:`word_pairs` and :meth:`word_block` as ``exp(s_ij - lse_i)`` from the dot
+    products of their queries and keys. ``probs`` is a stand-in with the shape, dtype and device of
+    the probabilities; none is held.
+
+    ``stats``: the kernel's :class:`~headlab.data.attention_kernel.KernelStatistics` over the
+    block's ``[B, H, T]`` token rows; ``linear``: ``{id(features): columns}`` of the declared
+    features in ``stats.linear``, with the last two columns (word mask, word index) for the
+    distance; ``query``/``key`` ``[B, H | Hkv, T, d]``, ``scaling`` and ``seen(rows, columns)``
+    (whether query token ``rows`` sees key token ``columns``, ``[B, ...]`` long indices) for the
+    gathered weights."""
+
+    def __init__(self, block, stats, side: SideBatch, *, linear: dict, query: torch.Tensor, key: torch.Tensor,
+                 scaling: float, seen) -> None:
+        B, H, T = stats.lse.shape
+        self.block = block
+        self.scores = None
+        self.side = side
+        self.stats = stats
+        self.linear_columns = linear
+        self.query, self.key, self.scaling, self.seen = query, key, scaling, seen
+        # the probabilities' shape, dtype and device, without them (a value read from it is a defect)
+        self.probs = stats.lse[..., None].expand(B, H, T, T)
+        self.keys = T
+        self.start, self.stop, self.last = 0, T, True
+        offset = word_offset(side)
+        if offset is None:
+            raise ValueError("a kernel view needs words of one token each (headlab.data.fused.word_offset)")
+        self.offset = offset
+        W = side.max_words
+        self.word_start, self.word_stop = 0, min(max(T - offset, 0), W)
+        self._rows = slice(offset, offset + self.word_stop)
+
+    @cached_property
+    def words(self) -> torch.Tensor:
+        raise NotImplementedError("a kernel view holds no weights: declare the passes that need none")
+
+    @cached_property
+    def _token_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # The largest weight on a word token and its first position (the kernel's, on the scores:
+        # exp is monotonic). A row that sees no word token gets 0 at position 0: it is not a valid
+        # query (its largest weight is not > 0) on either path.
+        found = self.stats.argmax >= 0
+        return self.stats.max_weight, torch.where(found, self.stats.argmax, 0)
+
+    def _columns(self, features: torch.Tensor) -> slice:
+        columns = self.linear_columns.get(id(features))
+        if columns is None:
+            raise ValueError("word_linear on features that were not declared before the pass (fused_features)")
+        return columns
+
+    def word_linear(self, features: torch.Tensor) -> torch.Tensor:
+        linear = self.stats.linear
+        return self._real_rows(linear[:, :, self._rows, self._columns(features)])
+
+    def word_distance(self) -> torch.Tensor:
+        """``sum_j alpha_ij |i - j|`` over the words: with ``m`` the mass and ``p`` the sum of
+        ``alpha_ij j``, over all words and over the words ``j <= i`` (``_low``), it is
+        ``i (2 m_low - m) + p - 2 p_low``."""
+        all_, low = self.stats.linear[:, :, self._rows, -2:], self.stats.linear_lower[:, :, self._rows, -2:]
+        i = torch.arange(self.word_start, self.word_stop, dtype=all_.dtype, device=all_.device)
+        m, p, m_low, p_low = all_[..., 0], all_[..., 1], low[..., 0], low[..., 1]
+        return self._real_rows(i * (2 * m_low - m) + p - 2 * p_low)
+
+    def word_dot(self, weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a kernel view has no word_dot (arbitrary weights need the probabilities)")
+
+    def word_xlogx(self, mass: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`FusedView.word_xlogx`: ``sum_j p_j s_j - m lse`` from the kernel's ``sum_j p_j s_j``
+        over the word tokens; 0 where the row has no word attention."""
+        best = self._word_max[0]
+        dot = self.stats.score_dot[:, :, self._rows]
+        lse = self.stats.lse[:, :, self._rows]
+        if mass is None:
+            raise ValueError("a kernel view's word_xlogx needs the mass (word_linear with a column of 1 on words)")
+        return self._real_rows(torch.where(best > 0, dot - mass.to(dot.dtype) * lse, 0.0))
+
+    def _weights(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """``[B, H, R, A]``: ``exp(s_ij - lse_i)`` for query tokens ``rows`` ``[B, R]`` and key tokens
+        ``columns`` ``[B, R, A]`` (0 where the key is hidden from the query)."""
+        B, H, _ = self.stats.lse.shape
+        group = H // self.key.shape[1]
+        dtype = self.stats.lse.dtype
+        R, A = columns.shape[1], columns.shape[2]
+        d = self.query.shape[3]
+        q = self.query.gather(2, rows[:, None, :, None].expand(B, H, R, d)).to(dtype)  # [B, H, R, d]
+        k = self.key.gather(2, columns.reshape(B, 1, R * A, 1).expand(B, self.key.shape[1], R * A, d)).to(dtype)
+        k = k.view(B, -1, R, A, d).repeat_interleave(group, 1)  # [B, H, R, A, d]
+        s = torch.einsum("bhrd,bhrad->bhra", q, k) * self.scaling
+        lse = self.stats.lse.gather(2, rows[:, None, :].expand(B, H, R))[..., None]
+        weights = torch.exp(s - lse)
+        return weights * self.seen(rows, columns)[:, None].to(dtype)
+
+    def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:
+        B, H = self.stats.lse.shape[:2]
+        R = self.word_stop - self.word_start
+        if R == 0 or self._word_columns == 0:
+            return self.stats.lse.new_zeros(B, H, R, keys.shape[2])
+        columns, held = self._pair_columns(keys, self.stats.lse.dtype)
+        rows = torch.arange(self._rows.start, self._rows.stop, device=columns.device).expand(B, R)
+        return self._weights(rows, columns) * held[:, None]
+
+    def word_block(self, n: int) -> torch.Tensor:
+        B, H = self.stats.lse.shape[:2]
+        o, K = self._o, self._word_columns
+        end = max(min(self.word_stop, n) - self.word_start, 0)
+        m = min(n, K)
+        device = self.stats.lse.device
+        rows = torch.arange(o, o + end, device=device).expand(B, end)
+        columns = torch.arange(o, o + m, device=device).expand(B, end, m)
+        block = self._weights(rows, columns)
         if m < n:
             block = torch.nn.functional.pad(block, (0, n - m))
         return block

@@ -42,7 +42,7 @@ import torch
 
 from headlab._version import __version__
 from headlab.adapters import attention_blocks
-from headlab.attention import AttentionChunk
+from headlab.attention import AttentionCall, AttentionChunk
 from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention, unregistrable
 from headlab.data.alignment import (
     AlignmentError,
@@ -53,7 +53,7 @@ from headlab.data.alignment import (
     build_side_batch,
 )
 from headlab.data.frequencies import TokenFrequencies
-from headlab.data.fused import FusedView, unavailable_passes
+from headlab.data.fused import KERNEL_PASSES, FusedView, KernelView, unavailable_passes, word_offset
 from headlab.data.parallel import read_lines
 from headlab.data.treebank import (
     InMemoryTreebank,
@@ -68,7 +68,7 @@ from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
-from headlab.heads import atomic_write_text, write_json
+from headlab.heads import CAUSAL_KINDS, atomic_write_text, write_json
 from headlab.loading import check_tokenizer_fits
 from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
@@ -137,10 +137,14 @@ class RunReport:
     max_length: int = 0
     chunked_statistics: dict[str, str] = field(default_factory=dict)
     """Under the fused engine: the statistics fed the chunked path's word rows (for some batch), and why."""
+    kernel_fallback: dict[str, str] = field(default_factory=dict)
+    """Under the kernel engine: why some attention calls ran on the fused engine instead, by statistic
+    (its declaration) or ``"model"`` (an attention the kernel cannot compute exactly)."""
 
     def to_json(self) -> dict:
         # chunked_statistics only when some statistic fell back: a run without it writes what it always wrote
-        data = {k: v for k, v in self.__dict__.items() if k != "problems" and (k != "chunked_statistics" or v)}
+        data = {k: v for k, v in self.__dict__.items()
+                if k != "problems" and (k not in ("chunked_statistics", "kernel_fallback") or v)}
         data["problems"] = self.problems.to_json()
         return data
 
@@ -160,6 +164,8 @@ class RunReport:
             text += f"\n{counted(self.n_truncated, 'sentence')} truncated to {self.max_length} tokens"
         for name, reason in self.chunked_statistics.items():
             text += f"\n{name}: computed over word rows (chunked path) for some batches: {reason}"
+        for name, reason in self.kernel_fallback.items():
+            text += f"\n{name}: the fused engine instead of the kernel for some batches: {reason}"
         if self.n_unaligned:
             text += (f"\n{counted(self.n_unaligned, 'sentence')} could not be aligned to subwords and "
                      f"{'was' if self.n_unaligned == 1 else 'were'} skipped")
@@ -460,6 +466,7 @@ class _Feeder:
         self.stop_early = False
         self.blocks: list = []
         self.reported: set = set()
+        self.kernel_refused: str | None = None  # the kernel engine: why this model's attention cannot run in it
 
     def capture(self, model, config: AnalysisConfig, blocks: list):
         engine = config.resolved_engine
@@ -471,11 +478,15 @@ class _Feeder:
             engine = "eager"
         if engine == "eager":
             return capture_attention(model, self.on_probs, blocks=blocks)
+        if engine == "kernel":
+            check_kernel(self.device)
         self.blocks = [block for block in blocks if block.n_heads > 0]
         self.stop_early = not unregistrable(attention_blocks(model))  # not the eager fallback
-        return stream_attention(model, self.on_fused_chunk if engine == "fused" else self.on_chunk,
-                                query_chunk=config.chunk_rows_on(self.device.type), blocks=blocks, scores=engine == "fused",
-                                reuse=True, chunk_elements=FUSED_CHUNK_ELEMENTS if engine == "fused" else 0)
+        fused = engine in ("fused", "kernel")  # the kernel engine: the fused engine where it cannot run
+        return stream_attention(model, self.on_fused_chunk if fused else self.on_chunk,
+                                query_chunk=config.chunk_rows_on(self.device.type), blocks=blocks, scores=fused,
+                                reuse=True, chunk_elements=FUSED_CHUNK_ELEMENTS if fused else 0,
+                                kernel=self.on_kernel if engine == "kernel" else None)
 
     def new_batch(self) -> None:
         self.current.clear()
@@ -578,6 +589,127 @@ class _Feeder:
         if chunk.last:
             del self.fused_plan[block.key]
             self.block_done(block)
+
+
+    # -- the kernel engine (engine="kernel", headlab.data.attention_kernel) -----------------------------
+    def kernel_plan(self, side: SideBatch) -> bool:
+        """Whether every statistic can take this batch's block from the kernel's outputs (a
+        :class:`KernelView`); where one cannot, the call runs on the fused engine (said in the report)."""
+        if unavailable_passes(side):
+            self._kernel_fallback("word statistics", "the words of a batch are not single tokens")
+            return False
+        for name, stat in self.stats.items():
+            passes = getattr(stat, "fused_passes", None)
+            reason = None
+            if passes is None:
+                reason = "it declares no fused passes"
+            elif set(passes) - set(KERNEL_PASSES):
+                reason = f"it reads passes the kernel does not offer ({', '.join(sorted(set(passes) - set(KERNEL_PASSES)))})"
+            elif "word_linear" in passes and not hasattr(stat, "fused_features"):
+                reason = "it declares no fused_features for word_linear"
+            if reason is not None:
+                self._kernel_fallback(name, reason)
+                return False
+        return True
+
+    def kernel_features(self, side: SideBatch, causal: bool, dtype: torch.dtype, T: int,
+                        offset: int) -> tuple[dict[int, slice], torch.Tensor | None]:
+        """The key features ``[B, T, f]`` on the token columns of the words (0 elsewhere): those the
+        statistics declared for ``word_linear`` (``fused_features``; their columns by ``id``), then
+        ``[word, j]`` for ``word_distance``. Made once per batch, kind and dtype: every layer reuses them."""
+        cache = side.__dict__.setdefault("_kernel_features", {})
+        key = (causal, dtype, T)
+        if key in cache:
+            return cache[key][1:]
+        parts: list[torch.Tensor] = []
+        columns: dict[int, slice] = {}
+        at = 0
+        for stat in self.stats.values():
+            for features in getattr(stat, "fused_features", lambda *_: ())(side, causal, dtype):
+                if id(features) not in columns:
+                    columns[id(features)] = slice(at, at + features.shape[2])
+                    at += features.shape[2]
+                    parts.append(features)
+        W = max(0, min(side.max_words, T - offset))
+        if any("word_distance" in (getattr(stat, "fused_passes", None) or ()) for stat in self.stats.values()):
+            words = side.word_mask[:, :W].to(dtype)
+            parts.append(torch.stack([words, words * torch.arange(W, dtype=dtype, device=words.device)], -1))
+        features = None
+        if parts:
+            word_features = torch.cat([part[:, :W].to(dtype) for part in parts], -1)
+            features = word_features.new_zeros(word_features.shape[0], T, word_features.shape[2])
+            features[:, offset:offset + W] = word_features
+        cache[key] = (parts, columns, features)  # the parts: their ids stay theirs while cached
+        return columns, features
+
+    def _kernel_fallback(self, name: str, reason: str) -> None:
+        if name not in self.report.kernel_fallback:
+            logger.warning("%s: the fused engine instead of the kernel for some batches: %s", name, reason)
+            self.report.kernel_fallback[name] = reason
+
+    def on_kernel(self, block, call: AttentionCall) -> torch.Tensor | None:
+        """One attention call computed by the kernel with the statistics' passes (one
+        :class:`KernelView` of the whole block fed to every statistic), its output returned; None
+        (the call goes to the chunks, :meth:`on_fused_chunk`) where the kernel cannot serve it."""
+        name = self.sides.get(block.kind, "")
+        if name not in self.current or self.kernel_refused is not None:
+            return None
+        from headlab.data.attention_kernel import attention_statistics, refusal
+
+        q, k, v, mask = call.query, call.key, call.value, call.mask
+        reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks,
+                         dropout=call.dropout, float_mask=mask is not None and mask.dtype != torch.bool)
+        if reason is None and mask is not None and mask.shape[1] != 1:
+            reason = "a mask per head"
+        if reason is None and q.shape[2] != k.shape[2]:
+            reason = "queries and keys of different lengths (not self-attention)"
+        if reason is not None:
+            self.kernel_refused = reason
+            self._kernel_fallback("model", f"the kernel cannot compute this model's attention exactly: {reason}")
+            return None
+        side = self.side_on(name, statistics_device(q.device))
+        B, H, T, _ = q.shape
+        if side.token_mask.shape[1] != T or not self.kernel_plan(side):
+            return None
+        offset = word_offset(side)
+        assert offset is not None  # kernel_plan: the word passes apply
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the probabilities' dtype
+        causal = block.kind in CAUSAL_KINDS
+        columns, features = self.kernel_features(side, causal, dtype, T, offset)
+        stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask,
+                                     eligible=side.token_mask, features=features)
+        output = stats.out
+        if mask is not None:  # a row that sees no key: uniform over every key, as the eager softmax of the float minimum
+            uniform = v.mean(2, keepdim=True).repeat_interleave(H // k.shape[1], 1)
+            output = torch.where(stats.lse.isneginf()[..., None], uniform.to(output.dtype), output)
+        seen_mask = None if mask is None else mask[:, 0].expand(B, T, T)
+
+        def seen(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+            visible = keys <= rows[..., None] if call.causal else torch.ones_like(keys, dtype=torch.bool)
+            if seen_mask is not None:  # the few (row, key) entries, not the rows' whole mask
+                sentence = torch.arange(B, device=keys.device).view(B, *([1] * (keys.dim() - 1)))
+                visible = visible & seen_mask[sentence, rows[..., None], keys]
+            return visible
+
+        view = KernelView(block, stats, side, linear=columns, query=q, key=k, scaling=call.scaling, seen=seen)
+        for stat in self.stats.values():
+            stat.update_fused(view)
+        self.block_done(block)
+        return output.transpose(1, 2).contiguous()
+
+
+def check_kernel(device: torch.device) -> None:
+    """Refuse the kernel engine before any work where it cannot run at all: no triton, or a device
+    other than a CUDA GPU (Triton's interpreter, ``TRITON_INTERPRET=1``, runs it on the CPU for tests)."""
+    from headlab.data import attention_kernel
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)") from None
+    if device.type != "cuda" and not attention_kernel.interpreted():
+        raise HeadlabError(f"--engine kernel runs on a CUDA GPU; the model is on {device.type} "
+                           "(use the default fused engine there)")
 
 
 class _ProblemEvents(ProblemLog):

@@ -13,7 +13,7 @@ from headlab.plugins import OptionSpec, PluginOptions, check_values, plugin_opti
 __all__ = ["AnalysisConfig", "ENGINES", "FUSED_CUDA_QUERY_CHUNK", "FUSED_QUERY_CHUNK", "WORD_POOLINGS"]
 
 WORD_POOLINGS = ("sum", "first", "max")
-ENGINES = ("eager", "chunked", "fused")
+ENGINES = ("eager", "chunked", "fused", "kernel")
 """Where the statistics of ``functions``/``aggregate`` run (``--engine``): see :mod:`headlab.data.fused`."""
 FUSED_QUERY_CHUNK = 128
 """Query rows per chunk of the fused and chunked engines when ``--query-chunk`` is not given, on
@@ -59,7 +59,10 @@ class AnalysisConfig(PluginOptions):
                                 "several subwords, takes the chunked path, equal to it to the bit), chunked (the reference: "
                                 "statistics over word rows of each chunk) or eager (the reference: each block's "
                                 "whole attention map, as output_attentions; also the default for a model whose "
-                                "attention does not dispatch through transformers' attention interface)",
+                                "attention does not dispatch through transformers' attention interface), or kernel "
+                                "(opt-in, CUDA with triton: one Triton flash-attention pass per block computes the "
+                                "output and every statistic's passes, never the weights; the fused engine for a "
+                                "model or batch it cannot serve, said in the summary)",
                                 choices=ENGINES)
     word_pooling: str = option("sum", "subword attention to word attention: sum (to a word: the sum over its "
                                "subwords; from a word: their mean), first (a word is its first subword), max (the "
@@ -86,6 +89,11 @@ class AnalysisConfig(PluginOptions):
         if self.engine is not None and self.engine not in ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         preflight.query_chunk(self.query_chunk)
+        if self.engine == "kernel":
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is None:  # found, not imported: before the model is loaded
+                raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)")
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
         if self.options:
@@ -111,6 +119,6 @@ class AnalysisConfig(PluginOptions):
     def chunk_rows_on(self, device_type: str) -> int:
         """:attr:`chunk_rows` for a model on a device of ``device_type`` ("cpu", "cuda", ...): by default the
         fused engine takes :data:`FUSED_CUDA_QUERY_CHUNK` rows on a CUDA GPU."""
-        if self.query_chunk is None and self.resolved_engine == "fused" and device_type == "cuda":
+        if self.query_chunk is None and self.resolved_engine in ("fused", "kernel") and device_type == "cuda":
             return FUSED_CUDA_QUERY_CHUNK
         return self.chunk_rows

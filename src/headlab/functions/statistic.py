@@ -84,7 +84,11 @@ class FusedStatistic(Protocol):
     :class:`~headlab.data.fused.FusedView` s in ``update_fused``, in the order and with the
     ``last`` flag of ``update``'s views. Where one of its passes does not apply to a batch it is fed
     that batch's chunked views through ``update`` instead. A statistic without ``fused_passes``
-    always takes the chunked path."""
+    always takes the chunked path. One that declares ``word_linear`` may also define
+    ``fused_features(side, causal, dtype) -> tuple[Tensor, ...]``: the key features it will pass to
+    ``word_linear`` on a view of a whole block, which the kernel engine (``engine="kernel"``,
+    :class:`~headlab.data.fused.KernelView`) needs before its pass; without it that engine runs the
+    fused engine for the call."""
 
     @property
     def fused_passes(self) -> tuple[str, ...] | None: ...

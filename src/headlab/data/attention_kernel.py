@@ -1,0 +1,302 @@
+"""The head statistics inside one flash-attention pass (a Triton kernel), never the probabilities.
+
+:mod:`headlab.data.fused` takes every statistic from a few passes over each query chunk's
+probabilities ``P``: fast on a CPU, but on a GPU each of the thousand chunks of a long sequence
+costs milliseconds of host work. Every pass it makes is either a reduction along a row or a
+product of ``P`` with a small key-side matrix, and both fit the online softmax of FlashAttention
+(Dao 2023, Alg. 1): a running maximum ``m``, a running sum ``l`` and accumulators rescaled by
+``exp(m_old - m_new)`` whenever the maximum grows. One pass over the keys, in key blocks, gives
+for each query row ``i`` (scores ``s_ij = scaling * q_i . k_j``, hidden keys excluded):
+
+* the attention output ``sum_j p_ij v_j`` and ``lse_i = log sum_j exp(s_ij)`` (``p_ij = exp(s_ij - lse_i)``);
+* over the eligible keys (a per-key boolean, e.g. the word tokens): the largest score and its
+  first position (ties to the smallest key index, as ``torch.argmax``); its weight is
+  ``exp(s_max - lse)``;
+* ``P @ F`` for key features ``F`` ``[B, K, f]``, over all keys and over the keys ``j <= i`` only
+  (the split at the diagonal: ``sum_j p_ij |i - j|`` from the key positions as features);
+* ``sum_j p_ij s_ij`` over the eligible keys (entropy: ``sum_j p log p = sum_j p s - m lse`` with
+  ``m`` the mass, as in :meth:`headlab.data.fused.FusedView.word_xlogx`).
+
+The maxima are taken on scores, not on weights: ``exp(s - lse)`` is monotonic, so the position
+is the weights' one except where two different scores round to the same weight (then the
+weights' first position may be an earlier one; in float64 this does not happen on the test
+models). The statistics accumulate in float32 for 16- and 32-bit inputs (``tl.dot`` with
+``input_precision="ieee"``: a GPU's default for float32 is TF32, 10 bits of mantissa) and in
+float64 for float64 inputs; the output's ``P @ V`` is in ``V``'s dtype for 16-bit inputs, as
+FlashAttention does, and exact otherwise.
+
+:func:`refusal` says why a call cannot run here (the caller then keeps the materialising path).
+Triton is imported on first use: this module imports without it. On a CPU the kernel runs only
+under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported), which
+the tests use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+__all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class KernelStatistics:
+    """What one pass returns, per (batch, head, query row) ``[B, H, Q, ...]``."""
+
+    out: torch.Tensor  # [B, H, Q, D], q's dtype
+    lse: torch.Tensor  # [B, H, Q]; -inf on a row that sees no key
+    max_score: torch.Tensor  # [B, H, Q]: the largest eligible score; -inf where none
+    argmax: torch.Tensor  # [B, H, Q] int64: its first key position; -1 where none
+    linear: torch.Tensor | None  # [B, H, Q, f]: sum_j p_ij F[b, j] over all keys
+    linear_lower: torch.Tensor | None  # [B, H, Q, f]: the same over keys j <= i (+ the causal offset)
+    score_dot: torch.Tensor  # [B, H, Q]: sum_j p_ij s_ij over the eligible keys
+
+    @property
+    def max_weight(self) -> torch.Tensor:
+        """``[B, H, Q]``: the largest eligible weight, ``exp(s_max - lse)`` (0 where none)."""
+        weight = torch.exp(self.max_score - self.lse)
+        return torch.where(self.argmax >= 0, weight, torch.zeros_like(weight))
+
+
+def interpreted() -> bool:
+    """Whether triton runs kernels in its interpreter (on the CPU): ``TRITON_INTERPRET=1``, read
+    by triton each time a kernel is defined (:func:`_kernel` defines one per setting)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None,
+            bias: bool = False, float_mask: bool = False, sinks: bool = False, dropout: float = 0.0) -> str | None:
+    """Why :func:`attention_statistics` cannot compute this attention exactly, or None.
+
+    ``bias``: an additive position bias (T5, ALiBi); ``float_mask``: an additive float mask (only
+    boolean masks are supported); ``sinks``: learned attention sinks (extra logits in the softmax);
+    ``dropout``: attention dropout in training."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install triton; CUDA wheels of torch ship it)"
+    if softcap:
+        return "soft-capped scores (softcap) are not supported by the kernel"
+    if bias:
+        return "an additive position bias is not supported by the kernel"
+    if float_mask:
+        return "an additive float attention mask is not supported by the kernel (boolean masks only)"
+    if sinks:
+        return "attention sinks are not supported by the kernel"
+    if dropout:
+        return "attention dropout is not supported by the kernel"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k and v must be [batch, heads, length, d_head]"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (k {k.dtype}, v {v.dtype}) is not one of {', '.join(map(str, DTYPES))}"
+    d = q.shape[3]
+    if d > 256 or k.shape[3] != d or v.shape[3] != d:
+        return f"d_head {d} (k {k.shape[3]}, v {v.shape[3]}): the kernel takes one d_head of at most 256"
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        return f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly"
+    if q.device.type != "cuda" and not interpreted():
+        return "the kernel runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)"
+    return None
+
+
+@lru_cache(maxsize=2)
+def _kernel(interpret: bool) -> Any:
+    """The kernel, defined (``triton.jit``) on first use, for the interpreter or the compiler."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _attention_statistics(
+        Q, K, V, M, E, F, O, LSE, SMAX, ARG, PF, PFL, PS, SCALE,
+        n_heads, group, q_len, k_len, causal_offset,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        smb, smh, smm, smn, seb, sen, sfb, sfn, sff,
+        sob, soh, som, sod, srb, srh, srm, spb, sph, spm, spf,
+        D: tl.constexpr, NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_F: tl.constexpr,
+        ACC: tl.constexpr, PV_LOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+    ):
+        sm_scale = tl.load(SCALE)  # in the accumulator's dtype (a float argument would be float32)
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // n_heads
+        h = bh % n_heads
+        hk = h // group  # GQA: query head h reads key/value head h // (H / Hkv)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        row_ok = rows < q_len
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_M], ACC)
+        acc = tl.zeros([BLOCK_M, D], ACC)
+        ps = tl.zeros([BLOCK_M], ACC)
+        best = tl.full([BLOCK_M], float("-inf"), ACC)
+        where = tl.full([BLOCK_M], -1, tl.int64)
+        if HAS_F:
+            fdims = tl.arange(0, NF)
+            pf = tl.zeros([BLOCK_M, NF], ACC)
+            pfl = tl.zeros([BLOCK_M, NF], ACC)
+        diag = rows + causal_offset  # the last key a causal row sees (bottom-right aligned)
+        hi = k_len
+        if CAUSAL:
+            hi = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + causal_offset)
+        for start in range(0, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < k_len
+            k = tl.load(K + b * skb + hk * skh + cols[None, :] * skn + dims[:, None] * skd,
+                        mask=col_ok[None, :], other=0.0)
+            s = tl.dot(q, k, out_dtype=ACC, input_precision=QK_PRECISION) * sm_scale  # [BM, BN]
+            seen = row_ok[:, None] & col_ok[None, :]
+            if CAUSAL:
+                seen = seen & (cols[None, :] <= diag[:, None])
+            if HAS_MASK:
+                keep = tl.load(M + b * smb + h * smh + rows[:, None] * smm + cols[None, :] * smn,
+                               mask=seen, other=0)
+                seen = seen & (keep != 0)
+            s = tl.where(seen, s, float("-inf"))
+            eligible = tl.load(E + b * seb + cols * sen, mask=col_ok, other=0) != 0
+            chosen = seen & eligible[None, :]
+            # the eligible maximum and its first position: a later block replaces it only if larger
+            se = tl.where(chosen, s, float("-inf"))
+            block_best = tl.max(se, 1)
+            first = tl.min(tl.where((se == block_best[:, None]) & chosen, cols[None, :], 2147483647), 1)
+            better = block_best > best
+            where = tl.where(better, first.to(tl.int64), where)
+            best = tl.where(better, block_best, best)
+            # the online softmax (FlashAttention-2): rescale what was summed when the maximum grows
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])  # hidden keys: exp(-inf) = 0
+            l_i = l_i * alpha + tl.sum(p, 1)
+            ps = ps * alpha + tl.sum(p * tl.where(chosen, s, 0.0), 1)
+            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dims[None, :] * svd,
+                        mask=col_ok[:, None], other=0.0)
+            if PV_LOW:  # 16-bit inputs: P @ V in V's dtype, accumulated in float32 (as FlashAttention)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(ACC), out_dtype=ACC, input_precision="ieee")
+            if HAS_F:
+                f = tl.load(F + b * sfb + cols[:, None] * sfn + fdims[None, :] * sff,
+                            mask=col_ok[:, None], other=0.0).to(ACC)
+                pf = pf * alpha[:, None] + tl.dot(p, f, out_dtype=ACC, input_precision="ieee")
+                low = tl.where(cols[None, :] <= diag[:, None], p, 0.0)
+                pfl = pfl * alpha[:, None] + tl.dot(low, f, out_dtype=ACC, input_precision="ieee")
+            m_i = m_new
+        some = l_i > 0
+        inv = tl.where(some, 1.0 / tl.where(some, l_i, 1.0), 0.0)
+        lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
+        tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod,
+                 (acc * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+        r = b * srb + h * srh + rows * srm
+        tl.store(LSE + r, lse, mask=row_ok)
+        tl.store(SMAX + r, best, mask=row_ok)
+        tl.store(ARG + r, where, mask=row_ok)
+        tl.store(PS + r, ps * inv, mask=row_ok)
+        if HAS_F:
+            pr = b * spb + h * sph + rows[:, None] * spm + fdims[None, :] * spf
+            tl.store(PF + pr, pf * inv[:, None], mask=row_ok[:, None])
+            tl.store(PFL + pr, pfl * inv[:, None], mask=row_ok[:, None])
+
+    return _attention_statistics
+
+
+@lru_cache(maxsize=16)
+def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``scaling`` as a one-element tensor on ``device``: made once, not copied to a GPU per call."""
+    return torch.tensor([scaling], dtype=dtype, device=device)
+
+
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
+                         causal: bool = False, mask: torch.Tensor | None = None,
+                         eligible: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                         block_m: int | None = None, block_n: int | None = None) -> KernelStatistics:
+    """One flash-attention pass over ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, Hkv, K, D]`` with the
+    statistics of :class:`KernelStatistics`.
+
+    ``causal``: key ``j`` is seen by query ``i`` when ``j <= i + K - Q`` (bottom-right aligned; the
+    diagonal of the split is the same line). ``mask``: boolean, True where a key is seen,
+    broadcastable to ``[B, H, Q, K]`` (a padding mask ``[B, 1, 1, K]`` or transformers' 4-d mask).
+    ``eligible``: boolean ``[B, K]``, the keys the maximum and ``score_dot`` range over (None: all).
+    ``features``: ``[B, K, f]`` key features (padded here to a power of two of at least 16 columns).
+    Raises ValueError with :func:`refusal`'s reason where the call is not supported."""
+    reason = refusal(q, k, v)
+    if reason is not None:
+        raise ValueError(reason)
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
+    import triton
+
+    B, H, Q, d = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    scaling = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    # tl.dot's dimensions are powers of two of at least 16: zeros after d change no dot product
+    D = max(16, 1 << (d - 1).bit_length())
+    if D != d:
+        q, k, v = (torch.nn.functional.pad(x, (0, D - d)) for x in (q, k, v))
+    wide = q.dtype == torch.float64
+    acc = torch.float64 if wide else torch.float32
+    device = q.device
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Q, dtype=acc, device=device)
+    smax = torch.empty_like(lse)
+    arg = torch.empty(B, H, Q, dtype=torch.int64, device=device)
+    ps = torch.empty_like(lse)
+    if eligible is None:
+        eligible = torch.ones(B, K, dtype=torch.bool, device=device)
+    elig = eligible.to(device=device, dtype=torch.int8).expand(B, K)
+    if mask is not None:
+        m = mask.to(device=device, dtype=torch.int8)
+        while m.dim() < 4:
+            m = m[None]
+        m = m.expand(B, H, Q, K)
+        mask_strides = m.stride()
+    else:
+        m, mask_strides = elig, (0, 0, 0, 0)  # not read
+    has_f = features is not None
+    if features is not None:
+        f = features.shape[2]
+        nf = max(16, 1 << max(f - 1, 0).bit_length())
+        feats = torch.zeros(B, K, nf, dtype=acc, device=device)
+        feats[:, :, :f] = features.to(device=device, dtype=acc)
+        pf = torch.empty(B, H, Q, nf, dtype=acc, device=device)
+        pfl = torch.empty_like(pf)
+    else:
+        f, nf = 0, 16
+        feats = pf = pfl = lse  # not read or written
+    # 64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
+    # smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory
+    small = wide or D > 128 or (q.dtype == torch.float32 and D > 64)
+    if block_m is None:
+        block_m = 32 if small else 64
+    if block_n is None:
+        block_n = 32 if small else 64
+    grid = (triton.cdiv(Q, block_m), B * H)
+    pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
+    _kernel(interpreted())[grid](
+        q, k, v, m, elig, feats, out, lse, smax, arg, pf, pfl, ps,
+        _scale(scaling, acc, device), H, H // Hkv, Q, K, K - Q,
+        *q.stride(), *k.stride(), *v.stride(),
+        *mask_strides, *elig.stride(), *(feats.stride() if has_f else (0, 0, 0)),
+        *out.stride(), *lse.stride(), *pf_strides,
+        D=D, NF=nf, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, HAS_MASK=mask is not None, HAS_F=has_f,
+        ACC=triton.language.float64 if wide else triton.language.float32,
+        PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
+        # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
+        QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
+    )
+    return KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
+                            linear=pf[..., :f] if has_f else None,
+                            linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
