@@ -4,6 +4,7 @@ from-scratch recipe options (learning rate, warm-up, checkpoint averaging), on a
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +221,16 @@ def test_a_baseline_that_reads_training_data_refuses_without_it(extra, message, 
     assert main(_no_training_data(model_dir, tmp_path / "out", *extra)) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_decoder_only_model_is_refused_before_any_row(tmp_path, capsys):
+    """Rows are scored by translating --valid-src: a language model's continuation would be scored
+    with its prompt in it (BLEU 100 with --valid-src = --valid-tgt), so it is refused, not scored."""
+    lm = Path(__file__).resolve().parents[1] / "models" / "english-lm"
+    text = tmp_path / "valid.txt"
+    text.write_text("the cat sat on the mat .\na dog ran .\n")
+    args = ["prune", "baseline", str(lm), "--valid-src", str(text), "--valid-tgt", str(text), "--method", "random",
+            "--seeds", "1", "--keeps", "4", "--eval-limit", "2", "--eval-beam", "1", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    assert "is not an encoder-decoder model" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "baselines.json").exists()

@@ -347,8 +347,11 @@ def run_baseline(args) -> int:
     set_threads(args.threads)
     with locked_output(out, "--out"):  # a second run on the same directory refuses
         model, tokenizer = _load(args)
-        if args.freeze_decoder and not getattr(model.config, "is_encoder_decoder", False):
-            raise HeadlabError(f"--freeze-decoder: {args.model} ({type(model).__name__}) has no decoder to freeze")
+        if not getattr(model.config, "is_encoder_decoder", False):
+            # rows are scored by translating --valid-src: a decoder-only model's continuation would
+            # be scored with its prompt (BLEU 100 with --valid-src = --valid-tgt), a classifier has none
+            raise HeadlabError(f"prune baseline scores translations (BLEU of --valid-src against --valid-tgt): "
+                               f"{args.model} ({type(model).__name__}) is not an encoder-decoder model")
         kinds = resolve_kinds(model, args.kinds)
         available = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
         if max(keeps) > available:
