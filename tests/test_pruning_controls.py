@@ -234,3 +234,11 @@ def test_a_decoder_only_model_is_refused_before_any_row(tmp_path, capsys):
     assert main(args) == 2
     assert "is not an encoder-decoder model" in capsys.readouterr().err
     assert not (tmp_path / "out" / "baselines.json").exists()
+
+
+def test_training_text_and_training_pairs_together_are_refused(model_dir, tmp_path, capsys):
+    """One of them would be read and the other silently not."""
+    extra = ("--finetune-steps", "2", "--train-text", str(DATA / "train.en.gz"))
+    assert main(_args(model_dir, tmp_path / "out", *extra)) == 2
+    assert "not both" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

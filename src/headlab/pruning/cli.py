@@ -155,6 +155,8 @@ def _check_inputs(args, needs_training: str | None = "gated fine-tuning trains o
 
     if (args.train_src is None) != (args.train_tgt is None):
         raise HeadlabError("give both --train-src and --train-tgt, or neither")
+    if args.train_text and args.train_src:  # one would be read, the other silently not
+        raise HeadlabError("give --train-text (language model) or --train-src/--train-tgt (translation), not both")
     if not args.train_text and not args.train_src:
         if needs_training:
             raise HeadlabError("give --train-src and --train-tgt (translation) or --train-text (language model): "
