@@ -128,6 +128,38 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.functions(model, tokenizer, Path(__file__).parent)
 
 
+def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
+    # Regression: each of these failed deep inside with a TypeError or AttributeError traceback
+    import torch
+
+    _, _, (model, tokenizer), _ = setup
+    with pytest.raises(HeadlabError, match="^texts: expected a list of sentences, got NoneType"):
+        headlab.importance(model, tokenizer, None, measures="confidence")
+    with pytest.raises(HeadlabError, match="^texts: item 2 is int 7, not a string"):
+        headlab.importance(model, tokenizer, ["a man", 7], measures="confidence")
+    with pytest.raises(HeadlabError, match="<texts>: text 1 is a tuple, not a string .pairs of texts are for"):
+        headlab.importance(model, tokenizer, [("a man", "a dog")], measures="confidence")
+    with pytest.raises(HeadlabError, match="^targets: item 1 is NoneType"):
+        headlab.analyze(model, tokenizer, ["a man"], targets=[None], measures="confidence")
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.importance(torch.nn.Linear(2, 2), tokenizer, SENTENCES, measures="confidence")
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.functions(torch.nn.Linear(2, 2), tokenizer, SAMPLE_CONLLU)
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.prune(torch.nn.Linear(2, 2), "enc_self:0:1")
+    with pytest.raises(HeadlabError, match="^tokenizer: expected the model's tokenizer .* got NoneType"):
+        headlab.analyze(model, None, SENTENCES, measures="confidence")
+    with pytest.raises(HeadlabError, match="^prune: heads must be .* got 5"):
+        headlab.prune(model, 5)
+    with pytest.raises(HeadlabError, match="^prune: heads must be"):
+        headlab.prune(model, {("enc_self", 0): 1})
+    # the API's own argument is named, not the command's --limit
+    with pytest.raises(HeadlabError, match="^analyze: treebank_limit must be at least 1, got 0"):
+        headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, treebank_limit=0)
+    with pytest.raises(HeadlabError, match="^analyze: limit must be at least 1, got 0"):
+        headlab.analyze(model, tokenizer, SENTENCES, limit=0)
+
+
 def test_top_heads_are_the_highest_scores_and_n_is_checked(setup):
     """Regression: top_heads(measure, -1) returned every head but the lowest (a slice), silently."""
     _, _, _, api = setup

@@ -102,10 +102,30 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
     return path
 
 
+def _check_model(model: Any, tokenizer: Any) -> None:
+    """A transformers model (its ``config`` read everywhere) and a tokenizer that can be called:
+    anything else failed deep inside as an AttributeError or TypeError."""
+    if getattr(model, "config", None) is None:
+        raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
+                           f"{type(model).__name__}")
+    if not callable(tokenizer):
+        raise HeadlabError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
+                           f"{type(tokenizer).__name__}")
+
+
 def _texts(texts: Any, name: str = "texts") -> list:
     if isinstance(texts, str):
         raise HeadlabError(f"{name}: expected a list of sentences, got one string (wrap it in a list)")
-    return list(texts)
+    try:
+        items = list(texts)
+    except TypeError:
+        raise HeadlabError(f"{name}: expected a list of sentences, got {type(texts).__name__}") from None
+    for number, text in enumerate(items, start=1):
+        # a string, or (a sequence classifier's sentence pair) a tuple or list of strings
+        if not (isinstance(text, str) or isinstance(text, (tuple, list)) and text
+                and all(isinstance(part, str) for part in text)):
+            raise HeadlabError(f"{name}: item {number} is {type(text).__name__} {text!r:.40}, not a string")
+    return items
 
 
 def _frequency_texts(texts: Sequence) -> list[str]:
@@ -153,6 +173,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
+    _check_model(model, tokenizer)
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
     config = _importance_config(measures, batch_size, progress, options)
@@ -168,6 +189,7 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
+    _check_model(model, tokenizer)
     frequencies = None
     if functions and frequency_texts is not None:
         from headlab.data.frequencies import TokenFrequencies
@@ -215,6 +237,9 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores
 
+    if getattr(model, "config", None) is None:
+        raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
+                           f"{type(model).__name__}")
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
@@ -226,7 +251,11 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
 
         spec = parse_heads(heads, attention_blocks(model))
     else:
-        spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+        try:
+            spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+        except (TypeError, ValueError):
+            raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
+                               f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
     return prune_heads(model, spec)
 
 
@@ -259,6 +288,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
 
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
+    _check_model(model, tokenizer)
     measures = (measures,) if isinstance(measures, str) else tuple(measures)
     for name in measures:
         if name not in MEASURES:
@@ -266,6 +296,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     for name in statistics:
         if name not in STATISTICS:
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
+        if value is not None and value < 1:  # the library's message names the command's --limit
+            raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
     if attention_sentences < 0:
         raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
     if engine is not None and engine not in ENGINES:
