@@ -153,6 +153,10 @@ def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
         headlab.prune(model, 5)
     with pytest.raises(HeadlabError, match="^prune: heads must be"):
         headlab.prune(model, {("enc_self", 0): 1})
+    # one statistic as a string, as measures="lrp": it was read letter by letter ("unknown statistic 'f'")
+    tables = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="aggregate",
+                             attention_sentences=0).tables
+    assert "mean_entropy" in tables and "positional_share" not in tables
     # the API's own argument is named, not the command's --limit
     with pytest.raises(HeadlabError, match="^analyze: treebank_limit must be at least 1, got 0"):
         headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, treebank_limit=0)

@@ -290,6 +290,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
     _check_model(model, tokenizer)
     measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    statistics = (statistics,) if isinstance(statistics, str) else tuple(statistics)  # not letter by letter
     for name in measures:
         if name not in MEASURES:
             raise HeadlabError(f"analyze: unknown measure {name!r}; expected some of {', '.join(MEASURES)}")
