@@ -157,6 +157,11 @@ def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
     tables = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="aggregate",
                              attention_sentences=0).tables
     assert "mean_entropy" in tables and "positional_share" not in tables
+    # nothing to compute: it returned an empty Analysis
+    with pytest.raises(HeadlabError, match="^analyze: nothing to compute: measures is empty and no treebank"):
+        headlab.analyze(model, tokenizer, SENTENCES, measures=(), attention_sentences=0)
+    with pytest.raises(HeadlabError, match="^analyze: nothing to compute: no texts .* statistics is empty"):
+        headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics=(), attention_sentences=0)
     # the API's own argument is named, not the command's --limit
     with pytest.raises(HeadlabError, match="^analyze: treebank_limit must be at least 1, got 0"):
         headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, treebank_limit=0)

@@ -297,6 +297,12 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     for name in statistics:
         if name not in STATISTICS:
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    if not (texts is not None and measures or treebank is not None and statistics or attention_sentences):
+        # it returned an empty Analysis (0 tables), as if the model had been analysed
+        raise HeadlabError("analyze: nothing to compute: " + (
+            "measures is empty" if texts is not None else "no texts for the measures") + " and " + (
+            "statistics is empty" if treebank is not None else "no treebank for the statistics") +
+            " (and attention_sentences=0)")
     for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
         if value is not None and value < 1:  # the library's message names the command's --limit
             raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
