@@ -437,6 +437,37 @@ def test_saving_onto_a_file_is_refused_and_keeps_it(setup, tmp_path):
     assert notes.read_text(encoding="utf-8") == "mine"
 
 
+def test_saving_into_a_directory_a_running_command_writes_is_refused(setup, tmp_path):
+    """Regression: save(DIR, overwrite=True) and analyze(out=DIR) took no notice of the lock of a
+    `headlab analyze --out DIR` still running: they swapped the directory away under it, and the
+    command went on writing its later stages into the API's results."""
+    import socket
+    import subprocess
+
+    from headlab.lock import LOCK_FILE, _start_time
+
+    _, _, (model, tokenizer), api = setup
+    out = tmp_path / "run"
+    api.save(out)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (out / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(sleeper.pid), "started": "2026-01-01"}))
+        with pytest.raises(HeadlabError, match=f"is in use by another headlab run .pid {sleeper.pid}"):
+            api.save(out, overwrite=True)
+        with pytest.raises(HeadlabError, match="is in use by another headlab run"):
+            headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", out=out, overwrite=True)
+        assert (out / LOCK_FILE).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if ".headlab" not in p.parts) == \
+        [name for name in before if ".headlab" not in name]
+    api.save(out, overwrite=True)  # the lock of a run that is gone does not stop it
+
+
 def test_prune_by_spec_and_by_scores(setup):
     root, _, _, api = setup
     from headlab.loading import load_model

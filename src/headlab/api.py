@@ -473,11 +473,19 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
+    from headlab.lock import LOCK_FILE, DirectoryLock
     from headlab.outdir import other_commands_results
     from headlab.pipeline.pipeline import _foreign_files
 
     if directory.exists() and not directory.is_dir():  # the swap at the end would replace the user's file
         raise HeadlabError(f"{directory}: exists and is not a directory")
+    # A command writing there (`headlab analyze --out DIR` running): the swap would pull the directory
+    # from under it, and its later stages would land in these results.
+    holder = DirectoryLock(directory).held_elsewhere()
+    if holder is not None:
+        raise HeadlabError(f"{directory} is in use by another headlab run (pid {holder.get('pid', '?')} on "
+                           f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish or "
+                           f"choose another directory. If no such run is going, delete {directory / LOCK_FILE}")
     # A pruned model, functions' results ...: refused also with overwrite.
     if other := other_commands_results(directory, "analyze", "overwrite=True", where=""):
         raise HeadlabError(other)
