@@ -111,6 +111,12 @@ def _check_model(model: Any, tokenizer: Any) -> None:
     if not callable(tokenizer):
         raise HeadlabError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
                            f"{type(tokenizer).__name__}")
+    from headlab.adapters import attention_blocks
+
+    # A model without attention (a HeadlabError naming what was looked for), or with every head
+    # pruned: importance returned tables with no head scored, as if it had scored them.
+    if not any(b.n_heads > 0 for b in attention_blocks(model)):
+        raise HeadlabError("model: every attention head of the model was pruned; there is no head to analyse")
 
 
 def _texts(texts: Any, name: str = "texts") -> list:
@@ -173,9 +179,9 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
-    _check_model(model, tokenizer)
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
+    _check_model(model, tokenizer)
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     info = model_info(model, tokenizer, max_length)
