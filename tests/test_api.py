@@ -468,6 +468,27 @@ def test_saving_into_a_directory_a_running_command_writes_is_refused(setup, tmp_
     api.save(out, overwrite=True)  # the lock of a run that is gone does not stop it
 
 
+def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_path):
+    """Regression: a directory written by `headlab prune`, loaded with transformers'
+    from_pretrained(trust_remote_code=True) as the README shows, gave scores in the kept heads'
+    own numbering: enc_self L0 H1 was the original head 3 and the pruned heads 1, 2 showed as
+    6, 7 (NaN), without a word. A layer left with no head failed with "no head size attribute"."""
+    import transformers
+
+    root, _, (_, tokenizer), _ = setup
+    for heads, said in (("enc_self:0:1,2", "was pruned by headlab and loaded without it: its heads have lost their "
+                                           "original numbering"),
+                        ("enc_self:0:*", "a layer pruned by headlab, loaded without headlab")):
+        out = tmp_path / heads.replace(":", "-").replace("*", "all").replace(",", "")
+        assert main(["prune", str(root / "model"), "--heads", heads, "--out", str(out)]) == 0
+        plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+        with pytest.raises(HeadlabError, match=said):
+            headlab.importance(plain, tokenizer, SENTENCES, measures="confidence")
+        scores = headlab.importance(headlab.load_pruned(out), tokenizer, SENTENCES,
+                                    measures="confidence").scores["confidence"]["enc_self"]
+        assert math.isnan(scores[0][1]) and math.isnan(scores[0][2])  # the original numbering
+
+
 def test_prune_by_spec_and_by_scores(setup):
     root, _, _, api = setup
     from headlab.loading import load_model
