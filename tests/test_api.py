@@ -153,6 +153,8 @@ def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
         headlab.prune(model, 5)
     with pytest.raises(HeadlabError, match="^prune: heads must be"):
         headlab.prune(model, {("enc_self", 0): 1})
+    with pytest.raises(HeadlabError, match="^prune: kinds= goes with HeadScores"):
+        headlab.prune(model, "enc_self:0:1", kinds=["dec_self"])  # the kinds were ignored: enc_self's head went
     # one statistic as a string, as measures="lrp": it was read letter by letter ("unknown statistic 'f'")
     tables = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="aggregate",
                              attention_sentences=0).tables

@@ -269,8 +269,9 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
         spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
-    elif keep is not None:
-        raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
+    elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
+        raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
+                           "list of heads to remove")
     elif isinstance(heads, str):
         from headlab.headspec import parse_heads
 
