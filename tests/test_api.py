@@ -491,6 +491,19 @@ def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_p
         assert math.isnan(scores[0][1]) and math.isnan(scores[0][2])  # the original numbering
 
 
+def test_the_summary_counts_the_heads_analysed_not_the_pruned_ones(setup):
+    """Regression: the summary line counted a pruned head (listed in labels with no label) as an
+    analysed head: "0 of 8 analysed heads" for a model with 4 heads left."""
+    root, _, (_, tokenizer), _ = setup
+    from headlab.loading import load_model
+
+    model = load_model(str(root / "model"))
+    headlab.prune(model, "enc_self:0:*")
+    analysis = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="functions", attention_sentences=0)
+    assert len(analysis.labels) == 8
+    assert repr(analysis).splitlines()[0].endswith(" of 4 analysed heads with a function")
+
+
 def test_prune_by_spec_and_by_scores(setup):
     root, _, _, api = setup
     from headlab.loading import load_model

@@ -675,12 +675,30 @@ class Analysis:
         ranked = sorted(((v, k) for k, v in self[measure].items() if not math.isnan(v)), reverse=True)[:n]
         return [(format_head(*key) + _label_suffix(self.labels, key), value) for value, key in ranked]
 
+    def _analysed_heads(self) -> list[str]:
+        """The heads of :attr:`labels` the functions stage analysed: a pruned head is listed there too,
+        with no label, and has no positional share."""
+        share = self.tables.get("positional_share")
+        if share is None:
+            return list(self.labels)
+        heads = []
+        for key in self.labels:
+            kind, layer, head = key.split(":")
+            try:
+                missing = math.isnan(float(share[kind][int(layer)][int(head)]))
+            except (KeyError, IndexError, ValueError):
+                missing = False
+            if not missing:
+                heads.append(key)
+        return heads
+
     def __repr__(self) -> str:
-        labelled = sum(1 for found in self.labels.values() if found)
+        analysed = self._analysed_heads()
+        labelled = sum(1 for key in analysed if self.labels[key])
         lines = [f"Analysis of {self.model or 'a model'}: {counted(len(self.tables), 'table')} "
                  f"({', '.join(self.measures) or 'no importance measure'}; "
                  f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
-                 f"{labelled} of {len(self.labels)} analysed heads with a function"]
+                 f"{labelled} of {len(analysed)} analysed heads with a function"]
         for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
             top = ", ".join(f"{name} {value:.3g}" for name, value in self.top_heads(measure, 3))
             lines.append(f"  top by {measure}: {top}")
