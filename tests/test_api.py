@@ -128,6 +128,49 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.functions(model, tokenizer, Path(__file__).parent)
 
 
+def test_arguments_of_the_wrong_type_are_refused_clearly(setup):
+    # Regression: each of these failed deep inside with a TypeError or AttributeError traceback
+    import torch
+
+    _, _, (model, tokenizer), _ = setup
+    with pytest.raises(HeadlabError, match="^texts: expected a list of sentences, got NoneType"):
+        headlab.importance(model, tokenizer, None, measures="confidence")
+    with pytest.raises(HeadlabError, match="^texts: item 2 is int 7, not a string"):
+        headlab.importance(model, tokenizer, ["a man", 7], measures="confidence")
+    with pytest.raises(HeadlabError, match="<texts>: text 1 is a tuple, not a string .pairs of texts are for"):
+        headlab.importance(model, tokenizer, [("a man", "a dog")], measures="confidence")
+    with pytest.raises(HeadlabError, match="^targets: item 1 is NoneType"):
+        headlab.analyze(model, tokenizer, ["a man"], targets=[None], measures="confidence")
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.importance(torch.nn.Linear(2, 2), tokenizer, SENTENCES, measures="confidence")
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.functions(torch.nn.Linear(2, 2), tokenizer, SAMPLE_CONLLU)
+    with pytest.raises(HeadlabError, match="^model: expected a transformers model .* got Linear"):
+        headlab.prune(torch.nn.Linear(2, 2), "enc_self:0:1")
+    with pytest.raises(HeadlabError, match="^tokenizer: expected the model's tokenizer .* got NoneType"):
+        headlab.analyze(model, None, SENTENCES, measures="confidence")
+    with pytest.raises(HeadlabError, match="^prune: heads must be .* got 5"):
+        headlab.prune(model, 5)
+    with pytest.raises(HeadlabError, match="^prune: heads must be"):
+        headlab.prune(model, {("enc_self", 0): 1})
+    with pytest.raises(HeadlabError, match="^prune: kinds= goes with HeadScores"):
+        headlab.prune(model, "enc_self:0:1", kinds=["dec_self"])  # the kinds were ignored: enc_self's head went
+    # one statistic as a string, as measures="lrp": it was read letter by letter ("unknown statistic 'f'")
+    tables = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="aggregate",
+                             attention_sentences=0).tables
+    assert "mean_entropy" in tables and "positional_share" not in tables
+    # nothing to compute: it returned an empty Analysis
+    with pytest.raises(HeadlabError, match="^analyze: nothing to compute: measures is empty and no treebank"):
+        headlab.analyze(model, tokenizer, SENTENCES, measures=(), attention_sentences=0)
+    with pytest.raises(HeadlabError, match="^analyze: nothing to compute: no texts .* statistics is empty"):
+        headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics=(), attention_sentences=0)
+    # the API's own argument is named, not the command's --limit
+    with pytest.raises(HeadlabError, match="^analyze: treebank_limit must be at least 1, got 0"):
+        headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, treebank_limit=0)
+    with pytest.raises(HeadlabError, match="^analyze: limit must be at least 1, got 0"):
+        headlab.analyze(model, tokenizer, SENTENCES, limit=0)
+
+
 def test_top_heads_are_the_highest_scores_and_n_is_checked(setup):
     """Regression: top_heads(measure, -1) returned every head but the lowest (a slice), silently."""
     _, _, _, api = setup
@@ -394,6 +437,71 @@ def test_saving_onto_a_file_is_refused_and_keeps_it(setup, tmp_path):
     with pytest.raises(HeadlabError, match="notes.txt: exists and is not a directory"):
         headlab.analyze(model, tokenizer, SENTENCES, measures=["confidence"], statistics=(), out=notes)
     assert notes.read_text(encoding="utf-8") == "mine"
+
+
+def test_saving_into_a_directory_a_running_command_writes_is_refused(setup, tmp_path):
+    """Regression: save(DIR, overwrite=True) and analyze(out=DIR) took no notice of the lock of a
+    `headlab analyze --out DIR` still running: they swapped the directory away under it, and the
+    command went on writing its later stages into the API's results."""
+    import socket
+    import subprocess
+
+    from headlab.lock import LOCK_FILE, _start_time
+
+    _, _, (model, tokenizer), api = setup
+    out = tmp_path / "run"
+    api.save(out)
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (out / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(sleeper.pid), "started": "2026-01-01"}))
+        with pytest.raises(HeadlabError, match=f"is in use by another headlab run .pid {sleeper.pid}"):
+            api.save(out, overwrite=True)
+        with pytest.raises(HeadlabError, match="is in use by another headlab run"):
+            headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", out=out, overwrite=True)
+        assert (out / LOCK_FILE).exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if ".headlab" not in p.parts) == \
+        [name for name in before if ".headlab" not in name]
+    api.save(out, overwrite=True)  # the lock of a run that is gone does not stop it
+
+
+def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_path):
+    """Regression: a directory written by `headlab prune`, loaded with transformers'
+    from_pretrained(trust_remote_code=True) as the README shows, gave scores in the kept heads'
+    own numbering: enc_self L0 H1 was the original head 3 and the pruned heads 1, 2 showed as
+    6, 7 (NaN), without a word. A layer left with no head failed with "no head size attribute"."""
+    import transformers
+
+    root, _, (_, tokenizer), _ = setup
+    for heads, said in (("enc_self:0:1,2", "was pruned by headlab and loaded without it: its heads have lost their "
+                                           "original numbering"),
+                        ("enc_self:0:*", "a layer pruned by headlab, loaded without headlab")):
+        out = tmp_path / heads.replace(":", "-").replace("*", "all").replace(",", "")
+        assert main(["prune", str(root / "model"), "--heads", heads, "--out", str(out)]) == 0
+        plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+        with pytest.raises(HeadlabError, match=said):
+            headlab.importance(plain, tokenizer, SENTENCES, measures="confidence")
+        scores = headlab.importance(headlab.load_pruned(out), tokenizer, SENTENCES,
+                                    measures="confidence").scores["confidence"]["enc_self"]
+        assert math.isnan(scores[0][1]) and math.isnan(scores[0][2])  # the original numbering
+
+
+def test_the_summary_counts_the_heads_analysed_not_the_pruned_ones(setup):
+    """Regression: the summary line counted a pruned head (listed in labels with no label) as an
+    analysed head: "0 of 8 analysed heads" for a model with 4 heads left."""
+    root, _, (_, tokenizer), _ = setup
+    from headlab.loading import load_model
+
+    model = load_model(str(root / "model"))
+    headlab.prune(model, "enc_self:0:*")
+    analysis = headlab.analyze(model, tokenizer, treebank=SAMPLE_CONLLU, statistics="functions", attention_sentences=0)
+    assert len(analysis.labels) == 8
+    assert repr(analysis).splitlines()[0].endswith(" of 4 analysed heads with a function")
 
 
 def test_prune_by_spec_and_by_scores(setup):

@@ -263,6 +263,32 @@ def test_every_encoder_head_pruned_then_functions_aggregate_and_importance(model
     assert files_under(tmp_path / "i") == set()
 
 
+def test_every_head_pruned_analyze_and_the_api_refuse_up_front(tmp_path, capsys):
+    """Regression: with every head pruned, `analyze` ran every stage (confidence "done" with no
+    head scored, LRP and gradient failed with torch's ValueError and RuntimeError, exit 1) and
+    `headlab.importance` returned tables with no head scored. Now both refuse, as `importance` does."""
+    import headlab
+    from headlab.loading import load_tokenizer
+
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
+    headless = tmp_path / "bert-pruned"
+    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["analyze", str(headless), "--source", str(data), "--out", str(tmp_path / "a"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{headless}: every attention head of the model was pruned; there is no head to analyse" in err
+    assert "lrp" not in err and not (tmp_path / "a" / "importance").exists()
+    model, tokenizer = load_model(str(headless)), load_tokenizer(str(headless))
+    with pytest.raises(HeadlabError, match="^model: every attention head of the model was pruned"):
+        headlab.importance(model, tokenizer, SENTENCES, measures="confidence")
+    with pytest.raises(HeadlabError, match="^model: every attention head of the model was pruned"):
+        headlab.analyze(model, tokenizer, SENTENCES)
+
+
 @pytest.mark.parametrize("spec,message", [(",", "--heads: cannot read ','"),
                                           ("enc_self:1:0,,1", "--heads: bad head index '' in 'enc_self:1:0,,1'"),
                                           ("enc_slf:1:0", "--heads 'enc_slf:1:0': unknown attention kind"),

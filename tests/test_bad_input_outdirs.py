@@ -458,6 +458,55 @@ def test_analyze_interrupted_before_its_first_stage_finished(inputs, tmp_path, c
         "written); run it again")
 
 
+_TERMINATED_IN_LRP = """
+import os, signal, sys
+import headlab.pipeline.pipeline as pipeline
+from headlab.cli import main
+
+def terminated(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # kill PID, a batch scheduler's time limit
+    raise AssertionError("SIGTERM did not stop the stage")
+
+pipeline.RUNNERS["lrp"] = terminated
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_analyze_terminated_stops_as_ctrl_c_does_and_resumes(inputs, tmp_path, capsys):
+    """Regression: SIGTERM ended a command at once (Python's default): no line said what was kept,
+    its lock and temporary files stayed behind. Now it stops as Ctrl-C does, with exit 143."""
+    out = tmp_path / "out"
+    command = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out),
+               "--no-progress", "--skip", "attention,figures,report"]
+    run = subprocess.run([sys.executable, "-c", _TERMINATED_IN_LRP, *command], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
+    assert run.returncode == 143, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"headlab analyze: interrupted; the finished stages are kept in {out}; the same command resumes from them")
+    assert not (out / LOCK_FILE).exists()
+    assert main(command) == 0
+    assert "confidence: reused" in capsys.readouterr().err
+
+
+def test_sigterm_waits_for_a_rename_to_finish():
+    """While results are moved into place SIGTERM waits, as Ctrl-C does, then stops the command."""
+    import signal
+
+    from headlab.cli import _terminate
+    from headlab.outdir import _interrupts_held
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _interrupts_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append(True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert done == [True]
+
+
 def test_nmt_train_interrupted_before_its_first_checkpoint(inputs, tmp_path, capsys, monkeypatch):
     """Regression: "the last checkpoint in DIR is kept" for a run stopped before it wrote one."""
     import headlab.nmt.recipe

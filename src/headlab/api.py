@@ -102,10 +102,55 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
     return path
 
 
+def _check_model(model: Any, tokenizer: Any) -> None:
+    """A transformers model (its ``config`` read everywhere) and a tokenizer that can be called:
+    anything else failed deep inside as an AttributeError or TypeError."""
+    if getattr(model, "config", None) is None:
+        raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
+                           f"{type(model).__name__}")
+    if not callable(tokenizer):
+        raise HeadlabError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
+                           f"{type(tokenizer).__name__}")
+    from headlab.adapters import attention_blocks
+
+    # A model without attention (a HeadlabError naming what was looked for), or with every head
+    # pruned: importance returned tables with no head scored, as if it had scored them.
+    blocks = attention_blocks(model)
+    if not any(b.n_heads > 0 for b in blocks):
+        raise HeadlabError("model: every attention head of the model was pruned; there is no head to analyse")
+    _check_pruned_numbering(model, blocks)
+
+
+def _check_pruned_numbering(model: Any, blocks: list) -> None:
+    """A directory pruned by headlab, loaded by transformers alone (``from_pretrained``, its
+    pruned_heads.py): its layers do not know which original heads they kept, so every result would
+    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word."""
+    from headlab.portable import PLAN_KEY
+    from headlab.surgery import KEPT_ATTR, PRUNING_FILE
+
+    if any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks):
+        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
+    config = model.config
+    source = str(getattr(config, "name_or_path", "") or "")
+    if getattr(config, PLAN_KEY, None) is not None or (source and (Path(source) / PRUNING_FILE).is_file()):
+        raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it: its heads "
+                           "have lost their original numbering, in which headlab reports them; load it with "
+                           "headlab.load_pruned(path)")
+
+
 def _texts(texts: Any, name: str = "texts") -> list:
     if isinstance(texts, str):
         raise HeadlabError(f"{name}: expected a list of sentences, got one string (wrap it in a list)")
-    return list(texts)
+    try:
+        items = list(texts)
+    except TypeError:
+        raise HeadlabError(f"{name}: expected a list of sentences, got {type(texts).__name__}") from None
+    for number, text in enumerate(items, start=1):
+        # a string, or (a sequence classifier's sentence pair) a tuple or list of strings
+        if not (isinstance(text, str) or isinstance(text, (tuple, list)) and text
+                and all(isinstance(part, str) for part in text)):
+            raise HeadlabError(f"{name}: item {number} is {type(text).__name__} {text!r:.40}, not a string")
+    return items
 
 
 def _frequency_texts(texts: Sequence) -> list[str]:
@@ -155,6 +200,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
 
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
+    _check_model(model, tokenizer)
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     info = model_info(model, tokenizer, max_length)
@@ -168,6 +214,7 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
+    _check_model(model, tokenizer)
     frequencies = None
     if functions and frequency_texts is not None:
         from headlab.data.frequencies import TokenFrequencies
@@ -215,18 +262,26 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores
 
+    if getattr(model, "config", None) is None:
+        raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
+                           f"{type(model).__name__}")
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
         spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
-    elif keep is not None:
-        raise HeadlabError("prune: keep= goes with HeadScores, not with a list of heads to remove")
+    elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
+        raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
+                           "list of heads to remove")
     elif isinstance(heads, str):
         from headlab.headspec import parse_heads
 
         spec = parse_heads(heads, attention_blocks(model))
     else:
-        spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+        try:
+            spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+        except (TypeError, ValueError):
+            raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
+                               f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
     return prune_heads(model, spec)
 
 
@@ -259,13 +314,24 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
 
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
+    _check_model(model, tokenizer)
     measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    statistics = (statistics,) if isinstance(statistics, str) else tuple(statistics)  # not letter by letter
     for name in measures:
         if name not in MEASURES:
             raise HeadlabError(f"analyze: unknown measure {name!r}; expected some of {', '.join(MEASURES)}")
     for name in statistics:
         if name not in STATISTICS:
             raise HeadlabError(f"analyze: unknown statistic {name!r}; expected some of {', '.join(STATISTICS)}")
+    if not (texts is not None and measures or treebank is not None and statistics or attention_sentences):
+        # it returned an empty Analysis (0 tables), as if the model had been analysed
+        raise HeadlabError("analyze: nothing to compute: " + (
+            "measures is empty" if texts is not None else "no texts for the measures") + " and " + (
+            "statistics is empty" if treebank is not None else "no treebank for the statistics") +
+            " (and attention_sentences=0)")
+    for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
+        if value is not None and value < 1:  # the library's message names the command's --limit
+            raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
     if attention_sentences < 0:
         raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
     if engine is not None and engine not in ENGINES:
@@ -433,11 +499,19 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
+    from headlab.lock import LOCK_FILE, DirectoryLock
     from headlab.outdir import other_commands_results
     from headlab.pipeline.pipeline import _foreign_files
 
     if directory.exists() and not directory.is_dir():  # the swap at the end would replace the user's file
         raise HeadlabError(f"{directory}: exists and is not a directory")
+    # A command writing there (`headlab analyze --out DIR` running): the swap would pull the directory
+    # from under it, and its later stages would land in these results.
+    holder = DirectoryLock(directory).held_elsewhere()
+    if holder is not None:
+        raise HeadlabError(f"{directory} is in use by another headlab run (pid {holder.get('pid', '?')} on "
+                           f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish or "
+                           f"choose another directory. If no such run is going, delete {directory / LOCK_FILE}")
     # A pruned model, functions' results ...: refused also with overwrite.
     if other := other_commands_results(directory, "analyze", "overwrite=True", where=""):
         raise HeadlabError(other)
@@ -601,12 +675,30 @@ class Analysis:
         ranked = sorted(((v, k) for k, v in self[measure].items() if not math.isnan(v)), reverse=True)[:n]
         return [(format_head(*key) + _label_suffix(self.labels, key), value) for value, key in ranked]
 
+    def _analysed_heads(self) -> list[str]:
+        """The heads of :attr:`labels` the functions stage analysed: a pruned head is listed there too,
+        with no label, and has no positional share."""
+        share = self.tables.get("positional_share")
+        if share is None:
+            return list(self.labels)
+        heads = []
+        for key in self.labels:
+            kind, layer, head = key.split(":")
+            try:
+                missing = math.isnan(float(share[kind][int(layer)][int(head)]))
+            except (KeyError, IndexError, ValueError):
+                missing = False
+            if not missing:
+                heads.append(key)
+        return heads
+
     def __repr__(self) -> str:
-        labelled = sum(1 for found in self.labels.values() if found)
+        analysed = self._analysed_heads()
+        labelled = sum(1 for key in analysed if self.labels[key])
         lines = [f"Analysis of {self.model or 'a model'}: {counted(len(self.tables), 'table')} "
                  f"({', '.join(self.measures) or 'no importance measure'}; "
                  f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
-                 f"{labelled} of {len(self.labels)} analysed heads with a function"]
+                 f"{labelled} of {len(analysed)} analysed heads with a function"]
         for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
             top = ", ".join(f"{name} {value:.3g}" for name, value in self.top_heads(measure, 3))
             lines.append(f"  top by {measure}: {top}")

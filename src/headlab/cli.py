@@ -19,14 +19,16 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from headlab._version import __version__
 from headlab.errors import HeadlabError
 from headlab.options import check_parsed
 from headlab.plugins import LateParser
-from headlab.shard import watch_launcher
+from headlab.shard import LAUNCHER, watch_launcher
 
 # Modules that add subcommands, in the order they appear in ``headlab --help``.
 COMMAND_MODULES = (
@@ -81,14 +83,33 @@ def _show_notes() -> None:
         logger.setLevel(logging.INFO)
 
 
+_TERMINATED: list[int] = []  # SIGTERM received: the interruption exits 143 (128 + 15), not 130
+
+
+def _terminate(number: int, frame: object) -> None:
+    _TERMINATED.append(number)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     _show_notes()
     watch_launcher()  # one of --num-processes' processes ends with its launcher (headlab.shard)
+    # SIGTERM (kill, a batch scheduler's time limit) stops a command as Ctrl-C does: its one line, its
+    # lock released, its temporary files removed; Python's default ended it with none of that. Not
+    # in a process of --num-processes, which its launcher stops with SIGTERM (headlab.shard).
+    previous = None
+    if threading.current_thread() is threading.main_thread() and not os.environ.get(LAUNCHER) \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    _TERMINATED.clear()
     try:
         return _run(argv)
     except KeyboardInterrupt:  # Ctrl-C before the command began (importing its modules, parsing)
         print(STARTUP_INTERRUPTED, file=sys.stderr)
-        return 130
+        return 143 if _TERMINATED else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -114,7 +135,7 @@ def _run(argv: list[str] | None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"headlab {name}: interrupted; {interrupted_note(args)}", file=sys.stderr)
-        return 130
+        return 143 if _TERMINATED else 130
     except HeadlabError as error:
         return _fail(args, name, str(error), error.exit_code)
     except BrokenPipeError as error:  # stdout's reader left (`headlab heads MODEL | head`): not a failure

@@ -156,17 +156,27 @@ def results_lock(directory: str | os.PathLike, overwrite: bool, main: bool, flag
 
 @contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """Ctrl-C waits until the block is done (then raises as usual): renames are not cut halfway."""
+    """Ctrl-C (and SIGTERM, where headlab.cli turned it into one) waits until the block is done (then
+    raises as usual): renames are not cut halfway."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(None))
+    term = signal.getsignal(signal.SIGTERM)
+    held_term = callable(term)  # a handler of headlab's (Python's default would end the process at once)
+    if held_term:
+        signal.signal(signal.SIGTERM, lambda *args: caught.append(args))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
+        if held_term:
+            signal.signal(signal.SIGTERM, term)
+    for args in caught:
+        if args is not None and callable(term):
+            term(*args)  # a SIGTERM, handed to its handler (headlab.cli's raises KeyboardInterrupt)
+    if None in caught:
         raise KeyboardInterrupt
 
 

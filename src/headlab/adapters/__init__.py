@@ -291,6 +291,11 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     if core is None or o is None:
         raise HeadlabError(f"{where}: no {'core ' + family.core if core is None else family.o!r} module")
     d_head = family.d_head or getattr(core, family.d_head_attr, None)
+    if d_head is None and type(core).__name__ == "NoHeadAttention":
+        # A layer pruned to no head, loaded by transformers alone (the directory's pruned_heads.py): the
+        # model does not know the heads' original numbering, which headlab's results are given in.
+        raise HeadlabError(f"{where}: a layer pruned by headlab, loaded without headlab; load the pruned "
+                           "directory with headlab.load_pruned(path) (or headlab.loading.load_model) to analyse it")
     if not isinstance(d_head, int) or d_head <= 0:
         raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
     if family.qkv:

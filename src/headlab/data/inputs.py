@@ -243,6 +243,10 @@ def texts_data(
         raise HeadlabError("labels are for sequence classifiers; this model is not one")
     sources = list(texts)
     references = None if targets is None else list(targets)
+    for number, text in enumerate(sources, start=1):
+        if not isinstance(text, str):  # a pair: sequence classifiers only (it failed as an AttributeError)
+            raise HeadlabError(f"{where}: text {number} is a {type(text).__name__}, not a string "
+                               "(pairs of texts are for sequence classifiers)")
     if references is not None and len(references) != len(sources):
         raise HeadlabError(
             f"{where} has {counted(len(sources), 'line')} but {target_name or 'the targets'} has {len(references)}: "

@@ -399,6 +399,11 @@ class _Context:
                 raise
             except HeadlabError as error:  # the user's model (weights missing a layer ...): no stage can run
                 raise _ModelNotLoadable(str(error)) from None
+            from headlab.adapters import attention_blocks
+
+            if not any(b.n_heads > 0 for b in attention_blocks(self._model)):  # as `headlab importance` refuses it
+                raise _ModelNotLoadable(f"{self.config.model}: every attention head of the model was pruned; there "
+                                        "is no head to analyse")
             self._tokenizer = load_tokenizer(self.config.model, trust_remote_code=self.config.trust_remote_code)
         return self._model, self._tokenizer
 
