@@ -26,12 +26,12 @@
 #                                       report: $OUT/results-MODEL.tar.gz, news-train.tar.gz,
 #                                       cuda-tests.log and parallel.log (every job's log, cut).
 #   experiments/device.sh cuda-tests    the tests that skip without a GPU (tests/test_cuda.py: CUDA,
-#                                       fp16, bf16, device_map="auto"; tests/test_device_options.py):
+#                                       fp16, bf16, device_map="auto"; tests/test_device_options.py; the statistics kernel compiled, tests/test_kernel_statistics.py):
 #                                       $OUT/cuda-tests.log.
 #   experiments/device.sh bench-gpu     issues 16 and 34: the fused engine and --query-chunk against the
 #                                       SDPA forward and eager capture on a random model of Llama-3-8B's
 #                                       shape in bf16 at 1024, 4096 and 16384 tokens (LENGTHS=), modes
-#                                       MODES= (default sdpa fused chunked eager), QUERY_CHUNK= rows
+#                                       MODES= (default sdpa fused kernel chunked eager), QUERY_CHUNK= rows
 #                                       (default: the analysis's own, 256 for fused on CUDA), LAYERS (default 8) of
 #                                       its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows) and
 #                                       $OUT/bench-gpu.log. Needs the .whl carry (conllu).
@@ -100,7 +100,7 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     mkdir -p $LOGS
     STOP=$((MINUTES * 60))
     if [ "${TESTS:-0}" = 1 ]; then
-      "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py > "$OUT/cuda-tests.log" 2>&1 &
+      "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py tests/test_kernel_statistics.py > "$OUT/cuda-tests.log" 2>&1 &
     fi
     if [ "${NEWS:-0}" = 1 ]; then
       D_MODEL=${D_MODEL:-512} FFN=${FFN:-2048} MAX_TOKENS=${MAX_TOKENS:-16384} WARMUP=${WARMUP:-1500} PRECISION=bf16 \
@@ -133,7 +133,7 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     ;;
   cuda-tests)
     set -o pipefail
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py 2>&1 \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_device_options.py tests/test_kernel_statistics.py 2>&1 \
       | tee "$OUT/cuda-tests.log"
     ;;
   bench-gpu)
@@ -152,11 +152,11 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     set -o pipefail
     {
       echo "bench-gpu: Llama-3-8B's shape with $LAYERS of its 32 layers (LAYERS= to change), lengths" \
-        "${LENGTHS:-1024 4096 16384} (LENGTHS=), modes ${MODES:-sdpa fused chunked eager} (MODES=), runs stopped" \
+        "${LENGTHS:-1024 4096 16384} (LENGTHS=), modes ${MODES:-sdpa fused kernel chunked eager} (MODES=), runs stopped" \
         "after $((MINUTES * 60)) s (MINUTES=), $THREADS threads"
       # shellcheck disable=SC2086  # LENGTHS: one argument per length
       "$PY" benchmarks/bench_chunked_attention.py --device cuda --dtype bfloat16 --shape llama3-8b \
-        --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes ${MODES:-sdpa fused chunked eager} \
+        --layers "$LAYERS" --lengths ${LENGTHS:-1024 4096 16384} --modes ${MODES:-sdpa fused kernel chunked eager} \
         ${QUERY_CHUNK:+--query-chunk "$QUERY_CHUNK"} \
         --eager-max-length 4096 --last chunked eager --threads "$THREADS" --warmup-words 1024 --budget-s $((MINUTES * 60)) \
         --json "$OUT/bench-gpu.json"
