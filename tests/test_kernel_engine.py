@@ -209,3 +209,54 @@ def _sliding_mistral():
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.MistralForCausalLM(config).eval().double()
+
+
+def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, capsys):
+    """``headlab analyze --engine kernel`` (functions and aggregate in the kernel, confidence on the
+    fused engine) writes the files ``--engine fused`` writes; outside the interpreter on the CPU it
+    is refused before the first stage, as ``functions --engine kernel`` is."""
+    import json
+
+    from headlab.cli import main
+    from support.treebank import word_tokenizer as saved_word_tokenizer
+
+    sentences = [" ".join(line.split("\t")[1] for line in block.splitlines() if line and not line.startswith("#")
+                          and line.split("\t")[0].isdigit()) for block in SAMPLE_CONLLU.strip().split("\n\n")]
+    model_dir = tmp_path / "tiny-marian"
+    tiny_model("marian").save_pretrained(model_dir)
+    saved_word_tokenizer(" ".join(sentences).split()).save_pretrained(model_dir)
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (tmp_path / "src.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return attention_statistics(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "attention_statistics", counted)
+
+    def analyze(out: str, engine: str | None = None) -> int:
+        return main(["analyze", str(model_dir), "--source", str(tmp_path / "src.txt"), "--conllu",
+                     str(tmp_path / "tb.conllu"), "--out", str(tmp_path / out), "--no-progress", "--batch-size",
+                     "2", "--engine", engine or out, "--skip", "lrp", "gradient", "prune", "figures", "attention",
+                     "report"])
+
+    files = {}
+    for engine in ("fused", "kernel"):
+        assert not launches  # none before the kernel run
+        assert analyze(engine) == 0
+        out = tmp_path / engine
+        summary = json.loads((out / "functions" / "summary.json").read_text())
+        assert summary["config"]["engine"] == engine and "kernel_fallback" not in summary["report"]
+        assert "instead of the kernel" not in capsys.readouterr().err  # aggregate's fallbacks are logged
+        files[engine] = {str(p.relative_to(out)): json.loads(p.read_text()) for p in sorted(out.rglob("*.json"))
+                         if p.name not in ("summary.json", "manifest.json") and ".headlab" not in p.parts}
+    assert launches and {"importance/confidence.json", "aggregate/dependency_alignment.json"} <= set(files["kernel"])
+    assert files["kernel"].keys() == files["fused"].keys()
+    _assert_close(files["kernel"], files["fused"], atol=1e-6, rtol=1e-5)  # float32: sums to rounding
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    capsys.readouterr()
+    assert analyze("refused", "kernel") == 2
+    assert "--engine kernel runs on a CUDA GPU; the model is on cpu" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "importance").exists()
