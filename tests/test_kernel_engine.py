@@ -148,3 +148,115 @@ def test_cli_engine_kernel_writes_the_fused_files(tmp_path, command, monkeypatch
     assert len(files["kernel"]) > 3 and launches
     # float32: the same decisions, the sums to float32 rounding
     _assert_close(files["kernel"], files["fused"], atol=1e-6, rtol=1e-5)
+
+
+def test_rows_that_see_no_key_get_the_eager_uniform_row(tmp_path, monkeypatch):
+    """A sliding window of 2 on a causal model: transformers' 4-d mask hides every key from a pad
+    row two or more past its sentence's end (the keys in its window are pads; headlab pads on the
+    right, so this is where such rows occur in an analysis). The kernel returns lse = -inf and 0 there; the
+    engine (``_Feeder.on_kernel``) puts eager's row back, the softmax of the float minimum over
+    every key: the mean of the values. Each output equals eager attention on its call, rows that see
+    no key included, and the files equal the fused engine's."""
+    import torch
+
+    from headlab.functions import analysis as analysis_module
+
+    calls = []
+    on_kernel = analysis_module._Feeder.on_kernel
+
+    def recorded(self, block, call):
+        output = on_kernel(self, block, call)
+        if output is not None:
+            calls.append((call, output))
+        return output
+
+    monkeypatch.setattr(analysis_module._Feeder, "on_kernel", recorded)
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    model = _sliding_mistral()
+    tokenizer = word_tokenizer()
+    written = {}
+    for engine in ("fused", "kernel"):
+        config = AnalysisConfig(batch_size=3, window=4, top_k=3, engine=engine, functions=False)
+        analysis = analyze_heads(model, tokenizer, path, config=config)
+        assert analysis.report.kernel_fallback == {}
+        written[engine] = _written(analysis.results.values(), tmp_path / engine)
+    _assert_close(written["kernel"], written["fused"], atol=1e-8)
+    hidden_rows = 0
+    for call, output in calls:
+        q, k, v, mask = call.query, call.key, call.value, call.mask
+        if mask is None:  # a batch without padding: the kernel's causal flag
+            assert call.causal
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()[None, None]
+        assert mask.dim() == 4 and mask.dtype == torch.bool
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q @ k.transpose(-1, -2) * call.scaling).masked_fill(~mask, torch.finfo(q.dtype).min)
+        eager = (scores.softmax(-1) @ v).transpose(1, 2)  # transformers' eager attention
+        torch.testing.assert_close(output, eager, atol=1e-10, rtol=1e-10)
+        hidden_rows += int((~mask.any(-1)).sum())
+    assert calls and hidden_rows  # some rows saw no key: the fix-up ran
+
+
+def _sliding_mistral():
+    """Tiny Mistral (llama's tiny config) whose layers attend through a sliding window of 2."""
+    import torch
+    import transformers as tf
+
+    config = tf.MistralConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              bos_token_id=0, eos_token_id=1, pad_token_id=2, sliding_window=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.MistralForCausalLM(config).eval().double()
+
+
+def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, capsys):
+    """``headlab analyze --engine kernel`` (functions and aggregate in the kernel, confidence on the
+    fused engine) writes the files ``--engine fused`` writes; outside the interpreter on the CPU it
+    is refused before the first stage, as ``functions --engine kernel`` is."""
+    import json
+
+    from headlab.cli import main
+    from support.treebank import word_tokenizer as saved_word_tokenizer
+
+    sentences = [" ".join(line.split("\t")[1] for line in block.splitlines() if line and not line.startswith("#")
+                          and line.split("\t")[0].isdigit()) for block in SAMPLE_CONLLU.strip().split("\n\n")]
+    model_dir = tmp_path / "tiny-marian"
+    tiny_model("marian").save_pretrained(model_dir)
+    saved_word_tokenizer(" ".join(sentences).split()).save_pretrained(model_dir)
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (tmp_path / "src.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return attention_statistics(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "attention_statistics", counted)
+
+    def analyze(out: str, engine: str | None = None) -> int:
+        return main(["analyze", str(model_dir), "--source", str(tmp_path / "src.txt"), "--conllu",
+                     str(tmp_path / "tb.conllu"), "--out", str(tmp_path / out), "--no-progress", "--batch-size",
+                     "2", "--engine", engine or out, "--skip", "lrp", "gradient", "prune", "figures", "attention",
+                     "report"])
+
+    files = {}
+    for engine in ("fused", "kernel"):
+        assert not launches  # none before the kernel run
+        assert analyze(engine) == 0
+        out = tmp_path / engine
+        summary = json.loads((out / "functions" / "summary.json").read_text())
+        assert summary["config"]["engine"] == engine and "kernel_fallback" not in summary["report"]
+        assert "instead of the kernel" not in capsys.readouterr().err  # aggregate's fallbacks are logged
+        files[engine] = {str(p.relative_to(out)): json.loads(p.read_text()) for p in sorted(out.rglob("*.json"))
+                         if p.name not in ("summary.json", "manifest.json") and ".headlab" not in p.parts}
+    assert launches and {"importance/confidence.json", "aggregate/dependency_alignment.json"} <= set(files["kernel"])
+    assert files["kernel"].keys() == files["fused"].keys()
+    _assert_close(files["kernel"], files["fused"], atol=1e-6, rtol=1e-5)  # float32: sums to rounding
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    capsys.readouterr()
+    assert analyze("refused", "kernel") == 2
+    assert "--engine kernel runs on a CUDA GPU; the model is on cpu" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "importance").exists()

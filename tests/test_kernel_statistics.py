@@ -105,6 +105,37 @@ def test_float64_equals_the_materialised_reference(q_len, d, causal, blocks, mas
     assert got.out.dtype == torch.float64 and got.argmax.dtype == torch.int64
 
 
+def test_a_boolean_mask_reaches_the_kernel_as_a_view_not_a_copy(monkeypatch):
+    """Transformers' 4-d boolean mask is an expanded view of a [B, K] padding mask: the kernel reads
+    its bytes as int8 through the same storage (``.to(int8)`` copied Q x K bytes per sentence on
+    every call, 4 GiB at 64k tokens), with the results of the materialised reference."""
+    from headlab.data import attention_kernel
+
+    launched = []
+    real = attention_kernel._kernel
+
+    class Recording:  # _kernel(interpret)[grid](...), recording the mask argument
+        def __init__(self, interpret):
+            self.kernel = real(interpret)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(args[3])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention_kernel, "_kernel", Recording)
+    q, k, v, keep, eligible, features = _inputs(37, 16)
+    on = _on(q, k, v, keep, eligible, features)
+    mask = on[3][:, None, None, :].expand(-1, 1, 37, -1)
+    got = attention_statistics(*on[:3], scaling=0.3, causal=True, mask=mask, eligible=on[4], features=on[5],
+                               block_m=16, block_n=16)
+    (m,) = launched
+    assert m.dtype == torch.int8 and m.data_ptr() == on[3].data_ptr() and 0 in m.stride()
+    got = type(got)(**{name: None if value is None else value.cpu() for name, value in vars(got).items()})
+    _check(got, _reference(q, k, v, keep, eligible, features, True, 0.3))
+
+
 def test_exact_ties_go_to_the_first_position():
     """Keys 3, 9 and 20 are copies of one key that dominates every score: the rows that see them
     have exact ties (the same products in the same order), within a key block and across two."""

@@ -257,7 +257,9 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         eligible = torch.ones(B, K, dtype=torch.bool, device=device)
     elig = eligible.to(device=device, dtype=torch.int8).expand(B, K)
     if mask is not None:
-        m = mask.to(device=device, dtype=torch.int8)
+        # the bool's bytes read as int8 (same size: any strides, an expanded mask stays a view);
+        # .to(int8) copied the whole [B, 1, Q, K] mask on every call, 4 GiB at 64k tokens
+        m = mask.to(device=device).view(torch.int8)
         while m.dim() < 4:
             m = m[None]
         m = m.expand(B, H, Q, K)

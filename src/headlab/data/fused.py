@@ -343,8 +343,10 @@ class KernelView(FusedView):
         k = k.view(B, -1, R, A, d).repeat_interleave(group, 1)  # [B, H, R, A, d]
         s = torch.einsum("bhrd,bhrad->bhra", q, k) * self.scaling
         lse = self.stats.lse.gather(2, rows[:, None, :].expand(B, H, R))[..., None]
-        weights = torch.exp(s - lse)
-        return weights * self.seen(rows, columns)[:, None].to(dtype)
+        weights = torch.exp(s - lse) * self.seen(rows, columns)[:, None].to(dtype)
+        # A row that sees no key (lse = -inf, a pad row past a sliding window): exp(+inf) * 0 would be
+        # NaN in every sum; eager's softmax of the float minimum is uniform over every key instead.
+        return torch.where(lse.isneginf(), 1.0 / self.key.shape[2], weights)
 
     def word_pairs(self, keys: torch.Tensor) -> torch.Tensor:
         B, H = self.stats.lse.shape[:2]

@@ -124,8 +124,9 @@ class AnalyzeConfig(PluginOptions):
                 "time (default: eager capture)", "metavar": "N", "range": "[1, inf)"})
     engine: str | None = field(default=None, metadata={
         "help": "confidence, functions and aggregate: where the maxima and statistics run (fused, the default; "
-                "chunked or eager, the references; see headlab functions --engine). With --engine eager, "
-                "--query-chunk chunks confidence alone", "choices": ("eager", "chunked", "fused")})
+                "chunked or eager, the references; kernel, functions and aggregate in the Triton kernel on a CUDA "
+                "GPU, confidence fused; see headlab functions --engine). With --engine eager, "
+                "--query-chunk chunks confidence alone", "choices": ("eager", "chunked", "fused", "kernel")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={
@@ -300,6 +301,13 @@ def validate(config: AnalyzeConfig) -> Path:
     from headlab.device_options import device_options
 
     device_options(config)  # a missing CUDA device fails here
+    if config.engine == "kernel":  # refused as functions --engine kernel refuses it, before the first stage runs
+        import torch
+
+        from headlab.functions.analysis import check_kernel
+
+        gpu = config.device_map is not None and torch.cuda.is_available()  # auto: the first block on a GPU
+        check_kernel(torch.device("cuda" if gpu else config.device or "cpu"))
     if (config.prune_source is None) != (config.prune_target is None):
         raise HeadlabError("give both --prune-source and --prune-target, or neither")
     known = set(STAGES) | set(STAGE_GROUPS)
