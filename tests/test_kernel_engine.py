@@ -260,3 +260,16 @@ def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, cap
     assert analyze("refused", "kernel") == 2
     assert "--engine kernel runs on a CUDA GPU; the model is on cpu" in capsys.readouterr().err
     assert not (tmp_path / "refused" / "importance").exists()
+
+
+def test_eager_attention_that_returns_nan_is_refused_not_averaged(tmp_path):
+    """Transformers' eager attention on a padded batch under a sliding window gives pad rows that see
+    no key NaN weights, and the next layer's real rows read their NaN values: the eager engine wrote
+    NaN statistics for layer 1 (dependency alignment None) where fused and kernel agree. Refused."""
+    from headlab.errors import HeadlabError
+
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    config = AnalysisConfig(batch_size=3, window=4, top_k=3, engine="eager", functions=False)
+    with pytest.raises(HeadlabError, match="eager attention returned non-finite weights"):
+        analyze_heads(_sliding_mistral(), word_tokenizer(), path, config=config)

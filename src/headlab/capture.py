@@ -177,6 +177,14 @@ def capture_attention(
             probs = _find_probs(block, output)
             if detach:
                 probs = probs.detach()
+            if not bool(torch.isfinite(probs).all()):
+                # A NaN weight poisons every sum it enters (0 * NaN): refused, never a statistic of NaN.
+                # Transformers' eager attention gives NaN on padded batches under a sliding window
+                # (pad rows that see no key; the next layer's real rows then read their NaN values).
+                raise HeadlabError(
+                    f"{block.kind} layer {block.layer}: the model's eager attention returned non-finite "
+                    "weights (NaN or inf), as transformers' eager attention does on padded batches with a "
+                    "sliding window; use the default engine (fused), or one sentence per batch (batch size 1)")
             record.calls[block.key] = record.calls.get(block.key, 0) + 1
             if callback is not None:
                 callback(block, probs)
