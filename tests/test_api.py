@@ -3,6 +3,7 @@ Marian: the same numbers as the command line's files, in-memory inputs, pandas, 
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -468,6 +469,40 @@ def test_saving_into_a_directory_a_running_command_writes_is_refused(setup, tmp_
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if ".headlab" not in p.parts) == \
         [name for name in before if ".headlab" not in name]
     api.save(out, overwrite=True)  # the lock of a run that is gone does not stop it
+
+
+def test_analyze_into_a_directory_holds_its_lock_to_the_end(setup, tmp_path, monkeypatch):
+    """Regression (qa6): analyze(out=DIR) took no lock, so two calls at once into DIR both wrote it
+    (the last won) and the first could load the other's results. It now holds DIR/.headlab/lock, as
+    `headlab analyze --out DIR` does, from before its work until it has read its results back, and
+    leaves no trace of it in the results."""
+    import headlab.api
+    import headlab.importance.pipeline
+    from headlab.lock import LOCK_FILE
+
+    _, _, (model, tokenizer), _ = setup
+    out = tmp_path / "out"
+    seen = []
+    run_importance, load = headlab.importance.pipeline.run_importance, headlab.api.Analysis.load
+
+    def holder() -> object:
+        return json.loads((out / LOCK_FILE).read_text())["pid"] if (out / LOCK_FILE).exists() else None
+
+    def working(*args, **kwargs):
+        seen.append(("work", holder()))
+        return run_importance(*args, **kwargs)
+
+    def loading(directory):
+        seen.append(("load", holder()))
+        return load(directory)
+
+    monkeypatch.setattr(headlab.importance.pipeline, "run_importance", working)
+    monkeypatch.setattr(headlab.api.Analysis, "load", staticmethod(loading))
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", statistics=(), out=out)
+    assert seen == [("work", os.getpid()), ("load", os.getpid())]
+    assert not (out / ".headlab").exists() and "confidence" in analysis.tables
+    headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", statistics=(), out=out, overwrite=True)
+    assert seen[2:] == [("work", os.getpid()), ("load", os.getpid())] and not (out / ".headlab").exists()
 
 
 def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_path):
