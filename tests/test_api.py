@@ -87,6 +87,15 @@ def test_the_single_steps_equal_the_pipeline(setup):
     assert "HeadAnalysis" in repr(functions) and len(repr(functions)) < 1500
 
 
+def test_a_bytes_treebank_path_is_named_as_bytes():
+    """Regression (qa6): treebank=b"x.conllu" said "got int" (list() of bytes is ints)."""
+    from headlab.api import as_treebank
+
+    for value in (b"x.conllu", bytearray(b"x.conllu")):
+        with pytest.raises(HeadlabError, match=f"treebank: got {type(value).__name__}; pass a CoNLL-U path as str"):
+            as_treebank(value)
+
+
 def test_in_memory_treebank_reads_like_the_file(tmp_path):
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")

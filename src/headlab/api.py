@@ -88,6 +88,9 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
         if "\n" in treebank:
             return InMemoryTreebank(treebank, "<conllu text>")
         path = Path(treebank)
+    elif isinstance(treebank, (bytes, bytearray)):  # list() of it is ints: "got int" named no cause
+        raise HeadlabError(f"treebank: got {type(treebank).__name__}; pass a CoNLL-U path as str or pathlib.Path, "
+                           "or CoNLL-U text as str (decode the bytes first)")
     else:
         try:
             return InMemoryTreebank(list(treebank), "<sentences>")
