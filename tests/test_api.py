@@ -535,6 +535,31 @@ def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_p
         assert math.isnan(scores[0][1]) and math.isnan(scores[0][2])  # the original numbering
 
 
+def test_the_low_level_calls_refuse_a_pruned_directory_loaded_by_transformers_alone(setup, tmp_path):
+    """Regression (qa6): mask_heads and capture_attention on a pruned directory loaded by
+    transformers alone used the kept heads' own numbering (mask_heads({enc_self L0: [1]}) switched
+    off the original head 3) without a word; they now refuse it as the analysis calls do."""
+    import torch
+    import transformers
+
+    root, _, (_, tokenizer), _ = setup
+    out = tmp_path / "pruned"
+    assert main(["prune", str(root / "model"), "--heads", "enc_self:0:1,2", "--out", str(out)]) == 0
+    plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+    said = "was pruned by headlab and loaded without it: its heads have lost their original numbering"
+    with pytest.raises(HeadlabError, match=said):
+        with headlab.mask_heads(plain, {("enc_self", 0): [1]}):
+            pass
+    with pytest.raises(HeadlabError, match=said):
+        with headlab.capture_attention(plain):
+            pass
+    model = headlab.load_pruned(out)  # the original numbering: both work
+    batch = tokenizer(SENTENCES[:1], return_tensors="pt")
+    with torch.no_grad(), headlab.mask_heads(model, {("enc_self", 0): [0]}), headlab.capture_attention(model) as record:
+        model(**batch, decoder_input_ids=batch["input_ids"][:, :2])
+    assert ("enc_self", 0) in record
+
+
 def test_the_summary_counts_the_heads_analysed_not_the_pruned_ones(setup):
     """Regression: the summary line counted a pruned head (listed in labels with no label) as an
     analysed head: "0 of 8 analysed heads" for a model with 4 heads left."""

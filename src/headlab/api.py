@@ -126,20 +126,9 @@ def _check_model(model: Any, tokenizer: Any) -> None:
 
 
 def _check_pruned_numbering(model: Any, blocks: list) -> None:
-    """A directory pruned by headlab, loaded by transformers alone (``from_pretrained``, its
-    pruned_heads.py): its layers do not know which original heads they kept, so every result would
-    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word."""
-    from headlab.portable import PLAN_KEY
-    from headlab.surgery import KEPT_ATTR, PRUNING_FILE
+    from headlab.portable import check_pruned_numbering
 
-    if any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks):
-        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
-    config = model.config
-    source = str(getattr(config, "name_or_path", "") or "")
-    if getattr(config, PLAN_KEY, None) is not None or (source and (Path(source) / PRUNING_FILE).is_file()):
-        raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it: its heads "
-                           "have lost their original numbering, in which headlab reports them; load it with "
-                           "headlab.load_pruned(path)")
+    check_pruned_numbering(model, blocks)  # the low-level calls (mask_heads, capture_attention) refuse it too
 
 
 def _texts(texts: Any, name: str = "texts") -> list:
