@@ -300,7 +300,7 @@ def test_every_head_pruned_analyze_and_the_api_refuse_up_front(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("spec,message", [(",", "--heads: cannot read ','"),
-                                          ("enc_self:1:0,,1", "--heads: bad head index '' in 'enc_self:1:0,,1'"),
+                                          ("enc_self:1:0,,1", "comma with no head index after or before it in 'enc_self:1:0,,1"),
                                           ("enc_slf:1:0", "--heads 'enc_slf:1:0': unknown attention kind"),
                                           ("bad.json", "no such mask file")])
 def test_prune_of_a_pruned_model_refuses_a_malformed_spec_before_loading(spec, message, model_dir, tmp_path, capsys,
