@@ -521,7 +521,8 @@ def _only_our_lock(directory: Path) -> bool:
     """``DIR/.headlab`` holds nothing but this process's lock (taken by :func:`_holding`)."""
     from headlab.lock import LOCK_FILE, DirectoryLock
 
-    held = [p.name for p in (directory / LOCK_FILE.parent).iterdir()] == [LOCK_FILE.name]
+    marks = directory / LOCK_FILE.parent
+    held = marks.is_dir() and [p.name for p in marks.iterdir()] == [LOCK_FILE.name]
     return held and DirectoryLock(directory).held_elsewhere() is None and (directory / LOCK_FILE).is_file()
 
 
