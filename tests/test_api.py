@@ -3,6 +3,7 @@ Marian: the same numbers as the command line's files, in-memory inputs, pandas, 
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +85,15 @@ def test_the_single_steps_equal_the_pipeline(setup):
     assert functions.positional.share.fingerprint() == \
         headlab.HeadScores.load(cli / "functions" / "positional" / "share.json").fingerprint()
     assert "HeadAnalysis" in repr(functions) and len(repr(functions)) < 1500
+
+
+def test_a_bytes_treebank_path_is_named_as_bytes():
+    """Regression (qa6): treebank=b"x.conllu" said "got int" (list() of bytes is ints)."""
+    from headlab.api import as_treebank
+
+    for value in (b"x.conllu", bytearray(b"x.conllu")):
+        with pytest.raises(HeadlabError, match=f"treebank: got {type(value).__name__}; pass a CoNLL-U path as str"):
+            as_treebank(value)
 
 
 def test_in_memory_treebank_reads_like_the_file(tmp_path):
@@ -470,6 +480,40 @@ def test_saving_into_a_directory_a_running_command_writes_is_refused(setup, tmp_
     api.save(out, overwrite=True)  # the lock of a run that is gone does not stop it
 
 
+def test_analyze_into_a_directory_holds_its_lock_to_the_end(setup, tmp_path, monkeypatch):
+    """Regression (qa6): analyze(out=DIR) took no lock, so two calls at once into DIR both wrote it
+    (the last won) and the first could load the other's results. It now holds DIR/.headlab/lock, as
+    `headlab analyze --out DIR` does, from before its work until it has read its results back, and
+    leaves no trace of it in the results."""
+    import headlab.api
+    import headlab.importance.pipeline
+    from headlab.lock import LOCK_FILE
+
+    _, _, (model, tokenizer), _ = setup
+    out = tmp_path / "out"
+    seen = []
+    run_importance, load = headlab.importance.pipeline.run_importance, headlab.api.Analysis.load
+
+    def holder() -> object:
+        return json.loads((out / LOCK_FILE).read_text())["pid"] if (out / LOCK_FILE).exists() else None
+
+    def working(*args, **kwargs):
+        seen.append(("work", holder()))
+        return run_importance(*args, **kwargs)
+
+    def loading(directory):
+        seen.append(("load", holder()))
+        return load(directory)
+
+    monkeypatch.setattr(headlab.importance.pipeline, "run_importance", working)
+    monkeypatch.setattr(headlab.api.Analysis, "load", staticmethod(loading))
+    analysis = headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", statistics=(), out=out)
+    assert seen == [("work", os.getpid()), ("load", os.getpid())]
+    assert not (out / ".headlab").exists() and "confidence" in analysis.tables
+    headlab.analyze(model, tokenizer, SENTENCES, measures="confidence", statistics=(), out=out, overwrite=True)
+    assert seen[2:] == [("work", os.getpid()), ("load", os.getpid())] and not (out / ".headlab").exists()
+
+
 def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_path):
     """Regression: a directory written by `headlab prune`, loaded with transformers'
     from_pretrained(trust_remote_code=True) as the README shows, gave scores in the kept heads'
@@ -489,6 +533,31 @@ def test_a_pruned_directory_loaded_by_transformers_alone_is_refused(setup, tmp_p
         scores = headlab.importance(headlab.load_pruned(out), tokenizer, SENTENCES,
                                     measures="confidence").scores["confidence"]["enc_self"]
         assert math.isnan(scores[0][1]) and math.isnan(scores[0][2])  # the original numbering
+
+
+def test_the_low_level_calls_refuse_a_pruned_directory_loaded_by_transformers_alone(setup, tmp_path):
+    """Regression (qa6): mask_heads and capture_attention on a pruned directory loaded by
+    transformers alone used the kept heads' own numbering (mask_heads({enc_self L0: [1]}) switched
+    off the original head 3) without a word; they now refuse it as the analysis calls do."""
+    import torch
+    import transformers
+
+    root, _, (_, tokenizer), _ = setup
+    out = tmp_path / "pruned"
+    assert main(["prune", str(root / "model"), "--heads", "enc_self:0:1,2", "--out", str(out)]) == 0
+    plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+    said = "was pruned by headlab and loaded without it: its heads have lost their original numbering"
+    with pytest.raises(HeadlabError, match=said):
+        with headlab.mask_heads(plain, {("enc_self", 0): [1]}):
+            pass
+    with pytest.raises(HeadlabError, match=said):
+        with headlab.capture_attention(plain):
+            pass
+    model = headlab.load_pruned(out)  # the original numbering: both work
+    batch = tokenizer(SENTENCES[:1], return_tensors="pt")
+    with torch.no_grad(), headlab.mask_heads(model, {("enc_self", 0): [0]}), headlab.capture_attention(model) as record:
+        model(**batch, decoder_input_ids=batch["input_ids"][:, :2])
+    assert ("enc_self", 0) in record
 
 
 def test_the_summary_counts_the_heads_analysed_not_the_pruned_ones(setup):

@@ -68,12 +68,22 @@ def test_duplicates_count_once(tmp_path, blocks):
     assert parse_heads("enc_self:0:1,1,1-2 enc_self:0:2", blocks) == {("enc_self", 0): [1, 2]}
 
 
+def test_spaces_around_commas_and_dashes_of_a_typed_spec(blocks):
+    """Regression (qa6): "enc_self:0:1, 2" said "bad head index ''" (the space split it into two
+    items); a space around an item's comma or dash now belongs to that item."""
+    expected = {("enc_self", 0): [1, 2], ("dec_cross", 1): [0, 1, 2]}
+    for spec in ("enc_self:0:1, 2 dec_cross:1:0 - 2", "enc_self:0:1 ,2; dec_cross:1:0 -2", "enc_self:0:1,2 dec_cross:1:0-2"):
+        assert parse_heads(spec, blocks) == expected
+    with pytest.raises(HeadlabError, match="a comma with no head index after or before it in 'enc_self:0:1,'"):
+        parse_heads("enc_self:0:1,", blocks)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("enc_self:0:4", "enc_self layer 0 has no head 4 (its heads are 0..3)"),
     ("enc_self:0:2-9", "has no head 4"),
     ("enc_self:5:0", "enc_self has no layer 5"),
     ("enc_self:0:1,x", "cannot read 'enc_self:0:1,x'"),
-    ("enc_self:0:1,,2", "bad head index ''"),
+    ("enc_self:0:1,,2", "a comma with no head index after or before it in 'enc_self:0:1,,2'"),
     ("enc_self:0:3-1", "bad range '3-1'"),
     ("enc_self:0", "cannot read 'enc_self:0'"),
     ("", "empty head spec"),
@@ -290,7 +300,7 @@ def test_every_head_pruned_analyze_and_the_api_refuse_up_front(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("spec,message", [(",", "--heads: cannot read ','"),
-                                          ("enc_self:1:0,,1", "--heads: bad head index '' in 'enc_self:1:0,,1'"),
+                                          ("enc_self:1:0,,1", "comma with no head index after or before it in 'enc_self:1:0,,1"),
                                           ("enc_slf:1:0", "--heads 'enc_slf:1:0': unknown attention kind"),
                                           ("bad.json", "no such mask file")])
 def test_prune_of_a_pruned_model_refuses_a_malformed_spec_before_loading(spec, message, model_dir, tmp_path, capsys,

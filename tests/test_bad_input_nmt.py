@@ -302,6 +302,44 @@ def test_average_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
     assert (run / "averaged-last2" / "model.safetensors").is_file()
 
 
+def test_export_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
+    """Regression (qa6): `nmt export` / `lm export` read the run without its lock, so an export beside
+    a training still writing the run could copy a half-written checkpoint. Like `nmt average`, they
+    now hold DIR/.headlab/lock while they read the run, and refuse while another run holds it."""
+    import headlab.nmt.export
+    from headlab.lock import LOCK_FILE, _start_time
+
+    run = tmp_path / "run"
+    save_tiny_marian(run / "last")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a training, say
+    try:
+        (run / LOCK_FILE).parent.mkdir()
+        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+        for trainer in ("nmt", "lm"):
+            out = tmp_path / f"{trainer}-model"
+            assert main([trainer, "export", "--run", str(run), "--checkpoint", "last", "--to", str(out)]) == 2
+            assert f"--run {run} is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+            assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    holders = []
+    load = headlab.nmt.export._load_checkpoint
+
+    def spy(path):
+        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
+        return load(path)
+
+    monkeypatch.setattr(headlab.nmt.export, "_load_checkpoint", spy)
+    out = tmp_path / "model"
+    assert main(["nmt", "export", "--run", str(run), "--checkpoint", "last", "--to", str(out)]) == 0  # stale: taken over
+    assert holders == [os.getpid()] and not (run / LOCK_FILE).exists()
+    assert (out / "model.safetensors").is_file()
+    assert main(["nmt", "export", "--run", str(tmp_path / "none"), "--checkpoint", "last", "--to", str(out)]) == 2
+    assert not (tmp_path / "none").exists()  # refused before the lock: nothing made in a wrong --run
+
+
 def test_average_of_more_epochs_than_the_run_has_counts_them(tmp_path, capsys):
     """Regression: "holds 1 epoch checkpoints" (plural for one)."""
     (tmp_path / "run" / "epochs" / "epoch-001").mkdir(parents=True)

@@ -101,6 +101,34 @@ def test_killed_launcher_ends_its_workers(tmp_path):
                 pass
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGTERM")
+def test_terminated_launcher_exits_143(tmp_path):
+    """Regression (qa6): a --num-processes launcher sent SIGTERM exited 130 (headlab.shard.launch
+    caught the interruption as Ctrl-C), where a single process exits 143 (128 + 15); now 143,
+    its workers stopped. The launcher runs with headlab.cli's SIGTERM handler, as `headlab` does."""
+    worker = (f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'pid-' + os.environ['RANK']), 'w')"
+              ".write(str(os.getpid()))\ntime.sleep(60)\n")
+    launcher_code = (f"import signal, sys\nsys.path.insert(0, {SRC!r})\nfrom headlab import shard\n"
+                     "from headlab.cli import _terminate\nsignal.signal(signal.SIGTERM, _terminate)\n"
+                     f"sys.exit(shard.launch([], 2, command=[sys.executable, '-c', {worker!r}]))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env=dict(os.environ, PYTHONPATH=SRC))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid-*"))) < 2:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        launcher.terminate()
+        assert launcher.wait(timeout=60) == 143
+        assert all(_gone(int(path.read_text())) for path in tmp_path.glob("pid-*"))
+    finally:
+        launcher.kill()
+        for path in tmp_path.glob("pid-*"):
+            try:
+                os.kill(int(path.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
 def test_killed_worker_is_exit_1_with_its_rank(tmp_path, capsys, monkeypatch):
     """Regression (issue 32 row 9): a worker killed with -9 ended the command with exit 247
     (-9 passed to sys.exit) and no message; now exit 1, naming the rank and the signal."""

@@ -21,9 +21,10 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head
@@ -87,6 +88,9 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
         if "\n" in treebank:
             return InMemoryTreebank(treebank, "<conllu text>")
         path = Path(treebank)
+    elif isinstance(treebank, (bytes, bytearray)):  # list() of it is ints: "got int" named no cause
+        raise HeadlabError(f"treebank: got {type(treebank).__name__}; pass a CoNLL-U path as str or pathlib.Path, "
+                           "or CoNLL-U text as str (decode the bytes first)")
     else:
         try:
             return InMemoryTreebank(list(treebank), "<sentences>")
@@ -122,20 +126,9 @@ def _check_model(model: Any, tokenizer: Any) -> None:
 
 
 def _check_pruned_numbering(model: Any, blocks: list) -> None:
-    """A directory pruned by headlab, loaded by transformers alone (``from_pretrained``, its
-    pruned_heads.py): its layers do not know which original heads they kept, so every result would
-    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word."""
-    from headlab.portable import PLAN_KEY
-    from headlab.surgery import KEPT_ATTR, PRUNING_FILE
+    from headlab.portable import check_pruned_numbering
 
-    if any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks):
-        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
-    config = model.config
-    source = str(getattr(config, "name_or_path", "") or "")
-    if getattr(config, PLAN_KEY, None) is not None or (source and (Path(source) / PRUNING_FILE).is_file()):
-        raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it: its heads "
-                           "have lost their original numbering, in which headlab reports them; load it with "
-                           "headlab.load_pruned(path)")
+    check_pruned_numbering(model, blocks)  # the low-level calls (mask_heads, capture_attention) refuse it too
 
 
 def _texts(texts: Any, name: str = "texts") -> list:
@@ -338,84 +331,88 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
         raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
-    texts = None if texts is None else _texts(texts)
-    treebank = None if treebank is None else as_treebank(treebank)
-    lrp_targets = LRPOptions.targets if lrp_targets is None else lrp_targets
-    model_name = _model_name(model)
-    skipped: dict[str, str] = {}
-    writers: list = []  # (stage, function(directory) -> paths)
+    # Held to the end, as `headlab analyze --out DIR` holds it: a second call into DIR meanwhile is
+    # refused, instead of the last one winning and the first loading the other's results.
+    with nullcontext() if out is None else _holding(Path(out)):
+        texts = None if texts is None else _texts(texts)
+        treebank = None if treebank is None else as_treebank(treebank)
+        lrp_targets = LRPOptions.targets if lrp_targets is None else lrp_targets
+        model_name = _model_name(model)
+        skipped: dict[str, str] = {}
+        writers: list = []  # (stage, function(directory) -> paths)
 
-    if texts is not None and measures:
-        from headlab.data.inputs import texts_data
-        from headlab.importance.pipeline import run_importance
+        if texts is not None and measures:
+            from headlab.data.inputs import texts_data
+            from headlab.importance.pipeline import run_importance
 
-        info = model_info(model, tokenizer, max_length)
-        data = texts_data(texts, tokenizer, info, targets=None if targets is None else _texts(targets, "targets"), labels=labels,
-                          n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
-        scores: dict[str, HeadScores] = {}
-        for name in (m for m in IMPORTANCE_STAGES if m in measures):  # the pipeline's order, one run each
-            if MEASURES[name].needs_lm_head and not info.has_lm_head:
-                skipped[name] = (f"the model has no language-model head: {name} needs logits to explain or a loss "
-                                 "to differentiate")
-                continue
-            config = _importance_config((name,), batch_size, progress,
-                                        {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk,
-                                         # as analyze: with query_chunk, eager is the statistics' engine alone
-                                         "engine": "eager" if engine == "eager" and query_chunk is None else None})
-            result = run_importance(model, data, info, config, tokenizer=tokenizer)
-            data = result.data  # the model's translations, made once, for the next measures
-            skipped.update(result.skipped)
-            scores.update(result.scores)
-        for method, table in scores.items():
-            writers.append((method, lambda d, t=table, m=method: [t.save(d / "importance" / f"{m}.json")]))
-        if len([m for m in IMPORTANCE_STAGES if m in scores]) >= 2:
-            ordered = {m: scores[m] for m in IMPORTANCE_STAGES if m in scores}
-            writers.append(("agreement", lambda d: write_agreement(ordered, d / "importance")))
-    if treebank is not None:
-        sentences = treebank_limit if treebank_limit is not None else limit
-        if "functions" in statistics:
-            if frequency_texts is None and texts is not None:
-                frequency_texts = texts
-            head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, limit=sentences,
-                                      batch_size=batch_size, max_length=max_length,
-                                      query_chunk=None if engine == "eager" else query_chunk, progress=progress,
-                                      engine=engine)
-            writers.append(("functions", lambda d: write_functions(head_analysis, d / "functions")))
-        if "aggregate" in statistics:
-            result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
-                                         max_length=max_length, query_chunk=None if engine == "eager" else query_chunk,
-                                         progress=progress, engine=engine)
-            writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
-    if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
-        writers.append(("attention", _treebank_attention_writer(
-            model, tokenizer, treebank, treebank_limit if treebank_limit is not None else limit, attention_sentences,
-            query_chunk, max_length)))
-    elif texts is not None and attention_sentences:
-        writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
-                                                       query_chunk, max_length)))
+            info = model_info(model, tokenizer, max_length)
+            data = texts_data(texts, tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
+                              labels=labels, n_sentences=limit, name="<texts>",
+                              target_name="" if targets is None else "<targets>")
+            scores: dict[str, HeadScores] = {}
+            for name in (m for m in IMPORTANCE_STAGES if m in measures):  # the pipeline's order, one run each
+                if MEASURES[name].needs_lm_head and not info.has_lm_head:
+                    skipped[name] = (f"the model has no language-model head: {name} needs logits to explain or a loss "
+                                     "to differentiate")
+                    continue
+                config = _importance_config((name,), batch_size, progress,
+                                            {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk,
+                                             # as analyze: with query_chunk, eager is the statistics' engine alone
+                                             "engine": "eager" if engine == "eager" and query_chunk is None else None})
+                result = run_importance(model, data, info, config, tokenizer=tokenizer)
+                data = result.data  # the model's translations, made once, for the next measures
+                skipped.update(result.skipped)
+                scores.update(result.scores)
+            for method, table in scores.items():
+                writers.append((method, lambda d, t=table, m=method: [t.save(d / "importance" / f"{m}.json")]))
+            if len([m for m in IMPORTANCE_STAGES if m in scores]) >= 2:
+                ordered = {m: scores[m] for m in IMPORTANCE_STAGES if m in scores}
+                writers.append(("agreement", lambda d: write_agreement(ordered, d / "importance")))
+        if treebank is not None:
+            sentences = treebank_limit if treebank_limit is not None else limit
+            if "functions" in statistics:
+                if frequency_texts is None and texts is not None:
+                    frequency_texts = texts
+                head_analysis = functions(model, tokenizer, treebank, frequency_texts=frequency_texts, limit=sentences,
+                                          batch_size=batch_size, max_length=max_length,
+                                          query_chunk=None if engine == "eager" else query_chunk, progress=progress,
+                                          engine=engine)
+                writers.append(("functions", lambda d: write_functions(head_analysis, d / "functions")))
+            if "aggregate" in statistics:
+                result_aggregate = aggregate(model, tokenizer, treebank, limit=sentences, batch_size=batch_size,
+                                             max_length=max_length, query_chunk=None if engine == "eager" else query_chunk,
+                                             progress=progress, engine=engine)
+                writers.append(("aggregate", lambda d: write_aggregate(result_aggregate, d / "aggregate")))
+        if treebank is not None and attention_sentences:  # its sentences, with their gold arcs, as `headlab analyze`
+            writers.append(("attention", _treebank_attention_writer(
+                model, tokenizer, treebank, treebank_limit if treebank_limit is not None else limit, attention_sentences,
+                query_chunk, max_length)))
+        elif texts is not None and attention_sentences:
+            writers.append(("attention", _attention_writer(model, tokenizer, texts[:limit], targets, attention_sentences,
+                                                           query_chunk, max_length)))
 
-    header = {"model": model_name, "source": "<texts>" if texts is not None else None,
-              "target": "<targets>" if targets is not None else None,
-              "conllu": None if treebank is None else str(treebank), "written_by": "headlab.analyze (Python API)"}
+        header = {"model": model_name, "source": "<texts>" if texts is not None else None,
+                  "target": "<targets>" if targets is not None else None,
+                  "conllu": None if treebank is None else str(treebank), "written_by": "headlab.analyze (Python API)"}
 
-    def write(directory: Path) -> None:
-        from headlab.pipeline.records import StageRecord
+        def write(directory: Path) -> None:
+            from headlab.pipeline.records import StageRecord
 
-        records = [StageRecord(stage, "done", None, None,
-                               sorted(Path(p).relative_to(directory).as_posix() for p in make(directory)))
-                   for stage, make in writers]
-        records += [StageRecord(name, "skipped", reason) for name, reason in skipped.items()]
-        _finish(directory, header, records)
+            records = [StageRecord(stage, "done", None, None,
+                                   sorted(Path(p).relative_to(directory).as_posix() for p in make(directory)))
+                       for stage, make in writers]
+            records += [StageRecord(name, "skipped", reason) for name, reason in skipped.items()]
+            _finish(directory, header, records)
 
-    if out is not None:
-        _write_directory(Path(out), write, overwrite)
-        analysis = Analysis.load(out)
-    else:  # the files are the results' one serialisation: written to a scratch directory, read back
-        with tempfile.TemporaryDirectory(prefix="headlab-analysis-") as scratch:
-            write(Path(scratch))
-            analysis = replace(Analysis.load(scratch), run="")
-    analysis.skipped.update(skipped)
-    return analysis
+        if out is not None:
+            _write_directory(Path(out), write, overwrite)
+            analysis = Analysis.load(out)
+        else:  # the files are the results' one serialisation: written to a scratch directory, read back
+            with tempfile.TemporaryDirectory(prefix="headlab-analysis-") as scratch:
+                write(Path(scratch))
+                analysis = replace(Analysis.load(scratch), run="")
+        analysis.skipped.update(skipped)
+        return analysis
 
 
 def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Sequence[str] | None, n: int,
@@ -493,9 +490,40 @@ def _write_directory(directory: Path, write: Callable[[Path], None], overwrite: 
     the old one or the new one). A directory holding files headlab did not write is refused; a
     headlab directory is replaced whole (no stale stage of an earlier run stays) with ``overwrite``."""
     from headlab.heads import atomic_dir
+    from headlab.lock import LOCK_FILE
 
     _check_directory(directory, overwrite)
-    atomic_dir(directory, write)
+    with _holding(directory):
+        def written(tmp: Path) -> None:
+            write(tmp)
+            # the lock goes with the swap: DIR stays held until the caller is done with it
+            (tmp / LOCK_FILE).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(directory / LOCK_FILE, tmp / LOCK_FILE)
+
+        atomic_dir(directory, written)
+
+
+@contextmanager
+def _holding(directory: Path) -> Iterator[None]:
+    """Hold ``DIR/.headlab/lock`` (re-entrant in this process), made with ``DIR`` if need be; the
+    results keep no trace of it (no ``.headlab/`` left behind, nor ``DIR`` if nothing was written)."""
+    from headlab.lock import LOCK_FILE, locked_output
+
+    with locked_output(directory, "out"):
+        yield
+    try:
+        (directory / LOCK_FILE.parent).rmdir()  # only if empty
+    except OSError:
+        pass
+
+
+def _only_our_lock(directory: Path) -> bool:
+    """``DIR/.headlab`` holds nothing but this process's lock (taken by :func:`_holding`)."""
+    from headlab.lock import LOCK_FILE, DirectoryLock
+
+    marks = directory / LOCK_FILE.parent
+    held = marks.is_dir() and [p.name for p in marks.iterdir()] == [LOCK_FILE.name]
+    return held and DirectoryLock(directory).held_elsewhere() is None and (directory / LOCK_FILE).is_file()
 
 
 def _check_directory(directory: Path, overwrite: bool) -> None:
@@ -519,7 +547,8 @@ def _check_directory(directory: Path, overwrite: bool) -> None:
     if foreign:
         raise HeadlabError(f"{directory}: the directory holds files headlab did not write ({', '.join(foreign[:5])}); "
                            "choose a new or empty directory")
-    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+    if directory.is_dir() and any(p.name != LOCK_FILE.parent.name or not _only_our_lock(directory)
+                                  for p in directory.iterdir()) and not overwrite:
         raise HeadlabError(f"{directory}: the directory holds an earlier analysis; pass overwrite=True to replace it "
                            "(all of it: its report, figures and attention examples too)")
 

@@ -165,7 +165,10 @@ def capture_attention(
     training mode the probabilities would be those after attention dropout (rows that do not sum
     to 1, zeros), not the model's attention.
     """
+    from headlab.portable import check_pruned_numbering
+
     blocks = attention_blocks(model) if blocks is None else blocks
+    check_pruned_numbering(model, blocks)  # a pruned directory loaded without headlab: its heads renumbered
     record = AttentionRecord()
     handles = HookHandles()
     applications: Applications | None = None

@@ -25,7 +25,7 @@ import threading
 import traceback
 
 from headlab._version import __version__
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, Terminated
 from headlab.options import check_parsed
 from headlab.plugins import LateParser
 from headlab.shard import LAUNCHER, watch_launcher
@@ -88,7 +88,7 @@ _TERMINATED: list[int] = []  # SIGTERM received: the interruption exits 143 (128
 
 def _terminate(number: int, frame: object) -> None:
     _TERMINATED.append(number)
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:

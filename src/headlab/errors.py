@@ -17,6 +17,12 @@ class RunFailed(HeadlabError):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by the command line's handler (headlab.cli): it stops a command as Ctrl-C
+    does, but the exit status is 143 (128 + 15), not 130; a launcher of processes that catches it
+    (headlab.shard) tells the two apart by this class."""
+
+
 class PruningNotExact(HeadlabError):
     """Physical pruning would not compute what masking the same heads computes (headlab.surgery):
     refused, with the family (``model_type``), the block and the difference found."""

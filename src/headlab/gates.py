@@ -246,6 +246,17 @@ def mask_heads(model: nn.Module, heads: HeadSpec) -> Iterator[None]:
     Each named head's output is multiplied by 0 at the input of the output projection.
     Bad specs raise :class:`HeadlabError` before anything is attached.
     """
+    from headlab.portable import check_pruned_numbering
+
+    check_pruned_numbering(model, attention_blocks(model))  # a pruned directory loaded without headlab: renumbered
+    with masked_heads(model, heads):
+        yield
+
+
+@contextmanager
+def masked_heads(model: nn.Module, heads: HeadSpec) -> Iterator[None]:
+    """:func:`mask_heads` for headlab's own calls on a model whose numbering it knows (load_pruned
+    masks the full model it rebuilds, before the pruning record is applied)."""
     gates = ConstantGates.from_mask(attention_blocks(model), heads)
     with gates_attached(model, gates):
         yield

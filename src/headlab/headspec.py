@@ -1,7 +1,7 @@
 """Head specs a person can type, and JSON mask files.
 
 Typed: items ``KIND:LAYER:HEADS`` separated by spaces or semicolons, where HEADS is a comma
-list of indices and ranges, or ``*`` for every head::
+list of indices and ranges (spaces around its commas and dashes allowed), or ``*`` for every head::
 
     enc_self:0:1,2  enc_self:3:0-5  dec_cross:5:*
 
@@ -38,6 +38,7 @@ def is_mask_file(text: str) -> bool:
 
 def _items(text: str) -> list[str]:
     """The ``KIND:LAYER:HEADS`` items of a typed spec, separated by spaces or semicolons."""
+    text = re.sub(r"\s*([,-])\s*", r"\1", text)  # "1, 2" and "1 - 3" are one item's heads, as "1,2" and "1-3"
     return [item for item in re.split(r"[;\s]+", text.strip()) if item]
 
 
@@ -86,6 +87,8 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
                 heads.extend(range(int(start), int(end) + 1))
             elif part.isdigit():
                 heads.append(int(part))
+            elif not part:  # "1,,2" or a trailing comma: "bad head index ''" did not say where
+                raise HeadlabError(f"--heads: a comma with no head index after or before it in {item!r}")
             else:
                 raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
         if block is not None:

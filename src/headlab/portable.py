@@ -37,6 +37,7 @@ __all__ = ["make_portable", "module_code", "restore_original_config", "standard_
 CODE_FILE = "pruned_heads.py"
 CLASS_NAME = "PrunedModel"
 PLAN_KEY = "headlab_pruned"
+PRUNING_FILE = "headlab_pruning.json"  # beside the weights: the heads removed (headlab.surgery writes it)
 
 # Families whose config states the head size (head_dim) apart from the width: config fields of
 # (query heads, key/value heads, head size).
@@ -158,3 +159,20 @@ def how_to_load(model: nn.Module, portable: dict, path: str = "path") -> str:
     else:
         return f"Load with `headlab.load_pruned({path!r})` ({portable.get('reason', 'headlab only')})."
     return f"Load with `headlab.load_pruned({path!r})`, or without headlab with {plain}."
+
+
+def check_pruned_numbering(model: nn.Module, blocks: list) -> None:
+    """A directory pruned by headlab, loaded by transformers alone (``from_pretrained``, its
+    pruned_heads.py): its layers do not know which original heads they kept, so every result would
+    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word."""
+    from headlab.errors import HeadlabError
+    from headlab.portable_code import KEPT_ATTR
+
+    if any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks):
+        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
+    config = getattr(model, "config", None)
+    source = str(getattr(config, "name_or_path", "") or "")
+    if getattr(config, PLAN_KEY, None) is not None or (source and (Path(source) / PRUNING_FILE).is_file()):
+        raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it: its heads "
+                           "have lost their original numbering, in which headlab reports them; load it with "
+                           "headlab.load_pruned(path)")

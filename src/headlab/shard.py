@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headlab.errors import HeadlabError, RunFailed, counted
+from headlab.errors import HeadlabError, RunFailed, Terminated, counted
 
 __all__ = ["Ledger", "Shard", "SINGLE", "active", "add_process_options", "before_joining", "check_processes", "launch",
            "leave_process_group_at_exit", "new_accelerator", "sharding", "start", "watch_launcher", "world_size"]
@@ -372,8 +372,8 @@ def launch(argv: list[str], n: int, command: list[str] | None = None) -> int:
             if None not in codes:
                 break
             time.sleep(0.1)
-    except KeyboardInterrupt:
-        status = 130
+    except KeyboardInterrupt as interrupt:  # SIGTERM (headlab.cli's handler) exits 143, as one process does
+        status = 143 if isinstance(interrupt, Terminated) else 130
     finally:
         for child in children:
             if child.poll() is None:

@@ -34,10 +34,9 @@ from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
-from headlab.portable import make_portable, restore_original_config
+from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
 
-PRUNING_FILE = "headlab_pruning.json"
 FORMAT_VERSION = 1
 
 # Attributes on an attention core that record what pruning kept, in original numbering.
@@ -504,7 +503,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     """Prune each ``(block, keep, kv_keep, groups)`` and check the result against the model with
     ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
     ``commit=False``, also if it does not). The model's attention blocks afterwards."""
-    from headlab.gates import mask_heads
+    from headlab.gates import masked_heads
     from headlab.prune_check import first_mismatch, probe_inputs, run_probe
 
     _refuse_inexact(model, plans)
@@ -515,7 +514,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         return blocks
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     probe = probe_inputs(model)
-    with mask_heads(model, spec):
+    with masked_heads(model, spec):
         reference = run_probe(model, probe)
         if reference.error is not None:  # e.g. a classifier with no padding token: one unpadded row
             probe = probe_inputs(model, padded=False)

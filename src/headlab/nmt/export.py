@@ -71,16 +71,26 @@ def export_model(
     overwrite: bool = False,
 ) -> Path:
     """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer
-    of one checkpoint of ``run_dir`` to ``out_dir`` (loadable with ``from_pretrained``)."""
-    source = checkpoint_dir(run_dir, which)
-    out_dir = Path(out_dir)
+    of one checkpoint of ``run_dir`` to ``out_dir`` (loadable with ``from_pretrained``).
+
+    Holds the run's lock (:mod:`headlab.lock`) while it reads the run, as ``average`` does: a
+    training still writing the checkpoint is refused instead of copied half-written."""
+    from headlab.lock import DirectoryLock
+
+    checkpoint_dir(run_dir, which)  # before the lock: no .headlab/ made in a wrong --run
+    with DirectoryLock(run_dir, "--run"):
+        return _export_model(Path(run_dir), Path(out_dir), which, dtype, overwrite)
+
+
+def _export_model(run_dir: Path, out_dir: Path, which: str, dtype: str, overwrite: bool) -> Path:
+    source = checkpoint_dir(run_dir, which)  # again under the lock: what is read is what no run is writing
     if dtype not in ("float32", "float16", "bfloat16"):
         raise HeadlabError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     # Like functions' --out (headlab.outdir): one run at a time, a directory of the user's files or
     # of an export older than the manifest refused, written whole and listed, --overwrite replacing
     # only what an earlier export wrote.
     check_output(out_dir, overwrite, "--to", command="export")
-    tokenizer_dir = source if (source / "tokenizer.json").is_file() else Path(run_dir) / "tokenizer"
+    tokenizer_dir = source if (source / "tokenizer.json").is_file() else run_dir / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_dir)
     model = _load_checkpoint(source).to(getattr(torch, dtype))
 
@@ -88,7 +98,7 @@ def export_model(
         model.save_pretrained(str(directory), safe_serialization=True)
         tokenizer.save_pretrained(str(directory))
         readable_as_umask_allows(directory)
-        copies = {source / "metrics.json": "train_metrics.json", Path(run_dir) / "history.json": "train_history.json"}
+        copies = {source / "metrics.json": "train_metrics.json", run_dir / "history.json": "train_history.json"}
         for kept, name in copies.items():
             if kept.is_file():
                 shutil.copyfile(kept, directory / name)
