@@ -106,12 +106,18 @@ def as_treebank(treebank: Any) -> "str | Path | InMemoryTreebank":
     return path
 
 
-def _check_model(model: Any, tokenizer: Any) -> None:
-    """A transformers model (its ``config`` read everywhere) and a tokenizer that can be called:
-    anything else failed deep inside as an AttributeError or TypeError."""
+def _check_transformers_model(model: Any) -> None:
+    """A transformers model (its ``config`` read everywhere): anything else failed deep inside as an
+    AttributeError or TypeError."""
     if getattr(model, "config", None) is None:
         raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
                            f"{type(model).__name__}")
+
+
+def _check_model(model: Any, tokenizer: Any) -> None:
+    """:func:`_check_transformers_model`, a tokenizer that can be called, and heads to analyse in
+    their original numbering."""
+    _check_transformers_model(model)
     if not callable(tokenizer):
         raise HeadlabError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
                            f"{type(tokenizer).__name__}")
@@ -122,10 +128,6 @@ def _check_model(model: Any, tokenizer: Any) -> None:
     blocks = attention_blocks(model)
     if not any(b.n_heads > 0 for b in blocks):
         raise HeadlabError("model: every attention head of the model was pruned; there is no head to analyse")
-    _check_pruned_numbering(model, blocks)
-
-
-def _check_pruned_numbering(model: Any, blocks: list) -> None:
     from headlab.portable import check_pruned_numbering
 
     check_pruned_numbering(model, blocks)  # the low-level calls (mask_heads, capture_attention) refuse it too
@@ -255,9 +257,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores
 
-    if getattr(model, "config", None) is None:
-        raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
-                           f"{type(model).__name__}")
+    _check_transformers_model(model)
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
