@@ -259,13 +259,7 @@ def test_every_encoder_head_pruned_then_functions_aggregate_and_importance(model
     assert "every enc_self head of the model was pruned; there is no head to analyse" in err and "Traceback" not in err
     assert files_under(tmp_path / "enc") == set()
 
-    bert = tmp_path / "bert"
-    tiny_model("bert").save_pretrained(bert)
-    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
-    headless = tmp_path / "bert-pruned"
-    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
-    data = tmp_path / "data.txt"
-    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    headless, data = _bert_with_every_head_pruned(tmp_path)
     capsys.readouterr()
     assert main(["importance", str(headless), "--data", str(data), "--out", str(tmp_path / "i"), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -280,13 +274,7 @@ def test_every_head_pruned_analyze_and_the_api_refuse_up_front(tmp_path, capsys)
     import headlab
     from headlab.loading import load_tokenizer
 
-    bert = tmp_path / "bert"
-    tiny_model("bert").save_pretrained(bert)
-    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
-    headless = tmp_path / "bert-pruned"
-    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
-    data = tmp_path / "data.txt"
-    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    headless, data = _bert_with_every_head_pruned(tmp_path)
     capsys.readouterr()
     assert main(["analyze", str(headless), "--source", str(data), "--out", str(tmp_path / "a"), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -343,3 +331,15 @@ def test_prune_of_a_pruned_model_names_heads_in_the_original_numbering(model_dir
     assert main(["prune", "apply", str(once), "--heads", "enc_self:1:*", "--out", str(tmp_path / "star")]) == 0
     assert main(["prune", "apply", str(once), "--heads", "enc_self:0:4", "--out", str(tmp_path / "range")]) == 2
     assert "has no head 4" in capsys.readouterr().err
+
+
+def _bert_with_every_head_pruned(tmp_path):
+    """A tiny BERT saved with every head pruned by `headlab prune`, and a text file of SENTENCES."""
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    word_tokenizer([w for s in SENTENCES for w in s.split()], style="bert").save_pretrained(bert)
+    headless = tmp_path / "bert-pruned"
+    assert main(["prune", str(bert), "--heads", "enc_self:0:* enc_self:1:*", "--out", str(headless)]) == 0
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    return headless, data

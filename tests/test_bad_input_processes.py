@@ -81,10 +81,7 @@ def test_killed_launcher_ends_its_workers(tmp_path):
                      f"shard.launch([], 2, command=[sys.executable, '-c', {worker!r}])\n")
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env=dict(os.environ, PYTHONPATH=SRC))
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid-*"))) < 2:
-            assert time.monotonic() < deadline, "the workers did not start"
-            time.sleep(0.05)
+        _wait_for_workers(tmp_path)
         pids = [int(path.read_text()) for path in sorted(tmp_path.glob("pid-*"))]
         launcher.kill()
         launcher.wait()
@@ -94,11 +91,7 @@ def test_killed_launcher_ends_its_workers(tmp_path):
             time.sleep(0.05)
     finally:
         launcher.kill()
-        for path in tmp_path.glob("pid-*"):
-            try:
-                os.kill(int(path.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_workers(tmp_path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGTERM")
@@ -113,20 +106,13 @@ def test_terminated_launcher_exits_143(tmp_path):
                      f"sys.exit(shard.launch([], 2, command=[sys.executable, '-c', {worker!r}]))\n")
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env=dict(os.environ, PYTHONPATH=SRC))
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid-*"))) < 2:
-            assert time.monotonic() < deadline, "the workers did not start"
-            time.sleep(0.05)
+        _wait_for_workers(tmp_path)
         launcher.terminate()
         assert launcher.wait(timeout=60) == 143
         assert all(_gone(int(path.read_text())) for path in tmp_path.glob("pid-*"))
     finally:
         launcher.kill()
-        for path in tmp_path.glob("pid-*"):
-            try:
-                os.kill(int(path.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_workers(tmp_path)
 
 
 def test_killed_worker_is_exit_1_with_its_rank(tmp_path, capsys, monkeypatch):
@@ -168,3 +154,20 @@ def test_more_processes_than_sentences_counts_them_in_the_right_number(n, said, 
     assert main(["functions", str(model), "--conllu", str(conllu), "--out", str(tmp_path / "o"),
                  "--num-processes", str(n + 1)]) == 2
     assert f"--num-processes {n + 1}: more processes than {said} {conllu}; use at most" in capsys.readouterr().err
+
+
+def _wait_for_workers(tmp_path, n: int = 2) -> None:
+    """Until each of the ``n`` workers wrote its pid file under ``tmp_path``."""
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*"))) < n:
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+
+
+def _kill_workers(tmp_path) -> None:
+    """SIGKILL to every worker that wrote a pid file, wherever the test stopped."""
+    for path in tmp_path.glob("pid-*"):
+        try:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
