@@ -101,9 +101,9 @@ def kernel_maxima(stats, queries: torch.Tensor, keys: torch.Tensor,
     (:class:`~headlab.data.attention_kernel.KernelStatistics`): the largest allowed weight is
     ``exp(max allowed score - lse)`` (0 where the row sees no allowed key, as the masked-out weights
     are 0); a row that sees no key at all is uniform over every key, as the softmax of the float
-    minimum on the other paths. Taken in float32, as :func:`row_maxima` takes the probabilities."""
+    minimum on the other paths. In the kernel's statistics' dtype (float64 for float64 inputs)."""
     best = torch.where(stats.lse.isneginf(), 1.0 / keys.shape[1], stats.max_weight)
-    return best.float(), counted_queries(queries, keys, causal)
+    return best, counted_queries(queries, keys, causal)
 
 
 def compute_confidence(
@@ -216,7 +216,8 @@ def compute_confidence(
             return None
         queries, keys = allowed(block, q.shape[2], k.shape[2])
         stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask, eligible=keys)
-        add(block, *sum_maxima(*kernel_maxima(stats, queries, keys, causal)))
+        best, counted = kernel_maxima(stats, queries, keys, causal)
+        add(block, *sum_maxima(best.float(), counted))  # summed in float32, as row_maxima takes the probabilities
         output = stats.out
         if mask is not None:  # a row that sees no key: uniform over every key, as the softmax of the float minimum
             uniform = v.mean(2, keepdim=True).repeat_interleave(q.shape[1] // k.shape[1], 1)

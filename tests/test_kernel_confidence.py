@@ -1,0 +1,231 @@
+"""Confidence on the kernel engine (``engine="kernel"``: one pass of headlab.data.attention_kernel per
+attention call, the allowed keys as its eligible set, the largest allowed weight ``exp(max score - lse)``)
+equals the fused and eager confidence; and ``analyze`` runs a stage again when ``--engine`` changes.
+Float64 tiny models, Triton's interpreter on the CPU (tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from headlab.attention import AttentionCall  # noqa: E402
+from headlab.data import attention_kernel  # noqa: E402
+from headlab.data.attention_kernel import attention_statistics, interpreted  # noqa: E402
+from headlab.errors import HeadlabError  # noqa: E402
+from headlab.importance import ImportanceData, compute_confidence, describe_model, translate_data  # noqa: E402
+from headlab.importance.confidence import _hides_later_keys, kernel_maxima, row_maxima  # noqa: E402
+from support.models import tiny_model  # noqa: E402
+from support.treebank import SAMPLE_CONLLU  # noqa: E402
+from test_importance_confidence import SEP, _sentences  # noqa: E402
+
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not interpreted(), reason="runs in triton's interpreter (CPU)")]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch (the query's shape), wherever headlab makes it."""
+    made: list = []
+
+    def counted(*args, **kwargs):
+        made.append(args[0].shape)
+        return attention_statistics(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "attention_statistics", counted)
+    return made
+
+
+def _data(model):
+    info = describe_model(model)
+    eos = min(info.eos_ids) if info.eos_ids else 1
+    info = replace(info, special_ids=info.special_ids | {SEP, eos})
+    data = ImportanceData.from_ids(_sentences(eos))  # 4 sentences of 5 to 8 tokens: padded batches of 3
+    if info.is_seq2seq:
+        data = translate_data(model, data, info, max_length_a=0, max_length_b=5)
+    return data, info
+
+
+# Llama's eager softmax runs in float32 whatever the model's dtype: eager agrees to float32 rounding there.
+@pytest.mark.parametrize("family, blocks, eager_rtol", [("llama", 2, 1e-6), ("bert", 2, 0), ("marian", 6, 0)])
+def test_kernel_confidence_equals_fused_and_eager(family, blocks, eager_rtol, launches):
+    model = tiny_model(family, attn_implementation="sdpa").double()
+    data, info = _data(model)
+    fused = compute_confidence(model, data, info, batch_size=3, engine="fused")
+    eager = compute_confidence(model, data, info, batch_size=3, engine="eager")
+    assert not launches
+    kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert len(launches) == 2 * blocks  # every block of both batches (padded: a mask) in the kernel
+    assert "kernel_fallback" not in kernel.signature and kernel.signature == fused.signature
+    assert kernel.kinds == fused.kinds
+    for kind in fused.kinds:
+        np.testing.assert_allclose(kernel[kind], fused[kind], rtol=0, atol=1e-8)
+        np.testing.assert_allclose(kernel[kind], eager[kind], rtol=eager_rtol, atol=1e-8)
+
+
+def _eager_probs(q, k, v, mask):
+    """Transformers' eager attention weights: a hidden key's score is the float minimum (a row that
+    sees no key is uniform), as headlab's attention function fills it."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("case", ["causal", "padding", "causal_mask", "cross"])
+def test_kernel_maxima_are_the_row_maxima_in_float64(case):
+    """:func:`kernel_maxima` against :func:`row_maxima`'s masked maximum taken in float64 (row_maxima
+    rounds to float32): the queries counted are the same, and on them the maxima agree to 1e-12,
+    including rows that see no allowed key (0), rows that see no key at all (uniform: 1 / keys), a
+    sentence with no allowed key, and queries past the causal diagonal of every allowed key."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, d = 3, 4, 2, 8
+    Q, K = (5, 7) if case == "cross" else (7, 7)
+    q = torch.randn(B, H, Q, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, K, d, generator=g, dtype=torch.float64) for _ in range(2))
+    keys = torch.rand(B, K, generator=g) > 0.4
+    keys[0, :2] = False  # the first queries of sentence 0 see no allowed key (causal)
+    keys[2] = False  # sentence 2: no allowed key at all
+    queries = torch.rand(B, Q, generator=g) > 0.2
+    lengths = torch.tensor([K, K - 2, 0 if case == "padding" else K - 3])  # sentence 2 padded away under "padding"
+    padding = torch.arange(K)[None, :] < lengths[:, None]  # [B, K]
+    causal = case in ("causal", "causal_mask")
+    mask = None
+    if case in ("padding", "cross"):
+        mask = padding[:, None, None, :]
+    elif case == "causal_mask":  # a causal window of 2 keys with padding: late pad rows see no key
+        window = torch.ones(Q, K, dtype=torch.bool).tril() & ~torch.ones(Q, K, dtype=torch.bool).tril(-2)
+        mask = (window[None] & padding[:, None, :])[:, None]
+    stats = attention_statistics(q, k, v, causal=case == "causal", mask=mask, eligible=keys)
+    best, counted = kernel_maxima(stats, queries, keys, causal)
+    seen = torch.ones(Q, K, dtype=torch.bool).tril()[None, None] if case == "causal" else mask
+    probs = _eager_probs(q, k, v, seen.expand(B, H, Q, K))
+    allowed = keys[:, None, :].expand(-1, Q, -1)
+    if causal:
+        allowed = allowed & torch.ones(Q, K, dtype=torch.bool).tril()
+    reference = probs.masked_fill(~allowed[:, None], -1.0).amax(-1)  # row_maxima's maximum, in float64
+    assert torch.equal(counted, row_maxima(probs, queries, keys, causal)[1])
+    assert counted.any() and (~counted & queries).any()
+    assert best.dtype == torch.float64 and best.isfinite().all()
+    rows = counted[:, None].expand_as(best)
+    torch.testing.assert_close(best[rows], reference[rows], atol=1e-12, rtol=0)
+    if case == "causal_mask":  # some counted rows saw no key: uniform over every key
+        assert (stats.lse.isneginf() & rows).any()
+    if case == "padding":  # sentence 2's rows see no key (and have no allowed key: not counted, but finite)
+        assert stats.lse[2].isneginf().all()
+
+
+def test_hides_later_keys():
+    q = torch.zeros(1, 1, 3, 4)
+    kv = torch.zeros(1, 1, 3, 4)
+    call = lambda mask, causal=False: AttentionCall(q, kv, kv, mask, causal, 1.0)  # noqa: E731
+    lower = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    assert _hides_later_keys(call(None, causal=True)) and _hides_later_keys(call(lower))
+    assert not _hides_later_keys(call(None)) and not _hides_later_keys(call(torch.ones_like(lower)))
+
+
+def test_what_the_kernel_cannot_compute_runs_fused_and_is_recorded(launches, caplog):
+    """T5's position bias: the kernel refuses the model once (logged once), every call runs on the
+    fused path (the same scores to the bit) and the signature says why."""
+    model = tiny_model("t5", attn_implementation="sdpa").double()
+    data, info = _data(model)
+    fused = compute_confidence(model, data, info, batch_size=3, engine="fused")
+    with caplog.at_level("WARNING", logger="headlab.importance.confidence"):
+        kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert not launches
+    assert list(kernel.signature["kernel_fallback"]) == ["model"]
+    assert "position bias" in kernel.signature["kernel_fallback"]["model"]
+    assert sum("instead of the kernel" in r.message for r in caplog.records) == 1
+    for kind in fused.kinds:
+        np.testing.assert_array_equal(kernel[kind], fused[kind])
+
+
+def test_the_kernel_engine_is_refused_where_it_cannot_run(monkeypatch):
+    import importlib.util
+
+    from headlab.importance.measure_options import ConfidenceOptions
+
+    model = tiny_model("bert")
+    data, info = _data(model)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    with pytest.raises(HeadlabError, match="runs on a CUDA GPU; the model is on cpu"):
+        compute_confidence(model, data, info, engine="kernel")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
+    with pytest.raises(HeadlabError, match="needs triton"):
+        ConfidenceOptions(engine="kernel")
+
+
+def _saved_marian(tmp_path):
+    """A tiny saved Marian model with a word-level tokenizer, and the sample treebank's sentences."""
+    from support.treebank import word_tokenizer as saved_word_tokenizer
+
+    sentences = [" ".join(line.split("\t")[1] for line in block.splitlines() if line and not line.startswith("#")
+                          and line.split("\t")[0].isdigit()) for block in SAMPLE_CONLLU.strip().split("\n\n")]
+    model_dir = tmp_path / "tiny-marian"
+    tiny_model("marian").save_pretrained(model_dir)
+    saved_word_tokenizer(" ".join(sentences).split()).save_pretrained(model_dir)
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (tmp_path / "src.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    return model_dir
+
+
+def test_cli_importance_engine_kernel(tmp_path, launches, monkeypatch, capsys):
+    """``headlab importance --method confidence --engine kernel`` writes the confidence of ``--engine
+    fused`` (float32: to rounding); outside the interpreter on a CPU it is refused before the model loads."""
+    from headlab.cli import main
+
+    model_dir = _saved_marian(tmp_path)
+
+    def importance(engine: str, out: str | None = None) -> int:
+        return main(["importance", str(model_dir), "--source", str(tmp_path / "src.txt"), "--method", "confidence",
+                     "--out", str(tmp_path / (out or engine)), "--no-progress", "--batch-size", "2", "--engine", engine])
+
+    scores = {}
+    for engine in ("fused", "kernel"):
+        assert importance(engine) == 0
+        scores[engine] = json.loads((tmp_path / engine / "confidence.json").read_text())
+    assert len(launches) == 2 * 6  # 2 batches x (2 encoder, 2 decoder, 2 cross-attention layers)
+    assert scores["kernel"].keys() == scores["fused"].keys()
+    assert scores["kernel"]["signature"] == scores["fused"]["signature"]
+    for kind, rows in scores["fused"]["scores"].items():
+        np.testing.assert_allclose(scores["kernel"]["scores"][kind], rows, rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    capsys.readouterr()
+    assert importance("kernel", "refused") == 2
+    assert "--engine kernel runs on a CUDA GPU; the model is on cpu" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "confidence.json").exists()
+
+
+def test_a_resumed_analyze_runs_the_stages_again_under_another_engine(tmp_path, launches):
+    """The engine is part of the keys of the stages it runs (confidence, functions): ``analyze --engine
+    kernel`` into a directory of ``--engine fused`` computes them again (their files then are the
+    kernel's, and functions/summary.json says so), and a second ``--engine kernel`` reuses them."""
+    from headlab.cli import main
+
+    model_dir = _saved_marian(tmp_path)
+    out = tmp_path / "out"
+
+    def analyze(engine: str) -> int:
+        return main(["analyze", str(model_dir), "--source", str(tmp_path / "src.txt"), "--conllu",
+                     str(tmp_path / "tb.conllu"), "--out", str(out), "--no-progress", "--batch-size", "2",
+                     "--engine", engine, "--skip", "lrp", "gradient", "aggregate", "prune", "figures", "attention",
+                     "report"])
+
+    def written() -> dict:
+        return {p.name: p.stat().st_mtime_ns for p in (out / "importance" / "confidence.json",
+                                                        out / "functions" / "summary.json")}
+
+    assert analyze("fused") == 0 and not launches
+    before = written()
+    assert analyze("kernel") == 0
+    assert launches  # both stages again, in the kernel (before: both reused, summary.json saying fused)
+    after = written()
+    assert all(after[name] != before[name] for name in before)
+    assert json.loads((out / "functions" / "summary.json").read_text())["config"]["engine"] == "kernel"
+    launches.clear()
+    assert analyze("kernel") == 0
+    assert not launches and written() == after  # the same engine: reused
