@@ -212,9 +212,9 @@ def _sliding_mistral():
 
 
 def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, capsys):
-    """``headlab analyze --engine kernel`` (functions and aggregate in the kernel, confidence on the
-    fused engine) writes the files ``--engine fused`` writes; outside the interpreter on the CPU it
-    is refused before the first stage, as ``functions --engine kernel`` is."""
+    """``headlab analyze --engine kernel`` (confidence, functions and aggregate in the kernel) writes
+    the files ``--engine fused`` writes; outside the interpreter on the CPU it is refused before the
+    first stage, as ``functions --engine kernel`` is."""
     import json
 
     from headlab.cli import main
