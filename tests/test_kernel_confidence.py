@@ -143,6 +143,24 @@ def test_what_the_kernel_cannot_compute_runs_fused_and_is_recorded(launches, cap
         np.testing.assert_array_equal(kernel[kind], fused[kind])
 
 
+def test_a_model_outside_the_attention_function_runs_eager_and_is_recorded(launches, monkeypatch, caplog):
+    """A model whose attention does not dispatch through transformers' attention interface cannot
+    reach the kernel (nor the fused path): the eager reference, said once and in the signature."""
+    import headlab.capture
+
+    model = tiny_model("bert", attn_implementation="sdpa").double()
+    data, info = _data(model)
+    eager = compute_confidence(model, data, info, batch_size=3, engine="eager")
+    monkeypatch.setattr(headlab.capture, "unregistrable", lambda blocks: blocks[:1])
+    with caplog.at_level("WARNING", logger="headlab.importance.confidence"):
+        kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert not launches and list(kernel.signature["kernel_fallback"]) == ["model"]
+    assert "AttentionInterface" in kernel.signature["kernel_fallback"]["model"]
+    assert sum("the eager path instead of the kernel" in r.message for r in caplog.records) == 1
+    for kind in eager.kinds:
+        np.testing.assert_array_equal(kernel[kind], eager[kind])
+
+
 def test_the_kernel_engine_is_refused_where_it_cannot_run(monkeypatch):
     import importlib.util
 

@@ -141,9 +141,9 @@ def compute_confidence(
     ConfidenceOptions(query_chunk=query_chunk, engine=engine)  # the options' checks, as the command line's
     kernel_fallback: dict[str, str] = {}  # under engine="kernel": why some calls ran on the fused path
 
-    def fall_back(name: str, reason: str) -> None:
+    def fall_back(name: str, reason: str, path: str = "the fused engine") -> None:
         if name not in kernel_fallback:
-            logger.warning("confidence: %s: the fused engine instead of the kernel for some batches: %s", name, reason)
+            logger.warning("confidence: %s: %s instead of the kernel for some batches: %s", name, path, reason)
             kernel_fallback[name] = reason
 
     if engine == "kernel":
@@ -151,10 +151,11 @@ def compute_confidence(
 
         check_kernel(next(model.parameters()).device)  # no triton, or not on a CUDA GPU: refused before any work
     if engine in (None, "kernel") and (why := not_streamable(model)):
-        logger.info("confidence: %s: %s; the row maxima are taken on the eager path (whole maps)",
-                    type(model).__name__, why)
-        if engine == "kernel":
-            fall_back("model", f"{why}: the eager path (whole maps)")
+        if engine == "kernel":  # the kernel too runs inside headlab's attention function
+            fall_back("model", f"{why}: the eager path (whole maps)", "the eager path")
+        else:
+            logger.info("confidence: %s: %s; the row maxima are taken on the eager path (whole maps)",
+                        type(model).__name__, why)
         engine = "eager"
     streamed = engine != "eager"
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
