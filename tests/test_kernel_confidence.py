@@ -124,7 +124,14 @@ def test_hides_later_keys():
     call = lambda mask, causal=False: AttentionCall(q, kv, kv, mask, causal, 1.0)  # noqa: E731
     lower = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
     assert _hides_later_keys(call(None, causal=True)) and _hides_later_keys(call(lower))
+    assert _hides_later_keys(call(lower), rows=2)  # read two rows at a time
+    late = lower.clone()
+    late[..., 2, :] = True  # the last row is causal anyway; a key after row 1:
+    late[..., 1, 2] = True
+    assert not _hides_later_keys(call(late), rows=1) and not _hides_later_keys(call(late), rows=2)
     assert not _hides_later_keys(call(None)) and not _hides_later_keys(call(torch.ones_like(lower)))
+    padding = torch.tensor([True, True, False])[None, None, None]  # [1, 1, 1, keys]: no causal mask
+    assert not _hides_later_keys(call(padding), rows=1)
 
 
 def test_what_the_kernel_cannot_compute_runs_fused_and_is_recorded(launches, caplog):

@@ -254,7 +254,7 @@ def compute_confidence(
         "excluded": "EOS/special tokens and padding as keys; special tokens and padding as queries",
         "decoder_side": "model's own translation" if info.is_seq2seq else None,
     }
-    if kernel_fallback:  # only then: the kernel's scores carry the signature the fused path writes
+    if kernel_fallback:  # only then: where the kernel served every call, the signature is the fused path's
         signature["kernel_fallback"] = kernel_fallback
     return HeadScores(scores, "confidence", info.name, signature)
 
@@ -273,16 +273,24 @@ def kernel_refusal(call: AttentionCall) -> str | None:
     return reason
 
 
-def _hides_later_keys(call: AttentionCall) -> bool:
+def _hides_later_keys(call: AttentionCall, rows: int = 1024) -> bool:
     """Whether query ``i`` of a self-attention call sees no key ``j > i`` (a causal flag, or a mask
-    that hides every key above the diagonal)."""
+    that hides every key above the diagonal). The mask is read ``rows`` query rows at a time: no
+    second ``[q_len, k_len]`` tensor beside it (4 GiB at 64k tokens)."""
     if call.causal:
         return True
-    if call.mask is None:
+    mask = call.mask
+    if mask is None:
         return False
     q_len, k_len = call.query.shape[2], call.key.shape[2]
-    later = torch.ones(q_len, k_len, dtype=torch.bool, device=call.mask.device).triu(1)
-    return not bool((call.mask & later).any())
+    keys = torch.arange(k_len, device=mask.device)
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        later = keys[None, :] > torch.arange(start, stop, device=mask.device)[:, None]  # [rows, k_len]
+        piece = mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
+        if bool((piece & later).any()):
+            return False
+    return True
 
 
 class Confidence(ImportanceMeasure):
