@@ -254,3 +254,27 @@ def test_a_resumed_analyze_runs_the_stages_again_under_another_engine(tmp_path, 
     launches.clear()
     assert analyze("kernel") == 0
     assert not launches and written() == after  # the same engine: reused
+
+
+def test_api_analyze_engine_kernel_runs_confidence_in_the_kernel(tmp_path, launches, monkeypatch):
+    """``headlab.analyze(..., engine="kernel")``: confidence in the kernel (every call: no fallback),
+    the default engine's scores to 1e-8 in float64; refused before any work where it cannot run."""
+    import headlab
+    from headlab.loading import load_tokenizer
+
+    model_dir = _saved_marian(tmp_path)
+    model, tokenizer = tiny_model("marian").double(), load_tokenizer(str(model_dir))
+    texts = (tmp_path / "src.txt").read_text(encoding="utf-8").splitlines()
+    run = lambda engine: headlab.analyze(model, tokenizer, texts, measures=["confidence"], batch_size=2,  # noqa: E731
+                                         engine=engine, attention_sentences=0)["confidence"]
+    fused = run(None)
+    assert not launches
+    kernel = run("kernel")
+    assert len(launches) == 2 * 6 and kernel.signature == fused.signature
+    for kind in fused.kinds:
+        np.testing.assert_allclose(kernel[kind], fused[kind], rtol=0, atol=1e-8)
+    launches.clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU outside the interpreter
+    with pytest.raises(HeadlabError, match="runs on a CUDA GPU; the model is on cpu"):
+        run("kernel")
+    assert not launches
