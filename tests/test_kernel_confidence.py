@@ -168,6 +168,24 @@ def test_a_model_outside_the_attention_function_runs_eager_and_is_recorded(launc
         np.testing.assert_array_equal(kernel[kind], eager[kind])
 
 
+def test_a_sharded_run_records_every_process_fallback(monkeypatch):
+    """Several processes: the reasons another process recorded reach the signature the main one writes."""
+    from headlab import shard as shard_module
+    from headlab.importance import confidence
+
+    class TwoProcesses(shard_module.Shard):  # the main process of two; process 1 ran no batch here
+        def gather(self, value):
+            if isinstance(value, dict):  # the fallback reasons
+                return [value, {"dec_self": "decoder self-attention that does not hide later keys"}]
+            return [value, []]  # the ledger's parts
+
+    monkeypatch.setattr(confidence, "active", lambda: TwoProcesses(rank=0, world=2))
+    model = tiny_model("llama", attn_implementation="sdpa").double()
+    data, info = _data(model)
+    scores = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert scores.signature["kernel_fallback"] == {"dec_self": "decoder self-attention that does not hide later keys"}
+
+
 def test_the_kernel_engine_is_refused_where_it_cannot_run(monkeypatch):
     import importlib.util
 

@@ -140,13 +140,14 @@ def compute_confidence(
         raise HeadlabError("confidence reads the decoder on the model's own translation: run translate_data first")
     ConfidenceOptions(query_chunk=query_chunk, engine=engine)  # the options' checks, as the command line's
     kernel_fallback: dict[str, str] = {}  # under engine="kernel": why some calls ran on the fused path
+    kernel_asked = engine == "kernel"
 
     def fall_back(name: str, reason: str, path: str = "the fused engine") -> None:
         if name not in kernel_fallback:
             logger.warning("confidence: %s: %s instead of the kernel for some batches: %s", name, path, reason)
             kernel_fallback[name] = reason
 
-    if engine == "kernel":
+    if kernel_asked:
         from headlab.functions.analysis import check_kernel
 
         check_kernel(next(model.parameters()).device)  # no triton, or not on a CUDA GPU: refused before any work
@@ -241,6 +242,8 @@ def compute_confidence(
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
             model(**batch.inputs, **kwargs)
     totals = ledger.total()
+    if kernel_asked:  # another process's batches may have fallen back where this one's did not
+        kernel_fallback = _every_process(shard, kernel_fallback)
     counts = {key: n for key, (_, n) in totals.items()}
     values = {}
     for key, (total, n) in totals.items():
@@ -257,6 +260,15 @@ def compute_confidence(
     if kernel_fallback:  # only then: where the kernel served every call, the signature is the fused path's
         signature["kernel_fallback"] = kernel_fallback
     return HeadScores(scores, "confidence", info.name, signature)
+
+
+def _every_process(shard, reasons: dict[str, str]) -> dict[str, str]:
+    """``reasons`` of every process (called in each), the main process's first, each name once."""
+    merged = dict(reasons)
+    for part in shard.gather(reasons)[1:] if shard.split else ():
+        for name, reason in part.items():
+            merged.setdefault(name, reason)
+    return merged
 
 
 def kernel_refusal(call: AttentionCall) -> str | None:
