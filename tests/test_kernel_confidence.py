@@ -1,7 +1,8 @@
 """Confidence on the kernel engine (``engine="kernel"``: one pass of headlab.data.attention_kernel per
 attention call, the allowed keys as its eligible set, the largest allowed weight ``exp(max score - lse)``)
 equals the fused and eager confidence; and ``analyze`` runs a stage again when ``--engine`` changes.
-Float64 tiny models, Triton's interpreter on the CPU (tests/conftest.py sets ``TRITON_INTERPRET=1``)."""
+Float64 tiny models, Triton's interpreter on the CPU (tests/conftest.py sets ``TRITON_INTERPRET=1``);
+the kernel's tests are skipped without triton."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("triton")
 
 from headlab.attention import AttentionCall  # noqa: E402
 from headlab.data import attention_kernel  # noqa: E402
@@ -24,7 +23,8 @@ from support.models import tiny_model  # noqa: E402
 from support.treebank import SAMPLE_CONLLU  # noqa: E402
 from test_importance_confidence import SEP, _sentences  # noqa: E402
 
-pytestmark = [pytest.mark.unit, pytest.mark.skipif(not interpreted(), reason="runs in triton's interpreter (CPU)")]
+pytestmark = pytest.mark.unit
+needs_kernel = pytest.mark.skipif(not interpreted(), reason="runs in triton's interpreter (CPU)")
 
 
 @pytest.fixture
@@ -51,6 +51,7 @@ def _data(model):
 
 
 # Llama's eager softmax runs in float32 whatever the model's dtype: eager agrees to float32 rounding there.
+@needs_kernel
 @pytest.mark.parametrize("family, blocks, eager_rtol", [("llama", 2, 1e-6), ("bert", 2, 0), ("marian", 6, 0)])
 def test_kernel_confidence_equals_fused_and_eager(family, blocks, eager_rtol, launches):
     model = tiny_model(family, attn_implementation="sdpa").double()
@@ -75,6 +76,7 @@ def _eager_probs(q, k, v, mask):
     return scores.softmax(-1)
 
 
+@needs_kernel
 @pytest.mark.parametrize("case", ["causal", "padding", "causal_mask", "cross"])
 def test_kernel_maxima_are_the_row_maxima_in_float64(case):
     """:func:`kernel_maxima` against :func:`row_maxima`'s masked maximum taken in float64 (row_maxima
@@ -134,6 +136,7 @@ def test_hides_later_keys():
     assert not _hides_later_keys(call(padding), rows=1)
 
 
+@needs_kernel
 def test_what_the_kernel_cannot_compute_runs_fused_and_is_recorded(launches, caplog):
     """T5's position bias: the kernel refuses the model once (logged once), every call runs on the
     fused path (the same scores to the bit) and the signature says why."""
@@ -150,6 +153,7 @@ def test_what_the_kernel_cannot_compute_runs_fused_and_is_recorded(launches, cap
         np.testing.assert_array_equal(kernel[kind], fused[kind])
 
 
+@needs_kernel
 def test_a_model_outside_the_attention_function_runs_eager_and_is_recorded(launches, monkeypatch, caplog):
     """A model whose attention does not dispatch through transformers' attention interface cannot
     reach the kernel (nor the fused path): the eager reference, said once and in the signature."""
@@ -168,6 +172,7 @@ def test_a_model_outside_the_attention_function_runs_eager_and_is_recorded(launc
         np.testing.assert_array_equal(kernel[kind], eager[kind])
 
 
+@needs_kernel
 def test_a_sharded_run_records_every_process_fallback(monkeypatch):
     """Several processes: the reasons another process recorded reach the signature the main one writes."""
     from headlab import shard as shard_module
@@ -186,6 +191,7 @@ def test_a_sharded_run_records_every_process_fallback(monkeypatch):
     assert scores.signature["kernel_fallback"] == {"dec_self": "decoder self-attention that does not hide later keys"}
 
 
+@needs_kernel
 def test_the_kernel_engine_is_refused_where_it_cannot_run(monkeypatch):
     import importlib.util
 
@@ -215,6 +221,7 @@ def _saved_marian(tmp_path):
     return model_dir
 
 
+@needs_kernel
 def test_cli_importance_engine_kernel(tmp_path, launches, monkeypatch, capsys):
     """``headlab importance --method confidence --engine kernel`` writes the confidence of ``--engine
     fused`` (float32: to rounding); outside the interpreter on a CPU it is refused before the model loads."""
@@ -243,10 +250,12 @@ def test_cli_importance_engine_kernel(tmp_path, launches, monkeypatch, capsys):
     assert not (tmp_path / "refused" / "confidence.json").exists()
 
 
-def test_a_resumed_analyze_runs_the_stages_again_under_another_engine(tmp_path, launches):
+@pytest.mark.parametrize("engine", [pytest.param("kernel", marks=needs_kernel), "eager"])
+def test_a_resumed_analyze_runs_the_stages_again_under_another_engine(tmp_path, launches, engine):
     """The engine is part of the keys of the stages it runs (confidence, functions): ``analyze --engine
-    kernel`` into a directory of ``--engine fused`` computes them again (their files then are the
-    kernel's, and functions/summary.json says so), and a second ``--engine kernel`` reuses them."""
+    kernel`` (or ``eager``) into a directory of ``--engine fused`` computes them again (their files
+    then are that engine's, and functions/summary.json says so), and a second run with the same
+    engine reuses them. Before, both were reused, summary.json saying fused."""
     from headlab.cli import main
 
     model_dir = _saved_marian(tmp_path)
@@ -264,16 +273,17 @@ def test_a_resumed_analyze_runs_the_stages_again_under_another_engine(tmp_path, 
 
     assert analyze("fused") == 0 and not launches
     before = written()
-    assert analyze("kernel") == 0
-    assert launches  # both stages again, in the kernel (before: both reused, summary.json saying fused)
+    assert analyze(engine) == 0
+    assert bool(launches) == (engine == "kernel")  # the stages in the kernel
     after = written()
-    assert all(after[name] != before[name] for name in before)
-    assert json.loads((out / "functions" / "summary.json").read_text())["config"]["engine"] == "kernel"
+    assert all(after[name] != before[name] for name in before)  # both stages ran again
+    assert json.loads((out / "functions" / "summary.json").read_text())["config"]["engine"] == engine
     launches.clear()
-    assert analyze("kernel") == 0
+    assert analyze(engine) == 0
     assert not launches and written() == after  # the same engine: reused
 
 
+@needs_kernel
 def test_api_analyze_engine_kernel_runs_confidence_in_the_kernel(tmp_path, launches, monkeypatch):
     """``headlab.analyze(..., engine="kernel")``: confidence in the kernel (every call: no fallback),
     the default engine's scores to 1e-8 in float64; refused before any work where it cannot run."""
