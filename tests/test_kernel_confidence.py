@@ -21,7 +21,7 @@ from headlab.importance import ImportanceData, compute_confidence, describe_mode
 from headlab.importance.confidence import _hides_later_keys, kernel_maxima, row_maxima  # noqa: E402
 from support.models import tiny_model  # noqa: E402
 from support.treebank import SAMPLE_CONLLU  # noqa: E402
-from test_importance_confidence import SEP, _sentences  # noqa: E402
+from test_importance_confidence import SEP, _by_hand, _sentences  # noqa: E402
 
 pytestmark = pytest.mark.unit
 needs_kernel = pytest.mark.skipif(not interpreted(), reason="runs in triton's interpreter (CPU)")
@@ -66,6 +66,23 @@ def test_kernel_confidence_equals_fused_and_eager(family, blocks, eager_rtol, la
     for kind in fused.kinds:
         np.testing.assert_allclose(kernel[kind], fused[kind], rtol=0, atol=1e-8)
         np.testing.assert_allclose(kernel[kind], eager[kind], rtol=eager_rtol, atol=1e-8)
+
+
+# Regression: row_maxima took the weights to float32 (and the kernel's maxima were summed in float32),
+# so a float64 model's confidence was float32-accurate (~1e-8) on every engine.
+@pytest.mark.parametrize("engine", ["eager", "fused", pytest.param("kernel", marks=needs_kernel)])
+@pytest.mark.parametrize("family", ["bert", "marian", "gpt2"])
+def test_float64_confidence_is_float64_accurate(family, engine, launches):
+    """Against the hand computation (one sentence at a time, Python loops) on transformers' own
+    float64 eager weights (these families' eager softmax keeps the model's dtype)."""
+    model = tiny_model(family, attn_implementation="sdpa").double()
+    data, info = _data(model)
+    scores = compute_confidence(model, data, info, batch_size=3, engine=engine)
+    assert bool(launches) == (engine == "kernel") and "kernel_fallback" not in scores.signature
+    expected = _by_hand(tiny_model(family, attn_implementation="eager").double(), info, data, family)
+    assert set(scores.kinds) == {kind for kind, _ in expected}
+    for (kind, layer), values in expected.items():
+        np.testing.assert_allclose(scores[kind][layer], values, rtol=0, atol=1e-12)
 
 
 def _eager_probs(q, k, v, mask):

@@ -59,7 +59,8 @@ def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, c
     ``probs`` ``[batch, n_heads, rows, k_len]`` holds query rows ``start:start + rows`` (all of
     them by default); ``queries`` ``[batch, q_len]`` and ``keys`` ``[batch, k_len]`` mark allowed
     positions. With ``causal``, query ``i`` only sees keys ``<= i``, so a query counts only if one
-    of those is allowed. Returns ``(best [batch, n_heads, rows], counted [batch, rows])``.
+    of those is allowed. Returns ``(best [batch, n_heads, rows], counted [batch, rows])``, ``best``
+    in :func:`maxima_dtype`.
     """
     rows = probs.shape[2]
     allowed = keys[:, None, :].expand(-1, rows, -1)  # [batch, rows, k_len]
@@ -68,8 +69,14 @@ def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, c
             torch.arange(probs.shape[3], device=probs.device)[None, :]
         allowed = allowed & seen
     counted = queries[:, start:start + rows] & allowed.any(-1)  # [batch, rows]
-    masked = probs.float().masked_fill(~allowed[:, None], -1.0)
+    masked = probs.to(maxima_dtype(probs.dtype)).masked_fill(~allowed[:, None], -1.0)
     return masked.amax(-1), counted
+
+
+def maxima_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the maxima are taken and summed in: float64 for a float64 model (its weights'
+    precision, not float32's), float32 for any other (as always: the same scores to the bit)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def sum_maxima(best: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +226,7 @@ def compute_confidence(
         queries, keys = allowed(block, q.shape[2], k.shape[2])
         stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask, eligible=keys)
         best, counted = kernel_maxima(stats, queries, keys, causal)
-        add(block, *sum_maxima(best.float(), counted))  # summed in float32, as row_maxima takes the probabilities
+        add(block, *sum_maxima(best.to(maxima_dtype(best.dtype)), counted))  # in row_maxima's dtype
         output = stats.out
         if mask is not None:  # a row that sees no key: uniform over every key, as the softmax of the float minimum
             uniform = v.mean(2, keepdim=True).repeat_interleave(q.shape[1] // k.shape[1], 1)
