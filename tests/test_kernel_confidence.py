@@ -85,6 +85,21 @@ def test_float64_confidence_is_float64_accurate(family, engine, launches):
         np.testing.assert_allclose(scores[kind][layer], values, rtol=0, atol=1e-12)
 
 
+@needs_kernel
+def test_bfloat16_under_the_interpreter_runs_fused_and_is_recorded(launches):
+    """Regression: triton's interpreter multiplies bfloat16's bit patterns in ``tl.dot``
+    (triton-lang/triton#11584): a bfloat16 Marian's kernel confidence was 0.12 where the fused
+    engine's is 0.85, silently. The kernel refuses bfloat16 there: the fused path runs, recorded."""
+    model = tiny_model("marian", attn_implementation="sdpa").to(torch.bfloat16)
+    data, info = _data(model)
+    fused = compute_confidence(model, data, info, batch_size=3, engine="fused")
+    kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert not launches
+    assert "bfloat16 under triton's interpreter" in kernel.signature["kernel_fallback"]["model"]
+    for kind in fused.kinds:
+        np.testing.assert_array_equal(kernel[kind], fused[kind])
+
+
 def _eager_probs(q, k, v, mask):
     """Transformers' eager attention weights: a hidden key's score is the float minimum (a row that
     sees no key is uniform), as headlab's attention function fills it."""
