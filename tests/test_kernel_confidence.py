@@ -166,6 +166,23 @@ def test_hides_later_keys():
     assert not _hides_later_keys(call(None)) and not _hides_later_keys(call(torch.ones_like(lower)))
     padding = torch.tensor([True, True, False])[None, None, None]  # [1, 1, 1, keys]: no causal mask
     assert not _hides_later_keys(call(padding), rows=1)
+    one = torch.zeros(1, 1, 1, 4)
+    assert _hides_later_keys(AttentionCall(one, one, one, None, False, 1.0))  # one key: none later
+
+
+@needs_kernel
+def test_a_batch_of_one_token_sentences_runs_in_the_kernel(launches):
+    """Regression: a batch of one-token sentences in a causal LM (no padding: transformers passes
+    neither a mask nor the causal flag for one query) fell back to the fused path as "decoder
+    self-attention that does not hide later keys", though one key has none after it."""
+    model = tiny_model("gpt2", attn_implementation="sdpa").double()
+    info = describe_model(model)
+    data = ImportanceData.from_ids([[43], [15], [77]])
+    fused = compute_confidence(model, data, info, batch_size=3, engine="fused")
+    kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    assert launches and "kernel_fallback" not in kernel.signature and kernel.signature == fused.signature
+    for kind in fused.kinds:
+        np.testing.assert_array_equal(kernel[kind], fused[kind])
 
 
 @needs_kernel

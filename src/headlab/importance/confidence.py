@@ -296,12 +296,12 @@ def _hides_later_keys(call: AttentionCall, rows: int = 1024) -> bool:
     """Whether query ``i`` of a self-attention call sees no key ``j > i`` (a causal flag, or a mask
     that hides every key above the diagonal). The mask is read ``rows`` query rows at a time: no
     second ``[q_len, k_len]`` tensor beside it (4 GiB at 64k tokens)."""
-    if call.causal:
+    q_len, k_len = call.query.shape[2], call.key.shape[2]
+    if call.causal or k_len == 1:  # one key: none after any query (transformers flags no causal there)
         return True
     mask = call.mask
     if mask is None:
         return False
-    q_len, k_len = call.query.shape[2], call.key.shape[2]
     keys = torch.arange(k_len, device=mask.device)
     for start in range(0, q_len, rows):
         stop = min(start + rows, q_len)
