@@ -281,6 +281,19 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
 # ----------------------------------------------------------------------------- everything
 
 
+def _check_engine(model: nn.Module, engine: str | None) -> None:
+    """``analyze``'s ``engine``: one of the engines, and the kernel only where it can run (triton, a
+    CUDA GPU), refused before the first measure runs."""
+    from headlab.functions.config import ENGINES
+
+    if engine is not None and engine not in ENGINES:
+        raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "kernel":
+        from headlab.functions.analysis import check_kernel
+
+        check_kernel(next(model.parameters()).device)
+
+
 def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None, *, treebank: Any = None,
             targets: Sequence[str] | None = None, labels: Sequence[int | str] | None = None,
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
@@ -299,9 +312,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     With ``out``, the files are also written there, as ``headlab analyze`` writes them
     (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``).
     ``engine``: where confidence, functions and aggregate run, as ``headlab analyze --engine``
-    (None: the fused engine; "eager" or "chunked": the references)."""
-    from headlab.functions.config import ENGINES
-    from headlab.importance.measure_options import LRPOptions
+    (None: the fused engine; "eager" or "chunked": the references; "kernel": the Triton kernel, on a
+    CUDA GPU)."""
+    from headlab.importance.measure_options import LRPOptions, confidence_engine
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
 
@@ -327,8 +340,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
     if attention_sentences < 0:
         raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
-    if engine is not None and engine not in ENGINES:
-        raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    _check_engine(model, engine)
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
     # Held to the end, as `headlab analyze --out DIR` holds it: a second call into DIR meanwhile is
@@ -358,7 +370,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                 config = _importance_config((name,), batch_size, progress,
                                             {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk,
                                              # as analyze: with query_chunk, eager is the statistics' engine alone
-                                             "engine": "eager" if engine == "eager" and query_chunk is None else None})
+                                             "engine": confidence_engine(engine, query_chunk)})
                 result = run_importance(model, data, info, config, tokenizer=tokenizer)
                 data = result.data  # the model's translations, made once, for the next measures
                 skipped.update(result.skipped)

@@ -110,6 +110,14 @@ def _run(args, part) -> int:
     config.resolved_methods()  # fail on a bad --method before loading anything
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
+    if config.option_values().get("engine") == "kernel" and "confidence" in config.resolved_methods():
+        import torch
+
+        from headlab.functions.analysis import check_kernel
+
+        # refused before the model loads, as analyze --engine kernel (--device-map auto: the first block on a GPU)
+        gpu = placement["device_map"] is not None and torch.cuda.is_available()
+        check_kernel(torch.device("cuda" if gpu else placement["device"] or "cpu"))
     if kinds:
         from headlab.heads import KINDS
 

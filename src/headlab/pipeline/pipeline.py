@@ -46,6 +46,7 @@ from typing import Any, Callable
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
 from headlab.errors import HeadlabError, RunFailed, counted
+from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
@@ -124,9 +125,10 @@ class AnalyzeConfig(PluginOptions):
                 "time (default: eager capture)", "metavar": "N", "range": "[1, inf)"})
     engine: str | None = field(default=None, metadata={
         "help": "confidence, functions and aggregate: where the maxima and statistics run (fused, the default; "
-                "chunked or eager, the references; kernel, functions and aggregate in the Triton kernel on a CUDA "
-                "GPU, confidence fused; see headlab functions --engine). With --engine eager, "
-                "--query-chunk chunks confidence alone", "choices": ("eager", "chunked", "fused", "kernel")})
+                "chunked or eager, the references; kernel, all three in the Triton kernel on a CUDA GPU; see "
+                "headlab functions --engine). With --engine eager, --query-chunk chunks confidence alone. A "
+                "resumed run computes these stages again where --engine changed",
+                "choices": ("eager", "chunked", "fused", "kernel")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={
@@ -463,9 +465,16 @@ class _Context:
                             if s.signed and s.dest in own and getattr(c, s.dest) != s.default})
             if c.beam != 1:  # every measure scores the model's translations of a beam (without --target)
                 payload["beam"] = c.beam
+            # The engine the measure runs on, where it has one and --engine gives it another than the
+            # default: a changed engine computes the scores again rather than reusing another engine's.
+            engine = confidence_engine(c.engine, c.query_chunk)
+            if engine is not None and any(s.dest == "engine" for s in MEASURES[name].option_specs()):
+                payload["engine"] = engine
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
+            if c.engine is not None:  # as summary.json records it: another engine runs the pass again
+                payload["engine"] = c.engine
             own = {s.dest for s in c.plugin_specs()}  # the pass's statistics' options, where not their defaults
             payload.update({s.dest: getattr(c, s.dest) for statistic in _statistics(name).values()
                             for s in statistic.option_specs()
@@ -523,7 +532,7 @@ def _importance(name: str):
         config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, beam=beam, progress=c.progress, options={
             **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
             # --engine eager with --query-chunk: the functions' and aggregate's engine; confidence is chunked
-            "query_chunk": c.query_chunk, "engine": "eager" if c.engine == "eager" and c.query_chunk is None else None})
+            "query_chunk": c.query_chunk, "engine": confidence_engine(c.engine, c.query_chunk)})
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:
