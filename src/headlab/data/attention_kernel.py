@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES"]
+__all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
+           "Launch", "kernel_launch"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -212,6 +213,25 @@ def _kernel(interpret: bool) -> Any:
     return _attention_statistics
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """The tile sizes and launch options :func:`attention_statistics` picks for a dtype and padded d_head."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
+    """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16).
+
+    64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
+    smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory."""
+    small = dtype == torch.float64 or D > 128 or (dtype == torch.float32 and D > 64)
+    return Blocks(block_m=32 if small else 64, block_n=32 if small else 64, num_warps=4, num_stages=3)
+
+
 @lru_cache(maxsize=16)
 def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``scaling`` as a one-element tensor on ``device``: made once, not copied to a GPU per call."""
@@ -236,6 +256,30 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(reason)
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
+    launch = kernel_launch(q, k, v, scaling=scaling, causal=causal, mask=mask, eligible=eligible,
+                           features=features, block_m=block_m, block_n=block_n)
+    _kernel(interpreted())[launch.grid](*launch.args, **launch.meta)
+    return launch.statistics
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of the kernel: its grid, arguments and compile-time parameters (``meta``: the
+    constexprs, ``num_warps``, ``num_stages``), and the statistics its outputs will hold."""
+
+    grid: tuple[int, int]
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+    statistics: KernelStatistics
+
+
+def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
+                  causal: bool = False, mask: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
+                  features: torch.Tensor | None = None, block_m: int | None = None,
+                  block_n: int | None = None) -> Launch:
+    """What :func:`attention_statistics` launches (its outputs allocated, not yet written), on any
+    device: ahead-of-time compilation (benchmarks/compile_kernel.py) specialises the kernel on
+    exactly these arguments without a GPU."""
     import triton
 
     B, H, Q, d = q.shape
@@ -277,28 +321,28 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     else:
         f, nf = 0, 16
         feats = pf = pfl = lse  # not read or written
-    # 64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
-    # smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory
-    small = wide or D > 128 or (q.dtype == torch.float32 and D > 64)
-    if block_m is None:
-        block_m = 32 if small else 64
-    if block_n is None:
-        block_n = 32 if small else 64
+    blocks = launch_blocks(q.dtype, D)
+    block_m = blocks.block_m if block_m is None else block_m
+    block_n = blocks.block_n if block_n is None else block_n
     grid = (triton.cdiv(Q, block_m), B * H)
     pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
-    _kernel(interpreted())[grid](
+    args = (
         q, k, v, m, elig, feats, out, lse, smax, arg, pf, pfl, ps,
         _scale(scaling, acc, device), H, H // Hkv, Q, K, K - Q,
         *q.stride(), *k.stride(), *v.stride(),
         *mask_strides, *elig.stride(), *(feats.stride() if has_f else (0, 0, 0)),
         *out.stride(), *lse.stride(), *pf_strides,
+    )
+    meta = dict(
         D=D, NF=nf, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_F=has_f,
         ACC=triton.language.float64 if wide else triton.language.float32,
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
         # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
         QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
-    return KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
-                            linear=pf[..., :f] if has_f else None,
-                            linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
+    statistics = KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
+                                  linear=pf[..., :f] if has_f else None,
+                                  linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
+    return Launch(grid=grid, args=args, meta=meta, statistics=statistics)
