@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", type=int, nargs="+", default=[90, 80], help="compute capabilities (90, 80)")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
-    parser.add_argument("--d-heads", type=int, nargs="+", default=[16, 64, 128, 256])
+    parser.add_argument("--d-heads", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--quick", action="store_true", help="the heaviest configuration per dtype and d_head only")
     parser.add_argument("--json", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args(argv)

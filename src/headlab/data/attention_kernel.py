@@ -226,10 +226,18 @@ class Blocks:
 def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
     """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16).
 
-    64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
-    smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory."""
-    small = dtype == torch.float64 or D > 128 or (dtype == torch.float32 and D > 64)
-    return Blocks(block_m=32 if small else 64, block_n=32 if small else 64, num_warps=4, num_stages=3)
+    Chosen by compiling each for sm_90 and sm_80 on a CPU (benchmarks/compile_kernel.py; figures in
+    docs/benchmarks.md), not by timing: the largest tiles that fit an A100's 163 KB of shared
+    memory per block and spill no registers. The statistics keep several ``[BLOCK_M, BLOCK_N]``
+    tiles alive beside FlashAttention's (the eligible scores, the first argmax, ``p`` below the
+    diagonal) and ``P @ F`` runs on CUDA cores in float32, so FlashAttention-2's 64 x 64 blocks of
+    4 warps spilled 1.3-2.5 KB per thread (21 KB in float32 at d_head 64), and float64 at d_head 256
+    needed 344 KB of shared memory in 32 x 32 blocks of 3 stages."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return Blocks(64, 32, 8, 2) if D <= 128 else Blocks(32, 32, 8, 2)
+    if dtype == torch.float32:
+        return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(32, 32, 8, 2)
+    return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(16, 32, 4, 2) if D <= 128 else Blocks(16, 16, 4, 2)
 
 
 @lru_cache(maxsize=16)
