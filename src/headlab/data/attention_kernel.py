@@ -130,13 +130,16 @@ def _kernel(interpret: bool) -> Any:
         sm_scale = tl.load(SCALE)  # in the accumulator's dtype (a float argument would be float32)
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // n_heads
-        h = bh % n_heads
+        # offsets in 64 bits: a mask [B, 1, Q, K] has 2^32 entries at 64k tokens, and 32-bit
+        # products of a row (or sentence, head) and its stride wrap past 2^31
+        b = (bh // n_heads).to(tl.int64)
+        h = (bh % n_heads).to(tl.int64)
         hk = h // group  # GQA: query head h reads key/value head h // (H / Hkv)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
         dims = tl.arange(0, D)
         row_ok = rows < q_len
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        q = tl.load(Q + b * sqb + h * sqh + rows64[:, None] * sqm + dims[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), ACC)
         l_i = tl.zeros([BLOCK_M], ACC)
@@ -162,7 +165,7 @@ def _kernel(interpret: bool) -> Any:
             if CAUSAL:
                 seen = seen & (cols[None, :] <= diag[:, None])
             if HAS_MASK:
-                keep = tl.load(M + b * smb + h * smh + rows[:, None] * smm + cols[None, :] * smn,
+                keep = tl.load(M + b * smb + h * smh + rows64[:, None] * smm + cols[None, :] * smn,
                                mask=seen, other=0)
                 seen = seen & (keep != 0)
             s = tl.where(seen, s, float("-inf"))
@@ -198,15 +201,15 @@ def _kernel(interpret: bool) -> Any:
         some = l_i > 0
         inv = tl.where(some, 1.0 / tl.where(some, l_i, 1.0), 0.0)
         lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
-        tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod,
+        tl.store(O + b * sob + h * soh + rows64[:, None] * som + dims[None, :] * sod,
                  (acc * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
-        r = b * srb + h * srh + rows * srm
+        r = b * srb + h * srh + rows64 * srm
         tl.store(LSE + r, lse, mask=row_ok)
         tl.store(SMAX + r, best, mask=row_ok)
         tl.store(ARG + r, where, mask=row_ok)
         tl.store(PS + r, ps * inv, mask=row_ok)
         if HAS_F:
-            pr = b * spb + h * sph + rows[:, None] * spm + fdims[None, :] * spf
+            pr = b * spb + h * sph + rows64[:, None] * spm + fdims[None, :] * spf
             tl.store(PF + pr, pf * inv[:, None], mask=row_ok[:, None])
             tl.store(PFL + pr, pfl * inv[:, None], mask=row_ok[:, None])
 
