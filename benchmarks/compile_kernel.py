@@ -13,7 +13,7 @@ Reported per configuration: the blocks and launch options the launcher picks, th
 spill bytes from ``ptxas -v`` (the log of the compile itself). Exit status 1 when a configuration
 fails to compile or does not fit.
 
-    python benchmarks/compile_kernel.py                      # every configuration the engine launches, sm_90 and sm_80
+    python benchmarks/compile_kernel.py                      # every configuration the engine launches, sm_90/80/89/86
     python benchmarks/compile_kernel.py --targets 90 --quick # the heaviest configuration per dtype and d_head
     python benchmarks/compile_kernel.py --json out.json
 
@@ -41,10 +41,11 @@ import torch
 DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                "float64": torch.float64}
 
-SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024, 89: 99 * 1024, 86: 99 * 1024}
 """Bytes of shared memory one block may use (the opt-in maximum, ``sharedMemPerBlockOptin``, which
-triton's launcher checks ``metadata.shared`` against): 227 KB on compute capability 9.0, 163 KB on
-8.0 (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability")."""
+triton's launcher checks ``metadata.shared`` against): 227 KB on compute capability 9.0 (H100,
+H200), 163 KB on 8.0 (A100), 99 KB on 8.6 and 8.9 (A10, RTX 30xx/40xx, L4, L40S) (CUDA C++
+Programming Guide, "Technical Specifications per Compute Capability")."""
 
 FEATURES = (0, 2, 22)
 """Key-feature columns the engine passes (``AttentionStatistics.kernel_features``): none; the two
@@ -130,7 +131,7 @@ def compile_config(config: Config, arch: int) -> Result:
 
     from headlab.data.attention_kernel import _kernel
 
-    result = Result(target=arch, config=config, shared_limit=SHARED_LIMIT.get(arch, 48 * 1024))
+    result = Result(target=arch, config=config, shared_limit=SHARED_LIMIT[arch])
     launch = _arguments(config)
     result.block_m, result.block_n = launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]
     result.num_warps, result.num_stages = launch.meta["num_warps"], launch.meta["num_stages"]
@@ -196,7 +197,8 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", type=int, nargs="+", default=[90, 80], help="compute capabilities (90, 80)")
+    parser.add_argument("--targets", type=int, nargs="+", default=[90, 80, 89, 86], choices=sorted(SHARED_LIMIT),
+                        help="compute capabilities")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
     parser.add_argument("--d-heads", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--quick", action="store_true", help="the heaviest configuration per dtype and d_head only")

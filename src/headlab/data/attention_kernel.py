@@ -229,18 +229,21 @@ class Blocks:
 def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
     """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16).
 
-    Chosen by compiling each for sm_90 and sm_80 on a CPU (benchmarks/compile_kernel.py; figures in
-    docs/benchmarks.md), not by timing: the largest tiles that fit an A100's 163 KB of shared
-    memory per block and spill no registers. The statistics keep several ``[BLOCK_M, BLOCK_N]``
-    tiles alive beside FlashAttention's (the eligible scores, the first argmax, ``p`` below the
-    diagonal) and ``P @ F`` runs on CUDA cores in float32, so FlashAttention-2's 64 x 64 blocks of
-    4 warps spilled 1.3-2.5 KB per thread (21 KB in float32 at d_head 64), and float64 at d_head 256
-    needed 344 KB of shared memory in 32 x 32 blocks of 3 stages."""
+    Chosen by compiling each for sm_90, sm_80, sm_89 and sm_86 on a CPU (benchmarks/compile_kernel.py;
+    figures in docs/benchmarks.md), not by timing: large tiles that fit the 99 KB of shared memory
+    per block of an sm_86/sm_89 GPU (an H100 has 227 KB, an A100 163 KB) and spill (almost) no
+    registers. The statistics keep several ``[BLOCK_M, BLOCK_N]`` tiles alive beside
+    FlashAttention's (the eligible scores, the first argmax, ``p`` below the diagonal) and ``P @ F``
+    runs on CUDA cores in float32, so FlashAttention-2's 64 x 64 blocks of 4 warps spilled 1.3-2.5
+    KB per thread (21 KB in float32 at d_head 64), and float64 at d_head 256 needed 344 KB of shared
+    memory in 32 x 32 blocks of 3 stages. Float64 is for exactness, not speed: its smallest tiles."""
     if dtype in (torch.float16, torch.bfloat16):
         return Blocks(64, 32, 8, 2) if D <= 128 else Blocks(32, 32, 8, 2)
     if dtype == torch.float32:
-        return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(32, 32, 8, 2)
-    return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(16, 32, 4, 2) if D <= 128 else Blocks(16, 16, 4, 2)
+        return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(32, 32, 8, 2) if D <= 128 else Blocks(16, 32, 4, 2)
+    if D <= 32:
+        return Blocks(32, 32, 4, 3)
+    return Blocks(32, 32, 4, 2) if D <= 64 else Blocks(16, 32, 4, 2) if D <= 128 else Blocks(16, 16, 4, 1)
 
 
 @lru_cache(maxsize=16)
