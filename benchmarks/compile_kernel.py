@@ -195,6 +195,29 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[Result]) -> str:
+    """One row per dtype and d_head: the worst over its configurations (causal or not, masked or
+    not, each number of feature columns) on each target, for docs/benchmarks.md."""
+    groups: dict[tuple[str, int], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.config.dtype, r.config.d_head), []).append(r)
+    targets = sorted({r.target for r in results}, reverse=True)
+    head = " | ".join(f"sm_{t}: shared KiB / registers / spill B" for t in targets)
+    lines = [f"| dtype | d_head | configs | blocks, warps/stages | {head} | compiled |",
+             "|---|---:|---:|---|" + "---|" * len(targets) + "---|"]
+    for (dtype, d), group in groups.items():
+        cells = []
+        for t in targets:
+            on = [r for r in group if r.target == t]
+            cells.append(f"{max(r.shared for r in on) / 1024:.1f} / {max(r.registers or 0 for r in on)} / "
+                         f"{max(r.spill_stores or 0 for r in on)}")
+        first = group[0]
+        ok = sum(r.ok for r in group)
+        lines.append(f"| {dtype} | {d} | {len(group) // len(targets)} | {first.block_m}x{first.block_n}, "
+                     f"{first.num_warps}/{first.num_stages} | {' | '.join(cells)} | {ok}/{len(group)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", type=int, nargs="+", default=[90, 80, 89, 86], choices=sorted(SHARED_LIMIT),
@@ -215,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(compile_config(config, arch))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
+    print(summary(results))
     if args.json is not None:
         rows = [dict(asdict(r), ok=r.ok) for r in results]
         partial = args.json.with_name(args.json.name + ".partial")

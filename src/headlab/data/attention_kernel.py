@@ -28,7 +28,8 @@ FlashAttention does, and exact otherwise.
 :func:`refusal` says why a call cannot run here (the caller then keeps the materialising path).
 Triton is imported on first use: this module imports without it. On a CPU the kernel runs only
 under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported), which
-the tests use.
+the tests use; benchmarks/compile_kernel.py compiles it for NVIDIA GPUs on a CPU, ahead of time
+(the launch it compiles is :func:`kernel_launch`'s, the blocks :func:`launch_blocks`').
 """
 
 from __future__ import annotations
