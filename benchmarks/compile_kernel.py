@@ -98,7 +98,8 @@ def quick_configs(dtypes: list[str], d_heads: list[int]) -> list[Config]:
     return heavy + [Config(dtype, min(d_heads), False, False, 0) for dtype in dtypes]
 
 
-def _arguments(config: Config, *, batch: int = 2, heads: int = 32, kv_heads: int = 8, length: int = 256) -> Any:
+def _arguments(config: Config, *, batch: int = 2, heads: int = 32, kv_heads: int = 8, length: int = 256,
+               blocks: tuple[int, int] | None = None) -> Any:
     """The launch the engine makes for ``config`` (CPU tensors laid out as a model's attention call
     passes them: ``[B, T, H, d]`` projections transposed to ``[B, H, T, d]``)."""
     from headlab.data.attention_kernel import kernel_launch
@@ -111,7 +112,9 @@ def _arguments(config: Config, *, batch: int = 2, heads: int = 32, kv_heads: int
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     features = torch.zeros(batch, length, config.features, dtype=wide) if config.features else None
     eligible = torch.ones(batch, length, dtype=torch.bool)
-    return kernel_launch(q, k, v, causal=config.causal, mask=mask, eligible=eligible, features=features)
+    block_m, block_n = blocks or (None, None)
+    return kernel_launch(q, k, v, causal=config.causal, mask=mask, eligible=eligible, features=features,
+                         block_m=block_m, block_n=block_n)
 
 
 _PTXAS = {
@@ -122,8 +125,9 @@ _PTXAS = {
 }
 
 
-def compile_config(config: Config, arch: int) -> Result:
-    """Compile ``config`` for ``sm_<arch>``; a failure is recorded in ``error``, not raised."""
+def compile_config(config: Config, arch: int, blocks: tuple[int, int] | None = None) -> Result:
+    """Compile ``config`` for ``sm_<arch>`` (with the launcher's blocks, or ``blocks`` as
+    ``attention_statistics(block_m=, block_n=)`` takes them); a failure is recorded in ``error``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -132,7 +136,7 @@ def compile_config(config: Config, arch: int) -> Result:
     from headlab.data.attention_kernel import _kernel
 
     result = Result(target=arch, config=config, shared_limit=SHARED_LIMIT[arch])
-    launch = _arguments(config)
+    launch = _arguments(config, blocks=blocks)
     result.block_m, result.block_n = launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]
     result.num_warps, result.num_stages = launch.meta["num_warps"], launch.meta["num_stages"]
     target = GPUTarget("cuda", arch, 32)
@@ -225,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPE_NAMES), choices=list(DTYPE_NAMES))
     parser.add_argument("--d-heads", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--quick", action="store_true", help="the heaviest configuration per dtype and d_head only")
+    parser.add_argument("--blocks", type=int, nargs=2, metavar=("BLOCK_M", "BLOCK_N"),
+                        help="these blocks instead of the launcher's (as attention_statistics(block_m=, block_n=))")
     parser.add_argument("--json", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args(argv)
     reason = ptxas_missing()
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for arch in args.targets:
         for config in configs:
-            results.append(compile_config(config, arch))
+            results.append(compile_config(config, arch, tuple(args.blocks) if args.blocks else None))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     print(table(results))
     print(summary(results))

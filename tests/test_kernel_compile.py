@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -67,8 +68,6 @@ def _check(results: list[dict]) -> None:
             problems.append(f"{where}: {r['shared']} bytes of shared memory, over the {r['shared_limit']} of a block")
         if r["spill_stores"] is None or r["spill_stores"] > SPILL_BUDGET:
             problems.append(f"{where}: {r['spill_stores']} bytes of spill stores ({r['registers']} registers)")
-        import torch
-
         D = max(16, 1 << (c["d_head"] - 1).bit_length())
         blocks = launch_blocks(getattr(torch, c["dtype"]), D)
         assert (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == \
