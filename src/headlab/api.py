@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head
 from headlab.importance.registry import DEFAULT_MEASURES
+from headlab.options import checked_keywords
 
 if TYPE_CHECKING:
     from torch import nn
@@ -181,6 +182,28 @@ def _importance_config(measures: str | Sequence[str], batch_size: int, progress:
     return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
 
 
+def _config_keywords(config: Any, *set_here: str) -> set[str]:
+    """The keywords of ``config`` (its fields and its plug-ins' options) that a function's
+    ``**options`` passes on: all but those the function sets itself (``set_here``)."""
+    from dataclasses import fields
+
+    return ({f.name for f in fields(config)} | {s.dest for s in config.plugin_specs()}) - set(set_here)
+
+
+def _importance_options() -> set[str]:
+    from headlab.importance.config import ImportanceConfig
+
+    return _config_keywords(ImportanceConfig, "methods", "batch_size", "progress")
+
+
+def _analysis_options() -> set[str]:
+    from headlab.functions.config import AnalysisConfig
+
+    return _config_keywords(AnalysisConfig, "functions", "aggregate", "batch_size", "max_sentences", "max_length",
+                            "query_chunk")
+
+
+@checked_keywords(_importance_options)
 def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, targets: Sequence[str] | None = None,
                labels: Sequence[int | str] | None = None, measures: str | Sequence[str] = DEFAULT_MEASURES,
                limit: int | None = None, batch_size: int = 32, max_length: int | None = None,
@@ -227,6 +250,7 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
     return analysis
 
 
+@checked_keywords(_analysis_options)
 def functions(model: nn.Module, tokenizer: Any, treebank: Any, *, frequency_texts: Iterable[str] | None = None,
               limit: int | None = None, batch_size: int = 32, max_length: int | None = None, query_chunk: int | None = None,
               progress: bool = False, **options: Any) -> "HeadAnalysis":
@@ -238,6 +262,7 @@ def functions(model: nn.Module, tokenizer: Any, treebank: Any, *, frequency_text
                       options=options)
 
 
+@checked_keywords(_analysis_options)
 def aggregate(model: nn.Module, tokenizer: Any, treebank: Any, *, limit: int | None = None, batch_size: int = 32,
               max_length: int | None = None, query_chunk: int | None = None, progress: bool = False,
               **options: Any) -> "AggregateResult":
@@ -248,6 +273,7 @@ def aggregate(model: nn.Module, tokenizer: Any, treebank: Any, *, limit: int | N
     return analysis.aggregate
 
 
+@checked_keywords()
 def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Sequence[str] | None = None) -> dict:
     """Remove heads from ``model`` in place (:func:`headlab.prune_heads`, checked to be exact).
 
@@ -281,6 +307,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
 # ----------------------------------------------------------------------------- everything
 
 
+@checked_keywords()
 def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None, *, treebank: Any = None,
             targets: Sequence[str] | None = None, labels: Sequence[int | str] | None = None,
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
@@ -589,6 +616,7 @@ class Analysis:
 
     # -- files ------------------------------------------------------------------------------
     @classmethod
+    @checked_keywords()
     def load(cls, directory: str | os.PathLike) -> "Analysis":
         """An analysis directory written by ``headlab analyze`` (any version that wrote these
         files; any stage may be missing) or by :meth:`save`."""
@@ -632,6 +660,7 @@ class Analysis:
         return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files,
                    run=directory.resolve().name)
 
+    @checked_keywords()
     def save(self, directory: str | os.PathLike, report: bool = False, overwrite: bool = False) -> Path:
         """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
         the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
@@ -697,6 +726,7 @@ class Analysis:
         return [name for name in self.tables if any(r == f"importance/{name}.json" for r in self.files)]
 
     # -- display ----------------------------------------------------------------------------
+    @checked_keywords()
     def top_heads(self, measure: str, n: int = 5) -> list[tuple[str, float]]:
         """The ``n`` heads ``measure`` scores highest, as ``(name, score)``, with their labels."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # n=-1 sliced off the lowest head, silently
