@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
@@ -127,6 +127,44 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
     return labels
 
 
+PARTIAL = "held_files_only"
+"""A manifest key: the directory holds only some of its stages' files (the notebook page of an
+:class:`headlab.Analysis`, which holds no figures, heads.csv or pruning results), so that an
+output not there is not missing."""
+
+
+def _output_section(relative: str) -> str | None:
+    """The section that shows a stage's output file (None: one that notes its own, or the report)."""
+    top = relative.split("/", 1)[0]
+    if relative.startswith("importance/agreement."):
+        return "agreement"
+    if top in ("figures", "index.html"):  # the figures section notes its missing files; the report is this page
+        return None
+    return {"importance": "importance", "functions": "functions", "aggregate": "aggregate", "attention": "viewer",
+            "prune": "pruning"}.get(top, "summary")
+
+
+def _note_missing_outputs(out: Collected) -> None:
+    """Each file that the manifest lists as an output of a done stage and the directory lacks
+    (deleted, or the directory copied in part): a missing file is otherwise read as "not
+    computed", and its heatmap left out of a section that shows the others without a word."""
+    if out.manifest.get(PARTIAL):
+        return
+    for stage in out.stages_for(("",)):
+        outputs = stage.get("outputs")
+        if stage.get("status") != "done" or not isinstance(outputs, list):
+            continue
+        missing: dict[str, list[str]] = {}
+        for relative in outputs:
+            section = _output_section(relative) if isinstance(relative, str) else None
+            if section is not None and not (out.directory / relative).exists():
+                missing.setdefault(section, []).append(relative)
+        for section, files in missing.items():
+            shown = ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
+            out.note(section, f"stage {stage.get('name')} is recorded as done, but {counted(len(files), 'file')} it "
+                              f"wrote {'is' if len(files) == 1 else 'are'} missing from the directory: {shown}")
+
+
 def collect(directory: Path) -> Collected:
     out = Collected(Path(directory))
     d = out.directory
@@ -137,6 +175,7 @@ def collect(directory: Path) -> Collected:
         out.note("summary", "manifest.json: not a JSON object")
     else:
         out.note("summary", "manifest.json: not found; the run summary is unknown")
+    _note_missing_outputs(out)
 
     # Importance: the registry's tables first, in its order, then any other HeadScores file.
     importance = d / "importance"
