@@ -112,3 +112,28 @@ def test_a_function_with_open_keywords_must_name_them():
 
     with pytest.raises(TypeError, match="give checked_keywords the names"):
         checked_keywords()(open_ended)
+
+
+@pytest.mark.parametrize("call, expected", [
+    (dict(texts=["a dog"], treebank_limit=2), "treebank_limit goes with the treebank"),
+    (dict(texts=["a dog"], frequency_texts=["a dog"]), "frequency_texts goes with the rare-token heads"),
+    (dict(treebank="TB", statistics=("aggregate",), frequency_texts=["a dog"]), "frequency_texts goes with"),
+    (dict(treebank="TB", targets=["ein hund"]), "targets goes with the texts"),
+    (dict(treebank="TB", labels=[0]), "labels goes with the texts"),
+    (dict(texts=["a dog"], measures=("confidence",), lrp_targets=2), "lrp_targets goes with measure 'lrp'"),
+    (dict(treebank="TB", lrp_seed=3), "lrp_seed goes with measure 'lrp' on the texts"),
+])
+def test_analyze_refuses_an_argument_of_a_part_it_does_not_compute(call, expected, monkeypatch):
+    """Regression: headlab.analyze(model, tokenizer, texts, treebank_limit=20) without a treebank (and
+    the like) computed without it and said nothing, as if it had been used."""
+    import headlab.api
+    from support.bad_input import WORDS
+    from support.models import tiny_model
+    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+
+    monkeypatch.setattr(headlab.api, "model_info", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(headlab.api, "functions", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(headlab.api, "aggregate", lambda *a, **k: pytest.fail("the work started"))
+    call = {k: SAMPLE_CONLLU if v == "TB" else v for k, v in call.items()}
+    with pytest.raises(HeadlabError, match=f"^analyze: {expected}.*which this call does not compute; leave it out"):
+        headlab.analyze(tiny_model("marian"), word_tokenizer(WORDS), **call)

@@ -349,6 +349,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             "measures is empty" if texts is not None else "no texts for the measures") + " and " + (
             "statistics is empty" if treebank is not None else "no treebank for the statistics") +
             " (and attention_sentences=0)")
+    _check_parts(texts is not None, treebank is not None, measures, statistics, treebank_limit=treebank_limit,
+                 frequency_texts=frequency_texts, targets=targets, labels=labels, lrp_targets=lrp_targets,
+                 lrp_seed=lrp_seed or None)
     for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
         if value is not None and value < 1:  # the library's message names the command's --limit
             raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
@@ -440,6 +443,21 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                 analysis = replace(Analysis.load(scratch), run="")
         analysis.skipped.update(skipped)
         return analysis
+
+
+def _check_parts(texts: bool, treebank: bool, measures: Sequence[str], statistics: Sequence[str],
+                 **given: Any) -> None:
+    """:func:`analyze`'s arguments of a part that does not run (``given`` and not None): refused,
+    where they were ignored without a word (as ``analyze --window`` without ``--conllu``)."""
+    lrp = (texts and "lrp" in measures, "measure 'lrp' on the texts")
+    parts = {"treebank_limit": (treebank, "the treebank"),
+             "frequency_texts": (treebank and "functions" in statistics,
+                                 "the rare-token heads of statistics 'functions' on a treebank"),
+             "targets": (texts, "the texts"), "labels": (texts, "the texts"), "lrp_targets": lrp, "lrp_seed": lrp}
+    for name, value in given.items():
+        runs, what = parts[name]
+        if value is not None and not runs:
+            raise HeadlabError(f"analyze: {name} goes with {what}, which this call does not compute; leave it out")
 
 
 def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Sequence[str] | None, n: int,
