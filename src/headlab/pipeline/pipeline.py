@@ -329,12 +329,7 @@ def validate(config: AnalyzeConfig) -> Path:
     if config.prune and "prune" not in _skipped_by_flag(config) and config.target is not None \
             and getattr(model_config, "is_encoder_decoder", False):
         _check_sweep(config)
-    # The ablation stage refused it itself, after the other measures had run (exit 1, hours later).
-    if not not_requested("ablation", config) and "ablation" not in _skipped_by_flag(config) and config.metric == "bleu" \
-            and (config.target is None or not getattr(model_config, "is_encoder_decoder", False)):
-        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
-                           f"(--target); {'give --target FILE' if config.target is None else f'{config.model} is not one'}"
-                           ", or use --metric loss")
+    check_options_fit_model(config, model_config)
     if config.conllu_is_source:
         if config.conllu is None:
             raise HeadlabError("--conllu-is-source needs --conllu FILE")
@@ -362,6 +357,32 @@ def check_treebank_options(config: AnalyzeConfig) -> None:
         raise HeadlabError(f"{', '.join(given)}: {these} on the treebank of the head functions and aggregate "
                            f"statistics, and no --conllu was given: give --conllu FILE, or leave "
                            f"{'it' if len(given) == 1 else 'them'} out")
+
+
+def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
+    """Options for another kind of model (read from its config, no weights): the stages refused
+    them themselves, after the stages before them had run (exit 1, perhaps hours later), or
+    ignored them (``--beam`` of a model that does not translate)."""
+    from headlab.checkpoint import model_class_for
+
+    classifier = model_class_for(model_config).__name__.endswith("ForSequenceClassification")
+    translates = bool(getattr(model_config, "is_encoder_decoder", False)) and not classifier
+    kind = "a sequence classifier" if classifier else "a translation model" if translates else (
+        f"a {model_config.model_type} model that does not translate")
+    ablation = not not_requested("ablation", config) and "ablation" not in _skipped_by_flag(config)
+    if config.target is not None and not translates:
+        raise HeadlabError(f"--target: reference translations are for translation (encoder-decoder) models, and "
+                           f"{config.model} is {kind}; leave --target out")
+    if config.beam != 1 and not translates:
+        raise HeadlabError(f"--beam {config.beam}: the beam of the model's translations, and {config.model} is {kind}; "
+                           "leave --beam out")
+    if ablation and config.metric == "bleu" and (config.target is None or not translates):
+        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
+                           f"(--target); {'give --target FILE' if translates else f'{config.model} is {kind}'}, or use "
+                           "--metric loss")
+    if ablation and config.metric == "accuracy" and not classifier:
+        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {config.model} "
+                           f"is {kind}; use --metric loss{' or bleu' if translates else ''}")
 
 
 def _read_checked(path: str, flag: str) -> list[str]:
