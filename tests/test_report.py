@@ -475,15 +475,27 @@ def test_a_file_of_a_done_stage_that_is_missing_is_noted_in_its_section(analysis
     assert "lrp" not in {h["name"] for h in _data(html)["heatmaps"]}
 
 
-def test_the_notebook_page_does_not_call_the_files_it_does_not_hold_missing(analysis_dir, tmp_path):
-    """An Analysis holds no figures, heads.csv or pruning results: its page is not a damaged directory."""
+def test_the_notebook_page_says_which_files_are_missing_and_not_those_it_does_not_hold(analysis_dir, tmp_path):
+    """An Analysis holds no figures, heads.csv or pruning results: its page does not call them
+    missing; a file of a done stage missing from the directory it was loaded from, it does, and
+    so does the Analysis (Regression: its LRP table was left out without a word)."""
     import headlab
 
     directory = tmp_path / "copy"
     shutil.copytree(analysis_dir, directory)
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    manifest["stages"].append({"name": "table", "status": "done", "reason": None, "seconds": 1.0,
-                               "outputs": ["heads.csv"]})
+    manifest["stages"] += [{"name": "table", "status": "done", "reason": None, "seconds": 1.0, "outputs": ["heads.csv"]},
+                           {"name": "lrp", "status": "done", "reason": None, "seconds": 1.0,
+                            "outputs": ["importance/lrp.json"]}]
     (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     (directory / "heads.csv").write_text("model,run\n", encoding="utf-8")
-    assert "recorded as done" not in headlab.Analysis.load(directory).report_html()
+    analysis = headlab.Analysis.load(directory)
+    assert "recorded as done" not in analysis.report_html() and "lrp" not in analysis.skipped
+    (directory / "importance" / "lrp.json").unlink()
+    analysis = headlab.Analysis.load(directory)
+    page = analysis.report_html()
+    assert page.count("recorded as done") == 1
+    assert "stage lrp is recorded as done, but 1 file it wrote is missing from the directory: importance/lrp.json" in page
+    assert analysis.skipped["lrp"] == (f"recorded as done in manifest.json, but importance/lrp.json is missing from "
+                                       f"{directory}")
+    assert "skipped lrp: recorded as done" in repr(analysis)

@@ -674,6 +674,7 @@ class Analysis:
         manifest = json.loads(files[_MANIFEST]) if _MANIFEST in files else {}
         skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
+        skipped.update(_missing_outputs(manifest, files, directory))
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
         return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files,
                    run=directory.resolve().name)
@@ -847,7 +848,7 @@ class Analysis:
 
                 manifest = json.loads(content)
                 if isinstance(manifest, dict):
-                    content = json.dumps({**manifest, PARTIAL: True}).encode("utf-8")
+                    content = json.dumps({**manifest, PARTIAL: [f"{group}/" for group in _HELD]}).encode("utf-8")
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
             (target / relative).write_bytes(content)
 
@@ -876,6 +877,21 @@ class Analysis:
                 f'<div style="font-size:11px;color:#555">{escape(repr(self).splitlines()[0])}. The report of '
                 "<code>headlab analyze</code>, self-contained (no network); "
                 f"<code>analysis.save(directory, report=True)</code> writes it as index.html.{escape(viewer)}</div>")
+
+
+def _missing_outputs(manifest: dict, files: Mapping[str, bytes], directory: Path) -> dict[str, str]:
+    """``{stage: why}`` for each done stage of ``manifest`` whose files under :data:`_HELD` the
+    directory lacks (deleted, or copied in part): its tables were left out without a word."""
+    missing = {}
+    for stage in manifest.get("stages", []) or []:
+        outputs = stage.get("outputs") if isinstance(stage, dict) and stage.get("status") == "done" else None
+        lost = [str(path) for path in outputs or [] if str(path).startswith(tuple(f"{g}/" for g in _HELD))
+                and str(path) not in files and not (directory / str(path)).exists()]
+        if lost and "name" in stage:
+            missing[str(stage["name"])] = (f"recorded as done in manifest.json, but {', '.join(lost[:3])}"
+                                           f"{f' (+{len(lost) - 3} more)' if len(lost) > 3 else ''} "
+                                           f"{'is' if len(lost) == 1 else 'are'} missing from {directory}")
+    return missing
 
 
 def _not_shown_note(index: dict, n_held: int) -> str | None:

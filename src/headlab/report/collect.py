@@ -128,9 +128,9 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
 
 
 PARTIAL = "held_files_only"
-"""A manifest key: the directory holds only some of its stages' files (the notebook page of an
-:class:`headlab.Analysis`, which holds no figures, heads.csv or pruning results), so that an
-output not there is not missing."""
+"""A manifest key: the directory holds only its stages' files under these folders (``["importance/",
+...]``: the notebook page of an :class:`headlab.Analysis`, which holds no figures, heads.csv or
+pruning results, and some of the attention sentences), so that an output elsewhere is not missing."""
 
 
 def _output_section(relative: str) -> str | None:
@@ -148,8 +148,8 @@ def _note_missing_outputs(out: Collected) -> None:
     """Each file that the manifest lists as an output of a done stage and the directory lacks
     (deleted, or the directory copied in part): a missing file is otherwise read as "not
     computed", and its heatmap left out of a section that shows the others without a word."""
-    if out.manifest.get(PARTIAL):
-        return
+    held = out.manifest.get(PARTIAL)
+    held = tuple(str(folder) for folder in held) if isinstance(held, list) else None
     for stage in out.stages_for(("",)):
         outputs = stage.get("outputs")
         if stage.get("status") != "done" or not isinstance(outputs, list):
@@ -157,6 +157,8 @@ def _note_missing_outputs(out: Collected) -> None:
         missing: dict[str, list[str]] = {}
         for relative in outputs:
             section = _output_section(relative) if isinstance(relative, str) else None
+            if held is not None and not str(relative).startswith(held):
+                continue
             if section is not None and not (out.directory / relative).exists():
                 missing.setdefault(section, []).append(relative)
         for section, files in missing.items():
