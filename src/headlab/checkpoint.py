@@ -125,10 +125,11 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
         raise HeadlabError(f"{path}: cannot read a model config ({one_line(error)})") from error
     # transformers drops an override the config has no field for: load_pruned(path, trust_remote_cod=True) loaded
     # without a word, as if it had been applied.
-    for key in unused:
-        close = difflib.get_close_matches(key, ["trust_remote_code", *config.to_dict()], n=3)
-        raise UnknownOption(f"{path}/config.json: unknown option {key!r}: the config has no such field to override"
-                            + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
+    dropped = [key for key in overrides if key in unused]
+    if dropped:
+        close = difflib.get_close_matches(dropped[0], ["trust_remote_code", *config.to_dict()], n=3)
+        raise UnknownOption(f"{path}/config.json: unknown option {dropped[0]!r}: the config has no such field to "
+                            "override" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
     return config
 
 
