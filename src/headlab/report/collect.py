@@ -33,6 +33,7 @@ class Collected:
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
     sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
+    per_layer: set[str] = field(default_factory=set)  # ids of the maps normalised per layer (not in the page's data)
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -71,6 +72,8 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
+    if str(scores.signature.get("normalisation", "")) == "l2 per layer":  # gradient importance (Michel et al.)
+        out.per_layer.add(f"{group}/{name}")
     try:
         errors = scores.stderr()
     except HeadlabError as error:
