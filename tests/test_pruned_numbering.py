@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 import headlab
 from headlab import prune_heads
@@ -45,3 +47,31 @@ def test_functions_name_the_kept_head_by_its_original_index(pruned_bert, tmp_pat
     share = analysis.results["positional"].share["enc_self"]
     assert share.shape == (2, 4)  # today (2, 1): the kept head named 0
     assert math.isfinite(share[1, 1]) and math.isnan(share[1, 0])
+
+
+def test_gates_json_names_a_pruned_model_s_heads_by_their_original_index():
+    """`prune train` on a model pruned before: gates.json (P(open) per head) is a score table like
+    the others, in the original numbering (it put the kept heads at 0..n-1)."""
+    from headlab import attach_gates
+    from headlab.pruning import HardConcreteGates
+
+    model = tiny_model("marian")
+    prune_heads(model, {("enc_self", 0): [1, 2], ("dec_cross", 1): ALL, ("dec_self", 0): [0, 1, 3]})
+    gates = HardConcreteGates({("enc_self", 0): 2, ("enc_self", 1): 4, ("dec_self", 0): 1, ("dec_self", 1): 4,
+                               ("dec_cross", 0): 4, ("dec_cross", 1): 0})
+    attach_gates(model, gates)
+    with torch.no_grad():
+        gates.log_alpha["enc_self_0"].copy_(torch.tensor([5.0, -10.0]))  # original heads 0 and 3
+        gates.log_alpha["dec_self_0"].copy_(torch.tensor([-10.0]))  # original head 2
+    scores = gates.p_open_scores("tiny", model)
+    assert {kind: scores[kind].shape for kind in scores.kinds} == {"enc_self": (2, 4), "dec_self": (2, 4),
+                                                                   "dec_cross": (2, 4)}
+    enc, dec = scores["enc_self"], scores["dec_self"]
+    assert enc[0, 0] > 0.99 and enc[0, 3] < 0.01 and np.isnan(enc[0, [1, 2]]).all()
+    assert dec[0, 2] < 0.01 and np.isnan(dec[0, [0, 1, 3]]).all()
+    assert np.isnan(scores["dec_cross"][1]).all() and not np.isnan(scores["dec_cross"][0]).any()
+    # an unpruned model's table is what it was without the model
+    plain = HardConcreteGates({("enc_self", 0): 4, ("enc_self", 1): 4})
+    unpruned = tiny_model("marian")
+    attach_gates(unpruned, plain)
+    assert np.array_equal(plain.p_open_scores("tiny", unpruned)["enc_self"], plain.p_open_scores("tiny")["enc_self"])
