@@ -75,3 +75,20 @@ def test_gates_json_names_a_pruned_model_s_heads_by_their_original_index():
     unpruned = tiny_model("marian")
     attach_gates(unpruned, plain)
     assert np.array_equal(plain.p_open_scores("tiny", unpruned)["enc_self"], plain.p_open_scores("tiny")["enc_self"])
+
+
+def test_importance_with_one_head_left_says_rho_is_undefined(pruned_bert, tmp_path, capsys):
+    """With one head left no correlation with ablation exists: the command said "no correlation above 0"."""
+    from headlab.cli import main
+
+    words = treebank_files(tmp_path)
+    pruned_bert.save_pretrained(tmp_path / "model")
+    word_tokenizer(words, style="bert").save_pretrained(tmp_path / "model")
+    code = main(["importance", str(tmp_path / "model"), "--source", str(tmp_path / "text.txt"), "--method",
+                 "confidence,ablation", "--out", str(tmp_path / "out"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| confidence | n/a | n/a |" in out
+    assert ("no measure can be compared with ablation over all heads: Spearman's rho is undefined over 1 head "
+            "(or scores that do not vary)") in out
+    assert "no correlation above 0" not in out
