@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from headlab import Analysis
 from headlab.heads import HeadScores
 from headlab.report import build_report
 from support.report import build_analysis_dir
@@ -74,8 +75,6 @@ def test_gradient_of_even_layers_and_of_a_single_scored_layer_is_ranked(analysis
 
 
 def test_notebook_analysis_does_not_rank_gradient_of_uneven_layers(analysis_dir):
-    from headlab import Analysis
-
     _write(analysis_dir, np.array([[NAN, NAN, 1.0, NAN], [0.54, 0.44, NAN, 0.72]]),
            np.array([[NAN, NAN, 4e-4, NAN], [4e-4, 3e-4, NAN, 5e-4]]))
     text = repr(Analysis.load(analysis_dir))
@@ -84,3 +83,16 @@ def test_notebook_analysis_does_not_rank_gradient_of_uneven_layers(analysis_dir)
     assert "top by lrp: enc_self L0 H2 0.997" in text  # the others still ranked
     _write(analysis_dir, np.array([[0.1, 0.9, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]]), np.full((2, 4), 1e-4))
     assert "top by gradient: dec_self L0 H1 0.9" in repr(Analysis.load(analysis_dir))
+
+
+def test_lrp_of_uneven_layers_is_not_ranked_across_them(analysis_dir):
+    # LRP's shares of a layer sum to one in absolute value: a layer's only head takes all of it
+    lrp = {"enc_self": np.array([[NAN, 0.9, NAN, NAN], [0.3, 0.2, 0.1, 0.4]]), "dec_self": np.full((2, 4), NAN),
+           "dec_cross": np.full((2, 4), NAN)}
+    signature = {"data": "fixture", "normalisation": "per target, over the heads of a layer (sum of |relevance|)"}
+    HeadScores(lrp, "lrp", "tiny", signature).save(analysis_dir / "importance" / "lrp.json")
+    overview = _overview(analysis_dir)
+    assert "LRP relevance" not in _columns(overview) and "Confidence" in _columns(overview)
+    assert "LRP relevance is not ranked here: it is normalised per layer and the layers keep different" in overview
+    assert "top by lrp: not ranked (normalised per layer and the layers keep different numbers of heads)" in repr(
+        Analysis.load(analysis_dir))

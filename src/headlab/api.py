@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import HeadScores, format_head, not_comparable_across_layers
+from headlab.heads import HeadScores, format_head, normalised_per_layer, not_comparable_across_layers
 from headlab.importance.registry import DEFAULT_MEASURES
 from headlab.options import checked_keywords
 
@@ -779,9 +779,8 @@ class Analysis:
                  f"{labelled} of {len(analysed)} analysed heads with a function"]
         for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
             table = self[measure]
-            why = not_comparable_across_layers(table.scores) if table.signature.get("normalisation") == "l2 per layer" \
-                else ""
-            if why:  # a pruned model's gradient importance: the report leaves it out of its ranking too
+            why = not_comparable_across_layers(table.scores) if normalised_per_layer(table.signature) else ""
+            if why:  # a pruned model's gradient importance or LRP: the report leaves it out of its ranking too
                 raw = f"; see {measure}_raw" if f"{measure}_raw" in self.tables else ""
                 lines.append(f"  top by {measure}: not ranked (normalised per layer and {why}{raw})")
                 continue

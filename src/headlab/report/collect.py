@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import HeadScores
+from headlab.heads import HeadScores, normalised_per_layer
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
@@ -72,7 +72,7 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
-    if str(scores.signature.get("normalisation", "")) == "l2 per layer":  # gradient importance (Michel et al.)
+    if normalised_per_layer(scores.signature):  # gradient importance, LRP
         out.per_layer.add(f"{group}/{name}")
     try:
         errors = scores.stderr()

@@ -182,16 +182,16 @@ def _head_link(kind: str, layer: int, head: int, text: str | None = None) -> str
 def _top_heads(c: Collected) -> str:
     """The top :data:`TOP_N` heads of each importance measure (all kinds pooled), with labels.
 
-    A measure normalised per layer is left out where the layers keep different numbers of heads or
-    one each: its values are then on different scales (a layer's only head scores 1 by construction,
-    so a model with one head per layer would show a ranking of ties)."""
+    A measure normalised per layer (gradient importance, LRP) is left out where the layers keep
+    different numbers of heads or one each: its values are then on different scales (a layer's only
+    head scores 1 in gradient importance, so a model with one head per layer showed a ranking of ties)."""
     maps = [h for h in c.heatmaps if h["group"] == "importance" and not h["name"].endswith("_stderr")]
     why = {h["id"]: not_comparable_across_layers(h["scores"]) for h in maps if h["id"] in c.per_layer}
     left_out = [h for h in maps if why.get(h["id"])]
     maps = [h for h in maps if h not in left_out]
     note = "".join(f" {escape(h['title'])} is not ranked here: it is normalised per layer and {why[h['id']]}, so "
-                   "its values are not comparable across layers (a layer's only head scores 1 by construction); "
-                   "see its heatmap"
+                   "its values are not comparable across layers (the fewer heads a layer keeps, the larger their "
+                   "shares; a layer's only head takes all of it); see its heatmap"
                    + (", and the unnormalised gradients in Gradient importance (raw)." if h["name"] == "gradient"
                       and any(m["name"] == "gradient_raw" for m in maps) else ".") for h in left_out)
     if not maps:
