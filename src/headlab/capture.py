@@ -30,6 +30,7 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
+from headlab.options import checked_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             module.training = training
 
 
+@checked_keywords()
 @contextmanager
 def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` with eager attention inside, the only path that returns probabilities.
@@ -147,6 +149,7 @@ class AttentionRecord(dict):
         self.calls: dict[tuple[str, int], int] = {}
 
 
+@checked_keywords()
 @contextmanager
 def capture_attention(
     model: nn.Module,
@@ -413,6 +416,7 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     return handles
 
 
+@checked_keywords()
 @contextmanager
 def head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> Iterator[None]:
     """:func:`register_head_output_hooks` as a context manager."""

@@ -34,6 +34,7 @@ from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
+from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
 
@@ -352,6 +353,7 @@ def _t5_bias_hook(source: nn.Module):
 VERIFIED_ATTR = "_headlab_verified_pruning"  # in model.__dict__: the pruning record that was checked
 
 
+@checked_keywords()
 def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list[int]]:
     """Remove ``heads`` (``{(kind, layer): [head, ...]}``, current numbering) in place.
 
@@ -417,6 +419,7 @@ def to_current_numbering(model: nn.Module, spec: Mapping[tuple[str, int], list[i
     return out
 
 
+@checked_keywords()
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
     blocks: dict = {}
@@ -630,6 +633,7 @@ def pruning_plan(model: nn.Module) -> dict:
     return plan
 
 
+@checked_keywords()
 def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write standard safetensors weights, the config and ``headlab_pruning.json``.
 
@@ -762,6 +766,7 @@ def _check_loaded(model: nn.Module, path: Path) -> None:
         raise HeadlabError(f"{path}: the loaded {_model_type(model)} model {problem}")
 
 
+@checked_keywords()
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (tied weights counted once)."""
     seen, total = set(), 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -186,6 +187,10 @@ def _run(args, part) -> int:
         best = result.agreement.best()
         if best:
             print(f"best predictor of {REFERENCE} over all heads: {best}")
+        elif all(math.isnan(row.get("all", math.nan)) for row in result.agreement.rho.values()):
+            # NaN everywhere: nothing was compared (a pruned model with one head left, or constant scores)
+            print(f"no measure can be compared with {REFERENCE} over all heads: Spearman's rho is undefined over "
+                  f"{counted(result.agreement.n_heads.get('all', 0), 'head')} (or scores that do not vary)")
         else:
             print(f"no measure predicts {REFERENCE} over all heads (no correlation above 0)")
     if failed is not None:
