@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from headlab.adapters.discovery import SUB_CONFIGS, Discovered, attention_configs, discover, maps, ran
-from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
+from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, UNSUPPORTED_CONFIGS, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -426,7 +426,10 @@ def unsupported_reason(model_or_config: Any) -> str | None:
     config = getattr(model_or_config, "config", model_or_config)
     seen = [config] + [getattr(config, name, None) for name in SUB_CONFIGS]
     for sub in seen:
-        reason = UNSUPPORTED.get(getattr(sub, "model_type", None) or "")
+        model_type = getattr(sub, "model_type", None) or ""
+        reason = UNSUPPORTED.get(model_type)
+        if not reason and model_type in UNSUPPORTED_CONFIGS:
+            reason = UNSUPPORTED_CONFIGS[model_type](sub)
         if reason:
             return reason
     return None

@@ -277,7 +277,7 @@ UNSUPPORTED: dict[str, str] = {
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
        for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("mpnet", "MPNet"), ("tapas", "TAPAS"),
-                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"))},
+                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"))},
     "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
                   "probabilities are per window band), which headlab's analysis reads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
@@ -289,3 +289,17 @@ UNSUPPORTED: dict[str, str] = {
                        "class drops the encoder)",
 }
 """Model types refused before any work, with what is missing."""
+
+
+def _big_bird(config: Any) -> str | None:
+    if getattr(config, "attention_type", "original_full") == "original_full":
+        return None
+    return ("BigBird's block-sparse attention (attention_type='block_sparse', its config's default) computes no "
+            "[query, key] probability map per head, which headlab's analysis reads, and on inputs too short for it "
+            "transformers swaps the model's attention modules for full attention during a forward pass (headlab "
+            "would hold the old ones); set attention_type to 'original_full' (in config.json, or "
+            "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
+
+
+UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird}
+"""Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
