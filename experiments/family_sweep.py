@@ -16,7 +16,9 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 * ``gates``: scalar gates at one change nothing, and leave no hook behind;
 * ``prune``: :func:`headlab.prune_heads` equals masking (or is refused with a HeadlabError);
 * ``lrp`` (decoder-only and encoder-only): :func:`headlab.importance.rules.check_rules` refuses, or
-  the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves).
+  the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves);
+  with final logit soft-capping (``cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat) the relevance
+  sums to ``z``, every share scaled by the same factor, which the per-layer normalised scores cancel.
 
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import time
@@ -272,7 +275,9 @@ def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
                 raise Fail("mask", f"{block.key} heads {heads}: masked differs from the heads' outputs zeroed in the "
                                    f"attention function by {diff:.3g}")
         # (b) the value weights zeroed by hand
-        if here.v is not None or here.qkv is not None:
+        if here.shared:
+            notes.append(f"{kind}: value reference n/a (shared layers: tests/test_shared_layers.py)")
+        elif here.v is not None or here.qkv is not None:
             value_rows(here, kv)
             reference = logits(model, inputs)
             ok, diff = close(masked, reference, atol)
@@ -355,6 +360,10 @@ def check_lrp(model, blocks) -> str | None:
         handle.remove()
     total = (seen[0].detach() * grad).sum().item()
     want = out[0, -1, target].item()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # logit = cap * tanh(z / cap): relevance conserves z, every share scaled by one factor (tanh')
+        z = cap * math.atanh(want / cap)
+        want = z * (1 - math.tanh(z / cap) ** 2)
     if abs(total - want) > 1e-4 * abs(want) + 1e-5:
         raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}")
     return None
