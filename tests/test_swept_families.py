@@ -1,0 +1,109 @@
+"""Families that the sweep of session 22 (experiments/family_sweep.py: every text model type of
+transformers 5.24 built tiny, the checks of tests/support/family_matrix.py run on each) found LRP
+getting wrong: relevance not conserved, which compute_lrp's conservation check then failed after
+the work. Now each has a rule, or is refused by check_rules before any work, naming the module:
+
+* Nemotron's ``LayerNorm1P`` normalises with ``1 + weight``: the layer-norm rule's factor is the
+  one a LayerNorm subclass really applies (checked);
+* ESM's ``EsmIntermediate`` applies GELU as a function: the activation rule on its output;
+* Moshi's ``MoshiGatingMLP`` is ``fc2(act(h0) * h1)`` with ``h0, h1`` the halves of ``fc1(x)``:
+  the fused gated rule (only where ``fc1`` is twice as wide as ``fc2``'s input);
+* refused: LFM2's MLP (``w2(silu(w1 x) * w3 x)``, the activation a function call), Falcon-H1's
+  Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is no block).
+
+Tiny models built from their configs (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8,
+vocab 99), random biases and norm weights; no download.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks
+from headlab.importance import ImportanceData, compute_lrp, describe_model
+from headlab.importance.lrp import lrp_precision
+from headlab.importance.rules import check_rules
+
+_GQA = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+            pad_token_id=2)
+
+CONSERVING = {
+    "nemotron": lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(**_GQA)),
+    "esm": lambda: (tf.EsmForMaskedLM, tf.EsmConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pad_token_id=2, mask_token_id=3)),
+    # fc1: 32 -> 80 ([gate | up], 40 each), fc2: 40 -> 32
+    "moshi": lambda: (tf.MoshiForCausalLM, tf.MoshiConfig(**{**_GQA, "intermediate_size": None}, ffn_dim=80)),
+}
+
+REFUSED = {
+    "lfm2": (lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(**_GQA, layer_types=["full_attention"] * 2)),
+             r"Lfm2MLP \(model.layers.0.feed_forward\): a gated MLP .* a function call"),
+    "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+        **_GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4)),
+        r"FalconH1Mixer \(model.layers.0.mamba\): a state-space"),
+    "minimax": (lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
+        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
+        num_local_experts=2, num_experts_per_tok=1)),
+        r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
+}
+
+
+def _tiny(build) -> torch.nn.Module:
+    cls, config = build()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # off their initial values, so that a rule ignoring them shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+            elif "norm" in name.lower() and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def _data(model) -> tuple[ImportanceData, object]:
+    info = describe_model(model)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 9, (4,), generator=g).tolist()
+    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths]), info
+
+
+@pytest.mark.parametrize("family", CONSERVING)
+def test_lrp_conserves_relevance(family):
+    """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
+    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance)."""
+    model = _tiny(CONSERVING[family])
+    check_rules(model)
+    data, info = _data(model)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+
+
+def test_moshis_gating_mlp_is_a_gated_mlp_and_nanochats_plain_mlp_is_not():
+    """fc1/fc2/activation_fn is gated only where fc1 gives two halves (float64 for the product rule)."""
+    assert lrp_precision(_tiny(CONSERVING["moshi"])) == torch.float64
+    nanochat = tf.NanoChatForCausalLM(tf.NanoChatConfig(**_GQA))  # fc2(act(fc1 x)), no product
+    assert lrp_precision(nanochat) == torch.float32
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_lrp_is_refused_before_any_work(family):
+    build, message = REFUSED[family]
+    with torch.device("meta"):  # refused from the structure alone
+        with pytest.raises(HeadlabError, match=message):
+            check_rules(_tiny(build))
+    model = _tiny(build)
+    attention_blocks(model)  # discovery's probe pass (once, cached): not the measure's work
+    calls: list = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    data, info = _data(model)
+    with pytest.raises(HeadlabError, match=message):
+        compute_lrp(model, data, info, bootstrap=0)
+    assert not calls
