@@ -55,6 +55,14 @@ SEQ2SEQ_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_att
                      decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_layers=2,
                      num_decoder_layers=2, num_heads=4, d_kv=8, d_ff=40, decoder_start_token_id=0)
 GPT_SIZES = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_ctx=64, d_model=32, n_inner=40)
+EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial rotary, state-space mixers
+    moe_intermediate_size=40, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, shared_expert_intermediate_size=40, first_k_dense_replace=1, n_group=1, topk_group=1,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, rotary_dim=4,
+    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=1,
+    mamba_head_dim=8, ssm_state_size=8, window_size=4, attention_types=[[["global", "local"], 1]],
+    num_layers=2)
 AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one
 ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference
 
@@ -98,7 +106,8 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     """The tiny model, biases and norm weights moved off their initial values (so that they count)."""
     errors = []
     no_head_dim = {k: v for k, v in SIZES.items() if k != "head_dim"}  # a config whose head_dim is a property
-    for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
+    for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
+                  {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
         try:
             config = config_class(**sizes)

@@ -216,14 +216,18 @@ def norm_rule(module: nn.Module):
 
 def check_rules(model: nn.Module) -> None:
     """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
-    a normalisation headlab does not know (named by its class and path) or an in-place activation."""
-    for block in attention_blocks(model):
+    a normalisation headlab does not know (named by its class and path), an in-place activation, or a
+    token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
+    blocks = attention_blocks(model)
+    for block in blocks:
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
-    inside = {id(m) for block in attention_blocks(model) for m in block.module.modules()}
+    # the blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)
+    inside = {id(m) for block in blocks for m in block.module.modules()}
+    inside |= {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
     unknown: dict[str, list[str]] = {}
     for path, module in model.named_modules():
         try:
