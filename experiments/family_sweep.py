@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import re
 import signal
 import sys
 import time
@@ -185,6 +186,10 @@ def check_capture(eager, model, blocks, inputs, atol) -> None:
             ok, diff = close(record[key], reference_map, atol)
             if not ok:
                 raise Fail("capture", f"{key} differs from output_attentions by {diff:.3g}")
+            # the kind against the attention transformers computed: dec_self causal, enc_self not (row 0: no padding)
+            future = torch.triu(reference_map[0].abs().sum(0), diagonal=1).sum().item()
+            if kind == "dec_self" and future > 0 or kind == "enc_self" and future == 0:
+                raise Fail("kind", f"{key}: the attention is {'not ' if future > 0 else ''}causal")
 
 
 _TARGET: dict[int, list[int]] = {}  # id(core module) -> heads whose output the reference zeroes
@@ -347,8 +352,10 @@ def check_lrp(model, blocks) -> str | None:
         check_rules(model)
     except HeadlabError as error:
         return f"lrp refused: {str(error).splitlines()[0][:150]}"
+    # the first layer: the block's closest ancestor numbered in a module list (its input is the residual stream)
     name = blocks[0].name
-    first = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else blocks[0].module
+    layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
+    first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
     with torch.no_grad():
         for pname, parameter in model.named_parameters():
             if pname.endswith("bias"):
@@ -434,7 +441,7 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
                                f"({Path(frame.filename).name}:{frame.lineno})")
     found = blocks[0].family.name.split(":")[0] if ":" in blocks[0].family.name else "table"
     kinds = Counter(b.kind for b in blocks)
-    head = f"{found}, {', '.join(f'{n} {k}' for k, n in kinds.items())}"
+    head = f"{type(model).__name__}: {found}, {', '.join(f'{n} {k}' for k, n in kinds.items())}"
     return "pass", "", "; ".join([head] + [n for n in notes if n])
 
 

@@ -11,6 +11,10 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
 * refused: LFM2's MLP (``w2(silu(w1 x) * w3 x)``, the activation a function call), Falcon-H1's
   Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is no block).
 
+It also found two causal LMs whose attention says nowhere that it is causal (no ``is_causal``, no
+``is_decoder``): XGLM and Doge were taken for encoders (``enc_self``), and so for masked LMs, their
+importance measures computing the wrong objective; a ``...ForCausalLM`` class now makes them ``dec_self``.
+
 Tiny models built from their configs (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8,
 vocab 99), random biases and norm weights; no download.
 """
@@ -107,3 +111,22 @@ def test_lrp_is_refused_before_any_work(family):
     with pytest.raises(HeadlabError, match=message):
         compute_lrp(model, data, info, bootstrap=0)
     assert not calls
+
+
+CAUSAL = {
+    "xglm": lambda: (tf.XGLMForCausalLM, tf.XGLMConfig(vocab_size=99, d_model=32, num_layers=2, attention_heads=4,
+                                                       ffn_dim=37, max_position_embeddings=64, pad_token_id=2)),
+    "doge": lambda: (tf.DogeForCausalLM, tf.DogeConfig(**_GQA)),
+}
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_a_causal_lm_without_an_is_causal_flag_is_a_decoder(family):
+    """Its blocks are dec_self, the model a causal LM, and its attention (transformers' own
+    output_attentions) is indeed causal: nothing attends to a later position."""
+    model = _tiny(CAUSAL[family])
+    assert [(b.kind, b.layer) for b in attention_blocks(model)] == [("dec_self", 0), ("dec_self", 1)]
+    assert describe_model(model).arch == "causal"
+    with torch.no_grad():
+        maps = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), output_attentions=True).attentions
+    assert all(torch.triu(m[0], diagonal=1).abs().sum() == 0 for m in maps)
