@@ -11,7 +11,9 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
 * refused: LFM2's MLP (``w2(silu(w1 x) * w3 x)``, the activation a function call), Falcon-H1's
   Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is no block).
 
-It also found two causal LMs whose attention says nowhere that it is causal (no ``is_causal``, no
+It also found UMT5 and Switch Transformers (T5's layout: ``encoder.block.N.layer.0.SelfAttention``)
+refused, their layer index read off the wrong number of the path ("two modules claim enc_self layer 0"):
+they now use T5's table entry. And it found two causal LMs whose attention says nowhere that it is causal (no ``is_causal``, no
 ``is_decoder``): XGLM and Doge were taken for encoders (``enc_self``), and so for masked LMs, their
 importance measures computing the wrong objective; a ``...ForCausalLM`` class now makes them ``dec_self``.
 
@@ -130,3 +132,51 @@ def test_a_causal_lm_without_an_is_causal_flag_is_a_decoder(family):
     with torch.no_grad():
         maps = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), output_attentions=True).attentions
     assert all(torch.triu(m[0], diagonal=1).abs().sum() == 0 for m in maps)
+
+
+T5_LIKE = {
+    "umt5": lambda: (tf.UMT5ForConditionalGeneration, tf.UMT5Config(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+    "switch_transformers": lambda: (tf.SwitchTransformersForConditionalGeneration, tf.SwitchTransformersConfig(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, num_experts=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family", T5_LIKE)
+def test_t5_like_families_capture_and_mask_exactly(family):
+    """Every block found; capture equals transformers' own output_attentions (encoder, decoder,
+    cross); masking heads 2 and 3 of each kind's layer 1 equals zeroing their value rows by hand."""
+    from headlab import capture_attention, mask_heads
+
+    model = _tiny(T5_LIKE[family])
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads) for b in blocks] == [
+        ("enc_self", 0, 4), ("enc_self", 1, 4), ("dec_self", 0, 4), ("dec_cross", 0, 4), ("dec_self", 1, 4),
+        ("dec_cross", 1, 4)]
+    g = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(3, 99, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+              "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+    inputs["attention_mask"][1, -2:] = 0
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+        with capture_attention(model) as record:
+            before = model(**inputs).logits
+    references = {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
+                  "dec_cross": out.cross_attentions}
+    for (kind, layer), probs in record.items():
+        assert torch.equal(probs, references[kind][layer]), (kind, layer)
+    for block in blocks:
+        if block.layer != 1:
+            continue
+        with torch.no_grad(), mask_heads(model, {block.key: [2, 3]}):
+            masked = model(**inputs).logits
+        saved = block.v.weight.detach().clone()
+        with torch.no_grad():
+            block.v.weight[16:32] = 0  # heads 2 and 3's values (T5's v: heads x 8 rows, no bias)
+            zeroed = model(**inputs).logits
+            block.v.weight.copy_(saved)
+        assert not torch.allclose(masked, before)
+        torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)

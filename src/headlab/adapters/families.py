@@ -250,7 +250,7 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
     "distilbert": DISTILBERT,
     "gpt2": GPT2,
-    **dict.fromkeys(["t5", "mt5"], T5),
+    **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers"], T5),
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     "gpt_neox": GPT_NEOX,
     "phi3": PHI3,
