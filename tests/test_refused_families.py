@@ -130,3 +130,18 @@ def test_big_bird_with_full_attention_is_analysed():
     assert sorted(record) == [("enc_self", 0), ("enc_self", 1)]
     for layer in (0, 1):
         assert torch.equal(record[("enc_self", layer)], reference[layer])
+
+
+def test_a_forward_that_replaces_modules_is_refused_and_undone(monkeypatch):
+    """Without its config refusal, block-sparse BigBird swaps its attention modules for full ones in the
+    probe pass (inputs too short for block-sparse): refused, naming the module, the modules put back."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.UNSUPPORTED_CONFIGS, "big_bird")
+    model = _tiny("big_bird")
+    before = list(model.modules())
+    with pytest.raises(HeadlabError, match=r"replaced modules of the model during the probe pass "
+                                           r"\(.*layer.0.attention.self: BigBirdBlockSparseAttention -> "
+                                           r"BigBirdSelfAttention, and 1 more\)"):
+        attention_blocks(model)
+    assert list(model.modules()) == before

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import SUB_CONFIGS, Discovered, attention_configs, discover, maps, ran
+from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
 from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, UNSUPPORTED_CONFIGS, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
@@ -186,6 +186,8 @@ def _discovered_candidates(model: nn.Module) -> list:
     where = f"{type(model).__name__} (model_type {model_type!r})"
     try:
         found = discover(model)
+    except ModelChanged as error:
+        raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
         if named and _ships_with_transformers(model):
             return named
