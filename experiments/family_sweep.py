@@ -64,6 +64,27 @@ EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial
     mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=1,
     mamba_head_dim=8, ssm_state_size=8, window_size=4, attention_types=[[["global", "local"], 1]],
     num_layers=2)
+HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
+MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
+OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off its configuration_*.py)
+    **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "minicpm3", "sarvam_mla", "glm_moe_dsa")},
+    "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4},  # head_dim: the rotary part
+    **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=16, lru_width=32),
+    # the shared transformer's weights are tied across hybrid layers: two of them
+    "zamba": dict(layers_block_type=["mamba", "hybrid", "hybrid"], num_hidden_layers=3),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=40, moe_num_experts=4, moe_top_k=2)),
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=4,
+                         altup_num_inputs=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
+                         intermediate_size=[40, 40], activation_sparsity_pattern=[0.0, 0.0]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1),
+}
 AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one
 ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference
 
@@ -113,6 +134,7 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
+        sizes = {**sizes, **OVERRIDES.get(config_class.model_type, {})}
         try:
             config = config_class(**sizes)
             config._attn_implementation = implementation
@@ -298,6 +320,8 @@ def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
         # (b) the value weights zeroed by hand
         if here.shared:
             notes.append(f"{kind}: value reference n/a (shared layers: tests/test_shared_layers.py)")
+        elif _tied(model, here):
+            notes.append(f"{kind}: value reference n/a (its weights are tied to another depth's)")
         elif here.v is not None or here.qkv is not None:
             value_rows(here, kv)
             reference = logits(model, inputs)
@@ -307,6 +331,12 @@ def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
         else:
             notes.append(f"{kind}: no value projection named (value reference n/a)")
     return notes
+
+
+def _tied(model, block) -> bool:
+    """Whether the block's value weights are also held by another module (Zamba's shared transformer)."""
+    weight = (block.v if block.v is not None else block.qkv).weight
+    return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
 
 
 def _attention_configs(model):

@@ -180,3 +180,48 @@ def test_t5_like_families_capture_and_mask_exactly(family):
             block.v.weight.copy_(saved)
         assert not torch.allclose(masked, before)
         torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+
+
+def _zamba():
+    # one Mamba layer, then two hybrid layers whose shared transformer's weights are tied
+    return tf.ZambaForCausalLM, tf.ZambaConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        mamba_d_state=8, layers_block_type=["mamba", "hybrid", "hybrid"])
+
+
+def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work():
+    """Zamba's hybrid layers hold one set of attention weights (tied parameters, two modules).
+    Slicing layer 1's heads untied them in memory (masking-exact there), and transformers re-tied
+    them on loading, giving layer 2 layer 1's pruned weights: load_pruned gave a broken model.
+    Refused now, the model untouched; masking one depth stays exact."""
+    from headlab import mask_heads, prune_heads
+    from headlab.surgery import check_prunable
+
+    model = _tiny(_zamba)
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads) for b in blocks] == [("dec_self", 1, 4), ("dec_self", 2, 4)]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls: list = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(HeadlabError, match=r"physical pruning is refused: its weight model.layers.1.shared_transf."
+                                           r"self_attn.q_proj.weight is tied to model.layers.2"):
+        prune_heads(model, {("dec_self", 1): [3]})
+    with pytest.raises(HeadlabError, match="is tied to"):
+        check_prunable(model)
+    assert not calls
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert model.model.layers[1].shared_transf.self_attn.q_proj.weight is \
+        model.model.layers[2].shared_transf.self_attn.q_proj.weight
+    # masking layer 2 only: its heads' outputs zeroed, layer 1 unchanged (the attention function's reference)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad(), mask_heads(model, {("dec_self", 2): [2, 3]}):
+        masked = model(input_ids=ids).logits
+    attention = model.model.layers[2].shared_transf.self_attn
+    hook = attention.o_proj.register_forward_pre_hook(
+        lambda module, args: (args[0].reshape(*args[0].shape[:-1], 4, -1).index_fill(-2, torch.tensor([2, 3]), 0)
+                              .flatten(-2),))
+    with torch.no_grad():
+        zeroed = model(input_ids=ids).logits
+    hook.remove()
+    torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
