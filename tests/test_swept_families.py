@@ -55,6 +55,16 @@ REFUSED = {
         **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
         num_local_experts=2, num_experts_per_tok=1)),
         r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's alternating updates
+    "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
+        **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
+        lru_width=32)),
+        r"RecurrentGemmaRglru \(model.layers.0.temporal_block.rg_lru\): a state-space \(or linear recurrent\)"),
+    "gemma3n_text": (lambda: (tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
+        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.0, 0.0])),
+        r"Gemma3nTextAltUp \(model.layers.0.altup\): alternating updates"),
 }
 
 

@@ -257,7 +257,8 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
     """Why none of the rules covers ``module`` (None: they do, or it is none of these), found by
     the family sweep of session 22 (experiments/family_sweep.py), where relevance was not conserved."""
     name = type(module).__name__
-    if isinstance(getattr(module, "A_log", None), torch.Tensor):  # Mamba's, Mamba-2's and gated delta nets' decay
+    # Mamba's, Mamba-2's and gated delta nets' decay; RecurrentGemma's RG-LRU's (Griffin)
+    if any(isinstance(getattr(module, decay, None), torch.Tensor) for decay in ("A_log", "recurrent_param")):
         return ("a state-space (or linear recurrent) token mixer beside the attention: its recurrence multiplies "
                 "values computed from its input, which none of headlab's rules splits, so relevance would not be "
                 "conserved; the other measures work on the model's attention layers")
@@ -266,6 +267,10 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
                 "lightning attention: linear attention, no per-head probabilities), and none of its rules covers "
                 "it, so relevance would not be conserved; the other measures work on the attention blocks")
     children = dict(module.named_children())
+    if all(isinstance(children.get(n), nn.Linear) for n in ("prediction_coefs", "correction_coefs")):
+        return ("alternating updates (Gemma 3n's AltUp): the residual stream is several streams, mixed by "
+                "coefficients computed from the input (products of two functions of it), which none of headlab's "
+                "rules splits, so relevance would not be conserved; the other measures work on the attention layers")
     if all(isinstance(children.get(n), nn.Linear) for n in ("w1", "w2", "w3")) \
             and not any(_is_activation(child) for child in children.values()):
         return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, so the "
