@@ -335,7 +335,10 @@ def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
 
 def _tied(model, block) -> bool:
     """Whether the block's value weights are also held by another module (Zamba's shared transformer)."""
-    weight = (block.v if block.v is not None else block.qkv).weight
+    projection = block.v if block.v is not None else block.qkv
+    if projection is None:
+        return False
+    weight = projection.weight
     return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
 
 
