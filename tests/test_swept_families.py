@@ -235,3 +235,47 @@ def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work
         zeroed = model(input_ids=ids).logits
     hook.remove()
     torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+
+
+BERT_DECODERS = {
+    "bert": lambda: (tf.BertLMHeadModel, tf.BertConfig),
+    "roberta": lambda: (tf.RobertaForCausalLM, tf.RobertaConfig),
+}
+
+
+@pytest.mark.parametrize("family", BERT_DECODERS)
+def test_a_bert_style_decoder_is_a_decoder(family):
+    """BERT-style causal LMs (``is_decoder=True``, with cross-attention layers) attend causally: their
+    blocks were enc_self (the encoder's table entry) and the model a masked LM; now dec_self and
+    dec_cross. Capture equals output_attentions; masking equals zeroing the value rows by hand."""
+    from headlab import capture_attention, mask_heads
+
+    cls, config_class = BERT_DECODERS[family]()
+    config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=64, pad_token_id=2, is_decoder=True,
+                          add_cross_attention=True)
+    model = _tiny(lambda: (cls, config))
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer) for b in blocks] == [("dec_self", 0), ("dec_cross", 0), ("dec_self", 1), ("dec_cross", 1)]
+    assert describe_model(model).arch == "causal"
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        maps = model(input_ids=ids, output_attentions=True).attentions
+        with capture_attention(model) as record:
+            before = model(input_ids=ids).logits
+        with mask_heads(model, {("dec_self", 1): [2, 3]}):
+            masked = model(input_ids=ids).logits
+        value = blocks[2].v
+        value.weight[16:32] = 0
+        value.bias[16:32] = 0
+        zeroed = model(input_ids=ids).logits
+    assert sorted(record) == [("dec_self", 0), ("dec_self", 1)]  # the cross-attention does not run without an encoder
+    for layer in (0, 1):
+        assert torch.equal(record[("dec_self", layer)], maps[layer])
+        assert torch.triu(maps[layer][0], diagonal=1).abs().sum() == 0
+    assert not torch.allclose(masked, before)
+    torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+    # without is_decoder: the encoder's entry, as before
+    plain = _tiny(lambda: (cls, config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=37, max_position_embeddings=64, pad_token_id=2)))
+    assert [b.kind for b in attention_blocks(plain)] == ["enc_self", "enc_self"]

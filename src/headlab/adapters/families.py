@@ -241,6 +241,24 @@ def falcon(config: Any) -> Family:
     return _falcon("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 
+BERT_LIKE_DECODER = Family(
+    name="bert-like-decoder",
+    patterns=(("dec_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),
+              ("dec_cross", r"(?:^|\.)encoder\.layer\.(\d+)\.crossattention$")),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+)
+
+
+def bert_like(config: Any) -> Family:
+    """BERT-style models with ``is_decoder`` (BertLMHeadModel, RobertaForCausalLM) attend causally, and
+    with ``add_cross_attention`` hold a cross-attention per layer: their layers are a decoder's (the
+    encoder's entry called them enc_self: found by the session-22 family sweep)."""
+    return BERT_LIKE_DECODER if getattr(config, "is_decoder", False) else BERT_LIKE
+
+
 def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
@@ -262,7 +280,8 @@ FAMILIES: dict[str, Family] = {
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode}
+CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode,
+                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], bert_like)}
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
