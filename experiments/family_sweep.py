@@ -70,6 +70,10 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "minicpm3", "sarvam_mla", "glm_moe_dsa")},
     "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4},  # head_dim: the rotary part
     **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    "kimi_linear": dict(num_key_value_heads=4, num_local_experts=4, linear_head_dim=8, linear_num_heads=4,
+                        layer_types=HYBRID),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False),
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),

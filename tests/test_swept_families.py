@@ -55,7 +55,7 @@ REFUSED = {
         **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
         num_local_experts=2, num_experts_per_tok=1)),
         r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
-    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's alternating updates
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's and Gemma 4's per-layer inputs
     "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
         **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
         lru_width=32)),
@@ -64,7 +64,11 @@ REFUSED = {
         **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.0, 0.0])),
-        r"Gemma3nTextAltUp \(model.layers.0.altup\): alternating updates"),
+        r"Gemma3nTextDecoderLayer \(model.layers.0\): per-layer inputs"),
+    "gemma4_text": (lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
+        **_GQA, layer_types=["sliding_attention", "full_attention"], sliding_window=4, global_head_dim=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)),
+        r"Gemma4TextDecoderLayer \(model.layers.0\): per-layer inputs"),
 }
 
 
@@ -279,3 +283,12 @@ def test_a_bert_style_decoder_is_a_decoder(family):
     plain = _tiny(lambda: (cls, config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                              intermediate_size=37, max_position_embeddings=64, pad_token_id=2)))
     assert [b.kind for b in attention_blocks(plain)] == ["enc_self", "enc_self"]
+
+
+def test_gemma3ns_alternating_updates_have_no_rule():
+    """Gemma 3n's layers are refused for their per-layer inputs first; its AltUp module is refused too."""
+    from headlab.importance.rules import _no_rule
+
+    with torch.device("meta"):
+        model = _tiny(REFUSED["gemma3n_text"][0])
+    assert "alternating updates" in _no_rule(model.model.layers[0].altup, "model.layers.0.altup", set())

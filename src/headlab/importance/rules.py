@@ -271,6 +271,11 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
         return ("alternating updates (Gemma 3n's AltUp): the residual stream is several streams, mixed by "
                 "coefficients computed from the input (products of two functions of it), which none of headlab's "
                 "rules splits, so relevance would not be conserved; the other measures work on the attention layers")
+    if all(isinstance(children.get(n), nn.Linear) for n in ("per_layer_input_gate", "per_layer_projection")):
+        return ("per-layer inputs (Gemma 3n's, Gemma 4's): every layer multiplies a function of its input by a "
+                "second stream computed from the token embeddings, which reaches the layer beside the residual "
+                "stream; none of headlab's rules splits that product, so relevance would not be conserved; the "
+                "other measures work on the attention layers")
     if all(isinstance(children.get(n), nn.Linear) for n in ("w1", "w2", "w3")) \
             and not any(_is_activation(child) for child in children.values()):
         return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, so the "
