@@ -244,14 +244,18 @@ def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work
 BERT_DECODERS = {
     "bert": lambda: (tf.BertLMHeadModel, tf.BertConfig),
     "roberta": lambda: (tf.RobertaForCausalLM, tf.RobertaConfig),
+    # found at run time (no table): the cross-attention was another dec_self of its layer ("two modules claim")
+    "bert-generation": lambda: (tf.BertGenerationDecoder, tf.BertGenerationConfig),
+    "data2vec-text": lambda: (tf.Data2VecTextForCausalLM, tf.Data2VecTextConfig),
 }
 
 
 @pytest.mark.parametrize("family", BERT_DECODERS)
 def test_a_bert_style_decoder_is_a_decoder(family):
     """BERT-style causal LMs (``is_decoder=True``, with cross-attention layers) attend causally: their
-    blocks were enc_self (the encoder's table entry) and the model a masked LM; now dec_self and
-    dec_cross. Capture equals output_attentions; masking equals zeroing the value rows by hand."""
+    blocks were enc_self (BERT, RoBERTa: the encoder's table entry) and the model a masked LM, or the
+    model was refused (found at run time: "two modules claim dec_self layer 0", the cross-attention's
+    too); now dec_self and dec_cross. Capture equals output_attentions; masking equals zeroing the value rows by hand."""
     from headlab import capture_attention, mask_heads
 
     cls, config_class = BERT_DECODERS[family]()

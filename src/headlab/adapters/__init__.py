@@ -271,6 +271,10 @@ def _guess_kind(name: str, module: nn.Module, config: Any, model: nn.Module | No
         return "dec_cross" if any(word in last for word in _CROSS_WORDS) else "dec_self"
     if "encoder" in lowered and getattr(config, "is_encoder_decoder", False):
         return "enc_self"
+    if getattr(config, "is_decoder", False) and any(word in lowered.rsplit(".", 1)[-1] for word in _CROSS_WORDS):
+        # BERT-style decoders (is_decoder, add_cross_attention): bert.encoder.layer.N.crossattention was
+        # another dec_self of layer N (refused: "two modules claim"), found by the session-22 sweep
+        return "dec_cross"
     causal = getattr(module, "is_causal", None)
     if causal is None and isinstance(getattr(module, "is_decoder", None), bool):
         causal = module.is_decoder  # XGLM's attention: is_decoder=True in its (causal) decoder layers
