@@ -3,7 +3,8 @@
 For each ``model_type`` of transformers' ``CONFIG_MAPPING`` with a causal-LM, masked-LM or
 sequence-to-sequence LM class, a tiny random model is built from its config (hidden 32, 2 layers,
 4 query heads over 2 key/value heads of 8, vocab 99; float64 where the model runs in it; types
-whose config ignores the tiny sizes, over 3M parameters, are skipped), with no download, and the
+whose config ignores the tiny sizes, over 3M parameters, are skipped; ``OVERRIDES`` gives the types
+that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba), with no download, and the
 checks of tests/support/family_matrix.py are run through headlab's public functions:
 
 * ``blocks``: :func:`headlab.attention_blocks` finds it, or refuses it (``HeadlabError``);
