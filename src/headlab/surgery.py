@@ -470,6 +470,7 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
     for block, *_ in plans:  # fused layouts and projections the slicing here does not know
         check_block_sliceable(block)
+    _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
@@ -480,6 +481,24 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
                 "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
                 model_type=_model_type(model), block=block.key,
             )
+
+
+def _refuse_tied(model: nn.Module, blocks: list[AttentionBlock]) -> None:
+    """Refuse a block whose weights are tied to another module's (Zamba's shared transformer: one
+    set of attention weights held by the modules of several depths). Slicing would untie them in
+    memory, and transformers re-ties them on loading, giving every depth the pruned layer's weights."""
+    owners: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(parameter), []).append(name)
+    for block in blocks:
+        for name, parameter in block.module.named_parameters(prefix=block.name, remove_duplicate=False):
+            elsewhere = [n for n in owners.get(id(parameter), ()) if not n.startswith(block.name + ".")]
+            if elsewhere:
+                raise HeadlabError(
+                    f"{block.name} ({block.family.name}): physical pruning is refused: its weight {name} is tied to "
+                    f"{elsewhere[0]}{f' and {len(elsewhere) - 1} more' if len(elsewhere) > 1 else ''}, so slicing a "
+                    "head out of it would remove it at every depth that holds it; mask the heads instead (mask_heads, "
+                    "or headlab prune train's gates)")
 
 
 def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> None:
