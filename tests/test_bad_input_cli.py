@@ -460,3 +460,76 @@ def test_sweep_refuses_a_budget_above_the_gated_heads_before_any_point(inputs, t
                  "--keeps", "2,999", "--out", str(out)]) == 2
     assert "--keeps 999 is larger than the 8 gated heads (enc_self)" in capsys.readouterr().err
     assert not (out / "full.json").exists()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--conllu-limit", "2"], "--conllu-limit: this option acts on the treebank of the head functions and aggregate "
+                              "statistics, and no --conllu was given: give --conllu FILE, or leave it out"),
+    (["--train-text", "SOURCE"], "--train-text: this option acts on the treebank"),
+    (["--window", "5", "--relations", "nsubj"], "--relations, --window: these options act on the treebank of the head "
+                                                "functions and aggregate statistics, and no --conllu was given: give "
+                                                "--conllu FILE, or leave them out"),
+    (["--ablation", "--metric", "bleu"], "--metric bleu: the ablation's BLEU needs a translation model and reference "
+                                         "translations (--target); give --target FILE, or use --metric loss"),
+])
+def test_analyze_refuses_options_that_cannot_act_before_any_work(extra, expected, inputs, tmp_path, capsys, monkeypatch):
+    """Regression: without --conllu, analyze ran every stage and ignored --conllu-limit, --train-text
+    and the statistics' options (--window, ...) without a word; --ablation --metric bleu without
+    --target ran the other measures and failed the ablation stage (exit 1)."""
+    forbid_model_loading(monkeypatch)
+    source = str(inputs / "src.txt")
+    out = tmp_path / "o"
+    assert main(["analyze", str(inputs / "model"), "--source", source, "--out", str(out),
+                 *[source if e == "SOURCE" else e for e in extra]]) == 2
+    assert expected in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def language_model(tmp_path_factory):
+    from support.bad_input import WORDS
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    tiny_model("gpt2").save_pretrained(path)
+    word_tokenizer(WORDS, style="gpt2").save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model, extra, expected", [
+    ("gpt2", ["--target", "SOURCE"], "--target: reference translations are for translation (encoder-decoder) models, "
+                                     "and {model} is a gpt2 model that does not translate; leave --target out"),
+    ("gpt2", ["--beam", "3"], "--beam 3: the beam of the model's translations, and {model} is a gpt2 model that does "
+                              "not translate; leave --beam out"),
+    ("gpt2", ["--ablation", "--metric", "bleu"], "--metric bleu: the ablation's BLEU needs a translation model and "
+                                                 "reference translations (--target); {model} is a gpt2 model"),
+    ("marian", ["--target", "SOURCE", "--ablation", "--metric", "accuracy"],
+     "--metric accuracy: the ablation's accuracy is a sequence classifier's, and {model} is a translation model; use "
+     "--metric loss or bleu"),
+])
+def test_analyze_refuses_options_for_another_kind_of_model_before_any_work(model, extra, expected, inputs,
+                                                                            language_model, tmp_path, capsys, monkeypatch):
+    """Regression: --target with a model that does not translate failed every importance stage,
+    and --ablation --metric accuracy with one that does not classify the ablation stage, after
+    the other stages had run (exit 1); --beam of a model that does not translate was ignored."""
+    forbid_model_loading(monkeypatch)
+    path = language_model if model == "gpt2" else inputs / "model"
+    source = str(inputs / "src.txt")
+    out = tmp_path / "o"
+    assert main(["analyze", str(path), "--source", source, "--out", str(out),
+                 *[source if e == "SOURCE" else e for e in extra]]) == 2
+    assert expected.format(model=path) in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_options_of_the_treebank_are_taken_with_one_or_at_their_defaults(inputs, tmp_path):
+    """What the refusal above leaves alone: each with --conllu, and a statistic's default given without it."""
+    from headlab.pipeline.pipeline import AnalyzeConfig, check_treebank_options
+
+    source, conllu = str(inputs / "src.txt"), str(inputs / "tb.conllu")
+    base = {"model": str(inputs / "model"), "source": source, "out": str(tmp_path / "o")}
+    check_treebank_options(AnalyzeConfig(**base, conllu=conllu, conllu_limit=2, train_text=(source,), window=5))
+    check_treebank_options(AnalyzeConfig(**base, window=10, top_k=5))  # the defaults, spelt out
+    with pytest.raises(HeadlabError, match="--top-k: this option"):
+        check_treebank_options(AnalyzeConfig(**base, window=10, top_k=3))

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -267,36 +268,55 @@ def test_export_takes_a_checkpoint_of_the_run_never_a_path(tmp_path, capsys):
     assert not out.exists()
 
 
+@contextmanager
+def _locked_by_another_process(run):
+    """``run``'s lock held by a live process other than this one (a training, say), for the block:
+    yields its pid; the process is killed after the block, so that its lock is stale."""
+    from headlab.lock import LOCK_FILE, _start_time
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / LOCK_FILE).parent.mkdir()
+        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _lock_holders_at_each_call(monkeypatch, module, name, run) -> list:
+    """``module.name`` replaced by a spy that calls it and records, at each call, the pid that holds
+    ``run``'s lock: the list it fills."""
+    from headlab.lock import LOCK_FILE
+
+    holders = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return holders
+
+
 def test_average_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
     """Regression: `nmt average` wrote DIR/averaged-lastN without the run's lock, so a training still
     writing DIR (which averages into the same place when it reaches --epochs) or a second average
     could interleave their writes. It now holds DIR/.headlab/lock while it reads and writes."""
     import headlab.training.loop
-    from headlab.lock import LOCK_FILE, _start_time
+    from headlab.lock import LOCK_FILE
 
     run = tmp_path / "run"
     for epoch in (1, 2):
         save_tiny_marian(run / "epochs" / f"epoch-{epoch:03d}")
     shutil.copytree(run / "epochs" / "epoch-001", run / "tokenizer")
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a training, say
-    try:
-        (run / LOCK_FILE).parent.mkdir()
-        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
-                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+    with _locked_by_another_process(run) as pid:
         assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 2
-        assert f"--run {run} is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+        assert f"--run {run} is in use by another headlab run (pid {pid}" in capsys.readouterr().err
         assert not (run / "averaged-last2").exists() and not (run / ".averaged-last2.tmp").exists()
-    finally:
-        holder.kill()
-        holder.wait()
-    holders = []
-    average = headlab.training.loop.average_checkpoints
-
-    def spy(paths):
-        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
-        return average(paths)
-
-    monkeypatch.setattr(headlab.training.loop, "average_checkpoints", spy)
+    holders = _lock_holders_at_each_call(monkeypatch, headlab.training.loop, "average_checkpoints", run)
     assert main(["nmt", "average", "--run", str(run), "--last", "2"]) == 0  # the holder is gone: stale, taken over
     assert holders == [os.getpid()] and not (run / LOCK_FILE).exists()
     assert (run / "averaged-last2" / "model.safetensors").is_file()
@@ -307,31 +327,17 @@ def test_export_holds_the_runs_lock(tmp_path, capsys, monkeypatch):
     a training still writing the run could copy a half-written checkpoint. Like `nmt average`, they
     now hold DIR/.headlab/lock while they read the run, and refuse while another run holds it."""
     import headlab.nmt.export
-    from headlab.lock import LOCK_FILE, _start_time
+    from headlab.lock import LOCK_FILE
 
     run = tmp_path / "run"
     save_tiny_marian(run / "last")
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a training, say
-    try:
-        (run / LOCK_FILE).parent.mkdir()
-        (run / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
-                                                 "pid_start": _start_time(holder.pid), "started": "now"}))
+    with _locked_by_another_process(run) as pid:
         for trainer in ("nmt", "lm"):
             out = tmp_path / f"{trainer}-model"
             assert main([trainer, "export", "--run", str(run), "--checkpoint", "last", "--to", str(out)]) == 2
-            assert f"--run {run} is in use by another headlab run (pid {holder.pid}" in capsys.readouterr().err
+            assert f"--run {run} is in use by another headlab run (pid {pid}" in capsys.readouterr().err
             assert not out.exists()
-    finally:
-        holder.kill()
-        holder.wait()
-    holders = []
-    load = headlab.nmt.export._load_checkpoint
-
-    def spy(path):
-        holders.append(json.loads((run / LOCK_FILE).read_text())["pid"])
-        return load(path)
-
-    monkeypatch.setattr(headlab.nmt.export, "_load_checkpoint", spy)
+    holders = _lock_holders_at_each_call(monkeypatch, headlab.nmt.export, "_load_checkpoint", run)
     out = tmp_path / "model"
     assert main(["nmt", "export", "--run", str(run), "--checkpoint", "last", "--to", str(out)]) == 0  # stale: taken over
     assert holders == [os.getpid()] and not (run / LOCK_FILE).exists()

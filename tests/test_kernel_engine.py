@@ -83,6 +83,26 @@ def test_what_the_kernel_cannot_serve_runs_fused_and_says_so(tmp_path, family, w
                   _written(fused.results.values(), tmp_path / "fused"), atol=0.0)
 
 
+def test_bfloat16_under_the_interpreter_runs_fused_and_says_so(tmp_path):
+    """Regression: triton's interpreter multiplies bfloat16's bit patterns in ``tl.dot``
+    (triton-lang/triton#11584), so a bfloat16 model's kernel statistics were garbage on the CPU
+    (offsets, counts, entropies all wrong, silently). The kernel now refuses bfloat16 there: the
+    fused engine runs, recorded, and the files are its own."""
+    import torch
+
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    model = tiny_model("bert", attn_implementation="sdpa").to(torch.bfloat16)
+    written, reports = {}, {}
+    for engine in ("fused", "kernel"):
+        config = AnalysisConfig(batch_size=3, window=4, top_k=3, engine=engine)
+        analysis = analyze_heads(model, word_tokenizer(), path, config=config)
+        written[engine], reports[engine] = _written(analysis.results.values(), tmp_path / engine), analysis.report
+    assert list(reports["kernel"].kernel_fallback) == ["model"]
+    assert "bfloat16 under triton's interpreter" in reports["kernel"].kernel_fallback["model"]
+    _assert_close(written["kernel"], written["fused"], atol=0.0)
+
+
 def test_a_statistic_without_the_kernel_passes_sends_the_call_to_fused(tmp_path):
     """``--min-weight`` > 0: the aggregate statistics declare no fused passes (a threshold on each
     weight is no sum linear in the weights), so every call runs fused, named by the statistic."""
@@ -212,9 +232,9 @@ def _sliding_mistral():
 
 
 def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, capsys):
-    """``headlab analyze --engine kernel`` (functions and aggregate in the kernel, confidence on the
-    fused engine) writes the files ``--engine fused`` writes; outside the interpreter on the CPU it
-    is refused before the first stage, as ``functions --engine kernel`` is."""
+    """``headlab analyze --engine kernel`` (confidence, functions and aggregate in the kernel) writes
+    the files ``--engine fused`` writes; outside the interpreter on the CPU it is refused before the
+    first stage, as ``functions --engine kernel`` is."""
     import json
 
     from headlab.cli import main

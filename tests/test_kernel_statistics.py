@@ -206,3 +206,28 @@ def test_outside_the_interpreter_a_cpu_tensor_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, *_ = _inputs(37, 16)
     assert "CUDA" in refusal(q, k, v)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a sparse file mapped as the mask: CPU memory")
+def test_offsets_past_2_to_the_31_do_not_wrap(tmp_path):
+    """A mask row's offset ``row x stride`` past 2^31 (a [B, 1, Q, K] mask at 64k tokens has 2^32
+    entries) is computed in 64 bits: in 32 bits it wrapped to a negative offset and the rows past
+    it read other bytes (here: zeros, rows that saw no key). The mask is a view into a sparse
+    file of 6.4 GB, only its 64 rows written, laid at 2^31 bytes into it so that a wrapped offset
+    still reads mapped memory rather than crashing."""
+    Q, stride, start = 64, 1 << 26, 1 << 31  # rows 32..63 start at 2^31 bytes and beyond
+    path = tmp_path / "mask.bin"
+    size = start + Q * stride
+    with open(path, "wb") as file:
+        file.truncate(size)  # sparse: no disk space but the pages written
+    storage = torch.from_file(str(path), shared=True, size=size, dtype=torch.bool)
+    q, k, v, _, eligible, features = (x[:1] for x in _inputs(Q, 16, H=2, Hkv=1))  # one sentence
+    small = torch.rand(Q, Q, generator=torch.Generator().manual_seed(4)) > 0.2
+    small.fill_diagonal_(True)
+    mask = storage.as_strided((1, 1, Q, Q), (0, 0, stride, 1), start)
+    mask[0, 0] = small
+    got = _kernel(q, k, v, mask=mask, eligible=eligible, features=features, block_m=16, block_n=16)
+    want = _kernel(q, k, v, mask=small[None, None], eligible=eligible, features=features, block_m=16, block_n=16)
+    assert bool(got.lse.isfinite().all())
+    for name in ("out", "lse", "max_score", "argmax", "linear", "linear_lower", "score_dot"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -2,8 +2,11 @@
 (issue 31). The survey (benchmarks/survey_families.py, docs/benchmarks.md) found them accepted by the
 name-based discovery, then failing at run time (no [batch, heads, q, k] probabilities in their
 attention's output), and BigBird-Pegasus analysed on its decoder only, its encoder's attention
-silently missing. Tiny models built from their configs; a type the installed transformers lacks or
-cannot build is skipped.
+silently missing. The family sweep of session 22 (experiments/family_sweep.py) added FSMT (capture
+crashed: no probabilities without output_attentions) and BigBird in its default block-sparse
+attention (its probe pass swapped the attention modules, and capture then recorded nothing); BigBird
+with full attention stays supported. Tiny models built from their configs; a type the installed
+transformers lacks or cannot build is skipped.
 """
 
 from __future__ import annotations
@@ -26,19 +29,26 @@ _EXTRA = {
                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
                             attention_type="original_full"),
     "longformer": dict(attention_window=4),
+    "fsmt": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=37, decoder_ffn_dim=37, src_vocab_size=99, tgt_vocab_size=99),
+    "big_bird": dict(attention_type="block_sparse"),  # its config's default
 }
 # model type -> a word of the reason given
 REFUSED = {"xlm": "output_attentions", "flaubert": "output_attentions", "mpnet": "output_attentions",
            "tapas": "output_attentions", "nystromformer": "output_attentions", "trocr": "output_attentions",
            "longformer": "sliding-window", "mra": "multi-resolution", "yoso": "hashing",
-           "bigbird_pegasus": "encoder"}
+           "bigbird_pegasus": "encoder", "fsmt": "output_attentions", "big_bird": "block-sparse"}
 
 
 def _tiny(model_type: str) -> torch.nn.Module:
+    return _tiny_config(model_type, **_EXTRA.get(model_type, {}))
+
+
+def _tiny_config(model_type: str, **extra) -> torch.nn.Module:
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     try:
-        config = CONFIG_MAPPING[model_type](**_COMMON, **_EXTRA.get(model_type, {}))
+        config = CONFIG_MAPPING[model_type](**_COMMON, **extra)
         torch.manual_seed(0)
         return model_class_for(config)(config).eval()
     except Exception as error:  # noqa: BLE001 - any config of this transformers: skipped, said why
@@ -100,3 +110,38 @@ def test_name_based_blocks_that_return_weights_stay_found(model_type):
     blocks = attention_blocks(model)
     assert [(b.layer, b.n_heads, b.family.name) for b in blocks] == \
         [(0, 4, f"generic:{model_type}"), (1, 4, f"generic:{model_type}")]
+
+
+def test_big_bird_with_full_attention_is_analysed():
+    """BigBird refused in its block-sparse default only: with attention_type='original_full' its blocks
+    are found and capture equals transformers' own output_attentions."""
+    from headlab import capture_attention
+
+    model = _tiny_config("big_bird", attention_type="original_full")
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads) for b in blocks] == [("enc_self", 0, 4), ("enc_self", 1, 4)]
+    with torch.no_grad(), capture_attention(model) as record:
+        model(input_ids=ids, attention_mask=mask)
+    assert sorted(record) == [("enc_self", 0), ("enc_self", 1)]
+    for layer in (0, 1):
+        assert torch.equal(record[("enc_self", layer)], reference[layer])
+
+
+def test_a_forward_that_replaces_modules_is_refused_and_undone(monkeypatch):
+    """Without its config refusal, block-sparse BigBird swaps its attention modules for full ones in the
+    probe pass (inputs too short for block-sparse): refused, naming the module, the modules put back."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.UNSUPPORTED_CONFIGS, "big_bird")
+    model = _tiny("big_bird")
+    before = list(model.modules())
+    with pytest.raises(HeadlabError, match=r"replaced modules of the model during the probe pass "
+                                           r"\(.*layer.0.attention.self: BigBirdBlockSparseAttention -> "
+                                           r"BigBirdSelfAttention, and 1 more\)"):
+        attention_blocks(model)
+    assert list(model.modules()) == before

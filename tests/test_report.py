@@ -448,3 +448,54 @@ def test_viewer_sentences_are_cut_to_max_length_as_the_statistics_cut_them(tmp_p
                             max_sentences=2, max_length=5)
     payload = json.loads((tmp_path / "t" / "attention" / "sentence-000.json").read_text())
     assert len(payload["tokens"]["source"]) <= 5 and None in payload["gold"]["spans"]
+
+
+def test_a_file_of_a_done_stage_that_is_missing_is_noted_in_its_section(analysis_dir, tmp_path):
+    """Regression: a file that manifest.json lists as an output of a done stage, deleted or not
+    copied with the directory, was read as never computed: the importance section showed the other
+    measures' heatmaps and left LRP's out without a word (so did the aggregate section)."""
+    directory = tmp_path / "copy"
+    shutil.copytree(analysis_dir, directory)
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    outputs = {"importance": ["importance/confidence.json", "importance/lrp.json", "importance/gradient.json"],
+               "aggregate": sorted(p.relative_to(directory).as_posix() for p in (directory / "aggregate").rglob("*.json"))}
+    for stage in manifest["stages"]:
+        stage["outputs"] = outputs.get(stage["name"], stage["outputs"])
+    (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    html = build_report(directory).read_text(encoding="utf-8")
+    assert "recorded as done" not in html  # every file there: nothing to say
+    (directory / "importance" / "lrp.json").unlink()
+    shutil.rmtree(directory / "aggregate")
+    html = build_report(directory).read_text(encoding="utf-8")
+    assert ("stage importance is recorded as done, but 1 file it wrote is missing from the directory: "
+            "importance/lrp.json") in _section(html, "importance")
+    assert ("stage aggregate is recorded as done, but 7 files it wrote are missing from the directory: "
+            "aggregate/dependency_alignment.json, aggregate/exemplars.json, aggregate/mean_distance.json, "
+            "aggregate/mean_entropy.json (+3 more)") in _section(html, "aggregate")
+    assert "lrp" not in {h["name"] for h in _data(html)["heatmaps"]}
+
+
+def test_the_notebook_page_says_which_files_are_missing_and_not_those_it_does_not_hold(analysis_dir, tmp_path):
+    """An Analysis holds no figures, heads.csv or pruning results: its page does not call them
+    missing; a file of a done stage missing from the directory it was loaded from, it does, and
+    so does the Analysis (Regression: its LRP table was left out without a word)."""
+    import headlab
+
+    directory = tmp_path / "copy"
+    shutil.copytree(analysis_dir, directory)
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    manifest["stages"] += [{"name": "table", "status": "done", "reason": None, "seconds": 1.0, "outputs": ["heads.csv"]},
+                           {"name": "lrp", "status": "done", "reason": None, "seconds": 1.0,
+                            "outputs": ["importance/lrp.json"]}]
+    (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    (directory / "heads.csv").write_text("model,run\n", encoding="utf-8")
+    analysis = headlab.Analysis.load(directory)
+    assert "recorded as done" not in analysis.report_html() and "lrp" not in analysis.skipped
+    (directory / "importance" / "lrp.json").unlink()
+    analysis = headlab.Analysis.load(directory)
+    page = analysis.report_html()
+    assert page.count("recorded as done") == 1
+    assert "stage lrp is recorded as done, but 1 file it wrote is missing from the directory: importance/lrp.json" in page
+    assert analysis.skipped["lrp"] == (f"recorded as done in manifest.json, but importance/lrp.json is missing from "
+                                       f"{directory}")
+    assert "skipped lrp: recorded as done" in repr(analysis)

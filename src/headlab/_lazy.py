@@ -4,6 +4,7 @@ first use."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
@@ -113,6 +114,10 @@ def callable_module(name: str, target: str) -> None:
     class CallableModule(type(module)):  # type: ignore[misc]
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return getattr(import_module(path), attribute)(*args, **kwargs)
+
+        @property  # inspect.signature(headlab.importance): the target's, not (*args, **kwargs)
+        def __signature__(self) -> inspect.Signature:
+            return inspect.signature(getattr(import_module(path), attribute))
 
     CallableModule.__call__.__doc__ = f"Calls {target}."
     module.__class__ = CallableModule

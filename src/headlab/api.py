@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import HeadScores, format_head
+from headlab.heads import HeadScores, format_head, normalised_per_layer, not_comparable_across_layers
 from headlab.importance.registry import DEFAULT_MEASURES
+from headlab.options import checked_keywords
 
 if TYPE_CHECKING:
     from torch import nn
@@ -181,6 +182,28 @@ def _importance_config(measures: str | Sequence[str], batch_size: int, progress:
     return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
 
 
+def _config_keywords(config: Any, *set_here: str) -> set[str]:
+    """The keywords of ``config`` (its fields and its plug-ins' options) that a function's
+    ``**options`` passes on: all but those the function sets itself (``set_here``)."""
+    from dataclasses import fields
+
+    return ({f.name for f in fields(config)} | {s.dest for s in config.plugin_specs()}) - set(set_here)
+
+
+def _importance_options() -> set[str]:
+    from headlab.importance.config import ImportanceConfig
+
+    return _config_keywords(ImportanceConfig, "methods", "batch_size", "progress")
+
+
+def _analysis_options() -> set[str]:
+    from headlab.functions.config import AnalysisConfig
+
+    return _config_keywords(AnalysisConfig, "functions", "aggregate", "batch_size", "max_sentences", "max_length",
+                            "query_chunk")
+
+
+@checked_keywords(_importance_options)
 def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, targets: Sequence[str] | None = None,
                labels: Sequence[int | str] | None = None, measures: str | Sequence[str] = DEFAULT_MEASURES,
                limit: int | None = None, batch_size: int = 32, max_length: int | None = None,
@@ -227,6 +250,7 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
     return analysis
 
 
+@checked_keywords(_analysis_options)
 def functions(model: nn.Module, tokenizer: Any, treebank: Any, *, frequency_texts: Iterable[str] | None = None,
               limit: int | None = None, batch_size: int = 32, max_length: int | None = None, query_chunk: int | None = None,
               progress: bool = False, **options: Any) -> "HeadAnalysis":
@@ -238,6 +262,7 @@ def functions(model: nn.Module, tokenizer: Any, treebank: Any, *, frequency_text
                       options=options)
 
 
+@checked_keywords(_analysis_options)
 def aggregate(model: nn.Module, tokenizer: Any, treebank: Any, *, limit: int | None = None, batch_size: int = 32,
               max_length: int | None = None, query_chunk: int | None = None, progress: bool = False,
               **options: Any) -> "AggregateResult":
@@ -248,6 +273,7 @@ def aggregate(model: nn.Module, tokenizer: Any, treebank: Any, *, limit: int | N
     return analysis.aggregate
 
 
+@checked_keywords()
 def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Sequence[str] | None = None) -> dict:
     """Remove heads from ``model`` in place (:func:`headlab.prune_heads`, checked to be exact).
 
@@ -281,6 +307,20 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
 # ----------------------------------------------------------------------------- everything
 
 
+def _check_engine(model: nn.Module, engine: str | None) -> None:
+    """``analyze``'s ``engine``: one of the engines, and the kernel only where it can run (triton, a
+    CUDA GPU), refused before the first measure runs."""
+    from headlab.functions.config import ENGINES
+
+    if engine is not None and engine not in ENGINES:
+        raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "kernel":
+        from headlab.functions.analysis import check_kernel
+
+        check_kernel(next(model.parameters()).device)
+
+
+@checked_keywords()
 def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None, *, treebank: Any = None,
             targets: Sequence[str] | None = None, labels: Sequence[int | str] | None = None,
             measures: Sequence[str] = DEFAULT_MEASURES, statistics: Sequence[str] = STATISTICS,
@@ -299,9 +339,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     With ``out``, the files are also written there, as ``headlab analyze`` writes them
     (:meth:`Analysis.save`; an earlier analysis there is replaced only with ``overwrite``).
     ``engine``: where confidence, functions and aggregate run, as ``headlab analyze --engine``
-    (None: the fused engine; "eager" or "chunked": the references)."""
-    from headlab.functions.config import ENGINES
-    from headlab.importance.measure_options import LRPOptions
+    (None: the fused engine; "eager" or "chunked": the references; "kernel": the Triton kernel, on a
+    CUDA GPU)."""
+    from headlab.importance.measure_options import LRPOptions, confidence_engine
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
 
@@ -322,13 +362,15 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
             "measures is empty" if texts is not None else "no texts for the measures") + " and " + (
             "statistics is empty" if treebank is not None else "no treebank for the statistics") +
             " (and attention_sentences=0)")
+    _check_parts(texts is not None, treebank is not None, measures, statistics, treebank_limit=treebank_limit,
+                 frequency_texts=frequency_texts, targets=targets, labels=labels, lrp_targets=lrp_targets,
+                 lrp_seed=lrp_seed or None)
     for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
         if value is not None and value < 1:  # the library's message names the command's --limit
             raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
     if attention_sentences < 0:
         raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
-    if engine is not None and engine not in ENGINES:
-        raise HeadlabError(f"analyze: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    _check_engine(model, engine)
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
     # Held to the end, as `headlab analyze --out DIR` holds it: a second call into DIR meanwhile is
@@ -358,7 +400,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                 config = _importance_config((name,), batch_size, progress,
                                             {"lrp_targets": lrp_targets, "lrp_seed": lrp_seed, "query_chunk": query_chunk,
                                              # as analyze: with query_chunk, eager is the statistics' engine alone
-                                             "engine": "eager" if engine == "eager" and query_chunk is None else None})
+                                             "engine": confidence_engine(engine, query_chunk)})
                 result = run_importance(model, data, info, config, tokenizer=tokenizer)
                 data = result.data  # the model's translations, made once, for the next measures
                 skipped.update(result.skipped)
@@ -413,6 +455,21 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                 analysis = replace(Analysis.load(scratch), run="")
         analysis.skipped.update(skipped)
         return analysis
+
+
+def _check_parts(texts: bool, treebank: bool, measures: Sequence[str], statistics: Sequence[str],
+                 **given: Any) -> None:
+    """:func:`analyze`'s arguments of a part that does not run (``given`` and not None): refused,
+    where they were ignored without a word (as ``analyze --window`` without ``--conllu``)."""
+    lrp = (texts and "lrp" in measures, "measure 'lrp' on the texts")
+    parts = {"treebank_limit": (treebank, "the treebank"),
+             "frequency_texts": (treebank and "functions" in statistics,
+                                 "the rare-token heads of statistics 'functions' on a treebank"),
+             "targets": (texts, "the texts"), "labels": (texts, "the texts"), "lrp_targets": lrp, "lrp_seed": lrp}
+    for name, value in given.items():
+        runs, what = parts[name]
+        if value is not None and not runs:
+            raise HeadlabError(f"analyze: {name} goes with {what}, which this call does not compute; leave it out")
 
 
 def _attention_writer(model: nn.Module, tokenizer: Any, texts: list, targets: Sequence[str] | None, n: int,
@@ -589,6 +646,7 @@ class Analysis:
 
     # -- files ------------------------------------------------------------------------------
     @classmethod
+    @checked_keywords()
     def load(cls, directory: str | os.PathLike) -> "Analysis":
         """An analysis directory written by ``headlab analyze`` (any version that wrote these
         files; any stage may be missing) or by :meth:`save`."""
@@ -628,10 +686,12 @@ class Analysis:
         manifest = json.loads(files[_MANIFEST]) if _MANIFEST in files else {}
         skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
+        skipped.update(_missing_outputs(manifest, files, directory))
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
         return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files,
                    run=directory.resolve().name)
 
+    @checked_keywords()
     def save(self, directory: str | os.PathLike, report: bool = False, overwrite: bool = False) -> Path:
         """Write the analysis directory (the files it was made of, heads.csv, manifest.json), in
         the layout of ``headlab analyze``, which :meth:`load` reads; with ``report``, also the HTML
@@ -697,6 +757,7 @@ class Analysis:
         return [name for name in self.tables if any(r == f"importance/{name}.json" for r in self.files)]
 
     # -- display ----------------------------------------------------------------------------
+    @checked_keywords()
     def top_heads(self, measure: str, n: int = 5) -> list[tuple[str, float]]:
         """The ``n`` heads ``measure`` scores highest, as ``(name, score)``, with their labels."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # n=-1 sliced off the lowest head, silently
@@ -729,6 +790,12 @@ class Analysis:
                  f"{len(self.tables) - len(self.measures)} function and aggregate maps), "
                  f"{labelled} of {len(analysed)} analysed heads with a function"]
         for measure in [m for m in self.measures if not m.endswith(("_raw", "_stderr"))][:4]:
+            table = self[measure]
+            why = not_comparable_across_layers(table.scores) if normalised_per_layer(table.signature) else ""
+            if why:  # a pruned model's gradient importance or LRP: the report leaves it out of its ranking too
+                raw = f"; see {measure}_raw" if f"{measure}_raw" in self.tables else ""
+                lines.append(f"  top by {measure}: not ranked (normalised per layer and {why}{raw})")
+                continue
             top = ", ".join(f"{name} {value:.3g}" for name, value in self.top_heads(measure, 3))
             lines.append(f"  top by {measure}: {top}")
         for name, reason in self.skipped.items():
@@ -794,6 +861,12 @@ class Analysis:
                 if note:
                     index["not_shown"] = note  # the viewer says it (headlab.report.build), not "no data"
                 content = json.dumps(index).encode("utf-8")
+            if relative == _MANIFEST:  # its stages' outputs outside _HELD are on disk, not missing
+                from headlab.report.collect import PARTIAL
+
+                manifest = json.loads(content)
+                if isinstance(manifest, dict):
+                    content = json.dumps({**manifest, PARTIAL: [f"{group}/" for group in _HELD]}).encode("utf-8")
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
             (target / relative).write_bytes(content)
 
@@ -822,6 +895,21 @@ class Analysis:
                 f'<div style="font-size:11px;color:#555">{escape(repr(self).splitlines()[0])}. The report of '
                 "<code>headlab analyze</code>, self-contained (no network); "
                 f"<code>analysis.save(directory, report=True)</code> writes it as index.html.{escape(viewer)}</div>")
+
+
+def _missing_outputs(manifest: dict, files: Mapping[str, bytes], directory: Path) -> dict[str, str]:
+    """``{stage: why}`` for each done stage of ``manifest`` whose files under :data:`_HELD` the
+    directory lacks (deleted, or copied in part): its tables were left out without a word."""
+    missing = {}
+    for stage in manifest.get("stages", []) or []:
+        outputs = stage.get("outputs") if isinstance(stage, dict) and stage.get("status") == "done" else None
+        lost = [str(path) for path in outputs or [] if str(path).startswith(tuple(f"{g}/" for g in _HELD))
+                and str(path) not in files and not (directory / str(path)).exists()]
+        if lost and "name" in stage:
+            missing[str(stage["name"])] = (f"recorded as done in manifest.json, but {', '.join(lost[:3])}"
+                                           f"{f' (+{len(lost) - 3} more)' if len(lost) > 3 else ''} "
+                                           f"{'is' if len(lost) == 1 else 'are'} missing from {directory}")
+    return missing
 
 
 def _not_shown_note(index: dict, n_held: int) -> str | None:

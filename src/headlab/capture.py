@@ -30,6 +30,7 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
+from headlab.options import checked_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             module.training = training
 
 
+@checked_keywords()
 @contextmanager
 def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` with eager attention inside, the only path that returns probabilities.
@@ -147,6 +149,44 @@ class AttentionRecord(dict):
         self.calls: dict[tuple[str, int], int] = {}
 
 
+def check_every_layer_runs(model: nn.Module, blocks: list[AttentionBlock], record: AttentionRecord) -> HookHandles:
+    """Hooks on ``model`` that refuse a forward pass in which some blocks of a kind reported and
+    others of that kind (with heads) did not: a layer the forward skips (Llama-style models run
+    ``layers[:config.num_hidden_layers]``, so a config lowered after loading leaves the last layers
+    out) would be missing from every statistic without a word. A kind none of whose blocks runs (a
+    causal LM's unused cross-attention, an encoder run alone) is no such case."""
+    expected = [block for block in blocks if block.n_heads]
+    before: dict[tuple[str, int], int] = {}
+
+    def start(module: nn.Module, args: tuple) -> None:
+        before.clear()
+        before.update(record.calls)
+
+    def check(module: nn.Module, args: tuple, output: Any) -> None:
+        ran = {block.key for block in expected if record.calls.get(block.key, 0) > before.get(block.key, 0)}
+        kinds = {kind for kind, _ in ran}
+        skipped = [block for block in expected if block.kind in kinds and block.key not in ran]
+        if not skipped:
+            return
+        config = getattr(model, "config", None)
+        layers = getattr(config, "num_hidden_layers", None)
+        of_kind = sum(block.kind == skipped[0].kind for block in expected)
+        hint = (f" (its config says num_hidden_layers={layers}, and it holds {of_kind} {skipped[0].kind} layers: "
+                "a forward that runs only that many)" if isinstance(layers, int) and layers < of_kind else "")
+        raise HeadlabError(
+            f"{type(model).__name__}: {len(skipped)} of its {len(expected)} attention blocks never ran in a forward "
+            f"pass in which other blocks of their kind did: {', '.join(f'{b.kind} layer {b.layer}' for b in skipped[:4])}"
+            f"{' ...' if len(skipped) > 4 else ''} ({skipped[0].name}){hint}; their heads would be left out of "
+            "every statistic. Restore the layer count the model was built with, or remove the layers it skips")
+
+    handles = HookHandles()
+    if expected:
+        handles.append(model.register_forward_pre_hook(start))
+        handles.append(model.register_forward_hook(check))
+    return handles
+
+
+@checked_keywords()
 @contextmanager
 def capture_attention(
     model: nn.Module,
@@ -210,6 +250,7 @@ def capture_attention(
         try:
             applications = Applications(blocks)
             handles.extend(applications.handles)
+            handles.extend(check_every_layer_runs(model, blocks, record))
             for block in blocks:
                 if block.family.probs_argument is not None:  # a core that returns probabilities when asked
                     handles.append(block.core.register_forward_pre_hook(
@@ -353,6 +394,7 @@ def stream_attention(
         try:
             applications = Applications(every)
             handles.extend(applications.handles)
+            handles.extend(check_every_layer_runs(model, [b for b in every if b.key in reporting], record))
             for block in every:
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
@@ -413,6 +455,7 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     return handles
 
 
+@checked_keywords()
 @contextmanager
 def head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> Iterator[None]:
     """:func:`register_head_output_hooks` as a context manager."""

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
-from headlab.errors import HeadlabError, counted
+from headlab.errors import HeadlabError, UnknownOption, counted
 from headlab.heads import KINDS
 from headlab.portable import CLASS_NAME
 
@@ -108,7 +109,8 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+        config, unused = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                                 return_unused_kwargs=True, **overrides)
     except (OSError, ValueError) as error:
         auto_map = None
         try:
@@ -121,6 +123,14 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
                 f"the directory ({', '.join(sorted(map(str, auto_map)))}); headlab runs no code from a model "
                 "directory unless --trust-remote-code (trust_remote_code=True) is given") from error
         raise HeadlabError(f"{path}: cannot read a model config ({one_line(error)})") from error
+    # transformers drops an override the config has no field for: load_pruned(path, trust_remote_cod=True) loaded
+    # without a word, as if it had been applied.
+    dropped = [key for key in overrides if key in unused]
+    if dropped:
+        close = difflib.get_close_matches(dropped[0], ["trust_remote_code", *config.to_dict()], n=3)
+        raise UnknownOption(f"{path}/config.json: unknown option {dropped[0]!r}: the config has no such field to "
+                            "override" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
+    return config
 
 
 def build_model(cls: type, config, source: str | Path, meta: bool = False) -> nn.Module:

@@ -17,6 +17,11 @@ class RunFailed(HeadlabError):
     exit_code = 1
 
 
+class UnknownOption(HeadlabError, TypeError):
+    """A keyword that a function of the Python API does not take (:func:`headlab.options.checked_keywords`):
+    a user's error like a misspelt flag, and still the TypeError that Python raises for it."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised by the command line's handler (headlab.cli): it stops a command as Ctrl-C
     does, but the exit status is 143 (128 + 15), not 130; a launcher of processes that catches it

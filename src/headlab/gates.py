@@ -23,6 +23,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.capture import HookHandles, register_head_output_hooks
 from headlab.errors import HeadlabError, counted
 from headlab.heads import BlockKey, HeadSpec
+from headlab.options import checked_keywords
 
 GATES_ATTRIBUTE = "headlab_gates"
 _STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
@@ -189,6 +190,7 @@ class GateHandle:
         return gates
 
 
+@checked_keywords()
 def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     """Register ``gates`` as a sub-module of ``model`` and gate every block it names.
 
@@ -218,6 +220,7 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     return handle
 
 
+@checked_keywords()
 def detach_gates(model: nn.Module, gates: HeadGates | None = None) -> HeadGates | None:
     """Remove ``gates`` (default: every attached set) with its hooks; return the last removed
     module (or None)."""
@@ -229,6 +232,7 @@ def detach_gates(model: nn.Module, gates: HeadGates | None = None) -> HeadGates 
     return removed
 
 
+@checked_keywords()
 @contextmanager
 def gates_attached(model: nn.Module, gates: HeadGates) -> Iterator[HeadGates]:
     """Attach ``gates`` for the duration of the block; always detach them (only them) on exit."""
@@ -239,6 +243,7 @@ def gates_attached(model: nn.Module, gates: HeadGates) -> Iterator[HeadGates]:
         handle.remove()
 
 
+@checked_keywords()
 @contextmanager
 def mask_heads(model: nn.Module, heads: HeadSpec) -> Iterator[None]:
     """Switch off the heads in ``heads`` (``{(kind, layer): [head, ...]}``) inside the block.

@@ -388,3 +388,24 @@ def head_scores(
     for (kind, layer), values in per_block.items():
         scores[kind][layer, : len(values)] = np.asarray(values, dtype=np.float64)
     return HeadScores(scores, method, model, dict(signature or {}))
+
+
+def normalised_per_layer(signature: Mapping[str, object]) -> bool:
+    """Whether a table's scores are normalised over the heads of each layer, from its signature:
+    gradient importance's l2 norm (Michel et al. 2019) and LRP's sum of |relevance| (Voita et al. 2019)."""
+    text = str(signature.get("normalisation", ""))
+    return text == "l2 per layer" or "over the heads of a layer" in text
+
+
+def not_comparable_across_layers(scores: Mapping[str, Any]) -> str:
+    """Why scores normalised per layer (``{kind: [n_layers, n_heads]}``, NaN or None where a head
+    was removed) cannot be ranked across layers: the layers (all kinds) keep different numbers of
+    heads, or one head each (a layer's only head takes the whole layer's share, whatever it does);
+    "" if they can."""
+    counts = [sum(v is not None and not math.isnan(v) for v in row) for rows in scores.values() for row in rows]
+    counts = [n for n in counts if n]
+    if len(set(counts)) > 1:
+        return "the layers keep different numbers of heads"
+    if len(counts) > 1 and counts[0] == 1:
+        return "every layer keeps one head"
+    return ""

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
 import sys
 from dataclasses import MISSING, field, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, UnknownOption
 
 _TYPES = {"int": int, "float": float, "str": str}
 # metadata read here, not handed to argparse
@@ -211,3 +214,43 @@ def from_args(args: argparse.Namespace, config: Any, **values: Any) -> Any:
     if isinstance(config, type):
         return config(**present)
     return dataclasses.replace(config, **present)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checked_keywords(options: Callable[[], Iterable[str]] | None = None) -> Callable[[F], F]:
+    """Decorator of the Python API's functions: a keyword they do not take is an
+    :class:`~headlab.errors.UnknownOption` naming it and the closest names they take, as the
+    command line names a misspelt flag, raised before any work (Python's own TypeError named no
+    alternative; a keyword passed on through ``**options`` failed in a config's ``__init__``, after
+    some of the work). ``options``: the names that ``**options`` takes, read at the call (their
+    config is imported then, not with the API). The signature stays the function's
+    (``functools.wraps``: ``inspect.signature`` and ``help`` show its parameters)."""
+
+    def decorate(function: F) -> F:
+        parameters = inspect.signature(function).parameters.values()
+        if options is None and any(p.kind == p.VAR_KEYWORD for p in parameters):
+            raise TypeError(f"{function.__qualname__} takes **keywords: give checked_keywords the names they take")
+        named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+        @functools.wraps(function)
+        def checked(*args: Any, **keywords: Any) -> Any:
+            unknown = [k for k in keywords if k not in named]
+            if unknown:
+                known = named | set(options() if options is not None else ())
+                unknown = [k for k in unknown if k not in known]
+                if unknown:
+                    raise _unknown(function.__qualname__, unknown[0], known)
+            return function(*args, **keywords)
+
+        return checked  # type: ignore[return-value]
+
+    return decorate
+
+
+def _unknown(function: str, keyword: str, known: set[str]) -> UnknownOption:
+    close = difflib.get_close_matches(keyword, sorted(known), n=3)
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+            f"it takes {', '.join(sorted(known))}")
+    return UnknownOption(f"{function}(): unknown option {keyword!r}; {hint}")

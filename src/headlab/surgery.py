@@ -34,6 +34,7 @@ from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
+from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
 
@@ -352,6 +353,7 @@ def _t5_bias_hook(source: nn.Module):
 VERIFIED_ATTR = "_headlab_verified_pruning"  # in model.__dict__: the pruning record that was checked
 
 
+@checked_keywords()
 def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list[int]]:
     """Remove ``heads`` (``{(kind, layer): [head, ...]}``, current numbering) in place.
 
@@ -417,6 +419,7 @@ def to_current_numbering(model: nn.Module, spec: Mapping[tuple[str, int], list[i
     return out
 
 
+@checked_keywords()
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
     blocks: dict = {}
@@ -467,6 +470,7 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
     for block, *_ in plans:  # fused layouts and projections the slicing here does not know
         check_block_sliceable(block)
+    _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
@@ -477,6 +481,24 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
                 "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
                 model_type=_model_type(model), block=block.key,
             )
+
+
+def _refuse_tied(model: nn.Module, blocks: list[AttentionBlock]) -> None:
+    """Refuse a block whose weights are tied to another module's (Zamba's shared transformer: one
+    set of attention weights held by the modules of several depths). Slicing would untie them in
+    memory, and transformers re-ties them on loading, giving every depth the pruned layer's weights."""
+    owners: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(parameter), []).append(name)
+    for block in blocks:
+        for name, parameter in block.module.named_parameters(prefix=block.name, remove_duplicate=False):
+            elsewhere = [n for n in owners.get(id(parameter), ()) if not n.startswith(block.name + ".")]
+            if elsewhere:
+                raise HeadlabError(
+                    f"{block.name} ({block.family.name}): physical pruning is refused: its weight {name} is tied to "
+                    f"{elsewhere[0]}{f' and {len(elsewhere) - 1} more' if len(elsewhere) > 1 else ''}, so slicing a "
+                    "head out of it would remove it at every depth that holds it; mask the heads instead (mask_heads, "
+                    "or headlab prune train's gates)")
 
 
 def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> None:
@@ -630,6 +652,7 @@ def pruning_plan(model: nn.Module) -> dict:
     return plan
 
 
+@checked_keywords()
 def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write standard safetensors weights, the config and ``headlab_pruning.json``.
 
@@ -762,6 +785,7 @@ def _check_loaded(model: nn.Module, path: Path) -> None:
         raise HeadlabError(f"{path}: the loaded {_model_type(model)} model {problem}")
 
 
+@checked_keywords()
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (tied weights counted once)."""
     seen, total = set(), 0

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import SUB_CONFIGS, Discovered, attention_configs, discover, maps, ran
-from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, Family
+from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
+from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, UNSUPPORTED_CONFIGS, Family
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -165,7 +165,7 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
                 name=f"generic:{model_type}", patterns=(), q=q, k=k, v=v, o=o,
                 d_head_attr=d_attr, core=core, probs_index=-1,
             )
-            yield _guess_kind(name, module, config), int(layer[-1]), name, module, family
+            yield _guess_kind(name, module, config, model), int(layer[-1]), name, module, family
             break
 
 
@@ -186,6 +186,8 @@ def _discovered_candidates(model: nn.Module) -> list:
     where = f"{type(model).__name__} (model_type {model_type!r})"
     try:
         found = discover(model)
+    except ModelChanged as error:
+        raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
         if named and _ships_with_transformers(model):
             return named
@@ -254,7 +256,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
     )
-    return _guess_kind(item.name, module, config), int(layer[-1]), item.name, module, family
+    return _guess_kind(item.name, module, config, model), int(layer[-1]), item.name, module, family
 
 
 def _ships_with_transformers(model: nn.Module) -> bool:
@@ -262,17 +264,50 @@ def _ships_with_transformers(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.models.")
 
 
-def _guess_kind(name: str, module: nn.Module, config: Any) -> str:
+def _guess_kind(name: str, module: nn.Module, config: Any, model: nn.Module | None = None) -> str:
     lowered = name.lower()
     if "decoder" in lowered:
         last = lowered.rsplit(".", 1)[-1]
         return "dec_cross" if any(word in last for word in _CROSS_WORDS) else "dec_self"
     if "encoder" in lowered and getattr(config, "is_encoder_decoder", False):
         return "enc_self"
+    if getattr(config, "is_decoder", False) and any(word in lowered.rsplit(".", 1)[-1] for word in _CROSS_WORDS):
+        # BERT-style decoders (is_decoder, add_cross_attention): bert.encoder.layer.N.crossattention was
+        # another dec_self of layer N (refused: "two modules claim"), found by the session-22 sweep
+        return "dec_cross"
     causal = getattr(module, "is_causal", None)
+    if causal is None and isinstance(getattr(module, "is_decoder", None), bool):
+        causal = module.is_decoder  # XGLM's attention: is_decoder=True in its (causal) decoder layers
     if causal is None:
-        causal = bool(getattr(config, "is_decoder", False))
+        causal = bool(getattr(config, "is_decoder", False)) or _causal_lm_without_flag(module, model)
     return "dec_self" if causal else "enc_self"
+
+
+def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:
+    """A causal LM class (``...ForCausalLM``, not an encoder-decoder's) whose attention says nowhere
+    whether it is causal (Doge's: no ``is_causal`` on the block or in it) and whose modeling code never
+    reads ``is_decoder`` (BERT-style causal LMs are causal only with it): its self-attention is causal.
+    Without this it was taken for an encoder's, and the model for a masked LM (its importance
+    measures' objective the wrong one: the session-22 sweep)."""
+    if model is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    if not type(model).__name__.endswith("ForCausalLM") or not _ships_with_transformers(model):
+        return False
+    if any(isinstance(getattr(m, "is_causal", None), bool) for m in module.modules()):
+        return False  # BERT-style: the core's is_causal (False unless is_decoder) says it
+    text = _source(type(model).__module__)
+    return bool(text) and "is_decoder" not in text
+
+
+def _source(module_name: str) -> str:
+    """The source text of a loaded module ("" when it cannot be read)."""
+    import inspect
+    import sys
+
+    try:
+        return inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return ""
 
 
 def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
@@ -426,7 +461,10 @@ def unsupported_reason(model_or_config: Any) -> str | None:
     config = getattr(model_or_config, "config", model_or_config)
     seen = [config] + [getattr(config, name, None) for name in SUB_CONFIGS]
     for sub in seen:
-        reason = UNSUPPORTED.get(getattr(sub, "model_type", None) or "")
+        model_type = getattr(sub, "model_type", None) or ""
+        reason = UNSUPPORTED.get(model_type)
+        if not reason and model_type in UNSUPPORTED_CONFIGS:
+            reason = UNSUPPORTED_CONFIGS[model_type](sub)
         if reason:
             return reason
     return None

@@ -43,7 +43,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 
-__all__ = ["PROBE", "Discovered", "discover", "maps", "ran"]
+__all__ = ["PROBE", "Discovered", "ModelChanged", "discover", "maps", "ran"]
 
 PROBE = "headlab_probe"
 """The name under which the probe's attention (and experts) function is registered."""
@@ -383,6 +383,7 @@ def _join(block: str, path: str) -> str:
 def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[str, tuple[tuple[int, ...], ...]]]:
     modes = [(module, module.training) for module in model.modules()]
     saved = _plain_attributes(model)
+    tree = dict(model.named_modules())
     parameter = next(model.parameters(), None)
     devices = [parameter.device] if parameter is not None and parameter.device.type == "cuda" else []
     model.eval()
@@ -401,6 +402,7 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[
             for name, value in values.items():
                 if owner.__dict__.get(name, value) is not value:
                     setattr(owner, name, value)
+    _check_tree(model, tree)
     modules = dict(model.named_modules())
     names = {id(module): name for name, module in modules.items()}
     calls = probe.calls
@@ -411,6 +413,41 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[
     found = [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
     return (found, frozenset(name for name, module in modules.items() if id(module) in probe.ran),
             {name: probe.maps[id(module)] for name, module in modules.items() if id(module) in probe.maps})
+
+
+class ModelChanged(HeadlabError):
+    """The probe's forward replaced modules of the model: refused, never left to name-based discovery."""
+
+
+def _check_tree(model: nn.Module, tree: dict[str, nn.Module]) -> None:
+    """A forward that replaced modules of the model (BigBird's block-sparse attention swaps itself for
+    full attention on short inputs) is refused: headlab's hooks would sit on modules that no longer
+    run (capture then recorded nothing). The modules are put back first, so the model is as it was."""
+    now = dict(model.named_modules())
+    changed = sorted((path for path in tree.keys() | now.keys() if tree.get(path) is not now.get(path)),
+                     key=lambda path: (path.count("."), path))
+    if not changed:
+        return
+    done: list[str] = []
+    for path in changed:
+        if any(path.startswith(top + ".") for top in done):
+            continue
+        parent, _, name = path.rpartition(".")
+        owner = tree.get(parent)
+        if owner is None:
+            continue
+        if path in tree:
+            owner._modules[name] = tree[path]
+        else:
+            owner._modules.pop(name, None)
+        done.append(path)
+    first = changed[0]
+    was, became = tree.get(first), now.get(first)
+    raise ModelChanged(
+        f"its forward replaced modules of the model during the probe pass ({first}: "
+        f"{type(was).__name__ if was is not None else 'nothing'} -> {type(became).__name__ if became is not None else 'nothing'}"
+        f"{f', and {len(done) - 1} more' if len(done) > 1 else ''}): headlab's hooks would sit on modules that no "
+        "longer run; the modules are put back")
 
 
 _PLAIN = (bool, int, float, str, type(None))

@@ -241,6 +241,24 @@ def falcon(config: Any) -> Family:
     return _falcon("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 
+BERT_LIKE_DECODER = Family(
+    name="bert-like-decoder",
+    patterns=(("dec_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),
+              ("dec_cross", r"(?:^|\.)encoder\.layer\.(\d+)\.crossattention$")),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+)
+
+
+def bert_like(config: Any) -> Family:
+    """BERT-style models with ``is_decoder`` (BertLMHeadModel, RobertaForCausalLM) attend causally, and
+    with ``add_cross_attention`` hold a cross-attention per layer: their layers are a decoder's (the
+    encoder's entry called them enc_self: found by the session-22 family sweep)."""
+    return BERT_LIKE_DECODER if getattr(config, "is_decoder", False) else BERT_LIKE
+
+
 def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
@@ -250,7 +268,7 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
     "distilbert": DISTILBERT,
     "gpt2": GPT2,
-    **dict.fromkeys(["t5", "mt5"], T5),
+    **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers"], T5),
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     "gpt_neox": GPT_NEOX,
     "phi3": PHI3,
@@ -262,7 +280,8 @@ FAMILIES: dict[str, Family] = {
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode}
+CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode,
+                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], bert_like)}
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
@@ -277,7 +296,7 @@ UNSUPPORTED: dict[str, str] = {
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
        for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("mpnet", "MPNet"), ("tapas", "TAPAS"),
-                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"))},
+                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"))},
     "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
                   "probabilities are per window band), which headlab's analysis reads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
@@ -289,3 +308,17 @@ UNSUPPORTED: dict[str, str] = {
                        "class drops the encoder)",
 }
 """Model types refused before any work, with what is missing."""
+
+
+def _big_bird(config: Any) -> str | None:
+    if getattr(config, "attention_type", "original_full") == "original_full":
+        return None
+    return ("BigBird's block-sparse attention (attention_type='block_sparse', its config's default) computes no "
+            "[query, key] probability map per head, which headlab's analysis reads, and on inputs too short for it "
+            "transformers swaps the model's attention modules for full attention during a forward pass (headlab "
+            "would hold the old ones); set attention_type to 'original_full' (in config.json, or "
+            "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
+
+
+UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird}
+"""Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

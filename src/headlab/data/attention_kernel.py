@@ -28,7 +28,8 @@ FlashAttention does, and exact otherwise.
 :func:`refusal` says why a call cannot run here (the caller then keeps the materialising path).
 Triton is imported on first use: this module imports without it. On a CPU the kernel runs only
 under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported), which
-the tests use.
+the tests use; benchmarks/compile_kernel.py compiles it for NVIDIA GPUs on a CPU, ahead of time
+(the launch it compiles is :func:`kernel_launch`'s, the blocks :func:`launch_blocks`').
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES"]
+__all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
+           "Launch", "kernel_launch"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -106,6 +108,9 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float
         return f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly"
     if q.device.type != "cuda" and not interpreted():
         return "the kernel runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)"
+    if q.dtype == torch.bfloat16 and interpreted():
+        # its tl.dot multiplies bfloat16's bit patterns (triton-lang/triton#11584): scores near 1e9
+        return "bfloat16 under triton's interpreter (TRITON_INTERPRET=1), which computes its dots wrongly"
     return None
 
 
@@ -129,13 +134,16 @@ def _kernel(interpret: bool) -> Any:
         sm_scale = tl.load(SCALE)  # in the accumulator's dtype (a float argument would be float32)
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
-        b = bh // n_heads
-        h = bh % n_heads
+        # offsets in 64 bits: a mask [B, 1, Q, K] has 2^32 entries at 64k tokens, and 32-bit
+        # products of a row (or sentence, head) and its stride wrap past 2^31
+        b = (bh // n_heads).to(tl.int64)
+        h = (bh % n_heads).to(tl.int64)
         hk = h // group  # GQA: query head h reads key/value head h // (H / Hkv)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
         dims = tl.arange(0, D)
         row_ok = rows < q_len
-        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+        q = tl.load(Q + b * sqb + h * sqh + rows64[:, None] * sqm + dims[None, :] * sqd,
                     mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), ACC)
         l_i = tl.zeros([BLOCK_M], ACC)
@@ -161,7 +169,7 @@ def _kernel(interpret: bool) -> Any:
             if CAUSAL:
                 seen = seen & (cols[None, :] <= diag[:, None])
             if HAS_MASK:
-                keep = tl.load(M + b * smb + h * smh + rows[:, None] * smm + cols[None, :] * smn,
+                keep = tl.load(M + b * smb + h * smh + rows64[:, None] * smm + cols[None, :] * smn,
                                mask=seen, other=0)
                 seen = seen & (keep != 0)
             s = tl.where(seen, s, float("-inf"))
@@ -197,19 +205,49 @@ def _kernel(interpret: bool) -> Any:
         some = l_i > 0
         inv = tl.where(some, 1.0 / tl.where(some, l_i, 1.0), 0.0)
         lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
-        tl.store(O + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod,
+        tl.store(O + b * sob + h * soh + rows64[:, None] * som + dims[None, :] * sod,
                  (acc * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
-        r = b * srb + h * srh + rows * srm
+        r = b * srb + h * srh + rows64 * srm
         tl.store(LSE + r, lse, mask=row_ok)
         tl.store(SMAX + r, best, mask=row_ok)
         tl.store(ARG + r, where, mask=row_ok)
         tl.store(PS + r, ps * inv, mask=row_ok)
         if HAS_F:
-            pr = b * spb + h * sph + rows[:, None] * spm + fdims[None, :] * spf
+            pr = b * spb + h * sph + rows64[:, None] * spm + fdims[None, :] * spf
             tl.store(PF + pr, pf * inv[:, None], mask=row_ok[:, None])
             tl.store(PFL + pr, pfl * inv[:, None], mask=row_ok[:, None])
 
     return _attention_statistics
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The tile sizes and launch options :func:`attention_statistics` picks for a dtype and padded d_head."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
+    """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16).
+
+    Chosen by compiling each for sm_90, sm_80, sm_89 and sm_86 on a CPU (benchmarks/compile_kernel.py;
+    figures in docs/benchmarks.md), not by timing: large tiles that fit the 99 KB of shared memory
+    per block of an sm_86/sm_89 GPU (an H100 has 227 KB, an A100 163 KB) and spill (almost) no
+    registers. The statistics keep several ``[BLOCK_M, BLOCK_N]`` tiles alive beside
+    FlashAttention's (the eligible scores, the first argmax, ``p`` below the diagonal) and ``P @ F``
+    runs on CUDA cores in float32, so FlashAttention-2's 64 x 64 blocks of 4 warps spilled 1.3-2.5
+    KB per thread (21 KB in float32 at d_head 64), and float64 at d_head 256 needed 344 KB of shared
+    memory in 32 x 32 blocks of 3 stages. Float64 is for exactness, not speed: its smallest tiles."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return Blocks(64, 32, 8, 2) if D <= 128 else Blocks(32, 32, 8, 2)
+    if dtype == torch.float32:
+        return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(32, 32, 8, 2) if D <= 128 else Blocks(16, 32, 4, 2)
+    if D <= 32:
+        return Blocks(32, 32, 4, 3)
+    return Blocks(32, 32, 4, 2) if D <= 64 else Blocks(16, 32, 4, 2) if D <= 128 else Blocks(16, 16, 4, 1)
 
 
 @lru_cache(maxsize=16)
@@ -236,6 +274,30 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(reason)
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
+    launch = kernel_launch(q, k, v, scaling=scaling, causal=causal, mask=mask, eligible=eligible,
+                           features=features, block_m=block_m, block_n=block_n)
+    _kernel(interpreted())[launch.grid](*launch.args, **launch.meta)
+    return launch.statistics
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of the kernel: its grid, arguments and compile-time parameters (``meta``: the
+    constexprs, ``num_warps``, ``num_stages``), and the statistics its outputs will hold."""
+
+    grid: tuple[int, int]
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+    statistics: KernelStatistics
+
+
+def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
+                  causal: bool = False, mask: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
+                  features: torch.Tensor | None = None, block_m: int | None = None,
+                  block_n: int | None = None) -> Launch:
+    """What :func:`attention_statistics` launches (its outputs allocated, not yet written), on any
+    device: ahead-of-time compilation (benchmarks/compile_kernel.py) specialises the kernel on
+    exactly these arguments without a GPU."""
     import triton
 
     B, H, Q, d = q.shape
@@ -277,28 +339,28 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     else:
         f, nf = 0, 16
         feats = pf = pfl = lse  # not read or written
-    # 64 x 64 blocks for 16-bit inputs up to d_head 128 (as FlashAttention-2 on an A100/H100);
-    # smaller where the tiles are wider (float32, float64, d_head 256), to stay in shared memory
-    small = wide or D > 128 or (q.dtype == torch.float32 and D > 64)
-    if block_m is None:
-        block_m = 32 if small else 64
-    if block_n is None:
-        block_n = 32 if small else 64
+    blocks = launch_blocks(q.dtype, D)
+    block_m = blocks.block_m if block_m is None else block_m
+    block_n = blocks.block_n if block_n is None else block_n
     grid = (triton.cdiv(Q, block_m), B * H)
     pf_strides = pf.stride() if has_f else (0, 0, 0, 0)
-    _kernel(interpreted())[grid](
+    args = (
         q, k, v, m, elig, feats, out, lse, smax, arg, pf, pfl, ps,
         _scale(scaling, acc, device), H, H // Hkv, Q, K, K - Q,
         *q.stride(), *k.stride(), *v.stride(),
         *mask_strides, *elig.stride(), *(feats.stride() if has_f else (0, 0, 0)),
         *out.stride(), *lse.stride(), *pf_strides,
+    )
+    meta = dict(
         D=D, NF=nf, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_F=has_f,
         ACC=triton.language.float64 if wide else triton.language.float32,
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
         # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
         QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
-    return KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
-                            linear=pf[..., :f] if has_f else None,
-                            linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
+    statistics = KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
+                                  linear=pf[..., :f] if has_f else None,
+                                  linear_lower=pfl[..., :f] if has_f else None, score_dot=ps)
+    return Launch(grid=grid, args=args, meta=meta, statistics=statistics)

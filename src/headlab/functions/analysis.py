@@ -290,7 +290,7 @@ def analyze_heads(
             _run_batches(model, tokenizer, stream, feeder, config, max_length, target_conllu is not None, shard, bar,
                          on_batch)
         if shard.split:
-            _combine(shard, report, stats)
+            _combine(shard, report, stats, feeder.noted)
         report.seconds = time.perf_counter() - started
         if config.engine is None:  # fused by default: the files the eager and chunked runs always wrote; logged
             report.chunked_statistics = {}
@@ -408,6 +408,7 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
         if not items:
             continue
         feeder.new_batch()
+        feeder.batch = number
         inputs = _model_inputs(items, tokenizer, pad_id, start_id, seq2seq, max_length, feeder.current, feeder.device,
                                config.word_pooling)
         feeder.update_sides()
@@ -467,6 +468,10 @@ class _Feeder:
         self.blocks: list = []
         self.reported: set = set()
         self.kernel_refused: str | None = None  # the kernel engine: why this model's attention cannot run in it
+        # The batch now through the model, and the batch that first noted each reason (``(field, name)``:
+        # chunked_statistics or kernel_fallback): a sharded run merges the reasons in the one-process order.
+        self.batch = 0
+        self.noted: dict[tuple[str, str], int] = {}
 
     def capture(self, model, config: AnalysisConfig, blocks: list):
         engine = config.resolved_engine
@@ -560,6 +565,7 @@ class _Feeder:
                     # reference to the bit: a debug note (summary.json records it under --engine fused).
                     logger.debug("%s: computed over word rows (the chunked path) for some batches: %s", name, reason)
                     self.report.chunked_statistics[name] = reason
+                    self.noted["chunked_statistics", name] = self.batch
         return fused, chunked, WordRows(block, side) if chunked else None
 
     def on_fused_chunk(self, block, chunk: AttentionChunk) -> None:
@@ -646,6 +652,7 @@ class _Feeder:
         if name not in self.report.kernel_fallback:
             logger.warning("%s: the fused engine instead of the kernel for some batches: %s", name, reason)
             self.report.kernel_fallback[name] = reason
+            self.noted["kernel_fallback", name] = self.batch
 
     def on_kernel(self, block, call: AttentionCall) -> torch.Tensor | None:
         """One attention call computed by the kernel with the statistics' passes (one
@@ -726,10 +733,11 @@ class _ProblemEvents(ProblemLog):
         self.events.append((kind, problem))
 
 
-def _combine(shard: Shard, report: RunReport, stats: dict) -> None:
-    """The processes' counts added, their statistics reduced, and the problem log rebuilt in the
+def _combine(shard: Shard, report: RunReport, stats: dict, noted: dict[tuple[str, str], int]) -> None:
+    """The processes' counts added, their statistics reduced, the problem log rebuilt in the
     one-process order: batch ``i``'s events (reading and aligning it) from the process that
-    aligned it, then what reading found after the last batch (the same in every process)."""
+    aligned it, then what reading found after the last batch (the same in every process); and
+    the reasons some statistic took the chunked path or the fused engine merged (:func:`_merge_reasons`)."""
     for name in ("n_sentences", "n_words", "n_tokens", "n_truncated", "n_unaligned"):
         setattr(report, name, shard.sum(getattr(report, name)))
     log = report.problems
@@ -744,8 +752,24 @@ def _combine(shard: Shard, report: RunReport, stats: dict) -> None:
     for kind, problem in log.events[log.marks[-1]:]:
         merged.add(kind, problem)
     report.problems = merged
+    _merge_reasons(shard, report, noted)
     for stat in stats.values():
         stat.reduce(shard)
+
+
+def _merge_reasons(shard: Shard, report: RunReport, noted: dict[tuple[str, str], int]) -> None:
+    """Every process's ``chunked_statistics`` and ``kernel_fallback`` in the report, in the order one
+    process notes them: by the batch that first noted each name (``noted``), then the order within
+    that batch (one process ran it)."""
+    parts = shard.gather((report.chunked_statistics, report.kernel_fallback, noted))
+    for index, reasons in enumerate(("chunked_statistics", "kernel_fallback")):
+        first: dict[str, tuple[int, int, str]] = {}  # name -> (batch, place in that batch's process, reason)
+        for part in parts:
+            for place, (name, reason) in enumerate(part[index].items()):
+                at = (part[2][reasons, name], place, reason)
+                if name not in first or at < first[name]:
+                    first[name] = at
+        setattr(report, reasons, {name: at[2] for name, at in sorted(first.items(), key=lambda item: item[1][:2])})
 
 
 def _prepare(raw, index, tokenizer, config, max_length, report):

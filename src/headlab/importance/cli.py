@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,14 @@ def _run(args, part) -> int:
     config.resolved_methods()  # fail on a bad --method before loading anything
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
+    if config.option_values().get("engine") == "kernel" and "confidence" in config.resolved_methods():
+        import torch
+
+        from headlab.functions.analysis import check_kernel
+
+        # refused before the model loads, as analyze --engine kernel (--device-map auto: the first block on a GPU)
+        gpu = placement["device_map"] is not None and torch.cuda.is_available()
+        check_kernel(torch.device("cuda" if gpu else placement["device"] or "cpu"))
     if kinds:
         from headlab.heads import KINDS
 
@@ -178,6 +187,10 @@ def _run(args, part) -> int:
         best = result.agreement.best()
         if best:
             print(f"best predictor of {REFERENCE} over all heads: {best}")
+        elif all(math.isnan(row.get("all", math.nan)) for row in result.agreement.rho.values()):
+            # NaN everywhere: nothing was compared (a pruned model with one head left, or constant scores)
+            print(f"no measure can be compared with {REFERENCE} over all heads: Spearman's rho is undefined over "
+                  f"{counted(result.agreement.n_heads.get('all', 0), 'head')} (or scores that do not vary)")
         else:
             print(f"no measure predicts {REFERENCE} over all heads (no correlation above 0)")
     if failed is not None:

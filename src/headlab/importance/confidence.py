@@ -32,9 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from headlab import preflight
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.attention import AttentionChunk
+from headlab.attention import AttentionCall, AttentionChunk
 from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
@@ -43,11 +42,12 @@ from headlab.functions.config import FUSED_QUERY_CHUNK
 from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
-from headlab.importance.measure_options import CONFIDENCE_ENGINES, ConfidenceOptions
+from headlab.importance.measure_options import ConfidenceOptions
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
 
-__all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "max_attention", "row_maxima", "sum_maxima"]
+__all__ = ["Confidence", "ConfidenceOptions", "compute_confidence", "counted_queries", "kernel_maxima", "max_attention",
+           "row_maxima", "sum_maxima"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, c
     ``probs`` ``[batch, n_heads, rows, k_len]`` holds query rows ``start:start + rows`` (all of
     them by default); ``queries`` ``[batch, q_len]`` and ``keys`` ``[batch, k_len]`` mark allowed
     positions. With ``causal``, query ``i`` only sees keys ``<= i``, so a query counts only if one
-    of those is allowed. Returns ``(best [batch, n_heads, rows], counted [batch, rows])``.
+    of those is allowed. Returns ``(best [batch, n_heads, rows], counted [batch, rows])``, ``best``
+    in :func:`maxima_dtype`.
     """
     rows = probs.shape[2]
     allowed = keys[:, None, :].expand(-1, rows, -1)  # [batch, rows, k_len]
@@ -68,8 +69,14 @@ def row_maxima(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, c
             torch.arange(probs.shape[3], device=probs.device)[None, :]
         allowed = allowed & seen
     counted = queries[:, start:start + rows] & allowed.any(-1)  # [batch, rows]
-    masked = probs.float().masked_fill(~allowed[:, None], -1.0)
+    masked = probs.to(maxima_dtype(probs.dtype)).masked_fill(~allowed[:, None], -1.0)
     return masked.amax(-1), counted
+
+
+def maxima_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the maxima are taken and summed in: float64 for a float64 model (its weights'
+    precision, not float32's), float32 for any other (as always: the same scores to the bit)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def sum_maxima(best: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +90,27 @@ def max_attention(probs: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor
     """Per head, the sum over allowed queries of the largest weight on an allowed key, and the
     number of queries counted (:func:`row_maxima` over all rows, then :func:`sum_maxima`)."""
     return sum_maxima(*row_maxima(probs, queries, keys, causal))
+
+
+def counted_queries(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``[batch, q_len]``: the queries :func:`row_maxima` counts, from the masks alone: an allowed
+    query that sees an allowed key (with ``causal``, one at a position ``<= i``: a running "any")."""
+    if not causal:
+        return queries & keys.any(-1, keepdim=True)
+    seen_before = keys.to(torch.uint8).cummax(-1).values.bool()  # [batch, k_len]: an allowed key at <= j
+    index = torch.arange(queries.shape[1], device=keys.device).clamp(max=keys.shape[1] - 1)
+    return queries & seen_before[:, index]
+
+
+def kernel_maxima(stats, queries: torch.Tensor, keys: torch.Tensor,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_maxima` from one kernel pass whose eligible keys were ``keys``
+    (:class:`~headlab.data.attention_kernel.KernelStatistics`): the largest allowed weight is
+    ``exp(max allowed score - lse)`` (0 where the row sees no allowed key, as the masked-out weights
+    are 0); a row that sees no key at all is uniform over every key, as the softmax of the float
+    minimum on the other paths. In the kernel's statistics' dtype (float64 for float64 inputs)."""
+    best = torch.where(stats.lse.isneginf(), 1.0 / keys.shape[1], stats.max_weight)
+    return best, counted_queries(queries, keys, causal)
 
 
 def compute_confidence(
@@ -107,18 +135,35 @@ def compute_confidence(
     chunk's products round) and no block's whole map exists. ``engine="eager"``, the reference,
     captures each block's whole map; it is also the default for a model whose attention cannot go
     through headlab's function (:func:`headlab.capture.not_streamable`, logged).
+
+    ``engine="kernel"`` (a CUDA GPU with triton; Triton's interpreter on the CPU in the tests) computes
+    each attention call in one pass of :mod:`headlab.data.attention_kernel` with the allowed keys as its
+    eligible set (:func:`kernel_maxima`): the maxima without the probabilities. A call the kernel cannot
+    compute exactly runs on the fused path instead: logged once per reason and recorded in the
+    scores' signature (``kernel_fallback``), as ``functions --engine kernel`` records it in summary.json.
     """
     info = info or describe_model(model)
     if info.is_seq2seq and data.translations is None:
         raise HeadlabError("confidence reads the decoder on the model's own translation: run translate_data first")
-    preflight.query_chunk(query_chunk)
-    if engine is not None and engine not in CONFIDENCE_ENGINES:
-        raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {engine!r}")
-    if engine == "eager" and query_chunk is not None:
-        raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")
-    if engine is None and (why := not_streamable(model)):
-        logger.info("confidence: %s: %s; the row maxima are taken on the eager path (whole maps)",
-                    type(model).__name__, why)
+    ConfidenceOptions(query_chunk=query_chunk, engine=engine)  # the options' checks, as the command line's
+    kernel_fallback: dict[str, str] = {}  # under engine="kernel": why some calls ran on the fused path
+    kernel_asked = engine == "kernel"
+
+    def fall_back(name: str, reason: str, path: str = "the fused engine") -> None:
+        if name not in kernel_fallback:
+            logger.warning("confidence: %s: %s instead of the kernel for some batches: %s", name, path, reason)
+            kernel_fallback[name] = reason
+
+    if kernel_asked:
+        from headlab.functions.analysis import check_kernel
+
+        check_kernel(next(model.parameters()).device)  # no triton, or not on a CUDA GPU: refused before any work
+    if engine in (None, "kernel") and (why := not_streamable(model)):
+        if engine == "kernel":  # the kernel too runs inside headlab's attention function
+            fall_back("model", f"{why}: the eager path (whole maps)", "the eager path")
+        else:
+            logger.info("confidence: %s: %s; the row maxima are taken on the eager path (whole maps)",
+                        type(model).__name__, why)
         engine = "eager"
     streamed = engine != "eager"
     blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
@@ -158,12 +203,42 @@ def compute_confidence(
         if chunk.last:
             add(block, *sum_maxima(*buffers.pop(block.key)))
 
+    refused: list[str] = []  # why the kernel cannot compute this model's attention (a property of the model)
+
+    def on_kernel(block: AttentionBlock, call: AttentionCall) -> torch.Tensor | None:
+        """One attention call in the kernel, its row maxima added; its output returned (None: the
+        call goes to the chunks, :func:`on_chunk`)."""
+        if refused:
+            return None
+        from headlab.data.attention_kernel import attention_statistics
+
+        q, k, v, mask = call.query, call.key, call.value, call.mask
+        reason = kernel_refusal(call)
+        if reason is not None:
+            refused.append(reason)
+            fall_back("model", f"the kernel cannot compute this model's attention exactly: {reason}")
+            return None
+        causal = block.kind == "dec_self"
+        if causal and not _hides_later_keys(call):
+            # row_maxima takes keys j <= i only; the kernel's maximum is over the keys the call sees
+            fall_back(block.kind, "decoder self-attention that does not hide later keys")
+            return None
+        queries, keys = allowed(block, q.shape[2], k.shape[2])
+        stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask, eligible=keys)
+        best, counted = kernel_maxima(stats, queries, keys, causal)
+        add(block, *sum_maxima(best.to(maxima_dtype(best.dtype)), counted))  # in row_maxima's dtype
+        output = stats.out
+        if mask is not None:  # a row that sees no key: uniform over every key, as the softmax of the float minimum
+            uniform = v.mean(2, keepdim=True).repeat_interleave(q.shape[1] // k.shape[1], 1)
+            output = torch.where(stats.lse.isneginf()[..., None], uniform.to(output.dtype), output)
+        return output.transpose(1, 2).contiguous()
+
     if not streamed:
         capture = capture_attention(model, on_probs, blocks=blocks)
     else:
         # on_chunk keeps nothing of a chunk (its maxima are fresh tensors, copied into the buffers)
         capture = stream_attention(model, on_chunk, query_chunk=query_chunk or FUSED_QUERY_CHUNK, blocks=blocks,
-                                   reuse=True)
+                                   reuse=True, kernel=on_kernel if engine == "kernel" else None)
     batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
     batches = with_progress(batches, progress, "confidence", total=shard.count(count_batches(data, batch_size)),
@@ -174,6 +249,8 @@ def compute_confidence(
             kwargs = {"use_cache": False} if info.is_seq2seq else {}
             model(**batch.inputs, **kwargs)
     totals = ledger.total()
+    if kernel_asked:  # another process's batches may have fallen back where this one's did not
+        kernel_fallback = _every_process(shard, kernel_fallback)
     counts = {key: n for key, (_, n) in totals.items()}
     values = {}
     for key, (total, n) in totals.items():
@@ -187,7 +264,52 @@ def compute_confidence(
         "excluded": "EOS/special tokens and padding as keys; special tokens and padding as queries",
         "decoder_side": "model's own translation" if info.is_seq2seq else None,
     }
+    if kernel_fallback:  # only then: where the kernel served every call, the signature is the fused path's
+        signature["kernel_fallback"] = kernel_fallback
     return HeadScores(scores, "confidence", info.name, signature)
+
+
+def _every_process(shard, reasons: dict[str, str]) -> dict[str, str]:
+    """``reasons`` of every process (called in each), the main process's first, each name once."""
+    merged = dict(reasons)
+    for part in shard.gather(reasons)[1:] if shard.split else ():
+        for name, reason in part.items():
+            merged.setdefault(name, reason)
+    return merged
+
+
+def kernel_refusal(call: AttentionCall) -> str | None:
+    """Why the kernel cannot compute the attention ``call`` exactly as headlab's attention function
+    does, or None: :func:`headlab.data.attention_kernel.refusal`, and a causal call with fewer keys
+    than queries (the function's causal mask is aligned top-left there, the kernel's bottom-right)."""
+    from headlab.data.attention_kernel import refusal
+
+    q, k, v, mask = call.query, call.key, call.value, call.mask
+    reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks, dropout=call.dropout,
+                     float_mask=mask is not None and mask.dtype != torch.bool)
+    if reason is None and call.causal and k.shape[2] != q.shape[2]:
+        reason = "causal attention with fewer keys than queries"
+    return reason
+
+
+def _hides_later_keys(call: AttentionCall, rows: int = 1024) -> bool:
+    """Whether query ``i`` of a self-attention call sees no key ``j > i`` (a causal flag, or a mask
+    that hides every key above the diagonal). The mask is read ``rows`` query rows at a time: no
+    second ``[q_len, k_len]`` tensor beside it (4 GiB at 64k tokens)."""
+    q_len, k_len = call.query.shape[2], call.key.shape[2]
+    if call.causal or k_len == 1:  # one key: none after any query (transformers flags no causal there)
+        return True
+    mask = call.mask
+    if mask is None:
+        return False
+    keys = torch.arange(k_len, device=mask.device)
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        later = keys[None, :] > torch.arange(start, stop, device=mask.device)[:, None]  # [rows, k_len]
+        piece = mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
+        if bool((piece & later).any()):
+            return False
+    return True
 
 
 class Confidence(ImportanceMeasure):

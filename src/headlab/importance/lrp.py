@@ -58,6 +58,7 @@ from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import check_rules, fused_gated_mlps, gated_mlps, lrp_rules, norm_rule, routed_experts
 from headlab.model_description import ModelInfo, describe_model, output_layer
+from headlab.portable_code import NoHeadAttention
 from headlab.shard import Ledger, active
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
@@ -241,9 +242,22 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         kept = bias.detach().to(output.dtype) * s
         return output + (kept - kept.detach())
 
+    def no_head_probe(module, args, output):
+        # A layer pruned to no head adds its output projection's bias without calling the projection
+        # (ZeroHeadAttention): the same probe on that bias, on the layer's output. With the block's own
+        # output norm (ALBERT, which is never pruned) the bias is inside the norm: nothing to probe.
+        projection = getattr(module, module.o_name) if module.o_name else None
+        if projection is None or module.norm or not isinstance(getattr(projection, "bias", None), torch.Tensor):
+            return None
+        out = probe(projection, args, output[0])
+        return None if out is None else (out, *output[1:])
+
     handles = HookHandles()
     try:
         for module in model.modules():
+            if isinstance(module, NoHeadAttention):
+                handles.append(module.register_forward_hook(no_head_probe, prepend=True))
+                continue
             if module is skip or isinstance(module, nn.Embedding) \
                     or not isinstance(getattr(module, "bias", None), torch.Tensor):
                 continue

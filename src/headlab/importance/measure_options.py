@@ -12,7 +12,8 @@ from headlab import preflight
 from headlab.errors import HeadlabError
 from headlab.options import option
 
-__all__ = ["STRATEGIES", "METRICS", "CONFIDENCE_ENGINES", "LRPOptions", "AblationOptions", "ConfidenceOptions"]
+__all__ = ["STRATEGIES", "METRICS", "CONFIDENCE_ENGINES", "LRPOptions", "AblationOptions", "ConfidenceOptions",
+           "confidence_engine"]
 
 STRATEGIES = ("vmap", "loop", "jacobian")  # how LRP's backward passes run
 METRICS = ("loss", "bleu", "accuracy")  # what ablation measures
@@ -48,8 +49,17 @@ class AblationOptions:
             raise HeadlabError(f"unknown ablation metric {self.metric!r}; expected one of {', '.join(METRICS)}")
 
 
-CONFIDENCE_ENGINES = ("eager", "chunked", "fused")
+CONFIDENCE_ENGINES = ("eager", "chunked", "fused", "kernel")
 """Where confidence's row maxima are taken (``--engine``, as the statistics' engines are named)."""
+
+
+def confidence_engine(engine: str | None, query_chunk: int | None) -> str | None:
+    """The engine confidence runs on under ``analyze --engine engine`` (and ``headlab.analyze``):
+    eager only where ``--query-chunk`` does not chunk it (with it, eager is the statistics' engine
+    alone), the kernel with the statistics' kernel, the default (fused) otherwise."""
+    if engine == "eager":
+        return "eager" if query_chunk is None else None
+    return "kernel" if engine == "kernel" else None
 
 
 @dataclass(frozen=True)
@@ -59,13 +69,21 @@ class ConfidenceOptions:
                                      metavar="N", range="[1, inf)", flag="query_chunk", signed=False)
     engine: str | None = option(None, "confidence: fused or chunked (the default; the same path here: headlab's "
                                 "attention function in query chunks, each chunk's largest allowed weight per row, "
-                                "one reduction) or eager (the reference: each block's whole map; also the default "
-                                "for a model whose attention cannot go through that function)",
+                                "one reduction), eager (the reference: each block's whole map; also the default "
+                                "for a model whose attention cannot go through that function) or kernel (opt-in, "
+                                "CUDA with triton: one Triton flash-attention pass per attention call, the largest "
+                                "allowed weight exp(max score - lse), never the weights; the fused path for a call it "
+                                "cannot compute exactly, said in the scores' signature)",
                                 choices=CONFIDENCE_ENGINES, flag="engine", signed=False)
 
     def __post_init__(self) -> None:
         preflight.query_chunk(self.query_chunk)
         if self.engine is not None and self.engine not in CONFIDENCE_ENGINES:
             raise HeadlabError(f"engine must be one of {', '.join(CONFIDENCE_ENGINES)}, got {self.engine!r}")
+        if self.engine == "kernel":
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is None:  # found, not imported: before the model is loaded
+                raise HeadlabError("--engine kernel needs triton (pip install triton; PyTorch's CUDA wheels ship it)")
         if self.engine == "eager" and self.query_chunk is not None:
             raise HeadlabError("--query-chunk runs headlab's own attention function: not with --engine eager")

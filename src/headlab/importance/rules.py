@@ -112,8 +112,22 @@ def _layer_norm_rule(module: nn.LayerNorm, args, output):
     with torch.no_grad():
         scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + module.eps)
         if module.weight is not None:
-            scale = scale * module.weight
+            own = type(module).forward is not nn.LayerNorm.forward
+            scale = scale * (_applied_weight(module, centered, scale, output) if own else module.weight)
     return _swap_backward(output, centered * scale)
+
+
+def _applied_weight(module: nn.LayerNorm, centered: torch.Tensor, scale: torch.Tensor,
+                    output: torch.Tensor) -> torch.Tensor:
+    """The gamma a LayerNorm subclass with a forward of its own really applied: its weight, or one
+    plus it (Nemotron's ``LayerNorm1P``); any other formula is refused (its factor is not known)."""
+    _check_finite(module, centered)
+    bias = 0 if module.bias is None else module.bias
+    for gamma in (module.weight, 1 + module.weight):
+        if torch.allclose(centered * scale * gamma + bias, output, rtol=1e-3, atol=1e-5):
+            return gamma
+    raise HeadlabError(f"LRP: {type(module).__name__} is not (x - mean(x)) / std(x) times its weight (or one plus "
+                       "it) plus its bias; headlab has no LRP rule for it")
 
 
 def _parameter_free_layer_norm_rule(module: nn.Module, args, output):
@@ -202,13 +216,18 @@ def norm_rule(module: nn.Module):
 
 def check_rules(model: nn.Module) -> None:
     """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
-    a normalisation headlab does not know (named by its class and path) or an in-place activation."""
-    for block in attention_blocks(model):
+    a normalisation headlab does not know (named by its class and path), an in-place activation, or a
+    token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
+    blocks = attention_blocks(model)
+    for block in blocks:
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
+    # the blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)
+    inside = {id(m) for block in blocks for m in block.module.modules()}
+    inside |= {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
     unknown: dict[str, list[str]] = {}
     for path, module in model.named_modules():
         try:
@@ -225,11 +244,43 @@ def check_rules(model: nn.Module) -> None:
                                "other measures work on the model's attention layers")
         if _is_activation(module) and getattr(module, "inplace", False):
             raise HeadlabError(f"LRP: in-place activation {type(module).__name__} ({path}) is not supported")
+        if (problem := _no_rule(module, path, inside)) is not None:
+            raise HeadlabError(f"LRP: no rule for {type(module).__name__} ({path}): {problem}")
     if unknown:
         listed = "; ".join(f"{name} (at {paths[0]}" + (f" and {len(paths) - 1} more)" if len(paths) > 1 else ")")
                            for name, paths in unknown.items())
         raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: headlab knows LayerNorm "
                            "(with or without parameters) and RMS norms (weight, 1 + weight, or none)")
+
+
+def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
+    """Why none of the rules covers ``module`` (None: they do, or it is none of these), found by
+    the family sweep of session 22 (experiments/family_sweep.py), where relevance was not conserved."""
+    name = type(module).__name__
+    # Mamba's, Mamba-2's and gated delta nets' decay; RecurrentGemma's RG-LRU's (Griffin)
+    if any(isinstance(getattr(module, decay, None), torch.Tensor) for decay in ("A_log", "recurrent_param")):
+        return ("a state-space (or linear recurrent) token mixer beside the attention: its recurrence multiplies "
+                "values computed from its input, which none of headlab's rules splits, so relevance would not be "
+                "conserved; the other measures work on the model's attention layers")
+    if name.endswith("Attention") and id(module) not in inside:
+        return ("a token mixer named attention that is none of the attention blocks headlab found (MiniMax's "
+                "lightning attention: linear attention, no per-head probabilities), and none of its rules covers "
+                "it, so relevance would not be conserved; the other measures work on the attention blocks")
+    children = dict(module.named_children())
+    if all(isinstance(children.get(n), nn.Linear) for n in ("prediction_coefs", "correction_coefs")):
+        return ("alternating updates (Gemma 3n's AltUp): the residual stream is several streams, mixed by "
+                "coefficients computed from the input (products of two functions of it), which none of headlab's "
+                "rules splits, so relevance would not be conserved; the other measures work on the attention layers")
+    if all(isinstance(children.get(n), nn.Linear) for n in ("per_layer_input_gate", "per_layer_projection")):
+        return ("per-layer inputs (Gemma 3n's, Gemma 4's): every layer multiplies a function of its input by a "
+                "second stream computed from the token embeddings, which reaches the layer beside the residual "
+                "stream; none of headlab's rules splits that product, so relevance would not be conserved; the "
+                "other measures work on the attention layers")
+    if all(isinstance(children.get(n), nn.Linear) for n in ("w1", "w2", "w3")) \
+            and not any(_is_activation(child) for child in children.values()):
+        return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, so the "
+                "product and activation rules cannot be hooked on it and relevance would not be conserved")
+    return None
 
 
 def _detach_output(module, args, output):
@@ -383,6 +434,36 @@ class _ActivationBetween:
         return (_activation_rule(None, (x,), u), *args[1:])
 
 
+class _ActivationAfter:
+    """An activation called as a function on a module's only child's output (ESM's
+    ``EsmIntermediate``: ``gelu(dense(x))``): the rule of :func:`_activation_rule`, applied in the
+    module's forward hook to the child's output it kept."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+
+    def keep(self, module, args, output):
+        self.x = output
+
+    def after(self, module, args, output):
+        x, self.x = self.x, None
+        if x is None or not isinstance(output, torch.Tensor) or x.shape != output.shape:
+            raise HeadlabError(f"LRP: cannot find the input of the activation in {type(module).__name__}")
+        return _activation_rule(module, (x,), output)
+
+
+def _intermediate_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """``(module, child)`` of BERT-style ``...Intermediate`` modules that hold one Linear and no
+    activation module: their forward applies the activation as a function (ESM)."""
+    found: list[tuple[nn.Module, nn.Module]] = []
+    for module in model.modules():
+        children = list(module.children())
+        if type(module).__name__.endswith("Intermediate") and len(children) == 1 \
+                and isinstance(children[0], nn.Linear) and next(module.parameters(recurse=False), None) is None:
+            found.append((module, children[0]))
+    return found
+
+
 # Modules whose forward applies an activation function (not a module) between two children.
 _FUNCTIONAL_ACTIVATIONS = (("dense", "layer_norm", "decoder"),)
 
@@ -409,12 +490,22 @@ _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1"
 _FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
 
 
+# The same under names that ungated MLPs use too (Moshi's ``fc2(act(h[..., 0, :]) * h[..., 1, :])`` with
+# ``h = fc1(x).view(..., 2, -1)``): gated only where fc1 is twice as wide as fc2's input.
+_HALVED_GATED_NAMES = (("fc1", "fc2", "activation_fn"),)
+
+
 def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
     found = []
     for module in model.modules():
         for gate_up, down, act in _FUSED_GATED_NAMES:
             parts: list = [getattr(module, name, None) for name in (act, gate_up, down)]
             if all(isinstance(p, nn.Module) for p in parts):
+                found.append((parts[0], parts[1], parts[2]))
+        for gate_up, down, act in _HALVED_GATED_NAMES:
+            parts = [getattr(module, name, None) for name in (act, gate_up, down)]
+            if isinstance(parts[0], nn.Module) and all(isinstance(p, nn.Linear) for p in parts[1:]) \
+                    and parts[1].out_features == 2 * parts[2].in_features:
                 found.append((parts[0], parts[1], parts[2]))
     return found
 
@@ -474,6 +565,10 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                     config._experts_implementation = "eager"
             elif path.rpartition(".")[2] in _EXPERT_GATES:  # a gate is a constant, as routing weights are
                 handles.append(module.register_forward_hook(_detach_output))
+        for module, child in _intermediate_activations(model):
+            applied = _ActivationAfter()
+            handles.append(child.register_forward_hook(applied.keep))
+            handles.append(module.register_forward_hook(applied.after))
         for before, after in _functional_activations(model):
             between = _ActivationBetween()
             handles.append(before.register_forward_hook(between.keep))

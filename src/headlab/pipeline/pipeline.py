@@ -39,13 +39,14 @@ import shutil
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
 from headlab.errors import HeadlabError, RunFailed, counted
+from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
@@ -124,9 +125,10 @@ class AnalyzeConfig(PluginOptions):
                 "time (default: eager capture)", "metavar": "N", "range": "[1, inf)"})
     engine: str | None = field(default=None, metadata={
         "help": "confidence, functions and aggregate: where the maxima and statistics run (fused, the default; "
-                "chunked or eager, the references; kernel, functions and aggregate in the Triton kernel on a CUDA "
-                "GPU, confidence fused; see headlab functions --engine). With --engine eager, "
-                "--query-chunk chunks confidence alone", "choices": ("eager", "chunked", "fused", "kernel")})
+                "chunked or eager, the references; kernel, all three in the Triton kernel on a CUDA GPU; see "
+                "headlab functions --engine). With --engine eager, --query-chunk chunks confidence alone. A "
+                "resumed run computes these stages again where --engine changed",
+                "choices": ("eager", "chunked", "fused", "kernel")})
     prune_source: str | None = field(default=None, metadata={"help": "training sources of the gate sweep (default: --source)"})
     prune_target: str | None = field(default=None, metadata={"help": "training targets of the gate sweep (default: --target)"})
     prune_limit: int | None = field(default=None, metadata={
@@ -254,6 +256,7 @@ def validate(config: AnalyzeConfig) -> Path:
     from headlab.functions.registry import check_options
 
     check_options(config.options)  # each statistic's own checks (an unknown --relations)
+    check_treebank_options(config)
     for keep in config.prune_keeps:
         preflight.at_least(keep, 1, "--prune-keeps")
     # Its form, with or without --prune: the sweep's options are in its stage key, so a run without
@@ -328,11 +331,60 @@ def validate(config: AnalyzeConfig) -> Path:
     if config.prune and "prune" not in _skipped_by_flag(config) and config.target is not None \
             and getattr(model_config, "is_encoder_decoder", False):
         _check_sweep(config)
+    check_options_fit_model(config, model_config)
     if config.conllu_is_source:
         if config.conllu is None:
             raise HeadlabError("--conllu-is-source needs --conllu FILE")
         check_conllu_matches_source(config.conllu, config.source, config.limit)
     return out
+
+
+def check_treebank_options(config: AnalyzeConfig) -> None:
+    """The options that act on the treebank alone, given without ``--conllu``: the functions and
+    aggregate stages are skipped then and no stage reads them (nor a stage's key, so no earlier
+    result is kept by them, as the sweep's options keep an earlier sweep), so the run went on as if
+    they had not been given."""
+    if config.conllu is not None:
+        return
+    from headlab.functions.registry import option_specs as statistic_options
+
+    given = (["--conllu-limit"] if config.conllu_limit is not None else []) + (
+        ["--train-text"] if config.train_text else [])
+    own = {f.name for f in fields(config)}
+    treebank_only = {s.dest for s in statistic_options()} - own  # --window, --relations, ... (not --batch-size)
+    given += list(dict.fromkeys(f"--{s.dest.replace('_', '-')}" for s in config.plugin_specs()
+                                if s.dest in treebank_only and config.options.get(s.dest, s.default) != s.default))
+    if given:
+        these = "this option acts" if len(given) == 1 else "these options act"
+        raise HeadlabError(f"{', '.join(given)}: {these} on the treebank of the head functions and aggregate "
+                           f"statistics, and no --conllu was given: give --conllu FILE, or leave "
+                           f"{'it' if len(given) == 1 else 'them'} out")
+
+
+def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
+    """Options for another kind of model (read from its config, no weights): the stages refused
+    them themselves, after the stages before them had run (exit 1, perhaps hours later), or
+    ignored them (``--beam`` of a model that does not translate)."""
+    from headlab.checkpoint import model_class_for
+
+    classifier = model_class_for(model_config).__name__.endswith("ForSequenceClassification")
+    translates = bool(getattr(model_config, "is_encoder_decoder", False)) and not classifier
+    kind = "a sequence classifier" if classifier else "a translation model" if translates else (
+        f"a {model_config.model_type} model that does not translate")
+    ablation = not not_requested("ablation", config) and "ablation" not in _skipped_by_flag(config)
+    if config.target is not None and not translates:
+        raise HeadlabError(f"--target: reference translations are for translation (encoder-decoder) models, and "
+                           f"{config.model} is {kind}; leave --target out")
+    if config.beam != 1 and not translates:
+        raise HeadlabError(f"--beam {config.beam}: the beam of the model's translations, and {config.model} is {kind}; "
+                           "leave --beam out")
+    if ablation and config.metric == "bleu" and (config.target is None or not translates):
+        raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
+                           f"(--target); {'give --target FILE' if translates else f'{config.model} is {kind}'}, or use "
+                           "--metric loss")
+    if ablation and config.metric == "accuracy" and not classifier:
+        raise HeadlabError(f"--metric accuracy: the ablation's accuracy is a sequence classifier's, and {config.model} "
+                           f"is {kind}; use --metric loss{' or bleu' if translates else ''}")
 
 
 def _read_checked(path: str, flag: str) -> list[str]:
@@ -463,9 +515,16 @@ class _Context:
                             if s.signed and s.dest in own and getattr(c, s.dest) != s.default})
             if c.beam != 1:  # every measure scores the model's translations of a beam (without --target)
                 payload["beam"] = c.beam
+            # The engine the measure runs on, where it has one and --engine gives it another than the
+            # default: a changed engine computes the scores again rather than reusing another engine's.
+            engine = confidence_engine(c.engine, c.query_chunk)
+            if engine is not None and any(s.dest == "engine" for s in MEASURES[name].option_specs()):
+                payload["engine"] = engine
         elif name in ("functions", "aggregate"):
             payload = {**common, "conllu": self.fingerprint(c.conllu), "limit": c.treebank_limit,
                        "max_length": c.max_length, "batch_size": c.batch_size}
+            if c.engine is not None:  # as summary.json records it: another engine runs the pass again
+                payload["engine"] = c.engine
             own = {s.dest for s in c.plugin_specs()}  # the pass's statistics' options, where not their defaults
             payload.update({s.dest: getattr(c, s.dest) for statistic in _statistics(name).values()
                             for s in statistic.option_specs()
@@ -523,7 +582,7 @@ def _importance(name: str):
         config = ImportanceConfig(methods=(name,), batch_size=c.batch_size, beam=beam, progress=c.progress, options={
             **{s.dest: values[s.dest] for s in ImportanceConfig.plugin_specs() if s.dest in values},
             # --engine eager with --query-chunk: the functions' and aggregate's engine; confidence is chunked
-            "query_chunk": c.query_chunk, "engine": "eager" if c.engine == "eager" and c.query_chunk is None else None})
+            "query_chunk": c.query_chunk, "engine": confidence_engine(c.engine, c.query_chunk)})
         result = run_importance(model, data, info, config, tokenizer=tokenizer, log=ctx.log)
         ctx.keep_data(result.data)
         if name in result.skipped:

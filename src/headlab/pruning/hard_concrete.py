@@ -177,18 +177,30 @@ class HardConcreteGates(HeadGates):
             counts[key[0]] = counts.get(key[0], 0) + int(mask.sum())
         return counts
 
-    def p_open_scores(self, model_name: str = "") -> HeadScores:
-        """P(open) as a HeadScores table (NaN for blocks without gates)."""
+    def p_open_scores(self, model_name: str = "", model: nn.Module | None = None) -> HeadScores:
+        """P(open) as a HeadScores table (NaN for blocks without gates). With the gated ``model``, a
+        pruned model's heads are at their original indices, as in its other score tables."""
+        numbering: dict[BlockKey, tuple[list[int], int]] = {}
+        if model is not None:
+            from headlab.adapters import attention_blocks
+            from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR  # what pruning kept, in original numbering
+
+            for block in attention_blocks(model):
+                kept = getattr(block.core, KEPT_ATTR, None)
+                if kept is not None and block.key in self.n_heads:
+                    numbering[block.key] = (list(kept), int(getattr(block.core, ORIGINAL_ATTR)))
         by_kind: dict[str, dict[int, torch.Tensor]] = {}
         for key, values in self.p_open().items():
             by_kind.setdefault(key[0], {})[key[1]] = values
         scores = {}
         for kind, layers in by_kind.items():
             n_layers = max(layers) + 1
-            width = max(len(v) for v in layers.values())
+            width = max(numbering[(kind, layer)][1] if (kind, layer) in numbering else len(values)
+                        for layer, values in layers.items())
             array = np.full((n_layers, width), np.nan)
             for layer, values in layers.items():
-                array[layer, : len(values)] = values.numpy()
+                heads = numbering[(kind, layer)][0] if (kind, layer) in numbering else list(range(len(values)))
+                array[layer, heads] = values.numpy()
             scores[kind] = array
         signature = {"beta": self.beta, "gamma": self.gamma, "zeta": self.zeta}
         return HeadScores(scores, "hard_concrete_p_open", model_name, signature)

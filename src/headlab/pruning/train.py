@@ -634,7 +634,7 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
     out_dir = Path(outcome.out_dir)
     if dev is not None and not dev.done(outcome.step):
         dev.evaluate(model, outcome.step)  # test-time gates: the model about to be exported
-    gates.p_open_scores(getattr(model.config, "name_or_path", "")).save(out_dir / "gates.json")
+    gates.p_open_scores(getattr(model.config, "name_or_path", ""), model).save(out_dir / "gates.json")
     pruned_dir = out_dir / "pruned"
     sizes = export_pruned(model, spec, pruned_dir, tokenizer)
     outcome.pruned_dir = str(pruned_dir)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headlab.errors import HeadlabError
-from headlab.heads import HeadScores
+from headlab.errors import HeadlabError, counted
+from headlab.heads import HeadScores, normalised_per_layer
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
@@ -33,6 +33,7 @@ class Collected:
     notes: list[dict] = field(default_factory=list)
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
     sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
+    per_layer: set[str] = field(default_factory=set)  # ids of the maps normalised per layer (not in the page's data)
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -71,6 +72,8 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
+    if normalised_per_layer(scores.signature):  # gradient importance, LRP
+        out.per_layer.add(f"{group}/{name}")
     try:
         errors = scores.stderr()
     except HeadlabError as error:
@@ -127,6 +130,46 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
     return labels
 
 
+PARTIAL = "held_files_only"
+"""A manifest key: the directory holds only its stages' files under these folders (``["importance/",
+...]``: the notebook page of an :class:`headlab.Analysis`, which holds no figures, heads.csv or
+pruning results, and some of the attention sentences), so that an output elsewhere is not missing."""
+
+
+def _output_section(relative: str) -> str | None:
+    """The section that shows a stage's output file (None: one that notes its own, or the report)."""
+    top = relative.split("/", 1)[0]
+    if relative.startswith("importance/agreement."):
+        return "agreement"
+    if top in ("figures", "index.html"):  # the figures section notes its missing files; the report is this page
+        return None
+    return {"importance": "importance", "functions": "functions", "aggregate": "aggregate", "attention": "viewer",
+            "prune": "pruning"}.get(top, "summary")
+
+
+def _note_missing_outputs(out: Collected) -> None:
+    """Each file that the manifest lists as an output of a done stage and the directory lacks
+    (deleted, or the directory copied in part): a missing file is otherwise read as "not
+    computed", and its heatmap left out of a section that shows the others without a word."""
+    held = out.manifest.get(PARTIAL)
+    held = tuple(str(folder) for folder in held) if isinstance(held, list) else None
+    for stage in out.stages_for(("",)):
+        outputs = stage.get("outputs")
+        if stage.get("status") != "done" or not isinstance(outputs, list):
+            continue
+        missing: dict[str, list[str]] = {}
+        for relative in outputs:
+            section = _output_section(relative) if isinstance(relative, str) else None
+            if held is not None and not str(relative).startswith(held):
+                continue
+            if section is not None and not (out.directory / relative).exists():
+                missing.setdefault(section, []).append(relative)
+        for section, files in missing.items():
+            shown = ", ".join(files[:4]) + (f" (+{len(files) - 4} more)" if len(files) > 4 else "")
+            out.note(section, f"stage {stage.get('name')} is recorded as done, but {counted(len(files), 'file')} it "
+                              f"wrote {'is' if len(files) == 1 else 'are'} missing from the directory: {shown}")
+
+
 def collect(directory: Path) -> Collected:
     out = Collected(Path(directory))
     d = out.directory
@@ -137,6 +180,7 @@ def collect(directory: Path) -> Collected:
         out.note("summary", "manifest.json: not a JSON object")
     else:
         out.note("summary", "manifest.json: not found; the run summary is unknown")
+    _note_missing_outputs(out)
 
     # Importance: the registry's tables first, in its order, then any other HeadScores file.
     importance = d / "importance"

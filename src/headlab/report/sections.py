@@ -16,7 +16,7 @@ from typing import Callable
 
 from headlab._lazy import LazyRegistry
 from headlab.errors import counted
-from headlab.heads import KINDS
+from headlab.heads import KINDS, not_comparable_across_layers
 from headlab.markup import fmt as _fmt
 from headlab.markup import line_chart as _line_chart
 from headlab.markup import table as _table
@@ -180,10 +180,22 @@ def _head_link(kind: str, layer: int, head: int, text: str | None = None) -> str
 
 
 def _top_heads(c: Collected) -> str:
-    """The top :data:`TOP_N` heads of each importance measure (all kinds pooled), with labels."""
+    """The top :data:`TOP_N` heads of each importance measure (all kinds pooled), with labels.
+
+    A measure normalised per layer (gradient importance, LRP) is left out where the layers keep
+    different numbers of heads or one each: its values are then on different scales (a layer's only
+    head scores 1 in gradient importance, so a model with one head per layer showed a ranking of ties)."""
     maps = [h for h in c.heatmaps if h["group"] == "importance" and not h["name"].endswith("_stderr")]
+    why = {h["id"]: not_comparable_across_layers(h["scores"]) for h in maps if h["id"] in c.per_layer}
+    left_out = [h for h in maps if why.get(h["id"])]
+    maps = [h for h in maps if h not in left_out]
+    note = "".join(f" {escape(h['title'])} is not ranked here: it is normalised per layer and {why[h['id']]}, so "
+                   "its values are not comparable across layers (the fewer heads a layer keeps, the larger their "
+                   "shares; a layer's only head takes all of it); see its heatmap"
+                   + (", and the unnormalised gradients in Gradient importance (raw)." if h["name"] == "gradient"
+                      and any(m["name"] == "gradient_raw" for m in maps) else ".") for h in left_out)
     if not maps:
-        return ""
+        return (f'<h3>Which heads matter</h3><p class="caption">{note.strip()}</p>') if note else ""
     columns = []
     for h in maps:
         cells = [(v, kind, layer, head) for kind in KINDS for layer, row in enumerate(h["scores"].get(kind) or [])
@@ -202,10 +214,11 @@ def _top_heads(c: Collected) -> str:
             row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(f"{v:.3g}")}</span>'
                        + (f'<br><span class="fn">{escape(", ".join(labels))}</span>' if labels else ""))
         rows.append(row)
-    total = max(sum(sum(len(r) for r in rows_) for rows_ in h["scores"].values()) for h in maps)
+    # heads with a score: a pruned model's removed heads are empty cells of its maps
+    total = max(sum(v is not None for rows_ in h["scores"].values() for r in rows_ for v in r) for h in maps)
     return (f'<h3>Which heads matter</h3><p class="caption">The {TOP_N} most important heads by each measure, out of '
             f'{total} (all attention kinds pooled; higher = more important), with the functions they pass. '
-            'Click a head to open it in the viewer.</p>'
+            f'Click a head to open it in the viewer.{note}</p>'
             + _table(["rank"] + [h["title"] for h in maps], rows, "top-heads"))
 
 

@@ -1,0 +1,538 @@
+"""Sweep transformers' text model types for silent wrong results (session 22, task qa7).
+
+For each ``model_type`` of transformers' ``CONFIG_MAPPING`` with a causal-LM, masked-LM or
+sequence-to-sequence LM class, a tiny random model is built from its config (hidden 32, 2 layers,
+4 query heads over 2 key/value heads of 8, vocab 99; float64 where the model runs in it; types
+whose config ignores the tiny sizes, over 3M parameters, are skipped; ``OVERRIDES`` gives the types
+that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba), with no download, and the
+checks of tests/support/family_matrix.py are run through headlab's public functions:
+
+* ``blocks``: :func:`headlab.attention_blocks` finds it, or refuses it (``HeadlabError``);
+* ``capture``: :func:`headlab.capture_attention` (SDPA where the family has it) equals transformers'
+  own eager ``output_attentions``, kind by kind;
+* ``mask``: masking the query heads of the last key/value head of the last block of each kind
+  changes the logits and equals (a) zeroing that head's output where the attention function
+  returns it (an attention function of this script's, wrapping SDPA/eager), and (b) zeroing its
+  value weights by hand where the block names its value projection (rows of ``block.v``);
+* ``gates``: scalar gates at one change nothing, and leave no hook behind;
+* ``prune``: :func:`headlab.prune_heads` equals masking (or is refused with a HeadlabError);
+* ``lrp`` (decoder-only and encoder-only): :func:`headlab.importance.rules.check_rules` refuses, or
+  the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves);
+  with final logit soft-capping (``cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat) the relevance
+  sums to ``z``, every share scaled by the same factor, which the per-layer normalised scores cancel.
+
+Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
+``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
+result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
+traceback for a user), ``skipped`` (does not build tiny) or ``timeout``. Families already in the
+test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``.
+
+    cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+import transformers as tf
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
+
+SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, max_position_embeddings=64,
+             bos_token_id=0, eos_token_id=1, pad_token_id=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+SEQ2SEQ_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_layers=2,
+                     num_decoder_layers=2, num_heads=4, d_kv=8, d_ff=40, decoder_start_token_id=0)
+GPT_SIZES = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_ctx=64, d_model=32, n_inner=40)
+EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial rotary, state-space mixers
+    moe_intermediate_size=40, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, shared_expert_intermediate_size=40, first_k_dense_replace=1, n_group=1, topk_group=1,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, rotary_dim=4,
+    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=1,
+    mamba_head_dim=8, ssm_state_size=8, window_size=4, attention_types=[[["global", "local"], 1]],
+    num_layers=2)
+HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
+MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
+OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off its configuration_*.py)
+    **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "minicpm3", "sarvam_mla", "glm_moe_dsa")},
+    "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4},  # head_dim: the rotary part
+    **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    "kimi_linear": dict(num_key_value_heads=4, num_local_experts=4, linear_head_dim=8, linear_num_heads=4,
+                        layer_types=HYBRID),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=16, lru_width=32),
+    # the shared transformer's weights are tied across hybrid layers: two of them
+    "zamba": dict(layers_block_type=["mamba", "hybrid", "hybrid"], num_hidden_layers=3),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=4),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=40, moe_num_experts=4, moe_top_k=2)),
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=4,
+                         altup_num_inputs=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
+                         intermediate_size=[40, 40], activation_sparsity_pattern=[0.0, 0.0]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1),
+}
+AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one
+ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference
+
+
+CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
+
+
+class Timeout(Exception):
+    pass
+
+
+class Fail(Exception):
+    """A check found a silent wrong result."""
+
+    def __init__(self, check: str, message: str):
+        super().__init__(f"{check}: {message}")
+        self.check = check
+
+
+def model_class(config_class):
+    for auto in (tuple(reversed(AUTOS)) if CAUSAL_FIRST else AUTOS):
+        if config_class in auto._model_mapping:
+            return auto._model_mapping[config_class]
+    return None
+
+
+def matrix_types() -> set[str]:
+    """The model types of the test matrix (tests/support), built from their configs only."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support import discovered, family_matrix, models
+
+    types = set()
+    for table in (models.CONFIGS, family_matrix.ANALYSED, family_matrix.PRUNING, family_matrix.SHARED,
+                  family_matrix.HYBRID, family_matrix.REFUSED, discovered.DISCOVERED):
+        for build in table.values():
+            types.add(build()[1].model_type)
+    # tests/test_refused_families.py
+    types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
+              "bigbird_pegasus"}
+    return types
+
+
+def build(config_class, cls, implementation: str, dtype: torch.dtype):
+    """The tiny model, biases and norm weights moved off their initial values (so that they count)."""
+    errors = []
+    no_head_dim = {k: v for k, v in SIZES.items() if k != "head_dim"}  # a config whose head_dim is a property
+    for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
+                  {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
+                  {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
+        sizes = {**sizes, **OVERRIDES.get(config_class.model_type, {})}
+        try:
+            config = config_class(**sizes)
+            config._attn_implementation = implementation
+            with torch.device("meta"):
+                if sum(p.numel() for p in cls(config).parameters()) > 3_000_000:
+                    errors.append("its config ignores the tiny sizes")
+                    continue
+            torch.manual_seed(0)
+            model = cls(config).eval()
+            break
+        except Exception as error:  # noqa: BLE001 - any config: reported
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
+    else:
+        return None, "; ".join(dict.fromkeys(errors))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model.to(dtype), ""
+
+
+def inputs_for(model) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 99, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.randint(3, 99, (2, 5), generator=g)
+    return inputs
+
+
+def logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float]:
+    if a.shape != b.shape:
+        return False, float("inf")
+    diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item() if a.numel() else 0.0
+    return diff <= atol, diff
+
+
+def reference_maps(model, inputs) -> dict[str, tuple]:
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+    if getattr(model.config, "is_encoder_decoder", False):
+        return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
+                "dec_cross": out.cross_attentions}
+    return {"any": out.attentions}
+
+
+def check_capture(eager, model, blocks, inputs, atol) -> None:
+    reference = reference_maps(eager, inputs)
+    with capture_attention(model) as record:
+        logits(model, inputs)
+    if not getattr(model.config, "is_encoder_decoder", False):  # a causal LM's cross-attention does not run
+        blocks = [b for b in blocks if b.kind != "dec_cross"]
+    if sorted(record) != sorted(b.key for b in blocks):
+        raise Fail("capture", f"captured {sorted(record)} for blocks {sorted(b.key for b in blocks)}")
+    for kind in ("enc_self", "dec_self", "dec_cross"):
+        keys = sorted(b.key for b in blocks if b.kind == kind)
+        maps = reference.get(kind, reference.get("any") if "any" in reference else None)
+        if not keys:
+            continue
+        if "any" in reference and len({b.kind for b in blocks}) > 1:
+            raise Fail("capture", f"kinds {sorted({b.kind for b in blocks})} in a model with one attentions tuple")
+        maps = tuple(maps or ())
+        if len(maps) != len(keys) and len(maps) > max(layer for _, layer in keys):
+            maps = tuple(maps[layer] for _, layer in keys)  # one entry per layer (hybrids): the attention layers'
+        maps = tuple(m for m in maps if m is not None)
+        if len(maps) != len(keys):
+            raise Fail("capture", f"{kind}: {len(keys)} blocks but output_attentions gives {len(maps)} maps")
+        for key, reference_map in zip(keys, maps):
+            ok, diff = close(record[key], reference_map, atol)
+            if not ok:
+                raise Fail("capture", f"{key} differs from output_attentions by {diff:.3g}")
+            # the kind against the attention transformers computed: dec_self causal, enc_self not (row 0: no padding)
+            future = torch.triu(reference_map[0].abs().sum(0), diagonal=1).sum().item()
+            if kind == "dec_self" and future > 0 or kind == "enc_self" and future == 0:
+                raise Fail("kind", f"{key}: the attention is {'not ' if future > 0 else ''}causal")
+
+
+_TARGET: dict[int, list[int]] = {}  # id(core module) -> heads whose output the reference zeroes
+_CALLED: list = []  # the target modules that called the reference's attention function
+
+
+def _zeroing(implementation: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        inner = ALL_ATTENTION_FUNCTIONS[implementation] if implementation != "eager" else _eager(module)
+        out, weights = inner(module, query, key, value, attention_mask, *args, **kwargs)
+        heads = _TARGET.get(id(module))
+        if heads:
+            _CALLED.append(module)
+            out = out.clone()
+            out[:, :, heads] = 0  # [batch, q, heads, d]
+        return out, weights
+    return attend
+
+
+def _eager(module):
+    """The module's own eager attention function (the one its modeling file defines)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def register_zeroing(implementation: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = f"{ZERO}_{implementation}"
+    AttentionInterface.register(name, _zeroing(implementation))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return name
+
+
+def value_rows(block, kv_head: int):
+    """Zero the value weights (and bias) of ``kv_head`` of ``block``'s own value projection (of its
+    fused projection: the columns headlab's layout table gives, the table families' hand-read layouts
+    being tested in tests/test_more_families.py)."""
+    v = block.v if block.v is not None else block.qkv
+    rows = torch.arange(kv_head * block.d_head, (kv_head + 1) * block.d_head)
+    if block.v is None:
+        rows = block.qkv_columns()[2][rows]
+    with torch.no_grad():
+        if isinstance(v, torch.nn.Linear):
+            v.weight[rows] = 0
+        else:  # Conv1D: weight [in, out]
+            v.weight[:, rows] = 0
+        if getattr(v, "bias", None) is not None:
+            v.bias[rows] = 0
+
+
+def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:
+    notes = []
+    targets = {}
+    for block in blocks:
+        targets[block.kind] = block  # the last block of each kind
+    if not getattr(make().config, "is_encoder_decoder", False):
+        targets.pop("dec_cross", None)  # a causal LM's cross-attention does not run
+    for kind, block in targets.items():
+        if block.n_heads == 0:
+            continue
+        group = block.n_heads // max(block.n_kv_heads, 1)
+        kv = max(block.n_kv_heads, 1) - 1
+        heads = list(range(kv * group, (kv + 1) * group))
+        model = make()
+        blocks_here = attention_blocks(model)
+        here = next(b for b in blocks_here if b.key == block.key)
+        before = logits(model, inputs)
+        with mask_heads(model, {block.key: heads}):
+            masked = logits(model, inputs)
+        if not torch.equal(logits(model, inputs), before):
+            raise Fail("mask", f"{block.key}: the mask did not come off")
+        if torch.equal(masked, before):
+            raise Fail("mask", f"{block.key} heads {heads}: masking changed nothing")
+        # (a) the heads' outputs zeroed where the attention function returns them
+        name = register_zeroing(implementation)
+        configs = [c for c in _attention_configs(model)]
+        saved = [c._attn_implementation for c in configs]
+        _TARGET.clear()
+        _CALLED.clear()
+        _TARGET[id(here.core)] = heads
+        try:
+            for c in configs:
+                c._attn_implementation = name
+            zeroed = logits(model, inputs)
+        finally:
+            for c, s in zip(configs, saved):
+                c._attn_implementation = s
+            _TARGET.clear()
+        if here.shared:  # the reference would zero the heads at every depth the module runs at
+            notes.append(f"{kind}: attention-function reference n/a (shared layers)")
+        elif not _CALLED:
+            notes.append(f"{kind}: attention-function reference n/a (its core does not call the interface)")
+        else:
+            ok, diff = close(masked, zeroed, atol)
+            if not ok:
+                raise Fail("mask", f"{block.key} heads {heads}: masked differs from the heads' outputs zeroed in the "
+                                   f"attention function by {diff:.3g}")
+        # (b) the value weights zeroed by hand
+        if here.shared:
+            notes.append(f"{kind}: value reference n/a (shared layers: tests/test_shared_layers.py)")
+        elif _tied(model, here):
+            notes.append(f"{kind}: value reference n/a (its weights are tied to another depth's)")
+        elif here.v is not None or here.qkv is not None:
+            value_rows(here, kv)
+            reference = logits(model, inputs)
+            ok, diff = close(masked, reference, atol)
+            if not ok:
+                raise Fail("mask", f"{block.key} heads {heads}: masked differs from zeroed values by {diff:.3g}")
+        else:
+            notes.append(f"{kind}: no value projection named (value reference n/a)")
+    return notes
+
+
+def _tied(model, block) -> bool:
+    """Whether the block's value weights are also held by another module (Zamba's shared transformer)."""
+    projection = block.v if block.v is not None else block.qkv
+    if projection is None:
+        return False
+    weight = projection.weight
+    return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
+
+
+def _attention_configs(model):
+    from headlab.adapters import attention_configs
+
+    return attention_configs(model)
+
+
+def check_gates(model, inputs) -> None:
+    before = logits(model, inputs)
+    with gates_attached(model, ScalarGates.for_model(model)):
+        if not torch.equal(logits(model, inputs), before):
+            raise Fail("gates", "gates at one changed the logits")
+    if any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()):
+        raise Fail("gates", "hooks left behind")
+
+
+def check_prune(model, blocks, inputs, atol) -> str | None:
+    from headlab import prune_heads
+
+    spec: dict[tuple[str, int], list[int]] = {}
+    for block in blocks:
+        if block.n_heads >= 2 and len(spec) < 2:
+            spec[block.key] = [block.n_heads - 1]
+    if not spec:
+        return "no block to prune"
+    with mask_heads(model, spec):
+        masked = logits(model, inputs)
+    try:
+        prune_heads(model, spec)
+    except HeadlabError as error:
+        return f"prune refused: {str(error).splitlines()[0][:150]}"
+    after = {b.key: b.n_heads for b in attention_blocks(model)}
+    expected = {b.key: b.n_heads - len(spec.get(b.key, ())) for b in blocks}
+    if after != expected:
+        raise Fail("prune", f"head counts {after} after pruning, expected {expected}")
+    ok, diff = close(logits(model, inputs), masked, atol)
+    if not ok:
+        raise Fail("prune", f"pruned differs from masked by {diff:.3g}")
+    return None
+
+
+def check_lrp(model, blocks) -> str | None:
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import check_rules, lrp_rules
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "lrp not checked (sequence-to-sequence)"
+    try:
+        check_rules(model)
+    except HeadlabError as error:
+        return f"lrp refused: {str(error).splitlines()[0][:150]}"
+    # the first layer: the block's closest ancestor numbered in a module list (its input is the residual stream)
+    name = blocks[0].name
+    layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
+    first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
+    with torch.no_grad():
+        for pname, parameter in model.named_parameters():
+            if pname.endswith("bias"):
+                parameter.zero_()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0, module.in_features ** -0.5)
+    seen = []
+    handle = first.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    ids = torch.randint(3, 99, (1, 7), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            target = out[0, -1].argmax()
+            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+    finally:
+        handle.remove()
+    total = (seen[0].detach() * grad).sum().item()
+    want = out[0, -1, target].item()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # logit = cap * tanh(z / cap): relevance conserves z, every share scaled by one factor (tanh')
+        z = cap * math.atanh(want / cap)
+        want = z * (1 - math.tanh(z / cap) ** 2)
+    if abs(total - want) > 1e-4 * abs(want) + 1e-5:
+        raise Fail("lrp", f"relevance at {first.__class__.__name__} sums to {total:.6g}, the logit is {want:.6g}")
+    return None
+
+
+def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
+    """(outcome, check, message)."""
+    cls = model_class(config_class)
+    if cls is None:
+        return "", "", ""
+    eager, why = build(config_class, cls, "eager", torch.float64)
+    if eager is None:
+        return "skipped", "build", why
+    implementation = "sdpa" if cls._supports_sdpa else "eager"
+    dtype, atol = torch.float64, 1e-9
+    inputs = inputs_for(eager)
+    try:
+        logits(eager, inputs)
+    except Exception:  # noqa: BLE001 - float64 not supported: float32
+        eager, _ = build(config_class, cls, "eager", torch.float32)
+        dtype, atol = torch.float32, 1e-5
+        try:
+            logits(eager, inputs)
+        except Exception as error:  # noqa: BLE001
+            return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
+
+    def make(impl: str = implementation):
+        return build(config_class, cls, impl, dtype)[0]
+
+    notes: list[str | None] = [] if dtype == torch.float64 else ["float32"]
+    step = "blocks"
+    try:
+        model = make()
+        try:
+            blocks = attention_blocks(model)
+        except HeadlabError as error:
+            return "refused", "blocks", str(error).splitlines()[0][:300]
+        if not blocks:
+            raise Fail("blocks", "no block and no refusal")
+        step = "capture"
+        check_capture(eager, model, blocks, inputs, atol)
+        step = "mask"
+        notes += check_mask(make, blocks, inputs, atol, implementation)
+        step = "gates"
+        check_gates(model, inputs)
+        step = "prune"
+        notes.append(check_prune(make(), blocks, inputs, max(atol, 1e-6 if dtype == torch.float32 else 1e-9)))
+        step = "lrp"
+        notes.append(check_lrp(make().double() if dtype == torch.float64 else make(), blocks))
+    except Fail as error:
+        return "FAIL", error.check, str(error)
+    except HeadlabError as error:
+        return "refused-late", step, f"HeadlabError after the blocks were found: {str(error).splitlines()[0][:250]}"
+    except Timeout:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported as a crash
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        return "CRASH", step, (f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''} "
+                               f"({Path(frame.filename).name}:{frame.lineno})")
+    found = blocks[0].family.name.split(":")[0] if ":" in blocks[0].family.name else "table"
+    kinds = Counter(b.kind for b in blocks)
+    head = f"{type(model).__name__}: {found}, {', '.join(f'{n} {k}' for k, n in kinds.items())}"
+    return "pass", "", "; ".join([head] + [n for n in notes if n])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="these model types only")
+    parser.add_argument("--all", action="store_true", help="also the types of the test matrix")
+    parser.add_argument("--timeout", type=int, default=30, help="seconds per type")
+    parser.add_argument("--causal-first", action="store_true",
+                        help="the causal-LM class of a type that has several (BERT-style ForCausalLM, BartForCausalLM)")
+    args = parser.parse_args()
+    global CAUSAL_FIRST
+    CAUSAL_FIRST = args.causal_first
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    in_matrix = matrix_types()
+    counts: Counter = Counter()
+
+    def alarm(*_):
+        raise Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for model_type, config_class in sorted(CONFIG_MAPPING.items()):
+        if args.only and model_type not in args.only:
+            continue
+        if model_class(config_class) is None:
+            continue
+        if model_type in in_matrix and not args.all and not args.only:
+            counts["matrix"] += 1
+            continue
+        start = time.perf_counter()
+        signal.alarm(args.timeout)
+        try:
+            outcome, check, message = sweep(model_type, config_class, args.timeout)
+        except Timeout:
+            outcome, check, message = "timeout", "", f"over {args.timeout} s"
+        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
+            outcome, check, message = "skipped", "build", f"{type(error).__name__}: {error}"[:200]
+        finally:
+            signal.alarm(0)
+        if not outcome:
+            continue
+        counts[outcome] += 1
+        print(f"{model_type:26s} {outcome:12s} {check:8s} {time.perf_counter() - start:5.1f}s {message}", flush=True)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+if __name__ == "__main__":
+    main()

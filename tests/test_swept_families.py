@@ -1,0 +1,298 @@
+"""Families that the sweep of session 22 (experiments/family_sweep.py: every text model type of
+transformers 5.24 built tiny, the checks of tests/support/family_matrix.py run on each) found LRP
+getting wrong: relevance not conserved, which compute_lrp's conservation check then failed after
+the work. Now each has a rule, or is refused by check_rules before any work, naming the module:
+
+* Nemotron's ``LayerNorm1P`` normalises with ``1 + weight``: the layer-norm rule's factor is the
+  one a LayerNorm subclass really applies (checked);
+* ESM's ``EsmIntermediate`` applies GELU as a function: the activation rule on its output;
+* Moshi's ``MoshiGatingMLP`` is ``fc2(act(h0) * h1)`` with ``h0, h1`` the halves of ``fc1(x)``:
+  the fused gated rule (only where ``fc1`` is twice as wide as ``fc2``'s input);
+* refused: LFM2's MLP (``w2(silu(w1 x) * w3 x)``, the activation a function call), Falcon-H1's
+  Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is no block).
+
+It also found UMT5 and Switch Transformers (T5's layout: ``encoder.block.N.layer.0.SelfAttention``)
+refused, their layer index read off the wrong number of the path ("two modules claim enc_self layer 0"):
+they now use T5's table entry. And it found two causal LMs whose attention says nowhere that it is causal (no ``is_causal``, no
+``is_decoder``): XGLM and Doge were taken for encoders (``enc_self``), and so for masked LMs, their
+importance measures computing the wrong objective; a ``...ForCausalLM`` class now makes them ``dec_self``.
+
+Tiny models built from their configs (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8,
+vocab 99), random biases and norm weights; no download.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import HeadlabError, attention_blocks
+from headlab.importance import ImportanceData, compute_lrp, describe_model
+from headlab.importance.lrp import lrp_precision
+from headlab.importance.rules import check_rules
+
+_GQA = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+            pad_token_id=2)
+
+CONSERVING = {
+    "nemotron": lambda: (tf.NemotronForCausalLM, tf.NemotronConfig(**_GQA)),
+    "esm": lambda: (tf.EsmForMaskedLM, tf.EsmConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pad_token_id=2, mask_token_id=3)),
+    # fc1: 32 -> 80 ([gate | up], 40 each), fc2: 40 -> 32
+    "moshi": lambda: (tf.MoshiForCausalLM, tf.MoshiConfig(**{**_GQA, "intermediate_size": None}, ffn_dim=80)),
+}
+
+REFUSED = {
+    "lfm2": (lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(**_GQA, layer_types=["full_attention"] * 2)),
+             r"Lfm2MLP \(model.layers.0.feed_forward\): a gated MLP .* a function call"),
+    "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+        **_GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4)),
+        r"FalconH1Mixer \(model.layers.0.mamba\): a state-space"),
+    "minimax": (lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
+        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
+        num_local_experts=2, num_experts_per_tok=1)),
+        r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's and Gemma 4's per-layer inputs
+    "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
+        **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
+        lru_width=32)),
+        r"RecurrentGemmaRglru \(model.layers.0.temporal_block.rg_lru\): a state-space \(or linear recurrent\)"),
+    "gemma3n_text": (lambda: (tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
+        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.0, 0.0])),
+        r"Gemma3nTextDecoderLayer \(model.layers.0\): per-layer inputs"),
+    "gemma4_text": (lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
+        **_GQA, layer_types=["sliding_attention", "full_attention"], sliding_window=4, global_head_dim=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)),
+        r"Gemma4TextDecoderLayer \(model.layers.0\): per-layer inputs"),
+}
+
+
+def _tiny(build) -> torch.nn.Module:
+    cls, config = build()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # off their initial values, so that a rule ignoring them shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+            elif "norm" in name.lower() and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def _data(model) -> tuple[ImportanceData, object]:
+    info = describe_model(model)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 9, (4,), generator=g).tolist()
+    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths]), info
+
+
+@pytest.mark.parametrize("family", CONSERVING)
+def test_lrp_conserves_relevance(family):
+    """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
+    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance)."""
+    model = _tiny(CONSERVING[family])
+    check_rules(model)
+    data, info = _data(model)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+
+
+def test_moshis_gating_mlp_is_a_gated_mlp_and_nanochats_plain_mlp_is_not():
+    """fc1/fc2/activation_fn is gated only where fc1 gives two halves (float64 for the product rule)."""
+    assert lrp_precision(_tiny(CONSERVING["moshi"])) == torch.float64
+    nanochat = tf.NanoChatForCausalLM(tf.NanoChatConfig(**_GQA))  # fc2(act(fc1 x)), no product
+    assert lrp_precision(nanochat) == torch.float32
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_lrp_is_refused_before_any_work(family):
+    build, message = REFUSED[family]
+    with torch.device("meta"):  # refused from the structure alone
+        with pytest.raises(HeadlabError, match=message):
+            check_rules(_tiny(build))
+    model = _tiny(build)
+    attention_blocks(model)  # discovery's probe pass (once, cached): not the measure's work
+    calls: list = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    data, info = _data(model)
+    with pytest.raises(HeadlabError, match=message):
+        compute_lrp(model, data, info, bootstrap=0)
+    assert not calls
+
+
+CAUSAL = {
+    "xglm": lambda: (tf.XGLMForCausalLM, tf.XGLMConfig(vocab_size=99, d_model=32, num_layers=2, attention_heads=4,
+                                                       ffn_dim=37, max_position_embeddings=64, pad_token_id=2)),
+    "doge": lambda: (tf.DogeForCausalLM, tf.DogeConfig(**_GQA)),
+}
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_a_causal_lm_without_an_is_causal_flag_is_a_decoder(family):
+    """Its blocks are dec_self, the model a causal LM, and its attention (transformers' own
+    output_attentions) is indeed causal: nothing attends to a later position."""
+    model = _tiny(CAUSAL[family])
+    assert [(b.kind, b.layer) for b in attention_blocks(model)] == [("dec_self", 0), ("dec_self", 1)]
+    assert describe_model(model).arch == "causal"
+    with torch.no_grad():
+        maps = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), output_attentions=True).attentions
+    assert all(torch.triu(m[0], diagonal=1).abs().sum() == 0 for m in maps)
+
+
+T5_LIKE = {
+    "umt5": lambda: (tf.UMT5ForConditionalGeneration, tf.UMT5Config(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+    "switch_transformers": lambda: (tf.SwitchTransformersForConditionalGeneration, tf.SwitchTransformersConfig(
+        vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, num_experts=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family", T5_LIKE)
+def test_t5_like_families_capture_and_mask_exactly(family):
+    """Every block found; capture equals transformers' own output_attentions (encoder, decoder,
+    cross); masking heads 2 and 3 of each kind's layer 1 equals zeroing their value rows by hand."""
+    from headlab import capture_attention, mask_heads
+
+    model = _tiny(T5_LIKE[family])
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads) for b in blocks] == [
+        ("enc_self", 0, 4), ("enc_self", 1, 4), ("dec_self", 0, 4), ("dec_cross", 0, 4), ("dec_self", 1, 4),
+        ("dec_cross", 1, 4)]
+    g = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(3, 99, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+              "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+    inputs["attention_mask"][1, -2:] = 0
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+        with capture_attention(model) as record:
+            before = model(**inputs).logits
+    references = {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
+                  "dec_cross": out.cross_attentions}
+    for (kind, layer), probs in record.items():
+        assert torch.equal(probs, references[kind][layer]), (kind, layer)
+    for block in blocks:
+        if block.layer != 1:
+            continue
+        with torch.no_grad(), mask_heads(model, {block.key: [2, 3]}):
+            masked = model(**inputs).logits
+        saved = block.v.weight.detach().clone()
+        with torch.no_grad():
+            block.v.weight[16:32] = 0  # heads 2 and 3's values (T5's v: heads x 8 rows, no bias)
+            zeroed = model(**inputs).logits
+            block.v.weight.copy_(saved)
+        assert not torch.allclose(masked, before)
+        torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+
+
+def _zamba():
+    # one Mamba layer, then two hybrid layers whose shared transformer's weights are tied
+    return tf.ZambaForCausalLM, tf.ZambaConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        mamba_d_state=8, layers_block_type=["mamba", "hybrid", "hybrid"])
+
+
+def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work():
+    """Zamba's hybrid layers hold one set of attention weights (tied parameters, two modules).
+    Slicing layer 1's heads untied them in memory (masking-exact there), and transformers re-tied
+    them on loading, giving layer 2 layer 1's pruned weights: load_pruned gave a broken model.
+    Refused now, the model untouched; masking one depth stays exact."""
+    from headlab import mask_heads, prune_heads
+    from headlab.surgery import check_prunable
+
+    model = _tiny(_zamba)
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads) for b in blocks] == [("dec_self", 1, 4), ("dec_self", 2, 4)]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls: list = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(HeadlabError, match=r"physical pruning is refused: its weight model.layers.1.shared_transf."
+                                           r"self_attn.q_proj.weight is tied to model.layers.2"):
+        prune_heads(model, {("dec_self", 1): [3]})
+    with pytest.raises(HeadlabError, match="is tied to"):
+        check_prunable(model)
+    assert not calls
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert model.model.layers[1].shared_transf.self_attn.q_proj.weight is \
+        model.model.layers[2].shared_transf.self_attn.q_proj.weight
+    # masking layer 2 only: its heads' outputs zeroed, layer 1 unchanged (the attention function's reference)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad(), mask_heads(model, {("dec_self", 2): [2, 3]}):
+        masked = model(input_ids=ids).logits
+    attention = model.model.layers[2].shared_transf.self_attn
+    hook = attention.o_proj.register_forward_pre_hook(
+        lambda module, args: (args[0].reshape(*args[0].shape[:-1], 4, -1).index_fill(-2, torch.tensor([2, 3]), 0)
+                              .flatten(-2),))
+    with torch.no_grad():
+        zeroed = model(input_ids=ids).logits
+    hook.remove()
+    torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+
+
+BERT_DECODERS = {
+    "bert": lambda: (tf.BertLMHeadModel, tf.BertConfig),
+    "roberta": lambda: (tf.RobertaForCausalLM, tf.RobertaConfig),
+    # found at run time (no table): the cross-attention was another dec_self of its layer ("two modules claim")
+    "bert-generation": lambda: (tf.BertGenerationDecoder, tf.BertGenerationConfig),
+    "data2vec-text": lambda: (tf.Data2VecTextForCausalLM, tf.Data2VecTextConfig),
+}
+
+
+@pytest.mark.parametrize("family", BERT_DECODERS)
+def test_a_bert_style_decoder_is_a_decoder(family):
+    """BERT-style causal LMs (``is_decoder=True``, with cross-attention layers) attend causally: their
+    blocks were enc_self (BERT, RoBERTa: the encoder's table entry) and the model a masked LM, or the
+    model was refused (found at run time: "two modules claim dec_self layer 0", the cross-attention's
+    too); now dec_self and dec_cross. Capture equals output_attentions; masking equals zeroing the value rows by hand."""
+    from headlab import capture_attention, mask_heads
+
+    cls, config_class = BERT_DECODERS[family]()
+    config = config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=37, max_position_embeddings=64, pad_token_id=2, is_decoder=True,
+                          add_cross_attention=True)
+    model = _tiny(lambda: (cls, config))
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer) for b in blocks] == [("dec_self", 0), ("dec_cross", 0), ("dec_self", 1), ("dec_cross", 1)]
+    assert describe_model(model).arch == "causal"
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        maps = model(input_ids=ids, output_attentions=True).attentions
+        with capture_attention(model) as record:
+            before = model(input_ids=ids).logits
+        with mask_heads(model, {("dec_self", 1): [2, 3]}):
+            masked = model(input_ids=ids).logits
+        value = blocks[2].v
+        value.weight[16:32] = 0
+        value.bias[16:32] = 0
+        zeroed = model(input_ids=ids).logits
+    assert sorted(record) == [("dec_self", 0), ("dec_self", 1)]  # the cross-attention does not run without an encoder
+    for layer in (0, 1):
+        assert torch.equal(record[("dec_self", layer)], maps[layer])
+        assert torch.triu(maps[layer][0], diagonal=1).abs().sum() == 0
+    assert not torch.allclose(masked, before)
+    torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
+    # without is_decoder: the encoder's entry, as before
+    plain = _tiny(lambda: (cls, config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=37, max_position_embeddings=64, pad_token_id=2)))
+    assert [b.kind for b in attention_blocks(plain)] == ["enc_self", "enc_self"]
+
+
+def test_gemma3ns_alternating_updates_have_no_rule():
+    """Gemma 3n's layers are refused for their per-layer inputs first; its AltUp module is refused too."""
+    from headlab.importance.rules import _no_rule
+
+    with torch.device("meta"):
+        model = _tiny(REFUSED["gemma3n_text"][0])
+    assert "alternating updates" in _no_rule(model.model.layers[0].altup, "model.layers.0.altup", set())
