@@ -238,15 +238,9 @@ def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, cap
     import json
 
     from headlab.cli import main
-    from support.treebank import word_tokenizer as saved_word_tokenizer
+    from test_kernel_confidence import _saved_marian
 
-    sentences = [" ".join(line.split("\t")[1] for line in block.splitlines() if line and not line.startswith("#")
-                          and line.split("\t")[0].isdigit()) for block in SAMPLE_CONLLU.strip().split("\n\n")]
-    model_dir = tmp_path / "tiny-marian"
-    tiny_model("marian").save_pretrained(model_dir)
-    saved_word_tokenizer(" ".join(sentences).split()).save_pretrained(model_dir)
-    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
-    (tmp_path / "src.txt").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    model_dir = _saved_marian(tmp_path)
     launches = []
 
     def counted(*args, **kwargs):
