@@ -286,3 +286,29 @@ def test_kernel_engine_on_cuda_agrees_with_the_fused_engine(tmp_path, family, ta
         _close(files["kernel"], files["fused"], rtol=1e-5)
     else:
         assert files["kernel"].keys() == files["fused"].keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["marian", "llama"])
+def test_kernel_confidence_on_cuda_agrees_with_the_fused_engine(family, dtype):
+    """Confidence with ``engine="kernel"`` (the allowed keys eligible, the largest weight from the
+    kernel's maximum score and lse) against the fused engine on the same GPU. float64: equal to
+    1e-10, or, where the installed triton cannot compile float64 (triton 3.6), the fused numbers
+    exactly with the reason recorded. float32: within 1e-5. bfloat16: the kernel's ``P @ V`` is in
+    bfloat16, so later layers' inputs differ by rounding: within 0.05 (a smoke test)."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from headlab.importance import compute_confidence
+    from test_kernel_confidence import _data
+
+    model = tiny_model(family, attn_implementation="sdpa").to("cuda", dtype)
+    data, info = _data(model)
+    fused = compute_confidence(model, data, info, batch_size=3, engine="fused")
+    kernel = compute_confidence(model, data, info, batch_size=3, engine="kernel")
+    fallback = kernel.signature.get("kernel_fallback", {})
+    uncompiled = dtype == torch.float64 and "could not compile" in fallback.get("model", "")
+    assert not fallback or uncompiled, fallback
+    atol = {torch.float64: 0.0 if uncompiled else 1e-10, torch.float32: 1e-5, torch.bfloat16: 0.05}[dtype]
+    for kind in fused.kinds:
+        np.testing.assert_allclose(kernel[kind], fused[kind], rtol=0, atol=atol)

@@ -20,7 +20,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 triton = pytest.importorskip("triton")
 
-from headlab.data.attention_kernel import attention_statistics, interpreted, refusal  # noqa: E402
+from headlab.data.attention_kernel import KernelUnavailable, attention_statistics, interpreted, refusal  # noqa: E402
 
 TOL = 1e-10
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,11 +47,15 @@ def _on(*tensors):
 
 
 def _kernel(q, k, v, *, mask=None, eligible=None, features=None, **options):
-    """The kernel on DEVICE, its results back on the CPU."""
+    """The kernel on DEVICE, its results back on the CPU; skipped where the installed triton cannot
+    compile the configuration (triton 3.6 and float64 at d_head 32: the engine then runs fused)."""
     q, k, v = _on(q, k, v)
-    got = attention_statistics(q, k, v, mask=None if mask is None else mask.to(DEVICE),
-                               eligible=None if eligible is None else eligible.to(DEVICE),
-                               features=None if features is None else features.to(DEVICE), **options)
+    try:
+        got = attention_statistics(q, k, v, mask=None if mask is None else mask.to(DEVICE),
+                                   eligible=None if eligible is None else eligible.to(DEVICE),
+                                   features=None if features is None else features.to(DEVICE), **options)
+    except KernelUnavailable as error:
+        pytest.skip(str(error))
     return type(got)(**{name: None if value is None else value.cpu() for name, value in vars(got).items()})
 
 

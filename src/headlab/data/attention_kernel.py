@@ -42,9 +42,14 @@ from typing import Any
 import torch
 
 __all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
-           "Launch", "kernel_launch"]
+           "Launch", "kernel_launch", "KernelUnavailable"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class KernelUnavailable(ValueError):
+    """The installed triton could not compile the kernel for a call (nothing was launched): the
+    caller computes the call on another path and records why."""
 
 
 @dataclass(frozen=True)
@@ -276,8 +281,46 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
     launch = kernel_launch(q, k, v, scaling=scaling, causal=causal, mask=mask, eligible=eligible,
                            features=features, block_m=block_m, block_n=block_n)
-    _kernel(interpreted())[launch.grid](*launch.args, **launch.meta)
+    kernel = _kernel(interpreted())
+    failure = compile_failure(kernel, launch)
+    if failure is not None:
+        raise KernelUnavailable(failure)
+    kernel[launch.grid](*launch.args, **launch.meta)
     return launch.statistics
+
+
+_failed: dict[tuple[Any, ...], str] = {}
+"""Why a specialisation did not compile, by :func:`_specialisation`: a failed compile is not cached
+by triton, and each retry costs seconds."""
+
+
+def _specialisation(launch: Launch) -> tuple[Any, ...]:
+    q = launch.args[0]
+    return (q.device, q.dtype, *sorted((k, str(v)) for k, v in launch.meta.items()))
+
+
+def compile_failure(kernel: Any, launch: Launch) -> str | None:
+    """Why triton cannot compile ``launch``, or None, before anything runs: ``JITFunction.warmup``
+    compiles (or finds in triton's cache) the launch's specialisation without launching it.
+
+    A compiler that fails on a configuration must not end the analysis: triton 3.6 (the one of
+    PyTorch 2.11's CUDA wheels) stops on float64 ``tl.dot`` at d_head 32 and more ("fp64 don't
+    support largeK MMA"), where triton 3.9 compiles every configuration (benchmarks/compile_kernel.py)."""
+    if interpreted():  # the interpreter compiles nothing
+        return None
+    key = _specialisation(launch)
+    if key in _failed:
+        return _failed[key]
+    try:
+        kernel.warmup(*launch.args, grid=launch.grid, **launch.meta)
+    except Exception as error:  # triton's CompilationError, MLIR's RuntimeError, ptxas's errors
+        import triton
+
+        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        _failed[key] = (f"triton {triton.__version__} could not compile the kernel for {launch.args[0].dtype} "
+                        f"at d_head {launch.meta['D']} ({type(error).__name__}: {first[:200]})")
+        return _failed[key]
+    return None
 
 
 @dataclass(frozen=True)

@@ -661,7 +661,7 @@ class _Feeder:
         name = self.sides.get(block.kind, "")
         if name not in self.current or self.kernel_refused is not None:
             return None
-        from headlab.data.attention_kernel import attention_statistics, refusal
+        from headlab.data.attention_kernel import KernelUnavailable, attention_statistics, refusal
 
         q, k, v, mask = call.query, call.key, call.value, call.mask
         reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks,
@@ -683,8 +683,13 @@ class _Feeder:
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the probabilities' dtype
         causal = block.kind in CAUSAL_KINDS
         columns, features = self.kernel_features(side, causal, dtype, T, offset)
-        stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask,
-                                     eligible=side.token_mask, features=features)
+        try:
+            stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask,
+                                         eligible=side.token_mask, features=features)
+        except KernelUnavailable as error:  # nothing ran: this call and the rest go to the fused engine
+            self.kernel_refused = str(error)
+            self._kernel_fallback("model", str(error))
+            return None
         output = stats.out
         if mask is not None:  # a row that sees no key: uniform over every key, as the eager softmax of the float minimum
             uniform = v.mean(2, keepdim=True).repeat_interleave(H // k.shape[1], 1)

@@ -35,6 +35,7 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.attention import AttentionCall, AttentionChunk
 from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention
+from headlab.data.attention_kernel import KernelStatistics
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
@@ -210,21 +211,16 @@ def compute_confidence(
         call goes to the chunks, :func:`on_chunk`)."""
         if refused:
             return None
-        from headlab.data.attention_kernel import attention_statistics
-
         q, k, v, mask = call.query, call.key, call.value, call.mask
-        reason = kernel_refusal(call)
-        if reason is not None:
-            refused.append(reason)
-            fall_back("model", f"the kernel cannot compute this model's attention exactly: {reason}")
-            return None
-        causal = block.kind == "dec_self"
-        if causal and not _hides_later_keys(call):
-            # row_maxima takes keys j <= i only; the kernel's maximum is over the keys the call sees
-            fall_back(block.kind, "decoder self-attention that does not hide later keys")
-            return None
         queries, keys = allowed(block, q.shape[2], k.shape[2])
-        stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask, eligible=keys)
+        causal = block.kind == "dec_self"
+        stats = _kernel_pass(call, keys, causal)
+        if isinstance(stats, tuple):  # the fused path runs this call (and, for the model's reasons, every later one)
+            name, reason = stats
+            if name == "model":
+                refused.append(reason)
+            fall_back(name, reason)
+            return None
         best, counted = kernel_maxima(stats, queries, keys, causal)
         add(block, *sum_maxima(best.to(maxima_dtype(best.dtype)), counted))  # in row_maxima's dtype
         output = stats.out
@@ -276,6 +272,25 @@ def _every_process(shard, reasons: dict[str, str]) -> dict[str, str]:
         for name, reason in part.items():
             merged.setdefault(name, reason)
     return merged
+
+
+def _kernel_pass(call: AttentionCall, keys: torch.Tensor, causal: bool) -> KernelStatistics | tuple[str, str]:
+    """The kernel's statistics of one call (its allowed ``keys`` eligible), or where and why it
+    cannot run it (nothing ran): ``("model", reason)`` for the whole model, ``("dec_self", reason)``
+    for this call."""
+    from headlab.data.attention_kernel import KernelUnavailable, attention_statistics
+
+    reason = kernel_refusal(call)
+    if reason is not None:
+        return "model", f"the kernel cannot compute this model's attention exactly: {reason}"
+    if causal and not _hides_later_keys(call):
+        # row_maxima takes keys j <= i only; the kernel's maximum is over the keys the call sees
+        return "dec_self", "decoder self-attention that does not hide later keys"
+    try:
+        return attention_statistics(call.query, call.key, call.value, scaling=call.scaling, causal=call.causal,
+                                    mask=call.mask, eligible=keys)
+    except KernelUnavailable as error:  # the installed triton could not compile it
+        return "model", str(error)
 
 
 def kernel_refusal(call: AttentionCall) -> str | None:
