@@ -122,6 +122,9 @@ def test_a_boolean_mask_reaches_the_kernel_as_a_view_not_a_copy(monkeypatch):
         def __init__(self, interpret):
             self.kernel = real(interpret)
 
+        def warmup(self, *args, **kwargs):  # the compile check before each launch
+            return self.kernel.warmup(*args, **kwargs)
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launched.append(args[3])
@@ -132,8 +135,11 @@ def test_a_boolean_mask_reaches_the_kernel_as_a_view_not_a_copy(monkeypatch):
     q, k, v, keep, eligible, features = _inputs(37, 16)
     on = _on(q, k, v, keep, eligible, features)
     mask = on[3][:, None, None, :].expand(-1, 1, 37, -1)
-    got = attention_statistics(*on[:3], scaling=0.3, causal=True, mask=mask, eligible=on[4], features=on[5],
-                               block_m=16, block_n=16)
+    try:
+        got = attention_statistics(*on[:3], scaling=0.3, causal=True, mask=mask, eligible=on[4], features=on[5],
+                                   block_m=16, block_n=16)
+    except KernelUnavailable as error:
+        pytest.skip(str(error))
     (m,) = launched
     assert m.dtype == torch.int8 and m.data_ptr() == on[3].data_ptr() and 0 in m.stride()
     got = type(got)(**{name: None if value is None else value.cpu() for name, value in vars(got).items()})
@@ -192,17 +198,17 @@ def test_a_row_that_sees_no_key():
 
 
 def test_what_it_cannot_compute_is_refused_with_the_reason():
-    q, k, v, *_ = _inputs(37, 16)
+    q, k, v = _on(*_inputs(37, 16)[:3])
     assert refusal(q, k, v) is None
     assert "softcap" in refusal(q, k, v, softcap=50.0)
     assert "position bias" in refusal(q, k, v, bias=True)
     assert "sinks" in refusal(q, k, v, sinks=True)
     assert "dropout" in refusal(q, k, v, dropout=0.1)
-    wide = torch.zeros(1, 1, 3, 512, dtype=torch.float64)
+    wide = torch.zeros(1, 1, 3, 512, dtype=torch.float64, device=DEVICE)
     assert "d_head 512" in refusal(wide, wide, wide)
     assert "share" in refusal(q[:, :3], k, v)
     with pytest.raises(ValueError, match="float attention mask"):
-        attention_statistics(q, k, v, mask=torch.zeros(2, 1, 37, 37, dtype=torch.float64))
+        attention_statistics(q, k, v, mask=torch.zeros(2, 1, 37, 37, dtype=torch.float64, device=DEVICE))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU refusal")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 __all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
-           "Launch", "kernel_launch", "KernelUnavailable"]
+           "Launch", "kernel_launch", "KernelUnavailable", "default_features_precision"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -134,7 +134,7 @@ def _kernel(interpret: bool) -> Any:
         sob, soh, som, sod, srb, srh, srm, spb, sph, spm, spf,
         D: tl.constexpr, NF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_F: tl.constexpr,
-        ACC: tl.constexpr, PV_LOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+        ACC: tl.constexpr, PV_LOW: tl.constexpr, QK_PRECISION: tl.constexpr, F_PRECISION: tl.constexpr,
     ):
         sm_scale = tl.load(SCALE)  # in the accumulator's dtype (a float argument would be float32)
         pid_m = tl.program_id(0)
@@ -203,9 +203,18 @@ def _kernel(interpret: bool) -> Any:
             if HAS_F:
                 f = tl.load(F + b * sfb + cols[:, None] * sfn + fdims[None, :] * sff,
                             mask=col_ok[:, None], other=0.0).to(ACC)
-                pf = pf * alpha[:, None] + tl.dot(p, f, out_dtype=ACC, input_precision="ieee")
-                low = tl.where(cols[None, :] <= diag[:, None], p, 0.0)
-                pfl = pfl * alpha[:, None] + tl.dot(low, f, out_dtype=ACC, input_precision="ieee")
+                pf_block = tl.dot(p, f, out_dtype=ACC, input_precision=F_PRECISION)
+                pf = pf * alpha[:, None] + pf_block
+                if not CAUSAL:  # causal: every seen key is at or below the diagonal, P @ F's lower part is P @ F
+                    top = pid_m * BLOCK_M + causal_offset  # the first row's diagonal
+                    if start + BLOCK_N <= top + 1:  # every key of the block at or below every row's diagonal
+                        pfl_block = pf_block
+                    elif start > top + BLOCK_M - 1:  # every key above: nothing of the lower part
+                        pfl_block = tl.zeros([BLOCK_M, NF], ACC)
+                    else:
+                        low = tl.where(cols[None, :] <= diag[:, None], p, 0.0)
+                        pfl_block = tl.dot(low, f, out_dtype=ACC, input_precision=F_PRECISION)
+                    pfl = pfl * alpha[:, None] + pfl_block
             m_i = m_new
         some = l_i > 0
         inv = tl.where(some, 1.0 / tl.where(some, l_i, 1.0), 0.0)
@@ -220,7 +229,10 @@ def _kernel(interpret: bool) -> Any:
         if HAS_F:
             pr = b * spb + h * sph + rows64[:, None] * spm + fdims[None, :] * spf
             tl.store(PF + pr, pf * inv[:, None], mask=row_ok[:, None])
-            tl.store(PFL + pr, pfl * inv[:, None], mask=row_ok[:, None])
+            if CAUSAL:
+                tl.store(PFL + pr, pf * inv[:, None], mask=row_ok[:, None])
+            else:
+                tl.store(PFL + pr, pfl * inv[:, None], mask=row_ok[:, None])
 
     return _attention_statistics
 
@@ -264,7 +276,8 @@ def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Te
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                          causal: bool = False, mask: torch.Tensor | None = None,
                          eligible: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                         block_m: int | None = None, block_n: int | None = None) -> KernelStatistics:
+                         block_m: int | None = None, block_n: int | None = None,
+                         features_precision: str | None = None) -> KernelStatistics:
     """One flash-attention pass over ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, Hkv, K, D]`` with the
     statistics of :class:`KernelStatistics`.
 
@@ -273,6 +286,7 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     broadcastable to ``[B, H, Q, K]`` (a padding mask ``[B, 1, 1, K]`` or transformers' 4-d mask).
     ``eligible``: boolean ``[B, K]``, the keys the maximum and ``score_dot`` range over (None: all).
     ``features``: ``[B, K, f]`` key features (padded here to a power of two of at least 16 columns).
+    ``features_precision``: triton's ``input_precision`` of ``P @ F`` (None: :func:`default_features_precision`).
     Raises ValueError with :func:`refusal`'s reason where the call is not supported."""
     reason = refusal(q, k, v)
     if reason is not None:
@@ -280,7 +294,8 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
     launch = kernel_launch(q, k, v, scaling=scaling, causal=causal, mask=mask, eligible=eligible,
-                           features=features, block_m=block_m, block_n=block_n)
+                           features=features, block_m=block_m, block_n=block_n,
+                           features_precision=features_precision)
     kernel = _kernel(interpreted())
     failure = compile_failure(kernel, launch)
     if failure is not None:
@@ -323,6 +338,18 @@ def compile_failure(kernel: Any, launch: Launch) -> str | None:
     return None
 
 
+def default_features_precision(dtype: torch.dtype, D: int) -> str:
+    """Triton's ``input_precision`` of the float32 ``P @ F`` products (the key features' sums) for
+    inputs of ``dtype`` and padded d_head ``D``.
+
+    ``"ieee"`` runs them on CUDA cores, at a fraction of the tensor cores' rate: for 16-bit inputs,
+    where FlashAttention's own products run on tensor cores, ``"tf32x3"`` (each float32 split into
+    two TF32 parts, three tensor-core products: about float32's accuracy) instead, up to d_head 128
+    (at 256 its registers spilled 6.7 KB per thread on sm_90: benchmarks/compile_kernel.py).
+    Float32 and float64 inputs keep ``"ieee"`` (their statistics are the exact references)."""
+    return "tf32x3" if dtype in (torch.float16, torch.bfloat16) and D <= 128 else "ieee"
+
+
 @dataclass(frozen=True)
 class Launch:
     """One launch of the kernel: its grid, arguments and compile-time parameters (``meta``: the
@@ -337,7 +364,7 @@ class Launch:
 def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                   causal: bool = False, mask: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
                   features: torch.Tensor | None = None, block_m: int | None = None,
-                  block_n: int | None = None) -> Launch:
+                  block_n: int | None = None, features_precision: str | None = None) -> Launch:
     """What :func:`attention_statistics` launches (its outputs allocated, not yet written), on any
     device: ahead-of-time compilation (benchmarks/compile_kernel.py) specialises the kernel on
     exactly these arguments without a GPU."""
@@ -401,6 +428,7 @@ def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
         # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
         QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
+        F_PRECISION=features_precision or default_features_precision(q.dtype, D),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
     statistics = KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
