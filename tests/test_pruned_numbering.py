@@ -47,7 +47,7 @@ def test_functions_name_the_kept_head_by_its_original_index(pruned_bert, tmp_pat
     assert math.isfinite(share[1, 1]) and math.isnan(share[1, 0])
 
 
-def _tables(analysis) -> dict[str, np.ndarray]:
+def _tables(analysis) -> dict:
     """Every per-head table of a functions and an aggregate pass, by name."""
     tables = {}
     for name, result in analysis.results.items():
@@ -68,7 +68,7 @@ def _tables(analysis) -> dict[str, np.ndarray]:
     return tables
 
 
-def _analysis(model, tokenizer, tmp_path, words):
+def _analysis(model, tokenizer, tmp_path):
     """Functions (rare-token heads and the sensitivity readings too) and aggregate statistics in one pass."""
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
@@ -96,8 +96,9 @@ def test_every_statistic_names_an_encoder_s_kept_head_by_its_original_index(prun
     has them; labels, printed names and exemplars name no removed head."""
     words = treebank_files(tmp_path)
     tokenizer = word_tokenizer(words, style="bert")
-    pruned = _tables(_analysis(pruned_bert, tokenizer, tmp_path, words))
-    unpruned = _tables(_analysis(tiny_model("bert"), tokenizer, tmp_path, words))
+    analysis = _analysis(pruned_bert, tokenizer, tmp_path)
+    pruned = _tables(analysis)
+    unpruned = _tables(_analysis(tiny_model("bert"), tokenizer, tmp_path))
     assert set(pruned) == set(unpruned) and len(pruned) > 20
     for name, scores in pruned.items():
         table, whole = scores["enc_self"], unpruned[name]["enc_self"]
@@ -107,7 +108,6 @@ def test_every_statistic_names_an_encoder_s_kept_head_by_its_original_index(prun
         assert np.isnan(table[removed]).all(), name
         assert np.isfinite(table[1, 1]) == np.isfinite(whole[1, 1]), name
     assert np.isfinite(pruned["positional"]["enc_self"][1, 1]) and np.isfinite(pruned["mean_entropy"]["enc_self"][1, 1])
-    analysis = _analysis(pruned_bert, tokenizer, tmp_path, words)
     assert _named_heads(analysis) <= {("enc_self", 1, 1)}
     exemplars = analysis.results["aggregate"].exemplars_json()
     assert [len(heap) > 0 for heap in exemplars["enc_self:1"]] == [False, True, False, False]
@@ -122,9 +122,10 @@ def test_every_statistic_names_a_decoder_s_kept_heads_by_their_original_index(tm
     tokenizer = word_tokenizer(words, style="gpt2")
     model = tiny_model("gpt2")
     prune_heads(model, {("dec_self", 0): [0, 1, 3], ("dec_self", 1): [2]})
-    analysis = _analysis(model, tokenizer, tmp_path, words)
+    analysis = _analysis(model, tokenizer, tmp_path)
     pruned = _tables(analysis)
-    unpruned = _tables(_analysis(tiny_model("gpt2"), tokenizer, tmp_path, words))
+    whole_analysis = _analysis(tiny_model("gpt2"), tokenizer, tmp_path)
+    unpruned = _tables(whole_analysis)
     kept = np.zeros((2, 4), dtype=bool)
     kept[0, 2] = kept[1, [0, 1, 3]] = True
     for name, scores in pruned.items():
@@ -136,7 +137,7 @@ def test_every_statistic_names_a_decoder_s_kept_heads_by_their_original_index(tm
     assert np.isfinite(pruned["mean_distance"]["dec_self"][kept]).all()
     assert _named_heads(analysis) <= {("dec_self", 0, 2), ("dec_self", 1, 0), ("dec_self", 1, 1), ("dec_self", 1, 3)}
     exemplars = analysis.results["aggregate"].exemplars
-    whole_exemplars = _analysis(tiny_model("gpt2"), tokenizer, tmp_path, words).results["aggregate"].exemplars
+    whole_exemplars = whole_analysis.results["aggregate"].exemplars
     assert [bool(heap) for heap in exemplars[("dec_self", 0)]] == [False, False, True, False]
     assert [bool(heap) for heap in exemplars[("dec_self", 1)]] == [True, True, False, True]
     assert [(e.sentence, e.query, e.key) for e in exemplars[("dec_self", 0)][2]] == \
