@@ -5,6 +5,7 @@ scores and the head functions of the same head."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -37,16 +38,152 @@ def test_importance_names_the_kept_head_by_its_original_index(pruned_bert, tmp_p
     assert all(math.isnan(confidence["enc_self"][1, h]) for h in (0, 2, 3))
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (session 22, ux4): functions and aggregate number a pruned "
-                   "layer's kept heads 0..n-1, importance by their original index; heads.csv joins them wrongly",
-                   raises=AssertionError)
 def test_functions_name_the_kept_head_by_its_original_index(pruned_bert, tmp_path):
     words = treebank_files(tmp_path)
     tokenizer = word_tokenizer(words, style="bert")
     analysis = headlab.functions(pruned_bert, tokenizer, tmp_path / "tb.conllu")
     share = analysis.results["positional"].share["enc_self"]
-    assert share.shape == (2, 4)  # today (2, 1): the kept head named 0
+    assert share.shape == (2, 4)  # it was (2, 1): the kept head named 0
     assert math.isfinite(share[1, 1]) and math.isnan(share[1, 0])
+
+
+def _tables(analysis) -> dict:
+    """Every per-head table of a functions and an aggregate pass, by name."""
+    tables = {}
+    for name, result in analysis.results.items():
+        if name == "aggregate":
+            for statistic in result.scores:
+                tables[statistic] = result[statistic]
+            tables.update({f"pos_{tag}": scores for tag, scores in result.pos.items()})
+        elif name == "syntactic":
+            tables["syntactic_margin"] = result.margin_over_baseline()
+            for relation in result.relations:
+                for direction in ("gov->dep", "dep->gov"):
+                    tables[f"syntactic_{relation}_{direction}"] = result.accuracy(relation, direction)
+        elif name == "rare":
+            tables["rare"], tables["two_rare"] = result.rarest, result.two_rarest
+            tables["rare_per_sentence"] = result.rarest_per_sentence
+        else:
+            tables[name], tables[f"{name}_offset"] = result.share, result.offset
+    return tables
+
+
+def _analysis(model, tokenizer, tmp_path):
+    """Functions (rare-token heads and the sensitivity readings too) and aggregate statistics in one pass."""
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions.analysis import AnalysisConfig, analyze_heads
+
+    frequencies = TokenFrequencies.from_texts(tokenizer, (tmp_path / "text.txt").read_text().splitlines(), "text")
+    config = AnalysisConfig(functions=True, aggregate=True, sensitivity=True, min_weight=0.0)
+    return analyze_heads(model, tokenizer, tmp_path / "tb.conllu", frequencies=frequencies, config=config)
+
+
+def _named_heads(analysis) -> set[tuple[str, int, int]]:
+    """The heads that the printed lines, labels and exemplars name."""
+    from headlab.pipeline.labels import head_labels
+
+    named = {tuple(key.split(":")) for key in head_labels(analysis)}
+    lines = "\n".join(line for result in analysis.results.values() for line in result.describe_heads())
+    named |= {(kind, layer, head) for kind, layer, head in re.findall(r"(\w+_\w+) L(\d+) H(\d+)", lines)}
+    for (kind, layer), heaps in analysis.results["aggregate"].exemplars.items():
+        named |= {(kind, str(layer), str(head)) for head, heap in enumerate(heaps) if heap}
+    return {(kind, int(layer), int(head)) for kind, layer, head in named}
+
+
+def test_every_statistic_names_an_encoder_s_kept_head_by_its_original_index(pruned_bert, tmp_path):
+    """BERT, layer 0 without heads, layer 1 keeping its original head 1: every table of the functions
+    and aggregate passes is [2 layers, 4 heads], with values only at (1, 1) where the unpruned model
+    has them; labels, printed names and exemplars name no removed head."""
+    words = treebank_files(tmp_path)
+    tokenizer = word_tokenizer(words, style="bert")
+    analysis = _analysis(pruned_bert, tokenizer, tmp_path)
+    pruned = _tables(analysis)
+    unpruned = _tables(_analysis(tiny_model("bert"), tokenizer, tmp_path))
+    assert set(pruned) == set(unpruned) and len(pruned) > 20
+    for name, scores in pruned.items():
+        table, whole = scores["enc_self"], unpruned[name]["enc_self"]
+        assert table.shape == whole.shape == (2, 4), name
+        removed = np.ones((2, 4), dtype=bool)
+        removed[1, 1] = False
+        assert np.isnan(table[removed]).all(), name
+        assert np.isfinite(table[1, 1]) == np.isfinite(whole[1, 1]), name
+    assert np.isfinite(pruned["positional"]["enc_self"][1, 1]) and np.isfinite(pruned["mean_entropy"]["enc_self"][1, 1])
+    assert _named_heads(analysis) <= {("enc_self", 1, 1)}
+    exemplars = analysis.results["aggregate"].exemplars_json()
+    assert [len(heap) > 0 for heap in exemplars["enc_self:1"]] == [False, True, False, False]
+    assert not any(exemplars.get("enc_self:0", []))
+
+
+def test_every_statistic_names_a_decoder_s_kept_heads_by_their_original_index(tmp_path):
+    """GPT-2 keeping head 2 of layer 0 and heads 0, 1, 3 of layer 1. Layer 0 sees the embeddings as
+    the unpruned model's layer 0 does, so its head 2 has the unpruned head 2's values (the pruned
+    layer 0 changes what layer 1 sees: there only where values are)."""
+    words = treebank_files(tmp_path)
+    tokenizer = word_tokenizer(words, style="gpt2")
+    model = tiny_model("gpt2")
+    prune_heads(model, {("dec_self", 0): [0, 1, 3], ("dec_self", 1): [2]})
+    analysis = _analysis(model, tokenizer, tmp_path)
+    pruned = _tables(analysis)
+    whole_analysis = _analysis(tiny_model("gpt2"), tokenizer, tmp_path)
+    unpruned = _tables(whole_analysis)
+    kept = np.zeros((2, 4), dtype=bool)
+    kept[0, 2] = kept[1, [0, 1, 3]] = True
+    for name, scores in pruned.items():
+        table, whole = scores["dec_self"], unpruned[name]["dec_self"]
+        assert table.shape == whole.shape == (2, 4), name
+        assert np.isnan(table[~kept]).all(), name
+        assert (np.isfinite(table[kept]) == np.isfinite(whole[kept])).all(), name
+        assert np.allclose(table[0, 2], whole[0, 2], equal_nan=True, atol=1e-6), name
+    assert np.isfinite(pruned["mean_distance"]["dec_self"][kept]).all()
+    assert _named_heads(analysis) <= {("dec_self", 0, 2), ("dec_self", 1, 0), ("dec_self", 1, 1), ("dec_self", 1, 3)}
+    exemplars = analysis.results["aggregate"].exemplars
+    whole_exemplars = whole_analysis.results["aggregate"].exemplars
+    assert [bool(heap) for heap in exemplars[("dec_self", 0)]] == [False, False, True, False]
+    assert [bool(heap) for heap in exemplars[("dec_self", 1)]] == [True, True, False, True]
+    assert [(e.sentence, e.query, e.key) for e in exemplars[("dec_self", 0)][2]] == \
+        [(e.sentence, e.query, e.key) for e in whole_exemplars[("dec_self", 0)][2]]
+
+
+def test_heads_csv_joins_a_pruned_head_s_function_and_importance(pruned_bert, tmp_path):
+    """`headlab analyze` on a saved pruned BERT: heads.csv's row of the kept head (enc_self L1 H1)
+    holds its importance and its function values; no removed head has a row (nothing scores it). The report's
+    attention viewer names the heads alike (the removed ones' rows are 0, listed as removed)."""
+    import csv
+    import json
+
+    from support.family_matrix import analyze
+
+    words = treebank_files(tmp_path)
+    headlab.save_pruned(pruned_bert, tmp_path / "model")
+    word_tokenizer(words, style="bert").save_pretrained(tmp_path / "model")
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    assert code == 0, stages
+    out = tmp_path / "out"
+    rows = {(r["kind"], int(r["layer"]), int(r["head"])): r for r in csv.DictReader((out / "heads.csv").open())}
+    share = json.loads((out / "functions" / "positional" / "share.json").read_text())["scores"]["enc_self"]
+    confidence = json.loads((out / "importance" / "confidence.json").read_text())["scores"]["enc_self"]
+    kept = rows[("enc_self", 1, 1)]
+    assert float(kept["positional_share"]) == share[1][1] and float(kept["confidence"]) == confidence[1][1]
+    assert kept["mean_entropy"] != ""
+    assert [key for key in rows if key[0] == "enc_self"] == [("enc_self", 1, 1)]  # no removed head scored or labelled
+    block = json.loads((out / "attention" / "sentence-000.json").read_text())["blocks"]["enc_self:1"]
+    assert block["shape"][0] == 4 and block["removed"] == [0, 2, 3]
+
+
+def test_a_statistic_without_the_original_numbering_is_refused_before_any_work(pruned_bert, tmp_path):
+    """A plug-in statistic that cannot name a pruned model's heads by their original index is refused
+    on such a model before the pass (its table would name other heads than heads.csv)."""
+    from headlab.errors import HeadlabError
+    from support import plugins
+
+    words = treebank_files(tmp_path)
+    tokenizer = word_tokenizer(words, style="bert")
+    with plugins.registered():
+        with pytest.raises(HeadlabError, match="first_token cannot name a pruned model's heads by their original"):
+            headlab.functions(pruned_bert, tokenizer, tmp_path / "tb.conllu")
+        model = tiny_model("bert")
+        prune_heads(model, {("enc_self", 0): [2, 3]})  # kept heads 0, 1: the numbering is the original one
+        assert "first_token" in headlab.functions(model, tokenizer, tmp_path / "tb.conllu").results
 
 
 def test_gates_json_names_a_pruned_model_s_heads_by_their_original_index():

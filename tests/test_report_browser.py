@@ -461,3 +461,30 @@ def test_a_report_without_gold_has_no_gold_control(browser_context, report):
         assert not page.locator("#v-gold-control").is_visible() and not page.locator("#v-gold-note").is_visible()
         assert page.locator("#viewer").get_attribute("data-gold") == ""
         assert p.errors == []
+
+
+def test_the_viewer_names_a_pruned_model_s_heads_by_their_original_index(browser_context, tmp_path):
+    """`headlab analyze` on BERT keeping only head 1 of layer 1: the viewer's head list is the
+    original one, the kept head shows its attention, a removed head says it was removed."""
+    import headlab
+    from headlab.report import build_report
+    from support.family_matrix import analyze, treebank_files
+    from support.models import tiny_model
+    from support.treebank import word_tokenizer
+
+    words = treebank_files(tmp_path)
+    model = tiny_model("bert")
+    headlab.prune_heads(model, {("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [0, 2, 3]})
+    headlab.save_pruned(model, tmp_path / "model")
+    word_tokenizer(words, style="bert").save_pretrained(tmp_path / "model")
+    assert analyze(tmp_path / "model", tmp_path)[0] == 0
+    with Page(browser_context, build_report(tmp_path / "out")) as p:
+        page = p.page
+        page.evaluate("window.headlabReport.open('enc_self', 1, 1)")
+        _wait_until(page, "document.querySelector('#v-head').options.length === 4")
+        assert page.locator("#v-head option").all_text_contents()[0] == "H0 (removed)"
+        assert page.locator("#v-status").is_hidden()
+        page.evaluate("window.headlabReport.open('enc_self', 1, 2)")
+        _wait_until(page, "!document.querySelector('#v-status').hidden")
+        assert page.locator("#v-status").text_content() == "enc_self L1 H2 was removed by pruning: it has no attention."
+        assert p.errors == []

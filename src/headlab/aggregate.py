@@ -37,7 +37,7 @@ import heapq
 import math
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html import escape
 from pathlib import Path
 from typing import Any, cast
@@ -50,7 +50,7 @@ from headlab.attention import KEY_BLOCK
 from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
-from headlab.heads import KINDS, BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.heads import KINDS, BlockKey, HeadScores, Numbering, format_head, head_scores, scores_to_original, write_json
 from headlab.markup import finite, fmt, layer_means, line_chart, read_json_noted, shade
 from headlab.options import option
 from headlab.plugins import Figure, Output, ProfilePart, ReportPart, Statistic, read_result
@@ -599,6 +599,21 @@ class AggregateResult:
         lines += [f"  {scores!r}" for scores in self.scores.values()]
         return "\n".join(lines)
 
+    def renumbered(self, numbering: Numbering) -> "AggregateResult":
+        """A pruned model's heads by their original index: NaN and no exemplar for a removed head."""
+        exemplars: dict[BlockKey, list[list[Exemplar]]] = {}
+        for key in [*self.exemplars, *(key for key in numbering if key not in self.exemplars)]:
+            heaps = self.exemplars.get(key, [])
+            if key not in numbering:
+                exemplars[key] = heaps
+                continue
+            kept, n_original = numbering[key]
+            exemplars[key] = [[] for _ in range(n_original)]
+            for heap, original in zip(heaps, kept):
+                exemplars[key][original] = heap
+        return replace(self, scores={name: scores_to_original(s, numbering) for name, s in self.scores.items()},
+                       pos={tag: scores_to_original(s, numbering) for tag, s in self.pos.items()}, exemplars=exemplars)
+
     def exemplars_json(self) -> dict:
         return {
             f"{kind}:{layer}": [[e.to_json() for e in heap] for heap in heaps]
@@ -767,7 +782,8 @@ def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
 
 
 AGGREGATE = Statistic(
-    AggregateStats.from_config, stage="aggregate", title="the aggregate statistics",
+    AggregateStats.from_config, original_numbering=True,
+    stage="aggregate", title="the aggregate statistics",
     outputs=(Output("aggregate/mean_distance.json", "Mean attention distance",
                     "attention-weighted distance between words (Vig & Belinkov 2019)", figure=_FIGURE),
              Output("aggregate/mean_entropy.json", "Mean attention entropy",

@@ -36,6 +36,11 @@ BlockKey = tuple[str, int]
 HeadSpec = Mapping[BlockKey, "list[int] | tuple[int, ...] | set[int]"]
 """Heads per block: ``{(kind, layer): [head, ...]}``."""
 
+Numbering = Mapping[BlockKey, "tuple[list[int], int]"]
+"""A physically pruned model's heads: ``{(kind, layer): (kept heads, original head count)}``, the
+kept heads by their original index in the order the block runs them
+(:func:`headlab.surgery.original_heads`)."""
+
 
 def check_kind(kind: str) -> str:
     if kind not in KINDS:
@@ -388,6 +393,52 @@ def head_scores(
     for (kind, layer), values in per_block.items():
         scores[kind][layer, : len(values)] = np.asarray(values, dtype=np.float64)
     return HeadScores(scores, method, model, dict(signature or {}))
+
+
+def renumbering_needed(numbering: Numbering) -> bool:
+    """Whether some block's heads are not ``0..n-1`` of its original heads (a pruned model): its
+    per-block results must then be scattered to the original numbering (:func:`to_original`)."""
+    return any(list(kept) != list(range(n_original)) for kept, n_original in numbering.values())
+
+
+def to_original(per_block: Mapping[BlockKey, np.ndarray], numbering: Numbering, fill: float) -> dict[BlockKey, np.ndarray]:
+    """Per-block arrays whose first axis is a block's heads as the model runs them, with that axis
+    in the original numbering: each kept head at its original index, ``fill`` for a removed one
+    (NaN, or 0 for counts: a removed head counted nothing). A block of ``numbering`` without an
+    array (a layer with no head left) gets one of ``fill`` shaped like the others'."""
+    template = next(iter(per_block.values()), None)
+    if template is None:
+        return {}
+    out: dict[BlockKey, np.ndarray] = {}
+    for key in [*per_block, *(key for key in numbering if key not in per_block)]:
+        if key not in numbering:
+            out[key] = per_block[key]
+            continue
+        kept, n_original = numbering[key]
+        values = np.asarray(per_block.get(key, np.zeros((0, *template.shape[1:]), dtype=template.dtype)))
+        array = np.full((n_original, *values.shape[1:]), fill, dtype=np.result_type(values.dtype, fill))
+        array[list(kept)] = values
+        out[key] = array
+    return out
+
+
+def scores_to_original(scores: HeadScores, numbering: Numbering) -> HeadScores:
+    """``scores`` built from per-block values (:func:`head_scores`: a block's heads at ``0..n-1``)
+    with each kept head at its original index, NaN for removed heads: as wide as the original
+    layers, as deep as the blocks of ``numbering``."""
+    arrays = {}
+    for kind, array in scores.scores.items():
+        blocks = {layer: entry for (k, layer), entry in numbering.items() if k == kind}
+        n_layers = max([array.shape[0], *(layer + 1 for layer in blocks)])
+        out = np.full((n_layers, max([array.shape[1], *(n for _, n in blocks.values())])), np.nan)
+        for layer in range(array.shape[0]):
+            if layer in blocks:
+                kept = list(blocks[layer][0])
+                out[layer, kept] = array[layer, :len(kept)]
+            else:
+                out[layer, :array.shape[1]] = array[layer]
+        arrays[kind] = out
+    return scores.with_scores(arrays)
 
 
 def normalised_per_layer(signature: Mapping[str, object]) -> bool:

@@ -313,6 +313,11 @@ class Statistic:
     then takes them as a third argument."""
     option_prefix: str = ""
     """The prefix of its options' flags and keywords, its registry name and ``_`` by convention."""
+    original_numbering: bool = False
+    """Its result defines ``renumbered(numbering) -> result`` (:data:`headlab.heads.Numbering`): the
+    same result with a physically pruned model's heads by their original index, as the importance
+    scores name them. A statistic without it is refused, before any work, on a model whose kept
+    heads are not ``0..n-1`` of some layer (its table would name other heads than ``heads.csv``'s)."""
 
     def __post_init__(self) -> None:
         if self.stage not in PASSES:

@@ -138,6 +138,18 @@ def _original(block: AttentionBlock) -> tuple[list[int], list[int], int]:
     return list(kept), list(getattr(core, KV_KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)
 
 
+def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
+    """The original numbering of ``block``'s heads, and the original head count.
+
+    A physically pruned model keeps its heads' original indices, so that its scores and head
+    functions line up with those of the unpruned model.
+    """
+    kept = getattr(block.core, KEPT_ATTR, None)
+    if kept is None:
+        return list(range(block.n_heads)), block.n_heads
+    return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
+
+
 # Attributes of an attention module that transformers' forwards read a head count from, whatever
 # the family (StableLM and OPT reshape with ``num_heads``; Gemma, OLMo and Mixtral repeat key/value
 # heads ``num_key_value_groups`` times): query heads, key/value heads, query heads per key/value head.
@@ -799,5 +811,5 @@ def count_parameters(model: nn.Module) -> int:
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores", "in_original_numbering",
-    "to_current_numbering",
+    "to_current_numbering", "original_heads",
 ]

@@ -68,10 +68,11 @@ from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
-from headlab.heads import CAUSAL_KINDS, atomic_write_text, write_json
+from headlab.heads import CAUSAL_KINDS, Numbering, atomic_write_text, renumbering_needed, write_json
 from headlab.loading import check_tokenizer_fits
 from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
+from headlab.surgery import original_heads
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads"]
 
@@ -185,6 +186,9 @@ class HeadAnalysis:
     report: RunReport
     model: str = ""
     results: dict[str, StatisticResult] = field(default_factory=dict)
+    numbering: Numbering | None = None
+    """A physically pruned model's heads (:data:`headlab.heads.Numbering`), which ``results`` name by
+    their original index; None: the model's heads are its original ones."""
 
     def __getattr__(self, name: str):
         if name in STATISTICS:
@@ -273,8 +277,12 @@ def analyze_heads(
     max_length = config.max_length or model_max_length(model, tokenizer)
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
                        max_length=max_length)
+    heads = {block.key: original_heads(block) for block in blocks}
+    # kept heads other than a layer's first ones: a head's index as the model runs it is not its original one
+    moved = any(kept != list(range(len(kept))) for kept, _ in heads.values())
+    numbering = heads if renumbering_needed(heads) else None
     shard = active()
-    stats = _statistics(config, frequencies, shard, report)
+    stats = _statistics(config, frequencies, shard, report, moved)
 
     counts = {name: TreebankCounts() for name in ("source", "target")}
     bar = _progress_bar(config, conllu, target_conllu) if progress and shard.main else None
@@ -300,7 +308,11 @@ def analyze_heads(
         }
         signature = _signature(report, config, target_conllu or conllu, max_length)
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
-        return HeadAnalysis(config=config, report=report, model=model_name, results=results)
+        if numbering is not None:  # a pruned model: its heads by their original index, as the importance scores
+            # (a statistic without renumbered was refused unless each layer kept its first heads: then its indices hold)
+            results = {name: result.renumbered(numbering) if STATISTICS[name].original_numbering else result  # type: ignore[attr-defined]
+                       for name, result in results.items()}
+        return HeadAnalysis(config=config, report=report, model=model_name, results=results, numbering=numbering)
     finally:
         if bar is not None:
             bar.close()
@@ -332,10 +344,19 @@ def _analysed_sides(model, seq2seq: bool, source: bool, target: bool) -> tuple[d
     return sides, blocks
 
 
-def _statistics(config: AnalysisConfig, frequencies: TokenFrequencies | None, shard: Shard, report: RunReport) -> dict:
+def _statistics(config: AnalysisConfig, frequencies: TokenFrequencies | None, shard: Shard, report: RunReport,
+                moved: bool = False) -> dict:
     """The registry's statistics this run computes; a sharded run needs each to combine over
-    processes, and keeps every problem event (``report.problems`` becomes a :class:`_ProblemEvents`)."""
+    processes, and keeps every problem event (``report.problems`` becomes a :class:`_ProblemEvents`);
+    on a pruned model whose kept heads are not the first ones of some layer (``moved``) each must name
+    them by their original index (:attr:`~headlab.plugins.Statistic.original_numbering`)."""
     stats = {name: stat for name, make in STATISTICS.items() if (stat := make(config, frequencies)) is not None}
+    if moved:
+        for name in stats:
+            if not STATISTICS[name].original_numbering:
+                raise HeadlabError(f"the statistic {name} cannot name a pruned model's heads by their original index "
+                                   "(its Statistic declares no original_numbering), so its table would name other heads "
+                                   "than the importance scores; run it on the unpruned model, or leave it out")
     if shard.split:
         for name, stat in stats.items():
             if not hasattr(stat, "reduce"):

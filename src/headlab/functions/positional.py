@@ -18,7 +18,7 @@ are both possible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 
 from headlab.data.alignment import AttentionView
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
-from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.heads import BlockKey, HeadScores, Numbering, format_head, head_scores, to_original, write_json
 from headlab.markup import head_cell, percent
 from headlab.options import option
 from headlab.plugins import Output, ProfilePart, read_result
@@ -161,6 +161,10 @@ class PositionalResult:
     level: str = "word"
     model: str = ""
     signature: dict = field(default_factory=dict)
+
+    def renumbered(self, numbering: Numbering) -> "PositionalResult":
+        """A pruned model's heads by their original index (a removed head counted nothing: no share)."""
+        return replace(self, counts=to_original(self.counts, numbering, 0))
 
     def offsets(self) -> np.ndarray:
         """The offset of each histogram bin (overflow bins as -(max+1) and +(max+1))."""
@@ -322,7 +326,8 @@ def _profile_cells(kind: str, entries: dict) -> list[str]:
 
 
 POSITIONAL = Statistic(
-    PositionalStats.from_config, title="positional", label_group="positional", label_pattern=r"positional [+-]\d+",
+    PositionalStats.from_config, original_numbering=True,
+    title="positional", label_group="positional", label_pattern=r"positional [+-]\d+",
     label_caption="positional (offset)", label_cell=lambda label: label.split(" ", 1)[1],
     outputs=(Output("positional/share.json", "Positional share",
                     "share of a head's maxima at its most frequent relative offset (Sec. 5.1)"),
@@ -333,7 +338,8 @@ POSITIONAL = Statistic(
                         ("most positional head (word level)", "subword level", "best previous-word head"),
                         _profile_cells))
 """Voita et al. 2019, Sec. 5.1, over words."""
-POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config, Options=PositionalOptions)
+POSITIONAL_TOKENS = Statistic(PositionalStats.tokens_from_config, Options=PositionalOptions, original_numbering=True)
 """The same over subword tokens."""
-POSITIONAL_INTERIOR = Statistic(PositionalStats.interior_from_config, Options=PositionalOptions)
+POSITIONAL_INTERIOR = Statistic(PositionalStats.interior_from_config, Options=PositionalOptions,
+                                original_numbering=True)
 """Words with both neighbours (``--sensitivity``)."""

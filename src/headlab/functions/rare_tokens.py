@@ -24,7 +24,7 @@ sentence (positions sorted by count, then taken in order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.frequencies import TokenFrequencies
 from headlab.errors import counted
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
-from headlab.heads import BlockKey, HeadScores, format_head, head_scores, write_json
+from headlab.heads import BlockKey, HeadScores, Numbering, format_head, head_scores, to_original, write_json
 from headlab.markup import head_cell, percent
 from headlab.options import option
 from headlab.plugins import Output, ProfilePart, read_result
@@ -189,6 +189,13 @@ class RareTokenResult:
     model: str = ""
     signature: dict = field(default_factory=dict)
 
+    def renumbered(self, numbering: Numbering) -> "RareTokenResult":
+        """A pruned model's heads by their original index (a removed head counted no query: no share)."""
+        sentences = None if self.sentences is None else {  # [5, n_heads]: heads on the second axis
+            key: value.T for key, value in to_original({k: v.T for k, v in self.sentences.items()}, numbering, 0).items()}
+        return replace(self, first=to_original(self.first, numbering, 0), two=to_original(self.two, numbering, 0),
+                       queries=to_original(self.queries, numbering, 0), sentences=sentences)
+
     def _share(self, table: dict[BlockKey, np.ndarray], method: str) -> HeadScores:
         values = {}
         for key, hits in table.items():
@@ -316,7 +323,8 @@ def _profile_cells(kind: str, entries: dict) -> list[str]:
 
 
 RARE = Statistic(
-    RareTokenStats.from_config, title="rare-token heads", needs=("frequencies",), label_group="rare", label_pattern="rare",
+    RareTokenStats.from_config, original_numbering=True,
+    title="rare-token heads", needs=("frequencies",), label_group="rare", label_pattern="rare",
     label_caption="rare-token",
     outputs=(Output("rare_tokens/rarest.json", "Rare-token share",
                     "how often the head's maximum lands on the rarest token (Sec. 5.3)"),),

@@ -24,7 +24,7 @@ import argparse
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,17 @@ from headlab.data.alignment import AttentionView, SideBatch
 from headlab.data.treebank import PAPER_RELATIONS, relation_matcher
 from headlab.errors import HeadlabError
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels
-from headlab.heads import CAUSAL_KINDS, BlockKey, HeadScores, atomic_write_text, format_head, head_scores, write_json
+from headlab.heads import (
+    CAUSAL_KINDS,
+    BlockKey,
+    HeadScores,
+    Numbering,
+    atomic_write_text,
+    format_head,
+    head_scores,
+    to_original,
+    write_json,
+)
 from headlab.markup import head_cell, percent, read_json_noted
 from headlab.markup import table as html_table
 from headlab.options import comma_list, option
@@ -268,6 +278,15 @@ class SyntacticResult:
     margin: float = 0.10
     model: str = ""
     signature: dict = field(default_factory=dict)
+
+    def renumbered(self, numbering: Numbering) -> "SyntacticResult":
+        """A pruned model's heads by their original index; a removed head's hits are NaN (no accuracy)."""
+        pairs = list(dict.fromkeys(pair for table in self.hits.values() for pair in table))
+        by_pair = {pair: to_original({key: table[pair].astype(np.float64) for key, table in self.hits.items()
+                                      if pair in table}, numbering, np.nan) for pair in pairs}
+        keys = list(dict.fromkeys(key for values in by_pair.values() for key in values))
+        return replace(self, hits={key: {pair: by_pair[pair][key] for pair in pairs if key in by_pair[pair]}
+                                   for key in keys})
 
     def all_arcs(self, kind: str, relation: str, direction: str) -> int:
         """Every arc of the relation in the data, reachable or not."""
@@ -528,7 +547,8 @@ def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
 
 
 SYNTACTIC = Statistic(
-    SyntacticStats.from_config, title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
+    SyntacticStats.from_config, original_numbering=True,
+    title="syntactic", label_group="syntactic", label_pattern=r".+->.+",
     label_caption="syntactic (relation direction, e.g. s->v: from subject to verb)",
     outputs=(Output("syntactic/margin.json", "Syntactic margin",
                     "best accuracy over the relations minus the offset baseline (Sec. 5.2)"),),

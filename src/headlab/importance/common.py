@@ -15,6 +15,7 @@ from headlab.errors import HeadlabError
 from headlab.gates import HeadGates
 from headlab.heads import KINDS
 from headlab.model_description import ModelInfo
+from headlab.surgery import original_heads
 
 __all__ = ["ExampleGates", "block_scores", "forward_logits", "original_heads", "sequence_nll"]
 
@@ -70,20 +71,6 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 def expand_batch(batch: Batch, copies: int) -> dict[str, torch.Tensor]:
     """The batch's inputs repeated ``copies`` times along the batch dimension (copy-major)."""
     return {key: value.repeat(copies, *([1] * (value.dim() - 1))) for key, value in batch.inputs.items()}
-
-
-def original_heads(block: AttentionBlock) -> tuple[list[int], int]:
-    """The original numbering of ``block``'s heads, and the original head count.
-
-    A physically pruned model (headlab.surgery) keeps its heads' original indices, so that
-    its scores line up with those of the unpruned model.
-    """
-    from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR
-
-    kept = getattr(block.core, KEPT_ATTR, None)
-    if kept is None:
-        return list(range(block.n_heads)), block.n_heads
-    return list(kept), int(getattr(block.core, ORIGINAL_ATTR, max(kept, default=-1) + 1))
 
 
 def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray],

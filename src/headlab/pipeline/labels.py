@@ -50,8 +50,11 @@ def head_labels(analysis) -> dict[str, list[str]]:
     ``positional +1`` / ``positional -1`` (Sec. 5.1), ``s->v``, ``v->o``, ``adj->noun``, ...
     (Sec. 5.2.1) and ``rare`` (Sec. 5.3)."""
     labels: dict[str, list[str]] = {}
+    numbering = getattr(analysis, "numbering", None) or {}
     for result in analysis.results.values():
         for (kind, layer, head), names in result.labels().items():
+            if (kind, layer) in numbering and head not in numbering[(kind, layer)][0]:
+                continue  # removed by pruning: not analysed
             bucket = labels.setdefault(label_key(kind, layer, head), [])
             bucket += [name for name in names if name not in bucket]
     return dict(sorted(labels.items(), key=lambda item: _sort_key(item[0])))

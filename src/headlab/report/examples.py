@@ -8,6 +8,8 @@ Layout under ``out_dir`` (normally ``ANALYSIS_DIR/attention/``)::
     sentence-000.json     {"id", "tokens": {"source": [...], "target": [...]},
                            "blocks": {"enc_self:0": {"kind", "layer", "q": side, "k": side,
                                       "shape": [heads, q_len, k_len], "data": base64(uint8)}},
+                                      (a pruned model: heads by their original index, and
+                                      "removed": [head, ...] with rows of 0)
                            "gold": {...}}   (treebank sentences only: see gold_arcs)
 
 Sentences from a treebank (:func:`write_treebank_examples`) also carry ``"treebank": "file:line
@@ -35,7 +37,7 @@ from headlab import preflight
 from headlab.capture import capture_attention, eval_mode, stream_attention
 from headlab.data.treebank import InMemoryTreebank, ProblemLog, Sentence, read_conllu
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, atomic_write_text, write_json
+from headlab.heads import KINDS, BlockKey, atomic_write_text, renumbering_needed, to_original, write_json
 from headlab.model_description import describe_model
 
 __all__ = ["FORMAT", "SCALE", "gold_arcs", "write_attention_examples", "write_treebank_examples", "write_example",
@@ -68,9 +70,11 @@ def write_example(
     attention: Mapping[tuple[str, int], np.ndarray],
     seq2seq: bool,
     gold: dict | None = None,
+    removed: Mapping[BlockKey, list[int]] | None = None,
 ) -> dict:
     """Store one sentence: ``attention[(kind, layer)]`` is a float array ``[heads, q_len, k_len]``
-    (or one already quantised, ``uint8``); ``gold``, a treebank sentence's parse (:func:`gold_arcs`).
+    (or one already quantised, ``uint8``); ``gold``, a treebank sentence's parse (:func:`gold_arcs`);
+    ``removed``, the heads of a block that pruning removed (their rows are 0: :func:`original_attention`).
 
     Returns the sentence's entry for ``index.json`` (without the text fields).
     """
@@ -86,6 +90,8 @@ def write_example(
             "kind": kind, "layer": int(layer), "q": q_side, "k": k_side, "shape": list(probs.shape),
             "data": base64.b64encode((probs if probs.dtype == np.uint8 else quantize(probs)).tobytes()).decode("ascii"),
         }
+        if removed and removed.get((kind, layer)):
+            blocks[f"{kind}:{layer}"]["removed"] = list(removed[(kind, layer)])
     name = f"sentence-{index:03d}.json"
     payload = {"format": FORMAT, "id": index, "scale": SCALE,
                "tokens": {side: [str(t) for t in toks] for side, toks in tokens.items()}, "blocks": blocks}
@@ -233,6 +239,21 @@ def write_treebank_examples(
                       query_chunk, skipped)
 
 
+def original_attention(model, attention: dict[BlockKey, np.ndarray]
+                       ) -> tuple[dict[BlockKey, np.ndarray], dict[BlockKey, list[int]] | None]:
+    """A physically pruned model's attention ``[heads, q_len, k_len]`` per block with its heads by
+    their original index, as the report's tables name them (rows of 0 for removed heads), and the
+    removed heads per block; a model whose heads are its original ones: as it is, and None."""
+    from headlab.adapters import attention_blocks
+    from headlab.surgery import original_heads
+
+    numbering = {block.key: original_heads(block) for block in attention_blocks(model) if block.key in attention}
+    if not renumbering_needed(numbering):
+        return attention, None
+    removed = {key: [h for h in range(n) if h not in kept] for key, (kept, n) in numbering.items()}
+    return to_original(attention, numbering, 0), removed
+
+
 def _prepare(model, tokenizer, out_dir: Path, max_sentences: int, query_chunk: int | None, max_length: int | None):
     """The checks before any work; the model's description."""
     out_dir = Path(out_dir)
@@ -290,7 +311,8 @@ def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int]
                 attention = {key: probs[0].float().cpu().numpy() for key, probs in record.items()}
             else:
                 attention = _quantized_attention(model, inputs, query_chunk)
-            entry = write_example(out_dir, len(entries), tokens, attention, seq2seq, gold)
+            attention, removed = original_attention(model, attention)
+            entry = write_example(out_dir, len(entries), tokens, attention, seq2seq, gold, removed)
             entry.update({"line": line, "source": source, "target": target.strip() if target else None,
                           "target_from": target_from})
             if gold is not None:

@@ -361,9 +361,13 @@
     for (var h = 0; h < nHeads; h++) heads.push(h);
     setOptions($("v-head"), heads, heads.map(function (h) {
       var l = labelsOf(st.kind, st.layer, h);
+      if (removedHead(block, h)) return "H" + h + " (removed)";
       return "H" + h + (l.length ? " (" + l.join(", ") + ")" : "");
     }), st.head);
   }
+
+  // A pruned model's blocks name heads by their original index; a removed head's rows are 0.
+  function removedHead(block, head) { return !!block && (block.removed || []).indexOf(head) >= 0; }
 
   function currentBlock() {
     var st = viewer.state;
@@ -384,6 +388,11 @@
     if (!ATT.sentences.length) { status(ATT.not_shown || "No example attention in this analysis directory (attention/index.json)."); clearViews(); return; }
     if (!block || st.head >= block.shape[0]) {
       if (st.payload) status("No example sentence has attention for " + (st.kind ? headName(st.kind, st.layer, st.head) : "this head") + ".");
+      clearViews();
+      return;
+    }
+    if (removedHead(block, st.head)) {
+      status(headName(st.kind, st.layer, st.head) + " was removed by pruning: it has no attention.");
       clearViews();
       return;
     }
