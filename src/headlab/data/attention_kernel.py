@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 __all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
-           "Launch", "kernel_launch", "KernelUnavailable", "default_features_precision"]
+           "Launch", "kernel_launch", "KernelUnavailable"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -276,8 +276,8 @@ def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Te
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                          causal: bool = False, mask: torch.Tensor | None = None,
                          eligible: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                         block_m: int | None = None, block_n: int | None = None,
-                         features_precision: str | None = None) -> KernelStatistics:
+                         block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, features_precision: str | None = None) -> KernelStatistics:
     """One flash-attention pass over ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, Hkv, K, D]`` with the
     statistics of :class:`KernelStatistics`.
 
@@ -286,7 +286,9 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     broadcastable to ``[B, H, Q, K]`` (a padding mask ``[B, 1, 1, K]`` or transformers' 4-d mask).
     ``eligible``: boolean ``[B, K]``, the keys the maximum and ``score_dot`` range over (None: all).
     ``features``: ``[B, K, f]`` key features (padded here to a power of two of at least 16 columns).
-    ``features_precision``: triton's ``input_precision`` of ``P @ F`` (None: :func:`default_features_precision`).
+    ``block_m``, ``block_n``, ``num_warps``, ``num_stages``: the launch's (None: :func:`launch_blocks`').
+    ``features_precision``: triton's ``input_precision`` of the float32 ``P @ F`` (None: ``"ieee"``, on
+    CUDA cores; ``"tf32x3"``, three tensor-core products, was 5% slower on an H200: docs/benchmarks.md).
     Raises ValueError with :func:`refusal`'s reason where the call is not supported."""
     reason = refusal(q, k, v)
     if reason is not None:
@@ -294,8 +296,8 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(refusal(q, k, v, float_mask=True) or "the mask must be boolean")
     launch = kernel_launch(q, k, v, scaling=scaling, causal=causal, mask=mask, eligible=eligible,
-                           features=features, block_m=block_m, block_n=block_n,
-                           features_precision=features_precision)
+                           features=features, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                           num_stages=num_stages, features_precision=features_precision)
     kernel = _kernel(interpreted())
     failure = compile_failure(kernel, launch)
     if failure is not None:
@@ -338,18 +340,6 @@ def compile_failure(kernel: Any, launch: Launch) -> str | None:
     return None
 
 
-def default_features_precision(dtype: torch.dtype, D: int) -> str:
-    """Triton's ``input_precision`` of the float32 ``P @ F`` products (the key features' sums) for
-    inputs of ``dtype`` and padded d_head ``D``.
-
-    ``"ieee"`` runs them on CUDA cores, at a fraction of the tensor cores' rate: for 16-bit inputs,
-    where FlashAttention's own products run on tensor cores, ``"tf32x3"`` (each float32 split into
-    two TF32 parts, three tensor-core products: about float32's accuracy) instead, up to d_head 128
-    (at 256 its registers spilled 6.7 KB per thread on sm_90: benchmarks/compile_kernel.py).
-    Float32 and float64 inputs keep ``"ieee"`` (their statistics are the exact references)."""
-    return "tf32x3" if dtype in (torch.float16, torch.bfloat16) and D <= 128 else "ieee"
-
-
 @dataclass(frozen=True)
 class Launch:
     """One launch of the kernel: its grid, arguments and compile-time parameters (``meta``: the
@@ -364,7 +354,8 @@ class Launch:
 def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                   causal: bool = False, mask: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
                   features: torch.Tensor | None = None, block_m: int | None = None,
-                  block_n: int | None = None, features_precision: str | None = None) -> Launch:
+                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  features_precision: str | None = None) -> Launch:
     """What :func:`attention_statistics` launches (its outputs allocated, not yet written), on any
     device: ahead-of-time compilation (benchmarks/compile_kernel.py) specialises the kernel on
     exactly these arguments without a GPU."""
@@ -428,8 +419,8 @@ def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
         PV_LOW=q.dtype in (torch.float16, torch.bfloat16),
         # 16-bit products are exact in float32 whatever the setting; float32 ones only under "ieee"
         QK_PRECISION="tf32" if q.dtype in (torch.float16, torch.bfloat16) else "ieee",
-        F_PRECISION=features_precision or default_features_precision(q.dtype, D),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        F_PRECISION=features_precision or "ieee",
+        num_warps=num_warps or blocks.num_warps, num_stages=num_stages or blocks.num_stages,
     )
     statistics = KernelStatistics(out=out[..., :d], lse=lse, max_score=smax, argmax=arg,
                                   linear=pf[..., :f] if has_f else None,
