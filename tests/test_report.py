@@ -353,6 +353,22 @@ def test_chart_ticks_never_repeat_a_label():
         assert len(set(labels)) == len(labels) >= 2
 
 
+def test_layer_curve_ticks_name_the_layers_under_their_points():
+    """Regression: a one-layer model's per-layer chart read -1, 0, 1 under its one point (the axis
+    was padded by a whole layer each side). Each tick sits under the point of its layer, numbered
+    as the tables number layers (from 0)."""
+    from headlab.markup import layer_means, line_chart
+
+    for n_layers in (1, 2, 3, 12):
+        heatmap = {"scores": {"enc_self": [[0.1 * layer, 0.2] for layer in range(n_layers)]}}
+        chart = line_chart(layer_means(heatmap), "layer", "words", "layer-curve x", "t", integer_x=True)
+        ticks = {float(label): float(x) for x, label in re.findall(r'<text x="([\d.]+)" y="[\d.]+" '
+                                                                    r'text-anchor="middle">(-?[\d.]+)</text>', chart)}
+        points = {int(layer): float(x) for x, layer in re.findall(r'<circle cx="([\d.]+)".*?layer (\d+),', chart)}
+        assert set(ticks) <= set(points) and 0 in ticks and (n_layers - 1 in ticks or n_layers > 6)
+        assert all(ticks[t] == points[int(t)] for t in ticks)
+
+
 HOSTILE_CONLLU = """\
 # sent_id = <b>x</b>
 1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_

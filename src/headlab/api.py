@@ -65,7 +65,19 @@ Sentences of the viewer are dropped, last first, to fit."""
 
 def _model_name(model: nn.Module) -> str:
     name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
-    return Path(name).name if name else type(model).__name__
+    return _shown_name(name) if name else type(model).__name__
+
+
+def _shown_name(name: str) -> str:
+    """A model's name as an :class:`Analysis` shows it: a local directory by its own name, a hub id
+    ("org/model", no such directory here) whole. Its last part alone dropped the org: the caption
+    read "opus-mt-en-de", two orgs' models of one name were one in ``to_pandas()``, and heads.csv
+    (the run's model argument) named it otherwise."""
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not Path(name).exists():
+        return name
+    return Path(name).name
 
 
 def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None,
@@ -221,6 +233,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     _check_model(model, tokenizer)
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
+    config.check_options_act(str, f"measures={list(config.methods)!r}")
     info = model_info(model, tokenizer, max_length)
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
@@ -688,7 +701,7 @@ class Analysis:
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
         skipped.update(_missing_outputs(manifest, files, directory))
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
-        return cls(Path(model).name if model else "", columns, labels, agreement, skipped, files,
+        return cls(_shown_name(model) if model else "", columns, labels, agreement, skipped, files,
                    run=directory.resolve().name)
 
     @checked_keywords()

@@ -68,8 +68,9 @@ def line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabe
         y0, y1 = y0 - 0.5, y1 + 0.5
     pad = (y1 - y0) * 0.06
     y0, y1 = y0 - pad, y1 + pad
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
+    if x1 == x0:  # one x: integer axes by half a step, else a one-layer model's ticks read -1, 0, 1
+        d = 0.5 if integer_x else 1
+        x0, x1 = x0 - d, x1 + d
     sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - right)  # noqa: E731
     sy = lambda y: top + (y1 - y) / (y1 - y0) * (h - top - bottom)  # noqa: E731
     parts = [f'<svg class="chart {escape(cls)}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '

@@ -109,6 +109,7 @@ def _run(args, part) -> int:
                        kinds=kinds, progress=not args.no_progress and part.main,
                        options=values_from_args(args, ImportanceConfig.plugin_specs()))
     config.resolved_methods()  # fail on a bad --method before loading anything
+    config.check_options_act(lambda dest: "--" + dest.replace("_", "-"), f"--method {args.method}")
     placement = device_options(args)
     placement["device"] = rank_device(placement["device"], part)
     if config.option_values().get("engine") == "kernel" and "confidence" in config.resolved_methods():

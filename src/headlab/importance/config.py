@@ -5,6 +5,7 @@ takes them as keywords (``ImportanceConfig(lrp_targets=4)``) and keeps them in `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
@@ -61,3 +62,32 @@ class ImportanceConfig(PluginOptions):
         if self.batch_size < 1 or self.beam < 1:
             raise HeadlabError("batch size and beam must be at least 1")
         return chosen
+
+    def check_options_act(self, name: Callable[[str], str], methods: str) -> None:
+        """Refuse a measure's option given (not its default) when none of the chosen measures reads
+        it (``--engine kernel`` with ``--method lrp``): the run went on as if it had not been given.
+        ``name``: how the caller spells an option (``--engine``, ``engine=``); ``methods``: how it
+        spells the choice of measures. Only for a run of the measures named here (``importance``),
+        not for ``analyze``'s single-measure stages, which are given every measure's options."""
+        chosen = set(self.resolved_methods())
+        readers: dict[str, list[str]] = {}
+        for spec in self.plugin_specs():
+            readers.setdefault(spec.dest, []).append(spec.owner)
+        idle = {dest: owners for dest, owners in readers.items()
+                if dest in self.options and self.options[dest] != _default(self.plugin_specs(), dest)
+                and not chosen & set(owners)}
+        if not idle:
+            return
+        if len(idle) == 1:
+            [(dest, owners)] = idle.items()
+            measures = " or ".join(owners)
+            raise HeadlabError(f"{name(dest)}: this option acts on {measures} alone, and {methods} does not run "
+                               f"{'it' if len(owners) == 1 else 'them'}: add {measures} to the measures, or leave "
+                               f"{name(dest)} out")
+        listed = ", ".join(f"{name(dest)} ({' or '.join(owners)})" for dest, owners in idle.items())
+        raise HeadlabError(f"{listed}: these options act on the measures in brackets alone, and {methods} runs none "
+                           "of them: add the measures, or leave the options out")
+
+
+def _default(specs: list[OptionSpec], dest: str) -> object:
+    return next(spec.default for spec in specs if spec.dest == dest)

@@ -23,9 +23,11 @@ from headlab.heads import HeadScores, HeadSpec
 from headlab.model_description import ModelInfo
 from headlab.plugins import OptionSpec, ReportPart, build_options, option_specs
 
-__all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD"]
+__all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD", "NO_NEXT_TOKEN"]
 
 NO_LM_HEAD = "the model has no language-model head (no logits to explain, no loss to differentiate)"
+NO_NEXT_TOKEN = ("every sentence is one token, and a language model's loss is on predicting each next token, which "
+                 "a one-token sentence does not have (give sentences of two tokens or more)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class ImportanceMeasure:
         """Why the measure cannot run on this model and data; None when it can."""
         if self.needs_lm_head and not info.has_lm_head:
             return NO_LM_HEAD
+        # One-token sentences are skipped and counted; with nothing else the loss has no token.
+        if self.uses_loss and info.arch == "causal" and all(len(ids) < 2 for ids in data.sources):
+            return NO_NEXT_TOKEN
         return None
 
     def unsupported(self, model: nn.Module) -> str | None:

@@ -227,9 +227,13 @@ def check_conllu_matches_source(conllu: str | Path, source: str | Path, limit: i
     return n
 
 
-class _ModelNotLoadable(HeadlabError):
-    """The model cannot be loaded (the user's input, exit 2): the run stops at the first stage
-    that needs it instead of failing that stage and every later one."""
+class _Refused(HeadlabError):
+    """The user's input cannot be analysed, found once the model is loaded (exit 2): the run stops
+    at the first stage that needs it instead of failing that stage and every later one."""
+
+
+class _ModelNotLoadable(_Refused):
+    """The model cannot be loaded (the user's input, exit 2)."""
 
 
 def _foreign_files(out: Path) -> list[str]:
@@ -481,10 +485,35 @@ class _Context:
             from headlab.data.inputs import read_data
 
             _, tokenizer = self.load()
-            self._data = read_data(self.config.source, tokenizer, self.info, target_path=self.config.target,
-                                   n_sentences=self.config.limit)
-            self.log(self._data.summary())
+            data = read_data(self.config.source, tokenizer, self.info, target_path=self.config.target,
+                             n_sentences=self.config.limit)
+            self.log(data.summary())
+            self._check_next_tokens(data)
+            self._data = data
         return self._data
+
+    def _check_next_tokens(self, data) -> None:
+        """A language model's loss (gradient, ablation) is on predicting each sentence's next token:
+        a one-token sentence has none and is skipped and counted (``n_scored_sentences``), but
+        where every sentence is one token (``--limit 1`` on a one-word line) gradient failed after
+        the stages before it had run (exit 1). Refused here, before the first stage's work."""
+        if self.info.arch != "causal" or not self.info.has_lm_head or any(len(ids) > 1 for ids in data.sources):
+            return
+        c = self.config
+        loss = [name for name, measure in MEASURES.items() if measure.uses_loss and not not_requested(name, c)
+                and name not in _skipped_by_flag(c)]
+        if not loss:
+            return
+        from headlab.data.parallel import first_sentences, read_lines
+
+        lines = read_lines(c.source)
+        numbers = [n for n, line in enumerate(lines[: first_sentences(lines, c.limit)], start=1) if line.strip()]
+        shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+        where = f"line {shown} is one token" if len(numbers) == 1 else f"lines {shown} are one token each"
+        raise _Refused(f"--source {c.source}: {where}, and {_and(loss)} {'scores' if len(loss) == 1 else 'score'} "
+                       "a language model by its loss of predicting each next token, which a one-token sentence does "
+                       f"not have: give sentences of two tokens or more{'' if c.limit is None else ' (or a larger --limit)'}"
+                       f", or --skip {' '.join(loss)}")
 
     def keep_data(self, data) -> None:
         """Keep the data with the model's translations made by one measure for the next ones."""
@@ -986,7 +1015,7 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     except SkipStage as skip:
         record = StageRecord(name, "skipped", str(skip))
         ctx.log(f"{position} {name}: skipped: {skip}")
-    except _ModelNotLoadable:
+    except _Refused:
         raise  # exit 2 with its one line, before the first stage's work: not every stage failed in turn
     except HeadlabError as error:
         record = StageRecord(name, "failed", str(error), round(time.perf_counter() - start, 2))
