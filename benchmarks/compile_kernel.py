@@ -99,7 +99,7 @@ def quick_configs(dtypes: list[str], d_heads: list[int]) -> list[Config]:
 
 
 def _arguments(config: Config, *, batch: int = 2, heads: int = 32, kv_heads: int = 8, length: int = 256,
-               blocks: tuple[int, int] | None = None) -> Any:
+               blocks: tuple[int, int] | None = None, arch: int | None = None) -> Any:
     """The launch the engine makes for ``config`` (CPU tensors laid out as a model's attention call
     passes them: ``[B, T, H, d]`` projections transposed to ``[B, H, T, d]``)."""
     from headlab.data.attention_kernel import kernel_launch
@@ -114,7 +114,7 @@ def _arguments(config: Config, *, batch: int = 2, heads: int = 32, kv_heads: int
     eligible = torch.ones(batch, length, dtype=torch.bool)
     block_m, block_n = blocks or (None, None)
     return kernel_launch(q, k, v, causal=config.causal, mask=mask, eligible=eligible, features=features,
-                         block_m=block_m, block_n=block_n)
+                         block_m=block_m, block_n=block_n, capability=None if arch is None else divmod(arch, 10))
 
 
 _PTXAS = {
@@ -136,7 +136,7 @@ def compile_config(config: Config, arch: int, blocks: tuple[int, int] | None = N
     from headlab.data.attention_kernel import _kernel
 
     result = Result(target=arch, config=config, shared_limit=SHARED_LIMIT[arch])
-    launch = _arguments(config, blocks=blocks)
+    launch = _arguments(config, blocks=blocks, arch=arch)
     result.block_m, result.block_n = launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]
     result.num_warps, result.num_stages = launch.meta["num_warps"], launch.meta["num_stages"]
     target = GPUTarget("cuda", arch, 32)

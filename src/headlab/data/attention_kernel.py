@@ -247,8 +247,9 @@ class Blocks:
     num_stages: int
 
 
-def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
-    """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16).
+def launch_blocks(dtype: torch.dtype, D: int, capability: tuple[int, int] | None = None) -> Blocks:
+    """The blocks for inputs of ``dtype`` and padded d_head ``D`` (a power of two, at least 16) on a
+    GPU of compute ``capability`` (``(9, 0)``: H100/H200; None: unknown, as under the interpreter).
 
     Chosen by compiling each for sm_90, sm_80, sm_89 and sm_86 on a CPU (benchmarks/compile_kernel.py;
     figures in docs/benchmarks.md), not by timing: large tiles that fit the 99 KB of shared memory
@@ -257,9 +258,15 @@ def launch_blocks(dtype: torch.dtype, D: int) -> Blocks:
     FlashAttention's (the eligible scores, the first argmax, ``p`` below the diagonal) and ``P @ F``
     runs on CUDA cores in float32, so FlashAttention-2's 64 x 64 blocks of 4 warps spilled 1.3-2.5
     KB per thread (21 KB in float32 at d_head 64), and float64 at d_head 256 needed 344 KB of shared
-    memory in 32 x 32 blocks of 3 stages. Float64 is for exactness, not speed: its smallest tiles."""
+    memory in 32 x 32 blocks of 3 stages. Float64 is for exactness, not speed: its smallest tiles.
+    The 16-bit tiles up to d_head 128 were then timed on an H200 (benchmarks/bench_kernel.py
+    --configs, 16k tokens, Llama-3-8B's heads): 64 x 32 in 4 warps took 10.7 ms where 8 warps took
+    27.3 (with the aggregate's key features 25.7 and 43.8), with the same results to the bit,
+    although they spill up to 788 bytes per thread there: sm_90 takes 4 warps. Elsewhere they spill
+    up to 1.3 KB (sm_80) and are not timed: 8 warps, which spill nothing."""
     if dtype in (torch.float16, torch.bfloat16):
-        return Blocks(64, 32, 8, 2) if D <= 128 else Blocks(32, 32, 8, 2)
+        warps = 4 if capability == (9, 0) else 8
+        return Blocks(64, 32, warps, 2) if D <= 128 else Blocks(32, 32, 8, 2)
     if dtype == torch.float32:
         return Blocks(32, 32, 4, 3) if D <= 64 else Blocks(32, 32, 8, 2) if D <= 128 else Blocks(16, 32, 4, 2)
     if D <= 32:
@@ -355,7 +362,7 @@ def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
                   causal: bool = False, mask: torch.Tensor | None = None, eligible: torch.Tensor | None = None,
                   features: torch.Tensor | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  features_precision: str | None = None) -> Launch:
+                  features_precision: str | None = None, capability: tuple[int, int] | None = None) -> Launch:
     """What :func:`attention_statistics` launches (its outputs allocated, not yet written), on any
     device: ahead-of-time compilation (benchmarks/compile_kernel.py) specialises the kernel on
     exactly these arguments without a GPU."""
@@ -400,7 +407,9 @@ def kernel_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling:
     else:
         f, nf = 0, 16
         feats = pf = pfl = lse  # not read or written
-    blocks = launch_blocks(q.dtype, D)
+    if capability is None and q.device.type == "cuda":  # ``capability``: the target of an ahead-of-time compile
+        capability = torch.cuda.get_device_capability(q.device)
+    blocks = launch_blocks(q.dtype, D, capability)
     block_m = blocks.block_m if block_m is None else block_m
     block_n = blocks.block_n if block_n is None else block_n
     grid = (triton.cdiv(Q, block_m), B * H)
