@@ -690,6 +690,7 @@ def _and(items: list[str]) -> str:
 
 def _head_analysis(ctx: _Context, stage: str):
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
+    from headlab.heads import shown_model_name
 
     c = ctx.config
     statistics = _statistics(stage)
@@ -719,7 +720,7 @@ def _head_analysis(ctx: _Context, stage: str):
                             options={s.dest: getattr(c, s.dest) for statistic in statistics.values()
                                      for s in statistic.option_specs()})
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
-                             model_name=Path(c.model).name, progress=c.progress)
+                             model_name=shown_model_name(c.model), progress=c.progress)
     if analysis.report.n_sentences == 0:
         raise HeadlabError(f"--conllu {c.conllu}: no sentence could be analysed\n{analysis.report.describe()}")
     return analysis, note
