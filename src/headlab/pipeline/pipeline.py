@@ -48,7 +48,7 @@ from headlab._version import __version__
 from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
-from headlab.lock import DirectoryLock
+from headlab.lock import LOCK_FILE, DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
 from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
@@ -445,6 +445,7 @@ class _Context:
         self.records: dict[str, StageRecord] = {}
         self.markers: dict[str, dict] = {}
         self.figures: list[dict] = []
+        self.created: list[Path] = []  # stage directories this run made
         self._fingerprints: dict[str, str | None] = {}
 
     # -- model and data -------------------------------------------------------------------
@@ -940,6 +941,8 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     old = key_file.read_text().strip() if key_file.is_file() else None
     if directory.exists() and (ctx.config.force or (old is not None and old != key)):
         shutil.rmtree(directory)
+    if not directory.exists():
+        ctx.created.append(directory)  # removed again if the run is refused (_Refused)
     directory.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key + "\n")
 
@@ -1038,6 +1041,20 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     return record
 
 
+def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
+    """What a refused run wrote before the stage that refused (stages skipped or reused do no work):
+    the manifest back as it was, the stage directories it made that hold only their key."""
+    from headlab.heads import atomic_write_bytes
+
+    if earlier is None:
+        manifest.unlink(missing_ok=True)
+    elif manifest.read_bytes() != earlier:
+        atomic_write_bytes(manifest, earlier)
+    for directory in ctx.created:
+        if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
+            shutil.rmtree(directory)
+
+
 def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None,
                  shard: Shard = SINGLE) -> AnalysisRun:
     """Run (or resume) every stage into ``config.out``; see the module docstring. ``shard``: this
@@ -1054,10 +1071,20 @@ def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = N
         import torch
 
         torch.set_num_threads(config.threads)
+    created = [path for path in (out_dir / LOCK_FILE.parent, out_dir) if not path.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
-    # A second run on DIR refuses instead of interleaving; the main process holds the lock for all.
-    with DirectoryLock(out_dir, "--out") if shard.main else nullcontext():
-        return _run_stages(config, out_dir, log, shard)
+    try:
+        # A second run on DIR refuses instead of interleaving; the main process holds the lock for all.
+        with DirectoryLock(out_dir, "--out") if shard.main else nullcontext():
+            return _run_stages(config, out_dir, log, shard)
+    except _Refused:
+        if shard.main:  # refused before any work: no trace left, an --out that existed as it was
+            for path in created:
+                try:
+                    path.rmdir()  # only if empty
+                except OSError:
+                    pass
+        raise
 
 
 def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None], shard: Shard = SINGLE) -> AnalysisRun:
@@ -1066,8 +1093,14 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
     ctx = _Context(config, out_dir, log, shard)
     records: list[StageRecord] = []
     manifest = out_dir / "manifest.json"
+    earlier = manifest.read_bytes() if manifest.is_file() else None
     for i, name in enumerate(STAGES, start=1):
-        record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
+        try:
+            record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
+        except _Refused:
+            if shard.main:
+                _undo(ctx, manifest, earlier)
+            raise
         ctx.records[name] = record
         records.append(record)
         if shard.main:
