@@ -446,6 +446,7 @@ class _Context:
         self.markers: dict[str, dict] = {}
         self.figures: list[dict] = []
         self.created: list[Path] = []  # stage directories this run made
+        self.replaced: dict[Path, Path] = {}  # a stage directory cleared for this run: where its files wait
         self._fingerprints: dict[str, str | None] = {}
 
     # -- model and data -------------------------------------------------------------------
@@ -940,7 +941,11 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file = directory / KEY_FILE
     old = key_file.read_text().strip() if key_file.is_file() else None
     if directory.exists() and (ctx.config.force or (old is not None and old != key)):
-        shutil.rmtree(directory)
+        # Set aside, deleted once the stage has run: a run refused before its work puts it back.
+        aside = ctx.out_dir / LOCK_FILE.parent / f"replaced-{name}"
+        shutil.rmtree(aside, ignore_errors=True)  # a killed run's
+        directory.replace(aside)
+        ctx.replaced[directory] = aside
     if not directory.exists():
         ctx.created.append(directory)  # removed again if the run is refused (_Refused)
     directory.mkdir(parents=True, exist_ok=True)
@@ -1030,6 +1035,9 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         traceback.print_exc(file=sys.stderr)
         record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
+    for aside in ctx.replaced.values():
+        shutil.rmtree(aside, ignore_errors=True)
+    ctx.replaced.clear()
     if shard.main:
         if record.status == "done":
             ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
@@ -1043,7 +1051,8 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
 
 def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     """What a refused run wrote before the stage that refused (stages skipped or reused do no work):
-    the manifest back as it was, the stage directories it made that hold only their key."""
+    the manifest back as it was, the stage directories it made that hold only their key removed,
+    one it cleared put back."""
     from headlab.heads import atomic_write_bytes
 
     if earlier is None:
@@ -1053,6 +1062,9 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     for directory in ctx.created:
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
+    for directory, aside in ctx.replaced.items():
+        if not directory.exists():
+            aside.replace(directory)
 
 
 def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None,
