@@ -343,3 +343,40 @@ def _bert_with_every_head_pruned(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     return headless, data
+
+
+def _tree(path):
+    """Every file and folder below ``path`` (hidden ones too), relative."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_analyze_refused_after_loading_leaves_no_trace(tmp_path, capsys):
+    """Regression: `analyze` refused once the model loaded (every head pruned) left an empty
+    --out/.headlab/ (and the --out it created) behind; with the importance stages skipped also a
+    manifest.json and functions/ holding only its key, and an earlier run's functions/ was deleted
+    (--force, or results of other inputs). Now a refused run leaves no trace: a new --out is not
+    created, one that existed stays as it was, byte for byte."""
+    headless, data = _bert_with_every_head_pruned(tmp_path)
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    empty, mine = tmp_path / "empty", tmp_path / "mine"
+    empty.mkdir()
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    functions = ["--conllu", str(conllu), "--skip", "importance,attention,figures,report"]
+    earlier = tmp_path / "earlier"  # an earlier run's results (of the model before pruning)
+    assert main(["analyze", str(tmp_path / "bert"), "--source", str(data), "--out", str(earlier), "--no-progress",
+                 *functions]) == 0
+    assert (earlier / "functions" / "summary.json").is_file()
+    runs = [(tmp_path / "new", []), (empty, []), (mine, ["--force"]), (tmp_path / "new-skip", functions),
+            (earlier, functions), (earlier, [*functions, "--force"])]
+    for out, extra in runs:
+        content = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None
+        before = _tree(out) if out.exists() else None
+        capsys.readouterr()
+        assert main(["analyze", str(headless), "--source", str(data), "--out", str(out), "--no-progress",
+                     *extra]) == 2, out
+        assert "there is no head to analyse" in capsys.readouterr().err
+        assert (_tree(out) if out.exists() else None) == before, out
+        assert ({p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None) == content
+    assert (mine / "notes.txt").read_text() == "mine\n"

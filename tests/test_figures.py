@@ -173,3 +173,12 @@ def test_figure1_and_the_statistics_figures_come_from_their_declarations(tmp_pat
         assert fig.get_suptitle() == "drawn some share"
         plt.close(fig)
     assert list(specs).index("probe_some_share") > list(specs).index("aggregate_mean_entropy")
+
+
+def test_gate_trajectories_name_a_pruned_model_s_heads_by_layer_and_original_index():
+    """null: no gate (a head or layer removed before the gates were attached); the others keep
+    their real layer and original head (``trajectory.jsonl`` as gates.json numbers them)."""
+    records = [{"step": s, "p_open": {"dec_self": [[None] * 4, [None, 0.9 - 0.1 * s, None, None]]}} for s in (1, 2)]
+    _, data = plot_gate_trajectories({"run": records})
+    assert data["run"]["p_open"] == {"dec_self:1:1": pytest.approx([0.8, 0.7])}
+    plt.close("all")

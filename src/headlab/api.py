@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 
 from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head, normalised_per_layer, not_comparable_across_layers
+from headlab.heads import shown_model_name as _shown_name
 from headlab.importance.registry import DEFAULT_MEASURES
 from headlab.options import checked_keywords
 
@@ -66,18 +67,6 @@ Sentences of the viewer are dropped, last first, to fit."""
 def _model_name(model: nn.Module) -> str:
     name = str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
     return _shown_name(name) if name else type(model).__name__
-
-
-def _shown_name(name: str) -> str:
-    """A model's name as an :class:`Analysis` shows it: a local directory by its own name, a hub id
-    ("org/model", no such directory here) whole. Its last part alone dropped the org: the caption
-    read "opus-mt-en-de", two orgs' models of one name were one in ``to_pandas()``, and heads.csv
-    (the run's model argument) named it otherwise."""
-    import re
-
-    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not Path(name).exists():
-        return name
-    return Path(name).name
 
 
 def model_info(model: nn.Module, tokenizer: Any, max_length: int | None = None,

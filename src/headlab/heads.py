@@ -53,6 +53,18 @@ def format_head(kind: str, layer: int, head: int) -> str:
     return f"{kind} L{layer} H{head}"
 
 
+def shown_model_name(name: str) -> str:
+    """A model's name as its results show it (the ``model`` of a score table, an Analysis): a local
+    directory by its own name, a hub id ("org/model", no such directory here) whole. Its last part
+    alone dropped the org: the caption read "opus-mt-en-de", two orgs' models of one name were one
+    in ``to_pandas()``, and heads.csv (the run's model argument) named it otherwise."""
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not Path(name).exists():
+        return name
+    return Path(name).name
+
+
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Parse a JSON file; a missing file or bad JSON is a HeadlabError naming the file (and line)."""
     path = Path(path)

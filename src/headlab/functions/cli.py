@@ -94,6 +94,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
     from headlab.data.frequencies import TokenFrequencies
     from headlab.functions.analysis import analyze_heads, describe_heads
     from headlab.functions.registry import STATISTICS
+    from headlab.heads import shown_model_name
     from headlab.loading import load_model, load_tokenizer
     from headlab.outdir import write_results, written_note
     from headlab.shard import rank_device
@@ -111,7 +112,7 @@ def _analyse(args, functions: bool, aggregate: bool, part) -> int:
         frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
     analysis = analyze_heads(
         model, tokenizer, args.conllu, target_conllu=args.target_conllu, source_text=args.source,
-        frequencies=frequencies, config=config, model_name=Path(args.model).name, progress=not args.no_progress,
+        frequencies=frequencies, config=config, model_name=shown_model_name(args.model), progress=not args.no_progress,
     )
     if analysis.report.n_sentences == 0:  # tables of NaN would look like results
         raise RunFailed(f"no sentence could be analysed; nothing written\n{analysis.report.describe()}")

@@ -228,10 +228,13 @@ def plot_gate_trajectories(trajectories: Mapping[str, list[dict]], axes=None):
         steps = [int(r["step"]) for r in records]
         heads: dict[str, list[float]] = {}
         for record in records:
+            # [layer][original head], null where no gate is (gates.json's numbering); older files
+            # list a pruned model's gates by position, which is the same on an unpruned model.
             for kind, layers in (record.get("p_open") or {}).items():
                 for layer, row in enumerate(layers):
                     for head, value in enumerate(row):
-                        heads.setdefault(label_key(kind, layer, head), []).append(float(value))
+                        if value is not None:
+                            heads.setdefault(label_key(kind, layer, head), []).append(float(value))
         n_layers = 1 + max((int(k.split(":")[1]) for k in heads), default=0)
         for key, values in heads.items():
             layer = int(key.split(":")[1])

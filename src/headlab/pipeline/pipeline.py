@@ -48,7 +48,7 @@ from headlab._version import __version__
 from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
-from headlab.lock import DirectoryLock
+from headlab.lock import LOCK_FILE, DirectoryLock
 from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
 from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
@@ -445,6 +445,8 @@ class _Context:
         self.records: dict[str, StageRecord] = {}
         self.markers: dict[str, dict] = {}
         self.figures: list[dict] = []
+        self.created: list[Path] = []  # stage directories this run made
+        self.replaced: dict[Path, Path] = {}  # a stage directory cleared for this run: where its files wait
         self._fingerprints: dict[str, str | None] = {}
 
     # -- model and data -------------------------------------------------------------------
@@ -690,6 +692,7 @@ def _and(items: list[str]) -> str:
 
 def _head_analysis(ctx: _Context, stage: str):
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
+    from headlab.heads import shown_model_name
 
     c = ctx.config
     statistics = _statistics(stage)
@@ -719,7 +722,7 @@ def _head_analysis(ctx: _Context, stage: str):
                             options={s.dest: getattr(c, s.dest) for statistic in statistics.values()
                                      for s in statistic.option_specs()})
     analysis = analyze_heads(model, tokenizer, c.conllu, frequencies=frequencies, config=config,
-                             model_name=Path(c.model).name, progress=c.progress)
+                             model_name=shown_model_name(c.model), progress=c.progress)
     if analysis.report.n_sentences == 0:
         raise HeadlabError(f"--conllu {c.conllu}: no sentence could be analysed\n{analysis.report.describe()}")
     return analysis, note
@@ -938,7 +941,13 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file = directory / KEY_FILE
     old = key_file.read_text().strip() if key_file.is_file() else None
     if directory.exists() and (ctx.config.force or (old is not None and old != key)):
-        shutil.rmtree(directory)
+        # Set aside, deleted once the stage has run: a run refused before its work puts it back.
+        aside = ctx.out_dir / LOCK_FILE.parent / f"replaced-{name}"
+        shutil.rmtree(aside, ignore_errors=True)  # a killed run's
+        directory.replace(aside)
+        ctx.replaced[directory] = aside
+    if not directory.exists():
+        ctx.created.append(directory)  # removed again if the run is refused (_Refused)
     directory.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key + "\n")
 
@@ -1026,6 +1035,9 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         traceback.print_exc(file=sys.stderr)
         record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
+    for aside in ctx.replaced.values():
+        shutil.rmtree(aside, ignore_errors=True)
+    ctx.replaced.clear()
     if shard.main:
         if record.status == "done":
             ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
@@ -1035,6 +1047,24 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
             _discard(ctx, name)
     record, = shard.broadcast((record,))
     return record
+
+
+def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
+    """What a refused run wrote before the stage that refused (stages skipped or reused do no work):
+    the manifest back as it was, the stage directories it made that hold only their key removed,
+    one it cleared put back."""
+    from headlab.heads import atomic_write_bytes
+
+    if earlier is None:
+        manifest.unlink(missing_ok=True)
+    elif manifest.read_bytes() != earlier:
+        atomic_write_bytes(manifest, earlier)
+    for directory in ctx.created:
+        if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
+            shutil.rmtree(directory)
+    for directory, aside in ctx.replaced.items():
+        if not directory.exists():
+            aside.replace(directory)
 
 
 def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = None,
@@ -1053,10 +1083,20 @@ def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = N
         import torch
 
         torch.set_num_threads(config.threads)
+    created = [path for path in (out_dir / LOCK_FILE.parent, out_dir) if not path.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
-    # A second run on DIR refuses instead of interleaving; the main process holds the lock for all.
-    with DirectoryLock(out_dir, "--out") if shard.main else nullcontext():
-        return _run_stages(config, out_dir, log, shard)
+    try:
+        # A second run on DIR refuses instead of interleaving; the main process holds the lock for all.
+        with DirectoryLock(out_dir, "--out") if shard.main else nullcontext():
+            return _run_stages(config, out_dir, log, shard)
+    except _Refused:
+        if shard.main:  # refused before any work: no trace left, an --out that existed as it was
+            for path in created:
+                try:
+                    path.rmdir()  # only if empty
+                except OSError:
+                    pass
+        raise
 
 
 def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None], shard: Shard = SINGLE) -> AnalysisRun:
@@ -1065,8 +1105,14 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
     ctx = _Context(config, out_dir, log, shard)
     records: list[StageRecord] = []
     manifest = out_dir / "manifest.json"
+    earlier = manifest.read_bytes() if manifest.is_file() else None
     for i, name in enumerate(STAGES, start=1):
-        record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
+        try:
+            record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
+        except _Refused:
+            if shard.main:
+                _undo(ctx, manifest, earlier)
+            raise
         ctx.records[name] = record
         records.append(record)
         if shard.main:

@@ -227,6 +227,15 @@ def read_trajectory(path: str | os.PathLike) -> list[dict]:
     return read_step_records(path)
 
 
+def _p_open_rows(gates: HardConcreteGates, model) -> dict[str, list[list[float | None]]]:
+    """P(open) per kind as ``[layer][head]`` by real layer and original head index, null where no
+    gate is (a head or layer an earlier pruning removed): the numbering of gates.json. On an
+    unpruned model, the same lists as by position."""
+    table = gates.p_open_scores(model=model)
+    return {kind: [[None if math.isnan(v) else round(float(v), 5) for v in row] for row in array.tolist()]
+            for kind, array in table.scores.items()}
+
+
 class _Diagnostics:
     """Holds what extra_loss computed and the log_alpha gradients, and writes trajectory lines."""
 
@@ -297,8 +306,7 @@ class _Diagnostics:
             "grad_penalty_log_alpha": penalty_grad,
             "lr": info.get("lr"),
             "final": final,
-            "p_open": {kind: [[round(float(v), 5) for v in p_open[key]] for key in gates.keys() if key[0] == kind]
-                       for kind in dict.fromkeys(key[0] for key in gates.keys())},
+            "p_open": _p_open_rows(gates, model),
         }
         budget = getattr(gates, "budget", None)
         if budget is not None:
