@@ -209,6 +209,21 @@ def test_baselines_give_equal_head_counts(corpus, tokenizer):
         baselines.random_spec(model, 9)
 
 
+def test_michel_is_refused_where_a_pruned_model_s_heads_are_renumbered(corpus, tokenizer):
+    """Regression: its gradient scores name a pruned model's heads by their original index and its
+    masks (and the spec it returns) by the current one, so on a layer that kept heads 1-3 the head
+    it ranked least important was not the one it removed. Refused; a layer that kept its first
+    heads runs."""
+    from headlab import prune_heads
+
+    model = marian(tokenizer)
+    prune_heads(model, {("enc_self", 0): [3]})  # keeps 0, 1, 2: their indices hold
+    assert sum(len(v) for v in baselines.michel_spec(model, tokenizer, corpus.subset(20), 5, ("enc_self",)).values()) == 2
+    prune_heads(model, {("enc_self", 1): [0]})  # keeps 1, 2, 3, now at 0, 1, 2
+    with pytest.raises(HeadlabError, match=r"--method michel on a pruned model .*\(enc_self:1\)"):
+        baselines.michel_spec(model, tokenizer, corpus.subset(20), 4, ("enc_self",))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny"
