@@ -413,6 +413,12 @@ def renumbering_needed(numbering: Numbering) -> bool:
     return any(list(kept) != list(range(n_original)) for kept, n_original in numbering.values())
 
 
+def renumbered_blocks(numbering: Numbering) -> list[BlockKey]:
+    """The blocks whose kept heads are not their first original ones (a pruned layer that kept
+    heads 1-3): there a head's index as the model runs it is not its original index."""
+    return [key for key, (kept, _) in numbering.items() if list(kept) != list(range(len(kept)))]
+
+
 def to_original(per_block: Mapping[BlockKey, np.ndarray], numbering: Numbering, fill: float) -> dict[BlockKey, np.ndarray]:
     """Per-block arrays whose first axis is a block's heads as the model runs them, with that axis
     in the original numbering: each kept head at its original index, ``fill`` for a removed one

@@ -68,7 +68,7 @@ from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
-from headlab.heads import CAUSAL_KINDS, Numbering, atomic_write_text, renumbering_needed, write_json
+from headlab.heads import CAUSAL_KINDS, Numbering, atomic_write_text, renumbered_blocks, renumbering_needed, write_json
 from headlab.loading import check_tokenizer_fits
 from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
@@ -278,8 +278,7 @@ def analyze_heads(
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
                        max_length=max_length)
     heads = {block.key: original_heads(block) for block in blocks}
-    # kept heads other than a layer's first ones: a head's index as the model runs it is not its original one
-    moved = any(kept != list(range(len(kept))) for kept, _ in heads.values())
+    moved = bool(renumbered_blocks(heads))
     numbering = heads if renumbering_needed(heads) else None
     shard = active()
     stats = _statistics(config, frequencies, shard, report, moved)

@@ -111,13 +111,14 @@ def michel_spec(model, tokenizer, data, keep: int, kinds=("enc_self",), *, step_
     """Michel et al. 2019, Sec. 5: repeatedly remove the ``step_fraction`` least important heads
     (of all heads of ``kinds``), recomputing importance each time, until ``keep`` remain.
     ``on_step(spec)`` sees every intermediate mask (one point of a pruning curve each)."""
+    from headlab.heads import renumbered_blocks
     from headlab.surgery import original_heads
 
     # Its gradient scores name a pruned model's heads by their original index (block_scores), its
     # masks and the spec it returns by the current one: where they differ the ranked head would not
     # be the one removed. Refused, as a silent wrong result would be.
-    moved = [f"{b.kind}:{b.layer}" for b in attention_blocks(model)
-             if b.kind in kinds and original_heads(b)[0] != list(range(b.n_heads))]
+    moved = [f"{kind}:{layer}" for kind, layer in renumbered_blocks(
+        {b.key: original_heads(b) for b in attention_blocks(model) if b.kind in kinds})]
     if moved:
         raise HeadlabError(f"--method michel on a pruned model whose kept heads are not each layer's first ones "
                            f"({', '.join(moved)}): its importance names heads by their original index and its masks by "
