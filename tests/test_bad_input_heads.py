@@ -380,3 +380,53 @@ def test_analyze_refused_after_loading_leaves_no_trace(tmp_path, capsys):
         assert (_tree(out) if out.exists() else None) == before, out
         assert ({p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None) == content
     assert (mine / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_command_refused_under_the_lock_leaves_a_pre_existing_out_as_it_was(tmp_path, capsys):
+    """Regression: `functions` / `importance` refused once the model loaded (every head pruned),
+    after taking --out's lock, left an empty --out/.headlab/ in an --out that existed (one it made
+    was removed). Now a refused run leaves no trace: --out stays as it was, byte for byte, also one
+    holding an earlier run's results (--overwrite)."""
+    headless, data = _bert_with_every_head_pruned(tmp_path)
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    empty, earlier = tmp_path / "empty", tmp_path / "earlier"
+    empty.mkdir()
+    assert main(["functions", str(tmp_path / "bert"), "--conllu", str(conllu), "--out", str(earlier),
+                 "--no-progress"]) == 0
+    runs = [("functions", ["--conllu", str(conllu)], out) for out in (tmp_path / "new", empty)]
+    runs += [("functions", ["--conllu", str(conllu), "--overwrite"], earlier)]
+    runs += [("importance", ["--source", str(data)], out) for out in (tmp_path / "new", empty)]
+    for command, options, out in runs:
+        content = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None
+        before = _tree(out) if out.exists() else None
+        capsys.readouterr()
+        assert main([command, str(headless), *options, "--out", str(out), "--no-progress"]) == 2, (command, out)
+        assert "no head" in capsys.readouterr().err
+        assert (_tree(out) if out.exists() else None) == before, (command, out)
+        assert ({p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None) == content
+
+
+def test_analyze_refused_after_a_skipped_stage_was_set_aside_puts_it_back(tmp_path, capsys):
+    """Regression: `analyze --skip functions` sets aside in stale/ the functions results of an
+    earlier run of other inputs (here another model) and removes their marker; when the run was
+    then refused (the aggregate stage loads a model with every head pruned) they stayed in stale/
+    and the marker was gone. Now the refused run leaves --out as it was, byte for byte."""
+    headless, data = _bert_with_every_head_pruned(tmp_path)
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    out = tmp_path / "out"
+    skip = ["--skip", "importance,attention,figures,report"]
+    assert main(["analyze", str(tmp_path / "bert"), "--source", str(data), "--conllu", str(conllu), "--out", str(out),
+                 "--no-progress", *skip]) == 0
+    assert (out / "functions" / "summary.json").is_file() and not (out / "stale").exists()
+    content = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = _tree(out)
+    capsys.readouterr()
+    assert main(["analyze", str(headless), "--source", str(data), "--conllu", str(conllu), "--out", str(out),
+                 "--no-progress", *skip, "functions"]) == 2
+    err = capsys.readouterr().err
+    assert "functions: skipped (--skip); its results of an earlier run" in err  # set aside, then refused
+    assert "there is no head to analyse" in err
+    assert _tree(out) == before
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == content

@@ -86,3 +86,28 @@ def test_confidence_runs_fused_where_the_kernel_does_not_compile(uncompilable):
     assert not uncompilable and kernel.signature["kernel_fallback"] == {"model": REASON}
     for kind in fused.kinds:
         np.testing.assert_array_equal(kernel[kind], fused[kind])
+
+
+def test_kernel_calls_refuse_a_model_once_and_then_leave_every_call(monkeypatch):
+    """The one refusal-and-fallback path of the kernel engines (functions and confidence): a call the
+    kernel cannot compute exactly, or a compile failure, is recorded once under "model", and every
+    later call goes to the caller's other path without another check or launch."""
+    from headlab.attention import AttentionCall
+    from headlab.data.attention_kernel import KernelCalls
+
+    monkeypatch.setattr(attention_kernel, "compile_failure", lambda kernel, launch: REASON)
+    recorded: list = []
+    q = torch.zeros(1, 2, 5, 16)
+    floats = AttentionCall(q, q, q, torch.zeros(1, 1, 5, 5), causal=False, scaling=0.25)
+    plain = AttentionCall(q, q, q, None, causal=False, scaling=0.25)
+    calls = KernelCalls(lambda name, reason: recorded.append((name, reason)))
+    assert not calls.accepts(floats) and not calls.accepts(plain)
+    assert recorded == [("model", "the kernel cannot compute this model's attention exactly: an additive float "
+                                  "attention mask is not supported by the kernel (boolean masks only)")]
+    recorded.clear()
+    calls = KernelCalls(lambda name, reason: recorded.append((name, reason)))
+    assert not calls.accepts(plain, lambda call: "a mask per head") and recorded[-1][1].endswith(": a mask per head")
+    if interpreted():  # the compile failure: nothing launched, the model refused with triton's reason
+        calls = KernelCalls(lambda name, reason: recorded.append((name, reason)))
+        assert calls.accepts(plain) and calls.run(plain) is None
+        assert calls.refused == REASON and recorded[-1] == ("model", REASON) and not calls.accepts(plain)

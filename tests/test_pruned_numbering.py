@@ -229,3 +229,47 @@ def test_importance_with_one_head_left_says_rho_is_undefined(pruned_bert, tmp_pa
     assert ("no measure can be compared with ablation over all heads: Spearman's rho is undefined over 1 head "
             "(or scores that do not vary)") in out
     assert "no correlation above 0" not in out
+
+
+def _ids_data():
+    from headlab.importance import ImportanceData
+
+    g = torch.Generator().manual_seed(3)
+    return ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (5, 3)])
+
+
+@pytest.mark.parametrize("family, pruned, mask, original", [
+    ("gpt2", {("dec_self", 0): [0, 1, 3], ("dec_self", 1): [2]}, {("dec_self", 1): [2]}, {("dec_self", 1): [3]}),
+    ("bert", {("enc_self", 0): [0, 1], ("enc_self", 1): [0, 2, 3]}, {("enc_self", 0): [0], ("enc_self", 1): [0]},
+     {("enc_self", 0): [2], ("enc_self", 1): [1]}),
+])
+def test_importance_under_a_mask_on_a_renumbered_model_blanks_the_masked_heads(family, pruned, mask, original):
+    """``run_importance(mask=...)`` takes the mask in the current numbering (as ``mask_heads``) and its
+    tables name heads by their original index (``original``): the masked heads are the ones blanked, and
+    the scores equal those of the model with them removed (it blanked the original heads at the masked
+    heads' current indices, removed already, and kept a score for each switched-off head)."""
+    import copy
+
+    from headlab.importance import ImportanceConfig, describe_model, run_importance
+    from headlab.importance.registry import MEASURES
+
+    torch.set_num_threads(1)
+    model = tiny_model(family)
+    prune_heads(model, pruned)
+    removed = copy.deepcopy(model)
+    prune_heads(removed, mask)  # prune_heads, as mask_heads, takes the current numbering
+    data, config = _ids_data(), ImportanceConfig(methods=("all",), batch_size=2)
+    ours = run_importance(model, data, describe_model(model), config, mask=mask).scores
+    theirs = run_importance(removed, data, describe_model(removed), config).scores
+    assert set(ours) == set(theirs) and len(ours) >= len(MEASURES) - 1
+    for method, table in ours.items():
+        for kind in table.kinds:
+            np.testing.assert_allclose(table[kind], theirs[method][kind], rtol=1e-4, atol=1e-6, err_msg=method)
+        # the signature names the masked heads as the table does
+        assert table.signature["options"]["mask"] == {f"{k}:{layer}": heads for (k, layer), heads in original.items()}
+    # compute_gradient's own mask (its gates at 0, their gradient still in the layer's norm) blanks the same heads
+    from headlab.importance.gradient import compute_gradient
+
+    direct = compute_gradient(model, data, describe_model(model), batch_size=2, mask=mask)
+    for kind in direct.kinds:
+        np.testing.assert_array_equal(np.isnan(direct[kind]), np.isnan(theirs["gradient"][kind]))

@@ -127,20 +127,21 @@ class DirectoryLock:
 @contextmanager
 def locked_output(directory: str | os.PathLike, flag: str = "--out") -> Iterator[None]:
     """Create ``directory`` if need be and hold its lock. A run refused after that (a check that
-    needs the model, say) leaves no empty directory behind that it created."""
+    needs the model, say) leaves no empty directory behind that it created: neither ``directory``
+    nor, in a ``directory`` that existed, its ``.headlab/``."""
     directory = Path(directory)
-    created = not directory.exists()
+    # made here (an existing .headlab/ holds an earlier run's manifest, or another run's lock)
+    created = [path for path in (directory / LOCK_FILE.parent, directory) if not path.exists()]
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with DirectoryLock(directory, flag):
             yield
     finally:
-        if created:
-            for empty in (directory / LOCK_FILE.parent, directory):
-                try:
-                    empty.rmdir()  # only if empty: a run that wrote anything keeps it
-                except OSError:
-                    break
+        for empty in created:
+            try:
+                empty.rmdir()  # only if empty: a run that wrote anything keeps it
+            except OSError:
+                break
 
 
 def training_lock(directory: str | os.PathLike, flag: str = "--out") -> ContextManager[None]:

@@ -25,7 +25,8 @@ models). The statistics accumulate in float32 for 16- and 32-bit inputs (``tl.do
 float64 for float64 inputs; the output's ``P @ V`` is in ``V``'s dtype for 16-bit inputs, as
 FlashAttention does, and exact otherwise.
 
-:func:`refusal` says why a call cannot run here (the caller then keeps the materialising path).
+:func:`refusal` says why a call cannot run here (the caller then keeps the materialising path);
+:class:`KernelCalls` is how the kernel engines (head functions, confidence) refuse, run and fall back.
 Triton is imported on first use: this module imports without it. On a CPU the kernel runs only
 under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported), which
 the tests use; benchmarks/compile_kernel.py compiles it for NVIDIA GPUs on a CPU, ahead of time
@@ -35,14 +36,18 @@ the tests use; benchmarks/compile_kernel.py compiles it for NVIDIA GPUs on a CPU
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from headlab.attention import AttentionCall
+
 __all__ = ["KernelStatistics", "attention_statistics", "refusal", "interpreted", "DTYPES", "Blocks", "launch_blocks",
-           "Launch", "kernel_launch", "KernelUnavailable"]
+           "Launch", "kernel_launch", "KernelUnavailable", "KernelCalls"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -275,6 +280,47 @@ def launch_blocks(dtype: torch.dtype, D: int, capability: tuple[int, int] | None
 
 
 @lru_cache(maxsize=16)
+class KernelCalls:
+    """One pass's attention calls on the kernel engine: each call checked (:func:`refusal`, and the
+    caller's own conditions), then run; where the kernel cannot serve the model (a refusal, or the
+    installed triton cannot compile it: :class:`KernelUnavailable`) the reason is handed once to
+    ``fall_back("model", reason)`` and every later call is left to the caller's other path."""
+
+    def __init__(self, fall_back: Callable[[str, str], None]) -> None:
+        self.fall_back = fall_back  # records (name, reason): the caller's log and kernel_fallback
+        self.refused: str | None = None  # why this model's attention cannot run in the kernel
+
+    def accepts(self, call: AttentionCall, more: Callable[[AttentionCall], str | None] | None = None) -> bool:
+        """Whether the kernel can compute ``call`` exactly: :func:`refusal`, then ``more`` (the
+        caller's conditions, a reason or None); False from the first refusal on (the model's)."""
+        if self.refused is not None:
+            return False
+        q, k, v, mask = call.query, call.key, call.value, call.mask
+        reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks,
+                         dropout=call.dropout, float_mask=mask is not None and mask.dtype != torch.bool)
+        if reason is None and more is not None:
+            reason = more(call)
+        if reason is not None:
+            self._refuse(f"the kernel cannot compute this model's attention exactly: {reason}")
+            return False
+        return True
+
+    def run(self, call: AttentionCall, *, eligible: torch.Tensor | None = None,
+            features: torch.Tensor | None = None) -> KernelStatistics | None:
+        """:func:`attention_statistics` of ``call``; None where triton could not compile it
+        (nothing ran: this call and the rest go to the caller's other path)."""
+        try:
+            return attention_statistics(call.query, call.key, call.value, scaling=call.scaling, causal=call.causal,
+                                        mask=call.mask, eligible=eligible, features=features)
+        except KernelUnavailable as error:
+            self._refuse(str(error))
+            return None
+
+    def _refuse(self, reason: str) -> None:
+        self.refused = reason
+        self.fall_back("model", reason)
+
+
 def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``scaling`` as a one-element tensor on ``device``: made once, not copied to a GPU per call."""
     return torch.tensor([scaling], dtype=dtype, device=device)

@@ -52,6 +52,7 @@ from headlab.data.alignment import (
     align_sentences,
     build_side_batch,
 )
+from headlab.data.attention_kernel import KernelCalls
 from headlab.data.frequencies import TokenFrequencies
 from headlab.data.fused import KERNEL_PASSES, FusedView, KernelView, unavailable_passes, word_offset
 from headlab.data.parallel import read_lines
@@ -487,7 +488,7 @@ class _Feeder:
         self.stop_early = False
         self.blocks: list = []
         self.reported: set = set()
-        self.kernel_refused: str | None = None  # the kernel engine: why this model's attention cannot run in it
+        self.kernel_calls = KernelCalls(self._kernel_fallback)  # the kernel engine: its refusal, once per model
         # The batch now through the model, and the batch that first noted each reason (``(field, name)``:
         # chunked_statistics or kernel_fallback): a sharded run merges the reasons in the one-process order.
         self.batch = 0
@@ -679,21 +680,9 @@ class _Feeder:
         :class:`KernelView` of the whole block fed to every statistic), its output returned; None
         (the call goes to the chunks, :meth:`on_fused_chunk`) where the kernel cannot serve it."""
         name = self.sides.get(block.kind, "")
-        if name not in self.current or self.kernel_refused is not None:
+        if name not in self.current or not self.kernel_calls.accepts(call, _kernel_refusal):
             return None
-        from headlab.data.attention_kernel import KernelUnavailable, attention_statistics, refusal
-
         q, k, v, mask = call.query, call.key, call.value, call.mask
-        reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks,
-                         dropout=call.dropout, float_mask=mask is not None and mask.dtype != torch.bool)
-        if reason is None and mask is not None and mask.shape[1] != 1:
-            reason = "a mask per head"
-        if reason is None and q.shape[2] != k.shape[2]:
-            reason = "queries and keys of different lengths (not self-attention)"
-        if reason is not None:
-            self.kernel_refused = reason
-            self._kernel_fallback("model", f"the kernel cannot compute this model's attention exactly: {reason}")
-            return None
         side = self.side_on(name, statistics_device(q.device))
         B, H, T, _ = q.shape
         if side.token_mask.shape[1] != T or not self.kernel_plan(side):
@@ -703,12 +692,8 @@ class _Feeder:
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the probabilities' dtype
         causal = block.kind in CAUSAL_KINDS
         columns, features = self.kernel_features(side, causal, dtype, T, offset)
-        try:
-            stats = attention_statistics(q, k, v, scaling=call.scaling, causal=call.causal, mask=mask,
-                                         eligible=side.token_mask, features=features)
-        except KernelUnavailable as error:  # nothing ran: this call and the rest go to the fused engine
-            self.kernel_refused = str(error)
-            self._kernel_fallback("model", str(error))
+        stats = self.kernel_calls.run(call, eligible=side.token_mask, features=features)
+        if stats is None:  # nothing ran: this call and the rest go to the fused engine
             return None
         output = stats.out
         if mask is not None:  # a row that sees no key: uniform over every key, as the eager softmax of the float minimum
@@ -728,6 +713,15 @@ class _Feeder:
             stat.update_fused(view)
         self.block_done(block)
         return output.transpose(1, 2).contiguous()
+
+
+def _kernel_refusal(call: AttentionCall) -> str | None:
+    """Why the kernel's one view of a call cannot feed the statistics, beyond :func:`refusal`'s reasons."""
+    if call.mask is not None and call.mask.shape[1] != 1:
+        return "a mask per head"
+    if call.query.shape[2] != call.key.shape[2]:
+        return "queries and keys of different lengths (not self-attention)"
+    return None
 
 
 def check_kernel(device: torch.device) -> None:

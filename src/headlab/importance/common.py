@@ -1,5 +1,6 @@
 """Pieces shared by the measures: per-example gates and the loss (gradient importance and
-ablation), and the per-head score tables every measure fills (:func:`block_scores`)."""
+ablation), and the per-head score tables every measure fills (:func:`block_scores`), and the
+heads of a mask as those tables name them (:func:`original_mask`)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock
+from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.data.inputs import Batch
 from headlab.errors import HeadlabError
-from headlab.gates import HeadGates
-from headlab.heads import KINDS
+from headlab.gates import HeadGates, validate_heads
+from headlab.heads import KINDS, HeadSpec
 from headlab.model_description import ModelInfo
 from headlab.surgery import original_heads
 
-__all__ = ["ExampleGates", "block_scores", "forward_logits", "original_heads", "sequence_nll"]
+__all__ = ["ExampleGates", "block_scores", "forward_logits", "original_heads", "original_mask", "sequence_nll"]
 
 
 class ExampleGates(HeadGates):
@@ -91,3 +92,15 @@ def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.
         for h, original in enumerate(numbering):
             out[block.kind][block.layer, original] = vector[h]
     return {kind: out[kind] for kind in KINDS if kind in out and (kinds is None or kind in kinds)}
+
+
+def original_mask(model: nn.Module, mask: HeadSpec) -> dict[tuple[str, int], list[int]]:
+    """``mask`` in the current numbering (as :func:`~headlab.gates.mask_heads` takes it: a pruned
+    layer's kept heads are ``0..n-1``) with each head at its original index, as :func:`block_scores`
+    names it: a layer that kept heads 1 and 3 calls head 3 its head 1. Checked as ``mask_heads``
+    checks it (:class:`HeadlabError` for an unknown block or head); its keys and sorted lists are
+    kept as given (an unpruned model's mask comes back as it was)."""
+    blocks = attention_blocks(model)
+    validate_heads(blocks, mask)
+    numbering = {block.key: original_heads(block)[0] for block in blocks}
+    return {key: sorted(numbering[key[0], int(key[1])][h] for h in heads) for key, heads in mask.items()}

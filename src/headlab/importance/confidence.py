@@ -35,7 +35,7 @@ from torch import nn
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.attention import AttentionCall, AttentionChunk
 from headlab.capture import capture_attention, eval_mode, not_streamable, stream_attention
-from headlab.data.attention_kernel import KernelStatistics
+from headlab.data.attention_kernel import KernelCalls, KernelStatistics
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
@@ -204,22 +204,18 @@ def compute_confidence(
         if chunk.last:
             add(block, *sum_maxima(*buffers.pop(block.key)))
 
-    refused: list[str] = []  # why the kernel cannot compute this model's attention (a property of the model)
+    kernel_calls = KernelCalls(fall_back)  # the kernel's refusal of this model's attention, once
 
     def on_kernel(block: AttentionBlock, call: AttentionCall) -> torch.Tensor | None:
         """One attention call in the kernel, its row maxima added; its output returned (None: the
-        call goes to the chunks, :func:`on_chunk`)."""
-        if refused:
+        call goes to the chunks, :func:`on_chunk`, and, for the model's reasons, every later one)."""
+        if kernel_calls.refused is not None:
             return None
         q, k, v, mask = call.query, call.key, call.value, call.mask
         queries, keys = allowed(block, q.shape[2], k.shape[2])
         causal = block.kind == "dec_self"
-        stats = _kernel_pass(call, keys, causal)
-        if isinstance(stats, tuple):  # the fused path runs this call (and, for the model's reasons, every later one)
-            name, reason = stats
-            if name == "model":
-                refused.append(reason)
-            fall_back(name, reason)
+        stats = _kernel_pass(kernel_calls, call, keys, causal)
+        if stats is None:  # the fused path runs this call
             return None
         best, counted = kernel_maxima(stats, queries, keys, causal)
         add(block, *sum_maxima(best.to(maxima_dtype(best.dtype)), counted))  # in row_maxima's dtype
@@ -274,37 +270,26 @@ def _every_process(shard, reasons: dict[str, str]) -> dict[str, str]:
     return merged
 
 
-def _kernel_pass(call: AttentionCall, keys: torch.Tensor, causal: bool) -> KernelStatistics | tuple[str, str]:
-    """The kernel's statistics of one call (its allowed ``keys`` eligible), or where and why it
-    cannot run it (nothing ran): ``("model", reason)`` for the whole model, ``("dec_self", reason)``
-    for this call."""
-    from headlab.data.attention_kernel import KernelUnavailable, attention_statistics
-
-    reason = kernel_refusal(call)
-    if reason is not None:
-        return "model", f"the kernel cannot compute this model's attention exactly: {reason}"
+def _kernel_pass(kernel_calls: KernelCalls, call: AttentionCall, keys: torch.Tensor,
+                 causal: bool) -> KernelStatistics | None:
+    """The kernel's statistics of one call (its allowed ``keys`` eligible), or None where it cannot
+    run it (nothing ran; the reason goes to ``kernel_calls.fall_back``: ``"model"`` for the whole
+    model, ``"dec_self"`` for this call)."""
+    if not kernel_calls.accepts(call, _causal_refusal):
+        return None
     if causal and not _hides_later_keys(call):
         # row_maxima takes keys j <= i only; the kernel's maximum is over the keys the call sees
-        return "dec_self", "decoder self-attention that does not hide later keys"
-    try:
-        return attention_statistics(call.query, call.key, call.value, scaling=call.scaling, causal=call.causal,
-                                    mask=call.mask, eligible=keys)
-    except KernelUnavailable as error:  # the installed triton could not compile it
-        return "model", str(error)
+        kernel_calls.fall_back("dec_self", "decoder self-attention that does not hide later keys")
+        return None
+    return kernel_calls.run(call, eligible=keys)  # None: the installed triton could not compile it
 
 
-def kernel_refusal(call: AttentionCall) -> str | None:
-    """Why the kernel cannot compute the attention ``call`` exactly as headlab's attention function
-    does, or None: :func:`headlab.data.attention_kernel.refusal`, and a causal call with fewer keys
-    than queries (the function's causal mask is aligned top-left there, the kernel's bottom-right)."""
-    from headlab.data.attention_kernel import refusal
-
-    q, k, v, mask = call.query, call.key, call.value, call.mask
-    reason = refusal(q, k, v, softcap=call.softcap, bias=call.position_bias, sinks=call.sinks, dropout=call.dropout,
-                     float_mask=mask is not None and mask.dtype != torch.bool)
-    if reason is None and call.causal and k.shape[2] != q.shape[2]:
-        reason = "causal attention with fewer keys than queries"
-    return reason
+def _causal_refusal(call: AttentionCall) -> str | None:
+    """Beyond :func:`headlab.data.attention_kernel.refusal`: a causal call with fewer keys than
+    queries (the attention function's causal mask is aligned top-left there, the kernel's bottom-right)."""
+    if call.causal and call.key.shape[2] != call.query.shape[2]:
+        return "causal attention with fewer keys than queries"
+    return None
 
 
 def _hides_later_keys(call: AttentionCall, rows: int = 1024) -> bool:

@@ -33,7 +33,7 @@ from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.common import ExampleGates, block_scores, forward_logits, sequence_nll
+from headlab.importance.common import ExampleGates, block_scores, forward_logits, original_mask, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import SINGLE, Ledger, Shard, active
@@ -108,7 +108,8 @@ def compute_gradient(
 
     Returns method ``"gradient"`` (l2-normalised per layer) or, with ``normalize=False``,
     ``"gradient_raw"``. Use :func:`l2_normalize_per_layer` to get one from the other. The heads of
-    ``mask`` are switched off (their gates at 0) and get NaN; their gradient still counts in the
+    ``mask`` (current numbering, as :func:`~headlab.gates.mask_heads` takes it) are switched off
+    (their gates at 0) and get NaN at their original index; their gradient still counts in the
     norm of their layer, as in Michel et al.'s code.
     """
     info = info or describe_model(model)
@@ -135,7 +136,7 @@ def compute_gradient(
     }
     raw = HeadScores(scores, "gradient_raw", info.name, signature)
     table = l2_normalize_per_layer(raw, "gradient") if normalize else raw
-    return table.without(mask) if mask else table
+    return table.without(original_mask(model, mask)) if mask else table
 
 
 def _loss_name(info: ModelInfo, data: ImportanceData) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 from headlab.data.inputs import ImportanceData
 from headlab.gates import mask_heads
 from headlab.heads import HeadScores, HeadSpec
+from headlab.importance.common import original_mask
 from headlab.model_description import ModelInfo
 from headlab.plugins import OptionSpec, ReportPart, build_options, option_specs
 
@@ -110,9 +111,12 @@ class ImportanceMeasure:
             **options: Any) -> list[HeadScores]:
         """:meth:`score_tables` of the model with the heads of ``mask`` switched off
         (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
-        of the masked model, in which those heads are NaN, as a pruned model's removed heads are."""
+        of the masked model, in which those heads are NaN, as a pruned model's removed heads are.
+        ``mask`` is in the current numbering, as ``mask_heads`` takes it; the tables name a pruned
+        model's heads by their original index, and so blank the masked heads' original indices."""
         if not mask:
             return self.score_tables(model, data, info, **options)
         with mask_heads(model, mask):
             tables = self.score_tables(model, data, info, **options)
-        return [table.without(mask) for table in tables]
+        removed = original_mask(model, mask)
+        return [table.without(removed) for table in tables]

@@ -24,6 +24,7 @@ from headlab.data.inputs import ImportanceData, translate_data
 from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.agreement import AgreementTable, compute_agreement
+from headlab.importance.common import original_mask
 from headlab.importance.config import ImportanceConfig
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.model_description import ModelInfo
@@ -68,7 +69,9 @@ def run_importance(
     log: Callable[[str], None] = lambda message: None,
 ) -> ImportanceResult:
     """Run the configured measures over ``data`` and compare them with ablation; with ``mask``,
-    on the model with those heads switched off (:meth:`ImportanceMeasure.run`)."""
+    on the model with those heads switched off (:meth:`ImportanceMeasure.run`). ``mask`` is in
+    the current numbering (as :func:`~headlab.gates.mask_heads` takes it); the tables, and the
+    mask their signature records, name a pruned model's heads by their original index."""
     config = config or ImportanceConfig()
     asked_all = "all" in config.methods
     measures = {name: MEASURES[name](MEASURES[name].options_from(config)) for name in config.resolved_methods()}
@@ -92,7 +95,7 @@ def run_importance(
         data = translate_data(model, data, info, batch_size=config.batch_size, beam=config.beam, progress=config.progress)
     options = config.signature_options()  # every measure's options that change the numbers
     if mask:
-        options["mask"] = {f"{kind}:{layer}": sorted(heads) for (kind, layer), heads in mask.items()}
+        options["mask"] = {f"{kind}:{layer}": heads for (kind, layer), heads in original_mask(model, mask).items()}
     scores: dict[str, HeadScores] = {}
     failures: dict[str, str] = {}
     for name, measure in measures.items():

@@ -49,7 +49,7 @@ from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import LOCK_FILE, DirectoryLock
-from headlab.pipeline.records import StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
+from headlab.pipeline.records import MARKER_DIR, StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
 from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
@@ -447,6 +447,11 @@ class _Context:
         self.figures: list[dict] = []
         self.created: list[Path] = []  # stage directories this run made
         self.replaced: dict[Path, Path] = {}  # a stage directory cleared for this run: where its files wait
+        # A skipped stage's earlier results set aside in stale/ (where each was, where it went) and
+        # their markers removed (path -> bytes), stale/ itself if this run made it: put back if refused.
+        self.set_aside: list[tuple[Path, Path]] = []
+        self.removed_markers: dict[Path, bytes] = {}
+        self.made_stale: Path | None = None
         self._fingerprints: dict[str, str | None] = {}
 
     # -- model and data -------------------------------------------------------------------
@@ -960,15 +965,18 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
     kept = []
     own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
     if keep and marker and own is not None and own.is_dir():  # whole, not its files flattened into stale/
-        kept.append(set_aside(own, ctx.out_dir))
+        kept.append(_set_aside(ctx, own))
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
         if keep and path.exists():
-            kept.append(set_aside(path, ctx.out_dir))
+            kept.append(_set_aside(ctx, path))
         elif path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
+    marker_file = ctx.out_dir / MARKER_DIR / f"{name}.json"
+    if keep and marker_file.is_file():  # a run refused later puts it back with what it names
+        ctx.removed_markers[marker_file] = marker_file.read_bytes()
     remove_marker(ctx.out_dir, name)
     ctx.markers.pop(name, None)
     if name in STAGE_DIRS:
@@ -976,6 +984,15 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
     return kept
+
+
+def _set_aside(ctx: _Context, path: Path) -> Path:
+    """:func:`set_aside`, remembered for :func:`_undo`."""
+    if not (ctx.out_dir / "stale").exists():
+        ctx.made_stale = ctx.out_dir / "stale"
+    target = set_aside(path, ctx.out_dir)
+    ctx.set_aside.append((path, target))
+    return target
 
 
 def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord | None:
@@ -1052,13 +1069,25 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
 def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     """What a refused run wrote before the stage that refused (stages skipped or reused do no work):
     the manifest back as it was, the stage directories it made that hold only their key removed,
-    one it cleared put back."""
+    one it cleared put back, a skipped stage's results it set aside in stale/ put back with their
+    marker (and stale/ removed if it made it)."""
     from headlab.heads import atomic_write_bytes
 
     if earlier is None:
         manifest.unlink(missing_ok=True)
     elif manifest.read_bytes() != earlier:
         atomic_write_bytes(manifest, earlier)
+    for path, target in reversed(ctx.set_aside):
+        if not path.exists() and target.exists():
+            target.replace(path)
+    for marker_file, content in ctx.removed_markers.items():
+        if not marker_file.exists():
+            atomic_write_bytes(marker_file, content)
+    if ctx.made_stale is not None:
+        try:
+            ctx.made_stale.rmdir()  # only if empty
+        except OSError:
+            pass
     for directory in ctx.created:
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
