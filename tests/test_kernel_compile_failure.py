@@ -111,3 +111,9 @@ def test_kernel_calls_refuse_a_model_once_and_then_leave_every_call(monkeypatch)
         calls = KernelCalls(lambda name, reason: recorded.append((name, reason)))
         assert calls.accepts(plain) and calls.run(plain) is None
         assert calls.refused == REASON and recorded[-1] == ("model", REASON) and not calls.accepts(plain)
+
+
+def test_the_scaling_tensor_is_made_once_per_value_dtype_and_device():
+    """The kernel's scaling goes in as a one-element tensor, made once (on a GPU, not a copy per call)."""
+    cpu = torch.device("cpu")
+    assert attention_kernel._scale(0.25, torch.float32, cpu) is attention_kernel._scale(0.25, torch.float32, cpu)

@@ -279,7 +279,6 @@ def launch_blocks(dtype: torch.dtype, D: int, capability: tuple[int, int] | None
     return Blocks(32, 32, 4, 2) if D <= 64 else Blocks(16, 32, 4, 2) if D <= 128 else Blocks(16, 16, 4, 1)
 
 
-@lru_cache(maxsize=16)
 class KernelCalls:
     """One pass's attention calls on the kernel engine: each call checked (:func:`refusal`, and the
     caller's own conditions), then run; where the kernel cannot serve the model (a refusal, or the
@@ -321,6 +320,7 @@ class KernelCalls:
         self.fall_back("model", reason)
 
 
+@lru_cache(maxsize=16)
 def _scale(scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``scaling`` as a one-element tensor on ``device``: made once, not copied to a GPU per call."""
     return torch.tensor([scaling], dtype=dtype, device=device)
