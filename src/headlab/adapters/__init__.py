@@ -356,6 +356,11 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         if q is None or k is None or v is None:
             raise HeadlabError(f"{where}: missing one of {family.q}, {family.k}, {family.v}")
         q_width, kv_width = out_features(q), out_features(k)
+        if family.query_gate:  # [query | gate] per head: the heads' width is half of it
+            if q_width % (2 * d_head):
+                raise HeadlabError(f"{where}: query projection width {q_width} is not heads x [query | gate] of "
+                                   f"size {d_head} each")
+            q_width //= 2
         if out_features(v) != kv_width:
             raise HeadlabError(f"{where}: key width {kv_width} differs from value width {out_features(v)}")
     o_width = in_features(o)
