@@ -140,3 +140,19 @@ def test_a_query_projection_not_split_into_query_and_gate_is_refused():
     model.model.layers[1].self_attn.q_proj = torch.nn.Linear(32, 3 * D)
     with pytest.raises(HeadlabError, match=r"query projection width 24 is not heads x \[query \| gate\] of size 8"):
         attention_blocks(model)
+
+
+def test_analyze_end_to_end(tmp_path):
+    """`headlab analyze --ablation` on a hybrid: every stage but LRP done (LRP refused, the others'
+    results written), the Gated DeltaNet layer's row of each score table empty."""
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    save_tiny(tiny_model("qwen3_5_moe_text-hybrid"), tmp_path / "model", treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    for name in ANALYZE_STAGES:
+        assert stages[name]["status"] == "done", stages[name]
+    assert stages["lrp"]["status"] == "failed" and code == 1
+    assert "no rule for Qwen3_5MoeGatedDeltaNet (model.layers.0.linear_attn)" in stages["lrp"]["reason"]
+    for measure in ("confidence", "gradient", "ablation"):
+        rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
+        assert [all(v is None for v in row) for row in rows] == [True, False], measure
