@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
-from support.family_matrix import greedy_generation, padded_inputs, padded_logits, tiny_inputs, tiny_model
+from support.family_matrix import greedy_generation, padded_inputs, padded_logits, qwen3_next, tiny_inputs, tiny_model
 
 HYBRIDS = ["qwen3_next-hybrid", "qwen3_5_text-hybrid", "qwen3_5_moe_text-hybrid"]
 D = 8
@@ -156,3 +156,34 @@ def test_analyze_end_to_end(tmp_path):
     for measure in ("confidence", "gradient", "ablation"):
         rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
         assert [all(v is None for v in row) for row in rows] == [True, False], measure
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_a_multimodal_checkpoint_loads_as_its_text_model(model_type, tmp_path):
+    """Qwen3.5's released checkpoints are the vision-language model (model_type qwen3_5 around a
+    qwen3_5_text). transformers loads their causal LM on the text config; headlab built its structure
+    check from the whole config and refused ("does not describe a Qwen3_5ForCausalLM")."""
+    from headlab.loading import build_from_config, check_supported, load_model
+
+    _, text = qwen3_next(f"{model_type}_text", ["linear_attention", "full_attention"])
+    config_cls, cls = {"qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+                       "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration)}[model_type]
+    config = config_cls(text_config=text.to_dict(), vision_config=dict(depth=1, hidden_size=16, num_heads=2,
+                                                                       intermediate_size=16, out_hidden_size=32))
+    torch.manual_seed(0)
+    full = cls(config).eval()
+    full.save_pretrained(tmp_path)
+    check_supported(str(tmp_path))
+    assert [b.name for b in attention_blocks(build_from_config(str(tmp_path)))] == ["model.layers.1.self_attn"]
+    model = load_model(str(tmp_path))
+    assert model.config.model_type == f"{model_type}_text"
+    assert [b.name for b in attention_blocks(model)] == ["model.layers.1.self_attn"]
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(_logits(model, {"input_ids": ids}), _logits(full, {"input_ids": ids}))
+
+
+def test_a_model_of_linear_attention_layers_only_is_refused_naming_its_layer_types():
+    cls, config = qwen3_next("qwen3_5_text", ["linear_attention", "linear_attention"])
+    with pytest.raises(HeadlabError, match=r"found no attention block matching its table entry \(its config's "
+                                           r"layer_types, \['linear_attention'\], hold no attention layer\)"):
+        attention_blocks(cls(config))

@@ -55,7 +55,7 @@ def _grouped(group: int):
     return lambda j: range(j * (group + 2) * D + (group + 1) * D, j * (group + 2) * D + (group + 2) * D)
 
 
-def _qwen3_next(model_type: str, layer_types: list[str]):
+def qwen3_next(model_type: str, layer_types: list[str]):
     """A tiny Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (``model_type``) with these layer types (Gated
     DeltaNet layers at "linear_attention"), its attention's projections with biases."""
     cls, config_cls = {"qwen3_next": (tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig),
@@ -104,7 +104,7 @@ ANALYSED = {
         bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
-    **{t: (lambda t=t: _qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
 }
 ANALYSIS_FAMILIES = tuple(ANALYSED)
 """Families whose analysis and masking tests/test_more_families.py checks against references of its own."""
@@ -162,7 +162,7 @@ HYBRID = {
         num_key_value_heads=2, max_position_embeddings=64, layer_types=["conv", "full_attention"] * 2,
         **_SPECIAL)),
     # a Gated DeltaNet layer (linear attention, no heads) at 0, gated attention at 1
-    **{f"{t}-hybrid": (lambda t=t: _qwen3_next(t, ["linear_attention", "full_attention"]))
+    **{f"{t}-hybrid": (lambda t=t: qwen3_next(t, ["linear_attention", "full_attention"]))
        for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
 }
 

@@ -403,9 +403,15 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         return _shared_blocks(model, family)
     candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
     if not candidates:
+        layer_types = getattr(config, "layer_types", None)
+        no_attention = isinstance(layer_types, list) and not any(
+            "attention" in str(t) and "linear" not in str(t) for t in layer_types)  # Qwen3.5: Gated DeltaNets only
+        table = "matching its table entry" + (
+            f" (its config's layer_types, {sorted(set(map(str, layer_types or ())))}, hold no attention layer)."
+            if no_attention else ".")
         raise HeadlabError(
             f"{type(model).__name__} (model_type {model_type!r}): found no attention block "
-            + ("matching its table entry." if family else
+            + (table if family else
                "with q/k/v/output projections (looked for q_proj/k_proj/v_proj/out_proj|o_proj|dense, "
                "q/k/v/o, q_lin/k_lin/v_lin/out_lin and self.query/key/value with output.dense). "
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
