@@ -5,9 +5,12 @@ the attention layers. Session 22's family sweep refused them ("a gate on the att
 
 On the tiny hybrids of tests/support/family_matrix.py (a Gated DeltaNet layer at 0, attention at 1):
 only the attention layer is a block; capture equals ``output_attentions``; masking a key/value group
-equals zeroing its value rows by hand (the gate multiplies a zero); physical pruning slices q_proj's
+equals zeroing its value rows by hand (the gate multiplies a zero), a head gate of 0.5 halving them;
+physical pruning slices q_proj's
 interleaved [query | gate] rows per head and equals masking, in cached generation too, and reloads
-with load_pruned and plain transformers; LRP is refused before any work, naming the Gated DeltaNet.
+with load_pruned and plain transformers; LRP is refused before any work, naming the Gated DeltaNet;
+`analyze` runs end to end; the released checkpoints' multimodal config (qwen3_5, qwen3_5_moe) loads as
+its text model.
 The all-attention variants run the family matrix of tests/test_more_families.py (LRP conserved there:
 the gate is held constant with the query it is projected with, importance/rules.py).
 """
@@ -86,6 +89,28 @@ def test_pruning_slices_query_and_gate_per_head(family):
     assert torch.equal(attention.q_proj.bias, q_bias[rows])
     assert torch.equal(attention.o_proj.weight, o_weight[:, [c for h in (1, 3) for c in range(h * D, (h + 1) * D)]])
     assert (attention.k_proj.out_features, attention.v_proj.out_features) == (2 * D, 2 * D)  # both groups used
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_gates_scale_a_head_as_its_values_scaled(family):
+    """Scalar gates at one change nothing; a gate of 0.5 on the heads of key/value head 1 equals its value
+    rows halved by hand (a head's output is linear in its values; its sigmoid gate multiplies either)."""
+    from headlab import ConstantGates, gates_attached
+    from support.family_matrix import check_gates_at_one_change_nothing
+
+    inputs = tiny_inputs()
+    check_gates_at_one_change_nothing(tiny_model(family), inputs)
+    model = tiny_model(family)
+    before = _logits(model, inputs)
+    with gates_attached(model, ConstantGates.from_mask(attention_blocks(model), {("dec_self", 1): [2, 3]}, 0.5)):
+        gated = _logits(model, inputs)
+    v = model.model.layers[1].self_attn.v_proj
+    with torch.no_grad():
+        v.weight[D:2 * D] *= 0.5
+        v.bias[D:2 * D] *= 0.5
+    reference = _logits(model, inputs)
+    assert not torch.allclose(reference, before)
+    torch.testing.assert_close(gated, reference, atol=1e-6, rtol=0)
 
 
 SPECS = {
