@@ -6,12 +6,10 @@ the attention layers. Session 22's family sweep refused them ("a gate on the att
 On the tiny hybrids of tests/support/family_matrix.py (a Gated DeltaNet layer at 0, attention at 1):
 only the attention layer is a block; capture equals ``output_attentions``; masking a key/value group
 equals zeroing its value rows by hand (the gate multiplies a zero), a head gate of 0.5 halving them;
-physical pruning slices q_proj's
-interleaved [query | gate] rows per head and equals masking, in cached generation too, and reloads
-with load_pruned and plain transformers; LRP is refused before any work, naming the Gated DeltaNet;
-`analyze` runs end to end; the released checkpoints' multimodal config (qwen3_5, qwen3_5_moe) loads as
-its text model.
-The all-attention variants run the family matrix of tests/test_more_families.py (LRP conserved there:
+physical pruning slices q_proj's interleaved [query | gate] rows per head and equals masking, in
+cached generation too, and reloads with load_pruned and plain transformers; LRP is refused before any
+work, naming the Gated DeltaNet; `analyze` runs end to end; the released checkpoints' multimodal
+config (qwen3_5, qwen3_5_moe) loads as its text model. The all-attention variants run the family matrix of tests/test_more_families.py (LRP conserved there:
 the gate is held constant with the query it is projected with, importance/rules.py).
 """
 
