@@ -9,8 +9,9 @@ equals zeroing its value rows by hand (the gate multiplies a zero), a head gate 
 physical pruning slices q_proj's interleaved [query | gate] rows per head and equals masking, in
 cached generation too, and reloads with load_pruned and plain transformers; LRP is refused before any
 work, naming the Gated DeltaNet; `analyze` runs end to end; the released checkpoints' multimodal
-config (qwen3_5, qwen3_5_moe) loads as its text model. The all-attention variants run the family matrix of tests/test_more_families.py (LRP conserved there:
-the gate is held constant with the query it is projected with, importance/rules.py).
+config (qwen3_5, qwen3_5_moe) loads as its text model. The all-attention variants run the family
+matrix of tests/test_more_families.py (LRP conserved there: the gate is held constant with the query
+it is projected with, importance/rules.py).
 """
 
 from __future__ import annotations
