@@ -32,7 +32,7 @@ from headlab.errors import HeadlabError, UnknownOption, counted
 from headlab.heads import KINDS
 from headlab.portable import CLASS_NAME
 
-__all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "check_fits_weights", "model_class_for",
+__all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "config_for", "check_fits_weights", "model_class_for",
            "named_model_class", "one_line", "read_config", "read_weights", "record_from_weights", "stored_dtypes",
            "tensor_shapes", "validate_record"]
 
@@ -133,9 +133,24 @@ def read_config(path: str | Path, trust_remote_code: bool = False, **overrides):
     return config
 
 
+def config_for(cls: type, config):
+    """The config ``cls`` is built from: ``config``, or the sub-config of a composite config that
+    ``cls`` takes (its ``config_class.base_config_key``), as transformers' ``from_pretrained`` reads it:
+    a Qwen3.5 checkpoint (``qwen3_5``, a vision model around a text model) loads as Qwen3_5ForCausalLM
+    on its ``text_config`` (``qwen3_5_text``)."""
+    wanted = getattr(cls, "config_class", None)
+    key = getattr(wanted, "base_config_key", "")
+    if not isinstance(wanted, type) or isinstance(config, wanted) or not key:
+        return config
+    sub = getattr(config, key, None)
+    return sub if isinstance(sub, wanted) else config
+
+
 def build_model(cls: type, config, source: str | Path, meta: bool = False) -> nn.Module:
-    """``cls(config)`` (on the meta device when ``meta``: the structure only); a config
-    transformers cannot build (heads that do not divide the width) is the user's error."""
+    """``cls(config)`` (on the meta device when ``meta``: the structure only; a composite config's
+    sub-config where ``cls`` takes that, :func:`config_for`); a config transformers cannot build
+    (heads that do not divide the width) is the user's error."""
+    config = config_for(cls, config)
     try:
         if meta:
             with torch.device("meta"):

@@ -25,6 +25,7 @@ from headlab.checkpoint import (
     build_model,
     check_complete,
     check_fits_weights,
+    config_for,
     model_class_for,
     one_line,
     read_config,
@@ -241,7 +242,8 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
         raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}) is not supported: {reason}")
     try:
         with torch.device("meta"):
-            model = model_class_for(config)(config)
+            cls = model_class_for(config)
+            model = cls(config_for(cls, config))
     except (ValueError, TypeError, ImportError, NotImplementedError) as error:
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
     try:

@@ -222,7 +222,8 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
             journal.set(core, "split_size", len(keep) * d)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections
-        _slice_outputs(block.q, q_index, journal)
+        # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
+        _slice_outputs(block.q, _head_index(keep, 2 * d, device) if family.query_gate else q_index, journal)
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
     _slice_inputs(block.o, q_index, journal)

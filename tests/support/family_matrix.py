@@ -4,7 +4,8 @@
 * ``ANALYSED`` (``ANALYSIS_FAMILIES``): the families headlab analyses and masks with layouts of
   their own (fused q/k/v projections, ALiBi, disentangled attention): GPT-NeoX, Phi-3, Phi-2,
   Falcon (grouped, multi-query, per head with ALiBi), GPT-BigCode (multi-query, per head), Bloom,
-  DeBERTa-v2, ModernBERT. Each names, besides the model, how its value heads sit in the weights
+  DeBERTa-v2, ModernBERT, and the gated attention of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE ([query |
+  gate] per head). Each names, besides the model, how its value heads sit in the weights
   (``VALUES``), read off the modeling code by hand (not from headlab's adapter tables), so that the
   zeroed-value reference of tests/test_more_families.py is independent of what it checks:
   ``VALUES[family] = (module(model, layer), rows(kv_head) -> weight rows of that key/value head's
@@ -15,7 +16,8 @@
 * ``SHARED``: shared layers (ALBERT: one attention module run at several depths; a block is one
   depth), checked by tests/test_shared_layers.py.
 * ``HYBRID``: attention beside other token mixers (LFM2's gated short convolutions), checked by
-  tests/test_hybrid_families.py.
+  tests/test_hybrid_families.py; Qwen3-Next's and Qwen3.5's Gated DeltaNet layers beside their gated
+  attention, checked by tests/test_gated_attention.py.
 * ``REFUSED``: families headlab refuses before any work.
 
 :func:`tiny_model` builds any of them; biases (and, for ``PRUNING``, norm weights) are made
@@ -53,6 +55,20 @@ def _grouped(group: int):
     return lambda j: range(j * (group + 2) * D + (group + 1) * D, j * (group + 2) * D + (group + 2) * D)
 
 
+def qwen3_next(model_type: str, layer_types: list[str]):
+    """A tiny Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (``model_type``) with these layer types (Gated
+    DeltaNet layers at "linear_attention"), its attention's projections with biases."""
+    cls, config_cls = {"qwen3_next": (tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig),
+                       "qwen3_5_text": (tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig),
+                       "qwen3_5_moe_text": (tf.Qwen3_5MoeForCausalLM, tf.Qwen3_5MoeTextConfig)}[model_type]
+    moe = dict(moe_intermediate_size=40, num_experts=3, num_experts_per_tok=2, shared_expert_intermediate_size=40)
+    return cls, config_cls(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attention_bias=True,
+        layer_types=layer_types, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, **(moe if model_type != "qwen3_5_text" else {}), **_SPECIAL)
+
+
 ANALYSED = {
     "gpt_neox": lambda: (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -86,6 +102,9 @@ ANALYSED = {
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, pad_token_id=2,
         bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)),
+    # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
+    # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
+    **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
 }
 ANALYSIS_FAMILIES = tuple(ANALYSED)
 """Families whose analysis and masking tests/test_more_families.py checks against references of its own."""
@@ -104,6 +123,8 @@ VALUES = {
     "modernbert": (lambda m, i: m.model.layers[i].attn.Wqkv, _qkv(4, 4), 4),  # view(..., 3, heads, d)
     "deberta-v2": (lambda m, i: m.deberta.encoder.layer[i].attention.self.value_proj,
                    lambda j: range(j * D, (j + 1) * D), 4),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+                    (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
 ENCODERS = {"modernbert", "deberta-v2"}
 
@@ -140,6 +161,9 @@ HYBRID = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, layer_types=["conv", "full_attention"] * 2,
         **_SPECIAL)),
+    # a Gated DeltaNet layer (linear attention, no heads) at 0, gated attention at 1
+    **{f"{t}-hybrid": (lambda t=t: qwen3_next(t, ["linear_attention", "full_attention"]))
+       for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
 }
 
 

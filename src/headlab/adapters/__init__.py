@@ -356,6 +356,11 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         if q is None or k is None or v is None:
             raise HeadlabError(f"{where}: missing one of {family.q}, {family.k}, {family.v}")
         q_width, kv_width = out_features(q), out_features(k)
+        if family.query_gate:  # [query | gate] per head: the heads' width is half of it
+            if q_width % (2 * d_head):
+                raise HeadlabError(f"{where}: query projection width {q_width} is not heads x [query | gate] of "
+                                   f"size {d_head} each")
+            q_width //= 2
         if out_features(v) != kv_width:
             raise HeadlabError(f"{where}: key width {kv_width} differs from value width {out_features(v)}")
     o_width = in_features(o)
@@ -398,9 +403,15 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         return _shared_blocks(model, family)
     candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
     if not candidates:
+        layer_types = getattr(config, "layer_types", None)
+        no_attention = isinstance(layer_types, list) and not any(
+            "attention" in str(t) and "linear" not in str(t) for t in layer_types)  # Qwen3.5: Gated DeltaNets only
+        table = "matching its table entry" + (
+            f" (its config's layer_types, {sorted(set(map(str, layer_types or ())))}, hold no attention layer)."
+            if no_attention else ".")
         raise HeadlabError(
             f"{type(model).__name__} (model_type {model_type!r}): found no attention block "
-            + ("matching its table entry." if family else
+            + (table if family else
                "with q/k/v/output projections (looked for q_proj/k_proj/v_proj/out_proj|o_proj|dense, "
                "q/k/v/o, q_lin/k_lin/v_lin/out_lin and self.query/key/value with output.dense). "
                "Add an entry for it to headlab.adapters.families.FAMILIES.")

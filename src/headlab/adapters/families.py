@@ -67,6 +67,10 @@ class Family:
     ``LayerNorm`` of the residual sum), not a projection's width: pruning leaves them as they are."""
     """With ``applications``: the name of the module list whose parent's forward is one pass over
     every depth (where headlab starts counting a shared module's applications)."""
+    query_gate: bool = False
+    """``q`` outputs per head ``[query (d_head) | gate (d_head)]``, and the forward multiplies the
+    heads' outputs by ``sigmoid(gate)`` before the output projection (Qwen3-Next, Qwen3.5): a head's
+    output projection input is still its own slice (zero where its values are zero)."""
 
 
 QKV_LAYOUTS = {
@@ -138,6 +142,19 @@ LLAMA_LIKE = Family(
     q="q_proj", k="k_proj", v="v_proj", o="o_proj",
     d_head_attr="head_dim",
     kv_groups_attr="num_key_value_groups",
+)
+
+# Qwen3-Next and Qwen3.5 (dense and MoE): their full-attention layers are Llama-like with per-head
+# q/k RMS norms, and q_proj emits per head [query | gate]: o_proj(attn_output * sigmoid(gate)).
+# Their linear-attention layers (Gated DeltaNet, ``linear_attn``) have no heads headlab analyses:
+# the pattern finds ``self_attn`` only.
+QWEN3_NEXT = Family(
+    name="qwen3-next",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    d_head_attr="head_dim",
+    kv_groups_attr="num_key_value_groups",
+    query_gate=True,
 )
 
 GPT_NEOX = Family(
@@ -270,6 +287,7 @@ FAMILIES: dict[str, Family] = {
     "gpt2": GPT2,
     **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers"], T5),
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
+    **dict.fromkeys(["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], QWEN3_NEXT),
     "gpt_neox": GPT_NEOX,
     "phi3": PHI3,
     "phi": PHI,

@@ -35,6 +35,12 @@ The other rules become ordinary backward passes once the right factors are detac
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
   detached, so ``p`` is a constant of the backward pass and all relevance flows through values
   and residual connections. (The original TF code calls this mode ``consider_attn_constant``.)
+  A gate on the heads' outputs projected with the queries (Qwen3-Next's and Qwen3.5's
+  ``attn_output * sigmoid(gate)``, ``gate`` from q_proj beside the query) is held constant with
+  them: a per-feature weight of the heads' outputs, so all of ``R(v)`` flows back through the values
+  (as LXT's CP-LRP variant, after Ali et al. 2022, holds a gate constant: its ``cp_gated_mlp_forward``
+  stops the gradient through it; AttnLRP's uniform product rule would send half of ``R`` to the gate,
+  which headlab detaches with the query, and lose it).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -583,6 +589,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
             else:
                 assert block.q is not None and block.k is not None  # unfused projections
+                # with a query gate (family.query_gate) the gate is q's output too: held constant with it
                 handles.append(block.q.register_forward_hook(_detach_output))
                 handles.append(block.k.register_forward_hook(_detach_output))
         yield
