@@ -57,11 +57,15 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 PRECISION = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
 
 # -- the rule (experiments/kernel_default.md; written before any GPU run of this script) ----------
-TIE = {"bfloat16": 2.0 ** -5, "float16": 2.0 ** -8, "float32": 1e-5, "float64": 1e-12}
-"""Near-tie margin per dtype of the engine: relative weight gap in the reference."""
-EXACT = {"float32": 1e-5, "float64": 1e-8}
+TIE = {"bfloat16": 2.0 ** -5, "float16": 2.0 ** -8, "float32": 1e-5, "float64": 1e-6}
+"""Near-tie margin per dtype of the engine: relative weight gap in the reference. float64: the
+reference's own resolution, not float64's: transformers' eager Llama attention takes its softmax in
+float32 whatever the model's dtype, so the reference's weights are float32-rounded (2^-24 relative)."""
+EXACT = {"float32": 1e-5, "float64": 1e-6}
 """Sums and means of an engine in these dtypes: largest |difference| over the file, relative to the
-file's largest reference value, at most this."""
+file's largest reference value, at most this (float64: the eager reference's float32 softmax again;
+measured 1.0e-8 on the CPU, docs/benchmarks.md; float64 to 1e-8 against a float64 eager softmax is
+what tests/test_fused_statistics.py checks on the tiny families)."""
 NON_INFERIORITY = (1.5, 2.0 ** -10)
 """bfloat16: the kernel's relative error of each file at most 1.5x the fused engine's + 2^-10."""
 DECISION_SLACK = (1.5, 1e-3)
@@ -160,7 +164,7 @@ class Recorder:
         """``{(kind, layer, level): [per batch: (argmax, valid, topv, topi) over all rows]}``."""
         import torch
 
-        out = {}
+        out: dict = {}
         for key, batches in self.chunks.items():
             out[key] = []
             for chunks in batches:
@@ -188,8 +192,8 @@ def recording(recorder: Recorder | None):
             return value
         return property(getter, doc=saved[name].__doc__)
 
-    AttentionView.token_argmax = wrap("token_argmax", "token")
-    AttentionView.word_argmax = wrap("word_argmax", "word")
+    for name, level in (("token_argmax", "token"), ("word_argmax", "word")):
+        setattr(AttentionView, name, wrap(name, level))
     try:
         yield
     finally:
@@ -254,23 +258,23 @@ def compare_values(got: dict, expected: dict) -> dict:
     relative to the file's largest |reference value|, and the leaves that are not comparable
     numbers yet differ (structure, strings, a null against a number)."""
     a, b = dict(_leaves(got)), dict(_leaves(expected))
-    out = {"values": len(b), "differing": 0, "max_abs": 0.0, "max_rel": 0.0, "mismatched": []}
     scale = max((abs(v) for v in b.values() if _is_number(v) and math.isfinite(v)), default=0.0)
+    differing, n_mismatched, largest = 0, 0, 0.0
+    mismatched: list = []
     for path in sorted(set(a) | set(b)):
         x, y = a.get(path, "<missing>"), b.get(path, "<missing>")
         if x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
             continue
-        out["differing"] += 1
+        differing += 1
         if _is_number(x) and _is_number(y):
-            out["max_abs"] = max(out["max_abs"], abs(x - y))
-        elif len(out["mismatched"]) < 5:
-            out["mismatched"].append([path, x, y])
+            largest = max(largest, abs(x - y))
         else:
-            out["mismatched"].append(None)
-    out["max_rel"] = out["max_abs"] / scale if scale > 0 else out["max_abs"]
-    out["n_mismatched"] = len(out["mismatched"])
-    out["mismatched"] = [m for m in out["mismatched"] if m is not None]
-    return out
+            n_mismatched += 1
+            if len(mismatched) < 5:
+                mismatched.append([path, x, y])
+    return {"values": len(b), "differing": differing, "max_abs": largest,
+            "max_rel": largest / scale if scale > 0 else largest, "n_mismatched": n_mismatched,
+            "mismatched": mismatched}
 
 
 def compare_exemplars(got: dict, expected: dict, tau: float) -> dict:
@@ -314,7 +318,7 @@ def confidence(model, tokenizer, banks: list[dict], engine: str):
     engine = "fused" if engine == "chunked" else engine  # confidence: one streaming path for both
     scores = {}
     for bank in banks:
-        ids = [tokenizer(" ".join(s.words))["input_ids"] for s in read_conllu(bank["path"])]
+        ids = [tokenizer(" ".join(s.words))["input_ids"] for s in read_conllu(bank["path"]) if s is not None]
         got = compute_confidence(model, ImportanceData.from_ids(ids), info, batch_size=bank["batch_size"],
                                  engine=engine)
         scores[bank["name"]] = {kind: np.asarray(got[kind]).tolist() for kind in got.kinds}
@@ -356,7 +360,7 @@ def run(args) -> dict:
         started = time.perf_counter()
         for bank in banks:
             recorder = Recorder(reference=True)
-            with recording(recorder), torch.inference_mode():
+            with recording(recorder):
                 analysis = analyse(built[args.reference_dtype], tokenizer, bank, "eager", frequencies, args.query_chunk)
             ref_files[bank["name"]] = written(analysis.results.values(), work / "ref" / bank["name"])
             ref_decisions[bank["name"]] = recorder.assembled()
@@ -466,9 +470,11 @@ def verdict(runs: list[dict], on_cuda: bool) -> tuple[list[dict], dict]:
             check(f"{label}: sums and means within {bound:g}", worst[0] <= bound, f"largest {worst[0]:.3g} ({worst[1]})")
             decisions = list(r["decisions"].values()) + [r["exemplars"]]
             off = sum(d["differing"] - d["near_ties"] for d in decisions)
-            check(f"{label}: decisions differ only at near ties", off == 0,
+            unrecorded = sum(d.get("missing_batches", 0) for d in decisions)
+            check(f"{label}: decisions differ only at near ties", off == 0 and not unrecorded,
                   f"{sum(d['differing'] for d in decisions)} differ of {sum(d['compared'] for d in decisions)}, "
-                  f"{off} not near ties (tau {r['tie_margin']:g})")
+                  f"{off} not near ties (tau {r['tie_margin']:g})"
+                  + (f"; {unrecorded} batches of the reference's decisions not recorded" if unrecorded else ""))
         if r["engine"] == "kernel":
             check(f"{label}: no fallback", not r["kernel_fallback"], json.dumps(r["kernel_fallback"])[:300] or "none")
     kernel16, fused16 = by.get(("kernel", "bfloat16")), by.get(("fused", "bfloat16"))
@@ -488,7 +494,8 @@ def verdict(runs: list[dict], on_cuda: bool) -> tuple[list[dict], dict]:
                 check(f"bfloat16 {level} decisions: recorded on both engines", False, "missing")
                 continue
             k_off, f_off = k["differing"] - k["near_ties"], f["differing"] - f["near_ties"]
-            passed = k["differing"] <= s * f["differing"] + frac * k["compared"] and k_off <= s * f_off
+            passed = (k["differing"] <= s * f["differing"] + frac * k["compared"] and k_off <= s * f_off
+                      and not k.get("missing_batches"))
             check(f"bfloat16 {level} decisions: kernel non-inferior to fused", passed,
                   f"kernel {k['differing']} differ ({k_off} not near ties), fused {f['differing']} ({f_off}), "
                   f"of {k['compared']}")
