@@ -28,8 +28,8 @@ did not have (a CUDA GPU, bfloat16, the kernel engine, the timing); 2 bad option
     PYTHONPATH=src python experiments/compare_engines.py --shape small --layers 2 --lengths 256 \\
         --dtypes float32 float64 --engines eager chunked fused --json /tmp/compare.json
     # a CUDA GPU (experiments/device.sh compare-engines): the verdict
-    python experiments/compare_engines.py --device cuda --shape llama3-8b --layers 4 --lengths 4096 \\
-        --dtypes bfloat16 float32 --engines eager chunked fused kernel --time --json compare-engines.json
+    python experiments/compare_engines.py --device cuda --shape llama3-8b --layers 4 --lengths 4096 --short 48 \\
+        --short-batch 16 --dtypes bfloat16 float32 --engines eager chunked fused kernel --time --json compare-engines.json
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def models(args, dtypes: list[str]) -> tuple[dict, object]:
     import torch
 
     low = min(dtypes, key=PRECISION.__getitem__)
-    longest = max(args.lengths + [42])
+    longest = max(args.lengths + [42] + ([args.time_length] if args.time else []))
     model, tokenizer = bench.model_and_tokenizer(bench_args(args, low), longest)
     built = {low: model}
     for dtype in dtypes:
@@ -203,13 +203,16 @@ def recording(recorder: Recorder | None):
 
 def compare_decisions(engine: dict, reference: dict, tau: float) -> dict:
     """Per level: decisions compared (rows valid in the reference and recorded on both sides),
-    differing, and of those near ties (the module docstring's rule)."""
+    differing, of those near ties (the module docstring's rule), and the largest relative gap
+    ``1 - p_ref[engine's key] / p_ref[reference's key]`` of a differing decision whose key is among the
+    reference's :data:`TOP` (how close the near ties came to ``tau``)."""
     import torch
 
     out: dict = {}
     for key, ref_batches in reference.items():
         level = key[2]
-        total = out.setdefault(level, {"compared": 0, "differing": 0, "near_ties": 0, "missing_batches": 0})
+        total = out.setdefault(level, {"compared": 0, "differing": 0, "near_ties": 0, "missing_batches": 0,
+                                       "largest_gap": 0.0})
         got_batches = engine.get(key, [])
         for i, (ref_arg, valid, topv, topi) in enumerate(ref_batches):
             if i >= len(got_batches):
@@ -226,6 +229,10 @@ def compare_decisions(engine: dict, reference: dict, tau: float) -> dict:
             total["compared"] += int(valid.sum())
             total["differing"] += int(differ.sum())
             total["near_ties"] += int(tie.sum())
+            gaps = 1 - engine_weight / reference_weight.clamp(min=1e-300)
+            found = differ & hit.any(-1)
+            if bool(found.any()):
+                total["largest_gap"] = max(total["largest_gap"], float(gaps[found].max()))
     return out
 
 
@@ -256,9 +263,11 @@ def _is_number(x) -> bool:
 def compare_values(got: dict, expected: dict) -> dict:
     """One file's values: how many, how many differ, largest |difference| of the numbers, the same
     relative to the file's largest |reference value|, and the leaves that are not comparable
-    numbers yet differ (structure, strings, a null against a number)."""
+    numbers yet differ (structure, strings, a null against a number, anything in the signature: the
+    data's counts, the options)."""
     a, b = dict(_leaves(got)), dict(_leaves(expected))
-    scale = max((abs(v) for v in b.values() if _is_number(v) and math.isfinite(v)), default=0.0)
+    scale = max((abs(v) for path, v in b.items()
+                 if _is_number(v) and math.isfinite(v) and not path.startswith("/signature/")), default=0.0)
     differing, n_mismatched, largest = 0, 0, 0.0
     mismatched: list = []
     for path in sorted(set(a) | set(b)):
@@ -266,7 +275,7 @@ def compare_values(got: dict, expected: dict) -> dict:
         if x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
             continue
         differing += 1
-        if _is_number(x) and _is_number(y):
+        if _is_number(x) and _is_number(y) and not path.startswith("/signature/"):
             largest = max(largest, abs(x - y))
         else:
             n_mismatched += 1
@@ -355,6 +364,11 @@ def run(args) -> dict:
         work = Path(tmp)
         banks = treebanks(args, work, vocab)
         summary["treebanks"] = [{k: str(v) if isinstance(v, Path) else v for k, v in b.items()} for b in banks]
+        timing = None
+        if args.time:  # the speed condition's sentence (docs/benchmarks.md: the kernel is faster from 16k tokens)
+            bench.write_conllu(work / "time.conllu", args.time_length, 1, vocab, seed=args.time_length + 1)
+            timing = {"name": f"time-{args.time_length}", "path": work / "time.conllu", "batch_size": 1,
+                      "tokens": args.time_length}
         ref_files, ref_decisions = {}, {}
         log(f"reference: eager, {args.reference_dtype}")
         started = time.perf_counter()
@@ -373,8 +387,9 @@ def run(args) -> dict:
                 log(f"{engine}, {dtype}")
                 summary["runs"].append(one_engine(args, built[dtype], tokenizer, banks, engine, dtype, frequencies,
                                                   work, ref_files, ref_decisions, ref_confidence))
-                if args.time and engine in ("fused", "kernel"):
-                    summary["runs"][-1]["seconds"] = timed(args, built[dtype], tokenizer, banks, engine, frequencies)
+                if timing is not None and engine in ("fused", "kernel") and dtype == "bfloat16":
+                    summary["runs"][-1]["seconds"] = timed(args, built[dtype], tokenizer, timing, engine, frequencies)
+                    summary["runs"][-1]["timed_tokens"] = args.time_length
     summary["checks"], summary["verdict"] = verdict(summary["runs"], on_cuda=args.device.startswith("cuda"))
     return summary
 
@@ -403,7 +418,7 @@ def one_engine(args, model, tokenizer, banks, engine, dtype, frequencies, work, 
         for level, counts in compare_decisions(recorder.assembled(), ref_decisions[bank["name"]], tau).items():
             total = row["decisions"].setdefault(level, dict.fromkeys(counts, 0))
             for key, value in counts.items():
-                total[key] += value
+                total[key] = max(total[key], value) if key == "largest_gap" else total[key] + value
     if ref_confidence:
         got = confidence(model, tokenizer, banks, engine)
         for bank in banks:
@@ -415,15 +430,17 @@ def one_engine(args, model, tokenizer, banks, engine, dtype, frequencies, work, 
     return row
 
 
-def timed(args, model, tokenizer, banks, engine, frequencies) -> float:
-    """Seconds of the analysis of the longest sentence, without the recorder, after the runs above
-    (the warm-up: compiled kernels, cuBLAS)."""
-    bank = max((b for b in banks if b["name"].startswith("long")), key=lambda b: b["tokens"], default=banks[0])
-    synchronize(args.device)
-    started = time.perf_counter()
-    analyse(model, tokenizer, bank, engine, frequencies, args.query_chunk)
-    synchronize(args.device)
-    return time.perf_counter() - started
+def timed(args, model, tokenizer, bank, engine, frequencies) -> float:
+    """Seconds of the analysis of ``bank`` (one sentence of ``--time-length`` words), without the
+    recorder, the best of two runs after the compared runs (compiled kernels, cuBLAS warm)."""
+    best = math.inf
+    for _ in range(2):
+        synchronize(args.device)
+        started = time.perf_counter()
+        analyse(model, tokenizer, bank, engine, frequencies, args.query_chunk)
+        synchronize(args.device)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 # -- the verdict ----------------------------------------------------------------------------------
@@ -438,7 +455,8 @@ def rule_text() -> list[str]:
         f"differing decisions <= {DECISION_SLACK[0]:g} x fused's + {DECISION_SLACK[1]:g} x compared, and those "
         f"not near ties (tau {TIE['bfloat16']:g}) <= {DECISION_SLACK[0]:g} x fused's",
         "kernel: no fallback to the fused engine anywhere; on CUDA, in bfloat16 and float32",
-        "speed: the kernel's analysis of the longest sentence no slower than the fused engine's (bfloat16, CUDA)",
+        "speed: the kernel's analysis of one --time-length sentence (16,384 words), best of two, no slower than "
+        "the fused engine's (bfloat16, CUDA)",
     ]
 
 
@@ -501,7 +519,8 @@ def verdict(runs: list[dict], on_cuda: bool) -> tuple[list[dict], dict]:
                   f"of {k['compared']}")
         if "seconds" in kernel16 and "seconds" in fused16:
             check("speed: kernel no slower than fused (bfloat16)", kernel16["seconds"] <= fused16["seconds"],
-                  f"kernel {kernel16['seconds']:.3f} s, fused {fused16['seconds']:.3f} s")
+                  f"kernel {kernel16['seconds']:.3f} s, fused {fused16['seconds']:.3f} s "
+                  f"({kernel16.get('timed_tokens', '?')} tokens)")
     missing = []
     if not on_cuda:
         missing.append("a CUDA GPU")
@@ -550,13 +569,14 @@ def print_table(summary: dict) -> None:
         for group, g in sorted(groups.items()):
             print(f"| {r['engine']} | {r['dtype']} | {group} | {g['values']} | {g['differing']} | {g['max_abs']:.3g} "
                   f"| {g['max_rel']:.3g} |")
-    print("\n| engine | dtype | decisions | compared | differing | near ties (tau) | seconds |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("\n| engine | dtype | decisions | compared | differing | near ties (tau) | largest gap | seconds |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in summary["runs"]:
         for level, d in [*sorted(r["decisions"].items()), ("exemplars", r["exemplars"])]:
             seconds = f"{r['seconds']:.3f}" if "seconds" in r and level == "exemplars" else ""
+            gap = f"{d['largest_gap']:.3g}" if "largest_gap" in d else ""
             print(f"| {r['engine']} | {r['dtype']} | {level} | {d['compared']} | {d['differing']} "
-                  f"| {d['near_ties']} ({r['tie_margin']:g}) | {seconds} |")
+                  f"| {d['near_ties']} ({r['tie_margin']:g}) | {gap} | {seconds} |")
     print()
     for c in summary["checks"]:
         print(f"{'PASS' if c['passed'] else 'FAIL'}  {c['check']}: {c['detail']}")
@@ -580,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-confidence", dest="confidence", action="store_false",
                         help="leave confidence importance out")
     parser.add_argument("--time", action="store_true",
-                        help="time the fused and kernel analyses of the longest sentence once more, unrecorded")
+                        help="bfloat16: time the fused and kernel analyses of one --time-length sentence, unrecorded")
+    parser.add_argument("--time-length", type=int, default=16384, help="words of the timed sentence")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the comparison here (atomically)")
     return parser

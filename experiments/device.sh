@@ -43,7 +43,8 @@
 #                                       32 layers, one sentence per LENGTHS (default 4096) plus SHORT (default
 #                                       48) EWT-like sentences in padded batches of 16, engines ENGINES
 #                                       (default eager chunked fused kernel) in DTYPES (default bfloat16
-#                                       float32), stopped after MINUTES: $OUT/compare-engines.json and
+#                                       float32), the speed check on one 16384-word sentence (TIME_LENGTH),
+#                                       stopped after MINUTES: $OUT/compare-engines.json and
 #                                       $OUT/compare-engines.log; the exit status is the verdict (0 yes,
 #                                       1 no, 3 undecided). Needs the .whl carry (conllu).
 #
@@ -176,12 +177,13 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
   compare-engines)
     # About 3 minutes on an H100 by estimate (the engines' times at 4096 tokens in docs/benchmarks.md,
     # the float64 eager reference, triton's first compiles); not yet run on a GPU.
+    THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
     set -o pipefail
     # shellcheck disable=SC2086  # LENGTHS, ENGINES, DTYPES: one argument per word
     timeout --signal=TERM --kill-after=30 $((MINUTES * 60)) \
       "$PY" experiments/compare_engines.py --device cuda --shape llama3-8b --layers "${LAYERS:-4}" \
         --lengths ${LENGTHS:-4096} --short "${SHORT:-48}" --short-batch 16 --engines ${ENGINES:-eager chunked fused kernel} \
-        --dtypes ${DTYPES:-bfloat16 float32} --reference-dtype "${REF_DTYPE:-float64}" --time \
+        --dtypes ${DTYPES:-bfloat16 float32} --reference-dtype "${REF_DTYPE:-float64}" --time --time-length "${TIME_LENGTH:-16384}" --threads "$THREADS" \
         --json "$OUT/compare-engines.json" 2>&1 | tee "$OUT/compare-engines.log"
     ;;
   *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines" >&2; exit 2 ;;

@@ -47,6 +47,7 @@ def test_decisions_differing_at_a_near_tie_and_beyond(monkeypatch):
     same, tie, far = (ce.compare_decisions(engine(c), reference, tau=0.05)["token"] for c in (2, 0, 1))
     assert (same["compared"], same["differing"]) == (1, 0)
     assert (tie["differing"], tie["near_ties"]) == (1, 1)  # 0.49 >= 0.95 x 0.50
+    assert tie["largest_gap"] == pytest.approx(0.02)
     assert (far["differing"], far["near_ties"]) == (1, 0)
     assert ce.compare_decisions(engine(0), reference, tau=0.01)["token"]["near_ties"] == 0  # 0.49 < 0.99 x 0.50
 
@@ -57,7 +58,8 @@ def _run(engine, dtype, rel=0.0, differing=0, ties=0, seconds=None, fallback=Non
                                                                "max_rel": rel, "n_mismatched": 0, "mismatched": []},
                      "long-4096/positional/share.json": {"values": 64, "differing": 3, "max_abs": 0.1,
                                                          "max_rel": 0.5, "n_mismatched": 0, "mismatched": []}},
-           "decisions": {level: {"compared": 10000, "differing": differing, "near_ties": ties, "missing_batches": 0}
+           "decisions": {level: {"compared": 10000, "differing": differing, "near_ties": ties, "missing_batches": 0,
+                                 "largest_gap": 0.0}
                          for level in ("token", "word")},
            "exemplars": {"compared": 100, "differing": 0, "near_ties": 0}}
     if seconds is not None:
@@ -105,3 +107,14 @@ def test_the_rule_is_undecided_without_what_it_needs():
     assert ce.verdict(runs[2:], on_cuda=True)[1]["needs"] == ["kernel in bfloat16", "fused in bfloat16"]
     untimed = [{k: v for k, v in r.items() if k != "seconds"} for r in runs]
     assert ce.verdict(untimed, on_cuda=True)[1]["needs"] == ["the timing (--time)"]
+
+
+def test_values_relative_to_the_scores_and_the_signature_held_equal():
+    expected = {"signature": {"words": 1000, "window": 10}, "scores": {"enc_self": [[1.0, 2.5], [None, 0.5]]}}
+    got = {"signature": {"words": 1000, "window": 10}, "scores": {"enc_self": [[1.0, 2.0], [None, 0.5]]}}
+    out = ce.compare_values(got, expected)
+    assert (out["values"], out["differing"], out["n_mismatched"]) == (6, 1, 0)
+    assert out["max_abs"] == 0.5 and out["max_rel"] == 0.2  # over the scores' largest value, not the word count
+    got["signature"]["words"], got["scores"]["enc_self"][1][0] = 999, 0.1
+    out = ce.compare_values(got, expected)
+    assert out["n_mismatched"] == 2 and out["max_abs"] == 0.5  # a count of the data, a null against a number
