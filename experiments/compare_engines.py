@@ -87,18 +87,30 @@ def bench_args(args, dtype: str):
                               kv_heads=None, d_model=None, ffn=None, vocab=None)
 
 
-def models(args, dtypes: list[str]) -> tuple[dict, object]:
-    """``{dtype: model}`` with the same weights: built in the lowest precision, cast up (exact)."""
-    import torch
+class Models:
+    """The model in each dtype with the same weights: built once in the lowest precision, each other
+    dtype a copy cast up (exact), made when asked for and dropped after (on a GPU the float64 copy of
+    Llama-3-8B's shape is 15 GB beside the eager reference's maps)."""
 
-    low = min(dtypes, key=PRECISION.__getitem__)
-    longest = max(args.lengths + [42] + ([args.time_length] if args.time else []))
-    model, tokenizer = bench.model_and_tokenizer(bench_args(args, low), longest)
-    built = {low: model}
-    for dtype in dtypes:
-        if dtype != low:
-            built[dtype] = copy.deepcopy(model).to(getattr(torch, dtype))
-    return built, tokenizer
+    def __init__(self, args, dtypes: list[str]):
+        self.low = min(dtypes, key=PRECISION.__getitem__)
+        longest = max(args.lengths + [42] + ([args.time_length] if args.time else []))
+        self.base, self.tokenizer = bench.model_and_tokenizer(bench_args(args, self.low), longest)
+
+    @contextlib.contextmanager
+    def cast(self, dtype: str):
+        import torch
+
+        if dtype == self.low:
+            yield self.base
+            return
+        model = copy.deepcopy(self.base).to(getattr(torch, dtype))
+        try:
+            yield model
+        finally:
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def treebanks(args, directory: Path, vocab: int) -> list[dict]:
@@ -148,15 +160,18 @@ class Recorder:
         batches = self.chunks.setdefault((view.block.kind, view.block.layer, level), [])
         if start == 0 or not batches:
             batches.append({})
-        extra = (None, None, None)
+        extra: tuple = (None, None, None)
         if self.reference:
             if level == "token":
                 weights, keep, valid = view.probs, view.side.token_mask[:, :view.keys], view.token_query_valid
             else:
                 weights = view.words
                 keep, valid = view.side.word_mask[:, :weights.shape[3]], view.query_valid
-            eligible = weights.masked_fill(~keep[:, None, None, :], -1.0)
-            topv, topi = eligible.topk(min(TOP, eligible.shape[3]), dim=-1)
+            tops = []
+            for rows in range(0, weights.shape[2], 512):  # slices: no second copy of a 4k x 4k map
+                eligible = weights[:, :, rows:rows + 512].masked_fill(~keep[:, None, None, :], -1.0)
+                tops.append(eligible.topk(min(TOP, eligible.shape[3]), dim=-1))
+            topv, topi = torch.cat([v for v, _ in tops], 2), torch.cat([i for _, i in tops], 2)
             extra = (valid.cpu(), topv.double().cpu(), topi.cpu())
         batches[-1][start] = (argmax.to(torch.long).cpu(), *extra)
 
@@ -351,7 +366,8 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     dtypes = list(dict.fromkeys(args.dtypes))
-    built, tokenizer = models(args, dtypes + [args.reference_dtype])
+    built = Models(args, dtypes + [args.reference_dtype])
+    tokenizer = built.tokenizer
     vocab = bench.model_fields(bench_args(args, dtypes[0]))["vocab_size"]
     frequencies = TokenFrequencies(np.random.default_rng(0).integers(1, 1000, vocab), "random")
     summary: dict = {"setup": {key: value for key, value in vars(args).items() if key != "json"},
@@ -372,24 +388,27 @@ def run(args) -> dict:
         ref_files, ref_decisions = {}, {}
         log(f"reference: eager, {args.reference_dtype}")
         started = time.perf_counter()
-        for bank in banks:
-            recorder = Recorder(reference=True)
-            with recording(recorder):
-                analysis = analyse(built[args.reference_dtype], tokenizer, bank, "eager", frequencies, args.query_chunk)
-            ref_files[bank["name"]] = written(analysis.results.values(), work / "ref" / bank["name"])
-            ref_decisions[bank["name"]] = recorder.assembled()
-        ref_confidence = confidence(built[args.reference_dtype], tokenizer, banks, "eager") if args.confidence else {}
+        with built.cast(args.reference_dtype) as model:
+            for bank in banks:
+                recorder = Recorder(reference=True)
+                with recording(recorder):
+                    analysis = analyse(model, tokenizer, bank, "eager", frequencies, args.query_chunk)
+                ref_files[bank["name"]] = written(analysis.results.values(), work / "ref" / bank["name"])
+                ref_decisions[bank["name"]] = recorder.assembled()
+                del analysis
+            ref_confidence = confidence(model, tokenizer, banks, "eager") if args.confidence else {}
         summary["reference_seconds"] = time.perf_counter() - started
         for dtype in dtypes:
-            for engine in args.engines:
-                if engine == "eager" and dtype == args.reference_dtype:
-                    continue  # the reference itself
-                log(f"{engine}, {dtype}")
-                summary["runs"].append(one_engine(args, built[dtype], tokenizer, banks, engine, dtype, frequencies,
-                                                  work, ref_files, ref_decisions, ref_confidence))
-                if timing is not None and engine in ("fused", "kernel") and dtype == "bfloat16":
-                    summary["runs"][-1]["seconds"] = timed(args, built[dtype], tokenizer, timing, engine, frequencies)
-                    summary["runs"][-1]["timed_tokens"] = args.time_length
+            with built.cast(dtype) as model:
+                for engine in args.engines:
+                    if engine == "eager" and dtype == args.reference_dtype:
+                        continue  # the reference itself
+                    log(f"{engine}, {dtype}")
+                    summary["runs"].append(one_engine(args, model, tokenizer, banks, engine, dtype, frequencies,
+                                                      work, ref_files, ref_decisions, ref_confidence))
+                    if timing is not None and engine in ("fused", "kernel") and dtype == "bfloat16":
+                        summary["runs"][-1]["seconds"] = timed(args, model, tokenizer, timing, engine, frequencies)
+                        summary["runs"][-1]["timed_tokens"] = args.time_length
     summary["checks"], summary["verdict"] = verdict(summary["runs"], on_cuda=args.device.startswith("cuda"))
     return summary
 
