@@ -46,7 +46,8 @@
 #                                       float32), the speed check on one 16384-word sentence (TIME_LENGTH),
 #                                       stopped after MINUTES: $OUT/compare-engines.json and
 #                                       $OUT/compare-engines.log; the exit status is the verdict (0 yes,
-#                                       1 no, 3 undecided). Needs the .whl carry (conllu).
+#                                       1 no, 3 undecided). Needs the .whl carry (conllu) and no bundled
+#                                       model: `experiments/device-tree.sh out lm` before (31.7 MiB travel).
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -178,6 +179,8 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
     # About 3 minutes on an H100 by estimate (the engines' times at 4096 tokens in docs/benchmarks.md,
     # the float64 eager reference, triton's first compiles); not yet run on a GPU.
     THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
+    # the float64 reference's maps beside the weights: fewer stranded blocks between the dtypes' runs
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     set -o pipefail
     # shellcheck disable=SC2086  # LENGTHS, ENGINES, DTYPES: one argument per word
     timeout --signal=TERM --kill-after=30 $((MINUTES * 60)) \
