@@ -637,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reference-dtype {args.reference_dtype} is less precise than a compared dtype")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers: at least 1")
+    if "kernel" in args.engines and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--engines kernel: a CUDA GPU (--device cuda), or Triton's interpreter on the CPU "
+                     "(TRITON_INTERPRET=1 before the run)")
     summary = run(args)
     if args.json:
         target = Path(args.json)

@@ -118,3 +118,12 @@ def test_values_relative_to_the_scores_and_the_signature_held_equal():
     got["signature"]["words"], got["scores"]["enc_self"][1][0] = 999, 0.1
     out = ce.compare_values(got, expected)
     assert out["n_mismatched"] == 2 and out["max_abs"] == 0.5  # a count of the data, a null against a number
+
+
+@pytest.mark.parametrize("argv", [["--dtypes", "float64", "--reference-dtype", "float32"], ["--lengths", "--short", "0"],
+                                  ["--engines", "kernel", "--device", "cpu"]])
+def test_bad_options_exit_2_before_any_work(argv, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit) as exit_:
+        ce.main(argv)
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
