@@ -35,6 +35,19 @@
 #                                       (default: the analysis's own, 256 for fused on CUDA), LAYERS (default 8) of
 #                                       its 32 layers, within MINUTES: $OUT/bench-gpu.json (rows) and
 #                                       $OUT/bench-gpu.log. Needs the .whl carry (conllu).
+#   experiments/device.sh compare-engines
+#                                       issue 34: the statistics engines value by value against eager in
+#                                       float64 (experiments/compare_engines.py) and the pre-registered
+#                                       verdict on the kernel as the CUDA default (experiments/kernel_default.md):
+#                                       a random model of Llama-3-8B's shape with LAYERS (default 4) of its
+#                                       32 layers, one sentence per LENGTHS (default 4096) plus SHORT (default
+#                                       48) EWT-like sentences in padded batches of 16, engines ENGINES
+#                                       (default eager chunked fused kernel) in DTYPES (default bfloat16
+#                                       float32), the speed check on one 16384-word sentence (TIME_LENGTH),
+#                                       stopped after MINUTES: $OUT/compare-engines.json and
+#                                       $OUT/compare-engines.log; the exit status is the verdict (0 yes,
+#                                       1 no, 3 undecided). Needs the .whl carry (conllu) and no bundled
+#                                       model: `experiments/device-tree.sh out lm` before (31.7 MiB travel).
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -59,7 +72,7 @@ chmod +x /tmp/headlab-bin/headlab
 export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 
-case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-tests | bench-gpu} in
+case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines} in
   sweep)
     MODEL=${2:?usage: experiments/device.sh sweep MODEL}
     # timeout ends the stages inside the call's limit; the point in training resumes from its
@@ -162,5 +175,19 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
         --json "$OUT/bench-gpu.json"
     } 2>&1 | tee "$OUT/bench-gpu.log"
     ;;
-  *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu" >&2; exit 2 ;;
+  compare-engines)
+    # About 3 minutes on an H100 by estimate (the engines' times at 4096 tokens in docs/benchmarks.md,
+    # the float64 eager reference, triton's first compiles); not yet run on a GPU.
+    THREADS=${THREADS:-$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")}
+    # the float64 reference's maps beside the weights: fewer stranded blocks between the dtypes' runs
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    set -o pipefail
+    # shellcheck disable=SC2086  # LENGTHS, ENGINES, DTYPES: one argument per word
+    timeout --signal=TERM --kill-after=30 $((MINUTES * 60)) \
+      "$PY" experiments/compare_engines.py --device cuda --shape llama3-8b --layers "${LAYERS:-4}" \
+        --lengths ${LENGTHS:-4096} --short "${SHORT:-48}" --short-batch 16 --engines ${ENGINES:-eager chunked fused kernel} \
+        --dtypes ${DTYPES:-bfloat16 float32} --reference-dtype "${REF_DTYPE:-float64}" --time --time-length "${TIME_LENGTH:-16384}" --threads "$THREADS" \
+        --json "$OUT/compare-engines.json" 2>&1 | tee "$OUT/compare-engines.log"
+    ;;
+  *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines" >&2; exit 2 ;;
 esac
