@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=../device-stash
 AWAY=(models/multi30k-en-de-pruned-enc models/multi30k-en-de-pruned-all models/english-lm models/ewt-parser
-      docs/img data/ud-english-ewt/en_ewt-ud-test.conllu)
+      models/news-en-de docs/img data/ud-english-ewt/en_ewt-ud-test.conllu)
 size() {
   { git ls-files -z --cached --others --exclude-standard; find .carry .whl -type f -print0 2>/dev/null || true; } \
     | { xargs -0 stat -c %s 2>/dev/null || true; } \

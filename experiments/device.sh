@@ -51,7 +51,7 @@
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
-#   echo /.carry/ >> .git/info/exclude; mkdir -p .carry .whl
+#   printf "/.carry/\n/.whl/\n" >> .git/info/exclude; mkdir -p .carry .whl
 #   cp ../shared/data/wmt-news-en-de/{news-train,tatoeba,newstest2020,newstest2019}.{en,de}.gz .carry/  # news only
 #   .venv/bin/pip download --no-deps -d .whl conllu==6.0.0    # the one dependency the GPU image lacks
 #   experiments/device-tree.sh out   # the tracked files no job here reads leave the tree (64 MiB limit); `back` after
