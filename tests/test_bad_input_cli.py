@@ -68,6 +68,23 @@ def test_usage_errors_exit_2(capsys):
     assert exit_.value.code == 2 and "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command,name", [
+    (["importance", "m", "--source", "s", "--out", "o", "--bogus"], "headlab importance"),
+    (["prune", "sweep", "m", "--out", "o", "--bogus", "1"], "headlab prune sweep"),
+    (["nmt", "translate", "m", "--bogus"], "headlab nmt translate"),
+    (["heads", "m", "--bogus"], "headlab heads"),
+])
+def test_an_unknown_option_is_named_by_its_command(command, name, capsys):
+    """Regression: a misspelt flag was `headlab: error: unrecognized arguments: ...` under the usage of
+    `headlab` itself, not of the command that was run (docs/cli.md: `headlab COMMAND: error: ...`)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.strip().splitlines()[-1].startswith(f"{name}: error: unrecognized arguments: --bogus")
+    assert f"usage: {name} " in err
+
+
 @pytest.mark.parametrize("command,expected", [
     (["functions", "--relations", ","], "argument --relations: an empty list (','); give one or more comma-separated "
                                         "relations"),
