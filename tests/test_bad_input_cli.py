@@ -183,8 +183,10 @@ def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys)
     args = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out), "--no-progress",
             "--skip", "importance", "functions", "aggregate", "attention", "figures", "report"]
     assert main(args) == 2
-    assert (f"--out {out}: the directory holds files headlab did not write (index.html, manifest.json)"
-            in capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"--out {out}: the directory holds files headlab did not write (index.html, manifest.json)" in err
+    # Regression: it said "pass --force to write into it anyway", which is refused over these two files
+    assert "--force to write into it anyway" not in err and "or move index.html, manifest.json away" in err
     assert files_under(out) == {"index.html", "manifest.json"}
     assert (out / "manifest.json").read_text() == '{"mine": true}'
     # --force writes beside the user's files, never over them (issue 32: it replaced manifest.json)
@@ -193,6 +195,8 @@ def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys)
     assert (out / "manifest.json").read_text() == '{"mine": true}'
     (out / "manifest.json").rename(out / "mine.json")
     (out / "index.html").rename(out / "mine.html")
+    assert main(args) == 2  # a file of the user's that analyze would not replace: --force is the way
+    assert "or pass --force to write into it anyway" in capsys.readouterr().err
     assert main([*args, "--force"]) == 0  # the user says so
     assert (out / "mine.json").read_text() == '{"mine": true}' and (out / "mine.html").read_text() == "<p>my page</p>"
     assert main(args) == 0  # now headlab's directory: resumes without --force
