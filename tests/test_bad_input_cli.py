@@ -86,6 +86,20 @@ def test_an_unknown_option_is_named_by_its_command(command, name, capsys):
 
 
 @pytest.mark.parametrize("command,expected", [
+    (["importance", "m", "--out", "o"], "the following arguments are required: --source\n"),
+    (["importance", "m", "--out", "o", "--source"], "argument --source: expected one argument"),
+    (["demo", "--target"], "argument --target: expected one argument"),
+])
+def test_a_renamed_option_is_named_without_its_old_names(command, expected, capsys):
+    """Regression: argparse's messages named `--source/--data`, the deprecated name that --help hides
+    (docs/cli.md, "One name per concept")."""
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and expected in err and "--data" not in err and "--reference" not in err
+
+
+@pytest.mark.parametrize("command,expected", [
     (["functions", "--relations", ","], "argument --relations: an empty list (','); give one or more comma-separated "
                                         "relations"),
     (["functions", "--relations", " "], "argument --relations: an empty list (' ')"),
