@@ -68,6 +68,37 @@ def test_usage_errors_exit_2(capsys):
     assert exit_.value.code == 2 and "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command,name", [
+    (["importance", "m", "--source", "s", "--out", "o", "--bogus"], "headlab importance"),
+    (["prune", "sweep", "m", "--out", "o", "--bogus", "1"], "headlab prune sweep"),
+    (["nmt", "translate", "m", "--bogus"], "headlab nmt translate"),
+    (["heads", "m", "--bogus"], "headlab heads"),
+])
+def test_an_unknown_option_is_named_by_its_command(command, name, capsys):
+    """Regression: a misspelt flag was `headlab: error: unrecognized arguments: ...` under the usage of
+    `headlab` itself, not of the command that was run (docs/cli.md: `headlab COMMAND: error: ...`)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.strip().splitlines()[-1].startswith(f"{name}: error: unrecognized arguments: --bogus")
+    assert f"usage: {name} " in err
+
+
+@pytest.mark.parametrize("command,expected", [
+    (["importance", "m", "--out", "o"], "the following arguments are required: --source\n"),
+    (["importance", "m", "--out", "o", "--source"], "argument --source: expected one argument"),
+    (["demo", "--target"], "argument --target: expected one argument"),
+])
+def test_a_renamed_option_is_named_without_its_old_names(command, expected, capsys):
+    """Regression: argparse's messages named `--source/--data`, the deprecated name that --help hides
+    (docs/cli.md, "One name per concept")."""
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and expected in err and "--data" not in err and "--reference" not in err
+
+
 @pytest.mark.parametrize("command,expected", [
     (["functions", "--relations", ","], "argument --relations: an empty list (','); give one or more comma-separated "
                                         "relations"),
@@ -166,8 +197,10 @@ def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys)
     args = ["analyze", str(inputs / "model"), "--source", str(inputs / "src.txt"), "--out", str(out), "--no-progress",
             "--skip", "importance", "functions", "aggregate", "attention", "figures", "report"]
     assert main(args) == 2
-    assert (f"--out {out}: the directory holds files headlab did not write (index.html, manifest.json)"
-            in capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert f"--out {out}: the directory holds files headlab did not write (index.html, manifest.json)" in err
+    # Regression: it said "pass --force to write into it anyway", which is refused over these two files
+    assert "--force to write into it anyway" not in err and "or move index.html, manifest.json away" in err
     assert files_under(out) == {"index.html", "manifest.json"}
     assert (out / "manifest.json").read_text() == '{"mine": true}'
     # --force writes beside the user's files, never over them (issue 32: it replaced manifest.json)
@@ -176,6 +209,8 @@ def test_analyze_never_clobbers_files_it_did_not_write(inputs, tmp_path, capsys)
     assert (out / "manifest.json").read_text() == '{"mine": true}'
     (out / "manifest.json").rename(out / "mine.json")
     (out / "index.html").rename(out / "mine.html")
+    assert main(args) == 2  # a file of the user's that analyze would not replace: --force is the way
+    assert "or pass --force to write into it anyway" in capsys.readouterr().err
     assert main([*args, "--force"]) == 0  # the user says so
     assert (out / "mine.json").read_text() == '{"mine": true}' and (out / "mine.html").read_text() == "<p>my page</p>"
     assert main(args) == 0  # now headlab's directory: resumes without --force

@@ -79,6 +79,31 @@ def test_readme_quick_tour_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "pruned" / "headlab_pruning.json").is_file()
 
 
+def _doc_snippet(path: str, pattern: str) -> str:
+    import re
+
+    found = re.search(pattern + r".*?```python\n(.*?)```", (EXAMPLES.parent / path).read_text(encoding="utf-8"), re.S)
+    assert found is not None, f"{path}: no Python snippet after {pattern!r}"
+    return found.group(1)
+
+
+def test_doc_snippets_of_foundation_and_nmt_run_as_written(tmp_path, monkeypatch, capsys):
+    """docs/foundation.md's snippet (its `model` and `batch`: the README quick tour's) and docs/nmt.md's
+    plain-transformers snippet, verbatim, on the bundled EN-DE model, so that they cannot rot."""
+    root = EXAMPLES.parent
+    (tmp_path / "models").symlink_to(root / "models")
+    monkeypatch.chdir(tmp_path)
+    tour = _doc_snippet("README.md", r"## A quick tour\n\n")
+    setup = tour[:tour.index("for block in")]  # the quick tour's model, tokenizer and batch
+    namespace = {"__name__": "docs"}
+    exec(compile(setup + _doc_snippet("docs/foundation.md", r"^# "), "docs/foundation.md", "exec"), namespace)
+    assert type(namespace["model"]).__name__ == "MarianMTModel" and (tmp_path / "pruned" / "model.safetensors").is_file()
+    exec(compile(_doc_snippet("docs/nmt.md", r"The loaded directory \(unpruned\)"), "docs/nmt.md", "exec"),
+         {"__name__": "docs"})
+    translation = capsys.readouterr().out
+    assert translation.startswith("['") and "Hund" in translation
+
+
 def _execute_notebook(path: Path, cwd: Path):
     """Run the notebook top to bottom in a fresh Jupyter kernel (nbclient, ipykernel), with this
     checkout's headlab importable, offline and on one thread; return it with its outputs."""

@@ -124,7 +124,9 @@ def _run(argv: list[str] | None) -> int:
         rewrite = getattr(importlib.import_module(name), "rewrite_argv", None)
         if rewrite is not None:
             argv = rewrite(argv)
-    args = parser.parse_args(argv)  # usage errors: argparse exits with 2
+    args, unknown = parser.parse_known_args(argv)  # usage errors: argparse exits with 2
+    if unknown:  # named by the command's parser (`headlab importance: error: ...`, its usage), not headlab's
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # a command that starts processes of its own runs them with these (headlab.shard)
     name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
                     if isinstance(getattr(args, key, None), str))
@@ -156,6 +158,15 @@ def _run(argv: list[str] | None) -> int:
               "the traceback above says where", file=sys.stderr)
         return 1
     return int(result or 0)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub-)command that ``args`` ran: ``headlab prune sweep``'s for `prune sweep`."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
 
 
 def _stdout_gone() -> bool:

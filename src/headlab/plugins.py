@@ -33,10 +33,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from headlab.errors import HeadlabError
-from headlab.options import add_options, check_ranges
+from headlab.options import Renamed, add_options, check_ranges
 
 __all__ = ["Output", "Figure", "ReportPart", "ProfilePart", "read_result",
            "OptionSpec", "Statistic", "PASSES", "WRITTEN_UNDER", "LabelReader", "option_specs",
@@ -370,6 +370,14 @@ class LateParser(argparse.ArgumentParser):
     def format_usage(self) -> str:
         self._add_late()
         return super().format_usage()
+
+    def error(self, message: str) -> NoReturn:
+        # argparse names an option by all its strings (`--source/--data`); a renamed option's old
+        # names stay hidden (headlab.options.Renamed), in its messages as in the help.
+        for action in self._actions:
+            if isinstance(action, Renamed) and len(action.option_strings) > 1:
+                message = message.replace("/".join(action.option_strings), action.option_strings[0])
+        super().error(message)
 
 
 def defer(parser: argparse.ArgumentParser, add: Callable[[argparse.ArgumentParser], None]) -> None:

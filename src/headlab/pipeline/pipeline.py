@@ -278,13 +278,16 @@ def validate(config: AnalyzeConfig) -> Path:
     if other := other_commands_results(out, "analyze", "--force"):  # its .headlab/ would pass it for analyze's own
         raise HeadlabError(other)
     foreign = _foreign_files(out)
-    if foreign and not config.force:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise HeadlabError(f"--out {out}: the directory holds files headlab did not write ({shown}); analyze would "
-                           "write index.html, manifest.json and its folders among them. Choose a new or empty "
-                           "directory, or pass --force to write into it anyway")
     # --force writes beside the user's files, never over them: a stage clears its own folder first.
     clash = [name for name in foreign if name in WRITTEN_AT_TOP]
+    if foreign and not config.force:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        # --force is suggested only where it would be taken (docs/cli.md), not over the user's index.html
+        way = (f"or move {', '.join(clash)} away: --force writes beside files headlab did not write, not over them"
+               if clash else "or pass --force to write into it anyway")
+        raise HeadlabError(f"--out {out}: the directory holds files headlab did not write ({shown}); analyze would "
+                           f"write index.html, manifest.json and its folders among them. Choose a new or empty "
+                           f"directory, {way}")
     if clash:
         raise HeadlabError(f"--out {out}: holds {', '.join(clash)} of your own, which analyze would replace; "
                            "--force writes beside files headlab did not write, not over them. Move them away or "
