@@ -264,6 +264,22 @@ def _baseline_args(model_dir, *options) -> list[str]:
             "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1", *options]
 
 
+def test_cli_baseline_no_progress_turns_off_the_from_scratch_bar(model_dir, tmp_path, monkeypatch):
+    """`prune baseline` lacked --no-progress, which the other training commands have (exit 2)."""
+    seen = []
+
+    def train_from_scratch(model, tokenizer, spec, train_data, eval_data, config, **kwargs):
+        seen.append(config.progress)
+        raise KeyboardInterrupt  # stop before any training; nothing was kept
+
+    monkeypatch.setattr(baselines, "train_from_scratch", train_from_scratch)
+    for n, flags in enumerate(([], ["--no-progress"])):
+        args = _baseline_args(model_dir, "--method", "random", "--keeps", "3", "--seeds", "1", "--from-scratch",
+                              *flags, "--out", str(tmp_path / f"b{n}"))
+        assert main(args) == 130
+    assert seen == [True, False]
+
+
 def test_cli_train_and_its_errors(model_dir, tmp_path, capsys):
     out = tmp_path / "t"
     assert main(["prune", "train", str(model_dir), *_data_args(), "--gates", "all", "--lam", "0.5", "--out", str(out)]) == 0
