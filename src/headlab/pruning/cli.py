@@ -124,7 +124,8 @@ def register(subparsers) -> None:
                                                    "training's last checkpoint are kept; the same command resumes",
                     interrupted_if=("{out}/baselines.json", "{out}/*/last", "{out}/*/last.old"))
 
-    rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
+    rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2",
+                        formatter_class=DEFAULTS)
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
     rp.add_argument("--baselines", nargs="*", default=[], help="baseline directories (baselines.json)")
     rp.add_argument("--out", required=True, help="directory for the figures (PNG) and tables (Markdown)")
