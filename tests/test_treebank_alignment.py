@@ -45,6 +45,7 @@ def test_text_spacing_subword_across_words_is_an_alignment_error():
     # With the treebank's spacing "cats" and "." touch, and BPE has learnt "s." as one piece.
     result = align_sentences(tokenizer, [["cats", "."]], space_after=[[False, True]])[0]
     assert isinstance(result, AlignmentError) and "spans the words" in str(result)
+    assert str(result) == "subword '▁cats.' spans the words 'cats' and '.'"  # the token's text, made lazily
     assert not isinstance(align_sentences(tokenizer, [["cats", "."]])[0], AlignmentError)
 
 
@@ -209,7 +210,8 @@ def test_align_one_matches_the_per_token_walk_on_random_offsets():
         tokens = [f"t{i}" for i in range(len(offsets))]
         expected = _align_one_loop(words, spans, text, offsets, special, tokens)
         try:
-            got = _align_one(words, spans, text, list(range(len(offsets))), offsets, special, tokens, None)
+            got = _align_one(words, spans, text, list(range(len(offsets))), offsets, special, tokens.__getitem__,
+                             None)
         except AlignmentError as error:
             assert isinstance(expected, str) and str(error) == expected
             continue
