@@ -104,3 +104,42 @@ def test_bundled_ewt_has_licence_and_reads():
     sentences = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=counts, limit=50))
     assert len(sentences) == 50 and all(len(s.words) == len(s.heads) for s in sentences)
     assert sentences[0].words[:3] == ("From", "the", "AP")
+
+
+@pytest.mark.parametrize("value", [
+    "0", "1", "7", "10", "16384", "01", "007", "-1", "+1", "1-2", "2-1", "1.1", "0.1", "1.0", "_", "",
+    "٣", "１", "²", "1 ", "x", "1e3",
+])
+def test_fast_id_and_head_parsers_agree_with_conllu(value):
+    # The ID/HEAD parsers take int(value) for plain digits and hand everything else to conllu:
+    # value and error must be conllu's own for every form, odd ones included.
+    from conllu.exceptions import ParseException
+    from conllu.parser import DEFAULT_FIELD_PARSERS
+
+    from headlab.data.treebank import _FIELD_PARSERS
+
+    for name in ("id", "head"):
+        try:
+            expected = DEFAULT_FIELD_PARSERS[name]([value], 0)
+        except ParseException as error:
+            with pytest.raises(ParseException) as raised:
+                _FIELD_PARSERS[name]([value], 0)
+            assert str(raised.value) == str(error)
+        else:
+            got = _FIELD_PARSERS[name]([value], 0)
+            assert got == expected and type(got) is type(expected)
+
+
+def test_fast_parsers_read_ewt_dev_as_conllu_defaults_do(monkeypatch):
+    from conllu.parser import DEFAULT_FIELD_PARSERS
+
+    import headlab.data.treebank as treebank
+
+    fast_counts, slow_counts = TreebankCounts(), TreebankCounts()
+    fast = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=fast_counts))
+    slow_parsers = {**DEFAULT_FIELD_PARSERS, "feats": treebank._FIELD_PARSERS["feats"],
+                    "deps": treebank._FIELD_PARSERS["deps"]}
+    monkeypatch.setattr(treebank, "_FIELD_PARSERS", slow_parsers)
+    slow = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=slow_counts))
+    assert fast == slow and fast_counts == slow_counts
+    assert fast_counts.n_multiword_tokens > 0 and fast_counts.n_empty_nodes > 0  # the odd ids were met

@@ -45,6 +45,7 @@ def test_text_spacing_subword_across_words_is_an_alignment_error():
     # With the treebank's spacing "cats" and "." touch, and BPE has learnt "s." as one piece.
     result = align_sentences(tokenizer, [["cats", "."]], space_after=[[False, True]])[0]
     assert isinstance(result, AlignmentError) and "spans the words" in str(result)
+    assert str(result) == "subword '▁cats.' spans the words 'cats' and '.'"  # the token's text, made lazily
     assert not isinstance(align_sentences(tokenizer, [["cats", "."]])[0], AlignmentError)
 
 
@@ -150,3 +151,68 @@ def test_word_attention_other_poolings_match_a_loop(pooling):
                     else:
                         expected = max(float(probs[b, h, q, k]) for q in queries for k in keys)
                     assert abs(float(words[b, h, i, j]) - expected) < 1e-6
+
+
+def _align_one_loop(words, spans, text, offsets, special, tokens):
+    """The per-token walk ``_align_one`` replaced (reference): word of each token, or the error."""
+    import numpy as np
+
+    char_word = np.full(len(text) + 1, -1, dtype=np.int64)
+    for index, (start, end) in enumerate(spans):
+        char_word[start:end] = index
+    word_of_token = np.full(len(offsets), -1, dtype=np.int64)
+    pending: list[int] = []
+    for t in range(len(offsets)):
+        if special[t]:
+            continue
+        owners = char_word[offsets[t][0]:offsets[t][1]]
+        owners = owners[owners >= 0]
+        if owners.size == 0:
+            pending.append(t)
+            continue
+        first, last = int(owners[0]), int(owners[-1])
+        if first != last:
+            return f"subword {tokens[t]!r} spans the words {words[first]!r} and {words[last]!r}"
+        word_of_token[t] = first
+        for p in pending:
+            word_of_token[p] = first
+        pending.clear()
+    if pending:
+        previous = [int(w) for w in word_of_token[: pending[0]] if w >= 0]
+        for p in pending:
+            word_of_token[p] = previous[-1] if previous else -1
+    missing = sorted(set(range(len(words))) - set(word_of_token.tolist()))
+    if missing:
+        return f"word {missing[0] + 1} {words[missing[0]]!r} gets no subword from the tokenizer"
+    return word_of_token.tolist()
+
+
+def test_align_one_matches_the_per_token_walk_on_random_offsets():
+    # Random tokenizations: specials anywhere, boundary-only and empty tokens (leading, inner,
+    # trailing), tokens over spaces, tokens spanning two words; words may get no token.
+    import random
+
+    from headlab.data.alignment import _align_one
+
+    rng = random.Random(0)
+    for _ in range(400):
+        words = [rng.choice(["a", "bc", "def", "ghij"]) for _ in range(rng.randint(1, 6))]
+        text, spans = join_words(words, [rng.random() < 0.7 for _ in words])
+        offsets, special = [], []
+        for _ in range(rng.randint(0, 12)):
+            if rng.random() < 0.15:
+                offsets.append((0, 0))
+                special.append(1)
+                continue
+            start = rng.randint(0, len(text))
+            offsets.append((start, min(len(text), start + rng.choice([0, 1, 1, 2, 3]))))
+            special.append(0)
+        tokens = [f"t{i}" for i in range(len(offsets))]
+        expected = _align_one_loop(words, spans, text, offsets, special, tokens)
+        try:
+            got = _align_one(words, spans, text, list(range(len(offsets))), offsets, special, tokens.__getitem__,
+                             None)
+        except AlignmentError as error:
+            assert isinstance(expected, str) and str(error) == expected
+            continue
+        assert got.word_of_token.tolist() == expected and got.word_of_token.dtype.name == "int64"
