@@ -85,6 +85,28 @@ def test_an_unknown_option_is_named_by_its_command(command, name, capsys):
     assert f"usage: {name} " in err
 
 
+@pytest.mark.parametrize("command,before,after", [
+    (["--bogus", "heads", "m"], "--bogus", None),
+    (["--bogus", "--debug", "prune", "sweep", "m", "--out", "o"], "--bogus", None),
+    (["--bogus", "heads", "m", "--other"], "--bogus", None),  # headlab's first, as argparse reads them
+    (["--debug", "heads", "m", "--bogus"], None, "--bogus"),
+    (["--debug", "prune", "sweep", "m", "--out", "o", "--debug"], None, "--debug"),  # a top-level flag, after the name
+])
+def test_an_unknown_option_before_the_command_is_headlab_s(command, before, after, capsys):
+    """Regression: `headlab --bogus heads x` was `headlab heads: error: ...`, as if heads had no --bogus;
+    an option before the command's name is headlab's, and one after it stays the command's."""
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    if before is not None:
+        assert last == f"headlab: error: unrecognized arguments: {before}" and "usage: headlab [-h]" in err
+    else:
+        name = "headlab " + " ".join(a for a in command[1:command.index("m")])
+        assert last == f"{name}: error: unrecognized arguments: {after}" and f"usage: {name} " in err
+
+
 @pytest.mark.parametrize("command,expected", [
     (["importance", "m", "--out", "o"], "the following arguments are required: --source\n"),
     (["importance", "m", "--out", "o", "--source"], "argument --source: expected one argument"),

@@ -73,6 +73,39 @@ def test_help_states_each_default_once_and_only_when_it_tells_something():
     assert "how many (default: 8)" in text and "how (default: fast)" in text
 
 
+def _parsers(parser, name="headlab"):
+    """Every parser of the CLI, sub-commands and their sub-commands included, with its name."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _parsers(child, f"{name} {sub}")
+
+
+def test_every_option_s_help_states_its_default():
+    """`--help` of every command shows each default that tells something (lm train --min-improvement
+    0.01, the recipe's own), and no "(default: [])" for a list not given."""
+    from headlab.cli import build_parser
+
+    missing, empty = [], []
+    for name, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            shown = formatter._get_help_string(action) or ""
+            if isinstance(formatter, argparse.ArgumentDefaultsHelpFormatter) and "%(default)s" in shown:
+                shown = shown % {"default": action.default}
+            if action.default not in (None, False, argparse.SUPPRESS, [], ()) and "default" not in shown.lower():
+                missing.append(f"{name} {action.option_strings[0]}")
+            if "(default: [])" in shown or "(default: ())" in shown:
+                empty.append(f"{name} {action.option_strings[0]}")
+        if name == "headlab lm train":
+            text = " ".join(parser.format_help().split())
+            assert "below the lowest so far) (default: 0.01)" in text
+    assert missing == [] and empty == []
+
+
 def test_version_names_the_package_version(capsys):
     from headlab import __version__
     from headlab.cli import main

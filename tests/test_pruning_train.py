@@ -108,6 +108,8 @@ def test_budget_mode_reaches_exactly_n_heads(corpus, tokenizer, tmp_path):
     cfg.train = replace(cfg.train, max_epochs=100, max_steps=40)
     result = prune_train(marian(tokenizer), tokenizer, corpus, None, cfg)
     assert result.heads_kept["enc_self"] == 5
+    saved = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert saved["keep"] == 5 and saved["lam"] is None  # no fixed lambda (was 0.0, the control's)
     records = read_trajectory(tmp_path / "r")
     assert records[-1]["target"] == 5 and records[-1]["lambda_1"] != 0
     assert records[-1]["expected_l0"] < records[0]["expected_l0"]
@@ -124,6 +126,21 @@ def test_budget_mode_reaches_exactly_n_heads(corpus, tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(load_pruned(tmp_path / "r" / "pruned")(**inputs).logits, gated(**inputs).logits,
                                    atol=1e-5, rtol=0)
+
+
+def test_a_budget_point_of_a_sweep_names_no_lambda(tmp_path):
+    """A budget row's lam was 0, the control's value: the table, sweep.json and Fig. 7 read it as none."""
+    from headlab.pruning.sweep import _row, point_name, sweep_points, write_table
+
+    points = sweep_points(lams=(0.0, 0.5), keeps=(3,))
+    result = {"heads_kept": {"enc_self": 3}, "metrics": {"bleu": 1.0}, "stopped": "finished"}
+    rows = [_row(point_name(p), p, result) for p in points]
+    assert [(r["point"], r["lam"], r["keep"]) for r in rows] == [("lam-0", 0.0, None), ("lam-0.5", 0.5, None),
+                                                                  ("keep-3", None, 3)]
+    write_table(rows, tmp_path)
+    assert json.loads((tmp_path / "sweep.json").read_text())[2]["lam"] is None
+    assert (tmp_path / "sweep.md").read_text().splitlines()[-1].startswith("| keep-3 |  | 3 | 3 |")
+    assert (tmp_path / "sweep.csv").read_text().splitlines()[-1].startswith("keep-3,,3,3,")
 
 
 def test_bad_input_is_refused_before_anything_is_written(corpus, tokenizer, tmp_path):
@@ -245,6 +262,22 @@ def _baseline_args(model_dir, *options) -> list[str]:
     return ["prune", "baseline", str(model_dir), "--train-src", str(DATA / "train.en.gz"),
             "--train-tgt", str(DATA / "train.de.gz"), "--valid-src", str(DATA / "val.en.gz"),
             "--valid-tgt", str(DATA / "val.de.gz"), "--limit", "50", "--eval-limit", "5", "--eval-beam", "1", *options]
+
+
+def test_cli_baseline_no_progress_turns_off_the_from_scratch_bar(model_dir, tmp_path, monkeypatch):
+    """`prune baseline` lacked --no-progress, which the other training commands have (exit 2)."""
+    seen = []
+
+    def train_from_scratch(model, tokenizer, spec, train_data, eval_data, config, **kwargs):
+        seen.append(config.progress)
+        raise KeyboardInterrupt  # stop before any training; nothing was kept
+
+    monkeypatch.setattr(baselines, "train_from_scratch", train_from_scratch)
+    for n, flags in enumerate(([], ["--no-progress"])):
+        args = _baseline_args(model_dir, "--method", "random", "--keeps", "3", "--seeds", "1", "--from-scratch",
+                              *flags, "--out", str(tmp_path / f"b{n}"))
+        assert main(args) == 130
+    assert seen == [True, False]
 
 
 def test_cli_train_and_its_errors(model_dir, tmp_path, capsys):

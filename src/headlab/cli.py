@@ -125,7 +125,14 @@ def _run(argv: list[str] | None) -> int:
         if rewrite is not None:
             argv = rewrite(argv)
     args, unknown = parser.parse_known_args(argv)  # usage errors: argparse exits with 2
-    if unknown:  # named by the command's parser (`headlab importance: error: ...`, its usage), not headlab's
+    if unknown:
+        # before the command's name (`headlab --bogus heads`): headlab's own error; after it: named by
+        # the command's parser (`headlab importance: error: ...`, its usage). argparse lists headlab's first.
+        command = _command_parser(parser, args, depth=1)
+        own = len(getattr(command, "unrecognized", [])) if command is not parser else 0
+        leading, unknown = unknown[:len(unknown) - own], unknown[len(unknown) - own:]
+        if leading:
+            parser.error(f"unrecognized arguments: {' '.join(leading)}")
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # a command that starts processes of its own runs them with these (headlab.shard)
     name = " ".join(getattr(args, key) for key in ("command", "nmt_command", "lm_command", "prune_command")
@@ -160,13 +167,16 @@ def _run(argv: list[str] | None) -> int:
     return int(result or 0)
 
 
-def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
-    """The parser of the (sub-)command that ``args`` ran: ``headlab prune sweep``'s for `prune sweep`."""
-    while True:
+def _command_parser(parser: argparse.ArgumentParser, args, depth: int | None = None) -> argparse.ArgumentParser:
+    """The parser of the (sub-)command that ``args`` ran: ``headlab prune sweep``'s for `prune sweep`
+    (``depth`` 1: ``headlab prune``'s)."""
+    while depth is None or depth > 0:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub is None or getattr(args, sub.dest, None) not in sub.choices:
             return parser
         parser = sub.choices[getattr(args, sub.dest)]
+        depth = None if depth is None else depth - 1
+    return parser
 
 
 def _stdout_gone() -> bool:

@@ -45,8 +45,8 @@ def renamed(parser: Any, name: str, *old_names: str, **keywords: Any) -> argpars
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's "(default: X)" after an option's help, only where it tells something: not when the
-    help already says its default in words ("default: the model's maximum"), nor for None, False
-    or a suppressed default (a flag, or an option whose absence means "not asked for")."""
+    help already says its default in words ("default: the model's maximum"), nor for None, False,
+    an empty list or a suppressed default (a flag, or an option whose absence means "not asked for")."""
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if isinstance(action, Renamed):  # old names stay out of the help
@@ -56,7 +56,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS, [], ()):
             return text
         return super()._get_help_string(action)
 

@@ -354,6 +354,7 @@ class LateParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **keywords: Any) -> None:
         super().__init__(*args, **keywords)
         self._late: list[Callable[[argparse.ArgumentParser], None]] = []
+        self.unrecognized: list[str] = []
 
     def _add_late(self) -> None:
         while self._late:
@@ -361,7 +362,9 @@ class LateParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._add_late()
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        self.unrecognized = list(extras)  # its own and its sub-commands' (headlab.cli tells them from headlab's)
+        return namespace, extras
 
     def format_help(self) -> str:
         self._add_late()

@@ -252,11 +252,12 @@ def read_rows(out_dir) -> list[dict]:
 
 
 def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: BaselineConfig, out_dir, *,
-                  dev_data=None, log: Callable[[str], None] = print) -> str:
+                  dev_data=None, log: Callable[[str], None] = print, progress: bool = True) -> str:
     """Run every (keep, seed) point of ``config`` not yet in ``out_dir/baselines.json`` (resumable:
     each row is written as soon as it is known) on a fresh model from ``load()``; write and return
     the table ``baselines.md`` (mean +- std over seeds). ``dev_data`` with ``config.dev_every``:
-    the development curve of each fine-tuning (:mod:`headlab.pruning.dev`)."""
+    the development curve of each fine-tuning (:mod:`headlab.pruning.dev`). ``progress``: the
+    progress bar of a --from-scratch training (the fine-tuning shows none)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
     settings = _settings(config, train_data, eval_data)
@@ -286,7 +287,8 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            lr=c.scratch_lr, warmup_steps=c.scratch_warmup_steps,
                                            average_last=c.scratch_average_last,
                                            validate=False, mixed_precision=c.mixed_precision, save_every_steps=100,
-                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings))
+                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings),
+                                           progress=progress)
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
             else:

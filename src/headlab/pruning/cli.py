@@ -118,12 +118,14 @@ def register(subparsers) -> None:
     bl.add_argument("--dev-src", help="development source file for the curve of --dev-every (not the evaluation set)")
     bl.add_argument("--dev-tgt", help="development reference file")
     add_options(bl, BaselineConfig, ("dev_every", "dev_sentences"))
+    bl.add_argument("--no-progress", action="store_true", help="no progress bar")
     bl.add_argument("--out", required=True, help="directory for baselines.json / baselines.md")
     bl.set_defaults(func=run_baseline, interrupted="the finished rows of {out}/baselines.json and the running "
                                                    "training's last checkpoint are kept; the same command resumes",
                     interrupted_if=("{out}/baselines.json", "{out}/*/last", "{out}/*/last.old"))
 
-    rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2")
+    rp = sub.add_parser("report", help="Fig. 7 (BLEU vs retained heads, with baselines), Fig. 9 and Table 2",
+                        formatter_class=DEFAULTS)
     rp.add_argument("sweeps", nargs="+", help="sweep directories")
     rp.add_argument("--baselines", nargs="*", default=[], help="baseline directories (baselines.json)")
     rp.add_argument("--out", required=True, help="directory for the figures (PNG) and tables (Markdown)")
@@ -364,7 +366,7 @@ def run_baseline(args) -> int:
                            scores_fingerprint=scores.fingerprint() if scores is not None else "",
                            scores_file_fingerprint=file_fingerprint(args.scores) if args.scores else "")
         print(run_baselines(lambda: _load(args), train_data, eval_data, config, out, dev_data=_dev_data(args),
-                            log=_log()), end="")
+                            log=_log(), progress=not args.no_progress), end="")
     return 0
 
 

@@ -129,8 +129,9 @@ def _row(name: str, point: dict, result: dict) -> dict:
     metrics = result.get("metrics", {})
     kept = result.get("heads_kept", {})
     latency = metrics.get("latency", {})
+    budget = point.get("keep") is not None  # no fixed lambda: the Lagrangian multipliers are learnt (budget.py)
     return {
-        "point": name, "lam": point.get("lam"), "keep": point.get("keep"),
+        "point": name, "lam": None if budget else point.get("lam"), "keep": point.get("keep"),
         **{kind: kept.get(kind) for kind in KINDS},
         "heads": sum(kept.values()) if kept else None,
         "bleu": metrics.get("bleu"), "chrf": metrics.get("chrf"), "loss": metrics.get("loss"),

@@ -653,7 +653,8 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
                                   compute_loss=compute_loss, hypotheses_file=out_dir / HYPOTHESES_FILE))
     outcome.metrics = metrics
     record = outcome.to_dict()
-    record.update(lam=config.lam, keep=config.keep, gates=config.gates, command=config.command,
+    # a budget point has no fixed lambda (its multipliers are learnt): null, as in the trajectory
+    record.update(lam=config.lam if config.keep is None else None, keep=config.keep, gates=config.gates, command=config.command,
                   model_sha256=config.model_fingerprint or None)
     if dev is not None:
         record["dev"] = dev.summary()
