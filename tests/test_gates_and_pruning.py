@@ -292,3 +292,12 @@ def test_load_pruned_rejects_a_record_that_does_not_match(tmp_path):
         load_pruned(tmp_path / "m")
     with pytest.raises(HeadlabError, match="no headlab_pruning.json"):
         load_pruned(tmp_path)
+
+
+def test_masking_a_head_of_a_layer_pruned_to_no_head_says_so():
+    """A layer pruned to zero heads: a mask naming one of its heads said "has heads 0..-1"."""
+    model = tiny_model("gpt2")
+    prune_heads(model, {("dec_self", 1): [0, 1, 2, 3]})
+    with pytest.raises(HeadlabError, match=r"^dec_self layer 1 has no heads left \(pruned\); no head 0$"):
+        with mask_heads(model, {("dec_self", 1): [0]}):
+            pass

@@ -59,9 +59,8 @@ def validate_heads(blocks: list[AttentionBlock], heads: HeadSpec) -> dict[BlockK
         chosen = sorted({_integer(h, f"{block.kind} layer {block.layer}: head") for h in indices})
         bad = [h for h in chosen if not 0 <= h < block.n_heads]
         if bad:
-            raise HeadlabError(
-                f"{block.kind} layer {block.layer} has heads 0..{block.n_heads - 1}; no head {bad[0]}"
-            )
+            has = f"heads 0..{block.n_heads - 1}" if block.n_heads else "no heads left (pruned)"  # not "0..-1"
+            raise HeadlabError(f"{block.kind} layer {block.layer} has {has}; no head {bad[0]}")
         if chosen:
             clean[block.key] = chosen
     return clean
