@@ -9,7 +9,7 @@ probabilities and returns them at ``probs_index`` of its output tuple (the eager
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -148,14 +148,7 @@ LLAMA_LIKE = Family(
 # q/k RMS norms, and q_proj emits per head [query | gate]: o_proj(attn_output * sigmoid(gate)).
 # Their linear-attention layers (Gated DeltaNet, ``linear_attn``) have no heads headlab analyses:
 # the pattern finds ``self_attn`` only.
-QWEN3_NEXT = Family(
-    name="qwen3-next",
-    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
-    q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    d_head_attr="head_dim",
-    kv_groups_attr="num_key_value_groups",
-    query_gate=True,
-)
+QWEN3_NEXT = replace(LLAMA_LIKE, name="qwen3-next", query_gate=True)
 
 GPT_NEOX = Family(
     name="gpt-neox",
