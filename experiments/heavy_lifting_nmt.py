@@ -36,6 +36,13 @@ deadline the running command gets SIGINT (its checkpoint stays) and the driver s
 under ``--root`` says what is done and what runs. On a CUDA machine the trainer uses the GPU; give
 every path explicitly (``--data``, ``--results``, ``--model``).
 
+``archive`` copies each finished configuration's result files (its ``eval*.json``, log, rows,
+development curve and translations; no weights, tokenizer or lock) into the repository,
+``docs/results/heavy-lifting-nmt/runs/<configuration>/`` by default, in the same layout: a run
+lives on a machine that a later session may not have, so what is finished is committed. ``run``
+skips a configuration archived there (``--archived``), and ``report --root`` reads the archive
+as it reads a run directory.
+
 ``report`` reads the result files and applies the rules of heavy_lifting_nmt.md.
 """
 
@@ -81,6 +88,10 @@ SCRATCH = ["--from-scratch", "--scratch-epochs", "14", "--scratch-lr", "7e-4", "
            "--scratch-average-last", "4", "--max-tokens", "2048", "--mixed-precision", "bf16", "--eval-beam", "1",
            "--threads", "1"]
 # The Table 2 points of docs/reproduction.md (scratch and scratch-enc stages): name, point, kinds, heads.
+# Left behind by ``archive``: weights, tokenizers, checkpoints and locks (the result files are small).
+ARCHIVE_SKIP_DIRS = frozenset({"tokenizer", "last", "averaged", "epochs", ".headlab"})
+ARCHIVE_SKIP_SUFFIXES = (".safetensors", ".pt", ".bin", ".tmp")
+ARCHIVE = ROOT / "docs" / "results" / "heavy-lifting-nmt" / "runs"
 TABLE2 = (("scratch-enc-5", "enc/lam-0.01", "enc_self", 5), ("scratch-84", "all/lam-0.005", "all", 84),
           ("scratch-30", "all/lam-0.02", "all", 30), ("scratch-full", None, "all", 144))
 
@@ -177,6 +188,30 @@ def plan(labels: dict, stage: int = 1) -> list[dict]:
     return out
 
 
+def archive(root: Path, out: Path) -> list[str]:
+    """Copy every finished configuration under ``root`` (one with an ``eval*.json``) to
+    ``out/<configuration>`` without its weights; each copy is built beside and then swapped in, so
+    an interrupted archive leaves the previous copy whole. Returns the configurations copied."""
+    import shutil
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        return [n for n in names if n in ARCHIVE_SKIP_DIRS or n.endswith(ARCHIVE_SKIP_SUFFIXES)]
+
+    copied = []
+    for run in sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("eval*.json"))):
+        tmp, target, old = out / f".{run.name}.tmp", out / run.name, out / f".{run.name}.old"
+        for leftover in (tmp, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(run, tmp, ignore=ignore)
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+        copied.append(run.name)
+    return copied
+
+
 def eval_file(config: dict) -> str:
     """``eval.json`` of stage 1 (and of a from-scratch run); a stage-2 continuation of a control
     writes ``eval-1728.json`` beside it, so that the stage-1 result stays."""
@@ -196,6 +231,7 @@ class Runner(heavy_lifting_runner.Runner):
         self.extra_control = shlex.split(args.extra_control_args or "")
         self.extra_scratch = shlex.split(args.extra_scratch_args or "")
         self.extra_gated = shlex.split(args.extra_gated_args or "")
+        self.archived = Path(args.archived).resolve() if args.archived else None
         self._model = None
 
     def result_file(self, config: dict) -> str:
@@ -331,6 +367,9 @@ class Runner(heavy_lifting_runner.Runner):
         run = self.root / config["name"]
         if (run / eval_file(config)).is_file():
             return
+        if self.archived is not None and (self.archived / config["name"] / eval_file(config)).is_file():
+            self.status(f"{config['name']}: archived in {self.archived}, skipped")
+            return
         self.status(f"running {config['name']}")
         argv, scores = self.command(config, run / "baseline")
         started = time.time()
@@ -436,11 +475,16 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=_when, help="UTC time (ISO 8601) at which the running training is "
                                                  "interrupted and the driver stops")
     p.add_argument("--only", help="comma list of configuration names")
+    p.add_argument("--archived", default=str(ARCHIVE), help="skip the configurations finished there (archive's "
+                                                          "--out; '' for none)")
     p.add_argument("--extra-train-args", help="appended to every prune baseline command (testing: '--limit 40')")
     p.add_argument("--extra-control-args", help="appended to the controls' commands (testing: '--finetune-steps 2')")
     p.add_argument("--extra-scratch-args", help="appended to the from-scratch commands (testing: '--scratch-epochs 1')")
     p.add_argument("--extra-gated-args", help="appended to the stage-2 prune train commands (testing: '--max-steps 2')")
     sub.choices["report"].add_argument("--out", required=True)
+    p = sub.add_parser("archive", help="copy the finished configurations' result files (no weights) into the repository")
+    p.add_argument("--root", required=True, help="run directory of `run`")
+    p.add_argument("--out", default=str(ARCHIVE))
     args = parser.parse_args(argv)
     if args.command == "labels":
         labels = labels_from_functions(Path(args.functions_dir))
@@ -464,6 +508,10 @@ def main(argv=None) -> int:
         return 0
     if args.command == "run":
         return Runner(args).run()
+    if args.command == "archive":
+        copied = archive(Path(args.root), Path(args.out))
+        print(f"archived {len(copied)} in {args.out}: {', '.join(copied) or 'none finished'}")
+        return 0
     from heavy_lifting_nmt_report import write_report  # experiments/heavy_lifting_nmt_report.py
 
     write_report(Path(args.root), json.loads(Path(args.labels).read_text()), Path(args.data), Path(args.results),

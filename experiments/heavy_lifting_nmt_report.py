@@ -90,6 +90,24 @@ def non_inferiority(low: float, high: float, delta: float = DELTA) -> str:
 # ----------------------------------------------------------------------------- reading
 
 
+def hypotheses_file(root: Path, evaluation: dict) -> Path:
+    """A configuration's kept translations: the copy under ``root`` (an archived run: the same path
+    below the configuration's directory) or else the path written at the run, checked against the
+    SHA-256 written beside it, so that a report never reads translations other than those scored."""
+    import hashlib
+
+    written, name = Path(evaluation["hypotheses"]), evaluation["config"]["name"]
+    parts = written.parts
+    local = root.joinpath(name, *parts[len(parts) - parts[::-1].index(name):]) if name in parts else written
+    path = local if local.is_file() else written
+    if not path.is_file():
+        raise SystemExit(f"{root / name}: its translations are neither at {local} nor at {written}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != evaluation["hypotheses_sha256"]:
+        raise SystemExit(f"{path}: SHA-256 {digest}, not the {evaluation['hypotheses_sha256']} its eval.json scored")
+    return path
+
+
 def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
@@ -174,7 +192,7 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
         lines += [f"**Test setting: {len(references)} test sentences only. Not a result.**", ""]
 
     def stats_of(evaluation: dict | None):
-        return None if evaluation is None else boot.stats(_lines(Path(evaluation["hypotheses"])))
+        return None if evaluation is None else boot.stats(_lines(hypotheses_file(root, evaluation)))
 
     def gated_stats(point: str):
         g = runs.gated(point)

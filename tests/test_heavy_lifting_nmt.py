@@ -2,6 +2,7 @@
 decision rules on constructed numbers, and the bootstrap on constructed translations; no model
 is trained here (the driver was run end to end with --extra-*-args, docs/results/heavy-lifting-nmt)."""
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -103,3 +104,55 @@ def test_the_bootstrap_difference_of_identical_systems_is_zero_and_of_a_better_o
     # The random control is the mean of its seeds, resample by resample.
     mean = boot.difference([boot.stats(references), boot.stats(worse)], [boot.stats(worse)])
     assert mean["difference"] == pytest.approx(better["difference"] / 2)
+
+
+def test_archive_keeps_the_result_files_not_the_weights_and_the_report_reads_the_copy(tmp_path):
+    runs, archived = tmp_path / "runs", tmp_path / "archive"
+    train = runs / "least-1" / "baseline" / "ft-scores-1-None"
+    for directory in ("last", "tokenizer", "dev"):
+        (train / directory).mkdir(parents=True)
+    (train / "last" / "model.safetensors").write_bytes(b"weights")
+    (train / "tokenizer" / "tokenizer.json").write_text("{}")
+    (train / "dev" / "step-108.txt").write_text("ein Hund\n")
+    (train / "hypotheses.txt").write_text("ein Hund\nzwei Katzen\n", encoding="utf-8")
+    (runs / "least-1" / "baseline" / ".headlab").mkdir()
+    (runs / "least-1" / "baseline" / ".headlab" / "lock").write_text("")
+    (runs / "least-2" / "baseline").mkdir(parents=True)  # not finished: no eval.json
+    evaluation = {"config": {"name": "least-1"}, "hypotheses": str(train / "hypotheses.txt"),
+                  "hypotheses_sha256": driver.sha256(train / "hypotheses.txt")}
+    (runs / "least-1" / "eval.json").write_text(json.dumps(evaluation))
+
+    assert driver.archive(runs, archived) == ["least-1"]
+    kept = sorted(str(p.relative_to(archived)) for p in archived.rglob("*") if p.is_file())
+    assert kept == ["least-1/baseline/ft-scores-1-None/dev/step-108.txt",
+                    "least-1/baseline/ft-scores-1-None/hypotheses.txt", "least-1/eval.json"]
+    assert driver.archive(runs, archived) == ["least-1"]  # again: the copy replaced, nothing left beside it
+    assert sorted(p.name for p in archived.iterdir()) == ["least-1"]
+
+    # The report reads the archived copy, not the path written at the run (gone on another machine).
+    (train / "hypotheses.txt").unlink()
+    copy = archived / "least-1" / "baseline" / "ft-scores-1-None" / "hypotheses.txt"
+    assert report.hypotheses_file(archived, evaluation) == copy
+    copy.write_text("ein Hund\ndrei Katzen\n", encoding="utf-8")  # not the translations that were scored
+    with pytest.raises(SystemExit, match="SHA-256"):
+        report.hypotheses_file(archived, evaluation)
+    copy.unlink()
+    with pytest.raises(SystemExit, match="neither at"):
+        report.hypotheses_file(archived, evaluation)
+
+
+def test_run_skips_a_configuration_finished_in_the_archive(tmp_path):
+    labels = REPO / "docs" / "results" / "heavy-lifting-nmt" / "labels.json"
+    (tmp_path / "archive" / "least-1").mkdir(parents=True)
+    (tmp_path / "archive" / "least-1" / "eval.json").write_text("{}")
+    args = argparse.Namespace(
+        root=str(tmp_path / "runs"), model=str(REPO / "models" / "multi30k-en-de"), deadline=None,
+        labels=str(labels), only="least-1", data=str(REPO / "data" / "multi30k"),
+        results=str(REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"), stage=1,
+        extra_train_args=None, extra_control_args=None, extra_scratch_args=None, extra_gated_args=None,
+        archived=str(tmp_path / "archive"))
+    runner = driver.Runner(args)
+    runner.headlab = lambda argv, log: pytest.fail(f"ran {argv}")  # type: ignore[method-assign]
+    config = next(c for c in driver.plan(json.loads(labels.read_text())) if c["name"] == "least-1")
+    runner.run_one(config)
+    assert "archived" in (tmp_path / "runs" / "STATUS").read_text()
