@@ -67,7 +67,10 @@ def test_help_states_each_default_once_and_only_when_it_tells_something():
     parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
     add_options(parser, Config, ("path", "size", "rate", "mode", "verbose"))
     parser.add_argument("--limit", type=int, help="tokens per sentence (default: the model's maximum)")
+    parser.add_argument("--every", type=int, default=0, help="every N updates (0: off)")
+    parser.add_argument("--scale", type=float, default=0.0, help="a factor")
     text = " ".join(parser.format_help().split())
+    assert "(0: off) (default: 0)" in text and "a factor (default: 0.0)" in text  # 0 == False, yet it is shown
     assert "(default: None)" not in text and "(default: False)" not in text
     assert text.count("(default: the model's maximum)") == 1 and "maximum) (default" not in text
     assert "how many (default: 8)" in text and "how (default: fast)" in text

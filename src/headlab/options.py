@@ -56,7 +56,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS, [], ()):
+        default = action.default
+        # By identity: `0 in (False, ...)` is true, and "(default: 0)" (often "off") tells something.
+        silent = default is None or default is False or default is argparse.SUPPRESS or default in ([], ())
+        if "default" in text.lower() or silent:
             return text
         return super()._get_help_string(action)
 
