@@ -206,6 +206,18 @@ def test_a_multimodal_checkpoint_loads_as_its_text_model(model_type, tmp_path):
     assert torch.equal(_logits(model, {"input_ids": ids}), _logits(full, {"input_ids": ids}))
 
 
+def test_the_multimodal_model_object_is_refused_naming_the_language_model_to_pass():
+    """The Python API given the vision-language wrapper itself (not a checkpoint path, which loads as
+    its text model) refuses, saying which model to pass instead: the generic discovery alone said
+    only that its attention output passes through a gate."""
+    _, text = qwen3_next("qwen3_5_text", ["linear_attention", "full_attention"])
+    config = tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=dict(depth=1, hidden_size=16, num_heads=2,
+                                                                            intermediate_size=16, out_hidden_size=32))
+    with pytest.raises(HeadlabError, match=r"multimodal model around a 'qwen3_5_text' language model, which headlab "
+                                           r"supports on its own: pass that causal LM"):
+        attention_blocks(tf.Qwen3_5ForConditionalGeneration(config))
+
+
 def test_a_model_of_linear_attention_layers_only_is_refused_naming_its_layer_types():
     cls, config = qwen3_next("qwen3_5_text", ["linear_attention", "linear_attention"])
     with pytest.raises(HeadlabError, match=r"found no attention block matching its table entry \(its config's "

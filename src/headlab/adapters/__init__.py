@@ -401,7 +401,13 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     family = family_for(config)
     if family is not None and family.applications is not None:
         return _shared_blocks(model, family)
-    candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
+    try:
+        candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
+    except HeadlabError as error:
+        hint = None if family else _language_model_hint(model)
+        if hint:
+            raise HeadlabError(f"{error}. {hint}") from error
+        raise
     if not candidates:
         layer_types = getattr(config, "layer_types", None)
         no_attention = isinstance(layer_types, list) and not any(
@@ -457,6 +463,17 @@ def _shared_blocks(model: nn.Module, family: Family) -> list[AttentionBlock]:
                                           scope=model.get_submodule(scope_name)))
         calls[position] = calls.get(position, 0) + 1
     return blocks
+
+
+def _language_model_hint(model: nn.Module) -> str | None:
+    """What to pass instead of a multimodal model (Qwen3_5ForConditionalGeneration) whose language
+    model has a table entry that the generic discovery, looking at the whole model, cannot replace."""
+    text = getattr(getattr(model, "config", None), "text_config", None)
+    if family_for(text) is None:
+        return None
+    return (f"{type(model).__name__} is a multimodal model around a {text.model_type!r} language model, which "
+            "headlab supports on its own: pass that causal LM (headlab.loading.load_model(path) or transformers' "
+            "AutoModelForCausalLM.from_pretrained(path) loads it from the checkpoint)")
 
 
 def family_for(config: Any) -> Family | None:
