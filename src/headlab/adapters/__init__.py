@@ -469,7 +469,7 @@ def _language_model_hint(model: nn.Module) -> str | None:
     """What to pass instead of a multimodal model (Qwen3_5ForConditionalGeneration) whose language
     model has a table entry that the generic discovery, looking at the whole model, cannot replace."""
     text = getattr(getattr(model, "config", None), "text_config", None)
-    if family_for(text) is None:
+    if text is None or family_for(text) is None:
         return None
     return (f"{type(model).__name__} is a multimodal model around a {text.model_type!r} language model, which "
             "headlab supports on its own: pass that causal LM (headlab.loading.load_model(path) or transformers' "
