@@ -430,3 +430,41 @@ def test_analyze_refused_after_a_skipped_stage_was_set_aside_puts_it_back(tmp_pa
     assert "there is no head to analyse" in err
     assert _tree(out) == before
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == content
+
+
+def test_analyze_refused_after_stages_skipped_or_held_leaves_an_earlier_run_as_it_was(tmp_path, capsys):
+    """Regression: a stage that skips this time (functions and aggregate without --conllu, the table
+    with no head scored) deleted an earlier run's results and markers, and so did --skip a stage
+    folder holding only its key (a killed run's); when a later stage then refused the run (attention
+    loads a model with every head pruned, exit 2) they were gone, while the manifest put back said
+    those stages were done. Now they wait in .headlab/held/ until the run ends, and a refused run
+    leaves --out as it was, byte for byte."""
+    headless, data = _bert_with_every_head_pruned(tmp_path)
+    conllu = tmp_path / "tb.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    out = tmp_path / "out"
+    skip = ["--skip", "importance,figures,report"]
+    assert main(["analyze", str(tmp_path / "bert"), "--source", str(data), "--conllu", str(conllu), "--out", str(out),
+                 "--no-progress", *skip]) == 0
+    assert (out / "functions" / "summary.json").is_file() and (out / "heads.csv").is_file()
+    killed = out / "prune"  # a stage folder holding only its key, as a run killed in it leaves it
+    killed.mkdir()
+    (killed / ".headlab-key").write_text("0123\n")
+    for extra in ([], ["--skip", "importance,figures,report,prune"]):
+        content = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        before = _tree(out)
+        capsys.readouterr()
+        assert main(["analyze", str(headless), "--source", str(data), "--out", str(out), "--no-progress", *skip,
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "functions: skipped: no --conllu" in err and "there is no head to analyse" in err
+        assert _tree(out) == before, extra
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == content
+    # a run that is not refused removes them, and leaves nothing held
+    capsys.readouterr()
+    assert main(["analyze", str(tmp_path / "bert"), "--source", str(data), "--out", str(out), "--no-progress",
+                 *skip, "prune"]) == 0
+    assert not (out / "functions").exists() and not (out / "prune").exists() and not (out / "heads.csv").exists()
+    assert not (out / ".headlab" / "held").exists() and not any((out / ".headlab").glob("replaced-*"))
+    stages = {s["name"]: s["status"] for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["functions"] == stages["aggregate"] == "skipped" and stages["attention"] == "done"

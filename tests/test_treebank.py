@@ -143,3 +143,74 @@ def test_fast_parsers_read_ewt_dev_as_conllu_defaults_do(monkeypatch):
     slow = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=slow_counts))
     assert fast == slow and fast_counts == slow_counts
     assert fast_counts.n_multiword_tokens > 0 and fast_counts.n_empty_nodes > 0  # the odd ids were met
+
+
+# UD v2 allows spaces in FORM, LEMMA and MISC; the columns are separated by tabs only. conllu's
+# own line split (r"\t| {2,}") would read "New  York" as two columns and shift every later one.
+SPACED_CONLLU = """\
+# sent_id = spaced
+# text = New  York is big.
+1\tNew  York\tNew  York\tPROPN\tNNP\tNumber=Sing\t3\tnsubj\t_\tGloss=the  city|SpaceAfter=No
+2\tis\tbe\tAUX\tVBZ\t_\t3\tcop\t_\t_
+3\tbig\tbig\tADJ\tJJ\tDegree=Pos\t0\troot\t_\tSpaceAfter=No
+4\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_
+"""
+
+
+def test_tab_separated_columns_are_split_on_tabs_only(tmp_path):
+    path = tmp_path / "spaced.conllu"
+    path.write_text(SPACED_CONLLU, encoding="utf-8")
+    (sentence,) = read_conllu(path)
+    assert sentence.words == ("New  York", "is", "big", ".")
+    assert sentence.upos == ("PROPN", "AUX", "ADJ", "PUNCT")
+    assert sentence.heads == (2, 2, -1, 2) and sentence.deprels == ("nsubj", "cop", "root", "punct")
+    # MISC's SpaceAfter=No after a value with two spaces is still read
+    assert sentence.space_after == (False, True, False, True)
+
+
+def test_two_spaces_in_misc_keep_its_later_items(tmp_path):
+    # Split on spaces, MISC lost "|SpaceAfter=No" without a word: the text had a space too many.
+    path = tmp_path / "misc.conllu"
+    path.write_text(SPACED_CONLLU.replace("New  York", "York"), encoding="utf-8")
+    (sentence,) = read_conllu(path)
+    assert sentence.words == ("York", "is", "big", ".")
+    assert sentence.space_after == (False, True, False, True)
+
+
+def test_a_word_with_spaces_aligns_to_all_its_subwords(tmp_path):
+    from headlab.data.alignment import align_sentences
+    from support.treebank import word_tokenizer
+
+    path = tmp_path / "spaced.conllu"
+    path.write_text(SPACED_CONLLU, encoding="utf-8")
+    (sentence,) = read_conllu(path)
+    tokenizer = word_tokenizer(["New", "York", "is", "big", "."])
+    (alignment,) = align_sentences(tokenizer, [sentence.words])
+    assert alignment.word_of_token.tolist()[:5] == [0, 0, 1, 2, 3]  # New, York -> word 0
+
+
+def test_space_separated_line_is_refused_with_its_line(tmp_path):
+    # Two spaces between columns is not CoNLL-U: refused where it is, not read as columns.
+    path = tmp_path / "spaces.conllu"
+    path.write_text(SPACED_CONLLU.replace("2\tis\tbe\tAUX\tVBZ\t_\t3\tcop\t_\t_",
+                                          "2  is  be  AUX  VBZ  _  3  cop  _  _"), encoding="utf-8")
+    with pytest.raises(HeadlabError, match=f"{path}:4: expected 10 tab-separated columns, found 1"):
+        list(read_conllu(path))
+
+
+def test_tab_split_reads_ewt_dev_as_conllu_does():
+    # EWT has no two spaces in a column: there conllu's own parse is a reference for the tab split.
+    import conllu
+
+    with open(EWT / "en_ewt-ud-dev.conllu", encoding="utf-8") as handle:
+        reference = list(conllu.parse_incr(handle))
+    ours = list(read_conllu(EWT / "en_ewt-ud-dev.conllu"))
+    assert len(ours) == len(reference)
+    for sentence, parsed in zip(ours, reference):
+        tokens = [t for t in parsed if isinstance(t["id"], int)]
+        assert sentence.words == tuple(t["form"] for t in tokens)
+        assert sentence.upos == tuple(t["upos"] for t in tokens)
+        assert sentence.heads == tuple(t["head"] - 1 for t in tokens)
+        assert sentence.deprels == tuple(t["deprel"] for t in tokens)
+        assert sentence.space_after == tuple((t["misc"] or {}).get("SpaceAfter") != "No" for t in tokens)
+        assert sentence.sent_id == parsed.metadata["sent_id"] and sentence.text == parsed.metadata["text"]

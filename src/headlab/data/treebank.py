@@ -1,6 +1,7 @@
 """CoNLL-U treebanks (Universal Dependencies), read one sentence at a time.
 
-Each sentence block is parsed with the ``conllu`` package. Multiword-token lines (``1-2``) and
+Each token line is split on tabs (only: FORM, LEMMA and MISC may hold spaces) and its columns
+read with the ``conllu`` package's field parsers. Multiword-token lines (``1-2``) and
 empty nodes (``8.1``) are skipped and counted: the analysis works on syntactic words, the
 units that carry UPOS tags and dependency arcs. A malformed sentence is reported with its file
 and line and skipped; the rest of the file is still read (``strict=True`` raises instead).
@@ -25,8 +26,6 @@ from conllu.parser import (
     parse_comment_line,
     parse_id_value,
     parse_int_value,
-    parse_line,
-    parse_token_and_metadata,
 )
 
 from headlab.data.parallel import numbered_lines, open_binary
@@ -185,6 +184,10 @@ _FIELD_PARSERS = {
     "feats": lambda line, i: line[i],
     "deps": lambda line, i: line[i],
 }
+# The columns a Sentence is made of (index, conllu's field name); LEMMA, XPOS, FEATS and DEPS
+# are not read (their parsers never refuse a value, so skipping them refuses nothing more).
+_USED_FIELDS = tuple((i, name) for i, name in enumerate(DEFAULT_FIELDS)
+                     if name in ("id", "form", "upos", "head", "deprel", "misc"))
 
 
 class InMemoryTreebank:
@@ -247,31 +250,41 @@ class _Malformed(Exception):
 
 
 def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[int, str]], counts: TreebankCounts) -> Sentence:
-    """Parse one sentence block with ``conllu``; raise _Malformed naming the bad line."""
-    token_lines = [(number, line) for number, line in block if not line.startswith("#")]
-    for number, line in token_lines:
-        n_columns = line.count("\t") + 1  # counted, not split: the split was a list per line
-        if n_columns != 10:
-            raise _Malformed(number, f"expected 10 tab-separated columns, found {n_columns}")
-    try:
-        tokens = parse_token_and_metadata("\n".join(line for _, line in block), field_parsers=_FIELD_PARSERS)
-    except ParseException:
-        # Find the line conllu rejects, to name it.
-        for number, line in block:
+    """Parse one sentence block with ``conllu``'s field parsers; raise _Malformed naming the bad line.
+
+    A token line is split on tabs only: UD v2 allows spaces in FORM, LEMMA and MISC, and
+    conllu's own line split (``parse_line``: tabs *or* two spaces) would read "New  York" as two
+    columns and shift every later one. A line that is not 10 tab-separated columns (a
+    space-separated one included) is refused, not guessed at.
+    """
+    tokens: list[dict] = []
+    token_lines: list[int] = []
+    metadata: dict = {}
+    for number, line in block:
+        if line.startswith("#"):
             try:
-                if line.startswith("#"):
-                    parse_comment_line(line)
-                else:
-                    parse_line(line, DEFAULT_FIELDS, dict(_FIELD_PARSERS))
+                metadata.update(parse_comment_line(line))
             except ParseException as error:
                 raise _Malformed(number, f"not a CoNLL-U line ({error})") from None
-        raise _Malformed(start, "not a CoNLL-U sentence") from None
-    if len(tokens) != len(token_lines):  # pragma: no cover - conllu keeps one token per line
-        raise _Malformed(start, "conllu returned a different number of tokens than lines")
+            continue
+        columns = line.split("\t")
+        if len(columns) != 10:
+            raise _Malformed(number, f"expected 10 tab-separated columns, found {len(columns)}")
+        # conllu strips each line: spaces around it go, as they did (tabs are columns, counted above)
+        columns[0], columns[9] = columns[0].lstrip(), columns[9].rstrip()
+        token = {}
+        for i, name in _USED_FIELDS:
+            parser = _FIELD_PARSERS.get(name)
+            try:
+                token[name] = parser(columns, i) if parser is not None else columns[i]
+            except ParseException as error:
+                raise _Malformed(number, f"not a CoNLL-U line (Failed parsing field '{name}': {error})") from None
+        tokens.append(token)
+        token_lines.append(number)
     words: list[str]
     words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
     n_multiword = n_empty = 0
-    for (number, _), token in zip(token_lines, tokens):
+    for number, token in zip(token_lines, tokens):
         token_id = token["id"]
         if isinstance(token_id, tuple):
             if token_id[1] == "-":
@@ -304,7 +317,6 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
         raise _Malformed(word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree")
     counts.n_multiword_tokens += n_multiword
     counts.n_empty_nodes += n_empty
-    metadata = tokens.metadata
     return Sentence(
         words=tuple(words),
         upos=tuple(upos),

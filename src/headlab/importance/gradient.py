@@ -109,8 +109,10 @@ def compute_gradient(
     Returns method ``"gradient"`` (l2-normalised per layer) or, with ``normalize=False``,
     ``"gradient_raw"``. Use :func:`l2_normalize_per_layer` to get one from the other. The heads of
     ``mask`` (current numbering, as :func:`~headlab.gates.mask_heads` takes it) are switched off
-    (their gates at 0) and get NaN at their original index; their gradient still counts in the
-    norm of their layer, as in Michel et al.'s code.
+    (their gates at 0) and get NaN at their original index; they take no part in their layer's
+    norm, so the tables are those of ``Gradient().run(mask=...)`` and of the model with the
+    masked heads removed. (Michel et al.'s iterative pruning, ``headlab prune baseline --method
+    michel``, keeps their gradient in the norm: :func:`headlab.pruning.baselines.gradient_importance`.)
     """
     info = info or describe_model(model)
     if not info.has_lm_head:
@@ -135,8 +137,10 @@ def compute_gradient(
         "normalisation": "none",
     }
     raw = HeadScores(scores, "gradient_raw", info.name, signature)
-    table = l2_normalize_per_layer(raw, "gradient") if normalize else raw
-    return table.without(original_mask(model, mask)) if mask else table
+    # Blanked before the norm: a switched-off head's gradient at gate 0 is no part of its layer's
+    # norm (l2_normalize_per_layer skips NaN), as under run(mask=) and on the pruned model.
+    raw = raw.without(original_mask(model, mask)) if mask else raw
+    return l2_normalize_per_layer(raw, "gradient") if normalize else raw
 
 
 def _loss_name(info: ModelInfo, data: ImportanceData) -> str:

@@ -455,6 +455,9 @@ class _Context:
         self.set_aside: list[tuple[Path, Path]] = []
         self.removed_markers: dict[Path, bytes] = {}
         self.made_stale: Path | None = None
+        # An earlier run's outputs that a stage not done this time removes (where each was, where it
+        # waits in .headlab/held/): put back if a later stage refuses the run, deleted when it ends.
+        self.held: list[tuple[Path, Path]] = []
         self._fingerprints: dict[str, str | None] = {}
 
     # -- model and data -------------------------------------------------------------------
@@ -962,8 +965,9 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
 
 def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
     """A stage that is not done this time leaves no marker and no outputs of an earlier run; with
-    ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), not
-    deleted. Returns where they went."""
+    ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), else
+    held until the run ends (:func:`_hold`): a run refused by a later stage puts either back.
+    Returns where the kept ones went."""
     marker = raw_marker(ctx.out_dir, name)
     kept = []
     own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
@@ -973,20 +977,44 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
         path = ctx.out_dir / rel
         if keep and path.exists():
             kept.append(_set_aside(ctx, path))
-        elif path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.exists():
-            path.unlink()
+        elif path.exists() or path.is_symlink():
+            _hold(ctx, path)
     marker_file = ctx.out_dir / MARKER_DIR / f"{name}.json"
-    if keep and marker_file.is_file():  # a run refused later puts it back with what it names
+    if marker_file.is_file():  # a run refused later puts it back with what it names
         ctx.removed_markers[marker_file] = marker_file.read_bytes()
     remove_marker(ctx.out_dir, name)
     ctx.markers.pop(name, None)
     if name in STAGE_DIRS:
         directory = ctx.out_dir / STAGE_DIRS[name]
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
-            shutil.rmtree(directory)
+            _hold(ctx, directory)  # one this run made goes at its end; an earlier run's comes back if refused
     return kept
+
+
+HELD = LOCK_FILE.parent / "held"
+
+
+def _hold(ctx: _Context, path: Path) -> None:
+    """Move ``path`` (inside DIR) into DIR/.headlab/held/ until the run ends (:func:`_release`)."""
+    holding = ctx.out_dir / HELD
+    holding.mkdir(parents=True, exist_ok=True)
+    target = holding / f"{len(ctx.held)}-{path.name}"
+    path.replace(target)
+    ctx.held.append((path, target))
+
+
+def _release(ctx: _Context) -> None:
+    """The run ended without a refusal: what it held and the directories it replaced go."""
+    for aside in ctx.replaced.values():
+        shutil.rmtree(aside, ignore_errors=True)
+    ctx.replaced.clear()
+    for _, target in ctx.held:
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+    ctx.held.clear()
+    shutil.rmtree(ctx.out_dir / HELD, ignore_errors=True)
 
 
 def _set_aside(ctx: _Context, path: Path) -> Path:
@@ -1055,9 +1083,11 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         traceback.print_exc(file=sys.stderr)
         record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
-    for aside in ctx.replaced.values():
-        shutil.rmtree(aside, ignore_errors=True)
-    ctx.replaced.clear()
+    if record.status == "done":  # the stage's new results replace the old ones for good
+        for aside in ctx.replaced.values():
+            shutil.rmtree(aside, ignore_errors=True)
+        ctx.replaced.clear()
+    # else its replaced directory waits for the run's end (_release): a later refusal puts it back
     if shard.main:
         if record.status == "done":
             ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
@@ -1073,7 +1103,8 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     """What a refused run wrote before the stage that refused (stages skipped or reused do no work):
     the manifest back as it was, the stage directories it made that hold only their key removed,
     one it cleared put back, a skipped stage's results it set aside in stale/ put back with their
-    marker (and stale/ removed if it made it)."""
+    marker (and stale/ removed if it made it), and so are the results and markers of a stage that
+    skipped or failed this time (held in .headlab/held/ until the run's end)."""
     from headlab.heads import atomic_write_bytes
 
     if earlier is None:
@@ -1083,6 +1114,11 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     for path, target in reversed(ctx.set_aside):
         if not path.exists() and target.exists():
             target.replace(path)
+    for path, target in reversed(ctx.held):  # a folder before the files held out of it earlier
+        if not path.exists() and path.parent.is_dir() and (target.exists() or target.is_symlink()):
+            target.replace(path)
+    ctx.held.clear()
+    shutil.rmtree(ctx.out_dir / HELD, ignore_errors=True)
     for marker_file, content in ctx.removed_markers.items():
         if not marker_file.exists():
             atomic_write_bytes(marker_file, content)
@@ -1094,7 +1130,9 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     for directory in ctx.created:
         if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
             shutil.rmtree(directory)
-    for directory, aside in ctx.replaced.items():
+    for directory, aside in ctx.replaced.items():  # a stage not done: what it left is this run's
+        if directory.is_dir() and not directory.is_symlink():
+            shutil.rmtree(directory)
         if not directory.exists():
             aside.replace(directory)
 
@@ -1138,6 +1176,8 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
     records: list[StageRecord] = []
     manifest = out_dir / "manifest.json"
     earlier = manifest.read_bytes() if manifest.is_file() else None
+    if shard.main:
+        shutil.rmtree(out_dir / HELD, ignore_errors=True)  # a killed run's: it would have deleted them
     for i, name in enumerate(STAGES, start=1):
         try:
             record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")
@@ -1149,5 +1189,6 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
         records.append(record)
         if shard.main:
             manifest = write_manifest(out_dir, header, records, ctx.figures)
+    _release(ctx)
     report = out_dir / "index.html" if ctx.records["report"].status == "done" else None
     return AnalysisRun(out_dir, records, ctx.figures, manifest, report)

@@ -92,7 +92,10 @@ def scores_spec(scores: HeadScores, keep: int, kinds=("enc_self",), model=None) 
 def gradient_importance(model, tokenizer, data, kinds=("enc_self",), removed: Spec | None = None, *,
                         batch_tokens: int = 2000, max_batches: int | None = None) -> HeadScores:
     """Michel et al. 2019, Eq. 4: I_h = E_x |dL(x)/dg_h| over sentences x, gates at 1 (0 for heads
-    already removed), then divided per layer by its l2 norm (Sec. 4.1). Removed heads get NaN.
+    already removed), then divided per layer by its l2 norm (Sec. 4.1). Removed heads get NaN, after
+    the norm: their gradient at gate 0 counts in their layer's norm, as in the BERTology pruning
+    script (transformers' research examples, ``run_bertology.py``); ``compute_gradient(mask=)``
+    leaves them out of it, as a model without them would.
 
     :func:`headlab.importance.gradient.gate_gradients` on the training batches (token budget,
     the loss against the reference) instead of the importance data."""
