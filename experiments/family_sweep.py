@@ -68,7 +68,9 @@ EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial
 HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
 MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
 OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off its configuration_*.py)
-    **{t: MLA for t in ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "minicpm3", "sarvam_mla", "glm_moe_dsa")},
+    **{t: MLA for t in ("deepseek_v2", "glm4_moe_lite", "minicpm3", "sarvam_mla")},
+    # DeepSeek Sparse Attention: an indexer of 2 heads picking 3 keys per query (of 7: the selection counts)
+    **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
     "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4},  # head_dim: the rotary part
     **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
@@ -129,6 +131,7 @@ def matrix_types() -> set[str]:
     # tests/test_refused_families.py
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus"}
+    types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
     return types
 
 
@@ -233,6 +236,9 @@ def _zeroing(implementation: str):
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
         inner = ALL_ATTENTION_FUNCTIONS[implementation] if implementation != "eager" else _eager(module)
+        indices = kwargs.pop("indices", None)
+        if indices is not None:  # DeepSeek Sparse Attention hands any function but eager/SDPA its top-k keys
+            attention_mask = _fold_indices(attention_mask, indices, key.shape[2], query.dtype)
         out, weights = inner(module, query, key, value, attention_mask, *args, **kwargs)
         heads = _TARGET.get(id(module))
         if heads:
@@ -241,6 +247,13 @@ def _zeroing(implementation: str):
             out[:, :, heads] = 0  # [batch, q, heads, d]
         return out, weights
     return attend
+
+
+def _fold_indices(mask, indices, k_len: int, dtype):
+    """The keys the indexer did not pick hidden, as DeepseekV32Attention.forward does for eager/SDPA."""
+    hidden = torch.ones(*indices.shape[:2], k_len, dtype=torch.bool, device=indices.device)
+    hidden = hidden.scatter(-1, indices.long(), False).unsqueeze(1)
+    return mask & ~hidden if mask.dtype == torch.bool else mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
 def _eager(module):

@@ -18,7 +18,9 @@ padding: eager gives it a uniform row over every key) keeps every key.
 
 The mask comes from transformers' SDPA mask builder (registered under the same name): a boolean
 ``[batch, 1, q, k]`` mask, or None where the pattern is plain causal or full, which is then
-applied here chunk by chunk as SDPA would (``is_causal``, upper-left aligned).
+applied here chunk by chunk as SDPA would (``is_causal``, upper-left aligned). Sparse attention's
+``indices`` (the keys a DeepSeek Sparse Attention indexer picked, which transformers folds into the
+mask for eager and SDPA only) are folded into it first (:func:`selected_keys_mask`).
 
 A model uses this only when its attention classes dispatch through ``ALL_ATTENTION_FUNCTIONS``
 (:func:`dispatches`); others keep the eager capture.
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 __all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward",
-           "dispatches", "chunk_rows", "register", "visible_keys"]
+           "dispatches", "chunk_rows", "register", "selected_keys_mask", "visible_keys"]
 
 NAME = "headlab_chunked"
 """The name under which the function (and its mask builder) is registered."""
@@ -226,6 +228,26 @@ def exact_prescale(query: torch.Tensor, key: torch.Tensor, scaling: float) -> bo
     return largest[0] * largest[1] * query.shape[-1] < torch.finfo(query.dtype).max / 4
 
 
+def selected_keys_mask(attention_mask: torch.Tensor | None, indices: torch.Tensor, k_len: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``attention_mask`` with every key outside ``indices`` hidden too.
+
+    DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-MoE-DSA and the like in transformers): an indexer
+    picks the top-k keys of each query, ``indices [batch, q_len, topk]``; the attention modules fold
+    them into the mask for eager and SDPA only and hand any other function the indices instead
+    (``indices=``, for the flash-MLA kernel). Folded here as transformers folds them
+    (``DeepseekV32Attention.forward``): a boolean mask (True where a key is seen) loses the keys not
+    picked, an additive one gets ``dtype``'s minimum there, so that this function computes SDPA's
+    (eager's) attention."""
+    if attention_mask is None:  # the modules read the mask before attention (their indexer does): always built
+        raise NotImplementedError("headlab's chunked attention got sparse attention indices without a mask")
+    hidden = torch.ones(*indices.shape[:2], k_len, dtype=torch.bool, device=indices.device)
+    hidden = hidden.scatter(-1, indices.long(), False).unsqueeze(1)  # [batch, 1, q_len, k_len]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~hidden
+    return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -240,6 +262,8 @@ def attention_forward(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("headlab's chunked attention does not implement attention sinks (s_aux); "
                                   "run without --query-chunk (eager capture)")
+    if kwargs.get("indices") is not None:
+        attention_mask = selected_keys_mask(attention_mask, kwargs["indices"], key.shape[2], query.dtype)
     sink: ChunkSink | None = getattr(module, SINK_ATTRIBUTE, None)
     batch, n_heads, q_len, d_head = query.shape
     kv_heads = key.shape[1]

@@ -213,9 +213,14 @@ class _Probe:
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The probe's attention ignores masks: none is built (building one reads values)."""
-    return None
+def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
+             device: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """The probe's attention ignores masks: none is built (building one reads values), except where
+    the model asks for one to exist (``allow_is_causal_skip=False``: DeepSeek Sparse Attention's
+    indexer reads it before attention), which then hides nothing."""
+    if allow_is_causal_skip:
+        return None
+    return torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool, device=device)
 
 
 def _experts(module: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
