@@ -188,6 +188,18 @@ def test_resaved_by_transformers_without_record_reads_the_heads_off_the_weights(
     torch.testing.assert_close(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask), atol=1e-6, rtol=0)
 
 
+def test_a_layer_with_no_head_loaded_without_headlab_is_refused_not_dropped(tmp_path):
+    """Plain transformers' copy of an emptied layer (NoHeadAttention) knows no original numbering: refused as
+    for the other families. Before, the layer was left out of the blocks without a word."""
+    model = tiny_model("deepseek_v3")
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})
+    save_pruned(model, tmp_path)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    with pytest.raises(HeadlabError, match=r"model\.layers\.0\.self_attn .*a layer pruned by headlab, loaded without "
+                                           "headlab"):
+        attention_blocks(plain)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
 def test_lrp_stays_refused_naming_the_latent_attention(family):
     """kv_b_proj emits each head's keys and values together and the rotary key comes from the shared

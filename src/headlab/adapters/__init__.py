@@ -240,11 +240,14 @@ def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: 
     found = []
     for name, module in model.named_modules():
         layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
-        if type(module).__name__ != "ZeroHeadAttention" or name in seen or not layer:
+        stand_in = type(module).__name__
+        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or not layer:
             continue
         o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
+        # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
+        d_head_attr = "d_head" if stand_in == "ZeroHeadAttention" else ""
         family = Family(
-            name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr="d_head",
+            name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
             probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)),
             head_rows=LATENT_ATTENTION[model_type](module), selection_argument=getattr(module, "selection", None))
         found.append((_guess_kind(name, module, config, model), int(layer[-1]), name, module, family))
