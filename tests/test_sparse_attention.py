@@ -18,8 +18,8 @@ On tiny models (index_topk 3 of 7 keys, so that the selection hides keys): the b
 selection visibly thins; the streamed chunks equal it and the streamed logits equal SDPA's; masking
 the heads equals zeroing their value rows of ``kv_b_proj`` by hand (read off the modeling code: per
 head ``[k_nope (4) | v (8)]``) and leaves the indexer's selection of that layer as it is; gates at
-one change nothing; physical pruning and LRP are refused before any change (MLA's projections are
-not tied to the heads, as for DeepSeek-V3).
+one change nothing; LRP is refused before any change (multi-head latent attention, as for
+DeepSeek-V3). Physical pruning: tests/test_mla_pruning.py.
 """
 
 from __future__ import annotations
@@ -146,18 +146,15 @@ def test_gates_at_one_change_nothing(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pruning_and_lrp_are_refused_before_any_change(family):
-    from headlab import prune_heads
+def test_lrp_is_refused_before_any_change(family):
     from headlab.importance.rules import check_rules
 
     model = tiny_model(family)
     before = {name: p.clone() for name, p in model.state_dict().items()}
-    with pytest.raises(HeadlabError, match="physical pruning is refused: this family's projection layout is unknown"):
-        prune_heads(model, {("dec_self", 0): [1]})
-    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
-    assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn"):
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*multi-head "
+                                           "latent attention"):
         check_rules(model)
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -169,14 +166,14 @@ def test_lrp_is_refused_before_any_work(family):
     seen = []
     model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
                                     with_kwargs=True)
-    with pytest.raises(HeadlabError, match="query and key projections are unknown"):
+    with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits each head's keys"):
         compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1]]), describe_model(model))
     assert all(ids == [[0, 0, 0, 0]] for ids in seen)
 
 
 def test_analyze_end_to_end(tmp_path):
     """`headlab analyze --ablation` (the fused engine: headlab's attention function): every stage but
-    LRP done, LRP refused before it ran (exit 1, as on every model it refuses), naming MLA's projections."""
+    LRP done, LRP refused before it ran (exit 1, as on every model it refuses), naming the latent attention."""
     from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
 
     save_tiny(tiny_model("glm_moe_dsa-shared"), tmp_path / "dsa", treebank_files(tmp_path))
@@ -184,5 +181,4 @@ def test_analyze_end_to_end(tmp_path):
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
     assert stages["lrp"]["status"] == "failed" and code == 1
-    assert "model.layers.0.self_attn (discovered:glm_moe_dsa): its query and key projections are unknown" \
-        in stages["lrp"]["reason"]
+    assert "model.layers.0.self_attn (discovered:glm_moe_dsa): multi-head latent attention" in stages["lrp"]["reason"]

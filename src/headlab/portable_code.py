@@ -52,9 +52,11 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
 class NoHeadAttention(nn.Module):
     """An attention layer with no head left: Concat() W^O + b = b at every position (plus the
     residual where the attention adds it itself: ``residual`` = (argument name, position); ALBERT
-    ends in ``norm``: LayerNorm(input + b))."""
+    ends in ``norm``: LayerNorm(input + b)). ``selection``: the argument holding the previous layer's
+    top-k key selection, which the layer returns last (GLM-MoE-DSA: see :meth:`_selection`)."""
 
-    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int, residual=None, norm=None):
+    def __init__(self, original: nn.Module, o_name, n_outputs: int, d_head: int, residual=None, norm=None,
+                 selection=None):
         super().__init__()
         for name, child in original.named_children():  # same state_dict keys as before
             self.add_module(name, child)
@@ -62,6 +64,7 @@ class NoHeadAttention(nn.Module):
         self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
         self.residual = tuple(residual) if residual else None
         self.norm = norm
+        self.selection = selection
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.o_name:
@@ -79,9 +82,23 @@ class NoHeadAttention(nn.Module):
             out = getattr(self, self.norm)(hidden_states + out)
         self._keep_cache_in_step(hidden_states, kwargs)
         extras = [None] * (self.n_outputs - 1)
-        if self.n_outputs == 3:  # (output, position_bias, probs)
+        if self.selection:  # (output, probs, selection)
+            extras[-1] = self._selection(hidden_states, kwargs)
+        elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
         return (out, *extras)
+
+    def _selection(self, hidden_states, kwargs):
+        """The top-k keys this layer hands the next (GLM-MoE-DSA's "shared" layers attend to the previous
+        full layer's): its own indexer's, or the previous layer's where it has none. The indexer reads the
+        layer's input and the query latent, not the heads, so a layer with no head picks what the full
+        layer picks (called as ``GlmMoeDsaAttention.forward`` calls it, its key cache kept in step)."""
+        indexer = getattr(self, "indexer", None)
+        if indexer is None:
+            return kwargs.get(self.selection)
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        return indexer(hidden_states, q_resid, kwargs["position_embeddings"], kwargs["attention_mask"][:, 0, :, :],
+                       kwargs.get("position_ids"), cache=cache_argument(kwargs))
 
     def _keep_cache_in_step(self, hidden_states, kwargs) -> None:
         """Placeholder keys and values, so that generation still counts positions. They hold one
@@ -188,9 +205,9 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
             module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
-        for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # rest: [residual[, norm]]
+        for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
-                                                        *rest[:2]))
+                                                        *rest[:3]))
 
 
 class PrunedModel(_BASE):

@@ -111,6 +111,11 @@ def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
             journal.set(module, "nx", len(index))
 
 
+def head_row_modules(block: AttentionBlock) -> list[nn.Module]:
+    """The projections of ``block.family.head_rows`` (multi-head latent attention's query and key/value maps)."""
+    return [block.module.get_submodule(path) for path, _ in block.family.head_rows]
+
+
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
     """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
@@ -220,6 +225,10 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.qkv, _fused_index(block, keep, kv_keep), journal)
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
+    elif family.head_rows:  # multi-head latent attention: each head's rows of its query and key/value maps
+        for path, attrs in family.head_rows:
+            width = sum(int(getattr(core, attr)) for attr in attrs)
+            _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
@@ -277,8 +286,8 @@ class ZeroHeadAttention(NoHeadAttention):
     """
 
     def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int,
-                 residual: tuple[str, int] | None = None, norm: str | None = None):
-        super().__init__(original, o_name, n_outputs, d_head, residual, norm)
+                 residual: tuple[str, int] | None = None, norm: str | None = None, selection: str | None = None):
+        super().__init__(original, o_name, n_outputs, d_head, residual, norm, selection)
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
@@ -295,9 +304,11 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
     n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
+    selection = block.family.selection_argument
+    n_outputs += bool(selection)  # (output, probs, selection)
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
     journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head,
-                                                block.family.residual_argument, norm))
+                                                block.family.residual_argument, norm, selection))
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------
@@ -591,7 +602,7 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"{block.name} ({block.family.name}): physical pruning is refused: this module's weights are shared by "
             f"{block.applications} depths, so slicing a head out of them removes it at every depth, which masking "
             "one depth's head does not; mask the heads instead (mask_heads)")
-    if block.qkv is None and block.q is None and block.n_heads:  # found at run time, its projections not tied
+    if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "
             "unknown (no family table, and discovery did not find one query, one key and one value projection of "
@@ -635,7 +646,7 @@ def pruning_plan(model: nn.Module) -> dict:
         core = block.core
         if getattr(core, KEPT_ATTR, None) is None:
             continue
-        for module in (block.q, block.k, block.v, block.qkv, block.o):
+        for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block)):
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         attrs = {}
@@ -650,10 +661,12 @@ def pruning_plan(model: nn.Module) -> dict:
             plan["attributes"][_core_path(block)] = attrs
         if isinstance(core, ZeroHeadAttention):
             entry = [core.o_name, core.n_outputs, core.d_head]
-            if core.residual or core.norm:
+            if core.residual or core.norm or core.selection:
                 entry.append(list(core.residual) if core.residual else None)
-            if core.norm:
+            if core.norm or core.selection:
                 entry.append(core.norm)
+            if core.selection:
+                entry.append(core.selection)
             plan["no_head"][_core_path(block)] = entry
         else:
             if isinstance(getattr(core, "config", None), LayerConfig):

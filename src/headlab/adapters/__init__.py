@@ -15,13 +15,21 @@ import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
-from headlab.adapters.families import CONFIG_FAMILIES, FAMILIES, QKV_LAYOUTS, UNSUPPORTED, UNSUPPORTED_CONFIGS, Family
+from headlab.adapters.families import (
+    CONFIG_FAMILIES,
+    FAMILIES,
+    LATENT_ATTENTION,
+    QKV_LAYOUTS,
+    UNSUPPORTED,
+    UNSUPPORTED_CONFIGS,
+    Family,
+)
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
@@ -209,6 +217,7 @@ def _discovered_candidates(model: nn.Module) -> list:
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
         candidates.append(_discovered(model, config, model_type, item))
     seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
+    candidates += _latent_without_heads(model, config, model_type, seen | {c[2] for c in named})
     for candidate in named:
         name, module = candidate[2], candidate[3]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
@@ -221,6 +230,28 @@ def _discovered_candidates(model: nn.Module) -> list:
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
+    """Latent-attention layers pruned to no head (:data:`LATENT_ATTENTION`): their stand-in calls no attention
+    function and has no q/k/v projections that the name-based schemes know, yet it is a block of the model."""
+    if model_type not in LATENT_ATTENTION:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
+        stand_in = type(module).__name__
+        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or not layer:
+            continue
+        o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
+        # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
+        d_head_attr = "d_head" if stand_in == "ZeroHeadAttention" else ""
+        family = Family(
+            name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
+            probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)),
+            head_rows=LATENT_ATTENTION[model_type](module), selection_argument=getattr(module, "selection", None))
+        found.append((_guess_kind(name, module, config, model), int(layer[-1]), name, module, family))
+    return found
 
 
 def _check_returns_weights(model: nn.Module, where: str, candidate: tuple) -> None:
@@ -256,6 +287,11 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
     )
+    if item.q is None and model_type in LATENT_ATTENTION:
+        core = module.get_submodule(item.core) if item.core else module
+        prefix = f"{item.core}." if item.core else ""
+        rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
+        family = dataclasses.replace(family, head_rows=rows, selection_argument=_selection_argument(core))
     return _guess_kind(item.name, module, config, model), int(layer[-1]), item.name, module, family
 
 
@@ -350,6 +386,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None
         q_width, kv_width = in_features(o), family.kv_heads * d_head
+        if family.head_rows:  # latent attention: each head its own key and value (the probe's count may be stale)
+            kv_width = q_width
+        if q_width % d_head == 0:
+            _check_head_rows(where, module, core, family, q_width // d_head)
     else:
         qkv = None
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
@@ -381,6 +421,26 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         if groups is not None and groups != n_heads // n_kv_heads:
             raise HeadlabError(f"{where}: {family.kv_groups_attr}={groups} but weights give {n_heads}/{n_kv_heads}")
     return AttentionBlock(kind, layer, n_heads, n_kv_heads, d_head, name, module, core, q, k, v, o, qkv, family)
+
+
+def _selection_argument(core: nn.Module) -> str | None:
+    """GLM-MoE-DSA's attention takes the previous layer's top-k selection and returns its own (or that one)."""
+    import inspect
+
+    return "prev_topk_indices" if "prev_topk_indices" in inspect.signature(type(core).forward).parameters else None
+
+
+def _check_head_rows(where: str, module: nn.Module, core: nn.Module, family: Family, n_heads: int) -> None:
+    """Each of ``family.head_rows`` emits ``n_heads`` (the output projection's) heads' rows."""
+    for path, attrs in family.head_rows:
+        projection = _get(module, path)
+        sizes = [getattr(core, attr, None) for attr in attrs]
+        if projection is None or not all(isinstance(size, int) and size > 0 for size in sizes):
+            raise HeadlabError(f"{where}: no projection {path!r} with per-head sizes {', '.join(attrs)}")
+        per_head = sum(cast(list[int], sizes))
+        if out_features(projection) != n_heads * per_head:
+            raise HeadlabError(f"{where}: {path} emits {out_features(projection)} features, not the output "
+                               f"projection's {n_heads} heads x {per_head} ({' + '.join(attrs)})")
 
 
 _KIND_ORDER = {"enc_self": (0, 0), "dec_self": (1, 0), "dec_cross": (1, 1)}

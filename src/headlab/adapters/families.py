@@ -71,6 +71,40 @@ class Family:
     """``q`` outputs per head ``[query (d_head) | gate (d_head)]``, and the forward multiplies the
     heads' outputs by ``sigmoid(gate)`` before the output projection (Qwen3-Next, Qwen3.5): a head's
     output projection input is still its own slice (zero where its values are zero)."""
+    head_rows: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Projections (paths relative to the block) whose output rows are head-major, each head owning as
+    many rows as the sum of ``core``'s attributes named beside it; the block has no ``q``/``k``/``v``
+    (multi-head latent attention: ``q_b_proj`` emits per head ``[q_nope | q_rope]``, ``kv_b_proj``
+    ``[k_nope | v]``). Physical pruning slices a removed head's rows out of each and its columns out of
+    the output projection; what all heads share (the latents, their norms, the rotary key) stays."""
+    selection_argument: str | None = None
+    """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
+    forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
+    attends to the previous full layer's picks): a layer with no head left still returns it."""
+
+
+def latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Multi-head latent attention as transformers writes it (DeepSeek-V2's, ``DeepseekV3Attention``): the
+    query projection (``q_b_proj`` after the query latent, or ``q_proj`` where ``q_lora_rank`` is None)
+    is viewed ``[batch, seq, -1, qk_nope_head_dim + qk_rope_head_dim]``, ``kv_b_proj`` (reading the
+    key/value latent) ``[batch, seq, -1, qk_nope_head_dim + v_head_dim]``: head-major rows, the head
+    count read off the width. ``kv_a_proj_with_mqa`` (the latent and the one rotary key of all heads),
+    ``q_a_proj`` and the norms serve every head. Empty where the module is not laid out so."""
+    q = "q_proj" if getattr(core, "q_b_proj", None) is None else "q_b_proj"
+    needs = (q, "kv_b_proj", "kv_a_proj_with_mqa")
+    sizes = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if any(getattr(core, name, None) is None for name in needs) or \
+            not all(isinstance(getattr(core, name, None), int) for name in sizes):
+        return ()
+    return ((q, ("qk_nope_head_dim", "qk_rope_head_dim")), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
+
+
+LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str, ...]], ...]]] = dict.fromkeys(
+    ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "glm4_moe_lite", "minicpm3"],
+    latent_attention_rows)
+"""Model types found at run time whose attention is multi-head latent attention, each with what gives
+a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
+equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned."""
 
 
 QKV_LAYOUTS = {

@@ -1,0 +1,226 @@
+"""Physical pruning of multi-head latent attention (DeepSeek-V2, DeepSeek-V3 with and without a query
+latent, Sarvam-MLA, GLM-4-MoE-Lite, MiniCPM3, DeepSeek-V3.2 and GLM-MoE-DSA with their indexers).
+
+transformers' MLA (``DeepseekV3Attention.forward``): the query projection (``q_b_proj`` after
+``q_a_proj`` and ``q_a_layernorm``, or ``q_proj`` when ``q_lora_rank`` is None) is viewed
+``[batch, seq, -1, nope + rope]``; ``kv_a_proj_with_mqa`` emits the key/value latent and ONE rotary key
+for all heads; ``kv_b_proj`` reads the latent and is viewed ``[batch, seq, -1, nope + v]``, split
+``[k_nope | v]``; ``o_proj`` reads ``v`` per head. The head count is read off the widths (``-1``), and
+the cache holds the latents, not the heads. So removing head h removes its rows of the query
+projection and of ``kv_b_proj`` and its columns of ``o_proj``; the latents, the rotary key, the norms
+and the indexer stay (``Family.head_rows``, ``adapters.families.LATENT_ATTENTION``).
+
+Before this, pruning was refused ("projection layout is unknown"). Here, on tiny models: pruning
+slices exactly those rows (the weights compared with the originals, read off the modeling code),
+equals masking on padded rows and in cached generation, empties a layer (GLM-MoE-DSA's stand-in still
+hands the next "shared" layer its indexer's selection), reloads with ``load_pruned`` and plain
+transformers (remote code), passes ``headlab prune`` on the command line; gates at one change
+nothing on the pruned model; LRP stays refused, naming the latent attention.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from headlab import HeadlabError, attention_blocks, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.checkpoint import model_class_for
+from support.family_matrix import (
+    check_gates_at_one_change_nothing,
+    greedy_generation,
+    padded_inputs,
+    padded_logits,
+    tiny_inputs,
+)
+
+NOPE, ROPE, V = 4, 4, 8  # per head: queries and keys [nope | rope], values of 8
+_SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V,
+              first_k_dense_replace=1, moe_intermediate_size=40, n_routed_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, n_group=1, topk_group=1)
+_INDEXER = dict(index_topk=3, index_n_heads=2, index_head_dim=8)  # 3 keys of up to 11: the selection counts
+CONFIGS = {
+    "deepseek_v2": {},
+    "deepseek_v3": {},
+    "deepseek_v3-no-q-latent": {"q_lora_rank": None},  # q_proj instead of q_a_proj -> q_b_proj
+    "sarvam_mla": {},
+    "glm4_moe_lite": {},
+    "minicpm3": {},
+    "deepseek_v32": _INDEXER,
+    "glm_moe_dsa": _INDEXER,
+    # layer 1 attends to layer 0's selection (no indexer of its own), handed on by layer 0's forward
+    "glm_moe_dsa-shared": {**_INDEXER, "indexer_types": ["full", "shared"]},
+}
+FAMILIES = tuple(CONFIGS)
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    model_type = family.split("-")[0]
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    config = CONFIG_MAPPING[model_type](**{**_SIZES, **CONFIGS[family]})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = model_class_for(config)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def _query(attention) -> torch.nn.Linear:
+    return attention.q_proj if attention.q_b_proj is None else attention.q_b_proj
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_slices_each_heads_rows_and_leaves_what_heads_share(family):
+    """Head h owns rows h*(nope+rope).. of the query projection, h*(nope+v).. of kv_b_proj, columns h*v.. of
+    o_proj (the modeling code's views); the latent projections, norms and indexer are untouched."""
+    model = tiny_model(family)
+    attention = model.model.layers[1].self_attn
+    before = {name: p.clone() for name, p in attention.named_parameters()}
+    query_name = "q_proj" if attention.q_b_proj is None else "q_b_proj"
+    assert prune_heads(model, {("dec_self", 1): [0, 2]}) == {("dec_self", 1): [1, 3]}
+    rows = lambda width: [r for h in (1, 3) for r in range(h * width, (h + 1) * width)]  # noqa: E731
+    assert torch.equal(_query(attention).weight, before[f"{query_name}.weight"][rows(NOPE + ROPE)])
+    assert torch.equal(attention.kv_b_proj.weight, before["kv_b_proj.weight"][rows(NOPE + V)])
+    assert torch.equal(attention.o_proj.weight, before["o_proj.weight"][:, rows(V)])
+    sliced = {f"{query_name}.weight", "kv_b_proj.weight", "o_proj.weight"}
+    for name, parameter in attention.named_parameters():
+        if name not in sliced:
+            assert torch.equal(parameter, before[name]), name
+    blocks = attention_blocks(model)
+    assert [(b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == [(4, 4, V), (2, 2, V)]
+
+
+SPECS = {
+    "some heads": ({("dec_self", 0): [1], ("dec_self", 1): [0, 2]}, [3, 2]),
+    "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [3]}, [0, 3]),
+}
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_equals_masking_generates_and_reloads(family, spec_name, tmp_path):
+    spec, heads_left = SPECS[spec_name]
+    model = tiny_model(family)
+    ids, mask = padded_inputs(pad_id=2)
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
+    prune_heads(model, spec)  # checks itself against masking (padded probe, cached generation)
+    assert [b.n_heads for b in attention_blocks(model)] == heads_left
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    tokens, scores = greedy_generation(model, ids, mask)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
+    check_gates_at_one_change_nothing(model, tiny_inputs())
+
+    save_pruned(model, tmp_path)
+    record = json.loads((tmp_path / "headlab_pruning.json").read_text())
+    assert {layer: entry["kept_heads"] for layer, entry in record["blocks"]["dec_self"].items()} == {
+        str(layer): [h for h in range(4) if h not in removed] for (_, layer), removed in spec.items()}
+    reloaded = load_pruned(tmp_path)
+    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
+    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
+    assert record["portable"]["how"] == "remote code"
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
+
+
+def test_an_emptied_layer_hands_the_next_its_indexer_selection():
+    """GLM-MoE-DSA's layer 0 returns its indexer's top-k keys, which layer 1 ("shared", no indexer of its
+    own) attends to. The indexer reads the layer's input and the query latent, not the heads: emptied,
+    the layer still hands on the keys the full layer picks. Regression: its stand-in returned two values
+    where the decoder layer unpacks three, and no selection for layer 1 (transformers raises)."""
+    model = tiny_model("glm_moe_dsa-shared")
+    attention_blocks(model)  # the probe pass before the hook
+    given: list[torch.Tensor] = []
+    model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: given.append(kwargs["prev_topk_indices"]), with_kwargs=True)
+    ids, mask = padded_inputs(pad_id=2)
+    padded_logits(model, ids, mask)
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})
+    given.clear()
+    padded_logits(model, ids, mask)
+    assert type(model.model.layers[0].self_attn).__name__ == "ZeroHeadAttention"
+    assert len(given) == 1 and given[0] is not None
+    full = tiny_model("glm_moe_dsa-shared")
+    expected: list[torch.Tensor] = []
+    full.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: expected.append(kwargs["prev_topk_indices"]), with_kwargs=True)
+    padded_logits(full, ids, mask)
+    assert torch.equal(given[0], expected[0])
+
+
+def test_prune_on_the_command_line(tmp_path, capsys):
+    """`headlab prune` checks the layout before loading, prunes, checks itself and writes the directory."""
+    from headlab.cli import main
+    from support.family_matrix import save_tiny
+
+    save_tiny(tiny_model("deepseek_v3"), tmp_path / "mla", ["the", "cat", "sat"])
+    code = main(["prune", str(tmp_path / "mla"), "--heads", "dec_self:1:0,2", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "out" / "headlab_pruning.json").read_text())
+    assert record["blocks"] == {"dec_self": {"1": {"n_heads": 4, "kept_heads": [1, 3], "kept_kv_heads": [1, 3]}}}
+    assert [b.n_heads for b in attention_blocks(load_pruned(tmp_path / "out"))] == [4, 2]
+
+
+def test_resaved_by_transformers_without_record_reads_the_heads_off_the_weights(tmp_path):
+    """A pruned directory re-saved by plain transformers (no headlab_pruning.json): the heads left are read off
+    o_proj's width (each head its own key and value); before, the layer was skipped and loading refused."""
+    from headlab.loading import load_model
+
+    model = tiny_model("deepseek_v3")
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1]})
+    save_pruned(model, tmp_path / "pruned")
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [(b.n_heads, b.n_kv_heads) for b in attention_blocks(loaded)] == [(0, 0), (3, 3)]
+    ids, mask = padded_inputs(pad_id=2)
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask), atol=1e-6, rtol=0)
+
+
+def test_a_layer_with_no_head_loaded_without_headlab_is_refused_not_dropped(tmp_path):
+    """Plain transformers' copy of an emptied layer (NoHeadAttention) knows no original numbering: refused as
+    for the other families. Before, the layer was left out of the blocks without a word."""
+    model = tiny_model("deepseek_v3")
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})
+    save_pruned(model, tmp_path)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    with pytest.raises(HeadlabError, match=r"model\.layers\.0\.self_attn .*a layer pruned by headlab, loaded without "
+                                           "headlab"):
+        attention_blocks(plain)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_lrp_stays_refused_naming_the_latent_attention(family):
+    """kv_b_proj emits each head's keys and values together and the rotary key comes from the shared
+    latent: no projection can be detached to hold the attention weights constant."""
+    from headlab.importance.rules import check_rules
+
+    model = tiny_model(family)
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*"
+                                           r"multi-head latent attention, whose kv_b_proj emits each head's keys and "
+                                           r"values together"):
+        check_rules(model)
+    prune_heads(model, {("dec_self", 0): [1]})
+    with pytest.raises(HeadlabError, match="multi-head latent attention"):
+        check_rules(model)
+
+
+def test_a_latent_projection_of_another_width_is_refused():
+    """A kv_b_proj that does not hold the output projection's heads x (nope + v) rows: refused, naming it."""
+    model = tiny_model("deepseek_v3")
+    attention_blocks(model)  # the probe pass (which such a model would fail), kept while the blocks stay
+    attention = model.model.layers[0].self_attn
+    attention.kv_b_proj = torch.nn.Linear(16, 4 * (NOPE + V) + 1, bias=False)
+    with pytest.raises(HeadlabError, match=r"kv_b_proj emits 49 features, not the output projection's 4 heads x 12"):
+        attention_blocks(model)
