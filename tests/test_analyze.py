@@ -416,3 +416,78 @@ def test_a_stage_not_asked_for_keeps_its_earlier_results(inputs, tmp_path, capsy
     assert (out / "stale" / "prune" / "sweep.json").read_bytes() == sweep
     stages = {s["name"]: s for s in json.loads((out / "manifest.json").read_text())["stages"]}
     assert stages["prune"]["status"] == "skipped"
+
+
+def _columns(out):
+    return (out / "heads.csv").read_text(encoding="utf-8").splitlines()[0].split(",")
+
+
+def test_a_killed_stage_s_results_are_not_read_when_it_is_skipped(inputs, tmp_path, capsys):
+    """Regression: a run killed in a stage (its outputs written, its marker not: here removed) left
+    them in place, and a run that then --skip'ped the stage read them as its own: the functions
+    statistics and labels in heads.csv and the report's maps, the gradient column beside this run's
+    confidence, while the manifest said both stages were skipped. Now they are set aside in stale/."""
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "lrp,ablation,attention,figures")
+    assert main(run) == 0
+    assert {"gradient", "positional_share", "functions"} <= set(_columns(out))
+    for stage in ("functions", "gradient"):  # killed before the marker
+        (out / ".headlab" / "stages" / f"{stage}.json").unlink()
+    share = (out / "functions" / "positional" / "share.json").read_bytes()
+    gradient = (out / "importance" / "gradient.json").read_bytes()
+    capsys.readouterr()
+    assert main([*run, "functions", "gradient"]) == 0
+    err = capsys.readouterr().err
+    for stage, where in (("functions", "stale/functions"), ("gradient", "stale/gradient.json, stale/gradient_raw.json")):
+        assert f"{stage}: skipped (--skip); its unfinished results (of a run killed or failed in this stage: no " \
+               f"done marker) were moved aside to {where}, not read as this run's" in err
+    assert not (out / "functions").exists() and not (out / "importance" / "gradient.json").exists()
+    assert (out / "stale" / "functions" / "positional" / "share.json").read_bytes() == share  # nothing lost
+    assert (out / "stale" / "gradient.json").read_bytes() == gradient
+    columns = _columns(out)
+    assert "confidence" in columns and "mean_distance" in columns  # this run's
+    assert not {"gradient", "gradient_raw", "positional_share", "functions"} & set(columns)
+    html = (out / "index.html").read_text(encoding="utf-8")
+    assert '"group":"functions"' not in html and '"importance/gradient"' not in html
+    assert '"group":"aggregate"' in html
+    # the stage run again resumes nothing from stale/ and leaves it alone
+    assert main(run) == 0
+    assert "positional_share" in _columns(out) and (out / "stale" / "functions").is_dir()
+
+
+def test_a_failed_stage_s_outputs_are_not_read_as_results(inputs, tmp_path, monkeypatch, capsys):
+    """Regression: a stage that failed after writing part of its outputs left them in its folder,
+    and the table and the report read them while the manifest said the stage failed; one that ran
+    with other inputs than an earlier run's and failed deleted those of this run's files that the
+    earlier run's marker named. Now they are set aside in stale/, all of them."""
+    from headlab.pipeline import pipeline
+
+    def half_done(ctx):
+        written, _ = pipeline._functions(ctx)
+        raise RuntimeError(f"boom after {len(written)} files")
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "importance,attention,figures")
+    said = ("functions: its unfinished results (of a run killed or failed in this stage: no done marker) were "
+            "moved aside to {}, not read as this run's")
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "functions", half_done)
+        assert main(run) == 1
+    err = capsys.readouterr().err
+    assert "functions: failed: RuntimeError: boom after" in err and said.format("stale/functions") in err
+    stages = {s["name"]: s["status"] for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["functions"] == "failed" and stages["aggregate"] == stages["table"] == stages["report"] == "done"
+    assert not (out / "functions").exists() and (out / "stale" / "functions" / "labels.json").is_file()
+    assert "mean_distance" in _columns(out) and not {"positional_share", "functions"} & set(_columns(out))
+    html = (out / "index.html").read_text(encoding="utf-8")
+    assert '"group":"functions"' not in html and '"group":"aggregate"' in html
+    # an earlier run of other inputs, done; this run's stage replaces it and fails
+    assert main([*run, "--conllu-limit", "2"]) == 0
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "functions", half_done)
+        assert main(run) == 1
+    assert said.format("stale/functions.old2") in capsys.readouterr().err
+    assert not (out / "functions").exists()
+    aside = out / "stale" / "functions.old2"
+    assert (aside / "positional" / "share.json").is_file() and (aside / "labels.json").is_file()  # all of them
+    assert json.loads((aside / "summary.json").read_text())["report"]["n_sentences"] > 2  # this run's

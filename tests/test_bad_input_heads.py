@@ -407,11 +407,13 @@ def test_a_command_refused_under_the_lock_leaves_a_pre_existing_out_as_it_was(tm
         assert ({p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else None) == content
 
 
-def test_analyze_refused_after_a_skipped_stage_was_set_aside_puts_it_back(tmp_path, capsys):
+@pytest.mark.parametrize("killed", [False, True])
+def test_analyze_refused_after_a_skipped_stage_was_set_aside_puts_it_back(killed, tmp_path, capsys):
     """Regression: `analyze --skip functions` sets aside in stale/ the functions results of an
     earlier run of other inputs (here another model) and removes their marker; when the run was
     then refused (the aggregate stage loads a model with every head pruned) they stayed in stale/
-    and the marker was gone. Now the refused run leaves --out as it was, byte for byte."""
+    and the marker was gone. Now the refused run leaves --out as it was, byte for byte; so too
+    with the results of a run killed in the stage (no marker), set aside as unfinished."""
     headless, data = _bert_with_every_head_pruned(tmp_path)
     conllu = tmp_path / "tb.conllu"
     conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
@@ -420,13 +422,16 @@ def test_analyze_refused_after_a_skipped_stage_was_set_aside_puts_it_back(tmp_pa
     assert main(["analyze", str(tmp_path / "bert"), "--source", str(data), "--conllu", str(conllu), "--out", str(out),
                  "--no-progress", *skip]) == 0
     assert (out / "functions" / "summary.json").is_file() and not (out / "stale").exists()
+    if killed:
+        (out / ".headlab" / "stages" / "functions.json").unlink()
     content = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     before = _tree(out)
     capsys.readouterr()
     assert main(["analyze", str(headless), "--source", str(data), "--conllu", str(conllu), "--out", str(out),
                  "--no-progress", *skip, "functions"]) == 2
     err = capsys.readouterr().err
-    assert "functions: skipped (--skip); its results of an earlier run" in err  # set aside, then refused
+    # set aside, then refused
+    assert f"functions: skipped (--skip); its {'unfinished results' if killed else 'results of an earlier run'}" in err
     assert "there is no head to analyse" in err
     assert _tree(out) == before
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == content

@@ -963,11 +963,52 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file.write_text(key + "\n")
 
 
-def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
+# What a stage without a folder of its own writes where the table, figures and report read it (a
+# measure: importance/<table>.json of each of its tables).
+OWN_FILES = {"agreement": ("importance/agreement.json", "importance/agreement.md"),
+             "table": ("heads.csv", "heads.parquet"), "report": ("index.html",)}
+
+
+def _own_paths(out_dir: Path, name: str) -> list[Path]:
+    """Where stage ``name`` writes, found without its marker: its folder, or its files."""
+    if name in STAGE_DIRS:
+        return [out_dir / STAGE_DIRS[name]]
+    if name in MEASURES:
+        return [out_dir / "importance" / f"{table}.json" for table in MEASURES[name].tables]
+    return [out_dir / relative for relative in OWN_FILES.get(name, ())]
+
+
+@dataclass
+class _Discarded:
+    """Where :func:`_discard` set a stage's files aside: ``kept``, an earlier run's results of other
+    inputs (with ``keep``); ``unfinished``, outputs no done marker vouches for."""
+
+    stage: str
+    kept: list[Path]
+    unfinished: list[Path]
+
+    def said(self, out_dir: Path) -> str:
+        """The log's words for them ("" when nothing was set aside)."""
+        shown = lambda paths: ", ".join(str(path.relative_to(out_dir)) for path in paths)  # noqa: E731
+        parts = []
+        if self.kept:
+            parts.append(f"its results of an earlier run with other inputs or options were moved aside to "
+                         f"{shown(self.kept)}")
+        if self.unfinished:
+            # the sweep resumes point by point from its folder (run_sweep), the other stages start over
+            resume = " (moved back to prune/, the same command resumes its sweep)" if self.stage == "prune" else ""
+            parts.append(f"its unfinished results (of a run killed or failed in this stage: no done marker) were "
+                         f"moved aside to {shown(self.unfinished)}{resume}, not read as this run's")
+        return "; ".join(parts)
+
+
+def _discard(ctx: _Context, name: str, keep: bool = False) -> _Discarded:
     """A stage that is not done this time leaves no marker and no outputs of an earlier run; with
     ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), else
     held until the run ends (:func:`_hold`): a run refused by a later stage puts either back.
-    Returns where the kept ones went."""
+    Outputs that no marker lists (a run killed in the stage before its marker, or one that failed
+    in it) are set aside in ``stale/`` too, whole: left in place, the table, the figures and the
+    report read them as this run's results. Returns where they went."""
     marker = raw_marker(ctx.out_dir, name)
     kept = []
     own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
@@ -975,6 +1016,8 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
         kept.append(_set_aside(ctx, own))
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
+        if own is not None and own in ctx.replaced and path.is_relative_to(own):
+            continue  # its files wait in ctx.replaced; the ones of this name now are this run's (below)
         if keep and path.exists():
             kept.append(_set_aside(ctx, path))
         elif path.exists() or path.is_symlink():
@@ -984,11 +1027,13 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> list[Path]:
         ctx.removed_markers[marker_file] = marker_file.read_bytes()
     remove_marker(ctx.out_dir, name)
     ctx.markers.pop(name, None)
-    if name in STAGE_DIRS:
-        directory = ctx.out_dir / STAGE_DIRS[name]
-        if directory.is_dir() and {p.name for p in directory.iterdir()} <= {KEY_FILE}:
-            _hold(ctx, directory)  # one this run made goes at its end; an earlier run's comes back if refused
-    return kept
+    unfinished = []
+    for path in _own_paths(ctx.out_dir, name):
+        if path.is_dir() and not path.is_symlink() and {p.name for p in path.iterdir()} <= {KEY_FILE}:
+            _hold(ctx, path)  # one this run made goes at its end; an earlier run's comes back if refused
+        elif path.exists() or path.is_symlink():
+            unfinished.append(_set_aside(ctx, path))
+    return _Discarded(name, kept, unfinished)
 
 
 HELD = LOCK_FILE.parent / "held"
@@ -1042,11 +1087,8 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
                                           else "reused (done earlier; --force runs it again)"))
         return record
     if why:  # results of other inputs or options would join this run's table and report: set aside
-        kept = _discard(ctx, name, keep=True)
-        shown = ", ".join(str(path.relative_to(ctx.out_dir)) for path in kept)
-        said = "skipped (--skip)" if flagged else why
-        ctx.log(f"{position} {name}: {said}" + (f"; its results of an earlier run with other inputs or "
-                                                f"options were moved aside to {shown}" if kept else ""))
+        moved = _discard(ctx, name, keep=True).said(ctx.out_dir)
+        ctx.log(f"{position} {name}: " + ("skipped (--skip)" if flagged else why) + (f"; {moved}" if moved else ""))
         return StageRecord(name, "skipped", "skipped with --skip" if flagged else why)
     return None
 
@@ -1093,8 +1135,8 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
             ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
                                              {"figures": ctx.figures} if name == "figures" else None)
             ctx.log(f"{position} {name}: done in {record.seconds:.1f} s")
-        else:
-            _discard(ctx, name)
+        elif moved := _discard(ctx, name).said(ctx.out_dir):
+            ctx.log(f"{position} {name}: {moved}")
     record, = shard.broadcast((record,))
     return record
 
