@@ -38,7 +38,7 @@ every path explicitly (``--data``, ``--results``, ``--model``).
 
 ``archive`` copies each finished configuration's result files (its ``eval*.json``, log, rows,
 development curve and translations; no weights, tokenizer or lock) into the repository,
-``docs/results/heavy-lifting-nmt/runs/<configuration>/`` by default, in the same layout: a run
+``docs/results/heavy-lifting-nmt/finished/<configuration>/`` by default, in the same layout: a run
 lives on a machine that a later session may not have, so what is finished is committed. ``run``
 skips a configuration archived there (``--archived``), and ``report --root`` reads the archive
 as it reads a run directory.
@@ -91,7 +91,7 @@ SCRATCH = ["--from-scratch", "--scratch-epochs", "14", "--scratch-lr", "7e-4", "
 # Left behind by ``archive``: weights, tokenizers, checkpoints and locks (the result files are small).
 ARCHIVE_SKIP_DIRS = frozenset({"tokenizer", "last", "averaged", "epochs", ".headlab"})
 ARCHIVE_SKIP_SUFFIXES = (".safetensors", ".pt", ".bin", ".tmp")
-ARCHIVE = ROOT / "docs" / "results" / "heavy-lifting-nmt" / "runs"
+ARCHIVE = ROOT / "docs" / "results" / "heavy-lifting-nmt" / "finished"
 TABLE2 = (("scratch-enc-5", "enc/lam-0.01", "enc_self", 5), ("scratch-84", "all/lam-0.005", "all", 84),
           ("scratch-30", "all/lam-0.02", "all", 30), ("scratch-full", None, "all", 144))
 
