@@ -17,6 +17,32 @@ def test_join_words_spacing():
     assert join_words(["a", "b", "."], [True, False, True]) == ("a b.", [(0, 1), (2, 3), (3, 4)])
 
 
+def _join_words_loop(words, space_after=None):
+    """The per-word loop ``join_words`` replaced (reference)."""
+    parts, spans, position = [], [], 0
+    for index, word in enumerate(words):
+        spans.append((position, position + len(word)))
+        parts.append(word)
+        position += len(word)
+        if index + 1 < len(words) and (space_after is None or space_after[index]):
+            parts.append(" ")
+            position += 1
+    return "".join(parts), spans
+
+
+def test_join_words_matches_the_per_word_loop():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(500):
+        words = [rng.choice(["", "a", "bc", "d e", "ü", "_"]) for _ in range(rng.randint(0, 8))]
+        spacing = [rng.choice([True, False, 0, 1]) for _ in words]
+        for space_after in (None, spacing):
+            text, spans = join_words(words, space_after)
+            assert (text, spans) == _join_words_loop(words, space_after)
+            assert all(type(start) is int and type(end) is int for start, end in spans)
+
+
 def test_word_level_tokenizer_one_token_per_word(tmp_path):
     sentences = sample_sentences(tmp_path)
     tokenizer = word_tokenizer([w for s in sentences for w in s.words])
@@ -196,7 +222,7 @@ def test_align_one_matches_the_per_token_walk_on_random_offsets():
 
     rng = random.Random(0)
     for _ in range(400):
-        words = [rng.choice(["a", "bc", "def", "ghij"]) for _ in range(rng.randint(1, 6))]
+        words = [rng.choice(["a", "bc", "def", "ghij", ""]) for _ in range(rng.randint(1, 6))]
         text, spans = join_words(words, [rng.random() < 0.7 for _ in words])
         offsets, special = [], []
         for _ in range(rng.randint(0, 12)):
