@@ -69,6 +69,12 @@ class Alignment:
         return len(self.input_ids)
 
 
+# From this many words on, join_words and _align_one use whole-array operations instead of a loop
+# per word: the same result, less time on long sentences (~7 ms at 16k words), more on short ones
+# (~10 us at 20 words, the loops' fixed cost being lower).
+_MANY_WORDS = 64
+
+
 def join_words(words: Sequence[str], space_after: Sequence[bool] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The text of ``words`` and each word's character span ``[start, end)``.
 
@@ -76,7 +82,19 @@ def join_words(words: Sequence[str], space_after: Sequence[bool] | None = None) 
     space follows word ``i`` only when ``space_after[i]`` (CoNLL-U ``SpaceAfter=No``).
     """
     n = len(words)
-    # whole-list operations, not a loop per word (~4 ms at 16k words)
+    if n < _MANY_WORDS:
+        parts: list[str] = []
+        spans: list[tuple[int, int]] = []
+        position = 0
+        for index, word in enumerate(words):
+            spans.append((position, position + len(word)))
+            parts.append(word)
+            position += len(word)
+            if index + 1 < n and (space_after is None or space_after[index]):
+                parts.append(" ")
+                position += 1
+        return "".join(parts), spans
+    # the same in whole-list operations (the loop was ~4 ms at 16k words)
     gaps = [1] * (n - 1) if space_after is None else [1 if space_after[i] else 0 for i in range(n - 1)]
     gaps.append(0)
     if space_after is None:
@@ -99,12 +117,16 @@ def _align_one(
     max_length: int | None,
 ) -> Alignment:
     char_word = np.full(len(text) + 1, -1, dtype=np.int64)
-    # each word's index on its characters (join_words's spans: in order, apart), without a loop per word
-    word_bounds = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=2 * len(spans)).reshape(-1, 2)
-    word_lengths = word_bounds[:, 1] - word_bounds[:, 0]
-    before = np.cumsum(word_lengths) - word_lengths  # characters of the words before each word
-    char_word[np.arange(int(word_lengths.sum()), dtype=np.int64) + np.repeat(word_bounds[:, 0] - before, word_lengths)] = \
-        np.repeat(np.arange(len(spans), dtype=np.int64), word_lengths)
+    if len(spans) < _MANY_WORDS:
+        for index, (start, end) in enumerate(spans):
+            char_word[start:end] = index
+    else:  # the same without a loop per word (join_words's spans: in order, apart)
+        word_bounds = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=2 * len(spans)).reshape(-1, 2)
+        word_lengths = word_bounds[:, 1] - word_bounds[:, 0]
+        before = np.cumsum(word_lengths) - word_lengths  # characters of the words before each word
+        characters = np.arange(int(word_lengths.sum()), dtype=np.int64) + np.repeat(word_bounds[:, 0] - before,
+                                                                                    word_lengths)
+        char_word[characters] = np.repeat(np.arange(len(spans), dtype=np.int64), word_lengths)
     n_tokens = len(input_ids)
     # Whole-array form of a per-token walk (a Python loop was ~50 ms at 16k tokens): a token's
     # owners are the words of its characters; its first and last owned characters come from
