@@ -100,19 +100,26 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
-def model_and_tokenizer(args, length: int):
-    import torch
+def word_tokenizer(vocab_size: int):
+    """The word-level tokenizer of the runs: ``w0``, ``w1``, ... each one token (``write_conllu``'s words)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    fields = model_fields(args)
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {token: i for i, token in enumerate(specials)}
-    for i in range(fields["vocab_size"] - len(specials)):
+    for i in range(vocab_size - len(specials)):
         vocab[f"w{i}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def model_and_tokenizer(args, length: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = model_fields(args)
+    tokenizer = word_tokenizer(fields["vocab_size"])
     config = LlamaConfig(**fields, max_position_embeddings=length + 8, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2)
     config._attn_implementation = "sdpa"

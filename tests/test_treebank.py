@@ -106,43 +106,160 @@ def test_bundled_ewt_has_licence_and_reads():
     assert sentences[0].words[:3] == ("From", "the", "AP")
 
 
-@pytest.mark.parametrize("value", [
-    "0", "1", "7", "10", "16384", "01", "007", "-1", "+1", "1-2", "2-1", "1.1", "0.1", "1.0", "_", "",
-    "٣", "１", "²", "1 ", "x", "1e3",
-])
-def test_fast_id_and_head_parsers_agree_with_conllu(value):
-    # The ID/HEAD parsers take int(value) for plain digits and hand everything else to conllu:
-    # value and error must be conllu's own for every form, odd ones included.
+def _reference_block(block):
+    """Reference for ``_parse_block``: its generic form before the one-pass loop, every used column
+    through conllu's default parsers (ID and HEAD by regex, MISC into a dict), all lines first,
+    then the words checked in order. ``(sentence, multiword, empty)`` or ``(line, message)``."""
     from conllu.exceptions import ParseException
-    from conllu.parser import DEFAULT_FIELD_PARSERS
+    from conllu.parser import DEFAULT_FIELD_PARSERS, DEFAULT_FIELDS, parse_comment_line
 
-    from headlab.data.treebank import _FIELD_PARSERS
+    from headlab.data.treebank import Sentence, _cycle
 
-    for name in ("id", "head"):
-        try:
-            expected = DEFAULT_FIELD_PARSERS[name]([value], 0)
-        except ParseException as error:
-            with pytest.raises(ParseException) as raised:
-                _FIELD_PARSERS[name]([value], 0)
-            assert str(raised.value) == str(error)
-        else:
-            got = _FIELD_PARSERS[name]([value], 0)
-            assert got == expected and type(got) is type(expected)
+    used = [(i, name) for i, name in enumerate(DEFAULT_FIELDS) if name in ("id", "form", "upos", "head", "deprel", "misc")]
+    tokens, token_lines, metadata = [], [], {}
+    for number, line in block:
+        if line.startswith("#"):
+            try:
+                metadata.update(parse_comment_line(line))
+            except ParseException as error:
+                return number, f"not a CoNLL-U line ({error})"
+            continue
+        columns = line.split("\t")
+        if len(columns) != 10:
+            return number, f"expected 10 tab-separated columns, found {len(columns)}"
+        columns[0], columns[9] = columns[0].lstrip(), columns[9].rstrip()
+        token = {}
+        for i, name in used:
+            try:
+                token[name] = DEFAULT_FIELD_PARSERS[name](columns, i) if name in DEFAULT_FIELD_PARSERS else columns[i]
+            except ParseException as error:
+                return number, f"not a CoNLL-U line (Failed parsing field '{name}': {error})"
+        tokens.append(token)
+        token_lines.append(number)
+    words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
+    multiword = empty = 0
+    for number, token in zip(token_lines, tokens):
+        if isinstance(token["id"], tuple):
+            multiword, empty = (multiword + 1, empty) if token["id"][1] == "-" else (multiword, empty + 1)
+            continue
+        if token["id"] != len(words) + 1:
+            return number, f"word id {token['id']} out of sequence (expected {len(words) + 1})"
+        if token["head"] is None:
+            return number, "HEAD is '_': the sentence has no dependency parse"
+        if not token["deprel"] or token["deprel"] == "_":
+            return number, "DEPREL is '_'"
+        words.append(token["form"])
+        upos.append(token["upos"] or "_")
+        heads.append(int(token["head"]))
+        deprels.append(token["deprel"])
+        space_after.append((token["misc"] or {}).get("SpaceAfter") != "No")
+        word_lines.append(number)
+    if not words:
+        return block[0][0], "sentence has no words"
+    for number, head in zip(word_lines, heads):
+        if not 0 <= head <= len(words):
+            return number, f"HEAD {head} is outside the sentence (0..{len(words)})"
+    cycle = _cycle(heads)
+    if cycle is not None:
+        return word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree"
+    sentence = Sentence(tuple(words), tuple(upos), tuple(h - 1 for h in heads), tuple(deprels), tuple(space_after),
+                        sent_id=str(metadata.get("sent_id") or ""), path="x.conllu", line=block[0][0],
+                        text=metadata.get("text"))
+    return sentence, multiword, empty
 
 
-def test_fast_parsers_read_ewt_dev_as_conllu_defaults_do(monkeypatch):
-    from conllu.parser import DEFAULT_FIELD_PARSERS
+def _parsed_block(block):
+    """``_parse_block``'s outcome in the reference's form."""
+    from headlab.data.treebank import _Malformed, _parse_block
 
-    import headlab.data.treebank as treebank
+    counts = TreebankCounts()
+    try:
+        sentence = _parse_block(Path("x.conllu"), block[0][0], block, counts)
+    except _Malformed as error:
+        return error.line, error.message
+    return sentence, counts.n_multiword_tokens, counts.n_empty_nodes
 
-    fast_counts, slow_counts = TreebankCounts(), TreebankCounts()
-    fast = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=fast_counts))
-    slow_parsers = {**DEFAULT_FIELD_PARSERS, "feats": treebank._FIELD_PARSERS["feats"],
-                    "deps": treebank._FIELD_PARSERS["deps"]}
-    monkeypatch.setattr(treebank, "_FIELD_PARSERS", slow_parsers)
-    slow = list(read_conllu(EWT / "en_ewt-ud-dev.conllu", counts=slow_counts))
-    assert fast == slow and fast_counts == slow_counts
-    assert fast_counts.n_multiword_tokens > 0 and fast_counts.n_empty_nodes > 0  # the odd ids were met
+
+def _numbered(text):
+    return [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+@pytest.mark.parametrize("value", [
+    "0", "1", "2", "7", "10", "16384", "01", "007", "-1", "-0", "+1", "1-2", "2-1", "1-1", "1.1", "0.1", "1.0", "_", "",
+    "٣", "１", "²", "1 ", " 1", "x", "1e3", "1_0",
+])
+def test_id_and_head_values_read_as_conllu_reads_them(value):
+    # ID and HEAD take int(value) for plain digits and hand everything else to conllu: the value,
+    # or the error and its line, must be conllu's for every form, odd ones included.
+    # the second word's ID, then its HEAD
+    for line in (f"{value}\tb\tb\tX\t_\t_\t1\tdep\t_\t_", f"2\tb\tb\tX\t_\t_\t{value}\tdep\t_\t_"):
+        block = _numbered(f"# sent_id = v\n1\ta\ta\tX\t_\t_\t0\troot\t_\t_\n{line}")
+        assert _parsed_block(block) == _reference_block(block), line
+
+
+def test_blocks_of_ewt_dev_read_as_the_reference_reads_them():
+    from headlab.data.treebank import _blocks
+
+    n_multiword = n_empty = 0
+    for _, block, _ in _blocks(EWT / "en_ewt-ud-dev.conllu"):
+        if all(line.startswith("#") for _, line in block):
+            continue
+        got, expected = _parsed_block(block), _reference_block(block)
+        assert got == expected, block[0]
+        n_multiword, n_empty = n_multiword + got[1], n_empty + got[2]
+    assert n_multiword > 0 and n_empty > 0  # the odd ids were met
+
+
+# Odd values for a column, and whole-line edits: the errors of every kind, in every order.
+ODD = ["_", "", " ", "0", "01", "1-2", "3-2", "1.1", "x", "-1", "٣", "99", "root", "SpaceAfter=No",
+       "SpaceAfter=No|SpaceAfter=Yes", "SpaceAfter", "SpaceAfter=No=x", "_|SpaceAfter=No", "X=1|SpaceAfter=No ",
+       "SpaceAfter=No ", "Gloss=a  b|SpaceAfter=No", "=No", "SpaceAfter=", "New  York"]
+
+
+def _mutated(block, rng):
+    lines = [line for _, line in block]
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(lines))
+        kind = rng.randrange(8)
+        if kind <= 3 and not lines[at].startswith("#"):
+            columns = lines[at].split("\t")
+            column = rng.choice([0, 0, 1, 3, 6, 6, 7, 9, 9, rng.randrange(len(columns))])
+            if column < len(columns):
+                columns[column] = rng.choice(ODD) if kind < 3 else str(rng.randint(0, len(lines) + 1))
+            lines[at] = "\t".join(columns)
+        elif kind == 4:
+            lines[at] = rng.choice(["# bad", "#", "# = x", "# text = t", "# sent_id = z", "#sent_id=y", " # x"])
+        elif kind == 5:
+            lines.insert(at, rng.choice(lines))
+        elif kind == 6:
+            lines[at] = lines[at] + "\t_" if rng.random() < 0.5 else lines[at].rsplit("\t", 1)[0]
+        elif len(lines) > 1:
+            lines.pop(at)
+    return [(number, line) for number, line in enumerate(lines, start=block[0][0]) if line.strip()]
+
+
+def test_mutated_blocks_fail_or_read_as_the_reference():
+    import random
+
+    from headlab.data.treebank import InMemoryTreebank, _blocks
+
+    rng = random.Random(34)
+    blocks = [block for _, block, _ in _blocks(InMemoryTreebank(SAMPLE_CONLLU))]
+    blocks += [block for _, block, _ in _blocks(EWT / "en_ewt-ud-dev.conllu")][:60]
+    outcomes = set()
+    for _ in range(3000):
+        block = _mutated(rng.choice(blocks), rng)
+        if not block or all(line.startswith("#") for _, line in block):
+            continue
+        got, expected = _parsed_block(block), _reference_block(block)
+        assert got == expected, block
+        outcomes.add(next((m for m in MARKERS if m in got[1]), got[1]) if isinstance(got[1], str) else "read")
+    assert outcomes == {"read", *MARKERS}  # every kind of error was met (a comment never fails), and sentences read
+
+
+MARKERS = ("not a CoNLL-U line (Failed parsing field 'id'", "not a CoNLL-U line (Failed parsing field 'head'",
+           "tab-separated columns", "out of sequence", "no dependency parse", "DEPREL is '_'",
+           "outside the sentence", "on a cycle")
 
 
 # UD v2 allows spaces in FORM, LEMMA and MISC; the columns are separated by tabs only. conllu's

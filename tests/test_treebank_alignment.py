@@ -17,6 +17,35 @@ def test_join_words_spacing():
     assert join_words(["a", "b", "."], [True, False, True]) == ("a b.", [(0, 1), (2, 3), (3, 4)])
 
 
+def _join_words_loop(words, space_after=None):
+    """The per-word loop ``join_words`` replaced (reference)."""
+    parts, spans, position = [], [], 0
+    for index, word in enumerate(words):
+        spans.append((position, position + len(word)))
+        parts.append(word)
+        position += len(word)
+        if index + 1 < len(words) and (space_after is None or space_after[index]):
+            parts.append(" ")
+            position += 1
+    return "".join(parts), spans
+
+
+def test_join_words_matches_the_per_word_loop():
+    import random
+
+    from headlab.data.alignment import _MANY_WORDS
+
+    rng = random.Random(1)
+    for case in range(600):  # short sentences (a loop per word) and long ones (whole lists)
+        size = rng.randint(0, 8) if case % 3 else rng.randint(_MANY_WORDS - 2, 3 * _MANY_WORDS)
+        words = [rng.choice(["", "a", "bc", "d e", "ü", "_"]) for _ in range(size)]
+        spacing = [rng.choice([True, False, 0, 1]) for _ in words]
+        for space_after in (None, spacing):
+            text, spans = join_words(words, space_after)
+            assert (text, spans) == _join_words_loop(words, space_after)
+            assert all(type(start) is int and type(end) is int for start, end in spans)
+
+
 def test_word_level_tokenizer_one_token_per_word(tmp_path):
     sentences = sample_sentences(tmp_path)
     tokenizer = word_tokenizer([w for s in sentences for w in s.words])
@@ -189,17 +218,30 @@ def _align_one_loop(words, spans, text, offsets, special, tokens):
 
 def test_align_one_matches_the_per_token_walk_on_random_offsets():
     # Random tokenizations: specials anywhere, boundary-only and empty tokens (leading, inner,
-    # trailing), tokens over spaces, tokens spanning two words; words may get no token.
+    # trailing), tokens over spaces, tokens spanning two words; words may get no token. Long
+    # sentences: each word in one or two subwords, some with the space before, a rare odd token.
     import random
 
-    from headlab.data.alignment import _align_one
+    from headlab.data.alignment import _MANY_WORDS, _align_one
 
     rng = random.Random(0)
-    for _ in range(400):
-        words = [rng.choice(["a", "bc", "def", "ghij"]) for _ in range(rng.randint(1, 6))]
+    results = []
+    for case in range(440):  # short sentences (a loop per word) and long ones (whole arrays)
+        size = rng.randint(1, 6) if case % 11 else rng.randint(_MANY_WORDS - 2, 2 * _MANY_WORDS)
+        words = [rng.choice(["a", "bc", "def", "ghij", ""][: 5 if size < _MANY_WORDS or case % 2 else 4])
+                 for _ in range(size)]
         text, spans = join_words(words, [rng.random() < 0.7 for _ in words])
         offsets, special = [], []
-        for _ in range(rng.randint(0, 12)):
+        if size >= _MANY_WORDS:  # subwords of each word (some with the space before, or boundary-only), a few odd
+            for start, end in spans:
+                cut = rng.randint(start, end)
+                space = start > 0 and text[start - 1] == " " and rng.random() < 0.3
+                offsets += [(start - space, cut), (cut, end)]
+                special += [0, 0]
+                if rng.random() < 0.002:
+                    offsets.append((rng.randint(0, len(text)), rng.randint(0, len(text))))
+                    special.append(rng.choice([0, 1]))
+        for _ in range(rng.randint(0, 12) if size < _MANY_WORDS else 0):
             if rng.random() < 0.15:
                 offsets.append((0, 0))
                 special.append(1)
@@ -214,5 +256,8 @@ def test_align_one_matches_the_per_token_walk_on_random_offsets():
                              None)
         except AlignmentError as error:
             assert isinstance(expected, str) and str(error) == expected
+            results.append((size >= _MANY_WORDS, "error"))
             continue
         assert got.word_of_token.tolist() == expected and got.word_of_token.dtype.name == "int64"
+        results.append((size >= _MANY_WORDS, "aligned"))
+    assert {(True, "error"), (True, "aligned"), (False, "error"), (False, "aligned")} <= set(results)

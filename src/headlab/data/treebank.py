@@ -21,9 +21,9 @@ from typing import cast
 
 from conllu.exceptions import ParseException
 from conllu.parser import (
-    DEFAULT_FIELD_PARSERS,
     DEFAULT_FIELDS,
     parse_comment_line,
+    parse_dict_value,
     parse_id_value,
     parse_int_value,
 )
@@ -168,26 +168,15 @@ class TreebankCounts:
         return dict(self.__dict__)
 
 
-def _plain_number(value: str) -> bool:
-    """``value`` is ASCII digits without a leading zero ("0" itself included): the one form that
-    conllu's ID and HEAD patterns read as ``int(value)``."""
-    return value.isdigit() and value.isascii() and (value[0] != "0" or value == "0")
-
-
-# FEATS and DEPS are not used: keep them as raw text (conllu's parsers for them are the slow part).
-# ID and HEAD: a plain number is read here (conllu's regex match per field was a good part of the
-# reading time); any other value (1-2, 1.1, _, a bad one) goes to conllu's parser as before.
-_FIELD_PARSERS = {
-    **DEFAULT_FIELD_PARSERS,
-    "id": lambda line, i: int(line[i]) if _plain_number(line[i]) else parse_id_value(line[i]),
-    "head": lambda line, i: int(line[i]) if _plain_number(line[i]) else parse_int_value(line[i]),
-    "feats": lambda line, i: line[i],
-    "deps": lambda line, i: line[i],
-}
-# The columns a Sentence is made of (index, conllu's field name); LEMMA, XPOS, FEATS and DEPS
-# are not read (their parsers never refuse a value, so skipping them refuses nothing more).
-_USED_FIELDS = tuple((i, name) for i, name in enumerate(DEFAULT_FIELDS)
-                     if name in ("id", "form", "upos", "head", "deprel", "misc"))
+# The columns a Sentence is made of: ID, FORM, UPOS, HEAD, DEPREL, MISC. LEMMA, XPOS, FEATS and DEPS
+# are not read, nor checked (conllu's own parser would refuse a DEPS such as "2-1:nsubj"; headlab has no
+# use for it). ID and HEAD: a plain number (ASCII digits, no leading zero, "0" itself included: the
+# one form that conllu's ID and HEAD patterns read as int(value)) is read with int() in the loop of
+# _parse_block (conllu's regex match per field was a good part of the reading time); any other value
+# (1-2, 1.1, _, a bad one) goes to conllu's parser. MISC goes to conllu's parser only where it names
+# SpaceAfter, the one key read.
+_ID, _FORM, _UPOS, _HEAD, _DEPREL, _MISC = (DEFAULT_FIELDS.index(name)
+                                           for name in ("id", "form", "upos", "head", "deprel", "misc"))
 
 
 class InMemoryTreebank:
@@ -256,10 +245,16 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
     conllu's own line split (``parse_line``: tabs *or* two spaces) would read "New  York" as two
     columns and shift every later one. A line that is not 10 tab-separated columns (a
     space-separated one included) is refused, not guessed at.
+
+    One pass over the lines. A line that does not parse (a comment, the column count, ID, HEAD) is
+    refused before any word's error (ID out of sequence, HEAD or DEPREL '_'), wherever the two are:
+    the first word error is held until every line has parsed.
     """
-    tokens: list[dict] = []
-    token_lines: list[int] = []
     metadata: dict = {}
+    words: list[str]
+    words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
+    n_multiword = n_empty = 0
+    held: _Malformed | None = None
     for number, line in block:
         if line.startswith("#"):
             try:
@@ -271,47 +266,51 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
         if len(columns) != 10:
             raise _Malformed(number, f"expected 10 tab-separated columns, found {len(columns)}")
         # conllu strips each line: spaces around it go, as they did (tabs are columns, counted above)
-        columns[0], columns[9] = columns[0].lstrip(), columns[9].rstrip()
-        token = {}
-        for i, name in _USED_FIELDS:
-            parser = _FIELD_PARSERS.get(name)
-            try:
-                token[name] = parser(columns, i) if parser is not None else columns[i]
-            except ParseException as error:
-                raise _Malformed(number, f"not a CoNLL-U line (Failed parsing field '{name}': {error})") from None
-        tokens.append(token)
-        token_lines.append(number)
-    words: list[str]
-    words, upos, heads, deprels, space_after, word_lines = [], [], [], [], [], []
-    n_multiword = n_empty = 0
-    for number, token in zip(token_lines, tokens):
-        token_id = token["id"]
+        value = columns[_ID].lstrip()
+        try:
+            # a plain number (see _ID above), tested inline: a call per field was ~2 ms of ~25 at 16k words
+            token_id = (int(value) if value.isdigit() and value.isascii() and (value[0] != "0" or value == "0")
+                        else parse_id_value(value))
+        except ParseException as error:
+            raise _Malformed(number, f"not a CoNLL-U line (Failed parsing field 'id': {error})") from None
+        value = columns[_HEAD]
+        try:
+            head = (int(value) if value.isdigit() and value.isascii() and (value[0] != "0" or value == "0")
+                    else parse_int_value(value))
+        except ParseException as error:
+            raise _Malformed(number, f"not a CoNLL-U line (Failed parsing field 'head': {error})") from None
+        if held is not None:
+            continue
         if isinstance(token_id, tuple):
             if token_id[1] == "-":
                 n_multiword += 1
             else:
                 n_empty += 1
             continue
+        deprel = columns[_DEPREL]
         if token_id != len(words) + 1:
-            raise _Malformed(number, f"word id {token_id} out of sequence (expected {len(words) + 1})")
-        head, deprel = token["head"], token["deprel"]
-        if head is None:
-            raise _Malformed(number, "HEAD is '_': the sentence has no dependency parse")
-        if not deprel or deprel == "_":
-            raise _Malformed(number, "DEPREL is '_'")
-        misc = token.get("misc") or {}
-        words.append(token["form"])
-        upos.append(token["upos"] or "_")
-        heads.append(int(head))
-        deprels.append(deprel)
-        space_after.append(misc.get("SpaceAfter") != "No")
-        word_lines.append(number)
+            held = _Malformed(number, f"word id {token_id} out of sequence (expected {len(words) + 1})")
+        elif head is None:
+            held = _Malformed(number, "HEAD is '_': the sentence has no dependency parse")
+        elif not deprel or deprel == "_":
+            held = _Malformed(number, "DEPREL is '_'")
+        else:
+            misc = columns[_MISC].rstrip()
+            words.append(columns[_FORM])
+            upos.append(columns[_UPOS] or "_")
+            heads.append(head)
+            deprels.append(deprel)
+            # parse_dict_value gives a SpaceAfter key only to a MISC that names it
+            space_after.append("SpaceAfter" not in misc or (parse_dict_value(misc) or {}).get("SpaceAfter") != "No")
+            word_lines.append(number)
+    if held is not None:
+        raise held
     if not words:
         raise _Malformed(start, "sentence has no words")
     n = len(words)
-    for number, head in zip(word_lines, heads):
-        if not 0 <= head <= n:
-            raise _Malformed(number, f"HEAD {head} is outside the sentence (0..{n})")
+    if min(heads) < 0 or max(heads) > n:
+        number, head = next((number, head) for number, head in zip(word_lines, heads) if not 0 <= head <= n)
+        raise _Malformed(number, f"HEAD {head} is outside the sentence (0..{n})")
     cycle = _cycle(heads)
     if cycle is not None:
         raise _Malformed(word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree")
