@@ -1,7 +1,8 @@
 """CoNLL-U treebanks (Universal Dependencies), read one sentence at a time.
 
-Each token line is split on tabs (only: FORM, LEMMA and MISC may hold spaces) and its columns
-read with the ``conllu`` package's field parsers. Multiword-token lines (``1-2``) and
+Each token line is split on tabs (only: FORM, LEMMA and MISC may hold spaces) and the columns
+used read as the ``conllu`` package reads them (plain numbers with ``int()``, any other ID or HEAD
+and MISC with its parsers). Multiword-token lines (``1-2``) and
 empty nodes (``8.1``) are skipped and counted: the analysis works on syntactic words, the
 units that carry UPOS tags and dependency arcs. A malformed sentence is reported with its file
 and line and skipped; the rest of the file is still read (``strict=True`` raises instead).
@@ -239,7 +240,8 @@ class _Malformed(Exception):
 
 
 def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[int, str]], counts: TreebankCounts) -> Sentence:
-    """Parse one sentence block with ``conllu``'s field parsers; raise _Malformed naming the bad line.
+    """Parse one sentence block (``conllu``'s parsers where a value is not a plain number); raise
+    _Malformed naming the bad line.
 
     A token line is split on tabs only: UD v2 allows spaces in FORM, LEMMA and MISC, and
     conllu's own line split (``parse_line``: tabs *or* two spaces) would read "New  York" as two
