@@ -72,8 +72,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "bailing_hybrid": {**MLA, "layer_types": ["full_attention", "full_attention"]},  # its MLA layers only
     # DeepSeek Sparse Attention: an indexer of 2 heads picking 3 keys per query (of 7: the selection counts)
     **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
-    "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},  # head_dim: the rotary part
-    # (LongCat-Flash: num_hidden_layers is 2 x its decoder layers, two attentions in each: two decoder layers)
+    "deepseek_v3": {**MLA, "head_dim": 4},  # head_dim: the rotary part
+    # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
+    "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
     **{t: {**MLA, "head_dim": 4} for t in ("youtu", "axk1")},
     **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
