@@ -68,10 +68,14 @@ EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial
 HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
 MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
 OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off its configuration_*.py)
-    **{t: MLA for t in ("deepseek_v2", "glm4_moe_lite", "minicpm3", "sarvam_mla")},
+    **{t: MLA for t in ("deepseek_v2", "glm4_moe_lite", "minicpm3", "sarvam_mla", "axk2")},
+    "bailing_hybrid": {**MLA, "layer_types": ["full_attention", "full_attention"]},  # its MLA layers only
     # DeepSeek Sparse Attention: an indexer of 2 heads picking 3 keys per query (of 7: the selection counts)
     **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
-    "deepseek_v3": {**MLA, "head_dim": 4}, "longcat_flash": {**MLA, "head_dim": 4},  # head_dim: the rotary part
+    "deepseek_v3": {**MLA, "head_dim": 4},  # head_dim: the rotary part
+    # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
+    "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
+    **{t: {**MLA, "head_dim": 4} for t in ("youtu", "axk1")},
     **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
                         layer_types=["sliding_attention", "full_attention"], sliding_window=4),

@@ -1,5 +1,6 @@
 """Physical pruning of multi-head latent attention (DeepSeek-V2, DeepSeek-V3 with and without a query
-latent, Sarvam-MLA, GLM-4-MoE-Lite, MiniCPM3, DeepSeek-V3.2 and GLM-MoE-DSA with their indexers).
+latent, Sarvam-MLA, GLM-4-MoE-Lite, MiniCPM3, DeepSeek-V3.2 and GLM-MoE-DSA with their indexers; Mistral 4,
+Youtu, A.X-K1 and Kimi Linear's attention layers; LongCat-Flash in tests/test_longcat_flash.py).
 
 transformers' MLA (``DeepseekV3Attention.forward``): the query projection (``q_b_proj`` after
 ``q_a_proj`` and ``q_a_layernorm``, or ``q_proj`` when ``q_lora_rank`` is None) is viewed
@@ -55,8 +56,15 @@ CONFIGS = {
     "glm_moe_dsa": _INDEXER,
     # layer 1 attends to layer 0's selection (no indexer of its own), handed on by layer 0's forward
     "glm_moe_dsa-shared": {**_INDEXER, "indexer_types": ["full", "shared"]},
+    # session 25 (fam10): the same layout read off their forwards (LongCat-Flash: tests/test_longcat_flash.py)
+    "mistral4": {},
+    "mistral4-no-q-latent": {"q_lora_rank": None},
+    "youtu": {},
+    "axk1": {},
+    "kimi_linear": {"layer_types": ["full_attention", "full_attention"], "num_local_experts": 4},
 }
 FAMILIES = tuple(CONFIGS)
+CLASSES = {"mistral4": "Mistral4ForCausalLM"}  # not in AutoModelForCausalLM's table (the bare model would be built)
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -66,7 +74,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     config = CONFIG_MAPPING[model_type](**{**_SIZES, **CONFIGS[family]})
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = model_class_for(config)(config).eval()
+    model = (getattr(tf, CLASSES[model_type]) if model_type in CLASSES else model_class_for(config))(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
@@ -130,7 +138,13 @@ def test_pruning_equals_masking_generates_and_reloads(family, spec_name, tmp_pat
     assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
     assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
     assert record["portable"]["how"] == "remote code"
-    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    model_type = family.split("-")[0]
+    if model_type == "axk1":
+        # transformers applies no checkpoint conversion to remote code (PrunedModel): A.X-K1's renaming of
+        # post_mlp_layernorm into mlp. is skipped and the norm initialised afresh (reported, not fixed here)
+        pytest.xfail("plain transformers loads a pruned A.X-K1 without its conversion mapping")
+    auto = tf.AutoModel if model_type in CLASSES else tf.AutoModelForCausalLM  # config.json's auto_map
+    plain = auto.from_pretrained(tmp_path, trust_remote_code=True).eval()
     torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
 
 
@@ -224,3 +238,36 @@ def test_a_latent_projection_of_another_width_is_refused():
     attention.kv_b_proj = torch.nn.Linear(16, 4 * (NOPE + V) + 1, bias=False)
     with pytest.raises(HeadlabError, match=r"kv_b_proj emits 49 features, not the output projection's 4 heads x 12"):
         attention_blocks(model)
+
+
+def test_a_latent_attention_that_differs_is_refused_for_its_reason():
+    """Mistral Large 4 scales its queries per head (softmax_scaling: a scale and a bias per head) and shares
+    key/value latents across layers: pruning is refused naming that, not "projection layout is unknown"."""
+    from headlab.surgery import check_prunable
+
+    if "mistral_large4_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no mistral_large4_text")
+    config = CONFIG_MAPPING["mistral_large4_text"](**{**_SIZES, **_INDEXER})
+    config._attn_implementation = "sdpa"
+    model = model_class_for(config)(config).eval()
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 4]  # analysed and masked as the others
+    reason = r"layers\.1\.self_attn .*physical pruning is refused: multi-head latent attention: its queries are " \
+             r"scaled per head \(softmax_scaling"
+    with pytest.raises(HeadlabError, match=reason):
+        prune_heads(model, {("dec_self", 1): [0]})
+    with pytest.raises(HeadlabError, match="its queries are scaled per head"):
+        check_prunable(model)
+
+
+def test_a_latent_attention_of_an_unchecked_type_is_refused_naming_it(monkeypatch):
+    """A kv_b_proj in a model type headlab has not read the forward of: refused as such, LRP too."""
+    from headlab.adapters import families
+    from headlab.importance.rules import check_rules
+
+    monkeypatch.delitem(families.LATENT_ATTENTION, "deepseek_v3")
+    model = tiny_model("deepseek_v3")
+    with pytest.raises(HeadlabError, match=r"physical pruning is refused: multi-head latent attention: a kv_b_proj in a "
+                                           "forward headlab has not checked against DeepSeek-V3's"):
+        prune_heads(model, {("dec_self", 1): [0]})
+    with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits"):
+        check_rules(model)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, qkv_columns
-from headlab.adapters.families import QKV_LAYOUTS
+from headlab.adapters.families import QKV_LAYOUTS, unpruned_latent_reason
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
@@ -602,6 +602,10 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"{block.name} ({block.family.name}): physical pruning is refused: this module's weights are shared by "
             f"{block.applications} depths, so slicing a head out of them removes it at every depth, which masking "
             "one depth's head does not; mask the heads instead (mask_heads)")
+    latent = unpruned_latent_reason(block.family, block.core) if block.n_heads else None
+    if latent:  # the real reason, not the unknown layout below
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "
+                           "instead (mask_heads, or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "

@@ -22,6 +22,7 @@ from torch import nn
 
 from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
 from headlab.adapters.families import (
+    ATTENTION_SUBLAYERS,
     CONFIG_FAMILIES,
     FAMILIES,
     LATENT_ATTENTION,
@@ -239,9 +240,9 @@ def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: 
         return []
     found = []
     for name, module in model.named_modules():
-        layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
         stand_in = type(module).__name__
-        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or not layer:
+        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or \
+                not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
             continue
         o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
         # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
@@ -250,8 +251,31 @@ def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: 
             name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
             probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)),
             head_rows=LATENT_ATTENTION[model_type](module), selection_argument=getattr(module, "selection", None))
-        found.append((_guess_kind(name, module, config, model), int(layer[-1]), name, module, family))
+        found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
+                      family))
     return found
+
+
+def _layer_number(model_type: str, name: str, module: nn.Module) -> int:
+    """The layer of a discovered attention module: the last number in its path, or, for a type whose decoder
+    layers hold several attentions (:data:`~headlab.adapters.families.ATTENTION_SUBLAYERS`), layer x count +
+    the attention's place in it, checked against the module's own ``layer_idx`` where it has one."""
+    numbers = [int(n) for n in re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)]
+    if not numbers:
+        raise HeadlabError(f"model_type {model_type!r}: attention module {name!r} has no layer index in its path")
+    count = ATTENTION_SUBLAYERS.get(model_type)
+    if count is None:
+        return numbers[-1]
+    where = f"{name} (model_type {model_type!r}, {count} attention modules per decoder layer)"
+    if len(numbers) < 2 or numbers[-1] >= count:
+        raise HeadlabError(f"{where}: its path does not hold its decoder layer and its place among that layer's "
+                           "attentions (layers.N.self_attn.i)")
+    layer = numbers[-2] * count + numbers[-1]
+    own = getattr(module, "layer_idx", None)
+    if isinstance(own, int) and own != layer:
+        raise HeadlabError(f"{where}: its layer_idx is {own}, not {layer} (decoder layer {numbers[-2]} x {count} + "
+                           f"{numbers[-1]}): headlab cannot tell which attention of the model it is")
+    return layer
 
 
 def _check_returns_weights(model: nn.Module, where: str, candidate: tuple) -> None:
@@ -279,10 +303,10 @@ def _outside(candidate: tuple) -> str:
 
 def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered) -> tuple:
     module = model.get_submodule(item.name)
-    layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", item.name)
-    if not layer:
+    if not re.search(r"(?:^|\.)\d+(?=\.|$)", item.name):
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}): attention module {item.name!r} has no "
                            "layer index in its path")
+    layer = _layer_number(model_type, item.name, module.get_submodule(item.core) if item.core else module)
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
@@ -292,7 +316,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         prefix = f"{item.core}." if item.core else ""
         rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
         family = dataclasses.replace(family, head_rows=rows, selection_argument=_selection_argument(core))
-    return _guess_kind(item.name, module, config, model), int(layer[-1]), item.name, module, family
+    return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 
 def _ships_with_transformers(model: nn.Module) -> bool:

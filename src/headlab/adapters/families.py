@@ -100,11 +100,42 @@ def latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str, ...]], ...]]] = dict.fromkeys(
-    ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "glm4_moe_lite", "minicpm3"],
+    ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "glm4_moe_lite", "minicpm3",
+     # the same views and splits (read off their forwards): LongCat-Flash scales the query and key/value
+     # latents by constants, Mistral 4 the queries by a per-position factor the same for every head, Kimi
+     # Linear's leave out the rotation; none of it per head
+     "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
     latent_attention_rows)
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
-equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned."""
+equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, for the
+reason :data:`LATENT_UNPRUNED` gives (or as not checked)."""
+
+LATENT_UNPRUNED: dict[str, str] = dict.fromkeys(
+    ["mistral_large4_text", "mistral_large4"],
+    "its queries are scaled per head (softmax_scaling.scale and .bias, one entry per head, which slicing the "
+    "projections would leave at the old head count) and its kv_sharing_modes 'reuse' layers read an earlier "
+    "layer's key/value latents, with no kv_a_proj_with_mqa of their own")
+"""Multi-head latent attention types whose forward differs from DeepSeek-V3's in what physical pruning would
+have to slice: pruning is refused naming it (analysis and masking act on the attention function's output,
+which these forwards hand to ``o_proj`` head by head as DeepSeek-V3's does)."""
+
+def unpruned_latent_reason(family: Family, core: Any) -> str | None:
+    """Why physical pruning leaves a multi-head latent attention (a ``kv_b_proj``) that
+    :data:`LATENT_ATTENTION` gave no ``head_rows`` alone; None for any other block."""
+    if family.head_rows or getattr(core, "kv_b_proj", None) is None:
+        return None
+    model_type = family.name.split(":", 1)[-1]
+    return "multi-head latent attention: " + LATENT_UNPRUNED.get(model_type, (
+        "a kv_b_proj in a forward headlab has not checked against DeepSeek-V3's views and splits (the model types of "
+        "headlab.adapters.families.LATENT_ATTENTION, laid out so, are pruned)"))
+
+
+ATTENTION_SUBLAYERS: dict[str, int] = {"longcat_flash": 2}
+"""Model types whose decoder layers each hold several attention modules in a list (LongCat-Flash's
+``layers.N.self_attn.i``, i = 0, 1): block ``N * count + i``, transformers' own number of that attention
+(its ``layer_idx``, its cache layer and its place in ``output_attentions``), not the path's last number
+(which gave every layer's first attention the number 0)."""
 
 
 QKV_LAYOUTS = {

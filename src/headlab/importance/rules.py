@@ -226,10 +226,12 @@ def check_rules(model: nn.Module) -> None:
     token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
     blocks = attention_blocks(model)
     for block in blocks:
-        if block.n_heads and block.family.head_rows:
+        latent = block.family.head_rows[-1][0] if block.family.head_rows else \
+            "kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None  # listed or not
+        if block.n_heads and latent:
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): multi-head latent attention, "
-                f"whose {block.family.head_rows[-1][0]} emits each head's keys and values together (and whose rotary key "
+                f"whose {latent} emits each head's keys and values together (and whose rotary key "
                 "comes from the latent projection all heads share), so the attention weights cannot be held constant "
                 "by detaching a query and a key projection")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
