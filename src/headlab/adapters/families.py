@@ -120,6 +120,7 @@ LATENT_UNPRUNED: dict[str, str] = dict.fromkeys(
 have to slice: pruning is refused naming it (analysis and masking act on the attention function's output,
 which these forwards hand to ``o_proj`` head by head as DeepSeek-V3's does)."""
 
+
 def unpruned_latent_reason(family: Family, core: Any) -> str | None:
     """Why physical pruning leaves a multi-head latent attention (a ``kv_b_proj``) that
     :data:`LATENT_ATTENTION` gave no ``head_rows`` alone; None for any other block."""
