@@ -1,6 +1,7 @@
 """`headlab analyze` end to end on a tiny saved Marian: stages, manifest, resume, skips, errors."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -491,3 +492,97 @@ def test_a_failed_stage_s_outputs_are_not_read_as_results(inputs, tmp_path, monk
     aside = out / "stale" / "functions.old2"
     assert (aside / "positional" / "share.json").is_file() and (aside / "labels.json").is_file()  # all of them
     assert json.loads((aside / "summary.json").read_text())["report"]["n_sentences"] > 2  # this run's
+
+
+def _kill_in(out, stage):
+    """The directory as a run killed in ``stage`` leaves it: the stage's files written, its done
+    marker not, and manifest.json last rewritten after the stage before it."""
+    (out / ".headlab" / "stages" / f"{stage}.json").unlink()
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = [s["name"] for s in manifest["stages"]]
+    manifest["stages"] = manifest["stages"][:names.index(stage)]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_killed_run_s_outputs_are_not_read_before_a_later_run(inputs, tmp_path):
+    """Regression: a run killed in a stage left its files for the readers until a later analyze run
+    set them aside: build_report, Analysis.load, the heads table and the figures showed the killed
+    functions stage's maps, labels and columns as results (and an earlier run's aggregate statistics,
+    a stage the killed run never reached), while manifest.json listed neither stage. Now the
+    readers leave out the files of a stage that manifest.json does not list as done, and say so."""
+    import warnings
+
+    import headlab
+    from headlab.pipeline.figures import figure_specs
+    from headlab.pipeline.table import write_heads_table
+    from headlab.report import build_report
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "lrp,ablation,attention,figures")
+    assert main(run) == 0
+    _kill_in(out, "functions")
+    said = "left out, from a run that did not finish the stage (manifest.json does not list it: the run was killed"
+    html = build_report(out).read_text(encoding="utf-8")
+    assert '"group":"functions"' not in html and '"group":"aggregate"' not in html and '"exemplars":null' in html
+    assert '"importance/confidence"' in html and '"importance/gradient"' in html  # the stages that finished
+    assert "stage functions: " in html and "stage aggregate: " in html and said in html
+    with pytest.warns(UserWarning) as caught:
+        analysis = headlab.Analysis.load(out)
+    texts = [str(w.message) for w in caught]
+    assert any(t.startswith(f"Analysis.load({out}): stage functions: ") and said in t for t in texts)
+    assert any("stage aggregate: " in t for t in texts) and caught[0].filename == __file__
+    assert set(analysis.tables) == {"confidence", "gradient", "gradient_raw"} and not analysis.labels
+    assert said in analysis.skipped["functions"] and "skipped functions: stage functions:" in repr(analysis)
+    assert not any(name.startswith(("functions/", "aggregate/")) for name in analysis.files)
+    with pytest.warns(UserWarning) as caught:
+        write_heads_table(out)
+    assert any("heads table: stage functions: " in str(w.message) for w in caught) and caught[0].filename == __file__
+    assert not {"positional_share", "mean_distance", "functions"} & set(_columns(out))
+    assert {"confidence", "gradient"} <= set(_columns(out))
+    with pytest.warns(UserWarning) as caught:
+        specs = figure_specs(out)
+    assert any("figures: stage functions: " in str(w.message) for w in caught)
+    assert all("function analysis did not run" in caption for name, _, caption, _ in specs if name.startswith("figure1"))
+    # a stage recorded as failed (a run before stale/ existed left its files) is left out too
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["stages"].append({"name": "functions", "status": "failed", "reason": "boom", "seconds": 1.0, "outputs": []})
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning) as caught:
+        assert "positional_share" not in headlab.Analysis.load(out).tables
+    assert any(re.fullmatch(r".*stage functions: .* left out, not results of this run \(manifest.json records the "
+                            r"stage as failed\)", str(w.message)) for w in caught)
+    # the same command run again finishes the stages: everything read, nothing said
+    assert main(run) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analysis = headlab.Analysis.load(out)
+        html = build_report(out).read_text(encoding="utf-8")
+    assert {"positional_share", "mean_distance"} <= set(analysis.tables) and "stage functions: " not in html
+    assert {"positional_share", "mean_distance"} <= set(_columns(out))
+
+
+def test_a_standalone_command_s_directory_is_read_whole(inputs, tmp_path):
+    """`headlab functions --out` and `headlab importance --out` write no manifest.json: the readers
+    read every file there, as before, and say nothing; so do they in a directory an Analysis of such
+    files was saved to (its manifest records no stage)."""
+    import warnings
+
+    import headlab
+    from headlab.pipeline.table import heads_table
+    from headlab.report import build_report
+
+    run = tmp_path / "run"  # the layout of analyze's: each command's --out one of its folders
+    assert main(["functions", str(inputs / "model"), "--conllu", str(inputs / "tb.conllu"), "--out",
+                 str(run / "functions"), "--no-progress", "--no-figures"]) == 0
+    assert main(["importance", str(inputs / "model"), "--source", str(inputs / "src.en"), "--out",
+                 str(run / "importance"), "--method", "confidence", "--no-progress"]) == 0
+    assert not (run / "manifest.json").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert {"confidence", "positional_share"} <= set(headlab.Analysis.load(run).tables)
+        assert {"confidence", "positional_share"} <= set(heads_table(run)[0])
+        html = build_report(run).read_text(encoding="utf-8")
+        assert '"group":"functions"' in html and '"importance/confidence"' in html
+        headlab.Analysis.load(run).save(tmp_path / "saved")
+        assert json.loads((tmp_path / "saved" / "manifest.json").read_text())["stages"] == []
+        assert {"confidence", "positional_share"} <= set(headlab.Analysis.load(tmp_path / "saved").tables)

@@ -471,19 +471,13 @@ def test_a_file_of_a_done_stage_that_is_missing_is_noted_in_its_section(analysis
     copied with the directory, was read as never computed: the importance section showed the other
     measures' heatmaps and left LRP's out without a word (so did the aggregate section)."""
     directory = tmp_path / "copy"
-    shutil.copytree(analysis_dir, directory)
-    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    outputs = {"importance": ["importance/confidence.json", "importance/lrp.json", "importance/gradient.json"],
-               "aggregate": sorted(p.relative_to(directory).as_posix() for p in (directory / "aggregate").rglob("*.json"))}
-    for stage in manifest["stages"]:
-        stage["outputs"] = outputs.get(stage["name"], stage["outputs"])
-    (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    shutil.copytree(analysis_dir, directory)  # its manifest lists each stage's files, as analyze's does
     html = build_report(directory).read_text(encoding="utf-8")
     assert "recorded as done" not in html  # every file there: nothing to say
     (directory / "importance" / "lrp.json").unlink()
     shutil.rmtree(directory / "aggregate")
     html = build_report(directory).read_text(encoding="utf-8")
-    assert ("stage importance is recorded as done, but 1 file it wrote is missing from the directory: "
+    assert ("stage lrp is recorded as done, but 1 file it wrote is missing from the directory: "
             "importance/lrp.json") in _section(html, "importance")
     assert ("stage aggregate is recorded as done, but 7 files it wrote are missing from the directory: "
             "aggregate/dependency_alignment.json, aggregate/exemplars.json, aggregate/mean_distance.json, "
@@ -500,9 +494,8 @@ def test_the_notebook_page_says_which_files_are_missing_and_not_those_it_does_no
     directory = tmp_path / "copy"
     shutil.copytree(analysis_dir, directory)
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    manifest["stages"] += [{"name": "table", "status": "done", "reason": None, "seconds": 1.0, "outputs": ["heads.csv"]},
-                           {"name": "lrp", "status": "done", "reason": None, "seconds": 1.0,
-                            "outputs": ["importance/lrp.json"]}]
+    manifest["stages"] += [{"name": "table", "status": "done", "reason": None, "seconds": 1.0, "outputs": ["heads.csv"]}]
+    assert next(s for s in manifest["stages"] if s["name"] == "lrp")["outputs"] == ["importance/lrp.json"]
     (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     (directory / "heads.csv").write_text("model,run\n", encoding="utf-8")
     analysis = headlab.Analysis.load(directory)
@@ -515,3 +508,40 @@ def test_the_notebook_page_says_which_files_are_missing_and_not_those_it_does_no
     assert analysis.skipped["lrp"] == (f"recorded as done in manifest.json, but importance/lrp.json is missing from "
                                        f"{directory}")
     assert "skipped lrp: recorded as done" in repr(analysis)
+
+
+def test_files_of_a_stage_the_manifest_does_not_list_as_done_are_left_out_and_said(analysis_dir, tmp_path):
+    """Regression: the report drew every file in the directory, those of a stage that manifest.json
+    lacks (a run killed in it) or records as failed among them: LRP's map, the sweep and the
+    aggregate section's exemplars appeared as results. Now each such stage's files are left out,
+    and its section says which and why."""
+    directory = tmp_path / "copy"
+    shutil.copytree(analysis_dir, directory)
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    manifest["stages"] = [s for s in manifest["stages"] if s["name"] not in ("lrp", "aggregate")]
+    for stage in manifest["stages"]:
+        if stage["name"] == "prune":
+            stage.update(status="failed", reason="boom", outputs=[])
+    (directory / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    html = build_report(directory).read_text(encoding="utf-8")
+    data = _data(html)
+    assert "lrp" not in {h["name"] for h in data["heatmaps"]} and "confidence" in {h["name"] for h in data["heatmaps"]}
+    assert not [h for h in data["heatmaps"] if h["group"] in ("aggregate", "pos")] and data["exemplars"] is None
+    assert "stage lrp: 1 file (importance/lrp.json) left out, from a run that did not finish the stage" in \
+        _section(html, "importance")
+    assert ("stage aggregate: 7 files (aggregate/dependency_alignment.json, aggregate/exemplars.json, "
+            "aggregate/mean_distance.json (+4 more)) left out") in _section(html, "aggregate")
+    assert ("stage prune: 1 file (prune/sweep.json) left out, not results of this run (manifest.json records the "
+            "stage as failed)") in _section(html, "pruning")
+    assert "lam-0.05" not in _section(html, "pruning")
+
+
+def test_the_stage_folders_are_those_analyze_writes():
+    """The readers' stage folders (headlab.report.vouched) are the pipeline's."""
+    from headlab.pipeline.pipeline import STAGE_DIRS
+    from headlab.report.vouched import AREAS, stage_of
+
+    assert {name: name for name in AREAS} == STAGE_DIRS
+    assert [stage_of(p) for p in ("importance/gradient_raw.json", "importance/agreement.md", "aggregate/pos/_.json",
+                                  "functions/positional/share.json", "heads.csv", "importance")] == \
+        ["gradient", "agreement", "aggregate", "functions", None, None]

@@ -651,24 +651,35 @@ class Analysis:
     @checked_keywords()
     def load(cls, directory: str | os.PathLike) -> "Analysis":
         """An analysis directory written by ``headlab analyze`` (any version that wrote these
-        files; any stage may be missing) or by :meth:`save`."""
+        files; any stage may be missing) or by :meth:`save`. The files of a stage that its
+        ``manifest.json`` does not list as done (a run killed in the stage) are not read: a warning
+        names the stage, and :attr:`skipped` lists it (:mod:`headlab.report.vouched`)."""
+        import warnings
+
         from headlab.pipeline.labels import load_labels
         from headlab.pipeline.table import score_columns
+        from headlab.report.vouched import read_manifest, vouched
 
         if not str(directory).strip():  # Path("") is the working directory
             raise HeadlabError("Analysis.load: the directory path is empty")
         directory = Path(directory)
         if not directory.is_dir():
             raise HeadlabError(f"{directory}: no such analysis directory")
+        readable = vouched(directory, read_manifest(directory))
         files: dict[str, bytes] = {}
         for group in _HELD:
             root = directory / group
             if root.is_dir():
                 for path in sorted(root.rglob("*")):
                     inside = path.relative_to(directory)
-                    if path.is_file() and not any(part.startswith(".") for part in inside.parts):
+                    if path.is_file() and not any(part.startswith(".") for part in inside.parts) \
+                            and readable.reads(inside):
                         files[inside.as_posix()] = path.read_bytes()
-        files.update(_held_attention(directory))
+        if readable.reads("attention/index.json"):
+            files.update(_held_attention(directory))
+        left_out = {group.stage: group.text() for group in readable.under(*_HELD, "attention")}
+        for text in left_out.values():
+            warnings.warn(f"Analysis.load({directory}): {text}", UserWarning, stacklevel=3)
         if (directory / _MANIFEST).is_file():
             files[_MANIFEST] = (directory / _MANIFEST).read_bytes()
         if not files:
@@ -689,6 +700,8 @@ class Analysis:
         skipped = {s["name"]: s.get("reason") or "" for s in manifest.get("stages", []) or []
                    if isinstance(s, dict) and s.get("status") == "skipped" and "name" in s}
         skipped.update(_missing_outputs(manifest, files, directory))
+        for stage, text in left_out.items():
+            skipped[stage] = f"{skipped[stage]}; {text}" if skipped.get(stage) else text
         model = str(manifest.get("model") or next((t.model for t in columns.values() if t.model), ""))
         return cls(_shown_name(model) if model else "", columns, labels, agreement, skipped, files,
                    run=directory.resolve().name)

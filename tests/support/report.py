@@ -129,8 +129,16 @@ def build_analysis_dir(directory: Path, *, long: bool = True, stages_missing: bo
                   "heads": 18, "bleu": 12.1, "chrf": 39.8, "loss": 2.2, "status": "converged"}]
         atomic_write_text(directory / "prune" / "sweep.json", json.dumps(sweep))
         _figure(directory / "figures" / "figure1.png")
-        stages += [{"name": n, "status": "done", "reason": None, "seconds": 1.0, "outputs": []}
-                   for n in ("importance", "functions", "aggregate", "prune", "figures")]
+        # one row per stage with the files it wrote, as analyze records them: the report reads no
+        # file of a stage that manifest.json does not list as done (headlab.report.vouched)
+        def written(pattern: str) -> list[str]:
+            return sorted(p.relative_to(directory).as_posix() for p in directory.glob(pattern) if p.is_file())
+
+        stages += [{"name": n, "status": "done", "reason": None, "seconds": 1.0, "outputs": written(pattern)}
+                   for n, pattern in (*((m, f"importance/{m}.json") for m in measures),
+                                      ("agreement", "importance/agreement.*"), ("functions", "functions/**/*"),
+                                      ("aggregate", "aggregate/**/*"), ("prune", "prune/**/*"),
+                                      ("figures", "figures/**/*"))]
     manifest = {
         "headlab_version": "0.1.0", "model": "tiny-marian <fixture>", "source": "src.txt", "target": "ref.txt",
         "conllu": None, "created": "2025-01-01T00:00:00Z", "stages": stages,

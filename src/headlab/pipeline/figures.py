@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
@@ -270,17 +271,24 @@ def _label_words() -> str:
     return ": " + (words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1])
 
 
-def _load(path: Path) -> HeadScores | None:
-    return HeadScores.load(path) if path.is_file() else None
-
-
 def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable[[], tuple]]]:
-    """``(name, title, caption, draw)`` of every figure the files in ``analysis_dir`` allow."""
+    """``(name, title, caption, draw)`` of every figure the files in ``analysis_dir`` allow, less
+    the files of a stage that its manifest says did not finish (:mod:`headlab.report.vouched`)."""
+    from headlab.report.vouched import read_manifest, vouched
+
     root = Path(analysis_dir)
+    readable = vouched(root, read_manifest(root))
+    for group in readable.left_out:
+        if group.stage not in ("attention", "figures"):  # the files figures are drawn from
+            warnings.warn(f"{root}: figures: {group.text()}", UserWarning, stacklevel=2)
+
+    def _load(path: Path) -> HeadScores | None:
+        return HeadScores.load(path) if path.is_file() and readable.reads_under(root, path) else None
+
     specs: list[tuple[str, str, str, Callable[[], tuple]]] = []
     lrp, confidence = _load(root / "importance" / "lrp.json"), _load(root / "importance" / "confidence.json")
     labels_file = root / "functions" / "labels.json"
-    labels = load_labels(labels_file) if labels_file.is_file() else {}
+    labels = load_labels(labels_file) if labels_file.is_file() and readable.reads("functions/labels.json") else {}
     if lrp is not None or confidence is not None:
         have = set(lrp.kinds if lrp is not None else ()) | set(confidence.kinds if confidence is not None else ())
         labelled = {key.split(":")[0] for key in labels}
@@ -311,7 +319,7 @@ def figure_specs(analysis_dir: str | Path) -> list[tuple[str, str, str, Callable
                     name, title, caption, heading = output.figure.texts(path.stem)
                     specs.append((name, title, caption, partial(plot_scores_heatmap, scores, title=heading)))
     sweep = root / "prune" / "sweep.json"
-    if sweep.is_file():
+    if sweep.is_file() and readable.reads("prune/sweep.json"):
         rows = json.loads(sweep.read_text(encoding="utf-8"))
         if any(r.get("bleu") is not None for r in rows):
             specs.append(("pruning_curve", "Pruning: BLEU against heads kept",

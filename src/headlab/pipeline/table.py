@@ -55,26 +55,26 @@ def _column(relative: Path) -> str:
     return "_".join(parts)
 
 
-def _model_of(out_dir: Path, scores: list[HeadScores]) -> str:
+def _model_of(manifest: dict | None, scores: list[HeadScores]) -> str:
     """The model argument of the run: its manifest's (``analyze``), else the one its score files
     name (``importance``, ``functions``), else empty."""
-    try:
-        model = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, AttributeError):
-        model = None
+    model = (manifest or {}).get("model")
     if isinstance(model, str) and model:
         return model
     named = {s.model for s in scores if isinstance(s.model, str) and s.model}
     return named.pop() if len(named) == 1 else ""
 
 
-def _documents(out_dir: Path):
-    """``(path relative to DIR, JSON)`` of the JSON files of the score directories, in column order."""
+def _documents(out_dir: Path, vouched):
+    """``(path relative to DIR, JSON)`` of the JSON files of the score directories, in column order,
+    less those of a stage that the manifest says did not finish (``vouched``)."""
     for directory in _sources():
         root = out_dir / directory
         if not root.is_dir():
             continue
         for path in sorted(root.rglob("*.json")):
+            if not vouched.reads_under(out_dir, path):
+                continue
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
@@ -95,20 +95,34 @@ def score_columns(documents, where: str | Path = ""):
                 yield _column(inner) + "_stderr", errors
 
 
-def _score_files(out_dir: Path):
-    return score_columns(_documents(out_dir), out_dir)
+def _score_files(out_dir: Path, vouched):
+    return score_columns(_documents(out_dir, vouched), out_dir)
 
 
 def heads_table(out_dir: str | Path, model: str | None = None) -> tuple[list[str], list[list]]:
     """``(columns, rows)`` of the run in ``out_dir``: one row per head any file scores. ``model``:
-    the model column (default: read from the directory, :func:`_model_of`)."""
-    out_dir = Path(out_dir)
-    columns_scores = list(_score_files(out_dir))
+    the model column (default: read from the directory, :func:`_model_of`). The files of a stage
+    that ``manifest.json`` says did not finish (a run killed in it) are left out, with a warning
+    (:mod:`headlab.report.vouched`)."""
+    return _heads_table(Path(out_dir), model, stacklevel=3)
+
+
+def _heads_table(out_dir: Path, model: str | None, stacklevel: int) -> tuple[list[str], list[list]]:
+    """:func:`heads_table`; its warnings point ``stacklevel`` frames up (the caller of the public function)."""
+    import warnings
+
+    from headlab.report.vouched import read_manifest, vouched
+
+    manifest = read_manifest(out_dir)
+    readable = vouched(out_dir, manifest)
+    for group in readable.under(*_sources()):
+        warnings.warn(f"{out_dir}: heads table: {group.text()}", UserWarning, stacklevel=stacklevel)
+    columns_scores = list(_score_files(out_dir, readable))
     if model is None:
-        model = _model_of(out_dir, [scores for _, scores in columns_scores])
+        model = _model_of(manifest, [scores for _, scores in columns_scores])
     labels: dict[str, list[str]] = {}
     labels_path = out_dir / "functions" / "labels.json"
-    if labels_path.is_file():
+    if labels_path.is_file() and readable.reads("functions/labels.json"):
         from headlab.pipeline.labels import load_labels
 
         labels = load_labels(labels_path)
@@ -150,9 +164,10 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
 
 
 def write_heads_table(out_dir: str | Path, model: str | None = None) -> list[Path]:
-    """Write ``heads.csv`` (empty cells: not scored) and, with pyarrow, ``heads.parquet``."""
+    """Write ``heads.csv`` (empty cells: not scored) and, with pyarrow, ``heads.parquet``; the files of
+    a stage that ``manifest.json`` says did not finish are left out, with a warning (:func:`heads_table`)."""
     out_dir = Path(out_dir)
-    columns, rows = heads_table(out_dir, model)
+    columns, rows = _heads_table(out_dir, model, stacklevel=3)
     if not rows:
         return []
     buffer = io.StringIO()

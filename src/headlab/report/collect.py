@@ -16,6 +16,7 @@ from headlab.heads import HeadScores, normalised_per_layer
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
+from headlab.report.vouched import Vouched, vouched
 
 __all__ = ["Collected", "collect", "statistic_maps", "read_json_noted"]
 
@@ -34,6 +35,11 @@ class Collected:
     viewer: dict = field(default_factory=dict)  # the viewer's index as the report embeds it (set by build)
     sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
     per_layer: set[str] = field(default_factory=set)  # ids of the maps normalised per layer (not in the page's data)
+    vouched: Vouched = field(default_factory=Vouched)  # the stages' files that manifest.json vouches for
+
+    def reads(self, path: Path) -> bool:
+        """Whether ``path`` (in the directory) is read: not a file of a stage the manifest says did not finish."""
+        return self.vouched.reads_under(self.directory, path)
 
     def note(self, section: str, text: str) -> None:
         self.notes.append({"section": section, "text": text})
@@ -122,10 +128,11 @@ def _labels_from_results(functions: Path, out: Collected) -> dict[str, list[str]
     from headlab.functions.registry import STATISTICS
 
     labels: dict[str, list[str]] = {}
+    read = lambda path: _read_json(path, "functions", out) if out.reads(path) else None  # noqa: E731
     for statistic in STATISTICS.values():
         if statistic.read_labels is None or statistic.stage != "functions":
             continue
-        for key, names in statistic.read_labels(functions, lambda path: _read_json(path, "functions", out)).items():
+        for key, names in statistic.read_labels(functions, read).items():
             labels.setdefault(str(key), []).extend(names)
     return labels
 
@@ -145,6 +152,20 @@ def _output_section(relative: str) -> str | None:
         return None
     return {"importance": "importance", "functions": "functions", "aggregate": "aggregate", "attention": "viewer",
             "prune": "pruning"}.get(top, "summary")
+
+
+def _left_out_section(stage: str, files: tuple[str, ...]) -> str:
+    """The section that says a stage's files were left out: the one that would have shown them."""
+    if stage == "figures":
+        return "figures"
+    return _output_section(files[0]) or "summary"
+
+
+def _note_left_out(out: Collected) -> None:
+    """Each stage whose files the manifest does not vouch for (:mod:`headlab.report.vouched`): read,
+    a killed run's partial outputs would be shown as this run's results."""
+    for group in out.vouched.left_out:
+        out.note(_left_out_section(group.stage, group.files), group.text())
 
 
 def _note_missing_outputs(out: Collected) -> None:
@@ -181,17 +202,20 @@ def collect(directory: Path) -> Collected:
     else:
         out.note("summary", "manifest.json: not found; the run summary is unknown")
     _note_missing_outputs(out)
+    out.vouched = vouched(d, out.manifest)
+    _note_left_out(out)
 
     # Importance: the registry's tables first, in its order, then any other HeadScores file.
     importance = d / "importance"
     titles = tables()
-    known = [n for n in titles if (importance / f"{n}.json").is_file()]
-    others = sorted(p.stem for p in importance.glob("*.json") if p.stem not in titles and p.stem != "agreement") \
-        if importance.is_dir() else []
+    known = [n for n in titles if (importance / f"{n}.json").is_file() and out.reads(importance / f"{n}.json")]
+    others = sorted(p.stem for p in importance.glob("*.json")
+                    if p.stem not in titles and p.stem != "agreement" and out.reads(p)) if importance.is_dir() else []
     for name in known + others:
         title, caption = titles.get(name, (name, ""))
         _heatmap(out, importance / f"{name}.json", "importance", name, title, caption)
-    agreement = _read_json(importance / "agreement.json", "agreement", out)
+    agreement = _read_json(importance / "agreement.json", "agreement", out) \
+        if out.reads(importance / "agreement.json") else None
     if isinstance(agreement, dict) and (isinstance(agreement.get("spearman"), dict)
                                         or isinstance(agreement.get("matrix"), dict)):
         out.agreement = agreement
@@ -199,12 +223,12 @@ def collect(directory: Path) -> Collected:
         out.note("agreement", "importance/agreement.json: no 'spearman' or 'matrix' table")
 
     functions = d / "functions"
-    maps = statistic_maps(d)
+    maps = [found for found in statistic_maps(d) if out.reads(found[0])]
     for path, group, name, output in maps:
         if group == "functions":
             _heatmap(out, path, group, name, output.title.format(stem=name), output.caption.format(stem=name),
                      output.categorical)
-    labels = _read_json(functions / "labels.json", "functions", out)
+    labels = _read_json(functions / "labels.json", "functions", out) if out.reads(functions / "labels.json") else None
     if isinstance(labels, dict):
         # labels.json lists every analysed head, most with no function: keep the labelled ones.
         out.labels = {str(k): [str(x) for x in (v if isinstance(v, list) else [v])] for k, v in labels.items()
@@ -217,7 +241,7 @@ def collect(directory: Path) -> Collected:
             _heatmap(out, path, group, name, output.title.format(stem=name), output.caption.format(stem=name),
                      output.categorical)
 
-    sweep = _read_json(d / "prune" / "sweep.json", "pruning", out)
+    sweep = _read_json(d / "prune" / "sweep.json", "pruning", out) if out.reads(d / "prune" / "sweep.json") else None
     if isinstance(sweep, list):
         out.sweep = [row for row in sweep if isinstance(row, dict)]
 
@@ -225,17 +249,19 @@ def collect(directory: Path) -> Collected:
     if figures is None:
         figures = [{"name": p.stem, "title": p.stem.replace("_", " "), "caption": "", "png": str(p.relative_to(d)),
                     "svg": str(p.with_suffix(".svg").relative_to(d)) if p.with_suffix(".svg").is_file() else None}
-                   for p in sorted((d / "figures").glob("*.png"))]
+                   for p in sorted((d / "figures").glob("*.png")) if out.reads(p)]
     for figure in figures:
         if not isinstance(figure, dict):
             continue
         png = figure.get("png")
+        if png and not out.reads(d / png):
+            continue  # noted with its stage
         if png and (d / png).is_file():
             out.figures.append(figure)
         elif png or figure.get("svg"):
             out.note("figures", f"{figure.get('name', '?')}: {png or figure.get('svg')} not found")
 
-    index = _read_json(d / "attention" / "index.json", "viewer", out)
+    index = _read_json(d / "attention" / "index.json", "viewer", out) if out.reads(d / "attention" / "index.json") else None
     if isinstance(index, dict) and isinstance(index.get("sentences"), list):
         out.attention = index
     return out

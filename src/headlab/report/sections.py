@@ -75,11 +75,17 @@ def _summary(c: Collected) -> str:
 def report_parts(section: str | None = None) -> list[ReportPart]:
     """The report parts that the registered measures and statistics declare (of ``section``; None:
     all), in registry order."""
+    return [part for _, part in _parts_by_stage() if section in (None, part.section)]
+
+
+def _parts_by_stage() -> list[tuple[str, ReportPart]]:
+    """``(stage, part)``: each report part with the analyze stage that writes its files."""
     from headlab.functions.registry import STATISTICS
     from headlab.importance.registry import MEASURES
 
-    return [part for plugin in (*MEASURES.values(), *STATISTICS.values()) for part in plugin.report
-            if section in (None, part.section)]
+    return [(stage, part) for stage, plugin in (*((m.name, m) for m in MEASURES.values()),
+                                               *((s.stage, s) for s in STATISTICS.values()))
+            for part in plugin.report]
 
 
 def _function_table(c: Collected) -> str:
@@ -322,12 +328,13 @@ def collect_sections(c: Collected) -> None:
     for section in SECTIONS.values():
         if section.collect is not None:
             c.sections[section.id] = section.collect(c.directory, lambda text, s=section.id: c.note(s, text))
-    for part in report_parts():
+    for stage, part in _parts_by_stage():
         host = SECTIONS.get(part.section)
         if host is None or not host.parts:
             raise ValueError(f"report part {part.name!r}: {part.section!r} is no section that draws parts "
                              f"({', '.join(s.id for s in SECTIONS.values() if s.parts)})")
-        if part.collect is not None:
+        # its files are of a stage the manifest says did not finish (noted with the stage's files)
+        if part.collect is not None and not c.vouched.stage_left_out(stage):
             c.sections[part.name] = part.collect(c.directory, functools.partial(c.note, part.section))
 
 
