@@ -412,6 +412,8 @@ def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
                 receiver = ast.unparse(node.func.value)
                 if receiver.endswith("GenerationConfig"):
                     continue
+                if path.name == "portable_code.py" and receiver == "super()":
+                    continue  # PrunedModel.from_pretrained: the user's own call (trust_remote_code=True), passed on
                 names = {k.arg for k in node.keywords}
                 spread = any(k.arg is None for k in node.keywords)  # **kwargs: built in the same function
                 if "trust_remote_code" not in names and not (spread and "trust_remote_code" in ast.unparse(function)):

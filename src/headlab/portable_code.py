@@ -216,19 +216,46 @@ class PrunedModel(_BASE):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         apply_plan(self, config.headlab_pruned)
-        _share_weight_renaming(config)
+        _share_checkpoint_conversion(type(self))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loading, refused when it left a weight of the pruned model newly initialised
+        or a weight of the checkpoint unused: that would be another model, with no error."""
+        wants_info = kwargs.get("output_loading_info", False)
+        kwargs["output_loading_info"] = True
+        model, info = super().from_pretrained(*args, **kwargs)
+        check_loading_info(info, BASE_CLASS)
+        return (model, info) if wants_info else model
 
 
-def _share_weight_renaming(config) -> None:
-    """transformers renames some weights when it saves a model (GPT-NeoX's lm_head is written as
-    embed_out) and back when it loads one, but skips the renaming for a class defined outside
-    transformers: register the original class's renaming for this one."""
+def check_loading_info(info: dict, base_class: str) -> None:
+    """Raise when ``info`` (``from_pretrained``'s ``output_loading_info``) names a weight left newly
+    initialised (missing) or one of the checkpoint not loaded (unexpected)."""
+    problems = [f"{what} {sorted(info.get(key) or ())}" for key, what in (
+        ("missing_keys", "newly initialised (missing from the checkpoint):"),
+        ("unexpected_keys", "in the checkpoint but not loaded:")) if info.get(key)]
+    if problems:
+        raise RuntimeError(f"pruned_heads.py: this transformers ({transformers.__version__}) did not load the "
+                           f"pruned {base_class} exactly; weights {'; '.join(problems)}. Load it with "
+                           "headlab.load_pruned(path) instead.")
+
+
+def _share_checkpoint_conversion(cls: type) -> None:
+    """transformers converts some checkpoints when it loads a model of its own classes (renames:
+    GPT-NeoX's embed_out is lm_head; fuses the experts of many mixtures of experts) and converts back
+    when it saves, looking the conversion up by class name, then by ``model_type``, for the model and
+    each sub-model not already covered (``conversion_mapping.get_model_conversion_mapping``). A class
+    defined outside transformers is skipped unless its name is registered. Register this class under
+    exactly the original class's own entry, which may be none (``None``): then, like the original, it
+    is looked up by model type, which also covers its sub-models. Registering the model type's list
+    under this class's name instead would apply it a second time through the sub-model (the inner
+    model, looked up by model type): A.X-K1's ``post_mlp_layernorm`` was renamed twice and left newly
+    initialised."""
     try:
         from transformers import conversion_mapping as mapping
-    except ImportError:  # a transformers without weight renaming
+    except ImportError:  # a transformers without checkpoint conversions
         return
-    found = mapping.get_checkpoint_conversion_mapping(BASE_CLASS)
-    if found is None:
-        found = mapping.get_checkpoint_conversion_mapping(getattr(config, "model_type", None))
-    # registered also when empty: the last pruned model loaded in this process may have had one
-    mapping.register_checkpoint_conversion_mapping(PrunedModel.__name__, found or [], overwrite=True)
+    # registered also when None: the last pruned model loaded in this process may have had an entry
+    mapping.register_checkpoint_conversion_mapping(cls.__name__, mapping.get_checkpoint_conversion_mapping(BASE_CLASS),
+                                                   overwrite=True)
