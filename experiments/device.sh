@@ -48,6 +48,13 @@
 #                                       $OUT/compare-engines.log; the exit status is the verdict (0 yes,
 #                                       1 no, 3 undecided). Needs the .whl carry (conllu) and no bundled
 #                                       model: `experiments/device-tree.sh out lm` before (31.7 MiB travel).
+#   experiments/device.sh issue34       issue 34 in one call (about 9 minutes): compare-engines for
+#                                       COMPARE_MINUTES (default 5), then bench-gpu at 16384 tokens
+#                                       with MODES (default sdpa kernel fused) for BENCH_MINUTES (default
+#                                       3), then the host's reading per 16k-word sentence on this machine
+#                                       (benchmarks/bench_host_reading.py, $OUT/host-reading.json); the
+#                                       exit status is compare-engines' verdict. Carry and tree as for
+#                                       compare-engines.
 #
 # Back on the development machine: `tar xzf <files_at>/results-MODEL.tar.gz` in the repository
 # root, then `experiments/reproduce.sh --docs-only` and commit docs/. Before the first call, here:
@@ -72,7 +79,7 @@ chmod +x /tmp/headlab-bin/headlab
 export PATH="/tmp/headlab-bin:$PATH" HEADLAB=headlab
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
 
-case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines} in
+case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines | issue34} in
   sweep)
     MODEL=${2:?usage: experiments/device.sh sweep MODEL}
     # timeout ends the stages inside the call's limit; the point in training resumes from its
@@ -189,5 +196,18 @@ case ${1:?usage: experiments/device.sh sweep MODEL | news | parallel | cuda-test
         --dtypes ${DTYPES:-bfloat16 float32} --reference-dtype "${REF_DTYPE:-float64}" --time --time-length "${TIME_LENGTH:-16384}" --threads "$THREADS" \
         --json "$OUT/compare-engines.json" 2>&1 | tee "$OUT/compare-engines.log"
     ;;
-  *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines" >&2; exit 2 ;;
+  issue34)
+    # The three measurements issue 34 still lacks, one device call: the verdict on the kernel as the
+    # CUDA default, the whole command at 16k tokens since the host's reading was cut (h34k, cor9,
+    # h34m), and that reading timed on this machine's CPU (the estimate's assumption).
+    set +e
+    MINUTES=${COMPARE_MINUTES:-5} "$0" compare-engines
+    verdict=$?
+    LENGTHS=${LENGTHS_BENCH:-16384} MODES=${MODES:-sdpa kernel fused} MINUTES=${BENCH_MINUTES:-3} "$0" bench-gpu
+    OMP_NUM_THREADS=1 timeout 120 "$PY" benchmarks/bench_host_reading.py --repeat 5 --json "$OUT/host-reading.json" \
+      2>&1 | tee "$OUT/host-reading.log"
+    echo "compare-engines verdict (exit status): $verdict"
+    exit "$verdict"
+    ;;
+  *) echo "unknown command $1: sweep MODEL | news | parallel | cuda-tests | bench-gpu | compare-engines | issue34" >&2; exit 2 ;;
 esac
