@@ -231,7 +231,8 @@ class Runner(heavy_lifting_runner.Runner):
         self.extra_control = shlex.split(args.extra_control_args or "")
         self.extra_scratch = shlex.split(args.extra_scratch_args or "")
         self.extra_gated = shlex.split(args.extra_gated_args or "")
-        self.archived = Path(args.archived).resolve() if args.archived else None
+        archived = getattr(args, "archived", None)  # a Namespace built by hand (tests) may lack it
+        self.archived = Path(archived).resolve() if archived else None
         self._model = None
 
     def result_file(self, config: dict) -> str:
