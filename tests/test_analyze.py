@@ -56,7 +56,9 @@ def full_run(inputs, tmp_path_factory):
 
 def test_every_stage_runs_and_the_manifest_follows_the_contract(full_run):
     manifest = json.loads((full_run / "manifest.json").read_text())
-    assert set(manifest) == {"headlab_version", "model", "source", "target", "conllu", "created", "stages", "figures"}
+    assert set(manifest) == {"headlab_version", "model", "source", "target", "conllu", "created", "written_by", "stages",
+                             "figures"}
+    assert manifest["written_by"] == "headlab analyze"  # the readers: a stage not listed has not finished
     assert [s["name"] for s in manifest["stages"]] == list(STAGES)
     for stage in manifest["stages"]:
         assert set(stage) == {"name", "status", "reason", "seconds", "outputs"}
@@ -586,3 +588,74 @@ def test_a_standalone_command_s_directory_is_read_whole(inputs, tmp_path):
         headlab.Analysis.load(run).save(tmp_path / "saved")
         assert json.loads((tmp_path / "saved" / "manifest.json").read_text())["stages"] == []
         assert {"confidence", "positional_share"} <= set(headlab.Analysis.load(tmp_path / "saved").tables)
+
+
+class _Killed(BaseException):
+    """A kill of the process (nothing in headlab catches a BaseException that is not Ctrl-C)."""
+
+
+def _killed_before_the_marker(monkeypatch, stage):
+    """write_marker raises for ``stage``: the run dies with the stage's files written, its marker not."""
+    from headlab.pipeline import pipeline
+
+    write_marker = pipeline.write_marker
+
+    def dies(out_dir, name, *args, **kwargs):
+        if name == stage:
+            raise _Killed(name)
+        return write_marker(out_dir, name, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_marker", dies)
+
+
+@pytest.mark.parametrize("again", [["--limit", "4"], ["--force"]], ids=["other-options", "force"])
+def test_a_rerun_killed_in_its_first_stage_is_not_vouched_for(again, inputs, tmp_path, monkeypatch, capsys):
+    """Regression: a rerun killed in its first stage after writing its file but before its marker
+    left the earlier run's manifest.json and marker in place, so the earlier run's done row vouched
+    for the new, unfinished file to the readers (and with --force, whose key is the same, the next
+    run reused it as done). Now the stage's row and marker go before it writes again."""
+    import headlab
+    from headlab.pipeline import pipeline
+    from headlab.report.vouched import read_manifest, vouched
+
+    out = tmp_path / "out"
+    first = pipeline.STAGES[0]
+    run = _args(inputs, out, "--skip", "functions,aggregate,attention,figures")
+    assert main(run) == 0
+    with monkeypatch.context() as patch:
+        _killed_before_the_marker(patch, first)
+        with pytest.raises(_Killed):
+            main([*run, *again])
+    manifest = read_manifest(out)
+    assert first not in {s["name"] for s in manifest["stages"]}
+    assert "lrp" in {s["name"] for s in manifest["stages"]}  # the earlier run's other stages still vouched for
+    assert not (out / ".headlab" / "stages" / f"{first}.json").exists()
+    assert not vouched(out, manifest).reads(f"importance/{next(iter(MEASURES[first].tables))}.json")
+    with pytest.warns(UserWarning, match=f"stage {first}: "):
+        assert first not in headlab.Analysis.load(out).tables
+    capsys.readouterr()
+    assert main([*run, *again[:-1]] if again == ["--force"] else [*run, *again]) == 0
+    assert f"{first}: running" in capsys.readouterr().err  # not reused
+    assert first in {s["name"] for s in read_manifest(out)["stages"] if s["status"] == "done"}
+
+
+def test_a_first_run_killed_in_its_first_stage_vouches_for_nothing(inputs, tmp_path, monkeypatch):
+    """Regression: a first run killed before its first manifest write left no manifest.json, and the
+    readers read the directory whole (as a standalone command's): the killed stage's file was read
+    as a result. Now analyze writes a manifest that lists no stage when the run starts."""
+    import headlab
+    from headlab.pipeline import pipeline
+    from headlab.report.vouched import read_manifest
+
+    out = tmp_path / "out"
+    first = pipeline.STAGES[0]
+    table = f"importance/{next(iter(MEASURES[first].tables))}.json"
+    _killed_before_the_marker(monkeypatch, first)
+    with pytest.raises(_Killed):
+        main(_args(inputs, out, "--skip", "functions,aggregate,attention,figures"))
+    assert (out / table).is_file()
+    manifest = read_manifest(out)
+    assert manifest["stages"] == [] and manifest["written_by"] == "headlab analyze"
+    with pytest.warns(UserWarning, match=f"stage {first}: .* from a run that did not finish the stage"):
+        analysis = headlab.Analysis.load(out)
+    assert first not in analysis.tables and first in analysis.skipped

@@ -27,7 +27,9 @@ the rest wait. A stage that fails with an error that is not headlab's stops the 
 cannot go on without its share); the finished stages are kept and the same command resumes.
 
 Resuming: a stage whose marker, inputs and outputs are all in place is reused (see
-:mod:`headlab.pipeline.records`); ``force`` runs everything again. A stage that cannot run
+:mod:`headlab.pipeline.records`); ``force`` runs everything again. ``manifest.json`` vouches only
+for stages a run finished (:mod:`headlab.report.vouched`): a run writes one listing no stage when
+it starts (unless an earlier run's lists some), and a stage about to run drops its row and marker. A stage that cannot run
 (missing input, a model without the capability) is recorded as skipped with the reason, a
 stage that raises as failed with the error; the other stages still run.
 """
@@ -51,6 +53,7 @@ from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import LOCK_FILE, DirectoryLock
 from headlab.pipeline.records import MARKER_DIR, StageRecord, raw_marker, read_marker, remove_marker, write_manifest, write_marker
 from headlab.plugins import OptionSpec, PluginOptions, check_values, option_specs, plugin_options
+from headlab.report.vouched import ANALYZE, read_manifest, stage_rows
 from headlab.resume import SkipStage, file_fingerprint, now_iso, set_aside, stage_key, weights_fingerprint
 from headlab.shard import SINGLE, Shard, sharding
 
@@ -454,6 +457,7 @@ class _Context:
         # their markers removed (path -> bytes), stale/ itself if this run made it: put back if refused.
         self.set_aside: list[tuple[Path, Path]] = []
         self.removed_markers: dict[Path, bytes] = {}
+        self.unvouched: dict[str, dict] = {}  # the markers _unvouch removed (for _discard)
         self.made_stale: Path | None = None
         # An earlier run's outputs that a stage not done this time removes (where each was, where it
         # waits in .headlab/held/): put back if a later stage refuses the run, deleted when it ends.
@@ -1009,7 +1013,7 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> _Discarded:
     Outputs that no marker lists (a run killed in the stage before its marker, or one that failed
     in it) are set aside in ``stale/`` too, whole: left in place, the table, the figures and the
     report read them as this run's results. Returns where they went."""
-    marker = raw_marker(ctx.out_dir, name)
+    marker = raw_marker(ctx.out_dir, name) or ctx.unvouched.get(name)
     kept = []
     own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
     if keep and marker and own is not None and own.is_dir():  # whole, not its files flattened into stale/
@@ -1093,6 +1097,29 @@ def _settled(ctx: _Context, name: str, key: str, position: str) -> StageRecord |
     return None
 
 
+def _unvouch(ctx: _Context, name: str) -> None:
+    """Before stage ``name`` writes again: its row leaves manifest.json (an earlier run's, which
+    this run has not rewritten yet) and its done marker goes, so that a run killed before the new
+    marker leaves nothing vouching for the files the stage half rewrote (to the readers,
+    :mod:`headlab.report.vouched`; to the next run, which with --force's same key would reuse them).
+    A refused run puts both back (:func:`_undo`: the manifest's bytes, ``removed_markers``)."""
+    from headlab.heads import write_json
+
+    manifest = read_manifest(ctx.out_dir)
+    if manifest is not None and any(row["name"] == name for row in stage_rows(manifest)):
+        rows = [row for row in manifest["stages"] if not (isinstance(row, dict) and row.get("name") == name)]
+        # written_by: with its last row gone it must still vouch for nothing, not read whole
+        figures: dict[str, list] = {"figures": []} if name == "figures" else {}  # they are the stage's files
+        write_json(ctx.out_dir / "manifest.json", {**manifest, "written_by": ANALYZE, "stages": rows, **figures},
+                   ensure_ascii=False)
+    marker_file = ctx.out_dir / MARKER_DIR / f"{name}.json"
+    if marker_file.is_file():
+        ctx.removed_markers.setdefault(marker_file, marker_file.read_bytes())
+        if (marker := raw_marker(ctx.out_dir, name)) is not None:
+            ctx.unvouched[name] = marker  # what _discard sets aside if the stage is not done
+        remove_marker(ctx.out_dir, name)
+
+
 def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     shard = ctx.shard
     key = ctx.key(name) if shard.main else ""
@@ -1107,6 +1134,7 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     start = time.perf_counter()
     try:
         if shard.main:
+            _unvouch(ctx, name)
             _prepare_dir(ctx, name, key)
         with sharding(shard if name in SHARDED_STAGES else SINGLE):
             written, note = (RUNNERS[name] if name in RUNNERS else _importance(name))(ctx)
@@ -1213,13 +1241,16 @@ def run_analysis(config: AnalyzeConfig, *, log: Callable[[str], None] | None = N
 
 def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None], shard: Shard = SINGLE) -> AnalysisRun:
     header = {"headlab_version": __version__, "model": config.model, "source": config.source,
-              "target": config.target, "conllu": config.conllu, "created": now_iso()}
+              "target": config.target, "conllu": config.conllu, "created": now_iso(), "written_by": ANALYZE}
     ctx = _Context(config, out_dir, log, shard)
     records: list[StageRecord] = []
     manifest = out_dir / "manifest.json"
     earlier = manifest.read_bytes() if manifest.is_file() else None
     if shard.main:
         shutil.rmtree(out_dir / HELD, ignore_errors=True)  # a killed run's: it would have deleted them
+        if not stage_rows(read_manifest(out_dir)):
+            # None, or one read whole (a saved Analysis'): until a stage finishes, vouch for nothing
+            write_manifest(out_dir, header, [], [])
     for i, name in enumerate(STAGES, start=1):
         try:
             record = _run_stage(ctx, name, f"[{i}/{len(STAGES)}]")

@@ -7,7 +7,7 @@ depends on), and every output it lists exists (markers, keys and fingerprints:
 
 ``DIR/manifest.json`` (the contract with :mod:`headlab.report`; schema in docs/analyze.md)::
 
-    {"headlab_version", "model", "source", "target", "conllu", "created",
+    {"headlab_version", "model", "source", "target", "conllu", "created", "written_by",
      "stages": [{"name", "status": "done"|"skipped"|"failed", "reason", "seconds", "outputs"}],
      "figures": [{"name", "title", "caption", "png", "svg"}]}
 """

@@ -11,7 +11,10 @@ the file among a done stage's outputs) and say which they left out.
 
 A directory whose manifest records no stage (the standalone commands' ``functions --out``,
 ``importance --out``, which write no manifest; an :class:`~headlab.Analysis` saved from one) is
-read whole: nothing there says a stage did not finish. Markers are not read: a copied or saved
+read whole: nothing there says a stage did not finish. Not so one whose manifest ``headlab
+analyze`` wrote (``"written_by": "headlab analyze"``, :data:`ANALYZE`): it writes one with no
+stage at the start of a run and drops a stage's row before the stage writes again, so there a
+stage not listed has not finished, none listed included. Markers are not read: a copied or saved
 directory has none, and a done row is only written after its stage's marker.
 """
 
@@ -23,11 +26,15 @@ from pathlib import Path
 
 from headlab.errors import counted
 
-__all__ = ["LeftOut", "Vouched", "read_manifest", "stage_of", "vouched", "AREAS"]
+__all__ = ["LeftOut", "Vouched", "read_manifest", "stage_rows", "stage_of", "vouched", "AREAS", "ANALYZE"]
 
 AREAS = ("functions", "aggregate", "prune", "attention", "figures")
 """The folders of DIR that a stage of its name owns (``headlab.pipeline.pipeline.STAGE_DIRS``, which
 tests/test_report.py compares: the report may not import the pipeline)."""
+
+ANALYZE = "headlab analyze"
+"""``written_by`` of the manifest ``headlab analyze`` writes: it lists a stage only once the stage
+finished (the Python API's ``headlab.analyze`` writes every row at once, and names itself)."""
 
 
 def read_manifest(directory: Path) -> dict | None:
@@ -37,6 +44,13 @@ def read_manifest(directory: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None
+
+
+def stage_rows(manifest: object) -> list[dict]:
+    """The rows of ``manifest``'s ``stages`` that name a stage (none: not a dict, no list)."""
+    rows = manifest.get("stages") if isinstance(manifest, dict) else None
+    return [row for row in rows if isinstance(row, dict) and isinstance(row.get("name"), str)] \
+        if isinstance(rows, list) else []
 
 
 def _declared_folders() -> dict[str, str]:
@@ -134,12 +148,11 @@ def _result_files(directory: Path) -> list[str]:
 def vouched(directory: str | Path, manifest: object = None) -> Vouched:
     """What ``manifest`` (DIR's parsed manifest.json; None: none) vouches for in ``directory``: each
     result file of a stage that it does not list as done, and that no done stage lists among its
-    outputs, is left out. A manifest with no stage row vouches for everything."""
+    outputs, is left out. A manifest with no stage row vouches for everything, unless ``headlab
+    analyze`` wrote it (a run killed before its first stage finished): then for nothing."""
     directory = Path(directory)
-    rows = manifest.get("stages") if isinstance(manifest, dict) else None
-    rows = [row for row in rows if isinstance(row, dict) and isinstance(row.get("name"), str)] \
-        if isinstance(rows, list) else []
-    if not rows:
+    rows = stage_rows(manifest)
+    if not rows and not (isinstance(manifest, dict) and manifest.get("written_by") == ANALYZE):
         return Vouched()
     status = {row["name"]: str(row.get("status")) for row in rows}
     listed = {str(path) for row in rows if row.get("status") == "done" and isinstance(row.get("outputs"), list)
