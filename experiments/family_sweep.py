@@ -72,6 +72,8 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "bailing_hybrid": {**MLA, "layer_types": ["full_attention", "full_attention"]},  # its MLA layers only
     # DeepSeek Sparse Attention: an indexer of 2 heads picking 3 keys per query (of 7: the selection counts)
     **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
+    # dots3-note's text model: the same indexer, an output gate per head (its validator wants the MLA head counts)
+    "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
     "deepseek_v3": {**MLA, "head_dim": 4},  # head_dim: the rotary part
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},

@@ -29,6 +29,7 @@ import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.adapters.families import OUTPUT_GATES
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
     check_gates_at_one_change_nothing,
@@ -62,6 +63,12 @@ CONFIGS = {
     "youtu": {},
     "axk1": {},
     "kimi_linear": {"layer_types": ["full_attention", "full_attention"], "num_local_experts": 4},
+    # session 25 (fam11): an output gate sigmoid(g) per head before o_proj (tests/test_output_gates.py):
+    # Bailing-hybrid's MLA layers and dots3-note's text model (g_proj, a row per head), A.X-K2 (q_gate_proj:
+    # per head [query | gate], no q_b_proj)
+    "bailing_hybrid": {"layer_types": ["full_attention", "full_attention"]},
+    "dots3_note_text": _INDEXER,
+    "axk2": _INDEXER,
 }
 FAMILIES = tuple(CONFIGS)
 CLASSES = {"mistral4": "Mistral4ForCausalLM"}  # not in AutoModelForCausalLM's table (the bare model would be built)
@@ -86,7 +93,10 @@ def _query(attention) -> torch.nn.Linear:
     return attention.q_proj if attention.q_b_proj is None else attention.q_b_proj
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+UNGATED = tuple(f for f in FAMILIES if f.split("-")[0] not in OUTPUT_GATES)  # gated: tests/test_output_gates.py
+
+
+@pytest.mark.parametrize("family", UNGATED)
 def test_pruning_slices_each_heads_rows_and_leaves_what_heads_share(family):
     """Head h owns rows h*(nope+rope).. of the query projection, h*(nope+v).. of kv_b_proj, columns h*v.. of
     o_proj (the modeling code's views); the latent projections, norms and indexer are untouched."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, qkv_columns
-from headlab.adapters.families import QKV_LAYOUTS, unpruned_latent_reason
+from headlab.adapters.families import QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
@@ -227,7 +227,8 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
             journal.set(core, "split_size", len(keep) * d)
     elif family.head_rows:  # multi-head latent attention: each head's rows of its query and key/value maps
         for path, attrs in family.head_rows:
-            width = sum(int(getattr(core, attr)) for attr in attrs)
+            width = rows_per_head(core, attrs)
+            assert width is not None  # checked when the block was made (adapters._check_head_rows)
             _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections

@@ -15,7 +15,7 @@ import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,10 +26,13 @@ from headlab.adapters.families import (
     CONFIG_FAMILIES,
     FAMILIES,
     LATENT_ATTENTION,
+    OUTPUT_GATES,
+    OUTPUT_GATES_REFUSED,
     QKV_LAYOUTS,
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
+    rows_per_head,
 )
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
@@ -214,6 +217,11 @@ def _discovered_candidates(model: nn.Module) -> list:
             "heads of a model it has no table for through that interface only")
     candidates = []
     for item in found:
+        if item.problem and item.gates and _known_gates(model_type, item):
+            item = dataclasses.replace(item, problem=None)
+        elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
+            item = dataclasses.replace(item, problem=f"an output gate from {', '.join(item.gates)}: "
+                                                     f"{OUTPUT_GATES_REFUSED[model_type]}")
         if item.problem:
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
         candidates.append(_discovered(model, config, model_type, item))
@@ -231,6 +239,13 @@ def _discovered_candidates(model: nn.Module) -> list:
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _known_gates(model_type: str, item: Discovered) -> bool:
+    """The output gate discovery saw comes from the projections :data:`OUTPUT_GATES` lists for this model
+    type (relative to the attention module), the ones whose rows its ``head_rows`` slice per head."""
+    prefix = f"{item.core}." if item.core else ""
+    return model_type in OUTPUT_GATES and set(item.gates) == {prefix + path for path in OUTPUT_GATES[model_type]}
 
 
 def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
@@ -458,13 +473,13 @@ def _check_head_rows(where: str, module: nn.Module, core: nn.Module, family: Fam
     """Each of ``family.head_rows`` emits ``n_heads`` (the output projection's) heads' rows."""
     for path, attrs in family.head_rows:
         projection = _get(module, path)
-        sizes = [getattr(core, attr, None) for attr in attrs]
-        if projection is None or not all(isinstance(size, int) and size > 0 for size in sizes):
-            raise HeadlabError(f"{where}: no projection {path!r} with per-head sizes {', '.join(attrs)}")
-        per_head = sum(cast(list[int], sizes))
+        per_head = rows_per_head(core, attrs)
+        names = [str(attr) for attr in attrs]
+        if projection is None or per_head is None:
+            raise HeadlabError(f"{where}: no projection {path!r} with per-head sizes {', '.join(names)}")
         if out_features(projection) != n_heads * per_head:
             raise HeadlabError(f"{where}: {path} emits {out_features(projection)} features, not the output "
-                               f"projection's {n_heads} heads x {per_head} ({' + '.join(attrs)})")
+                               f"projection's {n_heads} heads x {per_head} ({' + '.join(names)})")
 
 
 _KIND_ORDER = {"enc_self": (0, 0), "dec_self": (1, 0), "dec_cross": (1, 1)}

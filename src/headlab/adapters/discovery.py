@@ -20,7 +20,13 @@ the probe also sees
   arrive through reshapes and casts only (view, reshape, contiguous, to), of width ``n_heads * d``,
   and be its only reader (an adapter reading it beside the projection is refused); a gate, norm or
   transpose on the way means that masking a slice of that input is not masking a head, and the
-  module is refused. The block is the calling module, or the closest ancestor that also holds the
+  module is refused. One exception is recorded rather than refused here: an elementwise product
+  with a tensor made from projections of the model only (not from any attention function's output:
+  Bailing-hybrid's ``sigmoid(g_proj(x))`` per head, A.X-K2's gate half of ``q_gate_proj``), whose
+  projections ``Discovered.gates`` names and whose ``problem`` says so; the adapter accepts it for
+  the model types whose forwards headlab checked (``adapters.families.OUTPUT_GATES``). Such a
+  product keeps each head's slice apart (``0 * g = 0``), so masking a slice is masking a head. The
+  block is the calling module, or the closest ancestor that also holds the
   output projection (BERT's ``attention`` around ``attention.self``);
 * where the calling module's output tuple holds the weights the function returned, which capture
   reads in eager mode (a module that drops them is refused).
@@ -83,6 +89,10 @@ class Discovered:
     """Why masking at the output projection's input would not mask this module's heads."""
     probs_index: int = 1
     """Where the calling module's output tuple holds the attention probabilities (eager mode)."""
+    gates: tuple[str, ...] = ()
+    """Paths (relative to the block) of the projections the heads' outputs were multiplied by a
+    function of, elementwise, on their way to the output projection (an output gate); ``problem``
+    then says so, for the adapter to lift where a table knows the gate."""
 
 
 class _Traced(torch.Tensor):
@@ -91,6 +101,8 @@ class _Traced(torch.Tensor):
 
     _sources: frozenset = frozenset()
     _pure: bool = False
+    _gates: frozenset = frozenset()
+    """With ``_pure``: the modules of the gates the output was multiplied by on the way."""
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),
@@ -103,10 +115,33 @@ class _Traced(torch.Tensor):
             return out
         sources = frozenset().union(*(t._sources for t in traced))
         pure = len(traced) == 1 and traced[0]._pure and (func in _VIEWS or _is_identity_dropout(func, args, kwargs))
+        gates = traced[0]._gates if pure else frozenset()
         if _in_place(func, kwargs) and args and isinstance(args[0], _Traced):
             # the tensor written to keeps being used under its old name: it carries what was written
-            args[0]._sources, args[0]._pure = sources, False
-        return _wrap(out, sources, pure)
+            args[0]._sources, args[0]._pure, args[0]._gates = sources, False, frozenset()
+        elif gate := _gate_product(func, args, kwargs):
+            output, factor = gate  # an output gate: the heads' outputs with their gates named
+            sources, pure, gates = output._sources, True, output._gates | factor._sources
+        return _wrap(out, sources, pure, gates)
+
+
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+
+
+def _gate_product(func: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[_Traced, _Traced] | None:
+    """``(output, gate)`` where ``func`` multiplies, elementwise and not in place, the attention function's
+    output regrouped by views (``_pure``) by a tensor made from projections only: no attention function's
+    output among its sources, so it cannot carry one head's output into another's slice, and a head's slice
+    of zeros stays zeros (``0 * g = 0``). None for anything else."""
+    if func not in _PRODUCTS or kwargs or len(args) != 2 or \
+            not all(isinstance(a, _Traced) for a in args):
+        return None
+    for output, factor in (args, args[::-1]):
+        calls = [c for c in output._sources if isinstance(c, _Call)]
+        if output._pure and len(calls) == 1 and output._sources == {calls[0]} and factor._sources and \
+                not any(isinstance(c, _Call) for c in factor._sources) and factor.dim() <= output.dim():
+            return output, factor
+    return None
 
 
 def _in_place(func: Callable[..., Any], kwargs: dict) -> bool:
@@ -134,13 +169,13 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _wrap(value: Any, sources: frozenset, pure: bool) -> Any:
+def _wrap(value: Any, sources: frozenset, pure: bool, gates: frozenset = frozenset()) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         traced = value.as_subclass(_Traced)
-        traced._sources, traced._pure = sources, pure
+        traced._sources, traced._pure, traced._gates = sources, pure, gates
         return traced
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_wrap(item, sources, pure) for item in value)
+        return type(value)(_wrap(item, sources, pure, gates) for item in value)
     return value
 
 
@@ -162,6 +197,8 @@ class _Call:
     o: nn.Module | None = None
     o_input: tuple[int, ...] | None = None
     o_pure: bool = False
+    o_gates: frozenset = frozenset()
+    """The modules of the output gates on the way to the output projection (see :func:`_gate_product`)."""
     weights: torch.Tensor | None = None
     probs_index: int | None = None
     """Where the calling module's output tuple holds the attention weights (-1: nowhere)."""
@@ -211,6 +248,7 @@ class _Probe:
             if leaf and call in self.pending:
                 self.pending.remove(call)
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
+                call.o_gates = x._gates if call.o_pure else frozenset()
 
 
 def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
@@ -504,6 +542,12 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
         problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
                    f"{n_heads} heads x {d_v}")
+    elif call.o_gates:
+        problem = (f"the attention function's output reaches {o_name} multiplied, elementwise, by a gate computed from "
+                   f"{', '.join(sorted(_gate_names(block, call.o_gates, names)))} (an output gate, from the layer's "
+                   "input, not from the heads): masking stays exact, but physical pruning must remove each head's rows "
+                   "of that projection, a layout known only for the model types of "
+                   "headlab.adapters.families.OUTPUT_GATES, whose forwards headlab checked")
     elif call.probs_index is None or call.probs_index < 0:
         problem = ("its forward does not return the attention function's weights, where capture reads the attention "
                    "probabilities")
@@ -525,7 +569,13 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     if d_qk != d_v or len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
-                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0)
+                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0,
+                      tuple(sorted(_gate_names(block, call.o_gates, names))))
+
+
+def _gate_names(block: str, gates: frozenset, names: dict[int, str]) -> list[str]:
+    """The gate projections' paths, relative to ``block`` where inside it."""
+    return [_relative(block, names.get(id(m))) or names.get(id(m), type(m).__name__) for m in gates]
 
 
 def _nested(a: nn.Module, b: nn.Module) -> bool:

@@ -71,9 +71,10 @@ class Family:
     """``q`` outputs per head ``[query (d_head) | gate (d_head)]``, and the forward multiplies the
     heads' outputs by ``sigmoid(gate)`` before the output projection (Qwen3-Next, Qwen3.5): a head's
     output projection input is still its own slice (zero where its values are zero)."""
-    head_rows: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    head_rows: tuple[tuple[str, tuple[str | int, ...]], ...] = ()
     """Projections (paths relative to the block) whose output rows are head-major, each head owning as
-    many rows as the sum of ``core``'s attributes named beside it; the block has no ``q``/``k``/``v``
+    many rows as the sum of ``core``'s attributes named beside it (an int: that many rows; an output
+    gate's projection, :data:`OUTPUT_GATES`); the block has no ``q``/``k``/``v``
     (multi-head latent attention: ``q_b_proj`` emits per head ``[q_nope | q_rope]``, ``kv_b_proj``
     ``[k_nope | v]``). Physical pruning slices a removed head's rows out of each and its columns out of
     the output projection; what all heads share (the latents, their norms, the rotary key) stays."""
@@ -83,7 +84,19 @@ class Family:
     attends to the previous full layer's picks): a layer with no head left still returns it."""
 
 
-def latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
+    """The rows one head owns in a ``Family.head_rows`` projection: the sum of ``core``'s attributes (or
+    numbers) in ``sizes``; None where one is missing or not a positive int."""
+    total = 0
+    for size in sizes:
+        value = size if isinstance(size, int) else getattr(core, size, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return None
+        total += value
+    return total
+
+
+def latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
     """Multi-head latent attention as transformers writes it (DeepSeek-V2's, ``DeepseekV3Attention``): the
     query projection (``q_b_proj`` after the query latent, or ``q_proj`` where ``q_lora_rank`` is None)
     is viewed ``[batch, seq, -1, qk_nope_head_dim + qk_rope_head_dim]``, ``kv_b_proj`` (reading the
@@ -99,13 +112,37 @@ def latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return ((q, ("qk_nope_head_dim", "qk_rope_head_dim")), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
 
 
-LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str, ...]], ...]]] = dict.fromkeys(
+def gated_latent_attention_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """Bailing-hybrid's MLA layers (``BailingHybridAttention``) and dots3-note's (``Dots3NoteTextAttention``):
+    DeepSeek-V3's views and splits, then ``attn_output * sigmoid(g_proj(hidden_states))`` with ``g_proj`` of
+    one row per head, viewed ``[batch, seq, heads, 1]`` (dots3: ``.view(b, s, -1, 1)``; Bailing:
+    ``.unsqueeze(-1)``): head h owns row h of ``g_proj``."""
+    rows = latent_attention_rows(core)
+    if not rows or getattr(core, "g_proj", None) is None:
+        return ()
+    return (*rows, ("g_proj", (1,)))
+
+
+def query_gate_latent_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """A.X-K2's MLA (``AXK2Attention``): no ``q_b_proj``; ``q_gate_proj`` (reading ``[q_resid | q_compressed]``)
+    is viewed ``[batch, seq, -1, qk_nope + qk_rope + v_head_dim]`` and split per head ``[query | gate]``; the
+    heads' outputs, reshaped ``[batch, seq, heads * v]``, are multiplied by ``sigmoid(gate)`` reshaped so
+    (head h's gate meets head h's values); ``kv_b_proj`` as DeepSeek-V3's. Head h owns those rows of both."""
+    sizes = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if any(getattr(core, name, None) is None for name in ("q_gate_proj", "kv_b_proj", "kv_a_proj_with_mqa")) or \
+            rows_per_head(core, sizes) is None:
+        return ()
+    return (("q_gate_proj", sizes), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
+
+
+LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ...]], ...]]] = dict.fromkeys(
     ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "glm4_moe_lite", "minicpm3",
      # the same views and splits (read off their forwards): LongCat-Flash scales the query and key/value
      # latents by constants, Mistral 4 the queries by a per-position factor the same for every head, Kimi
      # Linear's leave out the rotation; none of it per head
      "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
-    latent_attention_rows)
+    latent_attention_rows) | dict.fromkeys(["bailing_hybrid", "dots3_note_text"], gated_latent_attention_rows) | \
+    {"axk2": query_gate_latent_rows}
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
 equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, for the
@@ -119,6 +156,26 @@ LATENT_UNPRUNED: dict[str, str] = dict.fromkeys(
 """Multi-head latent attention types whose forward differs from DeepSeek-V3's in what physical pruning would
 have to slice: pruning is refused naming it (analysis and masking act on the attention function's output,
 which these forwards hand to ``o_proj`` head by head as DeepSeek-V3's does)."""
+
+
+OUTPUT_GATES: dict[str, tuple[str, ...]] = {
+    "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",)}
+"""Model types whose attention multiplies the heads' outputs by a gate between the attention function and
+``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
+attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
+gate is computed from the layer's input by its own rows of that projection, which
+:data:`LATENT_ATTENTION`'s ``head_rows`` name, and multiplies that head's slice only. So capture (the attention
+function's probabilities) is untouched, masking a head (zeros at ``o_proj``'s input) equals removing it
+(``0 * sigmoid(g) = 0``) and physical pruning removes the head's gate rows with its query and key/value rows.
+A gate from any other projection, or in a model type not listed, is refused before any work (discovery's
+message names the projection)."""
+
+OUTPUT_GATES_REFUSED: dict[str, str] = {
+    "hy_v4": "its gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
+             "heads apart, but its attention adds learned attention sinks (`sinks`, one logit per head, handed to "
+             "the attention function as s_aux) and its layers are joined by hyper-connections (several residual "
+             "streams): headlab has not checked either"}
+"""Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
 
 
 def unpruned_latent_reason(family: Family, core: Any) -> str | None:

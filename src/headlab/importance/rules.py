@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
+from headlab.adapters.families import OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 
@@ -226,14 +227,20 @@ def check_rules(model: nn.Module) -> None:
     token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
     blocks = attention_blocks(model)
     for block in blocks:
-        latent = block.family.head_rows[-1][0] if block.family.head_rows else \
-            "kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None  # listed or not
+        rows = [path for path, _ in block.family.head_rows]
+        latent = next((path for path in rows if path.endswith("kv_b_proj")), rows[-1] if rows else None) or \
+            ("kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None)  # listed or not
+        gates = OUTPUT_GATES.get(block.family.name.split(":", 1)[-1], ())
         if block.n_heads and latent:
+            # An output gate sigmoid(g(x)) would have to be held constant as well (Qwen3-Next's is: rows of the
+            # detached query projection): named, so that a rule for latent attention does not forget it.
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): multi-head latent attention, "
                 f"whose {latent} emits each head's keys and values together (and whose rotary key "
                 "comes from the latent projection all heads share), so the attention weights cannot be held constant "
-                "by detaching a query and a key projection")
+                "by detaching a query and a key projection" + (
+                    f"; its output gate from {', '.join(gates)} (computed from the layer's input) would have to be held "
+                    "constant as well" if gates else ""))
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "

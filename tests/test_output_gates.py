@@ -1,0 +1,171 @@
+"""Attention with an output gate per head from its own projection (session 25, branch fam11).
+
+transformers 5.24's forwards, read: Bailing-hybrid's MLA layers (``BailingHybridAttention``) and dots3-note's
+text model (``Dots3NoteTextAttention``) compute ``gate = sigmoid(g_proj(hidden_states))``, one value per head
+(``g_proj``: hidden -> heads), and multiply the attention function's output ``[batch, seq, heads, v]`` by it
+(``gate.unsqueeze(-1)`` / ``.view(b, s, -1, 1)``) before ``o_proj``. A.X-K2 (``AXK2Attention``) views its fused
+``q_gate_proj`` ``[batch, seq, -1, nope + rope + v]``, splits each head's rows into ``[query | gate]`` and
+multiplies the output, reshaped ``[batch, seq, heads * v]``, by ``sigmoid(gate)`` reshaped the same way. In all
+three each head's slice is multiplied by a function of the layer's input computed by that head's own rows,
+never by another head's output: capture (the attention function's probabilities) is untouched, masking a head
+(zeros at ``o_proj``'s input) equals removing it (``0 * sigmoid(g) = 0``), and pruning removes the head's gate
+rows with its query and key/value rows (``adapters.families.OUTPUT_GATES``, ``LATENT_ATTENTION``'s head_rows).
+
+Before, all three were refused before any work ("the attention function's output reaches ... o_proj through
+operations other than reshapes and casts"). Pruning equals masking on padded rows and in cached generation,
+empties a layer and reloads (``load_pruned``, plain transformers): tests/test_mla_pruning.py, whose
+``CONFIGS`` list them. Hy-V4 (an elementwise gate from ``gate_proj``, beside attention sinks and
+hyper-connections) stays refused, for those.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from headlab import HeadlabError, attention_blocks, mask_heads, prune_heads
+from headlab.checkpoint import model_class_for
+from support.family_matrix import (
+    check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
+    check_masking_equals_zeroed_values,
+    logits,
+    tiny_inputs,
+)
+
+NOPE, ROPE, V = 4, 4, 8
+_SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V,
+              first_k_dense_replace=1, moe_intermediate_size=40, n_routed_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, n_group=1, topk_group=1)
+_INDEXER = dict(index_topk=3, index_n_heads=2, index_head_dim=8)  # DeepSeek Sparse Attention: 3 keys picked
+# model type -> (its config's sizes, the gate's projection, its rows per head, their place among a head's rows)
+GATED = {
+    "bailing_hybrid": ({"layer_types": ["full_attention", "full_attention"]}, "g_proj", 1, slice(0, 1)),
+    "dots3_note_text": (_INDEXER, "g_proj", 1, slice(0, 1)),
+    "axk2": (_INDEXER, "q_gate_proj", NOPE + ROPE + V, slice(NOPE + ROPE, NOPE + ROPE + V)),  # [query | gate]
+}
+FAMILIES = tuple(GATED)
+
+
+def build(family: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {family}")
+    config = CONFIG_MAPPING[family](**{**_SIZES, **GATED.get(family, (_INDEXER,))[0]})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_class_for(config)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+            if family in GATED and name.endswith(f"{GATED[family][1]}.weight"):  # gates far from one another and from 1/2
+                parameter.mul_(8)
+    return model
+
+
+def _gate_rows(family: str, head: int) -> list[int]:
+    _, _, width, place = GATED[family]
+    return list(range(head * width, (head + 1) * width))[place]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_are_found_with_their_gate(family):
+    """Before: refused before any work, the gate taken for an operation mixing heads."""
+    blocks = attention_blocks(build(family))
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == [("dec_self", i, 4, 4, V)
+                                                                                       for i in range(2)]
+    assert GATED[family][1] in [path for path, _ in blocks[0].family.head_rows]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_equals_output_attentions(family):
+    check_capture_equals_output_attentions(lambda **kw: build(family, **kw), "dec_self", tiny_inputs())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masking_equals_zeroed_values_and_gates_at_one_change_nothing(family):
+    """Masking head j of layer 1 equals zeroing its value rows of kv_b_proj (rows j*(nope+v)+nope ..): its
+    output, times its gate, is zero either way."""
+    values = (lambda model, layer: model.model.layers[layer].self_attn.kv_b_proj,
+              lambda j: range(j * (NOPE + V) + NOPE, (j + 1) * (NOPE + V)), 4)
+    check_masking_equals_zeroed_values(lambda: build(family), "dec_self", values, tiny_inputs())
+    check_gates_at_one_change_nothing(build(family), tiny_inputs())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_heads_gate_multiplies_that_head_only(family):
+    """Head 1's gate rows changed: the logits change, unless head 1 is masked (then nothing changes: the gate
+    multiplies no other head's output, and a masked head's zeros stay zeros whatever its gate)."""
+    inputs = tiny_inputs()
+    model = build(family)
+    before = logits(model, inputs)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        masked = logits(model, inputs)
+    gate = model.model.layers[1].self_attn.get_submodule(GATED[family][1])
+    with torch.no_grad():
+        gate.weight[_gate_rows(family, 1)] *= -3
+    assert not torch.allclose(logits(model, inputs), before)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        assert torch.equal(logits(model, inputs), masked)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_removes_each_heads_gate_rows(family):
+    """Heads 0 and 2 of layer 1 pruned: the gate projection keeps heads 1 and 3's rows (a row per head for
+    g_proj; [query | gate] per head for q_gate_proj), kv_b_proj their [k_nope | v] rows, o_proj their columns;
+    what all heads share (latents, norms, the indexer) is untouched."""
+    model = build(family)
+    attention = model.model.layers[1].self_attn
+    path, width = GATED[family][1], GATED[family][2]
+    before = {name: p.detach().clone() for name, p in attention.named_parameters()}
+    assert prune_heads(model, {("dec_self", 1): [0, 2]}) == {("dec_self", 1): [1, 3]}
+    rows = lambda size: [r for h in (1, 3) for r in range(h * size, (h + 1) * size)]  # noqa: E731
+    assert torch.equal(attention.get_submodule(path).weight, before[f"{path}.weight"][rows(width)])
+    assert torch.equal(attention.kv_b_proj.weight, before["kv_b_proj.weight"][rows(NOPE + V)])
+    assert torch.equal(attention.o_proj.weight, before["o_proj.weight"][:, rows(V)])
+    sliced = {f"{path}.weight", "kv_b_proj.weight", "o_proj.weight"}
+    if getattr(attention, "q_b_proj", None) is not None:
+        assert torch.equal(attention.q_b_proj.weight, before["q_b_proj.weight"][rows(NOPE + ROPE)])
+        sliced.add("q_b_proj.weight")
+    for name, parameter in attention.named_parameters():
+        if name not in sliced:
+            assert torch.equal(parameter, before[name]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_gate_the_table_does_not_know_is_refused(family, monkeypatch):
+    """Without the model type's entry in OUTPUT_GATES (or with another projection named there) the gate is
+    refused before any work, naming its projection: pruning would not know its rows."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.OUTPUT_GATES, family)
+    message = rf"self_attn: the attention function's output reaches model\.layers\.0\.self_attn\.o_proj multiplied, " \
+              rf"elementwise, by a gate computed from {GATED[family][1]} \(an output gate"
+    with pytest.raises(HeadlabError, match=message):
+        attention_blocks(build(family))
+    monkeypatch.setitem(families.OUTPUT_GATES, family, ("kv_b_proj",))
+    with pytest.raises(HeadlabError, match=message):
+        attention_blocks(build(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lrp_is_refused_naming_the_latent_attention_and_the_gate(family):
+    """The latent attention alone refuses LRP (tests/test_mla_pruning.py); the gate, a function of the layer's
+    input, would have to be held constant too (Qwen3-Next's is: rows of the detached query projection)."""
+    from headlab.importance.rules import check_rules
+
+    with pytest.raises(HeadlabError, match=rf"LRP: no rule for the attention of model\.layers\.0\.self_attn .*"
+                                           rf"kv_b_proj emits each head's keys and values together.*its output gate "
+                                           rf"from {GATED[family][1]} \(computed from the layer's input\)"):
+        check_rules(build(family))
+
+
+def test_hy_v4_is_refused_for_its_sinks_and_hyper_connections():
+    """Hy-V4's gate (elementwise, from gate_proj) keeps the heads apart too, but its attention sinks and
+    hyper-connections are unchecked: refused before any work, naming them (before: as a gate mixing heads)."""
+    with pytest.raises(HeadlabError, match=r"model_type 'hy_v4'\): model\.layers\.0\.self_attn: an output gate from "
+                                           r"gate_proj: .*attention sinks.*hyper-connections"):
+        attention_blocks(build("hy_v4", attn_implementation="eager"))  # no SDPA in transformers
