@@ -7,7 +7,8 @@ has a row that says so. Read as results, such files would join this run's tables
 labels without a word (a killed run's partial functions beside this run's importance). So the
 readers of the directory (the report, :meth:`headlab.Analysis.load`, ``heads.csv``, the
 figures) read a stage's files only when ``manifest.json`` lists the stage as done (or lists
-the file among a done stage's outputs) and say which they left out.
+the file among a done stage's outputs) and say which they left out; the model profiles
+(:func:`headlab.pipeline.profiles.collect_profile`), which need the whole stage, refuse.
 
 A directory whose manifest records no stage (the standalone commands' ``functions --out``,
 ``importance --out``, which write no manifest; an :class:`~headlab.Analysis` saved from one) is
