@@ -563,6 +563,53 @@ def test_a_killed_run_s_outputs_are_not_read_before_a_later_run(inputs, tmp_path
     assert {"positional_share", "mean_distance"} <= set(_columns(out))
 
 
+def test_a_saved_analysis_of_an_analyze_directory_is_read_by_its_rows(inputs, tmp_path):
+    """Regression: Analysis.save copied ``"written_by": "headlab analyze"`` from a loaded analyze
+    directory into the one it wrote, which headlab analyze did not write. Now its manifest names
+    Analysis.save and keeps the rows of the stages whose files it wrote: the readers read it by
+    them, as the directory it came from; one saved with no row is read whole, as before."""
+    import warnings
+
+    import headlab
+    from headlab.api import SAVED_BY
+
+    out = tmp_path / "out"
+    assert main(_args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "lrp,ablation,attention,figures")) == 0
+    _kill_in(out, "functions")
+    with pytest.warns(UserWarning) as caught:
+        analysis = headlab.Analysis.load(out)
+    assert any("stage functions: " in str(w.message) for w in caught)
+    analysis.save(tmp_path / "saved")
+    manifest = json.loads((tmp_path / "saved" / "manifest.json").read_text())
+    assert manifest["written_by"] == SAVED_BY
+    rows = json.loads((out / "manifest.json").read_text())["stages"]
+    assert [(s["name"], s["status"]) for s in manifest["stages"]] == [(s["name"], s["status"]) for s in rows]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(headlab.Analysis.load(tmp_path / "saved").tables) == set(analysis.tables) == {
+            "confidence", "gradient", "gradient_raw"}
+    # read by its rows: the killed stage's files put there are left out, as where they came from
+    shutil.copytree(out / "functions", tmp_path / "saved" / "functions")
+    with pytest.warns(UserWarning) as caught:
+        assert "positional_share" not in headlab.Analysis.load(tmp_path / "saved").tables
+    assert [str(w.message).split(": ")[1] for w in caught] == ["stage functions"]
+    assert "left out, from a run that did not finish the stage" in str(caught[0].message)
+    # a run killed before its first stage: nothing read, nothing saved but a manifest with no row, read whole
+    (out / "manifest.json").write_text(json.dumps({**json.loads((out / "manifest.json").read_text()), "stages": []}))
+    with pytest.warns(UserWarning) as caught:
+        empty = headlab.Analysis.load(out)
+    assert {"stage confidence", "stage functions"} <= {str(w.message).split(": ")[1] for w in caught}
+    assert not empty.tables and not empty.labels
+    empty.save(tmp_path / "empty")
+    manifest = json.loads((tmp_path / "empty" / "manifest.json").read_text())
+    assert manifest["stages"] == [] and manifest["written_by"] == SAVED_BY
+    assert not (tmp_path / "empty" / "functions").exists()
+    shutil.copytree(out / "functions", tmp_path / "empty" / "functions")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "positional_share" in headlab.Analysis.load(tmp_path / "empty").tables
+
+
 def test_a_standalone_command_s_directory_is_read_whole(inputs, tmp_path):
     """`headlab functions --out` and `headlab importance --out` write no manifest.json: the readers
     read every file there, as before, and say nothing; so do they in a directory an Analysis of such
@@ -586,7 +633,8 @@ def test_a_standalone_command_s_directory_is_read_whole(inputs, tmp_path):
         html = build_report(run).read_text(encoding="utf-8")
         assert '"group":"functions"' in html and '"importance/confidence"' in html
         headlab.Analysis.load(run).save(tmp_path / "saved")
-        assert json.loads((tmp_path / "saved" / "manifest.json").read_text())["stages"] == []
+        saved = json.loads((tmp_path / "saved" / "manifest.json").read_text())
+        assert saved["stages"] == [] and saved["written_by"] == "headlab.Analysis.save (Python API)"
         assert {"confidence", "positional_share"} <= set(headlab.Analysis.load(tmp_path / "saved").tables)
 
 

@@ -58,6 +58,48 @@ def test_a_missing_analysis_names_the_file(tmp_path):
         collect_profile(tmp_path, "none")
 
 
+def test_a_killed_run_s_files_make_no_profile(analysis, tmp_path):
+    """Regression: the profile parts read their files by path without asking manifest.json, so a run
+    killed in the functions stage (its files written, the manifest last rewritten before it) gave a
+    profile of its partial files, and an earlier run's aggregate statistics (a stage the killed run
+    never reached) joined it. Now the directory is refused, naming the stage; so is one whose manifest
+    records aggregate as skipped beside an earlier run's files, and one killed before any stage."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(analysis, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    names = [row["name"] for row in manifest["stages"]]
+    killed = {**manifest, "stages": manifest["stages"][:names.index("functions")]}
+    (out / "manifest.json").write_text(json.dumps(killed))
+    said = "left out, from a run that did not finish the stage (manifest.json does not list it"
+    from headlab.functions.registry import STATISTICS
+    from headlab.plugins import ProfilePart, Statistic
+
+    read: list[Path] = []  # a plug-in's part, which reads by path as the built-in ones do: never asked
+    part = ProfilePart(lambda directory, kind: read.append(directory) or {})
+    with STATISTICS.registered("probe", Statistic(lambda config, frequencies: None, profile=part)), \
+            pytest.raises(HeadlabError, match="no profile from this directory: stage ") as refused:
+        collect_profile(out, "tiny")
+    assert not read
+    assert "stage functions: " in str(refused.value) and "stage aggregate: " in str(refused.value)
+    assert str(refused.value).count(said) == 2
+    skipped = [row if row["name"] != "aggregate" else {**row, "status": "skipped", "reason": "--skip", "outputs": []}
+               for row in manifest["stages"]]
+    (out / "manifest.json").write_text(json.dumps({**manifest, "stages": skipped}))
+    with pytest.raises(HeadlabError, match=r"stage aggregate: .* not results of this run \(manifest.json records "
+                                           r"the stage as skipped\)") as refused:
+        collect_profile(out, "tiny")
+    assert "stage functions" not in str(refused.value)
+    (out / "manifest.json").write_text(json.dumps({**manifest, "stages": []}))  # killed before any stage
+    with pytest.raises(HeadlabError, match="stage functions: "):
+        collect_profile(out, "tiny")
+    (out / "manifest.json").write_text(json.dumps(manifest))  # the run finished: read as before
+    assert collect_profile(out, "tiny") == collect_profile(analysis, "tiny")
+    (out / "manifest.json").unlink()  # no manifest (headlab functions + aggregate --out): read whole
+    assert collect_profile(out, "tiny") == collect_profile(analysis, "tiny")
+
+
 def test_blocks_are_replaced_between_their_markers():
     document = "a\n<!-- BEGIN generated:x -->\nold\n<!-- END generated:x -->\nb\n"
     updated = replace_block(document, "x", "new\n")

@@ -437,7 +437,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
 
         header = {"model": model_name, "source": "<texts>" if texts is not None else None,
                   "target": "<targets>" if targets is not None else None,
-                  "conllu": None if treebank is None else str(treebank), "written_by": "headlab.analyze (Python API)"}
+                  "conllu": None if treebank is None else str(treebank), "written_by": ANALYZED_BY}
 
         def write(directory: Path) -> None:
             from headlab.pipeline.records import StageRecord
@@ -612,6 +612,15 @@ def _check_directory(directory: Path, overwrite: bool) -> None:
                            "(all of it: its report, figures and attention examples too)")
 
 
+ANALYZED_BY = "headlab.analyze (Python API)"
+"""``written_by`` of the manifest :func:`analyze` writes (every stage's row at once)."""
+SAVED_BY = "headlab.Analysis.save (Python API)"
+"""``written_by`` of the manifest :meth:`Analysis.save` writes: the rows it keeps are those of the
+stages whose files it writes, so the readers read it by its rows, and whole when it has none; never
+``headlab analyze``'s (:data:`headlab.report.vouched.ANALYZE`), whose manifest with no row vouches
+for nothing: headlab analyze did not write this one."""
+
+
 def _finish(directory: Path, header: dict, records: list) -> None:
     """The manifest (``headlab analyze``'s, with the stages written) and heads.csv."""
     from headlab._version import __version__
@@ -717,14 +726,17 @@ class Analysis:
         directory = Path(directory)
         manifest = json.loads(self.files[_MANIFEST]) if _MANIFEST in self.files else {}
         records = [StageRecord(**s) for s in manifest.get("stages", []) or []]
-        header = {k: v for k, v in manifest.items() if k not in ("stages", "figures", "headlab_version", "created")}
+        header = {k: v for k, v in manifest.items()
+                  if k not in ("stages", "figures", "headlab_version", "created", "written_by")}
+        # the rows loaded vouch for exactly the files written (load read no other); the writer is not theirs
+        header = {**(header or {"model": self.model}), "written_by": SAVED_BY}
 
         def write(target: Path) -> None:
             for relative, content in self.files.items():
                 if relative != _MANIFEST:
                     (target / relative).parent.mkdir(parents=True, exist_ok=True)
                     (target / relative).write_bytes(content)
-            _finish(target, header or {"model": self.model}, records)
+            _finish(target, header, records)
             if report:
                 from headlab.report import build_report
 

@@ -9,6 +9,9 @@ its offset baseline, Sec. 5.2, Table 1; the head that points to the rarest token
 Vig & Belinkov's layer profiles). :func:`render_profiles` turns a list of profiles into markdown:
 one overview table whose columns the parts declare, then each model's own tables. Both read only
 JSON, so the document can be re-rendered and checked without a model; neither names a statistic.
+The parts read their files by path; :func:`collect_profile` first refuses a directory whose
+``manifest.json`` does not vouch for the functions or aggregate files it holds
+(:mod:`headlab.report.vouched`), as the report and the table leave them out.
 """
 
 from __future__ import annotations
@@ -30,15 +33,30 @@ def _parts() -> list[tuple[str, ProfilePart]]:
     return [(statistic.stage, statistic.profile) for statistic in STATISTICS.values() if statistic.profile is not None]
 
 
+def _refuse_unvouched(root: Path, parts: list[tuple[str, ProfilePart]]) -> None:
+    """Refuse a directory whose manifest.json does not vouch for the files of a pass the profile reads
+    (:mod:`headlab.report.vouched`: a run killed in the stage, or one that skipped or failed it with
+    an earlier run's files still there): the parts read files by path, so this is the one place that
+    keeps them from taking such files for the model's results."""
+    from headlab.report.vouched import read_manifest, vouched
+
+    passes = {"functions", *(stage for stage, _ in parts)}  # functions/summary.json: the functions pass
+    groups = [group for group in vouched(root, read_manifest(root)).left_out if group.stage in passes]
+    if groups:
+        raise HeadlabError(f"{root}: no profile from this directory: " + "; ".join(g.text() for g in groups))
+
+
 def collect_profile(analysis_dir: str | Path, name: str, description: str = "") -> dict:
     """The profile of the model analysed into ``analysis_dir`` (an ``analyze --out`` directory,
-    or any directory holding ``functions/`` and ``aggregate/``)."""
+    or any directory holding ``functions/`` and ``aggregate/``). A directory whose manifest.json
+    does not list the functions or aggregate stage as done while it holds their files is refused."""
     root = Path(analysis_dir)
+    parts = _parts()
+    _refuse_unvouched(root, parts)
     summary = read_result(root / "functions" / "summary.json")
     profile = {"version": PROFILE_VERSION, "name": name, "description": description,
                "data": summary["report"].get("treebanks", {}), "n_sentences": summary["report"]["n_sentences"],
                "kinds": {}}
-    parts = _parts()
     for kind in summary["report"]["analysed"]:
         entries: dict = {}
         for stage, part in parts:

@@ -7,11 +7,12 @@ has a row that says so. Read as results, such files would join this run's tables
 labels without a word (a killed run's partial functions beside this run's importance). So the
 readers of the directory (the report, :meth:`headlab.Analysis.load`, ``heads.csv``, the
 figures) read a stage's files only when ``manifest.json`` lists the stage as done (or lists
-the file among a done stage's outputs) and say which they left out.
+the file among a done stage's outputs) and say which they left out; the model profiles
+(:func:`headlab.pipeline.profiles.collect_profile`), which need the whole stage, refuse.
 
 A directory whose manifest records no stage (the standalone commands' ``functions --out``,
-``importance --out``, which write no manifest; an :class:`~headlab.Analysis` saved from one) is
-read whole: nothing there says a stage did not finish. Not so one whose manifest ``headlab
+``importance --out``, which write no manifest; an :class:`~headlab.Analysis` saved from one, whose
+manifest ``Analysis.save`` wrote) is read whole: nothing there says a stage did not finish. Not so one whose manifest ``headlab
 analyze`` wrote (``"written_by": "headlab analyze"``, :data:`ANALYZE`): it writes one with no
 stage at the start of a run and drops a stage's row before the stage writes again, so there a
 stage not listed has not finished, none listed included. Markers are not read: a copied or saved
@@ -34,7 +35,8 @@ tests/test_report.py compares: the report may not import the pipeline)."""
 
 ANALYZE = "headlab analyze"
 """``written_by`` of the manifest ``headlab analyze`` writes: it lists a stage only once the stage
-finished (the Python API's ``headlab.analyze`` writes every row at once, and names itself)."""
+finished (the Python API's ``headlab.analyze`` writes every row at once, and ``Analysis.save`` the
+rows of the stages whose files it writes; each names itself, so that one with no row is read whole)."""
 
 
 def read_manifest(directory: Path) -> dict | None:
