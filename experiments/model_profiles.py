@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from headlab.errors import HeadlabError
 from headlab.nmt.export import exported_epoch
 from headlab.pipeline.profiles import collect_profile, render_profiles, replace_block
 
@@ -53,7 +54,11 @@ if not args.docs_only:
         if not (analysis / "functions" / "summary.json").is_file():
             print(f"skipping {model['name']}: no analysis in {analysis} (run experiments/profiles.sh)")
             continue
-        profile = collect_profile(analysis, model["name"], describe(model))
+        try:
+            profile = collect_profile(analysis, model["name"], describe(model))
+        except HeadlabError as error:  # a killed or failed analysis (manifest.json does not vouch for it)
+            print(f"skipping {model['name']}: {error}")
+            continue
         profile["command"] = model["command"]
         (RESULTS / f"{model['name']}.json").write_text(json.dumps(profile, indent=1) + "\n")
         print(f"wrote {RESULTS / (model['name'] + '.json')}")
