@@ -116,7 +116,8 @@ def _title_rows(path: Path = HEAVY_LIFTING, epoch2: Path = HEAVY_LIFTING_EPOCH2)
         f"| english-lm | H3: removing the 6 labelled heads costs more than removing 6 random heads | "
         f"39 random sets, no fine-tuning | {_cell(h3['verdict'])} (p = {p3}) |",
         "| multi30k-en-de, multi30k-en-fr | the same with the decoder frozen: k random or least-specialised "
-        "encoder heads | planned (issue 35, item 2) | not run (stage 1 started on the CPU: docs/results/heavy-lifting-nmt) |",
+        "encoder heads | planned (issue 35, item 2) | not decided: stage 1 is running; each finished configuration is "
+        "committed to docs/results/heavy-lifting-nmt/finished (the runs of 2026-11-26/27 were lost with their machine) |",
         ""]
     return lines
 
