@@ -33,6 +33,7 @@ from support.family_matrix import (
     logits,
     padded_inputs,
     padded_logits,
+    perturbed_model,
     tiny_inputs,
 )
 
@@ -48,14 +49,7 @@ def tiny_model(attn_implementation: str = "sdpa", seed: int = 0, **extra) -> tor
     if "longcat_flash" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no longcat_flash")
     config = CONFIG_MAPPING["longcat_flash"](**{**SIZES, **extra})
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = model_class_for(config)(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    return perturbed_model(model_class_for(config), config, seed, attn_implementation)
 
 
 def attention(model, block: int) -> torch.nn.Module:

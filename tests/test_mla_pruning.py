@@ -36,6 +36,7 @@ from support.family_matrix import (
     greedy_generation,
     padded_inputs,
     padded_logits,
+    perturbed_model,
     tiny_inputs,
 )
 
@@ -79,14 +80,8 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     config = CONFIG_MAPPING[model_type](**{**_SIZES, **CONFIGS[family]})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = (getattr(tf, CLASSES[model_type]) if model_type in CLASSES else model_class_for(config))(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    cls = getattr(tf, CLASSES[model_type]) if model_type in CLASSES else model_class_for(config)
+    return perturbed_model(cls, config, seed)
 
 
 def _query(attention) -> torch.nn.Linear:

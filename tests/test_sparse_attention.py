@@ -37,6 +37,7 @@ from support.family_matrix import (
     check_masking_equals_zeroed_values,
     check_streamed_chunks_equal_capture,
     logits,
+    perturbed_model,
     tiny_inputs,
 )
 
@@ -68,14 +69,7 @@ def tiny_model(family: str, attn_implementation: str = "sdpa", seed: int = 0) ->
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     config = CONFIG_MAPPING[model_type](**_SIZES, **CONFIGS[family])
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = model_class_for(config)(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    return perturbed_model(model_class_for(config), config, seed, attn_implementation)
 
 
 def _build(family: str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
+from support.family_matrix import perturbed_model
 from support.models import VOCAB
 
 D = 8
@@ -65,11 +66,4 @@ VALUE_ROWS = {
 
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
     cls, config = DISCOVERED[family]()
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model
+    return perturbed_model(cls, config, seed, attn_implementation)

@@ -207,6 +207,19 @@ FAMILIES = ANALYSIS_FAMILIES + PRUNING_FAMILIES
 """Every family of the matrix that headlab supports."""
 
 
+def perturbed_model(cls, config, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """``cls(config)`` in eval mode from ``seed``, its biases and norm weights moved off their initial
+    values (zeros and ones would hide a bias or norm that pruning or masking mishandles)."""
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
 def tiny_model(family: str, seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
     cls, config = {**CONFIGS, **SHARED, **HYBRID, **REFUSED}[family]()
     if family in EAGER_ONLY or (attn_implementation == "sdpa" and not cls._supports_sdpa):  # Bloom, DeBERTa-v2
