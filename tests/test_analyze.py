@@ -563,6 +563,26 @@ def test_a_killed_run_s_outputs_are_not_read_before_a_later_run(inputs, tmp_path
     assert {"positional_share", "mean_distance"} <= set(_columns(out))
 
 
+def test_a_stage_run_again_within_one_second_runs_the_stages_after_it_again(inputs, tmp_path, monkeypatch, capsys):
+    """Regression (a flaky test_a_killed_run_s_outputs_are_not_read_before_a_later_run): the stages
+    after a stage keyed on its key and finishing time in seconds, so a stage run again within the
+    same second (a killed stage finished by the next run on a fast machine) left the table and the
+    report of before reused. Now every marker has its own run id, and the later stages key on it."""
+    import headlab.pipeline.records as records
+
+    monkeypatch.setattr(records, "now_iso", lambda: "2026-11-27T00:00:00+00:00")  # one second, all of it
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "lrp,ablation,attention,figures")
+    assert main(run) == 0
+    (out / ".headlab" / "stages" / "functions.json").unlink()  # killed after its files, before its marker
+    capsys.readouterr()
+    assert main(run) == 0
+    said = capsys.readouterr()
+    log = said.out + said.err
+    assert "functions: reused" not in log and "aggregate: reused" in log
+    assert "table: reused" not in log and "report: reused" not in log
+
+
 def test_a_saved_analysis_of_an_analyze_directory_is_read_by_its_rows(inputs, tmp_path):
     """Regression: Analysis.save copied ``"written_by": "headlab analyze"`` from a loaded analyze
     directory into the one it wrote, which headlab analyze did not write. Now its manifest names

@@ -24,10 +24,10 @@ SOURCE = ["the old dog chased a red ball .", "a dog sleep here .", "the red ball
 # JSON fields that differ between any two runs: wall times, clock times, and in analyze's stage
 # markers (.headlab/stages) the key, which for agreement and table hashes the upstream stages' finish times.
 TIMING = {"seconds", "created", "finished"}
-MARKER_TIMING = TIMING | {"key"}
+MARKER_TIMING = TIMING | {"key", "marker_id"}  # a marker's id is new on every write
 # The same, in the files' bytes: those JSON fields' values, and the READMEs' "analysed in 0.1 s".
 TIMED = re.compile(rb'(?P<field>"(?:seconds|created|finished)": )(?:"[^"]*"|[-+.\deE]+)|(?P<line>analysed in )[\d.]+ s')
-MARKER_KEY = re.compile(rb'(?P<field>"key": )"[^"]*"')
+MARKER_KEY = re.compile(rb'(?P<field>"(?:key|marker_id)": )"[^"]*"')
 # Sentences with one prefix: a causal model gives their first words the same attention, so the
 # exemplars' top k has ties of equal weights to break as one process breaks them.
 PREFIXED = ["the old dog sleeps here", "the old dog chased a ball", "the old cat sleeps", "the old ball",

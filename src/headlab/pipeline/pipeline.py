@@ -593,9 +593,9 @@ class _Context:
         else:  # agreement, figures, report: what the stages before them produced
             upstream = {"agreement": IMPORTANCE_STAGES}.get(name, STAGES[: STAGES.index(name)])
             payload = {"stage": name, "version": __version__,
-                       # each upstream stage's key and finishing time: a stage run again with other
-                       # inputs within the same second of the clock changes its key, not its time
-                       "upstream": {u: [m.get("key"), m.get("finished")] if (m := self.markers.get(u)) else None
+                       # each upstream stage's key, finishing time and marker id: a stage run again within
+                       # the same second (same inputs or other ones) changes its id, not its time
+                       "upstream": {u: _upstream_version(m) if (m := self.markers.get(u)) else None
                                     for u in upstream}}
             if name == "table":  # the table's own format: a resumed run rebuilds an older heads.csv
                 from headlab.pipeline.table import TABLE_FORMAT
@@ -607,6 +607,12 @@ class _Context:
         """Paths (absolute or relative to the working directory) as paths relative to DIR."""
         root = self.out_dir.resolve()
         return sorted({Path(p).resolve().relative_to(root).as_posix() for p in paths})
+
+
+def _upstream_version(marker: dict) -> list:
+    """What a later stage's key holds of a stage it reads: key, finishing time and marker id
+    (a marker written before the id existed: key and time, so the keys on it stay as they were)."""
+    return [marker.get("key"), marker.get("finished"), *([marker["marker_id"]] if "marker_id" in marker else [])]
 
 
 # ----------------------------------------------------------------------------- the stages

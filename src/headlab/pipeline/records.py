@@ -14,6 +14,7 @@ depends on), and every output it lists exists (markers, keys and fingerprints:
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,8 +66,11 @@ def raw_marker(out_dir: Path, name: str) -> dict | None:
 
 
 def write_marker(out_dir: Path, name: str, key: str, record: StageRecord, extra: dict | None = None) -> dict:
-    """Record a finished stage (after its outputs are written); returns the marker."""
-    marker = {"key": key, "finished": now_iso(), "record": record.to_json(), **(extra or {})}
+    """Record a finished stage (after its outputs are written); returns the marker. Its ``marker_id`` is
+    new on every write: the stages after it key on it, as ``finished`` (in seconds) cannot tell
+    two runs of the stage within one second apart."""
+    marker = {"key": key, "finished": now_iso(), "marker_id": uuid.uuid4().hex, "record": record.to_json(),
+              **(extra or {})}
     return resume.write_marker(_marker_path(out_dir, name), marker)
 
 
