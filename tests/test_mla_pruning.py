@@ -377,3 +377,58 @@ def test_a_latent_attention_of_an_unchecked_type_is_refused_naming_it(monkeypatc
         prune_heads(model, {("dec_self", 1): [0]})
     with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits"):
         check_rules(model)
+
+
+_GLM5_NEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                  q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=8,
+                  index_topk=4, index_n_heads=2, index_head_dim=8, index_kpool=2, linear_head_dim=8, linear_num_heads=4,
+                  hc_mult=2, mlp_layer_types=["dense", "dense"])
+
+
+def glm5_next(layer_types: list[str], attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """GLM-5-Next's multimodal model (Glm5NextForConditionalGeneration: transformers 5.24 has no causal LM of its text
+    model; load_model of a glm5_next checkpoint builds the bare Glm5NextModel) with a one-layer vision tower."""
+    if "glm5_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no glm5_next")
+    text = CONFIG_MAPPING["glm5_next_text"](**_GLM5_NEXT, layer_types=layer_types)
+    config = CONFIG_MAPPING["glm5_next"](text_config=text.to_dict(), vision_config=dict(
+        depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32))
+    return perturbed_model(tf.Glm5NextForConditionalGeneration, config, attn_implementation=attn_implementation)
+
+
+def test_glm5_next_with_its_linear_attention_layers_is_refused_before_any_work():
+    """Its released layout (three KDA linear-attention layers in four) is refused, the wrapper and the text model
+    alike, naming the KDA layer (as Kimi Linear's)."""
+    model = glm5_next(["linear_attention", "indexed_attention"])
+    for part in (model, model.model.language_model):
+        with pytest.raises(HeadlabError, match=r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/"
+                                               r"value/output projections but did not call transformers' attention "
+                                               r"interface"):
+            attention_blocks(part)
+
+
+def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactly_and_not_pruned():
+    """The wrapper given text: its language model's blocks only (the vision tower does not run); capture equals
+    output_attentions, masking head 2 of layer 1 equals zeroing its value rows of kv_b_proj, whatever the
+    hyper-connections do around the layer; pruning refused, an unchecked latent attention (no rotary part, an indexer
+    whose picks the next layer may reuse)."""
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        reference = glm5_next(["indexed_attention"] * 2, "eager")(**inputs, output_attentions=True).attentions
+    model = glm5_next(["indexed_attention"] * 2)
+    assert [b.name for b in attention_blocks(model)] == ["model.language_model.layers.0.self_attn",
+                                                         "model.language_model.layers.1.self_attn"]
+    with capture_attention(model) as record:
+        _output(model, inputs)
+    for (_, layer), probs in record.items():
+        assert torch.equal(probs, reference[layer])
+    with mask_heads(model, {("dec_self", 1): [2]}):
+        masked = _output(model, inputs)[1]
+    zeroed = glm5_next(["indexed_attention"] * 2)
+    with torch.no_grad():
+        zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
+    torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
+    assert not torch.allclose(masked, _output(model, inputs)[1])
+    with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
+        prune_heads(model, {("dec_self", 1): [0]})
