@@ -21,6 +21,7 @@ nothing on the pruned model; LRP stays refused, naming the latent attention.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -28,7 +29,17 @@ import torch
 import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from headlab import HeadlabError, attention_blocks, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab import (
+    HeadlabError,
+    ScalarGates,
+    attention_blocks,
+    capture_attention,
+    gates_attached,
+    load_pruned,
+    mask_heads,
+    prune_heads,
+    save_pruned,
+)
 from headlab.adapters.families import OUTPUT_GATES
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
@@ -61,6 +72,14 @@ CONFIGS = {
     # session 25 (fam10): the same layout read off their forwards (LongCat-Flash: tests/test_longcat_flash.py)
     "mistral4": {},
     "mistral4-no-q-latent": {"q_lora_rank": None},
+    # session 26 (fam12): Mistral 4's queries times 1 + beta * log(1 + floor(position / original_max_position_embeddings))
+    # (get_llama_4_attn_scale), active: at its default window (8192) every position of a test is below it and the factor
+    # is 1; here it is 2, so positions 2.. of the probe, the padded rows and cached generation are scaled, by beta = 1
+    # (at weights of std 0.1, which the scale moves by up to 0.85 in the logits: test_the_llama_4_scaling_is_active)
+    "mistral4-llama4-scaling": {"initializer_range": 0.1, "rope_parameters": {
+        "type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 2,
+        "max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+        "llama_4_scaling_beta": 1.0}},
     "youtu": {},
     "axk1": {},
     "kimi_linear": {"layer_types": ["full_attention", "full_attention"], "num_local_experts": 4},
@@ -79,7 +98,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     model_type = family.split("-")[0]
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
-    config = CONFIG_MAPPING[model_type](**{**_SIZES, **CONFIGS[family]})
+    config = CONFIG_MAPPING[model_type](**copy.deepcopy({**_SIZES, **CONFIGS[family]}))
     cls = getattr(tf, CLASSES[model_type]) if model_type in CLASSES else model_class_for(config)
     return perturbed_model(cls, config, seed)
 
@@ -150,6 +169,89 @@ def test_pruning_equals_masking_generates_and_reloads(family, spec_name, tmp_pat
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     plain.eval()
     torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
+
+
+def test_the_llama_4_scaling_is_active():
+    """The scaled configuration's logits differ from the same model's with beta = 0 (the factor 1 everywhere), on
+    the padded rows and in cached generation: what prune == mask and the reloads above compare is scaled."""
+    model = tiny_model("mistral4-llama4-scaling")
+    ids, mask = padded_inputs(pad_id=2)
+    scaled, (_, scaled_scores) = padded_logits(model, ids, mask), greedy_generation(model, ids, mask)
+    model.config.rope_parameters["llama_4_scaling_beta"] = 0.0  # the forward reads it at each call
+    assert (padded_logits(model, ids, mask) - scaled).abs().max() > 0.1
+    assert (greedy_generation(model, ids, mask)[1] - scaled_scores).abs().max() > 0.1
+
+
+SCALED = {"mistral4-llama4-scaling": "query scale per position (llama_4_scaling_beta)",
+          "mistral_large4_text": "query scale and bias per head (softmax_scaling)"}
+
+
+def scaled_model(family: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Mistral 4 with its llama-4 scaling active, or Mistral Large 4's text model (analysed and masked, pruning
+    refused) with its per-head softmax_scaling off its initial identity (scale 0, bias 1): heads scaled apart."""
+    if family.startswith("mistral4"):
+        model = tiny_model(family)
+    else:
+        if family not in CONFIG_MAPPING:
+            pytest.skip(f"this transformers has no {family}")
+        config = CONFIG_MAPPING[family](**{**_SIZES, **_INDEXER, "initializer_range": 0.1})
+        model = perturbed_model(model_class_for(config), config)
+        with torch.no_grad():
+            for layer in _layers(model):
+                layer.self_attn.softmax_scaling.scale.copy_(torch.tensor([0.0, 1.0, -0.3, 2.0]))
+                layer.self_attn.softmax_scaling.bias.copy_(torch.tensor([1.0, 0.5, 2.0, 1.5]))
+    model.config._attn_implementation = attn_implementation
+    return model
+
+
+def _unscaled(model) -> None:
+    """The scaling made the identity: beta = 0 (Mistral 4), scale 0 and bias 1 per head (Mistral Large 4)."""
+    if "llama_4_scaling_beta" in model.config.rope_parameters:
+        model.config.rope_parameters["llama_4_scaling_beta"] = 0.0
+    for layer in _layers(model):
+        if hasattr(layer.self_attn, "softmax_scaling"):
+            with torch.no_grad():
+                layer.self_attn.softmax_scaling.scale.zero_()
+                layer.self_attn.softmax_scaling.bias.fill_(1.0)
+
+
+def _layers(model) -> torch.nn.ModuleList:
+    return model.model.layers if hasattr(model, "model") else model.layers
+
+
+def _output(model, inputs: dict, **kwargs):
+    with torch.no_grad():
+        out = model(**inputs, **kwargs)
+    return out, out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("family", SCALED)
+def test_scaled_queries_capture_and_masking(family):
+    """With the queries scaled (per position, or per head) before the attention function: capture equals
+    transformers' own output_attentions (eager), masking head j of layer 1 equals zeroing its value rows of kv_b_proj
+    (rows j*(nope+v)+nope ..), scalar gates at one change nothing, and the scaling changes the result."""
+    inputs = tiny_inputs()
+    eager, _ = _output(scaled_model(family, "eager"), inputs, output_attentions=True)
+    model = scaled_model(family)
+    with capture_attention(model) as record:
+        _output(model, inputs)
+    before = _output(model, inputs)[1]
+    assert sorted(record) == [("dec_self", 0), ("dec_self", 1)]
+    for (_, layer), probs in record.items():
+        torch.testing.assert_close(probs, eager.attentions[layer], atol=1e-6, rtol=0)
+    for head in range(4):
+        with mask_heads(model, {("dec_self", 1): [head]}):
+            masked = _output(model, inputs)[1]
+        zeroed = scaled_model(family)
+        rows = torch.arange(head * (NOPE + V) + NOPE, (head + 1) * (NOPE + V))
+        with torch.no_grad():
+            _layers(zeroed)[1].self_attn.kv_b_proj.weight[rows] = 0
+        torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
+        assert not torch.allclose(masked, before)
+    with gates_attached(model, ScalarGates.for_model(model)):
+        assert torch.equal(_output(model, inputs)[1], before)
+    _unscaled(model)
+    assert (_output(model, inputs)[1] - before).abs().max() > 0.05
 
 
 def test_an_emptied_layer_hands_the_next_its_indexer_selection():
@@ -275,3 +377,58 @@ def test_a_latent_attention_of_an_unchecked_type_is_refused_naming_it(monkeypatc
         prune_heads(model, {("dec_self", 1): [0]})
     with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits"):
         check_rules(model)
+
+
+_GLM5_NEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                  q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=8,
+                  index_topk=4, index_n_heads=2, index_head_dim=8, index_kpool=2, linear_head_dim=8, linear_num_heads=4,
+                  hc_mult=2, mlp_layer_types=["dense", "dense"])
+
+
+def glm5_next(layer_types: list[str], attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """GLM-5-Next's multimodal model (Glm5NextForConditionalGeneration: transformers 5.24 has no causal LM of its text
+    model; load_model of a glm5_next checkpoint builds the bare Glm5NextModel) with a one-layer vision tower."""
+    if "glm5_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no glm5_next")
+    text = CONFIG_MAPPING["glm5_next_text"](**_GLM5_NEXT, layer_types=layer_types)
+    config = CONFIG_MAPPING["glm5_next"](text_config=text.to_dict(), vision_config=dict(
+        depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32))
+    return perturbed_model(tf.Glm5NextForConditionalGeneration, config, attn_implementation=attn_implementation)
+
+
+def test_glm5_next_with_its_linear_attention_layers_is_refused_before_any_work():
+    """Its released layout (three KDA linear-attention layers in four) is refused, the wrapper and the text model
+    alike, naming the KDA layer (as Kimi Linear's)."""
+    model = glm5_next(["linear_attention", "indexed_attention"])
+    for part in (model, model.model.language_model):
+        with pytest.raises(HeadlabError, match=r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/"
+                                               r"value/output projections but did not call transformers' attention "
+                                               r"interface"):
+            attention_blocks(part)
+
+
+def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactly_and_not_pruned():
+    """The wrapper given text: its language model's blocks only (the vision tower does not run); capture equals
+    output_attentions, masking head 2 of layer 1 equals zeroing its value rows of kv_b_proj, whatever the
+    hyper-connections do around the layer; pruning refused, an unchecked latent attention (no rotary part, an indexer
+    whose picks the next layer may reuse)."""
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        reference = glm5_next(["indexed_attention"] * 2, "eager")(**inputs, output_attentions=True).attentions
+    model = glm5_next(["indexed_attention"] * 2)
+    assert [b.name for b in attention_blocks(model)] == ["model.language_model.layers.0.self_attn",
+                                                         "model.language_model.layers.1.self_attn"]
+    with capture_attention(model) as record:
+        _output(model, inputs)
+    for (_, layer), probs in record.items():
+        assert torch.equal(probs, reference[layer])
+    with mask_heads(model, {("dec_self", 1): [2]}):
+        masked = _output(model, inputs)[1]
+    zeroed = glm5_next(["indexed_attention"] * 2)
+    with torch.no_grad():
+        zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
+    torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
+    assert not torch.allclose(masked, _output(model, inputs)[1])
+    with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
+        prune_heads(model, {("dec_self", 1): [0]})

@@ -20,8 +20,11 @@ hyper-connections) stays refused, for those.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, mask_heads, prune_heads
@@ -169,3 +172,61 @@ def test_hy_v4_is_refused_for_its_sinks_and_hyper_connections():
     with pytest.raises(HeadlabError, match=r"model_type 'hy_v4'\): model\.layers\.0\.self_attn: an output gate from "
                                            r"gate_proj: .*attention sinks.*hyper-connections"):
         attention_blocks(build("hy_v4", attn_implementation="eager"))  # no SDPA in transformers
+
+
+# dots3-note's released checkpoints are the multimodal model (model_type dots3_note: text_config, vision_config,
+# audio_config); transformers' Dots3NoteForCausalLM (AutoModelForCausalLM of dots3_note and dots3_note_text) is the
+# text model alone, which on text inputs is what Dots3NoteForConditionalGeneration runs (embeddings, language model,
+# lm_head), and does not declare the towers' tensors ignorable.
+_TOWERS = dict(vision_config=dict(mlp_layer_types=["dense"], hidden_size=16, intermediate_size=20, num_hidden_layers=1,
+                                  num_attention_heads=2, adapter_in_dim=16, adapter_out_dim=32),
+               audio_config=dict(hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
+                                 adapter_input_size=16, adapter_out_dim=32, downsample_hidden_size=8))
+
+
+def dots3_note_multimodal() -> torch.nn.Module:
+    if "dots3_note" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no dots3_note")
+    text = CONFIG_MAPPING["dots3_note_text"](**{**_SIZES, **_INDEXER})
+    config = CONFIG_MAPPING["dots3_note"](text_config=text.to_dict(), **_TOWERS)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.Dots3NoteForConditionalGeneration(config).eval()
+
+
+def test_the_multimodal_dots3_note_is_refused_naming_its_language_model():
+    """The Python API given Dots3NoteForConditionalGeneration: refused naming the text model to pass. Before, refused
+    for its output gate as if dots3_note_text were not supported ("a layout known only for the model types of
+    ...OUTPUT_GATES"): the hint named the language model only for a type with a table entry."""
+    with pytest.raises(HeadlabError, match=r"Dots3NoteForConditionalGeneration is a multimodal model around a "
+                                           r"'dots3_note_text' language model, which headlab supports on its own: "
+                                           r"pass that causal LM"):
+        attention_blocks(dots3_note_multimodal())
+
+
+def test_a_multimodal_dots3_note_checkpoint_is_refused_naming_its_language_model(tmp_path, capsys):
+    """load_model and the command line on the saved multimodal model: refused, naming Dots3NoteForCausalLM and how to
+    save it alone (before: "46 tensor(s) of the weights are not in the model (audio_encoder...)"); the directory so
+    saved loads, and its logits are the multimodal model's on text."""
+    from headlab.cli import main
+    from headlab.loading import load_model
+
+    full = dots3_note_multimodal()
+    full.save_pretrained(tmp_path / "full")
+    message = (r"full is a multimodal 'dots3_note' checkpoint: headlab analyses its language model, Dots3NoteForCausalLM "
+               r"\(model_type 'dots3_note_text'\), and loaded every tensor of it, but \d+ tensor\(s\) of the checkpoint "
+               r"are not in it \(audio_encoder\.\*, vision_encoder\.\*\), which headlab does not "
+               r"ignore\. Save the language model alone and pass that directory: "
+               r"transformers\.Dots3NoteForCausalLM\.from_pretrained\(path\)\.save_pretrained\(text_dir\)")
+    with pytest.raises(HeadlabError, match=message):
+        load_model(str(tmp_path / "full"))
+    code = main(["prune", str(tmp_path / "full"), "--heads", "dec_self:1:0", "--out", str(tmp_path / "out")])
+    assert code != 0 and re.search(message, " ".join(capsys.readouterr().err.split()))
+    assert not (tmp_path / "out").exists()
+
+    tf.Dots3NoteForCausalLM.from_pretrained(tmp_path / "full").save_pretrained(tmp_path / "text")
+    model = load_model(str(tmp_path / "text"))
+    assert type(model).__name__ == "Dots3NoteForCausalLM" and model.config.model_type == "dots3_note_text"
+    assert [b.name for b in attention_blocks(model)] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    inputs = tiny_inputs()
+    torch.testing.assert_close(logits(model, inputs), logits(full, inputs), atol=1e-6, rtol=0)

@@ -262,6 +262,24 @@ def check_complete(source: str | Path, missing, unexpected, mismatched=()) -> No
                            f"random values: " + "; ".join(problems))
 
 
+def check_text_of_multimodal(source: str, config, cls: type, info: dict) -> None:
+    """A multimodal checkpoint (dots3-note's: text, vision, audio) loaded as the LM of its text config, all of whose
+    tensors it holds, with tensors of its other parts that the class does not declare ignorable (Qwen3.5's does its
+    vision tower's): refused as :func:`check_complete` refuses them, but naming the language model and how to save it
+    alone (before: only "N tensor(s) of the weights are not in the model")."""
+    text = config_for(cls, config)
+    unexpected = [key for key in info["unexpected_keys"] if not _ALLOWED_UNEXPECTED.search(key)]
+    if text is config or not unexpected or info["missing_keys"] or info["mismatched_keys"]:
+        return
+    parts = sorted({key.split(".", 1)[0] for key in unexpected})
+    raise HeadlabError(
+        f"{source} is a multimodal {config.model_type!r} checkpoint: headlab analyses its language model, "
+        f"{cls.__name__} (model_type {text.model_type!r}), and loaded every tensor of it, but {len(unexpected)} "
+        f"tensor(s) of the checkpoint are not in it ({', '.join(p + '.*' for p in parts[:4])}"
+        f"{' and more' if len(parts) > 4 else ''}), which headlab does not ignore. Save the language model alone "
+        f"and pass that directory: transformers.{cls.__name__}.from_pretrained(path).save_pretrained(text_dir)")
+
+
 def _tensor_block(model: nn.Module) -> dict[str, str]:
     """Parameter name -> ``"KIND layer N"`` for the attention projections of ``model``."""
     names = {id(module): name for name, module in model.named_modules()}

@@ -25,6 +25,7 @@ from headlab.checkpoint import (
     build_model,
     check_complete,
     check_fits_weights,
+    check_text_of_multimodal,
     config_for,
     model_class_for,
     one_line,
@@ -162,6 +163,7 @@ def load_model(
     except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
         raise HeadlabError(f"{name_or_path}: its config.json does not describe a {cls.__name__} transformers can "
                            f"build ({one_line(error)})") from error
+    check_text_of_multimodal(name_or_path, config, cls, info)
     check_complete(name_or_path, info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
     if device is not None:
         model = model.to(device)

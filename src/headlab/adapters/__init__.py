@@ -568,9 +568,14 @@ def _language_model_hint(model: nn.Module) -> str | None:
     """What to pass instead of a multimodal model (Qwen3_5ForConditionalGeneration) whose language
     model has a table entry that the generic discovery, looking at the whole model, cannot replace."""
     text = getattr(getattr(model, "config", None), "text_config", None)
-    if text is None or family_for(text) is None:
+    model_type = getattr(text, "model_type", None)
+    # a table entry, or a type whose discovered layout a table vouches for (dots3-note's text model: its gate's and
+    # latents' rows); before, only the first: Dots3NoteForConditionalGeneration was refused for its output gate as
+    # if dots3_note_text were not supported
+    if text is None or (family_for(text) is None and model_type not in OUTPUT_GATES and
+                        model_type not in LATENT_ATTENTION):
         return None
-    return (f"{type(model).__name__} is a multimodal model around a {text.model_type!r} language model, which "
+    return (f"{type(model).__name__} is a multimodal model around a {model_type!r} language model, which "
             "headlab supports on its own: pass that causal LM (headlab.loading.load_model(path) or transformers' "
             "AutoModelForCausalLM.from_pretrained(path) loads it from the checkpoint)")
 
