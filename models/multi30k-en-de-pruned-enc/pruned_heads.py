@@ -14,6 +14,8 @@ no head computes what the full layer does with no head: the output projection's 
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
 """
 
+import threading
+
 import torch
 import transformers
 from torch import nn
@@ -216,7 +218,8 @@ class PrunedModel(_BASE):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         apply_plan(self, config.headlab_pruned)
-        _share_checkpoint_conversion(type(self))
+        with _registry_lock():
+            _share_checkpoint_conversion(self)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -224,24 +227,59 @@ class PrunedModel(_BASE):
         or a weight of the checkpoint unused: that would be another model, with no error."""
         wants_info = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True
-        model, info = super().from_pretrained(*args, **kwargs)
+        # held from this class's registration (in __init__) to transformers' lookup of it, right after
+        with _registry_lock():
+            model, info = super().from_pretrained(*args, **kwargs)
         check_loading_info(info, BASE_CLASS)
         return (model, info) if wants_info else model
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """transformers drops the keys its ignore lists (``_keys_to_ignore_on_load_missing`` /
+        ``_unexpected``) match from the loading report; never a weight of a projection headlab resized:
+        that one is loaded, or the load refused. (GPT-2's ``attn.bias``, meant for an old mask buffer,
+        is a regular expression that also matches every ``attn.c_attn.bias``.)"""
+        prefix = f"{self.base_model_prefix}." if getattr(self, "base_model_prefix", "") else ""
+
+        def inside(key: str) -> str:
+            return (key[len(prefix):] if prefix and key.startswith(prefix) else key) + "."
+
+        pruned = tuple(inside(path) for path in self.config.headlab_pruned["projections"])
+        kept = {name: {key for key in getattr(loading_info, name) if inside(key).startswith(pruned)}
+                for name in ("missing_keys", "unexpected_keys")}
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        for name, keys in kept.items():
+            setattr(loading_info, name, set(getattr(loading_info, name)) | keys)
 
 
 def check_loading_info(info: dict, base_class: str) -> None:
     """Raise when ``info`` (``from_pretrained``'s ``output_loading_info``) names a weight left newly
-    initialised (missing) or one of the checkpoint not loaded (unexpected)."""
-    problems = [f"{what} {sorted(info.get(key) or ())}" for key, what in (
-        ("missing_keys", "newly initialised (missing from the checkpoint):"),
-        ("unexpected_keys", "in the checkpoint but not loaded:")) if info.get(key)]
+    initialised (missing; of another shape, under ``ignore_mismatched_sizes=True``) or one of the
+    checkpoint not loaded (unexpected)."""
+    mismatched = [f"{key} {tuple(old)} in the checkpoint, {tuple(new)} in the model"
+                  for key, old, new in info.get("mismatched_keys") or ()]
+    problems = [f"{what} {found}" for found, what in (
+        (sorted(info.get("missing_keys") or ()), "newly initialised (missing from the checkpoint):"),
+        (sorted(mismatched), "newly initialised (another shape):"),
+        (sorted(info.get("unexpected_keys") or ()), "in the checkpoint but not loaded:")) if found]
     if problems:
         raise RuntimeError(f"pruned_heads.py: this transformers ({transformers.__version__}) did not load the "
                            f"pruned {base_class} exactly; weights {'; '.join(problems)}. Load it with "
                            "headlab.load_pruned(path) instead.")
 
 
-def _share_checkpoint_conversion(cls: type) -> None:
+def _registry_lock():
+    """One lock for every pruned_heads.py in this process (each checkpoint's copy is a module of its own):
+    all register under the one class name ``PrunedModel`` (below), so a registration waits until a load
+    that registered before it has looked its own entry up. Kept on transformers' registry module, which
+    every copy shares; re-entrant, as from_pretrained's __init__ takes it again."""
+    try:
+        from transformers import conversion_mapping as mapping
+    except ImportError:  # a transformers without checkpoint conversions: nothing to guard
+        return threading.RLock()
+    return mapping.__dict__.setdefault("_headlab_pruned_model_lock", threading.RLock())
+
+
+def _share_checkpoint_conversion(model: nn.Module) -> None:
     """transformers converts some checkpoints when it loads a model of its own classes (renames:
     GPT-NeoX's embed_out is lm_head; fuses the experts of many mixtures of experts) and converts back
     when it saves, looking the conversion up by class name, then by ``model_type``, for the model and
@@ -251,11 +289,26 @@ def _share_checkpoint_conversion(cls: type) -> None:
     is looked up by model type, which also covers its sub-models. Registering the model type's list
     under this class's name instead would apply it a second time through the sub-model (the inner
     model, looked up by model type): A.X-K1's ``post_mlp_layernorm`` was renamed twice and left newly
-    initialised."""
+    initialised.
+
+    The registry is one dict keyed by name, and every pruned model of every family is a ``PrunedModel``:
+    the entry is the last one registered. So the caller holds :func:`_registry_lock`, and the model
+    keeps its own conversions for saving (``_weight_conversions``, which ``save_pretrained`` reverts,
+    and from_pretrained replaces with those its load used): else a model built here from its config and
+    saved after a pruned model of another family was built was saved with that family's conversion (a
+    pruned Llama's lm_head written as GPT-NeoX's embed_out, which no load reads back)."""
     try:
         from transformers import conversion_mapping as mapping
     except ImportError:  # a transformers without checkpoint conversions
         return
     # registered also when None: the last pruned model loaded in this process may have had an entry
-    mapping.register_checkpoint_conversion_mapping(cls.__name__, mapping.get_checkpoint_conversion_mapping(BASE_CLASS),
+    mapping.register_checkpoint_conversion_mapping(type(model).__name__,
+                                                   mapping.get_checkpoint_conversion_mapping(BASE_CLASS),
                                                    overwrite=True)
+    from transformers import core_model_loading
+
+    # as save_pretrained looks a model up that was not loaded: without the prefix changes, which only
+    # undo what a load saw (core_model_loading.revert_weight_conversion)
+    prefix_change = getattr(core_model_loading, "PrefixChange", ())
+    model._weight_conversions = [transform for transform in mapping.get_model_conversion_mapping(model, add_legacy=False)
+                                 if not isinstance(transform, prefix_change)]
