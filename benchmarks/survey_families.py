@@ -9,6 +9,8 @@ interface) or ``refused`` (with the reason). Where found, capture is compared wi
 own ``output_attentions`` (eager) on a padded batch, bit for bit. One line per type, then counts.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/survey_families.py
+
+experiments/family_sweep.py imports this script's sizes, tiny builder and walk over the model types.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import logging
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 import transformers as tf
@@ -26,13 +29,50 @@ from headlab import HeadlabError, attention_blocks, capture_attention
 
 SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, max_position_embeddings=64,
              bos_token_id=0, eos_token_id=1, pad_token_id=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CAUSAL_OR_MASKED = (tf.AutoModelForCausalLM, tf.AutoModelForMaskedLM)  # the survey's classes, the first that has one
+MAX_PARAMETERS = 3_000_000  # more: the config ignores some of the tiny sizes
+TOO_LARGE = "its config ignores the tiny sizes"
 
 
-def model_class(config_class):
-    for auto in (tf.AutoModelForCausalLM, tf.AutoModelForMaskedLM):
+def model_class(config_class, autos: tuple = CAUSAL_OR_MASKED):
+    """The class of the first auto table of ``autos`` that has ``config_class``; None where none has."""
+    for auto in autos:
         if config_class in auto._model_mapping:
             return auto._model_mapping[config_class]
     return None
+
+
+def tiny(config_class, cls, sizes: dict, implementation: str = "eager"):
+    """``cls`` built from ``config_class(**sizes)`` from seed 0, in eval mode; None where the config
+    ignores the tiny sizes (over ``MAX_PARAMETERS``, counted on the meta device before any memory is
+    spent). What the config or the class raises, raised."""
+    config = config_class(**sizes)
+    config._attn_implementation = implementation
+    with torch.device("meta"):
+        if sum(p.numel() for p in cls(config).parameters()) > MAX_PARAMETERS:
+            return None
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def found_by(blocks) -> str:
+    """How headlab found the blocks: ``table``, ``discovered`` or ``generic`` (the family's name prefix)."""
+    family = blocks[0].family.name
+    return family.split(":")[0] if family.startswith(("discovered:", "generic:")) else "table"
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options both scripts take (``--only``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", nargs="*", help="these model types only")
+    return parser
+
+
+def model_types(only: list[str] | None) -> Iterator[tuple[str, type]]:
+    """(model type, config class) of every type transformers registers, in order; ``only`` these where given."""
+    for model_type, config_class in sorted(CONFIG_MAPPING.items()):
+        if not only or model_type in only:
+            yield model_type, config_class
 
 
 def survey(model_type: str, config_class) -> tuple[str, str]:
@@ -40,21 +80,16 @@ def survey(model_type: str, config_class) -> tuple[str, str]:
     if cls is None:
         return "", ""
     try:
-        config = config_class(**SIZES)
-        config._attn_implementation = "eager"
-        with torch.device("meta"):
-            if sum(p.numel() for p in cls(config).parameters()) > 3_000_000:
-                return "skipped", "its config ignores the tiny sizes"
-        torch.manual_seed(0)
-        model = cls(config).eval()
+        model = tiny(config_class, cls, SIZES)
     except Exception as error:  # noqa: BLE001 - any config: reported
         return "skipped", f"does not build ({type(error).__name__})"
+    if model is None:
+        return "skipped", TOO_LARGE
     try:
         blocks = attention_blocks(model)
     except HeadlabError as error:
         return "refused", str(error).splitlines()[0]
-    family = blocks[0].family.name
-    how = family.split(":")[0] if family.startswith(("discovered:", "generic:")) else "table"
+    how = found_by(blocks)
     ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0
@@ -75,15 +110,11 @@ def survey(model_type: str, config_class) -> tuple[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", help="these model types only")
-    args = parser.parse_args()
+    args = arguments(__doc__.split("\n\n")[0]).parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     counts: Counter = Counter()
-    for model_type, config_class in sorted(CONFIG_MAPPING.items()):
-        if args.only and model_type not in args.only:
-            continue
+    for model_type, config_class in model_types(args.only):
         how, what = survey(model_type, config_class)
         if how:
             counts[how, "equals" in what] += 1

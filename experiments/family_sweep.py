@@ -25,7 +25,8 @@ Each type gets one outcome: ``pass`` (every check it reached passed; refused fea
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
 result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
 traceback for a user), ``skipped`` (does not build tiny) or ``timeout``. Families already in the
-test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``.
+test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
+builder and the walk over the model types are benchmarks/survey_families.py's, imported from there.
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
@@ -33,7 +34,6 @@ test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import re
@@ -47,12 +47,14 @@ from pathlib import Path
 
 import torch
 import transformers as tf
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 
-SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, max_position_embeddings=64,
-             bos_token_id=0, eos_token_id=1, pad_token_id=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# the survey's sizes, builder and loop over the model types (one copy of each)
+from survey_families import SIZES, TOO_LARGE, arguments, found_by, model_types, tiny  # noqa: E402
+from survey_families import model_class as first_class  # noqa: E402
+
 SEQ2SEQ_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                      decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_layers=2,
                      num_decoder_layers=2, num_heads=4, d_kv=8, d_ff=40, decoder_start_token_id=0)
@@ -118,10 +120,7 @@ class Fail(Exception):
 
 
 def model_class(config_class):
-    for auto in (tuple(reversed(AUTOS)) if CAUSAL_FIRST else AUTOS):
-        if config_class in auto._model_mapping:
-            return auto._model_mapping[config_class]
-    return None
+    return first_class(config_class, tuple(reversed(AUTOS)) if CAUSAL_FIRST else AUTOS)
 
 
 def matrix_types() -> set[str]:
@@ -150,17 +149,13 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
         sizes = {**sizes, **OVERRIDES.get(config_class.model_type, {})}
         try:
-            config = config_class(**sizes)
-            config._attn_implementation = implementation
-            with torch.device("meta"):
-                if sum(p.numel() for p in cls(config).parameters()) > 3_000_000:
-                    errors.append("its config ignores the tiny sizes")
-                    continue
-            torch.manual_seed(0)
-            model = cls(config).eval()
-            break
+            model = tiny(config_class, cls, sizes, implementation)
         except Exception as error:  # noqa: BLE001 - any config: reported
             errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
+            continue
+        if model is not None:
+            break
+        errors.append(TOO_LARGE)
     else:
         return None, "; ".join(dict.fromkeys(errors))
     with torch.no_grad():
@@ -503,15 +498,13 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         return "CRASH", step, (f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''} "
                                f"({Path(frame.filename).name}:{frame.lineno})")
-    found = blocks[0].family.name.split(":")[0] if ":" in blocks[0].family.name else "table"
     kinds = Counter(b.kind for b in blocks)
-    head = f"{type(model).__name__}: {found}, {', '.join(f'{n} {k}' for k, n in kinds.items())}"
+    head = f"{type(model).__name__}: {found_by(blocks)}, {', '.join(f'{n} {k}' for k, n in kinds.items())}"
     return "pass", "", "; ".join([head] + [n for n in notes if n])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", help="these model types only")
+    parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="also the types of the test matrix")
     parser.add_argument("--timeout", type=int, default=30, help="seconds per type")
     parser.add_argument("--causal-first", action="store_true",
@@ -528,9 +521,7 @@ def main() -> None:
         raise Timeout()
 
     signal.signal(signal.SIGALRM, alarm)
-    for model_type, config_class in sorted(CONFIG_MAPPING.items()):
-        if args.only and model_type not in args.only:
-            continue
+    for model_type, config_class in model_types(args.only):
         if model_class(config_class) is None:
             continue
         if model_type in in_matrix and not args.all and not args.only:

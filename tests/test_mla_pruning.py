@@ -44,6 +44,7 @@ from headlab.adapters.families import OUTPUT_GATES
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
     check_gates_at_one_change_nothing,
+    check_pruned_generates_as_masked,
     greedy_generation,
     padded_inputs,
     padded_logits,
@@ -143,15 +144,7 @@ def test_pruning_equals_masking_generates_and_reloads(family, spec_name, tmp_pat
     spec, heads_left = SPECS[spec_name]
     model = tiny_model(family)
     ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
-    prune_heads(model, spec)  # checks itself against masking (padded probe, cached generation)
-    assert [b.n_heads for b in attention_blocks(model)] == heads_left
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
-    tokens, scores = greedy_generation(model, ids, mask)
-    assert torch.equal(tokens, expected_tokens)
-    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
+    expected, _ = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask, atol=1e-5)
     check_gates_at_one_change_nothing(model, tiny_inputs())
 
     save_pruned(model, tmp_path)

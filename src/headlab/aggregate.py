@@ -312,11 +312,8 @@ class AggregateStats:
 
         # Variability: cells of the first `window` words, gathered over the block's views; NaN
         # marks a cell the sentence lacks.
-        N = self.window
-        n = min(N, W)
-        cells = self._cells.get(key)
-        if cells is None:
-            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"), device=device)
+        n = min(self.window, W)
+        cells = self._window_cells(key, B, H, device)
         end = min(first + R, n)
         if end > first:
             m = min(n, K)
@@ -393,11 +390,8 @@ class AggregateStats:
                 add(name, zeros)
             add("pos", torch.zeros(H, len(POS_TAGS), dtype=f64, device=device))
 
-        N = self.window
-        n = min(N, W)
-        cells = self._cells.get(key)
-        if cells is None:
-            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"), device=device)
+        n = min(self.window, W)
+        cells = self._window_cells(key, B, H, device)
         end = min(first + R, n)
         if end > first:
             cells[:, :, first:end, :n] = view.word_block(n)
@@ -405,6 +399,15 @@ class AggregateStats:
             self._keep_best(key, view, first, W)
         if view.last:
             self._settle(key, side, B, H, n, W)
+
+    def _window_cells(self, key: BlockKey, B: int, H: int, device: torch.device) -> torch.Tensor:
+        """The block's variability cells over the first ``window`` words, [B, H, window, window],
+        made on its first view; NaN marks a cell the sentence lacks."""
+        cells = self._cells.get(key)
+        if cells is None:
+            N = self.window
+            cells = self._cells[key] = torch.full((B, H, N, N), float("nan"), device=device)
+        return cells
 
     def _keep_best(self, key: BlockKey, view: AttentionView | FusedView, first: int, W: int) -> None:
         """The running maximum weight of each sentence and head over the block's views, and its flat

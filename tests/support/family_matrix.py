@@ -276,6 +276,27 @@ def greedy_generation(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
     return out.sequences, torch.stack(out.scores)
 
 
+def check_pruned_generates_as_masked(model, spec: dict, heads_left: list[int], ids: torch.Tensor, mask: torch.Tensor,
+                                     atol: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prunes ``model`` by ``spec``: the blocks keep ``heads_left`` heads, and the pruned model equals the
+    masked one on the padded batch (logits of the kept positions) and in greedy cached generation (same
+    tokens, scores within ``atol``). The masked model's logits and generated tokens back, for the
+    caller's checks of the saved directory."""
+    from headlab import attention_blocks, mask_heads, prune_heads
+
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
+    prune_heads(model, spec)  # checks itself against masking (padded probe, cached generation)
+    counts = [b.n_heads for b in attention_blocks(model)]
+    assert counts == heads_left, f"{counts} heads left, expected {heads_left}"
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=atol, rtol=0)
+    tokens, scores = greedy_generation(model, ids, mask)
+    assert torch.equal(tokens, expected_tokens), f"generated {tokens.tolist()}, masked {expected_tokens.tolist()}"
+    torch.testing.assert_close(scores, expected_scores, atol=atol, rtol=0)
+    return expected, expected_tokens
+
+
 # -- checks the family test files share (tests/test_more_families.py, test_discovered_families.py,
 # test_shared_layers.py); each takes the model builder or model and the family's own references.
 

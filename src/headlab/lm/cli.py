@@ -10,7 +10,7 @@ from typing import Any, cast
 from headlab.device_options import add_device_options, device_options, set_threads
 from headlab.errors import HeadlabError, counted
 from headlab.lm.model import LMConfig, LMRecipe, lm_training
-from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command, check_shape
+from headlab.nmt.cli import TRAIN_OPTIONS, add_export_command, check_shape, resumes_from_last
 from headlab.options import HelpFormatter, add_options, from_args, model_flag_to_positional
 
 
@@ -31,9 +31,7 @@ def register(subparsers) -> None:
     add_options(p, lm_training(), TRAIN_OPTIONS + ("resume", "overwrite"))
     p.add_argument("--threads", type=int, help="torch CPU threads per process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
-                                            "command to continue from it",
-                   interrupted_if=("{out}/last", "{out}/last.old", "{out}/.last.old-*/last"))
+    p.set_defaults(func=_train, **resumes_from_last())
 
     p = commands.add_parser("evaluate", help="perplexity of a language model on text",
                             formatter_class=HelpFormatter)

@@ -19,6 +19,15 @@ TRAIN_OPTIONS = ("out_dir", "max_tokens", "lr", "warmup_steps", "label_smoothing
                  "save_every_steps", "seed")
 
 
+def resumes_from_last(out: str = "{out}") -> dict:
+    """``set_defaults`` of a command that runs the training loop into ``out`` (a format string over the
+    arguments, as cli.py reads them): the note after an interrupt, given where the loop's checkpoint is
+    (last, last.old, or a copy atomic_dir moved aside: training.loop._resume_dir)."""
+    return dict(interrupted=f"the last checkpoint in {out} is kept; add --resume to the same command to continue "
+                            "from it",
+                interrupted_if=(f"{out}/last", f"{out}/last.old", f"{out}/.last.old-*/last"))
+
+
 def register(subparsers) -> None:
     nmt = subparsers.add_parser("nmt", help="train, translate with and score translation models")
     commands = nmt.add_subparsers(dest="nmt_command", metavar="NMT_COMMAND")
@@ -35,9 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", help="torch CPU threads per process, or 'auto': measure 1 and all cores "
                    "while training and keep the faster (useful on a shared CPU)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_train, interrupted="the last checkpoint in {out} is kept; add --resume to the same "
-                                            "command to continue from it",
-                   interrupted_if=("{out}/last", "{out}/last.old", "{out}/.last.old-*/last"))
+    p.set_defaults(func=_train, **resumes_from_last())
 
     p = commands.add_parser("translate", help="translate a file, one output line per input line",
                             formatter_class=HelpFormatter)

@@ -21,6 +21,7 @@ from typing import Any
 
 from headlab.device_options import set_threads
 from headlab.errors import HeadlabError, counted
+from headlab.nmt.cli import resumes_from_last
 from headlab.options import HelpFormatter as DEFAULTS
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
@@ -87,9 +88,7 @@ def register(subparsers) -> None:
     add_options(tr.add_mutually_exclusive_group(), PruneConfig, ("lam", "keep"))
     tr.add_argument("--out", required=True, help="output directory (train/, trajectory.jsonl, pruned/, result.json)")
     add_options(tr, PruneConfig().train, ("resume", "overwrite"))
-    tr.set_defaults(func=run_train, interrupted="the last checkpoint in {out}/train is kept; add --resume to the "
-                                                "same command to continue from it",
-                    interrupted_if=("{out}/train/last", "{out}/train/last.old", "{out}/train/.last.old-*/last"))
+    tr.set_defaults(func=run_train, **resumes_from_last("{out}/train"))
 
     sw = sub.add_parser("sweep", formatter_class=DEFAULTS,
                         help="gated fine-tuning for several lambdas or budgets; resumable; one table")
