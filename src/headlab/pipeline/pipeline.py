@@ -1007,20 +1007,24 @@ def _recover_replaced(ctx: _Context, name: str, key: str, position: str) -> None
         ctx.log(said + f"moved aside to {target.relative_to(ctx.out_dir)}")
 
 
-def _recover_held(out_dir: Path, log: Callable[[str], None]) -> None:
+def _recover_held(ctx: _Context) -> None:
     """What a killed run held in .headlab/held/ (:func:`_hold`: an earlier run's outputs of a stage
-    not done, which its end would have removed) goes to stale/, never deleted; a folder holding
-    only its key goes. Their places are not recorded and their markers are gone: not put back."""
-    holding = out_dir / HELD
+    not done, which its end would have moved to stale/) goes to stale/ now, never deleted (a refused
+    run puts it back, :func:`_undo`); a folder holding only its key goes. Their places are not
+    recorded and their markers are gone: not put back where they were."""
+    holding = ctx.out_dir / HELD
     if not holding.is_dir():
         return
     order = lambda path: int(path.name.partition("-")[0]) if path.name.partition("-")[0].isdigit() else -1  # noqa: E731
-    moved = [target for path in sorted(holding.iterdir(), key=order)
-             if (target := _to_stale(out_dir, path, path.name.partition("-")[2] or path.name)) is not None]
-    shutil.rmtree(holding, ignore_errors=True)  # empty by now
+    moved = []
+    for path in sorted(holding.iterdir(), key=order):
+        if _key_only(path):
+            shutil.rmtree(path)
+        else:
+            moved.append(_set_aside(ctx, path, path.name.partition("-")[2] or path.name))
     if moved:
-        log("the results a killed run had held (.headlab/held/) were moved aside to "
-            f"{', '.join(str(p.relative_to(out_dir)) for p in moved)}; nothing reads stale/ again")
+        ctx.log("the results a killed run had held (.headlab/held/) were moved aside to "
+                f"{', '.join(str(p.relative_to(ctx.out_dir)) for p in moved)}; nothing reads stale/ again")
 
 
 def _to_stale(out_dir: Path, path: Path, name: str) -> Path | None:
@@ -1249,7 +1253,8 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     the manifest back as it was, the stage directories it made that hold only their key removed,
     one it cleared put back, a skipped stage's results it set aside in stale/ put back with their
     marker (and stale/ removed if it made it), and so are the results and markers of a stage that
-    skipped or failed this time (held in .headlab/held/ until the run's end)."""
+    skipped or failed this time (held in .headlab/held/ until the run's end), and a killed run's
+    leftovers that this run set aside in stale/ (:func:`_recover_held`, :func:`_recover_replaced`)."""
     from headlab.heads import atomic_write_bytes
 
     if earlier is None:
@@ -1263,7 +1268,10 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
         if not path.exists() and path.parent.is_dir() and (target.exists() or target.is_symlink()):
             target.replace(path)
     ctx.held.clear()
-    shutil.rmtree(ctx.out_dir / HELD, ignore_errors=True)
+    try:
+        (ctx.out_dir / HELD).rmdir()  # only if empty: what could not go back stays for the next run
+    except OSError:
+        pass
     for marker_file, content in ctx.removed_markers.items():
         if not marker_file.exists():
             atomic_write_bytes(marker_file, content)
@@ -1322,7 +1330,7 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
     manifest = out_dir / "manifest.json"
     earlier = manifest.read_bytes() if manifest.is_file() else None
     if shard.main:
-        _recover_held(out_dir, log)  # a killed run's
+        _recover_held(ctx)  # a killed run's
         if not stage_rows(read_manifest(out_dir)):
             # None, or one read whole (a saved Analysis'): until a stage finishes, vouch for nothing
             write_manifest(out_dir, header, [], [])
