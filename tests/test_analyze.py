@@ -727,3 +727,161 @@ def test_a_first_run_killed_in_its_first_stage_vouches_for_nothing(inputs, tmp_p
     with pytest.warns(UserWarning, match=f"stage {first}: .* from a run that did not finish the stage"):
         analysis = headlab.Analysis.load(out)
     assert first not in analysis.tables and first in analysis.skipped
+
+
+def test_a_run_killed_in_a_stage_it_replaced_loses_no_earlier_results(inputs, tmp_path, monkeypatch, capsys):
+    """Regression: a run that must run a stage again (other options, --force) moves the stage's
+    folder to .headlab/replaced-<stage> and deletes it once the stage is done; killed in the stage,
+    it left it there, and the next run deleted it (an LRP or a sweep may have cost hours). Now the
+    next run sets it aside in stale/ and says so."""
+    from headlab.pipeline import pipeline
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "importance,attention,figures")
+    assert main(run) == 0
+    share = (out / "functions" / "positional" / "share.json").read_bytes()
+
+    def killed_after_writing(ctx):
+        pipeline._functions(ctx)
+        raise _Killed("functions")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "functions", killed_after_writing)
+        with pytest.raises(_Killed):
+            main([*run, "--conllu-limit", "2"])
+    assert (out / ".headlab" / "replaced-functions" / "positional" / "share.json").read_bytes() == share
+    capsys.readouterr()
+    assert main(run) == 0
+    err = capsys.readouterr().err
+    assert "functions: the results a killed run had replaced (.headlab/replaced-functions) were moved aside to " \
+           "stale/functions" in err
+    assert (out / "stale" / "functions" / "positional" / "share.json").read_bytes() == share  # nothing lost
+    assert not (out / ".headlab" / "replaced-functions").exists()
+    assert "positional_share" in _columns(out)
+
+
+def test_a_force_run_killed_before_its_sweep_wrote_puts_the_sweep_back(inputs, tmp_path, monkeypatch, capsys):
+    """Regression: analyze --prune --force killed as its sweep began left the earlier sweep in
+    .headlab/replaced-prune and an empty prune/; the same command without --force then ran the
+    whole sweep again beside it (and a later --force deleted it). Now a killed run's replaced
+    folder whose key is this run's goes back in place when the killed run left nothing there,
+    and the sweep resumes from its finished points."""
+    from headlab.pipeline import pipeline
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--target", str(inputs / "ref.de"), "--skip", "importance", "attention", "figures",
+                "report", "--prune", "--prune-keeps", "2")
+    assert main(run) == 0
+    result = (out / "prune" / "keep-2" / "result.json").read_bytes()
+
+    def killed(ctx):
+        raise _Killed("prune")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "prune", killed)
+        with pytest.raises(_Killed):
+            main([*run, "--force"])
+    assert {p.name for p in (out / "prune").iterdir()} == {".headlab-key"}
+    capsys.readouterr()
+    assert main(run) == 0
+    err = capsys.readouterr().err
+    assert "prune: the results a killed run had replaced (.headlab/replaced-prune) were put back in prune/" in err
+    assert "keep-2: finished earlier, skipped" in err and "keep-2: starting" not in err
+    assert (out / "prune" / "keep-2" / "result.json").read_bytes() == result
+    assert not (out / ".headlab" / "replaced-prune").exists() and not (out / "stale").exists()
+
+
+def test_a_run_killed_after_a_stage_failed_loses_no_earlier_results(inputs, tmp_path, monkeypatch, capsys):
+    """Regression: a stage that failed holds an earlier run's results in .headlab/held/ until the
+    run's end; a run killed after it left them there and the next run deleted them. Now the next
+    run sets them aside in stale/ and says so."""
+    from headlab.pipeline import pipeline
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--skip", "lrp,functions,aggregate,attention,figures")
+    assert main(run) == 0
+    gradient = (out / "importance" / "gradient.json").read_bytes()
+
+    def fails(ctx):
+        raise RuntimeError("boom")
+
+    def killed(ctx):
+        raise _Killed("table")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "gradient", fails)
+        patch.setitem(pipeline.RUNNERS, "table", killed)
+        with pytest.raises(_Killed):
+            main([*run, "--limit", "4"])
+    assert any(p.name.endswith("-gradient.json") for p in (out / ".headlab" / "held").iterdir())
+    capsys.readouterr()
+    assert main(run) == 0
+    err = capsys.readouterr().err
+    assert "results a killed run had held (.headlab/held/) were moved aside to stale/gradient.json" in err
+    assert (out / "stale" / "gradient.json").read_bytes() == gradient  # nothing lost
+    assert not (out / ".headlab" / "held").exists()
+
+
+def test_a_stage_that_replaced_an_earlier_folder_and_failed_sets_it_aside(inputs, tmp_path, monkeypatch, capsys):
+    """Regression: with --force (or other options) a stage's earlier folder waited in
+    .headlab/replaced-<stage> while it ran and was deleted at the run's end even when the stage
+    failed: neither the earlier results nor new ones were left. Now they are set aside in stale/."""
+    from headlab.pipeline import pipeline
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--conllu", str(inputs / "tb.conllu"), "--skip", "importance,attention,figures")
+    assert main(run) == 0
+    share = (out / "functions" / "positional" / "share.json").read_bytes()
+
+    def fails(ctx):
+        raise RuntimeError("boom")
+
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.setitem(pipeline.RUNNERS, "functions", fails)
+        assert main([*run, "--force"]) == 1
+    err = capsys.readouterr().err
+    assert "functions: its results of before, replaced for this run, were moved aside to stale/functions" in err
+    assert (out / "stale" / "functions" / "positional" / "share.json").read_bytes() == share
+    assert not (out / "functions").exists() and not (out / ".headlab" / "replaced-functions").exists()
+
+
+@pytest.mark.parametrize("stop", ["killed", "failed"])
+def test_a_sweep_stopped_in_a_point_resumes_with_the_same_command(stop, inputs, tmp_path, monkeypatch, capsys):
+    """Regression: a prune stage that failed in its second point had its folder set aside in stale/,
+    while the log said it was moved back for the same command to resume it: the sweep started over.
+    Now a failed sweep stays in prune/ (the manifest, which records the stage as failed, keeps the
+    readers out of it) and the same command resumes it point by point, as after a kill."""
+    import headlab.pruning.sweep as sweep
+
+    out = tmp_path / "out"
+    run = _args(inputs, out, "--target", str(inputs / "ref.de"), "--skip", "importance", "attention", "figures",
+                "report", "--prune")  # --prune-keeps 4,2 (FAST)
+    prune_train = sweep.prune_train
+
+    def second_stops(model, tokenizer, train_data, eval_data, config, **kwargs):
+        if config.keep == 2:
+            raise (_Killed if stop == "killed" else RuntimeError)("stopped in keep-2")
+        return prune_train(model, tokenizer, train_data, eval_data, config, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sweep, "prune_train", second_stops)
+        if stop == "killed":
+            with pytest.raises(_Killed):
+                main(run)
+        else:
+            assert main(run) == 1
+    err = capsys.readouterr().err
+    if stop == "failed":
+        assert "prune: failed: RuntimeError: stopped in keep-2" in err
+        assert "prune: its unfinished sweep (no done marker) stays in prune/, not read as this run's; the same " \
+               "command resumes it point by point" in err
+    first = (out / "prune" / "keep-4" / "result.json").read_bytes()
+    assert main(run) == 0
+    err = capsys.readouterr().err
+    assert "keep-4: finished earlier, skipped" in err and "keep-2: starting" in err
+    assert (out / "prune" / "keep-4" / "result.json").read_bytes() == first
+    rows = json.loads((out / "prune" / "sweep.json").read_text())
+    assert [row["point"] for row in rows] == ["full", "keep-4", "keep-2"]
+    stages = {s["name"]: s["status"] for s in json.loads((out / "manifest.json").read_text())["stages"]}
+    assert stages["prune"] == "done" and not (out / "stale").exists()

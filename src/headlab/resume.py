@@ -112,15 +112,16 @@ def read_step_records(path: str | os.PathLike) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def set_aside(path: Path, out_dir: Path) -> Path:
+def set_aside(path: Path, out_dir: Path, name: str | None = None) -> Path:
     """Move a stale result (a file or a directory made with other inputs or options) to
-    ``out_dir/stale/`` under a name not taken yet, rather than delete what may have cost hours;
-    return where it went. ``prune sweep``'s points and ``analyze --skip``'s stages."""
+    ``out_dir/stale/`` under a name not taken yet (``name``, default its own), rather than delete
+    what may have cost hours; return where it went. ``prune sweep``'s points and ``analyze --skip``'s stages."""
     stale = out_dir / "stale"
     stale.mkdir(exist_ok=True)
-    target, i = stale / path.name, 1
-    while target.exists():
+    name = name or path.name
+    target, i = stale / name, 1
+    while target.exists() or target.is_symlink():
         i += 1
-        target = stale / f"{path.name}.old{i}"
+        target = stale / f"{name}.old{i}"
     path.rename(target)
     return target

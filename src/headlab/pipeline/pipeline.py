@@ -460,7 +460,7 @@ class _Context:
         self.unvouched: dict[str, dict] = {}  # the markers _unvouch removed (for _discard)
         self.made_stale: Path | None = None
         # An earlier run's outputs that a stage not done this time removes (where each was, where it
-        # waits in .headlab/held/): put back if a later stage refuses the run, deleted when it ends.
+        # waits in .headlab/held/): put back if a later stage refuses the run, to stale/ when it ends.
         self.held: list[tuple[Path, Path]] = []
         self._fingerprints: dict[str, str | None] = {}
 
@@ -962,15 +962,78 @@ def _prepare_dir(ctx: _Context, name: str, key: str) -> None:
     key_file = directory / KEY_FILE
     old = key_file.read_text().strip() if key_file.is_file() else None
     if directory.exists() and (ctx.config.force or (old is not None and old != key)):
-        # Set aside, deleted once the stage has run: a run refused before its work puts it back.
-        aside = ctx.out_dir / LOCK_FILE.parent / f"replaced-{name}"
-        shutil.rmtree(aside, ignore_errors=True)  # a killed run's
+        # Set aside, deleted once the stage is done (else kept in stale/ at the run's end, _release):
+        # a run refused before its work puts it back. A killed run's is gone by now (_recover_replaced).
+        aside = _replaced(ctx.out_dir, name)
         directory.replace(aside)
         ctx.replaced[directory] = aside
     if not directory.exists():
         ctx.created.append(directory)  # removed again if the run is refused (_Refused)
     directory.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key + "\n")
+
+
+def _replaced(out_dir: Path, name: str) -> Path:
+    """Where :func:`_prepare_dir` keeps stage ``name``'s folder of before while the stage runs again."""
+    return out_dir / LOCK_FILE.parent / f"replaced-{name}"
+
+
+def _key_only(path: Path) -> bool:
+    """A folder holding nothing but its stage key: no result in it."""
+    return path.is_dir() and not path.is_symlink() and {p.name for p in path.iterdir()} <= {KEY_FILE}
+
+
+def _recover_replaced(ctx: _Context, name: str, key: str, position: str) -> None:
+    """A run killed in stage ``name`` after :func:`_prepare_dir` moved its folder aside left it in
+    .headlab/replaced-<name> (deleted only once the stage is done). Never deleted here: put back in
+    place when the killed run wrote no result in the stage's folder and it was made for this run's
+    key (it has no marker now, so the stage runs on it: a sweep resumes from its finished points),
+    else set aside in stale/, as results this run will not use are."""
+    aside = _replaced(ctx.out_dir, name)
+    if name not in STAGE_DIRS or not (aside.exists() or aside.is_symlink()):
+        return
+    directory = ctx.out_dir / STAGE_DIRS[name]
+    key_file = aside / KEY_FILE
+    ours = key_file.is_file() and key_file.read_text().strip() == key
+    said = f"{position} {name}: the results a killed run had replaced ({aside.relative_to(ctx.out_dir)}) were "
+    if ours and (_key_only(directory) or not (directory.exists() or directory.is_symlink())):
+        if directory.exists():
+            shutil.rmtree(directory)  # its key file only
+        aside.replace(directory)
+        ctx.set_aside.append((aside, directory))  # a refused run leaves it as it found it (_undo)
+        ctx.log(said + f"put back in {STAGE_DIRS[name]}/ (the killed run had written no result there)")
+    else:
+        target = _set_aside(ctx, aside, STAGE_DIRS[name])
+        ctx.log(said + f"moved aside to {target.relative_to(ctx.out_dir)}")
+
+
+def _recover_held(ctx: _Context) -> None:
+    """What a killed run held in .headlab/held/ (:func:`_hold`: an earlier run's outputs of a stage
+    not done, which its end would have moved to stale/) goes to stale/ now, never deleted (a refused
+    run puts it back, :func:`_undo`); a folder holding only its key goes. Their places are not
+    recorded and their markers are gone: not put back where they were."""
+    holding = ctx.out_dir / HELD
+    if not holding.is_dir():
+        return
+    order = lambda path: int(path.name.partition("-")[0]) if path.name.partition("-")[0].isdigit() else -1  # noqa: E731
+    moved = []
+    for path in sorted(holding.iterdir(), key=order):
+        if _key_only(path):
+            shutil.rmtree(path)
+        else:
+            moved.append(_set_aside(ctx, path, path.name.partition("-")[2] or path.name))
+    if moved:
+        ctx.log("the results a killed run had held (.headlab/held/) were moved aside to "
+                f"{', '.join(str(p.relative_to(ctx.out_dir)) for p in moved)}; nothing reads stale/ again")
+
+
+def _to_stale(out_dir: Path, path: Path, name: str) -> Path | None:
+    """``path`` set aside in stale/ as ``name`` (:func:`set_aside`); a folder holding only its key
+    (nothing lost) removed, None."""
+    if _key_only(path):
+        shutil.rmtree(path)
+        return None
+    return set_aside(path, out_dir, name)
 
 
 # What a stage without a folder of its own writes where the table, figures and report read it (a
@@ -996,6 +1059,7 @@ class _Discarded:
     stage: str
     kept: list[Path]
     unfinished: list[Path]
+    resumed: list[Path] = field(default_factory=list)  # a failed sweep left in place for the same command
 
     def said(self, out_dir: Path) -> str:
         """The log's words for them ("" when nothing was set aside)."""
@@ -1005,20 +1069,23 @@ class _Discarded:
             parts.append(f"its results of an earlier run with other inputs or options were moved aside to "
                          f"{shown(self.kept)}")
         if self.unfinished:
-            # the sweep resumes point by point from its folder (run_sweep), the other stages start over
-            resume = " (moved back to prune/, the same command resumes its sweep)" if self.stage == "prune" else ""
             parts.append(f"its unfinished results (of a run killed or failed in this stage: no done marker) were "
-                         f"moved aside to {shown(self.unfinished)}{resume}, not read as this run's")
+                         f"moved aside to {shown(self.unfinished)}, not read as this run's")
+        if self.resumed:
+            parts.append(f"its unfinished sweep (no done marker) stays in {shown(self.resumed)}/, not read as this "
+                         "run's; the same command resumes it point by point")
         return "; ".join(parts)
 
 
-def _discard(ctx: _Context, name: str, keep: bool = False) -> _Discarded:
+def _discard(ctx: _Context, name: str, keep: bool = False, resumable: bool = False) -> _Discarded:
     """A stage that is not done this time leaves no marker and no outputs of an earlier run; with
     ``keep`` they are set aside in ``DIR/stale/`` (an LRP or a sweep may have cost hours), else
-    held until the run ends (:func:`_hold`): a run refused by a later stage puts either back.
+    held until the run ends (:func:`_hold`, then stale/): a run refused by a later stage puts either back.
     Outputs that no marker lists (a run killed in the stage before its marker, or one that failed
     in it) are set aside in ``stale/`` too, whole: left in place, the table, the figures and the
-    report read them as this run's results. Returns where they went."""
+    report read them as this run's results. With ``resumable`` (a sweep that failed this time) its
+    folder stays whole where the same command resumes it (run_sweep, point by point): the manifest,
+    which records the stage as failed, keeps the readers out of it. Returns where they went."""
     marker = raw_marker(ctx.out_dir, name) or ctx.unvouched.get(name)
     kept = []
     own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
@@ -1026,8 +1093,8 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> _Discarded:
         kept.append(_set_aside(ctx, own))
     for rel in (marker or {}).get("record", {}).get("outputs", []):
         path = ctx.out_dir / rel
-        if own is not None and own in ctx.replaced and path.is_relative_to(own):
-            continue  # its files wait in ctx.replaced; the ones of this name now are this run's (below)
+        if own is not None and (own in ctx.replaced or resumable) and path.is_relative_to(own):
+            continue  # its files wait in ctx.replaced, or resume; the ones of this name now are this run's (below)
         if keep and path.exists():
             kept.append(_set_aside(ctx, path))
         elif path.exists() or path.is_symlink():
@@ -1037,13 +1104,15 @@ def _discard(ctx: _Context, name: str, keep: bool = False) -> _Discarded:
         ctx.removed_markers[marker_file] = marker_file.read_bytes()
     remove_marker(ctx.out_dir, name)
     ctx.markers.pop(name, None)
-    unfinished = []
+    unfinished, resumed = [], []
     for path in _own_paths(ctx.out_dir, name):
-        if path.is_dir() and not path.is_symlink() and {p.name for p in path.iterdir()} <= {KEY_FILE}:
+        if _key_only(path):
             _hold(ctx, path)  # one this run made goes at its end; an earlier run's comes back if refused
+        elif resumable and path == own and path.is_dir() and not path.is_symlink():
+            resumed.append(path)
         elif path.exists() or path.is_symlink():
             unfinished.append(_set_aside(ctx, path))
-    return _Discarded(name, kept, unfinished)
+    return _Discarded(name, kept, unfinished, resumed)
 
 
 HELD = LOCK_FILE.parent / "held"
@@ -1059,24 +1128,27 @@ def _hold(ctx: _Context, path: Path) -> None:
 
 
 def _release(ctx: _Context) -> None:
-    """The run ended without a refusal: what it held and the directories it replaced go."""
-    for aside in ctx.replaced.values():
-        shutil.rmtree(aside, ignore_errors=True)
+    """The run ended without a refusal. A stage folder it replaced for a stage not done this time
+    (the done ones' went when they finished) and the earlier outputs it held for one go to stale/,
+    never deleted: no new results replaced them (the run's folders holding only their key go)."""
+    for directory, aside in ctx.replaced.items():
+        if (target := _to_stale(ctx.out_dir, aside, directory.name)) is not None:
+            ctx.log(f"{aside.name.removeprefix('replaced-')}: its results of before, replaced for this run, were "
+                    f"moved aside to {target.relative_to(ctx.out_dir)} (the stage was not done)")
     ctx.replaced.clear()
-    for _, target in ctx.held:
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            target.unlink(missing_ok=True)
+    moved = [kept for path, held in ctx.held if (kept := _to_stale(ctx.out_dir, held, path.name)) is not None]
+    if moved:
+        ctx.log(f"results of an earlier run of stages not done this time were moved aside to "
+                f"{', '.join(str(p.relative_to(ctx.out_dir)) for p in moved)}")
     ctx.held.clear()
     shutil.rmtree(ctx.out_dir / HELD, ignore_errors=True)
 
 
-def _set_aside(ctx: _Context, path: Path) -> Path:
+def _set_aside(ctx: _Context, path: Path, name: str | None = None) -> Path:
     """:func:`set_aside`, remembered for :func:`_undo`."""
     if not (ctx.out_dir / "stale").exists():
         ctx.made_stale = ctx.out_dir / "stale"
-    target = set_aside(path, ctx.out_dir)
+    target = set_aside(path, ctx.out_dir, name)
     ctx.set_aside.append((path, target))
     return target
 
@@ -1129,6 +1201,8 @@ def _unvouch(ctx: _Context, name: str) -> None:
 def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
     shard = ctx.shard
     key = ctx.key(name) if shard.main else ""
+    if shard.main:
+        _recover_replaced(ctx, name, key, position)
     # The main process decides from its markers; the others follow (sharded runs).
     settled, = shard.broadcast((_settled(ctx, name, key, position) if shard.main else None,))
     if settled is not None:
@@ -1159,17 +1233,16 @@ def _run_stage(ctx: _Context, name: str, position: str) -> StageRecord:
         traceback.print_exc(file=sys.stderr)
         record = StageRecord(name, "failed", f"{type(error).__name__}: {error}", round(time.perf_counter() - start, 2))
         ctx.log(f"{position} {name}: failed: {type(error).__name__}: {error}")
-    if record.status == "done":  # the stage's new results replace the old ones for good
-        for aside in ctx.replaced.values():
-            shutil.rmtree(aside, ignore_errors=True)
-        ctx.replaced.clear()
-    # else its replaced directory waits for the run's end (_release): a later refusal puts it back
+    own = ctx.out_dir / STAGE_DIRS[name] if name in STAGE_DIRS else None
+    if record.status == "done" and own in ctx.replaced:  # its new results replace the old ones for good
+        shutil.rmtree(ctx.replaced.pop(own), ignore_errors=True)
+    # else its replaced directory waits for the run's end (_release: to stale/): a later refusal puts it back
     if shard.main:
         if record.status == "done":
             ctx.markers[name] = write_marker(ctx.out_dir, name, key, record,
                                              {"figures": ctx.figures} if name == "figures" else None)
             ctx.log(f"{position} {name}: done in {record.seconds:.1f} s")
-        elif moved := _discard(ctx, name).said(ctx.out_dir):
+        elif moved := _discard(ctx, name, resumable=name == "prune" and record.status == "failed").said(ctx.out_dir):
             ctx.log(f"{position} {name}: {moved}")
     record, = shard.broadcast((record,))
     return record
@@ -1180,7 +1253,8 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
     the manifest back as it was, the stage directories it made that hold only their key removed,
     one it cleared put back, a skipped stage's results it set aside in stale/ put back with their
     marker (and stale/ removed if it made it), and so are the results and markers of a stage that
-    skipped or failed this time (held in .headlab/held/ until the run's end)."""
+    skipped or failed this time (held in .headlab/held/ until the run's end), and a killed run's
+    leftovers that this run set aside in stale/ (:func:`_recover_held`, :func:`_recover_replaced`)."""
     from headlab.heads import atomic_write_bytes
 
     if earlier is None:
@@ -1194,7 +1268,10 @@ def _undo(ctx: _Context, manifest: Path, earlier: bytes | None) -> None:
         if not path.exists() and path.parent.is_dir() and (target.exists() or target.is_symlink()):
             target.replace(path)
     ctx.held.clear()
-    shutil.rmtree(ctx.out_dir / HELD, ignore_errors=True)
+    try:
+        (ctx.out_dir / HELD).rmdir()  # only if empty: what could not go back stays for the next run
+    except OSError:
+        pass
     for marker_file, content in ctx.removed_markers.items():
         if not marker_file.exists():
             atomic_write_bytes(marker_file, content)
@@ -1253,7 +1330,7 @@ def _run_stages(config: AnalyzeConfig, out_dir: Path, log: Callable[[str], None]
     manifest = out_dir / "manifest.json"
     earlier = manifest.read_bytes() if manifest.is_file() else None
     if shard.main:
-        shutil.rmtree(out_dir / HELD, ignore_errors=True)  # a killed run's: it would have deleted them
+        _recover_held(ctx)  # a killed run's
         if not stage_rows(read_manifest(out_dir)):
             # None, or one read whole (a saved Analysis'): until a stage finishes, vouch for nothing
             write_manifest(out_dir, header, [], [])
