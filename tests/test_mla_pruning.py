@@ -1,6 +1,7 @@
 """Physical pruning of multi-head latent attention (DeepSeek-V2, DeepSeek-V3 with and without a query
 latent, Sarvam-MLA, GLM-4-MoE-Lite, MiniCPM3, DeepSeek-V3.2 and GLM-MoE-DSA with their indexers; Mistral 4,
-Youtu, A.X-K1 and Kimi Linear's attention layers; LongCat-Flash in tests/test_longcat_flash.py).
+Youtu, A.X-K1 and Kimi Linear's attention layers; Mistral Large 4, per-head query scaling and latents shared across
+layers; LongCat-Flash in tests/test_longcat_flash.py).
 
 transformers' MLA (``DeepseekV3Attention.forward``): the query projection (``q_b_proj`` after
 ``q_a_proj`` and ``q_a_layernorm``, or ``q_proj`` when ``q_lora_rank`` is None) is viewed
@@ -14,7 +15,8 @@ and the indexer stay (``Family.head_rows``, ``adapters.families.LATENT_ATTENTION
 Before this, pruning was refused ("projection layout is unknown"). Here, on tiny models: pruning
 slices exactly those rows (the weights compared with the originals, read off the modeling code),
 equals masking on padded rows and in cached generation, empties a layer (GLM-MoE-DSA's stand-in still
-hands the next "shared" layer its indexer's selection), reloads with ``load_pruned`` and plain
+hands the next "shared" layer its indexer's selection; Mistral Large 4's still stores the latents later layers
+reuse), reloads with ``load_pruned`` and plain
 transformers (remote code), passes ``headlab prune`` on the command line; gates at one change
 nothing on the pruned model; LRP stays refused, naming the latent attention.
 """
@@ -339,23 +341,148 @@ def test_a_latent_projection_of_another_width_is_refused():
         attention_blocks(model)
 
 
-def test_a_latent_attention_that_differs_is_refused_for_its_reason():
-    """Mistral Large 4 scales its queries per head (softmax_scaling: a scale and a bias per head) and shares
-    key/value latents across layers: pruning is refused naming that, not "projection layout is unknown"."""
+# Mistral Large 4 (session 26, fam13): its text attention (MistralLarge4TextAttention) has no query latent (q_proj viewed
+# [batch, seq, -1, nope + rope]), scales each head's queries by scale[h] * log(position + 1) + bias[h]
+# (softmax_scaling, one entry per head) and lets a layer read an earlier layer's latents (kv_source_layers). Here four
+# layers: 0 and 2 store their latents (rotary and NoPE), 1 and 3 reuse them (3 with an indexer of its own, 1 attending
+# to layer 0's selection), every scale and bias off its identity (scale 0, bias 1) and apart per head.
+_LARGE4 = dict(num_hidden_layers=4, initializer_range=0.1, kv_source_layers=[0, 0, 2, 2], no_rope_layers=[1, 1, 0, 0],
+               indexer_types=["full", "shared", "full", "full"], **_INDEXER)
+_SCALE, _BIAS = torch.tensor([0.0, 1.0, -0.3, 2.0]), torch.tensor([1.0, 0.5, 2.0, 1.5])
+
+
+def mistral_large4(wrapper: bool = True) -> torch.nn.Module:
+    """MistralLarge4ForConditionalGeneration (the released checkpoints' class; transformers 5.24 has no causal LM of the
+    text model) with a one-layer vision tower, or its text model alone (MistralLarge4TextModel, no LM head)."""
+    if "mistral_large4" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no mistral_large4")
+    text = CONFIG_MAPPING["mistral_large4_text"](**{**_SIZES, **_LARGE4})
+    assert text.kv_sharing_modes == ["store", "reuse", "store", "reuse_but_indexer"]
+    if wrapper:
+        config = CONFIG_MAPPING["mistral_large4"](text_config=text.to_dict(), vision_config=dict(
+            hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14))
+        model = perturbed_model(tf.MistralLarge4ForConditionalGeneration, config)
+    else:
+        model = perturbed_model(tf.MistralLarge4TextModel, text)
+    with torch.no_grad():
+        for layer in _large4_layers(model):
+            layer.self_attn.softmax_scaling.scale.copy_(_SCALE)
+            layer.self_attn.softmax_scaling.bias.copy_(_BIAS)
+    return model
+
+
+def _large4_layers(model) -> torch.nn.ModuleList:
+    return model.model.language_model.layers if hasattr(model, "model") else model.layers
+
+
+def _text_blocks(model) -> list[int]:
+    return [b.n_heads for b in attention_blocks(model) if b.kind == "dec_self"]
+
+
+def test_mistral_large4_scaling_and_latent_reuse_change_the_output():
+    """What the pruning tests below compare is scaled per head and reads shared latents: layers 1 and 3 have no latent
+    projection of their own, and zeroing the latents they are handed (layer 0's, layer 2's) moves the logits; the
+    scaling made the identity moves the logits and the cached generation's scores."""
+    from transformers.cache_utils import KVSharingDict
+
+    model = mistral_large4()
+    ids, mask = padded_inputs(pad_id=2)
+    logits, (_, scores) = padded_logits(model, ids, mask), greedy_generation(model, ids, mask)
+    layers = _large4_layers(model)
+    assert [layer.self_attn.kv_a_proj_with_mqa is None for layer in layers] == [False, True, False, True]
+
+    def zero_latents(module, args, kwargs):
+        kwargs["shared_kv_states"] = KVSharingDict(
+            {key: tuple(torch.zeros_like(t) for t in value) for key, value in kwargs["shared_kv_states"].items()})
+        return args, kwargs
+
+    for reader in (1, 3):
+        handle = layers[reader].self_attn.register_forward_pre_hook(zero_latents, with_kwargs=True)
+        assert (padded_logits(model, ids, mask) - logits).abs().max() > 0.05, reader
+        handle.remove()
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.softmax_scaling.scale.zero_()
+            layer.self_attn.softmax_scaling.bias.fill_(1.0)
+    assert (padded_logits(model, ids, mask) - logits).abs().max() > 0.05
+    assert (greedy_generation(model, ids, mask)[1] - scores).abs().max() > 0.05
+
+
+ALL = [0, 1, 2, 3]
+LARGE4_SPECS = {
+    "some heads": ({("dec_self", 1): [0, 2], ("dec_self", 2): [1], ("dec_self", 3): [0, 1, 3]}, [4, 2, 3, 1]),
+    # the layers whose latents (and layer 0's selection) the others read, emptied: their stand-ins still compute,
+    # cache and store the latents and run the indexer
+    "sources emptied": ({("dec_self", 0): ALL, ("dec_self", 2): ALL, ("dec_self", 1): [3]}, [0, 3, 0, 4]),
+    # the readers emptied: no cache of their own to keep in step (layer 1's is transformers' DummyLayer, which
+    # refuses an update), layer 3's indexer still keeps its key cache
+    "readers emptied": ({("dec_self", 1): ALL, ("dec_self", 3): ALL, ("dec_self", 0): [1]}, [3, 0, 4, 0]),
+}
+
+
+@pytest.mark.parametrize("spec_name", LARGE4_SPECS)
+def test_mistral_large4_pruning_equals_masking_generates_and_reloads(spec_name, tmp_path):
+    """Pruning slices each head's rows of q_proj and kv_b_proj, its columns of o_proj and its entries of the query
+    scale and bias, and leaves the latents the other layers read: it equals masking on padded rows and in cached
+    generation, with layers emptied too, and reloads with load_pruned and plain transformers (remote code). Before,
+    refused: "its queries are scaled per head ... read an earlier layer's key/value latents"."""
+    spec, heads_left = LARGE4_SPECS[spec_name]
+    model = mistral_large4()
+    ids, mask = padded_inputs(pad_id=2)
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+        expected_tokens, expected_scores = greedy_generation(model, ids, mask)
+    prune_heads(model, spec)  # checks itself against masking (padded probe, cached generation)
+    assert _text_blocks(model) == heads_left
+    for (_, layer), removed in spec.items():
+        kept = [h for h in ALL if h not in removed]
+        scaling = _large4_layers(model)[layer].self_attn.softmax_scaling
+        assert torch.equal(scaling.scale, _SCALE[kept]) and torch.equal(scaling.bias, _BIAS[kept])
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    tokens, scores = greedy_generation(model, ids, mask)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-5, rtol=0)
+
+    save_pruned(model, tmp_path)
+    reloaded = load_pruned(tmp_path)
+    assert _text_blocks(reloaded) == heads_left
+    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
+    plain, info = tf.AutoModel.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    plain.eval()
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
+    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+
+
+def test_mistral_large4_text_model_alone_is_pruned_and_reloads(tmp_path):
+    """MistralLarge4TextModel (no LM head, checked on the padded probe): pruned as the wrapper's language model."""
     from headlab.surgery import check_prunable
 
-    if "mistral_large4_text" not in CONFIG_MAPPING:
-        pytest.skip("this transformers has no mistral_large4_text")
-    config = CONFIG_MAPPING["mistral_large4_text"](**{**_SIZES, **_INDEXER})
-    config._attn_implementation = "sdpa"
-    model = model_class_for(config)(config).eval()
-    assert [b.n_heads for b in attention_blocks(model)] == [4, 4]  # analysed and masked as the others
-    reason = r"layers\.1\.self_attn .*physical pruning is refused: multi-head latent attention: its queries are " \
-             r"scaled per head \(softmax_scaling"
-    with pytest.raises(HeadlabError, match=reason):
-        prune_heads(model, {("dec_self", 1): [0]})
-    with pytest.raises(HeadlabError, match="its queries are scaled per head"):
-        check_prunable(model)
+    model = mistral_large4(wrapper=False)
+    check_prunable(model)
+    inputs = tiny_inputs()
+    spec = {("dec_self", 0): ALL, ("dec_self", 1): [2], ("dec_self", 3): [0, 3]}
+    with mask_heads(model, spec):
+        expected = _output(model, inputs)[1]
+    prune_heads(model, spec)
+    assert _text_blocks(model) == [0, 3, 4, 2]
+    torch.testing.assert_close(_output(model, inputs)[1], expected, atol=1e-5, rtol=0)
+    save_pruned(model, tmp_path)
+    torch.testing.assert_close(_output(load_pruned(tmp_path), inputs)[1], expected, atol=1e-5, rtol=0)
+    plain = tf.AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    torch.testing.assert_close(_output(plain, inputs)[1], expected, atol=1e-5, rtol=0)
+
+
+def test_a_per_head_scale_of_another_length_is_refused():
+    """A softmax_scaling whose scale does not hold one entry per head of the output projection: refused, naming it,
+    before pruning would slice it with the heads."""
+    model = mistral_large4(wrapper=False)
+    attention_blocks(model)  # the probe pass, kept while the blocks stay
+    _large4_layers(model)[2].self_attn.softmax_scaling.scale = torch.nn.Parameter(torch.zeros(5))
+    with pytest.raises(HeadlabError, match=r"layers\.2\.self_attn.*softmax_scaling\.scale \(shape \[5\]\) is not one "
+                                           r"entry per head of the output projection's 4"):
+        attention_blocks(model)
 
 
 def test_a_latent_attention_of_an_unchecked_type_is_refused_naming_it(monkeypatch):

@@ -14,6 +14,7 @@ no head computes what the full layer does with no head: the output projection's 
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
 """
 
+import importlib
 import threading
 
 import torch
@@ -67,6 +68,14 @@ class NoHeadAttention(nn.Module):
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
+        # Mistral Large 4 (kv_sharing_modes): a layer whose key/value latents later layers read ('store') still
+        # computes, caches and hands them on; one that reads an earlier layer's ('reuse') has no cache of its own
+        self.stores_latents = getattr(original, "store_full_length_kv", None) is True
+        self.reads_latents = getattr(original, "is_kv_shared_layer", None) is True
+        if self.stores_latents:
+            self.kv_lora_rank, self.qk_rope_head_dim = original.kv_lora_rank, original.qk_rope_head_dim
+            self.use_rope = bool(original.use_rope)
+            self.modeling = type(original).__module__  # where its interleaved rotation is
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.o_name:
@@ -82,7 +91,10 @@ class NoHeadAttention(nn.Module):
             out = out + (kwargs[name] if name in kwargs else args[position - 1])
         if self.norm:  # the block's own output norm of its input plus the attention
             out = getattr(self, self.norm)(hidden_states + out)
-        self._keep_cache_in_step(hidden_states, kwargs)
+        if self.stores_latents:
+            self._store_latents(hidden_states, kwargs)
+        elif not self.reads_latents:
+            self._keep_cache_in_step(hidden_states, kwargs)
         extras = [None] * (self.n_outputs - 1)
         if self.selection:  # (output, probs, selection)
             extras[-1] = self._selection(hidden_states, kwargs)
@@ -98,9 +110,30 @@ class NoHeadAttention(nn.Module):
         indexer = getattr(self, "indexer", None)
         if indexer is None:
             return kwargs.get(self.selection)
+        mask, cache = kwargs["attention_mask"][:, 0, :, :], cache_argument(kwargs)
+        if getattr(self, "q_a_proj", None) is None:  # Mistral Large 4: no query latent, its indexer reads the input only
+            return indexer(hidden_states, kwargs["position_embeddings"], mask, kwargs.get("position_ids"), cache=cache)
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-        return indexer(hidden_states, q_resid, kwargs["position_embeddings"], kwargs["attention_mask"][:, 0, :, :],
-                       kwargs.get("position_ids"), cache=cache_argument(kwargs))
+        return indexer(hidden_states, q_resid, kwargs["position_embeddings"], mask, kwargs.get("position_ids"),
+                       cache=cache)
+
+    def _store_latents(self, hidden_states, kwargs) -> None:
+        """What ``MistralLarge4TextAttention.forward`` does for the layers that reuse this one's latents (transformers
+        5.24): the normed key/value latent and the rotated rotary key, cached, then stored in ``shared_kv_states``
+        under "rope" or "nope". No head enters it, so a layer with no head stores what the full layer stores."""
+        batch, length = hidden_states.shape[:-1]
+        kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                     dim=-1)
+        k_pass = self.kv_a_layernorm(kv_pass).view(batch, 1, length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch, 1, length, self.qk_rope_head_dim)
+        if self.use_rope:
+            cos, sin = kwargs["position_embeddings"]
+            rotate = importlib.import_module(self.modeling).apply_rotary_pos_emb_interleave
+            k_rot = rotate(k_rot, k_rot, cos, sin)[1]
+        cache = cache_argument(kwargs)
+        if cache is not None:
+            k_pass, k_rot = cache.update(k_pass, k_rot, self.layer_idx)
+        kwargs["shared_kv_states"]["rope" if self.use_rope else "nope"] = (k_pass, k_rot)
 
     def _keep_cache_in_step(self, hidden_states, kwargs) -> None:
         """Placeholder keys and values, so that generation still counts positions. They hold one
@@ -207,6 +240,11 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
             module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
+        for path, length in plan.get("vectors", {}).items():  # one entry per kept head (Mistral Large 4's scaling)
+            owner_path, _, name = path.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            old = getattr(owner, name)
+            setattr(owner, name, nn.Parameter(old.new_empty(length), requires_grad=old.requires_grad))
         for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
                                                         *rest[:3]))

@@ -116,6 +116,15 @@ def head_row_modules(block: AttentionBlock) -> list[nn.Module]:
     return [block.module.get_submodule(path) for path, _ in block.family.head_rows]
 
 
+def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
+    """The parameters of ``block.family.head_vectors`` (one entry per head), as (owning module, name)."""
+    found = []
+    for path in block.family.head_vectors:
+        owner, _, name = path.rpartition(".")
+        found.append((block.module.get_submodule(owner), name))
+    return found
+
+
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
     """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
@@ -230,6 +239,10 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
             width = rows_per_head(core, attrs)
             assert width is not None  # checked when the block was made (adapters._check_head_rows)
             _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
+        for owner, name in head_vectors(block):  # one entry per head (Mistral Large 4's query scale and bias)
+            vector = getattr(owner, name)
+            _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
+                     journal)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
@@ -644,7 +657,8 @@ def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
-    layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept)."""
+    layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``)."""
     names = {id(module): name for name, module in model.named_modules()}
     plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
     for block in attention_blocks(model):
@@ -654,6 +668,8 @@ def pruning_plan(model: nn.Module) -> dict:
         for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block)):
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
+        for owner, vector in head_vectors(block):
+            plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,

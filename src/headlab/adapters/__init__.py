@@ -25,6 +25,7 @@ from headlab.adapters.families import (
     ATTENTION_SUBLAYERS,
     CONFIG_FAMILIES,
     FAMILIES,
+    HEAD_VECTORS,
     LATENT_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
@@ -262,10 +263,11 @@ def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: 
         o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
         # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
         d_head_attr = "d_head" if stand_in == "ZeroHeadAttention" else ""
+        rows = LATENT_ATTENTION[model_type](module)
         family = Family(
             name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
-            probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)),
-            head_rows=LATENT_ATTENTION[model_type](module), selection_argument=getattr(module, "selection", None))
+            probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)), head_rows=rows,
+            head_vectors=HEAD_VECTORS.get(model_type, ()) if rows else (), selection_argument=getattr(module, "selection", None))
         found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
                       family))
     return found
@@ -330,7 +332,9 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         core = module.get_submodule(item.core) if item.core else module
         prefix = f"{item.core}." if item.core else ""
         rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
-        family = dataclasses.replace(family, head_rows=rows, selection_argument=_selection_argument(core))
+        vectors = tuple(prefix + path for path in HEAD_VECTORS.get(model_type, ())) if rows else ()
+        family = dataclasses.replace(family, head_rows=rows, head_vectors=vectors,
+                                     selection_argument=_selection_argument(core))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 
@@ -480,6 +484,19 @@ def _check_head_rows(where: str, module: nn.Module, core: nn.Module, family: Fam
         if out_features(projection) != n_heads * per_head:
             raise HeadlabError(f"{where}: {path} emits {out_features(projection)} features, not the output "
                                f"projection's {n_heads} heads x {per_head} ({' + '.join(names)})")
+    for path in family.head_vectors:  # one entry per head (Mistral Large 4's softmax_scaling)
+        vector = _parameter(module, path)
+        if vector is None or vector.dim() != 1 or vector.shape[0] != n_heads:
+            shape = "none" if vector is None else f"shape {list(vector.shape)}"
+            raise HeadlabError(f"{where}: {path} ({shape}) is not one entry per head of the output projection's "
+                               f"{n_heads}, which pruning would slice with the heads")
+
+
+def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:
+    owner_path, _, name = path.rpartition(".")
+    owner = _get(module, owner_path)
+    value = getattr(owner, name, None) if owner is not None else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 _KIND_ORDER = {"enc_self": (0, 0), "dec_self": (1, 0), "dec_cross": (1, 1)}

@@ -78,6 +78,10 @@ class Family:
     (multi-head latent attention: ``q_b_proj`` emits per head ``[q_nope | q_rope]``, ``kv_b_proj``
     ``[k_nope | v]``). Physical pruning slices a removed head's rows out of each and its columns out of
     the output projection; what all heads share (the latents, their norms, the rotary key) stays."""
+    head_vectors: tuple[str, ...] = ()
+    """With ``head_rows``: parameters (paths relative to the block) of one entry per head, entry h applied to
+    head h's queries only (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`):
+    physical pruning keeps the kept heads' entries."""
     selection_argument: str | None = None
     """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
     forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
@@ -135,6 +139,20 @@ def query_gate_latent_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]]
     return (("q_gate_proj", sizes), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
 
 
+def mistral_large4_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """Mistral Large 4's MLA (``MistralLarge4TextAttention``, transformers 5.24): no query latent; ``q_proj`` is
+    viewed ``[batch, seq, -1, qk_head_dim]`` and split ``[qk_nope_head_dim | qk_rope_head_dim]`` (a NoPE layer: rope
+    0, its nope part the whole ``qk_head_dim``), ``kv_b_proj`` as DeepSeek-V3's. A layer of ``kv_sharing_modes``
+    'reuse' has no ``kv_a_proj_with_mqa``: it reads the latents an earlier layer stored (``shared_kv_states``: the
+    normed latent and the rotated rotary key, before any layer's ``kv_b_proj``), which no head of either layer
+    changes. Its per-head query scaling is :data:`HEAD_VECTORS`'."""
+    if getattr(core, "q_proj", None) is None or getattr(core, "kv_b_proj", None) is None or \
+            (getattr(core, "kv_a_proj_with_mqa", None) is None and getattr(core, "is_kv_shared_layer", None) is not True) \
+            or rows_per_head(core, ("qk_head_dim",)) is None or rows_per_head(core, ("qk_nope_head_dim", "v_head_dim")) is None:
+        return ()
+    return (("q_proj", ("qk_head_dim",)), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
+
+
 LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ...]], ...]]] = dict.fromkeys(
     ["deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "glm4_moe_lite", "minicpm3",
      # the same views and splits (read off their forwards): LongCat-Flash scales the query and key/value
@@ -142,20 +160,19 @@ LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ..
      # Linear's leave out the rotation; none of it per head
      "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
     latent_attention_rows) | dict.fromkeys(["bailing_hybrid", "dots3_note_text"], gated_latent_attention_rows) | \
-    {"axk2": query_gate_latent_rows}
+    {"axk2": query_gate_latent_rows} | dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows)
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
-equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, for the
-reason :data:`LATENT_UNPRUNED` gives (or as not checked)."""
+equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, as not
+checked (:func:`unpruned_latent_reason`)."""
 
-LATENT_UNPRUNED: dict[str, str] = dict.fromkeys(
-    ["mistral_large4_text", "mistral_large4"],
-    "its queries are scaled per head (softmax_scaling.scale and .bias, one entry per head, which slicing the "
-    "projections would leave at the old head count) and its kv_sharing_modes 'reuse' layers read an earlier "
-    "layer's key/value latents, with no kv_a_proj_with_mqa of their own")
-"""Multi-head latent attention types whose forward differs from DeepSeek-V3's in what physical pruning would
-have to slice: pruning is refused naming it (analysis and masking act on the attention function's output,
-which these forwards hand to ``o_proj`` head by head as DeepSeek-V3's does)."""
+HEAD_VECTORS: dict[str, tuple[str, ...]] = dict.fromkeys(
+    ["mistral_large4_text", "mistral_large4"], ("softmax_scaling.scale", "softmax_scaling.bias"))
+"""Latent-attention types whose forward scales each head's queries by its own entries of parameters with one
+entry per head (``Family.head_vectors``). Mistral Large 4: ``MistralLarge4TextSoftmaxScaling`` multiplies head
+h's queries by ``scale[h] * log(position + 1) + bias[h]`` (``head_dim_first``: ``[batch, heads, seq]``), after
+the query projection's per-head view and before the attention function, so the kept heads keep their entries
+(the indexer's own ``softmax_scaling``, over the indexer's heads, is not the attention's and stays)."""
 
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
@@ -183,10 +200,8 @@ def unpruned_latent_reason(family: Family, core: Any) -> str | None:
     :data:`LATENT_ATTENTION` gave no ``head_rows`` alone; None for any other block."""
     if family.head_rows or getattr(core, "kv_b_proj", None) is None:
         return None
-    model_type = family.name.split(":", 1)[-1]
-    return "multi-head latent attention: " + LATENT_UNPRUNED.get(model_type, (
-        "a kv_b_proj in a forward headlab has not checked against DeepSeek-V3's views and splits (the model types of "
-        "headlab.adapters.families.LATENT_ATTENTION, laid out so, are pruned)"))
+    return ("multi-head latent attention: a kv_b_proj in a forward headlab has not checked against DeepSeek-V3's views "
+            "and splits (the model types of headlab.adapters.families.LATENT_ATTENTION, laid out so, are pruned)")
 
 
 ATTENTION_SUBLAYERS: dict[str, int] = {"longcat_flash": 2}
