@@ -145,3 +145,20 @@ def test_a_forward_that_replaces_modules_is_refused_and_undone(monkeypatch):
                                            r"BigBirdSelfAttention, and 1 more\)"):
         attention_blocks(model)
     assert list(model.modules()) == before
+
+
+def test_a_model_that_needs_a_mask_tensor_is_probed_and_refused_for_its_reason():
+    """MPT's own forward takes ``create_causal_mask(...).to(torch.bool)``, which the probe's no-mask
+    function made None: the probe crashed and the refusal named an AttributeError (the session-26
+    sweep). A second probe builds masks that hide nothing, and the refusal names what headlab misses:
+    MPT computes its attention outside transformers' attention interface."""
+    if "mpt" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no mpt")
+    config = CONFIG_MAPPING["mpt"](vocab_size=99, d_model=32, n_heads=4, n_layers=2, max_seq_len=64)
+    torch.manual_seed(0)
+    model = model_class_for(config)(config).eval()
+    with pytest.raises(HeadlabError, match="found no attention block: no module of it called transformers' "
+                                           "attention interface") as caught:
+        attention_blocks(model)
+    assert "failed" not in str(caught.value) and "AttributeError" not in str(caught.value)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -631,6 +631,17 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
             f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
             "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # Parameters the attention module holds itself, one value per head (GPT-OSS's, Flint's, Granite-SWA's and
+    # MiMo-V2-Flash's attention sinks, Doge's A): the slicing below leaves them whole, and the pruned forward
+    # failed its check with a shape error naming none of them (the session-26 sweep)
+    per_head = [f"{name} {list(p.shape)}" for name, p in block.core.named_parameters(recurse=False)
+                if block.n_heads and any(size in (block.n_heads, block.n_kv_heads) for size in p.shape)]
+    if per_head:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: its attention holds per-head "
+            f"parameters of its own ({', '.join(per_head)}: one value per query or key/value head, such as learned "
+            "attention sinks), which physical pruning does not slice; mask the heads instead (mask_heads, or "
+            "headlab prune train's gates)")
     # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
     unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
     if unsliced:

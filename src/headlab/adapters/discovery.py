@@ -212,6 +212,7 @@ class _Probe:
         self.ran: set[int] = set()  # ids of the modules whose forward ran
         self.maps: dict[int, tuple[tuple[int, ...], ...]] = {}  # id -> shapes of the 4-D tensors a module returned
         self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
+        self.masks = False  # build masks that hide nothing instead of none (the second try: _discover)
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,8 +256,9 @@ def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int 
              device: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """The probe's attention ignores masks: none is built (building one reads values), except where
     the model asks for one to exist (``allow_is_causal_skip=False``: DeepSeek Sparse Attention's
-    indexer reads it before attention), which then hides nothing."""
-    if allow_is_causal_skip:
+    indexer reads it before attention, or MPT, whose own attention takes ``create_causal_mask(...).to(torch.bool)``
+    and fails on none: the probe's second try), which then hides nothing."""
+    if allow_is_causal_skip and not (_ACTIVE and _ACTIVE[-1].masks):
         return None
     return torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool, device=device)
 
@@ -321,9 +323,10 @@ def _probe_inputs(model: nn.Module, device: torch.device) -> dict:
     return inputs
 
 
-def _run(model: nn.Module) -> _Probe:
+def _run(model: nn.Module, masks: bool = False) -> _Probe:
     _register()
     probe = _Probe()
+    probe.masks = masks
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     handles = []
@@ -432,7 +435,12 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices):  # the probe draws nothing from the user's generators
-            probe = _run(model)
+            try:
+                probe = _run(model)
+            except HeadlabError:
+                raise
+            except Exception:  # noqa: BLE001 - a model that needs a mask tensor (MPT): masks hiding nothing
+                probe = _run(model, masks=True)
     except HeadlabError:
         raise
     except Exception as error:  # noqa: BLE001 - any model's forward: reported, with what failed
