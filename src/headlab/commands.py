@@ -94,6 +94,7 @@ def run_prune(args) -> int:
     from headlab.portable import how_to_load
     from headlab.surgery import (
         PRUNING_FILE,
+        check_checkable,
         count_parameters,
         in_original_numbering,
         prune_heads,
@@ -110,7 +111,9 @@ def run_prune(args) -> int:
     if not (Path(args.model) / PRUNING_FILE).is_file():  # a pruned model's heads are in its weights
         # The spec against the structure built from the config (no weights read): a head the model
         # lacks is refused before the checkpoint is read, which takes minutes for a large one.
-        parse_heads(args.heads, attention_blocks(build_from_config(args.model, args.trust_remote_code)))
+        structure = attention_blocks(build_from_config(args.model, args.trust_remote_code))
+        # a vision tower's heads, which the check of the prune cannot run: refused before the weights are read
+        check_checkable(structure, parse_heads(args.heads, structure), str(args.model))
     else:  # its form at least (--heads ,), the heads it names once the weights are read
         parse_heads(args.heads, None)
     # The weights are written in the dtype they are loaded in (float32 unless --dtype): said below.

@@ -128,7 +128,8 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     check_tokenizer_fits(tokenizer, model, getattr(model.config, "_name_or_path", "") or type(model).__name__)
     config = model.config
     blocks = attention_blocks(model)
-    kinds = {b.kind for b in blocks}
+    # what text runs: a multimodal wrapper's vision tower (enc_self) made Llava a masked LM, its loss unshifted
+    kinds = {b.kind for b in blocks if not b.idle}
     if is_classifier(model):
         arch = "classifier"
     elif getattr(config, "is_encoder_decoder", False):

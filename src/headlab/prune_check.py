@@ -54,6 +54,8 @@ class Trace:
     entries: list[tuple[str, object, torch.Tensor]] = field(default_factory=list)
     error: BaseException | None = None
     where: object = None
+    ran: set = field(default_factory=set)
+    """The blocks ``(kind, layer)`` whose module's forward started: one that never ran is compared nowhere."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def run_probe(model: nn.Module, probe: dict) -> Trace:
     def pre_hook(key):
         def hook(module, args, kwargs):
             trace.where = key
+            trace.ran.add(key)
 
         return hook
 

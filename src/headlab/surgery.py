@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block, qkv_columns
+from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, qkv_columns
 from headlab.adapters.families import QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
@@ -559,6 +559,30 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
     _prune_checked(model, plans, spec, commit=False)
 
 
+def check_checkable(blocks: list[AttentionBlock], spec: Mapping[tuple[str, int], Any], model_type: str = "the model") -> None:
+    """Refuse, before any work, removing heads of blocks that token ids do not run
+    (:attr:`AttentionBlock.idle`: a multimodal wrapper's vision or audio tower): the check of every prune
+    (:mod:`headlab.prune_check`) runs the model on token ids, so it would compare nothing there."""
+    where = idle_blocks(blocks, {key for key, heads in spec.items() if len(heads)})
+    if where is not None:
+        _refuse_unchecked(model_type, where, blocks)
+
+
+def _refuse_unchecked(model_type: str, where: str, blocks: list[AttentionBlock]) -> None:
+    running: dict[str, list[int]] = {}
+    for block in blocks:
+        if not block.idle and block.n_heads:
+            running.setdefault(block.kind, []).append(block.layer)
+    runs = "; ".join(f"{kind} layers {min(ls)}-{max(ls)}" if len(ls) > 1 else f"{kind} layer {ls[0]}"
+                     for kind, ls in running.items()) or "none"
+    raise HeadlabError(
+        f"{model_type}: cannot check pruning the heads of {where}: headlab checks every prune against masking on "
+        "token ids (padded rows, cached generation), and token ids never run these blocks (a vision or audio tower, "
+        "or a cross-attention given no encoder states), so nothing would show that the pruned blocks compute what "
+        f"the masked ones do; nothing was pruned. Remove heads of the blocks text runs only ({runs}), or mask these "
+        "heads instead (mask_heads) and compare on inputs that run them")
+
+
 def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: bool = True) -> list[AttentionBlock]:
     """Prune each ``(block, keep, kv_keep, groups)`` and check the result against the model with
     ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
@@ -567,6 +591,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     from headlab.prune_check import first_mismatch, probe_inputs, run_probe
 
     _refuse_inexact(model, plans)
+    check_checkable(attention_blocks(model), spec, _model_type(model))
     journal = _Journal()
     if not plans:
         blocks = attention_blocks(model)
@@ -585,6 +610,11 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
             f"(short rows, with and without padding): {type(reference.error).__name__}: "
             f"{str(reference.error).splitlines()[0][:300]}"
         ) from reference.error
+    # What the probe did not run, whatever the adapter knew of it (a table family's unused cross-attention):
+    # the comparison below would pass it unseen.
+    unrun = [dataclasses.replace(block, idle=True) for block, *_ in plans if block.key not in reference.ran]
+    if unrun:
+        _refuse_unchecked(_model_type(model), str(idle_blocks(unrun)), attention_blocks(model))
     try:
         for block, keep, kv_keep, groups in plans:
             _prune_block(model, block, keep, kv_keep, groups, journal)

@@ -38,8 +38,8 @@ from headlab.adapters.families import (
 from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
-__all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "n_layers_per_kind", "Family",
-           "FAMILIES", "family_for", "qkv_columns", "unsupported_reason"]
+__all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
+           "Family", "FAMILIES", "family_for", "qkv_columns", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,11 @@ class AttentionBlock:
     """How many times ``core`` runs in one pass (1: a module of its own)."""
     scope: nn.Module | None = None
     """With shared layers: the module whose forward is one pass over every depth."""
+    idle: bool = False
+    """Its module did not run in the probe forward on token ids (:func:`headlab.adapters.discovery.ran`): a
+    multimodal wrapper's vision or audio tower (Llava's, Mistral Large 4's Pixtral), a cross-attention given no
+    encoder states. Nothing headlab computes from text reaches it: the measures leave it out, pruning refuses
+    it (:func:`idle_blocks`)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -182,7 +187,7 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
             break
 
 
-def _discovered_candidates(model: nn.Module) -> list:
+def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> list:
     """``(kind, layer, name, module, family)`` of every module that the probe forward
     (:func:`headlab.adapters.discovery.discover`) saw calling transformers' attention interface.
 
@@ -191,7 +196,7 @@ def _discovered_candidates(model: nn.Module) -> list:
     Where no module calls the interface (transformers' own older modeling code: RoFormer, XGLM,
     MPT...) or the probe cannot run (a meta-device model whose forward reads values), a model
     class that transformers ships keeps the name-based discovery of :data:`_GENERIC_SCHEMES`;
-    any other model is refused.
+    any other model is refused. ``idle`` receives the names of the blocks the probe forward did not run.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None) or type(model).__name__
@@ -235,8 +240,10 @@ def _discovered_candidates(model: nn.Module) -> list:
         if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
             candidates.append(candidate)
             continue
-        if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention): as before
+        if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention, a vision tower)
             candidates.append(candidate)
+            if idle is not None:
+                idle.add(name)
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
@@ -517,8 +524,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     family = family_for(config)
     if family is not None and family.applications is not None:
         return _shared_blocks(model, family)
+    idle: set[str] = set()
     try:
-        candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model))
+        candidates = list(_table_candidates(model, family) if family else _discovered_candidates(model, idle))
     except HeadlabError as error:
         hint = None if family else _language_model_hint(model)
         if hint:
@@ -539,6 +547,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
     blocks = [_make_block(*candidate) for candidate in candidates]
+    blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
     seen: dict[tuple[str, int], str] = {}
     for block in blocks:
@@ -617,6 +626,21 @@ def unsupported_reason(model_or_config: Any) -> str | None:
         if reason:
             return reason
     return None
+
+
+def idle_blocks(blocks: list[AttentionBlock], keys: Any = None) -> str | None:
+    """The blocks (of ``keys``, a head spec's, when given) that token ids do not run (:attr:`AttentionBlock.idle`),
+    described for a message ("enc_self layers 0, 1 (model.vision_tower...layers.0.attention, ...)"), or None."""
+    idle = [b for b in blocks if b.idle and (keys is None or b.key in keys)]
+    if not idle:
+        return None
+    by_kind: dict[str, list[int]] = {}
+    for block in idle:
+        by_kind.setdefault(block.kind, []).append(block.layer)
+    names = ", ".join(b.name for b in idle[:2]) + (f" and {len(idle) - 2} more" if len(idle) > 2 else "")
+    layers = "; ".join(f"{kind} {'layer' if len(ls) == 1 else 'layers'} {', '.join(map(str, ls))}"
+                       for kind, ls in by_kind.items())
+    return f"{layers} ({names})"
 
 
 def find_block(blocks: list[AttentionBlock], kind: str, layer: int) -> AttentionBlock:

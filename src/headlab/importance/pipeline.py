@@ -20,6 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from headlab._version import __version__
+from headlab.adapters import attention_blocks, idle_blocks
 from headlab.data.inputs import ImportanceData, translate_data
 from headlab.errors import HeadlabError, RunFailed
 from headlab.heads import HeadScores, HeadSpec
@@ -73,6 +74,9 @@ def run_importance(
     the current numbering (as :func:`~headlab.gates.mask_heads` takes it); the tables, and the
     mask their signature records, name a pruned model's heads by their original index."""
     config = config or ImportanceConfig()
+    kinds, left_out = _text_kinds(model, config.kinds)
+    if left_out:
+        log(f"leaving out {left_out}: token ids do not run them, so no measure can score them from text")
     asked_all = "all" in config.methods
     measures = {name: MEASURES[name](MEASURES[name].options_from(config)) for name in config.resolved_methods()}
     skipped = {name: reason for name, m in measures.items()
@@ -101,7 +105,7 @@ def run_importance(
     for name, measure in measures.items():
         log(f"computing {name}")
         try:
-            tables = measure.run(model, data, info, mask=mask, batch_size=config.batch_size, kinds=config.kinds,
+            tables = measure.run(model, data, info, mask=mask, batch_size=config.batch_size, kinds=kinds,
                                  progress=config.progress, tokenizer=tokenizer)
         except Exception as error:  # the measures already computed, and those to come, are kept
             # One measure alone has nothing to keep; processes of a sharded run must stop together.
@@ -113,7 +117,7 @@ def run_importance(
             log(f"{name} failed: {failures[name]}")
             continue
         for table in tables:
-            scores[table.method] = _with_versions(table, options)
+            scores[table.method] = _with_versions(table, options, left_out)
     agreement = None
     if REFERENCE in scores and len(scores) > 1:
         agreement = compute_agreement({k: v for k, v in scores.items() if k != REFERENCE}, scores[REFERENCE])
@@ -123,7 +127,31 @@ def run_importance(
     return result
 
 
-def _with_versions(table: HeadScores, options: dict) -> HeadScores:
+def _text_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, str | None]:
+    """The kinds to score and what is left out: a multimodal wrapper's vision or audio tower
+    (:attr:`~headlab.adapters.AttentionBlock.idle`) never runs on token ids, where every measure would
+    score its heads 0 (gradient, ablation) or fail; its kind is left out, never scored. Asking for it,
+    or a kind that mixes such blocks with blocks text runs, is refused before any work."""
+    blocks = attention_blocks(model)
+    left_out = idle_blocks(blocks, None if kinds is None else {b.key for b in blocks if b.kind in kinds})
+    if left_out is None:
+        return kinds, None
+    asked = kinds if kinds is not None else tuple(dict.fromkeys(b.kind for b in blocks))
+    runs = [k for k in asked if any(b.kind == k and not b.idle and b.n_heads for b in blocks)]
+    mixed = [k for k in runs if any(b.kind == k and b.idle for b in blocks)]
+    unrun = [k for k in asked if k not in runs]
+    why = f"{left_out}, which token ids do not run (a vision or audio tower, a cross-attention given no encoder states)"
+    if mixed:
+        raise HeadlabError(f"{mixed[0]} holds blocks that text runs beside {why}; no measure can score the latter "
+                           "from text, and headlab cannot leave part of a kind out")
+    if kinds is not None and unrun or not runs:
+        have = sorted({b.kind for b in blocks if not b.idle and b.n_heads})
+        raise HeadlabError(f"kinds {','.join(unrun)}: {why}, so no measure can score them from text; "
+                           f"score the kinds text runs ({', '.join(have) or 'none'})")
+    return tuple(runs), left_out
+
+
+def _with_versions(table: HeadScores, options: dict, left_out: str | None = None) -> HeadScores:
     import torch
     import transformers
 
@@ -132,6 +160,8 @@ def _with_versions(table: HeadScores, options: dict) -> HeadScores:
         "options": options,
         "versions": {"headlab": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
     }
+    if left_out:  # the kinds of the tables are what was scored; this says what was not, and why
+        signature["left_out"] = f"{left_out}: not run by token ids, not scored"
     return HeadScores(table.scores, table.method, table.model, signature)
 
 

@@ -46,7 +46,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, idle_blocks
 from headlab.capture import eval_mode
 from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
@@ -114,13 +114,20 @@ def named_kinds(gates: str) -> tuple[str, ...]:
 
 def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     """The gated kinds for ``--gates``; an error if the model lacks one of them."""
-    have = tuple(kind for kind in KINDS if any(b.kind == kind for b in attention_blocks(model)))
+    blocks = attention_blocks(model)
+    # Kinds that only a vision or audio tower has (Llava's enc_self): text never runs them, so their gates would
+    # learn nothing but the penalty, and the export could not check their pruning (surgery.check_checkable).
+    have = tuple(kind for kind in KINDS if any(b.kind == kind and not b.idle for b in blocks))
     if gates == "all":
         return have
     if gates == "auto":  # the paper's encoder self-attention where there is one; a decoder-only model's own
         return ("enc_self",) if "enc_self" in have else ("dec_self",) if "dec_self" in have else have
     kinds = named_kinds(gates)
     for kind in kinds:
+        idle = idle_blocks(blocks) if any(b.kind == kind for b in blocks) and kind not in have else None
+        if idle is not None:
+            raise HeadlabError(f"--gates {gates}: the model's {kind} attention is {idle}, which token ids do not run "
+                               f"(a vision or audio tower): gate the kinds text runs ({', '.join(have)})")
         if kind not in have:
             raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
     return kinds

@@ -1,0 +1,141 @@
+"""Multimodal wrappers whose attention blocks include a vision tower's (session 26, vis14).
+
+Of the wrappers the tests build, Llava (a CLIP tower, tests/test_capture_configs.py) and Mistral Large 4
+(``MistralLarge4ForConditionalGeneration``, a Pixtral tower, tests/test_mla_pruning.py) list their tower's attention
+as ``enc_self`` blocks; GLM-5-Next's wrapper lists its language model's only, and Qwen3.5's and dots3-note's
+(vision, audio) are refused naming their language model. Everything headlab computes runs the model on token ids,
+which never reach the tower: before, pruning its heads passed the check against masking (the probe compared nothing
+there) and was written, gradient and ablation scored its heads 0 as if measured, confidence and LRP failed with a
+KeyError, the wrapper was taken for a masked LM (an ``enc_self`` kind: its loss unshifted) and ``headlab prune train``
+gated the tower (``--gates auto``: the encoder's). Now such blocks are ``idle``: pruning them is refused before any
+work (the check also refuses any planned block its probe did not run), the measures leave their kind out, saying so
+in the tables' signature, and the gates go to the kinds text runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import headlab
+from headlab import HeadlabError, attention_blocks, prune_heads
+from headlab.model_description import describe_model
+from headlab.pruning.train import resolve_kinds
+from support.family_matrix import perturbed_model
+from test_mla_pruning import glm5_next, mistral_large4
+
+VOCAB = 99
+
+
+def llava() -> torch.nn.Module:
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=16, patch_size=8, projection_dim=32)
+    text = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                          eos_token_id=1, pad_token_id=2)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB - 1)
+    return perturbed_model(tf.LlavaForConditionalGeneration, config)
+
+
+WRAPPERS = {"llava": (llava, "model.vision_tower.encoder.layers.", 2),
+            "mistral_large4": (mistral_large4, "model.vision_tower.transformer.layers.", 1)}
+MESSAGE = (r"cannot check pruning the heads of enc_self layer 0 \(model\.vision_tower\.[a-z.]*layers\.0\.[a-z_]*\): "
+           r"headlab checks every prune against masking on token ids .* token ids never run these blocks .*nothing was "
+           r"pruned\. Remove heads of the blocks text runs only \(dec_self layers 0-[13]\)")
+
+
+def _tokenizer():
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"[UNK]": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="w0", eos_token="w1",
+                                      pad_token="w2")
+
+
+TEXTS = ["w5 w6 w7 w8", "w9 w10 w11", "w12 w13 w14 w15 w16"]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_the_vision_towers_blocks_are_the_idle_ones(wrapper):
+    build, tower, n_tower = WRAPPERS[wrapper]
+    model = build()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks if b.idle] == [f"{tower}{i}.{blocks[0].name.rsplit('.', 1)[1]}" for i in range(n_tower)]
+    assert all(b.kind == "enc_self" for b in blocks if b.idle)
+    assert all(b.kind == "dec_self" and b.name.startswith("model.language_model.") for b in blocks if not b.idle)
+    assert describe_model(model).arch == "causal"  # before: "masked", for the tower's enc_self
+
+
+def test_a_wrapper_that_lists_no_tower_block_has_none_idle():
+    assert not any(b.idle for b in attention_blocks(glm5_next(["indexed_attention"] * 2)))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_pruning_a_towers_heads_is_refused_before_any_work(wrapper):
+    """Alone or beside text heads: refused naming the tower's block and the blocks text runs, the model untouched;
+    the language model's heads are still pruned (and checked)."""
+    model = WRAPPERS[wrapper][0]()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    for spec in ({("enc_self", 0): [1]}, {("dec_self", 1): [0], ("enc_self", 0): [0, 1]}):
+        with pytest.raises(HeadlabError, match=MESSAGE):
+            prune_heads(model, spec)
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert prune_heads(model, {("dec_self", 1): [0]}) == {("dec_self", 1): [1, 2, 3]}
+
+
+def test_the_check_refuses_a_block_its_probe_did_not_run(monkeypatch):
+    """The check itself, whatever the adapter said (a block not marked idle, as a table family's unused
+    cross-attention would be): a planned block that the masked model's probe never ran is refused, nothing pruned."""
+    from headlab import surgery
+
+    monkeypatch.setattr(surgery, "check_checkable", lambda *args, **kwargs: None, raising=False)
+    model = llava()
+    weight = model.model.vision_tower.encoder.layers[0].self_attn.q_proj.weight
+    with pytest.raises(HeadlabError, match=MESSAGE):
+        prune_heads(model, {("enc_self", 0): [1]})
+    assert weight.shape[0] == 32
+
+
+def test_the_measures_leave_the_tower_out_and_say_so():
+    """Every default measure scores the language model's heads only (before: gradient and ablation 0 for every tower
+    head, confidence and LRP a KeyError, the loss a masked LM's); asking for the tower's kind is refused."""
+    model, tokenizer = llava(), _tokenizer()
+    result = headlab.importance(model, tokenizer, TEXTS, measures=("confidence", "gradient", "ablation", "lrp"))
+    assert set(result.scores) >= {"confidence", "gradient", "ablation", "lrp"}
+    for name, table in result.scores.items():
+        assert list(table.scores) == ["dec_self"], name
+        assert table.scores["dec_self"].shape == (2, 4) and not torch.tensor(table.scores["dec_self"]).isnan().any()
+        assert table.signature["left_out"].startswith("enc_self layers 0, 1 (model.vision_tower.encoder.layers.0"), name
+    with pytest.raises(HeadlabError, match=r"kinds enc_self: enc_self layers 0, 1 \(model\.vision_tower.*which token ids "
+                                           r"do not run.*score the kinds text runs \(dec_self\)"):
+        headlab.importance(model, tokenizer, TEXTS, measures="gradient", kinds="enc_self")
+
+
+def test_the_gates_go_to_the_kinds_text_runs():
+    """headlab prune train's --gates: auto and all gate the language model (before, auto gated the tower: the
+    'encoder'); naming the tower's kind is refused."""
+    model = llava()
+    assert resolve_kinds(model, "auto") == ("dec_self",) and resolve_kinds(model, "all") == ("dec_self",)
+    with pytest.raises(HeadlabError, match=r"--gates enc_self: the model's enc_self attention is enc_self layers 0, 1 "
+                                           r"\(model\.vision_tower.*gate the kinds text runs \(dec_self\)"):
+        resolve_kinds(model, "enc_self")
+
+
+def test_headlab_prune_refuses_a_towers_heads_before_reading_the_weights(tmp_path, capsys, monkeypatch):
+    from headlab import loading
+    from headlab.cli import main
+
+    llava().save_pretrained(tmp_path / "model")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    code = main(["prune", str(tmp_path / "model"), "--heads", "enc_self:1:0", "--out", str(tmp_path / "out")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code != 0 and "cannot check pruning the heads of enc_self layer 1 (" in err
+    assert "vision_tower.encoder.layers.1.self_attn): headlab checks every prune" in err
+    assert not (tmp_path / "out").exists()
