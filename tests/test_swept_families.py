@@ -298,31 +298,24 @@ def test_gemma3ns_alternating_updates_have_no_rule():
     assert "alternating updates" in _no_rule(model.model.layers[0].altup, "model.layers.0.altup", set())
 
 
-_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
-PER_HEAD_PARAMETERS = {  # model type -> (build, the parameter the refusal names)
-    "gpt_oss": (lambda: (tf.GptOssForCausalLM, tf.GptOssConfig(**_GQA, **_EXPERTS)), r"sinks \[4\]"),
-    "granite_swa": (lambda: (tf.GraniteSWAForCausalLM, tf.GraniteSWAConfig(**_GQA)), r"sinks \[4\]"),
-    "flint": (lambda: (tf.FlintForCausalLM, tf.FlintConfig(**_GQA)), r"sinks \[4\]"),
-    "doge": (lambda: (tf.DogeForCausalLM, tf.DogeConfig(**_GQA)), r"A \[2\]"),
-}
-
-
-@pytest.mark.parametrize("family", PER_HEAD_PARAMETERS)
-def test_pruning_per_head_parameters_of_the_attention_is_refused_before_any_work(family):
-    """Attention sinks (GPT-OSS, Granite-SWA, Flint: one logit per query head, ``sinks``) and Doge's
-    per-key/value-head ``A`` are parameters of the attention module itself, which pruning does not
-    slice: the pruned forward failed headlab's check with a bare shape error ("Sizes of tensors must
-    match", the session-26 sweep), after pruning. Refused now before anything runs, naming them."""
+def test_pruning_doges_per_head_parameter_is_refused_before_any_work_naming_why():
+    """Doge's ``A`` (one entry per key/value head) is a parameter of the attention module itself: the session-26
+    sweep found the pruned forward failing headlab's check with a bare shape error, after pruning. No slicing of
+    it is exact: ``dt_proj`` computes each key/value head's dynamic mask from the values of all of them
+    (``DogeAttention.forward``, transformers 5.24), so removing a key/value head changes the masks of the others.
+    Refused before anything runs, naming it and why. (Attention sinks, one per query head, are sliced:
+    tests/test_attention_sinks.py.)"""
     from headlab import prune_heads
     from headlab.surgery import check_prunable
 
-    build, named = PER_HEAD_PARAMETERS[family]
-    model = _tiny(build)
+    model = _tiny(lambda: (tf.DogeForCausalLM, tf.DogeConfig(**_GQA)))
     assert [(b.kind, b.layer) for b in attention_blocks(model)] == [("dec_self", 0), ("dec_self", 1)]
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     calls: list = []  # after the blocks' probe pass: no forward of the model's from here on
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    pattern = rf"physical pruning is refused: its attention holds per-head parameters of its own \({named}"
+    pattern = (r"physical pruning is refused: its attention holds per-head parameters of its own \(A \[2\]\): A "
+               r"\(one entry per key/value head\) scales a dynamic mask computed by dt_proj from the values of every "
+               r"key/value head")
     with pytest.raises(HeadlabError, match=pattern):
         prune_heads(model, {("dec_self", 0): [3]})
     with pytest.raises(HeadlabError, match=pattern):

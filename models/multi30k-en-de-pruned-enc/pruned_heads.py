@@ -240,7 +240,7 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
             module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
-        for path, length in plan.get("vectors", {}).items():  # one entry per kept head (Mistral Large 4's scaling)
+        for path, length in plan.get("vectors", {}).items():  # per kept head: query scales, attention sinks
             owner_path, _, name = path.rpartition(".")
             owner = model.get_submodule(owner_path)
             old = getattr(owner, name)

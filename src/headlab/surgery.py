@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, qkv_columns
-from headlab.adapters.families import QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
+from headlab.adapters.families import HEAD_PARAMETERS_REFUSED, QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
@@ -239,10 +239,6 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
             width = rows_per_head(core, attrs)
             assert width is not None  # checked when the block was made (adapters._check_head_rows)
             _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
-        for owner, name in head_vectors(block):  # one entry per head (Mistral Large 4's query scale and bias)
-            vector = getattr(owner, name)
-            _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
-                     journal)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
@@ -250,6 +246,11 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
     _slice_inputs(block.o, q_index, journal)
+    # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
+    for owner, name in head_vectors(block):
+        vector = getattr(owner, name)
+        _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
+                 journal)
     for _path, module, is_key in _per_head_lists(block):
         chosen = kv_keep if is_key else keep
         norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
@@ -661,17 +662,19 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
             f"({block.family.qkv_layout}, {block.n_heads} query and {block.n_kv_heads} key/value heads) is not "
             "supported; mask the heads instead (mask_heads, or headlab prune train's gates)")
-    # Parameters the attention module holds itself, one value per head (GPT-OSS's, Flint's, Granite-SWA's and
-    # MiMo-V2-Flash's attention sinks, Doge's A): the slicing below leaves them whole, and the pruned forward
-    # failed its check with a shape error naming none of them (the session-26 sweep)
+    # Parameters the attention module holds itself, one value per head, other than those the family slices with
+    # the heads (attention sinks: adapters.families.ATTENTION_SINKS): left whole, the pruned forward failed its
+    # check with a shape error naming none of them (the session-26 sweep)
+    sliced = {id(getattr(owner, name)) for owner, name in head_vectors(block)}
     per_head = [f"{name} {list(p.shape)}" for name, p in block.core.named_parameters(recurse=False)
-                if block.n_heads and any(size in (block.n_heads, block.n_kv_heads) for size in p.shape)]
+                if block.n_heads and id(p) not in sliced and any(size in (block.n_heads, block.n_kv_heads) for size in p.shape)]
     if per_head:
+        why = HEAD_PARAMETERS_REFUSED.get(type(block.core).__name__)
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: its attention holds per-head "
-            f"parameters of its own ({', '.join(per_head)}: one value per query or key/value head, such as learned "
-            "attention sinks), which physical pruning does not slice; mask the heads instead (mask_heads, or "
-            "headlab prune train's gates)")
+            f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
+            ": one value per query or key/value head, which physical pruning does not slice; ")
+            + "mask the heads instead (mask_heads, or headlab prune train's gates)")
     # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
     unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
     if unsliced:

@@ -22,6 +22,7 @@ from torch import nn
 
 from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
 from headlab.adapters.families import (
+    ATTENTION_SINKS,
     ATTENTION_SUBLAYERS,
     CONFIG_FAMILIES,
     FAMILIES,
@@ -335,13 +336,17 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
     )
+    core = module.get_submodule(item.core) if item.core else module
+    prefix = f"{item.core}." if item.core else ""
     if item.q is None and model_type in LATENT_ATTENTION:
-        core = module.get_submodule(item.core) if item.core else module
-        prefix = f"{item.core}." if item.core else ""
         rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
         vectors = tuple(prefix + path for path in HEAD_VECTORS.get(model_type, ())) if rows else ()
         family = dataclasses.replace(family, head_rows=rows, head_vectors=vectors,
                                      selection_argument=_selection_argument(core))
+    # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
+    sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
+    if sinks:
+        family = dataclasses.replace(family, head_vectors=(*family.head_vectors, *sinks))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 
@@ -460,6 +465,7 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             f"(q {q_width}, k/v {kv_width}, output input {o_width})"
         )
     n_heads, n_kv_heads = q_width // d_head, kv_width // d_head
+    _check_head_vectors(where, module, family, n_heads)
     if getattr(core, "pretraining_tp", 1) > 1 and getattr(core, "slow_but_exact", False):
         raise HeadlabError(f"{where}: slow_but_exact with pretraining_tp > 1 multiplies the output projection's "
                            "weight slice by slice, past the module headlab masks heads at; load the model with "
@@ -491,7 +497,11 @@ def _check_head_rows(where: str, module: nn.Module, core: nn.Module, family: Fam
         if out_features(projection) != n_heads * per_head:
             raise HeadlabError(f"{where}: {path} emits {out_features(projection)} features, not the output "
                                f"projection's {n_heads} heads x {per_head} ({' + '.join(names)})")
-    for path in family.head_vectors:  # one entry per head (Mistral Large 4's softmax_scaling)
+
+
+def _check_head_vectors(where: str, module: nn.Module, family: Family, n_heads: int) -> None:
+    """Each of ``family.head_vectors`` holds one entry per query head (``n_heads``, the output projection's)."""
+    for path in family.head_vectors:  # Mistral Large 4's softmax_scaling, attention sinks
         vector = _parameter(module, path)
         if vector is None or vector.dim() != 1 or vector.shape[0] != n_heads:
             shape = "none" if vector is None else f"shape {list(vector.shape)}"

@@ -79,9 +79,10 @@ class Family:
     ``[k_nope | v]``). Physical pruning slices a removed head's rows out of each and its columns out of
     the output projection; what all heads share (the latents, their norms, the rotary key) stays."""
     head_vectors: tuple[str, ...] = ()
-    """With ``head_rows``: parameters (paths relative to the block) of one entry per head, entry h applied to
-    head h's queries only (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`):
-    physical pruning keeps the kept heads' entries."""
+    """Parameters (paths relative to the block) of one entry per query head, entry h read by head h only
+    (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`; the learned attention
+    sinks of :data:`ATTENTION_SINKS`, held by the attention module itself): physical pruning keeps the kept
+    heads' entries."""
     selection_argument: str | None = None
     """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
     forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
@@ -173,6 +174,29 @@ entry per head (``Family.head_vectors``). Mistral Large 4: ``MistralLarge4TextSo
 h's queries by ``scale[h] * log(position + 1) + bias[h]`` (``head_dim_first``: ``[batch, heads, seq]``), after
 the query projection's per-head view and before the attention function, so the kept heads keep their entries
 (the indexer's own ``softmax_scaling``, over the indexer's heads, is not the attention's and stays)."""
+
+
+ATTENTION_SINKS: dict[str, tuple[str, ...]] = dict.fromkeys(
+    ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"], ("sinks",))
+"""Model types whose attention module holds learned attention sinks, ``sinks``: one logit per query head (its
+``num_attention_heads`` entries; MiMo-V2-Flash's sliding-window layers only, ``None`` in the others), read by
+transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash):
+``sinks.reshape(1, -1, 1, 1)`` is appended to each head's row of logits as one more softmax column, then dropped;
+Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits_h) - sinks[h])``
+(``sinks.view(1, -1, 1)``), the same extra softmax logit; flex attention: the output renormalised by
+``exp(lse - logsumexp([lse, sink]))`` with ``s_aux.view(1, -1, 1, 1)``; SDPA is not supported by these classes.
+Head h's sink changes head h's output only, so masking a head (zeros at the output projection's input) leaves
+the others' exact and pruning keeps the kept heads' entries (``Family.head_vectors``). A layer left with no
+head needs none (its stand-in adds the output projection's bias). Other per-head parameters of an attention
+module stay refused (:func:`headlab.surgery.check_block_sliceable`; Doge's ``A``: :data:`HEAD_PARAMETERS_REFUSED`)."""
+
+HEAD_PARAMETERS_REFUSED: dict[str, str] = {
+    "DogeAttention": "A (one entry per key/value head) scales a dynamic mask computed by dt_proj from the values "
+                     "of every key/value head of the layer, so each head's mask depends on the others' values: "
+                     "removing a key/value head changes the masks of those kept, and a key/value head repeated "
+                     "for uneven groups would need dt_proj's inputs repeated too"}
+"""Attention classes (their names) whose per-head parameters no slicing keeps exact, with why (read off their
+forwards, transformers 5.24): physical pruning is refused naming it, before any work."""
 
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
