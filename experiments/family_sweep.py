@@ -380,8 +380,8 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
     from headlab import prune_heads
 
     spec: dict[tuple[str, int], list[int]] = {}
-    for block in blocks:
-        if block.n_heads >= 2 and len(spec) < 2:
+    for block in blocks:  # not an idle block (token ids never run it: its pruning is refused, rightly)
+        if block.n_heads >= 2 and not block.idle and len(spec) < 2:
             spec[block.key] = [block.n_heads - 1]
     if not spec:
         return "no block to prune"

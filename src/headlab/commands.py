@@ -41,6 +41,8 @@ def add_prune_arguments(prune) -> None:
 
 
 def heads_table(blocks) -> str:
+    from headlab.adapters import idle_blocks
+
     lines = [f"{'kind':<10}{'layer':>6}{'heads':>7}{'kv heads':>10}{'d_head':>8}  module"]
     totals: dict[str, int] = {}
     for b in blocks:
@@ -49,6 +51,10 @@ def heads_table(blocks) -> str:
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
     lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items())
                  + f"; {counted(sum(totals.values()), 'head')}")
+    idle = idle_blocks(blocks)
+    if idle:  # listed, as the model holds them, but nothing headlab computes from text reaches them
+        lines.append(f"not run by token ids: {idle} (a vision or audio tower, or a cross-attention given no encoder "
+                     "states): the measures leave them out, pruning them is refused")
     return "\n".join(lines)
 
 

@@ -250,7 +250,7 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
     try:
         for block in attention_blocks(model):
-            if prune:
+            if prune and not block.idle:  # an idle block's heads are refused if named (surgery.check_checkable)
                 check_block_sliceable(block)
     except HeadlabError as error:
         raise HeadlabError(f"{flag} {name_or_path}: {error}") from None

@@ -591,8 +591,9 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     from headlab.gates import masked_heads
     from headlab.prune_check import first_mismatch, probe_inputs, run_probe
 
-    _refuse_inexact(model, plans)
+    # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
+    _refuse_inexact(model, plans)
     journal = _Journal()
     if not plans:
         blocks = attention_blocks(model)

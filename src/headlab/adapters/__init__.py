@@ -402,11 +402,19 @@ def _source(module_name: str) -> str:
 
 
 def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
-    compiled = [(kind, re.compile(pattern)) for kind, pattern in family.patterns]
+    compiled = [(kind, re.compile(pattern), family) for kind, pattern in family.patterns]
+    if family.never_fed:  # projections not tied: each head its own key and value, as many as the output's input
+        untied = dataclasses.replace(family, name=f"{family.name} cross-attention", patterns=(), never_fed=(), q=None,
+                                     k=None, v=None, qkv=None)
+        compiled += [(kind, re.compile(pattern), untied) for kind, pattern in family.never_fed]
     for name, module in model.named_modules():
-        for kind, pattern in compiled:
+        for kind, pattern, entry in compiled:
             match = pattern.search(name)
-            if match:
+            if match and entry is not family:
+                d_head, o = getattr(module, family.d_head_attr, None), _get(module, family.o)
+                heads = in_features(o) // d_head if isinstance(d_head, int) and d_head > 0 and o is not None else 0
+                yield kind, int(match.group(1)), name, module, dataclasses.replace(entry, kv_heads=heads)
+            elif match:
                 yield kind, int(match.group(1)), name, module, family
 
 
@@ -557,6 +565,8 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
     blocks = [_make_block(*candidate) for candidate in candidates]
+    if family is not None:  # tables run no probe: what they know never runs
+        idle |= _unfed_cross_attention(blocks)
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
     seen: dict[tuple[str, int], str] = {}
@@ -567,6 +577,17 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
             )
         seen[block.key] = block.name
     return blocks
+
+
+def _unfed_cross_attention(blocks: list[AttentionBlock]) -> set[str]:
+    """The cross-attention blocks of a table family's model that has no encoder (BartForCausalLM's
+    ``encoder_attn``, a BERT-style decoder's ``crossattention`` with ``add_cross_attention``): they
+    attend to encoder states, which the model's forward takes as an argument (``encoder_hidden_states``)
+    and skips them without; headlab passes token ids only, and no block of the model computes
+    such states. An encoder-decoder (an ``enc_self`` block) feeds its own cross-attention."""
+    if any(b.kind == "enc_self" for b in blocks):
+        return set()
+    return {b.name for b in blocks if b.kind == "dec_cross"}
 
 
 def _shared_blocks(model: nn.Module, family: Family) -> list[AttentionBlock]:

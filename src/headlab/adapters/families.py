@@ -87,6 +87,12 @@ class Family:
     """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
     forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
     attends to the previous full layer's picks): a layer with no head left still returns it."""
+    never_fed: tuple[tuple[str, str], ...] = ()
+    """(kind, regex) of cross-attention modules whose projections the entry does not describe, which a model of the
+    family without an encoder never runs (GPT-2's and GPT-BigCode's ``crossattention`` with ``add_cross_attention``:
+    it attends to ``encoder_hidden_states``, an argument headlab never passes). Listed as idle blocks, so that what
+    is left out is said, not forgotten: their heads counted from the output projection's input, their projections
+    not tied (nothing headlab runs or slices reaches them)."""
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -280,6 +286,7 @@ DISTILBERT = Family(
 GPT2 = Family(
     name="gpt2",
     patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)h\.(\d+)\.crossattention$"),),  # q_attn, and keys|values fused in c_attn
     q=None, k=None, v=None, o="c_proj", qkv="c_attn",
     d_head_attr="head_dim",
     head_count_attrs=("num_heads",),
@@ -398,6 +405,7 @@ def _gpt_bigcode(layout: str) -> Family:
     return Family(
         name=f"gpt-bigcode ({layout})",
         patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+        never_fed=(("dec_cross", r"(?:^|\.)h\.(\d+)\.crossattention$"),),  # as GPT-2's
         q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout=layout,
         d_head_attr="head_dim",
         head_count_attrs=("num_heads",),

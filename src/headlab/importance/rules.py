@@ -227,6 +227,8 @@ def check_rules(model: nn.Module) -> None:
     token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
     blocks = attention_blocks(model)
     for block in blocks:
+        if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
+            continue
         rows = [path for path, _ in block.family.head_rows]
         latent = next((path for path in rows if path.endswith("kv_b_proj")), rows[-1] if rows else None) or \
             ("kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None)  # listed or not
@@ -595,7 +597,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(before.register_forward_hook(between.keep))
             handles.append(after.register_forward_pre_hook(between.pre))
         for block in blocks:
-            if block.n_heads == 0:
+            if block.n_heads == 0 or block.idle:  # idle: never runs (check_rules)
                 continue
             if block.qkv is not None and block.family.qkv_layout != "q|k|v":
                 handles.append(block.qkv.register_forward_hook(_detach_columns(block)))

@@ -115,8 +115,8 @@ def named_kinds(gates: str) -> tuple[str, ...]:
 def resolve_kinds(model, gates: str) -> tuple[str, ...]:
     """The gated kinds for ``--gates``; an error if the model lacks one of them."""
     blocks = attention_blocks(model)
-    # Kinds that only a vision or audio tower has (Llava's enc_self): text never runs them, so their gates would
-    # learn nothing but the penalty, and the export could not check their pruning (surgery.check_checkable).
+    # Kinds that only idle blocks have (Llava's enc_self, a decoder's unfed dec_cross): text never runs them, so their
+    # gates would learn nothing but the penalty, and the export could not check their pruning (surgery.check_checkable).
     have = tuple(kind for kind in KINDS if any(b.kind == kind and not b.idle for b in blocks))
     if gates == "all":
         return have
@@ -127,7 +127,8 @@ def resolve_kinds(model, gates: str) -> tuple[str, ...]:
         idle = idle_blocks(blocks) if any(b.kind == kind for b in blocks) and kind not in have else None
         if idle is not None:
             raise HeadlabError(f"--gates {gates}: the model's {kind} attention is {idle}, which token ids do not run "
-                               f"(a vision or audio tower): gate the kinds text runs ({', '.join(have)})")
+                               "(a vision or audio tower, or a cross-attention given no encoder states): gate the kinds "
+                               f"text runs ({', '.join(have)})")
         if kind not in have:
             raise HeadlabError(f"--gates {gates}: the model has no {kind} attention (it has {', '.join(have)})")
     return kinds
