@@ -125,6 +125,12 @@ def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
+    """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
+    found = [getattr(block.core, path, None) for path in block.family.head_columns]
+    return [module for module in found if isinstance(module, nn.Embedding)]
+
+
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
     """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
@@ -250,6 +256,10 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
     _slice_inputs(block.o, q_index, journal)
+    for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
+        columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
+        _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
+        journal.set(embedding, "embedding_dim", len(keep))
     for _path, module, is_key in _per_head_lists(block):
         chosen = kv_keep if is_key else keep
         norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
@@ -711,6 +721,8 @@ def pruning_plan(model: nn.Module) -> dict:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         for owner, vector in head_vectors(block):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
+        for embedding in head_column_modules(block):
+            plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,
