@@ -204,7 +204,8 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
     if seq2seq:
         kwargs["decoder_input_ids"] = probe["decoder_input_ids"]
         masks.update(main=mask, decoder=torch.ones_like(probe["decoder_input_ids"]))
-        encoder = model.get_encoder() if generates and callable(getattr(model, "get_encoder", None)) else None
+        get_encoder = getattr(model, "get_encoder", None)
+        encoder = get_encoder() if generates and callable(get_encoder) else None
         if encoder is not None:
             # As generate() runs an encoder-decoder: the encoder on its own, without use_cache (Switch
             # Transformers' forward hands use_cache to its encoder stack, which raises), and its output
