@@ -245,6 +245,10 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             owner = model.get_submodule(owner_path)
             old = getattr(owner, name)
             setattr(owner, name, nn.Parameter(old.new_empty(length), requires_grad=old.requires_grad))
+        for path, (rows, columns) in plan.get("columns", {}).items():  # one column per kept head (UMT5's position bias)
+            embedding = model.get_submodule(path)
+            embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))
+            embedding.embedding_dim = columns
         for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
                                                         *rest[:3]))

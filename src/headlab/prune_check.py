@@ -183,14 +183,15 @@ def run_probe(model: nn.Module, probe: dict) -> Trace:
     return trace
 
 
-def _record_output(trace: Trace, call: str, output, mask, encoder_mask) -> None:
+def _record_output(trace: Trace, call: str, output, mask, encoder_mask, encoder_outputs=None) -> None:
     logits = getattr(output, "logits", None)
     main = logits if logits is not None else getattr(output, "last_hidden_state", None)
     if main is None:
         main = _first(output)
     if main is not None:
         trace.entries.append((call, "logits" if logits is not None else "output", _valid(main, mask)))
-    encoder = getattr(output, "encoder_last_hidden_state", None)
+    encoder = getattr(encoder_outputs if encoder_outputs is not None else output, "encoder_last_hidden_state"
+                      if encoder_outputs is None else "last_hidden_state", None)
     if encoder_mask is not None and encoder is not None:
         trace.entries.append((call, "encoder output", _valid(encoder, encoder_mask)))
 
@@ -199,9 +200,18 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
     generates = _generates(model)
     mask = probe["attention_mask"]
     kwargs = {"input_ids": probe["input_ids"], "attention_mask": mask}
+    encoder_outputs = None
     if seq2seq:
         kwargs["decoder_input_ids"] = probe["decoder_input_ids"]
         masks.update(main=mask, decoder=torch.ones_like(probe["decoder_input_ids"]))
+        get_encoder = getattr(model, "get_encoder", None)
+        encoder = get_encoder() if generates and callable(get_encoder) else None
+        if encoder is not None:
+            # As generate() runs an encoder-decoder: the encoder on its own, without use_cache (Switch
+            # Transformers' forward hands use_cache to its encoder stack, which raises), and its output
+            # object, not a tuple, to the decoder (NLLB-MoE reads encoder_outputs.last_hidden_state)
+            encoder_outputs = encoder(input_ids=kwargs.pop("input_ids"), attention_mask=mask, return_dict=True)
+            kwargs["encoder_outputs"] = encoder_outputs
     else:
         masks.update(main=mask)
     if generates:
@@ -209,11 +219,15 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
     output = model(**kwargs)
     # transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    _record_output(trace, "forward", output, masks["decoder" if seq2seq else "main"], mask if seq2seq else None)
+    _record_output(trace, "forward", output, masks["decoder" if seq2seq else "main"], mask if seq2seq else None,
+                   encoder_outputs)
     cache = _cache_of(output) if generates else None
     if cache is None:
         return
-    encoder_outputs = (output.encoder_last_hidden_state,) if seq2seq else None
+    if seq2seq and encoder_outputs is None:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        encoder_outputs = BaseModelOutput(last_hidden_state=output.encoder_last_hidden_state)
     for step, tokens in enumerate(probe["steps"], 1):
         state["call"] = f"generation step {step}"
         ones = torch.ones_like(tokens)

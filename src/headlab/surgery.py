@@ -125,6 +125,12 @@ def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
+    """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
+    found = [getattr(block.core, path, None) for path in block.family.head_columns]
+    return [module for module in found if isinstance(module, nn.Embedding)]
+
+
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
     """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
@@ -251,6 +257,10 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         vector = getattr(owner, name)
         _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
                  journal)
+    for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
+        columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
+        _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
+        journal.set(embedding, "embedding_dim", len(keep))
     for _path, module, is_key in _per_head_lists(block):
         chosen = kv_keep if is_key else keep
         norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
@@ -676,12 +686,45 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # Other modules of the attention whose weights span a projection's heads (Inkling's k_sconv/v_sconv: depthwise
+    # convolutions over the key/value channels, their conv states in the cache): the slicing below leaves them
+    # whole, and the pruned forward failed its check with a bare Conv1d error (the session-26 sweep).
+    # Latent attention (head_rows) is left to its own table: its indexers hold heads of their own.
+    unsliced_modules = _unsliced_head_modules(block) if block.n_heads and not block.family.head_rows else []
+    if unsliced_modules:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: besides its q, k, v and output "
+            f"projections, its attention holds modules whose weights span the heads' channels "
+            f"({', '.join(unsliced_modules)}), which physical pruning does not slice; mask the heads instead "
+            "(mask_heads, or headlab prune train's gates)")
     # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
     unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
     if unsliced:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
             f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
+
+
+def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
+    """Children of ``block.core`` other than the projections pruning slices whose parameters (matrices, kernels:
+    not a norm's vector) have a dimension of the query or key/value width (heads x head size), as
+    ``"name (Class weight [shape])"``."""
+    sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block)) if m is not None]
+    known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
+    widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head}
+    found = []
+    for name, child in block.core.named_children():
+        if name in block.family.output_norms:
+            continue
+        for pname, parameter in child.named_parameters():
+            if id(parameter) in known:
+                continue
+            # an embedding's rows are a table's entries (T5's position buckets), only its width can be the heads'
+            sizes = parameter.shape[1:] if isinstance(child, nn.Embedding) else parameter.shape
+            if parameter.dim() >= 2 and any(size in widths for size in sizes):
+                found.append(f"{name} ({type(child).__name__} {pname} {list(parameter.shape)})")
+                break
+    return found
 
 
 # Attributes of an attention module that hold a head count or a width derived from one.
@@ -715,6 +758,8 @@ def pruning_plan(model: nn.Module) -> dict:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         for owner, vector in head_vectors(block):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
+        for embedding in head_column_modules(block):
+            plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,

@@ -103,12 +103,17 @@ class _Traced(torch.Tensor):
     _pure: bool = False
     _gates: frozenset = frozenset()
     """With ``_pure``: the modules of the gates the output was multiplied by on the way."""
+    _broken_by: tuple[str, ...] = ()
+    """The operations, from the first that took an attention function's output regrouped by views (``_pure``)
+    to something else (``transpose``, ``mul``, ...), each once, in order: what a refusal names."""
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        traced = [a for a in _tensors((args, kwargs)) if isinstance(a, _Traced)]
+        # x.view_as(y): y lends its shape only (Beam's gate_proj(x).view_as(attn_output) is no attention output)
+        operands = args[:1] if func in _SHAPE_OF_OTHER else (args, kwargs)
+        traced = [a for a in _tensors(operands) if isinstance(a, _Traced)]
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if not traced:
@@ -116,13 +121,30 @@ class _Traced(torch.Tensor):
         sources = frozenset().union(*(t._sources for t in traced))
         pure = len(traced) == 1 and traced[0]._pure and (func in _VIEWS or _is_identity_dropout(func, args, kwargs))
         gates = traced[0]._gates if pure else frozenset()
+        broken_by = tuple(dict.fromkeys(name for t in traced for name in t._broken_by))[:_NAMED]
+        if not pure and (broken_by or any(t._pure for t in traced)) and func not in _VIEWS:
+            name = _operation_name(func)  # the operations after the output stopped being heads' slices, in order
+            broken_by = broken_by if name in broken_by or len(broken_by) >= _NAMED else (*broken_by, name)
         if _in_place(func, kwargs) and args and isinstance(args[0], _Traced):
             # the tensor written to keeps being used under its old name: it carries what was written
             args[0]._sources, args[0]._pure, args[0]._gates = sources, False, frozenset()
+            args[0]._broken_by = args[0]._broken_by or broken_by
         elif gate := _gate_product(func, args, kwargs):
             output, factor = gate  # an output gate: the heads' outputs with their gates named
-            sources, pure, gates = output._sources, True, output._gates | factor._sources
-        return _wrap(out, sources, pure, gates)
+            sources, pure, gates, broken_by = output._sources, True, output._gates | factor._sources, ()
+        return _wrap(out, sources, pure, gates, broken_by)
+
+
+_NAMED = 6  # operations a refusal names at most
+
+_SHAPE_OF_OTHER = frozenset({torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.type_as})
+"""Operations whose second tensor gives a shape or a dtype only, none of its values."""
+
+
+def _operation_name(func: Callable[..., Any]) -> str:
+    """``transpose``, ``mul``, ``getitem``: the name of a torch operation as a refusal shows it."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return name.strip("_").removeprefix("r") if name.startswith("__r") else name.strip("_")
 
 
 _PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
@@ -169,13 +191,14 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _wrap(value: Any, sources: frozenset, pure: bool, gates: frozenset = frozenset()) -> Any:
+def _wrap(value: Any, sources: frozenset, pure: bool, gates: frozenset = frozenset(),
+          broken_by: tuple[str, ...] = ()) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         traced = value.as_subclass(_Traced)
-        traced._sources, traced._pure, traced._gates = sources, pure, gates
+        traced._sources, traced._pure, traced._gates, traced._broken_by = sources, pure, gates, broken_by
         return traced
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_wrap(item, sources, pure, gates) for item in value)
+        return type(value)(_wrap(item, sources, pure, gates, broken_by) for item in value)
     return value
 
 
@@ -199,6 +222,8 @@ class _Call:
     o_pure: bool = False
     o_gates: frozenset = frozenset()
     """The modules of the output gates on the way to the output projection (see :func:`_gate_product`)."""
+    o_broken_by: tuple[str, ...] = ()
+    """Where not ``o_pure``: the operations on the way from the first that was not a reshape or cast."""
     weights: torch.Tensor | None = None
     probs_index: int | None = None
     """Where the calling module's output tuple holds the attention weights (-1: nowhere)."""
@@ -250,6 +275,7 @@ class _Probe:
                 self.pending.remove(call)
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
                 call.o_gates = x._gates if call.o_pure else frozenset()
+                call.o_broken_by = () if call.o_pure else x._broken_by
 
 
 def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
@@ -542,8 +568,10 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o is None or o_name is None:
         problem = "no module received the attention function's output (no output projection)"
     elif not call.o_pure:
-        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes and casts (a "
-                   "gate, a norm, a transpose, a sum): a slice of that input is not one head's output")
+        first = f" ({', '.join(call.o_broken_by)}{', ...' if len(call.o_broken_by) >= _NAMED else ''})" \
+            if call.o_broken_by else ""
+        problem = (f"the attention function's output reaches {o_name} through operations other than reshapes and casts"
+                   f"{first}: a slice of that input is not one head's output")
     elif _width(call.o, "in") is None:
         problem = f"the first module to read the attention function's output, {o_name}, is a " \
                   f"{type(call.o).__name__}, not a linear map"

@@ -83,6 +83,10 @@ class Family:
     (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`; the learned attention
     sinks of :data:`ATTENTION_SINKS`, held by the attention module itself): physical pruning keeps the kept
     heads' entries."""
+    head_columns: tuple[str, ...] = ()
+    """Embeddings of ``core`` (paths relative to it) with one column per head, read in head order by its own
+    forward (UMT5's ``relative_attention_bias``, ``[buckets, heads]``, in every self-attention layer; absent
+    from a layer without one): physical pruning keeps the kept heads' columns."""
     selection_argument: str | None = None
     """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
     forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
@@ -305,6 +309,11 @@ T5 = Family(
     head_count_attrs=("n_heads",),
 )
 
+# UMT5: T5's layout, but every self-attention layer computes its own relative position bias
+# (UMT5Attention.compute_bias from its own relative_attention_bias, passed as position_bias to the attention
+# function), not the stack's first layer for all: no bias handed between layers, one column per head to slice
+UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",))  # returns (output, weights)
+
 LLAMA_LIKE = Family(
     name="llama-like",
     patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
@@ -448,7 +457,8 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
     "distilbert": DISTILBERT,
     "gpt2": GPT2,
-    **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers"], T5),
+    **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
+    "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     **dict.fromkeys(["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], QWEN3_NEXT),
     "gpt_neox": GPT_NEOX,
