@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headlab.adapters.families import ATTENTION_SINKS
+
 __all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward",
            "dispatches", "chunk_rows", "register", "selected_keys_mask", "visible_keys"]
 
@@ -261,6 +263,9 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``(output [batch, q_len, n_heads, d_head], None)``, as transformers' attention functions return."""
     sink_logits = kwargs.get("s_aux")
+    if sink_logits is not None and getattr(getattr(module, "config", None), "model_type", None) not in ATTENTION_SINKS:
+        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of {type(module).__name__}, "
+                                  "whose use of them headlab has not read; run with --engine eager")
     if sink_logits is not None and tuple(sink_logits.shape) != (query.shape[1],):
         raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of shape "
                                   f"{tuple(sink_logits.shape)}, "
