@@ -280,7 +280,8 @@ def test_fused_is_the_default_without_query_chunk(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cause", ["dispatch", "sinks"])
 def test_default_runs_eager_where_the_model_cannot_use_headlabs_attention(tmp_path, monkeypatch, caplog, cause):
     """A model whose attention does not go through headlab's attention function (no dispatch through
-    transformers' registry, or attention sinks, ``s_aux``, which the function refuses mid-forward)
+    transformers' registry, or attention sinks, ``s_aux``, of a type not in ATTENTION_SINKS, which the function has
+    not read)
     gets the eager reference by default, said once, with eager's files to the bit."""
     import inspect
     import logging

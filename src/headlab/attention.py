@@ -1,7 +1,8 @@
 """headlab's own attention function, registered with transformers' ``AttentionInterface``.
 
 It computes what the eager path computes (scores ``q k^T * scaling``, T5's position bias,
-Gemma-style soft-capping, the mask, a softmax in float32 (or wider), ``probs @ v``) a few query rows at a
+Gemma-style soft-capping, the mask, learned attention sinks (``s_aux``: one more logit per head in the
+softmax, dropped after), a softmax in float32 (or wider), ``probs @ v``) a few query rows at a
 time: at most ``query_chunk`` rows of every head, ``[batch, n_heads, query_chunk, k_len]``, exist
 at once, and each chunk of probabilities is handed to the module's sink (see
 :func:`headlab.capture.stream_attention`) before it is dropped. Peak memory grows linearly in
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from headlab.adapters.families import ATTENTION_SINKS
 
 __all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward",
            "dispatches", "chunk_rows", "register", "selected_keys_mask", "visible_keys"]
@@ -259,9 +262,14 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``(output [batch, q_len, n_heads, d_head], None)``, as transformers' attention functions return."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("headlab's chunked attention does not implement attention sinks (s_aux); "
-                                  "run without --query-chunk (eager capture)")
+    sink_logits = kwargs.get("s_aux")
+    if sink_logits is not None and getattr(getattr(module, "config", None), "model_type", None) not in ATTENTION_SINKS:
+        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of {type(module).__name__}, "
+                                  "whose use of them headlab has not read; run with --engine eager")
+    if sink_logits is not None and tuple(sink_logits.shape) != (query.shape[1],):
+        raise NotImplementedError(f"headlab's attention function: attention sinks (s_aux) of shape "
+                                  f"{tuple(sink_logits.shape)}, "
+                                  f"not one logit per query head ({query.shape[1]})")
     if kwargs.get("indices") is not None:
         attention_mask = selected_keys_mask(attention_mask, kwargs["indices"], key.shape[2], query.dtype)
     sink: ChunkSink | None = getattr(module, SINK_ATTRIBUTE, None)
@@ -282,7 +290,8 @@ def attention_forward(
             position_bias = position_bias[..., :q_len]
     if sink is not None and sink.kernel is not None:
         done = sink.kernel(AttentionCall(query, key, value, attention_mask, causal, scaling, softcap,
-                                         position_bias is not None, False, dropout if module.training else 0.0))
+                                         position_bias is not None, sink_logits is not None,
+                                         dropout if module.training else 0.0))
         if done is not None:
             sink.calls += 1
             return done, None
@@ -343,7 +352,14 @@ def attention_forward(
             hidden = torch.arange(start, stop, device=scores.device)[:, None] < \
                 torch.arange(start + 1, keys, device=scores.device)
             corner.masked_fill_(hidden, torch.finfo(scores.dtype).min)
-        if buffers is not None and own_softmax and scores.dtype == query.dtype:
+        if sink_logits is not None:
+            # A learned sink per head: one more logit in each row's softmax, its column dropped after
+            # (transformers' GPT-OSS eager_attention_forward; Granite-SWA's sigmoid(lse - sink) scaling of
+            # the output is the same weights): the weights the values get, a row's sum below 1.
+            column = sink_logits.to(scores.dtype).reshape(1, n_heads, 1, 1).expand(batch, n_heads, rows, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1,
+                                  dtype=torch.promote_types(scores.dtype, torch.float32))[..., :keys].contiguous()
+        elif buffers is not None and own_softmax and scores.dtype == query.dtype:
             # the kernel torch.softmax(scores, -1, dtype=scores.dtype) runs, into a buffer
             probs = torch.ops.aten._softmax.out(scores, -1, False, out=buffers.take(
                 "probs", scores, most * k_len, batch, n_heads, rows, keys))

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
+from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
 from headlab.options import checked_keywords
@@ -204,6 +205,11 @@ def capture_attention(
     runs in evaluation mode inside (``model.eval()``, each module's own mode back on exit): in
     training mode the probabilities would be those after attention dropout (rows that do not sum
     to 1, zeros), not the model's attention.
+
+    With learned attention sinks (``adapters.families.ATTENTION_SINKS``) the probabilities are the
+    weights each head applies to its values, the sink's share left out (a row sums to less than 1):
+    what GPT-OSS's eager returns, and, unlike ``output_attentions``, Granite-SWA's too
+    (:data:`~headlab.adapters.families.SINKS_SCALE_OUTPUT`: its softmax times the scale it applies after).
     """
     from headlab.portable import check_pruned_numbering
 
@@ -246,7 +252,7 @@ def capture_attention(
 
         return pre_hook
 
-    with eval_mode(model), eager_attention(model):
+    with eval_mode(model), eager_attention(model), _sink_weights_returned(blocks):
         try:
             applications = Applications(blocks)
             handles.extend(applications.handles)
@@ -280,6 +286,8 @@ def not_streamable(model: nn.Module) -> str | None:
     if unable:
         return f"attention does not dispatch through transformers' AttentionInterface ({unable[0].name})"
     for block in blocks:
+        if _model_type(block) in ATTENTION_SINKS:  # sinks read: one logit per query head, as headlab's function takes them
+            continue
         try:
             source = inspect.getsource(type(block.core).forward)
         except (OSError, TypeError):
@@ -287,6 +295,52 @@ def not_streamable(model: nn.Module) -> str | None:
         if "s_aux" in source:
             return f"its attention has sinks (s_aux, {block.name}), which headlab's attention function does not implement"
     return None
+
+
+def _model_type(block: AttentionBlock) -> str | None:
+    return getattr(getattr(block.core, "config", None), "model_type", None)
+
+
+def _sink_weights(eager: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``eager`` (Granite-SWA's eager attention function: the softmax without the sink, the output scaled by
+    ``sigmoid(lse - sink)`` after) returning the weights the values get: its softmax times that scale, computed as
+    it computes it (transformers 5.24, granite_swa ``eager_attention_forward``). Its output is left as it is."""
+
+    def forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple:
+        output, probs = eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        sinks = getattr(module, "sinks", None)
+        if probs is None or sinks is None:
+            return output, probs
+        keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # repeat_kv
+        logits = torch.matmul(query, keys.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            logits = logits + attention_mask
+        scale = (torch.logsumexp(logits, dim=-1) - sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+        return output, probs * scale.unsqueeze(-1).to(probs.dtype)
+
+    return forward
+
+
+@contextmanager
+def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
+    """Inside, the eager attention of every block of :data:`~headlab.adapters.families.SINKS_SCALE_OUTPUT`
+    returns the weights its values get (:func:`_sink_weights`), as GPT-OSS's eager does: its modeling module's
+    ``eager_attention_forward``, which the attention module looks up when it runs, wrapped and put back on exit."""
+    import sys
+
+    modules = {type(b.core).__module__ for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads}
+    patched = []
+    try:
+        for name in sorted(modules):
+            module = sys.modules[name]
+            eager = getattr(module, "eager_attention_forward")  # noqa: B009 (a modeling module's, unknown to mypy)
+            patched.append((module, eager))
+            setattr(module, "eager_attention_forward", _sink_weights(eager))  # noqa: B010
+        yield
+    finally:
+        for module, eager in reversed(patched):
+            setattr(module, "eager_attention_forward", eager)  # noqa: B010
 
 
 @contextmanager

@@ -200,6 +200,12 @@ the others' exact and pruning keeps the kept heads' entries (``Family.head_vecto
 head needs none (its stand-in adds the output projection's bias). Other per-head parameters of an attention
 module stay refused (:func:`headlab.surgery.check_block_sliceable`; Doge's ``A``: :data:`HEAD_PARAMETERS_REFUSED`)."""
 
+SINKS_SCALE_OUTPUT = frozenset({"granite_swa", "granitemoe_swa"})
+"""Model types of :data:`ATTENTION_SINKS` whose eager attention returns the softmax without the sink (rows of 1)
+and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logits_h) - sinks[h])`` (transformers
+5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
+scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
+
 HEAD_PARAMETERS_REFUSED: dict[str, str] = {
     "DogeAttention": "A (one entry per key/value head) scales a dynamic mask computed by dt_proj from the values "
                      "of every key/value head of the layer, so each head's mask depends on the others' values: "
