@@ -92,6 +92,8 @@ def test_pruned_equals_masked_generates_and_reloads(spec_name, tmp_path):
     model = mimo()
     ids, mask = padded_inputs(pad_id=2)
     expected, expected_tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask, atol=1e-5)
+    # an emptied layer's stand-in keeps the original's head_dim (12): its heads' size is still the values' 8
+    assert [b.d_head for b in attention_blocks(model)] == [V, V]
     for (_, layer), removed in spec.items():
         kept = [h for h in ALL if h not in removed]
         attention = model.model.layers[layer].self_attn

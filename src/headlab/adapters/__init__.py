@@ -186,7 +186,11 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
             if not all(_get(module, path) is not None for path in (q, k, v, o)):
                 continue
             core_module = _get(module, core) if core else module
-            d_attr = next((a for a in _D_HEAD_ATTRS if isinstance(getattr(core_module, a, None), int)), None)
+            # a layer pruned to no head: its d_head (the value heads' size) before the original's head_dim, which
+            # it keeps and which is the query/key heads' where they are wider (MiMo-V2-Flash)
+            stand_in = type(core_module).__name__ in ("ZeroHeadAttention", "NoHeadAttention")
+            d_attr = next((a for a in (("d_head",) if stand_in else ()) + _D_HEAD_ATTRS
+                           if isinstance(getattr(core_module, a, None), int)), None)
             layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
             if d_attr is None or not layer:
                 continue
