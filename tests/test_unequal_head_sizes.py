@@ -47,7 +47,7 @@ def mimo() -> torch.nn.Module:
     config = tf.MiMoV2FlashConfig(
         vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=QK, v_head_dim=V, max_position_embeddings=64, bos_token_id=0,
-        eos_token_id=1, pad_token_id=2)
+        eos_token_id=1, pad_token_id=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     model = perturbed_model(tf.MiMoV2FlashForCausalLM, config, attn_implementation="eager")
     with torch.no_grad():
         model.model.layers[1].self_attn.sinks.copy_(SINKS)
@@ -176,3 +176,16 @@ def test_every_engine_and_confidence_agree_with_eager(tmp_path):
         streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
         for kind in reference.kinds:
             np.testing.assert_allclose(streamed[kind], reference[kind], rtol=1e-12, atol=1e-12)
+
+
+def test_prune_command_and_heads_listing(tmp_path, capsys):
+    """``headlab prune`` (its check before loading, on the config's model) and ``headlab heads`` on a saved model."""
+    from headlab.cli import main
+    from support.family_matrix import save_tiny
+
+    save_tiny(mimo(), tmp_path / "mimo", ["the", "cat", "sat"])
+    assert main(["prune", str(tmp_path / "mimo"), "--heads", "dec_self:1:1", "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["heads", str(tmp_path / "out"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["n_heads"], r["n_kv_heads"], r["d_head"], r["d_qk"]) for r in rows] == [(4, 2, V, QK), (3, 3, V, QK)]
