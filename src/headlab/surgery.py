@@ -3,7 +3,8 @@
 transformers v5 dropped ``prune_heads``; this module puts it back for every family the
 adapter knows. Removing head h of a block slices rows h*d_head:(h+1)*d_head out of q (and of
 k and v when the head owns its key/value head) and the same columns out of the output
-projection (q and k rows by ``d_qk`` where query/key heads are wider than value heads: MiMo-V2-Flash); a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
+projection (q and k rows by ``d_qk`` where query/key heads are wider than value heads:
+MiMo-V2-Flash); a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
 Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of transformers v5
 mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
 the attributes (and Phi-3's config field) that a forward does read are kept in step. A layer left with no head is replaced
