@@ -80,6 +80,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
     **{t: {**MLA, "head_dim": 4} for t in ("youtu", "axk1")},
+    "mimo_v2_flash": dict(head_dim=12),  # query/key heads wider than its value heads of 8, as released (192/128)
     **{t: dict(layer_types=HYBRID) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
     "gemma4_text": dict(vocab_size_per_layer_input=99, hidden_size_per_layer_input=8, global_head_dim=8,
                         layer_types=["sliding_attention", "full_attention"], sliding_window=4),

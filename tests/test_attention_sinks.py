@@ -11,8 +11,8 @@ its check with a shape error, and pruning was then refused ("per-head parameters
 Tiny models (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8), eager attention (these classes
 have no SDPA), sinks set far from zero and different per head, so that a sink left whole or sliced with the wrong
 heads changes the output (checked). MiMo-V2-Flash: its sliding-window layer (1) has sinks and 4 key/value heads,
-its full-attention layer (0) none; its value head size is the query's here (as shipped, 192 against 128, its
-projection layout is refused before pruning, for that reason).
+its full-attention layer (0) none; its value head size is the query's here (as shipped, 192 against 128:
+tests/test_unequal_head_sizes.py, the sinks sliced there too).
 """
 
 from __future__ import annotations
@@ -220,13 +220,3 @@ def test_per_head_sinks_of_another_length_are_refused():
     _layers(model)[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(HeadlabError, match=r"layers\.1\.self_attn.*sinks \(shape \[2\]\) is not one entry per head"):
         attention_blocks(model)
-
-
-def test_mimo_v2_flash_of_its_released_head_sizes_is_refused_for_its_layout_not_its_sinks():
-    """Query/key heads wider than the value heads (192 and 128 as released; 12 and 8 here): discovery ties no query,
-    key and value projection to the heads' width, and pruning is refused for that before any work, the sinks read."""
-    model = perturbed_model(tf.MiMoV2FlashForCausalLM, tf.MiMoV2FlashConfig(**{**_GQA, "head_dim": 12}, v_head_dim=8),
-                            attn_implementation="eager")
-    assert [b.family.head_vectors for b in attention_blocks(model)] == [(), ("sinks",)]
-    with pytest.raises(HeadlabError, match=r"layers\.1\.self_attn .*projection layout is unknown"):
-        prune_heads(model, {("dec_self", 1): [1]})

@@ -25,7 +25,7 @@ def test_heads_table_and_json(marian_dir, capsys):
     assert "dec_cross" in table and "24 heads" in table
     assert main(["heads", str(path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0] == {"kind": "enc_self", "layer": 0, "n_heads": 4, "n_kv_heads": 4, "d_head": 8,
+    assert rows[0] == {"kind": "enc_self", "layer": 0, "n_heads": 4, "n_kv_heads": 4, "d_head": 8, "d_qk": 8,
                        "module": "model.encoder.layers.0.self_attn"}
 
 

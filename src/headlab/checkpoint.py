@@ -376,7 +376,8 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) ->
             kv_width = (kv_width - n_q * block.d_head) // 2
         if block.family.head_rows:  # the other projections' widths: check_fits_weights
             kv_width = n_q * block.d_head
-        n_kv, rest_kv = divmod(kv_width, block.d_head)
+        # the key projection's rows are query/key heads (MiMo-V2-Flash: wider than the value heads)
+        n_kv, rest_kv = divmod(kv_width, block.d_qk if kv_module is block.k else block.d_head)
         if rest_q or rest_kv or n_q > block.n_heads or not 0 <= n_kv <= max(n_q, block.n_kv_heads):
             continue  # not a pruned shape: check_fits_weights names the tensor
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):

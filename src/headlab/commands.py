@@ -47,7 +47,8 @@ def heads_table(blocks) -> str:
     totals: dict[str, int] = {}
     for b in blocks:
         shared = f" (shared: its call {b.application + 1} of {b.applications})" if b.shared else ""
-        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{shared}")
+        qk = f" (query/key heads of {b.d_qk})" if b.d_qk != b.d_head else ""  # d_head: the value heads' size
+        lines.append(f"{b.kind:<10}{b.layer:>6}{b.n_heads:>7}{b.n_kv_heads:>10}{b.d_head:>8}  {b.name}{qk}{shared}")
         totals[b.kind] = totals.get(b.kind, 0) + b.n_heads
     lines.append("total: " + ", ".join(f"{kind} {n}" for kind, n in totals.items())
                  + f"; {counted(sum(totals.values()), 'head')}")
@@ -70,7 +71,7 @@ def run_heads(args) -> int:
     blocks = attention_blocks(model)
     if args.json:
         rows = [{"kind": b.kind, "layer": b.layer, "n_heads": b.n_heads, "n_kv_heads": b.n_kv_heads,
-                 "d_head": b.d_head, "module": b.name} for b in blocks]
+                 "d_head": b.d_head, "d_qk": b.d_qk, "module": b.name} for b in blocks]
         print(json.dumps(rows, indent=1))
     else:
         print(heads_table(blocks))

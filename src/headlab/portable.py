@@ -51,7 +51,8 @@ def standard_config_values(model: nn.Module) -> dict | None:
     blocks = attention_blocks(model)
     fields = _STANDARD_FIELDS.get(blocks[0].family.name) if blocks else None
     shapes = {(b.n_heads, b.n_kv_heads, b.d_head) for b in blocks}
-    if fields is None or len(shapes) != 1:
+    # head_dim is one size: a model whose query/key heads are wider than its values (d_qk) needs the plan
+    if fields is None or len(shapes) != 1 or any(b.d_qk != b.d_head for b in blocks):
         return None
     n_heads, n_kv_heads, d_head = shapes.pop()
     if n_heads == 0:

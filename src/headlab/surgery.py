@@ -3,7 +3,8 @@
 transformers v5 dropped ``prune_heads``; this module puts it back for every family the
 adapter knows. Removing head h of a block slices rows h*d_head:(h+1)*d_head out of q (and of
 k and v when the head owns its key/value head) and the same columns out of the output
-projection; a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
+projection (q and k rows by ``d_qk`` where query/key heads are wider than value heads:
+MiMo-V2-Flash); a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
 Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of transformers v5
 mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
 the attributes (and Phi-3's config field) that a forward does read are kept in step. A layer left with no head is replaced
@@ -197,14 +198,15 @@ def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]
     a head changes what the others are divided by, and no slicing of weights keeps the remaining
     heads exact. Its name, when pruning this block would change such a width (else None)."""
     projections = {id(m) for m in (block.q, block.k, block.v, block.o, block.qkv) if m is not None}
-    q_width, kv_width = block.n_heads * block.d_head, block.n_kv_heads * block.d_head
+    # a norm over a whole query or key width: of query/key heads (their size, d_qk, where values differ)
+    q_width, kv_width = block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk
     q_changes = 0 < len(keep) < block.n_heads
     kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
     for name, module in block.core.named_children():
         if id(module) in projections or name in block.family.output_norms:
             continue
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_head:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_qk:
             continue
         if (q_changes and weight.shape[0] == q_width) or (kv_changes and weight.shape[0] == kv_width):
             return name
@@ -247,11 +249,13 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
             _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     else:
         assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+        # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
+        d_qk = block.d_qk
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
-        _slice_outputs(block.q, _head_index(keep, 2 * d, device) if family.query_gate else q_index, journal)
-        _slice_outputs(block.k, kv_index, journal)
+        _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
+        _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
         _slice_outputs(block.v, kv_index, journal)
-    _slice_inputs(block.o, q_index, journal)
+    _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
         vector = getattr(owner, name)
@@ -711,7 +715,8 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     ``"name (Class weight [shape])"``."""
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block)) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
-    widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head}
+    widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head,
+              block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
     found = []
     for name, child in block.core.named_children():
         if name in block.family.output_norms:

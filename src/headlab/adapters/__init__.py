@@ -57,6 +57,8 @@ class AttentionBlock:
     n_heads: int
     n_kv_heads: int
     d_head: int
+    """Size of a head's output, its value vectors: the output projection reads ``n_heads * d_head`` (masking,
+    capture of per-head outputs and the value rows and output columns pruning slices)."""
     name: str
     module: nn.Module
     core: nn.Module
@@ -78,6 +80,13 @@ class AttentionBlock:
     multimodal wrapper's vision or audio tower (Llava's, Mistral Large 4's Pixtral), a cross-attention given no
     encoder states. Nothing headlab computes from text reaches it: the measures leave it out, pruning refuses
     it (:func:`idle_blocks`)."""
+    d_qk: int = 0
+    """Size of a head's queries and keys, the query and key rows pruning slices: ``d_head`` unless the model's
+    query/key heads are wider than its value heads (MiMo-V2-Flash: 192 and 128). 0 given: ``d_head``."""
+
+    def __post_init__(self) -> None:
+        if not self.d_qk:
+            object.__setattr__(self, "d_qk", self.d_head)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -96,9 +105,10 @@ class AttentionBlock:
 
     def __repr__(self) -> str:
         shared = f", application={self.application}/{self.applications}" if self.shared else ""
+        qk = f", d_qk={self.d_qk}" if self.d_qk != self.d_head else ""
         return (
             f"AttentionBlock({self.kind}, layer={self.layer}, n_heads={self.n_heads}, "
-            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, name={self.name!r}{shared})"
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}{qk}, name={self.name!r}{shared})"
         )
 
 
@@ -176,7 +186,11 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
             if not all(_get(module, path) is not None for path in (q, k, v, o)):
                 continue
             core_module = _get(module, core) if core else module
-            d_attr = next((a for a in _D_HEAD_ATTRS if isinstance(getattr(core_module, a, None), int)), None)
+            # a layer pruned to no head: its d_head (the value heads' size) before the original's head_dim, which
+            # it keeps and which is the query/key heads' where they are wider (MiMo-V2-Flash)
+            stand_in = type(core_module).__name__ in ("ZeroHeadAttention", "NoHeadAttention")
+            d_attr = next((a for a in (("d_head",) if stand_in else ()) + _D_HEAD_ATTRS
+                           if isinstance(getattr(core_module, a, None), int)), None)
             layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
             if d_attr is None or not layer:
                 continue
@@ -335,6 +349,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
+        d_qk=item.d_qk if item.d_qk != item.d_head else 0,
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""
@@ -464,8 +479,16 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
                 raise HeadlabError(f"{where}: query projection width {q_width} is not heads x [query | gate] of "
                                    f"size {d_head} each")
             q_width //= 2
+        d_qk = family.d_qk or d_head
+        if d_qk != d_head:  # query/key heads of d_qk, value heads of d_head: both counted in value widths below
+            if family.query_gate or q_width % d_qk or kv_width % d_qk:
+                raise HeadlabError(f"{where}: query width {q_width} and key width {kv_width} do not split into "
+                                   f"query/key heads of size {d_qk} (value heads of size {d_head})")
+            q_width, kv_width = q_width // d_qk * d_head, kv_width // d_qk * d_head
         if out_features(v) != kv_width:
-            raise HeadlabError(f"{where}: key width {kv_width} differs from value width {out_features(v)}")
+            raise HeadlabError(f"{where}: key width {out_features(k)} (heads of {d_qk}) differs from value width "
+                               f"{out_features(v)} (heads of {d_head})" if d_qk != d_head else
+                               f"{where}: key width {kv_width} differs from value width {out_features(v)}")
     o_width = in_features(o)
     if q_width % d_head or kv_width % d_head or o_width != q_width:
         raise HeadlabError(
@@ -484,7 +507,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         groups = getattr(core, family.kv_groups_attr, None)
         if groups is not None and groups != n_heads // n_kv_heads:
             raise HeadlabError(f"{where}: {family.kv_groups_attr}={groups} but weights give {n_heads}/{n_kv_heads}")
-    return AttentionBlock(kind, layer, n_heads, n_kv_heads, d_head, name, module, core, q, k, v, o, qkv, family)
+    return AttentionBlock(kind, layer, n_heads, n_kv_heads, d_head, name, module, core, q, k, v, o, qkv, family,
+                          d_qk=family.d_qk or d_head)
 
 
 def _selection_argument(core: nn.Module) -> str | None:

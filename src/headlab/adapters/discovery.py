@@ -602,7 +602,8 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
             and _width(projections[0], "out") == width else None
         paths.append(_relative(block, names.get(id(single))) if single is not None else None)
     q, k, v = paths
-    if d_qk != d_v or len({q, k, v}) < 3 or None in (q, k, v):
+    # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width
+    if len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem, call.probs_index or 0,

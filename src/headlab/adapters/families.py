@@ -55,6 +55,9 @@ class Family:
     ``residual``): a layer left with no head still adds it."""
     d_head: int = 0
     """The head size, where run-time discovery measured it (0: read ``d_head_attr``)."""
+    d_qk: int = 0
+    """The query/key head size where discovery measured one other than ``d_head`` (MiMo-V2-Flash: 192 against
+    value heads of 128); 0: the same as ``d_head``."""
     kv_heads: int = 0
     """Key/value heads measured by run-time discovery, for a block whose key projection it could
     not name (no ``q``/``k``/``v``, no ``qkv``: analysis and masking only)."""
