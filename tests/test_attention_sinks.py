@@ -230,3 +230,21 @@ def test_mimo_v2_flash_of_its_released_head_sizes_is_refused_for_its_layout_not_
     assert [b.family.head_vectors for b in attention_blocks(model)] == [(), ("sinks",)]
     with pytest.raises(HeadlabError, match=r"layers\.1\.self_attn .*projection layout is unknown"):
         prune_heads(model, {("dec_self", 1): [1]})
+
+
+@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa"])
+def test_sink_scaled_eager_missing_is_refused_before_any_work(family, monkeypatch):
+    """Capture wraps the modeling module's ``eager_attention_forward`` of Granite-SWA and GraniteMoE-SWA (their sinks
+    scale the output after it); a transformers version without that name is refused, naming the model type and the
+    function, when the blocks are read, and by capture for blocks read before (never an AttributeError mid-capture)."""
+    import sys
+
+    model = sink_model(family)
+    blocks = attention_blocks(model)
+    monkeypatch.delattr(sys.modules[type(_layers(model)[0].self_attn).__module__], "eager_attention_forward")
+    refusal = rf"model_type '{family}'.*no eager_attention_forward"
+    with pytest.raises(HeadlabError, match=refusal):
+        attention_blocks(model)
+    with pytest.raises(HeadlabError, match=refusal):
+        with capture_attention(model, blocks=blocks):
+            pytest.fail("capture started")

@@ -31,6 +31,7 @@ from headlab.adapters.families import (
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
     QKV_LAYOUTS,
+    SINKS_SCALE_OUTPUT,
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
@@ -350,6 +351,21 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 
+def check_sink_eager(model_type: str | None, core: nn.Module) -> None:
+    """A core of :data:`SINKS_SCALE_OUTPUT` has the module-level ``eager_attention_forward`` in its modeling module,
+    which capture wraps to return the weights its values get (:func:`headlab.capture._sink_weights_returned`);
+    a transformers version without it is refused here, before any work, not with an AttributeError mid-capture."""
+    import sys
+
+    if model_type not in SINKS_SCALE_OUTPUT:
+        return
+    name = type(core).__module__
+    if not callable(getattr(sys.modules.get(name), "eager_attention_forward", None)):
+        raise HeadlabError(f"model_type {model_type!r}: its modeling module {name} has no eager_attention_forward, "
+                           "the function whose softmax headlab rescales by the sinks' factor to read the weights "
+                           "its values get: this transformers version is not supported for it")
+
+
 def _ships_with_transformers(model: nn.Module) -> bool:
     """The model's class is transformers' own modeling code (not a hub repository's)."""
     return type(model).__module__.startswith("transformers.models.")
@@ -565,6 +581,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
     blocks = [_make_block(*candidate) for candidate in candidates]
+    for block in blocks:
+        if block.n_heads:
+            check_sink_eager(model_type, block.core)
     if family is not None:  # tables run no probe: what they know never runs
         idle |= _unfed_cross_attention(blocks)
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
