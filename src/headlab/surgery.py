@@ -112,7 +112,8 @@ def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
 
 
 def head_row_modules(block: AttentionBlock) -> list[nn.Module]:
-    """The projections of ``block.family.head_rows`` (multi-head latent attention's query and key/value maps)."""
+    """The projections of ``block.family.head_rows`` (multi-head latent attention's query and key/value maps, an
+    output gate's projection)."""
     return [block.module.get_submodule(path) for path, _ in block.family.head_rows]
 
 
@@ -240,17 +241,19 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.qkv, _fused_index(block, keep, kv_keep), journal)
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
-    elif family.head_rows:  # multi-head latent attention: each head's rows of its query and key/value maps
-        for path, attrs in family.head_rows:
-            width = rows_per_head(core, attrs)
-            assert width is not None  # checked when the block was made (adapters._check_head_rows)
-            _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
-    else:
-        assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+    elif block.q is not None:
+        assert block.k is not None and block.v is not None  # separate projections
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
         _slice_outputs(block.q, _head_index(keep, 2 * d, device) if family.query_gate else q_index, journal)
         _slice_outputs(block.k, kv_index, journal)
         _slice_outputs(block.v, kv_index, journal)
+    else:
+        assert family.head_rows  # multi-head latent attention (check_block_sliceable refuses untied projections)
+    # each head's rows: latent attention's query and key/value maps, an output gate's projection (Beam's gate_proj)
+    for path, attrs in family.head_rows:
+        width = rows_per_head(core, attrs)
+        assert width is not None  # checked when the block was made (adapters._check_head_rows)
+        _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     _slice_inputs(block.o, q_index, journal)
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
@@ -689,8 +692,9 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     # Other modules of the attention whose weights span a projection's heads (Inkling's k_sconv/v_sconv: depthwise
     # convolutions over the key/value channels, their conv states in the cache): the slicing below leaves them
     # whole, and the pruned forward failed its check with a bare Conv1d error (the session-26 sweep).
-    # Latent attention (head_rows) is left to its own table: its indexers hold heads of their own.
-    unsliced_modules = _unsliced_head_modules(block) if block.n_heads and not block.family.head_rows else []
+    # Latent attention (head_rows, no q) is left to its own table: its indexers hold heads of their own.
+    mla = bool(block.family.head_rows) and block.q is None
+    unsliced_modules = _unsliced_head_modules(block) if block.n_heads and not mla else []
     if unsliced_modules:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: besides its q, k, v and output "
@@ -709,7 +713,8 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     """Children of ``block.core`` other than the projections pruning slices whose parameters (matrices, kernels:
     not a norm's vector) have a dimension of the query or key/value width (heads x head size), as
     ``"name (Class weight [shape])"``."""
-    sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block)) if m is not None]
+    sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
+                          *head_row_modules(block)) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
     widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head}
     found = []
