@@ -398,8 +398,45 @@ def test_pruning_inklings_key_value_convolutions_is_refused_before_any_work():
     calls: list = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with pytest.raises(HeadlabError, match=r"model.layers.0.self_attn .*physical pruning is refused: .*modules whose "
-                                           r"weights span the heads' channels \(k_sconv \(InklingShortConvolution "
+                                           r"weights span the heads' channels \(r_proj \(Linear weight \[1024, 32\]: "
+                                           r"64 query heads x 16\), k_sconv \(InklingShortConvolution "
                                            r"conv1d.weight \[\d+, 1, \d+\]\), v_sconv"):
+        prune_heads(model, {("dec_self", 0): [3]})
+    assert not calls
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+class _NoConvolution(torch.nn.Module):
+    """Stands in for Inkling's InklingShortConvolution: the channels passed as they are."""
+
+    def forward(self, hidden_states, cache=None, conv_mask=None, **kwargs):
+        return hidden_states
+
+
+def test_pruning_inklings_relative_position_projection_alone_is_refused_before_any_work():
+    """Inkling's r_proj emits num_heads x d_rel (each head's relative-position features, viewed [..., heads, -1]),
+    which pruning does not slice. With the key/value convolutions taken out and heads of 4 (q width 16, hidden 32,
+    d_rel 6: r_proj [24, 32] has no dimension of a projection's width), it alone is unsliced: refused before anything
+    runs, naming it; the model untouched. Before: the pruned forward failed its check after the work, with a bare
+    shape error ("mat1 and mat2 shapes cannot be multiplied")."""
+    from headlab import prune_heads
+
+    cls, config = _inkling()
+    config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim = 4, 2, 4
+    config.d_rel = 6
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).float().eval()
+    for layer in model.model.layers:
+        layer.self_attn.k_sconv = _NoConvolution()
+        layer.self_attn.v_sconv = _NoConvolution()
+    assert [(b.n_heads, b.n_kv_heads, b.d_head) for b in attention_blocks(model)] == [(4, 2, 4)] * 2
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls: list = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(HeadlabError, match=r"model.layers.0.self_attn .*physical pruning is refused: .*modules whose "
+                                           r"weights span the heads' channels \(r_proj \(Linear weight \[24, 32\]: 4 "
+                                           r"query heads x 6\)\)"):
         prune_heads(model, {("dec_self", 0): [3]})
     assert not calls
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

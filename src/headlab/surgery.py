@@ -711,8 +711,9 @@ def check_block_sliceable(block: AttentionBlock) -> None:
 
 def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     """Children of ``block.core`` other than the projections pruning slices whose parameters (matrices, kernels:
-    not a norm's vector) have a dimension of the query or key/value width (heads x head size), as
-    ``"name (Class weight [shape])"``."""
+    not a norm's vector) have a dimension of the query or key/value width (heads x head size), or linear maps
+    whose output is heads x some width of their own (Inkling's ``r_proj``: ``num_heads * d_rel``, viewed per head),
+    as ``"name (Class weight [shape])"``."""
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
                           *head_row_modules(block)) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
@@ -729,6 +730,15 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
             if parameter.dim() >= 2 and any(size in widths for size in sizes):
                 found.append(f"{name} ({type(child).__name__} {pname} {list(parameter.shape)})")
                 break
+        else:
+            if isinstance(child, nn.Linear) and id(child.weight) not in known:
+                # its output a width per head of its own (Inkling's r_proj, viewed [..., heads, -1]), left whole
+                heads = next((n for n in (block.n_heads, block.n_kv_heads) if n > 1 and child.out_features % n == 0),
+                             None)
+                if heads is not None:
+                    which = "query" if heads == block.n_heads else "key/value"
+                    found.append(f"{name} ({type(child).__name__} weight {list(child.weight.shape)}: {heads} {which} "
+                                 f"heads x {child.out_features // heads})")
     return found
 
 
