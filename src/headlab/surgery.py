@@ -689,6 +689,13 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own (named
+    # as such, before the general rule below would name them as modules spanning the heads' channels)
+    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
+    if unsliced:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
+            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
     # Other modules of the attention whose weights span a projection's heads (Inkling's k_sconv/v_sconv: depthwise
     # convolutions over the key/value channels, their conv states in the cache): the slicing below leaves them
     # whole, and the pruned forward failed its check with a bare Conv1d error (the session-26 sweep).
@@ -701,12 +708,6 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"projections, its attention holds modules whose weights span the heads' channels "
             f"({', '.join(unsliced_modules)}), which physical pruning does not slice; mask the heads instead "
             "(mask_heads, or headlab prune train's gates)")
-    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
-    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
-    if unsliced:
-        raise HeadlabError(
-            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
-            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
 
 
 def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
