@@ -220,3 +220,19 @@ def test_per_head_sinks_of_another_length_are_refused():
     _layers(model)[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(HeadlabError, match=r"layers\.1\.self_attn.*sinks \(shape \[2\]\) is not one entry per head"):
         attention_blocks(model)
+@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa"])
+def test_sink_scaled_eager_missing_is_refused_before_any_work(family, monkeypatch):
+    """Capture wraps the modeling module's ``eager_attention_forward`` of Granite-SWA and GraniteMoE-SWA (their sinks
+    scale the output after it); a transformers version without that name is refused, naming the model type and the
+    function, when the blocks are read, and by capture for blocks read before (never an AttributeError mid-capture)."""
+    import sys
+
+    model = sink_model(family)
+    blocks = attention_blocks(model)
+    monkeypatch.delattr(sys.modules[type(_layers(model)[0].self_attn).__module__], "eager_attention_forward")
+    refusal = rf"model_type '{family}'.*no eager_attention_forward"
+    with pytest.raises(HeadlabError, match=refusal):
+        attention_blocks(model)
+    with pytest.raises(HeadlabError, match=refusal):
+        with capture_attention(model, blocks=blocks):
+            pytest.fail("capture started")

@@ -230,3 +230,139 @@ def test_a_multimodal_dots3_note_checkpoint_is_refused_naming_its_language_model
     assert [b.name for b in attention_blocks(model)] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     inputs = tiny_inputs()
     torch.testing.assert_close(logits(model, inputs), logits(full, inputs), atol=1e-6, rtol=0)
+
+
+# Beam (transformers 5.24, BeamAttention): q/k/v projections (grouped query attention, q_norm/k_norm over the head
+# size) and gate = gate_proj(hidden_states).view_as(attn_output) + gate_bias[None, None, :, None], the attention
+# function's output [batch, seq, heads, head_dim] times sigmoid(gate) before o_proj: head h's gate is its head_dim
+# rows of gate_proj plus gate_bias[h] (adapters.families.QKV_OUTPUT_GATES). Before: refused before any work ("an
+# output gate ... known only for the model types of OUTPUT_GATES"). Its full-attention layer (1) runs without RoPE,
+# its queries scaled per position, the same for every head.
+BEAM_D = 8
+_BEAM = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=BEAM_D, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+             pad_token_id=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+             mlp_layer_types=["dense", "sparse"])
+
+
+def build_beam(attn_implementation: str = "sdpa", seed: int = 0, **sizes) -> torch.nn.Module:
+    if "beam" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no beam")
+    config = CONFIG_MAPPING["beam"](**{**_BEAM, **sizes})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_class_for(config)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # gate_bias too (zeros as initialised): off, so it counts
+                parameter.add_(torch.randn_like(parameter) * (2.0 if name.endswith("gate_bias") else 0.1))
+            if name.endswith("gate_proj.weight") and "self_attn" in name:
+                parameter.mul_(8)
+    return model
+
+
+def _beam_attention(model, layer: int):
+    return model.model.layers[layer].self_attn
+
+
+def _beam_rows(heads, size: int = BEAM_D) -> list[int]:
+    return [r for h in heads for r in range(h * size, (h + 1) * size)]
+
+
+def test_beam_blocks_are_found_with_their_gate():
+    """Its q/k/v projections tied (the gate no longer hides them), the gate's rows and bias sliced per head."""
+    blocks = attention_blocks(build_beam())
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == [("dec_self", i, 4, 2, BEAM_D)
+                                                                                       for i in range(2)]
+    family = blocks[0].family
+    assert (family.q, family.k, family.v, family.o) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert family.head_rows == (("gate_proj", ("head_dim",)),) and family.head_vectors == ("gate_bias",)
+
+
+def test_beam_capture_masking_and_gates():
+    """Capture equals output_attentions; masking the query heads of a key/value head equals zeroing its value rows
+    of v_proj (its output, times its gate, is zero either way); scalar gates at one change nothing."""
+    inputs = tiny_inputs()
+    check_capture_equals_output_attentions(build_beam, "dec_self", inputs)
+    values = (lambda model, layer: _beam_attention(model, layer).v_proj, lambda j: range(j * BEAM_D, (j + 1) * BEAM_D), 2)
+    check_masking_equals_zeroed_values(build_beam, "dec_self", values, inputs)
+    check_gates_at_one_change_nothing(build_beam(), inputs)
+
+
+@pytest.mark.parametrize("part", ["gate_proj rows", "gate_bias entry"])
+def test_beam_each_heads_gate_multiplies_that_head_only(part):
+    """Head 1's gate changed (its rows of gate_proj, or its gate_bias entry): the logits change, unless head 1 is
+    masked."""
+    inputs = tiny_inputs()
+    model = build_beam()
+    before = logits(model, inputs)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        masked = logits(model, inputs)
+    attention = _beam_attention(model, 1)
+    with torch.no_grad():
+        if part == "gate_proj rows":
+            attention.gate_proj.weight[_beam_rows([1])] *= -3
+        else:
+            attention.gate_bias[1] -= 5
+    assert not torch.allclose(logits(model, inputs), before)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        assert torch.equal(logits(model, inputs), masked)
+
+
+def test_beam_pruning_slices_the_gate_generates_as_masked_and_reloads(tmp_path):
+    """Layer 0 emptied, layer 1 loses heads 0 and 3 (one per key/value head: uneven groups): gate_proj keeps the kept
+    heads' rows, gate_bias their entries; the pruned model equals the masked one on padded rows and in cached
+    generation, and reloads (load_pruned, and plain transformers), every weight loaded."""
+    import json
+
+    import transformers as tf
+
+    from headlab import load_pruned, save_pruned
+    from support.family_matrix import check_pruned_generates_as_masked, greedy_generation, padded_inputs, padded_logits
+
+    model = build_beam()
+    attention = _beam_attention(model, 1)
+    before = {name: p.detach().clone() for name, p in attention.named_parameters()}
+    ids, mask = padded_inputs(pad_id=2)
+    spec = {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [0, 3]}
+    expected, expected_tokens = check_pruned_generates_as_masked(model, spec, [0, 2], ids, mask)
+    assert torch.equal(attention.gate_proj.weight, before["gate_proj.weight"][_beam_rows([1, 2])])
+    assert torch.equal(attention.gate_bias, before["gate_bias"][[1, 2]])
+    assert torch.equal(attention.q_proj.weight, before["q_proj.weight"][_beam_rows([1, 2])])
+    assert torch.equal(attention.o_proj.weight, before["o_proj.weight"][:, _beam_rows([1, 2])])
+    for name in ("q_norm.weight", "k_norm.weight"):
+        assert torch.equal(dict(attention.named_parameters())[name], before[name])
+
+    save_pruned(model, tmp_path)
+    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
+    reloaded = load_pruned(tmp_path)
+    assert [b.n_heads for b in attention_blocks(reloaded)] == [0, 2]
+    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
+    plain, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    plain.eval()
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
+    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+
+
+def test_beam_lrp_holds_the_gate_constant_and_conserves():
+    """LRP: gate_proj's output is detached with the query and key projections (the gate a per-feature weight of
+    the heads' outputs, as Qwen3-Next's), so relevance is conserved; not detached, part of it leaks into the gate.
+    Dense MLPs: LRP refuses BeamExperts (its own _apply_gate) before any work."""
+    from support.family_matrix import check_lrp_conserves
+
+    model = build_beam(attn_implementation="eager", mlp_layer_types=["dense", "dense"], final_logit_softcapping=None)
+    attention_blocks(model)  # the blocks read: their probe pass is not the pass checked
+    check_lrp_conserves(model, model.model.layers[0])
+
+
+def test_beam_gate_unknown_to_the_table_is_refused(monkeypatch):
+    """Without Beam's entry in OUTPUT_GATES, refused before any work naming gate_proj (gate_proj(x).view_as(
+    attn_output): the attention output lends its shape only, the gate is named)."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.OUTPUT_GATES, "beam")
+    with pytest.raises(HeadlabError, match=r"self_attn: the attention function's output reaches model\.layers\.0\."
+                                           r"self_attn\.o_proj multiplied, elementwise, by a gate computed from "
+                                           r"gate_proj \(an output gate"):
+        attention_blocks(build_beam())

@@ -15,6 +15,8 @@ them out and say so, pruning them is refused before any work, the gates go to th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
@@ -168,6 +170,10 @@ def test_headlab_prune_refuses_them_before_reading_the_weights_and_heads_says_so
     listed = " ".join(capsys.readouterr().out.split())
     assert "not run by token ids: dec_cross layers 0, 1 (" in listed
     assert "the measures leave them out, pruning them is refused" in listed
+    assert main(["heads", str(tmp_path / "model"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["kind"], row["layer"]) for row in rows if row["idle"]} == {("dec_cross", 0), ("dec_cross", 1)}
+    assert all(not row["idle"] for row in rows if row["kind"] == "dec_self")
     load = loading.load_model
 
     def no_load(*args, **kwargs):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, attention_configs
+from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
@@ -329,7 +329,9 @@ def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
     ``eager_attention_forward``, which the attention module looks up when it runs, wrapped and put back on exit."""
     import sys
 
-    modules = {type(b.core).__module__ for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads}
+    modules = {type(b.core).__module__: b for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads}
+    for block in modules.values():  # blocks read under another transformers module: refused before patching any
+        check_sink_eager(_model_type(block), block.core)
     patched = []
     try:
         for name in sorted(modules):

@@ -285,7 +285,7 @@ def _tensor_block(model: nn.Module) -> dict[str, str]:
     names = {id(module): name for name, module in model.named_modules()}
     out = {}
     for block in attention_blocks(model):
-        rows = [block.module.get_submodule(path) for path, _ in block.family.head_rows]  # latent attention's
+        rows = [block.module.get_submodule(path) for path, _ in block.family.head_rows]  # latent attention's, a gate's
         for module in (block.q, block.k, block.v, block.qkv, block.o, *rows):
             if module is not None and id(module) in names:
                 for pname, _ in module.named_parameters(recurse=False):
@@ -363,7 +363,7 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) ->
     for block in attention_blocks(model):
         o_weight = f"{names[id(block.o)]}.weight"
         kv_module = block.k if block.k is not None else block.qkv
-        if block.family.head_rows:  # latent attention: a key and a value per query head; o_proj reads them
+        if block.family.head_rows and block.q is None:  # latent attention: a key and a value per query head; o_proj reads them
             kv_module = block.o
         if kv_module is None or block.d_head <= 0:
             continue
@@ -374,7 +374,7 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) ->
         kv_width = _width(shapes[kv_weight], kv_module, out=True)
         if block.k is None and block.qkv is not None:  # fused [q | k | v]
             kv_width = (kv_width - n_q * block.d_head) // 2
-        if block.family.head_rows:  # the other projections' widths: check_fits_weights
+        if block.family.head_rows and block.q is None:  # the other projections' widths: check_fits_weights
             kv_width = n_q * block.d_head
         # the key projection's rows are query/key heads (MiMo-V2-Flash: wider than the value heads)
         n_kv, rest_kv = divmod(kv_width, block.d_qk if kv_module is block.k else block.d_head)

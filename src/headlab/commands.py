@@ -70,8 +70,9 @@ def run_heads(args) -> int:
         model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
     blocks = attention_blocks(model)
     if args.json:
+        # idle: token ids never run the block (the table's "not run by token ids" line)
         rows = [{"kind": b.kind, "layer": b.layer, "n_heads": b.n_heads, "n_kv_heads": b.n_kv_heads,
-                 "d_head": b.d_head, "d_qk": b.d_qk, "module": b.name} for b in blocks]
+                 "d_head": b.d_head, "d_qk": b.d_qk, "module": b.name, "idle": bool(b.idle)} for b in blocks]
         print(json.dumps(rows, indent=1))
     else:
         print(heads_table(blocks))

@@ -113,7 +113,8 @@ def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
 
 
 def head_row_modules(block: AttentionBlock) -> list[nn.Module]:
-    """The projections of ``block.family.head_rows`` (multi-head latent attention's query and key/value maps)."""
+    """The projections of ``block.family.head_rows`` (multi-head latent attention's query and key/value maps, an
+    output gate's projection)."""
     return [block.module.get_submodule(path) for path, _ in block.family.head_rows]
 
 
@@ -242,19 +243,21 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _slice_outputs(block.qkv, _fused_index(block, keep, kv_keep), journal)
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
-    elif family.head_rows:  # multi-head latent attention: each head's rows of its query and key/value maps
-        for path, attrs in family.head_rows:
-            width = rows_per_head(core, attrs)
-            assert width is not None  # checked when the block was made (adapters._check_head_rows)
-            _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
-    else:
-        assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+    elif block.q is not None:
+        assert block.k is not None and block.v is not None  # separate projections
         # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
         d_qk = block.d_qk
         # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
         _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
         _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
         _slice_outputs(block.v, kv_index, journal)
+    else:
+        assert family.head_rows  # multi-head latent attention (check_block_sliceable refuses untied projections)
+    # each head's rows: latent attention's query and key/value maps, an output gate's projection (Beam's gate_proj)
+    for path, attrs in family.head_rows:
+        width = rows_per_head(core, attrs)
+        assert width is not None  # checked when the block was made (adapters._check_head_rows)
+        _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
@@ -690,30 +693,34 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"parameters of its own ({', '.join(per_head)}" + (f"): {why}; " if why else
             ": one value per query or key/value head, which physical pruning does not slice; ")
             + "mask the heads instead (mask_heads, or headlab prune train's gates)")
+    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own (named
+    # as such, before the general rule below would name them as modules spanning the heads' channels)
+    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
+    if unsliced:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
+            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
     # Other modules of the attention whose weights span a projection's heads (Inkling's k_sconv/v_sconv: depthwise
     # convolutions over the key/value channels, their conv states in the cache): the slicing below leaves them
     # whole, and the pruned forward failed its check with a bare Conv1d error (the session-26 sweep).
-    # Latent attention (head_rows) is left to its own table: its indexers hold heads of their own.
-    unsliced_modules = _unsliced_head_modules(block) if block.n_heads and not block.family.head_rows else []
+    # Latent attention (head_rows, no q) is left to its own table: its indexers hold heads of their own.
+    mla = bool(block.family.head_rows) and block.q is None
+    unsliced_modules = _unsliced_head_modules(block) if block.n_heads and not mla else []
     if unsliced_modules:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: besides its q, k, v and output "
             f"projections, its attention holds modules whose weights span the heads' channels "
             f"({', '.join(unsliced_modules)}), which physical pruning does not slice; mask the heads instead "
             "(mask_heads, or headlab prune train's gates)")
-    # DeBERTa-v2 without share_att_key projects its relative positions per head with projections of its own
-    unsliced = [name for name in ("pos_key_proj", "pos_query_proj") if isinstance(getattr(block.core, name, None), nn.Module)]
-    if unsliced:
-        raise HeadlabError(
-            f"{block.name} ({block.family.name}): physical pruning does not slice its position projections "
-            f"({', '.join(unsliced)}); mask the heads instead (mask_heads, or headlab prune train's gates)")
 
 
 def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     """Children of ``block.core`` other than the projections pruning slices whose parameters (matrices, kernels:
-    not a norm's vector) have a dimension of the query or key/value width (heads x head size), as
-    ``"name (Class weight [shape])"``."""
-    sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block)) if m is not None]
+    not a norm's vector) have a dimension of the query or key/value width (heads x head size), or linear maps
+    whose output is heads x some width of their own (Inkling's ``r_proj``: ``num_heads * d_rel``, viewed per head),
+    as ``"name (Class weight [shape])"``."""
+    sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
+                          *head_row_modules(block)) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
     widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head,
               block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
@@ -729,6 +736,15 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
             if parameter.dim() >= 2 and any(size in widths for size in sizes):
                 found.append(f"{name} ({type(child).__name__} {pname} {list(parameter.shape)})")
                 break
+        else:
+            if isinstance(child, nn.Linear) and id(child.weight) not in known:
+                # its output a width per head of its own (Inkling's r_proj, viewed [..., heads, -1]), left whole
+                heads = next((n for n in (block.n_heads, block.n_kv_heads) if n > 1 and child.out_features % n == 0),
+                             None)
+                if heads is not None:
+                    which = "query" if heads == block.n_heads else "key/value"
+                    found.append(f"{name} ({type(child).__name__} weight {list(child.weight.shape)}: {heads} {which} "
+                                 f"heads x {child.out_features // heads})")
     return found
 
 

@@ -31,6 +31,8 @@ from headlab.adapters.families import (
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
     QKV_LAYOUTS,
+    QKV_OUTPUT_GATES,
+    SINKS_SCALE_OUTPUT,
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
@@ -253,7 +255,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
             continue
         if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
-            candidates.append(candidate)
+            candidates.append(_emptied_gate_rows(model_type, candidate))
             continue
         if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention, a vision tower)
             candidates.append(candidate)
@@ -262,6 +264,15 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
+    """A layer of a :data:`QKV_OUTPUT_GATES` type pruned to no head: its stand-in keeps the gate's projection, sliced
+    to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's)."""
+    module, family = candidate[3], candidate[4]
+    rows = tuple((path, attrs) for path, attrs in QKV_OUTPUT_GATES.get(model_type, ((), ()))[0]
+                 if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
+    return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
 
 
 def _known_gates(model_type: str, item: Discovered) -> bool:
@@ -358,11 +369,31 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         vectors = tuple(prefix + path for path in HEAD_VECTORS.get(model_type, ())) if rows else ()
         family = dataclasses.replace(family, head_rows=rows, head_vectors=vectors,
                                      selection_argument=_selection_argument(core))
+    if item.q is not None and model_type in QKV_OUTPUT_GATES:
+        # an output gate over q/k/v heads (Beam): its rows and entries per head, sliced with the heads
+        rows, vectors = QKV_OUTPUT_GATES[model_type]
+        family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
+                                     head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
     if sinks:
         family = dataclasses.replace(family, head_vectors=(*family.head_vectors, *sinks))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
+
+
+def check_sink_eager(model_type: str | None, core: nn.Module) -> None:
+    """A core of :data:`SINKS_SCALE_OUTPUT` has the module-level ``eager_attention_forward`` in its modeling module,
+    which capture wraps to return the weights its values get (:func:`headlab.capture._sink_weights_returned`);
+    a transformers version without it is refused here, before any work, not with an AttributeError mid-capture."""
+    import sys
+
+    if model_type not in SINKS_SCALE_OUTPUT:
+        return
+    name = type(core).__module__
+    if not callable(getattr(sys.modules.get(name), "eager_attention_forward", None)):
+        raise HeadlabError(f"model_type {model_type!r}: its modeling module {name} has no eager_attention_forward, "
+                           "the function whose softmax headlab rescales by the sinks' factor to read the weights "
+                           "its values get: this transformers version is not supported for it")
 
 
 def _ships_with_transformers(model: nn.Module) -> bool:
@@ -489,6 +520,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             raise HeadlabError(f"{where}: key width {out_features(k)} (heads of {d_qk}) differs from value width "
                                f"{out_features(v)} (heads of {d_head})" if d_qk != d_head else
                                f"{where}: key width {kv_width} differs from value width {out_features(v)}")
+        if family.head_rows and q_width % d_head == 0:  # an output gate's rows (QKV_OUTPUT_GATES)
+            _check_head_rows(where, module, core, family, q_width // d_head)
     o_width = in_features(o)
     if q_width % d_head or kv_width % d_head or o_width != q_width:
         raise HeadlabError(
@@ -589,6 +622,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
     blocks = [_make_block(*candidate) for candidate in candidates]
+    for block in blocks:
+        if block.n_heads:
+            check_sink_eager(model_type, block.core)
     if family is not None:  # tables run no probe: what they know never runs
         idle |= _unfed_cross_attention(blocks)
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]

@@ -91,8 +91,9 @@ class Discovered:
     """Where the calling module's output tuple holds the attention probabilities (eager mode)."""
     gates: tuple[str, ...] = ()
     """Paths (relative to the block) of the projections the heads' outputs were multiplied by a
-    function of, elementwise, on their way to the output projection (an output gate); ``problem``
-    then says so, for the adapter to lift where a table knows the gate."""
+    function of, elementwise, on their way to the output projection (an output gate), where that is the
+    only problem (empty otherwise): ``problem`` then says so, for the adapter to lift where a table knows
+    the gate (the q/k/v projections are tied as without a gate)."""
 
 
 class _Traced(torch.Tensor):
@@ -557,7 +558,7 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     _, n_kv, _, d_v = call.value
     o_name = names.get(id(call.o)) if call.o is not None else None
     block = calling if o_name is None else _common_ancestor(calling, o_name)
-    problem = None
+    problem, gated = None, False
     if n_calls > 1:
         problem = (f"its forward ran the attention function {n_calls} times in one pass (a module shared by several "
                    "layers, or one that attends twice): a head is not one layer's head")
@@ -578,12 +579,6 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.o_input is None or call.o_input[-1] != n_heads * d_v or _width(call.o, "in") != n_heads * d_v:
         problem = (f"its output projection {o_name} reads {call.o_input[-1] if call.o_input else '?'} features, not "
                    f"{n_heads} heads x {d_v}")
-    elif call.o_gates:
-        problem = (f"the attention function's output reaches {o_name} multiplied, elementwise, by a gate computed from "
-                   f"{', '.join(sorted(_gate_names(block, call.o_gates, names)))} (an output gate, from the layer's "
-                   "input, not from the heads): masking stays exact, but physical pruning must remove each head's rows "
-                   "of that projection, a layout known only for the model types of "
-                   "headlab.adapters.families.OUTPUT_GATES, whose forwards headlab checked")
     elif call.probs_index is None or call.probs_index < 0:
         problem = ("its forward does not return the attention function's weights, where capture reads the attention "
                    "probabilities")
@@ -593,8 +588,16 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
                    "not switch a head off")
     elif not block or block != calling and not calling.startswith(block + "."):
         problem = f"its output projection {o_name} lies outside the attention layer"
+    # last, so that the adapter, lifting it for a gate it knows (OUTPUT_GATES), lifts no other problem
+    elif gated := bool(call.o_gates):
+        problem = (f"the attention function's output reaches {o_name} multiplied, elementwise, by a gate computed from "
+                   f"{', '.join(sorted(_gate_names(block, call.o_gates, names)))} (an output gate, from the layer's "
+                   "input, not from the heads): masking stays exact, but physical pruning must remove each head's rows "
+                   "of that projection, a layout known only for the model types of "
+                   "headlab.adapters.families.OUTPUT_GATES, whose forwards headlab checked")
     owner = modules.get(block)
-    inside = {id(m) for m in owner.modules()} if owner is not None and problem is None else set()
+    # an output gate alone: its q/k/v projections tied too (Beam's), for when the adapter knows the gate
+    inside = {id(m) for m in owner.modules()} if owner is not None and (problem is None or gated) else set()
     paths = []
     for sources, width in zip(call.sources, (n_heads * d_qk, n_kv * d_qk, n_kv * d_v)):
         projections = [m for m in sources if isinstance(m, nn.Module)]
@@ -607,7 +610,7 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem, call.probs_index or 0,
-                      tuple(sorted(_gate_names(block, call.o_gates, names))))
+                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else ())
 
 
 def _gate_names(block: str, gates: frozenset, names: dict[int, str]) -> list[str]:

@@ -219,16 +219,26 @@ forwards, transformers 5.24): physical pruning is refused naming it, before any 
 
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
-    "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",)}
+    "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",)}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
 gate is computed from the layer's input by its own rows of that projection, which
-:data:`LATENT_ATTENTION`'s ``head_rows`` name, and multiplies that head's slice only. So capture (the attention
+:data:`LATENT_ATTENTION`'s ``head_rows`` name (:data:`QKV_OUTPUT_GATES`' for an attention with q/k/v
+projections), and multiplies that head's slice only. So capture (the attention
 function's probabilities) is untouched, masking a head (zeros at ``o_proj``'s input) equals removing it
 (``0 * sigmoid(g) = 0``) and physical pruning removes the head's gate rows with its query and key/value rows.
 A gate from any other projection, or in a model type not listed, is refused before any work (discovery's
 message names the projection)."""
+
+QKV_OUTPUT_GATES: dict[str, tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]] = {
+    "beam": ((("gate_proj", ("head_dim",)),), ("gate_bias",))}
+"""Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, with the gate's ``Family.head_rows``
+and ``Family.head_vectors``. Beam (``BeamAttention``, transformers 5.24): ``gate = gate_proj(hidden_states)
+.view_as(attn_output) + gate_bias[None, None, :, None]``, ``attn_output * sigmoid(gate)``, with ``attn_output``
+the attention function's ``[batch, seq, heads, head_dim]``: head h's gate is rows ``h * head_dim ..`` of
+``gate_proj`` (hidden -> heads x head_dim) plus ``gate_bias[h]`` (one value per head, broadcast over its
+features), and multiplies head h's output only."""
 
 OUTPUT_GATES_REFUSED: dict[str, str] = {
     "hy_v4": "its gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "

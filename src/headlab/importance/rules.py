@@ -40,7 +40,9 @@ The other rules become ordinary backward passes once the right factors are detac
   them: a per-feature weight of the heads' outputs, so all of ``R(v)`` flows back through the values
   (as LXT's CP-LRP variant, after Ali et al. 2022, holds a gate constant: its ``cp_gated_mlp_forward``
   stops the gradient through it; AttnLRP's uniform product rule would send half of ``R`` to the gate,
-  which headlab detaches with the query, and lose it).
+  which headlab detaches with the query, and lose it). Beam's gate from a projection of its own
+  (``sigmoid(gate_proj(x) + gate_bias)``, ``adapters.families.QKV_OUTPUT_GATES``) is held constant
+  likewise: ``gate_proj``'s output is detached.
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -61,6 +63,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
+from headlab.surgery import head_row_modules
 
 __all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "norm_rule", "relevance", "routed_experts"]
 
@@ -229,7 +232,7 @@ def check_rules(model: nn.Module) -> None:
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
             continue
-        rows = [path for path, _ in block.family.head_rows]
+        rows = [path for path, _ in block.family.head_rows] if block.q is None else []  # else an output gate's
         latent = next((path for path in rows if path.endswith("kv_b_proj")), rows[-1] if rows else None) or \
             ("kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None)  # listed or not
         gates = OUTPUT_GATES.get(block.family.name.split(":", 1)[-1], ())
@@ -609,6 +612,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 # with a query gate (family.query_gate) the gate is q's output too: held constant with it
                 handles.append(block.q.register_forward_hook(_detach_output))
                 handles.append(block.k.register_forward_hook(_detach_output))
+                # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
+                for module in head_row_modules(block):
+                    handles.append(module.register_forward_hook(_detach_output))
         yield
     finally:
         handles.remove()
