@@ -423,6 +423,9 @@ def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
 
 @pytest.mark.parametrize("family,spec", [
     ("llama", {("dec_self", 0): [0]}),  # 3 query heads over per-head copies of their key/value heads
+    # regression: 2 query heads of different groups over 2 key/value heads; numbered 0 and 1, head 1 read key/value
+    # head 0 in the freshly built model, and the check before loading refused the directory (PruningNotExact)
+    ("llama", {("dec_self", 0): [0, 3]}),
     ("gpt2", {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 1, 2, 3]}),  # fused [q | k | v] Conv1D, a layer emptied
 ])
 def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tmp_path):
@@ -439,6 +442,38 @@ def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tm
     inputs = tiny_inputs(family)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("through", ["transformers", "load_pruned"])
+def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, caplog):
+    """Regression (llama, 4 query heads over 2 key/value heads, heads 0 and 3 pruned): re-saved without
+    headlab_pruning.json, the kept heads were numbered [0, 1] over key/value heads [0, 1], which on the freshly built
+    model pairs head 1 with key/value head 1 (it reads 0): PruningNotExact, the directory did not load. Through
+    pruned_heads.py the config keeps the plan, which names the original heads [1, 2]; from a model loaded by
+    load_pruned (config restored, no plan) the numbering is rebuilt as the weights group it, [0, 2], and said so."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import original_heads, pruning_record
+
+    model = tiny_model("llama")
+    prune_heads(model, {("dec_self", 0): [0, 3]})
+    save_pruned(model, tmp_path / "pruned")
+    if through == "transformers":
+        resaved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
+    else:
+        resaved = load_pruned(tmp_path / "pruned")
+    resaved.save_pretrained(tmp_path / "resaved")
+    assert not (tmp_path / "resaved" / PRUNING_FILE).exists()
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        loaded = load_model(str(tmp_path / "resaved"))
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+    block = attention_blocks(loaded)[0]
+    reconstructed = through == "load_pruned"
+    assert original_heads(block) == (([0, 2] if reconstructed else [1, 2]), 4)
+    assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
+    # saved again by headlab, the record still says the numbering is not the original one
+    assert pruning_record(loaded).get("numbering") == ({"reconstructed": ["dec_self:0"]} if reconstructed else None)
 
 
 @pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),
