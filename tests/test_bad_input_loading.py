@@ -339,6 +339,16 @@ def test_record_of_a_bool_head_count_is_refused(dirs, tmp_path):
         load_pruned(directory)
 
 
+@pytest.mark.parametrize("numbering", ["reconstructed", {"guessed": ["enc_self:0"]}, {"reconstructed": "enc_self:0"}])
+def test_record_of_a_malformed_numbering_is_refused(numbering, dirs, tmp_path):
+    directory = _copy(dirs, "pruned", tmp_path)
+    record = json.loads((directory / PRUNING_FILE).read_text(encoding="utf-8"))
+    record["numbering"] = numbering
+    (directory / PRUNING_FILE).write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(HeadlabError, match="numbering must map"):
+        load_pruned(directory)
+
+
 @pytest.mark.parametrize("name", ["pipeline", "AutoConfig", "PreTrainedModel", "no such class", "__class__"])
 def test_architectures_naming_no_model_class_is_refused_and_never_called(name, dirs, tmp_path, capsys,
                                                                          monkeypatch):
@@ -474,6 +484,33 @@ def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, ca
     assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
     # saved again by headlab, the record still says the numbering is not the original one
     assert pruning_record(loaded).get("numbering") == ({"reconstructed": ["dec_self:0"]} if reconstructed else None)
+    save_pruned(loaded, tmp_path / "again")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        load_pruned(tmp_path / "again")
+    assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 4), (9, 3), (4, 1)])
+def test_reconstructed_numbering_groups_as_every_pruning_does(n_heads, n_kv_heads):
+    """Whatever heads a layer kept, the numbering read off the weights' counts prunes a fresh layer into the same
+    counts (pruning's own rule, surgery._kv_plan), so the check before loading compares like with like. Before, 2 of
+    8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
+    from itertools import combinations
+    from types import SimpleNamespace
+
+    from headlab.checkpoint import _kept_reconstructed
+    from headlab.surgery import _kv_plan
+
+    block = SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
+    for n in range(n_heads):
+        for kept in combinations(range(n_heads), n):
+            kv_kept, _ = _kv_plan(block, list(kept))
+            found = _kept_reconstructed(n_heads, n_kv_heads, n, len(kv_kept))
+            assert found is not None, kept
+            assert _kv_plan(block, found[0])[0] == found[1] and len(found[1]) == len(kv_kept), (kept, found)
+    assert _kept_reconstructed(4, 2, 2, 2) == ([0, 2], [0, 1])
+    assert _kept_reconstructed(4, 2, 4, 4) is None  # every query head kept: key/value heads are never copied
 
 
 @pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),

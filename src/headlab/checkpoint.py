@@ -319,6 +319,11 @@ def validate_record(record, source: str | Path) -> None:
     model (its head counts) and its weights is checked when the record is applied."""
     if not isinstance(record, dict) or not isinstance(record.get("blocks"), dict):
         raise HeadlabError(f"{source}: malformed pruning record (expected an object with \"blocks\")")
+    numbering = record.get("numbering", {})
+    if not (isinstance(numbering, dict) and set(numbering) <= {"original", "reconstructed"}
+            and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in numbering.values())):
+        raise HeadlabError(f"{source}: numbering must map \"original\" or \"reconstructed\" to lists of blocks "
+                           f"(\"dec_self:0\"), found {numbering!r}")
     for kind, layers in record["blocks"].items():
         if kind not in KINDS or not isinstance(layers, dict):
             raise HeadlabError(f"{source}: blocks: {kind!r} is not an attention kind ({', '.join(KINDS)}) "

@@ -34,8 +34,8 @@ from headlab.checkpoint import (
     tensor_shapes,
 )
 from headlab.errors import HeadlabError
-from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 from headlab.portable import PLAN_KEY
+from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
 __all__ = ["load_config", "load_model", "build_from_config", "check_supported", "load_tokenizer", "model_class_for",
            "vocab_size_of", "check_tokenizer_fits", "resolve_dtype", "check_device", "DTYPES",

@@ -756,7 +756,10 @@ def pruning_plan(model: nn.Module) -> dict:
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
-    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``)."""
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``kept``
+    (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
+    pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
+    :func:`headlab.checkpoint.record_from_weights` reads it)."""
     names = {id(module): name for name, module in model.named_modules()}
     plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
     for block in attention_blocks(model):
