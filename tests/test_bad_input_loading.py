@@ -454,7 +454,7 @@ def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tm
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("through", ["transformers", "load_pruned"])
+@pytest.mark.parametrize("through", ["transformers", "load_pruned", "transformers-plan-not-grouping"])
 def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, caplog):
     """Regression (llama, 4 query heads over 2 key/value heads, heads 0 and 3 pruned): re-saved without
     headlab_pruning.json, the kept heads were numbered [0, 1] over key/value heads [0, 1], which on the freshly built
@@ -467,19 +467,25 @@ def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, ca
     model = tiny_model("llama")
     prune_heads(model, {("dec_self", 0): [0, 3]})
     save_pruned(model, tmp_path / "pruned")
-    if through == "transformers":
+    if through.startswith("transformers"):
         resaved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
     else:
         resaved = load_pruned(tmp_path / "pruned")
     resaved.save_pretrained(tmp_path / "resaved")
     assert not (tmp_path / "resaved" / PRUNING_FILE).exists()
+    config = json.loads((tmp_path / "resaved" / "config.json").read_text(encoding="utf-8"))
+    if through == "transformers":
+        assert config["headlab_pruned"]["kept"] == {"model.layers.0.self_attn": [[1, 2], [0, 1], 4]}
+    elif through == "transformers-plan-not-grouping":  # an edited plan pruning would not give: not used
+        config["headlab_pruned"]["kept"]["model.layers.0.self_attn"] = [[0, 1], [0, 1], 4]
+        (tmp_path / "resaved" / "config.json").write_text(json.dumps(config), encoding="utf-8")
     with caplog.at_level("WARNING", logger="headlab.surgery"):
         loaded = load_model(str(tmp_path / "resaved"))
     inputs = tiny_inputs("llama")
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
     block = attention_blocks(loaded)[0]
-    reconstructed = through == "load_pruned"
+    reconstructed = through != "transformers"
     assert original_heads(block) == (([0, 2] if reconstructed else [1, 2]), 4)
     assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
     # saved again by headlab, the record still says the numbering is not the original one
