@@ -339,6 +339,16 @@ def test_record_of_a_bool_head_count_is_refused(dirs, tmp_path):
         load_pruned(directory)
 
 
+@pytest.mark.parametrize("numbering", ["reconstructed", {"guessed": ["enc_self:0"]}, {"reconstructed": "enc_self:0"}])
+def test_record_of_a_malformed_numbering_is_refused(numbering, dirs, tmp_path):
+    directory = _copy(dirs, "pruned", tmp_path)
+    record = json.loads((directory / PRUNING_FILE).read_text(encoding="utf-8"))
+    record["numbering"] = numbering
+    (directory / PRUNING_FILE).write_text(json.dumps(record), encoding="utf-8")
+    with pytest.raises(HeadlabError, match="numbering must map"):
+        load_pruned(directory)
+
+
 @pytest.mark.parametrize("name", ["pipeline", "AutoConfig", "PreTrainedModel", "no such class", "__class__"])
 def test_architectures_naming_no_model_class_is_refused_and_never_called(name, dirs, tmp_path, capsys,
                                                                          monkeypatch):
@@ -423,6 +433,9 @@ def test_every_from_pretrained_in_headlab_passes_trust_remote_code():
 
 @pytest.mark.parametrize("family,spec", [
     ("llama", {("dec_self", 0): [0]}),  # 3 query heads over per-head copies of their key/value heads
+    # regression: 2 query heads of different groups over 2 key/value heads; numbered 0 and 1, head 1 read key/value
+    # head 0 in the freshly built model, and the check before loading refused the directory (PruningNotExact)
+    ("llama", {("dec_self", 0): [0, 3]}),
     ("gpt2", {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 1, 2, 3]}),  # fused [q | k | v] Conv1D, a layer emptied
 ])
 def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tmp_path):
@@ -439,6 +452,71 @@ def test_resaved_without_record_reads_grouped_and_fused_layouts(family, spec, tm
     inputs = tiny_inputs(family)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("through", ["transformers", "load_pruned", "transformers-plan-not-grouping"])
+def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, caplog):
+    """Regression (llama, 4 query heads over 2 key/value heads, heads 0 and 3 pruned): re-saved without
+    headlab_pruning.json, the kept heads were numbered [0, 1] over key/value heads [0, 1], which on the freshly built
+    model pairs head 1 with key/value head 1 (it reads 0): PruningNotExact, the directory did not load. Through
+    pruned_heads.py the config keeps the plan, which names the original heads [1, 2]; from a model loaded by
+    load_pruned (config restored, no plan) the numbering is rebuilt as the weights group it, [0, 2], and said so."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import original_heads, pruning_record
+
+    model = tiny_model("llama")
+    prune_heads(model, {("dec_self", 0): [0, 3]})
+    save_pruned(model, tmp_path / "pruned")
+    if through.startswith("transformers"):
+        resaved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
+    else:
+        resaved = load_pruned(tmp_path / "pruned")
+    resaved.save_pretrained(tmp_path / "resaved")
+    assert not (tmp_path / "resaved" / PRUNING_FILE).exists()
+    config = json.loads((tmp_path / "resaved" / "config.json").read_text(encoding="utf-8"))
+    if through == "transformers":
+        assert config["headlab_pruned"]["kept"] == {"model.layers.0.self_attn": [[1, 2], [0, 1], 4]}
+    elif through == "transformers-plan-not-grouping":  # an edited plan pruning would not give: not used
+        config["headlab_pruned"]["kept"]["model.layers.0.self_attn"] = [[0, 1], [0, 1], 4]
+        (tmp_path / "resaved" / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        loaded = load_model(str(tmp_path / "resaved"))
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+    block = attention_blocks(loaded)[0]
+    reconstructed = through != "transformers"
+    assert original_heads(block) == (([0, 2] if reconstructed else [1, 2]), 4)
+    assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
+    # saved again by headlab, the record still says the numbering is not the original one
+    assert pruning_record(loaded).get("numbering") == ({"reconstructed": ["dec_self:0"]} if reconstructed else None)
+    save_pruned(loaded, tmp_path / "again")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        load_pruned(tmp_path / "again")
+    assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 4), (9, 3), (4, 1)])
+def test_reconstructed_numbering_groups_as_every_pruning_does(n_heads, n_kv_heads):
+    """Whatever heads a layer kept, the numbering read off the weights' counts prunes a fresh layer into the same
+    counts (pruning's own rule, surgery._kv_plan), so the check before loading compares like with like. Before, 2 of
+    8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
+    from itertools import combinations
+    from types import SimpleNamespace
+
+    from headlab.checkpoint import _kept_reconstructed
+    from headlab.surgery import _kv_plan
+
+    block = SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
+    for n in range(n_heads):
+        for kept in combinations(range(n_heads), n):
+            kv_kept, _ = _kv_plan(block, list(kept))
+            found = _kept_reconstructed(n_heads, n_kv_heads, n, len(kv_kept))
+            assert found is not None, kept
+            assert _kv_plan(block, found[0])[0] == found[1] and len(found[1]) == len(kv_kept), (kept, found)
+    assert _kept_reconstructed(4, 2, 2, 2) == ([0, 2], [0, 1])
+    assert _kept_reconstructed(4, 2, 4, 4) is None  # every query head kept: key/value heads are never copied
 
 
 @pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),

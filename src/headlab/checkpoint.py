@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -318,6 +319,11 @@ def validate_record(record, source: str | Path) -> None:
     model (its head counts) and its weights is checked when the record is applied."""
     if not isinstance(record, dict) or not isinstance(record.get("blocks"), dict):
         raise HeadlabError(f"{source}: malformed pruning record (expected an object with \"blocks\")")
+    numbering = record.get("numbering", {})
+    if not (isinstance(numbering, dict) and set(numbering) <= {"original", "reconstructed"}
+            and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in numbering.values())):
+        raise HeadlabError(f"{source}: numbering must map \"original\" or \"reconstructed\" to lists of blocks "
+                           f"(\"dec_self:0\"), found {numbering!r}")
     for kind, layers in record["blocks"].items():
         if kind not in KINDS or not isinstance(layers, dict):
             raise HeadlabError(f"{source}: blocks: {kind!r} is not an attention kind ({', '.join(KINDS)}) "
@@ -350,16 +356,86 @@ def _width(shape: tuple[int, ...], module: nn.Module, out: bool) -> int:
     return int(shape[0 if linear == out else 1])
 
 
-def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict | None:
+def _kv_groups(kept: list[int], n_heads: int, n_kv_heads: int) -> tuple[int, int]:
+    """How many query and key/value heads pruning to ``kept`` leaves: the rule of
+    :func:`headlab.surgery._kv_plan` (a key/value head stays while one of its query heads does;
+    groups of unequal sizes get a copy of their key/value head per kept query head)."""
+    if n_heads == n_kv_heads:
+        return len(kept), len(kept)
+    group = n_heads // n_kv_heads
+    counts = Counter(h // group for h in kept)
+    return len(kept), (len(counts) if len(set(counts.values())) <= 1 else len(kept))
+
+
+def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
+    """Kept query heads and key/value heads of a model of ``n_heads`` over ``n_kv_heads`` that
+    pruning turns into ``n_q`` query heads over ``n_kv`` key/value heads, grouped as the weights
+    are; not the original numbering, which the weights do not hold. Equal groups: the first
+    ``n_q / n_kv`` query heads of each of the first ``n_kv`` groups (heads 0 and 1 share key/value
+    head 0 in a model of 4 over 2, so 2 over 2 is [0, 2], never [0, 1], which pruning would leave
+    over 1 key/value head); unequal groups (a key/value head per query head): the fewest heads of
+    group 0 that make the groups unequal, then the next groups filled in order. Each candidate is
+    checked with the rule pruning applies. None when no pruning gives these counts."""
+    if n_heads == n_kv_heads or n_q == 0:
+        return (list(range(n_q)), list(range(n_q))) if n_q == n_kv else None
+    group = n_heads // n_kv_heads
+    candidates = []
+    if n_kv and n_q % n_kv == 0 and n_q // n_kv <= group and n_kv <= n_kv_heads:
+        # equal groups: the first n_q / n_kv query heads of each of the first n_kv groups
+        candidates.append([j * group + i for j in range(n_kv) for i in range(n_q // n_kv)])
+    if n_kv == n_q:  # unequal groups (a copy of a key/value head per query head)
+        for first in range(1, group + 1):
+            rest = n_q - first
+            kept = list(range(first)) + [group + i for i in range(rest)]
+            if rest <= (n_kv_heads - 1) * group:
+                candidates.append(kept)
+    for kept in candidates:
+        if _kv_groups(kept, n_heads, n_kv_heads) == (n_q, n_kv):
+            return kept, _kv_kept(kept, n_heads, n_kv_heads)
+    return None
+
+
+def _kv_kept(kept: list[int], n_heads: int, n_kv_heads: int) -> list[int]:
+    """The key/value heads pruning to ``kept`` keeps (:func:`headlab.surgery._kv_plan`'s list)."""
+    if n_heads == n_kv_heads:
+        return list(kept)
+    group = n_heads // n_kv_heads
+    owners = [h // group for h in kept]
+    counts = Counter(owners)
+    return sorted(counts) if len(set(counts.values())) <= 1 else owners
+
+
+def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
+    """The original numbering that ``config.headlab_pruned`` (the plan save_pruned writes for
+    pruned_heads.py, which a re-save by transformers keeps in config.json) holds for ``block``,
+    if it holds one that fits the weights' counts."""
+    entry = ((plan or {}).get("kept") or {}).get(block.name) if isinstance(plan, dict) else None
+    if not (isinstance(entry, list) and len(entry) == 3):
+        return None
+    kept, kv_kept, n_heads = entry
+    if not (isinstance(kept, list) and isinstance(kv_kept, list) and all(map(_int, [*kept, *kv_kept]))
+            and n_heads == block.n_heads and all(0 <= h < block.n_heads for h in kept) and kept == sorted(set(kept))):
+        return None
+    if len(kv_kept) != n_kv or _kv_groups(kept, block.n_heads, block.n_kv_heads) != (n_q, n_kv) \
+            or kv_kept != _kv_kept(kept, block.n_heads, block.n_kv_heads):
+        return None
+    return list(kept), list(kv_kept)
+
+
+def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], plan: dict | None = None) -> dict | None:
     """A pruning record for an unpruned ``model`` (its config) whose heads the weights' shapes
     say were removed: a pruned directory re-saved by transformers (``save_pretrained`` after
     fine-tuning) without headlab_pruning.json. None when every block has the config's heads.
 
-    The original numbering of the kept heads is not in the weights: each layer's heads are
-    numbered 0..n-1 as they are now.
+    The original numbering of the kept heads is not in the weights. Where ``plan`` (the config's
+    ``headlab_pruned``, kept by a re-save through pruned_heads.py) names the kept heads, they are
+    taken from it; otherwise each layer gets the lowest numbering whose key/value groups are the
+    weights' (:func:`_kept_reconstructed`), and the record says so under ``"numbering"``:
+    ``{"reconstructed": ["dec_self:0", ...]}`` (``"original"``: the layers numbered from the plan).
     """
     names = {id(module): name for name, module in model.named_modules()}
     blocks: dict[str, dict] = {}
+    numbering: dict[str, list[str]] = {"original": [], "reconstructed": []}
     for block in attention_blocks(model):
         o_weight = f"{names[id(block.o)]}.weight"
         kv_module = block.k if block.k is not None else block.qkv
@@ -382,10 +458,14 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]]) ->
             continue  # not a pruned shape: check_fits_weights names the tensor
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
             continue
-        if n_kv > block.n_kv_heads:  # a copy of its key/value head per kept query head
-            kv_kept = [j * block.n_kv_heads // n_kv for j in range(n_kv)]
-        else:
-            kv_kept = list(range(n_kv))
+        found = _kept_from_plan(plan, block, n_q, n_kv)
+        how = "original" if found else "reconstructed"
+        found = found or _kept_reconstructed(block.n_heads, block.n_kv_heads, n_q, n_kv)
+        if found is None:
+            continue  # no pruning gives these counts: check_fits_weights names the tensor
+        numbering[how].append(f"{block.kind}:{block.layer}")
         blocks.setdefault(block.kind, {})[str(block.layer)] = {
-            "n_heads": block.n_heads, "kept_heads": list(range(n_q)), "kept_kv_heads": kv_kept}
-    return {"blocks": blocks} if blocks else None
+            "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
+    if not blocks:
+        return None
+    return {"blocks": blocks, "numbering": {how: keys for how, keys in numbering.items() if keys}}

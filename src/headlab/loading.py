@@ -34,6 +34,7 @@ from headlab.checkpoint import (
     tensor_shapes,
 )
 from headlab.errors import HeadlabError
+from headlab.portable import PLAN_KEY
 from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
 __all__ = ["load_config", "load_model", "build_from_config", "check_supported", "load_tokenizer", "model_class_for",
@@ -188,7 +189,9 @@ def _quiet_load_report():
 
 
 def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
-    record = record_from_weights(structure, shapes)
+    # a re-save through pruned_heads.py keeps the plan, which names the kept heads in their original numbering
+    plan = getattr(getattr(structure, "config", None), PLAN_KEY, None)
+    record = record_from_weights(structure, shapes, plan if isinstance(plan, dict) else None)
     return None if record is None else {"format": FORMAT_VERSION, **record}
 
 

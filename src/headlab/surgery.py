@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import re
 import types
@@ -44,6 +45,9 @@ FORMAT_VERSION = 1
 # Attributes on an attention core that record what pruning kept, in original numbering.
 # (KEPT_ATTR and ORIGINAL_ATTR are headlab.portable_code's: its ALiBi hook reads them.)
 KV_KEPT_ATTR = "_headlab_kept_kv_heads"
+# On the model: {"reconstructed": ["dec_self:0", ...]} where its kept heads' numbering was not the original one
+# (read off a re-saved directory's weights, checkpoint.record_from_weights); written on in its pruning record.
+NUMBERING_ATTR = "_headlab_numbering"
 
 
 # -- slicing -------------------------------------------------------------------------------
@@ -488,7 +492,8 @@ def pruning_record(model: nn.Module) -> dict:
             "kept_heads": list(kept),
             "kept_kv_heads": list(getattr(block.core, KV_KEPT_ATTR)),
         }
-    return {"format": FORMAT_VERSION, "blocks": blocks}
+    numbering = model.__dict__.get(NUMBERING_ATTR)
+    return {"format": FORMAT_VERSION, "blocks": blocks, **({"numbering": numbering} if numbering else {})}
 
 
 def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNING_FILE) -> None:
@@ -767,7 +772,10 @@ def pruning_plan(model: nn.Module) -> dict:
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
-    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``)."""
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``kept``
+    (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
+    pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
+    :func:`headlab.checkpoint.record_from_weights` reads it)."""
     names = {id(module): name for name, module in model.named_modules()}
     plan: dict = {"projections": {}, "attributes": {}, "no_head": {}}
     for block in attention_blocks(model):
@@ -791,6 +799,9 @@ def pruning_plan(model: nn.Module) -> dict:
                 attrs[name] = int(getattr(core, name))
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
+        # pruned_heads.py does not read it: a directory re-saved through it keeps the original numbering in config.json
+        plan.setdefault("kept", {})[block.name] = [list(getattr(core, KEPT_ATTR)),
+                                                    list(getattr(core, KV_KEPT_ATTR)), int(getattr(core, ORIGINAL_ATTR))]
         if isinstance(core, ZeroHeadAttention):
             entry = [core.o_name, core.n_outputs, core.d_head]
             if core.residual or core.norm or core.selection:
@@ -894,6 +905,13 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     ]
     checkpoint.check_complete(path, untied, unexpected)
     _check_loaded(model, path)
+    reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
+    if reconstructed:
+        model.__dict__[NUMBERING_ATTR] = {"reconstructed": list(reconstructed)}
+        logging.getLogger(__name__).warning(
+            "%s: the original numbering of the kept heads of %s is not in the weights; they are numbered as pruning "
+            "groups them (query heads over their key/value heads), not as in the model they were pruned from",
+            path, ", ".join(map(str, reconstructed)))
     return model.eval()
 
 
