@@ -18,8 +18,9 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 * ``prune``: :func:`headlab.prune_heads` equals masking (or is refused with a HeadlabError);
 * ``lrp`` (decoder-only and encoder-only): :func:`headlab.importance.rules.check_rules` refuses, or
   the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves);
-  with final logit soft-capping (``cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat) the relevance
-  sums to ``z``, every share scaled by the same factor, which the per-layer normalised scores cancel.
+  with final logit soft-capping (``y = cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat, Beam) the
+  capped logit ``y``'s relevance sums to ``z * (1 - tanh(z / cap) ** 2)`` (neither ``z`` nor ``y``):
+  ``z``'s relevance, every share scaled by ``dy/dz``. compute_lrp explains ``z`` itself, the LM head's output.
 
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
@@ -437,7 +438,7 @@ def check_lrp(model, blocks) -> str | None:
     total = (seen[0].detach() * grad).sum().item()
     want = out[0, -1, target].item()
     cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:  # logit = cap * tanh(z / cap): relevance conserves z, every share scaled by one factor (tanh')
+    if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2
         z = cap * math.atanh(want / cap)
         want = z * (1 - math.tanh(z / cap) ** 2)
     if abs(total - want) > 1e-4 * abs(want) + 1e-5:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from headlab import attention_blocks
 from headlab.cli import main
 from headlab.errors import HeadlabError, RunFailed
 from headlab.importance import (
@@ -89,6 +90,17 @@ def test_each_normalisation_rule_conserves_layer_to_layer(family):
             grads = torch.autograd.grad(y, list(out.hidden_states))
             totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
     np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-9)
+
+
+def test_a_soft_capped_logit_gets_the_relevance_of_the_logit_before_capping_times_the_caps_slope():
+    """Gemma 2's final soft-capping y = 30 tanh(z / 30) follows the LM head: z, the logit LRP explains, keeps
+    its whole relevance, and y's is z's scaled by dy/dz (tests/support/family_matrix.check_lrp_conserves)."""
+    from support.family_matrix import check_lrp_conserves
+
+    model = tiny_lrp_model("gemma2", biases=False, dtype=torch.float64)
+    assert model.config.final_logit_softcapping == 30
+    attention_blocks(model)  # the blocks read: their probe pass is not the pass checked
+    check_lrp_conserves(model, model.model.layers[0])
 
 
 class ScaleNorm(torch.nn.Module):

@@ -348,10 +348,19 @@ def test_beam_pruning_slices_the_gate_generates_as_masked_and_reloads(tmp_path):
 def test_beam_lrp_holds_the_gate_constant_and_conserves():
     """LRP: gate_proj's output is detached with the query and key projections (the gate a per-feature weight of
     the heads' outputs, as Qwen3-Next's), so relevance is conserved; not detached, part of it leaks into the gate.
-    Dense MLPs: LRP refuses BeamExperts (its own _apply_gate) before any work."""
+    Dense MLPs: LRP refuses BeamExperts (its own _apply_gate) before any work. Beam's default final logit
+    soft-capping (y = 30 tanh(z / 30)) stays on: the relevance of z, the logit compute_lrp explains, sums to z, and
+    y's to z (1 - tanh(z / 30)^2) (before, the cap was turned off here: y's relevance, 3.395, is not y, 3.425)."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
     from support.family_matrix import check_lrp_conserves
 
-    model = build_beam(attn_implementation="eager", mlp_layer_types=["dense", "dense"], final_logit_softcapping=None)
+    model = build_beam(attn_implementation="eager", mlp_layer_types=["dense", "dense"])
+    assert model.config.final_logit_softcapping == 30
+    data = ImportanceData.from_ids([[5, 17, 33, 8, 1], [9, 61, 4, 27, 44, 12, 1]])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    # float64, but Beam's MLP computes act(gate) * up in float32 (its .float()): within 1e-5, not 1e-12
+    assert record["n_outside"] == 0 and abs(record["with_biases"]["min"] - 1) < 1e-5
+    assert abs(record["with_biases"]["max"] - 1) < 1e-5
     attention_blocks(model)  # the blocks read: their probe pass is not the pass checked
     check_lrp_conserves(model, model.model.layers[0])
 

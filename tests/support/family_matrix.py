@@ -410,7 +410,11 @@ def check_pruning_equals_masking(model, kind: str, inputs: dict, atol: float = 1
 def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = True) -> int:
     """On a bias-free copy (``unit_gain``: Linear weights redrawn at unit gain, so that no branch is
     too small to count) the LRP rules conserve relevance exactly (importance/rules.py): what reaches
-    ``first_layer``'s input sums to the explained logit. The number of calls of ``first_layer`` back."""
+    ``first_layer``'s input sums to the explained logit ``z``, the LM head's output (what
+    compute_lrp explains). With final logit soft-capping (``y = cap * tanh(z / cap)``: Gemma 2,
+    Beam) the capped logit's relevance is checked too: the chain rule scales every share of ``z`` by
+    ``dy/dz = 1 - tanh(z / cap) ** 2``, so it sums to ``z * (1 - tanh(z / cap) ** 2)``, neither ``z``
+    nor ``y``. The number of calls of ``first_layer`` back."""
     from headlab.capture import eager_attention
     from headlab.importance.rules import lrp_rules
 
@@ -422,18 +426,27 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.normal_(0, module.in_features ** -0.5)
-    seen = []
-    handle = first_layer.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    seen, heads = [], []
+    handles = [first_layer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True),
+        model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]
+    cap = getattr(model.config, "final_logit_softcapping", None)
     try:
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
             out = model(**tiny_inputs(batch=1)).logits
             target = out[0, -1].argmax()
-            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+            z = heads[-1][0, -1, target]
+            grad, = torch.autograd.grad(z, seen[0], retain_graph=bool(cap))
+            capped, = torch.autograd.grad(out[0, -1, target], seen[0]) if cap else (None,)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     total = (seen[0].detach() * grad).sum()
-    torch.testing.assert_close(total, out[0, -1, target].detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(total, z.detach(), rtol=1e-4, atol=1e-5)
+    if cap:
+        z = z.detach().double()
+        torch.testing.assert_close((seen[0].detach() * capped).sum().double(),
+                                   z * (1 - torch.tanh(z / cap) ** 2), rtol=1e-4, atol=1e-5)
     return len(seen)
 
 
