@@ -17,17 +17,15 @@ tests/test_unequal_head_sizes.py, the sinks sliced there too).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from support.family_matrix import (
     check_lrp_conserves,
     check_pruned_generates_as_masked,
-    greedy_generation,
+    check_pruned_reloads,
     padded_inputs,
     padded_logits,
     perturbed_model,
@@ -117,17 +115,7 @@ def test_per_head_sinks_pruned_equal_masking_generate_and_reload(family, spec_na
         elif _has_sinks(family, layer):
             assert torch.equal(attention.sinks.detach(), SINKS[layer, kept])
 
-    save_pruned(model, tmp_path)
-    record = json.loads((tmp_path / "headlab_pruning.json").read_text())
-    assert record["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
-    plain, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    plain.eval()
-    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
-    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, expected_tokens)
 
 
 @pytest.mark.parametrize("family", SINK_FAMILIES)

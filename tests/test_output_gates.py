@@ -33,6 +33,7 @@ from support.family_matrix import (
     check_capture_equals_output_attentions,
     check_gates_at_one_change_nothing,
     check_masking_equals_zeroed_values,
+    check_pruned_reloads,
     logits,
     tiny_inputs,
 )
@@ -313,12 +314,9 @@ def test_beam_pruning_slices_the_gate_generates_as_masked_and_reloads(tmp_path):
     """Layer 0 emptied, layer 1 loses heads 0 and 3 (one per key/value head: uneven groups): gate_proj keeps the kept
     heads' rows, gate_bias their entries; the pruned model equals the masked one on padded rows and in cached
     generation, and reloads (load_pruned, and plain transformers), every weight loaded."""
-    import json
 
-    import transformers as tf
 
-    from headlab import load_pruned, save_pruned
-    from support.family_matrix import check_pruned_generates_as_masked, greedy_generation, padded_inputs, padded_logits
+    from support.family_matrix import check_pruned_generates_as_masked, padded_inputs
 
     model = build_beam()
     attention = _beam_attention(model, 1)
@@ -333,16 +331,7 @@ def test_beam_pruning_slices_the_gate_generates_as_masked_and_reloads(tmp_path):
     for name in ("q_norm.weight", "k_norm.weight"):
         assert torch.equal(dict(attention.named_parameters())[name], before[name])
 
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == [0, 2]
-    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
-    plain, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    plain.eval()
-    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
-    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+    check_pruned_reloads(model, tmp_path, [0, 2], ids, mask, expected, expected_tokens)
 
 
 def test_beam_lrp_holds_the_gate_constant_and_conserves():

@@ -21,13 +21,13 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention, load_pruned, save_pruned
+from headlab import attention_blocks, capture_attention, save_pruned
 from support.family_matrix import (
     check_gates_at_one_change_nothing,
     check_lrp_conserves,
     check_masking_equals_zeroed_values,
     check_pruned_generates_as_masked,
-    greedy_generation,
+    check_pruned_reloads,
     padded_inputs,
     padded_logits,
     perturbed_model,
@@ -107,17 +107,7 @@ def test_pruned_equals_masked_generates_and_reloads(spec_name, tmp_path):
         if layer == 1:
             assert torch.equal(attention.sinks.detach(), SINKS[kept])
 
-    save_pruned(model, tmp_path)
-    record = json.loads((tmp_path / "headlab_pruning.json").read_text())
-    assert record["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
-    plain, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    plain.eval()
-    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
-    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, expected_tokens)
 
 
 def test_resaved_by_transformers_without_record_reads_the_heads_off_the_weights(tmp_path):

@@ -297,6 +297,31 @@ def check_pruned_generates_as_masked(model, spec: dict, heads_left: list[int], i
     return expected, expected_tokens
 
 
+def check_pruned_reloads(model, directory, heads_left: list[int], ids: torch.Tensor, mask: torch.Tensor,
+                         expected: torch.Tensor, expected_tokens: torch.Tensor) -> dict:
+    """Saves the pruned ``model`` to ``directory`` (portable by remote code), and checks that ``load_pruned``
+    gives its logits and plain transformers (``trust_remote_code``, every weight loaded, none reshaped) the
+    masked model's logits and generated tokens (:func:`check_pruned_generates_as_masked`'s). The record back."""
+    import json
+
+    import transformers as tf
+
+    from headlab import attention_blocks, load_pruned, save_pruned
+
+    save_pruned(model, directory)
+    record = json.loads((directory / "headlab_pruning.json").read_text())
+    assert record["portable"]["how"] == "remote code"
+    reloaded = load_pruned(directory)
+    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
+    assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
+    plain, info = tf.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    plain.eval()
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=1e-5, rtol=0)
+    assert torch.equal(greedy_generation(plain, ids, mask)[0], expected_tokens)
+    return record
+
+
 # -- checks the family test files share (tests/test_more_families.py, test_discovered_families.py,
 # test_shared_layers.py); each takes the model builder or model and the family's own references.
 
