@@ -275,6 +275,24 @@ class PrunedModel(_BASE):
         check_loading_info(info, BASE_CLASS)
         return (model, info) if wants_info else model
 
+    def load_adapter(self, peft_model_id=None, adapter_name=None, *args, **kwargs):
+        """transformers' loading of a PEFT adapter, refused (and the adapter taken off again) when it left an
+        adapter weight at its initialisation or one of the adapter's file unused: transformers only logs
+        those, and under ``ignore_mismatched_sizes=True`` initialises anew the weights of another shape,
+        as an adapter made on the unpruned model has (its q/k/v rows, its output projection's columns)."""
+        name = adapter_name or "default"
+        new = name not in (getattr(self, "peft_config", None) or {})  # else hotswapped: the old one stays
+        kwargs["ignore_mismatched_sizes"] = True  # the shapes reported, not raised with a pointer to a log
+        info = super().load_adapter(peft_model_id, adapter_name, *args, **kwargs)
+        try:
+            check_loading_info({key: getattr(info, key, None) for key in
+                                ("missing_keys", "unexpected_keys", "mismatched_keys")}, BASE_CLASS, "adapter")
+        except RuntimeError:
+            if new:
+                _take_off_adapter(self, name)
+            raise
+        return info
+
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """transformers drops the keys its ignore lists (``_keys_to_ignore_on_load_missing`` /
         ``_unexpected``) match from the loading report; never a weight of a projection headlab resized:
@@ -293,16 +311,31 @@ class PrunedModel(_BASE):
             setattr(loading_info, name, set(getattr(loading_info, name)) | keys)
 
 
-def check_loading_info(info: dict, base_class: str) -> None:
-    """Raise when ``info`` (``from_pretrained``'s ``output_loading_info``) names a weight left newly
-    initialised (missing; of another shape, under ``ignore_mismatched_sizes=True``) or one of the
-    checkpoint not loaded (unexpected)."""
+def _take_off_adapter(model: nn.Module, name: str) -> None:
+    """What transformers' ``delete_adapter`` does, which refuses a peft older than 0.22 (0.21 loads adapters)."""
+    from peft.functional import delete_adapter  # there: load_adapter has just used peft
+
+    delete_adapter(model, adapter_name=name, prefix=f"{model.peft_config[name].peft_type.value.lower()}_")
+    model.peft_config.pop(name, None)
+    if not model.peft_config:
+        del model.peft_config
+        model._hf_peft_config_loaded = False
+
+
+def check_loading_info(info: dict, base_class: str, adapter: str = "") -> None:
+    """Raise when ``info`` (``from_pretrained``'s ``output_loading_info``; ``load_adapter``'s, with
+    ``adapter``) names a weight left newly initialised (missing; of another shape, under
+    ``ignore_mismatched_sizes=True``) or one of the checkpoint not loaded (unexpected)."""
     mismatched = [f"{key} {tuple(old)} in the checkpoint, {tuple(new)} in the model"
                   for key, old, new in info.get("mismatched_keys") or ()]
     problems = [f"{what} {found}" for found, what in (
         (sorted(info.get("missing_keys") or ()), "newly initialised (missing from the checkpoint):"),
         (sorted(mismatched), "newly initialised (another shape):"),
         (sorted(info.get("unexpected_keys") or ()), "in the checkpoint but not loaded:")) if found]
+    if problems and adapter:
+        raise RuntimeError(f"pruned_heads.py: the {adapter} does not fit the pruned {base_class}; weights "
+                           f"{'; '.join(problems)}. An adapter made on the unpruned model (or another pruning) "
+                           "has other shapes where heads were removed: train it on the pruned model.")
     if problems:
         raise RuntimeError(f"pruned_heads.py: this transformers ({transformers.__version__}) did not load the "
                            f"pruned {base_class} exactly; weights {'; '.join(problems)}. Load it with "

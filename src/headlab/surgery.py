@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, qkv_columns
+from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, peft_layer, qkv_columns
 from headlab.adapters.families import HEAD_PARAMETERS_REFUSED, QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
@@ -835,6 +835,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
+    _refuse_peft(model)
     record = pruning_record(model)
     if record["blocks"] and model.__dict__.get(VERIFIED_ATTR) != record["blocks"]:
         raise PruningNotExact(
@@ -845,6 +846,20 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
     readable_as_umask_allows(path)
     return path
+
+
+def _refuse_peft(model: nn.Module) -> None:
+    """save_pruned writes a model that transformers and load_pruned rebuild from its config: a PEFT
+    adapter attached to it would be written as weights of no such model (``base_layer``, ``lora_A``...:
+    refused at every load), and a ``PeftModel`` saves the adapter alone."""
+    wrapped = [name for name, module in model.named_modules() if peft_layer(module)]
+    if not wrapped and not type(model).__module__.startswith("peft."):
+        return
+    where = f" ({counted(len(wrapped), 'adapter layer')}: {', '.join(wrapped[:3])}{', ...' if len(wrapped) > 3 else ''})"
+    raise HeadlabError(
+        f"{type(model).__name__}: carries a PEFT adapter{where if wrapped else ''}; save_pruned writes the model "
+        "alone, nothing written. Merge the adapter into the weights to save the adapted model (peft's "
+        "merge_and_unload()), or save the adapter with its own save_pretrained and the model after unload()")
 
 
 def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, trust_remote_code: bool = False,

@@ -114,13 +114,31 @@ class AttentionBlock:
         )
 
 
+PEFT_REFUSED = ("headlab reads, masks and prunes the plain projections, and the adapter's own weights "
+                "(lora_A/lora_B...) would be left out or cut to the wrong heads. Merge the adapter into the "
+                "weights first (peft's merge_and_unload()), or attach it after pruning")
+
+
+def peft_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA, IA³...: peft's ``BaseTunerLayer``) wrapping ``module.base_layer``, told
+    without importing peft (an optional package)."""
+    return type(module).__module__.startswith("peft.") and isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+def _unreadable(module: nn.Module, what: str) -> HeadlabError:
+    if peft_layer(module):
+        return HeadlabError(f"a PEFT adapter layer ({type(module).__module__}.{type(module).__name__}) wraps an "
+                            f"attention projection: {PEFT_REFUSED}")
+    return HeadlabError(f"cannot read the {what} width of {type(module).__name__}")
+
+
 def out_features(module: nn.Module) -> int:
     """Output width of a Linear or of transformers' Conv1D (whose weight is [in, out])."""
     if isinstance(module, nn.Linear):
         return module.out_features
     if hasattr(module, "nf"):
         return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
-    raise HeadlabError(f"cannot read the output width of {type(module).__name__}")
+    raise _unreadable(module, "output")
 
 
 def in_features(module: nn.Module) -> int:
@@ -128,7 +146,16 @@ def in_features(module: nn.Module) -> int:
         return module.in_features
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
         return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
-    raise HeadlabError(f"cannot read the input width of {type(module).__name__}")
+    raise _unreadable(module, "input")
+
+
+def _check_no_peft_layer(name: str, module: nn.Module) -> None:
+    """An attention module holds no PEFT tuner layer: its q/k/v/output projections (and gates) are what
+    headlab slices per head, masks at the output projection's input and reads for LRP and the norms."""
+    for path, child in module.named_modules():
+        if peft_layer(child):
+            raise HeadlabError(f"{name}.{path}: a PEFT adapter layer ({type(child).__module__}."
+                               f"{type(child).__name__}) wraps it: {PEFT_REFUSED}")
 
 
 def qkv_columns(layout: str, n_heads: int, n_kv_heads: int, d_head: int,
@@ -621,6 +648,8 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                "q/k/v/o, q_lin/k_lin/v_lin/out_lin and self.query/key/value with output.dense). "
                "Add an entry for it to headlab.adapters.families.FAMILIES.")
         )
+    for candidate in candidates:
+        _check_no_peft_layer(candidate[2], candidate[3])
     blocks = [_make_block(*candidate) for candidate in candidates]
     for block in blocks:
         if block.n_heads:
@@ -673,6 +702,7 @@ def _shared_blocks(model: nn.Module, family: Family) -> list[AttentionBlock]:
     blocks = []
     for layer, position in enumerate(order):
         name, module = found[position]
+        _check_no_peft_layer(name, module)
         scope_name = name[:name.index(family.scope)].rstrip(".") if family.scope in name else ""
         block = _make_block(kind, layer, name, module, family)
         blocks.append(dataclasses.replace(block, application=calls.get(position, 0), applications=counts[position],
