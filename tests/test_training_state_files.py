@@ -219,3 +219,13 @@ def test_a_full_disk_under_the_state_writer_names_the_file(tmp_path, monkeypatch
     monkeypatch.setattr(state_files, "save_file", lambda *a, **k: (_ for _ in ()).throw(SafetensorError("boom")))
     with pytest.raises(SafetensorError, match="boom"):  # any other failure stays a bug
         state_files.save_rng(torch.device("cpu"), tmp_path / "rng-0.safetensors")
+
+
+def test_an_optimizer_whose_groups_last_cannot_hold_is_refused_before_any_work(tmp_path, corpus, tokenizer):
+    def factory(params, cfg):
+        return torch.optim.Adam([{"params": params, "tags": {"a", "b"}}], lr=cfg.lr)
+
+    with pytest.raises(HeadlabError, match="param_groups.0.tags is a set"):
+        train(tiny_model(tokenizer), tokenizer, corpus, None, config(tmp_path / "run", max_steps=2),
+              optimizer_factory=factory)
+    assert not (tmp_path / "run").exists()

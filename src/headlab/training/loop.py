@@ -59,6 +59,7 @@ from headlab.training.state_files import (
     OPTIMIZER_FILE,
     load_optimizer,
     load_rng,
+    optimizer_record,
     read_record,
     rng_file,
     save_optimizer,
@@ -391,6 +392,7 @@ def train(
             params, lr=config.lr, betas=cast(tuple[float, float], tuple(config.adam_betas)), eps=config.adam_eps,
             weight_decay=config.weight_decay
         )
+    optimizer_record(optimizer.state_dict())  # an optimizer_factory's groups that last/ cannot hold: refused now
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
              "improved_epoch": None, "history": [], "tokens": 0, "world_size": accelerator.num_processes,
