@@ -2,8 +2,8 @@
 full disk under safetensors' or torch's writer (``prune apply``, ``nmt train``), a damaged resume
 point (``nmt train --resume``, ``prune train --resume``), and ``nmt export``'s ``--to`` (a user's
 files, an earlier export, a directory in use). The full disk is simulated at the writers: a
-``SafetensorError`` as safetensors raises it on ENOSPC, and torch.save's RuntimeError with the
-disk reported full."""
+``SafetensorError`` as safetensors raises it on ENOSPC, under transformers' weights writer or the
+optimizer and RNG states' (headlab.training.state_files)."""
 
 import json
 import os
@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import transformers.modeling_utils
 from safetensors import SafetensorError
 
@@ -35,17 +34,13 @@ def _full_disk_for_safetensors(monkeypatch):
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
 
 
-def _full_disk_for_torch_save(monkeypatch):
-    import headlab.training.loop as trainer
+def _full_disk_for_state_files(monkeypatch):
+    import headlab.training.state_files as state_files
 
-    def save(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 54720 vs 54612")
+    def save_file(*args, **kwargs):
+        raise SafetensorError(ENOSPC_SAFETENSORS)
 
-    class Full:
-        free = 0
-
-    monkeypatch.setattr(trainer.torch, "save", save)
-    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda path: Full())
+    monkeypatch.setattr(state_files, "save_file", save_file)
 
 
 def _contents(directory):
@@ -93,18 +88,19 @@ def _copy(run, to):
     return to
 
 
-@pytest.mark.parametrize("writer", ["safetensors", "torch-save"])
+@pytest.mark.parametrize("writer", ["safetensors", "state-files"])
 def test_full_disk_in_nmt_train(writer, pairs, one_epoch, tmp_path, capsys, monkeypatch):
     """Regression (issue 32 row 8): ENOSPC while nmt train wrote a checkpoint was a traceback
-    (SafetensorError, or torch.save's "unexpected pos" RuntimeError that names no file); now
-    exit 1, the cause, and what is kept: the last checkpoint, whole, and --resume goes on."""
+    (SafetensorError, or torch.save's "unexpected pos" RuntimeError that names no file, when
+    optimizer.pt was written with it); now exit 1, the cause, and what is kept: the last
+    checkpoint, whole, and --resume goes on."""
     run = _copy(one_epoch, tmp_path / "run")
     before = _contents(run)
-    (_full_disk_for_safetensors if writer == "safetensors" else _full_disk_for_torch_save)(monkeypatch)
+    (_full_disk_for_safetensors if writer == "safetensors" else _full_disk_for_state_files)(monkeypatch)
     assert _nmt_train(pairs, run, "--epochs", "2", "--resume") == 1
     err = capsys.readouterr().err
     cause = ("cannot write the weights (safetensors): No space left on device" if writer == "safetensors"
-             else "optimizer.pt: No space left on device")
+             else "optimizer.safetensors: No space left on device")
     assert cause in err and f"the last checkpoint in {run} is kept; add --resume" in err
     assert "Traceback" not in err and "internal error" not in err
     after = _contents(run)
@@ -125,8 +121,9 @@ def _damage(path, how):
 
 
 @pytest.mark.parametrize("name,how", [("trainer_state.json", "truncated"), ("trainer_state.json", "empty"),
-                                      ("optimizer.pt", "truncated"), ("optimizer.pt", "missing"),
-                                      ("model.safetensors", "truncated"), ("rng-0.pt", "truncated")])
+                                      ("optimizer.safetensors", "truncated"), ("optimizer.safetensors", "missing"),
+                                      ("model.safetensors", "truncated"), ("rng-0.safetensors", "truncated"),
+                                      ("rng-0.safetensors", "empty")])
 def test_damaged_resume_state_in_nmt_train(name, how, pairs, one_epoch, tmp_path, capsys):
     """Regression (issue 32 row 8): a truncated or corrupt file in last/ was a JSONDecodeError,
     SafetensorError or PytorchStreamReader traceback; now exit 2 naming the file, nothing changed."""
@@ -165,15 +162,6 @@ def test_damaged_resume_state_in_prune_train(tokenizer, corpus, tmp_path):
     assert error.value.exit_code == 2
     assert _contents(tmp_path / "out") == before
     assert json.loads((tmp_path / "out" / "gates.json").read_text())  # the finished run's results stay
-
-
-def test_torch_save_failure_on_a_disk_with_room_stays_a_bug(tmp_path, monkeypatch):
-    """Only a full disk turns torch.save's RuntimeError into the user's OSError."""
-    import headlab.training.loop as trainer
-
-    monkeypatch.setattr(trainer.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(RuntimeError, match="boom"):
-        trainer._torch_save({"x": torch.zeros(1)}, tmp_path / "x.pt")
 
 
 def test_nmt_export_into_a_users_directory_a_locked_one_and_over_an_earlier_export(one_epoch, tmp_path, capsys):

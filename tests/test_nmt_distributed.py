@@ -64,7 +64,8 @@ def test_two_cpu_processes_end_with_identical_weights(tmp_path):
     assert rank0.keys() == rank1.keys()
     for key in rank0:
         assert torch.equal(rank0[key], rank1[key]), key
-    assert (tmp_path / "run" / "last" / "rng-1.pt").is_file()
+    assert (tmp_path / "run" / "last" / "rng-1.safetensors").is_file()
+    assert not list((tmp_path / "run" / "last").glob("*.pt"))  # no pickle (tests/test_training_state_files.py)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 * :mod:`headlab.training.loop` - :func:`~headlab.training.loop.train` (Accelerate, token-budget
   batches, atomic checkpoints, resume, time limit, early stopping) and the checkpoint helpers;
+* :mod:`headlab.training.state_files` - the resume point's optimizer and RNG states, safetensors
+  with a JSON header (no pickle);
 * :mod:`headlab.training.losses` - the losses it minimises (seq2seq, causal LM, masked LM);
 * :mod:`headlab.training.corpus` - sequence pairs as token ids and their padded batches.
 

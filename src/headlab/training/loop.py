@@ -20,16 +20,19 @@ step; label smoothing 0.1; batches of about ``max_tokens`` target tokens grouped
 
 Checkpoints (all written to a temporary directory first, then renamed into place):
 
-- ``last/``: everything to resume (weights in safetensors, optimizer state and RNG states, the
-  CPU's and on a GPU the GPU's, via ``torch.save`` of tensors/primitives only and loaded with
-  ``weights_only=True``, the loop's position as JSON);
+- ``last/``: everything to resume, none of it a pickle: the weights (``model.safetensors``), the
+  optimizer state (``optimizer.safetensors``) and each rank's RNG states (``rng-<rank>.safetensors``:
+  torch's CPU generator, on a GPU the GPU's, numpy's and python's), the tensors in safetensors and
+  the rest as JSON in its header (:mod:`headlab.training.state_files`), and the loop's position
+  (``trainer_state.json``). A ``last/`` written before that format (``optimizer.pt``,
+  ``rng-<rank>.pt``: ``torch.save`` of tensors and numbers) is still resumed, read with
+  ``torch.load(weights_only=True)``;
 - ``epochs/epoch-NNN/``: the weights after each epoch (loadable with ``from_pretrained``);
 - ``best/``: the weights with the best validation score, plus the tokenizer.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -52,6 +55,17 @@ from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.training.config import TrainConfig
 from headlab.training.corpus import EncodedCorpus, collate_for, encode_corpus
 from headlab.training.losses import label_smoothed_loss
+from headlab.training.state_files import (
+    OPTIMIZER_FILE,
+    load_optimizer,
+    load_rng,
+    optimizer_record,
+    read_record,
+    rng_file,
+    save_optimizer,
+    save_rng,
+    set_rng,
+)
 
 __all__ = [
     "TrainResult",
@@ -114,17 +128,6 @@ def refuse_occupied_output(config: TrainConfig) -> None:
     if has_model(config.out_dir) and not (config.overwrite or config.resume):
         raise HeadlabError(f"{config.out_dir} already holds a model or a training run; pass --overwrite to replace it "
                            "or --resume to continue it")
-
-
-def _torch_save(value, path: Path) -> None:
-    """``torch.save``, whose failure on a full disk is a RuntimeError naming no file and no cause
-    ("unexpected pos 54720 vs 54612"): when the disk is (nearly) full, the OSError it is."""
-    try:
-        torch.save(value, path)
-    except RuntimeError as error:
-        if shutil.disk_usage(path.parent).free < 1 << 20:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
-        raise
 
 
 def _save_weights(model, directory: Path) -> None:
@@ -220,9 +223,9 @@ def _resume_file(path: Path, load: Callable[[Path], Any]) -> Any:
 
 def check_resume_point(out_dir: str | Path) -> None:
     """Refuse (exit 2, naming the file) a resume point whose files are damaged, before a caller
-    writes anything: trainer_state.json parsed, the weights' header read, each ``.pt`` file's zip
-    directory read (a truncated one has none). Cheap: no tensor is loaded; the trainer's loads
-    check the rest."""
+    writes anything: trainer_state.json parsed, the safetensors headers read (the optimizer's and
+    the RNG's records parsed), a legacy ``.pt`` file's zip directory read (a truncated one has none).
+    Cheap: no tensor is loaded; the trainer's loads check the rest."""
     directory = _resume_dir(Path(out_dir))
     if directory is None:
         return
@@ -235,8 +238,36 @@ def check_resume_point(out_dir: str | Path) -> None:
             weights.keys()
 
     _resume_file(directory / WEIGHTS_FILE, header)
-    for name in ("optimizer.pt", *sorted(p.name for p in directory.glob("rng-*.pt"))):
-        _resume_file(directory / name, lambda path: zipfile.ZipFile(path).close())
+    _resume_file(_optimizer_file(directory), _check_state_file)
+    for path in sorted(directory.glob("rng-*.safetensors")) + sorted(directory.glob("rng-*.pt")):
+        _resume_file(path, _check_state_file)
+
+
+def _optimizer_file(directory: Path) -> Path:
+    """``optimizer.safetensors``, or a legacy checkpoint's ``optimizer.pt`` when only that is there."""
+    legacy = directory / "optimizer.pt"
+    return legacy if legacy.is_file() and not (directory / OPTIMIZER_FILE).exists() else directory / OPTIMIZER_FILE
+
+
+def _rng_file(directory: Path, rank: int) -> Path | None:
+    """This rank's RNG states: ``rng-<rank>.safetensors``, a legacy ``rng-<rank>.pt``, or None."""
+    for path in (directory / rng_file(rank), directory / f"rng-{rank}.pt"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _check_state_file(path: Path) -> None:
+    if path.suffix == ".pt":
+        zipfile.ZipFile(path).close()
+    else:
+        read_record(path)
+
+
+def _load_legacy(path: Path) -> Any:
+    """A checkpoint written before the safetensors format: ``torch.save`` of tensors and numbers,
+    read with torch's restricted unpickler (``weights_only=True``), the only unpickling left."""
+    return torch.load(path, weights_only=True)
 
 
 def _resume_dir(out_dir: Path) -> Path | None:
@@ -267,21 +298,6 @@ def _never_saved(model, name: str) -> bool:
     """Whether ``save_pretrained`` leaves the tensor ``name`` out (``_keys_to_ignore_on_save``, e.g.
     Marian's sinusoidal positions, which are recomputed at construction)."""
     return any(re.search(pattern, name) for pattern in (getattr(model, "_keys_to_ignore_on_save", None) or ()))
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """The generators a training step draws from (dropout, Hard Concrete gate noise): the CPU's and,
-    on a GPU, that device's, which draws the noise of tensors on it."""
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _select_trainable(model, trainable) -> list[torch.nn.Parameter]:
@@ -376,6 +392,7 @@ def train(
             params, lr=config.lr, betas=cast(tuple[float, float], tuple(config.adam_betas)), eps=config.adam_eps,
             weight_decay=config.weight_decay
         )
+    optimizer_record(optimizer.state_dict())  # an optimizer_factory's groups that last/ cannot hold: refused now
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
              "improved_epoch": None, "history": [], "tokens": 0, "world_size": accelerator.num_processes,
@@ -438,11 +455,17 @@ def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfi
         )
     state.update(saved)
     _resume_file(resume_from / WEIGHTS_FILE, lambda path: load_weights(model, path))
-    _resume_file(resume_from / "optimizer.pt",
-                 lambda path: optimizer.load_state_dict(torch.load(path, weights_only=True)))
-    rng_file = resume_from / f"rng-{accelerator.process_index}.pt"
-    if rng_file.is_file():
-        _resume_file(rng_file, lambda path: _set_rng_state(torch.load(path, weights_only=True), accelerator.device))
+    optimizer_file = _optimizer_file(resume_from)
+    _resume_file(optimizer_file, lambda path: optimizer.load_state_dict(
+        _load_legacy(path) if path.suffix == ".pt" else load_optimizer(path)))
+    rng_path = _rng_file(resume_from, accelerator.process_index)
+    if rng_path is not None:
+        _resume_file(rng_path, lambda path: set_rng(_load_legacy(path) if path.suffix == ".pt" else load_rng(path),
+                                                    accelerator.device))
+    legacy = [path.name for path in (optimizer_file, rng_path) if path is not None and path.suffix == ".pt"]
+    if legacy:
+        log(f"{resume_from}: {' and '.join(legacy)} {'is' if len(legacy) == 1 else 'are'} in the legacy torch.save "
+            "format (read with torch.load(weights_only=True)); the checkpoints this run writes are safetensors")
     log(f"resuming from {resume_from}: epoch {state['epoch'] + 1}, batch {state['batch_in_epoch']}, step {state['step']}")
     if accelerator.is_main_process:
         _record_config_changes(Path(config.out_dir), config, state)
@@ -642,15 +665,15 @@ class _Run:
         if self.main:
             def write(tmp: Path) -> None:
                 _save_weights(self.raw_model, tmp)
-                _torch_save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+                save_optimizer(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
                 (tmp / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
-                _torch_save(_rng_state(accelerator.device), tmp / "rng-0.pt")
+                save_rng(accelerator.device, tmp / rng_file(0))
             atomic_dir(out_dir / "last", write)
         accelerator.wait_for_everyone()
-        if not self.main:
-            rng_tmp = out_dir / "last" / f".rng-{self.rank}.pt.tmp"
-            _torch_save(_rng_state(accelerator.device), rng_tmp)
-            os.replace(rng_tmp, out_dir / "last" / f"rng-{self.rank}.pt")
+        if not self.main:  # its one file written beside, then renamed into the new last/
+            rng_tmp = out_dir / "last" / f".{rng_file(self.rank)}.tmp"
+            save_rng(accelerator.device, rng_tmp)
+            os.replace(rng_tmp, out_dir / "last" / rng_file(self.rank))
         accelerator.wait_for_everyone()
 
     # -- end of an epoch: weights, validation, best, resume point
