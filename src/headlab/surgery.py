@@ -414,8 +414,8 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------
-def _takes_alibi(core: nn.Module) -> bool:
-    return "alibi" in inspect.signature(type(core).forward).parameters
+def _takes_alibi(block: AttentionBlock) -> bool:
+    return block.family.alibi_argument in inspect.signature(type(block.core).forward).parameters
 
 
 def _install_alibi_hooks(blocks: list[AttentionBlock], journal: _Journal) -> None:
@@ -425,11 +425,12 @@ def _install_alibi_hooks(blocks: list[AttentionBlock], journal: _Journal) -> Non
     (Press et al. 2022: a head's bias depends on its original index only)."""
     for block in blocks:
         core = block.core
-        if getattr(core, KEPT_ATTR, None) is None or isinstance(core, ZeroHeadAttention) or not _takes_alibi(core):
+        if getattr(core, KEPT_ATTR, None) is None or isinstance(core, ZeroHeadAttention) or not _takes_alibi(block):
             continue
         if getattr(core, "_headlab_alibi_hooked", False):  # reads what it kept when called: a second prune is seen
             continue
-        journal.hooks.append(core.register_forward_pre_hook(alibi_hook(type(core)), with_kwargs=True))
+        journal.hooks.append(core.register_forward_pre_hook(alibi_hook(type(core), block.family.alibi_argument),
+                                                            with_kwargs=True))
         journal.set(core, "_headlab_alibi_hooked", True)
 
 
@@ -904,7 +905,9 @@ def pruning_plan(model: nn.Module) -> dict:
             if isinstance(getattr(core, "config", None), LayerConfig):
                 plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)
             if getattr(core, "_headlab_alibi_hooked", False):
-                plan.setdefault("alibi", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
+                entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
+                argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before
+                plan.setdefault("alibi", {})[_core_path(block)] = entry if argument == "alibi" else [*entry, argument]
             for path, module, _ in _per_head_lists(block):
                 plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
     return plan

@@ -50,6 +50,10 @@ class Family:
     """Fields of the config, shared by every layer, that ``core``'s forward reads its query head
     count from (Phi-3 splits its fused projection at ``config.num_attention_heads * head_dim``):
     a pruned layer gets its own view of the config with its own count."""
+    alibi_argument: str = "alibi"
+    """The ``core`` forward's argument holding ALiBi biases built once for all the config's heads, in head order,
+    that a pruned layer must get the rows of its kept heads of (Bloom's and Falcon's ``alibi``; MPT's
+    ``position_bias``, ``[heads, 1, keys]``), where the forward takes one."""
     residual_argument: tuple[str, int] | None = None
     """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
     ``residual``): a layer left with no head still adds it."""
@@ -395,6 +399,19 @@ BLOOM = Family(
     residual_argument=("residual", 1),
 )
 
+MPT = Family(
+    # MptAttention (transformers 5.24), outside the attention interface: Wqkv(x).chunk(3) -> [all q | all k | all v],
+    # each reshaped [batch, seq, n_heads, head_dim]; scores + position_bias (ALiBi built by MptModel for
+    # config.n_heads, [heads, 1, max_seq_len], its last keys taken), masked, softmax; returns (out_proj(context),
+    # attn_weights) whatever output_attentions says
+    name="mpt",
+    patterns=(("dec_self", r"(?:^|\.)blocks\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="out_proj", qkv="Wqkv", qkv_layout="q|k|v",
+    d_head_attr="head_dim",
+    head_count_attrs=("n_heads",),
+    alibi_argument="position_bias",
+)
+
 
 DEBERTA_V2 = Family(
     name="deberta-v2",
@@ -499,6 +516,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": PHI3,
     "phi": PHI,
     "bloom": BLOOM,
+    "mpt": MPT,
     "modernbert": MODERNBERT,
     "deberta-v2": DEBERTA_V2,
     "albert": ALBERT,
