@@ -1,6 +1,6 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
-multi-query and the per-head layout), Bloom, ModernBERT and DeBERTa-v2; and the families headlab
+multi-query and the per-head layout), Bloom, MPT, ModernBERT and DeBERTa-v2; and the families headlab
 refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
@@ -147,9 +147,10 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "modernbert", "deberta-v2"])
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "mpt", "modernbert", "deberta-v2"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
-    """Every stage on a decoder (GPT-NeoX), one without the attention interface (Falcon), an
+    """Every stage on a decoder (GPT-NeoX), two without the attention interface (Falcon; MPT, whose model
+    hands its attention create_causal_mask(...).to(torch.bool), which capture must leave a mask), an
     encoder with local layers (ModernBERT, whose forward reads its layers' attention_type: the
     ablation's stand-in layers must answer) and one whose core returns probabilities only when
     asked (DeBERTa-v2)."""

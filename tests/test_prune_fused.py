@@ -1,7 +1,7 @@
 """Physical pruning of fused q/k/v projections (issue 31, item 2): GPT-NeoX (per head, partial
 rotary), Phi-3 ([q | k | v] of grouped widths), Falcon (grouped, multi-query, per head with ALiBi),
 GPT-BigCode (multi-query and per head), Bloom (per head, ALiBi, the residual added inside its
-attention), and Phi-2's partial rotary (separate projections).
+attention), MPT ([q | k | v], ALiBi handed as position_bias) and Phi-2's partial rotary (separate projections).
 
 On each: the pruned model equals the masked one on a batch padded left and right and in greedy
 cached generation, and so does the directory save_pruned writes, loaded by load_pruned and by plain
@@ -22,7 +22,7 @@ from headlab import attention_blocks, capture_attention, load_pruned, mask_heads
 from headlab.cli import main
 from support.family_matrix import check_pruned_generates_as_masked, greedy_generation, padded_inputs, padded_logits, tiny_model
 
-FUSED = ["gpt_neox", "phi3", "falcon", "falcon_mq", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "phi"]
+FUSED = ["gpt_neox", "phi3", "falcon", "falcon_mq", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "bloom", "mpt", "phi"]
 SPECS = {
     "partial group": ({("dec_self", 0): [1], ("dec_self", 1): [0, 1]}, [3, 2]),
     "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, [0, 3]),
@@ -60,25 +60,26 @@ def test_grouped_falcon_keeps_the_key_value_heads_its_query_heads_use():
     assert (first.core.num_heads, first.core.num_kv_heads) == (3, 3)
 
 
-def test_alibi_layers_keep_their_heads_slopes():
-    """Bloom's ALiBi slopes depend on a head's index among the config's heads: a pruned layer
-    reads the kept heads' rows. Removing head 0 must keep heads 1-3's slopes, not heads 0-2's:
-    the check measures it, and a layer whose rows were not selected fails it."""
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_alibi_layers_keep_their_heads_slopes(family):
+    """Bloom's and MPT's ALiBi slopes depend on a head's index among the config's heads: a pruned layer
+    reads the kept heads' rows (MPT's ``position_bias``, [heads, 1, keys]). Removing head 0 must keep heads
+    1-3's slopes, not heads 0-2's: the check measures it, and a layer whose rows were not selected fails it."""
     import headlab.surgery as surgery
 
     spec = {("dec_self", 0): [0]}
-    model = tiny_model("bloom")
+    model = tiny_model(family)
     ids, mask = padded_inputs(pad_id=2)
     with mask_heads(model, spec):
         expected = padded_logits(model, ids, mask)
     prune_heads(model, spec)
     torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=ATOL, rtol=0)
 
-    unhooked = tiny_model("bloom")
+    unhooked = tiny_model(family)
     real = surgery._install_alibi_hooks
     try:
         surgery._install_alibi_hooks = lambda blocks, journal: None
-        with pytest.raises(surgery.PruningNotExact, match="bloom: the pruned model fails in dec_self layer 0"):
+        with pytest.raises(surgery.PruningNotExact, match=f"{family}: the pruned model fails in dec_self layer 0"):
             prune_heads(unhooked, spec)
     finally:
         surgery._install_alibi_hooks = real
@@ -119,10 +120,10 @@ def test_cli_prunes_a_fused_family(tmp_path, capsys):
     torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["falcon", "phi3", "bloom"])
+@pytest.mark.parametrize("family", ["falcon", "phi3", "bloom", "mpt"])
 def test_pruning_twice_composes(family, tmp_path):
     """A second prune of pruned layers (Falcon's copied key/value heads, Phi-3's config view,
-    Bloom's ALiBi hook, which reads what the layer keeps when called) equals masking the union."""
+    Bloom's and MPT's ALiBi hook, which reads what the layer keeps when called) equals masking the union."""
     model = tiny_model(family)
     ids, mask = padded_inputs(pad_id=2)
     with mask_heads(model, {("dec_self", 0): [1, 2], ("dec_self", 1): [0, 3]}):

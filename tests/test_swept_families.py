@@ -298,32 +298,6 @@ def test_gemma3ns_alternating_updates_have_no_rule():
     assert "alternating updates" in _no_rule(model.model.layers[0].altup, "model.layers.0.altup", set())
 
 
-def test_pruning_doges_per_head_parameter_is_refused_before_any_work_naming_why():
-    """Doge's ``A`` (one entry per key/value head) is a parameter of the attention module itself: the session-26
-    sweep found the pruned forward failing headlab's check with a bare shape error, after pruning. No slicing of
-    it is exact: ``dt_proj`` computes each key/value head's dynamic mask from the values of all of them
-    (``DogeAttention.forward``, transformers 5.24), so removing a key/value head changes the masks of the others.
-    Refused before anything runs, naming it and why. (Attention sinks, one per query head, are sliced:
-    tests/test_attention_sinks.py.)"""
-    from headlab import prune_heads
-    from headlab.surgery import check_prunable
-
-    model = _tiny(lambda: (tf.DogeForCausalLM, tf.DogeConfig(**_GQA)))
-    assert [(b.kind, b.layer) for b in attention_blocks(model)] == [("dec_self", 0), ("dec_self", 1)]
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    calls: list = []  # after the blocks' probe pass: no forward of the model's from here on
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    pattern = (r"physical pruning is refused: its attention holds per-head parameters of its own \(A \[2\]\): A "
-               r"\(one entry per key/value head\) scales a dynamic mask computed by dt_proj from the values of every "
-               r"key/value head")
-    with pytest.raises(HeadlabError, match=pattern):
-        prune_heads(model, {("dec_self", 0): [3]})
-    with pytest.raises(HeadlabError, match=pattern):
-        check_prunable(model)
-    assert not calls
-    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
-
-
 NLLB_MOE = lambda: (tf.NllbMoeForConditionalGeneration, tf.NllbMoeConfig(  # noqa: E731
     vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
     encoder_ffn_dim=37, decoder_ffn_dim=37, num_experts=2, expert_capacity=8, encoder_sparse_step=2,

@@ -187,34 +187,35 @@ KEPT_ATTR = "_headlab_kept_heads"
 ORIGINAL_ATTR = "_headlab_original"
 
 
-def alibi_hook(cls: type):
+def alibi_hook(cls: type, name: str = "alibi"):
     """A forward pre-hook for a pruned attention module of class ``cls`` that takes ALiBi biases
     (Bloom; Falcon with alibi=True). The model builds them once for all the heads of its config
     and every layer reads them in head order; the hook hands the layer the rows of the heads it
     kept (``module._headlab_kept_heads`` of ``module._headlab_original``), and the attention
     mask's too where Falcon folded the biases into it (Press et al. 2022: a head's bias depends
-    on its original index only)."""
+    on its original index only). ``name``: the forward's argument holding them (MPT's ``position_bias``,
+    ``[heads, 1, keys]``, sliced as Bloom's)."""
     import inspect
 
-    position = list(inspect.signature(cls.forward).parameters).index("alibi") - 1  # without self
+    position = list(inspect.signature(cls.forward).parameters).index(name) - 1  # without self
 
     def hook(module, args, kwargs):
         kept, original = getattr(module, KEPT_ATTR), getattr(module, ORIGINAL_ATTR)
         if len(kept) == original:
             return args, kwargs
-        positional = "alibi" not in kwargs and len(args) > position
-        alibi = args[position] if positional else kwargs.get("alibi")
+        positional = name not in kwargs and len(args) > position
+        alibi = args[position] if positional else kwargs.get(name)
         if alibi is None:  # rotary Falcon
             return args, kwargs
         index = torch.tensor(kept, dtype=torch.long, device=alibi.device)
         if alibi.dim() == 4:  # Falcon: [batch, heads, 1, keys]
             alibi = alibi.index_select(1, index)
-        else:  # Bloom: [batch * heads, 1, keys]
+        else:  # Bloom: [batch * heads, 1, keys]; MPT: [heads, 1, keys]
             alibi = alibi.reshape(-1, original, *alibi.shape[1:]).index_select(1, index).flatten(0, 1)
         if positional:
             args = (*args[:position], alibi, *args[position + 1:])
         else:
-            kwargs["alibi"] = alibi
+            kwargs[name] = alibi
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == original > 1:
             kwargs["attention_mask"] = mask.index_select(1, index.to(mask.device))
@@ -235,11 +236,11 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
         for path, values in plan.get("config", {}).items():
             module = model.get_submodule(path)
             module.config = LayerConfig(module.config, values)
-        for path, (kept, original) in plan.get("alibi", {}).items():
+        for path, (kept, original, *argument) in plan.get("alibi", {}).items():  # [kept, original[, argument]]
             module = model.get_submodule(path)
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
-            module.register_forward_pre_hook(alibi_hook(type(module)), with_kwargs=True)
+            module.register_forward_pre_hook(alibi_hook(type(module), *argument), with_kwargs=True)
         for path, length in plan.get("vectors", {}).items():  # per kept head: query scales, attention sinks
             owner_path, _, name = path.rpartition(".")
             owner = model.get_submodule(owner_path)

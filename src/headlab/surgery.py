@@ -31,7 +31,13 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, peft_layer, qkv_columns
-from headlab.adapters.families import HEAD_PARAMETERS_REFUSED, QKV_LAYOUTS, rows_per_head, unpruned_latent_reason
+from headlab.adapters.families import (
+    HEAD_PARAMETERS_REFUSED,
+    KV_DYNAMIC_MASKS,
+    QKV_LAYOUTS,
+    rows_per_head,
+    unpruned_latent_reason,
+)
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
@@ -135,6 +141,36 @@ def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
     """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
     found = [getattr(block.core, path, None) for path in block.family.head_columns]
     return [module for module in found if isinstance(module, nn.Embedding)]
+
+
+def kv_dynamic_mask(block: AttentionBlock) -> tuple[nn.Linear, nn.Module, str] | None:
+    """The projection and the vector (its owner, its name) of ``block.family.kv_dynamic_mask`` (Doge's ``dt_proj``
+    and ``A``: :data:`headlab.adapters.families.KV_DYNAMIC_MASKS`), or None."""
+    if not block.family.kv_dynamic_mask:
+        return None
+    projection, vector = block.family.kv_dynamic_mask
+    owner, _, name = vector.rpartition(".")
+    return cast(nn.Linear, block.module.get_submodule(projection)), block.module.get_submodule(owner), name
+
+
+def kv_dynamic_mask_reason(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
+    """Why pruning ``block`` to query heads ``keep`` and key/value heads ``kv_keep`` (current numbering, as
+    :func:`_kv_plan` gives them) is not exact for a dynamic mask computed from every key/value head's values (Doge),
+    or None: a layer that keeps a head must keep every key/value head it had (original numbering: a repeated one
+    counts once), since each mask reads all their values."""
+    if not block.family.kv_dynamic_mask or not keep:
+        return None
+    _, kv_kept, _ = _original(block)
+    gone = sorted(set(kv_kept) - {kv_kept[j] for j in kv_keep})
+    if not gone:
+        return None
+    projection, vector = block.family.kv_dynamic_mask
+    return (f"removing query heads {[h for h in range(block.n_heads) if h not in keep]} removes key/value head"
+            f"{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} (its whole group), and {block.name}."
+            f"{projection} computes each key/value head's dynamic mask (scaled by {vector}) from the values of every "
+            "key/value head of the layer, so the masks of the heads kept would change; physical pruning of this "
+            "family is exact only while a layer keeps at least one query head of each key/value head, or none "
+            "(mask the heads instead: headlab.mask_heads)")
 
 
 # -- the plan for one block ----------------------------------------------------------------
@@ -268,6 +304,9 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         vector = getattr(owner, name)
         _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
                  journal)
+    dynamic = kv_dynamic_mask(block)
+    if dynamic is not None:  # Doge's dt_proj and A: rows and entries per key/value head, columns per its values
+        _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
     for embedding in head_column_modules(block):  # one column per head (UMT5's relative position bias)
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
@@ -306,6 +345,33 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _slice_kv_dynamic_mask(block: AttentionBlock, projection: nn.Linear, owner: nn.Module, name: str,
+                           kv_keep: list[int], journal: _Journal) -> None:
+    """Keep the rows of ``projection`` and the entries of ``owner.name`` of key/value heads ``kv_keep`` (repeats
+    allowed), and give ``projection`` the columns of each original key/value head once, at its first place in
+    ``kv_keep``: the sum of its copies' columns (all its copies read the same values, so the sum is what they
+    contributed together), zeros at its later places. The input the pruned forward gives it, every kept key/value
+    head's values, then yields the rows' original numbers (``DogeAttention.forward``, transformers 5.24)."""
+    d = block.d_head  # dt_proj reads the values: value-sized heads
+    _, kv_kept, _ = _original(block)
+    device = projection.weight.device
+    _slice_outputs(projection, torch.tensor(kv_keep, dtype=torch.long, device=device), journal)
+    weight = projection.weight.detach()
+    columns = weight.new_zeros(weight.shape[0], len(kv_keep) * d)
+    placed: set[int] = set()
+    for j, current in enumerate(kv_keep):
+        if kv_kept[current] in placed:
+            continue
+        placed.add(kv_kept[current])
+        for copy_ in (c for c, original in enumerate(kv_kept) if original == kv_kept[current]):
+            columns[:, j * d:(j + 1) * d] += weight[:, copy_ * d:(copy_ + 1) * d]
+    _replace(projection, "weight", columns, journal)
+    journal.set(projection, "in_features", len(kv_keep) * d)
+    vector = getattr(owner, name)
+    _replace(owner, name, vector.index_select(0, torch.tensor(kv_keep, dtype=torch.long, device=vector.device)),
+             journal)
 
 
 # -- layers with no head left --------------------------------------------------------------
@@ -348,8 +414,8 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------
-def _takes_alibi(core: nn.Module) -> bool:
-    return "alibi" in inspect.signature(type(core).forward).parameters
+def _takes_alibi(block: AttentionBlock) -> bool:
+    return block.family.alibi_argument in inspect.signature(type(block.core).forward).parameters
 
 
 def _install_alibi_hooks(blocks: list[AttentionBlock], journal: _Journal) -> None:
@@ -359,11 +425,12 @@ def _install_alibi_hooks(blocks: list[AttentionBlock], journal: _Journal) -> Non
     (Press et al. 2022: a head's bias depends on its original index only)."""
     for block in blocks:
         core = block.core
-        if getattr(core, KEPT_ATTR, None) is None or isinstance(core, ZeroHeadAttention) or not _takes_alibi(core):
+        if getattr(core, KEPT_ATTR, None) is None or isinstance(core, ZeroHeadAttention) or not _takes_alibi(block):
             continue
         if getattr(core, "_headlab_alibi_hooked", False):  # reads what it kept when called: a second prune is seen
             continue
-        journal.hooks.append(core.register_forward_pre_hook(alibi_hook(type(core)), with_kwargs=True))
+        journal.hooks.append(core.register_forward_pre_hook(alibi_hook(type(core), block.family.alibi_argument),
+                                                            with_kwargs=True))
         journal.set(core, "_headlab_alibi_hooked", True)
 
 
@@ -533,6 +600,10 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         check_block_sliceable(block)
     _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
+        dynamic = kv_dynamic_mask_reason(block, keep, kv_keep)
+        if dynamic is not None:
+            raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {dynamic}",
+                                  model_type=_model_type(model), block=block.key)
         norm = _whole_width_norm(block, keep, kv_keep)
         if norm is not None:
             raise PruningNotExact(
@@ -689,6 +760,18 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     # the heads (attention sinks: adapters.families.ATTENTION_SINKS): left whole, the pruned forward failed its
     # check with a shape error naming none of them (the session-26 sweep)
     sliced = {id(getattr(owner, name)) for owner, name in head_vectors(block)}
+    dynamic = kv_dynamic_mask(block)
+    if dynamic is not None and block.n_heads:  # Doge's A and dt_proj, sliced with the key/value heads
+        projection, owner, name = dynamic
+        vector = getattr(owner, name)
+        if (vector.dim(), projection.out_features, projection.in_features) != \
+                (1, block.n_kv_heads, block.n_kv_heads * block.d_head) or vector.shape[0] != block.n_kv_heads:
+            raise HeadlabError(
+                f"{block.name} ({block.family.name}): physical pruning is refused: its dynamic mask's "
+                f"{block.family.kv_dynamic_mask[0]} ({projection.in_features} -> {projection.out_features}) and "
+                f"{name} {list(vector.shape)} are not one per key/value head over the values of all "
+                f"{block.n_kv_heads} (of {block.d_head}), as headlab read them; mask the heads instead (mask_heads)")
+        sliced.add(id(vector))
     per_head = [f"{name} {list(p.shape)}" for name, p in block.core.named_parameters(recurse=False)
                 if block.n_heads and id(p) not in sliced and any(size in (block.n_heads, block.n_kv_heads) for size in p.shape)]
     if per_head:
@@ -724,8 +807,9 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     not a norm's vector) have a dimension of the query or key/value width (heads x head size), or linear maps
     whose output is heads x some width of their own (Inkling's ``r_proj``: ``num_heads * d_rel``, viewed per head),
     as ``"name (Class weight [shape])"``."""
+    dynamic = kv_dynamic_mask(block)
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
-                          *head_row_modules(block)) if m is not None]
+                          *head_row_modules(block), dynamic[0] if dynamic else None) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
     widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head,
               block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
@@ -782,10 +866,16 @@ def pruning_plan(model: nn.Module) -> dict:
         core = block.core
         if getattr(core, KEPT_ATTR, None) is None:
             continue
-        for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block)):
+        dynamic = kv_dynamic_mask(block)
+        # a layer emptied keeps its sliced dt_proj (Doge), no A: its stand-in, of another family, adopts children only
+        emptied = KV_DYNAMIC_MASKS.get(_model_type(model), ("",))[0] if isinstance(core, ZeroHeadAttention) else ""
+        emptied_projection = getattr(core, emptied, None) if emptied else None
+        for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block),
+                       dynamic[0] if dynamic else None,
+                       emptied_projection if isinstance(emptied_projection, nn.Linear) else None):
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
-        for owner, vector in head_vectors(block):
+        for owner, vector in (*head_vectors(block), *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
@@ -815,7 +905,9 @@ def pruning_plan(model: nn.Module) -> dict:
             if isinstance(getattr(core, "config", None), LayerConfig):
                 plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)
             if getattr(core, "_headlab_alibi_hooked", False):
-                plan.setdefault("alibi", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
+                entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
+                argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before
+                plan.setdefault("alibi", {})[_core_path(block)] = entry if argument == "alibi" else [*entry, argument]
             for path, module, _ in _per_head_lists(block):
                 plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
     return plan

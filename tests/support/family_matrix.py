@@ -3,7 +3,7 @@
 
 * ``ANALYSED`` (``ANALYSIS_FAMILIES``): the families headlab analyses and masks with layouts of
   their own (fused q/k/v projections, ALiBi, disentangled attention): GPT-NeoX, Phi-3, Phi-2,
-  Falcon (grouped, multi-query, per head with ALiBi), GPT-BigCode (multi-query, per head), Bloom,
+  Falcon (grouped, multi-query, per head with ALiBi), GPT-BigCode (multi-query, per head), Bloom, MPT,
   DeBERTa-v2, ModernBERT, and the gated attention of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE ([query |
   gate] per head). Each names, besides the model, how its value heads sit in the weights
   (``VALUES``), read off the modeling code by hand (not from headlab's adapter tables), so that the
@@ -94,6 +94,8 @@ ANALYSED = {
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False, **_SPECIAL)),
     "bloom": lambda: (tf.BloomForCausalLM, tf.BloomConfig(
         vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **_SPECIAL)),
+    "mpt": lambda: (tf.MptForCausalLM, tf.MptConfig(  # ALiBi (built for 8 heads' slopes at most: 4 here)
+        vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64, **_SPECIAL)),
     "deberta-v2": lambda: (tf.DebertaV2ForMaskedLM, tf.DebertaV2Config(  # DeBERTa-v3's relative attention
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
@@ -120,6 +122,7 @@ VALUES = {
     "gpt_bigcode": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 1), 1),
     "gpt_bigcode_mha": (lambda m, i: m.transformer.h[i].attn.c_attn, _per_head, 4),
     "bloom": (lambda m, i: m.transformer.h[i].self_attention.query_key_value, _per_head, 4),
+    "mpt": (lambda m, i: m.transformer.blocks[i].attn.Wqkv, _qkv(4, 4), 4),  # Wqkv(x).chunk(3)
     "modernbert": (lambda m, i: m.model.layers[i].attn.Wqkv, _qkv(4, 4), 4),  # view(..., 3, heads, d)
     "deberta-v2": (lambda m, i: m.deberta.encoder.layer[i].attention.self.value_proj,
                    lambda j: range(j * D, (j + 1) * D), 4),

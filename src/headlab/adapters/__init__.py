@@ -27,6 +27,7 @@ from headlab.adapters.families import (
     CONFIG_FAMILIES,
     FAMILIES,
     HEAD_VECTORS,
+    KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
@@ -405,6 +406,11 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
     if sinks:
         family = dataclasses.replace(family, head_vectors=(*family.head_vectors, *sinks))
+    # a dynamic mask per key/value head from all heads' values (Doge): sliced with the key/value heads
+    dynamic = KV_DYNAMIC_MASKS.get(model_type)
+    if dynamic and item.q is not None and isinstance(_get(core, dynamic[0]), nn.Linear) and \
+            _parameter(core, dynamic[1]) is not None:
+        family = dataclasses.replace(family, kv_dynamic_mask=tuple(prefix + path for path in dynamic))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 

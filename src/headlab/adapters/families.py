@@ -50,6 +50,10 @@ class Family:
     """Fields of the config, shared by every layer, that ``core``'s forward reads its query head
     count from (Phi-3 splits its fused projection at ``config.num_attention_heads * head_dim``):
     a pruned layer gets its own view of the config with its own count."""
+    alibi_argument: str = "alibi"
+    """The ``core`` forward's argument holding ALiBi biases built once for all the config's heads, in head order,
+    that a pruned layer must get the rows of its kept heads of (Bloom's and Falcon's ``alibi``; MPT's
+    ``position_bias``, ``[heads, 1, keys]``), where the forward takes one."""
     residual_argument: tuple[str, int] | None = None
     """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
     ``residual``): a layer left with no head still adds it."""
@@ -86,6 +90,10 @@ class Family:
     (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`; the learned attention
     sinks of :data:`ATTENTION_SINKS`, held by the attention module itself): physical pruning keeps the kept
     heads' entries."""
+    kv_dynamic_mask: tuple[str, ...] = ()
+    """(projection, vector), paths relative to the block, of a dynamic mask per key/value head computed from the
+    values of every key/value head (Doge's ``dt_proj`` and ``A``, :data:`KV_DYNAMIC_MASKS`): physical pruning keeps
+    every key/value head, slicing them with the key/value heads (rows, entries) and their values (columns)."""
     head_columns: tuple[str, ...] = ()
     """Embeddings of ``core`` (paths relative to it) with one column per head, read in head order by its own
     forward (UMT5's ``relative_attention_bias``, ``[buckets, heads]``, in every self-attention layer; absent
@@ -201,7 +209,8 @@ Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits
 Head h's sink changes head h's output only, so masking a head (zeros at the output projection's input) leaves
 the others' exact and pruning keeps the kept heads' entries (``Family.head_vectors``). A layer left with no
 head needs none (its stand-in adds the output projection's bias). Other per-head parameters of an attention
-module stay refused (:func:`headlab.surgery.check_block_sliceable`; Doge's ``A``: :data:`HEAD_PARAMETERS_REFUSED`)."""
+module stay refused (:func:`headlab.surgery.check_block_sliceable`), but Doge's ``A`` (one entry per key/value
+head): :data:`KV_DYNAMIC_MASKS`."""
 
 SINKS_SCALE_OUTPUT = frozenset({"granite_swa", "granitemoe_swa"})
 """Model types of :data:`ATTENTION_SINKS` whose eager attention returns the softmax without the sink (rows of 1)
@@ -209,13 +218,23 @@ and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logit
 5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
 scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
 
-HEAD_PARAMETERS_REFUSED: dict[str, str] = {
-    "DogeAttention": "A (one entry per key/value head) scales a dynamic mask computed by dt_proj from the values "
-                     "of every key/value head of the layer, so each head's mask depends on the others' values: "
-                     "removing a key/value head changes the masks of those kept, and a key/value head repeated "
-                     "for uneven groups would need dt_proj's inputs repeated too"}
+HEAD_PARAMETERS_REFUSED: dict[str, str] = {}
 """Attention classes (their names) whose per-head parameters no slicing keeps exact, with why (read off their
-forwards, transformers 5.24): physical pruning is refused naming it, before any work."""
+forwards, transformers 5.24): physical pruning is refused naming it, before any work. (Doge's ``A``, refused in
+session 26, is sliced: :data:`KV_DYNAMIC_MASKS`.)"""
+
+KV_DYNAMIC_MASKS: dict[str, tuple[str, str]] = {"doge": ("dt_proj", "A")}
+"""Model types whose attention adds to each head's logits a dynamic mask of one value per key/value head and key
+position, computed from the values of every key/value head of the layer: (the projection, the vector of one entry
+per key/value head), relative to the attention module (``Family.kv_dynamic_mask``). Doge (``DogeAttention``,
+transformers 5.24): ``dt = exp(A * softplus(dt_proj(v)))`` with ``v`` the values of all key/value heads
+concatenated (``[batch, keys, kv heads x head_dim]``) and ``dt_proj`` (kv heads x head_dim -> kv heads), the
+mask (its top ``keep_window_size`` keys per row kept where a row is longer) repeated over each group's query
+heads. So removing query heads while every key/value head keeps one leaves every mask as it was, and physical
+pruning keeps ``A``'s entries and ``dt_proj``'s rows of the kept key/value heads (repeated with them where uneven
+groups repeat a key/value head) and each key/value head's columns of ``dt_proj`` once, at its first copy (the
+copies read the same values; zeros at the others). Removing a key/value head (its whole group) takes its values out
+of every other head's mask: refused before any work (:func:`headlab.surgery.kv_dynamic_mask_reason`)."""
 
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
@@ -380,6 +399,19 @@ BLOOM = Family(
     residual_argument=("residual", 1),
 )
 
+MPT = Family(
+    # MptAttention (transformers 5.24), outside the attention interface: Wqkv(x).chunk(3) -> [all q | all k | all v],
+    # each reshaped [batch, seq, n_heads, head_dim]; scores + position_bias (ALiBi built by MptModel for
+    # config.n_heads, [heads, 1, max_seq_len], its last keys taken), masked, softmax; returns (out_proj(context),
+    # attn_weights) whatever output_attentions says
+    name="mpt",
+    patterns=(("dec_self", r"(?:^|\.)blocks\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="out_proj", qkv="Wqkv", qkv_layout="q|k|v",
+    d_head_attr="head_dim",
+    head_count_attrs=("n_heads",),
+    alibi_argument="position_bias",
+)
+
 
 DEBERTA_V2 = Family(
     name="deberta-v2",
@@ -484,6 +516,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": PHI3,
     "phi": PHI,
     "bloom": BLOOM,
+    "mpt": MPT,
     "modernbert": MODERNBERT,
     "deberta-v2": DEBERTA_V2,
     "albert": ALBERT,

@@ -51,6 +51,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
+from headlab.model_description import output_layer
 from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
@@ -202,6 +203,13 @@ def _next_token_loss(model, batch: dict, config: TrainConfig) -> tuple[torch.Ten
 
 
 def _loss_for(model, tokenizer, config: PruneConfig) -> tuple[str, Callable]:
+    # A bare model (GLM-5-Next's text model: transformers 5.24 has no causal LM class for it) returns hidden states,
+    # no logits: "auto" took it for a masked LM, and causal_lm failed on .logits after the run had started.
+    if output_layer(model) is None:
+        raise HeadlabError(
+            f"prune train needs a loss, hence a language-model head, and {type(model).__name__} has none (a bare "
+            "model: it returns hidden states, no logits); load the checkpoint with its head (a ...ForCausalLM, "
+            "...ForMaskedLM or ...ForConditionalGeneration class) where transformers has one")
     kind = config.loss
     if kind == "auto":
         if _is_seq2seq(model):
