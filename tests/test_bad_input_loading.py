@@ -499,24 +499,45 @@ def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, ca
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 4), (9, 3), (4, 1)])
 def test_reconstructed_numbering_groups_as_every_pruning_does(n_heads, n_kv_heads):
-    """Whatever heads a layer kept, the numbering read off the weights' counts prunes a fresh layer into the same
-    counts (pruning's own rule, surgery._kv_plan), so the check before loading compares like with like. Before, 2 of
-    8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
+    """Whatever heads a layer kept, a numbering is read off the weights' counts, and it prunes a fresh layer into the
+    same counts (pruning's own rule, heads.kv_heads_kept), so the check before loading compares like with like. Before,
+    2 of 8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
     from itertools import combinations
-    from types import SimpleNamespace
 
     from headlab.checkpoint import _kept_reconstructed
-    from headlab.surgery import _kv_plan
+    from headlab.heads import kv_heads_kept
 
-    block = SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
     for n in range(n_heads):
         for kept in combinations(range(n_heads), n):
-            kv_kept, _ = _kv_plan(block, list(kept))
+            kv_kept, _ = kv_heads_kept(list(kept), n_heads, n_kv_heads)
             found = _kept_reconstructed(n_heads, n_kv_heads, n, len(kv_kept))
             assert found is not None, kept
-            assert _kv_plan(block, found[0])[0] == found[1] and len(found[1]) == len(kv_kept), (kept, found)
+            assert kv_heads_kept(found[0], n_heads, n_kv_heads)[0] == found[1] and len(found[1]) == len(kv_kept), \
+                (kept, found)
     assert _kept_reconstructed(4, 2, 2, 2) == ([0, 2], [0, 1])
     assert _kept_reconstructed(4, 2, 4, 4) is None  # every query head kept: key/value heads are never copied
+
+
+def test_the_grouping_rule_is_what_pruning_does():
+    """heads.kv_heads_kept, which checkpoint reads re-saved weights with, against the key/value projection that
+    prune_heads actually leaves (llama, 4 query heads over 2 key/value heads): written out by hand, not by the rule."""
+    from headlab import prune_heads
+    from headlab.heads import kv_heads_kept
+
+    # removed heads -> (kept key/value heads, query heads per key/value head)
+    expected = {(0, 1): ([1], 2), (0, 2): ([0, 1], 1), (0,): ([0, 1, 1], 1), (): ([0, 1], 2), (3,): ([0, 0, 1], 1)}
+    for removed, (kv_kept, groups) in expected.items():
+        keep = [h for h in range(4) if h not in removed]
+        assert kv_heads_kept(keep, 4, 2) == (kv_kept, groups), removed
+        model = tiny_model("llama")
+        block = attention_blocks(model)[0]
+        k_rows = block.k.weight.detach().reshape(2, -1, block.k.weight.shape[1])
+        if removed:
+            prune_heads(model, {("dec_self", 0): list(removed)})
+        block = attention_blocks(model)[0]
+        assert (block.n_heads, block.n_kv_heads) == (len(keep), len(kv_kept)), removed
+        torch.testing.assert_close(block.k.weight.detach().reshape(len(kv_kept), -1, k_rows.shape[2]),
+                                   k_rows[kv_kept], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError, UnknownOption, counted
-from headlab.heads import KINDS
+from headlab.heads import KINDS, kv_heads_kept
 from headlab.portable import CLASS_NAME
 
 __all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "config_for", "check_fits_weights", "model_class_for",
@@ -356,17 +355,6 @@ def _width(shape: tuple[int, ...], module: nn.Module, out: bool) -> int:
     return int(shape[0 if linear == out else 1])
 
 
-def _kv_groups(kept: list[int], n_heads: int, n_kv_heads: int) -> tuple[int, int]:
-    """How many query and key/value heads pruning to ``kept`` leaves: the rule of
-    :func:`headlab.surgery._kv_plan` (a key/value head stays while one of its query heads does;
-    groups of unequal sizes get a copy of their key/value head per kept query head)."""
-    if n_heads == n_kv_heads:
-        return len(kept), len(kept)
-    group = n_heads // n_kv_heads
-    counts = Counter(h // group for h in kept)
-    return len(kept), (len(counts) if len(set(counts.values())) <= 1 else len(kept))
-
-
 def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
     """Kept query heads and key/value heads of a model of ``n_heads`` over ``n_kv_heads`` that
     pruning turns into ``n_q`` query heads over ``n_kv`` key/value heads, grouped as the weights
@@ -375,7 +363,8 @@ def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> t
     head 0 in a model of 4 over 2, so 2 over 2 is [0, 2], never [0, 1], which pruning would leave
     over 1 key/value head); unequal groups (a key/value head per query head): the fewest heads of
     group 0 that make the groups unequal, then the next groups filled in order. Each candidate is
-    checked with the rule pruning applies. None when no pruning gives these counts."""
+    checked with the rule pruning applies (:func:`headlab.heads.kv_heads_kept`). None when no
+    pruning gives these counts."""
     if n_heads == n_kv_heads or n_q == 0:
         return (list(range(n_q)), list(range(n_q))) if n_q == n_kv else None
     group = n_heads // n_kv_heads
@@ -390,19 +379,10 @@ def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> t
             if rest <= (n_kv_heads - 1) * group:
                 candidates.append(kept)
     for kept in candidates:
-        if _kv_groups(kept, n_heads, n_kv_heads) == (n_q, n_kv):
-            return kept, _kv_kept(kept, n_heads, n_kv_heads)
+        kv_kept, _ = kv_heads_kept(kept, n_heads, n_kv_heads)
+        if len(kv_kept) == n_kv:
+            return kept, kv_kept
     return None
-
-
-def _kv_kept(kept: list[int], n_heads: int, n_kv_heads: int) -> list[int]:
-    """The key/value heads pruning to ``kept`` keeps (:func:`headlab.surgery._kv_plan`'s list)."""
-    if n_heads == n_kv_heads:
-        return list(kept)
-    group = n_heads // n_kv_heads
-    owners = [h // group for h in kept]
-    counts = Counter(owners)
-    return sorted(counts) if len(set(counts.values())) <= 1 else owners
 
 
 def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
@@ -416,8 +396,7 @@ def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[i
     if not (isinstance(kept, list) and isinstance(kv_kept, list) and all(map(_int, [*kept, *kv_kept]))
             and n_heads == block.n_heads and all(0 <= h < block.n_heads for h in kept) and kept == sorted(set(kept))):
         return None
-    if len(kv_kept) != n_kv or _kv_groups(kept, block.n_heads, block.n_kv_heads) != (n_q, n_kv) \
-            or kv_kept != _kv_kept(kept, block.n_heads, block.n_kv_heads):
+    if len(kept) != n_q or kv_kept != kv_heads_kept(kept, block.n_heads, block.n_kv_heads)[0] or len(kv_kept) != n_kv:
         return None
     return list(kept), list(kv_kept)
 

@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import types
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -35,7 +34,7 @@ from headlab.adapters.families import HEAD_PARAMETERS_REFUSED, QKV_LAYOUTS, rows
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
-from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
+from headlab.heads import KINDS, HeadSpec, atomic_write_text, kv_heads_kept, readable_as_umask_allows
 from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
@@ -139,20 +138,9 @@ def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
 
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
-    """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
-
-    Under grouped-query attention a key/value head goes only when all its query heads are
-    gone. If the surviving groups have unequal sizes, the forward's ``repeat_kv`` cannot map
-    them, so each kept query head gets its own copy of its key/value head (group size 1).
-    """
-    if block.n_kv_heads == block.n_heads:
-        return list(keep), 1
-    group = block.n_heads // block.n_kv_heads
-    counts = Counter(h // group for h in keep)  # kept query heads per key/value head
-    sizes = set(counts.values())
-    if len(sizes) <= 1:
-        return sorted(counts), (sizes.pop() if sizes else group)
-    return [h // group for h in keep], 1
+    """Which key/value heads to keep (current numbering, repeats allowed) and the new group size:
+    :func:`headlab.heads.kv_heads_kept` on the block's current head counts."""
+    return kv_heads_kept(keep, block.n_heads, block.n_kv_heads)
 
 
 def _original(block: AttentionBlock) -> tuple[list[int], list[int], int]:
