@@ -388,15 +388,27 @@ def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> t
 def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
     """The original numbering that ``config.headlab_pruned`` (the plan save_pruned writes for
     pruned_heads.py, which a re-save by transformers keeps in config.json) holds for ``block``,
-    if it holds one that fits the weights' counts."""
-    entry = ((plan or {}).get("kept") or {}).get(block.name) if isinstance(plan, dict) else None
+    if it holds one that fits the weights' counts: its ``kept`` entry, or, in a plan written before
+    ``kept`` was (session 26), an ALiBi layer's ``alibi`` entry (kept heads, original count), whose
+    key/value heads are those pruning keeps with them."""
+    if not isinstance(plan, dict):
+        return None
+    entry = (plan.get("kept") or {}).get(block.name)
+    alibi = (plan.get("alibi") or {}).get(block.name + (f".{block.family.core}" if block.family.core else ""))
+    if entry is None and isinstance(alibi, list) and len(alibi) == 2 and isinstance(alibi[0], list) \
+            and all(map(_int, alibi[0])) and _int(alibi[1]) and alibi[1] == block.n_heads:
+        entry = [alibi[0], kv_heads_kept(alibi[0], block.n_heads, block.n_kv_heads)[0], alibi[1]]
     if not (isinstance(entry, list) and len(entry) == 3):
         return None
     kept, kv_kept, n_heads = entry
     if not (isinstance(kept, list) and isinstance(kv_kept, list) and all(map(_int, [*kept, *kv_kept]))
             and n_heads == block.n_heads and all(0 <= h < block.n_heads for h in kept) and kept == sorted(set(kept))):
         return None
-    if len(kept) != n_q or kv_kept != kv_heads_kept(kept, block.n_heads, block.n_kv_heads)[0] or len(kv_kept) != n_kv:
+    # pruning leaves one of two layouts: each kept group's key/value head once, or a copy per kept query head
+    # (uneven groups; also a layer pruned twice, whose first pruning made the copies: [2, 3] over [1, 1])
+    group = block.n_heads // max(block.n_kv_heads, 1)
+    layouts = (kv_heads_kept(kept, block.n_heads, block.n_kv_heads)[0], [h // group for h in kept])
+    if len(kept) != n_q or len(kv_kept) != n_kv or kv_kept not in layouts:
         return None
     return list(kept), list(kv_kept)
 

@@ -871,6 +871,8 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
         model_class = checkpoint.named_model_class(config, f"{path}/config.json")
     model = checkpoint.build_model(model_class, config, path)
     apply_pruning_record(model, record, source)
+    reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
+    _refuse_computed_by_index(model, reconstructed or [], path)
     checkpoint.check_fits_weights(model, shapes, source)
 
     state = checkpoint.read_weights(path)
@@ -893,7 +895,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     ]
     checkpoint.check_complete(path, untied, unexpected)
     _check_loaded(model, path)
-    reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
     if reconstructed:
         model.__dict__[NUMBERING_ATTR] = {"reconstructed": list(reconstructed)}
         logging.getLogger(__name__).warning(
@@ -901,6 +902,29 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
             "groups them (query heads over their key/value heads), not as in the model they were pruned from",
             path, ", ".join(map(str, reconstructed)))
     return model.eval()
+
+
+def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: Path) -> None:
+    """A reconstructed numbering only names heads, unless a head's original index enters what it
+    computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
+    built by the model for all the config's heads) and T5's relative position bias (the stack's
+    one table, a column per original head). There the numbering picks the bias: a wrong one would
+    compute another model than the one saved, so it is refused."""
+    keys = set(reconstructed)
+    biased: dict[str, str] = {}
+    for block in attention_blocks(model):
+        if f"{block.kind}:{block.layer}" not in keys:
+            continue
+        if getattr(block.core, "_headlab_alibi_hooked", False):
+            biased[f"{block.kind}:{block.layer}"] = "its ALiBi slope"
+        elif getattr(block.core, "_headlab_t5_hooked", False) and block.kind != "dec_cross":  # cross: no bias
+            biased[f"{block.kind}:{block.layer}"] = "its column of the relative position bias"
+    if biased:
+        raise HeadlabError(
+            f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "
+            f"the config, and in {_model_type(model)} a head's original index picks {next(iter(biased.values()))}: "
+            f"any other numbering computes another model than the one saved. Put back the {PRUNING_FILE} saved "
+            "with the pruned model (or pass it: headlab.load_pruned(path, record=...))")
 
 
 def _converted_on_save(model: nn.Module) -> bool:
