@@ -374,7 +374,7 @@ def test_architectures_naming_an_auto_class_is_accepted(dirs, tmp_path):
 # -- pruned directories re-saved by transformers ----------------------------------------------
 def _heads_per_kind(capsys, directory: Path) -> str:
     assert main(["heads", str(directory)]) == 0
-    return capsys.readouterr().out.strip().splitlines()[-1]
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total: "))
 
 
 @pytest.mark.parametrize("where", ["new-directory-without-record", "same-directory-with-record",

@@ -64,6 +64,25 @@ def kv_heads_kept(keep: "list[int] | tuple[int, ...]", n_heads: int, n_kv_heads:
     return [h // group for h in keep], 1
 
 
+def reconstructed_blocks(signature: Mapping[str, object]) -> list[str]:
+    """The blocks (``"dec_self:0"``) whose head numbers a table's signature declares reconstructed:
+    the model was a pruned directory re-saved without its record, whose kept heads are numbered as
+    its weights group them, not as in the model they were pruned from (``"numbering":
+    {"reconstructed": [...]}``, :func:`headlab.surgery.declared_numbering`)."""
+    numbering = signature.get("numbering")
+    blocks = numbering.get("reconstructed") if isinstance(numbering, Mapping) else None
+    return [str(block) for block in blocks] if isinstance(blocks, list) else []
+
+
+def reconstructed_note(blocks: "list[str]") -> str:
+    """One sentence for a reader of heads numbered by reconstruction (:func:`reconstructed_blocks`)."""
+    blocks = sorted(blocks, key=lambda b: (KINDS.index(b.split(":")[0]) if b.split(":")[0] in KINDS else len(KINDS),
+                                           int(b.split(":")[-1]) if b.split(":")[-1].isdigit() else 0, b))
+    return (f"head numbers of {', '.join(blocks)} are reconstructed, not the original model's: the pruned model was "
+            "re-saved without headlab_pruning.json, so its kept heads are numbered as its weights group them "
+            "(docs/foundation.md, \"Re-saved by transformers\")")
+
+
 def check_kind(kind: str) -> str:
     if kind not in KINDS:
         raise HeadlabError(f"unknown attention kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -484,6 +484,16 @@ def pruning_record(model: nn.Module) -> dict:
     return {"format": FORMAT_VERSION, "blocks": blocks, **({"numbering": numbering} if numbering else {})}
 
 
+def declared_numbering(model: nn.Module) -> dict:
+    """What a table or report computed on ``model`` declares of its head numbers, to add to its
+    signature: ``{"numbering": {"reconstructed": ["dec_self:0", ...]}}`` where the kept heads of
+    those blocks were numbered by reconstruction (a re-saved directory without its record,
+    :func:`headlab.checkpoint.record_from_weights`); ``{}`` where every head has its own number."""
+    numbering = model.__dict__.get(NUMBERING_ATTR) or {}
+    blocks = numbering.get("reconstructed")
+    return {"numbering": {"reconstructed": list(blocks)}} if blocks else {}
+
+
 def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNING_FILE) -> None:
     """Prune a freshly built (unpruned) model exactly as ``record`` says."""
     if record.get("format") != FORMAT_VERSION:
@@ -987,5 +997,5 @@ def count_parameters(model: nn.Module) -> int:
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores", "in_original_numbering",
-    "to_current_numbering", "original_heads",
+    "to_current_numbering", "original_heads", "declared_numbering",
 ]

@@ -73,7 +73,7 @@ from headlab.heads import CAUSAL_KINDS, Numbering, atomic_write_text, renumbered
 from headlab.loading import check_tokenizer_fits
 from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
-from headlab.surgery import original_heads
+from headlab.surgery import declared_numbering, original_heads
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads"]
 
@@ -306,7 +306,7 @@ def analyze_heads(
             str(path): counts[name].to_json()
             for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
         }
-        signature = _signature(report, config, target_conllu or conllu, max_length)
+        signature = {**_signature(report, config, target_conllu or conllu, max_length), **declared_numbering(model)}
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
         if numbering is not None:  # a pruned model: its heads by their original index, as the importance scores
             # (a statistic without renumbered was refused unless each layer kept its first heads: then its indices hold)
