@@ -305,6 +305,9 @@ def test_reconstructed_head_numbers_are_declared_in_every_table_and_report(tmp_p
         rows = {(r["kind"], int(r["layer"]), int(r["head"])): r["numbering"] for r in reader}
     assert rows[("enc_self", 1, 0)] == "reconstructed" and rows[("enc_self", 0, 0)] == "original"
     assert ("enc_self", 1, 1) not in rows  # the reconstructed numbering names the kept head 0
+    assert "head numbers of enc_self:1 are reconstructed" in (out / "functions" / "README.md").read_text()
+    summary = json.loads((out / "functions" / "summary.json").read_text())
+    assert summary["report"]["reconstructed_numbering"] == ["enc_self:1"]
     report = (out / "index.html").read_text(encoding="utf-8")
     assert "head numbers of enc_self:1 are reconstructed, not the original model&#x27;s" in report
     capsys.readouterr()

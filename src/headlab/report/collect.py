@@ -78,7 +78,8 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
     out.heatmaps.append({
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
         "caption": caption + _caption_notes(scores.signature)
-        + (f"; {reconstructed_note(reconstructed)}" if reconstructed else ""), "method": scores.method,
+        + (f"; head numbers of {', '.join(reconstructed)} reconstructed, not the original model's (run summary)"
+           if reconstructed else ""), "method": scores.method,
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
