@@ -553,6 +553,23 @@ def test_reconstructed_numbering_that_would_change_the_model_is_refused(family, 
         load_model(str(tmp_path / "resaved"))
 
 
+def test_a_layer_left_with_no_head_is_not_declared_reconstructed(tmp_path):
+    """Regression: re-saved without record or plan, a layer that kept no head was listed among those whose head
+    numbers are reconstructed (the bundled multi30k-en-de-pruned-enc's enc_self:0): it has none to number."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import pruning_record
+
+    model = tiny_model("llama")
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [0, 3]})
+    save_pruned(model, tmp_path / "pruned")
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert pruning_record(loaded)["numbering"] == {"reconstructed": ["dec_self:1"]}
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
 def test_layer_pruned_twice_keeps_the_plans_numbering(tmp_path, caplog):
     """Regression: pruned twice, a grouped layer keeps a copy of its key/value head per query head ([2, 3] over
     [1, 1]), which the plan names; the plan was used only for the layout one pruning gives ([1]), so the re-saved

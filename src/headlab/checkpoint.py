@@ -450,7 +450,7 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
             continue
         found = _kept_from_plan(plan, block, n_q, n_kv)
-        how = "original" if found else "reconstructed"
+        how = "original" if found or n_q == 0 else "reconstructed"  # a layer left with no head has nothing to number
         found = found or _kept_reconstructed(block.n_heads, block.n_kv_heads, n_q, n_kv)
         if found is None:
             continue  # no pruning gives these counts: check_fits_weights names the tensor
