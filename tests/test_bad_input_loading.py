@@ -374,7 +374,7 @@ def test_architectures_naming_an_auto_class_is_accepted(dirs, tmp_path):
 # -- pruned directories re-saved by transformers ----------------------------------------------
 def _heads_per_kind(capsys, directory: Path) -> str:
     assert main(["heads", str(directory)]) == 0
-    return capsys.readouterr().out.strip().splitlines()[-1]
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total: "))
 
 
 @pytest.mark.parametrize("where", ["new-directory-without-record", "same-directory-with-record",
@@ -497,26 +497,143 @@ def test_resaved_grouped_heads_keep_or_say_their_numbering(through, tmp_path, ca
     assert ("numbering of the kept heads of dec_self:0 is not in the weights" in caplog.text) == reconstructed
 
 
+def _pre_session_26(directory: Path) -> None:
+    """A pruned directory as save_pruned wrote it before session 26, re-saved by transformers: a plan without
+    ``kept``, no headlab_pruning.json."""
+    (directory / PRUNING_FILE).unlink()
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    del config["headlab_pruned"]["kept"]
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.mark.parametrize("family,spec,kept", [
+    ("llama", {("dec_self", 0): [0, 3]}, [0, 2]),  # grouped: reconstructed as the weights group them
+    ("marian", {("enc_self", 0): [0, 2]}, [0, 1]),  # one key/value head per head: 0..n-1
+    ("bloom", {("dec_self", 0): [0, 2]}, [1, 3]),  # ALiBi: the plan's alibi entry names the original heads
+])
+def test_pruned_directory_saved_before_kept_loads_original_or_declared(family, spec, kept, tmp_path, caplog):
+    """Regression: a directory saved before the plan named the kept heads (no ``kept``, no headlab_pruning.json)
+    loaded Bloom with its heads renumbered 0, 1: their ALiBi slopes were another head's, logits moved without a
+    word. The plan's ``alibi`` entry names the original heads; elsewhere the numbering is reconstructed, and said."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import original_heads, pruning_record
+    from support import family_matrix
+
+    model = family_matrix.tiny_model(family) if family == "bloom" else tiny_model(family)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    _pre_session_26(tmp_path / "pruned")
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        loaded = load_model(str(tmp_path / "pruned"))
+    inputs = family_matrix.tiny_inputs() if family == "bloom" else tiny_inputs(family)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+    (key, _), = spec.items()
+    assert original_heads(next(b for b in attention_blocks(loaded) if b.key == key)) == (kept, 4)
+    declared = family != "bloom"
+    assert pruning_record(loaded).get("numbering") == ({"reconstructed": [f"{key[0]}:0"]} if declared else None)
+    assert ("is not in the weights" in caplog.text) == declared
+
+
+@pytest.mark.parametrize("family,spec", [("bloom", {("dec_self", 0): [0, 2]}), ("t5", {("enc_self", 0): [0, 2]})])
+def test_reconstructed_numbering_that_would_change_the_model_is_refused(family, spec, tmp_path):
+    """Regression: re-saved without record or plan (load_pruned, then save_pretrained), Bloom's and T5's kept heads got
+    a reconstructed numbering, and with it another head's ALiBi slope or relative position bias: the model loaded,
+    computing something else than the one saved (T5: logits 0.09 apart), with a warning about names only."""
+    from headlab import prune_heads, save_pruned
+    from support import family_matrix
+
+    model = family_matrix.tiny_model(family) if family == "bloom" else tiny_model(family)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "resaved")
+    (key, _), = spec.items()
+    with pytest.raises(HeadlabError, match=f"numbering of the kept heads of {key[0]}:0 is in neither the weights nor "
+                                           f"the config.*original index picks its .*{PRUNING_FILE}"):
+        load_model(str(tmp_path / "resaved"))
+
+
+def test_a_layer_left_with_no_head_is_not_declared_reconstructed(tmp_path):
+    """Regression: re-saved without record or plan, a layer that kept no head was listed among those whose head
+    numbers are reconstructed (the bundled multi30k-en-de-pruned-enc's enc_self:0): it has none to number."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import pruning_record
+
+    model = tiny_model("llama")
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [0, 3]})
+    save_pruned(model, tmp_path / "pruned")
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert pruning_record(loaded)["numbering"] == {"reconstructed": ["dec_self:1"]}
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
+def test_layer_pruned_twice_keeps_the_plans_numbering(tmp_path, caplog):
+    """Regression: pruned twice, a grouped layer keeps a copy of its key/value head per query head ([2, 3] over
+    [1, 1]), which the plan names; the plan was used only for the layout one pruning gives ([1]), so the re-saved
+    directory loaded with the reconstructed numbering [0, 2] though the original one was in config.json."""
+    from headlab import prune_heads, save_pruned
+    from headlab.surgery import original_heads, pruning_record
+
+    model = tiny_model("llama")
+    prune_heads(model, {("dec_self", 0): [1]})
+    prune_heads(model, {("dec_self", 0): [0]})
+    assert pruning_record(model)["blocks"]["dec_self"]["0"]["kept_kv_heads"] == [1, 1]
+    save_pruned(model, tmp_path / "pruned")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    with caplog.at_level("WARNING", logger="headlab.surgery"):
+        loaded = load_model(str(tmp_path / "resaved"))
+    assert original_heads(attention_blocks(loaded)[0]) == ([2, 3], 4)
+    assert "numbering" not in pruning_record(loaded) and "is not in the weights" not in caplog.text
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (8, 4), (9, 3), (4, 1)])
 def test_reconstructed_numbering_groups_as_every_pruning_does(n_heads, n_kv_heads):
-    """Whatever heads a layer kept, the numbering read off the weights' counts prunes a fresh layer into the same
-    counts (pruning's own rule, surgery._kv_plan), so the check before loading compares like with like. Before, 2 of
-    8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
+    """Whatever heads a layer kept, a numbering is read off the weights' counts, and it prunes a fresh layer into the
+    same counts (pruning's own rule, heads.kv_heads_kept), so the check before loading compares like with like. Before,
+    2 of 8 over 2 (group size 1) was [0, 1] over [0, 1], and 3 of 8 over 2 (a copy per head) [0, 1, 2] over [0, 0, 1]."""
     from itertools import combinations
-    from types import SimpleNamespace
 
     from headlab.checkpoint import _kept_reconstructed
-    from headlab.surgery import _kv_plan
+    from headlab.heads import kv_heads_kept
 
-    block = SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
     for n in range(n_heads):
         for kept in combinations(range(n_heads), n):
-            kv_kept, _ = _kv_plan(block, list(kept))
+            kv_kept, _ = kv_heads_kept(list(kept), n_heads, n_kv_heads)
             found = _kept_reconstructed(n_heads, n_kv_heads, n, len(kv_kept))
             assert found is not None, kept
-            assert _kv_plan(block, found[0])[0] == found[1] and len(found[1]) == len(kv_kept), (kept, found)
+            assert kv_heads_kept(found[0], n_heads, n_kv_heads)[0] == found[1] and len(found[1]) == len(kv_kept), \
+                (kept, found)
     assert _kept_reconstructed(4, 2, 2, 2) == ([0, 2], [0, 1])
     assert _kept_reconstructed(4, 2, 4, 4) is None  # every query head kept: key/value heads are never copied
+
+
+def test_the_grouping_rule_is_what_pruning_does():
+    """heads.kv_heads_kept, which checkpoint reads re-saved weights with, against the key/value projection that
+    prune_heads actually leaves (llama, 4 query heads over 2 key/value heads): written out by hand, not by the rule."""
+    from headlab import prune_heads
+    from headlab.heads import kv_heads_kept
+
+    # removed heads -> (kept key/value heads, query heads per key/value head)
+    expected = {(0, 1): ([1], 2), (0, 2): ([0, 1], 1), (0,): ([0, 1, 1], 1), (): ([0, 1], 2), (3,): ([0, 0, 1], 1)}
+    for removed, (kv_kept, groups) in expected.items():
+        keep = [h for h in range(4) if h not in removed]
+        assert kv_heads_kept(keep, 4, 2) == (kv_kept, groups), removed
+        model = tiny_model("llama")
+        block = attention_blocks(model)[0]
+        k_rows = block.k.weight.detach().reshape(2, -1, block.k.weight.shape[1])
+        if removed:
+            prune_heads(model, {("dec_self", 0): list(removed)})
+        block = attention_blocks(model)[0]
+        assert (block.n_heads, block.n_kv_heads) == (len(keep), len(kv_kept)), removed
+        torch.testing.assert_close(block.k.weight.detach().reshape(len(kv_kept), -1, k_rows.shape[2]),
+                                   k_rows[kv_kept], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("auto,cls,head", [("AutoModelForMaskedLM", "BertForMaskedLM", True),

@@ -26,7 +26,8 @@ def test_heads_table_and_json(marian_dir, capsys):
     assert main(["heads", str(path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0] == {"kind": "enc_self", "layer": 0, "n_heads": 4, "n_kv_heads": 4, "d_head": 8, "d_qk": 8,
-                       "module": "model.encoder.layers.0.self_attn", "idle": False}
+                       "module": "model.encoder.layers.0.self_attn", "idle": False, "head_numbers": [0, 1, 2, 3],
+                       "numbering": "original"}
     assert not any(row["idle"] for row in rows)  # an encoder-decoder feeds its cross-attention
 
 

@@ -273,3 +273,57 @@ def test_importance_under_a_mask_on_a_renumbered_model_blanks_the_masked_heads(f
     direct = compute_gradient(model, data, describe_model(model), batch_size=2, mask=mask)
     for kind in direct.kinds:
         np.testing.assert_allclose(direct[kind], theirs["gradient"][kind], rtol=1e-4, atol=1e-6)
+
+
+def test_reconstructed_head_numbers_are_declared_in_every_table_and_report(tmp_path, capsys):
+    """Regression: a pruned directory re-saved without its record (load_pruned, then save_pretrained) loads with its
+    kept heads numbered by reconstruction (original head 1 of enc_self L1 is head 0), which only a log line said;
+    importance, functions, aggregate, heads.csv, the report and `headlab heads` showed head 0 as if it were the
+    original model's. Each now declares it: the tables' signatures, a numbering column, a note."""
+    import csv
+    import json
+
+    from headlab.cli import main
+    from support.family_matrix import analyze
+
+    model = tiny_model("bert")
+    prune_heads(model, {("enc_self", 1): [0, 2, 3]})
+    headlab.save_pruned(model, tmp_path / "pruned")
+    headlab.load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "model")  # no record, no plan
+    words = treebank_files(tmp_path)
+    word_tokenizer(words, style="bert").save_pretrained(tmp_path / "model")
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    assert code == 0, stages
+    out = tmp_path / "out"
+    declared = {"reconstructed": ["enc_self:1"]}
+    for table in ("importance/confidence.json", "importance/ablation.json", "functions/positional/share.json",
+                  "aggregate/mean_entropy.json"):
+        assert json.loads((out / table).read_text())["signature"]["numbering"] == declared, table
+    with (out / "heads.csv").open() as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames[:6] == ["model", "run", "kind", "layer", "head", "numbering"]
+        rows = {(r["kind"], int(r["layer"]), int(r["head"])): r["numbering"] for r in reader}
+    assert rows[("enc_self", 1, 0)] == "reconstructed" and rows[("enc_self", 0, 0)] == "original"
+    assert ("enc_self", 1, 1) not in rows  # the reconstructed numbering names the kept head 0
+    assert "head numbers of enc_self:1 are reconstructed" in (out / "functions" / "README.md").read_text()
+    summary = json.loads((out / "functions" / "summary.json").read_text())
+    assert summary["report"]["reconstructed_numbering"] == ["enc_self:1"]
+    report = (out / "index.html").read_text(encoding="utf-8")
+    assert "head numbers of enc_self:1 are reconstructed, not the original model&#x27;s" in report
+    capsys.readouterr()
+    assert main(["heads", str(tmp_path / "model"), "--json"]) == 0
+    blocks = {(r["kind"], r["layer"]): r for r in json.loads(capsys.readouterr().out)}
+    assert (blocks[("enc_self", 1)]["numbering"], blocks[("enc_self", 1)]["head_numbers"]) == ("reconstructed", [0])
+    assert (blocks[("enc_self", 0)]["numbering"], blocks[("enc_self", 0)]["head_numbers"]) == ("original", ALL)
+    assert main(["heads", str(tmp_path / "model")]) == 0
+    assert "head numbers of enc_self:1 are reconstructed" in capsys.readouterr().out
+    # gates trained on it (prune train's gates.json) say so too
+    from headlab import attach_gates
+    from headlab.loading import load_model
+    from headlab.pruning import HardConcreteGates
+
+    loaded = load_model(str(tmp_path / "model"))
+    gates = HardConcreteGates({("enc_self", 0): 4, ("enc_self", 1): 1})
+    attach_gates(loaded, gates)
+    assert gates.p_open_scores("tiny", loaded).signature["numbering"] == declared
+    assert "numbering" not in gates.p_open_scores("tiny", tiny_model("bert")).signature

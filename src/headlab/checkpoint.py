@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError, UnknownOption, counted
-from headlab.heads import KINDS
+from headlab.heads import KINDS, kv_heads_kept
 from headlab.portable import CLASS_NAME
 
 __all__ = ["ALLOWED_UNEXPECTED", "build_model", "check_complete", "config_for", "check_fits_weights", "model_class_for",
@@ -356,17 +355,6 @@ def _width(shape: tuple[int, ...], module: nn.Module, out: bool) -> int:
     return int(shape[0 if linear == out else 1])
 
 
-def _kv_groups(kept: list[int], n_heads: int, n_kv_heads: int) -> tuple[int, int]:
-    """How many query and key/value heads pruning to ``kept`` leaves: the rule of
-    :func:`headlab.surgery._kv_plan` (a key/value head stays while one of its query heads does;
-    groups of unequal sizes get a copy of their key/value head per kept query head)."""
-    if n_heads == n_kv_heads:
-        return len(kept), len(kept)
-    group = n_heads // n_kv_heads
-    counts = Counter(h // group for h in kept)
-    return len(kept), (len(counts) if len(set(counts.values())) <= 1 else len(kept))
-
-
 def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
     """Kept query heads and key/value heads of a model of ``n_heads`` over ``n_kv_heads`` that
     pruning turns into ``n_q`` query heads over ``n_kv`` key/value heads, grouped as the weights
@@ -375,7 +363,8 @@ def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> t
     head 0 in a model of 4 over 2, so 2 over 2 is [0, 2], never [0, 1], which pruning would leave
     over 1 key/value head); unequal groups (a key/value head per query head): the fewest heads of
     group 0 that make the groups unequal, then the next groups filled in order. Each candidate is
-    checked with the rule pruning applies. None when no pruning gives these counts."""
+    checked with the rule pruning applies (:func:`headlab.heads.kv_heads_kept`). None when no
+    pruning gives these counts."""
     if n_heads == n_kv_heads or n_q == 0:
         return (list(range(n_q)), list(range(n_q))) if n_q == n_kv else None
     group = n_heads // n_kv_heads
@@ -390,34 +379,36 @@ def _kept_reconstructed(n_heads: int, n_kv_heads: int, n_q: int, n_kv: int) -> t
             if rest <= (n_kv_heads - 1) * group:
                 candidates.append(kept)
     for kept in candidates:
-        if _kv_groups(kept, n_heads, n_kv_heads) == (n_q, n_kv):
-            return kept, _kv_kept(kept, n_heads, n_kv_heads)
+        kv_kept, _ = kv_heads_kept(kept, n_heads, n_kv_heads)
+        if len(kv_kept) == n_kv:
+            return kept, kv_kept
     return None
-
-
-def _kv_kept(kept: list[int], n_heads: int, n_kv_heads: int) -> list[int]:
-    """The key/value heads pruning to ``kept`` keeps (:func:`headlab.surgery._kv_plan`'s list)."""
-    if n_heads == n_kv_heads:
-        return list(kept)
-    group = n_heads // n_kv_heads
-    owners = [h // group for h in kept]
-    counts = Counter(owners)
-    return sorted(counts) if len(set(counts.values())) <= 1 else owners
 
 
 def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[int]] | None:
     """The original numbering that ``config.headlab_pruned`` (the plan save_pruned writes for
     pruned_heads.py, which a re-save by transformers keeps in config.json) holds for ``block``,
-    if it holds one that fits the weights' counts."""
-    entry = ((plan or {}).get("kept") or {}).get(block.name) if isinstance(plan, dict) else None
+    if it holds one that fits the weights' counts: its ``kept`` entry, or, in a plan written before
+    ``kept`` was (session 26), an ALiBi layer's ``alibi`` entry (kept heads, original count), whose
+    key/value heads are those pruning keeps with them."""
+    if not isinstance(plan, dict):
+        return None
+    entry = (plan.get("kept") or {}).get(block.name)
+    alibi = (plan.get("alibi") or {}).get(block.name + (f".{block.family.core}" if block.family.core else ""))
+    if entry is None and isinstance(alibi, list) and len(alibi) == 2 and isinstance(alibi[0], list) \
+            and all(map(_int, alibi[0])) and _int(alibi[1]) and alibi[1] == block.n_heads:
+        entry = [alibi[0], kv_heads_kept(alibi[0], block.n_heads, block.n_kv_heads)[0], alibi[1]]
     if not (isinstance(entry, list) and len(entry) == 3):
         return None
     kept, kv_kept, n_heads = entry
     if not (isinstance(kept, list) and isinstance(kv_kept, list) and all(map(_int, [*kept, *kv_kept]))
             and n_heads == block.n_heads and all(0 <= h < block.n_heads for h in kept) and kept == sorted(set(kept))):
         return None
-    if len(kv_kept) != n_kv or _kv_groups(kept, block.n_heads, block.n_kv_heads) != (n_q, n_kv) \
-            or kv_kept != _kv_kept(kept, block.n_heads, block.n_kv_heads):
+    # pruning leaves one of two layouts: each kept group's key/value head once, or a copy per kept query head
+    # (uneven groups; also a layer pruned twice, whose first pruning made the copies: [2, 3] over [1, 1])
+    group = block.n_heads // max(block.n_kv_heads, 1)
+    layouts = (kv_heads_kept(kept, block.n_heads, block.n_kv_heads)[0], [h // group for h in kept])
+    if len(kept) != n_q or len(kv_kept) != n_kv or kv_kept not in layouts:
         return None
     return list(kept), list(kv_kept)
 
@@ -459,7 +450,7 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
             continue
         found = _kept_from_plan(plan, block, n_q, n_kv)
-        how = "original" if found else "reconstructed"
+        how = "original" if found or n_q == 0 else "reconstructed"  # a layer left with no head has nothing to number
         found = found or _kept_reconstructed(block.n_heads, block.n_kv_heads, n_q, n_kv)
         if found is None:
             continue  # no pruning gives these counts: check_fits_weights names the tensor

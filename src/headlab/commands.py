@@ -61,7 +61,9 @@ def heads_table(blocks) -> str:
 
 def run_heads(args) -> int:
     from headlab.adapters import attention_blocks
+    from headlab.heads import reconstructed_blocks, reconstructed_note
     from headlab.loading import build_from_config, load_model
+    from headlab.surgery import declared_numbering, original_heads
 
     path = Path(args.model)
     if path.is_dir() and (path / "headlab_pruning.json").is_file():
@@ -69,13 +71,18 @@ def run_heads(args) -> int:
     else:
         model = build_from_config(args.model, args.trust_remote_code)  # structure only, no weights read
     blocks = attention_blocks(model)
+    reconstructed = reconstructed_blocks(declared_numbering(model))
     if args.json:
-        # idle: token ids never run the block (the table's "not run by token ids" line)
+        # idle: token ids never run the block (the table's "not run by token ids" line); head_numbers: the number
+        # each head the block runs has in headlab's results (a pruned model's: the original model's, unless
+        # numbering says they were reconstructed)
         rows = [{"kind": b.kind, "layer": b.layer, "n_heads": b.n_heads, "n_kv_heads": b.n_kv_heads,
-                 "d_head": b.d_head, "d_qk": b.d_qk, "module": b.name, "idle": bool(b.idle)} for b in blocks]
+                 "d_head": b.d_head, "d_qk": b.d_qk, "module": b.name, "idle": bool(b.idle),
+                 "head_numbers": original_heads(b)[0],
+                 "numbering": "reconstructed" if f"{b.kind}:{b.layer}" in reconstructed else "original"} for b in blocks]
         print(json.dumps(rows, indent=1))
     else:
-        print(heads_table(blocks))
+        print(heads_table(blocks) + (f"\n{reconstructed_note(reconstructed)}" if reconstructed else ""))
     return 0
 
 

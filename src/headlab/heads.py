@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -40,6 +41,46 @@ Numbering = Mapping[BlockKey, "tuple[list[int], int]"]
 """A physically pruned model's heads: ``{(kind, layer): (kept heads, original head count)}``, the
 kept heads by their original index in the order the block runs them
 (:func:`headlab.surgery.original_heads`)."""
+
+
+def kv_heads_kept(keep: "list[int] | tuple[int, ...]", n_heads: int, n_kv_heads: int) -> tuple[list[int], int]:
+    """Pruning's grouping rule: the key/value heads a layer of ``n_heads`` query heads over
+    ``n_kv_heads`` key/value heads keeps when its query heads ``keep`` stay (in order, repeats
+    allowed), and the new number of query heads per key/value head.
+
+    Under grouped-query attention a key/value head goes only when all its query heads are gone.
+    If the surviving groups have unequal sizes, the forward's ``repeat_kv`` cannot map them, so
+    each kept query head gets its own copy of its key/value head (group size 1). The one rule that
+    :func:`headlab.surgery.prune_heads` applies and :mod:`headlab.checkpoint` reads back from a
+    re-saved directory's weights.
+    """
+    if n_kv_heads == n_heads:
+        return list(keep), 1
+    group = n_heads // n_kv_heads
+    counts = Counter(h // group for h in keep)  # kept query heads per key/value head
+    sizes = set(counts.values())
+    if len(sizes) <= 1:
+        return sorted(counts), (sizes.pop() if sizes else group)
+    return [h // group for h in keep], 1
+
+
+def reconstructed_blocks(signature: Mapping[str, object]) -> list[str]:
+    """The blocks (``"dec_self:0"``) whose head numbers a table's signature declares reconstructed:
+    the model was a pruned directory re-saved without its record, whose kept heads are numbered as
+    its weights group them, not as in the model they were pruned from (``"numbering":
+    {"reconstructed": [...]}``, :func:`headlab.surgery.declared_numbering`)."""
+    numbering = signature.get("numbering")
+    blocks = numbering.get("reconstructed") if isinstance(numbering, Mapping) else None
+    return [str(block) for block in blocks] if isinstance(blocks, list) else []
+
+
+def reconstructed_note(blocks: "list[str]") -> str:
+    """One sentence for a reader of heads numbered by reconstruction (:func:`reconstructed_blocks`)."""
+    blocks = sorted(blocks, key=lambda b: (KINDS.index(b.split(":")[0]) if b.split(":")[0] in KINDS else len(KINDS),
+                                           int(b.split(":")[-1]) if b.split(":")[-1].isdigit() else 0, b))
+    return (f"head numbers of {', '.join(blocks)} are reconstructed, not the original model's: the pruned model was "
+            "re-saved without headlab_pruning.json, so its kept heads are numbered as its weights group them "
+            "(docs/foundation.md, \"Re-saved by transformers\")")
 
 
 def check_kind(kind: str) -> str:

@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import types
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -41,7 +40,7 @@ from headlab.adapters.families import (
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
-from headlab.heads import KINDS, HeadSpec, atomic_write_text, readable_as_umask_allows
+from headlab.heads import KINDS, HeadSpec, atomic_write_text, kv_heads_kept, readable_as_umask_allows
 from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
@@ -175,20 +174,9 @@ def kv_dynamic_mask_reason(block: AttentionBlock, keep: list[int], kv_keep: list
 
 # -- the plan for one block ----------------------------------------------------------------
 def _kv_plan(block: AttentionBlock, keep: list[int]) -> tuple[list[int], int]:
-    """Which key/value heads to keep (current numbering, repeats allowed) and the new group size.
-
-    Under grouped-query attention a key/value head goes only when all its query heads are
-    gone. If the surviving groups have unequal sizes, the forward's ``repeat_kv`` cannot map
-    them, so each kept query head gets its own copy of its key/value head (group size 1).
-    """
-    if block.n_kv_heads == block.n_heads:
-        return list(keep), 1
-    group = block.n_heads // block.n_kv_heads
-    counts = Counter(h // group for h in keep)  # kept query heads per key/value head
-    sizes = set(counts.values())
-    if len(sizes) <= 1:
-        return sorted(counts), (sizes.pop() if sizes else group)
-    return [h // group for h in keep], 1
+    """Which key/value heads to keep (current numbering, repeats allowed) and the new group size:
+    :func:`headlab.heads.kv_heads_kept` on the block's current head counts."""
+    return kv_heads_kept(keep, block.n_heads, block.n_kv_heads)
 
 
 def _original(block: AttentionBlock) -> tuple[list[int], list[int], int]:
@@ -561,6 +549,16 @@ def pruning_record(model: nn.Module) -> dict:
         }
     numbering = model.__dict__.get(NUMBERING_ATTR)
     return {"format": FORMAT_VERSION, "blocks": blocks, **({"numbering": numbering} if numbering else {})}
+
+
+def declared_numbering(model: nn.Module) -> dict:
+    """What a table or report computed on ``model`` declares of its head numbers, to add to its
+    signature: ``{"numbering": {"reconstructed": ["dec_self:0", ...]}}`` where the kept heads of
+    those blocks were numbered by reconstruction (a re-saved directory without its record,
+    :func:`headlab.checkpoint.record_from_weights`); ``{}`` where every head has its own number."""
+    numbering = model.__dict__.get(NUMBERING_ATTR) or {}
+    blocks = numbering.get("reconstructed")
+    return {"numbering": {"reconstructed": list(blocks)}} if blocks else {}
 
 
 def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNING_FILE) -> None:
@@ -990,6 +988,8 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
         model_class = checkpoint.named_model_class(config, f"{path}/config.json")
     model = checkpoint.build_model(model_class, config, path)
     apply_pruning_record(model, record, source)
+    reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
+    _refuse_computed_by_index(model, reconstructed or [], path)
     checkpoint.check_fits_weights(model, shapes, source)
 
     state = checkpoint.read_weights(path)
@@ -1012,7 +1012,6 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
     ]
     checkpoint.check_complete(path, untied, unexpected)
     _check_loaded(model, path)
-    reconstructed = (record.get("numbering") or {}).get("reconstructed") if isinstance(record, Mapping) else None
     if reconstructed:
         model.__dict__[NUMBERING_ATTR] = {"reconstructed": list(reconstructed)}
         logging.getLogger(__name__).warning(
@@ -1020,6 +1019,29 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
             "groups them (query heads over their key/value heads), not as in the model they were pruned from",
             path, ", ".join(map(str, reconstructed)))
     return model.eval()
+
+
+def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: Path) -> None:
+    """A reconstructed numbering only names heads, unless a head's original index enters what it
+    computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
+    built by the model for all the config's heads) and T5's relative position bias (the stack's
+    one table, a column per original head). There the numbering picks the bias: a wrong one would
+    compute another model than the one saved, so it is refused."""
+    keys = set(reconstructed)
+    biased: dict[str, str] = {}
+    for block in attention_blocks(model):
+        if f"{block.kind}:{block.layer}" not in keys:
+            continue
+        if getattr(block.core, "_headlab_alibi_hooked", False):
+            biased[f"{block.kind}:{block.layer}"] = "its ALiBi slope"
+        elif getattr(block.core, "_headlab_t5_hooked", False) and block.kind != "dec_cross":  # cross: no bias
+            biased[f"{block.kind}:{block.layer}"] = "its column of the relative position bias"
+    if biased:
+        raise HeadlabError(
+            f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "
+            f"the config, and in {_model_type(model)} a head's original index picks {next(iter(biased.values()))}: "
+            f"any other numbering computes another model than the one saved. Put back the {PRUNING_FILE} saved "
+            "with the pruned model (or pass it: headlab.load_pruned(path, record=...))")
 
 
 def _converted_on_save(model: nn.Module) -> bool:
@@ -1082,5 +1104,5 @@ def count_parameters(model: nn.Module) -> int:
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores", "in_original_numbering",
-    "to_current_numbering", "original_heads",
+    "to_current_numbering", "original_heads", "declared_numbering",
 ]

@@ -69,11 +69,20 @@ from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
-from headlab.heads import CAUSAL_KINDS, Numbering, atomic_write_text, renumbered_blocks, renumbering_needed, write_json
+from headlab.heads import (
+    CAUSAL_KINDS,
+    Numbering,
+    atomic_write_text,
+    reconstructed_blocks,
+    reconstructed_note,
+    renumbered_blocks,
+    renumbering_needed,
+    write_json,
+)
 from headlab.loading import check_tokenizer_fits
 from headlab.model_description import model_max_length
 from headlab.shard import Shard, active
-from headlab.surgery import original_heads
+from headlab.surgery import declared_numbering, original_heads
 
 __all__ = ["AnalysisConfig", "HeadAnalysis", "analyze_heads", "describe_heads"]
 
@@ -142,11 +151,15 @@ class RunReport:
     kernel_fallback: dict[str, str] = field(default_factory=dict)
     """Under the kernel engine: why some attention calls ran on the fused engine instead, by statistic
     (its declaration) or ``"model"`` (an attention the kernel cannot compute exactly)."""
+    reconstructed_numbering: list[str] = field(default_factory=list)
+    """The blocks whose head numbers were reconstructed (a pruned directory re-saved without its record), which
+    the README and summary.json say, as the tables' signatures do (:func:`headlab.surgery.declared_numbering`)."""
 
     def to_json(self) -> dict:
         # chunked_statistics only when some statistic fell back: a run without it writes what it always wrote
         data = {k: v for k, v in self.__dict__.items()
-                if k != "problems" and (k not in ("chunked_statistics", "kernel_fallback") or v)}
+                if k != "problems" and (k not in ("chunked_statistics", "kernel_fallback", "reconstructed_numbering")
+                                        or v)}
         data["problems"] = self.problems.to_json()
         return data
 
@@ -154,6 +167,8 @@ class RunReport:
         text = (f"{counted(self.n_sentences, 'sentence')} ({counted(self.n_words, 'word')}, "
                 f"{counted(self.n_tokens, 'token')}) analysed "
                 f"in {self.seconds:.1f} s for {', '.join(self.analysed) or 'nothing'}")
+        if self.reconstructed_numbering:
+            text += f"\n{reconstructed_note(self.reconstructed_numbering)}"
         for name, counts in self.treebanks.items():
             extras = [f"{counts[k]} {label}" for k, label in (
                 ("n_multiword_tokens", "multiword-token lines skipped"),
@@ -277,7 +292,7 @@ def analyze_heads(
     sides, blocks = _analysed_sides(model, seq2seq, conllu is not None, target_conllu is not None)
     max_length = config.max_length or model_max_length(model, tokenizer)
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
-                       max_length=max_length)
+                       max_length=max_length, reconstructed_numbering=reconstructed_blocks(declared_numbering(model)))
     heads = {block.key: original_heads(block) for block in blocks}
     moved = bool(renumbered_blocks(heads))
     numbering = heads if renumbering_needed(heads) else None
@@ -306,7 +321,7 @@ def analyze_heads(
             str(path): counts[name].to_json()
             for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
         }
-        signature = _signature(report, config, target_conllu or conllu, max_length)
+        signature = {**_signature(report, config, target_conllu or conllu, max_length), **declared_numbering(model)}
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
         if numbering is not None:  # a pruned model: its heads by their original index, as the importance scores
             # (a statistic without renumbered was refused unless each layer kept its first heads: then its indices hold)

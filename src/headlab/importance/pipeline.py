@@ -30,6 +30,7 @@ from headlab.importance.config import ImportanceConfig
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.model_description import ModelInfo
 from headlab.shard import active
+from headlab.surgery import declared_numbering
 
 __all__ = ["ImportanceConfig", "ImportanceResult", "MeasuresFailed", "run_importance", "save_results"]
 
@@ -117,7 +118,7 @@ def run_importance(
             log(f"{name} failed: {failures[name]}")
             continue
         for table in tables:
-            scores[table.method] = _with_versions(table, options, left_out)
+            scores[table.method] = _with_versions(table, options, left_out, declared_numbering(model))
     agreement = None
     if REFERENCE in scores and len(scores) > 1:
         agreement = compute_agreement({k: v for k, v in scores.items() if k != REFERENCE}, scores[REFERENCE])
@@ -151,7 +152,9 @@ def _text_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> tuple[tuple[
     return tuple(runs), left_out
 
 
-def _with_versions(table: HeadScores, options: dict, left_out: str | None = None) -> HeadScores:
+def _with_versions(table: HeadScores, options: dict, left_out: str | None = None, numbering: dict | None = None) -> HeadScores:
+    """``table`` signed: options, versions, kinds left out, and ``numbering`` (a pruned model whose head numbers
+    were reconstructed says so in every table computed on it: :func:`headlab.surgery.declared_numbering`)."""
     import torch
     import transformers
 
@@ -159,6 +162,7 @@ def _with_versions(table: HeadScores, options: dict, left_out: str | None = None
         **table.signature,
         "options": options,
         "versions": {"headlab": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        **(numbering or {}),
     }
     if left_out:  # the kinds of the tables are what was scored; this says what was not, and why
         signature["left_out"] = f"{left_out}: not run by token ids, not scored"

@@ -9,6 +9,11 @@ that the statistics declare (``positional``, ``syntactic``, ``rare``:
 (``syntactic_advmod_dep_gov``; the POS tag ``_`` of words without one is ``pos_none``). Read it
 with ``pandas.read_csv(DIR / "heads.csv")``. Everything comes from the files of the analysis
 directory, so the table can be rebuilt from them at any time (:func:`write_heads_table`).
+
+A model whose head numbers were reconstructed (a pruned directory re-saved without its record: its
+tables' signatures say ``"numbering": {"reconstructed": [...]}``) gets a ``numbering`` column after
+``head``: ``reconstructed`` in those layers, whose head numbers are not the original model's, else
+``original``.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ import re
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.heads import KINDS, HeadScores, atomic_write_text, reconstructed_blocks
 from headlab.pipeline.labels import function_groups, label_group
 
 __all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
 
 KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
 
-TABLE_FORMAT = 2
-"""2: ``model`` and ``run`` columns, identifier-safe names (part of the table stage's key)."""
+TABLE_FORMAT = 3
+"""2: ``model`` and ``run`` columns, identifier-safe names; 3: the ``numbering`` column of a model whose head
+numbers were reconstructed (part of the table stage's key)."""
 
 def _sources() -> tuple[str, ...]:
     """Directories of DIR whose HeadScores files become columns: the measures', the functions pass's
@@ -134,10 +140,12 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
     """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``);
     ``model`` and ``run`` fill the columns of those names."""
     values: dict[str, dict[tuple[str, int, int], float]] = {}
+    reconstructed: set[str] = set()
     for name, scores in columns_scores:
         if name in values:
             raise HeadlabError(f"{where}: two score files give the column {name!r}")
         values[name] = dict(scores.items())
+        reconstructed.update(reconstructed_blocks(scores.signature))
     heads = {key for column in values.values() for key in column}
     for key in labels:
         kind, layer_s, head_s = key.split(":")
@@ -145,13 +153,16 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
     order = {kind: i for i, kind in enumerate(KINDS)}
     heads_sorted = sorted(heads, key=lambda h: (order.get(h[0], len(KINDS)), h[1], h[2]))
     measures = list(values)
-    columns = [*KEY_COLUMNS, *measures]
+    # where head numbers are reconstructed, each row says whether its head's number is the original model's
+    columns = [*KEY_COLUMNS, *(["numbering"] if reconstructed else []), *measures]
     groups = function_groups()
     if labels:
         columns += ["functions", *groups]
     rows = []
     for kind, layer, head in heads_sorted:
         row: list = [model, run, kind, layer, head]
+        if reconstructed:
+            row.append("reconstructed" if f"{kind}:{layer}" in reconstructed else "original")
         for name in measures:
             value = values[name].get((kind, layer, head), math.nan)
             row.append(None if value is None or math.isnan(value) else float(value))

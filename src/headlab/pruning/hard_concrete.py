@@ -181,9 +181,12 @@ class HardConcreteGates(HeadGates):
         """P(open) as a HeadScores table (NaN for blocks without gates). With the gated ``model``, a
         pruned model's heads are at their original indices, as in its other score tables."""
         numbering: dict[BlockKey, tuple[list[int], int]] = {}
+        declared: dict = {}
         if model is not None:
             from headlab.adapters import attention_blocks
-            from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR  # what pruning kept, in original numbering
+            from headlab.surgery import KEPT_ATTR, ORIGINAL_ATTR, declared_numbering  # what pruning kept, in original numbering
+
+            declared = declared_numbering(model)  # a re-saved model's reconstructed head numbers, said
 
             for block in attention_blocks(model):
                 kept = getattr(block.core, KEPT_ATTR, None)
@@ -202,7 +205,7 @@ class HardConcreteGates(HeadGates):
                 heads = numbering[(kind, layer)][0] if (kind, layer) in numbering else list(range(len(values)))
                 array[layer, heads] = values.numpy()
             scores[kind] = array
-        signature = {"beta": self.beta, "gamma": self.gamma, "zeta": self.zeta}
+        signature = {"beta": self.beta, "gamma": self.gamma, "zeta": self.zeta, **declared}
         return HeadScores(scores, "hard_concrete_p_open", model_name, signature)
 
     def extra_repr(self) -> str:

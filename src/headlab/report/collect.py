@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import HeadScores, normalised_per_layer
+from headlab.heads import HeadScores, normalised_per_layer, reconstructed_blocks, reconstructed_note
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
@@ -36,6 +36,7 @@ class Collected:
     sections: dict = field(default_factory=dict)  # what each section's (by id) and report part's (by name) ``collect`` read
     per_layer: set[str] = field(default_factory=set)  # ids of the maps normalised per layer (not in the page's data)
     vouched: Vouched = field(default_factory=Vouched)  # the stages' files that manifest.json vouches for
+    reconstructed: set[str] = field(default_factory=set)  # blocks whose head numbers a map's signature says are reconstructed
 
     def reads(self, path: Path) -> bool:
         """Whether ``path`` (in the directory) is read: not a file of a stage the manifest says did not finish."""
@@ -72,9 +73,13 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
     if not data:
         out.note(group, f"{path.relative_to(out.directory)}: no attention kind scored")
         return
+    reconstructed = reconstructed_blocks(scores.signature)
+    out.reconstructed.update(reconstructed)
     out.heatmaps.append({
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
-        "caption": caption + _caption_notes(scores.signature), "method": scores.method,
+        "caption": caption + _caption_notes(scores.signature)
+        + (f"; head numbers of {', '.join(reconstructed)} reconstructed, not the original model's (run summary)"
+           if reconstructed else ""), "method": scores.method,
         "file": str(path.relative_to(out.directory)), "scores": data,
         "categorical": categorical,
     })
@@ -264,4 +269,6 @@ def collect(directory: Path) -> Collected:
     index = _read_json(d / "attention" / "index.json", "viewer", out) if out.reads(d / "attention" / "index.json") else None
     if isinstance(index, dict) and isinstance(index.get("sentences"), list):
         out.attention = index
+    if out.reconstructed:  # every map, the labels and the viewer name these heads so: said once at the top
+        out.note("summary", reconstructed_note(sorted(out.reconstructed)))
     return out
