@@ -23,6 +23,7 @@ import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from support.family_matrix import (
+    attentions_applied_to_values,
     check_lrp_conserves,
     check_pruned_generates_as_masked,
     check_pruned_reloads,
@@ -137,21 +138,28 @@ def test_per_head_sinks_capture_is_transformers_eager_and_masking_is_exact(famil
     than 1): transformers' own eager weights (output_attentions) for GPT-OSS, Flint and MiMo-V2-Flash, which drop
     the sink's column after the softmax; Granite-SWA and GraniteMoE-SWA return the softmax without the sink (rows
     of 1) and scale the head's output by sigmoid(lse - sink) after, and capture returns that softmax times the
-    scale (tests/test_attention_sink_statistics.py). Masking a head equals zeroing its output projection columns:
+    scale: output_attentions times 1 / (1 + exp(sink - lse)), the row's log-sum-exp recomputed from the query and
+    key eager is handed (support.family_matrix.attentions_applied_to_values, as experiments/family_sweep.py
+    compares; tests/test_attention_sink_statistics.py). Masking a head equals zeroing its output projection columns:
     the sinks act within a head."""
     inputs = tiny_inputs()
     model = sink_model(family)
     with torch.no_grad():
         reference = model(**inputs, output_attentions=True).attentions
+    applied, derived = attentions_applied_to_values(model, inputs)  # from output_attentions, sinks, logits
     with capture_attention(model) as record:
         with torch.no_grad():
             model(**inputs)
     scaled_after = family in ("granite_swa", "granitemoe_swa")
     for (_, layer), probs in record.items():
+        assert (layer in derived) == (scaled_after and _has_sinks(family, layer))
         if scaled_after and _has_sinks(family, layer):
             torch.testing.assert_close(reference[layer][0].sum(-1), torch.ones_like(probs[0].sum(-1)))
+            assert not torch.allclose(probs, reference[layer], atol=1e-2)
+            torch.testing.assert_close(probs, applied[layer], atol=1e-6, rtol=0)  # float32 logits against float64
         else:
             assert torch.equal(probs, reference[layer])
+            assert torch.equal(applied[layer], reference[layer])
         rows = probs[0].sum(-1)  # the unpadded row
         if _has_sinks(family, layer):
             assert (rows < 1 - 1e-3).any()
