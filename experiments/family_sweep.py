@@ -228,7 +228,7 @@ def check_capture(eager, model, blocks, inputs, atol) -> None:
         if "any" in reference and len({b.kind for b in blocks}) > 1:
             raise Fail("capture", f"kinds {sorted({b.kind for b in blocks})} in a model with one attentions tuple")
         maps = tuple(maps or ())
-        indices = range(len(maps))
+        indices = list(range(len(maps)))
         if len(maps) != len(keys) and len(maps) > max(layer for _, layer in keys):
             indices = [layer for _, layer in keys]  # one entry per layer (hybrids): the attention layers'
         indices = [i for i in indices if maps[i] is not None]
