@@ -423,7 +423,8 @@ def attentions_applied_to_values(model, inputs: dict) -> tuple[tuple, set[int]]:
     for i, (module, lse) in zip(present, calls):
         sinks = getattr(module, "sinks", None)
         rows = maps[i][0].double().sum(-1)  # the first row of the batch, unpadded
-        if sinks is None or not torch.allclose(rows, torch.ones_like(rows), atol=1e-5, rtol=0):
+        atol = max(1e-5, 4 * torch.finfo(maps[i].dtype).eps)  # bfloat16's weights, each rounded: a row off 1 by 2^-8
+        if sinks is None or not torch.allclose(rows, torch.ones_like(rows), atol=atol, rtol=0):
             continue
         share = 1 / (1 + torch.exp(sinks.detach().double().view(1, -1, 1) - lse))
         applied[i] = (maps[i].double() * share.unsqueeze(-1)).to(maps[i].dtype)
