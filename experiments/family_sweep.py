@@ -282,15 +282,16 @@ def _eager(module):
 
 
 def float32_attention(model) -> bool:
-    """Whether an attention module's own eager function takes its softmax in float32 whatever the model's dtype
-    (Granite-SWA's "Force softmax to fp32", and its sink scale): a float64 model is then only float32-exact
-    there, and two ways to the same logits (pruned, masked) may round differently by ~1e-8."""
+    """Whether an attention module's own eager function scales its output by a factor it takes in float32 whatever
+    the model's dtype (Granite-SWA's sink scale, ``.to(torch.float32).sigmoid()``): a float64 model is then only
+    float32-exact there, and two ways to the same logits (pruned, masked) may round it apart by ~1e-8. (The float32
+    softmax of most eager functions is cast back before the values: it has not shown such a difference.)"""
     import inspect
 
     for module in model.modules():
         function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if hasattr(module, "config") and callable(function) and \
-                re.search(r"dtype=torch\.float32|\.to\(torch\.float32\)", inspect.getsource(function)):
+                re.search(r"\.to\(torch\.float32\)\.sigmoid\(\)", inspect.getsource(function)):
             return True
     return False
 
