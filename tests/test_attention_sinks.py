@@ -23,6 +23,7 @@ import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from support.family_matrix import (
+    attentions_applied_to_values,
     check_lrp_conserves,
     check_pruned_generates_as_masked,
     check_pruned_reloads,
@@ -137,21 +138,28 @@ def test_per_head_sinks_capture_is_transformers_eager_and_masking_is_exact(famil
     than 1): transformers' own eager weights (output_attentions) for GPT-OSS, Flint and MiMo-V2-Flash, which drop
     the sink's column after the softmax; Granite-SWA and GraniteMoE-SWA return the softmax without the sink (rows
     of 1) and scale the head's output by sigmoid(lse - sink) after, and capture returns that softmax times the
-    scale (tests/test_attention_sink_statistics.py). Masking a head equals zeroing its output projection columns:
+    scale: output_attentions times 1 / (1 + exp(sink - lse)), the row's log-sum-exp recomputed from the query and
+    key eager is handed (support.family_matrix.attentions_applied_to_values, as experiments/family_sweep.py
+    compares; tests/test_attention_sink_statistics.py). Masking a head equals zeroing its output projection columns:
     the sinks act within a head."""
     inputs = tiny_inputs()
     model = sink_model(family)
     with torch.no_grad():
         reference = model(**inputs, output_attentions=True).attentions
+    applied, derived = attentions_applied_to_values(model, inputs)  # from output_attentions, sinks, logits
     with capture_attention(model) as record:
         with torch.no_grad():
             model(**inputs)
     scaled_after = family in ("granite_swa", "granitemoe_swa")
     for (_, layer), probs in record.items():
+        assert (layer in derived) == (scaled_after and _has_sinks(family, layer))
         if scaled_after and _has_sinks(family, layer):
             torch.testing.assert_close(reference[layer][0].sum(-1), torch.ones_like(probs[0].sum(-1)))
+            assert not torch.allclose(probs, reference[layer], atol=1e-2)
+            torch.testing.assert_close(probs, applied[layer], atol=1e-6, rtol=0)  # float32 logits against float64
         else:
             assert torch.equal(probs, reference[layer])
+            assert torch.equal(applied[layer], reference[layer])
         rows = probs[0].sum(-1)  # the unpadded row
         if _has_sinks(family, layer):
             assert (rows < 1 - 1e-3).any()
@@ -224,3 +232,66 @@ def test_sink_scaled_eager_missing_is_refused_before_any_work(family, monkeypatc
     with pytest.raises(HeadlabError, match=refusal):
         with capture_attention(model, blocks=blocks):
             pytest.fail("capture started")
+
+
+@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa"])
+def test_sink_scaled_capture_leaves_other_threads_alone(family):
+    """Two captures of two Granite-SWA models in two threads, and a plain forward of a third model in a third, all
+    at once: each capture gets the weights its values get, the plain forward transformers' own output_attentions,
+    and transformers' modeling module is left as it was. Before: capture swapped the modeling module's
+    ``eager_attention_forward``, which every model of the type reads: the plain forward got weights scaled twice,
+    the capture that ended first took the scaling from the one still running (its maps the pre-sink softmax), and
+    the module was left patched with the first capture's wrapper."""
+    import sys
+    import threading
+
+    models = [sink_model(family) for _ in range(3)]
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        plain_expected = models[2](**inputs, output_attentions=True).attentions
+        with capture_attention(models[0]) as record:
+            models[0](**inputs)
+        expected = dict(record.items())
+    module = sys.modules[type(_layers(models[0])[0].self_attn).__module__]
+    eager = module.eager_attention_forward
+    first_in, second_in, plain_done, first_done = (threading.Event() for _ in range(4))
+    captured: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int, entered: threading.Event, wait_before: threading.Event | None,
+            wait_inside: threading.Event, done: threading.Event | None) -> None:
+        try:
+            if wait_before is not None:
+                assert wait_before.wait(30)
+            with capture_attention(models[index]) as record, torch.no_grad():
+                entered.set()
+                assert wait_inside.wait(30)
+                models[index](**inputs)
+                captured[index] = dict(record.items())
+        except BaseException as error:  # noqa: BLE001 (re-raised in the main thread)
+            errors.append(error)
+            entered.set()
+        finally:
+            if done is not None:
+                done.set()
+
+    first = threading.Thread(target=run, args=(0, first_in, None, plain_done, first_done))
+    second = threading.Thread(target=run, args=(1, second_in, first_in, first_done, None))
+    first.start()
+    second.start()
+    try:
+        assert second_in.wait(30)
+        with torch.no_grad():  # both captures inside: a plain forward of a third model
+            plain = models[2](**inputs, output_attentions=True).attentions
+    finally:
+        plain_done.set()
+        first.join(60)
+        second.join(60)
+    assert not errors, errors
+    for layer, probs in enumerate(plain):
+        assert torch.equal(probs, plain_expected[layer])
+    for index in (0, 1):  # the second ran its forward after the first capture had ended
+        assert captured[index].keys() == expected.keys()
+        for key, probs in expected.items():
+            assert torch.equal(captured[index][key], probs)
+    assert module.eager_attention_forward is eager

@@ -301,48 +301,80 @@ def _model_type(block: AttentionBlock) -> str | None:
     return getattr(getattr(block.core, "config", None), "model_type", None)
 
 
-def _sink_weights(eager: Callable[..., tuple]) -> Callable[..., tuple]:
-    """``eager`` (Granite-SWA's eager attention function: the softmax without the sink, the output scaled by
-    ``sigmoid(lse - sink)`` after) returning the weights the values get: its softmax times that scale, computed as
-    it computes it (transformers 5.24, granite_swa ``eager_attention_forward``). Its output is left as it is."""
+SINK_EAGER = "headlab_sink_eager"
+"""The name under which :func:`sink_scaled_eager` (and transformers' eager mask builder) is registered."""
 
-    def forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple:
-        output, probs = eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        sinks = getattr(module, "sinks", None)
-        if probs is None or sinks is None:
-            return output, probs
-        keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # repeat_kv
-        logits = torch.matmul(query, keys.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            logits = logits + attention_mask
-        scale = (torch.logsumexp(logits, dim=-1) - sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
-        return output, probs * scale.unsqueeze(-1).to(probs.dtype)
 
-    return forward
+def sink_scaled_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple:
+    """The eager attention of ``module``'s own modeling module (the default its forward hands
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``), and, for a core of
+    :data:`~headlab.adapters.families.SINKS_SCALE_OUTPUT` (Granite-SWA: the softmax without the sink, the output
+    scaled by ``sigmoid(lse - sink)`` after), the weights its values get in place of its weights: that softmax
+    times the scale, computed as it computes it (transformers 5.24, granite_swa ``eager_attention_forward``).
+    The output is eager's, untouched."""
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if not callable(eager):  # refused by check_sink_eager before any work; a module sharing the config here
+        raise HeadlabError(f"{type(module).__name__}: its modeling module {type(module).__module__} has no "
+                           "eager_attention_forward, the function headlab's sink-scaled eager runs")
+    output, probs = eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    sinks = getattr(module, "sinks", None)
+    if probs is None or sinks is None or getattr(getattr(module, "config", None), "model_type", None) \
+            not in SINKS_SCALE_OUTPUT:
+        return output, probs
+    keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # repeat_kv
+    logits = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        logits = logits + attention_mask
+    scale = (torch.logsumexp(logits, dim=-1) - sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+    return output, probs * scale.unsqueeze(-1).to(probs.dtype)
+
+
+_sink_eager_registered = False
+
+
+def _register_sink_eager() -> None:
+    global _sink_eager_registered
+    if not _sink_eager_registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        AttentionInterface.register(SINK_EAGER, sink_scaled_eager)
+        AttentionMaskInterface.register(SINK_EAGER, eager_mask)  # eager's own masks, built as for "eager"
+        _sink_eager_registered = True
 
 
 @contextmanager
 def _sink_weights_returned(blocks: list[AttentionBlock]) -> Iterator[None]:
     """Inside, the eager attention of every block of :data:`~headlab.adapters.families.SINKS_SCALE_OUTPUT`
-    returns the weights its values get (:func:`_sink_weights`), as GPT-OSS's eager does: its modeling module's
-    ``eager_attention_forward``, which the attention module looks up when it runs, wrapped and put back on exit."""
-    import sys
-
-    modules = {type(b.core).__module__: b for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads}
-    for block in modules.values():  # blocks read under another transformers module: refused before patching any
+    returns the weights its values get (:func:`sink_scaled_eager`), as GPT-OSS's eager does: their configs'
+    attention implementation is :data:`SINK_EAGER`, registered with transformers' ``AttentionInterface``, and back
+    to what it was on exit. Only this model's configs change: its modeling module's ``eager_attention_forward``,
+    which every model of the type reads, is left alone (another capture, or another model's forward, in another
+    thread, sees none of this)."""
+    scaled = [b for b in blocks if _model_type(b) in SINKS_SCALE_OUTPUT and b.n_heads]
+    for block in scaled:  # blocks read under another transformers module: refused before any switch
         check_sink_eager(_model_type(block), block.core)
-    patched = []
+        if not dispatches(block.core):
+            raise HeadlabError(f"{block.name}: its attention ({type(block.core).__name__}) does not pick its "
+                               "function from transformers' AttentionInterface, where headlab reads the weights "
+                               "its values get after the sinks' scaling")
+    configs: list[Any] = list({id(b.core.config): b.core.config for b in scaled}.values())
+    if not configs:
+        yield
+        return
+    _register_sink_eager()
+    previous = [config._attn_implementation for config in configs]
     try:
-        for name in sorted(modules):
-            module = sys.modules[name]
-            eager = getattr(module, "eager_attention_forward")  # noqa: B009 (a modeling module's, unknown to mypy)
-            patched.append((module, eager))
-            setattr(module, "eager_attention_forward", _sink_weights(eager))  # noqa: B010
+        for config in configs:
+            config._attn_implementation = SINK_EAGER
         yield
     finally:
-        for module, eager in reversed(patched):
-            setattr(module, "eager_attention_forward", eager)  # noqa: B010
+        for config, name in zip(configs, previous):
+            config._attn_implementation = name
 
 
 @contextmanager

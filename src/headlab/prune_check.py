@@ -18,7 +18,9 @@ padding (a padded query's output is not defined).
 Tolerance: two tensors agree when max |pruned - masked| <= sqrt(eps) * max |masked| with eps the
 machine epsilon of the model's dtype (float32: 3.5e-4 of the tensor's largest value; bfloat16:
 8.8e-2; float16: 3.1e-2). Slicing only reorders floating-point sums, which moves results by a few
-eps; a wrong slice moves them by the size of a head's contribution.
+eps; a wrong slice moves them by the size of a head's contribution. A float64 model whose attention
+takes part of its computation in float32 whatever the dtype (Granite-SWA's sink scale) is held to float32's
+tolerance by the caller (:mod:`headlab.surgery` picks the dtype).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from headlab.adapters.families import (
     HEAD_PARAMETERS_REFUSED,
     KV_DYNAMIC_MASKS,
     QKV_LAYOUTS,
+    SINKS_SCALE_OUTPUT,
     rows_per_head,
     unpruned_latent_reason,
 )
@@ -691,6 +692,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
         return blocks
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype == torch.float64 and any(b.n_heads and _model_type(b.core) in SINKS_SCALE_OUTPUT for b, *_ in plans):
+        # its eager takes the sink scale in float32 whatever the dtype (transformers 5.24 granite_swa, "Force sink
+        # scaling to fp32"): pruned and masked may round it apart by float32's, not float64's, precision
+        dtype = torch.float32
     probe = probe_inputs(model)
     with masked_heads(model, spec):
         reference = run_probe(model, probe)

@@ -369,6 +369,72 @@ def check_capture_equals_output_attentions(build, kind: str, inputs: dict, n_lay
     return model, record
 
 
+SINK_LSE = "family_matrix_sink_lse"
+_ROW_LSE: list = []  # (attention module, each row's log-sum-exp of its logits) per call of _lse_recording_eager
+
+
+def _lse_recording_eager(module, query, key, value, attention_mask, **kwargs):
+    """The module's own eager attention (its modeling module's eager_attention_forward), its output untouched, and
+    each row's log-sum-exp of the logits it is handed, recorded in float64 (keys repeated over their query heads)."""
+    import sys
+
+    output = sys.modules[type(module).__module__].eager_attention_forward(
+        module, query, key, value, attention_mask, **kwargs)
+    keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scores = query.double() @ keys.double().transpose(2, 3) * kwargs["scaling"]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else scores + attention_mask.double()
+    _ROW_LSE.append((module, torch.logsumexp(scores, dim=-1)))
+    return output
+
+
+def attentions_applied_to_values(model, inputs: dict) -> tuple[tuple, set[int]]:
+    """transformers' own eager ``output_attentions`` of a decoder-only ``model`` (eager), with the map of each
+    attention module that has learned sinks and whose rows sum to 1 (Granite-SWA, GraniteMoE-SWA: the softmax
+    before the sink, the head's output scaled after) replaced by the weights its values get, with the sink one
+    more logit of the softmax (transformers 5.24, granite_swa eager_attention_forward's comment):
+    ``exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)) = p_ij / (1 + exp(sink_h - lse_i))``, ``p`` the map,
+    ``lse_i`` the row's log-sum-exp of its logits ``s``, recomputed from the query and key eager is handed. Read
+    from the model alone, never from headlab's capture. Maps whose rows sum to less than 1 (GPT-OSS: the sink's
+    column dropped after the softmax) are already those weights, and are returned as they are. Also the indices of
+    the maps replaced: worked out in float64, against the model's own weights good to float32's precision (1e-6),
+    Granite-SWA's eager taking its softmax and sink scale in float32 whatever the model's dtype."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(SINK_LSE, _lse_recording_eager)
+    AttentionMaskInterface.register(SINK_LSE, eager_mask)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                           "_attn_implementation")}.values()
+    previous = [config._attn_implementation for config in configs]
+    assert set(previous) == {"eager"}, previous
+    _ROW_LSE.clear()
+    try:
+        for config in configs:
+            config._attn_implementation = SINK_LSE
+        with torch.no_grad():
+            maps = model(**inputs, output_attentions=True, use_cache=False).attentions
+    finally:
+        for config, name in zip(configs, previous):
+            config._attn_implementation = name
+    calls = list(_ROW_LSE)
+    _ROW_LSE.clear()
+    present = [i for i, m in enumerate(maps) if m is not None]
+    assert len(calls) == len(present), (len(calls), len(present))  # one call per map, in layer order
+    applied, derived = list(maps), set()
+    for i, (module, lse) in zip(present, calls):
+        sinks = getattr(module, "sinks", None)
+        rows = maps[i][0].double().sum(-1)  # the first row of the batch, unpadded
+        atol = max(1e-5, 4 * torch.finfo(maps[i].dtype).eps)  # bfloat16's weights, each rounded: a row off 1 by 2^-8
+        if sinks is None or not torch.allclose(rows, torch.ones_like(rows), atol=atol, rtol=0):
+            continue
+        share = 1 / (1 + torch.exp(sinks.detach().double().view(1, -1, 1) - lse))
+        applied[i] = (maps[i].double() * share.unsqueeze(-1)).to(maps[i].dtype)
+        derived.add(i)
+    return tuple(applied), derived
+
+
 def check_streamed_chunks_equal_capture(model, inputs: dict, record) -> torch.Tensor:
     """stream_attention's chunks, put together, equal the captured maps ``record``; the logits back."""
     from headlab.capture import stream_attention

@@ -416,7 +416,8 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
 
 def check_sink_eager(model_type: str | None, core: nn.Module) -> None:
     """A core of :data:`SINKS_SCALE_OUTPUT` has the module-level ``eager_attention_forward`` in its modeling module,
-    which capture wraps to return the weights its values get (:func:`headlab.capture._sink_weights_returned`);
+    which capture runs, through its own registered attention function, to return the weights its values get
+    (:func:`headlab.capture.sink_scaled_eager`);
     a transformers version without it is refused here, before any work, not with an AttributeError mid-capture."""
     import sys
 
