@@ -123,6 +123,17 @@ def test_a_legacy_checkpoint_still_resumes_and_the_next_one_is_new(tmp_path, cor
         ["model.safetensors", "optimizer.safetensors", "rng-0.safetensors"]
 
 
+def test_a_missing_rng_file_is_said_not_skipped_in_silence(tmp_path, corpus, tokenizer):
+    """Regression: a process stopped after the new last/ was in place but before its own
+    rng-<rank> file was renamed in resumed without its generators' state, saying nothing."""
+    run = _cut(tmp_path, corpus, tokenizer)
+    (run / "last" / "rng-0.safetensors").unlink()
+    lines = []
+    _resumed(run, corpus, tokenizer, log=lines.append)
+    said = [line for line in lines if "no random-generator state of process 0" in line]
+    assert len(said) == 1 and "rng-0.safetensors" in said[0], lines
+
+
 def test_a_legacy_checkpoint_that_is_damaged_is_refused_naming_it(tmp_path, corpus, tokenizer):
     run = _cut(tmp_path, corpus, tokenizer)
     _make_legacy(run / "last")

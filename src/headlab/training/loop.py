@@ -462,6 +462,11 @@ def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfi
     if rng_path is not None:
         _resume_file(rng_path, lambda path: set_rng(_load_legacy(path) if path.suffix == ".pt" else load_rng(path),
                                                     accelerator.device))
+    else:  # a process killed between the new last/ and its own file's rename: resumable, but say what it costs
+        log(f"{resume_from}: no random-generator state of process {accelerator.process_index} "
+            f"({rng_file(accelerator.process_index)}: the run was stopped before it was written); this process "
+            "draws from its generators as they are now, so its dropout and gate noise differ from an "
+            "uninterrupted run's")
     legacy = [path.name for path in (optimizer_file, rng_path) if path is not None and path.suffix == ".pt"]
     if legacy:
         log(f"{resume_from}: {' and '.join(legacy)} {'is' if len(legacy) == 1 else 'are'} in the legacy torch.save "
