@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import attention_blocks
 from headlab.cli import main
 from headlab.errors import HeadlabError, RunFailed
 from headlab.importance import (
@@ -99,8 +98,23 @@ def test_a_soft_capped_logit_gets_the_relevance_of_the_logit_before_capping_time
 
     model = tiny_lrp_model("gemma2", biases=False, dtype=torch.float64)
     assert model.config.final_logit_softcapping == 30
-    attention_blocks(model)  # the blocks read: their probe pass is not the pass checked
     check_lrp_conserves(model, model.model.layers[0])
+
+
+def test_the_conservation_helper_checks_the_explained_pass_not_the_blocks_probe(monkeypatch):
+    """A model whose blocks were never read: entering lrp_rules reads them, and discovery's probe forward (under
+    no_grad) calls the first layer before the explained pass. The helper checks the explained call, the only one
+    it counts (before: it took the probe's input, which is on no path to the logit, and failed with "One of the
+    differentiated Tensors does not require grad", counting 2 calls)."""
+    from headlab.adapters import discovery
+    from support.family_matrix import check_lrp_conserves
+
+    probes = []
+    discover = discovery._discover
+    monkeypatch.setattr(discovery, "_discover", lambda model: probes.append(1) or discover(model))
+    model = tiny_lrp_model("olmo", biases=False, dtype=torch.float64)
+    assert check_lrp_conserves(model, model.model.layers[0]) == 1
+    assert probes == [1]  # the trap was there: the probe ran inside the helper
 
 
 class ScaleNorm(torch.nn.Module):
