@@ -68,6 +68,42 @@ def test_every_run_records_conservation_within_the_tolerance(family):
     assert record["embeddings"]["min"] <= record["embeddings"]["mean"] <= record["embeddings"]["max"]
 
 
+@pytest.mark.parametrize("family", [*FAMILIES, *NEW_FAMILIES, "hy_v3"])
+def test_a_float64_model_conserves_to_float64_rounding(family):
+    """In float64 LRP computes in float64 everywhere, also where the model's code asks for float32 (the norms, the
+    eager softmax; Hunyuan-V3 adds its experts' outputs in float32, Beam's MLP multiplies in it: tests/
+    test_output_gates.py). Before, Hunyuan-V3 lost 7e-11 of the logit there; now every family is within 5e-14."""
+    from support.converted import tiny_model as converted_model
+
+    model = (converted_model(family) if family == "hy_v3" else _model(family)).to(torch.float64)
+    data, info = _data(model)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bart"])
+def test_the_conservation_check_measures_the_explained_pass_only(family, monkeypatch):
+    """The check's numbers (the first layers' inputs, the biases' probes) are read from the pass LRP explains: a
+    pass under no_grad inside the LRP context (discovery's probe forward, were the blocks read again there) is not
+    recorded. Before, its first-layer input was taken for an embedding and the run failed ("found no input
+    embeddings on the path to the logits")."""
+    model = tiny_model(family).to(torch.float64)
+    data, info = _data(model)
+    lm_input = lrp_module._lm_input
+
+    @contextlib.contextmanager
+    def after_a_probe_pass(model):
+        with torch.no_grad():
+            model(**{"input_ids": torch.tensor([[5, 17, 33]]),
+                     **({"decoder_input_ids": torch.tensor([[0, 9]])} if info.is_seq2seq else {})})
+        with lm_input(model) as seen:
+            yield seen
+
+    monkeypatch.setattr(lrp_module, "_lm_input", after_a_probe_pass)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12
+
+
 @pytest.mark.parametrize("family", ["olmo", "gemma", "gemma2", "gemma3", "mt5", "qwen3", "olmo2"])
 def test_each_normalisation_rule_conserves_layer_to_layer(family):
     """OLMo's parameter-free LayerNorm used to get no rule (9% of the logit reached the
@@ -235,8 +271,10 @@ def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
 
 
 def test_a_forward_that_is_not_finite_is_named_so(monkeypatch):
-    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula."""
+    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula. (Both guards off:
+    the floor, and the float64 softmax that _KeptWide gives its eager attention's float32 one.)"""
     monkeypatch.setattr(lrp_module, "_finite_masks", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(lrp_module, "_KeptWide", lambda dtype: contextlib.nullcontext())
     model = tiny_lrp_model("gemma2", sliding_window=2)
     data = ImportanceData.from_ids([[5, 6, 7, 1], [5, 6, 7, 8, 9, 10, 11, 1]])
     with pytest.raises(HeadlabError, match="forward is not finite in float64: NaN or infinity reached Gemma2RMSNorm"):
