@@ -186,7 +186,7 @@ def test_per_head_sinks_lrp_conserves(family):
     from headlab.importance.rules import check_rules
 
     model = sink_model(family)
-    check_rules(model)  # not refused (and the blocks read: their probe pass is not the pass checked)
+    check_rules(model)  # not refused
     check_lrp_conserves(model, _layers(model)[0])
 
 

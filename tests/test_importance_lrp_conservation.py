@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import attention_blocks
 from headlab.cli import main
 from headlab.errors import HeadlabError, RunFailed
 from headlab.importance import (
@@ -69,6 +68,42 @@ def test_every_run_records_conservation_within_the_tolerance(family):
     assert record["embeddings"]["min"] <= record["embeddings"]["mean"] <= record["embeddings"]["max"]
 
 
+@pytest.mark.parametrize("family", [*FAMILIES, *NEW_FAMILIES, "hy_v3"])
+def test_a_float64_model_conserves_to_float64_rounding(family):
+    """In float64 LRP computes in float64 everywhere, also where the model's code asks for float32 (the norms, the
+    eager softmax; Hunyuan-V3 adds its experts' outputs in float32, Beam's MLP multiplies in it: tests/
+    test_output_gates.py). Before, Hunyuan-V3 lost 7e-11 of the logit there; now every family is within 5e-14."""
+    from support.converted import tiny_model as converted_model
+
+    model = (converted_model(family) if family == "hy_v3" else _model(family)).to(torch.float64)
+    data, info = _data(model)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bart"])
+def test_the_conservation_check_measures_the_explained_pass_only(family, monkeypatch):
+    """The check's numbers (the first layers' inputs, the biases' probes) are read from the pass LRP explains: a
+    pass under no_grad inside the LRP context (discovery's probe forward, were the blocks read again there) is not
+    recorded. Before, its first-layer input was taken for an embedding and the run failed ("found no input
+    embeddings on the path to the logits")."""
+    model = tiny_model(family).to(torch.float64)
+    data, info = _data(model)
+    lm_input = lrp_module._lm_input
+
+    @contextlib.contextmanager
+    def after_a_probe_pass(model):
+        with torch.no_grad():
+            model(**{"input_ids": torch.tensor([[5, 17, 33]]),
+                     **({"decoder_input_ids": torch.tensor([[0, 9]])} if info.is_seq2seq else {})})
+        with lm_input(model) as seen:
+            yield seen
+
+    monkeypatch.setattr(lrp_module, "_lm_input", after_a_probe_pass)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12
+
+
 @pytest.mark.parametrize("family", ["olmo", "gemma", "gemma2", "gemma3", "mt5", "qwen3", "olmo2"])
 def test_each_normalisation_rule_conserves_layer_to_layer(family):
     """OLMo's parameter-free LayerNorm used to get no rule (9% of the logit reached the
@@ -99,8 +134,23 @@ def test_a_soft_capped_logit_gets_the_relevance_of_the_logit_before_capping_time
 
     model = tiny_lrp_model("gemma2", biases=False, dtype=torch.float64)
     assert model.config.final_logit_softcapping == 30
-    attention_blocks(model)  # the blocks read: their probe pass is not the pass checked
     check_lrp_conserves(model, model.model.layers[0])
+
+
+def test_the_conservation_helper_checks_the_explained_pass_not_the_blocks_probe(monkeypatch):
+    """A model whose blocks were never read: entering lrp_rules reads them, and discovery's probe forward (under
+    no_grad) calls the first layer before the explained pass. The helper checks the explained call, the only one
+    it counts (before: it took the probe's input, which is on no path to the logit, and failed with "One of the
+    differentiated Tensors does not require grad", counting 2 calls)."""
+    from headlab.adapters import discovery
+    from support.family_matrix import check_lrp_conserves
+
+    probes = []
+    discover = discovery._discover
+    monkeypatch.setattr(discovery, "_discover", lambda model: probes.append(1) or discover(model))
+    model = tiny_lrp_model("olmo", biases=False, dtype=torch.float64)
+    assert check_lrp_conserves(model, model.model.layers[0]) == 1
+    assert probes == [1]  # the trap was there: the probe ran inside the helper
 
 
 class ScaleNorm(torch.nn.Module):
@@ -221,8 +271,10 @@ def test_a_padding_query_with_no_key_in_its_window_stays_finite(family, dtype):
 
 
 def test_a_forward_that_is_not_finite_is_named_so(monkeypatch):
-    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula."""
+    """Without the mask floor Gemma 2's padding rows were NaN, and LRP blamed the norm's formula. (Both guards off:
+    the floor, and the float64 softmax that _KeptWide gives its eager attention's float32 one.)"""
     monkeypatch.setattr(lrp_module, "_finite_masks", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(lrp_module, "_KeptWide", lambda dtype: contextlib.nullcontext())
     model = tiny_lrp_model("gemma2", sliding_window=2)
     data = ImportanceData.from_ids([[5, 6, 7, 1], [5, 6, 7, 8, 9, 10, 11, 1]])
     with pytest.raises(HeadlabError, match="forward is not finite in float64: NaN or infinity reached Gemma2RMSNorm"):

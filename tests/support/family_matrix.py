@@ -520,16 +520,21 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.normal_(0, module.in_features ** -0.5)
-    seen, heads = [], []
-    handles = [first_layer.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True),
-        model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]
+    seen: list[torch.Tensor] = []
+    heads: list[torch.Tensor] = []
+    handles = []
     cap = getattr(model.config, "final_logit_softcapping", None)
     try:
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            # Recorded from here only: entering lrp_rules reads the blocks, which on a model whose blocks were
+            # never read runs discovery's probe forward (under no_grad): its first call is not the one explained.
+            handles = [first_layer.register_forward_pre_hook(
+                lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True),
+                model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]
             out = model(**tiny_inputs(batch=1)).logits
             target = out[0, -1].argmax()
-            z = heads[-1][0, -1, target]
+            z = heads[0][0, -1, target]
             grad, = torch.autograd.grad(z, seen[0], retain_graph=bool(cap))
             capped, = torch.autograd.grad(out[0, -1, target], seen[0]) if cap else (None,)
     finally:

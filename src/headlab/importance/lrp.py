@@ -46,6 +46,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, head_output_hooks
@@ -127,6 +128,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     shared = {id(names[b.name.rpartition(".")[0]]): b.core for b in firsts.values() if b.shared}
 
     def record(module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return  # a pass under no_grad (discovery's probe forward) is not the one explained
         core = shared.get(id(module))
         if core is not None and applications.running.get(id(core), -1) != -1:
             return  # a shared layer (ALBERT) at a later depth: the stack's input is its first call's
@@ -191,6 +194,49 @@ def _widened(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
                 owner._buffers[name] = owner._buffers[name].to(narrow)  # type: ignore[attr-defined]
 
 
+class _KeptWide(TorchFunctionMode):
+    """Every floating type narrower than ``dtype`` that the model's code asks for is ``dtype``.
+
+    Widening the weights is not enough: transformers' code narrows on its own (Beam's MLP takes
+    ``act(gate.float()) * up.float()``, Hunyuan-V3 adds its experts' outputs in ``.float()``, the
+    norms and the eager softmax compute in float32). A narrowing on the relevance's path rounds its
+    value, not its gradient, so ``x * g`` loses ~1e-7 of the logit at each (Beam: 3e-6 relevance
+    not conserved in float64, 5e-14 with this). Here ``.float()``, ``.half()``, ``.bfloat16()``,
+    ``.to(dtype)``, ``.type_as(other)`` and every ``dtype=`` of a narrower float give ``dtype``
+    instead; ``.view(dtype)`` (a reinterpretation of the bits) is left alone."""
+
+    _NARROWING = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.bits = torch.finfo(dtype).bits
+
+    def _narrow(self, value: Any) -> bool:
+        return isinstance(value, torch.dtype) and value.is_floating_point and torch.finfo(value).bits < self.bits
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._NARROWING:
+            func, args = torch.Tensor.to, (args[0], self.dtype)
+        elif func is torch.Tensor.type_as and isinstance(args[1], torch.Tensor) and self._narrow(args[1].dtype):
+            func, args = torch.Tensor.to, (args[0], self.dtype)
+        elif func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+                and self._narrow(args[1].dtype):  # x.to(other): other's device, not its narrower type
+            args = (args[0], args[1].device, self.dtype, *args[2:])
+        elif func is not torch.Tensor.view:
+            args = tuple(self.dtype if self._narrow(a) else a for a in args)
+            if self._narrow(kwargs.get("dtype")):
+                kwargs["dtype"] = self.dtype
+        return func(*args, **kwargs)
+
+
+def _computed_in(model: nn.Module) -> torch.dtype:
+    """The widest floating type of ``model``'s parameters: what a widened model computes in."""
+    return max((p.dtype for p in model.parameters() if p.is_floating_point()), key=lambda d: torch.finfo(d).bits,
+               default=torch.float32)
+
+
 @contextmanager
 def _finite_masks(model: nn.Module) -> Iterator[None]:
     """Additive float64 attention masks raised to float32's lowest number, so that a row whose
@@ -202,7 +248,9 @@ def _finite_masks(model: nn.Module) -> Iterator[None]:
     and 3, ModernBERT's local layers) gets NaN probabilities, which reach every gradient of its
     row. In the model's own float32 such a row is finite (uniform over masked keys, never read).
     Every other row is unchanged to the bit: its masked scores are far below float32's range
-    either way, and ``exp`` of them is exactly zero."""
+    either way, and ``exp`` of them is exactly zero. (:class:`_KeptWide` now gives eager attention a
+    float64 softmax, where such a row is finite without the floor; the floor stays for any float32
+    arithmetic a mask meets.)"""
     lowest = torch.finfo(torch.float32).min
 
     def raise_floor(module, args, kwargs):
@@ -233,6 +281,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     probes: list[torch.Tensor] = []
 
     def probe(module, args, output):
+        if not torch.is_grad_enabled():
+            return None  # a pass under no_grad (discovery's probe forward) is not the one explained
         bias = module.bias
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
                 or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
@@ -389,8 +439,9 @@ def head_relevance(
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
             _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
             _embeddings(model) as embedded, _lm_input(model) as seen, head_output_hooks(blocks, record):
-        out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
-            else model(**batch.inputs)
+        with _KeptWide(_computed_in(model)):  # the forward only: the backward passes below are torch's own
+            out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
+                else model(**batch.inputs)
         y, top = _targets(model, out.logits, seen["z"], batch.inputs.get("input_ids"))
         # Where relevance ends: the input embeddings ([batch, pos, d] each), and the biases (probes).
         if not embedded or not all(e.requires_grad for e in embedded):
