@@ -47,6 +47,11 @@ def tiny(config_class, cls, sizes: dict, implementation: str = "eager"):
     ignores the tiny sizes (over ``MAX_PARAMETERS``, counted on the meta device before any memory is
     spent). What the config or the class raises, raised."""
     config = config_class(**sizes)
+    # the sub-config the class takes: the auto classes' for a text model of a composite config (Qwen3.5's
+    # text_config), and MusicGen's decoder (MusicgenForCausalLM, mapped to MusicgenConfig)
+    key = next((k for k, c in config.sub_configs.items() if c is getattr(cls, "config_class", None)), None)
+    if key is not None:
+        config = config.get_text_config() if key == "text_config" else getattr(config, key)
     config._attn_implementation = implementation
     with torch.device("meta"):
         if sum(p.numel() for p in cls(config).parameters()) > MAX_PARAMETERS:
