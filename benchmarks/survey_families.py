@@ -1,7 +1,8 @@
 """How headlab finds the attention of every text model type transformers registers.
 
 For each ``model_type`` with a causal-LM or masked-LM class, a tiny random model is built from its
-config (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8, vocab 99; types whose
+config (from the sub-config the class takes, as transformers' auto classes build Qwen3.5's text
+model; hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8, vocab 99; types whose
 config ignores these sizes, over 3M parameters, are skipped) and :func:`headlab.attention_blocks`
 says how it is found: ``table`` (adapters/families.py), ``discovered`` (run time,
 adapters/discovery.py), ``generic`` (name-based, transformers' own code outside the attention

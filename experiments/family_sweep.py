@@ -4,10 +4,14 @@ For each ``model_type`` of transformers' ``CONFIG_MAPPING`` with a causal-LM, ma
 sequence-to-sequence LM class, a tiny random model is built from its config (hidden 32, 2 layers,
 4 query heads over 2 key/value heads of 8, vocab 99; float64 where the model runs in it; types
 whose config ignores the tiny sizes, over 3M parameters, are skipped; ``OVERRIDES`` gives the types
-that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba), with no download, and the
+that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba, multimodal and speech
+models' text, audio and vision sub-configs; a class that takes a sub-config, Qwen3.5's text model, is built from it as
+transformers' auto classes build it), with no download, and the
 checks of tests/support/family_matrix.py are run through headlab's public functions:
 
 * ``blocks``: :func:`headlab.attention_blocks` finds it, or refuses it (``HeadlabError``);
+* ``idle``: the blocks it calls idle (a multimodal model's tower, a cross-attention given no encoder states) do not
+  run on token ids; the checks below leave them out (tests/test_multimodal_towers.py checks what headlab does with them);
 * ``capture``: :func:`headlab.capture_attention` (SDPA where the family has it) equals transformers'
   own eager ``output_attentions``, kind by kind;
 * ``mask``: masking the query heads of the last key/value head of the last block of each kind
@@ -25,7 +29,7 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
 result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
-traceback for a user), ``skipped`` (does not build tiny) or ``timeout``. Families already in the
+traceback for a user), ``skipped`` (does not build tiny, or ``SKIPPED`` gives the reason) or ``timeout``. Families already in the
 test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
 builder and the walk over the model types are benchmarks/survey_families.py's, imported from there.
 
@@ -68,7 +72,7 @@ EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial
     mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=1,
     mamba_head_dim=8, ssm_state_size=8, window_size=4, attention_types=[[["global", "local"], 1]],
     num_layers=2)
-DROP = object()  # an OVERRIDES value: the size left out (a config that refuses to be given it)
+UNSET = object()  # an OVERRIDES value: the size left out (a config that refuses to be given it)
 HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
 MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
 GEMMA = {**SIZES, "query_pre_attn_scalar": 8}  # an encoder-decoder's halves (T5Gemma): the tiny sizes in each
@@ -139,7 +143,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                             audio_config=dict(TINY_AUDIO, num_blocks=1, ext_pw_out_channel=32,
                                               depthwise_separable_out_channel=32, nemo_conv_channels=32, input_size=16,
                                               bias_max_distance=16, feature_layer=-1)),
-    "prophetnet": dict(num_hidden_layers=DROP, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+    "prophetnet": dict(num_hidden_layers=UNSET, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
                        num_decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_buckets=8,
                        relative_max_distance=16),
     **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "layer_types": HYBRID}) for t in ("qwen3_5", "qwen3_5_moe")},
@@ -159,7 +163,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
         hidden_size=8, num_filters=4, downsampling_ratios=[2], depths=[1, 1]) for k in ("acoustic", "semantic")}),
     "xmod": dict(languages=["en_XX", "de_DE"], default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1, moe_intermediate_size=40, router_hidden_size=16),
-    "xlnet": dict(max_position_embeddings=DROP, d_inner=40, mem_len=DROP),
+    "xlnet": dict(max_position_embeddings=UNSET, d_inner=40, mem_len=UNSET),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
@@ -214,7 +218,7 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
-        sizes = {k: v for k, v in {**sizes, **OVERRIDES.get(config_class.model_type, {})}.items() if v is not DROP}
+        sizes = {k: v for k, v in {**sizes, **OVERRIDES.get(config_class.model_type, {})}.items() if v is not UNSET}
         try:
             model = tiny(config_class, cls, sizes, implementation)
         except Exception as error:  # noqa: BLE001 - any config: reported
@@ -533,11 +537,12 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     if cls is None:
         return "", "", ""
     if model_type in SKIPPED:
-        return "skipped", "reason", SKIPPED[model_type]
+        return "skipped", "n/a", SKIPPED[model_type]
     eager, why = build(config_class, cls, "eager", torch.float64)
     if eager is None:
         return "skipped", "build", why
-    implementation = "sdpa" if cls._supports_sdpa else "eager"
+    # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
+    implementation = "sdpa" if cls._supports_sdpa and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
     dtype, atol = torch.float64, 1e-9
     inputs = inputs_for(eager)
     try:
@@ -549,9 +554,6 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
             logits(eager, inputs)
         except Exception as error:  # noqa: BLE001
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
-
-    if implementation == "sdpa" and build(config_class, cls, "sdpa", dtype)[0] is None:
-        implementation = "eager"  # a part that has no SDPA (VibeVoice's audio tokenizers: no attention at all)
 
     def make(impl: str = implementation):
         return build(config_class, cls, impl, dtype)[0]

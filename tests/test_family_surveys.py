@@ -62,4 +62,4 @@ def test_the_sweep_checks_that_idle_blocks_do_not_run():
     blocks = [dataclasses.replace(b, idle=b.layer == 1) for b in attention_blocks(model)]
     with pytest.raises(sweep.Fail, match=r"model.layers.1.self_attn'\] called idle, but a forward on token ids"):
         sweep.check_idle(model, blocks, sweep.inputs_for(model))
-    assert sweep.sweep("xlstm", CONFIG_MAPPING["xlstm"], 60) == ("skipped", "reason", sweep.SKIPPED["xlstm"])
+    assert sweep.sweep("xlstm", CONFIG_MAPPING["xlstm"], 60) == ("skipped", "n/a", sweep.SKIPPED["xlstm"])
