@@ -168,7 +168,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
     "voxtral_realtime": "a streaming speech model: its forward needs audio features (input_features) at every step, "
-                        "none on token ids alone",
+                        "none on token ids alone (headlab refuses it so: adapters.families.UNSUPPORTED)",
     "xlstm": "no attention: xLSTM's mLSTM blocks are recurrent",
 }
 AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one

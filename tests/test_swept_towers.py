@@ -6,6 +6,7 @@ tiny) and what it found:
   ``dec_self`` blocks: token ids never run them, and capture refused every forward pass ("1 of its 2 attention
   blocks never ran ... dec_self layer 1"). Now they are ``dec_cross`` blocks, idle, as BART's and BERT's unfed
   cross-attention (tests/test_unfed_cross_attention.py).
+* Voxtral Realtime (its forward needs audio features at every step) is refused before any work naming that.
 * A tower numbered like the text model's own blocks (ModernVBERT's vision encoder beside its ModernBERT text
   encoder, both ``enc_self``) is refused before any work as before ("two modules claim enc_self layer 0"), the
   message now saying which module never runs on token ids and what to pass instead.
@@ -80,4 +81,16 @@ def test_a_tower_numbered_as_the_text_encoder_is_refused_naming_it():
     model = perturbed_model(tf.ModernVBertForMaskedLM, config, attn_implementation="eager")
     with pytest.raises(HeadlabError, match=r"two modules claim enc_self layer 0: .*model\.vision_model\.encoder\.layers"
                                            r"\.0\.self_attn never runs on token ids .* pass the text model alone"):
+        attention_blocks(model)
+
+
+def test_voxtral_realtime_is_refused_before_any_work_naming_its_audio_input():
+    # its forward needs input_features at every step; before, "two modules claim dec_self layer 0" (its audio
+    # tower's and its language model's first layers), the probe forward on token ids having failed
+    audio = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=8)
+    config = tf.VoxtralRealtimeConfig(text_config=dict(_TEXT, head_dim=8), audio_config=audio)
+    model = perturbed_model(tf.VoxtralRealtimeForConditionalGeneration, config, attn_implementation="eager")
+    with pytest.raises(HeadlabError, match=r"is not supported: Voxtral Realtime is a streaming speech model: its "
+                                           r"forward reads audio features \(input_features\)"):
         attention_blocks(model)
