@@ -1,7 +1,8 @@
 """How headlab finds the attention of every text model type transformers registers.
 
 For each ``model_type`` with a causal-LM or masked-LM class, a tiny random model is built from its
-config (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8, vocab 99; types whose
+config (from the sub-config the class takes, as transformers' auto classes build Qwen3.5's text
+model; hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8, vocab 99; types whose
 config ignores these sizes, over 3M parameters, are skipped) and :func:`headlab.attention_blocks`
 says how it is found: ``table`` (adapters/families.py), ``discovered`` (run time,
 adapters/discovery.py), ``generic`` (name-based, transformers' own code outside the attention
@@ -47,6 +48,11 @@ def tiny(config_class, cls, sizes: dict, implementation: str = "eager"):
     ignores the tiny sizes (over ``MAX_PARAMETERS``, counted on the meta device before any memory is
     spent). What the config or the class raises, raised."""
     config = config_class(**sizes)
+    # the sub-config the class takes: the auto classes' for a text model of a composite config (Qwen3.5's
+    # text_config), and MusicGen's decoder (MusicgenForCausalLM, mapped to MusicgenConfig)
+    key = next((k for k, c in config.sub_configs.items() if c is getattr(cls, "config_class", None)), None)
+    if key is not None:
+        config = config.get_text_config() if key == "text_config" else getattr(config, key)
     config._attn_implementation = implementation
     with torch.device("meta"):
         if sum(p.numel() for p in cls(config).parameters()) > MAX_PARAMETERS:

@@ -4,10 +4,14 @@ For each ``model_type`` of transformers' ``CONFIG_MAPPING`` with a causal-LM, ma
 sequence-to-sequence LM class, a tiny random model is built from its config (hidden 32, 2 layers,
 4 query heads over 2 key/value heads of 8, vocab 99; float64 where the model runs in it; types
 whose config ignores the tiny sizes, over 3M parameters, are skipped; ``OVERRIDES`` gives the types
-that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba), with no download, and the
+that need them their own smallest sizes: latent attention, hybrids, DBRX, Gemma 3n/4, Zamba, multimodal and speech
+models' text, audio and vision sub-configs; a class that takes a sub-config, Qwen3.5's text model, is built from it as
+transformers' auto classes build it), with no download, and the
 checks of tests/support/family_matrix.py are run through headlab's public functions:
 
 * ``blocks``: :func:`headlab.attention_blocks` finds it, or refuses it (``HeadlabError``);
+* ``idle``: the blocks it calls idle (a multimodal model's tower, a cross-attention given no encoder states) do not
+  run on token ids; the checks below leave them out (tests/test_multimodal_towers.py checks what headlab does with them);
 * ``capture``: :func:`headlab.capture_attention` (SDPA where the family has it) equals transformers'
   own eager ``output_attentions``, kind by kind; with learned sinks, the weights the values get, which
   Granite-SWA's ``output_attentions`` (the softmax before its sink) times ``1 / (1 + exp(sink - lse))``
@@ -27,7 +31,7 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
 result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
-traceback for a user), ``skipped`` (does not build tiny) or ``timeout``. Families already in the
+traceback for a user), ``skipped`` (does not build tiny, or ``SKIPPED`` gives the reason) or ``timeout``. Families already in the
 test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
 builder and the walk over the model types are benchmarks/survey_families.py's, imported from there.
 
@@ -70,8 +74,18 @@ EXTRA_SIZES = dict(  # mixtures of experts, multi-head latent attention, partial
     mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=1,
     mamba_head_dim=8, ssm_state_size=8, window_size=4, attention_types=[[["global", "local"], 1]],
     num_layers=2)
+UNSET = object()  # an OVERRIDES value: the size left out (a config that refuses to be given it)
 HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-attention layer, one attention layer
 MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
+GEMMA = {**SIZES, "query_pre_attn_scalar": 8}  # an encoder-decoder's halves (T5Gemma): the tiny sizes in each
+LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
+TINY_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                   patch_size=4)  # a vision tower that token ids never run, at its smallest
+TINY_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=40, hidden_size=32,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, intermediate_size=40, head_dim=8)
+# Qwen4-Exp: its attention layers select keys through an indexer (QSA): 2 heads, blocks of 2 tokens, 1 block kept
+QWEN4 = dict(layer_types=["linear_attention", "indexed_attention"], hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1,
+             indexer_head_dim=8, indexer_budget=2, indexer_compress_ratio=2)
 OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off its configuration_*.py)
     **{t: MLA for t in ("deepseek_v2", "glm4_moe_lite", "minicpm3", "sarvam_mla", "axk2")},
     "bailing_hybrid": {**MLA, "layer_types": ["full_attention", "full_attention"]},  # its MLA layers only
@@ -103,6 +117,61 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                          intermediate_size=[40, 40], activation_sparsity_pattern=[0.0, 0.0]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1),
+    # skip27B
+    **{t: dict(text_config=dict(SIZES, global_attn_every_n_layers=2, local_attention=4), vision_config=TINY_VISION,
+               pixel_shuffle_factor=2) for t in ("modernvbert", "ultravbert")},
+    "mllama": dict(text_config={**SIZES, "cross_attention_layers": [1]}),
+    "mobilebert": dict(embedding_size=32, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2),
+    **{t: dict(text_config=SIZES, audio_config=TINY_AUDIO)
+       for t in ("moss_transcribe_diarize", "qwen2_audio", "voxtral", "voxtral_realtime")},
+    "musicflamingo": dict(text_config=SIZES, audio_config=dict(TINY_AUDIO, model_type="audioflamingo3_encoder")),
+    # MusicGen's decoder (an LM over audio codes, one codebook here: input_ids [batch x codebooks, length])
+    **{t: dict(decoder=dict(SIZES, ffn_dim=40, num_codebooks=1)) for t in ("musicgen", "musicgen_melody")},
+    "nemo_speechlm": dict(text_config=dict(SIZES, **EXTRA_SIZES, model_type="nemotron_h"),
+                          audio_config=dict(asr_config=dict(TINY_AUDIO, num_mel_bins=16),
+                                            diarization_config=dict(
+                                                model_type="nemotron3_diarization",
+                                                audio_config=dict(TINY_AUDIO, num_mel_bins=16),
+                                                head_config=dict(audio_hidden_size=32, hidden_size=16))),
+                          word_timestamp_config=dict(TINY_AUDIO, vocab_size=16, blank_token_id=15)),
+    "omniasr": dict(text_config=SIZES, audio_config=dict(TINY_AUDIO, conv_dim=[8, 8], conv_kernel=[10, 3],
+                                                         conv_stride=[5, 2], num_conv_pos_embeddings=16,
+                                                         num_conv_pos_embedding_groups=4)),
+    "qwen3_asr": dict(text_config=SIZES, audio_config=dict(TINY_AUDIO, num_mel_bins=16, output_dim=32,
+                                                           downsample_hidden_size=8)),
+    "perceiver": dict(d_model=32, d_latents=32, num_latents=8, num_self_attends_per_block=2, num_self_attention_heads=4,
+                      num_cross_attention_heads=4),
+    "phi4_multimodal": dict(vision_config=dict(TINY_VISION, crop_size=16, feature_layer=-1),
+                            audio_config=dict(TINY_AUDIO, num_blocks=1, ext_pw_out_channel=32,
+                                              depthwise_separable_out_channel=32, nemo_conv_channels=32, input_size=16,
+                                              bias_max_distance=16, feature_layer=-1)),
+    "prophetnet": dict(num_hidden_layers=UNSET, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+                       num_decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_buckets=8,
+                       relative_max_distance=16),
+    **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "layer_types": HYBRID}) for t in ("qwen3_5", "qwen3_5_moe")},
+    "qwen4_exp": dict(text_config={**SIZES, **EXTRA_SIZES, **QWEN4}),
+    "qwen4_exp_text": QWEN4,
+    "reformer": dict(attn_layers=["local", "lsh"], attention_head_size=8, axial_pos_shape=[8, 8],
+                     axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+                     num_buckets=2, feed_forward_size=40),
+    "roc_bert": dict(pronunciation_embed_dim=8, pronunciation_vocab_size=20, shape_embed_dim=8, shape_vocab_size=20),
+    "squeezebert": dict(embedding_size=32, q_groups=2, k_groups=2, v_groups=2, intermediate_groups=2, output_groups=2),
+    "t5gemma": dict(vocab_size=99, encoder=dict(**GEMMA, layer_types=LOCAL_GLOBAL, sliding_window=4),
+                    decoder=dict(**GEMMA, layer_types=LOCAL_GLOBAL, sliding_window=4)),
+    "t5gemma2": dict(encoder=dict(text_config=dict(**GEMMA, layer_types=LOCAL_GLOBAL, sliding_window=4),
+                                  vision_config=TINY_VISION, mm_tokens_per_image=4),
+                     decoder=dict(**GEMMA, layer_types=LOCAL_GLOBAL, sliding_window=4)),
+    "vibevoice_asr": dict(text_config=SIZES, **{f"{k}_tokenizer_encoder_config": dict(
+        hidden_size=8, num_filters=4, downsampling_ratios=[2], depths=[1, 1]) for k in ("acoustic", "semantic")}),
+    "xmod": dict(languages=["en_XX", "de_DE"], default_language="en_XX"),
+    "zaya": dict(num_experts_per_tok=1, moe_intermediate_size=40, router_hidden_size=16),
+    "xlnet": dict(max_position_embeddings=UNSET, d_inner=40, mem_len=UNSET),
+}
+SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
+    # skip27B
+    "voxtral_realtime": "a streaming speech model: its forward needs audio features (input_features) at every step, "
+                        "none on token ids alone (headlab refuses it so: adapters.families.UNSUPPORTED)",
+    "xlstm": "no attention: xLSTM's mLSTM blocks are recurrent",
 }
 AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one
 ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference
@@ -152,7 +221,7 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
-        sizes = {**sizes, **OVERRIDES.get(config_class.model_type, {})}
+        sizes = {k: v for k, v in {**sizes, **OVERRIDES.get(config_class.model_type, {})}.items() if v is not UNSET}
         try:
             model = tiny(config_class, cls, sizes, implementation)
         except Exception as error:  # noqa: BLE001 - any config: reported
@@ -210,6 +279,22 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
         applied, derived = attentions_applied_to_values(model, inputs)
         return {"any": applied}, derived
     return {"any": out.attentions}, set()
+
+
+def check_idle(model, blocks, inputs) -> list[str]:
+    """The blocks headlab calls idle (a tower or a cross-attention that token ids never reach: left out of every
+    measure, their pruning refused) really do not run on token ids; the checks after this one leave them out."""
+    ran: list[str] = []
+    handles = [b.module.register_forward_pre_hook(lambda *_, name=b.name: ran.append(name)) for b in blocks if b.idle]
+    try:
+        logits(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if ran:
+        raise Fail("idle", f"{sorted(set(ran))} called idle, but a forward on token ids runs them")
+    idle = [b for b in blocks if b.idle]
+    return [f"{len(idle)} idle ({', '.join(sorted({b.kind for b in idle}))})"] if idle else []
 
 
 def check_capture(eager, model, blocks, inputs, atol) -> None:
@@ -425,7 +510,7 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
         prune_heads(model, spec)
     except HeadlabError as error:
         return f"prune refused: {str(error).splitlines()[0][:150]}"
-    after = {b.key: b.n_heads for b in attention_blocks(model)}
+    after = {b.key: b.n_heads for b in attention_blocks(model) if not b.idle}  # ``blocks``: the non-idle ones
     expected = {b.key: b.n_heads - len(spec.get(b.key, ())) for b in blocks}
     if after != expected:
         raise Fail("prune", f"head counts {after} after pruning, expected {expected}")
@@ -483,10 +568,13 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     cls = model_class(config_class)
     if cls is None:
         return "", "", ""
+    if model_type in SKIPPED:
+        return "skipped", "n/a", SKIPPED[model_type]
     eager, why = build(config_class, cls, "eager", torch.float64)
     if eager is None:
         return "skipped", "build", why
-    implementation = "sdpa" if cls._supports_sdpa else "eager"
+    # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
+    implementation = "sdpa" if cls._supports_sdpa and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
     dtype, atol = torch.float64, 1e-9
     inputs = inputs_for(eager)
     try:
@@ -512,6 +600,9 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
             return "refused", "blocks", str(error).splitlines()[0][:300]
         if not blocks:
             raise Fail("blocks", "no block and no refusal")
+        step = "idle"
+        notes += check_idle(model, blocks, inputs)
+        blocks = [b for b in blocks if not b.idle]
         step = "capture"
         check_capture(eager, model, blocks, inputs, atol)
         step = "mask"

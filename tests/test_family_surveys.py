@@ -4,8 +4,13 @@ and walk (one copy of each, imported), and each still gives its documented line 
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from headlab import attention_blocks
 from support.experiments import load_experiment
 
 sweep = load_experiment("family_sweep")
@@ -35,3 +40,26 @@ def test_the_sweep_line_of_a_type():
         assert sweep.model_class(CONFIG_MAPPING["bart"]).__name__ == "BartForCausalLM"
     finally:
         sweep.CAUSAL_FIRST = False
+
+
+def test_a_composite_configs_text_model_is_built_from_its_text_config():
+    # as transformers' auto classes build it (Qwen3_5ForCausalLM takes a Qwen3_5TextConfig); before, the sweep
+    # built it from the composite config and skipped the type ("no attribute 'layer_types'")
+    config_class = CONFIG_MAPPING["qwen3_5"]
+    cls = sweep.model_class(config_class)
+    sizes = {**survey.SIZES, **sweep.EXTRA_SIZES, **sweep.OVERRIDES["qwen3_5"]}
+    model = survey.tiny(config_class, cls, sizes)
+    assert type(model.config).__name__ == "Qwen3_5TextConfig"
+    assert model.config.layer_types == ["linear_attention", "full_attention"] and model.config.vocab_size == 99
+
+
+def test_the_sweep_checks_that_idle_blocks_do_not_run():
+    # an audio tower that token ids never reach: left out of the checks after it is seen not to run
+    assert sweep.sweep("qwen2_audio", CONFIG_MAPPING["qwen2_audio"], 60) == (
+        "pass", "", "Qwen2AudioForConditionalGeneration: discovered, 2 dec_self; 1 idle (enc_self)")
+    config_class = CONFIG_MAPPING["llama"]
+    model, _ = sweep.build(config_class, sweep.model_class(config_class), "eager", torch.float64)
+    blocks = [dataclasses.replace(b, idle=b.layer == 1) for b in attention_blocks(model)]
+    with pytest.raises(sweep.Fail, match=r"model.layers.1.self_attn'\] called idle, but a forward on token ids"):
+        sweep.check_idle(model, blocks, sweep.inputs_for(model))
+    assert sweep.sweep("xlstm", CONFIG_MAPPING["xlstm"], 60) == ("skipped", "n/a", sweep.SKIPPED["xlstm"])

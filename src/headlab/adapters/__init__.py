@@ -442,9 +442,11 @@ def _guess_kind(name: str, module: nn.Module, config: Any, model: nn.Module | No
         return "dec_cross" if any(word in last for word in _CROSS_WORDS) else "dec_self"
     if "encoder" in lowered and getattr(config, "is_encoder_decoder", False):
         return "enc_self"
-    if getattr(config, "is_decoder", False) and any(word in lowered.rsplit(".", 1)[-1] for word in _CROSS_WORDS):
+    if any(word in lowered.rsplit(".", 1)[-1] for word in _CROSS_WORDS):
         # BERT-style decoders (is_decoder, add_cross_attention): bert.encoder.layer.N.crossattention was
-        # another dec_self of layer N (refused: "two modules claim"), found by the session-22 sweep
+        # another dec_self of layer N (refused: "two modules claim"), found by the session-22 sweep; Mllama's
+        # text model (no is_decoder) has cross_attn layers over the vision tower's states, which token ids never
+        # run: taken for a dec_self, its layer's absence from capture was refused as a skipped layer (skip27B)
         return "dec_cross"
     causal = getattr(module, "is_causal", None)
     if causal is None and isinstance(getattr(module, "is_decoder", None), bool):
@@ -665,14 +667,25 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         idle |= _unfed_cross_attention(blocks)
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
-    seen: dict[tuple[str, int], str] = {}
+    seen: dict[tuple[str, int], AttentionBlock] = {}
     for block in blocks:
         if block.key in seen:
-            raise HeadlabError(
-                f"two modules claim {block.kind} layer {block.layer}: {seen[block.key]} and {block.name}"
-            )
-        seen[block.key] = block.name
+            raise HeadlabError(_two_claim(model, seen[block.key], block))
+        seen[block.key] = block
     return blocks
+
+
+def _two_claim(model: nn.Module, first: AttentionBlock, second: AttentionBlock) -> str:
+    """The refusal of two blocks numbered alike; where one never runs on token ids (a multimodal model's vision or
+    audio tower beside a text encoder, ModernVBERT's, or a second tower, Nemotron-3.5 Transcribe's), what to pass
+    instead: headlab numbers the blocks of a kind as one stack, a tower's layers and the text's are not told apart."""
+    message = f"two modules claim {first.kind} layer {first.layer}: {first.name} and {second.name}"
+    idle = [b.name for b in (first, second) if b.idle]
+    if not idle:
+        return message
+    return (f"{message}. {' and '.join(idle)} never run{'s' if len(idle) == 1 else ''} on token ids (a vision or "
+            f"audio tower of {type(model).__name__}, which headlab runs on text only), and headlab numbers the "
+            f"{first.kind} blocks as one stack: pass the text model alone")
 
 
 def _unfed_cross_attention(blocks: list[AttentionBlock]) -> set[str]:

@@ -532,6 +532,10 @@ UNSUPPORTED: dict[str, str] = {
                "DeBERTa-v2 is supported",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
+    # its audio tower's blocks and its language model's were both dec_self layer 0 ("two modules claim"), the probe
+    # forward on token ids failing (skip27B)
+    "voxtral_realtime": "Voxtral Realtime is a streaming speech model: its forward reads audio features "
+                        "(input_features) at every step, which headlab's text inputs cannot feed",
     # transformers' own attention code outside the attention interface, whose module returns no
     # [batch, heads, q, k] probabilities where capture reads them: found by its projections' names, it
     # failed only at run time (docs/benchmarks.md's survey)
