@@ -39,8 +39,24 @@ def llava() -> torch.nn.Module:
     return perturbed_model(tf.LlavaForConditionalGeneration, config)
 
 
+def gemma4() -> torch.nn.Module:
+    """Gemma 4's tower projects through Gemma4ClippableLinear (a clamp around ``.linear``): before, refused
+    ("cannot read the output width of Gemma4ClippableLinear"), its language model with it."""
+    text = tf.Gemma4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+                               max_position_embeddings=64, vocab_size_per_layer_input=VOCAB,
+                               hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"],
+                               sliding_window=4, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    vision = tf.Gemma4VisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=4, head_dim=8, position_embedding_size=64, patch_size=4,
+                                   pooling_kernel_size=2)
+    config = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return perturbed_model(tf.Gemma4ForConditionalGeneration, config)
+
+
 WRAPPERS = {"llava": (llava, "model.vision_tower.encoder.layers.", 2),
-            "mistral_large4": (mistral_large4, "model.vision_tower.transformer.layers.", 1)}
+            "mistral_large4": (mistral_large4, "model.vision_tower.transformer.layers.", 1),
+            "gemma4": (gemma4, "model.vision_tower.encoder.layers.", 1)}
 MESSAGE = (r"cannot check pruning the heads of enc_self layer 0 \(model\.vision_tower\.[a-z.]*layers\.0\.[a-z_]*\): "
            r"headlab checks every prune against masking on token ids .* token ids never run these blocks .*nothing was "
            r"pruned\. Remove heads of the blocks text runs only \(dec_self layers 0-[13]\)")
