@@ -155,3 +155,23 @@ def test_headlab_prune_refuses_a_towers_heads_before_reading_the_weights(tmp_pat
     assert code != 0 and "cannot check pruning the heads of enc_self layer 1 (" in err
     assert "vision_tower.encoder.layers.1.self_attn): headlab checks every prune" in err
     assert not (tmp_path / "out").exists()
+
+
+def git() -> torch.nn.Module:
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=8)
+    config = tf.GitConfig(vision_config=vision, vocab_size=VOCAB, hidden_size=32, intermediate_size=37,
+                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, pad_token_id=2,
+                          bos_token_id=0, eos_token_id=1)
+    return perturbed_model(tf.GitForCausalLM, config, attn_implementation="eager")
+
+
+def test_a_name_found_towers_blocks_are_idle():
+    """GIT's attention calls no attention interface (found by its projections' names): before, its image encoder's
+    block was taken for a text encoder's (not idle), the model for a masked LM, and the measures scored it."""
+    model = git()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer) for b in blocks if b.idle] == [("enc_self", 0)]
+    assert blocks[0].name == "git.image_encoder.vision_model.encoder.layers.0.self_attn"
+    assert [b.name for b in blocks if not b.idle] == [f"git.encoder.layer.{i}.attention" for i in range(2)]
+    assert describe_model(model).arch == "causal"

@@ -259,6 +259,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
         if named and _ships_with_transformers(model):
             for candidate in named:
                 _check_returns_weights(model, where, candidate)
+            if idle is not None:  # GIT's vision tower: token ids never run it, as a discovered model's (below)
+                idle.update(candidate[2] for candidate in named if candidate[2] not in ran(model))
             return named
         if named:
             raise HeadlabError(f"{where}: {_outside(named[0])}")
