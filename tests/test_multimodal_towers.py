@@ -175,3 +175,26 @@ def test_a_name_found_towers_blocks_are_idle():
     assert blocks[0].name == "git.image_encoder.vision_model.encoder.layers.0.self_attn"
     assert [b.name for b in blocks if not b.idle] == [f"git.encoder.layer.{i}.attention" for i in range(2)]
     assert describe_model(model).arch == "causal"
+
+
+def gemma3() -> torch.nn.Module:
+    text = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               sliding_window=4, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                                   image_size=16, patch_size=8)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1)
+    return perturbed_model(tf.Gemma3ForConditionalGeneration, config, attn_implementation="eager")
+
+
+def test_lrp_needs_no_rule_for_a_tower_text_never_runs():
+    """Gemma 3's SigLIP tower ends in a pooling head (nn.MultiheadAttention) that no rule covers: before, LRP was
+    refused for it on the whole model ("no rule for MultiheadAttention (model.vision_tower.head.attention)"); token
+    ids never run the tower (its blocks are idle), so no relevance reaches it, and the language model's conserves."""
+    from headlab.importance.rules import check_rules
+    from support.family_matrix import check_lrp_conserves
+
+    model = gemma3().double()
+    assert [b.kind for b in attention_blocks(model) if b.idle] == ["enc_self"]
+    check_rules(model)
+    check_lrp_conserves(model, model.model.language_model.layers[0])
