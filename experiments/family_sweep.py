@@ -79,6 +79,7 @@ HYBRID = ["linear_attention", "full_attention"]  # one state-space / linear-atte
 MLA = dict(num_key_value_heads=4)  # latent attention: keys and values per query head
 GEMMA = {**SIZES, "query_pre_attn_scalar": 8}  # an encoder-decoder's halves (T5Gemma): the tiny sizes in each
 LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
+TINY_STACK = dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, max_position_embeddings=64)  # a sub-model
 TINY_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, image_size=16,
                    patch_size=4)  # a vision tower that token ids never run, at its smallest
 TINY_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=40, hidden_size=32,
@@ -166,12 +167,74 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "xmod": dict(languages=["en_XX", "de_DE"], default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1, moe_intermediate_size=40, router_hidden_size=16),
     "xlnet": dict(max_position_embeddings=UNSET, d_inner=40, mem_len=UNSET),
+    # skip27A (tests/test_multimodal_towers.py builds gemma3, gemma4 and git too)
+    "audioflamingo3": dict(text_config=dict(SIZES, model_type="qwen2"), audio_config=dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, num_mel_bins=8,
+        max_source_positions=64)),
+    # byte latent transformer: an entropy patcher, a local encoder, a global transformer and a local decoder (refused)
+    "blt": dict(vocab_size=260, encoder_hash_byte_group_vocab=64, cross_attn_k=1, local_attention_window_len=8,
+                **{f"{part}_config": dict(TINY_STACK, vocab_size=260, hidden_size_global=32, cross_attn_k=1,
+                                          num_hidden_layers=1) for part in ("patcher", "encoder", "decoder")},
+                global_config=dict(TINY_STACK, num_hidden_layers=2)),
+    # rope parameters per layer type (it reads them so, and sets none)
+    "cohere_compass_text": dict(layer_types=LOCAL_GLOBAL, sliding_window=4, rope_parameters={
+        t: dict(rope_type="default", rope_theta=10000.0) for t in LOCAL_GLOBAL}),
+    # recurrent depth: one input, one looped (twice) and one output layer
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4),
+    # its causal LM is dots3_note_text's, built from the top-level sizes; the towers' adapters must emit its width
+    "dots3_note": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8,
+                   "vision_config": dict(adapter_out_dim=32), "audio_config": dict(adapter_out_dim=32)},
+    "emu3": dict(text_config=SIZES),
+    "encoder-decoder": dict(encoder=dict(TINY_STACK, num_hidden_layers=2, model_type="bert", vocab_size=99, pad_token_id=2),
+                            decoder=dict(TINY_STACK, num_hidden_layers=2, model_type="bert", vocab_size=99, pad_token_id=2,
+                                         is_decoder=True, add_cross_attention=True)),
+    "esmc": dict(num_key_value_heads=4),  # no grouped-query attention
+    "funnel": dict(num_hidden_layers=UNSET, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8,
+                   d_inner=40),
+    "gemma3": dict(text_config=dict(SIZES, sliding_window=4), mm_tokens_per_image=1,
+                   vision_config=dict(TINY_VISION, patch_size=8)),
+    "gemma4": dict(text_config=dict(SIZES, vocab_size_per_layer_input=99, hidden_size_per_layer_input=8,
+                                    global_head_dim=8, layer_types=LOCAL_GLOBAL, sliding_window=4),
+                   vision_config=dict(TINY_STACK, num_hidden_layers=1, num_key_value_heads=4, head_dim=8,
+                                      position_embedding_size=64, patch_size=4, pooling_kernel_size=2),
+                   audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     subsampling_conv_channels=[8, 4], output_proj_dims=32)),
+    "gemma4_unified": dict(text_config=dict(SIZES, layer_types=LOCAL_GLOBAL, sliding_window=4),
+                           vision_config=dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=16,
+                                              output_proj_dims=32), audio_config=dict(audio_embed_dim=16)),
+    "git": dict(vision_config=dict(TINY_VISION, patch_size=8)),
+    "glmasr": dict(text_config=dict(SIZES, model_type="llama"), audio_config=dict(
+        TINY_STACK, num_hidden_layers=1, num_mel_bins=8)),
+    "got_ocr2": dict(text_config=dict(SIZES, model_type="qwen2"), vision_config=dict(
+        hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+        window_size=2, global_attn_indexes=[1], mlp_dim=40)),
+    **{t: dict(text_config=dict(SIZES, model_type="granite"), window_size=4, downsample_rate=2, encoder_config=dict(
+        input_dim=8, num_layers=1, hidden_dim=32, num_heads=4, output_dim=8, context_size=8, max_pos_emb=16,
+        conv_kernel_size=3), projector_config=dict(TINY_STACK, model_type="blip_2_qformer", num_hidden_layers=1,
+                                                   encoder_hidden_size=32, vocab_size=99))
+       for t in ("granite_speech", "granite_speech_plus")},
+    # a sliding-window and a full layer (its default for 2 layers: sliding only), each with its own head counts
+    **{t: dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+               sliding_window_size=4, d_rel=4, rel_extent=8, moe_intermediate_size=40, n_routed_experts=4,
+               num_experts_per_tok=2, n_layers_per_attn_res_block=1, layer_types=["hybrid_sliding", "hybrid"])
+       for t in ("inkling2_text", "inkling2_loop_text")},
+    # its default for 3 layers is convolutions only: one of each kind
+    "lfm3": dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"], sliding_window=4),
+    # chunked attention over 4 tokens
+    "llama4": dict(text_config=dict(SIZES, intermediate_size_mlp=40, num_local_experts=2, attention_chunk_size=4)),
+    "luke": dict(entity_vocab_size=20, entity_emb_size=8),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
     "voxtral_realtime": "a streaming speech model: its forward needs audio features (input_features) at every step, "
                         "none on token ids alone (headlab refuses it so: adapters.families.UNSUPPORTED)",
     "xlstm": "no attention: xLSTM's mLSTM blocks are recurrent",
+    # skip27A
+    "gemma3n": "its vision tower is a timm model (timm is not installed); its text model is swept as gemma3n_text",
+    **{t: "a drafter for speculative decoding: it ignores input_ids and attends to the target model's shared keys "
+          "and values (shared_kv_states), so nothing runs on token ids alone" for t in (
+        "gemma4_assistant", "gemma4_unified_assistant")},
 }
 AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausalLM)  # the first that has one
 ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference

@@ -39,8 +39,24 @@ def llava() -> torch.nn.Module:
     return perturbed_model(tf.LlavaForConditionalGeneration, config)
 
 
+def gemma4() -> torch.nn.Module:
+    """Gemma 4's tower projects through Gemma4ClippableLinear (a clamp around ``.linear``): before, refused
+    ("cannot read the output width of Gemma4ClippableLinear"), its language model with it."""
+    text = tf.Gemma4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+                               max_position_embeddings=64, vocab_size_per_layer_input=VOCAB,
+                               hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"],
+                               sliding_window=4, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    vision = tf.Gemma4VisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=4, head_dim=8, position_embedding_size=64, patch_size=4,
+                                   pooling_kernel_size=2)
+    config = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return perturbed_model(tf.Gemma4ForConditionalGeneration, config)
+
+
 WRAPPERS = {"llava": (llava, "model.vision_tower.encoder.layers.", 2),
-            "mistral_large4": (mistral_large4, "model.vision_tower.transformer.layers.", 1)}
+            "mistral_large4": (mistral_large4, "model.vision_tower.transformer.layers.", 1),
+            "gemma4": (gemma4, "model.vision_tower.encoder.layers.", 1)}
 MESSAGE = (r"cannot check pruning the heads of enc_self layer 0 \(model\.vision_tower\.[a-z.]*layers\.0\.[a-z_]*\): "
            r"headlab checks every prune against masking on token ids .* token ids never run these blocks .*nothing was "
            r"pruned\. Remove heads of the blocks text runs only \(dec_self layers 0-[13]\)")
@@ -139,3 +155,46 @@ def test_headlab_prune_refuses_a_towers_heads_before_reading_the_weights(tmp_pat
     assert code != 0 and "cannot check pruning the heads of enc_self layer 1 (" in err
     assert "vision_tower.encoder.layers.1.self_attn): headlab checks every prune" in err
     assert not (tmp_path / "out").exists()
+
+
+def git() -> torch.nn.Module:
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=8)
+    config = tf.GitConfig(vision_config=vision, vocab_size=VOCAB, hidden_size=32, intermediate_size=37,
+                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, pad_token_id=2,
+                          bos_token_id=0, eos_token_id=1)
+    return perturbed_model(tf.GitForCausalLM, config, attn_implementation="eager")
+
+
+def test_a_name_found_towers_blocks_are_idle():
+    """GIT's attention calls no attention interface (found by its projections' names): before, its image encoder's
+    block was taken for a text encoder's (not idle), the model for a masked LM, and the measures scored it."""
+    model = git()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer) for b in blocks if b.idle] == [("enc_self", 0)]
+    assert blocks[0].name == "git.image_encoder.vision_model.encoder.layers.0.self_attn"
+    assert [b.name for b in blocks if not b.idle] == [f"git.encoder.layer.{i}.attention" for i in range(2)]
+    assert describe_model(model).arch == "causal"
+
+
+def gemma3() -> torch.nn.Module:
+    text = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               sliding_window=4, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                                   image_size=16, patch_size=8)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1)
+    return perturbed_model(tf.Gemma3ForConditionalGeneration, config, attn_implementation="eager")
+
+
+def test_lrp_needs_no_rule_for_a_tower_text_never_runs():
+    """Gemma 3's SigLIP tower ends in a pooling head (nn.MultiheadAttention) that no rule covers: before, LRP was
+    refused for it on the whole model ("no rule for MultiheadAttention (model.vision_tower.head.attention)"); token
+    ids never run the tower (its blocks are idle), so no relevance reaches it, and the language model's conserves."""
+    from headlab.importance.rules import check_rules
+    from support.family_matrix import check_lrp_conserves
+
+    model = gemma3().double()
+    assert [b.kind for b in attention_blocks(model) if b.idle] == ["enc_self"]
+    check_rules(model)
+    check_lrp_conserves(model, model.model.language_model.layers[0])

@@ -67,7 +67,9 @@ def model_class_for(config) -> type:
             if str(target).endswith(f".{CLASS_NAME}") and type(config) in mapping:
                 return mapping[type(config)]
     candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
-    classes = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
+    # an auto table may list several classes for one type, as a tuple (AutoModel: FunnelModel, FunnelBaseModel)
+    found = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
+    classes = [cls for entry in found for cls in (entry if isinstance(entry, tuple) else (entry,))]
     by_name = {cls.__name__: cls for cls in classes}
     for name in getattr(config, "architectures", None) or ():
         if name in by_name:

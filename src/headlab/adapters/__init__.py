@@ -259,6 +259,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
         if named and _ships_with_transformers(model):
             for candidate in named:
                 _check_returns_weights(model, where, candidate)
+            if idle is not None:  # GIT's vision tower: token ids never run it, as a discovered model's (below)
+                idle.update(candidate[2] for candidate in named if candidate[2] not in ran(model))
             return named
         if named:
             raise HeadlabError(f"{where}: {_outside(named[0])}")
@@ -286,12 +288,28 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             candidates.append(_emptied_gate_rows(model_type, candidate))
             continue
         if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention, a vision tower)
-            candidates.append(candidate)
+            candidates.append(_inner_linears(candidate))
             if idle is not None:
                 idle.add(name)
             continue
         raise HeadlabError(f"{where}: {_outside(candidate)}")
     return candidates
+
+
+def _inner_linears(candidate: tuple) -> tuple:
+    """An idle block whose projections wrap a Linear as ``.linear`` (Gemma 4's vision tower: Gemma4ClippableLinear,
+    a clamp around it) read through to it: its head counts are all headlab needs of a block nothing reaches."""
+    module, family = candidate[3], candidate[4]
+    paths = {field: getattr(family, field) for field in ("q", "k", "v", "o")}
+    if any(path is None or _is_projection(_get(module, path)) for path in paths.values()):
+        return candidate
+    if not all(isinstance(_get(module, f"{path}.linear"), nn.Linear) for path in paths.values()):
+        return candidate
+    return (*candidate[:4], dataclasses.replace(family, **{f: f"{p}.linear" for f, p in paths.items()}))
+
+
+def _is_projection(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Linear) or hasattr(module, "nf")
 
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:

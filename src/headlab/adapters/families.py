@@ -543,7 +543,12 @@ UNSUPPORTED: dict[str, str] = {
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
        for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("mpnet", "MPNet"), ("tapas", "TAPAS"),
-                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"))},
+                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"),
+                                ("funnel", "Funnel Transformer"))},
+    # the family sweep (skip27A): found no block (Funnel) / "two modules claim dec_self layer 0" (BLT)
+    "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
+           "transformer over patches and a local decoder (with cross-attention between bytes and patches), each with "
+           "its own layer 0: headlab numbers a model's layers per kind (enc_self, dec_self, dec_cross), in one stack",
     "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
                   "probabilities are per window band), which headlab's analysis reads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "

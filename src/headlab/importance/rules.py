@@ -255,7 +255,10 @@ def check_rules(model: nn.Module) -> None:
     inside = {id(m) for block in blocks for m in block.module.modules()}
     inside |= {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
     unknown: dict[str, list[str]] = {}
+    skipped = _never_run(model, blocks)
     for path, module in model.named_modules():
+        if path in skipped:
+            continue
         try:
             norm_rule(module)
         except HeadlabError:
@@ -277,6 +280,27 @@ def check_rules(model: nn.Module) -> None:
                            for name, paths in unknown.items())
         raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: headlab knows LayerNorm "
                            "(with or without parameters) and RMS norms (weight, 1 + weight, or none)")
+
+
+def _never_run(model: nn.Module, blocks: list[AttentionBlock]) -> set[str]:
+    """The modules of a multimodal model's tower (the subtrees around its idle blocks) that token ids never run:
+    no relevance reaches them (Gemma 3's SigLIP pooling head, a conformer's attention), so they need no rule."""
+    from headlab.adapters.discovery import ran
+
+    idle = [b.name for b in blocks if b.idle]
+    if not idle:
+        return set()
+    ran_paths = ran(model)  # the probe forward attention_blocks ran (cached): the idle blocks are known from it
+    never = {path for path, _ in model.named_modules() if path and path not in ran_paths}
+    # a subtree that never ran and holds an idle block: its root, the highest such ancestor
+    roots = set()
+    for name in idle:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            if ".".join(parts[:depth]) in never:
+                roots.add(".".join(parts[:depth]))
+                break
+    return {path for path in never if any(path == root or path.startswith(root + ".") for root in roots)}
 
 
 def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
