@@ -76,6 +76,22 @@ def test_pruning_a_whole_layer_names_the_models_own_nan():
     assert [block.n_heads for block in attention_blocks(sdpa)] == [0, 4]
 
 
+def test_a_float64_granite_swa_with_an_emptied_layer_names_the_models_own_nan():
+    """The case found (sink27): Granite-SWA's eager has no SDPA to offer, so float32 alone is named."""
+    from support.family_matrix import perturbed_model
+    from test_attention_sinks import SINK_FAMILIES
+
+    cls, config = SINK_FAMILIES["granite_swa"]()
+    model = perturbed_model(cls, config, attn_implementation="eager").double()
+    with pytest.raises(HeadlabError) as caught:
+        prune_heads(model, {("dec_self", 0): list(range(config.num_attention_heads))})
+    message = str(caught.value)
+    assert not isinstance(caught.value, PruningNotExact) and "max difference" not in message
+    assert "the model itself gives NaN or inf on headlab's padded probe, before any head is removed" in message
+    assert "load it in float32" in message and "sdpa" not in message
+    assert model.config._attn_implementation == "eager"  # the SDPA try left it as it was
+
+
 def _trace(*entries: tuple[str, object, torch.Tensor]) -> Trace:
     trace = Trace()
     for call, what, value in entries:

@@ -21,6 +21,11 @@ machine epsilon of the model's dtype (float32: 3.5e-4 of the tensor's largest va
 eps; a wrong slice moves them by the size of a head's contribution. A float64 model whose attention
 takes part of its computation in float32 whatever the dtype (Granite-SWA's sink scale) is held to float32's
 tolerance by the caller (:mod:`headlab.surgery` picks the dtype).
+
+Where the masked reference itself is NaN or inf (a float64 model in transformers' eager attention
+on the left-padded row: float64's lowest mask value is -inf in its float32 softmax), nothing can
+be compared: :func:`first_mismatch` reports that only when every finite value agrees, and
+:func:`own_nan_cause` says why the unmodified model gives it.
 """
 
 from __future__ import annotations
