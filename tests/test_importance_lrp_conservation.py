@@ -7,6 +7,7 @@ keeps the other measures' files."""
 import contextlib
 import gzip
 import json
+import math
 
 import numpy as np
 import pytest
@@ -214,6 +215,21 @@ def test_experts_that_compute_something_else_are_refused():
     data, info = _data(model)
     with pytest.raises(HeadlabError, match="MixtralExperts is not a sum of routed gated experts"):
         compute_lrp(model, data, info)
+
+
+def test_experts_given_nan_say_nan_not_another_formula():
+    """NaN hidden states (a model that gives NaN by itself) fail the rule's check of its formula: the refusal names
+    the NaN, as the norms' rules do, not a layout the experts do not have (session 27: it said the latter)."""
+    from headlab.importance.rules import _experts_rule
+
+    experts = tiny_lrp_model("mixtral").model.layers[0].mlp.experts
+    x = torch.randn(4, experts.gate_up_proj.shape[-1], dtype=experts.gate_up_proj.dtype)
+    x[1] = math.nan
+    index, weights = torch.tensor([[0, 1]] * 4), torch.full((4, 2), 0.5, dtype=x.dtype)
+    with torch.no_grad():
+        output = experts(x, index, weights)
+    with pytest.raises(HeadlabError, match="not finite .*NaN or infinity reached MixtralExperts"):
+        _experts_rule(experts, (x, index, weights), {}, output)
 
 
 def test_a_rule_that_does_not_fit_fails_the_run_with_its_ratio(monkeypatch):

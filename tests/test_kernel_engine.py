@@ -277,13 +277,15 @@ def test_analyze_engine_kernel_writes_the_fused_files(tmp_path, monkeypatch, cap
 
 
 def test_eager_attention_that_returns_nan_is_refused_not_averaged(tmp_path):
-    """Transformers' eager attention on a padded batch under a sliding window gives pad rows that see
-    no key NaN weights, and the next layer's real rows read their NaN values: the eager engine wrote
-    NaN statistics for layer 1 (dependency alignment None) where fused and kernel agree. Refused."""
+    """Transformers' eager attention on a padded batch under a sliding window gives this float64 model's
+    pad rows that see no key NaN weights (float64's lowest mask value is -inf in its float32 softmax; in
+    float32 the same model is finite), and the next layer's real rows read their NaN values: the eager
+    engine wrote NaN statistics for layer 1 (dependency alignment None) where fused and kernel agree.
+    Refused, naming the float64 mask (session 27: it named the sliding window alone)."""
     from headlab.errors import HeadlabError
 
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")
     config = AnalysisConfig(batch_size=3, window=4, top_k=3, engine="eager", functions=False)
-    with pytest.raises(HeadlabError, match="eager attention returned non-finite weights"):
+    with pytest.raises(HeadlabError, match="NaN weights for queries that may attend to no key .*float64 attention mask"):
         analyze_heads(_sliding_mistral(), word_tokenizer(), path, config=config)

@@ -220,20 +220,17 @@ def capture_attention(
     applications: Applications | None = None
 
     def make_hook(block: AttentionBlock) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if block.n_heads == 0 or applications is not None and not applications.runs(block):
                 return
             probs = _find_probs(block, output)
             if detach:
                 probs = probs.detach()
             if not bool(torch.isfinite(probs).all()):
-                # A NaN weight poisons every sum it enters (0 * NaN): refused, never a statistic of NaN.
-                # Transformers' eager attention gives NaN on padded batches under a sliding window
-                # (pad rows that see no key; the next layer's real rows then read their NaN values).
-                raise HeadlabError(
-                    f"{block.kind} layer {block.layer}: the model's eager attention returned non-finite "
-                    "weights (NaN or inf), as transformers' eager attention does on padded batches with a "
-                    "sliding window; use the default engine (fused), or one sentence per batch (batch size 1)")
+                # A NaN weight poisons every sum it enters (0 * NaN): refused, never a statistic of NaN,
+                # and the hook runs in forward order, so this is the block where the NaN starts.
+                raise HeadlabError(f"{block.kind} layer {block.layer}: " + nonfinite_probs_cause(
+                    probs, _attention_mask(module, args, kwargs)))
             record.calls[block.key] = record.calls.get(block.key, 0) + 1
             if callback is not None:
                 callback(block, probs)
@@ -261,7 +258,7 @@ def capture_attention(
                 if block.family.probs_argument is not None:  # a core that returns probabilities when asked
                     handles.append(block.core.register_forward_pre_hook(
                         ask_for_probs(block.family.probs_argument), with_kwargs=True))
-                handles.append(block.core.register_forward_hook(make_hook(block)))
+                handles.append(block.core.register_forward_hook(make_hook(block), with_kwargs=True))
             yield record
         finally:
             handles.remove()
@@ -295,6 +292,93 @@ def not_streamable(model: nn.Module) -> str | None:
         if "s_aux" in source:
             return f"its attention has sinks (s_aux, {block.name}), which headlab's attention function does not implement"
     return None
+
+
+def _attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The ``attention_mask`` an attention module was called with (None where it took none)."""
+    if "attention_mask" in kwargs:
+        return kwargs["attention_mask"]
+    try:
+        return inspect.signature(module.forward).bind_partial(*args).arguments.get("attention_mask")
+    except (TypeError, ValueError):
+        return None
+
+
+def spans(positions: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    out: list[list[int]] = []
+    for p in positions:
+        if out and p == out[-1][1] + 1:
+            out[-1][1] = p
+        else:
+            out.append([p, p])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
+def _where(bad: torch.Tensor) -> str:
+    """``bad`` [batch, query] as "batch row 2, queries 0-1; ..." (three rows at most)."""
+    rows = [int(r) for r in bad.any(-1).nonzero().flatten()]
+    text = "; ".join(f"batch row {r}, queries {spans(bad[r].nonzero().flatten().tolist())}" for r in rows[:3])
+    return text + (f"; {len(rows) - 3} more rows" if len(rows) > 3 else "")
+
+
+def nonfinite_probs_cause(probs: torch.Tensor, mask: Any) -> str:
+    """Why an attention block's weights ``probs`` [batch, heads, q, k] hold NaN or inf, read from the
+    additive ``mask`` it was given: queries that may attend to no key (every mask entry -inf once in
+    float32, the precision transformers' eager softmax takes) and nothing else, or something else."""
+    bad = (~probs.isfinite()).any(-1).any(1)
+    where = _where(bad)
+    blind = None
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point() and mask.dim() == 4:
+        # the float32 softmax sees the mask in float32: float64's lowest value is -inf there
+        low = mask[:, :, -probs.shape[-2]:, :probs.shape[-1]].to(torch.float32)
+        try:
+            blind = torch.broadcast_to((low == -torch.inf).all(-1).any(1), bad.shape)
+        except RuntimeError:
+            blind = None
+    if blind is None or bool((bad & ~blind).any()):
+        return (f"the model's eager attention returned non-finite weights (NaN or inf) at {where}, queries that see "
+                "keys: the model computes them itself (NaN or overflow in its input to this block, or in its "
+                f"weights, in {probs.dtype}); nothing was recorded")
+    own = (f"transformers' own eager attention (the path that returns weights) gives this model NaN weights for "
+           f"queries that may attend to no key ({where}: padding), with no head changed: ")
+    if mask.dtype == torch.float64:
+        return own + ("its float64 attention mask holds float64's lowest value, which becomes -inf in the float32 "
+                      "softmax of transformers' eager attention, and a row of -inf is NaN, which the next layer's real "
+                      "rows then read. Load the model in float32 (the mask stays finite there), or use the default "
+                      "engine (fused), or one sentence per batch (batch size 1)")
+    return own + ("its attention mask is -inf on every key of those rows, and a row of -inf is NaN in its eager "
+                  "softmax, which the next layer's real rows then read. Use the default engine (fused), or one "
+                  "sentence per batch (batch size 1)")
+
+
+@contextmanager
+def float32_mask_floor(model: nn.Module) -> Iterator[None]:
+    """Additive float64 attention masks raised to float32's lowest number, so that a row whose
+    keys are all masked stays finite in a float64 model.
+
+    transformers fills a mask with the lowest number of the model's precision, and its eager
+    attention takes the softmax in float32: float64's lowest number becomes -inf there, and a
+    query that may attend to no key at all (a padding position: left padding, or a sliding window)
+    gets NaN probabilities, which reach every later value of its batch row (0 * NaN). In the model's
+    own float32 such a row is finite (uniform over masked keys, never read). Every other row is
+    unchanged to the bit: its masked scores are far below float32's range either way, and ``exp``
+    of them is exactly zero."""
+    lowest = torch.finfo(torch.float32).min
+
+    def raise_floor(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.float64:
+            return args, {**kwargs, "attention_mask": mask.clamp(min=lowest)}
+        return None
+
+    handles = HookHandles()
+    try:
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(raise_floor, with_kwargs=True))
+        yield
+    finally:
+        handles.remove()
 
 
 def _model_type(block: AttentionBlock) -> str | None:

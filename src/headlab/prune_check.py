@@ -21,6 +21,11 @@ machine epsilon of the model's dtype (float32: 3.5e-4 of the tensor's largest va
 eps; a wrong slice moves them by the size of a head's contribution. A float64 model whose attention
 takes part of its computation in float32 whatever the dtype (Granite-SWA's sink scale) is held to float32's
 tolerance by the caller (:mod:`headlab.surgery` picks the dtype).
+
+Where the masked reference itself is NaN or inf (a float64 model in transformers' eager attention
+on the left-padded row: float64's lowest mask value is -inf in its float32 softmax), nothing can
+be compared: :func:`first_mismatch` reports that only when every finite value agrees, and
+:func:`own_nan_cause` says why the unmodified model gives it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,15 @@ class Trace:
     where: object = None
     ran: set = field(default_factory=set)
     """The blocks ``(kind, layer)`` whose module's forward started: one that never ran is compared nowhere."""
+    places: list = field(default_factory=list)
+    """Beside each entry: the ``(row, position)`` of each of its first-axis items ([n, 2]), or None where
+    that axis is the probe's rows (a generation step's logits)."""
+
+    def add(self, call: str, what: object, tensor: torch.Tensor, mask: torch.Tensor | None) -> None:
+        value = _valid(tensor, mask)
+        kept = mask is not None and tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape)
+        self.entries.append((call, what, value))
+        self.places.append(mask.nonzero().cpu() if kept and mask is not None else None)
 
 
 @dataclass(frozen=True)
@@ -67,13 +81,22 @@ class Mismatch:
     difference: float
     allowed: float
     error: str | None = None
+    not_finite: str | None = None
+    """Set where the only difference is at items the reference itself has NaN or inf: which ones."""
 
     def describe(self, model_type: str) -> str:
-        where = f"{self.what[0]} layer {self.what[1]}" if isinstance(self.what, tuple) else str(self.what)
+        where = _name(self.what)
+        if self.not_finite is not None:
+            return (f"{model_type}: cannot check pruning: the masked model, the reference, gives NaN or inf in {where} "
+                    f"({self.call}) at {self.not_finite}, and the pruned model does not; every finite value agrees")
         if self.error is not None:
             return f"{model_type}: the pruned model fails in {where} ({self.call}): {self.error}"
         return (f"{model_type}: the pruned model differs from the masked one in {where} ({self.call}): "
                 f"max difference {self.difference:.3g}, allowed {self.allowed:.3g}")
+
+
+def _name(what: object) -> str:
+    return f"{what[0]} layer {what[1]}" if isinstance(what, tuple) else str(what)
 
 
 def _embeddings(model: nn.Module) -> nn.Module | None:
@@ -167,7 +190,7 @@ def run_probe(model: nn.Module, probe: dict) -> Trace:
             value = _first(output)
             if value is not None:
                 stack = "decoder" if seq2seq and key[0] != "enc_self" else "main"
-                trace.entries.append((state["call"], key, _valid(value, masks.get(stack))))
+                trace.add(state["call"], key, value, masks.get(stack))
 
         return hook
 
@@ -191,11 +214,11 @@ def _record_output(trace: Trace, call: str, output, mask, encoder_mask, encoder_
     if main is None:
         main = _first(output)
     if main is not None:
-        trace.entries.append((call, "logits" if logits is not None else "output", _valid(main, mask)))
+        trace.add(call, "logits" if logits is not None else "output", main, mask)
     encoder = getattr(encoder_outputs if encoder_outputs is not None else output, "encoder_last_hidden_state"
                       if encoder_outputs is None else "last_hidden_state", None)
     if encoder_mask is not None and encoder is not None:
-        trace.entries.append((call, "encoder output", _valid(encoder, encoder_mask)))
+        trace.add(call, "encoder output", encoder, encoder_mask)
 
 
 def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dict, trace: Trace) -> None:
@@ -244,7 +267,7 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
         cache = _cache_of(output)
         logits = getattr(output, "logits", None)
         if logits is not None:
-            trace.entries.append((state["call"], "logits", logits.detach()[:, -1].clone()))
+            trace.add(state["call"], "logits", logits[:, -1], None)
 
 
 def _cache_of(output):
@@ -252,42 +275,71 @@ def _cache_of(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def _difference(reference: torch.Tensor, pruned: torch.Tensor) -> tuple[float, float]:
-    """(max |pruned - reference| with NaN where both are NaN counted as equal, max |reference|)."""
+def _difference(reference: torch.Tensor, pruned: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
+    """(max |pruned - reference| over the items where the reference is finite, a NaN of ``pruned`` there
+    counted as inf; max |reference|; the items where the reference is NaN or inf and ``pruned`` is not
+    the same (NaN where both are NaN counts as the same), or None)."""
     if reference.shape != pruned.shape:
-        return math.inf, 0.0
+        return math.inf, 0.0, None
     reference, pruned = reference.double(), pruned.double().to(reference.device)
-    both_nan = reference.isnan() & pruned.isnan()
-    diff = (pruned - reference).abs().masked_fill(both_nan, 0.0)
-    diff = diff.nan_to_num(nan=math.inf)
-    finite = reference[reference.isfinite()]
+    bad = ~reference.isfinite()
+    diff = (pruned - reference).abs().masked_fill(bad, 0.0).nan_to_num(nan=math.inf)
+    same = (pruned == reference) | (reference.isnan() & pruned.isnan())
+    unmatched = bad & ~same
+    finite = reference[~bad]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
-    return (float(diff.max()) if diff.numel() else 0.0), scale
+    items = unmatched.reshape(unmatched.shape[0], -1).any(-1) if unmatched.dim() else unmatched.reshape(1)
+    return (float(diff.max()) if diff.numel() else 0.0), scale, (items if bool(items.any()) else None)
 
 
 def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Mismatch | None:
-    """The first place (in forward order) where ``pruned`` leaves the tolerance around ``reference``."""
+    """The first place (in forward order) where ``pruned`` leaves the tolerance around ``reference``.
+    Where the reference itself is NaN or inf (a model that gives NaN on padded rows by itself) nothing
+    can be compared: a difference there is returned (``not_finite`` set) only if no finite value differs
+    anywhere, so that a real difference is never hidden behind it."""
     if reference.error is not None:  # the masked model itself fails on the probe: nothing to compare
         raise reference.error
     if pruned.error is not None:
         error = f"{type(pruned.error).__name__}: {pruned.error}".splitlines()[0][:300]
         return Mismatch("forward", pruned.where or "model", math.inf, 0.0, error)
     ref = _numbered(reference.entries)
+    places = dict(zip(ref, reference.places))
     got = _numbered(pruned.entries)
     rel = tolerance(dtype)
+    unchecked: Mismatch | None = None
     for (call, what, n), value in ref.items():
         if (call, what, n) not in got:
             if isinstance(what, tuple):
                 continue  # a block reduced to no head is not an attention block any more: its output is in the next
             return Mismatch(call, what, math.inf, 0.0, "the pruned model did not compute it")
-        difference, scale = _difference(value, got[(call, what, n)])
+        difference, scale, unmatched = _difference(value, got[(call, what, n)])
         allowed = rel * max(scale, torch.finfo(dtype).tiny)
         if not difference <= allowed:
             return Mismatch(call, what, difference, allowed)
+        if unmatched is not None and unchecked is None:
+            unchecked = Mismatch(call, what, math.inf, allowed, not_finite=probe_places(unmatched,
+                                                                                        places[(call, what, n)]))
     extra = [key for key in got if key not in ref and not isinstance(key[1], tuple)]
     if extra:
         return Mismatch(extra[0][0], extra[0][1], math.inf, 0.0, "the masked model did not compute it")
-    return None
+    return unchecked
+
+
+def probe_places(items: torch.Tensor, places: torch.Tensor | None) -> str:
+    """The probe rows and positions of the first-axis ``items`` (bool) of an entry: "probe row 2 (padded
+    on the left), positions 2-5"."""
+    from headlab.capture import spans
+
+    index = items.nonzero().flatten().cpu()
+    if places is None:
+        rows: dict[int, list[int]] = {int(i): [] for i in index}
+    else:
+        rows = {}
+        for row, position in places[index].tolist():
+            rows.setdefault(row, []).append(position)
+    sides = {1: " (padded on the right)", 2: " (padded on the left)"}
+    return "; ".join(f"probe row {row}{sides.get(row, '')}" + (f", positions {spans(pos)}" if pos else "")
+                     for row, pos in rows.items())
 
 
 def _numbered(entries: list) -> dict:
@@ -307,8 +359,36 @@ def not_finite(trace: Trace) -> str | None:
         where = trace.where
         where = f"{where[0]} layer {where[1]}" if isinstance(where, tuple) else "the model"
         return f"fails in {where}: {type(trace.error).__name__}: {str(trace.error).splitlines()[0][:300]}"
-    for call, what, value in trace.entries:
+    for (call, what, value), places in zip(trace.entries, trace.places):
         if value.is_floating_point() and not bool(value.isfinite().all()):
-            where = f"{what[0]} layer {what[1]}" if isinstance(what, tuple) else str(what)
-            return f"computes NaN or inf in {where} ({call})"
+            bad = ~value.isfinite()
+            items = bad.reshape(bad.shape[0], -1).any(-1) if bad.dim() else bad.reshape(1)
+            return f"computes NaN or inf in {_name(what)} ({call}) at {probe_places(items, places)}"
     return None
+
+
+def own_nan_cause(model: nn.Module, probe: dict) -> str | None:
+    """Why ``model``, unmodified, gives NaN or inf on ``probe``, where that is known: its float64
+    attention mask, whose lowest value transformers' eager attention takes to -inf in its float32
+    softmax (a padding query that may attend to no key gets NaN, and the next layer's real rows read
+    it). Confirmed by running the probe again with the mask floored at float32's lowest
+    (:func:`headlab.capture.float32_mask_floor`); the remedies named are those that run finite."""
+    from headlab.capture import _attention_implementation, float32_mask_floor
+
+    with float32_mask_floor(model):
+        floored = run_probe(model, probe)
+    if not_finite(floored) is not None:
+        return None
+    remedies = ["load it in float32 (its mask stays finite there)"]
+    if getattr(model.config, "_attn_implementation", None) == "eager":
+        try:
+            with _attention_implementation(model, "sdpa"):
+                sdpa = run_probe(model, probe)
+        except (ValueError, ImportError, RuntimeError):  # a model that has no SDPA path
+            sdpa = None
+        if sdpa is not None and not_finite(sdpa) is None:
+            remedies.append('load it with attn_implementation="sdpa"')
+    return ("its float64 attention mask holds float64's lowest value, which becomes -inf in the float32 softmax of "
+            "transformers' eager attention, so a padding query that may attend to no key gets NaN and the next "
+            "layer's real rows read it (with the mask floored at float32's lowest value the probe is finite); "
+            + ", or ".join(remedies))

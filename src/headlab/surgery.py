@@ -24,7 +24,7 @@ import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from headlab.heads import KINDS, HeadSpec, atomic_write_text, kv_heads_kept, rea
 from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
+
+if TYPE_CHECKING:
+    from headlab.prune_check import Mismatch
 
 FORMAT_VERSION = 1
 
@@ -726,6 +729,8 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         raise
     if mismatch is not None or not commit:
         journal.undo()
+    if mismatch is not None and mismatch.not_finite is not None:
+        _refuse_own_nan(model, probe, mismatch, spec)
     if mismatch is not None:
         raise PruningNotExact(mismatch.describe(_model_type(model)) + "; the model was left unpruned, nothing written",
                               model_type=_model_type(model), block=mismatch.what, difference=mismatch.difference)
@@ -733,6 +738,26 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         return attention_blocks(model)
     model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     return blocks
+
+
+def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dict) -> NoReturn:
+    """The masked reference has NaN or inf where the pruned model has not, and nothing else differs:
+    say whose NaN it is (the unmodified model's, and why where that is known), not that pruning differs."""
+    from headlab.prune_check import _name, not_finite, own_nan_cause, run_probe
+
+    model_type = _model_type(model)
+    own = not_finite(run_probe(model, probe))
+    if own is None:  # masking made it (0 * inf): the masked model is the one that fails
+        raise HeadlabError(mismatch.describe(model_type) + "; the unmodified model is finite on the probe, so "
+                           "masking " + "; ".join(f"{_name(key)} heads {list(heads)}" for key, heads in spec.items())
+                           + " makes the NaN; nothing was pruned")
+    cause = own_nan_cause(model, probe)
+    raise HeadlabError(
+        f"{model_type}: cannot check pruning: the model itself gives NaN or inf on headlab's padded probe, before any "
+        f"head is removed: it {own}; the masked model, the reference, has NaN or inf in {_name(mismatch.what)} "
+        f"({mismatch.call}) at {mismatch.not_finite}, where the pruned one is finite, so pruning cannot be checked "
+        f"there (every finite value agrees). {('Cause: ' + cause) if cause else 'Check its weights and dtype'}; "
+        "nothing was pruned")
 
 
 def check_block_sliceable(block: AttentionBlock) -> None:
@@ -1085,14 +1110,19 @@ def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
 def _check_loaded(model: nn.Module, path: Path) -> None:
     """The loaded weights in the checked structure: a forward on the padded probe (and cached
     generation steps) must run and give finite values where the inputs are not padding."""
-    from headlab.prune_check import not_finite, probe_inputs, run_probe
+    from headlab.prune_check import not_finite, own_nan_cause, probe_inputs, run_probe
 
-    trace = run_probe(model, probe_inputs(model))
+    probe = probe_inputs(model)
+    trace = run_probe(model, probe)
     if trace.error is not None:  # as in _prune_checked: a model that cannot take padded rows gets one row
-        trace = run_probe(model, probe_inputs(model, padded=False))
+        probe = probe_inputs(model, padded=False)
+        trace = run_probe(model, probe)
     problem = not_finite(trace)
     if problem is not None:
-        raise HeadlabError(f"{path}: the loaded {_model_type(model)} model {problem}")
+        # NaN from the model's own padded attention is not a damaged file: say which it is
+        cause = own_nan_cause(model, probe) if trace.error is None else None
+        known = f"; its own eager attention makes it on padded rows, not its weights: {cause}" if cause else ""
+        raise HeadlabError(f"{path}: the loaded {_model_type(model)} model {problem}{known}")
 
 
 @checked_keywords()

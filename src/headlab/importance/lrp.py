@@ -39,7 +39,7 @@ happens to sample.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -49,7 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, head_output_hooks
+from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, float32_mask_floor, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError, RunFailed, counted
@@ -237,35 +237,14 @@ def _computed_in(model: nn.Module) -> torch.dtype:
                default=torch.float32)
 
 
-@contextmanager
-def _finite_masks(model: nn.Module) -> Iterator[None]:
-    """Additive float64 attention masks raised to float32's lowest number, so that a row whose
-    keys are all masked stays finite in a float64 model.
-
-    transformers fills a mask with the lowest number of the model's precision, and its eager
-    attention takes the softmax in float32: float64's lowest number becomes -inf there, and a
-    query that may attend to no key at all (a padding position under a sliding window: Gemma 2
-    and 3, ModernBERT's local layers) gets NaN probabilities, which reach every gradient of its
-    row. In the model's own float32 such a row is finite (uniform over masked keys, never read).
-    Every other row is unchanged to the bit: its masked scores are far below float32's range
-    either way, and ``exp`` of them is exactly zero. (:class:`_KeptWide` now gives eager attention a
-    float64 softmax, where such a row is finite without the floor; the floor stays for any float32
-    arithmetic a mask meets.)"""
-    lowest = torch.finfo(torch.float32).min
-
-    def raise_floor(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.float64:
-            return args, {**kwargs, "attention_mask": mask.clamp(min=lowest)}
-        return None
-
-    handles = HookHandles()
-    try:
-        for module in model.modules():
-            handles.append(module.register_forward_pre_hook(raise_floor, with_kwargs=True))
-        yield
-    finally:
-        handles.remove()
+def _finite_masks(model: nn.Module) -> AbstractContextManager[None]:
+    """Additive float64 attention masks raised to float32's lowest number
+    (:func:`headlab.capture.float32_mask_floor`): a query that may attend to no key at all (a padding
+    position under a sliding window: Gemma 2 and 3, ModernBERT's local layers; left padding) would
+    otherwise get NaN probabilities in a float64 model, which reach every gradient of its row.
+    (:class:`_KeptWide` now gives eager attention a float64 softmax, where such a row is finite
+    without the floor; the floor stays for any float32 arithmetic a mask meets.)"""
+    return float32_mask_floor(model)
 
 
 @contextmanager

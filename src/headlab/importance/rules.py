@@ -449,6 +449,7 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
         raise HeadlabError(f"LRP: {type(module).__name__} is not called as experts(hidden_states, top_k_index, "
                            "top_k_weights); headlab has no LRP rule for it")
     x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"].detach()
+    _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
     surrogate = torch.zeros_like(x)
     for expert in range(module.gate_up_proj.shape[0]):
         token, slot = torch.where(index == expert)

@@ -1,0 +1,143 @@
+"""A model that gives NaN by itself on a padded batch is said so, not blamed on headlab (session 27, nan27).
+
+transformers fills an additive mask with the lowest number of the model's dtype and its eager attention takes the
+softmax in float32: a float64 model's lowest number is -inf there, so on a left-padded row the padding queries, which
+may attend to no key, get NaN weights, and the next layer's real rows read their NaN values (0 * NaN). The same model
+in float32, or with SDPA, is finite. Before: capture blamed a sliding window (there is none), and pruning a whole
+layer of such a model was refused with "max difference inf" (the masked reference had the NaN, the pruned model,
+whose emptied layer reads no value, had not). Both now name the model's own NaN and its cause, checked by running
+the probe again with the mask floored at float32's lowest value; a real difference still wins over it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from headlab import attention_blocks, capture_attention, load_pruned, prune_heads, save_pruned
+from headlab.errors import HeadlabError, PruningNotExact
+from headlab.prune_check import Trace, first_mismatch, probe_inputs, run_probe
+from support.models import tiny_model
+
+EMPTY_LAYER = {("dec_self", 0): [0, 1, 2, 3]}
+
+
+def float64_llama(attn_implementation: str = "eager") -> torch.nn.Module:
+    return tiny_model("llama", attn_implementation=attn_implementation).double()
+
+
+def _forward(model, probe):
+    with torch.no_grad():
+        return model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+
+
+def test_the_float64_eager_model_itself_gives_nan_on_a_left_padded_row():
+    """What the refusals below rest on, in transformers alone: NaN on the left-padded row's real positions in
+    float64 eager, none in float32 eager or float64 SDPA."""
+    probe = probe_inputs(float64_llama())
+    real = probe["attention_mask"].bool()
+    logits = _forward(float64_llama(), probe)
+    assert logits[2][real[2]].isnan().all() and logits[:2][real[:2]].isfinite().all()
+    assert _forward(float64_llama().float(), probe)[real].isfinite().all()
+    assert _forward(float64_llama("sdpa"), probe)[real].isfinite().all()
+
+
+def test_capture_names_the_float64_mask_not_a_sliding_window():
+    model = float64_llama()
+    probe = probe_inputs(model)
+    with pytest.raises(HeadlabError) as caught, capture_attention(model):
+        _forward(model, probe)
+    message = str(caught.value)
+    assert message.startswith("dec_self layer 0: ")  # where the NaN starts, not where it spreads
+    assert "batch row 2, queries 0-1: padding" in message
+    assert "float64 attention mask" in message and "float32" in message
+    assert "sliding window" not in message
+    with capture_attention(float64_llama().float()) as record:  # the remedy named works
+        _forward(float64_llama().float(), probe)
+    assert all(probs.isfinite().all() for probs in record.values())
+
+
+def test_pruning_a_whole_layer_names_the_models_own_nan():
+    model = float64_llama()
+    with pytest.raises(HeadlabError) as caught:
+        prune_heads(model, EMPTY_LAYER)
+    assert not isinstance(caught.value, PruningNotExact)  # nothing was shown to differ
+    message = str(caught.value)
+    assert "the model itself gives NaN or inf on headlab's padded probe, before any head is removed" in message
+    assert "dec_self layer 1 (forward) at probe row 2 (padded on the left), positions 2-5" in message
+    assert "float64 attention mask" in message and 'attn_implementation="sdpa"' in message
+    assert "max difference" not in message
+    assert [block.n_heads for block in attention_blocks(model)] == [4, 4]  # left unpruned
+
+    sdpa = float64_llama("sdpa")  # the remedy named works
+    prune_heads(sdpa, EMPTY_LAYER)
+    assert [block.n_heads for block in attention_blocks(sdpa)] == [0, 4]
+
+
+def test_a_float64_granite_swa_with_an_emptied_layer_names_the_models_own_nan():
+    """The case found (sink27): Granite-SWA's eager has no SDPA to offer, so float32 alone is named."""
+    from support.family_matrix import perturbed_model
+    from test_attention_sinks import SINK_FAMILIES
+
+    cls, config = SINK_FAMILIES["granite_swa"]()
+    model = perturbed_model(cls, config, attn_implementation="eager").double()
+    with pytest.raises(HeadlabError) as caught:
+        prune_heads(model, {("dec_self", 0): list(range(config.num_attention_heads))})
+    message = str(caught.value)
+    assert not isinstance(caught.value, PruningNotExact) and "max difference" not in message
+    assert "the model itself gives NaN or inf on headlab's padded probe, before any head is removed" in message
+    assert "load it in float32" in message and "sdpa" not in message
+    assert model.config._attn_implementation == "eager"  # the SDPA try left it as it was
+
+
+def _trace(*entries: tuple[str, object, torch.Tensor]) -> Trace:
+    trace = Trace()
+    for call, what, value in entries:
+        trace.add(call, what, value, None)
+    return trace
+
+
+def test_a_real_difference_is_not_hidden_behind_the_references_nan():
+    nan_row = torch.tensor([[1.0, 2.0], [math.nan, math.nan]])
+    finite = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    reference = _trace(("forward", ("dec_self", 1), nan_row), ("forward", "logits", finite))
+
+    only_nan = first_mismatch(reference, _trace(("forward", ("dec_self", 1), finite),
+                                                ("forward", "logits", finite)), torch.float64)
+    assert only_nan is not None and only_nan.not_finite == "probe row 1 (padded on the right)"
+
+    later = first_mismatch(reference, _trace(("forward", ("dec_self", 1), finite),
+                                             ("forward", "logits", finite + 1)), torch.float64)
+    assert later is not None and later.not_finite is None and later.what == "logits" and later.difference == 1.0
+
+    same_row = first_mismatch(reference, _trace(("forward", ("dec_self", 1), finite + torch.tensor([[1.0], [0.0]])),
+                                                ("forward", "logits", finite)), torch.float64)
+    assert same_row is not None and same_row.not_finite is None and same_row.difference == 1.0
+
+    assert first_mismatch(reference, reference, torch.float64) is None  # NaN where both are NaN: the same
+
+
+def test_the_probe_names_rows_and_positions_of_nan():
+    model = float64_llama()
+    trace = run_probe(model, probe_inputs(model))
+    from headlab.prune_check import not_finite
+
+    assert not_finite(trace) == ("computes NaN or inf in dec_self layer 1 (forward) at probe row 2 (padded on the "
+                                 "left), positions 2-5")
+
+
+def test_load_pruned_says_the_nan_is_the_models_attention_not_its_weights(tmp_path):
+    model = float64_llama("sdpa")
+    prune_heads(model, {("dec_self", 0): [0]})
+    save_pruned(model, tmp_path / "pruned")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # load_pruned builds in the default dtype
+    try:
+        assert next(load_pruned(tmp_path / "pruned").parameters()).dtype == torch.float64
+        with pytest.raises(HeadlabError, match="its own eager attention makes it on padded rows, not its weights: "
+                                               "its float64 attention mask"):
+            load_pruned(tmp_path / "pruned", attn_implementation="eager")
+    finally:
+        torch.set_default_dtype(default)
