@@ -611,3 +611,19 @@ def test_the_probe_of_a_meta_structure_leaves_it_on_the_meta_device():
     assert before.keys() == after.keys() and all(after[name] is t for name, t in before.items())
     real = [(b.name, b.n_heads, b.n_kv_heads, b.d_head) for b in attention_blocks(tf.Glm5NextTextModel(text))]
     assert [(b.name, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == real
+
+
+def test_glm5_next_directory_of_its_released_layout_is_refused_before_any_work(tmp_path, capsys):
+    """A saved directory with a KDA linear-attention layer (the released layout: three in four) is refused from its
+    structure, naming the layer, by every command. Before, the probe failed on the meta device and the name-based
+    fallback took the KDA layer for softmax attention: ``headlab heads`` listed its 4 "heads" and check_supported
+    passed; only a probe of the loaded model refused it, after the weights were read."""
+    from headlab.cli import main
+    from headlab.loading import check_supported
+
+    glm5_next(["linear_attention", "indexed_attention"]).model.language_model.save_pretrained(tmp_path)
+    refusal = r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/value/output projections but did not"
+    with pytest.raises(HeadlabError, match=refusal):
+        check_supported(str(tmp_path))
+    assert main(["heads", str(tmp_path)]) == 2
+    assert "Glm5NextTextLinearAttention" in capsys.readouterr().err
