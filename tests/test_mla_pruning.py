@@ -552,3 +552,78 @@ def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactl
     assert not torch.allclose(masked, _output(model, inputs)[1])
     with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
         prune_heads(model, {("dec_self", 1): [0]})
+
+
+@pytest.mark.parametrize("part", ["text", "multimodal"])
+def test_glm5_next_checkpoint_directory_loads_and_is_analysed_exactly(part, tmp_path, capsys):
+    """A saved GLM-5-Next directory (its text model, and the bare multimodal model that load_model builds for
+    glm5_next) through headlab's directory loader. Before, every command refused it: the structure is built on the
+    meta device, whose probe forward fails where GLM-5-Next reads values (``torch.all(mask == 1)`` in its recurrent
+    mask, its indexer's boolean selection of pooled keys), and the name-based fallback has no latent attention:
+    "found no attention block: the probe forward pass ... failed (RuntimeError: Tensor.item() cannot be called on
+    meta tensors)". Now the probe runs on zeros in the meta tensors' place; the loaded model is analysed exactly:
+    capture equals transformers' eager output_attentions, masking equals zeroing the head's value rows."""
+    from headlab.cli import main
+    from headlab.loading import build_from_config, check_supported, load_model
+
+    wrapper = glm5_next(["indexed_attention"] * 2)
+    model = wrapper.model.language_model if part == "text" else wrapper.model
+    model.save_pretrained(tmp_path)
+    names = ["layers.0.self_attn", "layers.1.self_attn"]
+    names = names if part == "text" else [f"language_model.{name}" for name in names]
+    check_supported(str(tmp_path))  # raised before
+    assert [b.name for b in attention_blocks(build_from_config(str(tmp_path)))] == names
+    assert main(["heads", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["module"], r["n_heads"], r["d_head"]) for r in rows] == [(name, 4, 8) for name in names]
+    loaded = load_model(str(tmp_path))
+    assert [b.name for b in attention_blocks(loaded)] == names
+    inputs = tiny_inputs()
+    cls = type(model)
+    with torch.no_grad():
+        reference = cls.from_pretrained(tmp_path, attn_implementation="eager")(**inputs, output_attentions=True)
+    with capture_attention(loaded) as record:
+        out = _output(loaded, inputs)[1]
+    assert sorted(record) == [("dec_self", 0), ("dec_self", 1)]
+    for (_, layer), probs in record.items():
+        assert torch.equal(probs, reference.attentions[layer])
+    torch.testing.assert_close(out, reference.last_hidden_state, atol=1e-6, rtol=0)
+    with mask_heads(loaded, {("dec_self", 1): [2]}):
+        masked = _output(loaded, inputs)[1]
+    zeroed = load_model(str(tmp_path))
+    with torch.no_grad():
+        zeroed.get_submodule(names[1]).kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0  # head 2's values: [k_nope 8 | v 8]
+    torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
+    assert not torch.allclose(masked, out)
+    assert all(p.device.type == "cpu" and not p.is_meta for p in loaded.parameters())
+
+
+def test_the_probe_of_a_meta_structure_leaves_it_on_the_meta_device():
+    """The zeros the probe puts in place of a meta structure's tensors are taken back: the structure stays weightless
+    (its parameters and buffers the same meta tensors), and the blocks are those of the model built with values."""
+    text = CONFIG_MAPPING["glm5_next_text"](**_GLM5_NEXT, layer_types=["indexed_attention"] * 2) \
+        if "glm5_next_text" in CONFIG_MAPPING else pytest.skip("this transformers has no glm5_next_text")
+    with torch.device("meta"):
+        structure = tf.Glm5NextTextModel(text)
+    before = {name: t for name, t in (*structure.named_parameters(), *structure.named_buffers())}
+    blocks = attention_blocks(structure)
+    after = {name: t for name, t in (*structure.named_parameters(), *structure.named_buffers())}
+    assert before.keys() == after.keys() and all(after[name] is t for name, t in before.items())
+    real = [(b.name, b.n_heads, b.n_kv_heads, b.d_head) for b in attention_blocks(tf.Glm5NextTextModel(text))]
+    assert [(b.name, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == real
+
+
+def test_glm5_next_directory_of_its_released_layout_is_refused_before_any_work(tmp_path, capsys):
+    """A saved directory with a KDA linear-attention layer (the released layout: three in four) is refused from its
+    structure, naming the layer, by every command. Before, the probe failed on the meta device and the name-based
+    fallback took the KDA layer for softmax attention: ``headlab heads`` listed its 4 "heads" and check_supported
+    passed; only a probe of the loaded model refused it, after the weights were read."""
+    from headlab.cli import main
+    from headlab.loading import check_supported
+
+    glm5_next(["linear_attention", "indexed_attention"]).model.language_model.save_pretrained(tmp_path)
+    refusal = r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/value/output projections but did not"
+    with pytest.raises(HeadlabError, match=refusal):
+        check_supported(str(tmp_path))
+    assert main(["heads", str(tmp_path)]) == 2
+    assert "Glm5NextTextLinearAttention" in capsys.readouterr().err

@@ -436,3 +436,39 @@ def test_a_refused_attention_names_the_operations_on_its_output(model_type):
     model = tf.AutoModelForCausalLM.from_config(config)  # JetMoE's routing reads values: not on the meta device
     with pytest.raises(HeadlabError, match=pattern):
         attention_blocks(model)
+
+
+# Forwards that read values the meta device does not have (transformers' create_recurrent_attention_mask of the hybrids'
+# linear layers tests torch.all(mask == 1); JetMoE's routing takes expert sizes .tolist()): the probe of the structure
+# built from the config runs again on zeros.
+VALUE_READING = {
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4),
+    "minimax": dict(intermediate_size=40, layer_types=["full_attention", "linear_attention"], num_local_experts=2,
+                    num_experts_per_tok=1),
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
+    "bailing_hybrid": {},
+}
+
+
+def _outcome(model) -> list | str:
+    try:
+        return [(b.name, b.n_heads, b.n_kv_heads, b.d_head, b.family.name) for b in attention_blocks(model)]
+    except HeadlabError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("model_type", VALUE_READING)
+def test_a_structure_whose_forward_reads_values_gives_the_loaded_models_blocks(model_type):
+    """What every command checks before any work (the structure, on the meta device) is what the loaded model gives:
+    before, these families' probe failed on the meta device and the structure got the name-based blocks
+    ("generic:lfm2" where the loaded model's are "discovered:lfm2"), or a refusal naming the meta device where the
+    loaded model's names what is missing (JetMoE), or blocks where the loaded model is refused (Bailing-hybrid's
+    linear-attention layers: refused only after the weights were read)."""
+    config = tf.AutoConfig.for_model(model_type, **{**_GQA, **VALUE_READING[model_type]})
+    with torch.device("meta"):
+        structure = tf.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    loaded = _outcome(tf.AutoModelForCausalLM.from_config(config))
+    assert _outcome(structure) == loaded
+    assert all(t.is_meta for t in (*structure.parameters(), *structure.buffers()))

@@ -6,8 +6,9 @@ transformers v5 attention modules hand their queries, keys and values to a funct
 what it returns, ``[batch, q_len, n_heads, d_head]``, to their output projection. The probe
 registers a function of its own under :data:`PROBE`, switches every config to it and runs the
 model once on a few tokens (on the meta device too: nothing is computed, the function returns
-zeros of the right shape). Each call names its module and the query/key/value shapes: the head
-counts and head size, from the tensors themselves. Every ``nn.Linear`` output of the model is
+zeros of the right shape; a forward that reads values runs again on zeros, :func:`_given_values`).
+Each call names its module and the query/key/value shapes: the head counts and head size, from the
+tensors themselves. Every ``nn.Linear`` output of the model is
 traced (a tensor subclass that carries the modules it came from through any torch operation), so
 the probe also sees
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,11 +465,14 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[
     try:
         with torch.random.fork_rng(devices=devices):  # the probe draws nothing from the user's generators
             try:
-                probe = _run(model)
+                probe = _probe(model)
             except HeadlabError:
                 raise
-            except Exception:  # noqa: BLE001 - a model that needs a mask tensor (MPT): masks hiding nothing
-                probe = _run(model, masks=True)
+            except Exception:  # noqa: BLE001 - on the meta device: a forward that reads values, given some
+                if not _on_meta(model):
+                    raise
+                with _given_values(model):
+                    probe = _probe(model)
     except HeadlabError:
         raise
     except Exception as error:  # noqa: BLE001 - any model's forward: reported, with what failed
@@ -491,6 +496,49 @@ def _discover(model: nn.Module) -> tuple[list[Discovered], frozenset[str], dict[
     found = [_describe(call, modules, names, counts[id(call.module)]) for call in firsts]
     return (found, frozenset(name for name, module in modules.items() if id(module) in probe.ran),
             {name: probe.maps[id(module)] for name, module in modules.items() if id(module) in probe.maps})
+
+
+def _probe(model: nn.Module) -> _Probe:
+    try:
+        return _run(model)
+    except HeadlabError:
+        raise
+    except Exception:  # noqa: BLE001 - a model that needs a mask tensor (MPT): masks hiding nothing
+        return _run(model, masks=True)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@contextmanager
+def _given_values(model: nn.Module) -> Iterator[None]:
+    """``model``'s meta tensors swapped, for the probe, for zeros on the CPU, then put back: a structure built
+    without its weights whose forward reads values (GLM-5-Next's text model tests ``torch.all(mask == 1)`` and
+    its indexer keeps pooled keys by a boolean mask, which the meta device cannot compute) is probed as it is,
+    not refused. A parameter's zeros are one element expanded to its shape (no memory per parameter: the probe's
+    experts function never reads the experts' weights, and a projection's product copies one weight at a time);
+    a buffer's are its own (a forward may write into one). Zeros change values only, and the probe reads shapes
+    and where tensors go; only the control flow that values decide may differ from the loaded model's, which is
+    probed again on its weights when loaded."""
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for store in stores:
+                for name, tensor in store.items():
+                    if tensor is None or not tensor.is_meta:
+                        continue
+                    swapped.append((store, name, tensor))
+                    if isinstance(tensor, nn.Parameter):
+                        zeros = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+                        store[name] = nn.Parameter(zeros, requires_grad=False)
+                    else:
+                        store[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+        yield
+    finally:
+        for store, name, tensor in swapped:
+            store[name] = tensor
 
 
 class ModelChanged(HeadlabError):
