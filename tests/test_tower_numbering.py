@@ -244,3 +244,16 @@ def test_prune_trains_gates_and_baselines_take_the_text_models_heads():
     assert resolve_kinds(model, "auto") == ("enc_self",)
     assert ScalarGates.for_model(model, ("enc_self",)).n_heads == {("enc_self", 0): 4, ("enc_self", 1): 4}
     assert {(kind, layer) for kind, layer, _ in _heads(model, ("enc_self",))} == {("enc_self", 0), ("enc_self", 1)}
+
+
+def test_the_gate_sweeps_budget_counts_the_text_models_heads(tmp_path):
+    """analyze's --prune-keeps is checked against the gated heads: the text encoder's 8, not the tower's 4 with them."""
+    from types import SimpleNamespace
+
+    from headlab.pipeline.pipeline import _check_sweep
+
+    modernvbert().save_pretrained(tmp_path)
+    config = SimpleNamespace(model=str(tmp_path), trust_remote_code=False, prune_gates="enc_self", prune_keeps=(8,))
+    _check_sweep(config)  # type: ignore[arg-type]
+    with pytest.raises(HeadlabError, match=r"--prune-keeps 9: each budget must be between 1 and the 8 gated heads"):
+        _check_sweep(SimpleNamespace(**{**vars(config), "prune_keeps": (9,)}))  # type: ignore[arg-type]
