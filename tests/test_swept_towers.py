@@ -8,8 +8,8 @@ tiny) and what it found:
   cross-attention (tests/test_unfed_cross_attention.py).
 * Voxtral Realtime (its forward needs audio features at every step) is refused before any work naming that.
 * A tower numbered like the text model's own blocks (ModernVBERT's vision encoder beside its ModernBERT text
-  encoder, both ``enc_self``) is refused before any work as before ("two modules claim enc_self layer 0"), the
-  message now saying which module never runs on token ids and what to pass instead.
+  encoder, both ``enc_self``) was refused before any work ("two modules claim enc_self layer 0"); since towers27 its
+  blocks are numbered after the text's (tests/test_tower_numbering.py).
 
 Tiny models built from their configs, no download.
 """
@@ -70,18 +70,6 @@ def test_pruning_mllamas_cross_attention_is_refused_before_any_work():
     with pytest.raises(HeadlabError, match="dec_cross"):
         prune_heads(model, {("dec_cross", 1): [0]})
     assert torch.equal(model.model.layers[1].cross_attn.q_proj.weight, weight)
-
-
-def test_a_tower_numbered_as_the_text_encoder_is_refused_naming_it():
-    text = tf.ModernBertConfig(**{**_TEXT, "num_key_value_heads": 4}, global_attn_every_n_layers=2,
-                               local_attention=4)
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, image_size=16,
-                  patch_size=4)
-    config = tf.ModernVBertConfig(text_config=text, vision_config=vision, pixel_shuffle_factor=2)
-    model = perturbed_model(tf.ModernVBertForMaskedLM, config, attn_implementation="eager")
-    with pytest.raises(HeadlabError, match=r"two modules claim enc_self layer 0: .*model\.vision_model\.encoder\.layers"
-                                           r"\.0\.self_attn never runs on token ids .* pass the text model alone"):
-        attention_blocks(model)
 
 
 def test_voxtral_realtime_is_refused_before_any_work_naming_its_audio_input():

@@ -81,7 +81,8 @@ class HeadGates(nn.Module):
 
     @classmethod
     def for_model(cls: type[_Gates], model: nn.Module, kinds: tuple[str, ...] | None = None, **kwargs: Any) -> _Gates:
-        blocks = attention_blocks(model)
+        # no gate on an idle block (a tower token ids never run): it would learn the penalty alone, and count in it
+        blocks = [b for b in attention_blocks(model) if not b.idle]
         return cls({b.key: b.n_heads for b in blocks if kinds is None or b.kind in kinds}, **kwargs)
 
     def gate(self, key: BlockKey) -> torch.Tensor:  # pragma: no cover - abstract

@@ -684,26 +684,39 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if family is not None:  # tables run no probe: what they know never runs
         idle |= _unfed_cross_attention(blocks)
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
+    blocks = _towers_numbered_after(model, blocks)
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))
     seen: dict[tuple[str, int], AttentionBlock] = {}
     for block in blocks:
         if block.key in seen:
-            raise HeadlabError(_two_claim(model, seen[block.key], block))
+            raise HeadlabError(f"two modules claim {block.kind} layer {block.layer}: {seen[block.key].name} and "
+                               f"{block.name}")
         seen[block.key] = block
     return blocks
 
 
-def _two_claim(model: nn.Module, first: AttentionBlock, second: AttentionBlock) -> str:
-    """The refusal of two blocks numbered alike; where one never runs on token ids (a multimodal model's vision or
-    audio tower beside a text encoder, ModernVBERT's, or a second tower, Nemotron-3.5 Transcribe's), what to pass
-    instead: headlab numbers the blocks of a kind as one stack, a tower's layers and the text's are not told apart."""
-    message = f"two modules claim {first.kind} layer {first.layer}: {first.name} and {second.name}"
-    idle = [b.name for b in (first, second) if b.idle]
-    if not idle:
-        return message
-    return (f"{message}. {' and '.join(idle)} never run{'s' if len(idle) == 1 else ''} on token ids (a vision or "
-            f"audio tower of {type(model).__name__}, which headlab runs on text only), and headlab numbers the "
-            f"{first.kind} blocks as one stack: pass the text model alone")
+def _towers_numbered_after(model: nn.Module, blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """Idle blocks (towers token ids never run) renumbered after the blocks text runs, where they would claim a
+    layer number of their kind that another block claims: ModernVBERT's SigLIP tower beside its ModernBERT encoder
+    (both ``enc_self`` layer 0...), Mllama's two vision stacks, Nemotron-3.5's two audio towers (before: refused,
+    "two modules claim enc_self layer 0"). The blocks text runs keep their numbers, those every table, measure and
+    head spec reads, as the text model alone has them; the kind's idle blocks follow them in module order, so that
+    a table of the kind ends at the text's last layer (:func:`headlab.importance.common.block_scores` leaves idle
+    blocks out). Where nothing clashes (Llava's tower: ``enc_self`` beside a ``dec_self`` LM) nothing changes; two
+    blocks that both run and claim one number stay refused (by the caller)."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    out = [b for b in blocks if not b.idle]
+    for kind in dict.fromkeys(b.kind for b in blocks):
+        idle = [b for b in blocks if b.idle and b.kind == kind]
+        running = {b.layer for b in out if b.kind == kind}
+        layers = [b.layer for b in idle]
+        if len(set(layers)) == len(layers) and not running & set(layers):
+            out += idle
+            continue
+        start = max(running, default=-1) + 1
+        idle.sort(key=lambda b: (order.get(b.name, len(order)), b.layer))
+        out += [dataclasses.replace(b, layer=start + i) for i, b in enumerate(idle)]
+    return out
 
 
 def _unfed_cross_attention(blocks: list[AttentionBlock]) -> set[str]:

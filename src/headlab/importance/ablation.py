@@ -205,7 +205,7 @@ def compute_ablation_tables(
         raise HeadlabError("ablation of a classifier needs the texts' labels (a labelled TSV)")
     if "bleu" in metrics and len(metrics) > 1:
         raise HeadlabError("BLEU ablation runs alone")
-    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and not b.idle and (kinds is None or b.kind in kinds)]
     variants = [(block, head) for block in blocks for head in range(block.n_heads)]
     if metrics == ("bleu",):
         results = {"bleu": _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress)}

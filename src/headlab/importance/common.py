@@ -77,7 +77,9 @@ def expand_batch(batch: Batch, copies: int) -> dict[str, torch.Tensor]:
 def block_scores(blocks: list[AttentionBlock], values: dict[tuple[str, int], np.ndarray],
                  kinds: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
     """``{kind: [n_layers, n_heads]}`` from per-block vectors (only ``kinds``, when given); heads
-    without a value are NaN."""
+    without a value are NaN. Idle blocks (towers token ids never run) are left out: a kind whose idle blocks are
+    numbered after the text's (ModernVBERT's tower) gets the text model's table, as the text model alone would."""
+    blocks = [block for block in blocks if not block.idle]
     shapes: dict[str, tuple[int, int]] = {}
     for block in blocks:
         _, n_original = original_heads(block)

@@ -167,7 +167,7 @@ def compute_confidence(
                         type(model).__name__, why)
         engine = "eager"
     streamed = engine != "eager"
-    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and not b.idle and (kinds is None or b.kind in kinds)]
     shard = active()  # several processes: each its own batches, the sums added in batch order below
     # Per batch and block: the sum of the heads' maxima and the number of queries counted.
     ledger = Ledger(shard, {b.key: (torch.zeros(b.n_heads, dtype=torch.float64), torch.zeros((), dtype=torch.float64))

@@ -62,7 +62,7 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     share (:meth:`Shard.take`), and the sums are added over the processes in batch order, as
     one process adds them.
     """
-    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and not b.idle and (kinds is None or b.kind in kinds)]
     keep = {b.key: torch.ones(b.n_heads) for b in blocks}
     for key, heads in (mask or {}).items():
         if key in keep:

@@ -557,7 +557,7 @@ def compute_lrp(
     if targets is not None and targets < 0:
         raise HeadlabError(f"LRP targets per sentence must be at least 0 (0: all), got {targets}")
     check_rules(model)  # a normalisation without a rule is refused before any work
-    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and (kinds is None or b.kind in kinds)]
+    blocks = [b for b in attention_blocks(model) if b.n_heads > 0 and not b.idle and (kinds is None or b.kind in kinds)]
     keys = [b.key for b in blocks]
     shard = active()  # several processes: each its own batches, combined below
     # Per batch and block: the normalised and the raw relevance summed over the steps, added in

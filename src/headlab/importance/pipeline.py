@@ -131,20 +131,25 @@ def run_importance(
 def _text_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, str | None]:
     """The kinds to score and what is left out: a multimodal wrapper's vision or audio tower
     (:attr:`~headlab.adapters.AttentionBlock.idle`) never runs on token ids, where every measure would
-    score its heads 0 (gradient, ablation) or fail; its kind is left out, never scored. Asking for it,
-    or a kind that mixes such blocks with blocks text runs, is refused before any work."""
+    score its heads 0 (gradient, ablation) or fail; its kind is left out, never scored, and where its blocks are
+    numbered after those text runs of their kind (:func:`headlab.adapters.attention_blocks`: ModernVBERT's tower
+    beside its text encoder) the kind is scored without them. Asking for a kind text does not run, or one with such
+    a block among the layers text runs, is refused before any work."""
     blocks = attention_blocks(model)
     left_out = idle_blocks(blocks, None if kinds is None else {b.key for b in blocks if b.kind in kinds})
     if left_out is None:
         return kinds, None
     asked = kinds if kinds is not None else tuple(dict.fromkeys(b.kind for b in blocks))
     runs = [k for k in asked if any(b.kind == k and not b.idle and b.n_heads for b in blocks)]
-    mixed = [k for k in runs if any(b.kind == k and b.idle for b in blocks)]
+    # a kind whose idle blocks follow its text's (a tower numbered after them: ModernVBERT's) is scored without them,
+    # its table the text's (block_scores); one with an idle block among the text's layers cannot be
+    last = {k: max(b.layer for b in blocks if b.kind == k and not b.idle) for k in runs}
+    mixed = [k for k in runs if any(b.kind == k and b.idle and b.layer < last[k] for b in blocks)]
     unrun = [k for k in asked if k not in runs]
     why = f"{left_out}, which token ids do not run (a vision or audio tower, a cross-attention given no encoder states)"
     if mixed:
         raise HeadlabError(f"{mixed[0]} holds blocks that text runs beside {why}; no measure can score the latter "
-                           "from text, and headlab cannot leave part of a kind out")
+                           "from text, and headlab cannot leave a layer out of a kind's table")
     if kinds is not None and unrun or not runs:
         have = sorted({b.kind for b in blocks if not b.idle and b.n_heads})
         raise HeadlabError(f"kinds {','.join(unrun)}: {why}, so no measure can score them from text; "

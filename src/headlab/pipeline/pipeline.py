@@ -420,7 +420,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
         kinds = resolve_kinds(structure, config.prune_gates)
     except HeadlabError as error:
         raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
-    n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds)
+    n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds and not b.idle)  # as gates.for_model
     if any(keep > n_gated for keep in config.prune_keeps):
         raise HeadlabError(f"--prune-keeps {','.join(map(str, config.prune_keeps))}: each budget must be between 1 "
                            f"and the {counted(n_gated, 'gated head')} ({', '.join(kinds)})")
@@ -825,7 +825,7 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
     from headlab.training.config import TrainConfig
 
     kinds = resolve_kinds(model, c.prune_gates)
-    n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds)
+    n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds and not b.idle)  # as gates.for_model
     keeps = list(c.prune_keeps) or default_keeps(n_gated)
     if any(k < 1 or k > n_gated for k in keeps):
         raise HeadlabError(f"--prune-keeps {keeps}: each budget must be between 1 and the {counted(n_gated, 'gated head')}")

@@ -56,7 +56,9 @@ Spec = dict[tuple[str, int], list[int]]
 
 
 def _heads(model, kinds) -> list[tuple[str, int, int]]:
-    return [(b.kind, b.layer, h) for b in attention_blocks(model) if b.kind in kinds for h in range(b.n_heads)]
+    # not an idle block's (a tower token ids never run, its pruning refused) in a kind text runs (ModernVBERT's)
+    return [(b.kind, b.layer, h) for b in attention_blocks(model) if b.kind in kinds and not b.idle
+            for h in range(b.n_heads)]
 
 
 def _check_keep(keep: int, n: int, kinds) -> None:
