@@ -14,6 +14,8 @@ in the tables' signature, and the gates go to the kinds text runs.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -238,7 +240,7 @@ TOWERS = {"got_ocr2": (got_ocr2, tf.Qwen2ForCausalLM, "GotOcr2VisionAttention (m
 
 def _text_model_alone(model: torch.nn.Module, cls) -> torch.nn.Module:
     """The wrapper's language model and LM head as a causal LM of their own, the same weights."""
-    config = model.config.text_config
+    config = copy.deepcopy(model.config.text_config)  # the wrapper's own stays as it was
     config._attn_implementation = "eager"
     text = cls(config).eval().to(model.dtype)
     state = {"model." + k.removeprefix("model.language_model."): v for k, v in model.state_dict().items()

@@ -225,9 +225,15 @@ def norm_rule(module: nn.Module):
 
 
 def check_rules(model: nn.Module) -> None:
-    """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
-    a normalisation headlab does not know (named by its class and path), an in-place activation, or a
-    token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
+    """Raise :class:`HeadlabError` before any work when a module of ``model`` that LRP's forward may run has no
+    LRP rule: a normalisation headlab does not know (named by its class and path), an in-place activation, or a
+    token mixer or MLP that none of the rules covers (:func:`_no_rule`). Modules it never runs need none
+    (:func:`never_run`)."""
+    _check_rules(model)
+
+
+def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """:func:`check_rules`; what no rule covers, all of it never run (:func:`_unruled`'s form), back."""
     blocks = attention_blocks(model)
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
@@ -252,22 +258,24 @@ def check_rules(model: nn.Module) -> None:
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
     unruled = _unruled(model, blocks)
-    if unruled:  # what the explained forward never runs needs no rule (lrp_rules refuses it should it run after all)
-        try:
-            skipped = never_run(model)
-        except HeadlabError:  # the probe forward failed: nothing is known not to run
-            skipped = set()
-        unruled = {path: why for path, why in unruled.items() if path not in skipped}
-    for _, problem in unruled.values():
+    if not unruled:
+        return unruled
+    try:  # what the explained forward never runs needs no rule (lrp_rules refuses it should it run after all)
+        skipped = never_run(model)
+    except HeadlabError:  # the probe forward failed: nothing is known not to run
+        skipped = set()
+    left = {path: why for path, why in unruled.items() if path not in skipped}
+    for _, problem in left.values():
         if problem is not None:
             raise HeadlabError(problem)
     unknown: dict[str, list[str]] = {}
-    for path, (name, _) in unruled.items():
+    for path, (name, _) in left.items():
         unknown.setdefault(name, []).append(path)
     if unknown:
         listed = "; ".join(f"{name} (at {paths[0]}" + (f" and {len(paths) - 1} more)" if len(paths) > 1 else ")")
                            for name, paths in unknown.items())
         raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: {_KNOWN_NORMS}")
+    return unruled
 
 
 def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[str, str | None]]:
@@ -631,9 +639,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     restore: list[tuple[object, str]] = []
     try:
         gated = gated_mlps(model)
-        check_rules(model)
-        # check_rules passed: what no rule covers lies where the probe never went (never_run); refused if it runs
-        unruled = _unruled(model, attention_blocks(model))
+        # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
+        unruled = _check_rules(model)
         for path, module in model.named_modules():
             if path in unruled:
                 name, problem = unruled[path]
