@@ -14,6 +14,9 @@ in the tables' signature, and the gates go to the kinds text runs.
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 import transformers as tf
@@ -198,3 +201,105 @@ def test_lrp_needs_no_rule_for_a_tower_text_never_runs():
     assert [b.kind for b in attention_blocks(model) if b.idle] == ["enc_self"]
     check_rules(model)
     check_lrp_conserves(model, model.model.language_model.layers[0])
+
+
+def got_ocr2() -> torch.nn.Module:
+    text = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
+                          eos_token_id=1, pad_token_id=2)
+    vision = tf.GotOcr2VisionConfig(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=32, patch_size=8, window_size=2, global_attn_indexes=[1], mlp_dim=40)
+    config = tf.GotOcr2Config(vision_config=vision, text_config=text)
+    return perturbed_model(tf.GotOcr2ForConditionalGeneration, config, attn_implementation="eager")
+
+
+def granite_speech(plus: bool = False) -> torch.nn.Module:
+    text = tf.GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                            logits_scaling=3.0, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    encoder = dict(input_dim=8, num_layers=1, hidden_dim=32, num_heads=4, output_dim=8, context_size=8, max_pos_emb=16,
+                   conv_kernel_size=3)
+    projector = dict(model_type="blip_2_qformer", hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                     num_attention_heads=4, encoder_hidden_size=32, vocab_size=VOCAB)
+    config_class, cls = (tf.GraniteSpeechPlusConfig, tf.GraniteSpeechPlusForConditionalGeneration) if plus else \
+        (tf.GraniteSpeechConfig, tf.GraniteSpeechForConditionalGeneration)
+    config = config_class(text_config=text.to_dict(), encoder_config=encoder, projector_config=projector,
+                          window_size=4, downsample_rate=2)
+    return perturbed_model(cls, config)
+
+
+# The tower's attention is no block headlab lists (GOT-OCR2's SAM-style vision attention computes its own
+# probabilities; the conformer's attention too), and the conformer holds a BatchNorm1d, which no rule covers.
+TOWERS = {"got_ocr2": (got_ocr2, tf.Qwen2ForCausalLM, "GotOcr2VisionAttention (model.vision_tower.layers.0.attn)"),
+          "granite_speech": (granite_speech, tf.GraniteForCausalLM,
+                             "GraniteSpeechConformerAttention (model.encoder.layers.0.attn)"),
+          "granite_speech_plus": (lambda: granite_speech(plus=True), tf.GraniteForCausalLM,
+                                  "GraniteSpeechPlusConformerAttention (model.encoder.layers.0.attn)")}
+
+
+def _text_model_alone(model: torch.nn.Module, cls) -> torch.nn.Module:
+    """The wrapper's language model and LM head as a causal LM of their own, the same weights."""
+    config = copy.deepcopy(model.config.text_config)  # the wrapper's own stays as it was
+    config._attn_implementation = "eager"
+    text = cls(config).eval().to(model.dtype)
+    state = {"model." + k.removeprefix("model.language_model."): v for k, v in model.state_dict().items()
+             if k.startswith("model.language_model.")}
+    text.load_state_dict(state | {"lm_head.weight": model.lm_head.weight}, strict=True)
+    return text
+
+
+@pytest.mark.parametrize("tower", TOWERS)
+def test_lrp_needs_no_rule_for_a_tower_whose_attention_is_no_block(tower):
+    """Before, LRP was refused on the whole model for a module of a tower that no block lists ("no rule for
+    GotOcr2VisionAttention (model.vision_tower.layers.0.attn): a token mixer named attention ..."): token ids never
+    run the tower (nor its projector), so no relevance reaches it, and the language model's rules conserve."""
+    from headlab.importance import rules
+    from support.family_matrix import check_lrp_conserves
+
+    model = TOWERS[tower][0]().double()
+    assert not any(b.idle for b in attention_blocks(model))  # before, only the subtrees around idle blocks were left
+    rules.check_rules(model)
+    check_lrp_conserves(model, model.model.language_model.layers[0])
+    skipped = rules.never_run(model)
+    assert TOWERS[tower][2].split("(")[1][:-1] in skipped
+    assert not any(path.startswith("model.language_model") or path == "lm_head" for path in skipped)
+
+
+@pytest.mark.parametrize("tower", TOWERS)
+def test_lrp_on_a_wrapper_is_its_text_models(tower):
+    """The wrapper's head relevance is that of its language model alone, with the same weights: the tower adds
+    nothing, and conservation is measured the same."""
+    from headlab.importance import ImportanceData, compute_lrp
+
+    build, text_class, _ = TOWERS[tower]
+    model = build().double()
+    text = _text_model_alone(model, text_class)
+    data = ImportanceData.from_ids([[5, 6, 7, 8, 1], [9, 10, 11, 1], [12, 13, 14, 15, 16, 1]])
+    got, want = (compute_lrp(m, data, describe_model(m), batch_size=2, bootstrap=0) for m in (model, text))
+    assert list(got.scores) == list(want.scores) == ["dec_self"]
+    np.testing.assert_allclose(got.scores["dec_self"], want.scores["dec_self"], rtol=1e-9, atol=1e-12)
+    assert got.signature["n_steps"] == want.signature["n_steps"] == 15
+    for part in ("embeddings", "with_biases"):
+        assert got.signature["conservation"][part] == pytest.approx(want.signature["conservation"][part], rel=1e-9)
+
+
+def test_a_module_the_probe_left_out_is_refused_if_lrp_runs_it(monkeypatch):
+    """check_rules skips what the probe forward never ran; should LRP's forward run such a module after all (an
+    expert the probe's tokens were not routed to) and it has no rule, LRP is refused when it runs, never left
+    unruled. Simulated: the probe's record without an MLP's activation, made in-place (no rule)."""
+    from headlab.adapters import discovery
+    from headlab.importance import ImportanceData, compute_lrp
+    from headlab.importance.rules import check_rules
+
+    model = llava()
+    model.model.language_model.layers[1].mlp.act_fn = torch.nn.ReLU(inplace=True)
+    path = "model.language_model.layers.1.mlp.act_fn"
+    with pytest.raises(HeadlabError, match=rf"in-place activation ReLU \({path}\) is not supported$"):
+        check_rules(model)
+    probed = discovery.ran(model)
+    monkeypatch.setattr(discovery, "ran", lambda m: probed - {path})
+    check_rules(model)  # left out
+    with pytest.raises(HeadlabError, match=rf"in-place activation ReLU \({path}\) is not supported \(it ran in LRP's "
+                                           r"forward, though discovery's probe forward on token ids did not run it"):
+        compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1]]), describe_model(model), bootstrap=0)

@@ -290,7 +290,11 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             if module is skip or isinstance(module, nn.Embedding) \
                     or not isinstance(getattr(module, "bias", None), torch.Tensor):
                 continue
-            handles.append(module.register_forward_hook(probe, prepend=norm_rule(module) is None))
+            try:
+                ruled = norm_rule(module) is not None
+            except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
+                ruled = True
+            handles.append(module.register_forward_hook(probe, prepend=not ruled))
         yield probes
     finally:
         handles.remove()

@@ -65,7 +65,7 @@ from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
 
-__all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "norm_rule", "relevance", "routed_experts"]
+__all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "never_run", "norm_rule", "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -225,9 +225,15 @@ def norm_rule(module: nn.Module):
 
 
 def check_rules(model: nn.Module) -> None:
-    """Raise :class:`HeadlabError` before any work when a module of ``model`` has no LRP rule:
-    a normalisation headlab does not know (named by its class and path), an in-place activation, or a
-    token mixer or MLP that none of the rules covers (:func:`_no_rule`)."""
+    """Raise :class:`HeadlabError` before any work when a module of ``model`` that LRP's forward may run has no
+    LRP rule: a normalisation headlab does not know (named by its class and path), an in-place activation, or a
+    token mixer or MLP that none of the rules covers (:func:`_no_rule`). Modules it never runs need none
+    (:func:`never_run`)."""
+    _check_rules(model)
+
+
+def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """:func:`check_rules`; what no rule covers, all of it never run (:func:`_unruled`'s form), back."""
     blocks = attention_blocks(model)
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
@@ -251,56 +257,103 @@ def check_rules(model: nn.Module) -> None:
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
-    # the blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)
-    inside = {id(m) for block in blocks for m in block.module.modules()}
-    inside |= {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
+    unruled = _unruled(model, blocks)
+    if not unruled:
+        return unruled
+    try:  # what the explained forward never runs needs no rule (lrp_rules refuses it should it run after all)
+        skipped = never_run(model)
+    except HeadlabError:  # the probe forward failed: nothing is known not to run
+        skipped = set()
+    left = {path: why for path, why in unruled.items() if path not in skipped}
+    for _, problem in left.values():
+        if problem is not None:
+            raise HeadlabError(problem)
     unknown: dict[str, list[str]] = {}
-    skipped = _never_run(model, blocks)
-    for path, module in model.named_modules():
-        if path in skipped:
-            continue
-        try:
-            norm_rule(module)
-        except HeadlabError:
-            unknown.setdefault(type(module).__name__, []).append(path)
-        if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
-            raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
-                               f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
-        if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
-            raise HeadlabError(f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
-                               "multiplies two projections of its input (B * x before the convolution, C * y after "
-                               "it), which none of headlab's rules splits, so relevance would not be conserved; the "
-                               "other measures work on the model's attention layers")
-        if _is_activation(module) and getattr(module, "inplace", False):
-            raise HeadlabError(f"LRP: in-place activation {type(module).__name__} ({path}) is not supported")
-        if (problem := _no_rule(module, path, inside)) is not None:
-            raise HeadlabError(f"LRP: no rule for {type(module).__name__} ({path}): {problem}")
+    for path, (name, _) in left.items():
+        unknown.setdefault(name, []).append(path)
     if unknown:
         listed = "; ".join(f"{name} (at {paths[0]}" + (f" and {len(paths) - 1} more)" if len(paths) > 1 else ")")
                            for name, paths in unknown.items())
-        raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: headlab knows LayerNorm "
-                           "(with or without parameters) and RMS norms (weight, 1 + weight, or none)")
+        raise HeadlabError(f"LRP: no rule for the normalisation module {listed}: {_KNOWN_NORMS}")
+    return unruled
 
 
-def _never_run(model: nn.Module, blocks: list[AttentionBlock]) -> set[str]:
-    """The modules of a multimodal model's tower (the subtrees around its idle blocks) that token ids never run:
-    no relevance reaches them (Gemma 3's SigLIP pooling head, a conformer's attention), so they need no rule."""
+def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[str, str | None]]:
+    """Path -> (class name, why no rule covers it) of every module none of the rules covers, in module order;
+    why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
+    inside = _inside(model, blocks)
+    found: dict[str, tuple[str, str | None]] = {}
+    for path, module in model.named_modules():
+        problem = _module_problem(module, path, inside)
+        if problem is not None or _unknown_norm(module):
+            found[path] = (type(module).__name__, problem)
+    return found
+
+
+_KNOWN_NORMS = "headlab knows LayerNorm (with or without parameters) and RMS norms (weight, 1 + weight, or none)"
+
+
+def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
+    """The blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)."""
+    inside = {id(m) for block in blocks for m in block.module.modules()}
+    return inside | {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
+
+
+def _unknown_norm(module: nn.Module) -> bool:
+    try:
+        norm_rule(module)
+    except HeadlabError:
+        return True
+    return False
+
+
+def _module_problem(module: nn.Module, path: str, inside: set[int]) -> str | None:
+    """Why no LRP rule covers ``module`` itself, as the refusal says it (None: one does); a normalisation
+    without a rule aside (:func:`check_rules` names them all at once)."""
+    if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
+        return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
+                f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
+    if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
+        return (f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
+                "multiplies two projections of its input (B * x before the convolution, C * y after "
+                "it), which none of headlab's rules splits, so relevance would not be conserved; the "
+                "other measures work on the model's attention layers")
+    if _is_activation(module) and getattr(module, "inplace", False):
+        return f"LRP: in-place activation {type(module).__name__} ({path}) is not supported"
+    if (problem := _no_rule(module, path, inside)) is not None:
+        return f"LRP: no rule for {type(module).__name__} ({path}): {problem}"
+    return None
+
+
+def never_run(model: nn.Module) -> set[str]:
+    """The paths of the modules that LRP's forward never runs, so that no relevance reaches them and they need no
+    rule: every subtree none of whose modules ran in discovery's probe forward (a multimodal model's vision or
+    speech tower, its projector; GPT-2's cross-attention without encoder states). A container (a ModuleList) runs
+    no forward of its own: it is skipped only when none of its modules ran either.
+
+    The probe runs token ids and a mask, as LRP's batches do (input_ids, attention_mask, the decoder's and
+    token_type_ids, data.inputs.make_batches): no pixel or audio input ever, so a tower never runs. What else the
+    probe left out (an expert its tokens were not routed to) may still run on other tokens: :func:`lrp_rules`
+    refuses, when it runs, any such module that has no rule."""
     from headlab.adapters.discovery import ran
 
-    idle = [b.name for b in blocks if b.idle]
-    if not idle:
-        return set()
-    ran_paths = ran(model)  # the probe forward attention_blocks ran (cached): the idle blocks are known from it
-    never = {path for path, _ in model.named_modules() if path and path not in ran_paths}
-    # a subtree that never ran and holds an idle block: its root, the highest such ancestor
-    roots = set()
-    for name in idle:
-        parts = name.split(".")
-        for depth in range(1, len(parts) + 1):
-            if ".".join(parts[:depth]) in never:
-                roots.add(".".join(parts[:depth]))
-                break
-    return {path for path in never if any(path == root or path.startswith(root + ".") for root in roots)}
+    ran_paths = ran(model)  # the probe forward attention_blocks ran (cached)
+    touched = {""}
+    for path in ran_paths:
+        parts = path.split(".")
+        touched.update(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+    return {path for path, _ in model.named_modules() if path not in touched}
+
+
+def _ran_after_all(problem: str):
+    """A pre-hook for a module :func:`check_rules` skipped (the probe never ran it) that has no rule: refused if
+    LRP's forward runs it after all, before relevance passes through it unruled."""
+
+    def hook(module, args):
+        raise HeadlabError(f"{problem} (it ran in LRP's forward, though discovery's probe forward on token ids did "
+                           f"not run it, so it was not checked before the work began)")
+
+    return hook
 
 
 def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
@@ -587,8 +640,14 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     restore: list[tuple[object, str]] = []
     try:
         gated = gated_mlps(model)
-        check_rules(model)
-        for module in model.modules():
+        # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
+        unruled = _check_rules(model)
+        for path, module in model.named_modules():
+            if path in unruled:
+                name, problem = unruled[path]
+                problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"
+                handles.append(module.register_forward_pre_hook(_ran_after_all(problem), prepend=True))
+                continue
             rule = norm_rule(module)
             if rule is not None:
                 handles.append(module.register_forward_hook(rule))
