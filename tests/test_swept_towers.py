@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import perturbed_model
+from support.family_matrix import perturbed_model, tiny_inputs
 
 _TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -32,13 +32,6 @@ def _mllama() -> torch.nn.Module:
     return perturbed_model(tf.MllamaForCausalLM, config, attn_implementation="eager").double()
 
 
-def _batch() -> dict:
-    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, -2:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def test_mllamas_cross_attention_layers_are_idle_cross_attention():
     blocks = {b.key: b for b in attention_blocks(_mllama())}
     assert sorted(blocks) == [("dec_cross", 1), ("dec_self", 0)]
@@ -47,7 +40,7 @@ def test_mllamas_cross_attention_layers_are_idle_cross_attention():
 
 
 def test_mllamas_text_model_is_captured_and_masked():
-    model, batch = _mllama(), _batch()
+    model, batch = _mllama(), tiny_inputs()
     with torch.no_grad():
         reference = model(**batch, output_attentions=True).attentions[0]
         before = model(**batch).logits
