@@ -506,9 +506,17 @@ def test_qkv_gated_lrp_holds_the_gate_constant_and_conserves(variant):
     from headlab.importance.rules import check_rules
     from support.family_matrix import check_lrp_conserves
 
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
     dense = dict(num_dense_layers=2) if variant == "afmoe" else dict(mlp_layer_types=["dense", "dense"])
     model = build_qkv_gated(variant, attn_implementation="eager", **dense)
     check_rules(model)
+    # the pipeline's record, in float64 (Laguna's gate takes softplus in float32; AFMoE's norms ask for float32 too)
+    model64 = build_qkv_gated(variant, attn_implementation="eager", **dense).to(torch.float64)
+    data = ImportanceData.from_ids([[5, 17, 33, 8, 1], [9, 61, 4, 27, 44, 12, 1]])
+    record = compute_lrp(model64, data, describe_model(model64), bootstrap=0).signature["conservation"]
+    assert record["n_outside"] == 0 and abs(record["with_biases"]["min"] - 1) < 1e-12
+    assert abs(record["with_biases"]["max"] - 1) < 1e-12
     check_lrp_conserves(model, model.model.layers[0])
 
 
