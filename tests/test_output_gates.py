@@ -503,10 +503,9 @@ def test_lfm3_without_its_gate_has_no_gate_rows():
 def test_qkv_gated_lrp_holds_the_gate_constant_and_conserves(variant):
     """LRP: the gate's projection is detached with the query and key projections (the gate a per-feature weight of
     the heads' outputs, as Beam's), so relevance is conserved on dense layers."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
     from headlab.importance.rules import check_rules
     from support.family_matrix import check_lrp_conserves
-
-    from headlab.importance import ImportanceData, compute_lrp, describe_model
 
     dense = dict(num_dense_layers=2) if variant == "afmoe" else dict(mlp_layer_types=["dense", "dense"])
     model = build_qkv_gated(variant, attn_implementation="eager", **dense)
