@@ -16,6 +16,10 @@ operations other than reshapes and casts"). Pruning equals masking on padded row
 empties a layer and reloads (``load_pruned``, plain transformers): tests/test_mla_pruning.py, whose
 ``CONFIGS`` list them. Hy-V4 (an elementwise gate from ``gate_proj``, beside attention sinks and
 hyper-connections) stays refused, for those.
+
+Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
+(``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2, Inkling2-Loop and Qwen4-Exp stay
+refused, naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``).
 """
 
 from __future__ import annotations
@@ -602,4 +606,26 @@ def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
     model = model_class_for(config)(config).eval()
     with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.layers\.\d\.self_attn: an output "
                                            rf"gate from {named}"):
+        attention_blocks(model)
+
+
+@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop", "qwen4_exp"])
+def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
+    """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work
+    for their language model's unchecked parts, as the text model is (before: as a gate of an unlisted type)."""
+    from transformers import AutoModelForImageTextToText
+
+    text_type = f"{model_type}_text"
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    extra, named = UNCHECKED[text_type]
+    text = CONFIG_MAPPING[text_type](**{**_UNCHECKED, **extra})
+    vision = dict(text_hidden_size=32, hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
+                  depth=1, num_heads=2, out_hidden_size=32)
+    config = CONFIG_MAPPING[model_type](text_config=text.to_dict(), vision_config=vision)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.language_model\.layers\.\d\.self_attn: "
+                                           rf"an output gate from {named}"):
         attention_blocks(model)
