@@ -16,6 +16,10 @@ operations other than reshapes and casts"). Pruning equals masking on padded row
 empties a layer and reloads (``load_pruned``, plain transformers): tests/test_mla_pruning.py, whose
 ``CONFIGS`` list them. Hy-V4 (an elementwise gate from ``gate_proj``, beside attention sinks and
 hyper-connections) stays refused, for those.
+
+Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
+(``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2, Inkling2-Loop and Qwen4-Exp stay
+refused, naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``).
 """
 
 from __future__ import annotations
@@ -364,3 +368,264 @@ def test_beam_gate_unknown_to_the_table_is_refused(monkeypatch):
                                            r"self_attn\.o_proj multiplied, elementwise, by a gate computed from "
                                            r"gate_proj \(an output gate"):
         attention_blocks(build_beam())
+
+
+# AFMoE, Laguna and LFM3 (session 28, branch gates28; transformers 5.24's forwards, adapters.families.QKV_OUTPUT_GATES):
+# q/k/v projections (grouped-query attention, q_norm/k_norm over the head size) and a gate from a projection of the
+# layer's input between the attention function and o_proj. AFMoE (AfmoeAttention): the output reshaped [batch, seq,
+# heads * head_dim] times sigmoid(gate_proj(x)), gate_proj hidden -> heads x head_dim (head h: rows h * head_dim ..).
+# Laguna (LagunaAttention): softplus(g_proj(x)), per head (gating True / "per-head": g_proj hidden -> heads, the output
+# viewed [.., heads, head_dim] times gate.unsqueeze(-1); head h: row h) or per element (hidden -> heads x head_dim), and
+# its layers may have head counts of their own (num_attention_heads_per_layer). LFM3 (Lfm3Attention): the output
+# [batch, seq, heads, head_dim] times sigmoid(g_proj(x)).unsqueeze(-1), g_proj hidden -> heads (head h: row h), its
+# other layers short convolutions. Before: refused before any work ("multiplied, elementwise, by a gate computed from
+# gate_proj / g_proj (an output gate ...)").
+_QKV = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=BEAM_D, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+            pad_token_id=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"])
+# variant -> (model type, its config beyond _QKV, the gate's projection, its rows per head, the heads per layer)
+QKV_GATED = {
+    "afmoe": ("afmoe", dict(num_dense_layers=1, attention_bias=True, mup_enabled=True), "gate_proj", BEAM_D, [4, 4]),
+    "laguna": ("laguna", dict(gating=True, num_attention_heads_per_layer=[6, 4], mlp_layer_types=["dense", "sparse"]),
+               "g_proj", 1, [6, 4]),
+    "laguna-per-element": ("laguna", dict(gating="per-element", attention_bias=True, mlp_layer_types=["dense", "sparse"]),
+                           "g_proj", BEAM_D, [4, 4]),
+    "lfm3": ("lfm3", {}, "g_proj", 1, [4, 4]),
+}
+QKV_VARIANTS = tuple(QKV_GATED)
+
+
+def build_qkv_gated(variant: str, attn_implementation: str = "sdpa", seed: int = 0, **sizes) -> torch.nn.Module:
+    model_type, extra, gate, _, _ = QKV_GATED[variant]
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    config = CONFIG_MAPPING[model_type](**{**_QKV, **extra, **sizes})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_class_for(config)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # off their initial values, so that they count
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+            if name.endswith(f"self_attn.{gate}.weight"):  # gates far from one another and from their middle
+                parameter.mul_(8)
+    return model
+
+
+def _gate(model, layer: int, variant: str):
+    return model.model.layers[layer].self_attn.get_submodule(QKV_GATED[variant][2])
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+def test_qkv_gated_blocks_are_found_with_their_gate(variant):
+    """Before: refused before any work. Its q/k/v projections tied, the gate's rows per head named (Laguna's per
+    head or per element as its gating says; each layer its own head count)."""
+    _, _, gate, width, heads = QKV_GATED[variant]
+    blocks = attention_blocks(build_qkv_gated(variant))
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
+        [("dec_self", i, n, 2, BEAM_D) for i, n in enumerate(heads)]
+    family = blocks[0].family
+    assert (family.q, family.k, family.v, family.o) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert family.head_rows == ((gate, (1,) if width == 1 else ("head_dim",)),) and family.head_vectors == ()
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+def test_qkv_gated_capture_masking_and_gates(variant):
+    """Capture equals output_attentions; masking the query heads of a key/value head of layer 1 equals zeroing its
+    value rows of v_proj (their output, times the gate, is zero either way); scalar gates at one change nothing."""
+    inputs = tiny_inputs()
+    build = lambda **kw: build_qkv_gated(variant, **kw)  # noqa: E731
+    check_capture_equals_output_attentions(build, "dec_self", inputs)
+    values = (lambda model, layer: model.model.layers[layer].self_attn.v_proj,
+              lambda j: range(j * BEAM_D, (j + 1) * BEAM_D), 2)
+    check_masking_equals_zeroed_values(build, "dec_self", values, inputs)
+    check_gates_at_one_change_nothing(build(), inputs)
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+def test_qkv_gated_each_heads_gate_multiplies_that_head_only(variant):
+    """Head 1's gate rows of layer 1 changed: the logits change, unless head 1 is masked."""
+    width = QKV_GATED[variant][3]
+    inputs = tiny_inputs()
+    model = build_qkv_gated(variant)
+    before = logits(model, inputs)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        masked = logits(model, inputs)
+    with torch.no_grad():
+        _gate(model, 1, variant).weight[_beam_rows([1], width)] *= -3
+    assert not torch.allclose(logits(model, inputs), before)
+    with mask_heads(model, {("dec_self", 1): [1]}):
+        assert torch.equal(logits(model, inputs), masked)
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+def test_qkv_gated_pruning_slices_the_gate_generates_as_masked_and_reloads(variant, tmp_path):
+    """Layer 0 emptied, layer 1 loses heads 0 and 3 (one per key/value head: uneven groups): the gate's projection
+    keeps the kept heads' rows, q_proj their rows, o_proj their columns, the norms over one head stay; the pruned model
+    equals the masked one on padded rows and in cached generation, and reloads (load_pruned, plain transformers)."""
+    from support.family_matrix import check_pruned_generates_as_masked, padded_inputs
+
+    width = QKV_GATED[variant][3]
+    model = build_qkv_gated(variant)
+    attention = model.model.layers[1].self_attn
+    before = {name: p.detach().clone() for name, p in attention.named_parameters()}
+    ids, mask = padded_inputs(pad_id=2)
+    spec = {("dec_self", 0): list(range(QKV_GATED[variant][4][0])), ("dec_self", 1): [0, 3]}
+    expected, expected_tokens = check_pruned_generates_as_masked(model, spec, [0, 2], ids, mask)
+    gate = QKV_GATED[variant][2]
+    assert torch.equal(_gate(model, 1, variant).weight, before[f"{gate}.weight"][_beam_rows([1, 2], width)])
+    assert torch.equal(attention.q_proj.weight, before["q_proj.weight"][_beam_rows([1, 2])])
+    assert torch.equal(attention.o_proj.weight, before["o_proj.weight"][:, _beam_rows([1, 2])])
+    for name in ("q_norm.weight", "k_norm.weight"):
+        assert torch.equal(dict(attention.named_parameters())[name], before[name])
+    check_pruned_reloads(model, tmp_path, [0, 2], ids, mask, expected, expected_tokens)
+
+
+def test_lfm3_with_its_short_convolutions_prunes_as_masked(tmp_path):
+    """LFM3 as released: short-convolution layers beside the attention ones (layer 0 a convolution, its state in the
+    cache): the attention layers are blocks 1 and 2, and pruning (layer 1 emptied) equals masking in cached
+    generation and reloads."""
+    from support.family_matrix import check_pruned_generates_as_masked, padded_inputs
+
+    model = build_qkv_gated("lfm3", num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"])
+    assert [(b.layer, b.n_heads) for b in attention_blocks(model)] == [(1, 4), (2, 4)]
+    ids, mask = padded_inputs(pad_id=2)
+    spec = {("dec_self", 1): [0, 1, 2, 3], ("dec_self", 2): [2]}
+    expected, tokens = check_pruned_generates_as_masked(model, spec, [0, 3], ids, mask)
+    assert model.model.layers[2].self_attn.g_proj.weight.shape == (3, 32)
+    check_pruned_reloads(model, tmp_path, [0, 3], ids, mask, expected, tokens)
+
+
+def test_lfm3_without_its_gate_has_no_gate_rows():
+    """use_attention_gate=False: no g_proj, no gate: nothing of the table's applies, and the heads prune as any."""
+    blocks = attention_blocks(build_qkv_gated("lfm3", use_attention_gate=False))
+    assert [b.family.head_rows for b in blocks] == [(), ()]
+
+
+@pytest.mark.parametrize("variant", [v for v in QKV_VARIANTS if v != "lfm3"])
+def test_qkv_gated_lrp_holds_the_gate_constant_and_conserves(variant):
+    """LRP: the gate's projection is detached with the query and key projections (the gate a per-feature weight of
+    the heads' outputs, as Beam's), so relevance is conserved on dense layers."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+    from headlab.importance.rules import check_rules
+    from support.family_matrix import check_lrp_conserves
+
+    dense = dict(num_dense_layers=2) if variant == "afmoe" else dict(mlp_layer_types=["dense", "dense"])
+    model = build_qkv_gated(variant, attn_implementation="eager", **dense)
+    check_rules(model)
+    # the pipeline's record, in float64 (Laguna's gate takes softplus in float32; AFMoE's norms ask for float32 too)
+    model64 = build_qkv_gated(variant, attn_implementation="eager", **dense).to(torch.float64)
+    data = ImportanceData.from_ids([[5, 17, 33, 8, 1], [9, 61, 4, 27, 44, 12, 1]])
+    record = compute_lrp(model64, data, describe_model(model64), bootstrap=0).signature["conservation"]
+    assert record["n_outside"] == 0 and abs(record["with_biases"]["min"] - 1) < 1e-12
+    assert abs(record["with_biases"]["max"] - 1) < 1e-12
+    check_lrp_conserves(model, model.model.layers[0])
+
+
+def test_lfm3_lrp_is_refused_before_any_work_naming_its_mlp_and_convolutions():
+    """LFM3's LRP is refused for what is not attention: its MLP (w2(silu(w1 x) * w3 x), the activation a function
+    call that no rule can hook) and, where the model has them, its gated short convolutions (B * x before the
+    convolution)."""
+    from headlab.importance.rules import check_rules
+
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for Lfm3MLP \(model\.layers\.0\.feed_forward\): a gated MLP"):
+        check_rules(build_qkv_gated("lfm3", attn_implementation="eager"))
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the gated short convolution Lfm3ShortConv "
+                                           r"\(model\.layers\.0\.conv\)"):
+        check_rules(build_qkv_gated("lfm3", attn_implementation="eager", num_hidden_layers=3,
+                                    layer_types=["conv", "sliding_attention", "full_attention"]))
+
+
+@pytest.mark.parametrize("variant", QKV_VARIANTS)
+def test_qkv_gate_unknown_to_the_table_is_refused(variant, monkeypatch):
+    """Without the type's entry in OUTPUT_GATES, refused before any work naming the gate's projection; with the entry
+    but no rows from QKV_OUTPUT_GATES (a forward other than the one read: Laguna's gate_per_head not a bool), refused
+    too, where pruning would have left the gate's rows unsliced."""
+    from headlab.adapters import families
+
+    model_type, _, gate, _, _ = QKV_GATED[variant]
+    monkeypatch.delitem(families.OUTPUT_GATES, model_type)
+    with pytest.raises(HeadlabError, match=rf"self_attn: the attention function's output reaches model\.layers\.0\."
+                                           rf"self_attn\.o_proj multiplied, elementwise, by a gate computed from "
+                                           rf"{gate} \(an output gate"):
+        attention_blocks(build_qkv_gated(variant))
+    monkeypatch.undo()
+    monkeypatch.setitem(families.QKV_OUTPUT_GATES, model_type, lambda core: ((), ()))
+    with pytest.raises(HeadlabError, match=rf"model\.layers\.0\.self_attn: an output gate from {gate} that headlab\."
+                                           r"adapters\.families\.QKV_OUTPUT_GATES gives no rows per head for"):
+        attention_blocks(build_qkv_gated(variant))
+
+
+def test_laguna_gate_flag_other_than_a_bool_gives_no_rows():
+    """Laguna's rows come from its module's gate_per_head (True: one row per head; False: one per value); anything
+    else is a forward headlab did not read: no rows, so the gate is refused (above), not sliced by a guess."""
+    from headlab.adapters.families import laguna_gate
+
+    core = build_qkv_gated("laguna").model.layers[0].self_attn
+    assert laguna_gate(core) == ((("g_proj", (1,)),), ())
+    core.gate_per_head = False
+    assert laguna_gate(core) == ((("g_proj", ("head_dim",)),), ())
+    core.gate_per_head = "per-head"
+    assert laguna_gate(core) == ((), ())
+
+
+_UNCHECKED = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=2, moe_intermediate_size=40, num_experts=4, n_routed_experts=4, num_experts_per_tok=2)
+_INKLING2 = dict(unpadded_vocab_size=99, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+                 sliding_window_size=4, d_rel=4, rel_extent=8, n_layers_per_attn_res_block=1,
+                 layer_types=["hybrid_sliding", "hybrid"])
+# model type -> (its config beyond _UNCHECKED, what the refusal names)
+UNCHECKED = {
+    "inkling2_text": (_INKLING2, r"o_proj\.gate_proj: .*attention sinks computed from the layer's input \(sink_proj.*"
+                                 r"relative_position_bias.*short convolutions over the key and value channels.*block "
+                                 r"attention residuals"),
+    "inkling2_loop_text": (_INKLING2, r"o_proj\.gate_proj: .*sink_proj.*block attention residuals.*Inkling2-Loop also "
+                                      r"runs its loop layers several times"),
+    "qwen4_exp_text": (dict(layer_types=["linear_attention", "indexed_attention"], hc_lowrank=8, indexer_n_heads=2,
+                            indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=2, indexer_compress_ratio=2,
+                            linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                            linear_value_head_dim=8, shared_expert_intermediate_size=40),
+                       r"q_proj: .*hyper-connections.*n-gram embeddings \(ple\).*QSA indexer"),
+}
+
+
+@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
+def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
+    """Inkling2 (and Inkling2-Loop) and Qwen4-Exp gate each head by its own rows too, but have parts headlab has not
+    checked (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop
+    layers; hyper-connections, n-gram embeddings, a QSA indexer): refused before any work naming them (adapters.families
+    .OUTPUT_GATES_REFUSED; before: as a gate of a type OUTPUT_GATES does not list)."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    extra, named = UNCHECKED[model_type]
+    config = CONFIG_MAPPING[model_type](**{**_UNCHECKED, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_class_for(config)(config).eval()
+    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.layers\.\d\.self_attn: an output "
+                                           rf"gate from {named}"):
+        attention_blocks(model)
+
+
+@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop", "qwen4_exp"])
+def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
+    """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work
+    for their language model's unchecked parts, as the text model is (before: as a gate of an unlisted type)."""
+    from transformers import AutoModelForImageTextToText
+
+    text_type = f"{model_type}_text"
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    extra, named = UNCHECKED[text_type]
+    text = CONFIG_MAPPING[text_type](**{**_UNCHECKED, **extra})
+    vision = dict(text_hidden_size=32, hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2,
+                  depth=1, num_heads=2, out_hidden_size=32)
+    config = CONFIG_MAPPING[model_type](text_config=text.to_dict(), vision_config=vision)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): model\.language_model\.layers\.\d\.self_attn: "
+                                           rf"an output gate from {named}"):
+        attention_blocks(model)

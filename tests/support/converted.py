@@ -7,8 +7,9 @@ headlab prunes (found by building each type tiny, as experiments/family_sweep.py
 one left newly initialised changes the logits.
 
 Types with a conversion that headlab refuses to prune or cannot build tiny are left out (olmoe,
-flex_olmo and minimax_m2: a query norm over the whole projection; afmoe, laguna, bailing_hybrid...: their
-attention refused), as are the multimodal wrappers.
+flex_olmo and minimax_m2: a query norm over the whole projection; bailing_hybrid...: their attention refused),
+as are the multimodal wrappers. Beam, AFMoE, Laguna and LFM3 (an output gate per head from a projection of its own,
+``adapters.families.QKV_OUTPUT_GATES``) are in: the gate's projection is sliced with the heads (session 28).
 """
 
 from __future__ import annotations
@@ -41,13 +42,18 @@ _OVERRIDES: dict[str, dict] = {  # the sizes each type needs besides (experiment
                          altup_num_inputs=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
                          intermediate_size=[40, 40], activation_sparsity_pattern=[0.0, 0.0]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),  # its default for 2 layers: convolutions only
+    "afmoe": dict(num_dense_layers=1, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "laguna": dict(num_attention_heads_per_layer=[4, 6], mlp_layer_types=["dense", "sparse"], sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "beam": dict(mlp_layer_types=["dense", "sparse"]),
 }
 
 CONVERTED = (
-    "apertus1p5_text", "aria_text", "axk1", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1",
+    "afmoe", "apertus1p5_text", "aria_text", "axk1", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1",
     "ernie4_5_moe", "esm", "exaone", "exaone_moe", "gemma3n_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
     "gpt_neox", "granitemoe", "granitemoehybrid", "granitemoeshared", "gte", "hunyuan_v1_moe", "hy_v3", "jamba",
-    "jina_embeddings_v3", "kolibri1", "lara_mini", "lfm2_moe", "longcat_flash", "mellum", "minimax", "mixtral",
+    "jina_embeddings_v3", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "lfm3", "longcat_flash", "mellum", "minimax", "mixtral",
     "nemotron_h", "nomic_bert", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
     "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open", "ultrabert",
 )

@@ -316,7 +316,8 @@ def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
     """A layer of a :data:`QKV_OUTPUT_GATES` type pruned to no head: its stand-in keeps the gate's projection, sliced
     to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's)."""
     module, family = candidate[3], candidate[4]
-    rows = tuple((path, attrs) for path, attrs in QKV_OUTPUT_GATES.get(model_type, ((), ()))[0]
+    gate = QKV_OUTPUT_GATES.get(model_type)
+    rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
     return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
 
@@ -416,8 +417,12 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         family = dataclasses.replace(family, head_rows=rows, head_vectors=vectors,
                                      selection_argument=_selection_argument(core))
     if item.q is not None and model_type in QKV_OUTPUT_GATES:
-        # an output gate over q/k/v heads (Beam): its rows and entries per head, sliced with the heads
-        rows, vectors = QKV_OUTPUT_GATES[model_type]
+        # an output gate over q/k/v heads (Beam, AFMoE...): its rows and entries per head, sliced with the heads
+        rows, vectors = QKV_OUTPUT_GATES[model_type](core)
+        if item.gates and not rows:  # a gate the table's reading of the forward does not place: pruning would miss it
+            raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}): {item.name}: an output gate from "
+                               f"{', '.join(item.gates)} that headlab.adapters.families.QKV_OUTPUT_GATES gives no "
+                               "rows per head for (its forward differs from the one headlab read)")
         family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
                                      head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)

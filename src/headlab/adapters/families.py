@@ -238,7 +238,8 @@ of every other head's mask: refused before any work (:func:`headlab.surgery.kv_d
 
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
-    "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",)}
+    "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",),
+    "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",)}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -246,24 +247,75 @@ gate is computed from the layer's input by its own rows of that projection, whic
 :data:`LATENT_ATTENTION`'s ``head_rows`` name (:data:`QKV_OUTPUT_GATES`' for an attention with q/k/v
 projections), and multiplies that head's slice only. So capture (the attention
 function's probabilities) is untouched, masking a head (zeros at ``o_proj``'s input) equals removing it
-(``0 * sigmoid(g) = 0``) and physical pruning removes the head's gate rows with its query and key/value rows.
-A gate from any other projection, or in a model type not listed, is refused before any work (discovery's
-message names the projection)."""
+(``0 * sigmoid(g) = 0``; Laguna's ``softplus(g) * 0 = 0``) and physical pruning removes the head's gate rows with
+its query and key/value rows. A gate from any other projection, or in a model type not listed, is refused before
+any work (discovery's message names the projection)."""
 
-QKV_OUTPUT_GATES: dict[str, tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]] = {
-    "beam": ((("gate_proj", ("head_dim",)),), ("gate_bias",))}
-"""Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, with the gate's ``Family.head_rows``
-and ``Family.head_vectors``. Beam (``BeamAttention``, transformers 5.24): ``gate = gate_proj(hidden_states)
-.view_as(attn_output) + gate_bias[None, None, :, None]``, ``attn_output * sigmoid(gate)``, with ``attn_output``
-the attention function's ``[batch, seq, heads, head_dim]``: head h's gate is rows ``h * head_dim ..`` of
-``gate_proj`` (hidden -> heads x head_dim) plus ``gate_bias[h]`` (one value per head, broadcast over its
-features), and multiplies head h's output only."""
+GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
+
+
+def beam_gate(core: Any) -> GateRows:
+    """Beam (``BeamAttention``): ``gate = gate_proj(hidden_states).view_as(attn_output) + gate_bias[None, None, :,
+    None]``, ``attn_output * sigmoid(gate)``, with ``attn_output`` the attention function's ``[batch, seq, heads,
+    head_dim]``: head h's gate is rows ``h * head_dim ..`` of ``gate_proj`` (hidden -> heads x head_dim) plus
+    ``gate_bias[h]`` (one value per head, broadcast over its features)."""
+    return (("gate_proj", ("head_dim",)),), ("gate_bias",)
+
+
+def afmoe_gate(core: Any) -> GateRows:
+    """AFMoE (``AfmoeAttention``): the attention function's output reshaped ``[batch, seq, heads * head_dim]`` times
+    ``sigmoid(gate_proj(hidden_states))`` (hidden -> heads x head_dim): head h's gate is rows ``h * head_dim ..``."""
+    return (("gate_proj", ("head_dim",)),), ()
+
+
+def laguna_gate(core: Any) -> GateRows:
+    """Laguna (``LagunaAttention``): ``gate = softplus(g_proj(hidden_states))``; with ``gate_per_head`` (config
+    ``gating`` True or "per-head") ``g_proj`` is hidden -> heads and the output viewed ``[batch, seq, heads,
+    head_dim]`` times ``gate.unsqueeze(-1)`` (head h: row h), else hidden -> heads x head_dim times the output
+    reshaped ``[batch, seq, heads * head_dim]`` (head h: rows ``h * head_dim ..``). Neither, where the flag is not
+    a bool (a forward not read)."""
+    per_head = getattr(core, "gate_per_head", None)
+    if not isinstance(per_head, bool):
+        return (), ()
+    return (("g_proj", (1,) if per_head else ("head_dim",)),), ()
+
+
+def lfm3_gate(core: Any) -> GateRows:
+    """LFM3 (``Lfm3Attention``): with ``use_attention_gate``, the attention function's output ``[batch, seq, heads,
+    head_dim]`` times ``sigmoid(g_proj(hidden_states)).unsqueeze(-1)`` (hidden -> heads): head h's gate is row h;
+    without, ``g_proj`` is None and there is no gate."""
+    return ((("g_proj", (1,)),), ()) if getattr(core, "g_proj", None) is not None else ((), ())
+
+
+QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
+    "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate}
+"""Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
+``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
+each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output
+only. Empty rows where a module has no gate (LFM3 without ``use_attention_gate``); a gate that discovery sees where
+the function gives no rows is refused (:func:`headlab.adapters.attention_blocks`)."""
 
 OUTPUT_GATES_REFUSED: dict[str, str] = {
     "hy_v4": "its gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
              "heads apart, but its attention adds learned attention sinks (`sinks`, one logit per head, handed to "
              "the attention function as s_aux) and its layers are joined by hyper-connections (several residual "
-             "streams): headlab has not checked either"}
+             "streams): headlab has not checked either",
+    **dict.fromkeys(
+        ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
+        "its o_proj.gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
+        "heads apart, but its attention adds attention sinks computed from the layer's input (sink_proj, one logit "
+        "per head and position), a relative position bias per head computed from the layer's input "
+        "(relative_position_bias), short convolutions over the key and value channels (dynamic, from the layer's "
+        "input, in its full-attention layers), and its layers read block attention residuals (learned queries "
+        "attending over earlier blocks' states; Inkling2-Loop also runs its loop layers several times, mixing "
+        "messages in with gates): headlab has not checked these"),
+    **dict.fromkeys(
+        ["qwen4_exp_text", "qwen4_exp"],
+        "its q_proj gate ([query | gate] per head, as Qwen3-Next's) keeps the heads apart, but its layers are joined "
+        "by hyper-connections (several residual streams, mixed and injected with weights from the layer's input), "
+        "some add hashed n-gram embeddings (ple) to those streams, and its attention picks each query's keys with a "
+        "QSA indexer of its own: headlab has not checked these"),
+}
 """Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
 
 

@@ -42,7 +42,7 @@ The other rules become ordinary backward passes once the right factors are detac
   stops the gradient through it; AttnLRP's uniform product rule would send half of ``R`` to the gate,
   which headlab detaches with the query, and lose it). Beam's gate from a projection of its own
   (``sigmoid(gate_proj(x) + gate_bias)``, ``adapters.families.QKV_OUTPUT_GATES``) is held constant
-  likewise: ``gate_proj``'s output is detached.
+  likewise: ``gate_proj``'s output is detached (AFMoE's ``gate_proj``, Laguna's and LFM3's ``g_proj`` too).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
