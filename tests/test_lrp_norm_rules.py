@@ -50,6 +50,9 @@ def _build(cls, config) -> torch.nn.Module:
 
 FAMILIES = {  # name: (build, first layer, how precise compute_lrp's record is in the precision LRP picks)
     "cohere": (lambda: tiny_model("cohere", attn_implementation="eager"), lambda m: m.model.layers[0], 1e-9),
+    # its q_norm and k_norm: CohereLayerNorm with a weight [heads, d], on the detached queries and keys
+    "cohere-qk-norm": (lambda: _build(tf.CohereForCausalLM, tf.CohereConfig(**_GQA, use_qk_norm=True)),
+                       lambda m: m.model.layers[0], 1e-9),
     "cohere2": (lambda: _build(tf.Cohere2ForCausalLM, tf.Cohere2Config(**_GQA, sliding_window=4)),
                 lambda m: m.model.layers[0], 1e-9),
     "lfm2": (lambda: _build(tf.Lfm2ForCausalLM, tf.Lfm2Config(**_GQA, layer_types=["full_attention"] * 2)),

@@ -24,9 +24,15 @@ The other rules become ordinary backward passes once the right factors are detac
   division by the standard deviation is a weight, not a neuron (the mean subtraction is a
   weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``,
   with ``gamma`` the weight, one plus it (Gemma) or one (no weight, nor in OLMo's parameter-free
-  layer norm). :func:`norm_rule` finds them by class; any other normalisation is refused;
+  layer norm); a family's own layer norm (Cohere's, in float32) gets the factor it really applied.
+  This is AttnLRP's identity rule on normalisations (LXT, lxt/efficient/patches.py,
+  ``layer_norm_forward``: ``(x - mean) / stop_gradient(std)``). An element-wise ``x * w + b`` named
+  a norm (MobileBERT's ``NoNorm``) is a weighted sum: its ordinary backward. :func:`norm_rule` finds
+  them by class (and, for a family's own classes, a probe of what they compute); any other
+  normalisation is refused;
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
-  ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
+  ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
+  (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
   expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
   constants as the attention weights below are (:func:`_experts_rule`);
@@ -400,7 +406,8 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     return found
 
 
-_KNOWN_NORMS = "headlab knows LayerNorm (with or without parameters) and RMS norms (weight, 1 + weight, or none)"
+_KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's own class that computes it), RMS norms "
+                "(weight, 1 + weight, or none) and element-wise x * weight + bias")
 
 
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
