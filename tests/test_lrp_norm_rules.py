@@ -178,3 +178,11 @@ def test_lfm2s_product_is_checked_on_every_call():
         mlp.w1.register_forward_hook(lambda module, args, output: output * 2)  # after the rule's hook: w2's input differs
         with pytest.raises(HeadlabError, match="the input of Linear is not silu\\(w1 x\\) \\* w3 x"):
             model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_lfm2s_mlp_is_computed_in_float64_as_the_other_gated_mlps():
+    """Ding et al.'s product rule divides by ``a + b``, which crosses zero: LRP runs LFM2 in float64 too."""
+    from headlab.importance.lrp import lrp_precision
+
+    assert lrp_precision(FAMILIES["lfm2"][0]()) == torch.float64
+    assert lrp_precision(FAMILIES["mobilebert"][0]()) == torch.float32  # no gated MLP
