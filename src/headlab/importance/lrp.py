@@ -57,7 +57,15 @@ from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
-from headlab.importance.rules import check_rules, fused_gated_mlps, gated_mlps, lrp_rules, norm_rule, routed_experts
+from headlab.importance.rules import (
+    called_gated_mlps,
+    check_rules,
+    fused_gated_mlps,
+    gated_mlps,
+    lrp_rules,
+    norm_rule,
+    routed_experts,
+)
 from headlab.model_description import ModelInfo, describe_model, output_layer
 from headlab.portable_code import NoHeadAttention
 from headlab.shard import Ledger, active
@@ -92,9 +100,29 @@ def normalize_per_layer(relevance: torch.Tensor) -> torch.Tensor:
     return relevance / torch.where(total == 0, torch.ones_like(total), total)
 
 
+def _multiplying_head(model: nn.Module) -> nn.Module | None:
+    """MobileBERT's LM head (``MobileBertLMPredictionHead``), which never calls its output layer ``decoder``: it
+    multiplies ``transform``'s output by ``[decoder.weight^T; dense.weight]`` itself and adds ``decoder.bias``
+    (the embeddings' width is less than the hidden width); the head, or None for any other model."""
+    output = output_layer(model)
+    return next((m for m in model.modules() if type(m).__name__ == "MobileBertLMPredictionHead"
+                 and getattr(m, "decoder", None) is output and output is not None), None)
+
+
+def _output_weight(model: nn.Module) -> torch.Tensor:
+    """``[vocab, d]``: the weight the logits are the product of ``z`` with (:func:`_lm_input`), detached."""
+    head: Any = _multiplying_head(model)
+    if head is not None:
+        return torch.cat([head.decoder.weight.t(), head.dense.weight], dim=0).t().detach()
+    output = output_layer(model)
+    assert output is not None  # head_relevance refuses a model without one first
+    return cast(torch.Tensor, output.weight).detach()
+
+
 @contextmanager
 def _lm_input(model: nn.Module) -> Iterator[dict]:
-    """Record the input of the output projection (the LM head's, or a classifier's last linear map)."""
+    """Record the input of the output projection (the LM head's, or a classifier's last linear map);
+    of MobileBERT's, which is never called (:func:`_multiplying_head`), the output of ``transform``."""
     output = output_layer(model)
     assert output is not None  # head_relevance refuses a model without one first
     seen: dict = {}
@@ -102,7 +130,9 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
     def hook(module, args):
         seen["z"] = args[0]
 
-    handle = output.register_forward_pre_hook(hook)
+    head: Any = _multiplying_head(model)
+    handle = head.transform.register_forward_hook(lambda module, args, out: hook(module, (out,))) \
+        if head is not None else output.register_forward_pre_hook(hook)
     try:
         yield seen
     finally:
@@ -152,7 +182,7 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
     """The float type LRP computes in: float64 for a model with gated MLPs (fused [gate | up]
-    projections and mixtures of experts included), float32 otherwise.
+    projections, LFM2's with its activation a function call, and mixtures of experts included), float32 otherwise.
 
     Ding et al.'s product rule splits ``a * b`` as ``a / (a + b)`` and ``b / (a + b)``, and
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
@@ -160,7 +190,7 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     numbers. float32 keeps 7 digits: there the relevance reaching the embeddings came to between
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
-    gated = gated_mlps(model) or fused_gated_mlps(model) or routed_experts(model)
+    gated = gated_mlps(model) or fused_gated_mlps(model) or called_gated_mlps(model) or routed_experts(model)
     return torch.float64 if gated else torch.float32
 
 
@@ -322,11 +352,16 @@ def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
         z, logits = z[:, None, :], logits[:, None, :]  # [batch, 1, d], [batch, 1, classes]
     top = logits.detach().argmax(-1)  # [batch, t_len]
     assert output is not None  # head_relevance refuses a model without one first
-    weight = cast(torch.Tensor, output.weight).detach()  # [vocab, d]
+    weight = _output_weight(model)  # [vocab, d]
     y = (z * weight[top]).sum(-1)  # [batch, t_len]
     bias = getattr(output, "bias", None)
     if isinstance(bias, torch.Tensor):
         y = y + bias.detach()[top]
+    if _multiplying_head(model) is not None:  # the logit rebuilt from the head's own parts: checked
+        with torch.no_grad():
+            if not torch.allclose(y, logits.gather(-1, top[..., None])[..., 0], rtol=1e-4, atol=1e-5):
+                raise HeadlabError("LRP: MobileBERT's LM head does not compute its logits as transform(x) times "
+                                   "[decoder.weight^T; dense.weight] plus decoder.bias; headlab cannot explain them")
     return y, top
 
 

@@ -24,9 +24,15 @@ The other rules become ordinary backward passes once the right factors are detac
   division by the standard deviation is a weight, not a neuron (the mean subtraction is a
   weighted sum and keeps its ordinary backward); RMS norms likewise detach ``gamma / rms``,
   with ``gamma`` the weight, one plus it (Gemma) or one (no weight, nor in OLMo's parameter-free
-  layer norm). :func:`norm_rule` finds them by class; any other normalisation is refused;
+  layer norm); a family's own layer norm (Cohere's, in float32) gets the factor it really applied.
+  This is AttnLRP's identity rule on normalisations (LXT, lxt/efficient/patches.py,
+  ``layer_norm_forward``: ``(x - mean) / stop_gradient(std)``). An element-wise ``x * w + b`` named
+  a norm (MobileBERT's ``NoNorm``) is a weighted sum: its ordinary backward. :func:`norm_rule` finds
+  them by class (and, for a family's own classes, a probe of what they compute); any other
+  normalisation is refused;
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
-  ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``;
+  ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
+  (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
   expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
   constants as the attention weights below are (:func:`_experts_rule`);
@@ -65,7 +71,8 @@ from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
 
-__all__ = ["check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "never_run", "norm_rule", "relevance", "routed_experts"]
+__all__ = ["called_gated_mlps", "check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "never_run", "norm_rule",
+           "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -140,20 +147,67 @@ def _applied_weight(module: nn.LayerNorm, centered: torch.Tensor, scale: torch.T
                        "it) plus its bias; headlab has no LRP rule for it")
 
 
-def _parameter_free_layer_norm_rule(module: nn.Module, args, output):
-    """A layer norm without weight or bias (OLMo's ``OlmoLayerNorm``): as :func:`_layer_norm_rule`,
-    with the factor ``1 / std`` the module really applied (its own eps and precision)."""
+def _own_layer_norm_rule(module: nn.Module, args, output):
+    """A layer norm of a family's own class (OLMo's ``OlmoLayerNorm`` without parameters, Cohere's
+    ``CohereLayerNorm``: a weight, no bias, computed in float32): as :func:`_layer_norm_rule`, the
+    identity rule of AttnLRP (``1 / std`` held constant: LXT's ``layer_norm_forward``,
+    lxt/efficient/patches.py), with the factor the module really applied (its own eps and precision),
+    so that ``centered * factor`` is its output less its bias."""
     x = args[0]
     centered = x + x.sum(-1, keepdim=True) * (-1.0 / x.shape[-1])
     with torch.no_grad():
         _check_finite(module, x)
-        scale = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + getattr(module, "eps", 1e-5))
-        if not torch.allclose(centered * scale, output, rtol=1e-3, atol=1e-5):
-            raise HeadlabError(f"LRP: {type(module).__name__} is not (x - mean(x)) / std(x); "
-                               "headlab has no LRP rule for it")
+        gamma = _layer_norm_gamma(module, x, output)
+        if gamma is False:
+            raise HeadlabError(f"LRP: {type(module).__name__} is not (x - mean(x)) / std(x) times its weight (or one "
+                               "plus it) plus its bias; headlab has no LRP rule for it")
+        bias = getattr(module, "bias", None)
+        unbiased = output if bias is None else output - bias.to(output.dtype)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        scale = torch.rsqrt(centered.to(wide).pow(2).mean(-1, keepdim=True) + _norm_eps(module, 1e-5))
+        scale = (scale if gamma is None else scale * gamma).to(output.dtype).expand_as(output)
         nonzero = centered != 0
-        scale = torch.where(nonzero, output / torch.where(nonzero, centered, torch.ones_like(centered)), scale)
+        scale = torch.where(nonzero, unbiased / torch.where(nonzero, centered, torch.ones_like(centered)), scale)
     return _swap_backward(output, centered * scale)
+
+
+def _norm_eps(module: nn.Module, default: float) -> float:
+    return getattr(module, "variance_epsilon", getattr(module, "eps", default))
+
+
+def _layer_norm_gamma(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None | bool:
+    """The gamma with which ``module`` computed ``output = (x - mean(x)) / std(x) * gamma + bias`` from
+    ``x`` (in at least float32, as Cohere's norm does): its weight, one plus it, or None (no weight);
+    False when it computed something else."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    centered = x.to(wide) - x.to(wide).mean(-1, keepdim=True)
+    normed = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + _norm_eps(module, 1e-5))
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    shift = 0 if not isinstance(bias, torch.Tensor) else bias.to(wide)
+    gammas = [None] if not isinstance(weight, torch.Tensor) else [weight.to(wide), 1 + weight.to(wide)]
+    for gamma in gammas:
+        expected = (normed if gamma is None else normed * gamma) + shift
+        if expected.shape == output.shape and torch.allclose(expected.to(output.dtype), output, rtol=1e-3, atol=1e-5):
+            return gamma
+    return False
+
+
+def _affine_rule(module: nn.Module, args, output):
+    """An element-wise affine map ``x * w + b`` named a norm (MobileBERT's ``NoNorm``: no statistics): a
+    weighted sum of one input per output, whose ordinary backward is the linear rule (Voita et al. 2019,
+    App. A.2; the bias keeps its share). Checked on every call; the output is left as it is."""
+    x = args[0]
+    with torch.no_grad():
+        _check_finite(module, x)
+        if not _is_affine_output(module, x, output):
+            raise HeadlabError(f"LRP: {type(module).__name__} is not x * weight + bias; headlab has no LRP rule for it")
+
+
+def _is_affine_output(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
+    weight, bias = cast(torch.Tensor, module.weight), cast(torch.Tensor, module.bias)
+    expected = x * weight + bias
+    return isinstance(output, torch.Tensor) and expected.shape == output.shape \
+        and torch.allclose(expected, output, rtol=1e-3, atol=1e-5)
 
 
 def _check_finite(module: nn.Module, x: torch.Tensor) -> None:
@@ -201,10 +255,70 @@ def _is_parameter_free_layer_norm(module: nn.Module) -> bool:
             and next(module.parameters(), None) is None)
 
 
+def _own_parameters(module: nn.Module) -> set[str] | None:
+    """The names of a leaf module's own parameters (None: it holds other modules)."""
+    if next(module.children(), None) is not None:
+        return None
+    return {name for name, _ in module.named_parameters(recurse=False)}
+
+
+def _probe(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, module(x))`` on a random ``x`` shaped ``[2, *weight.shape]`` (the module's own forward, no hooks,
+    under no_grad), so that what a norm computes is known before any work; None where it cannot run (weights on
+    the meta device, no weight): its rule then checks the formula on every call."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or not weight.is_floating_point():
+        return None
+    g = torch.Generator().manual_seed(0)
+    # at least float32: a bfloat16 model's norm computing in float32 (Cohere's) would round apart from the formula
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    x = (torch.randn((2, *weight.shape), generator=g, dtype=torch.float64) * 2 + 0.5).to(weight.device, wide)
+    try:
+        with torch.no_grad():
+            output = type(module).forward(module, x)
+    except Exception:  # noqa: BLE001  # any failure: not the element-wise module the rules assume
+        return x, torch.full_like(x, torch.nan)
+    return x, output
+
+
+def _is_own_layer_norm(module: nn.Module) -> bool:
+    """A family's layer norm of its own class (Cohere's ``CohereLayerNorm``: ``(x - mean) / std * weight``
+    in float32, no bias): named ``...LayerNorm``, a weight (and a bias) of its own and nothing else, and, on a
+    probe, that formula (with its weight or one plus it). A class so named that computes something else (T5's
+    copies, RMS norms under that name) is not one: refused as a normalisation without a rule."""
+    names = _own_parameters(module)
+    if not type(module).__name__.endswith("LayerNorm") or names is None or not {"weight"} <= names <= {"weight", "bias"}:
+        return False
+    probe = _probe(module)
+    if probe is None:
+        return True
+    x, output = probe
+    return _layer_norm_gamma(module, x, output) is not False
+
+
+def _is_affine_norm(module: nn.Module) -> bool:
+    """An element-wise affine map named a norm (MobileBERT's ``NoNorm``: ``x * weight + bias``, no
+    statistics): a weight and a bias of its own and, on a probe, that formula."""
+    if _own_parameters(module) != {"weight", "bias"} or not _looks_like_norm(module):
+        return False
+    probe = _probe(module)
+    return probe is None or _is_affine_output(module, *probe)
+
+
+def _family_prefix(module: nn.Module) -> str:
+    """The lower-cased family name transformers' classes of ``module``'s module start with
+    (``robertaprelayernorm`` for ``transformers.models.roberta_prelayernorm``), '' elsewhere."""
+    parts = type(module).__module__.split(".")
+    return parts[2].replace("_", "") if len(parts) > 3 and parts[:2] == ["transformers", "models"] else ""
+
+
 def _looks_like_norm(module: nn.Module) -> bool:
     """A normalisation by its class name, with or without parameters (OLMo's has none); a
-    module that only holds other modules (StableLM's per-head norms) is judged by its children."""
-    if "norm" not in type(module).__name__.lower():
+    module that only holds other modules (StableLM's per-head norms) is judged by its children.
+    The family's name is no part of it (RoBERTa-PreLayerNorm's ``RobertaPreLayerNormLMHead``)."""
+    name = type(module).__name__.lower()
+    name = name.removeprefix(_family_prefix(module))
+    if "norm" not in name:
         return False
     holds_only_modules = next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None
     return not holds_only_modules
@@ -217,8 +331,10 @@ def norm_rule(module: nn.Module):
         return _layer_norm_rule
     if _is_rms_norm(module):
         return _rms_norm_rule
-    if _is_parameter_free_layer_norm(module):
-        return _parameter_free_layer_norm_rule
+    if _is_parameter_free_layer_norm(module) or _is_own_layer_norm(module):
+        return _own_layer_norm_rule
+    if _is_affine_norm(module):
+        return _affine_rule
     if _looks_like_norm(module):
         raise HeadlabError(f"LRP: no rule for the normalisation module {type(module).__name__}")
     return None
@@ -290,7 +406,8 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     return found
 
 
-_KNOWN_NORMS = "headlab knows LayerNorm (with or without parameters) and RMS norms (weight, 1 + weight, or none)"
+_KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's own class that computes it), RMS norms "
+                "(weight, 1 + weight, or none) and element-wise x * weight + bias")
 
 
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
@@ -379,11 +496,51 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
                 "second stream computed from the token embeddings, which reaches the layer beside the residual "
                 "stream; none of headlab's rules splits that product, so relevance would not be conserved; the "
                 "other measures work on the attention layers")
-    if all(isinstance(children.get(n), nn.Linear) for n in ("w1", "w2", "w3")) \
-            and not any(_is_activation(child) for child in children.values()):
-        return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, so the "
-                "product and activation rules cannot be hooked on it and relevance would not be conserved")
+    if _called_gated_parts(module) is not None and not _computes_called_gated(module):
+        return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, and not "
+                "SiLU (LFM2's, the one headlab knows): on a probe its output is not w2(silu(w1 x) * w3 x), so the "
+                "activation and product rules cannot be applied to it and relevance would not be conserved")
     return None
+
+
+def _called_gated_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    """``(w1, w3, w2)`` of a gated MLP ``w2(act(w1 x) * w3 x)`` whose activation is a function call, not a
+    module (LFM2's ``Lfm2MLP``, LFM2-MoE's and LFM3's: ``F.silu``), None for any other module."""
+    children = dict(module.named_children())
+    parts = [children.get(name) for name in ("w1", "w3", "w2")]
+    if not all(isinstance(part, nn.Linear) for part in parts) or any(_is_activation(c) for c in children.values()):
+        return None
+    return cast(tuple[nn.Linear, nn.Linear, nn.Linear], tuple(parts))
+
+
+def called_gated_mlps(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]]:
+    """``(w1, w3, w2)`` of every gated MLP of ``model`` whose activation (SiLU) is a function call."""
+    return [parts for module in model.modules() if (parts := _called_gated_parts(module)) is not None]
+
+
+def _called_gated(x: torch.Tensor, w1: nn.Linear, w3: nn.Linear, w2: nn.Linear) -> torch.Tensor:
+    return w2(nn.functional.silu(w1(x)) * w3(x))
+
+
+def _computes_called_gated(module: nn.Module) -> bool:
+    """Whether ``module``'s own forward is ``w2(silu(w1 x) * w3 x)`` on a random input (under no_grad), so that
+    another activation or formula is refused before any work; True where it cannot run (weights on the meta
+    device): :class:`_CalledGatedProduct` checks the product on every call."""
+    parts = _called_gated_parts(module)
+    assert parts is not None
+    weight = parts[0].weight
+    if weight.is_meta or not weight.is_floating_point():
+        return True
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, parts[0].in_features), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            output = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001  # any failure: not the MLP the rule assumes
+            return False
+        expected = _called_gated(x, *parts)
+    return isinstance(output, torch.Tensor) and output.shape == expected.shape \
+        and torch.allclose(output, expected, rtol=1e-3, atol=1e-5)
 
 
 def _detach_output(module, args, output):
@@ -436,6 +593,26 @@ class _GatedProduct:
         if a is None or b is None or a.shape != v.shape or b.shape != v.shape:
             raise HeadlabError(f"LRP: cannot find the two factors of the gated MLP before {type(module).__name__}")
         return (_swap_backward(v, _product(a, b).to(v.dtype)), *args[1:])
+
+
+class _CalledGatedProduct(_GatedProduct):
+    """:class:`_GatedProduct` for ``w2(silu(w1 x) * w3 x)`` with SiLU a function call (LFM2's ``Lfm2MLP``):
+    ``w1``'s output gets the activation rule here (LXT's ``gated_mlp_forward`` applies the identity rule to
+    ``act_fn(gate_proj(x))`` likewise: lxt/efficient/patches.py), and ``w2``'s input is checked to be the
+    product of the two factors before its backward is swapped, on every call."""
+
+    def keep_activated(self, module, args, output):
+        self.a = _activation_rule(module, (output,), nn.functional.silu(output))
+
+    def pre_down(self, module, args):
+        v, a, b = args[0], self.a, self.b
+        if a is not None and b is not None and a.shape == v.shape == b.shape:
+            with torch.no_grad():
+                if not torch.allclose(a * b, v, rtol=1e-3, atol=1e-5):
+                    self.a = self.b = None
+                    raise HeadlabError(f"LRP: the input of {type(module).__name__} is not silu(w1 x) * w3 x; "
+                                       "headlab has no LRP rule for this gated MLP")
+        return super().pre_down(module, args)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -665,6 +842,11 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(gate_up.register_forward_hook(
                 lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
             handles.append(down.register_forward_pre_hook(product.pre_down))
+        for w1, w3, w2 in called_gated_mlps(model):
+            called = _CalledGatedProduct()
+            handles.append(w1.register_forward_hook(called.keep_activated))
+            handles.append(w3.register_forward_hook(called.keep_b))
+            handles.append(w2.register_forward_pre_hook(called.pre_down))
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
