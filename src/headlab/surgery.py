@@ -767,11 +767,12 @@ def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dic
                            "masking " + "; ".join(f"{_name(key)} heads {list(heads)}" for key, heads in spec.items())
                            + " makes the NaN; nothing was pruned")
     cause = own_nan_cause(model, probe)
+    where = mismatch.not_finite or mismatch.uncompared
     if mismatch.not_finite is not None:
-        where, pruned = mismatch.not_finite, "where the pruned one is finite, so pruning cannot be checked there"
+        pruned = "where the pruned one is finite, so pruning cannot be checked there"
     else:  # NaN in both, and not finite with the mask floored either: nothing there was compared
-        where, pruned = mismatch.uncompared, ("as has the pruned one, also with the mask floored at float32's lowest "
-                                              "value, so those values could not be compared")
+        pruned = ("as has the pruned one, also with the mask floored at float32's lowest value, so those values could "
+                  "not be compared")
     raise HeadlabError(
         f"{model_type}: cannot check pruning: the model itself gives NaN or inf on headlab's padded probe, before any "
         f"head is removed: it {own}; the masked model, the reference, has NaN or inf in {_name(mismatch.what)} "
