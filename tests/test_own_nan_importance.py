@@ -3,12 +3,13 @@
 transformers fills an additive mask with the lowest number of the model's dtype and its eager attention takes the
 softmax in float32: in a float64 model that number is -inf there, so a query that may attend to no key at all gets
 NaN weights. headlab pads on the right, so that query is a padding position under a sliding window: ModernBERT's
-local layers (bidirectional: the next layer's real rows read its NaN value, 0 * NaN) and a causal sliding window
-(Mistral: NaN at padding positions only). Before: ablation's loss summed NaN * 0 over the padding positions and
-gradient importance took NaN through the softmax's backward, so both gave tables of NaN without a word (base_loss
-NaN). Now both run under the float32 mask floor, as LRP does, and score only the scored positions: the tables equal
-those of one sentence per batch (no padding, nothing NaN). Confidence (headlab's own attention, whose float64
-softmax keeps such a row finite) and LRP already did; confidence's eager engine refuses, naming the cause.
+local layers and Gemma 3's bidirectional variant (EmbeddingGemma's; bidirectional: the next layer's real rows read
+its NaN value, 0 * NaN), and a causal sliding window (Mistral: NaN at padding positions only). Before: ablation's
+loss summed NaN * 0 over the padding positions and gradient importance took NaN through the softmax's backward, so
+both gave tables of NaN without a word (base_loss NaN). Now both run under the float32 mask floor, as LRP does,
+and score only the scored positions: the tables equal those of one sentence per batch (no padding, nothing NaN).
+Confidence (headlab's own attention, whose float64 softmax keeps such a row finite) and LRP already did; confidence's
+eager engine refuses, naming the cause.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import transformers as tf
 
 from headlab.errors import HeadlabError
-from headlab.importance import ImportanceData, compute_ablation, compute_confidence, compute_gradient, describe_model
+from headlab.importance import ImportanceData, compute_ablation, compute_confidence, compute_gradient, compute_lrp, describe_model
 from support.family_matrix import VOCAB, perturbed_model
 
 
@@ -41,7 +42,17 @@ def mistral() -> torch.nn.Module:
     return perturbed_model(tf.MistralForCausalLM, config, attn_implementation="eager").double()
 
 
-MODELS = {"modernbert": modernbert, "mistral": mistral}
+def gemma3_bidirectional() -> torch.nn.Module:
+    """Gemma 3 with bidirectional attention (EmbeddingGemma's), sliding layers of window 2 before full ones."""
+    config = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=2,
+                                 max_position_embeddings=64, pad_token_id=2, bos_token_id=0, eos_token_id=1,
+                                 use_bidirectional_attention=True,
+                                 layer_types=["sliding_attention", "full_attention"] * 2)
+    return perturbed_model(tf.Gemma3ForCausalLM, config, attn_implementation="eager").double()
+
+
+MODELS = {"modernbert": modernbert, "mistral": mistral, "gemma3-bidirectional": gemma3_bidirectional}
 
 
 def _data() -> ImportanceData:
@@ -63,11 +74,12 @@ def test_the_model_itself_gives_nan_on_a_padded_batch(family):
 
 
 @pytest.mark.parametrize("family", MODELS)
-@pytest.mark.parametrize("measure", ["ablation", "gradient"])
+@pytest.mark.parametrize("measure", ["ablation", "gradient", "lrp"])
 def test_padded_batches_score_as_one_sentence_at_a_time(family, measure):
+    """ablation and gradient: NaN tables before nan28; LRP: finite already (its own floor), kept so."""
     model = MODELS[family]()
     info = describe_model(model)
-    compute = {"ablation": compute_ablation, "gradient": compute_gradient}[measure]
+    compute = {"ablation": compute_ablation, "gradient": compute_gradient, "lrp": compute_lrp}[measure]
     batched = compute(model, _data(), info, batch_size=4)
     alone = compute(model, _data(), info, batch_size=1)  # no padding: finite in transformers itself
     for kind in alone.kinds:
@@ -100,3 +112,34 @@ def test_a_nan_the_floor_does_not_explain_is_refused_not_scored():
         compute_ablation(model, _data(), info, batch_size=4)
     with pytest.raises(HeadlabError, match="gradient importance: the model computes NaN or inf in its loss on batch 1"):
         compute_gradient(model, _data(), info, batch_size=4)
+
+
+@pytest.mark.parametrize("family", ["modernbert", "gemma3-bidirectional"])
+def test_statistics_on_padded_batches_equal_one_sentence_at_a_time_or_are_refused(family, tmp_path):
+    """The head statistics (functions and aggregate) read attention weights only: on the fused and chunked engines
+    (headlab's attention, float64 softmax) a padded batch gives the statistics of one sentence per batch; the eager
+    engine (transformers' weights) refuses the padded batch, naming the float64 mask, rather than sum NaN."""
+    from headlab.data.frequencies import TokenFrequencies
+    from headlab.functions import AnalysisConfig, analyze_heads
+    from support.treebank import SAMPLE_CONLLU
+    from test_chunked_statistics import _assert_close, _written
+    from test_fused_statistics import word_tokenizer
+
+    model, tokenizer = MODELS[family](), word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+
+    def run(engine: str, batch_size: int, query_chunk: int | None = None) -> dict:
+        config = AnalysisConfig(batch_size=batch_size, top_frequent=3, window=4, top_k=3, engine=engine,
+                                query_chunk=query_chunk, sensitivity=True)
+        analysis = analyze_heads(model, tokenizer, path, config=config, frequencies=TokenFrequencies(counts, "set"))
+        return _written(analysis.results.values(), tmp_path / f"{engine}-{batch_size}")
+
+    alone = run("eager", 1)  # no padding: transformers' own weights, finite
+    for got in (run("fused", 4), run("chunked", 4, query_chunk=3)):
+        assert set(got) == set(alone)
+        for name in alone:
+            _assert_close(got[name], alone[name], name, rtol=1e-6, atol=1e-8)
+    with pytest.raises(HeadlabError, match="float64 attention mask"):
+        run("eager", 4)
