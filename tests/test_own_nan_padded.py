@@ -69,6 +69,8 @@ def test_pruning_a_whole_layer_names_the_models_own_nan():
     assert "dec_self layer 1 (forward) at probe row 2 (padded on the left), positions 2-5" in message
     assert "float64 attention mask" in message and 'attn_implementation="sdpa"' in message
     assert "max difference" not in message
+    assert ("with the mask floored at float32's lowest value both are finite, and every value agrees: the pruned "
+            "model differs only in not reading that NaN") in message  # nan28: compared there too
     assert [block.n_heads for block in attention_blocks(model)] == [4, 4]  # left unpruned
 
     sdpa = float64_llama("sdpa")  # the remedy named works

@@ -92,7 +92,8 @@ class Mismatch:
     """Set where every finite value agrees and the reference and the pruned model are both NaN or inf at some
     items (``not_finite`` unset): which ones, compared nowhere."""
     floored: bool = False
-    """Found with the float64 attention mask floored at float32's lowest value (:func:`run_floored`)."""
+    """A difference: found with the float64 attention mask floored at float32's lowest value (:func:`run_floored`);
+    ``not_finite``: with the mask floored every value agrees."""
 
     @property
     def unchecked(self) -> bool:

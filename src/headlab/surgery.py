@@ -738,6 +738,8 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
                 mismatch = dataclasses.replace(floored, floored=True)
             elif mismatch.not_finite is None:  # NaN in both where the floored probe agrees: every value compared
                 mismatch = None
+            else:  # said in the refusal: the pruned model is finite where the masked one is NaN, and only there
+                mismatch = dataclasses.replace(mismatch, floored=True)
     except BaseException:
         journal.undo()
         raise
@@ -770,6 +772,9 @@ def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dic
     where = mismatch.not_finite or mismatch.uncompared
     if mismatch.not_finite is not None:
         pruned = "where the pruned one is finite, so pruning cannot be checked there"
+        if mismatch.floored:
+            pruned += (" (with the mask floored at float32's lowest value both are finite, and every value agrees: the "
+                       "pruned model differs only in not reading that NaN)")
     else:  # NaN in both, and not finite with the mask floored either: nothing there was compared
         pruned = ("as has the pruned one, also with the mask floored at float32's lowest value, so those values could "
                   "not be compared")
