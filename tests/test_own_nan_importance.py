@@ -108,7 +108,7 @@ def test_a_nan_the_floor_does_not_explain_is_refused_not_scored():
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
     info = describe_model(model)
-    with pytest.raises(HeadlabError, match="ablation: the model computes NaN or inf in its logits on sentences 1-4"):
+    with pytest.raises(HeadlabError, match="ablation: the model computes NaN or inf in its loss on sentences 1-4"):
         compute_ablation(model, _data(), info, batch_size=4)
     with pytest.raises(HeadlabError, match="gradient importance: the model computes NaN or inf in its loss on batch 1"):
         compute_gradient(model, _data(), info, batch_size=4)

@@ -284,9 +284,8 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
                     logits = forward_logits(model, batch.inputs, info)
             finally:
                 recorder.remove()
-            scored = batch.labels != -100
-            check_finite_loss("ablation", logits[scored], f"in its logits on sentences {_sentences(batch.index)}")
-            _, count = sequence_nll(logits, batch.labels)
+            nll, count = sequence_nll(logits, batch.labels)
+            check_finite_loss("ablation", nll, f"in its loss on sentences {_sentences(batch.index)}")
             base = {m: float(measure(logits, batch.labels).sum()) for m, measure in measures.items()}
             n_tokens += float(count.sum())  # an integer: exact in any order
             tick(1)
@@ -334,12 +333,12 @@ def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], enco
             logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
         else:
             logits = forward_logits(model, inputs, info)
-    for j, (block, head) in enumerate(group):
-        part = slice(j * rows, (j + 1) * rows)
-        check_finite_loss("ablation", logits[part][labels[part] != -100],
-                          f"with {block.kind} layer {block.layer} head {head} masked, in its logits on sentences "
-                          f"{_sentences(batch.index)}")
-    return {m: measure(logits, labels).view(copies, rows).sum(-1).tolist() for m, measure in measures.items()}
+    totals = {m: measure(logits, labels).view(copies, rows).sum(-1) for m, measure in measures.items()}
+    losses = totals["loss"] if "loss" in totals else sequence_nll(logits, labels)[0].view(copies, rows).sum(-1)
+    for (block, head), loss in zip(group, losses):  # a NaN logit makes its loss NaN: accuracy's argmax would hide it
+        check_finite_loss("ablation", loss, f"with {block.kind} layer {block.layer} head {head} masked, in its loss on "
+                          f"sentences {_sentences(batch.index)}")
+    return {m: total.tolist() for m, total in totals.items()}
 
 
 def _sentences(index: list[int]) -> str:

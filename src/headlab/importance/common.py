@@ -64,16 +64,17 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     that are not scored.
     """
     scored = labels != -100
-    # Only the scored positions' logits: a padding position's may be NaN (a float64 eager model's query that
-    # sees no key), and NaN * 0 is NaN, in the sum and in its gradient
-    nll = logits.new_zeros(labels.shape, dtype=torch.float32)
-    nll[scored] = torch.nn.functional.cross_entropy(logits[scored].float(), labels[scored], reduction="none")
-    return nll.sum(-1), scored.sum(-1)
+    nll = torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
+    ).view(labels.shape)
+    # where, not * scored: a padding position's logits may be NaN (a float64 eager model's query that sees no key),
+    # and NaN * 0 is NaN
+    return torch.where(scored, nll, 0.0).sum(-1), scored.sum(-1)
 
 
 def check_finite_loss(measure: str, values: torch.Tensor, where: str) -> None:
-    """Refuse a NaN or inf in ``values`` (a loss, its logits at the scored positions, gradients): a score made
-    of it would be NaN, or, through argmax or a NaN-skipping sum, silently wrong. The measures run under
+    """Refuse a NaN or inf in ``values`` (losses of the scored tokens, gradients): a score made of it would be
+    NaN, or, through argmax (a NaN logit makes the loss NaN too) or a NaN-skipping sum, silently wrong. The measures run under
     :func:`headlab.capture.float32_mask_floor`, so it is not a float64 eager model's padding query that sees no
     key (the NaN :func:`headlab.prune_check.own_nan_cause` names)."""
     if not bool(values.isfinite().all()):
