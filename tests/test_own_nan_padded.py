@@ -69,6 +69,8 @@ def test_pruning_a_whole_layer_names_the_models_own_nan():
     assert "dec_self layer 1 (forward) at probe row 2 (padded on the left), positions 2-5" in message
     assert "float64 attention mask" in message and 'attn_implementation="sdpa"' in message
     assert "max difference" not in message
+    assert ("with the mask floored at float32's lowest value both are finite, and every value agrees: the pruned "
+            "model differs only in not reading that NaN") in message  # nan28: compared there too
     assert [block.n_heads for block in attention_blocks(model)] == [4, 4]  # left unpruned
 
     sdpa = float64_llama("sdpa")  # the remedy named works
@@ -116,7 +118,11 @@ def test_a_real_difference_is_not_hidden_behind_the_references_nan():
                                                 ("forward", "logits", finite)), torch.float64)
     assert same_row is not None and same_row.not_finite is None and same_row.difference == 1.0
 
-    assert first_mismatch(reference, reference, torch.float64) is None  # NaN where both are NaN: the same
+    both = first_mismatch(reference, reference, torch.float64)  # NaN where both are NaN: compared nowhere, said so
+    assert both is not None and both.unchecked and both.not_finite is None
+    assert both.uncompared == "probe row 1 (padded on the right)" and both.what == ("dec_self", 1)
+    assert first_mismatch(_trace(("forward", "logits", finite)), _trace(("forward", "logits", finite)),
+                          torch.float64) is None
 
 
 def test_the_probe_names_rows_and_positions_of_nan():
@@ -141,3 +147,76 @@ def test_load_pruned_says_the_nan_is_the_models_attention_not_its_weights(tmp_pa
             load_pruned(tmp_path / "pruned", attn_implementation="eager")
     finally:
         torch.set_default_dtype(default)
+
+
+def _wrong_on_the_left_padded_row(monkeypatch, layer: int) -> list:
+    """Prune as headlab does, then make ``dec_self layer {layer}`` add 1 to batch row 2 of its output: a pruning
+    wrong only on the probe's left-padded row, where the float64 eager model is NaN by itself."""
+    import headlab.surgery as surgery
+
+    handles = []
+    prune_block = surgery._prune_block
+
+    def wrong(model, block, *args, **kwargs):
+        prune_block(model, block, *args, **kwargs)
+        if block.key == ("dec_self", layer):
+            def shift(module, args, output):
+                if output[0].shape[0] == 3:
+                    output[0][2] += 1.0
+
+            handles.append(block.module.register_forward_hook(shift))
+
+    monkeypatch.setattr(surgery, "_prune_block", wrong)
+    return handles
+
+
+def test_a_difference_only_where_both_are_nan_is_compared_under_the_floored_mask(monkeypatch):
+    """Before (nan28): the masked reference and the pruned model were both NaN on the left-padded row from layer 1
+    on, those items counted as the same, and a pruning wrong only there passed. Both probes now run again with the
+    mask floored at float32's lowest value (finite there), and that comparison catches it."""
+    model = float64_llama()
+    handles = _wrong_on_the_left_padded_row(monkeypatch, 1)
+    try:
+        with pytest.raises(PruningNotExact) as caught:
+            prune_heads(model, {("dec_self", 1): [0]})
+    finally:
+        for handle in handles:
+            handle.remove()
+    message = str(caught.value)
+    assert "differs from the masked one in dec_self layer 1 (forward)" in message
+    assert "floored" in message and "max difference 1" in message
+    assert [block.n_heads for block in attention_blocks(model)] == [4, 4]  # left unpruned
+
+
+def test_a_right_pruning_of_a_float64_eager_model_is_checked_everywhere_and_kept():
+    """The same pruning without the fault: every value agrees under the floored mask, so it is kept, and the pruned
+    model gives what the masked one gives (NaN included, which is the model's own)."""
+    model = float64_llama()
+    probe = probe_inputs(model)
+    from headlab.gates import masked_heads
+
+    with masked_heads(model, {("dec_self", 1): [0]}):
+        masked = _forward(model, probe)
+    prune_heads(model, {("dec_self", 1): [0]})
+    assert [block.n_heads for block in attention_blocks(model)] == [4, 3]
+    pruned = _forward(model, probe)
+    assert torch.equal(pruned.isnan(), masked.isnan())
+    assert torch.allclose(pruned.nan_to_num(), masked.nan_to_num())
+
+
+def test_nan_in_both_that_the_floor_does_not_remove_is_refused_naming_what_was_not_compared(monkeypatch):
+    """Where the floored probe is not finite either (here: the floor made to do nothing), the items both models
+    have NaN at were compared nowhere: refused, named, not passed (before nan28: pruned silently)."""
+    import headlab.prune_check as prune_check
+
+    monkeypatch.setattr(prune_check, "run_floored", run_probe)
+    model = float64_llama()
+    with pytest.raises(HeadlabError) as caught:
+        prune_heads(model, {("dec_self", 1): [0]})
+    message = str(caught.value)
+    assert not isinstance(caught.value, PruningNotExact) and "max difference" not in message
+    assert ("has NaN or inf in dec_self layer 1 (forward) at probe row 2 (padded on the left), positions 2-5, as has "
+            "the pruned one, also with the mask floored at float32's lowest value, so those values could not be "
+            "compared (every finite value agrees)") in message
+    assert "float64 attention mask" in message  # own_nan_cause's own floor still names the cause
+    assert [block.n_heads for block in attention_blocks(model)] == [4, 4]

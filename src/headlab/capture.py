@@ -345,11 +345,13 @@ def nonfinite_probs_cause(probs: torch.Tensor, mask: Any) -> str:
            f"queries that may attend to no key ({where}: padding), with no head changed: ")
     if mask.dtype == torch.float64:
         return own + ("its float64 attention mask holds float64's lowest value, which becomes -inf in the float32 "
-                      "softmax of transformers' eager attention, and a row of -inf is NaN, which the next layer's real "
-                      "rows then read. Load the model in float32 (the mask stays finite there), or use the default "
+                      "softmax of transformers' eager attention, and a row of -inf is NaN, which a later layer's real "
+                      "rows read wherever they may attend to it (bidirectional attention, left padding). Load the model "
+                      "in float32 (the mask stays finite there), or use the default "
                       "engine (fused), or one sentence per batch (batch size 1)")
     return own + ("its attention mask is -inf on every key of those rows, and a row of -inf is NaN in its eager "
-                  "softmax, which the next layer's real rows then read. Use the default engine (fused), or one "
+                  "softmax, which a later layer's real rows read wherever they may attend to it (bidirectional "
+                  "attention, left padding). Use the default engine (fused), or one "
                   "sentence per batch (batch size 1)")
 
 

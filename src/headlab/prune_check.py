@@ -24,8 +24,13 @@ tolerance by the caller (:mod:`headlab.surgery` picks the dtype).
 
 Where the masked reference itself is NaN or inf (a float64 model in transformers' eager attention
 on the left-padded row: float64's lowest mask value is -inf in its float32 softmax), nothing can
-be compared: :func:`first_mismatch` reports that only when every finite value agrees, and
-:func:`own_nan_cause` says why the unmodified model gives it.
+be compared there, and NaN in both is no evidence that they agree: :func:`first_mismatch` reports
+those items (``not_finite`` where the pruned model differs, ``uncompared`` where it is NaN or inf
+too) only when every finite value agrees, and :func:`own_nan_cause` says why the unmodified model
+gives them. :func:`headlab.surgery.prune_heads` then runs both models again with the mask floored
+at float32's lowest value (:func:`run_floored`), which makes such a model finite and leaves every
+other value unchanged to the bit, and compares every value there; where the floor leaves NaN too,
+the pruning is refused, naming what could not be compared.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import nn
 
 from headlab.adapters import attention_blocks
 
-__all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "first_mismatch", "tolerance", "not_finite"]
+__all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "run_floored", "first_mismatch", "tolerance", "not_finite"]
 
 ROWS, LENGTH, PADS, DECODER_LENGTH, STEPS = 3, 6, 2, 3, 3
 
@@ -83,15 +88,32 @@ class Mismatch:
     error: str | None = None
     not_finite: str | None = None
     """Set where the only difference is at items the reference itself has NaN or inf: which ones."""
+    uncompared: str | None = None
+    """Set where every finite value agrees and the reference and the pruned model are both NaN or inf at some
+    items (``not_finite`` unset): which ones, compared nowhere."""
+    floored: bool = False
+    """A difference: found with the float64 attention mask floored at float32's lowest value (:func:`run_floored`);
+    ``not_finite``: with the mask floored every value agrees."""
+
+    @property
+    def unchecked(self) -> bool:
+        """Only items the reference has NaN or inf differ or went uncompared: nothing finite differs."""
+        return self.not_finite is not None or self.uncompared is not None
 
     def describe(self, model_type: str) -> str:
         where = _name(self.what)
         if self.not_finite is not None:
             return (f"{model_type}: cannot check pruning: the masked model, the reference, gives NaN or inf in {where} "
                     f"({self.call}) at {self.not_finite}, and the pruned model does not; every finite value agrees")
+        if self.uncompared is not None:
+            return (f"{model_type}: cannot check pruning: the masked model, the reference, and the pruned model both "
+                    f"give NaN or inf in {where} ({self.call}) at {self.uncompared}, so those values were compared "
+                    "nowhere; every finite value agrees")
         if self.error is not None:
             return f"{model_type}: the pruned model fails in {where} ({self.call}): {self.error}"
-        return (f"{model_type}: the pruned model differs from the masked one in {where} ({self.call}): "
+        floored = (" with the float64 attention mask floored at float32's lowest value, where both are finite (the "
+                   "model's own NaN on padded rows hides it otherwise)") if self.floored else ""
+        return (f"{model_type}: the pruned model differs from the masked one in {where} ({self.call}){floored}: "
                 f"max difference {self.difference:.3g}, allowed {self.allowed:.3g}")
 
 
@@ -270,33 +292,49 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
             trace.add(state["call"], "logits", logits[:, -1], None)
 
 
+def run_floored(model: nn.Module, probe: dict) -> Trace:
+    """:func:`run_probe` with additive float64 attention masks floored at float32's lowest value
+    (:func:`headlab.capture.float32_mask_floor`): a float64 eager model's padding queries that may
+    attend to no key stay finite, every other value is unchanged to the bit. Enter it anew for each
+    run: its hooks sit on the modules there when it starts (pruning replaces some)."""
+    from headlab.capture import float32_mask_floor
+
+    with float32_mask_floor(model):
+        return run_probe(model, probe)
+
+
 def _cache_of(output):
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def _difference(reference: torch.Tensor, pruned: torch.Tensor) -> tuple[float, float, torch.Tensor | None]:
+def _difference(reference: torch.Tensor, pruned: torch.Tensor) -> tuple[float, float, torch.Tensor | None,
+                                                                       torch.Tensor | None]:
     """(max |pruned - reference| over the items where the reference is finite, a NaN of ``pruned`` there
     counted as inf; max |reference|; the items where the reference is NaN or inf and ``pruned`` is not
-    the same (NaN where both are NaN counts as the same), or None)."""
+    the same, or None; the items where both are the same NaN or inf, compared nowhere, or None)."""
     if reference.shape != pruned.shape:
-        return math.inf, 0.0, None
+        return math.inf, 0.0, None, None
     reference, pruned = reference.double(), pruned.double().to(reference.device)
     bad = ~reference.isfinite()
     diff = (pruned - reference).abs().masked_fill(bad, 0.0).nan_to_num(nan=math.inf)
     same = (pruned == reference) | (reference.isnan() & pruned.isnan())
-    unmatched = bad & ~same
     finite = reference[~bad]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
-    items = unmatched.reshape(unmatched.shape[0], -1).any(-1) if unmatched.dim() else unmatched.reshape(1)
-    return (float(diff.max()) if diff.numel() else 0.0), scale, (items if bool(items.any()) else None)
+
+    def items(where: torch.Tensor) -> torch.Tensor | None:
+        first = where.reshape(where.shape[0], -1).any(-1) if where.dim() else where.reshape(1)
+        return first if bool(first.any()) else None
+
+    return (float(diff.max()) if diff.numel() else 0.0), scale, items(bad & ~same), items(bad & same)
 
 
 def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Mismatch | None:
     """The first place (in forward order) where ``pruned`` leaves the tolerance around ``reference``.
     Where the reference itself is NaN or inf (a model that gives NaN on padded rows by itself) nothing
-    can be compared: a difference there is returned (``not_finite`` set) only if no finite value differs
-    anywhere, so that a real difference is never hidden behind it."""
+    can be compared: those items are returned (``not_finite`` set where ``pruned`` differs there, else
+    ``uncompared`` where it is NaN or inf too) only if no finite value differs anywhere, so that a real
+    difference is never hidden behind them; None means every value was compared and agrees."""
     if reference.error is not None:  # the masked model itself fails on the probe: nothing to compare
         raise reference.error
     if pruned.error is not None:
@@ -307,22 +345,25 @@ def first_mismatch(reference: Trace, pruned: Trace, dtype: torch.dtype) -> Misma
     got = _numbered(pruned.entries)
     rel = tolerance(dtype)
     unchecked: Mismatch | None = None
+    uncompared: Mismatch | None = None
     for (call, what, n), value in ref.items():
         if (call, what, n) not in got:
             if isinstance(what, tuple):
                 continue  # a block reduced to no head is not an attention block any more: its output is in the next
             return Mismatch(call, what, math.inf, 0.0, "the pruned model did not compute it")
-        difference, scale, unmatched = _difference(value, got[(call, what, n)])
+        difference, scale, unmatched, both = _difference(value, got[(call, what, n)])
         allowed = rel * max(scale, torch.finfo(dtype).tiny)
         if not difference <= allowed:
             return Mismatch(call, what, difference, allowed)
         if unmatched is not None and unchecked is None:
             unchecked = Mismatch(call, what, math.inf, allowed, not_finite=probe_places(unmatched,
                                                                                         places[(call, what, n)]))
+        if both is not None and uncompared is None:
+            uncompared = Mismatch(call, what, math.nan, allowed, uncompared=probe_places(both, places[(call, what, n)]))
     extra = [key for key in got if key not in ref and not isinstance(key[1], tuple)]
     if extra:
         return Mismatch(extra[0][0], extra[0][1], math.inf, 0.0, "the masked model did not compute it")
-    return unchecked
+    return unchecked or uncompared
 
 
 def probe_places(items: torch.Tensor, places: torch.Tensor | None) -> str:

@@ -684,7 +684,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
     ``commit=False``, also if it does not). The model's attention blocks afterwards."""
     from headlab.gates import masked_heads
-    from headlab.prune_check import first_mismatch, probe_inputs, run_probe
+    from headlab.prune_check import first_mismatch, not_finite, probe_inputs, run_floored, run_probe
 
     # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
@@ -716,6 +716,14 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     unrun = [dataclasses.replace(block, idle=True) for block, *_ in plans if block.key not in reference.ran]
     if unrun:
         _refuse_unchecked(_model_type(model), str(idle_blocks(unrun)), attention_blocks(model))
+    floored_reference = None
+    if not_finite(reference) is not None:
+        # NaN or inf in the reference compares nothing there (a float64 eager model's padded rows): with the mask
+        # floored at float32's lowest both models are finite there, and every value can be compared
+        with masked_heads(model, spec):
+            floored_reference = run_floored(model, probe)
+        if floored_reference.error is not None or not_finite(floored_reference) is not None:
+            floored_reference = None
     try:
         for block, keep, kv_keep, groups in plans:
             _prune_block(model, block, keep, kv_keep, groups, journal)
@@ -724,12 +732,20 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
             _install_t5_bias_hooks(model, blocks, journal)
         _install_alibi_hooks(blocks, journal)
         mismatch = first_mismatch(reference, run_probe(model, probe), dtype)
+        if mismatch is not None and mismatch.unchecked and floored_reference is not None:
+            floored = first_mismatch(floored_reference, run_floored(model, probe), dtype)
+            if floored is not None:  # a real difference the NaN hid
+                mismatch = dataclasses.replace(floored, floored=True)
+            elif mismatch.not_finite is None:  # NaN in both where the floored probe agrees: every value compared
+                mismatch = None
+            else:  # said in the refusal: the pruned model is finite where the masked one is NaN, and only there
+                mismatch = dataclasses.replace(mismatch, floored=True)
     except BaseException:
         journal.undo()
         raise
     if mismatch is not None or not commit:
         journal.undo()
-    if mismatch is not None and mismatch.not_finite is not None:
+    if mismatch is not None and mismatch.unchecked:
         _refuse_own_nan(model, probe, mismatch, spec)
     if mismatch is not None:
         raise PruningNotExact(mismatch.describe(_model_type(model)) + "; the model was left unpruned, nothing written",
@@ -741,8 +757,9 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
 
 
 def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dict) -> NoReturn:
-    """The masked reference has NaN or inf where the pruned model has not, and nothing else differs:
-    say whose NaN it is (the unmodified model's, and why where that is known), not that pruning differs."""
+    """The masked reference has NaN or inf where the pruned model has not (``not_finite``), or both have it
+    and the floored mask could not make them finite (``uncompared``), and nothing else differs: say whose
+    NaN it is (the unmodified model's, and why where that is known), not that pruning differs."""
     from headlab.prune_check import _name, not_finite, own_nan_cause, run_probe
 
     model_type = _model_type(model)
@@ -752,12 +769,20 @@ def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dic
                            "masking " + "; ".join(f"{_name(key)} heads {list(heads)}" for key, heads in spec.items())
                            + " makes the NaN; nothing was pruned")
     cause = own_nan_cause(model, probe)
+    where = mismatch.not_finite or mismatch.uncompared
+    if mismatch.not_finite is not None:
+        pruned = "where the pruned one is finite, so pruning cannot be checked there"
+        if mismatch.floored:
+            pruned += (" (with the mask floored at float32's lowest value both are finite, and every value agrees: the "
+                       "pruned model differs only in not reading that NaN)")
+    else:  # NaN in both, and not finite with the mask floored either: nothing there was compared
+        pruned = ("as has the pruned one, also with the mask floored at float32's lowest value, so those values could "
+                  "not be compared")
     raise HeadlabError(
         f"{model_type}: cannot check pruning: the model itself gives NaN or inf on headlab's padded probe, before any "
         f"head is removed: it {own}; the masked model, the reference, has NaN or inf in {_name(mismatch.what)} "
-        f"({mismatch.call}) at {mismatch.not_finite}, where the pruned one is finite, so pruning cannot be checked "
-        f"there (every finite value agrees). {('Cause: ' + cause) if cause else 'Check its weights and dtype'}; "
-        "nothing was pruned")
+        f"({mismatch.call}) at {where}, {pruned} (every finite value agrees). "
+        f"{('Cause: ' + cause) if cause else 'Check its weights and dtype'}; nothing was pruned")
 
 
 def check_block_sliceable(block: AttentionBlock) -> None:

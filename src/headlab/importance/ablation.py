@@ -37,12 +37,12 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor, spans
 from headlab.data.inputs import Batch, ImportanceData, generated_tokens, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores
-from headlab.importance.common import ExampleGates, block_scores, expand_batch, forward_logits, sequence_nll
+from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, expand_batch, forward_logits, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import METRICS, AblationOptions
 from headlab.model_description import ModelInfo, describe_model
@@ -267,7 +267,9 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
     ledger = Ledger(shard, ({m: {(b.key, h): 0.0 for b, h in variants} for m in metrics}, dict.fromkeys(metrics, 0.0)))
     n_tokens = 0.0
     tick = _progress(_n_passes(len(data), batch_size, variants, max_rows, shard), "ablation", progress)
-    with eval_mode(model), torch.no_grad():
+    # the floor: a float64 eager model's padding query that sees no key (a sliding window) is NaN otherwise, and a
+    # bidirectional model's next layer reads it into real rows; no other value changes (capture.float32_mask_floor)
+    with eval_mode(model), torch.no_grad(), float32_mask_floor(model):
         for number, batch in shard.numbered(make_batches(data, info, batch_size=batch_size, side="reference",
                                                          device=device, mask_tokens=True)):
             encoder_out = None
@@ -282,7 +284,8 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
                     logits = forward_logits(model, batch.inputs, info)
             finally:
                 recorder.remove()
-            _, count = sequence_nll(logits, batch.labels)
+            nll, count = sequence_nll(logits, batch.labels)
+            check_finite_loss("ablation", nll, f"in its loss on sentences {_sentences(batch.index)}")
             base = {m: float(measure(logits, batch.labels).sum()) for m, measure in measures.items()}
             n_tokens += float(count.sum())  # an integer: exact in any order
             tick(1)
@@ -330,7 +333,17 @@ def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], enco
             logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
         else:
             logits = forward_logits(model, inputs, info)
-    return {m: measure(logits, labels).view(copies, rows).sum(-1).tolist() for m, measure in measures.items()}
+    totals = {m: measure(logits, labels).view(copies, rows).sum(-1) for m, measure in measures.items()}
+    losses = totals["loss"] if "loss" in totals else sequence_nll(logits, labels)[0].view(copies, rows).sum(-1)
+    for (block, head), loss in zip(group, losses):  # a NaN logit makes its loss NaN: accuracy's argmax would hide it
+        check_finite_loss("ablation", loss, f"with {block.kind} layer {block.layer} head {head} masked, in its loss on "
+                          f"sentences {_sentences(batch.index)}")
+    return {m: total.tolist() for m, total in totals.items()}
+
+
+def _sentences(index: list[int]) -> str:
+    """The batch's sentences, numbered from 1 in the data's order (empty lines skipped)."""
+    return spans(sorted(i + 1 for i in index))
 
 
 def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokenizer, progress):
@@ -358,7 +371,7 @@ def _ablate_bleu(model, data, info, variants, batch_size, max_rows, beam, tokeni
         return tokenizer.batch_decode([generated_tokens(row, info) for row in out.tolist()], skip_special_tokens=True)
 
     owned: list[int] = []  # the sentences this process translates
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad(), float32_mask_floor(model):  # as in _ablate_loss
         for batch in shard.take(make_batches(data, info, batch_size=batch_size, side="reference", device=device)):
             encoder_inputs = {k: batch.inputs[k] for k in ("input_ids", "attention_mask")}
             owned += batch.index

@@ -18,7 +18,8 @@ from headlab.heads import KINDS, HeadSpec
 from headlab.model_description import ModelInfo
 from headlab.surgery import original_heads
 
-__all__ = ["ExampleGates", "block_scores", "forward_logits", "original_heads", "original_mask", "sequence_nll"]
+__all__ = ["ExampleGates", "block_scores", "check_finite_loss", "forward_logits", "original_heads", "original_mask",
+           "sequence_nll"]
 
 
 class ExampleGates(HeadGates):
@@ -66,7 +67,22 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     nll = torch.nn.functional.cross_entropy(
         logits.float().flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none"
     ).view(labels.shape)
-    return (nll * scored).sum(-1), scored.sum(-1)
+    # where, not * scored: a padding position's logits may be NaN (a float64 eager model's query that sees no key),
+    # and NaN * 0 is NaN
+    return torch.where(scored, nll, 0.0).sum(-1), scored.sum(-1)
+
+
+def check_finite_loss(measure: str, values: torch.Tensor, where: str) -> None:
+    """Refuse a NaN or inf in ``values`` (losses of the scored tokens, gradients): a score made of it would be
+    NaN, or, through argmax (a NaN logit makes the loss NaN too) or a NaN-skipping sum, silently wrong. The measures run under
+    :func:`headlab.capture.float32_mask_floor`, so it is not a float64 eager model's padding query that sees no
+    key (the NaN :func:`headlab.prune_check.own_nan_cause` names)."""
+    if not bool(values.isfinite().all()):
+        raise HeadlabError(
+            f"{measure}: the model computes NaN or inf {where}, at tokens that are scored (not padding; float64 "
+            "attention masks were already floored at float32's lowest value, so it is not a padding query that may "
+            "attend to no key): in its weights, or an overflow in its dtype; load it in float32 or check its weights; "
+            "nothing was scored")
 
 
 def expand_batch(batch: Batch, copies: int) -> dict[str, torch.Tensor]:

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.common import ExampleGates, block_scores, forward_logits, original_mask, sequence_nll
+from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, forward_logits, original_mask, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import SINGLE, Ledger, Shard, active
@@ -71,7 +71,10 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     # ``mine`` is the run's batch rank + mine * world).
     sums = Ledger(shard, {b.key: torch.zeros(b.n_heads, dtype=torch.float64) for b in blocks})
     n_examples = n_tokens = 0
-    with eval_mode(model):
+    # The floor: a float64 eager model's padding query that may attend to no key (a sliding window, left padding)
+    # is NaN otherwise, and its NaN reaches every gradient through the softmax's backward (NaN * 0), and through
+    # the next layer's real rows in a bidirectional model; no other value changes (capture.float32_mask_floor)
+    with eval_mode(model), float32_mask_floor(model):
         for mine, (inputs, labels) in enumerate(batches):
             device, size = labels.device, labels.shape[0]
             gates = {key: (torch.ones(size, len(k), device=device) * k.to(device)).requires_grad_(True)
@@ -80,7 +83,11 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
                 nll, count = sequence_nll(forward_logits(model, inputs, info), labels)
                 scored = count > 0
                 loss = (nll[scored] / count[scored]).sum()  # sum of per-sentence mean losses
+                check_finite_loss("gradient importance", loss.detach(), f"in its loss on batch {mine + 1}")
                 grads = torch.autograd.grad(loss, list(gates.values()), allow_unused=True)
+            for grad in grads:
+                if grad is not None:
+                    check_finite_loss("gradient importance", grad[scored], f"in the gradient of batch {mine + 1}")
             sums.add(shard.rank + mine * shard.world, {key: grad[scored].abs().double().sum(0).cpu()
                                                        for key, grad in zip(gates, grads) if grad is not None})
             n_examples += int(scored.sum())
