@@ -302,3 +302,20 @@ def test_save_pruned_refuses_a_model_carrying_an_adapter(wrapped, tmp_path):
     with pytest.raises(HeadlabError, match=r"carries a PEFT adapter \(2 adapter layers: .*gate_proj.*merge_and_unload"):
         save_pruned(model, tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+def test_a_directory_pruned_before_its_plan_held_kept_refuses_attention_adapters(saved, tmp_path):
+    """A plan without ``kept`` (the bundled models/*-pruned-*) tells the resized projections only: which heads its
+    layers kept is unknown, so no adapter on them can be compared (an MLP adapter still loads)."""
+    import shutil
+
+    root, _ = saved
+    shutil.copytree(root / "llama", tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["headlab_pruned"]["kept"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    model = _plain(tmp_path, "old")
+    with pytest.raises(RuntimeError, match=r"adapts the attention of pruned layers \(model\.layers\.0\.self_attn, "
+                                           r"model\.layers\.1\.self_attn\).*does not record which heads they kept"):
+        model.load_adapter(str(root / "llama-lora"))
+    assert not _tuner_layers(model)

@@ -12,6 +12,11 @@ layers are resized and the attention modules' head counts set as config.json's
 ``headlab_pruned`` plan says (the plan is written by ``headlab.portable``). A layer left with
 no head computes what the full layer does with no head: the output projection's bias (zero
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
+
+A PEFT adapter of a pruned model is saved with the heads the pruning kept (``headlab_adapter.json``:
+:func:`save_adapter`) and refused on a pruned attention layer where that record is missing or another
+(:func:`load_checked_adapter`, :func:`peft_from_pretrained`; peft's own loaders by the load_state_dict hooks):
+an adapter of another pruning with the same head counts fits every shape.
 """
 
 import importlib
