@@ -169,8 +169,10 @@ def test_an_adapter_of_another_pruning_with_the_same_shapes_is_refused(family, l
     else:
         layer = "gpt_neox.layers.0.attention" if family == "gpt_neox" else "model.layers.0.self_attn"
         theirs, ours = ("0,1,2", "1,2,3") if family == "llama" else ("0,1,3", "0,2,3")
-        with pytest.raises(error, match=rf"trained on another pruning than this pruned .*2 attention layers differ: "
-                                        rf"{layer}: the adapter's heads {theirs} of 4.*, this model's heads {ours} of 4"):
+        name = "GPTNeoXForCausalLM" if family == "gpt_neox" else "LlamaForCausalLM"
+        with pytest.raises(error, match=rf"trained on another pruning than this pruned {name}'s \(2 attention layers "
+                                        rf"differ: {layer}: the adapter's heads {theirs} of 4.*, this model's heads "
+                                        rf"{ours} of 4"):
             _attach(model, loader, attach, root / f"{family}-other-lora")
     assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
     torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)

@@ -388,6 +388,11 @@ def _adapted_blocks(root: nn.Module, kept: dict, names: set) -> list:
     return sorted(block for block in kept if any(path == block or path.startswith(f"{block}.") for path in adapted))
 
 
+def _class_name(model: nn.Module) -> str:
+    """The class a user knows: the original one's name for this module's PrunedModel."""
+    return BASE_CLASS if isinstance(model, PrunedModel) else type(model).__name__
+
+
 def _heads(entry) -> str:
     if entry is None:
         return "heads not recorded"
@@ -411,7 +416,7 @@ def check_adapter_record(model: nn.Module, record, names: set, source: str) -> N
     unknown = [block for block in adapted if kept[block] is None]
     if unknown:
         raise RuntimeError(f"pruned_heads.py: the adapter {source} adapts the attention of pruned layers "
-                           f"({', '.join(unknown[:3])}), and this pruned {type(root).__name__}'s config.json does not "
+                           f"({', '.join(unknown[:3])}), and this pruned {_class_name(root)}'s config.json does not "
                            "record which heads they kept (a plan written before it did): its adapters cannot be "
                            "checked. Save the model again with headlab (headlab.save_pruned(headlab.load_pruned(path), "
                            "path)) to record them")
@@ -430,7 +435,7 @@ def check_adapter_record(model: nn.Module, record, names: set, source: str) -> N
         shown = "; ".join(f"{block}: the adapter's {_heads(theirs.get(block))}, this model's {_heads(kept[block])}"
                           for block in differ[:3])
         raise RuntimeError(f"pruned_heads.py: the adapter {source} was trained on another pruning than this pruned "
-                           f"{type(root).__name__}'s ({len(differ)} attention layer{'s' if len(differ) != 1 else ''} "
+                           f"{_class_name(root)}'s ({len(differ)} attention layer{'s' if len(differ) != 1 else ''} "
                            f"differ: {shown}{'; ...' if len(differ) > 3 else ''}): its attention weights would act on "
                            "other heads. Train the adapter on this pruning")
 
@@ -465,7 +470,7 @@ def write_adapter_record(model: nn.Module, directory) -> None:
     root, kept = found
     unknown = [block for block, entry in kept.items() if entry is None]
     if unknown:
-        raise ValueError(f"{type(root).__name__}: its config.json does not record which heads {', '.join(unknown[:3])} "
+        raise ValueError(f"{_class_name(root)}: its config.json does not record which heads {', '.join(unknown[:3])} "
                          "kept; save the model again with headlab to record them")
     text = json.dumps({"format": 1, "kept": kept}, indent=1, sort_keys=True) + "\n"
     names = [name for name in (getattr(model, "peft_config", None) or {}) if name != "default"]
@@ -500,9 +505,8 @@ def load_checked_adapter(model: nn.Module, load, peft_model_id=None, adapter_nam
     finally:
         model.__dict__.pop(_CHECKED_ATTR, None)
     try:
-        base_class = globals()["BASE_CLASS"] if type(model).__name__ == "PrunedModel" else type(model).__name__
         check_loading_info({key: getattr(info, key, None) for key in
-                            ("missing_keys", "unexpected_keys", "mismatched_keys")}, base_class, "adapter")
+                            ("missing_keys", "unexpected_keys", "mismatched_keys")}, _class_name(model), "adapter")
         subfolder = (kwargs.get("adapter_kwargs") or {}).get("subfolder")
         check_adapter_record(model, read_adapter_record(peft_model_id, subfolder), {name},
                              repr(str(peft_model_id)) if peft_model_id is not None else "(given as a state dict)")
@@ -585,7 +589,7 @@ def _adapter_load_post_hook(module, incompatible) -> None:
         return
     _unload(module, set(loading))
     raise RuntimeError(f"pruned_heads.py: loading the adapter {', '.join(sorted(loading))} onto this pruned "
-                       f"{type(module).__name__} {problem}; the adapter was taken off the model again")
+                       f"{_class_name(module)} {problem}; the adapter was taken off the model again")
 
 
 def _unload(model: nn.Module, names: set) -> None:
