@@ -297,7 +297,8 @@ class PrunedModel(_BASE):
         """transformers' saving; where it saves the adapters loaded by ``load_adapter`` (and not the model),
         with the record of the heads this pruning kept beside them (``headlab_adapter.json``)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        if getattr(self, "_hf_peft_config_loaded", False) and kwargs.get("is_main_process", True):
+        known = None not in self.__dict__.get(KEPT_BLOCKS_ATTR, {None: None}).values()  # else nothing to record
+        if getattr(self, "_hf_peft_config_loaded", False) and kwargs.get("is_main_process", True) and known:
             write_adapter_record(self, save_directory)
         return result
 
