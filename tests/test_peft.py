@@ -252,11 +252,13 @@ def test_peft_s_ignore_mismatched_sizes_does_not_reinitialise_an_adapter(family,
 
 
 @pytest.mark.parametrize("damage", ["mismatched", "missing", "unexpected"])
-def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, saved, tmp_path):
+@pytest.mark.parametrize("attach", ["load_adapter", "PeftModel"])
+def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, attach, saved, tmp_path):
     """transformers initialises anew the adapter weights of another shape under ``ignore_mismatched_sizes=True``
     and only logs an adapter weight missing from the file or one of the file left unread: the pruned model then
-    ran with an adapter other than the saved one, with no error. pruned_heads.py refuses, and takes it off."""
-    from safetensors.torch import load_file, save_file
+    ran with an adapter other than the saved one, with no error. pruned_heads.py refuses, and takes it off; peft's
+    loading (``peft_from_pretrained``, its record right) is refused the same by the load_state_dict hooks."""
+    from safetensors.torch import save_file
 
     root, _ = saved
     family = "llama"
@@ -266,6 +268,7 @@ def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, save
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    (adapter / "headlab_adapter.json").write_text((root / f"{family}-lora" / "headlab_adapter.json").read_text())
     weights = load_file(source / "adapter_model.safetensors")
     key = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
     if damage == "missing":
@@ -273,10 +276,16 @@ def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, save
     elif damage == "unexpected":
         weights[key.replace("o_proj", "extra_proj")] = weights[key].clone()
     save_file(weights, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
-    what = {"mismatched": "another shape", "missing": "missing", "unexpected": "not loaded"}[damage]
-    with pytest.raises(RuntimeError, match=rf"adapter does not fit the pruned LlamaForCausalLM.*{what}"):
-        model.load_adapter(str(adapter), ignore_mismatched_sizes=damage == "mismatched")
-    assert not getattr(model, "peft_config", None)
+    if attach == "load_adapter":
+        what = {"mismatched": "another shape", "missing": "missing", "unexpected": "not loaded"}[damage]
+        with pytest.raises(RuntimeError, match=rf"adapter does not fit the pruned LlamaForCausalLM.*{what}"):
+            model.load_adapter(str(adapter), ignore_mismatched_sizes=damage == "mismatched")
+    else:
+        what = {"mismatched": r"at their initialisation \(of another shape", "missing": "at their initialisation",
+                "unexpected": r"unread .*extra_proj\.lora_A"}[damage]
+        with pytest.raises(RuntimeError, match=rf"onto this pruned LlamaForCausalLM left \d+ .*{what}"):
+            model.peft_from_pretrained(model, adapter, ignore_mismatched_sizes=damage == "mismatched")
+    assert not getattr(model, "peft_config", None) and not _tuner_layers(model)
     torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
 
 

@@ -345,7 +345,7 @@ KEPT_BLOCKS_ATTR = "_headlab_kept_blocks"  # in a pruned model's __dict__: atten
 _CHECKED_ATTR = "_headlab_adapter_checked"  # in __dict__ while load_checked_adapter loads (its record read there)
 _RECORD_ATTR = "_headlab_adapter_record"  # in __dict__ during peft_from_pretrained: (source, its record)
 _LOADING_ATTR = "_headlab_adapter_loading"  # in __dict__ between the load_state_dict hooks: adapter -> its keys
-_ERRORS_ATTR = "_headlab_adapter_errors"  # the same: the load's error list, which torch raises after the post-hooks
+_ERRORS_ATTR = "_headlab_adapter_errors"  # the same: (keys left unread, the load's errors, which torch raises after)
 
 
 def record_kept_blocks(model: nn.Module, plan: dict) -> None:
@@ -541,14 +541,21 @@ def _adapter_load_pre_hook(module, state_dict, prefix, local_metadata, strict, m
     adapter the state dict loads, to be found again in what the load left missing."""
     keys = set(state_dict)
     loading: dict = {}
+    attrs: set = set()
     for path, layer in _tuner_layers(module):
+        attrs.update(layer.adapter_layer_names)
         for attr in layer.adapter_layer_names:
             for name, holder in (getattr(layer, attr, None) or {}).items():
                 stem = f"{prefix}{path}.{attr}.{name}"
                 expected = [f"{stem}.{key}" for key in holder.state_dict()] if isinstance(holder, nn.Module) else [stem]
                 loading.setdefault(name, []).extend(expected)
-    module.__dict__[_LOADING_ATTR] = {name: expected for name, expected in loading.items() if keys.intersection(expected)}
-    module.__dict__[_ERRORS_ATTR] = error_msgs
+    loading = {name: expected for name, expected in loading.items() if keys.intersection(expected)}
+    module.__dict__[_LOADING_ATTR] = loading
+    # adapter weights of the file that no weight of this model takes (peft passes them on under their saved name,
+    # without the adapter's; torch lists none without strict=True)
+    own = {f"{prefix}{key}" for key in module.state_dict(keep_vars=True)} if loading else set()
+    unread = sorted(key for key in keys - own if key.startswith(prefix) and any(f".{attr}." in key for attr in attrs))
+    module.__dict__[_ERRORS_ATTR] = (unread, error_msgs)
 
 
 def _adapter_load_post_hook(module, incompatible) -> None:
@@ -557,7 +564,7 @@ def _adapter_load_post_hook(module, incompatible) -> None:
     :func:`load_checked_adapter`, one that adapts a pruned attention layer: peft's loaders do not hand the model
     the adapter's directory, so its record of kept heads cannot be read there. The adapter is taken off."""
     loading = module.__dict__.pop(_LOADING_ATTR, None) or {}
-    errors = module.__dict__.pop(_ERRORS_ATTR, None)
+    unread, errors = module.__dict__.pop(_ERRORS_ATTR, ([], None))
     if not loading:
         return
     if errors:  # torch raises them next (size mismatches): its message, the adapter taken off first
@@ -572,6 +579,9 @@ def _adapter_load_post_hook(module, incompatible) -> None:
                    f"(of another shape under ignore_mismatched_sizes=True, or missing from the file): "
                    f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}. An adapter made on the unpruned "
                    "model (or another pruning) has other shapes where heads were removed: train it on the pruned model")
+    elif unread:
+        problem = (f"left {len(unread)} weight{'s' if len(unread) != 1 else ''} of the adapter's file unread (no such "
+                   f"adapter weight in the model): {', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}")
     elif adapted and _RECORD_ATTR in module.__dict__:  # peft_from_pretrained: the record read beforehand
         source, record = module.__dict__[_RECORD_ATTR]
         try:
