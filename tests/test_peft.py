@@ -14,10 +14,14 @@ projection is refused with a message that says so, and save_pruned refuses a mod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers as tf
+from safetensors.torch import load_file
 
+import headlab
 from headlab import HeadlabError, attention_blocks, load_pruned, prune_heads, save_pruned
 from support import family_matrix, models
 
@@ -26,6 +30,8 @@ peft = pytest.importorskip("peft")
 TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj"], "gpt_neox": ["query_key_value", "dense"]}
 PRUNED = {"llama": {("dec_self", 0): [0], ("dec_self", 1): [1, 2]},
           "gpt_neox": {("dec_self", 0): [1], ("dec_self", 1): [0, 2]}}
+OTHER = {"llama": {("dec_self", 0): [3], ("dec_self", 1): [0, 3]},  # the same head counts, other heads
+         "gpt_neox": {("dec_self", 0): [2], ("dec_self", 1): [1, 3]}}
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -40,32 +46,42 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
         return model(**models.tiny_inputs("llama")).logits
 
 
-def _lora(model: torch.nn.Module, family: str, directory) -> torch.Tensor:
-    """A LoRA adapter on every attention projection of ``model``, its weights random (a new one's B is
-    zero: it would change nothing), saved to ``directory``; the logits of the adapted model."""
-    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS[family]))
+def _lora(model: torch.nn.Module, family: str, directories, targets=None) -> torch.Tensor:
+    """A LoRA adapter on every attention projection of ``model`` (or ``targets``), its weights random (a new
+    one's B is zero: it would change nothing), saved to each of ``directories`` ({directory: recorded}: with
+    headlab.save_adapter, or peft's own save_pretrained); the logits of the adapted model."""
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets or TARGETS[family])
+    adapted = peft.get_peft_model(model, config)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
     logits = _logits(adapted)
-    adapted.save_pretrained(directory)
+    for directory, recorded in directories.items():
+        headlab.save_adapter(adapted, directory) if recorded else adapted.save_pretrained(directory)
     return logits
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Each family pruned and saved (layers that differ: plain transformers loads it as a PrunedModel),
-    with a LoRA adapter trained on the pruned model and one on the unpruned model."""
+    with a LoRA adapter trained on the pruned model (saved with its record and without), one on the unpruned
+    model and one on another pruning with the same head counts (its shapes the pruned model's)."""
     root = tmp_path_factory.mktemp("peft")
     expected = {}
     for family in TARGETS:
         model = _model(family)
         prune_heads(model, PRUNED[family])
         save_pruned(model, root / family)
-        expected[family] = _lora(model, family, root / f"{family}-lora")
-        _lora(_model(family), family, root / f"{family}-unpruned-lora")
+        expected[family] = _lora(model, family, {root / f"{family}-lora": True, root / f"{family}-unrecorded": False})
+        _lora(_model(family), family, {root / f"{family}-unpruned-lora": False})
+        other = _model(family)
+        prune_heads(other, OTHER[family])
+        _lora(other, family, {root / f"{family}-other-lora": True})
+        shapes = [{key: value.shape for key, value in load_file(root / f"{family}-{name}" / "adapter_model.safetensors")
+                   .items()} for name in ("lora", "other-lora")]
+        assert shapes[0] == shapes[1]  # every shape fits: only the record tells them apart
     return root, expected
 
 
@@ -81,33 +97,115 @@ def _load_pruned(root, family: str) -> torch.nn.Module:
     return model
 
 
+def _attach(model: torch.nn.Module, loader: str, attach: str, path) -> torch.nn.Module:
+    """The checked ways to load an adapter: transformers' ``load_adapter`` (pruned_heads.py's for a model loaded by
+    plain transformers; ``headlab.load_adapter`` for one from load_pruned, whose class is transformers' own) or a
+    PeftModel (``peft_from_pretrained`` of pruned_heads.py; ``headlab.load_adapter(peft_model=True)``)."""
+    if loader == "plain":
+        if attach == "load_adapter":
+            model.load_adapter(str(path))
+            return model
+        return model.peft_from_pretrained(model, path)
+    return headlab.load_adapter(model, path, peft_model=attach == "PeftModel")
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer)]
+
+
 @pytest.mark.parametrize("family", list(TARGETS))
 @pytest.mark.parametrize("loader", ["load_pruned", "plain"])
 @pytest.mark.parametrize("attach", ["load_adapter", "PeftModel"])
 def test_an_adapter_of_a_pruned_model_loads_back_onto_it(family, loader, attach, saved):
     root, expected = saved
     model = (_plain if loader == "plain" else _load_pruned)(root, family)
-    if attach == "load_adapter":
-        model.load_adapter(str(root / f"{family}-lora"))
-    else:
-        model = peft.PeftModel.from_pretrained(model, root / f"{family}-lora")
+    model = _attach(model, loader, attach, root / f"{family}-lora")
     torch.testing.assert_close(_logits(model), expected[family], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("order", [("llama", "gpt_neox"), ("gpt_neox", "llama")])
-def test_adapters_of_two_families_loaded_in_one_process(order, saved):
-    """Both pruned models are PrunedModel, and the conversion registered under that name is the last one
-    loaded's (GPT-NeoX's renaming of embed_out, or Llama's none) when each model's adapter is loaded."""
+def test_the_record_is_the_pruning_s_kept_heads(saved, tmp_path):
+    """headlab_adapter.json holds config.json's kept heads per attention layer (original numbering); without headlab,
+    the pruned model's own save_adapter writes it for a PeftModel around it, and the adapter loads back."""
     root, expected = saved
-    loaded = {family: _plain(root, family) for family in order}
-    for family in order:
-        loaded[family].load_adapter(str(root / f"{family}-lora"))
-    for family in order:
-        torch.testing.assert_close(_logits(loaded[family]), expected[family], atol=1e-6, rtol=0)
-    loaded = {family: _plain(root, family) for family in order}
-    for family in order:
-        adapted = peft.PeftModel.from_pretrained(loaded[family], root / f"{family}-lora")
-        torch.testing.assert_close(_logits(adapted), expected[family], atol=1e-6, rtol=0)
+    kept = json.loads((root / "llama" / "config.json").read_text())["headlab_pruned"]["kept"]
+    assert kept == {"model.layers.0.self_attn": [[1, 2, 3], [0, 1, 1], 4], "model.layers.1.self_attn": [[0, 3], [0, 1], 4]}
+    assert json.loads((root / "llama-lora" / "headlab_adapter.json").read_text()) == {"format": 1, "kept": kept}
+    assert json.loads((root / "llama-other-lora" / "headlab_adapter.json").read_text())["kept"] != kept
+    model = _plain(root, "llama")
+    adapted = model.peft_from_pretrained(model, root / "llama-lora")
+    model.save_adapter(adapted, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "headlab_adapter.json").read_text())["kept"] == kept
+    model = _plain(root, "llama")
+    model.load_adapter(str(tmp_path / "again"))
+    torch.testing.assert_close(_logits(model), expected["llama"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(tuple(int(n) for n in peft.__version__.split(".")[:2]) < (0, 22),
+                    reason="transformers saves a loaded adapter with peft 0.22 or later")
+def test_save_pretrained_of_a_loaded_adapter_keeps_the_record(saved, tmp_path):
+    root, expected = saved
+    model = _plain(root, "llama")
+    model.load_adapter(str(root / "llama-lora"))
+    model.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "headlab_adapter.json").read_text() == (root / "llama-lora" / "headlab_adapter.json").read_text()
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+@pytest.mark.parametrize("loader", ["load_pruned", "plain"])
+@pytest.mark.parametrize("attach", ["load_adapter", "PeftModel", "peft's own"])
+def test_an_adapter_of_another_pruning_with_the_same_shapes_is_refused(family, loader, attach, saved):
+    """Pruning B keeps other heads than A, as many per layer: every adapter shape fits A and it loaded silently, its
+    q/k/v rows and output-projection columns acting on other heads. The checked loaders compare the records and
+    name both; peft's own PeftModel.from_pretrained cannot hand the model the record and is refused on pruned
+    attention. The adapter is taken off again: the model computes what it did."""
+    root, _ = saved
+    model = (_plain if loader == "plain" else _load_pruned)(root, family)
+    before = _logits(model)
+    error = HeadlabError if loader == "load_pruned" and attach != "peft's own" else RuntimeError
+    if attach == "peft's own":
+        with pytest.raises(error, match=r"adapts the attention of pruned layers .*do not show the model the "
+                                        r"adapter's headlab_adapter\.json.*headlab\.load_adapter.*taken off"):
+            peft.PeftModel.from_pretrained(model, root / f"{family}-other-lora")
+    else:
+        layer = "gpt_neox.layers.0.attention" if family == "gpt_neox" else "model.layers.0.self_attn"
+        theirs, ours = ("0,1,2", "1,2,3") if family == "llama" else ("0,1,3", "0,2,3")
+        name = "GPTNeoXForCausalLM" if family == "gpt_neox" else "LlamaForCausalLM"
+        with pytest.raises(error, match=rf"trained on another pruning than this pruned {name}'s \(2 attention layers "
+                                        rf"differ: {layer}: the adapter's heads {theirs} of 4.*, this model's heads "
+                                        rf"{ours} of 4"):
+            _attach(model, loader, attach, root / f"{family}-other-lora")
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("loader", ["load_pruned", "plain"])
+@pytest.mark.parametrize("attach", ["load_adapter", "PeftModel", "peft's own"])
+def test_an_adapter_on_pruned_attention_without_its_record_is_refused(loader, attach, saved):
+    """Saved by peft's own save_pretrained (no headlab_adapter.json): which heads it was trained on is unknown."""
+    root, _ = saved
+    model = (_plain if loader == "plain" else _load_pruned)(root, "llama")
+    before = _logits(model)
+    if attach == "peft's own":
+        with pytest.raises(RuntimeError, match="do not show the model"):
+            peft.PeftModel.from_pretrained(model, root / "llama-unrecorded")
+    else:
+        with pytest.raises((RuntimeError, HeadlabError), match=r"adapts the attention of pruned layers "
+                           r"\(model\.layers\.0\.self_attn, model\.layers\.1\.self_attn\) and has no "
+                           r"headlab_adapter\.json.*headlab\.save_adapter"):
+            _attach(model, loader, attach, root / "llama-unrecorded")
+    assert not _tuner_layers(model)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("loader", ["load_pruned", "plain"])
+def test_an_adapter_away_from_the_attention_needs_no_record(loader, saved, tmp_path):
+    """An adapter on the MLP only acts on no head: peft's own save and load, as before."""
+    root, _ = saved
+    expected = _lora((_plain if loader == "plain" else _load_pruned)(root, "llama"), "llama", {tmp_path / "mlp": False},
+                     targets=["gate_proj"])
+    adapted = peft.PeftModel.from_pretrained((_plain if loader == "plain" else _load_pruned)(root, "llama"),
+                                             tmp_path / "mlp")
+    torch.testing.assert_close(_logits(adapted), expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
@@ -130,14 +228,37 @@ def test_an_adapter_of_the_unpruned_model_is_refused(family, loader, attach, sav
     else:  # headlab's load_pruned: transformers' own class and message, the shapes in its logged report
         with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
             model.load_adapter(str(root / f"{family}-unpruned-lora"))
+        model = _load_pruned(root, family)  # transformers left the adapter on: headlab's load_adapter takes it off
+        with pytest.raises(HeadlabError, match=rf"adapter does not fit .*another shape.*{projection}\.lora_B"):
+            headlab.load_adapter(model, root / f"{family}-unpruned-lora")
+        assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+@pytest.mark.parametrize("loader", ["load_pruned", "plain"])
+def test_peft_s_ignore_mismatched_sizes_does_not_reinitialise_an_adapter(family, loader, saved):
+    """peft's ``ignore_mismatched_sizes=True`` dropped the adapter weights of another shape (a warning) and left
+    them at their initialisation: the pruned model ran with another adapter than the saved one. Refused, the
+    adapter taken off again, by the pruned model's load_state_dict hooks."""
+    root, _ = saved
+    model = (_plain if loader == "plain" else _load_pruned)(root, family)
+    before = _logits(model)
+    projection = "query_key_value" if family == "gpt_neox" else "q_proj"
+    with pytest.raises(RuntimeError, match=rf"left \d+ adapter weights at their initialisation \(of another shape "
+                                            rf"under ignore_mismatched_sizes=True.*{projection}\.lora_B"):
+        peft.PeftModel.from_pretrained(model, root / f"{family}-unpruned-lora", ignore_mismatched_sizes=True)
+    assert not _tuner_layers(model)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("damage", ["mismatched", "missing", "unexpected"])
-def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, saved, tmp_path):
+@pytest.mark.parametrize("attach", ["load_adapter", "PeftModel"])
+def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, attach, saved, tmp_path):
     """transformers initialises anew the adapter weights of another shape under ``ignore_mismatched_sizes=True``
     and only logs an adapter weight missing from the file or one of the file left unread: the pruned model then
-    ran with an adapter other than the saved one, with no error. pruned_heads.py refuses, and takes it off."""
-    from safetensors.torch import load_file, save_file
+    ran with an adapter other than the saved one, with no error. pruned_heads.py refuses, and takes it off; peft's
+    loading (``peft_from_pretrained``, its record right) is refused the same by the load_state_dict hooks."""
+    from safetensors.torch import save_file
 
     root, _ = saved
     family = "llama"
@@ -147,6 +268,7 @@ def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, save
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    (adapter / "headlab_adapter.json").write_text((root / f"{family}-lora" / "headlab_adapter.json").read_text())
     weights = load_file(source / "adapter_model.safetensors")
     key = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
     if damage == "missing":
@@ -154,10 +276,16 @@ def test_plain_load_adapter_refuses_an_adapter_it_would_load_partly(damage, save
     elif damage == "unexpected":
         weights[key.replace("o_proj", "extra_proj")] = weights[key].clone()
     save_file(weights, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
-    what = {"mismatched": "another shape", "missing": "missing", "unexpected": "not loaded"}[damage]
-    with pytest.raises(RuntimeError, match=rf"adapter does not fit the pruned LlamaForCausalLM.*{what}"):
-        model.load_adapter(str(adapter), ignore_mismatched_sizes=damage == "mismatched")
-    assert not getattr(model, "peft_config", None)
+    if attach == "load_adapter":
+        what = {"mismatched": "another shape", "missing": "missing", "unexpected": "not loaded"}[damage]
+        with pytest.raises(RuntimeError, match=rf"adapter does not fit the pruned LlamaForCausalLM.*{what}"):
+            model.load_adapter(str(adapter), ignore_mismatched_sizes=damage == "mismatched")
+    else:
+        what = {"mismatched": r"at their initialisation \(of another shape", "missing": "at their initialisation",
+                "unexpected": r"unread .*extra_proj\.lora_A"}[damage]
+        with pytest.raises(RuntimeError, match=rf"onto this pruned LlamaForCausalLM left \d+ .*{what}"):
+            model.peft_from_pretrained(model, adapter, ignore_mismatched_sizes=damage == "mismatched")
+    assert not getattr(model, "peft_config", None) and not _tuner_layers(model)
     torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
 
 
@@ -185,3 +313,20 @@ def test_save_pruned_refuses_a_model_carrying_an_adapter(wrapped, tmp_path):
     with pytest.raises(HeadlabError, match=r"carries a PEFT adapter \(2 adapter layers: .*gate_proj.*merge_and_unload"):
         save_pruned(model, tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+def test_a_directory_pruned_before_its_plan_held_kept_refuses_attention_adapters(saved, tmp_path):
+    """A plan without ``kept`` (the bundled models/*-pruned-*) tells the resized projections only: which heads its
+    layers kept is unknown, so no adapter on them can be compared (an MLP adapter still loads)."""
+    import shutil
+
+    root, _ = saved
+    shutil.copytree(root / "llama", tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["headlab_pruned"]["kept"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    model = _plain(tmp_path, "old")
+    with pytest.raises(RuntimeError, match=r"adapts the attention of pruned layers \(model\.layers\.0\.self_attn, "
+                                           r"model\.layers\.1\.self_attn\).*does not record which heads they kept"):
+        model.load_adapter(str(root / "llama-lora"))
+    assert not _tuner_layers(model)

@@ -12,9 +12,16 @@ layers are resized and the attention modules' head counts set as config.json's
 ``headlab_pruned`` plan says (the plan is written by ``headlab.portable``). A layer left with
 no head computes what the full layer does with no head: the output projection's bias (zero
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
+
+A PEFT adapter of a pruned model is saved with the heads the pruning kept (``headlab_adapter.json``:
+:func:`save_adapter`) and refused on a pruned attention layer where that record is missing or another
+(:func:`load_checked_adapter`, :func:`peft_from_pretrained`; peft's own loaders by the load_state_dict hooks):
+an adapter of another pruning with the same head counts fits every shape.
 """
 
 import importlib
+import json
+import os
 import threading
 
 import torch
@@ -263,6 +270,7 @@ class PrunedModel(_BASE):
         apply_plan(self, config.headlab_pruned)
         with _registry_lock():
             _share_checkpoint_conversion(self)
+        record_kept_blocks(self, config.headlab_pruned)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -278,21 +286,31 @@ class PrunedModel(_BASE):
 
     def load_adapter(self, peft_model_id=None, adapter_name=None, *args, **kwargs):
         """transformers' loading of a PEFT adapter, refused (and the adapter taken off again) when it left an
-        adapter weight at its initialisation or one of the adapter's file unused: transformers only logs
-        those, and under ``ignore_mismatched_sizes=True`` initialises anew the weights of another shape,
-        as an adapter made on the unpruned model has (its q/k/v rows, its output projection's columns)."""
-        name = adapter_name or "default"
-        new = name not in (getattr(self, "peft_config", None) or {})  # else hotswapped: the old one stays
-        kwargs["ignore_mismatched_sizes"] = True  # the shapes reported, not raised with a pointer to a log
-        info = super().load_adapter(peft_model_id, adapter_name, *args, **kwargs)
-        try:
-            check_loading_info({key: getattr(info, key, None) for key in
-                                ("missing_keys", "unexpected_keys", "mismatched_keys")}, BASE_CLASS, "adapter")
-        except RuntimeError:
-            if new:
-                _take_off_adapter(self, name)
-            raise
-        return info
+        adapter weight at its initialisation or one of the adapter's file unused (transformers only logs
+        those, and under ``ignore_mismatched_sizes=True`` initialises anew the weights of another shape, as an
+        adapter made on the unpruned model has: its q/k/v rows, its output projection's columns), or when it
+        adapts a pruned attention layer and its ``headlab_adapter.json`` is missing or names other kept heads
+        (an adapter of another pruning with the same head counts fits every shape)."""
+        return load_checked_adapter(self, super().load_adapter, peft_model_id, adapter_name, *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' saving; where it saves the adapters loaded by ``load_adapter`` (and not the model),
+        with the record of the heads this pruning kept beside them (``headlab_adapter.json``)."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        known = None not in self.__dict__.get(KEPT_BLOCKS_ATTR, {None: None}).values()  # else nothing to record
+        if getattr(self, "_hf_peft_config_loaded", False) and kwargs.get("is_main_process", True) and known:
+            write_adapter_record(self, save_directory)
+        return result
+
+    @staticmethod
+    def save_adapter(model, directory, **kwargs):
+        """:func:`save_adapter` where headlab is not installed: ``pruned.save_adapter(peft_model, directory)``."""
+        return save_adapter(model, directory, **kwargs)
+
+    @staticmethod
+    def peft_from_pretrained(model, model_id, **kwargs):
+        """:func:`peft_from_pretrained`: peft's ``PeftModel.from_pretrained`` with the adapter's record checked."""
+        return peft_from_pretrained(model, model_id, **kwargs)
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """transformers drops the keys its ignore lists (``_keys_to_ignore_on_load_missing`` /
@@ -313,14 +331,289 @@ class PrunedModel(_BASE):
 
 
 def _take_off_adapter(model: nn.Module, name: str) -> None:
-    """What transformers' ``delete_adapter`` does, which refuses a peft older than 0.22 (0.21 loads adapters)."""
-    from peft.functional import delete_adapter  # there: load_adapter has just used peft
-
-    delete_adapter(model, adapter_name=name, prefix=f"{model.peft_config[name].peft_type.value.lower()}_")
-    model.peft_config.pop(name, None)
-    if not model.peft_config:
-        del model.peft_config
+    """What transformers' ``delete_adapter`` does (it refuses a peft older than 0.22, which loads adapters), and the
+    adapter layers left with no adapter replaced by their base layers: the model is the one before the load."""
+    _unload(model, {name})
+    if not getattr(model, "peft_config", None):
+        if "peft_config" in model.__dict__:
+            del model.peft_config
         model._hf_peft_config_loaded = False
+
+
+ADAPTER_RECORD = "headlab_adapter.json"  # beside an adapter saved from a pruned model: the heads it was trained on
+KEPT_BLOCKS_ATTR = "_headlab_kept_blocks"  # in a pruned model's __dict__: attention path -> [kept, kept k/v, original]
+_CHECKED_ATTR = "_headlab_adapter_checked"  # in __dict__ while load_checked_adapter loads (its record read there)
+_RECORD_ATTR = "_headlab_adapter_record"  # in __dict__ during peft_from_pretrained: (source, its record)
+_LOADING_ATTR = "_headlab_adapter_loading"  # in __dict__ between the load_state_dict hooks: adapter -> its keys
+_ERRORS_ATTR = "_headlab_adapter_errors"  # the same: (keys left unread, the load's errors, which torch raises after)
+
+
+def record_kept_blocks(model: nn.Module, plan: dict) -> None:
+    """Keep on ``model`` the heads each pruned attention layer kept (``plan["kept"]``, original numbering), which
+    an adapter's record is compared with, and guard peft's loading of adapters (:func:`_adapter_load_pre_hook`).
+    A plan written before it had ``kept`` knows only the resized projections: their layers' heads unknown."""
+    kept = plan.get("kept")
+    if kept is None:
+        kept = {path.rpartition(".")[0]: None for path in plan["projections"]}
+    model.__dict__[KEPT_BLOCKS_ATTR] = {path: (None if entry is None else [list(entry[0]), list(entry[1]), int(entry[2])])
+                                       for path, entry in kept.items()}
+    if not model.__dict__.get("_headlab_adapter_hooks"):
+        model.register_load_state_dict_pre_hook(_adapter_load_pre_hook)
+        model.register_load_state_dict_post_hook(_adapter_load_post_hook)
+        model.__dict__["_headlab_adapter_hooks"] = True
+
+
+def _tuner_layers(module: nn.Module) -> list:
+    """(path, layer) of every PEFT adapter layer under ``module`` (peft's BaseTunerLayer, by its interface:
+    peft is optional)."""
+    return [(name, layer) for name, layer in module.named_modules()
+            if hasattr(layer, "adapter_layer_names") and hasattr(layer, "get_base_layer")]
+
+
+def _adapter_names(layer: nn.Module) -> set:
+    return {name for attr in layer.adapter_layer_names for name in (getattr(layer, attr, None) or {})}
+
+
+def _pruned_root(model: nn.Module):
+    """(the pruned model inside ``model``, its kept heads per attention path), or None: ``model`` itself, or the
+    base model of a PeftModel."""
+    for module in model.modules():
+        if module.__dict__.get(KEPT_BLOCKS_ATTR) is not None:
+            return module, module.__dict__[KEPT_BLOCKS_ATTR]
+    return None
+
+
+def _adapted_blocks(root: nn.Module, kept: dict, names: set) -> list:
+    """The pruned attention paths of ``kept`` with a layer of one of the adapters ``names`` in them."""
+    adapted = [path for path, layer in _tuner_layers(root) if _adapter_names(layer) & names]
+    return sorted(block for block in kept if any(path == block or path.startswith(f"{block}.") for path in adapted))
+
+
+def _class_name(model: nn.Module) -> str:
+    """The class a user knows: the original one's name for this module's PrunedModel."""
+    return BASE_CLASS if isinstance(model, PrunedModel) else type(model).__name__
+
+
+def _heads(entry) -> str:
+    if entry is None:
+        return "heads not recorded"
+    kept, kv_kept, original = entry
+    kv = f" (key/value heads {','.join(map(str, kv_kept)) or 'none'})" if kv_kept != kept else ""
+    return f"heads {','.join(map(str, kept)) or 'none'} of {original}{kv}"
+
+
+def check_adapter_record(model: nn.Module, record, names: set, source: str) -> None:
+    """Raise when an adapter ``names`` of ``model`` adapts a pruned attention layer and ``record`` (its
+    ``headlab_adapter.json``, None where there is none) is missing or names other kept heads for that layer:
+    its weights on the q/k/v rows and output-projection columns belong to the heads it was trained on, and an
+    adapter of another pruning with the same head counts fits every shape."""
+    found = _pruned_root(model)
+    if found is None:
+        return
+    root, kept = found
+    adapted = _adapted_blocks(root, kept, names)
+    if not adapted:
+        return
+    unknown = [block for block in adapted if kept[block] is None]
+    if unknown:
+        raise RuntimeError(f"pruned_heads.py: the adapter {source} adapts the attention of pruned layers "
+                           f"({', '.join(unknown[:3])}), and this pruned {_class_name(root)}'s config.json does not "
+                           "record which heads they kept (a plan written before it did): its adapters cannot be "
+                           "checked. Save the model again with headlab (headlab.save_pruned(headlab.load_pruned(path), "
+                           "path)) to record them")
+    if record is None:
+        raise RuntimeError(f"pruned_heads.py: the adapter {source} adapts the attention of pruned layers "
+                           f"({', '.join(adapted[:3])}{', ...' if len(adapted) > 3 else ''}) and has no "
+                           f"{ADAPTER_RECORD}, the record of the heads it was trained on: an adapter of another pruning "
+                           "with the same head counts fits every shape and would act on other heads. Save adapters "
+                           "of a pruned model with headlab.save_adapter(model, directory) (without headlab: "
+                           "the pruned model's save_adapter(model, directory), or its save_pretrained), which write it")
+    theirs = record.get("kept") if isinstance(record, dict) else None
+    if not isinstance(theirs, dict):
+        raise RuntimeError(f"pruned_heads.py: the adapter {source}: its {ADAPTER_RECORD} is malformed (no 'kept')")
+    differ = [block for block in adapted if theirs.get(block) != kept[block]]
+    if differ:
+        shown = "; ".join(f"{block}: the adapter's {_heads(theirs.get(block))}, this model's {_heads(kept[block])}"
+                          for block in differ[:3])
+        raise RuntimeError(f"pruned_heads.py: the adapter {source} was trained on another pruning than this pruned "
+                           f"{_class_name(root)}'s ({len(differ)} attention layer{'s' if len(differ) != 1 else ''} "
+                           f"differ: {shown}{'; ...' if len(differ) > 3 else ''}): its attention weights would act on "
+                           "other heads. Train the adapter on this pruning")
+
+
+def read_adapter_record(source, subfolder=None):
+    """The ``headlab_adapter.json`` of the adapter directory ``source`` (None where it has none or is no directory
+    here: a hub adapter is read through transformers' cache)."""
+    if source is None:
+        return None
+    directory = os.path.join(str(source), subfolder) if subfolder else str(source)
+    path = os.path.join(directory, ADAPTER_RECORD)
+    if not os.path.isdir(str(source)):
+        try:
+            from transformers.utils import cached_file
+
+            path = cached_file(str(source), ADAPTER_RECORD, subfolder=subfolder or "",
+                               _raise_exceptions_for_missing_entries=False)
+        except (OSError, ValueError):
+            path = None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def write_adapter_record(model: nn.Module, directory) -> None:
+    """Write beside each adapter saved in ``directory`` (peft writes adapters other than "default" in a folder of
+    their name) the heads the pruned model in ``model`` kept, atomically."""
+    found = _pruned_root(model)
+    if found is None:
+        raise ValueError(f"{type(model).__name__}: no model pruned by headlab in it (nothing to record)")
+    root, kept = found
+    unknown = [block for block, entry in kept.items() if entry is None]
+    if unknown:
+        raise ValueError(f"{_class_name(root)}: its config.json does not record which heads {', '.join(unknown[:3])} "
+                         "kept; save the model again with headlab to record them")
+    text = json.dumps({"format": 1, "kept": kept}, indent=1, sort_keys=True) + "\n"
+    names = [name for name in (getattr(model, "peft_config", None) or {}) if name != "default"]
+    for folder in [str(directory), *(os.path.join(str(directory), name) for name in names)]:
+        if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            temporary = os.path.join(folder, f".{ADAPTER_RECORD}.{os.getpid()}.tmp")
+            with open(temporary, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(temporary, os.path.join(folder, ADAPTER_RECORD))
+
+
+def save_adapter(model: nn.Module, directory, **kwargs) -> None:
+    """``model.save_pretrained(directory, **kwargs)`` (a PeftModel around a pruned model, or a pruned model with
+    adapters loaded by transformers) and the record of the heads the pruning kept, which loading an adapter
+    onto a pruned model compares with its own."""
+    if _pruned_root(model) is None:
+        raise ValueError(f"{type(model).__name__}: no model pruned by headlab in it (save it with save_pretrained)")
+    model.save_pretrained(directory, **kwargs)
+    write_adapter_record(model, directory)
+
+
+def load_checked_adapter(model: nn.Module, load, peft_model_id=None, adapter_name=None, *args, **kwargs):
+    """``load(peft_model_id, adapter_name, ...)`` (transformers' ``load_adapter`` of ``model``), refused and the
+    adapter taken off when a weight was left at its initialisation or unused (:func:`check_loading_info`) or its
+    record of kept heads is missing or another (:func:`check_adapter_record`)."""
+    name = adapter_name or "default"
+    new = name not in (getattr(model, "peft_config", None) or {})  # else hotswapped: the old one stays
+    kwargs["ignore_mismatched_sizes"] = True  # the shapes reported, not raised with a pointer to a log
+    model.__dict__[_CHECKED_ATTR] = True
+    try:
+        info = load(peft_model_id, adapter_name, *args, **kwargs)
+    finally:
+        model.__dict__.pop(_CHECKED_ATTR, None)
+    try:
+        check_loading_info({key: getattr(info, key, None) for key in
+                            ("missing_keys", "unexpected_keys", "mismatched_keys")}, _class_name(model), "adapter")
+        subfolder = (kwargs.get("adapter_kwargs") or {}).get("subfolder")
+        check_adapter_record(model, read_adapter_record(peft_model_id, subfolder), {name},
+                             repr(str(peft_model_id)) if peft_model_id is not None else "(given as a state dict)")
+    except RuntimeError:
+        if new:
+            _take_off_adapter(model, name)
+        raise
+    return info
+
+
+def peft_from_pretrained(model: nn.Module, model_id, **kwargs):
+    """peft's ``PeftModel.from_pretrained(model, model_id, **kwargs)`` with the adapter's record of kept heads read
+    first and compared once peft has loaded it (the load_state_dict hooks of a pruned model refuse peft's loading
+    of an adapter on its pruned attention otherwise). A local directory only (its ``subfolder`` too)."""
+    from peft import PeftModel
+
+    found = _pruned_root(model)
+    if found is None:
+        return PeftModel.from_pretrained(model, model_id, **kwargs)
+    root = found[0]
+    root.__dict__[_RECORD_ATTR] = (repr(str(model_id)), read_adapter_record(model_id, kwargs.get("subfolder")))
+    try:
+        return PeftModel.from_pretrained(model, model_id, **kwargs)
+    finally:
+        root.__dict__.pop(_RECORD_ATTR, None)
+
+
+def _adapter_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                           error_msgs) -> None:
+    """Before ``load_state_dict`` (peft's loading: PeftModel.from_pretrained, its load_adapter): the keys of each
+    adapter the state dict loads, to be found again in what the load left missing."""
+    keys = set(state_dict)
+    loading: dict = {}
+    attrs: set = set()
+    for path, layer in _tuner_layers(module):
+        attrs.update(layer.adapter_layer_names)
+        for attr in layer.adapter_layer_names:
+            for name, holder in (getattr(layer, attr, None) or {}).items():
+                stem = f"{prefix}{path}.{attr}.{name}"
+                expected = [f"{stem}.{key}" for key in holder.state_dict()] if isinstance(holder, nn.Module) else [stem]
+                loading.setdefault(name, []).extend(expected)
+    loading = {name: expected for name, expected in loading.items() if keys.intersection(expected)}
+    module.__dict__[_LOADING_ATTR] = loading
+    # adapter weights of the file that no weight of this model takes (peft passes them on under their saved name,
+    # without the adapter's; torch lists none without strict=True)
+    own = {f"{prefix}{key}" for key in module.state_dict(keep_vars=True)} if loading else set()
+    unread = sorted(key for key in keys - own if key.startswith(prefix) and any(f".{attr}." in key for attr in attrs))
+    module.__dict__[_ERRORS_ATTR] = (unread, error_msgs)
+
+
+def _adapter_load_post_hook(module, incompatible) -> None:
+    """After ``load_state_dict``: refuse an adapter load that left weights of the adapter at their initialisation
+    (peft's ``ignore_mismatched_sizes=True`` drops those of another shape, with a warning) or, outside
+    :func:`load_checked_adapter`, one that adapts a pruned attention layer: peft's loaders do not hand the model
+    the adapter's directory, so its record of kept heads cannot be read there. The adapter is taken off."""
+    loading = module.__dict__.pop(_LOADING_ATTR, None) or {}
+    unread, errors = module.__dict__.pop(_ERRORS_ATTR, ([], None))
+    if not loading:
+        return
+    if errors:  # torch raises them next (size mismatches): its message, the adapter taken off first
+        _unload(module, set(loading))
+        return
+    expected = {key for keys in loading.values() for key in keys}
+    missing = sorted(key for key in incompatible.missing_keys if key in expected)
+    found = _pruned_root(module)
+    adapted = _adapted_blocks(*found, set(loading)) if found is not None else []
+    if missing:
+        problem = (f"left {len(missing)} adapter weight{'s' if len(missing) != 1 else ''} at their initialisation "
+                   f"(of another shape under ignore_mismatched_sizes=True, or missing from the file): "
+                   f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}. An adapter made on the unpruned "
+                   "model (or another pruning) has other shapes where heads were removed: train it on the pruned model")
+    elif unread:
+        problem = (f"left {len(unread)} weight{'s' if len(unread) != 1 else ''} of the adapter's file unread (no such "
+                   f"adapter weight in the model): {', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''}")
+    elif adapted and _RECORD_ATTR in module.__dict__:  # peft_from_pretrained: the record read beforehand
+        source, record = module.__dict__[_RECORD_ATTR]
+        try:
+            check_adapter_record(module, record, set(loading), source)
+        except RuntimeError as error:
+            _unload(module, set(loading))
+            raise RuntimeError(f"{error}; the adapter was taken off the model again") from None
+        return
+    elif adapted and not module.__dict__.get(_CHECKED_ATTR):
+        problem = (f"adapts the attention of pruned layers ({', '.join(adapted[:3])}{', ...' if len(adapted) > 3 else ''}),"
+                   f" and peft's loaders do not show the model the adapter's {ADAPTER_RECORD}, the record of the heads it "
+                   "was trained on (an adapter of another pruning with the same head counts fits every shape). Load it "
+                   "with headlab.load_adapter(model, path) (peft_model=True for a PeftModel), or without headlab with "
+                   "the pruned model's load_adapter(path) or peft_from_pretrained(model, path), which read the record")
+    else:
+        return
+    _unload(module, set(loading))
+    raise RuntimeError(f"pruned_heads.py: loading the adapter {', '.join(sorted(loading))} onto this pruned "
+                       f"{_class_name(module)} {problem}; the adapter was taken off the model again")
+
+
+def _unload(model: nn.Module, names: set) -> None:
+    """Take the adapters ``names`` off ``model``, and the adapter layers left with none (their base layers back)."""
+    for path, layer in _tuner_layers(model):
+        for name in names & _adapter_names(layer):
+            layer.delete_adapter(name)
+        if not _adapter_names(layer):
+            _set_submodule(model, path, layer.get_base_layer())
+    configs = model.__dict__.get("peft_config")
+    if isinstance(configs, dict):
+        for name in names:
+            configs.pop(name, None)
 
 
 def check_loading_info(info: dict, base_class: str, adapter: str = "") -> None:

@@ -6,7 +6,8 @@ The foundation every analysis plugs into:
 * :func:`capture_attention` - attention probabilities ``[batch, n_heads, q_len, k_len]``;
 * :func:`mask_heads`, :func:`attach_gates` - switch heads off or gate them (Voita et al. 2019, Sec. 6.1);
   :class:`HardConcreteGates` - the stochastic gates of the paper's pruning (Louizos et al. 2018);
-* :func:`prune_heads`, :func:`save_pruned`, :func:`load_pruned` - physical removal;
+* :func:`prune_heads`, :func:`save_pruned`, :func:`load_pruned` - physical removal; :func:`save_adapter`,
+  :func:`load_adapter` - a PEFT adapter of a pruned model, with the heads it was trained on;
 * :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind.
 
 The one-call API (:mod:`headlab.api`), on a model already loaded and data in memory:
@@ -29,7 +30,8 @@ _EXPORTS = {  # module -> the names it exports
                       "mask_heads"),
     "headlab.heads": ("KINDS", "HeadScores"),
     "headlab.pruning.hard_concrete": ("HardConcreteGates",),
-    "headlab.surgery": ("count_parameters", "load_pruned", "prune_heads", "pruning_record", "save_pruned"),
+    "headlab.surgery": ("count_parameters", "load_adapter", "load_pruned", "prune_heads", "pruning_record", "save_adapter",
+                        "save_pruned"),
 }
 
 _CALLABLE_PACKAGES = ("aggregate", "functions", "importance")

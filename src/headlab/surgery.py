@@ -44,7 +44,18 @@ from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, atomic_write_text, kv_heads_kept, readable_as_umask_allows
 from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
-from headlab.portable_code import KEPT_ATTR, ORIGINAL_ATTR, LayerConfig, NoHeadAttention, alibi_hook, cache_argument
+from headlab.portable_code import (
+    KEPT_ATTR,
+    ORIGINAL_ATTR,
+    LayerConfig,
+    NoHeadAttention,
+    alibi_hook,
+    cache_argument,
+    load_checked_adapter,
+    peft_from_pretrained,
+    record_kept_blocks,
+)
+from headlab.portable_code import save_adapter as _save_adapter
 
 if TYPE_CHECKING:
     from headlab.prune_check import Mismatch
@@ -538,6 +549,56 @@ def to_current_numbering(model: nn.Module, spec: Mapping[tuple[str, int], list[i
     return out
 
 
+def _mark_verified(model: nn.Module) -> None:
+    """The pruning of ``model`` was checked: its record (which save_pruned requires), and the heads each
+    pruned layer kept, which an adapter loaded onto it must have been trained on (portable_code's
+    check_adapter_record; its load_state_dict hooks refuse peft's unchecked loading)."""
+    model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
+    record_kept_blocks(model, {"kept": kept_blocks(model), "projections": {}})
+
+
+def kept_blocks(model: nn.Module) -> dict:
+    """Attention path -> [kept heads, kept key/value heads, original count], in original numbering, of every
+    pruned layer: the plan's ``kept``, and what an adapter saved from ``model`` records."""
+    return {block.name: [list(getattr(block.core, KEPT_ATTR)), list(getattr(block.core, KV_KEPT_ATTR)),
+                         int(getattr(block.core, ORIGINAL_ATTR))]
+            for block in attention_blocks(model) if getattr(block.core, KEPT_ATTR, None) is not None}
+
+
+@checked_keywords()
+def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Save the PEFT adapter of a pruned model (a ``PeftModel`` around it, or the model with adapters loaded by
+    transformers' ``load_adapter``) with its ``save_pretrained``, and ``headlab_adapter.json`` beside it: the heads
+    the pruning kept, which :func:`load_adapter` (and a pruned directory's ``load_adapter`` without headlab)
+    compares with the model's before the adapter is used. Another pruning with the same head counts per layer fits
+    every shape, its adapter rows belonging to other heads."""
+    try:
+        _save_adapter(model, str(path))
+    except ValueError as error:
+        raise HeadlabError(str(error)) from error
+    return Path(path)
+
+
+@checked_keywords()
+def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str | None = None,
+                 is_trainable: bool = False, peft_model: bool = False) -> nn.Module:
+    """Load the PEFT adapter at ``path`` onto ``model`` (transformers' ``model.load_adapter``; with ``peft_model``,
+    peft's ``PeftModel.from_pretrained``, which is returned), refused and taken off again when it adapts a pruned
+    attention layer and its ``headlab_adapter.json`` is missing or names other kept heads, or when a weight of it
+    was left at its initialisation (another shape, missing) or unread. Returns ``model`` or the PeftModel."""
+    try:
+        if peft_model:
+            return peft_from_pretrained(model, str(path), adapter_name=adapter_name or "default",
+                                        is_trainable=is_trainable)
+        if type(model).__name__ == "PrunedModel" and hasattr(type(model), "save_adapter"):  # pruned_heads.py: checks itself
+            cast(Any, model).load_adapter(str(path), adapter_name, is_trainable=is_trainable)
+        else:
+            load_checked_adapter(model, cast(Any, model).load_adapter, str(path), adapter_name, is_trainable=is_trainable)
+    except RuntimeError as error:
+        raise HeadlabError(str(error).removeprefix("pruned_heads.py: ")) from error
+    return model
+
+
 @checked_keywords()
 def pruning_record(model: nn.Module) -> dict:
     """What was pruned, in original numbering: the content of ``headlab_pruning.json``."""
@@ -692,7 +753,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     journal = _Journal()
     if not plans:
         blocks = attention_blocks(model)
-        model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
+        _mark_verified(model)
         return blocks
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if dtype == torch.float64 and any(b.n_heads and _model_type(b.core) in SINKS_SCALE_OUTPUT for b, *_ in plans):
@@ -752,7 +813,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
                               model_type=_model_type(model), block=mismatch.what, difference=mismatch.difference)
     if not commit:
         return attention_blocks(model)
-    model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
+    _mark_verified(model)
     return blocks
 
 
@@ -1164,5 +1225,5 @@ def count_parameters(model: nn.Module) -> int:
 __all__ = [
     "prune_heads", "check_prunable", "save_pruned", "load_pruned", "pruning_record", "pruning_plan", "apply_pruning_record",
     "ZeroHeadAttention", "count_parameters", "PRUNING_FILE", "KINDS", "removal_by_scores", "in_original_numbering",
-    "to_current_numbering", "original_heads", "declared_numbering",
+    "to_current_numbering", "original_heads", "declared_numbering", "save_adapter", "load_adapter", "kept_blocks",
 ]
