@@ -22,3 +22,14 @@ def test_committed_pruned_model_matches_its_record(name):
     assert f"{result['metrics']['bleu']:.2f}" in card
     for kind, kept in result["heads_kept"].items():
         assert f"| {kind} | {kept} | 48 |" in card
+
+
+@pytest.mark.parametrize("name", ["multi30k-en-de-pruned-enc", "multi30k-en-de-pruned-all"])
+def test_committed_pruned_models_config_plan_records_the_kept_heads(name):
+    """config.json's plan (what pruned_heads.py reads under plain transformers, and what an adapter's record is
+    compared with) is the plan headlab writes for the model: ``kept`` included, as in headlab_pruning.json."""
+    from headlab.surgery import pruning_plan
+
+    config = json.loads((MODELS / name / "config.json").read_text())
+    assert config["headlab_pruned"] == pruning_plan(load_pruned(MODELS / name))
+    assert config["headlab_pruned"]["kept"]
