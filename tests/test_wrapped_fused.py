@@ -191,3 +191,25 @@ def test_a_class_transformers_does_not_ship_keeps_discoverys_refusal(monkeypatch
     assert all(b.qkv is None for b in _text_blocks(model))
     with pytest.raises(HeadlabError, match=r"this family's projection layout is unknown"):
         prune_heads(model, {("dec_self", 0): [1]})
+
+
+@pytest.mark.parametrize("entry", ["phi3", "modernbert"])
+def test_the_tabled_class_itself_found_by_discovery_takes_its_entrys_layout(entry, monkeypatch):
+    """Phi3Attention and ModernBertAttention wherever discovery finds them (a wrapper built around Phi-3 or ModernBERT
+    from its text config): a tabled model with its entry taken out gives the blocks and the pruning the entry gives."""
+    from headlab.adapters import families
+    from support.family_matrix import tiny_inputs, tiny_model
+
+    kind = "enc_self" if entry == "modernbert" else "dec_self"
+    want = [(b.key, b.n_heads, b.n_kv_heads, b.d_head, b.qkv is not None) for b in attention_blocks(tiny_model(entry))]
+    monkeypatch.delitem(families.FAMILIES, entry)
+    model, batch = tiny_model(entry), tiny_inputs()
+    blocks = attention_blocks(model)
+    assert [b.family.name for b in blocks] == [f"discovered:{entry}"] * 2
+    assert [(b.key, b.n_heads, b.n_kv_heads, b.d_head, b.qkv is not None) for b in blocks] == want
+    spec = {(kind, 0): [1], (kind, 1): [0, 1, 2, 3]}
+    with mask_heads(model, spec):
+        masked = _logits(model, batch)
+    prune_heads(model, spec)
+    assert [b.n_heads for b in attention_blocks(model)] == [3, 0]
+    torch.testing.assert_close(_logits(model, batch), masked, rtol=0, atol=1e-5)

@@ -447,10 +447,9 @@ def _tabled_fused(item: Discovered, module: nn.Module, core: nn.Module) -> Famil
     attention class, transformers' own), where discovery tied no projection to the queries, keys and values, saw no
     output gate, and found the output projection where the entry has it, beside the entry's fused projection; else
     None (the block stays as discovery found it: pruning and LRP refused, as for any untied projection)."""
-    entry = FUSED_ATTENTION_CLASSES.get(type(core).__name__)
-    if entry is None or item.q is not None or item.gates or not type(core).__module__.startswith("transformers.models."):
+    family = FUSED_ATTENTION_CLASSES.get(type(core).__name__)
+    if family is None or item.q is not None or item.gates or not type(core).__module__.startswith("transformers.models."):
         return None
-    family = FAMILIES[entry]
     if item.core != family.core or item.o != family.o or not isinstance(_get(module, family.qkv), nn.Linear):
         return None
     return family
@@ -469,9 +468,9 @@ def _fused_without_heads(model: nn.Module, config: Any, model_type: str, seen: s
         if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or \
                 not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
             continue
-        entry = FUSED_ATTENTION_CLASSES.get(str(getattr(module, "stands_for", "")))
-        if entry is not None:
-            family = dataclasses.replace(FAMILIES[entry], name=f"discovered:{model_type}", patterns=())
+        tabled = FUSED_ATTENTION_CLASSES.get(str(getattr(module, "stands_for", "")))
+        if tabled is not None:
+            family = dataclasses.replace(tabled, name=f"discovered:{model_type}", patterns=())
         elif stand_in == "NoHeadAttention":
             family = Family(name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None,
                             o=getattr(module, "o_name", None) or "", d_head_attr="")
