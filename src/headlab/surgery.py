@@ -393,6 +393,9 @@ class ZeroHeadAttention(NoHeadAttention):
     def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int,
                  residual: tuple[str, int] | None = None, norm: str | None = None, selection: str | None = None):
         super().__init__(original, o_name, n_outputs, d_head, residual, norm, selection)
+        # the class it replaces, where that says the layout (a discovered fused projection's, read from the class:
+        # adapters.families.FUSED_ATTENTION_CLASSES)
+        self.stands_for = getattr(original, "stands_for", type(original).__name__)
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)

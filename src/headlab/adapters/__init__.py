@@ -26,6 +26,7 @@ from headlab.adapters.families import (
     ATTENTION_SUBLAYERS,
     CONFIG_FAMILIES,
     FAMILIES,
+    FUSED_ATTENTION_CLASSES,
     HEAD_VECTORS,
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
@@ -279,7 +280,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
         candidates.append(_discovered(model, config, model_type, item))
     seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
-    candidates += _latent_without_heads(model, config, model_type, seen | {c[2] for c in named})
+    latent = _latent_without_heads(model, config, model_type, seen | {c[2] for c in named})
+    candidates += latent + _fused_without_heads(model, config, model_type, seen | {c[2] for c in named + latent})
     for candidate in named:
         name, module = candidate[2], candidate[3]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
@@ -411,6 +413,9 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""
+    tabled = _tabled_fused(item, module, core)
+    if tabled is not None:  # a tabled family's fused projection (ModernVBERT's ModernBERT): its layout, as the table's
+        family = dataclasses.replace(tabled, name=family.name, patterns=(), probs_index=item.probs_index)
     if item.q is None and model_type in LATENT_ATTENTION:
         rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
         vectors = tuple(prefix + path for path in HEAD_VECTORS.get(model_type, ())) if rows else ()
@@ -435,6 +440,45 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
             _parameter(core, dynamic[1]) is not None:
         family = dataclasses.replace(family, kv_dynamic_mask=tuple(prefix + path for path in dynamic))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
+
+
+def _tabled_fused(item: Discovered, module: nn.Module, core: nn.Module) -> Family | None:
+    """The :data:`FAMILIES` entry whose fused layout a discovered block has (:data:`FUSED_ATTENTION_CLASSES`: its
+    attention class, transformers' own), where discovery tied no projection to the queries, keys and values, saw no
+    output gate, and found the output projection where the entry has it, beside the entry's fused projection; else
+    None (the block stays as discovery found it: pruning and LRP refused, as for any untied projection)."""
+    family = FUSED_ATTENTION_CLASSES.get(type(core).__name__)
+    if family is None or item.q is not None or item.gates or not type(core).__module__.startswith("transformers.models."):
+        return None
+    if item.core != family.core or item.o != family.o or not isinstance(_get(module, family.qkv), nn.Linear):
+        return None
+    return family
+
+
+def _fused_without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
+    """Layers of a :data:`FUSED_ATTENTION_CLASSES` class pruned to no head: their stand-in calls no attention
+    function and has no q/k/v projections that the name-based schemes know (its fused one is left with no row), yet
+    it is a block of the model, with the entry's layout (``stands_for``: the class it replaced). A stand-in loaded by
+    plain transformers (``NoHeadAttention``: it records neither) that nothing else claimed is a block too, which
+    :func:`_make_block` refuses, naming headlab's loader: left out, the layer vanished from the blocks (a tower
+    took its number)."""
+    found = []
+    for name, module in model.named_modules():
+        stand_in = type(module).__name__
+        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or \
+                not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
+            continue
+        tabled = FUSED_ATTENTION_CLASSES.get(str(getattr(module, "stands_for", "")))
+        if tabled is not None:
+            family = dataclasses.replace(tabled, name=f"discovered:{model_type}", patterns=())
+        elif stand_in == "NoHeadAttention":
+            family = Family(name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None,
+                            o=getattr(module, "o_name", None) or "", d_head_attr="")
+        else:
+            continue
+        found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
+                      family))
+    return found
 
 
 def check_sink_eager(model_type: str | None, core: nn.Module) -> None:

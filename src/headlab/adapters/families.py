@@ -575,6 +575,19 @@ FAMILIES: dict[str, Family] = {
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
+FUSED_ATTENTION_CLASSES: dict[str, Family] = {
+    "ModernBertAttention": MODERNBERT, "Phi3Attention": PHI3,
+    # Phi-4-multimodal's language model: Phi3Attention copied under its own name, forward, apply_rotary_pos_emb,
+    # repeat_kv and eager_attention_forward line for line (and Phi3DecoderLayer, Phi3MLP, Phi3RMSNorm with them)
+    "Phi4MultimodalAttention": PHI3}
+"""Attention classes of transformers (5.24: their forwards read) whose fused q/k/v projection is laid out as the
+:data:`FAMILIES` entry beside them says, found by run-time discovery in a model that has no entry of its own: a
+multimodal wrapper's language model (ModernVBERT's ModernBERT encoder, built by ``AutoModel`` from its
+``text_config``; Phi-4-multimodal's Phi-3 decoder). Discovery sees the queries, keys and values come from one
+projection and ties none of them; a block of such a class (its class defined by transformers itself) takes the
+entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
+columns constant as for the tabled family."""
+
 CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode,
                    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], bert_like)}
 """Model types whose entry depends on their config (the fused layout)."""
