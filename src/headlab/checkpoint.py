@@ -90,7 +90,7 @@ def _saved_class(config) -> type | None:
             continue
         try:
             found = getattr(transformers, name, None)
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError, RuntimeError):  # a lazy module that fails to import: not this class
             continue
         if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)
                 and found.__module__.startswith("transformers.models.")):
