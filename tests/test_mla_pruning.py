@@ -94,7 +94,9 @@ CONFIGS = {
     "axk2": _INDEXER,
 }
 FAMILIES = tuple(CONFIGS)
-CLASSES = {"mistral4": "Mistral4ForCausalLM"}  # not in AutoModelForCausalLM's table (the bare model would be built)
+# not in AutoModelForCausalLM's table (a config naming no class builds the bare model; a directory saved from it
+# names it in architectures and loads as it, tests/test_saved_class.py)
+CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -508,7 +510,7 @@ _GLM5_NEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidde
 
 def glm5_next(layer_types: list[str], attn_implementation: str = "sdpa") -> torch.nn.Module:
     """GLM-5-Next's multimodal model (Glm5NextForConditionalGeneration: transformers 5.24 has no causal LM of its text
-    model; load_model of a glm5_next checkpoint builds the bare Glm5NextModel) with a one-layer vision tower."""
+    model; a directory saved from it loads as it, tests/test_saved_class.py) with a one-layer vision tower."""
     if "glm5_next" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no glm5_next")
     text = CONFIG_MAPPING["glm5_next_text"](**_GLM5_NEXT, layer_types=layer_types)
@@ -556,8 +558,8 @@ def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactl
 
 @pytest.mark.parametrize("part", ["text", "multimodal"])
 def test_glm5_next_checkpoint_directory_loads_and_is_analysed_exactly(part, tmp_path, capsys):
-    """A saved GLM-5-Next directory (its text model, and the bare multimodal model that load_model builds for
-    glm5_next) through headlab's directory loader. Before, every command refused it: the structure is built on the
+    """A saved GLM-5-Next directory (its text model, and the bare multimodal model Glm5NextModel; the wrapper's:
+    tests/test_saved_class.py) through headlab's directory loader. Before, every command refused it: the structure is built on the
     meta device, whose probe forward fails where GLM-5-Next reads values (``torch.all(mask == 1)`` in its recurrent
     mask, its indexer's boolean selection of pooled keys), and the name-based fallback has no latent attention:
     "found no attention block: the probe forward pass ... failed (RuntimeError: Tensor.item() cannot be called on

@@ -15,7 +15,12 @@
   a pruned directory re-saved by transformers' ``save_pretrained`` without its record gets one
   read from the weights' shapes (:func:`record_from_weights`).
 * **Classes**: ``architectures`` in config.json resolves to a transformers ``PreTrainedModel``
-  subclass or an auto class only (:func:`named_model_class`), never to another attribute.
+  subclass or an auto class only (:func:`named_model_class`), never to another attribute. A
+  directory loads as the class it was saved from (:func:`model_class_for`: a multimodal
+  ``Glm5NextForConditionalGeneration`` as itself, not its bare model), but for a multimodal
+  checkpoint whose language model transformers builds alone (Qwen3.5's: that causal LM) and a
+  pre-training class (its masked LM); a class of a kind headlab does not analyse (a token
+  classifier) is refused naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,14 @@ _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForM
                  "AutoModelForSequenceClassification")
 # The last is never a default (AutoModel has every config): only a checkpoint naming it gets it.
 
+# The kinds of model headlab analyses, as transformers' auto tables sort classes: the language models of
+# _AUTO_CLASSES (with the bare model and the sequence classifier), the multimodal ones (a language model beside
+# towers that token ids never run: Glm5NextForConditionalGeneration, Mistral4ForCausalLM, Llava) and the speech
+# sequence-to-sequence ones (Whisper: refused by the adapters, naming why). A checkpoint's class listed in these
+# for its config is the class it loads as.
+_ANALYSED = (*_AUTO_CLASSES, "AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForSpeechSeq2Seq")
+_MULTIMODAL = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM")
+
 # Tensors a checkpoint may hold that the class headlab builds leaves out on purpose: BERT-style
 # pre-training checkpoints carry a pooler and a next-sentence head that the masked-LM class lacks.
 ALLOWED_UNEXPECTED = (r"(^|\.)pooler\.dense\.(weight|bias)$", r"^cls\.seq_relationship\.(weight|bias)$")
@@ -53,10 +66,59 @@ def one_line(error: BaseException) -> str:
 
 
 # -- classes and configs ----------------------------------------------------------------------
-def model_class_for(config) -> type:
-    """The class the checkpoint names in ``architectures`` when headlab can score it (a
-    ``BertForMaskedLM`` stays one), else the first of :data:`_AUTO_CLASSES` that has
-    ``config``'s type: a language-model head when there is one, else the bare model."""
+def _listed(table: str, config) -> tuple[type, ...]:
+    """The classes transformers' auto class ``table`` has for ``config``'s type (an entry may be a tuple:
+    AutoModel's FunnelModel, FunnelBaseModel); none where its entry cannot be imported."""
+    import transformers
+
+    mapping = getattr(getattr(transformers, table, None), "_model_mapping", None)
+    try:
+        entry = mapping[type(config)] if mapping is not None and type(config) in mapping else ()
+    except (ImportError, ValueError, AttributeError):  # a table entry naming a class this install lacks
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _saved_class(config) -> type | None:
+    """The class ``architectures`` names (its first name that resolves), when transformers has it as a model
+    class for ``config``: listed for its type in one of the auto tables, or built from it (its ``config_class``,
+    :func:`config_for`). None for a name transformers lacks (a remote-code class) or another model type's."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            continue
+        try:
+            found = getattr(transformers, name, None)
+        except (ImportError, AttributeError, RuntimeError):  # a lazy module that fails to import: not this class
+            continue
+        if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)
+                and found.__module__.startswith("transformers.models.")):
+            continue
+        wanted = getattr(found, "config_class", None)
+        if (isinstance(wanted, type) and isinstance(config_for(found, config), wanted)) or \
+                any(found in _listed(table, config) for table in _ANALYSED):
+            return found
+    return None
+
+
+def model_class_for(config, source: str | Path = "config.json") -> type:
+    """The class a checkpoint loads as: the class its ``architectures`` names, when transformers has it
+    for ``config`` and lists it as a kind headlab analyses (:data:`_ANALYSED`: a ``BertForMaskedLM`` stays
+    one, a ``Glm5NextForConditionalGeneration`` stays one instead of the bare ``Glm5NextModel``), with two
+    exceptions:
+
+    * a multimodal checkpoint whose language model transformers' ``AutoModelForCausalLM`` builds alone, on
+      its text config (Qwen3.5's ``qwen3_5``, dots3-note's, Mllama's), loads as that causal LM, as
+      ``AutoModelForCausalLM.from_pretrained`` loads it (the towers' tensors that its class does not
+      declare ignorable are refused by :func:`check_text_of_multimodal`, naming how to save the text model);
+    * a pre-training class (``BertForPreTraining``) loads as the masked LM (its pooler and next-sentence
+      head: :data:`ALLOWED_UNEXPECTED`).
+
+    A named class of another kind (``BertForTokenClassification``, ``LlamaForQuestionAnswering``) is refused
+    before any work. A config naming no class transformers has for it (none, or a remote-code class) gets the
+    first of :data:`_AUTO_CLASSES` that has its type: a language-model head when there is one, else the bare
+    model."""
     import transformers
 
     if CLASS_NAME in (getattr(config, "architectures", None) or ()):
@@ -66,17 +128,38 @@ def model_class_for(config) -> type:
             mapping = getattr(getattr(transformers, str(auto), None), "_model_mapping", {})
             if str(target).endswith(f".{CLASS_NAME}") and type(config) in mapping:
                 return mapping[type(config)]
-    candidates = [getattr(transformers, name)._model_mapping for name in _AUTO_CLASSES]
-    # an auto table may list several classes for one type, as a tuple (AutoModel: FunnelModel, FunnelBaseModel)
-    found = [mapping[type(config)] for mapping in candidates if type(config) in mapping]
-    classes = [cls for entry in found for cls in (entry if isinstance(entry, tuple) else (entry,))]
-    by_name = {cls.__name__: cls for cls in classes}
-    for name in getattr(config, "architectures", None) or ():
-        if name in by_name:
-            return by_name[name]
+    classes = [cls for table in _AUTO_CLASSES for cls in _listed(table, config)]
+    saved = _saved_class(config)
+    if saved is not None:
+        causal = _listed("AutoModelForCausalLM", config)
+        if causal and causal[0] is not saved and config_for(causal[0], config) is not config \
+                and any(saved in _listed(table, config) for table in _MULTIMODAL):
+            return causal[0]  # the language model of a multimodal checkpoint, as AutoModelForCausalLM loads it
+        if any(saved in _listed(table, config) for table in _ANALYSED):
+            return saved
+        if saved in _listed("AutoModelForPreTraining", config) and classes:
+            return (_listed("AutoModelForMaskedLM", config) or classes)[0]
+        from transformers.models.auto import modeling_auto  # every auto class (dir(transformers) takes a second)
+
+        kinds = [table[len("AutoModelFor"):] for table, value in vars(modeling_auto).items()
+                 if table.startswith("AutoModelFor") and isinstance(value, type) and table not in _ANALYSED
+                 and saved in _listed(table, config)]
+        if kinds:
+            raise HeadlabError(
+                f"{source}: architectures names {saved.__name__}, a {_kind(kinds[0])} model (transformers' "
+                f"AutoModelFor{kinds[0]}); headlab analyses language models (causal, masked, sequence-to-sequence, "
+                "multimodal), sequence classifiers and bare models, and loading this checkpoint as one of those "
+                f"would leave out its head or make one up. To analyse its attention, save its base model: "
+                f"transformers.{saved.__name__}.from_pretrained(path).base_model.save_pretrained(base_dir)")
+        return saved  # a class transformers lists under no auto class: the class the checkpoint was saved from
     if classes:
         return classes[0]
     raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def _kind(table: str) -> str:
+    """``TokenClassification`` -> ``token classification``."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", table).lower()
 
 
 def named_model_class(config, source: str) -> type:

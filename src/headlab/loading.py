@@ -139,7 +139,7 @@ def load_model(
     if path.is_dir() and (path / PRUNING_FILE).is_file():
         return _place(load_pruned(path, trust_remote_code=trust_remote_code), path, dtype, device, device_map)
     config = load_config(name_or_path, trust_remote_code)
-    cls = model_class_for(config)
+    cls = model_class_for(config, f"{name_or_path}/config.json")
     # Read the weights' headers before transformers does: complete or refused. (Quantized weights
     # are packed in other shapes; transformers' own report below still covers them.)
     if path.is_dir() and getattr(config, "quantization_config", None) is None:
@@ -214,7 +214,7 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
     A local directory's weights' headers must fit it; where they say that layers kept fewer heads
     (a pruned directory re-saved by transformers), the model is loaded with those heads."""
     config = load_config(name_or_path, trust_remote_code)
-    model = build_model(model_class_for(config), config, name_or_path, meta=True)
+    model = build_model(model_class_for(config, f"{name_or_path}/config.json"), config, name_or_path, meta=True)
     path = Path(name_or_path)
     if path.is_dir() and any(path.glob("*.safetensors")):  # a config alone lists the config's heads
         shapes = tensor_shapes(path)
@@ -245,9 +245,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
     reason = unsupported_reason(config)
     if reason:
         raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}) is not supported: {reason}")
+    cls = model_class_for(config, f"{flag} {name_or_path}")
     try:
         with torch.device("meta"):
-            cls = model_class_for(config)
             model = cls(config_for(cls, config))
     except (ValueError, TypeError, ImportError, NotImplementedError) as error:
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None

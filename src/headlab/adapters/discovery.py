@@ -517,13 +517,20 @@ def _given_values(model: nn.Module) -> Iterator[None]:
     without its weights whose forward reads values (GLM-5-Next's text model tests ``torch.all(mask == 1)`` and
     its indexer keeps pooled keys by a boolean mask, which the meta device cannot compute) is probed as it is,
     not refused. A parameter's zeros are one element expanded to its shape (no memory per parameter: the probe's
-    experts function never reads the experts' weights, and a projection's product copies one weight at a time);
-    a buffer's are its own (a forward may write into one). Zeros change values only, and the probe reads shapes
-    and where tensors go; only the control flow that values decide may differ from the loaded model's, which is
-    probed again on its weights when loaded."""
+    experts function never reads the experts' weights); a buffer's are its own (a forward may write into one).
+    A projection (``nn.Linear``, GPT-2's ``Conv1D``) whose weight was swapped returns its bias, or zeros, of its
+    output's shape without reading the weight (:func:`_weightless`): torch's product with an expanded weight
+    copies it whole first, an LM head of 151552 x 4096 held 2.4 GiB for the probe. A parameter the forward
+    multiplies itself (GLM-5-Next's hyper-connection and router weights, by ``F.linear``) is still copied for its
+    product, one at a time and freed after it: a few rows each. Zeros change values only,
+    and the probe reads shapes and where tensors go; only the control flow that values decide may differ from
+    the loaded model's, which is probed again on its weights when loaded."""
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    forwards: list[tuple[nn.Module, Any]] = []
     try:
         for module in model.modules():
+            weight = module._parameters.get("weight")
+            weightless = isinstance(weight, torch.Tensor) and weight.is_meta and _projection_width(module) is not None
             stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
             for store in stores:
                 for name, tensor in store.items():
@@ -535,10 +542,44 @@ def _given_values(model: nn.Module) -> Iterator[None]:
                         store[name] = nn.Parameter(zeros, requires_grad=False)
                     else:
                         store[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+            if weightless:
+                forwards.append((module, module.__dict__.get("forward")))
+                module.forward = _weightless(module)  # type: ignore[method-assign]
         yield
     finally:
+        for module, own in forwards:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own  # type: ignore[method-assign]
         for store, name, tensor in swapped:
             store[name] = tensor
+
+
+def _projection_width(module: nn.Module) -> int | None:
+    """The output width of a linear projection: ``nn.Linear``'s ``out_features``, GPT-2's ``Conv1D``'s ``nf``."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    width = getattr(module, "nf", None)
+    return width if type(module).__name__ == "Conv1D" and isinstance(width, int) else None
+
+
+def _weightless(module: nn.Module) -> Callable[..., torch.Tensor]:
+    """``module``'s forward with an all-zero weight, computed without it: ``x @ 0 + b`` is ``b`` (zeros without a
+    bias) at every position. An input of another width than the weight's runs the module's own forward, which
+    says so as the loaded model would."""
+    width = int(_projection_width(module) or 0)
+    weight, bias = module._parameters["weight"], module._parameters.get("bias")  # both swapped already
+    assert weight is not None  # the caller swapped it
+    width_in = weight.shape[-1] if isinstance(module, nn.Linear) else weight.shape[0]
+    own = type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != width_in:
+            return own(x, *args, **kwargs)
+        out = torch.zeros((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+        return out if bias is None else out + bias
+    return forward
 
 
 class ModelChanged(HeadlabError):

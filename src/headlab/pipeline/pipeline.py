@@ -377,7 +377,7 @@ def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
     ignored them (``--beam`` of a model that does not translate)."""
     from headlab.checkpoint import model_class_for
 
-    classifier = model_class_for(model_config).__name__.endswith("ForSequenceClassification")
+    classifier = model_class_for(model_config, f"{config.model}/config.json").__name__.endswith("ForSequenceClassification")
     translates = bool(getattr(model_config, "is_encoder_decoder", False)) and not classifier
     kind = "a sequence classifier" if classifier else "a translation model" if translates else (
         f"a {model_config.model_type} model that does not translate")
