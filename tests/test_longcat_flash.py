@@ -13,7 +13,7 @@ Each attention is DeepSeek-V3's MLA (``q_b_proj`` viewed ``[batch, seq, -1, nope
 key/value latents scaled by constants: pruned as the types of ``adapters.families.LATENT_ATTENTION``.
 Checked here: the numbering, capture equal to ``output_attentions``, masking one block's head equal to
 zeroing that head's value rows of that attention's ``kv_b_proj`` (and of no other), pruning equal to masking
-(padded rows, cached generation, an attention left with no head), reloading, LRP refused.
+(padded rows, cached generation, an attention left with no head), reloading, LRP refused (for its experts).
 """
 
 from __future__ import annotations
@@ -141,9 +141,12 @@ def test_an_attention_whose_layer_idx_disagrees_with_its_place_is_refused():
         attention_blocks(model)
 
 
-def test_lrp_is_refused_naming_the_latent_attention():
+def test_lrp_is_refused_naming_the_mixture_of_experts():
+    """Its latent attention has LRP's rule now (tests/test_lrp_latent_attention.py); its experts do not: identity
+    ("zero computation") experts beside the gated ones, gate_up_proj holding them all. Refused before any work, naming
+    the experts (before: naming the latent attention)."""
     from headlab.importance.rules import check_rules
 
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn\.0 .*"
-                                           "multi-head latent attention"):
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the mixture-of-experts module LongcatFlashExperts "
+                                           r"\(model\.layers\.0\.mlp\.experts\)"):
         check_rules(tiny_model())
