@@ -33,9 +33,9 @@ The other rules become ordinary backward passes once the right factors are detac
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
   (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
-* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
-  expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
-  constants as the attention weights below are (:func:`_experts_rule`);
+* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE, DeepSeek-V3): each
+  expert is a gated MLP with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the
+  routing weights ``w_k`` are detached, constants as the attention weights below are (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -49,6 +49,10 @@ The other rules become ordinary backward passes once the right factors are detac
   which headlab detaches with the query, and lose it). Beam's gate from a projection of its own
   (``sigmoid(gate_proj(x) + gate_bias)``, ``adapters.families.QKV_OUTPUT_GATES``) is held constant
   likewise: ``gate_proj``'s output is detached (AFMoE's ``gate_proj``, Laguna's and LFM3's ``g_proj`` too).
+  Multi-head latent attention (DeepSeek-V2/V3 and the types of ``adapters.families.LATENT_ATTENTION``) has no key
+  projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
+  all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
+  constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -705,10 +709,12 @@ def _moe_layout_problem(module: nn.Module) -> str | None:
     The rule (:func:`_experts_rule`) is for transformers' fused gated experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE): ``gate_up_proj`` ``[experts, 2 * inner, hidden]`` holding [gate; up],
     ``down_proj`` ``[experts, hidden, inner]``, ``act_fn``, no biases, no norm after the experts,
-    called as ``experts(hidden_states, top_k_index, top_k_weights)``."""
+    called as ``experts(hidden_states, top_k_index, top_k_weights)``; and for LongCat-Flash's
+    (``LongcatFlashExperts``, transformers 5.24), whose ``zero_expert_num`` identity experts come after the
+    gated ones (``gate_up_proj`` holds rows for all of them, ``down_proj`` for the gated ones)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
-            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] \
+            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] + _identity_experts(module) \
             or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
         return "its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj [experts, hidden, inner]"
     if not isinstance(getattr(module, "act_fn", None), nn.Module):
@@ -728,6 +734,15 @@ def _moe_layout_problem(module: nn.Module) -> str | None:
     return None
 
 
+def _identity_experts(module: nn.Module) -> int:
+    """How many identity ("zero computation") experts follow the gated ones: LongCat-Flash's ``zero_expert_num``,
+    whose forward routes expert ``e >= n_routed_experts`` to ``identity_expert`` (an ``nn.Identity``); 0 for others."""
+    count = getattr(module, "zero_expert_num", 0)
+    if isinstance(count, int) and count > 0 and isinstance(getattr(module, "identity_expert", None), nn.Identity):
+        return count
+    return 0
+
+
 def _is_experts(module: nn.Module) -> bool:
     """A module holding the weights of several experts (3-d ``...proj`` parameters, or an ``...Experts`` class)."""
     three_d = any(p.dim() == 3 and name.endswith("proj") for name, p in module.named_parameters(recurse=False))
@@ -744,7 +759,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     experts ``e`` with routing weights ``w_k``. Each expert gets the rules of a gated MLP (the
     activation rule and Ding et al.'s product rule); the routing weights are constants of the
     backward pass, as the attention weights are (Voita et al. 2019, App. A: the weights of a
-    weighted sum), so all relevance flows through the experts. The output is recomputed so,
+    weighted sum), so all relevance flows through the experts; an identity expert (LongCat-Flash's
+    :func:`_identity_experts`) is ``w_k x``. The output is recomputed so,
     checked against the module's own (any implementation), and only its backward is used."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
@@ -754,9 +770,14 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"].detach()
     _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
     surrogate = torch.zeros_like(x)
-    for expert in range(module.gate_up_proj.shape[0]):
+    gated = module.down_proj.shape[0]
+    for expert in range(gated + _identity_experts(module)):
         token, slot = torch.where(index == expert)
         if not len(token):
+            continue
+        if expert >= gated:  # an identity expert (LongCat-Flash): w_k x, linear once w_k is a constant
+            routed = x[token] * weights[token, slot, None]
+            surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
             continue
         gate, up = nn.functional.linear(x[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
         inner = _product(module.act_fn(gate), up)  # act_fn carries the activation rule's hook
