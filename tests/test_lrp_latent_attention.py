@@ -12,7 +12,7 @@ multi-head latent attention"). Here, on the tiny models of tests/test_mla_prunin
 fused experts have a rule), bias-free in float64: every layer's input holds the whole logit; the rules' backward through
 one attention layer equals a reference written here from the modeling code with the probabilities held constant; the
 heads' scores are the relevance at their slices of o_proj's input; compute_lrp conserves with biases. A.X-K2 stays
-refused, for its gated norm; LongCat-Flash for its mixture of experts (tests/test_longcat_flash.py).
+refused, for its gated norm; LongCat-Flash (two attentions per layer, identity experts): tests/test_longcat_flash.py.
 """
 
 from __future__ import annotations
