@@ -13,7 +13,8 @@ Each attention is DeepSeek-V3's MLA (``q_b_proj`` viewed ``[batch, seq, -1, nope
 key/value latents scaled by constants: pruned as the types of ``adapters.families.LATENT_ATTENTION``.
 Checked here: the numbering, capture equal to ``output_attentions``, masking one block's head equal to
 zeroing that head's value rows of that attention's ``kv_b_proj`` (and of no other), pruning equal to masking
-(padded rows, cached generation, an attention left with no head), reloading, LRP refused.
+(padded rows, cached generation, an attention left with no head), reloading, LRP conserving (its identity
+experts too).
 """
 
 from __future__ import annotations
@@ -141,9 +142,42 @@ def test_an_attention_whose_layer_idx_disagrees_with_its_place_is_refused():
         attention_blocks(model)
 
 
-def test_lrp_is_refused_naming_the_latent_attention():
+def test_lrp_conserves_through_both_attentions_and_the_identity_experts():
+    """Its attentions have the rule for latent attention (tests/test_lrp_latent_attention.py); its experts are
+    transformers' fused gated experts plus identity ("zero computation") experts, expert 4 here, whose output is
+    ``w_k x``: linear once the routing weight is a constant, as the rule makes every routing weight. Bias-free in
+    float64 every decoder layer's input holds the whole logit, with tokens routed to the identity expert in both
+    layers. Before: refused, naming the latent attention, then (with the attention's rule) the experts' layout."""
+    import numpy as np
+
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import lrp_rules
+
+    model = tiny_model().double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+    routed: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        # the explained pass only (discovery's probe, under no_grad, runs inside lrp_rules first)
+        layer.mlp.experts.register_forward_hook(
+            lambda module, args, output: routed.append(args[1]) if torch.is_grad_enabled() else None)
+    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+        out = model(input_ids=torch.tensor([[5, 17, 33, 8, 61, 4, 9, 12]]), output_hidden_states=True)
+        y = out.logits[0, 5].max()
+        grads = torch.autograd.grad(y, list(out.hidden_states))
+        totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
+    np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-12)
+    assert len(routed) == 2 and all((index == SIZES["n_routed_experts"]).any() for index in routed)
+
+
+def test_experts_of_another_layout_are_still_refused():
+    """An identity expert count that does not match gate_up_proj's rows: refused, naming the experts."""
     from headlab.importance.rules import check_rules
 
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn\.0 .*"
-                                           "multi-head latent attention"):
-        check_rules(tiny_model())
+    model = tiny_model()
+    model.model.layers[0].mlp.experts.zero_expert_num = 2
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the mixture-of-experts module LongcatFlashExperts "
+                                           r"\(model\.layers\.0\.mlp\.experts\): its expert weights are not"):
+        check_rules(model)

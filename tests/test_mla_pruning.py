@@ -18,7 +18,7 @@ equals masking on padded rows and in cached generation, empties a layer (GLM-MoE
 hands the next "shared" layer its indexer's selection; Mistral Large 4's still stores the latents later layers
 reuse), reloads with ``load_pruned`` and plain
 transformers (remote code), passes ``headlab prune`` on the command line; gates at one change
-nothing on the pruned model; LRP stays refused, naming the latent attention.
+nothing on the pruned model; LRP conserves on it (tests/test_lrp_latent_attention.py: LRP through MLA).
 """
 
 from __future__ import annotations
@@ -318,19 +318,17 @@ def test_a_layer_with_no_head_loaded_without_headlab_is_refused_not_dropped(tmp_
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
-def test_lrp_stays_refused_naming_the_latent_attention(family):
-    """kv_b_proj emits each head's keys and values together and the rotary key comes from the shared
-    latent: no projection can be detached to hold the attention weights constant."""
-    from headlab.importance.rules import check_rules
+def test_lrp_conserves_on_the_pruned_model(family):
+    """LRP's rule for latent attention (tests/test_lrp_latent_attention.py) reads the heads left: on the pruned model
+    (kv_b_proj of 3 heads x (nope + v) rows) bias-free in float64 the relevance reaching the first layer is the
+    explained logit. Before: refused, naming the latent attention, before and after pruning."""
+    from support.family_matrix import check_lrp_conserves
 
     model = tiny_model(family)
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*"
-                                           r"multi-head latent attention, whose kv_b_proj emits each head's keys and "
-                                           r"values together"):
-        check_rules(model)
-    prune_heads(model, {("dec_self", 0): [1]})
-    with pytest.raises(HeadlabError, match="multi-head latent attention"):
-        check_rules(model)
+    prune_heads(model, {("dec_self", 0): [1]})  # in float32: its check runs the experts' grouped matmuls
+    model.double()
+    assert model.model.layers[0].self_attn.kv_b_proj.out_features == 3 * (NOPE + V)
+    check_lrp_conserves(model, model.model.layers[0])
 
 
 def test_a_latent_projection_of_another_width_is_refused():
@@ -497,7 +495,8 @@ def test_a_latent_attention_of_an_unchecked_type_is_refused_naming_it(monkeypatc
     with pytest.raises(HeadlabError, match=r"physical pruning is refused: multi-head latent attention: a kv_b_proj in a "
                                            "forward headlab has not checked against DeepSeek-V3's"):
         prune_heads(model, {("dec_self", 1): [0]})
-    with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits"):
+    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*multi-head "
+                                           r"latent attention, but its layout is not one headlab read"):
         check_rules(model)
 
 

@@ -18,8 +18,8 @@ On tiny models (index_topk 3 of 7 keys, so that the selection hides keys): the b
 selection visibly thins; the streamed chunks equal it and the streamed logits equal SDPA's; masking
 the heads equals zeroing their value rows of ``kv_b_proj`` by hand (read off the modeling code: per
 head ``[k_nope (4) | v (8)]``) and leaves the indexer's selection of that layer as it is; gates at
-one change nothing; LRP is refused before any change (multi-head latent attention, as for
-DeepSeek-V3). Physical pruning: tests/test_mla_pruning.py.
+one change nothing; LRP explains them as DeepSeek-V3 (the selection is a mask, with no gradient), with the
+selection active in the pass explained. Physical pruning: tests/test_mla_pruning.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from headlab import HeadlabError, attention_blocks, mask_heads
+from headlab import attention_blocks, mask_heads
 from headlab.checkpoint import model_class_for
 from support.family_matrix import (
     check_capture_equals_output_attentions,
@@ -140,39 +140,43 @@ def test_gates_at_one_change_nothing(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lrp_is_refused_before_any_change(family):
-    from headlab.importance.rules import check_rules
+def test_lrp_explains_through_the_selection(family):
+    """The indexer's selection reaches the attention as a mask only: integer top-k indices scattered into a boolean
+    mask, folded into the additive one (DeepseekV32Attention.forward), with no gradient. So the rule for latent
+    attention (tests/test_lrp_latent_attention.py) covers these layers: bias-free in float64, every layer's input
+    holds the whole logit, in a pass where the selection hides keys (each query sees at most its top 3 of 7).
+    Before: refused, naming the latent attention."""
+    import numpy as np
 
-    model = tiny_model(family)
-    before = {name: p.clone() for name, p in model.state_dict().items()}
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the attention of model\.layers\.0\.self_attn .*multi-head "
-                                           "latent attention"):
-        check_rules(model)
-    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    from headlab.capture import eager_attention
+    from headlab.importance.rules import check_rules, lrp_rules
 
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lrp_is_refused_before_any_work(family):
-    """The data never runs (discovery's probe runs zeros)."""
-    from headlab.importance import ImportanceData, compute_lrp, describe_model
-
-    model = tiny_model(family)
-    seen = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
-                                    with_kwargs=True)
-    with pytest.raises(HeadlabError, match="multi-head latent attention, whose kv_b_proj emits each head's keys"):
-        compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1]]), describe_model(model))
-    assert all(ids == [[0, 0, 0, 0]] for ids in seen)
+    model = tiny_model(family).double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+    check_rules(model)
+    probs: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda module, args, output: probs.append(output[1].detach()))
+    ids = torch.tensor([[5, 17, 33, 8, 61, 4, 9]])
+    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+        out = model(input_ids=ids, output_hidden_states=True)
+        y = out.logits[0, 6].max()
+        grads = torch.autograd.grad(y, list(out.hidden_states))
+        totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
+    np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-12)
+    assert len(probs) == 2 and all(((p > 0).sum(-1) == torch.arange(1, 8).clamp(max=TOPK)).all() for p in probs)
 
 
 def test_analyze_end_to_end(tmp_path):
-    """`headlab analyze --ablation` (the fused engine: headlab's attention function): every stage but
-    LRP done, LRP refused before it ran (exit 1, as on every model it refuses), naming the latent attention."""
+    """`headlab analyze --ablation` (the fused engine: headlab's attention function): every stage done, LRP too
+    (before: refused, exit 1, naming the latent attention)."""
     from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
 
     save_tiny(tiny_model("glm_moe_dsa-shared"), tmp_path / "dsa", treebank_files(tmp_path))
     code, stages = analyze(tmp_path / "dsa", tmp_path)
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
-    assert stages["lrp"]["status"] == "failed" and code == 1
-    assert "model.layers.0.self_attn (discovered:glm_moe_dsa): multi-head latent attention" in stages["lrp"]["reason"]
+    assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]

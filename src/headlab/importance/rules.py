@@ -33,9 +33,9 @@ The other rules become ordinary backward passes once the right factors are detac
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
   (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
-* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE): each
-  expert is a gated MLP with the rules above, and the routing weights ``w_k`` are detached,
-  constants as the attention weights below are (:func:`_experts_rule`);
+* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE, DeepSeek-V3): each
+  expert is a gated MLP with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the
+  routing weights ``w_k`` are detached, constants as the attention weights below are (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -49,6 +49,10 @@ The other rules become ordinary backward passes once the right factors are detac
   which headlab detaches with the query, and lose it). Beam's gate from a projection of its own
   (``sigmoid(gate_proj(x) + gate_bias)``, ``adapters.families.QKV_OUTPUT_GATES``) is held constant
   likewise: ``gate_proj``'s output is detached (AFMoE's ``gate_proj``, Laguna's and LFM3's ``g_proj`` too).
+  Multi-head latent attention (DeepSeek-V2/V3 and the types of ``adapters.families.LATENT_ATTENTION``) has no key
+  projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
+  all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
+  constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -247,7 +251,19 @@ def _is_rms_norm(module: nn.Module) -> bool:
     """RMS norms by class: torch's, transformers' ``...RMSNorm`` and the T5 family's ``...T5LayerNorm``
     (an RMS norm under another name); :func:`_rms_norm_rule` checks the formula on every call."""
     name = type(module).__name__
+    if next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None:
+        return False  # a module around other modules (a gated norm, _is_gated_norm): judged by what it holds
     return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm"))
+
+
+def _is_gated_norm(module: nn.Module) -> bool:
+    """A normalisation by name, with no parameters of its own, that holds a norm and a module that is none (A.X-K2's
+    ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``)."""
+    if "norm" not in type(module).__name__.lower() or next(module.parameters(recurse=False), None) is not None:
+        return False
+    children = list(module.children())
+    norms = [child for child in children if _is_rms_norm(child) or isinstance(child, nn.LayerNorm)]
+    return bool(norms) and len(norms) < len(children)
 
 
 def _is_parameter_free_layer_norm(module: nn.Module) -> bool:
@@ -354,20 +370,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     for block in blocks:
         if block.idle:  # never run on token ids (GPT-2's cross-attention without encoder states): no relevance reaches it
             continue
-        rows = [path for path, _ in block.family.head_rows] if block.q is None else []  # else an output gate's
-        latent = next((path for path in rows if path.endswith("kv_b_proj")), rows[-1] if rows else None) or \
-            ("kv_b_proj" if getattr(block.core, "kv_b_proj", None) is not None else None)  # listed or not
-        gates = OUTPUT_GATES.get(block.family.name.split(":", 1)[-1], ())
-        if block.n_heads and latent:
-            # An output gate sigmoid(g(x)) would have to be held constant as well (Qwen3-Next's is: rows of the
-            # detached query projection): named, so that a rule for latent attention does not forget it.
-            raise HeadlabError(
-                f"LRP: no rule for the attention of {block.name} ({block.family.name}): multi-head latent attention, "
-                f"whose {latent} emits each head's keys and values together (and whose rotary key "
-                "comes from the latent projection all heads share), so the attention weights cannot be held constant "
-                "by detaching a query and a key projection" + (
-                    f"; its output gate from {', '.join(gates)} (computed from the layer's input) would have to be held "
-                    "constant as well" if gates else ""))
+        if block.n_heads and _is_latent(block):
+            _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
+            continue
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
@@ -430,6 +435,11 @@ def _module_problem(module: nn.Module, path: str, inside: set[int]) -> str | Non
     if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
+    if _is_gated_norm(module):  # A.X-K2's AXK2GatedRMSNorm (transformers 5.24)
+        return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): it multiplies its norm's "
+                "output by a gate computed from that output (y * sigmoid(mlp(y))), a product of two functions of its "
+                "input that none of headlab's rules splits, so relevance would not be conserved; the other measures "
+                "work on the model's attention layers")
     if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
         return (f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
                 "multiplies two projections of its input (B * x before the convolution, C * y after "
@@ -543,6 +553,73 @@ def _computes_called_gated(module: nn.Module) -> bool:
         and torch.allclose(output, expected, rtol=1e-3, atol=1e-5)
 
 
+def _is_latent(block: AttentionBlock) -> bool:
+    """Multi-head latent attention: a ``kv_b_proj`` in the block's head rows or on its attention module."""
+    return any(path.endswith("kv_b_proj") for path, _ in block.family.head_rows) or \
+        getattr(block.core, "kv_b_proj", None) is not None
+
+
+def _latent_attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
+    """(module, forward hook) that hold the attention weights of a multi-head latent attention constant.
+
+    transformers' MLA (``DeepseekV3Attention.forward`` and the types of
+    :data:`headlab.adapters.families.LATENT_ATTENTION`, read in transformers 5.24): the queries are the output of
+    the query projection (``q_b_proj``, ``q_proj``, A.X-K2's ``q_gate_proj``: per head ``[query | gate]``);
+    ``kv_a_proj_with_mqa`` emits ``[latent (kv_lora_rank) | rotary key (qk_rope_head_dim)]``, the latent goes
+    through ``kv_a_layernorm`` to ``kv_b_proj``, viewed per head ``[k_nope (qk_nope_head_dim) | v (v_head_dim)]``;
+    the key is ``[k_nope | rotated rotary key]``. So the query projection's output, ``kv_a_proj_with_mqa``'s rotary
+    columns and ``kv_b_proj``'s ``k_nope`` columns are detached, as the query and key projections are for other
+    attention: ``p`` is a constant, and relevance reaches the layer's input through ``v``, ``kv_b_proj``, the
+    latent's RMS norm (its rule) and ``kv_a_proj_with_mqa``'s latent columns. An output gate's projection (``g_proj``,
+    :data:`~headlab.adapters.families.OUTPUT_GATES`) is detached, the gate held constant as Qwen3-Next's is. What
+    only selects keys (DeepSeek-V3.2's and GLM-MoE-DSA's indexer: integer top-k indices, folded into the mask) has
+    no gradient. A layer without ``kv_a_proj_with_mqa`` (Mistral Large 4's 'reuse' layers) reads the normed latent
+    and the rotated rotary key an earlier layer stored, whose rotary columns that layer's hook detaches.
+
+    Raises :class:`HeadlabError`, naming what, where the block is not laid out so (a type not in the table, or
+    widths that are not those views)."""
+    core = block.core
+    rows = dict(block.family.head_rows)
+    names = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    sizes = {name: getattr(core, name, None) for name in names}
+    nope, rope, v, rank = (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else -1
+                           for value in sizes.values())
+    kv_b = block.module.get_submodule("kv_b_proj") if "kv_b_proj" in rows else None
+    kv_a = getattr(core, "kv_a_proj_with_mqa", None)
+    if rows.get("kv_b_proj") != ("qk_nope_head_dim", "v_head_dim"):
+        problem = ("its layout is not one headlab read (the model types of headlab.adapters.families.LATENT_ATTENTION: "
+                   "DeepSeek-V3's views and splits)")
+    elif min(nope, rope, v, rank) < 0:
+        problem = f"its sizes are not all numbers ({', '.join(f'{name}={value!r}' for name, value in sizes.items())})"
+    elif not isinstance(kv_b, nn.Linear) or kv_b.out_features != block.n_heads * (nope + v):
+        problem = f"its kv_b_proj is not a linear map to {block.n_heads} heads x (k_nope {nope} + v {v})"
+    elif kv_a is not None and (not isinstance(kv_a, nn.Linear) or kv_a.out_features != rank + rope):
+        problem = f"its kv_a_proj_with_mqa is not a linear map to the latent ({rank}) and the rotary key ({rope})"
+    else:
+        is_key = torch.arange(kv_b.out_features) % (nope + v) < nope  # per head [k_nope | v]
+        hooks: list[tuple[nn.Module, Any]] = [(kv_b, _detach_where(is_key))]
+        if kv_a is not None:
+            hooks.append((kv_a, _detach_where(torch.arange(rank + rope) >= rank)))  # [latent | rotary key]
+        # the query projection, an output gate's projection (both head rows): constants
+        hooks.extend((block.module.get_submodule(path), _detach_output) for path in rows if path != "kv_b_proj")
+        return hooks
+    gates = OUTPUT_GATES.get(block.family.name.split(":", 1)[-1], ())
+    raise HeadlabError(
+        f"LRP: no rule for the attention of {block.name} ({block.family.name}): multi-head latent attention, "
+        f"but {problem}, so the attention weights cannot be held constant by detaching the queries and keys" + (
+            f"; its output gate from {', '.join(gates)} (computed from the layer's input) would have to be held "
+            "constant as well" if gates else ""))
+
+
+def _detach_where(columns: torch.Tensor):
+    """Detach the output features where ``columns`` (bool, one per feature) is true, keep the others'."""
+
+    def hook(module, args, output):
+        return torch.where(columns.to(output.device), output.detach(), output)
+
+    return hook
+
+
 def _detach_output(module, args, output):
     return output.detach()
 
@@ -632,10 +709,12 @@ def _moe_layout_problem(module: nn.Module) -> str | None:
     The rule (:func:`_experts_rule`) is for transformers' fused gated experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE): ``gate_up_proj`` ``[experts, 2 * inner, hidden]`` holding [gate; up],
     ``down_proj`` ``[experts, hidden, inner]``, ``act_fn``, no biases, no norm after the experts,
-    called as ``experts(hidden_states, top_k_index, top_k_weights)``."""
+    called as ``experts(hidden_states, top_k_index, top_k_weights)``; and for LongCat-Flash's
+    (``LongcatFlashExperts``, transformers 5.24), whose ``zero_expert_num`` identity experts come after the
+    gated ones (``gate_up_proj`` holds rows for all of them, ``down_proj`` for the gated ones)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
-            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] \
+            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] + _identity_experts(module) \
             or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
         return "its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj [experts, hidden, inner]"
     if not isinstance(getattr(module, "act_fn", None), nn.Module):
@@ -655,6 +734,15 @@ def _moe_layout_problem(module: nn.Module) -> str | None:
     return None
 
 
+def _identity_experts(module: nn.Module) -> int:
+    """How many identity ("zero computation") experts follow the gated ones: LongCat-Flash's ``zero_expert_num``,
+    whose forward routes expert ``e >= n_routed_experts`` to ``identity_expert`` (an ``nn.Identity``); 0 for others."""
+    count = getattr(module, "zero_expert_num", 0)
+    if isinstance(count, int) and count > 0 and isinstance(getattr(module, "identity_expert", None), nn.Identity):
+        return count
+    return 0
+
+
 def _is_experts(module: nn.Module) -> bool:
     """A module holding the weights of several experts (3-d ``...proj`` parameters, or an ``...Experts`` class)."""
     three_d = any(p.dim() == 3 and name.endswith("proj") for name, p in module.named_parameters(recurse=False))
@@ -671,7 +759,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     experts ``e`` with routing weights ``w_k``. Each expert gets the rules of a gated MLP (the
     activation rule and Ding et al.'s product rule); the routing weights are constants of the
     backward pass, as the attention weights are (Voita et al. 2019, App. A: the weights of a
-    weighted sum), so all relevance flows through the experts. The output is recomputed so,
+    weighted sum), so all relevance flows through the experts; an identity expert (LongCat-Flash's
+    :func:`_identity_experts`) is ``w_k x``. The output is recomputed so,
     checked against the module's own (any implementation), and only its backward is used."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
@@ -681,9 +770,14 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"].detach()
     _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
     surrogate = torch.zeros_like(x)
-    for expert in range(module.gate_up_proj.shape[0]):
+    gated = module.down_proj.shape[0]
+    for expert in range(gated + _identity_experts(module)):
         token, slot = torch.where(index == expert)
         if not len(token):
+            continue
+        if expert >= gated:  # an identity expert (LongCat-Flash): w_k x, linear once w_k is a constant
+            routed = x[token] * weights[token, slot, None]
+            surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
             continue
         gate, up = nn.functional.linear(x[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
         inner = _product(module.act_fn(gate), up)  # act_fn carries the activation rule's hook
@@ -868,7 +962,10 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0 or block.idle:  # idle: never runs (check_rules)
                 continue
-            if block.qkv is not None and block.family.qkv_layout != "q|k|v":
+            if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
+                for module, hook in _latent_attention_hooks(block):
+                    handles.append(module.register_forward_hook(hook))
+            elif block.qkv is not None and block.family.qkv_layout != "q|k|v":
                 handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
             elif block.qkv is not None:
                 width = (block.n_heads + block.n_kv_heads) * block.d_head
