@@ -168,3 +168,24 @@ def test_a_nan_loss_names_itself(tokenizer, tmp_path):
     assert result.stopped == "diverged" and result.step == 0
     assert result.message.startswith("training diverged at step 1: the loss of its batch is nan (the weights were not "
                                      "updated). Last good checkpoint: none written yet"), result.message
+
+
+class _PadOnly:
+    """evaluate_loss's tokenizer: only its padding id is read (the corpus comes encoded)."""
+
+    pad_token_id = PAD
+
+
+def test_evaluation_losses_of_padded_batches_are_those_of_one_sentence_at_a_time():
+    """evaluate_loss (validation, prune train's and the baselines' final loss) and headlab lm's perplexity run under
+    the floor too: before, NaN on the padded batch of a float64 eager model."""
+    from headlab.lm.train import perplexity
+    from headlab.pruning.train import _next_token_loss
+    from headlab.training.losses import evaluate_loss
+
+    model, corpus = mistral(), _corpus()
+    padded = evaluate_loss(model, _PadOnly(), corpus, batch_tokens=1000, compute_loss=_next_token_loss)
+    alone = evaluate_loss(model, _PadOnly(), corpus, batch_tokens=1, compute_loss=_next_token_loss)  # one a batch
+    assert padded == pytest.approx(alone, rel=1e-6)  # token_loss sums in float32
+    padded, alone = perplexity(model, corpus, PAD, max_tokens=1000), perplexity(model, corpus, PAD, max_tokens=1)
+    assert padded["loss"] == pytest.approx(alone["loss"], rel=1e-6) and padded["tokens"] == alone["tokens"]
