@@ -145,14 +145,14 @@ def test_statistics_on_padded_batches_equal_one_sentence_at_a_time_or_are_refuse
         run("eager", 4)
 
 
-def t5gemma() -> torch.nn.Module:
+def t5gemma(vocab: int = VOCAB) -> torch.nn.Module:
     """A translation model with a sliding window (2) in its bidirectional encoder: a right-padded row's far padding
     queries see no key, the encoder's next layer reads their NaN into the real rows, the decoder reads those."""
     def module(**extra) -> dict:
-        return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        return dict(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, sliding_window=2, max_position_embeddings=64, pad_token_id=0,
                     bos_token_id=2, eos_token_id=1, layer_types=["sliding_attention", "full_attention"], **extra)
-    config = tf.T5GemmaConfig(encoder=module(), decoder=module(), vocab_size=VOCAB, tie_word_embeddings=True)
+    config = tf.T5GemmaConfig(encoder=module(), decoder=module(), vocab_size=vocab, tie_word_embeddings=True)
     config.pad_token_id, config.eos_token_id, config.bos_token_id, config.decoder_start_token_id = 0, 1, 2, 2
     return perturbed_model(tf.T5GemmaForConditionalGeneration, config, attn_implementation="eager").double()
 

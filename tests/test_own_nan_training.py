@@ -189,3 +189,35 @@ def test_evaluation_losses_of_padded_batches_are_those_of_one_sentence_at_a_time
     assert padded == pytest.approx(alone, rel=1e-6)  # token_loss sums in float32
     padded, alone = perplexity(model, corpus, PAD, max_tokens=1000), perplexity(model, corpus, PAD, max_tokens=1)
     assert padded["loss"] == pytest.approx(alone["loss"], rel=1e-6) and padded["tokens"] == alone["tokens"]
+
+
+def test_translating_a_padded_batch_gives_each_sentence_s_translation_alone(corpus, tokenizer):
+    """headlab.nmt.translate (BLEU validation, prune train's and the baselines' evaluation) under the floor: a
+    float64 eager T5Gemma's padded batch gave other translations before (NaN encoder states)."""
+    from headlab.nmt.translate import translate
+    from test_own_nan_importance import t5gemma
+
+    model = t5gemma(len(tokenizer))  # its pad (0) and EOS (1) are the tokenizer's
+    sentences = [corpus.sources[i] for i in range(6)]
+    width = max(len(ids) for ids in tokenizer(sentences)["input_ids"])
+    batched = translate(model, tokenizer, sentences, beam=2, batch_size=6)
+    # one at a time, with the length limit the padded batch gets (a = 0: the limit is b)
+    alone = [translate(model, tokenizer, [s], beam=2, batch_size=1, max_length_a=0, max_length_b=int(1.5 * width + 10))[0]
+             for s in sentences]
+    assert batched == alone
+    assert len({len(ids) for ids in tokenizer(sentences)["input_ids"]}) > 1  # padded
+
+
+def test_prune_train_of_a_padded_float64_model_trains_and_exports(tokenizer, tmp_path):
+    """Gated fine-tuning (Hard Concrete gates) of a float64 eager ModernBERT whose local layers give NaN on a padded
+    batch: before, 'training diverged at step 1' and nothing exported; now it trains, exports and scores finite.
+    (A causal float64 eager model is refused before this by the prune check, its left-padded probe row NaN.)"""
+    import math
+
+    from headlab.pruning.train import PruneConfig, prune_train
+
+    train_config = _config(tmp_path / "run", lr=1e-3, max_tokens=30, max_epochs=2, clip_norm=1.0)
+    config = PruneConfig(gates="all", lam=0.5, log_every=2, loss="causal_lm", train=train_config)  # any loss will do
+    result = prune_train(MODELS["modernbert"](), tokenizer, _corpus(), _corpus(), config, log=lambda line: None)
+    assert result.stopped == "finished", result.message
+    assert (tmp_path / "run" / "pruned").is_dir() and math.isfinite(result.metrics["loss"])
