@@ -108,7 +108,8 @@ def _last_step(out_dir) -> int:
     return json.loads((out_dir / "last" / "trainer_state.json").read_text())["step"]
 
 
-def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_unclipped_too(tokenizer, tmp_path):
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0])
+def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_unclipped_too(clip_norm, tokenizer, tmp_path):
     """clip_norm 0: the gradient was read only to clip it, so a NaN gradient went into the weights and the next
     last/. Now the run stops at that step, naming the gradient and the parameter; last/ is the step before.
     (float32: no padding NaN here, the poisoned gradient the only one.)"""
@@ -121,10 +122,12 @@ def test_a_nan_gradient_behind_a_finite_loss_stops_the_run_unclipped_too(tokeniz
         return grad * float("nan") if calls["n"] == 3 else grad
 
     weight.register_hook(poison)
-    result = _train(model, tokenizer, tmp_path / "run", max_tokens=30, max_epochs=3, save_every_steps=1)
+    result = _train(model, tokenizer, tmp_path / "run", max_tokens=30, max_epochs=3, save_every_steps=1,
+                    clip_norm=clip_norm)
     assert result.stopped == "diverged" and result.step == 2
-    assert result.message.startswith("training diverged at step 3: the gradient's norm is nan "
-                                     "(parameter model.layers.0.mlp.up_proj.weight)"), result.message
+    where = "(parameter model.layers.0.mlp.up_proj.weight)" if clip_norm == 0 else \
+        "(in every parameter: clipping scaled them by it; with clip_norm 0 the first one is named)"
+    assert result.message.startswith(f"training diverged at step 3: the gradient's norm is nan {where}"), result.message
     assert "the weights were not updated" in result.message and "Last good checkpoint" in result.message
     assert _last_step(tmp_path / "run") == 2
     assert all(bool(p.isfinite().all()) for p in model.parameters())

@@ -647,10 +647,14 @@ class _Run:
         else:  # unclipped: still read, or a NaN gradient would reach the weights and the next checkpoint
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self._any_rank(not torch.isfinite(grad_norm).item()):
-            where = "" if torch.isfinite(grad_norm).item() else f" (parameter {self._first_nonfinite(grad=True)})"
+            detail = "not finite on another process"
+            if not torch.isfinite(grad_norm).item():
+                name = self._first_nonfinite(grad=True)  # "?" after clipping by NaN: it made every gradient NaN
+                where = f"parameter {name}" if name != "?" else \
+                    "in every parameter: clipping scaled them by it; with clip_norm 0 the first one is named"
+                detail = f"{grad_norm.item()} ({where})"
             self.optimizer.zero_grad(set_to_none=True)
-            return (f"the gradient's norm is {grad_norm.item() if where else 'not finite on another process'}{where}, "
-                    f"with a finite loss of {loss.item():.6g} (the weights were not updated)")
+            return f"the gradient's norm is {detail}, with a finite loss of {loss.item():.6g} (the weights were not updated)"
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The optimizer can make weights non-finite from finite gradients (float16 Adam's eps underflows to 0, a
@@ -659,18 +663,18 @@ class _Run:
         weights = torch.nn.utils.get_total_norm(self.params)
         if self._any_rank(not torch.isfinite(weights).item()):
             where = f"parameter {self._first_nonfinite(grad=False)}" if not torch.isfinite(weights).item() \
-                else "on another process"
+                else "on another process"  # "parameter ?": every one
             return (f"the optimizer's update made weights not finite ({where}) from a finite loss and gradient; "
                     "the weights in memory are those, and no checkpoint was written from them")
         return loss_sum, n_tokens
 
     def _first_nonfinite(self, grad: bool) -> str:
-        """The name of the first trained parameter whose gradient (or value) holds a NaN or inf."""
-        for name, param in self.raw_model.named_parameters():
-            tensor = param.grad if grad else param
-            if param.requires_grad and tensor is not None and not bool(tensor.isfinite().all()):
-                return name
-        return "?"
+        """The name of the first trained parameter whose gradient (or value) holds a NaN or inf; "?" when every
+        one does (clipping by a NaN norm) or none."""
+        named = [(name, param.grad if grad else param) for name, param in self.raw_model.named_parameters()
+                 if param.requires_grad]
+        bad = [name for name, tensor in named if tensor is not None and not bool(tensor.isfinite().all())]
+        return bad[0] if bad and len(bad) < len([t for _, t in named if t is not None]) else "?"
 
     def _count(self, step: int, loss_sum: torch.Tensor, n_tokens: int, progress: _EpochProgress) -> float:
         """Advance the loop's position by one update and count its tokens and loss; its mean loss."""
