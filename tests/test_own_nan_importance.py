@@ -143,3 +143,86 @@ def test_statistics_on_padded_batches_equal_one_sentence_at_a_time_or_are_refuse
             _assert_close(got[name], alone[name], name, rtol=1e-6, atol=1e-8)
     with pytest.raises(HeadlabError, match="float64 attention mask"):
         run("eager", 4)
+
+
+def t5gemma(vocab: int = VOCAB) -> torch.nn.Module:
+    """A translation model with a sliding window (2) in its bidirectional encoder: a right-padded row's far padding
+    queries see no key, the encoder's next layer reads their NaN into the real rows, the decoder reads those."""
+    def module(**extra) -> dict:
+        return dict(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, sliding_window=2, max_position_embeddings=64, pad_token_id=0,
+                    bos_token_id=2, eos_token_id=1, layer_types=["sliding_attention", "full_attention"], **extra)
+    config = tf.T5GemmaConfig(encoder=module(), decoder=module(), vocab_size=vocab, tie_word_embeddings=True)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id, config.decoder_start_token_id = 0, 1, 2, 2
+    return perturbed_model(tf.T5GemmaForConditionalGeneration, config, attn_implementation="eager").double()
+
+
+class _IdsTokenizer:
+    """A translation's text is its token ids (padding 0 and EOS 1 left out)."""
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(str(t) for t in row if t not in (0, 1)) for row in rows]
+
+
+def _translation_data() -> ImportanceData:
+    g = torch.Generator().manual_seed(7)
+    sources = [torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (11, 2, 11, 3)]  # padded to 12
+    references = [torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (4, 6, 2, 3)]
+    return ImportanceData.from_ids(sources, references)
+
+
+def _alone(model, info, sources, limit: int, beam: int, **options) -> list[list[int]]:
+    """Each sentence translated on its own (no padding: finite in transformers itself), with the length limit its
+    padded batch gets."""
+    from headlab.data.inputs import generated_tokens
+
+    out = []
+    with torch.no_grad():
+        for ids in sources:
+            row = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 num_beams=beam, do_sample=False, max_new_tokens=limit, max_length=None, **options)
+            out.append(generated_tokens(row[0].tolist(), info))
+    return out
+
+
+def test_the_model_s_own_translation_of_a_padded_batch_is_each_sentence_s_alone():
+    """translate_data (the translation the decoder-side measures read): under the floor now; before, the padded
+    batch's NaN encoder states gave other translations."""
+    from headlab.importance import translate_data
+
+    model, data = t5gemma(), _translation_data()
+    info = describe_model(model)
+    assert model(input_ids=torch.tensor([data.sources[0], data.sources[1] + [0] * 9]),
+                 attention_mask=(torch.arange(12) < torch.tensor([[12], [3]])).long(),
+                 decoder_input_ids=torch.tensor([[2], [2]])).logits.isnan().any()  # transformers alone: NaN
+    translated = translate_data(model, data, info, batch_size=4)
+    assert translated.translations == _alone(model, info, data.sources, int(1.5 * 12 + 10), 1, min_new_tokens=1)
+
+
+def test_bleu_ablation_of_a_padded_batch_equals_translating_each_sentence_alone():
+    """BLEU ablation (nan28 floored it, untested): on a padded batch of a model whose padding gives NaN, the base BLEU
+    and each masked head's equal those of translating each sentence alone with that head masked."""
+    from sacrebleu.metrics import BLEU
+
+    from headlab import attention_blocks, mask_heads
+
+    model, data, tokenizer = t5gemma(), _translation_data(), _IdsTokenizer()
+    info = describe_model(model)
+    limit = int(1.5 * 12 + 10)  # _ablate_bleu's, of the padded width
+    # references: the model's own translations, so that the BLEU scores are far from 0
+    data.reference_texts = tokenizer.batch_decode(_alone(model, info, data.sources, limit, 2))
+    scores = compute_ablation(model, data, info, metric="bleu", tokenizer=tokenizer, batch_size=4, max_rows=8, beam=2)
+
+    def bleu() -> float:
+        texts = tokenizer.batch_decode(_alone(model, info, data.sources, limit, 2))
+        return BLEU().corpus_score(texts, [data.reference_texts]).score
+
+    base = bleu()
+    assert scores.signature["base_bleu"] == pytest.approx(base) == pytest.approx(100.0)
+    blocks = attention_blocks(model)
+    for block in (blocks[0], blocks[-1]):  # the encoder's sliding layer, the decoder's last cross-attention
+        for head in range(block.n_heads):
+            with mask_heads(model, {block.key: [head]}):
+                expected = base - bleu()
+            assert scores[block.kind][block.layer, head] == pytest.approx(expected, abs=1e-9), (block.key, head)
+    assert np.abs(scores["enc_self"]).max() > 0  # a masked head changes a translation

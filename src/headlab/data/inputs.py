@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import length_batches, with_progress
 from headlab.errors import HeadlabError, counted
 from headlab.model_description import ModelInfo
@@ -396,7 +396,8 @@ def translate_data(
     shard = active()  # several processes: each translates its own batches, gathered below
     chunks = with_progress(list(shard.take(length_batches([len(ids) for ids in data.sources], batch_size))),
                            progress, "translate", unit="batch")
-    with eval_mode(model):
+    # the floor: a float64 eager model's padding query that may attend to no key is NaN otherwise (capture's)
+    with eval_mode(model), float32_mask_floor(model):
         for chunk in chunks:
             ids, mask = _pad([data.sources[i] for i in chunk], info.pad_id, device)
             limit = min(int(max_length_a * ids.shape[1] + max_length_b), info.max_length - 1)

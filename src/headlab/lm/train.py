@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import token_budget_batches
 from headlab.errors import HeadlabError, counted
 from headlab.lm.data import collate_lm, encode_lm_corpus, read_text_corpus
@@ -36,7 +36,7 @@ def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096
     loss_sum, n_tokens = 0.0, 0
     device = next(model.parameters()).device
     plain = TrainConfig(label_smoothing=0.0)
-    with eval_mode(model):
+    with eval_mode(model), float32_mask_floor(model):  # a float64 eager model's padding rows: as in training
         for indices in token_budget_batches(corpus, max_tokens, seed=0, epoch=0):
             batch = {k: v.to(device) for k, v in collate_lm(corpus, indices, pad_id).items()}
             batch_loss, batch_tokens = causal_lm_loss(model, batch, plain)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import length_batches, with_progress
 
 __all__ = ["translate", "source_limit"]
@@ -57,7 +57,8 @@ def translate(
     pad_id = tokenizer.pad_token_id
     device = next(model.parameters()).device
     batches = with_progress(length_batches(lengths, batch_size, todo), progress, "translate", unit="batch")
-    with eval_mode(model), torch.inference_mode():
+    # the floor: a float64 eager model's padding query that may attend to no key is NaN otherwise (capture's)
+    with eval_mode(model), torch.inference_mode(), float32_mask_floor(model):
         for batch in batches:
             width = max(lengths[i] for i in batch)
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Collection, Sequence, cast
 import torch
 from safetensors.torch import load_file
 
+from headlab.capture import float32_mask_floor
 from headlab.data.batching import token_budget_batches
 from headlab.errors import HeadlabError, counted
 from headlab.heads import atomic_dir, atomic_write_text, moved_aside
@@ -402,7 +403,12 @@ def train(
     else:
         _start(config, tokenizer, accelerator)
     run = _Run(model, tokenizer, optimizer, params, state, config, hooks, accelerator, log)
-    return run.epochs(train_data, valid_data)
+    # The floor: in a float64 model, transformers' eager attention gives NaN at a padding query that may attend to no
+    # key (a sliding window past a right-padded row's end), which reaches the real rows (0 * NaN in the weighted sum
+    # of values) and every gradient (the softmax's backward); float32 and bfloat16 masks are left as they are
+    # (capture.float32_mask_floor). Validation runs under it too.
+    with float32_mask_floor(model):
+        return run.epochs(train_data, valid_data)
 
 
 @dataclass
@@ -526,6 +532,7 @@ class _Run:
         self.start_time = time.time()
         self.elapsed_before = state["elapsed_s"]
         self.ema_loss: float | None = None
+        self.diverged = ""  # why the run diverged: what was not finite, at which step
 
     # -- the run
     def epochs(self, train_data: EncodedCorpus, valid_data) -> TrainResult:
@@ -542,7 +549,7 @@ class _Run:
             if self._patience_spent():
                 stopped = "converged"
 
-        message, shown = _stop_message(stopped, state, config, self.out_dir)
+        message, shown = _stop_message(stopped, state, config, self.out_dir, self.diverged)
         if shown:
             self.log(message)
         averaged_score = None
@@ -581,7 +588,8 @@ class _Run:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             update = self._update(batch, step)
-            if update is None:
+            if isinstance(update, str):
+                self.diverged = update
                 stopped = "diverged"
                 break
             loss_value = self._count(step, *update, progress)
@@ -613,28 +621,60 @@ class _Run:
             file=sys.stderr, dynamic_ncols=True,
         )
 
-    def _update(self, batch: dict, step: int) -> tuple[torch.Tensor, int] | None:
-        """One optimizer step on ``batch``: ``(loss_sum, n_tokens)``, or None when the loss or the
-        gradient is not finite on any rank (the weights are left as they were)."""
+    def _update(self, batch: dict, step: int) -> tuple[torch.Tensor, int] | str:
+        """One optimizer step on ``batch``: ``(loss_sum, n_tokens)``, or what was not finite on some
+        rank: the loss or the gradient (the weights are left as they were), or the weights the update
+        made (the loop stops before any checkpoint holds them)."""
         config, accelerator = self.config, self.accelerator
         # bf16 autocast needs no loss scaling; validation and saved weights stay fp32.
+        extra = None
         with torch.autocast(device_type=accelerator.device.type, dtype=torch.bfloat16,
                             enabled=config.mixed_precision == "bf16"):
             loss_sum, n_tokens = self.hooks.compute_loss(self.model, batch, config)
             loss = loss_sum.float() / max(n_tokens, 1)
             if self.hooks.extra_loss is not None:
-                loss = loss + self.hooks.extra_loss(self.raw_model, batch, step)
+                extra = self.hooks.extra_loss(self.raw_model, batch, step)
+                loss = loss + extra
         if self._any_rank(not torch.isfinite(loss).item()):
-            return None
+            if not torch.isfinite(loss_sum).item():
+                return f"the loss of its batch is {loss_sum.item()} (the weights were not updated)"
+            if extra is not None and not torch.isfinite(extra).item():
+                return f"the term added to the loss (the penalty) is {extra.item()} (the weights were not updated)"
+            return "the loss is not finite on another process (the weights were not updated)"
         accelerator.backward(loss)
         if config.clip_norm and config.clip_norm > 0:
-            grad_norm = accelerator.clip_grad_norm_(self.params, config.clip_norm)
-            if self._any_rank(not torch.isfinite(torch.as_tensor(grad_norm)).item()):
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
+            grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(self.params, config.clip_norm))
+        else:  # unclipped: still read, or a NaN gradient would reach the weights and the next checkpoint
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if self._any_rank(not torch.isfinite(grad_norm).item()):
+            detail = "not finite on another process"
+            if not torch.isfinite(grad_norm).item():
+                name = self._first_nonfinite(grad=True)  # "?" after clipping by NaN: it made every gradient NaN
+                where = f"parameter {name}" if name != "?" else \
+                    "in every parameter: clipping scaled them by it; with clip_norm 0 the first one is named"
+                detail = f"{grad_norm.item()} ({where})"
+            self.optimizer.zero_grad(set_to_none=True)
+            return f"the gradient's norm is {detail}, with a finite loss of {loss.item():.6g} (the weights were not updated)"
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # The optimizer can make weights non-finite from finite gradients (float16 Adam's eps underflows to 0, a
+        # huge learning rate): refused here, before a checkpoint could hold them. One norm over the weights: NaN or
+        # inf exactly where some weight is (or their norm leaves the dtype's range, a divergence too).
+        weights = torch.nn.utils.get_total_norm(self.params)
+        if self._any_rank(not torch.isfinite(weights).item()):
+            where = f"parameter {self._first_nonfinite(grad=False)}" if not torch.isfinite(weights).item() \
+                else "on another process"  # "parameter ?": every one
+            return (f"the optimizer's update made weights not finite ({where}) from a finite loss and gradient; "
+                    "the weights in memory are those, and no checkpoint was written from them")
         return loss_sum, n_tokens
+
+    def _first_nonfinite(self, grad: bool) -> str:
+        """The name of the first trained parameter whose gradient (or value) holds a NaN or inf; "?" when every
+        one does (clipping by a NaN norm) or none."""
+        named = [(name, param.grad if grad else param) for name, param in self.raw_model.named_parameters()
+                 if param.requires_grad]
+        bad = [name for name, tensor in named if tensor is not None and not bool(tensor.isfinite().all())]
+        return bad[0] if bad and len(bad) < len([t for _, t in named if t is not None]) else "?"
 
     def _count(self, step: int, loss_sum: torch.Tensor, n_tokens: int, progress: _EpochProgress) -> float:
         """Advance the loop's position by one update and count its tokens and loss; its mean loss."""
@@ -764,12 +804,13 @@ def _epoch_line(record: dict, state: dict) -> str:
             f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
 
 
-def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path) -> tuple[str, bool]:
-    """Why the run stopped, in words, and whether it is logged (``max_steps`` is asked for: not logged)."""
+def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path, cause: str = "") -> tuple[str, bool]:
+    """Why the run stopped, in words, and whether it is logged (``max_steps`` is asked for: not logged).
+    ``cause``: what was not finite when it diverged."""
     if stopped == "diverged":
         last = _resume_dir(out_dir)
-        return (f"training diverged (loss or gradient not finite) at step {state['step'] + 1}; "
-                f"stopped without updating the weights. Last good checkpoint: {last if last else 'none written yet'}"), True
+        return (f"training diverged at step {state['step'] + 1}: {cause or 'the loss or the gradient is not finite'}. "
+                f"Last good checkpoint: {last if last else 'none written yet'}"), True
     if stopped == "max_time":
         return (f"stopped after the time limit of {config.max_time_minutes} min at step {state['step']}; "
                 "continue with --resume"), True

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from headlab.capture import eval_mode
+from headlab.capture import eval_mode, float32_mask_floor
 from headlab.training.config import TrainConfig
 from headlab.training.corpus import scoring_batches
 
@@ -55,7 +55,7 @@ def evaluate_loss(model, tokenizer, data, batch_tokens: int = 2000, compute_loss
     config = TrainConfig(label_smoothing=0.0)
     compute_loss = compute_loss or label_smoothed_loss
     total, count = 0.0, 0
-    with eval_mode(model):
+    with eval_mode(model), float32_mask_floor(model):  # a float64 eager model's padding rows: as in training
         for batch in scoring_batches(model, tokenizer, data, batch_tokens):
             loss_sum, n = compute_loss(model, batch, config)
             total += loss_sum.item()
