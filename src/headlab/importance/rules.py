@@ -264,8 +264,10 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def _is_gated_norm(module: nn.Module) -> bool:
     """A normalisation by name, with no parameters of its own, that holds a norm and a module that is none (A.X-K2's
-    ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``)."""
-    if "norm" not in type(module).__name__.lower() or next(module.parameters(recurse=False), None) is not None:
+    ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``). The family's name is
+    no part of it, as in :func:`_looks_like_norm` (``RobertaPreLayerNormModel`` holds a LayerNorm and its layers)."""
+    name = type(module).__name__.lower().removeprefix(_family_prefix(module))
+    if "norm" not in name or next(module.parameters(recurse=False), None) is not None:
         return False
     children = list(module.children())
     norms = [child for child in children if _is_rms_norm(child) or isinstance(child, nn.LayerNorm)]
