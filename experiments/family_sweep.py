@@ -27,6 +27,8 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
   with final logit soft-capping (``y = cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat, Beam) the
   capped logit ``y``'s relevance sums to ``z * (1 - tanh(z / cap) ** 2)`` (neither ``z`` nor ``y``):
   ``z``'s relevance, every share scaled by ``dy/dz``. compute_lrp explains ``z`` itself, the LM head's output.
+  A float32 model that compute_lrp widens to float64 (gated MLPs, mixtures of experts: lrp_precision) is
+  checked in float64 too: Ding's product rule loses relevance to float32 rounding (docs/importance.md).
 
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
@@ -56,6 +58,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
+from headlab.importance.lrp import lrp_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # the survey's sizes, builder and loop over the model types (one copy of each)
@@ -676,7 +679,10 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         single = dtype == torch.float32 or float32_attention(model)
         notes.append(check_prune(make(), blocks, inputs, max(atol, 1e-6 if single else 1e-9)))
         step = "lrp"
-        notes.append(check_lrp(make().double() if dtype == torch.float64 else make(), blocks))
+        lrp_model = make()
+        # widened as compute_lrp widens it (lrp_rules runs the experts' eager loop, which takes float64)
+        notes.append(check_lrp(lrp_model.double() if dtype == torch.float64 or lrp_precision(lrp_model) == torch.float64
+                               else lrp_model, blocks))
     except Fail as error:
         return "FAIL", error.check, str(error)
     except HeadlabError as error:

@@ -178,23 +178,19 @@ def test_per_head_sinks_capture_is_transformers_eager_and_masking_is_exact(famil
     torch.testing.assert_close(masked, zeroed, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"])
+@pytest.mark.parametrize("family", ["granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "gpt_oss"])
 def test_per_head_sinks_lrp_conserves(family):
     """LRP holds the attention weights constant (query and key projections detached): the sinks, parameters, then
-    only scale those constants (or the head's output by a constant), and relevance is conserved. GPT-OSS is
-    refused for its experts (below), before any work."""
+    only scale those constants (or the head's output by a constant), and relevance is conserved. GPT-OSS was
+    refused for its experts until session 28 (their rule: tests/test_lrp_moe_layouts.py); checked in float64,
+    as LRP computes it (lrp_precision: Ding's product rule in its gated experts)."""
     from headlab.importance.rules import check_rules
 
     model = sink_model(family)
     check_rules(model)  # not refused
+    if family == "gpt_oss":
+        model = model.double()  # LRP runs the experts' eager loop, which takes float64
     check_lrp_conserves(model, _layers(model)[0])
-
-
-def test_per_head_sinks_lrp_refused_for_gpt_oss_experts():
-    from headlab.importance.rules import check_rules
-
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the mixture-of-experts module GptOssExperts"):
-        check_rules(sink_model("gpt_oss"))
 
 
 def test_per_head_sinks_of_a_type_not_read_stay_refused(monkeypatch):

@@ -201,13 +201,18 @@ def test_mixture_of_experts_conserves_with_the_gated_rule_per_expert(family):
     assert lrp_precision(model) == torch.float64
 
 
-def test_experts_without_a_rule_are_refused_before_any_work():
+@pytest.mark.parametrize(("flag", "refusal"), [
+    ("has_post_expert_norm", r"its layout differs \(has_post_expert_norm=True\)"),
+    # biases are followed since session 28 (GPT-OSS's): said, but not there
+    ("has_bias", r"it says it has biases \(has_bias\) but not gate_up_proj_bias"),
+])
+def test_experts_without_a_rule_are_refused_before_any_work(flag, refusal):
     model = tiny_lrp_model("mixtral")
-    model.model.layers[1].mlp.experts.has_bias = True
+    setattr(model.model.layers[1].mlp.experts, flag, True)
     data, info = _data(model)
     calls = _forwards(model)
     with pytest.raises(HeadlabError, match=r"no rule for the mixture-of-experts module MixtralExperts "
-                                           r"\(model.layers.1.mlp.experts\): its layout differs \(has_bias=True\)"):
+                                           r"\(model.layers.1.mlp.experts\): " + refusal):
         compute_lrp(model, data, info)
     assert calls == []
 

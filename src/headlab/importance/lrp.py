@@ -60,6 +60,8 @@ from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import (
     called_gated_mlps,
     check_rules,
+    clamped_gated_mlps,
+    expert_bias_probes,
     fused_gated_mlps,
     gated_mlps,
     lrp_rules,
@@ -182,7 +184,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
     """The float type LRP computes in: float64 for a model with gated MLPs (fused [gate | up]
-    projections, LFM2's with its activation a function call, and mixtures of experts included), float32 otherwise.
+    projections, LFM2's with its activation a function call, MiniMax-M3's clamped SwiGLU, and mixtures of experts
+    included), float32 otherwise.
 
     Ding et al.'s product rule splits ``a * b`` as ``a / (a + b)`` and ``b / (a + b)``, and
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
@@ -190,7 +193,8 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     numbers. float32 keeps 7 digits: there the relevance reaching the embeddings came to between
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
-    gated = gated_mlps(model) or fused_gated_mlps(model) or called_gated_mlps(model) or routed_experts(model)
+    gated = gated_mlps(model) or fused_gated_mlps(model) or called_gated_mlps(model) or routed_experts(model) \
+        or clamped_gated_mlps(model)
     return torch.float64 if gated else torch.float32
 
 
@@ -286,7 +290,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     relevance of its bias. Forward values are unchanged. The probe goes before the module's
     other hooks (detached query and key columns drop it), except on a normalisation, whose rule
     would drop it; ``skip`` (the output layer, whose bias is added to the target directly)
-    gets none."""
+    gets none. The experts' biases held in 3-d parameters (GPT-OSS's) are probed inside their rule
+    (:func:`headlab.importance.rules.expert_bias_probes`)."""
     probes: list[torch.Tensor] = []
 
     def probe(module, args, output):
@@ -300,6 +305,14 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         probes.append(s)
         kept = bias.detach().to(output.dtype) * s
         return output + (kept - kept.detach())
+
+    def expert_probe(x):
+        # the experts' own biases (GPT-OSS's 3-d gate_up_proj_bias, down_proj_bias): rules.expert_bias_probes
+        if not torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] % batch_size:
+            return None
+        s = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device, requires_grad=True)
+        probes.append(s)
+        return s
 
     def no_head_probe(module, args, output):
         # A layer pruned to no head adds its output projection's bias without calling the projection
@@ -325,7 +338,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
-        yield probes
+        with expert_bias_probes(model, expert_probe):
+            yield probes
     finally:
         handles.remove()
 

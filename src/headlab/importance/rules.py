@@ -33,9 +33,14 @@ The other rules become ordinary backward passes once the right factors are detac
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
   (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
-* mixture of experts ``sum_k w_k E_k(x)`` (transformers' fused experts: Mixtral, Qwen-MoE, DeepSeek-V3): each
-  expert is a gated MLP with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the
-  routing weights ``w_k`` are detached, constants as the attention weights below are (:func:`_experts_rule`);
+* GPT-OSS's clamped SwiGLU ``(clamp(up) + 1) * glu(clamp(gate))`` (its experts, MiniMax-M3's experts
+  and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
+  (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
+* mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
+  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4): each expert is a gated MLP with the rules above (or
+  LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are detached (Llama 4's
+  router scores, which scale the experts' input, likewise), constants as the attention weights below are
+  (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -75,8 +80,8 @@ from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
 
-__all__ = ["called_gated_mlps", "check_rules", "fused_gated_mlps", "gated_mlps", "lrp_rules", "never_run", "norm_rule",
-           "relevance", "routed_experts"]
+__all__ = ["called_gated_mlps", "check_rules", "clamped_gated_mlps", "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
+           "lrp_rules", "never_run", "norm_rule", "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -248,18 +253,19 @@ def _rms_norm_rule(module: nn.Module, args, output):
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    """RMS norms by class: torch's, transformers' ``...RMSNorm`` and the T5 family's ``...T5LayerNorm``
-    (an RMS norm under another name); :func:`_rms_norm_rule` checks the formula on every call."""
+    """RMS norms by class: torch's, transformers' ``...RMSNorm``, the T5 family's ``...T5LayerNorm`` and Llama 4's
+    query/key ``Llama4TextL2Norm`` (``x * rsqrt(mean(x^2) + eps)``, no weight: RMS norms under other names);
+    :func:`_rms_norm_rule` checks the formula on every call."""
     name = type(module).__name__
     if next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None:
         return False  # a module around other modules (a gated norm, _is_gated_norm): judged by what it holds
-    return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm"))
+    return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm", "TextL2Norm"))
 
 
 def _is_gated_norm(module: nn.Module) -> bool:
     """A normalisation by name, with no parameters of its own, that holds a norm and a module that is none (A.X-K2's
-    ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``). The family's name
-    is no part of it (``RobertaPreLayerNormModel``, as in :func:`_looks_like_norm`)."""
+    ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``). The family's name is
+    no part of it, as in :func:`_looks_like_norm` (``RobertaPreLayerNormModel`` holds a LayerNorm and its layers)."""
     name = type(module).__name__.lower().removeprefix(_family_prefix(module))
     if "norm" not in name or next(module.parameters(recurse=False), None) is not None:
         return False
@@ -407,7 +413,7 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     inside = _inside(model, blocks)
     found: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
-        problem = _module_problem(module, path, inside)
+        problem = _module_problem(module, path, inside, _parent(model, path))
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
     return found
@@ -431,12 +437,17 @@ def _unknown_norm(module: nn.Module) -> bool:
     return False
 
 
-def _module_problem(module: nn.Module, path: str, inside: set[int]) -> str | None:
+def _parent(model: nn.Module, path: str) -> nn.Module | None:
+    return model.get_submodule(path.rpartition(".")[0]) if path else None
+
+
+def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.Module | None = None) -> str | None:
     """Why no LRP rule covers ``module`` itself, as the refusal says it (None: one does); a normalisation
-    without a rule aside (:func:`check_rules` names them all at once)."""
-    if _is_experts(module) and (problem := _moe_layout_problem(module)) is not None:
+    without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it."""
+    if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
-                f"{problem}; headlab knows transformers' fused gated experts (Mixtral, Qwen-MoE)")
+                f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3)")
     if _is_gated_norm(module):  # A.X-K2's AXK2GatedRMSNorm (transformers 5.24)
         return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): it multiplies its norm's "
                 "output by a gate computed from that output (y * sigmoid(mlp(y))), a product of two functions of its "
@@ -508,6 +519,10 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
                 "second stream computed from the token embeddings, which reaches the layer beside the residual "
                 "stream; none of headlab's rules splits that product, so relevance would not be conserved; the "
                 "other measures work on the attention layers")
+    if _clamped_gated_parts(module) is not None and _clamped_gate(module) is None:
+        return ("a gated MLP down(gate(gate_up x)) with a clamp limit and no activation module whose forward is not "
+                "GPT-OSS's clamped SwiGLU (clamp(up) + 1) * g * sigmoid(alpha * g) on a probe (MiniMax-M3's is), so "
+                "the activation and product rules cannot be applied to it and relevance would not be conserved")
     if _called_gated_parts(module) is not None and not _computes_called_gated(module):
         return ("a gated MLP w2(act(w1 x) * w3 x) whose activation is a function call, not a module, and not "
                 "SiLU (LFM2's, the one headlab knows): on a probe its output is not w2(silu(w1 x) * w3 x), so the "
@@ -674,6 +689,21 @@ class _GatedProduct:
         return (_swap_backward(v, _product(a, b).to(v.dtype)), *args[1:])
 
 
+class _CheckedGatedProduct(_GatedProduct):
+    """:class:`_GatedProduct` that checks, on every call, that ``down``'s input is the product of the two
+    factors it kept before its backward is swapped (a gated MLP found by names other MLPs might use too)."""
+
+    def pre_down(self, module, args):
+        v, a, b = args[0], self.a, self.b
+        if a is not None and b is not None and a.shape == v.shape == b.shape:
+            with torch.no_grad():
+                if not torch.allclose(a * b, v, rtol=1e-3, atol=1e-5):
+                    self.a = self.b = None
+                    raise HeadlabError(f"LRP: the input of {type(module).__name__} is not act(gate x) * up x; "
+                                       "headlab has no LRP rule for this gated MLP")
+        return super().pre_down(module, args)
+
+
 class _CalledGatedProduct(_GatedProduct):
     """:class:`_GatedProduct` for ``w2(silu(w1 x) * w3 x)`` with SiLU a function call (LFM2's ``Lfm2MLP``):
     ``w1``'s output gets the activation rule here (LXT's ``gated_mlp_forward`` applies the identity rule to
@@ -705,34 +735,200 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a * share + b * share_b
 
 
-def _moe_layout_problem(module: nn.Module) -> str | None:
-    """Why headlab has no rule for a mixture-of-experts module (None: it has one).
+def _halves(gate_up: torch.Tensor, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate, up)`` of a fused projection: [gate; up] (``chunk``) or interleaved [g0, u0, g1, u1, ...] (GPT-OSS)."""
+    if concatenated:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate, up
+    return gate_up[..., ::2], gate_up[..., 1::2]
 
-    The rule (:func:`_experts_rule`) is for transformers' fused gated experts (Mixtral, Qwen2-MoE,
-    Qwen3-MoE): ``gate_up_proj`` ``[experts, 2 * inner, hidden]`` holding [gate; up],
-    ``down_proj`` ``[experts, hidden, inner]``, ``act_fn``, no biases, no norm after the experts,
-    called as ``experts(hidden_states, top_k_index, top_k_weights)``; and for LongCat-Flash's
-    (``LongcatFlashExperts``, transformers 5.24), whose ``zero_expert_num`` identity experts come after the
-    gated ones (``gate_up_proj`` holds rows for all of them, ``down_proj`` for the gated ones)."""
+
+def _limits(module: nn.Module) -> tuple[float, float] | None:
+    """``(alpha, limit)`` of GPT-OSS's clamped SwiGLU (``alpha``/``limit``; MiniMax-M3's ``swiglu_alpha``/
+    ``swiglu_limit``), None where ``module`` has neither."""
+    for alpha, limit in (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit")):
+        a, b = getattr(module, alpha, None), getattr(module, limit, None)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return float(a), float(b)
+    return None
+
+
+class _Gate:
+    """What a gated expert computes between its two projections, from ``gate_up`` ([gate | up] or interleaved):
+    ``act(gate) * up`` (Mixtral, Qwen-MoE, Llama 4, Aria) or GPT-OSS's clamped SwiGLU ``(clamp(up, -l, l) + 1) *
+    glu`` with ``glu = g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)`` (GPT-OSS, MiniMax-M3).
+    :meth:`plain` computes it; calling it computes it with the backward of the LRP rules."""
+
+    def __init__(self, concatenated: bool, act: nn.Module | None = None,
+                 limits: tuple[float, float] | None = None) -> None:
+        self.concatenated, self.act, self.limits = concatenated, act, limits
+
+    def describe(self) -> str:
+        layout = "[gate; up]" if self.concatenated else "interleaved gate and up columns"
+        return f"{'act(gate) * up' if self.limits is None else 'clamped (up + 1) * swiglu(gate)'} ({layout})"
+
+    def plain(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = _halves(gate_up, self.concatenated)
+        if self.limits is None:
+            assert self.act is not None
+            return self.act.forward(gate) * up  # forward: not the activation rule's hook
+        alpha, limit = self.limits
+        gate = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = _halves(gate_up, self.concatenated)
+        if self.limits is None:
+            assert self.act is not None
+            return _product(self.act(gate), up)  # act carries the activation rule's hook
+        return _clamped_swiglu(gate, up, *self.limits)
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's ``(clamp(up, -l, l) + 1) * glu``, ``glu = g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)``
+    (transformers' ``GptOssExperts._apply_gate``; MiniMax-M3's), with the backward of the LRP rules.
+
+    The clamps and ``g * sigmoid(alpha * g)`` are element-wise functions of one neuron each: the activation
+    rule (identity rule), ``R(gate) = R(glu)``, ``R(up) = R(clamp(up))`` (Voita et al. 2019, App. A.2; AttnLRP's
+    identity rule, Achtibat et al. 2024, Sec. 3.3.1). The product is written as the sum ``u * glu + glu``
+    (``u = clamp(up)``): the weighted-sum rule splits ``R`` between the two terms in proportion to them, and
+    Ding et al.'s product rule splits ``u * glu`` between ``u`` and ``glu``, so all relevance reaches ``gate`` and
+    ``up`` and none is kept by the ``+ 1``. (Read as a bias ``(u + 1) * glu``, the constant would keep a share
+    ``1 / (u + 1)`` of the first factor's relevance, though it only lets ``glu`` through unscaled.)"""
+    with torch.no_grad():
+        g = gate.clamp(max=limit)
+        glu = g * torch.sigmoid(g * alpha)
+        u = up.clamp(min=-limit, max=limit)
+    glu = _activation_rule(None, (gate,), glu)
+    u = _activation_rule(None, (up,), u)
+    return _product(u, glu) + glu
+
+
+def _probe_gate(module: nn.Module, candidates: list[_Gate], compute) -> _Gate | None:
+    """The first of ``candidates`` that ``compute`` (the module's own gate, on [tokens, 2 * inner] under no_grad)
+    reproduces on a random input wide enough to reach the clamps; None where none does."""
+    weight = next(module.parameters(), None)
+    if weight is None or weight.is_meta or not weight.is_floating_point():
+        return candidates[0] if candidates else None  # cannot run: the rule's check on every call decides
+    g = torch.Generator().manual_seed(0)
+    width = 2 * _inner(module)
+    x = (10 * torch.randn((5, width), generator=g, dtype=torch.float64)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            output = compute(x)
+        except Exception:  # noqa: BLE001  # any failure: not a gate the rules know
+            return None
+        for gate in candidates:
+            expected = gate.plain(x)
+            if isinstance(output, torch.Tensor) and output.shape == expected.shape \
+                    and torch.allclose(output, expected, rtol=1e-4, atol=1e-6):
+                return gate
+    return None
+
+
+def _inner(module: nn.Module) -> int:
+    """The width of the experts' (or MLP's) inner layer: ``down_proj``'s input."""
+    down = cast(Any, module).down_proj  # a Linear or the experts' [experts, ., .] weight
+    if isinstance(down, nn.Linear):
+        return down.in_features
+    return int(down.shape[1] if _transposed(module) else down.shape[2])
+
+
+def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
+    act = getattr(module, "act_fn", None)
+    limits = _limits(module)
+    found = []
+    for layout in (concatenated, not concatenated):  # the layout the module says it has first
+        if limits is not None:
+            found.append(_Gate(layout, limits=limits))
+        if isinstance(act, nn.Module) and _is_activation(act):
+            found.append(_Gate(layout, act=act))
+    return found
+
+
+def _transposed(module: nn.Module) -> bool | None:
+    """Whether the experts' weights are stored [experts, in, out] (GPT-OSS, Llama 4, Aria), from their shapes:
+    ``gate_up_proj`` [experts, 2 x inner, hidden] and ``down_proj`` [experts, hidden, inner], or transposed
+    [experts, hidden, 2 x inner] and [experts, inner, hidden] (never both: that needs inner 0); None: neither.
+    LongCat-Flash's ``gate_up_proj`` has rows for its identity experts too (:func:`_identity_experts`)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
-            or gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] + _identity_experts(module) \
-            or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
-        return "its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj [experts, hidden, inner]"
-    if not isinstance(getattr(module, "act_fn", None), nn.Module):
-        return "it has no act_fn module"
-    flags = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-             "has_post_expert_norm": False}
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3 \
+            or down.dim() != 3 or gate_up.shape[0] != down.shape[0] + _identity_experts(module):
+        return None
+    if gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]:
+        return False
+    if gate_up.shape[2] == 2 * down.shape[1] and gate_up.shape[1] == down.shape[2]:
+        return True
+    return None
+
+
+def _dense_experts(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes the hidden states alone (Llama 4's ``Llama4TextExperts``): every expert
+    runs on its own slice of rows, the routing weights applied to its input before (:func:`_experts_rule`)."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) == 2  # self, hidden_states
+
+
+def _router(parent: nn.Module | None) -> nn.Module | None:
+    """The router beside dense experts (Llama 4's ``Llama4TextMoe.router``), whose scores scale their input."""
+    router = getattr(parent, "router", None) if parent is not None else None
+    return router if isinstance(router, nn.Module) else None
+
+
+def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
+    """``(transposed, biases, gate)`` of a mixture-of-experts module, or why headlab has no rule for it.
+
+    The rule (:func:`_experts_rule`) is for transformers' gated experts held as 3-d weights: ``gate_up_proj``
+    ``[experts, 2 * inner, hidden]`` and ``down_proj`` ``[experts, hidden, inner]`` (Mixtral, Qwen-MoE,
+    MiniMax-M3; LongCat-Flash with its identity experts after the gated ones, :func:`_identity_experts`) or
+    transposed, ``[experts, hidden, 2 * inner]`` and ``[experts, inner, hidden]`` (GPT-OSS, Aria, Llama 4),
+    with biases ``gate_up_proj_bias`` and ``down_proj_bias`` or none, no norm after the experts, and a gate
+    :class:`_Gate` knows (``act_fn(gate) * up``, or GPT-OSS's clamped SwiGLU), found by running the module's
+    ``_apply_gate`` on a probe. Called as ``experts(hidden_states, top_k_index, top_k_weights)``,
+    or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`)."""
+    transposed = _transposed(module)
+    if transposed is None:
+        return ("its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj "
+                "[experts, hidden, inner], nor those transposed")
+    flags = {"has_gate": True, "has_post_expert_norm": False, "is_transposed": transposed}
     wrong = [name for name, value in flags.items() if getattr(module, name, value) != value]
     if wrong:
         return f"its layout differs ({', '.join(f'{name}={getattr(module, name)}' for name in wrong)})"
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # a transformers without it: the experts' own forward, checked on every call
-        _default_apply_gate = None  # type: ignore[assignment]  # compared by identity below
-    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
-    if apply_gate is not _default_apply_gate:
-        return "it applies its own gate (_apply_gate)"
+    biases = bool(getattr(module, "has_bias", False))
+    if biases:
+        gate_up, down = cast(Any, module).gate_up_proj, cast(Any, module).down_proj  # 3-d: _transposed
+        experts, hidden, inner = down.shape[0], gate_up.shape[1 if transposed else 2], down.shape[1 if transposed else 2]
+        shapes = {"gate_up_proj_bias": (experts, 2 * inner), "down_proj_bias": (experts, hidden)}
+        if any(not isinstance(b := getattr(module, name, None), torch.Tensor) or tuple(b.shape) != shape
+               for name, shape in shapes.items()):
+            return "it says it has biases (has_bias) but not gate_up_proj_bias [experts, 2 x inner] and down_proj_bias"
+    candidates = _gate_candidates(module, bool(getattr(module, "is_concatenated", True)))
+    if not candidates:
+        return "it has no act_fn module, nor GPT-OSS's clamped SwiGLU (alpha and limit)"
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:  # its forward computes the gate inline: the rule checks the result on every call
+        return transposed, biases, candidates[0]
+    gate = _probe_gate(module, candidates, apply_gate)
+    if gate is None:
+        return ("it applies its own gate (_apply_gate), which computes neither act_fn(gate) * up nor GPT-OSS's "
+                "clamped (up + 1) * gate * sigmoid(alpha * gate) on a probe")
+    return transposed, biases, gate
+
+
+def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> str | None:
+    """Why headlab has no rule for a mixture-of-experts module (None: it has one): :func:`_experts_layout`, and
+    experts called on the hidden states alone need a ``router`` beside them (in ``parent``) to hold constant."""
+    layout = _experts_layout(module)
+    if isinstance(layout, str):
+        return layout
+    if _dense_experts(module) and _router(parent) is None:
+        return ("it is called on the hidden states alone, its routing weights applied outside it, and there is no "
+                "router module beside it to hold them constant")
     return None
 
 
@@ -756,40 +952,101 @@ def routed_experts(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if _is_experts(module)]
 
 
+_EXPERT_BIAS_PROBES: dict[int, Any] = {}  # id(experts module) -> probe(x): see expert_bias_probes
+
+
+@contextmanager
+def expert_bias_probes(model: nn.Module, probe) -> Iterator[None]:
+    """Inside, the experts of ``model`` with biases (GPT-OSS's ``gate_up_proj_bias`` and ``down_proj_bias``, which
+    no module's ``bias`` holds) measure the relevance their biases keep: ``probe(x)`` (``x`` the experts' input,
+    ``[tokens, hidden]``) gives ``s``, ones ``[tokens, 1]`` that require grad, or None, and each expert's biases
+    are added as ``b + (b * s - stop(b * s))``, so that ``s * dy/ds`` is their relevance per token
+    (lrp.py's bias probes, which do the same for every module's ``bias``)."""
+    ids = [id(module) for module in routed_experts(model) if getattr(module, "has_bias", False)]
+    try:
+        for key in ids:
+            _EXPERT_BIAS_PROBES[key] = probe
+        yield
+    finally:
+        for key in ids:
+            _EXPERT_BIAS_PROBES.pop(key, None)
+
+
+def _expert(module: Any, x: torch.Tensor, expert: int, transposed: bool, biases: bool, gate: _Gate,
+            probe: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on its rows ``x``: ``down(gate(gate_up x + b) ) + b'`` with the rules' backward; ``probe``
+    (``[rows, 1]`` ones) measures what the biases keep (:func:`expert_bias_probes`)."""
+    def project(h, weight, bias):
+        out = h @ weight if transposed else nn.functional.linear(h, weight)
+        if bias is None:
+            return out
+        kept = bias * probe if probe is not None else None
+        return out + bias if kept is None else out + bias + (kept - kept.detach())
+
+    gate_up = project(x, module.gate_up_proj[expert], module.gate_up_proj_bias[expert] if biases else None)
+    return project(gate(gate_up), module.down_proj[expert], module.down_proj_bias[expert] if biases else None)
+
+
+_EXPERTS_ARGUMENTS = {"hidden_states": "hidden_states", "top_k_index": "top_k_index", "top_k_weights": "top_k_weights",
+                      "router_indices": "top_k_index", "routing_weights": "top_k_weights"}  # GPT-OSS's names
+
+
 def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' experts module, its weights by name
     """Routed gated experts: ``sum_k w_k down_e(act(gate_e x) * up_e x)`` over each token's top-k
     experts ``e`` with routing weights ``w_k``. Each expert gets the rules of a gated MLP (the
-    activation rule and Ding et al.'s product rule); the routing weights are constants of the
-    backward pass, as the attention weights are (Voita et al. 2019, App. A: the weights of a
-    weighted sum), so all relevance flows through the experts; an identity expert (LongCat-Flash's
-    :func:`_identity_experts`) is ``w_k x``. The output is recomputed so,
-    checked against the module's own (any implementation), and only its backward is used."""
-    names = ("hidden_states", "top_k_index", "top_k_weights")
-    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    if len(given) != 3 or not isinstance(output, torch.Tensor):
+    activation rule and Ding et al.'s product rule; GPT-OSS's gate those of :func:`_clamped_swiglu`);
+    the routing weights are constants of the backward pass, as the attention weights are (Voita et al.
+    2019, App. A: the weights of a weighted sum), so all relevance flows through the experts; a bias keeps
+    its share, as every bias does; an identity expert (LongCat-Flash's :func:`_identity_experts`) is
+    ``w_k x``. Llama 4's experts take their input already scaled by the routing weights (``x * w_e``, the
+    router's output held constant by :func:`lrp_rules`) and run every expert on its own slice of rows.
+    The output is recomputed so, checked against the module's own (any implementation), and only its
+    backward is used."""
+    layout = _experts_layout(module)
+    if isinstance(layout, str):
+        raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__}: {layout}")
+    transposed, biases, gate = layout
+    names = list(_EXPERTS_ARGUMENTS)
+    given = {_EXPERTS_ARGUMENTS[name]: value for name, value in
+             [*zip(("hidden_states", "top_k_index", "top_k_weights"), args), *kwargs.items()] if name in names}
+    dense = _dense_experts(module)
+    if len(given) != (1 if dense else 3) or not isinstance(output, torch.Tensor):
         raise HeadlabError(f"LRP: {type(module).__name__} is not called as experts(hidden_states, top_k_index, "
                            "top_k_weights); headlab has no LRP rule for it")
-    x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"].detach()
+    x = given["hidden_states"]
     _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
-    surrogate = torch.zeros_like(x)
-    gated = module.down_proj.shape[0]
-    for expert in range(gated + _identity_experts(module)):
-        token, slot = torch.where(index == expert)
-        if not len(token):
-            continue
-        if expert >= gated:  # an identity expert (LongCat-Flash): w_k x, linear once w_k is a constant
-            routed = x[token] * weights[token, slot, None]
+    n_experts = module.down_proj.shape[0]  # the gated ones: LongCat-Flash's identity experts follow
+    if dense:  # Llama 4: rows [expert 0's tokens; expert 1's; ...], each already scaled by its routing weight
+        rows = x.view(n_experts, -1, x.shape[-1])
+        surrogate = torch.cat([_expert(module, rows[e], e, transposed, biases, gate) for e in range(n_experts)])
+    else:
+        index, weights = given["top_k_index"], given["top_k_weights"].detach()
+        probe = _EXPERT_BIAS_PROBES.get(id(module))
+        s = probe(x) if probe is not None and biases else None
+        surrogate = torch.zeros_like(x)
+        for expert in range(n_experts + _identity_experts(module)):
+            token, slot = torch.where(index == expert)
+            if not len(token):
+                continue
+            if expert >= n_experts:  # an identity expert (LongCat-Flash): w_k x, linear once w_k is a constant
+                routed = x[token] * weights[token, slot, None]
+                surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
+                continue
+            routed = _expert(module, x[token], expert, transposed, biases, gate, None if s is None else s[token]) \
+                * weights[token, slot, None]
             surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
-            continue
-        gate, up = nn.functional.linear(x[token], module.gate_up_proj[expert]).chunk(2, dim=-1)
-        inner = _product(module.act_fn(gate), up)  # act_fn carries the activation rule's hook
-        routed = nn.functional.linear(inner, module.down_proj[expert]) * weights[token, slot, None]
-        surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
     with torch.no_grad():
         if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
             raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed gated experts "
-                               "(w_k down(act(gate x) * up x)); headlab has no LRP rule for it")
+                               f"(w_k down({gate.describe()})); headlab has no LRP rule for it")
     return _swap_backward(output, surrogate)
+
+
+def _detach_outputs(module, args, output):
+    """A router's outputs (a tuple: scores and logits) held constant, as routing weights are."""
+    if isinstance(output, tuple):
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in output)
+    return output.detach()
 
 
 class _ActivationBetween:
@@ -861,7 +1118,10 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
 # Gates that scale a shared expert's output (Qwen2-MoE: ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``).
 _EXPERT_GATES = ("shared_expert_gate",)
 
-_GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+_GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"),
+                ("gate_proj", "up_proj", "down_proj", "activation_fn"))
+# Names that are new to the rule (Llama 4's Llama4TextMLP): down's input is checked to be act(gate x) * up x.
+_CHECKED_GATED_NAMES = {"activation_fn"}
 # One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
 # ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
 _FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
@@ -888,14 +1148,88 @@ def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Mo
 
 
 def gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    return [(act, up, down) for act, up, down, _ in _gated_mlps(model)]
+
+
+def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, bool]]:
+    """``(act, up, down, checked)`` of every gated MLP found by its modules' names; ``checked``: its product is
+    checked on every call (:class:`_CheckedGatedProduct`)."""
     found = []
     for module in model.modules():
         for gate, up, down, act in _GATED_NAMES:
             parts: list = [getattr(module, name, None) for name in (gate, up, down, act)]
             if all(isinstance(p, nn.Module) for p in parts):
-                found.append((parts[3], parts[1], parts[2]))
+                found.append((parts[3], parts[1], parts[2], act in _CHECKED_GATED_NAMES))
                 break
     return found
+
+
+def _clamped_gated_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
+    """``(gate_up_proj, down_proj)`` of a dense MLP with GPT-OSS's clamped SwiGLU computed in its forward, no
+    activation module (MiniMax-M3's ``MiniMaxM3VLDenseMLP``, its shared experts), None for any other module."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, nn.Linear) or not isinstance(down, nn.Linear) or _limits(module) is None \
+            or gate_up.out_features != 2 * down.in_features or any(_is_activation(c) for c in module.children()):
+        return None
+    return gate_up, down
+
+
+def _clamped_gate(module: nn.Module) -> _Gate | None:
+    """The :class:`_Gate` whose formula ``module``'s own forward computes, ``down(gate(gate_up x))``, on a random
+    input (under no_grad), [gate; up] or interleaved; None: neither. Weights on the meta device: [gate; up],
+    checked on every call by the rule."""
+    parts = _clamped_gated_parts(module)
+    assert parts is not None
+    gate_up, down = parts
+    candidates = [_Gate(layout, limits=_limits(module)) for layout in (True, False)]
+    if gate_up.weight.is_meta or not gate_up.weight.is_floating_point():
+        return candidates[0]
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn((2, 3, gate_up.in_features), generator=g, dtype=torch.float64)).to(gate_up.weight)
+    with torch.no_grad():
+        try:
+            output = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001  # any failure: not the MLP the rule assumes
+            return None
+        for gate in candidates:
+            expected = down.forward(gate.plain(gate_up.forward(x)))
+            if isinstance(output, torch.Tensor) and output.shape == expected.shape \
+                    and torch.allclose(output, expected, rtol=1e-4, atol=1e-6):
+                return gate
+    return None
+
+
+def clamped_gated_mlps(model: nn.Module) -> list[tuple[nn.Linear, nn.Linear, _Gate]]:
+    """``(gate_up_proj, down_proj, gate)`` of every dense MLP of ``model`` with GPT-OSS's clamped SwiGLU
+    (:func:`_clamped_gated_parts`) whose forward computes it (the others are refused, :func:`_no_rule`)."""
+    found = []
+    for module in model.modules():
+        if (parts := _clamped_gated_parts(module)) is not None and (gate := _clamped_gate(module)) is not None:
+            found.append((*parts, gate))
+    return found
+
+
+class _ClampedGatedProduct:
+    """The rules of :func:`_clamped_swiglu` for a dense MLP ``down(gate(gate_up x))``: ``gate_up``'s output is
+    kept, and the pre-hook of ``down`` checks that its input is the gate of it and gives it the rules' backward."""
+
+    def __init__(self, gate: _Gate) -> None:
+        self.gate = gate
+        self.gate_up: torch.Tensor | None = None
+
+    def keep(self, module, args, output):
+        self.gate_up = output
+
+    def pre_down(self, module, args):
+        v, gate_up = args[0], self.gate_up
+        self.gate_up = None
+        if gate_up is None or gate_up.shape[:-1] != v.shape[:-1]:
+            raise HeadlabError(f"LRP: cannot find the gate and up projections before {type(module).__name__}")
+        with torch.no_grad():
+            if not torch.allclose(self.gate.plain(gate_up), v, rtol=1e-3, atol=1e-5):
+                raise HeadlabError(f"LRP: the input of {type(module).__name__} is not {self.gate.describe()} of the "
+                                   "gate and up projection; headlab has no LRP rule for this gated MLP")
+        return (_swap_backward(v, self.gate(gate_up).to(v.dtype)), *args[1:])
 
 
 @contextmanager
@@ -912,7 +1246,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
     handles = HookHandles()
     restore: list[tuple[object, str]] = []
     try:
-        gated = gated_mlps(model)
+        gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
         for path, module in model.named_modules():
@@ -926,8 +1260,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(module.register_forward_hook(rule))
             elif _is_activation(module):
                 handles.append(module.register_forward_hook(_activation_rule))
-        for act, up, down in gated:
-            product = _GatedProduct()
+        for act, up, down, checked in gated:
+            product = _CheckedGatedProduct() if checked else _GatedProduct()
             # after the activation rule (hooked above), so it sees the rule's output
             handles.append(act.register_forward_hook(product.keep_a))
             handles.append(up.register_forward_hook(product.keep_b))
@@ -938,6 +1272,10 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(gate_up.register_forward_hook(
                 lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
             handles.append(down.register_forward_pre_hook(product.pre_down))
+        for gate_up, down, gate in clamped_gated_mlps(model):
+            clamped = _ClampedGatedProduct(gate)
+            handles.append(gate_up.register_forward_hook(clamped.keep))
+            handles.append(down.register_forward_pre_hook(clamped.pre_down))
         for w1, w3, w2 in called_gated_mlps(model):
             called = _CalledGatedProduct()
             handles.append(w1.register_forward_hook(called.keep_activated))
@@ -946,6 +1284,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
+                if _dense_experts(module) and (router := _router(_parent(model, path))) is not None:
+                    # Llama 4: the router's scores scale the experts' input, constants as routing weights are
+                    handles.append(router.register_forward_hook(_detach_outputs))
                 config: Any = getattr(module, "config", None)
                 if getattr(config, "_experts_implementation", "eager") != "eager":
                     # transformers' grouped and batched matmuls take no float64: its reference loop
