@@ -1,0 +1,82 @@
+"""A multimodal wrapper's special tokens and longest input are its text model's (session 28, wrapper28).
+
+ModernVBERT's config (``ModernVBertConfig``, like UltraVBERT's and Mllama's) has no padding, EOS, BOS, SEP or CLS id
+and no position limit at its top level: they are in its ``text_config``. ``describe_model`` read the top level only,
+so without a tokenizer a wrapper was padded with id 0, had no EOS (its special ids, which confidence leaves out and
+LRP never targets, were {0}) and took inputs of 512 tokens through a text model of 64 positions (Mllama: padded with
+its EOS). Now a value the top level lacks is read from the text config (transformers' ``get_text_config()``); where
+both have one the top level wins for the ids (as transformers' generation config takes them) and the smaller limit
+for the length; a classifier's padding id is the one transformers pools by (the text config's).
+
+Tiny models built from their configs, no download.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab.model_description import describe_model
+from support.family_matrix import perturbed_model
+from test_mla_pruning import mistral_large4
+from test_multimodal_towers import gemma3, gemma4, git, got_ocr2, granite_speech, llava
+from test_tower_numbering import modernvbert, mllama, phi4_multimodal, ultravbert
+
+WRAPPERS = {
+    "modernvbert": modernvbert, "ultravbert": ultravbert, "phi4_multimodal": phi4_multimodal, "mllama": mllama,
+    "llava": llava, "gemma3": gemma3, "gemma4": gemma4, "git": git, "got_ocr2": got_ocr2,
+    "granite_speech": granite_speech, "granite_speech_plus": lambda: granite_speech(plus=True),
+    "mistral_large4": mistral_large4,
+}
+
+
+def _text_model_alone(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The wrapper's text model built from its text config alone (its own weights do not matter here)."""
+    config = copy.deepcopy(wrapper.config.get_text_config())
+    if isinstance(config, tf.MllamaTextConfig):  # no auto class takes it
+        return tf.MllamaForCausalLM(config)
+    return tf.AutoModel.from_config(config)
+
+
+def _fields(model: torch.nn.Module) -> dict:
+    info = describe_model(model)
+    return {"pad_id": info.pad_id, "eos_ids": info.eos_ids, "special_ids (pad, eos, bos, sep, cls)": info.special_ids,
+            "decoder_start_id": info.decoder_start_id, "max_length": info.max_length}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_wrapper_is_described_as_its_text_model(wrapper):
+    """Before: ModernVBERT, UltraVBERT and Mllama padded with 0 (Mllama: its EOS, 1), took 512 tokens, and had
+    no special ids but the padding one."""
+    model = WRAPPERS[wrapper]()
+    got, want = _fields(model), _fields(_text_model_alone(model))
+    assert got == want
+    assert got["pad_id"] == 2 and 1 in got["eos_ids"] and got["max_length"] == 64
+
+
+def test_the_top_levels_ids_win_and_the_smaller_length():
+    """A wrapper whose top level sets ids and a limit of its own: its ids win (transformers' generation config
+    takes the outer attributes first), the text config's fill what it lacks, and the smaller limit holds."""
+    model = modernvbert()
+    model.config.pad_token_id, model.config.max_position_embeddings = 5, 32
+    info = describe_model(model)
+    assert info.pad_id == 5 and info.eos_ids == {1} and {0, 1, 5} <= info.special_ids and 2 not in info.special_ids
+    assert info.max_length == 32
+    model.config.max_position_embeddings = 128
+    assert describe_model(model).max_length == 64
+
+
+def test_a_wrapped_classifier_pads_as_transformers_pools():
+    """Gemma 3's classifier pools at the last token that is not its text config's padding id
+    (``GenericForSequenceClassification``); describe_model pads with that id and LRP reads the logits there."""
+    from headlab.importance.lrp import _pooled_positions
+
+    config = gemma3().config
+    model = perturbed_model(tf.Gemma3ForSequenceClassification, config, attn_implementation="eager")
+    model.config.pad_token_id = 5  # the top level disagrees: transformers pools by the text config's 2
+    assert describe_model(model).pad_id == 2
+    ids = torch.tensor([[7, 8, 9, 2, 2], [7, 8, 5, 9, 2]])
+    assert _pooled_positions(model, ids).tolist() == [2, 3]
