@@ -23,7 +23,7 @@ from headlab.model_description import describe_model
 from support.family_matrix import perturbed_model
 from test_mla_pruning import mistral_large4
 from test_multimodal_towers import gemma3, gemma4, git, got_ocr2, granite_speech, llava
-from test_tower_numbering import modernvbert, mllama, phi4_multimodal, ultravbert
+from test_tower_numbering import mllama, modernvbert, phi4_multimodal, ultravbert
 
 WRAPPERS = {
     "modernvbert": modernvbert, "ultravbert": ultravbert, "phi4_multimodal": phi4_multimodal, "mllama": mllama,
@@ -80,3 +80,29 @@ def test_a_wrapped_classifier_pads_as_transformers_pools():
     assert describe_model(model).pad_id == 2
     ids = torch.tensor([[7, 8, 9, 2, 2], [7, 8, 5, 9, 2]])
     assert _pooled_positions(model, ids).tolist() == [2, 3]
+
+
+_PE_TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2, model_type="modernbert",
+                global_attn_every_n_layers=2, local_attention=4)
+_PE_ENCODER = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4, head_dim=8)
+
+
+def test_perception_encoders_are_refused_before_any_work_naming_their_media_input():
+    """PE Audio's forward needs audio besides token ids. Before: attention_blocks listed its audio encoder's block as a
+    running enc_self layer 0 and not its ModernBERT's, and describe_model failed with a raw NotImplementedError
+    (get_input_embeddings). Its text model alone is described as the ModernBERT it is."""
+    from headlab import HeadlabError, attention_blocks
+    from headlab.adapters import unsupported_reason
+
+    model = tf.PeAudioModel(tf.PeAudioConfig(text_config=_PE_TEXT, audio_config=_PE_ENCODER))
+    for check in (attention_blocks, describe_model):
+        with pytest.raises(HeadlabError, match=r"model_type 'pe_audio'\) is not supported: .* contrastive embedding "
+                                               r"model: .* audio \(input_values\), which headlab's text inputs cannot"):
+            check(model)
+    assert [b.name for b in attention_blocks(model.text_model)] == ["layers.0.attn", "layers.1.attn"]
+    assert describe_model(model.text_model).max_length == 64
+    # their video towers need timm to build: the configs are refused as the models would be
+    video = tf.PeVideoConfig(text_config=_PE_TEXT)
+    assert "video (pixel_values_videos)" in unsupported_reason(video)
+    assert "audio and video" in unsupported_reason(tf.PeAudioVideoConfig(text_config=_PE_TEXT))
