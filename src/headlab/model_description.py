@@ -14,7 +14,7 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, config_value, text_config
 from headlab.portable import CLASS_NAME
 
 __all__ = [
@@ -72,37 +72,11 @@ def _ids(value) -> set[int]:
     return {int(value)}
 
 
-def _text_config(config) -> Any:
-    """The config of the model text runs through: a composite wrapper's ``text_config`` (ModernVBERT, Llava,
-    Mllama, Gemma 3, ...; transformers' ``get_text_config()``), or the config itself. Where it names several
-    (e.g. a text encoder and a decoder) it cannot say which, and only the top level is read."""
-    get = getattr(config, "get_text_config", None)
-    if not callable(get):
-        return config
-    try:
-        return get()
-    except ValueError:
-        return config
-
-
-def config_value(config, attr: str) -> Any:
-    """``attr`` of ``config``, or of its text config where the top level has none: a wrapper such as
-    ModernVBERT or Mllama keeps its special token ids only in ``text_config``. Where both have one the top
-    level wins, as in transformers' ``GenerationConfig.from_model_config`` (the outer attributes first, the
-    text config's where they are unset): it is what the wrapper's own generation pads and stops with."""
-    value = getattr(config, attr, None)
-    if value is None:
-        text = _text_config(config)
-        if text is not config:
-            value = getattr(text, attr, None)
-    return value
-
-
 def _max_positions(model: nn.Module) -> int | None:
     """The longest input the model's position table takes, or None where it has none. A wrapper's limit is
     its text model's (its ``text_config``); where the top level sets one too, the smaller wins: tokens go
     through the text model's table, and an input neither limit refuses is the only safe one."""
-    configs = [model.config, _text_config(model.config)]
+    configs = [model.config, text_config(model.config)]
     for attr in ("max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length"):
         values = [v for v in (getattr(c, attr, None) for c in configs) if isinstance(v, int) and v > 0]
         if values:
@@ -210,11 +184,11 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     )
 
 
-def pooled_pad_id(config) -> Any:
+def pooled_pad_id(config: Any) -> Any:
     """The padding id a sequence classifier pools by (its last token not this id): transformers'
-    ``GenericForSequenceClassification`` reads ``config.get_text_config().pad_token_id``, so a wrapper's text
+    ``GenericForSequenceClassification`` reads ``config.gettext_config().pad_token_id``, so a wrapper's text
     config wins over its top level here; a flat config is its own text config."""
-    pad = getattr(_text_config(config), "pad_token_id", None)
+    pad = getattr(text_config(config), "pad_token_id", None)
     return getattr(config, "pad_token_id", None) if pad is None else pad
 
 

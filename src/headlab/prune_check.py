@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
-from headlab.model_description import config_value
+from headlab.adapters import attention_blocks, config_value
 
 __all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "run_floored", "first_mismatch", "tolerance", "not_finite"]
 
