@@ -8,7 +8,8 @@ its EOS). Now a value the top level lacks is read from the text config (transfor
 both have one the top level wins for the ids (as transformers' generation config takes them) and the smaller limit
 for the length; a classifier's padding id is the one transformers pools by (the text config's).
 
-Tiny models built from their configs, no download.
+Phi-4-multimodal and GIT (flat configs, their ids at the top level) are the controls. Tiny models built from their
+configs, no download.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ import transformers as tf
 
 from headlab.model_description import describe_model
 from support.family_matrix import perturbed_model
-from test_mla_pruning import mistral_large4
+from test_mla_pruning import glm5_next, mistral_large4
 from test_multimodal_towers import gemma3, gemma4, git, got_ocr2, granite_speech, llava
-from test_tower_numbering import mllama, modernvbert, phi4_multimodal, ultravbert
+from test_tower_numbering import mllama, modernvbert, nemo_speechlm, phi4_multimodal, ultravbert
 
 WRAPPERS = {
     "modernvbert": modernvbert, "ultravbert": ultravbert, "phi4_multimodal": phi4_multimodal, "mllama": mllama,
     "llava": llava, "gemma3": gemma3, "gemma4": gemma4, "git": git, "got_ocr2": got_ocr2,
     "granite_speech": granite_speech, "granite_speech_plus": lambda: granite_speech(plus=True),
-    "mistral_large4": mistral_large4,
+    "mistral_large4": mistral_large4, "glm5_next": lambda: glm5_next(["indexed_attention"] * 2),
+    "nemo_speechlm": nemo_speechlm,
 }
 
 
@@ -106,3 +108,12 @@ def test_perception_encoders_are_refused_before_any_work_naming_their_media_inpu
     video = tf.PeVideoConfig(text_config=_PE_TEXT)
     assert "video (pixel_values_videos)" in unsupported_reason(video)
     assert "audio and video" in unsupported_reason(tf.PeAudioVideoConfig(text_config=_PE_TEXT))
+
+
+def test_prunings_probe_pads_with_the_text_models_padding_id():
+    """headlab's check of every prune pads its probe with the wrapper's padding id (before: ModernVBERT's was none,
+    its padded positions random ids)."""
+    from headlab.prune_check import PADS, probe_inputs
+
+    probe = probe_inputs(modernvbert())
+    assert probe["input_ids"][1, -PADS:].tolist() == [2] * PADS and probe["input_ids"][2, :PADS].tolist() == [2] * PADS
