@@ -164,8 +164,8 @@ def test_lrp_conserves_relevance(wrapper):
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_lrp_on_the_wrapper_is_its_text_models(wrapper):
     """The wrapper's head relevance is that of its text model alone (a table family), with the same weights. Both
-    are described as the text model alone is (its special tokens: ModernVBERT's own config has none, they are its
-    text_config's, which describe_model does not read; with a tokenizer, as the command line has, they come from it)."""
+    are described as the text model alone is (its special tokens: ModernVBERT's own config has none, describe_model
+    reads them from its text_config: the wrapper's description equals this one, tests/test_wrapper_text_config.py)."""
     from headlab.importance import ImportanceData, compute_lrp
 
     build, alone, kind, *_ = WRAPPERS[wrapper]

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from headlab.adapters import text_config
 from headlab.checkpoint import (
     build_model,
     check_complete,
@@ -314,12 +315,14 @@ def _as_written(tokenizer, path: Path, trust_remote_code: bool):
 
 def vocab_size_of(model_or_config) -> int | None:
     """Rows of the model's input embedding table, read from the model or its config."""
-    embeddings = getattr(model_or_config, "get_input_embeddings", lambda: None)()
+    try:
+        embeddings = getattr(model_or_config, "get_input_embeddings", lambda: None)()
+    except NotImplementedError:  # transformers' default finds no embedding table (PeAudioModel): read the config
+        embeddings = None
     if embeddings is not None and hasattr(embeddings, "num_embeddings"):
         return int(embeddings.num_embeddings)
     config = getattr(model_or_config, "config", model_or_config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    size = getattr(text, "vocab_size", None)
+    size = getattr(text_config(config), "vocab_size", None)  # the text model's embeddings
     return int(size) if isinstance(size, int) else None
 
 

@@ -14,12 +14,13 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, config_value, text_config
 from headlab.portable import CLASS_NAME
 
 __all__ = [
     "ModelInfo",
     "checkpoint_has_lm_head",
+    "config_value",
     "describe_model",
     "is_classifier",
     "model_max_length",
@@ -72,12 +73,14 @@ def _ids(value) -> set[int]:
 
 
 def _max_positions(model: nn.Module) -> int | None:
-    """The longest input the model's position table takes, or None where it has none."""
-    config = model.config
+    """The longest input the model's position table takes, or None where it has none. A wrapper's limit is
+    its text model's (its ``text_config``); where the top level sets one too, the smaller wins: tokens go
+    through the text model's table, and an input neither limit refuses is the only safe one."""
+    configs = [model.config, text_config(model.config)]
     for attr in ("max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value - _reserved_positions(model) if attr == "max_position_embeddings" else value
+        values = [v for v in (getattr(c, attr, None) for c in configs) if isinstance(v, int) and v > 0]
+        if values:
+            return min(values) - _reserved_positions(model) if attr == "max_position_embeddings" else min(values)
     return None
 
 
@@ -139,18 +142,21 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
     else:
         arch = "masked"
     generation = getattr(model, "generation_config", None)
-    eos = _ids(getattr(config, "eos_token_id", None)) or _ids(getattr(generation, "eos_token_id", None))
-    pad = getattr(config, "pad_token_id", None)
+    # token ids from the top level, else the text config (a wrapper's, config_value says which wins)
+    eos = _ids(config_value(config, "eos_token_id")) or _ids(getattr(generation, "eos_token_id", None))
+    pad = config_value(config, "pad_token_id")
+    if arch == "classifier":
+        pad = pooled_pad_id(config)
     if pad is None and tokenizer is not None:
         pad = tokenizer.pad_token_id
     if pad is None:
         pad = min(eos) if eos else 0
-    start = getattr(config, "decoder_start_token_id", None)
+    start = config_value(config, "decoder_start_token_id")
     if start is None and generation is not None:
         start = getattr(generation, "decoder_start_token_id", None)
-    special = {int(pad)} | eos | _ids(getattr(config, "bos_token_id", None)) | _ids(start)
+    special = {int(pad)} | eos | _ids(config_value(config, "bos_token_id")) | _ids(start)
     for attr in ("sep_token_id", "cls_token_id"):
-        special |= _ids(getattr(config, attr, None))
+        special |= _ids(config_value(config, attr))
     mask_id = None
     if tokenizer is not None:
         # UNK stands for a real word, so it stays a token like any other.
@@ -176,6 +182,14 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
         n_labels=n_labels,
         label_names=label_names,
     )
+
+
+def pooled_pad_id(config: Any) -> Any:
+    """The padding id a sequence classifier pools by (its last token not this id): transformers'
+    ``GenericForSequenceClassification`` reads ``config.gettext_config().pad_token_id``, so a wrapper's text
+    config wins over its top level here; a flat config is its own text config."""
+    pad = getattr(text_config(config), "pad_token_id", None)
+    return getattr(config, "pad_token_id", None) if pad is None else pad
 
 
 def is_classifier(model: nn.Module) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, config_value
 
 __all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "run_floored", "first_mismatch", "tolerance", "not_finite"]
 
@@ -139,7 +139,7 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
     token)."""
     config = model.config
     embeddings = _embeddings(model)
-    vocab = int(getattr(embeddings, "num_embeddings", 0) or getattr(config, "vocab_size", 0))
+    vocab = int(getattr(embeddings, "num_embeddings", 0) or config_value(config, "vocab_size") or 0)
     low = 3 if vocab > 6 else 0
     g = torch.Generator().manual_seed(0)
     device = _device(model)
@@ -153,7 +153,7 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
         mask[1, -PADS:] = 0  # padded on the right
         mask[2, :PADS] = 0  # padded on the left
     input_ids = ids(rows, LENGTH)
-    pad = getattr(config, "pad_token_id", None)
+    pad = config_value(config, "pad_token_id")  # a wrapper's is its text config's
     if isinstance(pad, int) and 0 <= pad < vocab:
         input_ids = input_ids.masked_fill(mask.to(device) == 0, pad)
     probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}

@@ -44,7 +44,7 @@ from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
-           "Family", "FAMILIES", "family_for", "qkv_columns", "unsupported_reason"]
+           "Family", "FAMILIES", "family_for", "qkv_columns", "unsupported_reason", "config_value", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -833,6 +833,32 @@ def family_for(config: Any) -> Family | None:
     if model_type in CONFIG_FAMILIES:
         return CONFIG_FAMILIES[model_type](config)
     return FAMILIES.get(model_type)
+
+
+def text_config(config: Any) -> Any:
+    """The config of the model text runs through: a composite wrapper's ``text_config`` (ModernVBERT, Llava,
+    Mllama, Gemma 3, ...; transformers' ``get_text_config()``), or the config itself. Where it names several
+    (e.g. a text encoder and a decoder) it cannot say which, and only the top level is read."""
+    get = getattr(config, "get_text_config", None)
+    if not callable(get):
+        return config
+    try:
+        return get()
+    except ValueError:
+        return config
+
+
+def config_value(config: Any, attr: str) -> Any:
+    """``attr`` of ``config``, or of its text config where the top level has none: a wrapper such as
+    ModernVBERT or Mllama keeps its special token ids only in ``text_config``. Where both have one the top
+    level wins, as in transformers' ``GenerationConfig.from_model_config`` (the outer attributes first, the
+    text config's where they are unset): it is what the wrapper's own generation pads and stops with."""
+    value = getattr(config, attr, None)
+    if value is None:
+        text = text_config(config)
+        if text is not config:
+            value = getattr(text, attr, None)
+    return value
 
 
 def unsupported_reason(model_or_config: Any) -> str | None:

@@ -601,6 +601,16 @@ UNSUPPORTED: dict[str, str] = {
     # forward on token ids failing (skip27B)
     "voxtral_realtime": "Voxtral Realtime is a streaming speech model: its forward reads audio features "
                         "(input_features) at every step, which headlab's text inputs cannot feed",
+    # wrapper28: discovery found the audio tower's attention as a running enc_self block and not the ModernBERT text
+    # model's; describe_model failed (get_input_embeddings not implemented), every forward on token ids too
+    **{model_type: f"{name} is a contrastive embedding model: its forward embeds text (a ModernBERT, its text_config) "
+                   f"together with {media}, which headlab's text inputs cannot feed; its text model alone "
+                   "(model.text_model) is a ModernBERT encoder headlab supports"
+       for model_type, name, media in (
+           ("pe_audio", "Perception Encoder Audio (PeAudioModel)", "audio (input_values)"),
+           ("pe_video", "Perception Encoder Video (PeVideoModel)", "video (pixel_values_videos)"),
+           ("pe_audio_video", "Perception Encoder Audio-Video (PeAudioVideoModel)",
+            "audio and video (input_values, pixel_values_videos)"))},
     # transformers' own attention code outside the attention interface, whose module returns no
     # [batch, heads, q, k] probabilities where capture reads them: found by its projections' names, it
     # failed only at run time (docs/benchmarks.md's survey)

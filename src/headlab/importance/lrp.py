@@ -68,7 +68,7 @@ from headlab.importance.rules import (
     norm_rule,
     routed_experts,
 )
-from headlab.model_description import ModelInfo, describe_model, output_layer
+from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
 from headlab.portable_code import NoHeadAttention
 from headlab.shard import Ledger, active
 
@@ -346,8 +346,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
 
 def _pooled_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Where a decoder-only classifier reads its class logits: the last non-padding token, as
-    transformers' ``...ForSequenceClassification`` pools them."""
-    pad = getattr(model.config, "pad_token_id", None)
+    transformers' ``...ForSequenceClassification`` pools them (a wrapper's by its text config's padding id)."""
+    pad = pooled_pad_id(model.config)
     if pad is None:
         return torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
