@@ -186,7 +186,7 @@ def describe_model(model: nn.Module, tokenizer=None, max_length: int | None = No
 
 def pooled_pad_id(config: Any) -> Any:
     """The padding id a sequence classifier pools by (its last token not this id): transformers'
-    ``GenericForSequenceClassification`` reads ``config.gettext_config().pad_token_id``, so a wrapper's text
+    ``GenericForSequenceClassification`` reads ``config.get_text_config().pad_token_id``, so a wrapper's text
     config wins over its top level here; a flat config is its own text config."""
     pad = getattr(text_config(config), "pad_token_id", None)
     return getattr(config, "pad_token_id", None) if pad is None else pad
