@@ -58,3 +58,23 @@ def test_module_level_position_numbering_reserves_rows_too():
         model(input_ids=torch.full((1, 10), 5))
         with pytest.raises((IndexError, RuntimeError)):
             model(input_ids=torch.full((1, 11), 5))
+
+
+def test_training_cuts_to_the_position_table_without_robertas_reserved_rows():
+    """position_limit (what training's encode_corpus cuts to) leaves out RoBERTa's reserved rows (its positions
+    start after the padding id: 514 rows hold 512 tokens), as describe_model's max_length does; before, training
+    cut to the raw max_position_embeddings and a 513-token sequence ran past the table."""
+    import transformers as tf
+
+    from headlab.model_description import describe_model, position_limit
+
+    config = tf.RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, max_position_embeddings=18, pad_token_id=1)
+    model = tf.RobertaForMaskedLM(config).eval()
+    assert position_limit(model) == describe_model(model).max_length == 16
+    ids = torch.randint(3, 40, (1, position_limit(model)))
+    model(input_ids=ids)  # the longest sequence kept runs
+    with pytest.raises((IndexError, RuntimeError)):  # index out of range in the position table
+        model(input_ids=torch.randint(3, 40, (1, 18)))  # the raw count does not
+    bare = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=24))
+    assert position_limit(bare) == 24

@@ -24,6 +24,7 @@ __all__ = [
     "describe_model",
     "is_classifier",
     "model_max_length",
+    "position_limit",
     "output_layer",
 ]
 
@@ -212,6 +213,12 @@ def _length_limit(model: nn.Module, tokenizer=None, max_length: int | None = Non
     if tokenizer is not None and 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:
         limits.append(int(tokenizer.model_max_length))
     return min(limits) if limits else 512
+
+
+def position_limit(model: nn.Module, default: int = 1024) -> int:
+    """The longest sequence the model's position table takes (RoBERTa's reserved rows left out, a wrapper's
+    text model's limit: :func:`_max_positions`), or ``default`` where it has none: what training cuts to."""
+    return _max_positions(model) or default
 
 
 def model_max_length(model, tokenizer) -> int:

@@ -51,7 +51,7 @@ from headlab.capture import eval_mode
 from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
 from headlab.heads import KINDS, atomic_write_text
-from headlab.model_description import config_value, output_layer
+from headlab.model_description import output_layer, position_limit
 from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
@@ -521,7 +521,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     if dev_data is not None and loss_kind != "seq2seq":
         raise HeadlabError("the development curve is greedy BLEU: it needs a translation model (--loss seq2seq)")
     if not isinstance(train_data, EncodedCorpus):  # encode once here to know the number of steps
-        train_data = encode_corpus(tokenizer, train_data, config_value(model.config, "max_position_embeddings") or 1024)
+        train_data = encode_corpus(tokenizer, train_data, position_limit(model))
         if train_data.n_truncated:
             log(f"{train_data.n_truncated} training sequences cut to the model's positions")
     total_steps = _total_steps(train_data, train_config, accelerator)

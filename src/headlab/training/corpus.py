@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from headlab.data.batching import token_budget_batches
-from headlab.model_description import config_value
+from headlab.model_description import position_limit
 
 __all__ = ["EncodedCorpus", "encode_corpus", "collate", "collate_for", "scoring_batches"]
 
@@ -84,7 +84,7 @@ def scoring_batches(model, tokenizer, data, batch_tokens: int) -> Iterator[dict]
     """``data`` (parallel text or an :class:`EncodedCorpus`) in batches of ``batch_tokens`` target
     tokens in a fixed order, collated onto the model's device: for scoring, not for training."""
     if not isinstance(data, EncodedCorpus):
-        data = encode_corpus(tokenizer, data, config_value(model.config, "max_position_embeddings") or 1024)
+        data = encode_corpus(tokenizer, data, position_limit(model))
     collate_fn = collate_for(model, tokenizer)
     device = next(model.parameters()).device
     for indices in token_budget_batches(data, batch_tokens, seed=0, epoch=0):

@@ -52,7 +52,7 @@ from headlab.capture import float32_mask_floor
 from headlab.data.batching import token_budget_batches
 from headlab.errors import HeadlabError, counted
 from headlab.heads import atomic_dir, atomic_write_text, moved_aside
-from headlab.model_description import config_value
+from headlab.model_description import position_limit
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.training.config import TrainConfig
 from headlab.training.corpus import EncodedCorpus, collate_for, encode_corpus
@@ -379,10 +379,10 @@ def train(
     resume_from = _prepare_output(config, accelerator, log)
 
     if not isinstance(train_data, EncodedCorpus):
-        train_data = encode_corpus(tokenizer, train_data, config_value(model.config, "max_position_embeddings") or 1024)
+        train_data = encode_corpus(tokenizer, train_data, position_limit(model))
         if train_data.n_truncated:
             log(f"{train_data.n_truncated} training sequences cut to the model's "
-                f"{config_value(model.config, 'max_position_embeddings')} positions")
+                f"{position_limit(model)} positions")
     hooks = _Hooks(compute_loss, collate_fn or collate_for(model, tokenizer), extra_loss, callback, callback_every,
                    validate_fn)
 
