@@ -415,8 +415,12 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
-    journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head,
-                                                block.family.residual_argument, norm, selection))
+    stand_in = ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head, block.family.residual_argument, norm,
+                                 selection)
+    # what it stands for, as found: a discovered layer whose projection names no scheme knows is listed by it
+    # (adapters.without_heads), with its number, not left out of the blocks (the layers after it renumbered)
+    stand_in.stands_for_block = (block.kind, block.family)
+    journal.set(parent, attr, stand_in)
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------

@@ -1,0 +1,59 @@
+"""A discovered layer pruned to no head keeps its place among the blocks (session 28, vanish28).
+
+Its stand-in (:class:`headlab.surgery.ZeroHeadAttention`) calls no attention function, so the probe forward that
+finds a discovered model's blocks cannot see it. Where the name-based schemes did not know its projections either
+(CTRL's ``Wq``/``Wk``/``Wv``/``dense``, ModernBERT-decoder's ``Wo``), the layer silently left the block list: the
+pruning record lost its entry, tables their row, and a second pruning mapped heads to the wrong layers. A BERT-style
+layer (the stand-in at ``attention.self``, the output projection outside it) was refused as an attention that does
+not call the interface. Now each is listed with its original number and no head, before and after save/load.
+
+Tiny models built from their configs (hidden 32, 2 layers, 4 heads of 8, vocab 99); no download.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import attention_blocks, load_pruned, prune_heads, save_pruned
+from support.discovered import tiny_model as discovered_model
+from support.family_matrix import perturbed_model
+
+_SIZES = dict(vocab_size=99, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+AFFECTED = {
+    "ctrl": lambda: perturbed_model(tf.CTRLLMHeadModel, tf.CTRLConfig(
+        **_SIZES, n_embd=32, n_layer=2, n_head=4, dff=37, n_positions=64), attn_implementation="eager"),
+    "modernbert-decoder": lambda: perturbed_model(tf.ModernBertDecoderForCausalLM, tf.ModernBertDecoderConfig(
+        **_SIZES, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, global_attn_every_n_layers=1), attn_implementation="eager"),
+    "roberta-prelayernorm": lambda: discovered_model("roberta-prelayernorm", attn_implementation="eager"),
+}
+
+
+def _layout(model) -> list[tuple[str, int, int]]:
+    return [(b.kind, b.layer, b.n_heads) for b in attention_blocks(model)]
+
+
+@pytest.mark.parametrize("family", AFFECTED)
+@pytest.mark.parametrize("emptied", [0, 1])
+def test_a_discovered_layer_pruned_to_no_head_keeps_its_number(family, emptied, tmp_path):
+    model = AFFECTED[family]()
+    before = _layout(model)
+    assert [layer for _, layer, _ in before] == [0, 1] and all(b.family.name.startswith("discovered:")
+                                                               for b in attention_blocks(model))
+    kind = before[0][0]
+    prune_heads(model, {(kind, emptied): [0, 1, 2, 3], (kind, 1 - emptied): [2]})
+    expected = [(kind, layer, 0 if layer == emptied else 3) for layer in (0, 1)]
+    assert _layout(model) == expected
+
+    save_pruned(model, tmp_path / "pruned")
+    loaded = load_pruned(tmp_path / "pruned")
+    assert _layout(loaded) == expected
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+    # a second pruning of the saved model names the heads of the layer it meant (original numbering: 0, 1, 3 kept)
+    prune_heads(loaded, {(kind, 1 - emptied): [0]})
+    assert _layout(loaded) == [(kind, layer, 0 if layer == emptied else 2) for layer in (0, 1)]
