@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, load_pruned, prune_heads, save_pruned
+from headlab import HeadlabError, attention_blocks, load_pruned, prune_heads, save_pruned
 from support.discovered import tiny_model as discovered_model
 from support.family_matrix import perturbed_model
 
@@ -57,3 +57,38 @@ def test_a_discovered_layer_pruned_to_no_head_keeps_its_number(family, emptied, 
     # a second pruning of the saved model names the heads of the layer it meant (original numbering: 0, 1, 3 kept)
     prune_heads(loaded, {(kind, 1 - emptied): [0]})
     assert _layout(loaded) == [(kind, layer, 0 if layer == emptied else 2) for layer in (0, 1)]
+
+
+@pytest.mark.parametrize("family", AFFECTED)
+def test_loaded_by_transformers_alone_the_emptied_layer_is_refused_not_left_out(family, tmp_path):
+    """Through the directory's pruned_heads.py the stand-in knows no original numbering: refused, naming the loader
+    that does, not left out of the blocks; the model computes what the pruned one does."""
+    model = AFFECTED[family]()
+    kind = attention_blocks(model)[0].kind
+    prune_heads(model, {(kind, 0): [0, 1, 2, 3]})
+    save_pruned(model, tmp_path)
+    auto = tf.AutoModelForMaskedLM if family == "roberta-prelayernorm" else tf.AutoModelForCausalLM
+    plain = auto.from_pretrained(tmp_path, trust_remote_code=True, attn_implementation="eager").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+    with pytest.raises(HeadlabError, match=r"\.0\.\S* \(discovered:.*loaded without headlab; load the pruned "
+                                           r"directory with headlab.load_pruned"):
+        attention_blocks(plain)
+
+
+@pytest.mark.parametrize("family", ["granite", "ctrl"])
+def test_every_layer_of_a_discovered_model_pruned_to_no_head_keeps_them_all(family, tmp_path):
+    """No module calls the attention interface any more (a hybrid's only attention layer, or all of them): the
+    stand-ins are the blocks. Before, pruning was refused, the stand-in taken for an attention that returns no
+    weights (granite), or the model had no block at all (CTRL)."""
+    model = AFFECTED[family]() if family in AFFECTED else discovered_model(family, attn_implementation="eager")
+    kind = attention_blocks(model)[0].kind
+    prune_heads(model, {(kind, 0): [0, 1, 2, 3], (kind, 1): [0, 1, 2, 3]})
+    assert _layout(model) == [(kind, 0, 0), (kind, 1, 0)]
+    save_pruned(model, tmp_path)
+    loaded = load_pruned(tmp_path)
+    assert _layout(loaded) == [(kind, 0, 0), (kind, 1, 0)]
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)

@@ -396,6 +396,7 @@ class ZeroHeadAttention(NoHeadAttention):
         # the class it replaces, where that says the layout (a discovered fused projection's, read from the class:
         # adapters.families.FUSED_ATTENTION_CLASSES)
         self.stands_for = getattr(original, "stands_for", type(original).__name__)
+        self.stands_for_block: tuple[str, Any] | None = None  # (kind, Family) of the block, set by pruning
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
