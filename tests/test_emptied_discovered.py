@@ -92,3 +92,21 @@ def test_every_layer_of_a_discovered_model_pruned_to_no_head_keeps_them_all(fami
     ids = torch.tensor([[3, 5, 7, 9, 11]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_emptying_a_gemma4_layer_that_stores_shared_keys_and_values_is_refused_before_any_work():
+    """Gemma 4's layers store their keys and values for the layers that reuse them (``store_full_length_kv``); the
+    stand-in stores Mistral Large 4's latents only: before, it crashed building (no ``kv_lora_rank``)."""
+    config = tf.Gemma4TextConfig(
+        **_SIZES, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=["sliding_attention",
+                                                                                  "full_attention"],
+        sliding_window=4, global_head_dim=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)
+    model = perturbed_model(tf.Gemma4ForCausalLM, config, attn_implementation="eager")
+    assert model.model.layers[0].self_attn.store_full_length_kv is True
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(HeadlabError, match=r"dec_self:0 \(model.layers.0.self_attn, Gemma4TextAttention\): removing "
+                                           r"every head of a layer that stores its keys and values"):
+        prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})
+    assert _layout(model) == [("dec_self", 0, 4), ("dec_self", 1, 4)]
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())

@@ -507,6 +507,14 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     for key, removed in spec.items():
         block = find_block(blocks, *key)
         keep = [h for h in range(block.n_heads) if h not in set(removed)]
+        if not keep and getattr(block.core, "store_full_length_kv", None) is True and \
+                not hasattr(block.core, "kv_lora_rank"):
+            # the stand-in stores Mistral Large 4's latents only: Gemma 4's would crash it (AttributeError) or leave
+            # the layers that reuse this one's keys and values without them
+            raise HeadlabError(
+                f"{block.kind}:{block.layer} ({block.name}, {type(block.core).__name__}): removing every head of a "
+                "layer that stores its keys and values for later layers (store_full_length_kv, Gemma 4's key/value "
+                "sharing) is not supported: a layer with no head left would store none; keep at least one head")
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
