@@ -396,6 +396,7 @@ class ZeroHeadAttention(NoHeadAttention):
         # the class it replaces, where that says the layout (a discovered fused projection's, read from the class:
         # adapters.families.FUSED_ATTENTION_CLASSES)
         self.stands_for = getattr(original, "stands_for", type(original).__name__)
+        self.stands_for_block: tuple[str, Any] | None = None  # (kind, Family) of the block, set by pruning
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
@@ -415,8 +416,12 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
-    journal.set(parent, attr, ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head,
-                                                block.family.residual_argument, norm, selection))
+    stand_in = ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head, block.family.residual_argument, norm,
+                                 selection)
+    # what it stands for, as found: a discovered layer whose projection names no scheme knows is listed by it
+    # (adapters.without_heads), with its number, not left out of the blocks (the layers after it renumbered)
+    stand_in.stands_for_block = (block.kind, block.family)
+    journal.set(parent, attr, stand_in)
 
 
 # -- ALiBi: one bias per head, built by the model for all its heads --------------------------
@@ -502,6 +507,14 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     for key, removed in spec.items():
         block = find_block(blocks, *key)
         keep = [h for h in range(block.n_heads) if h not in set(removed)]
+        if not keep and getattr(block.core, "store_full_length_kv", None) is True and \
+                not hasattr(block.core, "kv_lora_rank"):
+            # the stand-in stores Mistral Large 4's latents only: Gemma 4's would crash it (AttributeError) or leave
+            # the layers that reuse this one's keys and values without them
+            raise HeadlabError(
+                f"{block.kind}:{block.layer} ({block.name}, {type(block.core).__name__}): removing every head of a "
+                "layer that stores its keys and values for later layers (store_full_length_kv, Gemma 4's key/value "
+                "sharing) is not supported: a layer with no head left would store none; keep at least one head")
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}

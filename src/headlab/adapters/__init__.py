@@ -256,7 +256,10 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
         if named and _ships_with_transformers(model):
             return named
         raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
-    if not found:
+    if not found and any(_stand_in(module) for module in model.modules()) and \
+            not any(c[2] in ran(model) for c in named if not _stand_in(_core_of(c))):
+        pass  # every layer that called the interface pruned to no head: their stand-ins listed below, as beside others
+    elif not found:
         if named and _ships_with_transformers(model):
             for candidate in named:
                 _check_returns_weights(model, where, candidate)
@@ -282,11 +285,12 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
     latent = _latent_without_heads(model, config, model_type, seen | {c[2] for c in named})
     candidates += latent + _fused_without_heads(model, config, model_type, seen | {c[2] for c in named + latent})
+    candidates += _recorded_without_heads(model, model_type, seen | {c[2] for c in named + candidates})
     for candidate in named:
-        name, module = candidate[2], candidate[3]
+        name = candidate[2]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
             continue
-        if type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention"):  # pruned to no head: attends to nothing
+        if _stand_in(_core_of(candidate)):  # pruned to no head: attends to nothing
             candidates.append(_emptied_gate_rows(model_type, candidate))
             continue
         if name not in ran(model):  # not run by this forward (a causal LM's unused cross-attention, a vision tower)
@@ -382,7 +386,9 @@ def _check_returns_weights(model: nn.Module, where: str, candidate: tuple) -> No
     (heads x head size = the output projection's input), where capture reads them; else refused."""
     name, module, family = candidate[2], candidate[3], candidate[4]
     core = f"{name}.{family.core}" if family.core else name
-    core_module, o = _get(module, family.core) if family.core else module, _get(module, family.o)
+    core_module, o = _core_of(candidate), _get(module, family.o)
+    if _stand_in(core_module):  # pruned to no head: no weights to return
+        return
     d_head = getattr(core_module, family.d_head_attr, None)
     returned = maps(model).get(core)
     if returned is None or o is None or not isinstance(d_head, int):  # did not run (unused cross-attention): as before
@@ -478,6 +484,40 @@ def _fused_without_heads(model: nn.Module, config: Any, model_type: str, seen: s
             continue
         found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
                       family))
+    return found
+
+
+def _stand_in(module: nn.Module | None) -> bool:
+    """A layer pruned to no head (:class:`headlab.surgery.ZeroHeadAttention`, or the portable module's
+    ``NoHeadAttention``): it calls no attention function, so the probe forward cannot find it."""
+    return type(module).__name__ in ("ZeroHeadAttention", "NoHeadAttention")
+
+
+def _core_of(candidate: tuple) -> nn.Module | None:
+    module, family = candidate[3], candidate[4]
+    return _get(module, family.core) if family.core else module
+
+
+def _recorded_without_heads(model: nn.Module, model_type: str, seen: set[str]) -> list:
+    """Layers pruned to no head that nothing else claimed, listed as pruning found them: the stand-in keeps the
+    block's kind and family (``stands_for_block``, set by :mod:`headlab.surgery`), whose projections it adopted
+    under the same names. A discovered layer whose projection names no scheme of :data:`_GENERIC_SCHEMES` knows
+    (CTRL's Wq/Wk/Wv/dense, ModernBERT-decoder's Wo) was otherwise left out of the blocks: the layers after it
+    took its number, a table lost its row and the saved record its entry."""
+    found = []
+    for path, module in model.named_modules():
+        recorded = getattr(module, "stands_for_block", None)
+        if not _stand_in(module) or not isinstance(recorded, tuple) or len(recorded) != 2:
+            continue
+        kind, family = recorded
+        suffix = f".{family.core}" if family.core else ""
+        if suffix and not path.endswith(suffix):
+            continue
+        name = path[:-len(suffix)] if suffix else path
+        if name in seen or path in seen:
+            continue
+        block = model.get_submodule(name)
+        found.append((kind, _layer_number(model_type, name, module), name, block, family))
     return found
 
 
