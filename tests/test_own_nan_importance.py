@@ -4,8 +4,8 @@ transformers fills an additive mask with the lowest number of the model's dtype 
 softmax in float32: in a float64 model that number is -inf there, so a query that may attend to no key at all gets
 NaN weights. headlab pads on the right, so that query is a padding position under a sliding window: ModernBERT's
 local layers and Gemma 3's bidirectional variant (EmbeddingGemma's; bidirectional: the next layer's real rows read
-its NaN value, 0 * NaN), and a causal sliding window (Mistral: NaN at the padding positions of its first layer, and from its second layer on
-in the real rows too: 0 * NaN in the weighted sum of values). Before: ablation's
+its NaN value, 0 * NaN), and a causal sliding window (Mistral: NaN at the padding positions of its first layer, and from its
+second layer on in the real rows too: 0 * NaN in the weighted sum of values). Before: ablation's
 loss summed NaN * 0 over the padding positions and gradient importance took NaN through the softmax's backward, so
 both gave tables of NaN without a word (base_loss NaN). Now both run under the float32 mask floor, as LRP does,
 and score only the scored positions: the tables equal those of one sentence per batch (no padding, nothing NaN).
