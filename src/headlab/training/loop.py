@@ -808,6 +808,7 @@ class _Run:
         if state["best_score"] is None or score > state["best_score"]:
             state["best_score"], state["best_epoch"] = score, epoch + 1
             _save_scored(self.raw_model, self.tokenizer, record, self.out_dir / "best")
+        return ""
 
 
 def _epoch_line(record: dict, state: dict) -> str:
