@@ -210,6 +210,38 @@ def test_validation_keeps_the_best_checkpoint_and_averages(tmp_path, corpus, tok
     assert averaged["averaged_epochs"] == [2, 3]
 
 
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("metric", ["score", "loss"])
+def test_a_nan_validation_stops_the_run_and_never_becomes_best(tmp_path, corpus, tokenizer, first, metric):
+    """A model gone bad validates to NaN: NaN compares false with everything, so it was taken as the
+    best at the first validation (``best/`` written from it, NaN in the history) and never beaten. It
+    stops the run as diverged instead, naming the epoch and the metric, with ``best/``, ``last/`` and
+    the history as the last good epoch left them."""
+    nan = float("nan")
+    good = [] if first else [{"score": 2.0, "loss": 3.0}]
+    bad = {"score": nan, "loss": 2.5} if metric == "score" else {"score": 1.0, "loss": nan}
+    metrics = iter([*good, bad, {"score": 9.0, "loss": 1.0}])
+    out = tmp_path / "run"
+    result = train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+                   config(out, max_epochs=3, max_tokens=2000, validate=True, patience_metric=metric),
+                   validate_fn=lambda model, tok, data, cfg: next(metrics))
+    epoch = len(good) + 1
+    assert result.stopped == "diverged" and result.epoch == len(good)
+    assert f"training diverged at the validation of epoch {epoch} (after step " in result.message, result.message
+    assert f"the validation {metric} is not finite" in result.message
+    assert len(result.history) == len(good)
+    assert all(record["valid_score"] == 2.0 for record in result.history)
+    assert not (out / "epochs" / f"epoch-{epoch:03d}").exists()
+    if first:
+        assert result.best_score is None and not (out / "best").exists() and not (out / "last").exists()
+        assert "Last good checkpoint: none written yet" in result.message
+    else:
+        assert result.best_score == 2.0 and result.best_epoch == 1
+        assert json.loads((out / "best" / "metrics.json").read_text())["epoch"] == 1
+        assert json.loads((out / "last" / "trainer_state.json").read_text())["epoch"] == 1
+        assert json.loads((out / "history.json").read_text()) == result.history
+
+
 @pytest.mark.parametrize("metric, epochs", [("score", 3), ("loss", 5)])
 def test_the_patience_rule_reads_the_score_or_the_loss(tmp_path, corpus, tokenizer, metric, epochs):
     """BLEU best at epoch 1, the loss falling by 0.1 until epoch 3, then by 0.01: patience 2 stops

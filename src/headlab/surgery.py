@@ -761,7 +761,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
     ``commit=False``, also if it does not). The model's attention blocks afterwards."""
     from headlab.gates import masked_heads
-    from headlab.prune_check import first_mismatch, not_finite, probe_inputs, run_floored, run_probe
+    from headlab.prune_check import _name, first_mismatch, not_finite, own_nan_cause, probe_inputs, run_floored, run_probe
 
     # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
@@ -794,6 +794,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     if unrun:
         _refuse_unchecked(_model_type(model), str(idle_blocks(unrun)), attention_blocks(model))
     floored_reference = None
+    own_nan = None  # where the unmodified model itself is not finite on the probe, and why: read before pruning
     if not_finite(reference) is not None:
         # NaN or inf in the reference compares nothing there (a float64 eager model's padded rows): with the mask
         # floored at float32's lowest both models are finite there, and every value can be compared
@@ -801,6 +802,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
             floored_reference = run_floored(model, probe)
         if floored_reference.error is not None or not_finite(floored_reference) is not None:
             floored_reference = None
+        else:
+            own = not_finite(run_probe(model, probe))
+            own_nan = (own, own_nan_cause(model, probe)) if own is not None else None
+    accepted = None  # the reference's own NaN, which the pruned model does not read: exact, said once
     try:
         for block, keep, kv_keep, groups in plans:
             _prune_block(model, block, keep, kv_keep, groups, journal)
@@ -815,7 +820,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
                 mismatch = dataclasses.replace(floored, floored=True)
             elif mismatch.not_finite is None:  # NaN in both where the floored probe agrees: every value compared
                 mismatch = None
-            else:  # said in the refusal: the pruned model is finite where the masked one is NaN, and only there
+            elif own_nan is not None:  # finite where the masked model reads the unmodified one's NaN, and agreeing
+                # at every value with the mask floored: the pruning is exact (nan28 refused it)
+                accepted, mismatch = mismatch, None
+            else:  # masking made the NaN (0 x inf): said in the refusal
                 mismatch = dataclasses.replace(mismatch, floored=True)
     except BaseException:
         journal.undo()
@@ -829,6 +837,14 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
                               model_type=_model_type(model), block=mismatch.what, difference=mismatch.difference)
     if not commit:
         return attention_blocks(model)
+    if accepted is not None and own_nan is not None:
+        own, cause = own_nan
+        logging.getLogger(__name__).warning(
+            "%s: pruned, checked at every value: the model itself gives NaN or inf on headlab's padded probe before "
+            "any head is removed (it %s); the masked model, the reference, has it in %s (%s) at %s, where the pruned "
+            "one, which no longer reads it, is finite, and with the mask floored at float32's lowest value both are "
+            "finite and agree everywhere. %s", _model_type(model), own, _name(accepted.what), accepted.call,
+            accepted.not_finite, f"Cause: {cause}" if cause else "Check its weights and dtype")
     _mark_verified(model)
     return blocks
 
@@ -847,11 +863,8 @@ def _refuse_own_nan(model: nn.Module, probe: dict, mismatch: Mismatch, spec: dic
                            + " makes the NaN; nothing was pruned")
     cause = own_nan_cause(model, probe)
     where = mismatch.not_finite or mismatch.uncompared
-    if mismatch.not_finite is not None:
+    if mismatch.not_finite is not None:  # the floored mask left the reference not finite (Granite-SWA's sinks)
         pruned = "where the pruned one is finite, so pruning cannot be checked there"
-        if mismatch.floored:
-            pruned += (" (with the mask floored at float32's lowest value both are finite, and every value agrees: the "
-                       "pruned model differs only in not reading that NaN)")
     else:  # NaN in both, and not finite with the mask floored either: nothing there was compared
         pruned = ("as has the pruned one, also with the mask floored at float32's lowest value, so those values could "
                   "not be compared")

@@ -29,6 +29,8 @@ Checkpoints (all written to a temporary directory first, then renamed into place
   ``torch.load(weights_only=True)``;
 - ``epochs/epoch-NNN/``: the weights after each epoch (loadable with ``from_pretrained``);
 - ``best/``: the weights with the best validation score, plus the tokenizer.
+
+A validation that is not finite stops the run as diverged and writes none of them.
 """
 
 from __future__ import annotations
@@ -533,7 +535,8 @@ class _Run:
         self.start_time = time.time()
         self.elapsed_before = state["elapsed_s"]
         self.ema_loss: float | None = None
-        self.diverged = ""  # why the run diverged: what was not finite, at which step
+        self.diverged = ""  # why the run diverged: what was not finite
+        self.diverged_at = ""  # where, when not at the next update: a validation
 
     # -- the run
     def epochs(self, train_data: EncodedCorpus, valid_data) -> TrainResult:
@@ -546,11 +549,13 @@ class _Run:
                 break
             if state["batch_in_epoch"] < n_batches:
                 break  # stopped inside the epoch; `last/` holds the position
-            self._end_epoch(epoch, progress, valid_data)
+            if self._end_epoch(epoch, progress, valid_data) == "diverged":
+                stopped = "diverged"
+                break
             if self._patience_spent():
                 stopped = "converged"
 
-        message, shown = _stop_message(stopped, state, config, self.out_dir, self.diverged)
+        message, shown = _stop_message(stopped, state, config, self.out_dir, self.diverged, self.diverged_at)
         if shown:
             self.log(message)
         averaged_score = None
@@ -723,7 +728,8 @@ class _Run:
         accelerator.wait_for_everyone()
 
     # -- end of an epoch: weights, validation, best, resume point
-    def _end_epoch(self, epoch: int, progress: _EpochProgress, valid_data) -> None:
+    def _end_epoch(self, epoch: int, progress: _EpochProgress, valid_data) -> str:
+        """Close the epoch: ``"diverged"`` where its validation is not finite (nothing saved), else ``""``."""
         state, config, accelerator = self.state, self.config, self.accelerator
         epoch_seconds = time.time() - progress.start  # read once: speed x minutes = the epoch's tokens
         record = {
@@ -735,19 +741,27 @@ class _Run:
             "tokens_seen": state["tokens"],  # target tokens of every update so far, all processes
         }
         accelerator.wait_for_everyone()
+        bad_validation = ""
         if self.main:
-            if config.keep_epoch_checkpoints:
+            # Validated before the epoch's checkpoint is written: weights whose validation is not
+            # finite reach no checkpoint.
+            if valid_data is not None and config.validate:
+                bad_validation = self._validate(epoch, record, valid_data)
+            if config.keep_epoch_checkpoints and not bad_validation:
                 atomic_dir(self.out_dir / "epochs" / f"epoch-{epoch + 1:03d}",
                            lambda tmp: _save_weights(self.raw_model, tmp))
-            if valid_data is not None and config.validate:
-                self._validate(epoch, record, valid_data)
         accelerator.wait_for_everyone()
         if self.world_size > 1:  # only the main rank validates; every rank must agree on stopping
             from accelerate.utils import broadcast_object_list
 
-            shared = [state["improved_epoch"], state["best_score"], state["best_epoch"], state.get("patience_best")]
-            state["improved_epoch"], state["best_score"], state["best_epoch"], state["patience_best"] = \
-                broadcast_object_list(shared)
+            shared = [state["improved_epoch"], state["best_score"], state["best_epoch"], state.get("patience_best"),
+                      bad_validation]
+            state["improved_epoch"], state["best_score"], state["best_epoch"], state["patience_best"], \
+                bad_validation = broadcast_object_list(shared)
+        if bad_validation:  # stopped as a diverged update is: no history, `last/` and `best/` as they were
+            self.diverged = bad_validation
+            self.diverged_at = f"the validation of epoch {epoch + 1} (after step {state['step']})"
+            return "diverged"
         state["history"].append(record)
         state["epoch"] = epoch + 1
         state["batch_in_epoch"] = 0
@@ -757,14 +771,24 @@ class _Run:
         if self.main:
             (self.out_dir / "history.json").write_text(json.dumps(state["history"], indent=2) + "\n")
             self.log(_epoch_line(record, state))
+        return ""
 
-    def _validate(self, epoch: int, record: dict, valid_data) -> None:
-        """Validate the epoch's weights into ``record``; move the patience rule and ``best/``."""
+    def _validate(self, epoch: int, record: dict, valid_data) -> str:
+        """Validate the epoch's weights into ``record``; move the patience rule and ``best/``.
+        Returns what was not finite (nothing moved), or ``""``."""
         state, config = self.state, self.config
         assert self.hooks.validate_fn is not None  # train() refuses validation data without one
         valid_start = time.time()
         metrics = self.hooks.validate_fn(self.raw_model, self.tokenizer, valid_data, config)
         self.raw_model.train()
+        # NaN compares false with everything: taken as the first best, and never beaten after it.
+        watched = ["score"] + (["loss"] if config.patience_metric == "loss" and "loss" in metrics else [])
+        bad = [name for name in watched if not math.isfinite(metrics[name])]
+        if bad:
+            shown = ", ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+                              for name, value in metrics.items())
+            return (f"the validation {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite ({shown}); "
+                    f"best/ (epoch {state['best_epoch'] or 'none'}) and the history were left as they were")
         record.update({f"valid_{k}": v for k, v in metrics.items()})
         record["valid_minutes"] = (time.time() - valid_start) / 60
         score = metrics["score"]
@@ -784,6 +808,7 @@ class _Run:
         if state["best_score"] is None or score > state["best_score"]:
             state["best_score"], state["best_epoch"] = score, epoch + 1
             _save_scored(self.raw_model, self.tokenizer, record, self.out_dir / "best")
+        return ""
 
 
 def _epoch_line(record: dict, state: dict) -> str:
@@ -805,12 +830,14 @@ def _epoch_line(record: dict, state: dict) -> str:
             f"{record['tokens_per_s']:.0f} target tok/s, {record['epoch_minutes']:.1f} min{valid_text}")
 
 
-def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path, cause: str = "") -> tuple[str, bool]:
+def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path, cause: str = "",
+                  where: str = "") -> tuple[str, bool]:
     """Why the run stopped, in words, and whether it is logged (``max_steps`` is asked for: not logged).
-    ``cause``: what was not finite when it diverged."""
+    ``cause``: what was not finite when it diverged; ``where``: at what, when not the next update."""
     if stopped == "diverged":
         last = _resume_dir(out_dir)
-        return (f"training diverged at step {state['step'] + 1}: {cause or 'the loss or the gradient is not finite'}. "
+        where = where or f"step {state['step'] + 1}"
+        return (f"training diverged at {where}: {cause or 'the loss or the gradient is not finite'}. "
                 f"Last good checkpoint: {last if last else 'none written yet'}"), True
     if stopped == "max_time":
         return (f"stopped after the time limit of {config.max_time_minutes} min at step {state['step']}; "
