@@ -342,13 +342,11 @@ def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: 
         return []
     found = []
     for name, module in model.named_modules():
-        stand_in = type(module).__name__
-        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or \
-                not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
+        if not _stand_in(module) or name in seen or not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
             continue
         o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
         # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
-        d_head_attr = "d_head" if stand_in == "ZeroHeadAttention" else ""
+        d_head_attr = "d_head" if type(module).__name__ == "ZeroHeadAttention" else ""
         rows = LATENT_ATTENTION[model_type](module)
         family = Family(
             name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
@@ -470,14 +468,12 @@ def _fused_without_heads(model: nn.Module, config: Any, model_type: str, seen: s
     took its number)."""
     found = []
     for name, module in model.named_modules():
-        stand_in = type(module).__name__
-        if stand_in not in ("ZeroHeadAttention", "NoHeadAttention") or name in seen or \
-                not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
+        if not _stand_in(module) or name in seen or not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
             continue
         tabled = FUSED_ATTENTION_CLASSES.get(str(getattr(module, "stands_for", "")))
         if tabled is not None:
             family = dataclasses.replace(tabled, name=f"discovered:{model_type}", patterns=())
-        elif stand_in == "NoHeadAttention":
+        elif type(module).__name__ == "NoHeadAttention":
             family = Family(name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None,
                             o=getattr(module, "o_name", None) or "", d_head_attr="")
         else:

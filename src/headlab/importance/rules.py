@@ -693,35 +693,29 @@ class _CheckedGatedProduct(_GatedProduct):
     """:class:`_GatedProduct` that checks, on every call, that ``down``'s input is the product of the two
     factors it kept before its backward is swapped (a gated MLP found by names other MLPs might use too)."""
 
+    formula = "act(gate x) * up x"
+
     def pre_down(self, module, args):
         v, a, b = args[0], self.a, self.b
         if a is not None and b is not None and a.shape == v.shape == b.shape:
             with torch.no_grad():
                 if not torch.allclose(a * b, v, rtol=1e-3, atol=1e-5):
                     self.a = self.b = None
-                    raise HeadlabError(f"LRP: the input of {type(module).__name__} is not act(gate x) * up x; "
+                    raise HeadlabError(f"LRP: the input of {type(module).__name__} is not {self.formula}; "
                                        "headlab has no LRP rule for this gated MLP")
         return super().pre_down(module, args)
 
 
-class _CalledGatedProduct(_GatedProduct):
+class _CalledGatedProduct(_CheckedGatedProduct):
     """:class:`_GatedProduct` for ``w2(silu(w1 x) * w3 x)`` with SiLU a function call (LFM2's ``Lfm2MLP``):
     ``w1``'s output gets the activation rule here (LXT's ``gated_mlp_forward`` applies the identity rule to
     ``act_fn(gate_proj(x))`` likewise: lxt/efficient/patches.py), and ``w2``'s input is checked to be the
     product of the two factors before its backward is swapped, on every call."""
 
+    formula = "silu(w1 x) * w3 x"
+
     def keep_activated(self, module, args, output):
         self.a = _activation_rule(module, (output,), nn.functional.silu(output))
-
-    def pre_down(self, module, args):
-        v, a, b = args[0], self.a, self.b
-        if a is not None and b is not None and a.shape == v.shape == b.shape:
-            with torch.no_grad():
-                if not torch.allclose(a * b, v, rtol=1e-3, atol=1e-5):
-                    self.a = self.b = None
-                    raise HeadlabError(f"LRP: the input of {type(module).__name__} is not silu(w1 x) * w3 x; "
-                                       "headlab has no LRP rule for this gated MLP")
-        return super().pre_down(module, args)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
