@@ -213,25 +213,24 @@ def test_an_adapter_away_from_the_attention_needs_no_record(loader, saved, tmp_p
 @pytest.mark.parametrize("attach", ["load_adapter", "PeftModel"])
 def test_an_adapter_of_the_unpruned_model_is_refused(family, loader, attach, saved):
     """Its q/k/v rows and output-projection columns are the unpruned model's: transformers and peft
-    refuse the shapes (no adapter weight left at its initialisation). pruned_heads.py's load_adapter
-    names them (transformers' own error points to its logged report)."""
+    refuse the shapes (no adapter weight left at its initialisation). The model's load_adapter (pruned_heads.py's;
+    headlab's route on a model from load_pruned, since session 29: transformers' own error pointed to its logged
+    report and left the adapter on) names them and takes the adapter off; so does headlab.load_adapter."""
     root, _ = saved
     model = (_plain if loader == "plain" else _load_pruned)(root, family)
     projection = "query_key_value" if family == "gpt_neox" else "q_proj"
     if attach == "PeftModel":
         with pytest.raises(RuntimeError, match=rf"size mismatch for .*{projection}\.lora_B"):
             peft.PeftModel.from_pretrained(model, root / f"{family}-unpruned-lora")
-    elif loader == "plain":
-        with pytest.raises(RuntimeError, match=rf"adapter does not fit the pruned .*another shape.*{projection}\.lora_B"
-                                                r".*unpruned model"):
-            model.load_adapter(str(root / f"{family}-unpruned-lora"))
-    else:  # headlab's load_pruned: transformers' own class and message, the shapes in its logged report
-        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-            model.load_adapter(str(root / f"{family}-unpruned-lora"))
-        model = _load_pruned(root, family)  # transformers left the adapter on: headlab's load_adapter takes it off
-        with pytest.raises(HeadlabError, match=rf"adapter does not fit .*another shape.*{projection}\.lora_B"):
-            headlab.load_adapter(model, root / f"{family}-unpruned-lora")
-        assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+        return
+    error = RuntimeError if loader == "plain" else HeadlabError
+    with pytest.raises(error, match=rf"adapter does not fit the pruned .*another shape.*{projection}\.lora_B"
+                                    r".*unpruned model"):
+        model.load_adapter(str(root / f"{family}-unpruned-lora"))
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+    with pytest.raises(HeadlabError, match=rf"adapter does not fit .*another shape.*{projection}\.lora_B"):
+        headlab.load_adapter(model, root / f"{family}-unpruned-lora")
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
@@ -330,3 +329,84 @@ def test_a_directory_pruned_before_its_plan_held_kept_refuses_attention_adapters
                                            r"model\.layers\.1\.self_attn\).*does not record which heads they kept"):
         model.load_adapter(str(root / "llama-lora"))
     assert not _tuner_layers(model)
+
+
+def _headlab_model(root, family: str, loader: str) -> torch.nn.Module:
+    """The pruned model as headlab hands it over, of transformers' own class: rebuilt by load_pruned, or pruned in
+    this process by prune_heads (the fixture's pruning of the same tiny model: the same weights)."""
+    if loader == "load_pruned":
+        return _load_pruned(root, family)
+    model = _model(family)
+    prune_heads(model, PRUNED[family])
+    return model
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+@pytest.mark.parametrize("loader", ["load_pruned", "prune_heads"])
+def test_transformers_load_adapter_of_a_headlab_model_checks_the_record(family, loader, saved):
+    """transformers' own ``model.load_adapter`` of a model from load_pruned or prune_heads (transformers' classes)
+    loads the adapter's weights with its own loading code, which the load_state_dict hooks never see: an adapter of
+    another pruning with the same head counts loaded silently, its rows acting on other heads (before session 29).
+    headlab routes the instance's load_adapter through the checked loader: refused naming both head sets, taken off
+    again; the adapter trained on this pruning still loads, with the logits it had."""
+    root, expected = saved
+    model = _headlab_model(root, family, loader)
+    before = _logits(model)
+    layer = "gpt_neox.layers.0.attention" if family == "gpt_neox" else "model.layers.0.self_attn"
+    theirs, ours = ("0,1,2", "1,2,3") if family == "llama" else ("0,1,3", "0,2,3")
+    with pytest.raises(HeadlabError, match=rf"trained on another pruning than this pruned .*ForCausalLM's .*{layer}: "
+                                           rf"the adapter's heads {theirs} of 4.*, this model's heads {ours} of 4"):
+        model.load_adapter(str(root / f"{family}-other-lora"))
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
+    with pytest.raises(HeadlabError, match=r"adapts the attention of pruned layers .*has no headlab_adapter\.json"):
+        model.load_adapter(str(root / f"{family}-unrecorded"))
+    assert not _tuner_layers(model)
+    model.load_adapter(str(root / f"{family}-lora"))
+    torch.testing.assert_close(_logits(model), expected[family], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("loader", ["load_pruned", "prune_heads"])
+def test_transformers_ignore_mismatched_sizes_cannot_reinitialise_a_headlab_model_s_adapter(loader, saved):
+    """Under ``ignore_mismatched_sizes=True`` transformers' load_adapter initialises anew the adapter weights of
+    another shape (an adapter of the unpruned model) and only logs it: refused instead, the adapter taken off."""
+    root, _ = saved
+    model = _headlab_model(root, "llama", loader)
+    before = _logits(model)
+    with pytest.raises(HeadlabError, match=r"adapter does not fit the pruned LlamaForCausalLM.*another shape.*"
+                                           r"q_proj\.lora_B"):
+        model.load_adapter(str(root / "llama-unpruned-lora"), ignore_mismatched_sizes=True)
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_headlab_model_checks_its_own_adapters(how, saved, tmp_path):
+    """The checked load_adapter travels with a deep copy or a pickled model and loads onto the copy, not the
+    original; save_pruned writes the same files as before (the route is no weight and no config entry)."""
+    import copy
+    import pickle
+
+    root, expected = saved
+    model = _load_pruned(root, "llama")
+    before = _logits(model)
+    twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    with pytest.raises(HeadlabError, match="trained on another pruning"):
+        twin.load_adapter(str(root / "llama-other-lora"))
+    twin.load_adapter(str(root / "llama-lora"))
+    torch.testing.assert_close(_logits(twin), expected["llama"], atol=1e-6, rtol=0)
+    assert not _tuner_layers(model) and not getattr(model, "peft_config", None)
+    torch.testing.assert_close(_logits(model), before, atol=0, rtol=0)
+    save_pruned(model, tmp_path / "again")
+    assert sorted(path.name for path in (tmp_path / "again").iterdir()) == [
+        "config.json", "generation_config.json", "headlab_pruning.json", "model.safetensors", "pruned_heads.py"]
+    assert "load_adapter" not in (tmp_path / "again" / "config.json").read_text()
+
+
+def test_an_unpruned_model_keeps_transformers_load_adapter(saved):
+    """Nothing changes for a model headlab did not prune: transformers' own method, its own adapter loading."""
+    root, _ = saved
+    model = _model("llama")
+    assert "load_adapter" not in model.__dict__
+    model.load_adapter(str(root / "llama-unpruned-lora"))
+    assert _tuner_layers(model)

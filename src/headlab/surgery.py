@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -571,6 +572,37 @@ def _mark_verified(model: nn.Module) -> None:
     check_adapter_record; its load_state_dict hooks refuse peft's unchecked loading)."""
     model.__dict__[VERIFIED_ATTR] = pruning_record(model)["blocks"]
     record_kept_blocks(model, {"kept": kept_blocks(model), "projections": {}})
+    _route_load_adapter(model)
+
+
+def _route_load_adapter(model: nn.Module) -> None:
+    """Make ``model.load_adapter`` (transformers' PEFT loading) the checked one, :func:`_checked_load_adapter`.
+    transformers' own reads the adapter's weights with its loading code, not ``load_state_dict``: the hooks of
+    record_kept_blocks never see it, and it reads no record of kept heads, so an adapter of another pruning with
+    the same head counts loaded silently, and under ``ignore_mismatched_sizes=True`` weights of another shape were
+    initialised anew. Only where the class's method is transformers' own: pruned_heads.py's PrunedModel checks
+    itself, Wav2Vec2's ``load_adapter`` loads another kind of adapter, a PeftModel's is guarded by the hooks. An
+    instance attribute (not a class of headlab's: the class name and pickling stay transformers'); a partial of
+    the model, so that deepcopy and pickle bind the copy's to the copy."""
+    from transformers.integrations.peft import PeftAdapterMixin
+
+    if getattr(type(model), "load_adapter", None) is PeftAdapterMixin.load_adapter:
+        model.__dict__["load_adapter"] = functools.partial(_checked_load_adapter, model)
+
+
+def _checked_load_adapter(model: nn.Module, peft_model_id: Any = None, adapter_name: str | None = None,
+                          *args: Any, **kwargs: Any) -> Any:
+    """The class's ``load_adapter`` (transformers') of ``model`` with portable_code's checks
+    (:func:`load_checked_adapter`): refused, the adapter taken off again, when it adapts a pruned attention layer
+    and its headlab_adapter.json is missing or names other kept heads, or when a weight of it was left at its
+    initialisation or unread. Returns what transformers' returns (the loading info)."""
+    load = functools.partial(cast(Any, type(model)).load_adapter, model)  # the class's, past the instance's route
+    try:
+        if type(model).__name__ == "PrunedModel" and hasattr(type(model), "save_adapter"):  # pruned_heads.py's: checks itself
+            return load(peft_model_id, adapter_name, *args, **kwargs)
+        return load_checked_adapter(model, load, peft_model_id, adapter_name, *args, **kwargs)
+    except RuntimeError as error:
+        raise HeadlabError(str(error).removeprefix("pruned_heads.py: ")) from error
 
 
 def kept_blocks(model: nn.Module) -> dict:
@@ -602,16 +634,13 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str
     peft's ``PeftModel.from_pretrained``, which is returned), refused and taken off again when it adapts a pruned
     attention layer and its ``headlab_adapter.json`` is missing or names other kept heads, or when a weight of it
     was left at its initialisation (another shape, missing) or unread. Returns ``model`` or the PeftModel."""
-    try:
-        if peft_model:
+    if peft_model:
+        try:
             return peft_from_pretrained(model, str(path), adapter_name=adapter_name or "default",
                                         is_trainable=is_trainable)
-        if type(model).__name__ == "PrunedModel" and hasattr(type(model), "save_adapter"):  # pruned_heads.py: checks itself
-            cast(Any, model).load_adapter(str(path), adapter_name, is_trainable=is_trainable)
-        else:
-            load_checked_adapter(model, cast(Any, model).load_adapter, str(path), adapter_name, is_trainable=is_trainable)
-    except RuntimeError as error:
-        raise HeadlabError(str(error).removeprefix("pruned_heads.py: ")) from error
+        except RuntimeError as error:
+            raise HeadlabError(str(error).removeprefix("pruned_heads.py: ")) from error
+    _checked_load_adapter(model, str(path), adapter_name, is_trainable=is_trainable)
     return model
 
 
