@@ -11,8 +11,9 @@ Before, LRP was refused on every latent-attention type ("no rule for the attenti
 multi-head latent attention"). Here, on the tiny models of tests/test_mla_pruning.py (MoE layers included: their
 fused experts have a rule), bias-free in float64: every layer's input holds the whole logit; the rules' backward through
 one attention layer equals a reference written here from the modeling code with the probabilities held constant; the
-heads' scores are the relevance at their slices of o_proj's input; compute_lrp conserves with biases. A.X-K2 stays
-refused, for its gated norm; LongCat-Flash (two attentions per layer, identity experts): tests/test_longcat_flash.py.
+heads' scores are the relevance at their slices of o_proj's input; compute_lrp conserves with biases. A.X-K2's gated
+norm (session 29; before, refused) holds its gate constant; LongCat-Flash (two attentions per layer, identity
+experts): tests/test_longcat_flash.py.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from headlab.importance.lrp import _KeptWide, head_relevance
 from headlab.importance.rules import check_rules, lrp_rules
 from test_mla_pruning import FAMILIES, _layers, mistral_large4, tiny_model
 
-# A.X-K2: refused for its gated norm (test below)
-EXPLAINED = tuple(f for f in FAMILIES if f != "axk2")
+EXPLAINED = FAMILIES  # A.X-K2 with its gated norm (before: refused for it)
 IDS = torch.tensor([[5, 17, 33, 8, 61, 4, 9, 12]])
 
 
@@ -170,12 +170,60 @@ def test_compute_lrp_conserves_with_biases(family):
     assert scores["dec_self"].shape == (2, 4) and not np.isnan(scores["dec_self"]).any()
 
 
-def test_a_gated_norm_is_refused_before_any_work():
-    """A.X-K2's AXK2GatedRMSNorm (y * sigmoid(mlp(y)), y its RMS norm's output) has no rule: refused naming it.
-    Before, the latent attention was named; with it explained, the RMS rule met the gated norm in the forward."""
+def test_a_gated_norm_holds_its_gate_constant_and_conserves():
+    """A.X-K2's AXK2GatedRMSNorm (``y * sigmoid(mlp(y))``, ``y`` its RMS norm's output): the gate is held constant
+    (mlp's output detached), so the backward through it is the RMS rule's times ``sigmoid(mlp(y))``, checked against a
+    reference written here; forward values are unchanged and compute_lrp conserves to 1e-12 in float64 (before: refused,
+    "LRP: no rule for the gated normalisation AXK2GatedRMSNorm")."""
+    model = _bias_free(tiny_model("axk2"))
+    gated = model.model.layers[1].post_attention_layernorm
+    assert type(gated).__name__ == "AXK2GatedRMSNorm"
+    seen: dict = {}
+    gated.register_forward_hook(lambda module, args, output: seen.update(x=args[0], out=output))
+    model.config._experts_implementation = "eager"  # as lrp_rules runs the experts: grouped matmuls take no float64
+    with torch.no_grad(), eager_attention(model), _KeptWide(torch.float64):
+        plain = model(input_ids=IDS).logits
+    weights = torch.randn(1, IDS.shape[1], model.config.hidden_size, generator=torch.Generator().manual_seed(5),
+                          dtype=torch.float64)
+    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+        with _KeptWide(torch.float64):
+            explained = model(input_ids=IDS).logits
+        grad, = torch.autograd.grad((seen["out"] * weights).sum(), seen["x"])
+    assert torch.equal(explained.detach(), plain)  # the rules change no forward value
+    x = seen["x"].detach()
+    norm = gated.norm
+    factor = norm.weight * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)  # the RMS rule's
+    gate = torch.sigmoid(gated.mlp(x * factor))
+    torch.testing.assert_close(grad, (weights * gate * factor).detach(), rtol=0, atol=1e-12)
+    assert grad.abs().max() > 1e-3
+    data = ImportanceData.from_ids([[5, 17, 33, 8, 1], [9, 12, 40, 70, 3, 6, 1], [4, 1]])
+    scores = compute_lrp(model, data, describe_model(model), bootstrap=0)
+    record = scores.signature["conservation"]["with_biases"]
+    assert abs(record["min"] - 1) < 1e-12 and abs(record["max"] - 1) < 1e-12
+    assert not np.isnan(scores["dec_self"]).any()
+
+
+def test_a_gated_norm_of_another_formula_is_refused_before_any_work(monkeypatch):
+    """A gated norm that does not compute y * sigmoid(mlp(y)) (here y * mlp(y)) is refused naming it."""
+    model = tiny_model("axk2")
+    gated = type(model.model.layers[0].input_layernorm)
+    monkeypatch.setattr(gated, "forward", lambda self, x: self.norm(x) * self.mlp(self.norm(x)))
     with pytest.raises(HeadlabError, match=r"LRP: no rule for the gated normalisation AXK2GatedRMSNorm "
                                            r"\(model\.layers\.0\.input_layernorm\): .*y \* sigmoid\(mlp\(y\)\)"):
-        check_rules(tiny_model("axk2"))
+        check_rules(model)
+
+
+def test_a_gated_norm_is_checked_on_every_call(monkeypatch):
+    """Where the probe cannot tell (weights on the meta device), the rule checks the product as the forward runs."""
+    from headlab.importance import rules
+
+    model = tiny_model("axk2")
+    monkeypatch.setattr(rules, "_computes_gated_norm", lambda module: True)
+    gated = type(model.model.layers[0].input_layernorm)
+    monkeypatch.setattr(gated, "forward", lambda self, x: self.norm(x) * self.mlp(self.norm(x)))
+    with pytest.raises(HeadlabError, match=r"LRP: the output of AXK2GatedRMSNorm is not y \* sigmoid\(mlp\(y\)\)"):
+        with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+            model(input_ids=IDS)
 
 
 def test_a_latent_attention_of_another_layout_is_refused():

@@ -317,11 +317,12 @@ def test_a_layer_with_no_head_loaded_without_headlab_is_refused_not_dropped(tmp_
         attention_blocks(plain)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa", "axk2"])
 def test_lrp_conserves_on_the_pruned_model(family):
     """LRP's rule for latent attention (tests/test_lrp_latent_attention.py) reads the heads left: on the pruned model
     (kv_b_proj of 3 heads x (nope + v) rows) bias-free in float64 the relevance reaching the first layer is the
-    explained logit. Before: refused, naming the latent attention, before and after pruning."""
+    explained logit. Before: refused, naming the latent attention, before and after pruning (A.X-K2: then for its
+    gated norm, until session 29)."""
     from support.family_matrix import check_lrp_conserves
 
     model = tiny_model(family)

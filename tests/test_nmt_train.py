@@ -210,6 +210,31 @@ def test_validation_keeps_the_best_checkpoint_and_averages(tmp_path, corpus, tok
     assert averaged["averaged_epochs"] == [2, 3]
 
 
+@pytest.mark.parametrize("metric", ["score", "loss"])
+def test_a_nan_averaged_model_is_refused_and_not_written(tmp_path, corpus, tokenizer, metric):
+    """The averaged model's validation was only logged: a NaN score (or loss) was returned as the run's
+    averaged_score and its weights written to ``averaged/`` (which the from-scratch baselines then score). It is
+    refused instead, naming the cause, and an ``averaged/`` of an earlier average of the run is removed;
+    ``best/`` and the history are the run's."""
+    out = tmp_path / "run"
+    scores = iter([{"score": 1.0, "loss": 3.0}, {"score": 3.0, "loss": 2.0}, {"score": 0.5, "loss": 2.5}])
+    train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+          config(out, max_epochs=2, max_tokens=2000, validate=True, average_last=2),
+          validate_fn=lambda model, tok, data, cfg: next(scores))
+    assert (out / "averaged" / "metrics.json").is_file()  # epochs 1 and 2, validated finite
+    nan = float("nan")
+    bad = {"score": nan, "loss": 2.5} if metric == "score" else {"score": 0.5, "loss": nan}
+    scores = iter([{"score": 2.0, "loss": 2.2}, bad])
+    with pytest.raises(HeadlabError, match=rf"the averaged model of epochs \[2, 3\] validates to a {metric} that is "
+                                           rf"not finite \(.*\): not written to .*averaged.*best/ \(epoch 2\)"):
+        train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+              config(out, max_epochs=3, max_tokens=2000, validate=True, average_last=2, resume=True),
+              validate_fn=lambda model, tok, data, cfg: next(scores))
+    assert not (out / "averaged").exists()
+    assert json.loads((out / "best" / "metrics.json").read_text())["epoch"] == 2
+    assert [record["valid_score"] for record in json.loads((out / "history.json").read_text())] == [1.0, 3.0, 2.0]
+
+
 @pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("metric", ["score", "loss"])
 def test_a_nan_validation_stops_the_run_and_never_becomes_best(tmp_path, corpus, tokenizer, first, metric):

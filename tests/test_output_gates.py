@@ -159,12 +159,13 @@ def test_a_gate_the_table_does_not_know_is_refused(family, monkeypatch):
         attention_blocks(build(family))
 
 
-@pytest.mark.parametrize("family", ["bailing_hybrid", "dots3_note_text"])
+@pytest.mark.parametrize("family", ["bailing_hybrid", "dots3_note_text", "axk2"])
 def test_lrp_holds_the_gate_constant_and_conserves(family):
-    """g_proj's output is detached with the latent attention's queries and keys (importance/rules.py): the gate a
-    per-head weight of the heads' outputs, so bias-free in float64 every layer's input holds the whole logit (the
-    backward against a reference: tests/test_lrp_latent_attention.py). Before: refused, naming the latent attention
-    and the gate."""
+    """g_proj's output is detached with the latent attention's queries and keys (importance/rules.py; A.X-K2's
+    q_gate_proj with the queries): the gate a per-head weight of the heads' outputs, so bias-free in float64 every
+    layer's input holds the whole logit (the backward against a reference: tests/test_lrp_latent_attention.py).
+    Before: refused, naming the latent attention and the gate; A.X-K2 then for its gated norm (session 29: its gate
+    held constant too)."""
     import numpy as np
 
     from headlab.capture import eager_attention
@@ -181,16 +182,6 @@ def test_lrp_holds_the_gate_constant_and_conserves(family):
         grads = torch.autograd.grad(y, list(out.hidden_states))
         totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
     np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-12)
-
-
-def test_axk2_lrp_is_refused_naming_its_gated_norm():
-    """A.X-K2's latent attention and gate have the rule; its AXK2GatedRMSNorm (y * sigmoid(mlp(y))) has none: refused
-    before any work, naming it (before: naming the latent attention and the gate)."""
-    from headlab.importance.rules import check_rules
-
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the gated normalisation AXK2GatedRMSNorm "
-                                           r"\(model\.layers\.0\.input_layernorm\)"):
-        check_rules(build("axk2"))
 
 
 def test_hy_v4_is_refused_for_its_sinks_and_hyper_connections():

@@ -30,6 +30,10 @@ The other rules become ordinary backward passes once the right factors are detac
   a norm (MobileBERT's ``NoNorm``) is a weighted sum: its ordinary backward. :func:`norm_rule` finds
   them by class (and, for a family's own classes, a probe of what they compute); any other
   normalisation is refused;
+* a gated norm ``y * sigmoid(mlp(y))`` with ``y = norm(x)`` (A.X-K2's ``AXK2GatedRMSNorm``): the gate
+  ``sigmoid(mlp(y))`` is held constant, ``mlp``'s output detached, so it is a per-feature weight of ``y``,
+  as the attention's output gates and the routing weights below are (LXT's CP-LRP, after Ali et al. 2022,
+  holds a gate constant likewise), and all of ``R`` reaches ``y``, whose norm has its rule (:class:`_GatedNorm`);
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
   (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
@@ -274,6 +278,73 @@ def _is_gated_norm(module: nn.Module) -> bool:
     return bool(norms) and len(norms) < len(children)
 
 
+def _gated_norm_parts(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(norm, mlp)`` of a gated norm laid out as A.X-K2's (children ``norm``, a norm with a rule, and ``mlp``),
+    None for any other module (another gated norm is refused: :func:`_module_problem`)."""
+    if not _is_gated_norm(module):
+        return None
+    norm, mlp = getattr(module, "norm", None), getattr(module, "mlp", None)
+    if not isinstance(mlp, nn.Module) or not isinstance(norm, nn.Module) \
+            or not (_is_rms_norm(norm) or isinstance(norm, nn.LayerNorm)):
+        return None
+    return norm, mlp
+
+
+def _gated(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``AXK2GatedRMSNorm.forward``'s product (transformers 5.24): ``y * sigmoid(gate)``, the gate in float32."""
+    return (y * torch.sigmoid(gate.float())).to(y.dtype)
+
+
+def _computes_gated_norm(module: nn.Module) -> bool:
+    """Whether ``module``'s own forward is ``y * sigmoid(mlp(y))`` with ``y = norm(x)`` on a random input (under
+    no_grad), so that another formula is refused before any work; True where it cannot run (weights on the meta
+    device): :class:`_GatedNorm` checks the product on every call."""
+    parts = _gated_norm_parts(module)
+    assert parts is not None
+    norm, mlp = parts
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or not weight.is_floating_point():
+        return True
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, *weight.shape), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            output = type(module).forward(module, x)
+            y = norm(x)
+            expected = _gated(y, mlp(y))
+        except Exception:  # noqa: BLE001  # any failure: not the gated norm the rule assumes
+            return False
+    return isinstance(output, torch.Tensor) and output.shape == expected.shape \
+        and torch.allclose(output, expected, rtol=1e-3, atol=1e-5)
+
+
+class _GatedNorm:
+    """The rule for a gated norm ``y * sigmoid(mlp(y))``, ``y = norm(x)`` (A.X-K2's ``AXK2GatedRMSNorm``): ``mlp``'s
+    output is detached, so the gate is a constant weight of ``y`` (as the output gates and routing weights are,
+    this module's docstring) and ``R(y) = R(output)``; ``norm`` has its own rule. The output is checked, on every
+    call, to be that product of the ``y`` and gate it kept (a module found by names other norms might use too)."""
+
+    def __init__(self) -> None:
+        self.y: torch.Tensor | None = None
+        self.gate: torch.Tensor | None = None
+
+    def keep_y(self, module, args, output):
+        self.y = output
+
+    def keep_gate(self, module, args, output):
+        self.gate = output.detach()
+        return self.gate
+
+    def after(self, module, args, output):
+        y, gate = self.y, self.gate
+        self.y = self.gate = None
+        with torch.no_grad():
+            if y is None or gate is None or not isinstance(output, torch.Tensor) or y.shape != output.shape \
+                    or not torch.allclose(_gated(y, gate), output, rtol=1e-3, atol=1e-5):
+                raise HeadlabError(f"LRP: the output of {type(module).__name__} is not y * sigmoid(mlp(y)) with "
+                                   "y = norm(x); headlab has no LRP rule for this gated normalisation")
+
+
 def _is_parameter_free_layer_norm(module: nn.Module) -> bool:
     return (type(module).__name__.endswith("LayerNorm") and hasattr(module, "normalized_shape")
             and next(module.parameters(), None) is None)
@@ -448,11 +519,11 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
                 "GPT-OSS, Llama 4, Aria, MiniMax-M3)")
-    if _is_gated_norm(module):  # A.X-K2's AXK2GatedRMSNorm (transformers 5.24)
-        return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): it multiplies its norm's "
-                "output by a gate computed from that output (y * sigmoid(mlp(y))), a product of two functions of its "
-                "input that none of headlab's rules splits, so relevance would not be conserved; the other measures "
-                "work on the model's attention layers")
+    if _is_gated_norm(module) and (_gated_norm_parts(module) is None or not _computes_gated_norm(module)):
+        return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): headlab's rule is for "
+                "y * sigmoid(mlp(y)) with y = norm(x) (A.X-K2's AXK2GatedRMSNorm: children norm, a norm with a rule, "
+                "and mlp), the gate held constant; on a probe this module is not laid out or does not compute so, "
+                "so relevance would not be conserved; the other measures work on the model's attention layers")
     if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
         return (f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
                 "multiplies two projections of its input (B * x before the convolution, C * y after "
@@ -1252,6 +1323,11 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             rule = norm_rule(module)
             if rule is not None:
                 handles.append(module.register_forward_hook(rule))
+            elif (parts := _gated_norm_parts(module)) is not None:  # the gate a constant: _GatedNorm
+                gated_norm = _GatedNorm()
+                handles.append(parts[0].register_forward_hook(gated_norm.keep_y))
+                handles.append(parts[1].register_forward_hook(gated_norm.keep_gate))
+                handles.append(module.register_forward_hook(gated_norm.after))
             elif _is_activation(module):
                 handles.append(module.register_forward_hook(_activation_rule))
         for act, up, down, checked in gated:

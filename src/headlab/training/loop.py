@@ -558,11 +558,18 @@ class _Run:
         message, shown = _stop_message(stopped, state, config, self.out_dir, self.diverged, self.diverged_at)
         if shown:
             self.log(message)
-        averaged_score = None
+        averaged_score, bad_average = None, ""
         if config.average_last and stopped in ("finished", "converged") and config.keep_epoch_checkpoints:
-            averaged_score = _average_and_validate(self.raw_model, self.tokenizer, valid_data, config, state,
-                                                   self.out_dir, self.hooks.validate_fn, self.accelerator, self.log)
+            averaged_score, bad_average = _average_and_validate(
+                self.raw_model, self.tokenizer, valid_data, config, state, self.out_dir, self.hooks.validate_fn,
+                self.accelerator, self.log)
+            if self.world_size > 1:  # only the main rank validates: every rank raises, none waits for it
+                from accelerate.utils import broadcast_object_list
+
+                averaged_score, bad_average = broadcast_object_list([averaged_score, bad_average])
         self.accelerator.wait_for_everyone()
+        if bad_average:
+            raise HeadlabError(bad_average)
         return TrainResult(
             step=state["step"], epoch=state["epoch"], best_score=state["best_score"], best_epoch=state["best_epoch"],
             history=state["history"], stopped=stopped, out_dir=str(self.out_dir), message=message,
@@ -857,8 +864,10 @@ def _stop_message(stopped: str, state: dict, config: TrainConfig, out_dir: Path,
     return "", False
 
 
-def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_dir, validate_fn, accelerator, log):
-    """Average the last N epoch checkpoints into ``averaged/`` and validate it (main rank)."""
+def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_dir, validate_fn, accelerator,
+                          log) -> tuple[float | None, str]:
+    """Average the last N epoch checkpoints into ``averaged/`` and validate it (main rank): its score, and what was
+    not finite in its validation (then nothing is written, and an earlier ``averaged/`` removed), or ``""``."""
     epochs = sorted((out_dir / "epochs").glob("epoch-*"))[-config.average_last:]
     score = None
     if accelerator.is_main_process and epochs:
@@ -872,9 +881,20 @@ def _average_and_validate(raw_model, tokenizer, valid_data, config, state, out_d
         record = {"averaged_epochs": [int(p.name.split("-")[1]) for p in epochs]}
         if valid_data is not None and config.validate:
             metrics = validate_fn(model, tokenizer, valid_data, config)
+            # as _validate: a NaN score would be returned and saved as the run's averaged result
+            bad = [name for name in ("score", "loss") if name in metrics and not math.isfinite(metrics[name])]
+            if bad:
+                if (out_dir / "averaged").is_dir():  # an earlier average of this run: not this one
+                    shutil.rmtree(out_dir / "averaged")
+                shown = ", ".join(f"{name} {value:.6g}" if isinstance(value, float) else f"{name} {value}"
+                                  for name, value in metrics.items())
+                return None, (f"the averaged model of epochs {record['averaged_epochs']} validates to a "
+                              f"{' and '.join(bad)} that {'is' if len(bad) == 1 else 'are'} not finite ({shown}): "
+                              f"not written to {out_dir / 'averaged'}; best/ (epoch {state['best_epoch'] or 'none'}) "
+                              "and the history are the run's")
             record.update({f"valid_{k}": v for k, v in metrics.items()})
             score = metrics["score"]
         _save_scored(model, tokenizer, record, out_dir / "averaged")
         log(f"averaged epochs {record['averaged_epochs']} into {out_dir / 'averaged'}"
             + (f": valid score {score:.2f} (best single epoch {state['best_score']:.2f})" if score is not None else ""))
-    return score
+    return score, ""
