@@ -394,10 +394,8 @@ class ZeroHeadAttention(NoHeadAttention):
     def __init__(self, original: nn.Module, o_name: str | None, n_outputs: int, d_head: int,
                  residual: tuple[str, int] | None = None, norm: str | None = None, selection: str | None = None):
         super().__init__(original, o_name, n_outputs, d_head, residual, norm, selection)
-        # the class it replaces, where that says the layout (a discovered fused projection's, read from the class:
-        # adapters.families.FUSED_ATTENTION_CLASSES)
-        self.stands_for = getattr(original, "stands_for", type(original).__name__)
-        self.stands_for_block: tuple[str, Any] | None = None  # (kind, Family) of the block, set by pruning
+        # (kind, Family) of the block, set by pruning: adapters list the stand-in by it (adapters._without_heads)
+        self.stands_for_block: tuple[str, Any] | None = None
         for name, value in vars(original).items():
             if not name.startswith("_") and name not in vars(self) and isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
@@ -419,8 +417,8 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
     stand_in = ZeroHeadAttention(block.core, o_name, n_outputs, block.d_head, block.family.residual_argument, norm,
                                  selection)
-    # what it stands for, as found: a discovered layer whose projection names no scheme knows is listed by it
-    # (adapters.without_heads), with its number, not left out of the blocks (the layers after it renumbered)
+    # what it stands for, as found: a discovered layer (whose projections may have names no scheme knows) is listed
+    # by it (adapters._without_heads), with its number, not left out of the blocks (the layers after it renumbered)
     stand_in.stands_for_block = (block.kind, block.family)
     journal.set(parent, attr, stand_in)
 

@@ -219,8 +219,7 @@ def _generic_candidates(model: nn.Module) -> Iterator[tuple[str, int, str, nn.Mo
             core_module = _get(module, core) if core else module
             # a layer pruned to no head: its d_head (the value heads' size) before the original's head_dim, which
             # it keeps and which is the query/key heads' where they are wider (MiMo-V2-Flash)
-            stand_in = type(core_module).__name__ in ("ZeroHeadAttention", "NoHeadAttention")
-            d_attr = next((a for a in (("d_head",) if stand_in else ()) + _D_HEAD_ATTRS
+            d_attr = next((a for a in (("d_head",) if _stand_in(core_module) else ()) + _D_HEAD_ATTRS
                            if isinstance(getattr(core_module, a, None), int)), None)
             layer = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
             if d_attr is None or not layer:
@@ -283,9 +282,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
         candidates.append(_discovered(model, config, model_type, item))
     seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
-    latent = _latent_without_heads(model, config, model_type, seen | {c[2] for c in named})
-    candidates += latent + _fused_without_heads(model, config, model_type, seen | {c[2] for c in named + latent})
-    candidates += _recorded_without_heads(model, model_type, seen | {c[2] for c in named + candidates})
+    candidates += _without_heads(model, config, model_type, seen | {c[2] for c in named})
     for candidate in named:
         name = candidate[2]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
@@ -333,28 +330,6 @@ def _known_gates(model_type: str, item: Discovered) -> bool:
     type (relative to the attention module), the ones whose rows its ``head_rows`` slice per head."""
     prefix = f"{item.core}." if item.core else ""
     return model_type in OUTPUT_GATES and set(item.gates) == {prefix + path for path in OUTPUT_GATES[model_type]}
-
-
-def _latent_without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
-    """Latent-attention layers pruned to no head (:data:`LATENT_ATTENTION`): their stand-in calls no attention
-    function and has no q/k/v projections that the name-based schemes know, yet it is a block of the model."""
-    if model_type not in LATENT_ATTENTION:
-        return []
-    found = []
-    for name, module in model.named_modules():
-        if not _stand_in(module) or name in seen or not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
-            continue
-        o_name, n_outputs = getattr(module, "o_name", None), int(getattr(module, "n_outputs", 2))
-        # NoHeadAttention (loaded by plain transformers) knows no original numbering: no head size, refused
-        d_head_attr = "d_head" if type(module).__name__ == "ZeroHeadAttention" else ""
-        rows = LATENT_ATTENTION[model_type](module)
-        family = Family(
-            name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None, o=o_name or "", d_head_attr=d_head_attr,
-            probs_index=n_outputs - 1 - bool(getattr(module, "selection", None)), head_rows=rows,
-            head_vectors=HEAD_VECTORS.get(model_type, ()) if rows else (), selection_argument=getattr(module, "selection", None))
-        found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
-                      family))
-    return found
 
 
 def _layer_number(model_type: str, name: str, module: nn.Module) -> int:
@@ -459,30 +434,6 @@ def _tabled_fused(item: Discovered, module: nn.Module, core: nn.Module) -> Famil
     return family
 
 
-def _fused_without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
-    """Layers of a :data:`FUSED_ATTENTION_CLASSES` class pruned to no head: their stand-in calls no attention
-    function and has no q/k/v projections that the name-based schemes know (its fused one is left with no row), yet
-    it is a block of the model, with the entry's layout (``stands_for``: the class it replaced). A stand-in loaded by
-    plain transformers (``NoHeadAttention``: it records neither) that nothing else claimed is a block too, which
-    :func:`_make_block` refuses, naming headlab's loader: left out, the layer vanished from the blocks (a tower
-    took its number)."""
-    found = []
-    for name, module in model.named_modules():
-        if not _stand_in(module) or name in seen or not re.search(r"(?:^|\.)\d+(?=\.|$)", name):
-            continue
-        tabled = FUSED_ATTENTION_CLASSES.get(str(getattr(module, "stands_for", "")))
-        if tabled is not None:
-            family = dataclasses.replace(tabled, name=f"discovered:{model_type}", patterns=())
-        elif type(module).__name__ == "NoHeadAttention":
-            family = Family(name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None,
-                            o=getattr(module, "o_name", None) or "", d_head_attr="")
-        else:
-            continue
-        found.append((_guess_kind(name, module, config, model), _layer_number(model_type, name, module), name, module,
-                      family))
-    return found
-
-
 def _stand_in(module: nn.Module | None) -> bool:
     """A layer pruned to no head (:class:`headlab.surgery.ZeroHeadAttention`, or the portable module's
     ``NoHeadAttention``): it calls no attention function, so the probe forward cannot find it."""
@@ -494,26 +445,33 @@ def _core_of(candidate: tuple) -> nn.Module | None:
     return _get(module, family.core) if family.core else module
 
 
-def _recorded_without_heads(model: nn.Module, model_type: str, seen: set[str]) -> list:
-    """Layers pruned to no head that nothing else claimed, listed as pruning found them: the stand-in keeps the
-    block's kind and family (``stands_for_block``, set by :mod:`headlab.surgery`), whose projections it adopted
-    under the same names. A discovered layer whose projection names no scheme of :data:`_GENERIC_SCHEMES` knows
-    (CTRL's Wq/Wk/Wv/dense, ModernBERT-decoder's Wo) was otherwise left out of the blocks: the layers after it
-    took its number, a table lost its row and the saved record its entry."""
+def _without_heads(model: nn.Module, config: Any, model_type: str, seen: set[str]) -> list:
+    """Layers pruned to no head that nothing else claimed. Their stand-in calls no attention function, so the probe
+    forward cannot find them, and its projections may have names no scheme of :data:`_GENERIC_SCHEMES` knows (latent
+    attention, a fused projection left with no row, CTRL's Wq/Wk/Wv/dense, ModernBERT-decoder's Wo); left out, the
+    layers after one took its number, a table lost its row and the saved record its entry.
+    :class:`headlab.surgery.ZeroHeadAttention` records the block's kind and family as pruning found them
+    (``stands_for_block``), whose projections it adopted under the same names: listed by them. A stand-in loaded by
+    plain transformers (the portable module's ``NoHeadAttention``) records nothing: listed with no head size, which
+    :func:`_make_block` refuses, naming headlab's loader."""
     found = []
     for path, module in model.named_modules():
+        if not _stand_in(module) or path in seen:
+            continue
         recorded = getattr(module, "stands_for_block", None)
-        if not _stand_in(module) or not isinstance(recorded, tuple) or len(recorded) != 2:
-            continue
-        kind, family = recorded
-        suffix = f".{family.core}" if family.core else ""
-        if suffix and not path.endswith(suffix):
-            continue
-        name = path[:-len(suffix)] if suffix else path
-        if name in seen or path in seen:
-            continue
-        block = model.get_submodule(name)
-        found.append((kind, _layer_number(model_type, name, module), name, block, family))
+        if isinstance(recorded, tuple) and len(recorded) == 2:
+            kind, family = recorded
+            suffix = f".{family.core}" if family.core else ""  # BERT-style: the stand-in at attention.self
+            if suffix and not path.endswith(suffix):
+                continue
+            name = path[:-len(suffix)] if suffix else path
+            if name not in seen:
+                found.append((kind, _layer_number(model_type, name, module), name, model.get_submodule(name), family))
+        elif re.search(r"(?:^|\.)\d+(?=\.|$)", path):
+            family = Family(name=f"discovered:{model_type}", patterns=(), q=None, k=None, v=None,
+                            o=getattr(module, "o_name", None) or "", d_head_attr="")
+            found.append((_guess_kind(path, module, config, model), _layer_number(model_type, path, module), path,
+                          module, family))
     return found
 
 
