@@ -764,7 +764,8 @@ class _PerLayerInputProduct:
     (``project_per_layer_inputs``): ``e`` the input embeddings, ``T`` the per-layer token embedding
     ``embed_tokens_per_layer``. ``act(W_g h) * p`` is a product of two neurons, as a gated MLP's
     ``act(gate x) * up x`` is, and gets its rule (Voita et al. 2019, App. A.2; Ding et al. 2017, Sec. 3.2):
-    ``R(a) = a / (a + p) R(v)``, ``R(p) = p / (a + p) R(v)``, the activation with the activation rule. Neither
+    ``R(a) = a / (a + p) R(v)``, ``R(p) = p / (a + p) R(v)`` (Ding's split, headlab's one product rule, not
+    AttnLRP's uniform ``R(v) / 2`` each), the activation with the activation rule. Neither
     factor is a gate in the sense of the ones held constant (Qwen3-Next's sigmoid output gate, the routing weights:
     weights in (0, 1) of a weighted sum, constants as the attention weights are): ``act`` is GELU of a projection,
     unbounded, and ``p`` is no weight but a signal from the input; holding either constant would give all of the
