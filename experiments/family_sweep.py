@@ -23,7 +23,8 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 * ``gates``: scalar gates at one change nothing, and leave no hook behind;
 * ``prune``: :func:`headlab.prune_heads` equals masking (or is refused with a HeadlabError);
 * ``lrp`` (decoder-only and encoder-only): :func:`headlab.importance.rules.check_rules` refuses, or
-  the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves);
+  the rules conserve relevance on a bias-free copy (tests/support/family_matrix.check_lrp_conserves; Gemma 3n's and
+  Gemma 4's per-layer token embeddings, an input of their own, counted with the first layer's input);
   with final logit soft-capping (``y = cap * tanh(z / cap)``: Gemma 2, VaultGemma, NanoChat, Beam) the
   capped logit ``y``'s relevance sums to ``z * (1 - tanh(z / cap) ** 2)`` (neither ``z`` nor ``y``):
   ``z``'s relevance, every share scaled by ``dy/dz``. compute_lrp explains ``z`` itself, the LM head's output.
@@ -588,7 +589,7 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
 
 def check_lrp(model, blocks) -> str | None:
     from headlab.capture import eager_attention
-    from headlab.importance.rules import check_rules, lrp_rules
+    from headlab.importance.rules import check_rules, lrp_rules, per_layer_embeddings
 
     if getattr(model.config, "is_encoder_decoder", False):
         return "lrp not checked (sequence-to-sequence)"
@@ -607,18 +608,22 @@ def check_lrp(model, blocks) -> str | None:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0, module.in_features ** -0.5)
-    seen = []
-    handle = first.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    seen, per_layer = [], []
+    handles = [first.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)]
+    # Gemma 3n's and Gemma 4's per-layer token embeddings: an input of their own, counted with the first layer's
+    handles += [e.register_forward_hook(lambda module, args, output: per_layer.append(output))
+                for e in per_layer_embeddings(model)]
     ids = torch.randint(3, 99, (1, 7), generator=torch.Generator().manual_seed(1))
     try:
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             target = out[0, -1].argmax()
-            grad, = torch.autograd.grad(out[0, -1, target], seen[0])
+            grads = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer])
     finally:
-        handle.remove()
-    total = (seen[0].detach() * grad).sum().item()
+        for handle in handles:
+            handle.remove()
+    total = sum((x.detach() * g).sum().item() for x, g in zip([seen[0], *per_layer], grads))
     want = out[0, -1, target].item()
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2

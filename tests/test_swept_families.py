@@ -46,6 +46,10 @@ CONSERVING = {
     # fc1: 32 -> 80 ([gate | up], 40 each), fc2: 40 -> 32
     "moshi": lambda: (tf.MoshiForCausalLM, tf.MoshiConfig(**{**_GQA, "intermediate_size": None}, ffn_dim=80)),
     "lfm2": lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(**_GQA, layer_types=["full_attention"] * 2)),
+    # per-layer inputs: Ding's product rule, the per-layer token embeddings counted as input (refused until session 29)
+    "gemma4_text": lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
+        **_GQA, layer_types=["sliding_attention", "full_attention"], sliding_window=4, global_head_dim=8,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)),
 }
 
 REFUSED = {
@@ -56,7 +60,8 @@ REFUSED = {
         **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
         num_local_experts=2, num_experts_per_tok=1)),
         r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
-    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's and Gemma 4's per-layer inputs
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's alternating updates (its per-layer inputs
+    # have a rule since session 29: tests/test_lrp_per_layer_inputs.py)
     "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
         **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
         lru_width=32)),
@@ -65,11 +70,7 @@ REFUSED = {
         **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.0, 0.0])),
-        r"Gemma3nTextDecoderLayer \(model.layers.0\): per-layer inputs"),
-    "gemma4_text": (lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
-        **_GQA, layer_types=["sliding_attention", "full_attention"], sliding_window=4, global_head_dim=8,
-        hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)),
-        r"Gemma4TextDecoderLayer \(model.layers.0\): per-layer inputs"),
+        r"Gemma3nTextAltUp \(model.layers.0.altup\): alternating updates"),
 }
 
 
@@ -97,7 +98,7 @@ def _data(model) -> tuple[ImportanceData, object]:
 @pytest.mark.parametrize("family", CONSERVING)
 def test_lrp_conserves_relevance(family):
     """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
-    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2 was refused)."""
+    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2 and gemma4_text were refused)."""
     model = _tiny(CONSERVING[family])
     check_rules(model)
     data, info = _data(model)
@@ -291,7 +292,7 @@ def test_a_bert_style_decoder_is_a_decoder(family):
 
 
 def test_gemma3ns_alternating_updates_have_no_rule():
-    """Gemma 3n's layers are refused for their per-layer inputs first; its AltUp module is refused too."""
+    """Gemma 3n is refused for its AltUp module (its per-layer inputs have a rule since session 29)."""
     from headlab.importance.rules import _no_rule
 
     with torch.device("meta"):

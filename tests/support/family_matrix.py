@@ -511,9 +511,11 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
     ``dy/dz = 1 - tanh(z / cap) ** 2``, so it sums to ``z * (1 - tanh(z / cap) ** 2)``, neither ``z``
     nor ``y``. An LM head that never calls its output layer (MobileBERT's multiplies the weights itself)
     explains the logit. ``rtol``/``atol``: the tolerance (1e-12 in float64 shows a rule that is only
-    close). The number of calls of ``first_layer`` back."""
+    close). A model with per-layer inputs (Gemma 3n, Gemma 4) sends relevance to its per-layer token embeddings
+    too, an input of their own: theirs is added (what compute_lrp counts as input relevance). The number of calls
+    of ``first_layer`` back."""
     from headlab.capture import eager_attention
-    from headlab.importance.rules import lrp_rules
+    from headlab.importance.rules import lrp_rules, per_layer_embeddings
 
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -525,6 +527,7 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
                     module.weight.normal_(0, module.in_features ** -0.5)
     seen: list[torch.Tensor] = []
     heads: list[torch.Tensor] = []
+    per_layer: list[torch.Tensor] = []
     handles = []
     cap = getattr(model.config, "final_logit_softcapping", None)
     try:
@@ -535,19 +538,23 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
                 lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True),
                 model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]
+            handles += [embedding.register_forward_hook(lambda module, args, output: per_layer.append(output))
+                        for embedding in per_layer_embeddings(model)]
             out = model(**tiny_inputs(batch=1)).logits
             target = out[0, -1].argmax()
             z = heads[0][0, -1, target] if heads else out[0, -1, target]
-            grad, = torch.autograd.grad(z, seen[0], retain_graph=bool(cap))
-            capped, = torch.autograd.grad(out[0, -1, target], seen[0]) if cap else (None,)
+            grad, *at_per_layer = torch.autograd.grad(z, [seen[0], *per_layer], retain_graph=bool(cap))
+            capped, *capped_per_layer = torch.autograd.grad(out[0, -1, target], [seen[0], *per_layer]) if cap \
+                else (None,)
     finally:
         for handle in handles:
             handle.remove()
-    total = (seen[0].detach() * grad).sum()
+    total = (seen[0].detach() * grad).sum() + sum((e.detach() * g).sum() for e, g in zip(per_layer, at_per_layer))
     torch.testing.assert_close(total, z.detach(), rtol=rtol, atol=atol)
     if cap:
         z = z.detach().double()
-        torch.testing.assert_close((seen[0].detach() * capped).sum().double(),
+        torch.testing.assert_close((seen[0].detach() * capped).sum().double() + sum(
+                                       (e.detach() * g).sum().double() for e, g in zip(per_layer, capped_per_layer)),
                                    z * (1 - torch.tanh(z / cap) ** 2), rtol=1e-4, atol=1e-5)
     return len(seen)
 

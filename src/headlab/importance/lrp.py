@@ -66,6 +66,8 @@ from headlab.importance.rules import (
     gated_mlps,
     lrp_rules,
     norm_rule,
+    per_layer_embeddings,
+    per_layer_input_layers,
     routed_experts,
 )
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
@@ -83,9 +85,10 @@ class TargetRelevance:
     logits (without constant biases); ``relevance[(kind, layer)]`` ``[n, n_heads]`` the summed
     relevance of each head's neurons for each target (not normalised); ``embedding`` ``[n]`` the
     relevance that reached the input embeddings (:func:`_embeddings`; encoder and
-    decoder embeddings together); ``biases`` ``[n]`` the relevance the biases kept
-    (:func:`_bias_probes`, and the output layer's bias). The rules conserve relevance:
-    ``embedding + biases == logits`` up to rounding.
+    decoder embeddings together, and Gemma 3n's and Gemma 4's per-layer token embeddings); ``biases`` ``[n]``
+    the relevance the biases kept (:func:`_bias_probes`, and the output layer's bias). The rules conserve
+    relevance: ``embedding + biases == logits`` up to rounding. ``per_layer_embedding`` ``[n]``: the part of
+    ``embedding`` that reached the per-layer token embeddings (:func:`_per_layer_embeddings`; zeros without them).
     """
 
     steps: torch.Tensor
@@ -94,6 +97,7 @@ class TargetRelevance:
     relevance: dict[tuple[str, int], torch.Tensor]
     embedding: torch.Tensor
     biases: torch.Tensor
+    per_layer_embedding: torch.Tensor | None = None
 
 
 def normalize_per_layer(relevance: torch.Tensor) -> torch.Tensor:
@@ -182,10 +186,32 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         handles.remove()
 
 
+@contextmanager
+def _per_layer_embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The outputs of the per-layer token embeddings (Gemma 3n's and Gemma 4's ``embed_tokens_per_layer``,
+    :func:`headlab.importance.rules.per_layer_embeddings`): an input of the model beside its input embeddings,
+    where the relevance the per-layer inputs' product rule sends into them ends (the rest crosses
+    ``per_layer_model_projection`` to the input embeddings). Counted as input relevance, so that conservation
+    holds, and reported apart."""
+    found: list[torch.Tensor] = []
+
+    def record(module, args, output):
+        if torch.is_grad_enabled():  # not discovery's probe forward
+            found.append(output)
+
+    handles = HookHandles()
+    try:
+        for module in per_layer_embeddings(model):
+            handles.append(module.register_forward_hook(record))
+        yield found
+    finally:
+        handles.remove()
+
+
 def lrp_precision(model: nn.Module) -> torch.dtype:
     """The float type LRP computes in: float64 for a model with gated MLPs (fused [gate | up]
     projections, LFM2's with its activation a function call, MiniMax-M3's clamped SwiGLU, and mixtures of experts
-    included), float32 otherwise.
+    included) or per-layer inputs (the same product rule), float32 otherwise.
 
     Ding et al.'s product rule splits ``a * b`` as ``a / (a + b)`` and ``b / (a + b)``, and
     ``a + b`` crosses zero: on the bundled English LM single neurons of the lowest layers get
@@ -194,7 +220,7 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
     gated = gated_mlps(model) or fused_gated_mlps(model) or called_gated_mlps(model) or routed_experts(model) \
-        or clamped_gated_mlps(model)
+        or clamped_gated_mlps(model) or per_layer_input_layers(model)
     return torch.float64 if gated else torch.float32
 
 
@@ -470,7 +496,8 @@ def head_relevance(
     batch_rows = next(iter(batch.inputs.values())).shape[0]
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
             _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
-            _embeddings(model) as embedded, _lm_input(model) as seen, head_output_hooks(blocks, record):
+            _embeddings(model) as embedded, _per_layer_embeddings(model) as per_layer, _lm_input(model) as seen, \
+            head_output_hooks(blocks, record):
         with _KeptWide(_computed_in(model)):  # the forward only: the backward passes below are torch's own
             out = model(**batch.inputs, use_cache=False) if "decoder_input_ids" in batch.inputs \
                 else model(**batch.inputs)
@@ -479,11 +506,16 @@ def head_relevance(
         if not embedded or not all(e.requires_grad for e in embedded):
             raise HeadlabError("LRP: found no input embeddings on the path to the logits (the input of each "
                                "stack's first layer), so conservation cannot be measured")
+        if per_layer_input_layers(model) and (not per_layer or not all(e.requires_grad for e in per_layer)):
+            raise HeadlabError("LRP: found no per-layer token embeddings (embed_tokens_per_layer) on the path to the "
+                               "logits, though the model's layers take per-layer inputs, so conservation cannot be "
+                               "measured")
         # A bias before the embeddings' cut (BERT's and BART's embedding norms) is inside them already.
         before = torch.autograd.grad([e.sum() for e in embedded], probes, retain_graph=True, allow_unused=True) \
             if probes else []
-        ends = embedded + [s for s, g in zip(probes, before) if g is None]
-        n_emb = len(embedded)
+        # the per-layer token embeddings are input embeddings too: counted with them (_reached)
+        ends = embedded + per_layer + [s for s, g in zip(probes, before) if g is None]
+        n_emb = (len(embedded), len(per_layer))
         steps = batch.steps.to(y.device)
         index = steps.nonzero()  # [n, 2] (row, position), row-major order
         keys = [b.key for b in blocks]
@@ -505,7 +537,7 @@ def head_relevance(
                 key: torch.stack(rows[key]) if rows[key] else h.new_zeros(0, h.shape[2])
                 for key, h in zip(keys, heads)
             }
-            shares = torch.stack(reached) if reached else y.new_zeros(0, 2)
+            shares = torch.stack(reached) if reached else y.new_zeros(0, 3)
         else:
             per_slot: dict = {k: [] for k in keys}  # pieces of [n_slots, batch, H]
             at_ends = []  # pieces of [n_slots, batch, 2]
@@ -535,24 +567,29 @@ def head_relevance(
                 else h.new_zeros(0, h.shape[2])
                 for key, h in zip(keys, heads)
             }
-            shares = torch.cat(at_ends)[picks, index[:, 0]] if n_slots else y.new_zeros(0, 2)
+            shares = torch.cat(at_ends)[picks, index[:, 0]] if n_slots else y.new_zeros(0, 3)
         logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)
         tokens = top[index[:, 0], index[:, 1]] if len(index) else top.new_zeros(0)
         lm_bias = getattr(output_layer(model), "bias", None)
         kept = shares[:, 1].detach()
         if isinstance(lm_bias, torch.Tensor):  # the output layer's bias is part of the target itself
             kept = kept + lm_bias.detach().to(kept.dtype)[tokens]
-    return TargetRelevance(index, logits, tokens, relevance, shares[:, 0].detach(), kept)
+    return TargetRelevance(index, logits, tokens, relevance, shares[:, 0].detach(), kept, shares[:, 2].detach())
 
 
-def _reached(grads, ends: list[torch.Tensor], n_emb: int, y: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, batch, 2]``: gradient x input summed over all but the batch dimension, over the
-    first ``n_emb`` of ``ends`` (the input embeddings: the encoder's and the decoder's) and over
-    the rest (the bias probes)."""
-    total = y.new_zeros(n, y.shape[0], 2)
+def _reached(grads, ends: list[torch.Tensor], n_emb: tuple[int, int], y: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, batch, 3]``: gradient x input summed over all but the batch dimension, over the
+    input embeddings, the first ``sum(n_emb)`` of ``ends`` (the encoder's and the decoder's, then
+    ``n_emb[1]`` per-layer token embeddings), over the rest (the bias probes), and over the
+    per-layer token embeddings alone (a part of the first)."""
+    total = y.new_zeros(n, y.shape[0], 3)
+    main, per_layer = n_emb
     for i, (grad, x) in enumerate(zip(grads, ends)):
         if grad is not None:
-            total[..., int(i >= n_emb)] += (grad * x).reshape(n, y.shape[0], -1).sum(-1)
+            summed = (grad * x).reshape(n, y.shape[0], -1).sum(-1)
+            total[..., int(i >= main + per_layer)] += summed
+            if main <= i < main + per_layer:
+                total[..., 2] += summed
     return total
 
 
@@ -619,7 +656,7 @@ def compute_lrp(
     per_sentence = {b.key: torch.zeros(len(data), b.n_heads, dtype=torch.float64) for b in blocks}  # bootstrap
     counts = torch.zeros(len(data), dtype=torch.float64)
     # Per sentence: relevance that reached the input embeddings, that the biases kept, and the logits.
-    reached, kept, explained = (torch.zeros(len(data), dtype=torch.float64) for _ in range(3))
+    reached, kept, explained, per_layer = (torch.zeros(len(data), dtype=torch.float64) for _ in range(4))
     n_steps = n_available = 0
     batches: Iterable = shard.numbered(make_batches(data, info, batch_size=batch_size, side="translation",
                                           device=next(model.parameters()).device))
@@ -636,6 +673,8 @@ def compute_lrp(
             reached.index_add_(0, sentences, result.embedding.double().cpu())
             kept.index_add_(0, sentences, result.biases.double().cpu())
             explained.index_add_(0, sentences, result.logits.double().cpu())
+            if result.per_layer_embedding is not None:
+                per_layer.index_add_(0, sentences, result.per_layer_embedding.double().cpu())
             part = {}
             for key, values in result.relevance.items():
                 normalised = normalize_per_layer(values.double()).cpu()
@@ -647,13 +686,14 @@ def compute_lrp(
     raw = {key: total for key, (_, total) in totals.items()}
     # A sentence's row is filled by one process, zeros elsewhere, and its step count is an integer:
     # added over the processes, the bootstrap sees the one-process rows to the bit.
-    per_sentence, counts, n_steps, n_available, reached, kept, explained = shard.sum(
-        (per_sentence, counts, n_steps, n_available, reached, kept, explained))
+    per_sentence, counts, n_steps, n_available, reached, kept, explained, per_layer = shard.sum(
+        (per_sentence, counts, n_steps, n_available, reached, kept, explained, per_layer))
     if n_steps == 0:
         why = ("are all translations empty?" if info.is_seq2seq else
                f"no sentence keeps a token to explain once cut to {info.max_length} tokens: --max-length?")
         raise HeadlabError(f"LRP found no token to explain in the data ({why})")
-    conservation = conservation_record(reached, kept, explained, counts)
+    conservation = conservation_record(reached, kept, explained, counts,
+                                       per_layer if per_layer_input_layers(model) else None)
     signature = {
         **data.signature(),
         "n_steps": n_steps,
@@ -704,17 +744,23 @@ def _ratio_stats(ratio: np.ndarray) -> dict:
 
 
 def conservation_record(reached: torch.Tensor, kept: torch.Tensor, explained: torch.Tensor,
-                        counts: torch.Tensor) -> dict:
+                        counts: torch.Tensor, per_layer: torch.Tensor | None = None) -> dict:
     """The signature's ``conservation``, per sentence (sums over the sentence's targets):
     ``embeddings``, the relevance reaching the input embeddings over the explained logits, and
     ``with_biases``, that plus the relevance the biases kept, which the rules make one; the
-    sentences whose ``with_biases`` lies outside the tolerance are listed (the first ten)."""
+    sentences whose ``with_biases`` lies outside the tolerance are listed (the first ten).
+    ``per_layer`` (a model with per-layer inputs: Gemma 3n, Gemma 4): the part of ``reached`` at the per-layer
+    token embeddings, recorded as ``per_layer_embeddings`` over the logits."""
     scored = counts > 0
     numbers = scored.nonzero().flatten().numpy()
     logits = explained[scored]
     embeddings = (reached[scored] / logits).numpy()
     total = ((reached[scored] + kept[scored]) / logits).numpy()
     bad = ~(np.abs(total - 1) <= CONSERVATION_TOLERANCE)  # NaN is bad too
+    extra = {} if per_layer is None else {
+        "per_layer_embeddings": _ratio_stats((per_layer[scored] / logits).numpy()),
+        "per_layer_definition": "the part of embeddings that reached the per-layer token embeddings "
+                                "(embed_tokens_per_layer), an input of their own beside the input embeddings"}
     return {
         "definition": "per sentence, summed over its targets: relevance reaching the input embeddings "
                       "(embeddings), and that plus the relevance kept by biases (with_biases), over the explained "
@@ -726,6 +772,7 @@ def conservation_record(reached: torch.Tensor, kept: torch.Tensor, explained: to
         "n_outside": int(bad.sum()),
         "outside": [{"sentence": int(n), "ratio": float(r) if np.isfinite(r) else None}
                     for n, r in zip(numbers[bad], total[bad])][:10],
+        **extra,
     }
 
 
@@ -746,6 +793,14 @@ def check_conservation(record: dict) -> None:
     )
 
 
+def _per_layer_note(record: Mapping[str, Any]) -> str:
+    """The share of the per-layer token embeddings (Gemma 3n, Gemma 4) in the caption, '' without them."""
+    share = record.get("per_layer_embeddings")
+    if not isinstance(share, Mapping) or share.get("min") is None:
+        return ""
+    return f" (of it at the per-layer token embeddings {share['min']:.3f} to {share['max']:.3f})"
+
+
 class LRP(ImportanceMeasure):
     """:func:`compute_lrp` as a registered measure."""
 
@@ -764,8 +819,8 @@ class LRP(ImportanceMeasure):
             embeddings, total = record["embeddings"], record["with_biases"]
             return (f"; conservation over {counted(record['n_sentences'], 'sentence')}: relevance reaching the input embeddings "
                     f"{embeddings['min']:.3f} to {embeddings['max']:.3f} of the explained logit (mean "
-                    f"{embeddings['mean']:.3f}), with the biases' shares {total['min']:.6f} to {total['max']:.6f} "
-                    f"(tolerance 1 ± {record['tolerance']:g})")
+                    f"{embeddings['mean']:.3f}){_per_layer_note(record)}, with the biases' shares {total['min']:.6f} "
+                    f"to {total['max']:.6f} (tolerance 1 ± {record['tolerance']:g})")
         except (KeyError, TypeError, ValueError):
             return ""
 

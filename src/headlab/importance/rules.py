@@ -37,6 +37,10 @@ The other rules become ordinary backward passes once the right factors are detac
 * element-wise product ``v = a * b`` of two neurons (gated MLPs): forward
   ``(a + b) * stop(a b / (a + b))``, so ``R(a) = a / (a + b) R(v)`` and ``R(b) = b / (a + b) R(v)``
   (LFM2's ``w2(silu(w1 x) * w3 x)``, SiLU a function call, gets the activation rule in a hook on ``w1``);
+* per-layer inputs (Gemma 3n, Gemma 4: ``h + norm(W_p (act(W_g h) * p))``, ``p`` from the input embeddings and a
+  per-layer token embedding): the product rule above, as for a gated MLP, ``R(p)`` reaching the input embeddings
+  through ``per_layer_model_projection`` and the per-layer token embedding, an input of its own that lrp.py counts
+  with them (:class:`_PerLayerInputProduct`, where the choice of rule is argued);
 * GPT-OSS's clamped SwiGLU ``(clamp(up) + 1) * glu(clamp(gate))`` (its experts, MiniMax-M3's experts
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
@@ -85,7 +89,8 @@ from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
 
 __all__ = ["called_gated_mlps", "check_rules", "clamped_gated_mlps", "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
-           "lrp_rules", "never_run", "norm_rule", "relevance", "routed_experts"]
+           "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "relevance",
+           "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -457,6 +462,10 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
                 "are unknown (no family table, and discovery did not tie one projection to each of the attention "
                 "function's queries, keys and values), so the attention weights cannot be held constant")
+    if per_layer_input_layers(model) and not per_layer_embeddings(model):
+        raise HeadlabError("LRP: no rule for this model's per-layer inputs: its layers multiply by a per-layer input "
+                           "(per_layer_input_gate, per_layer_projection), but it has no per-layer token embedding "
+                           "(embed_tokens_per_layer) where the relevance sent into them could be counted")
     unruled = _unruled(model, blocks)
     if not unruled:
         return unruled
@@ -585,11 +594,17 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
         return ("alternating updates (Gemma 3n's AltUp): the residual stream is several streams, mixed by "
                 "coefficients computed from the input (products of two functions of it), which none of headlab's "
                 "rules splits, so relevance would not be conserved; the other measures work on the attention layers")
-    if all(isinstance(children.get(n), nn.Linear) for n in ("per_layer_input_gate", "per_layer_projection")):
-        return ("per-layer inputs (Gemma 3n's, Gemma 4's): every layer multiplies a function of its input by a "
-                "second stream computed from the token embeddings, which reaches the layer beside the residual "
-                "stream; none of headlab's rules splits that product, so relevance would not be conserved; the "
+    act = getattr(module, "act_fn", None)
+    if _has_per_layer_input(module) and not (isinstance(act, nn.Module) and _is_activation(act)):
+        return ("per-layer inputs (Gemma 3n's, Gemma 4's) without an activation module act_fn: the rule splits "
+                "act(per_layer_input_gate(h)) * per_layer_input with the activation rule on act's output, which "
+                "cannot be applied to an activation called as a function, so relevance would not be conserved; the "
                 "other measures work on the attention layers")
+    if callable(getattr(module, "_gaussian_topk", None)) and (getattr(module, "activation_sparsity", 0) or 0) > 0:
+        return ("activation sparsity (Gemma 3n's Gaussian top-k: relu(x - mean(x) - z * std(x)) before the MLP's "
+                "activation, activation_sparsity_pattern > 0 in this layer): its cutoff is a function of all of the "
+                "gate's neurons, which none of headlab's rules holds constant, so relevance would not be conserved; "
+                "the other measures work on the attention layers")
     if _clamped_gated_parts(module) is not None and _clamped_gate(module) is None:
         return ("a gated MLP down(gate(gate_up x)) with a clamp limit and no activation module whose forward is not "
                 "GPT-OSS's clamped SwiGLU (clamp(up) + 1) * g * sigmoid(alpha * g) on a probe (MiniMax-M3's is), so "
@@ -787,6 +802,82 @@ class _CalledGatedProduct(_CheckedGatedProduct):
 
     def keep_activated(self, module, args, output):
         self.a = _activation_rule(module, (output,), nn.functional.silu(output))
+
+
+_PER_LAYER_PARTS = ("per_layer_input_gate", "per_layer_projection")
+
+
+def _has_per_layer_input(module: nn.Module) -> bool:
+    """A decoder layer with per-layer inputs (Gemma 3n's, Gemma 4's): ``per_layer_input_gate`` and
+    ``per_layer_projection``, both linear maps."""
+    return all(isinstance(getattr(module, name, None), nn.Linear) for name in _PER_LAYER_PARTS)
+
+
+def per_layer_input_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` with per-layer inputs (:class:`_PerLayerInputProduct`)."""
+    return [module for module in model.modules() if _has_per_layer_input(module)]
+
+
+def per_layer_embeddings(model: nn.Module) -> list[nn.Module]:
+    """The per-layer token embeddings of ``model`` (Gemma 3n's and Gemma 4's ``embed_tokens_per_layer``): an input
+    of their own, whose output is where relevance sent into the per-layer inputs ends beside the input embeddings
+    (lrp.py counts it in the input relevance)."""
+    return [embedding for module in model.modules()
+            if isinstance(embedding := getattr(module, "embed_tokens_per_layer", None), nn.Embedding)]
+
+
+class _PerLayerInputProduct:
+    """Ding et al.'s product rule for the per-layer inputs of Gemma 3n and Gemma 4.
+
+    Each such decoder layer computes ``h + norm(W_p (act(W_g h) * p))`` (transformers 5.24,
+    ``Gemma4TextDecoderLayer.forward``, ``Gemma3nTextDecoderLayer.forward`` on the active AltUp stream), where
+    ``p`` (``per_layer_input``) is the layer's slice of ``(norm(W_m e * s) + T(ids)) / sqrt(2)``
+    (``project_per_layer_inputs``): ``e`` the input embeddings, ``T`` the per-layer token embedding
+    ``embed_tokens_per_layer``. ``act(W_g h) * p`` is a product of two neurons, as a gated MLP's
+    ``act(gate x) * up x`` is, and gets its rule (Voita et al. 2019, App. A.2; Ding et al. 2017, Sec. 3.2):
+    ``R(a) = a / (a + p) R(v)``, ``R(p) = p / (a + p) R(v)`` (Ding's split, headlab's one product rule, not
+    AttnLRP's uniform ``R(v) / 2`` each), the activation with the activation rule. Neither
+    factor is a gate in the sense of the ones held constant (Qwen3-Next's sigmoid output gate, the routing weights:
+    weights in (0, 1) of a weighted sum, constants as the attention weights are): ``act`` is GELU of a projection,
+    unbounded, and ``p`` is no weight but a signal from the input; holding either constant would give all of the
+    product's relevance to the other (CP-LRP, Ali et al. 2022) and break the convention of the gated MLPs that
+    this product copies. ``R(p)`` flows on through linear maps and the RMS norm's rule to the input embeddings
+    ``e`` (through ``per_layer_model_projection``) and to ``T``'s output, an input of its own that keeps its share
+    as a bias keeps its own (lrp.py records it with the input embeddings and reports it apart), so relevance is
+    conserved. The pre-hook of the layer keeps ``p``, the forward hook of ``act_fn`` (after its activation rule)
+    ``a``; the pre-hook of ``per_layer_projection`` checks that its input is ``a * p``, on every call, before
+    swapping its backward."""
+
+    formula = "act_fn(per_layer_input_gate(h)) * per_layer_input"
+
+    def __init__(self) -> None:
+        self.a: torch.Tensor | None = None
+        self.p: torch.Tensor | None = None
+
+    def keep_input(self, module, args, kwargs):
+        import inspect
+
+        try:
+            bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        self.p = bound.get("per_layer_input")
+
+    def keep_gate(self, module, args, output):
+        self.a = output
+
+    def pre_projection(self, module, args):
+        v, a, p = args[0], self.a, self.p
+        self.a = self.p = None
+        if not isinstance(a, torch.Tensor) or not isinstance(p, torch.Tensor) or a.shape != v.shape \
+                or p.shape != v.shape:
+            raise HeadlabError(f"LRP: cannot find the two factors of the per-layer input before {type(module).__name__} "
+                               f"({self.formula})")
+        with torch.no_grad():
+            if not torch.allclose(a * p, v, rtol=1e-3, atol=1e-5):
+                raise HeadlabError(f"LRP: the input of {type(module).__name__} is not {self.formula}; headlab has no "
+                                   "LRP rule for these per-layer inputs")
+        return (_swap_backward(v, _product(a, p).to(v.dtype)), *args[1:])
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -1351,6 +1442,12 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(w1.register_forward_hook(called.keep_activated))
             handles.append(w3.register_forward_hook(called.keep_b))
             handles.append(w2.register_forward_pre_hook(called.pre_down))
+        for layer in per_layer_input_layers(model):
+            per_layer = _PerLayerInputProduct()
+            handles.append(layer.register_forward_pre_hook(per_layer.keep_input, with_kwargs=True))
+            # after the activation rule (hooked above), so it keeps the rule's output
+            handles.append(cast(nn.Module, layer.act_fn).register_forward_hook(per_layer.keep_gate))
+            handles.append(cast(nn.Module, layer.per_layer_projection).register_forward_pre_hook(per_layer.pre_projection))
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
