@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
-from headlab.adapters.families import OUTPUT_GATES
+from headlab.adapters.families import FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
@@ -457,6 +457,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
+        refused = FUSED_REFUSED.get(type(block.core).__name__)
+        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, with no rule (Zaya)
+            raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
@@ -491,9 +494,10 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     """Path -> (class name, why no rule covers it) of every module none of the rules covers, in module order;
     why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
     inside = _inside(model, blocks)
+    holders = _holders(model, blocks)
     found: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
-        problem = _module_problem(module, path, inside, _parent(model, path))
+        problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
     return found
@@ -506,7 +510,12 @@ _KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
     """The blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)."""
     inside = {id(m) for block in blocks for m in block.module.modules()}
-    return inside | {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
+    return inside | _holders(model, blocks)
+
+
+def _holders(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
+    """The modules that hold a block (T5's T5LayerSelfAttention, DBRX's DbrxNormAttentionNorm)."""
+    return {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
 
 
 def _unknown_norm(module: nn.Module) -> bool:
@@ -521,14 +530,19 @@ def _parent(model: nn.Module, path: str) -> nn.Module | None:
     return model.get_submodule(path.rpartition(".")[0]) if path else None
 
 
-def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.Module | None = None) -> str | None:
+def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.Module | None = None,
+                    holds_block: bool = False) -> str | None:
     """Why no LRP rule covers ``module`` itself, as the refusal says it (None: one does); a normalisation
-    without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it."""
+    without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it;
+    ``holds_block``: an attention block lies inside it (then it is no gated norm, whatever its name)."""
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
                 "GPT-OSS, Llama 4, Aria, MiniMax-M3)")
-    if _is_gated_norm(module) and (_gated_norm_parts(module) is None or not _computes_gated_norm(module)):
+    # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
+    # attention and the MLP's norm, by its name and children one) holds an attention block and is none
+    if not holds_block and _is_gated_norm(module) and \
+            (_gated_norm_parts(module) is None or not _computes_gated_norm(module)):
         return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): headlab's rule is for "
                 "y * sigmoid(mlp(y)) with y = norm(x) (A.X-K2's AXK2GatedRMSNorm: children norm, a norm with a rule, "
                 "and mlp), the gate held constant; on a probe this module is not laid out or does not compute so, "
@@ -727,24 +741,56 @@ def _detach_output(module, args, output):
     return output.detach()
 
 
-def _detach_qk_columns(width_qk: int):
-    """For a fused [q | k | v] projection: detach the q and k columns, keep v."""
+class _ClampIdentity(torch.autograd.Function):
+    """``clamp(x, -bound, bound)`` with the identity rule of element-wise functions, ``R(x) = R(clamp(x))`` (Voita et
+    al. 2019, App. A.2; AttnLRP, Achtibat et al. 2024, Sec. 3.3): the gradient scaled by ``clamp(x) / x`` (1 where
+    ``x`` is 0), so that gradient x input at ``x`` is the output's. The value is the clamp's, exactly: the forward's
+    own clamp after it leaves it unchanged, and passes its gradient (torch's bounds are inclusive)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bound: float) -> torch.Tensor:
+        y = x.clamp(min=-bound, max=bound)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, y = ctx.saved_tensors
+        ratio = torch.where(x == 0, torch.ones_like(x), y / torch.where(x == 0, torch.ones_like(x), x))
+        return grads[0] * ratio, None
+
+
+def _clip(block: AttentionBlock) -> float | None:
+    """The bound the block's forward clamps its fused projection's output to (DBRX's ``clip_qkv``), if any."""
+    bound = getattr(block.core, block.family.qkv_clip_attr, None) if block.family.qkv_clip_attr else None
+    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
+
+
+def _detach_qk_columns(width_qk: int, clip: float | None = None):
+    """For a fused [q | k | v] projection: detach the q and k columns, keep v (through the forward's clamp to
+    ``clip``, where it has one, by the identity rule: :class:`_ClampIdentity`)."""
 
     def hook(module, args, output):
-        return torch.cat([output[..., :width_qk].detach(), output[..., width_qk:]], dim=-1)
+        values = output[..., width_qk:]
+        if clip is not None:
+            values = cast(torch.Tensor, _ClampIdentity.apply(values, clip))
+        return torch.cat([output[..., :width_qk].detach(), values], dim=-1)
 
     return hook
 
 
 def _detach_columns(block: AttentionBlock):
-    """For a fused projection in any other layout (per head, grouped): detach the q and k columns
+    """For a fused projection in any other layout (per head, grouped, CodeGen's groups): detach the q and k columns
     wherever the layout puts them, keep the values'."""
     q, k, _ = block.qkv_columns()
     assert block.qkv is not None  # called for fused projections only
     is_qk = torch.zeros(out_features(block.qkv), dtype=torch.bool)
     is_qk[torch.cat([q, k])] = True
+    clip = _clip(block)
 
     def hook(module, args, output):
+        if clip is not None:
+            output = _ClampIdentity.apply(output, clip)
         return torch.where(is_qk.to(output.device), output.detach(), output)
 
     return hook
@@ -1479,7 +1525,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
             elif block.qkv is not None:
                 width = (block.n_heads + block.n_kv_heads) * block.d_head
-                handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
+                handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width, _clip(block))))
             else:
                 assert block.q is not None and block.k is not None  # unfused projections
                 # with a query gate (family.query_gate) the gate is q's output too: held constant with it
