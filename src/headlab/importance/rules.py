@@ -66,6 +66,9 @@ The other rules become ordinary backward passes once the right factors are detac
   projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
   all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
   constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
+  A fused projection's query and key columns are detached wherever its layout puts them; DBRX clamps its
+  output to ``clip_qkv``, an element-wise function of each value: the activation rule, ``R(v) = R(clamp(v))``
+  (:class:`_ClampIdentity`; the clamp's own gradient, 0 where it clips, lost that relevance).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
