@@ -238,19 +238,6 @@ def test_lrp_conserves_relevance(family):
     check_lrp_conserves(model, first(model), rtol=1e-10, atol=1e-10)
 
 
-def test_dbrx_lrp_passes_relevance_through_the_clamp():
-    """DBRX clamps Wqkv's output to clip_qkv: where a value is clipped its gradient is 0, and gradient x input lost
-    that value's relevance (the logit's 3% came back: the check below failed before the identity rule). The tiny
-    model's values do reach the bound."""
-    model = _dbrx_dense()
-    reached = []
-    handle = model.transformer.blocks[0].norm_attn_norm.attn.Wqkv.register_forward_hook(
-        lambda module, args, output: reached.append(bool((output[..., 48:].abs() > CLIP).any())))
-    check_lrp_conserves(model, model.transformer.blocks[0], rtol=1e-10, atol=1e-10)
-    handle.remove()
-    assert reached and all(reached)
-
-
 def test_dbrx_lrp_refuses_its_experts_not_its_norms():
     """DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2) was taken for a gated norm by its name and children;
     it holds an attention block and is none. What LRP still refuses on DBRX, before any work, is its experts."""
@@ -295,3 +282,56 @@ def test_an_mp_groups_layout_refuses_groups_that_split_a_head():
     q, k, v = qkv_columns("mp-groups", 8, 8, 4, groups=4)
     assert v.tolist() == [row for h in range(8) for row in _codegen_values(h)]
     assert q.tolist()[:8] == [0, 1, 2, 3, 4, 5, 6, 7] and k.tolist()[:8] == [16, 17, 18, 19, 20, 21, 22, 23]
+
+
+# -- clip_qkv beyond DBRX: MPT clamps its fused Wqkv, OLMo and OLMoE each projection's output in place
+def _olmo() -> torch.nn.Module:
+    config = tf.OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, clip_qkv=CLIP,
+                           **_SPECIAL)
+    return perturbed_model(tf.OlmoForCausalLM, config).double()
+
+
+def _olmoe() -> torch.nn.Module:
+    config = tf.OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, clip_qkv=CLIP,
+                            num_experts=3, num_experts_per_tok=2, **_SPECIAL)
+    return perturbed_model(tf.OlmoeForCausalLM, config).double()
+
+
+def _mpt() -> torch.nn.Module:
+    config = tf.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                          attn_config=dict(clip_qkv=CLIP), **_SPECIAL)
+    return perturbed_model(tf.MptForCausalLM, config, attn_implementation="eager").double()  # no SDPA in MPT
+
+
+CLIPPED = {"dbrx": (_dbrx_dense, lambda m: m.transformer.blocks[0], lambda m: m.transformer.blocks[0].norm_attn_norm.attn.Wqkv),
+           "mpt": (_mpt, lambda m: m.transformer.blocks[0], lambda m: m.transformer.blocks[0].attn.Wqkv),
+           "olmo": (_olmo, lambda m: m.model.layers[0], lambda m: m.model.layers[0].self_attn.v_proj),
+           "olmoe": (_olmoe, lambda m: m.model.layers[0], lambda m: m.model.layers[0].self_attn.v_proj)}
+
+
+@pytest.mark.parametrize("family", CLIPPED)
+def test_lrp_passes_relevance_through_clip_qkv(family):
+    """The forward clamps the projections' outputs to clip_qkv: where a value is clipped its gradient is 0, and
+    gradient x input lost that value's relevance (this failed on every family before the activation rule,
+    adapters.families.CLIPPED_QKV). The tiny models' projections do reach the bound."""
+    build, first, projection = CLIPPED[family]
+    model = build()
+    reached = []
+    handle = projection(model).register_forward_hook(
+        lambda module, args, output: reached.append(bool((output.detach().abs() > CLIP).any())))
+    check_lrp_conserves(model, first(model), rtol=1e-10, atol=1e-10)
+    handle.remove()
+    assert reached and all(reached)
+
+
+@pytest.mark.parametrize("family", ["olmo", "mpt"])
+def test_the_clamp_rule_leaves_the_forward_as_it_was(family):
+    """The rule changes the backward only: under lrp_rules the logits are the model's own, bit for bit."""
+    from headlab.importance.rules import lrp_rules
+
+    model, inputs = CLIPPED[family][0](), tiny_inputs()
+    before = _logits(model, inputs)
+    with lrp_rules(model):
+        assert torch.equal(_logits(model, inputs), before)

@@ -31,10 +31,6 @@ class Family:
     qkv_groups_attr: str | None = None
     """Attribute of ``core`` holding the number of groups the "mp-groups" layout splits ``qkv`` into (CodeGen's
     ``mp_num``), kept in step by physical pruning."""
-    qkv_clip_attr: str | None = None
-    """Attribute of ``core`` holding the bound its forward clamps the whole output of ``qkv`` to, element by element
-    (DBRX's ``clip_qkv``; None there: no clamp). Per element, so slicing heads keeps it exact; LRP passes the values'
-    relevance through it unchanged (the identity rule of element-wise functions)."""
     core: str = ""
     """Path of the module that computes the attention probabilities ("" = the matched one)."""
     probs_index: int = 1
@@ -224,6 +220,16 @@ SINKS_SCALE_OUTPUT = frozenset({"granite_swa", "granitemoe_swa"})
 and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logits_h) - sinks[h])`` (transformers
 5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
 scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
+
+CLIPPED_QKV: dict[str, str] = {
+    "DbrxAttention": "clip_qkv", "MptAttention": "clip_qkv",
+    "OlmoAttention": "config.clip_qkv", "OlmoeAttention": "config.clip_qkv"}
+"""Attention classes whose forward clamps its query, key and value projections' outputs to ``[-c, c]`` element by
+element, with where ``c`` is read (a path from the attention module; None or 0: no clamp): DBRX and MPT clamp the
+fused ``Wqkv`` output (MPT only where ``clip_qkv`` is truthy), OLMo and OLMoE each of ``q_proj``, ``k_proj`` and
+``v_proj``'s in place (transformers 5.24). Per element, so slicing heads keeps it exact; LRP passes the values'
+relevance through it by the activation rule (:class:`headlab.importance.rules._ClampIdentity`), where the clamp's own
+gradient, 0 where it clips, lost it."""
 
 FUSED_REFUSED: dict[str, str] = {
     "ZayaAttention": "its queries, keys and values come from ZAYA's compressed convolutional attention "
@@ -532,7 +538,7 @@ DBRX = Family(
     # with grouped key/value heads; hidden_size (the query width) is what the split reads
     name="dbrx",
     patterns=(("dec_self", r"(?:^|\.)blocks\.(\d+)\.norm_attn_norm\.attn$"),),
-    q=None, k=None, v=None, o="out_proj", qkv="Wqkv", qkv_layout="q|k|v", qkv_clip_attr="clip_qkv",
+    q=None, k=None, v=None, o="out_proj", qkv="Wqkv", qkv_layout="q|k|v",
     d_head_attr="head_dim",
     kv_groups_attr="num_key_value_groups",
     width_attrs=("hidden_size",),

@@ -66,9 +66,10 @@ The other rules become ordinary backward passes once the right factors are detac
   projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
   all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
   constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
-  A fused projection's query and key columns are detached wherever its layout puts them; DBRX clamps its
-  output to ``clip_qkv``, an element-wise function of each value: the activation rule, ``R(v) = R(clamp(v))``
-  (:class:`_ClampIdentity`; the clamp's own gradient, 0 where it clips, lost that relevance).
+  A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
+  output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
+  function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
+  gradient, 0 where it clips, lost that relevance).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -86,7 +87,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
-from headlab.adapters.families import FUSED_REFUSED, OUTPUT_GATES
+from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
@@ -752,21 +753,36 @@ class _ClampIdentity(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bound: float) -> torch.Tensor:
-        y = x.clamp(min=-bound, max=bound)
-        ctx.save_for_backward(x, y)
-        return y
+        ctx.save_for_backward(x)  # not the output: OLMo clamps it again in place
+        ctx.bound = bound
+        return x.clamp(min=-bound, max=bound)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x, y = ctx.saved_tensors
-        ratio = torch.where(x == 0, torch.ones_like(x), y / torch.where(x == 0, torch.ones_like(x), x))
+        x, = ctx.saved_tensors
+        one = torch.ones_like(x)
+        ratio = torch.where(x == 0, one, x.clamp(min=-ctx.bound, max=ctx.bound) / torch.where(x == 0, one, x))
         return grads[0] * ratio, None
 
 
 def _clip(block: AttentionBlock) -> float | None:
-    """The bound the block's forward clamps its fused projection's output to (DBRX's ``clip_qkv``), if any."""
-    bound = getattr(block.core, block.family.qkv_clip_attr, None) if block.family.qkv_clip_attr else None
-    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) else None
+    """The bound the block's forward clamps its projections' outputs to (:data:`CLIPPED_QKV`), if any (0 is none:
+    MPT clamps only where it is truthy, and a clamp to 0 leaves the values no relevance either way)."""
+    path = CLIPPED_QKV.get(type(block.core).__name__)
+    bound: Any = block.core
+    for part in path.split(".") if path else ("",):
+        bound = getattr(bound, part, None) if part else None
+    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound else None
+
+
+def _clamp_identity(clip: float):
+    """The value projection's output clamped to ``clip`` by the activation rule (:class:`_ClampIdentity`): the
+    forward's own clamp after it (OLMo's, in place) then changes nothing and passes the gradient."""
+
+    def hook(module, args, output):
+        return _ClampIdentity.apply(output, clip)
+
+    return hook
 
 
 def _detach_qk_columns(width_qk: int, clip: float | None = None):
@@ -1534,6 +1550,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 # with a query gate (family.query_gate) the gate is q's output too: held constant with it
                 handles.append(block.q.register_forward_hook(_detach_output))
                 handles.append(block.k.register_forward_hook(_detach_output))
+                if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
+                    handles.append(block.v.register_forward_hook(_clamp_identity(clip)))
                 # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
                 for module in head_row_modules(block):
                     handles.append(module.register_forward_hook(_detach_output))
