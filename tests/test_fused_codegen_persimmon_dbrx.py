@@ -211,19 +211,10 @@ def test_pruning_equals_masking_in_float64(family):
     torch.testing.assert_close(_logits(model, inputs), masked, rtol=0, atol=1e-12)
 
 
-def _dbrx_dense() -> torch.nn.Module:
-    """DBRX with each block's mixture of experts replaced by a Linear map: LRP refuses DbrxExperts (its w1/v1/w2
-    layout is no rule's), which is not what this file checks; its attention and norms are DBRX's."""
-    model = dbrx()
-    for block in model.transformer.blocks:
-        block.ffn = torch.nn.Linear(32, 32, bias=False).double()
-    return model
-
-
 LRP = {"codegen": (codegen, lambda m: m.transformer.h[0]),
        "persimmon": (persimmon, lambda m: m.model.layers[0]),
        "fuyu": (fuyu, lambda m: m.model.language_model.layers[0]),
-       "dbrx": (_dbrx_dense, lambda m: m.transformer.blocks[0])}
+       "dbrx": (dbrx, lambda m: m.transformer.blocks[0])}
 
 
 @pytest.mark.parametrize("family", LRP)
@@ -238,13 +229,20 @@ def test_lrp_conserves_relevance(family):
     check_lrp_conserves(model, first(model), rtol=1e-10, atol=1e-10)
 
 
-def test_dbrx_lrp_refuses_its_experts_not_its_norms():
-    """DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2) was taken for a gated norm by its name and children;
-    it holds an attention block and is none. What LRP still refuses on DBRX, before any work, is its experts."""
+def test_dbrx_lrp_conserves_through_its_norms_and_experts():
+    """Before, past its attention, DBRX's LRP was refused twice: DbrxNormAttentionNorm (norm_1, attn, norm_2) was
+    taken for a gated norm by its name and children (it holds an attention block and is none), and DbrxExperts (w1, v1,
+    w2: [experts x ffn, hidden] each) matched no experts layout. compute_lrp on it conserves, every sentence, in
+    float64."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
     from headlab.importance.rules import check_rules
 
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the mixture-of-experts module DbrxExperts"):
-        check_rules(dbrx())
+    model = dbrx()
+    check_rules(model)
+    data = ImportanceData.from_ids([[5, 6, 7, 8, 1], [9, 10, 11, 1], [12, 13, 14, 15, 16, 1]])
+    record = compute_lrp(model, data, describe_model(model), batch_size=2, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9
 
 
 def test_zaya_is_refused_before_any_work_naming_its_projection():
@@ -305,7 +303,7 @@ def _mpt() -> torch.nn.Module:
     return perturbed_model(tf.MptForCausalLM, config, attn_implementation="eager").double()  # no SDPA in MPT
 
 
-CLIPPED = {"dbrx": (_dbrx_dense, lambda m: m.transformer.blocks[0], lambda m: m.transformer.blocks[0].norm_attn_norm.attn.Wqkv),
+CLIPPED = {"dbrx": (dbrx, lambda m: m.transformer.blocks[0], lambda m: m.transformer.blocks[0].norm_attn_norm.attn.Wqkv),
            "mpt": (_mpt, lambda m: m.transformer.blocks[0], lambda m: m.transformer.blocks[0].attn.Wqkv),
            "olmo": (_olmo, lambda m: m.model.layers[0], lambda m: m.model.layers[0].self_attn.v_proj),
            "olmoe": (_olmoe, lambda m: m.model.layers[0], lambda m: m.model.layers[0].self_attn.v_proj)}

@@ -1101,6 +1101,25 @@ def _router(parent: nn.Module | None) -> nn.Module | None:
     return router if isinstance(router, nn.Module) else None
 
 
+def _glu_experts(module: nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], nn.Module] | None:
+    """DBRX's experts (``DbrxExperts``, transformers 5.24): ``mlp.w1``, ``mlp.v1`` and ``mlp.w2``, each ``[experts *
+    ffn, hidden]``, viewed ``[experts, ffn, hidden]``; expert e computes ``(act(x w1_e^T) * x v1_e^T) w2_e``
+    (``DbrxExpertGLU.forward``), ``act`` its ``activation_fn``. ``((w1, w2, v1) viewed, act)``, or None where the
+    module is not laid out so."""
+    mlp = getattr(module, "mlp", None)
+    n, ffn = getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size", None)
+    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    act = getattr(mlp, "activation_fn", None)
+    if not isinstance(n, int) or not isinstance(ffn, int) or n <= 0 or ffn <= 0 or not isinstance(act, nn.Module) \
+            or not _is_activation(act) or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        return None
+    tensors = cast(list[torch.Tensor], weights)
+    if any(w.shape != tensors[0].shape or w.shape[0] != n * ffn for w in tensors):
+        return None
+    w1, v1, w2 = (w.view(n, ffn, -1) for w in tensors)
+    return (w1, v1, w2), act
+
+
 def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     """``(transposed, biases, gate)`` of a mixture-of-experts module, or why headlab has no rule for it.
 
@@ -1111,7 +1130,12 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     with biases ``gate_up_proj_bias`` and ``down_proj_bias`` or none, no norm after the experts, and a gate
     :class:`_Gate` knows (``act_fn(gate) * up``, or GPT-OSS's clamped SwiGLU), found by running the module's
     ``_apply_gate`` on a probe. Called as ``experts(hidden_states, top_k_index, top_k_weights)``,
-    or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`)."""
+    or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`). DBRX's
+    experts hold theirs in three 2-d matrices (:func:`_glu_experts`): ``act(gate) * up`` with ``[gate | up]``
+    computed from them."""
+    glu = _glu_experts(module)
+    if glu is not None:
+        return False, False, _Gate(True, act=glu[1])
     transposed = _transposed(module)
     if transposed is None:
         return ("its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj "
@@ -1197,6 +1221,12 @@ def _expert(module: Any, x: torch.Tensor, expert: int, transposed: bool, biases:
             probe: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on its rows ``x``: ``down(gate(gate_up x + b) ) + b'`` with the rules' backward; ``probe``
     (``[rows, 1]`` ones) measures what the biases keep (:func:`expert_bias_probes`)."""
+    glu = _glu_experts(module)
+    if glu is not None:  # DBRX: [x w1_e^T | x v1_e^T], then (act(gate) * up) w2_e
+        (w1, v1, w2), _ = glu
+        return gate(torch.cat([nn.functional.linear(x, w1[expert]), nn.functional.linear(x, v1[expert])], -1)) \
+            @ w2[expert]
+
     def project(h, weight, bias):
         out = h @ weight if transposed else nn.functional.linear(h, weight)
         if bias is None:
@@ -1236,7 +1266,11 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
                            "top_k_weights); headlab has no LRP rule for it")
     x = given["hidden_states"]
     _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
-    n_experts = module.down_proj.shape[0]  # the gated ones: LongCat-Flash's identity experts follow
+    glu = _glu_experts(module)
+    if glu is not None:  # DBRX's experts take [batch, seq, hidden] and route its rows flattened
+        x = x.reshape(-1, x.shape[-1])
+    # the gated ones: LongCat-Flash's identity experts follow
+    n_experts = glu[0][0].shape[0] if glu is not None else module.down_proj.shape[0]
     if dense:  # Llama 4: rows [expert 0's tokens; expert 1's; ...], each already scaled by its routing weight
         rows = x.view(n_experts, -1, x.shape[-1])
         surrogate = torch.cat([_expert(module, rows[e], e, transposed, biases, gate) for e in range(n_experts)])
@@ -1256,6 +1290,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
             routed = _expert(module, x[token], expert, transposed, biases, gate, None if s is None else s[token]) \
                 * weights[token, slot, None]
             surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
+    if glu is not None and isinstance(output, torch.Tensor) and surrogate.numel() == output.numel():
+        surrogate = surrogate.view(output.shape)
     with torch.no_grad():
         if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
             raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed gated experts "
