@@ -45,7 +45,7 @@ The other rules become ordinary backward passes once the right factors are detac
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
-  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4): each expert is a gated MLP with the rules above (or
+  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4; DBRX's in three 2-d matrices): each expert is a gated MLP with the rules above (or
   LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are detached (Llama 4's
   router scores, which scale the experts' input, likewise), constants as the attention weights below are
   (:func:`_experts_rule`);
@@ -542,7 +542,7 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3)")
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3) and DBRX's (w1, v1, w2)")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
