@@ -186,16 +186,25 @@ def test_a_pruned_codegen_layer_is_laid_out_in_groups_of_its_kept_heads():
     assert (attention_blocks(model)[1].core.mp_num, attention_blocks(model)[1].n_heads) == (2, 4)
 
 
-@pytest.mark.parametrize("family", ["codegen", "dbrx"])
-def test_a_layer_pruned_to_no_head_equals_masking_it(family):
+@pytest.mark.parametrize("family", ["codegen", "persimmon", "dbrx"])
+def test_a_layer_pruned_to_no_head_equals_masking_it_and_reloads(family, tmp_path):
+    """Its stand-in records the class it replaced (stands_for), whose layout the loaded model's blocks take again."""
+    from headlab import load_pruned, save_pruned
+
     model, inputs = FUSED[family][0](), tiny_inputs()
     n = attention_blocks(model)[0].n_heads
     spec = {("dec_self", 0): list(range(n)), ("dec_self", 1): [1]}
     with mask_heads(model, spec):
         masked = _logits(model, inputs)
     prune_heads(model, spec)
-    assert [(b.key, b.n_heads) for b in attention_blocks(model)] == [(("dec_self", 0), 0), (("dec_self", 1), n - 1)]
+    heads = [(("dec_self", 0), 0), (("dec_self", 1), n - 1)]
+    assert [(b.key, b.n_heads) for b in attention_blocks(model)] == heads
     torch.testing.assert_close(_logits(model, inputs), masked, rtol=0, atol=1e-12)
+    save_pruned(model, tmp_path)
+    loaded = load_pruned(tmp_path).to(torch.float64)
+    blocks = attention_blocks(loaded)
+    assert [(b.key, b.n_heads) for b in blocks] == heads and blocks[1].qkv is not None
+    torch.testing.assert_close(_logits(loaded, inputs), masked, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", FUSED)
