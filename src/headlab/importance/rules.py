@@ -1489,6 +1489,26 @@ class _ClampedGatedProduct:
         return (_swap_backward(v, self.gate(gate_up).to(v.dtype)), *args[1:])
 
 
+def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
+    """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
+    the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
+    if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
+        return list(_latent_attention_hooks(block))
+    if block.qkv is not None and block.family.qkv_layout != "q|k|v":
+        return [(block.qkv, _detach_columns(block))]
+    if block.qkv is not None:
+        width = (block.n_heads + block.n_kv_heads) * block.d_head
+        return [(block.qkv, _detach_qk_columns(width, _clip(block)))]
+    assert block.q is not None and block.k is not None  # unfused projections
+    # with a query gate (family.query_gate) the gate is q's output too: held constant with it
+    hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output), (block.k, _detach_output)]
+    if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
+        hooks.append((block.v, _clamp_identity(clip)))
+    # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
+    hooks += [(module, _detach_output) for module in head_row_modules(block)]
+    return hooks
+
+
 @contextmanager
 def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -> Iterator[None]:
     """Switch on the modified backward pass that turns gradient x input into LRP relevance.
@@ -1573,24 +1593,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0 or block.idle:  # idle: never runs (check_rules)
                 continue
-            if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
-                for module, hook in _latent_attention_hooks(block):
-                    handles.append(module.register_forward_hook(hook))
-            elif block.qkv is not None and block.family.qkv_layout != "q|k|v":
-                handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
-            elif block.qkv is not None:
-                width = (block.n_heads + block.n_kv_heads) * block.d_head
-                handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width, _clip(block))))
-            else:
-                assert block.q is not None and block.k is not None  # unfused projections
-                # with a query gate (family.query_gate) the gate is q's output too: held constant with it
-                handles.append(block.q.register_forward_hook(_detach_output))
-                handles.append(block.k.register_forward_hook(_detach_output))
-                if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
-                    handles.append(block.v.register_forward_hook(_clamp_identity(clip)))
-                # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
-                for module in head_row_modules(block):
-                    handles.append(module.register_forward_hook(_detach_output))
+            for module, hook in _attention_hooks(block):
+                handles.append(module.register_forward_hook(hook))
         yield
     finally:
         handles.remove()
