@@ -1,5 +1,6 @@
 """Families headlab has no table for, found at run time (headlab.adapters.discovery): Granite,
-Cohere, Starcoder2, GLM, EXAONE 4, Persimmon (fused per-head query_key_value) and RoBERTa-PreLayerNorm
+Cohere, Starcoder2, GLM, EXAONE 4, Persimmon (fused per-head query_key_value, its layout read since fused29) and
+RoBERTa-PreLayerNorm
 (an encoder whose output projection lies outside the module that calls the attention function), tiny models of
 tests/support/discovered.py; and modules that do not go through transformers' attention
 interface, or change the heads' outputs before the output projection, refused before any work.
@@ -64,8 +65,8 @@ def test_blocks_are_discovered_with_the_configs_head_counts(family):
     assert blocks[1].module is attn and blocks[1].o is getattr(attn, "dense" if family == "persimmon" else "o_proj")
     if family in TIED:
         assert (blocks[1].q, blocks[1].k, blocks[1].v) == (attn.q_proj, attn.k_proj, attn.v_proj)
-    else:
-        assert (blocks[1].q, blocks[1].k, blocks[1].v, blocks[1].qkv) == (None, None, None, None)
+    else:  # Persimmon: its fused projection, in its class's layout (before fused29: none tied, qkv None)
+        assert (blocks[1].q, blocks[1].k, blocks[1].v, blocks[1].qkv) == (None, None, None, attn.query_key_value)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -127,12 +128,22 @@ def test_physical_pruning_equals_masking(family):
     check_pruning_equals_masking(tiny_model(family), _kind(family), tiny_inputs(), atol=1e-5)
 
 
-def test_pruning_and_lrp_are_refused_where_the_projections_are_not_tied():
-    """Persimmon's fused query_key_value feeds the query, key and value at once: discovery cannot
-    tell its layout, so nothing is sliced and LRP (which holds the queries and keys constant) is refused."""
+def _layout_unread(monkeypatch) -> None:
+    """Persimmon as a fused attention class whose layout headlab has not read (its entry in
+    FUSED_ATTENTION_CLASSES, fused29, taken out): the generic refusals of untied projections."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.FUSED_ATTENTION_CLASSES, "PersimmonAttention")
+
+
+def test_pruning_and_lrp_are_refused_where_the_projections_are_not_tied(monkeypatch):
+    """A fused query_key_value whose layout headlab has not read feeds the query, key and value at once:
+    discovery cannot tell its layout, so nothing is sliced and LRP (which holds the queries and keys
+    constant) is refused. (Persimmon's layout is read since fused29: tests/test_fused_codegen_persimmon_dbrx.py.)"""
     from headlab import prune_heads
     from headlab.importance.rules import check_rules
 
+    _layout_unread(monkeypatch)
     model, inputs = tiny_model("persimmon"), tiny_inputs()
     before = _logits(model, inputs)
     with pytest.raises(HeadlabError, match="physical pruning is refused: this family's projection layout is unknown"):
@@ -143,8 +154,11 @@ def test_pruning_and_lrp_are_refused_where_the_projections_are_not_tied():
 
 
 @pytest.mark.parametrize("family", ["granite", "persimmon"])
-def test_analyze_end_to_end(family, tmp_path, capsys):
-    """Every stage on a discovered family; on Persimmon LRP is refused and the rest is done."""
+def test_analyze_end_to_end(family, tmp_path, capsys, monkeypatch):
+    """Every stage on a discovered family; on a fused layout headlab has not read (Persimmon's, taken out of
+    FUSED_ATTENTION_CLASSES) LRP is refused and the rest is done."""
+    if family == "persimmon":
+        _layout_unread(monkeypatch)
     save_tiny(tiny_model(family), tmp_path / family, treebank_files(tmp_path))
     code, stages = analyze(tmp_path / family, tmp_path)
     err = capsys.readouterr().err
@@ -160,6 +174,7 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
 def test_prune_is_refused_before_loading_where_the_projections_are_not_tied(tmp_path, capsys, monkeypatch):
     import headlab.loading
 
+    _layout_unread(monkeypatch)
     save_tiny(tiny_model("persimmon"), tmp_path / "persimmon", ["the", "cat"])
     monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code = main(["prune", str(tmp_path / "persimmon"), "--heads", "dec_self:0:1", "--out", str(tmp_path / "out")])

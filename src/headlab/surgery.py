@@ -20,6 +20,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import types
@@ -30,8 +31,17 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, peft_layer, qkv_columns
+from headlab.adapters import (
+    AttentionBlock,
+    attention_blocks,
+    find_block,
+    idle_blocks,
+    peft_layer,
+    qkv_columns,
+    qkv_groups,
+)
 from headlab.adapters.families import (
+    FUSED_REFUSED,
     HEAD_PARAMETERS_REFUSED,
     KV_DYNAMIC_MASKS,
     QKV_LAYOUTS,
@@ -258,6 +268,14 @@ def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]
     return None
 
 
+def _pruned_groups(block: AttentionBlock, n_keep: int) -> int:
+    """The groups of a pruned "mp-groups" projection (CodeGen's ``mp_num``): the most of the layer's that divide the
+    kept heads evenly, ``gcd(n_keep, groups)`` (its own where they still do), so that its forward's
+    ``view(..., -1, 3 * embed_dim // mp_num)`` splits whole heads again; 1 for any other layout."""
+    groups = qkv_groups(block.core, block.family)
+    return math.gcd(n_keep, groups) if block.family.qkv_layout == "mp-groups" and n_keep else groups
+
+
 def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> torch.Tensor:
     """Columns of the fused projection to keep, in the order the pruned layer reads them.
 
@@ -270,7 +288,7 @@ def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> 
     device = cast(torch.Tensor, block.qkv.weight).device
     d = block.d_head
     old = [c.view(-1, d) for c in block.qkv_columns(device)]
-    new = qkv_columns(block.family.qkv_layout, len(keep), len(kv_keep), d, device)
+    new = qkv_columns(block.family.qkv_layout, len(keep), len(kv_keep), d, device, _pruned_groups(block, len(keep)))
     index = torch.empty(sum(len(c) for c in new), dtype=torch.long, device=device)
     for old_columns, new_columns, heads in zip(old, new, (keep, kv_keep, kv_keep)):
         index[new_columns] = old_columns[torch.tensor(heads, dtype=torch.long, device=device)].reshape(-1)
@@ -284,9 +302,12 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     q_index = _head_index(keep, d, device)
     kv_index = _head_index(kv_keep, d, device)
     if block.qkv is not None:  # a fused projection, in the layout of family.qkv_layout
+        mp_groups = _pruned_groups(block, len(keep))  # from the core's count, before it is set below
         _slice_outputs(block.qkv, _fused_index(block, keep, kv_keep), journal)
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
+        if family.qkv_groups_attr and keep:  # CodeGen's mp_num: the groups the kept heads are laid out in
+            journal.set(core, family.qkv_groups_attr, mp_groups)
     elif block.q is not None:
         assert block.k is not None and block.v is not None  # separate projections
         # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
@@ -915,6 +936,10 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
+    refused = FUSED_REFUSED.get(type(block.core).__name__) if block.qkv is None and block.q is None else None
+    if refused and block.n_heads:  # a layout read and not sliced (Zaya's): its own reason, not the unknown one below
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {refused}; mask the heads "
+                           "instead (mask_heads, or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "
@@ -1053,7 +1078,7 @@ def pruning_plan(model: nn.Module) -> dict:
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,
                       *_KV_HEAD_ATTRS, *_GROUP_ATTRS, *family.width_attrs, *family.kv_head_count_attrs,
-                      *family.kv_width_attrs)
+                      *family.kv_width_attrs, family.qkv_groups_attr)
         for name in dict.fromkeys(attr_names):
             if name and isinstance(getattr(core, name, None), int) and not isinstance(core, ZeroHeadAttention):
                 attrs[name] = int(getattr(core, name))

@@ -5,8 +5,9 @@ text families that headlab has no table entry for: found at run time (headlab.ad
 projection holding layer i's values, rows(kv_head) -> its value rows, key/value heads)``, read off
 the modeling code by hand (not from headlab), for the zeroed-value reference of masking.
 ``TIED`` are the families whose query, key and value each come from one projection (discovery
-names them: pruning and LRP allowed, verified); the others (Persimmon's fused per-head
-``query_key_value``) are analysed and masked only. ``ENCODERS`` have ``enc_self`` blocks.
+names them: pruning and LRP allowed, verified); Persimmon's fused per-head ``query_key_value`` is
+tied by its class's layout (``headlab.adapters.families.FUSED_ATTENTION_CLASSES``: pruned and
+explained in tests/test_fused_codegen_persimmon_dbrx.py). ``ENCODERS`` have ``enc_self`` blocks.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
-           "Family", "FAMILIES", "family_for", "qkv_columns", "unsupported_reason", "config_value", "text_config"]
+           "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason", "config_value", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ class AttentionBlock:
         """Columns of the fused projection holding the queries, keys and values, head by head."""
         if self.qkv is None:
             raise HeadlabError(f"{self.name}: no fused q/k/v projection")
-        return qkv_columns(self.family.qkv_layout, self.n_heads, self.n_kv_heads, self.d_head, device)
+        return qkv_columns(self.family.qkv_layout, self.n_heads, self.n_kv_heads, self.d_head, device,
+                           qkv_groups(self.core, self.family))
 
     def __repr__(self) -> str:
         shared = f", application={self.application}/{self.applications}" if self.shared else ""
@@ -160,10 +161,20 @@ def _check_no_peft_layer(name: str, module: nn.Module) -> None:
                                f"{type(child).__name__}) wraps it: {PEFT_REFUSED}")
 
 
+def qkv_groups(core: nn.Module, family: Family) -> int:
+    """The groups of ``family``'s "mp-groups" layout in ``core`` (CodeGen's ``mp_num``); 1 for any other layout, and
+    0 where the attribute is not a positive int (:func:`_make_block` refuses it)."""
+    if family.qkv_layout != "mp-groups":
+        return 1
+    groups = getattr(core, family.qkv_groups_attr or "", None)
+    return groups if isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 else 0
+
+
 def qkv_columns(layout: str, n_heads: int, n_kv_heads: int, d_head: int,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                device: torch.device | None = None, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` column indices of a fused projection in ``layout`` (:data:`QKV_LAYOUTS`):
-    ``q`` holds ``n_heads * d_head`` columns in head order, ``k`` and ``v`` ``n_kv_heads * d_head``."""
+    ``q`` holds ``n_heads * d_head`` columns in head order, ``k`` and ``v`` ``n_kv_heads * d_head``.
+    ``groups``: the "mp-groups" layout's (it needs as many key/value heads as query heads, and groups dividing them)."""
     within = torch.arange(d_head, device=device)
     heads = torch.arange(n_heads, device=device)[:, None]
     kv_heads = torch.arange(n_kv_heads, device=device)[:, None]
@@ -180,6 +191,13 @@ def qkv_columns(layout: str, n_heads: int, n_kv_heads: int, d_head: int,
         q = (heads // group) * stride + (heads % group) * d_head + within if group else heads * 0 + within
         k = kv_heads * stride + group * d_head + within
         v = k + d_head
+    elif layout == "mp-groups":  # CodeGen: for each group of `per` heads, [q of its heads | their v | their k]
+        if n_kv_heads != n_heads or groups <= 0 or n_heads % groups:
+            raise HeadlabError(f"an mp-groups fused projection needs as many key/value heads as query heads, in "
+                               f"groups dividing them: {n_heads} query, {n_kv_heads} key/value heads, {groups} groups")
+        per = n_heads // groups
+        q = (heads // per) * 3 * per * d_head + (heads % per) * d_head + within if per else heads * 0 + within
+        v, k = q + per * d_head, q + 2 * per * d_head
     else:
         raise HeadlabError(f"unknown fused projection layout {layout!r}; expected one of {', '.join(QKV_LAYOUTS)}")
     return q.reshape(-1), k.reshape(-1), v.reshape(-1)
@@ -588,6 +606,13 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         if family.qkv_layout == "per-head" and kv_width != q_width:
             raise HeadlabError(f"{where}: a per-head [q|k|v] projection of width {width} needs as many key/value "
                                f"heads as query heads (output projection input {q_width})")
+        if family.qkv_layout == "mp-groups":  # CodeGen's view(..., -1, 3 * embed_dim // mp_num)
+            mp_groups = qkv_groups(core, family)
+            if kv_width != q_width or not mp_groups or q_width % (mp_groups * d_head):
+                raise HeadlabError(f"{where}: an mp-groups [q|v|k] projection of width {width} needs as many "
+                                   f"key/value heads as query heads (output projection input {q_width}), in "
+                                   f"{family.qkv_groups_attr}={getattr(core, family.qkv_groups_attr or '', None)!r} "
+                                   f"groups of whole heads of {d_head}")
         q = k = v = None
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None

@@ -28,6 +28,9 @@ class Family:
     """A fused q/k/v projection (GPT-2's ``c_attn``), its columns ordered as ``qkv_layout`` says."""
     qkv_layout: str = "q|k|v"
     """Column order of ``qkv`` (see :data:`QKV_LAYOUTS`): what discovery cannot read from the model."""
+    qkv_groups_attr: str | None = None
+    """Attribute of ``core`` holding the number of groups the "mp-groups" layout splits ``qkv`` into (CodeGen's
+    ``mp_num``), kept in step by physical pruning."""
     core: str = ""
     """Path of the module that computes the attention probabilities ("" = the matched one)."""
     probs_index: int = 1
@@ -218,6 +221,27 @@ and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logit
 5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
 scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
 
+CLIPPED_QKV: dict[str, str] = {
+    "DbrxAttention": "clip_qkv", "MptAttention": "clip_qkv",
+    "OlmoAttention": "config.clip_qkv", "OlmoeAttention": "config.clip_qkv"}
+"""Attention classes whose forward clamps its query, key and value projections' outputs to ``[-c, c]`` element by
+element, with where ``c`` is read (a path from the attention module; None or 0: no clamp): DBRX and MPT clamp the
+fused ``Wqkv`` output (MPT only where ``clip_qkv`` is truthy), OLMo and OLMoE each of ``q_proj``, ``k_proj`` and
+``v_proj``'s in place (transformers 5.24). Per element, so slicing heads keeps it exact; LRP passes the values'
+relevance through it by the activation rule (:class:`headlab.importance.rules._ClampIdentity`), where the clamp's own
+gradient, 0 where it clips, lost it."""
+
+FUSED_REFUSED: dict[str, str] = {
+    "ZayaAttention": "its queries, keys and values come from ZAYA's compressed convolutional attention "
+                     "(qkv_proj, ZayaCCAProjection), not from projections per head: each key is mixed with the mean "
+                     "of its group's queries ((q + k) / 2, averaged over the group), queries and keys are convolved "
+                     "over time (conv_qk_depthwise, conv_qk_grouped), and the values are split between the current "
+                     "and the previous token (v_proj_current, v_proj_delayed), so removing a query head changes the "
+                     "other heads of its group, which masking it does not, and headlab has no rule to hold its "
+                     "queries and keys constant"}
+"""Attention classes found by discovery (no projection tied) whose layout headlab read and does not slice or explain,
+with why: physical pruning and LRP are refused naming it, before any work (transformers 5.24)."""
+
 HEAD_PARAMETERS_REFUSED: dict[str, str] = {}
 """Attention classes (their names) whose per-head parameters no slicing keeps exact, with why (read off their
 forwards, transformers 5.24): physical pruning is refused naming it, before any work. (Doge's ``A``, refused in
@@ -340,6 +364,9 @@ QKV_LAYOUTS = {
              "GPT-BigCode and Falcon); key/value widths may be narrower (grouped or multi-query attention)",
     "per-head": "for each head h: [q_h | k_h | v_h] (GPT-NeoX, Bloom, Falcon and GPT-BigCode without multi-query)",
     "grouped": "for each key/value head: [its group's query heads | k | v] (Falcon's new decoder architecture)",
+    "mp-groups": "in groups of consecutive heads (``Family.qkv_groups_attr`` of them, CodeGen's mp_num model-parallel "
+                 "shards): for each group [its query heads | their values | their keys], as many key/value heads as "
+                 "query heads (CodeGen)",
 }
 """The fused projection layouts headlab knows."""
 
@@ -483,6 +510,41 @@ MODERNBERT = Family(
 )
 
 
+# Attention classes found by discovery whose fused projection's layout is read off their forwards (transformers
+# 5.24), entries of FUSED_ATTENTION_CLASSES only (their models have no table entry: discovery finds the blocks).
+CODEGEN = Family(
+    # CodeGenAttention: qkv_proj(x).view(..., -1, 3 * local_dim) with local_dim = embed_dim // mp_num (mp_num 4, set
+    # in __init__, not from the config), split (query, value, key), each reshaped (..., -1, head_dim): group g holds
+    # [q | v | k] of heads g * H / mp_num ..; partial rotary (rotary_dim) per head
+    name="codegen",
+    patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="out_proj", qkv="qkv_proj", qkv_layout="mp-groups", qkv_groups_attr="mp_num",
+    d_head_attr="head_dim",
+    width_attrs=("embed_dim",),
+)
+
+PERSIMMON = Family(
+    # PersimmonAttention: query_key_value(x).view(batch, seq, num_heads, 3, head_dim): [q_h | k_h | v_h] per head
+    # (Bloom's); its q_layernorm and k_layernorm normalise each head's head_dim alone, with weights all heads share
+    name="persimmon",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+)
+
+DBRX = Family(
+    # DbrxAttention: Wqkv(x).clamp(-clip_qkv, clip_qkv) split [hidden_size | kv heads x d | kv heads x d]: [q | k | v]
+    # with grouped key/value heads; hidden_size (the query width) is what the split reads
+    name="dbrx",
+    patterns=(("dec_self", r"(?:^|\.)blocks\.(\d+)\.norm_attn_norm\.attn$"),),
+    q=None, k=None, v=None, o="out_proj", qkv="Wqkv", qkv_layout="q|k|v",
+    d_head_attr="head_dim",
+    kv_groups_attr="num_key_value_groups",
+    width_attrs=("hidden_size",),
+)
+
+
 def albert_applications(config: Any) -> list[tuple[int, ...]]:
     """(group, layer within the group) of each application, in forward order: AlbertTransformer runs
     group ``int(i / (num_hidden_layers / num_hidden_groups))`` at depth ``i``, each group its
@@ -579,9 +641,12 @@ FUSED_ATTENTION_CLASSES: dict[str, Family] = {
     "ModernBertAttention": MODERNBERT, "Phi3Attention": PHI3,
     # Phi-4-multimodal's language model: Phi3Attention copied under its own name, forward, apply_rotary_pos_emb,
     # repeat_kv and eager_attention_forward line for line (and Phi3DecoderLayer, Phi3MLP, Phi3RMSNorm with them)
-    "Phi4MultimodalAttention": PHI3}
+    "Phi4MultimodalAttention": PHI3,
+    # models with no table entry of their own (session 29, fused29); Fuyu's language model is a Persimmon
+    "CodeGenAttention": CODEGEN, "PersimmonAttention": PERSIMMON, "DbrxAttention": DBRX}
 """Attention classes of transformers (5.24: their forwards read) whose fused q/k/v projection is laid out as the
-:data:`FAMILIES` entry beside them says, found by run-time discovery in a model that has no entry of its own: a
+entry beside them says (a :data:`FAMILIES` one, or one kept here only: CodeGen, Persimmon, DBRX), found by run-time
+discovery in a model that has no entry of its own: CodeGen, Persimmon, Fuyu (a Persimmon), DBRX, or a
 multimodal wrapper's language model (ModernVBERT's ModernBERT encoder, built by ``AutoModel`` from its
 ``text_config``; Phi-4-multimodal's Phi-3 decoder). Discovery sees the queries, keys and values come from one
 projection and ties none of them; a block of such a class (its class defined by transformers itself) takes the

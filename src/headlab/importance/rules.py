@@ -45,10 +45,10 @@ The other rules become ordinary backward passes once the right factors are detac
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
-  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4): each expert is a gated MLP with the rules above (or
-  LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are detached (Llama 4's
-  router scores, which scale the experts' input, likewise), constants as the attention weights below are
-  (:func:`_experts_rule`);
+  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4; DBRX's in three 2-d matrices): each expert is a gated MLP
+  with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
+  detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
+  below are (:func:`_experts_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -66,6 +66,10 @@ The other rules become ordinary backward passes once the right factors are detac
   projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
   all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
   constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
+  A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
+  output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
+  function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
+  gradient, 0 where it clips, lost that relevance).
 
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
@@ -83,7 +87,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
-from headlab.adapters.families import OUTPUT_GATES
+from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
@@ -457,6 +461,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
+        refused = FUSED_REFUSED.get(type(block.core).__name__)
+        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, with no rule (Zaya)
+            raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
@@ -491,9 +498,10 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     """Path -> (class name, why no rule covers it) of every module none of the rules covers, in module order;
     why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
     inside = _inside(model, blocks)
+    holders = _holders(model, blocks)
     found: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
-        problem = _module_problem(module, path, inside, _parent(model, path))
+        problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
     return found
@@ -506,7 +514,12 @@ _KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
     """The blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)."""
     inside = {id(m) for block in blocks for m in block.module.modules()}
-    return inside | {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
+    return inside | _holders(model, blocks)
+
+
+def _holders(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
+    """The modules that hold a block (T5's T5LayerSelfAttention, DBRX's DbrxNormAttentionNorm)."""
+    return {id(m) for path, m in model.named_modules() if any(b.name.startswith(path + ".") for b in blocks)}
 
 
 def _unknown_norm(module: nn.Module) -> bool:
@@ -521,14 +534,19 @@ def _parent(model: nn.Module, path: str) -> nn.Module | None:
     return model.get_submodule(path.rpartition(".")[0]) if path else None
 
 
-def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.Module | None = None) -> str | None:
+def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.Module | None = None,
+                    holds_block: bool = False) -> str | None:
     """Why no LRP rule covers ``module`` itself, as the refusal says it (None: one does); a normalisation
-    without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it."""
+    without a rule aside (:func:`check_rules` names them all at once). ``parent``: the module holding it;
+    ``holds_block``: an attention block lies inside it (then it is no gated norm, whatever its name)."""
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3)")
-    if _is_gated_norm(module) and (_gated_norm_parts(module) is None or not _computes_gated_norm(module)):
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3) and DBRX's (w1, v1, w2)")
+    # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
+    # attention and the MLP's norm, by its name and children one) holds an attention block and is none
+    if not holds_block and _is_gated_norm(module) and \
+            (_gated_norm_parts(module) is None or not _computes_gated_norm(module)):
         return (f"LRP: no rule for the gated normalisation {type(module).__name__} ({path}): headlab's rule is for "
                 "y * sigmoid(mlp(y)) with y = norm(x) (A.X-K2's AXK2GatedRMSNorm: children norm, a norm with a rule, "
                 "and mlp), the gate held constant; on a probe this module is not laid out or does not compute so, "
@@ -727,24 +745,71 @@ def _detach_output(module, args, output):
     return output.detach()
 
 
-def _detach_qk_columns(width_qk: int):
-    """For a fused [q | k | v] projection: detach the q and k columns, keep v."""
+class _ClampIdentity(torch.autograd.Function):
+    """``clamp(x, -bound, bound)`` with the identity rule of element-wise functions, ``R(x) = R(clamp(x))`` (Voita et
+    al. 2019, App. A.2; AttnLRP, Achtibat et al. 2024, Sec. 3.3): the gradient scaled by ``clamp(x) / x`` (1 where
+    ``x`` is 0), so that gradient x input at ``x`` is the output's. The value is the clamp's, exactly: the forward's
+    own clamp after it leaves it unchanged, and passes its gradient (torch's bounds are inclusive)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bound: float) -> torch.Tensor:
+        ctx.save_for_backward(x)  # not the output: OLMo clamps it again in place
+        ctx.bound = bound
+        return x.clamp(min=-bound, max=bound)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, = ctx.saved_tensors
+        one = torch.ones_like(x)
+        ratio = torch.where(x == 0, one, x.clamp(min=-ctx.bound, max=ctx.bound) / torch.where(x == 0, one, x))
+        return grads[0] * ratio, None
+
+
+def _clip(block: AttentionBlock) -> float | None:
+    """The bound the block's forward clamps its projections' outputs to (:data:`CLIPPED_QKV`), if any (0 is none:
+    MPT clamps only where it is truthy, and a clamp to 0 leaves the values no relevance either way)."""
+    path = CLIPPED_QKV.get(type(block.core).__name__)
+    bound: Any = block.core
+    for part in path.split(".") if path else ("",):
+        bound = getattr(bound, part, None) if part else None
+    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound else None
+
+
+def _clamp_identity(clip: float):
+    """The value projection's output clamped to ``clip`` by the activation rule (:class:`_ClampIdentity`): the
+    forward's own clamp after it (OLMo's, in place) then changes nothing and passes the gradient."""
 
     def hook(module, args, output):
-        return torch.cat([output[..., :width_qk].detach(), output[..., width_qk:]], dim=-1)
+        return _ClampIdentity.apply(output, clip)
+
+    return hook
+
+
+def _detach_qk_columns(width_qk: int, clip: float | None = None):
+    """For a fused [q | k | v] projection: detach the q and k columns, keep v (through the forward's clamp to
+    ``clip``, where it has one, by the identity rule: :class:`_ClampIdentity`)."""
+
+    def hook(module, args, output):
+        values = output[..., width_qk:]
+        if clip is not None:
+            values = cast(torch.Tensor, _ClampIdentity.apply(values, clip))
+        return torch.cat([output[..., :width_qk].detach(), values], dim=-1)
 
     return hook
 
 
 def _detach_columns(block: AttentionBlock):
-    """For a fused projection in any other layout (per head, grouped): detach the q and k columns
+    """For a fused projection in any other layout (per head, grouped, CodeGen's groups): detach the q and k columns
     wherever the layout puts them, keep the values'."""
     q, k, _ = block.qkv_columns()
     assert block.qkv is not None  # called for fused projections only
     is_qk = torch.zeros(out_features(block.qkv), dtype=torch.bool)
     is_qk[torch.cat([q, k])] = True
+    clip = _clip(block)
 
     def hook(module, args, output):
+        if clip is not None:
+            output = _ClampIdentity.apply(output, clip)
         return torch.where(is_qk.to(output.device), output.detach(), output)
 
     return hook
@@ -1036,6 +1101,25 @@ def _router(parent: nn.Module | None) -> nn.Module | None:
     return router if isinstance(router, nn.Module) else None
 
 
+def _glu_experts(module: nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], nn.Module] | None:
+    """DBRX's experts (``DbrxExperts``, transformers 5.24): ``mlp.w1``, ``mlp.v1`` and ``mlp.w2``, each ``[experts *
+    ffn, hidden]``, viewed ``[experts, ffn, hidden]``; expert e computes ``(act(x w1_e^T) * x v1_e^T) w2_e``
+    (``DbrxExpertGLU.forward``), ``act`` its ``activation_fn``. ``((w1, w2, v1) viewed, act)``, or None where the
+    module is not laid out so."""
+    mlp = getattr(module, "mlp", None)
+    n, ffn = getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size", None)
+    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    act = getattr(mlp, "activation_fn", None)
+    if not isinstance(n, int) or not isinstance(ffn, int) or n <= 0 or ffn <= 0 or not isinstance(act, nn.Module) \
+            or not _is_activation(act) or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        return None
+    tensors = cast(list[torch.Tensor], weights)
+    if any(w.shape != tensors[0].shape or w.shape[0] != n * ffn for w in tensors):
+        return None
+    w1, v1, w2 = (w.view(n, ffn, -1) for w in tensors)
+    return (w1, v1, w2), act
+
+
 def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     """``(transposed, biases, gate)`` of a mixture-of-experts module, or why headlab has no rule for it.
 
@@ -1046,7 +1130,12 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     with biases ``gate_up_proj_bias`` and ``down_proj_bias`` or none, no norm after the experts, and a gate
     :class:`_Gate` knows (``act_fn(gate) * up``, or GPT-OSS's clamped SwiGLU), found by running the module's
     ``_apply_gate`` on a probe. Called as ``experts(hidden_states, top_k_index, top_k_weights)``,
-    or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`)."""
+    or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`). DBRX's
+    experts hold theirs in three 2-d matrices (:func:`_glu_experts`): ``act(gate) * up`` with ``[gate | up]``
+    computed from them."""
+    glu = _glu_experts(module)
+    if glu is not None:
+        return False, False, _Gate(True, act=glu[1])
     transposed = _transposed(module)
     if transposed is None:
         return ("its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj "
@@ -1132,6 +1221,12 @@ def _expert(module: Any, x: torch.Tensor, expert: int, transposed: bool, biases:
             probe: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on its rows ``x``: ``down(gate(gate_up x + b) ) + b'`` with the rules' backward; ``probe``
     (``[rows, 1]`` ones) measures what the biases keep (:func:`expert_bias_probes`)."""
+    glu = _glu_experts(module)
+    if glu is not None:  # DBRX: [x w1_e^T | x v1_e^T], then (act(gate) * up) w2_e
+        (w1, v1, w2), _ = glu
+        return gate(torch.cat([nn.functional.linear(x, w1[expert]), nn.functional.linear(x, v1[expert])], -1)) \
+            @ w2[expert]
+
     def project(h, weight, bias):
         out = h @ weight if transposed else nn.functional.linear(h, weight)
         if bias is None:
@@ -1171,7 +1266,11 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
                            "top_k_weights); headlab has no LRP rule for it")
     x = given["hidden_states"]
     _check_finite(module, x)  # NaN fails allclose below: say so, not that the experts compute something else
-    n_experts = module.down_proj.shape[0]  # the gated ones: LongCat-Flash's identity experts follow
+    glu = _glu_experts(module)
+    if glu is not None:  # DBRX's experts take [batch, seq, hidden] and route its rows flattened
+        x = x.reshape(-1, x.shape[-1])
+    # the gated ones: LongCat-Flash's identity experts follow
+    n_experts = glu[0][0].shape[0] if glu is not None else module.down_proj.shape[0]
     if dense:  # Llama 4: rows [expert 0's tokens; expert 1's; ...], each already scaled by its routing weight
         rows = x.view(n_experts, -1, x.shape[-1])
         surrogate = torch.cat([_expert(module, rows[e], e, transposed, biases, gate) for e in range(n_experts)])
@@ -1191,6 +1290,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
             routed = _expert(module, x[token], expert, transposed, biases, gate, None if s is None else s[token]) \
                 * weights[token, slot, None]
             surrogate = surrogate.index_add(0, token, routed.to(surrogate.dtype))
+    if glu is not None and isinstance(output, torch.Tensor) and surrogate.numel() == output.numel():
+        surrogate = surrogate.view(output.shape)
     with torch.no_grad():
         if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
             raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed gated experts "
@@ -1388,6 +1489,26 @@ class _ClampedGatedProduct:
         return (_swap_backward(v, self.gate(gate_up).to(v.dtype)), *args[1:])
 
 
+def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
+    """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
+    the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
+    if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
+        return list(_latent_attention_hooks(block))
+    if block.qkv is not None and block.family.qkv_layout != "q|k|v":
+        return [(block.qkv, _detach_columns(block))]
+    if block.qkv is not None:
+        width = (block.n_heads + block.n_kv_heads) * block.d_head
+        return [(block.qkv, _detach_qk_columns(width, _clip(block)))]
+    assert block.q is not None and block.k is not None  # unfused projections
+    # with a query gate (family.query_gate) the gate is q's output too: held constant with it
+    hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output), (block.k, _detach_output)]
+    if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
+        hooks.append((block.v, _clamp_identity(clip)))
+    # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
+    hooks += [(module, _detach_output) for module in head_row_modules(block)]
+    return hooks
+
+
 @contextmanager
 def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -> Iterator[None]:
     """Switch on the modified backward pass that turns gradient x input into LRP relevance.
@@ -1472,22 +1593,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0 or block.idle:  # idle: never runs (check_rules)
                 continue
-            if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
-                for module, hook in _latent_attention_hooks(block):
-                    handles.append(module.register_forward_hook(hook))
-            elif block.qkv is not None and block.family.qkv_layout != "q|k|v":
-                handles.append(block.qkv.register_forward_hook(_detach_columns(block)))
-            elif block.qkv is not None:
-                width = (block.n_heads + block.n_kv_heads) * block.d_head
-                handles.append(block.qkv.register_forward_hook(_detach_qk_columns(width)))
-            else:
-                assert block.q is not None and block.k is not None  # unfused projections
-                # with a query gate (family.query_gate) the gate is q's output too: held constant with it
-                handles.append(block.q.register_forward_hook(_detach_output))
-                handles.append(block.k.register_forward_hook(_detach_output))
-                # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
-                for module in head_row_modules(block):
-                    handles.append(module.register_forward_hook(_detach_output))
+            for module, hook in _attention_hooks(block):
+                handles.append(module.register_forward_hook(hook))
         yield
     finally:
         handles.remove()
