@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block, idle_blocks, peft_layer, qkv_columns
+from headlab.adapters import (
+    AttentionBlock,
+    attention_blocks,
+    find_block,
+    idle_blocks,
+    out_features,
+    peft_layer,
+    qkv_columns,
+)
 from headlab.adapters.families import (
     HEAD_PARAMETERS_REFUSED,
     KV_DYNAMIC_MASKS,
@@ -48,6 +56,7 @@ from headlab.portable import PRUNING_FILE, make_portable, restore_original_confi
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
+    SELECTED_ATTR,
     LayerConfig,
     NoHeadAttention,
     alibi_hook,
@@ -55,6 +64,7 @@ from headlab.portable_code import (
     load_checked_adapter,
     peft_from_pretrained,
     record_kept_blocks,
+    selection_hook,
 )
 from headlab.portable_code import save_adapter as _save_adapter
 
@@ -237,25 +247,78 @@ def _per_head_lists(block: AttentionBlock) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
-def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
-    """A normalisation over a projection's whole width (OLMo2's ``q_norm``/``k_norm`` span all
-    heads): RMSNorm(q) divides every feature by the root mean square over all heads, so removing
-    a head changes what the others are divided by, and no slicing of weights keeps the remaining
-    heads exact. Its name, when pruning this block would change such a width (else None)."""
+def _whole_width_norms(block: AttentionBlock) -> tuple[dict[str, str], list[str]]:
+    """The norms of ``block`` over a whole query or key projection (OLMo 2's ``q_norm``/``k_norm``: RMSNorm over all
+    heads' features at once), as ``{"q": name, "k": name}``, and the names of the others of such a width that
+    cannot be tied to the query or key projection (refused when pruning would change that width).
+
+    Slicing a head's rows out of such a projection changes what the norm divides every other head's features by,
+    so pruning keeps the projection and its norm whole and selects the kept heads after the norm
+    (:func:`headlab.portable_code.selection_hook`). A norm is tied by its name beside its projection (``q...``,
+    ``k...``) and its width, or by the selection an earlier pruning recorded on it; the pruning check
+    (:mod:`headlab.prune_check`) verifies the rest: the norm's output must be what the attention reads."""
     projections = {id(m) for m in (block.q, block.k, block.v, block.o, block.qkv) if m is not None}
+    children = dict(block.core.named_children())
+    tied: dict[str, str] = {}
+    untied: list[str] = []
     # a norm over a whole query or key width: of query/key heads (their size, d_qk, where values differ)
-    q_width, kv_width = block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk
-    q_changes = 0 < len(keep) < block.n_heads
-    kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
-    for name, module in block.core.named_children():
+    widths = {"q": block.n_heads * block.d_qk, "k": block.n_kv_heads * block.d_qk}
+    separate = block.q is not None and block.k is not None and not block.family.query_gate
+    for name, module in children.items():
         if id(module) in projections or name in block.family.output_norms:
+            continue
+        selected = getattr(module, SELECTED_ATTR, None)
+        if selected:  # pruned before: whole, its heads selected
+            role = next((r for r, p in (("q", block.q), ("k", block.k)) if children.get(selected["of"]) is p), None)
+            if role is None:
+                untied.append(name)
+            else:
+                tied[role] = name
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_qk:
             continue
-        if (q_changes and weight.shape[0] == q_width) or (kv_changes and weight.shape[0] == kv_width):
+        role = next((r for r in ("q", "k") if separate and name.startswith(r) and weight.shape[0] == widths[r]
+                     and r not in tied and any(c is (block.q if r == "q" else block.k) for c in children.values())),
+                    None)
+        if role is not None:
+            tied[role] = name
+        elif weight.shape[0] in widths.values():
+            untied.append(name)
+    return tied, untied
+
+
+def _whole_width_refusal(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
+    """The name of a norm over a whole query or key width that pruning ``block`` would change and that cannot be
+    kept whole with its heads selected after it (:func:`_whole_width_norms`), else None."""
+    q_changes = 0 < len(keep) < block.n_heads
+    kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
+    if not (q_changes or kv_changes):
+        return None
+    _, untied = _whole_width_norms(block)
+    for name in untied:
+        norm = getattr(block.core, name)
+        width = norm.weight.shape[0]
+        if getattr(norm, SELECTED_ATTR, None) or (q_changes and width == block.n_heads * block.d_qk) or \
+                (kv_changes and width == block.n_kv_heads * block.d_qk):
             return name
     return None
+
+
+def _select_heads(block: AttentionBlock, name: str, projection: nn.Module, heads: list[int], journal: _Journal) -> None:
+    """Keep ``projection`` and the norm ``name`` over its whole width as they are, and narrow the norm's output to
+    ``heads`` (current numbering): composed with the selection of an earlier pruning."""
+    norm = getattr(block.core, name)
+    old = getattr(norm, SELECTED_ATTR, None)
+    if old:
+        of, current = old["of"], list(old["heads"])
+    else:
+        of = next(n for n, child in block.core.named_children() if child is projection)
+        current = list(range(out_features(projection) // block.d_qk))
+    journal.set(norm, SELECTED_ATTR, {"of": of, "heads": [current[h] for h in heads], "size": block.d_qk})
+    if not getattr(norm, "_headlab_select_hooked", False):
+        journal.hooks.append(norm.register_forward_hook(selection_hook))
+        journal.set(norm, "_headlab_select_hooked", True)
 
 
 def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> torch.Tensor:
@@ -291,10 +354,21 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         assert block.k is not None and block.v is not None  # separate projections
         # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
         d_qk = block.d_qk
-        # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
-        _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
-        _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
+        # a norm over the whole query or key projection (OLMo 2): both kept whole, the heads selected after it
+        norms = _whole_width_norms(block)[0] if keep else {}
+        if "q" in norms:
+            _select_heads(block, norms["q"], block.q, keep, journal)
+        else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
+            _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
+        if "k" not in norms:
+            _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
+        elif kv_keep != list(range(block.n_kv_heads)):
+            _select_heads(block, norms["k"], block.k, kv_keep, journal)
         _slice_outputs(block.v, kv_index, journal)
+        if not keep:  # emptied: its stand-in calls no norm, and the projections are sliced to no row
+            for child in block.core.children():
+                if getattr(child, SELECTED_ATTR, None):
+                    journal.set(child, SELECTED_ATTR, None)
     else:
         assert family.head_rows  # multi-head latent attention (check_block_sliceable refuses untied projections)
     # each head's rows: latent attention's query and key/value maps, an output gate's projection (Beam's gate_proj)
@@ -710,13 +784,15 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         if dynamic is not None:
             raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {dynamic}",
                                   model_type=_model_type(model), block=block.key)
-        norm = _whole_width_norm(block, keep, kv_keep)
+        norm = _whole_width_refusal(block, keep, kv_keep)
         if norm is not None:
             raise PruningNotExact(
-                f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises the "
-                f"whole projection ({counted(block.n_heads if norm.startswith('q') else block.n_kv_heads, 'head')} at once), "
-                "so removing a head changes how the others are normalised; physical pruning cannot be exact for "
-                "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
+                f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises a whole "
+                "projection's width (every head at once), so removing a head changes how the others are normalised, "
+                "and headlab cannot tie it to the query or key projection (a separate q or k projection beside it, "
+                "its name starting with q or k) to keep that projection whole and select the kept heads after the "
+                "norm; physical pruning cannot be exact for this layer unless it keeps all its heads or none (mask "
+                "the heads instead: headlab.mask_heads)",
                 model_type=_model_type(model), block=block.key,
             )
 
@@ -1080,6 +1156,10 @@ def pruning_plan(model: nn.Module) -> dict:
                 plan.setdefault("alibi", {})[_core_path(block)] = entry if argument == "alibi" else [*entry, argument]
             for path, module, _ in _per_head_lists(block):
                 plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
+            for name, child in core.named_children():  # a norm over a whole q/k projection: its heads selected after it
+                selected = getattr(child, SELECTED_ATTR, None)
+                if selected:
+                    plan.setdefault("selected", {})[f"{_core_path(block)}.{name}"] = copy.deepcopy(selected)
     return plan
 
 
