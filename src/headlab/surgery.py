@@ -351,24 +351,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         if hasattr(core, "split_size"):
             journal.set(core, "split_size", len(keep) * d)
     elif block.q is not None:
-        assert block.k is not None and block.v is not None  # separate projections
-        # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
-        d_qk = block.d_qk
-        # a norm over the whole query or key projection (OLMo 2): both kept whole, the heads selected after it
-        norms = _whole_width_norms(block)[0] if keep else {}
-        if "q" in norms:
-            _select_heads(block, norms["q"], block.q, keep, journal)
-        else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
-            _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
-        if "k" not in norms:
-            _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
-        elif kv_keep != list(range(block.n_kv_heads)):
-            _select_heads(block, norms["k"], block.k, kv_keep, journal)
-        _slice_outputs(block.v, kv_index, journal)
-        if not keep:  # emptied: its stand-in calls no norm, and the projections are sliced to no row
-            for child in block.core.children():
-                if getattr(child, SELECTED_ATTR, None):
-                    journal.set(child, SELECTED_ATTR, None)
+        _slice_separate(block, keep, kv_keep, kv_index, journal)
     else:
         assert family.head_rows  # multi-head latent attention (check_block_sliceable refuses untied projections)
     # each head's rows: latent attention's query and key/value maps, an output gate's projection (Beam's gate_proj)
@@ -423,6 +406,29 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], kv_index: torch.Tensor,
+                    journal: _Journal) -> None:
+    """Slice separate query, key and value projections to ``keep`` and ``kv_keep``."""
+    assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+    # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
+    d_qk, device = block.d_qk, kv_index.device
+    # a norm over the whole query or key projection (OLMo 2): both kept whole, the heads selected after it
+    norms = _whole_width_norms(block)[0] if keep else {}
+    if "q" in norms:
+        _select_heads(block, norms["q"], block.q, keep, journal)
+    else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
+        _slice_outputs(block.q, _head_index(keep, 2 * d_qk if block.family.query_gate else d_qk, device), journal)
+    if "k" not in norms:
+        _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
+    elif kv_keep != list(range(block.n_kv_heads)):
+        _select_heads(block, norms["k"], block.k, kv_keep, journal)
+    _slice_outputs(block.v, kv_index, journal)
+    if not keep:  # emptied: its stand-in calls no norm, and the projections are sliced to no row
+        for child in block.core.children():
+            if getattr(child, SELECTED_ATTR, None):
+                journal.set(child, SELECTED_ATTR, None)
 
 
 def _slice_kv_dynamic_mask(block: AttentionBlock, projection: nn.Linear, owner: nn.Module, name: str,
@@ -1276,9 +1282,10 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
 def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: Path) -> None:
     """A reconstructed numbering only names heads, unless a head's original index enters what it
     computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
-    built by the model for all the config's heads) and T5's relative position bias (the stack's
-    one table, a column per original head). There the numbering picks the bias: a wrong one would
-    compute another model than the one saved, so it is refused."""
+    built by the model for all the config's heads), T5's relative position bias (the stack's
+    one table, a column per original head) and, where a norm spans the whole query or key projection
+    (OLMo 2), the rows of that projection, kept whole, that the head reads. There the numbering picks
+    them: a wrong one would compute another model than the one saved, so it is refused."""
     keys = set(reconstructed)
     biased: dict[str, str] = {}
     for block in attention_blocks(model):
@@ -1288,6 +1295,10 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
             biased[f"{block.kind}:{block.layer}"] = "its ALiBi slope"
         elif getattr(block.core, "_headlab_t5_hooked", False) and block.kind != "dec_cross":  # cross: no bias
             biased[f"{block.kind}:{block.layer}"] = "its column of the relative position bias"
+        elif any(getattr(child, SELECTED_ATTR, None) for child in block.core.children()):
+            # a query/key projection kept whole under a norm over all its heads (OLMo 2): the index picks its rows
+            biased[f"{block.kind}:{block.layer}"] = ("its rows of the query and key projections, which stay whole "
+                                                     "under a norm over all heads")
     if biased:
         raise HeadlabError(
             f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "
