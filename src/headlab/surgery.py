@@ -7,7 +7,9 @@ projection (q and k rows by ``d_qk`` where query/key heads are wider than value 
 MiMo-V2-Flash); a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
 Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of transformers v5
 mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
-the attributes (and Phi-3's config field) that a forward does read are kept in step. A layer left with no head is replaced
+the attributes (and Phi-3's config field) that a forward does read are kept in step. Where a norm spans a whole query
+or key projection (OLMo 2's ``q_norm``), that projection and its norm stay whole and the kept heads are selected
+after the norm (:func:`_whole_width_norms`). A layer left with no head is replaced
 by :class:`ZeroHeadAttention`, which keeps only the output projection's bias and the residual
 path (Voita et al. 2019, footnote 9).
 """
@@ -1108,7 +1110,9 @@ def pruning_plan(model: nn.Module) -> dict:
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
-    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``kept``
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``selected``
+    (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
+    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
