@@ -1,6 +1,8 @@
 """Physical pruning checks itself against masking, and the families it used to break.
 
-Regression tests of issue 31: OLMo2 (whole-width q_norm: refused), StableLM (partial rotary,
+Regression tests of issue 31: OLMo2 (whole-width q_norm: refused then; since session 29 pruned exactly, the
+query/key projections kept whole and the heads selected after the norm, as for OLMo 3, OLMoE, FlexOlmo,
+MiniMax-M2, ESMC and OLMo-hybrid), StableLM (partial rotary,
 per-head q/k LayerNorms), OPT (padded batches), one query head of a shared key/value group
 (Gemma, Gemma2, Gemma3, OLMo, Mixtral; Llama, Qwen2, Qwen3 already worked), Mixtral's pruned
 directory through load_pruned, and "prune exits 0 after writing a broken model".
@@ -9,18 +11,20 @@ directory through load_pruned, and "prune exits 0 after writing a broken model".
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
 
-from headlab import attention_blocks, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab import attention_blocks, count_parameters, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.cli import main
 from headlab.errors import HeadlabError, PruningNotExact
 from headlab.prune_check import tolerance
 from support.family_matrix import (
     VOCAB,
+    WHOLE_WIDTH_NORMS,
     check_pruned_generates_as_masked,
     padded_inputs,
     padded_logits,
@@ -58,21 +62,174 @@ def test_mixtral_pruned_directory_loads(tmp_path):
     torch.testing.assert_close(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask), atol=0, rtol=0)
 
 
-def test_olmo2_whole_width_query_norm_is_refused_and_model_untouched():
+def _whole_width(family: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    model = tiny_model(family).to(dtype)
+    if hasattr(model, "set_experts_implementation"):  # grouped_mm takes no float64
+        model.set_experts_implementation("eager")
+    return model
+
+
+def _whole_width_spec(model) -> dict:
+    """One query head of a key/value group removed (the group's key/value head kept, a copy per kept query head)
+    in the first attention layer, a whole group in the second (one attention layer: that one)."""
+    keys = [b.key for b in attention_blocks(model)]
+    return {keys[0]: [1], keys[1]: [0, 1]} if len(keys) > 1 else {keys[0]: [0, 1]}
+
+
+def _projection_shapes(model) -> dict:
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if re.search(r"\.[qk]_(proj|norm)\.", name)}
+
+
+@pytest.mark.parametrize("family", WHOLE_WIDTH_NORMS)
+def test_a_whole_width_qk_norm_is_pruned_exactly(family):
+    """q_norm/k_norm over every head's features at once (OLMo 2/3, OLMoE, FlexOlmo, MiniMax-M2, ESMC, OLMo-hybrid):
+    the query and key projections and their norms stay whole, the kept heads are selected after the norm, the value
+    rows and output columns go. The pruned model equals the masked one to float64's rounding (padded rows, cached
+    generation) and is smaller. (These families were refused before: PruningNotExact, "normalises the whole".)"""
+    model = _whole_width(family)
+    spec = _whole_width_spec(model)
+    before, shapes = count_parameters(model), _projection_shapes(model)
+    keys = set(model.state_dict())
+    ids, mask = padded_inputs()
+    left = [b.n_heads - len(spec.get(b.key, ())) for b in attention_blocks(model)]
+    if model.can_generate():
+        check_pruned_generates_as_masked(model, spec, left, ids, mask, atol=1e-12)
+    else:  # ESMC: a masked LM
+        with mask_heads(model, spec):
+            expected = padded_logits(model, ids, mask)
+        prune_heads(model, spec)
+        assert [b.n_heads for b in attention_blocks(model)] == left
+        torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    assert count_parameters(model) < before
+    assert _projection_shapes(model) == shapes and set(model.state_dict()) == keys  # q and k whole, same names
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmoe", "esmc"])
+def test_a_whole_width_qk_norm_pruning_saves_and_loads(family, tmp_path):
+    """save_pruned -> load_pruned gives the pruned model's logits exactly; a second pruning composes with the
+    first (the selection of the kept heads' rows, in the original numbering), and a layer then emptied becomes a
+    layer with no head (its norms never called)."""
+    model = _whole_width(family, torch.float32)
+    spec = _whole_width_spec(model)
+    ids, mask = padded_inputs()
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "once")
+    loaded = load_pruned(tmp_path / "once")
+    assert [b.n_heads for b in attention_blocks(loaded)] == [b.n_heads for b in attention_blocks(model)]
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask), atol=0, rtol=0)
+    plan = json.loads((tmp_path / "once" / "config.json").read_text())["headlab_pruned"]
+    first = next(iter(spec))
+    name = attention_blocks(model)[0].name
+    assert plan["selected"][f"{name}.q_norm"] == {"of": "q_proj", "heads": [h for h in range(4) if h not in spec[first]],
+                                                  "size": 8}
+    # again: the first layer loses its (current) head 0, the original head kept first, then every head left
+    again = {first: [0]}
+    original = {first: sorted({*spec[first], [h for h in range(4) if h not in spec[first]][0]})}
+    reference = _whole_width(family, torch.float32)
+    with mask_heads(reference, {**spec, **original}):
+        expected = padded_logits(reference, ids, mask)
+    prune_heads(model, again)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    prune_heads(model, {first: list(range(attention_blocks(model)[0].n_heads))})
+    assert attention_blocks(model)[0].n_heads == 0
+    with mask_heads(reference, {**spec, first: [0, 1, 2, 3]}):
+        expected = padded_logits(reference, ids, mask)
+    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+    save_pruned(model, tmp_path / "emptied")
+    assert f"{name}.q_norm" not in json.loads((tmp_path / "emptied" / "config.json").read_text())[
+        "headlab_pruned"].get("selected", {})
+    torch.testing.assert_close(padded_logits(load_pruned(tmp_path / "emptied"), ids, mask),
+                               padded_logits(model, ids, mask), atol=0, rtol=0)
+
+
+def test_a_whole_width_norm_not_tied_to_q_or_k_is_still_refused():
+    """A norm over a whole projection's width that headlab cannot tie to the query or key projection (its name
+    starts with neither q nor k) is refused, before any change, when pruning would change that width: keeping a
+    projection whole and selecting after the norm needs to know which. Layers kept whole or emptied go through."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
     model = tiny_model("olmo2")
+    model.model.layers[0].self_attn.add_module("gate_norm", Olmo2RMSNorm(32))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(PruningNotExact, match=r"olmo2: dec_self layer 0: .*q_norm normalises the whole") as error:
+    with pytest.raises(PruningNotExact, match=r"olmo2: dec_self layer 0: model.layers.0.self_attn.gate_norm normalises "
+                                              r"a whole projection's width .* cannot tie it") as error:
         prune_heads(model, PARTIAL_GROUP)
-    assert error.value.model_type == "olmo2" and error.value.block == ("dec_self", 0)
+    assert error.value.block == ("dec_self", 0)
     assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    # A layer that loses all its heads or none keeps its norms exact: that pruning goes through.
     ids, mask = padded_inputs()
-    spec = {("dec_self", 1): [0, 1, 2, 3]}
+    spec = {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [3]}
     with mask_heads(model, spec):
         expected = padded_logits(model, ids, mask)
     prune_heads(model, spec)
     torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-5, rtol=0)
+
+
+def test_capture_gates_and_lrp_on_a_pruned_whole_width_model():
+    """On a pruned OLMo 2 the kept heads' attention is the masked model's (capture), gates at one change nothing and
+    come off (leaving the selection's hooks), and LRP conserves relevance, the removed heads unscored."""
+    import copy
+
+    import numpy as np
+
+    from headlab import ScalarGates, capture_attention, gates_attached
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    model = _whole_width("olmo2", torch.float32)  # float64 eager turns left padding's rows to NaN (its own mask)
+    reference = copy.deepcopy(model)
+    spec = _whole_width_spec(model)
+    prune_heads(model, spec)
+    ids, mask = padded_inputs()
+    with mask_heads(reference, spec), capture_attention(reference) as masked, torch.no_grad():
+        reference(input_ids=ids, attention_mask=mask)
+    with capture_attention(model) as pruned, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for key, removed in spec.items():
+        kept = [h for h in range(4) if h not in removed]
+        rows = mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]
+        torch.testing.assert_close(pruned[key].masked_fill(~rows, 0), masked[key][:, kept].masked_fill(~rows, 0),
+                                   atol=1e-6, rtol=0)
+    hooks = {name: dict(m._forward_hooks) for name, m in model.named_modules()}
+    before = padded_logits(model, ids, mask)
+    with gates_attached(model, ScalarGates.for_model(model)):
+        assert torch.equal(padded_logits(model, ids, mask), before)
+    assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == hooks
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (4, 6, 5)])
+    scores = compute_lrp(model, data, describe_model(model))
+    conservation = scores.signature["conservation"]["with_biases"]
+    assert abs(conservation["min"] - 1) < 1e-3 and abs(conservation["max"] - 1) < 1e-3, conservation
+    for (kind, layer), removed in spec.items():
+        assert np.isnan(scores[kind][layer, removed]).all()
+        assert not np.isnan(scores[kind][layer, [h for h in range(4) if h not in removed]]).any()
+
+
+def test_a_whole_width_qk_norm_pruning_resaved_by_transformers(tmp_path):
+    """A pruned OLMo 2 loads with plain transformers (pruned_heads.py selects after the norm too) with its logits; a
+    re-save through it keeps the plan, whose numbering headlab reads back. Re-saved without record or plan, the
+    kept heads' numbering would pick the query/key rows of the whole projections: refused, not guessed."""
+    import transformers as tf
+
+    from headlab.loading import load_model
+    from headlab.surgery import pruning_record
+
+    model = _whole_width("olmo2", torch.float32)
+    spec = _whole_width_spec(model)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    ids, mask = padded_inputs()
+    expected = padded_logits(model, ids, mask)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).eval()
+    assert type(plain).__name__ == "PrunedModel"
+    torch.testing.assert_close(padded_logits(plain, ids, mask), expected, atol=0, rtol=0)
+    plain.save_pretrained(tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert pruning_record(loaded)["blocks"] == pruning_record(model)["blocks"]
+    assert "numbering" not in pruning_record(loaded)
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=0, rtol=0)
+    load_pruned(tmp_path / "pruned").save_pretrained(tmp_path / "bare")  # no record, no plan
+    with pytest.raises(HeadlabError, match=r"original index picks its rows of the query and key projections"):
+        load_model(str(tmp_path / "bare"))
 
 
 def _cohere():
@@ -144,14 +301,15 @@ def test_load_pruned_refuses_weights_that_do_not_compute(tmp_path):
 
 
 def test_load_pruned_checks_the_record_against_masking(tmp_path):
-    """A record that would prune OLMo2's whole-width norm is refused at load, before any weight is read."""
-    model = tiny_model("olmo2")
-    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})
+    """A record that would prune Cohere's per-head q/k LayerNorms (weights [heads, head size], which pruning does not
+    slice) is refused at load by the check against masking, before any weight is read."""
+    model = _cohere()
+    prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})  # a layer with no head: its norms never run
     save_pruned(model, tmp_path)
     record = json.loads((tmp_path / "headlab_pruning.json").read_text())
-    record["blocks"]["dec_self"]["0"].update(kept_heads=[0], kept_kv_heads=[0])
+    record["blocks"]["dec_self"]["0"].update(kept_heads=[0, 2, 3], kept_kv_heads=[0, 1, 1])
     (tmp_path / "headlab_pruning.json").write_text(json.dumps(record))
-    with pytest.raises(PruningNotExact, match="q_norm normalises the whole"):
+    with pytest.raises(PruningNotExact, match=r"^cohere: the pruned model (fails|differs).* dec_self layer 0"):
         load_pruned(tmp_path)
 
 
@@ -179,17 +337,14 @@ def test_check_prunable_refuses_before_a_pruning_run_and_changes_nothing(tmp_pat
     with pytest.raises(PruningNotExact, match="^cohere: "):
         prune_train(_cohere(), None, None, None, config)  # before the data is even looked at
     assert not (tmp_path / "run").exists()
-    for family, error in (("olmo2", PruningNotExact), ("llama", None)):
+    for family in ("olmo2", "llama"):  # OLMo 2: its heads selected after the norm, and that undone too
         model = tiny_model(family)
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        if error is None:
-            check_prunable(model)
-        else:
-            with pytest.raises(error):
-                check_prunable(model)
+        check_prunable(model)
         assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
         assert "_headlab_verified_pruning" not in model.__dict__
+        assert not any(m._forward_hooks or "_headlab_selected" in vars(m) for m in model.modules())
 
 
 @pytest.mark.parametrize("family", ["marian", "t5", "bert", "gpt2", "distilbert"])

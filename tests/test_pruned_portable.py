@@ -42,9 +42,12 @@ CASES = {
     "bloom": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, "AutoModelForCausalLM", "remote code"),
     "falcon_alibi": ({("dec_self", 0): [3], ("dec_self", 1): [0, 1]}, "AutoModelForCausalLM", "remote code"),
     "gpt_bigcode": ({("dec_self", 1): [1, 2]}, "AutoModelForCausalLM", "remote code"),
+    # q_norm/k_norm over the whole projections: q and k kept whole, the heads selected after the norms; a layer
+    # left with no head beside it
+    "olmo2": ({("dec_self", 0): [1], ("dec_self", 1): [0, 1, 2, 3]}, "AutoModelForCausalLM", "remote code"),
 }
-MATRIX = {"gpt_neox", "phi3", "bloom", "falcon_alibi", "gpt_bigcode"}
-GENERATE = {"marian", "gpt2", "llama", "gpt_neox", "bloom"}
+MATRIX = {"gpt_neox", "phi3", "bloom", "falcon_alibi", "gpt_bigcode", "olmo2"}
+GENERATE = {"marian", "gpt2", "llama", "gpt_neox", "bloom", "olmo2"}
 
 PLAIN = r"""
 import json, os, sys

@@ -192,6 +192,37 @@ class LayerConfig:
 
 KEPT_ATTR = "_headlab_kept_heads"
 ORIGINAL_ATTR = "_headlab_original"
+# On a norm over a whole query or key projection (OLMo 2's q_norm: RMSNorm over every head's features at once):
+# {"of": the projection's name beside it, "heads": the heads kept, in the projection's numbering, "size": per head}
+SELECTED_ATTR = "_headlab_selected"
+
+
+def selection_hook(module: nn.Module, args, output):
+    """A forward hook on a norm that spans a whole query or key projection: its output narrowed to the
+    heads kept (``module._headlab_selected``). Removing a head's rows from the projection would change
+    the statistic the norm divides every other head's features by (RMSNorm: a_i / sqrt(mean_j a_j^2) * g_i
+    over the whole width, Zhang & Sennrich 2019; ESMC's LayerNorm also subtracts the mean over it), so the
+    projection and the norm stay whole and the heads are selected after it: what the full layer computes
+    for the kept heads, exactly."""
+    selected = getattr(module, SELECTED_ATTR, None)
+    if not selected:  # a layer since emptied (its stand-in never calls the norm), or pruning undone
+        return output
+    heads, size = selected["heads"], selected["size"]
+    key = (output.device, tuple(heads), size)
+    cached = module.__dict__.get("_headlab_selected_index")
+    if cached is None or cached[0] != key:
+        index = torch.tensor([h * size + i for h in heads for i in range(size)], dtype=torch.long,
+                             device=output.device)
+        cached = module.__dict__["_headlab_selected_index"] = (key, index)
+    return output.index_select(-1, cached[1])
+
+
+def select_after_norm(norm: nn.Module, selected: dict) -> None:
+    """Narrow ``norm``'s output to ``selected`` (:data:`SELECTED_ATTR`), with the hook added once."""
+    setattr(norm, SELECTED_ATTR, selected)
+    if not getattr(norm, "_headlab_select_hooked", False):
+        norm.register_forward_hook(selection_hook)
+        norm._headlab_select_hooked = True
 
 
 def alibi_hook(cls: type, name: str = "alibi"):
@@ -257,6 +288,8 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))
             embedding.embedding_dim = columns
+        for path, selected in plan.get("selected", {}).items():  # a norm over a whole query/key projection
+            select_after_norm(model.get_submodule(path), selected)
         for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
                                                         *rest[:3]))

@@ -514,7 +514,8 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
     numbering: dict[str, list[str]] = {"original": [], "reconstructed": []}
     for block in attention_blocks(model):
         o_weight = f"{names[id(block.o)]}.weight"
-        kv_module = block.k if block.k is not None else block.qkv
+        # the value projection's rows: the key projection stays whole under a norm over all its heads (OLMo 2)
+        kv_module = block.v if block.v is not None else block.qkv
         if block.family.head_rows and block.q is None:  # latent attention: a key and a value per query head; o_proj reads them
             kv_module = block.o
         if kv_module is None or block.d_head <= 0:
@@ -528,8 +529,7 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
             kv_width = (kv_width - n_q * block.d_head) // 2
         if block.family.head_rows and block.q is None:  # the other projections' widths: check_fits_weights
             kv_width = n_q * block.d_head
-        # the key projection's rows are query/key heads (MiMo-V2-Flash: wider than the value heads)
-        n_kv, rest_kv = divmod(kv_width, block.d_qk if kv_module is block.k else block.d_head)
+        n_kv, rest_kv = divmod(kv_width, block.d_head)  # value heads (MiMo-V2-Flash's query/key heads are wider)
         if rest_q or rest_kv or n_q > block.n_heads or not 0 <= n_kv <= max(n_q, block.n_kv_heads):
             continue  # not a pruned shape: check_fits_weights names the tensor
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):

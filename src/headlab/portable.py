@@ -117,7 +117,8 @@ def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return {"how": None, "reason": "per-head query/key norms (StableLM's qk_layernorm) lose heads; "
                                        "load with headlab.load_pruned"}
-    values = standard_config_values(model)
+    # a projection kept whole under a norm over all its heads (OLMo 2's q_proj): wider than a standard config's heads
+    values = standard_config_values(model) if not plan.get("selected") else None
     if values is not None and _transformers_accepts(cast(PreTrainedModel, model), {**config, **values}):
         original = {name: config.get(name) for name in values}
         config.update(values)

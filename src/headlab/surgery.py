@@ -7,7 +7,9 @@ projection (q and k rows by ``d_qk`` where query/key heads are wider than value 
 MiMo-V2-Flash); a fused q/k/v projection is sliced in its own layout (GPT-2, GPT-NeoX, Phi-3,
 Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of transformers v5
 mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
-the attributes (and Phi-3's config field) that a forward does read are kept in step. A layer left with no head is replaced
+the attributes (and Phi-3's config field) that a forward does read are kept in step. Where a norm spans a whole query
+or key projection (OLMo 2's ``q_norm``), that projection and its norm stay whole and the kept heads are selected
+after the norm (:func:`_whole_width_norms`). A layer left with no head is replaced
 by :class:`ZeroHeadAttention`, which keeps only the output projection's bias and the residual
 path (Voita et al. 2019, footnote 9).
 """
@@ -36,6 +38,7 @@ from headlab.adapters import (
     attention_blocks,
     find_block,
     idle_blocks,
+    out_features,
     peft_layer,
     qkv_columns,
     qkv_groups,
@@ -58,6 +61,7 @@ from headlab.portable import PRUNING_FILE, make_portable, restore_original_confi
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
+    SELECTED_ATTR,
     LayerConfig,
     NoHeadAttention,
     alibi_hook,
@@ -65,6 +69,7 @@ from headlab.portable_code import (
     load_checked_adapter,
     peft_from_pretrained,
     record_kept_blocks,
+    selection_hook,
 )
 from headlab.portable_code import save_adapter as _save_adapter
 
@@ -247,23 +252,60 @@ def _per_head_lists(block: AttentionBlock) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
-def _whole_width_norm(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
-    """A normalisation over a projection's whole width (OLMo2's ``q_norm``/``k_norm`` span all
-    heads): RMSNorm(q) divides every feature by the root mean square over all heads, so removing
-    a head changes what the others are divided by, and no slicing of weights keeps the remaining
-    heads exact. Its name, when pruning this block would change such a width (else None)."""
+def _whole_width_norms(block: AttentionBlock) -> tuple[dict[str, str], list[str]]:
+    """The norms of ``block`` over a whole query or key projection (OLMo 2's ``q_norm``/``k_norm``: RMSNorm over all
+    heads' features at once), as ``{"q": name, "k": name}``, and the names of the others of such a width that
+    cannot be tied to the query or key projection (refused when pruning would change that width).
+
+    Slicing a head's rows out of such a projection changes what the norm divides every other head's features by,
+    so pruning keeps the projection and its norm whole and selects the kept heads after the norm
+    (:func:`headlab.portable_code.selection_hook`). A norm is tied by its name beside its projection (``q...``,
+    ``k...``) and its width, or by the selection an earlier pruning recorded on it; the pruning check
+    (:mod:`headlab.prune_check`) verifies the rest: the norm's output must be what the attention reads."""
     projections = {id(m) for m in (block.q, block.k, block.v, block.o, block.qkv) if m is not None}
+    children = dict(block.core.named_children())
+    tied: dict[str, str] = {}
+    untied: list[str] = []
     # a norm over a whole query or key width: of query/key heads (their size, d_qk, where values differ)
-    q_width, kv_width = block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk
-    q_changes = 0 < len(keep) < block.n_heads
-    kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
-    for name, module in block.core.named_children():
+    widths = {"q": block.n_heads * block.d_qk, "k": block.n_kv_heads * block.d_qk}
+    separate = block.q is not None and block.k is not None and not block.family.query_gate
+    for name, module in children.items():
         if id(module) in projections or name in block.family.output_norms:
+            continue
+        selected = getattr(module, SELECTED_ATTR, None)
+        if selected:  # pruned before: whole, its heads selected
+            role = next((r for r, p in (("q", block.q), ("k", block.k)) if children.get(selected["of"]) is p), None)
+            if role is None:
+                untied.append(name)
+            else:
+                tied[role] = name
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] == block.d_qk:
             continue
-        if (q_changes and weight.shape[0] == q_width) or (kv_changes and weight.shape[0] == kv_width):
+        role = next((r for r in ("q", "k") if separate and name.startswith(r) and weight.shape[0] == widths[r]
+                     and r not in tied and any(c is (block.q if r == "q" else block.k) for c in children.values())),
+                    None)
+        if role is not None:
+            tied[role] = name
+        elif weight.shape[0] in widths.values():
+            untied.append(name)
+    return tied, untied
+
+
+def _whole_width_refusal(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
+    """The name of a norm over a whole query or key width that pruning ``block`` would change and that cannot be
+    kept whole with its heads selected after it (:func:`_whole_width_norms`), else None."""
+    q_changes = 0 < len(keep) < block.n_heads
+    kv_changes = bool(keep) and kv_keep != list(range(block.n_kv_heads))
+    if not (q_changes or kv_changes):
+        return None
+    _, untied = _whole_width_norms(block)
+    for name in untied:
+        norm = getattr(block.core, name)
+        width = norm.weight.shape[0]
+        if getattr(norm, SELECTED_ATTR, None) or (q_changes and width == block.n_heads * block.d_qk) or \
+                (kv_changes and width == block.n_kv_heads * block.d_qk):
             return name
     return None
 
@@ -274,6 +316,22 @@ def _pruned_groups(block: AttentionBlock, n_keep: int) -> int:
     ``view(..., -1, 3 * embed_dim // mp_num)`` splits whole heads again; 1 for any other layout."""
     groups = qkv_groups(block.core, block.family)
     return math.gcd(n_keep, groups) if block.family.qkv_layout == "mp-groups" and n_keep else groups
+
+
+def _select_heads(block: AttentionBlock, name: str, projection: nn.Module, heads: list[int], journal: _Journal) -> None:
+    """Keep ``projection`` and the norm ``name`` over its whole width as they are, and narrow the norm's output to
+    ``heads`` (current numbering): composed with the selection of an earlier pruning."""
+    norm = getattr(block.core, name)
+    old = getattr(norm, SELECTED_ATTR, None)
+    if old:
+        of, current = old["of"], list(old["heads"])
+    else:
+        of = next(n for n, child in block.core.named_children() if child is projection)
+        current = list(range(out_features(projection) // block.d_qk))
+    journal.set(norm, SELECTED_ATTR, {"of": of, "heads": [current[h] for h in heads], "size": block.d_qk})
+    if not getattr(norm, "_headlab_select_hooked", False):
+        journal.hooks.append(norm.register_forward_hook(selection_hook))
+        journal.set(norm, "_headlab_select_hooked", True)
 
 
 def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> torch.Tensor:
@@ -309,13 +367,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         if family.qkv_groups_attr and keep:  # CodeGen's mp_num: the groups the kept heads are laid out in
             journal.set(core, family.qkv_groups_attr, mp_groups)
     elif block.q is not None:
-        assert block.k is not None and block.v is not None  # separate projections
-        # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
-        d_qk = block.d_qk
-        # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
-        _slice_outputs(block.q, _head_index(keep, 2 * d_qk if family.query_gate else d_qk, device), journal)
-        _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
-        _slice_outputs(block.v, kv_index, journal)
+        _slice_separate(block, keep, kv_keep, kv_index, journal)
     else:
         assert family.head_rows  # multi-head latent attention (check_block_sliceable refuses untied projections)
     # each head's rows: latent attention's query and key/value maps, an output gate's projection (Beam's gate_proj)
@@ -370,6 +422,29 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], kv_index: torch.Tensor,
+                    journal: _Journal) -> None:
+    """Slice separate query, key and value projections to ``keep`` and ``kv_keep``."""
+    assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+    # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
+    d_qk, device = block.d_qk, kv_index.device
+    # a norm over the whole query or key projection (OLMo 2): both kept whole, the heads selected after it
+    norms = _whole_width_norms(block)[0] if keep else {}
+    if "q" in norms:
+        _select_heads(block, norms["q"], block.q, keep, journal)
+    else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
+        _slice_outputs(block.q, _head_index(keep, 2 * d_qk if block.family.query_gate else d_qk, device), journal)
+    if "k" not in norms:
+        _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
+    elif kv_keep != list(range(block.n_kv_heads)):
+        _select_heads(block, norms["k"], block.k, kv_keep, journal)
+    _slice_outputs(block.v, kv_index, journal)
+    if not keep:  # emptied: its stand-in calls no norm, and the projections are sliced to no row
+        for child in block.core.children():
+            if getattr(child, SELECTED_ATTR, None):
+                journal.set(child, SELECTED_ATTR, None)
 
 
 def _slice_kv_dynamic_mask(block: AttentionBlock, projection: nn.Linear, owner: nn.Module, name: str,
@@ -731,13 +806,15 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         if dynamic is not None:
             raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {dynamic}",
                                   model_type=_model_type(model), block=block.key)
-        norm = _whole_width_norm(block, keep, kv_keep)
+        norm = _whole_width_refusal(block, keep, kv_keep)
         if norm is not None:
             raise PruningNotExact(
-                f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises the "
-                f"whole projection ({counted(block.n_heads if norm.startswith('q') else block.n_kv_heads, 'head')} at once), "
-                "so removing a head changes how the others are normalised; physical pruning cannot be exact for "
-                "this family unless a layer keeps all its heads or none (mask the heads instead: headlab.mask_heads)",
+                f"{_model_type(model)}: {block.kind} layer {block.layer}: {block.name}.{norm} normalises a whole "
+                "projection's width (every head at once), so removing a head changes how the others are normalised, "
+                "and headlab cannot tie it to the query or key projection (a separate q or k projection beside it, "
+                "its name starting with q or k) to keep that projection whole and select the kept heads after the "
+                "norm; physical pruning cannot be exact for this layer unless it keeps all its heads or none (mask "
+                "the heads instead: headlab.mask_heads)",
                 model_type=_model_type(model), block=block.key,
             )
 
@@ -1051,7 +1128,9 @@ def pruning_plan(model: nn.Module) -> dict:
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
-    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``kept``
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``selected``
+    (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
+    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
@@ -1105,6 +1184,10 @@ def pruning_plan(model: nn.Module) -> dict:
                 plan.setdefault("alibi", {})[_core_path(block)] = entry if argument == "alibi" else [*entry, argument]
             for path, module, _ in _per_head_lists(block):
                 plan.setdefault("per_head", {})[f"{_core_path(block)}.{path}"] = len(cast(nn.ModuleList, module.norms))
+            for name, child in core.named_children():  # a norm over a whole q/k projection: its heads selected after it
+                selected = getattr(child, SELECTED_ATTR, None)
+                if selected:
+                    plan.setdefault("selected", {})[f"{_core_path(block)}.{name}"] = copy.deepcopy(selected)
     return plan
 
 
@@ -1221,9 +1304,10 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
 def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: Path) -> None:
     """A reconstructed numbering only names heads, unless a head's original index enters what it
     computes beyond its own weights: ALiBi's slope (Press et al. 2022: fixed by the head's index,
-    built by the model for all the config's heads) and T5's relative position bias (the stack's
-    one table, a column per original head). There the numbering picks the bias: a wrong one would
-    compute another model than the one saved, so it is refused."""
+    built by the model for all the config's heads), T5's relative position bias (the stack's
+    one table, a column per original head) and, where a norm spans the whole query or key projection
+    (OLMo 2), the rows of that projection, kept whole, that the head reads. There the numbering picks
+    them: a wrong one would compute another model than the one saved, so it is refused."""
     keys = set(reconstructed)
     biased: dict[str, str] = {}
     for block in attention_blocks(model):
@@ -1233,6 +1317,10 @@ def _refuse_computed_by_index(model: nn.Module, reconstructed: list[str], path: 
             biased[f"{block.kind}:{block.layer}"] = "its ALiBi slope"
         elif getattr(block.core, "_headlab_t5_hooked", False) and block.kind != "dec_cross":  # cross: no bias
             biased[f"{block.kind}:{block.layer}"] = "its column of the relative position bias"
+        elif any(getattr(child, SELECTED_ATTR, None) for child in block.core.children()):
+            # a query/key projection kept whole under a norm over all its heads (OLMo 2): the index picks its rows
+            biased[f"{block.kind}:{block.layer}"] = ("its rows of the query and key projections, which stay whole "
+                                                     "under a norm over all heads")
     if biased:
         raise HeadlabError(
             f"{path}: the original numbering of the kept heads of {', '.join(biased)} is in neither the weights nor "

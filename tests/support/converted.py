@@ -6,9 +6,10 @@ headlab prunes (found by building each type tiny, as experiments/family_sweep.py
 99, built from configs (no download); biases and norm weights moved off their initial values, so that
 one left newly initialised changes the logits.
 
-Types with a conversion that headlab refuses to prune or cannot build tiny are left out (olmoe,
-flex_olmo and minimax_m2: a query norm over the whole projection; bailing_hybrid...: their attention refused),
-as are the multimodal wrappers. Beam, AFMoE, Laguna and LFM3 (an output gate per head from a projection of its own,
+Types with a conversion that headlab refuses to prune or cannot build tiny are left out (bailing_hybrid...: their
+attention refused), as are the multimodal wrappers. OLMoE, FlexOlmo, MiniMax-M2 and OLMo-hybrid (a query norm over the
+whole projection, refused until session 29) are in: the projection stays whole, its heads selected after the norm.
+Beam, AFMoE, Laguna and LFM3 (an output gate per head from a projection of its own,
 ``adapters.families.QKV_OUTPUT_GATES``) are in: the gate's projection is sliced with the heads (session 28).
 """
 
@@ -50,12 +51,13 @@ _OVERRIDES: dict[str, dict] = {  # the sizes each type needs besides (experiment
 }
 
 CONVERTED = (
-    "afmoe", "apertus1p5_text", "aria_text", "axk1", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1",
-    "ernie4_5_moe", "esm", "exaone", "exaone_moe", "gemma3n_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-    "gpt_neox", "granitemoe", "granitemoehybrid", "granitemoeshared", "gte", "hunyuan_v1_moe", "hy_v3", "jamba",
-    "jina_embeddings_v3", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "lfm3", "longcat_flash", "mellum", "minimax", "mixtral",
-    "nemotron_h", "nomic_bert", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
-    "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open", "ultrabert",
+    "afmoe", "apertus1p5_text", "aria_text", "axk1", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "dots1", "ernie4_5_moe", "esm", "exaone", "exaone_moe", "flex_olmo", "gemma3n_text", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "granitemoe", "granitemoehybrid", "granitemoeshared", "gte",
+    "hunyuan_v1_moe", "hy_v3", "jamba", "jina_embeddings_v3", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "lfm3",
+    "longcat_flash", "mellum", "minimax", "minimax_m2", "mixtral", "nemotron_h", "nomic_bert", "olmo_hybrid", "olmoe",
+    "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe",
+    "solar_open", "ultrabert",
 )
 """Model types whose tiny model transformers converts on loading (checked by tests/test_portable_conversions.py)."""
 

@@ -199,7 +199,24 @@ PRUNING = {
     "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_gqa())),
     "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_gqa())),
     "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_gqa())),
+    # q_norm and k_norm over the whole query and key projections (every head's features at once), as OLMo 2's:
+    # pruning keeps both whole and selects the kept heads after the norm
+    "olmo3": lambda: (tf.Olmo3ForCausalLM, tf.Olmo3Config(**_gqa())),
+    "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(**{**_gqa(), "intermediate_size": 40}, num_experts=4,
+                                                          num_experts_per_tok=2)),
+    "flex_olmo": lambda: (tf.FlexOlmoForCausalLM, tf.FlexOlmoConfig(**{**_gqa(), "intermediate_size": 40},
+                                                                    num_experts=4, num_experts_per_tok=2)),
+    "minimax_m2": lambda: (tf.MiniMaxM2ForCausalLM, tf.MiniMaxM2Config(**{**_gqa(), "intermediate_size": 40},
+                                                                       num_local_experts=4, num_experts_per_tok=2)),
+    # a LayerNorm (mean and variance) over the whole projection; no grouped-query attention
+    "esmc": lambda: (tf.EsmcForMaskedLM, tf.EsmcConfig(**{**_gqa(), "num_key_value_heads": 4})),
+    # its attention layer beside a Gated DeltaNet layer
+    "olmo_hybrid": lambda: (tf.OlmoHybridForCausalLM, tf.OlmoHybridConfig(
+        **_gqa(), layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)),
 }
+WHOLE_WIDTH_NORMS = ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2", "esmc", "olmo_hybrid")
+"""Families whose query/key norm spans the whole projection (tests/test_prune_verify.py)."""
 PRUNING_FAMILIES = tuple(PRUNING)
 """Families whose physical pruning needs care, checked by tests/test_prune_verify.py."""
 EAGER_ONLY = {"gemma2"}  # transformers refuses sdpa for Gemma2 (its logit soft-capping)

@@ -20,7 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.discovery import SUB_CONFIGS, Discovered, ModelChanged, attention_configs, discover, maps, ran
+from headlab.adapters.discovery import (
+    SUB_CONFIGS,
+    Discovered,
+    ModelChanged,
+    attention_configs,
+    discover,
+    maps,
+    ran,
+    selected_widths,
+)
 from headlab.adapters.families import (
     ATTENTION_SINKS,
     ATTENTION_SUBLAYERS,
@@ -626,7 +635,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
         if q is None or k is None or v is None:
             raise HeadlabError(f"{where}: missing one of {family.q}, {family.k}, {family.v}")
-        q_width, kv_width = out_features(q), out_features(k)
+        # a projection kept whole under a norm over all its heads, its heads selected after the norm (a pruned
+        # OLMo 2): the width the attention reads
+        narrowed = selected_widths(module)
+        q_width, kv_width = narrowed.get(id(q), out_features(q)), narrowed.get(id(k), out_features(k))
         if family.query_gate:  # [query | gate] per head: the heads' width is half of it
             if q_width % (2 * d_head):
                 raise HeadlabError(f"{where}: query projection width {q_width} is not heads x [query | gate] of "

@@ -51,7 +51,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 
-__all__ = ["PROBE", "Discovered", "ModelChanged", "discover", "maps", "ran"]
+__all__ = ["PROBE", "SELECTED_ATTR", "Discovered", "ModelChanged", "discover", "maps", "ran", "selected_widths"]
 
 PROBE = "headlab_probe"
 """The name under which the probe's attention (and experts) function is registered."""
@@ -139,6 +139,26 @@ class _Traced(torch.Tensor):
 
 
 _NAMED = 6  # operations a refusal names at most
+
+SELECTED_ATTR = "_headlab_selected"
+"""headlab.portable_code.SELECTED_ATTR (a lower layer: it cannot import it): on a norm over a whole query or key
+projection that pruning keeps whole, the heads its output is narrowed to (``{"of", "heads", "size"}``)."""
+
+
+def selected_widths(module: nn.Module) -> dict[int, int]:
+    """id(projection) -> the width of what the attention reads of it, for the projections inside ``module`` whose
+    output a norm spanning all their heads narrows to the heads pruning kept (OLMo 2's q_proj and q_norm, kept
+    whole: :func:`headlab.portable_code.selection_hook`); the others read their whole output."""
+    widths = {}
+    for name, norm in module.named_modules():
+        selected = getattr(norm, SELECTED_ATTR, None)
+        if not selected:
+            continue
+        parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        projection = getattr(parent, selected["of"], None)
+        if isinstance(projection, nn.Module):
+            widths[id(projection)] = len(selected["heads"]) * selected["size"]
+    return widths
 
 _SHAPE_OF_OTHER = frozenset({torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.type_as})
 """Operations whose second tensor gives a shape or a dtype only, none of its values."""
@@ -688,10 +708,11 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     # an output gate alone: its q/k/v projections tied too (Beam's), for when the adapter knows the gate
     inside = {id(m) for m in owner.modules()} if owner is not None and (problem is None or gated) else set()
     paths = []
+    narrowed = selected_widths(owner) if owner is not None else {}  # a pruned OLMo 2's q_proj, whole, its heads kept
     for sources, width in zip(call.sources, (n_heads * d_qk, n_kv * d_qk, n_kv * d_v)):
         projections = [m for m in sources if isinstance(m, nn.Module)]
         single = projections[0] if len(projections) == 1 and len(sources) == 1 and id(projections[0]) in inside \
-            and _width(projections[0], "out") == width else None
+            and narrowed.get(id(projections[0]), _width(projections[0], "out")) == width else None
         paths.append(_relative(block, names.get(id(single))) if single is not None else None)
     q, k, v = paths
     # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width

@@ -1533,8 +1533,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(module.register_forward_pre_hook(_ran_after_all(problem), prepend=True))
                 continue
             rule = norm_rule(module)
-            if rule is not None:
-                handles.append(module.register_forward_hook(rule))
+            if rule is not None:  # first: the norm's own output, before a pruned OLMo 2's selection narrows it
+                handles.append(module.register_forward_hook(rule, prepend=True))
             elif (parts := _gated_norm_parts(module)) is not None:  # the gate a constant: _GatedNorm
                 gated_norm = _GatedNorm()
                 handles.append(parts[0].register_forward_hook(gated_norm.keep_y))
