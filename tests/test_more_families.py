@@ -14,6 +14,8 @@ a block surgery cannot slice (DeBERTa-v2's own position projections) is refused 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -176,7 +178,10 @@ def test_lrp_conserves_relevance_on_a_bias_free_model(family):
     columns are not the ones detached, an activation without its rule (Bloom's BloomGelu) and
     Phi-3's fused [gate | up] product."""
     model = tiny_model(family)
-    first = attention_blocks(model)[0].name.rsplit(".", 1)[0]  # the first layer
+    # the first layer token ids run (GIT's image encoder comes first, idle): the path up to the layer's number
+    # (GPT-Neo's attention nests one deeper, transformer.h.0.attn.attention)
+    block = next(b for b in attention_blocks(model) if not b.idle)
+    first = re.match(r"(.*?\.\d+)(?:\.|$)", block.name).group(1)
     check_lrp_conserves(model, model.get_submodule(first))
 
 
