@@ -593,18 +593,18 @@ def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, i
         untied = dataclasses.replace(family, name=f"{family.name} cross-attention", patterns=(), never_fed=(),
                                      towers=(), q=None, k=None, v=None, qkv=None)
         compiled += [(kind, re.compile(pattern), untied) for kind, pattern in family.never_fed]
-    for kind, pattern, o in family.towers:  # another class: its own output projection and head size attribute
+    for tower_kind, tower_pattern, tower_o in family.towers:  # another class: its own output projection, head size
         tower = dataclasses.replace(family, name=f"{family.name} tower", patterns=(), never_fed=(), towers=(),
-                                    q=None, k=None, v=None, qkv=None, o=o, core="", head_count_attrs=())
-        compiled.append((kind, re.compile(pattern), tower))
+                                    q=None, k=None, v=None, qkv=None, o=tower_o, core="", head_count_attrs=())
+        compiled.append((tower_kind, re.compile(tower_pattern), tower))
     for name, module in model.named_modules():
         for kind, pattern, entry in compiled:
             match = pattern.search(name)
             if match and entry is not family:
                 attrs = (family.d_head_attr,) if entry.name.endswith("cross-attention") else _D_HEAD_ATTRS
                 d_head = next((getattr(module, a) for a in attrs if isinstance(getattr(module, a, None), int)), 0)
-                o = _get(module, entry.o)
-                heads = in_features(o) // d_head if d_head > 0 and o is not None else 0
+                output = _get(module, entry.o)
+                heads = in_features(output) // d_head if d_head > 0 and output is not None else 0
                 yield kind, int(match.group(1)), name, module, dataclasses.replace(entry, kv_heads=heads, d_head=d_head)
             elif match:
                 yield kind, int(match.group(1)), name, module, family
