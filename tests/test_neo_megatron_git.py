@@ -157,3 +157,24 @@ def test_git_image_encoder_is_idle_and_not_pruned():
     assert [b.kind for b in blocks if not b.idle] == ["dec_self", "dec_self"]
     with pytest.raises(HeadlabError, match="enc_self"):
         prune_heads(model, {("enc_self", 0): [1]})
+
+
+def test_gpt_neo_checkpoint_with_its_old_mask_buffers_loads(tmp_path):
+    """EleutherAI's GPT-Neo checkpoints (2021) hold each layer's causal/windowed mask ``bias`` and ``masked_bias``,
+    persistent buffers then; transformers rebuilds the first from the config and lists both as unexpected. They
+    were refused ("4 tensor(s) of the weights are not in the model"); now loaded, the logits the model's own."""
+    from safetensors.torch import load_file, save_file
+
+    from headlab.loading import load_model
+    from support.family_matrix import save_tiny
+
+    model = tiny_model("gpt_neo", attn_implementation="eager")
+    save_tiny(model, tmp_path, ["the", "a", "cat"], "gpt2")
+    weights = load_file(tmp_path / "model.safetensors")
+    for i, block in enumerate(model.transformer.h):
+        weights[f"transformer.h.{i}.attn.attention.bias"] = block.attn.attention.bias.clone()
+        weights[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path))
+    ids, mask = padded_inputs(pad_id=2)
+    assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
