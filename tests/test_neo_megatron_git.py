@@ -178,3 +178,19 @@ def test_gpt_neo_checkpoint_with_its_old_mask_buffers_loads(tmp_path):
     loaded = load_model(str(tmp_path))
     ids, mask = padded_inputs(pad_id=2)
     assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
+
+
+def test_megatron_bert_as_a_decoder_prunes_and_conserves():
+    """MegatronBertForCausalLM with is_decoder: dec_self blocks (bert_like's decoder entry), pruned equal to masked in
+    cached generation (a layer with no head left too), LRP conserving in float64."""
+    from support.family_matrix import perturbed_model
+
+    config = tf.MegatronBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=37, max_position_embeddings=64, pad_token_id=2, is_decoder=True)
+    model = perturbed_model(tf.MegatronBertForCausalLM, config, attn_implementation="eager")
+    assert [b.kind for b in attention_blocks(model)] == ["dec_self", "dec_self"]
+    ids, mask = padded_inputs(pad_id=2)
+    spec, heads_left = SPECS["no head left"]
+    check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
+    model = perturbed_model(tf.MegatronBertForCausalLM, config, attn_implementation="eager").double()
+    check_lrp_conserves(model, model.bert.encoder.layer[0], rtol=1e-10, atol=1e-10)
