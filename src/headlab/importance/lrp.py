@@ -141,6 +141,17 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
         handle.remove()
 
 
+def _layer_path(name: str) -> str:
+    """The layer holding the attention block ``name``: its nearest enclosing module whose path ends with a layer
+    number (``model.layers.0`` for ``model.layers.0.self_attn``), whose input is the residual stream. GPT-Neo's
+    attention nests one deeper (``transformer.h.0.attn.attention``): its parent, ``attn``, reads the normed
+    stream, and relevance reaching it left out the residual path's share. The parent where no path ends so."""
+    parts = name.split(".")[:-1]
+    while parts and not parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts) if parts else name.rpartition(".")[0]
+
+
 @contextmanager
 def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
@@ -182,17 +193,6 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield found
     finally:
         handles.remove()
-
-
-def _layer_path(name: str) -> str:
-    """The layer holding the attention block ``name``: its nearest enclosing module whose path ends with a layer
-    number (``model.layers.0`` for ``model.layers.0.self_attn``), whose input is the residual stream. GPT-Neo's
-    attention nests one deeper (``transformer.h.0.attn.attention``): its parent, ``attn``, reads the normed
-    stream, and relevance reaching it left out the residual path's share. The parent where no path ends so."""
-    parts = name.split(".")[:-1]
-    while parts and not parts[-1].isdigit():
-        parts.pop()
-    return ".".join(parts) if parts else name.rpartition(".")[0]
 
 
 def lrp_precision(model: nn.Module) -> torch.dtype:
