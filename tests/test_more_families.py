@@ -1,7 +1,7 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
-multi-query and the per-head layout), Bloom, MPT, ModernBERT and DeBERTa-v2; and the families headlab
-refuses, refused before any work, once.
+multi-query and the per-head layout), Bloom, MPT, ModernBERT, DeBERTa-v2, GPT-Neo, Megatron-BERT and GIT; and the
+families headlab refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
@@ -13,6 +13,8 @@ a block surgery cannot slice (DeBERTa-v2's own position projections) is refused 
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -147,13 +149,13 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "mpt", "modernbert", "deberta-v2"])
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "mpt", "modernbert", "deberta-v2", "gpt_neo", "megatron-bert", "git"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
     """Every stage on a decoder (GPT-NeoX), two without the attention interface (Falcon; MPT, whose model
     hands its attention create_causal_mask(...).to(torch.bool), which capture must leave a mask), an
     encoder with local layers (ModernBERT, whose forward reads its layers' attention_type: the
     ablation's stand-in layers must answer) and one whose core returns probabilities only when
-    asked (DeBERTa-v2)."""
+    asked (DeBERTa-v2); GPT-Neo (nested attention, local layers), Megatron-BERT and GIT (an idle image encoder)."""
     _save(tiny_model(family), tmp_path / family, treebank_files(tmp_path), "bert" if family in ENCODERS else "gpt2")
     code, stages = analyze(tmp_path / family, tmp_path)
     assert code == 0, capsys.readouterr().err
@@ -176,7 +178,10 @@ def test_lrp_conserves_relevance_on_a_bias_free_model(family):
     columns are not the ones detached, an activation without its rule (Bloom's BloomGelu) and
     Phi-3's fused [gate | up] product."""
     model = tiny_model(family)
-    first = attention_blocks(model)[0].name.rsplit(".", 1)[0]  # the first layer
+    # the first layer token ids run (GIT's image encoder comes first, idle): the path up to the layer's number
+    # (GPT-Neo's attention nests one deeper, transformer.h.0.attn.attention)
+    block = next(b for b in attention_blocks(model) if not b.idle)
+    first = re.match(r"(.*?\.\d+)(?:\.|$)", block.name).group(1)
     check_lrp_conserves(model, model.get_submodule(first))
 
 

@@ -113,7 +113,8 @@ def test_name_based_blocks_must_return_per_head_weights(model_type, device, monk
         attention_blocks(model)
 
 
-@pytest.mark.parametrize("model_type", ["roformer", "rembert", "megatron-bert", "xglm"])
+# (megatron-bert, found by name here before, has a table entry since session 29: tests/test_neo_megatron_git.py)
+@pytest.mark.parametrize("model_type", ["roformer", "rembert", "xglm"])
 def test_name_based_blocks_that_return_weights_stay_found(model_type):
     with torch.device("meta"):
         model = _tiny(model_type)

@@ -20,6 +20,7 @@ an adapter of another pruning with the same head counts fits every shape.
 """
 
 import importlib
+import inspect
 import json
 import os
 import threading
@@ -70,8 +71,21 @@ class NoHeadAttention(nn.Module):
         super().__init__()
         for name, child in original.named_children():  # same state_dict keys as before
             self.add_module(name, child)
-        self.layer_idx = getattr(original, "layer_idx", None)
+        # its cache layer: GPT-Neo's attention calls it layer_id (layer_past.update(key, value, self.layer_id))
+        self.layer_idx = next((index for index in (getattr(original, "layer_idx", None), getattr(original, "layer_id", None))
+                               if isinstance(index, int) and not isinstance(index, bool)), None)
         self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
+        # the names of the original forward's arguments after the hidden states, so that one called positionally
+        # (GitAttention hands GitSelfAttention its mask and cache by position) still keeps its cache in step
+        parameters = list(inspect.signature(type(original).forward).parameters.values())[2:]
+        self.arg_names = getattr(original, "arg_names", None) or tuple(
+            p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        # the original's plain settings that the model reads off its layers (GIT's image_patch_tokens, read from
+        # layer 0 in cached generation), but none naming a head size or count: this layer has no head
+        for name, value in vars(original).items():
+            if not name.startswith("_") and "head" not in name and name not in vars(self) and \
+                    isinstance(value, (int, float, bool, str)):
+                setattr(self, name, value)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -98,10 +112,11 @@ class NoHeadAttention(nn.Module):
             out = out + (kwargs[name] if name in kwargs else args[position - 1])
         if self.norm:  # the block's own output norm of its input plus the attention
             out = getattr(self, self.norm)(hidden_states + out)
+        named = {**dict(zip(self.arg_names, args)), **kwargs}
         if self.stores_latents:
-            self._store_latents(hidden_states, kwargs)
+            self._store_latents(hidden_states, named)
         elif not self.reads_latents:
-            self._keep_cache_in_step(hidden_states, kwargs)
+            self._keep_cache_in_step(hidden_states, named)
         extras = [None] * (self.n_outputs - 1)
         if self.selection:  # (output, probs, selection)
             extras[-1] = self._selection(hidden_states, kwargs)

@@ -56,7 +56,11 @@ _MULTIMODAL = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM")
 
 # Tensors a checkpoint may hold that the class headlab builds leaves out on purpose: BERT-style
 # pre-training checkpoints carry a pooler and a next-sentence head that the masked-LM class lacks.
-ALLOWED_UNEXPECTED = (r"(^|\.)pooler\.dense\.(weight|bias)$", r"^cls\.seq_relationship\.(weight|bias)$")
+# GPT-Neo checkpoints saved before its causal-mask buffers became non-persistent (EleutherAI's, 2021) hold each
+# layer's ``bias`` (the causal or windowed mask, which transformers 5.24 rebuilds from the config) and the unused
+# ``masked_bias`` (-1e9): transformers lists both as unexpected and loads without them.
+ALLOWED_UNEXPECTED = (r"(^|\.)pooler\.dense\.(weight|bias)$", r"^cls\.seq_relationship\.(weight|bias)$",
+                      r"^(transformer\.)?h\.\d+\.attn\.attention\.(bias|masked_bias)$")
 _ALLOWED_UNEXPECTED = re.compile("|".join(ALLOWED_UNEXPECTED))
 
 

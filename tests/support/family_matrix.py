@@ -104,6 +104,20 @@ ANALYSED = {
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=4, pad_token_id=2,
         bos_token_id=0, eos_token_id=1, cls_token_id=0, sep_token_id=1)),
+    # GPT-Neo (TinyStories, GPT-Neo 125M): global attention at layer 0, a window of 3 keys at layer 1; no 1/sqrt(d)
+    "gpt_neo": lambda: (tf.GPTNeoForCausalLM, tf.GPTNeoConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=37, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=3, **_SPECIAL)),
+    # Megatron-BERT: BERT's attention after a pre-norm (attention.ln), no norm in its output
+    "megatron-bert": lambda: (tf.MegatronBertForMaskedLM, tf.MegatronBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pad_token_id=2)),
+    # GIT: BERT's post-norm layers, causal over text; its CLIP image encoder (idle for token ids) at its smallest
+    "git": lambda: (tf.GitForCausalLM, tf.GitConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
+                           image_size=16, patch_size=8),
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, **_SPECIAL)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
     **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
@@ -126,10 +140,13 @@ VALUES = {
     "modernbert": (lambda m, i: m.model.layers[i].attn.Wqkv, _qkv(4, 4), 4),  # view(..., 3, heads, d)
     "deberta-v2": (lambda m, i: m.deberta.encoder.layer[i].attention.self.value_proj,
                    lambda j: range(j * D, (j + 1) * D), 4),
+    "gpt_neo": (lambda m, i: m.transformer.h[i].attn.attention.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
+    "megatron-bert": (lambda m, i: m.bert.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
+    "git": (lambda m, i: m.git.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
-ENCODERS = {"modernbert", "deberta-v2"}
+ENCODERS = {"modernbert", "deberta-v2", "megatron-bert"}
 
 # Families headlab refuses, before any work.
 REFUSED = {
@@ -308,7 +325,7 @@ def check_pruned_generates_as_masked(model, spec: dict, heads_left: list[int], i
         expected = padded_logits(model, ids, mask)
         expected_tokens, expected_scores = greedy_generation(model, ids, mask)
     prune_heads(model, spec)  # checks itself against masking (padded probe, cached generation)
-    counts = [b.n_heads for b in attention_blocks(model)]
+    counts = [b.n_heads for b in attention_blocks(model) if not b.idle]  # GIT's image encoder: idle
     assert counts == heads_left, f"{counts} heads left, expected {heads_left}"
     torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=atol, rtol=0)
     tokens, scores = greedy_generation(model, ids, mask)
@@ -332,7 +349,7 @@ def check_pruned_reloads(model, directory, heads_left: list[int], ids: torch.Ten
     record = json.loads((directory / "headlab_pruning.json").read_text())
     assert record["portable"]["how"] == "remote code"
     reloaded = load_pruned(directory)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
+    assert [b.n_heads for b in attention_blocks(reloaded) if not b.idle] == heads_left
     assert torch.equal(padded_logits(reloaded, ids, mask), padded_logits(model, ids, mask))
     plain, info = tf.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -356,11 +373,12 @@ def logits(model, inputs) -> torch.Tensor:
 
 
 def check_head_counts(model, kind: str, n_kv: int, n_layers: int = 2) -> list:
-    """The blocks have the config's head counts (4 heads of 8, ``n_kv`` key/value heads); the blocks back."""
+    """The blocks token ids run have the config's head counts (4 heads of 8, ``n_kv`` key/value heads); the blocks
+    back (idle ones too: GIT's image encoder)."""
     from headlab import attention_blocks
 
     blocks = attention_blocks(model)
-    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks if not b.idle] == \
         [(kind, layer, 4, n_kv, 8) for layer in range(n_layers)]
     return blocks
 
@@ -514,7 +532,7 @@ def check_pruning_equals_masking(model, kind: str, inputs: dict, atol: float = 1
     with mask_heads(model, spec):
         masked = logits(model, inputs)
     prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == [3, 2]
+    assert [b.n_heads for b in attention_blocks(model) if not b.idle] == [3, 2]
     torch.testing.assert_close(logits(model, inputs), masked, atol=atol, rtol=0)
 
 

@@ -34,6 +34,7 @@ from headlab.adapters.families import (
     ATTENTION_SINKS,
     ATTENTION_SUBLAYERS,
     CONFIG_FAMILIES,
+    CORE_CLASSES_REFUSED,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
     HEAD_VECTORS,
@@ -574,16 +575,22 @@ def _source(module_name: str) -> str:
 def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
     compiled = [(kind, re.compile(pattern), family) for kind, pattern in family.patterns]
     if family.never_fed:  # projections not tied: each head its own key and value, as many as the output's input
-        untied = dataclasses.replace(family, name=f"{family.name} cross-attention", patterns=(), never_fed=(), q=None,
-                                     k=None, v=None, qkv=None)
+        untied = dataclasses.replace(family, name=f"{family.name} cross-attention", patterns=(), never_fed=(),
+                                     towers=(), q=None, k=None, v=None, qkv=None)
         compiled += [(kind, re.compile(pattern), untied) for kind, pattern in family.never_fed]
+    for tower_kind, tower_pattern, tower_o in family.towers:  # another class: its own output projection, head size
+        tower = dataclasses.replace(family, name=f"{family.name} tower", patterns=(), never_fed=(), towers=(),
+                                    q=None, k=None, v=None, qkv=None, o=tower_o, core="", head_count_attrs=())
+        compiled.append((tower_kind, re.compile(tower_pattern), tower))
     for name, module in model.named_modules():
         for kind, pattern, entry in compiled:
             match = pattern.search(name)
             if match and entry is not family:
-                d_head, o = getattr(module, family.d_head_attr, None), _get(module, family.o)
-                heads = in_features(o) // d_head if isinstance(d_head, int) and d_head > 0 and o is not None else 0
-                yield kind, int(match.group(1)), name, module, dataclasses.replace(entry, kv_heads=heads)
+                attrs = (family.d_head_attr,) if entry.name.endswith("cross-attention") else _D_HEAD_ATTRS
+                d_head = next((getattr(module, a) for a in attrs if isinstance(getattr(module, a, None), int)), 0)
+                output = _get(module, entry.o)
+                heads = in_features(output) // d_head if d_head > 0 and output is not None else 0
+                yield kind, int(match.group(1)), name, module, dataclasses.replace(entry, kv_heads=heads, d_head=d_head)
             elif match:
                 yield kind, int(match.group(1)), name, module, family
 
@@ -594,6 +601,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     o = _get(module, family.o)
     if core is None or o is None:
         raise HeadlabError(f"{where}: no {'core ' + family.core if core is None else family.o!r} module")
+    if type(core).__name__ in CORE_CLASSES_REFUSED:
+        raise HeadlabError(f"{where}: {type(core).__name__}: {CORE_CLASSES_REFUSED[type(core).__name__]}")
     d_head = family.d_head or getattr(core, family.d_head_attr, None)
     if d_head is None and type(core).__name__ == "NoHeadAttention":
         # A layer pruned to no head, loaded by transformers alone (the directory's pruned_heads.py): the
@@ -762,7 +771,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         if block.n_heads:
             check_sink_eager(model_type, block.core)
     if family is not None:  # tables run no probe: what they know never runs
-        idle |= _unfed_cross_attention(blocks)
+        idle |= _unfed_cross_attention(blocks) | {b.name for b in blocks if b.family.name == f"{family.name} tower"}
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
     blocks = _towers_numbered_after(model, blocks)
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))

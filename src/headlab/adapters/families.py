@@ -111,6 +111,10 @@ class Family:
     it attends to ``encoder_hidden_states``, an argument headlab never passes). Listed as idle blocks, so that what
     is left out is said, not forgotten: their heads counted from the output projection's input, their projections
     not tied (nothing headlab runs or slices reaches them)."""
+    towers: tuple[tuple[str, str, str], ...] = ()
+    """(kind, regex, output projection) of a multimodal model's tower attentions, of another class, that token ids
+    never run (GIT's image encoder, run on ``pixel_values`` only): listed as idle blocks, as :attr:`never_fed`'s,
+    whatever else the model holds, their heads counted from the output projection's input."""
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -404,6 +408,19 @@ DISTILBERT = Family(
     head_count_attrs=("n_heads",),
 )
 
+GPT_NEO = Family(
+    # GPTNeoSelfAttention (transformers 5.24), outside the attention interface, nested as h.N.attn.attention:
+    # q/k/v_proj viewed [batch, seq, num_heads, head_dim]; q @ k^T in float32 with no 1/sqrt(d) scaling, the causal
+    # (global) or windowed (local, config.window_size) buffer ``bias`` ([1, 1, pos, pos], shared by all heads),
+    # + attention_mask, softmax, cast to the values' dtype; returns (out_proj(merged heads), weights) always.
+    # GPTNeoFlashAttention2 returns no weights: refused (CORE_CLASSES_REFUSED)
+    name="gpt-neo",
+    patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn\.attention$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+)
+
 GPT2 = Family(
     name="gpt2",
     patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
@@ -606,6 +623,21 @@ BERT_LIKE_DECODER = Family(
 )
 
 
+# GIT (GitForCausalLM, transformers 5.24): BERT's post-norm layers over [image tokens | text], the text causal
+# (create_causal_mask with the image tokens as one bidirectional block); GitSelfAttention computes its own
+# softmax(q k^T / sqrt(d) + mask) and returns (context, probs); GitAttention returns output(context, input) only.
+# Its image encoder (a CLIP tower, run on pixel_values only) is idle for token ids.
+GIT = Family(
+    name="git",
+    patterns=(("dec_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    towers=(("enc_self", r"(?:^|\.)image_encoder\.vision_model\.encoder\.layers\.(\d+)\.self_attn$", "out_proj"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+)
+
+
 def bert_like(config: Any) -> Family:
     """BERT-style models with ``is_decoder`` (BertLMHeadModel, RobertaForCausalLM) attend causally, and
     with ``add_cross_attention`` hold a cross-attention per layer: their layers are a decoder's (the
@@ -619,9 +651,11 @@ def gpt_bigcode(config: Any) -> Family:
 
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
-    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], BERT_LIKE),
+    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert"], BERT_LIKE),
     "distilbert": DISTILBERT,
     "gpt2": GPT2,
+    "gpt_neo": GPT_NEO,
+    "git": GIT,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -654,7 +688,10 @@ entry's projections, layout and bookkeeping, so that physical pruning slices it 
 columns constant as for the tabled family."""
 
 CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode,
-                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra"], bert_like)}
+                   # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
+                   # before it and no norm in its output (MegatronBertSelfOutput adds the residual)
+                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert"],
+                                   bert_like)}
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
@@ -700,6 +737,15 @@ UNSUPPORTED: dict[str, str] = {
                        "class drops the encoder)",
 }
 """Model types refused before any work, with what is missing."""
+
+CORE_CLASSES_REFUSED: dict[str, str] = {
+    "GPTNeoFlashAttention2": "GPT-Neo built with flash attention (attn_implementation='flash_attention_2') computes its "
+                             "attention in flash-attn's kernel and returns no attention probabilities (its second "
+                             "output is the heads' merged outputs), and its class is fixed when the model is built: "
+                             "load the model with attn_implementation='eager'",
+}
+"""Attention classes of a table family refused before any work (the class is chosen when the model is built, so
+switching the config's implementation, as capture does, does not reach it), with why and what to do."""
 
 
 def _big_bird(config: Any) -> str | None:

@@ -145,6 +145,17 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
         handle.remove()
 
 
+def _layer_path(name: str) -> str:
+    """The layer holding the attention block ``name``: its nearest enclosing module whose path ends with a layer
+    number (``model.layers.0`` for ``model.layers.0.self_attn``), whose input is the residual stream. GPT-Neo's
+    attention nests one deeper (``transformer.h.0.attn.attention``): its parent, ``attn``, reads the normed
+    stream, and relevance reaching it left out the residual path's share. The parent where no path ends so."""
+    parts = name.split(".")[:-1]
+    while parts and not parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts) if parts else name.rpartition(".")[0]
+
+
 @contextmanager
 def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
@@ -156,12 +167,14 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     names = dict(model.named_modules())
     firsts: dict[str, AttentionBlock] = {}
     for block in attention_blocks(model):
+        if block.idle:  # a tower token ids never run (GIT's image encoder): not a stack the logits come from
+            continue
         stack = "enc" if block.kind == "enc_self" else "dec"
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
-    layers = {id(names[b.name.rpartition(".")[0]]): names[b.name.rpartition(".")[0]] for b in firsts.values()}
+    layers = {id(names[_layer_path(b.name)]): names[_layer_path(b.name)] for b in firsts.values()}
     applications = Applications(list(firsts.values()))
-    shared = {id(names[b.name.rpartition(".")[0]]): b.core for b in firsts.values() if b.shared}
+    shared = {id(names[_layer_path(b.name)]): b.core for b in firsts.values() if b.shared}
 
     def record(module, args, kwargs):
         if not torch.is_grad_enabled():
