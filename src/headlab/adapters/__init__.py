@@ -415,7 +415,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
-        d_qk=item.d_qk if item.d_qk != item.d_head else 0,
+        d_qk=item.d_qk if item.d_qk != item.d_head else 0, kv_from=item.kv_from or "",
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""
@@ -630,6 +630,15 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             kv_width = q_width
         if q_width % d_head == 0:
             _check_head_rows(where, module, core, family, q_width // d_head)
+    elif family.kv_from:  # keys and values from another layer (Gemma 4's key/value sharing): the query's width
+        qkv = k = v = None
+        q = _get(module, family.q)
+        if q is None:
+            raise HeadlabError(f"{where}: missing its query projection {family.q}")
+        d_qk = family.d_qk or d_head
+        if out_features(q) % d_qk:
+            raise HeadlabError(f"{where}: query projection width {out_features(q)} is not heads of size {d_qk}")
+        q_width, kv_width = out_features(q) // d_qk * d_head, family.kv_heads * d_head
     else:
         qkv = None
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
