@@ -627,9 +627,9 @@ def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, k
         raise HeadlabError(
             f"{block.kind}:{block.layer} ({block.name}): pruning heads {sorted(set(range(block.n_heads)) - set(keep))} "
             f"would change the {block.n_kv_heads} key/value heads this layer computes to {kv_keep} (pruning's "
-            f"grouping rule, headlab.heads.kv_heads_kept), but layer(s) {names} attend with them too (Gemma 4's key/value sharing, "
-            "num_kv_shared_layers): each key/value head must keep the same number of query heads here (at least one); "
-            "nothing was changed")
+            f"grouping rule, headlab.heads.kv_heads_kept), but layer(s) {names} attend with them too (Gemma 4's "
+            "key/value sharing, num_kv_shared_layers): each key/value head must keep the same number of query "
+            "heads here (at least one); nothing was changed")
 
 
 def removal_by_scores(model: nn.Module, scores: Any, keep: int,

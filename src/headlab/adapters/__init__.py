@@ -448,6 +448,17 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
 
 
+def _query_only(where: str, module: nn.Module, family: Family, d_head: int) -> tuple[nn.Module, int]:
+    """A key/value-sharing layer's query projection (``family.kv_from``) and the width of its heads' outputs."""
+    q = _get(module, family.q)
+    if q is None:
+        raise HeadlabError(f"{where}: missing its query projection {family.q}")
+    d_qk = family.d_qk or d_head
+    if out_features(q) % d_qk:
+        raise HeadlabError(f"{where}: query projection width {out_features(q)} is not heads of size {d_qk}")
+    return q, out_features(q) // d_qk * d_head
+
+
 def _tabled_fused(item: Discovered, module: nn.Module, core: nn.Module) -> Family | None:
     """The :data:`FAMILIES` entry whose fused layout a discovered block has (:data:`FUSED_ATTENTION_CLASSES`: its
     attention class, transformers' own), where discovery tied no projection to the queries, keys and values, saw no
@@ -632,13 +643,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             _check_head_rows(where, module, core, family, q_width // d_head)
     elif family.kv_from:  # keys and values from another layer (Gemma 4's key/value sharing): the query's width
         qkv = k = v = None
-        q = _get(module, family.q)
-        if q is None:
-            raise HeadlabError(f"{where}: missing its query projection {family.q}")
-        d_qk = family.d_qk or d_head
-        if out_features(q) % d_qk:
-            raise HeadlabError(f"{where}: query projection width {out_features(q)} is not heads of size {d_qk}")
-        q_width, kv_width = out_features(q) // d_qk * d_head, family.kv_heads * d_head
+        q, q_width = _query_only(where, module, family, d_head)
+        kv_width = family.kv_heads * d_head
     else:
         qkv = None
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))
