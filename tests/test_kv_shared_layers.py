@@ -114,3 +114,29 @@ def test_a_layer_whose_keys_nobody_reads_prunes_as_before():
         masked = _logits(model)
     prune_heads(model, {("dec_self", 0): [3]})
     torch.testing.assert_close(_logits(model), masked, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_ablation_of_every_head_equals_one_masked_pass(shared):
+    """Ablation replays the layers below a masked head from their recorded outputs; a replayed layer stores no keys or
+    values, so the replay stops below the first layer that stores them for a later one. Before, the sharing layers
+    failed (KeyError: 'sliding_attention', transformers' shared_kv_states left empty)."""
+    from headlab.importance import ImportanceData, compute_ablation, describe_model
+
+    model = _model(shared)
+    info = describe_model(model)
+    data = ImportanceData.from_ids([row.tolist() for row in _IDS])
+
+    def nll() -> float:
+        with torch.no_grad():
+            logits = model(input_ids=_IDS).logits[:, :-1]
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 99), _IDS[:, 1:].reshape(-1), reduction="sum"))
+
+    scores = compute_ablation(model, data, info, batch_size=2, max_rows=4)
+    base, count = nll(), _IDS[:, 1:].numel()
+    assert scores.signature["base_loss"] == pytest.approx(base / count, rel=1e-6)
+    for block in attention_blocks(model):
+        for head in range(block.n_heads):
+            with mask_heads(model, {block.key: [head]}):
+                masked = nll()
+            assert scores["dec_self"][block.layer, head] == pytest.approx((masked - base) / count, abs=2e-6)
