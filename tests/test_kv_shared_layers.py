@@ -140,3 +140,34 @@ def test_ablation_of_every_head_equals_one_masked_pass(shared):
             with mask_heads(model, {block.key: [head]}):
                 masked = nll()
             assert scores["dec_self"][block.layer, head] == pytest.approx((masked - base) / count, abs=2e-6)
+
+
+def _gemma3n() -> torch.nn.Module:
+    """Gemma 3n shares keys and values as Gemma 4 does (layers 2 and 3 read 0's and 1's); its sharing layers keep
+    k_proj and v_proj, unused. Its LRP stays refused for AltUp (tests/test_swept_families.py)."""
+    config = tf.Gemma3nTextConfig(
+        vocab_size=99, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=[37] * 4,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, num_kv_shared_layers=2,
+        laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
+        activation_sparsity_pattern=[0.0] * 4)
+    return perturbed_model(tf.Gemma3nForCausalLM, config, attn_implementation="eager").double()
+
+
+def test_gemma3n_sharing_layers_are_found_and_their_source_pruned_exactly_or_refused():
+    model = _gemma3n()
+    blocks = attention_blocks(model)
+    assert [b.family.kv_from for b in blocks] == ["", "", "model.layers.0.self_attn.k_proj",
+                                                 "model.layers.1.self_attn.k_proj"]
+    assert blocks[3].k is None and blocks[3].q is model.model.layers[3].self_attn.q_proj
+    with mask_heads(model, {("dec_self", 1): [1, 3]}):
+        masked = _logits(model)
+    prune_heads(model, {("dec_self", 1): [1, 3]})
+    torch.testing.assert_close(_logits(model), masked, rtol=0, atol=1e-10)
+    state = _state(model)
+    with pytest.raises(HeadlabError, match=r"dec_self:0 .* but layer\(s\) dec_self:2 attend with them too"):
+        prune_heads(model, {("dec_self", 0): [2, 3]})
+    with pytest.raises(HeadlabError, match=r"model.layers.2.self_attn .*attends with the keys and values of "
+                                           r"model.layers.0.self_attn.k_proj"):
+        prune_heads(model, {("dec_self", 2): [0]})
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())

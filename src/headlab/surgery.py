@@ -627,8 +627,8 @@ def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, k
         raise HeadlabError(
             f"{block.kind}:{block.layer} ({block.name}): pruning heads {sorted(set(range(block.n_heads)) - set(keep))} "
             f"would change the {block.n_kv_heads} key/value heads this layer computes to {kv_keep} (pruning's "
-            f"grouping rule, headlab.heads.kv_heads_kept), but layer(s) {names} attend with them too (Gemma 4's "
-            "key/value sharing, num_kv_shared_layers): each key/value head must keep the same number of query "
+            f"grouping rule, headlab.heads.kv_heads_kept), but layer(s) {names} attend with them too (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers): each key/value head must keep the same number of query "
             "heads here (at least one); nothing was changed")
 
 
@@ -1039,8 +1039,8 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if block.family.kv_from and block.n_heads:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this layer has no key or value "
-            f"projection of its own, it attends with the keys and values of {block.family.kv_from} (Gemma 4's "
-            "key/value sharing, num_kv_shared_layers), and its query heads map onto those key/value heads by a "
+            f"projection of its own, it attends with the keys and values of {block.family.kv_from} (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), and its query heads map onto those key/value heads by a "
             "fixed grouping that slicing its query projection cannot change; mask the heads instead (mask_heads, "
             "or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
