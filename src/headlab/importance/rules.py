@@ -732,26 +732,6 @@ def _latent_attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]
             "constant as well" if gates else ""))
 
 
-def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
-    """The forward hooks that hold ``block``'s attention weights constant (the queries and keys detached)."""
-    if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
-        return _latent_attention_hooks(block)
-    if block.qkv is not None and block.family.qkv_layout != "q|k|v":
-        return [(block.qkv, _detach_columns(block))]
-    if block.qkv is not None:
-        return [(block.qkv, _detach_qk_columns((block.n_heads + block.n_kv_heads) * block.d_head))]
-    assert block.q is not None  # unfused projections
-    # with a query gate (family.query_gate) the gate is q's output too: held constant with it
-    hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output)]
-    # keys from another layer (family.kv_from, Gemma 4's key/value sharing): detached there, by that layer's own
-    # hook; the shared values carry this layer's relevance back into that layer's value projection
-    if block.k is not None:
-        hooks.append((block.k, _detach_output))
-    # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
-    hooks.extend((module, _detach_output) for module in head_row_modules(block))
-    return hooks
-
-
 def _detach_where(columns: torch.Tensor):
     """Detach the output features where ``columns`` (bool, one per feature) is true, keep the others'."""
 
