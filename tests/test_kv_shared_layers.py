@@ -1,4 +1,4 @@
-"""Gemma 4's key/value-shared layers (``num_kv_shared_layers`` > 0; session 29, gemmakv29).
+"""Gemma 4's (and Gemma 3n's) key/value-shared layers (``num_kv_shared_layers`` > 0; session 29, gemmakv29).
 
 The last layers attend with the keys and values an earlier layer of their attention type stored
 (transformers' ``Gemma4TextAttention``: ``is_kv_shared_layer``, ``shared_kv_states``): they have a query and an
@@ -74,6 +74,21 @@ def test_lrp_conserves_relevance_through_the_shared_keys_and_values(shared):
     model = _model(shared)
     check_rules(model)
     check_lrp_conserves(model, model.model.layers[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compute_lrp_conserves_relevance_on_every_sentence(dtype):
+    """compute_lrp end to end (float32 widened to float64 for the gated MLPs' product rule): every sentence's
+    relevance, biases and per-layer token embeddings counted, sums to its logit."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
+
+    model = _model(2).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in (3, 8, 5, 6)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-10 and abs(total["max"] - 1) < 1e-10, total
 
 
 def test_pruning_a_source_layer_that_keeps_its_key_value_heads_equals_masking():
