@@ -186,3 +186,15 @@ def test_gemma3n_sharing_layers_are_found_and_their_source_pruned_exactly_or_ref
                                            r"model.layers.0.self_attn.k_proj"):
         prune_heads(model, {("dec_self", 2): [0]})
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_source_layers_pruned_save_and_load_back_with_their_readers(tmp_path):
+    from headlab import load_pruned, save_pruned
+
+    model = _model(2)
+    prune_heads(model, {("dec_self", 0): [0, 2], ("dec_self", 1): [1, 3]})
+    save_pruned(model, tmp_path)
+    loaded = load_pruned(tmp_path).double()  # loaded in float32 (the loader's default): compared at its rounding
+    assert [(b.n_heads, b.n_kv_heads, b.family.kv_from) for b in attention_blocks(loaded)] == [
+        (2, 2, ""), (2, 2, ""), (4, 2, "model.layers.0.self_attn.k_proj"), (4, 2, "model.layers.1.self_attn.k_proj")]
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=1e-6)
