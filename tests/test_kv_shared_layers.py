@@ -198,3 +198,17 @@ def test_source_layers_pruned_save_and_load_back_with_their_readers(tmp_path):
     assert [(b.n_heads, b.n_kv_heads, b.family.kv_from) for b in attention_blocks(loaded)] == [
         (2, 2, ""), (2, 2, ""), (4, 2, "model.layers.0.self_attn.k_proj"), (4, 2, "model.layers.1.self_attn.k_proj")]
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=1e-6)
+
+
+def test_capture_and_streamed_chunks_of_the_sharing_layers_equal_output_attentions():
+    """The sharing layers' maps, from the keys they were given (the other layer's): as transformers' own."""
+    from support.family_matrix import check_capture_equals_output_attentions, check_streamed_chunks_equal_capture
+
+    def build(attn_implementation="sdpa"):
+        model = _model(2).float()  # the streamed chunks are compared in float32
+        model.config._attn_implementation = attn_implementation
+        return model
+
+    inputs = {"input_ids": _IDS, "attention_mask": torch.tensor([[1] * 7, [1] * 5 + [0] * 2])}
+    model, record = check_capture_equals_output_attentions(build, "dec_self", inputs, n_layers=4)
+    check_streamed_chunks_equal_capture(model, inputs, record)
