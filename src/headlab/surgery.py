@@ -610,9 +610,28 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
                 f"{block.kind}:{block.layer} ({block.name}, {type(block.core).__name__}): removing every head of a "
                 "layer that stores its keys and values for later layers (store_full_length_kv, Gemma 4's key/value "
                 "sharing) is not supported: a layer with no head left would store none; keep at least one head")
+        _check_shared_kv_kept(blocks, block, keep)
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, keep: list[int]) -> None:
+    """Refuse, before any work, a pruning of ``block`` that changes the keys and values a later layer attends with
+    (Gemma 4's key/value sharing: ``family.kv_from`` names this block's key projection). The readers' query heads
+    map onto all of this layer's key/value heads, in order: every one must stay, once each (no per-head copies)."""
+    readers = [b for b in blocks if b.family.kv_from.startswith(block.name + ".") and b is not block]
+    if not readers or not keep:  # no head left: refused by the caller, naming store_full_length_kv
+        return
+    kv_keep, _ = _kv_plan(block, keep)
+    if kv_keep != list(range(block.n_kv_heads)):
+        names = ", ".join(f"{b.kind}:{b.layer}" for b in readers)
+        raise HeadlabError(
+            f"{block.kind}:{block.layer} ({block.name}): pruning heads {sorted(set(range(block.n_heads)) - set(keep))} "
+            f"would change the {block.n_kv_heads} key/value heads this layer computes to {kv_keep} (pruning's "
+            f"grouping rule, headlab.heads.kv_heads_kept), but layer(s) {names} attend with them too (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers): each key/value head must keep the same number of query "
+            "heads here (at least one); nothing was changed")
+
+
 def removal_by_scores(model: nn.Module, scores: Any, keep: int,
                       kinds: tuple[str, ...] | None = None) -> dict[tuple[str, int], list[int]]:
     """The heads to remove so that the ``keep`` best-scored heads of ``model`` remain
@@ -1017,6 +1036,13 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if refused and block.n_heads:  # a layout read and not sliced (Zaya's): its own reason, not the unknown one below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {refused}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
+    if block.family.kv_from and block.n_heads:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: this layer has no key or value "
+            f"projection of its own, it attends with the keys and values of {block.family.kv_from} (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), and its query heads map onto those key/value heads by a "
+            "fixed grouping that slicing its query projection cannot change; mask the heads instead (mask_heads, "
+            "or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "

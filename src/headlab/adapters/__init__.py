@@ -416,7 +416,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     family = Family(
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
-        d_qk=item.d_qk if item.d_qk != item.d_head else 0,
+        d_qk=item.d_qk if item.d_qk != item.d_head else 0, kv_from=item.kv_from or "",
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""
@@ -447,6 +447,17 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
             _parameter(core, dynamic[1]) is not None:
         family = dataclasses.replace(family, kv_dynamic_mask=tuple(prefix + path for path in dynamic))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
+
+
+def _query_only(where: str, module: nn.Module, family: Family, d_head: int) -> tuple[nn.Module, int]:
+    """A key/value-sharing layer's query projection (``family.kv_from``) and the width of its heads' outputs."""
+    q = _get(module, family.q)
+    if q is None:
+        raise HeadlabError(f"{where}: missing its query projection {family.q}")
+    d_qk = family.d_qk or d_head
+    if out_features(q) % d_qk:
+        raise HeadlabError(f"{where}: query projection width {out_features(q)} is not heads of size {d_qk}")
+    return q, out_features(q) // d_qk * d_head
 
 
 def _tabled_fused(item: Discovered, module: nn.Module, core: nn.Module) -> Family | None:
@@ -595,6 +606,32 @@ def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, i
                 yield kind, int(match.group(1)), name, module, family
 
 
+def _fused_widths(where: str, module: nn.Module, core: nn.Module, family: Family, o: nn.Module,
+                  d_head: int) -> tuple[nn.Module, int, int]:
+    """A fused q/k/v projection and the widths of its query heads' and key/value heads' outputs (``o`` reads
+    the query heads')."""
+    qkv = _get(module, family.qkv)
+    if qkv is None:
+        raise HeadlabError(f"{where}: no fused projection {family.qkv!r}")
+    # The output projection reads every query head: width n_heads * d_head; the fused projection
+    # adds a key and a value per key/value head, whatever its layout.
+    width, q_width = out_features(qkv), in_features(o)
+    kv_width = (width - q_width) // 2
+    if width - q_width != 2 * kv_width or kv_width < 0:
+        raise HeadlabError(f"{where}: fused projection width {width} is not q ({q_width}) + 2 x key/value")
+    if family.qkv_layout == "per-head" and kv_width != q_width:
+        raise HeadlabError(f"{where}: a per-head [q|k|v] projection of width {width} needs as many key/value "
+                           f"heads as query heads (output projection input {q_width})")
+    if family.qkv_layout == "mp-groups":  # CodeGen's view(..., -1, 3 * embed_dim // mp_num)
+        mp_groups = qkv_groups(core, family)
+        if kv_width != q_width or not mp_groups or q_width % (mp_groups * d_head):
+            raise HeadlabError(f"{where}: an mp-groups [q|v|k] projection of width {width} needs as many "
+                               f"key/value heads as query heads (output projection input {q_width}), in "
+                               f"{family.qkv_groups_attr}={getattr(core, family.qkv_groups_attr or '', None)!r} "
+                               f"groups of whole heads of {d_head}")
+    return qkv, q_width, kv_width
+
+
 def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Family) -> AttentionBlock:
     where = f"{name} ({family.name})"
     core = _get(module, family.core) if family.core else module
@@ -611,26 +648,9 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
                            "directory with headlab.load_pruned(path) (or headlab.loading.load_model) to analyse it")
     if not isinstance(d_head, int) or d_head <= 0:
         raise HeadlabError(f"{where}: no head size attribute {family.d_head_attr!r}")
+    qkv: nn.Module | None
     if family.qkv:
-        qkv = _get(module, family.qkv)
-        if qkv is None:
-            raise HeadlabError(f"{where}: no fused projection {family.qkv!r}")
-        # The output projection reads every query head: width n_heads * d_head; the fused projection
-        # adds a key and a value per key/value head, whatever its layout.
-        width, q_width = out_features(qkv), in_features(o)
-        kv_width = (width - q_width) // 2
-        if width - q_width != 2 * kv_width or kv_width < 0:
-            raise HeadlabError(f"{where}: fused projection width {width} is not q ({q_width}) + 2 x key/value")
-        if family.qkv_layout == "per-head" and kv_width != q_width:
-            raise HeadlabError(f"{where}: a per-head [q|k|v] projection of width {width} needs as many key/value "
-                               f"heads as query heads (output projection input {q_width})")
-        if family.qkv_layout == "mp-groups":  # CodeGen's view(..., -1, 3 * embed_dim // mp_num)
-            mp_groups = qkv_groups(core, family)
-            if kv_width != q_width or not mp_groups or q_width % (mp_groups * d_head):
-                raise HeadlabError(f"{where}: an mp-groups [q|v|k] projection of width {width} needs as many "
-                                   f"key/value heads as query heads (output projection input {q_width}), in "
-                                   f"{family.qkv_groups_attr}={getattr(core, family.qkv_groups_attr or '', None)!r} "
-                                   f"groups of whole heads of {d_head}")
+        qkv, q_width, kv_width = _fused_widths(where, module, core, family, o, d_head)
         q = k = v = None
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None
@@ -639,6 +659,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
             kv_width = q_width
         if q_width % d_head == 0:
             _check_head_rows(where, module, core, family, q_width // d_head)
+    elif family.kv_from:  # keys and values from another layer (Gemma 4's key/value sharing): the query's width
+        qkv = k = v = None
+        q, q_width = _query_only(where, module, family, d_head)
+        kv_width = family.kv_heads * d_head
     else:
         qkv = None
         q, k, v = (_get(module, path) for path in (family.q, family.k, family.v))

@@ -91,6 +91,10 @@ class Discovered:
     """Why masking at the output projection's input would not mask this module's heads."""
     probs_index: int = 1
     """Where the calling module's output tuple holds the attention probabilities (eager mode)."""
+    kv_from: str | None = None
+    """With ``q`` alone tied (``k`` and ``v`` None): the path (from the model) of the key projection, in another
+    layer, whose keys this layer attends with, and whose value projection gave its values (Gemma 4's and Gemma 3n's
+    key/value-shared layers, ``num_kv_shared_layers``: their attention has no key or value projection of its own)."""
     gates: tuple[str, ...] = ()
     """Paths (relative to the block) of the projections the heads' outputs were multiplied by a
     function of, elementwise, on their way to the output projection (an output gate), where that is the
@@ -707,19 +711,27 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     owner = modules.get(block)
     # an output gate alone: its q/k/v projections tied too (Beam's), for when the adapter knows the gate
     inside = {id(m) for m in owner.modules()} if owner is not None and (problem is None or gated) else set()
-    paths = []
+    paths, elsewhere = [], []
     narrowed = selected_widths(owner) if owner is not None else {}  # a pruned OLMo 2's q_proj, whole, its heads kept
     for sources, width in zip(call.sources, (n_heads * d_qk, n_kv * d_qk, n_kv * d_v)):
         projections = [m for m in sources if isinstance(m, nn.Module)]
-        single = projections[0] if len(projections) == 1 and len(sources) == 1 and id(projections[0]) in inside \
+        single = projections[0] if len(projections) == 1 and len(sources) == 1 \
             and narrowed.get(id(projections[0]), _width(projections[0], "out")) == width else None
-        paths.append(_relative(block, names.get(id(single))) if single is not None else None)
+        paths.append(_relative(block, names.get(id(single))) if single is not None and id(single) in inside else None)
+        elsewhere.append(names.get(id(single)) if single is not None and id(single) not in inside else None)
     q, k, v = paths
+    kv_from = None
+    # keys and values from one key and one value projection of another layer, the queries from this one's (Gemma 4's
+    # key/value-shared layers): the query projection tied alone, the keys' projection named (pruning keeps its heads
+    # while this layer reads them; LRP detaches it there)
+    if q is not None and k is None and v is None and None not in elsewhere[1:] and elsewhere[1] != elsewhere[2] \
+            and (owner is None or not (elsewhere[1] or "").startswith(block + ".")):
+        kv_from = elsewhere[1]
     # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width
-    if len({q, k, v}) < 3 or None in (q, k, v):
+    elif len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
-                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0,
+                      _relative(block, o_name), q, k, v, problem, call.probs_index or 0, kv_from,
                       tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else ())
 
 

@@ -105,6 +105,11 @@ class Family:
     """The ``core`` forward's argument holding the previous layer's top-k key selection, which the
     forward returns after the probabilities (GLM-MoE-DSA's ``prev_topk_indices``: a "shared" layer
     attends to the previous full layer's picks): a layer with no head left still returns it."""
+    kv_from: str = ""
+    """A discovered layer that attends with another layer's keys and values (Gemma 4's key/value-shared layers):
+    the path, from the model, of that layer's key projection ('' elsewhere). Only ``q`` is tied then (``k`` and ``v``
+    are None): masking and LRP work on it, physical pruning refuses it, and pruning the other layer keeps every
+    key/value head it stores (:func:`headlab.surgery.prune_heads`)."""
     never_fed: tuple[tuple[str, str], ...] = ()
     """(kind, regex) of cross-attention modules whose projections the entry does not describe, which a model of the
     family without an encoder never runs (GPT-2's and GPT-BigCode's ``crossattention`` with ``add_cross_attention``:

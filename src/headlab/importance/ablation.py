@@ -118,11 +118,18 @@ class _LayerRecorder:
         self.slots = {b.key: _layer_slot(model, b) for b in blocks}
         self.outputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.handles = []
+        # keys and values a later layer reads (Gemma 4's key/value sharing, family.kv_from) are stored by the layer
+        # that computes them as it runs: a layer replayed from its output stores none (the reader's KeyError), so the
+        # replay stops below the first such layer of each container
+        shared = {id(model.get_submodule(b.family.kv_from)) for b in attention_blocks(model) if b.family.kv_from}
+        self.replayable: dict[int, int] = {}
         seen = set()
         for slot in self.slots.values():
             if slot is None or id(slot[0]) in seen:
                 continue
             seen.add(id(slot[0]))
+            self.replayable[id(slot[0])] = next((i for i, layer in enumerate(slot[0])
+                                                 if any(id(m) in shared for m in layer.modules())), len(slot[0]))
             for index, layer in enumerate(slot[0]):
                 self.handles.append(layer.register_forward_hook(self._keep(id(slot[0]), index)))
 
@@ -145,7 +152,8 @@ class _LayerRecorder:
         try:
             if slot is not None:
                 container, layer = slot
-                recorded = [self.outputs.get((id(container), i)) for i in range(layer)]
+                recorded = [self.outputs.get((id(container), i))
+                            for i in range(min(layer, self.replayable[id(container)]))]
                 if all(r is not None for r in recorded):
                     for i, output in enumerate(cast(list[torch.Tensor], recorded)):
                         replaced.append((container, i, container[i]))

@@ -1499,9 +1499,13 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     if block.qkv is not None:
         width = (block.n_heads + block.n_kv_heads) * block.d_head
         return [(block.qkv, _detach_qk_columns(width, _clip(block)))]
-    assert block.q is not None and block.k is not None  # unfused projections
+    assert block.q is not None  # unfused projections
     # with a query gate (family.query_gate) the gate is q's output too: held constant with it
-    hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output), (block.k, _detach_output)]
+    hooks: list[tuple[nn.Module, Any]] = [(block.q, _detach_output)]
+    # keys from another layer (family.kv_from, Gemma 4's key/value sharing): detached there, by that layer's own
+    # hook; the shared values carry this layer's relevance back into that layer's value projection
+    if block.k is not None:
+        hooks.append((block.k, _detach_output))
     if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
         hooks.append((block.v, _clamp_identity(clip)))
     # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
