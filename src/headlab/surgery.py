@@ -614,6 +614,8 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+
+
 def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, keep: list[int]) -> None:
     """Refuse, before any work, a pruning of ``block`` that changes the keys and values a later layer attends with
     (Gemma 4's key/value sharing: ``family.kv_from`` names this block's key projection). The readers' query heads
