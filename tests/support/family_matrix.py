@@ -118,6 +118,18 @@ ANALYSED = {
                            image_size=16, patch_size=8),
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, **_SPECIAL)),
+    # RemBERT: BERT's attention; its input embeddings (16) narrower than the layers, projected up
+    "rembert": lambda: (tf.RemBertForMaskedLM, tf.RemBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        input_embedding_size=16, output_embedding_size=16, max_position_embeddings=64, **_SPECIAL)),
+    # RoFormer: BERT's attention with rotary positions on q and k inside it; embeddings of 16 projected up
+    "roformer": lambda: (tf.RoFormerForMaskedLM, tf.RoFormerConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64, pad_token_id=2)),
+    # XGLM: BART-style attention (q scaled before q k^T), pre-norm, sinusoidal positions, causal
+    "xglm": lambda: (tf.XGLMForCausalLM, tf.XGLMConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=37, max_position_embeddings=64,
+        **_SPECIAL)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
     **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
@@ -143,10 +155,14 @@ VALUES = {
     "gpt_neo": (lambda m, i: m.transformer.h[i].attn.attention.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     "megatron-bert": (lambda m, i: m.bert.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "git": (lambda m, i: m.git.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
+    "rembert": (lambda m, i: m.rembert.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
+    "roformer": (lambda m, i: m.roformer.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D),
+                 4),
+    "xglm": (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
-ENCODERS = {"modernbert", "deberta-v2", "megatron-bert"}
+ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer"}
 
 # Families headlab refuses, before any work.
 REFUSED = {

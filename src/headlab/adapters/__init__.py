@@ -266,8 +266,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
 
     A module that looks like attention by its projections' names but did not call the interface
     is refused, as is one whose heads' outputs do not reach the output projection as they are.
-    Where no module calls the interface (transformers' own older modeling code: RoFormer, XGLM,
-    MPT...) or the probe cannot run (even with values in a meta-device model's place), a model
+    Where no module calls the interface (transformers' own older modeling code without a table
+    entry: XLM, MPNet...) or the probe cannot run (even with values in a meta-device model's place), a model
     class that transformers ships keeps the name-based discovery of :data:`_GENERIC_SCHEMES`;
     any other model is refused. ``idle`` receives the names of the blocks the probe forward did not run.
     """

@@ -643,6 +643,21 @@ GIT = Family(
 )
 
 
+# XGLM (XGLMForCausalLM, transformers 5.24): XGLMAttention, outside the attention interface, computes
+# softmax(q / sqrt(d) k^T + mask) itself (bmm over [batch * num_heads, ...]) and returns (out_proj(merged), weights)
+# always; it reshapes the merged heads to ``embed_dim`` (kept in step by pruning). Its encoder_attn (with
+# add_cross_attention) attends to encoder_hidden_states, which headlab never passes: idle.
+XGLM = Family(
+    name="xglm",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)layers\.(\d+)\.encoder_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    width_attrs=("embed_dim",),
+)
+
+
 def bert_like(config: Any) -> Family:
     """BERT-style models with ``is_decoder`` (BertLMHeadModel, RobertaForCausalLM) attend causally, and
     with ``add_cross_attention`` hold a cross-attention per layer: their layers are a decoder's (the
@@ -656,11 +671,13 @@ def gpt_bigcode(config: Any) -> Family:
 
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
-    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert"], BERT_LIKE),
+    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert", "rembert", "roformer"],
+                    BERT_LIKE),
     "distilbert": DISTILBERT,
     "gpt2": GPT2,
     "gpt_neo": GPT_NEO,
     "git": GIT,
+    "xglm": XGLM,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -694,9 +711,13 @@ columns constant as for the tabled family."""
 
 CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
-                   # before it and no norm in its output (MegatronBertSelfOutput adds the residual)
-                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert"],
-                                   bert_like)}
+                   # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
+                   # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
+                   # RoFormer: BERT's attention with rotary positions applied to q and k (and v with rotary_value)
+                   # per head inside RoFormerSelfAttention, from sinusoidal_pos [1, 1, seq, head size] shared by
+                   # all heads: pruning keeps them as they are
+                   **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert",
+                                    "rembert", "roformer"], bert_like)}
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
