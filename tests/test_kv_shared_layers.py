@@ -148,6 +148,13 @@ def test_pruning_a_sharing_layer_that_keeps_its_groups_even_equals_masking(share
     torch.testing.assert_close(torch.stack(pruned.logits), torch.stack(generated.logits), rtol=0, atol=1e-10)
 
 
+def test_lrp_conserves_on_pruned_sharing_layers():
+    model = _model(2)
+    prune_heads(model, _EVEN[2])
+    check_rules(model)
+    check_lrp_conserves(model, model.model.layers[0], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("removed", [[0], [0, 1], [1, 2, 3], [0, 1, 2, 3]])
 def test_pruning_a_sharing_layer_unevenly_is_refused_before_any_work(removed):
     """[0]: key/value head 0 would keep one query head and head 1 two; [0, 1] and [1, 2, 3]: one key/value head none;
@@ -194,6 +201,19 @@ def test_headlab_prune_takes_a_model_with_sharing_layers(tmp_path, capsys):
     assert main(["prune", str(tmp_path / "gemma4"), "--heads", "dec_self:3:0", "--out", str(tmp_path / "uneven")]) == 2
     assert "must keep the same number of query heads" in capsys.readouterr().err
     assert not (tmp_path / "uneven" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_gated_pruning_of_sharing_layers_and_their_sources_is_refused_before_any_work(shared):
+    """headlab prune train's gates pick heads freely, which these layers cannot take (the export would be refused after
+    training): refused up front by check_prunable, naming the layers and the rule, not by its sample's own pick."""
+    from headlab.surgery import check_prunable
+
+    model = _model(shared)
+    names = "dec_self:1, dec_self:3" if shared == 1 else "dec_self:0, dec_self:1, dec_self:2, dec_self:3"
+    with pytest.raises(HeadlabError, match=rf"^{names}: attend with keys and values another layer computes, .*the "
+                                           r"gates of headlab prune train pick heads freely"):
+        check_prunable(model, ("dec_self",))
 
 
 def test_a_layer_whose_keys_nobody_reads_prunes_as_before():

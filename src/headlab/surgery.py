@@ -888,6 +888,7 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
     headlab cannot prune exactly: prune a sample of heads with the check of :func:`prune_heads`
     and undo it, whatever the outcome. The sample removes every head of each kind's first layer
     (a layer with no head left) and head 0 of the others (one query head of a key/value group)."""
+    check_gates_free(attention_blocks(model), kinds)
     blocks = [b for b in attention_blocks(model) if (kinds is None or b.kind in kinds) and b.n_heads]
     first: dict = {}
     for block in blocks:
@@ -901,6 +902,24 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
         keep = [h for h in range(block.n_heads) if h not in spec[block.key]]
         plans.append((block, keep, *_kv_plan(block, keep)))
     _prune_checked(model, plans, spec, commit=False)
+
+
+def check_gates_free(blocks: list[AttentionBlock], kinds: tuple[str, ...] | None = None) -> None:
+    """Refuse, before any work, gates (``headlab prune train``, ``analyze --prune``) over a layer that attends with
+    another layer's keys and values or computes them for one (``family.kv_from``: Gemma 4's and Gemma 3n's key/value
+    sharing): the gates pick each layer's heads freely, but those layers prune exactly only while every shared
+    key/value head keeps the same number of query heads (:func:`_check_sharing_layer_kept`, :func:`_check_shared_kv_kept`),
+    so the export after training would be refused for most picks."""
+    sources = {b.family.kv_from.rsplit(".", 1)[0] for b in blocks if b.family.kv_from}
+    tied = [b for b in blocks if (kinds is None or b.kind in kinds) and b.n_heads and (b.family.kv_from or b.name in sources)]
+    if tied:
+        names = ", ".join(f"{b.kind}:{b.layer}" for b in tied)
+        raise HeadlabError(
+            f"{names}: attend with keys and values another layer computes, or compute them for one (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), and prune exactly only while each shared "
+            "key/value head keeps the same number of query heads (at least one); the gates of headlab prune train pick "
+            "heads freely, so the pruned model could not be exported. Prune these layers with headlab prune --heads "
+            "(a plan that keeps the groups even), or gate other kinds only (--gates; analyze's --prune-gates)")
 
 
 def check_checkable(blocks: list[AttentionBlock], spec: Mapping[tuple[str, int], Any], model_type: str = "the model") -> None:
