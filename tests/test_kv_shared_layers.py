@@ -6,7 +6,9 @@ output projection of their own and no key or value projection. Discovery ties th
 names the key projection their keys come from (``family.kv_from``). Masking their heads is exact as for any layer;
 LRP detaches their queries here and the shared keys in the layer that computes them, so relevance flows back
 through the shared values into that layer's value projection and is conserved; physical pruning of a sharing
-layer is refused, and pruning of the layer it reads keeps every key/value head (or is refused before any work).
+layer slices its query and output projections and sets its groups where every shared key/value head keeps the same
+number of query heads (kvprune29; else refused before any work), and pruning of the layer it reads keeps every
+key/value head (or is refused before any work).
 """
 
 from __future__ import annotations
@@ -114,13 +116,104 @@ def test_pruning_a_source_layer_that_changes_its_key_value_heads_is_refused_befo
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
 
 
-def test_pruning_a_sharing_layer_is_refused_naming_the_layer_it_reads():
+# query head h of a sharing layer reads shared key/value head h // groups (4 heads over 2: groups 2)
+_EVEN = {1: {("dec_self", 3): [1, 2]}, 2: {("dec_self", 2): [0, 3], ("dec_self", 3): [1, 2], ("dec_self", 1): [1, 3]}}
+
+
+def _greedy(model) -> torch.Tensor:
+    """A few steps of cached greedy generation (the cache's sliding and full layers, the shared keys at every step)."""
+    with torch.no_grad():
+        return model.generate(input_ids=_IDS[:1], max_new_tokens=5, do_sample=False, use_cache=True,
+                              output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_pruning_a_sharing_layer_that_keeps_its_groups_even_equals_masking(shared):
+    """Kept heads [0, 3] of 4 over 2 shared key/value heads: groups 2 -> 1, head 0 reads key/value head 0 and head 1
+    key/value head 1, as heads 0 and 3 did. Before, every pruning of a sharing layer was refused (and with it
+    check_supported(prune=True), so `headlab prune`, refused any model with sharing layers)."""
+    model = _model(shared)
+    spec = _EVEN[shared]
+    with mask_heads(model, spec):
+        masked, generated = _logits(model), _greedy(model)
+    kept = prune_heads(model, spec)
+    assert kept[("dec_self", 3)] == [0, 3]
+    blocks = attention_blocks(model)
+    assert (blocks[3].n_heads, blocks[3].n_kv_heads) == (2, 2) and blocks[3].family.kv_from
+    attn = model.model.layers[3].self_attn
+    assert (attn.num_key_value_groups, attn.q_proj.out_features, attn.o_proj.in_features) == (1, 16, 16)
+    torch.testing.assert_close(_logits(model), masked, rtol=0, atol=1e-10)
+    pruned = _greedy(model)
+    assert torch.equal(pruned.sequences, generated.sequences)
+    torch.testing.assert_close(torch.stack(pruned.logits), torch.stack(generated.logits), rtol=0, atol=1e-10)
+
+
+def test_lrp_conserves_on_pruned_sharing_layers():
+    model = _model(2)
+    prune_heads(model, _EVEN[2])
+    check_rules(model)
+    check_lrp_conserves(model, model.model.layers[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("removed", [[0], [0, 1], [1, 2, 3], [0, 1, 2, 3]])
+def test_pruning_a_sharing_layer_unevenly_is_refused_before_any_work(removed):
+    """[0]: key/value head 0 would keep one query head and head 1 two; [0, 1] and [1, 2, 3]: one key/value head none;
+    all four: none. No key or value projection here to copy rows of, so no slicing is exact: refused naming the rule
+    and the layer it reads, the model untouched."""
     model = _model(1)
     state = _state(model)
-    with pytest.raises(HeadlabError, match=r"model.layers.3.self_attn .*no key or value projection of its own, it "
-                                           r"attends with the keys and values of model.layers.1.self_attn.k_proj"):
-        prune_heads(model, {("dec_self", 3): [1, 3]})
+    with pytest.raises(HeadlabError, match=r"dec_self:3 \(model.layers.3.self_attn\): pruning heads .* query heads over "
+                                           r"its 2 key/value heads, .*keys and values of model.layers.1.self_attn.k_proj "
+                                           r".*must keep the same number of query heads, at least one; nothing was"):
+        prune_heads(model, {("dec_self", 3): removed})
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+    assert [(b.n_heads, b.n_kv_heads) for b in attention_blocks(model)] == [(4, 2)] * 4
+
+
+def test_sharing_layers_pruned_save_and_load_back(tmp_path):
+    """save_pruned writes the sharing layers' narrower query and output projections and their groups; load_pruned
+    rebuilds and checks them, and plain transformers loads the directory through its portable code."""
+    from headlab import load_pruned, save_pruned
+
+    model = _model(2)
+    prune_heads(model, _EVEN[2])
+    save_pruned(model, tmp_path)
+    loaded = load_pruned(tmp_path).double()  # loaded in float32 (the loader's default): compared at its rounding
+    assert [(b.n_heads, b.n_kv_heads, b.family.kv_from) for b in attention_blocks(loaded)] == [
+        (4, 2, ""), (2, 2, ""), (2, 2, "model.layers.0.self_attn.k_proj"), (2, 2, "model.layers.1.self_attn.k_proj")]
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=1e-6)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).double()
+    torch.testing.assert_close(_logits(plain), _logits(model), rtol=0, atol=1e-6)
+
+
+def test_headlab_prune_takes_a_model_with_sharing_layers(tmp_path, capsys):
+    """check_supported(prune=True), which `headlab prune` and `headlab analyze --prune` call first, refused every model
+    with sharing layers up front; now only a plan that breaks the rule is refused, before the weights are read."""
+    from headlab.cli import main
+    from headlab.loading import check_supported
+
+    _model(1).float().save_pretrained(tmp_path / "gemma4")
+    check_supported(str(tmp_path / "gemma4"), prune=True)  # raised before
+    assert main(["prune", str(tmp_path / "gemma4"), "--heads", "dec_self:3:1,2", "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert [(b.n_heads, b.n_kv_heads) for b in attention_blocks(tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", trust_remote_code=True))] == [(4, 2), (4, 2), (4, 2), (2, 2)]
+    assert main(["prune", str(tmp_path / "gemma4"), "--heads", "dec_self:3:0", "--out", str(tmp_path / "uneven")]) == 2
+    assert "must keep the same number of query heads" in capsys.readouterr().err
+    assert not (tmp_path / "uneven" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_gated_pruning_of_sharing_layers_and_their_sources_is_refused_before_any_work(shared):
+    """headlab prune train's gates pick heads freely, which these layers cannot take (the export would be refused after
+    training): refused up front by check_prunable, naming the layers and the rule, not by its sample's own pick."""
+    from headlab.surgery import check_prunable
+
+    model = _model(shared)
+    names = "dec_self:1, dec_self:3" if shared == 1 else "dec_self:0, dec_self:1, dec_self:2, dec_self:3"
+    with pytest.raises(HeadlabError, match=rf"^{names}: attend with keys and values another layer computes, .*the "
+                                           r"gates of headlab prune train pick heads freely"):
+        check_prunable(model, ("dec_self",))
 
 
 def test_a_layer_whose_keys_nobody_reads_prunes_as_before():
@@ -182,10 +275,14 @@ def test_gemma3n_sharing_layers_are_found_and_their_source_pruned_exactly_or_ref
     state = _state(model)
     with pytest.raises(HeadlabError, match=r"dec_self:0 .* but layer\(s\) dec_self:2 attend with them too"):
         prune_heads(model, {("dec_self", 0): [2, 3]})
-    with pytest.raises(HeadlabError, match=r"model.layers.2.self_attn .*attends with the keys and values of "
-                                           r"model.layers.0.self_attn.k_proj"):
+    with pytest.raises(HeadlabError, match=r"model.layers.2.self_attn\): pruning heads \[0\] .*attends with the keys "
+                                           r"and values of model.layers.0.self_attn.k_proj"):
         prune_heads(model, {("dec_self", 2): [0]})
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+    with mask_heads(model, {("dec_self", 2): [1, 2]}):
+        masked = _logits(model)
+    prune_heads(model, {("dec_self", 2): [1, 2]})  # its unused k_proj and v_proj stay whole, as its key/value heads
+    torch.testing.assert_close(_logits(model), masked, rtol=0, atol=1e-10)
 
 
 def test_source_layers_pruned_save_and_load_back_with_their_readers(tmp_path):

@@ -427,7 +427,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
 def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], kv_index: torch.Tensor,
                     journal: _Journal) -> None:
     """Slice separate query, key and value projections to ``keep`` and ``kv_keep``."""
-    assert block.q is not None and block.k is not None and block.v is not None  # separate projections
+    assert block.q is not None  # separate projections
     # query and key rows by the query/key head size, value rows by the value head size (MiMo-V2-Flash: 192, 128)
     d_qk, device = block.d_qk, kv_index.device
     # a norm over the whole query or key projection (OLMo 2): both kept whole, the heads selected after it
@@ -436,6 +436,9 @@ def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], 
         _select_heads(block, norms["q"], block.q, keep, journal)
     else:  # [query | gate] per head (Qwen3-Next, Qwen3.5): head h owns rows 2hd .. 2hd + 2d - 1
         _slice_outputs(block.q, _head_index(keep, 2 * d_qk if block.family.query_gate else d_qk, device), journal)
+    if block.family.kv_from:  # keys and values from another layer, all kept (_check_sharing_layer_kept): queries only
+        return
+    assert block.k is not None and block.v is not None
     if "k" not in norms:
         _slice_outputs(block.k, _head_index(kv_keep, d_qk, device), journal)
     elif kv_keep != list(range(block.n_kv_heads)):
@@ -634,6 +637,26 @@ def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, k
             "heads here (at least one); nothing was changed")
 
 
+def _check_sharing_layer_kept(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> None:
+    """Refuse, before any work, a pruning of a layer that attends with another layer's keys and values
+    (``family.kv_from``: Gemma 4's and Gemma 3n's key/value sharing) that its query projection alone cannot make:
+    query head h reads shared key/value head h // groups (transformers' repeat_kv with num_key_value_groups), so
+    slicing the query rows and setting the groups is exact only while every shared key/value head keeps the same
+    number of query heads, at least one (:func:`headlab.heads.kv_heads_kept` keeps them all, once each); there is
+    no key or value projection here whose rows could be copied or dropped."""
+    if not block.family.kv_from or len(keep) == block.n_heads or (keep and kv_keep == list(range(block.n_kv_heads))):
+        return
+    group = block.n_heads // block.n_kv_heads
+    counts = [sum(h // group == j for h in keep) for j in range(block.n_kv_heads)]
+    raise HeadlabError(
+        f"{block.kind}:{block.layer} ({block.name}): pruning heads {sorted(set(range(block.n_heads)) - set(keep))} "
+        f"would leave {counts} query heads over its {block.n_kv_heads} key/value heads, but this layer has no key or "
+        f"value projection of its own, it attends with the keys and values of {block.family.kv_from} (key/value "
+        "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), whose query head h reads key/value head h // "
+        f"groups ({group} query heads per key/value head now): each of its key/value heads must keep the same "
+        "number of query heads, at least one; nothing was changed (or mask the heads instead: mask_heads)")
+
+
 def removal_by_scores(model: nn.Module, scores: Any, keep: int,
                       kinds: tuple[str, ...] | None = None) -> dict[tuple[str, int], list[int]]:
     """The heads to remove so that the ``keep`` best-scored heads of ``model`` remain
@@ -821,6 +844,8 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         raise HeadlabError("the model has gates attached (headlab.attach_gates); detach them before pruning")
     for block, *_ in plans:  # fused layouts and projections the slicing here does not know
         check_block_sliceable(block)
+    for block, keep, kv_keep, _ in plans:
+        _check_sharing_layer_kept(block, keep, kv_keep)
     _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
         dynamic = kv_dynamic_mask_reason(block, keep, kv_keep)
@@ -863,6 +888,7 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
     headlab cannot prune exactly: prune a sample of heads with the check of :func:`prune_heads`
     and undo it, whatever the outcome. The sample removes every head of each kind's first layer
     (a layer with no head left) and head 0 of the others (one query head of a key/value group)."""
+    check_gates_free(attention_blocks(model), kinds)
     blocks = [b for b in attention_blocks(model) if (kinds is None or b.kind in kinds) and b.n_heads]
     first: dict = {}
     for block in blocks:
@@ -876,6 +902,24 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
         keep = [h for h in range(block.n_heads) if h not in spec[block.key]]
         plans.append((block, keep, *_kv_plan(block, keep)))
     _prune_checked(model, plans, spec, commit=False)
+
+
+def check_gates_free(blocks: list[AttentionBlock], kinds: tuple[str, ...] | None = None) -> None:
+    """Refuse, before any work, gates (``headlab prune train``, ``analyze --prune``) over a layer that attends with
+    another layer's keys and values or computes them for one (``family.kv_from``: Gemma 4's and Gemma 3n's key/value
+    sharing): the gates pick each layer's heads freely, but those layers prune exactly only while every shared
+    key/value head keeps the same number of query heads (:func:`_check_sharing_layer_kept`, :func:`_check_shared_kv_kept`),
+    so the export after training would be refused for most picks."""
+    sources = {b.family.kv_from.rsplit(".", 1)[0] for b in blocks if b.family.kv_from}
+    tied = [b for b in blocks if (kinds is None or b.kind in kinds) and b.n_heads and (b.family.kv_from or b.name in sources)]
+    if tied:
+        names = ", ".join(f"{b.kind}:{b.layer}" for b in tied)
+        raise HeadlabError(
+            f"{names}: attend with keys and values another layer computes, or compute them for one (key/value "
+            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), and prune exactly only while each shared "
+            "key/value head keeps the same number of query heads (at least one); the gates of headlab prune train pick "
+            "heads freely, so the pruned model could not be exported. Prune these layers with headlab prune --heads "
+            "(a plan that keeps the groups even), or gate other kinds only (--gates; analyze's --prune-gates)")
 
 
 def check_checkable(blocks: list[AttentionBlock], spec: Mapping[tuple[str, int], Any], model_type: str = "the model") -> None:
@@ -1038,13 +1082,6 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if refused and block.n_heads:  # a layout read and not sliced (Zaya's): its own reason, not the unknown one below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {refused}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
-    if block.family.kv_from and block.n_heads:
-        raise HeadlabError(
-            f"{block.name} ({block.family.name}): physical pruning is refused: this layer has no key or value "
-            f"projection of its own, it attends with the keys and values of {block.family.kv_from} (key/value "
-            "sharing, Gemma 4's and Gemma 3n's num_kv_shared_layers), and its query heads map onto those key/value heads by a "
-            "fixed grouping that slicing its query projection cannot change; mask the heads instead (mask_heads, "
-            "or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning is refused: this family's projection layout is "

@@ -412,6 +412,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
     from headlab.adapters import attention_blocks
     from headlab.loading import build_from_config
     from headlab.pruning.train import resolve_kinds
+    from headlab.surgery import check_gates_free
 
     if (Path(config.model) / "headlab_pruning.json").is_file():
         return  # a pruned model: its head counts are in its weights, checked when the stage loads them
@@ -420,6 +421,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
         kinds = resolve_kinds(structure, config.prune_gates)
     except HeadlabError as error:
         raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
+    check_gates_free(attention_blocks(structure), kinds)
     n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds and not b.idle)  # as gates.for_model
     if any(keep > n_gated for keep in config.prune_keeps):
         raise HeadlabError(f"--prune-keeps {','.join(map(str, config.prune_keeps))}: each budget must be between 1 "
