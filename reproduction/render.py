@@ -82,9 +82,29 @@ def _claim_block(claim: Claim, models: list[str], config: ReproduceConfig) -> st
 HEAVY_LIFTING = Path(__file__).resolve().parents[1] / "docs" / "results" / "heavy-lifting" / "results.json"
 # The plan's step after an inconclusive H1: every run at each k again for two epochs (H1 on them).
 HEAVY_LIFTING_EPOCH2 = HEAVY_LIFTING.parent / "epoch2" / "results.json"
+# The same test on the translation encoder (decoder frozen) and the fair Table 2: experiments/heavy_lifting_nmt.py
+# report writes it; its rules: experiments/heavy_lifting_nmt.md.
+HEAVY_LIFTING_NMT = HEAVY_LIFTING.parents[1] / "heavy-lifting-nmt" / "results.json"
 
 
-def _title_rows(path: Path = HEAVY_LIFTING, epoch2: Path = HEAVY_LIFTING_EPOCH2) -> list[str]:
+def _nmt_rows(path: Path) -> list[str]:
+    """The translation rows of the title's test: H1 (gates against k random and least specialised encoder heads,
+    decoder frozen) and H3 (pruned against from scratch with the full model's recipe), verdicts as the report gives."""
+    test = ("| multi30k-en-de | the same with the decoder frozen: the gated encoder against k random or least-specialised "
+            "encoder heads, same fine-tuning (rules: [heavy_lifting_nmt.md](../experiments/heavy_lifting_nmt.md), results: "
+            "[results.md](results/heavy-lifting-nmt/results.md)) | k random heads (3 seeds), the k least specialised |")
+    if not path.is_file():
+        return [f"{test} not run (no results.json) |"]
+    result = json.loads(path.read_text(encoding="utf-8"))
+    h1, h3 = result["h1_verdict"], result["h3_verdict"]
+    missing = f": {', '.join(result['missing'])}" if result.get("missing") else ""
+    return [f"{test} {_cell(h1['verdict'])} ({h1['why']}) |",
+            "| multi30k-en-de | Table 2, fair: pruned against the same heads trained from scratch with the full model's "
+            f"recipe | from scratch, {len(result['h3'])} points | {_cell(h3['verdict'])} ({h3['why']}{missing}) |"]
+
+
+def _title_rows(path: Path = HEAVY_LIFTING, epoch2: Path = HEAVY_LIFTING_EPOCH2,
+                nmt: Path = HEAVY_LIFTING_NMT) -> list[str]:
     """The first rows of the summary: does the title's claim hold, per model, with its controls."""
     lines = ["The title's claim, specialised heads do the heavy lifting (rules fixed before the runs: "
              "[heavy_lifting_lm.md](../experiments/heavy_lifting_lm.md), results: "
@@ -115,10 +135,7 @@ def _title_rows(path: Path = HEAVY_LIFTING, epoch2: Path = HEAVY_LIFTING_EPOCH2)
         f"hypergeometric chance | {_cell(h2['verdict'])} ({kept}) |",
         f"| english-lm | H3: removing the 6 labelled heads costs more than removing 6 random heads | "
         f"39 random sets, no fine-tuning | {_cell(h3['verdict'])} (p = {p3}) |",
-        "| multi30k-en-de, multi30k-en-fr | the same with the decoder frozen: k random or least-specialised "
-        "encoder heads | planned (issue 35, item 2) | not decided: stage 1 is running; each finished configuration is "
-        "committed to docs/results/heavy-lifting-nmt/finished (the runs of 2026-11-26/27 were lost with their machine) |",
-        ""]
+        *_nmt_rows(nmt), ""]
     return lines
 
 

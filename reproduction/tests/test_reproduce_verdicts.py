@@ -243,11 +243,18 @@ def test_the_summary_opens_with_the_titles_claim_from_its_result_file(tmp_path):
                                                    {"run": "gates-lam0.1", "kept": 7, "primary": {"labelled_kept": 1}}]},
               "h3": {"verdict": "does not hold", "newstest2019": {"p": 0.5}, "ewt-test": {"p": 0.25}}}
     (tmp_path / "results.json").write_text(json.dumps(result))
-    rows = _title_rows(tmp_path / "results.json", tmp_path / "no-second-epoch.json")
+    nmt = {"h1_verdict": {"verdict": "inconclusive", "why": "not settled at k = [8]"}, "h3": [{}, {}],
+           "h3_verdict": {"verdict": "inconclusive", "why": "runs missing"}, "missing": ["scratch-full"]}
+    (tmp_path / "nmt.json").write_text(json.dumps(nmt))
+    rows = _title_rows(tmp_path / "results.json", tmp_path / "no-second-epoch.json", tmp_path / "nmt.json")
     assert "| holds (gates - control on newstest2019 from -0.020 to +0.050 nats) |" in rows[4]
     assert rows[5].endswith("| partly (3 of 6 kept at 6 heads) |")  # budget points only
     assert rows[6].endswith("| does not hold (p = 0.50 / 0.25) |")
-    assert "| not decided: stage 1 is running" in rows[7]  # the NMT controls (issue 35): no verdict yet
+    # the translation rows (issue 35), read from the NMT report's verdicts; without it: not run
+    assert rows[7].endswith("| inconclusive (not settled at k = [8]) |")
+    assert rows[8].endswith("| from scratch, 2 points | inconclusive (runs missing: scratch-full) |")
+    assert _title_rows(tmp_path / "results.json", tmp_path / "no-second-epoch.json",
+                       tmp_path / "none.json")[7].endswith("| not run (no results.json) |")
     # A second epoch's results replace H1 (only): the plan's step after an inconclusive first epoch
     second = {"h1": {"verdict": "inconclusive: a run has not settled (least-6)", "comparisons": [cmp]},
               "h1_without_settling": {"verdict": "does not hold"}, "h2": {"verdict": "holds", "rows": []}}
