@@ -217,9 +217,11 @@ def test_flaubert_layerdrop_leaves_capture_whole():
 @pytest.mark.parametrize("config, words", [
     (dict(pre_norm=True), ["pre_norm", "not subscriptable"]),
     (dict(n_langs=2, use_lang_emb=True), ["language embeddings", "langs"]),
+    (dict(asm=True, asm_cutoffs=[20, 50], asm_div_value=4.0), ["adaptive softmax", "asm=True"]),
 ])
 def test_flaubert_refused_before_any_work(config, words):
-    """pre_norm: transformers' own forward fails; language embeddings: an input headlab does not feed."""
+    """pre_norm: transformers' own forward fails; language embeddings: an input headlab does not feed; an adaptive
+    softmax LM head: log-probabilities, no output layer of logits (LRP crashed in its target's expand)."""
     model = build("flaubert", **config)
     with pytest.raises(HeadlabError, match="is not supported") as caught:
         attention_blocks(model)

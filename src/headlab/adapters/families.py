@@ -832,6 +832,12 @@ def _xlm(config: Any) -> str | None:
                 "(langs), which headlab's text inputs do not carry, and without it the model would run on inputs "
                 "unlike its training's; XLM checkpoints without language embeddings (n_langs=1, or use_lang_emb=False "
                 "as XLM-17 and XLM-100) are supported")
+    if getattr(config, "asm", False):
+        # XLMPredLayer with asm: AdaptiveLogSoftmaxWithLoss.log_prob(x), no output layer of logits (LRP crashed)
+        return (f"this {type(config).__name__.removesuffix('Config')} model predicts words with an adaptive softmax "
+                "(asm=True): its language-model head returns log-probabilities from clusters of the vocabulary "
+                "(AdaptiveLogSoftmaxWithLoss), not logits of one output layer, which headlab's measures explain; "
+                "XLM's and FlauBERT's released checkpoints have asm=False")
     return None
 
 
