@@ -260,3 +260,32 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     for name in (*ANALYZE_STAGES, "lrp"):
         assert stages[name]["status"] == "done", stages[name]
+
+
+def _tapas_tokenizer(path):
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[EMPTY]", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    (path / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    return tf.TapasTokenizer(vocab_file=str(path / "vocab.txt"))
+
+
+def test_tapas_tokenizer_refused_before_any_work(tmp_path, capsys):
+    """TapasTokenizer takes (table, queries): headlab's tokenizer(text=...) failed with a raw TypeError. Refused,
+    naming what to use instead; a BERT tokenizer of the same vocabulary gives what TapasTokenizer gives a query with
+    an empty table, and describe_model takes it."""
+    from headlab.cli import main
+
+    tokenizer = _tapas_tokenizer(tmp_path)
+    bert = tf.BertTokenizer(vocab=str(tmp_path / "vocab.txt"))
+    assert bert(["the cat sat", "a dog"])["input_ids"] == tokenizer(["the cat sat", "a dog"])["input_ids"]
+    model = build("tapas")
+    with pytest.raises(HeadlabError, match="TapasTokenizer encodes questions about a table"):
+        describe_model(model, tokenizer)
+    assert describe_model(model, bert).arch == "masked"
+    model.save_pretrained(tmp_path / "tapas")
+    tokenizer.save_pretrained(tmp_path / "tapas")
+    (tmp_path / "text.txt").write_text("the cat sat\n", encoding="utf-8")
+    code = main(["analyze", str(tmp_path / "tapas"), "--source", str(tmp_path / "text.txt"), "--out",
+                 str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("TapasTokenizer encodes") == 1, err
+    assert not (tmp_path / "out").exists()
