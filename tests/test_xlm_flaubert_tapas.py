@@ -15,6 +15,7 @@ language embeddings (``langs``, which headlab's text inputs do not carry).
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -288,4 +289,25 @@ def test_tapas_tokenizer_refused_before_any_work(tmp_path, capsys):
                  str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("TapasTokenizer encodes") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_missing_its_package_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """XLMTokenizer (and FlauBERT's) import sacremoses when built: without it, loading the tokenizer raised an
+    ImportError that headlab reported as an internal error, traceback and all. Now one error naming it, exit 2."""
+    from headlab.cli import main
+
+    monkeypatch.setitem(sys.modules, "sacremoses", None)  # import sacremoses raises ImportError, installed or not
+    path = tmp_path / "xlm"
+    build("xlm").save_pretrained(path)
+    words = ["<s>", "</s>", "<pad>", "<unk>", "<special0>", "the</w>", "cat</w>", "sat</w>"]
+    (path / "vocab.json").write_text(json.dumps({w: i for i, w in enumerate(words)}), encoding="utf-8")
+    (path / "merges.txt").write_text("#version: 0.2\nt h\n", encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "XLMTokenizer"}), encoding="utf-8")
+    (tmp_path / "text.txt").write_text("the cat sat\n", encoding="utf-8")
+    code = main(["analyze", str(path), "--source", str(tmp_path / "text.txt"), "--out", str(tmp_path / "out"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot load a tokenizer" in err and "sacremoses" in err, err
+    assert "internal error" not in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()

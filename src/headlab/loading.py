@@ -282,7 +282,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         check_hub_reachable(name_or_path, ("tokenizer_config.json", "tokenizer.json", "config.json"))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:
+        # ImportError: a tokenizer class whose package is missing (XLM's and FlauBERT's need sacremoses)
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
     return _as_written(tokenizer, path, trust_remote_code)
 
