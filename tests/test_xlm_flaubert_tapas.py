@@ -253,10 +253,11 @@ def test_tapas_cross_attention_is_idle():
     assert [(b.kind, b.layer) for b in blocks if not b.idle] == [("enc_self", 0), ("enc_self", 1)]
 
 
-@pytest.mark.parametrize("family", ["xlm", "tapas"])
+@pytest.mark.parametrize("family", ["xlm", "xlm-causal", "tapas"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
+    """Every stage, LRP included (a causal XLM as a causal LM; TAPAS with a BERT tokenizer)."""
     model = build(family)
-    save_tiny(model, tmp_path / family, treebank_files(tmp_path), "bert")
+    save_tiny(model, tmp_path / family, treebank_files(tmp_path), "gpt2" if family == "xlm-causal" else "bert")
     code, stages = analyze(tmp_path / family, tmp_path)
     assert code == 0, capsys.readouterr().err
     for name in (*ANALYZE_STAGES, "lrp"):
