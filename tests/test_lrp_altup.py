@@ -189,3 +189,18 @@ def test_gemma3n_with_shared_keys_and_values_conserves():
     assert record["n_outside"] == 0 and abs(record["with_biases"]["max"] - 1) < 1e-12 \
         and abs(record["with_biases"]["min"] - 1) < 1e-12, record
     check_lrp_conserves(model, model.model.layers[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian"])
+def test_every_strategy_gives_the_same_shares(strategy):
+    from headlab.data.inputs import make_batches
+    from headlab.importance.lrp import head_relevance
+
+    model = _gemma3n(torch.float64, **_SPARSE)
+    data, info = _data(model)
+    batch = next(iter(make_batches(data, info, batch_size=2, side="translation", device=torch.device("cpu"))))
+    vmap, other = head_relevance(model, batch), head_relevance(model, batch, strategy=strategy)
+    for name in ("embedding", "biases", "per_layer_embedding"):
+        torch.testing.assert_close(getattr(other, name), getattr(vmap, name), rtol=1e-9, atol=1e-12)
+    for key, values in vmap.relevance.items():
+        torch.testing.assert_close(other.relevance[key], values, rtol=1e-9, atol=1e-12)
