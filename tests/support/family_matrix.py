@@ -563,10 +563,11 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
     nor ``y``. An LM head that never calls its output layer (MobileBERT's multiplies the weights itself)
     explains the logit. ``rtol``/``atol``: the tolerance (1e-12 in float64 shows a rule that is only
     close). A model with per-layer inputs (Gemma 3n, Gemma 4) sends relevance to its per-layer token embeddings
-    too, an input of their own: theirs is added (what compute_lrp counts as input relevance). The number of calls
-    of ``first_layer`` back."""
+    too, an input of their own: theirs is added (what compute_lrp counts as input relevance). Gemma 3n's relevance
+    is measured at its input embeddings (the input of per_layer_model_projection), from which the AltUp streams that
+    ``first_layer`` reads are made. The number of calls of ``first_layer`` (or that cut) back."""
     from headlab.capture import eager_attention
-    from headlab.importance.rules import lrp_rules, per_layer_embeddings
+    from headlab.importance.rules import altup_inputs, lrp_rules, per_layer_embeddings
 
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -585,7 +586,9 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
             # Recorded from here only: entering lrp_rules reads the blocks, which on a model whose blocks were
             # never read runs discovery's probe forward (under no_grad): its first call is not the one explained.
-            handles = [first_layer.register_forward_pre_hook(
+            # Gemma 3n: its input embeddings, which its AltUp streams (the first layer's input) are made from
+            cut = next(iter(altup_inputs(model)), first_layer)
+            handles = [cut.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True),
                 model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]
