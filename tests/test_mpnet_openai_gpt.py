@@ -199,3 +199,31 @@ def test_openai_gpt_checkpoint_with_its_old_mask_buffers_loads(tmp_path):
     loaded = load_model(str(tmp_path))
     ids, mask = padded_inputs(pad_id=2)
     assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
+
+
+def test_mpnet_encoder_without_lm_head_loads_prunes_and_reloads(tmp_path):
+    """An MPNetModel checkpoint (sentence-transformers' all-mpnet-base-v2 is one: no LM head, a pooler) loads as
+    MPNetModel, prunes equal to masked on its hidden states, and reloads through load_pruned and plain transformers."""
+    from headlab.loading import load_model
+
+    config = _mpnet().config
+    config.architectures = ["MPNetModel"]
+    perturbed_model(tf.MPNetModel, config, attn_implementation="eager").save_pretrained(tmp_path / "base")
+    model = load_model(str(tmp_path / "base"), dtype=torch.float64)
+    assert type(model).__name__ == "MPNetModel"
+    spec = _spec("mpnet", "partial")
+    ids, mask = padded_inputs(pad_id=2)
+
+    def hidden(m):
+        with torch.no_grad():
+            return m(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+
+    with mask_heads(model, spec):
+        expected = hidden(model)
+    prune_heads(model, spec)
+    torch.testing.assert_close(hidden(model), expected, atol=1e-12, rtol=0)
+    save_pruned(model, tmp_path / "pruned")
+    torch.testing.assert_close(hidden(load_model(str(tmp_path / "pruned"), dtype=torch.float64)), expected, atol=1e-12,
+                               rtol=0)  # load_pruned, through headlab's loader
+    plain = tf.AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True, dtype=torch.float64).eval()
+    torch.testing.assert_close(hidden(plain), expected, atol=1e-12, rtol=0)
