@@ -370,7 +370,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         if projection is None or module.norm or not isinstance(getattr(projection, "bias", None), torch.Tensor):
             return None
         out = probe(projection, args, output[0])
-        return None if out is None else (out, *output[1:])
+        return None if out is None else type(output)([out, *output[1:]])  # GPT-1's list stays a list
 
     handles = HookHandles()
     try:
