@@ -119,7 +119,7 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                  ffn_config=dict(ffn_hidden_size=40, moe_num_experts=4, moe_top_k=2)),
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=4,
                          altup_num_inputs=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
-                         intermediate_size=[40, 40], activation_sparsity_pattern=[0.0, 0.0]),
+                         intermediate_size=[40, 40], activation_sparsity_pattern=[0.95, 0.0]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1),
     # skip27B
@@ -273,7 +273,7 @@ def matrix_types() -> set[str]:
                   family_matrix.HYBRID, family_matrix.REFUSED, discovered.DISCOVERED):
         for build in table.values():
             types.add(build()[1].model_type)
-    # tests/test_refused_families.py (xlm, flaubert and tapas: tests/test_xlm_flaubert_tapas.py, session 30)
+    # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus"}
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
@@ -589,7 +589,7 @@ def check_prune(model, blocks, inputs, atol) -> str | None:
 
 def check_lrp(model, blocks) -> str | None:
     from headlab.capture import eager_attention
-    from headlab.importance.rules import check_rules, lrp_rules, per_layer_embeddings
+    from headlab.importance.rules import altup_inputs, check_rules, lrp_rules, per_layer_embeddings
 
     if getattr(model.config, "is_encoder_decoder", False):
         return "lrp not checked (sequence-to-sequence)"
@@ -609,7 +609,8 @@ def check_lrp(model, blocks) -> str | None:
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0, module.in_features ** -0.5)
     seen, per_layer = [], []
-    handles = [first.register_forward_pre_hook(
+    # Gemma 3n: its input embeddings, which its AltUp streams (the first layer's input) are made from
+    handles = [next(iter(altup_inputs(model)), first).register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)]
     # Gemma 3n's and Gemma 4's per-layer token embeddings: an input of their own, counted with the first layer's
     handles += [e.register_forward_hook(lambda module, args, output: per_layer.append(output))

@@ -252,7 +252,7 @@ def test_ablation_of_every_head_equals_one_masked_pass(shared):
 
 def _gemma3n() -> torch.nn.Module:
     """Gemma 3n shares keys and values as Gemma 4 does (layers 2 and 3 read 0's and 1's); its sharing layers keep
-    k_proj and v_proj, unused. Its LRP stays refused for AltUp (tests/test_swept_families.py)."""
+    k_proj and v_proj, unused. Its LRP conserves (tests/test_lrp_altup.py; refused for AltUp until session 30)."""
     config = tf.Gemma3nTextConfig(
         vocab_size=99, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=[37] * 4,

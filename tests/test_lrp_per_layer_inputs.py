@@ -1,4 +1,5 @@
-"""LRP through Gemma 4's and Gemma 3n's per-layer inputs (refused before session 29).
+"""LRP through Gemma 4's and Gemma 3n's per-layer inputs (refused before session 29; Gemma 3n's AltUp and activation
+sparsity: tests/test_lrp_altup.py).
 
 Each such layer adds ``norm(W_p (act(W_g h) * p))`` to its residual stream, ``p`` its slice of
 ``(norm(W_m e * s) + T(ids)) / sqrt(2)`` (``e`` the input embeddings, ``T`` the per-layer token embedding
@@ -36,8 +37,8 @@ def _gemma4_text(**values):
 def _gemma3n_text(**values):
     return tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
         **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
-        num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, **_PER_LAYER,
-        **{"activation_sparsity_pattern": [0.0, 0.0], **values})
+        num_kv_shared_layers=0, laurel_rank=4, **_PER_LAYER,
+        **{"activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, **values})
 
 
 def _tiny(build, dtype=torch.float32, **values) -> torch.nn.Module:
@@ -143,19 +144,15 @@ def test_per_layer_inputs_without_their_token_embedding_are_refused_before_any_w
         check_rules(model)
 
 
-def test_gemma3n_is_refused_for_its_alternating_updates_and_activation_sparsity():
-    """Gemma 3n's per-layer inputs have the rule now; its AltUp (several residual streams mixed by coefficients
-    computed from the input) still has none, and its activation sparsity (a cutoff from the mean and standard
-    deviation of the gate's neurons) none either: both named, before any work."""
+def test_gemma3ns_per_layer_inputs_have_their_rule_beside_altup():
+    """Gemma 3n was refused here for its AltUp and activation sparsity until session 30; they have rules now
+    (tests/test_lrp_altup.py, which checks conservation), and its per-layer inputs this one."""
     from headlab.importance.rules import _no_rule
 
     model = _tiny(_gemma3n_text)
-    with pytest.raises(HeadlabError, match=r"Gemma3nTextAltUp \(model.layers.0.altup\): alternating updates"):
-        check_rules(model)
-    assert _no_rule(model.model.layers[0], "model.layers.0", set()) is None  # the per-layer inputs: ruled
-    sparse = _tiny(_gemma3n_text, activation_sparsity_pattern=[0.95, 0.0])
-    assert "activation sparsity" in _no_rule(sparse.model.layers[0].mlp, "model.layers.0.mlp", set())
-    assert _no_rule(sparse.model.layers[1].mlp, "model.layers.1.mlp", set()) is None
+    check_rules(model)
+    assert len(per_layer_input_layers(model)) == 2 and len(per_layer_embeddings(model)) == 1
+    assert _no_rule(model.model.layers[0], "model.layers.0", set()) is None
 
 
 def test_the_report_caption_names_the_per_layer_share():

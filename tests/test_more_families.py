@@ -1,7 +1,7 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
 multi-query and the per-head layout), Bloom, MPT, ModernBERT, DeBERTa-v2, GPT-Neo, Megatron-BERT, GIT, RemBERT,
-RoFormer and XGLM; and the families headlab refuses, refused before any work, once.
+RoFormer, XGLM, MPNet and OpenAI GPT (GPT-1); and the families headlab refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
@@ -18,6 +18,7 @@ import re
 
 import pytest
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from headlab import HeadlabError, attention_blocks, capture_attention
 from headlab.cli import main
@@ -93,7 +94,8 @@ def test_value_columns_of_the_fused_layout(family):
     _, rows, n_kv = VALUES[family]
     q, k, v = block.qkv_columns()
     assert v.tolist() == [r for j in range(n_kv) for r in rows(j)]
-    assert sorted(torch.cat([q, k, v]).tolist()) == list(range(block.qkv.weight.shape[0]))
+    width = block.qkv.nf if isinstance(block.qkv, Conv1D) else block.qkv.weight.shape[0]  # Conv1D: [in, out]
+    assert sorted(torch.cat([q, k, v]).tolist()) == list(range(width))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -150,14 +152,15 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family", ["gpt_neox", "falcon", "mpt", "modernbert", "deberta-v2", "gpt_neo", "megatron-bert", "git",
-                                    "rembert", "roformer", "xglm"])
+                                    "rembert", "roformer", "xglm", "mpnet", "openai-gpt"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
     """Every stage on a decoder (GPT-NeoX), two without the attention interface (Falcon; MPT, whose model
     hands its attention create_causal_mask(...).to(torch.bool), which capture must leave a mask), an
     encoder with local layers (ModernBERT, whose forward reads its layers' attention_type: the
     ablation's stand-in layers must answer) and one whose core returns probabilities only when
     asked (DeBERTa-v2); GPT-Neo (nested attention, local layers), Megatron-BERT and GIT (an idle image encoder);
-    RemBERT, RoFormer (rotary positions inside its attention) and XGLM."""
+    RemBERT, RoFormer (rotary positions inside its attention) and XGLM; MPNet (a position bias shared by its layers,
+    probabilities only when asked) and GPT-1 (a list for an output)."""
     _save(tiny_model(family), tmp_path / family, treebank_files(tmp_path), "bert" if family in ENCODERS else "gpt2")
     code, stages = analyze(tmp_path / family, tmp_path)
     assert code == 0, capsys.readouterr().err

@@ -42,8 +42,9 @@ _EXTRA = {
                                    max_position_embeddings=64)),
 }
 # model type -> a word of the reason given
-# (xlm, flaubert and tapas have table entries since session 30: tests/test_xlm_flaubert_tapas.py)
-REFUSED = {"mpnet": "output_attentions", "nystromformer": "output_attentions", "trocr": "output_attentions",
+# (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; xlm, flaubert and
+# tapas too: tests/test_xlm_flaubert_tapas.py)
+REFUSED = {"nystromformer": "output_attentions", "trocr": "output_attentions",
            "longformer": "sliding-window", "mra": "multi-resolution", "yoso": "hashing",
            "bigbird_pegasus": "encoder", "fsmt": "output_attentions", "big_bird": "block-sparse",
            "funnel": "output_attentions", "blt": "four stacks"}
@@ -82,7 +83,7 @@ def test_heads_refuses_once_before_any_work(model_type, tmp_path, capsys):
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("model_type", ["mpnet", "bigbird_pegasus"])
+@pytest.mark.parametrize("model_type", ["nystromformer", "bigbird_pegasus"])  # (tapas: a table entry since session 30)
 def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     from support.treebank import word_tokenizer
 
@@ -102,8 +103,8 @@ def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_name_based_blocks_must_return_per_head_weights(model_type, device, monkeypatch):
     """Without its table entry, a name-based block whose module returned no [batch, heads, q, k]
-    weights in the probe pass is refused (on the meta device too: before any work). (TAPAS and XLM have table
-    entries since session 30, taken out here: the name-based path is still checked on them.)"""
+    weights in the probe pass is refused (on the meta device too: before any work). MPNet's, TAPAS's and XLM's table
+    entries (since session 30) are taken out too: the name-based path is still checked on them."""
     from headlab.adapters import families
 
     monkeypatch.delitem(families.UNSUPPORTED, model_type, raising=False)

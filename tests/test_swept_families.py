@@ -10,6 +10,8 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
   the fused gated rule (only where ``fc1`` is twice as wide as ``fc2``'s input);
 * LFM2's MLP (``w2(silu(w1 x) * w3 x)``, the activation a function call; refused until session 28): the
   activation and product rules of Llama's gated MLP, hooked on ``w1``, ``w3`` and ``w2`` (tests/test_lrp_norm_rules.py);
+* Gemma 3n (refused until session 30): AltUp's coefficients held constant, activation sparsity's ordinary backward
+  (tests/test_lrp_altup.py);
 * refused: Falcon-H1's Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is
   no block).
 
@@ -50,6 +52,12 @@ CONSERVING = {
     "gemma4_text": lambda: (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(
         **_GQA, layer_types=["sliding_attention", "full_attention"], sliding_window=4, global_head_dim=8,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)),
+    # AltUp's coefficients held constant, activation sparsity's ordinary backward (refused until session 30:
+    # tests/test_lrp_altup.py)
+    "gemma3n_text": lambda: (tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
+        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.95, 0.0])),
 }
 
 REFUSED = {
@@ -60,17 +68,11 @@ REFUSED = {
         **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
         num_local_experts=2, num_experts_per_tok=1)),
         r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
-    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, Gemma 3n's alternating updates (its per-layer inputs
-    # have a rule since session 29: tests/test_lrp_per_layer_inputs.py)
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU (Gemma 3n, refused here until session 30, conserves)
     "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
         **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
         lru_width=32)),
         r"RecurrentGemmaRglru \(model.layers.0.temporal_block.rg_lru\): a state-space \(or linear recurrent\)"),
-    "gemma3n_text": (lambda: (tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
-        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
-        num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.0, 0.0])),
-        r"Gemma3nTextAltUp \(model.layers.0.altup\): alternating updates"),
 }
 
 
@@ -98,7 +100,8 @@ def _data(model) -> tuple[ImportanceData, object]:
 @pytest.mark.parametrize("family", CONSERVING)
 def test_lrp_conserves_relevance(family):
     """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
-    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2 and gemma4_text were refused)."""
+    (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2, gemma4_text and
+    gemma3n_text were refused)."""
     model = _tiny(CONSERVING[family])
     check_rules(model)
     data, info = _data(model)
@@ -289,15 +292,6 @@ def test_a_bert_style_decoder_is_a_decoder(family):
     plain = _tiny(lambda: (cls, config_class(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                              intermediate_size=37, max_position_embeddings=64, pad_token_id=2)))
     assert [b.kind for b in attention_blocks(plain)] == ["enc_self", "enc_self"]
-
-
-def test_gemma3ns_alternating_updates_have_no_rule():
-    """Gemma 3n is refused for its AltUp module (its per-layer inputs have a rule since session 29)."""
-    from headlab.importance.rules import _no_rule
-
-    with torch.device("meta"):
-        model = _tiny(REFUSED["gemma3n_text"][0])
-    assert "alternating updates" in _no_rule(model.model.layers[0].altup, "model.layers.0.altup", set())
 
 
 NLLB_MOE = lambda: (tf.NllbMoeForConditionalGeneration, tf.NllbMoeConfig(  # noqa: E731

@@ -60,6 +60,11 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
     return nn.Linear(n_in, n_out, bias=old.bias is not None, device=weight.device, dtype=weight.dtype)
 
 
+LIST_OUTPUTS = frozenset({"transformers.models.openai.modeling_openai.Attention"})
+"""Attention classes whose forward returns a list, which their caller extends with a list (GPT-1's ``Block``:
+``[h] + attn_outputs[1:]``; a tuple there raises): a layer of theirs with no head left returns a list too."""
+
+
 class NoHeadAttention(nn.Module):
     """An attention layer with no head left: Concat() W^O + b = b at every position (plus the
     residual where the attention adds it itself: ``residual`` = (argument name, position); ALBERT
@@ -86,6 +91,8 @@ class NoHeadAttention(nn.Module):
             if not name.startswith("_") and "head" not in name and name not in vars(self) and \
                     isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
+        self.list_output = f"{type(original).__module__}.{type(original).__qualname__}" in LIST_OUTPUTS or \
+            getattr(original, "list_output", False) is True
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -122,7 +129,7 @@ class NoHeadAttention(nn.Module):
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
-        return (out, *extras)
+        return [out, *extras] if self.list_output else (out, *extras)
 
     def _selection(self, hidden_states, kwargs):
         """The top-k keys this layer hands the next (GLM-MoE-DSA's "shared" layers attend to the previous
@@ -247,7 +254,8 @@ def alibi_hook(cls: type, name: str = "alibi"):
     kept (``module._headlab_kept_heads`` of ``module._headlab_original``), and the attention
     mask's too where Falcon folded the biases into it (Press et al. 2022: a head's bias depends
     on its original index only). ``name``: the forward's argument holding them (MPT's ``position_bias``,
-    ``[heads, 1, keys]``, sliced as Bloom's)."""
+    ``[heads, 1, keys]``, sliced as Bloom's; MPNet's, a relative position bias its encoder computes once for all the
+    config's heads, ``[batch, heads, q, k]``, as Falcon's)."""
     import inspect
 
     position = list(inspect.signature(cls.forward).parameters).index(name) - 1  # without self
@@ -261,7 +269,7 @@ def alibi_hook(cls: type, name: str = "alibi"):
         if alibi is None:  # rotary Falcon
             return args, kwargs
         index = torch.tensor(kept, dtype=torch.long, device=alibi.device)
-        if alibi.dim() == 4:  # Falcon: [batch, heads, 1, keys]
+        if alibi.dim() == 4:  # Falcon: [batch, heads, 1, keys]; MPNet's relative bias [batch, heads, q, k]
             alibi = alibi.index_select(1, index)
         else:  # Bloom: [batch * heads, 1, keys]; MPT: [heads, 1, keys]
             alibi = alibi.reshape(-1, original, *alibi.shape[1:]).index_select(1, index).flatten(0, 1)

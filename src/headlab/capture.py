@@ -90,7 +90,7 @@ def _switch(model: nn.Module, configs: list, names: list[str]) -> None:
 
 def _find_probs(block: AttentionBlock, output: Any) -> torch.Tensor:
     """The attention probabilities in a core module's output tuple, shape-checked."""
-    items = output if isinstance(output, tuple) else (output,)
+    items = output if isinstance(output, (tuple, list)) else (output,)  # GPT-1's attention returns a list
     index = block.family.probs_index
     candidates = [items[index]] if 0 <= index < len(items) else list(items)
     for item in candidates:

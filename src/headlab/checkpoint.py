@@ -58,9 +58,12 @@ _MULTIMODAL = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM")
 # pre-training checkpoints carry a pooler and a next-sentence head that the masked-LM class lacks.
 # GPT-Neo checkpoints saved before its causal-mask buffers became non-persistent (EleutherAI's, 2021) hold each
 # layer's ``bias`` (the causal or windowed mask, which transformers 5.24 rebuilds from the config) and the unused
-# ``masked_bias`` (-1e9): transformers lists both as unexpected and loads without them.
+# ``masked_bias`` (-1e9): transformers lists both as unexpected and loads without them. GPT-1's (openai-gpt, saved in
+# 2019 when its causal mask ``h.N.attn.bias`` was a persistent buffer; OpenAIGPTModel, unlike GPT-2's classes, does not
+# list it in ``_keys_to_ignore_on_load_unexpected``) the same.
 ALLOWED_UNEXPECTED = (r"(^|\.)pooler\.dense\.(weight|bias)$", r"^cls\.seq_relationship\.(weight|bias)$",
-                      r"^(transformer\.)?h\.\d+\.attn\.attention\.(bias|masked_bias)$")
+                      r"^(transformer\.)?h\.\d+\.attn\.attention\.(bias|masked_bias)$",
+                      r"^(transformer\.)?h\.\d+\.attn\.bias$")
 _ALLOWED_UNEXPECTED = re.compile("|".join(ALLOWED_UNEXPECTED))
 
 

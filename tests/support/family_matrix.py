@@ -130,6 +130,14 @@ ANALYSED = {
     "xglm": lambda: (tf.XGLMForCausalLM, tf.XGLMConfig(
         vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=37, max_position_embeddings=64,
         **_SPECIAL)),
+    # MPNet: BERT-like post-norm layers, q/k/v/o inside its self-attention, a relative position bias (32 buckets x
+    # heads) computed once in the encoder and added in every layer
+    "mpnet": lambda: (tf.MPNetForMaskedLM, tf.MPNetConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, **_SPECIAL)),
+    # OpenAI GPT (GPT-1): Conv1D c_attn [q | k | v], post-norm blocks, its own causal buffer
+    "openai-gpt": lambda: (tf.OpenAIGPTLMHeadModel, tf.OpenAIGPTConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
     **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
@@ -159,10 +167,12 @@ VALUES = {
     "roformer": (lambda m, i: m.roformer.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D),
                  4),
     "xglm": (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
+    "mpnet": (lambda m, i: m.mpnet.encoder.layer[i].attention.attn.v, lambda j: range(j * D, (j + 1) * D), 4),
+    "openai-gpt": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 4), 4),  # c_attn(x).split(split_size)
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
-ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer"}
+ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer", "mpnet"}
 
 # Families headlab refuses, before any work.
 REFUSED = {
@@ -501,11 +511,16 @@ def check_streamed_chunks_equal_capture(model, inputs: dict, record) -> torch.Te
 def zero_values(model, values, layer: int, kv_head: int) -> None:
     """Zero key/value head ``kv_head``'s value weights and biases in place (``values``: the family's
     ``(module(model, layer), rows(kv_head), n_kv_heads)``, read off the modeling code): its heads then output 0."""
+    from transformers.pytorch_utils import Conv1D
+
     module_of, rows, _ = values
     module = module_of(model, layer)
     index = torch.tensor(list(rows(kv_head)))
     with torch.no_grad():
-        module.weight[index] = 0
+        if isinstance(module, Conv1D):  # GPT-1's c_attn: weight [in, out], an output is a column
+            module.weight[:, index] = 0
+        else:
+            module.weight[index] = 0
         if module.bias is not None:
             module.bias[index] = 0
 
@@ -563,10 +578,11 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
     nor ``y``. An LM head that never calls its output layer (MobileBERT's multiplies the weights itself)
     explains the logit. ``rtol``/``atol``: the tolerance (1e-12 in float64 shows a rule that is only
     close). A model with per-layer inputs (Gemma 3n, Gemma 4) sends relevance to its per-layer token embeddings
-    too, an input of their own: theirs is added (what compute_lrp counts as input relevance). The number of calls
-    of ``first_layer`` back."""
+    too, an input of their own: theirs is added (what compute_lrp counts as input relevance). Gemma 3n's relevance
+    is measured at its input embeddings (the input of per_layer_model_projection), from which the AltUp streams that
+    ``first_layer`` reads are made. The number of calls of ``first_layer`` (or that cut) back."""
     from headlab.capture import eager_attention
-    from headlab.importance.rules import lrp_rules, per_layer_embeddings
+    from headlab.importance.rules import altup_inputs, lrp_rules, per_layer_embeddings
 
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -585,7 +601,9 @@ def check_lrp_conserves(model, first_layer: torch.nn.Module, unit_gain: bool = T
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
             # Recorded from here only: entering lrp_rules reads the blocks, which on a model whose blocks were
             # never read runs discovery's probe forward (under no_grad): its first call is not the one explained.
-            handles = [first_layer.register_forward_pre_hook(
+            # Gemma 3n: its input embeddings, which its AltUp streams (the first layer's input) are made from
+            cut = next(iter(altup_inputs(model)), first_layer)
+            handles = [cut.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True),
                 model.get_output_embeddings().register_forward_hook(lambda module, args, output: heads.append(output))]

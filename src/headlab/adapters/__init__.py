@@ -267,7 +267,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     A module that looks like attention by its projections' names but did not call the interface
     is refused, as is one whose heads' outputs do not reach the output projection as they are.
     Where no module calls the interface (transformers' own older modeling code without a table
-    entry: MPNet, Nystromformer...) or the probe cannot run (even with values in a meta-device model's place), a model
+    entry: Nystromformer, TrOCR...) or the probe cannot run (even with values in a meta-device model's place), a model
     class that transformers ships keeps the name-based discovery of :data:`_GENERIC_SCHEMES`;
     any other model is refused. ``idle`` receives the names of the blocks the probe forward did not run.
     """
@@ -641,7 +641,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     if type(core).__name__ in CORE_CLASSES_REFUSED:
         raise HeadlabError(f"{where}: {type(core).__name__}: {CORE_CLASSES_REFUSED[type(core).__name__]}")
     d_head = family.d_head or getattr(core, family.d_head_attr, None)
-    if d_head is None and type(core).__name__ == "NoHeadAttention":
+    # (read off the core, not the entry: GPT-1's entry gives a head size from the config, its stand-in none)
+    if type(core).__name__ == "NoHeadAttention" and getattr(core, family.d_head_attr, None) is None:
         # A layer pruned to no head, loaded by transformers alone (the directory's pruned_heads.py): the
         # model does not know the heads' original numbering, which headlab's results are given in.
         raise HeadlabError(f"{where}: a layer pruned by headlab, loaded without headlab; load the pruned "

@@ -56,12 +56,14 @@ class Family:
     alibi_argument: str = "alibi"
     """The ``core`` forward's argument holding ALiBi biases built once for all the config's heads, in head order,
     that a pruned layer must get the rows of its kept heads of (Bloom's and Falcon's ``alibi``; MPT's
-    ``position_bias``, ``[heads, 1, keys]``), where the forward takes one."""
+    ``position_bias``, ``[heads, 1, keys]``; MPNet's relative ``position_bias``, ``[batch, heads, q, k]``), where the
+    forward takes one."""
     residual_argument: tuple[str, int] | None = None
     """(name, position) of the ``core`` forward's argument that it adds to its output (Bloom's
     ``residual``): a layer left with no head still adds it."""
     d_head: int = 0
-    """The head size, where run-time discovery measured it (0: read ``d_head_attr``)."""
+    """The head size, where run-time discovery measured it or the config gives it (GPT-1's attention keeps none;
+    0: read ``d_head_attr``)."""
     d_qk: int = 0
     """The query/key head size where discovery measured one other than ``d_head`` (MiMo-V2-Flash: 192 against
     value heads of 128); 0: the same as ``d_head``."""
@@ -658,6 +660,46 @@ XGLM = Family(
 )
 
 
+# MPNet (MPNetForMaskedLM, transformers 5.24): encoder.layer.N.attention.attn (MPNetSelfAttention), outside the
+# attention interface: q/k/v viewed [batch, seq, -1, attention_head_size], softmax(q k^T / sqrt(d) + position_bias +
+# mask), o(merged heads) inside it; returns the probabilities only with output_attentions (its 4th argument,
+# passed by keyword). position_bias ([batch, heads, q, k]) is computed once by MPNetEncoder from its one
+# relative_attention_bias (buckets x config heads) and handed to every layer by position: a pruned layer gets the
+# columns of the heads it kept (alibi_argument's hook, as MPT's ALiBi), the shared table stays whole.
+MPNET = Family(
+    name="mpnet",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention\.attn$"),),
+    q="q", k="k", v="v", o="o",
+    d_head_attr="attention_head_size",
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),
+    probs_argument=("output_attentions", 3),
+    alibi_argument="position_bias",
+)
+
+
+# OpenAI GPT (GPT-1, OpenAIGPTLMHeadModel, transformers 5.24): h.N.attn (``Attention``), outside the attention
+# interface: Conv1D c_attn split at split_size into [all q | all k | all v], each viewed [.., n_head, width // n_head];
+# (q k^T / sqrt(d) with ``scale``) * causal buffer ``bias`` + -1e4 where it is 0, + mask, softmax; c_proj(merged);
+# returns [output, probs] (a list) only with output_attentions (its 3rd argument, by keyword). It keeps no head size:
+# the config's n_embd / n_head (:func:`openai_gpt`).
+OPENAI_GPT = Family(
+    name="openai-gpt",
+    patterns=(("dec_self", r"(?:^|\.)h\.(\d+)\.attn$"),),
+    q=None, k=None, v=None, o="c_proj", qkv="c_attn", qkv_layout="q|k|v",
+    d_head_attr="",
+    head_count_attrs=("n_head",),
+    width_attrs=("split_size",),
+    probs_argument=("output_attentions", 2),
+)
+
+
+def openai_gpt(config: Any) -> Family:
+    """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
+    model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
+    return replace(OPENAI_GPT, d_head=config.n_embd // config.n_head)
+
+
 # XLM (XLMWithLMHeadModel, transformers 5.24) and FlauBERT (FlaubertModel's attention is XLM's MultiHeadAttention,
 # copied): its parallel module lists hold the attention modules themselves (``attentions.N``, beside layer_norm1.N,
 # ffns.N, layer_norm2.N), outside the attention interface: q_lin/k_lin/v_lin viewed [batch, seq, n_heads, head_dim],
@@ -716,6 +758,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_neo": GPT_NEO,
     "git": GIT,
     "xglm": XGLM,
+    "mpnet": MPNET,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
@@ -749,7 +792,7 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "xlm": xlm, "flaubert": xlm,
+CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "xlm": xlm, "flaubert": xlm,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
                    # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
@@ -785,8 +828,8 @@ UNSUPPORTED: dict[str, str] = {
     **{model_type: f"{name}'s attention does not go through transformers' attention interface and returns its "
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
-       for model_type, name in (("mpnet", "MPNet"), ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"),
-                                ("fsmt", "FSMT"), ("funnel", "Funnel Transformer"))},
+       for model_type, name in (("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"),
+                                ("funnel", "Funnel Transformer"))},
     # the family sweep (skip27A): found no block (Funnel) / "two modules claim dec_self layer 0" (BLT)
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
            "transformer over patches and a local decoder (with cross-attention between bytes and patches), each with "

@@ -58,6 +58,8 @@ from headlab.importance.common import block_scores
 from headlab.importance.measure import ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import (
+    altup_inputs,
+    altup_models,
     called_gated_mlps,
     check_rules,
     clamped_gated_mlps,
@@ -167,7 +169,9 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     what transformers calls ``hidden_states[0]``: relevance reaching them has crossed every
     layer; position embeddings, embedding scales and norms are on their near side. Recorded by
     a pre-hook on the layer holding each stack's first attention block (``output_hidden_states``
-    would leave transformers' recording hooks on the model)."""
+    would leave transformers' recording hooks on the model). Gemma 3n's text model: the input of
+    ``per_layer_model_projection`` instead, the input embeddings its AltUp streams and per-layer inputs are both
+    made from (:func:`headlab.importance.rules.altup_inputs`)."""
     found: list[torch.Tensor] = []
     names = dict(model.named_modules())
     firsts: dict[str, AttentionBlock] = {}
@@ -178,6 +182,11 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
     layers = {id(names[_layer_path(b.name)]): names[_layer_path(b.name)] for b in firsts.values()}
+    # Gemma 3n: the first layer reads a stack of AltUp streams made from the input embeddings, which the per-layer
+    # inputs read too (through per_layer_model_projection): the input embeddings themselves are the cut
+    for text, projection in zip(altup_models(model), altup_inputs(model)):
+        if layers.pop(id(cast(nn.ModuleList, text.layers)[0]), None) is not None:
+            layers[id(projection)] = projection
     applications = Applications(list(firsts.values()))
     shared = {id(names[_layer_path(b.name)]): b.core for b in firsts.values() if b.shared}
 
@@ -366,7 +375,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         if projection is None or module.norm or not isinstance(getattr(projection, "bias", None), torch.Tensor):
             return None
         out = probe(projection, args, output[0])
-        return None if out is None else (out, *output[1:])
+        return None if out is None else type(output)([out, *output[1:]])  # GPT-1's list stays a list
 
     handles = HookHandles()
     try:

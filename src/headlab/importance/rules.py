@@ -41,6 +41,11 @@ The other rules become ordinary backward passes once the right factors are detac
   per-layer token embedding): the product rule above, as for a gated MLP, ``R(p)`` reaching the input embeddings
   through ``per_layer_model_projection`` and the per-layer token embedding, an input of its own that lrp.py counts
   with them (:class:`_PerLayerInputProduct`, where the choice of rule is argued);
+* alternating updates (Gemma 3n's AltUp: several residual streams mixed by coefficients its router computes from
+  them): the router's output detached, so predict and correct are weighted sums of the streams, and the magnitude
+  ratios that make and put back the streams held constant as an RMS norm's (:class:`_AltUpStreams`); Gemma 3n's
+  activation sparsity ``relu(x - mean(x) - z std(x))`` keeps its ordinary backward, exact by Euler's theorem as it is
+  positively homogeneous of degree one (:func:`_sparsity_is_homogeneous`);
 * GPT-OSS's clamped SwiGLU ``(clamp(up) + 1) * glu(clamp(gate))`` (its experts, MiniMax-M3's experts
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
@@ -92,7 +97,8 @@ from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.surgery import head_row_modules
 
-__all__ = ["called_gated_mlps", "check_rules", "clamped_gated_mlps", "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
+__all__ = ["altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
+           "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
            "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "relevance",
            "routed_experts"]
 
@@ -473,6 +479,14 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         raise HeadlabError("LRP: no rule for this model's per-layer inputs: its layers multiply by a per-layer input "
                            "(per_layer_input_gate, per_layer_projection), but it has no per-layer token embedding "
                            "(embed_tokens_per_layer) where the relevance sent into them could be counted")
+    ruled = {id(layer.altup) for text in altup_models(model) for layer in cast(nn.ModuleList, text.layers)}
+    for path, module in model.named_modules():
+        if _is_altup(module) and id(module) not in ruled:
+            raise HeadlabError(
+                f"LRP: no rule for the alternating updates {type(module).__name__} ({path}): headlab's rule is for "
+                "Gemma 3n's text model (every layer's altup, the streams made by altup_projections and put back by "
+                "altup_unembed_projections before its norm, per_layer_model_projection reading the input "
+                "embeddings), and this one is not laid out so; the other measures work on the attention layers")
     unruled = _unruled(model, blocks)
     if not unruled:
         return unruled
@@ -607,22 +621,18 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
         return ("a token mixer named attention that is none of the attention blocks headlab found (MiniMax's "
                 "lightning attention: linear attention, no per-head probabilities), and none of its rules covers "
                 "it, so relevance would not be conserved; the other measures work on the attention blocks")
-    children = dict(module.named_children())
-    if all(isinstance(children.get(n), nn.Linear) for n in ("prediction_coefs", "correction_coefs")):
-        return ("alternating updates (Gemma 3n's AltUp): the residual stream is several streams, mixed by "
-                "coefficients computed from the input (products of two functions of it), which none of headlab's "
-                "rules splits, so relevance would not be conserved; the other measures work on the attention layers")
     act = getattr(module, "act_fn", None)
     if _has_per_layer_input(module) and not (isinstance(act, nn.Module) and _is_activation(act)):
         return ("per-layer inputs (Gemma 3n's, Gemma 4's) without an activation module act_fn: the rule splits "
                 "act(per_layer_input_gate(h)) * per_layer_input with the activation rule on act's output, which "
                 "cannot be applied to an activation called as a function, so relevance would not be conserved; the "
                 "other measures work on the attention layers")
-    if callable(getattr(module, "_gaussian_topk", None)) and (getattr(module, "activation_sparsity", 0) or 0) > 0:
-        return ("activation sparsity (Gemma 3n's Gaussian top-k: relu(x - mean(x) - z * std(x)) before the MLP's "
-                "activation, activation_sparsity_pattern > 0 in this layer): its cutoff is a function of all of the "
-                "gate's neurons, which none of headlab's rules holds constant, so relevance would not be conserved; "
-                "the other measures work on the attention layers")
+    if callable(getattr(module, "_gaussian_topk", None)) and (getattr(module, "activation_sparsity", 0) or 0) > 0 \
+            and not _sparsity_is_homogeneous(module):
+        return ("activation sparsity (a _gaussian_topk before the MLP's activation) that is not positively "
+                "homogeneous of degree one on a probe (Gemma 3n's relu(x - mean(x) - z * std(x)) is: f(2x) = 2 f(x), "
+                "so its ordinary backward conserves relevance), so relevance would not be conserved; the other "
+                "measures work on the attention layers")
     if _clamped_gated_parts(module) is not None and _clamped_gate(module) is None:
         return ("a gated MLP down(gate(gate_up x)) with a clamp limit and no activation module whose forward is not "
                 "GPT-OSS's clamped SwiGLU (clamp(up) + 1) * g * sigmoid(alpha * g) on a probe (MiniMax-M3's is), so "
@@ -943,6 +953,172 @@ class _PerLayerInputProduct:
                 raise HeadlabError(f"LRP: the input of {type(module).__name__} is not {self.formula}; headlab has no "
                                    "LRP rule for these per-layer inputs")
         return (_swap_backward(v, _product(a, p).to(v.dtype)), *args[1:])
+
+
+_ALTUP_PARTS = ("prediction_coefs", "correction_coefs", "modality_router")
+
+
+def _is_altup(module: nn.Module | None) -> bool:
+    """Gemma 3n's alternating updates (``Gemma3nTextAltUp``): ``prediction_coefs``, ``correction_coefs`` and
+    ``modality_router``, linear maps."""
+    return module is not None and all(isinstance(getattr(module, name, None), nn.Linear) for name in _ALTUP_PARTS)
+
+
+def altup_models(model: nn.Module) -> list[nn.Module]:
+    """The text models of ``model`` with alternating updates laid out as Gemma 3n's (``Gemma3nTextModel``, transformers
+    5.24): ``layers`` whose ``altup`` is an AltUp module, the streams made from the input embeddings by
+    ``altup_projections`` and put back by ``altup_unembed_projections`` before ``norm``, and
+    ``per_layer_model_projection`` reading the input embeddings (:class:`_AltUpStreams`)."""
+    found = []
+    for module in model.modules():
+        layers: Any = getattr(module, "layers", None)
+        if all(isinstance(getattr(module, name, None), nn.ModuleList)
+               for name in ("layers", "altup_projections", "altup_unembed_projections")) \
+                and isinstance(getattr(module, "per_layer_model_projection", None), nn.Linear) \
+                and isinstance(getattr(module, "norm", None), nn.Module) and len(layers) > 0 \
+                and all(_is_altup(getattr(layer, "altup", None)) for layer in layers):
+            found.append(module)
+    return found
+
+
+def altup_inputs(model: nn.Module) -> list[nn.Module]:
+    """The ``per_layer_model_projection`` of each of :func:`altup_models`: its input is the text model's input
+    embeddings, the tensor the AltUp streams are made from and the per-layer inputs projected from. LRP's input
+    relevance is measured there, not at the first layer's input (the stack of streams, a copy), so that the share
+    the per-layer inputs send through ``per_layer_model_projection`` is counted with the rest."""
+    return [cast(nn.Module, text.per_layer_model_projection) for text in altup_models(model)]
+
+
+def _held_magnitude(target: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x * stop(rms(target) / rms(x))``, Gemma 3n's rescaling of an AltUp stream to the magnitude of the first
+    (``Gemma3nTextModel.forward``: ``x * target_magnitude / new_magnitude``, the mean square of ``x`` clamped at
+    1e-5), the ratio held constant as the RMS norms' ``1 / rms`` is."""
+    with torch.no_grad():
+        target_magnitude = torch.mean(target ** 2, dim=-1, keepdim=True) ** 0.5
+        new_magnitude = torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+        ratio = target_magnitude / new_magnitude
+    return x * ratio
+
+
+class _AltUpStreams:
+    """The rules for Gemma 3n's alternating updates (AltUp, Baykal et al. 2023), around its text model.
+
+    The residual stream is ``K`` streams ``s_0..s_{K-1}`` (transformers 5.24, ``Gemma3nTextModel.forward``,
+    ``Gemma3nTextAltUp``, ``Gemma3nTextDecoderLayer.forward``):
+
+    * made from the input embeddings ``e``: ``s_0 = e``, ``s_i = P_i e * rms(e) / rms(P_i e)``;
+    * each layer predicts ``s'_j = s_j + sum_i c_ij s_i`` and corrects ``s''_j = s'_j + (1 + d_j) (y - s'_a)``
+      (``a`` the active stream, ``y`` the layer's output on it), the coefficients ``c = prediction_coefs(r)`` and
+      ``d = correction_coefs(r)`` computed by the router ``r = tanh(modality_router(norm(x) / D))`` from the stream
+      (``x = s_a``, then ``y``);
+    * put back: ``norm(mean_i u_i)``, ``u_0 = s_0``, ``u_i = U_i s_i * rms(s_0) / rms(U_i s_i)``.
+
+    The router's output is detached, so ``c`` and ``d`` are constants of the backward pass, as the attention
+    weights and the routing weights of the experts are (LXT's CP-LRP, after Ali et al. 2022, holds such a
+    coefficient constant): predict and correct are then weighted sums of the streams, whose ordinary backward
+    conserves relevance; the router's own input path gets none. The magnitude ratios ``rms(e) / rms(P_i e)`` and
+    ``rms(s_0) / rms(U_i s_i)`` are held constant as the RMS norms' ``1 / rms`` is (AttnLRP's identity rule on
+    normalisations), so ``s_i`` and ``u_i`` are linear maps of ``e`` and of ``s_i``. Their plain gradient would
+    conserve too (each is homogeneous of degree one, Euler's theorem) but would send the share of ``u_i`` to
+    ``s_0`` through its magnitude. Both ends are pre-hooks that swap the backward of the tensor the model computed
+    (the first layer's input, the final norm's), after checking, on every call, that it equals the rule's
+    recomputation; ``e`` is where lrp.py measures input relevance (:func:`altup_inputs`)."""
+
+    def __init__(self, text: nn.Module) -> None:
+        self.name = type(text).__name__
+        self.first = next(iter(cast(nn.ModuleList, text.altup_projections)), None)
+        self.projected: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.unembedded: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def keep_projected(self, module, args, output):
+        if module is self.first:  # a new forward (an earlier one may have stopped before the first layer)
+            self.projected = []
+        self.projected.append((args[0], output))
+
+    def keep_last(self, module, args, output):
+        self.last = output if isinstance(output, torch.Tensor) else None
+        self.unembedded = []
+
+    def keep_unembedded(self, module, args, output):
+        self.unembedded.append(output)
+
+    def _refuse(self, where: str) -> HeadlabError:
+        return HeadlabError(f"LRP: {where} of {self.name} is not what Gemma 3n's alternating updates compute "
+                            "(transformers 5.24, Gemma3nTextModel.forward); headlab has no LRP rule for these streams")
+
+    def pre_first(self, module, args, kwargs):
+        projected, self.projected = self.projected, []
+        stack = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(stack, torch.Tensor) or stack.dim() != 4 or stack.shape[0] != len(projected) + 1 \
+                or any(x is not projected[0][0] for x, _ in projected[1:]):
+            raise self._refuse("the input of the first layer")
+        if not projected:  # one stream: the input embeddings themselves, stacked
+            return None
+        e = projected[0][0]
+        surrogate = torch.stack([e, *(_held_magnitude(e, p) for _, p in projected)])
+        with torch.no_grad():
+            if surrogate.shape != stack.shape or not torch.allclose(surrogate, stack, rtol=1e-3, atol=1e-5):
+                raise self._refuse("the input of the first layer")
+        swapped = _swap_backward(stack, surrogate.to(stack.dtype))
+        if args:
+            return (swapped, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": swapped}
+
+    def pre_norm(self, module, args):
+        last, unembedded = self.last, self.unembedded
+        self.last, self.unembedded = None, []
+        v = args[0]
+        if last is None or last.dim() != 4 or last.shape[0] != len(unembedded) + 1 or last.shape[1:] != v.shape:
+            raise self._refuse("the input of the final norm")
+        surrogate = torch.stack([last[0], *(_held_magnitude(last[0], u) for u in unembedded)]).mean(dim=0)
+        with torch.no_grad():
+            if not torch.allclose(surrogate, v, rtol=1e-3, atol=1e-5):
+                raise self._refuse("the input of the final norm")
+        return (_swap_backward(v, surrogate.to(v.dtype)), *args[1:])
+
+
+def _altup_hooks(text: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """(module, kind, hook) of :class:`_AltUpStreams` and the routers' detaches for one of :func:`altup_models`."""
+    streams = _AltUpStreams(text)
+    layers = cast(nn.ModuleList, text.layers)
+    hooks: list[tuple[nn.Module, str, Any]] = [(p, "forward", streams.keep_projected)
+                                               for p in cast(nn.ModuleList, text.altup_projections)]
+    hooks.append((layers[0], "pre_kwargs", streams.pre_first))
+    hooks.append((layers[-1], "forward", streams.keep_last))
+    hooks += [(u, "forward", streams.keep_unembedded) for u in cast(nn.ModuleList, text.altup_unembed_projections)]
+    hooks.append((cast(nn.Module, text.norm), "pre", streams.pre_norm))
+    # the coefficients of predict and correct: constants of the backward pass
+    hooks += [(cast(nn.Module, cast(nn.Module, layer.altup).modality_router), "forward", _detach_output)
+              for layer in layers]
+    return hooks
+
+
+def _register_altup(text: nn.Module, handles: HookHandles) -> None:
+    for module, kind, hook in _altup_hooks(text):
+        if kind == "forward":
+            handles.append(module.register_forward_hook(hook))
+        elif kind == "pre_kwargs":
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        else:
+            handles.append(module.register_forward_pre_hook(hook))
+
+
+def _sparsity_is_homogeneous(module: nn.Module) -> bool:
+    """Whether ``module._gaussian_topk`` (Gemma 3n's activation sparsity, ``relu(x - mean(x) - z * std(x))`` over
+    the gate's neurons) is positively homogeneous of degree one on a probe: ``f(2 x) == 2 f(x)``, what makes its
+    ordinary backward conserve relevance (Euler: ``sum_i x_i df/dx_i = f(x)``)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, 64), generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            topk: Any = module._gaussian_topk
+            once, twice = topk(x), topk(2 * x)
+    except Exception:  # noqa: BLE001  # any failure: not the function the rule assumes
+        return False
+    # all zeros (a sparsity near one on a small probe) is homogeneous too, and conserves
+    return isinstance(once, torch.Tensor) and once.shape == x.shape \
+        and torch.allclose(twice, 2 * once, rtol=1e-9, atol=1e-12)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -1573,6 +1749,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             # after the activation rule (hooked above), so it keeps the rule's output
             handles.append(cast(nn.Module, layer.act_fn).register_forward_hook(per_layer.keep_gate))
             handles.append(cast(nn.Module, layer.per_layer_projection).register_forward_pre_hook(per_layer.pre_projection))
+        for text in altup_models(model):
+            _register_altup(text, handles)
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))
