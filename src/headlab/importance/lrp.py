@@ -75,6 +75,7 @@ from headlab.importance.rules import (
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
 from headlab.portable_code import NoHeadAttention
 from headlab.shard import Ledger, active
+from headlab.surgery import head_biases
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
            "normalize_per_layer", "sample_targets"]
@@ -372,8 +373,32 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         out = probe(projection, args, output[0])
         return None if out is None else type(output)([out, *output[1:]])  # GPT-1's list stays a list
 
+    def head_bias_probe(block: AttentionBlock):
+        # biases the forward adds to the fused projection's query and value heads after it (DeBERTa v1's q_bias and
+        # v_bias: Family.head_biases): the same probe, at their columns of the projection's output (the query's gets
+        # no gradient there, the query columns being detached by the rules)
+        q, _, v = block.qkv_columns()
+        parts = [(owner, name, (q if part == "q" else v).reshape(-1)) for owner, name, part in head_biases(block)]
+
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or output.dim() < 2 \
+                    or output.shape[:-1].numel() % batch_size:
+                return None
+            full = output.new_zeros(output.shape[-1])
+            for owner, name, columns in parts:
+                full = full.index_copy(0, columns.to(full.device), getattr(owner, name).detach().to(full.dtype))
+            s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
+            probes.append(s)
+            kept = full * s
+            return output + (kept - kept.detach())
+
+        return hook
+
     handles = HookHandles()
     try:
+        for block in attention_blocks(model):
+            if block.qkv is not None and block.n_heads and head_biases(block):
+                handles.append(block.qkv.register_forward_hook(head_bias_probe(block), prepend=True))
         for module in model.modules():
             if isinstance(module, NoHeadAttention):
                 handles.append(module.register_forward_hook(no_head_probe, prepend=True))

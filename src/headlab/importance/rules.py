@@ -1671,7 +1671,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
         return list(_latent_attention_hooks(block))
     if block.qkv is not None and block.family.qkv_layout != "q|k|v":
-        return [(block.qkv, _detach_columns(block))]
+        # DeBERTa v1's position projections (head rows: the relative embeddings' keys and queries) with them
+        return [(block.qkv, _detach_columns(block)), *((module, _detach_output) for module in head_row_modules(block))]
     if block.qkv is not None:
         width = (block.n_heads + block.n_kv_heads) * block.d_head
         return [(block.qkv, _detach_qk_columns(width, _clip(block)))]
