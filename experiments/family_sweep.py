@@ -463,10 +463,14 @@ def value_rows(block, kv_head: int):
     fused projection: the columns headlab's layout table gives, the table families' hand-read layouts
     being tested in tests/test_more_families.py)."""
     v = block.v if block.v is not None else block.qkv
-    rows = torch.arange(kv_head * block.d_head, (kv_head + 1) * block.d_head)
-    if block.v is None:
-        rows = block.qkv_columns()[2][rows]
+    entries = torch.arange(kv_head * block.d_head, (kv_head + 1) * block.d_head)
+    rows = entries if block.v is not None else block.qkv_columns()[2].reshape(-1)[entries]
     with torch.no_grad():
+        # a value bias the forward adds after the fused projection (DeBERTa v1's v_bias: Family.head_biases)
+        for path, part in block.family.head_biases:
+            owner, _, name = path.rpartition(".")
+            if part == "v":
+                getattr(block.module.get_submodule(owner), name)[entries] = 0
         if isinstance(v, torch.nn.Linear):
             v.weight[rows] = 0
         else:  # Conv1D: weight [in, out]

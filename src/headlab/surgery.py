@@ -167,6 +167,18 @@ def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def head_biases(block: AttentionBlock) -> list[tuple[nn.Module, str, str]]:
+    """The parameters of ``block.family.head_biases`` (``d_head`` entries per head), as (owning module, name, "q" or
+    "v"); a layer left with no head has none (its stand-in adopts the original's sub-modules, not its parameters)."""
+    found = []
+    for path, part in block.family.head_biases:
+        owner_path, _, name = path.rpartition(".")
+        owner = block.module.get_submodule(owner_path)
+        if isinstance(getattr(owner, name, None), torch.Tensor):
+            found.append((owner, name, part))
+    return found
+
+
 def head_column_modules(block: AttentionBlock) -> list[nn.Embedding]:
     """The embeddings of ``block.family.head_columns`` this block's core has (UMT5's cross-attention has none)."""
     found = [getattr(block.core, path, None) for path in block.family.head_columns]
@@ -381,6 +393,9 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         vector = getattr(owner, name)
         _replace(owner, name, vector.index_select(0, torch.tensor(keep, dtype=torch.long, device=vector.device)),
                  journal)
+    for owner, name, _ in head_biases(block):  # d entries per query head: DeBERTa v1's q_bias and v_bias
+        vector = getattr(owner, name)
+        _replace(owner, name, vector.index_select(0, q_index.to(vector.device)), journal)
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None:  # Doge's dt_proj and A: rows and entries per key/value head, columns per its values
         _slice_kv_dynamic_mask(block, *dynamic, kv_keep, journal)
@@ -1096,7 +1111,8 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     # Parameters the attention module holds itself, one value per head, other than those the family slices with
     # the heads (attention sinks: adapters.families.ATTENTION_SINKS): left whole, the pruned forward failed its
     # check with a shape error naming none of them (the session-26 sweep)
-    sliced = {id(getattr(owner, name)) for owner, name in head_vectors(block)}
+    biases = [(owner, name) for owner, name, _ in head_biases(block)]
+    sliced = {id(getattr(owner, name)) for owner, name in (*head_vectors(block), *biases)}
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None and block.n_heads:  # Doge's A and dt_proj, sliced with the key/value heads
         projection, owner, name = dynamic
@@ -1193,7 +1209,8 @@ def pruning_plan(model: nn.Module) -> dict:
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
-    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``); ``selected``
+    (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``) or of one head
+    size per head (``Family.head_biases``); ``selected``
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
     projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
@@ -1214,7 +1231,8 @@ def pruning_plan(model: nn.Module) -> dict:
                        emptied_projection if isinstance(emptied_projection, nn.Linear) else None):
             if module is not None:
                 plan["projections"][names[id(module)]] = list(_projection(module))
-        for owner, vector in (*head_vectors(block), *([dynamic[1:]] if dynamic else [])):
+        biases = [(owner, name) for owner, name, _ in head_biases(block)]
+        for owner, vector in (*head_vectors(block), *biases, *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)

@@ -653,6 +653,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     if family.qkv:
         qkv, q_width, kv_width = _fused_widths(where, module, core, family, o, d_head)
         q = k = v = None
+        if family.head_rows and q_width % d_head == 0:  # DeBERTa v1's position projections, viewed per head
+            _check_head_rows(where, module, core, family, q_width // d_head)
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None
         q_width, kv_width = in_features(o), family.kv_heads * d_head
@@ -698,6 +700,7 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         )
     n_heads, n_kv_heads = q_width // d_head, kv_width // d_head
     _check_head_vectors(where, module, family, n_heads)
+    _check_head_biases(where, module, family, n_heads * d_head)
     if getattr(core, "pretraining_tp", 1) > 1 and getattr(core, "slow_but_exact", False):
         raise HeadlabError(f"{where}: slow_but_exact with pretraining_tp > 1 multiplies the output projection's "
                            "weight slice by slice, past the module headlab masks heads at; load the model with "
@@ -740,6 +743,18 @@ def _check_head_vectors(where: str, module: nn.Module, family: Family, n_heads: 
             shape = "none" if vector is None else f"shape {list(vector.shape)}"
             raise HeadlabError(f"{where}: {path} ({shape}) is not one entry per head of the output projection's "
                                f"{n_heads}, which pruning would slice with the heads")
+
+
+def _check_head_biases(where: str, module: nn.Module, family: Family, width: int) -> None:
+    """Each of ``family.head_biases`` holds one head size per query head (``width``: the output projection's input)."""
+    for path, _ in family.head_biases:  # DeBERTa v1's q_bias, v_bias
+        vector = _parameter(module, path)
+        if vector is None and not width:  # a layer left with no head: its stand-in holds none
+            continue
+        if vector is None or vector.dim() != 1 or vector.shape[0] != width:
+            shape = "none" if vector is None else f"shape {list(vector.shape)}"
+            raise HeadlabError(f"{where}: {path} ({shape}) is not a bias of the output projection's width {width} "
+                               "(its heads' features), which pruning would slice with the heads")
 
 
 def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:

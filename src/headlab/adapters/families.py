@@ -95,6 +95,11 @@ class Family:
     (Mistral Large 4's ``softmax_scaling.scale`` and ``.bias``, :data:`HEAD_VECTORS`; the learned attention
     sinks of :data:`ATTENTION_SINKS`, held by the attention module itself): physical pruning keeps the kept
     heads' entries."""
+    head_biases: tuple[tuple[str, str], ...] = ()
+    """(path relative to the block, "q" or "v") of bias vectors that the forward adds to a fused projection's query
+    or value heads outside it, ``d_head`` entries per query head, head-major (DeBERTa v1's ``q_bias`` and ``v_bias``
+    beside its bias-free ``in_proj``): physical pruning keeps the kept heads' entries, and LRP's bias probes count
+    what they keep (at those columns of the projection's output)."""
     kv_dynamic_mask: tuple[str, ...] = ()
     """(projection, vector), paths relative to the block, of a dynamic mask per key/value head computed from the
     values of every key/value head (Doge's ``dt_proj`` and ``A``, :data:`KV_DYNAMIC_MASKS`): physical pruning keeps
@@ -526,6 +531,22 @@ DEBERTA_V2 = Family(
     probs_argument=("output_attentions", 2),
 )
 
+def deberta(config: Any) -> Family:
+    """DeBERTa v1 (DebertaForMaskedLM, transformers 5.24: ``DisentangledSelfAttention``, outside the attention
+    interface). ``in_proj`` (no bias) is viewed ``[batch, seq, heads, 3 * d]`` and chunked: per head ``[q | k | v]``;
+    ``q_bias`` and ``v_bias`` (``heads * d``, head-major) are added to the queries and values after it. With
+    ``relative_attention`` the relative embeddings (shared by every head) go through ``pos_proj`` (c2p, no bias) and
+    ``pos_q_proj`` (p2c), each viewed per head as the queries are: head rows, sliced with the heads and held constant
+    by LRP with the queries and keys. It returns (context, probs) only with ``output_attentions`` (position 2).
+    Talking heads (``talking_head``: ``head_logits_proj``/``head_weights_proj`` mix the heads' logits and weights)
+    are refused by :data:`UNSUPPORTED_CONFIGS`."""
+    kinds = getattr(config, "pos_att_type", None) or () if getattr(config, "relative_attention", False) else ()
+    rows = tuple((path, ("attention_head_size",)) for kind, path in (("c2p", "self.pos_proj"), ("p2c", "self.pos_q_proj"))
+                 if kind in kinds)
+    return replace(DEBERTA_V2, name="deberta", q=None, k=None, v=None, qkv="self.in_proj", qkv_layout="per-head",
+                   head_rows=rows, head_biases=(("self.q_bias", "q"), ("self.v_bias", "v")))
+
+
 MODERNBERT = Family(
     name="modernbert",
     patterns=(("enc_self", r"(?:^|\.)layers\.(\d+)\.attn$"),),
@@ -792,7 +813,8 @@ projection and ties none of them; a block of such a class (its class defined by 
 entry's projections, layout and bookkeeping, so that physical pruning slices it and LRP holds its query and key
 columns constant as for the tabled family."""
 
-CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "xlm": xlm, "flaubert": xlm,
+CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+                   "xlm": xlm, "flaubert": xlm,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
                    # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
@@ -804,8 +826,6 @@ CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": o
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
-    "deberta": "DeBERTa (v1) can mix its heads (talking-head projections) and has no adapter entry; "
-               "DeBERTa-v2 is supported",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
     # its audio tower's blocks and its language model's were both dec_self layer 0 ("two modules claim"), the probe
@@ -834,6 +854,14 @@ UNSUPPORTED: dict[str, str] = {
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
            "transformer over patches and a local decoder (with cross-attention between bytes and patches), each with "
            "its own layer 0: headlab numbers a model's layers per kind (enc_self, dec_self, dec_cross), in one stack",
+    # tab30c, read in transformers 5.24: ConvBertSelfAttention computes num_attention_heads // head_ratio attention
+    # heads and as many span-based dynamic convolution heads, concatenated before output.dense
+    "convbert": "ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads: the "
+                "convolution kernels are computed from every attention head's queries (query * key_conv_attn_layer, "
+                "then conv_kernel_layer over all heads' channels) and shaped by the attention head count, and "
+                "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
+                "head's weights cannot be removed without changing the convolution heads, and the dynamic "
+                "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
     "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
                   "probabilities are per window band), which headlab's analysis reads",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
@@ -866,6 +894,31 @@ def _big_bird(config: Any) -> str | None:
             "from_pretrained(..., attention_type='original_full')) to analyse it with full attention")
 
 
+def _deberta_talking_heads(config: Any) -> str | None:
+    if not getattr(config, "talking_head", False):
+        return None
+    return ("DeBERTa (v1) with talking_head=True mixes its heads (talking-head projections: head_logits_proj mixes "
+            "the heads' attention logits and head_weights_proj their attention weights, each head's output a mix "
+            "of every head's), so a head is not one head to capture, mask or prune; DeBERTa (v1) without "
+            "talking heads, and DeBERTa-v2, are supported")
+
+
+def _ibert(config: Any) -> str:
+    # read in transformers 5.24 (models/ibert): IBertSelfAttention returns ((context, probs), (scaling factors)),
+    # its projections are QuantLinear modules called with a scaling factor and returning (output, factor), its
+    # norms, activations and requantisations (IntLayerNorm, IntGELU, QuantAct) return pairs too
+    if getattr(config, "quant_mode", False):
+        return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
+                "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
+                "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
+                "has no rule for integer rounding: neither masking, pruning nor LRP would be exact")
+    return ("I-BERT (quant_mode=False, whose arithmetic is BERT's) has no adapter entry: its attention returns its "
+            "probabilities nested in pairs with scaling factors ((context, probs), factors), and its projections "
+            "(QuantLinear, with integer-weight buffers), norms (IntLayerNorm) and activations (IntGELU, QuantAct) take "
+            "and return (value, scaling factor) pairs, which headlab's capture, physical pruning, pruned-layer stand-in "
+            "and LRP rules do not read")
+
+
 def _xlm(config: Any) -> str | None:
     # XLMModel (and FlaubertModel) add lang_embeddings(langs) to the token embeddings where n_langs > 1 and
     # use_lang_emb; without langs they are left out, and the model runs on inputs unlike its training's
@@ -893,6 +946,6 @@ def _flaubert(config: Any) -> str | None:
     return _xlm(config)
 
 
-UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "xlm": _xlm,
-                                                               "flaubert": _flaubert}
+UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
+                                                               "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

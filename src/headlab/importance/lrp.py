@@ -75,6 +75,7 @@ from headlab.importance.rules import (
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
 from headlab.portable_code import NoHeadAttention
 from headlab.shard import Ledger, active
+from headlab.surgery import head_biases
 
 __all__ = ["LRP", "LRPOptions", "STRATEGIES", "TargetRelevance", "bootstrap_stderr", "compute_lrp", "head_relevance",
            "normalize_per_layer", "sample_targets"]
@@ -117,11 +118,33 @@ def _multiplying_head(model: nn.Module) -> nn.Module | None:
                  and getattr(m, "decoder", None) is output and output is not None), None)
 
 
+_EMBEDDING_HEADS = ("DebertaLMPredictionHead", "DebertaV2LMPredictionHead")
+
+
+def _embedding_head(model: nn.Module) -> nn.Module | None:
+    """DeBERTa's (v1, v2) LM head with ``legacy=False``: it computes its logits itself, as
+    ``LayerNorm(act(dense(x))) @ word_embeddings.weight^T + bias`` (transformers 5.24, the word embeddings handed to
+    its forward), while ``get_output_embeddings`` names its ``dense`` (hidden to hidden), whose output is not the
+    logits: that head, or None for any other model."""
+    output = output_layer(model)
+    return next((m for m in model.modules() if type(m).__name__ in _EMBEDDING_HEADS
+                 and getattr(m, "dense", None) is output and output is not None), None)
+
+
+def _logit_bias(model: nn.Module) -> torch.Tensor | None:
+    """The bias added to the logits themselves: the output layer's, or DeBERTa's embedding head's own."""
+    head = _embedding_head(model)
+    bias = getattr(head if head is not None else output_layer(model), "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
 def _output_weight(model: nn.Module) -> torch.Tensor:
     """``[vocab, d]``: the weight the logits are the product of ``z`` with (:func:`_lm_input`), detached."""
     head: Any = _multiplying_head(model)
     if head is not None:
         return torch.cat([head.decoder.weight.t(), head.dense.weight], dim=0).t().detach()
+    if _embedding_head(model) is not None:
+        return cast(torch.Tensor, cast(Any, model).get_input_embeddings().weight).detach()
     output = output_layer(model)
     assert output is not None  # head_relevance refuses a model without one first
     return cast(torch.Tensor, output.weight).detach()
@@ -130,7 +153,8 @@ def _output_weight(model: nn.Module) -> torch.Tensor:
 @contextmanager
 def _lm_input(model: nn.Module) -> Iterator[dict]:
     """Record the input of the output projection (the LM head's, or a classifier's last linear map);
-    of MobileBERT's, which is never called (:func:`_multiplying_head`), the output of ``transform``."""
+    of MobileBERT's, which is never called (:func:`_multiplying_head`), the output of ``transform``; of DeBERTa's
+    embedding head (:func:`_embedding_head`), the output of its ``LayerNorm``."""
     output = output_layer(model)
     assert output is not None  # head_relevance refuses a model without one first
     seen: dict = {}
@@ -139,8 +163,9 @@ def _lm_input(model: nn.Module) -> Iterator[dict]:
         seen["z"] = args[0]
 
     head: Any = _multiplying_head(model)
-    handle = head.transform.register_forward_hook(lambda module, args, out: hook(module, (out,))) \
-        if head is not None else output.register_forward_pre_hook(hook)
+    last = head.transform if head is not None else getattr(_embedding_head(model), "LayerNorm", None)
+    handle = last.register_forward_hook(lambda module, args, out: hook(module, (out,))) \
+        if last is not None else output.register_forward_pre_hook(hook)
     try:
         yield seen
     finally:
@@ -377,8 +402,32 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         out = probe(projection, args, output[0])
         return None if out is None else type(output)([out, *output[1:]])  # GPT-1's list stays a list
 
+    def head_bias_probe(block: AttentionBlock):
+        # biases the forward adds to the fused projection's query and value heads after it (DeBERTa v1's q_bias and
+        # v_bias: Family.head_biases): the same probe, at their columns of the projection's output (the query's gets
+        # no gradient there, the query columns being detached by the rules)
+        q, _, v = block.qkv_columns()
+        parts = [(owner, name, (q if part == "q" else v).reshape(-1)) for owner, name, part in head_biases(block)]
+
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or output.dim() < 2 \
+                    or output.shape[:-1].numel() % batch_size:
+                return None
+            full = output.new_zeros(output.shape[-1])
+            for owner, name, columns in parts:
+                full = full.index_copy(0, columns.to(full.device), getattr(owner, name).detach().to(full.dtype))
+            s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
+            probes.append(s)
+            kept = full * s
+            return output + (kept - kept.detach())
+
+        return hook
+
     handles = HookHandles()
     try:
+        for block in attention_blocks(model):
+            if block.qkv is not None and block.n_heads and head_biases(block):
+                handles.append(block.qkv.register_forward_hook(head_bias_probe(block), prepend=True))
         for module in model.modules():
             if isinstance(module, NoHeadAttention):
                 handles.append(module.register_forward_hook(no_head_probe, prepend=True))
@@ -421,14 +470,17 @@ def _targets(model: nn.Module, logits: torch.Tensor, z: torch.Tensor,
     assert output is not None  # head_relevance refuses a model without one first
     weight = _output_weight(model)  # [vocab, d]
     y = (z * weight[top]).sum(-1)  # [batch, t_len]
-    bias = getattr(output, "bias", None)
-    if isinstance(bias, torch.Tensor):
+    bias = _logit_bias(model)
+    if bias is not None:
         y = y + bias.detach()[top]
-    if _multiplying_head(model) is not None:  # the logit rebuilt from the head's own parts: checked
+    if _multiplying_head(model) is not None or _embedding_head(model) is not None:  # rebuilt from the head's parts
         with torch.no_grad():
             if not torch.allclose(y, logits.gather(-1, top[..., None])[..., 0], rtol=1e-4, atol=1e-5):
-                raise HeadlabError("LRP: MobileBERT's LM head does not compute its logits as transform(x) times "
-                                   "[decoder.weight^T; dense.weight] plus decoder.bias; headlab cannot explain them")
+                head = ("MobileBERT's LM head does not compute its logits as transform(x) times "
+                        "[decoder.weight^T; dense.weight] plus decoder.bias" if _multiplying_head(model) is not None
+                        else "DeBERTa's LM head (legacy=False) does not compute its logits as LayerNorm(act(dense(x))) "
+                        "times the input embeddings' weight^T plus its bias")
+                raise HeadlabError(f"LRP: {head}; headlab cannot explain them")
     return y, top
 
 
@@ -521,8 +573,9 @@ def head_relevance(
         return heads
 
     batch_rows = next(iter(batch.inputs.values())).shape[0]
+    logit_layer = _embedding_head(model) or output_layer(model)  # its bias is added to the target itself
     with _widened(model, lrp_precision(model)), eval_mode(model), torch.enable_grad(), eager_attention(model), \
-            _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, output_layer(model)) as probes, \
+            _finite_masks(model), lrp_rules(model), _bias_probes(model, batch_rows, logit_layer) as probes, \
             _embeddings(model) as embedded, _per_layer_embeddings(model) as per_layer, _lm_input(model) as seen, \
             head_output_hooks(blocks, record):
         with _KeptWide(_computed_in(model)):  # the forward only: the backward passes below are torch's own
@@ -597,9 +650,9 @@ def head_relevance(
             shares = torch.cat(at_ends)[picks, index[:, 0]] if n_slots else y.new_zeros(0, 3)
         logits = y.detach()[index[:, 0], index[:, 1]] if len(index) else y.new_zeros(0)
         tokens = top[index[:, 0], index[:, 1]] if len(index) else top.new_zeros(0)
-        lm_bias = getattr(output_layer(model), "bias", None)
+        lm_bias = _logit_bias(model)
         kept = shares[:, 1].detach()
-        if isinstance(lm_bias, torch.Tensor):  # the output layer's bias is part of the target itself
+        if lm_bias is not None:  # the output layer's bias is part of the target itself
             kept = kept + lm_bias.detach().to(kept.dtype)[tokens]
     return TargetRelevance(index, logits, tokens, relevance, shares[:, 0].detach(), kept, shares[:, 2].detach())
 
