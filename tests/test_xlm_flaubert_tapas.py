@@ -312,3 +312,20 @@ def test_tokenizer_missing_its_package_refused_before_any_work(tmp_path, capsys,
     assert code == 2 and "cannot load a tokenizer" in err and "sacremoses" in err, err
     assert "internal error" not in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_train_refuses_the_tapas_tokenizer_before_any_work(tmp_path, capsys):
+    """prune train/sweep/baseline now check the tokenizer as the analyses do (loading.check_tokenizer_fits): a
+    TapasTokenizer is refused naming it, with no --out written (before: it tokenized the lines as queries, and a line
+    over its maximum length raised TAPAS's own ValueError mid-run)."""
+    from headlab.cli import main
+
+    tokenizer = _tapas_tokenizer(tmp_path)
+    build("tapas").save_pretrained(tmp_path / "tapas")
+    tokenizer.save_pretrained(tmp_path / "tapas")
+    (tmp_path / "train.txt").write_text("the cat sat\na dog sat on the mat\n", encoding="utf-8")
+    code = main(["prune", "train", str(tmp_path / "tapas"), "--train-text", str(tmp_path / "train.txt"), "--gates",
+                 "all", "--lam", "0.1", "--max-steps", "1", "--no-progress", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("TapasTokenizer encodes") == 1, err
+    assert not any((tmp_path / "out").glob("**/*.json"))
