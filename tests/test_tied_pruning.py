@@ -199,3 +199,33 @@ def test_tied_gates_one_per_shared_head(family):
         masked = logits(model, inputs)
     prune_heads(model, spec)
     _close(logits(model, inputs), masked, inputs)
+
+
+def test_prune_train_ties_the_gates_and_exports_an_agreeing_plan(corpus, tokenizer, tmp_path):
+    """``prune train`` on an ALBERT (one module over three depths; refused before any work until now): four
+    gates, one per head of the module, a budget of two of them; the export removes the same two heads at
+    every depth and reloads."""
+    import copy
+
+    from headlab.pruning.train import PruneConfig, encode_monolingual_corpus, prune_train, read_trajectory
+    from headlab.training.config import TrainConfig
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    torch.manual_seed(0)
+    albert = tf.AlbertForMaskedLM(tf.AlbertConfig(
+        vocab_size=len(tok), embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64, pad_token_id=tok.pad_token_id))
+    data = encode_monolingual_corpus(tok, corpus.sources[:40], 64)
+    train = TrainConfig(out_dir=str(tmp_path / "r"), max_tokens=400, lr=1e-3, warmup_steps=0, schedule="constant",
+                        max_epochs=1, validate=False, keep_epoch_checkpoints=False, progress=False, seed=3)
+    result = prune_train(albert, tok, data, None, PruneConfig(gates="all", lam=0.0, log_every=1, gate_lr=0.1,
+                                                              keep=2, train=train))
+    assert result.heads_total == {"enc_self": 12} and result.heads_kept == {"enc_self": 6}
+    trajectory = read_trajectory(tmp_path / "r")
+    assert trajectory[-1]["n_gates"] == 4 and trajectory[-1]["heads_open"] == {"enc_self": 2}
+    p_open = trajectory[-1]["p_open"]["enc_self"]
+    assert p_open[0] == p_open[1] == p_open[2]  # one gate per head of the module, at every depth
+    pruned = load_pruned(tmp_path / "r" / "pruned")
+    kept = [b.core._headlab_kept_heads for b in attention_blocks(pruned)]
+    assert len(kept[0]) == 2 and kept == [kept[0]] * 3
