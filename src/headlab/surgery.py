@@ -1046,6 +1046,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
 
     # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
+    check_shared_plan(attention_blocks(model), spec)  # _retie below gives every depth the first one's slices
     _refuse_inexact(model, plans)
     journal = _Journal()
     if not plans:
