@@ -8,7 +8,8 @@ groups of two layers over four depths (eight maps). References of their own: tra
 value projection (a hand-written hook counting its calls); the gradient against a hand-written
 gate at that call; ablation against one masked pass per head; LRP's conservation (relevance at the
 first depth's input, with and without biases). Physical pruning (slicing shared weights removes a
-head at every depth) and ``prune train`` (its end prunes) are refused before any work.
+head at every depth) takes a plan that removes the same heads at every depth of the module and refuses
+any other before any work (tests/test_tied_pruning.py); ``prune train`` ties the gates of those depths.
 """
 
 from __future__ import annotations
@@ -201,16 +202,15 @@ def test_ablation_equals_one_masked_pass_per_head():
             assert scores["enc_self"][depth, head] == pytest.approx(masked - base, abs=2e-6), (depth, head)
 
 
-def test_pruning_is_refused_before_any_change():
+def test_pruning_one_depth_is_refused_before_any_change():
+    """One depth's head of the shared module: no slicing removes it there only (a plan removing the same
+    heads at every depth prunes: tests/test_tied_pruning.py)."""
     from headlab import prune_heads
-    from headlab.surgery import check_prunable
 
     model = tiny_model("albert")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(HeadlabError, match="physical pruning is refused: this module's weights are shared by 3 depths"):
+    with pytest.raises(HeadlabError, match="enc_self layers 0,1,2: their attention weights are shared by 3 depths"):
         prune_heads(model, {("enc_self", 1): [0]})
-    with pytest.raises(HeadlabError, match="shared by 3 depths"):
-        check_prunable(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert not model._forward_hooks
 
@@ -277,7 +277,7 @@ def test_unshared_albert_loses_a_whole_depth(tmp_path):
 
 def test_partly_shared_albert_prunes_its_unshared_depth():
     """Three depths over two groups (groups 0, 0, 1): group 1's module runs once, so its heads can be
-    pruned; group 0's cannot. Regression: pruning's check compared the shared module's first call
+    pruned alone; group 0's only at both its depths. Regression: pruning's check compared the shared module's first call
     with its last one, and refused every such prune ("differs ... in enc_self layer 0")."""
     import transformers as tf
 
@@ -292,7 +292,7 @@ def test_partly_shared_albert_prunes_its_unshared_depth():
     inputs = tiny_inputs()
     with mask_heads(model, {("enc_self", 2): [1]}):
         masked = _logits(model, inputs)
-    with pytest.raises(HeadlabError, match="shared by 2 depths"):
+    with pytest.raises(HeadlabError, match="enc_self layers 0,1: their attention weights are shared by 2 depths"):
         prune_heads(model, {("enc_self", 0): [1]})
     prune_heads(model, {("enc_self", 2): [1]})
     assert [b.n_heads for b in attention_blocks(model)] == [4, 4, 3]
@@ -325,18 +325,22 @@ def test_analyze_end_to_end(tmp_path, capsys):
         assert [len(row) for row in scores] == [4, 4, 4], measure
 
 
-@pytest.mark.parametrize("command", [["prune", "{model}", "--heads", "enc_self:1:0", "--out", "{out}"],
-                                     ["prune", "train", "{model}", "--train-text", "{text}", "--keep", "4", "--out",
-                                      "{out}"],
-                                     ["analyze", "{model}", "--source", "{text}", "--out", "{out}", "--prune"]])
-def test_pruning_commands_refuse_before_any_work(command, tmp_path, capsys):
+def test_prune_refuses_one_depth_before_any_work(tmp_path, capsys):
     path = _save(tmp_path)
-    args = [a.format(model=path, out=tmp_path / "out", text=tmp_path / "text.txt") for a in command]
-    code = main(args)
+    code = main(["prune", str(path), "--heads", "enc_self:1:0", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("shared by 3 depths") == 1 and "running" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_prune_removes_a_head_at_every_depth(tmp_path, capsys):
+    path = _save(tmp_path)
+    assert main(["prune", str(path), "--heads", "enc_self:0:1;enc_self:1:1;enc_self:2:1", "--out",
+                 str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    from headlab import load_pruned
+
+    assert [b.n_heads for b in attention_blocks(load_pruned(tmp_path / "out"))] == [3, 3, 3]
 
 
 def test_heads_lists_each_depth_with_its_call(tmp_path, capsys):

@@ -209,11 +209,12 @@ def _zamba():
         mamba_d_state=8, layers_block_type=["mamba", "hybrid", "hybrid"])
 
 
-def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work():
+def test_pruning_attention_weights_tied_across_depths_at_one_depth_is_refused_before_any_work():
     """Zamba's hybrid layers hold one set of attention weights (tied parameters, two modules).
     Slicing layer 1's heads untied them in memory (masking-exact there), and transformers re-tied
     them on loading, giving layer 2 layer 1's pruned weights: load_pruned gave a broken model.
-    Refused now, the model untouched; masking one depth stays exact."""
+    Refused now, the model untouched; masking one depth stays exact. (The same heads removed at
+    both layers prune: tests/test_tied_pruning.py.)"""
     from headlab import mask_heads, prune_heads
     from headlab.surgery import check_prunable
 
@@ -223,12 +224,14 @@ def test_pruning_attention_weights_tied_across_depths_is_refused_before_any_work
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     calls: list = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=r"physical pruning is refused: its weight model.layers.1.shared_transf."
-                                           r"self_attn.q_proj.weight is tied to model.layers.2"):
+    with pytest.raises(HeadlabError, match=r"dec_self layers 1,2: their attention weights are shared by 2 depths "
+                                           r"\(tied parameters"):
         prune_heads(model, {("dec_self", 1): [3]})
-    with pytest.raises(HeadlabError, match="is tied to"):
-        check_prunable(model)
     assert not calls
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert model.model.layers[1].shared_transf.self_attn.q_proj.weight is \
+        model.model.layers[2].shared_transf.self_attn.q_proj.weight
+    check_prunable(model)  # the same heads at both layers prune; undone, the weights tied as before
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     assert model.model.layers[1].shared_transf.self_attn.q_proj.weight is \
         model.model.layers[2].shared_transf.self_attn.q_proj.weight

@@ -280,7 +280,8 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     """Remove heads from ``model`` in place (:func:`headlab.prune_heads`, checked to be exact).
 
     ``heads``: ``{(kind, layer): [head, ...]}``, a spec string (``"enc_self:0:1,2 dec_cross:5:*"``),
-    or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay.
+    or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay (refused on attention
+    weights shared by several depths, ALBERT's or Zamba's, where a spec must remove the same heads at each of them).
     Returns the heads each pruned block keeps, in the model's original numbering."""
     from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores

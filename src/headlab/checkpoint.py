@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks
+from headlab.adapters import attention_blocks, sharing_groups
 from headlab.errors import HeadlabError, UnknownOption, counted
 from headlab.heads import KINDS, kv_heads_kept
 from headlab.portable import CLASS_NAME
@@ -549,6 +549,17 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
         numbering[how].append(f"{block.kind}:{block.layer}")
         blocks.setdefault(block.kind, {})[str(block.layer)] = {
             "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
+    for group in sharing_groups(attention_blocks(model)):
+        # weights tied across depths (Zamba's shared transformer) are saved once, under the first depth's names, and
+        # transformers ties the others to them: those depths were pruned alike (surgery.check_shared_plan)
+        source = next((b for b in group if str(b.layer) in blocks.get(b.kind, {})), None)
+        if source is None:
+            continue
+        how = next(how for how, keys in numbering.items() if f"{source.kind}:{source.layer}" in keys)
+        for block in group:
+            if str(block.layer) not in blocks[block.kind] and f"{names[id(block.o)]}.weight" not in shapes:
+                blocks[block.kind][str(block.layer)] = dict(blocks[source.kind][str(source.layer)])
+                numbering[how].append(f"{block.kind}:{block.layer}")
     if not blocks:
         return None
     return {"blocks": blocks, "numbering": {how: keys for how, keys in numbering.items() if keys}}

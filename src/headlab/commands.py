@@ -110,6 +110,7 @@ def run_prune(args) -> int:
     from headlab.surgery import (
         PRUNING_FILE,
         check_checkable,
+        check_shared_plan,
         count_parameters,
         in_original_numbering,
         prune_heads,
@@ -128,7 +129,9 @@ def run_prune(args) -> int:
         # lacks is refused before the checkpoint is read, which takes minutes for a large one.
         structure = attention_blocks(build_from_config(args.model, args.trust_remote_code))
         # a vision tower's heads, which the check of the prune cannot run: refused before the weights are read
-        check_checkable(structure, parse_heads(args.heads, structure), str(args.model))
+        planned = parse_heads(args.heads, structure)
+        check_checkable(structure, planned, str(args.model))
+        check_shared_plan(structure, planned)  # weights shared by several depths: the same heads at each
     else:  # its form at least (--heads ,), the heads it names once the weights are read
         parse_heads(args.heads, None)
     # The weights are written in the dtype they are loaded in (float32 unless --dtype): said below.

@@ -42,6 +42,7 @@ from headlab.adapters import (
     peft_layer,
     qkv_columns,
     qkv_groups,
+    sharing_groups,
 )
 from headlab.adapters.families import (
     FUSED_REFUSED,
@@ -616,9 +617,14 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     """
     blocks = attention_blocks(model)
     spec = validate_heads(blocks, heads)
+    check_shared_plan(blocks, spec)
     plans = []
+    planned: set[int] = set()
     for key, removed in spec.items():
         block = find_block(blocks, *key)
+        if id(block.core) in planned:  # a shared module (ALBERT) at another depth: sliced once, for every depth
+            continue
+        planned.add(id(block.core))
         keep = [h for h in range(block.n_heads) if h not in set(removed)]
         if not keep and getattr(block.core, "store_full_length_kv", None) is True and \
                 not hasattr(block.core, "kv_lora_rank"):
@@ -632,6 +638,54 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
         plans.append((block, keep, *_kv_plan(block, keep)))
     blocks = _prune_checked(model, plans, spec)
     return {b.key: list(getattr(b.core, KEPT_ATTR)) for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
+
+
+# -- attention weights shared by several depths (ALBERT, Zamba) -------------------------------
+def _sharing_what(group: list[AttentionBlock]) -> str:
+    if all(b.core is group[0].core for b in group):
+        return f"ALBERT's shared layers: one module, {group[0].name}, runs at each"
+    return (f"tied parameters, Zamba's shared transformer: the attention modules {', '.join(b.name for b in group)} "
+            "hold the same weights")
+
+
+def check_shared_plan(blocks: list[AttentionBlock], spec: Mapping[tuple[str, int], Any]) -> None:
+    """Refuse, before any work, a removal ``spec`` that differs between depths computed by one set of attention
+    weights (:func:`sharing_groups`). Slicing a head out of the weights removes it at every depth that uses them, so
+    pruning equals masking exactly when the plan removes the same heads at each of those depths (then it is that
+    masking); any other plan cannot be pruned physically."""
+    for group in sharing_groups(blocks):
+        removed = {b.layer: sorted(int(h) for h in spec.get(b.key, ())) for b in group}
+        if len({tuple(heads) for heads in removed.values()}) < 2:
+            continue
+        kind = group[0].kind
+        by_heads: dict[tuple[int, ...], list[int]] = {}
+        for layer, heads in removed.items():
+            by_heads.setdefault(tuple(heads), []).append(layer)
+        said = "; ".join(f"{counted(len(heads), 'head').split()[1] + ' ' + ','.join(map(str, heads)) if heads else 'no head'} at "
+                         f"{'layer' if len(layers) == 1 else 'layers'} {','.join(map(str, layers))}"
+                         for heads, layers in by_heads.items())
+        raise HeadlabError(
+            f"{kind} layers {','.join(str(b.layer) for b in group)}: their attention weights are shared by "
+            f"{len(group)} depths ({_sharing_what(group)}), so removing a head removes it at every one of them, but "
+            f"this plan removes {said}. Remove the same heads at each of these depths (pruned then equals those heads "
+            f"masked at every depth), or mask the heads instead (mask_heads); nothing was pruned")
+
+
+def _retie(model: nn.Module, groups: list[list[AttentionBlock]], journal: _Journal) -> None:
+    """Tie again the weights pruning sliced apart: layers whose own attention modules held the same tensors (Zamba),
+    each sliced alike by an agreeing plan, hold their first layer's sliced tensors again (as transformers ties them
+    on loading), so that training or saving the pruned model keeps one set of weights."""
+    for group in groups:
+        if all(b.core is group[0].core for b in group):
+            continue  # one module (ALBERT): sliced once
+        first = model.get_submodule(group[0].name)
+        for block in group[1:]:
+            module = model.get_submodule(block.name)
+            for name, parameter in first.named_parameters():
+                parent, _, leaf = name.rpartition(".")
+                owner = module.get_submodule(parent)
+                if owner._parameters.get(leaf) is not parameter:
+                    journal.set(owner, leaf, parameter)
 
 
 def _check_shared_kv_kept(blocks: list[AttentionBlock], block: AttentionBlock, keep: list[int]) -> None:
@@ -681,6 +735,18 @@ def removal_by_scores(model: nn.Module, scores: Any, keep: int,
     model do, NaN for the heads it lost): the heads already removed are not ranked, and the others
     are renumbered (a layer that kept heads 0 and 3 calls head 3 its head 1). A kind whose scores
     are as wide as the model's current heads is taken as numbered so already."""
+    ranked = tuple(kinds) if kinds is not None else tuple(scores.scores)
+    shared = [group for group in sharing_groups(attention_blocks(model)) if group[0].kind in ranked]
+    if shared:
+        # each depth has a score of its own, and a ranking of depths' heads would cut a shared head at some of
+        # its depths only, which no pruning makes (check_shared_plan); a budget in depths' heads over heads that
+        # each cost several depths is not a ranking either
+        group = shared[0]
+        raise HeadlabError(
+            f"{group[0].kind} layers {','.join(str(b.layer) for b in group)}: their attention weights are shared by "
+            f"{len(group)} depths, and a plan ranked by scores per depth would remove a head at some of them only; "
+            "nothing was pruned. Name the heads to remove, the same at each of these depths (--heads), or learn "
+            "them with gated pruning (headlab prune train: one gate per shared head)")
     absent: dict[tuple[str, int], list[int]] = {}
     for block in attention_blocks(model):
         heads, _, n = _original(block)
@@ -830,6 +896,7 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
         raise HeadlabError(f"{source}: unsupported format {record.get('format')!r} (expected {FORMAT_VERSION})")
     blocks = attention_blocks(model)
     plans = []
+    planned: set[int] = set()
     try:
         for kind, layers in record["blocks"].items():
             for layer, entry in layers.items():
@@ -845,8 +912,18 @@ def apply_pruning_record(model: nn.Module, record: Mapping, source: str = PRUNIN
                 plans.append((block, keep, kv_keep, groups))
     except (KeyError, TypeError, ValueError) as error:
         raise HeadlabError(f"{source}: malformed pruning record ({error!r})") from error
+    # every depth of weights shared by several is recorded (masked alike in the check), the same heads at each
     spec = {block.key: [h for h in range(block.n_heads) if h not in set(keep)] for block, keep, _, _ in plans}
-    _prune_checked(model, plans, spec)
+    try:
+        check_shared_plan(blocks, spec)
+    except HeadlabError as error:
+        raise HeadlabError(f"{source}: {error}") from None
+    once = []
+    for plan in plans:  # a shared module (ALBERT), recorded at each depth: sliced once
+        if id(plan[0].core) not in planned:
+            planned.add(id(plan[0].core))
+            once.append(plan)
+    _prune_checked(model, once, spec)
 
 
 def _model_type(model: nn.Module) -> str:
@@ -881,15 +958,21 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
 
 
 def _refuse_tied(model: nn.Module, blocks: list[AttentionBlock]) -> None:
-    """Refuse a block whose weights are tied to another module's (Zamba's shared transformer: one
-    set of attention weights held by the modules of several depths). Slicing would untie them in
-    memory, and transformers re-ties them on loading, giving every depth the pruned layer's weights."""
+    """Refuse a block whose weights are tied to a module other than the attention of another depth
+    (:func:`sharing_groups`: Zamba's shared transformer, pruned alike at every depth and tied again).
+    Slicing would untie them in memory, and transformers re-ties them on loading, giving the other
+    module the pruned layer's weights."""
     owners: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(parameter), []).append(name)
+    # the other depths of weights shared by several (Zamba's tied layers): pruned alike, by an agreeing plan
+    # (check_shared_plan), and tied again after slicing (_retie)
+    alike = {b.name: tuple(m.name + "." for m in group) for group in sharing_groups(attention_blocks(model))
+             for b in group}
     for block in blocks:
         for name, parameter in block.module.named_parameters(prefix=block.name, remove_duplicate=False):
-            elsewhere = [n for n in owners.get(id(parameter), ()) if not n.startswith(block.name + ".")]
+            elsewhere = [n for n in owners.get(id(parameter), ())
+                         if not n.startswith(alike.get(block.name, (block.name + ".",)))]
             if elsewhere:
                 raise HeadlabError(
                     f"{block.name} ({block.family.name}): physical pruning is refused: its weight {name} is tied to "
@@ -912,8 +995,16 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
     for block in blocks:
         whole = block.layer == first[block.kind] and sum(b.kind == block.kind for b in blocks) > 1
         spec[block.key] = list(range(block.n_heads)) if whole else [0]
+    for group in sharing_groups(attention_blocks(model)):  # weights shared by several depths: one plan for all
+        for block in group[1:]:
+            if block.key in spec and group[0].key in spec:
+                spec[block.key] = spec[group[0].key]
     plans = []
+    planned: set[int] = set()
     for block in blocks:
+        if id(block.core) in planned:  # a shared module (ALBERT): sliced once
+            continue
+        planned.add(id(block.core))
         keep = [h for h in range(block.n_heads) if h not in spec[block.key]]
         plans.append((block, keep, *_kv_plan(block, keep)))
     _prune_checked(model, plans, spec, commit=False)
@@ -970,6 +1061,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
 
     # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
+    check_shared_plan(attention_blocks(model), spec)  # _retie below gives every depth the first one's slices
     _refuse_inexact(model, plans)
     journal = _Journal()
     if not plans:
@@ -1011,9 +1103,11 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
             own = not_finite(run_probe(model, probe))
             own_nan = (own, own_nan_cause(model, probe)) if own is not None else None
     accepted = None  # the reference's own NaN, which the pruned model does not read: exact, said once
+    sharing = sharing_groups(attention_blocks(model))
     try:
         for block, keep, kv_keep, groups in plans:
             _prune_block(model, block, keep, kv_keep, groups, journal)
+        _retie(model, sharing, journal)
         blocks = attention_blocks(model)
         if blocks and blocks[0].family.name == "t5":
             _install_t5_bias_hooks(model, blocks, journal)
@@ -1084,11 +1178,8 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     """Refuse, before anything changes, a block whose projections the slicing here does not know.
     Fused projections are sliced in every layout of adapters.families.QKV_LAYOUTS (the adapter
     refuses a width that does not fit its layout)."""
-    if block.shared:
-        raise HeadlabError(
-            f"{block.name} ({block.family.name}): physical pruning is refused: this module's weights are shared by "
-            f"{block.applications} depths, so slicing a head out of them removes it at every depth, which masking "
-            "one depth's head does not; mask the heads instead (mask_heads)")
+    # a module shared by several depths (ALBERT) prunes when the plan removes the same heads at each
+    # (check_shared_plan), which masking those heads at every depth equals
     latent = unpruned_latent_reason(block.family, block.core) if block.n_heads else None
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "

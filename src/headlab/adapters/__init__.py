@@ -54,7 +54,8 @@ from headlab.errors import HeadlabError
 from headlab.heads import KINDS
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
-           "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason", "config_value", "text_config"]
+           "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
+           "config_value", "text_config"]
 
 
 @dataclass(frozen=True)
@@ -892,6 +893,24 @@ def _shared_blocks(model: nn.Module, family: Family) -> list[AttentionBlock]:
                                           scope=model.get_submodule(scope_name)))
         calls[position] = calls.get(position, 0) + 1
     return blocks
+
+
+def sharing_groups(blocks: list[AttentionBlock]) -> list[list[AttentionBlock]]:
+    """The blocks one set of attention weights computes, in depth order, two or more to a group: the depths of
+    one shared module (ALBERT, ``block.shared``: one core run at each) and layers whose own attention modules hold
+    the same parameter tensors (Zamba's shared transformer, tied). Removing a head of such weights removes it at
+    every depth of the group."""
+    groups: list[list[AttentionBlock]] = []
+    owner: dict[int, int] = {}
+    for block in blocks:
+        ids = {id(block.core), *(id(p) for p in block.module.parameters())}
+        found = next((owner[i] for i in ids if i in owner), None)
+        if found is None:
+            found = len(groups)
+            groups.append([])
+        groups[found].append(block)
+        owner.update(dict.fromkeys(ids, found))
+    return [group for group in groups if len(group) > 1]
 
 
 def _language_model_hint(model: nn.Module) -> str | None:

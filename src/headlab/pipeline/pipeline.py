@@ -411,6 +411,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
     so that a gate sweep that would fail does not leave an hour of other stages behind a failure."""
     from headlab.adapters import attention_blocks
     from headlab.loading import build_from_config
+    from headlab.pruning.hard_concrete import gate_count
     from headlab.pruning.train import resolve_kinds
     from headlab.surgery import check_gates_free
 
@@ -422,7 +423,7 @@ def _check_sweep(config: AnalyzeConfig) -> None:
     except HeadlabError as error:
         raise HeadlabError(str(error).replace("--gates", "--prune-gates", 1)) from None
     check_gates_free(attention_blocks(structure), kinds)
-    n_gated = sum(b.n_heads for b in attention_blocks(structure) if b.kind in kinds and not b.idle)  # as gates.for_model
+    n_gated = gate_count(structure, kinds)  # as gates.for_model: a head of weights shared by several depths once
     if any(keep > n_gated for keep in config.prune_keeps):
         raise HeadlabError(f"--prune-keeps {','.join(map(str, config.prune_keeps))}: each budget must be between 1 "
                            f"and the {counted(n_gated, 'gated head')} ({', '.join(kinds)})")
@@ -819,15 +820,15 @@ def _prune(ctx: _Context) -> tuple[list, str | None]:
                         "for language models use `headlab prune sweep --train-text`")
     if c.target is None:
         raise SkipStage("no --target: the gate sweep needs reference translations to train on and to score BLEU")
-    from headlab.adapters import attention_blocks
     from headlab.data.parallel import read_parallel
     from headlab.loading import load_model, load_tokenizer
+    from headlab.pruning.hard_concrete import gate_count
     from headlab.pruning.sweep import run_sweep, sweep_points
     from headlab.pruning.train import PruneConfig, resolve_kinds
     from headlab.training.config import TrainConfig
 
     kinds = resolve_kinds(model, c.prune_gates)
-    n_gated = sum(b.n_heads for b in attention_blocks(model) if b.kind in kinds and not b.idle)  # as gates.for_model
+    n_gated = gate_count(model, kinds)  # as gates.for_model: a head of weights shared by several depths once
     keeps = list(c.prune_keeps) or default_keeps(n_gated)
     if any(k < 1 or k > n_gated for k in keeps):
         raise HeadlabError(f"--prune-keeps {keeps}: each budget must be between 1 and the {counted(n_gated, 'gated head')}")

@@ -291,10 +291,11 @@ def run_train(args) -> int:
 def _check_budgets(model, config, points: list[dict]) -> None:
     """Each budget of a sweep against the gated heads, before the full model is evaluated (a
     point refused its budget only when it started)."""
-    from headlab.pruning.train import heads_per_kind, resolve_kinds
+    from headlab.pruning.hard_concrete import gate_count
+    from headlab.pruning.train import resolve_kinds
 
     kinds = resolve_kinds(model, config.gates)
-    gated = sum(n for kind, n in heads_per_kind(model).items() if kind in kinds)
+    gated = gate_count(model, kinds)  # a head of weights shared by several depths once, as its gate
     for point in points:
         if point["keep"] is not None and point["keep"] > gated:
             raise HeadlabError(f"--keeps {point['keep']} is larger than the {counted(gated, 'gated head')} ({', '.join(kinds)})")

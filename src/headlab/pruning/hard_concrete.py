@@ -13,6 +13,13 @@ gates has a closed form (Eq. (12)):
 
     L_C = sum_h (1 - P(g_h = 0)) = sum_h sigmoid(log_alpha_h - beta * log(-gamma / zeta))
 
+Attention weights shared by several depths (ALBERT's shared layers, Zamba's tied transformer:
+:func:`headlab.adapters.sharing_groups`) have one gate per head of the weights, used at every depth
+that runs them (``tied``): removing the head removes it at each depth, so the gated model is the one
+the export prunes, and the plan always agrees across those depths. One draw per pass (the first depth's
+call draws, the others reuse it), and one log_alpha, counted once in the penalty, in ``n_gates``, the
+budget and the summaries: a tied head is one gate, one set of parameters.
+
 At test time each gate is 0 or 1, whichever of P(g = 0) and P(g = 1) is larger (Voita et al.
 2019, footnote 7), with
 
@@ -40,7 +47,7 @@ from headlab.gates import BlockKey, HeadGates, block_name
 from headlab.heads import KINDS, HeadScores
 from headlab.pruning.config import DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ZETA
 
-__all__ = ["HardConcreteGates", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
+__all__ = ["HardConcreteGates", "gate_count", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_ZETA"]
 
 _EPS = 1e-6
 
@@ -60,15 +67,25 @@ class HardConcreteGates(HeadGates):
         zeta: float = DEFAULT_ZETA,
         init_log_alpha: float = 3.0,
         keep: int | None = None,
+        tied: Mapping[BlockKey, BlockKey] | None = None,
     ):
         super().__init__(n_heads)
+        # a depth of shared weights -> the depth whose gate it uses (the first of them): one gate per shared head
+        self.tied = dict(tied or {})
+        bad = [(key, to) for key, to in self.tied.items()
+               if key not in self.n_heads or to not in self.n_heads or to in self.tied or self.n_heads[key] != self.n_heads[to]]
+        if bad:
+            raise HeadlabError(f"tied gates {bad[0][0]} -> {bad[0][1]}: both must be gated, with as many heads, "
+                               "and the gate tied to must be a gate of its own")
+        self._drawn: dict[BlockKey, torch.Tensor] = {}
         if not beta > 0:
             raise HeadlabError(f"Hard Concrete temperature beta must be > 0, got {beta}")
         if not (gamma < 0 and zeta > 1):
             raise HeadlabError(f"the stretch interval needs gamma < 0 < 1 < zeta, got ({gamma}, {zeta})")
         self.beta, self.gamma, self.zeta = float(beta), float(gamma), float(zeta)
         self.log_alpha = nn.ParameterDict(
-            {block_name(key): nn.Parameter(torch.full((n,), float(init_log_alpha))) for key, n in self.n_heads.items()}
+            {block_name(key): nn.Parameter(torch.full((n,), float(init_log_alpha)))
+             for key, n in self.n_heads.items() if key not in self.tied}
         )
         self.keep = keep  # the budget: eval mode opens the `keep` heads of highest log_alpha
         self._budget_cache: tuple[tuple[int, ...], dict[BlockKey, torch.Tensor]] | None = None
@@ -100,10 +117,30 @@ class HardConcreteGates(HeadGates):
         """The test-time gate: 1 where P(g=1) > P(g=0), else 0 (Voita et al. 2019, footnote 7)."""
         return (self.p_one(log_alpha) > self.p_zero(log_alpha)).to(log_alpha.dtype)
 
+    @classmethod
+    def for_model(cls, model: nn.Module, kinds: tuple[str, ...] | None = None, **kwargs) -> "HardConcreteGates":
+        """Gates on every head of ``kinds``; where depths share attention weights (:func:`sharing_groups`), one gate
+        per shared head, the first depth's, tied at the others."""
+        from headlab.adapters import attention_blocks, sharing_groups
+
+        gated = [b for b in attention_blocks(model) if not b.idle and (kinds is None or b.kind in kinds)]
+        keys = {b.key for b in gated}
+        tied = {b.key: group[0].key for group in sharing_groups(gated) for b in group[1:] if group[0].key in keys}
+        return cls({b.key: b.n_heads for b in gated}, tied=tied, **kwargs)
+
+    def _alpha(self, key: BlockKey) -> torch.Tensor:
+        return self.log_alpha[block_name(self.tied.get(key, key))]
+
     def gate(self, key: BlockKey) -> torch.Tensor:
-        log_alpha = self.log_alpha[block_name(key)]
+        log_alpha = self._alpha(key)
         if self.training:
-            return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
+            owner = self.tied.get(key)
+            if owner is not None and owner in self._drawn:  # a later depth of shared weights: that pass's draw
+                return self._drawn[owner]
+            drawn = self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
+            if self.tied:  # the first depth of shared weights runs first in a pass: its draw is the pass's
+                self._drawn[owner or key] = drawn
+            return drawn
         if self.keep is not None:
             return self._budget_mask()[key].to(log_alpha.device, log_alpha.dtype)
         return self.deterministic(log_alpha.detach())
@@ -123,30 +160,38 @@ class HardConcreteGates(HeadGates):
         return torch.stack(terms).sum()
 
     def n_gates(self) -> int:
-        return sum(self.n_heads.values())
+        """Gates of their own: a head of weights shared by several depths counts once."""
+        return sum(self.n_heads[key] for key in self.keys())
 
     def keys(self) -> list[BlockKey]:
-        """Gated blocks in canonical order (kind as in KINDS, then layer)."""
+        """Gated blocks with gates of their own in canonical order (kind as in KINDS, then layer): a depth whose
+        gate is tied to another's (``tied``) is left out, see :meth:`all_keys`."""
+        return [key for key in self.all_keys() if key not in self.tied]
+
+    def all_keys(self) -> list[BlockKey]:
+        """Every gated block in canonical order, tied ones too."""
         return sorted(self.n_heads, key=lambda key: (KINDS.index(key[0]), key[1]))
 
     @torch.no_grad()
     def p_open(self) -> dict[BlockKey, torch.Tensor]:
-        """1 - P(g = 0) per block (the quantity the penalty counts)."""
-        return {key: 1 - self.p_zero(self.log_alpha[block_name(key)].detach().float()).cpu() for key in self.keys()}
+        """1 - P(g = 0) per block (the quantity the penalty counts, once per gate of its own: :meth:`keys`); a tied
+        block has its gate's."""
+        return {key: 1 - self.p_zero(self._alpha(key).detach().float()).cpu() for key in self.all_keys()}
 
     @torch.no_grad()
     def open_mask(self) -> dict[BlockKey, torch.Tensor]:
-        """Test-time gates per block, as bool [n_heads]: footnote 7's rule, or the budget's top ``keep``."""
+        """Test-time gates per block (tied ones too), as bool [n_heads]: footnote 7's rule, or the budget's top
+        ``keep``."""
         if self.keep is not None:
             closed = self.keep_top(self.keep)
             return {key: torch.tensor([h not in closed.get(key, ()) for h in range(self.n_heads[key])])
-                    for key in self.keys()}
-        return {key: self.deterministic(self.log_alpha[block_name(key)].detach().float()).bool().cpu()
-                for key in self.keys()}
+                    for key in self.all_keys()}
+        return {key: self.deterministic(self._alpha(key).detach().float()).bool().cpu()
+                for key in self.all_keys()}
 
     def closed_heads(self) -> dict[BlockKey, list[int]]:
         """Heads whose test-time gate is 0: a head spec for :func:`headlab.prune_heads` (with a
-        budget, :meth:`keep_top`)."""
+        budget, :meth:`keep_top`); the same heads at every depth of tied gates."""
         spec = {}
         for key, mask in self.open_mask().items():
             closed = [h for h in range(len(mask)) if not mask[h]]
@@ -156,7 +201,8 @@ class HardConcreteGates(HeadGates):
 
     def keep_top(self, keep: int) -> dict[BlockKey, list[int]]:
         """The heads to remove so that exactly ``keep`` heads remain: those with the highest
-        log_alpha (equivalently the highest P(open)) stay. Used by the budget mode."""
+        log_alpha (equivalently the highest P(open)) stay. Used by the budget mode. ``keep`` counts
+        gates of their own (:meth:`n_gates`); a tied depth loses its gate's heads."""
         total = self.n_gates()
         if not 0 <= keep <= total:
             raise HeadlabError(f"cannot keep {counted(keep, 'head')}: the gates cover {counted(total, 'head')}")
@@ -169,12 +215,17 @@ class HardConcreteGates(HeadGates):
         spec: dict[BlockKey, list[int]] = {}
         for _, key, head in ranked[keep:]:
             spec.setdefault(key, []).append(head)
+        for key, owner in self.tied.items():
+            if owner in spec:
+                spec[key] = list(spec[owner])
         return {key: sorted(heads) for key, heads in sorted(spec.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))}
 
     def open_per_kind(self) -> dict[str, int]:
+        """Open gates per kind, a tied head once (as :meth:`n_gates` counts it)."""
         counts: dict[str, int] = {}
         for key, mask in self.open_mask().items():
-            counts[key[0]] = counts.get(key[0], 0) + int(mask.sum())
+            if key not in self.tied:
+                counts[key[0]] = counts.get(key[0], 0) + int(mask.sum())
         return counts
 
     def p_open_scores(self, model_name: str = "", model: nn.Module | None = None) -> HeadScores:
@@ -210,4 +261,15 @@ class HardConcreteGates(HeadGates):
 
     def extra_repr(self) -> str:
         budget = "" if self.keep is None else f", keep={self.keep}"
-        return f"beta={self.beta}, gamma={self.gamma}, zeta={self.zeta}, gates={self.n_gates()}{budget}"
+        tied = f", tied={len(self.tied)} blocks" if self.tied else ""
+        return f"beta={self.beta}, gamma={self.gamma}, zeta={self.zeta}, gates={self.n_gates()}{budget}{tied}"
+
+
+def gate_count(model: nn.Module, kinds: tuple[str, ...] | None = None) -> int:
+    """How many gates :meth:`HardConcreteGates.for_model` puts on ``model``'s heads of ``kinds`` (what a budget
+    counts): every head the text runs, a head of attention weights shared by several depths once."""
+    from headlab.adapters import attention_blocks, sharing_groups
+
+    gated = [b for b in attention_blocks(model) if not b.idle and (kinds is None or b.kind in kinds)]
+    tied = {b.key for group in sharing_groups(gated) for b in group[1:]}
+    return sum(b.n_heads for b in gated if b.key not in tied)
