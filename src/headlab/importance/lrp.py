@@ -176,7 +176,12 @@ def _layer_path(name: str) -> str:
     """The layer holding the attention block ``name``: its nearest enclosing module whose path ends with a layer
     number (``model.layers.0`` for ``model.layers.0.self_attn``), whose input is the residual stream. GPT-Neo's
     attention nests one deeper (``transformer.h.0.attn.attention``): its parent, ``attn``, reads the normed
-    stream, and relevance reaching it left out the residual path's share. The parent where no path ends so."""
+    stream, and relevance reaching it left out the residual path's share. XLM's and FlauBERT's module lists hold
+    the attention modules themselves (``transformer.attentions.0``, beside ``layer_norm1.0`` and ``ffns.0``, no layer
+    module): a block whose own path ends with its number is its layer, its input the residual stream. The parent
+    where no path ends so."""
+    if name.rpartition(".")[2].isdigit():
+        return name
     parts = name.split(".")[:-1]
     while parts and not parts[-1].isdigit():
         parts.pop()
