@@ -329,3 +329,12 @@ def test_prune_train_refuses_the_tapas_tokenizer_before_any_work(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.count("TapasTokenizer encodes") == 1, err
     assert not any((tmp_path / "out").glob("**/*.json"))
+
+
+def test_layer_path_of_a_block_held_by_its_module_list_only_where_no_layer_holds_it():
+    from headlab.importance.lrp import _layer_path
+
+    assert _layer_path("transformer.attentions.0") == "transformer.attentions.0"  # XLM: no layer module
+    assert _layer_path("model.layers.0.self_attn.0") == "model.layers.0"  # LongCat-Flash: two attentions a layer
+    assert _layer_path("model.layers.3.self_attn") == "model.layers.3"
+    assert _layer_path("transformer.h.0.attn.attention") == "transformer.h.0"  # GPT-Neo
