@@ -14,13 +14,11 @@ logits and weights mixed) it is refused before any work.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab import attention_blocks, mask_heads, prune_heads
 from headlab.data.inputs import ImportanceData
 from headlab.errors import HeadlabError
 from headlab.importance.lrp import compute_lrp
@@ -32,6 +30,15 @@ from support.family_matrix import (
     padded_logits,
     perturbed_model,
 )
+from support.table_families import (
+    SPECS,
+    check_captured_probabilities,
+    check_compute_lrp_conserves,
+    check_masking_equals_zeroed,
+    check_pruned_equals_masked,
+    check_pruned_reloads_as_masked,
+    table_spec,
+)
 
 D = 8  # head size: hidden 32 over 4 heads
 LAYOUTS = {
@@ -40,10 +47,6 @@ LAYOUTS = {
     "p2c": {"relative_attention": True, "pos_att_type": ["p2c"]},  # max_relative_positions: max_position_embeddings
     # deberta-base's: both, absolute positions added to the input too
     "c2p|p2c": {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": 16},
-}
-SPECS = {
-    "partial": ({("enc_self", 0): [1], ("enc_self", 1): [0, 2]}, [3, 2]),
-    "no head left": ({("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [2]}, [0, 3]),
 }
 
 
@@ -80,30 +83,12 @@ def test_blocks_are_the_table(layout):
 def test_captured_probabilities_are_the_models_own(layout):
     """What capture reads (it asks the core for them: output_attentions) equals transformers' own
     output_attentions, on a padded batch."""
-    model = _deberta(layout).double()
-    ids, mask = padded_inputs(pad_id=2)
-    with torch.no_grad():
-        reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    with torch.no_grad(), capture_attention(model) as record:
-        model(input_ids=ids, attention_mask=mask)
-    assert sorted(record) == [("enc_self", 0), ("enc_self", 1)]
-    for layer in (0, 1):
-        assert torch.equal(record[("enc_self", layer)], reference[layer]), layer
+    check_captured_probabilities(_deberta(layout).double(), "enc_self")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_masking_equals_zeroed_values(layout):
-    ids, mask = padded_inputs(pad_id=2)
-    for head in range(4):
-        model = _deberta(layout).double()
-        before = padded_logits(model, ids, mask)
-        with mask_heads(model, {("enc_self", 1): [head]}):
-            masked = padded_logits(model, ids, mask)
-        assert torch.equal(padded_logits(model, ids, mask), before)  # the mask came off
-        _zero_value_head(model, 1, head)
-        reference = padded_logits(model, ids, mask)
-        assert not torch.allclose(reference, before)
-        torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+    check_masking_equals_zeroed(lambda: _deberta(layout).double(), "enc_self", _zero_value_head, padded_logits)
 
 
 def test_gates_at_one_change_nothing():
@@ -118,35 +103,17 @@ def test_pruned_equals_masked_in_float64(layout, spec_name):
     """in_proj's per-head [q | k | v] rows, q_bias and v_bias, and pos_proj's / pos_q_proj's rows of the kept heads:
     the pruned model's logits are the masked model's (a layer with no head left too)."""
     model = _deberta(layout).double()
-    spec, heads_left = SPECS[spec_name]
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == heads_left
+    spec, heads_left = table_spec("enc_self", spec_name)
+    check_pruned_equals_masked(model, spec, heads_left)
     attention = model.deberta.encoder.layer[1].attention.self
     assert attention.q_bias.shape == attention.v_bias.shape == (heads_left[1] * D,)
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_pruned_reloads(spec_name, tmp_path):
     """save_pruned, then load_pruned and plain transformers (trust_remote_code: pruned_heads.py) give the masked
     model's logits, every tensor loaded."""
-    model = _deberta()
-    spec, heads_left = SPECS[spec_name]
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    torch.testing.assert_close(padded_logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
-    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), expected, atol=1e-5, rtol=0)
+    check_pruned_reloads_as_masked(_deberta(), *table_spec("enc_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -160,12 +127,7 @@ def test_compute_lrp_conserves_with_biases_and_padding(layout):
     """compute_lrp with the biases on (padded sentences) conserves every sentence's logit to 1e-9 in float64: what
     v_bias keeps is counted (a probe at in_proj's value columns), and pos_q_proj's bias, which only moves the
     attention weights (held constant), keeps nothing."""
-    model = _deberta(layout).double()
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(_deberta(layout).double())
 
 
 def test_talking_heads_are_refused_before_any_work():
@@ -254,13 +216,7 @@ def test_compute_lrp_explains_the_heads_deberta_computes_itself(build):
     as the output layer and failed with a raw IndexError before). A classifier's pooler applies its activation as
     a module built in its forward: it gets the activation rule (before, relevance was not conserved: ratios
     0.99-1.03, refused after the work). Each conserves to 1e-9 with biases on."""
-    model = build().double()
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    result = compute_lrp(model, data, describe_model(model), bootstrap=0)
-    record = result.signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(build().double())
 
 
 def test_a_non_legacy_lm_head_computing_something_else_is_refused():

@@ -24,7 +24,14 @@ from headlab.importance import rules as rules_module
 from headlab.importance.lrp import lrp_precision
 from headlab.importance.rules import _no_rule, altup_inputs, altup_models, check_rules
 from support.family_matrix import check_lrp_conserves
-from test_lrp_per_layer_inputs import _data, _gemma3n_text, _tiny
+from support.lrp_families import (
+    check_lrp_refused_under_pre_hook,
+    check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
+    gemma3n_text,
+    lrp_data,
+    per_layer_model,
+)
 
 _SPARSE = {"activation_sparsity_pattern": [0.95, 0.3]}
 
@@ -32,7 +39,7 @@ _SPARSE = {"activation_sparsity_pattern": [0.95, 0.3]}
 def _gemma3n(dtype=torch.float64, **values) -> nn.Module:
     """A tiny Gemma 3n whose AltUp does something: ``correct_output_scale`` is zero at initialisation (which switches
     the per-layer inputs' branch off) and the router's weights are small; both drawn off those values."""
-    model = _tiny(_gemma3n_text, dtype, **values)
+    model = per_layer_model(gemma3n_text, dtype, **values)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("correct_output_scale"):
@@ -43,7 +50,7 @@ def _gemma3n(dtype=torch.float64, **values) -> nn.Module:
 
 
 def _conservation(model) -> dict:
-    data, info = _data(model)
+    data, info = lrp_data(model)
     return compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
 
 
@@ -77,13 +84,7 @@ def test_the_bias_free_unit_gain_check_conserves(values):
 
 @pytest.mark.parametrize("values", [{}, _SPARSE], ids=["dense", "sparse"])
 def test_the_rules_leave_the_forward_unchanged(values):
-    model = _gemma3n(torch.float64, **values)
-    ids = torch.randint(4, 99, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), eager_attention(model):
-        before = model(input_ids=ids).logits
-    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-        during = model(input_ids=ids).logits
-    assert torch.equal(during.detach(), before)
+    check_rules_leave_the_forward_unchanged(_gemma3n(torch.float64, **values))
 
 
 def test_a_live_router_would_not_conserve(monkeypatch):
@@ -121,26 +122,16 @@ def test_holding_the_sparsity_cutoff_constant_would_not_conserve():
 def test_a_first_layer_input_that_is_not_the_streams_is_refused():
     """The first layer's input is checked, on every call, to be the streams the rule recomputes."""
     model = _gemma3n(torch.float64)
-    data, info = _data(model)
-    handle = model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: ((args[0] * 1.5, *args[1:]), kwargs) if args
-        else (args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}), with_kwargs=True, prepend=True)
-    try:
-        with pytest.raises(HeadlabError, match=r"the input of the first layer of Gemma3nTextModel is not"):
-            compute_lrp(model, data, info, bootstrap=0)
-    finally:
-        handle.remove()
+    check_lrp_refused_under_pre_hook(
+        model, model.model.layers[0], lambda module, args, kwargs: ((args[0] * 1.5, *args[1:]), kwargs) if args
+        else (args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 1.5}),
+        r"the input of the first layer of Gemma3nTextModel is not", with_kwargs=True, prepend=True)
 
 
 def test_a_final_mix_that_is_not_the_streams_is_refused():
     model = _gemma3n(torch.float64)
-    data, info = _data(model)
-    handle = model.model.norm.register_forward_pre_hook(lambda module, args: (args[0] * 1.5,), prepend=True)
-    try:
-        with pytest.raises(HeadlabError, match=r"the input of the final norm of Gemma3nTextModel is not"):
-            compute_lrp(model, data, info, bootstrap=0)
-    finally:
-        handle.remove()
+    check_lrp_refused_under_pre_hook(model, model.model.norm, lambda module, args: (args[0] * 1.5,),
+                                     r"the input of the final norm of Gemma3nTextModel is not", prepend=True)
 
 
 def test_altup_outside_gemma3ns_text_model_is_refused_before_any_work():
@@ -193,14 +184,5 @@ def test_gemma3n_with_shared_keys_and_values_conserves():
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
 def test_every_strategy_gives_the_same_shares(strategy):
-    from headlab.data.inputs import make_batches
-    from headlab.importance.lrp import head_relevance
-
     model = _gemma3n(torch.float64, **_SPARSE)
-    data, info = _data(model)
-    batch = next(iter(make_batches(data, info, batch_size=2, side="translation", device=torch.device("cpu"))))
-    vmap, other = head_relevance(model, batch), head_relevance(model, batch, strategy=strategy)
-    for name in ("embedding", "biases", "per_layer_embedding"):
-        torch.testing.assert_close(getattr(other, name), getattr(vmap, name), rtol=1e-9, atol=1e-12)
-    for key, values in vmap.relevance.items():
-        torch.testing.assert_close(other.relevance[key], values, rtol=1e-9, atol=1e-12)
+    check_strategies_agree(model, *lrp_data(model), strategy)

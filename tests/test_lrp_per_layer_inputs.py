@@ -16,49 +16,19 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError
-from headlab.capture import eager_attention
-from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
+from headlab.importance import ImportanceData, compute_lrp, describe_model
 from headlab.importance import lrp as lrp_module
 from headlab.importance.lrp import head_relevance, lrp_precision
 from headlab.importance.rules import check_rules, per_layer_embeddings, per_layer_input_layers
-
-_GQA = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-            pad_token_id=2)
-_PER_LAYER = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=99)
-
-
-def _gemma4_text(**values):
-    return tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(**{
-        **_GQA, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "global_head_dim": 8,
-        **_PER_LAYER, **values})
-
-
-def _gemma3n_text(**values):
-    return tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
-        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
-        num_kv_shared_layers=0, laurel_rank=4, **_PER_LAYER,
-        **{"activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, **values})
-
-
-def _tiny(build, dtype=torch.float32, **values) -> torch.nn.Module:
-    cls, config = build(**values)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = cls(config).eval().to(dtype)
-    with torch.no_grad():  # off their initial values (norm weights one), so that a rule ignoring them shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name.lower() and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
-    return model
-
-
-def _data(model, n=4):
-    info = describe_model(model)
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 9, (n,), generator=g).tolist()
-    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths]), info
-
+from support.lrp_families import (
+    check_lrp_refused_under_pre_hook,
+    check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
+    gemma3n_text,
+    gemma4_text,
+    lrp_data,
+    per_layer_model,
+)
 
 _MOE = dict(enable_moe_block=True, num_experts=3, top_k_experts=2, moe_intermediate_size=16)
 
@@ -69,11 +39,11 @@ def test_gemma4_lrp_conserves_through_the_per_layer_inputs(dtype, values):
     """Refused before ("per-layer inputs ... none of headlab's rules splits that product"). Now conserved to float64
     rounding (computed in float64: the product rule divides by a + b), a share of it at the per-layer token
     embeddings, reported; with Gemma 4's experts beside the MLP too."""
-    model = _tiny(_gemma4_text, dtype, **values)
+    model = per_layer_model(gemma4_text, dtype, **values)
     assert len(per_layer_input_layers(model)) == 2 and len(per_layer_embeddings(model)) == 1
     check_rules(model)
     assert lrp_precision(model) == torch.float64
-    data, info = _data(model)
+    data, info = lrp_data(model)
     record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
     assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
     total = record["with_biases"]
@@ -86,8 +56,8 @@ def test_gemma4_lrp_conserves_through_the_per_layer_inputs(dtype, values):
 def test_the_per_layer_token_embeddings_relevance_is_needed_for_conservation():
     """Without the per-layer token embeddings' share, the input embeddings alone miss relevance (so it is counted,
     not a rounding): the same targets, the share subtracted, are off by more than the tolerance."""
-    model = _tiny(_gemma4_text, torch.float64)
-    data, info = _data(model)
+    model = per_layer_model(gemma4_text, torch.float64)
+    data, info = lrp_data(model)
     from headlab.data.inputs import make_batches
 
     batch = next(iter(make_batches(data, info, batch_size=4, side="translation", device=torch.device("cpu"))))
@@ -100,44 +70,25 @@ def test_the_per_layer_token_embeddings_relevance_is_needed_for_conservation():
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
 def test_every_strategy_gives_the_same_shares(strategy):
-    model = _tiny(_gemma4_text, torch.float64)
-    data, info = _data(model, n=2)
-    from headlab.data.inputs import make_batches
-
-    batch = next(iter(make_batches(data, info, batch_size=2, side="translation", device=torch.device("cpu"))))
-    vmap, other = head_relevance(model, batch), head_relevance(model, batch, strategy=strategy)
-    for name in ("embedding", "biases", "per_layer_embedding"):
-        torch.testing.assert_close(getattr(other, name), getattr(vmap, name), rtol=1e-9, atol=1e-12)
-    for key, values in vmap.relevance.items():
-        torch.testing.assert_close(other.relevance[key], values, rtol=1e-9, atol=1e-12)
+    model = per_layer_model(gemma4_text, torch.float64)
+    check_strategies_agree(model, *lrp_data(model, n=2), strategy)
 
 
 def test_the_rules_leave_the_forward_unchanged():
-    model = _tiny(_gemma4_text, torch.float64)
-    ids = torch.randint(4, 99, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), eager_attention(model):
-        before = model(input_ids=ids).logits
-    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-        during = model(input_ids=ids).logits
-    assert torch.equal(during.detach(), before)
+    check_rules_leave_the_forward_unchanged(per_layer_model(gemma4_text, torch.float64))
 
 
 def test_a_layer_whose_product_is_something_else_is_refused():
     """The rule checks, on every call, that per_layer_projection's input is act(gate(h)) * per_layer_input."""
-    model = _tiny(_gemma4_text, torch.float64)
-    data, info = _data(model, n=1)
-    layer = model.model.layers[1]
+    model = per_layer_model(gemma4_text, torch.float64)
     # before the rule's pre-hook: the input it sees is no longer the product
-    handle = layer.per_layer_projection.register_forward_pre_hook(lambda module, args: (args[0] * 1.5,), prepend=True)
-    try:
-        with pytest.raises(HeadlabError, match=r"is not act_fn\(per_layer_input_gate\(h\)\) \* per_layer_input"):
-            compute_lrp(model, data, info, bootstrap=0)
-    finally:
-        handle.remove()
+    check_lrp_refused_under_pre_hook(
+        model, model.model.layers[1].per_layer_projection, lambda module, args: (args[0] * 1.5,),
+        r"is not act_fn\(per_layer_input_gate\(h\)\) \* per_layer_input", n=1, prepend=True)
 
 
 def test_per_layer_inputs_without_their_token_embedding_are_refused_before_any_work():
-    model = _tiny(_gemma4_text, torch.float64)
+    model = per_layer_model(gemma4_text, torch.float64)
     del model.model.embed_tokens_per_layer
     model.model.embed_tokens_per_layer = None
     with pytest.raises(HeadlabError, match=r"no per-layer token embedding \(embed_tokens_per_layer\)"):
@@ -149,7 +100,7 @@ def test_gemma3ns_per_layer_inputs_have_their_rule_beside_altup():
     (tests/test_lrp_altup.py, which checks conservation), and its per-layer inputs this one."""
     from headlab.importance.rules import _no_rule
 
-    model = _tiny(_gemma3n_text)
+    model = per_layer_model(gemma3n_text)
     check_rules(model)
     assert len(per_layer_input_layers(model)) == 2 and len(per_layer_embeddings(model)) == 1
     assert _no_rule(model.model.layers[0], "model.layers.0", set()) is None
@@ -158,8 +109,8 @@ def test_gemma3ns_per_layer_inputs_have_their_rule_beside_altup():
 def test_the_report_caption_names_the_per_layer_share():
     from headlab.importance.lrp import LRP
 
-    model = _tiny(_gemma4_text, torch.float64)
-    data, info = _data(model, n=2)
+    model = per_layer_model(gemma4_text, torch.float64)
+    data, info = lrp_data(model, n=2)
     signature = compute_lrp(model, data, info, bootstrap=0).signature
     assert "at the per-layer token embeddings" in LRP.caption_note(signature)
     plain = {**signature, "conservation": {k: v for k, v in signature["conservation"].items()

@@ -16,37 +16,30 @@ gates at one change nothing, analyze end to end) run on them too.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
-from headlab.data.inputs import ImportanceData
-from headlab.importance.lrp import compute_lrp
-from headlab.model_description import describe_model
-from support.family_matrix import (
-    check_lrp_conserves,
-    check_pruned_generates_as_masked,
-    check_pruned_reloads,
-    padded_inputs,
-    padded_logits,
-    perturbed_model,
-    tiny_model,
+from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads, save_pruned
+from support.family_matrix import check_lrp_conserves, padded_inputs, padded_logits, perturbed_model, tiny_model
+from support.table_families import (
+    SPECS,
+    check_captured_probabilities,
+    check_compute_lrp_conserves,
+    check_old_mask_buffers_load,
+    check_pruned_equals_masked,
+    check_pruned_generates_and_reloads,
+    check_pruned_reloads_as_masked,
+    table_spec,
 )
 
 FAMILIES = ["mpnet", "openai-gpt"]
 KIND = {"mpnet": "enc_self", "openai-gpt": "dec_self"}
-SPECS = {
-    "partial": ({0: [1], 1: [0, 2]}, [3, 2]),
-    "no head left": ({0: [0, 1, 2, 3], 1: [2]}, [0, 3]),
-}
 LAYER = {"mpnet": "mpnet.encoder.layer.0", "openai-gpt": "transformer.h.0"}
 
 
 def _spec(family: str, spec_name: str) -> dict:
-    return {(KIND[family], layer): heads for layer, heads in SPECS[spec_name][0].items()}
+    return table_spec(KIND[family], spec_name)[0]
 
 
 def _mpnet(layers: int = 2) -> torch.nn.Module:
@@ -60,6 +53,10 @@ def _mpnet(layers: int = 2) -> torch.nn.Module:
     return model
 
 
+def _float64(family: str) -> torch.nn.Module:
+    return (_mpnet() if family == "mpnet" else tiny_model(family, attn_implementation="eager")).double()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_are_the_tables(family):
     blocks = attention_blocks(tiny_model(family, attn_implementation="eager"))
@@ -70,27 +67,14 @@ def test_blocks_are_the_tables(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_captured_probabilities_are_the_models_own(family):
     """What capture reads (asking the core for its probabilities) equals transformers' own output_attentions."""
-    model = tiny_model(family, attn_implementation="eager").double()
-    ids, mask = padded_inputs(pad_id=2)
-    with torch.no_grad():
-        reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    with torch.no_grad(), capture_attention(model) as record:
-        model(input_ids=ids, attention_mask=mask)
-    for layer in (0, 1):
-        torch.testing.assert_close(record[(KIND[family], layer)].double(), reference[layer], atol=1e-12, rtol=0)
+    check_captured_probabilities(tiny_model(family, attn_implementation="eager").double(), KIND[family], atol=1e-12)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruned_equals_masked_in_float64(family, spec_name):
-    model = (_mpnet() if family == "mpnet" else tiny_model(family, attn_implementation="eager")).double()
-    spec = _spec(family, spec_name)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == SPECS[spec_name][1]
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    model = _float64(family)
+    check_pruned_equals_masked(model, *table_spec(KIND[family], spec_name))
 
 
 def test_mpnet_each_depth_reads_its_own_heads_position_bias():
@@ -114,60 +98,35 @@ def test_mpnet_each_depth_reads_its_own_heads_position_bias():
 def test_mpnet_pruned_reloads(spec_name, tmp_path):
     """save_pruned, load_pruned and plain transformers (pruned_heads.py): the position bias sliced per layer there
     too, every weight loaded, none reshaped."""
-    spec, heads_left = _spec("mpnet", spec_name), SPECS[spec_name][1]
-    model = _mpnet()
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    torch.testing.assert_close(padded_logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
-    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), expected, atol=1e-5, rtol=0)
+    check_pruned_reloads_as_masked(_mpnet(), *table_spec("enc_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_openai_gpt_pruned_generates_as_masked_and_reloads(spec_name, tmp_path):
     """Greedy generation (GPT-1 has no cache: each step reruns the prefix), save_pruned, load_pruned and plain
     transformers (pruned_heads.py; a layer with no head left returns a list, as GPT-1's attention does)."""
-    spec, heads_left = _spec("openai-gpt", spec_name), SPECS[spec_name][1]
-    model = tiny_model("openai-gpt", attn_implementation="eager")
-    ids, mask = padded_inputs(pad_id=2)
-    expected, tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, tokens)
+    check_pruned_generates_and_reloads(tiny_model("openai-gpt", attn_implementation="eager"),
+                                       *table_spec("dec_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lrp_conserves_in_float64(family):
-    model = (_mpnet() if family == "mpnet" else tiny_model(family, attn_implementation="eager")).double()
+    model = _float64(family)
     check_lrp_conserves(model, model.get_submodule(LAYER[family]), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compute_lrp_conserves_with_biases_and_padding(family):
     """compute_lrp (biases on, padded sentences) conserves every sentence's logit to 1e-9 in float64."""
-    model = (_mpnet() if family == "mpnet" else tiny_model(family, attn_implementation="eager")).double()
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(_float64(family))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lrp_conserves_after_pruning(family):
     """A pruned model (a layer with no head left: its stand-in's bias probed, GPT-1's list kept a list) conserves."""
-    model = (_mpnet() if family == "mpnet" else tiny_model(family, attn_implementation="eager")).double()
+    model = _float64(family)
     prune_heads(model, _spec(family, "no head left"))
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(model)
 
 
 def test_openai_gpt_emptied_layer_loaded_without_headlab_is_refused(tmp_path):
@@ -185,20 +144,9 @@ def test_openai_gpt_checkpoint_with_its_old_mask_buffers_loads(tmp_path):
     """openai-gpt's checkpoint (2019) holds each layer's causal mask ``h.N.attn.bias``, a persistent buffer then,
     which transformers 5.24 rebuilds and lists as unexpected: loaded, the logits the model's own (before: refused,
     "2 tensor(s) of the weights are not in the model")."""
-    from safetensors.torch import load_file, save_file
-
-    from headlab.loading import load_model
-    from support.family_matrix import save_tiny
-
     model = tiny_model("openai-gpt", attn_implementation="eager")
-    save_tiny(model, tmp_path, ["the", "a", "cat"], "gpt2")
-    weights = load_file(tmp_path / "model.safetensors")
-    for i, block in enumerate(model.transformer.h):
-        weights[f"transformer.h.{i}.attn.bias"] = block.attn.bias.clone()
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    loaded = load_model(str(tmp_path))
-    ids, mask = padded_inputs(pad_id=2)
-    assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
+    check_old_mask_buffers_load(model, tmp_path, {f"transformer.h.{i}.attn.bias": block.attn.bias.clone()
+                                                  for i, block in enumerate(model.transformer.h)})
 
 
 def test_mpnet_encoder_without_lm_head_loads_prunes_and_reloads(tmp_path):

@@ -12,32 +12,24 @@ the LRP rules conserve relevance to 1e-10. The analysis and masking checks of th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
-from headlab.data.inputs import ImportanceData
-from headlab.importance.lrp import compute_lrp
-from headlab.model_description import describe_model
-from support.family_matrix import (
-    check_lrp_conserves,
-    check_pruned_generates_as_masked,
-    check_pruned_reloads,
-    padded_inputs,
-    padded_logits,
-    tiny_model,
+from headlab import HeadlabError, attention_blocks, capture_attention, prune_heads
+from support.family_matrix import check_lrp_conserves, padded_inputs, padded_logits, tiny_model
+from support.table_families import (
+    SPECS,
+    check_compute_lrp_conserves,
+    check_decoder_prunes_and_conserves,
+    check_old_mask_buffers_load,
+    check_pruned_equals_masked,
+    check_pruned_generates_and_reloads,
+    check_pruned_reloads_as_masked,
+    table_spec,
 )
 
 CAUSAL = ["gpt_neo", "git"]
-SPECS = {
-    "partial": ({("dec_self", 0): [1], ("dec_self", 1): [0, 2]}, [3, 2]),
-    # a layer with no head keeps the cache in step: GPT-Neo's attention names its cache layer layer_id, and
-    # GitAttention hands GitSelfAttention its cache by position (before: positions counted from an empty layer 0)
-    "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, [0, 3]),
-}
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -48,52 +40,28 @@ def _kind(family: str) -> str:
     return "enc_self" if family == "megatron-bert" else "dec_self"
 
 
-def _spec(family: str, spec_name: str) -> dict:
-    return {(_kind(family), layer): heads for (_, layer), heads in SPECS[spec_name][0].items()}
-
-
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", ["gpt_neo", "megatron-bert", "git"])
 def test_pruned_equals_masked_in_float64(family, spec_name):
     """GPT-Neo's logits are float32 in both models, computed head by head alike: equal to 1e-12 all the same."""
     model = tiny_model(family, attn_implementation="eager").double()
-    spec = _spec(family, spec_name)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model) if not b.idle] == SPECS[spec_name][1]
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    check_pruned_equals_masked(model, *table_spec(_kind(family), spec_name), skip_idle=True)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", CAUSAL)
 def test_pruned_generates_as_masked_and_reloads(family, spec_name, tmp_path):
     """Cached greedy generation, save_pruned, load_pruned and plain transformers (pruned_heads.py). GIT's text-only
-    cached generation is transformers' own (it widens the mask by the image tokens): the same in both models."""
-    spec, heads_left = SPECS[spec_name]
-    model = tiny_model(family)
-    ids, mask = padded_inputs(pad_id=2)
-    expected, tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, tokens)
+    cached generation is transformers' own (it widens the mask by the image tokens): the same in both models. A
+    layer with no head keeps the cache in step: GPT-Neo's attention names its cache layer layer_id, and GitAttention
+    hands GitSelfAttention its cache by position (before: positions counted from an empty layer 0)."""
+    spec, heads_left = table_spec("dec_self", spec_name)
+    check_pruned_generates_and_reloads(tiny_model(family), spec, heads_left, tmp_path)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_megatron_bert_pruned_reloads(spec_name, tmp_path):
-    spec, heads_left = _spec("megatron-bert", spec_name), SPECS[spec_name][1]
-    model = tiny_model("megatron-bert")
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    torch.testing.assert_close(padded_logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
-    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), expected, atol=1e-5, rtol=0)
+    check_pruned_reloads_as_masked(tiny_model("megatron-bert"), *table_spec("enc_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("family", ["gpt_neo", "megatron-bert", "git"])
@@ -108,12 +76,7 @@ def test_compute_lrp_conserves_with_biases_and_padding(family):
     """compute_lrp (biases on, padded sentences; GPT-Neo's local layer of window 3 over sentences longer than it)
     conserves every sentence's logit to 1e-9 in float64. GPT-Neo's relevance was cut at its attention's input
     (h.N.attn, after ln_1), not its layer's (h.N): the residual path's share was lost (ratios 0.988 to 1.007)."""
-    model = _model(family)
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(_model(family))
 
 
 def test_gpt_neo_local_layer_is_windowed_and_unscaled():
@@ -163,21 +126,12 @@ def test_gpt_neo_checkpoint_with_its_old_mask_buffers_loads(tmp_path):
     """EleutherAI's GPT-Neo checkpoints (2021) hold each layer's causal/windowed mask ``bias`` and ``masked_bias``,
     persistent buffers then; transformers rebuilds the first from the config and lists both as unexpected. They
     were refused ("4 tensor(s) of the weights are not in the model"); now loaded, the logits the model's own."""
-    from safetensors.torch import load_file, save_file
-
-    from headlab.loading import load_model
-    from support.family_matrix import save_tiny
-
     model = tiny_model("gpt_neo", attn_implementation="eager")
-    save_tiny(model, tmp_path, ["the", "a", "cat"], "gpt2")
-    weights = load_file(tmp_path / "model.safetensors")
+    buffers = {}
     for i, block in enumerate(model.transformer.h):
-        weights[f"transformer.h.{i}.attn.attention.bias"] = block.attn.attention.bias.clone()
-        weights[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    loaded = load_model(str(tmp_path))
-    ids, mask = padded_inputs(pad_id=2)
-    assert torch.equal(padded_logits(loaded, ids, mask), padded_logits(model, ids, mask))
+        buffers[f"transformer.h.{i}.attn.attention.bias"] = block.attn.attention.bias.clone()
+        buffers[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
+    check_old_mask_buffers_load(model, tmp_path, buffers)
 
 
 def test_megatron_bert_as_a_decoder_prunes_and_conserves():
@@ -187,10 +141,5 @@ def test_megatron_bert_as_a_decoder_prunes_and_conserves():
 
     config = tf.MegatronBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    intermediate_size=37, max_position_embeddings=64, pad_token_id=2, is_decoder=True)
-    model = perturbed_model(tf.MegatronBertForCausalLM, config, attn_implementation="eager")
-    assert [b.kind for b in attention_blocks(model)] == ["dec_self", "dec_self"]
-    ids, mask = padded_inputs(pad_id=2)
-    spec, heads_left = SPECS["no head left"]
-    check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    model = perturbed_model(tf.MegatronBertForCausalLM, config, attn_implementation="eager").double()
-    check_lrp_conserves(model, model.bert.encoder.layer[0], rtol=1e-10, atol=1e-10)
+    check_decoder_prunes_and_conserves(
+        lambda: perturbed_model(tf.MegatronBertForCausalLM, config, attn_implementation="eager"), "bert.encoder.layer.0")

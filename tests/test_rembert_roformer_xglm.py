@@ -12,7 +12,6 @@ too; the LRP rules conserve relevance to 1e-10. The analysis and masking checks 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,26 +19,21 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
-from headlab.data.inputs import ImportanceData
-from headlab.importance.lrp import compute_lrp
-from headlab.model_description import describe_model
-from support.family_matrix import (
-    check_lrp_conserves,
-    check_pruned_generates_as_masked,
-    check_pruned_reloads,
-    padded_inputs,
-    padded_logits,
-    perturbed_model,
-    tiny_model,
+from headlab import attention_blocks
+from support.family_matrix import check_lrp_conserves, perturbed_model, tiny_model
+from support.table_families import (
+    SPECS,
+    check_captured_probabilities,
+    check_compute_lrp_conserves,
+    check_decoder_prunes_and_conserves,
+    check_pruned_equals_masked,
+    check_pruned_generates_and_reloads,
+    check_pruned_reloads_as_masked,
+    table_spec,
 )
 
 FAMILIES = ["rembert", "roformer", "xglm"]
 ENCODERS = {"rembert", "roformer"}
-SPECS = {
-    "partial": ({("dec_self", 0): [1], ("dec_self", 1): [0, 2]}, [3, 2]),
-    "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, [0, 3]),
-}
 LAYER = {"rembert": "rembert.encoder.layer.0", "roformer": "roformer.encoder.layer.0", "xglm": "model.layers.0"}
 
 
@@ -66,10 +60,6 @@ def _kind(family: str) -> str:
     return "enc_self" if family in ENCODERS else "dec_self"
 
 
-def _spec(family: str, spec_name: str) -> dict:
-    return {(_kind(family), layer): heads for (_, layer), heads in SPECS[spec_name][0].items()}
-
-
 def _rotary_value_roformer(**config) -> torch.nn.Module:
     return perturbed_model(tf.RoFormerForMaskedLM, tf.RoFormerConfig(
         vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -88,25 +78,14 @@ def test_blocks_are_the_tables(family):
 @pytest.mark.usefixtures("float64_default")
 def test_pruned_equals_masked_in_float64(family, spec_name):
     model = tiny_model(family, attn_implementation="eager").double()
-    spec = _spec(family, spec_name)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == SPECS[spec_name][1]
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    check_pruned_equals_masked(model, *table_spec(_kind(family), spec_name))
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_roformer_with_rotary_values_pruned_equals_masked(spec_name):
     """With rotary_value the values are rotated too, per head and position: still each head's own."""
-    model = _rotary_value_roformer().double()
-    spec = _spec("roformer", spec_name)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    spec, _ = table_spec("enc_self", spec_name)
+    check_pruned_equals_masked(_rotary_value_roformer().double(), spec, None)
 
 
 def test_roformer_with_rotary_values_conserves_in_float64():
@@ -117,30 +96,13 @@ def test_roformer_with_rotary_values_conserves_in_float64():
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_xglm_pruned_generates_as_masked_and_reloads(spec_name, tmp_path):
     """Cached greedy generation, save_pruned, load_pruned and plain transformers (pruned_heads.py)."""
-    spec, heads_left = SPECS[spec_name]
-    model = tiny_model("xglm")
-    ids, mask = padded_inputs(pad_id=2)
-    expected, tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, tokens)
+    check_pruned_generates_and_reloads(tiny_model("xglm"), *table_spec("dec_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", sorted(ENCODERS))
 def test_encoder_pruned_reloads(family, spec_name, tmp_path):
-    spec, heads_left = _spec(family, spec_name), SPECS[spec_name][1]
-    model = tiny_model(family)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    torch.testing.assert_close(padded_logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
-    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), expected, atol=1e-5, rtol=0)
+    check_pruned_reloads_as_masked(tiny_model(family), *table_spec(_kind(family), spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -154,26 +116,14 @@ def test_lrp_conserves_in_float64(family):
 @pytest.mark.usefixtures("float64_default")
 def test_compute_lrp_conserves_with_biases_and_padding(family):
     """compute_lrp (biases on, padded sentences) conserves every sentence's logit to 1e-9 in float64."""
-    model = tiny_model(family, attn_implementation="eager").double()
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(tiny_model(family, attn_implementation="eager").double())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.usefixtures("float64_default")
 def test_captured_probabilities_are_the_models_own(family):
     """What capture reads equals transformers' own output_attentions (RoFormer's rotary positions included)."""
-    model = tiny_model(family, attn_implementation="eager").double()
-    ids, mask = padded_inputs(pad_id=2)
-    with torch.no_grad():
-        reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    with torch.no_grad(), capture_attention(model) as record:
-        model(input_ids=ids, attention_mask=mask)
-    for layer in (0, 1):
-        torch.testing.assert_close(record[(_kind(family), layer)].double(), reference[layer], atol=1e-12, rtol=0)
+    check_captured_probabilities(tiny_model(family, attn_implementation="eager").double(), _kind(family), atol=1e-12)
 
 
 @pytest.mark.parametrize("family", ["rembert", "roformer"])
@@ -184,13 +134,8 @@ def test_as_a_decoder_prunes_and_conserves(family):
                   max_position_embeddings=64, pad_token_id=2, is_decoder=True)
     cls, config = {"rembert": (tf.RemBertForCausalLM, tf.RemBertConfig),
                    "roformer": (tf.RoFormerForCausalLM, tf.RoFormerConfig)}[family]
-    model = perturbed_model(cls, config(**common), attn_implementation="eager")
-    assert [b.kind for b in attention_blocks(model)] == ["dec_self", "dec_self"]
-    ids, mask = padded_inputs(pad_id=2)
-    spec, heads_left = SPECS["no head left"]
-    check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    model = perturbed_model(cls, config(**common), attn_implementation="eager").double()
-    check_lrp_conserves(model, model.get_submodule(LAYER[family]), rtol=1e-10, atol=1e-10)
+    check_decoder_prunes_and_conserves(lambda: perturbed_model(cls, config(**common), attn_implementation="eager"),
+                                       LAYER[family])
 
 
 def test_xglm_cross_attention_is_idle():

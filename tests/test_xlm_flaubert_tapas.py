@@ -21,31 +21,26 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import (
-    HeadlabError,
-    ScalarGates,
-    attention_blocks,
-    capture_attention,
-    gates_attached,
-    load_pruned,
-    mask_heads,
-    prune_heads,
-    save_pruned,
-)
-from headlab.data.inputs import ImportanceData
-from headlab.importance.lrp import compute_lrp
+from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached
 from headlab.model_description import describe_model
 from support.family_matrix import (
     ANALYZE_STAGES,
     analyze,
     check_lrp_conserves,
-    check_pruned_generates_as_masked,
-    check_pruned_reloads,
     padded_inputs,
-    padded_logits,
     perturbed_model,
     save_tiny,
     treebank_files,
+)
+from support.table_families import (
+    SPECS,
+    check_captured_probabilities,
+    check_compute_lrp_conserves,
+    check_masking_equals_zeroed,
+    check_pruned_equals_masked,
+    check_pruned_generates_and_reloads,
+    check_pruned_reloads_as_masked,
+    table_spec,
 )
 
 VOCAB = 99
@@ -76,16 +71,8 @@ VALUES = {"xlm": lambda m, i: m.transformer.attentions[i].v_lin,
           "xlm-causal": lambda m, i: m.transformer.attentions[i].v_lin,
           "flaubert": lambda m, i: m.transformer.attentions[i].v_lin,
           "tapas": lambda m, i: m.tapas.encoder.layer[i].attention.self.value}
-SPECS = {
-    "partial": ({0: [1], 1: [0, 2]}, [3, 2]),
-    "no head left": ({0: [0, 1, 2, 3], 1: [2]}, [0, 3]),
-}
 AUTO = {"xlm": tf.AutoModelForMaskedLM, "xlm-causal": tf.AutoModelForMaskedLM, "flaubert": tf.AutoModelForMaskedLM,
         "tapas": tf.AutoModelForMaskedLM}
-
-
-def _spec(family: str, spec_name: str) -> dict:
-    return {(KIND[family], layer): heads for layer, heads in SPECS[spec_name][0].items()}
 
 
 def _logits(model, ids, mask) -> torch.Tensor:
@@ -105,33 +92,19 @@ def test_blocks_are_the_tables(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_captured_probabilities_are_the_models_own(family):
     """What capture reads (it asks the core for them: output_attentions) equals transformers' own output_attentions."""
-    model = build(family).double()
-    ids, mask = padded_inputs(pad_id=2)
-    with torch.no_grad():
-        reference = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-    with torch.no_grad(), capture_attention(model) as record:
-        model(input_ids=ids, attention_mask=mask)
-    assert sorted(record) == [(KIND[family], 0), (KIND[family], 1)]
-    for layer in (0, 1):
-        assert torch.equal(record[(KIND[family], layer)], reference[layer]), layer
+    check_captured_probabilities(build(family).double(), KIND[family])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_masking_equals_zeroed_values_and_gates_at_one_change_nothing(family):
-    ids, mask = padded_inputs(pad_id=2)
-    for head in range(4):
-        model = build(family).double()
-        before = _logits(model, ids, mask)
-        with mask_heads(model, {(KIND[family], 1): [head]}):
-            masked = _logits(model, ids, mask)
-        assert torch.equal(_logits(model, ids, mask), before)  # the mask came off
-        value = VALUES[family](model, 1)
+    def zero_head(model, layer, head):
+        value = VALUES[family](model, layer)
         with torch.no_grad():
             value.weight[head * 8:(head + 1) * 8] = 0
             value.bias[head * 8:(head + 1) * 8] = 0
-        reference = _logits(model, ids, mask)
-        assert not torch.allclose(reference, before)
-        torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+
+    check_masking_equals_zeroed(lambda: build(family).double(), KIND[family], zero_head, _logits)
+    ids, mask = padded_inputs(pad_id=2)
     model = build(family).double()
     before = _logits(model, ids, mask)
     with gates_attached(model, ScalarGates.for_model(model)):
@@ -142,45 +115,21 @@ def test_masking_equals_zeroed_values_and_gates_at_one_change_nothing(family):
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruned_equals_masked_in_float64(family, spec_name):
-    model = build(family).double()
-    spec = _spec(family, spec_name)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    assert [b.n_heads for b in attention_blocks(model)] == SPECS[spec_name][1]
-    torch.testing.assert_close(padded_logits(model, ids, mask), expected, atol=1e-12, rtol=0)
+    check_pruned_equals_masked(build(family).double(), *table_spec(KIND[family], spec_name))
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pruned_reloads(family, spec_name, tmp_path):
     """save_pruned, load_pruned and plain transformers (trust_remote_code: pruned_heads.py), every weight loaded."""
-    spec, heads_left = _spec(family, spec_name), SPECS[spec_name][1]
-    model = build(family)
-    ids, mask = padded_inputs(pad_id=2)
-    with mask_heads(model, spec):
-        expected = padded_logits(model, ids, mask)
-    prune_heads(model, spec)
-    save_pruned(model, tmp_path)
-    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
-    reloaded = load_pruned(tmp_path)
-    assert [b.n_heads for b in attention_blocks(reloaded)] == heads_left
-    torch.testing.assert_close(padded_logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
-    plain, info = AUTO[family].from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), expected, atol=1e-5, rtol=0)
+    check_pruned_reloads_as_masked(build(family), *table_spec(KIND[family], spec_name), tmp_path, AUTO[family])
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_causal_xlm_pruned_generates_as_masked_and_reloads(spec_name, tmp_path):
     """A causal XLM (XLM's CLM checkpoints): greedy generation as XLMWithLMHeadModel runs it (its own
     prepare_inputs_for_generation, no cache), and plain transformers' AutoModelForCausalLM on the saved directory."""
-    spec, heads_left = _spec("xlm-causal", spec_name), SPECS[spec_name][1]
-    model = build("xlm-causal")
-    ids, mask = padded_inputs(pad_id=2)
-    expected, tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
-    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, tokens)
+    check_pruned_generates_and_reloads(build("xlm-causal"), *table_spec("dec_self", spec_name), tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,12 +141,7 @@ def test_lrp_conserves_in_float64(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compute_lrp_conserves_with_biases_and_padding(family):
     """compute_lrp (biases on, padded sentences) conserves every sentence's logit to 1e-9 in float64."""
-    model = build(family).double()
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    check_compute_lrp_conserves(build(family).double())
 
 
 def test_flaubert_layerdrop_leaves_capture_whole():

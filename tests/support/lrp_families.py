@@ -2,7 +2,12 @@
 tests/support/models.py: OLMo's parameter-free LayerNorm, Gemma's ``x * (1 + w)`` RMS norms,
 mT5's LayerNorm (an RMS norm), and families whose norms are plain (Mistral, OLMo2, Qwen3,
 StableLM, GPT-J, OPT), and mixtures of experts (Mixtral, Qwen2-MoE with its gated shared expert,
-Qwen3-MoE). Built from configs (hidden 32, 2 layers, 4 heads, vocab 99): no downloads."""
+Qwen3-MoE). Built from configs (hidden 32, 2 layers, 4 heads, vocab 99): no downloads.
+
+Besides (not in ``FAMILIES``): Gemma 4's and Gemma 3n's text models with per-layer inputs (:func:`gemma4_text`,
+:func:`gemma3n_text`, built by :func:`per_layer_model`), :func:`lrp_data`, and the checks
+tests/test_lrp_per_layer_inputs.py and tests/test_lrp_altup.py share: the rules leave the forward unchanged, every
+strategy gives vmap's shares, compute_lrp refuses a model whose input a pre-hook changed."""
 
 from __future__ import annotations
 
@@ -63,3 +68,95 @@ def tiny_lrp_model(family: str, seed: int = 0, *, biases: bool = True, dtype: to
             elif "norm" in name and name.endswith("weight"):
                 parameter.uniform_(0.5, 1.5)
     return model.to(dtype)
+
+
+# -- Gemma 4's and Gemma 3n's per-layer inputs (and Gemma 3n's AltUp), and the checks their LRP test files share
+# (tests/test_lrp_per_layer_inputs.py, tests/test_lrp_altup.py)
+
+_GQA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+            pad_token_id=2)
+_PER_LAYER = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
+
+
+def gemma4_text(**values):
+    """Gemma 4's text model with per-layer inputs (a sliding layer, then a full one); ``values`` override."""
+    return tf.Gemma4ForCausalLM, tf.Gemma4TextConfig(**{
+        **_GQA, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "global_head_dim": 8,
+        **_PER_LAYER, **values})
+
+
+def gemma3n_text(**values):
+    """Gemma 3n's text model: per-layer inputs, two AltUp streams, no activation sparsity unless ``values`` say."""
+    return tf.Gemma3nForCausalLM, tf.Gemma3nTextConfig(
+        **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, laurel_rank=4, **_PER_LAYER,
+        **{"activation_sparsity_pattern": [0.0, 0.0], "altup_num_inputs": 2, **values})
+
+
+def per_layer_model(build, dtype=torch.float32, **values) -> torch.nn.Module:
+    """``build(**values)``'s model, eager, in eval mode from seed 0, in ``dtype``."""
+    cls, config = build(**values)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(config).eval().to(dtype)
+    with torch.no_grad():  # off their initial values (norm weights one), so that a rule ignoring them shows
+        for name, parameter in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def lrp_data(model, n=4):
+    """``n`` sentences of 3 to 8 random ids and an end of sentence (id 1), and ``model``'s description."""
+    from headlab.importance import ImportanceData, describe_model
+
+    info = describe_model(model)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 9, (n,), generator=g).tolist()
+    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths]), info
+
+
+def check_rules_leave_the_forward_unchanged(model) -> None:
+    """Under lrp_rules (with gradients), the logits of two rows of random ids are the plain forward's, bit for bit."""
+    from headlab.capture import eager_attention
+    from headlab.importance import lrp_rules
+
+    ids = torch.randint(4, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), eager_attention(model):
+        before = model(input_ids=ids).logits
+    with torch.enable_grad(), eager_attention(model), lrp_rules(model):
+        during = model(input_ids=ids).logits
+    assert torch.equal(during.detach(), before)
+
+
+def check_strategies_agree(model, data, info, strategy: str) -> None:
+    """head_relevance by ``strategy`` on the first batch of 2 gives vmap's shares (embedding, biases, per-layer
+    embedding, every head's relevance) to rtol 1e-9, atol 1e-12."""
+    from headlab.data.inputs import make_batches
+    from headlab.importance.lrp import head_relevance
+
+    batch = next(iter(make_batches(data, info, batch_size=2, side="translation", device=torch.device("cpu"))))
+    vmap, other = head_relevance(model, batch), head_relevance(model, batch, strategy=strategy)
+    for name in ("embedding", "biases", "per_layer_embedding"):
+        torch.testing.assert_close(getattr(other, name), getattr(vmap, name), rtol=1e-9, atol=1e-12)
+    for key, values in vmap.relevance.items():
+        torch.testing.assert_close(other.relevance[key], values, rtol=1e-9, atol=1e-12)
+
+
+def check_lrp_refused_under_pre_hook(model, module: torch.nn.Module, hook, match: str, *, n: int = 4,
+                                     **hook_options) -> None:
+    """With ``hook`` a forward pre-hook of ``module`` (``hook_options``: register_forward_pre_hook's; it is removed
+    after), compute_lrp on :func:`lrp_data`'s ``n`` sentences raises a HeadlabError matching ``match``."""
+    import pytest
+
+    from headlab import HeadlabError
+    from headlab.importance import compute_lrp
+
+    data, info = lrp_data(model, n)
+    handle = module.register_forward_pre_hook(hook, **hook_options)
+    try:
+        with pytest.raises(HeadlabError, match=match):
+            compute_lrp(model, data, info, bootstrap=0)
+    finally:
+        handle.remove()
