@@ -1,0 +1,65 @@
+"""Bad-input catalogue, score files that do not fit the model they rank: pruning by a HeadScores
+table (`headlab.prune(model, scores, keep=N)`, `headlab prune baseline --method scores`) keeps the
+N best-scored heads, so a head the table does not score would stay beside them, uncounted."""
+
+import json
+
+import numpy as np
+import pytest
+
+import headlab
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.surgery import pruning_record
+from support.bad_input import SENTENCES, save_tiny_marian
+from support.models import tiny_model
+
+# The tiny Marian has 2 layers x 4 heads of each kind. Each row: the enc_self table, and what the
+# refusal must name.
+UNFIT = {
+    "fewer-layers": (np.arange(4.0).reshape(1, 4), "enc_self layer 1 heads 0,1,2,3"),
+    "fewer-heads": (np.arange(4.0).reshape(2, 2), "enc_self layer 0 heads 2,3"),
+    "unscored-head": (np.array([[0.0, 1.0, 2.0, np.nan], [4.0, 5.0, 6.0, 7.0]]), "enc_self layer 0 head 3"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(UNFIT))
+def test_prune_by_scores_that_miss_heads_of_the_model_is_refused(row):
+    """Regression: a table of 1 layer (another model's, or a cut one) pruned 2 heads of layer 0 and
+    left layer 1 whole: keep=2 kept 6 heads, said nowhere."""
+    values, named = UNFIT[row]
+    model = tiny_model("marian")
+    with pytest.raises(HeadlabError, match=named) as error:
+        headlab.prune(model, headlab.HeadScores({"enc_self": values}, "confidence", "m"), keep=2, kinds=["enc_self"])
+    assert "confidence scores" in str(error.value)
+    assert pruning_record(model)["blocks"] == {}  # nothing was removed
+
+
+def test_baseline_by_scores_that_miss_heads_of_the_model_writes_no_row(tmp_path, capsys):
+    """Regression: the row said "keep 2" with its BLEU, of a model that kept 6 encoder heads."""
+    model_dir = save_tiny_marian(tmp_path / "m")
+    (tmp_path / "v.src").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    headlab.HeadScores({"enc_self": np.arange(4.0).reshape(1, 4)}, "lrp", "m").save(tmp_path / "lrp.json")
+    out = tmp_path / "b"
+    code = main(["prune", "baseline", str(model_dir), "--method", "scores", "--scores", str(tmp_path / "lrp.json"),
+                 "--keeps", "2", "--valid-src", str(tmp_path / "v.src"), "--valid-tgt", str(tmp_path / "v.src"),
+                 "--eval-beam", "1", "--out", str(out), "--no-progress"])
+    assert code == 2
+    assert "lrp scores (enc_self 1x4, layers x heads) have no score for enc_self layer 1" in capsys.readouterr().err
+    assert not (out / "baselines.json").exists()
+
+
+def test_scores_that_fit_still_prune_to_keep_heads():
+    """The check leaves well-formed tables alone: a full one, and one of a pruned model in its
+    original numbering (NaN for the heads it lost) or in its current one."""
+    model = tiny_model("marian")
+    kept = headlab.prune(model, headlab.HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "c", "m"), keep=3,
+                         kinds=["enc_self"])
+    assert sum(len(kept.get(("enc_self", layer), range(4))) for layer in range(2)) == 3
+    for values in (np.array([[0.9, np.nan, np.nan, 0.8], [np.nan, 0.1, 0.7, 0.6]]),  # original numbering
+                   np.array([[0.9, 0.8, np.nan], [0.1, 0.7, 0.6]])):  # current numbering
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")
+        headlab.prune(model, headlab.HeadScores({"enc_self": values}, "c", "m"), keep=2, kinds=["enc_self"])
+        blocks = pruning_record(model)["blocks"]["enc_self"]
+        assert sum(len(blocks[str(layer)]["kept_heads"]) for layer in range(2)) == 2, json.dumps(blocks)
