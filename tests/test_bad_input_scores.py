@@ -63,3 +63,36 @@ def test_scores_that_fit_still_prune_to_keep_heads():
         headlab.prune(model, headlab.HeadScores({"enc_self": values}, "c", "m"), keep=2, kinds=["enc_self"])
         blocks = pruning_record(model)["blocks"]["enc_self"]
         assert sum(len(blocks[str(layer)]["kept_heads"]) for layer in range(2)) == 2, json.dumps(blocks)
+
+
+# -- a classifier's labels ---------------------------------------------------------------------
+def _star_info():
+    """A 5-class classifier whose labels are named by numbers that are not their indices (star ratings)."""
+    from headlab.model_description import ModelInfo
+
+    return ModelInfo("classifier", 0, frozenset(), frozenset({0, 2, 3}), None, 32, True, n_labels=5,
+                     label_names=("1", "2", "3", "4", "5"))
+
+
+@pytest.mark.parametrize("labels, classes", [(["0", "1", "4"], [0, 1, 4]),  # "0" is no name: indices
+                                             (["1", "2", "5"], [0, 1, 4]),  # "5" is no index: names
+                                             (["2", "3"], [1, 2])])  # either reading: names, as documented
+def test_labels_of_a_file_are_read_one_way(labels, classes):
+    """Regression: with labels named "1".."5", a TSV of class indices 0..4 had "0" read as index 0
+    and "1" as the name "1", class 0 too: two classes merged, every label after shifted, exit 0."""
+    from headlab.data.inputs import labelled_lines_data
+    from support.treebank import word_tokenizer
+
+    lines = [f"a cat\t{label}" for label in labels]
+    data = labelled_lines_data(lines, word_tokenizer(["a", "cat"], style="bert"), _star_info(), name="d.tsv")
+    assert data.classes == classes
+
+
+def test_labels_that_are_indices_on_one_line_and_names_on_another_are_refused():
+    from headlab.data.inputs import labelled_lines_data
+    from support.treebank import word_tokenizer
+
+    with pytest.raises(HeadlabError, match=r"d.tsv:1: label '0' is a class index.*d.tsv:3: label '5' is one of the "
+                                           r"model's label names"):
+        labelled_lines_data(["a cat\t0", "a cat\t1", "a cat\t5"], word_tokenizer(["a", "cat"], style="bert"),
+                            _star_info(), name="d.tsv")
