@@ -1,6 +1,7 @@
-"""Bad-input catalogue, score files that do not fit the model they rank: pruning by a HeadScores
-table (`headlab.prune(model, scores, keep=N)`, `headlab prune baseline --method scores`) keeps the
-N best-scored heads, so a head the table does not score would stay beside them, uncounted."""
+"""Bad-input catalogue, scores and labels that do not fit the model they are read for: pruning by a
+HeadScores table (`headlab.prune(model, scores, keep=N)`, `headlab prune baseline --method scores`)
+keeps the N best-scored heads, so a head the table does not score would stay beside them,
+uncounted; a classifier's labels that read both as class indices and as its label names."""
 
 import json
 
@@ -96,3 +97,14 @@ def test_labels_that_are_indices_on_one_line_and_names_on_another_are_refused():
                                            r"model's label names"):
         labelled_lines_data(["a cat\t0", "a cat\t1", "a cat\t5"], word_tokenizer(["a", "cat"], style="bert"),
                             _star_info(), name="d.tsv")
+
+
+def test_labels_given_in_python_as_integers_are_class_indices():
+    """Regression: headlab.analyze(..., labels=[1, 2]) wrote the integers as text and read them as the
+    label names "1" and "2": classes 0 and 1."""
+    from headlab.data.inputs import texts_data
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(["a", "cat"], style="bert")
+    for labels, classes in (([1, 2], [1, 2]), ([np.int64(3), 0], [3, 0]), (["1", "2"], [0, 1])):
+        assert texts_data(["a cat", "cat"], tokenizer, _star_info(), labels=labels).classes == classes

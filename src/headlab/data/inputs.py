@@ -19,6 +19,7 @@ reads the model through :func:`headlab.model_description.describe_model`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -238,7 +239,10 @@ def texts_data(
             if any("\t" in f or "\n" in f for f in fields):
                 raise HeadlabError(f"{where}: text {number} holds a tab or a line break")
             lines.append("\t".join([*fields, str(label)]))
-        return labelled_lines_data(lines, tokenizer, info, n_sentences=n_sentences, name=name or "<texts>")
+        # labels given as integers are class indices, whatever the model's label names read as
+        indices = all(isinstance(label, numbers.Integral) and not isinstance(label, bool) for label in labels)
+        return labelled_lines_data(lines, tokenizer, info, n_sentences=n_sentences, name=name or "<texts>",
+                                   names=False if indices else None)
     if labels is not None:
         raise HeadlabError("labels are for sequence classifiers; this model is not one")
     sources = list(texts)
@@ -335,9 +339,11 @@ def read_labelled_data(
 
 
 def labelled_lines_data(
-    lines: Sequence[str], tokenizer, info: ModelInfo, *, n_sentences: int | None = None, name: str = "<texts>"
+    lines: Sequence[str], tokenizer, info: ModelInfo, *, n_sentences: int | None = None, name: str = "<texts>",
+    names: bool | None = None,
 ) -> ImportanceData:
-    """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages)."""
+    """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages). ``names``:
+    False reads every label as a class index; None tells from the labels (:func:`_label_reading`)."""
     path = name
     if n_sentences is not None and n_sentences < 1:
         raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
@@ -363,7 +369,8 @@ def labelled_lines_data(
             break
     if not rows:
         raise HeadlabError(f"empty data set: {path} has no labelled line")
-    names = _label_reading([label for _, label in rows], info)
+    if names is None:
+        names = _label_reading([label for _, label in rows], info)
     classes = [_label_index(value, info, where, names) for _, (value, where) in rows]
     texts = [fields for fields, _ in rows]
     firsts = [t[0] for t in texts]
