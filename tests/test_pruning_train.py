@@ -580,3 +580,24 @@ def test_report_refuses_baselines_of_another_beam_or_other_weights(tmp_path, cap
     assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").is_file()
     assert main(["prune", "report", str(tmp_path / "none"), "--out", str(tmp_path / "fig2")]) == 2
     assert not (tmp_path / "fig2").exists()  # a refused report leaves no empty directory behind
+
+
+def test_cli_sweep_rerun_on_other_data_makes_its_points_again(model_dir, tmp_path, capsys):
+    """Regression: a sweep run again into the same --out with another evaluation or training set
+    (--eval-limit, --valid-src, --limit, --train-src) kept its finished points and full.json: one
+    table of BLEU on two test sets, or of gates trained on two corpora, exit 0."""
+    out = tmp_path / "s"
+    args = ["prune", "sweep", str(model_dir), *_data_args(30), "--gates", "enc_self", "--lams", "0", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    args[args.index("--eval-limit") + 1] = "5"
+    assert main(args) == 0
+    said = "".join(capsys.readouterr())
+    assert "full.json: evaluated on other data" in said and "lam-0: evaluated on other data" in said
+    assert len((out / "lam-0" / "hypotheses.txt").read_text(encoding="utf-8").splitlines()) == 5
+    args[args.index("--limit") + 1] = "20"
+    assert main(args) == 0
+    said = "".join(capsys.readouterr())
+    assert "lam-0: trained on other data" in said and "full.json" not in said  # the full model is not trained
+    assert main(args) == 0  # the same data: nothing is made again
+    assert "lam-0: finished earlier, skipped" in "".join(capsys.readouterr())
