@@ -575,6 +575,13 @@ def test_report_refuses_baselines_of_another_beam_or_other_weights(tmp_path, cap
     assert main(args) == 2
     assert "its rows were made from other weights than the sweep" in capsys.readouterr().err
     assert not (tmp_path / "fig").exists()
+    # Regression: baselines scored on another test set (another --valid-src or --eval-limit) were drawn too.
+    full = json.loads((sweep / "full.json").read_text())
+    (sweep / "full.json").write_text(json.dumps({**full, "eval_data_sha256": "c" * 64}))
+    (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4, "eval_data_sha256": "d" * 64}]))
+    assert main(args) == 2
+    assert f"--baselines {base}: its rows were scored on another test set than the sweep" in capsys.readouterr().err
+    assert not (tmp_path / "fig").exists()
     (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4}]))
     assert main(args) == 0
     assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").is_file()

@@ -349,14 +349,14 @@ def heads_table(sweep_rows: list[dict], scratch_rows: Sequence[dict] = ()) -> st
 
 
 def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
-    """Refuse baselines scored with another beam, or made from other weights, than the sweep's
-    full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
+    """Refuse baselines scored with another beam or test set, or made from other weights, than the
+    sweep's full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
     baseline plotted against beam-4 points and the beam-4 full model)."""
     full_file = Path(sweep_dir) / "full.json"
     if not full_file.is_file():
         return
     full = json.loads(full_file.read_text(encoding="utf-8"))
-    beam, weights = full.get("metrics", {}).get("beam"), full.get("model_sha256")
+    beam, weights, data = full.get("metrics", {}).get("beam"), full.get("model_sha256"), full.get("eval_data_sha256")
     for row in baseline_rows:
         if beam is not None and row.get("eval_beam") is not None and row["eval_beam"] != beam:
             raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored with beam {row['eval_beam']}, the "
@@ -365,6 +365,10 @@ def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
         if weights and row.get("model_sha256") and row["model_sha256"] != weights:
             raise HeadlabError(f"--baselines {row['_dir']}: its rows were made from other weights than the sweep "
                                f"{sweep_dir} (model_sha256 {row['model_sha256'][:12]}, the sweep's {weights[:12]})")
+        if data and row.get("eval_data_sha256") and row["eval_data_sha256"] != data:
+            raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored on another test set than the sweep "
+                               f"{sweep_dir} (eval_data_sha256 {row['eval_data_sha256'][:12]}, the sweep's {data[:12]}); "
+                               "give both the same --valid-src, --valid-tgt and --eval-limit")
 
 
 def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
