@@ -75,7 +75,7 @@ def _train(args) -> int:
 def _evaluate(args) -> int:
     from headlab.lm.data import encode_lm_corpus, read_text_corpus
     from headlab.lm.train import perplexity
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_tokenizer_fits, load_model, load_tokenizer
     from headlab.preflight import at_least, input_file
 
     set_threads(args.threads)
@@ -86,6 +86,7 @@ def _evaluate(args) -> int:
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
     model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
     tokenizer = load_tokenizer(args.model)
+    check_tokenizer_fits(tokenizer, model, args.model)  # another model's: an IndexError in the first batch
     if tokenizer.bos_token_id is None:
         raise HeadlabError(f"{args.model}: the tokenizer has no BOS token (not a headlab language model)")
     positions = cast(Any, model.config).max_position_embeddings
