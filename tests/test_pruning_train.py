@@ -585,6 +585,13 @@ def test_report_refuses_baselines_of_another_beam_or_other_weights(tmp_path, cap
     (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4}]))
     assert main(args) == 0
     assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").is_file()
+    # Regression: a sweep made with --no-reference has no full.json, and then nothing was compared.
+    (sweep / "full.json").unlink()
+    (sweep / "lam-0").mkdir()
+    (sweep / "lam-0" / "prune_config.json").write_text(json.dumps({"eval_beam": 4, "model_fingerprint": "a" * 64}))
+    (base / "baselines.json").write_text(json.dumps([row]))  # beam 1
+    assert main([*args[:-1], str(tmp_path / "fig2")]) == 2
+    assert f"--baselines {base}: its rows were scored with beam 1, the sweep {sweep} with beam 4" in capsys.readouterr().err
     assert main(["prune", "report", str(tmp_path / "none"), "--out", str(tmp_path / "fig2")]) == 2
     assert not (tmp_path / "fig2").exists()  # a refused report leaves no empty directory behind
 

@@ -353,10 +353,15 @@ def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
     sweep's full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
     baseline plotted against beam-4 points and the beam-4 full model)."""
     full_file = Path(sweep_dir) / "full.json"
-    if not full_file.is_file():
-        return
-    full = json.loads(full_file.read_text(encoding="utf-8"))
-    beam, weights, data = full.get("metrics", {}).get("beam"), full.get("model_sha256"), full.get("eval_data_sha256")
+    if full_file.is_file():
+        full = json.loads(full_file.read_text(encoding="utf-8"))
+        beam, weights, data = full.get("metrics", {}).get("beam"), full.get("model_sha256"), full.get("eval_data_sha256")
+    else:  # --no-reference: a point's options say the same (nothing was compared without them)
+        configs = sorted(Path(sweep_dir).glob(f"*/{CONFIG_FILE}"))
+        if not configs:
+            return
+        point = json.loads(configs[0].read_text(encoding="utf-8"))
+        beam, weights, data = point.get("eval_beam"), point.get("model_fingerprint"), point.get("eval_data_sha256")
     for row in baseline_rows:
         if beam is not None and row.get("eval_beam") is not None and row["eval_beam"] != beam:
             raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored with beam {row['eval_beam']}, the "
