@@ -337,6 +337,28 @@ def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, inputs, tmp_path, 
     assert not files_under(tmp_path / "o")
 
 
+@pytest.mark.parametrize("command", [["baseline", "--method", "random", "--keeps", "2"], ["sweep", "--keeps", "2"],
+                                     ["train", "--keep", "2"]])
+def test_prune_training_commands_refuse_a_tokenizer_of_a_bigger_vocabulary(command, inputs, tmp_path, capsys):
+    """Regression: `prune baseline|sweep|train --tokenizer DIR` of a larger vocabulary than the
+    model's embeddings ended in an IndexError traceback (internal error) from the embedding lookup."""
+    from support.treebank import word_tokenizer
+
+    big = tmp_path / "big"
+    word_tokenizer([f"w{i}" for i in range(150)] + [w for s in SENTENCES for w in s.split()],
+                   max_vocab=400).save_pretrained(big)
+    source = str(inputs / "src.txt")
+    data = ["--valid-src", source, "--valid-tgt", source, "--eval-beam", "1"]
+    if command[0] != "baseline":
+        data += ["--train-src", source, "--train-tgt", source, "--no-progress"]
+    code = main(["prune", command[0], str(inputs / "model"), *command[1:], "--tokenizer", str(big), *data,
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "more than the model's 99 embeddings" in err
+    assert not files_under(tmp_path / "o")
+
+
 @pytest.mark.parametrize("content", ['{"pid": "x"}', "[1, 2]", ""])
 def test_garbage_lock_is_held_for_a_while_then_taken_over(content, tmp_path):
     path = tmp_path / LOCK_FILE

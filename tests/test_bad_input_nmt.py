@@ -174,6 +174,21 @@ def test_model_without_tokenizer_is_refused(tmp_path, source, capsys):
 
 
 @pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, tmp_path, source, capsys):
+    """Regression: a model directory holding another model's tokenizer (more tokens than its
+    embeddings) ended in an IndexError traceback (internal error) from the embedding lookup."""
+    from support.treebank import word_tokenizer
+
+    model = save_tiny_marian(tmp_path / "m", tokenizer=False)
+    word_tokenizer([f"w{i}" for i in range(150)] + [w for s in SENTENCES for w in s.split()],
+                   max_vocab=400).save_pretrained(model)
+    files = ["--input", str(source)] if command == "translate" else ["--src", str(source), "--ref", str(source)]
+    assert main(["nmt", command, str(model), *files]) == 2
+    err = capsys.readouterr().err
+    assert "more than the model's 99 embeddings" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
 @pytest.mark.parametrize("row", ["missing-tokenizer-json", "empty-tokenizer-json", "truncated-tokenizer-json"])
 def test_damaged_tokenizer_json_is_refused(row, command, tmp_path, source, capsys, monkeypatch):
     """Regression (issue 32 row 8): a missing, empty or cut tokenizer.json was a ValueError or

@@ -244,3 +244,21 @@ def test_word_pooling_and_sensitivity_options(tmp_path, model_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse: not a choice
         main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(tmp_path / "x"), "--word-pooling", "mean"])
     assert exit_info.value.code == 2 and "--word-pooling" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, named", [(["--window", "3"], "--window"),
+                                          (["--top-k", "2", "--min-weight", "0.5"], "--min-weight, --top-k")])
+def test_functions_refuses_options_of_the_aggregate_statistics_without_aggregate(extra, named, model_dir, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """Regression: `headlab functions --window 3` (an option of the aggregate statistics, which run
+    only with --aggregate) ran and wrote its results as if it had not been given, exit 0."""
+    import headlab.loading
+
+    monkeypatch.setattr(headlab.loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    conllu = tmp_path / "s.conllu"
+    conllu.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    out = tmp_path / "o"
+    assert main(["functions", str(model_dir), "--conllu", str(conllu), "--out", str(out), *extra]) == 2
+    assert (f"{named}: {'options' if ',' in named else 'an option'} of the aggregate statistics, which run with "
+            "--aggregate (or headlab aggregate)") in capsys.readouterr().err
+    assert not out.exists()

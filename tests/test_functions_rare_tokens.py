@@ -184,3 +184,24 @@ def test_per_sentence_reading_weighs_each_sentence_once(tmp_path):
     plain.update(AttentionView(FakeBlock("enc_self", 0, 1), probs, side))
     assert {p.name for p in plain.result().write(tmp_path / "plain")} == {"rarest.json", "two_rarest.json",
                                                                           "summary.json"}
+
+
+def test_frequency_file_keeps_tokens_that_start_with_a_hash(tmp_path):
+    """Regression: from_file took every line starting with "#" for a comment, so WordPiece's
+    continuation tokens ("##s") and the token "#" that save() wrote were read back as count 0:
+    common subwords became the rarest tokens, without a word."""
+    tokenizer = word_tokenizer(["the", "cat", "##s", "#"], style="bert")
+    vocab = tokenizer.get_vocab()
+    counts = np.zeros(len(tokenizer), dtype=np.int64)
+    counts[vocab["the"]], counts[vocab["##s"]], counts[vocab["#"]], counts[vocab["cat"]] = 9, 7, 5, 1
+    path = TokenFrequencies(counts, "corpus").save(tmp_path / "freq.tsv", tokenizer)
+    assert np.array_equal(TokenFrequencies.from_file(tokenizer, path).counts, counts)
+
+
+def test_frequency_file_with_a_token_twice_is_refused(tmp_path):
+    """Regression: a token listed twice (two count files joined) kept its last count, silently."""
+    tokenizer = word_tokenizer("the cat".split())
+    path = tmp_path / "freq.tsv"
+    path.write_text("the\t5\ncat\t2\nthe\t3\n", encoding="utf-8")
+    with pytest.raises(HeadlabError, match=f"{path}:3: token 'the' is counted twice .*line 1"):
+        TokenFrequencies.from_file(tokenizer, path)

@@ -80,3 +80,13 @@ def test_fingerprint_is_of_the_scores_not_of_where_the_file_was_written():
     changed = HeadScores({"enc_self": np.array([[0.5, np.nan], [0.25, 0.75]])}, "lrp", "models/m")
     assert changed.fingerprint() != here.fingerprint()
     assert HeadScores(scores, "confidence", "models/m").fingerprint() != here.fingerprint()
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf])
+def test_an_infinite_score_is_refused_not_written_as_invalid_json(value, tmp_path):
+    """Regression: save() wrote an infinite score as `Infinity`, which JSON does not have (a
+    browser's or jq's parser rejects the file; NaN is written as null and read back as NaN)."""
+    scores = HeadScores({"enc_self": np.array([[0.5, value], [0.1, 0.2]])}, "mine")
+    with pytest.raises(HeadlabError, match="mine scores: enc_self layer 0 head 1 is infinite"):
+        scores.save(tmp_path / "s.json")
+    assert not (tmp_path / "s.json").exists()

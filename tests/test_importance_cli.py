@@ -215,3 +215,20 @@ def test_accuracy_metric_on_a_translation_model_is_refused_before_any_work(tmp_p
                  "--metric", "accuracy", "--no-progress"]) == 0
     assert "skipped ablation: --metric accuracy is for classifiers" in capsys.readouterr().out
     assert not (out / "ablation.json").exists() and (out / "lrp.json").is_file()
+
+
+def test_beam_of_a_model_that_does_not_translate_is_refused(tmp_path, capsys):
+    """Regression: `importance --beam 3` on a language model ran and wrote scores whose signature
+    said beam 3, of a model that makes no translation for the beam to search (analyze refuses it)."""
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parents[1] / "models" / "english-lm"
+    if not (model / "config.json").is_file():
+        pytest.skip("bundled language model missing")
+    source = tmp_path / "s.txt"
+    source.write_text("A dog runs .\n", encoding="utf-8")
+    out = tmp_path / "o"
+    assert main(["importance", str(model), "--source", str(source), "--method", "confidence", "--beam", "3",
+                 "--out", str(out), "--no-progress"]) == 2
+    assert "--beam 3: the beam of the model's translations, and" in capsys.readouterr().err
+    assert not out.exists()

@@ -51,3 +51,16 @@ def test_the_cards_tables_are_the_result_files():
     assert set(blocks) == set(CARD_BLOCKS)
     for name, body in blocks.items():
         assert read_block(card, name) == body, f"models/english-lm/README.md block {name!r}: run experiments/model_card.py"
+
+
+def test_evaluate_says_how_many_sentences_it_cut(tmp_path, capsys):
+    """Regression: a sentence longer than the model's 256 positions was scored on its first 256
+    tokens, and the line said "256 tokens in 1 sentence" with nothing about the rest."""
+    from headlab.cli import main
+
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(["the cat"] * 400) + "\nA dog runs .\n", encoding="utf-8")
+    assert main(["lm", "evaluate", str(MODEL), "--text", str(text)]) == 0
+    assert "1 of the 2 sentences was longer than the model's 256 positions and cut" in capsys.readouterr().out
+    assert main(["lm", "evaluate", str(MODEL), "--text", str(text), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["truncated"] == 1

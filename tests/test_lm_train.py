@@ -267,3 +267,15 @@ def test_train_refuses_a_bad_shape_before_reading_the_text(option, value, expect
     assert main(args) == 2
     assert expected in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_refuses_a_tokenizer_larger_than_the_model(tokenizer, tmp_path, capsys):
+    """Regression: a language model directory holding another model's tokenizer (more tokens than
+    its embeddings) ended in an IndexError traceback (internal error) from the embedding lookup."""
+    small = train_tokenizer(read_text_corpus([TRAIN]).sentences[:300], 100, bos=True)
+    create_lm(build_lm_config(LMConfig(d_model=16, ffn_dim=32, layers=1, n_heads=2, max_positions=32), small),
+              seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)  # 300 tokens, for a model of 100
+    assert main(["lm", "evaluate", str(tmp_path), "--text", str(TRAIN)]) == 2
+    err = capsys.readouterr().err
+    assert "more than the model's 100 embeddings" in err and "Traceback" not in err

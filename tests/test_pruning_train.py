@@ -575,8 +575,43 @@ def test_report_refuses_baselines_of_another_beam_or_other_weights(tmp_path, cap
     assert main(args) == 2
     assert "its rows were made from other weights than the sweep" in capsys.readouterr().err
     assert not (tmp_path / "fig").exists()
+    # Regression: baselines scored on another test set (another --valid-src or --eval-limit) were drawn too.
+    full = json.loads((sweep / "full.json").read_text())
+    (sweep / "full.json").write_text(json.dumps({**full, "eval_data_sha256": "c" * 64}))
+    (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4, "eval_data_sha256": "d" * 64}]))
+    assert main(args) == 2
+    assert f"--baselines {base}: its rows were scored on another test set than the sweep" in capsys.readouterr().err
+    assert not (tmp_path / "fig").exists()
     (base / "baselines.json").write_text(json.dumps([{**row, "eval_beam": 4}]))
     assert main(args) == 0
     assert (tmp_path / "fig" / "sweep-bleu-vs-heads.png").is_file()
+    # Regression: a sweep made with --no-reference has no full.json, and then nothing was compared.
+    (sweep / "full.json").unlink()
+    (sweep / "lam-0").mkdir()
+    (sweep / "lam-0" / "prune_config.json").write_text(json.dumps({"eval_beam": 4, "model_fingerprint": "a" * 64}))
+    (base / "baselines.json").write_text(json.dumps([row]))  # beam 1
+    assert main([*args[:-1], str(tmp_path / "fig2")]) == 2
+    assert f"--baselines {base}: its rows were scored with beam 1, the sweep {sweep} with beam 4" in capsys.readouterr().err
     assert main(["prune", "report", str(tmp_path / "none"), "--out", str(tmp_path / "fig2")]) == 2
     assert not (tmp_path / "fig2").exists()  # a refused report leaves no empty directory behind
+
+
+def test_cli_sweep_rerun_on_other_data_makes_its_points_again(model_dir, tmp_path, capsys):
+    """Regression: a sweep run again into the same --out with another evaluation or training set
+    (--eval-limit, --valid-src, --limit, --train-src) kept its finished points and full.json: one
+    table of BLEU on two test sets, or of gates trained on two corpora, exit 0."""
+    out = tmp_path / "s"
+    args = ["prune", "sweep", str(model_dir), *_data_args(30), "--gates", "enc_self", "--lams", "0", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    args[args.index("--eval-limit") + 1] = "5"
+    assert main(args) == 0
+    said = "".join(capsys.readouterr())
+    assert "full.json: evaluated on other data" in said and "lam-0: evaluated on other data" in said
+    assert len((out / "lam-0" / "hypotheses.txt").read_text(encoding="utf-8").splitlines()) == 5
+    args[args.index("--limit") + 1] = "20"
+    assert main(args) == 0
+    said = "".join(capsys.readouterr())
+    assert "lam-0: trained on other data" in said and "full.json" not in said  # the full model is not trained
+    assert main(args) == 0  # the same data: nothing is made again
+    assert "lam-0: finished earlier, skipped" in "".join(capsys.readouterr())

@@ -379,6 +379,13 @@ class HeadScores:
         def encode(value: float) -> float | None:
             return None if math.isnan(value) else float(value)
 
+        for kind, array in self.scores.items():  # JSON has no infinity: json.dumps wrote `Infinity`, invalid JSON
+            infinite = np.argwhere(np.isinf(array))
+            if len(infinite):
+                layer, head = map(int, infinite[0])
+                raise HeadlabError(f"{self.method} scores: {kind} layer {layer} head {head} is infinite "
+                                   f"({array[layer, head]}); JSON has no infinity, and a score has to be a number")
+
         return {
             "method": self.method,
             "model": self.model,

@@ -748,10 +748,27 @@ def removal_by_scores(model: nn.Module, scores: Any, keep: int,
             "nothing was pruned. Name the heads to remove, the same at each of these depths (--heads), or learn "
             "them with gated pruning (headlab prune train: one gate per shared head)")
     absent: dict[tuple[str, int], list[int]] = {}
+    unscored: list[str] = []
     for block in attention_blocks(model):
         heads, _, n = _original(block)
         if len(heads) != n and block.kind in scores.scores and scores.scores[block.kind].shape[1] == n:
             absent[block.key] = [h for h in range(n) if h not in heads]
+        else:
+            heads = list(range(block.n_heads))
+        if block.kind in (kinds or scores.kinds):
+            # top_mask ranks only the scored heads: one without a score (a table of another model's
+            # shape, a NaN) would stay beside the `keep` best, and the model keep more heads than asked
+            table = scores.scores.get(block.kind)
+            missing = [h for h in heads if table is None or block.layer >= table.shape[0] or h >= table.shape[1]
+                       or math.isnan(table[block.layer, h])]
+            if missing:
+                unscored.append(f"{block.kind} layer {block.layer} {'head' if len(missing) == 1 else 'heads'} "
+                                f"{','.join(map(str, missing))}")
+    if unscored:
+        shapes = ", ".join(f"{kind} {'x'.join(map(str, a.shape))}" for kind, a in scores.scores.items())
+        raise HeadlabError(f"{scores.method} scores ({shapes}, layers x heads) have no score for "
+                           f"{'; '.join(unscored[:4])}{'; ...' if len(unscored) > 4 else ''}: those heads would stay "
+                           f"beside the {keep} kept. Score this model's heads (headlab importance on it)")
     mask = scores.without(absent).top_mask(keep, kinds)
     # The layers numbered as before pruning: none of their removed heads is ranked, so none is named.
     return {**mask, **to_current_numbering(model, {key: mask[key] for key in absent if key in mask})}

@@ -110,14 +110,16 @@ class TokenFrequencies:
 
     @classmethod
     def from_file(cls, tokenizer, path: str | Path) -> "TokenFrequencies":
-        """Read ``token<TAB>count`` lines; tokens missing from the file count 0."""
+        """Read ``token<TAB>count`` lines; tokens missing from the file count 0. A line starting
+        with ``#`` and holding no tab is a comment (WordPiece's ``##s`` and the token ``#`` are counted)."""
         path = Path(path)
         if not path.exists() or path.is_dir():
             raise HeadlabError(f"frequency file not found: {path}")
         vocab = tokenizer.get_vocab()
         counts = np.zeros(len(tokenizer), dtype=np.int64)
+        seen: dict[str, int] = {}
         for number, line in _lines(path):
-            if not line.strip() or line.startswith("#"):
+            if not line.strip() or (line.startswith("#") and "\t" not in line):
                 continue
             parts = line.split("\t")
             if len(parts) != 2:
@@ -131,6 +133,9 @@ class TokenFrequencies:
                 raise HeadlabError(f"{path}:{number}: count {count!r} is not an integer") from None
             if value < 0:
                 raise HeadlabError(f"{path}:{number}: negative count {value}")
+            if token in seen:  # the last count would win over the first
+                raise HeadlabError(f"{path}:{number}: token {token!r} is counted twice (also on line {seen[token]})")
+            seen[token] = number
             counts[vocab[token]] = value
         return cls(counts, str(path))
 

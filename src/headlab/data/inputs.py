@@ -19,6 +19,7 @@ reads the model through :func:`headlab.model_description.describe_model`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -238,7 +239,10 @@ def texts_data(
             if any("\t" in f or "\n" in f for f in fields):
                 raise HeadlabError(f"{where}: text {number} holds a tab or a line break")
             lines.append("\t".join([*fields, str(label)]))
-        return labelled_lines_data(lines, tokenizer, info, n_sentences=n_sentences, name=name or "<texts>")
+        # labels given as integers are class indices, whatever the model's label names read as
+        indices = all(isinstance(label, numbers.Integral) and not isinstance(label, bool) for label in labels)
+        return labelled_lines_data(lines, tokenizer, info, n_sentences=n_sentences, name=name or "<texts>",
+                                   names=False if indices else None)
     if labels is not None:
         raise HeadlabError("labels are for sequence classifiers; this model is not one")
     sources = list(texts)
@@ -265,10 +269,36 @@ def texts_data(
     return encode_texts(tokenizer, info, sources, references, source_path=name, target_path=target_name)
 
 
-def _label_index(value: str, info: ModelInfo, where: str) -> int:
-    """A label field: one of the model's label names, or a class index."""
+def _label_reading(labels: Sequence[tuple[str, str]], info: ModelInfo) -> bool:
+    """Whether the label fields (``(value, where)``) of one file are read as label names first (else
+    as class indices). A model whose labels are named by numbers that are not their indices ("1".."5"
+    for classes 0..4) reads "1" either way: one file is read one way, told by a value that reads
+    only one way ("0": an index; "5": a name), never line by line, which merged classes 0 and 1."""
+    named = not all(n.startswith("LABEL_") for n in info.label_names)
+    only_index = only_name = None
+    for value, where in labels:
+        value = value.strip()
+        as_name = named and value in info.label_names
+        as_index = value.isascii() and value.isdigit() and int(value) < info.n_labels
+        if as_index and not as_name:
+            only_index = only_index or (value, where)
+        elif as_name and not as_index:
+            only_name = only_name or (value, where)
+    differ = named and any(name != str(i) and name.isascii() and name.isdigit() and int(name) < info.n_labels
+                           for i, name in enumerate(info.label_names))
+    if not differ or only_index is None:
+        return named
+    if only_name is not None:
+        raise HeadlabError(f"{only_index[1]}: label {only_index[0]!r} is a class index, but {only_name[1]}: label "
+                           f"{only_name[0]!r} is one of the model's label names ({', '.join(info.label_names)} for classes "
+                           f"0..{info.n_labels - 1}); write every label one way")
+    return False
+
+
+def _label_index(value: str, info: ModelInfo, where: str, names: bool = True) -> int:
+    """A label field: one of the model's label names (with ``names``), or a class index."""
     value = value.strip()
-    if value in info.label_names and not all(n.startswith("LABEL_") for n in info.label_names):
+    if names and value in info.label_names and not all(n.startswith("LABEL_") for n in info.label_names):
         return info.label_names.index(value)
     try:
         index = int(value)
@@ -309,9 +339,11 @@ def read_labelled_data(
 
 
 def labelled_lines_data(
-    lines: Sequence[str], tokenizer, info: ModelInfo, *, n_sentences: int | None = None, name: str = "<texts>"
+    lines: Sequence[str], tokenizer, info: ModelInfo, *, n_sentences: int | None = None, name: str = "<texts>",
+    names: bool | None = None,
 ) -> ImportanceData:
-    """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages)."""
+    """:func:`read_labelled_data` of the TSV's lines held in memory (``name`` in messages). ``names``:
+    False reads every label as a class index; None tells from the labels (:func:`_label_reading`)."""
     path = name
     if n_sentences is not None and n_sentences < 1:
         raise HeadlabError(f"--limit must be at least 1, got {n_sentences}")
@@ -332,11 +364,14 @@ def labelled_lines_data(
         width = len(fields)
         if not all(f.strip() for f in fields[:-1]):
             raise HeadlabError(f"{where}: empty text")
-        rows.append(([f.strip() for f in fields[:-1]], _label_index(fields[-1], info, where)))
+        rows.append(([f.strip() for f in fields[:-1]], (fields[-1], where)))
         if n_sentences is not None and len(rows) == n_sentences:
             break
     if not rows:
         raise HeadlabError(f"empty data set: {path} has no labelled line")
+    if names is None:
+        names = _label_reading([label for _, label in rows], info)
+    classes = [_label_index(value, info, where, names) for _, (value, where) in rows]
     texts = [fields for fields, _ in rows]
     firsts = [t[0] for t in texts]
     seconds = [t[1] for t in texts] if width == 3 else None
@@ -354,7 +389,7 @@ def labelled_lines_data(
     return ImportanceData(
         [list(map(int, ids)) for ids in encoded["input_ids"]], None, None, str(path), "", len(lines), n_empty,
         len(too_long), info.max_length, source_texts=[" ".join(t) for t in texts],
-        classes=[label for _, label in rows], segments=segments,
+        classes=classes, segments=segments,
     )
 
 

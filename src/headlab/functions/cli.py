@@ -78,9 +78,26 @@ def _sentences(args) -> tuple[int, str, str]:
     return n, "sentence", f"of {path}" + (f" (--limit {args.limit})" if args.limit else "")
 
 
+def _check_aggregate_options(args, aggregate: bool) -> None:
+    """The aggregate statistics' own options (``--window``, ``--top-k``, ...) given to ``functions``
+    without ``--aggregate``: that pass does not run, and they were taken and ignored."""
+    if aggregate:
+        return
+    from headlab.functions.registry import option_specs
+
+    own = {s.dest for s in option_specs("functions")}  # a flag shared with a functions statistic acts there
+    given = sorted(dict.fromkeys(f"--{s.dest.replace('_', '-')}" for s in option_specs("aggregate")
+                                 if s.dest not in own and getattr(args, s.dest, s.default) != s.default))
+    if given:
+        raise HeadlabError(f"{', '.join(given)}: {'options' if len(given) > 1 else 'an option'} of the aggregate "
+                           "statistics, which run with --aggregate (or headlab aggregate); add --aggregate, or leave "
+                           f"{'them' if len(given) > 1 else 'it'} out")
+
+
 def _run(args, functions: bool, aggregate: bool) -> int:
     from headlab import shard
 
+    _check_aggregate_options(args, aggregate)
     _check(args)
     launched = shard.start(args, lambda: _sentences(args))
     if launched is not None:

@@ -79,6 +79,15 @@ def _sentences(args) -> tuple[int, str, str]:
     return sum(1 for line in lines if line.strip()), "non-empty line", f"of --source {args.source}"
 
 
+def _check_beam(args, info) -> None:
+    """--beam of a model that makes no translation for it to search: ignored, and the scores'
+    signature said that beam all the same (analyze refuses it too)."""
+    if args.beam != 1 and not info.is_seq2seq:
+        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
+        raise HeadlabError(f"--beam {args.beam}: the beam of the model's translations, and {args.model} is a {kind} "
+                           "that does not translate; leave --beam out")
+
+
 def run_importance_command(args) -> int:
     from headlab import shard
 
@@ -143,6 +152,7 @@ def _run(args, part) -> int:
         if kind not in present:
             raise HeadlabError(f"--kinds {kind}: the model has no {kind} heads (it has {', '.join(sorted(present))})")
     info = model_info(model, tokenizer, args.max_length, log=log)
+    _check_beam(args, info)
     data = read_data(args.source, tokenizer, info, target_path=args.target, n_sentences=args.limit)
     log(data.summary())
     failed = None

@@ -75,7 +75,7 @@ def _train(args) -> int:
 def _evaluate(args) -> int:
     from headlab.lm.data import encode_lm_corpus, read_text_corpus
     from headlab.lm.train import perplexity
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_tokenizer_fits, load_model, load_tokenizer
     from headlab.preflight import at_least, input_file
 
     set_threads(args.threads)
@@ -86,14 +86,20 @@ def _evaluate(args) -> int:
     text = read_text_corpus(args.text)  # read before loading: a bad file fails fast
     model = load_model(args.model, **{**placement, "dtype": placement["dtype"] or "float32"})
     tokenizer = load_tokenizer(args.model)
+    check_tokenizer_fits(tokenizer, model, args.model)  # another model's: an IndexError in the first batch
     if tokenizer.bos_token_id is None:
         raise HeadlabError(f"{args.model}: the tokenizer has no BOS token (not a headlab language model)")
-    corpus = encode_lm_corpus(tokenizer, text.sentences, cast(Any, model.config).max_position_embeddings)
+    positions = cast(Any, model.config).max_position_embeddings
+    corpus = encode_lm_corpus(tokenizer, text.sentences, positions)
     result = perplexity(model, corpus, tokenizer.pad_token_id, max_tokens=args.max_tokens)
-    result.update({"sentences": len(text), "files": list(text.per_file)})
+    # a sentence longer than the model's positions is scored on its first ones only: said, not hidden
+    result.update({"sentences": len(text), "files": list(text.per_file), "truncated": corpus.n_truncated})
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        cut = corpus.n_truncated
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "
-              f"{counted(result['tokens'], 'token', spec=',')} in {counted(len(text), 'sentence', spec=',')})")
+              f"{counted(result['tokens'], 'token', spec=',')} in {counted(len(text), 'sentence', spec=',')})"
+              + (f"; {cut:,} of the {len(text):,} sentences {'was' if cut == 1 else 'were'} longer than the model's "
+                 f"{positions} positions and cut" if cut else ""))
     return 0

@@ -182,12 +182,15 @@ def _check_translation_options(args) -> None:
 
 
 def _load(model_dir: str, args=None):
+    from headlab.loading import check_tokenizer_fits
     from headlab.nmt.model import load_translation_model
     from headlab.nmt.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # first: a directory without one fails before the weights load
     placement = device_options(args) if args is not None else {}
-    return load_translation_model(model_dir, **placement), tokenizer
+    model = load_translation_model(model_dir, **placement)
+    check_tokenizer_fits(tokenizer, model, model_dir)  # another model's: an IndexError in the first batch
+    return model, tokenizer
 
 
 def _translate_lines(args, command: str, sentences: list[str], progress: bool = False) -> tuple[list[str], float]:

@@ -215,7 +215,8 @@ def _load(args):
     trust = args.trust_remote_code
     model = load_model(args.model, trust_remote_code=trust)
     tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=trust)
-    # as the analyses do, before any work (a TAPAS table tokenizer, special ids beyond the embeddings)
+    # as the analyses do, before any work: another model's --tokenizer (ids beyond the embeddings failed in the
+    # first batch, an IndexError), a TAPAS table tokenizer
     check_tokenizer_fits(tokenizer, model, args.model)
     return model, tokenizer
 

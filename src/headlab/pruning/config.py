@@ -51,6 +51,9 @@ class PruneConfig:
                                        metavar="N", range="[1, inf)")
     command: str = ""  # the command line, for the model card
     model_fingerprint: str = ""  # SHA-256 of the starting weights (headlab.resume.weights_fingerprint)
+    # SHA-256 of the evaluation and training pairs (a sweep's run_sweep sets them): a point made on others is redone
+    eval_data_sha256: str = ""
+    train_data_sha256: str = ""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
         validate=False, keep_epoch_checkpoints=False, save_every_steps=200))

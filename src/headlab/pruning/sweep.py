@@ -65,7 +65,8 @@ def sweep_points(lams=(), keeps=()) -> list[dict]:
 
 
 # Options that do not change what a point computes (where it runs, how it logs, what it times).
-_NOT_RESULT = {"command", "log_every", "latency_sentences", "eval_batch_size", "model_fingerprint", "lam", "keep"}
+_NOT_RESULT = {"command", "log_every", "latency_sentences", "eval_batch_size", "model_fingerprint", "lam", "keep",
+               "eval_data_sha256", "train_data_sha256"}  # the data: compared by _other_data
 _NOT_RESULT_TRAIN = {"out_dir", "resume", "overwrite", "progress", "save_every_steps"}
 
 
@@ -81,6 +82,17 @@ def _other_weights(weights: str | None, base: PruneConfig) -> str | None:
     when it was, or when ``base`` records none."""
     if base.model_fingerprint and weights != base.model_fingerprint:
         return f"made from other weights (model_sha256 {(weights or 'not recorded')[:12]}, now {base.model_fingerprint[:12]})"
+    return None
+
+
+def _other_data(recorded: dict, base: PruneConfig, keys: Sequence[str] = ("eval_data_sha256", "train_data_sha256")) -> str | None:
+    """Why a point or full.json (``recorded``) was not made on ``base``'s evaluation or training set;
+    None when it was, or when either side records none (a point made before they were recorded)."""
+    for key in keys:
+        old, new = recorded.get(key), getattr(base, key)
+        if old and new and old != new:
+            what = "evaluated" if key.startswith("eval") else "trained"
+            return f"{what} on other data ({key} {old[:12]}, now {new[:12]})"
     return None
 
 
@@ -100,6 +112,8 @@ def stale_reason(point_dir: Path, base: PruneConfig) -> str | None:
     else:
         weights = recorded.get("model_fingerprint") or None
     if other := _other_weights(weights, base):
+        return other
+    if other := _other_data(recorded, base):
         return other
     defaults = PruneConfig().to_dict()  # an option added since the point ran had its default then
     recorded = {**defaults, **recorded, "train": {**defaults["train"], **recorded.get("train", {})}}
@@ -172,6 +186,11 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
     out_dir.mkdir(parents=True, exist_ok=True)
     if base.gates == "auto":  # the points record the kinds chosen, so their options are compared with those
         base = with_gates_resolved(base, load()[0])
+    from headlab.pruning.baselines import _data_fingerprint
+
+    # a rerun on another test or training set into the same --out redoes its points, never mixes them
+    base = replace(base, eval_data_sha256=_data_fingerprint(eval_data) or "",
+                   train_data_sha256=_data_fingerprint(train_data) or "")
     rows: list[dict] = []
     if reference and eval_data is not None:
         full_file = out_dir / "full.json"
@@ -181,6 +200,8 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
                 _set_aside(full_file, out_dir, log, other)
             elif full.get("metrics", {}).get("beam", base.eval_beam) != base.eval_beam:
                 _set_aside(full_file, out_dir, log, f"evaluated with beam {full['metrics']['beam']}, now {base.eval_beam}")
+            elif other := _other_data(full, base, ("eval_data_sha256",)):
+                _set_aside(full_file, out_dir, log, other)
         if full_file.is_file():
             full = json.loads(full_file.read_text())
         else:
@@ -189,7 +210,7 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
 
             metrics = {**evaluate_point(model, tokenizer, eval_data, base), "parameters": count_parameters(model)}
             full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference",
-                    "model_sha256": base.model_fingerprint or None}
+                    "model_sha256": base.model_fingerprint or None, "eval_data_sha256": base.eval_data_sha256 or None}
             atomic_write_text(full_file, json.dumps(full, indent=2) + "\n")
         rows.append(_row("full", {"lam": None, "keep": None}, full))
     for point in points:
@@ -328,14 +349,19 @@ def heads_table(sweep_rows: list[dict], scratch_rows: Sequence[dict] = ()) -> st
 
 
 def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
-    """Refuse baselines scored with another beam, or made from other weights, than the sweep's
-    full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
+    """Refuse baselines scored with another beam or test set, or made from other weights, than the
+    sweep's full model (its full.json): drawn on one figure, their BLEU would not be comparable (a greedy
     baseline plotted against beam-4 points and the beam-4 full model)."""
     full_file = Path(sweep_dir) / "full.json"
-    if not full_file.is_file():
-        return
-    full = json.loads(full_file.read_text(encoding="utf-8"))
-    beam, weights = full.get("metrics", {}).get("beam"), full.get("model_sha256")
+    if full_file.is_file():
+        full = json.loads(full_file.read_text(encoding="utf-8"))
+        beam, weights, data = full.get("metrics", {}).get("beam"), full.get("model_sha256"), full.get("eval_data_sha256")
+    else:  # --no-reference: a point's options say the same (nothing was compared without them)
+        configs = sorted(Path(sweep_dir).glob(f"*/{CONFIG_FILE}"))
+        if not configs:
+            return
+        point = json.loads(configs[0].read_text(encoding="utf-8"))
+        beam, weights, data = point.get("eval_beam"), point.get("model_fingerprint"), point.get("eval_data_sha256")
     for row in baseline_rows:
         if beam is not None and row.get("eval_beam") is not None and row["eval_beam"] != beam:
             raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored with beam {row['eval_beam']}, the "
@@ -344,6 +370,10 @@ def _check_comparable(sweep_dir: str | Path, baseline_rows: list[dict]) -> None:
         if weights and row.get("model_sha256") and row["model_sha256"] != weights:
             raise HeadlabError(f"--baselines {row['_dir']}: its rows were made from other weights than the sweep "
                                f"{sweep_dir} (model_sha256 {row['model_sha256'][:12]}, the sweep's {weights[:12]})")
+        if data and row.get("eval_data_sha256") and row["eval_data_sha256"] != data:
+            raise HeadlabError(f"--baselines {row['_dir']}: its rows were scored on another test set than the sweep "
+                               f"{sweep_dir} (eval_data_sha256 {row['eval_data_sha256'][:12]}, the sweep's {data[:12]}); "
+                               "give both the same --valid-src, --valid-tgt and --eval-limit")
 
 
 def write_report(sweep_dirs: list[str | Path], baseline_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:

@@ -1,0 +1,110 @@
+"""Bad-input catalogue, scores and labels that do not fit the model they are read for: pruning by a
+HeadScores table (`headlab.prune(model, scores, keep=N)`, `headlab prune baseline --method scores`)
+keeps the N best-scored heads, so a head the table does not score would stay beside them,
+uncounted; a classifier's labels that read both as class indices and as its label names."""
+
+import json
+
+import numpy as np
+import pytest
+
+import headlab
+from headlab.cli import main
+from headlab.errors import HeadlabError
+from headlab.surgery import pruning_record
+from support.bad_input import SENTENCES, save_tiny_marian
+from support.models import tiny_model
+
+# The tiny Marian has 2 layers x 4 heads of each kind. Each row: the enc_self table, and what the
+# refusal must name.
+UNFIT = {
+    "fewer-layers": (np.arange(4.0).reshape(1, 4), "enc_self layer 1 heads 0,1,2,3"),
+    "fewer-heads": (np.arange(4.0).reshape(2, 2), "enc_self layer 0 heads 2,3"),
+    "unscored-head": (np.array([[0.0, 1.0, 2.0, np.nan], [4.0, 5.0, 6.0, 7.0]]), "enc_self layer 0 head 3"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(UNFIT))
+def test_prune_by_scores_that_miss_heads_of_the_model_is_refused(row):
+    """Regression: a table of 1 layer (another model's, or a cut one) pruned 2 heads of layer 0 and
+    left layer 1 whole: keep=2 kept 6 heads, said nowhere."""
+    values, named = UNFIT[row]
+    model = tiny_model("marian")
+    with pytest.raises(HeadlabError, match=named) as error:
+        headlab.prune(model, headlab.HeadScores({"enc_self": values}, "confidence", "m"), keep=2, kinds=["enc_self"])
+    assert "confidence scores" in str(error.value)
+    assert pruning_record(model)["blocks"] == {}  # nothing was removed
+
+
+def test_baseline_by_scores_that_miss_heads_of_the_model_writes_no_row(tmp_path, capsys):
+    """Regression: the row said "keep 2" with its BLEU, of a model that kept 6 encoder heads."""
+    model_dir = save_tiny_marian(tmp_path / "m")
+    (tmp_path / "v.src").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    headlab.HeadScores({"enc_self": np.arange(4.0).reshape(1, 4)}, "lrp", "m").save(tmp_path / "lrp.json")
+    out = tmp_path / "b"
+    code = main(["prune", "baseline", str(model_dir), "--method", "scores", "--scores", str(tmp_path / "lrp.json"),
+                 "--keeps", "2", "--valid-src", str(tmp_path / "v.src"), "--valid-tgt", str(tmp_path / "v.src"),
+                 "--eval-beam", "1", "--out", str(out), "--no-progress"])
+    assert code == 2
+    assert "lrp scores (enc_self 1x4, layers x heads) have no score for enc_self layer 1" in capsys.readouterr().err
+    assert not (out / "baselines.json").exists()
+
+
+def test_scores_that_fit_still_prune_to_keep_heads():
+    """The check leaves well-formed tables alone: a full one, and one of a pruned model in its
+    original numbering (NaN for the heads it lost) or in its current one."""
+    model = tiny_model("marian")
+    kept = headlab.prune(model, headlab.HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "c", "m"), keep=3,
+                         kinds=["enc_self"])
+    assert sum(len(kept.get(("enc_self", layer), range(4))) for layer in range(2)) == 3
+    for values in (np.array([[0.9, np.nan, np.nan, 0.8], [np.nan, 0.1, 0.7, 0.6]]),  # original numbering
+                   np.array([[0.9, 0.8, np.nan], [0.1, 0.7, 0.6]])):  # current numbering
+        model = tiny_model("marian")
+        headlab.prune(model, "enc_self:0:1,2 enc_self:1:0")
+        headlab.prune(model, headlab.HeadScores({"enc_self": values}, "c", "m"), keep=2, kinds=["enc_self"])
+        blocks = pruning_record(model)["blocks"]["enc_self"]
+        assert sum(len(blocks[str(layer)]["kept_heads"]) for layer in range(2)) == 2, json.dumps(blocks)
+
+
+# -- a classifier's labels ---------------------------------------------------------------------
+def _star_info():
+    """A 5-class classifier whose labels are named by numbers that are not their indices (star ratings)."""
+    from headlab.model_description import ModelInfo
+
+    return ModelInfo("classifier", 0, frozenset(), frozenset({0, 2, 3}), None, 32, True, n_labels=5,
+                     label_names=("1", "2", "3", "4", "5"))
+
+
+@pytest.mark.parametrize("labels, classes", [(["0", "1", "4"], [0, 1, 4]),  # "0" is no name: indices
+                                             (["1", "2", "5"], [0, 1, 4]),  # "5" is no index: names
+                                             (["2", "3"], [1, 2])])  # either reading: names, as documented
+def test_labels_of_a_file_are_read_one_way(labels, classes):
+    """Regression: with labels named "1".."5", a TSV of class indices 0..4 had "0" read as index 0
+    and "1" as the name "1", class 0 too: two classes merged, every label after shifted, exit 0."""
+    from headlab.data.inputs import labelled_lines_data
+    from support.treebank import word_tokenizer
+
+    lines = [f"a cat\t{label}" for label in labels]
+    data = labelled_lines_data(lines, word_tokenizer(["a", "cat"], style="bert"), _star_info(), name="d.tsv")
+    assert data.classes == classes
+
+
+def test_labels_that_are_indices_on_one_line_and_names_on_another_are_refused():
+    from headlab.data.inputs import labelled_lines_data
+    from support.treebank import word_tokenizer
+
+    with pytest.raises(HeadlabError, match=r"d.tsv:1: label '0' is a class index.*d.tsv:3: label '5' is one of the "
+                                           r"model's label names"):
+        labelled_lines_data(["a cat\t0", "a cat\t1", "a cat\t5"], word_tokenizer(["a", "cat"], style="bert"),
+                            _star_info(), name="d.tsv")
+
+
+def test_labels_given_in_python_as_integers_are_class_indices():
+    """Regression: headlab.analyze(..., labels=[1, 2]) wrote the integers as text and read them as the
+    label names "1" and "2": classes 0 and 1."""
+    from headlab.data.inputs import texts_data
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(["a", "cat"], style="bert")
+    for labels, classes in (([1, 2], [1, 2]), ([np.int64(3), 0], [3, 0]), (["1", "2"], [0, 1])):
+        assert texts_data(["a cat", "cat"], tokenizer, _star_info(), labels=labels).classes == classes
