@@ -31,7 +31,7 @@ from headlab.data.inputs import ImportanceData
 from headlab.errors import RunFailed
 from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
-from support.family_matrix import check_lrp_conserves, perturbed_model
+from support.family_matrix import ANALYZE_STAGES, analyze, check_lrp_conserves, perturbed_model, save_tiny, treebank_files
 from support.longformer import dense_maps
 
 # per layer: a query sees 2 and 4 keys each side. (transformers pads to a multiple of the largest window only: windows
@@ -206,3 +206,26 @@ def test_lrp_without_the_global_hold_does_not_conserve(monkeypatch):
     model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
     with pytest.raises(AssertionError):
         check_lrp_conserves(model, model.longformer.encoder.layer[0], rtol=1e-10, atol=1e-10)
+
+
+def test_analyze_end_to_end(tmp_path, capsys):
+    """headlab analyze --ablation (confidence, LRP, gradient, ablation, functions, aggregate, the report) on a saved
+    tiny Longformer: every stage done, LRP's too."""
+    model = _model().float()
+    save_tiny(model, tmp_path / "longformer", treebank_files(tmp_path), "bert")
+    code, stages = analyze(tmp_path / "longformer", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    for name in (*ANALYZE_STAGES, "lrp"):
+        assert stages[name]["status"] == "done", stages[name]
+
+
+def test_prune_command_refuses_before_writing_anything(tmp_path, capsys):
+    """`headlab prune` on a saved Longformer: exit 2, the reason, no output directory."""
+    from headlab.cli import main
+
+    _model().float().save_pretrained(tmp_path / "longformer")
+    code = main(["prune", str(tmp_path / "longformer"), "--heads", "enc_self:0:1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "physical pruning is refused" in err and "reshape" in err
+    assert not (tmp_path / "out").exists()

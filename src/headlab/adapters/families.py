@@ -903,6 +903,15 @@ UNSUPPORTED: dict[str, str] = {
                 "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
                 "head's weights cannot be removed without changing the convolution heads, and the dynamic "
                 "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
+    # longformer30, read in transformers 5.24 (models/led): LEDEncoderAttention holds Longformer's attention as
+    # longformer_self_attn (query/key/value, their _global twins) and its output projection as output;
+    # LEDDecoderAttention is BART's with q_proj/k_proj/v_proj/out_proj inside it, outside the attention interface
+    "led": "LED's encoder and decoder attentions are laid out differently (the encoder's is Longformer's sliding-window "
+           "and global attention, self_attn.longformer_self_attn.query/key/value with query_global/key_global/"
+           "value_global and self_attn.output; the decoder's self_attn and encoder_attn are LEDDecoderAttention, "
+           "q_proj/k_proj/v_proj/out_proj inside it, outside transformers' attention interface, returning its "
+           "probabilities only with output_attentions), and headlab's table holds one projection layout per model "
+           "type; Longformer's encoder alone (model_type longformer) is supported",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
