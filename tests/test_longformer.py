@@ -31,6 +31,7 @@ from headlab.data.inputs import ImportanceData
 from headlab.errors import RunFailed
 from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
+from headlab.surgery import check_prunable
 from support.family_matrix import ANALYZE_STAGES, analyze, check_lrp_conserves, perturbed_model, save_tiny, treebank_files
 from support.longformer import dense_maps
 
@@ -154,6 +155,9 @@ def test_physical_pruning_is_refused_before_any_work():
     with pytest.raises(HeadlabError, match="physical pruning is refused.*reshape.*mask the heads instead"):
         prune_heads(model, {("enc_self", 0): [1]})
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    assert [block.n_heads for block in attention_blocks(model)] == [4, 4]
+    with pytest.raises(HeadlabError, match="physical pruning is refused"):  # prune train's check, before training
+        check_prunable(model)
     assert [block.n_heads for block in attention_blocks(model)] == [4, 4]
 
 
