@@ -41,9 +41,9 @@ WINDOWS = [4, 8]
 
 
 def _config(**extra) -> tf.LongformerConfig:
-    return tf.LongformerConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                               num_attention_heads=4, max_position_embeddings=64, attention_window=WINDOWS,
-                               pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
+    return tf.LongformerConfig(**{**dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64, attention_window=WINDOWS,
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=2), **extra})
 
 
 def _model(cls=tf.LongformerForMaskedLM, **extra) -> torch.nn.Module:
@@ -233,3 +233,13 @@ def test_prune_command_refuses_before_writing_anything(tmp_path, capsys):
     assert code == 2, err
     assert "physical pruning is refused" in err and "reshape" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_windows_that_do_not_divide_the_largest_are_refused_before_any_work():
+    """transformers pads to a multiple of the largest window only: with windows [4, 6] a 6-token input fails layer 0's
+    own assertion inside transformers; headlab refuses the config, naming why."""
+    model = _model(attention_window=[4, 6])
+    with pytest.raises(Exception, match="multiple of 4"):  # what transformers itself does on 6 tokens
+        model(input_ids=torch.randint(3, 99, (1, 6)))
+    with pytest.raises(HeadlabError, match=r"windows \[4, 6\] do not all divide the largest"):
+        attention_blocks(model)

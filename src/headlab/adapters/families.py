@@ -967,6 +967,19 @@ def _ibert(config: Any) -> str:
             "and LRP rules do not read")
 
 
+def _longformer_windows(config: Any) -> str | None:
+    # LongformerModel._pad_to_window_size pads to a multiple of max(attention_window); each layer's
+    # _sliding_chunks_query_key_matmul asserts the length a multiple of its own window (transformers 5.24)
+    windows = config.attention_window if isinstance(config.attention_window, (list, tuple)) else []
+    odd = sorted({w for w in windows if max(windows) % w})
+    if not odd:
+        return None
+    return (f"this Longformer's per-layer attention windows {list(windows)} do not all divide the largest, "
+            f"{max(windows)}: transformers pads the tokens to a multiple of the largest only, and a layer of window "
+            f"{odd[0]} then fails its own assertion (the length a multiple of its window) on most input lengths; "
+            "use windows that each divide the largest")
+
+
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
-                                                               "ibert": _ibert}
+                                                               "ibert": _ibert, "longformer": _longformer_windows}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
