@@ -345,6 +345,11 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         applied, derived = attentions_applied_to_values(model, inputs)
         return {"any": applied}, derived
+    if model.config.model_type == "longformer":  # its band (and global rows) scattered into [batch, heads, q, k]
+        from support.longformer import dense_maps
+
+        return {"any": dense_maps(out.attentions, out.global_attentions, inputs.get("global_attention_mask"),
+                                  model.config.attention_window)}, set()
     return {"any": out.attentions}, set()
 
 

@@ -27,7 +27,9 @@ _EXTRA = {
     "bigbird_pegasus": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
                             attention_type="original_full"),
-    "longformer": dict(attention_window=4),
+    "led": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                encoder_ffn_dim=37, decoder_ffn_dim=37, attention_window=4, max_encoder_position_embeddings=64,
+                max_decoder_position_embeddings=64),
     "fsmt": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                  encoder_ffn_dim=37, decoder_ffn_dim=37, src_vocab_size=99, tgt_vocab_size=99),
     "big_bird": dict(attention_type="block_sparse"),  # its config's default
@@ -43,9 +45,9 @@ _EXTRA = {
 }
 # model type -> a word of the reason given
 # (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; xlm, flaubert and
-# tapas too: tests/test_xlm_flaubert_tapas.py)
+# tapas too: tests/test_xlm_flaubert_tapas.py; longformer too: tests/test_longformer.py)
 REFUSED = {"nystromformer": "output_attentions", "trocr": "output_attentions",
-           "longformer": "sliding-window", "mra": "multi-resolution", "yoso": "hashing",
+           "led": "one projection layout per model type", "mra": "multi-resolution", "yoso": "hashing",
            "bigbird_pegasus": "encoder", "fsmt": "output_attentions", "big_bird": "block-sparse",
            "funnel": "output_attentions", "blt": "four stacks"}
 

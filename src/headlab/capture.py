@@ -102,6 +102,39 @@ def _find_probs(block: AttentionBlock, output: Any) -> torch.Tensor:
     )
 
 
+def _record_lengths(model: nn.Module, blocks: list[AttentionBlock], lengths: dict[str, int]) -> HookHandles:
+    """Pre-hooks on the modules that pad the tokens before a block's core runs (``Family.padded_by``: Longformer's
+    model, to a multiple of its window), recording into ``lengths[class name]`` the length each was called with."""
+    handles = HookHandles()
+    padders = {block.family.padded_by for block in blocks if block.family.padded_by}
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise HeadlabError(f"{type(module).__name__} was called with neither input_ids nor inputs_embeds: "
+                               "headlab cannot tell the length its attention maps are padded from")
+        lengths[type(module).__name__] = int(tokens.shape[1])
+
+    for module in model.modules():
+        if type(module).__name__ in padders:
+            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    return handles
+
+
+def _cut(block: AttentionBlock, probs: torch.Tensor, lengths: dict[str, int]) -> torch.Tensor:
+    """``probs`` cut back to the length before ``block.family.padded_by`` padded it (its padding is masked: what
+    is cut holds no probability of a query of the input)."""
+    if not block.family.padded_by:
+        return probs
+    if block.family.padded_by not in lengths:
+        raise HeadlabError(f"{block.name}: its attention ran without {block.family.padded_by}'s forward, whose input "
+                           "length headlab cuts its padded attention map back to")
+    length = lengths[block.family.padded_by]
+    return probs[:, :, :length, :length]
+
+
 class Applications:
     """Which call of each shared attention module runs now (ALBERT runs one module at every depth:
     block ``(kind, layer)`` is its ``block.application``-th call in a pass, and a hook of that
@@ -224,7 +257,10 @@ def capture_attention(
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if block.n_heads == 0 or applications is not None and not applications.runs(block):
                 return
-            probs = _find_probs(block, output)
+            if block.family.probs_reader is not None:  # Longformer's band: the dense map built from it
+                probs = _cut(block, block.family.probs_reader(module, args, kwargs, output), lengths)
+            else:
+                probs = _find_probs(block, output)
             if detach:
                 probs = probs.detach()
             if not bool(torch.isfinite(probs).all()):
@@ -250,11 +286,13 @@ def capture_attention(
 
         return pre_hook
 
+    lengths: dict[str, int] = {}
     with eval_mode(model), eager_attention(model), _sink_weights_returned(blocks):
         try:
             applications = Applications(blocks)
             handles.extend(applications.handles)
             handles.extend(check_every_layer_runs(model, blocks, record))
+            handles.extend(_record_lengths(model, blocks, lengths))
             for block in blocks:
                 if block.family.probs_argument is not None:  # a core that returns probabilities when asked
                     handles.append(block.core.register_forward_pre_hook(

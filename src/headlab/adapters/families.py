@@ -127,6 +127,23 @@ class Family:
     """(kind, regex, output projection) of a multimodal model's tower attentions, of another class, that token ids
     never run (GIT's image encoder, run on ``pixel_values`` only): listed as idle blocks, as :attr:`never_fed`'s,
     whatever else the model holds, their heads counted from the output projection's input."""
+    probs_reader: Callable[[Any, tuple, dict, Any], Any] | None = None
+    """``(core, args, kwargs, output) -> [batch, heads, q, k]``: the dense probability map, where ``core``'s output
+    holds it in another form (Longformer's band of ``2w + 1`` keys per query, its global keys' and global queries'
+    probabilities beside it, :func:`longformer_probs`); None: the tensor at ``probs_index``."""
+    padded_by: str = ""
+    """Class name of the module whose forward pads the tokens to a length the attention needs (``LongformerModel``,
+    to a multiple of ``attention_window``) before ``core`` runs: capture records the length that module was called
+    with and cuts the map back to it (the padding is masked: no query of the input attends to it)."""
+    unpruned: str = ""
+    """Why physical pruning is refused for the family (before any work), where masking its heads is exact."""
+    seq_major: tuple[str, ...] = ()
+    """Projections (paths relative to the block) that ``core`` calls on ``[seq, batch, d]`` (Longformer's forward
+    transposes its input first): LRP's bias probes count their biases' relevance per sentence so."""
+    held: tuple[str, ...] = ()
+    """Projections (paths relative to the block), besides ``q`` and ``k``, whose outputs only shape attention
+    weights (Longformer's ``query_global`` and ``key_global``): LRP holds them constant as it does ``q`` and ``k``."""
+
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -699,6 +716,69 @@ MPNET = Family(
 )
 
 
+def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Longformer's dense ``[batch, heads, seq, seq]`` map from ``LongformerSelfAttention``'s output (transformers
+    5.24, its forward read): ``output[1]`` is ``[batch, seq, heads, G + 2w + 1]``, the probabilities over the
+    batch's G global key slots (the i-th global position of each sequence, in order; a sequence with fewer has
+    slots of probability 0) then over keys ``q - w .. q + w``; outside the band, and at a global key inside it
+    (masked there: it is counted in its slot), a query's probability is exactly 0 (a -inf or finfo.min score), so
+    scattering the band and the slots into place gives every query's whole row. A global query's row in the band
+    was set to 0; its probabilities are ``output[2]``, ``[batch, heads, G, seq]`` (from query_global/key_global,
+    weighing value_global's values). A masked query's row is 0. The softmax is float32 whatever the model's dtype."""
+    import torch
+
+    band = output[1]
+    is_global = kwargs.get("is_index_global_attn", args[3] if len(args) > 3 else None)
+    batch, seq, heads, width = band.shape
+    if is_global is None or not bool(is_global.any()):
+        is_global = None
+    slots = 0 if is_global is None else int(is_global.sum(dim=1).max())
+    window = (width - slots - 1) // 2  # one_sided_attn_window_size
+    positions = torch.arange(seq, device=band.device)
+    offset = positions[None, :] - positions[:, None] + window  # [query, key]: the key's column in the band
+    inside = (offset >= 0) & (offset <= 2 * window)
+    local = band[..., slots:].gather(-1, offset.clamp(0, 2 * window)[None, :, None, :].expand(batch, seq, heads, seq))
+    dense = torch.where(inside[None, :, None, :], local, torch.zeros((), dtype=band.dtype, device=band.device))
+    if is_global is not None:
+        which, where = is_global.nonzero(as_tuple=True)  # ordered by sequence, then position: slot = rank
+        slot = is_global.long().cumsum(dim=1)[which, where] - 1
+        by_key = dense.permute(0, 3, 1, 2)  # [batch, key, query, heads], a view
+        by_key.index_put_((which, where), band[which, :, :, slot], accumulate=True)  # 0 there before
+        dense[which, where] = output[2][which, :, slot].to(dense.dtype)  # the global queries' rows
+    return dense.permute(0, 2, 1, 3)
+
+
+# Longformer (LongformerForMaskedLM, transformers 5.24): encoder.layer.N.attention, BERT's layout
+# (self.query/key/value, output.dense) with a second set of projections for global attention
+# (self.query_global/key_global/value_global), outside the attention interface: LongformerSelfAttention returns
+# (output, band probabilities, global probabilities) only with output_attentions (its 6th argument, passed by
+# keyword). LongformerModel pads the tokens to a multiple of attention_window first. A head's output columns carry
+# both its local and its global queries' outputs (the latter overwrite the former's rows), so masking there is
+# exact. Physical pruning is not: the forward reshapes the heads' output to the width of its input, hidden_size
+# (reshape(seq_len, batch_size, embed_dim) with embed_dim read off hidden_states, and asserts self.embed_dim equal
+# to it), so no sliced module runs in transformers' own forward.
+LONGFORMER = Family(
+    name="longformer",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="head_dim",
+    core="self",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 5),
+    probs_reader=longformer_probs,
+    padded_by="LongformerModel",
+    unpruned="LongformerSelfAttention's forward reshapes its heads' output to the width of its input "
+             "(reshape(seq_len, batch_size, embed_dim), embed_dim read off hidden_states, and asserts self.embed_dim "
+             "equal to it; its global queries read hidden_states of self.embed_dim too), so a layer with fewer heads "
+             "does not run in transformers' own forward",
+    # the global attention's weights: LRP holds them constant with the local ones' (value_global's values are
+    # weighed by them, linearly, as value's by the local weights)
+    held=("self.query_global", "self.key_global"),
+    # LongformerSelfAttention transposes hidden_states to [seq, batch, d] before every projection
+    seq_major=tuple(f"self.{name}" for name in ("query", "key", "value", "query_global", "key_global", "value_global")),
+)
+
+
 # OpenAI GPT (GPT-1, OpenAIGPTLMHeadModel, transformers 5.24): h.N.attn (``Attention``), outside the attention
 # interface: Conv1D c_attn split at split_size into [all q | all k | all v], each viewed [.., n_head, width // n_head];
 # (q k^T / sqrt(d) with ``scale``) * causal buffer ``bias`` + -1e4 where it is 0, + mask, softmax; c_proj(merged);
@@ -780,6 +860,7 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "longformer": LONGFORMER,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
@@ -862,8 +943,15 @@ UNSUPPORTED: dict[str, str] = {
                 "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
                 "head's weights cannot be removed without changing the convolution heads, and the dynamic "
                 "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
-    "longformer": "Longformer's sliding-window attention computes no [query, key] probability map per head (its "
-                  "probabilities are per window band), which headlab's analysis reads",
+    # longformer30, read in transformers 5.24 (models/led): LEDEncoderAttention holds Longformer's attention as
+    # longformer_self_attn (query/key/value, their _global twins) and its output projection as output;
+    # LEDDecoderAttention is BART's with q_proj/k_proj/v_proj/out_proj inside it, outside the attention interface
+    "led": "LED's encoder and decoder attentions are laid out differently (the encoder's is Longformer's sliding-window "
+           "and global attention, self_attn.longformer_self_attn.query/key/value with query_global/key_global/"
+           "value_global and self_attn.output; the decoder's self_attn and encoder_attn are LEDDecoderAttention, "
+           "q_proj/k_proj/v_proj/out_proj inside it, outside transformers' attention interface, returning its "
+           "probabilities only with output_attentions), and headlab's table holds one projection layout per model "
+           "type; Longformer's encoder alone (model_type longformer) is supported",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
@@ -919,6 +1007,19 @@ def _ibert(config: Any) -> str:
             "and LRP rules do not read")
 
 
+def _longformer_windows(config: Any) -> str | None:
+    # LongformerModel._pad_to_window_size pads to a multiple of max(attention_window); each layer's
+    # _sliding_chunks_query_key_matmul asserts the length a multiple of its own window (transformers 5.24)
+    windows = config.attention_window if isinstance(config.attention_window, (list, tuple)) else []
+    odd = sorted({w for w in windows if max(windows) % w})
+    if not odd:
+        return None
+    return (f"this Longformer's per-layer attention windows {list(windows)} do not all divide the largest, "
+            f"{max(windows)}: transformers pads the tokens to a multiple of the largest only, and a layer of window "
+            f"{odd[0]} then fails its own assertion (the length a multiple of its window) on most input lengths; "
+            "use windows that each divide the largest")
+
+
 def _xlm(config: Any) -> str | None:
     # XLMModel (and FlaubertModel) add lang_embeddings(langs) to the token embeddings where n_langs > 1 and
     # use_lang_emb; without langs they are left out, and the model runs on inputs unlike its training's
@@ -947,5 +1048,6 @@ def _flaubert(config: Any) -> str | None:
 
 
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
-                                                               "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert}
+                                                               "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
+                                                               "longformer": _longformer_windows}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

@@ -381,9 +381,14 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
                 or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
             return None  # not one output per token: its bias, if any, shows in the conservation check
-        s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
+        if id(module) in seq_major:  # called on [seq, batch, d] (Longformer's): s batch-major, as _reached reads it
+            s = torch.ones(output.shape[1], output.shape[0], *output.shape[2:-1], 1, dtype=output.dtype,
+                           device=output.device, requires_grad=True)
+            kept = bias.detach().to(output.dtype) * s.transpose(0, 1)
+        else:
+            s = torch.ones(*output.shape[:-1], 1, dtype=output.dtype, device=output.device, requires_grad=True)
+            kept = bias.detach().to(output.dtype) * s
         probes.append(s)
-        kept = bias.detach().to(output.dtype) * s
         return output + (kept - kept.detach())
 
     def expert_probe(x):
@@ -426,6 +431,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         return hook
 
     handles = HookHandles()
+    seq_major = {id(block.module.get_submodule(path)) for block in attention_blocks(model) if block.n_heads
+                 for path in block.family.seq_major}
     try:
         for block in attention_blocks(model):
             if block.qkv is not None and block.n_heads and head_biases(block):

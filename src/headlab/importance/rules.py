@@ -1692,6 +1692,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
         hooks.append((block.v, _clamp_identity(clip)))
     # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
     hooks += [(module, _detach_output) for module in head_row_modules(block)]
+    # other projections that only shape attention weights (Longformer's global queries and keys)
+    hooks += [(block.module.get_submodule(path), _detach_output) for path in block.family.held]
     return hooks
 
 
