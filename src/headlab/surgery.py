@@ -69,6 +69,7 @@ from headlab.portable_code import (
     cache_argument,
     load_checked_adapter,
     peft_from_pretrained,
+    pruned_class,
     record_kept_blocks,
     selection_hook,
 )
@@ -432,6 +433,8 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         if attr and hasattr(core, attr):
             journal.set(core, attr, groups)
 
+    if family.pruned_forward and keep:  # its own forward cannot run with fewer heads (FSMT's)
+        journal.set(core, "__class__", pruned_class(type(core), family.pruned_forward))
     kept, kv_kept, original = _original(block)
     journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
     journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
@@ -1352,6 +1355,8 @@ def pruning_plan(model: nn.Module) -> dict:
         else:
             if isinstance(getattr(core, "config", None), LayerConfig):
                 plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)
+            if getattr(type(core), "_headlab_pruned_forward", None):
+                plan.setdefault("classes", {})[_core_path(block)] = type(core)._headlab_pruned_forward
             if getattr(core, "_headlab_alibi_hooked", False):
                 entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
                 argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before
