@@ -25,6 +25,8 @@ import transformers as tf
 from headlab import ScalarGates, attention_blocks, capture_attention, gates_attached, load_pruned, mask_heads, \
     prune_heads, save_pruned
 from headlab.importance import ImportanceData, compute_lrp, describe_model, translate_data
+from support.family_matrix import check_lrp_conserves, check_pruned_generates_as_masked, check_pruned_reloads, \
+    padded_inputs, perturbed_model
 
 KINDS = ("enc_self", "dec_self", "dec_cross")
 PAD = 2
@@ -201,3 +203,56 @@ def test_fsmt_lrp_head_scores_are_per_sentence():
     for kind in KINDS:
         assert together.scores[kind].shape == (2, 4)
         np.testing.assert_allclose(together.scores[kind], alone.scores[kind], atol=1e-10, rtol=0)
+
+
+# -- TrOCR: its text decoder (TrOCRForCausalLM), what the family sweep builds ----------------------------------------
+# (capture, masking equal to zeroed values and gates at one: tests/test_more_families.py, its family matrix entry)
+
+TROCR_SPECS = {"partial": ({("dec_self", 0): [1], ("dec_self", 1): [0, 2]}, [3, 2]),
+               "no head left": ({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}, [0, 3])}
+
+
+def _trocr() -> torch.nn.Module:
+    return perturbed_model(tf.TrOCRForCausalLM, tf.TrOCRConfig(
+        vocab_size=99, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37,
+        max_position_embeddings=64, pad_token_id=PAD, bos_token_id=0, eos_token_id=1), attn_implementation="eager")
+
+
+def test_trocr_blocks_are_the_table():
+    """Its decoder's self-attention, and the cross-attention TrOCRForCausalLM builds (is_decoder) but that nothing
+    headlab passes feeds (encoder_hidden_states): idle."""
+    blocks = attention_blocks(_trocr())
+    assert [(b.kind, b.layer, b.n_heads, b.d_head, b.idle) for b in blocks] == \
+        [("dec_self", 0, 4, 8, False), ("dec_cross", 0, 4, 8, True), ("dec_self", 1, 4, 8, False),
+         ("dec_cross", 1, 4, 8, True)]
+
+
+@pytest.mark.parametrize("spec_name", TROCR_SPECS)
+def test_trocr_pruned_equals_masked_generates_so_and_reloads(spec_name, tmp_path):
+    """In float64: pruned (its forward merging the kept heads; a layer with none left) equals masked on a padded
+    batch and in greedy cached generation; save_pruned, load_pruned and plain transformers (pruned_heads.py)."""
+    spec, heads_left = TROCR_SPECS[spec_name]
+    ids, mask = padded_inputs(pad_id=PAD)
+    check_pruned_generates_as_masked(_trocr().double(), spec, heads_left, ids, mask, atol=1e-12)
+    model = _trocr()  # saved and reloaded in float32, as transformers builds it
+    expected, tokens = check_pruned_generates_as_masked(model, spec, heads_left, ids, mask)
+    check_pruned_reloads(model, tmp_path, heads_left, ids, mask, expected, tokens)
+    # the plan names the forward of each layer that kept heads but not all (pruned_heads.py gives it them)
+    plan = json.loads((tmp_path / "config.json").read_text())["headlab_pruned"]
+    assert plan["classes"] == {f"model.decoder.layers.{i}.self_attn": "trocr" for i in (0, 1) if 0 < heads_left[i] < 4}
+
+
+@pytest.mark.parametrize("spec_name", [None, *TROCR_SPECS])
+def test_trocr_lrp_conserves_in_float64(spec_name):
+    """The rules conserve relevance exactly on a bias-free copy, and compute_lrp (biases on, padded sentences) every
+    sentence's logit to 1e-9, pruned too."""
+    model = _trocr().double()
+    if spec_name:
+        prune_heads(model, TROCR_SPECS[spec_name][0])
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
+    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_outside"] == 0, record
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+    if spec_name is None:  # (its weights redrawn at unit gain: a layer with no head has an output projection of none)
+        check_lrp_conserves(model, model.model.decoder.layers[0], rtol=1e-10, atol=1e-10)

@@ -41,10 +41,10 @@ _EXTRA = {
                                    max_position_embeddings=64)),
 }
 # model type -> a word of the reason given
-# (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; fsmt too:
-# tests/test_fsmt_trocr.py)
+# (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; fsmt and trocr
+# too: tests/test_fsmt_trocr.py)
 REFUSED = {"xlm": "output_attentions", "flaubert": "output_attentions",
-           "tapas": "output_attentions", "nystromformer": "output_attentions", "trocr": "output_attentions",
+           "tapas": "output_attentions", "nystromformer": "output_attentions",
            "longformer": "sliding-window", "mra": "multi-resolution", "yoso": "hashing",
            "bigbird_pegasus": "encoder", "big_bird": "block-sparse",
            "funnel": "output_attentions", "blt": "four stacks"}

@@ -124,9 +124,56 @@ def _fsmt_forward(self, query, key, key_padding_mask=None, layer_state=None, att
     return self.out_proj(attn_output), attn_weights_reshaped
 
 
-PRUNED_FORWARDS = {"fsmt": _fsmt_forward}
-"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's merges
-the heads into the query's width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+def _trocr_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, output_attentions=False,
+                   **kwargs):
+    """TrOCR's ``TrOCRAttention.forward`` (transformers 5.24, modeling_trocr) line for line (its checks of shapes left
+    out), but that it merges ``num_heads * head_dim`` (the kept heads) where the original reshapes to the hidden
+    states' width ``embed_dim``, which a pruned layer's heads no longer fill."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    is_cross_attention = key_value_states is not None
+    bsz, tgt_len, _ = hidden_states.size()
+    query_states = self.q_proj(hidden_states) * self.scaling
+    is_updated, curr_cache = False, None
+    if cache is not None:
+        if isinstance(cache, EncoderDecoderCache):
+            is_updated = cache.is_updated.get(self.layer_idx)
+            curr_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
+        else:
+            curr_cache = cache
+    current_states = key_value_states if is_cross_attention else hidden_states
+    if is_cross_attention and cache is not None and is_updated:
+        key_states = curr_cache.layers[self.layer_idx].keys
+        value_states = curr_cache.layers[self.layer_idx].values
+    else:
+        key_states = self.k_proj(current_states).view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        value_states = self.v_proj(current_states).view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            key_states, value_states = curr_cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if is_cross_attention and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
+    proj_shape = (bsz * self.num_heads, -1, self.head_dim)
+    query_states = query_states.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(*proj_shape)
+    key_states = key_states.reshape(*proj_shape)
+    value_states = value_states.reshape(*proj_shape)
+    src_len = key_states.size(1)
+    attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+    if attention_mask is not None:
+        attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + attention_mask
+        attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights_reshaped = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) if output_attentions else None
+    if output_attentions:
+        attn_weights = attn_weights_reshaped.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_probs = nn.functional.dropout(attn_weights, p=self.dropout, training=self.training)
+    attn_output = torch.bmm(attn_probs, value_states).view(bsz, self.num_heads, tgt_len, self.head_dim)
+    attn_output = attn_output.transpose(1, 2).reshape(bsz, tgt_len, self.num_heads * self.head_dim)
+    return self.out_proj(attn_output), attn_weights_reshaped
+
+
+PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward}
+"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's and
+TrOCR's merge the heads into the hidden states' width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

@@ -741,6 +741,24 @@ FSMT = Family(
 )
 
 
+# TrOCR (TrOCRForCausalLM, the text decoder of microsoft/trocr-*, transformers 5.24): model.decoder.layers.N.self_attn
+# (TrOCRAttention, BART's old attention, batch-first): q scaled by head_dim**-0.5, bmm over [batch * num_heads, ...],
+# softmax; returns (out_proj(merged), probs) and the probabilities only with output_attentions (its 5th argument, by
+# keyword). Its forward merges the heads to the hidden states' width: a pruned layer takes PRUNED_FORWARDS["trocr"].
+# Its encoder_attn (TrOCRForCausalLM sets is_decoder) attends to encoder_hidden_states (the image encoder's, in a
+# VisionEncoderDecoderModel), which headlab never passes: idle.
+TROCR = Family(
+    name="trocr",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 4),
+    pruned_forward="trocr",
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -769,6 +787,7 @@ FAMILIES: dict[str, Family] = {
     "xglm": XGLM,
     "mpnet": MPNET,
     "fsmt": FSMT,
+    "trocr": TROCR,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -835,7 +854,7 @@ UNSUPPORTED: dict[str, str] = {
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
        for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("tapas", "TAPAS"),
-                                ("nystromformer", "Nystromformer"), ("trocr", "TrOCR"),
+                                ("nystromformer", "Nystromformer"),
                                 ("funnel", "Funnel Transformer"))},
     # the family sweep (skip27A): found no block (Funnel) / "two modules claim dec_self layer 0" (BLT)
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
