@@ -22,11 +22,24 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import ScalarGates, attention_blocks, capture_attention, gates_attached, load_pruned, mask_heads, \
-    prune_heads, save_pruned
+from headlab import (
+    ScalarGates,
+    attention_blocks,
+    capture_attention,
+    gates_attached,
+    load_pruned,
+    mask_heads,
+    prune_heads,
+    save_pruned,
+)
 from headlab.importance import ImportanceData, compute_lrp, describe_model, translate_data
-from support.family_matrix import check_lrp_conserves, check_pruned_generates_as_masked, check_pruned_reloads, \
-    padded_inputs, perturbed_model
+from support.family_matrix import (
+    check_lrp_conserves,
+    check_pruned_generates_as_masked,
+    check_pruned_reloads,
+    padded_inputs,
+    perturbed_model,
+)
 
 KINDS = ("enc_self", "dec_self", "dec_cross")
 PAD = 2
@@ -37,13 +50,14 @@ SPECS = {
 }
 
 
-def _fsmt(seed: int = 0) -> torch.nn.Module:
-    """A tiny FSMT (2 + 2 layers, 4 heads of 8), biases and norm weights moved off their initial values, float64."""
+def _fsmt(seed: int = 0, pad: int = PAD, eos: int = 1) -> torch.nn.Module:
+    """A tiny FSMT (2 + 2 layers, 4 heads of 8), biases and norm weights moved off their initial values, float64.
+    (Its position tables' size depends on the padding id: a tokenizer's ids are given here, not set after.)"""
     config = tf.FSMTConfig(
         langs=["en", "de"], src_vocab_size=99, tgt_vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
-        max_position_embeddings=64, pad_token_id=PAD, bos_token_id=0, eos_token_id=1, decoder_start_token_id=1,
-        tie_word_embeddings=False)
+        max_position_embeddings=64, pad_token_id=pad, bos_token_id=0 if eos else 1, eos_token_id=eos,
+        decoder_start_token_id=eos, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = tf.FSMTForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -256,3 +270,31 @@ def test_trocr_lrp_conserves_in_float64(spec_name):
     assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
     if spec_name is None:  # (its weights redrawn at unit gain: a layer with no head has an output projection of none)
         check_lrp_conserves(model, model.model.decoder.layers[0], rtol=1e-10, atol=1e-10)
+
+
+def test_fsmt_analyze_end_to_end_reads_a_causal_decoder(tmp_path):
+    """Every stage of ``headlab analyze`` on a saved FSMT (a word tokenizer with Marian's special ids), and the
+    attention examples it writes hold causal decoder self-attention: FSMT's forward builds its decoder's causal mask
+    only without a cache (transformers 5.24: with use_cache, its config's default, every target token attends to the
+    later ones), so headlab's teacher-forced passes ask for none (before, the examples and the functions' statistics
+    read the decoder's attention to later tokens)."""
+    from headlab.report.examples import load_example
+    from support.family_matrix import analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = _fsmt(pad=0, eos=1).float()
+    with torch.no_grad():  # transformers' own quirk, which headlab works around: a cached pass is not causal
+        attentions = model(**_inputs(), output_attentions=True).decoder_attentions
+    assert torch.triu(attentions[0][0].sum(0), diagonal=1).sum() > 0
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "fsmt")
+    model.save_pretrained(tmp_path / "fsmt")
+    code, stages = analyze(tmp_path / "fsmt", tmp_path)
+    assert code == 0
+    assert all(stage["status"] in ("done", "skipped") for stage in stages.values()), stages
+    examples = sorted((tmp_path / "out").rglob("sentence-*.json"))
+    assert examples
+    for path in examples:
+        _, attention = load_example(path)
+        for (kind, _), maps in attention.items():
+            if kind == "dec_self":
+                assert maps.shape[-1] > 1 and np.triu(maps.sum(0), k=1).sum() == 0

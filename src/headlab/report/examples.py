@@ -304,6 +304,7 @@ def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int]
                     target_from = "translation"
                 decoder_ids = ([start] + target_ids[:-1])[: info.max_length]
                 inputs["decoder_input_ids"] = torch.tensor([decoder_ids], device=device)
+                inputs["use_cache"] = False  # teacher-forced (FSMT builds its causal mask only without a cache)
                 tokens["target"] = tokenizer.convert_ids_to_tokens(decoder_ids)
             if query_chunk is None:
                 with torch.no_grad(), capture_attention(model) as record:
