@@ -50,11 +50,11 @@ SPECS = {
 }
 
 
-def _fsmt(seed: int = 0, pad: int = PAD, eos: int = 1) -> torch.nn.Module:
+def _fsmt(seed: int = 0, pad: int = PAD, eos: int = 1, src_vocab: int = 99) -> torch.nn.Module:
     """A tiny FSMT (2 + 2 layers, 4 heads of 8), biases and norm weights moved off their initial values, float64.
     (Its position tables' size depends on the padding id: a tokenizer's ids are given here, not set after.)"""
     config = tf.FSMTConfig(
-        langs=["en", "de"], src_vocab_size=99, tgt_vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+        langs=["en", "de"], src_vocab_size=src_vocab, tgt_vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
         max_position_embeddings=64, pad_token_id=pad, bos_token_id=0 if eos else 1, eos_token_id=eos,
         decoder_start_token_id=eos, tie_word_embeddings=False)
@@ -181,6 +181,17 @@ def test_fsmt_pruned_reloads(spec_name, tmp_path):
     plain = plain.eval().double()
     torch.testing.assert_close(_logits(plain, _inputs()), expected, atol=1e-12, rtol=0)
     assert torch.equal(_generate(plain, _inputs())[0], tokens)
+
+
+def test_fsmt_with_a_larger_source_vocabulary_prunes():
+    """wmt19 ru-en and en-ru have a source vocabulary other than the target's: pruning's check draws the decoder's
+    tokens from the target's (before: refused, "the model itself fails on headlab's probe batch: IndexError")."""
+    model, spec = _fsmt(src_vocab=4000), SPECS["partial"]
+    inputs = {**_inputs(), "input_ids": _inputs()["input_ids"] + 3900 * _inputs()["attention_mask"]}
+    with mask_heads(model, spec):
+        expected = _logits(model, inputs)
+    prune_heads(model, spec)
+    torch.testing.assert_close(_logits(model, inputs), expected, atol=1e-12, rtol=0)
 
 
 def _lrp_record(model) -> dict:
