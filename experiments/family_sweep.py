@@ -273,7 +273,7 @@ def matrix_types() -> set[str]:
                   family_matrix.HYBRID, family_matrix.REFUSED, discovered.DISCOVERED):
         for build in table.values():
             types.add(build()[1].model_type)
-    # tests/test_refused_families.py
+    # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus"}
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py

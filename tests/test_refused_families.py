@@ -23,7 +23,6 @@ _COMMON = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_l
                max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 _EXTRA = {
     "xlm": dict(emb_dim=32, n_layers=2, n_heads=4),
-    "flaubert": dict(emb_dim=32, n_layers=2, n_heads=4),
     "trocr": dict(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37),
     "bigbird_pegasus": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
@@ -41,10 +40,9 @@ _EXTRA = {
                                    max_position_embeddings=64)),
 }
 # model type -> a word of the reason given
-# (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; fsmt and trocr
-# too: tests/test_fsmt_trocr.py)
-REFUSED = {"xlm": "output_attentions", "flaubert": "output_attentions",
-           "tapas": "output_attentions", "nystromformer": "output_attentions",
+# (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; xlm, flaubert and
+# tapas too: tests/test_xlm_flaubert_tapas.py; fsmt and trocr: tests/test_fsmt_trocr.py)
+REFUSED = {"nystromformer": "output_attentions",
            "longformer": "sliding-window", "mra": "multi-resolution", "yoso": "hashing",
            "bigbird_pegasus": "encoder", "big_bird": "block-sparse",
            "funnel": "output_attentions", "blt": "four stacks"}
@@ -83,7 +81,7 @@ def test_heads_refuses_once_before_any_work(model_type, tmp_path, capsys):
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("model_type", ["tapas", "bigbird_pegasus"])
+@pytest.mark.parametrize("model_type", ["nystromformer", "bigbird_pegasus"])  # (tapas: a table entry since session 30)
 def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     from support.treebank import word_tokenizer
 
@@ -99,16 +97,17 @@ def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type", ["mpnet", "tapas", "nystromformer", "trocr", "mra", "yoso"])
+@pytest.mark.parametrize("model_type", ["mpnet", "tapas", "xlm", "nystromformer", "trocr", "mra", "yoso"])
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_name_based_blocks_must_return_per_head_weights(model_type, device, monkeypatch):
     """Without its table entry, a name-based block whose module returned no [batch, heads, q, k]
-    weights in the probe pass is refused (on the meta device too: before any work). MPNet's table entry (since
-    session 30) is taken out too: the name-based path is still checked on it."""
+    weights in the probe pass is refused (on the meta device too: before any work). MPNet's, TAPAS's and XLM's table
+    entries (since session 30) are taken out too: the name-based path is still checked on them."""
     from headlab.adapters import families
 
     monkeypatch.delitem(families.UNSUPPORTED, model_type, raising=False)
-    monkeypatch.delitem(families.FAMILIES, model_type, raising=False)
+    for table in (families.FAMILIES, families.CONFIG_FAMILIES):
+        monkeypatch.delitem(table, model_type, raising=False)
     with torch.device(device):
         model = _tiny(model_type)
     with pytest.raises(HeadlabError, match="returned no per-head attention weights"):

@@ -282,7 +282,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         check_hub_reachable(name_or_path, ("tokenizer_config.json", "tokenizer.json", "config.json"))
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:
+        # ImportError: a tokenizer class whose package is missing (XLM's and FlauBERT's need sacremoses)
         raise HeadlabError(f"{name_or_path}: cannot load a tokenizer ({error})") from error
     return _as_written(tokenizer, path, trust_remote_code)
 
@@ -331,7 +332,16 @@ _SPECIAL_TOKENS = ("pad", "bos", "eos", "unk", "sep", "cls", "mask")
 
 def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") -> None:
     """Every special token the tokenizer inserts (padding above all) has an embedding row:
-    a pad id beyond the vocabulary would otherwise fail deep inside the model as an IndexError."""
+    a pad id beyond the vocabulary would otherwise fail deep inside the model as an IndexError. A tokenizer of
+    tables (TAPAS's) is refused."""
+    if type(tokenizer).__name__ == "TapasTokenizer":
+        # its __call__ takes (table, queries): tokenizer(text=...) raised a TypeError, and a long query a ValueError
+        raise HeadlabError(
+            f"tokenizer of {name}: TapasTokenizer encodes questions about a table (tokenizer(table, queries)), not "
+            "plain text: it takes no text= argument and cannot cut a query longer than its maximum length, and "
+            "headlab's inputs are plain text; give TAPAS a BERT tokenizer of its vocabulary instead "
+            "(transformers.BertTokenizer(vocab='path/to/vocab.txt'): [CLS] text [SEP], what TapasTokenizer gives a query with "
+            "an empty table)")
     size = vocab_size_of(model_or_config)
     if size is None or tokenizer is None:
         return

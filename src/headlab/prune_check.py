@@ -316,6 +316,10 @@ def run_floored(model: nn.Module, probe: dict) -> Trace:
 
 
 def _cache_of(output):
+    # transformers 5.24's outputs hold ``cache``; their ``past_key_values`` is a deprecated alias of it that logs a
+    # warning, read only for outputs that have no ``cache`` field (remote code's own output classes)
+    if "cache" in getattr(output, "__dataclass_fields__", ()):
+        return output.cache
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
 

@@ -268,7 +268,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     A module that looks like attention by its projections' names but did not call the interface
     is refused, as is one whose heads' outputs do not reach the output projection as they are.
     Where no module calls the interface (transformers' own older modeling code without a table
-    entry: XLM, TAPAS...) or the probe cannot run (even with values in a meta-device model's place), a model
+    entry: Nystromformer, TrOCR...) or the probe cannot run (even with values in a meta-device model's place), a model
     class that transformers ships keeps the name-based discovery of :data:`_GENERIC_SCHEMES`;
     any other model is refused. ``idle`` receives the names of the blocks the probe forward did not run.
     """
@@ -812,7 +812,10 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         if block.n_heads:
             check_sink_eager(model_type, block.core)
     if family is not None:  # tables run no probe: what they know never runs
-        idle |= _unfed_cross_attention(blocks) | {b.name for b in blocks if b.family.name == f"{family.name} tower"}
+        # a never_fed cross-attention is idle beside self-attention called enc_self too (TAPAS's crossattention:
+        # TapasModel's layers attend bidirectionally whatever is_decoder says, and nothing feeds encoder states)
+        idle |= _unfed_cross_attention(blocks) | {b.name for b in blocks if b.family.name in (
+            f"{family.name} tower", f"{family.name} cross-attention")}
     blocks = [dataclasses.replace(b, idle=True) if b.name in idle and b.n_heads else b for b in blocks]
     blocks = _towers_numbered_after(model, blocks)
     blocks.sort(key=lambda b: (_KIND_ORDER[b.kind][0], b.layer, _KIND_ORDER[b.kind][1]))

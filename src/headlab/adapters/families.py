@@ -765,6 +765,44 @@ def openai_gpt(config: Any) -> Family:
     return replace(OPENAI_GPT, d_head=config.n_embd // config.n_head)
 
 
+# XLM (XLMWithLMHeadModel, transformers 5.24) and FlauBERT (FlaubertModel's attention is XLM's MultiHeadAttention,
+# copied): its parallel module lists hold the attention modules themselves (``attentions.N``, beside layer_norm1.N,
+# ffns.N, layer_norm2.N), outside the attention interface: q_lin/k_lin/v_lin viewed [batch, seq, n_heads, head_dim],
+# q / sqrt(d) k^T, masked_fill(finfo.min), softmax in float32, out_lin of the merged heads (viewed to n_heads *
+# head_dim: ``n_heads`` kept in step by pruning); it returns the weights only with output_attentions (argument 4).
+# ``causal`` (a CLM checkpoint) attends through a triangular mask: its layers are a decoder's.
+XLM = Family(
+    name="xlm",
+    patterns=(("enc_self", r"(?:^|\.)attentions\.(\d+)$"),),
+    q="q_lin", k="k_lin", v="v_lin", o="out_lin",
+    d_head_attr="head_dim",
+    head_count_attrs=("n_heads",),
+    probs_argument=("output_attentions", 4),
+)
+XLM_CAUSAL = replace(XLM, name="xlm-causal", patterns=(("dec_self", r"(?:^|\.)attentions\.(\d+)$"),))
+
+# TAPAS (TapasForMaskedLM, transformers 5.24): BERT's post-norm attention (self.query/key/value, output.dense) whose
+# TapasSelfAttention computes its own softmax(q k^T / sqrt(d) + mask) and returns the probabilities only with
+# output_attentions (argument 4); TapasModel's mask is bidirectional whatever ``is_decoder`` says, so its layers stay
+# an encoder's. Its crossattention (add_cross_attention) attends to encoder_hidden_states, which headlab never
+# passes: idle.
+TAPAS = Family(
+    name="tapas",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)encoder\.layer\.(\d+)\.crossattention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 4),
+)
+
+
+def xlm(config: Any) -> Family:
+    """XLM and FlauBERT: a causal checkpoint (``causal``, a triangular mask) is a decoder."""
+    return XLM_CAUSAL if getattr(config, "causal", False) else XLM
+
+
 def bert_like(config: Any) -> Family:
     """BERT-style models with ``is_decoder`` (BertLMHeadModel, RobertaForCausalLM) attend causally, and
     with ``add_cross_attention`` hold a cross-attention per layer: their layers are a decoder's (the
@@ -786,6 +824,8 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    **dict.fromkeys(["xlm", "flaubert"], XLM),
+    "tapas": TAPAS,
     "fsmt": FSMT,
     "trocr": TROCR,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
@@ -820,6 +860,7 @@ entry's projections, layout and bookkeeping, so that physical pruning slices it 
 columns constant as for the tabled family."""
 
 CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
+                   "xlm": xlm, "flaubert": xlm,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
                    # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
@@ -853,8 +894,7 @@ UNSUPPORTED: dict[str, str] = {
     **{model_type: f"{name}'s attention does not go through transformers' attention interface and returns its "
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
-       for model_type, name in (("xlm", "XLM"), ("flaubert", "FlauBERT"), ("tapas", "TAPAS"),
-                                ("nystromformer", "Nystromformer"),
+       for model_type, name in (("nystromformer", "Nystromformer"),
                                 ("funnel", "Funnel Transformer"))},
     # the family sweep (skip27A): found no block (Funnel) / "two modules claim dec_self layer 0" (BLT)
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "
@@ -925,6 +965,33 @@ def _ibert(config: Any) -> str:
             "and LRP rules do not read")
 
 
+def _xlm(config: Any) -> str | None:
+    # XLMModel (and FlaubertModel) add lang_embeddings(langs) to the token embeddings where n_langs > 1 and
+    # use_lang_emb; without langs they are left out, and the model runs on inputs unlike its training's
+    if getattr(config, "n_langs", 1) > 1 and getattr(config, "use_lang_emb", True):
+        return (f"this {type(config).__name__.removesuffix('Config')} checkpoint has language embeddings (n_langs="
+                f"{config.n_langs}, use_lang_emb=True): its forward adds the embedding of each token's language "
+                "(langs), which headlab's text inputs do not carry, and without it the model would run on inputs "
+                "unlike its training's; XLM checkpoints without language embeddings (n_langs=1, or use_lang_emb=False "
+                "as XLM-17 and XLM-100) are supported")
+    if getattr(config, "asm", False):
+        # XLMPredLayer with asm: AdaptiveLogSoftmaxWithLoss.log_prob(x), no output layer of logits (LRP crashed)
+        return (f"this {type(config).__name__.removesuffix('Config')} model predicts words with an adaptive softmax "
+                "(asm=True): its language-model head returns log-probabilities from clusters of the vocabulary "
+                "(AdaptiveLogSoftmaxWithLoss), not logits of one output layer, which headlab's measures explain; "
+                "XLM's and FlauBERT's released checkpoints have asm=False")
+    return None
+
+
+def _flaubert(config: Any) -> str | None:
+    if getattr(config, "pre_norm", False):
+        # FlaubertModel.forward's pre_norm branch calls its attention with cache=cache[i] on an EncoderDecoderCache
+        return ("FlauBERT with pre_norm=True does not run in transformers 5.24: FlaubertModel's forward indexes its "
+                "key/value cache (cache[i], an EncoderDecoderCache, which is not subscriptable) before its first "
+                "attention layer, and that branch never asks its attention for probabilities (output_attentions)")
+    return _xlm(config)
+
+
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
-                                                               "ibert": _ibert}
+                                                               "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

@@ -176,8 +176,15 @@ def _layer_path(name: str) -> str:
     """The layer holding the attention block ``name``: its nearest enclosing module whose path ends with a layer
     number (``model.layers.0`` for ``model.layers.0.self_attn``), whose input is the residual stream. GPT-Neo's
     attention nests one deeper (``transformer.h.0.attn.attention``): its parent, ``attn``, reads the normed
-    stream, and relevance reaching it left out the residual path's share. The parent where no path ends so."""
-    parts = name.split(".")[:-1]
+    stream, and relevance reaching it left out the residual path's share. XLM's and FlauBERT's module lists hold
+    the attention modules themselves (``transformer.attentions.0``, beside ``layer_norm1.0`` and ``ffns.0``, no layer
+    module): a block whose own path ends with its number, and holds no other number, is its layer, its input the
+    residual stream (LongCat-Flash's ``model.layers.0.self_attn.0`` is one of two attentions in ``model.layers.0``).
+    The parent where no path ends so."""
+    parts = name.split(".")
+    if parts[-1].isdigit() and not any(part.isdigit() for part in parts[:-1]):
+        return name
+    parts = parts[:-1]
     while parts and not parts[-1].isdigit():
         parts.pop()
     return ".".join(parts) if parts else name.rpartition(".")[0]

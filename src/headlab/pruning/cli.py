@@ -210,11 +210,14 @@ def _dev_data(args):
 
 
 def _load(args):
-    from headlab.loading import load_model, load_tokenizer
+    from headlab.loading import check_tokenizer_fits, load_model, load_tokenizer
 
     trust = args.trust_remote_code
-    return load_model(args.model, trust_remote_code=trust), load_tokenizer(args.tokenizer or args.model,
-                                                                          trust_remote_code=trust)
+    model = load_model(args.model, trust_remote_code=trust)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, trust_remote_code=trust)
+    # as the analyses do, before any work (a TAPAS table tokenizer, special ids beyond the embeddings)
+    check_tokenizer_fits(tokenizer, model, args.model)
+    return model, tokenizer
 
 
 def _data(args, tokenizer, model):
