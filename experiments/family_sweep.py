@@ -319,9 +319,15 @@ def inputs_for(model) -> dict:
     return inputs
 
 
+def teacher_forced(model) -> dict:
+    """No cache for an encoder-decoder's teacher-forced pass: FSMT builds its decoder's causal mask only without one
+    (transformers 5.24; with use_cache, its config's default, each target token attends to the later ones)."""
+    return {"use_cache": False} if getattr(model.config, "is_encoder_decoder", False) else {}
+
+
 def logits(model, inputs) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs).logits
+        return model(**inputs, **teacher_forced(model)).logits
 
 
 def close(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float]:
@@ -334,7 +340,7 @@ def close(a: torch.Tensor, b: torch.Tensor, atol: float) -> tuple[bool, float]:
 def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
     """transformers' own maps by kind, and the indices of those worked out from them (learned sinks)."""
     with torch.no_grad():
-        out = model(**inputs, output_attentions=True)
+        out = model(**inputs, output_attentions=True, **teacher_forced(model))
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
                 "dec_cross": out.cross_attentions}, set()

@@ -37,8 +37,8 @@ _BASE = getattr(transformers, BASE_CLASS)
 def cache_argument(kwargs: dict):
     """The key/value cache an attention module was called with: transformers 5.24 renamed the
     argument ``past_key_values`` to ``cache`` (the old name is deprecated until 5.40); GPT-NeoX,
-    Falcon, Bloom and GPT-BigCode call it ``layer_past``."""
-    for name in ("cache", "past_key_values", "layer_past"):
+    Falcon, Bloom and GPT-BigCode call it ``layer_past``, FSMT ``layer_state``."""
+    for name in ("cache", "past_key_values", "layer_past", "layer_state"):
         if kwargs.get(name) is not None:
             return kwargs[name]
     return None
@@ -64,6 +64,131 @@ LIST_OUTPUTS = frozenset({"transformers.models.openai.modeling_openai.Attention"
 """Attention classes whose forward returns a list, which their caller extends with a list (GPT-1's ``Block``:
 ``[h] + attn_outputs[1:]``; a tuple there raises): a layer of theirs with no head left returns a list too."""
 
+TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
+"""Attention classes whose hidden states are time-first, ``[T, B, C]`` (FSMT's: its cross-attention reads the
+encoder's output from its ``key`` argument, ``[S, B, C]``): a layer of theirs with no head left keeps the cache in
+step with ``[B, 1, T, 1]`` placeholders all the same."""
+
+
+def _fsmt_forward(self, query, key, key_padding_mask=None, layer_state=None, attn_mask=None, output_attentions=False,
+                  **kwargs):
+    """FSMT's ``Attention.forward`` (transformers 5.24, modeling_fsmt; time-first [T, B, C]) line for line, but that it
+    merges ``num_heads * head_dim`` (the kept heads) where the original merges the query's width ``embed_dim``, which
+    a pruned layer's heads no longer fill."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    tgt_len, bsz, embed_dim = query.size()
+    assert embed_dim == self.embed_dim
+    is_updated, curr_cache = False, None
+    if layer_state is not None:
+        if isinstance(layer_state, EncoderDecoderCache):
+            is_updated = layer_state.is_updated.get(self.layer_idx)
+            curr_cache = layer_state.cross_attention_cache if self.encoder_decoder_attention \
+                else layer_state.self_attention_cache
+        else:
+            curr_cache = layer_state
+    current_states = key if self.encoder_decoder_attention else query
+    if self.encoder_decoder_attention and layer_state is not None and is_updated:
+        key_states = curr_cache.layers[self.layer_idx].keys
+        value_states = curr_cache.layers[self.layer_idx].values
+    else:
+        key_states = self.k_proj(current_states).view(-1, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        value_states = self.v_proj(current_states).view(-1, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        if layer_state is not None:
+            key_states, value_states = curr_cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if self.encoder_decoder_attention:
+                layer_state.is_updated[self.layer_idx] = True
+    query_states = self.q_proj(query) * self.scaling
+    query_states = query_states.view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+    key_states = key_states.reshape(bsz * self.num_heads, -1, self.head_dim)
+    value_states = value_states.reshape(bsz * self.num_heads, -1, self.head_dim)
+    src_len = key_states.size(1)
+    attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+    if attn_mask is not None:
+        attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + attn_mask
+        attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+    if key_padding_mask is not None and key_padding_mask.dim() == 0:
+        key_padding_mask = None
+    if key_padding_mask is not None:
+        attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len)
+        attn_weights = attn_weights.masked_fill(key_padding_mask.unsqueeze(1).unsqueeze(2),
+                                                torch.finfo(attn_weights.dtype).min)
+        attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights_reshaped = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) if output_attentions else None
+    if output_attentions:
+        attn_weights = attn_weights_reshaped.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_probs = nn.functional.dropout(attn_weights, p=self.dropout, training=self.training)
+    attn_output = torch.bmm(attn_probs, value_states)
+    attn_output = attn_output.transpose(0, 1).contiguous().view(tgt_len, bsz, self.num_heads * self.head_dim)
+    return self.out_proj(attn_output), attn_weights_reshaped
+
+
+def _trocr_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, output_attentions=False,
+                   **kwargs):
+    """TrOCR's ``TrOCRAttention.forward`` (transformers 5.24, modeling_trocr) line for line (its checks of shapes left
+    out), but that it merges ``num_heads * head_dim`` (the kept heads) where the original reshapes to the hidden
+    states' width ``embed_dim``, which a pruned layer's heads no longer fill."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    is_cross_attention = key_value_states is not None
+    bsz, tgt_len, _ = hidden_states.size()
+    query_states = self.q_proj(hidden_states) * self.scaling
+    is_updated, curr_cache = False, None
+    if cache is not None:
+        if isinstance(cache, EncoderDecoderCache):
+            is_updated = cache.is_updated.get(self.layer_idx)
+            curr_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
+        else:
+            curr_cache = cache
+    current_states = key_value_states if is_cross_attention else hidden_states
+    if is_cross_attention and cache is not None and is_updated:
+        key_states = curr_cache.layers[self.layer_idx].keys
+        value_states = curr_cache.layers[self.layer_idx].values
+    else:
+        key_states = self.k_proj(current_states).view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        value_states = self.v_proj(current_states).view(bsz, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            key_states, value_states = curr_cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+            if is_cross_attention and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
+    proj_shape = (bsz * self.num_heads, -1, self.head_dim)
+    query_states = query_states.view(bsz, tgt_len, self.num_heads, self.head_dim).transpose(1, 2).reshape(*proj_shape)
+    key_states = key_states.reshape(*proj_shape)
+    value_states = value_states.reshape(*proj_shape)
+    src_len = key_states.size(1)
+    attn_weights = torch.bmm(query_states, key_states.transpose(1, 2))
+    if attention_mask is not None:
+        attn_weights = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) + attention_mask
+        attn_weights = attn_weights.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+    attn_weights_reshaped = attn_weights.view(bsz, self.num_heads, tgt_len, src_len) if output_attentions else None
+    if output_attentions:
+        attn_weights = attn_weights_reshaped.view(bsz * self.num_heads, tgt_len, src_len)
+    attn_probs = nn.functional.dropout(attn_weights, p=self.dropout, training=self.training)
+    attn_output = torch.bmm(attn_probs, value_states).view(bsz, self.num_heads, tgt_len, self.head_dim)
+    attn_output = attn_output.transpose(1, 2).reshape(bsz, tgt_len, self.num_heads * self.head_dim)
+    return self.out_proj(attn_output), attn_weights_reshaped
+
+
+PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward}
+"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's and
+TrOCR's merge the heads into the hidden states' width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+_PRUNED_CLASSES: dict = {}
+
+
+def pruned_class(cls: type, name: str) -> type:
+    """``cls`` with the forward ``PRUNED_FORWARDS[name]``: the class a pruned layer of ``cls`` takes (one per ``cls``,
+    so that two layers share it); its name is the original's."""
+    if getattr(cls, "_headlab_pruned_forward", None) == name:  # pruned again
+        return cls
+    key = (cls, name)
+    if key not in _PRUNED_CLASSES:
+        _PRUNED_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": PRUNED_FORWARDS[name], "_headlab_pruned_forward": name,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})  # :data:`TIME_FIRST` reads them
+    return _PRUNED_CLASSES[key]
+
 
 class NoHeadAttention(nn.Module):
     """An attention layer with no head left: Concat() W^O + b = b at every position (plus the
@@ -82,17 +207,20 @@ class NoHeadAttention(nn.Module):
         self.o_name, self.n_outputs, self.d_head = o_name, n_outputs, d_head
         # the names of the original forward's arguments after the hidden states, so that one called positionally
         # (GitAttention hands GitSelfAttention its mask and cache by position) still keeps its cache in step
-        parameters = list(inspect.signature(type(original).forward).parameters.values())[2:]
+        parameters = list(inspect.signature(type(original).forward).parameters.values())[1:]
         self.arg_names = getattr(original, "arg_names", None) or tuple(
-            p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+            p.name for p in parameters[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        # the hidden states' argument, which a caller may pass by keyword (FSMT's layers: query=x)
+        self.input_name = getattr(original, "input_name", None) or parameters[0].name
         # the original's plain settings that the model reads off its layers (GIT's image_patch_tokens, read from
         # layer 0 in cached generation), but none naming a head size or count: this layer has no head
         for name, value in vars(original).items():
             if not name.startswith("_") and "head" not in name and name not in vars(self) and \
                     isinstance(value, (int, float, bool, str)):
                 setattr(self, name, value)
-        self.list_output = f"{type(original).__module__}.{type(original).__qualname__}" in LIST_OUTPUTS or \
-            getattr(original, "list_output", False) is True
+        qualified = f"{type(original).__module__}.{type(original).__qualname__}"
+        self.list_output = qualified in LIST_OUTPUTS or getattr(original, "list_output", False) is True
+        self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -105,7 +233,9 @@ class NoHeadAttention(nn.Module):
             self.use_rope = bool(original.use_rope)
             self.modeling = type(original).__module__  # where its interleaved rotation is
 
-    def forward(self, hidden_states, *args, **kwargs):
+    def forward(self, *args, **kwargs):
+        hidden_states = args[0] if args else kwargs.pop(self.input_name)
+        args = args[1:]
         if self.o_name:
             o = getattr(self, self.o_name)
             width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
@@ -172,14 +302,17 @@ class NoHeadAttention(nn.Module):
         if cache is None or self.layer_idx is None:
             return
         memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
+        if self.time_first:  # FSMT: the encoder's output is the cross-attention's key, [S, B, C]
+            memory = kwargs.get("key") if getattr(self, "encoder_decoder_attention", False) else None
         is_cross = memory is not None
         target = cache
         if hasattr(cache, "self_attention_cache"):
             if is_cross and cache.is_updated.get(self.layer_idx):
                 return
             target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
-        length = (memory if is_cross else hidden_states).shape[1]
-        placeholder = hidden_states.new_zeros(hidden_states.shape[0], 1, length, 1)
+        batch, time = (1, 0) if self.time_first else (0, 1)
+        length = (memory if is_cross else hidden_states).shape[time]
+        placeholder = hidden_states.new_zeros(hidden_states.shape[batch], 1, length, 1)
         target.update(placeholder, placeholder, self.layer_idx)
         if is_cross and hasattr(cache, "is_updated"):
             cache.is_updated[self.layer_idx] = True
@@ -302,6 +435,9 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             setattr(module, KEPT_ATTR, kept)
             setattr(module, ORIGINAL_ATTR, original)
             module.register_forward_pre_hook(alibi_hook(type(module), *argument), with_kwargs=True)
+        for path, name in plan.get("classes", {}).items():  # a forward that runs with fewer heads (FSMT's)
+            module = model.get_submodule(path)
+            module.__class__ = pruned_class(type(module), name)
         for path, length in plan.get("vectors", {}).items():  # per kept head: query scales, attention sinks
             owner_path, _, name = path.rpartition(".")
             owner = model.get_submodule(owner_path)

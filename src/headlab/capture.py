@@ -638,7 +638,8 @@ class HookHandles(list):
 def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -> HookHandles:
     """Let ``fn(block, heads)`` rewrite each block's per-head outputs before ``W^O``.
 
-    ``heads`` is the input of the output projection viewed as ``[batch, pos, n_heads, d_head]``;
+    ``heads`` is the input of the output projection viewed as ``[batch, pos, n_heads, d_head]`` (a time-first
+    family's, ``[pos, batch, ...]``, transposed to it and back: ``Family.time_first``);
     ``fn`` returns a tensor of the same shape. Works whatever attention implementation runs,
     since the concatenated head outputs always enter the output projection. Blocks pruned to
     zero heads are left alone. A block of a shared module (ALBERT) acts at its own depth only.
@@ -653,6 +654,8 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
                 return None
             x = args[0]
             heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
+            if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
+                return (fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape), *args[1:])
             return (fn(block, heads).reshape(x.shape), *args[1:])
 
         return pre_hook

@@ -198,6 +198,11 @@ def is_classifier(model: nn.Module) -> bool:
     return type(model).__name__.endswith("ForSequenceClassification")
 
 
+OUTPUT_LAYERS = {"fsmt": "model.decoder.output_projection"}
+"""Model types whose ``get_output_embeddings`` is not the map to the logits, with where that is: FSMT's returns the
+decoder's input embeddings (transformers 5.24), its logits are ``decoder.output_projection``'s."""
+
+
 def output_layer(model: nn.Module) -> nn.Module | None:
     """The last linear map to the logits: the language-model head, or a classifier's last layer
     onto its classes (BERT's ``classifier``, RoBERTa's ``classifier.out_proj``, GPT-2's ``score``)."""
@@ -205,6 +210,12 @@ def output_layer(model: nn.Module) -> nn.Module | None:
         n_labels = getattr(model.config, "num_labels", None)
         onto_classes = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == n_labels]
         return onto_classes[-1] if onto_classes else None
+    path = OUTPUT_LAYERS.get(getattr(getattr(model, "config", None), "model_type", ""))
+    if path is not None:
+        try:
+            return model.get_submodule(path)
+        except AttributeError:  # another class of the type (FSMTModel has no LM head)
+            return None
     return cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 

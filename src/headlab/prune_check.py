@@ -156,10 +156,22 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
     pad = config_value(config, "pad_token_id")  # a wrapper's is its text config's
     if isinstance(pad, int) and 0 <= pad < vocab:
         input_ids = input_ids.masked_fill(mask.to(device) == 0, pad)
-    probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
     if getattr(config, "is_encoder_decoder", False):
+        # the decoder's own vocabulary: FSMT's (wmt19 ru-en, en-ru) differs from the source's
+        vocab = _decoder_vocab(model, vocab)
+        probe = {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
         probe["decoder_input_ids"] = ids(rows, DECODER_LENGTH)
-    return probe
+        return probe
+    return {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
+
+
+def _decoder_vocab(model: nn.Module, vocab: int) -> int:
+    """The size of an encoder-decoder's target vocabulary (its decoder's token embeddings), ``vocab`` where none is
+    found."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    size = getattr(getattr(decoder, "embed_tokens", None), "num_embeddings", None)
+    return size if isinstance(size, int) and size > 0 else vocab
 
 
 def _generates(model: nn.Module) -> bool:

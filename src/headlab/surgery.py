@@ -69,6 +69,7 @@ from headlab.portable_code import (
     cache_argument,
     load_checked_adapter,
     peft_from_pretrained,
+    pruned_class,
     record_kept_blocks,
     selection_hook,
 )
@@ -432,12 +433,20 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         if attr and hasattr(core, attr):
             journal.set(core, attr, groups)
 
+    _give_pruned_forward(block, keep, journal)
     kept, kv_kept, original = _original(block)
     journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
     journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _give_pruned_forward(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
+    """A layer whose own forward cannot run with fewer heads (FSMT's and TrOCR's merge them into the hidden states'
+    width) takes the family's (``Family.pruned_forward``): the same computation, merging the kept heads."""
+    if block.family.pruned_forward and keep:
+        journal.set(block.core, "__class__", pruned_class(type(block.core), block.family.pruned_forward))
 
 
 def _slice_separate(block: AttentionBlock, keep: list[int], kv_keep: list[int], kv_index: torch.Tensor,
@@ -1372,6 +1381,9 @@ def pruning_plan(model: nn.Module) -> dict:
         else:
             if isinstance(getattr(core, "config", None), LayerConfig):
                 plan.setdefault("config", {})[_core_path(block)] = dict(cast(LayerConfig, core.config).overrides)
+            pruned_forward = getattr(type(core), "_headlab_pruned_forward", None)
+            if pruned_forward:  # the forward pruned_heads.py gives the layer (Family.pruned_forward)
+                plan.setdefault("classes", {})[_core_path(block)] = pruned_forward
             if getattr(core, "_headlab_alibi_hooked", False):
                 entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
                 argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before

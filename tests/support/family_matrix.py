@@ -138,6 +138,11 @@ ANALYSED = {
     # OpenAI GPT (GPT-1): Conv1D c_attn [q | k | v], post-norm blocks, its own causal buffer
     "openai-gpt": lambda: (tf.OpenAIGPTLMHeadModel, tf.OpenAIGPTConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
+    # TrOCR's text decoder (TrOCRForCausalLM): BART's old attention outside the interface, learned positions, an
+    # embedding layer norm; its encoder_attn (is_decoder) never fed: idle
+    "trocr": lambda: (tf.TrOCRForCausalLM, tf.TrOCRConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37,
+        max_position_embeddings=64, **_SPECIAL)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
     **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
@@ -169,6 +174,7 @@ VALUES = {
     "xglm": (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     "mpnet": (lambda m, i: m.mpnet.encoder.layer[i].attention.attn.v, lambda j: range(j * D, (j + 1) * D), 4),
     "openai-gpt": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 4), 4),  # c_attn(x).split(split_size)
+    "trocr": (lambda m, i: m.model.decoder.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }

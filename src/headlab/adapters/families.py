@@ -123,6 +123,13 @@ class Family:
     it attends to ``encoder_hidden_states``, an argument headlab never passes). Listed as idle blocks, so that what
     is left out is said, not forgotten: their heads counted from the output projection's input, their projections
     not tied (nothing headlab runs or slices reaches them)."""
+    time_first: bool = False
+    """The layers' hidden states are time-first, ``[T, B, C]`` (FSMT's, after fairseq): the heads' outputs at the
+    output projection's input are ``[T, B, heads x d]``, which headlab's per-sentence measures read batch-first
+    (:func:`headlab.capture.register_head_output_hooks`, LRP's cuts and bias probes)."""
+    pruned_forward: str = ""
+    """A key of :data:`headlab.portable_code.PRUNED_FORWARDS`: the forward a pruned layer of the family takes, where
+    its own cannot run with fewer heads (FSMT's merges the heads into the query's width); '' elsewhere."""
     towers: tuple[tuple[str, str, str], ...] = ()
     """(kind, regex, output projection) of a multimodal model's tower attentions, of another class, that token ids
     never run (GIT's image encoder, run on ``pixel_values`` only): listed as idle blocks, as :attr:`never_fed`'s,
@@ -795,6 +802,43 @@ OPENAI_GPT = Family(
 )
 
 
+# FSMT (fairseq's WMT19 translation Transformers, FSMTForConditionalGeneration, transformers 5.24): model.encoder.layers.N.
+# self_attn, model.decoder.layers.N.self_attn and .encoder_attn (``Attention`` of modeling_fsmt, BART's old one):
+# time-first [T, B, C], q scaled by head_dim**-0.5 before q k^T, bmm over [batch * num_heads, ...], softmax; returns
+# (out_proj(merged), probs [batch, heads, q, k]) and the probabilities only with output_attentions (its 6th argument,
+# passed by keyword). Its forward merges the heads with ``view(tgt_len, bsz, embed_dim)``, embed_dim the query's
+# width: a pruned layer is given :class:`headlab.portable_code.PrunedFSMTAttention`, whose forward merges
+# ``num_heads * head_dim`` (``Family.pruned_forward``).
+FSMT = Family(
+    name="fsmt",
+    patterns=_seq2seq(r"encoder\.layers", r"decoder\.layers"),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 5),
+    pruned_forward="fsmt",
+    time_first=True,
+)
+
+
+# TrOCR (TrOCRForCausalLM, the text decoder of microsoft/trocr-*, transformers 5.24): model.decoder.layers.N.self_attn
+# (TrOCRAttention, BART's old attention, batch-first): q scaled by head_dim**-0.5, bmm over [batch * num_heads, ...],
+# softmax; returns (out_proj(merged), probs) and the probabilities only with output_attentions (its 5th argument, by
+# keyword). Its forward merges the heads to the hidden states' width: a pruned layer takes PRUNED_FORWARDS["trocr"].
+# Its encoder_attn (TrOCRForCausalLM sets is_decoder) attends to encoder_hidden_states (the image encoder's, in a
+# VisionEncoderDecoderModel), which headlab never passes: idle.
+TROCR = Family(
+    name="trocr",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),),
+    never_fed=(("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$"),),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 4),
+    pruned_forward="trocr",
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -863,6 +907,8 @@ FAMILIES: dict[str, Family] = {
     "longformer": LONGFORMER,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
+    "fsmt": FSMT,
+    "trocr": TROCR,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -929,7 +975,7 @@ UNSUPPORTED: dict[str, str] = {
     **{model_type: f"{name}'s attention does not go through transformers' attention interface and returns its "
                    "attention probabilities only when asked for them (output_attentions), which headlab does not "
                    "do for a model it has no table entry for"
-       for model_type, name in (("nystromformer", "Nystromformer"), ("trocr", "TrOCR"), ("fsmt", "FSMT"),
+       for model_type, name in (("nystromformer", "Nystromformer"),
                                 ("funnel", "Funnel Transformer"))},
     # the family sweep (skip27A): found no block (Funnel) / "two modules claim dec_self layer 0" (BLT)
     "blt": "BLT (Byte Latent Transformer) runs four stacks of attention, an entropy patcher, a local encoder, a global "

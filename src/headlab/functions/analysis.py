@@ -449,7 +449,9 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
                                config.word_pooling)
         feeder.update_sides()
         try:
-            model(**inputs)
+            # a teacher-forced pass: no cache (FSMT's forward with use_cache, its config's default, builds no causal
+            # mask for the decoder: every target token then attends to the later ones)
+            model(**inputs, **({"use_cache": False} if seq2seq else {}))
         except _ForwardDone:
             pass  # every analysed block has reported: the rest of the forward (later layers, logits) feeds nothing
         main = feeder.current.get("target" if paired else "source")

@@ -216,6 +216,7 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             layers[id(projection)] = projection
     applications = Applications(list(firsts.values()))
     shared = {id(names[_layer_path(b.name)]): b.core for b in firsts.values() if b.shared}
+    time_first = {id(names[_layer_path(b.name)]) for b in firsts.values() if b.family.time_first}
 
     def record(module, args, kwargs):
         if not torch.is_grad_enabled():
@@ -227,6 +228,10 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         if not isinstance(x, torch.Tensor):
             raise HeadlabError(f"LRP: cannot find the input of {type(module).__name__}, so conservation cannot "
                                "be measured")
+        if id(module) in time_first and args:  # FSMT's layers read [pos, batch, d] (positionally): the cut is its
+            x = x.transpose(0, 1)  # batch-first view, which the layer then reads through
+            found.append(x)
+            return (x.transpose(0, 1), *args[1:]), kwargs
         if all(x is not seen for seen in found):
             found.append(x)
 
@@ -373,6 +378,10 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     gets none. The experts' biases held in 3-d parameters (GPT-OSS's) are probed inside their rule
     (:func:`headlab.importance.rules.expert_bias_probes`)."""
     probes: list[torch.Tensor] = []
+    # the modules of a time-first family's layers (FSMT's), whose outputs are [pos, batch, ...]: probed batch-first
+    names = dict(model.named_modules())
+    time_first = {id(m) for b in attention_blocks(model) if b.family.time_first
+                  for m in names[_layer_path(b.name)].modules()}
 
     def probe(module, args, output):
         if not torch.is_grad_enabled():
@@ -381,7 +390,9 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
                 or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
             return None  # not one output per token: its bias, if any, shows in the conservation check
-        if id(module) in seq_major:  # called on [seq, batch, d] (Longformer's): s batch-major, as _reached reads it
+        if id(module) in seq_major or id(module) in time_first and output.dim() == 3:
+            # called on [seq, batch, d] (Longformer's projections, FSMT's time-first layers): s batch-major, as
+            # _reached reads it
             s = torch.ones(output.shape[1], output.shape[0], *output.shape[2:-1], 1, dtype=output.dtype,
                            device=output.device, requires_grad=True)
             kept = bias.detach().to(output.dtype) * s.transpose(0, 1)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -286,8 +286,8 @@ def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int]
                 continue
             if ids is None:
                 ids = _encode(tokenizer, source, info.max_length)
-            inputs = {"input_ids": torch.tensor([ids], device=device),
-                      "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
+            inputs: dict[str, Any] = {"input_ids": torch.tensor([ids], device=device),
+                                      "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
             tokens = {"source": tokenizer.convert_ids_to_tokens(ids)}
             target_from = None
             if seq2seq:
@@ -304,6 +304,7 @@ def _write_all(model, tokenizer, info, items: Iterable[tuple[int, str, list[int]
                     target_from = "translation"
                 decoder_ids = ([start] + target_ids[:-1])[: info.max_length]
                 inputs["decoder_input_ids"] = torch.tensor([decoder_ids], device=device)
+                inputs["use_cache"] = False  # teacher-forced (FSMT builds its causal mask only without a cache)
                 tokens["target"] = tokenizer.convert_ids_to_tokens(decoder_ids)
             if query_chunk is None:
                 with torch.no_grad(), capture_attention(model) as record:
