@@ -224,6 +224,10 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     config.resolved_methods()  # a bad measure or option fails before any work
     config.check_options_act(str, f"measures={list(config.methods)!r}")
     info = model_info(model, tokenizer, max_length)
+    if config.beam != 1 and not info.is_seq2seq:  # ignored, yet the scores' signature would say it (the CLI refuses it)
+        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
+        raise HeadlabError(f"beam={config.beam}: the beam of the model's translations, and the model is a {kind} "
+                           "that does not translate; leave beam out")
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
     return run_importance(model, data, info, config, tokenizer=tokenizer)
