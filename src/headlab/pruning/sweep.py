@@ -53,8 +53,9 @@ def sweep_points(lams=(), keeps=()) -> list[dict]:
             raise HeadlabError(f"lambda must be a finite number >= 0, got {lam}")
         points.append({"lam": float(lam) + 0.0, "keep": None})  # + 0.0: -0.0 is 0.0, not a point "lam--0"
     for keep in keeps:
-        if keep < 0:
-            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 0")
+        if keep < 1:  # 0 closes every gated head: the gates have nothing to choose
+            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 1, as prune train --keep (a budget of 0 "
+                               "closes every gated head, leaving the gates nothing to choose)")
         points.append({"lam": 0.0, "keep": int(keep)})
     if not points:
         raise HeadlabError("a sweep needs --lams or --keeps")
