@@ -56,6 +56,23 @@ def test_malformed_sentence_single_run(row, tmp_path):
     assert [(p.path, p.line) for p in problems.problems] == [(str(path), line)]
 
 
+def test_a_sentence_with_two_roots_is_malformed(tmp_path):
+    """Regression: a sentence with two words of HEAD 0 was read as a tree (the syntactic test then
+    scored a forest); UD's basic dependencies have exactly one root. It is named by file and line
+    (strict) or skipped and counted (lenient), as a HEAD cycle is."""
+    here = "5\there\there\tADV\tRB\t_\t4\tadvmod\t_\tSpaceAfter=No"
+    second = here.replace("\t4\tadvmod", "\t0\troot")
+    path = tmp_path / "two-roots.conllu"
+    path.write_text(SAMPLE_CONLLU.replace(here, second), encoding="utf-8")
+    line = path.read_text(encoding="utf-8").split("\n").index(second) + 1
+    with pytest.raises(HeadlabError, match=f"^{path}:{line}: word 5 is a second root \\(HEAD 0, as word 4\\)"):
+        list(read_conllu(path))
+    problems, counts = ProblemLog(), TreebankCounts()
+    read = list(read_conllu(path, problems=problems, counts=counts, keep_place=True))
+    assert [s.sent_id if s else None for s in read] == ["s1", None, "s3", "s4"]
+    assert counts.n_malformed == 1 and [(p.path, p.line) for p in problems.problems] == [(str(path), line)]
+
+
 @pytest.fixture(scope="module")
 def marian():
     words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]

@@ -316,6 +316,8 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
     cycle = _cycle(heads)
     if cycle is not None:
         raise _Malformed(word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree")
+    if second := _second_root(heads):
+        raise _Malformed(word_lines[second[1]], _two_roots(second))
     counts.n_multiword_tokens += n_multiword
     counts.n_empty_nodes += n_empty
     return Sentence(
@@ -329,6 +331,19 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
         line=start,
         text=metadata.get("text"),
     )
+
+
+def _second_root(heads: list[int]) -> tuple[int, int] | None:
+    """The 0-based indices of the first two words of HEAD 0 (1-based ``heads``), or None: UD's basic
+    dependencies are a tree with exactly one root (universaldependencies.org/format.html, HEAD;
+    its validator's "multiple-roots")."""
+    roots = [i for i, head in enumerate(heads) if head == 0]
+    return (roots[0], roots[1]) if len(roots) > 1 else None
+
+
+def _two_roots(roots: tuple[int, int]) -> str:
+    return (f"word {roots[1] + 1} is a second root (HEAD 0, as word {roots[0] + 1}): a sentence's basic dependencies "
+            "have exactly one root")
 
 
 def _cycle(heads: list[int]) -> int | None:
