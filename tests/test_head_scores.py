@@ -90,3 +90,22 @@ def test_an_infinite_score_is_refused_not_written_as_invalid_json(value, tmp_pat
     with pytest.raises(HeadlabError, match="mine scores: enc_self layer 0 head 1 is infinite"):
         scores.save(tmp_path / "s.json")
     assert not (tmp_path / "s.json").exists()
+
+
+def test_write_json_writes_nan_as_null_and_refuses_infinity(tmp_path):
+    """Regression: the general JSON writer wrote NaN (aggregate's pos_frequency.json of a kind with
+    no word, a statistic with no case) as the bare token NaN, which is not JSON (RFC 8259, Sec. 6):
+    strict readers (JavaScript's JSON.parse, jq) refused the file. NaN is null; infinity is refused."""
+    import json
+
+    from headlab.heads import write_json
+
+    def strict(path):
+        return json.loads(path.read_text(), parse_constant=lambda token: pytest.fail(f"{token} in {path}"))
+
+    path = write_json(tmp_path / "a.json", {"enc_self": {"NOUN": float("nan"), "VERB": 0.5}, "rows": [(1.0, float("nan"))]})
+    assert strict(path) == {"enc_self": {"NOUN": None, "VERB": 0.5}, "rows": [[1.0, None]]}
+    with pytest.raises(HeadlabError, match=r"^b\.json\['x'\]\[1\]: -inf is infinite, which JSON cannot hold"):
+        write_json(tmp_path / "b.json", {"x": [0.0, float("-inf")]})
+    assert not (tmp_path / "b.json").exists()
+    assert strict(write_json(tmp_path / "c.json", {"x": [1, "a", None]})) == {"x": [1, "a", None]}

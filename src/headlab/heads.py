@@ -204,10 +204,32 @@ def readable_as_umask_allows(directory: Path) -> None:
 
 
 def write_json(path: str | os.PathLike, data: Any, **dumps_options: Any) -> Path:
-    """``data`` as JSON indented by one space, written atomically; returns the path."""
+    """``data`` as JSON indented by one space, written atomically; returns the path. A NaN (a value
+    that is not defined: no case to count, a removed head) is written as null, as HeadScores files
+    write it; an infinite value is refused (HeadlabError). NaN and Infinity are not JSON (RFC 8259,
+    Sec. 6), and strict readers (JavaScript's JSON.parse, jq) reject the file."""
     path = Path(path)
-    atomic_write_text(path, json.dumps(data, indent=1, **dumps_options) + "\n")
+    try:
+        text = json.dumps(data, indent=1, allow_nan=False, **dumps_options)
+    except ValueError:  # a NaN or an infinity somewhere: the slow walk only then
+        text = json.dumps(_finite_or_null(data, path.name), indent=1, allow_nan=False, **dumps_options)
+    atomic_write_text(path, text + "\n")
     return path
+
+
+def _finite_or_null(data: Any, where: str) -> Any:
+    """``data`` with every NaN float made None; HeadlabError naming the first infinite one."""
+    if isinstance(data, float):
+        if math.isnan(data):
+            return None
+        if math.isinf(data):
+            raise HeadlabError(f"{where}: {data} is infinite, which JSON cannot hold; nothing was written")
+        return data
+    if isinstance(data, dict):
+        return {key: _finite_or_null(value, f"{where}[{key!r}]") for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_null(value, f"{where}[{i}]") for i, value in enumerate(data)]
+    return data
 
 
 def pyplot() -> Any:
