@@ -1,6 +1,8 @@
 """Bad input to the Python API (headlab.importance, functions, ...): refused before any work with a
 message naming the keyword, never accepted and ignored."""
 
+import re
+
 import pytest
 
 import headlab
@@ -25,3 +27,24 @@ def test_beam_of_a_language_model_is_refused(lm):
     with pytest.raises(HeadlabError, match="^beam=3: the beam of the model's translations, and the model is a"):
         headlab.importance(*lm, TEXTS, measures="confidence", beam=3)
     assert headlab.importance(*lm, TEXTS, measures="confidence", beam=1).scores["confidence"].method == "confidence"
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"heads": (5, -1)}, "head 5 is outside the sentence (-1 for the root, else 0..1)"),
+    ({"heads": (-1, -1), "deprels": ("root", "root")}, "word 2 is a second root (HEAD 0, as word 1)"),
+    ({"heads": (1, 0)}, "word 1 is on a cycle of heads"),
+    ({"upos": ("NOUN",), "heads": (1,)}, "2 words but upos 1, heads 1: every column has one value per word"),
+])
+def test_parsed_sentences_that_are_no_parse_are_refused(change, expected):
+    """Regression: sentences built in Python (``headlab.functions(model, tokenizer, [Sentence(...)])``)
+    skipped every check the CoNLL-U reader makes: a HEAD outside the sentence, two roots, or columns
+    of other lengths (zip cut the words to the heads) were scored without a word."""
+    from dataclasses import replace
+
+    from headlab.data.treebank import InMemoryTreebank, Sentence
+
+    good = Sentence(words=("cat", "runs"), upos=("NOUN", "VERB"), heads=(1, -1), deprels=("nsubj", "root"),
+                    space_after=(True, True), sent_id="s1")
+    InMemoryTreebank([good])  # a parse
+    with pytest.raises(HeadlabError, match=r"^<sentences>: sentences\[1\] \(s1\): " + re.escape(expected)):
+        InMemoryTreebank([good, replace(good, **change)], name="<sentences>")
