@@ -48,3 +48,17 @@ def test_parsed_sentences_that_are_no_parse_are_refused(change, expected):
     InMemoryTreebank([good])  # a parse
     with pytest.raises(HeadlabError, match=r"^<sentences>: sentences\[1\] \(s1\): " + re.escape(expected)):
         InMemoryTreebank([good, replace(good, **change)], name="<sentences>")
+
+
+@pytest.mark.parametrize("function", ["importance", "analyze"])
+@pytest.mark.parametrize("keyword, value, expected", [
+    ("max_length", 0, "max_length must be at least 2, got 0"),  # was the model's longest input
+    ("max_length", 1.5, "max_length must be at least 2, got 1.5 (a whole number)"),  # a TypeError in tokenizing
+    ("limit", 1.5, "limit must be at least 1, got 1.5 (a whole number)"),  # importance: every text; analyze: TypeError
+    ("limit", True, "limit must be at least 1, got True (a whole number)"),  # was one text
+])
+def test_counts_that_are_not_whole_numbers_are_refused(lm, function, keyword, value, expected):
+    """Regression: ``max_length=0`` was taken as "the model's longest input", ``limit=True`` as 1 and
+    ``limit=1.5`` (importance) as every text; a float ``max_length`` failed deep in tokenizing."""
+    with pytest.raises(HeadlabError, match=f"^{function}: " + re.escape(expected)):
+        getattr(headlab, function)(*lm, TEXTS, measures="confidence", **{keyword: value})

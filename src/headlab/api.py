@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -114,6 +115,19 @@ def _check_transformers_model(model: Any) -> None:
     if getattr(model, "config", None) is None:
         raise HeadlabError(f"model: expected a transformers model (a PreTrainedModel with a config), got "
                            f"{type(model).__name__}")
+
+
+def _check_counts(function: str, **counts: Any) -> None:
+    """Whole numbers of a call (``limit``, ``batch_size``, ``max_length`` ...) that are None or at
+    least their minimum: a float was taken as a slice (``limit=1.5``: every text) or failed deep in
+    tokenizing, ``True`` was 1, and ``max_length=0`` meant the model's longest input."""
+    minimum = {"max_length": 2, "attention_sentences": 0}
+    for name, value in counts.items():
+        low = minimum.get(name, 1)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
+            raise HeadlabError(f"{function}: {name} must be at least {low}, got {value!r}"
+                               + ("" if isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                                  else " (a whole number)"))
 
 
 def _check_model(model: Any, tokenizer: Any) -> None:
@@ -217,6 +231,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
+    _check_counts("importance", limit=limit, batch_size=batch_size, max_length=max_length)
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
     _check_model(model, tokenizer)
@@ -238,6 +253,7 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
+    _check_counts("functions" if functions else "aggregate", limit=limit, batch_size=batch_size, max_length=max_length)
     _check_model(model, tokenizer)
     frequencies = None
     if functions and frequency_texts is not None:
@@ -372,11 +388,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     _check_parts(texts is not None, treebank is not None, measures, statistics, treebank_limit=treebank_limit,
                  frequency_texts=frequency_texts, targets=targets, labels=labels, lrp_targets=lrp_targets,
                  lrp_seed=lrp_seed or None)
-    for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
-        if value is not None and value < 1:  # the library's message names the command's --limit
-            raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
-    if attention_sentences < 0:
-        raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
+    # the library's messages name the command's --limit
+    _check_counts("analyze", limit=limit, treebank_limit=treebank_limit, batch_size=batch_size, max_length=max_length,
+                  attention_sentences=attention_sentences)
     _check_engine(model, engine)
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
