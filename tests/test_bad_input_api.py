@@ -62,3 +62,16 @@ def test_counts_that_are_not_whole_numbers_are_refused(lm, function, keyword, va
     ``limit=1.5`` (importance) as every text; a float ``max_length`` failed deep in tokenizing."""
     with pytest.raises(HeadlabError, match=f"^{function}: " + re.escape(expected)):
         getattr(headlab, function)(*lm, TEXTS, measures="confidence", **{keyword: value})
+
+
+def test_a_number_for_measures_and_a_string_key_of_heads_are_refused_clearly(lm):
+    """Regression: ``measures=5`` was a TypeError ("'int' object is not iterable") from inside the
+    call; a heads key "enc_self:0" was refused as ('e', 'n', 'c', ...), spelt letter by letter."""
+    from support.models import tiny_model
+
+    with pytest.raises(HeadlabError, match=r"^measures=5: give a name or a list of names"):
+        headlab.importance(*lm, TEXTS, measures=5)
+    with pytest.raises(HeadlabError, match=r"^statistics=5: give a name or a list of names"):
+        headlab.analyze(*lm, TEXTS, measures="confidence", statistics=5)
+    with pytest.raises(HeadlabError, match=r"^head spec keys must be \(kind, layer\), got \('enc_self:0',\)"):
+        headlab.prune(tiny_model("marian"), {"enc_self:0": [1]})

@@ -190,10 +190,21 @@ def _kinds(model: nn.Module, kinds: str | Sequence[str]) -> tuple[str, ...]:
     return named
 
 
+def _names(value: Any, keyword: str) -> tuple:
+    """A name or a sequence of names (``measures``, ``statistics``) as a tuple; anything else (a
+    number) refused, not a TypeError from deep in the call."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise HeadlabError(f"{keyword}={value!r}: give a name or a list of names") from None
+
+
 def _importance_config(measures: str | Sequence[str], batch_size: int, progress: bool, options: dict) -> Any:
     from headlab.importance.config import ImportanceConfig
 
-    measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    measures = _names(measures, "measures")
     return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
 
 
@@ -320,7 +331,8 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
         spec = parse_heads(heads, attention_blocks(model))
     else:
         try:
-            spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+            # a string key ("enc_self:0") is not a (kind, layer): tuple() would spell it letter by letter
+            spec = {tuple(block) if not isinstance(block, str) else (block,): list(h) for block, h in dict(heads).items()}
         except (TypeError, ValueError):
             raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
                                f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
@@ -371,8 +383,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
     _check_model(model, tokenizer)
-    measures = (measures,) if isinstance(measures, str) else tuple(measures)
-    statistics = (statistics,) if isinstance(statistics, str) else tuple(statistics)  # not letter by letter
+    measures, statistics = _names(measures, "measures"), _names(statistics, "statistics")  # not letter by letter
     for name in measures:
         if name not in MEASURES:
             raise HeadlabError(f"analyze: unknown measure {name!r}; expected some of {', '.join(MEASURES)}")
