@@ -75,3 +75,10 @@ def test_a_number_for_measures_and_a_string_key_of_heads_are_refused_clearly(lm)
         headlab.analyze(*lm, TEXTS, measures="confidence", statistics=5)
     with pytest.raises(HeadlabError, match=r"^head spec keys must be \(kind, layer\), got \('enc_self:0',\)"):
         headlab.prune(tiny_model("marian"), {"enc_self:0": [1]})
+
+
+def test_a_mapping_of_texts_is_refused(lm):
+    """Regression: ``texts={"the cat runs": 1, ...}`` (texts with their classes) was read as its keys
+    alone: scored, every label dropped, no word said."""
+    with pytest.raises(HeadlabError, match=r"^texts: expected a list of sentences, got a dict \(a classifier's classes go "):
+        headlab.importance(*lm, {text: 1 for text in TEXTS}, measures="confidence")

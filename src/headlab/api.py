@@ -152,6 +152,9 @@ def _check_model(model: Any, tokenizer: Any) -> None:
 def _texts(texts: Any, name: str = "texts") -> list:
     if isinstance(texts, str):
         raise HeadlabError(f"{name}: expected a list of sentences, got one string (wrap it in a list)")
+    if isinstance(texts, Mapping):  # list() would take its keys alone: {text: label} lost every label
+        raise HeadlabError(f"{name}: expected a list of sentences, got a {type(texts).__name__} (a classifier's "
+                           "classes go in labels=, one per text)")
     try:
         items = list(texts)
     except TypeError:
