@@ -1,6 +1,7 @@
 """HeadScores: the table every analysis writes and every figure reads."""
 
 import csv
+import re
 
 import numpy as np
 import pytest
@@ -109,3 +110,17 @@ def test_write_json_writes_nan_as_null_and_refuses_infinity(tmp_path):
         write_json(tmp_path / "b.json", {"x": [0.0, float("-inf")]})
     assert not (tmp_path / "b.json").exists()
     assert strict(write_json(tmp_path / "c.json", {"x": [1, "a", None]})) == {"x": [1, "a", None]}
+
+
+def test_without_refuses_heads_it_would_blank_wrongly():
+    """Regression: ``HeadScores.without`` indexed numpy with the spec as given: head -1 blanked the
+    last head, layer True layer 1, a misspelt kind was skipped as if not scored; each without a word."""
+    scores = HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "m")
+    assert np.isnan(scores.without({("enc_self", 1): [3], ("dec_self", 0): [0]})["enc_self"][1, 3])  # dec_self: not scored
+    for spec, expected in (({("enc_self", 0): [-1]}, "m scores: enc_self layer 0: head -1 is not one of 0..3"),
+                           ({("enc_self", 0): [4]}, "m scores: enc_self layer 0: head 4 is not one of 0..3"),
+                           ({("enc_self", True): [1]}, "m scores: enc_self layer True is not one of 0..1"),
+                           ({("enc_self", 0): [1.0]}, "m scores: enc_self layer 0: head 1.0 is not one of 0..3"),
+                           ({("enc-self", 0): [1]}, "unknown attention kind 'enc-self'")):
+        with pytest.raises(HeadlabError, match=re.escape(expected)):
+            scores.without(spec)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import numbers
+import operator
 import os
 import shutil
 import stat
@@ -276,6 +277,18 @@ def write_figure(fig: Any, path: str | os.PathLike, close: bool = True, **savefi
     return path
 
 
+def _index(value: Any, size: int, what: str) -> int:
+    """``value`` as an index in ``0..size-1``: an int (numpy's too), never a bool, float, string or
+    a negative number counting from the end."""
+    try:
+        index = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < size:
+        raise HeadlabError(f"{what} {value!r} is not one of 0..{size - 1}")
+    return index
+
+
 @dataclass(frozen=True)
 class HeadScores:
     """One score per head, per attention kind.
@@ -344,8 +357,13 @@ class HeadScores:
         """These scores with NaN for ``heads``: heads switched off or removed are not ranked."""
         arrays = {kind: array.copy() for kind, array in self.scores.items()}
         for (kind, layer), indices in heads.items():
+            check_kind(kind)  # a misspelt kind was skipped as if not scored here
             if kind in arrays:
-                arrays[kind][layer, list(indices)] = np.nan
+                # numpy would take -1 as the last head (or layer), 1.5 or True as another one
+                n_layers, n_heads = arrays[kind].shape
+                layer_at = _index(layer, n_layers, f"{self.method} scores: {kind} layer")
+                arrays[kind][layer_at, [_index(h, n_heads, f"{self.method} scores: {kind} layer {layer_at}: head")
+                                        for h in indices]] = np.nan
         return self.with_scores(arrays)
 
     def stderr(self) -> "HeadScores | None":
