@@ -124,3 +124,13 @@ def test_without_refuses_heads_it_would_blank_wrongly():
                            ({("enc-self", 0): [1]}, "unknown attention kind 'enc-self'")):
         with pytest.raises(HeadlabError, match=re.escape(expected)):
             scores.without(spec)
+
+
+def test_top_mask_reads_a_kind_given_as_a_string_whole():
+    """Regression: ``top_mask(3, "enc")`` (a misspelt kind, one string) was taken letter by letter:
+    "cannot keep 3 heads: 0 are scored in e, n, c"."""
+    scores = HeadScores({"enc_self": np.arange(8.0).reshape(2, 4), "dec_self": np.zeros((2, 4))}, "m")
+    assert scores.top_mask(3, "enc_self") == scores.top_mask(3, ("enc_self",)) == {("enc_self", 0): [0, 1, 2, 3],
+                                                                                   ("enc_self", 1): [0]}
+    with pytest.raises(HeadlabError, match="unknown attention kind 'enc'"):
+        scores.top_mask(3, "enc")

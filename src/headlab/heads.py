@@ -405,7 +405,9 @@ class HeadScores:
         if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):  # True was 1 head, 1.5 a TypeError
             raise HeadlabError(f"keep must be an integer number of heads, got {keep!r}")
         keep = int(keep)
-        kinds = kinds or self.kinds
+        kinds = ((kinds,) if isinstance(kinds, str) else tuple(kinds)) if kinds else self.kinds  # "enc" was e, n, c
+        for kind in kinds:
+            check_kind(kind)
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):
             raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(ranked)} are scored in {', '.join(kinds)}")
