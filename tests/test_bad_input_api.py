@@ -82,3 +82,20 @@ def test_a_mapping_of_texts_is_refused(lm):
     alone: scored, every label dropped, no word said."""
     with pytest.raises(HeadlabError, match=r"^texts: expected a list of sentences, got a dict \(a classifier's classes go "):
         headlab.importance(*lm, {text: 1 for text in TEXTS}, measures="confidence")
+
+
+def test_prune_with_no_kind_named_and_a_float_query_chunk_are_refused(lm):
+    """Regression: ``headlab.prune(model, scores, keep=3, kinds=[])`` kept the 3 best heads of every
+    kind (an empty kinds was read as "all"), where importance refuses kinds=[]; ``query_chunk=1.5``
+    was a TypeError from inside the pass."""
+    from support.models import tiny_model
+    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+
+    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
+    model, tokenizer = tiny_model("marian").eval(), word_tokenizer(words)
+    scores = headlab.importance(model, tokenizer, TEXTS, measures="confidence").scores["confidence"]
+    for kinds in ([], ""):
+        with pytest.raises(HeadlabError, match="^kinds: no kind given"):
+            headlab.prune(tiny_model("marian"), scores, keep=3, kinds=kinds)
+    with pytest.raises(HeadlabError, match=re.escape("functions: query_chunk must be at least 1, got 1.5 (a whole number)")):
+        headlab.functions(model, tokenizer, SAMPLE_CONLLU, query_chunk=1.5)

@@ -267,7 +267,8 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
-    _check_counts("functions" if functions else "aggregate", limit=limit, batch_size=batch_size, max_length=max_length)
+    _check_counts("functions" if functions else "aggregate", limit=limit, batch_size=batch_size, max_length=max_length,
+                  query_chunk=query_chunk)
     _check_model(model, tokenizer)
     frequencies = None
     if functions and frequency_texts is not None:
@@ -324,7 +325,8 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
+        # kinds=[] or "" names no kind (refused), not every kind
+        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds is not None else None)
     elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
         raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
                            "list of heads to remove")
@@ -404,7 +406,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
                  lrp_seed=lrp_seed or None)
     # the library's messages name the command's --limit
     _check_counts("analyze", limit=limit, treebank_limit=treebank_limit, batch_size=batch_size, max_length=max_length,
-                  attention_sentences=attention_sentences)
+                  attention_sentences=attention_sentences, query_chunk=query_chunk)
     _check_engine(model, engine)
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work
