@@ -128,9 +128,9 @@ def test_in_memory_texts_are_checked_like_a_file(setup):
         headlab.importance(model, tokenizer, SENTENCES, measures=["nope"])
     with pytest.raises(HeadlabError, match="CoNLL-U file not found"):
         headlab.functions(model, tokenizer, "no/such.conllu")
-    with pytest.raises(HeadlabError, match="--limit must be at least 1, got 0"):
+    with pytest.raises(HeadlabError, match="^functions: limit must be at least 1, got 0"):
         headlab.functions(model, tokenizer, SAMPLE_CONLLU, limit=0)  # was "no sentence could be analysed"
-    with pytest.raises(HeadlabError, match="--max-length must be at least 2, got 1"):
+    with pytest.raises(HeadlabError, match="^aggregate: max_length must be at least 2, got 1"):
         headlab.aggregate(model, tokenizer, SAMPLE_CONLLU, max_length=1)
     with pytest.raises(HeadlabError, match="CoNLL-U path is empty"):
         headlab.functions(model, tokenizer, "")

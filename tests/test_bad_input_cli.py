@@ -512,7 +512,10 @@ def test_prune_lock_is_held_by_the_main_process_only(command, runner, inputs, tm
 
 
 @pytest.mark.parametrize("points, expected", [
-    (["--keeps", "-1"], "--keeps -1: a head budget must be >= 0"),
+    (["--keeps", "-1"], "--keeps -1: a head budget must be >= 1"),
+    # 0 was run (every gated head closed: no choice for the gates) while prune train --keep and analyze's
+    # --prune-keeps refuse it
+    (["--keeps", "2,0"], "--keeps 0: a head budget must be >= 1, as prune train --keep"),
     (["--lams", "inf"], "lambda must be a finite number >= 0, got inf"),
     (["--lams", "0.1,-0.0,0"], "repeated sweep points"),  # -0.0 was a point of its own, "lam--0"
 ])

@@ -56,6 +56,23 @@ def test_malformed_sentence_single_run(row, tmp_path):
     assert [(p.path, p.line) for p in problems.problems] == [(str(path), line)]
 
 
+def test_a_sentence_with_two_roots_is_malformed(tmp_path):
+    """Regression: a sentence with two words of HEAD 0 was read as a tree (the syntactic test then
+    scored a forest); UD's basic dependencies have exactly one root. It is named by file and line
+    (strict) or skipped and counted (lenient), as a HEAD cycle is."""
+    here = "5\there\there\tADV\tRB\t_\t4\tadvmod\t_\tSpaceAfter=No"
+    second = here.replace("\t4\tadvmod", "\t0\troot")
+    path = tmp_path / "two-roots.conllu"
+    path.write_text(SAMPLE_CONLLU.replace(here, second), encoding="utf-8")
+    line = path.read_text(encoding="utf-8").split("\n").index(second) + 1
+    with pytest.raises(HeadlabError, match=f"^{path}:{line}: word 5 is a second root \\(HEAD 0, as word 4\\)"):
+        list(read_conllu(path))
+    problems, counts = ProblemLog(), TreebankCounts()
+    read = list(read_conllu(path, problems=problems, counts=counts, keep_place=True))
+    assert [s.sent_id if s else None for s in read] == ["s1", None, "s3", "s4"]
+    assert counts.n_malformed == 1 and [(p.path, p.line) for p in problems.problems] == [(str(path), line)]
+
+
 @pytest.fixture(scope="module")
 def marian():
     words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
@@ -198,6 +215,30 @@ def test_cli_long_sentence_truncation_is_reported(model_dir, tmp_path, capsys):
                  "--no-figures"]) == 0
     assert "1 sentence truncated to 64 tokens" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["report"]["n_truncated"] == 1
+    # Regression: --max-length above the 64 positions was taken as it was, and the 80-word sentence
+    # indexed past the position table: an internal error (IndexError). It is lowered, and said so.
+    out = tmp_path / "asked"
+    assert main(["functions", str(model_dir), "--conllu", str(path), "--out", str(out), "--no-progress",
+                 "--no-figures", "--max-length", "1000"]) == 0
+    said = capsys.readouterr().out
+    assert "--max-length 1000 is above the model's longest input (64 tokens, its position table): lowered to 64" in said
+    assert "1 sentence truncated to 64 tokens" in said
+    report = json.loads((out / "summary.json").read_text())["report"]
+    assert report["max_length"] == 64 and report["length_lowered"].startswith("--max-length 1000 is above")
+
+
+def test_cli_importance_says_that_max_length_was_lowered(model_dir, tmp_path, capsys):
+    """Regression: `importance --max-length 1000` on a model of 64 positions cut inputs to 64 tokens
+    and said only "truncated to 64 tokens", never that the option itself was lowered."""
+    source = tmp_path / "long.txt"
+    source.write_text(" ".join(["dog"] * 80) + "\n", encoding="utf-8")
+    assert main(["importance", str(model_dir), "--source", str(source), "--out", str(tmp_path / "o"), "--no-progress",
+                 "--method", "confidence", "--max-length", "1000"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-length 1000 is above the model's longest input (64 tokens, its position table): lowered to 64" in err
+    assert main(["importance", str(model_dir), "--source", str(source), "--out", str(tmp_path / "p"), "--no-progress",
+                 "--method", "confidence", "--max-length", "64"]) == 0
+    assert "lowered" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("paired", [False, True])

@@ -1,6 +1,7 @@
 """HeadScores: the table every analysis writes and every figure reads."""
 
 import csv
+import re
 
 import numpy as np
 import pytest
@@ -90,3 +91,46 @@ def test_an_infinite_score_is_refused_not_written_as_invalid_json(value, tmp_pat
     with pytest.raises(HeadlabError, match="mine scores: enc_self layer 0 head 1 is infinite"):
         scores.save(tmp_path / "s.json")
     assert not (tmp_path / "s.json").exists()
+
+
+def test_write_json_writes_nan_as_null_and_refuses_infinity(tmp_path):
+    """Regression: the general JSON writer wrote NaN (aggregate's pos_frequency.json of a kind with
+    no word, a statistic with no case) as the bare token NaN, which is not JSON (RFC 8259, Sec. 6):
+    strict readers (JavaScript's JSON.parse, jq) refused the file. NaN is null; infinity is refused."""
+    import json
+
+    from headlab.heads import write_json
+
+    def strict(path):
+        return json.loads(path.read_text(), parse_constant=lambda token: pytest.fail(f"{token} in {path}"))
+
+    path = write_json(tmp_path / "a.json", {"enc_self": {"NOUN": float("nan"), "VERB": 0.5}, "rows": [(1.0, float("nan"))]})
+    assert strict(path) == {"enc_self": {"NOUN": None, "VERB": 0.5}, "rows": [[1.0, None]]}
+    with pytest.raises(HeadlabError, match=r"^b\.json\['x'\]\[1\]: -inf is infinite, which JSON cannot hold"):
+        write_json(tmp_path / "b.json", {"x": [0.0, float("-inf")]})
+    assert not (tmp_path / "b.json").exists()
+    assert strict(write_json(tmp_path / "c.json", {"x": [1, "a", None]})) == {"x": [1, "a", None]}
+
+
+def test_without_refuses_heads_it_would_blank_wrongly():
+    """Regression: ``HeadScores.without`` indexed numpy with the spec as given: head -1 blanked the
+    last head, layer True layer 1, a misspelt kind was skipped as if not scored; each without a word."""
+    scores = HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "m")
+    assert np.isnan(scores.without({("enc_self", 1): [3], ("dec_self", 0): [0]})["enc_self"][1, 3])  # dec_self: not scored
+    for spec, expected in (({("enc_self", 0): [-1]}, "m scores: enc_self layer 0: head -1 is not one of 0..3"),
+                           ({("enc_self", 0): [4]}, "m scores: enc_self layer 0: head 4 is not one of 0..3"),
+                           ({("enc_self", True): [1]}, "m scores: enc_self layer True is not one of 0..1"),
+                           ({("enc_self", 0): [1.0]}, "m scores: enc_self layer 0: head 1.0 is not one of 0..3"),
+                           ({("enc-self", 0): [1]}, "unknown attention kind 'enc-self'")):
+        with pytest.raises(HeadlabError, match=re.escape(expected)):
+            scores.without(spec)
+
+
+def test_top_mask_reads_a_kind_given_as_a_string_whole():
+    """Regression: ``top_mask(3, "enc")`` (a misspelt kind, one string) was taken letter by letter:
+    "cannot keep 3 heads: 0 are scored in e, n, c"."""
+    scores = HeadScores({"enc_self": np.arange(8.0).reshape(2, 4), "dec_self": np.zeros((2, 4))}, "m")
+    assert scores.top_mask(3, "enc_self") == scores.top_mask(3, ("enc_self",)) == {("enc_self", 0): [0, 1, 2, 3],
+                                                                                   ("enc_self", 1): [0]}
+    with pytest.raises(HeadlabError, match="unknown attention kind 'enc'"):
+        scores.top_mask(3, "enc")

@@ -242,3 +242,23 @@ def test_training_text_and_training_pairs_together_are_refused(model_dir, tmp_pa
     assert main(_args(model_dir, tmp_path / "out", *extra)) == 2
     assert "not both" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fine_tuning_row_with_another_development_set_is_made_again(corpus, tokenizer, tmp_path):
+    """Regression: `prune baseline --finetune-steps` run again with another --dev-src (or
+    --dev-every) kept its rows, whose dev_plateau was of the old development curve."""
+    config = baselines.BaselineConfig(method="random", keeps=(2,), seeds=(1,), finetune_steps=2, dev_every=2,
+                                      max_tokens=400, lr=1e-3, eval_beam=1, model_fingerprint="tiny")
+
+    def run(dev, options=config):
+        baselines.run_baselines(lambda: (marian(tokenizer), tokenizer), corpus.subset(20), corpus.subset(3), options,
+                                tmp_path, dev_data=dev, log=lambda message: None)
+        return json.loads((tmp_path / "baselines.json").read_text())
+
+    first = run(corpus.subset(4))
+    assert first[0]["dev_every"] == 2 and first[0]["dev_data_sha256"]
+    assert run(corpus.subset(4)) == first  # the same development set: kept
+    other = run(corpus.subset(5))
+    assert len(other) == 1 and other[0]["dev_data_sha256"] != first[0]["dev_data_sha256"]
+    assert json.loads((tmp_path / "baselines.stale.json").read_text()) == first
+    assert run(corpus.subset(5), replace(config, dev_every=1))[0]["dev_every"] == 1

@@ -615,3 +615,30 @@ def test_cli_sweep_rerun_on_other_data_makes_its_points_again(model_dir, tmp_pat
     assert "lam-0: trained on other data" in said and "full.json" not in said  # the full model is not trained
     assert main(args) == 0  # the same data: nothing is made again
     assert "lam-0: finished earlier, skipped" in "".join(capsys.readouterr())
+
+
+def test_cli_sweep_rerun_with_another_development_set_makes_its_points_again(model_dir, tmp_path, capsys):
+    """Regression: a sweep run again into the same --out with another --dev-src/--dev-tgt (same
+    --dev-sentences) kept its finished points: their development curves were of the old set, shown
+    beside new points' curves of the new one, exit 0."""
+    import gzip
+
+    out = tmp_path / "s"
+    val_en, val_de = (gzip.open(DATA / f"val.{lang}.gz", "rt", encoding="utf-8").read().splitlines() for lang in ("en", "de"))
+    for name, start in (("a", 0), ("b", 4)):
+        (tmp_path / f"{name}.en").write_text("\n".join(val_en[start:start + 4]) + "\n", encoding="utf-8")
+        (tmp_path / f"{name}.de").write_text("\n".join(val_de[start:start + 4]) + "\n", encoding="utf-8")
+    args = ["prune", "sweep", str(model_dir), *_data_args(30), "--eval-limit", "3", "--gates", "enc_self", "--lams", "0",
+            "--dev-every", "4", "--dev-src", str(tmp_path / "a.en"), "--dev-tgt", str(tmp_path / "a.de"), "--out", str(out)]
+    assert main(args) == 0
+    curve = json.loads((out / "lam-0" / "result.json").read_text())["dev"]["curve"]
+    capsys.readouterr()
+    args[args.index("--dev-src") + 1], args[args.index("--dev-tgt") + 1] = str(tmp_path / "b.en"), str(tmp_path / "b.de")
+    assert main(args) == 0
+    said = "".join(capsys.readouterr())
+    assert "lam-0: its development curve made on other data (dev_data_sha256" in said
+    assert "full.json" not in said  # the full model has no development curve
+    new = json.loads((out / "lam-0" / "result.json").read_text())["dev"]["curve"]
+    assert (out / "stale" / "lam-0").is_dir() and new != curve
+    assert main(args) == 0  # the same data: nothing is made again
+    assert "lam-0: finished earlier, skipped" in "".join(capsys.readouterr())

@@ -113,7 +113,7 @@ def _reference_block(block):
     from conllu.exceptions import ParseException
     from conllu.parser import DEFAULT_FIELD_PARSERS, DEFAULT_FIELDS, parse_comment_line
 
-    from headlab.data.treebank import Sentence, _cycle
+    from headlab.data.treebank import Sentence, _cycle, _two_roots
 
     used = [(i, name) for i, name in enumerate(DEFAULT_FIELDS) if name in ("id", "form", "upos", "head", "deprel", "misc")]
     tokens, token_lines, metadata = [], [], {}
@@ -162,6 +162,9 @@ def _reference_block(block):
     cycle = _cycle(heads)
     if cycle is not None:
         return word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree"
+    roots = [i for i, head in enumerate(heads) if head == 0]
+    if len(roots) > 1:
+        return word_lines[roots[1]], _two_roots((roots[0], roots[1]))
     sentence = Sentence(tuple(words), tuple(upos), tuple(h - 1 for h in heads), tuple(deprels), tuple(space_after),
                         sent_id=str(metadata.get("sent_id") or ""), path="x.conllu", line=block[0][0],
                         text=metadata.get("text"))
@@ -259,7 +262,7 @@ def test_mutated_blocks_fail_or_read_as_the_reference():
 
 MARKERS = ("not a CoNLL-U line (Failed parsing field 'id'", "not a CoNLL-U line (Failed parsing field 'head'",
            "tab-separated columns", "out of sequence", "no dependency parse", "DEPREL is '_'",
-           "outside the sentence", "on a cycle")
+           "outside the sentence", "on a cycle", "a second root")
 
 
 # UD v2 allows spaces in FORM, LEMMA and MISC; the columns are separated by tabs only. conllu's

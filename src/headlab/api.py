@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -116,6 +117,19 @@ def _check_transformers_model(model: Any) -> None:
                            f"{type(model).__name__}")
 
 
+def _check_counts(function: str, **counts: Any) -> None:
+    """Whole numbers of a call (``limit``, ``batch_size``, ``max_length`` ...) that are None or at
+    least their minimum: a float was taken as a slice (``limit=1.5``: every text) or failed deep in
+    tokenizing, ``True`` was 1, and ``max_length=0`` meant the model's longest input."""
+    minimum = {"max_length": 2, "attention_sentences": 0}
+    for name, value in counts.items():
+        low = minimum.get(name, 1)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
+            raise HeadlabError(f"{function}: {name} must be at least {low}, got {value!r}"
+                               + ("" if isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                                  else " (a whole number)"))
+
+
 def _check_model(model: Any, tokenizer: Any) -> None:
     """:func:`_check_transformers_model`, a tokenizer that can be called, and heads to analyse in
     their original numbering."""
@@ -138,6 +152,9 @@ def _check_model(model: Any, tokenizer: Any) -> None:
 def _texts(texts: Any, name: str = "texts") -> list:
     if isinstance(texts, str):
         raise HeadlabError(f"{name}: expected a list of sentences, got one string (wrap it in a list)")
+    if isinstance(texts, Mapping):  # list() would take its keys alone: {text: label} lost every label
+        raise HeadlabError(f"{name}: expected a list of sentences, got a {type(texts).__name__} (a classifier's "
+                           "classes go in labels=, one per text)")
     try:
         items = list(texts)
     except TypeError:
@@ -176,10 +193,21 @@ def _kinds(model: nn.Module, kinds: str | Sequence[str]) -> tuple[str, ...]:
     return named
 
 
+def _names(value: Any, keyword: str) -> tuple:
+    """A name or a sequence of names (``measures``, ``statistics``) as a tuple; anything else (a
+    number) refused, not a TypeError from deep in the call."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise HeadlabError(f"{keyword}={value!r}: give a name or a list of names") from None
+
+
 def _importance_config(measures: str | Sequence[str], batch_size: int, progress: bool, options: dict) -> Any:
     from headlab.importance.config import ImportanceConfig
 
-    measures = (measures,) if isinstance(measures, str) else tuple(measures)
+    measures = _names(measures, "measures")
     return ImportanceConfig(methods=measures, batch_size=batch_size, progress=progress, **options)
 
 
@@ -217,6 +245,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     from headlab.data.inputs import texts_data
     from headlab.importance.pipeline import run_importance
 
+    _check_counts("importance", limit=limit, batch_size=batch_size, max_length=max_length)
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
     _check_model(model, tokenizer)
@@ -224,6 +253,10 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     config.resolved_methods()  # a bad measure or option fails before any work
     config.check_options_act(str, f"measures={list(config.methods)!r}")
     info = model_info(model, tokenizer, max_length)
+    if config.beam != 1 and not info.is_seq2seq:  # ignored, yet the scores' signature would say it (the CLI refuses it)
+        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
+        raise HeadlabError(f"beam={config.beam}: the beam of the model's translations, and the model is a {kind} "
+                           "that does not translate; leave beam out")
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
     return run_importance(model, data, info, config, tokenizer=tokenizer)
@@ -234,6 +267,8 @@ def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bo
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
 
+    _check_counts("functions" if functions else "aggregate", limit=limit, batch_size=batch_size, max_length=max_length,
+                  query_chunk=query_chunk)
     _check_model(model, tokenizer)
     frequencies = None
     if functions and frequency_texts is not None:
@@ -290,7 +325,8 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
-        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds else None)
+        # kinds=[] or "" names no kind (refused), not every kind
+        spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds is not None else None)
     elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
         raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
                            "list of heads to remove")
@@ -300,7 +336,8 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
         spec = parse_heads(heads, attention_blocks(model))
     else:
         try:
-            spec = {tuple(block): list(h) for block, h in dict(heads).items()}
+            # a string key ("enc_self:0") is not a (kind, layer): tuple() would spell it letter by letter
+            spec = {tuple(block) if not isinstance(block, str) else (block,): list(h) for block, h in dict(heads).items()}
         except (TypeError, ValueError):
             raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
                                f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
@@ -351,8 +388,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
     _check_model(model, tokenizer)
-    measures = (measures,) if isinstance(measures, str) else tuple(measures)
-    statistics = (statistics,) if isinstance(statistics, str) else tuple(statistics)  # not letter by letter
+    measures, statistics = _names(measures, "measures"), _names(statistics, "statistics")  # not letter by letter
     for name in measures:
         if name not in MEASURES:
             raise HeadlabError(f"analyze: unknown measure {name!r}; expected some of {', '.join(MEASURES)}")
@@ -368,11 +404,9 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     _check_parts(texts is not None, treebank is not None, measures, statistics, treebank_limit=treebank_limit,
                  frequency_texts=frequency_texts, targets=targets, labels=labels, lrp_targets=lrp_targets,
                  lrp_seed=lrp_seed or None)
-    for name, value in (("limit", limit), ("treebank_limit", treebank_limit)):
-        if value is not None and value < 1:  # the library's message names the command's --limit
-            raise HeadlabError(f"analyze: {name} must be at least 1, got {value}")
-    if attention_sentences < 0:
-        raise HeadlabError(f"analyze: attention_sentences must be at least 0, got {attention_sentences}")
+    # the library's messages name the command's --limit
+    _check_counts("analyze", limit=limit, treebank_limit=treebank_limit, batch_size=batch_size, max_length=max_length,
+                  attention_sentences=attention_sentences, query_chunk=query_chunk)
     _check_engine(model, engine)
     if out is not None:
         _check_directory(Path(out), overwrite)  # before any work

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import numbers
+import operator
 import os
 import shutil
 import stat
@@ -204,10 +205,32 @@ def readable_as_umask_allows(directory: Path) -> None:
 
 
 def write_json(path: str | os.PathLike, data: Any, **dumps_options: Any) -> Path:
-    """``data`` as JSON indented by one space, written atomically; returns the path."""
+    """``data`` as JSON indented by one space, written atomically; returns the path. A NaN (a value
+    that is not defined: no case to count, a removed head) is written as null, as HeadScores files
+    write it; an infinite value is refused (HeadlabError). NaN and Infinity are not JSON (RFC 8259,
+    Sec. 6), and strict readers (JavaScript's JSON.parse, jq) reject the file."""
     path = Path(path)
-    atomic_write_text(path, json.dumps(data, indent=1, **dumps_options) + "\n")
+    try:
+        text = json.dumps(data, indent=1, allow_nan=False, **dumps_options)
+    except ValueError:  # a NaN or an infinity somewhere: the slow walk only then
+        text = json.dumps(_finite_or_null(data, path.name), indent=1, allow_nan=False, **dumps_options)
+    atomic_write_text(path, text + "\n")
     return path
+
+
+def _finite_or_null(data: Any, where: str) -> Any:
+    """``data`` with every NaN float made None; HeadlabError naming the first infinite one."""
+    if isinstance(data, float):
+        if math.isnan(data):
+            return None
+        if math.isinf(data):
+            raise HeadlabError(f"{where}: {data} is infinite, which JSON cannot hold; nothing was written")
+        return data
+    if isinstance(data, dict):
+        return {key: _finite_or_null(value, f"{where}[{key!r}]") for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_null(value, f"{where}[{i}]") for i, value in enumerate(data)]
+    return data
 
 
 def pyplot() -> Any:
@@ -252,6 +275,18 @@ def write_figure(fig: Any, path: str | os.PathLike, close: bool = True, **savefi
         plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def _index(value: Any, size: int, what: str) -> int:
+    """``value`` as an index in ``0..size-1``: an int (numpy's too), never a bool, float, string or
+    a negative number counting from the end."""
+    try:
+        index = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < size:
+        raise HeadlabError(f"{what} {value!r} is not one of 0..{size - 1}")
+    return index
 
 
 @dataclass(frozen=True)
@@ -322,8 +357,13 @@ class HeadScores:
         """These scores with NaN for ``heads``: heads switched off or removed are not ranked."""
         arrays = {kind: array.copy() for kind, array in self.scores.items()}
         for (kind, layer), indices in heads.items():
+            check_kind(kind)  # a misspelt kind was skipped as if not scored here
             if kind in arrays:
-                arrays[kind][layer, list(indices)] = np.nan
+                # numpy would take -1 as the last head (or layer), 1.5 or True as another one
+                n_layers, n_heads = arrays[kind].shape
+                layer_at = _index(layer, n_layers, f"{self.method} scores: {kind} layer")
+                arrays[kind][layer_at, [_index(h, n_heads, f"{self.method} scores: {kind} layer {layer_at}: head")
+                                        for h in indices]] = np.nan
         return self.with_scores(arrays)
 
     def stderr(self) -> "HeadScores | None":
@@ -365,7 +405,9 @@ class HeadScores:
         if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):  # True was 1 head, 1.5 a TypeError
             raise HeadlabError(f"keep must be an integer number of heads, got {keep!r}")
         keep = int(keep)
-        kinds = kinds or self.kinds
+        kinds = ((kinds,) if isinstance(kinds, str) else tuple(kinds)) if kinds else self.kinds  # "enc" was e, n, c
+        for kind in kinds:
+            check_kind(kind)
         ranked = [key for key in self.rank() if key[0] in kinds]
         if not 0 <= keep <= len(ranked):
             raise HeadlabError(f"cannot keep {counted(keep, 'head')}: {len(ranked)} are scored in {', '.join(kinds)}")

@@ -107,6 +107,8 @@ def model_info(model: nn.Module, tokenizer=None, max_length: int | None = None,
     absent (transformers initialises it at random on loading); ``log`` says so. What ``headlab
     analyze``, ``headlab importance`` and the Python API describe."""
     info = describe_model(model, tokenizer, max_length=max_length)
+    if log is not None and (lowered := length_lowered(model, tokenizer, max_length)):
+        log(lowered)
     if info.has_lm_head and not checkpoint_has_lm_head(model.config, type(model)):
         if log is not None:
             architectures = getattr(model.config, "architectures", None) or []
@@ -226,12 +228,23 @@ def _length_limit(model: nn.Module, tokenizer=None, max_length: int | None = Non
     return min(limits) if limits else 512
 
 
+def length_lowered(model: nn.Module, tokenizer=None, max_length: int | None = None) -> str | None:
+    """What a ``max_length`` above the model's longest input was lowered to (every input is cut
+    to that limit, never to more), said in words; None when it was not lowered."""
+    limit = _length_limit(model, tokenizer, max_length)
+    if not max_length or max_length <= limit:
+        return None
+    where = "its position table" if _max_positions(model) == limit else "the tokenizer's model_max_length"
+    return f"--max-length {max_length} is above the model's longest input ({limit} tokens, {where}): lowered to {limit}"
+
+
 def position_limit(model: nn.Module, default: int = 1024) -> int:
     """The longest sequence the model's position table takes (RoBERTa's reserved rows left out, a wrapper's
     text model's limit: :func:`_max_positions`), or ``default`` where it has none: what training cuts to."""
     return _max_positions(model) or default
 
 
-def model_max_length(model, tokenizer) -> int:
-    """The longest input the model takes: its position table, or the tokenizer's limit."""
-    return _length_limit(model, tokenizer)
+def model_max_length(model, tokenizer, max_length: int | None = None) -> int:
+    """The longest input the model takes: its position table, or the tokenizer's limit (and
+    ``max_length``, when it is lower)."""
+    return _length_limit(model, tokenizer, max_length)

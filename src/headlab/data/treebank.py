@@ -14,6 +14,7 @@ matches ``X`` and every subtype of it. The paper's (Stanford) ``dobj`` is UD's `
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -190,6 +191,10 @@ class InMemoryTreebank:
             bad = next((s for s in source if not isinstance(s, Sentence)), None)
             if bad is not None:
                 raise HeadlabError(f"{name}: parsed sentences must be headlab Sentence objects, got {type(bad).__name__}")
+            for index, sentence in enumerate(source):
+                if (problem := _parse_problem(sentence)) is not None:
+                    where = f"sentences[{index}]" + (f" ({sentence.sent_id})" if sentence.sent_id else "")
+                    raise HeadlabError(f"{name}: {where}: {problem}")
         self.source, self.name = source, name
 
     def __str__(self) -> str:
@@ -200,6 +205,27 @@ class InMemoryTreebank:
         assert isinstance(self.source, str)
         text = self.source.lstrip("\ufeff")
         return enumerate(text.encode("utf-8").splitlines(keepends=True), start=1)
+
+
+def _parse_problem(sentence: "Sentence") -> str | None:
+    """What makes a Sentence built in Python not a parse the CoNLL-U reader would give (columns of
+    other lengths, a HEAD outside it, a cycle, two roots), or None: the reader's checks, which such
+    sentences skip."""
+    n = len(sentence.words)
+    lengths = {"upos": len(sentence.upos), "heads": len(sentence.heads), "deprels": len(sentence.deprels),
+               "space_after": len(sentence.space_after)}
+    if n == 0:
+        return "sentence has no words"
+    if other := [f"{field} {length}" for field, length in lengths.items() if length != n]:
+        return f"{n} words but {', '.join(other)}: every column has one value per word"
+    if bad := [head for head in sentence.heads if not (isinstance(head, numbers.Integral) and -1 <= head < n)]:
+        return f"head {bad[0]!r} is outside the sentence (-1 for the root, else 0..{n - 1})"
+    heads = [head + 1 for head in sentence.heads]  # the reader's 1-based HEADs, 0 the root
+    if (cycle := _cycle(heads)) is not None:
+        return f"word {cycle + 1} is on a cycle of heads: the parse is not a tree"
+    if second := _second_root(heads):
+        return _two_roots(second)
+    return None
 
 
 TreebankSource = "str | Path | InMemoryTreebank"
@@ -316,6 +342,8 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
     cycle = _cycle(heads)
     if cycle is not None:
         raise _Malformed(word_lines[cycle], f"word {cycle + 1} is on a cycle of HEADs: the parse is not a tree")
+    if second := _second_root(heads):
+        raise _Malformed(word_lines[second[1]], _two_roots(second))
     counts.n_multiword_tokens += n_multiword
     counts.n_empty_nodes += n_empty
     return Sentence(
@@ -329,6 +357,19 @@ def _parse_block(path: "Path | InMemoryTreebank", start: int, block: list[tuple[
         line=start,
         text=metadata.get("text"),
     )
+
+
+def _second_root(heads: list[int]) -> tuple[int, int] | None:
+    """The 0-based indices of the first two words of HEAD 0 (1-based ``heads``), or None: UD's basic
+    dependencies are a tree with exactly one root (universaldependencies.org/format.html, HEAD;
+    its validator's "multiple-roots")."""
+    roots = [i for i, head in enumerate(heads) if head == 0]
+    return (roots[0], roots[1]) if len(roots) > 1 else None
+
+
+def _two_roots(roots: tuple[int, int]) -> str:
+    return (f"word {roots[1] + 1} is a second root (HEAD 0, as word {roots[0] + 1}): a sentence's basic dependencies "
+            "have exactly one root")
 
 
 def _cycle(heads: list[int]) -> int | None:

@@ -80,7 +80,7 @@ from headlab.heads import (
     write_json,
 )
 from headlab.loading import check_tokenizer_fits
-from headlab.model_description import model_max_length
+from headlab.model_description import length_lowered, model_max_length
 from headlab.shard import Shard, active
 from headlab.surgery import declared_numbering, original_heads
 
@@ -146,6 +146,8 @@ class RunReport:
     problems: ProblemLog = field(default_factory=ProblemLog)
     analysed: list[str] = field(default_factory=list)
     max_length: int = 0
+    length_lowered: str = ""
+    """Set when the max_length asked for was above the model's longest input: what it was lowered to."""
     chunked_statistics: dict[str, str] = field(default_factory=dict)
     """Under the fused engine: the statistics fed the chunked path's word rows (for some batch), and why."""
     kernel_fallback: dict[str, str] = field(default_factory=dict)
@@ -158,8 +160,8 @@ class RunReport:
     def to_json(self) -> dict:
         # chunked_statistics only when some statistic fell back: a run without it writes what it always wrote
         data = {k: v for k, v in self.__dict__.items()
-                if k != "problems" and (k not in ("chunked_statistics", "kernel_fallback", "reconstructed_numbering")
-                                        or v)}
+                if k != "problems" and (k not in ("chunked_statistics", "kernel_fallback", "reconstructed_numbering",
+                                                  "length_lowered") or v)}
         data["problems"] = self.problems.to_json()
         return data
 
@@ -177,6 +179,8 @@ class RunReport:
             ) if counts.get(k)]
             if extras:
                 text += f"\n{name}: " + ", ".join(extras)
+        if self.length_lowered:
+            text += f"\n{self.length_lowered}"
         if self.n_truncated:
             text += f"\n{counted(self.n_truncated, 'sentence')} truncated to {self.max_length} tokens"
         for name, reason in self.chunked_statistics.items():
@@ -290,9 +294,11 @@ def analyze_heads(
                            "source text file, one sentence per line, aligned with the target parses")
     check_tokenizer_fits(tokenizer, model, model_name or type(model).__name__)
     sides, blocks = _analysed_sides(model, seq2seq, conllu is not None, target_conllu is not None)
-    max_length = config.max_length or model_max_length(model, tokenizer)
+    # a --max-length above the model's positions is lowered (longer inputs would index past its position table)
+    max_length = model_max_length(model, tokenizer, config.max_length)
     report = RunReport(analysed=sorted(set(sides), key=lambda k: ("enc_self", "dec_self").index(k)),
-                       max_length=max_length, reconstructed_numbering=reconstructed_blocks(declared_numbering(model)))
+                       max_length=max_length, length_lowered=length_lowered(model, tokenizer, config.max_length) or "",
+                       reconstructed_numbering=reconstructed_blocks(declared_numbering(model)))
     heads = {block.key: original_heads(block) for block in blocks}
     moved = bool(renumbered_blocks(heads))
     numbering = heads if renumbering_needed(heads) else None

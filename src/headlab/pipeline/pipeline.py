@@ -497,7 +497,7 @@ class _Context:
             from headlab.model_description import model_info
 
             model, tokenizer = self.load()
-            self._info = model_info(model, tokenizer, max_length=self.config.max_length)
+            self._info = model_info(model, tokenizer, max_length=self.config.max_length, log=self.log)
         return self._info
 
     def importance_data(self):

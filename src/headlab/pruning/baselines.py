@@ -265,7 +265,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
     progress bar of a --from-scratch training (the fine-tuning shows none)."""
     out = Path(out_dir)
     table_file = out / "baselines.json"
-    settings = _settings(config, train_data, eval_data)
+    settings = _settings(config, train_data, eval_data, dev_data)
     rows = _set_aside_stale(read_rows(out), config, out, settings)
     done = {(r["method"], r["keep"], r.get("seed"), r["finetune_steps"], r.get("from_scratch", False),
              bool(r.get("freeze_decoder"))) for r in rows}
@@ -376,9 +376,10 @@ def _source(config: BaselineConfig) -> dict:
     return out
 
 
-def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
-    """What else a row's numbers depend on, recorded in the row: the test set and beam, and for a
-    row that trains, its data and the settings of its training."""
+def _settings(config: BaselineConfig, train_data, eval_data, dev_data=None) -> dict:
+    """What else a row's numbers depend on, recorded in the row: the test set and beam, for a
+    row that trains, its data and the settings of its training, and for a fine-tuning with a
+    development curve, that curve's set and interval."""
     out: dict[str, Any] = {"eval_beam": config.eval_beam, "eval_data_sha256": _data_fingerprint(eval_data)}
     if config.method == "michel":
         out["importance_batches"] = config.importance_batches
@@ -386,6 +387,9 @@ def _settings(config: BaselineConfig, train_data, eval_data) -> dict:
         out.update(lr=config.lr, max_tokens=config.max_tokens)
         if config.freeze_decoder:
             out["freeze_decoder"] = True
+        if config.dev_every and dev_data is not None:  # the row's dev_plateau: another set's curve is another row
+            dev = dev_data.subset(config.dev_sentences) if config.dev_sentences else dev_data
+            out.update(dev_every=config.dev_every, dev_data_sha256=_data_fingerprint(dev))
     if config.from_scratch:
         out.update(max_tokens=config.max_tokens, scratch_epochs=config.scratch_epochs)
         # Recorded when not what every earlier row trained with (_IMPLICIT), so that their

@@ -54,6 +54,7 @@ class PruneConfig:
     # SHA-256 of the evaluation and training pairs (a sweep's run_sweep sets them): a point made on others is redone
     eval_data_sha256: str = ""
     train_data_sha256: str = ""
+    dev_data_sha256: str = ""  # the development set of the curve (--dev-src/--dev-tgt), when there is one
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         out_dir="runs/prune", lr=1e-4, warmup_steps=0, schedule="constant", max_epochs=1,
         validate=False, keep_epoch_checkpoints=False, save_every_steps=200))

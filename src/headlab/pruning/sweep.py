@@ -53,8 +53,9 @@ def sweep_points(lams=(), keeps=()) -> list[dict]:
             raise HeadlabError(f"lambda must be a finite number >= 0, got {lam}")
         points.append({"lam": float(lam) + 0.0, "keep": None})  # + 0.0: -0.0 is 0.0, not a point "lam--0"
     for keep in keeps:
-        if keep < 0:
-            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 0")
+        if keep < 1:  # 0 closes every gated head: the gates have nothing to choose
+            raise HeadlabError(f"--keeps {keep}: a head budget must be >= 1, as prune train --keep (a budget of 0 "
+                               "closes every gated head, leaving the gates nothing to choose)")
         points.append({"lam": 0.0, "keep": int(keep)})
     if not points:
         raise HeadlabError("a sweep needs --lams or --keeps")
@@ -66,7 +67,7 @@ def sweep_points(lams=(), keeps=()) -> list[dict]:
 
 # Options that do not change what a point computes (where it runs, how it logs, what it times).
 _NOT_RESULT = {"command", "log_every", "latency_sentences", "eval_batch_size", "model_fingerprint", "lam", "keep",
-               "eval_data_sha256", "train_data_sha256"}  # the data: compared by _other_data
+               "eval_data_sha256", "train_data_sha256", "dev_data_sha256"}  # the data: compared by _other_data
 _NOT_RESULT_TRAIN = {"out_dir", "resume", "overwrite", "progress", "save_every_steps"}
 
 
@@ -85,14 +86,19 @@ def _other_weights(weights: str | None, base: PruneConfig) -> str | None:
     return None
 
 
-def _other_data(recorded: dict, base: PruneConfig, keys: Sequence[str] = ("eval_data_sha256", "train_data_sha256")) -> str | None:
-    """Why a point or full.json (``recorded``) was not made on ``base``'s evaluation or training set;
-    None when it was, or when either side records none (a point made before they were recorded)."""
+_DATA_KEYS = ("eval_data_sha256", "train_data_sha256", "dev_data_sha256")
+_DATA_WHAT = {"eval_data_sha256": "evaluated", "train_data_sha256": "trained",
+              "dev_data_sha256": "its development curve made"}
+
+
+def _other_data(recorded: dict, base: PruneConfig, keys: Sequence[str] = _DATA_KEYS) -> str | None:
+    """Why a point or full.json (``recorded``) was not made on ``base``'s evaluation, training or
+    development set; None when it was, or when either side records none (a point made before they
+    were recorded; no curve: --dev-every 0 is compared as an option)."""
     for key in keys:
         old, new = recorded.get(key), getattr(base, key)
         if old and new and old != new:
-            what = "evaluated" if key.startswith("eval") else "trained"
-            return f"{what} on other data ({key} {old[:12]}, now {new[:12]})"
+            return f"{_DATA_WHAT[key]} on other data ({key} {old[:12]}, now {new[:12]})"
     return None
 
 
@@ -188,9 +194,9 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
         base = with_gates_resolved(base, load()[0])
     from headlab.pruning.baselines import _data_fingerprint
 
-    # a rerun on another test or training set into the same --out redoes its points, never mixes them
+    # a rerun on another test, training or development set into the same --out redoes its points, never mixes them
     base = replace(base, eval_data_sha256=_data_fingerprint(eval_data) or "",
-                   train_data_sha256=_data_fingerprint(train_data) or "")
+                   train_data_sha256=_data_fingerprint(train_data) or "", dev_data_sha256=_data_fingerprint(dev_data) or "")
     rows: list[dict] = []
     if reference and eval_data is not None:
         full_file = out_dir / "full.json"

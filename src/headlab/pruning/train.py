@@ -145,8 +145,8 @@ def with_gates_resolved(config: PruneConfig, model) -> PruneConfig:
 def _check_config(config: PruneConfig) -> None:
     if not (isinstance(config.lam, (int, float)) and math.isfinite(config.lam)) or config.lam < 0:
         raise HeadlabError(f"lambda must be a finite number >= 0, got {config.lam}")
-    if config.keep is not None and config.keep < 0:
-        raise HeadlabError(f"--keep must be >= 0, got {config.keep}")
+    if config.keep is not None and config.keep < 1:  # its range, also for a config made in Python
+        raise HeadlabError(f"--keep must be >= 1, got {config.keep}")
     if config.gate_lr <= 0 or config.multiplier_lr <= 0:
         raise HeadlabError("--gate-lr and --multiplier-lr must be > 0")
     if config.loss not in ("auto", "seq2seq", "causal_lm", "masked_lm"):
