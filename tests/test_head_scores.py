@@ -112,6 +112,22 @@ def test_write_json_writes_nan_as_null_and_refuses_infinity(tmp_path):
     assert strict(write_json(tmp_path / "c.json", {"x": [1, "a", None]})) == {"x": [1, "a", None]}
 
 
+def test_result_writers_write_nan_as_null(tmp_path):
+    """Regression: the prune sweep's table (a BLEU or a loss that is NaN) went through a bare
+    json.dumps and held the token NaN, which is not JSON (RFC 8259, Sec. 6); now it goes through
+    write_json, so NaN is null and infinity is refused."""
+    import json
+
+    from headlab.pruning.sweep import write_table
+
+    write_table([{"keep": 4, "bleu": float("nan"), "loss": 1.5}], tmp_path)
+    text = (tmp_path / "sweep.json").read_text()
+    assert json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} in sweep.json")) == [
+        {"keep": 4, "bleu": None, "loss": 1.5}]
+    with pytest.raises(HeadlabError, match=r"sweep\.json\[0\]\['loss'\]: inf is infinite"):
+        write_table([{"keep": 4, "loss": float("inf")}], tmp_path)
+
+
 def test_without_refuses_heads_it_would_blank_wrongly():
     """Regression: ``HeadScores.without`` indexed numpy with the spec as given: head -1 blanked the
     last head, layer True layer 1, a misspelt kind was skipped as if not scored; each without a word."""

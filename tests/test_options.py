@@ -1,6 +1,7 @@
 """Command-line options generated from config dataclasses: one default, written in the dataclass."""
 
 import argparse
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -173,3 +174,17 @@ def test_every_command_speaks_one_dialect(command):
     assert current <= shown and not (old & shown)
     known = {s for action in sub._actions for s in action.option_strings}
     assert old <= known  # still accepted
+
+
+def test_a_measure_option_that_counts_refuses_a_float_or_bool_naming_it():
+    """Regression: the range check skipped what is not a number, so ``lrp_targets=1.5`` in Python
+    passed and ended in a raw TypeError inside LRP, and ``True`` was taken as 1."""
+    from headlab.importance import ImportanceConfig
+
+    for keywords, message in (({"lrp_targets": 1.5}, "--lrp-targets must be a whole number at least 0, got 1.5"),
+                              ({"lrp_targets": True}, "--lrp-targets must be a whole number at least 0, got True"),
+                              ({"ablation_rows": "2"}, "--ablation-rows must be a whole number at least 1, got '2'"),
+                              ({"query_chunk": 1.0}, "--query-chunk must be a whole number at least 1, got 1.0")):
+        with pytest.raises(HeadlabError, match=re.escape(message)):
+            ImportanceConfig(**keywords).resolved_methods()
+    ImportanceConfig(lrp_targets=3, query_chunk=None).resolved_methods()  # whole numbers and None still pass

@@ -102,6 +102,15 @@ def test_json_for_script_cannot_close_the_script_block():
     assert json.loads(text) == {"s": "</script><script>alert(1)</script> & \u2028"}
 
 
+def test_json_for_script_writes_nan_as_null_and_keeps_escaping():
+    """Regression: a NaN in the report's data (a score with no case) ended in a raw ValueError from
+    json.dumps(allow_nan=False); now it is null as in write_json's files, and infinity is refused."""
+    text = json_for_script({"s": "</script>", "score": float("nan")})
+    assert "<" not in text and json.loads(text) == {"s": "</script>", "score": None}
+    with pytest.raises(HeadlabError, match=r"the report's data\['score'\]: inf is infinite"):
+        json_for_script({"score": float("inf")})
+
+
 def test_report_escapes_corpus_and_manifest_text(analysis_dir):
     html = build_report(analysis_dir).read_text(encoding="utf-8")
     assert "<script>window.__pwned" not in html and "<img src=x" not in html and "<b>bold</b>" not in html

@@ -210,12 +210,18 @@ def write_json(path: str | os.PathLike, data: Any, **dumps_options: Any) -> Path
     write it; an infinite value is refused (HeadlabError). NaN and Infinity are not JSON (RFC 8259,
     Sec. 6), and strict readers (JavaScript's JSON.parse, jq) reject the file."""
     path = Path(path)
-    try:
-        text = json.dumps(data, indent=1, allow_nan=False, **dumps_options)
-    except ValueError:  # a NaN or an infinity somewhere: the slow walk only then
-        text = json.dumps(_finite_or_null(data, path.name), indent=1, allow_nan=False, **dumps_options)
-    atomic_write_text(path, text + "\n")
+    atomic_write_text(path, json_text(data, path.name, **{"indent": 1, **dumps_options}) + "\n")
     return path
+
+
+def json_text(data: Any, where: str, **dumps_options: Any) -> str:
+    """``json.dumps(data, **dumps_options)`` as :func:`write_json` writes it: NaN as null, an infinite
+    value refused (HeadlabError naming ``where`` and the key), for writers that need their own file
+    handling (a staging directory, an HTML page)."""
+    try:
+        return json.dumps(data, allow_nan=False, **dumps_options)
+    except ValueError:  # a NaN or an infinity somewhere: the slow walk only then
+        return json.dumps(_finite_or_null(data, where), allow_nan=False, **dumps_options)
 
 
 def _finite_or_null(data: Any, where: str) -> Any:

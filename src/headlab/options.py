@@ -15,6 +15,7 @@ import inspect
 import math
 import sys
 from dataclasses import MISSING, field, fields
+from numbers import Integral
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from headlab.errors import HeadlabError, UnknownOption
@@ -158,7 +159,13 @@ def check_ranges(config: Any) -> None:
         interval = f.metadata.get("range")
         kind = str(getattr(f.type, "__name__", f.type)).replace(" | None", "")
         if interval is not None or kind == "float":
-            error = range_error(getattr(config, f.name), interval, "--" + _dest(f).replace("_", "-"))
+            value, flag = getattr(config, f.name), "--" + _dest(f).replace("_", "-")
+            # range_error skips what is not a number: a float (lrp_targets=1.5) or True for a count
+            # passed and failed deep in the measure as a raw TypeError (or was taken as 1).
+            if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise HeadlabError(f"{flag} must be a whole number{f' {_describe(interval)}' if interval else ''}, "
+                                   f"got {value!r}")
+            error = range_error(value, interval, flag)
             if error is not None:
                 raise HeadlabError(error)
 

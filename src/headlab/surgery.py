@@ -56,7 +56,7 @@ from headlab.adapters.families import (
 from headlab.errors import HeadlabError, PruningNotExact, counted
 from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
-from headlab.heads import KINDS, HeadSpec, atomic_write_text, kv_heads_kept, readable_as_umask_allows
+from headlab.heads import KINDS, HeadSpec, kv_heads_kept, readable_as_umask_allows, write_json
 from headlab.options import checked_keywords
 from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
 from headlab.portable_code import (
@@ -1419,7 +1419,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
             "headlab.load_pruned check it); nothing written", model_type=_model_type(model))
     cast(Any, model).save_pretrained(path, safe_serialization=True)
     record["portable"] = make_portable(model, path, pruning_plan(model))
-    atomic_write_text(path / PRUNING_FILE, json.dumps(record, indent=1) + "\n")
+    write_json(path / PRUNING_FILE, record)
     readable_as_umask_allows(path)
     return path
 

@@ -8,7 +8,6 @@ heads. Ties get average ranks; heads that either table leaves NaN are skipped.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, HeadScores, atomic_write_text
+from headlab.heads import KINDS, HeadScores, atomic_write_text, write_json
 
 __all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
 
@@ -82,7 +81,7 @@ class AgreementTable:
     def save(self, directory: str | os.PathLike) -> tuple[Path, Path]:
         directory = Path(directory)
         json_path, md_path = directory / "agreement.json", directory / "agreement.md"
-        atomic_write_text(json_path, json.dumps(self.to_json(), indent=1) + "\n")
+        write_json(json_path, self.to_json())
         text = (
             f"Spearman rank correlation with {self.reference}"
             + (f" ({self.metric})" if self.metric else "")

@@ -671,7 +671,7 @@ def write_agreement(measures: dict, directory: Path) -> list[Path]:
     measures (``{name: HeadScores}``, in :data:`STAGES` order), and against ablation when it ran."""
     import math
 
-    from headlab.heads import atomic_write_text
+    from headlab.heads import atomic_write_text, write_json
     from headlab.importance.agreement import compute_agreement
 
     names = list(measures)
@@ -698,7 +698,7 @@ def write_agreement(measures: dict, directory: Path) -> list[Path]:
         document["spearman"] = table.to_json()["spearman"]
         lines += ["", f"Against {REFERENCE} ({table.metric}), per attention kind:", "", table.to_markdown().rstrip()]
     json_path, md_path = directory / "agreement.json", directory / "agreement.md"
-    atomic_write_text(json_path, json.dumps(document, indent=1) + "\n")
+    write_json(json_path, document)
     atomic_write_text(md_path, "\n".join(lines) + "\n")
     return [json_path, md_path]
 

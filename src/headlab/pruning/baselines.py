@@ -41,7 +41,7 @@ import torch
 
 from headlab.adapters import attention_blocks
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json
+from headlab.heads import KINDS, HeadScores, atomic_write_text, read_json, write_json
 from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
 from headlab.model_description import describe_model
 from headlab.nmt.train import TrainConfig, train
@@ -314,7 +314,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
             rows.append({"method": method,
                          "keep": keep, "seed": seed, "finetune_steps": c.finetune_steps,
                          "from_scratch": c.from_scratch, **result, **_source(c), **settings})
-            atomic_write_text(table_file, json.dumps(rows, indent=1) + "\n")
+            write_json(table_file, rows)
     text = baselines_markdown(rows)
     atomic_write_text(out / "baselines.md", text)
     return text
@@ -449,9 +449,9 @@ def _set_aside_stale(rows: list[dict], config: BaselineConfig, out: Path, settin
         return rows
     stale_file = out / "baselines.stale.json"
     earlier = read_json(stale_file, "stale baselines") if stale_file.is_file() else []
-    atomic_write_text(stale_file, json.dumps(earlier + old, indent=1) + "\n")
+    write_json(stale_file, earlier + old)
     kept = [row for row in rows if not stale(row)]
-    atomic_write_text(out / "baselines.json", json.dumps(kept, indent=1) + "\n")
+    write_json(out / "baselines.json", kept)
     return kept
 
 

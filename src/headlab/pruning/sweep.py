@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure
+from headlab.heads import KINDS, atomic_write_text, axes_or_new, pyplot, write_figure, write_json
 from headlab.pruning.train import (
     CONFIG_FILE,
     RESULT_FILE,
@@ -162,7 +162,7 @@ def _row(name: str, point: dict, result: dict) -> dict:
 
 
 def write_table(rows: list[dict], out_dir: Path) -> None:
-    atomic_write_text(out_dir / "sweep.json", json.dumps(rows, indent=1) + "\n")
+    write_json(out_dir / "sweep.json", rows)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=TABLE_COLUMNS, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
@@ -217,7 +217,7 @@ def run_sweep(load: Callable[[], tuple], train_data, eval_data, base: PruneConfi
             metrics = {**evaluate_point(model, tokenizer, eval_data, base), "parameters": count_parameters(model)}
             full = {"heads_kept": heads_per_kind(model), "metrics": metrics, "stopped": "reference",
                     "model_sha256": base.model_fingerprint or None, "eval_data_sha256": base.eval_data_sha256 or None}
-            atomic_write_text(full_file, json.dumps(full, indent=2) + "\n")
+            write_json(full_file, full, indent=2)
         rows.append(_row("full", {"lam": None, "keep": None}, full))
     for point in points:
         name = point_name(point)

@@ -50,7 +50,7 @@ from headlab.adapters import attention_blocks, idle_blocks
 from headlab.capture import eval_mode
 from headlab.errors import HeadlabError, counted
 from headlab.gates import attach_gates, block_name, detach_gates
-from headlab.heads import KINDS, atomic_write_text
+from headlab.heads import KINDS, atomic_write_text, write_json
 from headlab.model_description import output_layer, position_limit
 from headlab.options import comma_list
 from headlab.pruning.budget import LagrangianBudget
@@ -683,7 +683,7 @@ def _export(model, tokenizer, eval_data, config: PruneConfig, gates: HardConcret
 
     portable = json.loads((pruned_dir / PRUNING_FILE).read_text(encoding="utf-8")).get("portable") or {}
     atomic_write_text(pruned_dir / "README.md", model_card(record, config, how_to_load(model, portable)))
-    atomic_write_text(out_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+    write_json(out_dir / RESULT_FILE, record, indent=2)
     if final.get("hint"):
         log("hint: " + final["hint"])
     heads_total = outcome.heads_total

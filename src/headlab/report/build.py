@@ -24,7 +24,7 @@ from html import escape
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, atomic_write_text
+from headlab.heads import KINDS, atomic_write_text, json_text
 from headlab.report.collect import Collected, collect
 from headlab.report.sections import collect_sections, embedded, render_body, render_navigation, template
 
@@ -39,7 +39,7 @@ one file."""
 
 def json_for_script(data) -> str:
     """JSON that is safe inside ``<script type="application/json">``."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = json_text(data, "the report's data", ensure_ascii=False, separators=(",", ":"))
     for char, code in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
                        ("\u2029", "\\u2029")):
         text = text.replace(char, code)
