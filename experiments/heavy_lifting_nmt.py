@@ -39,9 +39,11 @@ every path explicitly (``--data``, ``--results``, ``--model``).
 ``archive`` copies each finished configuration's result files (its ``eval*.json``, log, rows,
 development curve and translations; no weights, tokenizer or lock) into the repository,
 ``docs/results/heavy-lifting-nmt/finished/<configuration>/`` by default, in the same layout: a run
-lives on a machine that a later session may not have, so what is finished is committed. ``run``
-skips a configuration archived there (``--archived``), and ``report --root`` reads the archive
-as it reads a run directory.
+lives on a machine that a later session may not have, so what is finished is committed. A stage-2
+continuation rewrites its translations, log and curve in the same run directory, so a run with
+``eval-1728.json`` goes to ``<configuration>/stage-2/`` and the stage-1 copy stays as it was
+scored. ``run`` skips a configuration archived there (``--archived``), and ``report --root`` reads
+the archive as it reads a run directory.
 
 ``report`` reads the result files and applies the rules of heavy_lifting_nmt.md.
 """
@@ -190,8 +192,10 @@ def plan(labels: dict, stage: int = 1) -> list[dict]:
 
 def archive(root: Path, out: Path) -> list[str]:
     """Copy every finished configuration under ``root`` (one with an ``eval*.json``) to
-    ``out/<configuration>`` without its weights; each copy is built beside and then swapped in, so
-    an interrupted archive leaves the previous copy whole. Returns the configurations copied."""
+    ``out/<configuration>`` without its weights, a stage-2 continuation to
+    ``out/<configuration>/stage-2`` (:func:`archived_dir`); each copy is built beside and then
+    swapped in, so an interrupted archive leaves the previous copy whole. Returns the
+    configurations copied (``name`` or ``name/stage-2``)."""
     import shutil
 
     def ignore(directory: str, names: list[str]) -> list[str]:
@@ -199,17 +203,28 @@ def archive(root: Path, out: Path) -> list[str]:
 
     copied = []
     for run in sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("eval*.json"))):
-        tmp, target, old = out / f".{run.name}.tmp", out / run.name, out / f".{run.name}.old"
+        stage = 2 if (run / eval_file({"steps": STEPS[2]})).is_file() else 1
+        target = archived_dir(out, run.name, stage)
+        tmp, old = target.with_name(f".{target.name}.tmp"), target.with_name(f".{target.name}.old")
         for leftover in (tmp, old):
             shutil.rmtree(leftover, ignore_errors=True)
-        out.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(run, tmp, ignore=ignore)
+        if stage == 1 and (target / "stage-2").is_dir():  # a stage-1 copy made again keeps the continuation
+            shutil.copytree(target / "stage-2", tmp / "stage-2")
         if target.exists():
             target.rename(old)
         tmp.rename(target)
         shutil.rmtree(old, ignore_errors=True)
-        copied.append(run.name)
+        copied.append(str(target.relative_to(out)))
     return copied
+
+
+def archived_dir(out: Path, name: str, stage: int) -> Path:
+    """Where ``archive`` keeps a configuration: ``out/<name>`` for stage 1 (and the from-scratch
+    runs), ``out/<name>/stage-2`` for a stage-2 continuation, whose translations, log and
+    development curve replace stage 1's in its run directory."""
+    return out / name / "stage-2" if stage == 2 else out / name
 
 
 def eval_file(config: dict) -> str:
@@ -368,7 +383,8 @@ class Runner(heavy_lifting_runner.Runner):
         run = self.root / config["name"]
         if (run / eval_file(config)).is_file():
             return
-        if self.archived is not None and (self.archived / config["name"] / eval_file(config)).is_file():
+        stage = 1 if eval_file(config) == "eval.json" else 2
+        if self.archived is not None and (archived_dir(self.archived, config["name"], stage) / eval_file(config)).is_file():
             self.status(f"{config['name']}: archived in {self.archived}, skipped")
             return
         self.status(f"running {config['name']}")

@@ -6,7 +6,9 @@
 Reads ``<root>/<configuration>/eval.json`` (the kept test translations) and, for the gated side,
 the reproduction's EN-DE results (``--results``: ``hypotheses/enc-<point>.txt``,
 ``hypotheses/all-<point>.txt``, ``hypotheses/full.txt``, ``prune/<kinds>/<point>/result.json``
-with the development plateau) or, at stage 2, the continued gated points under ``<root>``.
+with the development plateau) or, at stage 2, the continued gated points under ``<root>``. At
+stage 2 the controls' ``eval-1728.json``: in a run directory beside stage 1's ``eval.json``, in an
+archive under ``<configuration>/stage-2/``.
 Writes ``results.json`` (every number) and ``results.md`` (tables and verdicts) under ``--out``.
 A rule whose runs are not all there says which are missing; nothing is filled in.
 """
@@ -90,18 +92,19 @@ def non_inferiority(low: float, high: float, delta: float = DELTA) -> str:
 # ----------------------------------------------------------------------------- reading
 
 
-def hypotheses_file(root: Path, evaluation: dict) -> Path:
-    """A configuration's kept translations: the copy under ``root`` (an archived run: the same path
-    below the configuration's directory) or else the path written at the run, checked against the
-    SHA-256 written beside it, so that a report never reads translations other than those scored."""
+def hypotheses_file(directory: Path, evaluation: dict) -> Path:
+    """A configuration's kept translations: the copy under ``directory``, the directory its
+    ``eval*.json`` was read from (an archived run: the same path below the configuration's
+    directory), or else the path written at the run, checked against the SHA-256 written beside
+    it, so that a report never reads translations other than those scored."""
     import hashlib
 
     written, name = Path(evaluation["hypotheses"]), evaluation["config"]["name"]
     parts = written.parts
-    local = root.joinpath(name, *parts[len(parts) - parts[::-1].index(name):]) if name in parts else written
+    local = directory.joinpath(*parts[len(parts) - parts[::-1].index(name):]) if name in parts else written
     path = local if local.is_file() else written
     if not path.is_file():
-        raise SystemExit(f"{root / name}: its translations are neither at {local} nor at {written}")
+        raise SystemExit(f"{directory}: its translations are neither at {local} nor at {written}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != evaluation["hypotheses_sha256"]:
         raise SystemExit(f"{path}: SHA-256 {digest}, not the {evaluation['hypotheses_sha256']} its eval.json scored")
@@ -122,27 +125,35 @@ class Runs:
     def __init__(self, root: Path, results: Path, stage: int):
         self.root, self.results, self.stage = root, results, stage
         self.missing: list[str] = []
+        self.directories: dict[str, Path] = {}  # configuration -> the directory its evaluation was read from
+
+    def directory(self, name: str, stage: int) -> Path:
+        """A configuration's directory at ``stage``: a run directory, or an archive where a stage-2
+        continuation lives in ``<name>/stage-2`` (experiments/heavy_lifting_nmt.py, ``archive``)."""
+        archived = self.root / name / "stage-2"
+        return archived if stage == 2 and archived.is_dir() else self.root / name
+
+    def _evaluation(self, name: str, stage: int) -> dict | None:
+        directory = self.directory(name, stage)
+        file = directory / ("eval.json" if stage == 1 else "eval-1728.json")
+        if not file.is_file():
+            self.missing.append(name)
+            return None
+        self.directories[name] = directory
+        return json.loads(file.read_text())
 
     def control(self, name: str) -> dict | None:
-        file = self.root / name / ("eval.json" if self.stage == 1 else "eval-1728.json")
-        if not file.is_file():
-            self.missing.append(name)
-            return None
-        return json.loads(file.read_text())
+        return self._evaluation(name, self.stage)
 
     def scratch(self, name: str) -> dict | None:
-        file = self.root / name / "eval.json"
-        if not file.is_file():
-            self.missing.append(name)
-            return None
-        return json.loads(file.read_text())
+        return self._evaluation(name, 1)  # no stage 2
 
     def gated(self, point: str) -> dict | None:
         """A gated point (``enc/lam-0.01``): its translations, heads and development plateau; at
         stage 2 the continuation under ``<root>/gated-<point>/prune``."""
         kinds, name = point.split("/")
         if self.stage == 2 and kinds == "enc":
-            directory = self.root / f"gated-{name}" / "prune"
+            directory = self.directory(f"gated-{name}", 2) / "prune"
             hypotheses, result = directory / "hypotheses.txt", directory / "result.json"
         else:
             hypotheses = self.results / "hypotheses" / f"{kinds}-{name}.txt"
@@ -192,7 +203,9 @@ def write_report(root: Path, labels: dict, data: Path, results: Path, out: Path,
         lines += [f"**Test setting: {len(references)} test sentences only. Not a result.**", ""]
 
     def stats_of(evaluation: dict | None):
-        return None if evaluation is None else boot.stats(_lines(hypotheses_file(root, evaluation)))
+        if evaluation is None:
+            return None
+        return boot.stats(_lines(hypotheses_file(runs.directories[evaluation["config"]["name"]], evaluation)))
 
     def gated_stats(point: str):
         g = runs.gated(point)

@@ -132,27 +132,70 @@ def test_archive_keeps_the_result_files_not_the_weights_and_the_report_reads_the
     # The report reads the archived copy, not the path written at the run (gone on another machine).
     (train / "hypotheses.txt").unlink()
     copy = archived / "least-1" / "baseline" / "ft-scores-1-None" / "hypotheses.txt"
-    assert report.hypotheses_file(archived, evaluation) == copy
+    assert report.hypotheses_file(archived / "least-1", evaluation) == copy
     copy.write_text("ein Hund\ndrei Katzen\n", encoding="utf-8")  # not the translations that were scored
     with pytest.raises(SystemExit, match="SHA-256"):
-        report.hypotheses_file(archived, evaluation)
+        report.hypotheses_file(archived / "least-1", evaluation)
     copy.unlink()
     with pytest.raises(SystemExit, match="neither at"):
-        report.hypotheses_file(archived, evaluation)
+        report.hypotheses_file(archived / "least-1", evaluation)
 
 
-def test_run_skips_a_configuration_finished_in_the_archive(tmp_path):
+def test_a_stage_2_continuation_is_archived_beside_stage_1_which_stays_as_scored(tmp_path):
+    runs, archived = tmp_path / "runs", tmp_path / "archive"
+    train = runs / "least-1" / "baseline" / "ft-scores-1-None"
+    train.mkdir(parents=True)
+    (train / "hypotheses.txt").write_text("ein Hund\n", encoding="utf-8")
+    stage1 = {"config": {"name": "least-1", "steps": 864}, "hypotheses": str(train / "hypotheses.txt"),
+              "hypotheses_sha256": driver.sha256(train / "hypotheses.txt")}
+    (runs / "least-1" / "eval.json").write_text(json.dumps(stage1))
+    assert driver.archive(runs, archived) == ["least-1"]
+
+    # Stage 2 rewrites the translations in the same run directory and writes eval-1728.json.
+    (train / "hypotheses.txt").write_text("ein kleiner Hund\n", encoding="utf-8")
+    stage2 = {"config": {"name": "least-1", "steps": 1728}, "hypotheses": str(train / "hypotheses.txt"),
+              "hypotheses_sha256": driver.sha256(train / "hypotheses.txt")}
+    (runs / "least-1" / "eval-1728.json").write_text(json.dumps(stage2))
+    assert driver.archive(runs, archived) == ["least-1/stage-2"]
+    first = archived / "least-1" / "baseline" / "ft-scores-1-None" / "hypotheses.txt"
+    assert first.read_text(encoding="utf-8") == "ein Hund\n"  # stage 1's copy as it was scored
+    assert not (archived / "least-1" / "eval-1728.json").exists()
+    second = archived / "least-1" / "stage-2" / "baseline" / "ft-scores-1-None" / "hypotheses.txt"
+    assert second.read_text(encoding="utf-8") == "ein kleiner Hund\n"
+
+    # The report reads each stage from its own copy, the run directory gone.
+    import shutil
+
+    shutil.rmtree(runs)
+    for stage, evaluation, copy in ((1, stage1, first), (2, stage2, second)):
+        runs_read = report.Runs(archived, tmp_path, stage)
+        assert runs_read.control("least-1") == evaluation
+        assert report.hypotheses_file(runs_read.directories["least-1"], evaluation) == copy
+    assert report.Runs(archived, tmp_path, 2).scratch("least-1") == stage1  # from-scratch runs have no stage 2
+
+    # A stage-1 copy made again (another machine's run directory) keeps the archived continuation.
+    train.mkdir(parents=True)
+    (train / "hypotheses.txt").write_text("ein Hund\n", encoding="utf-8")
+    (runs / "least-1" / "eval.json").write_text(json.dumps(stage1))
+    assert driver.archive(runs, archived) == ["least-1"]
+    assert second.read_text(encoding="utf-8") == "ein kleiner Hund\n"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_run_skips_a_configuration_finished_in_the_archive_at_its_stage(tmp_path, stage):
     labels = REPO / "docs" / "results" / "heavy-lifting-nmt" / "labels.json"
-    (tmp_path / "archive" / "least-1").mkdir(parents=True)
-    (tmp_path / "archive" / "least-1" / "eval.json").write_text("{}")
+    copy = driver.archived_dir(tmp_path / "archive", "least-1", stage)
+    copy.mkdir(parents=True)
+    (copy / ("eval.json" if stage == 1 else "eval-1728.json")).write_text("{}")
     args = argparse.Namespace(
         root=str(tmp_path / "runs"), model=str(REPO / "models" / "multi30k-en-de"), deadline=None,
         labels=str(labels), only="least-1", data=str(REPO / "data" / "multi30k"),
-        results=str(REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"), stage=1,
+        results=str(REPO / "docs" / "results" / "reproduction" / "multi30k-en-de"), stage=stage,
         extra_train_args=None, extra_control_args=None, extra_scratch_args=None, extra_gated_args=None,
         archived=str(tmp_path / "archive"))
     runner = driver.Runner(args)
     runner.headlab = lambda argv, log: pytest.fail(f"ran {argv}")  # type: ignore[method-assign]
-    config = next(c for c in driver.plan(json.loads(labels.read_text())) if c["name"] == "least-1")
+    config = next(c for c in driver.plan(json.loads(labels.read_text()), stage) if c["name"] == "least-1")
     runner.run_one(config)
     assert "archived" in (tmp_path / "runs" / "STATUS").read_text()
+
