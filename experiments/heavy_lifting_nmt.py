@@ -194,8 +194,9 @@ def archive(root: Path, out: Path) -> list[str]:
     """Copy every finished configuration under ``root`` (one with an ``eval*.json``) to
     ``out/<configuration>`` without its weights, a stage-2 continuation to
     ``out/<configuration>/stage-2`` (:func:`archived_dir`); each copy is built beside and then
-    swapped in, so an interrupted archive leaves the previous copy whole. Returns the
-    configurations copied (``name`` or ``name/stage-2``)."""
+    swapped in, so an interrupted archive leaves the previous copy whole. A configuration whose
+    archived ``eval*.json`` is the run's is left as it is. Returns the configurations copied
+    (``name`` or ``name/stage-2``)."""
     import shutil
 
     def ignore(directory: str, names: list[str]) -> list[str]:
@@ -205,6 +206,9 @@ def archive(root: Path, out: Path) -> list[str]:
     for run in sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("eval*.json"))):
         stage = 2 if (run / eval_file({"steps": STEPS[2]})).is_file() else 1
         target = archived_dir(out, run.name, stage)
+        result = eval_file({"steps": STEPS[stage]})
+        if (target / result).is_file() and (target / result).read_bytes() == (run / result).read_bytes():
+            continue  # archived already; a stage-2 continuation under way may be changing its other files
         tmp, old = target.with_name(f".{target.name}.tmp"), target.with_name(f".{target.name}.old")
         for leftover in (tmp, old):
             shutil.rmtree(leftover, ignore_errors=True)

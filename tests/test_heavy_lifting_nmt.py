@@ -126,7 +126,10 @@ def test_archive_keeps_the_result_files_not_the_weights_and_the_report_reads_the
     kept = sorted(str(p.relative_to(archived)) for p in archived.rglob("*") if p.is_file())
     assert kept == ["least-1/baseline/ft-scores-1-None/dev/step-108.txt",
                     "least-1/baseline/ft-scores-1-None/hypotheses.txt", "least-1/eval.json"]
-    assert driver.archive(runs, archived) == ["least-1"]  # again: the copy replaced, nothing left beside it
+    assert driver.archive(runs, archived) == []  # archived already
+    evaluation["seconds_this_session"] = 1.0  # run again: the copy replaced, nothing left beside it
+    (runs / "least-1" / "eval.json").write_text(json.dumps(evaluation))
+    assert driver.archive(runs, archived) == ["least-1"]
     assert sorted(p.name for p in archived.iterdir()) == ["least-1"]
 
     # The report reads the archived copy, not the path written at the run (gone on another machine).
@@ -176,7 +179,7 @@ def test_a_stage_2_continuation_is_archived_beside_stage_1_which_stays_as_scored
     # A stage-1 copy made again (another machine's run directory) keeps the archived continuation.
     train.mkdir(parents=True)
     (train / "hypotheses.txt").write_text("ein Hund\n", encoding="utf-8")
-    (runs / "least-1" / "eval.json").write_text(json.dumps(stage1))
+    (runs / "least-1" / "eval.json").write_text(json.dumps({**stage1, "seconds_this_session": 1.0}))
     assert driver.archive(runs, archived) == ["least-1"]
     assert second.read_text(encoding="utf-8") == "ein kleiner Hund\n"
 
