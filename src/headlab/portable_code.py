@@ -171,9 +171,19 @@ def _trocr_forward(self, hidden_states, key_value_states=None, cache=None, atten
     return self.out_proj(attn_output), attn_weights_reshaped
 
 
-PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward}
-"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's and
-TrOCR's merge the heads into the hidden states' width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+def _led_decoder_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
+                         output_attentions=False, **kwargs):
+    """LED's ``LEDDecoderAttention.forward`` (transformers 5.24, modeling_led) is TrOCR's but for the cache it returns
+    third (its layer unpacks three outputs) and the ``kwargs`` it does not hand the cache's update (it takes none):
+    the same, merging ``num_heads * head_dim``."""
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    output, weights = _trocr_forward(self, hidden_states, key_value_states, cache, attention_mask, output_attentions)
+    return output, weights, cache
+
+
+PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward}
+"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
+TrOCR's and LED's decoder's merge the heads into the hidden states' width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

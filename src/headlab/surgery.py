@@ -535,7 +535,7 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
-    n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
+    n_outputs = (block.family.probs_index + 1 if block.family.probs_index >= 0 else 2) + block.family.extra_outputs
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)

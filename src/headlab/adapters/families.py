@@ -150,7 +150,13 @@ class Family:
     held: tuple[str, ...] = ()
     """Projections (paths relative to the block), besides ``q`` and ``k``, whose outputs only shape attention
     weights (Longformer's ``query_global`` and ``key_global``): LRP holds them constant as it does ``q`` and ``k``."""
-
+    extra_outputs: int = 0
+    """Outputs of ``core``'s forward after the probabilities that its caller unpacks (LED's decoder attention returns
+    its cache third): a layer with no head left returns as many (None), as it does the probabilities."""
+    parts: tuple[Family, ...] = ()
+    """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
+    attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
+    entry's and theirs, each block carrying the entry that matched it (one level: a part has no parts)."""
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -786,6 +792,40 @@ LONGFORMER = Family(
 )
 
 
+# LED (LEDForConditionalGeneration, transformers 5.24, models/led): two layouts. The encoder's layers.N.self_attn is
+# LEDEncoderAttention, Longformer's attention (longformer_self_attn: LEDEncoderSelfAttention, a copy of
+# LongformerSelfAttention, with query/key/value and their _global twins, called on [seq, batch, d]) and its output
+# projection ``output``; LEDEncoder pads the tokens to a multiple of attention_window (and cuts its output back). The
+# decoder's self_attn and encoder_attn are LEDDecoderAttention, BART's old attention outside the attention interface
+# (q_proj/k_proj/v_proj/out_proj, bmm over [batch * heads, ...]), returning its probabilities only with
+# output_attentions (argument 4, by keyword) and merging the heads to the hidden states' width: a pruned layer takes
+# PRUNED_FORWARDS["led-decoder"].
+LED_DECODER = Family(
+    name="led-decoder",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$")),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 4),
+    extra_outputs=1,  # (output, probabilities, cache): LEDDecoderLayer unpacks three
+    pruned_forward="led-decoder",
+)
+
+LED = replace(
+    LONGFORMER,
+    name="led",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),),
+    q="longformer_self_attn.query", k="longformer_self_attn.key", v="longformer_self_attn.value", o="output",
+    core="longformer_self_attn",
+    padded_by="LEDEncoder",
+    held=("longformer_self_attn.query_global", "longformer_self_attn.key_global"),
+    seq_major=tuple(f"longformer_self_attn.{name}" for name in ("query", "key", "value", "query_global", "key_global",
+                                                                "value_global")),
+    parts=(LED_DECODER,),
+)
+
+
 # OpenAI GPT (GPT-1, OpenAIGPTLMHeadModel, transformers 5.24): h.N.attn (``Attention``), outside the attention
 # interface: Conv1D c_attn split at split_size into [all q | all k | all v], each viewed [.., n_head, width // n_head];
 # (q k^T / sqrt(d) with ``scale``) * causal buffer ``bias`` + -1e4 where it is 0, + mask, softmax; c_proj(merged);
@@ -905,6 +945,7 @@ FAMILIES: dict[str, Family] = {
     "xglm": XGLM,
     "mpnet": MPNET,
     "longformer": LONGFORMER,
+    "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
     "fsmt": FSMT,
@@ -989,15 +1030,6 @@ UNSUPPORTED: dict[str, str] = {
                 "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
                 "head's weights cannot be removed without changing the convolution heads, and the dynamic "
                 "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
-    # longformer30, read in transformers 5.24 (models/led): LEDEncoderAttention holds Longformer's attention as
-    # longformer_self_attn (query/key/value, their _global twins) and its output projection as output;
-    # LEDDecoderAttention is BART's with q_proj/k_proj/v_proj/out_proj inside it, outside the attention interface
-    "led": "LED's encoder and decoder attentions are laid out differently (the encoder's is Longformer's sliding-window "
-           "and global attention, self_attn.longformer_self_attn.query/key/value with query_global/key_global/"
-           "value_global and self_attn.output; the decoder's self_attn and encoder_attn are LEDDecoderAttention, "
-           "q_proj/k_proj/v_proj/out_proj inside it, outside transformers' attention interface, returning its "
-           "probabilities only with output_attentions), and headlab's table holds one projection layout per model "
-           "type; Longformer's encoder alone (model_type longformer) is supported",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
@@ -1054,13 +1086,14 @@ def _ibert(config: Any) -> str:
 
 
 def _longformer_windows(config: Any) -> str | None:
-    # LongformerModel._pad_to_window_size pads to a multiple of max(attention_window); each layer's
+    # LongformerModel._pad_to_window_size (LEDEncoder's) pads to a multiple of max(attention_window); each layer's
     # _sliding_chunks_query_key_matmul asserts the length a multiple of its own window (transformers 5.24)
     windows = config.attention_window if isinstance(config.attention_window, (list, tuple)) else []
     odd = sorted({w for w in windows if max(windows) % w})
     if not odd:
         return None
-    return (f"this Longformer's per-layer attention windows {list(windows)} do not all divide the largest, "
+    name = "LED" if getattr(config, "model_type", None) == "led" else "Longformer"
+    return (f"this {name}'s per-layer attention windows {list(windows)} do not all divide the largest, "
             f"{max(windows)}: transformers pads the tokens to a multiple of the largest only, and a layer of window "
             f"{odd[0]} then fails its own assertion (the length a multiple of its window) on most input lengths; "
             "use windows that each divide the largest")
@@ -1095,5 +1128,6 @@ def _flaubert(config: Any) -> str | None:
 
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
-                                                               "longformer": _longformer_windows}
+                                                               "longformer": _longformer_windows,
+                                                               "led": _longformer_windows}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
