@@ -266,3 +266,18 @@ def test_led_lrp_conserves_in_float64(spec_name, globals_):
 def test_led_windows_that_do_not_divide_the_largest_are_refused():
     with pytest.raises(HeadlabError, match=r"LED's per-layer attention windows \[4, 6\] do not all divide"):
         attention_blocks(_led(attention_window=[4, 6]))
+
+
+def test_led_analyze_end_to_end(tmp_path, capsys):
+    """Every stage of ``headlab analyze --ablation`` on a saved LED (a word tokenizer with Marian's special ids): the
+    encoder's maps from its band, the decoder's and the cross-attention's, LRP's too."""
+    from support.family_matrix import analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = _led(pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=1).float()
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "led")
+    model.save_pretrained(tmp_path / "led")
+    code, stages = analyze(tmp_path / "led", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    assert {name for name, stage in stages.items() if stage["status"] != "done"} <= {"prune", "figures"}, stages
+    assert stages["lrp"]["status"] == "done"

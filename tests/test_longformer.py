@@ -179,6 +179,19 @@ def test_pruned_equals_masked(spec_name, globals_):
     check_prunable(model)  # prune train's check passes too
 
 
+def test_pruned_layer_captures_its_kept_heads():
+    """Capture on the pruned model (its band and global rows read with 3 heads): layer 0's maps are the unpruned
+    model's of heads 0, 2 and 3 (layer 0's input is the same; layer 1's is not)."""
+    model, inputs = _model(), _inputs(True)
+    with capture_attention(model) as full, torch.no_grad():
+        model(**inputs)
+    prune_heads(model, SPECS["partial"][0])
+    with capture_attention(model) as pruned, torch.no_grad():
+        model(**inputs)
+    assert pruned[("enc_self", 0)].shape == (3, 3, 9, 9) and pruned[("enc_self", 1)].shape == (3, 2, 9, 9)
+    torch.testing.assert_close(pruned[("enc_self", 0)], full[("enc_self", 0)][:, [0, 2, 3]], atol=1e-12, rtol=0)
+
+
 def test_pruning_needs_its_forward(monkeypatch):
     """The regression PRUNED_FORWARDS["longformer"] fixes: LongformerSelfAttention's own forward reshapes the heads'
     output to its input's width and fails on a pruned layer; pruning then refuses, the model left as it was."""
