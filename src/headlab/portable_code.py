@@ -69,6 +69,12 @@ TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 encoder's output from its ``key`` argument, ``[S, B, C]``): a layer of theirs with no head left keeps the cache in
 step with ``[B, 1, T, 1]`` placeholders all the same."""
 
+SECOND_STREAMS = {"transformers.models.luke.modeling_luke.LukeSelfAttention": "entity_hidden_states"}
+"""Attention classes that attend over two streams of hidden states, the second (by the argument named here) after the
+first, and return the second's heads' outputs second (LUKE's entities: None where it gets none; its caller
+concatenates the two before its output projection): a layer of theirs with no head left returns an empty output for
+the second stream too."""
+
 
 def _fsmt_forward(self, query, key, key_padding_mask=None, layer_state=None, attn_mask=None, output_attentions=False,
                   **kwargs):
@@ -299,6 +305,7 @@ class NoHeadAttention(nn.Module):
         qualified = f"{type(original).__module__}.{type(original).__qualname__}"
         self.list_output = qualified in LIST_OUTPUTS or getattr(original, "list_output", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
+        self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -314,14 +321,7 @@ class NoHeadAttention(nn.Module):
     def forward(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs.pop(self.input_name)
         args = args[1:]
-        if self.o_name:
-            o = getattr(self, self.o_name)
-            width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
-            out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
-            if o.bias is not None:
-                out = out + o.bias.to(out.dtype)
-        else:  # the output projection follows outside this module: it gets an empty input
-            out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        out = self._no_heads(hidden_states)
         if self.residual is not None:  # Bloom adds the residual inside its attention
             name, position = self.residual
             out = out + (kwargs[name] if name in kwargs else args[position - 1])
@@ -333,11 +333,24 @@ class NoHeadAttention(nn.Module):
         elif not self.reads_latents:
             self._keep_cache_in_step(hidden_states, named)
         extras = [None] * (self.n_outputs - 1)
-        if self.selection:  # (output, probs, selection)
+        if self.second_stream:  # (first's output, second's output or None, probs): LUKE's (words, entities)
+            second = named.get(self.second_stream)
+            extras[0] = None if second is None else self._no_heads(second)
+        elif self.selection:  # (output, probs, selection)
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
         return [out, *extras] if self.list_output else (out, *extras)
+
+    def _no_heads(self, hidden_states):
+        """Concat() W^O + b = b at each position of ``hidden_states``, or an empty input of the output projection
+        where it follows outside this module."""
+        if not self.o_name:  # the output projection follows outside this module: it gets an empty input
+            return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        o = getattr(self, self.o_name)
+        width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
+        out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+        return out if o.bias is None else out + o.bias.to(out.dtype)
 
     def _selection(self, hidden_states, kwargs):
         """The top-k keys this layer hands the next (GLM-MoE-DSA's "shared" layers attend to the previous
