@@ -268,3 +268,56 @@ def test_headlab_text_inputs_are_the_models_own_forward():
                                padded_logits(model, encoded["input_ids"][order], encoded["attention_mask"][order]),
                                atol=1e-12, rtol=0)
 
+
+
+@pytest.mark.parametrize("cls", ["LukeForEntityClassification", "LukeForEntityPairClassification",
+                                 "LukeForEntitySpanClassification"])
+def test_entity_classifiers_are_refused_before_any_work(cls, tmp_path, capsys):
+    """LUKE's entity classifiers read the entities' last hidden states, None without entity_ids: on headlab's text
+    inputs their forward raised a TypeError mid-run ("internal error" after "computing confidence"); refused when
+    loaded, naming why and how to analyse the base model, nothing written."""
+    from headlab.cli import main
+
+    config = _config(num_labels=3)
+    config.architectures = [cls]
+    perturbed_model(getattr(tf, cls), config, attn_implementation="eager").save_pretrained(tmp_path / "model")
+    _tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "source.txt").write_text("a cat sat\nthe dog ran\n")
+    for argv in (["heads", str(tmp_path / "model")],
+                 ["importance", str(tmp_path / "model"), "--source", str(tmp_path / "source.txt"),
+                  "--out", str(tmp_path / "out"), "--method", "confidence"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{cls}, which classifies entities" in err and "entity_ids" in err and "base_model" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_base_model_loads_prunes_and_reloads(tmp_path):
+    """LukeModel (what the entity classifiers' refusal suggests saving): loaded as LukeModel, pruned equal to masked
+    on its word and entity hidden states, and reloaded by load_pruned and plain transformers' AutoModel."""
+    from headlab import load_pruned
+    from headlab.loading import load_model
+
+    config = _config()
+    config.architectures = ["LukeModel"]
+    perturbed_model(tf.LukeModel, config, attn_implementation="eager").save_pretrained(tmp_path / "base")
+    model = load_model(str(tmp_path / "base"), dtype=torch.float64)
+    assert type(model).__name__ == "LukeModel"
+    spec, _ = table_spec("enc_self", "no head left")
+    ids, mask = padded_inputs(pad_id=2)
+    entities = _entities()
+
+    def hidden(m):
+        with torch.no_grad():
+            out = m(input_ids=ids, attention_mask=mask, **entities)
+        return torch.cat([out.last_hidden_state[mask.bool()].flatten(),
+                          out.entity_last_hidden_state[entities["entity_attention_mask"].bool()].flatten()])
+
+    with mask_heads(model, spec):
+        expected = hidden(model)
+    prune_heads(model, spec)
+    torch.testing.assert_close(hidden(model), expected, atol=1e-12, rtol=0)
+    save_pruned(model, tmp_path / "pruned")
+    torch.testing.assert_close(hidden(load_pruned(tmp_path / "pruned").double()), expected, atol=1e-12, rtol=0)
+    plain = tf.AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True, dtype=torch.float64).eval()
+    torch.testing.assert_close(hidden(plain), expected, atol=1e-12, rtol=0)
