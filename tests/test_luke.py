@@ -321,3 +321,9 @@ def test_base_model_loads_prunes_and_reloads(tmp_path):
     torch.testing.assert_close(hidden(load_pruned(tmp_path / "pruned").double()), expected, atol=1e-12, rtol=0)
     plain = tf.AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True, dtype=torch.float64).eval()
     torch.testing.assert_close(hidden(plain), expected, atol=1e-12, rtol=0)
+
+
+def test_sequence_classifier_lrp_conserves():
+    """LukeForSequenceClassification (its head reads the pooled first word: no entity needed) conserves too."""
+    check_compute_lrp_conserves(perturbed_model(tf.LukeForSequenceClassification, _config(num_labels=3),
+                                                attn_implementation="eager").double())
