@@ -57,12 +57,21 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
 
         new = Conv1D(n_out, n_in)
         return new.to(device=weight.device, dtype=weight.dtype)
+    if kind == "quant_linear":  # I-BERT's QuantLinear (quant_mode=False): its own class, its integer buffers resized
+        new = type(old)(n_in, n_out, bias=old.bias is not None, weight_bit=old.weight_bit, bias_bit=old.bias_bit,
+                        per_channel=old.per_channel, quant_mode=old.quant_mode)
+        return new.to(device=weight.device, dtype=weight.dtype)
     return nn.Linear(n_in, n_out, bias=old.bias is not None, device=weight.device, dtype=weight.dtype)
 
 
 LIST_OUTPUTS = frozenset({"transformers.models.openai.modeling_openai.Attention"})
 """Attention classes whose forward returns a list, which their caller extends with a list (GPT-1's ``Block``:
 ``[h] + attn_outputs[1:]``; a tuple there raises): a layer of theirs with no head left returns a list too."""
+
+PAIRED_OUTPUTS = frozenset({"transformers.models.ibert.modeling_ibert.IBertSelfAttention"})
+"""Attention classes whose forward returns ``(outputs, scaling factors)``, two tuples (I-BERT's: ``((context,
+probs), (factors))``, the factors None with quant_mode=False): a layer of theirs with no head left returns such a
+pair, its factors None."""
 
 TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 """Attention classes whose hidden states are time-first, ``[T, B, C]`` (FSMT's: its cross-attention reads the
@@ -220,6 +229,7 @@ class NoHeadAttention(nn.Module):
                 setattr(self, name, value)
         qualified = f"{type(original).__module__}.{type(original).__qualname__}"
         self.list_output = qualified in LIST_OUTPUTS or getattr(original, "list_output", False) is True
+        self.paired_output = qualified in PAIRED_OUTPUTS or getattr(original, "paired_output", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.residual = tuple(residual) if residual else None
         self.norm = norm
@@ -238,7 +248,7 @@ class NoHeadAttention(nn.Module):
         args = args[1:]
         if self.o_name:
             o = getattr(self, self.o_name)
-            width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
+            width = int(o.out_features) if hasattr(o, "out_features") else int(o.nf)  # Linear, QuantLinear; Conv1D
             out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
             if o.bias is not None:
                 out = out + o.bias.to(out.dtype)
@@ -259,6 +269,8 @@ class NoHeadAttention(nn.Module):
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
+        if self.paired_output:  # I-BERT: ((output, probs), (their scaling factors)), no factor without quantisation
+            return (out, *extras), (None,) * self.n_outputs
         return [out, *extras] if self.list_output else (out, *extras)
 
     def _selection(self, hidden_states, kwargs):

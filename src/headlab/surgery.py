@@ -38,6 +38,7 @@ from headlab.adapters import (
     attention_blocks,
     find_block,
     idle_blocks,
+    is_linear,
     out_features,
     peft_layer,
     qkv_columns,
@@ -130,12 +131,26 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor, journal: _Journa
     journal.set(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
 
 
+# I-BERT's QuantLinear: its integer copies of the weight ([out, in]) and bias and its per-row scaling factors, unread
+# with quant_mode=False but saved with the weights: sliced with them, so that the saved shapes are the pruned ones
+_QUANT_ROWS = ("weight_integer", "fc_scaling_factor", "bias_integer")
+
+
+def _slice_buffers(module: Any, dim: int, index: torch.Tensor, journal: _Journal) -> None:
+    """Slice the buffers of :data:`_QUANT_ROWS` that ``module`` holds along ``dim`` (0: rows, 1: columns)."""
+    for name in _QUANT_ROWS:
+        buffer = module._buffers.get(name)
+        if isinstance(buffer, torch.Tensor) and buffer.dim() > dim:
+            journal.set(module, name, buffer.index_select(dim, index.to(buffer.device)).contiguous())
+
+
 def _slice_outputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
-    """Keep output features ``index`` of a Linear or a Conv1D (weight [in, out])."""
+    """Keep output features ``index`` of a Linear (I-BERT's QuantLinear too) or a Conv1D (weight [in, out])."""
     index = index.to(module.weight.device)
-    if isinstance(module, nn.Linear):
+    if is_linear(module):
         _replace(module, "weight", module.weight.index_select(0, index), journal)
         journal.set(module, "out_features", len(index))
+        _slice_buffers(module, 0, index, journal)
     else:
         _replace(module, "weight", module.weight.index_select(1, index), journal)
         journal.set(module, "nf", len(index))
@@ -145,9 +160,10 @@ def _slice_outputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
 
 def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
     index = index.to(module.weight.device)
-    if isinstance(module, nn.Linear):
+    if is_linear(module):
         _replace(module, "weight", module.weight.index_select(1, index), journal)
         journal.set(module, "in_features", len(index))
+        _slice_buffers(module, 1, index, journal)
     else:
         _replace(module, "weight", module.weight.index_select(0, index), journal)
         if hasattr(module, "nx"):
@@ -1321,6 +1337,8 @@ def _core_path(block: AttentionBlock) -> str:
 def _projection(module: nn.Module) -> tuple[str, int, int]:
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
+    if is_linear(module):  # I-BERT's QuantLinear, rebuilt as one (its forward returns (output, None))
+        return "quant_linear", int(cast(Any, module).in_features), int(cast(Any, module).out_features)
     return "conv1d", int(cast(Any, module).weight.shape[0]), int(cast(Any, module).nf)  # Conv1D: weight [in, out]
 
 

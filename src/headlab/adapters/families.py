@@ -723,6 +723,28 @@ MPNET = Family(
 )
 
 
+def ibert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """I-BERT's probabilities: ``IBertSelfAttention`` returns ``((context, probs), (context's scaling factor,
+    probs'))`` with ``output_attentions`` (transformers 5.24), the map at ``output[0][1]``."""
+    return output[0][1]
+
+
+# I-BERT with quant_mode=False (IBertForMaskedLM, transformers 5.24): BERT's layout and arithmetic (QuantLinear is
+# F.linear, IntSoftmax softmax, IntLayerNorm a layer norm over the last axis, QuantAct the identity or the residual
+# sum), outside the attention interface, every module taking and returning (value, scaling factor) pairs, the
+# factors None. quant_mode=True is refused by :data:`UNSUPPORTED_CONFIGS`.
+IBERT = Family(
+    name="ibert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 3),
+    probs_reader=ibert_probs,
+)
+
+
 def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Longformer's dense ``[batch, heads, seq, seq]`` map from ``LongformerSelfAttention``'s output (transformers
     5.24, its forward read): ``output[1]`` is ``[batch, seq, heads, G + 2w + 1]``, the probabilities over the
@@ -904,6 +926,7 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "ibert": IBERT,
     "longformer": LONGFORMER,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
@@ -1037,20 +1060,16 @@ def _deberta_talking_heads(config: Any) -> str | None:
             "talking heads, and DeBERTa-v2, are supported")
 
 
-def _ibert(config: Any) -> str:
-    # read in transformers 5.24 (models/ibert): IBertSelfAttention returns ((context, probs), (scaling factors)),
-    # its projections are QuantLinear modules called with a scaling factor and returning (output, factor), its
-    # norms, activations and requantisations (IntLayerNorm, IntGELU, QuantAct) return pairs too
-    if getattr(config, "quant_mode", False):
-        return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
-                "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
-                "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
-                "has no rule for integer rounding: neither masking, pruning nor LRP would be exact")
-    return ("I-BERT (quant_mode=False, whose arithmetic is BERT's) has no adapter entry: its attention returns its "
-            "probabilities nested in pairs with scaling factors ((context, probs), factors), and its projections "
-            "(QuantLinear, with integer-weight buffers), norms (IntLayerNorm) and activations (IntGELU, QuantAct) take "
-            "and return (value, scaling factor) pairs, which headlab's capture, physical pruning, pruned-layer stand-in "
-            "and LRP rules do not read")
+def _ibert(config: Any) -> str | None:
+    # read in transformers 5.24 (models/ibert): with quant_mode=False every Quant*/Int* module computes BERT's float
+    # arithmetic (:data:`IBERT`); with quant_mode=True integer arithmetic with scaling factors
+    if not getattr(config, "quant_mode", False):
+        return None
+    return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
+            "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
+            "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
+            "has no rule for integer rounding: neither masking, pruning nor LRP would be exact; I-BERT with "
+            "quant_mode=False (BERT's arithmetic) is supported")
 
 
 def _longformer_windows(config: Any) -> str | None:
