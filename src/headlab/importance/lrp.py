@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import AttentionBlock, attention_blocks, is_linear
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, float32_mask_floor, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
@@ -66,6 +66,7 @@ from headlab.importance.rules import (
     expert_bias_probes,
     fused_gated_mlps,
     gated_mlps,
+    is_paired_layer_norm,
     lrp_rules,
     norm_rule,
     per_layer_embeddings,
@@ -386,6 +387,10 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     def probe(module, args, output):
         if not torch.is_grad_enabled():
             return None  # a pass under no_grad (discovery's probe forward) is not the one explained
+        if isinstance(output, tuple) and len(output) == 2 and output[1] is None and paired(module):
+            # I-BERT's QuantLinear and IntLayerNorm (quant_mode=False): (output, None), the bias in the output
+            out = probe(module, args, output[0])
+            return None if out is None else (out, None)
         bias = module.bias
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
                 or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
@@ -401,6 +406,9 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             kept = bias.detach().to(output.dtype) * s
         probes.append(s)
         return output + (kept - kept.detach())
+
+    def paired(module) -> bool:
+        return is_linear(module) and not isinstance(module, nn.Linear) or is_paired_layer_norm(module)
 
     def expert_probe(x):
         # the experts' own biases (GPT-OSS's 3-d gate_up_proj_bias, down_proj_bias): rules.expert_bias_probes

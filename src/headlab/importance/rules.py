@@ -434,11 +434,28 @@ def _looks_like_norm(module: nn.Module) -> bool:
     return not holds_only_modules
 
 
+def is_paired_layer_norm(module: nn.Module) -> bool:
+    """I-BERT's ``IntLayerNorm`` with quant_mode=False (transformers 5.24, ibert/quant_modules.py): a layer norm over
+    the last axis of a 3-d input, ``(x - mean) / sqrt(eps + var) * weight + bias``, returned as ``(output, None)``."""
+    return type(module).__name__ == "IntLayerNorm" and getattr(module, "quant_mode", None) is False \
+        and isinstance(getattr(module, "weight", None), torch.Tensor) and isinstance(getattr(module, "eps", None), float)
+
+
+def _paired_layer_norm_rule(module: nn.Module, args, output):
+    """:func:`_own_layer_norm_rule` on the value of I-BERT's ``(output, scaling factor)`` pair (the factor None)."""
+    if not isinstance(output, tuple) or not isinstance(output[0], torch.Tensor) or output[1] is not None:
+        raise HeadlabError(f"LRP: {type(module).__name__} returned no (output, None) pair; headlab has no LRP rule "
+                           "for it")
+    return (_own_layer_norm_rule(module, args, output[0]), *output[1:])
+
+
 def norm_rule(module: nn.Module):
     """The forward hook that applies ``module``'s LRP rule when it is a normalisation; None when
     it is none. A normalisation without a rule raises :class:`HeadlabError` naming its class."""
     if isinstance(module, nn.LayerNorm):
         return _layer_norm_rule
+    if is_paired_layer_norm(module):
+        return _paired_layer_norm_rule
     if _is_rms_norm(module):
         return _rms_norm_rule
     if _is_parameter_free_layer_norm(module) or _is_own_layer_norm(module):
@@ -752,6 +769,8 @@ def _detach_where(columns: torch.Tensor):
 
 
 def _detach_output(module, args, output):
+    if isinstance(output, tuple):  # I-BERT's QuantLinear: (output, scaling factor), the factor None
+        return (output[0].detach(), *output[1:])
     return output.detach()
 
 
