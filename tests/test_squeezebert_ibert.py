@@ -1,0 +1,139 @@
+"""I-BERT (quant_mode=False) as a table family, I-BERT with quant_mode=True refused; SqueezeBERT.
+
+I-BERT's modeling code (transformers 5.24, models/ibert) is BERT's layout, outside transformers' attention interface,
+with every module taking and returning (value, scaling factor) pairs: ``IBertSelfAttention`` returns ``((context,
+probs), (factors))``, its projections are ``QuantLinear`` (weight ``[out, in]`` beside integer-weight buffers), its
+norms ``IntLayerNorm``. With quant_mode=False the arithmetic is BERT's and every factor None. In float64: capture
+equals ``output_attentions``, masking a head equals zeroing its value rows and bias by hand, gates at one change
+nothing, pruning (a head, and a whole layer) equals masking on a padded batch, and so does the directory save_pruned
+writes (QuantLinear's integer buffers sliced with its weight), loaded by load_pruned and by plain transformers (the
+portable pruned_heads.py: a QuantLinear rebuilt as one, a layer with no head returning I-BERT's pair); the LRP rules
+conserve relevance (IntLayerNorm's layer-norm rule read through its pair), and compute_lrp with biases counts
+QuantLinear's and IntLayerNorm's biases. quant_mode=True (integer arithmetic, scaling factors from the whole layer's
+values) is refused before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import attention_blocks, mask_heads, prune_heads
+from headlab.errors import HeadlabError
+from support.family_matrix import (
+    check_gates_at_one_change_nothing,
+    check_lrp_conserves,
+    padded_inputs,
+    padded_logits,
+    perturbed_model,
+)
+from support.table_families import (
+    SPECS,
+    check_captured_probabilities,
+    check_compute_lrp_conserves,
+    check_masking_equals_zeroed,
+    check_pruned_equals_masked,
+    check_pruned_reloads_as_masked,
+    table_spec,
+)
+
+D = 8  # head size: hidden 32 over 4 heads
+
+
+# -- I-BERT ------------------------------------------------------------------------------------------------------------
+def _ibert(**extra) -> torch.nn.Module:
+    return perturbed_model(tf.IBertForMaskedLM, tf.IBertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, pad_token_id=2, **extra), attn_implementation="eager")
+
+
+def _zero_ibert_value_head(model, layer: int, head: int) -> None:
+    """Head ``head``'s values at 0, by hand: IBertSelfAttention views value(x) [batch, seq, -1, d], so head h's
+    values are rows hd .. hd + d of ``value`` (a QuantLinear: weight [out, in], F.linear with quant_mode=False)."""
+    value = model.ibert.encoder.layer[layer].attention.self.value
+    with torch.no_grad():
+        value.weight[head * D:(head + 1) * D] = 0
+        value.bias[head * D:(head + 1) * D] = 0
+
+
+def test_ibert_blocks_are_the_table():
+    model = _ibert()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads, b.d_head, b.family.name) for b in blocks] == \
+        [("enc_self", layer, 4, D, "ibert") for layer in (0, 1)]
+    assert blocks[0].v is model.ibert.encoder.layer[0].attention.self.value
+    assert blocks[0].o is model.ibert.encoder.layer[0].attention.output.dense
+
+
+def test_ibert_captured_probabilities_are_the_models_own():
+    """Capture asks IBertSelfAttention for its probabilities and reads them out of its ((context, probs), factors)
+    pair: bit for bit transformers' output_attentions."""
+    check_captured_probabilities(_ibert().double(), "enc_self")
+
+
+def test_ibert_masking_equals_zeroed_values():
+    check_masking_equals_zeroed(lambda: _ibert().double(), "enc_self", _zero_ibert_value_head, padded_logits)
+
+
+def test_ibert_gates_at_one_change_nothing():
+    ids, mask = padded_inputs(pad_id=2)
+    check_gates_at_one_change_nothing(_ibert(), {"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_ibert_pruned_equals_masked_in_float64(spec_name):
+    model = _ibert().double()
+    spec, heads_left = table_spec("enc_self", spec_name)
+    check_pruned_equals_masked(model, spec, heads_left)
+    query = model.ibert.encoder.layer[1].attention.self.query
+    # the integer copies (unread with quant_mode=False, saved with the weights) sliced with the weight
+    assert query.weight_integer.shape == query.weight.shape == (heads_left[1] * D, 32)
+    assert query.bias_integer.shape == query.fc_scaling_factor.shape == (heads_left[1] * D,)
+    assert model.ibert.encoder.layer[1].attention.output.dense.weight_integer.shape == (32, heads_left[1] * D)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_ibert_pruned_reloads(spec_name, tmp_path):
+    """save_pruned, load_pruned and plain transformers (pruned_heads.py, which rebuilds a QuantLinear as a QuantLinear
+    and a layer with no head returning ((output,), (None,))): every tensor loaded, the masked model's logits."""
+    check_pruned_reloads_as_masked(_ibert(), *table_spec("enc_self", spec_name), tmp_path)
+
+
+def test_ibert_lrp_conserves_in_float64():
+    model = _ibert().double()
+    check_lrp_conserves(model, model.ibert.encoder.layer[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("spec_name", [None, *SPECS])
+def test_ibert_compute_lrp_conserves_with_biases_and_padding(spec_name):
+    """compute_lrp with biases (QuantLinear's and IntLayerNorm's, each returning (output, None)), unpruned and pruned
+    (a layer with no head: its output projection adds its bias alone), conserves to 1e-9 in float64."""
+    model = _ibert().double()
+    if spec_name is not None:
+        prune_heads(model, table_spec("enc_self", spec_name)[0])
+    check_compute_lrp_conserves(model)
+
+
+def test_ibert_quant_mode_refused_before_any_work():
+    model = _ibert(quant_mode=True)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    for action in (lambda: attention_blocks(model), lambda: mask_heads(model, {("enc_self", 0): [1]}).__enter__(),
+                   lambda: prune_heads(model, {("enc_self", 0): [1]})):
+        with pytest.raises(HeadlabError, match=r"I-BERT with quant_mode=True runs integer-only arithmetic"):
+            action()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_ibert_quant_mode_refused_by_the_command_line_once(tmp_path, capsys):
+    """The saved config's quant_mode is read before the model is built: exit 2, one message, nothing written."""
+    from headlab.cli import main
+    from support.family_matrix import save_tiny
+
+    save_tiny(_ibert(quant_mode=True), tmp_path / "ibert", ("the", "a", "cat", "dog"), "bert")
+    (tmp_path / "text.txt").write_text("the cat\n", encoding="utf-8")
+    code = main(["analyze", str(tmp_path / "ibert"), "--source", str(tmp_path / "text.txt"),
+                 "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("is not supported") == 1 and "quant_mode=True" in err, err
+    assert not (tmp_path / "out").exists()
