@@ -159,6 +159,8 @@ def out_features(module: nn.Module) -> int:
     """Output width of a Linear (or I-BERT's QuantLinear) or of transformers' Conv1D (whose weight is [in, out])."""
     if is_linear(module):
         return int(module.out_features)
+    if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):  # SqueezeBERT's, over [batch, channels, seq]
+        return module.out_channels
     if hasattr(module, "nf"):
         return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
     raise _unreadable(module, "output")
@@ -167,6 +169,8 @@ def out_features(module: nn.Module) -> int:
 def in_features(module: nn.Module) -> int:
     if is_linear(module):
         return int(module.in_features)
+    if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):
+        return module.in_channels
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
         return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
     raise _unreadable(module, "input")
@@ -350,7 +354,7 @@ def _inner_linears(candidate: tuple) -> tuple:
 
 
 def _is_projection(module: nn.Module | None) -> bool:
-    return is_linear(module) or hasattr(module, "nf")
+    return is_linear(module) or hasattr(module, "nf") or isinstance(module, nn.Conv1d) and module.kernel_size == (1,)
 
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:

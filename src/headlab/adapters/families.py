@@ -127,6 +127,11 @@ class Family:
     """The layers' hidden states are time-first, ``[T, B, C]`` (FSMT's, after fairseq): the heads' outputs at the
     output projection's input are ``[T, B, heads x d]``, which headlab's per-sentence measures read batch-first
     (:func:`headlab.capture.register_head_output_hooks`, LRP's cuts and bias probes)."""
+    channels_first: bool = False
+    """The layers' hidden states are channels-first, ``[batch, channels, seq]`` (SqueezeBERT's, whose projections are
+    1x1 convolutions): the heads' outputs at the output projection's input are ``[batch, heads x d, seq]``, which
+    headlab's per-head hooks read as ``[batch, seq, heads, d]`` (:func:`headlab.capture.register_head_output_hooks`)
+    and LRP's bias probes per channel (dimension 1)."""
     pruned_forward: str = ""
     """A key of :data:`headlab.portable_code.PRUNED_FORWARDS`: the forward a pruned layer of the family takes, where
     its own cannot run with fewer heads (FSMT's merges the heads into the query's width); '' elsewhere."""
@@ -745,6 +750,38 @@ IBERT = Family(
 )
 
 
+def squeezebert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """SqueezeBERT's probabilities: ``SqueezeBertSelfAttention`` returns a dict, with ``output_attentions`` its
+    ``attention_score`` (q k^T / sqrt(d) + mask, BEFORE the softmax: what transformers 5.24 hands out as SqueezeBERT's
+    ``attentions``), and its probabilities are ``self.softmax`` (``nn.Softmax(dim=-1)``) of exactly that tensor: the
+    same softmax on the same scores, recomputed here."""
+    import torch
+
+    return torch.softmax(output["attention_score"], dim=-1)
+
+
+# SqueezeBERT (SqueezeBertForMaskedLM, transformers 5.24): encoder.layers.N (SqueezeBertModule) holds ``attention``
+# (SqueezeBertSelfAttention: query/key/value 1x1 Conv1d over [batch, channels, seq], grouped by q_groups, k_groups,
+# v_groups; viewed [batch, heads, d, seq]: head h owns output channels hd .. hd + d) and ``post_attention``
+# (ConvDropoutLayerNorm: a 1x1 Conv1d grouped by post_attention_groups, the residual, a layer norm over channels):
+# post_attention.conv1d is the output projection, its input the heads' outputs, channels-first. Outside the attention
+# interface; the attention returns a dict, its scores (not probabilities) only with output_attentions (position 2).
+SQUEEZEBERT = Family(
+    name="squeezebert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)$"),),
+    q="attention.query", k="attention.key", v="attention.value", o="post_attention.conv1d",
+    d_head_attr="attention_head_size",
+    core="attention",
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),
+    probs_argument=("output_attentions", 2),
+    probs_reader=squeezebert_probs,
+    channels_first=True,
+    unpruned="its projections are 1x1 convolutions (nn.Conv1d over [batch, channels, seq], grouped by q_groups, "
+             "k_groups, v_groups and post_attention_groups), which physical pruning and pruned_heads.py do not slice",
+)
+
+
 def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Longformer's dense ``[batch, heads, seq, seq]`` map from ``LongformerSelfAttention``'s output (transformers
     5.24, its forward read): ``output[1]`` is ``[batch, seq, heads, G + 2w + 1]``, the probabilities over the
@@ -927,6 +964,7 @@ FAMILIES: dict[str, Family] = {
     "xglm": XGLM,
     "mpnet": MPNET,
     "ibert": IBERT,
+    "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,

@@ -281,12 +281,19 @@ def _is_rms_norm(module: nn.Module) -> bool:
     return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm", "TextL2Norm"))
 
 
+_NORMED_SUBLAYERS = frozenset({"ConvDropoutLayerNorm"})
+"""Classes named a norm that are a sublayer ending in one, no gated norm: SqueezeBERT's ``ConvDropoutLayerNorm``
+(transformers 5.24: ``layernorm(dropout(conv1d(x)) + input_tensor)``, a 1x1 convolution, the residual and its
+``SqueezeBertLayerNorm``), each part under its own rule (the convolution a weighted sum, the norm's rule)."""
+
+
 def _is_gated_norm(module: nn.Module) -> bool:
     """A normalisation by name, with no parameters of its own, that holds a norm and a module that is none (A.X-K2's
     ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``). The family's name is
     no part of it, as in :func:`_looks_like_norm` (``RobertaPreLayerNormModel`` holds a LayerNorm and its layers)."""
     name = type(module).__name__.lower().removeprefix(_family_prefix(module))
-    if "norm" not in name or next(module.parameters(recurse=False), None) is not None:
+    if "norm" not in name or next(module.parameters(recurse=False), None) is not None \
+            or type(module).__name__ in _NORMED_SUBLAYERS:
         return False
     children = list(module.children())
     norms = [child for child in children if _is_rms_norm(child) or isinstance(child, nn.LayerNorm)]
@@ -434,6 +441,19 @@ def _looks_like_norm(module: nn.Module) -> bool:
     return not holds_only_modules
 
 
+CHANNELS_FIRST_NORMS = frozenset({"SqueezeBertLayerNorm"})
+"""Layer norms over dimension 1 of ``[batch, channels, seq]``: SqueezeBERT's ``SqueezeBertLayerNorm`` (transformers
+5.24: an ``nn.LayerNorm`` whose forward permutes to ``[batch, seq, channels]``, normalises and permutes back)."""
+
+
+def _channels_first_layer_norm_rule(module: nn.Module, args, output):
+    """:func:`_layer_norm_rule` on the channels-last view of a :data:`CHANNELS_FIRST_NORMS` norm's input and output."""
+    x = args[0]
+    if not isinstance(output, torch.Tensor) or x.dim() != 3 or output.shape != x.shape:
+        raise HeadlabError(f"LRP: {type(module).__name__} is not a layer norm over dimension 1 of [batch, channels, seq]")
+    return _layer_norm_rule(cast(nn.LayerNorm, module), (x.transpose(1, 2),), output.transpose(1, 2)).transpose(1, 2)
+
+
 def is_paired_layer_norm(module: nn.Module) -> bool:
     """I-BERT's ``IntLayerNorm`` with quant_mode=False (transformers 5.24, ibert/quant_modules.py): a layer norm over
     the last axis of a 3-d input, ``(x - mean) / sqrt(eps + var) * weight + bias``, returned as ``(output, None)``."""
@@ -452,6 +472,8 @@ def _paired_layer_norm_rule(module: nn.Module, args, output):
 def norm_rule(module: nn.Module):
     """The forward hook that applies ``module``'s LRP rule when it is a normalisation; None when
     it is none. A normalisation without a rule raises :class:`HeadlabError` naming its class."""
+    if isinstance(module, nn.LayerNorm) and type(module).__name__ in CHANNELS_FIRST_NORMS:
+        return _channels_first_layer_norm_rule
     if isinstance(module, nn.LayerNorm):
         return _layer_norm_rule
     if is_paired_layer_norm(module):
