@@ -137,3 +137,93 @@ def test_ibert_quant_mode_refused_by_the_command_line_once(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("is not supported") == 1 and "quant_mode=True" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# -- SqueezeBERT -------------------------------------------------------------------------------------------------------
+GROUPS = {
+    "default": {},  # q/k/v grouped by 4 (each head's channels one group), post_attention ungrouped
+    "grouped-post": {"q_groups": 2, "k_groups": 2, "v_groups": 2, "post_attention_groups": 2},
+}
+
+
+def _squeezebert(groups: str = "default", layers: int = 2) -> torch.nn.Module:
+    return perturbed_model(tf.SqueezeBertForMaskedLM, tf.SqueezeBertConfig(
+        vocab_size=99, hidden_size=32, embedding_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=40, max_position_embeddings=64, pad_token_id=2, **GROUPS[groups]),
+        attn_implementation="eager")
+
+
+def _zero_squeezebert_value_head(model, layer: int, head: int) -> None:
+    """Head ``head``'s values at 0, by hand: SqueezeBertSelfAttention views value(x) [batch, C, seq] as [batch,
+    heads, d, seq], so head h's values are output channels hd .. hd + d of the 1x1 convolution ``value`` (weight
+    [out, in / groups, 1]: an output channel's row, whatever its group)."""
+    value = model.transformer.encoder.layers[layer].attention.value
+    with torch.no_grad():
+        value.weight[head * D:(head + 1) * D] = 0
+        value.bias[head * D:(head + 1) * D] = 0
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_blocks_are_the_table(groups):
+    model = _squeezebert(groups)
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads, b.d_head, b.family.name) for b in blocks] == \
+        [("enc_self", layer, 4, D, "squeezebert") for layer in (0, 1)]
+    layer = model.transformer.encoder.layers[0]
+    assert (blocks[0].q, blocks[0].v, blocks[0].o) == (layer.attention.query, layer.attention.value,
+                                                       layer.post_attention.conv1d)
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_captured_probabilities_are_the_softmax_of_its_attentions(groups):
+    """transformers' SqueezeBERT hands out its attention SCORES as ``attentions`` (q k^T / sqrt(d) + mask, before
+    self.softmax); capture records the probabilities its values are weighed by: bit for bit the softmax of them."""
+    model = _squeezebert(groups).double()
+    ids, mask = padded_inputs(pad_id=2)
+    with torch.no_grad():
+        scores = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    from headlab import capture_attention
+
+    with torch.no_grad(), capture_attention(model) as record:
+        model(input_ids=ids, attention_mask=mask)
+    assert sorted(record) == [("enc_self", 0), ("enc_self", 1)]
+    for layer in (0, 1):
+        assert torch.equal(record[("enc_self", layer)], torch.softmax(scores[layer], dim=-1)), layer
+        torch.testing.assert_close(record[("enc_self", layer)].sum(-1), torch.ones(3, 4, 7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_masking_equals_zeroed_values(groups):
+    """The heads' outputs reach post_attention.conv1d channels-first ([batch, heads x d, seq]): masking a head zeroes
+    its channels there, which equals zeroing its value channels by hand."""
+    check_masking_equals_zeroed(lambda: _squeezebert(groups).double(), "enc_self", _zero_squeezebert_value_head,
+                                padded_logits)
+
+
+def test_squeezebert_gates_at_one_change_nothing():
+    ids, mask = padded_inputs(pad_id=2)
+    check_gates_at_one_change_nothing(_squeezebert(), {"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_lrp_conserves_in_float64(groups):
+    """The rules (SqueezeBertLayerNorm's over channels, the 1x1 convolutions' weighted sums) conserve relevance from
+    the logit to the encoder's input (its layers are called by .forward, past any hook on them)."""
+    model = _squeezebert(groups).double()
+    check_lrp_conserves(model, model.transformer.encoder, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_compute_lrp_conserves_with_biases_and_padding(groups):
+    """compute_lrp with biases: the convolutions' and the channels-first norms' biases probed per channel."""
+    check_compute_lrp_conserves(_squeezebert(groups).double())
+
+
+def test_squeezebert_analyze_end_to_end(tmp_path, capsys):
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    save_tiny(_squeezebert(), tmp_path / "squeezebert", treebank_files(tmp_path), "bert")
+    code, stages = analyze(tmp_path / "squeezebert", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    for name in (*ANALYZE_STAGES, "lrp"):
+        assert stages[name]["status"] == "done", stages[name]
