@@ -777,8 +777,6 @@ SQUEEZEBERT = Family(
     probs_argument=("output_attentions", 2),
     probs_reader=squeezebert_probs,
     channels_first=True,
-    unpruned="its projections are 1x1 convolutions (nn.Conv1d over [batch, channels, seq], grouped by q_groups, "
-             "k_groups, v_groups and post_attention_groups), which physical pruning and pruned_heads.py do not slice",
 )
 
 
