@@ -1,8 +1,8 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
 multi-query and the per-head layout), Bloom, MPT, ModernBERT, DeBERTa-v2, GPT-Neo, Megatron-BERT, GIT, RemBERT,
-RoFormer, XGLM, MPNet, OpenAI GPT (GPT-1), TrOCR's text decoder and I-BERT (quant_mode=False); and the families headlab refuses, refused before
-any work, once.
+RoFormer, XGLM, MPNet, OpenAI GPT (GPT-1), TrOCR's text decoder and I-BERT (quant_mode=False); and the families
+headlab refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the

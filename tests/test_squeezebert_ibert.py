@@ -227,3 +227,68 @@ def test_squeezebert_analyze_end_to_end(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     for name in (*ANALYZE_STAGES, "lrp"):
         assert stages[name]["status"] == "done", stages[name]
+
+
+# (layer 0's q/k/v groups, post_attention groups and output class; layer 1's) after each plan: a grouped convolution
+# keeps its groups where every group keeps as many channels, and becomes ungrouped (zero blocks) otherwise
+PRUNED_GROUPS = {
+    ("default", "partial"): [(1, 1, "Conv1d"), (1, 1, "Conv1d")],  # 4 groups of one head each: unequal
+    ("default", "no head left"): [(4, 1, "NoInputConv1d"), (1, 1, "Conv1d")],
+    ("grouped-post", "partial"): [(1, 1, "Conv1d"), (2, 2, "Conv1d")],  # layer 1 loses heads 0 and 2: one per group
+    ("grouped-post", "no head left"): [(2, 2, "NoInputConv1d"), (1, 1, "Conv1d")],
+}
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_pruned_equals_masked_in_float64(groups, spec_name):
+    """q/k/v lose the removed heads' output channels, post_attention.conv1d their input channels; a grouped convolution
+    stays grouped only where every group keeps as many channels (else its weight is made dense, zero outside each
+    output channel's group: the same products summed with exact zeros); a layer with no head left adds its output
+    convolution's bias alone (NoInputConv1d: torch's convolution refuses an empty input)."""
+    model = _squeezebert(groups).double()
+    check_pruned_equals_masked(model, *table_spec("enc_self", spec_name))
+    assert [(layer.attention.query.groups, layer.post_attention.conv1d.groups,
+             type(layer.post_attention.conv1d).__name__) for layer in model.transformer.encoder.layers] == \
+        PRUNED_GROUPS[(groups, spec_name)]
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("groups", GROUPS)
+def test_squeezebert_pruned_reloads(groups, spec_name, tmp_path):
+    """save_pruned, load_pruned and plain transformers (pruned_heads.py rebuilds each convolution with its pruned
+    channels and groups, NoInputConv1d where no head is left, and a no-head layer's stand-in returns SqueezeBERT's
+    dict): every tensor loaded, the masked model's logits."""
+    check_pruned_reloads_as_masked(_squeezebert(groups), *table_spec("enc_self", spec_name), tmp_path)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_squeezebert_pruned_keeps_its_measures(spec_name):
+    """After pruning: capture has the kept heads' maps (a layer with no head none, and transformers' own attentions
+    None there), compute_lrp conserves with biases, gates at one change nothing."""
+    from headlab import capture_attention
+
+    model = _squeezebert().double()
+    spec, heads_left = table_spec("enc_self", spec_name)
+    prune_heads(model, spec)
+    ids, mask = padded_inputs(pad_id=2)
+    with torch.no_grad(), capture_attention(model) as record:
+        model(input_ids=ids, attention_mask=mask)
+    assert {key: probs.shape[1] for key, probs in record.items()} == \
+        {("enc_self", layer): n for layer, n in enumerate(heads_left) if n}
+    with torch.no_grad():
+        attentions = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert [None if a is None else a.shape[1] for a in attentions] == [n or None for n in heads_left]
+    check_compute_lrp_conserves(model)
+    check_gates_at_one_change_nothing(model, {"input_ids": ids, "attention_mask": mask})
+
+
+def test_squeezebert_pruning_check_traces_every_layer():
+    """Pruning's own check compares every block's output (its post_attention's, [batch, channels, seq] read per
+    position): SqueezeBertEncoder calls layer.forward, past any hook on the layer, so the layer itself is not traced."""
+    from headlab.prune_check import probe_inputs, run_probe
+
+    model = _squeezebert()
+    trace = run_probe(model, probe_inputs(model))
+    assert trace.error is None and trace.ran == {("enc_self", 0), ("enc_self", 1)}
+    assert [what for _, what, _ in trace.entries] == [("enc_self", 0), ("enc_self", 1), "logits"]

@@ -158,7 +158,7 @@ def is_linear(module: object) -> bool:
 def out_features(module: nn.Module) -> int:
     """Output width of a Linear (or I-BERT's QuantLinear) or of transformers' Conv1D (whose weight is [in, out])."""
     if is_linear(module):
-        return int(module.out_features)
+        return int(getattr(module, "out_features"))  # noqa: B009 (typed as Tensor | Module for mypy)
     if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):  # SqueezeBERT's, over [batch, channels, seq]
         return module.out_channels
     if hasattr(module, "nf"):
@@ -168,7 +168,7 @@ def out_features(module: nn.Module) -> int:
 
 def in_features(module: nn.Module) -> int:
     if is_linear(module):
-        return int(module.in_features)
+        return int(getattr(module, "in_features"))  # noqa: B009 (typed as Tensor | Module for mypy)
     if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):
         return module.in_channels
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
