@@ -292,3 +292,27 @@ def test_squeezebert_pruning_check_traces_every_layer():
     trace = run_probe(model, probe_inputs(model))
     assert trace.error is None and trace.ran == {("enc_self", 0), ("enc_self", 1)}
     assert [what for _, what, _ in trace.entries] == [("enc_self", 0), ("enc_self", 1), "logits"]
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("build", ["ibert", "squeezebert", "squeezebert-grouped-post"])
+def test_pruned_directory_resaved_by_transformers_loads(build, spec_name, tmp_path):
+    """A pruned directory loaded by plain transformers and saved again (save_pretrained: no headlab_pruning.json, the
+    kept heads read off the weights' shapes) loads through headlab as the masked model: the heads counted off
+    QuantLinear's [out, in] weights (not as a Conv1D's [in, out]) and off SqueezeBERT's value convolution's output
+    channels (its groups may have been made dense). Before: refused, "the weights do not match it"."""
+    from headlab import save_pruned
+    from headlab.loading import load_model
+
+    model = _ibert() if build == "ibert" else _squeezebert("grouped-post" if build.endswith("post") else "default")
+    spec, heads_left = table_spec("enc_self", spec_name)
+    ids, mask = padded_inputs(pad_id=2)
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path / "pruned")
+    tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    loaded = load_model(str(tmp_path / "resaved"))
+    assert [b.n_heads for b in attention_blocks(loaded)] == heads_left
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=1e-5, rtol=0)
