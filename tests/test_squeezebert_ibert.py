@@ -316,3 +316,26 @@ def test_pruned_directory_resaved_by_transformers_loads(build, spec_name, tmp_pa
     loaded = load_model(str(tmp_path / "resaved"))
     assert [b.n_heads for b in attention_blocks(loaded)] == heads_left
     torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build", ["ibert", "squeezebert"])
+def test_prune_command_writes_a_directory_that_loads_as_masked(build, tmp_path):
+    """`headlab prune` on a saved model: exit 0, and its directory loads through headlab with the kept heads, giving
+    the saved model's masked logits (the saved one's: save_tiny gives it the tokenizer's padding id, which I-BERT's
+    position ids read)."""
+    from headlab.cli import main
+    from headlab.loading import load_model
+    from support.family_matrix import save_tiny
+
+    save_tiny(_ibert() if build == "ibert" else _squeezebert(), tmp_path / build,
+              ("the", "a", "cat", "dog", "sat", "on", "mat", "ran"), "bert")
+    model = load_model(str(tmp_path / build))
+    ids, mask = padded_inputs(pad_id=2)
+    spec = {("enc_self", 0): [1], ("enc_self", 1): [0, 3]}
+    with mask_heads(model, spec):
+        expected = padded_logits(model, ids, mask)
+    code = main(["prune", str(tmp_path / build), "--heads", "enc_self:0:1 enc_self:1:0,3", "--out", str(tmp_path / "out")])
+    assert code == 0
+    loaded = load_model(str(tmp_path / "out"))
+    assert [b.n_heads for b in attention_blocks(loaded)] == [3, 2]
+    torch.testing.assert_close(padded_logits(loaded, ids, mask), expected, atol=1e-5, rtol=0)
