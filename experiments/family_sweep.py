@@ -276,7 +276,7 @@ def matrix_types() -> set[str]:
             types.add(build()[1].model_type)
     # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
-              "bigbird_pegasus"}
+              "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
     return types
 
@@ -342,6 +342,12 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
     """transformers' own maps by kind, and the indices of those worked out from them (learned sinks)."""
     with torch.no_grad():
         out = model(**inputs, output_attentions=True, **teacher_forced(model))
+    if model.config.model_type == "led":  # its encoder's band (and global rows) scattered into [batch, heads, q, k]
+        from support.longformer import dense_maps
+
+        encoder = dense_maps(out.encoder_attentions, out.encoder_global_attentions,
+                             inputs.get("global_attention_mask"), model.config.attention_window)
+        return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
                 "dec_cross": out.cross_attentions}, set()

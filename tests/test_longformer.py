@@ -12,9 +12,13 @@ global attention on some tokens:
 * masking a head equals zeroing its value rows AND its value_global rows (its global queries' outputs), and
   zeroing the value rows alone does not (the global rows matter);
 * LRP conserves relevance, the global queries' and keys' projections held constant with the local ones
-  (``Family.held``); without that hold it does not;
-* physical pruning is refused before any work, naming why (transformers' forward reshapes the heads' output to
-  the input's width), the model left as it was; so there is no pruned directory to save or reload.
+  (``Family.head_rows``) and relevance passed through value_global (``Family.head_row_values``); without either it
+  does not;
+* physical pruning (refused until session 31) slices the six projections with the heads and gives a pruned layer
+  PRUNED_FORWARDS["longformer"] (transformers' own forward reshapes the heads' output to the input's width): it
+  equals masking in float64 on the padded batch (the window padding too), with global tokens, and with a layer left
+  with no head; so does the directory save_pruned writes, loaded by load_pruned and by plain transformers
+  (pruned_heads.py, trust_remote_code), and LRP conserves on the pruned model.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
+from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.adapters import families
 from headlab.data.inputs import ImportanceData
 from headlab.errors import RunFailed
@@ -149,16 +153,77 @@ def test_masking_equals_zeroed_values_and_global_values(globals_):
         assert torch.equal(values_only(**inputs).logits, zeroed(**inputs).logits) is not globals_
 
 
-def test_physical_pruning_is_refused_before_any_work():
+SPECS = {
+    "partial": ({("enc_self", 0): [1], ("enc_self", 1): [0, 2]}, [3, 2]),
+    "no head left": ({("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [2]}, [0, 3]),
+}
+
+
+@pytest.mark.parametrize("globals_", [False, True], ids=["local", "global"])
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_equals_masked(spec_name, globals_):
+    """query/key/value and their _global twins lose the removed heads' rows, output.dense their columns; the logits of
+    the padded batch (9 tokens the model pads to 16) equal the masked model's to 1e-12 in float64."""
+    model, inputs = _model(), _inputs(globals_)
+    spec, heads_left = SPECS[spec_name]
+    with torch.no_grad(), mask_heads(model, spec):
+        expected = model(**inputs).logits
+    prune_heads(model, spec)
+    assert [block.n_heads for block in attention_blocks(model)] == heads_left
+    core = model.longformer.encoder.layer[1].attention.self
+    for name in ("query", "key", "value", "query_global", "key_global", "value_global"):
+        assert getattr(core, name).weight.shape == (8 * heads_left[1], 32), name
+    assert model.longformer.encoder.layer[1].attention.output.dense.weight.shape == (32, 8 * heads_left[1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, expected, atol=1e-12, rtol=0)
+    check_prunable(model)  # prune train's check passes too
+
+
+def test_pruned_layer_captures_its_kept_heads():
+    """Capture on the pruned model (its band and global rows read with 3 heads): layer 0's maps are the unpruned
+    model's of heads 0, 2 and 3 (layer 0's input is the same; layer 1's is not)."""
+    model, inputs = _model(), _inputs(True)
+    with capture_attention(model) as full, torch.no_grad():
+        model(**inputs)
+    prune_heads(model, SPECS["partial"][0])
+    with capture_attention(model) as pruned, torch.no_grad():
+        model(**inputs)
+    assert pruned[("enc_self", 0)].shape == (3, 3, 9, 9) and pruned[("enc_self", 1)].shape == (3, 2, 9, 9)
+    torch.testing.assert_close(pruned[("enc_self", 0)], full[("enc_self", 0)][:, [0, 2, 3]], atol=1e-12, rtol=0)
+
+
+def test_pruning_needs_its_forward(monkeypatch):
+    """The regression PRUNED_FORWARDS["longformer"] fixes: LongformerSelfAttention's own forward reshapes the heads'
+    output to its input's width and fails on a pruned layer; pruning then refuses, the model left as it was."""
+    monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER, pruned_forward=""))
     model = _model()
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with pytest.raises(HeadlabError, match="physical pruning is refused.*reshape.*mask the heads instead"):
+    with pytest.raises(HeadlabError, match="the pruned model fails"):
         prune_heads(model, {("enc_self", 0): [1]})
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
     assert [block.n_heads for block in attention_blocks(model)] == [4, 4]
-    with pytest.raises(HeadlabError, match="physical pruning is refused"):  # prune train's check, before training
-        check_prunable(model)
-    assert [block.n_heads for block in attention_blocks(model)] == [4, 4]
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_pruned_reloads(spec_name, tmp_path):
+    """save_pruned, then load_pruned and plain transformers (pruned_heads.py, trust_remote_code: every weight loaded,
+    none left out) give the masked model's logits on the padded batch with global tokens."""
+    import json
+
+    model, inputs = _model(), _inputs(True)
+    spec, heads_left = SPECS[spec_name]
+    with torch.no_grad(), mask_heads(model, spec):
+        expected = model(**inputs).logits
+    prune_heads(model, spec)
+    save_pruned(model, tmp_path)
+    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
+    reloaded = load_pruned(tmp_path).double()
+    assert [block.n_heads for block in attention_blocks(reloaded)] == heads_left
+    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(plain.eval().double()(**inputs).logits, expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("globals_", [False, True], ids=["local", "global"])
@@ -180,9 +245,13 @@ def _global_token_0(module, args, kwargs):
 
 
 @pytest.mark.parametrize("globals_", [False, True], ids=["local", "global"])
-def test_compute_lrp_conserves_with_biases_and_padding(globals_):
-    """compute_lrp (biases on, padded sentences of lengths around the window) conserves every logit to 1e-9."""
+@pytest.mark.parametrize("spec_name", [None, *SPECS])
+def test_compute_lrp_conserves_with_biases_and_padding(spec_name, globals_):
+    """compute_lrp (biases on, padded sentences of lengths around the window) conserves every logit to 1e-9, pruned
+    too."""
     model = _model(tf.LongformerForMaskedLM)
+    if spec_name:
+        prune_heads(model, SPECS[spec_name][0])
     if globals_:
         model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
     g = torch.Generator().manual_seed(0)
@@ -205,7 +274,19 @@ def test_compute_lrp_counts_the_seq_major_biases_per_sentence(monkeypatch):
 
 def test_lrp_without_the_global_hold_does_not_conserve(monkeypatch):
     """The regression the hold fixes: with query_global and key_global not held constant, relevance leaks."""
-    monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER, held=()))
+    unheld = tuple(path for path, _ in families.LONGFORMER.head_rows)
+    monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER,
+                                                                            head_row_values=unheld))
+    model = _model(tf.LongformerForMaskedLM)
+    model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
+    with pytest.raises(AssertionError):
+        check_lrp_conserves(model, model.longformer.encoder.layer[0], rtol=1e-10, atol=1e-10)
+
+
+def test_lrp_with_value_global_held_does_not_conserve(monkeypatch):
+    """The regression Family.head_row_values fixes: value_global among the head rows held constant (as the global
+    queries and keys), its values' relevance is lost."""
+    monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER, head_row_values=()))
     model = _model(tf.LongformerForMaskedLM)
     model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
     with pytest.raises(AssertionError):
@@ -223,16 +304,16 @@ def test_analyze_end_to_end(tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-def test_prune_command_refuses_before_writing_anything(tmp_path, capsys):
-    """`headlab prune` on a saved Longformer: exit 2, the reason, no output directory."""
+def test_prune_command_writes_the_pruned_model(tmp_path, capsys):
+    """`headlab prune` on a saved Longformer (refused until session 31): exit 0, a directory plain transformers
+    loads with one head fewer in layer 0."""
     from headlab.cli import main
 
     _model().float().save_pretrained(tmp_path / "longformer")
     code = main(["prune", str(tmp_path / "longformer"), "--heads", "enc_self:0:1", "--out", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "physical pruning is refused" in err and "reshape" in err
-    assert not (tmp_path / "out").exists()
+    assert code == 0, capsys.readouterr().err
+    plain = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert plain.longformer.encoder.layer[0].attention.self.value_global.weight.shape == (24, 32)
 
 
 def test_windows_that_do_not_divide_the_largest_are_refused_before_any_work():

@@ -262,3 +262,44 @@ def test_a_fine_tuning_row_with_another_development_set_is_made_again(corpus, to
     assert len(other) == 1 and other[0]["dev_data_sha256"] != first[0]["dev_data_sha256"]
     assert json.loads((tmp_path / "baselines.stale.json").read_text()) == first
     assert run(corpus.subset(5), replace(config, dev_every=1))[0]["dev_every"] == 1
+
+
+def test_a_fine_tuning_started_before_its_development_set_was_recorded_resumes(corpus, tokenizer, tmp_path,
+                                                                              monkeypatch):
+    """Regression: finetune_run.json gained dev_every/dev_data_sha256 (2026-11-28), and a control
+    cut short (or continued to more updates) under the earlier record silently started over from
+    update 0, its checkpoint cleared. Such a record now resumes; another development set starts
+    over and says so."""
+    config = baselines.BaselineConfig(method="random", keeps=(2,), seeds=(1,), finetune_steps=9, freeze_decoder=True,
+                                      dev_every=3, max_tokens=400, lr=1e-3, eval_beam=1, model_fingerprint="tiny")
+    whole = _run(tmp_path / "whole", config, corpus, tokenizer, monkeypatch)
+    real_train, resumed = baselines.train, []
+
+    def killed_at_4(*args, **kwargs):
+        real_train(*args[:4], replace(args[4], max_steps=4), **kwargs)
+        raise KeyboardInterrupt
+
+    def spy(*args, **kwargs):
+        resumed.append(args[4].resume)
+        return real_train(*args, **kwargs)
+
+    out, name = tmp_path / "old", "ft-random-2-1"
+    with pytest.raises(KeyboardInterrupt):
+        _run(out, config, corpus, tokenizer, monkeypatch, killed_at_4)
+    record = json.loads((out / name / "finetune_run.json").read_text())
+    legacy = {key: value for key, value in record.items() if key not in ("dev_every", "dev_data_sha256")}
+    assert legacy != record
+    (out / name / "finetune_run.json").write_text(json.dumps(legacy))  # as written before 2026-11-28
+    assert _run(out, config, corpus, tokenizer, monkeypatch, spy) == whole and resumed == [True]
+    assert json.loads((out / name / "finetune_run.json").read_text()) == record  # recorded in full now
+
+    # A checkpoint of another development set: the curve would mix two sets, so it starts over.
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "other", config, corpus, tokenizer, monkeypatch, killed_at_4)
+    said: list[str] = []
+    monkeypatch.setattr(baselines, "train", spy)
+    baselines.run_baselines(lambda: (marian(tokenizer), tokenizer), corpus.subset(60), corpus.subset(4), config,
+                            tmp_path / "other", dev_data=corpus.subset(6), log=said.append)
+    monkeypatch.undo()
+    assert resumed == [True, False]
+    assert any("trained with other dev_data_sha256" in line and "starting over" in line for line in said)

@@ -590,7 +590,7 @@ def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _
     parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
-    n_outputs = block.family.probs_index + 1 if block.family.probs_index >= 0 else 2
+    n_outputs = (block.family.probs_index + 1 if block.family.probs_index >= 0 else 2) + block.family.extra_outputs
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
     norm = next(iter(block.family.output_norms), None)  # ALBERT: LayerNorm(input + attention)
@@ -1261,9 +1261,6 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     refuses a width that does not fit its layout)."""
     # a module shared by several depths (ALBERT) prunes when the plan removes the same heads at each
     # (check_shared_plan), which masking those heads at every depth equals
-    if block.family.unpruned and block.n_heads:  # a family whose own forward runs no narrower layer (Longformer)
-        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {block.family.unpruned}; "
-                           "mask the heads instead (mask_heads, or headlab prune train's gates)")
     latent = unpruned_latent_reason(block.family, block.core) if block.n_heads else None
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "

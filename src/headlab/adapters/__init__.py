@@ -599,6 +599,8 @@ def _source(module_name: str) -> str:
 
 def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, int, str, nn.Module, Family]]:
     compiled = [(kind, re.compile(pattern), family) for kind, pattern in family.patterns]
+    # another layout's kinds (LED's decoder): yielded with their own entry, as the model's own (entry is family)
+    parts = [(kind, re.compile(pattern), part) for part in family.parts for kind, pattern in part.patterns]
     if family.never_fed:  # projections not tied: each head its own key and value, as many as the output's input
         untied = dataclasses.replace(family, name=f"{family.name} cross-attention", patterns=(), never_fed=(),
                                      towers=(), q=None, k=None, v=None, qkv=None)
@@ -608,6 +610,10 @@ def _table_candidates(model: nn.Module, family: Family) -> Iterator[tuple[str, i
                                     q=None, k=None, v=None, qkv=None, o=tower_o, core="", head_count_attrs=())
         compiled.append((tower_kind, re.compile(tower_pattern), tower))
     for name, module in model.named_modules():
+        for kind, pattern, part in parts:
+            match = pattern.search(name)
+            if match:
+                yield kind, int(match.group(1)), name, module, part
         for kind, pattern, entry in compiled:
             match = pattern.search(name)
             if match and entry is not family:

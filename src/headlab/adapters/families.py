@@ -147,15 +147,20 @@ class Family:
     """Class name of the module whose forward pads the tokens to a length the attention needs (``LongformerModel``,
     to a multiple of ``attention_window``) before ``core`` runs: capture records the length that module was called
     with and cuts the map back to it (the padding is masked: no query of the input attends to it)."""
-    unpruned: str = ""
-    """Why physical pruning is refused for the family (before any work), where masking its heads is exact."""
     seq_major: tuple[str, ...] = ()
     """Projections (paths relative to the block) that ``core`` calls on ``[seq, batch, d]`` (Longformer's forward
     transposes its input first): LRP's bias probes count their biases' relevance per sentence so."""
-    held: tuple[str, ...] = ()
-    """Projections (paths relative to the block), besides ``q`` and ``k``, whose outputs only shape attention
-    weights (Longformer's ``query_global`` and ``key_global``): LRP holds them constant as it does ``q`` and ``k``."""
-
+    head_row_values: tuple[str, ...] = ()
+    """Those of ``head_rows`` whose outputs are values, weighed by attention weights (Longformer's ``value_global``):
+    LRP passes relevance through them as through ``v``, where it holds the other head rows constant (Longformer's
+    ``query_global`` and ``key_global``, which only shape the global attention's weights, as ``q`` and ``k``)."""
+    extra_outputs: int = 0
+    """Outputs of ``core``'s forward after the probabilities that its caller unpacks (LED's decoder attention returns
+    its cache third): a layer with no head left returns as many (None), as it does the probabilities."""
+    parts: tuple[Family, ...] = ()
+    """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
+    attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
+    entry's and theirs, each block carrying the entry that matched it (one level: a part has no parts)."""
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -814,13 +819,16 @@ def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
 
 # Longformer (LongformerForMaskedLM, transformers 5.24): encoder.layer.N.attention, BERT's layout
 # (self.query/key/value, output.dense) with a second set of projections for global attention
-# (self.query_global/key_global/value_global), outside the attention interface: LongformerSelfAttention returns
-# (output, band probabilities, global probabilities) only with output_attentions (its 6th argument, passed by
-# keyword). LongformerModel pads the tokens to a multiple of attention_window first. A head's output columns carry
-# both its local and its global queries' outputs (the latter overwrite the former's rows), so masking there is
-# exact. Physical pruning is not: the forward reshapes the heads' output to the width of its input, hidden_size
-# (reshape(seq_len, batch_size, embed_dim) with embed_dim read off hidden_states, and asserts self.embed_dim equal
-# to it), so no sliced module runs in transformers' own forward.
+# (self.query_global/key_global/value_global, head-major as the first: viewed [.., num_heads, head_dim]), outside the
+# attention interface: LongformerSelfAttention returns (output, band probabilities, global probabilities) only with
+# output_attentions (its 6th argument, passed by keyword). LongformerModel pads the tokens to a multiple of
+# attention_window first. A head's output columns carry both its local and its global queries' outputs (the latter
+# overwrite the former's rows), so masking there is exact. Physical pruning slices the global projections' rows with
+# the heads (``head_rows``); the forward reshapes the heads' output to the width of its input (reshape(seq_len,
+# batch_size, embed_dim), embed_dim read off hidden_states), so a pruned layer takes PRUNED_FORWARDS["longformer"],
+# which merges num_heads * head_dim (``embed_dim``, the input's width, stays: the global queries gather hidden
+# states of that width).
+_GLOBAL = ("query_global", "key_global", "value_global")
 LONGFORMER = Family(
     name="longformer",
     patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
@@ -831,15 +839,49 @@ LONGFORMER = Family(
     probs_argument=("output_attentions", 5),
     probs_reader=longformer_probs,
     padded_by="LongformerModel",
-    unpruned="LongformerSelfAttention's forward reshapes its heads' output to the width of its input "
-             "(reshape(seq_len, batch_size, embed_dim), embed_dim read off hidden_states, and asserts self.embed_dim "
-             "equal to it; its global queries read hidden_states of self.embed_dim too), so a layer with fewer heads "
-             "does not run in transformers' own forward",
-    # the global attention's weights: LRP holds them constant with the local ones' (value_global's values are
-    # weighed by them, linearly, as value's by the local weights)
-    held=("self.query_global", "self.key_global"),
+    # the global projections, head-major: physical pruning slices their rows with the heads
+    head_rows=tuple((f"self.{name}", ("head_dim",)) for name in _GLOBAL),
+    # LRP holds the head rows constant but value_global (query_global and key_global make the global attention's
+    # weights, which weigh value_global's values linearly, as the local weights weigh value's)
+    head_row_values=("self.value_global",),
+    pruned_forward="longformer",
     # LongformerSelfAttention transposes hidden_states to [seq, batch, d] before every projection
-    seq_major=tuple(f"self.{name}" for name in ("query", "key", "value", "query_global", "key_global", "value_global")),
+    seq_major=tuple(f"self.{name}" for name in ("query", "key", "value", *_GLOBAL)),
+)
+
+
+# LED (LEDForConditionalGeneration, transformers 5.24, models/led): two layouts. The encoder's layers.N.self_attn is
+# LEDEncoderAttention, Longformer's attention (longformer_self_attn: LEDEncoderSelfAttention, a copy of
+# LongformerSelfAttention, with query/key/value and their _global twins, called on [seq, batch, d]) and its output
+# projection ``output``; LEDEncoder pads the tokens to a multiple of attention_window (and cuts its output back); a
+# pruned encoder layer takes Longformer's PRUNED_FORWARDS["longformer"] (its helpers are the copies' own). The
+# decoder's self_attn and encoder_attn are LEDDecoderAttention, BART's old attention outside the attention interface
+# (q_proj/k_proj/v_proj/out_proj, bmm over [batch * heads, ...]), returning its probabilities only with
+# output_attentions (argument 4, by keyword) and merging the heads to the hidden states' width: a pruned layer takes
+# PRUNED_FORWARDS["led-decoder"].
+LED_DECODER = Family(
+    name="led-decoder",
+    patterns=(("dec_self", r"(?:^|\.)decoder\.layers\.(\d+)\.self_attn$"),
+              ("dec_cross", r"(?:^|\.)decoder\.layers\.(\d+)\.encoder_attn$")),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 4),
+    extra_outputs=1,  # (output, probabilities, cache): LEDDecoderLayer unpacks three
+    pruned_forward="led-decoder",
+)
+
+LED = replace(
+    LONGFORMER,
+    name="led",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)\.self_attn$"),),
+    q="longformer_self_attn.query", k="longformer_self_attn.key", v="longformer_self_attn.value", o="output",
+    core="longformer_self_attn",
+    padded_by="LEDEncoder",
+    head_rows=tuple((f"longformer_self_attn.{name}", ("head_dim",)) for name in _GLOBAL),
+    head_row_values=("longformer_self_attn.value_global",),
+    seq_major=tuple(f"longformer_self_attn.{name}" for name in ("query", "key", "value", *_GLOBAL)),
+    parts=(LED_DECODER,),
 )
 
 
@@ -964,6 +1006,7 @@ FAMILIES: dict[str, Family] = {
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
+    "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
     "fsmt": FSMT,
@@ -1048,15 +1091,6 @@ UNSUPPORTED: dict[str, str] = {
                 "output.dense reads the attention heads' outputs and the convolution heads' side by side; a query "
                 "head's weights cannot be removed without changing the convolution heads, and the dynamic "
                 "convolution has no LRP rule, so headlab neither masks nor prunes its heads",
-    # longformer30, read in transformers 5.24 (models/led): LEDEncoderAttention holds Longformer's attention as
-    # longformer_self_attn (query/key/value, their _global twins) and its output projection as output;
-    # LEDDecoderAttention is BART's with q_proj/k_proj/v_proj/out_proj inside it, outside the attention interface
-    "led": "LED's encoder and decoder attentions are laid out differently (the encoder's is Longformer's sliding-window "
-           "and global attention, self_attn.longformer_self_attn.query/key/value with query_global/key_global/"
-           "value_global and self_attn.output; the decoder's self_attn and encoder_attn are LEDDecoderAttention, "
-           "q_proj/k_proj/v_proj/out_proj inside it, outside transformers' attention interface, returning its "
-           "probabilities only with output_attentions), and headlab's table holds one projection layout per model "
-           "type; Longformer's encoder alone (model_type longformer) is supported",
     "mra": "MRA's multi-resolution attention approximates the attention and computes no probability map per head, "
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
@@ -1109,13 +1143,14 @@ def _ibert(config: Any) -> str | None:
 
 
 def _longformer_windows(config: Any) -> str | None:
-    # LongformerModel._pad_to_window_size pads to a multiple of max(attention_window); each layer's
+    # LongformerModel._pad_to_window_size (LEDEncoder's) pads to a multiple of max(attention_window); each layer's
     # _sliding_chunks_query_key_matmul asserts the length a multiple of its own window (transformers 5.24)
     windows = config.attention_window if isinstance(config.attention_window, (list, tuple)) else []
     odd = sorted({w for w in windows if max(windows) % w})
     if not odd:
         return None
-    return (f"this Longformer's per-layer attention windows {list(windows)} do not all divide the largest, "
+    name = "LED" if getattr(config, "model_type", None) == "led" else "Longformer"
+    return (f"this {name}'s per-layer attention windows {list(windows)} do not all divide the largest, "
             f"{max(windows)}: transformers pads the tokens to a multiple of the largest only, and a layer of window "
             f"{odd[0]} then fails its own assertion (the length a multiple of its window) on most input lengths; "
             "use windows that each divide the largest")
@@ -1150,5 +1185,6 @@ def _flaubert(config: Any) -> str | None:
 
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
-                                                               "longformer": _longformer_windows}
+                                                               "longformer": _longformer_windows,
+                                                               "led": _longformer_windows}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

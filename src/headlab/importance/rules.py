@@ -1731,10 +1731,10 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
         hooks.append((block.k, _detach_output))
     if (clip := _clip(block)) is not None and block.v is not None:  # OLMo's clip_qkv: the values' clamp
         hooks.append((block.v, _clamp_identity(clip)))
-    # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate
-    hooks += [(module, _detach_output) for module in head_row_modules(block)]
-    # other projections that only shape attention weights (Longformer's global queries and keys)
-    hooks += [(block.module.get_submodule(path), _detach_output) for path in block.family.held]
+    # an output gate's projection (Beam's gate_proj, QKV_OUTPUT_GATES): held constant as the query gate, and so
+    # Longformer's query_global and key_global; not its value_global (values: relevance passes through them, as v's)
+    values = {id(block.module.get_submodule(path)) for path in block.family.head_row_values}
+    hooks += [(module, _detach_output) for module in head_row_modules(block) if id(module) not in values]
     return hooks
 
 

@@ -46,6 +46,7 @@ from headlab.importance.gradient import gate_gradients, l2_normalize_per_layer
 from headlab.model_description import describe_model
 from headlab.nmt.train import TrainConfig, train
 from headlab.pruning.config import BaselineConfig
+from headlab.pruning.dev import DEV_CURVE_FILE
 from headlab.training.corpus import scoring_batches
 from headlab.training.loop import STATE_FILE, load_weights
 
@@ -292,7 +293,7 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            lr=c.scratch_lr, warmup_steps=c.scratch_warmup_steps,
                                            average_last=c.scratch_average_last,
                                            validate=False, mixed_precision=c.mixed_precision, save_every_steps=100,
-                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings),
+                                           overwrite=True, resume=_resumable_scratch(run_dir, spec, c, settings, log=log),
                                            progress=progress)
                 result = train_from_scratch(model, tokenizer, spec, train_data, eval_data, train_config,
                                             beam=c.eval_beam)
@@ -305,7 +306,8 @@ def run_baselines(load: Callable[[], tuple], train_data, eval_data, config: Base
                                            max_steps=c.finetune_steps, validate=False, keep_epoch_checkpoints=False,
                                            mixed_precision=c.mixed_precision, overwrite=True, progress=False,
                                            save_every_steps=100,
-                                           resume=_resumable_scratch(ft_dir, spec, c, settings, FINETUNE_RUN_FILE))
+                                           resume=_resumable_scratch(ft_dir, spec, c, settings, FINETUNE_RUN_FILE,
+                                                                     log=log))
                     hypotheses = ft_dir / "hypotheses.txt"  # for a paired comparison with other systems
                 dev = _dev_curve(c, dev_data, finetune, tokenizer, model, log)
                 result = evaluate_baseline(model, tokenizer, spec, eval_data, train_data=train_data,
@@ -335,22 +337,35 @@ def _dev_curve(config: BaselineConfig, dev_data, finetune: TrainConfig | None, t
 
 SCRATCH_RUN_FILE = "scratch_run.json"
 FINETUNE_RUN_FILE = "finetune_run.json"
+_DEV_SETTINGS = ("dev_every", "dev_data_sha256")  # recorded in the run files since 2026-11-28
 
 
 def _resumable_scratch(run_dir: Path, spec: Spec, config: BaselineConfig, settings: dict,
-                       run_file_name: str = SCRATCH_RUN_FILE) -> bool:
+                       run_file_name: str = SCRATCH_RUN_FILE, *, log: Callable[[str], None] = print) -> bool:
     """Whether the from-scratch training (or the fine-tuning) in ``run_dir`` may be continued: only
     when it was started for the same heads, starting weights, training data and settings (the
     row's, without those of the evaluation; ``run_file_name``, written here before the training
-    starts). Otherwise the run starts over (the trainer clears the directory)."""
+    starts). Otherwise the run starts over (the trainer clears the directory), and says why when
+    it had a checkpoint."""
     training = {name: value for name, value in settings.items() if not name.startswith("eval_")}
     run = {"spec": sorted([kind, layer, sorted(int(h) for h in heads)] for (kind, layer), heads in spec.items()),
            **_source(config), **training}
     run_file = run_dir / run_file_name
     try:
-        same = json.loads(run_file.read_text()) == run
+        recorded = json.loads(run_file.read_text())
     except (OSError, ValueError):
-        same = False
+        recorded = None
+    compared = run
+    if isinstance(recorded, dict) and not any(name in recorded for name in _DEV_SETTINGS) and \
+            (run_dir / DEV_CURVE_FILE).is_file() == ("dev_every" in run):
+        # A run started before its development set was recorded (2026-11-28), with a curve as
+        # this one has: its set taken as this one's, as rows of that time are kept (_set_aside_stale).
+        compared = {name: value for name, value in run.items() if name not in _DEV_SETTINGS}
+    same = recorded == compared
+    if not same and isinstance(recorded, dict) and (run_dir / "last").is_dir():
+        differing = sorted(name for name in {*recorded, *compared} if recorded.get(name) != compared.get(name))
+        log(f"{run_dir}: its checkpoint was trained with other {', '.join(differing)} ({run_file_name}); "
+            "starting over")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_file, json.dumps(run) + "\n")
     return same
