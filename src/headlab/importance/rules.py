@@ -1584,6 +1584,14 @@ _FUNCTIONAL_ACTIVATIONS = (("dense", "layer_norm", "decoder"),)
 def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     found = []
     for module in model.modules():
+        # RoBERTa's classification head and its copies (I-BERT's, XLM-R's...: transformers 5.24):
+        # out_proj(dropout(torch.tanh(dense(dropout(x[:, 0]))))), tanh a function (ELECTRA's holds an activation module)
+        head = [getattr(module, name, None) for name in ("dense", "out_proj")]
+        if type(module).__name__.endswith("ClassificationHead") and all(isinstance(p, nn.Linear) for p in head) \
+                and {name for name, _ in module.named_children()} <= {"dense", "dropout", "out_proj"} \
+                and all(isinstance(child, (nn.Linear, nn.Dropout)) for child in module.children()):
+            found.append((head[0], head[1]))
+            continue
         if not type(module).__name__.endswith("LMHead"):
             continue
         for before, after, _ in _FUNCTIONAL_ACTIVATIONS:
