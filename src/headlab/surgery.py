@@ -156,7 +156,8 @@ def _slice_conv(module: nn.Conv1d, index: torch.Tensor, outputs: bool, journal: 
     out_per, in_per = module.out_channels // groups, module.in_channels // groups
     owner = torch.div(index, out_per if outputs else in_per, rounding_mode="floor")
     counts = torch.bincount(owner, minlength=groups) if len(index) else torch.zeros(groups, dtype=torch.long)
-    if bool((counts == counts[0]).all()):
+    # grouped still: as many channels kept per group, in group order (a convolution's group j is its j-th block)
+    if bool((counts == counts[0]).all()) and bool((owner[1:] >= owner[:-1]).all()):
         if outputs:
             new = weight.index_select(0, index)
         else:

@@ -1590,7 +1590,7 @@ def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module
         if type(module).__name__.endswith("ClassificationHead") and all(isinstance(p, nn.Linear) for p in head) \
                 and {name for name, _ in module.named_children()} <= {"dense", "dropout", "out_proj"} \
                 and all(isinstance(child, (nn.Linear, nn.Dropout)) for child in module.children()):
-            found.append((head[0], head[1]))
+            found.append((cast(nn.Module, head[0]), cast(nn.Module, head[1])))
             continue
         if not type(module).__name__.endswith("LMHead"):
             continue
