@@ -7,8 +7,9 @@ prunes heads at projection modules, and its LRP detaches queries and keys there,
 slicing rule here: every entry point refuses it before any work
 (:data:`headlab.adapters.families.UNSUPPORTED`). The first tests pin the layout the refusal describes, read off the
 modeling code, so that a transformers that changes it fails here and the refusal is read again; they also record
-what a future table entry could rely on (its heads independent: zeroing a head's value slice changes that head's
-output only; the probabilities ``output_attentions`` returns).
+what a future table entry could rely on: the probabilities ``output_attentions`` returns, heads independent (zeroing a
+head's value slice changes that head's output only), and slicing dim 1 of every per-head parameter (a layer left with
+no head too) equal to zeroing those heads' outputs in float64 on a padded batch.
 """
 
 from __future__ import annotations
@@ -113,3 +114,36 @@ def test_analyze_refused_once_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("is not supported") == 1 and "XLNetRelativeAttention" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _slice_heads(attention, keep: list[int]) -> None:
+    """Every per-head parameter cut to the heads in ``keep`` (dim 1 of q, k, v, o, r and seg_embed; dim 0 of the
+    biases): what a pruning rule for this layout would do."""
+    for name in ("q", "k", "v", "o", "r", "seg_embed"):
+        setattr(attention, name, torch.nn.Parameter(getattr(attention, name).data[:, keep].clone()))
+    for name in ("r_w_bias", "r_r_bias", "r_s_bias"):
+        setattr(attention, name, torch.nn.Parameter(getattr(attention, name).data[keep].clone()))
+    attention.n_head = len(keep)
+
+
+def test_slicing_the_heads_equals_masking_them():
+    """The exactness the foundation row claims for a future entry: in float64 on a padded two-segment batch,
+    slicing heads 0 and 2 out of layer 0 and every head out of layer 1 gives the logits that zeroing those heads'
+    outputs (attn_vec at o's input) gives."""
+    removed = {0: [0, 2], 1: [0, 1, 2, 3]}
+    masked, pruned = _xlnet(), _xlnet()
+    for layer, heads in removed.items():
+        attention = masked.transformer.layer[layer].rel_attn
+        post = attention.post_attention
+
+        def zeroed(h, attn_vec, residual=True, post=post, heads=heads):
+            attn_vec = attn_vec.clone()
+            attn_vec[:, :, heads] = 0
+            return post(h, attn_vec, residual)
+
+        attention.post_attention = zeroed
+        _slice_heads(pruned.transformer.layer[layer].rel_attn, [h for h in range(H) if h not in heads])
+    inputs = _inputs()
+    expected, got = masked(**inputs).logits, pruned(**inputs).logits
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)  # the padding too (a padded query attends itself)
+    assert not torch.allclose(expected, _xlnet()(**inputs).logits)  # the removal changes something
