@@ -171,9 +171,87 @@ def _trocr_forward(self, hidden_states, key_value_states=None, cache=None, atten
     return self.out_proj(attn_output), attn_weights_reshaped
 
 
-PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward}
-"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's and
-TrOCR's merge the heads into the hidden states' width): the plan's ``classes`` name one per layer (:func:`pruned_class`)."""
+def _led_decoder_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
+                         output_attentions=False, **kwargs):
+    """LED's ``LEDDecoderAttention.forward`` (transformers 5.24, modeling_led) is TrOCR's but for the cache it returns
+    third (its layer unpacks three outputs) and the ``kwargs`` it does not hand the cache's update (it takes none):
+    the same, merging ``num_heads * head_dim``."""
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    output, weights = _trocr_forward(self, hidden_states, key_value_states, cache, attention_mask, output_attentions)
+    return output, weights, cache
+
+
+def _longformer_forward(self, hidden_states, attention_mask=None, is_index_masked=None, is_index_global_attn=None,
+                        is_global_attn=None, output_attentions=False):
+    """Longformer's ``LongformerSelfAttention.forward`` (transformers 5.24, modeling_longformer; LED's
+    ``LEDEncoderSelfAttention`` is its copy) line for line (its checks of shapes left out), but that it merges
+    ``num_heads * head_dim`` (the kept heads) where the original reshapes to the input's width ``embed_dim``, which a
+    pruned layer's heads no longer fill. Its helpers read ``num_heads`` (kept in step by pruning) and ``embed_dim``,
+    the input's width, which the global queries' gathered hidden states keep."""
+    import math
+
+    hidden_states = hidden_states.transpose(0, 1)
+    query_vectors = self.query(hidden_states)
+    key_vectors = self.key(hidden_states)
+    value_vectors = self.value(hidden_states)
+    seq_len, batch_size, _ = hidden_states.size()
+    query_vectors /= math.sqrt(self.head_dim)
+    query_vectors = query_vectors.view(seq_len, batch_size, self.num_heads, self.head_dim).transpose(0, 1)
+    key_vectors = key_vectors.view(seq_len, batch_size, self.num_heads, self.head_dim).transpose(0, 1)
+    attn_scores = self._sliding_chunks_query_key_matmul(query_vectors, key_vectors, self.one_sided_attn_window_size)
+    remove_from_windowed_attention_mask = (attention_mask != 0)[:, :, None, None]
+    float_mask = remove_from_windowed_attention_mask.type_as(query_vectors).masked_fill(
+        remove_from_windowed_attention_mask, torch.finfo(query_vectors.dtype).min)
+    diagonal_mask = self._sliding_chunks_query_key_matmul(float_mask.new_ones(size=float_mask.size()), float_mask,
+                                                          self.one_sided_attn_window_size)
+    attn_scores += diagonal_mask
+    if is_global_attn:
+        (max_num_global_attn_indices, is_index_global_attn_nonzero, is_local_index_global_attn_nonzero,
+         is_local_index_no_global_attn_nonzero) = self._get_global_attn_indices(is_index_global_attn)
+        global_key_attn_scores = self._concat_with_global_key_attn_probs(
+            query_vectors=query_vectors, key_vectors=key_vectors,
+            max_num_global_attn_indices=max_num_global_attn_indices,
+            is_index_global_attn_nonzero=is_index_global_attn_nonzero,
+            is_local_index_global_attn_nonzero=is_local_index_global_attn_nonzero,
+            is_local_index_no_global_attn_nonzero=is_local_index_no_global_attn_nonzero)
+        attn_scores = torch.cat((global_key_attn_scores, attn_scores), dim=-1)
+    attn_probs = nn.functional.softmax(attn_scores, dim=-1, dtype=torch.float32)
+    attn_probs = torch.masked_fill(attn_probs, is_index_masked[:, :, None, None], 0.0)
+    attn_probs = attn_probs.type_as(attn_scores)
+    attn_probs = nn.functional.dropout(attn_probs, p=self.dropout, training=self.training)
+    value_vectors = value_vectors.view(seq_len, batch_size, self.num_heads, self.head_dim).transpose(0, 1)
+    if is_global_attn:
+        attn_output = self._compute_attn_output_with_global_indices(
+            value_vectors=value_vectors, attn_probs=attn_probs, max_num_global_attn_indices=max_num_global_attn_indices,
+            is_index_global_attn_nonzero=is_index_global_attn_nonzero,
+            is_local_index_global_attn_nonzero=is_local_index_global_attn_nonzero)
+    else:
+        attn_output = self._sliding_chunks_matmul_attn_probs_value(attn_probs, value_vectors,
+                                                                    self.one_sided_attn_window_size)
+    attn_output = attn_output.transpose(0, 1).reshape(seq_len, batch_size, self.num_heads * self.head_dim).contiguous()
+    if is_global_attn:
+        global_attn_output, global_attn_probs = self._compute_global_attn_output_from_hidden(
+            hidden_states=hidden_states, max_num_global_attn_indices=max_num_global_attn_indices,
+            is_local_index_global_attn_nonzero=is_local_index_global_attn_nonzero,
+            is_index_global_attn_nonzero=is_index_global_attn_nonzero,
+            is_local_index_no_global_attn_nonzero=is_local_index_no_global_attn_nonzero,
+            is_index_masked=is_index_masked)
+        nonzero_global_attn_output = global_attn_output[
+            is_local_index_global_attn_nonzero[0], :, is_local_index_global_attn_nonzero[1]]
+        attn_output[is_index_global_attn_nonzero[::-1]] = nonzero_global_attn_output.view(
+            len(is_local_index_global_attn_nonzero[0]), -1)
+        attn_probs[is_index_global_attn_nonzero] = 0
+    outputs = (attn_output.transpose(0, 1),)
+    if output_attentions:
+        outputs += (attn_probs,)
+    return outputs + (global_attn_probs,) if (is_global_attn and output_attentions) else outputs
+
+
+PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
+                   "longformer": _longformer_forward}
+"""Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
+TrOCR's, LED's decoder's and Longformer's merge the heads into the hidden states' width): the plan's ``classes`` name
+one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
 

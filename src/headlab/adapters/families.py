@@ -1095,6 +1095,25 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
+    # fam31d, read in transformers 5.24 (models/xlnet/modeling_xlnet.py). What a table entry would use: the content
+    # stream (no target_mapping/perm_mask) is one ordinary pass whose probabilities output_attentions returns as
+    # [q, k, batch, heads] per layer (XLNetModel permutes them to [batch, heads, q, k]); every per-head quantity is
+    # the slice [:, h, :] of q, k, v, o, r and seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent
+    # (ac, bd after rel_shift_bnij, ef, softmax per head), so masking at attn_vec and slicing dim 1 would be exact.
+    # What headlab lacks: every hook point (masking, gates, per-head outputs, LRP's cut) and every slicing rule is at
+    # an nn.Module projection, and XLNet's are bare Parameters read by torch.einsum
+    "xlnet": "XLNet's attention (XLNetRelativeAttention) keeps its projections q, k, v, o and r as bare parameters of "
+             "shape (d_model, n_head, d_head) that its forward applies with torch.einsum, not as projection modules: "
+             "headlab masks, gates and reads a head's output at the input of the output projection's module "
+             "(here the heads' outputs attn_vec meet o inside post_attention, with no module to hook), prunes by "
+             "slicing modules' weights (here dim 1 of q, k, v, o, r and seg_embed, and the per-head biases r_w_bias, "
+             "r_r_bias and r_s_bias, with n_head one number in XLNetConfig for every layer, so a pruned layer needs "
+             "code of its own to load), and its LRP holds the attention weights constant by detaching the query and key "
+             "projections' outputs at their modules (here the einsums of h with q, of the keys with k and of the "
+             "relative positions with r, whose products with r_w_bias, r_r_bias and r_s_bias give the content, "
+             "relative-position and segment scores). Its content-stream probabilities are returned (output_attentions), but "
+             "headlab has no entry for this layout yet (an entry would cover the content stream only: no memory, "
+             "mems, and no two-stream pretraining inputs, target_mapping and perm_mask)",
     "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
                        "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
                        "class drops the encoder)",
