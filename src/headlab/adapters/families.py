@@ -127,6 +127,11 @@ class Family:
     """The layers' hidden states are time-first, ``[T, B, C]`` (FSMT's, after fairseq): the heads' outputs at the
     output projection's input are ``[T, B, heads x d]``, which headlab's per-sentence measures read batch-first
     (:func:`headlab.capture.register_head_output_hooks`, LRP's cuts and bias probes)."""
+    channels_first: bool = False
+    """The layers' hidden states are channels-first, ``[batch, channels, seq]`` (SqueezeBERT's, whose projections are
+    1x1 convolutions): the heads' outputs at the output projection's input are ``[batch, heads x d, seq]``, which
+    headlab's per-head hooks read as ``[batch, seq, heads, d]`` (:func:`headlab.capture.register_head_output_hooks`)
+    and LRP's bias probes per channel (dimension 1)."""
     pruned_forward: str = ""
     """A key of :data:`headlab.portable_code.PRUNED_FORWARDS`: the forward a pruned layer of the family takes, where
     its own cannot run with fewer heads (FSMT's merges the heads into the query's width); '' elsewhere."""
@@ -728,6 +733,58 @@ MPNET = Family(
 )
 
 
+def ibert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """I-BERT's probabilities: ``IBertSelfAttention`` returns ``((context, probs), (context's scaling factor,
+    probs'))`` with ``output_attentions`` (transformers 5.24), the map at ``output[0][1]``."""
+    return output[0][1]
+
+
+# I-BERT with quant_mode=False (IBertForMaskedLM, transformers 5.24): BERT's layout and arithmetic (QuantLinear is
+# F.linear, IntSoftmax softmax, IntLayerNorm a layer norm over the last axis, QuantAct the identity or the residual
+# sum), outside the attention interface, every module taking and returning (value, scaling factor) pairs, the
+# factors None. quant_mode=True is refused by :data:`UNSUPPORTED_CONFIGS`.
+IBERT = Family(
+    name="ibert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 3),
+    probs_reader=ibert_probs,
+)
+
+
+def squeezebert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """SqueezeBERT's probabilities: ``SqueezeBertSelfAttention`` returns a dict, with ``output_attentions`` its
+    ``attention_score`` (q k^T / sqrt(d) + mask, BEFORE the softmax: what transformers 5.24 hands out as SqueezeBERT's
+    ``attentions``), and its probabilities are ``self.softmax`` (``nn.Softmax(dim=-1)``) of exactly that tensor: the
+    same softmax on the same scores, recomputed here."""
+    import torch
+
+    return torch.softmax(output["attention_score"], dim=-1)
+
+
+# SqueezeBERT (SqueezeBertForMaskedLM, transformers 5.24): encoder.layers.N (SqueezeBertModule) holds ``attention``
+# (SqueezeBertSelfAttention: query/key/value 1x1 Conv1d over [batch, channels, seq], grouped by q_groups, k_groups,
+# v_groups; viewed [batch, heads, d, seq]: head h owns output channels hd .. hd + d) and ``post_attention``
+# (ConvDropoutLayerNorm: a 1x1 Conv1d grouped by post_attention_groups, the residual, a layer norm over channels):
+# post_attention.conv1d is the output projection, its input the heads' outputs, channels-first. Outside the attention
+# interface; the attention returns a dict, its scores (not probabilities) only with output_attentions (position 2).
+SQUEEZEBERT = Family(
+    name="squeezebert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)$"),),
+    q="attention.query", k="attention.key", v="attention.value", o="post_attention.conv1d",
+    d_head_attr="attention_head_size",
+    core="attention",
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),
+    probs_argument=("output_attentions", 2),
+    probs_reader=squeezebert_probs,
+    channels_first=True,
+)
+
+
 def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Longformer's dense ``[batch, heads, seq, seq]`` map from ``LongformerSelfAttention``'s output (transformers
     5.24, its forward read): ``output[1]`` is ``[batch, seq, heads, G + 2w + 1]``, the probabilities over the
@@ -946,6 +1003,8 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "ibert": IBERT,
+    "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
     "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
@@ -1090,20 +1149,16 @@ def _deberta_talking_heads(config: Any) -> str | None:
             "talking heads, and DeBERTa-v2, are supported")
 
 
-def _ibert(config: Any) -> str:
-    # read in transformers 5.24 (models/ibert): IBertSelfAttention returns ((context, probs), (scaling factors)),
-    # its projections are QuantLinear modules called with a scaling factor and returning (output, factor), its
-    # norms, activations and requantisations (IntLayerNorm, IntGELU, QuantAct) return pairs too
-    if getattr(config, "quant_mode", False):
-        return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
-                "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
-                "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
-                "has no rule for integer rounding: neither masking, pruning nor LRP would be exact")
-    return ("I-BERT (quant_mode=False, whose arithmetic is BERT's) has no adapter entry: its attention returns its "
-            "probabilities nested in pairs with scaling factors ((context, probs), factors), and its projections "
-            "(QuantLinear, with integer-weight buffers), norms (IntLayerNorm) and activations (IntGELU, QuantAct) take "
-            "and return (value, scaling factor) pairs, which headlab's capture, physical pruning, pruned-layer stand-in "
-            "and LRP rules do not read")
+def _ibert(config: Any) -> str | None:
+    # read in transformers 5.24 (models/ibert): with quant_mode=False every Quant*/Int* module computes BERT's float
+    # arithmetic (:data:`IBERT`); with quant_mode=True integer arithmetic with scaling factors
+    if not getattr(config, "quant_mode", False):
+        return None
+    return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
+            "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
+            "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
+            "has no rule for integer rounding: neither masking, pruning nor LRP would be exact; I-BERT with "
+            "quant_mode=False (BERT's arithmetic) is supported")
 
 
 def _longformer_windows(config: Any) -> str | None:
