@@ -210,6 +210,19 @@ def _led_decoder_forward(self, hidden_states, key_value_states=None, cache=None,
     return output, weights, cache
 
 
+def _mvp_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None,
+                 output_attentions=False, **kwargs):
+    """MVP's ``MvpAttention.forward`` (transformers 5.24, modeling_mvp) is TrOCR's but for its layer-wise prompt
+    (``attn_prompt``: keys and values of every head prepended to its own): without one, the same, merging
+    ``num_heads * head_dim``. Its prompt holds every head of the config (``MvpPrompt`` views its output as
+    ``config.encoder_attention_heads`` heads), so a pruned layer cannot take one."""
+    if attn_prompt is not None:
+        raise ValueError("a pruned MVP attention layer was given a layer-wise prompt (use_prompt=True), whose keys "
+                         "and values hold every head of the config: MVP with prompts cannot be pruned")
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    return _trocr_forward(self, hidden_states, key_value_states, cache, attention_mask, output_attentions, **kwargs)
+
+
 def _longformer_forward(self, hidden_states, attention_mask=None, is_index_masked=None, is_index_global_attn=None,
                         is_global_attn=None, output_attentions=False):
     """Longformer's ``LongformerSelfAttention.forward`` (transformers 5.24, modeling_longformer; LED's
@@ -277,9 +290,9 @@ def _longformer_forward(self, hidden_states, attention_mask=None, is_index_maske
 
 
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
-                   "longformer": _longformer_forward}
+                   "longformer": _longformer_forward, "mvp": _mvp_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
-TrOCR's, LED's decoder's and Longformer's merge the heads into the hidden states' width): the plan's ``classes`` name
+TrOCR's, LED's decoder's, Longformer's and MVP's merge the heads into the hidden states' width): the plan's ``classes`` name
 one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 

@@ -938,6 +938,23 @@ TROCR = Family(
 )
 
 
+# MVP (MvpForConditionalGeneration, RUCAIBox/mvp*, transformers 5.24, models/mvp): BART with BART's old attention
+# (MvpAttention, outside the attention interface: q scaled by head_dim**-0.5, bmm over [batch * num_heads, ...],
+# softmax), batch-first, in model.encoder.layers.N.self_attn and model.decoder.layers.N.self_attn/.encoder_attn; it
+# returns (out_proj(merged), probs) and the probabilities only with output_attentions (its 6th argument, by keyword),
+# and merges the heads to the hidden states' width: a pruned layer takes PRUNED_FORWARDS["mvp"]. With use_prompt its
+# layers take layer-wise prompts (attn_prompt), refused per config (:func:`_mvp_prompts`).
+MVP = Family(
+    name="mvp",
+    patterns=_seq2seq(r"encoder\.layers", r"decoder\.layers"),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 5),
+    pruned_forward="mvp",
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -1011,6 +1028,7 @@ FAMILIES: dict[str, Family] = {
     "tapas": TAPAS,
     "fsmt": FSMT,
     "trocr": TROCR,
+    "mvp": MVP,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -1117,6 +1135,27 @@ UNSUPPORTED: dict[str, str] = {
     "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
                        "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
                        "class drops the encoder)",
+    # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
+    # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
+    # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
+    # logits computed from its hidden states (relative_pos_embeddings, num_buckets x heads rows)
+    "prophetnet": "ProphetNet's decoder self-attention (ProphetNetNgramSelfAttention) runs each layer's heads over a "
+                  "main stream and `ngram` predicting streams with one set of projections: a predicting stream's query "
+                  "attends over [the main stream's tokens | its own stream's], 2 x length keys, so a head has 1 + ngram "
+                  "maps, not one [query, key] map over the tokens, its output projection reads every stream's heads, "
+                  "and the relative-position logits come from a projection of the hidden states with a row per (bucket, "
+                  "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
+                  "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
+                  "without the decoder's self-attention would leave its heads out",
+    # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
+    # (PegasusXAttention) goes through the attention interface, the encoder's does not
+    "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
+                 "transformers' attention interface) returns no probabilities per head, and a head's attention is not "
+                 "a [query, key] map over the input's tokens: each token attends over [the num_global_tokens learned "
+                 "global tokens | its own block of block_size tokens] (every other layer's blocks staggered by "
+                 "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
+                 "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
+                 "not sum to one; an analysis would cover its decoder only",
 }
 """Model types refused before any work, with what is missing."""
 
@@ -1202,8 +1241,22 @@ def _flaubert(config: Any) -> str | None:
     return _xlm(config)
 
 
+def _mvp_prompts(config: Any) -> str | None:
+    # read in transformers 5.24 (models/mvp): MvpPrompt maps prompt_length prompt ids through prompt_trans (its last
+    # Linear emitting num_layers * 2 * d_model) to keys and values [2, heads, prompt_length, head_dim] per layer, which
+    # MvpAttention prepends to every head's own keys and values (cat on the key axis, the mask extended by zeros)
+    if not getattr(config, "use_prompt", False):
+        return None
+    return (f"MVP with layer-wise prompts (use_prompt=True, prompt_length={getattr(config, 'prompt_length', '?')}) "
+            "prepends learned prompt keys and values to every head's keys and values in each layer (MvpPrompt), so a "
+            "head's attention map spans [prompt | tokens], not the [query, key] map over the input's tokens that "
+            "headlab's analysis reads, and pruning a head would have to cut its rows out of the prompt projection "
+            "shared by all layers (prompt_trans, viewed as the config's head count in every layer); MVP without "
+            "prompts (use_prompt=False, RUCAIBox/mvp and its task models) is supported")
+
+
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
-                                                               "led": _longformer_windows}
+                                                               "led": _longformer_windows, "mvp": _mvp_prompts}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
