@@ -59,6 +59,7 @@ import torch
 import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
+from headlab.adapters import is_linear
 from headlab.importance.lrp import lrp_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -276,6 +277,8 @@ def matrix_types() -> set[str]:
     # tests/test_refused_families.py (mpnet, xlm, flaubert and tapas since session 30: their own test files)
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
+    types |= {"mvp", "prophetnet", "pegasus_x"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
     return types
 
@@ -362,6 +365,10 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         return {"any": dense_maps(out.attentions, out.global_attentions, inputs.get("global_attention_mask"),
                                   model.config.attention_window)}, set()
+    if model.config.model_type == "squeezebert":
+        # SqueezeBERT hands out its attention scores (q k^T / sqrt(d) + mask, before its nn.Softmax(dim=-1)) as
+        # attentions (transformers 5.24): its probabilities are their softmax
+        return {"any": tuple(torch.softmax(a, dim=-1) for a in out.attentions)}, set()
     return {"any": out.attentions}, set()
 
 
@@ -488,7 +495,7 @@ def value_rows(block, kv_head: int):
             owner, _, name = path.rpartition(".")
             if part == "v":
                 getattr(block.module.get_submodule(owner), name)[entries] = 0
-        if isinstance(v, torch.nn.Linear):
+        if is_linear(v) or isinstance(v, torch.nn.Conv1d):  # [out, in] (I-BERT's QuantLinear too), [out, in / g, 1]
             v.weight[rows] = 0
         else:  # Conv1D: weight [in, out]
             v.weight[:, rows] = 0
@@ -622,6 +629,8 @@ def check_lrp(model, blocks) -> str | None:
     name = blocks[0].name
     layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
     first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
+    if blocks[0].family.channels_first:  # SqueezeBertEncoder calls layer.forward (no hook runs): the encoder's input
+        first = model.get_submodule(layer.group(1).rsplit(".", 2)[0]) if layer else first
     with torch.no_grad():
         for pname, parameter in model.named_parameters():
             if pname.endswith("bias"):

@@ -152,46 +152,22 @@ def test_deberta_analyze_end_to_end(tmp_path, capsys):
         assert stages[name]["status"] == "done", stages[name]
 
 
-# -- I-BERT and ConvBERT: refused before any work, naming what is missing -------------------------------------------
-def _ibert(**extra) -> torch.nn.Module:
-    return perturbed_model(tf.IBertForMaskedLM, tf.IBertConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        max_position_embeddings=64, pad_token_id=2, **extra), attn_implementation="eager")
-
-
+# -- ConvBERT: refused before any work, naming what is missing (I-BERT: tests/test_squeezebert_ibert.py) -----------
 def _convbert() -> torch.nn.Module:
     return perturbed_model(tf.ConvBertForMaskedLM, tf.ConvBertConfig(
         vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         embedding_size=32, max_position_embeddings=64, pad_token_id=2), attn_implementation="eager")
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: _ibert(quant_mode=True), r"I-BERT with quant_mode=True runs integer-only arithmetic"),
-    (lambda: _ibert(), r"I-BERT \(quant_mode=False, whose arithmetic is BERT's\) has no adapter entry"),
-    (_convbert, r"ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads"),
-], ids=["ibert-quant", "ibert", "convbert"])
-def test_refused_before_any_work(build, message):
-    model = build()
+def test_convbert_refused_before_any_work():
+    model = _convbert()
+    message = r"ConvBERT's self-attention mixes its attention heads with span-based dynamic convolution heads"
     before = {name: p.clone() for name, p in model.named_parameters()}
     for action in (lambda: attention_blocks(model), lambda: mask_heads(model, {("enc_self", 0): [1]}).__enter__(),
                    lambda: prune_heads(model, {("enc_self", 0): [1]})):
         with pytest.raises(HeadlabError, match=message):
             action()
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-
-
-def test_ibert_quant_mode_refused_by_the_command_line_once(tmp_path, capsys):
-    """The saved config's quant_mode is read before the model is built: exit 2, one message, nothing written."""
-    from headlab.cli import main
-    from support.family_matrix import save_tiny
-
-    save_tiny(_ibert(quant_mode=True), tmp_path / "ibert", ("the", "a", "cat", "dog"), "bert")
-    (tmp_path / "text.txt").write_text("the cat\n", encoding="utf-8")
-    code = main(["analyze", str(tmp_path / "ibert"), "--source", str(tmp_path / "text.txt"),
-                 "--out", str(tmp_path / "out"), "--no-progress"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("is not supported") == 1 and "quant_mode=True" in err, err
-    assert not (tmp_path / "out").exists()
 
 
 def _deberta_v2(cls=tf.DebertaV2ForMaskedLM, **extra) -> torch.nn.Module:

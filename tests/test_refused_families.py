@@ -38,6 +38,7 @@ _EXTRA = {
                                           max_position_embeddings=64) for part in ("patcher", "encoder", "decoder")},
                 global_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37,
                                    max_position_embeddings=64)),
+    "xlnet": dict(d_model=32, n_layer=2, n_head=4, d_inner=37),
 }
 # model type -> a word of the reason given
 # (mpnet, refused here before, has a table entry since session 30: tests/test_mpnet_openai_gpt.py; xlm, flaubert and
@@ -46,7 +47,8 @@ _EXTRA = {
 REFUSED = {"nystromformer": "output_attentions",
            "mra": "multi-resolution", "yoso": "hashing",
            "bigbird_pegasus": "encoder", "big_bird": "block-sparse",
-           "funnel": "output_attentions", "blt": "four stacks"}
+           "funnel": "output_attentions", "blt": "four stacks",
+           "xlnet": "bare parameters"}  # the parts it lacks: tests/test_xlnet.py
 
 
 def _tiny(model_type: str) -> torch.nn.Module:

@@ -639,7 +639,8 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
     """Let ``fn(block, heads)`` rewrite each block's per-head outputs before ``W^O``.
 
     ``heads`` is the input of the output projection viewed as ``[batch, pos, n_heads, d_head]`` (a time-first
-    family's, ``[pos, batch, ...]``, transposed to it and back: ``Family.time_first``);
+    family's, ``[pos, batch, ...]``, transposed to it and back: ``Family.time_first``; a channels-first family's,
+    ``[batch, heads x d, seq]``, likewise: ``Family.channels_first``);
     ``fn`` returns a tensor of the same shape. Works whatever attention implementation runs,
     since the concatenated head outputs always enter the output projection. Blocks pruned to
     zero heads are left alone. A block of a shared module (ALBERT) acts at its own depth only.
@@ -653,6 +654,9 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
             if block.n_heads == 0 or not applications.runs(block):  # a shared module at another depth
                 return None
             x = args[0]
+            if block.family.channels_first:  # SqueezeBERT's [batch, heads x d, seq]: fn sees (and returns) [b, s, h, d]
+                heads = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], block.n_heads, block.d_head)
+                return (fn(block, heads).reshape(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2), *args[1:])
             heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
             if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
                 return (fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape), *args[1:])

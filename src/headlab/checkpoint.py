@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headlab.adapters import attention_blocks, sharing_groups
+from headlab.adapters import attention_blocks, is_linear, sharing_groups
 from headlab.errors import HeadlabError, UnknownOption, counted
 from headlab.heads import KINDS, kv_heads_kept
 from headlab.portable import CLASS_NAME
@@ -455,8 +455,9 @@ def validate_record(record, source: str | Path) -> None:
 
 
 def _width(shape: tuple[int, ...], module: nn.Module, out: bool) -> int:
-    """Output (or input) width of a Linear's ([out, in]) or a Conv1D's ([in, out]) weight shape."""
-    linear = isinstance(module, nn.Linear)
+    """Output (or input) width of a Linear's (I-BERT's QuantLinear's too: [out, in]) or a Conv1D's ([in, out]) weight
+    shape."""
+    linear = is_linear(module)
     return int(shape[0 if linear == out else 1])
 
 
@@ -543,8 +544,14 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
         kv_weight = f"{names[id(kv_module)]}.weight"
         if o_weight not in shapes or kv_weight not in shapes:
             continue  # named otherwise in the file: check_complete says what is missing
-        n_q, rest_q = divmod(_width(shapes[o_weight], block.o, out=False), block.d_head)
-        kv_width = _width(shapes[kv_weight], kv_module, out=True)
+        if isinstance(block.o, nn.Conv1d):
+            # SqueezeBERT's 1x1 convolutions (weight [out, in / groups, 1]), whose groups pruning may have changed (made
+            # dense): the heads read off the values' output channels (shape[0]), as many as the queries' (no grouping)
+            kv_width = int(shapes[kv_weight][0])
+            n_q, rest_q = divmod(kv_width, block.d_head)
+        else:
+            n_q, rest_q = divmod(_width(shapes[o_weight], block.o, out=False), block.d_head)
+            kv_width = _width(shapes[kv_weight], kv_module, out=True)
         if block.k is None and block.qkv is not None:  # fused [q | k | v]
             kv_width = (kv_width - n_q * block.d_head) // 2
         if block.family.head_rows and block.q is None:  # the other projections' widths: check_fits_weights

@@ -49,13 +49,32 @@ def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_path) if parent_path else model, name, module)
 
 
-def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
-    """A projection of the pruned shape, on the old one's device and dtype (the weights follow)."""
+class NoInputConv1d(nn.Conv1d):
+    """A 1x1 convolution left with no input channel (the output projection of a SqueezeBERT layer with no head left,
+    ``post_attention.conv1d``): sum over no input = its bias at every position of ``[batch, 0, seq]``, which torch's
+    convolution refuses to compute from an empty input. Its weight ``[out, 0, 1]`` and bias keep their names."""
+
+    def forward(self, x):
+        out = x.new_zeros(x.shape[0], self.out_channels, x.shape[-1])
+        return out if self.bias is None else out + self.bias.to(out.dtype)[:, None]
+
+
+def _resized(old: nn.Module, kind: str, n_in: int, n_out: int, *extra) -> nn.Module:
+    """A projection of the pruned shape, on the old one's device and dtype (the weights follow); ``extra``: a 1x1
+    convolution's groups."""
     weight = old.weight
+    if kind == "conv1d_k1":  # SqueezeBERT's 1x1 nn.Conv1d over [batch, channels, seq], (groups,) in extra
+        cls = NoInputConv1d if n_in == 0 else nn.Conv1d
+        return cls(n_in, n_out, kernel_size=1, groups=int(extra[0]) if extra else 1, bias=old.bias is not None,
+                   device=weight.device, dtype=weight.dtype)
     if kind == "conv1d":  # transformers' Conv1D (GPT-2): weight [in, out]
         from transformers.pytorch_utils import Conv1D
 
         new = Conv1D(n_out, n_in)
+        return new.to(device=weight.device, dtype=weight.dtype)
+    if kind == "quant_linear":  # I-BERT's QuantLinear (quant_mode=False): its own class, its integer buffers resized
+        new = type(old)(n_in, n_out, bias=old.bias is not None, weight_bit=old.weight_bit, bias_bit=old.bias_bit,
+                        per_channel=old.per_channel, quant_mode=old.quant_mode)
         return new.to(device=weight.device, dtype=weight.dtype)
     return nn.Linear(n_in, n_out, bias=old.bias is not None, device=weight.device, dtype=weight.dtype)
 
@@ -63,6 +82,16 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int) -> nn.Module:
 LIST_OUTPUTS = frozenset({"transformers.models.openai.modeling_openai.Attention"})
 """Attention classes whose forward returns a list, which their caller extends with a list (GPT-1's ``Block``:
 ``[h] + attn_outputs[1:]``; a tuple there raises): a layer of theirs with no head left returns a list too."""
+
+PAIRED_OUTPUTS = frozenset({"transformers.models.ibert.modeling_ibert.IBertSelfAttention"})
+"""Attention classes whose forward returns ``(outputs, scaling factors)``, two tuples (I-BERT's: ``((context,
+probs), (factors))``, the factors None with quant_mode=False): a layer of theirs with no head left returns such a
+pair, its factors None."""
+
+CHANNELS_FIRST = frozenset({"transformers.models.squeezebert.modeling_squeezebert.SqueezeBertSelfAttention"})
+"""Attention classes over channels-first hidden states, ``[batch, channels, seq]``, returning a dict (SqueezeBERT's:
+``{"context_layer": [batch, heads x d, seq]}``, and ``"attention_score"`` with output_attentions, read by its
+SqueezeBertModule): a layer of theirs with no head left returns ``[batch, 0, seq]`` so, its scores None."""
 
 TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 """Attention classes whose hidden states are time-first, ``[T, B, C]`` (FSMT's: its cross-attention reads the
@@ -187,6 +216,19 @@ def _led_decoder_forward(self, hidden_states, key_value_states=None, cache=None,
     return output, weights, cache
 
 
+def _mvp_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None,
+                 output_attentions=False, **kwargs):
+    """MVP's ``MvpAttention.forward`` (transformers 5.24, modeling_mvp) is TrOCR's but for its layer-wise prompt
+    (``attn_prompt``: keys and values of every head prepended to its own): without one, the same, merging
+    ``num_heads * head_dim``. Its prompt holds every head of the config (``MvpPrompt`` views its output as
+    ``config.encoder_attention_heads`` heads), so a pruned layer cannot take one."""
+    if attn_prompt is not None:
+        raise ValueError("a pruned MVP attention layer was given a layer-wise prompt (use_prompt=True), whose keys "
+                         "and values hold every head of the config: MVP with prompts cannot be pruned")
+    cache = cache if cache is not None else cache_argument(kwargs)  # past_key_values: the deprecated name
+    return _trocr_forward(self, hidden_states, key_value_states, cache, attention_mask, output_attentions, **kwargs)
+
+
 def _longformer_forward(self, hidden_states, attention_mask=None, is_index_masked=None, is_index_global_attn=None,
                         is_global_attn=None, output_attentions=False):
     """Longformer's ``LongformerSelfAttention.forward`` (transformers 5.24, modeling_longformer; LED's
@@ -254,9 +296,9 @@ def _longformer_forward(self, hidden_states, attention_mask=None, is_index_maske
 
 
 PRUNED_FORWARDS = {"fsmt": _fsmt_forward, "trocr": _trocr_forward, "led-decoder": _led_decoder_forward,
-                   "longformer": _longformer_forward}
+                   "longformer": _longformer_forward, "mvp": _mvp_forward}
 """Forwards a pruned attention layer of a family is given where its own cannot run with fewer heads (FSMT's,
-TrOCR's, LED's decoder's and Longformer's merge the heads into the hidden states' width): the plan's ``classes`` name
+TrOCR's, LED's decoder's, Longformer's and MVP's merge the heads into the hidden states' width): the plan's ``classes`` name
 one per layer (:func:`pruned_class`)."""
 _PRUNED_CLASSES: dict = {}
 
@@ -304,6 +346,8 @@ class NoHeadAttention(nn.Module):
                 setattr(self, name, value)
         qualified = f"{type(original).__module__}.{type(original).__qualname__}"
         self.list_output = qualified in LIST_OUTPUTS or getattr(original, "list_output", False) is True
+        self.paired_output = qualified in PAIRED_OUTPUTS or getattr(original, "paired_output", False) is True
+        self.channels_first = qualified in CHANNELS_FIRST or getattr(original, "channels_first", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
         self.residual = tuple(residual) if residual else None
@@ -340,17 +384,23 @@ class NoHeadAttention(nn.Module):
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
+        if self.channels_first:  # SqueezeBertModule reads att["context_layer"], att["attention_score"] when asked
+            return {"context_layer": out, **({"attention_score": None} if named.get("output_attentions") else {})}
+        if self.paired_output:  # I-BERT: ((output, probs), (their scaling factors)), no factor without quantisation
+            return (out, *extras), (None,) * self.n_outputs
         return [out, *extras] if self.list_output else (out, *extras)
 
     def _no_heads(self, hidden_states):
         """Concat() W^O + b = b at each position of ``hidden_states``, or an empty input of the output projection
         where it follows outside this module."""
-        if not self.o_name:  # the output projection follows outside this module: it gets an empty input
-            return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
-        o = getattr(self, self.o_name)
-        width = o.out_features if isinstance(o, nn.Linear) else int(o.nf)
-        out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
-        return out if o.bias is None else out + o.bias.to(out.dtype)
+        if self.o_name:
+            o = getattr(self, self.o_name)
+            width = int(o.out_features) if hasattr(o, "out_features") else int(o.nf)  # Linear, QuantLinear; Conv1D
+            out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+            return out if o.bias is None else out + o.bias.to(out.dtype)
+        if self.channels_first:  # SqueezeBERT: [batch, 0, seq] for its post_attention.conv1d (a NoInputConv1d)
+            return hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # the output projection follows outside
 
     def _selection(self, hidden_states, kwargs):
         """The top-k keys this layer hands the next (GLM-MoE-DSA's "shared" layers attend to the previous
@@ -512,8 +562,8 @@ def alibi_hook(cls: type, name: str = "alibi"):
 def apply_plan(model: nn.Module, plan: dict) -> None:
     """Give ``model`` (built from the original config) the pruned shapes of ``plan``."""
     with torch.no_grad():
-        for path, (kind, n_in, n_out) in plan["projections"].items():
-            _set_submodule(model, path, _resized(model.get_submodule(path), kind, n_in, n_out))
+        for path, (kind, n_in, n_out, *extra) in plan["projections"].items():
+            _set_submodule(model, path, _resized(model.get_submodule(path), kind, n_in, n_out, *extra))
         for path, values in plan["attributes"].items():
             module = model.get_submodule(path)
             for name, value in values.items():

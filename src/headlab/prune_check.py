@@ -191,6 +191,15 @@ def _eval(model: nn.Module) -> Iterator[None]:
             module.train(mode)
 
 
+def _traced(block) -> nn.Module:
+    """The module whose output stands for ``block``'s: the block; for a channels-first family (SqueezeBERT), its output
+    projection's parent, ``post_attention`` (ConvDropoutLayerNorm, [batch, channels, seq]): SqueezeBertEncoder calls
+    each layer's ``forward`` itself, so no hook on the layer runs."""
+    if block.family.channels_first and "." in block.family.o:
+        return block.module.get_submodule(block.family.o.rpartition(".")[0])
+    return block.module
+
+
 def _first(output) -> torch.Tensor | None:
     value = output[0] if isinstance(output, (tuple, list)) else output
     return value if isinstance(value, torch.Tensor) else None
@@ -219,9 +228,11 @@ def run_probe(model: nn.Module, probe: dict) -> Trace:
 
         return hook
 
-    def post_hook(key):
+    def post_hook(key, channels_first: bool = False):
         def hook(module, args, kwargs, output):
             value = _first(output)
+            if channels_first and value is not None and value.dim() == 3:  # [batch, channels, seq]: read per position
+                value = value.transpose(1, 2)
             if value is not None:
                 stack = "decoder" if seq2seq and key[0] != "enc_self" else "main"
                 trace.add(state["call"], key, value, masks.get(stack))
@@ -230,8 +241,10 @@ def run_probe(model: nn.Module, probe: dict) -> Trace:
 
     with _eval(model):
         for block in attention_blocks(model):
-            handles.append(block.module.register_forward_pre_hook(pre_hook(block.key), with_kwargs=True))
-            handles.append(block.module.register_forward_hook(post_hook(block.key), with_kwargs=True))
+            traced = _traced(block)
+            handles.append(traced.register_forward_pre_hook(pre_hook(block.key), with_kwargs=True))
+            handles.append(traced.register_forward_hook(post_hook(block.key, block.family.channels_first),
+                                                        with_kwargs=True))
         try:
             _calls(model, probe, seq2seq, masks, state, trace)
         except Exception as error:  # the pruned model may fail anywhere: that is what is measured

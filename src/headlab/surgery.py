@@ -38,6 +38,7 @@ from headlab.adapters import (
     attention_blocks,
     find_block,
     idle_blocks,
+    is_linear,
     out_features,
     peft_layer,
     qkv_columns,
@@ -65,6 +66,7 @@ from headlab.portable_code import (
     SELECTED_ATTR,
     LayerConfig,
     NoHeadAttention,
+    NoInputConv1d,
     alibi_hook,
     cache_argument,
     load_checked_adapter,
@@ -130,12 +132,62 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor, journal: _Journa
     journal.set(module, name, nn.Parameter(value.contiguous(), requires_grad=old.requires_grad))
 
 
+# I-BERT's QuantLinear: its integer copies of the weight ([out, in]) and bias and its per-row scaling factors, unread
+# with quant_mode=False but saved with the weights: sliced with them, so that the saved shapes are the pruned ones
+_QUANT_ROWS = ("weight_integer", "fc_scaling_factor", "bias_integer")
+
+
+def _slice_buffers(module: Any, dim: int, index: torch.Tensor, journal: _Journal) -> None:
+    """Slice the buffers of :data:`_QUANT_ROWS` that ``module`` holds along ``dim`` (0: rows, 1: columns)."""
+    for name in _QUANT_ROWS:
+        buffer = module._buffers.get(name)
+        if isinstance(buffer, torch.Tensor) and buffer.dim() > dim:
+            journal.set(module, name, buffer.index_select(dim, index.to(buffer.device)).contiguous())
+
+
+def _slice_conv(module: nn.Conv1d, index: torch.Tensor, outputs: bool, journal: _Journal) -> None:
+    """Keep the output (``outputs``) or input channels ``index`` of a 1x1 ``nn.Conv1d`` (SqueezeBERT's; weight
+    ``[out, in / groups, 1]``, group j's output channels reading only its input channels). Where every group keeps as
+    many channels, the groups stay (group j's kept channels, in order); otherwise the convolution becomes ungrouped,
+    its weight ``[out, in, 1]`` zero outside each output channel's group: an output then sums the same products and
+    exact zeros, what it summed before. A convolution left with no input channel (a layer with no head: torch's
+    convolution refuses an empty input) becomes :class:`~headlab.portable_code.NoInputConv1d`, which adds its bias."""
+    groups, weight = module.groups, module.weight
+    out_per, in_per = module.out_channels // groups, module.in_channels // groups
+    owner = torch.div(index, out_per if outputs else in_per, rounding_mode="floor")
+    counts = torch.bincount(owner, minlength=groups) if len(index) else torch.zeros(groups, dtype=torch.long)
+    # grouped still: as many channels kept per group, in group order (a convolution's group j is its j-th block)
+    if bool((counts == counts[0]).all()) and bool((owner[1:] >= owner[:-1]).all()):
+        if outputs:
+            new = weight.index_select(0, index)
+        else:
+            new = torch.cat([weight[j * out_per:(j + 1) * out_per].index_select(1, index[owner == j] - j * in_per)
+                             for j in range(groups)], dim=0)
+    else:
+        dense = weight.new_zeros(module.out_channels, module.in_channels, *weight.shape[2:])
+        for j in range(groups):
+            dense[j * out_per:(j + 1) * out_per, j * in_per:(j + 1) * in_per] = weight[j * out_per:(j + 1) * out_per]
+        new = dense.index_select(0 if outputs else 1, index)
+        journal.set(module, "groups", 1)
+    _replace(module, "weight", new, journal)
+    journal.set(module, "out_channels" if outputs else "in_channels", len(index))
+    if outputs and module.bias is not None:
+        _replace(module, "bias", module.bias.index_select(0, index.to(module.bias.device)), journal)
+    if not outputs and not len(index):
+        journal.set(module, "__class__", NoInputConv1d)
+
+
 def _slice_outputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
-    """Keep output features ``index`` of a Linear or a Conv1D (weight [in, out])."""
+    """Keep output features ``index`` of a Linear (I-BERT's QuantLinear too), a Conv1D (weight [in, out]) or a 1x1
+    nn.Conv1d (:func:`_slice_conv`)."""
     index = index.to(module.weight.device)
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Conv1d):
+        _slice_conv(module, index, True, journal)
+        return
+    if is_linear(module):
         _replace(module, "weight", module.weight.index_select(0, index), journal)
         journal.set(module, "out_features", len(index))
+        _slice_buffers(module, 0, index, journal)
     else:
         _replace(module, "weight", module.weight.index_select(1, index), journal)
         journal.set(module, "nf", len(index))
@@ -145,9 +197,13 @@ def _slice_outputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
 
 def _slice_inputs(module: Any, index: torch.Tensor, journal: _Journal) -> None:
     index = index.to(module.weight.device)
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Conv1d):
+        _slice_conv(module, index, False, journal)
+        return
+    if is_linear(module):
         _replace(module, "weight", module.weight.index_select(1, index), journal)
         journal.set(module, "in_features", len(index))
+        _slice_buffers(module, 1, index, journal)
     else:
         _replace(module, "weight", module.weight.index_select(0, index), journal)
         if hasattr(module, "nx"):
@@ -1315,9 +1371,13 @@ def _core_path(block: AttentionBlock) -> str:
     return block.name + (f".{block.family.core}" if block.family.core else "")
 
 
-def _projection(module: nn.Module) -> tuple[str, int, int]:
+def _projection(module: nn.Module) -> tuple:
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
+    if is_linear(module):  # I-BERT's QuantLinear, rebuilt as one (its forward returns (output, None))
+        return "quant_linear", int(cast(Any, module).in_features), int(cast(Any, module).out_features)
+    if isinstance(module, nn.Conv1d):  # SqueezeBERT's 1x1 convolutions: their groups too (plan: kind, in, out, groups)
+        return "conv1d_k1", module.in_channels, module.out_channels, module.groups
     return "conv1d", int(cast(Any, module).weight.shape[0]), int(cast(Any, module).nf)  # Conv1D: weight [in, out]
 
 

@@ -135,6 +135,11 @@ ANALYSED = {
     "mpnet": lambda: (tf.MPNetForMaskedLM, tf.MPNetConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
         max_position_embeddings=64, **_SPECIAL)),
+    # I-BERT with quant_mode=False: BERT's layers of QuantLinear/IntLayerNorm/IntGELU/QuantAct, every module taking and
+    # returning (value, scaling factor) pairs (tests/test_squeezebert_ibert.py)
+    "ibert": lambda: (tf.IBertForMaskedLM, tf.IBertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, **_SPECIAL)),
     # OpenAI GPT (GPT-1): Conv1D c_attn [q | k | v], post-norm blocks, its own causal buffer
     "openai-gpt": lambda: (tf.OpenAIGPTLMHeadModel, tf.OpenAIGPTConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
@@ -178,13 +183,14 @@ VALUES = {
                  4),
     "xglm": (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     "mpnet": (lambda m, i: m.mpnet.encoder.layer[i].attention.attn.v, lambda j: range(j * D, (j + 1) * D), 4),
+    "ibert": (lambda m, i: m.ibert.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "openai-gpt": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 4), 4),  # c_attn(x).split(split_size)
     "luke": (lambda m, i: m.luke.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "trocr": (lambda m, i: m.model.decoder.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
-ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer", "mpnet", "luke"}
+ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer", "mpnet", "ibert", "luke"}
 
 # Families headlab refuses, before any work.
 REFUSED = {

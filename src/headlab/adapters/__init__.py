@@ -146,18 +146,31 @@ def _unreadable(module: nn.Module, what: str) -> HeadlabError:
     return HeadlabError(f"cannot read the {what} width of {type(module).__name__}")
 
 
+def is_linear(module: object) -> bool:
+    """An ``nn.Linear``, or I-BERT's ``QuantLinear`` with quant_mode=False (transformers 5.24, ibert/quant_modules.py:
+    weight ``[out, in]``, ``in_features``/``out_features``, its forward ``(F.linear(x, weight, bias), None)``);
+    one with quant_mode=True is refused before any work (``families.UNSUPPORTED_CONFIGS``)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "QuantLinear" and isinstance(module, nn.Module)
+                                             and getattr(module, "quant_mode", None) is False
+                                             and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
 def out_features(module: nn.Module) -> int:
-    """Output width of a Linear or of transformers' Conv1D (whose weight is [in, out])."""
-    if isinstance(module, nn.Linear):
-        return module.out_features
+    """Output width of a Linear (or I-BERT's QuantLinear) or of transformers' Conv1D (whose weight is [in, out])."""
+    if is_linear(module):
+        return int(getattr(module, "out_features"))  # noqa: B009 (typed as Tensor | Module for mypy)
+    if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):  # SqueezeBERT's, over [batch, channels, seq]
+        return module.out_channels
     if hasattr(module, "nf"):
         return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
     raise _unreadable(module, "output")
 
 
 def in_features(module: nn.Module) -> int:
-    if isinstance(module, nn.Linear):
-        return module.in_features
+    if is_linear(module):
+        return int(getattr(module, "in_features"))  # noqa: B009 (typed as Tensor | Module for mypy)
+    if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):
+        return module.in_channels
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
         return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
     raise _unreadable(module, "input")
@@ -341,7 +354,7 @@ def _inner_linears(candidate: tuple) -> tuple:
 
 
 def _is_projection(module: nn.Module | None) -> bool:
-    return isinstance(module, nn.Linear) or hasattr(module, "nf")
+    return is_linear(module) or hasattr(module, "nf") or isinstance(module, nn.Conv1d) and module.kernel_size == (1,)
 
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:

@@ -127,6 +127,11 @@ class Family:
     """The layers' hidden states are time-first, ``[T, B, C]`` (FSMT's, after fairseq): the heads' outputs at the
     output projection's input are ``[T, B, heads x d]``, which headlab's per-sentence measures read batch-first
     (:func:`headlab.capture.register_head_output_hooks`, LRP's cuts and bias probes)."""
+    channels_first: bool = False
+    """The layers' hidden states are channels-first, ``[batch, channels, seq]`` (SqueezeBERT's, whose projections are
+    1x1 convolutions): the heads' outputs at the output projection's input are ``[batch, heads x d, seq]``, which
+    headlab's per-head hooks read as ``[batch, seq, heads, d]`` (:func:`headlab.capture.register_head_output_hooks`)
+    and LRP's bias probes per channel (dimension 1)."""
     pruned_forward: str = ""
     """A key of :data:`headlab.portable_code.PRUNED_FORWARDS`: the forward a pruned layer of the family takes, where
     its own cannot run with fewer heads (FSMT's merges the heads into the query's width); '' elsewhere."""
@@ -728,6 +733,58 @@ MPNET = Family(
 )
 
 
+def ibert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """I-BERT's probabilities: ``IBertSelfAttention`` returns ``((context, probs), (context's scaling factor,
+    probs'))`` with ``output_attentions`` (transformers 5.24), the map at ``output[0][1]``."""
+    return output[0][1]
+
+
+# I-BERT with quant_mode=False (IBertForMaskedLM, transformers 5.24): BERT's layout and arithmetic (QuantLinear is
+# F.linear, IntSoftmax softmax, IntLayerNorm a layer norm over the last axis, QuantAct the identity or the residual
+# sum), outside the attention interface, every module taking and returning (value, scaling factor) pairs, the
+# factors None. quant_mode=True is refused by :data:`UNSUPPORTED_CONFIGS`.
+IBERT = Family(
+    name="ibert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    head_count_attrs=("num_attention_heads",),
+    probs_argument=("output_attentions", 3),
+    probs_reader=ibert_probs,
+)
+
+
+def squeezebert_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """SqueezeBERT's probabilities: ``SqueezeBertSelfAttention`` returns a dict, with ``output_attentions`` its
+    ``attention_score`` (q k^T / sqrt(d) + mask, BEFORE the softmax: what transformers 5.24 hands out as SqueezeBERT's
+    ``attentions``), and its probabilities are ``self.softmax`` (``nn.Softmax(dim=-1)``) of exactly that tensor: the
+    same softmax on the same scores, recomputed here."""
+    import torch
+
+    return torch.softmax(output["attention_score"], dim=-1)
+
+
+# SqueezeBERT (SqueezeBertForMaskedLM, transformers 5.24): encoder.layers.N (SqueezeBertModule) holds ``attention``
+# (SqueezeBertSelfAttention: query/key/value 1x1 Conv1d over [batch, channels, seq], grouped by q_groups, k_groups,
+# v_groups; viewed [batch, heads, d, seq]: head h owns output channels hd .. hd + d) and ``post_attention``
+# (ConvDropoutLayerNorm: a 1x1 Conv1d grouped by post_attention_groups, the residual, a layer norm over channels):
+# post_attention.conv1d is the output projection, its input the heads' outputs, channels-first. Outside the attention
+# interface; the attention returns a dict, its scores (not probabilities) only with output_attentions (position 2).
+SQUEEZEBERT = Family(
+    name="squeezebert",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layers\.(\d+)$"),),
+    q="attention.query", k="attention.key", v="attention.value", o="post_attention.conv1d",
+    d_head_attr="attention_head_size",
+    core="attention",
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),
+    probs_argument=("output_attentions", 2),
+    probs_reader=squeezebert_probs,
+    channels_first=True,
+)
+
+
 def longformer_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
     """Longformer's dense ``[batch, heads, seq, seq]`` map from ``LongformerSelfAttention``'s output (transformers
     5.24, its forward read): ``output[1]`` is ``[batch, seq, heads, G + 2w + 1]``, the probabilities over the
@@ -881,6 +938,23 @@ TROCR = Family(
 )
 
 
+# MVP (MvpForConditionalGeneration, RUCAIBox/mvp*, transformers 5.24, models/mvp): BART with BART's old attention
+# (MvpAttention, outside the attention interface: q scaled by head_dim**-0.5, bmm over [batch * num_heads, ...],
+# softmax), batch-first, in model.encoder.layers.N.self_attn and model.decoder.layers.N.self_attn/.encoder_attn; it
+# returns (out_proj(merged), probs) and the probabilities only with output_attentions (its 6th argument, by keyword),
+# and merges the heads to the hidden states' width: a pruned layer takes PRUNED_FORWARDS["mvp"]. With use_prompt its
+# layers take layer-wise prompts (attn_prompt), refused per config (:func:`_mvp_prompts`).
+MVP = Family(
+    name="mvp",
+    patterns=_seq2seq(r"encoder\.layers", r"decoder\.layers"),
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj",
+    d_head_attr="head_dim",
+    head_count_attrs=("num_heads",),
+    probs_argument=("output_attentions", 5),
+    pruned_forward="mvp",
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -976,12 +1050,15 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "ibert": IBERT,
+    "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
     "led": LED,
     **dict.fromkeys(["xlm", "flaubert"], XLM),
     "tapas": TAPAS,
     "fsmt": FSMT,
     "trocr": TROCR,
+    "mvp": MVP,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
@@ -1066,9 +1143,49 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
+    # fam31d, read in transformers 5.24 (models/xlnet/modeling_xlnet.py). What a table entry would use: the content
+    # stream (no target_mapping/perm_mask) is one ordinary pass whose probabilities output_attentions returns as
+    # [q, k, batch, heads] per layer (XLNetModel permutes them to [batch, heads, q, k]); every per-head quantity is
+    # the slice [:, h, :] of q, k, v, o, r and seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent
+    # (ac, bd after rel_shift_bnij, ef, softmax per head), so masking at attn_vec and slicing dim 1 would be exact.
+    # What headlab lacks: every hook point (masking, gates, per-head outputs, LRP's cut) and every slicing rule is at
+    # an nn.Module projection, and XLNet's are bare Parameters read by torch.einsum
+    "xlnet": "XLNet's attention (XLNetRelativeAttention) keeps its projections q, k, v, o and r as bare parameters of "
+             "shape (d_model, n_head, d_head) that its forward applies with torch.einsum, not as projection modules: "
+             "headlab masks, gates and reads a head's output at the input of the output projection's module "
+             "(here the heads' outputs attn_vec meet o inside post_attention, with no module to hook), prunes by "
+             "slicing modules' weights (here dim 1 of q, k, v, o, r and seg_embed, and the per-head biases r_w_bias, "
+             "r_r_bias and r_s_bias, with n_head one number in XLNetConfig for every layer, so a pruned layer needs "
+             "code of its own to load), and its LRP holds the attention weights constant by detaching the query and key "
+             "projections' outputs at their modules (here the einsums of h with q, of the keys with k and of the "
+             "relative positions with r, whose products with r_w_bias, r_r_bias and r_s_bias give the content, "
+             "relative-position and segment scores). Its content-stream probabilities are returned (output_attentions), but "
+             "headlab has no entry for this layout yet (an entry would cover the content stream only: no memory, "
+             "mems, and no two-stream pretraining inputs, target_mapping and perm_mask)",
     "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
                        "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
                        "class drops the encoder)",
+    # fam31b, read in transformers 5.24 (models/prophetnet): ProphetNetNgramSelfAttention runs the decoder's tokens as
+    # a main stream and config.ngram predicting streams through one set of projections, the predicting streams' queries
+    # attending over [main stream's keys | their own stream's] (2 x length keys), each stream with relative position
+    # logits computed from its hidden states (relative_pos_embeddings, num_buckets x heads rows)
+    "prophetnet": "ProphetNet's decoder self-attention (ProphetNetNgramSelfAttention) runs each layer's heads over a "
+                  "main stream and `ngram` predicting streams with one set of projections: a predicting stream's query "
+                  "attends over [the main stream's tokens | its own stream's], 2 x length keys, so a head has 1 + ngram "
+                  "maps, not one [query, key] map over the tokens, its output projection reads every stream's heads, "
+                  "and the relative-position logits come from a projection of the hidden states with a row per (bucket, "
+                  "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
+                  "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
+                  "without the decoder's self-attention would leave its heads out",
+    # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
+    # (PegasusXAttention) goes through the attention interface, the encoder's does not
+    "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
+                 "transformers' attention interface) returns no probabilities per head, and a head's attention is not "
+                 "a [query, key] map over the input's tokens: each token attends over [the num_global_tokens learned "
+                 "global tokens | its own block of block_size tokens] (every other layer's blocks staggered by "
+                 "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
+                 "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
+                 "not sum to one; an analysis would cover its decoder only",
 }
 """Model types refused before any work, with what is missing."""
 
@@ -1101,20 +1218,16 @@ def _deberta_talking_heads(config: Any) -> str | None:
             "talking heads, and DeBERTa-v2, are supported")
 
 
-def _ibert(config: Any) -> str:
-    # read in transformers 5.24 (models/ibert): IBertSelfAttention returns ((context, probs), (scaling factors)),
-    # its projections are QuantLinear modules called with a scaling factor and returning (output, factor), its
-    # norms, activations and requantisations (IntLayerNorm, IntGELU, QuantAct) return pairs too
-    if getattr(config, "quant_mode", False):
-        return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
-                "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
-                "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
-                "has no rule for integer rounding: neither masking, pruning nor LRP would be exact")
-    return ("I-BERT (quant_mode=False, whose arithmetic is BERT's) has no adapter entry: its attention returns its "
-            "probabilities nested in pairs with scaling factors ((context, probs), factors), and its projections "
-            "(QuantLinear, with integer-weight buffers), norms (IntLayerNorm) and activations (IntGELU, QuantAct) take "
-            "and return (value, scaling factor) pairs, which headlab's capture, physical pruning, pruned-layer stand-in "
-            "and LRP rules do not read")
+def _ibert(config: Any) -> str | None:
+    # read in transformers 5.24 (models/ibert): with quant_mode=False every Quant*/Int* module computes BERT's float
+    # arithmetic (:data:`IBERT`); with quant_mode=True integer arithmetic with scaling factors
+    if not getattr(config, "quant_mode", False):
+        return None
+    return ("I-BERT with quant_mode=True runs integer-only arithmetic (IntSoftmax, IntGELU, IntLayerNorm and the "
+            "requantisation of every activation, QuantAct, with scaling factors computed from the whole layer's "
+            "values), so masking or removing a head changes how the other heads' outputs are quantised, and LRP "
+            "has no rule for integer rounding: neither masking, pruning nor LRP would be exact; I-BERT with "
+            "quant_mode=False (BERT's arithmetic) is supported")
 
 
 def _longformer_windows(config: Any) -> str | None:
@@ -1158,8 +1271,22 @@ def _flaubert(config: Any) -> str | None:
     return _xlm(config)
 
 
+def _mvp_prompts(config: Any) -> str | None:
+    # read in transformers 5.24 (models/mvp): MvpPrompt maps prompt_length prompt ids through prompt_trans (its last
+    # Linear emitting num_layers * 2 * d_model) to keys and values [2, heads, prompt_length, head_dim] per layer, which
+    # MvpAttention prepends to every head's own keys and values (cat on the key axis, the mask extended by zeros)
+    if not getattr(config, "use_prompt", False):
+        return None
+    return (f"MVP with layer-wise prompts (use_prompt=True, prompt_length={getattr(config, 'prompt_length', '?')}) "
+            "prepends learned prompt keys and values to every head's keys and values in each layer (MvpPrompt), so a "
+            "head's attention map spans [prompt | tokens], not the [query, key] map over the input's tokens that "
+            "headlab's analysis reads, and pruning a head would have to cut its rows out of the prompt projection "
+            "shared by all layers (prompt_trans, viewed as the config's head count in every layer); MVP without "
+            "prompts (use_prompt=False, RUCAIBox/mvp and its task models) is supported")
+
+
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
-                                                               "led": _longformer_windows}
+                                                               "led": _longformer_windows, "mvp": _mvp_prompts}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from headlab.adapters import AttentionBlock, attention_blocks
+from headlab.adapters import AttentionBlock, attention_blocks, is_linear
 from headlab.capture import Applications, HookHandles, eager_attention, eval_mode, float32_mask_floor, head_output_hooks
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
@@ -66,6 +66,7 @@ from headlab.importance.rules import (
     expert_bias_probes,
     fused_gated_mlps,
     gated_mlps,
+    is_paired_layer_norm,
     lrp_rules,
     norm_rule,
     per_layer_embeddings,
@@ -190,6 +191,16 @@ def _layer_path(name: str) -> str:
     return ".".join(parts) if parts else name.rpartition(".")[0]
 
 
+def _cut_path(block: AttentionBlock) -> str:
+    """Where :func:`_embeddings` reads a stack's input: the layer holding its first block (:func:`_layer_path`); for a
+    channels-first family (SqueezeBERT), the module holding its layer list, ``transformer.encoder``:
+    SqueezeBertEncoder calls ``layer.forward(...)`` itself (transformers 5.24), so no hook on a layer runs, and its
+    own input (``hidden_states``, [batch, seq, hidden], which it permutes to [batch, hidden, seq]) is the first
+    layer's."""
+    path = _layer_path(block.name)
+    return path.rsplit(".", 2)[0] if block.family.channels_first and path.count(".") >= 2 else path
+
+
 @contextmanager
 def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
@@ -208,7 +219,7 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         stack = "enc" if block.kind == "enc_self" else "dec"
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
-    layers = {id(names[_layer_path(b.name)]): names[_layer_path(b.name)] for b in firsts.values()}
+    layers = {id(names[_cut_path(b)]): names[_cut_path(b)] for b in firsts.values()}
     # Gemma 3n: the first layer reads a stack of AltUp streams made from the input embeddings, which the per-layer
     # inputs read too (through per_layer_model_projection): the input embeddings themselves are the cut
     for text, projection in zip(altup_models(model), altup_inputs(model)):
@@ -382,11 +393,26 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
     names = dict(model.named_modules())
     time_first = {id(m) for b in attention_blocks(model) if b.family.time_first
                   for m in names[_layer_path(b.name)].modules()}
+    # the modules of a channels-first family's layers (SqueezeBERT's), whose outputs are [batch, channels, seq]
+    channels_first = {id(m) for b in attention_blocks(model) if b.family.channels_first
+                      for m in names[_layer_path(b.name)].modules()}
 
     def probe(module, args, output):
         if not torch.is_grad_enabled():
             return None  # a pass under no_grad (discovery's probe forward) is not the one explained
+        if isinstance(output, tuple) and len(output) == 2 and output[1] is None and paired(module):
+            # I-BERT's QuantLinear and IntLayerNorm (quant_mode=False): (output, None), the bias in the output
+            out = probe(module, args, output[0])
+            return None if out is None else (out, None)
         bias = module.bias
+        if id(module) in channels_first and isinstance(output, torch.Tensor) and output.dim() == 3 \
+                and bias.dim() == 1 and output.shape[1] == bias.shape[0] and output.shape[0] == batch_size:
+            # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq]
+            s = torch.ones(output.shape[0], 1, output.shape[2], dtype=output.dtype, device=output.device,
+                           requires_grad=True)
+            probes.append(s)  # batch-major: _reached sums over all but the batch dimension
+            kept = bias.detach().to(output.dtype)[:, None] * s
+            return output + (kept - kept.detach())
         if not isinstance(output, torch.Tensor) or output.dim() < 2 or bias.dim() != 1 \
                 or output.shape[-1] != bias.shape[0] or output.shape[:-1].numel() % batch_size:
             return None  # not one output per token: its bias, if any, shows in the conservation check
@@ -401,6 +427,9 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             kept = bias.detach().to(output.dtype) * s
         probes.append(s)
         return output + (kept - kept.detach())
+
+    def paired(module) -> bool:
+        return is_linear(module) and not isinstance(module, nn.Linear) or is_paired_layer_norm(module)
 
     def expert_probe(x):
         # the experts' own biases (GPT-OSS's 3-d gate_up_proj_bias, down_proj_bias): rules.expert_bias_probes

@@ -281,12 +281,19 @@ def _is_rms_norm(module: nn.Module) -> bool:
     return isinstance(module, getattr(nn, "RMSNorm", ())) or name.endswith(("RMSNorm", "T5LayerNorm", "TextL2Norm"))
 
 
+_NORMED_SUBLAYERS = frozenset({"ConvDropoutLayerNorm"})
+"""Classes named a norm that are a sublayer ending in one, no gated norm: SqueezeBERT's ``ConvDropoutLayerNorm``
+(transformers 5.24: ``layernorm(dropout(conv1d(x)) + input_tensor)``, a 1x1 convolution, the residual and its
+``SqueezeBertLayerNorm``), each part under its own rule (the convolution a weighted sum, the norm's rule)."""
+
+
 def _is_gated_norm(module: nn.Module) -> bool:
     """A normalisation by name, with no parameters of its own, that holds a norm and a module that is none (A.X-K2's
     ``AXK2GatedRMSNorm``: ``norm`` and ``mlp``, ``y * sigmoid(mlp(y))`` with ``y = norm(x)``). The family's name is
     no part of it, as in :func:`_looks_like_norm` (``RobertaPreLayerNormModel`` holds a LayerNorm and its layers)."""
     name = type(module).__name__.lower().removeprefix(_family_prefix(module))
-    if "norm" not in name or next(module.parameters(recurse=False), None) is not None:
+    if "norm" not in name or next(module.parameters(recurse=False), None) is not None \
+            or type(module).__name__ in _NORMED_SUBLAYERS:
         return False
     children = list(module.children())
     norms = [child for child in children if _is_rms_norm(child) or isinstance(child, nn.LayerNorm)]
@@ -434,11 +441,43 @@ def _looks_like_norm(module: nn.Module) -> bool:
     return not holds_only_modules
 
 
+CHANNELS_FIRST_NORMS = frozenset({"SqueezeBertLayerNorm"})
+"""Layer norms over dimension 1 of ``[batch, channels, seq]``: SqueezeBERT's ``SqueezeBertLayerNorm`` (transformers
+5.24: an ``nn.LayerNorm`` whose forward permutes to ``[batch, seq, channels]``, normalises and permutes back)."""
+
+
+def _channels_first_layer_norm_rule(module: nn.Module, args, output):
+    """:func:`_layer_norm_rule` on the channels-last view of a :data:`CHANNELS_FIRST_NORMS` norm's input and output."""
+    x = args[0]
+    if not isinstance(output, torch.Tensor) or x.dim() != 3 or output.shape != x.shape:
+        raise HeadlabError(f"LRP: {type(module).__name__} is not a layer norm over dimension 1 of [batch, channels, seq]")
+    return _layer_norm_rule(cast(nn.LayerNorm, module), (x.transpose(1, 2),), output.transpose(1, 2)).transpose(1, 2)
+
+
+def is_paired_layer_norm(module: nn.Module) -> bool:
+    """I-BERT's ``IntLayerNorm`` with quant_mode=False (transformers 5.24, ibert/quant_modules.py): a layer norm over
+    the last axis of a 3-d input, ``(x - mean) / sqrt(eps + var) * weight + bias``, returned as ``(output, None)``."""
+    return type(module).__name__ == "IntLayerNorm" and getattr(module, "quant_mode", None) is False \
+        and isinstance(getattr(module, "weight", None), torch.Tensor) and isinstance(getattr(module, "eps", None), float)
+
+
+def _paired_layer_norm_rule(module: nn.Module, args, output):
+    """:func:`_own_layer_norm_rule` on the value of I-BERT's ``(output, scaling factor)`` pair (the factor None)."""
+    if not isinstance(output, tuple) or not isinstance(output[0], torch.Tensor) or output[1] is not None:
+        raise HeadlabError(f"LRP: {type(module).__name__} returned no (output, None) pair; headlab has no LRP rule "
+                           "for it")
+    return (_own_layer_norm_rule(module, args, output[0]), *output[1:])
+
+
 def norm_rule(module: nn.Module):
     """The forward hook that applies ``module``'s LRP rule when it is a normalisation; None when
     it is none. A normalisation without a rule raises :class:`HeadlabError` naming its class."""
+    if isinstance(module, nn.LayerNorm) and type(module).__name__ in CHANNELS_FIRST_NORMS:
+        return _channels_first_layer_norm_rule
     if isinstance(module, nn.LayerNorm):
         return _layer_norm_rule
+    if is_paired_layer_norm(module):
+        return _paired_layer_norm_rule
     if _is_rms_norm(module):
         return _rms_norm_rule
     if _is_parameter_free_layer_norm(module) or _is_own_layer_norm(module):
@@ -752,6 +791,8 @@ def _detach_where(columns: torch.Tensor):
 
 
 def _detach_output(module, args, output):
+    if isinstance(output, tuple):  # I-BERT's QuantLinear: (output, scaling factor), the factor None
+        return (output[0].detach(), *output[1:])
     return output.detach()
 
 
@@ -1543,6 +1584,14 @@ _FUNCTIONAL_ACTIVATIONS = (("dense", "layer_norm", "decoder"),)
 def _functional_activations(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     found = []
     for module in model.modules():
+        # RoBERTa's classification head and its copies (I-BERT's, XLM-R's...: transformers 5.24):
+        # out_proj(dropout(torch.tanh(dense(dropout(x[:, 0]))))), tanh a function (ELECTRA's holds an activation module)
+        head = [getattr(module, name, None) for name in ("dense", "out_proj")]
+        if type(module).__name__.endswith("ClassificationHead") and all(isinstance(p, nn.Linear) for p in head) \
+                and {name for name, _ in module.named_children()} <= {"dense", "dropout", "out_proj"} \
+                and all(isinstance(child, (nn.Linear, nn.Dropout)) for child in module.children()):
+            found.append((cast(nn.Module, head[0]), cast(nn.Module, head[1])))
+            continue
         if not type(module).__name__.endswith("LMHead"):
             continue
         for before, after, _ in _FUNCTIONAL_ACTIVATIONS:
