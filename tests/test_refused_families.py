@@ -23,6 +23,7 @@ _COMMON = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_l
                max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 _EXTRA = {
     "xlm": dict(emb_dim=32, n_layers=2, n_heads=4),
+    "luke": dict(entity_vocab_size=20, entity_emb_size=8),
     "trocr": dict(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37),
     "bigbird_pegasus": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                             decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
@@ -99,12 +100,13 @@ def test_analyze_refuses_before_any_work(model_type, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type", ["mpnet", "tapas", "xlm", "nystromformer", "trocr", "mra", "yoso"])
+@pytest.mark.parametrize("model_type", ["mpnet", "tapas", "xlm", "nystromformer", "trocr", "mra", "yoso", "luke"])
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_name_based_blocks_must_return_per_head_weights(model_type, device, monkeypatch):
     """Without its table entry, a name-based block whose module returned no [batch, heads, q, k]
     weights in the probe pass is refused (on the meta device too: before any work). MPNet's, TAPAS's and XLM's table
-    entries (since session 30) are taken out too: the name-based path is still checked on them."""
+    entries (since session 30) and LUKE's (session 31: tests/test_luke.py) are taken out too: the name-based path is
+    still checked on them."""
     from headlab.adapters import families
 
     monkeypatch.delitem(families.UNSUPPORTED, model_type, raising=False)

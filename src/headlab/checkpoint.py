@@ -158,10 +158,23 @@ def model_class_for(config, source: str | Path = "config.json") -> type:
                 "multimodal), sequence classifiers and bare models, and loading this checkpoint as one of those "
                 f"would leave out its head or make one up. To analyse its attention, save its base model: "
                 f"transformers.{saved.__name__}.from_pretrained(path).base_model.save_pretrained(base_dir)")
+        if saved.__name__ in ENTITY_CLASSES:
+            raise HeadlabError(
+                f"{source}: architectures names {saved.__name__}, which classifies entities: its forward reads "
+                "entity_ids (its head reads the entities' last hidden states), which headlab's text inputs do not give "
+                "(token ids and their attention mask only). To analyse its attention, save its base model, which runs "
+                f"on words alone: transformers.{saved.__name__}.from_pretrained(path).base_model.save_pretrained("
+                "base_dir)")
         return saved  # a class transformers lists under no auto class: the class the checkpoint was saved from
     if classes:
         return classes[0]
     raise HeadlabError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+ENTITY_CLASSES = frozenset({"LukeForEntityClassification", "LukeForEntityPairClassification",
+                            "LukeForEntitySpanClassification"})
+"""Classes (transformers 5.24, listed under no auto class) whose forward needs entity inputs: LUKE's entity
+classifiers read ``entity_last_hidden_state``, None without ``entity_ids`` (a TypeError on headlab's inputs)."""
 
 
 def _kind(table: str) -> str:

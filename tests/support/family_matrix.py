@@ -143,6 +143,11 @@ ANALYSED = {
     # OpenAI GPT (GPT-1): Conv1D c_attn [q | k | v], post-norm blocks, its own causal buffer
     "openai-gpt": lambda: (tf.OpenAIGPTLMHeadModel, tf.OpenAIGPTConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
+    # LUKE: RoBERTa's post-norm layers over [words | entities] (headlab's text inputs give no entity: words only),
+    # its own softmax outside the interface, entity-aware query projections beside query (tests/test_luke.py)
+    "luke": lambda: (tf.LukeForMaskedLM, tf.LukeConfig(
+        vocab_size=VOCAB, entity_vocab_size=20, entity_emb_size=8, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=37, max_position_embeddings=64, **_SPECIAL)),
     # TrOCR's text decoder (TrOCRForCausalLM): BART's old attention outside the interface, learned positions, an
     # embedding layer norm; its encoder_attn (is_decoder) never fed: idle
     "trocr": lambda: (tf.TrOCRForCausalLM, tf.TrOCRConfig(
@@ -180,11 +185,12 @@ VALUES = {
     "mpnet": (lambda m, i: m.mpnet.encoder.layer[i].attention.attn.v, lambda j: range(j * D, (j + 1) * D), 4),
     "ibert": (lambda m, i: m.ibert.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "openai-gpt": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 4), 4),  # c_attn(x).split(split_size)
+    "luke": (lambda m, i: m.luke.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "trocr": (lambda m, i: m.model.decoder.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }
-ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer", "mpnet", "ibert"}
+ENCODERS = {"modernbert", "deberta-v2", "megatron-bert", "rembert", "roformer", "mpnet", "ibert", "luke"}
 
 # Families headlab refuses, before any work.
 REFUSED = {

@@ -994,6 +994,36 @@ TAPAS = Family(
 )
 
 
+# LUKE (LukeForMaskedLM, transformers 5.24, models/luke): RoBERTa's post-norm layers over [words | entities] (the
+# entities, from entity_ids, optional: without them the words alone). LukeSelfAttention(word_hidden_states,
+# entity_hidden_states, attention_mask, output_attentions), outside the attention interface, computes its own
+# softmax(q k^T / sqrt(d) + mask) over the concatenation and returns (words' context, entities' context or None[,
+# probs]) (probabilities third, only with output_attentions, its 4th argument, passed by position); LukeAttention
+# hands output.dense the two contexts concatenated. With use_entity_aware_attention (the default) and entities given,
+# the query of each (word | entity) x (word | entity) block comes from its own projection (query for word-to-word,
+# w2e_query, e2w_query, e2e_query), each viewed [.., num_attention_heads, attention_head_size] as query is: a head owns
+# its rows in all four, which physical pruning slices with it (head_rows) and LRP holds constant as it holds q (they
+# only make the weights, choosing a query by block is no operation on the values). Keys and values serve every block.
+_LUKE_QUERIES = ("w2e_query", "e2w_query", "e2e_query")
+LUKE = Family(
+    name="luke",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.layer\.(\d+)\.attention$"),),
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+    d_head_attr="attention_head_size",
+    core="self",
+    probs_index=2,
+    head_count_attrs=("num_attention_heads",),
+    width_attrs=("all_head_size",),  # its forward merges the heads to all_head_size
+    probs_argument=("output_attentions", 3),
+)
+LUKE_ENTITY_AWARE = replace(LUKE, head_rows=tuple((f"self.{name}", ("attention_head_size",)) for name in _LUKE_QUERIES))
+
+
+def luke(config: Any) -> Family:
+    """LUKE's extra query projections exist only with ``use_entity_aware_attention`` (its default)."""
+    return LUKE_ENTITY_AWARE if getattr(config, "use_entity_aware_attention", True) else LUKE
+
+
 def xlm(config: Any) -> Family:
     """XLM and FlauBERT: a causal checkpoint (``causal``, a triangular mask) is a decoder."""
     return XLM_CAUSAL if getattr(config, "causal", False) else XLM
@@ -1061,7 +1091,7 @@ entry's projections, layout and bookkeeping, so that physical pruning slices it 
 columns constant as for the tabled family."""
 
 CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": openai_gpt, "deberta": deberta,
-                   "xlm": xlm, "flaubert": xlm,
+                   "xlm": xlm, "flaubert": xlm, "luke": luke,
                    # Megatron-BERT: BERT's attention (self.query/key/value, output.dense) with a pre-norm ``ln``
                    # before it and no norm in its output (MegatronBertSelfOutput adds the residual).
                    # RemBERT: BERT's attention over hidden_size (its embeddings narrower, projected up first).
