@@ -98,6 +98,12 @@ TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 encoder's output from its ``key`` argument, ``[S, B, C]``): a layer of theirs with no head left keeps the cache in
 step with ``[B, 1, T, 1]`` placeholders all the same."""
 
+SECOND_STREAMS = {"transformers.models.luke.modeling_luke.LukeSelfAttention": "entity_hidden_states"}
+"""Attention classes that attend over two streams of hidden states, the second (by the argument named here) after the
+first, and return the second's heads' outputs second (LUKE's entities: None where it gets none; its caller
+concatenates the two before its output projection): a layer of theirs with no head left returns an empty output for
+the second stream too."""
+
 
 def _fsmt_forward(self, query, key, key_padding_mask=None, layer_state=None, attn_mask=None, output_attentions=False,
                   **kwargs):
@@ -343,6 +349,7 @@ class NoHeadAttention(nn.Module):
         self.paired_output = qualified in PAIRED_OUTPUTS or getattr(original, "paired_output", False) is True
         self.channels_first = qualified in CHANNELS_FIRST or getattr(original, "channels_first", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
+        self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -358,16 +365,7 @@ class NoHeadAttention(nn.Module):
     def forward(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs.pop(self.input_name)
         args = args[1:]
-        if self.o_name:
-            o = getattr(self, self.o_name)
-            width = int(o.out_features) if hasattr(o, "out_features") else int(o.nf)  # Linear, QuantLinear; Conv1D
-            out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
-            if o.bias is not None:
-                out = out + o.bias.to(out.dtype)
-        elif self.channels_first:  # SqueezeBERT: [batch, 0, seq] for its post_attention.conv1d (a NoInputConv1d)
-            out = hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])
-        else:  # the output projection follows outside this module: it gets an empty input
-            out = hidden_states.new_zeros(*hidden_states.shape[:-1], 0)
+        out = self._no_heads(hidden_states)
         if self.residual is not None:  # Bloom adds the residual inside its attention
             name, position = self.residual
             out = out + (kwargs[name] if name in kwargs else args[position - 1])
@@ -379,7 +377,10 @@ class NoHeadAttention(nn.Module):
         elif not self.reads_latents:
             self._keep_cache_in_step(hidden_states, named)
         extras = [None] * (self.n_outputs - 1)
-        if self.selection:  # (output, probs, selection)
+        if self.second_stream:  # (first's output, second's output or None, probs): LUKE's (words, entities)
+            second = named.get(self.second_stream)
+            extras[0] = None if second is None else self._no_heads(second)
+        elif self.selection:  # (output, probs, selection)
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
@@ -388,6 +389,18 @@ class NoHeadAttention(nn.Module):
         if self.paired_output:  # I-BERT: ((output, probs), (their scaling factors)), no factor without quantisation
             return (out, *extras), (None,) * self.n_outputs
         return [out, *extras] if self.list_output else (out, *extras)
+
+    def _no_heads(self, hidden_states):
+        """Concat() W^O + b = b at each position of ``hidden_states``, or an empty input of the output projection
+        where it follows outside this module."""
+        if self.o_name:
+            o = getattr(self, self.o_name)
+            width = int(o.out_features) if hasattr(o, "out_features") else int(o.nf)  # Linear, QuantLinear; Conv1D
+            out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
+            return out if o.bias is None else out + o.bias.to(out.dtype)
+        if self.channels_first:  # SqueezeBERT: [batch, 0, seq] for its post_attention.conv1d (a NoInputConv1d)
+            return hidden_states.new_zeros(hidden_states.shape[0], 0, hidden_states.shape[-1])
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0)  # the output projection follows outside
 
     def _selection(self, hidden_states, kwargs):
         """The top-k keys this layer hands the next (GLM-MoE-DSA's "shared" layers attend to the previous
