@@ -243,6 +243,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
     from headlab.data.inputs import texts_data
+    from headlab.importance.config import check_beam
     from headlab.importance.pipeline import run_importance
 
     _check_counts("importance", limit=limit, batch_size=batch_size, max_length=max_length)
@@ -253,10 +254,8 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     config.resolved_methods()  # a bad measure or option fails before any work
     config.check_options_act(str, f"measures={list(config.methods)!r}")
     info = model_info(model, tokenizer, max_length)
-    if config.beam != 1 and not info.is_seq2seq:  # ignored, yet the scores' signature would say it (the CLI refuses it)
-        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
-        raise HeadlabError(f"beam={config.beam}: the beam of the model's translations, and the model is a {kind} "
-                           "that does not translate; leave beam out")
+    check_beam(config.beam, translates=info.is_seq2seq, classifier=info.arch == "classifier", arch=info.arch,
+               model="the model", option="beam")
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
     return run_importance(model, data, info, config, tokenizer=tokenizer)

@@ -89,5 +89,17 @@ class ImportanceConfig(PluginOptions):
                            "of them: add the measures, or leave the options out")
 
 
+def check_beam(beam: int, *, translates: bool, classifier: bool, arch: str, model: str, option: str) -> None:
+    """Refuse a beam other than 1 for a model that makes no translation for it to search: it was
+    ignored, and the scores' signature said that beam all the same. The one check of ``importance``
+    (``--beam``), the API (``beam=``) and ``analyze`` (before any stage). ``arch``: the model's kind
+    (``gpt2``, ``decoder``); ``option``: how the caller spells it (``--beam`` or ``beam``)."""
+    if beam != 1 and not translates:
+        given = f"{option} {beam}" if option.startswith("--") else f"{option}={beam}"
+        kind = "sequence classifier" if classifier else f"{arch} model"
+        raise HeadlabError(f"{given}: the beam of the model's translations, and {model} is a {kind} that does not "
+                           f"translate; leave {option} out")
+
+
 def _default(specs: list[OptionSpec], dest: str) -> object:
     return next(spec.default for spec in specs if spec.dest == dest)
