@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import shutil
 import tempfile
@@ -31,7 +30,7 @@ from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head, normalised_per_layer, not_comparable_across_layers
 from headlab.heads import shown_model_name as _shown_name
 from headlab.importance.registry import DEFAULT_MEASURES
-from headlab.options import checked_keywords
+from headlab.options import checked_keywords, count_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -119,15 +118,13 @@ def _check_transformers_model(model: Any) -> None:
 
 def _check_counts(function: str, **counts: Any) -> None:
     """Whole numbers of a call (``limit``, ``batch_size``, ``max_length`` ...) that are None or at
-    least their minimum: a float was taken as a slice (``limit=1.5``: every text) or failed deep in
-    tokenizing, ``True`` was 1, and ``max_length=0`` meant the model's longest input."""
+    least their minimum (``max_length=0`` meant the model's longest input): the check and the words
+    of a config's options (:func:`headlab.options.count_error`), naming the argument."""
     minimum = {"max_length": 2, "attention_sentences": 0}
     for name, value in counts.items():
-        low = minimum.get(name, 1)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
-            raise HeadlabError(f"{function}: {name} must be at least {low}, got {value!r}"
-                               + ("" if isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                                  else " (a whole number)"))
+        error = count_error(value, f"[{minimum.get(name, 1)}, inf)", f"{function}: {name}")
+        if error is not None:
+            raise HeadlabError(error)
 
 
 def _check_model(model: Any, tokenizer: Any) -> None:
