@@ -92,7 +92,7 @@ class ImportanceConfig(PluginOptions):
                            "of them: add the measures, or leave the options out")
 
 
-def check_beam(beam: int, *, translates: bool, classifier: bool, arch: str, model: str, option: str) -> None:
+def check_beam(beam: object, *, translates: bool, classifier: bool, arch: str, model: str, option: str) -> None:
     """Refuse a beam other than 1 for a model that makes no translation for it to search: it was
     ignored, and the scores' signature said that beam all the same. The one check of ``importance``
     (``--beam``), the API (``beam=``) and ``analyze`` (before any stage). ``arch``: the model's kind
