@@ -53,9 +53,9 @@ def test_parsed_sentences_that_are_no_parse_are_refused(change, expected):
 @pytest.mark.parametrize("function", ["importance", "analyze"])
 @pytest.mark.parametrize("keyword, value, expected", [
     ("max_length", 0, "max_length must be at least 2, got 0"),  # was the model's longest input
-    ("max_length", 1.5, "max_length must be at least 2, got 1.5 (a whole number)"),  # a TypeError in tokenizing
-    ("limit", 1.5, "limit must be at least 1, got 1.5 (a whole number)"),  # importance: every text; analyze: TypeError
-    ("limit", True, "limit must be at least 1, got True (a whole number)"),  # was one text
+    ("max_length", 1.5, "max_length must be a whole number at least 2, got 1.5"),  # a TypeError in tokenizing
+    ("limit", 1.5, "limit must be a whole number at least 1, got 1.5"),  # importance: every text; analyze: TypeError
+    ("limit", True, "limit must be a whole number at least 1, got True"),  # was one text
 ])
 def test_counts_that_are_not_whole_numbers_are_refused(lm, function, keyword, value, expected):
     """Regression: ``max_length=0`` was taken as "the model's longest input", ``limit=True`` as 1 and
@@ -97,5 +97,5 @@ def test_prune_with_no_kind_named_and_a_float_query_chunk_are_refused(lm):
     for kinds in ([], ""):
         with pytest.raises(HeadlabError, match="^kinds: no kind given"):
             headlab.prune(tiny_model("marian"), scores, keep=3, kinds=kinds)
-    with pytest.raises(HeadlabError, match=re.escape("functions: query_chunk must be at least 1, got 1.5 (a whole number)")):
+    with pytest.raises(HeadlabError, match=re.escape("functions: query_chunk must be a whole number at least 1, got 1.5")):
         headlab.functions(model, tokenizer, SAMPLE_CONLLU, query_chunk=1.5)

@@ -5,6 +5,7 @@ Also: unwritable output directories refused before work, analyze refusing an emp
 a directory of someone else's files, and one run at a time per output directory."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -615,3 +616,23 @@ def test_options_of_the_treebank_are_taken_with_one_or_at_their_defaults(inputs,
     check_treebank_options(AnalyzeConfig(**base, window=10, top_k=5))  # the defaults, spelt out
     with pytest.raises(HeadlabError, match="--top-k: this option"):
         check_treebank_options(AnalyzeConfig(**base, window=10, top_k=3))
+
+
+def test_beam_of_a_classifier_is_refused_by_analyze_in_importances_words(tmp_path):
+    """Regression: analyze, importance and the API each wrote their own beam check, and analyze's
+    said "is a sequence classifier; leave --beam out" where importance said "is a sequence classifier
+    that does not translate". One check now (importance.config.check_beam), one wording."""
+    import transformers
+
+    from headlab.importance.config import check_beam
+    from headlab.pipeline.pipeline import AnalyzeConfig, check_options_fit_model
+
+    model_config = transformers.BertConfig(architectures=["BertForSequenceClassification"], num_labels=2)
+    config = AnalyzeConfig(model="m", source="s.txt", out=str(tmp_path / "o"), beam=3)
+    expected = ("--beam 3: the beam of the model's translations, and m is a sequence classifier that does not "
+                "translate; leave --beam out")
+    with pytest.raises(HeadlabError, match=f"^{re.escape(expected)}$"):
+        check_options_fit_model(config, model_config)
+    with pytest.raises(HeadlabError, match=f"^{re.escape(expected)}$"):
+        check_beam(3, translates=False, classifier=True, arch="bert", model="m", option="--beam")
+    check_beam(3, translates=True, classifier=False, arch="marian", model="m", option="--beam")  # a translation model

@@ -267,6 +267,45 @@ def test_a_nan_validation_stops_the_run_and_never_becomes_best(tmp_path, corpus,
         assert json.loads((out / "history.json").read_text()) == result.history
 
 
+def _strict(path):
+    """``path`` read as JSON that a strict reader (JSON.parse, jq) takes: no NaN or Infinity token."""
+    def refuse(token):
+        raise AssertionError(f"{path.name}: {token} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_nan_beside_the_watched_score_is_written_as_null_and_resumes(tmp_path, corpus, tokenizer):
+    """Regression: a validation loss of NaN beside a finite BLEU (the patience rule watches the score)
+    was written into history.json, trainer_state.json and best/metrics.json as the bare token NaN,
+    which is not JSON. It is null now; a resume reads the state back and the card shows n/a."""
+    nan = float("nan")
+    metrics = iter([{"score": 2.0, "bleu": 2.0, "chrf": 9.0, "loss": nan}, {"score": 3.0, "bleu": 3.0, "chrf": 9.5,
+                                                                            "loss": 2.0}])
+    out = tmp_path / "run"
+    train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+          config(out, max_epochs=1, max_tokens=2000, validate=True),
+          validate_fn=lambda model, tok, data, cfg: next(metrics))
+    assert _strict(out / "history.json")[0]["valid_loss"] is None
+    assert _strict(out / "last" / "trainer_state.json")["history"][0]["valid_loss"] is None
+    assert _strict(out / "best" / "metrics.json")["valid_loss"] is None
+    result = train(tiny_model(tokenizer), tokenizer, corpus, corpus.subset(5),
+                   config(out, max_epochs=2, max_tokens=2000, validate=True, resume=True),
+                   validate_fn=lambda model, tok, data, cfg: next(metrics))
+    assert result.epoch == 2 and result.best_epoch == 2
+    assert [record["valid_loss"] for record in _strict(out / "history.json")] == [None, 2.0]
+    curve = render_card_blocks_of(tmp_path, result.history)
+    assert "| n/a |" in curve and "| 2.0000 |" in curve
+
+
+def test_a_curve_written_with_nan_tokens_still_renders(tmp_path):
+    """Files written before NaN became null hold NaN tokens (Python's json reads them): the card shows n/a."""
+    from headlab.nmt.card import curve_table
+
+    row = {"epoch": 1, "step": 10, "tokens_seen": 99, "train_loss": float("nan"), "valid_bleu": 1.0, "valid_chrf": 2.0,
+           "valid_loss": None, "epoch_minutes": 1.0, "tokens_per_s": 5.0}
+    assert curve_table(json.loads(json.dumps([row]))).count("n/a") == 2
+
+
 @pytest.mark.parametrize("metric, epochs", [("score", 3), ("loss", 5)])
 def test_the_patience_rule_reads_the_score_or_the_loss(tmp_path, corpus, tokenizer, metric, epochs):
     """BLEU best at epoch 1, the loss falling by 0.1 until epoch 3, then by 0.01: patience 2 stops

@@ -188,3 +188,33 @@ def test_a_measure_option_that_counts_refuses_a_float_or_bool_naming_it():
         with pytest.raises(HeadlabError, match=re.escape(message)):
             ImportanceConfig(**keywords).resolved_methods()
     ImportanceConfig(lrp_targets=3, query_chunk=None).resolved_methods()  # whole numbers and None still pass
+
+
+def test_the_importance_run_s_own_counts_are_checked_as_the_measures_options():
+    """Regression: ImportanceConfig's own fields escaped the range check its measures' options get:
+    ``batch_size=2.0`` passed (and failed deep in the pass), ``batch_size=True`` was 1, and
+    ``beam=0`` was refused as "batch size and beam must be at least 1", naming neither value."""
+    from headlab.importance import ImportanceConfig
+
+    for keywords, message in (({"batch_size": 2.0}, "--batch-size must be a whole number at least 1, got 2.0"),
+                              ({"batch_size": True}, "--batch-size must be a whole number at least 1, got True"),
+                              ({"batch_size": 0}, "--batch-size must be at least 1, got 0"),
+                              ({"beam": 0}, "--beam must be at least 1, got 0"),
+                              ({"beam": 2.5}, "--beam must be a whole number at least 1, got 2.5")):
+        with pytest.raises(HeadlabError, match=f"^{re.escape(message)}$"):
+            ImportanceConfig(**keywords).resolved_methods()
+    ImportanceConfig(batch_size=4, beam=2).resolved_methods()
+
+
+def test_the_api_s_counts_and_a_config_s_options_share_one_check():
+    """The API's counts (``limit``, ``max_length``, ...) are refused by the code and in the words
+    of a config's ranged options (options.count_error), naming the argument, not a flag."""
+    from headlab.api import _check_counts
+    from headlab.options import count_error
+
+    assert count_error(1.5, "[1, inf)", "--limit") == "--limit must be a whole number at least 1, got 1.5"
+    with pytest.raises(HeadlabError, match=r"^importance: limit must be a whole number at least 1, got 1\.5$"):
+        _check_counts("importance", limit=1.5)
+    with pytest.raises(HeadlabError, match=r"^analyze: max_length must be at least 2, got 1$"):
+        _check_counts("analyze", max_length=1)
+    _check_counts("analyze", limit=None, max_length=2, attention_sentences=0)

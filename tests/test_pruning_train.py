@@ -1,6 +1,7 @@
 """Gated fine-tuning, export, sweeps and baselines on a tiny Marian model and 300 Multi30k pairs."""
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -642,3 +643,16 @@ def test_cli_sweep_rerun_with_another_development_set_makes_its_points_again(mod
     assert (out / "stale" / "lam-0").is_dir() and new != curve
     assert main(args) == 0  # the same data: nothing is made again
     assert "lam-0: finished earlier, skipped" in "".join(capsys.readouterr())
+
+
+def test_a_journal_line_holds_null_for_nan(tmp_path):
+    """Regression: trajectory.jsonl's lines were bare json.dumps: a NaN (the loss before a step reports
+    one) was the token NaN, not JSON. It is null; a journal written before, with NaN tokens, still reads."""
+    from headlab.resume import append_record, read_step_records
+
+    path = tmp_path / "trajectory.jsonl"
+    path.write_text('{"step": 1, "loss": NaN}\n')  # an older run's line
+    append_record(path, {"step": 2, "loss": float("nan"), "lambda": 0.1})
+    assert path.read_text().splitlines()[1] == '{"step":2,"loss":null,"lambda":0.1}'
+    records = read_step_records(path)
+    assert math.isnan(records[0]["loss"]) and records[1]["loss"] is None

@@ -186,13 +186,14 @@ def test_tied_gates_one_per_shared_head(family):
         assert torch.equal(logits(model, inputs), before)  # gates at 1 change nothing
         model.train()  # one draw per pass, the same at every depth of the shared weights
         drawn: dict = {}
-        for block in attention_blocks(model):
-            block.o.register_forward_pre_hook(lambda m, args, key=block.key: drawn.setdefault(key, []).append(
-                gates._drawn.get(gates.tied.get(key, key)).clone()))
+        handles = [block.o.register_forward_pre_hook(lambda m, args, key=block.key: drawn.setdefault(key, []).append(
+            gates._noise[gates.tied.get(key, key)].clone())) for block in attention_blocks(model)]
         with torch.no_grad():
             for parameter in gates.log_alpha.values():
                 parameter.fill_(0.0)
             model(**inputs)
+        for handle in handles:
+            handle.remove()
         for group in groups:
             assert all(torch.equal(drawn[b.key][-1], drawn[group[0].key][-1]) for b in group)
         model.eval()
@@ -210,6 +211,73 @@ def test_tied_gates_one_per_shared_head(family):
         masked = logits(model, inputs)
     prune_heads(model, spec)
     _close(logits(model, inputs), masked, inputs)
+
+
+def test_a_tied_draw_never_outlives_its_pass():
+    """Regression: the draw of shared weights (kept for the later depths of a pass) was cleared by
+    nothing: after a forward that failed mid-way, a train()/eval() switch, or at the start of the next
+    pass before its first depth ran, a depth read the draw of another pass."""
+    from headlab.pruning import HardConcreteGates
+
+    model, inputs = _model("albert"), tiny_inputs()
+    gates = HardConcreteGates.for_model(model).double()
+    [owner, later, *_] = [b.key for b in attention_blocks(model)]
+    seen: list = []
+    with gates_attached(model, gates):
+        model.train()
+        first = gates.gate(owner)  # a pass begun outside the model (a depth run alone)
+        model.register_forward_pre_hook(lambda m, args: seen.append(dict(gates._noise)))
+        with torch.no_grad():
+            model(**inputs)
+        assert seen[-1] == {}  # a top-level forward starts with no draw of another pass
+        blocks = attention_blocks(model)
+
+        def fail(module, args):
+            raise RuntimeError("mid-forward")
+
+        handle = blocks[1].o.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="mid-forward"), torch.no_grad():
+            model(**inputs)  # the first depth drew, the second failed
+        handle.remove()
+        assert seen[-1] == {} and owner in gates._noise
+        with torch.no_grad():
+            model(**inputs)
+        assert seen[-1] == {}
+        gates.gate(owner)
+        model.eval()
+        model.train()
+        assert gates._noise == {}
+        assert not torch.equal(gates.gate(later), first)  # a draw of its own, not one from before the switch
+        model.eval()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_with_the_pass_s_tied_draw(reentrant):
+    """Regression: gradient checkpointing recomputes each layer in the backward; the first depth of
+    shared weights drew a new sample there (with torch's RNG not replayed: preserve_rng_state=False)
+    and, reentrant, the later depths read the draw made under no_grad, so log_alpha's gradient
+    differed from the run without checkpointing. The recomputation reuses the pass's noise."""
+    from headlab.pruning import HardConcreteGates
+
+    inputs = tiny_inputs()
+    grads = []
+    for checkpointing in (False, True):
+        model = _model("zamba")
+        gates = HardConcreteGates.for_model(model, init_log_alpha=0.0).double()
+        assert gates.tied  # three depths of one shared transformer
+        with gates_attached(model, gates):
+            model.train()
+            if checkpointing:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+                    "use_reentrant": reentrant, "preserve_rng_state": False})
+            torch.manual_seed(5)
+            loss = model(**inputs, labels=inputs["input_ids"], use_cache=False).loss
+            torch.manual_seed(6)  # what the recomputation would draw afresh
+            loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in gates.log_alpha.values()]))
+            model.eval()
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 def test_prune_train_ties_the_gates_and_exports_an_agreeing_plan(corpus, tokenizer, tmp_path):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import shutil
 import tempfile
@@ -31,7 +30,7 @@ from headlab.errors import HeadlabError, counted
 from headlab.heads import HeadScores, format_head, normalised_per_layer, not_comparable_across_layers
 from headlab.heads import shown_model_name as _shown_name
 from headlab.importance.registry import DEFAULT_MEASURES
-from headlab.options import checked_keywords
+from headlab.options import checked_keywords, count_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -119,15 +118,13 @@ def _check_transformers_model(model: Any) -> None:
 
 def _check_counts(function: str, **counts: Any) -> None:
     """Whole numbers of a call (``limit``, ``batch_size``, ``max_length`` ...) that are None or at
-    least their minimum: a float was taken as a slice (``limit=1.5``: every text) or failed deep in
-    tokenizing, ``True`` was 1, and ``max_length=0`` meant the model's longest input."""
+    least their minimum (``max_length=0`` meant the model's longest input): the check and the words
+    of a config's options (:func:`headlab.options.count_error`), naming the argument."""
     minimum = {"max_length": 2, "attention_sentences": 0}
     for name, value in counts.items():
-        low = minimum.get(name, 1)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
-            raise HeadlabError(f"{function}: {name} must be at least {low}, got {value!r}"
-                               + ("" if isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                                  else " (a whole number)"))
+        error = count_error(value, f"[{minimum.get(name, 1)}, inf)", f"{function}: {name}")
+        if error is not None:
+            raise HeadlabError(error)
 
 
 def _check_model(model: Any, tokenizer: Any) -> None:
@@ -243,6 +240,7 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
     from headlab.data.inputs import texts_data
+    from headlab.importance.config import check_beam
     from headlab.importance.pipeline import run_importance
 
     _check_counts("importance", limit=limit, batch_size=batch_size, max_length=max_length)
@@ -253,10 +251,8 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     config.resolved_methods()  # a bad measure or option fails before any work
     config.check_options_act(str, f"measures={list(config.methods)!r}")
     info = model_info(model, tokenizer, max_length)
-    if config.beam != 1 and not info.is_seq2seq:  # ignored, yet the scores' signature would say it (the CLI refuses it)
-        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
-        raise HeadlabError(f"beam={config.beam}: the beam of the model's translations, and the model is a {kind} "
-                           "that does not translate; leave beam out")
+    check_beam(config.beam, translates=info.is_seq2seq, classifier=info.arch == "classifier", arch=info.arch,
+               model="the model", option="beam")
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
     return run_importance(model, data, info, config, tokenizer=tokenizer)

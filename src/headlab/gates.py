@@ -88,6 +88,13 @@ class HeadGates(nn.Module):
     def gate(self, key: BlockKey) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    keeps_pass = False
+    """Whether the gates keep something for one pass (tied Hard Concrete draws): :func:`attach_gates`
+    then calls :meth:`new_pass` at the start of each forward of the model."""
+
+    def new_pass(self) -> None:
+        """Forget what was kept for the last pass (see :attr:`keeps_pass`)."""
+
     def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         """``heads`` [batch, pos, n_heads, d_head] times the gates of ``block``."""
         if block.key not in self.n_heads:
@@ -156,6 +163,11 @@ class _GateStack:
     def __init__(self) -> None:
         self.sets: dict[str, HeadGates] = {}  # attribute name on the model -> gate module
         self.hooks: dict[BlockKey, HookHandles] = {}
+        self.pass_hook: Any = None  # the model's forward pre-hook: new_pass of every set
+
+    def new_pass(self, module: nn.Module, args: tuple) -> None:
+        for gates in self.sets.values():
+            gates.new_pass()
 
     def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         for gates in self.sets.values():
@@ -171,6 +183,9 @@ class _GateStack:
         for handles in self.hooks.values():
             handles.remove()
         self.hooks.clear()
+        if self.pass_hook is not None:
+            self.pass_hook.remove()
+            self.pass_hook = None
 
 
 class GateHandle:
@@ -214,6 +229,8 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     handle = GateHandle(model, name)
     try:
         stack.hook(blocks)
+        if stack.pass_hook is None and gates.keeps_pass:
+            stack.pass_hook = model.register_forward_pre_hook(stack.new_pass)
     except BaseException:
         handle.remove()
         raise

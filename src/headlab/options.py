@@ -160,14 +160,19 @@ def check_ranges(config: Any) -> None:
         kind = str(getattr(f.type, "__name__", f.type)).replace(" | None", "")
         if interval is not None or kind == "float":
             value, flag = getattr(config, f.name), "--" + _dest(f).replace("_", "-")
-            # range_error skips what is not a number: a float (lrp_targets=1.5) or True for a count
-            # passed and failed deep in the measure as a raw TypeError (or was taken as 1).
-            if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
-                raise HeadlabError(f"{flag} must be a whole number{f' {_describe(interval)}' if interval else ''}, "
-                                   f"got {value!r}")
-            error = range_error(value, interval, flag)
+            error = count_error(value, interval, flag) if kind == "int" else range_error(value, interval, flag)
             if error is not None:
                 raise HeadlabError(error)
+
+
+def count_error(value: Any, interval: str | None, name: str) -> str | None:
+    """:func:`range_error` for a whole number: also why ``value`` is not one. range_error skips what
+    is not a number, and a float (``lrp_targets=1.5``, ``limit=1.5``) or ``True`` for a count passed
+    and failed deep in the work as a raw TypeError, was taken as a slice, or as 1. ``name``: the
+    option (``--batch-size``) or the argument (``importance: limit``) as its caller spells it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+        return f"{name} must be a whole number{f' {_describe(interval)}' if interval else ''}, got {value!r}"
+    return range_error(value, interval, name)
 
 
 def help_of(config: Any, name: str) -> str:

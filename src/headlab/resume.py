@@ -14,7 +14,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from headlab.heads import atomic_write_text
+from headlab.heads import atomic_write_text, json_text
 
 __all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso",
            "append_record", "read_step_records", "set_aside"]
@@ -88,8 +88,9 @@ def now_iso() -> str:
 
 def append_record(path: str | os.PathLike, record: dict) -> None:
     """Append ``record`` as one JSON line with a single write, then fsync: a kill leaves at most a
-    torn last line, which :func:`read_step_records` skips."""
-    line = json.dumps(record, separators=(",", ":")) + "\n"
+    torn last line, which :func:`read_step_records` skips. A NaN (the trajectory's loss before the
+    first step reports one) is written as null: a bare NaN is not JSON."""
+    line = json_text(record, Path(path).name, separators=(",", ":")) + "\n"
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line)
         handle.flush()

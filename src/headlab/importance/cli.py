@@ -80,12 +80,10 @@ def _sentences(args) -> tuple[int, str, str]:
 
 
 def _check_beam(args, info) -> None:
-    """--beam of a model that makes no translation for it to search: ignored, and the scores'
-    signature said that beam all the same (analyze refuses it too)."""
-    if args.beam != 1 and not info.is_seq2seq:
-        kind = "sequence classifier" if info.arch == "classifier" else f"{info.arch} model"
-        raise HeadlabError(f"--beam {args.beam}: the beam of the model's translations, and {args.model} is a {kind} "
-                           "that does not translate; leave --beam out")
+    from headlab.importance.config import check_beam
+
+    check_beam(args.beam, translates=info.is_seq2seq, classifier=info.arch == "classifier", arch=info.arch,
+               model=args.model, option="--beam")
 
 
 def run_importance_command(args) -> int:

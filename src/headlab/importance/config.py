@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from headlab.errors import HeadlabError
 from headlab.importance.registry import MEASURES
+from headlab.options import check_ranges
 from headlab.plugins import OptionSpec, PluginOptions, check_values, plugin_options
 
 
@@ -46,6 +47,10 @@ class ImportanceConfig(PluginOptions):
                 "kinds": list(self.kinds) if self.kinds else None}
 
     def resolved_methods(self) -> list[str]:
+        # The run's own fields (batch_size=2.0, beam=0, batch_size=True from Python) by their
+        # declared ranges, as the measures' options below: a float batch size failed deep in the
+        # pass, True was 1.
+        check_ranges(self)
         chosen: list[str] = []
         for name in self.methods:
             names = list(MEASURES) if name == "all" else [name]
@@ -59,8 +64,6 @@ class ImportanceConfig(PluginOptions):
         check_values(self.plugin_specs(), self.options)  # declared ranges, also for a config built in Python
         for measure in MEASURES.values():
             measure.options_from(self)  # each measure checks its own options
-        if self.batch_size < 1 or self.beam < 1:
-            raise HeadlabError("batch size and beam must be at least 1")
         return chosen
 
     def check_options_act(self, name: Callable[[str], str], methods: str) -> None:
@@ -87,6 +90,18 @@ class ImportanceConfig(PluginOptions):
         listed = ", ".join(f"{name(dest)} ({' or '.join(owners)})" for dest, owners in idle.items())
         raise HeadlabError(f"{listed}: these options act on the measures in brackets alone, and {methods} runs none "
                            "of them: add the measures, or leave the options out")
+
+
+def check_beam(beam: object, *, translates: bool, classifier: bool, arch: str, model: str, option: str) -> None:
+    """Refuse a beam other than 1 for a model that makes no translation for it to search: it was
+    ignored, and the scores' signature said that beam all the same. The one check of ``importance``
+    (``--beam``), the API (``beam=``) and ``analyze`` (before any stage). ``arch``: the model's kind
+    (``gpt2``, ``decoder``); ``option``: how the caller spells it (``--beam`` or ``beam``)."""
+    if beam != 1 and not translates:
+        given = f"{option} {beam}" if option.startswith("--") else f"{option}={beam}"
+        kind = "sequence classifier" if classifier else f"{arch} model"
+        raise HeadlabError(f"{given}: the beam of the model's translations, and {model} is a {kind} that does not "
+                           f"translate; leave {option} out")
 
 
 def _default(specs: list[OptionSpec], dest: str) -> object:

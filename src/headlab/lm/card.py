@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.nmt.card import render_blocks
+from headlab.nmt.card import number, render_blocks
 
 __all__ = ["render_card_blocks", "CARD_BLOCKS"]
 
@@ -21,8 +21,9 @@ def _curve(history: list[dict]) -> str:
     lines = ["| epoch | updates | train loss | valid loss | valid perplexity | tokens/s | minutes |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for row in history:
-        lines.append(f"| {row['epoch']} | {row['step']:,} | {row['train_loss']:.3f} | {row['valid_loss']:.4f} "
-                     f"| {row['valid_perplexity']:.2f} | {row['tokens_per_s']:,.0f} | {row['epoch_minutes']:.1f} |")
+        lines.append(f"| {row['epoch']} | {row['step']:,} | {number(row['train_loss'], '.3f')} "
+                     f"| {number(row['valid_loss'], '.4f')} | {number(row['valid_perplexity'], '.2f')} "
+                     f"| {row['tokens_per_s']:,.0f} | {row['epoch_minutes']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

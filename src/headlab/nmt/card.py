@@ -36,6 +36,12 @@ def _covered(history: list[dict]) -> list[float | None]:
     return shares
 
 
+def number(value: float | None, spec: str) -> str:
+    """``value`` in ``spec``; "n/a" for null (a NaN that the training wrote as null) and for NaN
+    (a file written before that)."""
+    return "n/a" if value is None or value != value else format(value, spec)
+
+
 def curve_table(history: list[dict]) -> str:
     """The training curve: one row per epoch record of ``train_history.json``."""
     losses = any("valid_loss" in row for row in history)  # validation losses are recorded since 2026-11-24
@@ -50,10 +56,10 @@ def curve_table(history: list[dict]) -> str:
         if share is not None and share < 0.99:
             mark = "*"
             partial.append(f"{row['epoch']} ({share:.0%})")
-        loss = (f"| {row['valid_loss']:.4f} " if "valid_loss" in row else "| ") if losses else ""
-        lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {row['train_loss']:.3f}{mark} "
-                     f"| {row['valid_bleu']:.2f} | {row['valid_chrf']:.2f} {loss}| {row['epoch_minutes']:.1f}{mark} "
-                     f"| {row['tokens_per_s']:,.0f}{mark} |")
+        loss = (f"| {number(row['valid_loss'], '.4f')} " if "valid_loss" in row else "| ") if losses else ""
+        lines.append(f"| {row['epoch']} | {row['step']:,} | {seen} | {number(row['train_loss'], '.3f')}{mark} "
+                     f"| {number(row['valid_bleu'], '.2f')} | {number(row['valid_chrf'], '.2f')} {loss}"
+                     f"| {row['epoch_minutes']:.1f}{mark} | {row['tokens_per_s']:,.0f}{mark} |")
     if partial:
         lines += ["", f"\\* Resumed inside the epoch by a trainer older than 2026-11-24, whose record covers only "
                       f"the part after the resume (its share of the epoch's tokens): epoch{'s' * (len(partial) > 1)} "

@@ -376,6 +376,7 @@ def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
     them themselves, after the stages before them had run (exit 1, perhaps hours later), or
     ignored them (``--beam`` of a model that does not translate)."""
     from headlab.checkpoint import model_class_for
+    from headlab.importance.config import check_beam
 
     classifier = model_class_for(model_config, f"{config.model}/config.json").__name__.endswith("ForSequenceClassification")
     translates = bool(getattr(model_config, "is_encoder_decoder", False)) and not classifier
@@ -385,9 +386,8 @@ def check_options_fit_model(config: AnalyzeConfig, model_config: Any) -> None:
     if config.target is not None and not translates:
         raise HeadlabError(f"--target: reference translations are for translation (encoder-decoder) models, and "
                            f"{config.model} is {kind}; leave --target out")
-    if config.beam != 1 and not translates:
-        raise HeadlabError(f"--beam {config.beam}: the beam of the model's translations, and {config.model} is {kind}; "
-                           "leave --beam out")
+    check_beam(config.beam, translates=translates, classifier=classifier, arch=model_config.model_type,
+               model=str(config.model), option="--beam")
     if ablation and config.metric == "bleu" and (config.target is None or not translates):
         raise HeadlabError("--metric bleu: the ablation's BLEU needs a translation model and reference translations "
                            f"(--target); {'give --target FILE' if translates else f'{config.model} is {kind}'}, or use "

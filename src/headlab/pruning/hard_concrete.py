@@ -17,8 +17,9 @@ Attention weights shared by several depths (ALBERT's shared layers, Zamba's tied
 :func:`headlab.adapters.sharing_groups`) have one gate per head of the weights, used at every depth
 that runs them (``tied``): removing the head removes it at each depth, so the gated model is the one
 the export prunes, and the plan always agrees across those depths. One draw per pass (the first depth's
-call draws, the others reuse it), and one log_alpha, counted once in the penalty, in ``n_gates``, the
-budget and the summaries: a tied head is one gate, one set of parameters.
+call draws, the others and a gradient checkpoint's recomputation reuse it; each top-level forward of the
+model the gates are attached to, and train()/eval(), forget it), and one log_alpha, counted once in the
+penalty, in ``n_gates``, the budget and the summaries: a tied head is one gate, one set of parameters.
 
 At test time each gate is 0 or 1, whichever of P(g = 0) and P(g = 1) is larger (Voita et al.
 2019, footnote 7), with
@@ -52,6 +53,12 @@ __all__ = ["HardConcreteGates", "gate_count", "DEFAULT_BETA", "DEFAULT_GAMMA", "
 _EPS = 1e-6
 
 
+def _in_backward() -> bool:
+    """Inside a backward pass (gradient checkpointing recomputing a forward): torch's own test, as
+    torch.utils.checkpoint makes it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class HardConcreteGates(HeadGates):
     """One Hard Concrete gate per head (Louizos et al. 2018; Voita et al. 2019, Sec. 6.1).
 
@@ -77,7 +84,9 @@ class HardConcreteGates(HeadGates):
         if bad:
             raise HeadlabError(f"tied gates {bad[0][0]} -> {bad[0][1]}: both must be gated, with as many heads, "
                                "and the gate tied to must be a gate of its own")
-        self._drawn: dict[BlockKey, torch.Tensor] = {}
+        # The noise u of the pass, per gate of its own (see gate()): emptied at each top-level forward of
+        # the model the gates are attached to (attach_gates' pre-hook: new_pass) and by train()/eval().
+        self._noise: dict[BlockKey, torch.Tensor] = {}
         if not beta > 0:
             raise HeadlabError(f"Hard Concrete temperature beta must be > 0, got {beta}")
         if not (gamma < 0 and zeta > 1):
@@ -101,7 +110,14 @@ class HardConcreteGates(HeadGates):
 
     def sample(self, log_alpha: torch.Tensor) -> torch.Tensor:
         """A reparameterised sample of the gates for ``log_alpha`` (Louizos et al. 2018, Eq. (10)-(11))."""
-        u = torch.rand_like(log_alpha).clamp(_EPS, 1 - _EPS)
+        return self._stretched(self._uniform(log_alpha), log_alpha)
+
+    @staticmethod
+    def _uniform(log_alpha: torch.Tensor) -> torch.Tensor:
+        return torch.rand_like(log_alpha).clamp(_EPS, 1 - _EPS)  # u ~ U(0, 1), away from log(0)
+
+    def _stretched(self, u: torch.Tensor, log_alpha: torch.Tensor) -> torch.Tensor:
+        """The gate for noise ``u``: Eq. (10), then Eq. (11)."""
         s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / self.beta)
         return (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
 
@@ -134,16 +150,35 @@ class HardConcreteGates(HeadGates):
     def gate(self, key: BlockKey) -> torch.Tensor:
         log_alpha = self._alpha(key)
         if self.training:
-            owner = self.tied.get(key)
-            if owner is not None and owner in self._drawn:  # a later depth of shared weights: that pass's draw
-                return self._drawn[owner]
-            drawn = self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
-            if self.tied:  # the first depth of shared weights runs first in a pass: its draw is the pass's
-                self._drawn[owner or key] = drawn
-            return drawn
+            if not self.tied:
+                return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
+            # Shared weights: one draw per pass for all their depths. The first depth (the gate's own
+            # key) draws when it runs forward; the later depths, and every depth recomputed in the
+            # backward (gradient checkpointing, after the whole pass), reuse that noise. The noise is
+            # kept, not the gate: a gate recomputed from it carries the gradient of log_alpha even
+            # when the pass ran under no_grad (reentrant checkpointing).
+            own = self.tied.get(key, key)
+            u = self._noise.get(own)
+            if u is None or (own == key and not _in_backward()):
+                u = self._noise[own] = self._uniform(log_alpha)
+            return self._stretched(u, log_alpha)
         if self.keep is not None:
             return self._budget_mask()[key].to(log_alpha.device, log_alpha.dtype)
         return self.deterministic(log_alpha.detach())
+
+    @property
+    def keeps_pass(self) -> bool:  # type: ignore[override]  # the draw of shared weights, for one pass
+        return bool(self.tied)
+
+    def new_pass(self) -> None:
+        """Forget the pass's noise: the next depth of shared weights to run draws afresh, and none reads a
+        draw of another pass (one that failed mid-way, one before train()/eval(), one whose first depth
+        did not run)."""
+        self._noise.clear()
+
+    def train(self, mode: bool = True) -> "HardConcreteGates":
+        self.new_pass()
+        return super().train(mode)
 
     def _budget_mask(self) -> dict[BlockKey, torch.Tensor]:
         """:meth:`open_mask` under a budget, ranked once per change of log_alpha (not once per

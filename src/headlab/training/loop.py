@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 from headlab.capture import float32_mask_floor
 from headlab.data.batching import token_budget_batches
 from headlab.errors import HeadlabError, counted
-from headlab.heads import atomic_dir, atomic_write_text, moved_aside
+from headlab.heads import atomic_dir, atomic_write_text, json_text, moved_aside
 from headlab.model_description import position_limit
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.training.config import TrainConfig
@@ -170,7 +170,14 @@ def _record_config_changes(out_dir: Path, config: TrainConfig, state: dict) -> N
     if changed:
         changes.append({"step": state["step"], "epoch": state["epoch"] + 1, "batch_in_epoch": state["batch_in_epoch"],
                         "changed": changed})
-        atomic_write_text(changes_file, json.dumps(changes, indent=2) + "\n")
+        atomic_write_text(changes_file, _json(changes, CONFIG_CHANGES_FILE))
+
+
+def _json(data: Any, where: str) -> str:
+    """A training file's text: a NaN (a validation loss beside a finite BLEU, a record's train loss) as
+    null, not the bare ``NaN`` token that is not JSON (heads.json_text); the readers take null as no
+    number, and files written before with NaN tokens still read (Python's json takes them)."""
+    return json_text(data, where, indent=2) + "\n"
 
 
 def _save_scored(model, tokenizer, record: dict, directory: Path) -> None:
@@ -178,7 +185,7 @@ def _save_scored(model, tokenizer, record: dict, directory: Path) -> None:
     def write(tmp: Path) -> None:
         _save_weights(model, tmp)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / "metrics.json").write_text(_json(record, "metrics.json"))
     atomic_dir(directory, write)
 
 
@@ -508,7 +515,8 @@ class _EpochProgress:
     @classmethod
     def of(cls, state: dict) -> _EpochProgress:
         done = (state.get("epoch_progress") if state["batch_in_epoch"] else None) or _NO_PROGRESS
-        return cls(time.time() - done["seconds"], done["tokens"], done["loss"], done["loss_tokens"])
+        loss = float("nan") if done["loss"] is None else done["loss"]  # null: a NaN written as JSON
+        return cls(time.time() - done["seconds"], done["tokens"], loss, done["loss_tokens"])
 
     def saved(self) -> dict:
         return {"seconds": time.time() - self.start, "tokens": self.tokens, "loss": self.loss,
@@ -724,7 +732,7 @@ class _Run:
             def write(tmp: Path) -> None:
                 _save_weights(self.raw_model, tmp)
                 save_optimizer(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-                (tmp / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
+                (tmp / STATE_FILE).write_text(_json(self.state, STATE_FILE))
                 save_rng(accelerator.device, tmp / rng_file(0))
             atomic_dir(out_dir / "last", write)
         accelerator.wait_for_everyone()
@@ -776,7 +784,7 @@ class _Run:
         state["elapsed_s"] = self.elapsed_before + time.time() - self.start_time
         self._save_last()
         if self.main:
-            (self.out_dir / "history.json").write_text(json.dumps(state["history"], indent=2) + "\n")
+            atomic_write_text(self.out_dir / "history.json", _json(state["history"], "history.json"))
             self.log(_epoch_line(record, state))
         return ""
 
