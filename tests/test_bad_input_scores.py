@@ -108,3 +108,21 @@ def test_labels_given_in_python_as_integers_are_class_indices():
     tokenizer = word_tokenizer(["a", "cat"], style="bert")
     for labels, classes in (([1, 2], [1, 2]), ([np.int64(3), 0], [3, 0]), (["1", "2"], [0, 1])):
         assert texts_data(["a cat", "cat"], tokenizer, _star_info(), labels=labels).classes == classes
+
+
+def test_agreement_between_measures_of_other_sentences_is_refused():
+    """Regression (audit31): compute_agreement correlated LRP on four sentences with ablation on two of them (exit 0,
+    rho -0.23, a table that said "agreement") though the two measured other data."""
+    from headlab.importance import compute_agreement
+    from support.bad_input import WORDS
+    from support.treebank import word_tokenizer
+
+    tokenizer, model = word_tokenizer(WORDS + ["do", "n't"]), tiny_model("marian")
+    lrp = headlab.importance(model, tokenizer, SENTENCES, targets=SENTENCES, measures=["lrp"]).scores["lrp"]
+    ablation = headlab.importance(model, tokenizer, SENTENCES[:2], targets=SENTENCES[:2],
+                                  measures=["ablation"]).scores["ablation"]
+    with pytest.raises(HeadlabError, match=r"agreement: lrp and ablation were measured on other data \(sentences 4 "
+                                           r"\(the reference's: 2\); source tokens"):
+        compute_agreement({"lrp": lrp}, ablation)
+    same = headlab.importance(model, tokenizer, SENTENCES, targets=SENTENCES, measures=["ablation"]).scores["ablation"]
+    assert set(compute_agreement({"lrp": lrp}, same).rho) == {"lrp"}  # the same sentences: as before
