@@ -50,6 +50,33 @@ def test_baseline_by_scores_that_miss_heads_of_the_model_writes_no_row(tmp_path,
     assert not (out / "baselines.json").exists()
 
 
+def test_baseline_by_scores_of_another_models_weights_says_so(tmp_path, capsys):
+    """Regression (audit31): `prune baseline m1 --method scores --scores` of a table measured on m2 (the same
+    architecture, other weights) pruned m1 by m2's ranking, said nowhere (exit 0). Now a note names both; a table
+    of m1 itself (or of a copy of it) says nothing."""
+    import shutil
+
+    from support.models import tiny_model as build
+
+    mine = save_tiny_marian(tmp_path / "m1")
+    other = tmp_path / "m2"
+    shutil.copytree(mine, other)
+    build("marian", seed=5).save_pretrained(other)
+    (tmp_path / "v.src").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    said = {}
+    for name, measured in (("other", other), ("mine", mine), ("copy", shutil.copytree(mine, tmp_path / "copy"))):
+        table = tmp_path / f"{name}.json"
+        headlab.HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "lrp", str(measured)).save(table)
+        code = main(["prune", "baseline", str(mine), "--method", "scores", "--scores", str(table), "--keeps", "2",
+                     "--valid-src", str(tmp_path / "v.src"), "--valid-tgt", str(tmp_path / "v.src"), "--eval-beam", "1",
+                     "--out", str(tmp_path / f"b-{name}"), "--no-progress"])
+        assert code == 0
+        said[name] = capsys.readouterr().err
+    assert (f"note: --scores {tmp_path / 'other.json'} were measured on {other} (the table's model), whose weights "
+            f"differ from {mine}'s") in said["other"]
+    assert "note: --scores" not in said["mine"] and "note: --scores" not in said["copy"]
+
+
 def test_scores_that_fit_still_prune_to_keep_heads():
     """The check leaves well-formed tables alone: a full one, and one of a pruned model in its
     original numbering (NaN for the heads it lost) or in its current one."""
