@@ -153,3 +153,20 @@ def test_agreement_between_measures_of_other_sentences_is_refused():
         compute_agreement({"lrp": lrp}, ablation)
     same = headlab.importance(model, tokenizer, SENTENCES, targets=SENTENCES, measures=["ablation"]).scores["ablation"]
     assert set(compute_agreement({"lrp": lrp}, same).rho) == {"lrp"}  # the same sentences: as before
+
+
+def test_score_tables_record_the_weights_dtype():
+    """Regression (audit31): `--dtype bfloat16` (or a bfloat16 model in Python) gave confidence, gradient and ablation
+    tables whose signature read like a float32 run's (only LRP's said its precision), though the numbers differ."""
+    import torch
+
+    from support.bad_input import WORDS
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(WORDS + ["do", "n't"])
+    for dtype, said in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = tiny_model("marian").to(dtype)
+        result = headlab.importance(model, tokenizer, SENTENCES[:2], targets=SENTENCES[:2],
+                                    measures=["confidence", "gradient"])
+        assert {name: table.signature["options"]["dtype"] for name, table in result.scores.items()} == \
+            dict.fromkeys(result.scores, said)
