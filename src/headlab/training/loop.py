@@ -452,14 +452,17 @@ def _prepare_output(config: TrainConfig, accelerator, log: Callable[[str], None]
 
 def corpus_fingerprint(corpus: EncodedCorpus) -> str:
     """SHA-256 of a training corpus's token ids (sources, then targets), in order."""
-    from array import array
+    from itertools import chain
+
+    import numpy as np
 
     digest = hashlib.sha256()
     for side in (corpus.sources, corpus.targets):
-        for ids in side:
-            digest.update(len(ids).to_bytes(4, "little"))  # where one sequence ends and the next begins
-            digest.update(array("q", ids).tobytes())
-        digest.update(b"\xff" * 4)
+        for start in range(0, len(side), 65536):  # in chunks: whole arrays are fast (a small share of the
+            chunk = side[start:start + 65536]      # tokenization's time), and bounded in memory
+            digest.update(np.fromiter(map(len, chunk), dtype=np.int64).tobytes())  # where each sequence ends
+            digest.update(np.fromiter(chain.from_iterable(chunk), dtype=np.int64).tobytes())
+        digest.update(b"\xff" * 8)
     return digest.hexdigest()
 
 
