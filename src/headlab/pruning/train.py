@@ -57,7 +57,7 @@ from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
-from headlab.resume import append_record, read_step_records
+from headlab.resume import append_record, pairs_fingerprint, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.surgery import check_prunable, count_parameters, prune_heads, save_pruned
 from headlab.training.config import TrainConfig
@@ -604,10 +604,8 @@ def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, con
 
 def _with_data_fingerprints(config: PruneConfig, train_data, dev_data) -> PruneConfig:
     """``config`` with the SHA-256 of its training and development pairs, unless a caller (a sweep) set them."""
-    from headlab.pruning.baselines import _data_fingerprint
-
-    return replace(config, train_data_sha256=config.train_data_sha256 or _data_fingerprint(train_data) or "",
-                   dev_data_sha256=config.dev_data_sha256 or _data_fingerprint(dev_data) or "")
+    return replace(config, train_data_sha256=config.train_data_sha256 or pairs_fingerprint(train_data) or "",
+                   dev_data_sha256=config.dev_data_sha256 or pairs_fingerprint(dev_data) or "")
 
 
 # The options of prune_config.json that change what the gated run learns, with what names them to a user. A
