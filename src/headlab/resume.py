@@ -17,8 +17,8 @@ from typing import Any
 
 from headlab.heads import atomic_write_text
 
-__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "pairs_fingerprint", "stage_key",
-           "now_iso", "append_record", "read_step_records", "set_aside"]
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "pairs_fingerprint",
+           "stage_key", "now_iso", "append_record", "read_step_records", "set_aside"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
