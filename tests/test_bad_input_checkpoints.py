@@ -137,6 +137,23 @@ def test_damaged_resume_state_in_nmt_train(name, how, pairs, one_epoch, tmp_path
     assert _contents(run) == before
 
 
+def test_nmt_train_resumed_on_other_training_pairs_is_refused(pairs, one_epoch, tmp_path, capsys):
+    """Regression (audit31): `nmt train --resume` with another --train-src/--train-tgt went on from the checkpoint's
+    epoch and batch in the other data's batches (exit 0): two trainings mixed under one record, some pairs skipped
+    and others seen twice. Now exit 2 before any step, nothing changed; the same data resumes as before."""
+    run = _copy(one_epoch, tmp_path / "run")
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(SENTENCES[:2] * 10) + "\n", encoding="utf-8")
+    before = _contents(run)
+    assert main(["nmt", "train", "--train-src", str(other), "--train-tgt", str(other), "--vocab-size", "60",
+                 "--d-model", "16", "--ffn", "32", "--layers", "1", "--heads", "2", "--max-positions", "32",
+                 "--max-tokens", "200", "--no-progress", "--out", str(run), "--epochs", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {run / 'last'} was trained on other training pairs" in err and "Traceback" not in err
+    assert _contents(run) == before
+    assert _nmt_train(pairs, run, "--epochs", "2", "--resume") == 0
+
+
 def test_damaged_resume_state_in_prune_train(tokenizer, corpus, tmp_path):
     """``prune train --resume`` over a train/last whose trainer_state.json was cut short: the
     error names the file (exit 2) before any step, and the run's files are as they were."""

@@ -335,6 +335,10 @@ def test_tokenizer_of_a_bigger_vocabulary_is_refused(command, inputs, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert "more than the model's 99 embeddings" in err
+    if command == "functions":  # audit31: "tokenizer of MODEL" blamed the model's own tokenizer for --tokenizer's
+        assert f"tokenizer {big} (given for model): its vocabulary has" in err
+    else:
+        assert f"tokenizer of {big}: its vocabulary has" in err
     assert not files_under(tmp_path / "o")
 
 
@@ -357,6 +361,7 @@ def test_prune_training_commands_refuse_a_tokenizer_of_a_bigger_vocabulary(comma
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert "more than the model's 99 embeddings" in err
+    assert f"tokenizer {big} (given for {inputs / 'model'}): its vocabulary has" in err  # audit31: named the model's
     assert not files_under(tmp_path / "o")
 
 

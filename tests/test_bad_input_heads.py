@@ -68,6 +68,21 @@ def test_duplicates_count_once(tmp_path, blocks):
     assert parse_heads("enc_self:0:1,1,1-2 enc_self:0:2", blocks) == {("enc_self", 0): [1, 2]}
 
 
+def test_prune_apply_says_when_a_head_is_named_twice(model_dir, tmp_path, capsys):
+    """Regression (audit31): "enc_self:0:1,1" (meant: 1,2) removed one head, said only as "removed 1 head": a head
+    named twice is still removed once (ranges may overlap on purpose), and the command now says so."""
+    from headlab.headspec import repeated_heads
+
+    assert repeated_heads("enc_self:0:1,1 enc_self:0:1-2 dec_cross:1:0", None) == ["enc_self:0:1"]
+    assert repeated_heads("enc_self:0:1,2 dec_cross:1:0", None) == []
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1,1", "--out", str(tmp_path / "p")]) == 0
+    captured = capsys.readouterr()
+    assert "headlab prune: --heads names enc_self:0:1 more than once; each head is removed once" in captured.err
+    assert "removed 1 head;" in captured.out
+    assert main(["prune", "apply", str(model_dir), "--heads", "enc_self:0:1,2", "--out", str(tmp_path / "q")]) == 0
+    assert "more than once" not in capsys.readouterr().err
+
+
 def test_spaces_around_commas_and_dashes_of_a_typed_spec(blocks):
     """Regression (qa6): "enc_self:0:1, 2" said "bad head index ''" (the space split it into two
     items); a space around an item's comma or dash now belongs to that item."""

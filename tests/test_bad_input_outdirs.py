@@ -3,6 +3,7 @@ feeds one bad input and asserts the exit code, that the message names the file o
 that nothing of the user's is lost. One test per row of docs/cli.md's catalogue."""
 
 import errno
+import gzip
 import json
 import os
 import socket
@@ -251,6 +252,8 @@ ENCODED = {
     "utf-32 with a bom": (TEXT.encode("utf-32"), "is UTF-32LE (it starts with that byte order mark)"),
     "cr-only line ends": (TEXT.replace("\n", "\r").encode(), "its lines end in a CR alone"),
     "nul bytes": (b"The dog\x00\x00\x00 barks\x00.\n", "holds NUL bytes"),
+    # audit31: said "holds NUL bytes: not a UTF-8 text file" (or "not valid UTF-8"), not what was wrong
+    "gzip without .gz": (gzip.compress(TEXT.encode(), mtime=0), "gzip-compressed, yet its name does not end in .gz"),
 }
 
 
@@ -274,6 +277,21 @@ def test_text_input_in_another_encoding_or_with_cr_only_line_ends(case, inputs, 
         with pytest.raises(HeadlabError, match=f"{path}: .*{said.split('(')[0].strip()}"):
             read(path)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gz_file_that_is_not_gzip(inputs, tmp_path, capsys, monkeypatch):
+    """Regression (audit31): "cannot read it (Not a gzipped file (b'Th'))" did not say what to do."""
+    from headlab.data import read_lines
+    from headlab.errors import HeadlabError
+
+    path = tmp_path / "text.txt.gz"
+    path.write_text(TEXT, encoding="utf-8")
+    forbid_model_loading(monkeypatch)
+    assert main(_importance(inputs, tmp_path / "out", "--data", str(path))) == 2
+    err = capsys.readouterr().err
+    assert f"--source {path}: its name ends in .gz, yet it is not gzip-compressed; rename it without .gz" in err
+    with pytest.raises(HeadlabError, match="its name ends in .gz, yet it is not gzip-compressed"):
+        read_lines(path)
 
 
 def test_crlf_and_utf8_bom_still_read_as_before(tmp_path):

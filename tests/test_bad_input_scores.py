@@ -50,6 +50,33 @@ def test_baseline_by_scores_that_miss_heads_of_the_model_writes_no_row(tmp_path,
     assert not (out / "baselines.json").exists()
 
 
+def test_baseline_by_scores_of_another_models_weights_says_so(tmp_path, capsys):
+    """Regression (audit31): `prune baseline m1 --method scores --scores` of a table measured on m2 (the same
+    architecture, other weights) pruned m1 by m2's ranking, said nowhere (exit 0). Now a note names both; a table
+    of m1 itself (or of a copy of it) says nothing."""
+    import shutil
+
+    from support.models import tiny_model as build
+
+    mine = save_tiny_marian(tmp_path / "m1")
+    other = tmp_path / "m2"
+    shutil.copytree(mine, other)
+    build("marian", seed=5).save_pretrained(other)
+    (tmp_path / "v.src").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    said = {}
+    for name, measured in (("other", other), ("mine", mine), ("copy", shutil.copytree(mine, tmp_path / "copy"))):
+        table = tmp_path / f"{name}.json"
+        headlab.HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "lrp", str(measured)).save(table)
+        code = main(["prune", "baseline", str(mine), "--method", "scores", "--scores", str(table), "--keeps", "2",
+                     "--valid-src", str(tmp_path / "v.src"), "--valid-tgt", str(tmp_path / "v.src"), "--eval-beam", "1",
+                     "--out", str(tmp_path / f"b-{name}"), "--no-progress"])
+        assert code == 0
+        said[name] = capsys.readouterr().err
+    assert (f"note: --scores {tmp_path / 'other.json'} were measured on {other} (the table's model), whose weights "
+            f"differ from {mine}'s") in said["other"]
+    assert "note: --scores" not in said["mine"] and "note: --scores" not in said["copy"]
+
+
 def test_scores_that_fit_still_prune_to_keep_heads():
     """The check leaves well-formed tables alone: a full one, and one of a pruned model in its
     original numbering (NaN for the heads it lost) or in its current one."""
@@ -108,3 +135,38 @@ def test_labels_given_in_python_as_integers_are_class_indices():
     tokenizer = word_tokenizer(["a", "cat"], style="bert")
     for labels, classes in (([1, 2], [1, 2]), ([np.int64(3), 0], [3, 0]), (["1", "2"], [0, 1])):
         assert texts_data(["a cat", "cat"], tokenizer, _star_info(), labels=labels).classes == classes
+
+
+def test_agreement_between_measures_of_other_sentences_is_refused():
+    """Regression (audit31): compute_agreement correlated LRP on four sentences with ablation on two of them (exit 0,
+    rho -0.23, a table that said "agreement") though the two measured other data."""
+    from headlab.importance import compute_agreement
+    from support.bad_input import WORDS
+    from support.treebank import word_tokenizer
+
+    tokenizer, model = word_tokenizer(WORDS + ["do", "n't"]), tiny_model("marian")
+    lrp = headlab.importance(model, tokenizer, SENTENCES, targets=SENTENCES, measures=["lrp"]).scores["lrp"]
+    ablation = headlab.importance(model, tokenizer, SENTENCES[:2], targets=SENTENCES[:2],
+                                  measures=["ablation"]).scores["ablation"]
+    with pytest.raises(HeadlabError, match=r"agreement: lrp and ablation were measured on other data \(sentences 4 "
+                                           r"\(the reference's: 2\); source tokens"):
+        compute_agreement({"lrp": lrp}, ablation)
+    same = headlab.importance(model, tokenizer, SENTENCES, targets=SENTENCES, measures=["ablation"]).scores["ablation"]
+    assert set(compute_agreement({"lrp": lrp}, same).rho) == {"lrp"}  # the same sentences: as before
+
+
+def test_score_tables_record_the_weights_dtype():
+    """Regression (audit31): `--dtype bfloat16` (or a bfloat16 model in Python) gave confidence, gradient and ablation
+    tables whose signature read like a float32 run's (only LRP's said its precision), though the numbers differ."""
+    import torch
+
+    from support.bad_input import WORDS
+    from support.treebank import word_tokenizer
+
+    tokenizer = word_tokenizer(WORDS + ["do", "n't"])
+    for dtype, said in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = tiny_model("marian").to(dtype)
+        result = headlab.importance(model, tokenizer, SENTENCES[:2], targets=SENTENCES[:2],
+                                    measures=["confidence", "gradient"])
+        assert {name: table.signature["options"]["dtype"] for name, table in result.scores.items()} == \
+            dict.fromkeys(result.scores, said)

@@ -410,3 +410,21 @@ def test_an_unpruned_model_keeps_transformers_load_adapter(saved):
     assert "load_adapter" not in model.__dict__
     model.load_adapter(str(root / "llama-unpruned-lora"))
     assert _tuner_layers(model)
+
+
+def test_an_adapter_of_another_base_model_is_said(tmp_path):
+    """Regression (audit31): headlab.load_adapter put the LoRA of one model (trained against its weights) on another of
+    the same shapes without a word; now a UserWarning names both directories. The adapter of the model itself: none."""
+    import warnings
+
+    from headlab.loading import load_model
+
+    for name, seed in (("a", 0), ("b", 5)):
+        models.tiny_model("marian", seed=seed).save_pretrained(tmp_path / name)
+    trained = peft.get_peft_model(load_model(str(tmp_path / "b")), peft.LoraConfig(target_modules=["q_proj"], r=2))
+    trained.save_pretrained(tmp_path / "lora-b")
+    with pytest.warns(UserWarning, match=f"an adapter of {tmp_path / 'b'} .*differ from those of {tmp_path / 'a'}"):
+        headlab.load_adapter(load_model(str(tmp_path / "a")), tmp_path / "lora-b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        headlab.load_adapter(load_model(str(tmp_path / "b")), tmp_path / "lora-b")

@@ -136,3 +136,35 @@ def test_the_trainer_never_trains_a_parameter_the_model_never_saves(model_dir, t
     with pytest.raises(HeadlabError, match="never saves.*model.encoder.embed_positions.weight"):
         train(load_model(str(model_dir)), tokenizer, corpus, None, named,
               trainable=["model.encoder.embed_positions.weight", "model.encoder.layers.0.fc1.weight"])
+
+
+def test_a_resume_with_other_options_or_data_is_refused_before_anything_changes(model_dir, tokenizer, corpus,
+                                                                                  tmp_path, monkeypatch):
+    """Regression (audit31): ``prune train --resume`` with another --lam, --gates or training set went on from the
+    first part's weights and gates under the new options (exit 0) and rewrote prune_config.json with them alone:
+    two trainings mixed under one record (another --gates failed later, in the weights' load, the record
+    already rewritten)."""
+    cut = tmp_path / "cut"
+    _kill_after(monkeypatch, 4)
+    with pytest.raises(Killed):
+        _run(model_dir, tokenizer, corpus, cut, None)
+    monkeypatch.undo()
+    recorded = (cut / "prune_config.json").read_text()
+    last = (cut / "train" / "last" / "trainer_state.json").read_text()
+
+    def resume(config, data=corpus):
+        prune_train(load_model(str(model_dir)), tokenizer, data, corpus.subset(10), config,
+                    dev_data=corpus.subset(6), log=lambda message: None)
+
+    same = _config(cut, None, resume=True)
+    cases = {
+        "--lam 0.2 (now 0.5)": (PruneConfig(**{**same.__dict__, "lam": 0.5}), corpus),
+        "--gates all (now enc_self)": (PruneConfig(**{**same.__dict__, "gates": "enc_self"}), corpus),
+        "the training pairs": (same, corpus.subset(200)),
+    }
+    for said, (config, data) in cases.items():
+        with pytest.raises(HeadlabError, match="--resume: the run in .* was started with other options or data") as error:
+            resume(config, data)
+        assert said in str(error.value)
+        assert (cut / "prune_config.json").read_text() == recorded  # nothing rewritten
+        assert (cut / "train" / "last" / "trainer_state.json").read_text() == last

@@ -62,6 +62,22 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
             read_json(Path(text), "mask file")  # a missing or unreadable file: before the weights load
             return {}
         return load_mask_file(text, blocks)
+    return {key: sorted(set(value)) for key, value in _typed_spec(text, blocks).items() if value}
+
+
+def repeated_heads(text: str, blocks: list[AttentionBlock] | None) -> list[str]:
+    """The heads a typed spec names more than once (``enc_self:0:1``), for a note: :func:`parse_heads` removes each
+    once, so "1,1" where "1,2" was meant removes one head, not two. Empty for a mask file."""
+    if is_mask_file(text):
+        return []
+    repeated = []
+    for (kind, layer), heads in _typed_spec(text, blocks).items():
+        repeated += [f"{kind}:{layer}:{head}" for head in sorted(set(heads)) if heads.count(head) > 1]
+    return repeated
+
+
+def _typed_spec(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[str, int], list[int]]:
+    """A typed spec's heads per block as named, repeats kept."""
     spec: dict[tuple[str, int], list[int]] = {}
     items = _items(text)
     if not items:
@@ -93,7 +109,7 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
                 raise HeadlabError(f"--heads: bad head index {part!r} in {item!r}")
         if block is not None:
             _check_heads(heads, block, f"--heads {item!r}")
-    return {key: sorted(set(value)) for key, value in spec.items() if value}
+    return spec
 
 
 def load_mask_file(path: str | Path, blocks: list[AttentionBlock]) -> dict[tuple[str, int], list[int]]:

@@ -35,6 +35,7 @@ from headlab.checkpoint import (
     tensor_shapes,
 )
 from headlab.errors import HeadlabError
+from headlab.heads import shown_model_name
 from headlab.portable import PLAN_KEY
 from headlab.surgery import FORMAT_VERSION, PRUNING_FILE, check_block_sliceable, load_pruned
 
@@ -330,14 +331,25 @@ def vocab_size_of(model_or_config) -> int | None:
 _SPECIAL_TOKENS = ("pad", "bos", "eos", "unk", "sep", "cls", "mask")
 
 
+def _tokenizer_named(tokenizer, name: str) -> str:
+    """How an error names the tokenizer: where it was read from when that is not the model's directory (a
+    --tokenizer of another model; "tokenizer of MODEL" blamed the model's own)."""
+    source = getattr(tokenizer, "name_or_path", None)
+    if isinstance(source, str) and source and os.path.realpath(source) != os.path.realpath(name) \
+            and shown_model_name(source) != name:  # a results' name ("model" of /x/model) is the directory's own
+        return f"tokenizer {source} (given for {name})"
+    return f"tokenizer of {name}"
+
+
 def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") -> None:
     """Every special token the tokenizer inserts (padding above all) has an embedding row:
     a pad id beyond the vocabulary would otherwise fail deep inside the model as an IndexError. A tokenizer of
     tables (TAPAS's) is refused."""
+    whose = _tokenizer_named(tokenizer, name)
     if type(tokenizer).__name__ == "TapasTokenizer":
         # its __call__ takes (table, queries): tokenizer(text=...) raised a TypeError, and a long query a ValueError
         raise HeadlabError(
-            f"tokenizer of {name}: TapasTokenizer encodes questions about a table (tokenizer(table, queries)), not "
+            f"{whose}: TapasTokenizer encodes questions about a table (tokenizer(table, queries)), not "
             "plain text: it takes no text= argument and cannot cut a query longer than its maximum length, and "
             "headlab's inputs are plain text; give TAPAS a BERT tokenizer of its vocabulary instead "
             "(transformers.BertTokenizer(vocab='path/to/vocab.txt'): [CLS] text [SEP], what TapasTokenizer gives a query with "
@@ -350,14 +362,14 @@ def check_tokenizer_fits(tokenizer, model_or_config, name: str = "the model") ->
     base = getattr(tokenizer, "vocab_size", None)
     if isinstance(base, int) and base > size:
         raise HeadlabError(
-            f"tokenizer of {name}: its vocabulary has {base} tokens, more than the model's {size} embeddings "
+            f"{whose}: its vocabulary has {base} tokens, more than the model's {size} embeddings "
             f"(ids 0..{size - 1}); use the tokenizer the model was trained with")
     for special in _SPECIAL_TOKENS:
         token_id = getattr(tokenizer, f"{special}_token_id", None)
         if isinstance(token_id, int) and not 0 <= token_id < size:
             token = getattr(tokenizer, f"{special}_token", None)
             raise HeadlabError(
-                f"tokenizer of {name}: the {special} token {token!r} has id {token_id}, outside the model's "
+                f"{whose}: the {special} token {token!r} has id {token_id}, outside the model's "
                 f"vocabulary of {size} embeddings (ids 0..{size - 1}); use the tokenizer the model was trained "
                 "with, or give it a token the model knows (tokenizer.pad_token = tokenizer.eos_token) or "
                 "resize the model's embeddings (model.resize_token_embeddings)")

@@ -49,10 +49,16 @@ def stream_bytes(path: str | os.PathLike) -> bytes | None:
     return data
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # RFC 1952, 2.3.1: ID1, ID2
+
+
 def text_problem(head: bytes) -> str | None:
     """What makes the start of a text file unreadable as UTF-8 lines, or None: another Unicode
     encoding (its byte order mark, or the NUL bytes UTF-16/32 put beside ASCII characters) or
     line ends that are a CR alone (classic Mac OS), which would make the whole file one line."""
+    if head.startswith(GZIP_MAGIC):  # else "NUL bytes: not a UTF-8 text file" or a bad byte, which hid the cause
+        return "the file is gzip-compressed, yet its name does not end in .gz (only those are decompressed); " \
+               "rename it to end in .gz, or decompress it"
     for bom, name in _BOMS:
         if head.startswith(bom):
             return f"the file is {name} (it starts with that byte order mark), not UTF-8; convert it first, e.g. " \
@@ -98,7 +104,10 @@ def input_file(path: str | os.PathLike, flag: str, *, allow_empty: bool = False)
                 head = chunk = handle.read(HEAD)
                 while chunk and not chunk.strip():
                     chunk = handle.read(HEAD)
-    except (OSError, EOFError) as error:  # unreadable, or a .gz that is not gzip
+    except gzip.BadGzipFile:  # "Not a gzipped file (b'Th')" did not say what to do
+        raise HeadlabError(f"{flag} {path}: its name ends in .gz, yet it is not gzip-compressed; rename it without "
+                           ".gz, or compress it") from None
+    except (OSError, EOFError) as error:  # unreadable, or a truncated .gz
         raise HeadlabError(f"{flag} {path}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
     problem = text_problem(head)
     if problem is not None:

@@ -13,11 +13,12 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from headlab.heads import atomic_write_text, json_text
 
-__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "stage_key", "now_iso",
-           "append_record", "read_step_records", "set_aside"]
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "pairs_fingerprint",
+           "stage_key", "now_iso", "append_record", "read_step_records", "set_aside"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
@@ -74,6 +75,18 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> str | None:
     files = [path / "config.json", *sorted(path.glob("*.safetensors")), path / "headlab_pruning.json"]
     parts = [f"{f.name}={file_fingerprint(f)}" for f in files if f.is_file()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def pairs_fingerprint(data: Any) -> str | None:
+    """SHA-256 of a corpus's sentence pairs (text, or token ids of an encoded corpus); None for no corpus."""
+    if data is None:
+        return None
+    digest = hashlib.sha256()
+    for side in (data.sources, data.targets):
+        for item in side:
+            digest.update((item if isinstance(item, str) else " ".join(map(str, item))).encode() + b"\n")
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def stage_key(payload: dict) -> str:

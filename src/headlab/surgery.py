@@ -928,13 +928,40 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def _check_adapter_base(model: nn.Module, path: str | os.PathLike) -> None:
+    """Warn when an adapter names as its base a local model directory whose weights differ from those ``model`` was
+    loaded from: its low-rank updates were learnt against the other weights, and peft and transformers load it without
+    a word when the shapes agree. A warning, not a refusal: the files are compared, and a copy re-saved with the same
+    tensors differs in them. Compared only when both are local directories (a hub id or a moved directory: not)."""
+    import warnings
+
+    from headlab.resume import weights_fingerprint
+
+    try:
+        base = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return  # not a local adapter directory: peft's own load says what is wrong
+    origin = getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not (isinstance(base, str) and base and isinstance(origin, str) and origin):
+        return
+    ours, theirs = weights_fingerprint(origin), weights_fingerprint(base)
+    if ours is not None and theirs is not None and ours != theirs:
+        warnings.warn(
+            f"{path}: an adapter of {base} (adapter_config.json's base_model_name_or_path), whose weight files differ "
+            f"from those of {origin}, which the model was loaded from: its updates were trained against the other "
+            "weights unless the two hold the same tensors", UserWarning, stacklevel=3)
+
+
 @checked_keywords()
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, adapter_name: str | None = None,
                  is_trainable: bool = False, peft_model: bool = False) -> nn.Module:
     """Load the PEFT adapter at ``path`` onto ``model`` (transformers' ``model.load_adapter``; with ``peft_model``,
     peft's ``PeftModel.from_pretrained``, which is returned), refused and taken off again when it adapts a pruned
     attention layer and its ``headlab_adapter.json`` is missing or names other kept heads, or when a weight of it
-    was left at its initialisation (another shape, missing) or unread. Returns ``model`` or the PeftModel."""
+    was left at its initialisation (another shape, missing) or unread; a ``UserWarning`` when its
+    ``adapter_config.json`` names as its base a local model directory whose weight files differ from those ``model``
+    was loaded from. Returns ``model`` or the PeftModel."""
+    _check_adapter_base(model, path)
     if peft_model:
         try:
             return peft_from_pretrained(model, str(path), adapter_name=adapter_name or "default",

@@ -94,6 +94,9 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     try:
         with open_binary(path) as handle:
             yield from _split(handle, path)
+    except gzip.BadGzipFile:
+        raise HeadlabError(f"cannot read {path}: its name ends in .gz, yet it is not gzip-compressed; rename it "
+                           "without .gz, or compress it") from None
     except (OSError, EOFError) as error:
         raise HeadlabError(f"cannot read {path}: {error}") from None
 

@@ -91,8 +91,25 @@ class AgreementTable:
         return json_path, md_path
 
 
+# What a table's signature says about the sentences it was measured on: two tables that differ in one of these were
+# measured on other data (other sentences, or cut at another length), and their correlation is no agreement.
+_SAME_DATA = {"n_sentences": "sentences", "n_source_tokens": "source tokens", "max_length": "max_length"}
+
+
+def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
+    differ = [f"{what} {scores.signature[key]} (the reference's: {reference.signature[key]})"
+              for key, what in _SAME_DATA.items()
+              if key in scores.signature and key in reference.signature and scores.signature[key] != reference.signature[key]]
+    if differ:
+        raise HeadlabError(f"agreement: {name} and {reference.method} were measured on other data ({'; '.join(differ)}): "
+                           "compute the measures on the same sentences")
+
+
 def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores) -> AgreementTable:
-    """Spearman's rho of each measure against ``reference`` (ablation), per kind and pooled."""
+    """Spearman's rho of each measure against ``reference`` (ablation), per kind and pooled. Tables measured on other
+    data (their signatures' sentence or token counts or max_length differ) are refused."""
+    for name, scores in measures.items():
+        _other_data(name, scores, reference)
     kinds = [k for k in KINDS if k in reference.scores]
     rho: dict[str, dict[str, float]] = {}
     n_heads = {kind: int((~np.isnan(reference[kind])).sum()) for kind in kinds}

@@ -118,7 +118,8 @@ def run_importance(
             log(f"{name} failed: {failures[name]}")
             continue
         for table in tables:
-            scores[table.method] = _with_versions(table, options, left_out, declared_numbering(model))
+            scores[table.method] = _with_versions(table, {**options, "dtype": _weights_dtype(model)}, left_out,
+                                                  declared_numbering(model))
     agreement = None
     if REFERENCE in scores and len(scores) > 1:
         agreement = compute_agreement({k: v for k, v in scores.items() if k != REFERENCE}, scores[REFERENCE])
@@ -155,6 +156,13 @@ def _text_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> tuple[tuple[
         raise HeadlabError(f"kinds {','.join(unrun)}: {why}, so no measure can score them from text; "
                            f"score the kinds text runs ({', '.join(have) or 'none'})")
     return tuple(runs), left_out
+
+
+def _weights_dtype(model) -> str:
+    """The dtype of the model's floating-point weights (--dtype): the numbers differ by it (bfloat16 keeps 8 bits of
+    mantissa), and a table of a bfloat16 run read like one of a float32 run."""
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    return ",".join(found) or "none"
 
 
 def _with_versions(table: HeadScores, options: dict, left_out: str | None = None, numbering: dict | None = None) -> HeadScores:

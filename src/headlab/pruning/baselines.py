@@ -29,7 +29,6 @@ same heads and settings (``scratch_run.json``, ``finetune_run.json``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from itertools import islice
@@ -47,6 +46,7 @@ from headlab.model_description import describe_model
 from headlab.nmt.train import TrainConfig, train
 from headlab.pruning.config import BaselineConfig
 from headlab.pruning.dev import DEV_CURVE_FILE
+from headlab.resume import pairs_fingerprint
 from headlab.training.corpus import scoring_batches
 from headlab.training.loop import STATE_FILE, load_weights
 
@@ -417,15 +417,8 @@ def _settings(config: BaselineConfig, train_data, eval_data, dev_data=None) -> d
 
 
 def _data_fingerprint(data) -> str | None:
-    """SHA-256 of a corpus's sentence pairs (text, or token ids of an encoded corpus)."""
-    if data is None:
-        return None
-    digest = hashlib.sha256()
-    for side in (data.sources, data.targets):
-        for item in side:
-            digest.update((item if isinstance(item, str) else " ".join(map(str, item))).encode() + b"\n")
-        digest.update(b"\0")
-    return digest.hexdigest()
+    """SHA-256 of a corpus's sentence pairs (:func:`headlab.resume.pairs_fingerprint`)."""
+    return pairs_fingerprint(data)
 
 
 _IMPLICIT = {"freeze_decoder": False, "scratch_lr": 1e-3, "scratch_warmup_steps": 400, "scratch_average_last": 0}

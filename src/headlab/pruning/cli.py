@@ -350,6 +350,8 @@ def run_baseline(args) -> int:
         except HeadlabError as error:
             raise HeadlabError(f"--scores {error}") from None
     _check_baseline_recipe(args)
+    if scores is not None and (other := _scores_of_other_weights(scores, args.model)):
+        print(f"headlab prune baseline: note: --scores {args.scores} {other}", file=sys.stderr)
     out = Path(args.out)
     read_rows(out)  # a baselines.json that is not one refuses here, not after the first row
     set_threads(args.threads)
@@ -372,6 +374,17 @@ def run_baseline(args) -> int:
         print(run_baselines(lambda: _load(args), train_data, eval_data, config, out, dev_data=_dev_data(args),
                             log=_log(), progress=not args.no_progress), end="")
     return 0
+
+
+def _scores_of_other_weights(scores, model: str) -> str | None:
+    """What to say when a score table names as its model a local directory whose weights differ from ``model``'s
+    (the rows prune by another model's ranking; a pruned copy's scores included); None when they are the same, or
+    when the table's model cannot be read (a hub id, a directory moved since)."""
+    measured = weights_fingerprint(scores.model) if scores.model else None
+    if measured is None or measured == weights_fingerprint(model):
+        return None
+    return (f"were measured on {scores.model} (the table's model), whose weights differ from {model}'s: the rows "
+            "prune this model by that model's ranking of its heads")
 
 
 def _training_use(args) -> str | None:

@@ -57,7 +57,7 @@ from headlab.pruning.budget import LagrangianBudget
 from headlab.pruning.config import PruneConfig
 from headlab.pruning.dev import DEV_CURVE_FILE, DEV_DIR, DevCurve
 from headlab.pruning.hard_concrete import HardConcreteGates
-from headlab.resume import append_record, read_step_records
+from headlab.resume import append_record, pairs_fingerprint, read_step_records
 from headlab.shard import leave_process_group_at_exit, new_accelerator
 from headlab.surgery import check_prunable, count_parameters, prune_heads, save_pruned
 from headlab.training.config import TrainConfig
@@ -512,6 +512,7 @@ def prune_train(model, tokenizer, train_data, eval_data=None, config: PruneConfi
     train_config = TrainConfig(**{**config.train.to_dict(), "out_dir": str(run_dir)})
 
     config = with_gates_resolved(config, model)  # recorded as the kinds chosen: the record says what was gated
+    config = _with_data_fingerprints(config, train_data, dev_data)  # a --resume on other data is refused
     kinds, gates = _gates(model, config)
     if (out_dir / RESULT_FILE).exists() and not (train_config.overwrite or train_config.resume):
         raise HeadlabError(f"{out_dir} already holds a finished pruning run; pass --overwrite to replace it")
@@ -589,6 +590,7 @@ def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, con
                            "or --resume to continue it")
     if resuming:
         check_resume_point(run_dir)  # a damaged train/last is refused before this run's config is rewritten
+        _check_same_run(out_dir, config)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not resuming:  # a fresh start: the old run's files would mislead
@@ -598,6 +600,56 @@ def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, con
             if (out_dir / DEV_DIR).is_dir():
                 shutil.rmtree(out_dir / DEV_DIR)
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _with_data_fingerprints(config: PruneConfig, train_data, dev_data) -> PruneConfig:
+    """``config`` with the SHA-256 of its training and development pairs, unless a caller (a sweep) set them."""
+    return replace(config, train_data_sha256=config.train_data_sha256 or pairs_fingerprint(train_data) or "",
+                   dev_data_sha256=config.dev_data_sha256 or pairs_fingerprint(dev_data) or "")
+
+
+# The options of prune_config.json that change what the gated run learns, with what names them to a user. A
+# resume with another value would go on from the first part's weights and gates under the new one and record
+# the new one only: two trainings mixed under one record. (train.*: the trainer's own resume records changes.)
+_RUN_DEFINING = {
+    "gates": "--gates", "lam": "--lam", "keep": "--keep", "freeze_decoder": "--freeze-decoder", "beta": "--beta",
+    "gamma": "gamma", "zeta": "zeta", "init_log_alpha": "--init-log-alpha", "gate_lr": "--gate-lr",
+    "multiplier_lr": "--multiplier-lr", "budget_warmup": "--budget-warmup", "loss": "--loss",
+}
+_RUN_DATA = {
+    "model_fingerprint": "the model's weights (SHA-256)",
+    "train_data_sha256": "the training pairs (SHA-256 of --train-src/--train-tgt or --train-text after --limit)",
+    "dev_data_sha256": "the development pairs (SHA-256 of --dev-src/--dev-tgt after --dev-sentences)",
+}
+
+
+def _check_same_run(out_dir: Path, config: PruneConfig) -> None:
+    """Refuse, before anything is written, a resume whose options or data differ from those the run
+    in ``out_dir`` started with (its prune_config.json); a value that file does not record is not compared."""
+    path = out_dir / CONFIG_FILE
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HeadlabError(f"--resume: {path} is not readable ({error}); start again with --overwrite") from None
+    if not isinstance(recorded, dict):
+        raise HeadlabError(f"--resume: {path} is not a pruning run's options; start again with --overwrite")
+    now = json.loads(json.dumps(config.to_dict()))  # as the file holds it
+    changed = []
+    for key, flag in _RUN_DEFINING.items():
+        if key == "lam" and recorded.get("keep") is not None and now["keep"] is not None:
+            continue  # a budget ignores lambda
+        if key in recorded and recorded[key] != now[key]:
+            changed.append(f"{flag} {recorded[key]} (now {now[key]})")
+    for key, what in _RUN_DATA.items():
+        if recorded.get(key) and now[key] and recorded[key] != now[key]:
+            changed.append(f"{what} {recorded[key][:12]} (now {now[key][:12]})")
+    if changed:
+        raise HeadlabError(
+            f"--resume: the run in {out_dir} was started with other options or data: {'; '.join(changed)}. A resumed "
+            "run goes on from its checkpoint, so it would mix two trainings under one record; resume with the same "
+            "options and data, or start again with --overwrite")
 
 
 def _dev_curve(model, tokenizer, dev_data, out_dir: Path, config: PruneConfig, gates: HardConcreteGates, accelerator,

@@ -35,6 +35,7 @@ A validation that is not finite stops the run as diverged and writes none of the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -407,7 +408,7 @@ def train(
 
     state = {"epoch": 0, "batch_in_epoch": 0, "step": 0, "best_score": None, "best_epoch": None,
              "improved_epoch": None, "history": [], "tokens": 0, "world_size": accelerator.num_processes,
-             "elapsed_s": 0.0}
+             "elapsed_s": 0.0, "train_data_sha256": corpus_fingerprint(train_data)}
     if resume_from is not None:
         _resume(resume_from, model, optimizer, state, config, accelerator, log)
     else:
@@ -456,6 +457,22 @@ def _prepare_output(config: TrainConfig, accelerator, log: Callable[[str], None]
     return resume_from
 
 
+def corpus_fingerprint(corpus: EncodedCorpus) -> str:
+    """SHA-256 of a training corpus's token ids (sources, then targets), in order."""
+    from itertools import chain
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for side in (corpus.sources, corpus.targets):
+        for start in range(0, len(side), 65536):  # in chunks: whole arrays are fast (a small share of the
+            chunk = side[start:start + 65536]      # tokenization's time), and bounded in memory
+            digest.update(np.fromiter(map(len, chunk), dtype=np.int64).tobytes())  # where each sequence ends
+            digest.update(np.fromiter(chain.from_iterable(chunk), dtype=np.int64).tobytes())
+        digest.update(b"\xff" * 8)
+    return digest.hexdigest()
+
+
 def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfig, accelerator,
             log: Callable[[str], None]) -> None:
     """Load the loop's position, the weights, the optimizer and this rank's RNG from ``resume_from``
@@ -464,6 +481,14 @@ def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfi
     saved = _resume_file(resume_from / STATE_FILE, lambda path: json.loads(path.read_text(encoding="utf-8")))
     if not isinstance(saved, dict) or not all(key in saved for key in ("epoch", "batch_in_epoch", "step")):
         raise HeadlabError(_damaged(resume_from / STATE_FILE, "not a training state"))
+    recorded, now = saved.get("train_data_sha256"), state["train_data_sha256"]
+    if recorded and recorded != now:  # a state written before it was recorded: not compared
+        # the position (epoch, batch) indexes this run's batches: other data would mix two trainings, some pairs
+        # skipped and others seen twice, under one record
+        raise HeadlabError(
+            f"--resume: {resume_from} was trained on other training pairs (SHA-256 of their token ids "
+            f"{recorded[:12]}, now {now[:12]}); nothing was changed: resume with the same training data "
+            "(--train-src/--train-tgt or --train-text, --limit, the same tokenizer), or start again with --overwrite")
     if saved.get("world_size", 1) != world_size:
         raise HeadlabError(
             f"{resume_from} was written by {counted(saved.get('world_size', 1), 'process', 'processes')}; resume with "
