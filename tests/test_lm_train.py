@@ -279,3 +279,31 @@ def test_evaluate_refuses_a_tokenizer_larger_than_the_model(tokenizer, tmp_path,
     assert main(["lm", "evaluate", str(tmp_path), "--text", str(TRAIN)]) == 2
     err = capsys.readouterr().err
     assert "more than the model's 100 embeddings" in err and "Traceback" not in err
+
+
+def test_a_loss_past_exps_range_gives_infinite_perplexity_written_as_null(tmp_path, monkeypatch):
+    """A validation loss above ~709.78 nats: math.exp raised OverflowError and the run crashed; now an infinite
+    perplexity, and the history (whose writer refuses infinity) holds null beside the finite loss."""
+
+    from headlab.lm import train as lm_train
+    from headlab.lm.card import _scores
+
+    real, real_loss = lm_train.perplexity, lm_train.causal_lm_loss
+
+    def huge_loss(model, batch, config):
+        loss, tokens = real_loss(model, batch, config)
+        return torch.as_tensor(800.0 * tokens), tokens
+
+    def huge(*args, **kwargs):
+        monkeypatch.setattr(lm_train, "causal_lm_loss", huge_loss)  # scoring only: training keeps its own loss
+        try:
+            return real(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(lm_train, "causal_lm_loss", real_loss)
+
+    monkeypatch.setattr(lm_train, "perplexity", huge)
+    result = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=1))
+    assert result.history[-1]["valid_loss"] == 800.0 and result.history[-1]["valid_perplexity"] is None
+    written = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert written[-1]["valid_perplexity"] is None
+    assert "n/a" in _scores({"runs": [{"set": "test", "tokens": 3, "perplexity": None, "loss": 800.0, "command": "x"}]})

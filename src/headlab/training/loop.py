@@ -860,7 +860,8 @@ def _epoch_line(record: dict, state: dict) -> str:
             if "valid_loss" in record:
                 valid_text += f", loss {record['valid_loss']:.4f}"
         elif "valid_perplexity" in record:
-            valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {record['valid_perplexity']:.2f})"
+            ppl = record["valid_perplexity"]  # None: past a float's range (headlab.lm.train.json_perplexity)
+            valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {'inf' if ppl is None else f'{ppl:.2f}'})"
         else:
             valid_text = f", valid score {record['valid_score']:.4g}"
         best = state["best_score"]  # a perplexity run's score is the negated loss: show the loss
