@@ -588,6 +588,26 @@ def test_prune_by_spec_and_by_scores(setup):
         headlab.prune(model, api["confidence"])
 
 
+def test_prune_warns_when_a_head_is_named_twice(setup, tmp_path):
+    """Regression (resume31): headlab.prune with [1, 1] (meant: [1, 2]) removed one head without a word, where
+    `headlab prune apply` notes it; the API now warns in the CLI's words (each head is still removed once)."""
+    import json
+    import warnings
+
+    root = setup[0]
+    from headlab.loading import load_model
+
+    mask = tmp_path / "mask.json"
+    mask.write_text(json.dumps({"enc_self": {"0": [1, 1]}}))
+    for heads in ({("enc_self", 0): [1, 1]}, "enc_self:0:1,1", str(mask)):
+        with pytest.warns(UserWarning, match="prune: heads names enc_self:0:1 more than once; each head is removed once"):
+            kept = headlab.prune(load_model(str(root / "model")), heads)
+        assert kept[("enc_self", 0)] == [0, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # heads named once: no warning
+        headlab.prune(load_model(str(root / "model")), {("enc_self", 0): [1, 2]})
+
+
 def test_prune_by_scores_of_a_pruned_model_keeps_the_best_heads():
     """Regression: scores number a pruned model's heads as the model did before pruning (NaN for
     the heads it lost), but prune(model, scores, keep=N) applied their numbers to the model's

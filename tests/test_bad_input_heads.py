@@ -83,6 +83,16 @@ def test_prune_apply_says_when_a_head_is_named_twice(model_dir, tmp_path, capsys
     assert "more than once" not in capsys.readouterr().err
 
 
+def test_prune_apply_says_when_a_mask_file_names_a_head_twice(model_dir, tmp_path, capsys):
+    """Regression (resume31): a mask file's {"0": [1, 1]} was deduplicated without the note a typed spec gets."""
+    from headlab.headspec import repeated_heads
+
+    mask = _mask(tmp_path, {"enc_self": {"0": [1, 1, 2]}, "dec_cross": [[1, 0, 1, 1]] * 2})
+    assert repeated_heads(str(mask), None) == ["enc_self:0:1"]
+    assert main(["prune", "apply", str(model_dir), "--heads", str(mask), "--out", str(tmp_path / "p")]) == 0
+    assert "--heads names enc_self:0:1 more than once; each head is removed once" in capsys.readouterr().err
+
+
 def test_spaces_around_commas_and_dashes_of_a_typed_spec(blocks):
     """Regression (qa6): "enc_self:0:1, 2" said "bad head index ''" (the space split it into two
     items); a space around an item's comma or dash now belongs to that item."""

@@ -100,6 +100,33 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path):
         assert torch.allclose(continued[key], value, atol=1e-6), key
 
 
+def test_a_resume_inside_an_epoch_with_other_batches_is_refused(tmp_path):
+    """Regression (resume31): a --resume inside an epoch with another --seed or --max-tokens went on from the saved
+    batch position in the other options' batches (some pairs skipped, others seen twice), recorded only in
+    train_config_changes.json. At an epoch boundary a new order from the next epoch on is allowed."""
+    cut = tmp_path / "cut"
+    run_lm_recipe(tiny_recipe(cut, max_epochs=2, max_steps=5, validate=False))
+    last = (cut / "last" / "trainer_state.json").read_text()
+    state = json.loads(last)
+    assert state["epoch"] == 0 and 0 < state["batch_in_epoch"]  # stopped inside the first epoch
+    for options, said in (({"seed": 4}, "--seed 3 (now 4)"), ({"max_tokens": 500}, "--max-tokens 600 (now 500)")):
+        with pytest.raises(HeadlabError, match="stopped inside epoch 1") as error:
+            run_lm_recipe(tiny_recipe(cut, max_epochs=2, max_steps=9, validate=False, resume=True, **options))
+        assert said in str(error.value)
+        assert (cut / "last" / "trainer_state.json").read_text() == last  # nothing changed
+        assert not (cut / "train_config_changes.json").exists()
+    # only the length changed (issue 35's case): resumed
+    assert run_lm_recipe(tiny_recipe(cut, max_epochs=2, max_steps=6, validate=False, resume=True)).step == 6
+
+    edge = tmp_path / "edge"
+    run_lm_recipe(tiny_recipe(edge, max_epochs=1, validate=False))
+    assert json.loads((edge / "last" / "trainer_state.json").read_text())["batch_in_epoch"] == 0
+    resumed = run_lm_recipe(tiny_recipe(edge, max_epochs=2, validate=False, resume=True, seed=4))
+    assert resumed.epoch == 2
+    changes = json.loads((edge / "train_config_changes.json").read_text())
+    assert changes[-1]["changed"]["seed"] == 4 and changes[-1]["batch_in_epoch"] == 0
+
+
 def test_patience_stops_a_run_whose_validation_loss_stalls(tmp_path):
     # A learning rate of 0 leaves the loss where it is: no epoch improves on the first.
     result = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=10, lr=0.0, patience=2, min_improvement=0.01))
@@ -279,3 +306,31 @@ def test_evaluate_refuses_a_tokenizer_larger_than_the_model(tokenizer, tmp_path,
     assert main(["lm", "evaluate", str(tmp_path), "--text", str(TRAIN)]) == 2
     err = capsys.readouterr().err
     assert "more than the model's 100 embeddings" in err and "Traceback" not in err
+
+
+def test_a_loss_past_exps_range_gives_infinite_perplexity_written_as_null(tmp_path, monkeypatch):
+    """A validation loss above ~709.78 nats: math.exp raised OverflowError and the run crashed; now an infinite
+    perplexity, and the history (whose writer refuses infinity) holds null beside the finite loss."""
+
+    from headlab.lm import train as lm_train
+    from headlab.lm.card import _scores
+
+    real, real_loss = lm_train.perplexity, lm_train.causal_lm_loss
+
+    def huge_loss(model, batch, config):
+        loss, tokens = real_loss(model, batch, config)
+        return torch.as_tensor(800.0 * tokens), tokens
+
+    def huge(*args, **kwargs):
+        monkeypatch.setattr(lm_train, "causal_lm_loss", huge_loss)  # scoring only: training keeps its own loss
+        try:
+            return real(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(lm_train, "causal_lm_loss", real_loss)
+
+    monkeypatch.setattr(lm_train, "perplexity", huge)
+    result = run_lm_recipe(tiny_recipe(tmp_path / "run", max_epochs=1))
+    assert result.history[-1]["valid_loss"] == 800.0 and result.history[-1]["valid_perplexity"] is None
+    written = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert written[-1]["valid_perplexity"] is None
+    assert "n/a" in _scores({"runs": [{"set": "test", "tokens": 3, "perplexity": None, "loss": 800.0, "command": "x"}]})

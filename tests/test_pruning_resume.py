@@ -168,3 +168,26 @@ def test_a_resume_with_other_options_or_data_is_refused_before_anything_changes(
         assert said in str(error.value)
         assert (cut / "prune_config.json").read_text() == recorded  # nothing rewritten
         assert (cut / "train" / "last" / "trainer_state.json").read_text() == last
+
+
+def test_a_resume_inside_an_epoch_with_another_batch_order_is_refused_before_anything_changes(
+        model_dir, tokenizer, corpus, tmp_path, monkeypatch):
+    """Regression (resume31): ``prune train --resume`` with another --seed or --max-tokens inside an epoch went on
+    from the saved batch position in other batches (pairs skipped or seen twice) and rewrote prune_config.json."""
+    cut = tmp_path / "cut"
+    _kill_after(monkeypatch, 4)
+    with pytest.raises(Killed):
+        _run(model_dir, tokenizer, corpus, cut, None)
+    monkeypatch.undo()
+    recorded = (cut / "prune_config.json").read_text()
+    last = (cut / "train" / "last" / "trainer_state.json").read_text()
+    assert json.loads(last)["batch_in_epoch"] == 3  # the checkpoint after update 3, inside the first epoch
+    same = _config(cut, None, resume=True)
+    for options, said in (({"seed": 5}, "--seed 3 (now 5)"), ({"max_tokens": 300}, "--max-tokens 400 (now 300)")):
+        config = PruneConfig(**{**same.__dict__, "train": TrainConfig(**{**same.train.__dict__, **options})})
+        with pytest.raises(HeadlabError, match="stopped inside epoch 1") as error:
+            prune_train(load_model(str(model_dir)), tokenizer, corpus, corpus.subset(10), config,
+                        dev_data=corpus.subset(6), log=lambda message: None)
+        assert said in str(error.value)
+        assert (cut / "prune_config.json").read_text() == recorded  # nothing rewritten
+        assert (cut / "train" / "last" / "trainer_state.json").read_text() == last

@@ -327,9 +327,10 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
         raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
                            "list of heads to remove")
     elif isinstance(heads, str):
-        from headlab.headspec import parse_heads
+        from headlab.headspec import parse_heads, repeated_heads
 
         spec = parse_heads(heads, attention_blocks(model))
+        _warn_repeated(repeated_heads(heads, attention_blocks(model)))
     else:
         try:
             # a string key ("enc_self:0") is not a (kind, layer): tuple() would spell it letter by letter
@@ -337,7 +338,20 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
         except (TypeError, ValueError):
             raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
                                f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
+        from headlab.headspec import repeated_in
+
+        _warn_repeated(repeated_in(spec))
     return prune_heads(model, spec)
+
+
+def _warn_repeated(repeated: list[str]) -> None:
+    """As ``headlab prune`` notes it: a head named twice is removed once ([1, 1] meant as [1, 2] removes one head)."""
+    if repeated:
+        import warnings
+
+        from headlab.headspec import repeated_note
+
+        warnings.warn(f"prune: {repeated_note(repeated, 'heads')}", UserWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- everything

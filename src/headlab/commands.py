@@ -104,7 +104,7 @@ def _written_dtype(model, stored: set[str], asked: str | None) -> str:
 def run_prune(args) -> int:
     from headlab.adapters import attention_blocks
     from headlab.checkpoint import stored_dtypes
-    from headlab.headspec import parse_heads, repeated_heads, whole_layers
+    from headlab.headspec import parse_heads, repeated_heads, repeated_note, whole_layers
     from headlab.loading import build_from_config, check_supported, load_model, load_tokenizer
     from headlab.outdir import check_output, results_lock, write_results, written_note
     from headlab.portable import how_to_load
@@ -137,8 +137,7 @@ def run_prune(args) -> int:
         parse_heads(args.heads, None)
     repeated = repeated_heads(args.heads, None)  # '*' aside: a layer's heads are not known here for a pruned model
     if repeated:  # removed once each: "1,1" for "1,2" would remove one head where two were meant
-        print(f"headlab prune: --heads names {', '.join(repeated[:5])}{' ...' if len(repeated) > 5 else ''} more than "
-              "once; each head is removed once", file=sys.stderr)
+        print(f"headlab prune: {repeated_note(repeated, '--heads')}", file=sys.stderr)
     # The weights are written in the dtype they are loaded in (float32 unless --dtype): said below.
     stored = stored_dtypes(args.model) if Path(args.model).is_dir() else set()
     model = load_model(args.model, trust_remote_code=args.trust_remote_code, **device_options(args))

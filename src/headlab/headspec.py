@@ -66,14 +66,34 @@ def parse_heads(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[st
 
 
 def repeated_heads(text: str, blocks: list[AttentionBlock] | None) -> list[str]:
-    """The heads a typed spec names more than once (``enc_self:0:1``), for a note: :func:`parse_heads` removes each
-    once, so "1,1" where "1,2" was meant removes one head, not two. Empty for a mask file."""
+    """The heads a typed spec or a mask file's ``{layer: [heads]}`` lists name more than once (``enc_self:0:1``), for
+    a note: :func:`parse_heads` removes each once, so "1,1" where "1,2" was meant removes one head, not two."""
     if is_mask_file(text):
-        return []
+        data = read_json(Path(text), "mask file")
+        if isinstance(data, dict) and "scores" in data:
+            data = data["scores"]
+        named: dict = {}
+        for kind, value in (data.items() if isinstance(data, dict) else ()):
+            if isinstance(value, dict):  # a keep-matrix has one entry per head: nothing to repeat
+                named.update({(kind, layer): heads for layer, heads in value.items() if isinstance(heads, list)})
+        return repeated_in(named)
+    return repeated_in(_typed_spec(text, blocks))
+
+
+def repeated_in(spec: dict) -> list[str]:
+    """``KIND:LAYER:HEAD`` of each head that ``spec`` (``{(kind, layer): [head, ...]}``) lists more than once."""
     repeated = []
-    for (kind, layer), heads in _typed_spec(text, blocks).items():
-        repeated += [f"{kind}:{layer}:{head}" for head in sorted(set(heads)) if heads.count(head) > 1]
+    for key, heads in spec.items():
+        heads = list(heads) if isinstance(heads, (list, tuple)) else []
+        where = ":".join(str(part) for part in (key if isinstance(key, tuple) else (key,)))
+        repeated += [f"{where}:{head}" for head in sorted(set(heads), key=str) if heads.count(head) > 1]
     return repeated
+
+
+def repeated_note(repeated: list[str], what: str) -> str:
+    """The note on heads named more than once (the CLI's and the API's words)."""
+    shown = ", ".join(repeated[:5]) + (" ..." if len(repeated) > 5 else "")
+    return f"{what} names {shown} more than once; each head is removed once"
 
 
 def _typed_spec(text: str, blocks: list[AttentionBlock] | None) -> dict[tuple[str, int], list[int]]:

@@ -30,7 +30,7 @@ def _curve(history: list[dict]) -> str:
 def _scores(results: dict) -> str:
     lines = ["| text | tokens | perplexity | loss (nats/subword) | command |", "|---|---:|---:|---:|---|"]
     for run in results["runs"]:
-        lines.append(f"| {run['set']} | {run['tokens']:,} | {run['perplexity']:.2f} | {run['loss']:.4f} "
+        lines.append(f"| {run['set']} | {run['tokens']:,} | {number(run['perplexity'], '.2f')} | {run['loss']:.4f} "
                      f"| `{run['command']}` |")
     return "\n".join(lines) + "\n"
 

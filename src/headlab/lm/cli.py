@@ -74,7 +74,7 @@ def _train(args) -> int:
 
 def _evaluate(args) -> int:
     from headlab.lm.data import encode_lm_corpus, read_text_corpus
-    from headlab.lm.train import perplexity
+    from headlab.lm.train import json_perplexity, perplexity
     from headlab.loading import check_tokenizer_fits, load_model, load_tokenizer
     from headlab.preflight import at_least, input_file
 
@@ -95,7 +95,7 @@ def _evaluate(args) -> int:
     # a sentence longer than the model's positions is scored on its first ones only: said, not hidden
     result.update({"sentences": len(text), "files": list(text.per_file), "truncated": corpus.n_truncated})
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(json_perplexity(result), indent=2))  # an overflowed perplexity: null, not Infinity
     else:
         cut = corpus.n_truncated
         print(f"perplexity {result['perplexity']:.2f} (loss {result['loss']:.4f} nats per subword, "

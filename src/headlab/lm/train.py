@@ -43,7 +43,23 @@ def perplexity(model, corpus: EncodedCorpus, pad_id: int, max_tokens: int = 4096
             loss_sum += batch_loss.item()
             n_tokens += batch_tokens
     loss = loss_sum / max(n_tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}
+    return {"loss": loss, "perplexity": exp_or_inf(loss), "tokens": n_tokens}
+
+
+def exp_or_inf(loss: float) -> float:
+    """``exp(loss)``; infinity where it overflows a float (a loss above ~709.78 nats: math.exp raised
+    OverflowError and a diverged model's validation crashed instead of being reported)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def json_perplexity(result: dict) -> dict:
+    """``result`` with an infinite perplexity as None (JSON null), which the JSON writers take: they refuse
+    infinity (heads.json_text); the loss beside it is finite and says how large it was."""
+    ppl = result.get("perplexity")
+    return {**result, "perplexity": None} if isinstance(ppl, float) and math.isinf(ppl) else result
 
 
 def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
@@ -82,7 +98,7 @@ def run_lm_recipe(recipe: LMRecipe, accelerator=None, **hooks) -> TrainResult:
 
     def validate(raw_model, _tokenizer, valid, train_config) -> dict:
         result = perplexity(raw_model, valid, pad_id, max_tokens=train_config.max_tokens)
-        return {"score": -result["loss"], **result}
+        return {"score": -result["loss"], **json_perplexity(result)}
 
     return train(model, tokenizer, train_data, valid_data, config, accelerator=accelerator,
                  compute_loss=causal_lm_loss, collate_fn=lambda corpus, indices: collate_lm(corpus, indices, pad_id),

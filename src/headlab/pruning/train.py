@@ -589,7 +589,8 @@ def _prepare_output(out_dir: Path, run_dir: Path, train_config: TrainConfig, con
         raise HeadlabError(f"{out_dir} already holds a pruning run; pass --overwrite to replace it "
                            "or --resume to continue it")
     if resuming:
-        check_resume_point(run_dir)  # a damaged train/last is refused before this run's config is rewritten
+        # a damaged train/last, or other batches mid-epoch, refused before this run's config is rewritten
+        check_resume_point(run_dir, train_config)
         _check_same_run(out_dir, config)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -154,6 +154,49 @@ CONFIG_CHANGES_FILE = "train_config_changes.json"
 _MISSING = object()
 
 
+# The options that make the batch list of an epoch, or its order (token_budget_batches: the seed shuffles, max_tokens
+# cuts); the number of processes is checked beside them (it deals the batches out).
+_BATCHING_OPTIONS = {"seed": "--seed", "max_tokens": "--max-tokens"}
+
+
+def _options_in_force(out_dir: Path) -> dict | None:
+    """The options the run in ``out_dir`` last ran with: train_config.json with each recorded change applied
+    (None without train_config.json; an unreadable file is left to the caller's own reads)."""
+    first_file, changes_file = out_dir / "train_config.json", out_dir / CONFIG_CHANGES_FILE
+    try:
+        in_force = json.loads(first_file.read_text(encoding="utf-8")) if first_file.is_file() else None
+        changes = json.loads(changes_file.read_text(encoding="utf-8")) if changes_file.is_file() else []
+        if not isinstance(in_force, dict):
+            return None
+        for change in changes:
+            in_force.update(change["changed"])
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError):
+        return None
+    return in_force
+
+
+def check_same_batches(out_dir: Path, config: TrainConfig, saved: dict) -> None:
+    """Refuse a resume inside an epoch (``saved``: its trainer_state) with another --seed or --max-tokens than
+    the run last ran with: the saved batch position indexes the batches those options made, so other ones
+    would skip some pairs of the epoch and repeat others. At an epoch boundary (batch 0) the next epoch's
+    batches are made afresh and every pair is seen once in it: allowed, and train_config_changes.json records it."""
+    position = saved.get("batch_in_epoch")
+    if not isinstance(position, int) or position == 0:
+        return
+    in_force = _options_in_force(out_dir)
+    if in_force is None:
+        return
+    now = config.to_dict()
+    changed = [f"{flag} {in_force[key]} (now {now[key]})" for key, flag in _BATCHING_OPTIONS.items()
+               if key in in_force and in_force[key] != now[key]]
+    if changed:
+        raise HeadlabError(
+            f"--resume: {out_dir} stopped inside epoch {saved.get('epoch', 0) + 1} (at batch {position}), whose batches "
+            f"were made with other options: {'; '.join(changed)}; the position indexes those batches, so some pairs "
+            "would be skipped and others seen twice; nothing was changed: resume with the same options (another "
+            "order may start at an epoch boundary), or start again with --overwrite")
+
+
 def _record_config_changes(out_dir: Path, config: TrainConfig, state: dict) -> None:
     """A resume may change options (a longer warm-up, another patience rule): train_config.json
     keeps the first start's, and each resume that changes any appends its step and the new values
@@ -233,15 +276,18 @@ def _resume_file(path: Path, load: Callable[[Path], Any]) -> Any:
         raise HeadlabError(_damaged(path, reason[:200])) from error
 
 
-def check_resume_point(out_dir: str | Path) -> None:
+def check_resume_point(out_dir: str | Path, config: TrainConfig | None = None) -> None:
     """Refuse (exit 2, naming the file) a resume point whose files are damaged, before a caller
     writes anything: trainer_state.json parsed, the safetensors headers read (the optimizer's and
     the RNG's records parsed), a legacy ``.pt`` file's zip directory read (a truncated one has none).
+    With ``config``, also a resume inside an epoch with other batches (:func:`check_same_batches`).
     Cheap: no tensor is loaded; the trainer's loads check the rest."""
     directory = _resume_dir(Path(out_dir))
     if directory is None:
         return
-    _resume_file(directory / STATE_FILE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+    saved = _resume_file(directory / STATE_FILE, lambda path: json.loads(path.read_text(encoding="utf-8")))
+    if config is not None and isinstance(saved, dict):
+        check_same_batches(Path(out_dir), config, saved)
 
     def header(path: Path) -> None:
         from safetensors import safe_open
@@ -489,6 +535,7 @@ def _resume(resume_from: Path, model, optimizer, state: dict, config: TrainConfi
             f"--resume: {resume_from} was trained on other training pairs (SHA-256 of their token ids "
             f"{recorded[:12]}, now {now[:12]}); nothing was changed: resume with the same training data "
             "(--train-src/--train-tgt or --train-text, --limit, the same tokenizer), or start again with --overwrite")
+    check_same_batches(Path(config.out_dir), config, saved)
     if saved.get("world_size", 1) != world_size:
         raise HeadlabError(
             f"{resume_from} was written by {counted(saved.get('world_size', 1), 'process', 'processes')}; resume with "
@@ -860,7 +907,8 @@ def _epoch_line(record: dict, state: dict) -> str:
             if "valid_loss" in record:
                 valid_text += f", loss {record['valid_loss']:.4f}"
         elif "valid_perplexity" in record:
-            valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {record['valid_perplexity']:.2f})"
+            ppl = record["valid_perplexity"]  # None: past a float's range (headlab.lm.train.json_perplexity)
+            valid_text = f", valid loss {record['valid_loss']:.4f} (perplexity {'inf' if ppl is None else f'{ppl:.2f}'})"
         else:
             valid_text = f", valid score {record['valid_score']:.4g}"
         best = state["best_score"]  # a perplexity run's score is the negated loss: show the loss
