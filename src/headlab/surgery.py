@@ -426,6 +426,9 @@ def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> 
 def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int,
                  journal: _Journal) -> None:
     family, core, d = block.family, block.core, block.d_head
+    if family.head_parameters:  # XLNet's bare einsum parameters
+        _prune_head_parameters(block, keep, kv_keep, journal)
+        return
     device = block.o.weight.device
     q_index = _head_index(keep, d, device)
     kv_index = _head_index(kv_keep, d, device)
@@ -496,6 +499,29 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
+    """A layer whose forward applies bare per-head parameters (``Family.head_parameters``: XLNet's q, k, v, o, r and
+    seg_embed on dim 1, its three biases on dim 0): the kept heads' slices of each, and the points' widths. The
+    forward is shape-driven, so a layer with no head left keeps its own forward, its parameters of zero heads: the
+    ``o`` einsum over no head gives 0, the residual and the layer norm run as before (fam31d's test)."""
+    core = block.core
+    for name, dim in block.family.head_parameters:
+        parameter = getattr(core, name)
+        index = torch.tensor(keep, dtype=torch.long, device=parameter.device)
+        _replace(core, name, parameter.index_select(dim, index), journal)
+    for name in (block.family.q, block.family.k, block.family.v, block.family.o):
+        point = block.module.get_submodule(name) if name else None
+        if point is not None:
+            journal.set(point, "in_features", len(keep) * block.d_head)
+            journal.set(point, "out_features", len(keep) * block.d_head)
+    for attr in block.family.head_count_attrs:
+        journal.set(core, attr, len(keep))
+    kept, kv_kept, original = _original(block)
+    journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
+    journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
+    journal.set(core, ORIGINAL_ATTR, original)
 
 
 def _give_pruned_forward(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
@@ -1313,6 +1339,7 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     # check with a shape error naming none of them (the session-26 sweep)
     biases = [(owner, name) for owner, name, _ in head_biases(block)]
     sliced = {id(getattr(owner, name)) for owner, name in (*head_vectors(block), *biases)}
+    sliced |= {id(getattr(block.core, name)) for name, _ in block.family.head_parameters}  # XLNet's
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None and block.n_heads:  # Doge's A and dt_proj, sliced with the key/value heads
         projection, owner, name = dynamic
@@ -1433,8 +1460,10 @@ def pruning_plan(model: nn.Module) -> dict:
         for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block),
                        dynamic[0] if dynamic else None,
                        emptied_projection if isinstance(emptied_projection, nn.Linear) else None):
-            if module is not None:
+            if module is not None and not block.family.head_parameters:  # XLNet's points: no weight, nothing to save
                 plan["projections"][names[id(module)]] = list(_projection(module))
+        for name, _ in block.family.head_parameters:  # XLNet's bare per-head parameters: their pruned shapes
+            plan.setdefault("parameters", {})[f"{_core_path(block)}.{name}"] = list(getattr(core, name).shape)
         biases = [(owner, name) for owner, name, _ in head_biases(block)]
         for owner, vector in (*head_vectors(block), *biases, *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
