@@ -38,8 +38,9 @@ class HeadPoint(nn.Module):
 
 
 def _hooked(module: nn.Module) -> bool:
-    """A headlab hook sits on one of ``module``'s points (masking, capture of head outputs, LRP)."""
-    points = [getattr(module, name, None) for name in POINTS]
+    """A hook sits on ``module`` (capture's, reading its probabilities) or on one of its points (masking, gates,
+    per-head outputs, LRP): headlab is reading or changing it."""
+    points = [module, *(getattr(module, name, None) for name in POINTS)]
     return any(p is not None and (p._forward_hooks or p._forward_pre_hooks) for p in points)
 
 
@@ -52,7 +53,8 @@ def _forward(self, h, g, attn_mask_h, attn_mask_g, r, seg_mat, mems=None, target
              output_attentions=False):
     """``XLNetRelativeAttention.forward``'s content stream (its ``else`` branch, transformers 5.24) with the points;
     the two-stream pass (``g``: target_mapping/perm_mask pretraining) and a memory go to the original forward, and
-    are refused while a headlab hook is on (its hooks would not run there)."""
+    are refused while a hook is on the module or its points (masking would not reach them, capture would read a map
+    over the memory's keys too, or the query stream's)."""
     if g is not None or (mems is not None and mems.dim() > 1):
         if _hooked(self):
             raise HeadlabError(
