@@ -426,9 +426,6 @@ def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> 
 def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int,
                  journal: _Journal) -> None:
     family, core, d = block.family, block.core, block.d_head
-    if family.head_parameters:  # XLNet's bare einsum parameters
-        _prune_head_parameters(block, keep, kv_keep, journal)
-        return
     device = block.o.weight.device
     q_index = _head_index(keep, d, device)
     kv_index = _head_index(kv_keep, d, device)
@@ -511,8 +508,8 @@ def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list
         parameter = getattr(core, name)
         index = torch.tensor(keep, dtype=torch.long, device=parameter.device)
         _replace(core, name, parameter.index_select(dim, index), journal)
-    for name in (block.family.q, block.family.k, block.family.v, block.family.o):
-        point = block.module.get_submodule(name) if name else None
+    for path in (block.family.q, block.family.k, block.family.v, block.family.o):
+        point = block.module.get_submodule(path) if path else None
         if point is not None:
             journal.set(point, "in_features", len(keep) * block.d_head)
             journal.set(point, "out_features", len(keep) * block.d_head)
@@ -1241,7 +1238,10 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     sharing = sharing_groups(attention_blocks(model))
     try:
         for block, keep, kv_keep, groups in plans:
-            _prune_block(model, block, keep, kv_keep, groups, journal)
+            if block.family.head_parameters:  # XLNet's bare einsum parameters
+                _prune_head_parameters(block, keep, kv_keep, journal)
+            else:
+                _prune_block(model, block, keep, kv_keep, groups, journal)
         _retie(model, sharing, journal)
         blocks = attention_blocks(model)
         if blocks and blocks[0].family.name == "t5":
@@ -1462,8 +1462,8 @@ def pruning_plan(model: nn.Module) -> dict:
                        emptied_projection if isinstance(emptied_projection, nn.Linear) else None):
             if module is not None and not block.family.head_parameters:  # XLNet's points: no weight, nothing to save
                 plan["projections"][names[id(module)]] = list(_projection(module))
-        for name, _ in block.family.head_parameters:  # XLNet's bare per-head parameters: their pruned shapes
-            plan.setdefault("parameters", {})[f"{_core_path(block)}.{name}"] = list(getattr(core, name).shape)
+        for pname, _ in block.family.head_parameters:  # XLNet's bare per-head parameters: their pruned shapes
+            plan.setdefault("parameters", {})[f"{_core_path(block)}.{pname}"] = list(getattr(core, pname).shape)
         biases = [(owner, name) for owner, name, _ in head_biases(block)]
         for owner, vector in (*head_vectors(block), *biases, *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])

@@ -13,6 +13,8 @@ so a pruned layer, one with no head left too, runs it unchanged, in headlab and 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -49,8 +51,10 @@ def _through(point: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return point(x.flatten(2)).reshape(x.shape)
 
 
-def _forward(self, h, g, attn_mask_h, attn_mask_g, r, seg_mat, mems=None, target_mapping=None,
-             output_attentions=False):
+def _forward(self: Any, h: torch.Tensor, g: torch.Tensor | None, attn_mask_h: torch.Tensor | None,
+             attn_mask_g: torch.Tensor | None, r: torch.Tensor, seg_mat: torch.Tensor | None,
+             mems: torch.Tensor | None = None, target_mapping: torch.Tensor | None = None,
+             output_attentions: bool = False) -> tuple:
     """``XLNetRelativeAttention.forward``'s content stream (its ``else`` branch, transformers 5.24) with the points;
     the two-stream pass (``g``: target_mapping/perm_mask pretraining) and a memory go to the original forward, and
     are refused while a hook is on the module or its points (masking would not reach them, capture would read a map
@@ -73,10 +77,9 @@ def _forward(self, h, g, attn_mask_h, attn_mask_g, r, seg_mat, mems=None, target
     if output_attentions:
         attn_vec, attn_prob = attn_vec
     output_h = self.post_attention(h, _through(self.headlab_o, attn_vec))
-    outputs = (output_h, None)
     if output_attentions:
-        outputs = outputs + (attn_prob,)
-    return outputs
+        return output_h, None, attn_prob
+    return output_h, None
 
 
 _CLASSES: dict[type, type] = {}
@@ -88,7 +91,8 @@ def _with_points(cls: type) -> type:
         return cls
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": _forward, "_headlab_original_forward": cls.forward, "_headlab_points": True,
+            "forward": _forward, "_headlab_original_forward": getattr(cls, "forward"),  # noqa: B009 (mypy: type)
+            "_headlab_points": True,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return _CLASSES[cls]
 
@@ -100,12 +104,13 @@ def install_points(model: nn.Module) -> None:
         if type(module).__name__ != "XLNetRelativeAttention" or not isinstance(getattr(module, "q", None),
                                                                                 nn.Parameter):
             continue
-        width = module.q.shape[1] * module.q.shape[2]
+        q = cast(torch.Tensor, module.q)
+        width = int(q.shape[1] * q.shape[2])
         for name in POINTS:
             point = getattr(module, name, None)
             if not isinstance(point, HeadPoint):
                 module.add_module(name, HeadPoint(width))
-            elif point.in_features != width:
+            elif point.in_features != width:  # pruned or loaded pruned since
                 point.in_features = point.out_features = width
         module.__class__ = _with_points(type(module))
 
