@@ -221,3 +221,20 @@ def test_a_pruned_directory_resaved_by_transformers(tmp_path, capsys):
     torch.testing.assert_close(_logits(reloaded), expected, atol=1e-6, rtol=0)
     assert main(["heads", str(tmp_path / "resaved")]) == 0
     assert "rel_attn" in capsys.readouterr().out
+
+
+def test_analyze_end_to_end(tmp_path):
+    """``headlab analyze`` runs its stages on a tiny XLNet, LRP included (fam31d refused it, exit 2)."""
+    from headlab.cli import main
+    from support.treebank import SAMPLE_CONLLU
+
+    words = sorted({line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()})
+    save_tiny(_xlnet().float(), tmp_path / "xlnet", words, "bert")
+    (tmp_path / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (tmp_path / "text.txt").write_text(" ".join(words[:6]) + "\n" + " ".join(words[6:10]) + "\n", encoding="utf-8")
+    code = main(["analyze", str(tmp_path / "xlnet"), "--source", str(tmp_path / "text.txt"), "--conllu",
+                 str(tmp_path / "tb.conllu"), "--out", str(tmp_path / "out"), "--no-progress", "--skip", "figures"])
+    assert code == 0
+    stages = {s["name"]: s["status"] for s in json.loads((tmp_path / "out" / "manifest.json").read_text())["stages"]}
+    assert all(stages[name] == "done" for name in ("confidence", "lrp", "gradient", "functions", "aggregate",
+                                                     "table", "report")), stages
