@@ -1441,7 +1441,8 @@ def pruning_plan(model: nn.Module) -> dict:
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
     (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``) or of one head
-    size per head (``Family.head_biases``); ``selected``
+    size per head (``Family.head_biases``); ``parameters`` (parameter path -> its pruned shape) for the bare per-head
+    parameters a family's forward applies itself (``Family.head_parameters``: XLNet's); ``selected``
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
     projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
