@@ -955,6 +955,23 @@ MVP = Family(
 )
 
 
+# GPT-NeoX-Japanese (GPTNeoXJapaneseForCausalLM, abeja/gpt-neox-japanese-2.7b, transformers 5.24, models/
+# gpt_neox_japanese): gpt_neox_japanese.layers.N.attention (GPTNeoXJapaneseAttention), outside the attention interface:
+# query_key_value viewed [.., num_attention_heads, 3 * head_size], head h's [q | k | v] together (GPT-NeoX's per-head
+# layout), partial rotary on q and k, softmax(q k^T / sqrt(d) + mask) (baddbmm), dense(merged heads); no bias on
+# either. It always returns (output, probs, dense_bias): ``dense_bias``, a vector only in the last layer (None in the
+# others), is added by the layer after the attention output, so it is the output projection's bias in all but name:
+# a layer left with no head still returns it (:data:`headlab.portable_code.OUTPUT_BIASES`).
+GPT_NEOX_JAPANESE = Family(
+    name="gpt-neox-japanese",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.attention$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_size",
+    head_count_attrs=("num_attention_heads",),
+    extra_outputs=1,
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -1050,6 +1067,7 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "gpt_neox_japanese": GPT_NEOX_JAPANESE,
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
