@@ -1204,6 +1204,32 @@ UNSUPPORTED: dict[str, str] = {
                  "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
                  "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
                  "not sum to one; an analysis would cover its decoder only",
+    # neoxjp32, read in transformers 5.24 (models/diffllama): before, refused as "ran the attention function 2 times
+    # in one pass (a module shared by several layers, or one that attends twice)", which its heads are not
+    "diffllama": "DiffLlama's attention is differential (Ye et al. 2024, arXiv:2410.05258): each of its "
+                 "num_attention_heads / 2 heads pairs query head i with query head i + num_attention_heads / 2 and "
+                 "attends with softmax(Q1 K1^T) - lambda softmax(Q2 K2^T) (lambda learned per layer), a signed map "
+                 "whose rows sum to 1 - lambda, over both halves of the values, then normalises its 2 x head_dim "
+                 "outputs (groupnorm, an RMSNorm per head) before o_proj; headlab's capture and statistics read one "
+                 "probability map per head (non-negative, rows summing to one), and transformers returns only the "
+                 "first softmax of each pair, so headlab has no reading of a DiffLlama head's attention",
+    # neoxjp32, read in transformers 5.24 (models/jetmoe): before, refused naming the getitem between the attention
+    # function's output and experts.output_linear, not what that getitem is
+    "jetmoe": "JetMoE's attention is a mixture of attention heads (JetMoeMoA, Zhang et al. 2022): a router sends each "
+              "token to num_experts_per_tok of num_local_experts attention experts, each with its own query projection "
+              "(experts.input_linear) and output projection (experts.output_linear) over keys and values all experts "
+              "share (kv_proj); the attention function's num_experts_per_tok x num_key_value_heads heads are routing "
+              "slots, a slot's map at a token belonging to whichever expert the router chose there, so a head there is "
+              "no one set of weights, and an expert's heads attend only from the tokens routed to them: headlab has "
+              "no per-head map, mask or pruning of routed attention experts",
+    # neoxjp32, read in transformers 5.24 (models/hrm_text): before, refused as "ran the attention function 6 times in
+    # one pass (a module shared by several layers, or one that attends twice)"
+    "hrm_text": "HRM-Text (Hierarchical Reasoning Model) is recurrent within one forward pass: every layer of its "
+                "L_module stack runs H_cycles x L_cycles times (its input the low-level state plus the high-level "
+                "one) and every layer of its H_module stack H_cycles times, each run with a cache slot of its own, and "
+                "the L runs before the last L_bp_cycles under torch.no_grad (no gradient reaches them); a head is one "
+                "set of weights with a map per run, and headlab numbers a shared module's runs as depths only where a "
+                "table entry says how (ALBERT's), which HRM-Text's two interleaved recurrent stacks have not",
 }
 """Model types refused before any work, with what is missing."""
 
