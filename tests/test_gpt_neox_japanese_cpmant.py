@@ -1,4 +1,6 @@
-"""GPT-NeoX-Japanese as a table family: its attention computes its own softmax outside transformers' attention
+"""GPT-NeoX-Japanese as a table family, and CPM-Ant refused naming what is missing.
+
+GPT-NeoX-Japanese: its attention computes its own softmax outside transformers' attention
 interface (before its entry, refused before any work: "found no attention block").
 
 GPTNeoXJapaneseAttention fuses q/k/v as GPT-NeoX does (``query_key_value`` viewed ``[.., heads, 3 * head_size]``:
@@ -11,14 +13,18 @@ so does the directory save_pruned writes, loaded by load_pruned and by plain tra
 rules conserve relevance, biases and dense_bias counted, to 1e-9. The matrix checks (tests/test_more_families.py:
 masking equals zeroed values, gates at one change nothing, the fused layout's value columns, analyze end to end) run
 on it too.
+
+CPM-Ant (before: "found no attention block") is refused before any work, naming its prompt tokens and its padding read
+from the ids; what the refusal says of it is checked here on a tiny CpmAntForCausalLM, so that it stays true.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 
-from headlab import attention_blocks, prune_heads
+from headlab import HeadlabError, attention_blocks, prune_heads
 from support.family_matrix import check_lrp_conserves, tiny_model
 from support.table_families import (
     SPECS,
@@ -81,3 +87,33 @@ def test_compute_lrp_conserves_with_dense_bias(spec_name):
     if spec_name:
         prune_heads(model, NEOX_SPECS[spec_name][0])
     check_compute_lrp_conserves(model)
+
+
+def _cpmant() -> torch.nn.Module:
+    config = tf.CpmAntConfig(vocab_size=99, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=37,
+                             num_hidden_layers=2, prompt_length=4)
+    torch.manual_seed(0)
+    return tf.CpmAntForCausalLM(config).eval()
+
+
+def test_cpmant_is_refused_naming_its_prompts_and_padding():
+    with pytest.raises(HeadlabError, match=r"is not supported: CPM-Ant prepends config.prompt_length learned prompt "
+                                           r"tokens.*ignores attention_mask.*only on the left"):
+        attention_blocks(_cpmant())
+
+
+def test_what_the_cpmant_refusal_says_holds():
+    """Its maps over the tokens lose what went to the prompts; attention_mask changes nothing, and only a row padded
+    with id 0 on the left gives the unpadded row's logits."""
+    model = _cpmant()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        alone = model(input_ids=ids).logits
+        maps = model(input_ids=ids, output_attentions=True).attentions
+        left = model(input_ids=torch.tensor([[0, 0, 5, 6, 7]])).logits[:, 2:]
+        right = model(input_ids=torch.tensor([[5, 6, 7, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))
+        unmasked = model(input_ids=torch.tensor([[5, 6, 7, 0, 0]])).logits
+    assert maps[0].shape == (1, 4, 3, 3) and bool((maps[0].sum(-1) < 1 - 1e-3).any())
+    torch.testing.assert_close(left, alone, atol=1e-5, rtol=0)
+    assert not torch.allclose(right.logits[:, :3], alone, atol=1e-3)
+    assert torch.equal(right.logits, unmasked)  # the mask is a dummy

@@ -1204,6 +1204,22 @@ UNSUPPORTED: dict[str, str] = {
                  "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
                  "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
                  "not sum to one; an analysis would cover its decoder only",
+    # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
+    # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
+    # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias
+    # [batch, heads, q, k] computed once per pass from one relative_attention_bias (buckets x heads) and handed to every
+    # layer by position, as MPNet's (alibi_argument). What it would need first: the prompt positions cut from every
+    # map, per-head output and relevance, and batches left-padded with id 0. Checked on a tiny CpmAntForCausalLM: a
+    # right-padded row's logits differ from the unpadded row's, a left-padded row's do not; a position's logits change
+    # with a later token (its mask is bidirectional over the input: context is all ones)
+    "cpmant": "CPM-Ant prepends config.prompt_length learned prompt tokens to every input inside its forward, so each "
+              "layer's attention (CpmAntAttention, outside transformers' attention interface) maps [prompts | tokens] "
+              "x [prompts | tokens], and output_attentions hands out only the tokens' block, whose rows do not sum to "
+              "one (the rest went to the prompts); and it ignores attention_mask (CpmAntForCausalLM takes it as a "
+              "dummy parameter), reading padding from the ids instead: id 0 is padding, and only on the left (the "
+              "last `length` positions of a row are its tokens), so a right-padded batch is read wrongly. headlab's "
+              "maps, per-head outputs and relevance are over the input's tokens, and its padded batches follow "
+              "attention_mask: it has no entry that cuts the prompts out and pads as CPM-Ant reads",
     # neoxjp32, read in transformers 5.24 (models/diffllama): before, refused as "ran the attention function 2 times
     # in one pass (a module shared by several layers, or one that attends twice)", which its heads are not
     "diffllama": "DiffLlama's attention is differential (Ye et al. 2024, arXiv:2410.05258): each of its "
