@@ -30,6 +30,7 @@ from support.table_families import (
     SPECS,
     check_captured_probabilities,
     check_compute_lrp_conserves,
+    check_old_mask_buffers_load,
     check_pruned_equals_masked,
     check_pruned_generates_and_reloads,
     table_spec,
@@ -87,6 +88,16 @@ def test_compute_lrp_conserves_with_dense_bias(spec_name):
     if spec_name:
         prune_heads(model, NEOX_SPECS[spec_name][0])
     check_compute_lrp_conserves(model)
+
+
+def test_checkpoint_with_per_layer_rotary_buffers_loads(tmp_path):
+    """abeja's checkpoint (2022) was saved when each attention kept its own RotaryEmbedding, whose inv_freq was a
+    persistent buffer; transformers 5.24 computes it once in the model and drops such keys as unexpected
+    (``rotary_emb.inv_freq``): headlab's loader loads it, the logits the model's own."""
+    model = tiny_model("gpt_neox_japanese", attn_implementation="eager")
+    inv_freq = model.gpt_neox_japanese.rotary_emb.inv_freq
+    check_old_mask_buffers_load(model, tmp_path, {f"gpt_neox_japanese.layers.{i}.attention.rotary_emb.inv_freq":
+                                                  inv_freq.clone() for i in range(2)})
 
 
 def _cpmant() -> torch.nn.Module:
