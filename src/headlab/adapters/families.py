@@ -499,7 +499,8 @@ T5 = Family(
 # UMT5: T5's layout, but every self-attention layer computes its own relative position bias
 # (UMT5Attention.compute_bias from its own relative_attention_bias, passed as position_bias to the attention
 # function), not the stack's first layer for all: no bias handed between layers, one column per head to slice
-UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",))  # returns (output, weights)
+UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",),  # returns (output, weights)
+               shared_bias="")  # each layer its own bias: none handed on
 
 
 def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
