@@ -215,7 +215,8 @@ def test_longt5_encoder_pruning_needs_its_local_bias(monkeypatch, local):
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_longt5_pruned_reloads(spec_name, tmp_path):
     """save_pruned and load_pruned: every weight loaded, logits and cached generation equal the masked model's.
-    Plain transformers cannot build it (the position bias table stays whole, sliced per layer): the record says so."""
+    Plain transformers cannot build it (the position bias table stays whole, sliced per layer): the record says so,
+    and transformers refuses the pruned shapes rather than load another model."""
     model, spec, inputs = _longt5(), SPECS[spec_name], _inputs()
     with mask_heads(model, spec):
         expected = _logits(model, inputs)
@@ -231,6 +232,8 @@ def test_longt5_pruned_reloads(spec_name, tmp_path):
     assert {b.key: b.n_heads for b in attention_blocks(reloaded)} == heads_left
     torch.testing.assert_close(_logits(reloaded, inputs), expected, atol=1e-12, rtol=0)
     assert torch.equal(_generate(reloaded, inputs)[0], tokens)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # the pruned shapes refused, no wrong model
+        tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
 
 
 def _lrp_record(model) -> dict:
