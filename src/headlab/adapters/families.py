@@ -157,6 +157,12 @@ class Family:
     extra_outputs: int = 0
     """Outputs of ``core``'s forward after the probabilities that its caller unpacks (LED's decoder attention returns
     its cache third): a layer with no head left returns as many (None), as it does the probabilities."""
+    shared_bias: str = ""
+    """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
+    it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
+    (LongT5's local attention: ``compute_bias(block_len)``, ``[1, 1, heads, block_len, 3 * block_len]``, the mask
+    folded in); '' where none is handed on. A pruned stack gets each layer's own, sliced to the heads it kept
+    (:func:`headlab.surgery.prune_heads`), and plain transformers cannot load it (the table stays whole)."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -487,12 +493,60 @@ T5 = Family(
     d_head_attr="key_value_proj_dim",
     probs_index=2,
     head_count_attrs=("n_heads",),
+    shared_bias="t5",
 )
 
 # UMT5: T5's layout, but every self-attention layer computes its own relative position bias
 # (UMT5Attention.compute_bias from its own relative_attention_bias, passed as position_bias to the attention
 # function), not the stack's first layer for all: no bias handed between layers, one column per head to slice
-UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",))  # returns (output, weights)
+UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",),  # returns (output, weights)
+               shared_bias="")  # each layer its own bias: none handed on
+
+
+def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """LongT5's dense ``[batch, heads, n, n]`` map from ``LongT5LocalAttention``'s output (transformers 5.24, its
+    forward read): ``output[2]`` is ``[batch, blocks, heads, block_len, 3 * block_len]``, the tokens split into blocks
+    of ``block_len = local_radius + 1`` (the last padded), block ``b``'s queries attending over blocks ``b - 1, b,
+    b + 1`` (zero blocks padding both ends). Query ``q`` of block ``q // block_len`` sees key ``k`` at column
+    ``k - (q // block_len - 1) * block_len`` of its window; keys outside the window, farther than local_radius, in the
+    padding or masked have a -1e10 score, so probability exactly 0 (a real query always sees itself), and the
+    window's columns put in place give every real query's whole row. A padded query's (every key masked) is uniform
+    over its window, part of it in the padding: its row here, cut to the n tokens, does not sum to one. The softmax
+    is float32 whatever the model's dtype (``softmax(scores.float())``)."""
+    import torch
+
+    blocked = output[2]
+    hidden = args[0] if args else kwargs["hidden_states"]
+    n = int(hidden.shape[1])
+    batch, blocks, heads, block_len, width = blocked.shape
+    rows = blocked.permute(0, 2, 1, 3, 4).reshape(batch, heads, blocks * block_len, width)[:, :, :n]
+    positions = torch.arange(n, device=blocked.device)
+    column = positions[None, :] - (positions[:, None] // block_len - 1) * block_len  # [query, key]
+    inside = (column >= 0) & (column < width)
+    dense = rows.gather(-1, column.clamp(0, width - 1).expand(batch, heads, n, n))
+    return torch.where(inside, dense, torch.zeros((), dtype=blocked.dtype, device=blocked.device))
+
+
+# LongT5 (LongT5ForConditionalGeneration, LongT5EncoderModel; transformers 5.24, models/longt5) with
+# encoder_attention_type="local": the encoder's encoder.block.N.layer.0.LocalSelfAttention is LongT5LocalAttention,
+# T5's q/k/v/o without the attention interface (einsum over blocks of block_len = local_radius + 1 tokens, each
+# attending over 3 blocks, masked to local_radius each side), returning (output, position_bias, probabilities) with
+# output_attentions (its 4th argument, passed by keyword), the probabilities blocked (read by longt5_local_probs).
+# Its first layer computes the relative position bias (compute_bias(block_len)) and adds the mask to it; the stack
+# hands that sum to the others. Its forward views the heads with n_heads and merges them with inner_dim (kept in step
+# by pruning). The decoder is T5's (LongT5Attention through the attention interface, its bias shared as T5's): a part.
+# "transient-global" is refused by UNSUPPORTED_CONFIGS.
+LONGT5_DECODER = replace(T5, name="longt5-decoder", patterns=T5.patterns[1:])
+LONGT5 = replace(
+    T5,
+    name="longt5",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.block\.(\d+)\.layer\.0\.LocalSelfAttention$"),),
+    probs_argument=("output_attentions", 3),
+    probs_reader=longt5_local_probs,
+    width_attrs=("inner_dim",),
+    shared_bias="local",
+    parts=(LONGT5_DECODER,),
+)
 
 LLAMA_LIKE = Family(
     name="llama-like",
@@ -1079,6 +1133,7 @@ FAMILIES: dict[str, Family] = {
     "mvp": MVP,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
+    "longt5": LONGT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     **dict.fromkeys(["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], QWEN3_NEXT),
     "gpt_neox": GPT_NEOX,
@@ -1345,8 +1400,23 @@ def _mvp_prompts(config: Any) -> str | None:
             "prompts (use_prompt=False, RUCAIBox/mvp and its task models) is supported")
 
 
+def _longt5_transient_global(config: Any) -> str | None:
+    # read in transformers 5.24 (models/longt5): LongT5TransientGlobalAttention concatenates, after each block's
+    # 3 * block_len local keys, one side key per global block of global_block_size tokens, the sum of their layer-
+    # normed states (_create_global_aggregates), with its own position bias (global_relative_attention_bias)
+    if getattr(config, "encoder_attention_type", "local") == "local":
+        return None
+    return (f"LongT5 with encoder_attention_type={config.encoder_attention_type!r}: its encoder's attention "
+            "(LongT5TransientGlobalAttention) attends over each token's local window and over side keys that are "
+            f"aggregates of blocks of global_block_size={getattr(config, 'global_block_size', '?')} tokens, not "
+            "tokens, so a head's attention is not a [query, key] map over the input's tokens (its rows over the "
+            "tokens do not sum to one), and an analysis would cover the decoder only; LongT5 with local attention "
+            "(encoder_attention_type='local') is supported")
+
+
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
-                                                               "led": _longformer_windows, "mvp": _mvp_prompts}
+                                                               "led": _longformer_windows, "mvp": _mvp_prompts,
+                                                               "longt5": _longt5_transient_global}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
