@@ -283,6 +283,7 @@ def matrix_types() -> set[str]:
     types |= {"longt5"}  # tests/test_longt5.py (session 32)
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
+    types |= {"cpmant", "diffllama", "jetmoe", "hrm_text"}  # tests/test_refused_families.py (session 32)
     return types
 
 

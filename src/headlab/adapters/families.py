@@ -1009,6 +1009,23 @@ MVP = Family(
 )
 
 
+# GPT-NeoX-Japanese (GPTNeoXJapaneseForCausalLM, abeja/gpt-neox-japanese-2.7b, transformers 5.24, models/
+# gpt_neox_japanese): gpt_neox_japanese.layers.N.attention (GPTNeoXJapaneseAttention), outside the attention interface:
+# query_key_value viewed [.., num_attention_heads, 3 * head_size], head h's [q | k | v] together (GPT-NeoX's per-head
+# layout), partial rotary on q and k, softmax(q k^T / sqrt(d) + mask) (baddbmm), dense(merged heads); no bias on
+# either. It always returns (output, probs, dense_bias): ``dense_bias``, a vector only in the last layer (None in the
+# others), is added by the layer after the attention output, so it is the output projection's bias in all but name:
+# a layer left with no head still returns it (:data:`headlab.portable_code.OUTPUT_BIASES`).
+GPT_NEOX_JAPANESE = Family(
+    name="gpt-neox-japanese",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.attention$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_size",
+    head_count_attrs=("num_attention_heads",),
+    extra_outputs=1,
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -1104,6 +1121,7 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "gpt_neox_japanese": GPT_NEOX_JAPANESE,
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
@@ -1241,6 +1259,48 @@ UNSUPPORTED: dict[str, str] = {
                  "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
                  "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
                  "not sum to one; an analysis would cover its decoder only",
+    # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
+    # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
+    # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias
+    # [batch, heads, q, k] computed once per pass from one relative_attention_bias (buckets x heads) and handed to every
+    # layer by position, as MPNet's (alibi_argument). What it would need first: the prompt positions cut from every
+    # map, per-head output and relevance, and batches left-padded with id 0. Checked on a tiny CpmAntForCausalLM: a
+    # right-padded row's logits differ from the unpadded row's, a left-padded row's do not; a position's logits change
+    # with a later token (its mask is bidirectional over the input: context is all ones)
+    "cpmant": "CPM-Ant prepends config.prompt_length learned prompt tokens to every input inside its forward, so each "
+              "layer's attention (CpmAntAttention, outside transformers' attention interface) maps [prompts | tokens] "
+              "x [prompts | tokens], and output_attentions hands out only the tokens' block, whose rows do not sum to "
+              "one (the rest went to the prompts); and it ignores attention_mask (CpmAntForCausalLM takes it as a "
+              "dummy parameter), reading padding from the ids instead: id 0 is padding, and only on the left (the "
+              "last `length` positions of a row are its tokens), so a right-padded batch is read wrongly. headlab's "
+              "maps, per-head outputs and relevance are over the input's tokens, and its padded batches follow "
+              "attention_mask: it has no entry that cuts the prompts out and pads as CPM-Ant reads",
+    # neoxjp32, read in transformers 5.24 (models/diffllama): before, refused as "ran the attention function 2 times
+    # in one pass (a module shared by several layers, or one that attends twice)", which its heads are not
+    "diffllama": "DiffLlama's attention is differential (Ye et al. 2024, arXiv:2410.05258): each of its "
+                 "num_attention_heads / 2 heads pairs query head i with query head i + num_attention_heads / 2 and "
+                 "attends with softmax(Q1 K1^T) - lambda softmax(Q2 K2^T) (lambda learned per layer), a signed map "
+                 "whose rows sum to 1 - lambda, over both halves of the values, then normalises its 2 x head_dim "
+                 "outputs (groupnorm, an RMSNorm per head) before o_proj; headlab's capture and statistics read one "
+                 "probability map per head (non-negative, rows summing to one), and transformers returns only the "
+                 "first softmax of each pair, so headlab has no reading of a DiffLlama head's attention",
+    # neoxjp32, read in transformers 5.24 (models/jetmoe): before, refused naming the getitem between the attention
+    # function's output and experts.output_linear, not what that getitem is
+    "jetmoe": "JetMoE's attention is a mixture of attention heads (JetMoeMoA, Zhang et al. 2022): a router sends each "
+              "token to num_experts_per_tok of num_local_experts attention experts, each with its own query projection "
+              "(experts.input_linear) and output projection (experts.output_linear) over keys and values all experts "
+              "share (kv_proj); the attention function's num_experts_per_tok x num_key_value_heads heads are routing "
+              "slots, a slot's map at a token belonging to whichever expert the router chose there, so a head there is "
+              "no one set of weights, and an expert's heads attend only from the tokens routed to them: headlab has "
+              "no per-head map, mask or pruning of routed attention experts",
+    # neoxjp32, read in transformers 5.24 (models/hrm_text): before, refused as "ran the attention function 6 times in
+    # one pass (a module shared by several layers, or one that attends twice)"
+    "hrm_text": "HRM-Text (Hierarchical Reasoning Model) is recurrent within one forward pass: every layer of its "
+                "L_module stack runs H_cycles x L_cycles times (its input the low-level state plus the high-level "
+                "one) and every layer of its H_module stack H_cycles times, each run with a cache slot of its own, and "
+                "the L runs before the last L_bp_cycles under torch.no_grad (no gradient reaches them); a head is one "
+                "set of weights with a map per run, and headlab numbers a shared module's runs as depths only where a "
+                "table entry says how (ALBERT's), which HRM-Text's two interleaved recurrent stacks have not",
 }
 """Model types refused before any work, with what is missing."""
 
