@@ -198,3 +198,20 @@ def test_gradient_checkpointing_without_the_rng_replayed(reentrant):
     torch.testing.assert_close(_log_alpha_grad(1, keywords, dropout=0.0), reference, atol=1e-12, rtol=0)
     with pytest.raises(HeadlabError, match="preserve_rng_state"):
         _log_alpha_grad(2, keywords, dropout=0.0)
+
+
+def test_a_recomputed_call_whose_state_two_passes_share_is_refused():
+    """Two passes that reached one block at the same RNG state with other noise (the RNG seeded again inside a pass):
+    the recomputation cannot tell which is its own, and says so rather than read either."""
+    gates = gates_for([0.0, 0.0])
+    replay, call = gates._replay, (("enc_self", 0), b"state")
+    first = torch.tensor([0.2, 0.3])
+    replay.record(call, first)
+    assert torch.equal(replay.find(call), first)
+    alive = replay.current  # as its graph holds it (the outputs' grad_fn metadata)
+    replay.new_pass()
+    replay.record(call, torch.tensor([0.7, 0.1]))
+    with pytest.raises(HeadlabError, match=r"cannot be told apart from another.s \(2 passes alive\)"):
+        replay.find(call)
+    del alive  # the first pass's graph gone: the call is the second pass's alone
+    torch.testing.assert_close(replay.find(call), torch.tensor([0.7, 0.1]))

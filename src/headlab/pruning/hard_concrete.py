@@ -109,15 +109,13 @@ class _Pass:
 
 
 class _Replay:
-    """Every call of the live passes, found by its block and RNG state; held weakly, so a pass is forgotten
-    with its graph. Not copied or pickled: a copy of the gates starts without passes."""
+    """The live passes (held weakly: a pass is forgotten with its graph, see :meth:`HardConcreteGates.end_pass`) and
+    the current one; a call is found by its block and RNG state among them. Not copied or pickled: a copy of the
+    gates starts without passes."""
 
     def __init__(self) -> None:
-        self.calls: weakref.WeakValueDictionary[_Call, _Pass] = weakref.WeakValueDictionary()
         self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
-        self.ambiguous: set[_Call] = set()  # one state, two noises (the RNG seeded again mid-pass)
-        self.current = _Pass()
-        self.passes.add(self.current)
+        self.new_pass()
 
     def new_pass(self) -> None:
         self.current = _Pass()  # the last one stays alive with its graph, if it has one
@@ -131,27 +129,24 @@ class _Replay:
 
     def record(self, call: _Call, u: torch.Tensor) -> None:
         """``call`` of the current pass used the noise ``u``."""
-        earlier = self.calls.get(call)
-        if earlier is not None and not torch.equal(earlier.calls[call], u):
-            self.ambiguous.add(call)
         self.current.calls[call] = u
-        self.calls[call] = self.current
 
     def find(self, call: _Call) -> torch.Tensor:
         """The noise of ``call`` for its recomputation, or a HeadlabError: never another call's."""
         key = call[0]
-        record = self.calls.get(call) if call not in self.ambiguous else None
-        if record is not None:
-            return record.calls[call]
-        # No replayed RNG state (preserve_rng_state=False): only one pass alive, one call of this block, is sure
         live = [p for p in self.passes if p.calls]
+        found = [p.calls[call] for p in live if call in p.calls]
+        if found and all(torch.equal(u, found[0]) for u in found[1:]):  # two passes at one state: the same draw
+            return found[0]
+        # Not found (the RNG state not replayed: preserve_rng_state=False): sure only of one live pass's one call of
+        # the block. Found with other noises: the RNG seeded again inside a pass.
         candidates = [u for p in live for (k, _), u in p.calls.items() if k == key]
-        if call not in self.ambiguous and len(live) == 1 and len(candidates) == 1:
+        if not found and len(live) == 1 and len(candidates) == 1:
             return candidates[0]
         raise HeadlabError(
             f"gradient checkpointing recomputed the Hard Concrete gates of {key[0]} layer {key[1]} and their noise "
-            f"cannot be told apart from another pass's ({len(live)} passes alive): torch's RNG is not replayed in "
-            "the recomputation (torch.utils.checkpoint's preserve_rng_state=False) or was seeded again inside a "
+            f"cannot be told apart from another's ({counted(len(live), 'pass', 'passes')} alive): torch's RNG is not replayed "
+            "in the recomputation (torch.utils.checkpoint's preserve_rng_state=False) or was seeded again inside a "
             "pass; leave preserve_rng_state at its default (True), or call backward after each forward")
 
 
