@@ -652,8 +652,11 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
     """T5 computes its position bias [1, n_heads, q, k] in the first layer of a stack and
     hands it to the others, which breaks once layers keep different heads. In a pruned stack
     each layer instead gets the full bias recomputed from the first layer's table, sliced to
-    the heads it kept (cross-attention has no position bias: zeros)."""
+    the heads it kept (cross-attention has no position bias: zeros). LongT5's local encoder
+    (``shared_bias == "local"``) hands on its blocked bias with the mask folded in: each layer
+    gets the same sum, sliced."""
     stacks = {"enc_self": "encoder", "dec_self": "decoder", "dec_cross": "decoder"}
+    blocks = [b for b in blocks if b.family.shared_bias]
     pruned_stacks = {stacks[b.kind] for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
     for stack in pruned_stacks:
         members = [b for b in blocks if stacks[b.kind] == stack]
@@ -666,8 +669,30 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
                 journal.set(core, KEPT_ATTR, list(range(block.n_heads)))
                 journal.set(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
                 journal.set(core, ORIGINAL_ATTR, block.n_heads)
-            journal.hooks.append(core.register_forward_pre_hook(_t5_bias_hook(source), with_kwargs=True))
+            local = block.family.shared_bias == "local"
+            journal.hooks.append(core.register_forward_pre_hook(
+                (_local_bias_hook if local else _t5_bias_hook)(source), with_kwargs=True))
             journal.set(core, "_headlab_t5_hooked", True)
+
+
+def _local_bias_hook(source: nn.Module):
+    """LongT5LocalAttention's position bias as its forward builds it without one (transformers 5.24):
+    ``compute_bias(block_len)`` (``[1, 1, heads, block_len, 3 * block_len]``) plus the blocked mask
+    (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is seen) made 0 or -1e10 and
+    moved to the heads' axis, here with the kept heads' columns only."""
+    def hook(module, args, kwargs):
+        kept = getattr(module, KEPT_ATTR)
+        bias = cast(Any, source).compute_bias(module.block_len)[:, :, kept]
+        mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+        if mask is not None:
+            bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+        if len(args) > 2:  # position_bias passed by position (LongT5LayerLocalSelfAttention passes it by keyword)
+            args = (*args[:2], bias, *args[3:])
+        else:
+            kwargs["position_bias"] = bias
+        return args, kwargs
+
+    return hook
 
 
 def _t5_bias_hook(source: nn.Module):
@@ -1244,7 +1269,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
                 _prune_block(model, block, keep, kv_keep, groups, journal)
         _retie(model, sharing, journal)
         blocks = attention_blocks(model)
-        if blocks and blocks[0].family.name == "t5":
+        if any(block.family.shared_bias for block in blocks):  # T5's, LongT5's
             _install_t5_bias_hooks(model, blocks, journal)
         _install_alibi_hooks(blocks, journal)
         mismatch = first_mismatch(reference, run_probe(model, probe), dtype)
