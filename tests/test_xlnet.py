@@ -238,3 +238,22 @@ def test_analyze_end_to_end(tmp_path):
     stages = {s["name"]: s["status"] for s in json.loads((tmp_path / "out" / "manifest.json").read_text())["stages"]}
     assert all(stages[name] == "done" for name in ("confidence", "lrp", "gradient", "functions", "aggregate",
                                                      "table", "report")), stages
+
+
+def test_a_model_with_points_pickles():
+    """The points' class is a class of headlab's module: ``torch.save(model)`` and a deepcopy still work (a class made
+    at run time under transformers' name did not pickle)."""
+    import copy
+    import io
+
+    model = _xlnet()
+    prune_heads(model, {("enc_self", 0): [1]})
+    expected = _logits(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert torch.equal(_logits(copied), expected)
+        assert [b.n_heads for b in attention_blocks(copied)] == [3, 4]
+        with mask_heads(copied, {("enc_self", 1): [0]}):
+            assert not torch.equal(_logits(copied), expected)

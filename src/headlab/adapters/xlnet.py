@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers.models.xlnet.modeling_xlnet import XLNetRelativeAttention
 
 from headlab.errors import HeadlabError
 
@@ -82,11 +83,23 @@ def _forward(self: Any, h: torch.Tensor, g: torch.Tensor | None, attn_mask_h: to
     return output_h, None
 
 
-_CLASSES: dict[type, type] = {}
+class XLNetRelativeAttentionWithPoints(XLNetRelativeAttention):
+    """transformers' XLNetRelativeAttention with :func:`_forward`: a class of this module, so that a model headlab
+    gave points to still pickles (``torch.save(model)``; a class made at run time does not), named as the original
+    (headlab and transformers read the name)."""
+
+    forward = _forward
+    _headlab_original_forward = XLNetRelativeAttention.forward
+    _headlab_points = True
+
+
+XLNetRelativeAttentionWithPoints.__name__ = "XLNetRelativeAttention"
+_CLASSES: dict[type, type] = {XLNetRelativeAttention: XLNetRelativeAttentionWithPoints}
 
 
 def _with_points(cls: type) -> type:
-    """``cls`` with :func:`_forward` (one class per original, named as it: transformers reads the name)."""
+    """``cls`` with :func:`_forward` (one class per original, named as it); transformers' own class gets
+    :class:`XLNetRelativeAttentionWithPoints`."""
     if getattr(cls, "_headlab_points", False):
         return cls
     if cls not in _CLASSES:
