@@ -496,6 +496,10 @@ def value_rows(block, kv_head: int):
     fused projection: the columns headlab's layout table gives, the table families' hand-read layouts
     being tested in tests/test_more_families.py)."""
     v = block.v if block.v is not None else block.qkv
+    if type(v).__name__ == "HeadPoint":  # XLNet: its bare value parameter (d_model, n_head, d_head), modeling_xlnet's
+        with torch.no_grad():
+            block.core.v[:, kv_head] = 0
+        return
     entries = torch.arange(kv_head * block.d_head, (kv_head + 1) * block.d_head)
     rows = entries if block.v is not None else block.qkv_columns()[2].reshape(-1)[entries]
     with torch.no_grad():
@@ -580,7 +584,9 @@ def _tied(model, block) -> bool:
     projection = block.v if block.v is not None else block.qkv
     if projection is None:
         return False
-    weight = projection.weight
+    weight = getattr(projection, "weight", None)
+    if weight is None:  # XLNet's point: its value parameter is the layer's own
+        return False
     return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
 
 

@@ -607,6 +607,11 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             owner = model.get_submodule(owner_path)
             old = getattr(owner, name)
             setattr(owner, name, nn.Parameter(old.new_empty(length), requires_grad=old.requires_grad))
+        for path, shape in plan.get("parameters", {}).items():  # bare per-head parameters (XLNet's): pruned shapes
+            owner_path, _, name = path.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            old = getattr(owner, name)
+            setattr(owner, name, nn.Parameter(old.new_empty(shape), requires_grad=old.requires_grad))
         for path, (rows, columns) in plan.get("columns", {}).items():  # one column per kept head (UMT5's position bias)
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))

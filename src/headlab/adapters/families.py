@@ -157,6 +157,15 @@ class Family:
     extra_outputs: int = 0
     """Outputs of ``core``'s forward after the probabilities that its caller unpacks (LED's decoder attention returns
     its cache third): a layer with no head left returns as many (None), as it does the probabilities."""
+    head_parameters: tuple[tuple[str, int], ...] = ()
+    """(parameter of ``core``, the dimension that indexes its heads) of a family whose forward applies bare parameters
+    (XLNet's q, k, v, o, r and seg_embed, heads on dim 1; r_w_bias, r_r_bias, r_s_bias on dim 0), its q/k/v/o the
+    identity points :attr:`install` gives it: physical pruning slices these, and a pruned directory records their
+    shapes (pruned_heads.py resizes them: ``plan["parameters"]``)."""
+    install: Callable[[Any], None] | None = None
+    """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
+    :func:`headlab.adapters.xlnet.install_points`): called by :func:`headlab.adapters.attention_blocks`, it changes
+    nothing the model computes."""
     shared_bias: str = ""
     """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
@@ -1111,6 +1120,42 @@ def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 
+def xlnet_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """XLNet's ``[batch, heads, q, k]`` probabilities: ``XLNetRelativeAttention`` returns them third, with
+    ``output_attentions``, as ``einsum("bnij->ijbn", attn_prob)`` (``XLNetModel`` permutes them back so)."""
+    return output[2].permute(2, 3, 0, 1)
+
+
+def _xlnet_points(model: Any) -> None:
+    from headlab.adapters.xlnet import install_points  # torch: not at the command line's start-up
+
+    install_points(model)
+
+
+# XLNet (XLNetLMHeadModel, XLNetForSequenceClassification, transformers 5.24; fam31d's reading): transformer.layer.N.
+# rel_attn (XLNetRelativeAttention) applies its bare parameters q, k, v, o, r ((d_model, n_head, d_head)) with
+# torch.einsum, time-first [seq, batch, ...]; every per-head quantity is the slice [:, h, :] of q, k, v, o, r and
+# seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent (ac, bd after rel_shift_bnij, ef, softmax per
+# head). headlab installs identity points at the queries, keys, values and heads' outputs (headlab.adapters.xlnet) and
+# covers the content stream only (no mems, no target_mapping/perm_mask query stream: refused while its hooks are on).
+# The probabilities come with output_attentions (the 9th argument, by keyword), [q, k, batch, heads].
+XLNET = Family(
+    name="xlnet",
+    patterns=(("enc_self", r"(?:^|\.)layer\.(\d+)\.rel_attn$"),),
+    q="headlab_q", k="headlab_k", v="headlab_v", o="headlab_o",
+    d_head_attr="d_head",
+    head_count_attrs=("n_head",),
+    probs_index=2,
+    probs_argument=("output_attentions", 8),
+    probs_reader=xlnet_probs,
+    time_first=True,
+    output_norms=("layer_norm",),  # post_attention's LayerNorm(attention output + h), over d_model
+    head_parameters=(("q", 1), ("k", 1), ("v", 1), ("o", 1), ("r", 1), ("seg_embed", 1),
+                     ("r_w_bias", 0), ("r_r_bias", 0), ("r_s_bias", 0)),
+    install=_xlnet_points,
+)
+
+
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert", "rembert", "roformer"],
@@ -1144,6 +1189,7 @@ FAMILIES: dict[str, Family] = {
     "modernbert": MODERNBERT,
     "deberta-v2": DEBERTA_V2,
     "albert": ALBERT,
+    "xlnet": XLNET,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -1216,25 +1262,6 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    # fam31d, read in transformers 5.24 (models/xlnet/modeling_xlnet.py). What a table entry would use: the content
-    # stream (no target_mapping/perm_mask) is one ordinary pass whose probabilities output_attentions returns as
-    # [q, k, batch, heads] per layer (XLNetModel permutes them to [batch, heads, q, k]); every per-head quantity is
-    # the slice [:, h, :] of q, k, v, o, r and seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent
-    # (ac, bd after rel_shift_bnij, ef, softmax per head), so masking at attn_vec and slicing dim 1 would be exact.
-    # What headlab lacks: every hook point (masking, gates, per-head outputs, LRP's cut) and every slicing rule is at
-    # an nn.Module projection, and XLNet's are bare Parameters read by torch.einsum
-    "xlnet": "XLNet's attention (XLNetRelativeAttention) keeps its projections q, k, v, o and r as bare parameters of "
-             "shape (d_model, n_head, d_head) that its forward applies with torch.einsum, not as projection modules: "
-             "headlab masks, gates and reads a head's output at the input of the output projection's module "
-             "(here the heads' outputs attn_vec meet o inside post_attention, with no module to hook), prunes by "
-             "slicing modules' weights (here dim 1 of q, k, v, o, r and seg_embed, and the per-head biases r_w_bias, "
-             "r_r_bias and r_s_bias, with n_head one number in XLNetConfig for every layer, so a pruned layer needs "
-             "code of its own to load), and its LRP holds the attention weights constant by detaching the query and key "
-             "projections' outputs at their modules (here the einsums of h with q, of the keys with k and of the "
-             "relative positions with r, whose products with r_w_bias, r_r_bias and r_s_bias give the content, "
-             "relative-position and segment scores). Its content-stream probabilities are returned (output_attentions), but "
-             "headlab has no entry for this layout yet (an entry would cover the content stream only: no memory, "
-             "mems, and no two-stream pretraining inputs, target_mapping and perm_mask)",
     "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
                        "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
                        "class drops the encoder)",
