@@ -44,6 +44,7 @@ from headlab.errors import PruningNotExact
 from headlab.importance import ImportanceData, compute_lrp, describe_model, translate_data
 from support.family_matrix import perturbed_model
 from support.longt5 import dense_maps
+from support.seq2seq_families import check_masking_equals_zeroed
 
 KINDS = ("enc_self", "dec_self", "dec_cross")
 SPECS = {
@@ -144,15 +145,7 @@ def _zero_head(model, kind: str, layer: int, head: int) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_longt5_masking_equals_zeroed_values(kind):
     """Masking head 2 of layer 1 equals zeroing its value rows; the mask comes off."""
-    model, inputs = _longt5(), _inputs()
-    before = _logits(model, inputs)
-    with mask_heads(model, {(kind, 1): [2]}):
-        masked = _logits(model, inputs)
-    assert torch.equal(_logits(model, inputs), before)
-    _zero_head(model, kind, 1, 2)
-    reference = _logits(model, inputs)
-    assert not torch.allclose(reference, before)
-    torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+    check_masking_equals_zeroed(_longt5(), kind, _inputs(), zero_head=_zero_head)
 
 
 def test_longt5_gates_at_one_change_nothing():
