@@ -1438,7 +1438,9 @@ def pruning_plan(model: nn.Module) -> dict:
     size per head (``Family.head_biases``); ``parameters`` (parameter path -> its pruned shape) for the bare per-head
     parameters a family's forward applies itself (``Family.head_parameters``: XLNet's); ``selected``
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
-    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
+    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``shared_bias`` (layer path -> [kept
+    heads, the path of its stack's first layer, whose table gives the bias, ``Family.shared_bias``]) for the layers of
+    a pruned T5 stack (:func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
