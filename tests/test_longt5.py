@@ -12,8 +12,8 @@ blocked. The decoder is T5's (``Family.parts``). On tiny float64 models (local_r
 * masking a head equals zeroing its value rows; gates at one change nothing;
 * physical pruning of the three kinds (the encoder's first layer, which computes the shared position bias, and a
   layer with no head left too) equals masking on the padded batch and in cached greedy generation; so does the
-  directory save_pruned writes, loaded by load_pruned (plain transformers cannot: the position bias table stays
-  whole, sliced per layer by hooks, as T5's);
+  directory save_pruned writes, loaded by load_pruned and by plain transformers (pruned_heads.py: the position bias
+  table stays whole, each pruned layer handed its kept heads' columns, as by headlab's hooks);
 * compute_lrp conserves relevance on the model's own translations to 1e-9 in float64, before and after pruning;
 * transient-global LongT5 is refused before any work naming its side keys; ``headlab analyze --ablation`` runs every
   stage on a saved tiny local LongT5.
@@ -207,26 +207,35 @@ def test_longt5_encoder_pruning_needs_its_local_bias(monkeypatch, local):
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_longt5_pruned_reloads(spec_name, tmp_path):
-    """save_pruned and load_pruned: every weight loaded, logits and cached generation equal the masked model's.
-    Plain transformers cannot build it (the position bias table stays whole, sliced per layer): the record says so,
-    and transformers refuses the pruned shapes rather than load another model."""
+    """save_pruned, then load_pruned and plain transformers (pruned_heads.py, trust_remote_code; every weight loaded):
+    logits and generate()'s cached greedy steps (tokens and scores) equal the masked model's in float64 to 1e-12.
+    pruned_heads.py hands each pruned layer its kept heads' columns of the bias of the stack's first layer (the
+    encoder's blocked, with the mask folded in), as headlab's hooks do; without trust_remote_code transformers refuses
+    the pruned shapes rather than load another model."""
     model, spec, inputs = _longt5(), SPECS[spec_name], _inputs()
     with mask_heads(model, spec):
         expected = _logits(model, inputs)
-        tokens, _ = _generate(model, inputs)
+        tokens, scores = _generate(model, inputs)
     prune_heads(model, spec)
     heads_left = {b.key: b.n_heads for b in attention_blocks(model)}
     save_pruned(model, tmp_path)
     record = json.loads((tmp_path / "headlab_pruning.json").read_text())
-    assert record["portable"]["how"] is None
-    assert "LongT5 shares one position bias table per stack" in record["portable"]["reason"]
-    assert not (tmp_path / "pruned_heads.py").exists()
+    assert record["portable"]["how"] == "remote code"
+    plan = json.loads((tmp_path / "config.json").read_text())["headlab_pruned"]["shared_bias"]
+    assert {kind for path, (_, _, kind) in plan.items() if path.startswith("encoder.")} == {"local"}
+    assert {kind for path, (_, _, kind) in plan.items() if path.startswith("decoder.")} == {"t5"}
     reloaded = load_pruned(tmp_path).double()
     assert {b.key: b.n_heads for b in attention_blocks(reloaded)} == heads_left
-    torch.testing.assert_close(_logits(reloaded, inputs), expected, atol=1e-12, rtol=0)
-    assert torch.equal(_generate(reloaded, inputs)[0], tokens)
+    plain, info = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(plain).__name__ == "PrunedModel"
+    for loaded in (reloaded, plain.eval().double()):
+        torch.testing.assert_close(_logits(loaded, inputs), expected, atol=1e-12, rtol=0)
+        loaded_tokens, loaded_scores = _generate(loaded, inputs)
+        assert torch.equal(loaded_tokens, tokens)
+        torch.testing.assert_close(loaded_scores, scores, atol=1e-12, rtol=0)
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # the pruned shapes refused, no wrong model
-        tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+        tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, trust_remote_code=False)
 
 
 def _lrp_record(model) -> dict:

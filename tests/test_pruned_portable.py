@@ -13,13 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-from headlab import load_pruned, prune_heads, save_pruned
+from headlab import attention_blocks, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.loading import load_model
 from headlab.portable import CODE_FILE, module_code
 from support import family_matrix as matrix
 from support.models import tiny_inputs, tiny_model
+from support.seq2seq_families import cached_generation, heads_left, seq2seq_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
+_T5 = dict(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+           relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 
 # (family, heads to remove, Auto class, how the directory loads without headlab)
 CASES = {
@@ -45,9 +50,13 @@ CASES = {
     # q_norm/k_norm over the whole projections: q and k kept whole, the heads selected after the norms; a layer
     # left with no head beside it
     "olmo2": ({("dec_self", 0): [1], ("dec_self", 1): [0, 1, 2, 3]}, "AutoModelForCausalLM", "remote code"),
+    # one position bias table per stack, in its first layer: sliced per layer by pruned_heads.py's hooks, the
+    # decoder's first layer with no head left
+    "t5": ({("enc_self", 0): [0], ("enc_self", 1): [1, 3], ("dec_self", 0): [0, 1, 2, 3], ("dec_cross", 1): [2]},
+           "AutoModelForSeq2SeqLM", "remote code"),
 }
 MATRIX = {"gpt_neox", "phi3", "bloom", "falcon_alibi", "gpt_bigcode", "olmo2"}
-GENERATE = {"marian", "gpt2", "llama", "gpt_neox", "bloom", "olmo2"}
+GENERATE = {"marian", "t5", "gpt2", "llama", "gpt_neox", "bloom", "olmo2"}
 
 PLAIN = r"""
 import json, os, sys
@@ -133,13 +142,62 @@ def test_how_each_directory_loads_is_recorded_and_headlab_still_loads_it(pruned_
             assert torch.allclose(model(**check["inputs"]).logits, check["logits"], atol=1e-6), name
 
 
-def test_a_pruned_t5_says_why_it_needs_headlab(tmp_path):
-    model = tiny_model("t5")
-    prune_heads(model, {("enc_self", 0): [0]})
-    save_pruned(model, tmp_path / "t5")
-    record = json.loads((tmp_path / "t5" / "headlab_pruning.json").read_text())
-    assert record["portable"]["how"] is None and "position bias" in record["portable"]["reason"]
-    assert not (tmp_path / "t5" / CODE_FILE).exists()
+T5_STACKS = {  # T5's layout: one relative position bias table per stack, in its first layer
+    "t5": lambda: (transformers.T5ForConditionalGeneration, transformers.T5Config(**_T5)),
+    "mt5": lambda: (transformers.MT5ForConditionalGeneration, transformers.MT5Config(**_T5)),
+    "switch_transformers": lambda: (transformers.SwitchTransformersForConditionalGeneration,
+                                    transformers.SwitchTransformersConfig(
+                                        **_T5, num_decoder_layers=2, num_sparse_encoder_layers=1,
+                                        num_sparse_decoder_layers=1, num_experts=2)),
+}
+T5_SPECS = {  # the first layers (the tables') lose heads; layers with no head left in each kind
+    "first layers pruned": {("enc_self", 0): [1, 2], ("enc_self", 1): [0, 1, 2, 3], ("dec_self", 0): [3],
+                            ("dec_self", 1): [0, 1, 2, 3], ("dec_cross", 0): [0, 1, 2, 3], ("dec_cross", 1): [2]},
+    "first layers emptied": {("enc_self", 0): [0, 1, 2, 3], ("enc_self", 1): [2], ("dec_self", 0): [0, 1, 2, 3],
+                             ("dec_self", 1): [0, 2], ("dec_cross", 1): [0, 1, 2, 3]},
+}
+
+
+@pytest.mark.parametrize("spec_name", T5_SPECS)
+@pytest.mark.parametrize("family", T5_STACKS)
+def test_a_pruned_t5_loads_with_plain_transformers(family, spec_name, tmp_path):
+    """T5, mT5 and Switch Transformers (one position bias table per stack, in its first layer, the other layers
+    handed its bias of every head): pruned_heads.py hands each pruned layer its kept heads' columns of the bias
+    computed from the first layer's table, as headlab's hooks do, and a first layer with no head left keeps the table.
+    Plain transformers' load (trust_remote_code, every weight loaded) equals the pruned model, and headlab's load, in
+    float64 to 1e-12: the logits of a padded batch and generate()'s cached greedy steps (tokens and scores); so do
+    both loads of the directory transformers re-saves. Until session 33 such a directory was headlab's only (the
+    record said why)."""
+    cls, config = T5_STACKS[family]()
+    model = matrix.perturbed_model(cls, config, attn_implementation="eager").double()
+    inputs, spec = seq2seq_inputs(pad=0), T5_SPECS[spec_name]
+    with mask_heads(model, spec):
+        expected = matrix.logits(model, inputs)
+        tokens, scores = cached_generation(model, inputs)
+    prune_heads(model, spec)
+    counts = {b.key: b.n_heads for b in attention_blocks(model)}
+    assert counts == heads_left(spec)
+    torch.testing.assert_close(matrix.logits(model, inputs), expected, atol=1e-12, rtol=0)
+    save_pruned(model, tmp_path / "pruned")
+    record = json.loads((tmp_path / "pruned" / "headlab_pruning.json").read_text())
+    assert record["portable"]["how"] == "remote code"
+    plan = json.loads((tmp_path / "pruned" / "config.json").read_text())["headlab_pruned"]
+    table = {"encoder": "encoder.block.0.layer.0.SelfAttention", "decoder": "decoder.block.0.layer.0.SelfAttention"}
+    assert {path: source for path, (_, source, _) in plan["shared_bias"].items()} == {
+        path: table[path.split(".")[0]] for path in plan["shared_bias"]}
+    plain, info = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True,
+                                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert type(plain).__name__ == "PrunedModel"
+    # re-saved by transformers (fine-tuning's save_pretrained): config.json keeps the plan, for both loaders
+    plain.save_pretrained(tmp_path / "resaved")
+    resaved = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "resaved", trust_remote_code=True)
+    for loaded in (plain.eval().double(), load_pruned(tmp_path / "pruned").double(), resaved.eval().double(),
+                   load_model(str(tmp_path / "resaved"), dtype=torch.float64)):
+        torch.testing.assert_close(matrix.logits(loaded, inputs), expected, atol=1e-12, rtol=0)
+        loaded_tokens, loaded_scores = cached_generation(loaded, inputs)
+        assert torch.equal(loaded_tokens, tokens)
+        torch.testing.assert_close(loaded_scores, scores, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("directory", sorted(ROOT.glob(f"models/*/{CODE_FILE}")), ids=lambda path: path.parent.name)

@@ -312,8 +312,8 @@ def test_seq2seq_families_prune_as_they_mask_and_reload(family, tmp_path):
     bias), Switch Transformers' and NLLB-MoE's were refused because their own forwards failed on the check's probe
     (use_cache handed to Switch's encoder stack; NLLB-MoE reads encoder_outputs.last_hidden_state, the probe gave a
     tuple). Now the probe runs an encoder-decoder as generate() does, UMT5's per-layer bias keeps the kept heads'
-    columns: pruning (an emptied layer too) equals masking, and the model reloads (load_pruned; plain transformers
-    where it is portable: T5's shared bias is not)."""
+    columns: pruning (an emptied layer too) equals masking, and the model reloads (load_pruned and plain transformers;
+    Switch's shared bias as T5's, since session 33)."""
     import json
 
     from headlab import load_pruned, mask_heads, prune_heads, save_pruned
@@ -341,9 +341,7 @@ def test_seq2seq_families_prune_as_they_mask_and_reload(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(load_pruned(tmp_path)(**inputs).logits, masked, atol=1e-5, rtol=0)
     portable = json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]
-    if family == "switch_transformers":  # T5's layout: one bias table per stack, in its first layer
-        assert portable["how"] is None
-        return
+    assert portable["how"] == "remote code"  # switch_transformers: T5's one bias table per stack, sliced per layer
     plain, info = tf.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import re
-import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -68,12 +67,13 @@ from headlab.portable_code import (
     NoHeadAttention,
     NoInputConv1d,
     alibi_hook,
-    cache_argument,
     load_checked_adapter,
+    local_bias_hook,
     peft_from_pretrained,
     pruned_class,
     record_kept_blocks,
     selection_hook,
+    t5_bias_hook,
 )
 from headlab.portable_code import save_adapter as _save_adapter
 
@@ -88,6 +88,9 @@ KV_KEPT_ATTR = "_headlab_kept_kv_heads"
 # On the model: {"reconstructed": ["dec_self:0", ...]} where its kept heads' numbering was not the original one
 # (read off a re-saved directory's weights, checkpoint.record_from_weights); written on in its pruning record.
 NUMBERING_ATTR = "_headlab_numbering"
+# On a hooked layer of a pruned T5 stack: (path of the stack's first layer, whose table gives the bias; its
+# Family.shared_bias), which pruning_plan writes for pruned_heads.py
+T5_SOURCE_ATTR = "_headlab_t5_source"
 
 
 # -- slicing -------------------------------------------------------------------------------
@@ -605,9 +608,6 @@ class ZeroHeadAttention(NoHeadAttention):
         for name in (KEPT_ATTR, KV_KEPT_ATTR, ORIGINAL_ATTR):
             setattr(self, name, getattr(original, name))
         self.config = getattr(original, "config", None)
-        if hasattr(original, "compute_bias"):  # T5's first layer: the position table the others read
-            self._relative_position_bucket = cast(Any, type(original))._relative_position_bucket
-            self.compute_bias = types.MethodType(cast(Any, type(original)).compute_bias, self)
 
 
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _Journal) -> None:
@@ -657,6 +657,7 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
     gets the same sum, sliced."""
     stacks = {"enc_self": "encoder", "dec_self": "decoder", "dec_cross": "decoder"}
     blocks = [b for b in blocks if b.family.shared_bias]
+    names = {id(module): name for name, module in model.named_modules()}
     pruned_stacks = {stacks[b.kind] for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
     for stack in pruned_stacks:
         members = [b for b in blocks if stacks[b.kind] == stack]
@@ -673,45 +674,13 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
             journal.hooks.append(core.register_forward_pre_hook(
                 (_local_bias_hook if local else _t5_bias_hook)(source), with_kwargs=True))
             journal.set(core, "_headlab_t5_hooked", True)
+            # what pruning_plan writes for pruned_heads.py: the table's layer, by path, and the bias's kind
+            journal.set(core, T5_SOURCE_ATTR, (names[id(source)], block.family.shared_bias))
 
 
-def _local_bias_hook(source: nn.Module):
-    """LongT5LocalAttention's position bias as its forward builds it without one (transformers 5.24):
-    ``compute_bias(block_len)`` (``[1, 1, heads, block_len, 3 * block_len]``) plus the blocked mask
-    (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is seen) made 0 or -1e10 and
-    moved to the heads' axis, here with the kept heads' columns only."""
-    def hook(module, args, kwargs):
-        kept = getattr(module, KEPT_ATTR)
-        bias = cast(Any, source).compute_bias(module.block_len)[:, :, kept]
-        mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-        if mask is not None:
-            bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
-        if len(args) > 2:  # position_bias passed by position (LongT5LayerLocalSelfAttention passes it by keyword)
-            args = (*args[:2], bias, *args[3:])
-        else:
-            kwargs["position_bias"] = bias
-        return args, kwargs
-
-    return hook
-
-
-def _t5_bias_hook(source: nn.Module):
-    def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        kept = getattr(module, KEPT_ATTR)
-        q_len = hidden.shape[1]
-        memory = kwargs.get("key_value_states")
-        if memory is not None:
-            bias = hidden.new_zeros(1, len(kept), q_len, memory.shape[1])
-        else:
-            cache = cache_argument(kwargs)
-            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
-            full = cast(Any, source).compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
-            bias = full[:, kept]  # [1, kept heads, q_len, k_len]
-        kwargs["position_bias"] = bias
-        return args, kwargs
-
-    return hook
+# the hooks are pruned_heads.py's (headlab.portable_code), so that plain transformers loads the same computation
+_local_bias_hook = local_bias_hook
+_t5_bias_hook = t5_bias_hook
 
 
 # -- public API ----------------------------------------------------------------------------
@@ -1469,7 +1438,9 @@ def pruning_plan(model: nn.Module) -> dict:
     size per head (``Family.head_biases``); ``parameters`` (parameter path -> its pruned shape) for the bare per-head
     parameters a family's forward applies itself (``Family.head_parameters``: XLNet's); ``selected``
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
-    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
+    projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``shared_bias`` (layer path -> [kept
+    heads, the path of its stack's first layer, whose table gives the bias, ``Family.shared_bias``]) for the layers of
+    a pruned T5 stack (:func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
@@ -1523,6 +1494,9 @@ def pruning_plan(model: nn.Module) -> dict:
             pruned_forward = getattr(type(core), "_headlab_pruned_forward", None)
             if pruned_forward:  # the forward pruned_heads.py gives the layer (Family.pruned_forward)
                 plan.setdefault("classes", {})[_core_path(block)] = pruned_forward
+            if getattr(core, "_headlab_t5_hooked", False):  # T5's stack bias: [kept, the table's layer, kind]
+                source, kind = getattr(core, T5_SOURCE_ATTR)
+                plan.setdefault("shared_bias", {})[_core_path(block)] = [list(getattr(core, KEPT_ATTR)), source, kind]
             if getattr(core, "_headlab_alibi_hooked", False):
                 entry = [list(getattr(core, KEPT_ATTR)), getattr(core, ORIGINAL_ATTR)]
                 argument = block.family.alibi_argument  # Bloom's and Falcon's alibi, written as before

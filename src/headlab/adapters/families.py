@@ -171,7 +171,8 @@ class Family:
     it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
     (LongT5's local attention: ``compute_bias(block_len)``, ``[1, 1, heads, block_len, 3 * block_len]``, the mask
     folded in); '' where none is handed on. A pruned stack gets each layer's own, sliced to the heads it kept
-    (:func:`headlab.surgery.prune_heads`), and plain transformers cannot load it (the table stays whole)."""
+    (:func:`headlab.surgery.prune_heads`; the table stays whole), and pruned_heads.py does the same on a plain
+    transformers load (the plan's ``shared_bias``: :func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``)."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
