@@ -99,6 +99,8 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     **{t: {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8} for t in ("deepseek_v32", "glm_moe_dsa")},
     # dots3-note's text model: the same indexer, an output gate per head (its validator wants the MLA head counts)
     "dots3_note_text": {**MLA, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 8},
+    # LongT5's local attention: blocks of 3 tokens (the 7 of inputs_for in 3 blocks, the last padded)
+    "longt5": {"local_radius": 2},
     "deepseek_v3": {**MLA, "head_dim": 4},  # head_dim: the rotary part
     # LongCat-Flash: num_hidden_layers is 2 x its decoder layers (two attentions in each): two decoder layers
     "longcat_flash": {**MLA, "head_dim": 4, "num_hidden_layers": 4},
@@ -278,8 +280,10 @@ def matrix_types() -> set[str]:
     types |= {"xlm", "flaubert", "mpnet", "tapas", "nystromformer", "trocr", "longformer", "mra", "yoso",
               "bigbird_pegasus", "led"}  # led: tests/test_led.py (session 31)
     types |= {"mvp", "prophetnet", "pegasus_x"}  # tests/test_mvp_prophetnet_pegasus_x.py (session 31)
+    types |= {"longt5"}  # tests/test_longt5.py (session 32)
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
+    types |= {"cpmant", "diffllama", "jetmoe", "hrm_text"}  # tests/test_refused_families.py (session 32)
     return types
 
 
@@ -349,6 +353,11 @@ def reference_maps(model, inputs) -> tuple[dict[str, tuple], set[int]]:
 
         encoder = dense_maps(out.encoder_attentions, out.encoder_global_attentions,
                              inputs.get("global_attention_mask"), model.config.attention_window)
+        return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
+    if model.config.model_type == "longt5":  # its local encoder's blocks put in place in [batch, heads, q, k]
+        from support.longt5 import dense_maps as longt5_maps
+
+        encoder = longt5_maps(out.encoder_attentions, inputs["input_ids"].shape[1], inputs.get("attention_mask"))
         return {"enc_self": encoder, "dec_self": out.decoder_attentions, "dec_cross": out.cross_attentions}, set()
     if getattr(model.config, "is_encoder_decoder", False):
         return {"enc_self": out.encoder_attentions, "dec_self": out.decoder_attentions,
@@ -491,6 +500,10 @@ def value_rows(block, kv_head: int):
     fused projection: the columns headlab's layout table gives, the table families' hand-read layouts
     being tested in tests/test_more_families.py)."""
     v = block.v if block.v is not None else block.qkv
+    if type(v).__name__ == "HeadPoint":  # XLNet: its bare value parameter (d_model, n_head, d_head), modeling_xlnet's
+        with torch.no_grad():
+            block.core.v[:, kv_head] = 0
+        return
     entries = torch.arange(kv_head * block.d_head, (kv_head + 1) * block.d_head)
     rows = entries if block.v is not None else block.qkv_columns()[2].reshape(-1)[entries]
     with torch.no_grad():
@@ -575,7 +588,9 @@ def _tied(model, block) -> bool:
     projection = block.v if block.v is not None else block.qkv
     if projection is None:
         return False
-    weight = projection.weight
+    weight = getattr(projection, "weight", None)
+    if weight is None:  # XLNet's point: its value parameter is the layer's own
+        return False
     return sum(p is weight for _, p in model.named_parameters(remove_duplicate=False)) > 1
 
 

@@ -77,6 +77,76 @@ def test_baseline_by_scores_of_another_models_weights_says_so(tmp_path, capsys):
     assert "note: --scores" not in said["mine"] and "note: --scores" not in said["copy"]
 
 
+def _two_models(tmp_path):
+    """m1 (the tiny Marian), m2 (its architecture, other weights) and a copy of m1, as model directories."""
+    import shutil
+
+    from support.models import tiny_model as build
+
+    mine = save_tiny_marian(tmp_path / "m1")
+    other = tmp_path / "m2"
+    shutil.copytree(mine, other)
+    build("marian", seed=5).save_pretrained(other)
+    return mine, other, shutil.copytree(mine, tmp_path / "copy")
+
+
+def test_prune_by_scores_of_another_model_warns(tmp_path):
+    """Regression: headlab.prune(m1, scores measured on m2, keep=N) pruned m1 by m2's ranking without a word, where
+    `prune baseline --method scores` notes it (audit31). Now a warning in the CLI's words names both; a table of m1
+    or of a copy of it says nothing; names whose weights cannot be read (a hub name) are named, hedged."""
+    import warnings
+
+    import transformers as tf
+
+    mine, other, copy = _two_models(tmp_path)
+
+    def pruned_by(measured_on) -> list[str]:
+        model = tf.MarianMTModel.from_pretrained(mine)  # config._name_or_path: m1's directory
+        table = headlab.HeadScores({"enc_self": np.arange(8.0).reshape(2, 4)}, "lrp", str(measured_on))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            headlab.prune(model, table, keep=6, kinds=["enc_self"])
+        return [str(w.message) for w in caught if str(w.message).startswith("prune: the scores")]
+
+    assert pruned_by(other) == [f"prune: the scores were measured on {other} (the table's model), whose weights differ "
+                                f"from {mine}'s: keep=6 prunes this model by that model's ranking of its heads"]
+    assert pruned_by(mine) == [] and pruned_by(copy) == []
+    assert pruned_by("org/model") == [f"prune: the scores were measured on org/model (the table's model), not {mine} "
+                                      "(weights not compared: no model directory at org/model): if they are other "
+                                      "weights, keep=6 prunes this model by that model's ranking of its heads"]
+
+
+def test_agreement_between_tables_of_other_models_is_refused(tmp_path):
+    """Regression: compute_agreement correlated a table of m2 with one of m1 (the same grid, other weights): head h
+    of layer l is another head in each, and the table said "agreement". Now refused naming both models; a table of
+    a copy of m1 agrees as before; names whose weights cannot be read warn; other grids are refused naming both."""
+    import warnings
+
+    from headlab.importance import compute_agreement
+
+    mine, other, copy = _two_models(tmp_path)
+    values = np.array([[0.1, 0.4, 0.2, 0.9], [0.3, 0.8, 0.5, 0.7]])
+
+    def table(measured_on, method, grid=values):
+        return headlab.HeadScores({"enc_self": grid}, method, str(measured_on), {"n_sentences": 4})
+
+    with pytest.raises(HeadlabError) as error:
+        compute_agreement({"lrp": table(other, "lrp")}, table(mine, "ablation"))
+    assert str(error.value) == (f"agreement: lrp was measured on {other} and ablation on {mine}, models whose weights "
+                                "differ: their heads are not the same heads; compute the measures on the same model")
+    assert compute_agreement({"lrp": table(copy, "lrp")}, table(mine, "ablation")).rho["lrp"]["all"] == 1.0
+    with pytest.warns(UserWarning, match=rf"agreement: lrp was measured on org/model and ablation on {mine} "
+                                         r"\(weights not compared: no model directory at org/model\): if they are other"):
+        compute_agreement({"lrp": table("org/model", "lrp")}, table(mine, "ablation"))
+    with pytest.raises(HeadlabError, match=r"agreement: lrp was measured on org/model and ablation on org/other, "
+                                           r"tables of other head grids: lrp scores enc_self as \(2, 3\), ablation "
+                                           r"as \(2, 4\)"):
+        compute_agreement({"lrp": table("org/model", "lrp", values[:, :3])}, table("org/other", "ablation"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same model: nothing said
+        compute_agreement({"lrp": table(mine, "lrp")}, table(mine, "ablation"))
+
+
 def test_scores_that_fit_still_prune_to_keep_heads():
     """The check leaves well-formed tables alone: a full one, and one of a pruned model in its
     original numbering (NaN for the heads it lost) or in its current one."""

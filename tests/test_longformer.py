@@ -37,7 +37,8 @@ from headlab.importance.lrp import compute_lrp
 from headlab.model_description import describe_model
 from headlab.surgery import check_prunable
 from support.family_matrix import ANALYZE_STAGES, analyze, check_lrp_conserves, perturbed_model, save_tiny, treebank_files
-from support.longformer import dense_maps
+from support.longformer import dense_maps, global_token_0
+from support.table_families import check_compute_lrp_conserves
 
 # per layer: a query sees 2 and 4 keys each side. (transformers pads to a multiple of the largest window only: windows
 # [4, 6] fail its own assertion on a length of 6)
@@ -233,15 +234,8 @@ def test_lrp_conserves_with_the_global_projections_held(globals_):
     inputs)."""
     model = _model(tf.LongformerForMaskedLM)
     if globals_:  # every forward of this model attends globally from token 0 (a hook adds global_attention_mask)
-        model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
+        model.longformer.register_forward_pre_hook(global_token_0, with_kwargs=True)
     check_lrp_conserves(model, model.longformer.encoder.layer[0], rtol=1e-10, atol=1e-10)
-
-
-def _global_token_0(module, args, kwargs):
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    chosen = torch.zeros_like(ids)
-    chosen[:, 0] = 1
-    return args, {**kwargs, "global_attention_mask": chosen}
 
 
 @pytest.mark.parametrize("globals_", [False, True], ids=["local", "global"])
@@ -253,12 +247,8 @@ def test_compute_lrp_conserves_with_biases_and_padding(spec_name, globals_):
     if spec_name:
         prune_heads(model, SPECS[spec_name][0])
     if globals_:
-        model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
-    g = torch.Generator().manual_seed(0)
-    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() for k in (3, 6, 9)])
-    record = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_outside"] == 0, record
-    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+        model.longformer.register_forward_pre_hook(global_token_0, with_kwargs=True)
+    check_compute_lrp_conserves(model)
 
 
 def test_compute_lrp_counts_the_seq_major_biases_per_sentence(monkeypatch):
@@ -278,7 +268,7 @@ def test_lrp_without_the_global_hold_does_not_conserve(monkeypatch):
     monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER,
                                                                             head_row_values=unheld))
     model = _model(tf.LongformerForMaskedLM)
-    model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
+    model.longformer.register_forward_pre_hook(global_token_0, with_kwargs=True)
     with pytest.raises(AssertionError):
         check_lrp_conserves(model, model.longformer.encoder.layer[0], rtol=1e-10, atol=1e-10)
 
@@ -288,7 +278,7 @@ def test_lrp_with_value_global_held_does_not_conserve(monkeypatch):
     queries and keys), its values' relevance is lost."""
     monkeypatch.setitem(families.FAMILIES, "longformer", dataclasses.replace(families.LONGFORMER, head_row_values=()))
     model = _model(tf.LongformerForMaskedLM)
-    model.longformer.register_forward_pre_hook(_global_token_0, with_kwargs=True)
+    model.longformer.register_forward_pre_hook(global_token_0, with_kwargs=True)
     with pytest.raises(AssertionError):
         check_lrp_conserves(model, model.longformer.encoder.layer[0], rtol=1e-10, atol=1e-10)
 

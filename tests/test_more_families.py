@@ -1,8 +1,8 @@
 """The family matrix for analysis and masking beyond tests/support/models.py: GPT-NeoX (Pythia),
 Phi-3, Phi-2, Falcon (grouped, multi-query, per-head with ALiBi), GPT-BigCode (StarCoder's
 multi-query and the per-head layout), Bloom, MPT, ModernBERT, DeBERTa-v2, GPT-Neo, Megatron-BERT, GIT, RemBERT,
-RoFormer, XGLM, MPNet, OpenAI GPT (GPT-1), TrOCR's text decoder, I-BERT (quant_mode=False) and LUKE (on words: headlab
-gives no entity); and the families headlab refuses, refused before any work, once.
+RoFormer, XGLM, MPNet, OpenAI GPT (GPT-1), TrOCR's text decoder, I-BERT (quant_mode=False), LUKE (on words: headlab
+gives no entity) and GPT-NeoX-Japanese; and the families headlab refuses, refused before any work, once.
 
 On each supported family: the blocks have the config's head counts, capture equals
 transformers' own ``output_attentions`` (eager), the streamed chunks equal it too, masking the
@@ -153,7 +153,8 @@ def test_other_commands_refuse_before_work(command, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family", ["gpt_neox", "falcon", "mpt", "modernbert", "deberta-v2", "gpt_neo", "megatron-bert", "git",
-                                    "rembert", "roformer", "xglm", "mpnet", "openai-gpt", "trocr", "ibert", "luke"])
+                                    "rembert", "roformer", "xglm", "mpnet", "openai-gpt", "trocr", "ibert", "luke",
+                                    "gpt_neox_japanese"])
 def test_analyze_end_to_end(family, tmp_path, capsys):
     """Every stage on a decoder (GPT-NeoX), two without the attention interface (Falcon; MPT, whose model
     hands its attention create_causal_mask(...).to(torch.bool), which capture must leave a mask), an
@@ -162,7 +163,8 @@ def test_analyze_end_to_end(family, tmp_path, capsys):
     asked (DeBERTa-v2); GPT-Neo (nested attention, local layers), Megatron-BERT and GIT (an idle image encoder);
     RemBERT, RoFormer (rotary positions inside its attention) and XGLM; MPNet (a position bias shared by its layers,
     probabilities only when asked) and GPT-1 (a list for an output); I-BERT (quant_mode=False: (value, scaling
-    factor) pairs everywhere); LUKE (an entity stream beside the words, which headlab's inputs leave out)."""
+    factor) pairs everywhere); LUKE (an entity stream beside the words, which headlab's inputs leave out);
+    GPT-NeoX-Japanese (a bias its last layer's attention returns for the layer to add)."""
     _save(tiny_model(family), tmp_path / family, treebank_files(tmp_path), "bert" if family in ENCODERS else "gpt2")
     code, stages = analyze(tmp_path / family, tmp_path)
     assert code == 0, capsys.readouterr().err

@@ -156,3 +156,62 @@ def test_counts_of_one_are_singular_in_messages():
     state = {"history": [], "best_score": 30.0, "best_epoch": 1, "epoch": 1}
     message, _ = _stop_message("converged", state, TrainConfig(patience=1), Path("out"))
     assert message.startswith("converged: 1 epoch without a validation gain") and message.endswith(", 1 epoch)")
+
+
+def _log_alpha_grad(passes: int, checkpointing: dict | None, dropout: float = 0.1) -> torch.Tensor:
+    """The gradient of log_alpha after ``passes`` forwards of a tiny float64 BERT in training mode and one
+    backward of their losses' weighted sum, with ``checkpointing`` (transformers' keywords) or without."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.BertForMaskedLM(tf.BertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)).double()
+    inputs = tiny_inputs("bert")
+    gates = HardConcreteGates.for_model(model, init_log_alpha=0.0).double()
+    attach_gates(model, gates)
+    model.train()
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+    torch.manual_seed(5)
+    losses = [model(**inputs, labels=inputs["input_ids"]).loss for _ in range(passes)]
+    torch.manual_seed(6)  # what a recomputation without the RNG replayed would draw
+    sum((i + 1) * loss for i, loss in enumerate(losses)).backward()
+    return torch.cat([p.grad.flatten() for p in gates.log_alpha.values()])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_every_pass_with_its_own_draws(reentrant):
+    """Two forwards, one backward of the sum (dropout on): each checkpointed layer is recomputed with the draw
+    of its own pass and call, and dropout after the gates draws as in the forward."""
+    reference = _log_alpha_grad(2, None)
+    assert reference.abs().sum() > 0
+    torch.testing.assert_close(_log_alpha_grad(2, {"use_reentrant": reentrant}), reference, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_without_the_rng_replayed(reentrant):
+    """Regression: with preserve_rng_state=False the recomputation drew new noise, and log_alpha's gradient was
+    another draw's, silently. One pass alive: its draws are read (exact); two: refused, naming the option."""
+    keywords = {"use_reentrant": reentrant, "preserve_rng_state": False}
+    reference = _log_alpha_grad(1, None, dropout=0.0)
+    torch.testing.assert_close(_log_alpha_grad(1, keywords, dropout=0.0), reference, atol=1e-12, rtol=0)
+    with pytest.raises(HeadlabError, match="preserve_rng_state"):
+        _log_alpha_grad(2, keywords, dropout=0.0)
+
+
+def test_a_recomputed_call_whose_state_two_passes_share_is_refused():
+    """Two passes that reached one block at the same RNG state with other noise (the RNG seeded again inside a pass):
+    the recomputation cannot tell which is its own, and says so rather than read either."""
+    gates = gates_for([0.0, 0.0])
+    replay, call = gates._replay, (("enc_self", 0), b"state")
+    first = torch.tensor([0.2, 0.3])
+    replay.record(call, first)
+    assert torch.equal(replay.find(call), first)
+    alive = replay.current  # as its graph holds it (the outputs' grad_fn metadata)
+    replay.new_pass()
+    replay.record(call, torch.tensor([0.7, 0.1]))
+    with pytest.raises(HeadlabError, match=r"cannot be told apart from another.s \(2 passes alive\)"):
+        replay.find(call)
+    del alive  # the first pass's graph gone: the call is the second pass's alone
+    torch.testing.assert_close(replay.find(call), torch.tensor([0.7, 0.1]))

@@ -308,3 +308,30 @@ def test_prune_train_ties_the_gates_and_exports_an_agreeing_plan(corpus, tokeniz
     pruned = load_pruned(tmp_path / "r" / "pruned")
     kept = [b.core._headlab_kept_heads for b in attention_blocks(pruned)]
     assert len(kept[0]) == 2 and kept == [kept[0]] * 3
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_each_pass_with_its_own_tied_draw(reentrant):
+    """Regression: two forwards, then one backward of the sum (two losses accumulated, a trainer's two
+    passes): the recomputation of the first pass read the second pass's draw, so log_alpha's gradient
+    differed from the run without checkpointing. Each recomputation reads its own pass's draw."""
+    from headlab.pruning import HardConcreteGates
+
+    inputs = tiny_inputs()
+    grads = []
+    for checkpointing in (False, True):
+        model = _model("zamba")
+        gates = HardConcreteGates.for_model(model, init_log_alpha=0.0).double()
+        assert gates.tied
+        with gates_attached(model, gates):
+            model.train()
+            if checkpointing:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            torch.manual_seed(5)
+            first = model(**inputs, labels=inputs["input_ids"], use_cache=False).loss
+            second = model(**inputs, labels=inputs["input_ids"], use_cache=False).loss
+            (first + 2 * second).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in gates.log_alpha.values()]))
+            model.eval()
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-12, rtol=0)

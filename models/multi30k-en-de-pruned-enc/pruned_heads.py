@@ -98,6 +98,20 @@ TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 encoder's output from its ``key`` argument, ``[S, B, C]``): a layer of theirs with no head left keeps the cache in
 step with ``[B, 1, T, 1]`` placeholders all the same."""
 
+OUTPUT_BIASES = {"transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention":
+                 "dense_bias"}
+"""Attention classes that return last a bias of their own (a parameter, or None) that their caller adds to their
+output, their output projection's bias in all but name (GPT-NeoX-Japanese's ``dense_bias``, a vector in the last
+layer only: ``(dense(heads), probs, dense_bias)``): a layer of theirs with no head left keeps the parameter (the same
+state_dict key) and returns it, Concat() W^O + b = b."""
+
+def output_bias_name(module: nn.Module) -> str | None:
+    """The name of the bias ``module`` returns last for its caller to add (:data:`OUTPUT_BIASES`), or None."""
+    qualified = f"{type(module).__module__}.{type(module).__qualname__}"
+    own = getattr(module, "output_bias", None)  # a layer with no head left says it (a NoHeadAttention's name)
+    return OUTPUT_BIASES.get(qualified) or (own if isinstance(own, str) else None)
+
+
 SECOND_STREAMS = {"transformers.models.luke.modeling_luke.LukeSelfAttention": "entity_hidden_states"}
 """Attention classes that attend over two streams of hidden states, the second (by the argument named here) after the
 first, and return the second's heads' outputs second (LUKE's entities: None where it gets none; its caller
@@ -350,6 +364,13 @@ class NoHeadAttention(nn.Module):
         self.channels_first = qualified in CHANNELS_FIRST or getattr(original, "channels_first", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
+        self.output_bias = output_bias_name(original)
+        if self.output_bias:  # GPT-NeoX-Japanese's dense_bias: a parameter of the attention itself, or None
+            bias = getattr(original, self.output_bias)
+            if isinstance(bias, nn.Parameter):
+                self.register_parameter(self.output_bias, bias)
+            else:
+                setattr(self, self.output_bias, bias)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -384,6 +405,8 @@ class NoHeadAttention(nn.Module):
             extras[-1] = self._selection(hidden_states, kwargs)
         elif self.n_outputs == 3:  # (output, position_bias, probs)
             extras[0] = kwargs.get("position_bias")
+        if self.output_bias:  # (output, probs, bias): the caller adds the bias to the output
+            extras[-1] = getattr(self, self.output_bias)
         if self.channels_first:  # SqueezeBertModule reads att["context_layer"], att["attention_score"] when asked
             return {"context_layer": out, **({"attention_score": None} if named.get("output_attentions") else {})}
         if self.paired_output:  # I-BERT: ((output, probs), (their scaling factors)), no factor without quantisation
@@ -584,6 +607,11 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             owner = model.get_submodule(owner_path)
             old = getattr(owner, name)
             setattr(owner, name, nn.Parameter(old.new_empty(length), requires_grad=old.requires_grad))
+        for path, shape in plan.get("parameters", {}).items():  # bare per-head parameters (XLNet's): pruned shapes
+            owner_path, _, name = path.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            old = getattr(owner, name)
+            setattr(owner, name, nn.Parameter(old.new_empty(shape), requires_grad=old.requires_grad))
         for path, (rows, columns) in plan.get("columns", {}).items():  # one column per kept head (UMT5's position bias)
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))

@@ -313,6 +313,9 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     ``heads``: ``{(kind, layer): [head, ...]}``, a spec string (``"enc_self:0:1,2 dec_cross:5:*"``),
     or :class:`HeadScores` with ``keep``: the ``keep`` best-scored heads (over ``kinds``) stay (refused on attention
     weights shared by several depths, ALBERT's or Zamba's, where a spec must remove the same heads at each of them).
+    Scores measured on another model than ``model`` (the table's ``model`` against ``model.config._name_or_path``:
+    other weights, or other names where the weights cannot be read) give a warning naming both, as
+    ``headlab prune baseline --method scores`` notes it: they rank that model's heads.
     Returns the heads each pruned block keeps, in the model's original numbering."""
     from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores
@@ -323,6 +326,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")
         # kinds=[] or "" names no kind (refused), not every kind
         spec = removal_by_scores(model, heads, keep, _kinds(model, kinds) if kinds is not None else None)
+        _warn_other_model(heads, model, keep)
     elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
         raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
                            "list of heads to remove")
@@ -342,6 +346,19 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
 
         _warn_repeated(repeated_in(spec))
     return prune_heads(model, spec)
+
+
+def _warn_other_model(scores: HeadScores, model: nn.Module, keep: int) -> None:
+    """As ``headlab prune baseline --method scores`` notes it: a table measured on another model ranks that model's
+    heads (:func:`headlab.resume.other_model_note`; the model given is named by its config's ``_name_or_path``)."""
+    from headlab.resume import other_model_note
+
+    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    note = other_model_note(scores.model, name, f"keep={keep} prunes this model by that model's ranking of its heads")
+    if note is not None:
+        import warnings
+
+        warnings.warn(f"prune: the scores {note}", UserWarning, stacklevel=3)
 
 
 def _warn_repeated(repeated: list[str]) -> None:

@@ -387,9 +387,12 @@ def check_text_of_multimodal(source: str, config, cls: type, info: dict) -> None
 
 def _tensor_block(model: nn.Module) -> dict[str, str]:
     """Parameter name -> ``"KIND layer N"`` for the attention projections of ``model``."""
+    found = attention_blocks(model)  # first: XLNet's points are installed by it
     names = {id(module): name for name, module in model.named_modules()}
     out = {}
-    for block in attention_blocks(model):
+    for block in found:
+        for pname, _ in block.family.head_parameters:  # XLNet's bare per-head parameters
+            out[f"{names[id(block.core)]}.{pname}"] = f"{block.kind} layer {block.layer} ({counted(block.n_heads, 'head')})"
         rows = [block.module.get_submodule(path) for path, _ in block.family.head_rows]  # latent attention's, a gate's
         for module in (block.q, block.k, block.v, block.qkv, block.o, *rows):
             if module is not None and id(module) in names:
@@ -519,6 +522,18 @@ def _kept_from_plan(plan, block, n_q: int, n_kv: int) -> tuple[list[int], list[i
     return list(kept), list(kv_kept)
 
 
+def _record_block(block, plan: dict | None, n_q: int, n_kv: int, numbering: dict, blocks: dict) -> None:
+    """``block``'s entry of :func:`record_from_weights`' record, where a pruning gives ``n_q`` and ``n_kv`` heads."""
+    found = _kept_from_plan(plan, block, n_q, n_kv)
+    how = "original" if found or n_q == 0 else "reconstructed"  # a layer left with no head has nothing to number
+    found = found or _kept_reconstructed(block.n_heads, block.n_kv_heads, n_q, n_kv)
+    if found is None:
+        return  # no pruning gives these counts: check_fits_weights names the tensor
+    numbering[how].append(f"{block.kind}:{block.layer}")
+    blocks.setdefault(block.kind, {})[str(block.layer)] = {
+        "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
+
+
 def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], plan: dict | None = None) -> dict | None:
     """A pruning record for an unpruned ``model`` (its config) whose heads the weights' shapes
     say were removed: a pruned directory re-saved by transformers (``save_pretrained`` after
@@ -530,10 +545,21 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
     weights' (:func:`_kept_reconstructed`), and the record says so under ``"numbering"``:
     ``{"reconstructed": ["dec_self:0", ...]}`` (``"original"``: the layers numbered from the plan).
     """
+    found_blocks = attention_blocks(model)  # first: XLNet's points are installed by it, and named below
     names = {id(module): name for name, module in model.named_modules()}
     blocks: dict[str, dict] = {}
     numbering: dict[str, list[str]] = {"original": [], "reconstructed": []}
-    for block in attention_blocks(model):
+    for block in found_blocks:
+        if block.family.head_parameters:  # XLNet's bare parameters: the heads are dim 1 of o and v
+            o_weight, kv_weight = (f"{names[id(block.core)]}.{name}" for name in ("o", "v"))
+            if o_weight not in shapes or kv_weight not in shapes or len(shapes[o_weight]) != 3 \
+                    or len(shapes[kv_weight]) != 3:
+                continue  # check_complete / check_fits_weights name it
+            n_q, n_kv, rest_q = int(shapes[o_weight][1]), int(shapes[kv_weight][1]), 0
+            if n_q != n_kv or n_q > block.n_heads or (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
+                continue
+            _record_block(block, plan, n_q, n_kv, numbering, blocks)
+            continue
         o_weight = f"{names[id(block.o)]}.weight"
         # the value projection's rows: the key projection stays whole under a norm over all its heads (OLMo 2)
         kv_module = block.v if block.v is not None else block.qkv
@@ -561,15 +587,8 @@ def record_from_weights(model: nn.Module, shapes: dict[str, tuple[int, ...]], pl
             continue  # not a pruned shape: check_fits_weights names the tensor
         if (n_q, n_kv) == (block.n_heads, block.n_kv_heads):
             continue
-        found = _kept_from_plan(plan, block, n_q, n_kv)
-        how = "original" if found or n_q == 0 else "reconstructed"  # a layer left with no head has nothing to number
-        found = found or _kept_reconstructed(block.n_heads, block.n_kv_heads, n_q, n_kv)
-        if found is None:
-            continue  # no pruning gives these counts: check_fits_weights names the tensor
-        numbering[how].append(f"{block.kind}:{block.layer}")
-        blocks.setdefault(block.kind, {})[str(block.layer)] = {
-            "n_heads": block.n_heads, "kept_heads": found[0], "kept_kv_heads": found[1]}
-    for group in sharing_groups(attention_blocks(model)):
+        _record_block(block, plan, n_q, n_kv, numbering, blocks)
+    for group in sharing_groups(found_blocks):
         # weights tied across depths (Zamba's shared transformer) are saved once, under the first depth's names, and
         # transformers ties the others to them: those depths were pruned alike (surgery.check_shared_plan)
         source = next((b for b in group if str(b.layer) in blocks.get(b.kind, {})), None)

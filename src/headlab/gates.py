@@ -89,11 +89,14 @@ class HeadGates(nn.Module):
         raise NotImplementedError
 
     keeps_pass = False
-    """Whether the gates keep something for one pass (tied Hard Concrete draws): :func:`attach_gates`
-    then calls :meth:`new_pass` at the start of each forward of the model."""
+    """Whether the gates keep something for one pass (Hard Concrete draws): :func:`attach_gates` then calls
+    :meth:`new_pass` at the start of each forward of the model and :meth:`end_pass` with its output."""
 
     def new_pass(self) -> None:
-        """Forget what was kept for the last pass (see :attr:`keeps_pass`)."""
+        """Start a new pass: forget what was kept for the last one (see :attr:`keeps_pass`)."""
+
+    def end_pass(self, output: Any) -> None:
+        """The model's forward returned ``output`` (see :attr:`keeps_pass`)."""
 
     def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         """``heads`` [batch, pos, n_heads, d_head] times the gates of ``block``."""
@@ -163,11 +166,15 @@ class _GateStack:
     def __init__(self) -> None:
         self.sets: dict[str, HeadGates] = {}  # attribute name on the model -> gate module
         self.hooks: dict[BlockKey, HookHandles] = {}
-        self.pass_hook: Any = None  # the model's forward pre-hook: new_pass of every set
+        self.pass_hooks: list[Any] = []  # the model's forward pre-hook and hook: new_pass and end_pass of every set
 
     def new_pass(self, module: nn.Module, args: tuple) -> None:
         for gates in self.sets.values():
             gates.new_pass()
+
+    def end_pass(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for gates in self.sets.values():
+            gates.end_pass(output)
 
     def gate_heads(self, block: AttentionBlock, heads: torch.Tensor) -> torch.Tensor:
         for gates in self.sets.values():
@@ -183,9 +190,9 @@ class _GateStack:
         for handles in self.hooks.values():
             handles.remove()
         self.hooks.clear()
-        if self.pass_hook is not None:
-            self.pass_hook.remove()
-            self.pass_hook = None
+        for hook in self.pass_hooks:
+            hook.remove()
+        self.pass_hooks.clear()
 
 
 class GateHandle:
@@ -229,8 +236,8 @@ def attach_gates(model: nn.Module, gates: HeadGates) -> GateHandle:
     handle = GateHandle(model, name)
     try:
         stack.hook(blocks)
-        if stack.pass_hook is None and gates.keeps_pass:
-            stack.pass_hook = model.register_forward_pre_hook(stack.new_pass)
+        if not stack.pass_hooks and gates.keeps_pass:
+            stack.pass_hooks = [model.register_forward_pre_hook(stack.new_pass), model.register_forward_hook(stack.end_pass)]
     except BaseException:
         handle.remove()
         raise

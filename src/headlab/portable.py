@@ -13,7 +13,7 @@
   config.json (``headlab_pruned``): the pruned projections' shapes and the attention modules'
   head counts. The module imports only torch and transformers.
 
-T5 shares one relative position bias table across a stack, which headlab slices per layer with
+T5 (LongT5 too) shares one relative position bias table across a stack, which headlab slices per layer with
 hooks, and StableLM's per-head query/key norms (``qk_layernorm``) are lists the copied module does
 not resize; such a pruned model stays loadable by :func:`headlab.load_pruned` only (the reason is
 recorded).
@@ -110,9 +110,10 @@ def make_portable(model: nn.Module, path: str | Path, plan: dict) -> dict:
         del config["auto_map"]
     (path / CODE_FILE).unlink(missing_ok=True)
     blocks = attention_blocks(model)
-    if blocks and blocks[0].family.name == "t5":
+    if any(block.family.shared_bias for block in blocks):  # T5's, LongT5's
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        return {"how": None, "reason": "T5 shares one position bias table per stack; load with headlab.load_pruned"}
+        name = "LongT5" if blocks[0].family.name == "longt5" else "T5"
+        return {"how": None, "reason": f"{name} shares one position bias table per stack; load with headlab.load_pruned"}
     if plan.get("per_head"):  # the copied module (shipped with earlier pruned models) does not resize these
         atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
         return {"how": None, "reason": "per-head query/key norms (StableLM's qk_layernorm) lose heads; "

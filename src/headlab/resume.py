@@ -17,8 +17,8 @@ from typing import Any
 
 from headlab.heads import atomic_write_text, json_text
 
-__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "pairs_fingerprint",
-           "stage_key", "now_iso", "append_record", "read_step_records", "set_aside"]
+__all__ = ["SkipStage", "read_marker", "write_marker", "file_fingerprint", "weights_fingerprint", "other_model",
+           "other_model_note", "pairs_fingerprint", "stage_key", "now_iso", "append_record", "read_step_records", "set_aside"]
 
 _HASH_LIMIT = 256 * 1024 * 1024  # files larger than this are fingerprinted by size and mtime
 
@@ -75,6 +75,32 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> str | None:
     files = [path / "config.json", *sorted(path.glob("*.safetensors")), path / "headlab_pruning.json"]
     parts = [f"{f.name}={file_fingerprint(f)}" for f in files if f.is_file()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def other_model(measured_on: str, model: str) -> str | None:
+    """How a score table's model, ``measured_on`` (its ``model`` field: the path or hub name it was computed on),
+    stands to ``model``: None when they are the same model (the same name, or local model directories with the
+    same weights: :func:`weights_fingerprint`) or either is unnamed; ``""`` when both are local model directories
+    whose weights differ; else the names differ and the weights of either cannot be read (a hub name, a class name, a
+    directory moved since), and it says which: ``"weights not compared: no model directory at NAME"``."""
+    if not measured_on or not model or measured_on == model:
+        return None
+    theirs, ours = weights_fingerprint(measured_on), weights_fingerprint(model)
+    if theirs is not None and ours is not None:
+        return None if theirs == ours else ""
+    unread = " and ".join(name for name, found in ((measured_on, theirs), (model, ours)) if found is None)
+    return f"weights not compared: no model directory at {unread}"
+
+
+def other_model_note(measured_on: str, model: str, use: str) -> str | None:
+    """What ``prune baseline --method scores`` and :func:`headlab.prune` say of scores measured on another model
+    (:func:`other_model`), ``use`` being what they do with them; None for the same model."""
+    other = other_model(measured_on, model)
+    if other is None:
+        return None
+    if not other:
+        return f"were measured on {measured_on} (the table's model), whose weights differ from {model}'s: {use}"
+    return f"were measured on {measured_on} (the table's model), not {model} ({other}): if they are other weights, {use}"
 
 
 def pairs_fingerprint(data: Any) -> str | None:

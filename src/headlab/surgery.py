@@ -526,6 +526,29 @@ def _slice_sub_norm(block: AttentionBlock, index: torch.Tensor, journal: _Journa
     journal.set(norm, "variance_epsilon", float(norm.variance_epsilon) * n / kept)
 
 
+def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
+    """A layer whose forward applies bare per-head parameters (``Family.head_parameters``: XLNet's q, k, v, o, r and
+    seg_embed on dim 1, its three biases on dim 0): the kept heads' slices of each, and the points' widths. The
+    forward is shape-driven, so a layer with no head left keeps its own forward, its parameters of zero heads: the
+    ``o`` einsum over no head gives 0, the residual and the layer norm run as before (fam31d's test)."""
+    core = block.core
+    for name, dim in block.family.head_parameters:
+        parameter = getattr(core, name)
+        index = torch.tensor(keep, dtype=torch.long, device=parameter.device)
+        _replace(core, name, parameter.index_select(dim, index), journal)
+    for path in (block.family.q, block.family.k, block.family.v, block.family.o):
+        point = block.module.get_submodule(path) if path else None
+        if point is not None:
+            journal.set(point, "in_features", len(keep) * block.d_head)
+            journal.set(point, "out_features", len(keep) * block.d_head)
+    for attr in block.family.head_count_attrs:
+        journal.set(core, attr, len(keep))
+    kept, kv_kept, original = _original(block)
+    journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
+    journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
+    journal.set(core, ORIGINAL_ATTR, original)
+
+
 def _give_pruned_forward(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
     """A layer whose own forward cannot run with fewer heads (FSMT's and TrOCR's merge them into the hidden states'
     width) takes the family's (``Family.pruned_forward``): the same computation, merging the kept heads."""
@@ -657,8 +680,11 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
     """T5 computes its position bias [1, n_heads, q, k] in the first layer of a stack and
     hands it to the others, which breaks once layers keep different heads. In a pruned stack
     each layer instead gets the full bias recomputed from the first layer's table, sliced to
-    the heads it kept (cross-attention has no position bias: zeros)."""
+    the heads it kept (cross-attention has no position bias: zeros). LongT5's local encoder
+    (``shared_bias == "local"``) hands on its blocked bias with the mask folded in: each layer
+    gets the same sum, sliced."""
     stacks = {"enc_self": "encoder", "dec_self": "decoder", "dec_cross": "decoder"}
+    blocks = [b for b in blocks if b.family.shared_bias]
     pruned_stacks = {stacks[b.kind] for b in blocks if getattr(b.core, KEPT_ATTR, None) is not None}
     for stack in pruned_stacks:
         members = [b for b in blocks if stacks[b.kind] == stack]
@@ -671,8 +697,30 @@ def _install_t5_bias_hooks(model: nn.Module, blocks: list[AttentionBlock], journ
                 journal.set(core, KEPT_ATTR, list(range(block.n_heads)))
                 journal.set(core, KV_KEPT_ATTR, list(range(block.n_kv_heads)))
                 journal.set(core, ORIGINAL_ATTR, block.n_heads)
-            journal.hooks.append(core.register_forward_pre_hook(_t5_bias_hook(source), with_kwargs=True))
+            local = block.family.shared_bias == "local"
+            journal.hooks.append(core.register_forward_pre_hook(
+                (_local_bias_hook if local else _t5_bias_hook)(source), with_kwargs=True))
             journal.set(core, "_headlab_t5_hooked", True)
+
+
+def _local_bias_hook(source: nn.Module):
+    """LongT5LocalAttention's position bias as its forward builds it without one (transformers 5.24):
+    ``compute_bias(block_len)`` (``[1, 1, heads, block_len, 3 * block_len]``) plus the blocked mask
+    (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is seen) made 0 or -1e10 and
+    moved to the heads' axis, here with the kept heads' columns only."""
+    def hook(module, args, kwargs):
+        kept = getattr(module, KEPT_ATTR)
+        bias = cast(Any, source).compute_bias(module.block_len)[:, :, kept]
+        mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+        if mask is not None:
+            bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+        if len(args) > 2:  # position_bias passed by position (LongT5LayerLocalSelfAttention passes it by keyword)
+            args = (*args[:2], bias, *args[3:])
+        else:
+            kwargs["position_bias"] = bias
+        return args, kwargs
+
+    return hook
 
 
 def _t5_bias_hook(source: nn.Module):
@@ -1248,10 +1296,13 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     sharing = sharing_groups(attention_blocks(model))
     try:
         for block, keep, kv_keep, groups in plans:
-            _prune_block(model, block, keep, kv_keep, groups, journal)
+            if block.family.head_parameters:  # XLNet's bare einsum parameters
+                _prune_head_parameters(block, keep, kv_keep, journal)
+            else:
+                _prune_block(model, block, keep, kv_keep, groups, journal)
         _retie(model, sharing, journal)
         blocks = attention_blocks(model)
-        if blocks and blocks[0].family.name == "t5":
+        if any(block.family.shared_bias for block in blocks):  # T5's, LongT5's
             _install_t5_bias_hooks(model, blocks, journal)
         _install_alibi_hooks(blocks, journal)
         mismatch = first_mismatch(reference, run_probe(model, probe), dtype)
@@ -1358,6 +1409,7 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     # check with a shape error naming none of them (the session-26 sweep)
     biases = [(owner, name) for owner, name, _ in head_biases(block)]
     sliced = {id(getattr(owner, name)) for owner, name in (*head_vectors(block), *biases)}
+    sliced |= {id(getattr(block.core, name)) for name, _ in block.family.head_parameters}  # XLNet's
     dynamic = kv_dynamic_mask(block)
     if dynamic is not None and block.n_heads:  # Doge's A and dt_proj, sliced with the key/value heads
         projection, owner, name = dynamic
@@ -1495,7 +1547,8 @@ def pruning_plan(model: nn.Module) -> dict:
     module path -> head counts and widths), ``no_head`` (layers left with no head) and, where a
     layer has per-head norms (StableLM), ``per_head`` (module path -> heads kept); ``vectors``
     (parameter path -> entries kept) for parameters of one entry per head (``Family.head_vectors``) or of one head
-    size per head (``Family.head_biases``); ``selected``
+    size per head (``Family.head_biases``); ``parameters`` (parameter path -> its pruned shape) for the bare per-head
+    parameters a family's forward applies itself (``Family.head_parameters``: XLNet's); ``selected``
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
     projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
@@ -1514,8 +1567,10 @@ def pruning_plan(model: nn.Module) -> dict:
         for module in (block.q, block.k, block.v, block.qkv, block.o, *head_row_modules(block),
                        dynamic[0] if dynamic else None,
                        emptied_projection if isinstance(emptied_projection, nn.Linear) else None):
-            if module is not None:
+            if module is not None and not block.family.head_parameters:  # XLNet's points: no weight, nothing to save
                 plan["projections"][names[id(module)]] = list(_projection(module))
+        for pname, _ in block.family.head_parameters:  # XLNet's bare per-head parameters: their pruned shapes
+            plan.setdefault("parameters", {})[f"{_core_path(block)}.{pname}"] = list(getattr(core, pname).shape)
         biases = [(owner, name) for owner, name, _ in head_biases(block)]
         for owner, vector in (*head_vectors(block), *biases, *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])

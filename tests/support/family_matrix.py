@@ -153,6 +153,13 @@ ANALYSED = {
     "trocr": lambda: (tf.TrOCRForCausalLM, tf.TrOCRConfig(
         vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=37,
         max_position_embeddings=64, **_SPECIAL)),
+    # GPT-NeoX-Japanese: GPT-NeoX's per-head [q | k | v] in query_key_value, rotary on half of each head, outside the
+    # interface; no bias but dense_bias, returned by the last layer's attention and added by the layer
+    # (tests/test_gpt_neox_japanese_cpmant.py)
+    "gpt_neox_japanese": lambda: (tf.GPTNeoXJapaneseForCausalLM, tf.GPTNeoXJapaneseConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_multiple_size=2,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5}, **_SPECIAL)),
     # Qwen3-Next, Qwen3.5 and Qwen3.5-MoE with full attention at both layers (their hybrids: HYBRID):
     # q_proj emits per head [query | gate], o_proj(attn_output * sigmoid(gate)); biases on
     **{t: (lambda t=t: qwen3_next(t, ["full_attention"] * 2)) for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
@@ -187,6 +194,7 @@ VALUES = {
     "openai-gpt": (lambda m, i: m.transformer.h[i].attn.c_attn, _qkv(4, 4), 4),  # c_attn(x).split(split_size)
     "luke": (lambda m, i: m.luke.encoder.layer[i].attention.self.value, lambda j: range(j * D, (j + 1) * D), 4),
     "trocr": (lambda m, i: m.model.decoder.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 4),
+    "gpt_neox_japanese": (lambda m, i: m.gpt_neox_japanese.layers[i].attention.query_key_value, _per_head, 4),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     (lambda m, i: m.model.layers[i].self_attn.v_proj, lambda j: range(j * D, (j + 1) * D), 2)),
 }

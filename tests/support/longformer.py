@@ -43,3 +43,12 @@ def dense_maps(attentions: tuple, global_attentions: tuple | None, global_mask: 
                 dense[b, :, position] = rows[:, :seq]
         maps.append(dense)
     return tuple(maps)
+
+
+def global_token_0(module, args, kwargs):
+    """A forward pre-hook (``with_kwargs=True``) that hands a Longformer (or LED's encoder) a global attention mask
+    choosing token 0 of every row: every forward attends globally from it, whoever made the inputs."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    chosen = torch.zeros_like(ids)
+    chosen[:, 0] = 1
+    return args, {**kwargs, "global_attention_mask": chosen}

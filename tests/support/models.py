@@ -69,3 +69,62 @@ def tiny_inputs(family: str, batch: int = 2, src_len: int = 7, tgt_len: int = 5,
 def logits(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs).logits
+
+
+# -- encoder-decoders outside transformers' attention interface (their checks: tests/support/seq2seq_families.py) ------
+# 2 + 2 layers, 4 heads of 8, d_model 32, float64; biases and norm weights moved off their initial values (zeros and
+# ones would hide a bias or norm that pruning or masking mishandles).
+
+LED_WINDOWS = [4, 8]
+"""LED's per-layer attention windows: a query sees 2 and 4 keys each side (each divides the largest: the encoder pads
+to 8's multiple)."""
+
+
+def _moved_off(model: torch.nn.Module) -> torch.nn.Module:
+    """Biases drawn from N(0, 0.1), layer-norm weights from N(1, 0.1), in parameter order; ``model`` in float64."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.1)
+            elif "layer_norm" in name or "layernorm" in name:
+                parameter.normal_(1, 0.1)
+    return model.double()
+
+
+def tiny_fsmt(seed: int = 0, pad: int = 2, eos: int = 1, src_vocab: int = VOCAB) -> torch.nn.Module:
+    """A tiny FSMTForConditionalGeneration (fairseq's WMT19 Transformers). Its position tables' size depends on the
+    padding id: a tokenizer's ids are given here, not set after."""
+    config = tf.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=src_vocab, tgt_vocab_size=VOCAB, d_model=32, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
+        max_position_embeddings=64, pad_token_id=pad, bos_token_id=0 if eos else 1, eos_token_id=eos,
+        decoder_start_token_id=eos, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return _moved_off(tf.FSMTForConditionalGeneration(config).eval())
+
+
+def mvp_config(**extra) -> tf.MvpConfig:
+    """A tiny MVP's config (BART's layout, pad 2, bos 0, eos 1); ``extra``: MvpConfig's fields that differ."""
+    return tf.MvpConfig(**{**dict(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=2,
+        bos_token_id=0, eos_token_id=1, decoder_start_token_id=1), **extra})
+
+
+def tiny_mvp(cls=tf.MvpForConditionalGeneration, seed: int = 0, **extra) -> torch.nn.Module:
+    """A tiny MVP (RUCAIBox/mvp) of class ``cls`` (MvpForCausalLM: its decoder alone); ``extra``: :func:`mvp_config`'s."""
+    torch.manual_seed(seed)
+    return _moved_off(cls(mvp_config(**extra)).eval())
+
+
+def tiny_led(**extra) -> torch.nn.Module:
+    """A tiny LEDForConditionalGeneration (Longformer's attention in the encoder, windows :data:`LED_WINDOWS`; BART's
+    old attention in the decoder; pad 1, bos 0, eos 2), eager; ``extra``: LEDConfig's fields that differ."""
+    from support.family_matrix import perturbed_model  # (family_matrix imports this module)
+
+    config = tf.LEDConfig(**{**dict(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=LED_WINDOWS, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2), **extra})
+    return perturbed_model(tf.LEDForConditionalGeneration, config, attn_implementation="eager").double()

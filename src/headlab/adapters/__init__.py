@@ -182,6 +182,8 @@ def out_features(module: nn.Module) -> int:
         return module.out_channels
     if hasattr(module, "nf"):
         return int(getattr(module, "nf"))  # noqa: B009 (module.nf types as Tensor | Module for mypy)
+    if type(module).__name__ == "HeadPoint":  # XLNet's identity points (headlab.adapters.xlnet): the heads' width
+        return int(getattr(module, "out_features"))  # noqa: B009
     raise _unreadable(module, "output")
 
 
@@ -192,6 +194,8 @@ def in_features(module: nn.Module) -> int:
         return module.in_channels
     if hasattr(module, "nf"):  # Conv1D: weight [in, out]
         return int(getattr(module, "weight").shape[0])  # noqa: B009 (module.weight types as Tensor | Module)
+    if type(module).__name__ == "HeadPoint":
+        return int(getattr(module, "in_features"))  # noqa: B009
     raise _unreadable(module, "input")
 
 
@@ -820,6 +824,8 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     if reason:
         raise HeadlabError(f"{type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
     family = family_for(config)
+    if family is not None and family.install is not None:  # XLNet's points: modules where its forward had none
+        family.install(model)
     if family is not None and family.applications is not None:
         return _shared_blocks(model, family)
     idle: set[str] = set()

@@ -162,6 +162,21 @@ class Family:
     block; :data:`SUB_NORMS`: BitNet's ``attn_sub_norm``), '' elsewhere. The heads' outputs are read, masked and gated
     at its input (:func:`headlab.adapters.head_input`), where zeroing a head equals zeroing its value rows; physical
     pruning keeps the kept heads' entries of its weight, rescaled with its epsilon (:data:`SUB_NORMS`)."""
+    head_parameters: tuple[tuple[str, int], ...] = ()
+    """(parameter of ``core``, the dimension that indexes its heads) of a family whose forward applies bare parameters
+    (XLNet's q, k, v, o, r and seg_embed, heads on dim 1; r_w_bias, r_r_bias, r_s_bias on dim 0), its q/k/v/o the
+    identity points :attr:`install` gives it: physical pruning slices these, and a pruned directory records their
+    shapes (pruned_heads.py resizes them: ``plan["parameters"]``)."""
+    install: Callable[[Any], None] | None = None
+    """Gives the model the modules its entry names, before its blocks are made (XLNet's points,
+    :func:`headlab.adapters.xlnet.install_points`): called by :func:`headlab.adapters.attention_blocks`, it changes
+    nothing the model computes."""
+    shared_bias: str = ""
+    """How a stack of the family hands its relative position bias from layer to layer, where its first layer computes
+    it for all (T5): ``"t5"`` (``compute_bias(query length, key length, ...)``, ``[1, heads, q, k]``), ``"local"``
+    (LongT5's local attention: ``compute_bias(block_len)``, ``[1, 1, heads, block_len, 3 * block_len]``, the mask
+    folded in); '' where none is handed on. A pruned stack gets each layer's own, sliced to the heads it kept
+    (:func:`headlab.surgery.prune_heads`), and plain transformers cannot load it (the table stays whole)."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -511,12 +526,60 @@ T5 = Family(
     d_head_attr="key_value_proj_dim",
     probs_index=2,
     head_count_attrs=("n_heads",),
+    shared_bias="t5",
 )
 
 # UMT5: T5's layout, but every self-attention layer computes its own relative position bias
 # (UMT5Attention.compute_bias from its own relative_attention_bias, passed as position_bias to the attention
 # function), not the stack's first layer for all: no bias handed between layers, one column per head to slice
-UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",))  # returns (output, weights)
+UMT5 = replace(T5, name="umt5", probs_index=1, head_columns=("relative_attention_bias",),  # returns (output, weights)
+               shared_bias="")  # each layer its own bias: none handed on
+
+
+def longt5_local_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """LongT5's dense ``[batch, heads, n, n]`` map from ``LongT5LocalAttention``'s output (transformers 5.24, its
+    forward read): ``output[2]`` is ``[batch, blocks, heads, block_len, 3 * block_len]``, the tokens split into blocks
+    of ``block_len = local_radius + 1`` (the last padded), block ``b``'s queries attending over blocks ``b - 1, b,
+    b + 1`` (zero blocks padding both ends). Query ``q`` of block ``q // block_len`` sees key ``k`` at column
+    ``k - (q // block_len - 1) * block_len`` of its window; keys outside the window, farther than local_radius, in the
+    padding or masked have a -1e10 score, so probability exactly 0 (a real query always sees itself), and the
+    window's columns put in place give every real query's whole row. A padded query's (every key masked) is uniform
+    over its window, part of it in the padding: its row here, cut to the n tokens, does not sum to one. The softmax
+    is float32 whatever the model's dtype (``softmax(scores.float())``)."""
+    import torch
+
+    blocked = output[2]
+    hidden = args[0] if args else kwargs["hidden_states"]
+    n = int(hidden.shape[1])
+    batch, blocks, heads, block_len, width = blocked.shape
+    rows = blocked.permute(0, 2, 1, 3, 4).reshape(batch, heads, blocks * block_len, width)[:, :, :n]
+    positions = torch.arange(n, device=blocked.device)
+    column = positions[None, :] - (positions[:, None] // block_len - 1) * block_len  # [query, key]
+    inside = (column >= 0) & (column < width)
+    dense = rows.gather(-1, column.clamp(0, width - 1).expand(batch, heads, n, n))
+    return torch.where(inside, dense, torch.zeros((), dtype=blocked.dtype, device=blocked.device))
+
+
+# LongT5 (LongT5ForConditionalGeneration, LongT5EncoderModel; transformers 5.24, models/longt5) with
+# encoder_attention_type="local": the encoder's encoder.block.N.layer.0.LocalSelfAttention is LongT5LocalAttention,
+# T5's q/k/v/o without the attention interface (einsum over blocks of block_len = local_radius + 1 tokens, each
+# attending over 3 blocks, masked to local_radius each side), returning (output, position_bias, probabilities) with
+# output_attentions (its 4th argument, passed by keyword), the probabilities blocked (read by longt5_local_probs).
+# Its first layer computes the relative position bias (compute_bias(block_len)) and adds the mask to it; the stack
+# hands that sum to the others. Its forward views the heads with n_heads and merges them with inner_dim (kept in step
+# by pruning). The decoder is T5's (LongT5Attention through the attention interface, its bias shared as T5's): a part.
+# "transient-global" is refused by UNSUPPORTED_CONFIGS.
+LONGT5_DECODER = replace(T5, name="longt5-decoder", patterns=T5.patterns[1:])
+LONGT5 = replace(
+    T5,
+    name="longt5",
+    patterns=(("enc_self", r"(?:^|\.)encoder\.block\.(\d+)\.layer\.0\.LocalSelfAttention$"),),
+    probs_argument=("output_attentions", 3),
+    probs_reader=longt5_local_probs,
+    width_attrs=("inner_dim",),
+    shared_bias="local",
+    parts=(LONGT5_DECODER,),
+)
 
 LLAMA_LIKE = Family(
     name="llama-like",
@@ -979,6 +1042,23 @@ MVP = Family(
 )
 
 
+# GPT-NeoX-Japanese (GPTNeoXJapaneseForCausalLM, abeja/gpt-neox-japanese-2.7b, transformers 5.24, models/
+# gpt_neox_japanese): gpt_neox_japanese.layers.N.attention (GPTNeoXJapaneseAttention), outside the attention interface:
+# query_key_value viewed [.., num_attention_heads, 3 * head_size], head h's [q | k | v] together (GPT-NeoX's per-head
+# layout), partial rotary on q and k, softmax(q k^T / sqrt(d) + mask) (baddbmm), dense(merged heads); no bias on
+# either. It always returns (output, probs, dense_bias): ``dense_bias``, a vector only in the last layer (None in the
+# others), is added by the layer after the attention output, so it is the output projection's bias in all but name:
+# a layer left with no head still returns it (:data:`headlab.portable_code.OUTPUT_BIASES`).
+GPT_NEOX_JAPANESE = Family(
+    name="gpt-neox-japanese",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.attention$"),),
+    q=None, k=None, v=None, o="dense", qkv="query_key_value", qkv_layout="per-head",
+    d_head_attr="head_size",
+    head_count_attrs=("num_attention_heads",),
+    extra_outputs=1,
+)
+
+
 def openai_gpt(config: Any) -> Family:
     """GPT-1's head size, which its attention does not keep: ``n_embd // n_head`` of the config (the original
     model's, which a pruned directory keeps: pruning leaves the head size as it was)."""
@@ -1064,6 +1144,42 @@ def gpt_bigcode(config: Any) -> Family:
     return _gpt_bigcode("q|k|v" if getattr(config, "multi_query", False) else "per-head")
 
 
+def xlnet_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """XLNet's ``[batch, heads, q, k]`` probabilities: ``XLNetRelativeAttention`` returns them third, with
+    ``output_attentions``, as ``einsum("bnij->ijbn", attn_prob)`` (``XLNetModel`` permutes them back so)."""
+    return output[2].permute(2, 3, 0, 1)
+
+
+def _xlnet_points(model: Any) -> None:
+    from headlab.adapters.xlnet import install_points  # torch: not at the command line's start-up
+
+    install_points(model)
+
+
+# XLNet (XLNetLMHeadModel, XLNetForSequenceClassification, transformers 5.24; fam31d's reading): transformer.layer.N.
+# rel_attn (XLNetRelativeAttention) applies its bare parameters q, k, v, o, r ((d_model, n_head, d_head)) with
+# torch.einsum, time-first [seq, batch, ...]; every per-head quantity is the slice [:, h, :] of q, k, v, o, r and
+# seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent (ac, bd after rel_shift_bnij, ef, softmax per
+# head). headlab installs identity points at the queries, keys, values and heads' outputs (headlab.adapters.xlnet) and
+# covers the content stream only (no mems, no target_mapping/perm_mask query stream: refused while its hooks are on).
+# The probabilities come with output_attentions (the 9th argument, by keyword), [q, k, batch, heads].
+XLNET = Family(
+    name="xlnet",
+    patterns=(("enc_self", r"(?:^|\.)layer\.(\d+)\.rel_attn$"),),
+    q="headlab_q", k="headlab_k", v="headlab_v", o="headlab_o",
+    d_head_attr="d_head",
+    head_count_attrs=("n_head",),
+    probs_index=2,
+    probs_argument=("output_attentions", 8),
+    probs_reader=xlnet_probs,
+    time_first=True,
+    output_norms=("layer_norm",),  # post_attention's LayerNorm(attention output + h), over d_model
+    head_parameters=(("q", 1), ("k", 1), ("v", 1), ("o", 1), ("r", 1), ("seg_embed", 1),
+                     ("r_w_bias", 0), ("r_r_bias", 0), ("r_s_bias", 0)),
+    install=_xlnet_points,
+)
+
+
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert", "rembert", "roformer"],
@@ -1074,6 +1190,7 @@ FAMILIES: dict[str, Family] = {
     "git": GIT,
     "xglm": XGLM,
     "mpnet": MPNET,
+    "gpt_neox_japanese": GPT_NEOX_JAPANESE,
     "ibert": IBERT,
     "squeezebert": SQUEEZEBERT,
     "longformer": LONGFORMER,
@@ -1085,6 +1202,7 @@ FAMILIES: dict[str, Family] = {
     "mvp": MVP,
     **dict.fromkeys(["t5", "mt5", "switch_transformers"], T5),
     "umt5": UMT5,
+    "longt5": LONGT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     **dict.fromkeys(["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], QWEN3_NEXT),
     "gpt_neox": GPT_NEOX,
@@ -1095,6 +1213,7 @@ FAMILIES: dict[str, Family] = {
     "modernbert": MODERNBERT,
     "deberta-v2": DEBERTA_V2,
     "albert": ALBERT,
+    "xlnet": XLNET,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -1167,25 +1286,6 @@ UNSUPPORTED: dict[str, str] = {
            "which headlab's analysis reads",
     "yoso": "YOSO's hashing-based attention approximates the attention and computes no probability map per head, "
             "which headlab's analysis reads",
-    # fam31d, read in transformers 5.24 (models/xlnet/modeling_xlnet.py). What a table entry would use: the content
-    # stream (no target_mapping/perm_mask) is one ordinary pass whose probabilities output_attentions returns as
-    # [q, k, batch, heads] per layer (XLNetModel permutes them to [batch, heads, q, k]); every per-head quantity is
-    # the slice [:, h, :] of q, k, v, o, r and seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent
-    # (ac, bd after rel_shift_bnij, ef, softmax per head), so masking at attn_vec and slicing dim 1 would be exact.
-    # What headlab lacks: every hook point (masking, gates, per-head outputs, LRP's cut) and every slicing rule is at
-    # an nn.Module projection, and XLNet's are bare Parameters read by torch.einsum
-    "xlnet": "XLNet's attention (XLNetRelativeAttention) keeps its projections q, k, v, o and r as bare parameters of "
-             "shape (d_model, n_head, d_head) that its forward applies with torch.einsum, not as projection modules: "
-             "headlab masks, gates and reads a head's output at the input of the output projection's module "
-             "(here the heads' outputs attn_vec meet o inside post_attention, with no module to hook), prunes by "
-             "slicing modules' weights (here dim 1 of q, k, v, o, r and seg_embed, and the per-head biases r_w_bias, "
-             "r_r_bias and r_s_bias, with n_head one number in XLNetConfig for every layer, so a pruned layer needs "
-             "code of its own to load), and its LRP holds the attention weights constant by detaching the query and key "
-             "projections' outputs at their modules (here the einsums of h with q, of the keys with k and of the "
-             "relative positions with r, whose products with r_w_bias, r_r_bias and r_s_bias give the content, "
-             "relative-position and segment scores). Its content-stream probabilities are returned (output_attentions), but "
-             "headlab has no entry for this layout yet (an entry would cover the content stream only: no memory, "
-             "mems, and no two-stream pretraining inputs, target_mapping and perm_mask)",
     "bigbird_pegasus": "BigBird-Pegasus's encoder attention (block-sparse or full, outside transformers' attention "
                        "interface) is not found by headlab: an analysis would cover its decoder only (and its causal-LM "
                        "class drops the encoder)",
@@ -1210,6 +1310,48 @@ UNSUPPORTED: dict[str, str] = {
                  "block_size / 2 padding), and the global tokens, which are not input tokens, attend over [global | "
                  "every token] and carry their own states from layer to layer, so the rows over the input's tokens do "
                  "not sum to one; an analysis would cover its decoder only",
+    # neoxjp32, read in transformers 5.24 (models/cpmant): before, "found no attention block". What an entry would
+    # reuse: encoder.layers.N.self_att.self_attention (CpmAntAttention: project_q/k/v viewed [.., num_heads, dim_head],
+    # attention_out, no biases, probabilities only with output_attentions, its 5th argument), and a position_bias
+    # [batch, heads, q, k] computed once per pass from one relative_attention_bias (buckets x heads) and handed to every
+    # layer by position, as MPNet's (alibi_argument). What it would need first: the prompt positions cut from every
+    # map, per-head output and relevance, and batches left-padded with id 0. Checked on a tiny CpmAntForCausalLM: a
+    # right-padded row's logits differ from the unpadded row's, a left-padded row's do not; a position's logits change
+    # with a later token (its mask is bidirectional over the input: context is all ones)
+    "cpmant": "CPM-Ant prepends config.prompt_length learned prompt tokens to every input inside its forward, so each "
+              "layer's attention (CpmAntAttention, outside transformers' attention interface) maps [prompts | tokens] "
+              "x [prompts | tokens], and output_attentions hands out only the tokens' block, whose rows do not sum to "
+              "one (the rest went to the prompts); and it ignores attention_mask (CpmAntForCausalLM takes it as a "
+              "dummy parameter), reading padding from the ids instead: id 0 is padding, and only on the left (the "
+              "last `length` positions of a row are its tokens), so a right-padded batch is read wrongly. headlab's "
+              "maps, per-head outputs and relevance are over the input's tokens, and its padded batches follow "
+              "attention_mask: it has no entry that cuts the prompts out and pads as CPM-Ant reads",
+    # neoxjp32, read in transformers 5.24 (models/diffllama): before, refused as "ran the attention function 2 times
+    # in one pass (a module shared by several layers, or one that attends twice)", which its heads are not
+    "diffllama": "DiffLlama's attention is differential (Ye et al. 2024, arXiv:2410.05258): each of its "
+                 "num_attention_heads / 2 heads pairs query head i with query head i + num_attention_heads / 2 and "
+                 "attends with softmax(Q1 K1^T) - lambda softmax(Q2 K2^T) (lambda learned per layer), a signed map "
+                 "whose rows sum to 1 - lambda, over both halves of the values, then normalises its 2 x head_dim "
+                 "outputs (groupnorm, an RMSNorm per head) before o_proj; headlab's capture and statistics read one "
+                 "probability map per head (non-negative, rows summing to one), and transformers returns only the "
+                 "first softmax of each pair, so headlab has no reading of a DiffLlama head's attention",
+    # neoxjp32, read in transformers 5.24 (models/jetmoe): before, refused naming the getitem between the attention
+    # function's output and experts.output_linear, not what that getitem is
+    "jetmoe": "JetMoE's attention is a mixture of attention heads (JetMoeMoA, Zhang et al. 2022): a router sends each "
+              "token to num_experts_per_tok of num_local_experts attention experts, each with its own query projection "
+              "(experts.input_linear) and output projection (experts.output_linear) over keys and values all experts "
+              "share (kv_proj); the attention function's num_experts_per_tok x num_key_value_heads heads are routing "
+              "slots, a slot's map at a token belonging to whichever expert the router chose there, so a head there is "
+              "no one set of weights, and an expert's heads attend only from the tokens routed to them: headlab has "
+              "no per-head map, mask or pruning of routed attention experts",
+    # neoxjp32, read in transformers 5.24 (models/hrm_text): before, refused as "ran the attention function 6 times in
+    # one pass (a module shared by several layers, or one that attends twice)"
+    "hrm_text": "HRM-Text (Hierarchical Reasoning Model) is recurrent within one forward pass: every layer of its "
+                "L_module stack runs H_cycles x L_cycles times (its input the low-level state plus the high-level "
+                "one) and every layer of its H_module stack H_cycles times, each run with a cache slot of its own, and "
+                "the L runs before the last L_bp_cycles under torch.no_grad (no gradient reaches them); a head is one "
+                "set of weights with a map per run, and headlab numbers a shared module's runs as depths only where a "
+                "table entry says how (ALBERT's), which HRM-Text's two interleaved recurrent stacks have not",
 }
 """Model types refused before any work, with what is missing."""
 
@@ -1324,11 +1466,24 @@ def _dory(config: Any) -> str | None:
             "LRP has no rule; its LM head scales each token's logit (logit_scale): headlab has checked none of these "
             "(the norm over the heads' outputs before o_proj, attn_sub_norm, would be exact: headlab.adapters."
             "families.SUB_NORMS)")
+def _longt5_transient_global(config: Any) -> str | None:
+    # read in transformers 5.24 (models/longt5): LongT5TransientGlobalAttention concatenates, after each block's
+    # 3 * block_len local keys, one side key per global block of global_block_size tokens, the sum of their layer-
+    # normed states (_create_global_aggregates), with its own position bias (global_relative_attention_bias)
+    if getattr(config, "encoder_attention_type", "local") == "local":
+        return None
+    return (f"LongT5 with encoder_attention_type={config.encoder_attention_type!r}: its encoder's attention "
+            "(LongT5TransientGlobalAttention) attends over each token's local window and over side keys that are "
+            f"aggregates of blocks of global_block_size={getattr(config, 'global_block_size', '?')} tokens, not "
+            "tokens, so a head's attention is not a [query, key] map over the input's tokens (its rows over the "
+            "tokens do not sum to one), and an analysis would cover the decoder only; LongT5 with local attention "
+            "(encoder_attention_type='local') is supported")
 
 
 UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_bird, "deberta": _deberta_talking_heads,
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
                                                                "led": _longformer_windows, "mvp": _mvp_prompts,
-                                                               "dory": _dory}
+                                                               "dory": _dory,
+                                                               "longt5": _longt5_transient_global}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

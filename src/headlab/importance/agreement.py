@@ -105,11 +105,41 @@ def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
                            "compute the measures on the same sentences")
 
 
+def _other_model(name: str, scores: HeadScores, reference: HeadScores) -> None:
+    """Tables of two models correlate heads that are not the same heads (head h of layer l is another head in each):
+    refused when their models are local directories with other weights, and where their head grids differ; a
+    warning where only their names differ (the weights of either cannot be read: :func:`headlab.resume.other_model`)."""
+    from headlab.resume import other_model
+
+    other = other_model(scores.model, reference.model)
+    grids = [kind for kind in scores.scores if kind in reference.scores and scores[kind].shape != reference[kind].shape]
+    if other is None and not grids:
+        return
+    models = f"{name} was measured on {scores.model or 'an unnamed model'} and {reference.method} on " \
+             f"{reference.model or 'an unnamed model'}"
+    if other == "":
+        raise HeadlabError(f"agreement: {models}, models whose weights differ: their heads are not the same heads; "
+                           "compute the measures on the same model")
+    if grids:
+        kind = grids[0]
+        raise HeadlabError(f"agreement: {models}, tables of other head grids: {name} scores {kind} as "
+                           f"{scores[kind].shape}, {reference.method} as {reference[kind].shape}; compute the measures "
+                           "on the same model")
+    import warnings
+
+    warnings.warn(f"agreement: {models} ({other}): if they are other models, their heads are "
+                  "not the same heads and the correlation is no agreement", UserWarning, stacklevel=3)
+
+
 def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores) -> AgreementTable:
     """Spearman's rho of each measure against ``reference`` (ablation), per kind and pooled. Tables measured on other
-    data (their signatures' sentence or token counts or max_length differ) are refused."""
+    data (their signatures' sentence or token counts or max_length differ) are refused, and so are tables of other
+    models (the tables' ``model``: local directories with other weights, or other head grids), naming both; tables
+    whose models are only named differently (a hub name, a directory moved since: the weights cannot be compared) give
+    a warning."""
     for name, scores in measures.items():
         _other_data(name, scores, reference)
+        _other_model(name, scores, reference)
     kinds = [k for k in KINDS if k in reference.scores]
     rho: dict[str, dict[str, float]] = {}
     n_heads = {kind: int((~np.isnan(reference[kind])).sum()) for kind in kinds}
@@ -121,9 +151,7 @@ def compute_agreement(measures: Mapping[str, HeadScores], reference: HeadScores)
             if kind not in scores.scores:
                 row[kind] = math.nan
                 continue
-            a, b = scores[kind], reference[kind]
-            if a.shape != b.shape:
-                raise HeadlabError(f"{name} scores {kind} as {a.shape}, ablation as {b.shape}: not the same model?")
+            a, b = scores[kind], reference[kind]  # of one grid: _other_model
             row[kind] = spearman(a, b)
             pooled_a.append(a.ravel())
             pooled_b.append(b.ravel())

@@ -74,7 +74,7 @@ from headlab.importance.rules import (
     routed_experts,
 )
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
-from headlab.portable_code import NoHeadAttention
+from headlab.portable_code import NoHeadAttention, output_bias_name
 from headlab.shard import Ledger, active
 from headlab.surgery import head_biases
 
@@ -449,6 +449,20 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         out = probe(projection, args, output[0])
         return None if out is None else type(output)([out, *output[1:]])  # GPT-1's list stays a list
 
+    def output_bias_probe(module, args, output):
+        # the bias an attention returns last for its caller to add to its output (GPT-NeoX-Japanese's dense_bias,
+        # portable_code.OUTPUT_BIASES; None but in the last layer): handed back per token with the same probe, the
+        # caller's expand_as then a no-op
+        bias, out = output[-1], output[0]
+        if not torch.is_grad_enabled() or not isinstance(bias, torch.Tensor) or bias.dim() != 1 \
+                or not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[-1] != bias.shape[0] \
+                or out.shape[:-1].numel() % batch_size:
+            return None
+        s = torch.ones(*out.shape[:-1], 1, dtype=out.dtype, device=out.device, requires_grad=True)
+        probes.append(s)
+        kept = bias.detach().to(out.dtype) * s
+        return type(output)([*output[:-1], bias.to(out.dtype).expand(out.shape) + (kept - kept.detach())])
+
     def head_bias_probe(block: AttentionBlock):
         # biases the forward adds to the fused projection's query and value heads after it (DeBERTa v1's q_bias and
         # v_bias: Family.head_biases): the same probe, at their columns of the projection's output (the query's gets
@@ -478,6 +492,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             if block.qkv is not None and block.n_heads and head_biases(block):
                 handles.append(block.qkv.register_forward_hook(head_bias_probe(block), prepend=True))
         for module in model.modules():
+            if output_bias_name(module):
+                handles.append(module.register_forward_hook(output_bias_probe, prepend=True))
             if isinstance(module, NoHeadAttention):
                 handles.append(module.register_forward_hook(no_head_probe, prepend=True))
                 continue

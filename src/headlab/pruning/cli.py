@@ -25,7 +25,7 @@ from headlab.nmt.cli import resumes_from_last
 from headlab.options import HelpFormatter as DEFAULTS
 from headlab.options import add_options, from_args, numbers
 from headlab.pruning.config import BaselineConfig, PruneConfig
-from headlab.resume import file_fingerprint, weights_fingerprint
+from headlab.resume import file_fingerprint, other_model_note, weights_fingerprint
 
 SUBCOMMANDS = ("apply", "train", "sweep", "baseline", "report")
 
@@ -377,14 +377,9 @@ def run_baseline(args) -> int:
 
 
 def _scores_of_other_weights(scores, model: str) -> str | None:
-    """What to say when a score table names as its model a local directory whose weights differ from ``model``'s
-    (the rows prune by another model's ranking; a pruned copy's scores included); None when they are the same, or
-    when the table's model cannot be read (a hub id, a directory moved since)."""
-    measured = weights_fingerprint(scores.model) if scores.model else None
-    if measured is None or measured == weights_fingerprint(model):
-        return None
-    return (f"were measured on {scores.model} (the table's model), whose weights differ from {model}'s: the rows "
-            "prune this model by that model's ranking of its heads")
+    """What to say when a score table names another model than ``model`` (the rows prune by another model's ranking;
+    a pruned copy's scores included): :func:`headlab.resume.other_model_note`; None when it is the same model."""
+    return other_model_note(scores.model, model, "the rows prune this model by that model's ranking of its heads")
 
 
 def _training_use(args) -> str | None:

@@ -17,9 +17,18 @@ Attention weights shared by several depths (ALBERT's shared layers, Zamba's tied
 :func:`headlab.adapters.sharing_groups`) have one gate per head of the weights, used at every depth
 that runs them (``tied``): removing the head removes it at each depth, so the gated model is the one
 the export prunes, and the plan always agrees across those depths. One draw per pass (the first depth's
-call draws, the others and a gradient checkpoint's recomputation reuse it; each top-level forward of the
-model the gates are attached to, and train()/eval(), forget it), and one log_alpha, counted once in the
-penalty, in ``n_gates``, the budget and the summaries: a tied head is one gate, one set of parameters.
+call draws, the others reuse it; each top-level forward of the model the gates are attached to, and
+train()/eval(), start a new pass), and one log_alpha, counted once in the penalty, in ``n_gates``, the
+budget and the summaries: a tied head is one gate, one set of parameters.
+
+Gradient checkpointing runs each layer again in the backward, after every forward made before it (two
+passes, then one backward of the sum of their losses). Each call of a gate in training records its noise
+under torch's RNG state at the call, which torch.utils.checkpoint restores before recomputing a layer
+(``preserve_rng_state=True``, its default): the recomputation finds the noise of its own call, of its own
+pass. Every call draws once, recomputation too, so the RNG runs as in the forward (dropout after the gate
+draws the same) and no two calls share a state. Without that replay (``preserve_rng_state=False``) the
+recomputation reads the one pass whose graph is alive, and is refused when several are. A pass's record
+lives as long as its graph (it is kept in the ``grad_fn`` metadata of the model's outputs).
 
 At test time each gate is 0 or 1, whichever of P(g = 0) and P(g = 1) is larger (Voita et al.
 2019, footnote 7), with
@@ -36,8 +45,11 @@ so that what is evaluated during fine-tuning is the model that would be exported
 
 from __future__ import annotations
 
+import hashlib
 import math
+import weakref
 from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -52,11 +64,90 @@ __all__ = ["HardConcreteGates", "gate_count", "DEFAULT_BETA", "DEFAULT_GAMMA", "
 
 _EPS = 1e-6
 
+_PASSES = "headlab_hard_concrete_passes"  # the key in a model output's grad_fn.metadata: the passes it holds
+
 
 def _in_backward() -> bool:
     """Inside a backward pass (gradient checkpointing recomputing a forward): torch's own test, as
     torch.utils.checkpoint makes it."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _rng_digest(device: torch.device) -> bytes:
+    """The state of the generator that draws on ``device`` (the one torch.utils.checkpoint stashes and
+    restores), hashed: it names one call of one pass in the forward and in its recomputation."""
+    if device.type == "cpu":
+        state = torch.get_rng_state()
+    else:
+        state = getattr(torch, device.type).get_rng_state(device)
+    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output (a ModelOutput, a tuple, nested)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _output_tensors(item)]
+    return []
+
+
+_Call = tuple[BlockKey, bytes]  # a gate's block and the RNG state when it was called
+
+
+class _Pass:
+    """The noise of one forward pass: ``noise`` per gate of its own (what later depths of tied gates reuse),
+    ``calls`` per call (what gradient checkpointing's recomputation of that call reads)."""
+
+    __slots__ = ("noise", "calls", "__weakref__")
+
+    def __init__(self) -> None:
+        self.noise: dict[BlockKey, torch.Tensor] = {}
+        self.calls: dict[_Call, torch.Tensor] = {}
+
+
+class _Replay:
+    """The live passes (held weakly: a pass is forgotten with its graph, see :meth:`HardConcreteGates.end_pass`) and
+    the current one; a call is found by its block and RNG state among them. Not copied or pickled: a copy of the
+    gates starts without passes."""
+
+    def __init__(self) -> None:
+        self.passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
+        self.new_pass()
+
+    def new_pass(self) -> None:
+        self.current = _Pass()  # the last one stays alive with its graph, if it has one
+        self.passes.add(self.current)
+
+    def __deepcopy__(self, memo: dict) -> "_Replay":
+        return _Replay()
+
+    def __reduce__(self) -> tuple:
+        return (_Replay, ())
+
+    def record(self, call: _Call, u: torch.Tensor) -> None:
+        """``call`` of the current pass used the noise ``u``."""
+        self.current.calls[call] = u
+
+    def find(self, call: _Call) -> torch.Tensor:
+        """The noise of ``call`` for its recomputation, or a HeadlabError: never another call's."""
+        key = call[0]
+        live = [p for p in self.passes if p.calls]
+        found = [p.calls[call] for p in live if call in p.calls]
+        if found and all(torch.equal(u, found[0]) for u in found[1:]):  # two passes at one state: the same draw
+            return found[0]
+        # Not found (the RNG state not replayed: preserve_rng_state=False): sure only of one live pass's one call of
+        # the block. Found with other noises: the RNG seeded again inside a pass.
+        candidates = [u for p in live for (k, _), u in p.calls.items() if k == key]
+        if not found and len(live) == 1 and len(candidates) == 1:
+            return candidates[0]
+        raise HeadlabError(
+            f"gradient checkpointing recomputed the Hard Concrete gates of {key[0]} layer {key[1]} and their noise "
+            f"cannot be told apart from another's ({counted(len(live), 'pass', 'passes')} alive): torch's RNG is not replayed "
+            "in the recomputation (torch.utils.checkpoint's preserve_rng_state=False) or was seeded again inside a "
+            "pass; leave preserve_rng_state at its default (True), or call backward after each forward")
 
 
 class HardConcreteGates(HeadGates):
@@ -84,9 +175,9 @@ class HardConcreteGates(HeadGates):
         if bad:
             raise HeadlabError(f"tied gates {bad[0][0]} -> {bad[0][1]}: both must be gated, with as many heads, "
                                "and the gate tied to must be a gate of its own")
-        # The noise u of the pass, per gate of its own (see gate()): emptied at each top-level forward of
-        # the model the gates are attached to (attach_gates' pre-hook: new_pass) and by train()/eval().
-        self._noise: dict[BlockKey, torch.Tensor] = {}
+        # The noise of the pass (see gate()): a new pass at each top-level forward of the model the gates are
+        # attached to (attach_gates' pre-hook: new_pass) and at train()/eval(); the calls of live passes.
+        self._replay = _Replay()
         if not beta > 0:
             raise HeadlabError(f"Hard Concrete temperature beta must be > 0, got {beta}")
         if not (gamma < 0 and zeta > 1):
@@ -150,31 +241,52 @@ class HardConcreteGates(HeadGates):
     def gate(self, key: BlockKey) -> torch.Tensor:
         log_alpha = self._alpha(key)
         if self.training:
-            if not self.tied:
-                return self.sample(log_alpha)  # [n_heads], one draw per forward call, i.e. per batch
-            # Shared weights: one draw per pass for all their depths. The first depth (the gate's own
-            # key) draws when it runs forward; the later depths, and every depth recomputed in the
-            # backward (gradient checkpointing, after the whole pass), reuse that noise. The noise is
-            # kept, not the gate: a gate recomputed from it carries the gradient of log_alpha even
-            # when the pass ran under no_grad (reentrant checkpointing).
-            own = self.tied.get(key, key)
-            u = self._noise.get(own)
-            if u is None or (own == key and not _in_backward()):
-                u = self._noise[own] = self._uniform(log_alpha)
-            return self._stretched(u, log_alpha)
+            return self._stretched(self._pass_noise(key, log_alpha), log_alpha)  # [n_heads], per forward call
         if self.keep is not None:
             return self._budget_mask()[key].to(log_alpha.device, log_alpha.dtype)
         return self.deterministic(log_alpha.detach())
 
     @property
-    def keeps_pass(self) -> bool:  # type: ignore[override]  # the draw of shared weights, for one pass
-        return bool(self.tied)
+    def _noise(self) -> dict[BlockKey, torch.Tensor]:
+        """The current pass's noise per gate of its own."""
+        return self._replay.current.noise
+
+    def _pass_noise(self, key: BlockKey, log_alpha: torch.Tensor) -> torch.Tensor:
+        """The noise u of this call. A gate of its own draws at each forward call (each batch). Shared weights:
+        one draw per pass for all their depths, the first depth's (the gate's own key); the later depths reuse
+        it. The noise is kept, not the gate: a gate recomputed from it carries the gradient of log_alpha even
+        when the pass ran under no_grad (reentrant checkpointing). In the backward (gradient checkpointing
+        recomputing the layer) the call's own noise, found by the RNG state at the call (see the module's
+        docstring)."""
+        call = (key, _rng_digest(log_alpha.device))
+        drawn = self._uniform(log_alpha)  # every call draws, recomputation too: the RNG runs as in the forward
+        if _in_backward():
+            return self._replay.find(call)
+        own, noise = self.tied.get(key, key), self._replay.current.noise
+        if own == key or own not in noise:  # a later depth whose first did not run in this pass draws its own
+            noise[own] = drawn
+        self._replay.record(call, noise[own])
+        return noise[own]
+
+    keeps_pass = True
+    """A new pass per forward of the model (the noise of tied depths), and the pass's calls kept with its graph
+    (:meth:`end_pass`) for gradient checkpointing's recomputation."""
 
     def new_pass(self) -> None:
-        """Forget the pass's noise: the next depth of shared weights to run draws afresh, and none reads a
-        draw of another pass (one that failed mid-way, one before train()/eval(), one whose first depth
-        did not run)."""
-        self._noise.clear()
+        """Start a new pass: the next depth of shared weights to run draws afresh, and none reads a draw of
+        another pass (one that failed mid-way, one before train()/eval(), one whose first depth did not run).
+        The passes before stay recorded as long as their graphs (for their recomputation). A model forward
+        recomputed in a backward (the whole model checkpointed) is the same pass, not a new one."""
+        if not _in_backward():
+            self._replay.new_pass()
+
+    def end_pass(self, output: Any) -> None:
+        """Keep the pass's record with the graph of the model's ``output``: gradient checkpointing recomputes
+        its layers whenever that graph is backpropagated, after any number of later passes."""
+        for tensor in _output_tensors(output):
+            if tensor.grad_fn is not None:
+                metadata = cast(dict, tensor.grad_fn.metadata)  # a dict on autograd's nodes (torch types it a method)
+                metadata.setdefault(_PASSES, []).append(self._replay.current)
 
     def train(self, mode: bool = True) -> "HardConcreteGates":
         self.new_pass()
