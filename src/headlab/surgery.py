@@ -52,6 +52,7 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     QKV_LAYOUTS,
     SINKS_SCALE_OUTPUT,
+    SUB_NORMS,
     rows_per_head,
     unpruned_latent_reason,
 )
@@ -523,7 +524,7 @@ def _slice_sub_norm(block: AttentionBlock, index: torch.Tensor, journal: _Journa
         return
     # mean over n' entries + eps n / n' = (mean over n + eps) n / n': the weight's sqrt(n / n') makes up the factor
     _replace(norm, "weight", entries * math.sqrt(n / kept), journal)
-    journal.set(norm, "variance_epsilon", float(norm.variance_epsilon) * n / kept)
+    journal.set(norm, "variance_epsilon", float(cast(Any, norm).variance_epsilon) * n / kept)
 
 
 def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
@@ -1581,6 +1582,10 @@ def pruning_plan(model: nn.Module) -> dict:
             path = names[id(found[0])]
             plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
             plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
+        elif isinstance(core, ZeroHeadAttention):  # a layer emptied keeps its sub-norm, of no entry (_slice_sub_norm)
+            for child in core.children():
+                if SUB_NORMS.get(type(child).__name__) == "rms":
+                    plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,

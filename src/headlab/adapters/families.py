@@ -1456,7 +1456,8 @@ def _dory(config: Any) -> str | None:
     # alone would be exact (SUB_NORMS: an L2 norm, unchanged by removing a head's zeros)
     loops = getattr(config, "n_recurrent_loops", None)
     recurrent = getattr(config, "n_recurrent_layers", None)
-    looped = (f"its recurrent section runs its {recurrent} layer{'s' if recurrent != 1 else ''} {loops} times in one forward (n_recurrent_loops, "
+    layers = f"{recurrent} layer{'s' if recurrent != 1 else ''}"
+    looped = (f"its recurrent section runs its {layers} {loops} times in one forward (n_recurrent_loops, "
               "each loop with its own copy of their key/value cache), so a head of those layers is not one layer's "
               "head and no map of theirs is one pass's; " if isinstance(loops, int) and loops > 1 and recurrent else "")
     return ("Dory (nGPT) is not analysed: " + looped + "its attention scales the queries and the output gate per channel "
