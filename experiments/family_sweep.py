@@ -473,6 +473,10 @@ def float32_attention(model) -> bool:
     softmax of most eager functions is cast back before the values: it has not shown such a difference.)"""
     import inspect
 
+    from headlab.adapters.families import SUB_NORMS
+
+    if any(SUB_NORMS.get(type(module).__name__) == "rms" for module in model.modules()):
+        return True  # BitNet's attn_sub_norm normalises in float32 whatever the dtype: pruning rescales it
     for module in model.modules():
         function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if hasattr(module, "config") and callable(function) and \

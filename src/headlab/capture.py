@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager
+from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager, head_input
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
@@ -668,7 +668,8 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
         applications = Applications(blocks)
         handles.extend(applications.handles)
         for block in blocks:
-            handles.append(block.o.register_forward_pre_hook(make_hook(block)))
+            # the heads' outputs enter a norm over them first where the family has one (BitNet's attn_sub_norm)
+            handles.append(head_input(block).register_forward_pre_hook(make_hook(block)))
     except BaseException:
         handles.remove()
         raise

@@ -43,6 +43,7 @@ from headlab.adapters import (
     qkv_columns,
     qkv_groups,
     sharing_groups,
+    sub_norm,
 )
 from headlab.adapters.families import (
     FUSED_REFUSED,
@@ -50,6 +51,7 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     QKV_LAYOUTS,
     SINKS_SCALE_OUTPUT,
+    SUB_NORMS,
     rows_per_head,
     unpruned_latent_reason,
 )
@@ -336,6 +338,9 @@ def _whole_width_norms(block: AttentionBlock) -> tuple[dict[str, str], list[str]
     ``k...``) and its width, or by the selection an earlier pruning recorded on it; the pruning check
     (:mod:`headlab.prune_check`) verifies the rest: the norm's output must be what the attention reads."""
     projections = {id(m) for m in (block.q, block.k, block.v, block.o, block.qkv) if m is not None}
+    found = sub_norm(block)
+    if found is not None:  # over the heads' outputs (BitNet's attn_sub_norm), sliced with them: _slice_sub_norm
+        projections.add(id(found[0]))
     children = dict(block.core.named_children())
     tied: dict[str, str] = {}
     untied: list[str] = []
@@ -449,6 +454,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         assert width is not None  # checked when the block was made (adapters._check_head_rows)
         _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
     _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
+    _slice_sub_norm(block, q_index, journal)  # a norm over them before o_proj (BitNet's attn_sub_norm)
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
         vector = getattr(owner, name)
@@ -499,6 +505,29 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, ORIGINAL_ATTR, original)
     if not keep:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _slice_sub_norm(block: AttentionBlock, index: torch.Tensor, journal: _Journal) -> None:
+    """The norm between the heads and the output projection (``Family.sub_norm``) over the kept heads' entries
+    ``index`` only, computing for them what it computed with the removed heads' entries zero
+    (:data:`~headlab.adapters.families.SUB_NORMS`): an RMS norm's weight entries kept and times ``sqrt(n / n')``, its
+    epsilon times ``n / n'``; an L2 norm as it is. A layer left with no head keeps none of the weight (its stand-in
+    never calls the norm), so that its width is that of the layer's heads, whatever was pruned before."""
+    found = sub_norm(block)
+    if found is None or found[1] != "rms":  # "l2": sum(x^2) and eps are what they were without the zero entries
+        return
+    norm = found[0]
+    weight = cast(torch.Tensor, norm.weight)
+    n, kept = int(weight.shape[0]), int(index.numel())
+    if kept == n:
+        return
+    entries = weight.detach().index_select(0, index.to(weight.device))
+    if not kept:
+        _replace(norm, "weight", entries, journal)
+        return
+    # mean over n' entries + eps n / n' = (mean over n + eps) n / n': the weight's sqrt(n / n') makes up the factor
+    _replace(norm, "weight", entries * math.sqrt(n / kept), journal)
+    journal.set(norm, "variance_epsilon", float(cast(Any, norm).variance_epsilon) * n / kept)
 
 
 def _prune_head_parameters(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
@@ -1199,6 +1228,11 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         # its eager takes the sink scale in float32 whatever the dtype (transformers 5.24 granite_swa, "Force sink
         # scaling to fp32"): pruned and masked may round it apart by float32's, not float64's, precision
         dtype = torch.float32
+    if dtype == torch.float64 and any(b.n_heads and (found := sub_norm(b)) is not None and found[1] == "rms"
+                                      for b, *_ in plans):
+        # BitNetRMSNorm normalises in float32 whatever the dtype (transformers 5.24): its rescaled weight and epsilon
+        # (_slice_sub_norm) round apart from the unpruned norm's by float32's precision
+        dtype = torch.float32
     probe = probe_inputs(model)
     with masked_heads(model, spec):
         reference = run_probe(model, probe)
@@ -1323,6 +1357,18 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             "unknown (no family table, and discovery did not find one query, one key and one value projection of "
             "the heads' widths feeding the attention function); mask the heads instead (mask_heads, or headlab "
             "prune train's gates)")
+    quantized = [(name, type(m).__name__) for name, m in
+                 (("q", block.q), ("k", block.k), ("v", block.v), ("o", block.o), ("qkv", block.qkv))
+                 if m is not None and type(m).__name__ in BITNET_LINEARS]
+    if quantized and block.n_heads:
+        raise HeadlabError(
+            f"{block.name} ({block.family.name}): physical pruning is refused: its projections are BitNet-quantized "
+            f"({', '.join(f'{name}: {cls}' for name, cls in quantized)}, transformers.integrations.bitnet): "
+            f"{BITNET_LINEARS[quantized[0][1]]}; mask the heads instead (mask_heads, or headlab prune train's gates)")
+    problem = _sub_norm_problem(block) if block.n_heads else None
+    if problem:
+        raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {problem}; mask the heads "
+                           "instead (mask_heads, or headlab prune train's gates)")
     if block.qkv is not None and block.family.qkv_layout not in QKV_LAYOUTS:
         raise HeadlabError(
             f"{block.name} ({block.family.name}): physical pruning of its fused q/k/v projection "
@@ -1374,6 +1420,42 @@ def check_block_sliceable(block: AttentionBlock) -> None:
             f"projections, its attention holds modules whose weights span the heads' channels "
             f"({', '.join(unsliced_modules)}), which physical pruning does not slice; mask the heads instead "
             "(mask_heads, or headlab prune train's gates)")
+
+
+BITNET_LINEARS = {
+    "AutoBitLinear": "with online quantization its weight is rounded to -1, 0, 1 times a scale of the whole matrix "
+                     "(WeightQuant: 1 / mean(|W|)), so removing a head's rows or columns changes every other head's "
+                     "weights; without, it multiplies by a stored weight_scale, and a layer left with no head would "
+                     "add o_proj's bias times it, which headlab has not checked",
+    "BitLinear": "its weight is packed, four ternary values per byte along the output rows, with a scale of the whole "
+                 "matrix (weight_scale), which headlab does not unpack or slice",
+}
+"""transformers' BitNet-quantized linear layers (``transformers.integrations.bitnet``, a ``quantization_config`` with
+``quant_method`` "bitnet"; transformers 5.24), with why physical pruning is refused on them. BitNet built from its
+config alone has ``nn.Linear`` projections, which are pruned."""
+
+
+def _sub_norm_problem(block: AttentionBlock) -> str | None:
+    """Why the norm between the heads and the output projection (``Family.sub_norm``) is not the one
+    :data:`~headlab.adapters.families.SUB_NORMS` describes (an RMS norm with one weight entry per heads' feature and a
+    float ``variance_epsilon``; an L2 norm with no parameter), or None (and None without one)."""
+    found = sub_norm(block)
+    if found is None:
+        return None
+    norm, formula = found
+    width = block.n_heads * block.d_head
+    name = f"its norm over the heads' outputs, {block.family.sub_norm} ({type(norm).__name__})"
+    if formula == "rms":
+        weight = getattr(norm, "weight", None)
+        eps = getattr(norm, "variance_epsilon", None)
+        if not isinstance(weight, torch.Tensor) or list(weight.shape) != [width] or \
+                not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            return (f"{name}, has no weight of {width} entries ({block.n_heads} heads x {block.d_head}) and float "
+                    "variance_epsilon, as the RMS norm whose pruning headlab derived")
+        return None
+    if next(norm.parameters(), None) is not None:
+        return f"{name}, holds parameters, where the L2 norm whose pruning headlab derived has none"
+    return None
 
 
 def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
@@ -1466,6 +1548,15 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
+        found = sub_norm(block)
+        if found is not None and found[1] == "rms":  # its kept entries, and its epsilon (one per layer once pruned)
+            path = names[id(found[0])]
+            plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
+            plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
+        elif isinstance(core, ZeroHeadAttention):  # a layer emptied keeps its sub-norm, of no entry (_slice_sub_norm)
+            for child in core.children():
+                if SUB_NORMS.get(type(child).__name__) == "rms":
+                    plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,

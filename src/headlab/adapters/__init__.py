@@ -45,6 +45,7 @@ from headlab.adapters.families import (
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
     SINKS_SCALE_OUTPUT,
+    SUB_NORMS,
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
@@ -55,7 +56,7 @@ from headlab.heads import KINDS
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
-           "config_value", "text_config"]
+           "config_value", "text_config", "head_input", "sub_norm"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,24 @@ class AttentionBlock:
 PEFT_REFUSED = ("headlab reads, masks and prunes the plain projections, and the adapter's own weights "
                 "(lora_A/lora_B...) would be left out or cut to the wrong heads. Merge the adapter into the "
                 "weights first (peft's merge_and_unload()), or attach it after pruning")
+
+
+def head_input(block: AttentionBlock) -> nn.Module:
+    """The module whose input is the block's heads' outputs, concatenated: its norm over them where the family has one
+    between the heads and the output projection (``Family.sub_norm``, BitNet's ``attn_sub_norm``: a head zeroed there
+    is a head whose value rows are zero), else the output projection."""
+    if block.family.sub_norm:
+        return block.module.get_submodule(block.family.sub_norm)
+    return block.o
+
+
+def sub_norm(block: AttentionBlock) -> tuple[nn.Module, str] | None:
+    """The block's norm between its heads and its output projection (``Family.sub_norm``) and its formula
+    (:data:`~headlab.adapters.families.SUB_NORMS`), or None."""
+    if not block.family.sub_norm:
+        return None
+    module = block.module.get_submodule(block.family.sub_norm)
+    return module, SUB_NORMS[type(module).__name__]
 
 
 def peft_layer(module: nn.Module) -> bool:
@@ -435,6 +454,7 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
         name=f"discovered:{model_type}", patterns=(), q=item.q, k=item.k, v=item.v, o=item.o or "",
         d_head_attr="", core=item.core, probs_index=item.probs_index, d_head=item.d_head, kv_heads=item.n_kv_heads,
         d_qk=item.d_qk if item.d_qk != item.d_head else 0, kv_from=item.kv_from or "",
+        sub_norm=item.sub_norm or "",  # BitNet's attn_sub_norm (families.SUB_NORMS): heads read at its input
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headlab.adapters.families import SUB_NORMS
 from headlab.errors import HeadlabError
 
 __all__ = ["PROBE", "SELECTED_ATTR", "Discovered", "ModelChanged", "discover", "maps", "ran", "selected_widths"]
@@ -100,6 +101,9 @@ class Discovered:
     function of, elementwise, on their way to the output projection (an output gate), where that is the
     only problem (empty otherwise): ``problem`` then says so, for the adapter to lift where a table knows
     the gate (the q/k/v projections are tied as without a gate)."""
+    sub_norm: str | None = None
+    """Path (relative to the block) of the norm the heads' outputs passed through, whole, on their way to the output
+    projection (:data:`headlab.adapters.families.SUB_NORMS`: BitNet's ``attn_sub_norm``); None without one."""
 
 
 class _Traced(torch.Tensor):
@@ -256,6 +260,9 @@ class _Call:
     """Where the calling module's output tuple holds the attention weights (-1: nowhere)."""
     readers: list[nn.Module] = field(default_factory=list)
     """Every module that received this call's output, or a tensor made from it, in call order."""
+    sub_norm: nn.Module | None = None
+    """A norm of :data:`headlab.adapters.families.SUB_NORMS` that received the output regrouped by views (and output
+    gates) only, before any other leaf module: its output is traced on as the heads' outputs (:meth:`_Probe.normed`)."""
 
 
 class _Probe:
@@ -265,6 +272,17 @@ class _Probe:
         self.maps: dict[int, tuple[tuple[int, ...], ...]] = {}  # id -> shapes of the 4-D tensors a module returned
         self.pending: set[_Call] = set()  # calls whose output has not reached a projection yet
         self.masks = False  # build masks that hide nothing instead of none (the second try: _discover)
+        self.norming: dict[int, tuple[_Call, frozenset]] = {}  # id(sub-norm) -> the call whose output it is running on
+
+    def normed(self, module: nn.Module, output: Any) -> Any:
+        """A sub-norm's output (:attr:`_Call.sub_norm`), traced as the heads' outputs regrouped by views: a norm of
+        :data:`~headlab.adapters.families.SUB_NORMS` computes each position from that position's heads' outputs only,
+        and a head's zeros stay its own slice's zeros (what the family's pruning relies on); None elsewhere."""
+        entry = self.norming.pop(id(module), None)
+        if entry is None or not isinstance(output, torch.Tensor):
+            return None
+        call, gates = entry
+        return _wrap(_plain(output), frozenset({call}), True, gates)
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,11 +316,21 @@ class _Probe:
         leaf = next(module.children(), None) is None and not isinstance(module, nn.Dropout)
         for call in [c for c in x._sources if isinstance(c, _Call)]:
             call.readers.append(module)
+            if leaf and call in self.pending and call.sub_norm is None and _sub_norm(module) \
+                    and x._pure and x._sources == {call}:
+                call.sub_norm = module  # over all heads' outputs, per position: what reaches o_proj is its output
+                self.norming[id(module)] = (call, x._gates)
+                continue
             if leaf and call in self.pending:
                 self.pending.remove(call)
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
                 call.o_gates = x._gates if call.o_pure else frozenset()
                 call.o_broken_by = () if call.o_pure else x._broken_by
+
+
+def _sub_norm(module: nn.Module) -> bool:
+    """One of transformers' own norms of :data:`~headlab.adapters.families.SUB_NORMS` (its class and module)."""
+    return type(module).__name__ in SUB_NORMS and type(module).__module__.startswith("transformers.models.")
 
 
 def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
@@ -396,8 +424,9 @@ def _run(model: nn.Module, masks: bool = False) -> _Probe:
         if args:
             probe.seen(module, args[0])
 
-    def returned(module: nn.Module, args: tuple, output: Any) -> None:
+    def returned(module: nn.Module, args: tuple, output: Any) -> Any:
         probe.returned(module, output)
+        return probe.normed(module, output)
 
     try:
         for module in model.modules():
@@ -695,7 +724,7 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.probs_index is None or call.probs_index < 0:
         problem = ("its forward does not return the attention function's weights, where capture reads the attention "
                    "probabilities")
-    elif others := [m for m in call.readers if not _nested(m, call.o)]:
+    elif others := [m for m in call.readers if not _nested(m, call.o) and m is not call.sub_norm]:
         problem = (f"besides its output projection {o_name}, {names.get(id(others[0]), type(others[0]).__name__)} reads "
                    "the heads' outputs (an adapter around the projection?): masking the projection's input would "
                    "not switch a head off")
@@ -730,9 +759,13 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width
     elif len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
+    sub_norm = _relative(block, names.get(id(call.sub_norm))) if call.sub_norm is not None else None
+    if call.sub_norm is not None and sub_norm is None and problem is None:
+        problem = (f"the norm its heads' outputs pass through, {names.get(id(call.sub_norm))}, lies outside the "
+                   "attention layer")
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem, call.probs_index or 0, kv_from,
-                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else ())
+                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm)
 
 
 def _gate_names(block: str, gates: frozenset, names: dict[int, str]) -> list[str]:

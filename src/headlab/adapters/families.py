@@ -157,6 +157,11 @@ class Family:
     extra_outputs: int = 0
     """Outputs of ``core``'s forward after the probabilities that its caller unpacks (LED's decoder attention returns
     its cache third): a layer with no head left returns as many (None), as it does the probabilities."""
+    sub_norm: str = ""
+    """A norm between the heads and the output projection, over all heads' concatenated outputs (path relative to the
+    block; :data:`SUB_NORMS`: BitNet's ``attn_sub_norm``), '' elsewhere. The heads' outputs are read, masked and gated
+    at its input (:func:`headlab.adapters.head_input`), where zeroing a head equals zeroing its value rows; physical
+    pruning keeps the kept heads' entries of its weight, rescaled with its epsilon (:data:`SUB_NORMS`)."""
     head_parameters: tuple[tuple[str, int], ...] = ()
     """(parameter of ``core``, the dimension that indexes its heads) of a family whose forward applies bare parameters
     (XLNet's q, k, v, o, r and seg_embed, heads on dim 1; r_w_bias, r_r_bias, r_s_bias on dim 0), its q/k/v/o the
@@ -340,6 +345,25 @@ function's probabilities) is untouched, masking a head (zeros at ``o_proj``'s in
 (``0 * sigmoid(g) = 0``; Laguna's ``softplus(g) * 0 = 0``) and physical pruning removes the head's gate rows with
 its query and key/value rows. A gate from any other projection, or in a model type not listed, is refused before
 any work (discovery's message names the projection)."""
+
+SUB_NORMS: dict[str, str] = {"BitNetRMSNorm": "rms", "DoryL2Norm": "l2"}
+"""Classes of transformers' own norms (their names) that an attention applies to the concatenated heads' outputs
+between the attention function and ``o_proj`` (``o_proj(norm(attn_output))``), with the formula each computes over
+the last dimension only (read off transformers 5.24's forwards); :mod:`headlab.adapters.discovery` lets the heads'
+outputs pass through one of them to the output projection (``Family.sub_norm``). Masking a head (zeros at the norm's
+input) is then what zeroing its value rows gives. Physical pruning removes the head's zero entries from the norm's
+input, which must leave the other entries' outputs as they were:
+
+* ``"rms"`` (``BitNetRMSNorm``: ``w * x / sqrt(mean(x^2) + eps)``, in float32, the weight after the cast back): over
+  ``n`` entries of which ``n'`` are kept (the others zero), ``mean`` over all is ``S / n`` with ``S`` the kept
+  entries' sum of squares, so ``w x / sqrt(S / n + eps) = (w sqrt(n / n')) x / sqrt(S / n' + eps n / n')``: the kept
+  entries of the weight times ``sqrt(n / n')`` and ``eps' = eps n / n'`` (the norm's ``variance_epsilon``, one per
+  layer after pruning, which the portable plan carries as an attribute of the norm);
+* ``"l2"`` (``DoryL2Norm``: ``x / sqrt(sum(x^2) + eps)``, no weight): removing zero entries changes neither the sum nor
+  eps, so the norm stays as it is.
+
+A layer left with no head: the norm's input is all zeros, its output ``0 / sqrt(eps) = 0`` in both, so the layer
+adds ``o_proj(0)``, the output projection's bias, which the stand-in of a layer with no head returns."""
 
 GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
 
@@ -1428,6 +1452,22 @@ def _mvp_prompts(config: Any) -> str | None:
             "prompts (use_prompt=False, RUCAIBox/mvp and its task models) is supported")
 
 
+def _dory(config: Any) -> str | None:
+    # read in transformers 5.24 (models/dory/modeling_dory.py, DoryAttention, DoryModel, DoryLMHead); its attn_sub_norm
+    # alone would be exact (SUB_NORMS: an L2 norm, unchanged by removing a head's zeros)
+    loops = getattr(config, "n_recurrent_loops", None)
+    recurrent = getattr(config, "n_recurrent_layers", None)
+    layers = f"{recurrent} layer{'s' if recurrent != 1 else ''}"
+    looped = (f"its recurrent section runs its {layers} {loops} times in one forward (n_recurrent_loops, "
+              "each loop with its own copy of their key/value cache), so a head of those layers is not one layer's "
+              "head and no map of theirs is one pass's; " if isinstance(loops, int) and loops > 1 and recurrent else "")
+    return ("Dory (nGPT) is not analysed: " + looped + "its attention scales the queries and the output gate per channel "
+            "by learned vectors of heads x head_dim entries (sqk, s_gate) that physical pruning has no slicing for; "
+            "its norms are L2 norms x / sqrt(sum(x^2) + eps) (DoryL2Norm, also over each head's queries and keys) and "
+            "its layers interpolate the residual stream towards the normalised update (lambda_1, lambda_2), for which "
+            "LRP has no rule; its LM head scales each token's logit (logit_scale): headlab has checked none of these "
+            "(the norm over the heads' outputs before o_proj, attn_sub_norm, would be exact: headlab.adapters."
+            "families.SUB_NORMS)")
 def _longt5_transient_global(config: Any) -> str | None:
     # read in transformers 5.24 (models/longt5): LongT5TransientGlobalAttention concatenates, after each block's
     # 3 * block_len local keys, one side key per global block of global_block_size tokens, the sum of their layer-
@@ -1446,5 +1486,6 @@ UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_
                                                                "ibert": _ibert, "xlm": _xlm, "flaubert": _flaubert,
                                                                "longformer": _longformer_windows,
                                                                "led": _longformer_windows, "mvp": _mvp_prompts,
+                                                               "dory": _dory,
                                                                "longt5": _longt5_transient_global}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""

@@ -1607,6 +1607,9 @@ _EXPERT_GATES = ("shared_expert_gate",)
 
 _GATED_NAMES = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"),
                 ("gate_proj", "up_proj", "down_proj", "activation_fn"))
+# Norms a gated MLP applies to its product before down (BitNet's BitNetMLP, transformers 5.24:
+# ``down_proj(ffn_sub_norm(act_fn(gate_proj(x)) * up_proj(x)))``): the product rule acts at the norm's input.
+_PRODUCT_NORMS = ("ffn_sub_norm",)
 # Names that are new to the rule (Llama 4's Llama4TextMLP): down's input is checked to be act(gate x) * up x.
 _CHECKED_GATED_NAMES = {"activation_fn"}
 # One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
@@ -1639,14 +1642,20 @@ def gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]
 
 
 def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, bool]]:
-    """``(act, up, down, checked)`` of every gated MLP found by its modules' names; ``checked``: its product is
+    """``(act, up, down, checked)`` of every gated MLP found by its modules' names (``down``: the module that reads the
+    product, its norm where it has one, :data:`_PRODUCT_NORMS`); ``checked``: its product is
     checked on every call (:class:`_CheckedGatedProduct`)."""
     found = []
     for module in model.modules():
         for gate, up, down, act in _GATED_NAMES:
             parts: list = [getattr(module, name, None) for name in (gate, up, down, act)]
             if all(isinstance(p, nn.Module) for p in parts):
-                found.append((parts[3], parts[1], parts[2], act in _CHECKED_GATED_NAMES))
+                # a norm over the product before down (BitNet's ffn_sub_norm): the product is its input, and the
+                # norm keeps its own rule on its output (checked on every call: the name is the only evidence)
+                norm = next((n for name in _PRODUCT_NORMS if isinstance(n := getattr(module, name, None), nn.Module)
+                             and norm_rule(n) is not None), None)
+                found.append((parts[3], parts[1], norm if norm is not None else parts[2],
+                              norm is not None or act in _CHECKED_GATED_NAMES))
                 break
     return found
 
