@@ -199,3 +199,17 @@ def test_repr_counts_one_sentence_and_one_tag_in_the_singular():
     one = AggregateResult(scores={}, pos={"NOUN": None}, exemplars={}, pos_frequency={},  # type: ignore[dict-item]
                           n_sentences={"enc_self": 1, "dec_self": 2})
     assert repr(one).startswith("AggregateResult (enc_self 1 sentence, dec_self 2 sentences): ; POS shares of 1 tag")
+
+
+def test_a_statistic_undefined_for_every_head_is_said_in_the_summary(setup):
+    """--min-weight above every weight leaves distance, POS and dependency alignment with nothing to
+    divide by (NaN, null in JSON): the summary said nothing of them, their rows simply gone (audit33)."""
+    result = _run(setup, min_weight=0.9999999)
+    assert np.isnan(result.scores["mean_distance"]["enc_self"]).all()
+    summary = result.summary_markdown()
+    row = next(line for line in summary.splitlines() if line.startswith("| mean_distance | enc_self |"))
+    assert "undefined for every head" in row and "--min-weight" in row
+    assert "| dependency_alignment | enc_self | undefined |" in summary
+    # Layer 0 is not analysed here: the heads with a value are said to be only some of them.
+    entropy = next(line for line in summary.splitlines() if line.startswith("| mean_entropy |"))
+    assert f"({H} of {2 * H} heads without a value" in entropy

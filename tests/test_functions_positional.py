@@ -130,3 +130,16 @@ def test_interior_reading_counts_only_words_with_both_neighbours(tmp_path):
     assert interior.result().labels() == {} and interior.result().describe_heads() == []
     assert POSITIONAL_INTERIOR(AnalysisConfig()) is None  # only with sensitivity (its own option)
     assert POSITIONAL_INTERIOR(AnalysisConfig(sensitivity=True)).level == "interior"
+
+
+def test_no_query_counted_is_said_undefined_not_no_positional_head():
+    """One-word sentences: no query is counted, every share NaN (null). The summary said "No head reaches the
+    threshold." over an empty closest list, and the command printed no positional line (audit33)."""
+    from headlab.functions.positional import PositionalResult
+
+    result = PositionalResult(counts={("enc_self", 0): np.zeros((4, 2 * 3 + 3), dtype=np.int64)}, max_offset=3,
+                              threshold=0.9)
+    assert np.isnan(result.share["enc_self"]).all() and result.heads() == []
+    text = "\n".join(result.markdown())
+    assert "No head reaches the threshold" not in text and "Every head undefined: no query was counted" in text
+    assert result.describe_heads() == [f"positional  {PositionalResult.UNDEFINED}"]

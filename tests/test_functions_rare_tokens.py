@@ -205,3 +205,26 @@ def test_frequency_file_with_a_token_twice_is_refused(tmp_path):
     path.write_text("the\t5\ncat\t2\nthe\t3\n", encoding="utf-8")
     with pytest.raises(HeadlabError, match=f"{path}:3: token 'the' is counted twice .*line 1"):
         TokenFrequencies.from_file(tokenizer, path)
+
+
+def test_a_sentence_of_equally_frequent_tokens_is_not_eligible(tmp_path):
+    """Every token of a sentence at one count is "the rarest": any maximum lands on one. With all tokens equally
+    frequent (a --train-text with each word once) every head scored 100% and was labelled rare (audit33)."""
+    sentences = sample_sentences(tmp_path)
+    tokenizer = word_tokenizer([w for s in sentences for w in s.words])
+    counts = np.full(len(tokenizer), 1)
+    side, _ = side_batch(sentences, tokenizer)
+    stats = RareTokenStats(TokenFrequencies(counts, "each word once"), top_k=1)
+    stats.update_side("enc_self", side)
+    stats.update(AttentionView(FakeBlock("enc_self", 0, 2), uniform_probs(side, 2), side))
+    result = stats.result()
+    assert result.n_eligible["enc_self"] == 0
+    assert np.isnan(result.rarest["enc_self"]).all() and result.top(1) == []
+    assert "0 of 4 sentences" in result.describe() and "and a more frequent one" in result.describe()
+    assert result.describe_heads() == [f"rare-token  undefined: {result.describe()}"]
+    # One token more frequent than the rest: the others are the rarest, and the sentence counts.
+    counts = np.full(len(tokenizer), 1)
+    counts[tokenizer.get_vocab()[sentences[0].words[0]]] = 5
+    stats = RareTokenStats(TokenFrequencies(counts, "one word more often"), top_k=1)
+    stats.update_side("enc_self", side)
+    assert stats.n_eligible["enc_self"] >= 1

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from headlab import HeadScores
+from headlab.errors import HeadlabError
 from headlab.importance import compute_agreement, spearman, top_share
 
 
@@ -106,3 +107,21 @@ def test_top_share_shows_dominant_heads():
     shares = top_share(scores, top=1)["enc_self"]
     np.testing.assert_allclose(shares, [0.7, 0.25])
     np.testing.assert_allclose(top_share(scores, top=2)["enc_self"], [0.8, 0.5])
+
+
+def test_agreement_across_dtypes_or_masks_is_refused():
+    """A bfloat16 run's table against a float32 run's (or a masked model's against the whole model's) was
+    correlated head by head without a word, though their signatures say so (options.dtype, options.mask) (audit33)."""
+    def signed(table, **options):
+        return HeadScores(table.scores, table.method, table.model, {"options": options})
+
+    ablation = _table("ablation", [[1, 2], [3, 4]], [[4, 3], [2, 1]])
+    lrp = _table("lrp", [[10, 20], [30, 40]], [[4, 3], [2, 1]])
+    with pytest.raises(HeadlabError, match=r"other weights \(weights' dtype bfloat16 \(the reference's: float32\)"):
+        compute_agreement({"lrp": signed(lrp, dtype="bfloat16")}, signed(ablation, dtype="float32"))
+    with pytest.raises(HeadlabError, match=r"heads masked \{'enc_self:0': \[1\]\} \(the reference's: none\)"):
+        compute_agreement({"lrp": signed(lrp, dtype="float32", mask={"enc_self:0": [1]})},
+                          signed(ablation, dtype="float32"))
+    same = compute_agreement({"lrp": signed(lrp, dtype="float32")}, signed(ablation, dtype="float32"))
+    assert same.rho["lrp"]["enc_self"] == pytest.approx(1.0)
+    assert compute_agreement({"lrp": signed(lrp)}, signed(ablation, dtype="float32")).rho["lrp"]["enc_self"] == 1.0

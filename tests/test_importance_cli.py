@@ -232,3 +232,20 @@ def test_beam_of_a_model_that_does_not_translate_is_refused(tmp_path, capsys):
                  "--out", str(out), "--no-progress"]) == 2
     assert "--beam 3: the beam of the model's translations, and" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_lrp_bootstrap_of_one_resample_refused_and_one_sentence_said_undefined(tmp_path, capsys):
+    """--lrp-bootstrap 1 wrote every standard error as null and said nothing (a standard deviation of one
+    resample); one sentence likewise: refused before work, and said undefined (audit33)."""
+    from support.bad_input import SENTENCES as FEW
+    from support.bad_input import files_under, save_tiny_marian
+
+    model = save_tiny_marian(tmp_path / "model")
+    source = tmp_path / "src.txt"
+    source.write_text("\n".join(FEW) + "\n", encoding="utf-8")
+    run = ["importance", str(model), "--source", str(source), "--method", "lrp", "--no-progress"]
+    assert main([*run, "--out", str(tmp_path / "one"), "--lrp-bootstrap", "1"]) == 2
+    assert "--lrp-bootstrap 1: a standard error needs at least 2 resamples" in capsys.readouterr().err
+    assert files_under(tmp_path / "one") == set()
+    assert main([*run, "--out", str(tmp_path / "single"), "--limit", "1"]) == 0
+    assert "lrp: bootstrap standard error undefined over 1 sentence (null in the file)" in capsys.readouterr().out

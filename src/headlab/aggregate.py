@@ -56,6 +56,9 @@ from headlab.options import option
 from headlab.plugins import Figure, Output, ProfilePart, ReportPart, Statistic, read_result
 from headlab.shard import Ledger, active
 
+# Why a statistic is NaN for a head: the denominator of its ratio is 0 (see the module docstring).
+_UNDEFINED = "nothing to divide by: no attention weight above --min-weight, or no word it counts; or no head analysed"
+
 __all__ = ["AggregateStats", "AggregateResult", "AggregateOptions", "Exemplar", "STATISTICS", "POS_TAGS"]
 
 POS_TAGS = UPOS_TAGS + ("_",)
@@ -628,11 +631,18 @@ class AggregateResult:
         for name, scores in self.scores.items():
             for kind in scores.kinds:
                 array = scores[kind]
-                if np.all(np.isnan(array)):
+                undefined = int(np.isnan(array).sum())
+                # A head whose denominator is 0 (no weight above --min-weight, no word to count) is NaN: said as
+                # undefined, never left out of the table nor folded into the others' min/mean/max unsaid.
+                if undefined == array.size:
+                    lines.append(f"| {name} | {kind} | undefined | undefined | undefined | undefined for every head "
+                                 f"({_UNDEFINED}) |")
                     continue
                 layer, head = np.unravel_index(int(np.nanargmax(array)), array.shape)
+                note = (f" ({undefined} of {array.size} heads without a value: undefined, removed or not analysed)"
+                        if undefined else "")
                 lines.append(f"| {name} | {kind} | {np.nanmin(array):.3f} | {np.nanmean(array):.3f} "
-                             f"| {np.nanmax(array):.3f} | {format_head(kind, int(layer), int(head))} |")
+                             f"| {np.nanmax(array):.3f} | {format_head(kind, int(layer), int(head))}{note} |")
         return "\n".join(lines)
 
     def save(self, directory: str | Path) -> list[Path]:

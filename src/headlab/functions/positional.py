@@ -236,15 +236,20 @@ class PositionalResult:
         return [self.share.save(folder / "share.json"), self.offset.save(folder / "offset.json"),
                 write_json(folder / "offsets.json", self.to_json(), ensure_ascii=False)]
 
+    # No head saw a query that can reach another word (one-word sentences): every share is NaN, null in the
+    # files. Said so, never "no head reaches the threshold" (a verdict) over an empty list.
+    UNDEFINED = "undefined: no query was counted (sentences too short: one word each?)"
+
     def markdown(self) -> list[str]:
-        closest = [f"- {h}" for h in self.top(5)]
+        closest = [f"- {h}" for h in self.top(5)] or [f"- {self.UNDEFINED}"]
         if self.level == "token":
             return ["Subword-token level, closest to positional:", "", *closest, ""]
         if self.level == "interior":
             return ["Word level, only words with both neighbours (sensitivity), closest to positional:", "",
                     *closest, ""]
         return [f"## Positional heads (Voita et al. 2019, Sec. 5.1), word level, threshold {self.threshold:.0%}", "",
-                *([f"- {h}" for h in self.heads()] or ["No head reaches the threshold."]),
+                *([f"- {h}" for h in self.heads()] or
+                  ["No head reaches the threshold." if self._scored() else f"Every head {self.UNDEFINED}"]),
                 "", "Closest to positional:", "", *closest, ""]
 
     def labels(self) -> Labels:
@@ -262,6 +267,8 @@ class PositionalResult:
         heads = self.heads()
         if heads:
             return [f"positional  {h}" for h in heads]
+        if not self._scored():
+            return [f"positional  {self.UNDEFINED}"]
         return [f"positional  none at {self.threshold:.0%}; closest: {h}" for h in self.top(1)]
 
 

@@ -19,7 +19,9 @@ over the sentences, with the standard deviation across sentences for an interval
 
 Ties: the "rarest token" is every position whose count equals the sentence's minimum; "one of
 the two rarest" is every position whose count is at most the second smallest count in the
-sentence (positions sorted by count, then taken in order).
+sentence (positions sorted by count, then taken in order). A sentence whose tokens all share one
+count is left out like a sentence of frequent tokens: each of its tokens is the rarest, so every
+head's maximum would land on "the rarest token".
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def rare_token_masks(side: SideBatch, counts: torch.Tensor, top: torch.Tensor) -
     rarest = side.token_mask & (token_counts == first)
     two_rarest = side.token_mask & (token_counts <= second)
     least = side.token_ids.gather(1, order[:, :1]).squeeze(1).clamp(0, counts.numel() - 1)
-    eligible = side.token_mask.any(1) & ~top[least]
+    # A sentence whose tokens all tie at the least count has every token "rarest": any maximum lands on one, so a
+    # head would score 100% whatever it does (all tokens equally frequent: every head a rare-token head). Left out.
+    distinct = (side.token_mask & ~rarest).any(1)
+    eligible = side.token_mask.any(1) & ~top[least] & distinct
     cache[key] = (eligible, rarest, two_rarest)
     return cache[key]
 
@@ -262,7 +267,7 @@ class RareTokenResult:
 
     def describe(self) -> str:
         lines = [f"{kind}: {self.n_eligible.get(kind, 0)} of {counted(n, 'sentence')} have a least frequent token outside the "
-                 f"top {self.top_k}" for kind, n in self.n_sentences.items()]
+                 f"top {self.top_k} and a more frequent one" for kind, n in self.n_sentences.items()]
         lines += [f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}"
                   for kind, layer, head, share, two in self.top()]
         return "\n".join(lines)
@@ -297,8 +302,11 @@ class RareTokenResult:
         return labels
 
     def describe_heads(self) -> list[str]:
+        top = self.top(1)
+        if not top:  # no qualifying sentence: said, rather than no line at all
+            return [f"rare-token  undefined: {line}" for line in self.describe().splitlines()]
         return [f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}"
-                for kind, layer, head, share, two in self.top(1)]
+                for kind, layer, head, share, two in top]
 
 
 def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:

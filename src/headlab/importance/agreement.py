@@ -103,6 +103,18 @@ def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
     if differ:
         raise HeadlabError(f"agreement: {name} and {reference.method} were measured on other data ({'; '.join(differ)}): "
                            "compute the measures on the same sentences")
+    # The weights' dtype (--dtype) and the heads masked while measuring (signature options, headlab.importance's
+    # pipeline): a bfloat16 table against a float32 one, or a masked model's against the whole model's, compares
+    # two other computations head by head.
+    ours, theirs = scores.signature.get("options"), reference.signature.get("options")
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        other = [f"weights' dtype {ours['dtype']} (the reference's: {theirs['dtype']})"] \
+            if "dtype" in ours and "dtype" in theirs and ours["dtype"] != theirs["dtype"] else []  # older tables: none
+        if ours.get("mask") != theirs.get("mask"):  # no mask: the whole model
+            other.append(f"heads masked {ours.get('mask') or 'none'} (the reference's: {theirs.get('mask') or 'none'})")
+        if other:
+            raise HeadlabError(f"agreement: {name} and {reference.method} were measured on other weights "
+                               f"({'; '.join(other)}): compute the measures in one run")
 
 
 def _other_model(name: str, scores: HeadScores, reference: HeadScores) -> None:

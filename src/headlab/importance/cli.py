@@ -184,12 +184,15 @@ def _run(args, part) -> int:
             import numpy as np
 
             values = np.concatenate([a[~np.isnan(a)] for a in errors.scores.values()])
+            n = table.signature.get("n_sentences")
+            over = counted(n, "sentence") if isinstance(n, int) else f"{n} sentences"
             if len(values):
-                n = table.signature.get("n_sentences")
-                over = counted(n, "sentence") if isinstance(n, int) else f"{n} sentences"
                 print(f"{name}: bootstrap standard error over {over} "
                       f"({errors.signature.get('resamples')} resamples): median {np.median(values):.4f}, "
                       f"max {values.max():.4f}")
+            else:  # written as null: said, not left out (resampling one sentence gives no spread to measure)
+                print(f"{name}: bootstrap standard error undefined over {over} (null in the file): resampling needs "
+                      f"at least two sentences")
     if result.agreement is not None:
         print(f"\nSpearman correlation with {REFERENCE} ({result.agreement.metric}):")
         print(result.agreement.to_markdown(), end="")

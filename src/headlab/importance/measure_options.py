@@ -25,7 +25,8 @@ class LRPOptions:
     targets: int | None = option(None, "LRP: explain a seeded sample of K positions per sentence (the top-1 logit at "
                                  "each), not every position; 0 or absent: all", metavar="K", range="[0, inf)")
     seed: int = option(0, "LRP: seed of the target sample and of the bootstrap", range="[0, inf)")
-    bootstrap: int = option(200, "LRP: resamples of the sentences for each score's standard error (0: none)",
+    bootstrap: int = option(200, "LRP: resamples of the sentences for each score's standard error (0: none; "
+                            "else at least 2)",
                             metavar="N", range="[0, inf)")
 
     def __post_init__(self) -> None:
@@ -35,6 +36,9 @@ class LRPOptions:
             raise HeadlabError(f"--lrp-targets must be at least 0 (0: every position), got {self.targets}")
         if self.bootstrap < 0:
             raise HeadlabError(f"--lrp-bootstrap must be at least 0 (0: no standard errors), got {self.bootstrap}")
+        if self.bootstrap == 1:  # the standard deviation (ddof 1) of one resample is undefined: every error null
+            raise HeadlabError("--lrp-bootstrap 1: a standard error needs at least 2 resamples; give 0 (none) or 2 or "
+                               "more (default 200)")
 
 
 @dataclass(frozen=True)
