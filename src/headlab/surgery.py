@@ -1511,6 +1511,20 @@ def _projection(module: nn.Module) -> tuple:
     return "conv1d", int(cast(Any, module).weight.shape[0]), int(cast(Any, module).nf)  # Conv1D: weight [in, out]
 
 
+def _plan_sub_norm(block: AttentionBlock, names: dict[int, str], plan: dict) -> None:
+    """A pruned block's norm over its heads' outputs (BitNet's ``attn_sub_norm``) in ``plan``: its kept entries and its
+    epsilon (one per layer once pruned, :func:`_slice_sub_norm`); a layer emptied keeps the norm with no entry."""
+    found = sub_norm(block)
+    if found is not None and found[1] == "rms":
+        path = names[id(found[0])]
+        plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
+        plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
+    elif isinstance(block.core, ZeroHeadAttention):  # its stand-in's family has no sub_norm: found by class
+        for child in block.core.children():
+            if SUB_NORMS.get(type(child).__name__) == "rms":
+                plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
+
+
 def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
@@ -1548,15 +1562,7 @@ def pruning_plan(model: nn.Module) -> dict:
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
         for embedding in head_column_modules(block):
             plan.setdefault("columns", {})[names[id(embedding)]] = list(embedding.weight.shape)
-        found = sub_norm(block)
-        if found is not None and found[1] == "rms":  # its kept entries, and its epsilon (one per layer once pruned)
-            path = names[id(found[0])]
-            plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
-            plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
-        elif isinstance(core, ZeroHeadAttention):  # a layer emptied keeps its sub-norm, of no entry (_slice_sub_norm)
-            for child in core.children():
-                if SUB_NORMS.get(type(child).__name__) == "rms":
-                    plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
+        _plan_sub_norm(block, names, plan)
         attrs = {}
         family = block.family
         attr_names = (*family.head_count_attrs, *_WIDTH_ATTRS, family.kv_groups_attr, *_HEAD_ATTRS,
