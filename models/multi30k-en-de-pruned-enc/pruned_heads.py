@@ -11,7 +11,10 @@ the original class; before the weights are read, the projections of the pruned a
 layers are resized and the attention modules' head counts set as config.json's
 ``headlab_pruned`` plan says (the plan is written by ``headlab.portable``). A layer left with
 no head computes what the full layer does with no head: the output projection's bias (zero
-without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9).
+without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9). A pruned
+T5 stack (T5, mT5, Switch Transformers, LongT5), whose first layer hands its position bias of every
+head to the others, has each layer handed its kept heads' columns by a pre-hook (the plan's
+``shared_bias``; :func:`t5_bias_hook`, :func:`local_bias_hook`).
 
 A PEFT adapter of a pruned model is saved with the heads the pruning kept (``headlab_adapter.json``:
 :func:`save_adapter`) and refused on a pruned attention layer where that record is missing or another
@@ -24,6 +27,7 @@ import inspect
 import json
 import os
 import threading
+import types
 
 import torch
 import transformers
@@ -371,6 +375,9 @@ class NoHeadAttention(nn.Module):
                 self.register_parameter(self.output_bias, bias)
             else:
                 setattr(self, self.output_bias, bias)
+        if hasattr(original, "compute_bias"):  # T5's first layer: the position table the stack's other layers read
+            self._relative_position_bucket = type(original)._relative_position_bucket
+            self.compute_bias = types.MethodType(type(original).compute_bias, self)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -582,6 +589,62 @@ def alibi_hook(cls: type, name: str = "alibi"):
     return hook
 
 
+BIAS_KEPT_ATTR = "_headlab_bias_heads"
+"""On a pruned T5 layer loaded by this module: the heads (original numbering) whose columns of the stack's position bias
+it is handed. Not :data:`KEPT_ATTR`, which tells headlab that a layer's numbering is known: a directory loaded by plain
+transformers does not know every layer's (headlab refuses to analyse it, naming why)."""
+
+
+def t5_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
+    """A forward pre-hook for a pruned layer of a T5 stack (T5, mT5, Switch Transformers; LongT5's decoder). T5Stack
+    computes the relative position bias ``[1, heads, q, k]`` of every head in its first layer (``compute_bias``, from
+    that layer's one table) and hands it to the others, which breaks once layers keep different heads (Raffel et al.
+    2020, sec. 2.1: one table per stack, a scalar per head and bucket). Each pruned layer is handed instead the full
+    bias recomputed from ``source`` (the first layer), its kept heads' columns (``module.<attr>``, original
+    numbering); cross-attention has no position bias: zeros. The mask is added by the attention itself."""
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kept = getattr(module, attr)
+        q_len = hidden.shape[1]
+        memory = kwargs.get("key_value_states")
+        if memory is not None:
+            bias = hidden.new_zeros(1, len(kept), q_len, memory.shape[1])
+        else:
+            cache = cache_argument(kwargs)
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            full = source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
+            bias = full[:, kept]  # [1, kept heads, q_len, k_len]
+        kwargs["position_bias"] = bias
+        return args, kwargs
+
+    return hook
+
+
+def local_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
+    """The same for a pruned layer of LongT5's local encoder: LongT5LocalAttention's position bias as its forward
+    builds it without one (transformers 5.24): ``compute_bias(block_len)`` (``[1, 1, heads, block_len,
+    3 * block_len]``) plus the blocked mask (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is
+    seen) made 0 or -1e10 and moved to the heads' axis, here with the kept heads' columns only (the stack hands on
+    the first layer's sum, mask included)."""
+    def hook(module, args, kwargs):
+        kept = getattr(module, attr)
+        bias = source.compute_bias(module.block_len)[:, :, kept]
+        mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+        if mask is not None:
+            bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+        if len(args) > 2:  # position_bias passed by position (LongT5LayerLocalSelfAttention passes it by keyword)
+            args = (*args[:2], bias, *args[3:])
+        else:
+            kwargs["position_bias"] = bias
+        return args, kwargs
+
+    return hook
+
+
+STACK_BIAS_HOOKS = {"t5": t5_bias_hook, "local": local_bias_hook}
+"""The plan's ``shared_bias`` kinds (headlab's ``Family.shared_bias``): the hook a pruned layer of such a stack gets."""
+
+
 def apply_plan(model: nn.Module, plan: dict) -> None:
     """Give ``model`` (built from the original config) the pruned shapes of ``plan``."""
     with torch.no_grad():
@@ -621,6 +684,13 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
         for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]
             _set_submodule(model, path, NoHeadAttention(model.get_submodule(path), o_name, n_outputs, d_head,
                                                         *rest[:3]))
+        # a pruned T5 stack: each layer with heads left handed its kept heads' columns of the bias computed from the
+        # stack's first layer (its table; a NoHeadAttention where that layer has no head left keeps it and compute_bias)
+        for path, (kept, source, kind) in plan.get("shared_bias", {}).items():
+            module = model.get_submodule(path)
+            setattr(module, BIAS_KEPT_ATTR, list(kept))
+            module.register_forward_pre_hook(STACK_BIAS_HOOKS[kind](model.get_submodule(source), BIAS_KEPT_ATTR),
+                                             with_kwargs=True)
 
 
 class PrunedModel(_BASE):
