@@ -5,7 +5,10 @@ headlab or loaded by plain transformers through pruned_heads.py:
   table's layer, which ``copy.deepcopy`` does not copy, so a copy given other weights (training's averaged model,
   ``training.loop._average_and_validate``: a deep copy loaded with the averaged weights, then validated) computed its
   pruned layers' bias from the original's table, silently;
-* the model pickles (``torch.save``; a closure does not) and the unpickled model computes the same logits.
+* the model pickles (``torch.save``; a closure does not) and the unpickled model computes the same logits;
+* generate() with a static cache (``cache_implementation="static"``) equals the masked model's: T5Attention biases
+  every slot of a static cache (``key_states.shape[-2]``, ``max_cache_len``), where the hook built ``past + q``
+  columns and the pruned model failed (a size mismatch).
 
 Tiny float64 T5 and local LongT5, the first layer of each stack (the one with the table) pruned and a layer with no
 head left.
@@ -20,7 +23,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import prune_heads, save_pruned
+from headlab import mask_heads, prune_heads, save_pruned
 from support.family_matrix import perturbed_model
 
 SPEC = {("enc_self", 0): [1, 3], ("enc_self", 1): [0, 1, 2, 3], ("dec_self", 0): [2], ("dec_self", 1): [0, 3],
@@ -60,8 +63,8 @@ def _tables(model) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _pruned(family: str, how: str, tmp_path) -> torch.nn.Module:
-    model = _model(family)
+def _pruned(family: str, how: str, tmp_path, model=None) -> torch.nn.Module:
+    model = _model(family) if model is None else model
     prune_heads(model, SPEC)
     if how == "headlab":
         return model
@@ -100,3 +103,23 @@ def test_a_pruned_t5_pickles(family, how, tmp_path):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     torch.testing.assert_close(_logits(loaded, inputs), _logits(model, inputs), atol=0, rtol=0)
+
+
+def _static_generation(model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=5,
+                             min_new_tokens=5, do_sample=False, num_beams=1, cache_implementation="static",
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("how", ["headlab", "plain"])
+@pytest.mark.parametrize("family", ["t5", "longt5"])
+def test_a_pruned_t5_generates_with_a_static_cache(family, how, tmp_path):
+    model, inputs = _model(family), _inputs()
+    with mask_heads(model, SPEC):
+        tokens, scores = _static_generation(model, inputs)
+    pruned = _pruned(family, how, tmp_path, model)
+    pruned_tokens, pruned_scores = _static_generation(pruned, inputs)
+    assert torch.equal(pruned_tokens, tokens)
+    torch.testing.assert_close(pruned_scores, scores, atol=1e-12, rtol=0)

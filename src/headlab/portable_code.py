@@ -633,7 +633,10 @@ class StackBiasHook:
         else:
             cache = cache_argument(kwargs)
             past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
-            full = self.source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
+            # the keys' length as T5Attention reads it after the cache's update (key_states.shape[-2]): a static cache
+            # hands back all its max_cache_len slots (the mask hides the empty ones), a dynamic one past + q_len
+            k_len = cache.get_mask_sizes(q_len, module.layer_idx)[0] if cache is not None else q_len
+            full = self.source.compute_bias(q_len, k_len, device=hidden.device, past_seen_tokens=past)
             bias = full[:, kept]  # [1, kept heads, q_len, k_len]
         kwargs["position_bias"] = bias
         return args, kwargs
