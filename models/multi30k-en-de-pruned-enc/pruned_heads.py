@@ -14,7 +14,7 @@ no head computes what the full layer does with no head: the output projection's 
 without one), so that the residual path carries the rest (Voita et al. 2019, footnote 9). A pruned
 T5 stack (T5, mT5, Switch Transformers, LongT5), whose first layer hands its position bias of every
 head to the others, has each layer handed its kept heads' columns by a pre-hook (the plan's
-``shared_bias``; :func:`t5_bias_hook`, :func:`local_bias_hook`).
+``shared_bias``; :class:`StackBiasHook`, an object that a deep copy or pickle of the model carries).
 
 A PEFT adapter of a pruned model is saved with the heads the pruning kept (``headlab_adapter.json``:
 :func:`save_adapter`) and refused on a pruned attention layer where that record is missing or another
@@ -22,12 +22,12 @@ A PEFT adapter of a pruned model is saved with the heads the pruning kept (``hea
 an adapter of another pruning with the same head counts fits every shape.
 """
 
+import functools
 import importlib
 import inspect
 import json
 import os
 import threading
-import types
 
 import torch
 import transformers
@@ -377,7 +377,9 @@ class NoHeadAttention(nn.Module):
                 setattr(self, self.output_bias, bias)
         if hasattr(original, "compute_bias"):  # T5's first layer: the position table the stack's other layers read
             self._relative_position_bucket = type(original)._relative_position_bucket
-            self.compute_bias = types.MethodType(type(original).compute_bias, self)
+            # a partial, not a bound method: the model pickles (a bound method is rebuilt by getattr on a module not
+            # yet restored) and a deep copy binds its own copy
+            self.compute_bias = functools.partial(type(original).compute_bias, self)
         self.residual = tuple(residual) if residual else None
         self.norm = norm
         self.selection = selection
@@ -595,16 +597,35 @@ it is handed. Not :data:`KEPT_ATTR`, which tells headlab that a layer's numberin
 transformers does not know every layer's (headlab refuses to analyse it, naming why)."""
 
 
-def t5_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
+class StackBiasHook:
     """A forward pre-hook for a pruned layer of a T5 stack (T5, mT5, Switch Transformers; LongT5's decoder). T5Stack
     computes the relative position bias ``[1, heads, q, k]`` of every head in its first layer (``compute_bias``, from
     that layer's one table) and hands it to the others, which breaks once layers keep different heads (Raffel et al.
     2020, sec. 2.1: one table per stack, a scalar per head and bucket). Each pruned layer is handed instead the full
     bias recomputed from ``source`` (the first layer), its kept heads' columns (``module.<attr>``, original
-    numbering); cross-attention has no position bias: zeros. The mask is added by the attention itself."""
-    def hook(module, args, kwargs):
+    numbering); cross-attention has no position bias: zeros. The mask is added by the attention itself.
+
+    ``local``: the same for a pruned layer of LongT5's local encoder: LongT5LocalAttention's position bias as its
+    forward builds it without one (transformers 5.24): ``compute_bias(block_len)`` (``[1, 1, heads, block_len,
+    3 * block_len]``) plus the blocked mask (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is
+    seen) made 0 or -1e10 and moved to the heads' axis, here with the kept heads' columns only (the stack hands on
+    the first layer's sum, mask included).
+
+    An object, not a closure: ``copy.deepcopy`` of the model gives the copy's hooks the copy's table (a closure would
+    keep reading the original's: an averaged or fine-tuned copy computed with another table, silently), and the
+    model pickles (``torch.save``)."""
+
+    def __init__(self, source: nn.Module, attr: str = KEPT_ATTR, local: bool = False) -> None:
+        # in __dict__, not registered: the table's layer is a module of the model already (or, emptied, its
+        # stand-in's children are that layer's)
+        self.source, self.attr, self.local = source, attr, local
+
+    def __call__(self, module, args, kwargs):
+        return (self._local if self.local else self._t5)(module, args, kwargs)
+
+    def _t5(self, module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        kept = getattr(module, attr)
+        kept = getattr(module, self.attr)
         q_len = hidden.shape[1]
         memory = kwargs.get("key_value_states")
         if memory is not None:
@@ -612,23 +633,17 @@ def t5_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
         else:
             cache = cache_argument(kwargs)
             past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
-            full = source.compute_bias(q_len, past + q_len, device=hidden.device, past_seen_tokens=past)
+            # the keys' length as T5Attention reads it after the cache's update (key_states.shape[-2]): a static cache
+            # hands back all its max_cache_len slots (the mask hides the empty ones), a dynamic one past + q_len
+            k_len = cache.get_mask_sizes(q_len, module.layer_idx)[0] if cache is not None else q_len
+            full = self.source.compute_bias(q_len, k_len, device=hidden.device, past_seen_tokens=past)
             bias = full[:, kept]  # [1, kept heads, q_len, k_len]
         kwargs["position_bias"] = bias
         return args, kwargs
 
-    return hook
-
-
-def local_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
-    """The same for a pruned layer of LongT5's local encoder: LongT5LocalAttention's position bias as its forward
-    builds it without one (transformers 5.24): ``compute_bias(block_len)`` (``[1, 1, heads, block_len,
-    3 * block_len]``) plus the blocked mask (``[batch, 1, blocks, block_len, 3 * block_len]``, True where a key is
-    seen) made 0 or -1e10 and moved to the heads' axis, here with the kept heads' columns only (the stack hands on
-    the first layer's sum, mask included)."""
-    def hook(module, args, kwargs):
-        kept = getattr(module, attr)
-        bias = source.compute_bias(module.block_len)[:, :, kept]
+    def _local(self, module, args, kwargs):
+        kept = getattr(module, self.attr)
+        bias = self.source.compute_bias(module.block_len)[:, :, kept]
         mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
         if mask is not None:
             bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
@@ -638,7 +653,15 @@ def local_bias_hook(source: nn.Module, attr: str = KEPT_ATTR):
             kwargs["position_bias"] = bias
         return args, kwargs
 
-    return hook
+
+def t5_bias_hook(source: nn.Module, attr: str = KEPT_ATTR) -> StackBiasHook:
+    """:class:`StackBiasHook` for a layer of a T5 stack."""
+    return StackBiasHook(source, attr)
+
+
+def local_bias_hook(source: nn.Module, attr: str = KEPT_ATTR) -> StackBiasHook:
+    """:class:`StackBiasHook` for a layer of LongT5's local encoder."""
+    return StackBiasHook(source, attr, local=True)
 
 
 STACK_BIAS_HOOKS = {"t5": t5_bias_hook, "local": local_bias_hook}
