@@ -1,8 +1,7 @@
-"""alibinum33: a pruned ALiBi directory (Bloom, MPT, Falcon with alibi; MPNet's shared position bias)
-loaded by plain transformers carries
-headlab's kept-head attribute on every pruned layer with heads left (pruned_heads.py's ALiBi hook needs it), so
-check_pruned_numbering lets it through; this pins that doing so is right: such a layer is named by its original
-heads, an unpruned layer has its original numbering anyway, and a layer left with no head is refused."""
+"""A pruned ALiBi directory (Bloom, MPT, Falcon with alibi; MPNet's shared position bias) loaded by plain
+transformers carries headlab's kept-head attribute on every pruned layer with heads left (pruned_heads.py's ALiBi
+hook needs it), so check_pruned_numbering lets it through. This pins that doing so is right: such a layer is named by
+its original heads, an unpruned layer has its original numbering anyway, and a layer left with no head is refused."""
 
 from __future__ import annotations
 
