@@ -149,6 +149,9 @@ T5_STACKS = {  # T5's layout: one relative position bias table per stack, in its
                                     transformers.SwitchTransformersConfig(
                                         **_T5, num_decoder_layers=2, num_sparse_encoder_layers=1,
                                         num_sparse_decoder_layers=1, num_experts=2)),
+    # the local encoder's table in LocalSelfAttention, its bias blocked (blocks of 3: the 7 source tokens in 3 blocks)
+    "longt5": lambda: (transformers.LongT5ForConditionalGeneration, transformers.LongT5Config(
+        **_T5, num_decoder_layers=2, local_radius=2, encoder_attention_type="local")),
 }
 T5_SPECS = {  # the first layers (the tables') lose heads; layers with no head left in each kind
     "first layers pruned": {("enc_self", 0): [1, 2], ("enc_self", 1): [0, 1, 2, 3], ("dec_self", 0): [3],
@@ -161,9 +164,10 @@ T5_SPECS = {  # the first layers (the tables') lose heads; layers with no head l
 @pytest.mark.parametrize("spec_name", T5_SPECS)
 @pytest.mark.parametrize("family", T5_STACKS)
 def test_a_pruned_t5_loads_with_plain_transformers(family, spec_name, tmp_path):
-    """T5, mT5 and Switch Transformers (one position bias table per stack, in its first layer, the other layers
-    handed its bias of every head): pruned_heads.py hands each pruned layer its kept heads' columns of the bias
-    computed from the first layer's table, as headlab's hooks do, and a first layer with no head left keeps the table.
+    """T5, mT5, Switch Transformers and local LongT5 (one position bias table per stack, in its first layer, the other
+    layers handed its bias of every head; LongT5's encoder's blocked): pruned_heads.py hands each pruned layer its kept
+    heads' columns of the bias computed from the first layer's table, as headlab's hooks do, and a first layer with no
+    head left keeps the table.
     Plain transformers' load (trust_remote_code, every weight loaded) equals the pruned model, and headlab's load, in
     float64 to 1e-12: the logits of a padded batch and generate()'s cached greedy steps (tokens and scores); so do
     both loads of the directory transformers re-saves. Until session 33 such a directory was headlab's only (the
@@ -182,7 +186,8 @@ def test_a_pruned_t5_loads_with_plain_transformers(family, spec_name, tmp_path):
     record = json.loads((tmp_path / "pruned" / "headlab_pruning.json").read_text())
     assert record["portable"]["how"] == "remote code"
     plan = json.loads((tmp_path / "pruned" / "config.json").read_text())["headlab_pruned"]
-    table = {"encoder": "encoder.block.0.layer.0.SelfAttention", "decoder": "decoder.block.0.layer.0.SelfAttention"}
+    encoder_core = "LocalSelfAttention" if family == "longt5" else "SelfAttention"
+    table = {"encoder": f"encoder.block.0.layer.0.{encoder_core}", "decoder": "decoder.block.0.layer.0.SelfAttention"}
     assert {path: source for path, (_, source, _) in plan["shared_bias"].items()} == {
         path: table[path.split(".")[0]] for path in plan["shared_bias"]}
     plain, info = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True,
