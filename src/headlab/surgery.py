@@ -60,7 +60,7 @@ from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, kv_heads_kept, readable_as_umask_allows, write_json
 from headlab.options import checked_keywords
-from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
+from headlab.portable import PRUNING_FILE, check_pruned_numbering, make_portable, restore_original_config
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
@@ -727,6 +727,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     difference. Returns the heads each pruned block now keeps, in the model's original numbering.
     """
     blocks = attention_blocks(model)
+    check_pruned_numbering(model, blocks, to_prune=True)  # a pruned directory loaded without headlab: renumbered
     spec = validate_heads(blocks, heads)
     check_shared_plan(blocks, spec)
     plans = []
@@ -1622,6 +1623,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
     _refuse_peft(model)
+    check_pruned_numbering(model, attention_blocks(model), to_prune=True)  # its record would name other heads
     record = pruning_record(model)
     if record["blocks"] and model.__dict__.get(VERIFIED_ATTR) != record["blocks"]:
         raise PruningNotExact(
