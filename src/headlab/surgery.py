@@ -1520,7 +1520,10 @@ def _plan_sub_norm(block: AttentionBlock, names: dict[int, str], plan: dict) -> 
         path = names[id(found[0])]
         plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
         plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
-    elif isinstance(block.core, ZeroHeadAttention):  # its stand-in's family has no sub_norm: found by class
+    elif isinstance(block.core, ZeroHeadAttention):
+        # emptied: its stand-in (calling no attention function) is listed under a generic family without sub_norm;
+        # the norm is among the children it adopted, told by class (stands_for_block's family names it relative to
+        # the block's module, not to the stand-in)
         for child in block.core.children():
             if SUB_NORMS.get(type(child).__name__) == "rms":
                 plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
