@@ -312,3 +312,55 @@ def test_kernel_confidence_on_cuda_agrees_with_the_fused_engine(family, dtype):
     atol = {torch.float64: 0.0 if uncompiled else 1e-10, torch.float32: 1e-5, torch.bfloat16: 0.05}[dtype]
     for kind in fused.kinds:
         np.testing.assert_allclose(kernel[kind], fused[kind], rtol=0, atol=atol)
+
+
+def _split_map(model, first, rest) -> dict:
+    """A device_map with each stack's first block (its position bias table) on ``first`` and its other blocks on
+    ``rest``; the embeddings, norms and head on ``first``."""
+    device_map = {}
+    for name, child in model.named_children():
+        if name not in ("encoder", "decoder"):
+            device_map[name] = first
+            continue
+        for sub, grandchild in child.named_children():
+            if sub == "block":
+                device_map.update({f"{name}.block.{i}": first if i == 0 else rest for i in range(len(grandchild))})
+            else:
+                device_map[f"{name}.{sub}"] = first
+    return device_map
+
+
+@pytest.mark.parametrize("split", ["two GPUs", "first layers offloaded to the CPU"])
+@pytest.mark.parametrize("family", ["t5", "longt5"])
+def test_a_pruned_t5_split_over_devices_equals_it_on_the_cpu(family, split, tmp_path):
+    """A pruned T5 / local LongT5 dispatched by a device_map that puts each stack's first layer (its position bias
+    table) apart from the later layers, loaded by headlab (load_model) and by plain transformers (pruned_heads.py):
+    each pruned layer's hook computes the bias where the table is and hands it over on its own layer's device
+    (portable_code.StackBiasHook; until session 34 it computed it on the layer's device, an index into a table on
+    another device). Logits and cached greedy generation equal the pruned model's on the CPU, in float64.
+    "two GPUs": cuda:0 and cuda:1; "offloaded": the first layers on the CPU beside cuda:0 (accelerate keeps their
+    weights on the meta device outside their forward)."""
+    import transformers
+
+    from headlab.loading import load_model
+    from support.seq2seq_families import cached_generation
+    from test_t5_bias_hooks_travel import SPEC, _inputs, _model
+
+    if split == "two GPUs" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    first, rest = (0, 1) if split == "two GPUs" else ("cpu", 0)
+    model, inputs = _model(family), _inputs()
+    prune_heads(model, SPEC)
+    expected = logits(model, inputs)
+    tokens, scores = cached_generation(model, inputs)
+    save_pruned(model, tmp_path)
+    device_map = _split_map(model, first, rest)
+    plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float64,
+                                                               device_map=device_map)
+    for loaded in (load_model(str(tmp_path), dtype=torch.float64, device_map=device_map), plain):
+        loaded.config._attn_implementation = "eager"
+        on_gpu = _to(inputs, "cuda:0")
+        torch.testing.assert_close(logits(loaded, on_gpu).cpu(), expected, atol=1e-10, rtol=0)
+        loaded_tokens, loaded_scores = cached_generation(loaded, on_gpu)
+        assert torch.equal(loaded_tokens.cpu(), tokens)
+        torch.testing.assert_close(loaded_scores.cpu(), scores, atol=1e-10, rtol=0)

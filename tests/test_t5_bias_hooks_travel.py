@@ -8,7 +8,13 @@ headlab or loaded by plain transformers through pruned_heads.py:
 * the model pickles (``torch.save``; a closure does not) and the unpickled model computes the same logits;
 * generate() with a static cache (``cache_implementation="static"``) equals the masked model's: T5Attention biases
   every slot of a static cache (``key_states.shape[-2]``, ``max_cache_len``), where the hook built ``past + q``
-  columns and the pruned model failed (a size mismatch).
+  columns and the pruned model failed (a size mismatch);
+* every tensor a hook hands its layer is on that layer's device (its hidden states'), the bias computed where the
+  stack's table is: a device_map may put the first layer and a later one apart (transformers' own T5 hands the first
+  layer's bias on, which accelerate's hooks move). With the later layer's inputs on the meta device standing in for
+  another device, the hook handed a CPU bias (T5) or failed adding the CPU bias to the meta mask (local LongT5) until
+  session 34 (the first layer's device on real GPUs: tests/test_cuda.py); with the first layers offloaded by
+  accelerate (their table on the meta device outside their forward) the logits are the same.
 
 Tiny float64 T5 and local LongT5, the first layer of each stack (the one with the table) pruned and a layer with no
 head left.
@@ -130,3 +136,58 @@ def test_a_pruned_t5_generates_with_a_static_cache(family, how, tmp_path):
     pruned_tokens, pruned_scores = _static_generation(pruned, inputs)
     assert torch.equal(pruned_tokens, tokens)
     torch.testing.assert_close(pruned_scores, scores, atol=1e-12, rtol=0)
+
+
+def _bias_hooks(model) -> list:
+    """(layer, its StackBiasHook): headlab's class, or the copy in the directory's pruned_heads.py."""
+    return [(module, hook) for module in model.modules() for hook in module._forward_pre_hooks.values()
+            if type(hook).__name__ == "StackBiasHook"]
+
+
+def _tensors(*trees) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for tree in trees:
+        values = tree.values() if isinstance(tree, dict) else tree
+        found += [value for value in values if isinstance(value, torch.Tensor)]
+    return found
+
+
+@pytest.mark.parametrize("how", ["headlab", "plain"])
+@pytest.mark.parametrize("family", ["t5", "longt5"])
+def test_a_bias_hook_hands_its_layer_tensors_on_the_layers_device(family, how, tmp_path):
+    model = _pruned(family, how, tmp_path)
+    calls = []
+    handles = [module.register_forward_pre_hook(
+        lambda module, args, kwargs, hook=hook: calls.append((module, hook, args, dict(kwargs))), with_kwargs=True,
+        prepend=True) for module, hook in _bias_hooks(model)]
+    _logits(model, {**_inputs(), "use_cache": False})
+    for handle in handles:
+        handle.remove()
+    assert {type(module).__name__ for module, *_ in calls} >= (
+        {"T5Attention"} if family == "t5" else {"LongT5LocalAttention", "LongT5Attention"})
+
+    def meta(value):
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    for module, hook, args, kwargs in calls:
+        here = hook(module, args, dict(kwargs))
+        there = hook(module, tuple(map(meta, args)), {name: meta(value) for name, value in kwargs.items()})
+        assert [t.shape for t in _tensors(*there)] == [t.shape for t in _tensors(*here)]
+        assert {t.device.type for t in _tensors(*there)} == {"meta"}, (type(module).__name__, module.layer_idx)
+
+
+@pytest.mark.parametrize("how", ["headlab", "plain"])
+@pytest.mark.parametrize("family", ["t5", "longt5"])
+def test_a_pruned_t5_runs_with_its_tables_offloaded(family, how, tmp_path):
+    """accelerate's offloading of each stack's first layer (a device_map's "cpu" beside a GPU; here executed on the
+    CPU): its table is on the meta device outside that layer's forward, where the other layers' hooks compute."""
+    from accelerate.hooks import attach_align_device_hook
+
+    model, inputs = _pruned(family, how, tmp_path), _inputs()
+    expected = _logits(model, inputs)
+    for stack in (model.encoder, model.decoder):
+        first = stack.block[0]
+        attach_align_device_hook(first, execution_device=torch.device("cpu"), offload=True,
+                                 weights_map={name: tensor.clone() for name, tensor in first.state_dict().items()})
+    assert {table.device.type for table in _tables(model)} == {"meta"}
+    torch.testing.assert_close(_logits(model, inputs), expected, atol=0, rtol=0)

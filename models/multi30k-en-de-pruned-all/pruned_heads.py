@@ -6,7 +6,8 @@ config.json at :class:`PrunedModel`, so that
 
     AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)   # or ...CausalLM, ...
 
-rebuilds it without headlab installed. It imports only torch and transformers. The model is
+rebuilds it without headlab installed. It imports only torch and transformers (and accelerate's
+``align_module_device`` where accelerate offloaded a T5 stack's table). The model is
 the original class; before the weights are read, the projections of the pruned attention
 layers are resized and the attention modules' head counts set as config.json's
 ``headlab_pruned`` plan says (the plan is written by ``headlab.portable``). A layer left with
@@ -22,6 +23,7 @@ A PEFT adapter of a pruned model is saved with the heads the pruning kept (``hea
 an adapter of another pruning with the same head counts fits every shape.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -611,6 +613,10 @@ class StackBiasHook:
     seen) made 0 or -1e10 and moved to the heads' axis, here with the kept heads' columns only (the stack hands on
     the first layer's sum, mask included).
 
+    The bias is computed where the table is and handed to each layer on that layer's device (its hidden states'): a
+    device_map may put the first layer and a later one apart, and an offloaded table is loaded for the computation
+    (:func:`_table_loaded`). (transformers' T5 hands the first layer's bias on, and accelerate's hooks move it.)
+
     An object, not a closure: ``copy.deepcopy`` of the model gives the copy's hooks the copy's table (a closure would
     keep reading the original's: an averaged or fine-tuned copy computed with another table, silently), and the
     model pickles (``torch.save``)."""
@@ -636,14 +642,18 @@ class StackBiasHook:
             # the keys' length as T5Attention reads it after the cache's update (key_states.shape[-2]): a static cache
             # hands back all its max_cache_len slots (the mask hides the empty ones), a dynamic one past + q_len
             k_len = cache.get_mask_sizes(q_len, module.layer_idx)[0] if cache is not None else q_len
-            full = self.source.compute_bias(q_len, k_len, device=hidden.device, past_seen_tokens=past)
-            bias = full[:, kept]  # [1, kept heads, q_len, k_len]
+            with _table_loaded(self.source) as table:  # computed where the table is, handed over where the layer is
+                past = past.to(table) if isinstance(past, torch.Tensor) else past
+                full = self.source.compute_bias(q_len, k_len, device=table, past_seen_tokens=past)
+            bias = full[:, kept].to(hidden.device)  # [1, kept heads, q_len, k_len]
         kwargs["position_bias"] = bias
         return args, kwargs
 
     def _local(self, module, args, kwargs):
         kept = getattr(module, self.attr)
-        bias = self.source.compute_bias(module.block_len)[:, :, kept]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        with _table_loaded(self.source):  # on the table's device (compute_bias's own choice), then the layer's
+            bias = self.source.compute_bias(module.block_len)[:, :, kept].to(hidden.device)
         mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
         if mask is not None:
             bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
@@ -652,6 +662,22 @@ class StackBiasHook:
         else:
             kwargs["position_bias"] = bias
         return args, kwargs
+
+
+@contextlib.contextmanager
+def _table_loaded(source: nn.Module):
+    """The device of ``source``'s position bias table, its weight there for the time of the context. A device_map
+    may put the table's layer on another device than a layer handed its bias; accelerate's offloading (a device_map's
+    "cpu" or "disk" beside a GPU) keeps the weight on the meta device outside its module's forward, and loads it in
+    (``align_module_device``: what the module's hook does around its forward) only when asked."""
+    table = source.relative_attention_bias
+    if getattr(getattr(table, "_hf_hook", None), "offload", False):  # accelerate's: only where it dispatched the model
+        from accelerate.utils import align_module_device
+
+        with align_module_device(table):
+            yield table.weight.device
+    else:
+        yield table.weight.device
 
 
 def t5_bias_hook(source: nn.Module, attr: str = KEPT_ATTR) -> StackBiasHook:

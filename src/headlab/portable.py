@@ -161,18 +161,50 @@ def how_to_load(model: nn.Module, portable: dict, path: str = "path") -> str:
     return f"Load with `headlab.load_pruned({path!r})`, or without headlab with {plain}."
 
 
-def check_pruned_numbering(model: nn.Module, blocks: list) -> None:
+def check_pruned_numbering(model: nn.Module, blocks: list, *, to_prune: bool = False) -> None:
     """A directory pruned by headlab, loaded by transformers alone (``from_pretrained``, its
     pruned_heads.py): its layers do not know which original heads they kept, so every result would
-    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word."""
+    name the kept heads 0, 1, ... (enc_self L0 H1 for the original head 3) without a word.
+
+    ``to_prune``: for pruning or saving, which also need every layer's kept key/value heads and write them in the
+    record. A directory loaded through pruned_heads.py (its config keeps the plan; headlab's loaders drop it) is
+    refused then even where its ALiBi layers carry their kept query heads (the hook's, which analysis may read):
+    they do not carry their key/value heads (re-pruning failed with an AttributeError), and the layers of other
+    families carry none (re-pruning named the kept heads 0, 1, ... and saved that numbering, without a word)."""
     from headlab.errors import HeadlabError
     from headlab.portable_code import KEPT_ATTR
 
-    if any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks):
-        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
     config = getattr(model, "config", None)
     source = str(getattr(config, "name_or_path", "") or "")
-    if getattr(config, PLAN_KEY, None) is not None or (source and (Path(source) / PRUNING_FILE).is_file()):
+    plain = getattr(config, PLAN_KEY, None) is not None
+    known = any(getattr(b.core, KEPT_ATTR, None) is not None for b in blocks)
+    if to_prune:
+        # told by what the load left on the model, not by the record beside name_or_path alone: a model built afresh
+        # from the config headlab.load_pruned restored is the original model, pruned as such
+        standard = bool(source) and not known and _standard_config_in_use(config, Path(source))
+        if plain or standard:
+            how = f"its {CODE_FILE}" if plain else "a standard config"
+            raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it ({how}): "
+                               "it does not know the original numbering of every layer's heads and key/value heads, "
+                               "which pruning names heads in and records; load it with headlab.load_pruned(path) to "
+                               "prune or save it")
+        return
+    if known:
+        return  # pruned by headlab in this process, or loaded by headlab.load_pruned: numbering known
+    if plain or (source and (Path(source) / PRUNING_FILE).is_file()):
         raise HeadlabError(f"model: {source or 'the model'} was pruned by headlab and loaded without it: its heads "
                            "have lost their original numbering, in which headlab reports them; load it with "
                            "headlab.load_pruned(path)")
+
+
+def _standard_config_in_use(config, directory: Path) -> bool:
+    """``config`` is the standard config :func:`make_portable` wrote in ``directory`` (the pruned head counts), not
+    the original one that headlab's loader restores (a model built afresh from a restored config is not refused)."""
+    try:
+        record = json.loads((directory / PRUNING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    portable = record.get("portable") if isinstance(record, dict) else None
+    original = portable.get("original_config") if isinstance(portable, dict) else None
+    return isinstance(original, dict) and cast(dict, portable).get("how") == "standard config" and \
+        any(getattr(config, name, None) != value for name, value in original.items())

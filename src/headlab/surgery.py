@@ -60,7 +60,7 @@ from headlab.gates import _STACK as GATE_STACK
 from headlab.gates import validate_heads
 from headlab.heads import KINDS, HeadSpec, kv_heads_kept, readable_as_umask_allows, write_json
 from headlab.options import checked_keywords
-from headlab.portable import PRUNING_FILE, make_portable, restore_original_config
+from headlab.portable import PRUNING_FILE, check_pruned_numbering, make_portable, restore_original_config
 from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
@@ -727,6 +727,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> dict[tuple[str, int], list
     difference. Returns the heads each pruned block now keeps, in the model's original numbering.
     """
     blocks = attention_blocks(model)
+    check_pruned_numbering(model, blocks, to_prune=True)  # a pruned directory loaded without headlab: renumbered
     spec = validate_heads(blocks, heads)
     check_shared_plan(blocks, spec)
     plans = []
@@ -1519,7 +1520,10 @@ def _plan_sub_norm(block: AttentionBlock, names: dict[int, str], plan: dict) -> 
         path = names[id(found[0])]
         plan.setdefault("vectors", {})[f"{path}.weight"] = int(cast(torch.Tensor, found[0].weight).shape[0])
         plan["attributes"][path] = {"variance_epsilon": float(cast(Any, found[0]).variance_epsilon)}
-    elif isinstance(block.core, ZeroHeadAttention):  # its stand-in's family has no sub_norm: found by class
+    elif isinstance(block.core, ZeroHeadAttention):
+        # emptied: its stand-in (calling no attention function) is listed under a generic family without sub_norm;
+        # the norm is among the children it adopted, told by class (stands_for_block's family names it relative to
+        # the block's module, not to the stand-in)
         for child in block.core.children():
             if SUB_NORMS.get(type(child).__name__) == "rms":
                 plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
@@ -1622,6 +1626,7 @@ def save_pruned(model: nn.Module, path: str | os.PathLike) -> Path:
     if path.exists() and not path.is_dir():
         raise HeadlabError(f"{path}: exists and is not a directory")
     _refuse_peft(model)
+    check_pruned_numbering(model, attention_blocks(model), to_prune=True)  # its record would name other heads
     record = pruning_record(model)
     if record["blocks"] and model.__dict__.get(VERIFIED_ATTR) != record["blocks"]:
         raise PruningNotExact(
