@@ -1,0 +1,83 @@
+"""Count the sentences the rare-token test's tie rule (audit33) takes out, without running a model.
+
+Since audit33 a sentence whose tokens all share one training count no longer qualifies for the
+rare-token test (each token would be "the rarest"). Whether a committed result changes depends on
+the data and the tokenizer only: this script streams a treebank through the same alignment as
+``headlab functions`` (the model's tokenizer, its maximum length, the batches' SideBatches), and
+counts, per sentence, eligibility by the rule before and after the change, and how many query
+tokens the rare-token shares would have counted in the sentences it takes out.
+
+    PYTHONPATH=src python experiments/rare_ties.py MODEL --conllu FILE --train-text FILE [...] [--limit N]
+"""
+
+import argparse
+import json
+from itertools import islice
+
+import torch
+
+from headlab.data.frequencies import TokenFrequencies
+from headlab.data.treebank import TreebankCounts
+from headlab.functions.analysis import RunReport, _batched, _examples, _model_inputs, _prepare
+from headlab.functions.config import AnalysisConfig
+from headlab.functions.rare_tokens import rare_token_masks
+from headlab.loading import load_model, load_tokenizer
+from headlab.model_description import model_max_length
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("model")
+parser.add_argument("--conllu", required=True)
+parser.add_argument("--train-text", action="append", required=True)
+parser.add_argument("--limit", type=int, default=None, help="the first N sentences (--conllu-limit)")
+parser.add_argument("--top-frequent", type=int, default=500)
+args = parser.parse_args()
+torch.set_num_threads(1)
+
+model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+frequencies = TokenFrequencies.from_corpus(tokenizer, args.train_text)
+counts = torch.from_numpy(frequencies.counts.copy())
+top = torch.from_numpy(frequencies.top_mask(args.top_frequent))
+config = AnalysisConfig()
+max_length = model_max_length(model, tokenizer, config.max_length)
+seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+report = RunReport(analysed=[], max_length=max_length)
+stream = _examples(args.conllu, None, None, report.problems, {"source": TreebankCounts(), "target": TreebankCounts()})
+if args.limit is not None:
+    stream = islice(stream, args.limit)
+n = old_n = new_n = never_seen = 0
+shares = {"before": torch.zeros(2, dtype=torch.float64), "after": torch.zeros(2, dtype=torch.float64)}
+taken_out: list[dict] = []
+index = 0
+for raw in _batched(stream, config.batch_size):
+    items = _prepare(raw, index, tokenizer, config, max_length, report)
+    index += len(raw)
+    current: dict = {}
+    _model_inputs(items, tokenizer, pad_id, 0, seq2seq, max_length, current, torch.device("cpu"))
+    side = current["source"]
+    eligible, rarest, two_rarest = rare_token_masks(side, counts, top)
+    ids = side.token_ids.clamp(0, counts.numel() - 1)
+    token_counts = counts[ids].double().masked_fill(~side.token_mask, float("inf"))
+    least = side.token_ids.gather(1, token_counts.sort(dim=1, stable=True)[1][:, :1]).squeeze(1)
+    old = side.token_mask.any(1) & ~top[least.clamp(0, counts.numel() - 1)]  # the rule before audit33
+    n += side.batch_size
+    old_n += int(old.sum())
+    new_n += int(eligible.sum())
+    # a random word token's chance of being the rarest / one of the two rarest: their share of the sentence's tokens
+    length = side.token_mask.sum(1).clamp(min=1).double()
+    chance = torch.stack([rarest.sum(1) / length, two_rarest.sum(1) / length])  # [2, B]
+    shares["before"] += chance[:, old].sum(1)
+    shares["after"] += chance[:, eligible].sum(1)
+    never_seen += int((eligible & (token_counts.min(1).values == 0)).sum())  # least frequent token unseen
+    for b in torch.nonzero(old & ~eligible).flatten().tolist():
+        tokens = side.token_ids[b][side.token_mask[b]].tolist()
+        taken_out.append({"sentence": (items[b][1].sent_id if hasattr(items[b][1], "sent_id") else b),
+                          "tokens": tokenizer.convert_ids_to_tokens(tokens),
+                          "count": int(counts[tokens[0]])})
+print(json.dumps({"model": args.model, "train_text": args.train_text, "sentences": n, "unaligned": report.n_unaligned,
+                  "eligible_before": old_n, "eligible_after": new_n,
+                  "eligible_after_least_count_0": never_seen,
+                  "mean_share_rarest_two_rarest": {"before": (shares["before"] / old_n).tolist(),
+                                                   "after": (shares["after"] / new_n).tolist()},
+                  "taken_out": taken_out}, indent=1,
+                 ensure_ascii=False))
