@@ -1,11 +1,15 @@
-"""Count the sentences the rare-token test's tie rule (audit33) takes out, without running a model.
+"""Count the sentences the rare-token test's tie rule (audit33) takes out, without a forward pass.
 
 Since audit33 a sentence whose tokens all share one training count no longer qualifies for the
 rare-token test (each token would be "the rarest"). Whether a committed result changes depends on
 the data and the tokenizer only: this script streams a treebank through the same alignment as
-``headlab functions`` (the model's tokenizer, its maximum length, the batches' SideBatches), and
-counts, per sentence, eligibility by the rule before and after the change, and how many query
-tokens the rare-token shares would have counted in the sentences it takes out.
+``headlab functions`` (the model's tokenizer, its maximum length, the batches' SideBatches; the
+model is loaded for its length only) and prints the qualifying sentences under the rule before and
+after the change, each sentence it takes out (its tokens and their count: a one-token sentence
+counts no query token, a query must reach two tokens, so it changes no share), the qualifying
+sentences whose least frequent token never occurs in the training text (and of those, the ones where
+several such tokens tie), and the mean share of "rarest" and "two rarest" positions per qualifying
+sentence (what a head whose maximum fell on a random token would score).
 
     PYTHONPATH=src python experiments/rare_ties.py MODEL --conllu FILE --train-text FILE [...] [--limit N]
 """
@@ -45,7 +49,7 @@ report = RunReport(analysed=[], max_length=max_length)
 stream = _examples(args.conllu, None, None, report.problems, {"source": TreebankCounts(), "target": TreebankCounts()})
 if args.limit is not None:
     stream = islice(stream, args.limit)
-n = old_n = new_n = never_seen = 0
+n = old_n = new_n = never_seen = never_seen_tied = 0
 shares = {"before": torch.zeros(2, dtype=torch.float64), "after": torch.zeros(2, dtype=torch.float64)}
 taken_out: list[dict] = []
 index = 0
@@ -69,6 +73,7 @@ for raw in _batched(stream, config.batch_size):
     shares["before"] += chance[:, old].sum(1)
     shares["after"] += chance[:, eligible].sum(1)
     never_seen += int((eligible & (token_counts.min(1).values == 0)).sum())  # least frequent token unseen
+    never_seen_tied += int((eligible & (token_counts.min(1).values == 0) & (rarest.sum(1) > 1)).sum())
     for b in torch.nonzero(old & ~eligible).flatten().tolist():
         tokens = side.token_ids[b][side.token_mask[b]].tolist()
         taken_out.append({"sentence": (items[b][1].sent_id if hasattr(items[b][1], "sent_id") else b),
@@ -77,6 +82,7 @@ for raw in _batched(stream, config.batch_size):
 print(json.dumps({"model": args.model, "train_text": args.train_text, "sentences": n, "unaligned": report.n_unaligned,
                   "eligible_before": old_n, "eligible_after": new_n,
                   "eligible_after_least_count_0": never_seen,
+                  "of_those_tied": never_seen_tied,
                   "mean_share_rarest_two_rarest": {"before": (shares["before"] / old_n).tolist(),
                                                    "after": (shares["after"] / new_n).tolist()},
                   "taken_out": taken_out}, indent=1,
