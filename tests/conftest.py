@@ -27,7 +27,7 @@ INTEGRATION = {
     "test_families_analyze", "test_functions_cli", "test_importance_cli", "test_lm_bundled", "test_lm_train",
     "test_nmt_bundled", "test_nmt_distributed", "test_nmt_train", "test_nmt_translate", "test_parse", "test_profiles",
     "test_pruned_models", "test_pruning_distributed", "test_pruning_train", "test_report_browser", "test_reproduce",
-    "test_reproduce_bad_input", "test_reproduce_docs", "test_sharded",
+    "test_reproduce_bad_input", "test_reproduce_docs", "test_reproduce_news_docs", "test_sharded",
 }
 """Test modules that run commands, pipelines or training end to end (reproduction/tests' too)."""
 
