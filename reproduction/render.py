@@ -8,7 +8,7 @@ The document is prose written by hand with generated blocks between markers::
 
 :func:`render_blocks` makes every block from the result files (through the claims) and the
 config (the commands); :func:`update_document` replaces the blocks' contents and leaves the
-prose alone. ``tests/test_reproduce_docs.py`` renders the blocks from the committed result files
+prose alone. ``reproduction/tests/test_reproduce_docs.py`` renders the blocks from the committed result files
 and checks that the document holds exactly them.
 """
 

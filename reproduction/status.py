@@ -12,7 +12,7 @@ wrote (see docs/nmt.md, "Where the CPU run stands", for the commands that fill i
     reproduction/claims.json           python -m reproduction, stage report
 
 :func:`status_blocks` renders each present file into one block, so the document's numbers are
-never typed by hand; tests/test_reproduce_docs.py renders them again and compares.
+never typed by hand; reproduction/tests/test_reproduce_docs.py renders them again and compares.
 """
 
 from __future__ import annotations
