@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, HeadScores, atomic_write_text, reconstructed_blocks
+from headlab.heads import KINDS, HeadScores, atomic_write_text, one_dtype, reconstructed_blocks
 from headlab.pipeline.labels import function_groups, label_group
 
 __all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
@@ -50,6 +50,11 @@ def _sources() -> tuple[str, ...]:
             if folder not in folders:
                 folders.append(folder)
     return tuple(folders)
+
+
+def pass_folders() -> tuple[str, ...]:
+    """The folders of DIR that the functions and aggregate passes write their HeadScores files in."""
+    return tuple(folder for folder in _sources() if folder != "importance")
 
 
 def _column(relative: Path) -> str:
@@ -139,6 +144,9 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
                run: str = "") -> tuple[list[str], list[list]]:
     """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``);
     ``model`` and ``run`` fill the columns of those names."""
+    columns_scores = list(columns_scores)
+    # one row per head holds them side by side: tables of two precisions are refused (a missing dtype: see measured_dtype)
+    one_dtype(((f"column {name}", scores.signature) for name, scores in columns_scores), str(where) or "heads table")
     values: dict[str, dict[tuple[str, int, int], float]] = {}
     reconstructed: set[str] = set()
     for name, scores in columns_scores:
