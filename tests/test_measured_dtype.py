@@ -8,6 +8,7 @@ pass must hold the model in one dtype; ``analyze`` resumed with another ``--dtyp
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,11 +73,20 @@ def test_passes_of_two_dtypes_in_one_directory_are_refused_by_the_profile_and_th
     out = tmp_path / "mixed"
     _aggregate(lm, out)
     _functions(lm, out / "functions", "--dtype", "bfloat16")
-    with pytest.raises(HeadlabError, match=r"no profile from this directory: .* bfloat16, .* float32 \(--dtype\)"):
+    with pytest.raises(HeadlabError, match=r"no profile from this directory: .* bfloat16, .* float32 \(--dtype\): .*"
+                                           r"one dtype \(aggregate/.*json records none: float32, or a file from before"):
         collect_profile(out, "mixed")
     with pytest.raises(HeadlabError, match=r"column .* in (bfloat16|float32), column .* in (bfloat16|float32)"):
         heads_table(out)
+    from headlab.report.collect import collect
+
+    report = collect(out)  # the report notes what it cannot refuse (it shows what it can), and each map says its dtype
+    assert any(note["section"] == "summary" and "the maps: " in note["text"] and "bfloat16" in note["text"]
+               for note in report.notes)
+    captions = {Path(m["file"]).parts[0]: m["caption"] for m in report.heatmaps}
+    assert "weights in bfloat16" in captions["functions"] and "weights in" not in captions["aggregate"]
     _functions(lm, out / "functions", "--overwrite")  # both in float32 now: read as before
+    assert not any("the maps: " in note["text"] for note in collect(out).notes)
     assert "dtype" not in collect_profile(out, "same")
     assert heads_table(out)[1]
 

@@ -103,27 +103,34 @@ def measured_dtype(signature: Mapping[str, object]) -> str | None:
     table without it (it has ``spacing``) is float32: files written before the key existed (every committed one ran
     without ``--dtype``; one run with another ``--dtype`` then reads as float32) and those written since in float32.
     None where unknown: an importance table written before ``options.dtype`` existed."""
+    return _recorded_dtype(signature)[0]
+
+
+def _recorded_dtype(signature: Mapping[str, object]) -> tuple[str | None, bool]:
+    """:func:`measured_dtype` and whether the signature says it (False: a head-pass table's float32 by default)."""
     if isinstance(signature.get("dtype"), str):
-        return str(signature["dtype"])
+        return str(signature["dtype"]), True
     options = signature.get("options")
     if isinstance(options, Mapping) and isinstance(options.get("dtype"), str):
-        return str(options["dtype"])
-    return DEFAULT_DTYPE if "spacing" in signature else None
+        return str(options["dtype"]), True
+    return (DEFAULT_DTYPE, False) if "spacing" in signature else (None, False)
 
 
 def one_dtype(tables: Iterable[tuple[str, Mapping[str, object]]], where: str) -> str | None:
     """The one dtype that ``tables`` (``(name, signature)`` pairs) were measured in (:func:`measured_dtype`; None:
     none known); tables of two dtypes are refused, naming a table of each: compared or read side by side, a bfloat16
     table and a float32 one are two other computations, head by head."""
-    first: dict[str, str] = {}  # dtype -> the first table measured in it
+    first: dict[str, tuple[str, bool]] = {}  # dtype -> the first table measured in it, and whether it says so
     for name, signature in tables:
-        dtype = measured_dtype(signature)
-        if dtype is not None:
-            first.setdefault(dtype, name)
+        dtype, said = _recorded_dtype(signature)
+        if dtype is not None and (dtype not in first or said and not first[dtype][1]):
+            first[dtype] = (name, said)
     if len(first) > 1:
-        (ours, one), (theirs, other) = list(first.items())[:2]
+        (ours, (one, said)), (theirs, (other, also_said)) = list(first.items())[:2]
+        unsaid = [name for name, known in ((one, said), (other, also_said)) if not known]
+        note = f" ({unsaid[0]} records none: float32, or a file from before the tables recorded it)" if unsaid else ""
         raise HeadlabError(f"{where}: {one} was measured with the weights in {ours}, {other} in {theirs} (--dtype): "
-                           "tables of other precisions are other computations; measure them all in one dtype")
+                           f"tables of other precisions are other computations; measure them all in one dtype{note}")
     return next(iter(first), None)
 
 
