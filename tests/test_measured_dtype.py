@@ -91,23 +91,36 @@ def test_passes_of_two_dtypes_in_one_directory_are_refused_by_the_profile_and_th
     assert heads_table(out)[1]
 
 
-def test_analyze_resumed_with_another_dtype_computes_the_passes_again_and_says_so(lm, tmp_path):
+def test_analyze_resumed_with_another_dtype_computes_the_passes_again_and_says_so(lm, tmp_path, monkeypatch):
     """The stage key holds --dtype (the passes are computed again, never reused from another precision); the tables,
-    the profile and its rendering say bfloat16 (failed before: they said nothing)."""
+    heads.csv, the profile and its rendering say bfloat16 (failed before: they said nothing). A pass's key under
+    another dtype than float32 says that its tables record it: an earlier run's tables, which did not, are computed
+    again rather than read as float32 beside importance tables that say bfloat16."""
+    from headlab.pipeline import pipeline
+
+    payloads = []
+    real = pipeline.stage_key  # the keys as they are, their payloads kept
+    monkeypatch.setattr(pipeline, "stage_key", lambda payload: payloads.append(payload) or real(payload))
     out = tmp_path / "run"
     argv = ["analyze", str(lm / "lm"), "--source", str(lm / "text.txt"), "--conllu", str(lm / "tb.conllu"),
-            "--out", str(out), "--skip", "importance,attention,figures,report", *QUIET]
+            "--out", str(out), "--skip", "lrp,gradient,attention,figures,report", *QUIET]
     assert main(argv) == 0
     assert "dtype" not in _signature(out / "functions/positional/share.json")
+    assert not any("dtype" in p or "dtype_recorded" in p for p in payloads)  # float32 dirs keep their keys
     assert main([*argv, "--dtype", "bfloat16"]) == 0
+    assert {p["stage"] for p in payloads if p.get("dtype_recorded")} == {"functions", "aggregate"}
     for table in ("functions/positional/share.json", "aggregate/mean_distance.json"):
         assert _signature(out / table)["dtype"] == "bfloat16"
+    assert _signature(out / "importance/confidence.json")["options"]["dtype"] == "bfloat16"
+    header, first = (out / "heads.csv").read_text().splitlines()[:2]
+    assert header.startswith("model,run,kind,layer,head,dtype,confidence,") and ",bfloat16," in first
     profile = collect_profile(out, "tiny")
     assert profile["dtype"] == "bfloat16"
     text = render_profiles([profile])
     assert "#### tiny (bfloat16)" in text and "| tiny (bfloat16) | dec_self |" in text
     assert main(argv) == 0  # back to float32: computed again, the files as a float32 run always wrote them
     assert "dtype" not in _signature(out / "aggregate/mean_distance.json")
+    assert (out / "heads.csv").read_text().startswith("model,run,kind,layer,head,confidence,")
     assert "dtype" not in collect_profile(out, "tiny")
 
 
