@@ -174,6 +174,14 @@ def load_config(path: str | os.PathLike, root: str | os.PathLike | None = None) 
     config = ReproduceConfig(models=models, root=str(root), source=str(path), **values)
     if not isinstance(config.threads, int) or config.threads < 1:
         raise HeadlabError(f"{path}: threads must be a positive integer")
+    # The claims read the importance, functions and specialisation tables of a model side by side; the specialisation
+    # stage loads the models itself, in float32: another dtype in one section would compare two precisions head by head.
+    for section in ("importance", "functions"):
+        dtype = getattr(config, section).get("dtype")
+        if dtype not in (None, "float32"):
+            raise HeadlabError(f"{path}: {section}.dtype {dtype!r}: the claims read the {section} tables beside the other "
+                               "stages', measured in float32 (the specialisation stage loads the models in float32); "
+                               "leave dtype out")
     dev, final = config.prune.get("dev_split"), config.prune.get("eval_split", "test")
     if dev is not None and (dev not in config.data or dev == final):
         raise HeadlabError(f"{path}: prune.dev_split must name a data split other than the evaluation's "

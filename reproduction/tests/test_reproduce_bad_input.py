@@ -107,6 +107,25 @@ def test_reproduce_refuses_bad_input_before_the_first_stage(case, expected, repr
     assert not (root / "work").exists()
 
 
+@pytest.mark.parametrize("section", ["importance", "functions"])
+def test_reproduce_refuses_a_dtype_its_claims_would_mix_with_float32(section, repro_config, capsys, monkeypatch):
+    """Regression (sig34): a bfloat16 functions pass (or importance) was set beside the specialisation stage's float32
+    tables in the claims, without a word."""
+    _forbid_reproduction_work(monkeypatch)
+    spec = json.loads(repro_config.read_text())
+    spec.setdefault(section, {})["dtype"] = "bfloat16"
+    repro_config.write_text(json.dumps(spec))
+    assert main(["--config", str(repro_config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{repro_config}: {section}.dtype 'bfloat16': the claims read the {section} tables beside" in err
+    assert "Traceback" not in err and not (repro_config.parent / "work").exists()
+    spec[section]["dtype"] = "float32"  # the default, said: taken
+    repro_config.write_text(json.dumps(spec))
+    from reproduction.config import load_config
+
+    assert getattr(load_config(repro_config), section)["dtype"] == "float32"
+
+
 @pytest.mark.parametrize("flag", ["--stages", "--models"])
 def test_reproduce_refuses_an_empty_list(flag, repro_config, capsys, monkeypatch):
     """Regression: `--stages ,` (an empty list once split) ran every stage, as if not given."""

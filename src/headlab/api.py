@@ -821,7 +821,8 @@ class Analysis:
         columns, rows = self.heads_table()
         frame = _pandas().DataFrame(rows, columns=columns)
         # A measure no head scored is all None: NaN, as pandas.read_csv gives for heads.csv's empty cells.
-        scored = [c for c in columns if c not in ("model", "run", "kind", "numbering", "functions") and frame[c].isna().all()]
+        not_scores = ("model", "run", "kind", "numbering", "dtype", "functions")
+        scored = [c for c in columns if c not in not_scores and frame[c].isna().all()]
         frame[scored] = frame[scored].astype(float)
         return frame
 

@@ -256,6 +256,26 @@ def detach_gates(model: nn.Module, gates: HeadGates | None = None) -> HeadGates 
     return removed
 
 
+def attached_gates(model: nn.Module) -> list[str]:
+    """The names of the gate sets attached to ``model`` (``headlab_gates``, ``headlab_gates_1``, ...), in the order
+    attached: :func:`mask_heads` and :func:`attach_gates` put them there; [] when none is."""
+    stack = model.__dict__.get(_STACK)
+    return list(stack.sets) if stack is not None else []
+
+
+def refuse_gated(model: nn.Module, what: str, instead: str = "") -> None:
+    """Refuse to measure ``what`` on a model with gates attached: they scale heads' outputs, so every later layer
+    computes on the gated model, and a table would not say which heads were switched off or by how much. ``instead``:
+    the caller's own way to measure with heads masked, said first."""
+    names = attached_gates(model)
+    if names:
+        way = f"{instead}, or " if instead else ""
+        raise HeadlabError(f"{what}: the model has gates attached ({', '.join(names)}: headlab.mask_heads or "
+                           "attach_gates), which scale heads' outputs; its tables would be the gated model's without "
+                           f"saying so: {way}run it outside the mask_heads block (or after detach_gates), or prune the "
+                           "heads (headlab.prune_heads) and analyse the pruned model")
+
+
 @checked_keywords()
 @contextmanager
 def gates_attached(model: nn.Module, gates: HeadGates) -> Iterator[HeadGates]:

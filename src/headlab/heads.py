@@ -20,7 +20,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -82,6 +82,56 @@ def reconstructed_note(blocks: "list[str]") -> str:
     return (f"head numbers of {', '.join(blocks)} are reconstructed, not the original model's: the pruned model was "
             "re-saved without headlab_pruning.json, so its kept heads are numbered as its weights group them "
             "(docs/foundation.md, \"Re-saved by transformers\")")
+
+
+DEFAULT_DTYPE = "float32"
+"""The weights' dtype of a run without ``--dtype``: :func:`headlab.loading.load_model` widens every checkpoint to it.
+A head-pass table (``functions``, ``aggregate``) records its dtype only when it is another one, so that a float32
+run writes the files it always wrote."""
+
+
+def weights_dtype(model: Any) -> str:
+    """The dtype of ``model``'s floating-point weights (``--dtype``), as the tables record it: ``"float32"``,
+    ``"bfloat16"``; several joined by commas (``"bfloat16,float32"``); ``"none"`` for none."""
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    return ",".join(found) or "none"
+
+
+def measured_dtype(signature: Mapping[str, object]) -> str | None:
+    """The dtype of the weights a table was measured with, from its signature: ``dtype`` (a head-pass table,
+    :mod:`headlab.functions`, written where not float32) or ``options.dtype`` (an importance table). A head-pass
+    table without it (it has ``spacing``) is float32: files written before the key existed (every committed one ran
+    without ``--dtype``; one run with another ``--dtype`` then reads as float32) and those written since in float32.
+    None where unknown: an importance table written before ``options.dtype`` existed."""
+    return _recorded_dtype(signature)[0]
+
+
+def _recorded_dtype(signature: Mapping[str, object]) -> tuple[str | None, bool]:
+    """:func:`measured_dtype` and whether the signature says it (False: a head-pass table's float32 by default)."""
+    if isinstance(signature.get("dtype"), str):
+        return str(signature["dtype"]), True
+    options = signature.get("options")
+    if isinstance(options, Mapping) and isinstance(options.get("dtype"), str):
+        return str(options["dtype"]), True
+    return (DEFAULT_DTYPE, False) if "spacing" in signature else (None, False)
+
+
+def one_dtype(tables: Iterable[tuple[str, Mapping[str, object]]], where: str) -> str | None:
+    """The one dtype that ``tables`` (``(name, signature)`` pairs) were measured in (:func:`measured_dtype`; None:
+    none known); tables of two dtypes are refused, naming a table of each: compared or read side by side, a bfloat16
+    table and a float32 one are two other computations, head by head."""
+    first: dict[str, tuple[str, bool]] = {}  # dtype -> the first table measured in it, and whether it says so
+    for name, signature in tables:
+        dtype, said = _recorded_dtype(signature)
+        if dtype is not None and (dtype not in first or said and not first[dtype][1]):
+            first[dtype] = (name, said)
+    if len(first) > 1:
+        (ours, (one, said)), (theirs, (other, also_said)) = list(first.items())[:2]
+        unsaid = [name for name, known in ((one, said), (other, also_said)) if not known]
+        note = f" ({unsaid[0]} records none: float32, or a file from before the tables recorded it)" if unsaid else ""
+        raise HeadlabError(f"{where}: {one} was measured with the weights in {ours}, {other} in {theirs} (--dtype): "
+                           f"tables of other precisions are other computations; measure them all in one dtype{note}")
+    return next(iter(first), None)
 
 
 def check_kind(kind: str) -> str:

@@ -69,14 +69,17 @@ from headlab.errors import HeadlabError, counted
 from headlab.functions.config import AnalysisConfig
 from headlab.functions.registry import STATISTICS
 from headlab.functions.statistic import StatisticResult
+from headlab.gates import refuse_gated
 from headlab.heads import (
     CAUSAL_KINDS,
+    DEFAULT_DTYPE,
     Numbering,
     atomic_write_text,
     reconstructed_blocks,
     reconstructed_note,
     renumbered_blocks,
     renumbering_needed,
+    weights_dtype,
     write_json,
 )
 from headlab.loading import check_tokenizer_fits
@@ -209,6 +212,8 @@ class HeadAnalysis:
     numbering: Numbering | None = None
     """A physically pruned model's heads (:data:`headlab.heads.Numbering`), which ``results`` name by
     their original index; None: the model's heads are its original ones."""
+    dtype: str = DEFAULT_DTYPE
+    """The dtype of the model's weights (:func:`headlab.heads.weights_dtype`), in summary.json where not float32."""
 
     def __getattr__(self, name: str):
         if name in STATISTICS:
@@ -239,7 +244,8 @@ class HeadAnalysis:
         later = {**_LATER_DEFAULTS, **{s.dest: s.default for s in self.config.plugin_specs()
                                         if s.field.metadata.get("omit_default")}}
         config = {k: v for k, v in config.items() if later.get(k, object()) != v}
-        summary = {"model": self.model, "config": config, "report": self.report.to_json()}
+        summary = {"model": self.model, **({"dtype": self.dtype} if self.dtype != DEFAULT_DTYPE else {}),
+                   "config": config, "report": self.report.to_json()}
         paths.append(write_json(directory / "summary.json", summary, ensure_ascii=False))
         path = directory / "README.md"
         atomic_write_text(path, self.functions_markdown())
@@ -293,6 +299,8 @@ def analyze_heads(
         raise HeadlabError("decoder analysis needs the source sentences: give the source CoNLL-U or a "
                            "source text file, one sentence per line, aligned with the target parses")
     check_tokenizer_fits(tokenizer, model, model_name or type(model).__name__)
+    refuse_gated(model, "the head functions and aggregate statistics")
+    dtype = _one_precision(model, active())
     sides, blocks = _analysed_sides(model, seq2seq, conllu is not None, target_conllu is not None)
     # a --max-length above the model's positions is lowered (longer inputs would index past its position table)
     max_length = model_max_length(model, tokenizer, config.max_length)
@@ -327,13 +335,14 @@ def analyze_heads(
             str(path): counts[name].to_json()
             for name, path in (("source", conllu), ("target", target_conllu)) if path is not None
         }
-        signature = {**_signature(report, config, target_conllu or conllu, max_length), **declared_numbering(model)}
+        signature = {**_signature(report, config, target_conllu or conllu, max_length, dtype), **declared_numbering(model)}
         results = {name: stat.result(model=model_name, signature=signature) for name, stat in stats.items()}
         if numbering is not None:  # a pruned model: its heads by their original index, as the importance scores
             # (a statistic without renumbered was refused unless each layer kept its first heads: then its indices hold)
             results = {name: result.renumbered(numbering) if STATISTICS[name].original_numbering else result  # type: ignore[attr-defined]
                        for name, result in results.items()}
-        return HeadAnalysis(config=config, report=report, model=model_name, results=results, numbering=numbering)
+        return HeadAnalysis(config=config, report=report, model=model_name, results=results, numbering=numbering,
+                            dtype=dtype)
     finally:
         if bar is not None:
             bar.close()
@@ -470,7 +479,20 @@ def _run_batches(model, tokenizer, stream: Iterator, feeder: _Feeder, config: An
             on_batch(index)
 
 
-def _signature(report: RunReport, config: AnalysisConfig, data, max_length: int) -> dict:
+def _one_precision(model, shard: Shard) -> str:
+    """The dtype of the model's weights (:func:`headlab.heads.weights_dtype`); in a sharded run, the same in every
+    process, checked before any work: the processes' sums are added into one table, which would mix precisions."""
+    dtype = weights_dtype(model)
+    if shard.split:
+        found = shard.gather(dtype)
+        other = next(((rank, theirs) for rank, theirs in enumerate(found) if theirs != found[0]), None)
+        if other is not None:
+            raise HeadlabError(f"process rank {other[0]} holds the model in {other[1]}, rank 0 in {found[0]} (--dtype): "
+                               "their sums would be added into one table of mixed precisions; load it in one dtype")
+    return dtype
+
+
+def _signature(report: RunReport, config: AnalysisConfig, data, max_length: int, dtype: str = DEFAULT_DTYPE) -> dict:
     signature = {
         "data": str(data),
         "sentences": report.n_sentences,
@@ -481,6 +503,8 @@ def _signature(report: RunReport, config: AnalysisConfig, data, max_length: int)
     }
     if config.word_pooling != "sum":  # the default leaves the signature (and older result files) as they were
         signature["word_pooling"] = config.word_pooling
+    if dtype != DEFAULT_DTYPE:  # float32 (no --dtype) leaves the signature (and older result files) as they were
+        signature["dtype"] = dtype
     signature["version"] = __version__
     return signature
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, HeadScores, atomic_write_text, write_json
+from headlab.heads import KINDS, HeadScores, atomic_write_text, measured_dtype, write_json
 
 __all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
 
@@ -96,6 +96,18 @@ class AgreementTable:
 _SAME_DATA = {"n_sentences": "sentences", "n_source_tokens": "source tokens", "max_length": "max_length"}
 
 
+_UNKNOWN = object()
+
+
+def _mask(signature) -> object:
+    """The heads masked while a table was measured: its ``options.mask`` (an importance table; none: the whole
+    model); a head-pass table (``spacing``): none, the head functions refuse a gated model; else unknown."""
+    options = signature.get("options")
+    if isinstance(options, dict):
+        return options.get("mask") or None
+    return None if "spacing" in signature else _UNKNOWN
+
+
 def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
     differ = [f"{what} {scores.signature[key]} (the reference's: {reference.signature[key]})"
               for key, what in _SAME_DATA.items()
@@ -106,15 +118,16 @@ def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
     # The weights' dtype (--dtype) and the heads masked while measuring (signature options, headlab.importance's
     # pipeline): a bfloat16 table against a float32 one, or a masked model's against the whole model's, compares
     # two other computations head by head.
-    ours, theirs = scores.signature.get("options"), reference.signature.get("options")
-    if isinstance(ours, dict) and isinstance(theirs, dict):
-        other = [f"weights' dtype {ours['dtype']} (the reference's: {theirs['dtype']})"] \
-            if "dtype" in ours and "dtype" in theirs and ours["dtype"] != theirs["dtype"] else []  # older tables: none
-        if ours.get("mask") != theirs.get("mask"):  # no mask: the whole model
-            other.append(f"heads masked {ours.get('mask') or 'none'} (the reference's: {theirs.get('mask') or 'none'})")
-        if other:
-            raise HeadlabError(f"agreement: {name} and {reference.method} were measured on other weights "
-                               f"({'; '.join(other)}): compute the measures in one run")
+    # A head-pass table (functions, aggregate) says its dtype too (measured_dtype; an older importance table: none).
+    dtype, reference_dtype = measured_dtype(scores.signature), measured_dtype(reference.signature)
+    other = [f"weights' dtype {dtype} (the reference's: {reference_dtype})"] \
+        if dtype is not None and reference_dtype is not None and dtype != reference_dtype else []
+    ours, theirs = _mask(scores.signature), _mask(reference.signature)
+    if ours is not _UNKNOWN and theirs is not _UNKNOWN and ours != theirs:
+        other.append(f"heads masked {ours or 'none'} (the reference's: {theirs or 'none'})")
+    if other:
+        raise HeadlabError(f"agreement: {name} and {reference.method} were measured on other weights "
+                           f"({'; '.join(other)}): compute the measures in one run")
 
 
 def _other_model(name: str, scores: HeadScores, reference: HeadScores) -> None:

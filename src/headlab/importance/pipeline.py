@@ -75,6 +75,9 @@ def run_importance(
     the current numbering (as :func:`~headlab.gates.mask_heads` takes it); the tables, and the
     mask their signature records, name a pruned model's heads by their original index."""
     config = config or ImportanceConfig()
+    from headlab.gates import refuse_gated
+
+    refuse_gated(model, "importance", instead="give mask= (run_importance's), which the tables record")
     kinds, left_out = _text_kinds(model, config.kinds)
     if left_out:
         log(f"leaving out {left_out}: token ids do not run them, so no measure can score them from text")
@@ -160,9 +163,10 @@ def _text_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> tuple[tuple[
 
 def _weights_dtype(model) -> str:
     """The dtype of the model's floating-point weights (--dtype): the numbers differ by it (bfloat16 keeps 8 bits of
-    mantissa), and a table of a bfloat16 run read like one of a float32 run."""
-    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
-    return ",".join(found) or "none"
+    mantissa), and a table of a bfloat16 run read like one of a float32 run (:func:`headlab.heads.weights_dtype`)."""
+    from headlab.heads import weights_dtype
+
+    return weights_dtype(model)
 
 
 def _with_versions(table: HeadScores, options: dict, left_out: str | None = None, numbering: dict | None = None) -> HeadScores:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 from headlab._lazy import LiveNames as _Live
 from headlab._version import __version__
 from headlab.errors import HeadlabError, RunFailed, counted
+from headlab.heads import DEFAULT_DTYPE
 from headlab.importance.measure_options import confidence_engine
 from headlab.importance.registry import MEASURES, REFERENCE
 from headlab.lock import LOCK_FILE, DirectoryLock
@@ -574,6 +575,8 @@ class _Context:
                        "max_length": c.max_length, "batch_size": c.batch_size}
             if c.engine is not None:  # as summary.json records it: another engine runs the pass again
                 payload["engine"] = c.engine
+            if c.dtype not in (None, DEFAULT_DTYPE):  # the tables say it since session 34: an earlier run's did not
+                payload["dtype_recorded"] = True
             own = {s.dest for s in c.plugin_specs()}  # the pass's statistics' options, where not their defaults
             payload.update({s.dest: getattr(c, s.dest) for statistic in _statistics(name).values()
                             for s in statistic.option_specs()

@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from headlab.errors import HeadlabError
+from headlab.heads import DEFAULT_DTYPE, one_dtype
+from headlab.pipeline.table import pass_folders
 from headlab.plugins import WRITTEN_UNDER, ProfilePart, read_result
 
 __all__ = ["collect_profile", "render_profiles", "replace_block", "read_block", "PROFILE_VERSION"]
@@ -46,6 +48,24 @@ def _refuse_unvouched(root: Path, parts: list[tuple[str, ProfilePart]]) -> None:
         raise HeadlabError(f"{root}: no profile from this directory: " + "; ".join(g.text() for g in groups))
 
 
+def _measured_dtype(root: Path) -> str:
+    """The one dtype that the tables of the functions and aggregate passes in ``root`` were measured in
+    (:func:`headlab.heads.one_dtype`): ``functions`` and ``aggregate`` run apart into one directory with other
+    ``--dtype`` are refused, naming a table of each; float32 where none says (files from before the key existed)."""
+    import json
+
+    tables = []
+    for folder in pass_folders():
+        for path in sorted((root / folder).rglob("*.json")) if (root / folder).is_dir() else ():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # not a table: the parts read (and name) the files they need
+            if isinstance(data, dict) and isinstance(data.get("signature"), dict) and "scores" in data:
+                tables.append((path.relative_to(root).as_posix(), data["signature"]))
+    return one_dtype(tables, f"{root}: no profile from this directory") or DEFAULT_DTYPE
+
+
 def collect_profile(analysis_dir: str | Path, name: str, description: str = "") -> dict:
     """The profile of the model analysed into ``analysis_dir`` (an ``analyze --out`` directory,
     or any directory holding ``functions/`` and ``aggregate/``). A directory whose manifest.json
@@ -54,15 +74,21 @@ def collect_profile(analysis_dir: str | Path, name: str, description: str = "") 
     parts = _parts()
     _refuse_unvouched(root, parts)
     summary = read_result(root / "functions" / "summary.json")
+    dtype = _measured_dtype(root)
     profile = {"version": PROFILE_VERSION, "name": name, "description": description,
                "data": summary["report"].get("treebanks", {}), "n_sentences": summary["report"]["n_sentences"],
-               "kinds": {}}
+               **({"dtype": dtype} if dtype != DEFAULT_DTYPE else {}), "kinds": {}}
     for kind in summary["report"]["analysed"]:
         entries: dict = {}
         for stage, part in parts:
             entries.update(part.collect(root / WRITTEN_UNDER[stage], kind))
         profile["kinds"][kind] = entries
     return profile
+
+
+def _shown_name(profile: dict) -> str:
+    """The model's name, with the dtype of a profile not measured in float32 (a profile without one was)."""
+    return profile["name"] + (f" ({profile['dtype']})" if profile.get("dtype") else "")
 
 
 def _row(cells: list[str]) -> str:
@@ -74,7 +100,7 @@ def _overview(profiles: list[dict], parts: list[ProfilePart]) -> list[str]:
     lines = [_row(columns), "|" + "---|" * len(columns)]
     for profile in profiles:
         for kind, entries in profile["kinds"].items():
-            lines.append(_row([profile["name"], kind] + [cell for part in parts if part.cells is not None
+            lines.append(_row([_shown_name(profile), kind] + [cell for part in parts if part.cells is not None
                                                          for cell in part.cells(kind, entries)]))
     return lines
 
@@ -85,9 +111,11 @@ def render_profiles(profiles: list[dict]) -> str:
     parts = [part for _, part in _parts()]
     lines = _overview(profiles, parts)
     for profile in profiles:
-        lines += ["", f"#### {profile['name']}", ""]
+        lines += ["", f"#### {_shown_name(profile)}", ""]
         if profile["description"]:
             lines += [profile["description"], ""]
+        if profile.get("dtype"):
+            lines += [f"Measured with the weights in {profile['dtype']} (--dtype), not float32.", ""]
         tables = [part.table(profile["kinds"]) for part in parts if part.table is not None]
         for index, table in enumerate(tables):
             lines += ([""] if index else []) + table

@@ -1,7 +1,8 @@
 """One long table per run: ``heads.csv`` (and ``heads.parquet`` when pyarrow is installed).
 
 One row per head (``model``, ``run``, ``kind``, ``layer``, ``head``: the model argument of the run
-and the name of its directory, so that the tables of several runs stack with ``pandas.concat``),
+and the name of its directory, so that the tables of several runs stack with ``pandas.concat``;
+``dtype`` after them where the tables were measured with the weights in another dtype than float32),
 one column per measure or statistic that the run wrote as a HeadScores file, then the head's
 function labels: ``functions`` (all of them, ``; ``-separated) and one column per group
 that the statistics declare (``positional``, ``syntactic``, ``rare``:
@@ -26,7 +27,7 @@ import re
 from pathlib import Path
 
 from headlab.errors import HeadlabError
-from headlab.heads import KINDS, HeadScores, atomic_write_text, reconstructed_blocks
+from headlab.heads import DEFAULT_DTYPE, KINDS, HeadScores, atomic_write_text, one_dtype, reconstructed_blocks
 from headlab.pipeline.labels import function_groups, label_group
 
 __all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
@@ -35,7 +36,8 @@ KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
 
 TABLE_FORMAT = 3
 """2: ``model`` and ``run`` columns, identifier-safe names; 3: the ``numbering`` column of a model whose head
-numbers were reconstructed (part of the table stage's key)."""
+numbers were reconstructed (part of the table stage's key). The ``dtype`` column (session 34) needed none: only
+tables measured since, in another dtype than float32, have it, and their stages ran again (their keys, ``analyze``)."""
 
 def _sources() -> tuple[str, ...]:
     """Directories of DIR whose HeadScores files become columns: the measures', the functions pass's
@@ -50,6 +52,11 @@ def _sources() -> tuple[str, ...]:
             if folder not in folders:
                 folders.append(folder)
     return tuple(folders)
+
+
+def pass_folders() -> tuple[str, ...]:
+    """The folders of DIR that the functions and aggregate passes write their HeadScores files in."""
+    return tuple(folder for folder in _sources() if folder != "importance")
 
 
 def _column(relative: Path) -> str:
@@ -139,6 +146,10 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
                run: str = "") -> tuple[list[str], list[list]]:
     """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``);
     ``model`` and ``run`` fill the columns of those names."""
+    columns_scores = list(columns_scores)
+    # one row per head holds them side by side: tables of two precisions are refused (a missing dtype: see measured_dtype)
+    dtype = one_dtype(((f"column {name}", scores.signature) for name, scores in columns_scores), str(where) or "heads table")
+    precision = [dtype] if dtype not in (None, DEFAULT_DTYPE) else []  # float32: the columns they always were
     values: dict[str, dict[tuple[str, int, int], float]] = {}
     reconstructed: set[str] = set()
     for name, scores in columns_scores:
@@ -154,7 +165,7 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
     heads_sorted = sorted(heads, key=lambda h: (order.get(h[0], len(KINDS)), h[1], h[2]))
     measures = list(values)
     # where head numbers are reconstructed, each row says whether its head's number is the original model's
-    columns = [*KEY_COLUMNS, *(["numbering"] if reconstructed else []), *measures]
+    columns = [*KEY_COLUMNS, *(["numbering"] if reconstructed else []), *(["dtype"] if precision else []), *measures]
     groups = function_groups()
     if labels:
         columns += ["functions", *groups]
@@ -163,6 +174,7 @@ def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path =
         row: list = [model, run, kind, layer, head]
         if reconstructed:
             row.append("reconstructed" if f"{kind}:{layer}" in reconstructed else "original")
+        row += precision
         for name in measures:
             value = values[name].get((kind, layer, head), math.nan)
             row.append(None if value is None or math.isnan(value) else float(value))

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import HeadScores, normalised_per_layer, reconstructed_blocks, reconstructed_note
+from headlab.heads import (
+    DEFAULT_DTYPE,
+    HeadScores,
+    measured_dtype,
+    normalised_per_layer,
+    one_dtype,
+    reconstructed_blocks,
+    reconstructed_note,
+)
 from headlab.importance.registry import MEASURES, tables
 from headlab.markup import finite, read_json_noted
 from headlab.plugins import Output
@@ -37,6 +45,7 @@ class Collected:
     per_layer: set[str] = field(default_factory=set)  # ids of the maps normalised per layer (not in the page's data)
     vouched: Vouched = field(default_factory=Vouched)  # the stages' files that manifest.json vouches for
     reconstructed: set[str] = field(default_factory=set)  # blocks whose head numbers a map's signature says are reconstructed
+    signatures: list[tuple[str, Mapping]] = field(default_factory=list)  # (file, signature) of each map: their dtypes
 
     def reads(self, path: Path) -> bool:
         """Whether ``path`` (in the directory) is read: not a file of a stage the manifest says did not finish."""
@@ -75,12 +84,17 @@ def _heatmap(out: Collected, path: Path, group: str, name: str, title: str, capt
         return
     reconstructed = reconstructed_blocks(scores.signature)
     out.reconstructed.update(reconstructed)
+    relative = str(path.relative_to(out.directory))
+    out.signatures.append((relative, scores.signature))
+    dtype = measured_dtype(scores.signature)
+    if dtype not in (None, DEFAULT_DTYPE):  # float32 (no --dtype) leaves the caption as it was
+        caption += f"; measured with the weights in {dtype} (--dtype)"
     out.heatmaps.append({
         "id": f"{group}/{name}", "group": group, "name": name, "title": title,
         "caption": caption + _caption_notes(scores.signature)
         + (f"; head numbers of {', '.join(reconstructed)} reconstructed, not the original model's (run summary)"
            if reconstructed else ""), "method": scores.method,
-        "file": str(path.relative_to(out.directory)), "scores": data,
+        "file": relative, "scores": data,
         "categorical": categorical,
     })
     if normalised_per_layer(scores.signature):  # gradient importance, LRP
@@ -271,4 +285,8 @@ def collect(directory: Path) -> Collected:
         out.attention = index
     if out.reconstructed:  # every map, the labels and the viewer name these heads so: said once at the top
         out.note("summary", reconstructed_note(sorted(out.reconstructed)))
+    try:  # maps of two precisions side by side (a directory assembled from runs with other --dtype): said at the top
+        one_dtype(out.signatures, "the maps")
+    except HeadlabError as error:
+        out.note("summary", str(error))
     return out
