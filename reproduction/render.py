@@ -92,18 +92,26 @@ MAIN_DOC = HEAVY_LIFTING.parents[2] / "reproduction.md"
 
 def _nmt_rows(path: Path) -> list[str]:
     """The translation rows of the title's test: H1 (gates against k random and least specialised encoder heads,
-    decoder frozen) and H3 (pruned against from scratch with the full model's recipe), verdicts as the report gives."""
+    decoder frozen) and H3 (pruned against from scratch with the full model's recipe), verdicts as the report gives;
+    those of the plan's stage 2 beside it (``stage-2/results.json``: every run of H1 continued to 1,728 updates, H3's
+    encoder point with them; ``report --stage 2 --out .../stage-2``) where it exists, which the plan decides on."""
+    stage2 = path.parent / "stage-2" / "results.json"
+    later = stage2.is_file()
+    results = ("[results.md](results/heavy-lifting-nmt/results.md), stage 2, every run continued to 1,728 updates: "
+               "[stage-2/results.md](results/heavy-lifting-nmt/stage-2/results.md)" if later else
+               "[results.md](results/heavy-lifting-nmt/results.md)")
     test = ("| multi30k-en-de | the same with the decoder frozen: the gated encoder against k random or least-specialised "
             "encoder heads, same fine-tuning (rules: [heavy_lifting_nmt.md](../experiments/heavy_lifting_nmt.md), results: "
-            "[results.md](results/heavy-lifting-nmt/results.md)) | k random heads (3 seeds), the k least specialised |")
+            f"{results}) | k random heads (3 seeds), the k least specialised |")
     if not path.is_file():
         return [f"{test} not run (no results.json) |"]
-    result = json.loads(path.read_text(encoding="utf-8"))
+    result = json.loads((stage2 if later else path).read_text(encoding="utf-8"))
     h1, h3 = result["h1_verdict"], result["h3_verdict"]
     missing = f": {', '.join(result['missing'])}" if result.get("missing") else ""
-    return [f"{test} {_cell(h1['verdict'])} ({h1['why']}) |",
+    at = "stage 2: " if later else ""
+    return [f"{test} {_cell(h1['verdict'])} ({at}{h1['why']}) |",
             "| multi30k-en-de | Table 2, fair: pruned against the same heads trained from scratch with the full model's "
-            f"recipe | from scratch, {len(result['h3'])} points | {_cell(h3['verdict'])} ({h3['why']}{missing}) |"]
+            f"recipe | from scratch, {len(result['h3'])} points | {_cell(h3['verdict'])} ({at}{h3['why']}{missing}) |"]
 
 
 def _title_rows(path: Path = HEAVY_LIFTING, epoch2: Path = HEAVY_LIFTING_EPOCH2,

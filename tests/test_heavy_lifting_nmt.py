@@ -67,11 +67,16 @@ def test_h1_rules():
     assert verdict == "inconclusive" and "not settled at k = [8]" in why and "8 of 8" in why
     assert report._h1_verdict([_row(8, 0.0001, heads=9)] + significant[1:])[0] == "inconclusive"
     assert report._h1_verdict([{"k": 8, "missing": True}] + significant[1:])[0] == "inconclusive"
+    # every ground is named (stage 2: points that closed a head and runs not settled), with the equal-budget reading
+    verdict, why = report._h1_verdict([_row(8, 0.0001, heads=7, settled=False), _row(5, 0.0001, settled=False)]
+                                      + significant[2:])
+    assert verdict == "inconclusive"
+    assert "does not keep k encoder heads at k = [8]" in why and "not settled at k = [8, 5]" in why and "8 of 8" in why
 
 
-def _h3(low, high, settled=True):
+def _h3(low, high, settled=True, heads_match=True):
     return {"point": "p", "difference": {"difference": (low + high) / 2, "low": low, "high": high},
-            "pruned_settled": settled}
+            "pruned_settled": settled, "heads_match": heads_match}
 
 
 def test_h3_rules():
@@ -85,6 +90,29 @@ def test_h3_rules():
     verdict, why = report._h3_verdict([_h3(0.2, 1.5)] * 3, handicapped)
     assert verdict == "inconclusive" and "does not reproduce the bundled model" in why
     assert report._h3_verdict([_h3(0.2, 1.5)] * 3, None)[0] == "inconclusive"
+    # a pruned point continued at stage 2 that closed a head is not the architecture trained from scratch
+    verdict, why = report._h3_verdict([_h3(0.2, 1.5, heads_match=False)] + [_h3(0.2, 1.5)] * 2, calibrated)
+    assert verdict == "inconclusive" and "no longer has the heads trained from scratch: p" in why
+    assert report._h3_verdict([{k: v for k, v in _h3(0.2, 1.5).items() if k != "heads_match"}] * 3,
+                              calibrated)[0] == "holds"  # a results.json of before the check: matched, as evaluated
+
+
+def test_the_summary_rows_read_stage_2_where_it_exists(tmp_path):
+    """docs/reproduction.md's title rows: stage 1's verdicts, superseded by stage-2/results.json beside them."""
+    from reproduction.render import _nmt_rows
+
+    def result(h1, h3):
+        return json.dumps({"h1_verdict": {"verdict": "inconclusive", "why": h1}, "h3": [{}] * 3,
+                           "h3_verdict": {"verdict": "inconclusive", "why": h3}})
+
+    (tmp_path / "results.json").write_text(result("first h1", "first h3"))
+    rows = _nmt_rows(tmp_path / "results.json")
+    assert "(first h1)" in rows[0] and "(first h3)" in rows[1] and "stage-2" not in rows[0]
+    (tmp_path / "stage-2").mkdir()
+    (tmp_path / "stage-2" / "results.json").write_text(result("second h1", "second h3"))
+    rows = _nmt_rows(tmp_path / "results.json")
+    assert "(stage 2: second h1)" in rows[0] and "(stage 2: second h3)" in rows[1]
+    assert "[stage-2/results.md](results/heavy-lifting-nmt/stage-2/results.md)" in rows[0]
 
 
 def test_holm_and_the_hypergeometric_tail():
