@@ -257,3 +257,42 @@ def test_a_model_with_points_pickles():
         assert [b.n_heads for b in attention_blocks(copied)] == [3, 4]
         with mask_heads(copied, {("enc_self", 1): [0]}):
             assert not torch.equal(_logits(copied), expected)
+
+
+
+# -- attn_type="uni" (xlnetuni34): causal, and failing in transformers on padded batches: refused -----------------------
+
+@pytest.mark.parametrize("same_length", [False, True])
+@pytest.mark.parametrize("name", CLASSES)
+def test_uni_refused_before_any_work(name, same_length):
+    """attn_type="uni": XLNetModel's causal mask (on one sentence, the probabilities 0 above the diagonal and the
+    first query's weight forced to 1; with same_length, every query's) makes the layers a decoder's, which headlab
+    labelled enc_self; and transformers 5.24's forward fails on two padded sentences. Refused before any point or
+    hook is installed; "bi" (with same_length too: no effect without a causal mask) stays supported."""
+    cls = CLASSES[name][0]
+    model = _xlnet(cls, attn_type="uni", same_length=same_length)
+    ids = _inputs()["input_ids"]
+    with torch.no_grad():
+        maps = model(input_ids=ids[1:], attention_mask=torch.ones_like(ids[1:]), output_attentions=True).attentions
+    assert all(torch.equal(m.triu(1), torch.zeros_like(m)) for m in maps)
+    assert torch.equal(maps[0][:, :, 0, 0], torch.ones(1, H, dtype=maps[0].dtype))
+    if same_length:
+        assert torch.equal(maps[0][0, 0], torch.eye(6, dtype=maps[0].dtype))
+    with pytest.raises(RuntimeError, match="broadcast shape"), torch.no_grad():
+        model(input_ids=ids, attention_mask=_inputs()["attention_mask"])  # transformers' own failure
+    with pytest.raises(HeadlabError, match="is not supported") as caught:
+        attention_blocks(model)
+    assert "attn_type='uni'" in str(caught.value) and "causal" in str(caught.value)
+    assert ("same_length=True" in str(caught.value)) == same_length
+    assert not any(type(m).__name__ == "HeadPoint" for m in model.modules())
+    with pytest.raises(HeadlabError, match="attn_type='uni'"), capture_attention(model):
+        pass
+    assert [b.kind for b in attention_blocks(_xlnet(cls, same_length=same_length))] == ["enc_self"] * 2
+
+
+def test_uni_refused_on_the_command_line(tmp_path, capsys):
+    from headlab.cli import main
+
+    save_tiny(_xlnet(attn_type="uni").float(), tmp_path / "xlnet", ("the", "a", "cat", "dog"), "bert")
+    assert main(["heads", str(tmp_path / "xlnet")]) == 2
+    assert "attn_type='uni'" in capsys.readouterr().err

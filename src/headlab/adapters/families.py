@@ -1163,6 +1163,7 @@ def _xlnet_points(model: Any) -> None:
 # seg_embed and [h, :] of r_w_bias, r_r_bias, r_s_bias, heads independent (ac, bd after rel_shift_bnij, ef, softmax per
 # head). headlab installs identity points at the queries, keys, values and heads' outputs (headlab.adapters.xlnet) and
 # covers the content stream only (no mems, no target_mapping/perm_mask query stream: refused while its hooks are on).
+# attn_type='bi' only: 'uni' (causal, and failing in transformers on padded batches) is refused (_xlnet).
 # The probabilities come with output_attentions (the 9th argument, by keyword), [q, k, batch, heads].
 XLNET = Family(
     name="xlnet",
@@ -1438,6 +1439,22 @@ def _flaubert(config: Any) -> str | None:
     return _xlm(config)
 
 
+def _xlnet(config: Any) -> str | None:
+    # read in transformers 5.24 (XLNetModel.forward, create_mask; found by xlnetuni34): attn_type="uni" adds a causal
+    # mask, so the layers are a decoder's (dec_self, where XLNET says enc_self: the first query's forced weight would
+    # count as a head's behaviour), but the forward adds the padding mask ([1, k, batch, 1]) in place to the causal one
+    # ([q, k, 1, 1]) and fails for any batch of two or more with an attention_mask, which headlab's batches all pass
+    if getattr(config, "attn_type", "bi") != "uni":
+        return None
+    alone = (" (and with same_length=True and no memory each query sees its own position only)"
+             if getattr(config, "same_length", False) else "")
+    return ("this XLNet has attn_type='uni': its layers attend causally" + alone + ", as a decoder's, where "
+            "headlab's XLNet entry (written for 'bi') reads an encoder's, and transformers 5.24's "
+            "XLNetModel fails on every batch of more than one sentence with an attention mask (it adds the padding "
+            "mask in place to its causal mask of batch size 1), which every batch headlab runs has; XLNet with "
+            "attn_type='bi' (the default) is supported")
+
+
 def _mvp_prompts(config: Any) -> str | None:
     # read in transformers 5.24 (models/mvp): MvpPrompt maps prompt_length prompt ids through prompt_trans (its last
     # Linear emitting num_layers * 2 * d_model) to keys and values [2, heads, prompt_length, head_dim] per layer, which
@@ -1487,5 +1504,6 @@ UNSUPPORTED_CONFIGS: dict[str, Callable[[Any], str | None]] = {"big_bird": _big_
                                                                "longformer": _longformer_windows,
                                                                "led": _longformer_windows, "mvp": _mvp_prompts,
                                                                "dory": _dory,
-                                                               "longt5": _longt5_transient_global}
+                                                               "longt5": _longt5_transient_global,
+                                                               "xlnet": _xlnet}
 """Model types refused before any work in some configurations: the config -> what is missing (None: supported)."""
