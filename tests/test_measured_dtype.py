@@ -181,6 +181,21 @@ def test_the_head_pass_and_importance_refuse_a_model_with_gates_attached(lm, loa
     assert headlab.aggregate(model, tokenizer, treebank).signature.get("dtype") is None  # detached: it runs
 
 
+def test_analyze_refuses_a_model_with_gates_attached_before_any_work(lm, loaded, tmp_path, monkeypatch):
+    """Failed before: with only the attention viewer asked for (no measure, no statistic) headlab.analyze kept the
+    masked model's attention without a word; with measures it refused only once importance began (sigfollow34)."""
+    import headlab
+
+    model, tokenizer = loaded
+    with headlab.mask_heads(model, {("dec_self", 0): [0]}), monkeypatch.context() as patched:
+        patched.setattr(torch.nn.Module, "__call__", lambda *args, **kwargs: pytest.fail("no forward pass"))
+        with pytest.raises(HeadlabError, match=r"^analyze: the model has gates attached \(headlab_gates"):
+            headlab.analyze(model, tokenizer, ["a sentence"], measures=(), attention_sentences=1)
+        with pytest.raises(HeadlabError, match=r"^analyze: the model has gates attached"):
+            headlab.analyze(model, tokenizer, ["a sentence"], out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_processes_holding_the_model_in_other_dtypes_are_refused_before_any_work(lm, loaded, monkeypatch):
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
     from headlab.shard import Shard, sharding

@@ -408,6 +408,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     ``engine``: where confidence, functions and aggregate run, as ``headlab analyze --engine``
     (None: the fused engine; "eager" or "chunked": the references; "kernel": the Triton kernel, on a
     CUDA GPU)."""
+    from headlab.gates import refuse_gated
     from headlab.importance.measure_options import LRPOptions, confidence_engine
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
@@ -415,6 +416,8 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
     _check_model(model, tokenizer)
+    # before any work: the attention kept for the viewer would be the gated model's too, and no table would say so
+    refuse_gated(model, "analyze")
     measures, statistics = _names(measures, "measures"), _names(statistics, "statistics")  # not letter by letter
     for name in measures:
         if name not in MEASURES:
