@@ -146,6 +146,28 @@ def test_agreement_refuses_a_head_pass_table_of_another_dtype_or_a_masked_refere
     compute_agreement({"share": half}, older)
 
 
+def test_agreement_says_which_side_records_no_dtype():
+    """Failed before: against a head-pass table without the key (float32 by default: an older file, or one from a
+    run in another --dtype before the key existed) the refusal said float32 as if the table had said it, where
+    one_dtype's says that the table records none (sigfollow34)."""
+    from headlab.importance.agreement import compute_agreement
+
+    data = {"n_sentences": 4, "max_length": 64}
+    half = _table("confidence", {**data, "options": {"dtype": "bfloat16"}})
+    share = _table("positional_share", {"data": "tb", "spacing": "words"})  # no dtype: read as float32
+    with pytest.raises(HeadlabError, match=r"weights' dtype float32 \(the reference's: bfloat16; share records none: "
+                                           r"float32, or a file from before the tables recorded it\)"):
+        compute_agreement({"share": share}, half)
+    with pytest.raises(HeadlabError, match=r"\(the reference's: float32; positional_share records none: float32"):
+        compute_agreement({"half": half}, share)  # the reference's side, by its method
+    said = _table("positional_share", {"data": "tb", "spacing": "words", "dtype": "float64"})
+    with pytest.raises(HeadlabError, match=r"weights' dtype float64 \(the reference's: bfloat16\)\): compute"):
+        compute_agreement({"share": said}, half)  # both say theirs: nothing more
+    plain = _table("ablation", {**data, "options": {"dtype": "float32"}})
+    with pytest.raises(HeadlabError, match=r"weights' dtype bfloat16 \(the reference's: float32\)\): compute"):
+        compute_agreement({"half": half}, plain)  # importance tables say theirs (options.dtype)
+
+
 def test_a_table_without_the_key_reads_as_float32_and_two_dtypes_are_refused():
     from headlab.heads import measured_dtype, one_dtype
 
