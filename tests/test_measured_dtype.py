@@ -168,6 +168,40 @@ def test_agreement_says_which_side_records_no_dtype():
         compute_agreement({"half": half}, plain)  # importance tables say theirs (options.dtype)
 
 
+def test_records_and_to_pandas_have_the_dtype_column_of_the_heads_table():
+    """Failed before: Analysis.heads (and heads.csv) had a dtype column where the tables were measured in another
+    dtype than float32, while records() and to_pandas() had none, and took tables of two dtypes side by side
+    (sigfollow34)."""
+    import headlab
+
+    def analysis(**signatures):
+        return headlab.Analysis(model="lm", tables={name: _table(name, signature)
+                                                    for name, signature in signatures.items()})
+
+    half = analysis(confidence={"options": {"dtype": "bfloat16"}},
+                    positional_share={"spacing": "words", "dtype": "bfloat16"})
+    columns, rows = half.heads_table()
+    assert columns[:6] == ["model", "run", "kind", "layer", "head", "dtype"] and {row[5] for row in rows} == {"bfloat16"}
+    records = half.records()
+    assert len(records) == 2 * 4
+    assert all(list(r) == ["model", "kind", "layer", "head", "dtype", "measure", "value"] for r in records)
+    assert {r["dtype"] for r in records} == {"bfloat16"}
+    pandas = pytest.importorskip("pandas")
+    frame = half.to_pandas()
+    assert list(frame.columns) == ["model", "kind", "layer", "head", "dtype", "measure", "value"]
+    assert set(frame["dtype"]) == set(half.heads()["dtype"]) == {"bfloat16"}
+    # float32 (said, or a head-pass table without the key): no column, as in heads.csv
+    plain = analysis(confidence={"options": {"dtype": "float32"}}, positional_share={"spacing": "words"})
+    assert "dtype" not in plain.heads_table()[0] and "dtype" not in plain.records()[0]
+    assert list(plain.to_pandas().columns) == ["model", "kind", "layer", "head", "measure", "value"]
+    assert isinstance(frame, pandas.DataFrame)
+    mixed = analysis(confidence={"options": {"dtype": "bfloat16"}}, positional_share={"spacing": "words"})
+    refusal = r"heads table: column .* in (bfloat16|float32), column .* in (bfloat16|float32) .*records none"
+    for call in (mixed.heads_table, mixed.records, mixed.to_pandas):
+        with pytest.raises(HeadlabError, match=refusal):
+            call()
+
+
 def test_a_table_without_the_key_reads_as_float32_and_two_dtypes_are_refused():
     from headlab.heads import measured_dtype, one_dtype
 
