@@ -113,7 +113,7 @@ class ImportanceMeasure:
     def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
             **options: Any) -> list[HeadScores]:
         """:meth:`score_tables` of the model with the heads of ``mask`` switched off
-        (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
+        (:func:`~headlab.gates.mask_heads`, composed with the measure's own gates): the scores
         of the masked model, in which those heads are NaN, as a pruned model's removed heads are.
         ``mask`` is in the current numbering, as ``mask_heads`` takes it; the tables name a pruned
         model's heads by their original index, and so blank the masked heads' original indices.
