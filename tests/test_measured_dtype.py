@@ -146,6 +146,62 @@ def test_agreement_refuses_a_head_pass_table_of_another_dtype_or_a_masked_refere
     compute_agreement({"share": half}, older)
 
 
+def test_agreement_says_which_side_records_no_dtype():
+    """Failed before: against a head-pass table without the key (float32 by default: an older file, or one from a
+    run in another --dtype before the key existed) the refusal said float32 as if the table had said it, where
+    one_dtype's says that the table records none (sigfollow34)."""
+    from headlab.importance.agreement import compute_agreement
+
+    data = {"n_sentences": 4, "max_length": 64}
+    half = _table("confidence", {**data, "options": {"dtype": "bfloat16"}})
+    share = _table("positional_share", {"data": "tb", "spacing": "words"})  # no dtype: read as float32
+    with pytest.raises(HeadlabError, match=r"weights' dtype float32 \(the reference's: bfloat16; share records none: "
+                                           r"float32, or a file from before the tables recorded it\)"):
+        compute_agreement({"share": share}, half)
+    with pytest.raises(HeadlabError, match=r"\(the reference's: float32; positional_share records none: float32"):
+        compute_agreement({"half": half}, share)  # the reference's side, by its method
+    said = _table("positional_share", {"data": "tb", "spacing": "words", "dtype": "float64"})
+    with pytest.raises(HeadlabError, match=r"weights' dtype float64 \(the reference's: bfloat16\)\): compute"):
+        compute_agreement({"share": said}, half)  # both say theirs: nothing more
+    plain = _table("ablation", {**data, "options": {"dtype": "float32"}})
+    with pytest.raises(HeadlabError, match=r"weights' dtype bfloat16 \(the reference's: float32\)\): compute"):
+        compute_agreement({"half": half}, plain)  # importance tables say theirs (options.dtype)
+
+
+def test_records_and_to_pandas_have_the_dtype_column_of_the_heads_table():
+    """Failed before: Analysis.heads (and heads.csv) had a dtype column where the tables were measured in another
+    dtype than float32, while records() and to_pandas() had none, and took tables of two dtypes side by side
+    (sigfollow34)."""
+    import headlab
+
+    def analysis(**signatures):
+        return headlab.Analysis(model="lm", tables={name: _table(name, signature)
+                                                    for name, signature in signatures.items()})
+
+    half = analysis(confidence={"options": {"dtype": "bfloat16"}},
+                    positional_share={"spacing": "words", "dtype": "bfloat16"})
+    columns, rows = half.heads_table()
+    assert columns[:6] == ["model", "run", "kind", "layer", "head", "dtype"] and {row[5] for row in rows} == {"bfloat16"}
+    records = half.records()
+    assert len(records) == 2 * 4
+    assert all(list(r) == ["model", "kind", "layer", "head", "dtype", "measure", "value"] for r in records)
+    assert {r["dtype"] for r in records} == {"bfloat16"}
+    pandas = pytest.importorskip("pandas")
+    frame = half.to_pandas()
+    assert list(frame.columns) == ["model", "kind", "layer", "head", "dtype", "measure", "value"]
+    assert set(frame["dtype"]) == set(half.heads()["dtype"]) == {"bfloat16"}
+    # float32 (said, or a head-pass table without the key): no column, as in heads.csv
+    plain = analysis(confidence={"options": {"dtype": "float32"}}, positional_share={"spacing": "words"})
+    assert "dtype" not in plain.heads_table()[0] and "dtype" not in plain.records()[0]
+    assert list(plain.to_pandas().columns) == ["model", "kind", "layer", "head", "measure", "value"]
+    assert isinstance(frame, pandas.DataFrame)
+    mixed = analysis(confidence={"options": {"dtype": "bfloat16"}}, positional_share={"spacing": "words"})
+    refusal = r"heads table: column .* in (bfloat16|float32), column .* in (bfloat16|float32) .*records none"
+    for call in (mixed.heads_table, mixed.records, mixed.to_pandas):
+        with pytest.raises(HeadlabError, match=refusal):
+            call()
+
+
 def test_a_table_without_the_key_reads_as_float32_and_two_dtypes_are_refused():
     from headlab.heads import measured_dtype, one_dtype
 
@@ -179,6 +235,21 @@ def test_the_head_pass_and_importance_refuse_a_model_with_gates_attached(lm, loa
         with pytest.raises(HeadlabError, match="importance: the model has gates attached .* give mask="):
             headlab.importance(model, tokenizer, ["a sentence"], measures=["confidence"])
     assert headlab.aggregate(model, tokenizer, treebank).signature.get("dtype") is None  # detached: it runs
+
+
+def test_analyze_refuses_a_model_with_gates_attached_before_any_work(lm, loaded, tmp_path, monkeypatch):
+    """Failed before: with only the attention viewer asked for (no measure, no statistic) headlab.analyze kept the
+    masked model's attention without a word; with measures it refused only once importance began (sigfollow34)."""
+    import headlab
+
+    model, tokenizer = loaded
+    with headlab.mask_heads(model, {("dec_self", 0): [0]}), monkeypatch.context() as patched:
+        patched.setattr(torch.nn.Module, "__call__", lambda *args, **kwargs: pytest.fail("no forward pass"))
+        with pytest.raises(HeadlabError, match=r"^analyze: the model has gates attached \(headlab_gates"):
+            headlab.analyze(model, tokenizer, ["a sentence"], measures=(), attention_sentences=1)
+        with pytest.raises(HeadlabError, match=r"^analyze: the model has gates attached"):
+            headlab.analyze(model, tokenizer, ["a sentence"], out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_processes_holding_the_model_in_other_dtypes_are_refused_before_any_work(lm, loaded, monkeypatch):

@@ -18,6 +18,7 @@ from headlab.adapters import attention_blocks, attention_configs
 from headlab.data.frequencies import TokenFrequencies
 from headlab.functions import AnalysisConfig, analyze_heads
 from headlab.functions.registry import STATISTICS
+from headlab.gates import measuring
 from headlab.importance import ImportanceData, describe_model
 from headlab.importance.registry import MEASURES, tables
 from headlab.pipeline.pipeline import STAGES
@@ -122,7 +123,8 @@ def test_scoring_under_a_mask_equals_scoring_the_masked_and_the_pruned_model(fam
     kind = attention_blocks(model)[0].kind
     spec = {(kind, 0): [1], (kind, 1): [0, 3]}
     under_mask = measure.run(model, data, info, mask=spec, batch_size=2)
-    with mask_heads(model, spec):
+    # (a caller's gates are refused by the measures: inside measuring they are the measurement's own, as in run)
+    with measuring(model, name), mask_heads(model, spec):
         masked = [t.without(spec) for t in measure.score_tables(model, data, info, batch_size=2)]
     pruned_model = copy.deepcopy(model)
     prune_heads(pruned_model, spec)
@@ -163,11 +165,12 @@ def test_every_statistic_keeps_the_result_contract(sample_path, tmp_path):  # no
 
 
 def test_measures_compose_with_a_mask():
-    """Gates stack: every measure runs under mask_heads, and a masked head has no gradient."""
+    """Gates stack: every measure runs under mask_heads, and a masked head has no gradient. (A caller's gates are
+    refused by the measures: inside measuring they are the measurement's own, as in ``run(mask=)``.)"""
     torch.set_num_threads(1)
     model = tiny_model("marian")
     info, data = describe_model(model), _data(True)
-    with mask_heads(model, {("enc_self", 0): [2]}):
+    with measuring(model, "the measures"), mask_heads(model, {("enc_self", 0): [2]}):
         scored = {t.method: t for name in MEASURES for t in MEASURES[name]().score_tables(model, data, info,
                                                                                             batch_size=2)}
     assert set(scored) == set(tables())

@@ -408,6 +408,7 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     ``engine``: where confidence, functions and aggregate run, as ``headlab analyze --engine``
     (None: the fused engine; "eager" or "chunked": the references; "kernel": the Triton kernel, on a
     CUDA GPU)."""
+    from headlab.gates import refuse_gated
     from headlab.importance.measure_options import LRPOptions, confidence_engine
     from headlab.importance.registry import MEASURES
     from headlab.pipeline.pipeline import IMPORTANCE_STAGES, write_aggregate, write_agreement, write_functions
@@ -415,6 +416,8 @@ def analyze(model: nn.Module, tokenizer: Any, texts: Sequence[str] | None = None
     if texts is None and treebank is None:
         raise HeadlabError("analyze: give texts (importance), a treebank (functions, aggregate), or both")
     _check_model(model, tokenizer)
+    # before any work: the attention kept for the viewer would be the gated model's too, and no table would say so
+    refuse_gated(model, "analyze")
     measures, statistics = _names(measures, "measures"), _names(statistics, "statistics")  # not letter by letter
     for name in measures:
         if name not in MEASURES:
@@ -828,13 +831,28 @@ class Analysis:
 
     def records(self) -> list[dict]:
         """The tidy table as dicts: one per model, kind, layer, head, measure (the heads.csv
-        column), value; heads a table does not score (NaN) are left out."""
-        return [{"model": self.model, "kind": kind, "layer": layer, "head": head, "measure": name, "value": value}
+        column), value; heads a table does not score (NaN) are left out. A ``dtype`` after ``head``
+        where :meth:`heads` has that column: the tables were measured in another dtype than float32
+        (tables of two are refused, as there)."""
+        return self._records(self._dtype())
+
+    def _dtype(self) -> str | None:
+        """The heads table's ``dtype`` column (:func:`headlab.pipeline.table.table_dtype`); None: it has none."""
+        from headlab.pipeline.table import table_dtype
+
+        return table_dtype(list(self.tables.items()), "heads table")
+
+    def _records(self, dtype: str | None) -> list[dict]:
+        precision = {"dtype": dtype} if dtype is not None else {}  # float32: the keys they always were
+        return [{"model": self.model, "kind": kind, "layer": layer, "head": head, **precision, "measure": name,
+                 "value": value}
                 for name, table in self.tables.items() for (kind, layer, head), value in table.items()]
 
     def to_pandas(self) -> Any:
         """:meth:`records` as a pandas DataFrame: stack several models' with ``pandas.concat``."""
-        return _pandas().DataFrame(self.records(), columns=["model", "kind", "layer", "head", "measure", "value"])
+        dtype = self._dtype()
+        columns = ["model", "kind", "layer", "head", *(["dtype"] if dtype is not None else []), "measure", "value"]
+        return _pandas().DataFrame(self._records(dtype), columns=columns)
 
     def __getitem__(self, column: str) -> HeadScores:
         if column not in self.tables:

@@ -11,10 +11,11 @@ The Hard Concrete gates of the pruning package subclass :class:`HeadGates`.
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from headlab.options import checked_keywords
 GATES_ATTRIBUTE = "headlab_gates"
 _STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
 _Gates = TypeVar("_Gates", bound="HeadGates")
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 def block_name(key: BlockKey) -> str:
@@ -263,17 +265,49 @@ def attached_gates(model: nn.Module) -> list[str]:
     return list(stack.sets) if stack is not None else []
 
 
+_MEASURING = "_headlab_measuring"  # in model.__dict__: how many of headlab's measurements are running on it
+
+
 def refuse_gated(model: nn.Module, what: str, instead: str = "") -> None:
     """Refuse to measure ``what`` on a model with gates attached: they scale heads' outputs, so every later layer
     computes on the gated model, and a table would not say which heads were switched off or by how much. ``instead``:
-    the caller's own way to measure with heads masked, said first."""
+    the caller's own way to measure with heads masked, said first. Inside :func:`measuring` nothing is refused: the
+    gates there are the measurement's own (its ``mask=``, ablation's masks, gradient importance's gates at 1), the
+    caller's were refused on the way in."""
     names = attached_gates(model)
-    if names:
+    if names and not model.__dict__.get(_MEASURING):
         way = f"{instead}, or " if instead else ""
         raise HeadlabError(f"{what}: the model has gates attached ({', '.join(names)}: headlab.mask_heads or "
                            "attach_gates), which scale heads' outputs; its tables would be the gated model's without "
                            f"saying so: {way}run it outside the mask_heads block (or after detach_gates), or prune the "
                            "heads (headlab.prune_heads) and analyse the pruned model")
+
+
+@contextmanager
+def measuring(model: nn.Module, what: str, instead: str = "") -> Iterator[None]:
+    """A public entry point that measures heads (an importance measure's ``run``, ``compute_confidence``, ...):
+    gates the caller attached before the call are refused (:func:`refuse_gated`), and those the measurement attaches
+    itself inside the block are its own, also for the entry points it calls (``run(mask=)`` calls the measure's
+    function inside ``mask_heads``; ablation masks each head in turn). Nested blocks check nothing more."""
+    refuse_gated(model, what, instead)
+    model.__dict__[_MEASURING] = model.__dict__.get(_MEASURING, 0) + 1
+    try:
+        yield
+    finally:
+        left = model.__dict__.pop(_MEASURING) - 1
+        if left:
+            model.__dict__[_MEASURING] = left
+
+
+def measures_heads(what: str, instead: str = "") -> Callable[[_Function], _Function]:
+    """:func:`measuring` around a function whose first argument is the model (``compute_confidence``, ...)."""
+    def wrap(function: _Function) -> _Function:
+        @functools.wraps(function)
+        def measured(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with measuring(model, what, instead):
+                return function(model, *args, **kwargs)
+        return cast(_Function, measured)
+    return wrap
 
 
 @checked_keywords()

@@ -106,6 +106,15 @@ def measured_dtype(signature: Mapping[str, object]) -> str | None:
     return _recorded_dtype(signature)[0]
 
 
+UNRECORDED_DTYPE = "records none: float32, or a file from before the tables recorded it"
+"""What a refusal of two dtypes says of a head-pass table whose signature has no ``dtype`` (:func:`measured_dtype`)."""
+
+
+def dtype_recorded(signature: Mapping[str, object]) -> bool:
+    """Whether a table's signature says its dtype (False: a head-pass table read as float32, or none known)."""
+    return _recorded_dtype(signature)[1]
+
+
 def _recorded_dtype(signature: Mapping[str, object]) -> tuple[str | None, bool]:
     """:func:`measured_dtype` and whether the signature says it (False: a head-pass table's float32 by default)."""
     if isinstance(signature.get("dtype"), str):
@@ -128,7 +137,7 @@ def one_dtype(tables: Iterable[tuple[str, Mapping[str, object]]], where: str) ->
     if len(first) > 1:
         (ours, (one, said)), (theirs, (other, also_said)) = list(first.items())[:2]
         unsaid = [name for name, known in ((one, said), (other, also_said)) if not known]
-        note = f" ({unsaid[0]} records none: float32, or a file from before the tables recorded it)" if unsaid else ""
+        note = f" ({unsaid[0]} {UNRECORDED_DTYPE})" if unsaid else ""
         raise HeadlabError(f"{where}: {one} was measured with the weights in {ours}, {other} in {theirs} (--dtype): "
                            f"tables of other precisions are other computations; measure them all in one dtype{note}")
     return next(iter(first), None)

@@ -40,10 +40,10 @@ from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.capture import eval_mode, float32_mask_floor, spans
 from headlab.data.inputs import Batch, ImportanceData, generated_tokens, make_batches
 from headlab.errors import HeadlabError
-from headlab.gates import gates_attached
+from headlab.gates import gates_attached, measures_heads
 from headlab.heads import HeadScores
 from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, expand_batch, forward_logits, sequence_nll
-from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import METRICS, AblationOptions
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
@@ -186,6 +186,7 @@ def compute_ablation(
                                    kinds=kinds, beam=beam, tokenizer=tokenizer, progress=progress)[0]
 
 
+@measures_heads("ablation", instead=MASK_INSTEAD)
 def compute_ablation_tables(
     model: nn.Module,
     data: ImportanceData,

@@ -17,7 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from headlab.errors import HeadlabError, counted
-from headlab.heads import KINDS, HeadScores, atomic_write_text, measured_dtype, write_json
+from headlab.heads import (
+    KINDS,
+    UNRECORDED_DTYPE,
+    HeadScores,
+    atomic_write_text,
+    dtype_recorded,
+    measured_dtype,
+    write_json,
+)
 
 __all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
 
@@ -120,8 +128,13 @@ def _other_data(name: str, scores: HeadScores, reference: HeadScores) -> None:
     # two other computations head by head.
     # A head-pass table (functions, aggregate) says its dtype too (measured_dtype; an older importance table: none).
     dtype, reference_dtype = measured_dtype(scores.signature), measured_dtype(reference.signature)
-    other = [f"weights' dtype {dtype} (the reference's: {reference_dtype})"] \
-        if dtype is not None and reference_dtype is not None and dtype != reference_dtype else []
+    other = []
+    if dtype is not None and reference_dtype is not None and dtype != reference_dtype:
+        # a side whose signature has no dtype is read as float32 (a head-pass table): said, as one_dtype says it
+        unsaid = [side for side, signature in ((name, scores.signature), (reference.method, reference.signature))
+                  if not dtype_recorded(signature)]
+        note = f"; {unsaid[0]} {UNRECORDED_DTYPE}" if unsaid else ""
+        other.append(f"weights' dtype {dtype} (the reference's: {reference_dtype}{note})")
     ours, theirs = _mask(scores.signature), _mask(reference.signature)
     if ours is not _UNKNOWN and theirs is not _UNKNOWN and ours != theirs:
         other.append(f"heads masked {ours or 'none'} (the reference's: {theirs or 'none'})")

@@ -40,9 +40,10 @@ from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.functions.config import FUSED_QUERY_CHUNK
+from headlab.gates import measures_heads
 from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
-from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import ConfidenceOptions
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import Ledger, active
@@ -114,6 +115,7 @@ def kernel_maxima(stats, queries: torch.Tensor, keys: torch.Tensor,
     return best, counted_queries(queries, keys, causal)
 
 
+@measures_heads("confidence", instead=MASK_INSTEAD)
 def compute_confidence(
     model: nn.Module,
     data: ImportanceData,

@@ -31,7 +31,7 @@ from headlab.capture import eval_mode, float32_mask_floor
 from headlab.data.batching import with_progress
 from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
-from headlab.gates import gates_attached
+from headlab.gates import gates_attached, measures_heads
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, forward_logits, original_mask, sequence_nll
 from headlab.importance.measure import ImportanceMeasure
@@ -51,6 +51,7 @@ def l2_normalize_per_layer(scores: HeadScores, method: str | None = None) -> Hea
     return HeadScores(out, method or scores.method, scores.model, signature)
 
 
+@measures_heads("gradient importance", instead="give mask= (gate_gradients')")
 def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]], info: ModelInfo, *,
                    kinds: tuple[str, ...] | None = None, mask: HeadSpec | None = None,
                    shard: Shard = SINGLE) -> tuple[dict, int, int]:
@@ -100,6 +101,7 @@ def gate_gradients(model: nn.Module, batches: Iterable[tuple[dict, torch.Tensor]
     return scores, n_examples, n_tokens
 
 
+@measures_heads("gradient importance", instead="give mask= (compute_gradient's)")
 def compute_gradient(
     model: nn.Module,
     data: ImportanceData,

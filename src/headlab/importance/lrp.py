@@ -53,9 +53,10 @@ from headlab.capture import Applications, HookHandles, eager_attention, eval_mod
 from headlab.data.batching import with_progress
 from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError, RunFailed, counted
+from headlab.gates import measures_heads
 from headlab.heads import HeadScores
 from headlab.importance.common import block_scores
-from headlab.importance.measure import ImportanceMeasure
+from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import (
     altup_inputs,
@@ -617,6 +618,7 @@ def _contract(grad: torch.Tensor | None, heads: torch.Tensor, n: int | None = No
     return (grad * heads).sum(-1).sum(-2)
 
 
+@measures_heads("LRP (head_relevance)", instead=MASK_INSTEAD)
 def head_relevance(
     model: nn.Module,
     batch: Batch,
@@ -762,6 +764,7 @@ def _auto_chunk(y: torch.Tensor, tensors: list[torch.Tensor], n_slots: int | Non
     return int(max(1, min(n_slots, budget // max(1, widest))))
 
 
+@measures_heads("LRP", instead=MASK_INSTEAD)
 def compute_lrp(
     model: nn.Module,
     data: ImportanceData,

@@ -18,15 +18,18 @@ from typing import Any, ClassVar
 from torch import nn
 
 from headlab.data.inputs import ImportanceData
-from headlab.gates import mask_heads
+from headlab.gates import mask_heads, measuring
 from headlab.heads import HeadScores, HeadSpec
 from headlab.importance.common import original_mask
 from headlab.model_description import ModelInfo
 from headlab.plugins import OptionSpec, ReportPart, build_options, option_specs
 
-__all__ = ["ImportanceMeasure", "NoOptions", "NO_LM_HEAD", "NO_NEXT_TOKEN"]
+__all__ = ["ImportanceMeasure", "NoOptions", "MASK_INSTEAD", "NO_LM_HEAD", "NO_NEXT_TOKEN"]
 
 NO_LM_HEAD = "the model has no language-model head (no logits to explain, no loss to differentiate)"
+MASK_INSTEAD = ("give mask= to the measure's run (headlab.importance.MEASURES[name]().run) or to run_importance, "
+                "which score the model with those heads switched off and blank them in the tables")
+"""How to measure with heads masked, said where a measure's function is refused a model with gates attached."""
 NO_NEXT_TOKEN = ("every sentence is one token, and a language model's loss is on predicting each next token, which "
                  "a one-token sentence does not have (give sentences of two tokens or more)")
 
@@ -110,13 +113,16 @@ class ImportanceMeasure:
     def run(self, model: nn.Module, data: ImportanceData, info: ModelInfo, *, mask: HeadSpec | None = None,
             **options: Any) -> list[HeadScores]:
         """:meth:`score_tables` of the model with the heads of ``mask`` switched off
-        (:func:`~headlab.gates.mask_heads`, composed with any gates already attached): the scores
+        (:func:`~headlab.gates.mask_heads`, composed with the measure's own gates): the scores
         of the masked model, in which those heads are NaN, as a pruned model's removed heads are.
         ``mask`` is in the current numbering, as ``mask_heads`` takes it; the tables name a pruned
-        model's heads by their original index, and so blank the masked heads' original indices."""
-        if not mask:
-            return self.score_tables(model, data, info, **options)
-        with mask_heads(model, mask):
-            tables = self.score_tables(model, data, info, **options)
+        model's heads by their original index, and so blank the masked heads' original indices.
+        A model with gates attached before the call (inside ``mask_heads``) is refused before any work
+        (:func:`~headlab.gates.measuring`): the tables would be the gated model's, none of its heads blanked."""
+        with measuring(model, self.name, instead="give mask= (run's), whose heads the tables blank"):
+            if not mask:
+                return self.score_tables(model, data, info, **options)
+            with mask_heads(model, mask):
+                tables = self.score_tables(model, data, info, **options)
         removed = original_mask(model, mask)
         return [table.without(removed) for table in tables]

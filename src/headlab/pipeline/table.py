@@ -30,7 +30,8 @@ from headlab.errors import HeadlabError
 from headlab.heads import DEFAULT_DTYPE, KINDS, HeadScores, atomic_write_text, one_dtype, reconstructed_blocks
 from headlab.pipeline.labels import function_groups, label_group
 
-__all__ = ["heads_table", "score_columns", "table_rows", "write_heads_table", "KEY_COLUMNS", "TABLE_FORMAT"]
+__all__ = ["heads_table", "score_columns", "table_dtype", "table_rows", "write_heads_table", "KEY_COLUMNS",
+           "TABLE_FORMAT"]
 
 KEY_COLUMNS = ("model", "run", "kind", "layer", "head")
 
@@ -142,14 +143,22 @@ def _heads_table(out_dir: Path, model: str | None, stacklevel: int) -> tuple[lis
     return table_rows(columns_scores, labels, out_dir, model=model, run=out_dir.resolve().name)
 
 
+def table_dtype(columns_scores, where: str) -> str | None:
+    """The dtype of the ``dtype`` column of a table of ``(column, HeadScores)`` pairs (heads.csv,
+    :meth:`headlab.api.Analysis.records`): the one the tables were measured in, None for float32 (or none known), which
+    has no such column. One row per head holds them side by side: tables of two precisions are refused
+    (:func:`headlab.heads.one_dtype`; a missing dtype: :func:`headlab.heads.measured_dtype`)."""
+    dtype = one_dtype(((f"column {name}", scores.signature) for name, scores in columns_scores), where)
+    return dtype if dtype not in (None, DEFAULT_DTYPE) else None
+
+
 def table_rows(columns_scores, labels: dict[str, list[str]], where: str | Path = "", *, model: str = "",
                run: str = "") -> tuple[list[str], list[list]]:
     """``(columns, rows)`` of ``(column, HeadScores)`` pairs and function labels (``"kind:layer:head"``);
     ``model`` and ``run`` fill the columns of those names."""
     columns_scores = list(columns_scores)
-    # one row per head holds them side by side: tables of two precisions are refused (a missing dtype: see measured_dtype)
-    dtype = one_dtype(((f"column {name}", scores.signature) for name, scores in columns_scores), str(where) or "heads table")
-    precision = [dtype] if dtype not in (None, DEFAULT_DTYPE) else []  # float32: the columns they always were
+    dtype = table_dtype(columns_scores, str(where) or "heads table")
+    precision = [dtype] if dtype is not None else []  # float32: the columns they always were
     values: dict[str, dict[tuple[str, int, int], float]] = {}
     reconstructed: set[str] = set()
     for name, scores in columns_scores:
