@@ -93,6 +93,9 @@ SCRATCH = ["--from-scratch", "--scratch-epochs", "14", "--scratch-lr", "7e-4", "
 # Left behind by ``archive``: weights, tokenizers, checkpoints and locks (the result files are small).
 ARCHIVE_SKIP_DIRS = frozenset({"tokenizer", "last", "averaged", "epochs", ".headlab"})
 ARCHIVE_SKIP_SUFFIXES = (".safetensors", ".pt", ".bin", ".tmp")
+# what only loads the pruned weights, which are not archived (a gated point's prune/pruned/): the tokenizer and the
+# loader code, a copy of headlab.portable_code
+ARCHIVE_SKIP_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "pruned_heads.py"})
 ARCHIVE = ROOT / "docs" / "results" / "heavy-lifting-nmt" / "finished"
 TABLE2 = (("scratch-enc-5", "enc/lam-0.01", "enc_self", 5), ("scratch-84", "all/lam-0.005", "all", 84),
           ("scratch-30", "all/lam-0.02", "all", 30), ("scratch-full", None, "all", 144))
@@ -200,7 +203,8 @@ def archive(root: Path, out: Path) -> list[str]:
     import shutil
 
     def ignore(directory: str, names: list[str]) -> list[str]:
-        return [n for n in names if n in ARCHIVE_SKIP_DIRS or n.endswith(ARCHIVE_SKIP_SUFFIXES)]
+        return [n for n in names
+                if n in ARCHIVE_SKIP_DIRS or n in ARCHIVE_SKIP_FILES or n.endswith(ARCHIVE_SKIP_SUFFIXES)]
 
     copied = []
     for run in sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("eval*.json"))):

@@ -145,6 +145,11 @@ def test_archive_keeps_the_result_files_not_the_weights_and_the_report_reads_the
     (train / "hypotheses.txt").write_text("ein Hund\nzwei Katzen\n", encoding="utf-8")
     (runs / "least-1" / "baseline" / ".headlab").mkdir()
     (runs / "least-1" / "baseline" / ".headlab" / "lock").write_text("")
+    pruned = runs / "least-1" / "prune" / "pruned"  # a gated point's pruned model: its record stays, the rest loads it
+    pruned.mkdir(parents=True)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "pruned_heads.py",
+                 "headlab_pruning.json"):
+        (pruned / name).write_text("{}")
     (runs / "least-2" / "baseline").mkdir(parents=True)  # not finished: no eval.json
     evaluation = {"config": {"name": "least-1"}, "hypotheses": str(train / "hypotheses.txt"),
                   "hypotheses_sha256": driver.sha256(train / "hypotheses.txt")}
@@ -153,7 +158,8 @@ def test_archive_keeps_the_result_files_not_the_weights_and_the_report_reads_the
     assert driver.archive(runs, archived) == ["least-1"]
     kept = sorted(str(p.relative_to(archived)) for p in archived.rglob("*") if p.is_file())
     assert kept == ["least-1/baseline/ft-scores-1-None/dev/step-108.txt",
-                    "least-1/baseline/ft-scores-1-None/hypotheses.txt", "least-1/eval.json"]
+                    "least-1/baseline/ft-scores-1-None/hypotheses.txt", "least-1/eval.json",
+                    "least-1/prune/pruned/headlab_pruning.json"]
     assert driver.archive(runs, archived) == []  # archived already
     evaluation["seconds_this_session"] = 1.0  # run again: the copy replaced, nothing left beside it
     (runs / "least-1" / "eval.json").write_text(json.dumps(evaluation))
