@@ -17,11 +17,9 @@ import torch
 from headlab.cli import main
 from headlab.errors import HeadlabError
 from headlab.heads import HeadScores
-from headlab.lm.model import LMConfig, build_lm_config, create_lm
-from headlab.nmt.tokenizer import train_tokenizer
 from headlab.pipeline.profiles import collect_profile, render_profiles
 from headlab.pipeline.table import heads_table
-from support.treebank import SAMPLE_CONLLU
+from support.treebank import tiny_lm_on_sample
 
 QUIET = ["--no-progress"]
 
@@ -29,14 +27,7 @@ QUIET = ["--no-progress"]
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     root = tmp_path_factory.mktemp("dtype")
-    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
-    tokenizer = train_tokenizer([" ".join(words)] * 3, vocab_size=80, min_frequency=1, bos=True)
-    model = create_lm(build_lm_config(LMConfig(d_model=16, ffn_dim=32, layers=2, n_heads=2, max_positions=64),
-                                      tokenizer), seed=0)
-    model.save_pretrained(root / "lm")
-    tokenizer.save_pretrained(root / "lm")
-    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
-    (root / "text.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
+    tiny_lm_on_sample(root)
     return root
 
 

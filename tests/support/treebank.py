@@ -69,6 +69,22 @@ def sample_sentences(tmp_path):
     return list(read_conllu(path))
 
 
+def tiny_lm_on_sample(root) -> None:
+    """A tiny headlab LM saved in ``root/lm`` (BPE on SAMPLE_CONLLU's words), with ``root/tb.conllu`` (the sample
+    treebank) and ``root/text.txt`` (its words, one line): what ``headlab analyze`` needs."""
+    from headlab.lm.model import LMConfig, build_lm_config, create_lm
+    from headlab.nmt.tokenizer import train_tokenizer
+
+    words = [line.split("\t")[1] for line in SAMPLE_CONLLU.splitlines() if line and line[0].isdigit()]
+    tokenizer = train_tokenizer([" ".join(words)] * 3, vocab_size=80, min_frequency=1, bos=True)
+    model = create_lm(build_lm_config(LMConfig(d_model=16, ffn_dim=32, layers=2, n_heads=2, max_positions=64),
+                                      tokenizer), seed=0)
+    model.save_pretrained(root / "lm")
+    tokenizer.save_pretrained(root / "lm")
+    (root / "tb.conllu").write_text(SAMPLE_CONLLU, encoding="utf-8")
+    (root / "text.txt").write_text(" ".join(words) + "\n", encoding="utf-8")
+
+
 def word_tokenizer(words, *, style: str = "marian", max_vocab: int = 99) -> PreTrainedTokenizerFast:
     """One token per word (WordLevel), with the special tokens of a model family.
 
