@@ -76,6 +76,10 @@ The other rules become ordinary backward passes once the right factors are detac
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
   gradient, 0 where it clips, lost that relevance).
 
+* token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
+  rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
+  computes from its input constant as the attention weights are; a mixer none of them matches is refused.
+
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
 it, ``torch.autograd.grad`` returns the modified gradient ``g``, and ``x * g`` is the relevance
@@ -95,6 +99,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
+from headlab.importance import mixer_rules
 from headlab.surgery import head_row_modules
 
 __all__ = ["altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
@@ -651,6 +656,9 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
     """Why none of the rules covers ``module`` (None: they do, or it is none of these), found by
     the family sweep of session 22 (experiments/family_sweep.py), where relevance was not conserved."""
     name = type(module).__name__
+    if (mixer := mixer_rules.rule_for(module)) is not None:  # a mixer with a rule of its own: does it fit?
+        problem = mixer.problem(module, path)
+        return None if problem is None else f"{mixer.name}: {problem}"
     # Mamba's, Mamba-2's and gated delta nets' decay; RecurrentGemma's RG-LRU's (Griffin)
     if any(isinstance(getattr(module, decay, None), torch.Tensor) for decay in ("A_log", "recurrent_param")):
         return ("a state-space (or linear recurrent) token mixer beside the attention: its recurrence multiplies "
@@ -1728,6 +1736,23 @@ class _ClampedGatedProduct:
         return (_swap_backward(v, self.gate(gate_up).to(v.dtype)), *args[1:])
 
 
+def _register(hooks: list[mixer_rules.Hook]) -> list[Any]:
+    """Register a mixer rule's hooks (:data:`mixer_rules.Hook`), their handles back."""
+    handles = []
+    for module, kind, hook in hooks:
+        if kind == "forward":
+            handles.append(module.register_forward_hook(hook))
+        elif kind == "forward_kwargs":
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        elif kind == "pre":
+            handles.append(module.register_forward_pre_hook(hook))
+        elif kind == "pre_kwargs":
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        else:
+            raise AssertionError(f"unknown hook kind {kind!r}")
+    return handles
+
+
 def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
     the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
@@ -1843,6 +1868,9 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 continue
             for module, hook in _attention_hooks(block):
                 handles.append(module.register_forward_hook(hook))
+        for path, module in model.named_modules():
+            if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
+                handles.extend(_register(mixer.hooks(module)))
         yield
     finally:
         handles.remove()

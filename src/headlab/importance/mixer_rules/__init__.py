@@ -1,0 +1,85 @@
+"""LRP rules for the token mixers that hybrid models place beside (or instead of some of) their attention layers.
+
+A mixer rule is a plugin: a module of this package that defines one :class:`MixerRule` and declares it with
+:func:`register` when imported. :mod:`headlab.importance.rules` asks :func:`rule_for` about every module of the
+model: a module some rule matches is checked by the rule's ``problem`` (a layout or forward the rule was not written
+for is refused before any work, naming why) instead of being refused outright as a mixer without a rule, and
+:func:`headlab.importance.rules.lrp_rules` installs the rule's ``hooks``.
+
+Every rule follows the same principle as headlab's attention rule (rules.py's docstring): the factors a mixer
+computes from its own input to weigh its values (the attention weights there; a state-space model's decay and
+input/output matrices, a delta rule's keys, queries and betas, a convolution's gates here) are held constant in the
+backward pass, so the mixer is a weighted sum of its values and relevance flows through them and the residual
+stream, conserved (Jafari et al. 2024, "MambaLRP: Explaining Selective State Space Sequence Models", NeurIPS, which
+shows that holding them constant is what conserves relevance through a selective SSM). Forward values stay
+bit-for-bit unchanged: hooks only reshape the backward (``y.detach() + (z - z.detach())``).
+
+The rule modules are imported on the first call of :func:`rule_for` (they import rules.py's primitives, and
+rules.py asks this package: importing them later keeps one direction of imports at import time).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["MixerRule", "Hook", "register", "rule_for", "rules"]
+
+Hook = tuple[nn.Module, str, Callable[..., Any]]
+"""Where a rule hooks and how: ``(module, kind, hook)`` with kind ``"forward"`` (a forward hook),
+``"forward_kwargs"`` (a forward hook given the keyword arguments too), ``"pre"`` (a forward pre-hook) or
+``"pre_kwargs"``."""
+
+
+@dataclass(frozen=True)
+class MixerRule:
+    """One LRP rule for one kind of token mixer.
+
+    ``name``: what it is, as a refusal or the docs say it ("Gated DeltaNet (Qwen3-Next, Qwen3.5, ...)").
+    ``matches(module)``: whether ``module`` is a mixer of this kind (by class layout, not by family name alone).
+    ``problem(module, path)``: why the rule does not fit this module after all (a layout or a forward it was not
+    written for, found by reading its parts or a probe forward), as the refusal says it; None where it fits.
+    ``hooks(module)``: the hooks that make gradient x input the rule's relevance, installed by ``lrp_rules`` for the
+    duration of one explanation and removed after it.
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    problem: Callable[[nn.Module, str], str | None]
+    hooks: Callable[[nn.Module], list[Hook]]
+
+
+_RULES: list[MixerRule] = []
+
+_PLUGINS: tuple[str, ...] = ()
+"""The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
+
+_loaded = False
+
+
+def register(rule: MixerRule) -> MixerRule:
+    """Declare ``rule`` (called by each rule module when imported)."""
+    _RULES.append(rule)
+    return rule
+
+
+def rules() -> list[MixerRule]:
+    """Every registered rule, its plugins loaded."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for name in _PLUGINS:
+            importlib.import_module(f"{__name__}.{name}")
+    return list(_RULES)
+
+
+def rule_for(module: nn.Module) -> MixerRule | None:
+    """The rule that matches ``module``; None where none does. Two matching rules are a bug of this package."""
+    found = [rule for rule in rules() if rule.matches(module)]
+    if len(found) > 1:
+        raise AssertionError(f"two LRP mixer rules match {type(module).__name__}: {[r.name for r in found]}")
+    return found[0] if found else None
