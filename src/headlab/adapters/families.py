@@ -1303,6 +1303,14 @@ UNSUPPORTED: dict[str, str] = {
                   "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
                   "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
                   "without the decoder's self-attention would leave its heads out",
+    # session 35, read in transformers 5.24 (models/t5gemma2): before, discovery's generic "its forward does not
+    # return the attention function's weights" (T5Gemma2MergedAttention returns them split in two, a third output)
+    "t5gemma2": "T5Gemma 2's decoder attends with merged attention (T5Gemma2MergedAttention): each head takes one "
+                "softmax over [the decoder's tokens | the encoder's tokens], with the same q, k, v and output "
+                "projections for both, so a decoder head has neither a self-attention map whose rows sum to one nor "
+                "a cross-attention map of its own, and masking or pruning it removes both at once; headlab's block "
+                "kinds (dec_self, dec_cross) are one softmax each, and an analysis without the decoder would leave "
+                "its heads out",
     # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
     # (PegasusXAttention) goes through the attention interface, the encoder's does not
     "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
