@@ -406,7 +406,10 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             out = probe(module, args, output[0])
             return None if out is None else (out, None)
         bias = module.bias
-        if id(module) in channels_first and isinstance(output, torch.Tensor) and output.dim() == 3 \
+        # a convolution over [batch, channels, seq] (the Mamba mixers' depthwise conv1d, called as a module by their
+        # rule, importance/mixer_rules/mamba.py): as a channels-first family's modules
+        if (id(module) in channels_first or isinstance(module, nn.Conv1d)) and isinstance(output, torch.Tensor) \
+                and output.dim() == 3 \
                 and bias.dim() == 1 and output.shape[1] == bias.shape[0] and output.shape[0] == batch_size:
             # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq]
             s = torch.ones(output.shape[0], 1, output.shape[2], dtype=output.dtype, device=output.device,

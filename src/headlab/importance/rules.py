@@ -557,8 +557,11 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
     inside = _inside(model, blocks)
     holders = _holders(model, blocks)
+    covered = _covered(model)
     found: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
+        if id(module) in covered:
+            continue
         problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
@@ -567,6 +570,14 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
 
 _KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's own class that computes it), RMS norms "
                 "(weight, 1 + weight, or none) and element-wise x * weight + bias")
+
+
+def _covered(model: nn.Module) -> set[int]:
+    """The modules inside a mixer whose rule gives the whole mixer its backward (``MixerRule.covers_children``):
+    they need no rule of their own, and get none."""
+    return {id(child) for module in model.modules()
+            if (mixer := mixer_rules.rule_for(module)) is not None and mixer.covers_children
+            for child in module.modules() if child is not module}
 
 
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
@@ -1797,7 +1808,10 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
+        covered = _covered(model)  # inside a mixer whose rule covers it whole: no other rule there
         for path, module in model.named_modules():
+            if id(module) in covered:
+                continue
             if path in unruled:
                 name, problem = unruled[path]
                 problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"

@@ -45,17 +45,21 @@ class MixerRule:
     written for, found by reading its parts or a probe forward), as the refusal says it; None where it fits.
     ``hooks(module)``: the hooks that make gradient x input the rule's relevance, installed by ``lrp_rules`` for the
     duration of one explanation and removed after it.
+    ``covers_children``: the hooks give the whole mixer its backward (from its input to its output), so the modules
+    inside it need no rule of their own and get none (a gated norm inside it that rules.py does not know is not
+    refused, nor hooked); False: rules.py's rules apply inside it as anywhere.
     """
 
     name: str
     matches: Callable[[nn.Module], bool]
     problem: Callable[[nn.Module, str], str | None]
     hooks: Callable[[nn.Module], list[Hook]]
+    covers_children: bool = False
 
 
 _RULES: list[MixerRule] = []
 
-_PLUGINS: tuple[str, ...] = ()
+_PLUGINS: tuple[str, ...] = ("mamba",)
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
