@@ -192,14 +192,22 @@ def _layer_path(name: str) -> str:
     return ".".join(parts) if parts else name.rpartition(".")[0]
 
 
-def _cut_path(block: AttentionBlock) -> str:
+def _cut_path(block: AttentionBlock, names: dict[str, nn.Module]) -> str:
     """Where :func:`_embeddings` reads a stack's input: the layer holding its first block (:func:`_layer_path`); for a
     channels-first family (SqueezeBERT), the module holding its layer list, ``transformer.encoder``:
     SqueezeBertEncoder calls ``layer.forward(...)`` itself (transformers 5.24), so no hook on a layer runs, and its
     own input (``hidden_states``, [batch, seq, hidden], which it permutes to [batch, hidden, seq]) is the first
     layer's."""
     path = _layer_path(block.name)
-    return path.rsplit(".", 2)[0] if block.family.channels_first and path.count(".") >= 2 else path
+    if block.family.channels_first and path.count(".") >= 2:
+        return path.rsplit(".", 2)[0]
+    # a hybrid whose first attention layer is not its first layer (Jamba, Zamba, Bamba... with a state-space layer
+    # first): the first layer of the list, whose input is the embeddings, so that relevance crosses the mixers before
+    # the attention too, and Zamba's layers, which read the embeddings beside the residual stream, are counted whole
+    stack, _, index = path.rpartition(".")
+    if index.isdigit() and index != "0" and isinstance(names.get(stack), nn.ModuleList) and f"{stack}.0" in names:
+        return f"{stack}.0"
+    return path
 
 
 @contextmanager
@@ -220,7 +228,7 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         stack = "enc" if block.kind == "enc_self" else "dec"
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
-    layers = {id(names[_cut_path(b)]): names[_cut_path(b)] for b in firsts.values()}
+    layers = {id(names[_cut_path(b, names)]): names[_cut_path(b, names)] for b in firsts.values()}
     # Gemma 3n: the first layer reads a stack of AltUp streams made from the input embeddings, which the per-layer
     # inputs read too (through per_layer_model_projection): the input embeddings themselves are the cut
     for text, projection in zip(altup_models(model), altup_inputs(model)):

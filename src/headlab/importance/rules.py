@@ -1632,8 +1632,10 @@ _PRODUCT_NORMS = ("ffn_sub_norm",)
 # Names that are new to the rule (Llama 4's Llama4TextMLP): down's input is checked to be act(gate x) * up x.
 _CHECKED_GATED_NAMES = {"activation_fn"}
 # One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
-# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
-_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
+# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``; the Granite MoE families' shared MLP,
+# ``output_linear(activation(h[0]) * h[1])`` with ``h = input_linear(x).chunk(2)``).
+_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"),
+                      ("input_linear", "output_linear", "activation"))
 
 
 # The same under names that ungated MLPs use too (Moshi's ``fc2(act(h[..., 0, :]) * h[..., 1, :])`` with
