@@ -4,7 +4,9 @@ vocab 99): no downloads. Every parameter a rule could ignore is drawn at random 
 ``D``, ``dt_bias``, the conv's bias), so a rule that drops one is visible.
 
 ``MAMBA`` maps a name to ``(model class, config, path of a mixer)``; Falcon-H1 comes in its three gate layouts
-(``norm(y * silu(z))``, ``norm(y) * silu(z)`` with ``mamba_norm_before_gate``, ``y * silu(z)`` without the norm).
+(``norm(y * silu(z))``, ``norm(y) * silu(z)`` with ``mamba_norm_before_gate``, ``y * silu(z)`` without the norm);
+the mixer comes after the first attention layer (so that relevance crosses it on its way to the first layer), and
+before it in ``...-mamba-first``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ MAMBA = {
         **_BASE, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], n_mamba_heads=4, mamba_headdim=8,
         mamba_d_state=8, mamba_ngroups=2, mamba_expand=1, chunk_size=4, add_bias_linear=True),
         "model.layers.1.mamba_decoder.mamba"),
+    # the common layout: the mixer first, the attention after it
+    "jamba-mamba-first": lambda: (tf.JambaForCausalLM, tf.JambaConfig(
+        **_BASE, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=4,
+        mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, mamba_proj_bias=True, use_mamba_kernels=False),
+        "model.layers.0.mamba"),
+    "bamba-mamba-first": lambda: (tf.BambaForCausalLM, tf.BambaConfig(
+        **_BASE, num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA2, mamba_proj_bias=True, mamba_conv_bias=True),
+        "model.layers.0.mamba"),
     "granitemoehybrid": lambda: (tf.GraniteMoeHybridForCausalLM, tf.GraniteMoeHybridConfig(
         **_BASE, num_hidden_layers=2, layer_types=["attention", "mamba"], **_MAMBA2, mamba_proj_bias=True,
         mamba_conv_bias=True, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40),
