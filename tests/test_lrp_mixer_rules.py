@@ -73,3 +73,44 @@ def test_a_misfit_refuses_before_any_work(registered):
     with pytest.raises(HeadlabError, match="stand-in: not laid out so"), rules.lrp_rules(nn.Sequential(_Mixer()),
                                                                                         blocks=[]):
         pass
+
+
+class _OddNorm(nn.Module):
+    """A normalisation headlab has no rule for (refused anywhere else)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return x * self.weight / x.abs().max()
+
+
+class _MixerHoldingAnOddOne(_Mixer):
+    def __init__(self):
+        super().__init__()
+        self.norm = _OddNorm()
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+@pytest.mark.parametrize("covers", [True, False])
+def test_a_rule_that_covers_its_mixer_whole_leaves_no_rule_to_find_inside_it(registered, covers):
+    """covers_children: the rule gives the mixer its whole backward, so a module inside it needs no rule (the Mamba-2
+    mixers' gated norms) and gets no hook; without it, rules.py's rules apply inside as anywhere (the odd norm
+    refused). Before: the norm inside refused whatever the rule."""
+    calls = []
+    registered.append(MixerRule(
+        name="stand-in", matches=lambda m: isinstance(m, _MixerHoldingAnOddOne), problem=lambda m, path: None,
+        hooks=lambda m: [(m, "forward", lambda mod, args, out: calls.append("mixer"))], covers_children=covers))
+    model = nn.Sequential(_MixerHoldingAnOddOne())
+    model[0].norm.register_forward_pre_hook(lambda mod, args: calls.append("norm"))
+    x = torch.randn(1, 2)
+    if not covers:
+        with pytest.raises(HeadlabError, match="_OddNorm"), rules.lrp_rules(model, blocks=[]):
+            pass
+        return
+    with rules.lrp_rules(model, blocks=[]):
+        model(x)
+    assert calls == ["norm", "mixer"]  # the norm ran, unhooked by rules.py (no refusal, no rule hook)
