@@ -580,6 +580,12 @@ def _covered(model: nn.Module) -> set[int]:
             for child in module.modules() if child is not module}
 
 
+def _uncovered(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` but those :func:`_covered` (inside a mixer whose rule covers it whole)."""
+    covered = _covered(model)
+    return [(path, module) for path, module in model.named_modules() if id(module) not in covered]
+
+
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
     """The blocks, what they hold and what holds them (T5's T5LayerSelfAttention around its SelfAttention)."""
     inside = {id(m) for block in blocks for m in block.module.modules()}
@@ -1815,10 +1821,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
-        covered = _covered(model)  # inside a mixer whose rule covers it whole: no other rule there
-        for path, module in model.named_modules():
-            if id(module) in covered:
-                continue
+        for path, module in _uncovered(model):  # inside a mixer whose rule covers it whole: no other rule there
             if path in unruled:
                 name, problem = unruled[path]
                 problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"

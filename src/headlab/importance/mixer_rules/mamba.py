@@ -35,7 +35,8 @@ hook on the mixer recomputes its output from its input here (:func:`_mamba1` and
 rule holds constant computed under ``no_grad``) and gives the mixer's output that recomputation's backward
 (``output.detach() + (s - s.detach())``): forward values stay bit for bit, and the recomputation is checked to
 equal the output on every call, so a forward that computes something else is refused, not explained wrongly
-(:func:`_check`). Before any work :func:`_problem` runs the mixer's own forward on a random input and compares.
+(:func:`_mismatch`). The in- and out-projections and the convolution are called as modules there, so that lrp.py's
+probes of their biases see them (a bias keeps its share). Before any work :func:`_problem` runs the mixer's own forward on a random input and compares.
 No rule is installed inside the mixer (:attr:`MixerRule.covers_children`): its norms and projections are part of
 this rule. The recomputation runs in the model's precision, float64 staying float64 where transformers' code asks
 for float32 (lrp.py's ``_KeptWide``).
@@ -68,7 +69,7 @@ MAMBA2_MIXERS = ("BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer", "Zamba2M
 
 
 # -- the rules' pieces -------------------------------------------------------------------------------------------
-def _activated(module: nn.Module, conv: torch.Tensor) -> torch.Tensor:
+def _activated(module: Any, conv: torch.Tensor) -> torch.Tensor:
     """The conv's activation (``module.activation``, SiLU in every family) under the activation rule."""
     from transformers.activations import ACT2FN
 
@@ -80,7 +81,7 @@ def _activated(module: nn.Module, conv: torch.Tensor) -> torch.Tensor:
     return _swap_backward(value, conv * ratio)
 
 
-def _causal_conv(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _causal_conv(module: Any, x: torch.Tensor) -> torch.Tensor:
     """The depthwise causal convolution of ``x`` ``[b, channels, T]`` (a weighted sum; its bias a bias), called as
     the module (padded by ``kernel - 1`` on both sides, the first ``T`` outputs kept), so that lrp.py's probe of its
     bias sees it."""
@@ -267,7 +268,7 @@ def _hook(compute: Callable[..., torch.Tensor], name: str):
     return hook
 
 
-def _probe(module: nn.Module, compute: Callable[..., torch.Tensor]) -> str | None:
+def _probe(module: Any, compute: Callable[..., torch.Tensor]) -> str | None:
     """Why ``module``'s own forward, on a random input without cache or mask, is not what ``compute`` recomputes;
     None where it is, or where it cannot run (weights on the meta device: the hook checks every call)."""
     weight = module.in_proj.weight
