@@ -648,6 +648,11 @@ def check_lrp(model, blocks) -> str | None:
     name = blocks[0].name
     layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
     first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
+    stack = layer.group(1).rpartition(".")[0] if layer else ""
+    if stack and isinstance(model.get_submodule(stack), torch.nn.ModuleList):
+        # a hybrid whose first attention layer is not its first (a state-space layer first): the list's first layer,
+        # where compute_lrp measures the embeddings' share too (importance/lrp.py, _cut_path)
+        first = model.get_submodule(f"{stack}.0")
     if blocks[0].family.channels_first:  # SqueezeBertEncoder calls layer.forward (no hook runs): the encoder's input
         first = model.get_submodule(layer.group(1).rsplit(".", 2)[0]) if layer else first
     with torch.no_grad():
