@@ -31,15 +31,15 @@ Sequence Models", NeurIPS; code: github.com/FarnoushRJ/MambaLRP, ``mamba_lrp/mod
 
 How: transformers 5.24's mixers compute the scan, the convolution's activation and the gate inside function calls
 (``mamba_selective_scan``, ``mamba2_chunk_scan``, ``causal_conv1d_fn``) that no module hook reaches. So one forward
-hook on the mixer recomputes its output from its input here (:func:`_mamba1` and :func:`_mamba2`, each factor the
-rule holds constant computed under ``no_grad``) and gives the mixer's output that recomputation's backward
+hook on the mixer recomputes its output from its input here (:func:`mamba1_output` and :func:`mamba2_output`, each
+factor the rule holds constant computed under ``no_grad``) and gives the mixer's output that recomputation's backward
 (``output.detach() + (s - s.detach())``): forward values stay bit for bit, and the recomputation is checked to
 equal the output on every call, so a forward that computes something else is refused, not explained wrongly
 (:func:`_mismatch`). The in- and out-projections and the convolution are called as modules there, so that lrp.py's
-probes of their biases see them (a bias keeps its share). Before any work :func:`_problem` runs the mixer's own forward on a random input and compares.
-No rule is installed inside the mixer (:attr:`MixerRule.covers_children`): its norms and projections are part of
-this rule. The recomputation runs in the model's precision, float64 staying float64 where transformers' code asks
-for float32 (lrp.py's ``_KeptWide``).
+probes of their biases see them (a bias keeps its share). Before any work, the rule's ``problem`` runs the mixer's
+own forward on a random input and compares (:func:`_probe`). No rule is installed inside the mixer
+(:attr:`MixerRule.covers_children`): its norms and projections are part of this rule. The recomputation runs in the
+model's precision, float64 staying float64 where transformers' code asks for float32 (lrp.py's ``_KeptWide``).
 
 Not covered, refused by name: any other class with this layout (pure Mamba, Mamba-2 and Falcon-Mamba models have no
 attention and are refused by discovery before this), a cache holding a previous state (LRP runs without one: the
