@@ -557,8 +557,11 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
     inside = _inside(model, blocks)
     holders = _holders(model, blocks)
+    owned = mixer_rules.owned(model)  # a mixer's own parts under its rule (a gated norm)
     found: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
+        if id(module) in owned:
+            continue
         problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
@@ -1797,7 +1800,10 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
+        owned = mixer_rules.owned(model)  # their rule is the mixer rule's hooks
         for path, module in model.named_modules():
+            if id(module) in owned:
+                continue
             if path in unruled:
                 name, problem = unruled[path]
                 problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"
