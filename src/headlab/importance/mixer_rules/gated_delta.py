@@ -54,7 +54,7 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,8 @@ def recompute(module: nn.Module, kept: list[torch.Tensor], rule: bool) -> tuple[
     qkv, z, b, a = _split(module, kept)
     s = _sizes(module)
     batch, seq = qkv.shape[:2]
-    conv = module.conv1d
+    conv = cast(nn.Conv1d, module.conv1d)
+    decay: Any = module  # A_log and dt_bias: parameters
     weight = conv.weight
     # transformers' causal_conv1d_fn (torch path): a depthwise convolution padded on both sides, cut to seq_len
     pre = F.conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, conv.bias, padding=s["conv_kernel_size"] - 1,
@@ -146,7 +147,7 @@ def recompute(module: nn.Module, kept: list[torch.Tensor], rule: bool) -> tuple[
         beta = b.sigmoid()
         if getattr(module, "allow_neg_eigval", False):
             beta = beta * 2.0
-        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        g = -decay.A_log.float().exp() * F.softplus(a.float() + decay.dt_bias)
     value = post[..., width:]
     if rule:
         query, key, beta, g = (t.detach() for t in (query, key, beta, g))
@@ -166,10 +167,10 @@ def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def _recurrence(module: nn.Module) -> Callable[..., Any]:
     """The chunked gated delta rule the class's forward calls: its modeling module's ``torch_chunk_gated_delta_rule``
     (transformers' torch reference, or the kernel transformers put in its place)."""
-    return getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+    return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
 
 
-def _norm_factor(norm: nn.Module, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def _norm_factor(norm: Any, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """What the gated RMS norm multiplies ``o`` by: ``w / rms(o) * silu(z)`` (in at least float32, as it computes)."""
     wide = torch.promote_types(o.dtype, torch.float32)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
@@ -186,7 +187,7 @@ def _problem(module: nn.Module, path: str) -> str | None:
     if layout is None:
         return (f"{name} is a Gated DeltaNet this rule was not written for (it knows {', '.join(LAYOUTS)}, read in "
                 "transformers 5.24), so its layout and forward are unknown")
-    sizes = {n: getattr(module, n, None) for n in _SIZES}
+    sizes: dict[str, Any] = {n: getattr(module, n, None) for n in _SIZES}
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes.values()):
         return f"its sizes are not all positive numbers ({', '.join(f'{n}={v!r}' for n, v in sizes.items())})"
     parts = [getattr(module, n, None) for n in (*layout.projections, layout.out)]
@@ -205,7 +206,7 @@ def _problem(module: nn.Module, path: str) -> str | None:
     if getattr(module, "activation", None) not in ACT2FN:
         return f"its activation {getattr(module, 'activation', None)!r} is not one of transformers' activations"
     if not callable(getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)):
-        return f"its modeling module has no torch_chunk_gated_delta_rule (the recurrence its forward calls)"
+        return "its modeling module has no torch_chunk_gated_delta_rule (the recurrence its forward calls)"
     if not _computes(module, layout):
         return ("on a probe its forward does not compute out_proj(rmsnorm(o) * w * silu(z)) with o the gated delta rule "
                 "of silu(conv(q, k, v)) read in transformers 5.24, so the rule's recomputation would not be what "
