@@ -2,7 +2,7 @@
 OLMo-hybrid and LaraMini, each a hybrid (a Gated DeltaNet layer at 0, attention at 1). Before session 35 LRP was
 refused on all of them ("a state-space (or linear recurrent) token mixer").
 
-* conservation, float32 models (computed in float64: their gated MLPs) and float64 ones, to float64 rounding;
+* conservation, float32, float64 and bfloat16 models (computed in float64: their gated MLPs), to float64 rounding;
 * the rule is the stated rule: the relevance of the mixer's input equals gradient x input of a short float64
   re-implementation of the mixer written here (a per-step recurrence, not transformers' chunked one) in which q, k,
   beta, g, the gate, the SiLU's ratio and the norm's factor are plain numbers;
@@ -52,8 +52,11 @@ def _data(n=4, seed=0):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_lrp_conserves_through_the_gated_delta_net(family, dtype):
+    """Computed in float64 (their gated MLPs), also from a bfloat16 model (widened), whose probe before any work rounds
+    apart from the formula by more than 1e-3 (it was refused: Qwen3.5-MoE's 'on a probe its forward does not
+    compute')."""
     model = BUILDERS[family]().to(dtype)
     record = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]
     assert record["n_sentences"] == 4 and record["n_outside"] == 0
