@@ -78,6 +78,16 @@ def test_a_mixer_rule_that_does_not_conserve_fails_the_run(monkeypatch):
         compute_lrp(model, _data(1), describe_model(model), bootstrap=0)
 
 
+@pytest.mark.parametrize("strategy", ["jacobian", "loop"])
+def test_every_strategy_gives_vmaps_shares(strategy):
+    """vmap's batched backward passes through the recomputed recurrence (solve_triangular, the chunk loop) as the
+    one-target-at-a-time strategies do."""
+    from support.lrp_families import check_strategies_agree, lrp_data
+
+    model = BUILDERS["qwen3_next-hybrid"]().to(torch.float64)
+    check_strategies_agree(model, *lrp_data(model), strategy)
+
+
 # -- the reference: the rule written out, its held-constant factors plain numbers ------------------------------------
 
 
