@@ -45,7 +45,10 @@ Refused, naming why, before any work (:func:`_problem`): a class of this kind th
 probe, does not compute what this docstring says.
 
 Precision: the recurrence and the norm compute in float32 (``.to(torch.float32)``); inside ``compute_lrp`` headlab's
-``_KeptWide`` keeps a float64 model in float64 there too, so relevance is conserved to float64 rounding.
+``_KeptWide`` keeps a float64 model in float64 there too, so relevance is conserved to float64 rounding (``lrp_rules``
+alone on a float64 model keeps those float32 steps: conserved to float32's). With flash-linear-attention installed,
+transformers puts its kernel in ``torch_chunk_gated_delta_rule``'s place and the rule recomputes ``o`` with that
+kernel, as the forward did (not tested here: no GPU, no such kernel).
 """
 
 from __future__ import annotations
