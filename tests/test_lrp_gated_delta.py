@@ -227,13 +227,15 @@ def test_a_gated_delta_net_computing_something_else_is_refused_before_any_work()
                     r"forward does not compute")
 
 
-def test_a_convolution_laid_out_otherwise_is_refused_before_any_work():
+@pytest.mark.parametrize(("groups", "bias", "why"), [
+    (1, False, "its conv1d is not a depthwise convolution over the 48 query, key and value channels"),
+    (48, True, "its conv1d has a bias, whose share of the relevance headlab would not measure")])
+def test_a_convolution_laid_out_otherwise_is_refused_before_any_work(groups, bias, why):
     model = BUILDERS["qwen3_next-hybrid"]()
     mixer = _mixer(model)
-    mixer.conv1d = torch.nn.Conv1d(mixer.conv_dim, mixer.conv_dim, mixer.conv_kernel_size, groups=1, bias=False,
+    mixer.conv1d = torch.nn.Conv1d(mixer.conv_dim, mixer.conv_dim, mixer.conv_kernel_size, groups=groups, bias=bias,
                                    padding=mixer.conv_kernel_size - 1)
-    _refused(model, r"Qwen3NextGatedDeltaNet \(model\.layers\.0\.linear_attn\): .*its conv1d is not a depthwise "
-                    r"convolution over the 48 query, key and value channels")
+    _refused(model, r"Qwen3NextGatedDeltaNet \(model\.layers\.0\.linear_attn\): .*" + why)
 
 
 def test_a_gated_norm_that_is_not_one_is_refused():

@@ -201,6 +201,8 @@ def _problem(module: nn.Module, path: str) -> str | None:
     if not isinstance(conv, nn.Conv1d) or conv.groups != width or conv.in_channels != width \
             or conv.out_channels != width or conv.kernel_size != (sizes["conv_kernel_size"],):
         return f"its conv1d is not a depthwise convolution over the {width} query, key and value channels"
+    if conv.bias is not None:  # none in the five classes read: its share would be kept by no measured bias probe
+        return "its conv1d has a bias, whose share of the relevance headlab would not measure"
     if not isinstance(norm, nn.Module) or not isinstance(getattr(norm, "weight", None), torch.Tensor) \
             or getattr(norm, "activation", None) != "silu":
         return f"its {layout.norm} is not a gated RMS norm rmsnorm(o) * w * silu(z)"
