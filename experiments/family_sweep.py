@@ -644,12 +644,13 @@ def check_lrp(model, blocks) -> str | None:
         check_rules(model)
     except HeadlabError as error:
         return f"lrp refused: {str(error).splitlines()[0][:150]}"
-    # the first layer: the block's closest ancestor numbered in a module list (its input is the residual stream)
+    # the first layer: the first of the module list holding the block's closest numbered ancestor (its input is the
+    # residual stream; a hybrid's layers before its first attention block, a Gated DeltaNet at 0, are crossed too)
     name = blocks[0].name
-    layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
-    first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
+    layer = re.match(r"(.*?\.)\d+(?:\.|$)", name)
+    first = model.get_submodule(layer.group(1) + "0") if layer else blocks[0].module
     if blocks[0].family.channels_first:  # SqueezeBertEncoder calls layer.forward (no hook runs): the encoder's input
-        first = model.get_submodule(layer.group(1).rsplit(".", 2)[0]) if layer else first
+        first = model.get_submodule((layer.group(1) + "0").rsplit(".", 2)[0]) if layer else first
     with torch.no_grad():
         for pname, parameter in model.named_parameters():
             if pname.endswith("bias"):

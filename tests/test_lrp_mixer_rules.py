@@ -73,3 +73,37 @@ def test_a_misfit_refuses_before_any_work(registered):
     with pytest.raises(HeadlabError, match="stand-in: not laid out so"), rules.lrp_rules(nn.Sequential(_Mixer()),
                                                                                         blocks=[]):
         pass
+
+
+class _ScaleNorm(nn.Module):
+    """A normalisation rules.py has no rule for (its class says norm), called with a second input, as a gated norm is."""
+
+    def forward(self, x, gate):
+        return x / x.norm(dim=-1, keepdim=True) * torch.sigmoid(gate)
+
+
+class _GatedMixer(_Mixer):
+    def __init__(self):
+        super().__init__()
+        self.norm = _ScaleNorm()
+
+    def forward(self, x):
+        return self.norm(self.proj(x), x)
+
+
+def test_the_parts_a_rule_owns_are_neither_refused_nor_given_a_rule(registered):
+    """A mixer's gated norm ``norm(o, z)`` is the mixer rule's (``MixerRule.owns``, session 35: the Gated DeltaNet's):
+    rules.py neither refuses it as a normalisation without a rule nor hooks it. Without ``owns`` it is refused."""
+    model = nn.Sequential(_GatedMixer())
+    calls = []
+    rule = MixerRule(name="stand-in", matches=lambda m: isinstance(m, _Mixer), problem=lambda m, path: None,
+                     hooks=lambda m: [(m.norm, "forward", lambda mod, args, out: calls.append("norm"))])
+    registered.append(rule)
+    with pytest.raises(HeadlabError, match=r"no rule for the normalisation module _ScaleNorm \(at 0.norm\)"):
+        rules.check_rules(model)
+    registered[:] = [MixerRule(name=rule.name, matches=rule.matches, problem=rule.problem, hooks=rule.hooks,
+                               owns=lambda m: [m.norm])]
+    rules.check_rules(model)
+    with rules.lrp_rules(model, blocks=[]):
+        model(torch.randn(1, 2))
+    assert calls == ["norm"]

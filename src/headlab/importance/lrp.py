@@ -202,12 +202,24 @@ def _cut_path(block: AttentionBlock) -> str:
     return path.rsplit(".", 2)[0] if block.family.channels_first and path.count(".") >= 2 else path
 
 
+def _stack_start(names: dict[str, nn.Module], path: str) -> str:
+    """The first layer of the module list whose layer ``path`` is (``model.layers.0`` for ``model.layers.1``), ``path``
+    itself where it is the first or in no list. A hybrid's layers before its first attention block (Qwen3-Next's and
+    OLMo-hybrid's Gated DeltaNet at layer 0, attention at 1) are crossed by relevance too: cut at the first attention
+    layer, the relevance through them was never measured, and conservation held whatever they did with it."""
+    parent, _, index = path.rpartition(".")
+    if index.isdigit() and index != "0" and isinstance(names.get(parent), nn.ModuleList) and f"{parent}.0" in names:
+        return f"{parent}.0"
+    return path
+
+
 @contextmanager
 def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
     what transformers calls ``hidden_states[0]``: relevance reaching them has crossed every
     layer; position embeddings, embedding scales and norms are on their near side. Recorded by
-    a pre-hook on the layer holding each stack's first attention block (``output_hidden_states``
+    a pre-hook on the first layer of the list holding each stack's first attention block (:func:`_stack_start`;
+    ``output_hidden_states``
     would leave transformers' recording hooks on the model). Gemma 3n's text model: the input of
     ``per_layer_model_projection`` instead, the input embeddings its AltUp streams and per-layer inputs are both
     made from (:func:`headlab.importance.rules.altup_inputs`)."""
@@ -220,7 +232,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         stack = "enc" if block.kind == "enc_self" else "dec"
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
-    layers = {id(names[_cut_path(b)]): names[_cut_path(b)] for b in firsts.values()}
+    cuts = [_stack_start(names, _cut_path(b)) for b in firsts.values()]
+    layers = {id(names[cut]): names[cut] for cut in cuts}
     # Gemma 3n: the first layer reads a stack of AltUp streams made from the input embeddings, which the per-layer
     # inputs read too (through per_layer_model_projection): the input embeddings themselves are the cut
     for text, projection in zip(altup_models(model), altup_inputs(model)):

@@ -558,7 +558,7 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     inside = _inside(model, blocks)
     holders = _holders(model, blocks)
     found: dict[str, tuple[str, str | None]] = {}
-    for path, module in model.named_modules():
+    for path, module in _unowned_modules(model):  # a mixer's own parts (a gated norm) are under its rule
         problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
@@ -1753,6 +1753,12 @@ def _register(hooks: list[mixer_rules.Hook]) -> list[Any]:
     return handles
 
 
+def _unowned_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` but the parts a mixer rule applies the rule of (:attr:`mixer_rules.MixerRule.owns`)."""
+    owned = mixer_rules.owned(model)
+    return [(path, module) for path, module in model.named_modules() if id(module) not in owned]
+
+
 def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
     the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
@@ -1797,7 +1803,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
-        for path, module in model.named_modules():
+        for path, module in _unowned_modules(model):  # a mixer's own parts have the mixer rule's hooks
             if path in unruled:
                 name, problem = unruled[path]
                 problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"
