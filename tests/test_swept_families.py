@@ -14,8 +14,9 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
   (tests/test_lrp_altup.py);
 * RecurrentGemma (refused until session 35): the RG-LRU's gates and decay held constant, the GeLU branch a gate held
   constant (tests/test_lrp_rg_lru.py);
-* refused: Falcon-H1's Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is
-  no block).
+* MiniMax's lightning attention (refused until session 35 as a token mixer that is no block): ``q . k`` and the
+  decay held constant, the output gate held constant (tests/test_lrp_lightning_attention.py);
+* refused: Falcon-H1's Mamba mixer (state space: ``A_log``).
 
 It also found UMT5 and Switch Transformers (T5's layout: ``encoder.block.N.layer.0.SelfAttention``)
 refused, their layer index read off the wrong number of the path ("two modules claim enc_self layer 0"):
@@ -65,16 +66,17 @@ CONSERVING = {
     "recurrent_gemma": lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
         **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
         lru_width=32)),
+    # MiniMax's lightning attention: q . k and the decay held constant, the output gate held constant (refused until
+    # session 35 as a token mixer named attention: tests/test_lrp_lightning_attention.py)
+    "minimax": lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
+        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
+        num_local_experts=2, num_experts_per_tok=1)),
 }
 
 REFUSED = {
     "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
         **_GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4)),
         r"FalconH1Mixer \(model.layers.0.mamba\): a state-space"),
-    "minimax": (lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
-        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
-        num_local_experts=2, num_experts_per_tok=1)),
-        r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
 }
 
 
@@ -103,7 +105,7 @@ def _data(model) -> tuple[ImportanceData, object]:
 def test_lrp_conserves_relevance(family):
     """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
     (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2, gemma4_text and
-    gemma3n_text were refused; recurrent_gemma until session 35)."""
+    gemma3n_text were refused; recurrent_gemma and minimax until session 35)."""
     model = _tiny(CONSERVING[family])
     check_rules(model)
     data, info = _data(model)

@@ -55,7 +55,7 @@ class MixerRule:
 
 _RULES: list[MixerRule] = []
 
-_PLUGINS: tuple[str, ...] = ("short_conv", "rg_lru")
+_PLUGINS: tuple[str, ...] = ("short_conv", "rg_lru", "lightning")
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
