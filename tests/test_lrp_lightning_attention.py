@@ -20,7 +20,7 @@ from headlab import HeadlabError
 from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
 from headlab.importance.lrp import _KeptWide
 from headlab.importance.rules import check_rules
-from support.lrp_families import check_rules_leave_the_forward_unchanged
+from support.lrp_families import check_rules_leave_the_forward_unchanged, check_strategies_agree, lrp_data
 
 _CONFIG = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
@@ -59,6 +59,12 @@ def test_a_float64_model_conserves_to_float64_rounding():
     model = _model(torch.float64)
     total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
     assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian"])
+def test_every_strategy_gives_the_same_shares(strategy):
+    model = _model(torch.float64)
+    check_strategies_agree(model, *lrp_data(model, n=2), strategy)
 
 
 def test_the_rule_leaves_the_forward_unchanged():
