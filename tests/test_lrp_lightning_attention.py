@@ -20,6 +20,7 @@ from headlab import HeadlabError
 from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
 from headlab.importance.lrp import _KeptWide
 from headlab.importance.rules import check_rules
+from support.family_matrix import check_lrp_conserves
 from support.lrp_families import check_rules_leave_the_forward_unchanged, check_strategies_agree, lrp_data
 
 _CONFIG = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
@@ -59,6 +60,13 @@ def test_a_float64_model_conserves_to_float64_rounding():
     model = _model(torch.float64)
     total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
     assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
+
+
+def test_relevance_crossing_every_layer_from_the_first_is_conserved():
+    """Measured at the first layer's input (a mixer layer, below the first attention layer, where compute_lrp's record
+    starts), bias-free, float64 (the model's own float32 casts not widened here: to 1e-6): every mixer is crossed."""
+    model = _model(torch.float64)
+    check_lrp_conserves(model, model.model.layers[0], rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
