@@ -69,6 +69,19 @@ def test_relevance_crossing_every_layer_from_the_first_is_conserved():
     check_lrp_conserves(model, model.model.layers[0], rtol=1e-6, atol=1e-8)
 
 
+def test_a_half_precision_model_is_probed_widened_and_left_as_it_was():
+    """A bfloat16 model: the probe runs its mixers widened to float32 (in place, put back exactly), LRP conserves. Before, the
+    probe compared the half-precision forward (its decays stored rounded) with the formula and refused a released
+    (bfloat16) model."""
+    model = _model(torch.bfloat16)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    check_rules(model)
+    after = model.state_dict()
+    assert all(after[name].dtype == tensor.dtype and torch.equal(after[name], tensor) for name, tensor in before.items())
+    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+
+
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
 def test_every_strategy_gives_the_same_shares(strategy):
     model = _model(torch.float64)

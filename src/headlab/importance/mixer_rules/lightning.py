@@ -97,16 +97,29 @@ def _forward_problem(module: Any) -> str | None:
         return None
     block = getattr(module, "block_size", 0)
     seq = block + 3 if isinstance(block, int) and 0 < block <= 32 else 8
+    from headlab.importance.lrp import _widened
+
     g = torch.Generator().manual_seed(0)
-    h = torch.randn((2, seq, module.qkv_proj.in_features), generator=g, dtype=torch.float64).to(weight.device,
-                                                                                                 weight.dtype)
+    stored = {name: getattr(module, name) for name in _BUFFERS[1:]}
     try:
-        with torch.no_grad():
+        # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a
+        # half-precision model's own rounding would otherwise set the two apart
+        with _widened(module, torch.float32), torch.no_grad():
+            if callable(getattr(module, "decay_factors", None)):
+                # the decays as the class computes them from its rates, in float32: a half-precision model stores
+                # them rounded (exp(-a) exp(-b) then exp(-(a + b)) to 3 digits only), what the rule holds constant
+                # whatever their values; the probe checks the formula
+                module.query_decay, module.key_decay, module.diagonal_decay = module.decay_factors(module.slope_rate)
+            h = torch.randn((2, seq, module.qkv_proj.in_features), generator=g, dtype=torch.float64).to(
+                weight.device, module.qkv_proj.weight.dtype)
             output = type(module).forward(module, h, position_embeddings=None, attention_mask=None)
             output = output[0] if isinstance(output, tuple) else output
             expected = lightning_attention(module, h)
     except Exception as error:  # noqa: BLE001  # any failure: not the forward the rule was written for
         return f"its forward failed on a probe ({type(error).__name__}: {error})"
+    finally:
+        for name, buffer in stored.items():
+            setattr(module, name, buffer)
     if not isinstance(output, torch.Tensor) or output.shape != expected.shape \
             or not torch.allclose(output, expected, rtol=1e-4, atol=1e-5):
         return ("on a probe its forward is not out_proj(sigmoid(output_gate(h)) * norm(o)) with o_t = sum_(s <= t) "
