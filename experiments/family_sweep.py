@@ -676,7 +676,8 @@ def check_lrp(model, blocks) -> str | None:
             handle.remove()
     total = sum((x.detach() * g).sum().item() for x, g in zip([seen[0], *per_layer], grads))
     want = out[0, -1, target].item()
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    # RecurrentGemma names its cap logits_soft_cap (tanh(logits / cap) * cap after its LM head)
+    cap = getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logits_soft_cap", None)
     if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2
         z = cap * math.atanh(want / cap)
         want = z * (1 - math.tanh(z / cap) ** 2)

@@ -12,8 +12,11 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
   activation and product rules of Llama's gated MLP, hooked on ``w1``, ``w3`` and ``w2`` (tests/test_lrp_norm_rules.py);
 * Gemma 3n (refused until session 30): AltUp's coefficients held constant, activation sparsity's ordinary backward
   (tests/test_lrp_altup.py);
-* refused: Falcon-H1's Mamba mixer (state space: ``A_log``), MiniMax's lightning attention (a token mixer that is
-  no block).
+* RecurrentGemma (refused until session 35): the RG-LRU's gates and decay held constant, the GeLU branch a gate held
+  constant (tests/test_lrp_rg_lru.py);
+* MiniMax's lightning attention (refused until session 35 as a token mixer that is no block): ``q . k`` and the
+  decay held constant, the output gate held constant (tests/test_lrp_lightning_attention.py);
+* refused: Falcon-H1's Mamba mixer (state space: ``A_log``).
 
 It also found UMT5 and Switch Transformers (T5's layout: ``encoder.block.N.layer.0.SelfAttention``)
 refused, their layer index read off the wrong number of the path ("two modules claim enc_self layer 0"):
@@ -58,21 +61,22 @@ CONSERVING = {
         **{**_GQA, "intermediate_size": [37, 37]}, layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=99, activation_sparsity_pattern=[0.95, 0.0])),
+    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU, its gates and decay held constant and the GeLU branch a
+    # gate held constant (refused until session 35: tests/test_lrp_rg_lru.py)
+    "recurrent_gemma": lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
+        **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
+        lru_width=32)),
+    # MiniMax's lightning attention: q . k and the decay held constant, the output gate held constant (refused until
+    # session 35 as a token mixer named attention: tests/test_lrp_lightning_attention.py)
+    "minimax": lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
+        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
+        num_local_experts=2, num_experts_per_tok=1)),
 }
 
 REFUSED = {
     "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
         **_GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4)),
         r"FalconH1Mixer \(model.layers.0.mamba\): a state-space"),
-    "minimax": (lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
-        **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
-        num_local_experts=2, num_experts_per_tok=1)),
-        r"MiniMaxLightningAttention \(model.layers.1.self_attn\): a token mixer named attention"),
-    # part 2 of the sweep (per-family sizes): Griffin's RG-LRU (Gemma 3n, refused here until session 30, conserves)
-    "recurrent_gemma": (lambda: (tf.RecurrentGemmaForCausalLM, tf.RecurrentGemmaConfig(
-        **{**_GQA, "num_key_value_heads": 1}, block_types=["recurrent", "attention"], attention_window_size=16,
-        lru_width=32)),
-        r"RecurrentGemmaRglru \(model.layers.0.temporal_block.rg_lru\): a state-space \(or linear recurrent\)"),
 }
 
 
@@ -101,7 +105,7 @@ def _data(model) -> tuple[ImportanceData, object]:
 def test_lrp_conserves_relevance(family):
     """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
     (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2, gemma4_text and
-    gemma3n_text were refused)."""
+    gemma3n_text were refused; recurrent_gemma and minimax until session 35)."""
     model = _tiny(CONSERVING[family])
     check_rules(model)
     data, info = _data(model)

@@ -419,9 +419,12 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             out = probe(module, args, output[0])
             return None if out is None else (out, None)
         bias = module.bias
-        if id(module) in channels_first and isinstance(output, torch.Tensor) and output.dim() == 3 \
-                and bias.dim() == 1 and output.shape[1] == bias.shape[0] and output.shape[0] == batch_size:
-            # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq]
+        if (id(module) in channels_first or isinstance(module, nn.Conv1d)) and isinstance(output, torch.Tensor) \
+                and output.dim() == 3 and bias.dim() == 1 and output.shape[1] == bias.shape[0] \
+                and output.shape[0] == batch_size:
+            # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq];
+            # any 1-d convolution's output likewise (RecurrentGemma's conv_1d: [batch, channels, seq + padding], the
+            # padded positions sliced off after it and so keeping nothing)
             s = torch.ones(output.shape[0], 1, output.shape[2], dtype=output.dtype, device=output.device,
                            requires_grad=True)
             probes.append(s)  # batch-major: _reached sums over all but the batch dimension

@@ -609,11 +609,6 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
                 "y * sigmoid(mlp(y)) with y = norm(x) (A.X-K2's AXK2GatedRMSNorm: children norm, a norm with a rule, "
                 "and mlp), the gate held constant; on a probe this module is not laid out or does not compute so, "
                 "so relevance would not be conserved; the other measures work on the model's attention layers")
-    if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
-        return (f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
-                "multiplies two projections of its input (B * x before the convolution, C * y after "
-                "it), which none of headlab's rules splits, so relevance would not be conserved; the "
-                "other measures work on the model's attention layers")
     if _is_activation(module) and getattr(module, "inplace", False):
         return f"LRP: in-place activation {type(module).__name__} ({path}) is not supported"
     if (problem := _no_rule(module, path, inside)) is not None:
