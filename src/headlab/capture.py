@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager, head_input
+from headlab.adapters.eager_alibi import SWITCHED, alibi_once, refuse_alibi_twice
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
@@ -58,9 +59,19 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` with eager attention inside, the only path that returns probabilities.
 
     The implementation each config had (SDPA, flash, ...) is restored on exit, also on error.
+    A Falcon with ALiBi computes inside what it computes outside (its SDPA's bias once, where transformers' eager adds
+    it twice: :mod:`headlab.adapters.eager_alibi`); one loaded in eager mode is refused before any work.
     """
-    with _attention_implementation(model, "eager"):
+    if model.__dict__.get(SWITCHED):  # nested: the outer block switched it and set ALiBi right
         yield model
+        return
+    refuse_alibi_twice(model, "reading attention probabilities")
+    with _attention_implementation(model, "eager"), alibi_once(model):
+        model.__dict__[SWITCHED] = True
+        try:
+            yield model
+        finally:
+            del model.__dict__[SWITCHED]
 
 
 @contextmanager
