@@ -126,7 +126,7 @@ def test_a_falcon_alibi_loaded_in_eager_mode_is_refused_before_any_work(layout, 
     }
     with monkeypatch.context() as patched:
         patched.setattr(torch.nn.Module, "__call__", _never_called)
-        for name, call in entries.items():
+        for call in entries.values():
             with pytest.raises(HeadlabError, match=TWICE):
                 call()
     assert model.config._attn_implementation == "eager"

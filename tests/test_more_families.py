@@ -45,7 +45,6 @@ from support.family_matrix import (
 )
 from support.family_matrix import logits as _logits
 
-
 EAGER_ADDS_ALIBI_TWICE = {"falcon_alibi"}  # refused when loaded eager (headlab.adapters.eager_alibi)
 
 

@@ -22,13 +22,13 @@ from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
 from headlab.adapters.eager_alibi import refuse_alibi_twice
-from headlab.capture import HookHandles, register_head_output_hooks
+from headlab.capture import GATE_STACK, HookHandles, register_head_output_hooks
 from headlab.errors import HeadlabError, counted
 from headlab.heads import BlockKey, HeadSpec
 from headlab.options import checked_keywords
 
 GATES_ATTRIBUTE = "headlab_gates"
-_STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
+_STACK = GATE_STACK  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
 _Gates = TypeVar("_Gates", bound="HeadGates")
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
