@@ -15,7 +15,7 @@ _SIGNED_ZERO = re.compile(r"[+-]0*\.?0*(?:e[+-]?\d+)?%?")
 """A formatted number whose digits are all zeros, behind a sign (``-0.000``, ``+0.0%``, ``-0``, ``-0e+00``)."""
 
 
-def number(value: float, spec: str) -> str:
+def number(value: object, spec: str) -> str:
     """``format(value, spec)``, without the sign of a value that is written as zero (``0.000``, not ``-0.000``
     nor ``+0.000``); every other value as ``format`` writes it (``-0.001``, ``+0.25``, ``nan``)."""
     text = format(value, spec)

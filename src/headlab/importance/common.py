@@ -4,7 +4,7 @@ heads of a mask as those tables name them (:func:`original_mask`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -125,11 +125,12 @@ def original_mask(model: nn.Module, mask: HeadSpec) -> dict[tuple[str, int], lis
     return {key: sorted(numbering[key[0], int(key[1])][h] for h in heads) for key, heads in mask.items()}
 
 
-def masked_signature(table: HeadScores, removed: Mapping[tuple[str, int], Sequence[int]]) -> HeadScores:
+def masked_signature(table: HeadScores, removed: Mapping[tuple[str, int], list[int]]) -> HeadScores:
     """``table`` with NaN for the ``removed`` heads (:func:`original_mask`'s numbering) and its signature's options
     recording them (``"mask": {"kind:layer": [head, ...]}``, as :func:`~headlab.importance.run_importance` writes it),
     so that a table measured with heads switched off says which."""
     blanked = table.without(removed)
-    options = {**(table.signature.get("options") or {}),
+    recorded = table.signature.get("options")
+    options = {**(recorded if isinstance(recorded, Mapping) else {}),
                "mask": {f"{kind}:{layer}": list(heads) for (kind, layer), heads in removed.items()}}
     return HeadScores(blanked.scores, blanked.method, blanked.model, {**blanked.signature, "options": options})
