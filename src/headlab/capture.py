@@ -62,8 +62,9 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     A Falcon with ALiBi computes inside what it computes outside (its SDPA's bias once, where transformers' eager adds
     it twice: :mod:`headlab.adapters.eager_alibi`); one loaded in eager mode is refused before any work.
     """
-    if model.__dict__.get(SWITCHED):  # nested: the outer block switched it and set ALiBi right
-        yield model
+    if model.__dict__.get(SWITCHED):  # nested: the outer block's ALiBi hooks hold (SDPA ignores them: its mask only)
+        with _attention_implementation(model, "eager"):
+            yield model
         return
     refuse_alibi_twice(model, "reading attention probabilities")
     with _attention_implementation(model, "eager"), alibi_once(model):
