@@ -206,17 +206,17 @@ class AttentionRecord(dict):
 
     def note_gates(self, model: nn.Module) -> None:
         """Record the gate sets attached to ``model`` and the heads their constant gates hold at 0 (learnable or
-        stochastic gates, and per-example ones, switch off no fixed head: named in ``gates`` only)."""
+        stochastic gates, and per-example ones, switch off no fixed head: named in ``gates`` only). Read from the
+        gates' buffers, without calling them (a gate set may draw or need a batch)."""
         stack = model.__dict__.get(GATE_STACK)
         sets = dict(stack.sets) if stack is not None else {}
         self.gates = tuple(sets)
         self.masked = {}
         for gates in sets.values():
-            if any(True for _ in gates.parameters()):
-                continue
+            buffers = dict(gates.named_buffers(recurse=False))  # ConstantGates keep one [n_heads] buffer per block
             for key in gates.n_heads:
-                values = gates.gate(key)
-                if values.dim() == 1:
+                values = buffers.get(f"{key[0]}_{key[1]}")  # headlab.gates.block_name
+                if values is not None and values.dim() == 1 and not any(True for _ in gates.parameters()):
                     off = sorted({*self.masked.get(key, []), *(values == 0).nonzero().flatten().tolist()})
                     if off:
                         self.masked[key] = off
