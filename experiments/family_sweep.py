@@ -644,17 +644,13 @@ def check_lrp(model, blocks) -> str | None:
         check_rules(model)
     except HeadlabError as error:
         return f"lrp refused: {str(error).splitlines()[0][:150]}"
-    # the first layer: the block's closest ancestor numbered in a module list (its input is the residual stream)
+    # the first layer: the first of the module list holding the block's closest numbered ancestor (its input is the
+    # residual stream; a hybrid's layers before its first attention block, a Gated DeltaNet at 0, are crossed too)
     name = blocks[0].name
-    layer = re.match(r"(.*?\.\d+)(?:\.|$)", name)
-    first = model.get_submodule(layer.group(1)) if layer else blocks[0].module
-    stack = layer.group(1).rpartition(".")[0] if layer else ""
-    if stack and isinstance(model.get_submodule(stack), torch.nn.ModuleList):
-        # a hybrid whose first attention layer is not its first (a state-space layer first): the list's first layer,
-        # where compute_lrp measures the embeddings' share too (importance/lrp.py, _cut_path)
-        first = model.get_submodule(f"{stack}.0")
+    layer = re.match(r"(.*?\.)\d+(?:\.|$)", name)
+    first = model.get_submodule(layer.group(1) + "0") if layer else blocks[0].module
     if blocks[0].family.channels_first:  # SqueezeBertEncoder calls layer.forward (no hook runs): the encoder's input
-        first = model.get_submodule(layer.group(1).rsplit(".", 2)[0]) if layer else first
+        first = model.get_submodule((layer.group(1) + "0").rsplit(".", 2)[0]) if layer else first
     with torch.no_grad():
         for pname, parameter in model.named_parameters():
             if pname.endswith("bias"):
@@ -680,7 +676,8 @@ def check_lrp(model, blocks) -> str | None:
             handle.remove()
     total = sum((x.detach() * g).sum().item() for x, g in zip([seen[0], *per_layer], grads))
     want = out[0, -1, target].item()
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    # RecurrentGemma names its cap logits_soft_cap (tanh(logits / cap) * cap after its LM head)
+    cap = getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logits_soft_cap", None)
     if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2
         z = cap * math.atanh(want / cap)
         want = z * (1 - math.tanh(z / cap) ** 2)

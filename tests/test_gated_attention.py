@@ -7,8 +7,9 @@ On the tiny hybrids of tests/support/family_matrix.py (a Gated DeltaNet layer at
 only the attention layer is a block; capture equals ``output_attentions``; masking a key/value group
 equals zeroing its value rows by hand (the gate multiplies a zero), a head gate of 0.5 halving them;
 physical pruning slices q_proj's interleaved [query | gate] rows per head and equals masking, in
-cached generation too, and reloads with load_pruned and plain transformers; LRP is refused before any
-work, naming the Gated DeltaNet; `analyze` runs end to end; the released checkpoints' multimodal
+cached generation too, and reloads with load_pruned and plain transformers; LRP conserves through the
+Gated DeltaNet layer (its rule: importance/mixer_rules/gated_delta.py, tests/test_lrp_gated_delta.py; refused
+before session 35); `analyze` runs end to end, LRP included; the released checkpoints' multimodal
 config (qwen3_5, qwen3_5_moe) loads as its text model. The all-attention variants run the family
 matrix of tests/test_more_families.py (LRP conserved there: the gate is held constant with the query
 it is projected with, importance/rules.py).
@@ -143,18 +144,17 @@ def test_pruning_equals_masking_generates_and_reloads(family, spec_name, tmp_pat
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
-def test_lrp_is_refused_before_any_work(family):
-    """The Gated DeltaNet's recurrence has no rule (importance/rules.py): refused before the data runs."""
+def test_lrp_conserves_through_the_gated_delta_net(family):
+    """The Gated DeltaNet had no rule and LRP was refused before any work ("no rule for ...GatedDeltaNet
+    (model.layers.0.linear_attn): a state-space (or linear recurrent) token mixer"). Now its rule holds q, k, beta,
+    g and the gate constant, and relevance is conserved from the logits to the input embeddings, below layer 0."""
     from headlab.importance import ImportanceData, compute_lrp, describe_model
 
     model = tiny_model(family)
-    seen = []  # the input ids of every forward call: discovery's probe runs zeros, the data never runs
-    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
-                                    with_kwargs=True)
-    with pytest.raises(HeadlabError, match=r"no rule for \w+GatedDeltaNet \(model\.layers\.0\.linear_attn\): a "
-                                           r"state-space \(or linear recurrent\) token mixer"):
-        compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1]]), describe_model(model))
-    assert all(ids == [[0, 0, 0, 0]] for ids in seen)
+    record = compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1], [9, 10, 11, 12, 13, 1]]), describe_model(model),
+                         bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 2 and record["n_outside"] == 0
+    assert abs(record["with_biases"]["min"] - 1) < 1e-12 and abs(record["with_biases"]["max"] - 1) < 1e-12
 
 
 def test_a_query_projection_not_split_into_query_and_gate_is_refused():
@@ -166,17 +166,16 @@ def test_a_query_projection_not_split_into_query_and_gate_is_refused():
 
 
 def test_analyze_end_to_end(tmp_path):
-    """`headlab analyze --ablation` on a hybrid: every stage but LRP done (LRP refused, the others'
-    results written), the Gated DeltaNet layer's row of each score table empty."""
+    """`headlab analyze --ablation` on a hybrid: every stage done, LRP too (refused before session 35: the Gated
+    DeltaNet had no rule), the Gated DeltaNet layer's row of each score table empty."""
     from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
 
     save_tiny(tiny_model("qwen3_5_moe_text-hybrid"), tmp_path / "model", treebank_files(tmp_path))
     code, stages = analyze(tmp_path / "model", tmp_path)
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
-    assert stages["lrp"]["status"] == "failed" and code == 1
-    assert "no rule for Qwen3_5MoeGatedDeltaNet (model.layers.0.linear_attn)" in stages["lrp"]["reason"]
-    for measure in ("confidence", "gradient", "ablation"):
+    assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]
+    for measure in ("confidence", "gradient", "ablation", "lrp"):
         rows = json.loads((tmp_path / "out" / "importance" / f"{measure}.json").read_text())["scores"]["dec_self"]
         assert [all(v is None for v in row) for row in rows] == [True, False], measure
 

@@ -75,42 +75,35 @@ def test_a_misfit_refuses_before_any_work(registered):
         pass
 
 
-class _OddNorm(nn.Module):
-    """A normalisation headlab has no rule for (refused anywhere else)."""
+class _ScaleNorm(nn.Module):
+    """A normalisation rules.py has no rule for (its class says norm), called with a second input, as a gated norm is."""
 
+    def forward(self, x, gate):
+        return x / x.norm(dim=-1, keepdim=True) * torch.sigmoid(gate)
+
+
+class _GatedMixer(_Mixer):
     def __init__(self):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(2))
+        self.norm = _ScaleNorm()
 
     def forward(self, x):
-        return x * self.weight / x.abs().max()
+        return self.norm(self.proj(x), x)
 
 
-class _MixerHoldingAnOddOne(_Mixer):
-    def __init__(self):
-        super().__init__()
-        self.norm = _OddNorm()
-
-    def forward(self, x):
-        return self.norm(self.proj(x))
-
-
-@pytest.mark.parametrize("covers", [True, False])
-def test_a_rule_that_covers_its_mixer_whole_leaves_no_rule_to_find_inside_it(registered, covers):
-    """covers_children: the rule gives the mixer its whole backward, so a module inside it needs no rule (the Mamba-2
-    mixers' gated norms) and gets no hook; without it, rules.py's rules apply inside as anywhere (the odd norm
-    refused). Before: the norm inside refused whatever the rule."""
+def test_the_parts_a_rule_owns_are_neither_refused_nor_given_a_rule(registered):
+    """A mixer's gated norm ``norm(o, z)`` is the mixer rule's (``MixerRule.owns``, session 35: the Gated DeltaNet's):
+    rules.py neither refuses it as a normalisation without a rule nor hooks it. Without ``owns`` it is refused."""
+    model = nn.Sequential(_GatedMixer())
     calls = []
-    registered.append(MixerRule(
-        name="stand-in", matches=lambda m: isinstance(m, _MixerHoldingAnOddOne), problem=lambda m, path: None,
-        hooks=lambda m: [(m, "forward", lambda mod, args, out: calls.append("mixer"))], covers_children=covers))
-    model = nn.Sequential(_MixerHoldingAnOddOne())
-    model[0].norm.register_forward_pre_hook(lambda mod, args: calls.append("norm"))
-    x = torch.randn(1, 2)
-    if not covers:
-        with pytest.raises(HeadlabError, match="_OddNorm"), rules.lrp_rules(model, blocks=[]):
-            pass
-        return
+    rule = MixerRule(name="stand-in", matches=lambda m: isinstance(m, _Mixer), problem=lambda m, path: None,
+                     hooks=lambda m: [(m.norm, "forward", lambda mod, args, out: calls.append("norm"))])
+    registered.append(rule)
+    with pytest.raises(HeadlabError, match=r"no rule for the normalisation module _ScaleNorm \(at 0.norm\)"):
+        rules.check_rules(model)
+    registered[:] = [MixerRule(name=rule.name, matches=rule.matches, problem=rule.problem, hooks=rule.hooks,
+                               owns=lambda m: [m.norm])]
+    rules.check_rules(model)
     with rules.lrp_rules(model, blocks=[]):
-        model(x)
-    assert calls == ["norm", "mixer"]  # the norm ran, unhooked by rules.py (no refusal, no rule hook)
+        model(torch.randn(1, 2))
+    assert calls == ["norm"]

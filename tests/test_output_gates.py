@@ -537,15 +537,19 @@ def test_qkv_gated_lrp_holds_the_gate_constant_and_conserves(variant):
     check_lrp_conserves(model, model.model.layers[0])
 
 
-def test_lfm3_lrp_is_refused_before_any_work_naming_its_convolutions():
-    """LFM3's LRP is refused for what is not attention where the model has it: its gated short convolutions (B * x
-    before the convolution). Its MLP, w2(silu(w1 x) * w3 x), has LFM2's rule."""
+def test_lfm3_lrp_runs_through_its_convolutions_and_conserves():
+    """LFM3 with its gated short convolutions (B * x before the convolution, C * y after it: B and C held constant,
+    session 35, tests/test_lrp_gated_short_conv.py; refused before any work until then). Its MLP, w2(silu(w1 x) * w3 x),
+    has LFM2's rule."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model
     from headlab.importance.rules import check_rules
 
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for the gated short convolution Lfm3ShortConv "
-                                           r"\(model\.layers\.0\.conv\)"):
-        check_rules(build_qkv_gated("lfm3", attn_implementation="eager", num_hidden_layers=3,
-                                    layer_types=["conv", "sliding_attention", "full_attention"]))
+    model = build_qkv_gated("lfm3", attn_implementation="eager", num_hidden_layers=3,
+                            layer_types=["conv", "sliding_attention", "full_attention"]).to(torch.float64)
+    check_rules(model)
+    data = ImportanceData.from_ids([[5, 17, 33, 8, 1], [9, 61, 4, 27, 44, 12, 1]])
+    total = compute_lrp(model, data, describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12
 
 
 @pytest.mark.parametrize("variant", QKV_VARIANTS)

@@ -52,6 +52,7 @@ from headlab.data.fused import FusedView
 from headlab.data.treebank import UPOS_TAGS
 from headlab.heads import KINDS, BlockKey, HeadScores, Numbering, format_head, head_scores, scores_to_original, write_json
 from headlab.markup import finite, fmt, layer_means, line_chart, read_json_noted, shade
+from headlab.numbers import number
 from headlab.options import option
 from headlab.plugins import Figure, Output, ProfilePart, ReportPart, Statistic, read_result
 from headlab.shard import Ledger, active
@@ -641,8 +642,8 @@ class AggregateResult:
                 layer, head = np.unravel_index(int(np.nanargmax(array)), array.shape)
                 note = (f" ({undefined} of {array.size} heads without a value: undefined, removed or not analysed)"
                         if undefined else "")
-                lines.append(f"| {name} | {kind} | {np.nanmin(array):.3f} | {np.nanmean(array):.3f} "
-                             f"| {np.nanmax(array):.3f} | {format_head(kind, int(layer), int(head))}{note} |")
+                lines.append(f"| {name} | {kind} | {number(np.nanmin(array), '.3f')} | {number(np.nanmean(array), '.3f')} "
+                             f"| {number(np.nanmax(array), '.3f')} | {format_head(kind, int(layer), int(head))}{note} |")
         return "\n".join(lines)
 
     def save(self, directory: str | Path) -> list[Path]:
@@ -790,7 +791,8 @@ def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
     for kind, body in kinds.items():
         layers = body["layers"]
         for layer, (distance, alignment, entropy) in enumerate(zip(*(layers[name] for name in LAYER_PROFILES))):
-            lines.append(f"| {kind} | {layer} | {distance:.2f} | {alignment:.3f} | {entropy:.3f} |")
+            cells = (number(distance, ".2f"), number(alignment, ".3f"), number(entropy, ".3f"))
+            lines.append(f"| {kind} | {layer} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -233,13 +233,18 @@ def _analysis_options() -> set[str]:
 def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, targets: Sequence[str] | None = None,
                labels: Sequence[int | str] | None = None, measures: str | Sequence[str] = DEFAULT_MEASURES,
                limit: int | None = None, batch_size: int = 32, max_length: int | None = None,
-               progress: bool = False, **options: Any) -> "ImportanceResult":
+               progress: bool = False, mask: Any = None, **options: Any) -> "ImportanceResult":
     """Score every head of ``model`` on ``texts`` by each of ``measures`` (``"all"``: every one
     that can run). ``targets``: reference translations (a translation model); ``labels``: the
-    classes of a sequence classifier's texts (a text may be a pair of strings). ``options``: the
+    classes of a sequence classifier's texts (a text may be a pair of strings). ``mask``: heads
+    to switch off while measuring (``{(kind, layer): [head, ...]}`` or a spec string, as
+    :func:`prune` takes them): they are NaN in the tables, whose signature records them
+    (:func:`~headlab.importance.run_importance`'s ``mask``); a model with gates attached by the
+    caller (inside ``mask_heads``) is refused before any work. ``options``: the
     other fields of :class:`~headlab.importance.ImportanceConfig` (``lrp_targets``, ``beam``,
     ``metric``, ``kinds``, ...). What ``headlab importance`` computes on the same sentences."""
     from headlab.data.inputs import texts_data
+    from headlab.gates import refuse_gated
     from headlab.importance.config import check_beam
     from headlab.importance.pipeline import run_importance
 
@@ -247,6 +252,13 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
     if options.get("kinds") is not None:
         options["kinds"] = _kinds(model, options["kinds"])
     _check_model(model, tokenizer)
+    refuse_gated(model, "importance", instead="give mask= (headlab.importance's), which the tables record")
+    spec = _head_spec(model, mask, "importance: mask") if mask is not None else None
+    if spec:
+        from headlab.adapters import attention_blocks
+        from headlab.gates import validate_heads
+
+        validate_heads(attention_blocks(model), spec)  # an unknown head fails here, not after the data is read
     config = _importance_config(measures, batch_size, progress, options)
     config.resolved_methods()  # a bad measure or option fails before any work
     config.check_options_act(str, f"measures={list(config.methods)!r}")
@@ -255,17 +267,19 @@ def importance(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, target
                model="the model", option="beam")
     data = texts_data(_texts(texts), tokenizer, info, targets=None if targets is None else _texts(targets, "targets"),
                       labels=labels, n_sentences=limit, name="<texts>", target_name="" if targets is None else "<targets>")
-    return run_importance(model, data, info, config, tokenizer=tokenizer)
+    return run_importance(model, data, info, config, tokenizer=tokenizer, mask=spec)
 
 
 def _head_pass(model: nn.Module, tokenizer: Any, treebank: Any, *, functions: bool,
                frequency_texts: Iterable[str] | None, limit: int | None, batch_size: int, max_length: int | None,
                query_chunk: int | None, progress: bool, options: dict) -> "HeadAnalysis":
     from headlab.functions.analysis import AnalysisConfig, analyze_heads
+    from headlab.gates import refuse_gated
 
     _check_counts("functions" if functions else "aggregate", limit=limit, batch_size=batch_size, max_length=max_length,
                   query_chunk=query_chunk)
     _check_model(model, tokenizer)
+    refuse_gated(model, "functions" if functions else "aggregate")  # before the frequency texts are read
     frequencies = None
     if functions and frequency_texts is not None:
         from headlab.data.frequencies import TokenFrequencies
@@ -317,7 +331,6 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     other weights, or other names where the weights cannot be read) give a warning naming both, as
     ``headlab prune baseline --method scores`` notes it: they rank that model's heads.
     Returns the heads each pruned block keeps, in the model's original numbering."""
-    from headlab.adapters import attention_blocks
     from headlab.surgery import prune_heads, removal_by_scores
 
     _check_transformers_model(model)
@@ -330,22 +343,30 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     elif keep is not None or kinds is not None:  # kinds= with a spec was ignored: every named head went
         raise HeadlabError(f"prune: {'keep=' if keep is not None else 'kinds='} goes with HeadScores, not with a "
                            "list of heads to remove")
-    elif isinstance(heads, str):
+    else:
+        spec = _head_spec(model, heads, "prune: heads", " or HeadScores with keep=N")
+    return prune_heads(model, spec)
+
+
+def _head_spec(model: nn.Module, heads: Any, what: str, also: str = "") -> dict:
+    """``heads`` (``{(kind, layer): [head, ...]}`` or a spec string) as a head spec; a head named twice is warned of."""
+    from headlab.adapters import attention_blocks
+
+    if isinstance(heads, str):
         from headlab.headspec import parse_heads, repeated_heads
 
-        spec = parse_heads(heads, attention_blocks(model))
         _warn_repeated(repeated_heads(heads, attention_blocks(model)))
-    else:
-        try:
-            # a string key ("enc_self:0") is not a (kind, layer): tuple() would spell it letter by letter
-            spec = {tuple(block) if not isinstance(block, str) else (block,): list(h) for block, h in dict(heads).items()}
-        except (TypeError, ValueError):
-            raise HeadlabError("prune: heads must be {(kind, layer): [head, ...]}, a spec string "
-                               f"(\"enc_self:0:1,2\") or HeadScores with keep=N, got {heads!r:.60}") from None
-        from headlab.headspec import repeated_in
+        return parse_heads(heads, attention_blocks(model))
+    try:
+        # a string key ("enc_self:0") is not a (kind, layer): tuple() would spell it letter by letter
+        spec = {tuple(block) if not isinstance(block, str) else (block,): list(h) for block, h in dict(heads).items()}
+    except (TypeError, ValueError):
+        raise HeadlabError(f"{what} must be {{(kind, layer): [head, ...]}}, a spec string "
+                           f"(\"enc_self:0:1,2\"){also}, got {heads!r:.60}") from None
+    from headlab.headspec import repeated_in
 
-        _warn_repeated(repeated_in(spec))
-    return prune_heads(model, spec)
+    _warn_repeated(repeated_in(spec))
+    return spec
 
 
 def _warn_other_model(scores: HeadScores, model: nn.Module, keep: int) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager, head_input
+from headlab.adapters.eager_alibi import SWITCHED, alibi_once, refuse_alibi_twice
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
 from headlab.errors import HeadlabError
@@ -58,9 +59,20 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
     """Run ``model`` with eager attention inside, the only path that returns probabilities.
 
     The implementation each config had (SDPA, flash, ...) is restored on exit, also on error.
+    A Falcon with ALiBi computes inside what it computes outside (its SDPA's bias once, where transformers' eager adds
+    it twice: :mod:`headlab.adapters.eager_alibi`); one loaded in eager mode is refused before any work.
     """
-    with _attention_implementation(model, "eager"):
-        yield model
+    if model.__dict__.get(SWITCHED):  # nested: the outer block's ALiBi hooks hold (SDPA ignores them: its mask only)
+        with _attention_implementation(model, "eager"):
+            yield model
+        return
+    refuse_alibi_twice(model, "reading attention probabilities")
+    with _attention_implementation(model, "eager"), alibi_once(model):
+        model.__dict__[SWITCHED] = True
+        try:
+            yield model
+        finally:
+            del model.__dict__[SWITCHED]
 
 
 @contextmanager
@@ -172,15 +184,42 @@ class Applications:
         return call == block.application
 
 
+GATE_STACK = "_headlab_gate_stack"
+"""Key in a model's ``__dict__`` of the gate sets attached to it (:mod:`headlab.gates`; read here, which it imports)."""
+
+
 class AttentionRecord(dict):
     """``{(kind, layer): probs [batch, n_heads, q_len, k_len]}`` of the latest forward call.
 
-    ``calls[(kind, layer)]`` counts the calls seen (several during generation).
+    ``calls[(kind, layer)]`` counts the calls seen (several during generation). ``gates``: the gate sets attached to
+    the model when the capture began (``headlab_gates``, ...: :func:`headlab.mask_heads`, ``attach_gates``), whose
+    heads' outputs are scaled, so that every later layer's attention is the gated model's; ``masked``: the heads their
+    constant gates switch off (``{(kind, layer): [head, ...]}``, as ``mask_heads`` took them). Both empty: the model's
+    own attention.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[tuple[str, int], int] = {}
+        self.gates: tuple[str, ...] = ()
+        self.masked: dict[tuple[str, int], list[int]] = {}
+
+    def note_gates(self, model: nn.Module) -> None:
+        """Record the gate sets attached to ``model`` and the heads their constant gates hold at 0 (learnable or
+        stochastic gates, and per-example ones, switch off no fixed head: named in ``gates`` only). Read from the
+        gates' buffers, without calling them (a gate set may draw or need a batch)."""
+        stack = model.__dict__.get(GATE_STACK)
+        sets = dict(stack.sets) if stack is not None else {}
+        self.gates = tuple(sets)
+        self.masked = {}
+        for gates in sets.values():
+            buffers = dict(gates.named_buffers(recurse=False))  # ConstantGates keep one [n_heads] buffer per block
+            for key in gates.n_heads:
+                values = buffers.get(f"{key[0]}_{key[1]}")  # headlab.gates.block_name
+                if values is not None and values.dim() == 1 and not any(True for _ in gates.parameters()):
+                    off = sorted({*self.masked.get(key, []), *(values == 0).nonzero().flatten().tolist()})
+                    if off:
+                        self.masked[key] = off
 
 
 def check_every_layer_runs(model: nn.Module, blocks: list[AttentionBlock], record: AttentionRecord) -> HookHandles:
@@ -235,6 +274,8 @@ def capture_attention(
     Without ``callback`` the record maps ``(kind, layer)`` to the probabilities of the latest
     call. With ``callback(block, probs)`` nothing is kept: each block's probabilities go to the
     callback as soon as they exist, so corpus statistics can stream in constant memory.
+    Inside :func:`headlab.mask_heads` (or with gates attached) the maps are the gated model's: the record names the
+    gate sets and the heads switched off (:class:`AttentionRecord`'s ``gates`` and ``masked``).
     The model runs in eager mode inside and gets its own implementation back on exit. It also
     runs in evaluation mode inside (``model.eval()``, each module's own mode back on exit): in
     training mode the probabilities would be those after attention dropout (rows that do not sum
@@ -250,6 +291,7 @@ def capture_attention(
     blocks = attention_blocks(model) if blocks is None else blocks
     check_pruned_numbering(model, blocks)  # a pruned directory loaded without headlab: its heads renumbered
     record = AttentionRecord()
+    record.note_gates(model)  # maps of a model with heads switched off say so
     handles = HookHandles()
     applications: Applications | None = None
 
@@ -558,6 +600,7 @@ def stream_attention(
             yield record
         return
     record = AttentionRecord()
+    record.note_gates(model)
     sinks: list[tuple[AttentionBlock, ChunkSink]] = []
     reporting = {block.key for block in blocks}
 

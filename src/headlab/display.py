@@ -12,6 +12,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from headlab.numbers import number
+
 __all__ = ["heatmap_svg", "heatmaps_html", "table_html"]
 
 CELL = 14  # pixels per head: a 32 x 32 model stays under 500 px
@@ -45,7 +47,7 @@ def heatmap_svg(array: np.ndarray, title: str = "", labels: Mapping[tuple[int, i
         for head in range(n_heads):
             value = float(array[layer, head])
             note = (labels or {}).get((layer, head), "")
-            shown = "not scored" if math.isnan(value) else f"{value:.4g}"
+            shown = "not scored" if math.isnan(value) else number(value, ".4g")
             fill = "#fff" if math.isnan(value) else _colour((value - low) / span)
             x, y = left + head * CELL, top + layer * CELL
             parts.append(f'<rect x="{x}" y="{y}" width="{CELL - 1}" height="{CELL - 1}" fill="{fill}"><title>'

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, find_block
-from headlab.capture import HookHandles, register_head_output_hooks
+from headlab.adapters.eager_alibi import refuse_alibi_twice
+from headlab.capture import GATE_STACK, HookHandles, register_head_output_hooks
 from headlab.errors import HeadlabError, counted
 from headlab.heads import BlockKey, HeadSpec
 from headlab.options import checked_keywords
 
 GATES_ATTRIBUTE = "headlab_gates"
-_STACK = "_headlab_gate_stack"  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
+_STACK = GATE_STACK  # in model.__dict__, not a sub-module: the attached gate sets and their hooks
 _Gates = TypeVar("_Gates", bound="HeadGates")
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
@@ -273,7 +274,9 @@ def refuse_gated(model: nn.Module, what: str, instead: str = "") -> None:
     computes on the gated model, and a table would not say which heads were switched off or by how much. ``instead``:
     the caller's own way to measure with heads masked, said first. Inside :func:`measuring` nothing is refused: the
     gates there are the measurement's own (its ``mask=``, ablation's masks, gradient importance's gates at 1), the
-    caller's were refused on the way in."""
+    caller's were refused on the way in. A Falcon with ALiBi loaded with eager attention, which adds the bias twice, is
+    refused here too, inside :func:`measuring` as well (:func:`headlab.adapters.eager_alibi.refuse_alibi_twice`)."""
+    refuse_alibi_twice(model, what)
     names = attached_gates(model)
     if names and not model.__dict__.get(_MEASURING):
         way = f"{instead}, or " if instead else ""

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from headlab.errors import HeadlabError, counted
+from headlab.numbers import number
 
 KINDS = ("enc_self", "dec_self", "dec_cross")
 """Attention kinds, in the order the paper discusses them."""
@@ -389,7 +390,7 @@ class HeadScores:
         """Shape per kind and the top heads, not the arrays (a notebook prints this)."""
         shapes = ", ".join(f"{kind} {a.shape[0]}x{a.shape[1]}" for kind, a in self.scores.items())
         ranked = sorted(((v, k) for k, v in self.items() if not math.isnan(v)), reverse=True)[:3]
-        top = ", ".join(f"{format_head(*key)} {value:.3g}" for value, key in ranked)
+        top = ", ".join(f"{format_head(*key)} {number(value, '.3g')}" for value, key in ranked)
         model = f" of {self.model}" if self.model else ""
         return f"HeadScores({self.method}{model}: {shapes or 'no kind'}; top: {top or 'none scored'})"
 

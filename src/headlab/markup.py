@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.heads import KINDS
+from headlab.numbers import number
 
 __all__ = ["KIND_COLOURS", "fmt", "table", "ticks", "tick_label", "line_chart", "layer_means", "shade", "finite",
            "read_json_noted", "percent", "head_cell"]
@@ -27,7 +28,7 @@ def fmt(value, digits: int = 3) -> str:
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
-        return "–" if math.isnan(value) else f"{value:.{digits}g}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+        return "–" if math.isnan(value) else number(value, f".{digits}g" if abs(value) >= 1000 else f".{digits}f")
     return str(value)
 
 
@@ -50,7 +51,7 @@ def ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def tick_label(t: float) -> str:
-    return f"{t:.10g}"
+    return number(t, ".10g")
 
 
 def line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabel: str, ylabel: str, cls: str,
@@ -100,7 +101,8 @@ def line_chart(series: Mapping[str, Sequence[tuple[float, float | None]]], xlabe
         parts.append(f'<path class="series" data-series="{escape(name, quote=True)}" d="{path}" stroke="{colour}"/>')
         for x, y in line:
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"><title>'
-                         f'{escape(name)}: {escape(xlabel)} {escape(f"{x:g}")}, {escape(f"{y:.4g}")}</title></circle>')
+                         f'{escape(name)}: {escape(xlabel)} {escape(number(x, "g"))}, '
+                         f'{escape(number(y, ".4g"))}</title></circle>')
         if len(series) > 1:
             parts.append(f'<text x="{legend_x}" y="{top + 10}" fill="{colour}" class="legend">{escape(name)}</text>')
             legend_x += 8 + 7 * len(name)
@@ -146,7 +148,7 @@ def read_json_noted(path: Path, directory: Path, note: Callable[[str], None]) ->
 
 def percent(value) -> str:
     """A share as a model profile writes it: ``84.9%``; ``n/a`` when missing or NaN."""
-    return "n/a" if value is None or value != value else f"{100 * value:.1f}%"
+    return "n/a" if value is None or value != value else number(100 * value, ".1f") + "%"
 
 
 def head_cell(kind: str, head) -> str:

@@ -11,8 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from headlab.heads import HeadScores, axes_or_new, pyplot, write_figure
+from headlab.numbers import number
 
 __all__ = ["plot_head_scores", "plot_function_grid", "plot_aggregate_grid", "save_figures"]
+
+
+def _cell(fmt: str, value: float) -> str:
+    """A cell's value written by ``fmt`` (a ``"{:SPEC}"`` template: a zero without a sign, :func:`number`)."""
+    if fmt.startswith("{:") and fmt.endswith("}") and fmt.count("{") == 1:
+        return number(value, fmt[2:-1])
+    return fmt.format(value)
 
 
 def plot_head_scores(scores: HeadScores, kind: str, ax=None, *, title: str | None = None, vmin=None, vmax=None,
@@ -28,7 +36,7 @@ def plot_head_scores(scores: HeadScores, kind: str, ax=None, *, title: str | Non
             for head in range(n_heads):
                 value = array[layer, head]
                 if not np.isnan(value):
-                    ax.text(head, layer, fmt.format(value), ha="center", va="center", fontsize=6,
+                    ax.text(head, layer, _cell(fmt, value), ha="center", va="center", fontsize=6,
                             color="white" if image.norm(value) < 0.5 else "black")
     if np.isnan(array).all():
         ax.text((n_heads - 1) / 2, (n_layers - 1) / 2, "no data", ha="center", va="center", fontsize=9)

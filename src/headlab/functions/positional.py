@@ -28,6 +28,7 @@ from headlab.data.alignment import AttentionView
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, Numbering, format_head, head_scores, to_original, write_json
 from headlab.markup import head_cell, percent
+from headlab.numbers import number
 from headlab.options import option
 from headlab.plugins import Output, ProfilePart, read_result
 
@@ -148,7 +149,7 @@ class PositionalHead:
     share: float
 
     def __str__(self) -> str:
-        return f"{format_head(self.kind, self.layer, self.head)}: {self.share:.1%} at offset {self.offset:+d}"
+        return f"{format_head(self.kind, self.layer, self.head)}: {number(self.share, '.1%')} at offset {self.offset:+d}"
 
 
 @dataclass(frozen=True)

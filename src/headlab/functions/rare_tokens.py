@@ -38,6 +38,7 @@ from headlab.errors import counted
 from headlab.functions.statistic import LabelReader, Labels, Statistic, empty_labels, sensitivity_option
 from headlab.heads import BlockKey, HeadScores, Numbering, format_head, head_scores, to_original, write_json
 from headlab.markup import head_cell, percent
+from headlab.numbers import number
 from headlab.options import option
 from headlab.plugins import Output, ProfilePart, read_result
 from headlab.shard import Ledger, active
@@ -268,7 +269,7 @@ class RareTokenResult:
     def describe(self) -> str:
         lines = [f"{kind}: {self.n_eligible.get(kind, 0)} of {counted(n, 'sentence')} have a least frequent token outside the "
                  f"top {self.top_k} and a more frequent one" for kind, n in self.n_sentences.items()]
-        lines += [f"{format_head(kind, layer, head)}: rarest token {share:.1%}, one of two rarest {two:.1%}"
+        lines += [f"{format_head(kind, layer, head)}: rarest token {number(share, '.1%')}, one of two rarest {number(two, '.1%')}"
                   for kind, layer, head, share, two in self.top()]
         return "\n".join(lines)
 
@@ -305,7 +306,7 @@ class RareTokenResult:
         top = self.top(1)
         if not top:  # no qualifying sentence: said, rather than no line at all
             return [f"rare-token  undefined: {line}" for line in self.describe().splitlines()]
-        return [f"rare-token  {format_head(kind, layer, head)}: rarest {share:.1%}, two rarest {two:.1%}"
+        return [f"rare-token  {format_head(kind, layer, head)}: rarest {number(share, '.1%')}, two rarest {number(two, '.1%')}"
                 for kind, layer, head, share, two in top]
 
 

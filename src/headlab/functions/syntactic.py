@@ -49,6 +49,7 @@ from headlab.heads import (
 )
 from headlab.markup import head_cell, percent, read_json_noted
 from headlab.markup import table as html_table
+from headlab.numbers import number
 from headlab.options import comma_list, option
 from headlab.plugins import Output, ProfilePart, ReportPart, read_result
 
@@ -395,10 +396,10 @@ class SyntacticResult:
                 lines.append(f"| {row.kind} | {row.relation} | {row.label} | {row.arcs_text} | {row.status} | | | |")
                 continue
             head = format_head(row.kind, *row.best_head) if row.best_head else "-"
-            accuracy = f"{row.best_accuracy:.1%}" if row.best_accuracy is not None else "-"
+            accuracy = number(row.best_accuracy, ".1%") if row.best_accuracy is not None else "-"
             lines.append(
                 f"| {row.kind} | {row.relation} | {row.label} | {row.arcs_text} | {head} | {accuracy} "
-                f"| {row.baseline:.1%} ({row.baseline_offset:+d}) | {row.n_syntactic} |"
+                f"| {number(row.baseline, '.1%')} ({row.baseline_offset:+d}) | {row.n_syntactic} |"
             )
         if any(row.kind in CAUSAL_KINDS for row in self.table()):
             lines += ["", "Causal attention (a word sees only itself and earlier words): arcs reads "
@@ -460,8 +461,9 @@ class SyntacticResult:
                 if not any(sum(table.get((relation, "gov->dep"), {}).values()) for table in self.offsets.values())]
 
     def describe_heads(self) -> list[str]:
-        return [f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} {accuracy:.1%} "
-                f"(baseline {base:.1%})" for kind, layer, head, relation, direction, accuracy, base in self.syntactic_heads()]
+        return [f"syntactic   {format_head(kind, layer, head)}: {relation} {direction} {number(accuracy, '.1%')} "
+                f"(baseline {number(base, '.1%')})"
+                for kind, layer, head, relation, direction, accuracy, base in self.syntactic_heads()]
 
 
 def _read_labels(directory: Path, read: LabelReader) -> dict[str, list[str]]:
@@ -496,9 +498,11 @@ def _table1(c: Any) -> str:
                 f'data-head="{int(best[1])}">L{int(best[0])} H{int(best[1])}</a>') if best else "–"
         acc, base = r.get("best_accuracy"), r.get("baseline")
         offset = r.get("baseline_offset")
+        baseline = (f"{number(base, '.1%')} ({offset:+d})" if isinstance(base, (int, float)) and isinstance(offset, int)
+                    else "–")
         rows.append([escape(str(r.get("kind"))), escape(str(r.get("relation"))), escape(str(r.get("label", ""))),
-                     escape(arcs), head, escape(f"{acc:.1%}" if isinstance(acc, (int, float)) else "–"),
-                     escape(f"{base:.1%} ({offset:+d})" if isinstance(base, (int, float)) and isinstance(offset, int) else "–"),
+                     escape(arcs), head, escape(number(acc, ".1%") if isinstance(acc, (int, float)) else "–"),
+                     escape(baseline),
                      escape(str(r.get("n_syntactic", "")))])
     return ('<h3>Syntactic heads (Table 1 analogue)</h3><p class="caption">Accuracy of the best head per dependency '
             'relation and direction, against the baseline of always guessing the most frequent relative offset '
@@ -541,7 +545,7 @@ def _profile_table(kinds: Mapping[str, dict]) -> list[str]:
             lines.append(
                 f"| {kind} | {row['relation']} | {row['label']} | {arcs} | {head_cell(kind, row['best_head'])} "
                 f"| {percent(row['best_accuracy'])} | {percent(row['baseline'])} ({row['baseline_offset']:+d}) "
-                f"| {100 * margin:+.1f} |"
+                f"| {number(100 * margin, '+.1f')} |"
             )
     return lines
 

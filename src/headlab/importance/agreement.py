@@ -26,6 +26,7 @@ from headlab.heads import (
     measured_dtype,
     write_json,
 )
+from headlab.numbers import number
 
 __all__ = ["AgreementTable", "compute_agreement", "spearman", "top_share"]
 
@@ -59,7 +60,7 @@ class AgreementTable:
         return list(self.n_heads)
 
     def __repr__(self) -> str:
-        rows = ", ".join(f"{m} {row.get('all', math.nan):+.2f}" for m, row in self.rho.items())
+        rows = ", ".join(f"{m} {number(row.get('all', math.nan), '+.2f')}" for m, row in self.rho.items())
         return f"AgreementTable(Spearman with {self.reference} ({self.metric}) over all heads: {rows})"
 
     def to_json(self) -> dict:
@@ -75,7 +76,7 @@ class AgreementTable:
         header = "| measure | " + " | ".join(f"{c} ({counted(self.n_heads[c], 'head')})" for c in self.columns) + " |"
         lines = [header, "|---|" + "---:|" * len(self.columns)]
         for method, row in self.rho.items():
-            cells = ["n/a" if math.isnan(row.get(c, math.nan)) else f"{row[c]:+.2f}" for c in self.columns]
+            cells = ["n/a" if math.isnan(row.get(c, math.nan)) else number(row[c], "+.2f") for c in self.columns]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 

@@ -14,11 +14,12 @@ from headlab.adapters import AttentionBlock, attention_blocks
 from headlab.data.inputs import Batch
 from headlab.errors import HeadlabError
 from headlab.gates import HeadGates, validate_heads
-from headlab.heads import KINDS, HeadSpec
+from headlab.heads import KINDS, HeadScores, HeadSpec
 from headlab.model_description import ModelInfo
 from headlab.surgery import original_heads
 
 __all__ = ["ExampleGates", "block_scores", "check_finite_loss", "forward_logits", "original_heads", "original_mask",
+           "masked_signature",
            "sequence_nll"]
 
 
@@ -122,3 +123,14 @@ def original_mask(model: nn.Module, mask: HeadSpec) -> dict[tuple[str, int], lis
     validate_heads(blocks, mask)
     numbering = {block.key: original_heads(block)[0] for block in blocks}
     return {key: sorted(numbering[key[0], int(key[1])][h] for h in heads) for key, heads in mask.items()}
+
+
+def masked_signature(table: HeadScores, removed: Mapping[tuple[str, int], list[int]]) -> HeadScores:
+    """``table`` with NaN for the ``removed`` heads (:func:`original_mask`'s numbering) and its signature's options
+    recording them (``"mask": {"kind:layer": [head, ...]}``, as :func:`~headlab.importance.run_importance` writes it),
+    so that a table measured with heads switched off says which."""
+    blanked = table.without(removed)
+    recorded = table.signature.get("options")
+    options = {**(recorded if isinstance(recorded, Mapping) else {}),
+               "mask": {f"{kind}:{layer}": list(heads) for (kind, layer), heads in removed.items()}}
+    return HeadScores(blanked.scores, blanked.method, blanked.model, {**blanked.signature, "options": options})

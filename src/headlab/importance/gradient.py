@@ -33,7 +33,15 @@ from headlab.data.inputs import ImportanceData, count_batches, make_batches
 from headlab.errors import HeadlabError
 from headlab.gates import gates_attached, measures_heads
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.common import ExampleGates, block_scores, check_finite_loss, forward_logits, original_mask, sequence_nll
+from headlab.importance.common import (
+    ExampleGates,
+    block_scores,
+    check_finite_loss,
+    forward_logits,
+    masked_signature,
+    original_mask,
+    sequence_nll,
+)
 from headlab.importance.measure import ImportanceMeasure
 from headlab.model_description import ModelInfo, describe_model
 from headlab.shard import SINGLE, Ledger, Shard, active
@@ -148,7 +156,7 @@ def compute_gradient(
     raw = HeadScores(scores, "gradient_raw", info.name, signature)
     # Blanked before the norm: a switched-off head's gradient at gate 0 is no part of its layer's
     # norm (l2_normalize_per_layer skips NaN), as under run(mask=) and on the pruned model.
-    raw = raw.without(original_mask(model, mask)) if mask else raw
+    raw = masked_signature(raw, original_mask(model, mask)) if mask else raw  # the signature records the mask
     return l2_normalize_per_layer(raw, "gradient") if normalize else raw
 
 

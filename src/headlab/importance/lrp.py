@@ -193,21 +193,24 @@ def _layer_path(name: str) -> str:
     return ".".join(parts) if parts else name.rpartition(".")[0]
 
 
-def _cut_path(block: AttentionBlock, names: dict[str, nn.Module]) -> str:
+def _cut_path(block: AttentionBlock) -> str:
     """Where :func:`_embeddings` reads a stack's input: the layer holding its first block (:func:`_layer_path`); for a
     channels-first family (SqueezeBERT), the module holding its layer list, ``transformer.encoder``:
     SqueezeBertEncoder calls ``layer.forward(...)`` itself (transformers 5.24), so no hook on a layer runs, and its
     own input (``hidden_states``, [batch, seq, hidden], which it permutes to [batch, hidden, seq]) is the first
     layer's."""
     path = _layer_path(block.name)
-    if block.family.channels_first and path.count(".") >= 2:
-        return path.rsplit(".", 2)[0]
-    # a hybrid whose first attention layer is not its first layer (Jamba, Zamba, Bamba... with a state-space layer
-    # first): the first layer of the list, whose input is the embeddings, so that relevance crosses the mixers before
-    # the attention too, and Zamba's layers, which read the embeddings beside the residual stream, are counted whole
-    stack, _, index = path.rpartition(".")
-    if index.isdigit() and index != "0" and isinstance(names.get(stack), nn.ModuleList) and f"{stack}.0" in names:
-        return f"{stack}.0"
+    return path.rsplit(".", 2)[0] if block.family.channels_first and path.count(".") >= 2 else path
+
+
+def _stack_start(names: dict[str, nn.Module], path: str) -> str:
+    """The first layer of the module list whose layer ``path`` is (``model.layers.0`` for ``model.layers.1``), ``path``
+    itself where it is the first or in no list. A hybrid's layers before its first attention block (Qwen3-Next's and
+    OLMo-hybrid's Gated DeltaNet at layer 0, attention at 1) are crossed by relevance too: cut at the first attention
+    layer, the relevance through them was never measured, and conservation held whatever they did with it."""
+    parent, _, index = path.rpartition(".")
+    if index.isdigit() and index != "0" and isinstance(names.get(parent), nn.ModuleList) and f"{parent}.0" in names:
+        return f"{parent}.0"
     return path
 
 
@@ -216,7 +219,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     """The input embeddings of each stack (encoder, decoder) as its first layer receives them,
     what transformers calls ``hidden_states[0]``: relevance reaching them has crossed every
     layer; position embeddings, embedding scales and norms are on their near side. Recorded by
-    a pre-hook on the layer holding each stack's first attention block (``output_hidden_states``
+    a pre-hook on the first layer of the list holding each stack's first attention block (:func:`_stack_start`;
+    ``output_hidden_states``
     would leave transformers' recording hooks on the model). Gemma 3n's text model: the input of
     ``per_layer_model_projection`` instead, the input embeddings its AltUp streams and per-layer inputs are both
     made from (:func:`headlab.importance.rules.altup_inputs`)."""
@@ -229,7 +233,8 @@ def _embeddings(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         stack = "enc" if block.kind == "enc_self" else "dec"
         if stack not in firsts or block.layer < firsts[stack].layer:
             firsts[stack] = block
-    layers = {id(names[_cut_path(b, names)]): names[_cut_path(b, names)] for b in firsts.values()}
+    cuts = [_stack_start(names, _cut_path(b)) for b in firsts.values()]
+    layers = {id(names[cut]): names[cut] for cut in cuts}
     # Gemma 3n: the first layer reads a stack of AltUp streams made from the input embeddings, which the per-layer
     # inputs read too (through per_layer_model_projection): the input embeddings themselves are the cut
     for text, projection in zip(altup_models(model), altup_inputs(model)):
@@ -416,12 +421,12 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             out = probe(module, args, output[0])
             return None if out is None else (out, None)
         bias = module.bias
-        # a convolution over [batch, channels, seq] (the Mamba mixers' depthwise conv1d, called as a module by their
-        # rule, importance/mixer_rules/mamba.py): as a channels-first family's modules
         if (id(module) in channels_first or isinstance(module, nn.Conv1d)) and isinstance(output, torch.Tensor) \
-                and output.dim() == 3 \
-                and bias.dim() == 1 and output.shape[1] == bias.shape[0] and output.shape[0] == batch_size:
-            # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq]
+                and output.dim() == 3 and bias.dim() == 1 and output.shape[1] == bias.shape[0] \
+                and output.shape[0] == batch_size:
+            # SqueezeBERT's 1x1 convolutions and layer norms over [batch, channels, seq]: one s per token, [b, 1, seq];
+            # any 1-d convolution's output likewise (RecurrentGemma's conv_1d: [batch, channels, seq + padding], the
+            # padded positions sliced off after it and so keeping nothing)
             s = torch.ones(output.shape[0], 1, output.shape[2], dtype=output.dtype, device=output.device,
                            requires_grad=True)
             probes.append(s)  # batch-major: _reached sums over all but the batch dimension

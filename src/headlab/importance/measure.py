@@ -20,7 +20,7 @@ from torch import nn
 from headlab.data.inputs import ImportanceData
 from headlab.gates import mask_heads, measuring
 from headlab.heads import HeadScores, HeadSpec
-from headlab.importance.common import original_mask
+from headlab.importance.common import masked_signature, original_mask
 from headlab.model_description import ModelInfo
 from headlab.plugins import OptionSpec, ReportPart, build_options, option_specs
 
@@ -116,7 +116,8 @@ class ImportanceMeasure:
         (:func:`~headlab.gates.mask_heads`, composed with the measure's own gates): the scores
         of the masked model, in which those heads are NaN, as a pruned model's removed heads are.
         ``mask`` is in the current numbering, as ``mask_heads`` takes it; the tables name a pruned
-        model's heads by their original index, and so blank the masked heads' original indices.
+        model's heads by their original index, and so blank the masked heads' original indices, which their
+        signature records (``options["mask"]``, as :func:`~headlab.importance.run_importance` writes it).
         A model with gates attached before the call (inside ``mask_heads``) is refused before any work
         (:func:`~headlab.gates.measuring`): the tables would be the gated model's, none of its heads blanked."""
         with measuring(model, self.name, instead="give mask= (run's), whose heads the tables blank"):
@@ -125,4 +126,4 @@ class ImportanceMeasure:
             with mask_heads(model, mask):
                 tables = self.score_tables(model, data, info, **options)
         removed = original_mask(model, mask)
-        return [table.without(removed) for table in tables]
+        return [masked_signature(table, removed) for table in tables]  # blanked, and the signature says so

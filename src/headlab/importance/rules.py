@@ -557,11 +557,8 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
     why is None for a normalisation without a rule (:func:`check_rules` names them all at once)."""
     inside = _inside(model, blocks)
     holders = _holders(model, blocks)
-    covered = _covered(model)
     found: dict[str, tuple[str, str | None]] = {}
-    for path, module in model.named_modules():
-        if id(module) in covered:
-            continue
+    for path, module in _unowned_modules(model):  # a mixer's own parts (a gated norm) are under its rule
         problem = _module_problem(module, path, inside, _parent(model, path), id(module) in holders)
         if problem is not None or _unknown_norm(module):
             found[path] = (type(module).__name__, problem)
@@ -570,20 +567,6 @@ def _unruled(model: nn.Module, blocks: list[AttentionBlock]) -> dict[str, tuple[
 
 _KNOWN_NORMS = ("headlab knows LayerNorm (with or without parameters, a family's own class that computes it), RMS norms "
                 "(weight, 1 + weight, or none) and element-wise x * weight + bias")
-
-
-def _covered(model: nn.Module) -> set[int]:
-    """The modules inside a mixer whose rule gives the whole mixer its backward (``MixerRule.covers_children``):
-    they need no rule of their own, and get none."""
-    return {id(child) for module in model.modules()
-            if (mixer := mixer_rules.rule_for(module)) is not None and mixer.covers_children
-            for child in module.modules() if child is not module}
-
-
-def _uncovered(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` but those :func:`_covered` (inside a mixer whose rule covers it whole)."""
-    covered = _covered(model)
-    return [(path, module) for path, module in model.named_modules() if id(module) not in covered]
 
 
 def _inside(model: nn.Module, blocks: list[AttentionBlock]) -> set[int]:
@@ -626,11 +609,6 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
                 "y * sigmoid(mlp(y)) with y = norm(x) (A.X-K2's AXK2GatedRMSNorm: children norm, a norm with a rule, "
                 "and mlp), the gate held constant; on a probe this module is not laid out or does not compute so, "
                 "so relevance would not be conserved; the other measures work on the model's attention layers")
-    if type(module).__name__.endswith("ShortConv"):  # LFM2's, LFM2-MoE's and LFM3's convolution layers
-        return (f"LRP: no rule for the gated short convolution {type(module).__name__} ({path}): it "
-                "multiplies two projections of its input (B * x before the convolution, C * y after "
-                "it), which none of headlab's rules splits, so relevance would not be conserved; the "
-                "other measures work on the model's attention layers")
     if _is_activation(module) and getattr(module, "inplace", False):
         return f"LRP: in-place activation {type(module).__name__} ({path}) is not supported"
     if (problem := _no_rule(module, path, inside)) is not None:
@@ -1812,6 +1790,12 @@ def _register(hooks: list[mixer_rules.Hook]) -> list[Any]:
     return handles
 
 
+def _unowned_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` but the parts a mixer rule applies the rule of (:attr:`mixer_rules.MixerRule.owns`)."""
+    owned = mixer_rules.owned(model)
+    return [(path, module) for path, module in model.named_modules() if id(module) not in owned]
+
+
 def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     """(module, forward hook) pairs that hold ``block``'s queries and keys constant (attention weights are weights of
     the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
@@ -1856,7 +1840,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         gated = _gated_mlps(model)
         # what no rule covers, now that the check passed, lies where the probe never went: refused if it runs
         unruled = _check_rules(model)
-        for path, module in _uncovered(model):  # inside a mixer whose rule covers it whole: no other rule there
+        for path, module in _unowned_modules(model):  # a mixer's own parts have the mixer rule's hooks
             if path in unruled:
                 name, problem = unruled[path]
                 problem = problem or f"LRP: no rule for the normalisation module {name} ({path}): {_KNOWN_NORMS}"

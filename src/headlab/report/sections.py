@@ -20,6 +20,7 @@ from headlab.heads import KINDS, not_comparable_across_layers
 from headlab.markup import fmt as _fmt
 from headlab.markup import line_chart as _line_chart
 from headlab.markup import table as _table
+from headlab.numbers import number
 from headlab.plugins import ReportPart
 from headlab.report.collect import Collected
 from headlab.report.section import MEASURE_STAGES, REFERENCE_STAGE, Section
@@ -107,7 +108,7 @@ def _function_table(c: Collected) -> str:
 
 
 def _num(v) -> str:
-    return f'<span class="num">{escape(f"{v:+.2f}")}</span>' if isinstance(v, (int, float)) else "n/a"
+    return f'<span class="num">{escape(number(v, "+.2f"))}</span>' if isinstance(v, (int, float)) else "n/a"
 
 
 def _agreement_matrix(a: dict) -> str:
@@ -217,7 +218,7 @@ def _top_heads(c: Collected) -> str:
                 continue
             v, kind, layer, head = col[rank]
             labels = c.labels.get(f"{kind}:{layer}:{head}", [])
-            row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(f"{v:.3g}")}</span>'
+            row.append(_head_link(kind, layer, head) + f' <span class="num">{escape(number(v, ".3g"))}</span>'
                        + (f'<br><span class="fn">{escape(", ".join(labels))}</span>' if labels else ""))
         rows.append(row)
     # heads with a score: a pruned model's removed heads are empty cells of its maps

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MixerRule", "Hook", "register", "rule_for", "rules"]
+__all__ = ["MixerRule", "Hook", "owned", "register", "rule_for", "rules"]
 
 Hook = tuple[nn.Module, str, Callable[..., Any]]
 """Where a rule hooks and how: ``(module, kind, hook)`` with kind ``"forward"`` (a forward hook),
@@ -45,21 +45,21 @@ class MixerRule:
     written for, found by reading its parts or a probe forward), as the refusal says it; None where it fits.
     ``hooks(module)``: the hooks that make gradient x input the rule's relevance, installed by ``lrp_rules`` for the
     duration of one explanation and removed after it.
-    ``covers_children``: the hooks give the whole mixer its backward (from its input to its output), so the modules
-    inside it need no rule of their own and get none (a gated norm inside it that rules.py does not know is not
-    refused, nor hooked); False: rules.py's rules apply inside it as anywhere.
+    ``owns(module)``: the modules inside the mixer whose rule its hooks apply (a gated norm ``norm(o, z)``, which
+    rules.py's norm rules do not know): rules.py neither refuses them nor gives them a rule of its own. None by
+    default.
     """
 
     name: str
     matches: Callable[[nn.Module], bool]
     problem: Callable[[nn.Module, str], str | None]
     hooks: Callable[[nn.Module], list[Hook]]
-    covers_children: bool = False
+    owns: Callable[[nn.Module], list[nn.Module]] = lambda module: []
 
 
 _RULES: list[MixerRule] = []
 
-_PLUGINS: tuple[str, ...] = ("mamba",)
+_PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning", "mamba")
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
@@ -87,3 +87,9 @@ def rule_for(module: nn.Module) -> MixerRule | None:
     if len(found) > 1:
         raise AssertionError(f"two LRP mixer rules match {type(module).__name__}: {[r.name for r in found]}")
     return found[0] if found else None
+
+
+def owned(model: nn.Module) -> set[int]:
+    """The ids of the modules that the mixers' rules apply the rule of (:attr:`MixerRule.owns`) in ``model``."""
+    return {id(part) for module in model.modules() if (rule := rule_for(module)) is not None
+            for part in rule.owns(module)}

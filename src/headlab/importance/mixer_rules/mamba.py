@@ -38,7 +38,7 @@ equal the output on every call, so a forward that computes something else is ref
 (:func:`_mismatch`). The in- and out-projections and the convolution are called as modules there, so that lrp.py's
 probes of their biases see them (a bias keeps its share). Before any work, the rule's ``problem`` runs the mixer's
 own forward on a random input and compares (:func:`_probe`). No rule is installed inside the mixer
-(:attr:`MixerRule.covers_children`): its norms and projections are part of this rule. The recomputation runs in the
+(:attr:`MixerRule.owns`: all of it): its norms and projections are part of this rule. The recomputation runs in the
 model's precision, float64 staying float64 where transformers' code asks for float32 (lrp.py's ``_KeptWide``).
 
 Not covered, refused by name: any other class with this layout (pure Mamba, Mamba-2 and Falcon-Mamba models have no
@@ -274,11 +274,14 @@ def _probe(module: Any, compute: Callable[..., torch.Tensor]) -> str | None:
     weight = module.in_proj.weight
     if weight.is_meta or not weight.is_floating_point():
         return None
-    wide = torch.promote_types(weight.dtype, torch.float32)
+    from headlab.importance.lrp import _widened
+
     g = torch.Generator().manual_seed(0)
-    h = torch.randn((2, 7, weight.shape[1]), generator=g, dtype=torch.float64).to(weight.device, wide)
     try:
-        with torch.no_grad():
+        # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a half-precision
+        # model's own rounding would otherwise set the two apart
+        with _widened(module, torch.float32), torch.no_grad():
+            h = torch.randn((2, 7, weight.shape[1]), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
             output = module(h)
             expected = compute(module, h, None)
     except Exception as error:  # noqa: BLE001  # any failure: not the mixer the rule was written for
@@ -316,12 +319,18 @@ def _hooks(compute: Callable[..., torch.Tensor], name: str) -> Callable[[nn.Modu
     return lambda module: [(module, "forward_kwargs", _hook(compute, name))]
 
 
+def _inside(module: nn.Module) -> list[nn.Module]:
+    """Every module inside the mixer: the rule's hook gives the mixer its whole backward (its norms, projections and
+    convolution are part of the rule; their bias probes are lrp.py's)."""
+    return [part for part in module.modules() if part is not module]
+
+
 MAMBA1 = register(MixerRule(
     name="Mamba selective SSM (Jamba, Zamba)",
     matches=lambda module: _matches(module, per_channel=True),
     problem=_problem(MAMBA1_MIXERS, mamba1_output),
     hooks=_hooks(mamba1_output, "Mamba mixer"),
-    covers_children=True,
+    owns=_inside,
 ))
 
 MAMBA2 = register(MixerRule(
@@ -329,5 +338,5 @@ MAMBA2 = register(MixerRule(
     matches=lambda module: _matches(module, per_channel=False),
     problem=_problem(MAMBA2_MIXERS, mamba2_output),
     hooks=_hooks(mamba2_output, "Mamba-2 mixer"),
-    covers_children=True,
+    owns=_inside,
 ))
