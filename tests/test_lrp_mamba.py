@@ -217,3 +217,14 @@ def test_granites_shared_mlp_is_a_fused_gated_mlp():
     data, info = _data(model)
     total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
     assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+
+
+@pytest.mark.parametrize("name", ["jamba", "bamba"])
+def test_a_bfloat16_hybrid_is_explained(name):
+    """Released hybrids are bfloat16: the probe runs the mixer widened to float32 (as LRP computes it; before, a
+    float32 probe input met bfloat16 weights and the mixer was refused), and the run conserves."""
+    model = mamba_model(name, dtype=torch.bfloat16)
+    data, info = _data(model)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # put back as it was
