@@ -228,3 +228,14 @@ def test_a_bfloat16_hybrid_is_explained(name):
     total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
     assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # put back as it was
+
+
+@pytest.mark.parametrize("strategy", ["jacobian", "loop"])
+@pytest.mark.parametrize("name", ["jamba", "bamba"])
+def test_every_strategy_gives_the_same_shares(name, strategy):
+    """vmap's batched backward passes through the recomputed scan (the Mamba step loop, the Mamba-2 weight matrix) as
+    the jacobian and loop strategies do: the same shares."""
+    from support.lrp_families import check_strategies_agree, lrp_data
+
+    model = mamba_model(name, dtype=torch.float64)
+    check_strategies_agree(model, *lrp_data(model, n=2), strategy)
