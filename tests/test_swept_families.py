@@ -16,7 +16,8 @@ the work. Now each has a rule, or is refused by check_rules before any work, nam
   constant (tests/test_lrp_rg_lru.py);
 * MiniMax's lightning attention (refused until session 35 as a token mixer that is no block): ``q . k`` and the
   decay held constant, the output gate held constant (tests/test_lrp_lightning_attention.py);
-* refused: Falcon-H1's Mamba mixer (state space: ``A_log``).
+* Falcon-H1's Mamba-2 mixer (refused until session 35): the selective SSM's decay and input/output matrices held
+  constant, MambaLRP's rule (tests/test_lrp_mamba.py).
 
 It also found UMT5 and Switch Transformers (T5's layout: ``encoder.block.N.layer.0.SelfAttention``)
 refused, their layer index read off the wrong number of the path ("two modules claim enc_self layer 0"):
@@ -71,12 +72,10 @@ CONSERVING = {
     "minimax": lambda: (tf.MiniMaxForCausalLM, tf.MiniMaxConfig(
         **{**_GQA, "intermediate_size": 40}, layer_types=["full_attention", "linear_attention"],
         num_local_experts=2, num_experts_per_tok=1)),
-}
-
-REFUSED = {
-    "falcon_h1": (lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
+    # its Mamba-2 mixer beside the attention in every layer: the selective SSM's decay and input/output matrices held
+    # constant (refused until session 35: importance/mixer_rules/mamba.py, tests/test_lrp_mamba.py)
+    "falcon_h1": lambda: (tf.FalconH1ForCausalLM, tf.FalconH1Config(
         **_GQA, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4)),
-        r"FalconH1Mixer \(model.layers.0.mamba\): a state-space"),
 }
 
 
@@ -105,7 +104,7 @@ def _data(model) -> tuple[ImportanceData, object]:
 def test_lrp_conserves_relevance(family):
     """Relevance at the embeddings plus the biases' shares is the explained logit, per sentence
     (before the rules: nemotron, esm and moshi failed the run outside the 1e-3 tolerance; lfm2, gemma4_text and
-    gemma3n_text were refused; recurrent_gemma and minimax until session 35)."""
+    gemma3n_text were refused; recurrent_gemma, minimax and falcon_h1 until session 35)."""
     model = _tiny(CONSERVING[family])
     check_rules(model)
     data, info = _data(model)
@@ -120,22 +119,6 @@ def test_moshis_gating_mlp_is_a_gated_mlp_and_nanochats_plain_mlp_is_not():
     assert lrp_precision(_tiny(CONSERVING["moshi"])) == torch.float64
     nanochat = tf.NanoChatForCausalLM(tf.NanoChatConfig(**_GQA))  # fc2(act(fc1 x)), no product
     assert lrp_precision(nanochat) == torch.float32
-
-
-@pytest.mark.parametrize("family", REFUSED)
-def test_lrp_is_refused_before_any_work(family):
-    build, message = REFUSED[family]
-    with torch.device("meta"):  # refused from the structure alone
-        with pytest.raises(HeadlabError, match=message):
-            check_rules(_tiny(build))
-    model = _tiny(build)
-    attention_blocks(model)  # discovery's probe pass (once, cached): not the measure's work
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    data, info = _data(model)
-    with pytest.raises(HeadlabError, match=message):
-        compute_lrp(model, data, info, bootstrap=0)
-    assert not calls
 
 
 CAUSAL = {

@@ -59,6 +59,7 @@ from headlab.importance.common import block_scores
 from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
 from headlab.importance.rules import (
+    adapted_gated_mlps,
     altup_inputs,
     altup_models,
     called_gated_mlps,
@@ -304,6 +305,7 @@ def lrp_precision(model: nn.Module) -> torch.dtype:
     -0.5 and 47 times the logit per sentence, float64 to 1 within 2e-6 (docs/importance.md).
     Half-precision models are never computed in their own precision."""
     gated = gated_mlps(model) or fused_gated_mlps(model) or called_gated_mlps(model) or routed_experts(model) \
+        or adapted_gated_mlps(model) \
         or clamped_gated_mlps(model) or per_layer_input_layers(model)
     return torch.float64 if gated else torch.float32
 

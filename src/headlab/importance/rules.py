@@ -102,7 +102,7 @@ from headlab.errors import HeadlabError
 from headlab.importance import mixer_rules
 from headlab.surgery import head_row_modules
 
-__all__ = ["altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
+__all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
            "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
            "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "relevance",
            "routed_experts"]
@@ -1616,8 +1616,10 @@ _PRODUCT_NORMS = ("ffn_sub_norm",)
 # Names that are new to the rule (Llama 4's Llama4TextMLP): down's input is checked to be act(gate x) * up x.
 _CHECKED_GATED_NAMES = {"activation_fn"}
 # One projection computing [gate | up]: ``down(up * act(gate))``, its two halves by chunk(2) (Phi-3;
-# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``).
-_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"))
+# ModernBERT's ``Wo(act(input) * gate)`` with ``input, gate = Wi(x).chunk(2)``; the Granite MoE families' shared MLP,
+# ``output_linear(activation(h[0]) * h[1])`` with ``h = input_linear(x).chunk(2)``).
+_FUSED_GATED_NAMES = (("gate_up_proj", "down_proj", "activation_fn"), ("Wi", "Wo", "act"),
+                      ("input_linear", "output_linear", "activation"))
 
 
 # The same under names that ungated MLPs use too (Moshi's ``fc2(act(h[..., 0, :]) * h[..., 1, :])`` with
@@ -1638,6 +1640,46 @@ def fused_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Mo
                     and parts[1].out_features == 2 * parts[2].in_features:
                 found.append((parts[0], parts[1], parts[2]))
     return found
+
+
+def adapted_gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, list[nn.Module], nn.Module]]:
+    """``(act_fn, gate_up_proj, adapters, down_proj)`` of every gated MLP whose ``[gate | up]`` is ``gate_up_proj``'s
+    output plus a LoRA adapter's, one adapter per depth (Zamba 2's ``Zamba2MLP``, transformers 5.24:
+    ``down_proj(act_fn(h[0]) * h[1])``, ``h = (gate_up_proj(x) + gate_up_proj_adapter_list[i](x)).chunk(2)``)."""
+    found = []
+    for module in model.modules():
+        parts: list = [getattr(module, name, None) for name in ("act_fn", "gate_up_proj", "down_proj")]
+        adapters = getattr(module, "gate_up_proj_adapter_list", None)
+        if all(isinstance(p, nn.Module) for p in parts) and isinstance(adapters, nn.ModuleList):
+            found.append((parts[0], parts[1], list(adapters), parts[2]))
+    return found
+
+
+class _AdaptedGatedProduct(_CheckedGatedProduct):
+    """:class:`_CheckedGatedProduct` for :func:`adapted_gated_mlps`: ``up`` is the second half of ``gate_up_proj``'s
+    output plus that of the adapter that ran, both weighted sums, whose sum ``b`` is the product's factor."""
+
+    formula = "act(h0) * h1 with h = gate_up_proj(x) + adapter(x)"
+
+    def keep_up(self, module, args, output):
+        self.b = output.chunk(2, dim=-1)[1]
+
+    def add_adapter(self, module, args, output):
+        if self.b is None:
+            raise HeadlabError(f"LRP: an adapter {type(module).__name__} ran before its gate_up_proj")
+        self.b = self.b + output.chunk(2, dim=-1)[1]
+
+
+def _register_adapted(model: nn.Module, handles: HookHandles) -> None:
+    """The hooks of :class:`_AdaptedGatedProduct`. (Zamba 2's attention adapters, ``use_shared_attention_adapter``,
+    are refused with its attention: discovery ties no query and key projection to it.)"""
+    for act, gate_up, adapters, down in adapted_gated_mlps(model):
+        product = _AdaptedGatedProduct()
+        # after the activation rule (hooked before), so that it keeps the rule's output
+        handles.append(act.register_forward_hook(product.keep_a))
+        handles.append(gate_up.register_forward_hook(product.keep_up))
+        handles.extend(adapter.register_forward_hook(product.add_adapter) for adapter in adapters)
+        handles.append(down.register_forward_pre_hook(product.pre_down))
 
 
 def gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
@@ -1843,6 +1885,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
             handles.append(cast(nn.Module, layer.per_layer_projection).register_forward_pre_hook(per_layer.pre_projection))
         for text in altup_models(model):
             _register_altup(text, handles)
+        _register_adapted(model, handles)
         for path, module in model.named_modules():
             if _is_experts(module):
                 handles.append(module.register_forward_hook(_experts_rule, with_kwargs=True))

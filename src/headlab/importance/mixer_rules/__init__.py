@@ -59,7 +59,7 @@ class MixerRule:
 
 _RULES: list[MixerRule] = []
 
-_PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning")
+_PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning", "mamba")
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
