@@ -53,7 +53,8 @@ The other rules become ordinary backward passes once the right factors are detac
   DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4; DBRX's in three 2-d matrices): each expert is a gated MLP
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
-  below are (:func:`_experts_rule`);
+  below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
+  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -1417,7 +1418,8 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def routed_experts(model: nn.Module) -> list[nn.Module]:
-    """The mixture-of-experts modules of ``model`` (each a set of gated MLPs, see :func:`_experts_rule`)."""
+    """The mixture-of-experts modules of ``model`` (each a set of gated MLPs, see :func:`_experts_rule`, or of
+    Nemotron-H's non-gated ones, :func:`_non_gated_rule`)."""
     return [module for module in model.modules() if _is_experts(module)]
 
 
