@@ -188,3 +188,19 @@ def test_a_hook_that_changes_the_output_fails_the_rule_check():
     data, info = _data(model)
     with pytest.raises(HeadlabError, match="NemotronHExperts is not a sum of routed non-gated experts"):
         compute_lrp(model, data, info, bootstrap=0)
+
+
+def test_experts_with_a_gate_proj_beside_up_proj_are_not_taken_for_non_gated():
+    """Inkling's shared experts hold 3-d ``gate_proj``, ``up_proj`` and ``down_proj`` (gated): still refused as
+    gated experts of another layout, not probed as non-gated ones."""
+    from headlab.importance.rules import _moe_layout_problem
+
+    class SharedExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+            self.up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+            self.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 8))
+            self.act_fn = torch.nn.SiLU()
+
+    assert _moe_layout_problem(SharedExperts()).startswith("its expert weights are not gate_up_proj")

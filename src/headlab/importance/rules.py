@@ -1529,10 +1529,12 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
 
 # -- non-gated experts (Nemotron-H's NemotronHExperts): E_k(x) = down_k(act(up_k x)) ---------------------------
 def _is_non_gated(module: nn.Module) -> bool:
-    """Experts that say they have no gate (transformers' ``has_gate=False``: Nemotron-H), or hold ``up_proj`` and
-    no ``gate_up_proj``: :func:`_non_gated_problem` and :func:`_non_gated_rule` are theirs."""
+    """Experts that say they have no gate (transformers' ``has_gate=False``: Nemotron-H), or hold an ``up_proj``
+    tensor and neither ``gate_up_proj`` nor ``gate_proj`` (Inkling's shared experts hold ``gate_proj``, ``up_proj``
+    and ``down_proj``, gated): :func:`_non_gated_problem` and :func:`_non_gated_rule` are theirs."""
     return getattr(module, "has_gate", True) is False or (
-        getattr(module, "gate_up_proj", None) is None and isinstance(getattr(module, "up_proj", None), torch.Tensor))
+        isinstance(getattr(module, "up_proj", None), torch.Tensor)
+        and all(getattr(module, name, None) is None for name in ("gate_up_proj", "gate_proj")))
 
 
 def _non_gated_expert(module: Any, x: torch.Tensor, expert: int, act) -> torch.Tensor:
