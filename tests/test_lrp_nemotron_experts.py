@@ -204,3 +204,11 @@ def test_experts_with_a_gate_proj_beside_up_proj_are_not_taken_for_non_gated():
             self.act_fn = torch.nn.SiLU()
 
     assert _moe_layout_problem(SharedExperts()).startswith("its expert weights are not gate_up_proj")
+
+
+def test_a_bfloat16_model_is_probed_and_explained():
+    """The probe runs in the model's own type (bfloat16 here) before LRP widens it: no false refusal."""
+    model = nemotron_moe(torch.bfloat16)
+    data, info = _data(model)
+    total = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]["with_biases"]
+    assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
