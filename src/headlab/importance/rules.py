@@ -1221,8 +1221,37 @@ class _Gate:
         gate, up = _halves(gate_up, self.concatenated)
         if self.limits is None:
             assert self.act is not None
-            return _product(self.act(gate), up)  # act carries the activation rule's hook
+            return _product(self.act(gate), up)  # act carries the activation rule's hook (_CalledSilu its own)
         return _clamped_swiglu(gate, up, *self.limits)
+
+
+class _CalledSilu(nn.Module):
+    """SiLU called as a function (LFM2-MoE's ``Lfm2MoeExperts.act_fn = F.silu``) with the activation rule in its
+    forward, ``R(gate) = R(silu(gate))``: no hook reaches a function call, so :class:`_Gate` uses this in its place.
+    :meth:`_Gate.plain` calls :meth:`forward`, so this class's forward is the plain SiLU and ``__call__`` adds the
+    rule."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            y = nn.functional.silu(x)
+        return _activation_rule(None, (x,), y)
+
+
+def _computes_silu(act: Any) -> bool:
+    """Whether ``act``, a function (not a module), computes SiLU on a float64 probe wide enough to tell it from GELU
+    and the others; any other function is refused."""
+    g = torch.Generator().manual_seed(0)
+    x = 10 * torch.randn(256, generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # noqa: BLE001  # any failure: not the SiLU the rule assumes
+        return False
+    return isinstance(y, torch.Tensor) and y.shape == x.shape \
+        and torch.allclose(y, nn.functional.silu(x), rtol=1e-9, atol=1e-12)
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -1284,6 +1313,8 @@ def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
             found.append(_Gate(layout, limits=limits))
         if isinstance(act, nn.Module) and _is_activation(act):
             found.append(_Gate(layout, act=act))
+        elif act is not None and not isinstance(act, nn.Module) and callable(act) and _computes_silu(act):
+            found.append(_Gate(layout, act=_CalledSilu()))  # LFM2-MoE: act_fn = F.silu, a function
     return found
 
 
@@ -1374,7 +1405,8 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
             return "it says it has biases (has_bias) but not gate_up_proj_bias [experts, 2 x inner] and down_proj_bias"
     candidates = _gate_candidates(module, bool(getattr(module, "is_concatenated", True)))
     if not candidates:
-        return "it has no act_fn module, nor GPT-OSS's clamped SwiGLU (alpha and limit)"
+        return ("it has no act_fn module nor an act_fn function computing SiLU, nor GPT-OSS's clamped SwiGLU "
+                "(alpha and limit)")
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is None:  # its forward computes the gate inline: the rule checks the result on every call
         return transposed, biases, candidates[0]
