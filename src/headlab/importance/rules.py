@@ -50,7 +50,8 @@ The other rules become ordinary backward passes once the right factors are detac
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
-  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4; DBRX's in three 2-d matrices): each expert is a gated MLP
+  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4, LFM2-MoE (SiLU a function call, probed: :class:`_CalledSilu`); DBRX's
+  in three 2-d matrices): each expert is a gated MLP
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
   below are (:func:`_experts_rule`);
