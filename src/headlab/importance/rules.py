@@ -601,7 +601,7 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3) and DBRX's (w1, v1, w2)")
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE) and DBRX's (w1, v1, w2)")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
