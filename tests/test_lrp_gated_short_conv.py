@@ -25,7 +25,7 @@ _BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_lay
 # convolution layers at 0 and 2, attention at 1 (LFM3: a sliding and a full attention layer after its convolution)
 HYBRIDS = {
     "lfm2": lambda: (tf.Lfm2ForCausalLM, tf.Lfm2Config(**_BASE, layer_types=["conv", "full_attention", "conv"])),
-    # every layer dense: LFM2-MoE's experts (Lfm2MoeExperts, SiLU a function call) have no rule of their own yet
+    # every layer dense: LFM2-MoE's experts (Lfm2MoeExperts) are tested in test_lrp_lfm2_moe_experts.py
     "lfm2_moe": lambda: (tf.Lfm2MoeForCausalLM, tf.Lfm2MoeConfig(
         **_BASE, layer_types=["conv", "full_attention", "conv"], num_dense_layers=3, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16)),

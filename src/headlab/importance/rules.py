@@ -50,7 +50,8 @@ The other rules become ordinary backward passes once the right factors are detac
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
-  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4; DBRX's in three 2-d matrices): each expert is a gated MLP
+  DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4, LFM2-MoE (SiLU a function call, probed: :class:`_CalledSilu`); DBRX's
+  in three 2-d matrices): each expert is a gated MLP
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
   below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
@@ -601,8 +602,8 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3), DBRX's (w1, v1, w2) and Nemotron-H's non-gated ones (up_proj, "
-                "down_proj)")
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE), DBRX's (w1, v1, w2) and Nemotron-H's non-gated ones "
+                "(up_proj, down_proj)")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
@@ -1223,8 +1224,37 @@ class _Gate:
         gate, up = _halves(gate_up, self.concatenated)
         if self.limits is None:
             assert self.act is not None
-            return _product(self.act(gate), up)  # act carries the activation rule's hook
+            return _product(self.act(gate), up)  # act carries the activation rule's hook (_CalledSilu its own)
         return _clamped_swiglu(gate, up, *self.limits)
+
+
+class _CalledSilu(nn.Module):
+    """SiLU called as a function (LFM2-MoE's ``Lfm2MoeExperts.act_fn = F.silu``) with the activation rule in its
+    forward, ``R(gate) = R(silu(gate))``: no hook reaches a function call, so :class:`_Gate` uses this in its place.
+    :meth:`_Gate.plain` calls :meth:`forward`, so this class's forward is the plain SiLU and ``__call__`` adds the
+    rule."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            y = nn.functional.silu(x)
+        return _activation_rule(None, (x,), y)
+
+
+def _computes_silu(act: Any) -> bool:
+    """Whether ``act``, a function (not a module), computes SiLU on a float64 probe wide enough to tell it from GELU
+    and the others; any other function is refused."""
+    g = torch.Generator().manual_seed(0)
+    x = 10 * torch.randn(256, generator=g, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # noqa: BLE001  # any failure: not the SiLU the rule assumes
+        return False
+    return isinstance(y, torch.Tensor) and y.shape == x.shape \
+        and torch.allclose(y, nn.functional.silu(x), rtol=1e-9, atol=1e-12)
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -1286,6 +1316,8 @@ def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
             found.append(_Gate(layout, limits=limits))
         if isinstance(act, nn.Module) and _is_activation(act):
             found.append(_Gate(layout, act=act))
+        elif act is not None and not isinstance(act, nn.Module) and callable(act) and _computes_silu(act):
+            found.append(_Gate(layout, act=_CalledSilu()))  # LFM2-MoE: act_fn = F.silu, a function
     return found
 
 
@@ -1376,7 +1408,8 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
             return "it says it has biases (has_bias) but not gate_up_proj_bias [experts, 2 x inner] and down_proj_bias"
     candidates = _gate_candidates(module, bool(getattr(module, "is_concatenated", True)))
     if not candidates:
-        return "it has no act_fn module, nor GPT-OSS's clamped SwiGLU (alpha and limit)"
+        return ("it has no act_fn module nor an act_fn function computing SiLU, nor GPT-OSS's clamped SwiGLU "
+                "(alpha and limit)")
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is None:  # its forward computes the gate inline: the rule checks the result on every call
         return transposed, biases, candidates[0]
