@@ -54,7 +54,8 @@ The other rules become ordinary backward passes once the right factors are detac
   in three 2-d matrices): each expert is a gated MLP
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
-  below are (:func:`_experts_rule`);
+  below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
+  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -601,7 +602,8 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE) and DBRX's (w1, v1, w2)")
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE), DBRX's (w1, v1, w2) and Nemotron-H's non-gated ones "
+                "(up_proj, down_proj)")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
@@ -1420,7 +1422,10 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
 
 def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> str | None:
     """Why headlab has no rule for a mixture-of-experts module (None: it has one): :func:`_experts_layout`, and
-    experts called on the hidden states alone need a ``router`` beside them (in ``parent``) to hold constant."""
+    experts called on the hidden states alone need a ``router`` beside them (in ``parent``) to hold constant;
+    non-gated experts (Nemotron-H): :func:`_non_gated_problem`."""
+    if _is_non_gated(module):
+        return _non_gated_problem(module)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         return layout
@@ -1446,7 +1451,8 @@ def _is_experts(module: nn.Module) -> bool:
 
 
 def routed_experts(model: nn.Module) -> list[nn.Module]:
-    """The mixture-of-experts modules of ``model`` (each a set of gated MLPs, see :func:`_experts_rule`)."""
+    """The mixture-of-experts modules of ``model`` (each a set of gated MLPs, see :func:`_experts_rule`, or of
+    Nemotron-H's non-gated ones, :func:`_non_gated_rule`)."""
     return [module for module in model.modules() if _is_experts(module)]
 
 
@@ -1505,7 +1511,9 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     ``w_k x``. Llama 4's experts take their input already scaled by the routing weights (``x * w_e``, the
     router's output held constant by :func:`lrp_rules`) and run every expert on its own slice of rows.
     The output is recomputed so, checked against the module's own (any implementation), and only its
-    backward is used."""
+    backward is used. Non-gated experts (Nemotron-H) have a rule of their own, :func:`_non_gated_rule`."""
+    if _is_non_gated(module):
+        return _non_gated_rule(module, args, kwargs, output)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__}: {layout}")
@@ -1549,6 +1557,101 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
         if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
             raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed gated experts "
                                f"(w_k down({gate.describe()})); headlab has no LRP rule for it")
+    return _swap_backward(output, surrogate)
+
+
+# -- non-gated experts (Nemotron-H's NemotronHExperts): E_k(x) = down_k(act(up_k x)) ---------------------------
+def _is_non_gated(module: nn.Module) -> bool:
+    """Experts that say they have no gate (transformers' ``has_gate=False``: Nemotron-H), or hold an ``up_proj``
+    tensor and neither ``gate_up_proj`` nor ``gate_proj`` (Inkling's shared experts hold ``gate_proj``, ``up_proj``
+    and ``down_proj``, gated): :func:`_non_gated_problem` and :func:`_non_gated_rule` are theirs."""
+    return getattr(module, "has_gate", True) is False or (
+        isinstance(getattr(module, "up_proj", None), torch.Tensor)
+        and all(getattr(module, name, None) is None for name in ("gate_up_proj", "gate_proj")))
+
+
+def _non_gated_expert(module: Any, x: torch.Tensor, expert: int, act) -> torch.Tensor:
+    """Expert ``expert`` on its rows ``x``: ``down_e(act(up_e x))`` (``act`` the module's ``act_fn``: called as a
+    module it carries the activation rule's hook, its ``forward`` the plain function)."""
+    return nn.functional.linear(act(nn.functional.linear(x, module.up_proj[expert])), module.down_proj[expert])
+
+
+def _non_gated_sum(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+    """``sum_k w_k down_e(act(up_e x))`` over each row's experts ``e = index[:, k]``, in ``x``'s type."""
+    out = torch.zeros_like(x)
+    for expert in range(module.up_proj.shape[0]):
+        token, slot = torch.where(index == expert)
+        if len(token):
+            routed = _non_gated_expert(module, x[token], expert, act) * weights[token, slot, None].to(x.dtype)
+            out = out.index_add(0, token, routed)
+    return out
+
+
+def _non_gated_problem(module: nn.Module) -> str | None:
+    """Why headlab has no rule for non-gated experts (None: it has one). The rule (:func:`_non_gated_rule`) is for
+    ``up_proj`` ``[experts, inner, in]`` and ``down_proj`` ``[experts, in, inner]`` (transformers 5.24's
+    ``NemotronHExperts``, ``is_transposed`` False), no biases, no norm after the experts, an activation module
+    ``act_fn``, and a forward that computes ``sum_k w_k down_e(act_fn(up_e x))``: probed on a random input."""
+    up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 or down.dim() != 3 \
+            or down.shape[0] != up.shape[0] or down.shape[1] != up.shape[2] or down.shape[2] != up.shape[1]:
+        return ("headlab's rule for non-gated experts is for up_proj [experts, inner, in] and down_proj "
+                "[experts, in, inner] (Nemotron-H); this module's expert weights are not laid out so")
+    flags = {"has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
+    wrong = [name for name, value in flags.items() if getattr(module, name, value) != value]
+    if wrong:
+        return f"its non-gated layout differs ({', '.join(f'{name}={getattr(module, name)}' for name in wrong)})"
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, nn.Module) or not _is_activation(act):
+        return "its non-gated experts have no act_fn activation module for the activation rule"
+    if not _computes_non_gated(module, act):
+        return ("its forward does not compute sum_k w_k down_e(act_fn(up_e x)) on a probe (non-gated experts, "
+                "Nemotron-H's), so relevance would not be conserved")
+    return None
+
+
+def _computes_non_gated(module: Any, act: nn.Module) -> bool:
+    """Whether ``module``'s own forward (transformers' reference loop, which LRP runs: :func:`lrp_rules`) is
+    ``sum_k w_k down_e(act(up_e x))`` on a random input routed to two experts a row; True where it cannot run
+    (weights on the meta device): :func:`_non_gated_rule` checks its result on every call."""
+    weight = module.up_proj
+    if weight.is_meta or not weight.is_floating_point():
+        return True
+    g = torch.Generator().manual_seed(0)
+    n, width = weight.shape[0], weight.shape[2]
+    x = torch.randn((6, width), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    index = torch.stack([torch.arange(6) % n, (torch.arange(6) + 1) % n], -1).to(weight.device)
+    weights = torch.rand((6, 2), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
+    forward = getattr(type(module).forward, "__wrapped__", type(module).forward)  # not the kernels' dispatch
+    with torch.no_grad():
+        try:
+            output = forward(module, x, index, weights)
+        except Exception:  # noqa: BLE001  # any failure: not the experts the rule assumes
+            return False
+        expected = _non_gated_sum(module, x, index, weights, act.forward)
+    return isinstance(output, torch.Tensor) and output.shape == expected.shape \
+        and torch.allclose(output, expected, rtol=1e-3, atol=1e-5)
+
+
+def _non_gated_rule(module: Any, args, kwargs, output):
+    """Routed non-gated experts (Nemotron-H): ``sum_k w_k down_e(act(up_e x))``. ``act`` (relu^2 in Nemotron-H,
+    not positively homogeneous of degree one) gets the activation rule, ``R(u) = R(act(u))`` (Voita et al. 2019,
+    App. A.2), as every activation does; the routing weights ``w_k`` are detached, constants as for the gated
+    experts (:func:`_experts_rule`); the rest is weighted sums. No product of two neurons appears. The output is
+    recomputed so, checked against the module's own, and only its backward is used."""
+    names = list(_EXPERTS_ARGUMENTS)
+    given = {_EXPERTS_ARGUMENTS[name]: value for name, value in
+             [*zip(("hidden_states", "top_k_index", "top_k_weights"), args), *kwargs.items()] if name in names}
+    if len(given) != 3 or not isinstance(output, torch.Tensor):
+        raise HeadlabError(f"LRP: {type(module).__name__} is not called as experts(hidden_states, top_k_index, "
+                           "top_k_weights); headlab has no LRP rule for it")
+    x = given["hidden_states"]
+    _check_finite(module, x)
+    surrogate = _non_gated_sum(module, x, given["top_k_index"], given["top_k_weights"].detach(), module.act_fn)
+    with torch.no_grad():
+        if surrogate.shape != output.shape or not torch.allclose(surrogate, output, rtol=1e-3, atol=1e-5):
+            raise HeadlabError(f"LRP: {type(module).__name__} is not a sum of routed non-gated experts "
+                               "(w_k down(act_fn(up x))); headlab has no LRP rule for it")
     return _swap_backward(output, surrogate)
 
 
