@@ -15,10 +15,17 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
+from headlab.importance import compute_lrp, lrp_rules
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
-from support.lrp_families import check_rules_leave_the_forward_unchanged, check_strategies_agree, lrp_data
+from support.lrp_families import (
+    assert_conserved,
+    check_probed_widened_and_left_as_it_was,
+    check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
+    lrp_data,
+    offset_biases_and_norms,
+)
 
 _BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -41,19 +48,8 @@ def _model(family: str, dtype=torch.float32, **values) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()
-    with torch.no_grad():  # off their initial values, so that a rule ignoring them shows
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.1)
-            elif "norm" in name.lower() and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
+    offset_biases_and_norms(model)  # so that a rule ignoring them shows
     return model.to(dtype)
-
-
-def _data() -> ImportanceData:
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 9, (4,), generator=g).tolist()
-    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths])
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
@@ -61,17 +57,13 @@ def test_lrp_conserves_through_the_convolutions_and_the_attention(family):
     """Before: refused. The pipeline's record: the embeddings plus the biases' shares are the explained logit."""
     model = _model(family)
     check_rules(model)
-    record = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
-    total = record["with_biases"]
-    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    assert_conserved(model, 1e-6)
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_a_float64_model_conserves_to_float64_rounding(family):
     model = _model(family, torch.float64)
-    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
-    assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
+    assert_conserved(model, 5e-14)
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
@@ -85,12 +77,7 @@ def test_relevance_crossing_every_layer_from_the_first_is_conserved(family):
 def test_a_half_precision_model_is_probed_widened_and_left_as_it_was():
     """A bfloat16 model: the probe runs its mixers widened to float32 (in place, put back exactly), LRP conserves."""
     model = _model("lfm3", torch.bfloat16)
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    check_rules(model)
-    after = model.state_dict()
-    assert all(after[name].dtype == tensor.dtype and torch.equal(after[name], tensor) for name, tensor in before.items())
-    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
-    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    check_probed_widened_and_left_as_it_was(model)
 
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
@@ -147,7 +134,7 @@ def _refused(model, match: str) -> None:
     calls: list = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, _data(), describe_model(model), bootstrap=0)
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
     assert calls == [1]  # discovery's probe pass only, nothing explained
 
 

@@ -15,10 +15,15 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
+from headlab.importance import compute_lrp, lrp_rules
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
-from support.lrp_families import check_rules_leave_the_forward_unchanged
+from support.lrp_families import (
+    assert_conserved,
+    check_rules_leave_the_forward_unchanged,
+    lrp_data,
+    offset_biases_and_norms,
+)
 
 
 def _model(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
@@ -31,23 +36,14 @@ def _model(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = tf.Lfm2MoeForCausalLM(config).eval()
-    with torch.no_grad():  # transformers leaves the experts' weights empty; norms off their initial ones
+    with torch.no_grad():  # transformers leaves the experts' weights empty
         for name, parameter in model.named_parameters():
             if name.endswith("_proj") and parameter.dim() == 3:
                 parameter.normal_(0, parameter.shape[2] ** -0.5)
             elif name.endswith("gate.weight"):
                 parameter.normal_(0, 1)
-            elif name.endswith("bias"):
-                parameter.normal_(0, 0.1)
-            elif "norm" in name.lower() and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
+    offset_biases_and_norms(model)
     return model.to(dtype)
-
-
-def _data() -> ImportanceData:
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 9, (4,), generator=g).tolist()
-    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths])
 
 
 def _experts(model) -> list[torch.nn.Module]:
@@ -59,16 +55,12 @@ def test_the_pipeline_record_conserves():
     model = _model()
     assert len(_experts(model)) == 2
     check_rules(model)
-    record = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
-    total = record["with_biases"]
-    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    assert_conserved(model, 1e-6)
 
 
 def test_a_float64_model_conserves_to_float64_rounding():
     model = _model(torch.float64)
-    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
-    assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
+    assert_conserved(model, 5e-14)
 
 
 def test_relevance_crossing_every_layer_from_the_first_is_conserved():
@@ -127,7 +119,7 @@ def _refused(model, match: str) -> None:
     calls: list = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, _data(), describe_model(model), bootstrap=0)
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
     assert calls == [1]  # discovery's probe pass only, nothing explained
 
 

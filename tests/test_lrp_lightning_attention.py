@@ -17,11 +17,18 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
+from headlab.importance import compute_lrp, lrp_rules
 from headlab.importance.lrp import _KeptWide
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
-from support.lrp_families import check_rules_leave_the_forward_unchanged, check_strategies_agree, lrp_data
+from support.lrp_families import (
+    assert_conserved,
+    check_probed_widened_and_left_as_it_was,
+    check_rules_leave_the_forward_unchanged,
+    check_strategies_agree,
+    lrp_data,
+    offset_biases_and_norms,
+)
 
 _CONFIG = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
@@ -34,32 +41,19 @@ def _model(dtype=torch.float32) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = tf.MiniMaxForCausalLM(config).eval()
-    with torch.no_grad():  # off their initial values, so that a rule ignoring them shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name.lower() and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
+    offset_biases_and_norms(model, biases=False)  # so that a rule ignoring them shows
     return model.to(dtype)
-
-
-def _data() -> ImportanceData:
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 11, (4,), generator=g).tolist()
-    return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths])
 
 
 def test_lrp_conserves_through_the_lightning_and_the_softmax_attention():
     model = _model()
     check_rules(model)
-    record = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]
-    assert record["n_sentences"] == 4 and record["n_outside"] == 0, record
-    total = record["with_biases"]
-    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    assert_conserved(model, 1e-6, longest=10)
 
 
 def test_a_float64_model_conserves_to_float64_rounding():
     model = _model(torch.float64)
-    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
-    assert abs(total["min"] - 1) < 5e-14 and abs(total["max"] - 1) < 5e-14, total
+    assert_conserved(model, 5e-14, longest=10)
 
 
 def test_relevance_crossing_every_layer_from_the_first_is_conserved():
@@ -74,12 +68,7 @@ def test_a_half_precision_model_is_probed_widened_and_left_as_it_was():
     probe compared the half-precision forward (its decays stored rounded) with the formula and refused a released
     (bfloat16) model."""
     model = _model(torch.bfloat16)
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    check_rules(model)
-    after = model.state_dict()
-    assert all(after[name].dtype == tensor.dtype and torch.equal(after[name], tensor) for name, tensor in before.items())
-    total = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]["with_biases"]
-    assert abs(total["min"] - 1) < 1e-6 and abs(total["max"] - 1) < 1e-6, total
+    check_probed_widened_and_left_as_it_was(model)
 
 
 @pytest.mark.parametrize("strategy", ["loop", "jacobian"])
@@ -157,7 +146,7 @@ def test_a_lightning_attention_that_computes_otherwise_is_refused_before_any_wor
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with pytest.raises(HeadlabError, match=r"no rule for MiniMaxLightningAttention \(model\.layers\.0\.self_attn\): "
                                            r"lightning attention .*on a probe its forward is not"):
-        compute_lrp(model, _data(), describe_model(model), bootstrap=0)
+        compute_lrp(model, *lrp_data(model, longest=10), bootstrap=0)
     assert calls == [1]  # discovery's probe pass only, nothing explained
 
 

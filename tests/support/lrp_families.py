@@ -107,14 +107,52 @@ def per_layer_model(build, dtype=torch.float32, **values) -> torch.nn.Module:
     return model
 
 
-def lrp_data(model, n=4):
-    """``n`` sentences of 3 to 8 random ids and an end of sentence (id 1), and ``model``'s description."""
+def lrp_data(model, n=4, longest=8):
+    """``n`` sentences of 3 to ``longest`` random ids and an end of sentence (id 1), and ``model``'s description."""
     from headlab.importance import ImportanceData, describe_model
 
     info = describe_model(model)
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 9, (n,), generator=g).tolist()
+    lengths = torch.randint(3, longest + 1, (n,), generator=g).tolist()
     return ImportanceData.from_ids([torch.randint(4, 99, (k,), generator=g).tolist() + [1] for k in lengths]), info
+
+
+def offset_biases_and_norms(model, *, biases: bool = True) -> None:
+    """Biases drawn from N(0, 0.1) (``biases``) and norm weights from U(0.5, 1.5), in place: transformers initialises
+    them to zero and one, where a rule that ignores them would not show."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                if biases:
+                    parameter.normal_(0, 0.1)
+            elif "norm" in name.lower() and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+
+
+def assert_conserved(model, tolerance: float, *, longest: int = 8) -> dict:
+    """compute_lrp's conservation record on :func:`lrp_data`'s four sentences: every sentence explained, none outside
+    the pipeline's tolerance, and the embeddings plus the biases' shares within ``tolerance`` of the explained logit;
+    the record back."""
+    from headlab.importance import compute_lrp
+
+    data, info = lrp_data(model, longest=longest)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == len(data) and record["n_outside"] == 0, record
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < tolerance and abs(total["max"] - 1) < tolerance, total
+    return record
+
+
+def check_probed_widened_and_left_as_it_was(model) -> None:
+    """A half-precision ``model``: check_rules' probes (run widened) leave every parameter and buffer as it was, bit for
+    bit and in its type, and LRP conserves (to 1e-6: computed widened)."""
+    from headlab.importance.rules import check_rules
+
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    check_rules(model)
+    after = model.state_dict()
+    assert all(after[name].dtype == tensor.dtype and torch.equal(after[name], tensor) for name, tensor in before.items())
+    assert_conserved(model, 1e-6)
 
 
 def check_rules_leave_the_forward_unchanged(model) -> None:
