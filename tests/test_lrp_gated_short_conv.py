@@ -15,11 +15,12 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import compute_lrp, lrp_rules
+from headlab.importance import lrp_rules
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
 from support.lrp_families import (
     assert_conserved,
+    check_lrp_refused_before_any_work,
     check_probed_widened_and_left_as_it_was,
     check_rules_leave_the_forward_unchanged,
     check_strategies_agree,
@@ -130,19 +131,12 @@ def test_the_relevance_is_gradient_x_input_of_the_reference_with_b_and_c_constan
     assert abs(float((h.detach() * grad).sum() - (w * output.detach()).sum())) < 1e-10
 
 
-def _refused(model, match: str) -> None:
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
-    assert calls == [1]  # discovery's probe pass only, nothing explained
-
-
 def test_a_convolution_with_a_bias_is_refused_before_any_work():
     """conv_bias: added inside causal_conv1d_fn (the module conv never called), where its relevance cannot be counted."""
-    _refused(_model("lfm2", conv_bias=True),
-             r"no rule for Lfm2ShortConv \(model\.layers\.0\.conv\): gated short convolution .*its convolution has a "
-             r"bias \(conv_bias\)")
+    check_lrp_refused_before_any_work(
+        _model("lfm2", conv_bias=True),
+        r"no rule for Lfm2ShortConv \(model\.layers\.0\.conv\): gated short convolution .*its convolution has a "
+        r"bias \(conv_bias\)")
 
 
 def test_a_convolution_that_computes_otherwise_is_refused_before_any_work(monkeypatch):
@@ -156,8 +150,9 @@ def test_a_convolution_that_computes_otherwise_is_refused_before_any_work(monkey
 
     model = _model("lfm2")
     monkeypatch.setattr(modeling_lfm2.Lfm2ShortConv, "forward", without_b)
-    _refused(model, r"no rule for Lfm2ShortConv \(model\.layers\.0\.conv\): gated short convolution .*on a probe its "
-                    r"forward is not out_proj\(C \* conv\(B \* x\)\)")
+    check_lrp_refused_before_any_work(
+        model, r"no rule for Lfm2ShortConv \(model\.layers\.0\.conv\): gated short convolution .*on a probe its "
+               r"forward is not out_proj\(C \* conv\(B \* x\)\)")
 
 
 def test_a_convolution_laid_out_otherwise_is_refused_before_any_work():

@@ -15,13 +15,13 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import compute_lrp, lrp_rules
+from headlab.importance import lrp_rules
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
 from support.lrp_families import (
     assert_conserved,
+    check_lrp_refused_before_any_work,
     check_rules_leave_the_forward_unchanged,
-    lrp_data,
     offset_biases_and_norms,
 )
 
@@ -115,20 +115,13 @@ def test_each_experts_relevance_is_gradient_x_input_of_the_reference_with_consta
     assert len(torch.unique(index)) == experts.num_experts  # every expert checked
 
 
-def _refused(model, match: str) -> None:
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
-    assert calls == [1]  # discovery's probe pass only, nothing explained
-
-
 def test_another_activation_function_is_refused_before_any_work():
     """act_fn a function that is not SiLU (GELU): no rule names it, refused naming the module and why."""
     model = _model()
     _experts(model)[0].act_fn = F.gelu
-    _refused(model, r"no rule for the mixture-of-experts module Lfm2MoeExperts \(model.layers.1.feed_forward.experts\):"
-                    r" it has no act_fn module nor an act_fn function computing SiLU")
+    check_lrp_refused_before_any_work(
+        model, r"no rule for the mixture-of-experts module Lfm2MoeExperts \(model.layers.1.feed_forward.experts\):"
+               r" it has no act_fn module nor an act_fn function computing SiLU")
 
 
 def test_experts_laid_out_otherwise_are_refused_at_run_time():

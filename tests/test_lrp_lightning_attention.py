@@ -17,12 +17,13 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import compute_lrp, lrp_rules
+from headlab.importance import lrp_rules
 from headlab.importance.lrp import _KeptWide
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
 from support.lrp_families import (
     assert_conserved,
+    check_lrp_refused_before_any_work,
     check_probed_widened_and_left_as_it_was,
     check_rules_leave_the_forward_unchanged,
     check_strategies_agree,
@@ -142,12 +143,9 @@ def test_a_lightning_attention_that_computes_otherwise_is_refused_before_any_wor
         return torch.cat(parts, dim=1), None
 
     monkeypatch.setattr(mm.MiniMaxLightningAttention, "forward", blockwise_only)
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=r"no rule for MiniMaxLightningAttention \(model\.layers\.0\.self_attn\): "
-                                           r"lightning attention .*on a probe its forward is not"):
-        compute_lrp(model, *lrp_data(model, longest=10), bootstrap=0)
-    assert calls == [1]  # discovery's probe pass only, nothing explained
+    check_lrp_refused_before_any_work(
+        model, r"no rule for MiniMaxLightningAttention \(model\.layers\.0\.self_attn\): "
+               r"lightning attention .*on a probe its forward is not", longest=10)
 
 
 def test_a_lightning_attention_without_a_norm_rule_is_refused():

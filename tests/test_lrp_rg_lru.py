@@ -15,11 +15,12 @@ import transformers as tf
 from torch.nn import functional as F
 
 from headlab import HeadlabError
-from headlab.importance import compute_lrp, lrp_rules
+from headlab.importance import lrp_rules
 from headlab.importance.rules import check_rules
 from support.family_matrix import check_lrp_conserves
 from support.lrp_families import (
     assert_conserved,
+    check_lrp_refused_before_any_work,
     check_probed_widened_and_left_as_it_was,
     check_rules_leave_the_forward_unchanged,
     check_strategies_agree,
@@ -127,14 +128,6 @@ def test_the_relevance_is_gradient_x_input_of_the_reference_with_the_gates_const
     torch.testing.assert_close(h.detach() * grad, h.detach() * expected, rtol=0, atol=1e-10)
 
 
-def _refused(model, match: str) -> None:
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
-    assert calls == [1]  # discovery's probe pass only, nothing explained
-
-
 def test_an_rg_lru_that_computes_otherwise_is_refused_before_any_work(monkeypatch):
     """Here without the normaliser sqrt(1 - a_t^2): the probe finds it."""
     from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
@@ -143,8 +136,9 @@ def test_an_rg_lru_that_computes_otherwise_is_refused_before_any_work(monkeypatc
     model = _model()
     monkeypatch.setattr(rg.SqrtBoundDerivative, "apply", lambda x: plain(x) * 0 + 1)
     # the block holding it is the first module checked: its probe runs the RG-LRU
-    _refused(model, r"no rule for RecurrentGemmaRecurrentBlock \(model\.layers\.0\.temporal_block\): RG-LRU .*on a "
-                    r"probe its forward is not linear_out\(rg_lru")
+    check_lrp_refused_before_any_work(
+        model, r"no rule for RecurrentGemmaRecurrentBlock \(model\.layers\.0\.temporal_block\): RG-LRU .*on a "
+               r"probe its forward is not linear_out\(rg_lru")
     from headlab.importance.mixer_rules.rg_lru import RULE
 
     lru = model.model.layers[0].temporal_block.rg_lru
@@ -163,8 +157,9 @@ def test_a_block_that_computes_otherwise_is_refused_before_any_work(monkeypatch)
 
     model = _model()
     monkeypatch.setattr(rg.RecurrentGemmaRecurrentBlock, "forward", added)
-    _refused(model, r"no rule for RecurrentGemmaRecurrentBlock \(model\.layers\.0\.temporal_block\): RG-LRU .*on a "
-                    r"probe its forward is not linear_out\(rg_lru")
+    check_lrp_refused_before_any_work(
+        model, r"no rule for RecurrentGemmaRecurrentBlock \(model\.layers\.0\.temporal_block\): RG-LRU .*on a "
+               r"probe its forward is not linear_out\(rg_lru")
 
 
 def test_a_recurrence_from_a_carried_state_is_refused():

@@ -182,6 +182,24 @@ def check_strategies_agree(model, data, info, strategy: str) -> None:
         torch.testing.assert_close(other.relevance[key], values, rtol=1e-9, atol=1e-12)
 
 
+def check_lrp_refused_before_any_work(model, match: str, *, longest: int = 8) -> None:
+    """compute_lrp on :func:`lrp_data`'s sentences raises a HeadlabError matching ``match`` after discovery's probe
+    pass and before any other forward of ``model`` (nothing explained)."""
+    import pytest
+
+    from headlab import HeadlabError
+    from headlab.importance import compute_lrp
+
+    calls: list = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(HeadlabError, match=match):
+            compute_lrp(model, *lrp_data(model, longest=longest), bootstrap=0)
+    finally:
+        handle.remove()
+    assert calls == [1]  # discovery's probe pass only, nothing explained
+
+
 def check_lrp_refused_under_pre_hook(model, module: torch.nn.Module, hook, match: str, *, n: int = 4,
                                      **hook_options) -> None:
     """With ``hook`` a forward pre-hook of ``module`` (``hook_options``: register_forward_pre_hook's; it is removed
