@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
 
 __all__ = ["RULE", "lightning_attention"]
 
@@ -97,14 +97,11 @@ def _forward_problem(module: Any) -> str | None:
         return None
     block = getattr(module, "block_size", 0)
     seq = block + 3 if isinstance(block, int) and 0 < block <= 32 else 8
-    from headlab.importance.lrp import _widened
 
     g = torch.Generator().manual_seed(0)
     stored = {name: getattr(module, name) for name in _BUFFERS[1:]}
     try:
-        # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a
-        # half-precision model's own rounding would otherwise set the two apart
-        with _widened(module, torch.float32), torch.no_grad():
+        with probing(module):
             if callable(getattr(module, "decay_factors", None)):
                 # the decays as the class computes them from its rates, in float32: a half-precision model stores
                 # them rounded (exp(-a) exp(-b) then exp(-(a + b)) to 3 digits only), what the rule holds constant

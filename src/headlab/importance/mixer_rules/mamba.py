@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
 from headlab.importance.rules import _swap_backward
 
 __all__ = ["MAMBA1_MIXERS", "MAMBA2_MIXERS", "mamba1_output", "mamba2_output"]
@@ -274,13 +274,10 @@ def _probe(module: Any, compute: Callable[..., torch.Tensor]) -> str | None:
     weight = module.in_proj.weight
     if weight.is_meta or not weight.is_floating_point():
         return None
-    from headlab.importance.lrp import _widened
 
     g = torch.Generator().manual_seed(0)
     try:
-        # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a half-precision
-        # model's own rounding would otherwise set the two apart
-        with _widened(module, torch.float32), torch.no_grad():
+        with probing(module):
             h = torch.randn((2, 7, weight.shape[1]), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
             output = module(h)
             expected = compute(module, h, None)

@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
 
 __all__ = ["RULE", "rg_lru"]
 
@@ -149,15 +149,12 @@ def _forward_problem(module: Any) -> str | None:
     weight = lru.recurrent_param
     if weight.is_meta or not weight.is_floating_point():
         return None
-    from headlab.importance.lrp import _widened
 
     states = [(owner, name, getattr(owner, name, None)) for owner, name in ((lru, "recurrent_states"),
                                                                              (module, "conv1d_state"))]
     try:
         lru.recurrent_states = None
-        # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a
-        # half-precision model's own rounding would otherwise set the two apart
-        with _widened(module, torch.float32), torch.no_grad():
+        with probing(module):
             x, position_ids = _probe_input(lru.recurrent_param,
                                            module.linear_x.in_features if module is not lru else weight.shape[0])
             if module is lru:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
 
 __all__ = ["RULE", "gated_short_conv"]
 
@@ -89,12 +89,9 @@ def _forward_problem(module: nn.Module) -> str | None:
     weight = in_proj.weight
     if weight.is_meta or not weight.is_floating_point():
         return None
-    from headlab.importance.lrp import _widened
 
     g = torch.Generator().manual_seed(0)
-    # in at least float32 (the module widened in place and put back exactly, as LRP computes it): a half-precision
-    # model's own rounding would otherwise set the two apart
-    with _widened(module, torch.float32), torch.no_grad():
+    with probing(module):
         h = torch.randn((2, 5, in_proj.in_features), generator=g, dtype=torch.float64).to(weight.device, weight.dtype)
         try:
             output = type(module).forward(module, h)
