@@ -21,15 +21,13 @@ rules.py asks this package: importing them later keeps one direction of imports 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-__all__ = ["MixerRule", "Hook", "owned", "probing", "register", "rule_for", "rules"]
+__all__ = ["MixerRule", "Hook", "owned", "register", "rule_for", "rules"]
 
 Hook = tuple[nn.Module, str, Callable[..., Any]]
 """Where a rule hooks and how: ``(module, kind, hook)`` with kind ``"forward"`` (a forward hook),
@@ -95,14 +93,3 @@ def owned(model: nn.Module) -> set[int]:
     """The ids of the modules that the mixers' rules apply the rule of (:attr:`MixerRule.owns`) in ``model``."""
     return {id(part) for module in model.modules() if (rule := rule_for(module)) is not None
             for part in rule.owns(module)}
-
-
-@contextmanager
-def probing(module: nn.Module) -> Iterator[None]:
-    """Where a rule probes ``module``'s own forward against the formula it was written for: under no_grad, the module
-    widened in place to at least float32 and put back exactly on exit, as LRP computes it, so that a half-precision
-    model's own rounding does not set the two apart."""
-    from headlab.importance.lrp import _widened  # lrp.py imports rules.py, which imports this package
-
-    with _widened(module, torch.float32), torch.no_grad():
-        yield

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
+from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules.probe import probing
 
 __all__ = ["RULE", "lightning_attention"]
 

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
+from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules.probe import probing
 from headlab.importance.rules import _swap_backward
 
 __all__ = ["MAMBA1_MIXERS", "MAMBA2_MIXERS", "mamba1_output", "mamba2_output"]

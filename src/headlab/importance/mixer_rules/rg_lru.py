@@ -50,7 +50,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from headlab.errors import HeadlabError
-from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
+from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules.probe import probing
 
 __all__ = ["RULE", "rg_lru"]
 

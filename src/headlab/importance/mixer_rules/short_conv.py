@@ -37,7 +37,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from headlab.importance.mixer_rules import Hook, MixerRule, probing, register
+from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.mixer_rules.probe import probing
 
 __all__ = ["RULE", "gated_short_conv"]
 
