@@ -1311,6 +1311,19 @@ UNSUPPORTED: dict[str, str] = {
                 "a cross-attention map of its own, and masking or pruning it removes both at once; headlab's block "
                 "kinds (dec_self, dec_cross) are one softmax each, and an analysis without the decoder would leave "
                 "its heads out",
+    # session 36, read in transformers 5.24 (models/deepseek_v4): before, discovery's generic "the attention function's
+    # output reaches o_a_proj through operations other than reshapes" (the inverse rotation of its output), true but
+    # not why. DeepseekV4Attention with a compressor (every layer type but sliding_attention, every layer of the
+    # published configs) concatenates compressed entries onto the key axis after the tokens' keys
+    "deepseek_v4": "DeepSeek-V4's attention (DeepseekV4Attention) attends over [the tokens' keys | compressed "
+                   "key-value entries]: in its compressed_sparse_attention and heavily_compressed_attention layers "
+                   "(every layer of the published configs) a compressor pools each window of compress_rates[layer "
+                   "type] tokens (4 and 128) into one entry, gated by a softmax computed from the layer's input, and "
+                   "appends those entries to the keys (the sparse layers' entries picked per query by an indexer), so "
+                   "a head's map is not a [query, key] map over the input's tokens and its rows over the tokens do not "
+                   "sum to one; its one key-value head is both key and value, and each head's output is rotated back "
+                   "per query (the conjugate rotary embedding) before a grouped output projection, and its layers are "
+                   "joined by hyper-connections, none of which headlab's adapters describe",
     # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
     # (PegasusXAttention) goes through the attention interface, the encoder's does not
     "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
