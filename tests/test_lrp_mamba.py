@@ -149,8 +149,9 @@ def test_the_relevance_is_that_of_the_recurrence_with_its_factors_constant(name,
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0, module.in_features ** -0.5)
     g = torch.Generator().manual_seed(5)
-    h = torch.randn(2, 6, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 6, 32, generator=g, dtype=torch.float64)
+    # 11 positions: three of Mamba-2's chunks of 4 (its chunk_size), the last one padded
+    h = torch.randn(2, 11, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 11, 32, generator=g, dtype=torch.float64)
     with torch.enable_grad(), lrp_rules(model), _KeptWide(torch.float64):
         out = m(h)
         (grad,) = torch.autograd.grad((out * w).sum(), h)
@@ -239,3 +240,41 @@ def test_every_strategy_gives_the_same_shares(name, strategy):
 
     model = mamba_model(name, dtype=torch.float64)
     check_strategies_agree(model, *lrp_data(model, n=2), strategy)
+
+
+# -- the chunked scan ---------------------------------------------------------------------------------------------
+def _whole_matrix_scan(x, dt, A, B, C, D):
+    """Mamba-2's scan as its one constant matrix ``M[b, h, t, s] = (C_t . B_s) exp(sum_{s<r<=t} dt_r A) dt_s``."""
+    T = x.shape[1]
+    cum = torch.cumsum(dt * A, dim=1).permute(0, 2, 1)  # [b, h, T]
+    exponent = (cum[..., :, None] - cum[..., None, :]).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
+    weights = torch.einsum("bthn,bshn->bhts", C, B) * torch.exp(exponent) * dt.permute(0, 2, 1)[:, :, None, :]
+    return torch.einsum("bhts,bshp->bthp", weights, x) + x * D[:, None]
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 150])
+def test_the_chunked_scan_is_the_whole_matrix_and_keeps_no_t_by_t_weights(length):
+    """_mamba2_scan by chunks of 64 equals the scan as one [T, T] matrix per head (output and x * grad, float64, to
+    1e-12), and what autograd keeps for the backward pass is at most [b, h, T, 64] (a text shorter than a chunk is one
+    chunk of its length, not padded to 64): fewer than T x T entries per head beyond two chunks."""
+    from headlab.importance.mixer_rules.mamba import _mamba2_scan
+
+    g = torch.Generator().manual_seed(length)
+    b, h, p, n = 2, 3, 4, 5
+    x = torch.randn(b, length, h, p, generator=g, dtype=torch.float64, requires_grad=True)
+    dt = torch.rand(b, length, h, generator=g, dtype=torch.float64) * 0.3
+    A, D = -torch.rand(h, generator=g, dtype=torch.float64) * 2, torch.randn(h, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(b, length, h, n, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(b, length, h, p, generator=g, dtype=torch.float64)
+    sizes: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        y = _mamba2_scan(x, dt, A, B, C, D)
+    (grad,) = torch.autograd.grad((y * w).sum(), x)
+    expected = _whole_matrix_scan(x, dt, A, B, C, D)
+    (expected_grad,) = torch.autograd.grad((expected * w).sum(), x)
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.detach() * grad, x.detach() * expected_grad, rtol=0, atol=1e-12)
+    padded = -(-length // 64) * 64
+    assert max(sizes) <= b * h * min(length, 64) * max(padded if length > 64 else length, n)
+    if length > 128:
+        assert max(sizes) < b * h * length * length

@@ -12,9 +12,10 @@ Sequence Models", NeurIPS; code: github.com/FarnoushRJ/MambaLRP, ``mamba_lrp/mod
   constant, as the attention weights are, so ``y`` is a weighted sum of the values ``x`` (MambaLRP detaches
   ``discrete_A``, ``discrete_B`` and ``C`` likewise). In Mamba-2 the weights are those of a causal attention:
   ``y_t = sum_{s<=t} (C_t . B_s) exp(sum_{s<r<=t} dt_r A) dt_s x_s + D x_t`` (the SSD form, Dao and Gu 2024),
-  which :func:`_mamba2_scan` computes with the weights as one constant matrix. What computes them (``x_proj``,
-  ``dt_proj``, Jamba's ``dt/b/c_layernorm``, the conv channels of ``B`` and ``C``, ``dt_bias``, ``A_log``) lies on
-  the held-constant path: no relevance reaches it. The skip ``D x`` is linear;
+  which :func:`_mamba2_scan` computes by chunks of at most 64 positions (SSD's chunked form, its factors constants),
+  so that what the backward pass keeps grows with ``T``, not ``T^2`` (benchmarks/bench_mamba2_lrp.py). What
+  computes them (``x_proj``, ``dt_proj``, Jamba's ``dt/b/c_layernorm``, the conv channels of ``B`` and ``C``,
+  ``dt_bias``, ``A_log``) lies on the held-constant path: no relevance reaches it. The skip ``D x`` is linear;
 * SiLU (the activation after the depthwise convolution): the activation rule ``R(x) = R(silu(x))``, MambaLRP's
   ``ModifiedAct(transform='identity')``; the convolution is a weighted sum over a short window of its channel, its
   bias keeps its share as any bias does. Mamba-2's convolution runs over ``[x | B | C]``: only ``x``'s channels
@@ -170,20 +171,61 @@ def mamba1_output(module: Any, h: torch.Tensor, mask: torch.Tensor | None = None
 
 
 # -- Mamba-2 ----------------------------------------------------------------------------------------------------
+_CHUNK = 64
+"""Longest chunk of :func:`_mamba2_scan` (the mixer's own ``chunk_size`` where shorter): the constant weights it keeps
+for the backward pass are ``[b, h, T, chunk]``, not ``[b, h, T, T]``."""
+
+
+def _segment_sums(steps: torch.Tensor) -> torch.Tensor:
+    """``S[..., t, s] = sum_{s<r<=t} steps[..., r]`` for ``s <= t``, ``-inf`` above the diagonal (``steps``
+    ``[..., Q]``): a cumulative sum of the masked steps, as transformers' ``segment_sum``, no differences of sums."""
+    length = steps.shape[-1]
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=steps.device), diagonal=-1)
+    summed = torch.cumsum(steps[..., None].expand(*steps.shape, length).masked_fill(~below, 0), dim=-2)
+    return summed.masked_fill(~torch.tril(torch.ones_like(below)), -torch.inf)
+
+
 def _mamba2_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                 D: torch.Tensor) -> torch.Tensor:
+                 D: torch.Tensor, chunk: int = _CHUNK) -> torch.Tensor:
     """``y`` ``[b, T, h, p]`` of Mamba-2's scan over the values ``x`` ``[b, T, h, p]``: ``y = M x + D x`` with the
     constant ``M[b, h, t, s] = (C_t . B_s) exp(sum_{s<r<=t} dt_r A) dt_s`` for ``s <= t`` (``dt`` ``[b, T, h]``,
-    ``A`` and ``D`` ``[h]``, ``B`` and ``C`` ``[b, T, h, n]``)."""
+    ``A`` and ``D`` ``[h]``, ``B`` and ``C`` ``[b, T, h, n]``).
+
+    ``M x`` is computed by chunks of ``chunk`` positions (the SSD algorithm, Dao and Gu 2024, Sec. 6): ``M``'s blocks
+    inside a chunk, and the state ``E_c`` entering chunk ``c``, ``E_{c+1} = exp(sum of chunk c's dt A) E_c + S_c``
+    with ``S_c = sum_{s in c} exp(sum_{s<r<=end of c} dt_r A) dt_s B_s x_s``, read at ``t`` as
+    ``C_t exp(sum_{start of c<=r<=t} dt_r A) E_c``. Every factor of ``x`` is a constant computed under no_grad, so
+    the backward is that of ``M x`` whichever the chunks; the exponents are sums, never differences of sums."""
+    batch, seq, heads, width = x.shape
+    chunk = max(min(chunk, seq), 1)  # a text shorter than a chunk: one chunk of its length, M whole
+    pad = -seq % chunk
+    count = (seq + pad) // chunk
+
+    def chunked(v: torch.Tensor) -> torch.Tensor:  # [b, T, ...] -> [b, chunks, Q, ...], zeros after the end
+        v = F.pad(v, (0, 0) * (v.dim() - 2) + (0, pad))
+        return v.reshape(batch, count, chunk, *v.shape[2:])
+
     with torch.no_grad():
-        seq = x.shape[1]
-        steps = (dt * A).permute(0, 2, 1)  # [b, h, T]
-        # sum_{s<r<=t} steps_r, as transformers' segment_sum: a cumulative sum of the masked steps (no differences)
-        causal = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=-1)
-        summed = torch.cumsum(steps[..., None].expand(*steps.shape, seq).masked_fill(~causal, 0), dim=-2)
-        summed = summed.masked_fill(~torch.tril(torch.ones_like(causal), diagonal=0), -torch.inf)
-        weights = torch.einsum("bthn,bshn->bhts", C, B) * torch.exp(summed) * dt.permute(0, 2, 1)[:, :, None, :]
-    return torch.einsum("bhts,bshp->bthp", weights, x) + x * D[:, None]
+        # padded positions have dt = 0: no input to the state, no decay; their outputs are dropped
+        dt, B, C = chunked(dt), chunked(B), chunked(C)  # [b, c, Q, h], [b, c, Q, h, n]
+        steps = (dt * A).permute(0, 1, 3, 2)  # [b, c, h, Q]
+        segments = _segment_sums(steps)  # [b, c, h, Q, Q]
+        inside = torch.einsum("bcthn,bcshn->bchts", C, B) * torch.exp(segments) * dt.permute(0, 1, 3, 2)[:, :, :, None]
+    values = chunked(x)  # [b, c, Q, h, p]
+    y = torch.einsum("bchts,bcshp->bcthp", inside, values)
+    if count == 1:  # no state enters the only chunk
+        return y.reshape(batch, chunk, heads, width)[:, :seq] + x * D[:, None]
+    with torch.no_grad():
+        to_end = torch.exp(segments[..., -1, :]).permute(0, 1, 3, 2)  # [b, c, Q, h]: sum_{s<r<=end}
+        into_state = B * (to_end * dt)[..., None]  # [b, c, Q, h, n]
+        from_start = C * torch.exp(torch.cumsum(steps, dim=-1)).permute(0, 1, 3, 2)[..., None]  # [b, c, Q, h, n]
+        across = torch.exp(steps.sum(-1))  # [b, c, h]
+    states = torch.einsum("bcshn,bcshp->bchpn", into_state, values)
+    entering = [torch.zeros_like(states[:, 0])]
+    for c in range(count - 1):
+        entering.append(across[:, c, :, None, None] * entering[-1] + states[:, c])
+    y = y + torch.einsum("bcthn,bchpn->bcthp", from_start, torch.stack(entering, dim=1))
+    return y.reshape(batch, count * chunk, heads, width)[:, :seq] + x * D[:, None]
 
 
 def _gated_norm(module: Any, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -224,7 +266,8 @@ def mamba2_output(module: Any, h: torch.Tensor, mask: torch.Tensor | None = None
         A = -torch.exp(module.A_log)
         repeat = heads // module.n_groups
         B, C = (v.reshape(batch, seq, module.n_groups, -1).repeat_interleave(repeat, dim=2) for v in (B, C))
-    y = _mamba2_scan(x.reshape(batch, seq, heads, -1), dt, A, B, C, module.D.detach()).reshape(batch, seq, -1)
+    chunk = min(int(getattr(module, "chunk_size", _CHUNK) or _CHUNK), _CHUNK)
+    y = _mamba2_scan(x.reshape(batch, seq, heads, -1), dt, A, B, C, module.D.detach(), chunk).reshape(batch, seq, -1)
     return module.out_proj(_gated_norm(module, y, gate.detach()))
 
 
