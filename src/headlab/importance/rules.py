@@ -513,8 +513,8 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
-        refused = FUSED_REFUSED.get(type(block.core).__name__)
-        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, with no rule (Zaya)
+        refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
+        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, no rule (Zaya)
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
