@@ -120,8 +120,16 @@ def test_pruned_equals_masked_and_reloads(layout, removed, tmp_path):
     loaded = load_pruned(tmp_path / "m").double()
     _close(logits(loaded, inputs), pruned, inputs, atol=1e-5)  # saved in float32
     assert {b.key: b.n_heads for b in attention_blocks(loaded)} == counts
-    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval().double()
-    _close(logits(plain, inputs), pruned, inputs, atol=1e-5)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+    _close(logits(plain.double(), inputs), pruned, inputs, atol=1e-5)
+    # re-saved by transformers (no headlab_pruning.json): the record read off the weights gives every layer its heads
+    from headlab.loading import load_model
+
+    plain.float().save_pretrained(tmp_path / "resaved")
+    resaved = load_model(str(tmp_path / "resaved")).double()
+    assert {b.key: list(b.core._headlab_kept_heads) for b in attention_blocks(resaved)
+            if getattr(b.core, "_headlab_kept_heads", None) is not None} == kept
+    _close(logits(resaved, inputs), pruned, inputs, atol=1e-5)
 
 
 def test_a_plan_that_differs_between_the_tied_depths_is_refused():
