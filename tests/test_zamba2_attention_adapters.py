@@ -236,9 +236,9 @@ def test_an_adapter_laid_out_otherwise_is_refused_naming_it():
         for i, adapter in enumerate(adapters):
             if isinstance(adapter, torch.nn.Sequential):
                 adapters[i] = torch.nn.Sequential(adapter[0], torch.nn.SiLU(), adapter[1])
-    _refused_before_any_change(model, r"model.layers.0.shared_transformer.self_attn .*attention adapters .*its "
-                                      r"adapter linear_k_adapter_list.0 is not two bias-free linear maps 64 -> rank "
-                                      r"-> 64")
+    _refused_before_any_change(model, r"model.layers.0.shared_transformer.self_attn .*the layout of attention "
+                                      r"adapters .*does not fit: its adapter linear_k_adapter_list.0 is not two "
+                                      r"bias-free linear maps 64 -> rank -> 64")
     assert [b.q for b in attention_blocks(model)] == [None, None]  # analysed as before, its projections not tied
 
 
@@ -248,8 +248,8 @@ def test_another_attention_class_is_refused_naming_it():
     for layer in (0, 2):
         attention = _attention(model, layer)
         attention.__class__ = type("Zamba2Attention", (type(attention),), {"__module__": "my_models"})
-    _refused_before_any_change(model, r"attention adapters .*its attention class my_models.Zamba2Attention is not "
-                                      r"transformers' Zamba2Attention")
+    _refused_before_any_change(model, r"attention adapters .*does not fit: its attention class "
+                                      r"my_models.Zamba2Attention is not transformers' Zamba2Attention")
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["no-adapters", "adapters"])

@@ -503,8 +503,9 @@ def _adapted(model_type: str, core: nn.Module, item: Discovered, family: Family)
     sources = tuple(tuple(p[len(prefix):] for p in paths if p.startswith(prefix)) for paths in item.sources)
     tied = QKV_ADAPTERS[model_type](core, sources)
     if isinstance(tied, str):
-        return dataclasses.replace(family, refused=f"model_type {model_type!r} with attention adapters "
-                                                   f"(headlab.adapters.families.QKV_ADAPTERS), but {tied}")
+        return dataclasses.replace(family, refused=(
+            "its queries, keys and values do not come from one projection each, and the layout of attention adapters "
+            f"headlab reads for model_type {model_type!r} (headlab.adapters.families.QKV_ADAPTERS) does not fit: {tied}"))
     return dataclasses.replace(
         family, q=prefix + tied["q"], k=prefix + tied["k"], v=prefix + tied["v"],
         head_rows=tuple((prefix + path, attrs) for path, attrs in tied["head_rows"]),

@@ -188,7 +188,6 @@ class Family:
     "layout unknown"."""
 
 
-
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
     """The rows one head owns in a ``Family.head_rows`` projection: the sum of ``core``'s attributes (or
     numbers) in ``sizes``; None where one is missing or not a positive int."""
