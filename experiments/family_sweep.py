@@ -525,6 +525,7 @@ def value_rows(block, kv_head: int):
         sizes = dict(block.family.head_rows)
         for path in block.family.head_row_values:
             width = rows_per_head(block.core, sizes[path])
+            assert width is not None  # checked when the block was made (adapters._check_head_rows)
             block.module.get_submodule(path).weight[kv_head * width:(kv_head + 1) * width] = 0
 
 
