@@ -55,6 +55,7 @@ from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batch
 from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.gates import measures_heads
 from headlab.heads import HeadScores
+from headlab.importance import cca_rule
 from headlab.importance.common import block_scores
 from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
@@ -458,6 +459,15 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         probes.append(s)
         return s
 
+    def token_probe(x):
+        # ones per token of x ([batch, seq, ...]), for biases a rule adds itself (cca_rule.bias_probe_hooks)
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or x.shape[:-1].numel() % batch_size:
+            return None
+        s = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device, requires_grad=True)
+        probes.append(s)
+        return s
+
     def no_head_probe(module, args, output):
         # A layer pruned to no head adds its output projection's bias without calling the projection
         # (ZeroHeadAttention): the same probe on that bias, on the layer's output. With the block's own
@@ -524,6 +534,9 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
+        for module, kind, hook in cca_rule.bias_probe_hooks(model, token_probe):  # ZAYA's biases held by no bias
+            handles.append(module.register_forward_hook(hook) if kind == "forward"
+                           else module.register_forward_pre_hook(hook))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
