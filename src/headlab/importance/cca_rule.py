@@ -39,7 +39,7 @@ is not affine in them. Physical pruning stays refused (:data:`headlab.adapters.f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,11 +61,11 @@ def is_cca(block: AttentionBlock) -> bool:
 def qk_norms(model: nn.Module) -> list[nn.Module]:
     """The ``qk_norm`` of every ZAYA attention of ``model``: it normalises only the query and key, held constant by
     the rule (it sees them detached), so it needs no rule of its own."""
-    return [module.qk_norm for module in model.modules()
-            if type(module).__name__ == "ZayaAttention" and isinstance(getattr(module, "qk_norm", None), nn.Module)]
+    norms = (getattr(module, "qk_norm", None) for module in model.modules() if type(module).__name__ == "ZayaAttention")
+    return [norm for norm in norms if isinstance(norm, nn.Module)]
 
 
-def value_path(projection: nn.Module, x: torch.Tensor, conv_mask: torch.Tensor | None, d_head: int) -> torch.Tensor:
+def value_path(projection: Any, x: torch.Tensor, conv_mask: torch.Tensor | None, d_head: int) -> torch.Tensor:
     """``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]`` per head, ``v_proj_delayed(0)`` at ``t = 0``, ``x`` zeroed
     where ``conv_mask`` is 0: the values ZAYA's projection returns (written apart from transformers' code)."""
     if conv_mask is not None:
@@ -77,7 +77,7 @@ def value_path(projection: nn.Module, x: torch.Tensor, conv_mask: torch.Tensor |
 
 
 def _layout_problem(block: AttentionBlock) -> str | None:
-    core = block.core
+    core: Any = block.core
     if not type(core).__module__.startswith("transformers.models.zaya."):
         return (f"its class comes from {type(core).__module__}, not transformers' ZAYA (transformers.models.zaya), "
                 "whose forward the rule was read off")
@@ -87,7 +87,7 @@ def _layout_problem(block: AttentionBlock) -> str | None:
             or not isinstance(getattr(core, "o_proj", None), nn.Linear):
         return ("it has no qkv_proj with q_proj, k_proj, v_proj_current and v_proj_delayed (linear maps) or no "
                 "o_proj (a linear map)")
-    current, delayed = parts[2], parts[3]
+    current, delayed = cast(nn.Linear, parts[2]), cast(nn.Linear, parts[3])
     half = block.n_kv_heads * block.d_head // 2
     if current.out_features != half or delayed.out_features != half or current.in_features != delayed.in_features \
             or 2 * half != block.n_kv_heads * block.d_head:
@@ -106,7 +106,7 @@ class _Fixed:
         return self.query, self.key, self.value
 
 
-def _attention_output(core: nn.Module, x: torch.Tensor, fixed: _Fixed, d_head: int) -> torch.Tensor:
+def _attention_output(core: Any, x: torch.Tensor, fixed: _Fixed, d_head: int) -> torch.Tensor:
     handle = core.qkv_proj.register_forward_hook(fixed)
     try:
         cos = torch.ones(*x.shape[:-1], d_head, dtype=x.dtype, device=x.device)
@@ -123,7 +123,7 @@ def _forward_problem(block: AttentionBlock) -> str | None:
     (weights on the meta device: the hook checks the values on every call)."""
     from headlab.importance.mixer_rules.probe import probing  # lrp.py imports rules.py, which imports this module
 
-    core = block.core
+    core: Any = block.core
     projection = core.qkv_proj
     weight = projection.v_proj_current.weight
     if weight.is_meta or not weight.is_floating_point():
@@ -182,7 +182,7 @@ def _hold_query_and_key(block: AttentionBlock):
 
 def cca_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     """(module, forward hook) pairs of the rule: ``qkv_proj``'s query and key held constant."""
-    return [(block.core.qkv_proj, _hold_query_and_key(block))]
+    return [(cast(nn.Module, block.core.qkv_proj), _hold_query_and_key(block))]
 
 
 def _residual_scaling_probe(ones):
@@ -197,7 +197,7 @@ def _residual_scaling_probe(ones):
     return hook
 
 
-def _input_bias_probe(model: nn.Module, ones):
+def _input_bias_probe(model: Any, ones):
     def hook(module, args):
         x = args[0]
         s = ones(x)

@@ -459,15 +459,6 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
         probes.append(s)
         return s
 
-    def token_probe(x):
-        # ones per token of x ([batch, seq, ...]), for biases a rule adds itself (cca_rule.bias_probe_hooks)
-        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
-                or x.shape[:-1].numel() % batch_size:
-            return None
-        s = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device, requires_grad=True)
-        probes.append(s)
-        return s
-
     def no_head_probe(module, args, output):
         # A layer pruned to no head adds its output projection's bias without calling the projection
         # (ZeroHeadAttention): the same probe on that bias, on the layer's output. With the block's own
@@ -534,13 +525,34 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
-        for module, kind, hook in cca_rule.bias_probe_hooks(model, token_probe):  # ZAYA's biases held by no bias
-            handles.append(module.register_forward_hook(hook) if kind == "forward"
-                           else module.register_forward_pre_hook(hook))
+        # ZAYA's biases that no module's bias holds
+        handles.extend(_registered(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
         handles.remove()
+
+
+def _token_probe(probes: list[torch.Tensor], batch_size: int):
+    """``ones(x)``: ones ``[..., 1]``, one per token of ``x`` (``[batch, seq, ...]``), that require grad, appended to
+    ``probes`` (None under no_grad or where ``x`` is not per token): for the biases a rule adds itself
+    (:func:`headlab.importance.cca_rule.bias_probe_hooks`)."""
+
+    def ones(x: torch.Tensor) -> torch.Tensor | None:
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or x.shape[:-1].numel() % batch_size:
+            return None
+        s = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device, requires_grad=True)
+        probes.append(s)
+        return s
+
+    return ones
+
+
+def _registered(hooks: list[tuple[nn.Module, str, Any]]) -> list[Any]:
+    """``(module, "forward" or "pre", hook)`` registered, their handles back."""
+    return [module.register_forward_hook(hook) if kind == "forward" else module.register_forward_pre_hook(hook)
+            for module, kind, hook in hooks]
 
 
 def _pooled_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
