@@ -76,7 +76,9 @@ The other rules become ordinary backward passes once the right factors are detac
   A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
   output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
-  gradient, 0 where it clips, lost that relevance).
+  gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
+  convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
+  projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
 
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
