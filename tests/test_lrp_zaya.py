@@ -178,3 +178,13 @@ def test_a_projection_laid_out_otherwise_is_refused():
     check_lrp_refused_before_any_work(model, r"model\.layers\.1\.self_attn \(discovered:zaya\): ZAYA's compressed "
                                              r"convolutional attention: it has no qkv_proj with q_proj, k_proj, "
                                              r"v_proj_current and v_proj_delayed")
+
+
+def test_a_bfloat16_model_passes_the_probes_and_conserves():
+    """The probes compare in float32 (a copy of the layer), not in the model's own bfloat16 rounding, which would set
+    the values apart from the rule's value path; compute_lrp widens the model and conserves to float64 rounding."""
+    model = zaya().to(torch.bfloat16)
+    check_rules(model)
+    record = compute_lrp(model, *lrp_data(model), bootstrap=0).signature["conservation"]
+    assert abs(record["with_biases"]["min"] - 1) < 5e-14 and abs(record["with_biases"]["max"] - 1) < 5e-14
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -39,6 +39,7 @@ is not affine in them. Physical pruning stays refused (:data:`headlab.adapters.f
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import torch
@@ -121,15 +122,15 @@ def _forward_problem(block: AttentionBlock) -> str | None:
     """Whether the projection's values are :func:`value_path` and the attention's output, its query and key fixed,
     reads its input only through them, affinely, on a random input (under no_grad); None where it cannot run
     (weights on the meta device: the hook checks the values on every call)."""
-    from headlab.importance.mixer_rules.probe import probing  # lrp.py imports rules.py, which imports this module
-
     core: Any = block.core
-    projection = core.qkv_proj
-    weight = projection.v_proj_current.weight
+    weight = core.qkv_proj.v_proj_current.weight
     if weight.is_meta or not weight.is_floating_point():
         return None
+    if torch.finfo(weight.dtype).bits < 32:  # a half-precision model's own rounding would set the two apart
+        core = copy.deepcopy(core).to(torch.float32)  # one layer (mixer_rules.probe's widening imports lrp.py)
+    projection = core.qkv_proj
     g = torch.Generator().manual_seed(0)
-    with probing(core):
+    with torch.no_grad():
         dtype = projection.v_proj_current.weight.dtype
         x, other = (torch.randn((2, 5, projection.v_proj_current.in_features), generator=g, dtype=torch.float64)
                     .to(weight.device, dtype) for _ in range(2))
