@@ -188,3 +188,12 @@ def test_a_bfloat16_model_passes_the_probes_and_conserves():
     record = compute_lrp(model, *lrp_data(model), bootstrap=0).signature["conservation"]
     assert abs(record["with_biases"]["min"] - 1) < 5e-14 and abs(record["with_biases"]["max"] - 1) < 5e-14
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_the_probe_runs_eager_attention_whatever_the_model_was_loaded_with():
+    """A model loaded for flash attention (which takes no float32, and no CPU) is probed with eager attention, as LRP
+    runs it: not refused because the probe's forward failed; its implementation is put back."""
+    model = zaya()
+    model.config._attn_implementation = "flash_attention_2"
+    check_rules(model)
+    assert model.config._attn_implementation == "flash_attention_2"

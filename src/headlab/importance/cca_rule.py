@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock
+from headlab.capture import eager_attention
 from headlab.errors import HeadlabError
 
 __all__ = ["bias_probe_hooks", "cca_hooks", "cca_problem", "is_cca", "qk_norms", "value_path"]
@@ -111,8 +112,9 @@ def _attention_output(core: Any, x: torch.Tensor, fixed: _Fixed, d_head: int) ->
     handle = core.qkv_proj.register_forward_hook(fixed)
     try:
         cos = torch.ones(*x.shape[:-1], d_head, dtype=x.dtype, device=x.device)
-        output = type(core).forward(core, x, attention_mask=None, cache=None,
-                                    position_embeddings=(cos, torch.zeros_like(cos)))
+        with eager_attention(core):  # the attention LRP runs (flash attention would take no float32 probe)
+            output = type(core).forward(core, x, attention_mask=None, cache=None,
+                                        position_embeddings=(cos, torch.zeros_like(cos)))
     finally:
         handle.remove()
     return output[0] if isinstance(output, tuple) else output
