@@ -20,13 +20,14 @@ from support.lrp_families import check_lrp_refused_before_any_work, lrp_data
 from support.models import VOCAB
 
 
-def zaya(attention_bias: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def zaya(attention_bias: bool = True, dtype: torch.dtype = torch.float32, **config_values) -> torch.nn.Module:
     """As experiments/family_sweep.py builds it (hidden 32, 2 layers, 4 query heads over 2 key/value heads of 8), its
-    biases, norm weights and residual scales moved off their initial zeros and ones."""
+    biases, norm weights and residual scales moved off their initial zeros and ones; ``config_values`` added."""
     config = tf.ZayaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                            max_position_embeddings=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                            num_experts_per_tok=1, moe_intermediate_size=40, router_hidden_size=16,
-                           attention_bias=attention_bias, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+                           attention_bias=attention_bias, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                           **config_values)
     model = perturbed_model(tf.ZayaForCausalLM, config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -37,11 +38,16 @@ def zaya(attention_bias: bool = True, dtype: torch.dtype = torch.float32) -> tor
     return model.to(dtype)
 
 
-@pytest.mark.parametrize("attention_bias", [True, False])
-def test_the_pipeline_conserves_relevance_to_float64_rounding(attention_bias):
+SLIDING = dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window=3)
+
+
+@pytest.mark.parametrize("attention_bias, config_values", [(True, {}), (False, {}), (True, SLIDING)],
+                         ids=["biases", "no-biases", "sliding-window-layer"])
+def test_the_pipeline_conserves_relevance_to_float64_rounding(attention_bias, config_values):
     """compute_lrp's record: embeddings plus biases (v_proj_delayed's at t = 0, the residual scaling's and the input's
-    among them) over the explained logits is 1 to float64 rounding (ZAYA's LRP runs in float64: routed experts)."""
-    model = zaya(attention_bias)
+    among them) over the explained logits is 1 to float64 rounding (ZAYA's LRP runs in float64: routed experts), a
+    sliding-window layer (its window shorter than the sentences) included."""
+    model = zaya(attention_bias, **config_values)
     record = compute_lrp(model, *lrp_data(model), bootstrap=0).signature["conservation"]
     assert record["n_sentences"] == 4 and record["n_outside"] == 0
     assert abs(record["with_biases"]["min"] - 1) < 5e-14 and abs(record["with_biases"]["max"] - 1) < 5e-14
