@@ -16,7 +16,12 @@ from headlab.importance import compute_lrp
 from headlab.importance.lrp import _KeptWide
 from headlab.importance.rules import check_rules, lrp_rules
 from support.family_matrix import check_lrp_conserves, perturbed_model, tiny_inputs
-from support.lrp_families import check_lrp_refused_before_any_work, lrp_data
+from support.lrp_families import (
+    check_lrp_refused_before_any_work,
+    check_probed_widened_and_left_as_it_was,
+    check_strategies_agree,
+    lrp_data,
+)
 from support.models import VOCAB
 
 
@@ -190,10 +195,15 @@ def test_a_bfloat16_model_passes_the_probes_and_conserves():
     """The probes compare in float32 (a copy of the layer), not in the model's own bfloat16 rounding, which would set
     the values apart from the rule's value path; compute_lrp widens the model and conserves to float64 rounding."""
     model = zaya().to(torch.bfloat16)
-    check_rules(model)
+    check_probed_widened_and_left_as_it_was(model)  # check_rules leaves it as it was, bit for bit
     record = compute_lrp(model, *lrp_data(model), bootstrap=0).signature["conservation"]
     assert abs(record["with_biases"]["min"] - 1) < 5e-14 and abs(record["with_biases"]["max"] - 1) < 5e-14
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["loop", "jacobian"])
+def test_every_strategy_gives_the_same_relevance(strategy):
+    model = zaya(dtype=torch.float64)
+    check_strategies_agree(model, *lrp_data(model), strategy)
 
 
 def test_the_probe_runs_eager_attention_whatever_the_model_was_loaded_with():
