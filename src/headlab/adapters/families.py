@@ -372,14 +372,14 @@ out so (``Family.refused``: pruning and LRP refused, naming it). Zamba 2: :func:
 
 FUSED_REFUSED: dict[str, str] = {
     "ZayaAttention": "its queries, keys and values come from ZAYA's compressed convolutional attention "
-                     "(qkv_proj, ZayaCCAProjection), not from projections per head: each key is mixed with the mean "
-                     "of its group's queries ((q + k) / 2, averaged over the group), queries and keys are convolved "
-                     "over time (conv_qk_depthwise, conv_qk_grouped), and the values are split between the current "
-                     "and the previous token (v_proj_current, v_proj_delayed), so removing a query head changes the "
-                     "other heads of its group, which masking it does not, and headlab has no rule to hold its "
-                     "queries and keys constant"}
-"""Attention classes found by discovery (no projection tied) whose layout headlab read and does not slice or explain,
-with why: physical pruning and LRP are refused naming it, before any work (transformers 5.24)."""
+                     "(qkv_proj, ZayaCCAProjection), not from projections per head: each query is mixed with its "
+                     "key/value head's key ((q + k) / 2) and each key with the mean of that over its group's query "
+                     "heads, queries and keys are convolved over time (conv_qk_depthwise, conv_qk_grouped), and the "
+                     "values are split between the current and the previous token (v_proj_current, v_proj_delayed), "
+                     "so removing a query head changes the keys of its group, which masking it does not"}
+"""Attention classes found by discovery (no projection tied) whose layout headlab read and does not slice, with why:
+physical pruning is refused naming it, before any work (transformers 5.24). LRP has a rule for ZAYA's
+(:mod:`headlab.importance.cca_rule`); any other class here is refused by LRP too."""
 
 HEAD_PARAMETERS_REFUSED: dict[str, str] = {}
 """Attention classes (their names) whose per-head parameters no slicing keeps exact, with why (read off their
