@@ -73,6 +73,9 @@ The other rules become ordinary backward passes once the right factors are detac
   projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
   all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
   constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
+  Zamba 2's attention adapters (``q = q_proj(x) + A_q(x)``, ``k`` and ``v`` alike: ``adapters.families.QKV_ADAPTERS``)
+  are head rows: the query and key adapters are detached with ``q_proj`` and ``k_proj``, the value adapters are values
+  (``Family.head_row_values``), so ``v_proj(x) + A_v(x)``, linear in ``x``, passes relevance through both.
   A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
   output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
@@ -519,8 +522,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
             if (problem := cca_rule.cca_problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
             continue
-        refused = FUSED_REFUSED.get(type(block.core).__name__)
-        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, with no rule
+        # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
+        refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
+        if block.n_heads and block.q is None and block.qkv is None and refused:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
@@ -1814,7 +1818,7 @@ class _AdaptedGatedProduct(_CheckedGatedProduct):
 
 def _register_adapted(model: nn.Module, handles: HookHandles) -> None:
     """The hooks of :class:`_AdaptedGatedProduct`. (Zamba 2's attention adapters, ``use_shared_attention_adapter``,
-    are refused with its attention: discovery ties no query and key projection to it.)"""
+    are the attention's head rows, ``adapters.families.QKV_ADAPTERS``: :func:`_attention_hooks`.)"""
     for act, gate_up, adapters, down in adapted_gated_mlps(model):
         product = _AdaptedGatedProduct()
         # after the activation rule (hooked before), so that it keeps the rule's output
