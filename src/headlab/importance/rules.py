@@ -55,7 +55,9 @@ The other rules become ordinary backward passes once the right factors are detac
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
   below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
-  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`);
+  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`); Inkling's shared experts
+  ``sum_e gamma_e E_e(x)`` (stacked ``gate_proj``, ``up_proj``, ``down_proj``) each a gated MLP, the router's ``gammas``
+  detached (:mod:`headlab.importance.inkling_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -82,6 +84,9 @@ The other rules become ordinary backward passes once the right factors are detac
   gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
   convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
   projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
+  Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
+  detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
+  (:mod:`headlab.importance.inkling_rule`).
 
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
