@@ -36,7 +36,12 @@ def _inkling(dtype=torch.float32):
 def test_inkling_conserves_to_float64_rounding_from_layer_zero(dtype):
     """compute_lrp computes Inkling in float64 (its experts' product rule) and the record holds the whole logit at the
     first layer's input (layer 0: the normed embedding before it needs no rule), to float64 rounding."""
+    from headlab.adapters import attention_blocks
+    from headlab.importance.lrp import _cut_path, _stack_start
+
     model = _inkling(dtype)
+    first = attention_blocks(model)[0]
+    assert _stack_start(dict(model.named_modules()), _cut_path(first)) == "model.layers.0"
     record = assert_conserved(model, 1e-12)
     assert record["embeddings"]["min"] != record["embeddings"]["max"]
     data, info = lrp_data(model)

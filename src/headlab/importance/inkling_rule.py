@@ -59,8 +59,8 @@ from torch.nn import functional as F
 
 from headlab.errors import HeadlabError
 
-__all__ = ["attention_problem", "is_inkling_attention", "is_shared_experts", "score_bias_hooks", "shared_problem",
-           "shared_rule", "shared_sum", "short_conv_problem"]
+__all__ = ["attention_problem", "is_inkling_attention", "is_shared_experts", "is_short_conv", "score_bias_hooks",
+           "shared_problem", "shared_rule", "shared_sum", "short_conv_problem"]
 
 _STACKED = ("gate_proj", "up_proj", "down_proj")
 _SCORE_BIASES = ("rel_logits_proj",)  # Inkling's relative-position logits, added to the attention scores
