@@ -65,12 +65,12 @@ LAYERS = {"hy_v4": [0, 1], "qwen4_exp_text": [1, 2]}  # the attention layers
 FAMILIES = tuple(LAYERS)
 
 
-def build(family: str, attn_implementation: str | None = None, seed: int = 0) -> torch.nn.Module:
+def build(family: str, attn_implementation: str | None = None, seed: int = 0, **sizes) -> torch.nn.Module:
     """The tiny model in float64 (the experts' eager loop: grouped matmuls take no float64), its biases, norms and
     sinks moved off their initial values, the gates spread (far from one another and from 1/2)."""
     if family not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {family}")
-    config = CONFIG_MAPPING[family](**(_HY_V4 if family == "hy_v4" else _QWEN4))
+    config = CONFIG_MAPPING[family](**{**(_HY_V4 if family == "hy_v4" else _QWEN4), **sizes})
     # HY-V4 has eager attention only (sinks and DSA); Qwen4-Exp SDPA too
     config._attn_implementation = attn_implementation or ("eager" if family == "hy_v4" else "sdpa")
     config._experts_implementation = "eager"
@@ -259,6 +259,24 @@ def test_lrp_is_refused_before_any_work_naming_the_hyper_connections(family):
     assert len(calls) == (1 if family == "hy_v4" else 0)  # discovery's probe pass only (none for a table entry)
 
 
+# what else in these models has no LRP rule left out: HY-V4's experts, Qwen4-Exp's Gated DeltaNet and n-gram embeddings
+PLAIN = {"hy_v4": dict(mlp_layer_types=["dense", "dense"]),
+         "qwen4_exp_text": dict(layer_types=["indexed_attention"] * 3, ple_layer_ids=[])}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lrp_is_refused_naming_the_hyper_connections_where_nothing_else_stops_it(family):
+    """With dense MLPs only (HY-V4) or attention layers only and no n-gram embeddings (Qwen4-Exp), the
+    hyper-connections are what LRP has no rule for: refused naming them (before this session the refusal named the
+    norm inside their mixing weights, "HYV4UnweightedRMSNorm is not x / rms(x) times its weight", which a norm rule
+    would not have made conserving)."""
+    hyper = "HYV4HyperConnection at model.layers.0.attn_hc" if family == "hy_v4" else \
+        "Qwen4ExpTextGatedResidual at model.layers.0.attn_hyper_connection"
+    model = build(family, **PLAIN[family])
+    with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's hyper-connections \({hyper}"):
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
+
+
 def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model():
     """Qwen4ExpForConditionalGeneration: refused naming the text model to pass, as Qwen3.5's wrapper (before: refused
     for the text model's unchecked parts)."""
@@ -272,3 +290,26 @@ def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model():
     with pytest.raises(HeadlabError, match=r"Qwen4ExpForConditionalGeneration is a multimodal model around a "
                                            r"'qwen4_exp_text' language model, which headlab supports on its own"):
         attention_blocks(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_confidence_is_the_same_on_every_engine(family):
+    """HY-V4 is a sink type now (adapters.families.ATTENTION_SINKS): the default engine runs headlab's own attention
+    function on it, which takes the sinks as one more logit and folds the indexer's picks (handed as ``indices=`` to
+    any function but eager and SDPA) into the mask; Qwen4-Exp folds its selection before any function. Confidence
+    under eager, fused (default) and chunked query rows: the same scores. Before this session HY-V4 ran eager
+    only (a type handing s_aux that headlab had not read). Qwen4-Exp's eager softmax is taken in float32 whatever the
+    model's dtype (``softmax(.., dtype=torch.float32)``): eager agrees to that."""
+    import numpy as np
+
+    from headlab.importance import ImportanceData, compute_confidence, describe_model
+
+    model = build(family)
+    info = describe_model(model)
+    data = ImportanceData.from_ids([[5, 17, 33, 41, 8, 1], [9, 60, 22, 1], [70, 12, 45, 31, 28, 90, 3, 1]])
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    rtol = 1e-12 if family == "hy_v4" else 1e-6
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        for kind in eager.kinds:
+            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=rtol, atol=1e-12)
