@@ -277,19 +277,32 @@ def test_lrp_is_refused_naming_the_hyper_connections_where_nothing_else_stops_it
         compute_lrp(model, *lrp_data(model), bootstrap=0)
 
 
-def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model():
-    """Qwen4ExpForConditionalGeneration: refused naming the text model to pass, as Qwen3.5's wrapper (before: refused
-    for the text model's unchecked parts)."""
+def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model_and_its_checkpoint_loads_as_it(tmp_path):
+    """Qwen4ExpForConditionalGeneration itself: refused naming the text model to pass, as Qwen3.5's wrapper (before:
+    refused for the text model's unchecked parts). Its saved checkpoint loads as that causal LM (headlab's loader, as
+    Qwen3.5's), whose blocks are found and whose logits on text are the multimodal model's (before, check_supported refused
+    it: "model.layers.1.self_attn (generic:qwen4_exp_text): projection widths do not split into heads of size 8 (q 64,
+    k/v 16, output input 32)", the name-based fallback reading q_proj's [query | gate] rows as queries)."""
+    from headlab.loading import check_supported, load_model
+
     if "qwen4_exp" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no qwen4_exp")
     text = CONFIG_MAPPING["qwen4_exp_text"](**_QWEN4)
     vision = dict(hidden_size=16, intermediate_size=20, depth=1, num_heads=2, out_hidden_size=32)
     config = CONFIG_MAPPING["qwen4_exp"](text_config=text.to_dict(), vision_config=vision)
     config._attn_implementation = "eager"
+    torch.manual_seed(0)
     model = tf.AutoModelForImageTextToText.from_config(config).eval()
     with pytest.raises(HeadlabError, match=r"Qwen4ExpForConditionalGeneration is a multimodal model around a "
                                            r"'qwen4_exp_text' language model, which headlab supports on its own"):
         attention_blocks(model)
+    model.save_pretrained(tmp_path)
+    check_supported(str(tmp_path))
+    loaded = load_model(str(tmp_path))
+    assert type(loaded).__name__ == "Qwen4ExpForCausalLM"
+    assert [b.name for b in attention_blocks(loaded)] == ["model.layers.1.self_attn", "model.layers.2.self_attn"]
+    # float32, the loaded model on SDPA (the multimodal one on eager): to float32's rounding
+    torch.testing.assert_close(logits(loaded, tiny_inputs()), logits(model, tiny_inputs()), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
