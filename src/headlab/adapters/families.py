@@ -294,7 +294,7 @@ ATTENTION_SINKS: dict[str, tuple[str, ...]] = dict.fromkeys(
     ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "hy_v4"], ("sinks",))
 """Model types whose attention module holds learned attention sinks, ``sinks``: one logit per query head (its
 ``num_attention_heads`` entries; MiMo-V2-Flash's sliding-window layers only, ``None`` in the others), read by
-transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash):
+transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash, HY-V4):
 ``sinks.reshape(1, -1, 1, 1)`` is appended to each head's row of logits as one more softmax column, then dropped;
 Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits_h) - sinks[h])``
 (``sinks.view(1, -1, 1)``), the same extra softmax logit; flex attention: the output renormalised by
