@@ -326,3 +326,26 @@ def test_confidence_is_the_same_on_every_engine(family):
         streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
         for kind in eager.kinds:
             np.testing.assert_allclose(streamed[kind], eager[kind], rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_analyze_end_to_end(family, tmp_path):
+    """`headlab analyze --ablation` on a saved tiny model: every stage done but LRP, failed with the refusal naming the
+    hyper-connections; the score tables have a row per attention layer (Qwen4-Exp's Gated DeltaNet layer empty).
+    Before: every stage refused with the model."""
+    import json
+
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    model = build(family).float()
+    model.set_experts_implementation("grouped_mm")  # as a plain load runs them
+    save_tiny(model, tmp_path / "model", treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    for name in ANALYZE_STAGES:
+        assert stages[name]["status"] == "done", stages[name]
+    # refused as for any model LRP has no rule for: the stage failed with the reason, the others done (exit status 1)
+    assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
+    assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hyper-connections")
+    rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
+    empty = [all(v is None for v in row) for row in rows]
+    assert empty == ([False, False] if family == "hy_v4" else [True, False, False])
