@@ -82,6 +82,10 @@ The other rules become ordinary backward passes once the right factors are detac
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
 
+* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp; Qwen4-Exp's
+  n-gram embeddings added to them) have no rule: refused before any work, naming them
+  (:mod:`headlab.importance.residual_streams`).
+
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
 it, ``torch.autograd.grad`` returns the modified gradient ``g``, and ``x * g`` is the relevance
