@@ -19,7 +19,8 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 * ``mask``: masking the query heads of the last key/value head of the last block of each kind
   changes the logits and equals (a) zeroing that head's output where the attention function
   returns it (an attention function of this script's, wrapping SDPA/eager), and (b) zeroing its
-  value weights by hand where the block names its value projection (rows of ``block.v``);
+  value weights by hand where the block names its value projection (rows of ``block.v``, and of the projections
+  ``Family.head_row_values`` names: Zamba 2's value adapters);
 * ``gates``: scalar gates at one change nothing, and leave no hook behind;
 * ``prune``: :func:`headlab.prune_heads` equals masking (or is refused with a HeadlabError);
 * ``lrp`` (decoder-only and encoder-only): :func:`headlab.importance.rules.check_rules` refuses, or
@@ -60,6 +61,7 @@ import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
+from headlab.adapters.families import rows_per_head
 from headlab.importance.lrp import lrp_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -519,6 +521,13 @@ def value_rows(block, kv_head: int):
             v.weight[:, rows] = 0
         if getattr(v, "bias", None) is not None:
             v.bias[rows] = 0
+        # projections whose rows are values of the heads too (Family.head_row_values: Zamba 2's value adapters, added
+        # to v_proj's output; Longformer's value_global), each head's rows as Family.head_rows sizes them
+        sizes = dict(block.family.head_rows)
+        for path in block.family.head_row_values:
+            width = rows_per_head(block.core, sizes[path])
+            assert width is not None  # checked when the block was made (adapters._check_head_rows)
+            block.module.get_submodule(path).weight[kv_head * width:(kv_head + 1) * width] = 0
 
 
 def check_mask(make, blocks, inputs, atol, implementation) -> list[str]:

@@ -472,9 +472,13 @@ class NoHeadAttention(nn.Module):
     def _keep_cache_in_step(self, hidden_states, kwargs) -> None:
         """Placeholder keys and values, so that generation still counts positions. They hold one
         zero per position (one head of width 1), not none: transformers counts a cache layer
-        with no elements as length 0, and reads the next position from layer 0."""
+        with no elements as length 0, and reads the next position from layer 0. A forward handed its layer's index
+        keeps it there (Zamba's and Zamba 2's ``layer_idx`` argument, which they update the cache at: Zamba 2 builds
+        its shared attention with ``layer_idx=-1``, the last cache layer, another layer's)."""
         cache = cache_argument(kwargs)
-        if cache is None or self.layer_idx is None:
+        given = kwargs.get("layer_idx")
+        layer_idx = given if isinstance(given, int) and not isinstance(given, bool) else self.layer_idx
+        if cache is None or layer_idx is None:
             return
         memory = kwargs.get("key_value_states", kwargs.get("encoder_hidden_states"))
         if self.time_first:  # FSMT: the encoder's output is the cross-attention's key, [S, B, C]
@@ -482,15 +486,15 @@ class NoHeadAttention(nn.Module):
         is_cross = memory is not None
         target = cache
         if hasattr(cache, "self_attention_cache"):
-            if is_cross and cache.is_updated.get(self.layer_idx):
+            if is_cross and cache.is_updated.get(layer_idx):
                 return
             target = cache.cross_attention_cache if is_cross else cache.self_attention_cache
         batch, time = (1, 0) if self.time_first else (0, 1)
         length = (memory if is_cross else hidden_states).shape[time]
         placeholder = hidden_states.new_zeros(hidden_states.shape[batch], 1, length, 1)
-        target.update(placeholder, placeholder, self.layer_idx)
+        target.update(placeholder, placeholder, layer_idx)
         if is_cross and hasattr(cache, "is_updated"):
-            cache.is_updated[self.layer_idx] = True
+            cache.is_updated[layer_idx] = True
 
 
 class LayerConfig:

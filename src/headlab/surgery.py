@@ -1352,8 +1352,9 @@ def check_block_sliceable(block: AttentionBlock) -> None:
     if latent:  # the real reason, not the unknown layout below
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {latent}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
-    refused = FUSED_REFUSED.get(type(block.core).__name__) if block.qkv is None and block.q is None else None
-    if refused and block.n_heads:  # a layout read and not sliced (Zaya's): its own reason, not the unknown one below
+    refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__) \
+        if block.qkv is None and block.q is None else None
+    if refused and block.n_heads:  # a layout read and not sliced (Zaya's; Zamba 2's adapters laid out otherwise)
         raise HeadlabError(f"{block.name} ({block.family.name}): physical pruning is refused: {refused}; mask the heads "
                            "instead (mask_heads, or headlab prune train's gates)")
     if block.qkv is None and block.q is None and block.n_heads and not block.family.head_rows:  # projections not tied
@@ -1472,6 +1473,11 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
     sliced = [m for m in (block.q, block.k, block.v, block.o, block.qkv, *head_column_modules(block),
                           *head_row_modules(block), dynamic[0] if dynamic else None) if m is not None]
     known = {id(p) for m in sliced for p in m.parameters()}  # Moshi's MoshiLinear holds the projection as .linear
+    # a head-rows projection at the end of an nn.Sequential (Zamba 2's attention adapters, QKV_ADAPTERS): the maps
+    # before it read the layer's input into a latent all heads share (the rank), which stays whole
+    known |= {id(p) for path, _ in block.family.head_rows if "." in path
+              and isinstance(parent := block.module.get_submodule(path.rpartition(".")[0]), nn.Sequential)
+              and parent[-1] is block.module.get_submodule(path) for p in parent.parameters()}
     widths = {block.n_heads * block.d_head, block.n_kv_heads * block.d_head,
               block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
     found = []

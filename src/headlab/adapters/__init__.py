@@ -42,6 +42,7 @@ from headlab.adapters.families import (
     LATENT_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
+    QKV_ADAPTERS,
     QKV_LAYOUTS,
     QKV_OUTPUT_GATES,
     SINKS_SCALE_OUTPUT,
@@ -382,8 +383,14 @@ def _is_projection(module: nn.Module | None) -> bool:
 
 def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
     """A layer of a :data:`QKV_OUTPUT_GATES` type pruned to no head: its stand-in keeps the gate's projection, sliced
-    to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's)."""
+    to no row, which ``head_rows`` names, so that a saved pruned model records its width (as its q/k/v's); one of a
+    :data:`QKV_ADAPTERS` type keeps its adapters' rows as pruning found them (the stand-in's ``stands_for_block``)."""
     module, family = candidate[3], candidate[4]
+    recorded = getattr(_core_of(candidate), "stands_for_block", None)
+    if model_type in QKV_ADAPTERS and isinstance(recorded, tuple) and len(recorded) == 2 \
+            and isinstance(recorded[1], Family) and recorded[1].head_rows:  # Zamba 2's adapters, sliced to no row
+        return (*candidate[:4], dataclasses.replace(family, head_rows=recorded[1].head_rows,
+                                                    head_row_values=recorded[1].head_row_values))
     gate = QKV_OUTPUT_GATES.get(model_type)
     rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
@@ -461,6 +468,8 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     tabled = _tabled_fused(item, module, core)
     if tabled is not None:  # a tabled family's fused projection (ModernVBERT's ModernBERT): its layout, as the table's
         family = dataclasses.replace(tabled, name=family.name, patterns=(), probs_index=item.probs_index)
+    if item.q is None and model_type in QKV_ADAPTERS:  # projections plus adapters (Zamba 2's): tied by the table
+        family = _adapted(model_type, core, item, family)
     if item.q is None and model_type in LATENT_ATTENTION:
         rows = tuple((prefix + path, attrs) for path, attrs in LATENT_ATTENTION[model_type](core))
         vectors = tuple(prefix + path for path in HEAD_VECTORS.get(model_type, ())) if rows else ()
@@ -485,6 +494,22 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
             _parameter(core, dynamic[1]) is not None:
         family = dataclasses.replace(family, kv_dynamic_mask=tuple(prefix + path for path in dynamic))
     return _guess_kind(item.name, module, config, model), layer, item.name, module, family
+
+
+def _adapted(model_type: str, core: nn.Module, item: Discovered, family: Family) -> Family:
+    """A block whose queries, keys and values are projections plus adapters (:data:`QKV_ADAPTERS`): its projections
+    and the adapters' rows per head tied, or the table's reason why not (``Family.refused``)."""
+    prefix = f"{item.core}." if item.core else ""
+    sources = tuple(tuple(p[len(prefix):] for p in paths if p.startswith(prefix)) for paths in item.sources)
+    tied = QKV_ADAPTERS[model_type](core, sources)
+    if isinstance(tied, str):
+        return dataclasses.replace(family, refused=(
+            "its queries, keys and values do not come from one projection each, and the layout of attention adapters "
+            f"headlab reads for model_type {model_type!r} (headlab.adapters.families.QKV_ADAPTERS) does not fit: {tied}"))
+    return dataclasses.replace(
+        family, q=prefix + tied["q"], k=prefix + tied["k"], v=prefix + tied["v"],
+        head_rows=tuple((prefix + path, attrs) for path, attrs in tied["head_rows"]),
+        head_row_values=tuple(prefix + path for path in tied["head_row_values"]))
 
 
 def _query_only(where: str, module: nn.Module, family: Family, d_head: int) -> tuple[nn.Module, int]:

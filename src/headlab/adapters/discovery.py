@@ -104,6 +104,11 @@ class Discovered:
     sub_norm: str | None = None
     """Path (relative to the block) of the norm the heads' outputs passed through, whole, on their way to the output
     projection (:data:`headlab.adapters.families.SUB_NORMS`: BitNet's ``attn_sub_norm``); None without one."""
+    sources: tuple[tuple[str, ...], ...] = ()
+    """Where ``q``, ``k`` and ``v`` are None: for the queries, keys and values, the paths (relative to the block,
+    sorted) of the projections each came from, where all of them lie inside the block (empty where one does not):
+    what a table of layouts discovery does not tie checks against (Zamba 2's shared attention adapters,
+    :data:`headlab.adapters.families.QKV_ADAPTERS`)."""
 
 
 class _Traced(torch.Tensor):
@@ -759,13 +764,26 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     # query/key heads may be wider than value heads (MiMo-V2-Flash): each projection was checked at its own width
     elif len({q, k, v}) < 3 or None in (q, k, v):
         q = k = v = None
+    traced = _source_paths(block, call.sources, names) if None in (q, k, v) else ()
     sub_norm = _relative(block, names.get(id(call.sub_norm))) if call.sub_norm is not None else None
     if call.sub_norm is not None and sub_norm is None and problem is None:
         problem = (f"the norm its heads' outputs pass through, {names.get(id(call.sub_norm))}, lies outside the "
                    "attention layer")
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem, call.probs_index or 0, kv_from,
-                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm)
+                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm, traced)
+
+
+def _source_paths(block: str, sources: tuple[frozenset, ...], names: dict[int, str]) -> tuple[tuple[str, ...], ...]:
+    """:attr:`Discovered.sources`: the projections the queries, keys and values came from, relative to ``block``;
+    empty where one of them is no module of the block."""
+    found = []
+    for each in sources:
+        paths = [_relative(block, names.get(id(m))) if isinstance(m, nn.Module) else None for m in each]
+        if not paths or None in paths:
+            return ()
+        found.append(tuple(sorted(p for p in paths if p is not None)))
+    return tuple(found)
 
 
 def _gate_names(block: str, gates: frozenset, names: dict[int, str]) -> list[str]:

@@ -186,6 +186,10 @@ class Family:
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
     entry's and theirs, each block carrying the entry that matched it (one level: a part has no parts)."""
+    refused: str = ""
+    """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
+    (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
+    "layout unknown"."""
 
 
 def rows_per_head(core: Any, sizes: tuple[str | int, ...]) -> int | None:
@@ -321,16 +325,80 @@ fused ``Wqkv`` output (MPT only where ``clip_qkv`` is truthy), OLMo and OLMoE ea
 relevance through it by the activation rule (:class:`headlab.importance.rules._ClampIdentity`), where the clamp's own
 gradient, 0 where it clips, lost it."""
 
+_NOUNS = {"q": "queries", "k": "keys", "v": "values"}
+
+
+def zamba2_attention_adapters(core: Any, sources: tuple[tuple[str, ...], ...]) -> dict[str, Any] | str:
+    """Zamba 2's attention with shared attention adapters (``Zamba2Attention``, transformers 5.24, with
+    ``use_shared_attention_adapter``): ``query = q_proj(x) + linear_q_adapter_list[i](x)``, the same for the keys
+    and values, ``i`` the layer's place among the hybrid layers (``layer_dic[layer_idx]``), each adapter
+    ``nn.Sequential(Linear(d, rank), Linear(rank, d))`` without biases (``nn.Identity`` at the places this block does
+    not serve, which it never runs); the sums are viewed ``[.., heads, head_dim]`` (the forward runs only with as many
+    key/value heads as query heads and ``heads x head_dim = attention_hidden_size``). So head h owns rows
+    ``h * head_dim ..`` of ``q_proj``, ``k_proj``, ``v_proj`` and of every adapter's second Linear; the first Linear
+    (to the rank) is shared by all heads and stays. ``sources`` (:attr:`~headlab.adapters.discovery.Discovered.sources`,
+    relative to ``core``) must show each of the queries, keys and values coming from its projection and one adapter,
+    the same place for the three. The fields the block's :class:`Family` takes (``q``, ``k``, ``v``, ``head_rows``:
+    every adapter's second Linear, ``head_row_values``: the value adapters', which LRP passes relevance through as
+    through ``v_proj``, holding the query and key adapters constant with ``q_proj`` and ``k_proj``), or why not."""
+    from torch import nn
+
+    cls = type(core)
+    if cls.__name__ != "Zamba2Attention" or not cls.__module__.startswith("transformers.models.zamba2."):
+        return f"its attention class {cls.__module__}.{cls.__name__} is not transformers' Zamba2Attention, the forward " \
+               "headlab read"
+    if len(sources) != 3:
+        return "the probe forward did not trace its queries, keys and values to projections of the attention module"
+    rows: list[tuple[str, tuple[str | int, ...]]] = []
+    values: list[str] = []
+    places = set()
+    for which, came_from in zip("qkv", sources):
+        name, listed = f"{which}_proj", f"linear_{which}_adapter_list"
+        projection, adapters = getattr(core, name, None), getattr(core, listed, None)
+        if not isinstance(projection, nn.Linear) or not isinstance(adapters, nn.ModuleList):
+            return f"it has no linear {name} beside a module list {listed}"
+        served = []
+        for i, adapter in enumerate(adapters):
+            if isinstance(adapter, nn.Identity):
+                continue
+            parts = list(adapter) if isinstance(adapter, nn.Sequential) else []
+            if len(parts) != 2 or not all(isinstance(p, nn.Linear) and p.bias is None for p in parts) \
+                    or parts[0].in_features != projection.in_features or parts[0].out_features != parts[1].in_features \
+                    or parts[1].out_features != projection.out_features:
+                return (f"its adapter {listed}.{i} is not two bias-free linear maps {projection.in_features} -> rank -> "
+                        f"{projection.out_features} ({name}'s widths), nor nn.Identity")
+            served.append(f"{listed}.{i}.1")
+        adapter_rows = set(came_from) - {name}
+        if name not in came_from or len(adapter_rows) != 1 or not adapter_rows <= set(served):
+            return (f"its {_NOUNS[which]} came from "
+                    f"{', '.join(came_from) or 'no projection of it'} in the probe forward, not from {name} and one "
+                    f"adapter of {listed}")
+        places.add(next(iter(adapter_rows)).split(".")[1])
+        rows += [(path, ("head_dim",)) for path in served]
+        values += served if which == "v" else []
+    if len(places) != 1:
+        return f"its queries, keys and values came from the adapters of different places ({', '.join(sorted(places))})"
+    return dict(q="q_proj", k="k_proj", v="v_proj", head_rows=tuple(rows), head_row_values=tuple(values))
+
+
+QKV_ADAPTERS: dict[str, Callable[[Any, tuple[tuple[str, ...], ...]], dict[str, Any] | str]] = {
+    "zamba2": zamba2_attention_adapters}
+"""Model types found at run time whose queries, keys and values are each a projection's output plus an adapter's
+(which discovery ties to no single projection), with what reads the layout off the attention module and the
+projections discovery traced them to: the :class:`Family` fields that tie them (``q``, ``k``, ``v`` and the
+adapters' rows per head, ``head_rows``, sliced with the heads by physical pruning), or why the module is not laid
+out so (``Family.refused``: pruning and LRP refused, naming it). Zamba 2: :func:`zamba2_attention_adapters`."""
+
 FUSED_REFUSED: dict[str, str] = {
     "ZayaAttention": "its queries, keys and values come from ZAYA's compressed convolutional attention "
-                     "(qkv_proj, ZayaCCAProjection), not from projections per head: each key is mixed with the mean "
-                     "of its group's queries ((q + k) / 2, averaged over the group), queries and keys are convolved "
-                     "over time (conv_qk_depthwise, conv_qk_grouped), and the values are split between the current "
-                     "and the previous token (v_proj_current, v_proj_delayed), so removing a query head changes the "
-                     "other heads of its group, which masking it does not, and headlab has no rule to hold its "
-                     "queries and keys constant"}
-"""Attention classes found by discovery (no projection tied) whose layout headlab read and does not slice or explain,
-with why: physical pruning and LRP are refused naming it, before any work (transformers 5.24)."""
+                     "(qkv_proj, ZayaCCAProjection), not from projections per head: each query is mixed with its "
+                     "key/value head's key ((q + k) / 2) and each key with the mean of that over its group's query "
+                     "heads, queries and keys are convolved over time (conv_qk_depthwise, conv_qk_grouped), and the "
+                     "values are split between the current and the previous token (v_proj_current, v_proj_delayed), "
+                     "so removing a query head changes the keys of its group, which masking it does not"}
+"""Attention classes found by discovery (no projection tied) whose layout headlab read and does not slice, with why:
+physical pruning is refused naming it, before any work (transformers 5.24). LRP has a rule for ZAYA's
+(:mod:`headlab.importance.cca_rule`); any other class here is refused by LRP too."""
 
 HEAD_PARAMETERS_REFUSED: dict[str, str] = {}
 """Attention classes (their names) whose per-head parameters no slicing keeps exact, with why (read off their

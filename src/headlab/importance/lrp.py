@@ -55,6 +55,7 @@ from headlab.data.inputs import Batch, ImportanceData, count_batches, make_batch
 from headlab.errors import HeadlabError, RunFailed, counted
 from headlab.gates import measures_heads
 from headlab.heads import HeadScores
+from headlab.importance import cca_rule
 from headlab.importance.common import block_scores
 from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
@@ -524,10 +525,34 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             except HeadlabError:  # a norm without a rule where LRP's forward never goes (lrp_rules refuses it there)
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
+        # ZAYA's biases that no module's bias holds
+        handles.extend(_registered(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
         handles.remove()
+
+
+def _token_probe(probes: list[torch.Tensor], batch_size: int):
+    """``ones(x)``: ones ``[..., 1]``, one per token of ``x`` (``[batch, seq, ...]``), that require grad, appended to
+    ``probes`` (None under no_grad or where ``x`` is not per token): for the biases a rule adds itself
+    (:func:`headlab.importance.cca_rule.bias_probe_hooks`)."""
+
+    def ones(x: torch.Tensor) -> torch.Tensor | None:
+        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or x.shape[:-1].numel() % batch_size:
+            return None
+        s = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device, requires_grad=True)
+        probes.append(s)
+        return s
+
+    return ones
+
+
+def _registered(hooks: list[tuple[nn.Module, str, Any]]) -> list[Any]:
+    """``(module, "forward" or "pre", hook)`` registered, their handles back."""
+    return [module.register_forward_hook(hook) if kind == "forward" else module.register_forward_pre_hook(hook)
+            for module, kind, hook in hooks]
 
 
 def _pooled_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -73,10 +73,15 @@ The other rules become ordinary backward passes once the right factors are detac
   projection of its own: its queries' projection, the rotary columns of ``kv_a_proj_with_mqa`` (one rotary key for
   all heads) and the ``k_nope`` columns of ``kv_b_proj`` (per head ``[k_nope | v]``) are detached, so ``p`` is a
   constant there too and relevance flows through ``v`` (:func:`_latent_attention_hooks`).
+  Zamba 2's attention adapters (``q = q_proj(x) + A_q(x)``, ``k`` and ``v`` alike: ``adapters.families.QKV_ADAPTERS``)
+  are head rows: the query and key adapters are detached with ``q_proj`` and ``k_proj``, the value adapters are values
+  (``Family.head_row_values``), so ``v_proj(x) + A_v(x)``, linear in ``x``, passes relevance through both.
   A fused projection's query and key columns are detached wherever its layout puts them. DBRX and MPT clamp its
   output to ``clip_qkv``, OLMo and OLMoE each projection's (``adapters.families.CLIPPED_QKV``), an element-wise
   function of each value: the activation rule, ``R(v) = R(clamp(v))`` (:class:`_ClampIdentity`; the clamp's own
-  gradient, 0 where it clips, lost that relevance).
+  gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
+  convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
+  projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
 
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
@@ -105,7 +110,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
-from headlab.importance import mixer_rules
+from headlab.importance import cca_rule, mixer_rules
 from headlab.importance.residual_streams import residual_stream_problem
 from headlab.surgery import head_row_modules
 
@@ -518,8 +523,13 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
-        refused = FUSED_REFUSED.get(type(block.core).__name__)
-        if block.n_heads and block.q is None and block.qkv is None and refused:  # a layout read, with no rule (Zaya)
+        if block.n_heads and block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's own rule
+            if (problem := cca_rule.cca_problem(block)) is not None:
+                raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
+            continue
+        # a layout read with no rule (Zamba 2's attention adapters laid out otherwise: Family.refused)
+        refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
+        if block.n_heads and block.q is None and block.qkv is None and refused:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
@@ -1816,7 +1826,7 @@ class _AdaptedGatedProduct(_CheckedGatedProduct):
 
 def _register_adapted(model: nn.Module, handles: HookHandles) -> None:
     """The hooks of :class:`_AdaptedGatedProduct`. (Zamba 2's attention adapters, ``use_shared_attention_adapter``,
-    are refused with its attention: discovery ties no query and key projection to it.)"""
+    are the attention's head rows, ``adapters.families.QKV_ADAPTERS``: :func:`_attention_hooks`.)"""
     for act, gate_up, adapters, down in adapted_gated_mlps(model):
         product = _AdaptedGatedProduct()
         # after the activation rule (hooked before), so that it keeps the rule's output
@@ -1935,8 +1945,9 @@ def _register(hooks: list[mixer_rules.Hook]) -> list[Any]:
 
 
 def _unowned_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` but the parts a mixer rule applies the rule of (:attr:`mixer_rules.MixerRule.owns`)."""
-    owned = mixer_rules.owned(model)
+    """``model.named_modules()`` but the parts a mixer rule applies the rule of (:attr:`mixer_rules.MixerRule.owns`)
+    and ZAYA's query/key norms, which see only the query and key its rule holds constant (:mod:`.cca_rule`)."""
+    owned = mixer_rules.owned(model) | {id(norm) for norm in cca_rule.qk_norms(model)}
     return [(path, module) for path, module in model.named_modules() if id(module) not in owned]
 
 
@@ -1945,6 +1956,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     the weighted sum) and pass its values' relevance through a ``clip_qkv`` clamp (:data:`CLIPPED_QKV`)."""
     if _is_latent(block):  # multi-head latent attention (check_rules refused any other layout)
         return list(_latent_attention_hooks(block))
+    if block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's (check_rules checked it)
+        return cca_rule.cca_hooks(block)
     if block.qkv is not None and block.family.qkv_layout != "q|k|v":
         # DeBERTa v1's position projections (head rows: the relative embeddings' keys and queries) with them
         return [(block.qkv, _detach_columns(block)), *((module, _detach_output) for module in head_row_modules(block))]
