@@ -349,3 +349,18 @@ def test_analyze_end_to_end(family, tmp_path):
     rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
     empty = [all(v is None for v in row) for row in rows]
     assert empty == ([False, False] if family == "hy_v4" else [True, False, False])
+
+
+def test_hy_v4_gate_the_tables_do_not_know_is_refused(monkeypatch):
+    """Without hy_v4 in OUTPUT_GATES its gate is refused before any work, naming gate_proj (pruning would not know its
+    rows); a gate_proj whose per-head size is not v_head_dim (a forward headlab did not read) gets no rows."""
+    from headlab.adapters import families
+
+    monkeypatch.delitem(families.OUTPUT_GATES, "hy_v4")
+    with pytest.raises(HeadlabError, match=r"self_attn\.o_proj multiplied, elementwise, by a gate computed from "
+                                           r"gate_proj \(an output gate"):
+        attention_blocks(build("hy_v4"))
+    attention = build("hy_v4").model.layers[0].self_attn
+    assert families.hy_v4_rows(attention)[-1] == ("gate_proj", ("v_head_dim",))
+    attention.gate_projection_size = V + 1
+    assert families.hy_v4_rows(attention) == ()
