@@ -286,6 +286,7 @@ def matrix_types() -> set[str]:
     types |= {"squeezebert"}  # tests/test_squeezebert_ibert.py (session 31; I-BERT is in family_matrix.ANALYSED)
     types |= {"deepseek_v32", "glm_moe_dsa"}  # tests/test_sparse_attention.py
     types |= {"cpmant", "diffllama", "jetmoe", "hrm_text"}  # tests/test_refused_families.py (session 32)
+    types |= {"hy_v4", "qwen4_exp_text"}  # tests/test_hyper_connection_families.py (session 36)
     return types
 
 

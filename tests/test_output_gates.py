@@ -15,11 +15,12 @@ Before, all three were refused before any work ("the attention function's output
 operations other than reshapes and casts"). Pruning equals masking on padded rows and in cached generation,
 empties a layer and reloads (``load_pruned``, plain transformers): tests/test_mla_pruning.py, whose
 ``CONFIGS`` list them. Hy-V4 (an elementwise gate from ``gate_proj``, beside attention sinks and
-hyper-connections) stays refused, for those.
+hyper-connections), refused for those until session 36, is analysed and pruned: tests/test_hyper_connection_families.py.
 
 Session 28 (branch gates28): AFMoE, Laguna and LFM3, whose gate's projection sits beside q/k/v projections as Beam's
-(``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2, Inkling2-Loop and Qwen4-Exp stay
-refused, naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``).
+(``adapters.families.QKV_OUTPUT_GATES``), are analysed, masked and pruned; Inkling2 and Inkling2-Loop stay refused,
+naming what besides their gate headlab has not checked (``OUTPUT_GATES_REFUSED``). Qwen4-Exp, refused so until session
+36, is analysed and pruned as Qwen3-Next's gated attention: tests/test_hyper_connection_families.py.
 """
 
 from __future__ import annotations
@@ -182,14 +183,6 @@ def test_lrp_holds_the_gate_constant_and_conserves(family):
         grads = torch.autograd.grad(y, list(out.hidden_states))
         totals = [float((h * g).sum().detach()) for h, g in zip(out.hidden_states, grads)]
     np.testing.assert_allclose(totals, float(y.detach()), rtol=1e-12)
-
-
-def test_hy_v4_is_refused_for_its_sinks_and_hyper_connections():
-    """Hy-V4's gate (elementwise, from gate_proj) keeps the heads apart too, but its attention sinks and
-    hyper-connections are unchecked: refused before any work, naming them (before: as a gate mixing heads)."""
-    with pytest.raises(HeadlabError, match=r"model_type 'hy_v4'\): model\.layers\.0\.self_attn: an output gate from "
-                                           r"gate_proj: .*attention sinks.*hyper-connections"):
-        attention_blocks(build("hy_v4", attn_implementation="eager"))  # no SDPA in transformers
 
 
 # dots3-note's released checkpoints are the multimodal model (model_type dots3_note: text_config, vision_config,
@@ -598,20 +591,15 @@ UNCHECKED = {
                                  r"attention residuals"),
     "inkling2_loop_text": (_INKLING2, r"o_proj\.gate_proj: .*sink_proj.*block attention residuals.*Inkling2-Loop also "
                                       r"runs its loop layers several times"),
-    "qwen4_exp_text": (dict(layer_types=["linear_attention", "indexed_attention"], hc_lowrank=8, indexer_n_heads=2,
-                            indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=2, indexer_compress_ratio=2,
-                            linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                            linear_value_head_dim=8, shared_expert_intermediate_size=40),
-                       r"q_proj: .*hyper-connections.*n-gram embeddings \(ple\).*QSA indexer"),
 }
 
 
 @pytest.mark.parametrize("model_type", tuple(UNCHECKED))
 def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
-    """Inkling2 (and Inkling2-Loop) and Qwen4-Exp gate each head by its own rows too, but have parts headlab has not
-    checked (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop
-    layers; hyper-connections, n-gram embeddings, a QSA indexer): refused before any work naming them (adapters.families
-    .OUTPUT_GATES_REFUSED; before: as a gate of a type OUTPUT_GATES does not list)."""
+    """Inkling2 (and Inkling2-Loop) gate each head by its own rows too, but have parts headlab has not checked
+    (input-dependent sinks, a relative position bias, key/value convolutions, block attention residuals; loop layers):
+    refused before any work naming them (adapters.families.OUTPUT_GATES_REFUSED; before: as a gate of a type
+    OUTPUT_GATES does not list). Qwen4-Exp, here until session 36: tests/test_hyper_connection_families.py."""
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
     extra, named = UNCHECKED[model_type]
@@ -624,7 +612,7 @@ def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
         attention_blocks(model)
 
 
-@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop", "qwen4_exp"])
+@pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop"])
 def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
     """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work
     for their language model's unchecked parts, as the text model is (before: as a gate of an unlisted type)."""

@@ -222,11 +222,15 @@ def head_row_modules(block: AttentionBlock) -> list[nn.Module]:
 
 
 def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
-    """The parameters of ``block.family.head_vectors`` (one entry per head), as (owning module, name)."""
+    """The parameters of ``block.family.head_vectors`` (one entry per head), as (owning module, name); a layer left
+    with no head has none (HY-V4's sinks: its stand-in adopts the original's sub-modules, not its parameters; the
+    adapter refuses a vector missing from a layer with heads)."""
     found = []
     for path in block.family.head_vectors:
-        owner, _, name = path.rpartition(".")
-        found.append((block.module.get_submodule(owner), name))
+        owner_path, _, name = path.rpartition(".")
+        owner = block.module.get_submodule(owner_path)
+        if isinstance(getattr(owner, name, None), torch.Tensor):
+            found.append((owner, name))
     return found
 
 
@@ -1478,7 +1482,7 @@ def _unsliced_head_modules(block: AttentionBlock) -> list[str]:
               block.n_heads * block.d_qk, block.n_kv_heads * block.d_qk}
     found = []
     for name, child in block.core.named_children():
-        if name in block.family.output_norms:
+        if name in block.family.output_norms or name in block.family.input_readers:
             continue
         for pname, parameter in child.named_parameters():
             if id(parameter) in known:

@@ -808,6 +808,8 @@ def _check_head_vectors(where: str, module: nn.Module, family: Family, n_heads: 
     """Each of ``family.head_vectors`` holds one entry per query head (``n_heads``, the output projection's)."""
     for path in family.head_vectors:  # Mistral Large 4's softmax_scaling, attention sinks
         vector = _parameter(module, path)
+        if vector is None and not n_heads:  # a layer left with no head: its stand-in holds none (HY-V4's sinks)
+            continue
         if vector is None or vector.dim() != 1 or vector.shape[0] != n_heads:
             shape = "none" if vector is None else f"shape {list(vector.shape)}"
             raise HeadlabError(f"{where}: {path} ({shape}) is not one entry per head of the output projection's "

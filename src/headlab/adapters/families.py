@@ -178,6 +178,10 @@ class Family:
     folded in); '' where none is handed on. A pruned stack gets each layer's own, sliced to the heads it kept
     (:func:`headlab.surgery.prune_heads`; the table stays whole), and pruned_heads.py does the same on a plain
     transformers load (the plan's ``shared_bias``: :func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``)."""
+    input_readers: tuple[str, ...] = ()
+    """Children of ``core`` that read the layer's input only, never a head's rows, and whose output no head's output
+    reaches (Qwen4-Exp's QSA indexer ``indexer``: a key selection from its own projection of the layer's input, folded
+    into the mask before the attention function): pruning leaves them whole, whatever their widths."""
     parts: tuple[Family, ...] = ()
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
@@ -239,6 +243,20 @@ def query_gate_latent_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]]
     return (("q_gate_proj", sizes), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
 
 
+def hy_v4_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """HY-V4's MLA (``HYV4Attention``, transformers 5.24): DeepSeek-V3's views and splits (``q_b_proj`` viewed
+    ``[batch, seq, -1, qk_nope + qk_rope]``, ``kv_b_proj`` ``[batch, seq, -1, qk_nope + v]``), then the attention
+    function's output ``[batch, seq, heads, v]`` times ``sigmoid(gate_proj(hidden_states).view(batch, seq, -1,
+    gate_projection_size))``, ``gate_projection_size`` = ``v_head_dim``: head h owns rows ``h * v_head_dim ..`` of
+    ``gate_proj``. Its indexer (DSA, under no_grad) and the hyper-connections around the layer read the layer's input
+    only; its sinks are :data:`ATTENTION_SINKS`'."""
+    rows = latent_attention_rows(core)
+    if not rows or getattr(core, "gate_proj", None) is None or \
+            getattr(core, "gate_projection_size", None) != getattr(core, "v_head_dim", None):
+        return ()
+    return (*rows, ("gate_proj", ("v_head_dim",)))
+
+
 def mistral_large4_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
     """Mistral Large 4's MLA (``MistralLarge4TextAttention``, transformers 5.24): no query latent; ``q_proj`` is
     viewed ``[batch, seq, -1, qk_head_dim]`` and split ``[qk_nope_head_dim | qk_rope_head_dim]`` (a NoPE layer: rope
@@ -260,7 +278,8 @@ LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ..
      # Linear's leave out the rotation; none of it per head
      "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
     latent_attention_rows) | dict.fromkeys(["bailing_hybrid", "dots3_note_text"], gated_latent_attention_rows) | \
-    {"axk2": query_gate_latent_rows} | dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows)
+    {"axk2": query_gate_latent_rows, "hy_v4": hy_v4_rows} | \
+    dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows)
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
 equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, as not
@@ -276,10 +295,10 @@ the query projection's per-head view and before the attention function, so the k
 
 
 ATTENTION_SINKS: dict[str, tuple[str, ...]] = dict.fromkeys(
-    ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash"], ("sinks",))
+    ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "hy_v4"], ("sinks",))
 """Model types whose attention module holds learned attention sinks, ``sinks``: one logit per query head (its
 ``num_attention_heads`` entries; MiMo-V2-Flash's sliding-window layers only, ``None`` in the others), read by
-transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash):
+transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash, HY-V4):
 ``sinks.reshape(1, -1, 1, 1)`` is appended to each head's row of logits as one more softmax column, then dropped;
 Granite-SWA and GraniteMoE-SWA: head h's output times ``sigmoid(logsumexp(logits_h) - sinks[h])``
 (``sinks.view(1, -1, 1)``), the same extra softmax logit; flex attention: the output renormalised by
@@ -402,7 +421,7 @@ of every other head's mask: refused before any work (:func:`headlab.surgery.kv_d
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",),
-    "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",)}
+    "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",), "hy_v4": ("gate_proj",)}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -478,10 +497,6 @@ only. Empty rows where a module has no gate (LFM3 without ``use_attention_gate``
 the function gives no rows is refused (:func:`headlab.adapters.attention_blocks`)."""
 
 OUTPUT_GATES_REFUSED: dict[str, str] = {
-    "hy_v4": "its gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
-             "heads apart, but its attention adds learned attention sinks (`sinks`, one logit per head, handed to "
-             "the attention function as s_aux) and its layers are joined by hyper-connections (several residual "
-             "streams): headlab has not checked either",
     **dict.fromkeys(
         ["inkling2_text", "inkling2", "inkling2_loop_text", "inkling2_loop"],
         "its o_proj.gate_proj gate (per element, one row per value of each head, from the layer's input) keeps the "
@@ -491,12 +506,6 @@ OUTPUT_GATES_REFUSED: dict[str, str] = {
         "input, in its full-attention layers), and its layers read block attention residuals (learned queries "
         "attending over earlier blocks' states; Inkling2-Loop also runs its loop layers several times, mixing "
         "messages in with gates): headlab has not checked these"),
-    **dict.fromkeys(
-        ["qwen4_exp_text", "qwen4_exp"],
-        "its q_proj gate ([query | gate] per head, as Qwen3-Next's) keeps the heads apart, but its layers are joined "
-        "by hyper-connections (several residual streams, mixed and injected with weights from the layer's input), "
-        "some add hashed n-gram embeddings (ple) to those streams, and its attention picks each query's keys with a "
-        "QSA indexer of its own: headlab has not checked these"),
 }
 """Model types with an output gate (see :data:`OUTPUT_GATES`) refused for a reason of their own."""
 
@@ -663,6 +672,12 @@ LLAMA_LIKE = Family(
 # Their linear-attention layers (Gated DeltaNet, ``linear_attn``) have no heads headlab analyses:
 # the pattern finds ``self_attn`` only.
 QWEN3_NEXT = replace(LLAMA_LIKE, name="qwen3-next", query_gate=True)
+
+# Qwen4-Exp's text model (Qwen4ExpTextAttention, transformers 5.24): Qwen3-Next's attention (q_proj viewed [.., -1,
+# 2 x head_dim] and chunked [query | gate], per-head q/k norms, o_proj(attn_output * sigmoid(gate))) behind a QSA
+# indexer of its own (index_qk_proj, from the layer's input) whose selection is folded into the mask before the
+# attention function: no head's rows reach it. Hyper-connections and n-gram embeddings act around the layer.
+QWEN4_EXP = replace(QWEN3_NEXT, name="qwen4-exp", input_readers=("indexer",))
 
 GPT_NEOX = Family(
     name="gpt-neox",
@@ -1275,6 +1290,7 @@ FAMILIES: dict[str, Family] = {
     "longt5": LONGT5,
     **dict.fromkeys(["llama", "qwen2", "mistral", "qwen3"], LLAMA_LIKE),
     **dict.fromkeys(["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"], QWEN3_NEXT),
+    "qwen4_exp_text": QWEN4_EXP,
     "gpt_neox": GPT_NEOX,
     "phi3": PHI3,
     "phi": PHI,

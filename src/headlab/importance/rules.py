@@ -92,6 +92,10 @@ The other rules become ordinary backward passes once the right factors are detac
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
 
+* several residual streams mixed by weights computed from them (hyper-connections: HY-V4, Qwen4-Exp; Qwen4-Exp's
+  n-gram embeddings added to them) have no rule: refused before any work, naming them
+  (:mod:`headlab.importance.residual_streams`).
+
 :func:`lrp_rules` installs these rules as forward hooks that leave every forward value
 bit-for-bit unchanged (``y.detach() + (z - z.detach())``) and only reshape the backward. Inside
 it, ``torch.autograd.grad`` returns the modified gradient ``g``, and ``x * g`` is the relevance
@@ -112,6 +116,7 @@ from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.importance import cca_rule, inkling_rule, mixer_rules
+from headlab.importance.residual_streams import residual_stream_problem
 from headlab.surgery import head_row_modules
 
 __all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
@@ -547,6 +552,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         raise HeadlabError("LRP: no rule for this model's per-layer inputs: its layers multiply by a per-layer input "
                            "(per_layer_input_gate, per_layer_projection), but it has no per-layer token embedding "
                            "(embed_tokens_per_layer) where the relevance sent into them could be counted")
+    streams = residual_stream_problem(model)  # hyper-connections, n-gram injections (HY-V4, Qwen4-Exp)
+    if streams:
+        raise HeadlabError(streams)
     ruled = {id(layer.altup) for text in altup_models(model) for layer in cast(nn.ModuleList, text.layers)}
     for path, module in model.named_modules():
         if _is_altup(module) and id(module) not in ruled:
