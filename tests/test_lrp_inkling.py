@@ -157,3 +157,16 @@ def test_an_attention_gated_by_its_relative_states_is_refused_before_any_work():
     attention.__class__ = Gated
     check_lrp_refused_before_any_work(model, r"attention of model.layers.2.self_attn .*its backward does not "
                                              r"conserve")
+
+
+def test_without_the_score_bias_held_constant_inkling_does_not_conserve(monkeypatch):
+    """Why rel_logits_proj's output is detached: with its hook and the attention's probe stubbed out, relevance leaks
+    through the softmax into r_proj and compute_lrp fails its conservation check (4 of 4 sentences)."""
+    from headlab.errors import RunFailed
+    from headlab.importance import inkling_rule
+
+    monkeypatch.setattr(inkling_rule, "score_bias_hooks", lambda core: [])
+    monkeypatch.setattr(inkling_rule, "attention_problem", lambda block, hooks: None)
+    model = _inkling()
+    with pytest.raises(RunFailed, match="in 4 of 4 sentences"):
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
