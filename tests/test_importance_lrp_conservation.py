@@ -182,7 +182,7 @@ def test_a_normalisation_without_a_rule_is_refused_before_any_work():
     assert "ScaleNorm" in result.skipped["lrp"] and "confidence" in result.scores and "lrp" not in result.scores
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "inkling"])
 def test_mixture_of_experts_conserves_with_the_gated_rule_per_expert(family):
     """transformers' fused experts (gate_up_proj parameters, not gate/up modules) got no product
     rule and their routing weights a gradient: Mixtral conserved 1.0015 to 1.008 of the logit.

@@ -191,8 +191,9 @@ def test_a_hook_that_changes_the_output_fails_the_rule_check():
 
 
 def test_experts_with_a_gate_proj_beside_up_proj_are_not_taken_for_non_gated():
-    """Inkling's shared experts hold 3-d ``gate_proj``, ``up_proj`` and ``down_proj`` (gated): still refused as
-    gated experts of another layout, not probed as non-gated ones."""
+    """Inkling's shared experts hold 3-d ``gate_proj``, ``up_proj`` and ``down_proj`` (gated): not probed as non-gated
+    ones. Without a forward taking ``gammas`` (Inkling's own have a rule since session 36, tests/test_lrp_inkling.py)
+    refused as gated experts of another layout."""
     from headlab.importance.rules import _moe_layout_problem
 
     class SharedExperts(torch.nn.Module):

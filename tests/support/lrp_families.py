@@ -2,7 +2,8 @@
 tests/support/models.py: OLMo's parameter-free LayerNorm, Gemma's ``x * (1 + w)`` RMS norms,
 mT5's LayerNorm (an RMS norm), and families whose norms are plain (Mistral, OLMo2, Qwen3,
 StableLM, GPT-J, OPT), and mixtures of experts (Mixtral, Qwen2-MoE with its gated shared expert,
-Qwen3-MoE). Built from configs (hidden 32, 2 layers, 4 heads, vocab 99): no downloads.
+Qwen3-MoE, Inkling with its shared experts scaled by the router's gammas). Built from configs (hidden 32, 2 layers
+(Inkling 3), 4 heads, vocab 99): no downloads.
 
 Besides (not in ``FAMILIES``): Gemma 4's and Gemma 3n's text models with per-layer inputs (:func:`gemma4_text`,
 :func:`gemma3n_text`, built by :func:`per_layer_model`), :func:`lrp_data`, and the checks
@@ -18,6 +19,12 @@ from support.models import VOCAB
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+INKLING = dict(_DECODER, intermediate_size=40, num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+               swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=6, rel_extent=16,
+               sliding_window_size=4, log_scaling_n_floor=2, n_routed_experts=4, num_experts_per_tok=2,
+               n_shared_experts=2, moe_intermediate_size=16, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+               mlp_layer_types=["sparse", "dense", "sparse"])
 
 CONFIGS = {
     "olmo": lambda: (tf.OlmoForCausalLM, tf.OlmoConfig(**_DECODER, num_key_value_heads=4)),
@@ -44,6 +51,9 @@ CONFIGS = {
     "qwen3_moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
         **_DECODER, num_key_value_heads=2, head_dim=8, num_experts=3, num_experts_per_tok=2,
         moe_intermediate_size=40, norm_topk_prob=True)),
+    # Inkling: relative-position logits in the scores, short convolutions, routed and shared experts (a sliding layer
+    # with experts, a full one with log scaling and a dense MLP, a sliding one with experts)
+    "inkling": lambda: (tf.InklingForCausalLM, tf.InklingTextConfig(**INKLING)),
     "mt5": lambda: (tf.MT5ForConditionalGeneration, tf.MT5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
         decoder_start_token_id=0)),

@@ -55,7 +55,9 @@ The other rules become ordinary backward passes once the right factors are detac
   with the rules above (or LongCat-Flash's identity experts, ``E_k(x) = x``), and the routing weights ``w_k`` are
   detached (Llama 4's router scores, which scale the experts' input, likewise), constants as the attention weights
   below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
-  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`);
+  activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`); Inkling's shared experts
+  ``sum_e gamma_e E_e(x)`` (stacked ``gate_proj``, ``up_proj``, ``down_proj``) each a gated MLP, the router's ``gammas``
+  detached (:mod:`headlab.importance.inkling_rule`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -82,6 +84,9 @@ The other rules become ordinary backward passes once the right factors are detac
   gradient, 0 where it clips, lost that relevance). ZAYA's compressed convolutional attention (queries and keys
   convolved over time and mixed across a group, values ``[v_proj_current(x_t) | v_proj_delayed(x_{t-1})]``): its
   projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
+  Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
+  detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
+  (:mod:`headlab.importance.inkling_rule`).
 
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
@@ -110,7 +115,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
-from headlab.importance import cca_rule, mixer_rules
+from headlab.importance import cca_rule, inkling_rule, mixer_rules
 from headlab.importance.residual_streams import residual_stream_problem
 from headlab.surgery import head_row_modules
 
@@ -449,7 +454,11 @@ def _family_prefix(module: nn.Module) -> str:
 def _looks_like_norm(module: nn.Module) -> bool:
     """A normalisation by its class name, with or without parameters (OLMo's has none); a
     module that only holds other modules (StableLM's per-head norms) is judged by its children.
-    The family's name is no part of it (RoBERTa-PreLayerNorm's ``RobertaPreLayerNormLMHead``)."""
+    The family's name is no part of it (RoBERTa-PreLayerNorm's ``RobertaPreLayerNormLMHead``). An embedding is none
+    (Inkling's ``InklingNormedEmbedding``, an RMS norm after the lookup, which has its rule): it reads token ids, and
+    relevance is counted at or after its output (lrp.py's cut, the first layer's input), never inside it."""
+    if isinstance(module, nn.Embedding):
+        return False
     name = type(module).__name__.lower()
     name = name.removeprefix(_family_prefix(module))
     if "norm" not in name:
@@ -523,6 +532,9 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
+        if block.n_heads and inkling_rule.is_inkling_attention(block.core) and \
+                (problem := inkling_rule.attention_problem(block, _attention_hooks(block))) is not None:
+            raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's own rule
             if (problem := cca_rule.cca_problem(block)) is not None:
                 raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
@@ -620,8 +632,8 @@ def _module_problem(module: nn.Module, path: str, inside: set[int], parent: nn.M
     if _is_experts(module) and (problem := _moe_layout_problem(module, parent)) is not None:
         return (f"LRP: no rule for the mixture-of-experts module {type(module).__name__} ({path}): "
                 f"{problem}; headlab knows transformers' gated experts held as 3-d weights (Mixtral, Qwen-MoE, "
-                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE), DBRX's (w1, v1, w2) and Nemotron-H's non-gated ones "
-                "(up_proj, down_proj)")
+                "GPT-OSS, Llama 4, Aria, MiniMax-M3, LFM2-MoE), DBRX's (w1, v1, w2), Nemotron-H's non-gated ones "
+                "(up_proj, down_proj) and Inkling's shared experts (gate_proj, up_proj, down_proj, scaled by gammas)")
     # A.X-K2's AXK2GatedRMSNorm (transformers 5.24); DBRX's DbrxNormAttentionNorm (norm_1, attn, norm_2: a pre-norm
     # attention and the MLP's norm, by its name and children one) holds an attention block and is none
     if not holds_block and _is_gated_norm(module) and \
@@ -675,6 +687,9 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
     if (mixer := mixer_rules.rule_for(module)) is not None:  # a mixer with a rule of its own: does it fit?
         problem = mixer.problem(module, path)
         return None if problem is None else f"{mixer.name}: {problem}"
+    if inkling_rule.is_short_conv(module):  # Inkling's u + conv(u): linear, its ordinary backward
+        problem = inkling_rule.short_conv_problem(module)
+        return None if problem is None else f"Inkling's residual short convolution: {problem}"
     # Mamba's, Mamba-2's and gated delta nets' decay; RecurrentGemma's RG-LRU's (Griffin)
     if any(isinstance(getattr(module, decay, None), torch.Tensor) for decay in ("A_log", "recurrent_param")):
         return ("a state-space (or linear recurrent) token mixer beside the attention: its recurrence multiplies "
@@ -1444,6 +1459,8 @@ def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> s
     non-gated experts (Nemotron-H): :func:`_non_gated_problem`."""
     if _is_non_gated(module):
         return _non_gated_problem(module)
+    if inkling_rule.is_shared_experts(module):
+        return inkling_rule.shared_problem(module)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         return layout
@@ -1532,6 +1549,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     backward is used. Non-gated experts (Nemotron-H) have a rule of their own, :func:`_non_gated_rule`."""
     if _is_non_gated(module):
         return _non_gated_rule(module, args, kwargs, output)
+    if inkling_rule.is_shared_experts(module):  # Inkling's, scaled by the router's gammas
+        return inkling_rule.shared_rule(module, args, kwargs, output)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__}: {layout}")
@@ -1977,7 +1996,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     # Longformer's query_global and key_global; not its value_global (values: relevance passes through them, as v's)
     values = {id(block.module.get_submodule(path)) for path in block.family.head_row_values}
     hooks += [(module, _detach_output) for module in head_row_modules(block) if id(module) not in values]
-    return hooks
+    # Inkling's relative-position logits, a bias of the scores from the layer's input: constant with the queries
+    return hooks + inkling_rule.score_bias_hooks(block.core)
 
 
 @contextmanager
