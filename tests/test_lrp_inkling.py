@@ -1,6 +1,6 @@
 """LRP on Inkling (``InklingForCausalLM``, session 36; before, refused for its shared experts and its normed
 embedding): the shared experts' gammas, the routed experts' weights and the relative-position logits held constant,
-the short convolutions linear (headlab.importance.inkling_rule). Tiny models from tests/support/lrp_families.py's
+the short convolutions linear (headlab.importance.mixer_rules.inkling). Tiny models from tests/support/lrp_families.py's
 config (a sliding layer with experts, a full one with log scaling and a dense MLP, a sliding one with experts)."""
 
 import pytest
@@ -163,7 +163,7 @@ def test_without_the_score_bias_held_constant_inkling_does_not_conserve(monkeypa
     """Why rel_logits_proj's output is detached: with its hook and the attention's probe stubbed out, relevance leaks
     through the softmax into r_proj and compute_lrp fails its conservation check (4 of 4 sentences)."""
     from headlab.errors import RunFailed
-    from headlab.importance import inkling_rule
+    from headlab.importance.mixer_rules import inkling as inkling_rule
 
     monkeypatch.setattr(inkling_rule, "score_bias_hooks", lambda core: [])
     monkeypatch.setattr(inkling_rule, "attention_problem", lambda block, hooks: None)

@@ -57,7 +57,7 @@ The other rules become ordinary backward passes once the right factors are detac
   below are (:func:`_experts_rule`); Nemotron-H's non-gated experts ``E_k(x) = down_k(act(up_k x))`` get the
   activation rule on ``act`` and weighted sums otherwise (:func:`_non_gated_rule`); Inkling's shared experts
   ``sum_e gamma_e E_e(x)`` (stacked ``gate_proj``, ``up_proj``, ``down_proj``) each a gated MLP, the router's ``gammas``
-  detached (:mod:`headlab.importance.inkling_rule`);
+  detached (:mod:`headlab.importance.mixer_rules.inkling`);
 * attention: the output of a head is ``sum_k p_qk v_k``, a weighted sum of the value vectors
   with the attention weights ``p`` as its weights (the attention weights are weights of the
   weighted sum, as Ding et al. treat the attention of RNNsearch). Query and key projections are
@@ -86,7 +86,7 @@ The other rules become ordinary backward passes once the right factors are detac
   projection's query and key outputs detached, the values a linear path (:mod:`headlab.importance.cca_rule`).
   Inkling's relative-position logits, a bias of the scores computed from the layer's input (``rel_logits_proj``), are
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
-  (:mod:`headlab.importance.inkling_rule`).
+  (:mod:`headlab.importance.mixer_rules.inkling`).
 
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
@@ -115,7 +115,7 @@ from headlab.adapters import AttentionBlock, attention_blocks, out_features
 from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
-from headlab.importance import cca_rule, inkling_rule, mixer_rules
+from headlab.importance import cca_rule, mixer_rules
 from headlab.importance.residual_streams import residual_stream_problem
 from headlab.surgery import head_row_modules
 
@@ -532,8 +532,8 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         if block.n_heads and _is_latent(block):
             _latent_attention_hooks(block)  # refuses, naming what, a latent attention the rule does not fit
             continue
-        if block.n_heads and inkling_rule.is_inkling_attention(block.core) and \
-                (problem := inkling_rule.attention_problem(block, _attention_hooks(block))) is not None:
+        score = mixer_rules.score_bias_rule_for(block.core)  # Inkling's relative-position logits
+        if block.n_heads and score is not None and (problem := score.problem(block, _attention_hooks(block))):
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None and cca_rule.is_cca(block):  # ZAYA's own rule
             if (problem := cca_rule.cca_problem(block)) is not None:
@@ -687,9 +687,6 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
     if (mixer := mixer_rules.rule_for(module)) is not None:  # a mixer with a rule of its own: does it fit?
         problem = mixer.problem(module, path)
         return None if problem is None else f"{mixer.name}: {problem}"
-    if inkling_rule.is_short_conv(module):  # Inkling's u + conv(u): linear, its ordinary backward
-        problem = inkling_rule.short_conv_problem(module)
-        return None if problem is None else f"Inkling's residual short convolution: {problem}"
     # Mamba's, Mamba-2's and gated delta nets' decay; RecurrentGemma's RG-LRU's (Griffin)
     if any(isinstance(getattr(module, decay, None), torch.Tensor) for decay in ("A_log", "recurrent_param")):
         return ("a state-space (or linear recurrent) token mixer beside the attention: its recurrence multiplies "
@@ -1459,8 +1456,8 @@ def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> s
     non-gated experts (Nemotron-H): :func:`_non_gated_problem`."""
     if _is_non_gated(module):
         return _non_gated_problem(module)
-    if inkling_rule.is_shared_experts(module):
-        return inkling_rule.shared_problem(module)
+    if (experts := mixer_rules.experts_rule_for(module)) is not None:  # Inkling's shared experts
+        return experts.problem(module)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         return layout
@@ -1549,8 +1546,8 @@ def _experts_rule(module: Any, args, kwargs, output):  # Any: transformers' expe
     backward is used. Non-gated experts (Nemotron-H) have a rule of their own, :func:`_non_gated_rule`."""
     if _is_non_gated(module):
         return _non_gated_rule(module, args, kwargs, output)
-    if inkling_rule.is_shared_experts(module):  # Inkling's, scaled by the router's gammas
-        return inkling_rule.shared_rule(module, args, kwargs, output)
+    if (experts := mixer_rules.experts_rule_for(module)) is not None:  # Inkling's, scaled by the router's gammas
+        return experts.rule(module, args, kwargs, output)
     layout = _experts_layout(module)
     if isinstance(layout, str):
         raise HeadlabError(f"LRP: no rule for the mixture-of-experts module {type(module).__name__}: {layout}")
@@ -1997,7 +1994,8 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     values = {id(block.module.get_submodule(path)) for path in block.family.head_row_values}
     hooks += [(module, _detach_output) for module in head_row_modules(block) if id(module) not in values]
     # Inkling's relative-position logits, a bias of the scores from the layer's input: constant with the queries
-    return hooks + inkling_rule.score_bias_hooks(block.core)
+    score = mixer_rules.score_bias_rule_for(block.core)
+    return hooks + (score.hooks(block.core) if score is not None else [])
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""LRP rules for the token mixers that hybrid models place beside (or instead of some of) their attention layers.
+"""LRP rules for the token mixers that hybrid models place beside (or instead of some of) their attention layers, and
+for the other parts of a family that rules.py's general rules do not cover (Inkling's shared experts and score biases).
 
 A mixer rule is a plugin: a module of this package that defines one :class:`MixerRule` and declares it with
 :func:`register` when imported. :mod:`headlab.importance.rules` asks :func:`rule_for` about every module of the
@@ -14,8 +15,13 @@ stream, conserved (Jafari et al. 2024, "MambaLRP: Explaining Selective State Spa
 shows that holding them constant is what conserves relevance through a selective SSM). Forward values stay
 bit-for-bit unchanged: hooks only reshape the backward (``y.detach() + (z - z.detach())``).
 
-The rule modules are imported on the first call of :func:`rule_for` (they import rules.py's primitives, and
-rules.py asks this package: importing them later keeps one direction of imports at import time).
+Two more kinds of plugin declare themselves the same way, for parts rules.py's general rules have no rule for:
+:class:`ExpertsRule` (a mixture-of-experts module of a layout of its own: :func:`experts_rule_for`) and
+:class:`ScoreBiasRule` (an attention that adds to its scores a bias computed from the layer's input:
+:func:`score_bias_rule_for`).
+
+The rule modules are imported on the first call of :func:`rules` (they import rules.py's primitives, and rules.py
+asks this package: importing them later keeps one direction of imports at import time).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
-__all__ = ["MixerRule", "Hook", "owned", "register", "rule_for", "rules"]
+__all__ = ["ExpertsRule", "Hook", "MixerRule", "ScoreBiasRule", "experts_rule_for", "owned", "register", "rule_for",
+           "rules", "score_bias_rule_for"]
 
 Hook = tuple[nn.Module, str, Callable[..., Any]]
 """Where a rule hooks and how: ``(module, kind, hook)`` with kind ``"forward"`` (a forward hook),
@@ -57,22 +64,53 @@ class MixerRule:
     owns: Callable[[nn.Module], list[nn.Module]] = lambda module: []
 
 
-_RULES: list[MixerRule] = []
+@dataclass(frozen=True)
+class ExpertsRule:
+    """The LRP rule for one layout of mixture-of-experts module that rules.py's experts rule does not read.
 
-_PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning", "mamba")
+    ``matches(module)``: whether ``module`` is laid out so; ``problem(module)``: why the rule does not fit it after all
+    (layout, a probe forward), None where it fits; ``rule(module, args, kwargs, output)``: the module's forward hook
+    (with kwargs) whose output's backward is the rule's (rules.py's ``_experts_rule`` hands it on)."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    problem: Callable[[nn.Module], str | None]
+    rule: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ScoreBiasRule:
+    """An attention that adds to its scores a bias computed from the layer's input, a factor of the attention weights
+    that the attention rule holds constant with the queries and keys.
+
+    ``matches(core)``: whether the attention module ``core`` has such a bias; ``hooks(core)``: ``(module, forward
+    hook)`` pairs that detach it; ``problem(block, hooks)``: why the attention rule with ``hooks`` (the block's
+    attention hooks, these included) does not fit the block (a probe), None where it does."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    hooks: Callable[[nn.Module], list[tuple[nn.Module, Any]]]
+    problem: Callable[[Any, list[tuple[nn.Module, Any]]], str | None]
+
+
+_RULES: list[MixerRule | ExpertsRule | ScoreBiasRule] = []
+
+_PLUGINS: tuple[str, ...] = ("gated_delta", "short_conv", "rg_lru", "lightning", "mamba", "inkling")
 """The rule modules of this package, imported on the first :func:`rule_for` (each calls :func:`register`)."""
 
 _loaded = False
 
 
-def register(rule: MixerRule) -> MixerRule:
+_Rule = TypeVar("_Rule", MixerRule, ExpertsRule, ScoreBiasRule)
+
+
+def register(rule: _Rule) -> _Rule:
     """Declare ``rule`` (called by each rule module when imported)."""
     _RULES.append(rule)
     return rule
 
 
-def rules() -> list[MixerRule]:
-    """Every registered rule, its plugins loaded."""
+def _all_rules() -> list[MixerRule | ExpertsRule | ScoreBiasRule]:
     global _loaded
     if not _loaded:
         _loaded = True
@@ -81,12 +119,33 @@ def rules() -> list[MixerRule]:
     return list(_RULES)
 
 
-def rule_for(module: nn.Module) -> MixerRule | None:
-    """The rule that matches ``module``; None where none does. Two matching rules are a bug of this package."""
-    found = [rule for rule in rules() if rule.matches(module)]
+def rules() -> list[MixerRule]:
+    """Every registered mixer rule, its plugins loaded."""
+    return [rule for rule in _all_rules() if isinstance(rule, MixerRule)]
+
+
+def _one(kind: type[_Rule], module: nn.Module) -> _Rule | None:
+    """The rule of ``kind`` that matches ``module``; None where none does. Two matching are a bug of this package."""
+    found = [rule for rule in _all_rules() if isinstance(rule, kind) and rule.matches(module)]
     if len(found) > 1:
-        raise AssertionError(f"two LRP mixer rules match {type(module).__name__}: {[r.name for r in found]}")
+        raise AssertionError(f"two LRP {kind.__name__.removesuffix('Rule').lower()} rules match "
+                             f"{type(module).__name__}: {[r.name for r in found]}")
     return found[0] if found else None
+
+
+def rule_for(module: nn.Module) -> MixerRule | None:
+    """The mixer rule that matches ``module``; None where none does."""
+    return _one(MixerRule, module)
+
+
+def experts_rule_for(module: nn.Module) -> ExpertsRule | None:
+    """The experts rule that matches ``module``; None where none does."""
+    return _one(ExpertsRule, module)
+
+
+def score_bias_rule_for(core: nn.Module) -> ScoreBiasRule | None:
+    """The score-bias rule that matches the attention module ``core``; None where none does."""
+    return _one(ScoreBiasRule, core)
 
 
 def owned(model: nn.Module) -> set[int]:

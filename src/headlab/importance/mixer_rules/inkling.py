@@ -1,6 +1,7 @@
 """The LRP rules for the parts of Inkling (``InklingForCausalLM``, model type ``inkling_text``) that rules.py's general
 rules do not cover: its shared experts, the relative-position logits in its attention scores and its residual short
-convolutions.
+convolutions, declared as plugins of :mod:`headlab.importance.mixer_rules` (an :class:`~.ExpertsRule`, a
+:class:`~.ScoreBiasRule` and a :class:`~.MixerRule`, at the end of this module).
 
 transformers 5.24 (models/inkling/modeling_inkling.py) computes, in each decoder layer, for the stream ``h``::
 
@@ -58,6 +59,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from headlab.errors import HeadlabError
+from headlab.importance.mixer_rules import ExpertsRule, MixerRule, ScoreBiasRule, register
 
 __all__ = ["attention_problem", "is_inkling_attention", "is_shared_experts", "is_short_conv", "score_bias_hooks",
            "shared_problem", "shared_rule", "shared_sum", "short_conv_problem"]
@@ -253,3 +255,19 @@ def short_conv_problem(module: nn.Module) -> str | None:
         return ("on a probe its forward is not u + conv(u) (a depthwise causal convolution added to its input), the "
                 "linear map whose ordinary backward conserves relevance")
     return None
+
+
+# The module-level functions are looked up at call time, so that a test may replace one.
+SHARED_EXPERTS = register(ExpertsRule(
+    name="Inkling's shared experts (gammas held constant, each expert a gated MLP)",
+    matches=is_shared_experts, problem=lambda module: shared_problem(module),
+    rule=lambda module, args, kwargs, output: shared_rule(module, args, kwargs, output)))
+
+SCORE_BIASES = register(ScoreBiasRule(
+    name="Inkling's relative-position logits (held constant with the queries and keys)",
+    matches=is_inkling_attention, hooks=lambda core: score_bias_hooks(core),
+    problem=lambda block, hooks: attention_problem(block, hooks)))
+
+SHORT_CONVOLUTIONS = register(MixerRule(
+    name="Inkling's residual short convolution", matches=is_short_conv,
+    problem=lambda module, path: short_conv_problem(module), hooks=lambda module: []))
