@@ -278,7 +278,7 @@ LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ..
      # Linear's leave out the rotation; none of it per head
      "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
     latent_attention_rows) | dict.fromkeys(["bailing_hybrid", "dots3_note_text"], gated_latent_attention_rows) | \
-    {"axk2": query_gate_latent_rows, "hy_v4": hy_v4_rows} | \
+    {"axk2": query_gate_latent_rows} | dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], hy_v4_rows) | \
     dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows)
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
@@ -295,7 +295,8 @@ the query projection's per-head view and before the attention function, so the k
 
 
 ATTENTION_SINKS: dict[str, tuple[str, ...]] = dict.fromkeys(
-    ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "hy_v4"], ("sinks",))
+    ["gpt_oss", "granite_swa", "granitemoe_swa", "flint", "mimo_v2_flash", "hy_v4", "hy_v4_vl_text", "hy_v4_vl"],
+    ("sinks",))
 """Model types whose attention module holds learned attention sinks, ``sinks``: one logit per query head (its
 ``num_attention_heads`` entries; MiMo-V2-Flash's sliding-window layers only, ``None`` in the others), read by
 transformers' attention functions for that head alone (transformers 5.24). Eager (GPT-OSS, Flint, MiMo-V2-Flash, HY-V4):
@@ -421,7 +422,8 @@ of every other head's mask: refused before any work (:func:`headlab.surgery.kv_d
 
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",),
-    "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",), "hy_v4": ("gate_proj",)}
+    "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",),
+    **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
