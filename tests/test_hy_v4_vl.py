@@ -4,7 +4,8 @@ it takes HY-V4's table entries (``adapters.families``: LATENT_ATTENTION's ``hy_v
 gate, the sinks). Before (session 36), discovery refused the model as an output gate of a type it had not checked.
 Checked here on a tiny float64 model, the vision tower idle (token ids never run it): capture equals transformers'
 eager output_attentions, masking equals zeroing a head's value rows of ``kv_b_proj`` by hand, gates at one change
-nothing, pruning equals masking on a padded batch (a layer left with no head too) and LRP is refused before any
+nothing, pruning equals masking on a padded batch (a layer left with no head too; reloaded by load_pruned and by plain
+transformers' AutoModel with remote code) and LRP is refused before any
 work, naming the hyper-connections, as HY-V4's (tests/test_hyper_connection_families.py)."""
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def test_pruning_equals_masking_a_layer_emptied_and_reloads(tmp_path):
     assert [b.n_heads for b in attention_blocks(reloaded) if not b.idle] == [0, 2]
     reloaded.set_experts_implementation("eager")  # grouped matmuls take no float64
     torch.testing.assert_close(logits(reloaded.double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
+    # plain transformers: config.json's auto_map names AutoModel for a multimodal wrapper (headlab.portable)
+    plain, info = tf.AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    plain.set_experts_implementation("eager")
+    torch.testing.assert_close(logits(plain.eval().double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
 
 
 def test_lrp_is_refused_before_any_work_naming_the_hyper_connections():
