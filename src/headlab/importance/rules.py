@@ -1404,6 +1404,13 @@ def _glu_experts(module: nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor, t
     return (w1, v1, w2), act
 
 
+def _flags_other_than(module: nn.Module, flags: dict[str, Any]) -> str:
+    """The experts' layout flags (transformers' ``has_gate``, ``is_transposed`` ...) that ``module`` sets to another
+    value than ``flags`` gives, as ``name=value, ...``; '' where none (a flag it lacks has the expected value)."""
+    return ", ".join(f"{name}={getattr(module, name)}" for name, value in flags.items()
+                     if getattr(module, name, value) != value)
+
+
 def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     """``(transposed, biases, gate)`` of a mixture-of-experts module, or why headlab has no rule for it.
 
@@ -1424,10 +1431,8 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     if transposed is None:
         return ("its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj "
                 "[experts, hidden, inner], nor those transposed")
-    flags = {"has_gate": True, "has_post_expert_norm": False, "is_transposed": transposed}
-    wrong = [name for name, value in flags.items() if getattr(module, name, value) != value]
-    if wrong:
-        return f"its layout differs ({', '.join(f'{name}={getattr(module, name)}' for name in wrong)})"
+    if wrong := _flags_other_than(module, {"has_gate": True, "has_post_expert_norm": False, "is_transposed": transposed}):
+        return f"its layout differs ({wrong})"
     biases = bool(getattr(module, "has_bias", False))
     if biases:
         gate_up, down = cast(Any, module).gate_up_proj, cast(Any, module).down_proj  # 3-d: _transposed
@@ -1631,10 +1636,8 @@ def _non_gated_problem(module: nn.Module) -> str | None:
             or down.shape[0] != up.shape[0] or down.shape[1] != up.shape[2] or down.shape[2] != up.shape[1]:
         return ("headlab's rule for non-gated experts is for up_proj [experts, inner, in] and down_proj "
                 "[experts, in, inner] (Nemotron-H); this module's expert weights are not laid out so")
-    flags = {"has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
-    wrong = [name for name, value in flags.items() if getattr(module, name, value) != value]
-    if wrong:
-        return f"its non-gated layout differs ({', '.join(f'{name}={getattr(module, name)}' for name in wrong)})"
+    if wrong := _flags_other_than(module, {"has_bias": False, "has_post_expert_norm": False, "is_transposed": False}):
+        return f"its non-gated layout differs ({wrong})"
     act = getattr(module, "act_fn", None)
     if not isinstance(act, nn.Module) or not _is_activation(act):
         return "its non-gated experts have no act_fn activation module for the activation rule"
