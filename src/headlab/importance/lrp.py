@@ -74,6 +74,7 @@ from headlab.importance.rules import (
     norm_rule,
     per_layer_embeddings,
     per_layer_input_layers,
+    register_hooks,
     routed_experts,
 )
 from headlab.model_description import ModelInfo, describe_model, output_layer, pooled_pad_id
@@ -526,7 +527,7 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
                 ruled = True
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
         # ZAYA's biases that no module's bias holds
-        handles.extend(_registered(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
+        handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:
@@ -547,12 +548,6 @@ def _token_probe(probes: list[torch.Tensor], batch_size: int):
         return s
 
     return ones
-
-
-def _registered(hooks: list[tuple[nn.Module, str, Any]]) -> list[Any]:
-    """``(module, "forward" or "pre", hook)`` registered, their handles back."""
-    return [module.register_forward_hook(hook) if kind == "forward" else module.register_forward_pre_hook(hook)
-            for module, kind, hook in hooks]
 
 
 def _pooled_positions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -121,8 +121,8 @@ from headlab.surgery import head_row_modules
 
 __all__ = ["adapted_gated_mlps", "altup_inputs", "altup_models", "called_gated_mlps", "check_rules", "clamped_gated_mlps",
            "expert_bias_probes", "fused_gated_mlps", "gated_mlps",
-           "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "relevance",
-           "routed_experts"]
+           "lrp_rules", "never_run", "norm_rule", "per_layer_embeddings", "per_layer_input_layers", "register_hooks",
+           "relevance", "routed_experts"]
 
 
 def _activation_classes() -> tuple[type, ...]:
@@ -1946,8 +1946,8 @@ class _ClampedGatedProduct:
         return (_swap_backward(v, self.gate(gate_up).to(v.dtype)), *args[1:])
 
 
-def _register(hooks: list[mixer_rules.Hook]) -> list[Any]:
-    """Register a mixer rule's hooks (:data:`mixer_rules.Hook`), their handles back."""
+def register_hooks(hooks: list[mixer_rules.Hook]) -> list[Any]:
+    """Register a rule's hooks (:data:`mixer_rules.Hook`: ``(module, kind, hook)``), their handles back."""
     handles = []
     for module, kind, hook in hooks:
         if kind == "forward":
@@ -2092,7 +2092,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(module.register_forward_hook(hook))
         for path, module in model.named_modules():
             if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
-                handles.extend(_register(mixer.hooks(module)))
+                handles.extend(register_hooks(mixer.hooks(module)))
         yield
     finally:
         handles.remove()
