@@ -96,11 +96,13 @@ def test_pruning_equals_masking_a_layer_emptied_and_reloads(tmp_path):
     assert [b.n_heads for b in attention_blocks(reloaded) if not b.idle] == [0, 2]
     reloaded.set_experts_implementation("eager")  # grouped matmuls take no float64
     torch.testing.assert_close(logits(reloaded.double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
-    # plain transformers: config.json's auto_map names AutoModel for a multimodal wrapper (headlab.portable)
-    plain, info = tf.AutoModel.from_pretrained(tmp_path / "pruned", trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    plain.set_experts_implementation("eager")
-    torch.testing.assert_close(logits(plain.eval().double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
+    # plain transformers: config.json's auto_map names the task's auto class of a multimodal wrapper and AutoModel
+    # (headlab.portable); before, AutoModelForImageTextToText built the unpruned class and failed on the shapes
+    for auto in (tf.AutoModel, tf.AutoModelForImageTextToText):
+        plain, info = auto.from_pretrained(tmp_path / "pruned", trust_remote_code=True, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        plain.set_experts_implementation("eager")
+        torch.testing.assert_close(logits(plain.eval().double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
 
 
 def test_lrp_is_refused_before_any_work_naming_the_hyper_connections():

@@ -73,15 +73,31 @@ def _transformers_accepts(model: PreTrainedModel, config: dict) -> bool:
     return True
 
 
-def _auto_map(model: nn.Module) -> dict[str, str]:
+def _auto_classes_of(model: nn.Module, names) -> list[str]:
+    """Those of transformers' auto classes ``names`` that build ``model``'s class from its config."""
     import transformers
 
-    out = {}
-    for name in _AUTO_CLASSES:
-        mapping = getattr(transformers, name)._model_mapping
-        if type(model.config) in mapping and mapping[type(model.config)] is type(model):
-            out[name] = f"{Path(CODE_FILE).stem}.{CLASS_NAME}"
-    return out or {"AutoModel": f"{Path(CODE_FILE).stem}.{CLASS_NAME}"}
+    found = []
+    for name in names:
+        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None)
+        try:
+            if mapping is not None and type(model.config) in mapping and mapping[type(model.config)] is type(model):
+                found.append(name)
+        except (ImportError, KeyError):  # a mapping entry whose module needs a package not installed
+            continue
+    return found
+
+
+def _auto_map(model: nn.Module) -> dict[str, str]:
+    """config.json's auto_map: every auto class that builds ``model``'s class (AutoModelForImageTextToText for a
+    multimodal wrapper too), so that each of them loads the pruned class; AutoModel as well when no auto class
+    of :data:`_AUTO_CLASSES` does (it loads whatever class auto_map names). The first entry stays what it was
+    when auto_map named :data:`_AUTO_CLASSES` only."""
+    import transformers
+
+    first = _auto_classes_of(model, _AUTO_CLASSES) or ["AutoModel"]
+    others = [name for name in dir(transformers) if name.startswith("AutoModelFor") and name not in _AUTO_CLASSES]
+    return dict.fromkeys(first + _auto_classes_of(model, others), f"{Path(CODE_FILE).stem}.{CLASS_NAME}")
 
 
 def module_code(base_class: str) -> str:
@@ -151,7 +167,8 @@ def restore_original_config(record: dict, config) -> None:
 def how_to_load(model: nn.Module, portable: dict, path: str = "path") -> str:
     """One line for a model card or the command line: how the directory loads, with and
     without headlab."""
-    auto = next(iter(_auto_map(model)))
+    classes = list(_auto_map(model))
+    auto = next((name for name in classes if name != "AutoModel"), classes[0])  # the task's class where one is named
     if portable.get("how") == "standard config":
         plain = f"`transformers.{auto}.from_pretrained({path!r})`"
     elif portable.get("how") == "remote code":
