@@ -49,6 +49,10 @@ The other rules become ordinary backward passes once the right factors are detac
 * GPT-OSS's clamped SwiGLU ``(clamp(up) + 1) * glu(clamp(gate))`` (its experts, MiniMax-M3's experts
   and dense MLPs): the activation rule through the clamps and ``glu``, the product as ``u * glu + glu``
   (weighted sum, then the product rule), so the ``+ 1`` keeps no relevance (:func:`_clamped_swiglu`);
+* clamps without GPT-OSS's alpha and ``+ 1``, ``act(clamp(gate, max=l)) * clamp(up, -l, l)`` (HY-V4's, GLM-5-Next's,
+  DeepSeek-V4's experts and MLPs) or ``clamp(act(gate), max=l) * clamp(up, -l, l)`` (Step-3.7's): the identity
+  rule at each clamp (:class:`_ClampIdentity`), the activation and product rules (:func:`_clamped_gate_rule`,
+  :func:`_dense_clamp`);
 * mixture of experts ``sum_k w_k E_k(x)`` (transformers' experts held as 3-d weights: Mixtral, Qwen-MoE,
   DeepSeek-V3, GPT-OSS, Aria, MiniMax-M3, Llama 4, LFM2-MoE (SiLU a function call, probed: :class:`_CalledSilu`); DBRX's
   in three 2-d matrices): each expert is a gated MLP
@@ -104,6 +108,7 @@ of ``x``. All hooks are removed in ``finally``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -708,6 +713,8 @@ def _no_rule(module: nn.Module, path: str, inside: set[int]) -> str | None:
                 "homogeneous of degree one on a probe (Gemma 3n's relu(x - mean(x) - z * std(x)) is: f(2x) = 2 f(x), "
                 "so its ordinary backward conserves relevance), so relevance would not be conserved; the other "
                 "measures work on the attention layers")
+    if isinstance(clamp := _dense_clamp(module), str):
+        return clamp
     if _clamped_gated_parts(module) is not None and _clamped_gate(module) is None:
         return ("a gated MLP down(gate(gate_up x)) with a clamp limit and no activation module whose forward is not "
                 "GPT-OSS's clamped SwiGLU (clamp(up) + 1) * g * sigmoid(alpha * g) on a probe (MiniMax-M3's is), so "
@@ -833,23 +840,24 @@ def _detach_output(module, args, output):
 
 
 class _ClampIdentity(torch.autograd.Function):
-    """``clamp(x, -bound, bound)`` with the identity rule of element-wise functions, ``R(x) = R(clamp(x))`` (Voita et
-    al. 2019, App. A.2; AttnLRP, Achtibat et al. 2024, Sec. 3.3): the gradient scaled by ``clamp(x) / x`` (1 where
-    ``x`` is 0), so that gradient x input at ``x`` is the output's. The value is the clamp's, exactly: the forward's
-    own clamp after it leaves it unchanged, and passes its gradient (torch's bounds are inclusive)."""
+    """``clamp(x, low, high)`` (``low`` None: no lower bound) with the identity rule of element-wise functions,
+    ``R(x) = R(clamp(x))`` (Voita et al. 2019, App. A.2; AttnLRP, Achtibat et al. 2024, Sec. 3.3): the gradient scaled
+    by ``clamp(x) / x`` (1 where ``x`` is 0), so that gradient x input at ``x`` is the output's. The value is the
+    clamp's, exactly: the forward's own clamp after it leaves it unchanged, and passes its gradient (torch's bounds
+    are inclusive)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bound: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, low: float | None, high: float) -> torch.Tensor:
         ctx.save_for_backward(x)  # not the output: OLMo clamps it again in place
-        ctx.bound = bound
-        return x.clamp(min=-bound, max=bound)
+        ctx.low, ctx.high = low, high
+        return x.clamp(min=low, max=high)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         x, = ctx.saved_tensors
         one = torch.ones_like(x)
-        ratio = torch.where(x == 0, one, x.clamp(min=-ctx.bound, max=ctx.bound) / torch.where(x == 0, one, x))
-        return grads[0] * ratio, None
+        ratio = torch.where(x == 0, one, x.clamp(min=ctx.low, max=ctx.high) / torch.where(x == 0, one, x))
+        return grads[0] * ratio, None, None
 
 
 def _clip(block: AttentionBlock) -> float | None:
@@ -867,7 +875,17 @@ def _clamp_identity(clip: float):
     forward's own clamp after it (OLMo's, in place) then changes nothing and passes the gradient."""
 
     def hook(module, args, output):
-        return _ClampIdentity.apply(output, clip)
+        return _ClampIdentity.apply(output, -clip, clip)
+
+    return hook
+
+
+def _one_sided_clamp(bound: float):
+    """A module's output clamped to at most ``bound`` by the identity rule (:class:`_ClampIdentity`): a gated MLP's
+    gate before or after its activation (:data:`_CLAMPED`), the forward's own clamp after it then changing nothing."""
+
+    def hook(module, args, output):
+        return _ClampIdentity.apply(output, None, bound)
 
     return hook
 
@@ -879,7 +897,7 @@ def _detach_qk_columns(width_qk: int, clip: float | None = None):
     def hook(module, args, output):
         values = output[..., width_qk:]
         if clip is not None:
-            values = cast(torch.Tensor, _ClampIdentity.apply(values, clip))
+            values = cast(torch.Tensor, _ClampIdentity.apply(values, -clip, clip))
         return torch.cat([output[..., :width_qk].detach(), values], dim=-1)
 
     return hook
@@ -896,7 +914,7 @@ def _detach_columns(block: AttentionBlock):
 
     def hook(module, args, output):
         if clip is not None:
-            output = _ClampIdentity.apply(output, clip)
+            output = _ClampIdentity.apply(output, -clip, clip)
         return torch.where(is_qk.to(output.device), output.detach(), output)
 
     return hook
@@ -1229,20 +1247,27 @@ def _limits(module: nn.Module) -> tuple[float, float] | None:
 
 class _Gate:
     """What a gated expert computes between its two projections, from ``gate_up`` ([gate | up] or interleaved):
-    ``act(gate) * up`` (Mixtral, Qwen-MoE, Llama 4, Aria) or GPT-OSS's clamped SwiGLU ``(clamp(up, -l, l) + 1) *
-    glu`` with ``glu = g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)`` (GPT-OSS, MiniMax-M3).
+    ``act(gate) * up`` (Mixtral, Qwen-MoE, Llama 4, Aria), GPT-OSS's clamped SwiGLU ``(clamp(up, -l, l) + 1) *
+    glu`` with ``glu = g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)`` (GPT-OSS, MiniMax-M3), or ``act`` and
+    ``up`` clamped without GPT-OSS's alpha and ``+ 1`` (``clamp``: the bound and where the gate's clamp is,
+    :data:`_CLAMPED`: HY-V4, GLM-5-Next, DeepSeek-V4, Step-3.7).
     :meth:`plain` computes it; calling it computes it with the backward of the LRP rules."""
 
     def __init__(self, concatenated: bool, act: nn.Module | None = None,
-                 limits: tuple[float, float] | None = None) -> None:
-        self.concatenated, self.act, self.limits = concatenated, act, limits
+                 limits: tuple[float, float] | None = None, clamp: tuple[float, str] | None = None) -> None:
+        self.concatenated, self.act, self.limits, self.clamp = concatenated, act, limits, clamp
 
     def describe(self) -> str:
         layout = "[gate; up]" if self.concatenated else "interleaved gate and up columns"
-        return f"{'act(gate) * up' if self.limits is None else 'clamped (up + 1) * swiglu(gate)'} ({layout})"
+        formula = _CLAMPED[self.clamp[1]] if self.clamp is not None else \
+            "act(gate) * up" if self.limits is None else "clamped (up + 1) * swiglu(gate)"
+        return f"{formula} ({layout})"
 
     def plain(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.clamp is not None:
+            assert self.act is not None
+            return _clamped_gate_value(gate, up, self.act.forward, *self.clamp)  # forward: not the rule's hook
         if self.limits is None:
             assert self.act is not None
             return self.act.forward(gate) * up  # forward: not the activation rule's hook
@@ -1252,10 +1277,51 @@ class _Gate:
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = _halves(gate_up, self.concatenated)
+        if self.clamp is not None:
+            assert self.act is not None
+            return _clamped_gate_rule(gate, up, self.act, *self.clamp)
         if self.limits is None:
             assert self.act is not None
             return _product(self.act(gate), up)  # act carries the activation rule's hook (_CalledSilu its own)
         return _clamped_swiglu(gate, up, *self.limits)
+
+
+# Where a gated MLP without GPT-OSS's alpha clamps its gate (its up always to [-l, l]): before the activation (HY-V4's
+# and GLM-5-Next's experts and MLPs, DeepSeek-V4's; transformers 5.24) or after it (Step-3.7's ``Step3p7MLP`` and
+# ``Step3p7Experts``).
+_CLAMPED = {"gate": "act(clamp(gate, max=l)) * clamp(up, -l, l)", "act": "clamp(act(gate), max=l) * clamp(up, -l, l)"}
+
+
+def _clamp_bound(module: nn.Module) -> float | None:
+    """The bound ``l`` of a gated MLP's (or experts') clamps of :data:`_CLAMPED`: its ``swiglu_limit`` (HY-V4,
+    GLM-5-Next) or ``limit`` (DeepSeek-V4, Step-3.7), finite; None where it has none, where it is infinite (Step-3.7's
+    layers without a clamp: ``float("inf")``), or where it has GPT-OSS's alpha too (:func:`_limits`)."""
+    if _limits(module) is not None:
+        return None
+    for name in ("swiglu_limit", "limit"):
+        bound = getattr(module, name, None)
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            return float(bound) if math.isfinite(bound) else None
+    return None
+
+
+def _clamped_gate_value(gate: torch.Tensor, up: torch.Tensor, act, bound: float, where: str) -> torch.Tensor:
+    """:data:`_CLAMPED`'s formula ``where`` with the activation ``act`` (a function), the forward only."""
+    a = act(gate.clamp(max=bound) if where == "gate" else gate)
+    return (a.clamp(max=bound) if where == "act" else a) * up.clamp(min=-bound, max=bound)
+
+
+def _clamped_gate_rule(gate: torch.Tensor, up: torch.Tensor, act: nn.Module, bound: float, where: str) -> torch.Tensor:
+    """:data:`_CLAMPED`'s formula ``where`` with the backward of the LRP rules. Each clamp is an element-wise function
+    of one neuron: the identity rule, ``R(x) = R(clamp(x))`` (:class:`_ClampIdentity`), as the activation has
+    (``act``'s hook; :class:`_CalledSilu` its own); the product, Ding et al.'s rule (:func:`_product`). With no
+    ``+ 1`` (GPT-OSS's, :func:`_clamped_swiglu`), nothing keeps relevance."""
+    if where == "gate":
+        gate = cast(torch.Tensor, _ClampIdentity.apply(gate, None, bound))
+    a = act(gate)
+    if where == "act":
+        a = cast(torch.Tensor, _ClampIdentity.apply(a, None, bound))
+    return _product(a, cast(torch.Tensor, _ClampIdentity.apply(up, -bound, bound)))
 
 
 class _CalledSilu(nn.Module):
@@ -1315,7 +1381,8 @@ def _probe_gate(module: nn.Module, candidates: list[_Gate], compute) -> _Gate | 
         return candidates[0] if candidates else None  # cannot run: the rule's check on every call decides
     g = torch.Generator().manual_seed(0)
     width = 2 * _inner(module)
-    x = (10 * torch.randn((5, width), generator=g, dtype=torch.float64)).to(weight.device, weight.dtype)
+    scale = max([10.0] + [3 * gate.clamp[0] for gate in candidates if gate.clamp is not None])  # past every clamp
+    x = (scale * torch.randn((5, width), generator=g, dtype=torch.float64)).to(weight.device, weight.dtype)
     with torch.no_grad():
         try:
             output = compute(x)
@@ -1339,11 +1406,16 @@ def _inner(module: nn.Module) -> int:
 
 def _gate_candidates(module: nn.Module, concatenated: bool) -> list[_Gate]:
     act = getattr(module, "act_fn", None)
-    limits = _limits(module)
+    limits, bound = _limits(module), _clamp_bound(module)
     found = []
     for layout in (concatenated, not concatenated):  # the layout the module says it has first
         if limits is not None:
             found.append(_Gate(layout, limits=limits))
+        if bound is not None:  # its act_fn, or SiLU called as a function (HY-V4's and GLM-5-Next's experts: F.silu)
+            clamped_act = act if isinstance(act, nn.Module) and _is_activation(act) else _CalledSilu() \
+                if act is None or (not isinstance(act, nn.Module) and callable(act) and _computes_silu(act)) else None
+            if clamped_act is not None:
+                found.extend(_Gate(layout, act=clamped_act, clamp=(bound, where)) for where in _CLAMPED)
         if isinstance(act, nn.Module) and _is_activation(act):
             found.append(_Gate(layout, act=act))
         elif act is not None and not isinstance(act, nn.Module) and callable(act) and _computes_silu(act):
@@ -1444,14 +1516,14 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     candidates = _gate_candidates(module, bool(getattr(module, "is_concatenated", True)))
     if not candidates:
         return ("it has no act_fn module nor an act_fn function computing SiLU, nor GPT-OSS's clamped SwiGLU "
-                "(alpha and limit)")
+                "(alpha and limit), nor a clamp bound (swiglu_limit or limit) without an act_fn")
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is None:  # its forward computes the gate inline: the rule checks the result on every call
         return transposed, biases, candidates[0]
     gate = _probe_gate(module, candidates, apply_gate)
     if gate is None:
-        return ("it applies its own gate (_apply_gate), which computes neither act_fn(gate) * up nor GPT-OSS's "
-                "clamped (up + 1) * gate * sigmoid(alpha * gate) on a probe")
+        return ("it applies its own gate (_apply_gate), which computes none of act_fn(gate) * up, GPT-OSS's "
+                f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())} on a probe")
     return transposed, biases, gate
 
 
@@ -1873,8 +1945,56 @@ def _gated_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module,
                 norm = next((n for name in _PRODUCT_NORMS if isinstance(n := getattr(module, name, None), nn.Module)
                              and norm_rule(n) is not None), None)
                 found.append((parts[3], parts[1], norm if norm is not None else parts[2],
-                              norm is not None or act in _CHECKED_GATED_NAMES))
+                              norm is not None or act in _CHECKED_GATED_NAMES or _clamp_bound(module) is not None))
                 break
+    return found
+
+
+def _dense_clamp(module: nn.Module) -> tuple[float, str] | str | None:
+    """Where a gated MLP ``down_proj(act_fn(gate_proj x) * up_proj x)`` with a clamp bound (:func:`_clamp_bound`)
+    clamps: ``(bound, where)`` of :data:`_CLAMPED` that its own forward computes on a probe past the bound (GLM-5-Next's
+    and DeepSeek-V4's MLPs clamp the gate before act_fn, Step-3.7's after); None where it has no bound, or no clamp
+    acts on the probe (the plain rule fits); otherwise why no rule fits."""
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+    bound = _clamp_bound(module)
+    if bound is None or not all(isinstance(p, nn.Module) for p in parts):
+        return None
+    gate, up, down, act = cast(list[nn.Module], parts)
+    if not _is_activation(act):
+        return None
+    weight = next(gate.parameters(), None)
+    if weight is None or weight.is_meta or not weight.is_floating_point():
+        return None  # cannot run: the plain rule's product is checked on every call (_gated_mlps)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, weight.shape[1]), generator=g, dtype=torch.float64).to(weight)
+    with torch.no_grad():
+        reach = gate.forward(x).abs().amax().clamp(min=1e-12)
+        x = x * max(1.0, 3 * bound / float(reach))  # past the bound (the biases are not scaled: some reach it)
+        try:
+            output = type(module).forward(module, x)
+        except Exception as error:  # noqa: BLE001  # any failure: not the MLP the rule assumes
+            return f"its forward failed on a probe ({type(error).__name__}: {error})"
+        g_x, u_x = gate.forward(x), up.forward(x)
+        for where in _CLAMPED:
+            expected = down.forward(_clamped_gate_value(g_x, u_x, act.forward, bound, where))
+            if output.shape == expected.shape and torch.allclose(output, expected, rtol=1e-4, atol=1e-6):
+                return bound, where
+        if torch.allclose(output, down.forward(act.forward(g_x) * u_x), rtol=1e-4, atol=1e-6):
+            return None
+    return (f"a gated MLP with a clamp bound ({bound:g}) whose forward computes neither down(act(gate x) * up x) "
+            f"nor down of {' nor '.join(_CLAMPED.values())} on a probe, so the activation and product rules cannot "
+            "be applied to it and relevance would not be conserved")
+
+
+def clamped_dense_mlps(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, float, str]]:
+    """``(gate_proj, act_fn, up_proj, bound, where)`` of every gated MLP whose forward clamps (:func:`_dense_clamp`);
+    :func:`lrp_rules` gives each clamp the identity rule (:class:`_ClampIdentity`) on the output of the module before
+    it, so that the forward's own clamp after it changes nothing."""
+    found = []
+    for module in model.modules():
+        if isinstance(clamp := _dense_clamp(module), tuple):
+            parts = [cast(nn.Module, getattr(module, name)) for name in ("gate_proj", "act_fn", "up_proj")]
+            found.append((parts[0], parts[1], parts[2], *clamp))
     return found
 
 
@@ -2001,6 +2121,36 @@ def _attention_hooks(block: AttentionBlock) -> list[tuple[nn.Module, Any]]:
     return hooks + (score.hooks(block.core) if score is not None else [])
 
 
+def _register_gated_mlps(model: nn.Module, gated: list[tuple[nn.Module, nn.Module, nn.Module, bool]],
+                         handles: HookHandles) -> None:
+    """The gated MLPs' rules (:func:`_gated_mlps` ``gated``, their clamps, fused, clamped and called ones), after
+    the activation rule's hooks, so that the products keep the rule's outputs."""
+    for gate_proj, act, up, bound, where in clamped_dense_mlps(model):  # before the products keep their factors
+        handles.append((gate_proj if where == "gate" else act).register_forward_hook(_one_sided_clamp(bound)))
+        handles.append(up.register_forward_hook(_clamp_identity(bound)))
+    for act, up, down, checked in gated:
+        product = _CheckedGatedProduct() if checked else _GatedProduct()
+        # after the activation rule (hooked above), so it sees the rule's output
+        handles.append(act.register_forward_hook(product.keep_a))
+        handles.append(up.register_forward_hook(product.keep_b))
+        handles.append(down.register_forward_pre_hook(product.pre_down))
+    for act, gate_up, down in fused_gated_mlps(model):
+        product = _GatedProduct()
+        handles.append(act.register_forward_hook(product.keep_a))
+        handles.append(gate_up.register_forward_hook(
+            lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
+        handles.append(down.register_forward_pre_hook(product.pre_down))
+    for gate_up, down, gate in clamped_gated_mlps(model):
+        clamped = _ClampedGatedProduct(gate)
+        handles.append(gate_up.register_forward_hook(clamped.keep))
+        handles.append(down.register_forward_pre_hook(clamped.pre_down))
+    for w1, w3, w2 in called_gated_mlps(model):
+        called = _CalledGatedProduct()
+        handles.append(w1.register_forward_hook(called.keep_activated))
+        handles.append(w3.register_forward_hook(called.keep_b))
+        handles.append(w2.register_forward_pre_hook(called.pre_down))
+
+
 @contextmanager
 def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -> Iterator[None]:
     """Switch on the modified backward pass that turns gradient x input into LRP relevance.
@@ -2034,27 +2184,7 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
                 handles.append(module.register_forward_hook(gated_norm.after))
             elif _is_activation(module):
                 handles.append(module.register_forward_hook(_activation_rule))
-        for act, up, down, checked in gated:
-            product = _CheckedGatedProduct() if checked else _GatedProduct()
-            # after the activation rule (hooked above), so it sees the rule's output
-            handles.append(act.register_forward_hook(product.keep_a))
-            handles.append(up.register_forward_hook(product.keep_b))
-            handles.append(down.register_forward_pre_hook(product.pre_down))
-        for act, gate_up, down in fused_gated_mlps(model):
-            product = _GatedProduct()
-            handles.append(act.register_forward_hook(product.keep_a))
-            handles.append(gate_up.register_forward_hook(
-                lambda module, args, output, keep=product.keep_b: keep(module, args, output.chunk(2, dim=-1)[1])))
-            handles.append(down.register_forward_pre_hook(product.pre_down))
-        for gate_up, down, gate in clamped_gated_mlps(model):
-            clamped = _ClampedGatedProduct(gate)
-            handles.append(gate_up.register_forward_hook(clamped.keep))
-            handles.append(down.register_forward_pre_hook(clamped.pre_down))
-        for w1, w3, w2 in called_gated_mlps(model):
-            called = _CalledGatedProduct()
-            handles.append(w1.register_forward_hook(called.keep_activated))
-            handles.append(w3.register_forward_hook(called.keep_b))
-            handles.append(w2.register_forward_pre_hook(called.pre_down))
+        _register_gated_mlps(model, gated, handles)
         for layer in per_layer_input_layers(model):
             per_layer = _PerLayerInputProduct()
             handles.append(layer.register_forward_pre_hook(per_layer.keep_input, with_kwargs=True))
