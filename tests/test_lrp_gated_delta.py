@@ -262,3 +262,34 @@ def test_a_state_cached_from_earlier_tokens_is_refused():
     with pytest.raises(HeadlabError, match="Qwen3NextGatedDeltaNet: the o .* is not the gated delta rule of its "
                                            "projections"), torch.enable_grad(), lrp_rules(model):
         model(input_ids=torch.tensor([[8, 61]]), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("gate", ["silu", "sigmoid"])
+def test_qwen4_exp_gated_delta_net_conserves(gate):
+    """Qwen4-Exp's Gated DeltaNet (``Qwen4ExpTextGatedDeltaNet``: Qwen3.5's, its gated norm's activation silu or
+    sigmoid, ``output_gate_type``), put as transformers builds it into a tiny Qwen3.5 in its mixer's place (Qwen4-Exp's
+    hyper-connections have no LRP rule: importance/residual_streams.py). Before: refused, "a Gated DeltaNet this rule
+    was not written for"."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen4_exp_text" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no qwen4_exp_text")
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedDeltaNet
+
+    model = BUILDERS["qwen3_5_text-hybrid"]().double()
+    config = CONFIG_MAPPING["qwen4_exp_text"](
+        vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], output_gate_type=gate)
+    mixer = Qwen4ExpTextGatedDeltaNet(config, 0).double()
+    mixer.load_state_dict(_mixer(model).state_dict())
+    assert mixer.norm.activation == gate
+    model.model.layers[0].linear_attn = mixer.eval()
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # the sigmoid gate computes another output: the mixer in place is Qwen4-Exp's
+        plain = model(input_ids=ids).logits
+    assert gate == "silu" or not torch.allclose(plain, BUILDERS["qwen3_5_text-hybrid"]().double()(input_ids=ids).logits)
+    record = compute_lrp(model, _data(), describe_model(model), bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 4 and record["n_outside"] == 0
+    total = record["with_biases"]
+    assert abs(total["min"] - 1) < 1e-12 and abs(total["max"] - 1) < 1e-12

@@ -1,7 +1,7 @@
 """The LRP rule for Gated DeltaNet token mixers (Yang, Kautz and Hatamizadeh 2025, "Gated Delta Networks: Improving
 Mamba2 with Delta Rule", ICLR): Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Qwen3.5's ``Qwen3_5GatedDeltaNet``, Qwen3.5-MoE's
-``Qwen3_5MoeGatedDeltaNet``, OLMo-hybrid's ``OlmoHybridGatedDeltaNet`` and LaraMini's ``LaraMiniGatedDeltaNet``
-(transformers 5.24, read in their modeling files).
+``Qwen3_5MoeGatedDeltaNet``, OLMo-hybrid's ``OlmoHybridGatedDeltaNet``, LaraMini's ``LaraMiniGatedDeltaNet`` and
+Qwen4-Exp's ``Qwen4ExpTextGatedDeltaNet`` (transformers 5.24, read in their modeling files).
 
 What they compute, from the layer's input ``x`` (the padding positions zeroed):
 
@@ -11,7 +11,8 @@ What they compute, from the layer's input ``x`` (the padding positions zeroed):
   dt_bias)``, the gate ``z = P_z x``;
 * the gated delta rule, per value head: ``S_t = S_{t-1} exp(g_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``,
   ``o_t = S_t q_t`` (transformers' ``torch_chunk_gated_delta_rule``, its chunked form, from a zero state);
-* ``out = W_o (rmsnorm(o) * w * silu(z))`` (the gated RMS norm, ``norm`` or ``o_norm``).
+* ``out = W_o (rmsnorm(o) * w * silu(z))`` (the gated RMS norm, ``norm`` or ``o_norm``; Qwen4-Exp's
+  ``Qwen4ExpTextGatedDeltaNet`` the same with ``sigmoid(z)`` where its config's ``output_gate_type`` says so).
 
 The rule. What the mixer computes from its input to weigh its values, ``q``, ``k``, ``beta`` and ``g``, is held
 constant in the backward pass, as the attention weights are (rules.py): ``o`` is then a linear map of ``v`` (``S_t``
@@ -91,12 +92,13 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3_5GatedDeltaNet": _QKV,
     "Qwen3_5MoeGatedDeltaNet": _QKV,
     "LaraMiniGatedDeltaNet": _QKV,
+    "Qwen4ExpTextGatedDeltaNet": _QKV,  # its gated norm's activation silu or sigmoid (output_gate_type): _GATES
     "OlmoHybridGatedDeltaNet": Layout(("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"), "o_norm",
                                       "o_proj", "separate"),
 }
 """The Gated DeltaNet classes the rule was written for, by class name."""
 
-_NAME = "Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, LaraMini)"
+_NAME = "Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, LaraMini, Qwen4-Exp)"
 _SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_kernel_size")
 
 
@@ -173,12 +175,18 @@ def _recurrence(module: nn.Module) -> Callable[..., Any]:
     return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
 
 
+# The gated norms' gate activations (``norm.activation``): SiLU in every family read, sigmoid too in Qwen4-Exp's
+# (``output_gate_type``). Either is a constant factor of the rule, as the gate is held constant.
+_GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
 def _norm_factor(norm: Any, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """What the gated RMS norm multiplies ``o`` by: ``w / rms(o) * silu(z)`` (in at least float32, as it computes)."""
+    """What the gated RMS norm multiplies ``o`` by: ``w / rms(o) * act(z)``, ``act`` its activation of :data:`_GATES`
+    (in at least float32, as it computes)."""
     wide = torch.promote_types(o.dtype, torch.float32)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     x = o.to(wide)
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.to(wide) * F.silu(z.to(wide))
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.to(wide) * _GATES[norm.activation](z.to(wide))
 
 
 # -- the check before any work ------------------------------------------------------------------------------------
@@ -204,8 +212,8 @@ def _problem(module: nn.Module, path: str) -> str | None:
     if conv.bias is not None:  # none in the five classes read: its share would be kept by no measured bias probe
         return "its conv1d has a bias, whose share of the relevance headlab would not measure"
     if not isinstance(norm, nn.Module) or not isinstance(getattr(norm, "weight", None), torch.Tensor) \
-            or getattr(norm, "activation", None) != "silu":
-        return f"its {layout.norm} is not a gated RMS norm rmsnorm(o) * w * silu(z)"
+            or getattr(norm, "activation", None) not in _GATES:
+        return f"its {layout.norm} is not a gated RMS norm rmsnorm(o) * w * act(z), act one of {', '.join(_GATES)}"
     from transformers.activations import ACT2FN
 
     if getattr(module, "activation", None) not in ACT2FN:
@@ -213,7 +221,7 @@ def _problem(module: nn.Module, path: str) -> str | None:
     if not callable(getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)):
         return "its modeling module has no torch_chunk_gated_delta_rule (the recurrence its forward calls)"
     if not _computes(module, layout):
-        return ("on a probe its forward does not compute out_proj(rmsnorm(o) * w * silu(z)) with o the gated delta rule "
+        return ("on a probe its forward does not compute out_proj(rmsnorm(o) * w * act(z)) with o the gated delta rule "
                 "of silu(conv(q, k, v)) read in transformers 5.24, so the rule's recomputation would not be what "
                 "it explains")
     return None
@@ -298,7 +306,7 @@ class _DeltaRule:
         with torch.no_grad():
             factor = _norm_factor(norm, o, z)
             if not torch.allclose((o * factor).to(output.dtype), output, rtol=1e-3, atol=1e-5):
-                raise self._refuse(f"its {self.layout.norm} is not rmsnorm(o) * w * silu(z)")
+                raise self._refuse(f"its {self.layout.norm} is not rmsnorm(o) * w * {norm.activation}(z)")
             # the factor the norm really applied (its own precision), so that o * factor == output
             nonzero = o != 0
             factor = torch.where(nonzero, output / torch.where(nonzero, o, torch.ones_like(o)), factor.to(output.dtype))
