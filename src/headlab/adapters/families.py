@@ -423,7 +423,8 @@ of every other head's mask: refused before any work (:func:`headlab.surgery.kv_d
 OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",),
     "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",),
-    **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",))}
+    **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",)),
+    **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -490,8 +491,17 @@ def lfm3_gate(core: Any) -> GateRows:
     return ((("g_proj", (1,)),), ()) if getattr(core, "g_proj", None) is not None else ((), ())
 
 
+def step3p7_gate(core: Any) -> GateRows:
+    """Step-3.7 (``Step3p7Attention``, its text model's type ``step3p5``): with ``gate_per_head`` (config ``gating``
+    True or "per-head") the attention function's output viewed ``[batch, seq, heads, head_dim]`` times
+    ``g_proj(hidden_states).unsqueeze(-1).sigmoid()`` (hidden -> heads): head h's gate is row h. Otherwise ``g_proj``
+    is hidden -> heads x head_dim and the forward's product does not broadcast (transformers 5.24): no rows."""
+    return ((("g_proj", (1,)),), ()) if getattr(core, "gate_per_head", None) is True else ((), ())
+
+
 QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
-    "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate}
+    "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate,
+    **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate)}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output
