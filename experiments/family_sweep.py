@@ -38,9 +38,13 @@ result: which check, by how much), ``CRASH`` (an exception other than HeadlabErr
 traceback for a user), ``skipped`` (does not build tiny, or ``SKIPPED`` gives the reason) or ``timeout``. Families already in the
 test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
 builder and the walk over the model types are benchmarks/survey_families.py's, imported from there.
+``--multimodal`` (session 37) sweeps instead the types whose only text-generating class is an
+``AutoModelForImageTextToText`` wrapper (Qwen3-VL, Mistral3, PaliGemma, Idefics3, InternVL, ...), on token ids, their
+towers idle: a composite config gets the tiny sizes in its ``text_config`` and its vision tower at its smallest.
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
+        [--multimodal]
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
-from headlab.adapters.families import rows_per_head
+from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS, rows_per_head
 from headlab.importance.lrp import lrp_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -250,6 +254,7 @@ ZERO = "sweep_zero_heads"  # the attention function of the mask check's referenc
 
 
 CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
+MULTIMODAL = False  # --multimodal: the types whose only text-generating class is an image-text-to-text wrapper
 
 
 class Timeout(Exception):
@@ -265,6 +270,9 @@ class Fail(Exception):
 
 
 def model_class(config_class):
+    if MULTIMODAL:  # those the walk over AUTOS never reaches
+        return None if first_class(config_class, AUTOS) is not None \
+            else first_class(config_class, (tf.AutoModelForImageTextToText,))
     return first_class(config_class, tuple(reversed(AUTOS)) if CAUSAL_FIRST else AUTOS)
 
 
@@ -295,9 +303,13 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     they count)."""
     errors = []
     no_head_dim = {k: v for k, v in SIZES.items() if k != "head_dim"}  # a config whose head_dim is a property
+    # a composite config (a vision-language wrapper): the tiny sizes in its text_config, its tower at its smallest
+    wrapped = [{"text_config": text, "vision_config": vision} for text in ({**SIZES, **EXTRA_SIZES}, SIZES)
+               for vision in (dict(TINY_VISION, patch_size=8), TINY_VISION)] \
+        if {"text_config", "vision_config"} <= set(getattr(config_class, "sub_configs", {})) else []
     for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
-                  {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim):
+                  {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim, *wrapped):
         sizes = {k: v for k, v in {**sizes, **OVERRIDES.get(config_class.model_type, {})}.items() if v is not UNSET}
         try:
             model = tiny(config_class, cls, sizes, implementation)
@@ -707,7 +719,9 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     if eager is None:
         return "skipped", "build", why
     # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
-    implementation = "sdpa" if cls._supports_sdpa and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
+    # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
+    implementation = "sdpa" if cls._supports_sdpa and model_type not in CAUSAL_ON_TOKEN_IDS \
+        and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
     dtype, atol = torch.float64, 1e-9
     inputs = inputs_for(eager)
     try:
@@ -771,9 +785,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=30, help="seconds per type")
     parser.add_argument("--causal-first", action="store_true",
                         help="the causal-LM class of a type that has several (BERT-style ForCausalLM, BartForCausalLM)")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="instead, the types whose only text-generating class is an AutoModelForImageTextToText "
+                             "wrapper, run on token ids (their towers idle)")
     args = parser.parse_args()
-    global CAUSAL_FIRST
-    CAUSAL_FIRST = args.causal_first
+    global CAUSAL_FIRST, MULTIMODAL
+    CAUSAL_FIRST, MULTIMODAL = args.causal_first, args.multimodal
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()

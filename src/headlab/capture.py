@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, attention_configs, check_sink_eager, head_input
+from headlab.adapters import (
+    AttentionBlock,
+    attention_blocks,
+    attention_configs,
+    check_sink_eager,
+    head_input,
+    refuse_mask_skip,
+)
 from headlab.adapters.eager_alibi import SWITCHED, alibi_once, refuse_alibi_twice
 from headlab.adapters.families import ATTENTION_SINKS, SINKS_SCALE_OUTPUT
 from headlab.attention import SINK_ATTRIBUTE, AttentionCall, AttentionChunk, ChunkSink, dispatches, register
@@ -67,6 +74,7 @@ def eager_attention(model: nn.Module) -> Iterator[nn.Module]:
             yield model
         return
     refuse_alibi_twice(model, "reading attention probabilities")
+    refuse_mask_skip(model, "reading attention probabilities")
     with _attention_implementation(model, "eager"), alibi_once(model):
         model.__dict__[SWITCHED] = True
         try:

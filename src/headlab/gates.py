@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from headlab.adapters import AttentionBlock, attention_blocks, find_block
+from headlab.adapters import AttentionBlock, attention_blocks, find_block, refuse_mask_skip
 from headlab.adapters.eager_alibi import refuse_alibi_twice
 from headlab.capture import GATE_STACK, HookHandles, register_head_output_hooks
 from headlab.errors import HeadlabError, counted
@@ -275,8 +275,10 @@ def refuse_gated(model: nn.Module, what: str, instead: str = "") -> None:
     the caller's own way to measure with heads masked, said first. Inside :func:`measuring` nothing is refused: the
     gates there are the measurement's own (its ``mask=``, ablation's masks, gradient importance's gates at 1), the
     caller's were refused on the way in. A Falcon with ALiBi loaded with eager attention, which adds the bias twice, is
-    refused here too, inside :func:`measuring` as well (:func:`headlab.adapters.eager_alibi.refuse_alibi_twice`)."""
+    refused here too, inside :func:`measuring` as well (:func:`headlab.adapters.eager_alibi.refuse_alibi_twice`), and a
+    PaliGemma whose SDPA skips its causal mask (:func:`headlab.adapters.refuse_mask_skip`)."""
     refuse_alibi_twice(model, what)
+    refuse_mask_skip(model, what)
     names = attached_gates(model)
     if names and not model.__dict__.get(_MEASURING):
         way = f"{instead}, or " if instead else ""

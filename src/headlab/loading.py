@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from headlab.adapters import text_config
+from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS
 from headlab.checkpoint import (
     build_model,
     check_complete,
@@ -156,6 +157,8 @@ def load_model(
               "output_loading_info": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if attn_implementation is None and getattr(config, "model_type", None) in CAUSAL_ON_TOKEN_IDS:
+        attn_implementation = "eager"  # its SDPA attends bidirectionally over a batch without padding
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from headlab.adapters import attention_blocks, config_value
+from headlab.errors import HeadlabError
 
 __all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "run_floored", "first_mismatch", "tolerance", "not_finite"]
 
@@ -454,7 +455,7 @@ def own_nan_cause(model: nn.Module, probe: dict) -> str | None:
         try:
             with _attention_implementation(model, "sdpa"):
                 sdpa = run_probe(model, probe)
-        except (ValueError, ImportError, RuntimeError):  # a model that has no SDPA path
+        except (ValueError, ImportError, RuntimeError, HeadlabError):  # no SDPA path, or one headlab refuses
             sdpa = None
         if sdpa is not None and not_finite(sdpa) is None:
             remedies.append('load it with attn_implementation="sdpa"')

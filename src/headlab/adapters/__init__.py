@@ -33,6 +33,7 @@ from headlab.adapters.discovery import (
 from headlab.adapters.families import (
     ATTENTION_SINKS,
     ATTENTION_SUBLAYERS,
+    CAUSAL_ON_TOKEN_IDS,
     CONFIG_FAMILIES,
     CORE_CLASSES_REFUSED,
     FAMILIES,
@@ -57,7 +58,7 @@ from headlab.heads import KINDS
 
 __all__ = ["AttentionBlock", "attention_blocks", "attention_configs", "find_block", "idle_blocks", "n_layers_per_kind",
            "sharing_groups", "Family", "FAMILIES", "family_for", "qkv_columns", "qkv_groups", "unsupported_reason",
-           "config_value", "text_config", "head_input", "sub_norm"]
+           "config_value", "text_config", "head_input", "sub_norm", "refuse_mask_skip"]
 
 
 @dataclass(frozen=True)
@@ -612,11 +613,44 @@ def _guess_kind(name: str, module: nn.Module, config: Any, model: nn.Module | No
         # run: taken for a dec_self, its layer's absence from capture was refused as a skipped layer (skip27B)
         return "dec_cross"
     causal = getattr(module, "is_causal", None)
+    if _causal_on_token_ids(module, model):
+        causal = True  # PaliGemma's language model: bidirectional over a token_type_ids prefix, which ids never give
     if causal is None and isinstance(getattr(module, "is_decoder", None), bool):
         causal = module.is_decoder  # XGLM's attention: is_decoder=True in its (causal) decoder layers
     if causal is None:
         causal = bool(getattr(config, "is_decoder", False)) or _causal_lm_without_flag(module, model)
     return "dec_self" if causal else "enc_self"
+
+
+def _causal_on_token_ids(module: nn.Module, model: nn.Module | None) -> bool:
+    """An attention of :data:`~headlab.adapters.families.CAUSAL_ON_TOKEN_IDS`' language models: its config says
+    ``use_bidirectional_attention`` (the vision tower's attention says nothing of it)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in CAUSAL_ON_TOKEN_IDS and \
+        getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is True
+
+
+def refuse_mask_skip(model: nn.Module, what: str) -> None:
+    """Refuse to measure ``what``, before any work, on a model of :data:`~headlab.adapters.families.CAUSAL_ON_TOKEN_IDS`
+    whose language model runs an attention implementation other than eager: transformers skips the causal mask of a
+    batch without padding and leaves causality to the attention's ``is_causal``, False there, so its SDPA forward
+    attends bidirectionally over such a batch and causally over a padded one (transformers 5.24). Called where
+    measurements start (:func:`headlab.capture.eager_attention`, :func:`headlab.gates.refuse_gated`), beside
+    :func:`headlab.adapters.eager_alibi.refuse_alibi_twice`."""
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in CAUSAL_ON_TOKEN_IDS:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(text, "_attn_implementation", None)
+    if implementation not in (None, "eager"):
+        raise HeadlabError(
+            f"{what}: {type(model).__name__} (model_type {config.model_type!r}) with attn_implementation="
+            f"{implementation!r}: "
+            "its language model's attention is not causal by its flag (use_bidirectional_attention, for the "
+            "image and prompt prefix that token_type_ids marks) but its mask is causal on token ids; "
+            f"{implementation} skips that mask on a batch without padding, so the model would attend bidirectionally "
+            "over such a batch and causally over a padded one, two models in one run: load it with "
+            "attn_implementation='eager' (headlab's load_model does for this model type)")
 
 
 def _causal_lm_without_flag(module: nn.Module, model: nn.Module | None) -> bool:

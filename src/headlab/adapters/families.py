@@ -316,6 +316,15 @@ and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logit
 5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
 scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
 
+CAUSAL_ON_TOKEN_IDS = frozenset({"paligemma"})
+"""Model types (of the wrapper) whose language model's attention says it is not causal (``is_causal`` False: its text
+config's ``use_bidirectional_attention``, for the prefix of image and prompt tokens that ``token_type_ids`` marks)
+but is causal on token ids alone, as headlab runs it: PaliGemma (transformers 5.24, ``PaliGemmaModel.forward``: without
+``token_type_ids``, ``create_causal_mask``). Their blocks are ``dec_self``. Under an implementation that skips that
+mask on a batch without padding (SDPA: ``is_causal`` False then attends bidirectionally, and a padded batch causally)
+the model is refused before any work, naming the way out: eager attention, which always builds it
+(:func:`headlab.adapters.check_mask_skip`)."""
+
 CLIPPED_QKV: dict[str, str] = {
     "DbrxAttention": "clip_qkv", "MptAttention": "clip_qkv",
     "OlmoAttention": "config.clip_qkv", "OlmoeAttention": "config.clip_qkv"}
