@@ -93,6 +93,11 @@ LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
 TINY_STACK = dict(hidden_size=32, intermediate_size=40, num_attention_heads=4, max_position_embeddings=64)  # a sub-model
 TINY_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, image_size=16,
                    patch_size=4)  # a vision tower that token ids never run, at its smallest
+# Qwen2-VL's, Qwen2.5-VL's and GLM-4V's towers (depth, embed_dim, a patch merger out to the text width) and their text
+# models' multimodal rotary sections (sum: half the head size)
+PATCH_MERGER_VISION = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, intermediate_size=40, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, image_size=16)
+MROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
 TINY_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=40, hidden_size=32,
                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, intermediate_size=40, head_dim=8)
 # Qwen4-Exp: its attention layers select keys through an indexer (QSA): 2 heads, blocks of 2 tokens, 1 block kept
@@ -205,6 +210,13 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "esmc": dict(num_key_value_heads=4),  # no grouped-query attention
     "funnel": dict(num_hidden_layers=UNSET, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4, d_head=8,
                    d_inner=40),
+    # session 37, --multimodal: partial rotary (half the head size rotated: sections summing to 2); Step-3.7's
+    # sliding-window mask is built whatever its layer types
+    **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.5}},
+        vision_config=PATCH_MERGER_VISION) for t in ("glm4v_moe", "glm_ocr")},
+    "step3p7": dict(text_config={**SIZES, **EXTRA_SIZES, "sliding_window": 4, "share_expert_dim": 16},
+                    vision_config=dict(TINY_VISION, patch_size=8)),
     "gemma3": dict(text_config=dict(SIZES, sliding_window=4), mm_tokens_per_image=1,
                    vision_config=dict(TINY_VISION, patch_size=8)),
     "gemma4": dict(text_config=dict(SIZES, vocab_size_per_layer_input=99, hidden_size_per_layer_input=8,
@@ -304,8 +316,10 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
     errors = []
     no_head_dim = {k: v for k, v in SIZES.items() if k != "head_dim"}  # a config whose head_dim is a property
     # a composite config (a vision-language wrapper): the tiny sizes in its text_config, its tower at its smallest
-    wrapped = [{"text_config": text, "vision_config": vision} for text in ({**SIZES, **EXTRA_SIZES}, SIZES)
-               for vision in (dict(TINY_VISION, patch_size=8), TINY_VISION)] \
+    wrapped = [{"text_config": text, "vision_config": vision}
+               for text in ({**SIZES, **EXTRA_SIZES, **MROPE}, {**SIZES, **MROPE}, {**SIZES, **EXTRA_SIZES}, SIZES)
+               for vision in (dict(TINY_VISION, patch_size=8), TINY_VISION, PATCH_MERGER_VISION,
+                              {k: v for k, v in PATCH_MERGER_VISION.items() if k != "embed_dim"})] \
         if {"text_config", "vision_config"} <= set(getattr(config_class, "sub_configs", {})) else []
     for sizes in ({**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES, **EXTRA_SIZES}, {**SIZES, **SEQ2SEQ_SIZES, **EXTRA_SIZES},
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
