@@ -310,14 +310,33 @@ def matrix_types() -> set[str]:
     return types
 
 
+def _text_defaults(config_class) -> dict:
+    """For a composite config whose text_config is given as a dict: its default text model's ``model_type`` (an
+    AutoConfig sub-config needs it) and, where it has layer types, two of them (one that is not attention first,
+    then full attention), with a small sliding window."""
+    try:
+        text = config_class().get_text_config()
+    except Exception:  # noqa: BLE001 - a config without defaults: nothing to add
+        return {}
+    found: dict = {"model_type": text.model_type}
+    kinds = sorted(set(getattr(text, "layer_types", None) or ()))
+    if "full_attention" in kinds:
+        other = next((k for k in kinds if "attention" not in k or k.startswith("linear")), "sliding_attention")
+        found.update(layer_types=[other if other in kinds else "full_attention", "full_attention"], sliding_window=4)
+    return found
+
+
 def build(config_class, cls, implementation: str, dtype: torch.dtype):
     """The tiny model, biases, norm weights and learned attention sinks moved off their initial values (so that
     they count)."""
     errors = []
     no_head_dim = {k: v for k, v in SIZES.items() if k != "head_dim"}  # a config whose head_dim is a property
     # a composite config (a vision-language wrapper): the tiny sizes in its text_config, its tower at its smallest
+    own = _text_defaults(config_class)
     wrapped = [{"text_config": text, "vision_config": vision}
-               for text in ({**SIZES, **EXTRA_SIZES, **MROPE}, {**SIZES, **MROPE}, {**SIZES, **EXTRA_SIZES}, SIZES)
+               for text in ({**SIZES, **EXTRA_SIZES, **MROPE, **own}, {**SIZES, **MROPE, **own},
+                            {**SIZES, **EXTRA_SIZES, **own}, {**SIZES, **own}, {**SIZES, **EXTRA_SIZES, **MROPE},
+                            {**SIZES, **MROPE}, {**SIZES, **EXTRA_SIZES}, SIZES)
                for vision in (dict(TINY_VISION, patch_size=8), TINY_VISION, PATCH_MERGER_VISION,
                               {k: v for k, v in PATCH_MERGER_VISION.items() if k != "embed_dim"})] \
         if {"text_config", "vision_config"} <= set(getattr(config_class, "sub_configs", {})) else []

@@ -340,14 +340,15 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             "heads of a model it has no table for through that interface only")
     candidates = []
     for item in found:
-        if item.problem and item.gates and _known_gates(model_type, item):
+        item_type = _gate_table_type(model, model_type, item)
+        if item.problem and item.gates and _known_gates(item_type, item):
             item = dataclasses.replace(item, problem=None)
         elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
             item = dataclasses.replace(item, problem=f"an output gate from {', '.join(item.gates)}: "
                                                      f"{OUTPUT_GATES_REFUSED[model_type]}")
         if item.problem:
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
-        candidates.append(_discovered(model, config, model_type, item))
+        candidates.append(_discovered(model, config, item_type, item))
     seen = {item.name for item in found} | {f"{item.name}.{item.core}" for item in found if item.core}
     candidates += _without_heads(model, config, model_type, seen | {c[2] for c in named})
     for candidate in named:
@@ -396,6 +397,18 @@ def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
     rows = tuple((path, attrs) for path, attrs in (gate(module)[0] if gate else ())
                  if isinstance(getattr(module, path, None), nn.Module) and rows_per_head(module, attrs) is not None)
     return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
+
+
+def _gate_table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
+    """The model type whose :data:`OUTPUT_GATES` entry describes ``item``: the model's, or, for a wrapper whose own type
+    is not listed (LFM3-VL), that of the attention module's own config (its language model's: ``lfm3``)."""
+    if model_type in OUTPUT_GATES or not item.gates:
+        return model_type
+    module = model.get_submodule(item.name)
+    core = module.get_submodule(item.core) if item.core else module
+    own = getattr(getattr(core, "config", None), "model_type", None) or getattr(
+        getattr(module, "config", None), "model_type", None)
+    return own if isinstance(own, str) and own in OUTPUT_GATES else model_type
 
 
 def _known_gates(model_type: str, item: Discovered) -> bool:
