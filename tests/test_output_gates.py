@@ -205,14 +205,35 @@ def dots3_note_multimodal() -> torch.nn.Module:
     return tf.Dots3NoteForConditionalGeneration(config).eval()
 
 
-def test_the_multimodal_dots3_note_is_refused_naming_its_language_model():
-    """The Python API given Dots3NoteForConditionalGeneration: refused naming the text model to pass. Before, refused
-    for its output gate as if dots3_note_text were not supported ("a layout known only for the model types of
-    ...OUTPUT_GATES"): the hint named the language model only for a type with a table entry."""
-    with pytest.raises(HeadlabError, match=r"Dots3NoteForConditionalGeneration is a multimodal model around a "
-                                           r"'dots3_note_text' language model, which headlab supports on its own: "
-                                           r"pass that causal LM"):
-        attention_blocks(dots3_note_multimodal())
+def test_the_multimodal_dots3_note_is_analysed_as_its_language_model():
+    """The Python API given Dots3NoteForConditionalGeneration: its language model's blocks, with their gate rows, the
+    towers idle; capture equals transformers' eager output_attentions and pruning equals masking. Before session 37,
+    refused naming the text model to pass: discovery looked the gate up under the wrapper's type ("dots3_note"), not
+    listed; now under its attention module's config's (adapters._gate_table_type; tests/test_lfm3_vl.py)."""
+    model = dots3_note_multimodal()
+    model.set_experts_implementation("eager")  # grouped matmuls take no float64
+    model = model.double()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.idle) for b in blocks] == [("enc_self", 0, True), ("dec_self", 0, False),
+                                                          ("dec_self", 1, False)]
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        eager = dots3_note_multimodal()
+        eager.set_experts_implementation("eager")
+        eager.set_attn_implementation("eager")
+        expected = [m for m in eager.double()(**inputs, output_attentions=True).attentions if m is not None]
+    from headlab import capture_attention
+
+    with capture_attention(model) as record:
+        logits(model, inputs)
+    for (_, layer), probs in record.items():
+        torch.testing.assert_close(probs, expected[layer], atol=1e-12, rtol=0)
+    spec = {("dec_self", 1): [1]}
+    with mask_heads(model, spec):
+        masked = logits(model, inputs)
+    prune_heads(model, spec)
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(logits(model, inputs)[keep], masked[keep], atol=1e-10, rtol=0)
 
 
 def test_a_multimodal_dots3_note_checkpoint_is_refused_naming_its_language_model(tmp_path, capsys):
