@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import HeadlabError, attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab import attention_blocks, capture_attention, load_pruned, mask_heads, prune_heads, save_pruned
 from headlab.importance import compute_lrp
 from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
 from support.lrp_families import lrp_data
@@ -105,10 +105,10 @@ def test_pruning_equals_masking_a_layer_emptied_and_reloads(tmp_path):
         torch.testing.assert_close(logits(plain.eval().double(), inputs)[keep], masked[keep], atol=1e-10, rtol=0)
 
 
-def test_lrp_is_refused_before_any_work_naming_the_hyper_connections():
+def test_lrp_conserves_through_the_hyper_connections():
+    """Its hyper-connections (HYV4VLHyperConnection, HYV4VLHyperHead: HY-V4's) hold their mixing weights constant
+    (importance/mixer_rules/hyper_connection.py; refused before session 37)."""
     model = _model()
-    calls: list = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for this model's hyper-connections \(HYV4VLHyperConnection"):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
-    assert len(calls) <= 1  # discovery's probe pass only
+    record = compute_lrp(model, *lrp_data(model), bootstrap=0).signature["conservation"]
+    assert record["n_outside"] == 0 and abs(record["with_biases"]["min"] - 1) < 1e-10 \
+        and abs(record["with_biases"]["max"] - 1) < 1e-10, record

@@ -240,14 +240,12 @@ def test_pruning_equals_masking_in_generation_empties_a_layer_and_reloads(family
         check_pruned_reloads(model, tmp_path, [0, 3], ids, mask, expected, tokens)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lrp_is_refused_before_any_work_naming_the_hyper_connections(family):
-    """No rule holds the hyper-connections' mixing weights constant (nor passes relevance through Qwen4-Exp's n-gram
+def test_qwen4_exp_lrp_is_refused_before_any_work_naming_the_hyper_connections():
+    """No rule holds Qwen4-Exp's hyper-connections' mixing weights constant (nor passes relevance through its n-gram
     embeddings): LRP is refused after discovery's probe pass only, naming them (before: attention_blocks refused the
-    whole model)."""
-    named = (r"hyper-connections \(HYV4HyperConnection at model\.layers\.0\.attn_hc and 3 more; HYV4HyperHead at "
-             r"model\.hc_head\)" if family == "hy_v4" else
-             r"hyper-connections \(Qwen4ExpTextGatedResidual at model\.layers\.0\.attn_hyper_connection and 6 more\)"
+    whole model). HY-V4's have a rule since session 37 (tests/test_lrp_hyper_connections.py)."""
+    family = "qwen4_exp_text"
+    named = (r"hyper-connections \(Qwen4ExpTextGatedResidual at model\.layers\.0\.attn_hyper_connection and 6 more\)"
              r".*; nor for its hashed n-gram embeddings added to the residual streams \(Qwen4ExpTextPLELayer at "
              r"model\.layers\.0\.ple\)")
     model = build(family)
@@ -256,23 +254,14 @@ def test_lrp_is_refused_before_any_work_naming_the_hyper_connections(family):
     with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's {named}"):
         compute_lrp(model, *lrp_data(model), bootstrap=0)
     handle.remove()
-    assert len(calls) == (1 if family == "hy_v4" else 0)  # discovery's probe pass only (none for a table entry)
+    assert len(calls) == 0  # no probe pass for a table entry
 
 
-# what else in these models has no LRP rule left out: HY-V4's experts, Qwen4-Exp's Gated DeltaNet and n-gram embeddings
-PLAIN = {"hy_v4": dict(mlp_layer_types=["dense", "dense"]),
-         "qwen4_exp_text": dict(layer_types=["indexed_attention"] * 3, ple_layer_ids=[])}
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lrp_is_refused_naming_the_hyper_connections_where_nothing_else_stops_it(family):
-    """With dense MLPs only (HY-V4) or attention layers only and no n-gram embeddings (Qwen4-Exp), the
-    hyper-connections are what LRP has no rule for: refused naming them (before this session the refusal named the
-    norm inside their mixing weights, "HYV4UnweightedRMSNorm is not x / rms(x) times its weight", which a norm rule
-    would not have made conserving)."""
-    hyper = "HYV4HyperConnection at model.layers.0.attn_hc" if family == "hy_v4" else \
-        "Qwen4ExpTextGatedResidual at model.layers.0.attn_hyper_connection"
-    model = build(family, **PLAIN[family])
+def test_qwen4_exp_lrp_is_refused_naming_the_hyper_connections_where_nothing_else_stops_it():
+    """With attention layers only and no n-gram embeddings, Qwen4-Exp's hyper-connections are what LRP has no rule
+    for: refused naming them."""
+    hyper = "Qwen4ExpTextGatedResidual at model.layers.0.attn_hyper_connection"
+    model = build("qwen4_exp_text", layer_types=["indexed_attention"] * 3, ple_layer_ids=[])
     with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's hyper-connections \({hyper}"):
         compute_lrp(model, *lrp_data(model), bootstrap=0)
 
@@ -330,8 +319,9 @@ def test_confidence_is_the_same_on_every_engine(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_analyze_end_to_end(family, tmp_path):
-    """`headlab analyze --ablation` on a saved tiny model: every stage done but LRP, failed with the refusal naming the
-    hyper-connections; the score tables have a row per attention layer (Qwen4-Exp's Gated DeltaNet layer empty).
+    """`headlab analyze --ablation` on a saved tiny model: every stage done (HY-V4's LRP too, since session 37), but
+    Qwen4-Exp's LRP, failed with the refusal naming the hyper-connections; the score tables have a row per attention
+    layer (Qwen4-Exp's Gated DeltaNet layer empty).
     Before: every stage refused with the model."""
     import json
 
@@ -343,9 +333,11 @@ def test_analyze_end_to_end(family, tmp_path):
     code, stages = analyze(tmp_path / "model", tmp_path)
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
-    # refused as for any model LRP has no rule for: the stage failed with the reason, the others done (exit status 1)
-    assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
-    assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hyper-connections")
+    if family == "hy_v4":
+        assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]
+    else:  # refused as for any model LRP has no rule for: the stage failed with the reason, the others done
+        assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
+        assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hyper-connections")
     rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
     empty = [all(v is None for v in row) for row in rows]
     assert empty == ([False, False] if family == "hy_v4" else [True, False, False])

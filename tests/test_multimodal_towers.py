@@ -2,14 +2,14 @@
 
 Of the wrappers the tests build, Llava (a CLIP tower, tests/test_capture_configs.py) and Mistral Large 4
 (``MistralLarge4ForConditionalGeneration``, a Pixtral tower, tests/test_mla_pruning.py) list their tower's attention
-as ``enc_self`` blocks; GLM-5-Next's wrapper lists its language model's only, Qwen3.5's is refused naming its
-language model, and dots3-note's (vision, audio) lists its language model's and its towers' since session 37. Everything headlab computes runs the model on token ids,
-which never reach the tower: before, pruning its heads passed the check against masking (the probe compared nothing
-there) and was written, gradient and ablation scored its heads 0 as if measured, confidence and LRP failed with a
-KeyError, the wrapper was taken for a masked LM (an ``enc_self`` kind: its loss unshifted) and ``headlab prune train``
-gated the tower (``--gates auto``: the encoder's). Now such blocks are ``idle``: pruning them is refused before any
-work (the check also refuses any planned block its probe did not run), the measures leave their kind out, saying so
-in the tables' signature, and the gates go to the kinds text runs.
+as ``enc_self`` blocks; GLM-5-Next's wrapper lists its language model's only, Qwen3.5's is refused naming its language
+model, and dots3-note's (vision, audio) lists its language model's and its towers' since session 37. Everything
+headlab computes runs the model on token ids, which never reach the tower: before, pruning its heads passed the check
+against masking (the probe compared nothing there) and was written, gradient and ablation scored its heads 0 as if
+measured, confidence and LRP failed with a KeyError, the wrapper was taken for a masked LM (an ``enc_self`` kind: its
+loss unshifted) and ``headlab prune train`` gated the tower (``--gates auto``: the encoder's). Now such blocks are
+``idle``: pruning them is refused before any work (the check also refuses any planned block its probe did not run),
+the measures leave their kind out, saying so in the tables' signature, and the gates go to the kinds text runs.
 """
 
 from __future__ import annotations

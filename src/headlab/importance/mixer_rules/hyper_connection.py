@@ -1,0 +1,136 @@
+"""The LRP rule for HY-V4's hyper-connections (``HYV4HyperConnection`` and ``HYV4HyperHead``, HY-V4-VL's
+``HYV4VL...`` the same line for line; transformers 5.24).
+
+Hyper-connections (Zhu et al. 2024, "Hyper-Connections", arXiv:2409.19606) keep ``N`` residual streams ``s_1..s_N``.
+Before each attention and MLP, HY-V4's connection computes from the streams, in float32 (its forward)::
+
+    mixes = F.linear(flat(s), fn) * rsqrt(mean(flat(s)^2) + eps)       # input_norm: the inverse RMS
+    pre   = sigmoid(mixes[:N] * scale_0 + base[:N]) + hc_eps
+    post  = magnitude * sigmoid(mixes[N:] * scale_1 + base[N:]) + hc_eps
+    x     = sum_n pre_n s_n                                            # the layer's input
+
+and returns ``(post, x)``; the decoder layer writes ``s_n + post_n * layer(x)`` back into each stream. The final
+``HYV4HyperHead`` collapses the streams once more, ``sum_n pre_n s_n`` with its own ``pre``.
+
+The rule. ``pre`` and ``post`` are weights the module computes from its input to mix its values, as attention weights
+are: held constant in the backward pass (the attention rule, rules.py's docstring; MambaLRP's principle for the
+factors a mixer computes from its input, Jafari et al. 2024), so ``x`` is a weighted sum of the streams and the
+written-back streams a weighted sum of the residual and the layer's output, whose ordinary backward is the linear rule
+(Voita et al. 2019, App. A.2): relevance is conserved across them. How: a forward hook recomputes ``pre`` from the
+module's parameters and input without a gradient (the formula above), checks that ``sum_n pre_n s_n`` is the ``x`` the
+forward returned (on every call: a forward other than the one read is refused there), gives ``x`` that sum's backward
+(values bit for bit the forward's) and detaches ``post``. The inverse RMS norm inside (``input_norm``) feeds only the
+weights: the rule owns it. The forward computes in float32 whatever the model's dtype, so a float64 run conserves to
+float32's rounding there.
+
+Refused before any work (:func:`_problem`): a hyper-connection class other than the ones read, parts of other shapes,
+and a forward that, on a probe, is not the formula above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headlab.errors import HeadlabError
+from headlab.importance.mixer_rules import Hook, MixerRule, register
+from headlab.importance.rules import _swap_backward
+
+__all__ = ["RULE", "CONNECTIONS", "HEADS"]
+
+CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection")
+"""Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]``."""
+HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
+"""Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
+_NAME = "hyper-connections (HY-V4, HY-V4-VL)"
+
+
+def _matches(module: nn.Module) -> bool:
+    """A hyper-connection by its class name and its stream count (``hc_mult``); one this rule was not written for is
+    refused by :func:`_problem`, naming it."""
+    name = type(module).__name__
+    return name.endswith(("HyperConnection", "HyperHead")) and isinstance(getattr(module, "hc_mult", None), int)
+
+
+def _weights(module: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if type(module).__name__ in HEADS:
+        return module.hc_fn, module.hc_base, module.hc_scale
+    return module.fn, module.base, module.scale
+
+
+def _pre(module: Any, streams: torch.Tensor) -> torch.Tensor:
+    """The collapse weights ``pre`` ``[batch, seq, N]`` of the module's forward, without a gradient, in float32 at
+    least (the forward's float32; float64 kept in a float64 run)."""
+    fn, base, scale = _weights(module)
+    wide = torch.promote_types(streams.dtype, torch.float32)
+    with torch.no_grad():
+        flat = streams.flatten(2).to(wide)
+        mixes = F.linear(flat, fn.to(wide)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + module.input_norm.eps)
+        n = module.hc_mult
+        if type(module).__name__ in HEADS:
+            return torch.sigmoid(mixes * scale.to(wide) + base.to(wide)) + module.eps
+        return torch.sigmoid(mixes[..., :n] * scale[0].to(wide) + base[:n].to(wide)) + module.hc_eps
+
+
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams.to(pre.dtype)).sum(dim=2)
+
+
+def _problem(mixer: nn.Module, path: str) -> str | None:
+    module: Any = mixer
+    name = type(module).__name__
+    if name not in CONNECTIONS + HEADS:
+        return (f"{name} is a hyper-connection this rule was not written for (it knows {', '.join(CONNECTIONS + HEADS)}, "
+                "read in transformers 5.24), so how it computes its mixing weights is unknown")
+    n = module.hc_mult
+    fn, base, scale = _weights(module)
+    rows = n if name in HEADS else 2 * n
+    norm = getattr(module, "input_norm", None)
+    if not all(isinstance(t, torch.Tensor) for t in (fn, base, scale)) or fn.dim() != 2 or fn.shape[0] != rows \
+            or fn.shape[1] % n or tuple(base.shape) != (rows,) or not isinstance(norm, nn.Module) \
+            or not isinstance(getattr(norm, "eps", None), float):
+        return f"its weights are not fn [{rows}, N x hidden], base [{rows}] and scale, beside an inverse RMS input_norm"
+    if fn.is_meta:
+        return None  # cannot run: checked on every call
+    g = torch.Generator().manual_seed(0)
+    streams = torch.randn((2, 3, n, fn.shape[1] // n), generator=g, dtype=torch.float64).to(fn.device, fn.dtype)
+    try:
+        with torch.no_grad():
+            output = module(streams)
+    except Exception as error:  # noqa: BLE001  # any failure: not the module the rule assumes
+        return f"its forward failed on a probe ({type(error).__name__}: {error})"
+    collapsed = output if name in HEADS else output[1]
+    expected = _collapse(_pre(module, streams), streams)
+    if not isinstance(collapsed, torch.Tensor) or collapsed.shape != expected.shape \
+            or not torch.allclose(collapsed.to(expected.dtype), expected, rtol=1e-4, atol=1e-5):
+        return "on a probe its forward is not sum_n pre_n s_n with pre = sigmoid(linear(s) / rms(s) * scale + base) + eps"
+    return None
+
+
+def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
+    streams = args[0]
+    head = type(module).__name__ in HEADS
+    collapsed = output if head else output[1]
+    rule = _collapse(_pre(module, streams), streams)
+    with torch.no_grad():
+        if not torch.allclose(rule.to(collapsed.dtype), collapsed, rtol=1e-4, atol=1e-5):
+            raise HeadlabError(f"LRP: {_NAME}: {type(module).__name__}'s output is not sum_n pre_n s_n of its input "
+                               "with the weights its parameters give; headlab has no rule for it")
+    kept = _swap_backward(collapsed, rule.to(collapsed.dtype))
+    return kept if head else (output[0].detach(), kept)
+
+
+def _hooks(module: nn.Module) -> list[Hook]:
+    return [(module, "forward", _rule)]
+
+
+def _owns(module: nn.Module) -> list[nn.Module]:
+    """The inverse RMS norm that feeds only the mixing weights (held constant by the rule)."""
+    norm = getattr(module, "input_norm", None)
+    return [norm] if isinstance(norm, nn.Module) else []
+
+
+RULE = register(MixerRule(name=_NAME, matches=_matches, problem=_problem, hooks=_hooks, owns=_owns))

@@ -1,0 +1,62 @@
+"""LRP through HY-V4's hyper-connections (importance/mixer_rules/hyper_connection.py, session 37): their mixing weights
+``pre`` and ``post``, computed from the residual streams, are held constant, so the layer's input is a weighted sum of
+the streams and the written-back streams a weighted sum of the residual and the layer's output. Before, LRP was refused
+before any work naming them (importance/residual_streams.py), which still refuses Qwen4-Exp's (tests/
+test_hyper_connection_families.py). HY-V4-VL's: tests/test_hy_v4_vl.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headlab import HeadlabError
+from headlab.errors import RunFailed
+from headlab.importance import compute_lrp
+from headlab.importance.mixer_rules import hyper_connection
+from support.lrp_families import assert_conserved, check_rules_leave_the_forward_unchanged, lrp_data
+from test_hyper_connection_families import build
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "with-experts"])
+def test_lrp_conserves_through_the_hyper_connections(sparse):
+    """Float64, padded batches; with its clamped SwiGLU experts too (tests/test_lrp_clamped_mlps.py)."""
+    model = build("hy_v4", **({} if sparse else {"mlp_layer_types": ["dense", "dense"]}))
+    check_rules_leave_the_forward_unchanged(model)
+    assert_conserved(model, 1e-10)
+
+
+def test_float32_model_conserves():
+    assert_conserved(build("hy_v4").float(), 1e-6)
+
+
+def _strongly_mixed():
+    """Mixing weights that depend on the streams enough to show (``fn`` 1000 times its initial ~0.005)."""
+    model = build("hy_v4", mlp_layer_types=["dense", "dense"])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith((".fn", ".hc_fn")):
+                parameter.mul_(1000)
+    return model
+
+
+def test_without_the_rule_relevance_is_not_conserved(monkeypatch):
+    """The rule matters: on strongly mixed streams it conserves, and with the streams' plain backward (the weights'
+    gradients flowing on) the run fails its conservation check."""
+    assert_conserved(_strongly_mixed(), 1e-10)
+    monkeypatch.setattr(hyper_connection, "_rule", lambda module, args, output: output)
+    with pytest.raises(RunFailed, match="did not conserve relevance"):
+        compute_lrp(_strongly_mixed(), *lrp_data(_strongly_mixed()), bootstrap=0)
+
+
+def test_a_hyper_connection_of_another_formula_is_refused_before_any_work():
+    model = build("hy_v4", mlp_layer_types=["dense", "dense"])
+    connection = model.model.layers[1].ffn_hc
+    forward = type(connection).forward
+
+    def doubled(self, streams):  # a forward other than the one read: its collapse doubled
+        post, out = forward(self, streams)
+        return post, 2 * out
+
+    connection.forward = doubled.__get__(connection)
+    with pytest.raises(HeadlabError, match=r"on a probe its forward is not sum_n pre_n s_n"):
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
