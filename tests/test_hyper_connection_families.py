@@ -240,30 +240,18 @@ def test_pruning_equals_masking_in_generation_empties_a_layer_and_reloads(family
         check_pruned_reloads(model, tmp_path, [0, 3], ids, mask, expected, tokens)
 
 
-def test_qwen4_exp_lrp_is_refused_before_any_work_naming_the_hyper_connections():
-    """No rule holds Qwen4-Exp's hyper-connections' mixing weights constant (nor passes relevance through its n-gram
-    embeddings): LRP is refused after discovery's probe pass only, naming them (before: attention_blocks refused the
-    whole model). HY-V4's have a rule since session 37 (tests/test_lrp_hyper_connections.py)."""
-    family = "qwen4_exp_text"
-    named = (r"hyper-connections \(Qwen4ExpTextGatedResidual at model\.layers\.0\.attn_hyper_connection and 6 more\)"
-             r".*; nor for its hashed n-gram embeddings added to the residual streams \(Qwen4ExpTextPLELayer at "
-             r"model\.layers\.0\.ple\)")
-    model = build(family)
+def test_qwen4_exp_lrp_is_refused_before_any_work_naming_the_ngram_embeddings():
+    """No rule passes relevance through Qwen4-Exp's hashed n-gram embeddings (PLE layers): LRP is refused after
+    discovery's probe pass only, naming them (before: attention_blocks refused the whole model). Its hyper-connections
+    and HY-V4's have a rule since session 37 (tests/test_lrp_hyper_connections.py)."""
+    named = (r"hashed n-gram embeddings added to the residual streams \(Qwen4ExpTextPLELayer at model\.layers\.0\.ple\)")
+    model = build("qwen4_exp_text")
     calls: list = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's {named}"):
         compute_lrp(model, *lrp_data(model), bootstrap=0)
     handle.remove()
     assert len(calls) == 0  # no probe pass for a table entry
-
-
-def test_qwen4_exp_lrp_is_refused_naming_the_hyper_connections_where_nothing_else_stops_it():
-    """With attention layers only and no n-gram embeddings, Qwen4-Exp's hyper-connections are what LRP has no rule
-    for: refused naming them."""
-    hyper = "Qwen4ExpTextGatedResidual at model.layers.0.attn_hyper_connection"
-    model = build("qwen4_exp_text", layer_types=["indexed_attention"] * 3, ple_layer_ids=[])
-    with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's hyper-connections \({hyper}"):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
 
 
 def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model_and_its_checkpoint_loads_as_it(tmp_path):
@@ -320,7 +308,7 @@ def test_confidence_is_the_same_on_every_engine(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_analyze_end_to_end(family, tmp_path):
     """`headlab analyze --ablation` on a saved tiny model: every stage done (HY-V4's LRP too, since session 37), but
-    Qwen4-Exp's LRP, failed with the refusal naming the hyper-connections; the score tables have a row per attention
+    Qwen4-Exp's LRP, failed with the refusal naming its n-gram embeddings; the score tables have a row per attention
     layer (Qwen4-Exp's Gated DeltaNet layer empty).
     Before: every stage refused with the model."""
     import json
@@ -337,7 +325,7 @@ def test_analyze_end_to_end(family, tmp_path):
         assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]
     else:  # refused as for any model LRP has no rule for: the stage failed with the reason, the others done
         assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
-        assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hyper-connections")
+        assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hashed n-gram")
     rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
     empty = [all(v is None for v in row) for row in rows]
     assert empty == ([False, False] if family == "hy_v4" else [True, False, False])

@@ -1,8 +1,8 @@
-"""LRP through HY-V4's hyper-connections (importance/mixer_rules/hyper_connection.py, session 37): their mixing weights
-``pre`` and ``post``, computed from the residual streams, are held constant, so the layer's input is a weighted sum of
-the streams and the written-back streams a weighted sum of the residual and the layer's output. Before, LRP was refused
-before any work naming them (importance/residual_streams.py), which still refuses Qwen4-Exp's (tests/
-test_hyper_connection_families.py). HY-V4-VL's: tests/test_hy_v4_vl.py."""
+"""LRP through HY-V4's and Qwen4-Exp's hyper-connections (importance/mixer_rules/hyper_connection.py, session 37): their
+mixing weights, computed from the residual streams, are held constant, so the layer's input is a weighted sum of the
+streams and the written-back streams a weighted sum of the residual and the layer's output. Before, LRP was refused
+before any work naming them (importance/residual_streams.py), which still refuses Qwen4-Exp's hashed n-gram embeddings
+(tests/test_hyper_connection_families.py). HY-V4-VL's: tests/test_hy_v4_vl.py."""
 
 from __future__ import annotations
 
@@ -60,3 +60,13 @@ def test_a_hyper_connection_of_another_formula_is_refused_before_any_work():
     connection.forward = doubled.__get__(connection)
     with pytest.raises(HeadlabError, match=r"on a probe its forward is not sum_n pre_n s_n"):
         compute_lrp(model, *lrp_data(model), bootstrap=0)
+
+
+@pytest.mark.parametrize("layer_types", [["indexed_attention"] * 3, None], ids=["attention", "with-gated-delta-net"])
+def test_qwen4_exp_without_ngram_embeddings_conserves(layer_types):
+    """Qwen4-Exp's gated residuals (its mix weights, the norm's factor and the injection weights held constant), with
+    its Gated DeltaNet layer too (its rule: mixer_rules/gated_delta.py); without PLE layers (``ple_layer_ids`` []: the
+    config's default)."""
+    model = build("qwen4_exp_text", ple_layer_ids=[], **({"layer_types": layer_types} if layer_types else {}))
+    check_rules_leave_the_forward_unchanged(model)
+    assert_conserved(model, 1e-10)

@@ -1,5 +1,5 @@
 """The LRP rule for HY-V4's hyper-connections (``HYV4HyperConnection`` and ``HYV4HyperHead``, HY-V4-VL's
-``HYV4VL...`` the same line for line; transformers 5.24).
+``HYV4VL...`` the same line for line) and Qwen4-Exp's (``Qwen4ExpTextGatedResidual``; transformers 5.24).
 
 Hyper-connections (Zhu et al. 2024, "Hyper-Connections", arXiv:2409.19606) keep ``N`` residual streams ``s_1..s_N``.
 Before each attention and MLP, HY-V4's connection computes from the streams, in float32 (its forward)::
@@ -23,6 +23,17 @@ forward returned (on every call: a forward other than the one read is refused th
 weights: the rule owns it. The forward computes in float32 whatever the model's dtype, so a float64 run conserves to
 float32's rounding there.
 
+Qwen4-Exp's gated residual (``hc_count`` streams concatenated on the feature axis, ``x``) computes::
+
+    y = hc_norm(x)                                   # an RMS norm per stream, times (1 + w)
+    m = sigmoid(up(silu(down(y) / N)))               # a weight per stream and feature
+    mixed = mean_n(m_n * y_n)                        # the layer's input
+    inject = 2 * sigmoid(block_inject_weight(y) / N) # the write-back weights (absent in the final mixer)
+
+and returns ``(mixed, x, inject)``; the layer writes ``x + inject_n * layer(mixed)`` back. The rule holds ``m``,
+``inject`` and the norm's factor ``y / x`` constant (the norm rule of rules.py: its scale a constant), so ``mixed`` is a
+weighted sum of ``x``: recomputed without a gradient, checked against the forward, and given that sum's backward.
+
 Refused before any work (:func:`_problem`): a hyper-connection class other than the ones read, parts of other shapes,
 and a forward that, on a probe, is not the formula above.
 """
@@ -45,14 +56,17 @@ CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection")
 """Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]``."""
 HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
 """Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
-_NAME = "hyper-connections (HY-V4, HY-V4-VL)"
+GATED = ("Qwen4ExpTextGatedResidual",)
+"""Qwen4-Exp's gated residual: ``hc_norm``, ``input_mix_weight_down``/``_up`` and ``block_inject_weight`` (or None)."""
+_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp)"
 
 
 def _matches(module: nn.Module) -> bool:
     """A hyper-connection by its class name and its stream count (``hc_mult``); one this rule was not written for is
     refused by :func:`_problem`, naming it."""
     name = type(module).__name__
-    return name.endswith(("HyperConnection", "HyperHead")) and isinstance(getattr(module, "hc_mult", None), int)
+    return name.endswith(("HyperConnection", "HyperHead")) and isinstance(getattr(module, "hc_mult", None), int) \
+        or name in GATED and isinstance(getattr(module, "hc_count", None), int)
 
 
 def _weights(module: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,11 +93,49 @@ def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams.to(pre.dtype)).sum(dim=2)
 
 
+def _gated_mix(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """Qwen4-Exp's ``mean_n(m_n * y_n)`` with ``m`` and the norm's factor ``y / x`` held constant (recomputed without a
+    gradient, in at least float32 as the norm computes)."""
+    n, width = module.hc_count, module.hidden_size
+    with torch.no_grad():
+        y = module.hc_norm.forward(x)  # forward: not a hook's
+        weights = torch.sigmoid(module.input_mix_weight_up.forward(
+            F.silu(module.input_mix_weight_down.forward(y) / n))).unflatten(-1, (n, width))
+        factor = torch.where(x != 0, y.to(x.dtype) / torch.where(x != 0, x, torch.ones_like(x)), torch.zeros_like(x))
+    return (weights * (factor * x).unflatten(-1, (n, width))).mean(dim=-2)
+
+
+def _gated_problem(module: Any) -> str | None:
+    parts = [getattr(module, name, None) for name in ("hc_norm", "input_mix_weight_down", "input_mix_weight_up")]
+    inject = getattr(module, "block_inject_weight", None)
+    if not all(isinstance(p, nn.Module) for p in parts) or not isinstance(getattr(module, "hidden_size", None), int) \
+            or not (inject is None or isinstance(inject, nn.Linear)):
+        return "its parts are not hc_norm, input_mix_weight_down, input_mix_weight_up and block_inject_weight (or none)"
+    weight = module.input_mix_weight_down.weight
+    if weight.is_meta:
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 3, module.hc_count * module.hidden_size), generator=g, dtype=torch.float64).to(weight)
+    try:
+        with torch.no_grad():
+            output = module(x)
+    except Exception as error:  # noqa: BLE001  # any failure: not the module the rule assumes
+        return f"its forward failed on a probe ({type(error).__name__}: {error})"
+    mixed = output[0] if isinstance(output, tuple) else output
+    expected = _gated_mix(module, x)
+    if mixed.shape != expected.shape or not torch.allclose(mixed.to(expected.dtype), expected, rtol=1e-4, atol=1e-5):
+        return "on a probe its forward is not mean_n(m_n * hc_norm(x)_n) with m = sigmoid(up(silu(down(hc_norm(x)) / N)))"
+    return None
+
+
 def _problem(mixer: nn.Module, path: str) -> str | None:
     module: Any = mixer
     name = type(module).__name__
+    if name in GATED:
+        return _gated_problem(module)
     if name not in CONNECTIONS + HEADS:
-        return (f"{name} is a hyper-connection this rule was not written for (it knows {', '.join(CONNECTIONS + HEADS)}, "
+        return (f"{name} is a hyper-connection this rule was not written for (it knows "
+                f"{', '.join(CONNECTIONS + HEADS + GATED)}, "
                 "read in transformers 5.24), so how it computes its mixing weights is unknown")
     n = module.hc_mult
     fn, base, scale = _weights(module)
@@ -110,6 +162,19 @@ def _problem(mixer: nn.Module, path: str) -> str | None:
     return None
 
 
+def _gated_rule(module: nn.Module, args: tuple, output: Any) -> Any:
+    mixed = output[0] if isinstance(output, tuple) else output
+    rule = _gated_mix(module, args[0])
+    with torch.no_grad():
+        if not torch.allclose(rule.to(mixed.dtype), mixed, rtol=1e-4, atol=1e-5):
+            raise HeadlabError(f"LRP: {_NAME}: {type(module).__name__}'s output is not mean_n(m_n * hc_norm(x)_n) of its "
+                               "input with the weights its parameters give; headlab has no rule for it")
+    kept = _swap_backward(mixed, rule.to(mixed.dtype))
+    if not isinstance(output, tuple):  # the final mixer
+        return kept
+    return (kept, output[1], *(t.detach() for t in output[2:]))
+
+
 def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
     streams = args[0]
     head = type(module).__name__ in HEADS
@@ -124,12 +189,12 @@ def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def _hooks(module: nn.Module) -> list[Hook]:
-    return [(module, "forward", _rule)]
+    return [(module, "forward", _gated_rule if type(module).__name__ in GATED else _rule)]
 
 
 def _owns(module: nn.Module) -> list[nn.Module]:
     """The inverse RMS norm that feeds only the mixing weights (held constant by the rule)."""
-    norm = getattr(module, "input_norm", None)
+    norm = getattr(module, "hc_norm", getattr(module, "input_norm", None))
     return [norm] if isinstance(norm, nn.Module) else []
 
 
