@@ -215,6 +215,8 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     **{t: dict(text_config={**SIZES, **EXTRA_SIZES, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.5}},
         vision_config=PATCH_MERGER_VISION) for t in ("glm4v_moe", "glm_ocr")},
+    "kimi_k25": dict(text_config={**SIZES, **EXTRA_SIZES, **MLA, "head_dim": 4, "model_type": "deepseek_v3"},
+                     vision_config=dict(TINY_VISION, patch_size=4, pos_emb_height=8, pos_emb_width=8)),
     "step3p7": dict(text_config={**SIZES, **EXTRA_SIZES, "sliding_window": 4, "share_expert_dim": 16},
                     vision_config=dict(TINY_VISION, patch_size=8)),
     "gemma3": dict(text_config=dict(SIZES, sliding_window=4), mm_tokens_per_image=1,

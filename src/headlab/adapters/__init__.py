@@ -399,16 +399,22 @@ def _emptied_gate_rows(model_type: str, candidate: tuple) -> tuple:
     return (*candidate[:4], dataclasses.replace(family, head_rows=rows)) if rows else candidate
 
 
+# The tables discovery reads by model type (adapters.families): a wrapper's language model is listed under its own type
+_TYPE_TABLES = (OUTPUT_GATES, LATENT_ATTENTION, QKV_OUTPUT_GATES, QKV_ADAPTERS, ATTENTION_SINKS, KV_DYNAMIC_MASKS,
+                HEAD_VECTORS, ATTENTION_SUBLAYERS)
+
+
 def _gate_table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
-    """The model type whose :data:`OUTPUT_GATES` entry describes ``item``: the model's, or, for a wrapper whose own type
-    is not listed (LFM3-VL), that of the attention module's own config (its language model's: ``lfm3``)."""
-    if model_type in OUTPUT_GATES or not item.gates:
+    """The model type whose entries in discovery's tables (:data:`_TYPE_TABLES`) describe ``item``: the model's, or, for
+    a wrapper whose own type none lists, that of the attention module's own config (its language model's: LFM3-VL's
+    ``lfm3`` gate, Kimi-K2.5's ``deepseek_v3`` latent attention)."""
+    if any(model_type in table for table in _TYPE_TABLES):
         return model_type
     module = model.get_submodule(item.name)
     core = module.get_submodule(item.core) if item.core else module
     own = getattr(getattr(core, "config", None), "model_type", None) or getattr(
         getattr(module, "config", None), "model_type", None)
-    return own if isinstance(own, str) and own in OUTPUT_GATES else model_type
+    return own if isinstance(own, str) and any(own in table for table in _TYPE_TABLES) else model_type
 
 
 def _known_gates(model_type: str, item: Discovered) -> bool:
