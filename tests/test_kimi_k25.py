@@ -2,7 +2,7 @@
 language model (multi-head latent attention, ``deepseek_v3``). Found by the session-37 sweep of vision-language wrappers
 (``experiments/family_sweep.py --multimodal``): discovery read its tables under the wrapper's type, which none lists, so
 its latent attention's per-head rows were unknown: pruning and LRP were refused. Now a wrapper whose own type no table
-lists takes its attention module's config's (``adapters._gate_table_type``): DeepSeek-V3's rows. Checked on a tiny
+lists takes its attention module's config's (``adapters._table_type``): DeepSeek-V3's rows. Checked on a tiny
 float64 model: the blocks' latent rows, capture equals output_attentions, pruning equals masking with a layer emptied,
 and LRP conserves."""
 

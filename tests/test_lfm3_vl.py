@@ -3,7 +3,7 @@ short-convolution layers beside grouped-query attention with a per-head output g
 ``adapters.families.OUTPUT_GATES``). Found by the session-37 sweep of vision-language wrappers
 (``experiments/family_sweep.py --multimodal``): discovery looked the gate up under the wrapper's type, not listed, and
 refused the model before any work. Now a wrapper whose own type is not listed takes its attention module's config's
-(``adapters._gate_table_type``). Checked on a tiny float64 model, the vision tower idle: capture equals
+(``adapters._table_type``). Checked on a tiny float64 model, the vision tower idle: capture equals
 output_attentions, masking equals zeroed value rows, gates at one change nothing, pruning slices the gate's rows and
 equals masking, and LRP conserves (LFM3's rules)."""
 

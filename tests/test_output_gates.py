@@ -209,7 +209,7 @@ def test_the_multimodal_dots3_note_is_analysed_as_its_language_model():
     """The Python API given Dots3NoteForConditionalGeneration: its language model's blocks, with their gate rows, the
     towers idle; capture equals transformers' eager output_attentions and pruning equals masking. Before session 37,
     refused naming the text model to pass: discovery looked the gate up under the wrapper's type ("dots3_note"), not
-    listed; now under its attention module's config's (adapters._gate_table_type; tests/test_lfm3_vl.py)."""
+    listed; now under its attention module's config's (adapters._table_type; tests/test_lfm3_vl.py)."""
     model = dots3_note_multimodal()
     model.set_experts_implementation("eager")  # grouped matmuls take no float64
     model = model.double()

@@ -340,7 +340,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
             "heads of a model it has no table for through that interface only")
     candidates = []
     for item in found:
-        item_type = _gate_table_type(model, model_type, item)
+        item_type = _table_type(model, model_type, item)
         if item.problem and item.gates and _known_gates(item_type, item):
             item = dataclasses.replace(item, problem=None)
         elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
@@ -404,7 +404,7 @@ _TYPE_TABLES = (OUTPUT_GATES, LATENT_ATTENTION, QKV_OUTPUT_GATES, QKV_ADAPTERS, 
                 HEAD_VECTORS, ATTENTION_SUBLAYERS)
 
 
-def _gate_table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
+def _table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
     """The model type whose entries in discovery's tables (:data:`_TYPE_TABLES`) describe ``item``: the model's, or, for
     a wrapper whose own type none lists, that of the attention module's own config (its language model's: LFM3-VL's
     ``lfm3`` gate, Kimi-K2.5's ``deepseek_v3`` latent attention)."""
