@@ -18,9 +18,9 @@ What acts around a layer (hyper-connections, n-gram embeddings, the indexers' se
 on the layer's input and output, never on one head apart from the others: capture equals transformers' eager
 ``output_attentions`` (with sinks, the weights the values get: what HY-V4's eager returns), masking equals zeroing
 the head's value rows by hand, a head's gate multiplies that head only, gates at one change nothing, pruning equals
-masking on padded batches and in cached generation (a layer left with no head too) and reloads. LRP is refused
-before any work, naming the hyper-connections (and Qwen4-Exp's n-gram embeddings): headlab has no rule that holds
-their mixing weights constant (:mod:`headlab.importance.residual_streams`).
+masking on padded batches and in cached generation (a layer left with no head too) and reloads. LRP, refused before
+session 37 naming the hyper-connections and n-gram embeddings, holds their mixing weights constant and counts the n-gram
+embeddings' share as kept (tests/test_lrp_hyper_connections.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import HeadlabError, attention_blocks, capture_attention, mask_heads, prune_heads
 from headlab.checkpoint import model_class_for
-from headlab.importance import compute_lrp
 from support.family_matrix import (
     check_gates_at_one_change_nothing,
     check_pruned_generates_as_masked,
@@ -41,7 +40,6 @@ from support.family_matrix import (
     padded_inputs,
     tiny_inputs,
 )
-from support.lrp_families import lrp_data
 
 NOPE, ROPE, V = 4, 4, 8
 _HY_V4 = dict(vocab_size=99, hidden_size=32, intermediate_size=40, moe_intermediate_size=40, num_hidden_layers=2,
@@ -240,20 +238,6 @@ def test_pruning_equals_masking_in_generation_empties_a_layer_and_reloads(family
         check_pruned_reloads(model, tmp_path, [0, 3], ids, mask, expected, tokens)
 
 
-def test_qwen4_exp_lrp_is_refused_before_any_work_naming_the_ngram_embeddings():
-    """No rule passes relevance through Qwen4-Exp's hashed n-gram embeddings (PLE layers): LRP is refused after
-    discovery's probe pass only, naming them (before: attention_blocks refused the whole model). Its hyper-connections
-    and HY-V4's have a rule since session 37 (tests/test_lrp_hyper_connections.py)."""
-    named = (r"hashed n-gram embeddings added to the residual streams \(Qwen4ExpTextPLELayer at model\.layers\.0\.ple\)")
-    model = build("qwen4_exp_text")
-    calls: list = []
-    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(HeadlabError, match=rf"LRP: no rule for this model's {named}"):
-        compute_lrp(model, *lrp_data(model), bootstrap=0)
-    handle.remove()
-    assert len(calls) == 0  # no probe pass for a table entry
-
-
 def test_the_multimodal_qwen4_exp_is_refused_naming_its_language_model_and_its_checkpoint_loads_as_it(tmp_path):
     """Qwen4ExpForConditionalGeneration itself: refused naming the text model to pass, as Qwen3.5's wrapper (before:
     refused for the text model's unchecked parts). Its saved checkpoint loads as that causal LM (headlab's loader, as
@@ -307,9 +291,9 @@ def test_confidence_is_the_same_on_every_engine(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_analyze_end_to_end(family, tmp_path):
-    """`headlab analyze --ablation` on a saved tiny model: every stage done (HY-V4's LRP too, since session 37), but
-    Qwen4-Exp's LRP, failed with the refusal naming its n-gram embeddings; the score tables have a row per attention
-    layer (Qwen4-Exp's Gated DeltaNet layer empty).
+    """`headlab analyze --ablation` on a saved tiny model: every stage done, LRP too since session 37 (before, failed
+    with the refusal naming the hyper-connections); the score tables have a row per attention layer (Qwen4-Exp's Gated
+    DeltaNet layer empty).
     Before: every stage refused with the model."""
     import json
 
@@ -321,11 +305,7 @@ def test_analyze_end_to_end(family, tmp_path):
     code, stages = analyze(tmp_path / "model", tmp_path)
     for name in ANALYZE_STAGES:
         assert stages[name]["status"] == "done", stages[name]
-    if family == "hy_v4":
-        assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]
-    else:  # refused as for any model LRP has no rule for: the stage failed with the reason, the others done
-        assert stages["lrp"]["status"] == "failed" and code == 1, stages["lrp"]
-        assert stages["lrp"]["reason"].startswith("cannot run lrp: LRP: no rule for this model's hashed n-gram")
+    assert stages["lrp"]["status"] == "done" and code == 0, stages["lrp"]
     rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
     empty = [all(v is None for v in row) for row in rows]
     assert empty == ([False, False] if family == "hy_v4" else [True, False, False])

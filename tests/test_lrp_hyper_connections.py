@@ -1,8 +1,8 @@
 """LRP through HY-V4's and Qwen4-Exp's hyper-connections (importance/mixer_rules/hyper_connection.py, session 37): their
 mixing weights, computed from the residual streams, are held constant, so the layer's input is a weighted sum of the
 streams and the written-back streams a weighted sum of the residual and the layer's output. Before, LRP was refused
-before any work naming them (importance/residual_streams.py), which still refuses Qwen4-Exp's hashed n-gram embeddings
-(tests/test_hyper_connection_families.py). HY-V4-VL's: tests/test_hy_v4_vl.py."""
+before any work naming them (importance/residual_streams.py), and Qwen4-Exp's hashed n-gram embeddings (PLE layers),
+whose share is now counted as kept, as a bias's. HY-V4-VL's: tests/test_hy_v4_vl.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from headlab import HeadlabError
 from headlab.errors import RunFailed
-from headlab.importance import compute_lrp
+from headlab.importance import compute_lrp, lrp
 from headlab.importance.mixer_rules import hyper_connection
 from support.lrp_families import assert_conserved, check_rules_leave_the_forward_unchanged, lrp_data
 from test_hyper_connection_families import build
@@ -70,3 +70,38 @@ def test_qwen4_exp_without_ngram_embeddings_conserves(layer_types):
     model = build("qwen4_exp_text", ple_layer_ids=[], **({"layer_types": layer_types} if layer_types else {}))
     check_rules_leave_the_forward_unchanged(model)
     assert_conserved(model, 1e-10)
+
+
+def test_qwen4_exp_with_ngram_embeddings_conserves_their_share_kept():
+    """Its PLE layer's output (the n-gram embeddings gated by the streams) is a source of its own: its share is kept,
+    measured by a probe, so the embeddings alone get less than the logit and with the kept shares all of it. Without
+    the probe the detached share is lost and the run fails its check."""
+    model = build("qwen4_exp_text")
+    record = assert_conserved(model, 1e-10)
+    assert record["embeddings"]["max"] < 1 - 1e-6, record
+
+
+def test_qwen4_exp_ngram_share_unmeasured_fails_the_run(monkeypatch):
+    monkeypatch.setattr(lrp, "injection_probe_hooks", lambda model, ones: [])
+    model = build("qwen4_exp_text")
+    with torch.no_grad():  # an injection that matters
+        for name, parameter in model.named_parameters():
+            if ".ple." in name and name.endswith("value_proj.weight"):
+                parameter.mul_(50)
+    with pytest.raises(RunFailed, match="did not conserve relevance"):
+        compute_lrp(model, *lrp_data(model), bootstrap=0)
+
+
+def test_an_ngram_injection_the_streams_reach_otherwise_is_refused_before_any_work():
+    """A PLE layer whose output also carries the streams themselves (not only through its gate): holding the gate
+    constant would not make it a function of the n-gram embeddings: refused before any work."""
+    model = build("qwen4_exp_text")
+    ple = model.model.layers[0].ple
+    forward = type(ple).forward
+
+    def leaking(self, hidden_states, input_ids, cache, conv_mask=None):
+        return forward(self, hidden_states, input_ids, cache, conv_mask=conv_mask) + 0.1 * hidden_states
+
+    ple.forward = leaking.__get__(ple)
+    with pytest.raises(HeadlabError, match=r"with the streams in the gate g only"):
+        compute_lrp(model, *lrp_data(model), bootstrap=0)

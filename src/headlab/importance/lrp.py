@@ -59,6 +59,7 @@ from headlab.importance import cca_rule
 from headlab.importance.common import block_scores
 from headlab.importance.measure import MASK_INSTEAD, ImportanceMeasure
 from headlab.importance.measure_options import STRATEGIES, LRPOptions
+from headlab.importance.mixer_rules.hyper_connection import injection_probe_hooks
 from headlab.importance.rules import (
     adapted_gated_mlps,
     altup_inputs,
@@ -528,6 +529,8 @@ def _bias_probes(model: nn.Module, batch_size: int, skip: nn.Module | None) -> I
             handles.append(module.register_forward_hook(probe, prepend=not ruled))
         # ZAYA's biases that no module's bias holds
         handles.extend(register_hooks(cca_rule.bias_probe_hooks(model, _token_probe(probes, batch_size))))
+        # Qwen4-Exp's n-gram injections, detached by their rule: a source whose share is kept, as a bias's
+        handles.extend(register_hooks(injection_probe_hooks(model, _token_probe(probes, batch_size))))
         with expert_bias_probes(model, expert_probe):
             yield probes
     finally:

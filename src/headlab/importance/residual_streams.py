@@ -9,9 +9,9 @@ weights from a low-rank projection of the normed streams). Qwen4-Exp's PLE layer
 the streams hashed n-gram embeddings gated by a product with the streams and passed through a dilated convolution.
 
 The forwards compute those weights inside the module and apply them at once, so gradient x input differentiates
-through the weights too and relevance is not conserved. HY-V4's (and HY-V4-VL's) and Qwen4-Exp's have a rule that
-holds them constant since session 37 (:mod:`headlab.importance.mixer_rules.hyper_connection`), and are not refused here; for the
-others headlab has no hook that holds them constant (as it holds
+through the weights too and relevance is not conserved. HY-V4's (and HY-V4-VL's) and Qwen4-Exp's, and Qwen4-Exp's
+n-gram injections, have a rule since session 37 (:mod:`headlab.importance.mixer_rules.hyper_connection`), and are not
+refused here; for the others headlab has no hook that holds them constant (as it holds
 the attention weights and gates), and no rule for the n-gram injection. LRP is refused before any work, naming them;
 every other measure reads the attention blocks, which the streams do not touch (a head's output reaches them through
 the output projection only). The indexers of these families (DSA, QSA) need no rule: they return a key selection
@@ -43,7 +43,7 @@ def residual_stream_problem(model: nn.Module) -> str | None:
 
     for path, module in model.named_modules():
         kind = "ngram" if _is_ngram_injection(module) else "hyper" if _is_hyper_connection(module) else None
-        if kind == "hyper" and mixer_rules.rule_for(module) is not None:  # HY-V4's: mixer_rules/hyper_connection.py
+        if kind and mixer_rules.rule_for(module) is not None:  # HY-V4's, Qwen4-Exp's: mixer_rules/hyper_connection.py
             continue
         if kind:
             found[kind].setdefault(type(module).__name__, []).append(path)

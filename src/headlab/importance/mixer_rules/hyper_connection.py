@@ -34,12 +34,25 @@ and returns ``(mixed, x, inject)``; the layer writes ``x + inject_n * layer(mixe
 ``inject`` and the norm's factor ``y / x`` constant (the norm rule of rules.py: its scale a constant), so ``mixed`` is a
 weighted sum of ``x``: recomputed without a gradient, checked against the forward, and given that sum's backward.
 
+Qwen4-Exp's PLE layers (``Qwen4ExpTextPLELayer``) add to the streams, before the layer's gated residual, hashed n-gram
+embeddings ``e`` (from the token ids, not the streams) gated by the streams (``Qwen4ExpTextPLELayer.forward``)::
+
+    g = sigmoid(signed_sqrt(<norm_key(key_proj(e)), norm_query(x)> / sqrt(d)))   # one gate per stream
+    v = g * value_proj(e);   out = v + silu(conv(norm_conv(v)))                  # conv: dilated, depthwise
+
+The streams reach ``out`` through the gate only, a multiplicative factor held constant (CP-LRP, as every gate in
+headlab), so ``out`` is a function of the n-gram embeddings alone: a source beside the token input, whose relevance
+headlab counts as kept, as a bias's (Voita et al. 2019, App. A.2: a bias is a neuron of its own). The rule detaches
+``out`` (no relevance flows into the layer), and lrp.py multiplies it by a probe of ones per token
+(:func:`injection_probe_hooks`) whose gradient measures that share for the conservation check.
+
 Refused before any work (:func:`_problem`): a hyper-connection class other than the ones read, parts of other shapes,
 and a forward that, on a probe, is not the formula above.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -50,15 +63,17 @@ from headlab.errors import HeadlabError
 from headlab.importance.mixer_rules import Hook, MixerRule, register
 from headlab.importance.rules import _swap_backward
 
-__all__ = ["RULE", "CONNECTIONS", "HEADS"]
+__all__ = ["RULE", "CONNECTIONS", "HEADS", "GATED", "INJECTIONS", "injection_probe_hooks"]
 
 CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection")
 """Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]``."""
 HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
 """Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
+INJECTIONS = ("Qwen4ExpTextPLELayer",)
+"""Qwen4-Exp's n-gram injection: ``ple_embedding``, ``key_proj``, ``value_proj``, ``norm_query``, ``conv1d``."""
 GATED = ("Qwen4ExpTextGatedResidual",)
 """Qwen4-Exp's gated residual: ``hc_norm``, ``input_mix_weight_down``/``_up`` and ``block_inject_weight`` (or None)."""
-_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp)"
+_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp) and n-gram injections (Qwen4-Exp)"
 
 
 def _matches(module: nn.Module) -> bool:
@@ -66,7 +81,8 @@ def _matches(module: nn.Module) -> bool:
     refused by :func:`_problem`, naming it."""
     name = type(module).__name__
     return name.endswith(("HyperConnection", "HyperHead")) and isinstance(getattr(module, "hc_mult", None), int) \
-        or name in GATED and isinstance(getattr(module, "hc_count", None), int)
+        or name in GATED and isinstance(getattr(module, "hc_count", None), int) \
+        or name in INJECTIONS and isinstance(getattr(module, "ple_embedding", None), nn.Module)
 
 
 def _weights(module: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,11 +144,49 @@ def _gated_problem(module: Any) -> str | None:
     return None
 
 
+def _injection(module: Any, streams: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The formula of the module docstring, from its parts, without a gradient: the streams enter through the gate."""
+    with torch.no_grad():
+        e = module.ple_embedding(ids, None)
+        n, d = module.hc_count, module.hidden_size
+        key = module.norm_key(module.key_proj(e)).unflatten(-1, (n, d))
+        query = module.norm_query(streams).unflatten(-1, (n, d))
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(d)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        value = (torch.sigmoid(gate) * module.value_proj(e).unsqueeze(-2)).flatten(-2)
+        return value + module._short_conv(module.norm_conv(value), None)
+
+
+def _injection_problem(module: Any) -> str | None:
+    parts = ("ple_embedding", "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d")
+    if not all(isinstance(getattr(module, part, None), nn.Module) for part in parts) \
+            or not callable(getattr(module, "_short_conv", None)):
+        return f"its parts are not {', '.join(parts)} and a _short_conv"
+    weight = module.key_proj.weight
+    if weight.is_meta:
+        return None
+    g = torch.Generator().manual_seed(0)
+    streams = torch.randn((2, 5, module.hc_count * module.hidden_size), generator=g, dtype=torch.float64).to(weight)
+    ids = torch.randint(3, int(module.ple_embedding.unigram_vocab_size), (2, 5), generator=g).to(weight.device)
+    try:
+        with torch.no_grad():
+            output = module(streams, ids, None)
+            expected = _injection(module, streams, ids)
+    except Exception as error:  # noqa: BLE001  # any failure: not the module the rule assumes
+        return f"its forward failed on a probe ({type(error).__name__}: {error})"
+    if output.shape != expected.shape or not torch.allclose(output, expected, rtol=1e-4, atol=1e-6):
+        return ("on a probe its forward is not g * value_proj(e) + silu(conv(norm_conv(...))) with the streams in the "
+                "gate g only, so its output is not a function of the n-gram embeddings once g is held constant")
+    return None
+
+
 def _problem(mixer: nn.Module, path: str) -> str | None:
     module: Any = mixer
     name = type(module).__name__
     if name in GATED:
         return _gated_problem(module)
+    if name in INJECTIONS:
+        return _injection_problem(module)
     if name not in CONNECTIONS + HEADS:
         return (f"{name} is a hyper-connection this rule was not written for (it knows "
                 f"{', '.join(CONNECTIONS + HEADS + GATED)}, "
@@ -188,12 +242,32 @@ def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
     return kept if head else (output[0].detach(), kept)
 
 
+def _detach_injection(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.detach()  # a source of its own: lrp.py's probe (injection_probe_hooks) measures its share
+
+
+def injection_probe_hooks(model: nn.Module, ones) -> list[Hook]:
+    """``(module, kind, hook)`` that measure the relevance Qwen4-Exp's n-gram injections keep: their (detached) output
+    times ``ones(output)``, lrp.py's probe of ones per token that require grad (or None under no_grad), so that
+    ``s * dy/ds`` is their share."""
+
+    def probe(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        s = ones(output)
+        return None if s is None else output * s
+
+    return [(module, "forward", probe) for module in model.modules() if type(module).__name__ in INJECTIONS]
+
+
 def _hooks(module: nn.Module) -> list[Hook]:
-    return [(module, "forward", _gated_rule if type(module).__name__ in GATED else _rule)]
+    name = type(module).__name__
+    return [(module, "forward", _gated_rule if name in GATED else _detach_injection if name in INJECTIONS else _rule)]
 
 
 def _owns(module: nn.Module) -> list[nn.Module]:
-    """The inverse RMS norm that feeds only the mixing weights (held constant by the rule)."""
+    """The inverse RMS norm that feeds only the mixing weights (held constant by the rule); every part of an n-gram
+    injection (its output detached)."""
+    if type(module).__name__ in INJECTIONS:
+        return list(module.modules())[1:]
     norm = getattr(module, "hc_norm", getattr(module, "input_norm", None))
     return [norm] if isinstance(norm, nn.Module) else []
 

@@ -222,8 +222,10 @@ def attention_problem(block: Any, hooks: list[tuple[nn.Module, Any]]) -> str | N
 
 # -- the short convolutions: u + conv(u), linear ------------------------------------------------------------------------
 def is_short_conv(module: nn.Module) -> bool:
-    """Inkling's ``InklingShortConvolution`` (a ``conv1d`` child and a forward taking ``conv_mask``)."""
-    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and "conv_mask" in _parameters(module)
+    """Inkling's ``InklingShortConvolution`` (a ``conv1d`` child and a forward taking ``conv_mask``; not Qwen4-Exp's PLE
+    layer, which has them too beside its n-gram embedding: mixer_rules/hyper_connection.py)."""
+    return isinstance(getattr(module, "conv1d", None), nn.Conv1d) and "conv_mask" in _parameters(module) \
+        and not isinstance(getattr(module, "ple_embedding", None), nn.Module)
 
 
 def short_conv_problem(module: nn.Module) -> str | None:
