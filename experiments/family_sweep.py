@@ -231,6 +231,9 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                   vq_config=dict(embed_dim=8, num_embeddings=16, base_channels=32, channel_multiplier=[1, 1],
                                  num_res_blocks=1, projection_dim=32, image_token_embed_dim=32, num_patches=16,
                                  num_hidden_layers=1)),
+    **{t: dict(out_hidden_size=32, projector_hidden_size=40, image_token_id=98, video_token_id=97,
+               text_config=dict(SIZES, layer_types=LOCAL_GLOBAL, sliding_window=4), vision_config=TINY_VISION)
+       for t in ("muse_glimmer", "muse_spark")},
     "kimi_k25": dict(text_config={**SIZES, **EXTRA_SIZES, **MLA, "head_dim": 4, "model_type": "deepseek_v3"},
                      vision_config=dict(TINY_VISION, patch_size=4, pos_emb_height=8, pos_emb_width=8)),
     "step3p7": dict(text_config={**SIZES, **EXTRA_SIZES, "sliding_window": 4, "share_expert_dim": 16},
@@ -750,7 +753,10 @@ def check_lrp(model, blocks) -> str | None:
     total = sum((x.detach() * g).sum().item() for x, g in zip([seen[0], *per_layer], grads))
     want = out[0, -1, target].item()
     # RecurrentGemma names its cap logits_soft_cap (tanh(logits / cap) * cap after its LM head)
-    cap = getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logits_soft_cap", None)
+    # a wrapper's in its text config (Muse Glimmer's, whose output_multiplier scales z first: z * m is what is capped)
+    configs = (model.config, model.config.get_text_config())
+    cap = next((getattr(c, name) for c in configs for name in ("final_logit_softcapping", "logits_soft_cap")
+                if getattr(c, name, None)), None)
     if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2
         z = cap * math.atanh(want / cap)
         want = z * (1 - math.tanh(z / cap) ** 2)

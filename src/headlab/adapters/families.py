@@ -433,7 +433,8 @@ OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "bailing_hybrid": ("g_proj",), "dots3_note_text": ("g_proj",), "axk2": ("q_gate_proj",), "beam": ("gate_proj",),
     "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",),
     **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",)),
-    **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",))}
+    **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",)),
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer"], ("gate_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -510,7 +511,10 @@ def step3p7_gate(core: Any) -> GateRows:
 
 QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
     "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate,
-    **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate)}
+    **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate),
+    # Muse Glimmer (MuseGlimmerTextAttention): AFMoE's, the output [batch, seq, heads * head_dim] times
+    # sigmoid(gate_proj(hidden_states)), hidden -> heads x head_dim
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer"], afmoe_gate)}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output
