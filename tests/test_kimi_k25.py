@@ -12,8 +12,14 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
+from headlab import attention_blocks, mask_heads, prune_heads
+from support.family_matrix import (
+    check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
+    logits,
+    perturbed_model,
+    tiny_inputs,
+)
 from support.lrp_families import assert_conserved
 
 _TEXT = dict(model_type="deepseek_v3", vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
@@ -30,13 +36,7 @@ def _model(implementation: str = "sdpa") -> torch.nn.Module:
         pytest.skip("this transformers has no kimi_k25")
     config = tf.Kimi_K25Config(text_config=_TEXT, vision_config=_VISION)
     config.get_text_config()._experts_implementation = "eager"  # grouped matmuls take no float64
-    torch.manual_seed(0)
-    model = tf.Kimi_K25ForConditionalGeneration._from_config(config, attn_implementation=implementation)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.eval().double()
+    return perturbed_model(tf.Kimi_K25ForConditionalGeneration, config, attn_implementation=implementation).double()
 
 
 def test_blocks_have_deepseek_v3s_latent_rows():
@@ -48,12 +48,8 @@ def test_blocks_have_deepseek_v3s_latent_rows():
 def test_capture_masking_pruning_and_gates():
     inputs = tiny_inputs()
     model = _model()
-    with torch.no_grad():
-        expected = [m for m in _model("eager")(**inputs, output_attentions=True).attentions if m is not None]
-    with capture_attention(model) as record:
-        logits(model, inputs)
-    for (_, layer), probs in record.items():
-        torch.testing.assert_close(probs, expected[layer], atol=1e-12, rtol=0)
+    check_capture_equals_output_attentions(lambda attn_implementation="sdpa": _model(attn_implementation), "dec_self",
+                                           inputs)
     spec = {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [2]}
     with mask_heads(model, spec):
         masked = logits(model, inputs)

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 from headlab import attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
+from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model, tiny_inputs
 from support.lrp_families import assert_conserved
 
 _TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -28,15 +28,12 @@ def _model(implementation: str = "sdpa") -> torch.nn.Module:
     if not hasattr(tf, "Lfm3VlForConditionalGeneration"):
         pytest.skip("this transformers has no lfm3_vl")
     config = tf.Lfm3VlConfig(text_config=dict(_TEXT, model_type="lfm3"), vision_config=_VISION)
-    torch.manual_seed(0)
-    model = tf.Lfm3VlForConditionalGeneration._from_config(config, attn_implementation=implementation)
-    with torch.no_grad():  # norms off one, the gates spread
+    model = perturbed_model(tf.Lfm3VlForConditionalGeneration, config, attn_implementation=implementation)
+    with torch.no_grad():  # the gates spread
         for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
             if name.endswith("self_attn.g_proj.weight"):
                 parameter.mul_(8)
-    return model.eval().double()
+    return model.double()
 
 
 def _attention(model):

@@ -12,8 +12,14 @@ import pytest
 import torch
 import transformers as tf
 
-from headlab import attention_blocks, capture_attention, mask_heads, prune_heads
-from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
+from headlab import attention_blocks, mask_heads, prune_heads
+from support.family_matrix import (
+    check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
+    logits,
+    perturbed_model,
+    tiny_inputs,
+)
 from support.lrp_families import assert_conserved
 
 _TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -27,15 +33,12 @@ def _model(implementation: str = "sdpa") -> torch.nn.Module:
         pytest.skip("this transformers has no muse_glimmer")
     config = tf.MuseGlimmerConfig(text_config=_TEXT, vision_config=_VISION, out_hidden_size=32,
                                   projector_hidden_size=40, image_token_id=98, video_token_id=97)
-    torch.manual_seed(0)
-    model = tf.MuseGlimmerForConditionalGeneration._from_config(config, attn_implementation=implementation)
-    with torch.no_grad():  # norms off their initial values, the gates spread
+    model = perturbed_model(tf.MuseGlimmerForConditionalGeneration, config, attn_implementation=implementation)
+    with torch.no_grad():  # the gates spread
         for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
             if name.endswith("self_attn.gate_proj.weight"):
                 parameter.mul_(8)
-    return model.eval().double()
+    return model.double()
 
 
 def _attention(model, layer: int):
@@ -48,12 +51,8 @@ def test_blocks_capture_masking_and_gates():
     assert [(b.kind, b.layer, b.n_heads) for b in live] == [("dec_self", 0, 4), ("dec_self", 1, 4)]
     assert any(path.endswith("gate_proj") for path, _ in live[0].family.head_rows)
     inputs = tiny_inputs()
-    with torch.no_grad():
-        expected = [m for m in _model("eager")(**inputs, output_attentions=True).attentions if m is not None]
-    with capture_attention(model) as record:
-        logits(model, inputs)
-    for (_, layer), probs in record.items():
-        torch.testing.assert_close(probs, expected[layer], atol=1e-12, rtol=0)
+    check_capture_equals_output_attentions(lambda attn_implementation="sdpa": _model(attn_implementation), "dec_self",
+                                           inputs)
     with mask_heads(model, {("dec_self", 1): [0, 1]}):  # key/value head 0's query heads
         masked = logits(model, inputs)
     zeroed = _model()

@@ -19,7 +19,7 @@ from headlab import HeadlabError, attention_blocks, capture_attention, mask_head
 from headlab.importance import compute_gradient
 from headlab.loading import load_model
 from headlab.model_description import describe_model
-from support.family_matrix import check_gates_at_one_change_nothing, logits, tiny_inputs
+from support.family_matrix import check_gates_at_one_change_nothing, logits, perturbed_model, tiny_inputs
 from support.lrp_families import lrp_data
 
 _TEXT = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -34,13 +34,7 @@ def _model(implementation: str = "eager") -> torch.nn.Module:
         pytest.skip("this transformers has no paligemma")
     config = tf.PaliGemmaConfig(text_config=_TEXT, vision_config=_VISION, image_token_index=98)
     assert config.text_config.use_bidirectional_attention is True  # the flag the blocks' kind was read from
-    torch.manual_seed(0)
-    model = tf.PaliGemmaForConditionalGeneration._from_config(config, attn_implementation=implementation)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.eval().double()
+    return perturbed_model(tf.PaliGemmaForConditionalGeneration, config, attn_implementation=implementation).double()
 
 
 def test_the_language_models_blocks_are_causal_decoder_blocks():

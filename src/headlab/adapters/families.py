@@ -323,7 +323,7 @@ but is causal on token ids alone, as headlab runs it: PaliGemma (transformers 5.
 ``token_type_ids``, ``create_causal_mask``). Their blocks are ``dec_self``. Under an implementation that skips that
 mask on a batch without padding (SDPA: ``is_causal`` False then attends bidirectionally, and a padded batch causally)
 the model is refused before any work, naming the way out: eager attention, which always builds it
-(:func:`headlab.adapters.check_mask_skip`)."""
+(:func:`headlab.adapters.refuse_mask_skip`)."""
 
 CLIPPED_QKV: dict[str, str] = {
     "DbrxAttention": "clip_qkv", "MptAttention": "clip_qkv",

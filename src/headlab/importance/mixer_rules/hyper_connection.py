@@ -216,14 +216,19 @@ def _problem(mixer: nn.Module, path: str) -> str | None:
     return None
 
 
+def _kept(module: nn.Module, value: torch.Tensor, rule: torch.Tensor, formula: str) -> torch.Tensor:
+    """``value`` (what the forward returned) with the backward of ``rule``, its recomputation with the weights held
+    constant, checked to be the same value on every call (a forward other than the one read is refused here)."""
+    with torch.no_grad():
+        if not torch.allclose(rule.to(value.dtype), value, rtol=1e-4, atol=1e-5):
+            raise HeadlabError(f"LRP: {_NAME}: {type(module).__name__}'s output is not {formula} of its input with the "
+                               "weights its parameters give; headlab has no rule for it")
+    return _swap_backward(value, rule.to(value.dtype))
+
+
 def _gated_rule(module: nn.Module, args: tuple, output: Any) -> Any:
     mixed = output[0] if isinstance(output, tuple) else output
-    rule = _gated_mix(module, args[0])
-    with torch.no_grad():
-        if not torch.allclose(rule.to(mixed.dtype), mixed, rtol=1e-4, atol=1e-5):
-            raise HeadlabError(f"LRP: {_NAME}: {type(module).__name__}'s output is not mean_n(m_n * hc_norm(x)_n) of its "
-                               "input with the weights its parameters give; headlab has no rule for it")
-    kept = _swap_backward(mixed, rule.to(mixed.dtype))
+    kept = _kept(module, mixed, _gated_mix(module, args[0]), "mean_n(m_n * hc_norm(x)_n)")
     if not isinstance(output, tuple):  # the final mixer
         return kept
     return (kept, output[1], *(t.detach() for t in output[2:]))
@@ -233,12 +238,7 @@ def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
     streams = args[0]
     head = type(module).__name__ in HEADS
     collapsed = output if head else output[1]
-    rule = _collapse(_pre(module, streams), streams)
-    with torch.no_grad():
-        if not torch.allclose(rule.to(collapsed.dtype), collapsed, rtol=1e-4, atol=1e-5):
-            raise HeadlabError(f"LRP: {_NAME}: {type(module).__name__}'s output is not sum_n pre_n s_n of its input "
-                               "with the weights its parameters give; headlab has no rule for it")
-    kept = _swap_backward(collapsed, rule.to(collapsed.dtype))
+    kept = _kept(module, collapsed, _collapse(_pre(module, streams), streams), "sum_n pre_n s_n")
     return kept if head else (output[0].detach(), kept)
 
 
