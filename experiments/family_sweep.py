@@ -270,6 +270,11 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     # chunked attention over 4 tokens
     "llama4": dict(text_config=dict(SIZES, intermediate_size_mlp=40, num_local_experts=2, attention_chunk_size=4)),
     "luke": dict(entity_vocab_size=20, entity_emb_size=8),
+    # session 38, main: the wrappers --multimodal skipped
+    # Chameleon: image tokens need a vocabulary map (two of them here, their logits set to the minimum by its head)
+    "chameleon": dict(vocabulary_map={"<image>": 98, "IMGIMG0Z": 97, "IMGIMG1Z": 96}, vq_config=dict(
+        embed_dim=8, num_embeddings=16, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+        num_res_blocks=1, resolution=16)),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B

@@ -232,9 +232,17 @@ def test_a_whole_width_qk_norm_pruning_resaved_by_transformers(tmp_path):
         load_model(str(tmp_path / "bare"))
 
 
+@pytest.fixture
+def unsliced_norms(monkeypatch):
+    """Pruning as before session 38, which left per-head norm tables (weights [heads, head size]: Cohere's
+    use_qk_norm, Chameleon) whole: a slicing gap that the check must catch (tests/test_per_head_norm_tables.py: now sliced)."""
+    import headlab.surgery as surgery
+
+    monkeypatch.setattr(surgery, "_per_head_tables", lambda block: [])
+
+
 def _cohere():
-    """Cohere with use_qk_norm: LayerNorms of weight [heads, head size], which headlab does not
-    slice. Not fixed here: the check must catch it."""
+    """Cohere with use_qk_norm: LayerNorms of weight [heads, head size] (left whole under ``unsliced_norms``)."""
     config = tf.CohereConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              use_qk_norm=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -248,7 +256,7 @@ def _cohere():
     return model
 
 
-def test_a_family_pruning_breaks_is_refused_and_restored():
+def test_a_family_pruning_breaks_is_refused_and_restored(unsliced_norms):
     model = _cohere()
     ids, mask = padded_inputs()
     before = padded_logits(model, ids, mask)
@@ -276,7 +284,7 @@ def test_a_wrong_slice_is_measured_and_named(monkeypatch):
     assert [b.n_heads for b in attention_blocks(model)] == [4, 4]
 
 
-def test_cli_prune_refuses_with_exit_2_and_writes_nothing(tmp_path, capsys):
+def test_cli_prune_refuses_with_exit_2_and_writes_nothing(tmp_path, capsys, unsliced_norms):
     source = tmp_path / "cohere"
     _cohere().save_pretrained(source)
     out = tmp_path / "pruned"
@@ -300,9 +308,9 @@ def test_load_pruned_refuses_weights_that_do_not_compute(tmp_path):
         load_pruned(tmp_path)
 
 
-def test_load_pruned_checks_the_record_against_masking(tmp_path):
-    """A record that would prune Cohere's per-head q/k LayerNorms (weights [heads, head size], which pruning does not
-    slice) is refused at load by the check against masking, before any weight is read."""
+def test_load_pruned_checks_the_record_against_masking(tmp_path, unsliced_norms):
+    """A record that would prune Cohere's per-head q/k LayerNorms (weights [heads, head size], left whole under
+    ``unsliced_norms``) is refused at load by the check against masking, before any weight is read."""
     model = _cohere()
     prune_heads(model, {("dec_self", 0): [0, 1, 2, 3]})  # a layer with no head: its norms never run
     save_pruned(model, tmp_path)
@@ -328,7 +336,7 @@ def test_tolerance_follows_the_dtype():
     assert tolerance(torch.float16) == pytest.approx(3.13e-2, rel=1e-2)
 
 
-def test_check_prunable_refuses_before_a_pruning_run_and_changes_nothing(tmp_path):
+def test_check_prunable_refuses_before_a_pruning_run_and_changes_nothing(tmp_path, unsliced_norms):
     from headlab.pruning.train import PruneConfig, prune_train
     from headlab.surgery import check_prunable
     from headlab.training.config import TrainConfig

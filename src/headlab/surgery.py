@@ -9,7 +9,8 @@ Falcon, GPT-BigCode, Bloom: :func:`_fused_index`). The attention forwards of tra
 mostly infer the head count from tensor shapes, so layers may keep different numbers of heads;
 the attributes (and Phi-3's config field) that a forward does read are kept in step. Where a norm spans a whole query
 or key projection (OLMo 2's ``q_norm``), that projection and its norm stay whole and the kept heads are selected
-after the norm (:func:`_whole_width_norms`). A layer left with no head is replaced
+after the norm (:func:`_whole_width_norms`); a norm with a row of parameters per head (Chameleon's) loses the pruned
+heads' rows (:func:`_per_head_tables`). A layer left with no head is replaced
 by :class:`ZeroHeadAttention`, which keeps only the output projection's bias and the residual
 path (Voita et al. 2019, footnote 9).
 """
@@ -331,6 +332,21 @@ def _per_head_lists(block: AttentionBlock) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
+def _per_head_tables(block: AttentionBlock) -> list[tuple[nn.Module, bool]]:
+    """Norms of ``block`` with one row of parameters per head (Chameleon's ``q_norm``/``k_norm``: a LayerNorm
+    over each head's features with a ``[heads, d_head]`` weight and bias): ``(module, is_key)``; their rows are
+    sliced with the heads. Tied by name (``q...``, ``k...``) and shape, as :func:`_whole_width_norms` ties its norms."""
+    found = []
+    for name, module in block.core.named_children():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or is_linear(module) or name[:1] not in ("q", "k"):
+            continue
+        is_key = name.startswith("k")
+        if tuple(weight.shape) == ((block.n_kv_heads if is_key else block.n_heads), block.d_qk):
+            found.append((module, is_key))
+    return found
+
+
 def _whole_width_norms(block: AttentionBlock) -> tuple[dict[str, str], list[str]]:
     """The norms of ``block`` over a whole query or key projection (OLMo 2's ``q_norm``/``k_norm``: RMSNorm over all
     heads' features at once), as ``{"q": name, "k": name}``, and the names of the others of such a width that
@@ -435,6 +451,21 @@ def _fused_index(block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> 
     return index
 
 
+def _slice_per_head_norms(block: AttentionBlock, keep: list[int], kv_keep: list[int], journal: _Journal) -> None:
+    """The kept heads' norms: rows of a per-head table (Chameleon), modules of a per-head list (StableLM)."""
+    for module, is_key in _per_head_tables(block):
+        rows = torch.tensor(kv_keep if is_key else keep, dtype=torch.long, device=cast(torch.Tensor, module.weight).device)
+        for name in ("weight", "bias"):
+            if isinstance(getattr(module, name, None), torch.Tensor):
+                _replace(module, name, getattr(module, name).index_select(0, rows), journal)
+    for _path, module, is_key in _per_head_lists(block):
+        chosen = kv_keep if is_key else keep
+        norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
+        norms = [n if norms.index(n) == i else copy.deepcopy(n) for i, n in enumerate(norms)]  # repeats: own copy
+        journal.set(module, "norms", nn.ModuleList(norms))
+        journal.set(module, "num_heads", len(chosen))
+
+
 def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int], groups: int,
                  journal: _Journal) -> None:
     family, core, d = block.family, block.core, block.d_head
@@ -474,12 +505,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         columns = torch.tensor(keep, dtype=torch.long, device=embedding.weight.device)
         _replace(embedding, "weight", embedding.weight.index_select(1, columns), journal)
         journal.set(embedding, "embedding_dim", len(keep))
-    for _path, module, is_key in _per_head_lists(block):
-        chosen = kv_keep if is_key else keep
-        norms = [cast(nn.ModuleList, module.norms)[h] for h in chosen]
-        norms = [n if norms.index(n) == i else copy.deepcopy(n) for i, n in enumerate(norms)]  # repeats: own copy
-        journal.set(module, "norms", nn.ModuleList(norms))
-        journal.set(module, "num_heads", len(chosen))
+    _slice_per_head_norms(block, keep, kv_keep, journal)
     for attr in dict.fromkeys((*family.head_count_attrs, *_HEAD_ATTRS)):
         if isinstance(getattr(core, attr, None), int):
             journal.set(core, attr, len(keep))
@@ -1571,6 +1597,9 @@ def pruning_plan(model: nn.Module) -> dict:
                 plan["projections"][names[id(module)]] = list(_projection(module))
         for pname, _ in block.family.head_parameters:  # XLNet's bare per-head parameters: their pruned shapes
             plan.setdefault("parameters", {})[f"{_core_path(block)}.{pname}"] = list(getattr(core, pname).shape)
+        for module, _ in _per_head_tables(block):  # Chameleon's per-head norms: a row per kept head
+            for pname, parameter in module.named_parameters(recurse=False):
+                plan.setdefault("parameters", {})[f"{names[id(module)]}.{pname}"] = list(parameter.shape)
         biases = [(owner, name) for owner, name, _ in head_biases(block)]
         for owner, vector in (*head_vectors(block), *biases, *([dynamic[1:]] if dynamic else [])):
             plan.setdefault("vectors", {})[f"{names[id(owner)]}.{vector}"] = int(getattr(owner, vector).shape[0])
