@@ -275,6 +275,31 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "chameleon": dict(vocabulary_map={"<image>": 98, "IMGIMG0Z": 97, "IMGIMG1Z": 96}, vq_config=dict(
         embed_dim=8, num_embeddings=16, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
         num_res_blocks=1, resolution=16)),
+    # Muse Spark: MoE pooled to its own width, a dense and a sparse layer; its audio pyramid one stage deep
+    "muse_spark": dict(text_config=dict(SIZES, moe_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+                                        moe_hidden_size=16, sliding_window=4, mlp_layer_types=["dense", "sparse"]),
+                       vision_config=dict(TINY_VISION, patch_size=8), out_hidden_size=32, projector_hidden_size=40,
+                       audio_config=dict(patch_sizes=[2], hidden_sizes=[8], depths=[1], num_hidden_layers=1,
+                                         out_hidden_size=32), image_token_id=98, video_token_id=97, audio_token_id=96),
+    # Apertus 1.5: visual and audio token ranges (codebooks of 8) inside the vocabulary, an output head narrower than it
+    "apertus1p5": dict(
+        text_config=dict(SIZES, output_vocab_size=90), image_token_id=80, audio_token_id=81, image_token_offset=82,
+        audio_token_offset=90, vision_config=dict(codebook_size=8, embed_dim=8, latent_channels=32, base_channels=32,
+                                                  channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[],
+                                                  resolution=16),
+        audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=8, hidden_size=16, codebook_dim=16,
+                          num_filters=4, upsampling_ratios=[2], num_lstm_layers=1, decoder_hidden_size=32,
+                          decoder_intermediate_size=40, decoder_num_layers=1, decoder_attention_num_groups=4)),
+    # Cohere Compass: rotary parameters per layer type, M-RoPE on its sliding layers and none (NoPE) on its full one
+    "cohere_compass": dict(text_config=dict(SIZES, layer_types=LOCAL_GLOBAL, sliding_window=4, rope_parameters={
+        "sliding_attention": MROPE["rope_parameters"], "full_attention": None}), vision_config=dict(
+        PATCH_MERGER_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16, out_hidden_size=32)),
+    # DiffusionGemma: experts in every layer (its forward takes no dense-only config), a canvas of 4 tokens
+    "diffusion_gemma": dict(text_config=dict(SIZES, layer_types=LOCAL_GLOBAL, sliding_window=4, num_experts=4,
+                                             top_k_experts=2, moe_intermediate_size=40, global_head_dim=8),
+                            vision_config=dict(TINY_STACK, num_hidden_layers=1, num_key_value_heads=4, head_dim=8,
+                                               position_embedding_size=64, patch_size=4, pooling_kernel_size=2),
+                            canvas_length=4),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
