@@ -23,9 +23,9 @@ from headlab import attention_blocks, load_pruned, mask_heads, prune_heads, save
 from support.family_matrix import (
     VOCAB,
     check_capture_equals_output_attentions,
+    check_gates_at_one_change_nothing,
     check_pruned_generates_as_masked,
     check_pruned_reloads,
-    check_gates_at_one_change_nothing,
     logits,
     padded_inputs,
     perturbed_model,

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.families import SUB_NORMS
+from headlab.adapters.families import HEAD_NORMS, SUB_NORMS
 from headlab.errors import HeadlabError
 
 __all__ = ["PROBE", "SELECTED_ATTR", "Discovered", "ModelChanged", "discover", "maps", "ran", "selected_widths"]
@@ -268,6 +268,9 @@ class _Call:
     sub_norm: nn.Module | None = None
     """A norm of :data:`headlab.adapters.families.SUB_NORMS` that received the output regrouped by views (and output
     gates) only, before any other leaf module: its output is traced on as the heads' outputs (:meth:`_Probe.normed`)."""
+    head_norms: list[nn.Module] = field(default_factory=list)
+    """Norms of :data:`headlab.adapters.families.HEAD_NORMS` that received the output regrouped by views (and output
+    gates) only, at one head's width: each head's output normalised alone, traced on as the heads' outputs."""
 
 
 class _Probe:
@@ -326,6 +329,10 @@ class _Probe:
                 call.sub_norm = module  # over all heads' outputs, per position: what reaches o_proj is its output
                 self.norming[id(module)] = (call, x._gates)
                 continue
+            if leaf and call in self.pending and _head_norm(module, x, call) and x._pure and x._sources == {call}:
+                call.head_norms.append(module)  # over one head's features: each head's output its own
+                self.norming[id(module)] = (call, x._gates)
+                continue
             if leaf and call in self.pending:
                 self.pending.remove(call)
                 call.o, call.o_input, call.o_pure = module, tuple(x.shape), x._pure and x._sources == {call}
@@ -336,6 +343,15 @@ class _Probe:
 def _sub_norm(module: nn.Module) -> bool:
     """One of transformers' own norms of :data:`~headlab.adapters.families.SUB_NORMS` (its class and module)."""
     return type(module).__name__ in SUB_NORMS and type(module).__module__.startswith("transformers.models.")
+
+
+def _head_norm(module: nn.Module, x: torch.Tensor, call: _Call) -> bool:
+    """One of transformers' own norms of :data:`~headlab.adapters.families.HEAD_NORMS` (its class and module) about to
+    run on ``[..., heads, head_dim]`` (one head's features in its last dimension), with no weight or one of that size."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ in HEAD_NORMS and type(module).__module__.startswith("transformers.models.") \
+        and x.dim() >= 3 and tuple(x.shape[-2:]) == (call.query[1], call.value[-1]) \
+        and (weight is None or tuple(weight.shape) == (call.value[-1],))
 
 
 def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
@@ -729,7 +745,8 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     elif call.probs_index is None or call.probs_index < 0:
         problem = ("its forward does not return the attention function's weights, where capture reads the attention "
                    "probabilities")
-    elif others := [m for m in call.readers if not _nested(m, call.o) and m is not call.sub_norm]:
+    elif others := [m for m in call.readers if not _nested(m, call.o) and m is not call.sub_norm
+                    and not any(m is norm for norm in call.head_norms)]:
         problem = (f"besides its output projection {o_name}, {names.get(id(others[0]), type(others[0]).__name__)} reads "
                    "the heads' outputs (an adapter around the projection?): masking the projection's input would "
                    "not switch a head off")

@@ -434,7 +434,7 @@ OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",),
     **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",)),
     **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",)),
-    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer"], ("gate_proj",))}
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], ("gate_proj",))}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -464,6 +464,16 @@ input, which must leave the other entries' outputs as they were:
 
 A layer left with no head: the norm's input is all zeros, its output ``0 / sqrt(eps) = 0`` in both, so the layer
 adds ``o_proj(0)``, the output projection's bias, which the stand-in of a layer with no head returns."""
+
+HEAD_NORMS: frozenset[str] = frozenset({"MuseSparkRMSNorm"})
+"""Classes of transformers' own norms (their names) that an attention may apply to the attention function's output
+``[batch, seq, heads, head_dim]`` before regrouping it for ``o_proj``: each normalises the last dimension only, with a
+weight of that size where it has one (read off transformers 5.24: Muse Spark's ``o_norm``, ``MuseSparkRMSNorm(
+with_scale=False)``, ``x * (mean(x^2) + eps)^-0.5``). Applied there, it computes each head's output from that head's
+values only and maps a head's zeros to zeros, so :mod:`headlab.adapters.discovery` lets the heads' outputs pass
+through it (only at that width: ``head_dim`` features of one head). Masking at ``o_proj``'s input then equals zeroing
+the head's value rows, a gate scales the head's column of ``o_proj``'s input exactly, and physical pruning leaves the
+norm as it is (its weight, if any, is shared by the heads)."""
 
 GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
 
@@ -514,7 +524,7 @@ QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
     **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate),
     # Muse Glimmer (MuseGlimmerTextAttention): AFMoE's, the output [batch, seq, heads * head_dim] times
     # sigmoid(gate_proj(hidden_states)), hidden -> heads x head_dim
-    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer"], afmoe_gate)}
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], afmoe_gate)}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output

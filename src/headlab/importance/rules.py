@@ -274,7 +274,8 @@ def _check_finite(module: nn.Module, x: torch.Tensor) -> None:
 
 def _rms_norm_rule(module: nn.Module, args, output):
     """RMS norms: x times a detached gamma / rms(x), with gamma the weight (T5, mT5, Llama, Qwen),
-    one plus the weight (Gemma's ``x * (1 + w)``) or one (no weight)."""
+    one plus the weight (Gemma's ``x * (1 + w)``) or one (no weight); or scaled first, x times a detached
+    gamma / rms(gamma x) (Muse Spark's ``MuseSparkTextInputScaledRMSNorm``: ``norm(x * (1 + w))``)."""
     x = args[0]
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     weight = getattr(module, "weight", None)
@@ -283,13 +284,17 @@ def _rms_norm_rule(module: nn.Module, args, output):
         wide = torch.promote_types(x.dtype, torch.float32)  # as the norms compute it: at least fp32
         rms = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
         gammas = [None] if not isinstance(weight, torch.Tensor) else [weight.to(wide), 1 + weight.to(wide)]
-        for gamma in gammas:
-            factor = (rms if gamma is None else rms * gamma).to(output.dtype).expand_as(output)
+        factors = [rms if gamma is None else rms * gamma for gamma in gammas]
+        factors += [gamma * torch.rsqrt((x.to(wide) * gamma).pow(2).mean(-1, keepdim=True) + eps)
+                    for gamma in gammas if gamma is not None]
+        for factor in factors:
+            factor = factor.to(output.dtype).expand_as(output)
             if torch.allclose(x * factor, output, rtol=1e-3, atol=1e-5):
                 break
         else:
             raise HeadlabError(
-                f"LRP: {type(module).__name__} is not x / rms(x) times its weight (or one plus it); "
+                f"LRP: {type(module).__name__} is not x / rms(x) times its weight (or one plus it), nor that of x "
+                "scaled by it first; "
                 "headlab has no LRP rule for it"
             )
         # The factor the module really applied (its own precision), so that x * factor == output.
@@ -1490,7 +1495,8 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     ``[experts, 2 * inner, hidden]`` and ``down_proj`` ``[experts, hidden, inner]`` (Mixtral, Qwen-MoE,
     MiniMax-M3; LongCat-Flash with its identity experts after the gated ones, :func:`_identity_experts`) or
     transposed, ``[experts, hidden, 2 * inner]`` and ``[experts, inner, hidden]`` (GPT-OSS, Aria, Llama 4),
-    with biases ``gate_up_proj_bias`` and ``down_proj_bias`` or none, no norm after the experts, and a gate
+    with biases ``gate_up_proj_bias`` and ``down_proj_bias`` or none, no norm after the experts or an RMS norm
+    (:func:`_post_expert_norm`), and a gate
     :class:`_Gate` knows (``act_fn(gate) * up``, or GPT-OSS's clamped SwiGLU), found by running the module's
     ``_apply_gate`` on a probe. Called as ``experts(hidden_states, top_k_index, top_k_weights)``,
     or as ``experts(hidden_states)`` with a ``router`` beside it (Llama 4, :func:`_moe_layout_problem`). DBRX's
@@ -1503,8 +1509,9 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
     if transposed is None:
         return ("its expert weights are not gate_up_proj [experts, 2 x inner, hidden] and down_proj "
                 "[experts, hidden, inner], nor those transposed")
-    if wrong := _flags_other_than(module, {"has_gate": True, "has_post_expert_norm": False, "is_transposed": transposed}):
-        return f"its layout differs ({wrong})"
+    if wrong := _flags_other_than(module, {"has_gate": True, "has_post_expert_norm": _post_expert_norm(module) is not None,
+                                           "is_transposed": transposed}):
+        return f"its layout differs ({wrong}{'' if _post_expert_norm(module) else ', no RMS norm post_expert_norm'})"
     biases = bool(getattr(module, "has_bias", False))
     if biases:
         gate_up, down = cast(Any, module).gate_up_proj, cast(Any, module).down_proj  # 3-d: _transposed
@@ -1525,6 +1532,14 @@ def _experts_layout(module: nn.Module) -> tuple[bool, bool, _Gate] | str:
         return ("it applies its own gate (_apply_gate), which computes none of act_fn(gate) * up, GPT-OSS's "
                 f"clamped (up + 1) * gate * sigmoid(alpha * gate), {', '.join(_CLAMPED.values())} on a probe")
     return transposed, biases, gate
+
+
+def _post_expert_norm(module: nn.Module) -> nn.Module | None:
+    """The RMS norm each expert's output passes through before its routing weight (transformers'
+    ``has_post_expert_norm``: Muse Spark's ``post_expert_norm``), which :func:`_expert` calls as a module, so that
+    its own rule (:func:`_rms_norm_rule`) holds its factor constant; None without one."""
+    norm = getattr(module, "post_expert_norm", None)
+    return norm if isinstance(norm, nn.Module) and _is_rms_norm(norm) else None
 
 
 def _moe_layout_problem(module: nn.Module, parent: nn.Module | None = None) -> str | None:
@@ -1603,7 +1618,9 @@ def _expert(module: Any, x: torch.Tensor, expert: int, transposed: bool, biases:
         return out + bias if kept is None else out + bias + (kept - kept.detach())
 
     gate_up = project(x, module.gate_up_proj[expert], module.gate_up_proj_bias[expert] if biases else None)
-    return project(gate(gate_up), module.down_proj[expert], module.down_proj_bias[expert] if biases else None)
+    out = project(gate(gate_up), module.down_proj[expert], module.down_proj_bias[expert] if biases else None)
+    norm = _post_expert_norm(module) if getattr(module, "has_post_expert_norm", False) else None
+    return out if norm is None else norm(out)
 
 
 _EXPERTS_ARGUMENTS = {"hidden_states": "hidden_states", "top_k_index": "top_k_index", "top_k_weights": "top_k_weights",
