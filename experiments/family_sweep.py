@@ -300,6 +300,23 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                             vision_config=dict(TINY_STACK, num_hidden_layers=1, num_key_value_heads=4, head_dim=8,
                                                position_embedding_size=64, patch_size=4, pooling_kernel_size=2),
                             canvas_length=4),
+    # Qwen2.5-Omni's thinker: M-RoPE text model; window-attention vision tower and audio encoder at their smallest
+    "qwen2_5_omni_thinker": dict(
+        text_config=dict(SIZES, **MROPE), vision_config=dict(PATCH_MERGER_VISION, fullatt_block_indexes=[0],
+                                                             window_size=8),
+        audio_config=dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=40, d_model=32,
+                          output_dim=32, max_source_positions=16, n_window=4),
+        audio_token_index=90, image_token_index=91, video_token_index=92, audio_start_token_id=93,
+        audio_end_token_id=94, user_token_id=95, vision_start_token_id=96),  # its forward reads it (no default)
+    # Qwen3-Omni-MoE's thinker: M-RoPE mixture-of-experts text model, DeepStack vision tower, audio encoder
+    "qwen3_omni_moe_thinker": dict(
+        text_config=dict(SIZES, **MROPE, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2),
+        vision_config=dict(PATCH_MERGER_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
+        audio_config=dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=40, d_model=32,
+                          output_dim=32, max_source_positions=16, n_window=4, n_window_infer=8, conv_chunksize=4,
+                          downsample_hidden_size=8),
+        audio_token_id=90, image_token_id=91, video_token_id=92, audio_start_token_id=93, user_token_id=95,
+        vision_start_token_id=96),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
