@@ -317,6 +317,13 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                           downsample_hidden_size=8),
         audio_token_id=90, image_token_id=91, video_token_id=92, audio_start_token_id=93, user_token_id=95,
         vision_start_token_id=96),
+    # ERNIE 4.5 VL: text and vision experts (two expert widths), a dense then a sparse layer, M-RoPE
+    "ernie4_5_vl_moe": dict(
+        text_config=dict(SIZES, **MROPE, moe_intermediate_size=[40, 24], moe_k=2, moe_num_experts=4,
+                         moe_num_shared_experts=1),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=4, intermediate_size=40, patch_size=4),
+        image_start_token_id=90, image_end_token_id=91, image_token_id=92, video_start_token_id=93,
+        video_end_token_id=94, video_token_id=95),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
