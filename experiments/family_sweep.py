@@ -324,6 +324,16 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
         vision_config=dict(depth=1, hidden_size=32, num_heads=4, intermediate_size=40, patch_size=4),
         image_start_token_id=90, image_end_token_id=91, image_token_id=92, video_start_token_id=93,
         video_end_token_id=94, video_token_id=95),
+    # Granite 4 Vision: a window Q-Former projector (heads: the tower's width / 64), features injected into layer 0
+    "granite4_vision": dict(
+        text_config=SIZES, vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=40,
+                                              num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8),
+        qformer_config=dict(intermediate_size=40), downsample_rate="1/2", deepstack_layer_map=[[0, 0]],
+        spatial_target_layers=[0, 1, 0, 1], image_grid_pinpoints=[[16, 16]], image_seq_length=4, image_token_index=98),
+    # Granite-Docling: DeepStack from the tower's layer 0; the tower's output at the text width
+    "granite_docling": dict(text_config=SIZES, vision_config=dict(
+        TINY_VISION, patch_size=8, out_hidden_size=32, scale_factor=2, deepstack_visual_indexes=[0]), image_token_id=98,
+        pad_token_id=0),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
