@@ -334,6 +334,13 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "granite_docling": dict(text_config=SIZES, vision_config=dict(
         TINY_VISION, patch_size=8, out_hidden_size=32, scale_factor=2, deepstack_visual_indexes=[0]), image_token_id=98,
         pad_token_id=0),
+    # DeepSeek-VL hybrid: a Llama text model, a SigLIP tower and a SAM high-resolution tower (GOT-OCR2's sizes)
+    "deepseek_vl_hybrid": dict(
+        text_config=dict(SIZES, model_type="llama"), image_token_id=98,
+        vision_config=dict(TINY_VISION, model_type="siglip_vision_model", patch_size=8),
+        high_res_vision_config=dict(model_type="sam_vision_model", hidden_size=32, output_channels=16,
+                                    num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+                                    window_size=2, global_attn_indexes=[1], mlp_dim=40)),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
@@ -342,6 +349,8 @@ SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a bui
     "xlstm": "no attention: xLSTM's mLSTM blocks are recurrent",
     # skip27A
     "gemma3n": "its vision tower is a timm model (timm is not installed); its text model is swept as gemma3n_text",
+    **{t: "its vision tower is a timm model (timm is not installed); its text model is a plain causal LM's, swept "
+          "under that type" for t in ("perception_lm", "fast_vlm")},
     **{t: "a drafter for speculative decoding: it ignores input_ids and attends to the target model's shared keys "
           "and values (shared_kv_states), so nothing runs on token ids alone" for t in (
         "gemma4_assistant", "gemma4_unified_assistant")},
