@@ -341,6 +341,14 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
         high_res_vision_config=dict(model_type="sam_vision_model", hidden_size=32, output_channels=16,
                                     num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
                                     window_size=2, global_attn_indexes=[1], mlp_dim=40)),
+    # DeepSeek-OCR-2: a DeepSeek-MoE text model (a dense, then a sparse layer); a SAM tower, then a Qwen2-like encoder
+    "deepseek_ocr2": dict(
+        text_config=dict(SIZES, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=40,
+                         mlp_layer_types=["dense", "sparse"]), image_token_id=98,
+        vision_config=dict(sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8, window_size=2,
+                                           global_attn_indexes=[1], mlp_dim=40, downsample_channels=[16, 32]),
+                           encoder_config=dict(SIZES))),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
