@@ -349,6 +349,16 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                                            num_attention_heads=4, image_size=32, patch_size=8, window_size=2,
                                            global_attn_indexes=[1], mlp_dim=40, downsample_channels=[16, 32]),
                            encoder_config=dict(SIZES))),
+    # Nemotron-H Omni: a Nemotron-H hybrid text model, a RADIO tower and a Parakeet audio encoder (its projector's
+    # sizes read from the audio config: transformers 5.24 gives them no default)
+    "nemotron_h_omni": dict(
+        text_config=dict(SIZES, **EXTRA_SIZES, model_type="nemotron_h"), projector_hidden_size=40,
+        vision_config=dict(model_type="radio", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           patch_size=8, image_size=16, max_img_size=32, num_cls_tokens=1, num_registers=1,
+                           video_temporal_patch_size=2), vision_hidden_size=32,
+        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40,
+                          subsampling_conv_channels=8, num_mel_bins=16, projection_hidden_size=40,
+                          projection_bias=False), image_token_id=98, video_token_id=97, audio_token_id=96),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
