@@ -67,6 +67,7 @@ from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attenti
 from headlab.adapters import is_linear
 from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS, rows_per_head
 from headlab.importance.lrp import lrp_precision
+from headlab.loading import required_inputs, token_ids_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # the survey's sizes, builder and loop over the model types (one copy of each)
@@ -359,6 +360,18 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
         audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40,
                           subsampling_conv_channels=8, num_mel_bins=16, projection_hidden_size=40,
                           projection_bias=False), image_token_id=98, video_token_id=97, audio_token_id=96),
+    # BLIP-2: an OPT text model under a one-layer Q-Former of two queries
+    "blip-2": dict(text_config=dict(SIZES, model_type="opt", ffn_dim=40, word_embed_proj_dim=32),
+                   vision_config=dict(TINY_VISION, patch_size=8), num_query_tokens=2, image_token_index=98,
+                   qformer_config=dict(TINY_STACK, num_hidden_layers=1, encoder_hidden_size=32, vocab_size=99)),
+    "kosmos-2": dict(text_config=dict(vocab_size=99, embed_dim=32, layers=2, ffn_dim=40, attention_heads=4,
+                                      max_position_embeddings=64), vision_config=dict(TINY_VISION, patch_size=8),
+                     latent_query_num=2),
+    # IDEFICS (1): a Llama with gated cross-attention to images every second layer, a perceiver resampler
+    "idefics": dict(SIZES, vision_config=dict(embed_dim=32, image_size=16, intermediate_size=40, patch_size=8,
+                                              num_hidden_layers=1, num_attention_heads=4), cross_layer_interval=2,
+                    perceiver_config=dict(resampler_n_latents=2, resampler_depth=1, resampler_n_heads=2,
+                                          resampler_head_dim=8)),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
@@ -863,9 +876,13 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         return "", "", ""
     if model_type in SKIPPED:
         return "skipped", "n/a", SKIPPED[model_type]
+    if required := required_inputs(cls):  # InstructBLIP's pixel_values: refused before any work, whatever the sizes
+        return "refused", "inputs", f"{cls.__name__}.forward requires {', '.join(required)}"
     eager, why = build(config_class, cls, "eager", torch.float64)
     if eager is None:
         return "skipped", "build", why
+    if problem := token_ids_problem(eager):  # an image on every forward (BLIP-2, Kosmos-2): refused before any work
+        return "refused", "inputs", problem[:300]
     # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
     # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
     implementation = "sdpa" if cls._supports_sdpa and model_type not in CAUSAL_ON_TOKEN_IDS \

@@ -256,6 +256,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
             model = cls(config_for(cls, config))
     except (ValueError, TypeError, ImportError, NotImplementedError) as error:
         raise HeadlabError(f"{flag} {name_or_path}: cannot build the model from its config ({error})") from None
+    problem = token_ids_problem(model)
+    if problem:
+        raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}): {problem}")
     try:
         for block in attention_blocks(model):
             if prune and not block.idle:  # an idle block's heads are refused if named (surgery.check_checkable)
@@ -269,6 +272,44 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
         shapes = tensor_shapes(path)
         if not (path / PRUNING_FILE).is_file() and _record_from_weights(model, shapes) is None:
             check_fits_weights(model, shapes, f"{path}/config.json")
+
+
+_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "decoder_input_ids", "inputs_embeds"})
+"""What headlab's commands give a model: token ids (and their masks; an encoder-decoder's target ids)."""
+
+
+def required_inputs(cls: type[nn.Module]) -> list[str]:
+    """The arguments ``cls.forward`` requires besides token ids and their masks (BLIP-2's ``pixel_values``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty and p.name not in {"self", *_TEXT_INPUTS}
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def token_ids_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s forward cannot run on token ids alone, where every command runs it (None: it can): an argument
+    its forward requires besides them (BLIP-2's ``pixel_values``), or the probe forward of
+    :mod:`headlab.adapters.discovery` failing on token ids with a TypeError or ValueError (Kosmos-2 raises without
+    ``pixel_values`` or ``image_embeds``, UDOP without ``bbox``). Before, such a model was analysed by its layers'
+    names (the probe's fallback for older modeling code) and the first stage failed with "internal error" after the
+    model loaded."""
+    from headlab.adapters.discovery import discover
+
+    runs = "headlab runs models on token ids (their text) only"
+    if required := required_inputs(type(model)):
+        return f"{type(model).__name__}.forward requires {', '.join(required)}: {runs}"
+    try:
+        discover(model)
+    except HeadlabError as error:
+        cause = error.__cause__
+        if isinstance(cause, (TypeError, ValueError)):
+            return f"{type(model).__name__}'s forward fails on token ids alone ({type(cause).__name__}: " \
+                   f"{one_line(cause)}): {runs}"
+    return None
 
 
 # What a tokenizer directory holds (fast, slow, SentencePiece and BPE formats).

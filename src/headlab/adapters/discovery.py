@@ -700,7 +700,7 @@ def _plain_attributes(model: nn.Module) -> list[tuple[object, dict]]:
     for module in model.modules():
         owners.setdefault(id(module), module)
         config = getattr(module, "config", None)
-        if config is not None:
+        if hasattr(config, "__dict__"):  # a float under that name (IDEFICS' dropout: self.config = config.dropout)
             owners.setdefault(id(config), config)
     return [(owner, {k: v for k, v in vars(owner).items() if isinstance(v, _PLAIN)}) for owner in owners.values()]
 

@@ -1,0 +1,83 @@
+"""Vision-language models whose forward needs an image: BLIP-2 (``pixel_values`` a required argument of
+``Blip2ForConditionalGeneration.forward``), Kosmos-2 and IDEFICS (their forwards raise without ``pixel_values`` or
+image embeddings). Every headlab command runs a model on token ids; before session 38 such a model
+was analysed by its layers' names (the discovery probe's fallback for older modeling code), loaded, and the first stage
+failed with "internal error (TypeError ...); this is a bug in headlab". Now the check every command makes before any
+work (``loading.check_supported``, ``token_ids_problem``) refuses it with exit 2, naming what the forward needs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab.cli import main
+from headlab.loading import token_ids_problem
+from support.family_matrix import save_tiny, treebank_files
+
+_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+               patch_size=8)
+
+
+def _blip2() -> torch.nn.Module:
+    config = tf.Blip2Config(text_config=dict(model_type="opt", vocab_size=99, hidden_size=32, ffn_dim=40,
+                                             num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32,
+                                             max_position_embeddings=64),
+                            vision_config=_VISION, num_query_tokens=2, image_token_index=98,
+                            qformer_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+                                                num_attention_heads=4, encoder_hidden_size=32, vocab_size=99))
+    torch.manual_seed(0)
+    return tf.Blip2ForConditionalGeneration(config).eval()
+
+
+def _kosmos2() -> torch.nn.Module:
+    config = tf.Kosmos2Config(text_config=dict(vocab_size=99, embed_dim=32, layers=2, ffn_dim=40, attention_heads=4,
+                                               max_position_embeddings=64), vision_config=_VISION, latent_query_num=2)
+    torch.manual_seed(0)
+    return tf.Kosmos2ForConditionalGeneration(config).eval()
+
+
+def _idefics() -> torch.nn.Module:
+    config = tf.IdeficsConfig(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64, cross_layer_interval=2,
+                              vision_config=dict(embed_dim=32, image_size=16, intermediate_size=40, patch_size=8,
+                                                 num_hidden_layers=1, num_attention_heads=4),
+                              perceiver_config=dict(resampler_n_latents=2, resampler_depth=1, resampler_n_heads=2,
+                                                    resampler_head_dim=8))
+    torch.manual_seed(0)
+    return tf.IdeficsForVisionText2Text(config).eval()
+
+
+@pytest.mark.parametrize(("build", "needs"), [
+    (_blip2, r"Blip2ForConditionalGeneration\.forward requires pixel_values"),
+    (_kosmos2, r"Kosmos2ForConditionalGeneration's forward fails on token ids alone \(ValueError: You have to specify "
+               r"either `pixel_values` or `image_embeds`\.\)"),
+    # its dropout module holds a float as ``config``: the probe's record of plain attributes crashed on it (TypeError)
+    (_idefics, r"IdeficsForVisionText2Text's forward fails on token ids alone \(ValueError: Exactly 1 of pixel_values"),
+])
+def test_a_model_that_needs_an_image_is_refused_before_any_work(build, needs, tmp_path, capsys):
+    model = build()
+    problem = token_ids_problem(model)
+    assert problem is not None and "headlab runs models on token ids (their text) only" in problem
+    save_tiny(model, tmp_path / "model", treebank_files(tmp_path))
+    out = tmp_path / "out"
+    assert main(["functions", str(tmp_path / "model"), "--conllu", str(tmp_path / "tb.conllu"), "--out",
+                 str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err
+    assert re.search(needs, err), err
+    assert not out.exists()
+
+
+def test_text_only_and_token_id_wrappers_pass():
+    """A text model and a wrapper that runs on token ids (its tower idle) have no such problem."""
+    from support.family_matrix import tiny_model
+
+    assert token_ids_problem(tiny_model("llama")) is None
+    config = tf.LlavaConfig(text_config=dict(model_type="llama", vocab_size=99, hidden_size=32, intermediate_size=40,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             max_position_embeddings=64),
+                            vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=98)
+    assert token_ids_problem(tf.LlavaForConditionalGeneration(config).eval()) is None
