@@ -372,6 +372,28 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
                                               num_hidden_layers=1, num_attention_heads=4), cross_layer_interval=2,
                     perceiver_config=dict(resampler_n_latents=2, resampler_depth=1, resampler_n_heads=2,
                                           resampler_head_dim=8)),
+    # a ViT encoder and a GPT-2 decoder that cross-attends to it
+    "vision-encoder-decoder": dict(encoder=dict(TINY_VISION, model_type="vit", patch_size=8), decoder=dict(
+        SIZES, model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, is_decoder=True,
+        add_cross_attention=True)),
+    # Florence-2: a BART text model under a one-stage DaViT tower
+    "florence2": dict(text_config=dict(SIZES, **SEQ2SEQ_SIZES, model_type="bart"), image_token_id=98, vision_config=dict(
+        depths=[1], patch_size=[7], patch_stride=[4], patch_padding=[3], patch_prenorm=[False], embed_dim=[32],
+        num_heads=[4], num_groups=[4], window_size=2, projection_dim=32)),
+    # Unlimited-OCR: DeepSeek-OCR-2's text model with sliding windows (its forward fails with 2 key/value heads of 4:
+    # as many as query heads); a SAM tower and a CLIP-like encoder
+    "unlimited_ocr": dict(
+        text_config=dict(SIZES, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=40,
+                         mlp_layer_types=["dense", "sparse"], sliding_window=4, num_key_value_heads=4), image_token_id=98,
+        vision_config=dict(sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8, window_size=2,
+                                           global_attn_indexes=[1], mlp_dim=40, downsample_channels=[16, 32]),
+                           encoder_config=dict(TINY_VISION, patch_size=8))),
+    # PP-FormulaNet: a SAM tower and an mBART-like decoder
+    "pp_formulanet": dict(text_config=dict(SIZES, **SEQ2SEQ_SIZES), vision_config=dict(
+        hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+        window_size=2, global_attn_indexes=[1], mlp_dim=40, post_conv_in_channels=16, post_conv_out_channels=32,
+        post_conv_mid_channels=16, decoder_hidden_size=32)),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
