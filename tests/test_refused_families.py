@@ -203,3 +203,21 @@ def test_the_class_of_a_type_with_several_bare_classes():
     assert model_class_for(config) is tf.FunnelForMaskedLM
     config.architectures = ["FunnelBaseModel"]
     assert model_class_for(config) is tf.FunnelBaseModel
+
+
+def test_diffusion_gemma_is_refused_naming_its_denoiser():
+    """DiffusionGemma (session 38's sweep of wrappers): its encoder's and its denoiser's layers both claimed dec_self
+    layer 0; refused before any work, saying why (adapters.families.UNSUPPORTED)."""
+    if "diffusion_gemma" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no diffusion_gemma")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, global_head_dim=8,
+                layer_types=["sliding_attention", "full_attention"], num_experts=4, top_k_experts=2,
+                moe_intermediate_size=40)
+    vision = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, position_embedding_size=64, patch_size=4, pooling_kernel_size=2)
+    config = CONFIG_MAPPING["diffusion_gemma"](text_config=text, vision_config=vision, canvas_length=4)
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    with pytest.raises(HeadlabError, match=r"is not supported: DiffusionGemma is a block-diffusion language model"):
+        attention_blocks(model)

@@ -1367,6 +1367,13 @@ CONFIG_FAMILIES = {"falcon": falcon, "gpt_bigcode": gpt_bigcode, "openai-gpt": o
 """Model types whose entry depends on their config (the fused layout)."""
 
 UNSUPPORTED: dict[str, str] = {
+    # session 38's sweep of wrappers: its encoder's and its denoiser's layers were both dec_self layer 0 ("two
+    # modules claim"); read in transformers 5.24 (DiffusionGemmaDecoderTextAttention, DiffusionGemmaDecoderModel)
+    "diffusion_gemma": "DiffusionGemma is a block-diffusion language model: an encoder reads the prompt, then a "
+                       "denoiser refines a canvas of canvas_length tokens, each of its layers attending bidirectionally "
+                       "over [the keys and values the encoder's layer cached | the canvas's own], so a denoiser head's "
+                       "map spans two stacks' keys and its layers number from 0 beside the encoder's, which headlab's "
+                       "blocks (one stack, one map over one module's keys per head) do not describe",
     "whisper": "Whisper is a speech model: its encoder reads audio features, which headlab's text inputs cannot "
                "feed (transformers would load it as WhisperForCausalLM, its encoder dropped)",
     # its audio tower's blocks and its language model's were both dec_self layer 0 ("two modules claim"), the probe
