@@ -47,7 +47,8 @@ from torch import nn
 from headlab.adapters import attention_blocks, config_value
 from headlab.errors import HeadlabError
 
-__all__ = ["Trace", "Mismatch", "probe_inputs", "run_probe", "run_floored", "first_mismatch", "tolerance", "not_finite"]
+__all__ = ["Trace", "Mismatch", "probe_inputs", "first_probe", "run_probe", "run_floored", "first_mismatch", "tolerance",
+           "not_finite"]
 
 ROWS, LENGTH, PADS, DECODER_LENGTH, STEPS = 3, 6, 2, 3, 3
 
@@ -164,6 +165,33 @@ def probe_inputs(model: nn.Module, padded: bool = True) -> dict:
         probe["decoder_input_ids"] = ids(rows, DECODER_LENGTH)
         return probe
     return {"input_ids": input_ids, "attention_mask": mask.to(device), "steps": ids(STEPS, rows, 1)}
+
+
+def first_probe(model: nn.Module) -> tuple[dict, Trace]:
+    """The probe ``model`` runs, and its trace: the padded probe; where the model fails on it, the same with the
+    position ids ``generate()`` would give (:func:`generation_positions`), then one unpadded row (a classifier with no
+    padding token). The trace's ``error`` is the last failure, where all three fail."""
+    probe = probe_inputs(model)
+    trace = run_probe(model, probe)
+    if trace.error is not None:
+        probe = {**probe, "positions": True}
+        trace = run_probe(model, probe)
+    if trace.error is not None:
+        probe = probe_inputs(model, padded=False)
+        trace = run_probe(model, probe)
+    return probe, trace
+
+
+def generation_positions(model: nn.Module, probe: dict) -> torch.Tensor | None:
+    """The position ids ``generate()`` gives the probe's first forward (transformers 5.24's
+    ``_prepare_position_ids_for_generation``, which a model may override: the Qwen-Omni thinkers' M-RoPE positions),
+    for a probe marked ``positions`` (:func:`surgery.prune_heads` marks it where the model fails the plain probe: the
+    thinkers compute their own decoding positions from the whole attention mask, one per cached token); None for a
+    model that takes none."""
+    prepare = getattr(model, "_prepare_position_ids_for_generation", None)
+    if prepare is None or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    return prepare(probe["input_ids"], {"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"]})
 
 
 def _decoder_vocab(model: nn.Module, vocab: int) -> int:
@@ -289,6 +317,9 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
         masks.update(main=mask)
     if generates:
         kwargs["use_cache"] = True
+    positions = generation_positions(model, probe) if probe.get("positions") else None
+    if positions is not None:  # as generate() gives them (the Qwen-Omni thinkers' own decoding positions fail)
+        kwargs["position_ids"] = positions
     output = model(**kwargs)
     # transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -311,6 +342,9 @@ def _calls(model: nn.Module, probe: dict, seq2seq: bool, masks: dict, state: dic
             mask = torch.cat([mask, ones], dim=1)
             masks.update(main=ones)
             step_kwargs = {"input_ids": tokens, "attention_mask": mask}
+            if positions is not None:  # one past the last, as generate() moves them on
+                positions = positions[..., -1:] + 1
+                step_kwargs["position_ids"] = positions
         output = model(**step_kwargs, **{cache_name: cache}, use_cache=True)
         cache = _cache_of(output)
         logits = getattr(output, "logits", None)

@@ -1243,7 +1243,7 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
     ``spec`` masked (:mod:`headlab.prune_check`); undo everything if it differs (and, with
     ``commit=False``, also if it does not). The model's attention blocks afterwards."""
     from headlab.gates import masked_heads
-    from headlab.prune_check import _name, first_mismatch, not_finite, own_nan_cause, probe_inputs, run_floored, run_probe
+    from headlab.prune_check import _name, first_mismatch, first_probe, not_finite, own_nan_cause, run_floored, run_probe
 
     # first: an idle block's projections may be unknown (GPT-2's cross-attention), and that is not why it is refused
     check_checkable(attention_blocks(model), spec, _model_type(model))
@@ -1264,12 +1264,8 @@ def _prune_checked(model: nn.Module, plans: list[tuple], spec: dict, commit: boo
         # BitNetRMSNorm normalises in float32 whatever the dtype (transformers 5.24): its rescaled weight and epsilon
         # (_slice_sub_norm) round apart from the unpruned norm's by float32's precision
         dtype = torch.float32
-    probe = probe_inputs(model)
     with masked_heads(model, spec):
-        reference = run_probe(model, probe)
-        if reference.error is not None:  # e.g. a classifier with no padding token: one unpadded row
-            probe = probe_inputs(model, padded=False)
-            reference = run_probe(model, probe)
+        probe, reference = first_probe(model)  # the padded probe, or generate()'s positions, or one unpadded row
     if reference.error is not None:
         raise HeadlabError(
             f"{_model_type(model)}: cannot check pruning, the model itself fails on headlab's probe batch "
@@ -1825,13 +1821,9 @@ def _load_converted(model: nn.Module, state: dict, path: Path) -> list[str]:
 def _check_loaded(model: nn.Module, path: Path) -> None:
     """The loaded weights in the checked structure: a forward on the padded probe (and cached
     generation steps) must run and give finite values where the inputs are not padding."""
-    from headlab.prune_check import not_finite, own_nan_cause, probe_inputs, run_probe
+    from headlab.prune_check import first_probe, not_finite, own_nan_cause
 
-    probe = probe_inputs(model)
-    trace = run_probe(model, probe)
-    if trace.error is not None:  # as in _prune_checked: a model that cannot take padded rows gets one row
-        probe = probe_inputs(model, padded=False)
-        trace = run_probe(model, probe)
+    probe, trace = first_probe(model)  # as in _prune_checked
     problem = not_finite(trace)
     if problem is not None:
         # NaN from the model's own padded attention is not a damaged file: say which it is
