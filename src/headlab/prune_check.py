@@ -185,9 +185,9 @@ def first_probe(model: nn.Module) -> tuple[dict, Trace]:
 def generation_positions(model: nn.Module, probe: dict) -> torch.Tensor | None:
     """The position ids ``generate()`` gives the probe's first forward (transformers 5.24's
     ``_prepare_position_ids_for_generation``, which a model may override: the Qwen-Omni thinkers' M-RoPE positions),
-    for a probe marked ``positions`` (:func:`surgery.prune_heads` marks it where the model fails the plain probe: the
-    thinkers compute their own decoding positions from the whole attention mask, one per cached token); None for a
-    model that takes none."""
+    for a probe marked ``positions`` (:func:`first_probe` marks it where the model fails the plain probe: the thinkers
+    compute their own decoding positions from the whole attention mask, one per cached token); None for a model that
+    takes none."""
     prepare = getattr(model, "_prepare_position_ids_for_generation", None)
     if prepare is None or getattr(model.config, "is_encoder_decoder", False):
         return None
