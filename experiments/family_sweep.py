@@ -33,7 +33,8 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
   checked in float64 too: Ding's product rule loses relevance to float32 rounding (docs/importance.md).
 
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
-``refused`` (attention_blocks refused it before any work), ``FAIL`` (a check found a silent wrong
+``refused`` (attention_blocks refused it before any work; or, check ``inputs``, its forward needs more than token ids,
+which every command refuses before any work: ``headlab.loading.token_ids_problem``, session 38), ``FAIL`` (a check found a silent wrong
 result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
 traceback for a user), ``skipped`` (does not build tiny, or ``SKIPPED`` gives the reason) or ``timeout``. Families already in the
 test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
