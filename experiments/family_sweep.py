@@ -34,8 +34,8 @@ checks of tests/support/family_matrix.py are run through headlab's public functi
 
 Each type gets one outcome: ``pass`` (every check it reached passed; refused features listed),
 ``refused`` (attention_blocks refused it before any work; or, check ``inputs``, its forward needs more than token ids,
-which every command refuses before any work: ``headlab.loading.token_ids_problem``, session 38), ``FAIL`` (a check found a silent wrong
-result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
+which every command refuses before any work: ``headlab.loading.token_ids_problem``, session 38), ``FAIL`` (a check
+found a silent wrong result: which check, by how much), ``CRASH`` (an exception other than HeadlabError: a raw
 traceback for a user), ``skipped`` (does not build tiny, or ``SKIPPED`` gives the reason) or ``timeout``. Families already in the
 test matrix (tests/support) are marked ``matrix`` and skipped unless ``--all``. ``SIZES``, the tiny
 builder and the walk over the model types are benchmarks/survey_families.py's, imported from there.

@@ -519,15 +519,36 @@ def glm5_next(layer_types: list[str], attn_implementation: str = "sdpa") -> torc
     return perturbed_model(tf.Glm5NextForConditionalGeneration, config, attn_implementation=attn_implementation)
 
 
-def test_glm5_next_with_its_linear_attention_layers_is_refused_before_any_work():
-    """Its released layout (three KDA linear-attention layers in four) is refused, the wrapper and the text model
-    alike, naming the KDA layer (as Kimi Linear's)."""
+def test_glm5_next_with_its_linear_attention_layers_is_analysed_on_its_attention_layers():
+    """Its released layout (KDA linear-attention layers between indexed-attention ones): the KDA layers are a hybrid's
+    other mixer (adapters.families.LINEAR_MIXERS, as Qwen3-Next's Gated DeltaNet), so the blocks are the attention
+    layers alone, analysed exactly (capture equals output_attentions, masking equals zeroing the head's value rows),
+    pruning refused as unchecked and LRP refused before any work naming the KDA layer. Before session 38 the model was
+    refused, the wrapper and the text model alike, its KDA layer taken for attention that skipped the interface."""
+    from headlab.importance.rules import check_rules
+
+    inputs = tiny_inputs()
     model = glm5_next(["linear_attention", "indexed_attention"])
-    for part in (model, model.model.language_model):
-        with pytest.raises(HeadlabError, match=r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/"
-                                               r"value/output projections but did not call transformers' attention "
-                                               r"interface"):
-            attention_blocks(part)
+    assert [(b.kind, b.layer, b.name) for b in attention_blocks(model)] == [
+        ("dec_self", 1, "model.language_model.layers.1.self_attn")]
+    with torch.no_grad():
+        reference = glm5_next(["linear_attention", "indexed_attention"], "eager")(**inputs,
+                                                                                output_attentions=True).attentions
+    with capture_attention(model) as record:
+        _output(model, inputs)
+    assert sorted(record) == [("dec_self", 1)]
+    assert torch.equal(record[("dec_self", 1)], next(a for a in reference if a is not None))
+    with mask_heads(model, {("dec_self", 1): [2]}):
+        masked = _output(model, inputs)[1]
+    zeroed = glm5_next(["linear_attention", "indexed_attention"])
+    with torch.no_grad():
+        zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
+    torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
+    assert not torch.allclose(masked, _output(model, inputs)[1])
+    with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
+        prune_heads(model, {("dec_self", 1): [0]})
+    with pytest.raises(HeadlabError, match=r"^LRP: no rule for "):  # its latent attention first (KDA: test_kda_hybrids)
+        check_rules(model)
 
 
 def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactly_and_not_pruned():
@@ -615,17 +636,16 @@ def test_the_probe_of_a_meta_structure_leaves_it_on_the_meta_device():
     assert [(b.name, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == real
 
 
-def test_glm5_next_directory_of_its_released_layout_is_refused_before_any_work(tmp_path, capsys):
-    """A saved directory with a KDA linear-attention layer (the released layout: three in four) is refused from its
-    structure, naming the layer, by every command. Before, the probe failed on the meta device and the name-based
-    fallback took the KDA layer for softmax attention: ``headlab heads`` listed its 4 "heads" and check_supported
-    passed; only a probe of the loaded model refused it, after the weights were read."""
+def test_glm5_next_directory_of_its_released_layout_lists_its_attention_layers(tmp_path, capsys):
+    """A saved directory with a KDA linear-attention layer (the released layout): every command finds its attention
+    layers from its structure, the KDA layer left out (adapters.families.LINEAR_MIXERS). Before session 36 the
+    name-based fallback took the KDA layer for softmax attention (``headlab heads`` listed its 4 "heads"); from then
+    until session 38 the directory was refused."""
     from headlab.cli import main
     from headlab.loading import check_supported
 
     glm5_next(["linear_attention", "indexed_attention"]).model.language_model.save_pretrained(tmp_path)
-    refusal = r"layers\.0\.self_attn \(Glm5NextTextLinearAttention\) has query/key/value/output projections but did not"
-    with pytest.raises(HeadlabError, match=refusal):
-        check_supported(str(tmp_path))
-    assert main(["heads", str(tmp_path)]) == 2
-    assert "Glm5NextTextLinearAttention" in capsys.readouterr().err
+    check_supported(str(tmp_path))
+    assert main(["heads", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["module"], r["n_heads"]) for r in rows] == [("layers.1.self_attn", 4)]

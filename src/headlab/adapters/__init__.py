@@ -41,6 +41,7 @@ from headlab.adapters.families import (
     HEAD_VECTORS,
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
+    LINEAR_MIXERS,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
     QKV_ADAPTERS,
@@ -354,6 +355,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     for candidate in named:
         name = candidate[2]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
+            continue
+        if type(candidate[3]).__name__ in LINEAR_MIXERS:  # KDA: a hybrid's other mixer, no attention map
             continue
         if _stand_in(_core_of(candidate)):  # pruned to no head: attends to nothing
             candidates.append(_emptied_gate_rows(model_type, candidate))

@@ -475,6 +475,15 @@ through it (only at that width: ``head_dim`` features of one head). Masking at `
 the head's value rows, a gate scales the head's column of ``o_proj``'s input exactly, and physical pruning leaves the
 norm as it is (its weight, if any, is shared by the heads)."""
 
+LINEAR_MIXERS: frozenset[str] = frozenset({"KimiLinearDeltaAttention", "Glm5NextTextLinearAttention"})
+"""Classes of transformers' own linear-attention layers that hold query/key/value/output projections but compute no
+attention map: Kimi Delta Attention (KDA, Kimi Linear's and GLM-5-Next's ``linear_attention`` layers; read in
+transformers 5.24: ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``, a delta-rule recurrent state
+per head with per-channel forget gates, no softmax over keys). They are a hybrid's other mixer, as Qwen3-Next's Gated
+DeltaNet (``linear_attn``) is: headlab analyses the model's attention layers and leaves these as they are, not as heads
+(before session 38 their names made them look like attention that skipped the interface, and the model was refused).
+LRP through them has no rule: refused before any work (``importance.rules.check_rules``)."""
+
 GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
 
 
