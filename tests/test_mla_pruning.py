@@ -53,6 +53,7 @@ from support.family_matrix import (
     perturbed_model,
     tiny_inputs,
 )
+from support.lrp_families import assert_conserved
 
 NOPE, ROPE, V = 4, 4, 8  # per head: queries and keys [nope | rope], values of 8
 _SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -523,8 +524,9 @@ def test_glm5_next_with_its_linear_attention_layers_is_analysed_on_its_attention
     """Its released layout (KDA linear-attention layers between indexed-attention ones): the KDA layers are a hybrid's
     other mixer (adapters.families.LINEAR_MIXERS, as Qwen3-Next's Gated DeltaNet), so the blocks are the attention
     layers alone, analysed exactly (capture equals output_attentions, masking equals zeroing the head's value rows),
-    pruning refused as unchecked and LRP refused before any work naming the KDA layer. Before session 38 the model was
-    refused, the wrapper and the text model alike, its KDA layer taken for attention that skipped the interface."""
+    pruned (equal to masking in cached generation, the attention layer emptied) and LRP refused before any work naming
+    the KDA layer. Before session 38 the model was refused, the wrapper and the text model alike, its KDA layer taken
+    for attention that skipped the interface."""
     from headlab.importance.rules import check_rules
 
     inputs = tiny_inputs()
@@ -545,17 +547,20 @@ def test_glm5_next_with_its_linear_attention_layers_is_analysed_on_its_attention
         zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
     torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
     assert not torch.allclose(masked, _output(model, inputs)[1])
-    with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
-        prune_heads(model, {("dec_self", 1): [0]})
-    with pytest.raises(HeadlabError, match=r"^LRP: no rule for "):  # its latent attention first (KDA: test_kda_hybrids)
+    with pytest.raises(HeadlabError, match=r"^LRP: no rule for Glm5NextTextLinearAttention"):
         check_rules(model)
+    ids, mask = padded_inputs(pad_id=2)  # its one attention layer emptied: the KDA layer runs on
+    check_pruned_generates_as_masked(glm5_next(["linear_attention", "indexed_attention"]),
+                                     {("dec_self", 1): [0, 1, 2, 3]}, [0], ids, mask)
 
 
-def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactly_and_not_pruned():
+def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_pruned_and_explained(tmp_path):
     """The wrapper given text: its language model's blocks only (the vision tower does not run); capture equals
     output_attentions, masking head 2 of layer 1 equals zeroing its value rows of kv_b_proj, whatever the
-    hyper-connections do around the layer; pruning refused, an unchecked latent attention (no rotary part, an indexer
-    whose picks the next layer may reuse)."""
+    hyper-connections do around the layer. Since session 38 (LATENT_ATTENTION's glm5_next_rows: no rotary part as
+    released, an indexer whose picks the next "shared" layer reuses, which a layer left with no head still computes)
+    pruning equals masking in cached generation, a layer emptied too, and reloads; LRP conserves (its hyper-connections'
+    pre, post and Sinkhorn comb held constant). Before, pruning and LRP were refused as an unchecked latent attention."""
     inputs = tiny_inputs()
     with torch.no_grad():
         reference = glm5_next(["indexed_attention"] * 2, "eager")(**inputs, output_attentions=True).attentions
@@ -573,8 +578,23 @@ def test_glm5_next_multimodal_model_of_indexed_attention_only_is_analysed_exactl
         zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
     torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
     assert not torch.allclose(masked, _output(model, inputs)[1])
-    with pytest.raises(HeadlabError, match="a kv_b_proj in a forward headlab has not checked"):
-        prune_heads(model, {("dec_self", 1): [0]})
+    ids, mask = padded_inputs(pad_id=2)
+    for spec, left in (({("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1]}, [0, 3]), ({("dec_self", 1): [0, 3]},
+                                                                                          [4, 2])):
+        pruned = glm5_next(["indexed_attention"] * 2)  # layer 0's indexer picks for the "shared" layer 1
+        check_pruned_generates_as_masked(pruned, spec, left, ids, mask)
+    save_pruned(pruned, tmp_path)
+    reloaded = load_pruned(tmp_path)
+    assert [b.n_heads for b in attention_blocks(reloaded)] == [4, 2]
+    torch.testing.assert_close(padded_logits(reloaded, ids, mask), padded_logits(pruned, ids, mask), atol=0, rtol=0)
+    plain, info = tf.AutoModelForImageTextToText.from_pretrained(tmp_path, trust_remote_code=True,
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    torch.testing.assert_close(padded_logits(plain.eval(), ids, mask), padded_logits(pruned, ids, mask), atol=1e-6,
+                               rtol=0)
+    explained = glm5_next(["indexed_attention"] * 2)
+    explained.config.get_text_config()._experts_implementation = "eager"
+    assert_conserved(explained.double(), 1e-8)
 
 
 @pytest.mark.parametrize("part", ["text", "multimodal"])

@@ -442,9 +442,16 @@ class NoHeadAttention(nn.Module):
         layer's input and the query latent, not the heads, so a layer with no head picks what the full
         layer picks (called as ``GlmMoeDsaAttention.forward`` calls it, its key cache kept in step)."""
         indexer = getattr(self, "indexer", None)
+        handed = getattr(self, "next_skip_topk", True)  # GLM-5-Next hands its picks on only to a "shared" next layer
         if indexer is None:
-            return kwargs.get(self.selection)
-        mask, cache = kwargs["attention_mask"][:, 0, :, :], cache_argument(kwargs)
+            return kwargs.get(self.selection) if handed else None
+        cache = cache_argument(kwargs)
+        if "position_embeddings" not in inspect.signature(type(indexer).forward).parameters:  # GLM-5-Next's indexer
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            picks = indexer(hidden_states=hidden_states, q_resid=q_resid, attention_mask=kwargs["attention_mask"],
+                            cache=cache)
+            return picks if handed else None
+        mask = kwargs["attention_mask"][:, 0, :, :]
         if getattr(self, "q_a_proj", None) is None:  # Mistral Large 4: no query latent, its indexer reads the input only
             return indexer(hidden_states, kwargs["position_embeddings"], mask, kwargs.get("position_ids"), cache=cache)
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))

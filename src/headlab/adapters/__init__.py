@@ -313,7 +313,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None) or type(model).__name__
-    named = list(_generic_candidates(model))
+    # KDA layers (LINEAR_MIXERS): a hybrid's other mixer, named like attention but with no attention map
+    named = [c for c in _generic_candidates(model) if type(c[3]).__name__ not in LINEAR_MIXERS]
     where = f"{type(model).__name__} (model_type {model_type!r})"
     try:
         found = discover(model)
@@ -355,8 +356,6 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     for candidate in named:
         name = candidate[2]
         if name in seen or any(s.startswith(name + ".") or name.startswith(s + ".") for s in seen):
-            continue
-        if type(candidate[3]).__name__ in LINEAR_MIXERS:  # KDA: a hybrid's other mixer, no attention map
             continue
         if _stand_in(_core_of(candidate)):  # pruned to no head: attends to nothing
             candidates.append(_emptied_gate_rows(model_type, candidate))

@@ -257,6 +257,18 @@ def hy_v4_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
     return (*rows, ("gate_proj", ("v_head_dim",)))
 
 
+def glm5_next_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
+    """GLM-5-Next's indexed attention (``Glm5NextTextAttention``, transformers 5.24): DeepSeek-V3.2's views (``q_b_proj``
+    viewed ``[batch, seq, -1, qk_head_dim]``, ``kv_b_proj`` ``[batch, seq, -1, qk_nope + v]``, split ``[k_nope | v]``,
+    the rotary key, possibly of width 0 as released, copied after ``k_nope``); its indexer reads the layer's input and
+    the query latent ``q_resid`` only, and the hyper-connections act around the layer."""
+    if any(getattr(core, name, None) is None for name in ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa")) or \
+            rows_per_head(core, ("qk_head_dim",)) is None or \
+            rows_per_head(core, ("qk_nope_head_dim", "v_head_dim")) is None:
+        return ()
+    return (("q_b_proj", ("qk_head_dim",)), ("kv_b_proj", ("qk_nope_head_dim", "v_head_dim")))
+
+
 def mistral_large4_rows(core: Any) -> tuple[tuple[str, tuple[str | int, ...]], ...]:
     """Mistral Large 4's MLA (``MistralLarge4TextAttention``, transformers 5.24): no query latent; ``q_proj`` is
     viewed ``[batch, seq, -1, qk_head_dim]`` and split ``[qk_nope_head_dim | qk_rope_head_dim]`` (a NoPE layer: rope
@@ -279,7 +291,8 @@ LATENT_ATTENTION: dict[str, Callable[[Any], tuple[tuple[str, tuple[str | int, ..
      "longcat_flash", "mistral4", "youtu", "axk1", "kimi_linear"],
     latent_attention_rows) | dict.fromkeys(["bailing_hybrid", "dots3_note_text"], gated_latent_attention_rows) | \
     {"axk2": query_gate_latent_rows} | dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], hy_v4_rows) | \
-    dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows)
+    dict.fromkeys(["mistral_large4_text", "mistral_large4"], mistral_large4_rows) | \
+    dict.fromkeys(["glm5_next_text", "glm5_next"], glm5_next_rows)
 """Model types found at run time whose attention is multi-head latent attention, each with what gives
 a block's ``Family.head_rows`` from its attention module (whose forward headlab's tests check: pruning
 equals masking, tests/test_mla_pruning.py). Other types with a ``kv_b_proj`` stay unpruned, as not

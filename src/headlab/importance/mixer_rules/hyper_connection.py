@@ -1,5 +1,6 @@
 """The LRP rule for HY-V4's hyper-connections (``HYV4HyperConnection`` and ``HYV4HyperHead``, HY-V4-VL's
-``HYV4VL...`` the same line for line) and Qwen4-Exp's (``Qwen4ExpTextGatedResidual``; transformers 5.24).
+``HYV4VL...`` the same line for line), GLM-5-Next's (``Glm5NextTextHyperConnection``, :data:`COMBED`; its final
+collapse is a plain mean, linear) and Qwen4-Exp's (``Qwen4ExpTextGatedResidual``; transformers 5.24).
 
 Hyper-connections (Zhu et al. 2024, "Hyper-Connections", arXiv:2409.19606) keep ``N`` residual streams ``s_1..s_N``.
 Before each attention and MLP, HY-V4's connection computes from the streams, in float32 (its forward)::
@@ -65,15 +66,21 @@ from headlab.importance.rules import _swap_backward
 
 __all__ = ["RULE", "CONNECTIONS", "HEADS", "GATED", "INJECTIONS", "injection_probe_hooks"]
 
-CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection")
-"""Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]``."""
+COMBED = ("Glm5NextTextHyperConnection",)
+"""GLM-5-Next's connection (manifold-constrained, Xie et al. 2026): ``fn`` ``[(2 + N) N, N d]``, ``base`` ``[(2 + N) N]``,
+``scale`` ``[3]``; ``pre`` as HY-V4's (without a magnitude), ``post = 2 sigmoid(...)`` and a Sinkhorn-normalised
+``comb`` ``[N, N]`` that mixes the streams into the write-back, ``comb^T s + post * layer(x)``; it returns
+``(post, comb, x)``. ``post`` and ``comb`` are mixing weights computed from the streams: held constant, as HY-V4's."""
+CONNECTIONS = ("HYV4HyperConnection", "HYV4VLHyperConnection", *COMBED)
+"""Classes of the connection before each layer: ``fn`` ``[2N, N d]``, ``base`` ``[2N]``, ``scale`` ``[2]`` (GLM-5-Next's:
+:data:`COMBED`)."""
 HEADS = ("HYV4HyperHead", "HYV4VLHyperHead")
 """Classes of the final collapse: ``hc_fn`` ``[N, N d]``, ``hc_base`` ``[N]``, ``hc_scale`` ``[1]``."""
 INJECTIONS = ("Qwen4ExpTextPLELayer",)
 """Qwen4-Exp's n-gram injection: ``ple_embedding``, ``key_proj``, ``value_proj``, ``norm_query``, ``conv1d``."""
 GATED = ("Qwen4ExpTextGatedResidual",)
 """Qwen4-Exp's gated residual: ``hc_norm``, ``input_mix_weight_down``/``_up`` and ``block_inject_weight`` (or None)."""
-_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp) and n-gram injections (Qwen4-Exp)"
+_NAME = "hyper-connections (HY-V4, HY-V4-VL, Qwen4-Exp, GLM-5-Next) and n-gram injections (Qwen4-Exp)"
 
 
 def _matches(module: nn.Module) -> bool:
@@ -193,7 +200,7 @@ def _problem(mixer: nn.Module, path: str) -> str | None:
                 "read in transformers 5.24), so how it computes its mixing weights is unknown")
     n = module.hc_mult
     fn, base, scale = _weights(module)
-    rows = n if name in HEADS else 2 * n
+    rows = n if name in HEADS else (2 + n) * n if name in COMBED else 2 * n
     norm = getattr(module, "input_norm", None)
     if not all(isinstance(t, torch.Tensor) for t in (fn, base, scale)) or fn.dim() != 2 or fn.shape[0] != rows \
             or fn.shape[1] % n or tuple(base.shape) != (rows,) or not isinstance(norm, nn.Module) \
@@ -208,7 +215,7 @@ def _problem(mixer: nn.Module, path: str) -> str | None:
             output = module(streams)
     except Exception as error:  # noqa: BLE001  # any failure: not the module the rule assumes
         return f"its forward failed on a probe ({type(error).__name__}: {error})"
-    collapsed = output if name in HEADS else output[1]
+    collapsed = output if name in HEADS else output[-1]
     expected = _collapse(_pre(module, streams), streams)
     if not isinstance(collapsed, torch.Tensor) or collapsed.shape != expected.shape \
             or not torch.allclose(collapsed.to(expected.dtype), expected, rtol=1e-4, atol=1e-5):
@@ -237,9 +244,9 @@ def _gated_rule(module: nn.Module, args: tuple, output: Any) -> Any:
 def _rule(module: nn.Module, args: tuple, output: Any) -> Any:
     streams = args[0]
     head = type(module).__name__ in HEADS
-    collapsed = output if head else output[1]
+    collapsed = output if head else output[-1]
     kept = _kept(module, collapsed, _collapse(_pre(module, streams), streams), "sum_n pre_n s_n")
-    return kept if head else (output[0].detach(), kept)
+    return kept if head else (*(t.detach() for t in output[:-1]), kept)  # post (and GLM-5-Next's comb) held constant
 
 
 def _detach_injection(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
