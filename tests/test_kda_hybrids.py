@@ -4,7 +4,7 @@ layers (``layer_types`` ["linear_attention", "full_attention"], transformers 5.2
 map: a hybrid's other mixer, as Qwen3-Next's Gated DeltaNet (``adapters.families.LINEAR_MIXERS``). Before session 38
 its names made it look like attention that skipped the interface and the model was refused; now its attention
 layers are analysed, masked and pruned exactly (their latent attention: tests/test_mla_pruning.py), the KDA layers
-left as they are, and LRP, which has no rule for KDA, is refused before any work naming the layer."""
+left as they are; LRP through them has a rule since session 38 too (tests/test_lrp_kda.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from headlab import attention_blocks, capture_attention, mask_heads
 from headlab.checkpoint import model_class_for
-from headlab.errors import HeadlabError
 from support.family_matrix import (
     check_pruned_generates_as_masked,
     check_pruned_reloads,
@@ -69,11 +68,6 @@ def test_pruning_equals_masking_in_cached_generation_and_reloads(tmp_path):
     check_pruned_reloads(model, tmp_path, [2], ids, mask, expected, tokens)
 
 
-def test_lrp_is_refused_before_any_work_naming_the_kda_layer():
-    from headlab.importance.rules import check_rules
-
-    with pytest.raises(HeadlabError, match=r"LRP: no rule for KimiLinearDeltaAttention \(model\.layers\.0\.self_attn\)"):
-        check_rules(_kimi())
 
 
 def test_headlab_heads_lists_the_attention_layer_of_a_saved_directory(tmp_path, capsys):

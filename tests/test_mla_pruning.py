@@ -524,8 +524,8 @@ def test_glm5_next_with_its_linear_attention_layers_is_analysed_on_its_attention
     """Its released layout (KDA linear-attention layers between indexed-attention ones): the KDA layers are a hybrid's
     other mixer (adapters.families.LINEAR_MIXERS, as Qwen3-Next's Gated DeltaNet), so the blocks are the attention
     layers alone, analysed exactly (capture equals output_attentions, masking equals zeroing the head's value rows),
-    pruned (equal to masking in cached generation, the attention layer emptied) and LRP refused before any work naming
-    the KDA layer. Before session 38 the model was refused, the wrapper and the text model alike, its KDA layer taken
+    pruned (equal to masking in cached generation, the attention layer emptied), and LRP has its rules (the KDA layer's:
+    tests/test_lrp_kda.py). Before session 38 the model was refused, the wrapper and the text model alike, its KDA layer taken
     for attention that skipped the interface."""
     from headlab.importance.rules import check_rules
 
@@ -547,8 +547,7 @@ def test_glm5_next_with_its_linear_attention_layers_is_analysed_on_its_attention
         zeroed.model.language_model.layers[1].self_attn.kv_b_proj.weight[2 * 16 + 8:3 * 16] = 0
     torch.testing.assert_close(masked, _output(zeroed, inputs)[1], atol=1e-6, rtol=0)
     assert not torch.allclose(masked, _output(model, inputs)[1])
-    with pytest.raises(HeadlabError, match=r"^LRP: no rule for Glm5NextTextLinearAttention"):
-        check_rules(model)
+    check_rules(model)  # KDA has a rule since session 38: tests/test_lrp_kda.py
     ids, mask = padded_inputs(pad_id=2)  # its one attention layer emptied: the KDA layer runs on
     check_pruned_generates_as_masked(glm5_next(["linear_attention", "indexed_attention"]),
                                      {("dec_self", 1): [0, 1, 2, 3]}, [0], ids, mask)

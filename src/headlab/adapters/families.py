@@ -495,7 +495,7 @@ transformers 5.24: ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_atten
 per head with per-channel forget gates, no softmax over keys). They are a hybrid's other mixer, as Qwen3-Next's Gated
 DeltaNet (``linear_attn``) is: headlab analyses the model's attention layers and leaves these as they are, not as heads
 (before session 38 their names made them look like attention that skipped the interface, and the model was refused).
-LRP through them has no rule: refused before any work (``importance.rules.check_rules``)."""
+LRP through them: :mod:`headlab.importance.mixer_rules.kda`."""
 
 GateRows = tuple[tuple[tuple[str, tuple[str | int, ...]], ...], tuple[str, ...]]
 
