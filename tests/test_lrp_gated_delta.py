@@ -247,7 +247,7 @@ def test_a_gated_norm_that_is_not_one_is_refused():
     _refused(model, r"Qwen3_5GatedDeltaNet \(model\.layers\.0\.linear_attn\): .*on a probe its forward does not "
                     r"compute")
     handle.remove()
-    rule = gated_delta._DeltaRule(_mixer(model))
+    rule = gated_delta.delta_rule(_mixer(model))
     o, z = torch.randn(6, 8), torch.randn(6, 8)
     rule.o, rule.z = o, z
     with pytest.raises(HeadlabError, match=r"Qwen3_5GatedDeltaNet: its norm is not rmsnorm\(o\) \* w \* silu\(z\)"):

@@ -68,7 +68,7 @@ from headlab.errors import HeadlabError
 from headlab.importance.mixer_rules import Hook, MixerRule, register
 from headlab.importance.rules import _activation_rule, _swap_backward
 
-__all__ = ["LAYOUTS", "RULE", "Layout", "recompute"]
+__all__ = ["LAYOUTS", "RULE", "DeltaRule", "Layout", "Recurrence", "delta_rule", "recompute"]
 
 
 @dataclass(frozen=True)
@@ -257,13 +257,28 @@ def _computes(module: nn.Module, layout: Layout) -> bool:
 # -- the hooks ----------------------------------------------------------------------------------------------------
 
 
-class _DeltaRule:
-    """The hooks of one mixer: the projections' outputs kept, ``o``'s backward swapped in the gated norm's pre-hook,
-    the norm's factor held constant in its forward hook."""
+@dataclass(frozen=True)
+class Recurrence:
+    """What :class:`DeltaRule` needs of one kind of delta-rule mixer: its rule's ``name``, the ``projections`` whose
+    outputs it keeps (in ``recompute``'s order), its gated ``norm``'s name, ``recompute(module, kept, rule)`` giving
+    ``(o, z)`` as the forward hands them to the norm, ``norm_factor(norm, o, z)`` what the norm multiplies ``o`` by,
+    and ``what`` the recurrence's name in a refusal."""
 
-    def __init__(self, module: nn.Module) -> None:
+    name: str
+    projections: tuple[str, ...]
+    norm: str
+    recompute: Callable[[nn.Module, list[torch.Tensor], bool], tuple[torch.Tensor, torch.Tensor]]
+    norm_factor: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    what: str
+
+
+class DeltaRule:
+    """The hooks of one mixer: the projections' outputs kept, ``o``'s backward swapped in the gated norm's pre-hook,
+    the norm's factor held constant in its forward hook (the Gated DeltaNet's, and KDA's: mixer_rules/kda.py)."""
+
+    def __init__(self, module: nn.Module, recurrence: Recurrence) -> None:
         self.module = module
-        self.layout = LAYOUTS[type(module).__name__]
+        self.recurrence = recurrence
         self.kept: dict[str, torch.Tensor] = {}
         self.o: torch.Tensor | None = None
         self.z: torch.Tensor | None = None
@@ -278,49 +293,58 @@ class _DeltaRule:
         return keep
 
     def _refuse(self, why: str) -> HeadlabError:
-        return HeadlabError(f"LRP: {_NAME}: {type(self.module).__name__}: {why}; headlab's rule recomputes o from "
-                            "the projections from a zero state (no cached state from earlier tokens)")
+        return HeadlabError(f"LRP: {self.recurrence.name}: {type(self.module).__name__}: {why}; headlab's rule "
+                            "recomputes o from the projections from a zero state (no cached state from earlier tokens)")
 
     def pre_norm(self, norm, args):
         o, z = args[0], args[1] if len(args) > 1 else None
-        missing = [n for n in self.layout.projections if n not in self.kept]
-        self.kept, kept = {}, [self.kept.get(n) for n in self.layout.projections]
+        names, norm_name = self.recurrence.projections, self.recurrence.norm
+        missing = [n for n in names if n not in self.kept]
+        self.kept, kept = {}, [self.kept.get(n) for n in names]
         if missing or not isinstance(o, torch.Tensor) or not isinstance(z, torch.Tensor):
-            raise self._refuse(f"its {self.layout.norm} ran without its input projections' outputs "
+            raise self._refuse(f"its {norm_name} ran without its input projections' outputs "
                                f"{', '.join(missing) or ''} (or without o and the gate z)")
-        recomputed, gate = recompute(self.module, [t for t in kept if t is not None], rule=True)
+        recomputed, gate = self.recurrence.recompute(self.module, [t for t in kept if t is not None], True)
         with torch.no_grad():
             if recomputed.shape != o.shape or gate.shape != z.shape or not bool(torch.isfinite(o).all()) \
                     or not torch.allclose(recomputed.to(o.dtype), o, rtol=1e-4, atol=1e-6) \
                     or not torch.equal(gate.to(z.dtype), z):
-                raise self._refuse("the o (or the gate z) its forward handed the gated norm is not the gated delta "
-                                   "rule of its projections")
+                raise self._refuse(f"the o (or the gate z) its forward handed the gated norm is not the "
+                                   f"{self.recurrence.what} of its projections")
         self.o, self.z = _swap_backward(o, recomputed.to(o.dtype)), z.detach()
         return (self.o, self.z, *args[2:])
 
     def after_norm(self, norm, args, output):
         o, z = self.o, self.z
         self.o = self.z = None
+        norm_name = self.recurrence.norm
         if o is None or z is None or not isinstance(output, torch.Tensor) or output.shape != o.shape:
-            raise self._refuse(f"cannot find the input of its {self.layout.norm}")
+            raise self._refuse(f"cannot find the input of its {norm_name}")
         with torch.no_grad():
-            factor = _norm_factor(norm, o, z)
+            factor = self.recurrence.norm_factor(norm, o, z)
             if not torch.allclose((o * factor).to(output.dtype), output, rtol=1e-3, atol=1e-5):
-                raise self._refuse(f"its {self.layout.norm} is not rmsnorm(o) * w * {norm.activation}(z)")
+                raise self._refuse(f"its {norm_name} is not rmsnorm(o) * w * {norm.activation}(z)")
             # the factor the norm really applied (its own precision), so that o * factor == output
             nonzero = o != 0
             factor = torch.where(nonzero, output / torch.where(nonzero, o, torch.ones_like(o)), factor.to(output.dtype))
         return _swap_backward(output, o * factor)
 
+    def hooks(self) -> list[Hook]:
+        hooks: list[Hook] = [(self.module, "pre", self.start)]
+        hooks += [(getattr(self.module, n), "forward", self.keeper(n)) for n in self.recurrence.projections]
+        norm = getattr(self.module, self.recurrence.norm)
+        return hooks + [(norm, "pre", self.pre_norm), (norm, "forward", self.after_norm)]
+
+
+def delta_rule(module: nn.Module) -> DeltaRule:
+    """The rule of one Gated DeltaNet (its class's :data:`LAYOUTS` entry)."""
+    layout = LAYOUTS[type(module).__name__]
+    return DeltaRule(module, Recurrence(_NAME, layout.projections, layout.norm, recompute, _norm_factor,
+                                        "gated delta rule"))
+
 
 def _hooks(module: nn.Module) -> list[Hook]:
-    rule = _DeltaRule(module)
-    layout = rule.layout
-    hooks: list[Hook] = [(module, "pre", rule.start)]
-    hooks += [(getattr(module, n), "forward", rule.keeper(n)) for n in layout.projections]
-    norm = getattr(module, layout.norm)
-    hooks += [(norm, "pre", rule.pre_norm), (norm, "forward", rule.after_norm)]
-    return hooks
+    return delta_rule(module).hooks()
 
 
 def _owns(module: nn.Module) -> list[nn.Module]:

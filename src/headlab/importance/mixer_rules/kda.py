@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headlab.errors import HeadlabError
 from headlab.importance.mixer_rules import Hook, MixerRule, register
-from headlab.importance.rules import _activation_rule, _swap_backward
+from headlab.importance.mixer_rules.gated_delta import DeltaRule, Recurrence
+from headlab.importance.rules import _activation_rule
 
 __all__ = ["CLASSES", "RULE", "recompute"]
 
@@ -145,65 +145,9 @@ def _computes(module: Any) -> bool:
     return torch.allclose(output, expected, rtol=tolerance, atol=tolerance * float(expected.abs().mean()))
 
 
-class _Rule:
-    """The hooks of one KDA layer: the parts' outputs kept, ``o``'s backward swapped in ``o_norm``'s pre-hook, the
-    norm's factor held constant in its forward hook."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.kept: dict[str, torch.Tensor] = {}
-        self.o: torch.Tensor | None = None
-        self.z: torch.Tensor | None = None
-
-    def start(self, module, args, kwargs=None):
-        self.kept, self.o, self.z = {}, None, None
-
-    def keeper(self, name: str):
-        def keep(module, args, output):
-            self.kept[name] = output
-
-        return keep
-
-    def _refuse(self, why: str) -> HeadlabError:
-        return HeadlabError(f"LRP: {_NAME}: {type(self.module).__name__}: {why}; headlab's rule recomputes o from "
-                            "the projections from a zero state (no cached state from earlier tokens)")
-
-    def pre_norm(self, norm, args):
-        o, z = args[0], args[1] if len(args) > 1 else None
-        missing = [n for n in _PROJECTIONS if n not in self.kept]
-        kept, self.kept = [self.kept.get(n) for n in _PROJECTIONS], {}
-        if missing or not isinstance(o, torch.Tensor) or not isinstance(z, torch.Tensor):
-            raise self._refuse(f"its o_norm ran without its parts' outputs {', '.join(missing)} (or without o and z)")
-        recomputed, gate = recompute(self.module, [t for t in kept if t is not None], rule=True)
-        with torch.no_grad():
-            if recomputed.shape != o.shape or gate.shape != z.shape or not bool(torch.isfinite(o).all()) \
-                    or not torch.allclose(recomputed.to(o.dtype), o, rtol=1e-4, atol=1e-6) \
-                    or not torch.equal(gate.to(z.dtype), z):
-                raise self._refuse("the o (or the gate z) its forward handed o_norm is not the KDA delta rule of its "
-                                   "projections")
-        self.o, self.z = _swap_backward(o, recomputed.to(o.dtype)), z.detach()
-        return (self.o, self.z, *args[2:])
-
-    def after_norm(self, norm, args, output):
-        o, z = self.o, self.z
-        self.o = self.z = None
-        if o is None or z is None or not isinstance(output, torch.Tensor) or output.shape != o.shape:
-            raise self._refuse("cannot find the input of its o_norm")
-        with torch.no_grad():
-            factor = _norm_factor(norm, o, z)
-            if not torch.allclose((o * factor).to(output.dtype), output, rtol=1e-3, atol=1e-5):
-                raise self._refuse("its o_norm is not rmsnorm(o) * w * sigmoid(z)")
-            nonzero = o != 0  # the factor the norm really applied (its own precision), so that o * factor == output
-            factor = torch.where(nonzero, output / torch.where(nonzero, o, torch.ones_like(o)), factor.to(output.dtype))
-        return _swap_backward(output, o * factor)
-
-
 def _hooks(module: nn.Module) -> list[Hook]:
-    rule = _Rule(module)
-    hooks: list[Hook] = [(module, "pre", rule.start)]
-    hooks += [(getattr(module, n), "forward", rule.keeper(n)) for n in _PROJECTIONS]
-    norm = cast(nn.Module, module.o_norm)
-    return hooks + [(norm, "pre", rule.pre_norm), (norm, "forward", rule.after_norm)]
+    return DeltaRule(module, Recurrence(_NAME, _PROJECTIONS, "o_norm", recompute, _norm_factor,
+                                        "KDA delta rule")).hooks()
 
 
 def _owns(module: nn.Module) -> list[nn.Module]:
