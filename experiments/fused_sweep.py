@@ -1,0 +1,157 @@
+"""Sweep transformers' model types: the default statistics engine equals the eager reference (session 38).
+
+``headlab functions`` / ``aggregate`` / ``analyze`` compute their statistics with the fused engine by default
+(issue 34), from headlab's own attention function (``headlab.attention.attention_forward``, which reimplements the
+scaling, masks, soft-capping, position biases, sinks and selected keys a family hands the attention interface), not
+from the model's eager attention. experiments/family_sweep.py checks capture (the model's eager maps) on every type,
+and tests/test_fused_statistics.py the fused engine on the test matrix only; this sweep checks, on every type the family
+sweep builds (its tiny builder, float64 where the model runs in it), that ``analyze_heads(engine="fused")`` writes
+what ``engine="eager"`` writes: a word-level tokenizer (every word one token: the fused word passes run) over the
+sample treebank, counts, offsets and decisions identical, floats within 1e-8 (relative 1e-6 where the model's eager
+softmax runs in float32 whatever its dtype).
+
+Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: the first file and value that differ);
+``refused`` (the fused engine or the blocks refused it, with the reason); ``CRASH``; ``skipped`` (not built, or no
+analysable block: family_sweep's outcome).
+
+    cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
+        .venv/bin/python experiments/fused_sweep.py [--multimodal] [--only TYPE ...] [--timeout 60]
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import family_sweep as sweep  # noqa: E402 - beside this script
+from survey_families import model_types  # noqa: E402
+
+from headlab import HeadlabError, attention_blocks  # noqa: E402
+from headlab.data.frequencies import TokenFrequencies  # noqa: E402
+from headlab.functions import AnalysisConfig, analyze_heads  # noqa: E402
+
+
+def _analyse(model, tokenizer, path: Path, engine: str):
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine,
+                            query_chunk=None if engine == "eager" else 3, sensitivity=True)
+    target = path if getattr(model.config, "is_encoder_decoder", False) else None
+    return analyze_heads(model, tokenizer, path, target_conllu=target, config=config,
+                         frequencies=TokenFrequencies(counts, "hand-set"))
+
+
+def _first_difference(a, b, path: str, rtol: float, atol: float) -> str | None:
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(set(a) ^ set(b))[:3]}"
+        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{path}/{k}", rtol, atol))), None)
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} entries, eager {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{path}/{i}", rtol,
+                                                                                          atol))), None)
+    if isinstance(a, float) and isinstance(b, float):
+        same = (np.isnan(a) and np.isnan(b)) or abs(a - b) <= atol + rtol * abs(b)
+        return None if same else f"{path}: {a!r}, eager {b!r}"
+    return None if a == b else f"{path}: {a!r}, eager {b!r}"
+
+
+def check(model_type: str, config_class) -> tuple[str, str]:
+    from test_chunked_statistics import _written
+    from test_fused_statistics import word_tokenizer
+
+    cls = sweep.model_class(config_class)
+    if cls is None:
+        return "", ""
+    if model_type in sweep.SKIPPED:
+        return "skipped", sweep.SKIPPED[model_type][:120]
+    model, why = sweep.build(config_class, cls, "sdpa" if cls._supports_sdpa else "eager", torch.float64)
+    if model is None:
+        return "skipped", f"build: {why[:120]}"
+    for module in model.modules():  # the experts' grouped matmuls take no float64: their eager loop does
+        config = getattr(module, "config", None)
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+    tokenizer = word_tokenizer()
+    try:
+        live = [b for b in attention_blocks(model) if not b.idle]
+    except HeadlabError as error:
+        return "skipped", f"blocks refused: {str(error).splitlines()[0][:120]}"
+    if not live:
+        return "skipped", "no block runs on token ids"
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        path = directory / "tb.conllu"
+        from support.treebank import SAMPLE_CONLLU
+
+        path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+        try:
+            eager = _analyse(model, tokenizer, path, "eager")
+        except Exception as error:  # noqa: BLE001 - the reference itself does not run: not this check's finding
+            return "skipped", f"eager engine: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+        try:
+            fused = _analyse(model, tokenizer, path, "fused")
+        except HeadlabError as error:
+            return "refused", str(error).splitlines()[0][:200]
+        except Exception as error:  # noqa: BLE001
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            return "CRASH", f"{type(error).__name__}: {str(error).splitlines()[0][:150] if str(error) else ''} " \
+                            f"({Path(frame.filename).name}:{frame.lineno})"
+        expected = _written(eager.results.values(), directory / "eager")
+        got = _written(fused.results.values(), directory / "fused")
+    difference = _first_difference(got, expected, "", 1e-6, 1e-8)
+    if difference:
+        return "DIFFER", difference[:250]
+    chunked = sorted(fused.report.chunked_statistics)
+    return "equal", f"{len(got)} files" + (f"; chunked path: {', '.join(chunked)}" if chunked else "")
+
+
+def main() -> None:
+    parser = sweep.arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout", type=int, default=60, help="seconds per type")
+    parser.add_argument("--multimodal", action="store_true", help="the image-text-to-text wrappers (family_sweep's)")
+    args = parser.parse_args()
+    sweep.MULTIMODAL = args.multimodal
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    counts: Counter = Counter()
+
+    def alarm(*_):
+        raise sweep.Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for model_type, config_class in model_types(args.only):
+        if sweep.model_class(config_class) is None:
+            continue
+        start = time.perf_counter()
+        signal.alarm(args.timeout)
+        try:
+            outcome, message = check(model_type, config_class)
+        except sweep.Timeout:
+            outcome, message = "timeout", f"over {args.timeout} s"
+        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
+            outcome, message = "skipped", f"{type(error).__name__}: {error}"[:200]
+        finally:
+            signal.alarm(0)
+        if not outcome:
+            continue
+        counts[outcome] += 1
+        print(f"{model_type:26s} {outcome:8s} {time.perf_counter() - start:5.1f}s {message}", flush=True)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
+if __name__ == "__main__":
+    main()
