@@ -71,6 +71,35 @@ def test_a_model_that_needs_an_image_is_refused_before_any_work(build, needs, tm
     assert not out.exists()
 
 
+_NEEDS = {"blip2": r"Blip2ForConditionalGeneration\.forward requires pixel_values",
+          "kosmos2": r"Kosmos2ForConditionalGeneration's forward fails on token ids alone \(ValueError",
+          "idefics": r"IdeficsForVisionText2Text's forward fails on token ids alone \(ValueError"}
+
+
+@pytest.mark.parametrize("name", ["blip2", "kosmos2", "idefics"])
+@pytest.mark.parametrize("call", ["functions", "importance", "analyze"])
+def test_the_api_refuses_a_model_that_needs_an_image_before_any_work(name, call, monkeypatch):
+    """The one-call API on a model already loaded: before session 38 (mm38a) ``headlab.functions`` failed deep inside
+    with the forward's TypeError (BLIP-2) or ValueError (Kosmos-2, IDEFICS), and ``headlab.importance`` ran every
+    measure first, then raised MeasuresFailed naming the forward's error (BLIP-2: an LRP rule missing for its tower)."""
+    import headlab
+    from headlab import HeadlabError
+    from support.treebank import SAMPLE_CONLLU, word_tokenizer
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr("headlab.functions.analysis.analyze_heads", no_work)
+    monkeypatch.setattr("headlab.importance.pipeline.run_importance", no_work)
+    model = {"blip2": _blip2, "kosmos2": _kosmos2, "idefics": _idefics}[name]()
+    tokenizer = word_tokenizer(["the", "cat", "sat"], style="gpt2")
+    run = {"functions": lambda: headlab.functions(model, tokenizer, SAMPLE_CONLLU),
+           "importance": lambda: headlab.importance(model, tokenizer, ["the cat sat"]),
+           "analyze": lambda: headlab.analyze(model, tokenizer, ["the cat sat"], treebank=SAMPLE_CONLLU)}[call]
+    with pytest.raises(HeadlabError, match=r"model: " + _NEEDS[name]):
+        run()
+
+
 def test_text_only_and_token_id_wrappers_pass():
     """A text model and a wrapper that runs on token ids (its tower idle) have no such problem."""
     from support.family_matrix import tiny_model

@@ -135,10 +135,17 @@ def _check_model(model: Any, tokenizer: Any) -> None:
         raise HeadlabError(f"tokenizer: expected the model's tokenizer (AutoTokenizer.from_pretrained), got "
                            f"{type(tokenizer).__name__}")
     from headlab.adapters import attention_blocks
+    from headlab.loading import token_ids_problem
 
     # A model without attention (a HeadlabError naming what was looked for), or with every head
     # pruned: importance returned tables with no head scored, as if it had scored them.
     blocks = attention_blocks(model)
+    # Every measure and statistic runs the model on token ids: one whose forward needs an image (BLIP-2's
+    # pixel_values, Kosmos-2's; its blocks found by their names) failed deep inside the first of them with a
+    # TypeError or ValueError (the CLI's check_supported refused it before any work already).
+    problem = token_ids_problem(model)
+    if problem:
+        raise HeadlabError(f"model: {problem}")
     if not any(b.n_heads > 0 for b in blocks):
         raise HeadlabError("model: every attention head of the model was pruned; there is no head to analyse")
     from headlab.portable import check_pruned_numbering
