@@ -3,7 +3,9 @@
 image embeddings). Every headlab command runs a model on token ids; before session 38 such a model
 was analysed by its layers' names (the discovery probe's fallback for older modeling code), loaded, and the first stage
 failed with "internal error (TypeError ...); this is a bug in headlab". Now the check every command makes before any
-work (``loading.check_supported``, ``token_ids_problem``) refuses it with exit 2, naming what the forward needs."""
+work (``loading.check_supported``, ``token_ids_problem``) refuses it with exit 2, naming what the forward needs; the
+one-call API (``headlab.functions``, ``importance``, ``analyze``) refuses it too (session 38, mm38a), and
+``headlab.prune`` refuses PP-FormulaNet (no embedding getter) instead of crashing."""
 
 from __future__ import annotations
 
@@ -110,3 +112,34 @@ def test_text_only_and_token_id_wrappers_pass():
                                              max_position_embeddings=64),
                             vision_config=dict(_VISION, model_type="clip_vision_model"), image_token_index=98)
     assert token_ids_problem(tf.LlavaForConditionalGeneration(config).eval()) is None
+
+
+def _pp_formulanet() -> torch.nn.Module:
+    config = tf.PPFormulaNetConfig(
+        text_config=dict(vocab_size=99, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=40,
+                         max_position_embeddings=64, encoder_layers=2, encoder_attention_heads=4,
+                         encoder_ffn_dim=40),
+        vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8, window_size=2, global_attn_indexes=[1], mlp_dim=40,
+                           post_conv_in_channels=16, post_conv_out_channels=32, post_conv_mid_channels=16,
+                           decoder_hidden_size=32))
+    torch.manual_seed(0)
+    return tf.PPFormulaNetForConditionalGeneration(config).eval()
+
+
+def test_pruning_a_model_without_an_embedding_getter_is_refused_naming_its_input():
+    """PP-FormulaNet (an image encoder, an mBART-like decoder): its base model's ``get_input_embeddings`` raises
+    NotImplementedError, and before session 38 (mm38a) ``headlab.prune`` crashed with it while building the probe
+    batch that checks the pruning. Now the probe reads the vocabulary from the config, the forward fails on token ids
+    alone, and the pruning is refused before any weight changes."""
+    import headlab
+    from headlab import HeadlabError
+
+    model = _pp_formulanet()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    block = headlab.attention_blocks(model)[0]
+    with pytest.raises(HeadlabError, match=r"cannot check pruning, the model itself fails on headlab's probe batch "
+                                           r"\(short rows, with and without padding\): ValueError: .*pixel_values"):
+        headlab.prune(model, {(block.kind, block.layer): [0]})
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
