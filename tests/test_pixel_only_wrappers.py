@@ -167,3 +167,20 @@ def test_pruning_a_model_without_an_embedding_getter_is_refused_naming_its_input
         headlab.prune_heads(model, {(block.kind, block.layer): [0]})
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(("build", "needs"), [
+    (_udop, r"UdopForConditionalGeneration's forward fails on token ids alone \(ValueError: Bbox is required"),
+    (_pi0, r"PI0ForConditionalGeneration\.forward requires state"),
+])
+def test_load_model_names_the_input_where_the_blocks_of_a_model_that_needs_an_image_are_not_found(build, needs,
+                                                                                                   tmp_path):
+    """``headlab.load_model`` reads a pruning record off the weights' shapes through the model's blocks; UDOP's and
+    PI0's name-based blocks clash (two modules claim enc_self layer 0), which it reported before session 38 (mm38a),
+    not the boxes or state their forward needs."""
+    from headlab import HeadlabError
+    from headlab.loading import load_model
+
+    save_tiny(build(), tmp_path / "model", treebank_files(tmp_path))
+    with pytest.raises(HeadlabError, match=needs):
+        load_model(str(tmp_path / "model"))
