@@ -395,6 +395,25 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
         hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
         window_size=2, global_attn_indexes=[1], mlp_dim=40, post_conv_in_channels=16, post_conv_out_channels=32,
         post_conv_mid_channels=16, decoder_hidden_size=32)),
+    # session 38, mm38a: the image-only wrappers --multimodal refuses ("inputs"), at their smallest: Pix2Struct and UDOP
+    # are built for the probe that refuses them; the sweep refuses InstructBLIP and PI0 by their forward's signature
+    # before building, their sizes are for checking by hand what a user gets (tests/test_pixel_only_wrappers.py)
+    # InstructBLIP (and its video form): a Llama text model under a one-layer Q-Former of two queries
+    **{t: dict(text_config=dict(SIZES, model_type="llama"), vision_config=dict(TINY_VISION, patch_size=8),
+               num_query_tokens=2, image_token_index=98,
+               qformer_config=dict(TINY_STACK, num_hidden_layers=1, encoder_hidden_size=32, vocab_size=99))
+       for t in ("instructblip", "instructblipvideo")},
+    # PI0: a PaliGemma (a Gemma and a SigLIP tower) and a Gemma action expert (its DiT), each at its smallest
+    "pi0": dict(vlm_config=dict(text_config=dict(SIZES, model_type="gemma"), vision_config=dict(
+        TINY_VISION, model_type="siglip_vision_model", patch_size=8, vision_use_head=False), projection_dim=32,
+        image_token_id=98), dit_config=dict(SIZES, model_type="gemma"), chunk_size=4, max_state_dim=8,
+        max_action_dim=8),
+    # Pix2Struct: a T5-like text decoder and a patch-sequence vision encoder, both at their smallest
+    "pix2struct": dict(text_config=dict(vocab_size=99, hidden_size=32, d_kv=8, d_ff=40, num_layers=2, num_heads=4),
+                       vision_config=dict(hidden_size=32, patch_embed_hidden_size=32, d_ff=40, d_kv=8,
+                                          num_hidden_layers=1, num_attention_heads=4, seq_len=16)),
+    # UDOP: its T5 text sizes come from SEQ2SEQ_SIZES; a 16-pixel image of 8-pixel patches
+    "udop": dict(image_size=16, patch_size=8),
 }
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B

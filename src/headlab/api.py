@@ -127,6 +127,20 @@ def _check_counts(function: str, **counts: Any) -> None:
             raise HeadlabError(error)
 
 
+def _check_token_ids(model: nn.Module) -> None:
+    """Every measure, statistic and pruning check runs the model on token ids: one whose forward needs an image
+    (BLIP-2's pixel_values, Kosmos-2's; its blocks found by their names) failed deep inside the first of them with a
+    TypeError or ValueError, UDOP's (bbox) and PI0's (state) in the name-based view of its blocks ("two modules
+    claim"). Refused here as the CLI's check_supported refuses it, in its order: a type headlab refuses by name says
+    why first."""
+    from headlab.adapters import unsupported_reason
+    from headlab.loading import token_ids_problem
+
+    problem = None if unsupported_reason(model) else token_ids_problem(model)
+    if problem:
+        raise HeadlabError(f"model: {problem}")
+
+
 def _check_model(model: Any, tokenizer: Any) -> None:
     """:func:`_check_transformers_model`, a tokenizer that can be called, and heads to analyse in
     their original numbering."""
@@ -136,6 +150,7 @@ def _check_model(model: Any, tokenizer: Any) -> None:
                            f"{type(tokenizer).__name__}")
     from headlab.adapters import attention_blocks
 
+    _check_token_ids(model)
     # A model without attention (a HeadlabError naming what was looked for), or with every head
     # pruned: importance returned tables with no head scored, as if it had scored them.
     blocks = attention_blocks(model)
@@ -334,6 +349,7 @@ def prune(model: nn.Module, heads: Any, *, keep: int | None = None, kinds: Seque
     from headlab.surgery import prune_heads, removal_by_scores
 
     _check_transformers_model(model)
+    _check_token_ids(model)
     if isinstance(heads, HeadScores):
         if keep is None:
             raise HeadlabError("prune: give keep=N (heads to keep) with scores")

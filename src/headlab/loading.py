@@ -148,7 +148,13 @@ def load_model(
     if path.is_dir() and getattr(config, "quantization_config", None) is None:
         shapes = tensor_shapes(path)
         structure = build_model(cls, config, path, meta=True)
-        record = _record_from_weights(structure, shapes)
+        try:
+            record = _record_from_weights(structure, shapes)
+        except HeadlabError as error:  # its blocks unfound: UDOP's and PI0's name-based view ("two modules claim")
+            problem = token_ids_problem(structure)  # where the reason is the image its forward needs, say that
+            if problem:
+                raise HeadlabError(f"{name_or_path} (model_type {config.model_type!r}): {problem}") from error
+            raise
         if record is not None:  # a pruned directory re-saved by transformers: heads from the weights' shapes
             model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record)
             return _place(model, path, dtype, device, device_map)

@@ -125,7 +125,10 @@ def _name(what: object) -> str:
 
 def _embeddings(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_input_embeddings", None)
-    return get() if callable(get) else None
+    try:
+        return get() if callable(get) else None
+    except NotImplementedError:  # transformers' default finds no table (PPFormulaNetModel): the config's vocab_size
+        return None
 
 
 def _device(model: nn.Module) -> torch.device:
