@@ -83,7 +83,7 @@ def check(model_type: str, config_class) -> tuple[str, str]:
         return "skipped", f"build: {why[:120]}"
     for module in model.modules():  # the experts' grouped matmuls take no float64: their eager loop does
         config = getattr(module, "config", None)
-        if hasattr(config, "_experts_implementation"):
+        if config is not None and hasattr(config, "_experts_implementation"):
             config._experts_implementation = "eager"
     tokenizer = word_tokenizer()
     try:
