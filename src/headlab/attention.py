@@ -128,6 +128,12 @@ class ChunkSink:
     """Computes the whole call itself where it can (a fused kernel with the statistics,
     :mod:`headlab.data.attention_kernel`): the output ``[batch, q_len, n_heads, d]``, or None to
     leave the call to the chunks and ``callback``."""
+    causal: bool | None = None
+    """Whether the module's block attends causally (a ``dec_self`` block): what the attention function assumes where
+    the model hands it no mask and no ``is_causal``. transformers' SDPA mask builder, which headlab's is, skips an
+    all-visible causal mask and leaves causality to the module's ``is_causal``; NLLB-MoE's decoder self-attention
+    says ``is_causal=False`` (its own eager mask makes it causal: it has no SDPA path), so the module's flag alone
+    made its decoder bidirectional under headlab's engines (session 38's fused sweep)."""
     chunk_elements: int = 0
     """Where positive, on the CPU: fewer rows per chunk where ``query_chunk`` rows of every head of a
     sentence over all keys would hold more weights than this (:func:`chunk_rows`): the passes over a
@@ -282,7 +288,8 @@ def attention_forward(
     position_bias = kwargs.get("position_bias")
     k_len = key.shape[2]
     is_causal = kwargs.get("is_causal")
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if is_causal is None:  # the block's kind where the sink says it (NLLB-MoE's decoder: ChunkSink.causal), else the flag
+        is_causal = sink.causal if sink is not None and sink.causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if causal and k_len > q_len:  # as SDPA: an empty static cache's extra keys are dropped
         key, value, k_len = key[:, :, :q_len], value[:, :, :q_len], q_len

@@ -663,7 +663,7 @@ def stream_attention(
                 report = block.key in reporting and block.n_heads > 0
                 sink = ChunkSink(query_chunk, make_callback(block) if report else None, scores=scores,
                                  reuse=reuse, chunk_elements=chunk_elements,
-                                 kernel=make_kernel(block) if report else None)
+                                 kernel=make_kernel(block) if report else None, causal=block.kind == "dec_self")
                 setattr(block.core, SINK_ATTRIBUTE, sink)
                 if block.shared:
                     handles.append(block.core.register_forward_pre_hook(make_switch(block, sink)))
