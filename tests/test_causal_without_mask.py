@@ -4,8 +4,11 @@ transformers 5.24: its decoder layers build their self-attention without ``is_ca
 causal, and it has no SDPA path). headlab registers transformers' SDPA mask builder, which skips an all-visible causal
 mask and leaves causality to the module's flag: on an unpadded batch the decoder attended bidirectionally under
 headlab's engines, a silent wrong result (session 38's experiments/fused_sweep.py: query 0 put 0.2 on key 0 where
-eager puts 1). Now a ``dec_self`` block's chunks are causal where the model hands no mask (``ChunkSink.causal``):
-streamed maps equal the eager capture bit for bit, and the fused engine's files equal the eager engine's."""
+eager puts 1). Now a ``dec_self`` block's chunks are causal where the model hands no mask (``ChunkSink.causal``).
+Beside it: NLLB-MoE's experts read the layer's mask to find padding as eager builds it (additive floats); given SDPA's
+boolean mask they routed the padded rows' tokens otherwise, and its cross-attention maps changed. A model without an
+SDPA path now gets eager's masks under headlab's engines (``attention.EAGER_MASKS_NAME``). Streamed maps equal the eager
+capture bit for bit, padded or not, and the fused and chunked engines' files equal the eager engine's."""
 
 from __future__ import annotations
 
@@ -34,11 +37,19 @@ def _nllb_moe() -> torch.nn.Module:
     return model
 
 
-def test_streamed_decoder_maps_are_causal_and_equal_the_capture():
+@pytest.mark.parametrize("padded", [False, True])
+def test_streamed_maps_equal_the_capture(padded):
+    """Unpadded: no decoder mask is built (the causal one); padded: the masks its experts read for padding."""
     model = _nllb_moe()
     g = torch.Generator().manual_seed(1)
     inputs = {"input_ids": torch.randint(3, 99, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
-              "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}  # unpadded: no mask is built
+              "decoder_input_ids": torch.randint(3, 99, (2, 5), generator=g)}
+    if padded:
+        inputs["attention_mask"][1, -2:] = 0
+        inputs["decoder_attention_mask"] = torch.ones(2, 5, dtype=torch.long)
+        inputs["decoder_attention_mask"][1, -1] = 0
+    with torch.no_grad():
+        model(**inputs)  # its router casts its own weights to float32 in its first forward (router_dtype)
     with torch.no_grad(), capture_attention(model) as record:
         model(**inputs)
     chunks: dict = {}
@@ -54,7 +65,7 @@ def test_streamed_decoder_maps_are_causal_and_equal_the_capture():
 
 @pytest.mark.parametrize("engine", ["fused", "chunked"])
 def test_the_default_engines_write_what_eager_writes(engine, tmp_path):
-    model, tokenizer = _nllb_moe(), word_tokenizer()
+    tokenizer = word_tokenizer()
     path = tmp_path / "tb.conllu"
     path.write_text(SAMPLE_CONLLU, encoding="utf-8")
     counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
@@ -62,7 +73,8 @@ def test_the_default_engines_write_what_eager_writes(engine, tmp_path):
     def run(engine_name: str, query_chunk):
         config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine_name,
                                 query_chunk=query_chunk, sensitivity=True)
-        return analyze_heads(model, tokenizer, path, target_conllu=path, config=config,
+        # a fresh model for each run: its router casts its own weights to float32 in its first forward (router_dtype)
+        return analyze_heads(_nllb_moe(), tokenizer, path, target_conllu=path, config=config,
                              frequencies=TokenFrequencies(counts, "hand-set"))
 
     expected = _written(run("eager", None).results.values(), tmp_path / "eager")

@@ -39,8 +39,8 @@ from torch import nn
 
 from headlab.adapters.families import ATTENTION_SINKS
 
-__all__ = ["NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE", "attention_forward",
-           "dispatches", "chunk_rows", "register", "selected_keys_mask", "visible_keys"]
+__all__ = ["NAME", "EAGER_MASKS_NAME", "KEY_BLOCK", "AttentionChunk", "AttentionCall", "ChunkSink", "SINK_ATTRIBUTE",
+           "attention_forward", "dispatches", "chunk_rows", "register", "selected_keys_mask", "visible_keys"]
 
 NAME = "headlab_chunked"
 """The name under which the function (and its mask builder) is registered."""
@@ -257,6 +257,16 @@ def selected_keys_mask(attention_mask: torch.Tensor | None, indices: torch.Tenso
     return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
+def _is_causal(module: nn.Module, sink: ChunkSink | None, given: bool | None) -> bool:
+    """Whether a call without a mask attends causally: as the model says (``is_causal=``), else the block's kind where
+    the sink says it (NLLB-MoE's decoder: :attr:`ChunkSink.causal`), else the module's flag (SDPA's default)."""
+    if given is not None:
+        return bool(given)
+    if sink is not None and sink.causal is not None:
+        return sink.causal
+    return bool(getattr(module, "is_causal", True))
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -287,9 +297,7 @@ def attention_forward(
     softcap = kwargs.get("softcap")
     position_bias = kwargs.get("position_bias")
     k_len = key.shape[2]
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:  # the block's kind where the sink says it (NLLB-MoE's decoder: ChunkSink.causal), else the flag
-        is_causal = sink.causal if sink is not None and sink.causal is not None else getattr(module, "is_causal", True)
+    is_causal = _is_causal(module, sink, kwargs.get("is_causal"))
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if causal and k_len > q_len:  # as SDPA: an empty static cache's extra keys are dropped
         key, value, k_len = key[:, :, :q_len], value[:, :, :q_len], q_len
@@ -394,17 +402,28 @@ def attention_forward(
 _registered = False
 
 
-def register() -> str:
-    """Register the function and its mask builder with transformers (once); returns :data:`NAME`."""
+EAGER_MASKS_NAME = NAME + "_eager_masks"
+"""The same function under another name, registered with transformers' eager mask builder: for a model with no SDPA
+path (``_supports_sdpa`` False), whose own code may read the masks as eager builds them. NLLB-MoE's experts read the
+layer's mask to find padding (an additive float mask, 0 where a token is seen): given SDPA's boolean mask (True where
+seen) they routed the tokens otherwise, its encoder's output and so its cross-attention maps changed under headlab's
+engines (session 38's fused sweep)."""
+
+
+def register(eager_masks: bool = False) -> str:
+    """Register the function and its mask builders with transformers (once); returns :data:`NAME`, or
+    :data:`EAGER_MASKS_NAME` with ``eager_masks`` (a model without an SDPA path)."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
         AttentionInterface.register(NAME, attention_forward)
         AttentionMaskInterface.register(NAME, sdpa_mask)
+        AttentionInterface.register(EAGER_MASKS_NAME, attention_forward)
+        AttentionMaskInterface.register(EAGER_MASKS_NAME, eager_mask)
         _registered = True
-    return NAME
+    return EAGER_MASKS_NAME if eager_masks else NAME
 
 
 def dispatches(module: nn.Module) -> bool:

@@ -654,7 +654,8 @@ def stream_attention(
 
     handles = HookHandles()
     applications = Applications([])
-    with eval_mode(model), _attention_implementation(model, register()):  # no dropout: as capture_attention
+    # no dropout: as capture_attention; a model without an SDPA path gets the masks its eager code reads
+    with eval_mode(model), _attention_implementation(model, register(not getattr(model, "_supports_sdpa", True))):
         try:
             applications = Applications(every)
             handles.extend(applications.handles)
