@@ -7,8 +7,9 @@ from the model's eager attention. experiments/family_sweep.py checks capture (th
 and tests/test_fused_statistics.py the fused engine on the test matrix only; this sweep checks, on every type the family
 sweep builds (its tiny builder, float64 where the model runs in it), that ``analyze_heads(engine="fused")`` writes
 what ``engine="eager"`` writes: a word-level tokenizer (every word one token: the fused word passes run) over the
-sample treebank, counts, offsets and decisions identical, floats within 1e-8 (relative 1e-6 where the model's eager
-softmax runs in float32 whatever its dtype).
+sample treebank, counts, offsets and decisions identical, floats within 1e-8 (relative 1e-6). Where they are not, the
+rule in :func:`_check` decides: the fused engine must equal headlab's chunked path exactly and eager's floats to 1e-4
+relative (most models' eager softmax runs in float32 whatever their dtype: its near ties round otherwise).
 
 Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: the first file and value that differ);
 ``refused`` (the fused engine or the blocks refused it, with the reason); ``CRASH``; ``skipped`` (not built, or no
@@ -53,32 +54,54 @@ def _analyse(model, tokenizer, path: Path, engine: str):
                          frequencies=TokenFrequencies(counts, "hand-set"))
 
 
-def _first_difference(a, b, path: str, rtol: float, atol: float) -> str | None:
-    if isinstance(a, dict):
+def _differences(a, b, path: str, rtol: float, atol: float, decisions: bool = True):
+    """The places where ``a`` and ``b`` (parsed result files) differ: floats beyond ``atol + rtol |b|``, and (with
+    ``decisions``) anything else that is not equal (counts, offsets, which sentence or query an exemplar is)."""
+    if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
-            return f"{path}: keys {sorted(set(a) ^ set(b))[:3]}"
-        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{path}/{k}", rtol, atol))), None)
-    if isinstance(a, list):
+            yield f"{path}: keys {sorted(set(a) ^ set(b))[:3]}"
+            return
+        for key in a:
+            yield from _differences(a[key], b[key], f"{path}/{key}", rtol, atol, decisions)
+    elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
-            return f"{path}: {len(a)} entries, eager {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{path}/{i}", rtol,
-                                                                                          atol))), None)
-    if isinstance(a, float) and isinstance(b, float):
-        same = (np.isnan(a) and np.isnan(b)) or abs(a - b) <= atol + rtol * abs(b)
-        return None if same else f"{path}: {a!r}, eager {b!r}"
-    return None if a == b else f"{path}: {a!r}, eager {b!r}"
+            yield f"{path}: {len(a)} entries, the other {len(b)}"
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _differences(x, y, f"{path}/{i}", rtol, atol, decisions)
+    elif isinstance(a, float) and isinstance(b, float):
+        if not ((np.isnan(a) and np.isnan(b)) or abs(a - b) <= atol + rtol * abs(b)):
+            yield f"{path}: {a!r}, the other {b!r}"
+    elif decisions and a != b and not path.endswith("/signature/dtype"):
+        yield f"{path}: {a!r}, the other {b!r}"
 
 
 def check(model_type: str, config_class) -> tuple[str, str]:
-    from test_chunked_statistics import _written
-    from test_fused_statistics import word_tokenizer
-
     cls = sweep.model_class(config_class)
     if cls is None:
         return "", ""
     if model_type in sweep.SKIPPED:
         return "skipped", sweep.SKIPPED[model_type][:120]
-    model, why = sweep.build(config_class, cls, "sdpa" if cls._supports_sdpa else "eager", torch.float64)
+    try:
+        return _check(config_class, cls, torch.float64)
+    except _EagerFailed:  # the reference does not run in float64 (FSMT's, XGLM's masks overflow float32): float32
+        try:
+            return _check(config_class, cls, torch.float32)
+        except _EagerFailed as error:
+            return "skipped", f"eager engine: {error}"
+
+
+class _EagerFailed(Exception):
+    """The eager engine, the reference, does not run on this model: not this check's finding."""
+
+
+def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
+    from test_chunked_statistics import _written
+    from test_fused_statistics import word_tokenizer
+
+    model, why = sweep.build(config_class, cls, "sdpa", dtype) if cls._supports_sdpa else (None, "")
+    if model is None:  # a sub-model without SDPA (Gemma 4's audio tower): eager, as family_sweep falls back
+        model, why = sweep.build(config_class, cls, "eager", dtype)
     if model is None:
         return "skipped", f"build: {why[:120]}"
     for module in model.modules():  # the experts' grouped matmuls take no float64: their eager loop does
@@ -101,7 +124,8 @@ def check(model_type: str, config_class) -> tuple[str, str]:
         try:
             eager = _analyse(model, tokenizer, path, "eager")
         except Exception as error:  # noqa: BLE001 - the reference itself does not run: not this check's finding
-            return "skipped", f"eager engine: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+            raise _EagerFailed(f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}") \
+                from error
         try:
             fused = _analyse(model, tokenizer, path, "fused")
         except HeadlabError as error:
@@ -112,11 +136,23 @@ def check(model_type: str, config_class) -> tuple[str, str]:
                             f"({Path(frame.filename).name}:{frame.lineno})"
         expected = _written(eager.results.values(), directory / "eager")
         got = _written(fused.results.values(), directory / "fused")
-    difference = _first_difference(got, expected, "", 1e-6, 1e-8)
-    if difference:
-        return "DIFFER", difference[:250]
-    chunked = sorted(fused.report.chunked_statistics)
-    return "equal", f"{len(got)} files" + (f"; chunked path: {', '.join(chunked)}" if chunked else "")
+        if next(_differences(got, expected, "", 1e-6, 1e-8), None) is None:
+            chunked = sorted(fused.report.chunked_statistics)
+            return "equal", f"{len(got)} files" + (f"; chunked path: {', '.join(chunked)}" if chunked else "")
+        # the rule for what differs from eager (written before the run): headlab's two paths from its own attention
+        # function, fused and chunked, must agree exactly (floats to 1e-8, every decision), and every float must agree
+        # with eager to 1e-4 relative (an eager softmax in float32 rounds at 6e-8, a wrong map shows at 1e-2);
+        # decisions that differ from eager's then are near ties eager's float32 rounding breaks otherwise, counted
+        reference = _written(_analyse(model, tokenizer, path, "chunked").results.values(), directory / "chunked")
+    own = next(_differences(got, reference, "", 0.0, 1e-8), None)
+    if own is not None:
+        return "DIFFER", f"{str(dtype).removeprefix('torch.')}: fused against chunked: {own[:230]}"
+    floats = next(_differences(got, expected, "", 1e-4, 1e-8, decisions=False), None)
+    if floats is not None:
+        return "DIFFER", f"{str(dtype).removeprefix('torch.')}: against eager: {floats[:230]}"
+    ties = sum(1 for _ in _differences(got, expected, "", 1e-4, 1e-8))
+    return "equal", f"{len(got)} files; fused = chunked, floats within 1e-4 of eager, {ties} decision(s) of eager's " \
+                    "near ties broken otherwise by its float32 rounding"
 
 
 def main() -> None:
