@@ -257,6 +257,16 @@ def selected_keys_mask(attention_mask: torch.Tensor | None, indices: torch.Tenso
     return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
+def _as_boolean(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """An eager additive mask that only hides keys (0 where seen, the dtype's minimum where hidden: what
+    :data:`EAGER_MASKS_NAME`'s builder gives) as SDPA's boolean one, True where seen, which the kernel takes; any
+    other mask as it is."""
+    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
+        return mask
+    hidden = mask <= torch.finfo(mask.dtype).min / 2
+    return ~hidden if bool(((mask == 0) | hidden).all()) else mask
+
+
 def _is_causal(module: nn.Module, sink: ChunkSink | None, given: bool | None) -> bool:
     """Whether a call without a mask attends causally: as the model says (``is_causal=``), else the block's kind where
     the sink says it (NLLB-MoE's decoder: :attr:`ChunkSink.causal`), else the module's flag (SDPA's default)."""
@@ -304,7 +314,7 @@ def attention_forward(
         if position_bias is not None:
             position_bias = position_bias[..., :q_len]
     if sink is not None and sink.kernel is not None:
-        done = sink.kernel(AttentionCall(query, key, value, attention_mask, causal, scaling, softcap,
+        done = sink.kernel(AttentionCall(query, key, value, _as_boolean(attention_mask), causal, scaling, softcap,
                                          position_bias is not None, sink_logits is not None,
                                          dropout if module.training else 0.0))
         if done is not None:
