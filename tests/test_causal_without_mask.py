@@ -81,3 +81,36 @@ def test_the_default_engines_write_what_eager_writes(engine, tmp_path):
     got = _written(run(engine, 3).results.values(), tmp_path / engine)
     assert len(got) > 10
     _assert_close(got, expected, atol=1e-8)
+
+
+def test_the_kernel_takes_its_eager_masks_and_writes_what_eager_writes(tmp_path, monkeypatch):
+    """The kernel engine (triton's interpreter on the CPU) on NLLB-MoE: its eager masks, which only hide keys, reach the
+    kernel as boolean masks (``attention._as_boolean``), every block of every batch runs in the kernel (no fallback
+    for a float mask), and the files equal the eager engine's."""
+    pytest.importorskip("triton")
+    from headlab.data import attention_kernel
+    from headlab.data.attention_kernel import interpreted
+
+    if not interpreted():
+        pytest.skip("runs in triton's interpreter (CPU)")
+    launches = []
+    real = attention_kernel.attention_statistics
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("mask") is None or kwargs["mask"].dtype == torch.bool)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "attention_statistics", counted)
+    tokenizer = word_tokenizer()
+    path = tmp_path / "tb.conllu"
+    path.write_text(SAMPLE_CONLLU, encoding="utf-8")
+    counts = np.arange(tokenizer.vocab_size, dtype=np.int64) % 5 + 1
+    written, reports = {}, {}
+    for engine in ("eager", "kernel"):
+        config = AnalysisConfig(batch_size=3, top_frequent=3, window=4, top_k=3, engine=engine, sensitivity=True)
+        analysis = analyze_heads(_nllb_moe(), tokenizer, path, target_conllu=path, config=config,
+                                 frequencies=TokenFrequencies(counts, "hand-set"))
+        written[engine], reports[engine] = _written(analysis.results.values(), tmp_path / engine), analysis.report
+    assert launches and all(launches)
+    assert "additive float" not in str(reports["kernel"].kernel_fallback)
+    _assert_close(written["kernel"], written["eager"], atol=1e-8)
