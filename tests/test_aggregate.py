@@ -213,3 +213,35 @@ def test_a_statistic_undefined_for_every_head_is_said_in_the_summary(setup):
     # Layer 0 is not analysed here: the heads with a value are said to be only some of them.
     entropy = next(line for line in summary.splitlines() if line.startswith("| mean_entropy |"))
     assert f"({H} of {2 * H} heads without a value" in entropy
+
+
+def test_entropy_renormalises_a_row_whatever_its_word_mass(tmp_path):
+    """A peaked head can leave a word 1e-35 of its attention (the rest on special tokens): its entropy is still that
+    of the renormalised row, on the chunked and on the fused path. Before, the chunked path floored the mass at
+    1e-30 and summed an unnormalised row there (a tiny Gemma 4 unified model, fused against chunked, 5.6e-5)."""
+    from headlab.data.fused import FusedView, word_offset
+    from test_fused_statistics import word_tokenizer
+
+    sentences = sample_sentences(tmp_path)[:3]
+    side, alignments = side_batch(sentences, word_tokenizer())
+    offset = word_offset(side)
+    assert offset is not None
+    g = torch.Generator().manual_seed(3)
+    B, T = side.token_ids.shape
+    probs = torch.zeros(B, H, T, T, dtype=torch.float64)
+    for b, n in enumerate(side.lengths):
+        logits = torch.randn(H, n, n, generator=g, dtype=torch.float64) * 3
+        logits[0, :, :offset] += 80.0  # head 0: all but ~1e-35 of every row on the special token before the words
+        probs[b, :, :n, :n] = logits.softmax(-1)
+    words = [_words_direct(probs, a, b, 0) for b, a in enumerate(alignments)]
+    smallest = min(row.sum() for m in words for row in m)
+    assert 0 < smallest < 1e-30
+    entropies = [-sum(x * math.log(x) for x in row / row.sum() if x > 0) for m in words for row in m]
+    block = FakeBlock("enc_self", 1, H)
+    for view in (AttentionView(block, probs, side), FusedView(block, probs, side, start=0, last=True)):
+        stats = AggregateStats(window=4, top_k=0)
+        stats.update_side("enc_self", side)
+        stats.update_fused(view) if isinstance(view, FusedView) else stats.update(view)
+        got = stats.result().scores["mean_entropy"]["enc_self"][1][0]
+        stats.close()
+        assert got == pytest.approx(float(np.mean(entropies)), rel=1e-10), type(view).__name__

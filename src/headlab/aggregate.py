@@ -302,12 +302,15 @@ class AggregateStats:
 
         # Entropy of each word's attention over words, renormalised (nats); 0 log 0 = 0. Rows of
         # some key words are summed with zeros up to a multiple of KEY_BLOCK columns, as whole rows
-        # are summed (headlab.attention.KEY_BLOCK): the same bits.
+        # are summed (headlab.attention.KEY_BLOCK): the same bits. A row is divided by its mass
+        # however small (a peaked head can leave a word 1e-35 of its attention: a floor would leave
+        # that row unnormalised); a row of mass 0 is no valid row and is divided by 1.
         valid = view.query_valid  # [B, H, rows]
+        row_mass = view.row_mass
         padded = K if K == W or K % KEY_BLOCK == 0 else min(W, -(-K // KEY_BLOCK) * KEY_BLOCK)
         p = scratch.get("f32", (B, H, R, padded), alpha.dtype, device)  # the product's buffer: it is summed
         p[..., K:] = 0
-        torch.div(alpha, view.row_mass[..., None].clamp(min=1e-30), out=p[..., :K] if padded > K else p)
+        torch.div(alpha, torch.where(row_mass > 0, row_mass, 1.0)[..., None], out=p[..., :K] if padded > K else p)
         entropy = -torch.special.xlogy(p, p, out=p).sum(-1)  # [B, H, rows]
         if view.last:
             self._scratch.clear()
@@ -384,7 +387,7 @@ class AggregateStats:
             add("pos", linear[..., 1:].sum((0, 2)))
             add("arcs", view.word_pairs(_related_words(side)).to(f64).sum((0, 2, 3)))
             valid = view.query_valid  # [B, H, R]
-            m = mass.clamp(min=1e-300)
+            m = torch.where(mass > 0, mass, 1.0)  # the mass however small, as update's division
             entropy = m.log() - view.word_xlogx(products[..., 0]).to(f64) / m  # the mass: no second row sum
             add("entropy", torch.where(valid, entropy, 0.0).sum((0, 2)))
             add("entropy_n", valid.sum((0, 2)).to(f64))
