@@ -421,6 +421,12 @@ OVERRIDES: dict[str, dict] = {  # the smallest sizes each type accepts (read off
     "fast_vlm": dict(text_config=dict(SIZES, model_type="qwen2"), vision_config=dict(
         TINY_VISION, model_type="clip_vision_model", patch_size=8), image_token_id=98),
 }
+# parameters a type's _init_weights sets to zero that the checks need drawn (an output projection at zero: masking would
+# change nothing); NeoMME's value embeddings stay at zero, so that zeroing a key/value head's v_proj rows zeroes its
+# values (tests/test_neomme.py checks them drawn)
+ZERO_INITIALISED: dict[str, tuple[str, ...]] = {
+    "neomme": ("output_projection.o_proj.weight", "mlp.down_proj.weight", "exclusive_self_attention.alpha"),
+}
 SKIPPED: dict[str, str] = {  # types left out, and why (printed instead of a build error)
     # skip27B
     "voxtral_realtime": "a streaming speech model: its forward needs audio features (input_features) at every step, "
@@ -539,6 +545,8 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
             elif name.endswith(".sinks"):  # learned sinks start at zero, all alike: a head's taken for another's shows
                 parameter.add_(torch.randn_like(parameter))
+            elif name.endswith(ZERO_INITIALISED.get(config_class.model_type, ())):
+                parameter.add_(torch.randn_like(parameter) * 0.5)
     return model.to(dtype), ""
 
 

@@ -428,7 +428,7 @@ class NoHeadAttention(nn.Module):
         """Concat() W^O + b = b at each position of ``hidden_states``, or an empty input of the output projection
         where it follows outside this module."""
         if self.o_name:
-            o = getattr(self, self.o_name)
+            o = self.get_submodule(self.o_name)  # a child, or deeper (NeoMME's output_projection.o_proj)
             width = int(o.out_features) if hasattr(o, "out_features") else int(o.nf)  # Linear, QuantLinear; Conv1D
             out = hidden_states.new_zeros(*hidden_states.shape[:-1], width)
             return out if o.bias is None else out + o.bias.to(out.dtype)

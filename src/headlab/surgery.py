@@ -53,6 +53,7 @@ from headlab.adapters.families import (
     QKV_LAYOUTS,
     SINKS_SCALE_OUTPUT,
     SUB_NORMS,
+    VALUE_EMBEDDINGS,
     rows_per_head,
     unpruned_latent_reason,
 )
@@ -235,6 +236,20 @@ def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def group_holders(block: AttentionBlock) -> list[nn.Module]:
+    """The children of ``block.core`` of ``block.family.group_holders`` that hold ``num_key_value_groups`` (NeoMME's
+    ``exclusive_self_attention``); none in a layer left with no head (its stand-in has no such child)."""
+    found = []
+    for path in block.family.group_holders:
+        try:
+            holder = block.core.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(holder, _GROUP_ATTRS[0], None), int):
+            found.append(holder)
+    return found
+
+
 def head_biases(block: AttentionBlock) -> list[tuple[nn.Module, str, str]]:
     """The parameters of ``block.family.head_biases`` (``d_head`` entries per head), as (owning module, name, "q" or
     "v"); a layer left with no head has none (its stand-in adopts the original's sub-modules, not its parameters)."""
@@ -281,6 +296,28 @@ def kv_dynamic_mask_reason(block: AttentionBlock, keep: list[int], kv_keep: list
             "key/value head of the layer, so the masks of the heads kept would change; physical pruning of this "
             "family is exact only while a layer keeps at least one query head of each key/value head, or none "
             "(mask the heads instead: headlab.mask_heads)")
+
+
+def value_embedding_reason(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
+    """Why pruning ``block`` to query heads ``keep`` and key/value heads ``kv_keep`` (current numbering, repeats where
+    the groups are uneven: :func:`_kv_plan`) is not exact for a layer that adds the model's value embeddings to its
+    values (:data:`~headlab.adapters.families.VALUE_EMBEDDINGS`: NeoMME), or None: the embedding is the model's, of
+    every key/value head, and the layer adds it head by head, so a layer there that keeps a head must keep every
+    key/value head, each once (every group the same number of query heads)."""
+    entry = VALUE_EMBEDDINGS.get(_model_type(model))
+    if entry is None or not keep or kv_keep == list(range(block.n_kv_heads)):
+        return None
+    owner = next((m for m in model.modules() if isinstance(getattr(m, entry[0], None), nn.Embedding)
+                  and isinstance(getattr(m, entry[1], None), (set, frozenset, list, tuple))), None)
+    layer = getattr(block.core, "layer_idx", block.layer)
+    if owner is not None and layer not in getattr(owner, entry[1]):
+        return None
+    group = block.n_heads // max(block.n_kv_heads, 1)
+    return (f"{block.name} adds the model's {entry[0]} (one embedding of all {block.n_kv_heads} key/value heads, read "
+            f"by this layer head by head) to its values, so it must keep every key/value head, each once; keeping "
+            f"query heads {keep} of {block.n_heads} (groups of {group}) keeps key/value heads {kv_keep}. Physical "
+            "pruning of this layer is exact only where each key/value group keeps the same number of query heads "
+            "(at least one), or no head at all (mask the heads instead: headlab.mask_heads)")
 
 
 # -- the plan for one block ----------------------------------------------------------------
@@ -527,6 +564,8 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     for attr in dict.fromkeys((family.kv_groups_attr or "", *_GROUP_ATTRS)):
         if attr and hasattr(core, attr):
             journal.set(core, attr, groups)
+    for holder in group_holders(block):  # NeoMME's exclusive_self_attention repeats the values itself
+        journal.set(holder, _GROUP_ATTRS[0], groups)
 
     _give_pruned_forward(block, keep, journal)
     kept, kv_kept, original = _original(block)
@@ -672,7 +711,8 @@ class ZeroHeadAttention(NoHeadAttention):
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _Journal) -> None:
     parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    o_name = next((name for name, child in block.core.named_children() if child is block.o), None)
+    # its path from the core: a child (o_proj), or deeper (NeoMME's output_projection.o_proj)
+    o_name = next((name for name, child in block.core.named_modules() if child is block.o and name), None)
     n_outputs = (block.family.probs_index + 1 if block.family.probs_index >= 0 else 2) + block.family.extra_outputs
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
@@ -1126,6 +1166,9 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         _check_sharing_layer_kept(block, keep, kv_keep)
     _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
+        if (embedded := value_embedding_reason(model, block, keep, kv_keep)) is not None:
+            raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {embedded}",
+                                  model_type=_model_type(model), block=block.key)
         dynamic = kv_dynamic_mask_reason(block, keep, kv_keep)
         if dynamic is not None:
             raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {dynamic}",
@@ -1612,6 +1655,8 @@ def pruning_plan(model: nn.Module) -> dict:
                 attrs[name] = int(getattr(core, name))
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
+        for holder in group_holders(block) if not isinstance(core, ZeroHeadAttention) else ():
+            plan["attributes"][names[id(holder)]] = {_GROUP_ATTRS[0]: int(getattr(holder, _GROUP_ATTRS[0]))}
         # pruned_heads.py does not read it: a directory re-saved through it keeps the original numbering in config.json
         plan.setdefault("kept", {})[block.name] = [list(getattr(core, KEPT_ATTR)),
                                                     list(getattr(core, KV_KEPT_ATTR)), int(getattr(core, ORIGINAL_ATTR))]

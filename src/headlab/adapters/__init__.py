@@ -38,6 +38,7 @@ from headlab.adapters.families import (
     CORE_CLASSES_REFUSED,
     FAMILIES,
     FUSED_ATTENTION_CLASSES,
+    HEAD_MAPS,
     HEAD_VECTORS,
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
@@ -506,6 +507,11 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
                                "rows per head for (its forward differs from the one headlab read)")
         family = dataclasses.replace(family, head_rows=tuple((prefix + path, attrs) for path, attrs in rows),
                                      head_vectors=(*family.head_vectors, *(prefix + path for path in vectors)))
+    for path in item.head_maps:  # NeoMME's exclusive_self_attention (HEAD_MAPS): one entry per head, its own groups
+        holder = path[len(prefix):] if path.startswith(prefix) else path
+        vector = HEAD_MAPS[type(module.get_submodule(path)).__name__][0]
+        family = dataclasses.replace(family, head_vectors=(*family.head_vectors, f"{path}.{vector}"),
+                                     group_holders=(*family.group_holders, holder))
     # learned sinks, one per query head (MiMo-V2-Flash's full-attention layers have none: sinks is None there)
     sinks = tuple(prefix + path for path in ATTENTION_SINKS.get(model_type, ()) if _parameter(core, path) is not None)
     if sinks:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headlab.adapters.families import HEAD_NORMS, SUB_NORMS
+from headlab.adapters.families import HEAD_MAPS, HEAD_NORMS, SUB_NORMS
 from headlab.errors import HeadlabError
 
 __all__ = ["PROBE", "SELECTED_ATTR", "Discovered", "ModelChanged", "discover", "maps", "ran", "selected_widths"]
@@ -109,6 +109,10 @@ class Discovered:
     sorted) of the projections each came from, where all of them lie inside the block (empty where one does not):
     what a table of layouts discovery does not tie checks against (Zamba 2's shared attention adapters,
     :data:`headlab.adapters.families.QKV_ADAPTERS`)."""
+    head_maps: tuple[str, ...] = ()
+    """Paths (relative to the block) of the modules of :data:`headlab.adapters.families.HEAD_MAPS` the heads' outputs
+    passed through, each head's output mapped alone, on their way to the output projection (NeoMME's
+    ``exclusive_self_attention``); empty without one."""
 
 
 class _Traced(torch.Tensor):
@@ -270,7 +274,8 @@ class _Call:
     gates) only, before any other leaf module: its output is traced on as the heads' outputs (:meth:`_Probe.normed`)."""
     head_norms: list[nn.Module] = field(default_factory=list)
     """Norms of :data:`headlab.adapters.families.HEAD_NORMS` that received the output regrouped by views (and output
-    gates) only, at one head's width: each head's output normalised alone, traced on as the heads' outputs."""
+    gates) only, at one head's width: each head's output normalised alone, traced on as the heads' outputs; and the
+    modules of :data:`headlab.adapters.families.HEAD_MAPS` (each head's output mapped alone) likewise."""
 
 
 class _Probe:
@@ -347,11 +352,17 @@ def _sub_norm(module: nn.Module) -> bool:
 
 def _head_norm(module: nn.Module, x: torch.Tensor, call: _Call) -> bool:
     """One of transformers' own norms of :data:`~headlab.adapters.families.HEAD_NORMS` (its class and module) about to
-    run on ``[..., heads, head_dim]`` (one head's features in its last dimension), with no weight or one of that size."""
+    run on ``[..., heads, head_dim]`` (one head's features in its last dimension), with no weight or one of that size;
+    or one of its per-head maps of :data:`~headlab.adapters.families.HEAD_MAPS`, its parameter one entry per query
+    head."""
+    if not (type(module).__module__.startswith("transformers.models.") and x.dim() >= 3
+            and tuple(x.shape[-2:]) == (call.query[1], call.value[-1])):
+        return False
+    if type(module).__name__ in HEAD_MAPS:
+        vector = getattr(module, HEAD_MAPS[type(module).__name__][0], None)
+        return isinstance(vector, torch.Tensor) and tuple(vector.shape) == (call.query[1],)
     weight = getattr(module, "weight", None)
-    return type(module).__name__ in HEAD_NORMS and type(module).__module__.startswith("transformers.models.") \
-        and x.dim() >= 3 and tuple(x.shape[-2:]) == (call.query[1], call.value[-1]) \
-        and (weight is None or tuple(weight.shape) == (call.value[-1],))
+    return type(module).__name__ in HEAD_NORMS and (weight is None or tuple(weight.shape) == (call.value[-1],))
 
 
 def _no_mask(*args: Any, batch_size: int = 1, q_length: int = 1, kv_length: int = 1, allow_is_causal_skip: bool = True,
@@ -786,9 +797,14 @@ def _describe(call: _Call, modules: dict[str, nn.Module], names: dict[int, str],
     if call.sub_norm is not None and sub_norm is None and problem is None:
         problem = (f"the norm its heads' outputs pass through, {names.get(id(call.sub_norm))}, lies outside the "
                    "attention layer")
+    head_maps = tuple(_relative(block, names.get(id(m))) for m in call.head_norms if type(m).__name__ in HEAD_MAPS)
+    if None in head_maps and problem is None:
+        problem = (f"the per-head map its heads' outputs pass through, {type(call.head_norms[0]).__name__}, lies "
+                   "outside the attention layer")
     return Discovered(block, _relative(block, calling) or "", n_heads, n_kv, d_v, d_qk,
                       _relative(block, o_name), q, k, v, problem, call.probs_index or 0, kv_from,
-                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm, traced)
+                      tuple(sorted(_gate_names(block, call.o_gates, names))) if gated else (), sub_norm, traced,
+                      tuple(p for p in head_maps if p is not None))
 
 
 def _source_paths(block: str, sources: tuple[frozenset, ...], names: dict[int, str]) -> tuple[tuple[str, ...], ...]:

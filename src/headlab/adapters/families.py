@@ -186,6 +186,10 @@ class Family:
     """Entries for the model's other attention kinds where they are laid out differently (LED: its encoder's
     attention is Longformer's, its decoder's BART's), each with its own ``patterns``: the model's blocks are this
     entry's and theirs, each block carrying the entry that matched it (one level: a part has no parts)."""
+    group_holders: tuple[str, ...] = ()
+    """Children of ``core`` (paths relative to it) that repeat the key/value heads over their query heads themselves,
+    from an attribute set at init (NeoMME's ``exclusive_self_attention``, :data:`HEAD_MAPS`: ``num_key_value_groups``
+    from the config): physical pruning sets that attribute to the layer's new group size, as it does the core's."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
     (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
@@ -447,7 +451,8 @@ OUTPUT_GATES: dict[str, tuple[str, ...]] = {
     "afmoe": ("gate_proj",), "laguna": ("g_proj",), "lfm3": ("g_proj",),
     **dict.fromkeys(["hy_v4", "hy_v4_vl_text", "hy_v4_vl"], ("gate_proj",)),
     **dict.fromkeys(["step3p5", "step3p7"], ("g_proj",)),
-    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], ("gate_proj",))}
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], ("gate_proj",)),
+    "neomme": ("output_projection.gate_proj",)}
 """Model types whose attention multiplies the heads' outputs by a gate between the attention function and
 ``o_proj`` (:mod:`headlab.adapters.discovery` sees the product), with the projections (relative to the
 attention module) that the gate is computed from: their forwards were read (transformers 5.24) and each head's
@@ -487,6 +492,29 @@ values only and maps a head's zeros to zeros, so :mod:`headlab.adapters.discover
 through it (only at that width: ``head_dim`` features of one head). Masking at ``o_proj``'s input then equals zeroing
 the head's value rows, a gate scales the head's column of ``o_proj``'s input exactly, and physical pruning leaves the
 norm as it is (its weight, if any, is shared by the heads)."""
+
+HEAD_MAPS: dict[str, tuple[str, str]] = {"NeoMMEExclusiveSelfAttention": ("alpha", "num_key_value_groups")}
+"""Classes of transformers' own modules (their names) that an attention applies to the attention function's output
+``[batch, seq, heads, head_dim]``, with the layer's values, before regrouping it for the output projection, and that
+map each head's output by a linear map of that head's own, for fixed values: (the parameter of one entry per query
+head, the attribute giving the query heads per key/value head its forward repeats the values by). Read off
+transformers 5.24: NeoMME's ``exclusive_self_attention`` (``NeoMMEExclusiveSelfAttention(attn_output,
+value_states)``), ``o_i - tanh(alpha_h) (o_i . v^_i) v^_i`` per query head h and position i, ``v^_i`` the unit vector of
+position i's own value in head h's key/value group (``repeat_kv(value_states, num_key_value_groups)``). So a head
+whose output is 0 stays 0, a gate ``g`` on a head's output gives ``g`` times the map's output, and no head reads
+another's output: :mod:`headlab.adapters.discovery` lets the heads' outputs pass through it as through
+:data:`HEAD_NORMS` (only at one head's width, its parameter one entry per query head), masking at the output
+projection's input equals zeroing the head's output before the map, and physical pruning keeps the kept heads' entries
+of the parameter (``Family.head_vectors``) and sets the attribute to the layer's new group size
+(``Family.group_holders``). LRP holds ``v^`` constant: :func:`headlab.importance.rules.head_map_rule`."""
+
+VALUE_EMBEDDINGS: dict[str, tuple[str, str]] = {"neomme": ("value_embeddings", "value_embedding_layers")}
+"""Model types whose model adds a token embedding of its own to the values of some attention layers: (the model's
+embedding, ``[vocab, kv heads x head_dim]``, the model's set of the layer indices that get it), read off transformers
+5.24: NeoMME's ``NeoMMEModel.value_embeddings``, handed to its first and last full-attention layers
+(``value_embedding_layers``), whose attention adds ``value_embeds.view(..., -1, head_dim)`` to its value states, key/value
+head by key/value head. The embedding is the model's, one for those layers, so a layer there that keeps heads must keep
+every key/value head it had, each once (:func:`headlab.surgery.value_embedding_reason`)."""
 
 LINEAR_MIXERS: frozenset[str] = frozenset({"KimiLinearDeltaAttention", "Glm5NextTextLinearAttention"})
 """Classes of transformers' own linear-attention layers that hold query/key/value/output projections but compute no
@@ -541,12 +569,21 @@ def step3p7_gate(core: Any) -> GateRows:
     return ((("g_proj", (1,)),), ()) if getattr(core, "gate_per_head", None) is True else ((), ())
 
 
+def neomme_gate(core: Any) -> GateRows:
+    """NeoMME (``NeoMMEAttention``): ``output_projection`` (``NeoMMESigmoidGatedProjection``) computes
+    ``o_proj(attn_output * sigmoid(gate_proj(hidden_states)))``, ``attn_output`` the heads' outputs (after
+    ``exclusive_self_attention``, :data:`HEAD_MAPS`) reshaped ``[batch, seq, heads * head_dim]`` and ``gate_proj``
+    hidden -> heads x head_dim: head h's gate is rows ``h * head_dim ..``."""
+    return (("output_projection.gate_proj", ("head_dim",)),), ()
+
+
 QKV_OUTPUT_GATES: dict[str, Callable[[Any], GateRows]] = {
     "beam": beam_gate, "afmoe": afmoe_gate, "laguna": laguna_gate, "lfm3": lfm3_gate,
     **dict.fromkeys(["step3p5", "step3p7"], step3p7_gate),
     # Muse Glimmer (MuseGlimmerTextAttention): AFMoE's, the output [batch, seq, heads * head_dim] times
     # sigmoid(gate_proj(hidden_states)), hidden -> heads x head_dim
-    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], afmoe_gate)}
+    **dict.fromkeys(["muse_glimmer_text", "muse_glimmer", "muse_spark_text", "muse_spark"], afmoe_gate),
+    "neomme": neomme_gate}
 """Model types of :data:`OUTPUT_GATES` whose attention has q/k/v projections, each with what gives the gate's
 ``Family.head_rows`` and ``Family.head_vectors`` from its attention module (read off transformers 5.24's forwards,
 each function's docstring): head h's gate comes from its own rows (and entries) and multiplies head h's output

@@ -1,0 +1,212 @@
+"""NeoMME (``NeoMMEForMaskedLM``, model type ``neomme``; transformers 5.24): a bidirectional encoder whose attention
+maps each head's output by ``exclusive_self_attention`` (``o_i - tanh(alpha_h) (o_i . v^_i) v^_i``, ``v^_i`` the unit
+vector of position i's own value in the head's key/value group: ``adapters.families.HEAD_MAPS``) and then gates it
+(``output_projection``: ``o_proj(attn_output * sigmoid(gate_proj(hidden_states)))``, an output gate from the layer's
+input: ``adapters.families.OUTPUT_GATES``). Its first and last full-attention layers add the model's value embeddings
+to their values (``adapters.families.VALUE_EMBEDDINGS``); its sliding layers attend within a half-width window.
+
+Refused before session 39 ("exclusive_self_attention ... is a NeoMMEExclusiveSelfAttention, not a linear map"): every
+test here fails on main at attention_blocks. Checked on a tiny float64 model with padded batches, sliding and global
+layers, value embeddings drawn (zeros at init) and the zero-initialised output projections and alphas drawn: capture
+equals output_attentions, masking equals the head's output zeroed before the exclusive map, a gate commutes with it,
+pruning equals masking (uneven groups, a whole group, a layer with no head), reloads with headlab and with plain
+transformers, is refused before any work where the value embeddings would no longer fit, and LRP conserves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from headlab import attention_blocks, gates_attached, load_pruned, mask_heads, prune_heads, save_pruned
+from headlab.errors import PruningNotExact
+from headlab.gates import ConstantGates
+from support.family_matrix import check_capture_equals_output_attentions, check_gates_at_one_change_nothing, logits
+
+# sliding (window 2), global with value embeddings, sliding (the long window), global without, global with
+_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention", "full_attention"]
+_WINDOW = 2
+
+
+def _config() -> tf.PretrainedConfig:
+    if not hasattr(tf, "NeoMMEForMaskedLM"):
+        pytest.skip("this transformers has no neomme")
+    return tf.NeoMMEConfig(
+        vocab_size=99, embedding_rank=16, hidden_size=32, intermediate_size=40, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, layer_types=_LAYERS,
+        sliding_window=_WINDOW, patch_size=2, pad_token_id=2,
+        rope_parameters={"full_attention": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                         "sliding_attention": {"rope_theta": 1000.0, "partial_rotary_factor": 1.0}})
+
+
+def _model(attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    config = _config()
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = tf.NeoMMEForMaskedLM(config).eval()
+    with torch.no_grad():  # what NeoMME initialises to zero (o_proj, down_proj, value embeddings, alpha), drawn
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "value_embeddings.weight")):
+                parameter.normal_(0, 0.3)
+            elif name.endswith("exclusive_self_attention.alpha"):
+                parameter.normal_(0, 1.0)
+            elif name.endswith("gate_proj.weight"):
+                parameter.mul_(8)  # the gates spread over (0, 1)
+            elif name.endswith("lambdas"):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model.double()
+
+
+def _inputs() -> dict:
+    """Three rows of 7 ids: one full, one padded on the right, one on the left (by 2)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(7, 99, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, -2:] = 0
+    mask[2, :2] = 0  # (3 would leave a padded query of the window-2 layer no key: NaN in eager float64)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _kept(inputs: dict, out: torch.Tensor) -> torch.Tensor:
+    return out[inputs["attention_mask"].bool()]
+
+
+def _attention(model, layer: int):
+    return model.model.layers[layer].self_attn
+
+
+def _scaled_before_the_map(model, layer: int, heads: list[int], factor: float):
+    """A hook that multiplies ``heads``' outputs by ``factor`` where the attention function returns them, before the
+    exclusive map (the by-hand reference)."""
+    def scale(module, args):
+        out = args[0].clone()
+        out[:, :, heads] = out[:, :, heads] * factor
+        return (out, *args[1:])
+    return _attention(model, layer).exclusive_self_attention.register_forward_pre_hook(scale)
+
+
+def test_blocks_are_found_with_the_map_and_the_gate():
+    model = _model()
+    blocks = attention_blocks(model)
+    assert [(b.kind, b.layer, b.n_heads, b.n_kv_heads, b.d_head) for b in blocks] == \
+        [("enc_self", layer, 4, 2, 8) for layer in range(5)]
+    family = blocks[0].family
+    assert family.o == "output_projection.o_proj"
+    assert dict(family.head_rows) == {"output_projection.gate_proj": ("head_dim",)}
+    assert "exclusive_self_attention.alpha" in family.head_vectors
+    assert family.group_holders == ("exclusive_self_attention",)
+    assert model.model.value_embedding_layers == {1, 4}
+
+
+def test_capture_equals_output_attentions_with_padding_and_windows():
+    inputs = _inputs()
+    _, record = check_capture_equals_output_attentions(_model, "enc_self", inputs, n_layers=5)
+    distance = (torch.arange(7)[:, None] - torch.arange(7)[None, :]).abs()
+    first = record[("enc_self", 0)][0]  # the unpadded row of the short sliding layer: a band of half-width 2
+    assert torch.all(first[:, distance > _WINDOW] == 0) and torch.all(first[:, distance <= _WINDOW] > 0)
+    assert torch.all(record[("enc_self", 1)][0] > 0)  # global
+    assert torch.all(record[("enc_self", 1)][1][:, :, -2:] == 0)  # the padded keys of row 1
+
+
+@pytest.mark.parametrize("layer", [0, 1, 3])  # sliding, global with value embeddings, global without
+def test_masking_equals_the_heads_output_zeroed_before_the_map(layer):
+    inputs = _inputs()
+    model = _model()
+    before = logits(model, inputs)
+    for heads in ([1], [2, 3], [0, 3]):
+        with mask_heads(model, {("enc_self", layer): heads}):
+            masked = logits(model, inputs)
+        assert torch.equal(logits(model, inputs), before)  # the mask came off
+        handle = _scaled_before_the_map(model, layer, heads, 0.0)
+        try:
+            reference = logits(model, inputs)
+        finally:
+            handle.remove()
+        assert not torch.allclose(reference, before)
+        torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
+
+
+def test_a_gate_commutes_with_the_map_and_gates_at_one_change_nothing():
+    """A gate g on a head (at the output projection's input) equals g times the head's output before the exclusive map
+    (the map is linear in the head's output for fixed values), and gates at one change nothing."""
+    inputs = _inputs()
+    model = _model()
+    check_gates_at_one_change_nothing(model, inputs)
+    handles = [_scaled_before_the_map(model, 1, [1], 0.25), _scaled_before_the_map(model, 1, [3], 0.5)]
+    try:
+        reference = logits(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    values = {("enc_self", layer): torch.ones(4) for layer in range(5)}
+    values[("enc_self", 1)] = torch.tensor([1.0, 0.25, 1.0, 0.5])
+    with gates_attached(model, ConstantGates(values)):
+        gated = logits(model, inputs)
+    torch.testing.assert_close(gated, reference, atol=1e-12, rtol=0)
+
+
+# layer 0 (sliding): uneven groups, each kept query head its own key/value copy; layer 1 (value embeddings): one head of
+# each group; layer 2 (sliding, long window): a whole group; layer 3 (global, no value embeddings): uneven; layer 4
+# (value embeddings): no head left
+_SPEC = {("enc_self", 0): [3], ("enc_self", 1): [1, 3], ("enc_self", 2): [2, 3], ("enc_self", 3): [0],
+         ("enc_self", 4): [0, 1, 2, 3]}
+_LEFT = [3, 2, 2, 3, 0]
+_GROUPS = [1, 1, 2, 1]  # the exclusive maps' num_key_value_groups after pruning, layers 0-3
+
+
+def _pruned(model, inputs) -> torch.Tensor:
+    with mask_heads(model, _SPEC):
+        masked = logits(model, inputs)
+    prune_heads(model, _SPEC)  # checks itself against masking
+    return masked
+
+
+def test_pruning_equals_masking_and_keeps_the_maps_groups():
+    inputs = _inputs()
+    model = _model()
+    masked = _pruned(model, inputs)
+    assert [b.n_heads for b in attention_blocks(model)] == _LEFT
+    for layer, groups in enumerate(_GROUPS):
+        attention = _attention(model, layer)
+        exclusive = attention.exclusive_self_attention
+        assert exclusive.num_key_value_groups == attention.num_key_value_groups == groups, layer
+        assert exclusive.alpha.shape == (_LEFT[layer],)
+        assert attention.output_projection.gate_proj.weight.shape == (_LEFT[layer] * 8, 32)
+        assert attention.output_projection.o_proj.weight.shape == (32, _LEFT[layer] * 8)
+    # the kept heads' alphas, in order (layer 3 kept heads 1, 2, 3)
+    fresh = _model()
+    torch.testing.assert_close(_attention(model, 3).exclusive_self_attention.alpha,
+                               _attention(fresh, 3).exclusive_self_attention.alpha[1:], atol=0, rtol=0)
+    torch.testing.assert_close(_kept(inputs, logits(model, inputs)), _kept(inputs, masked), atol=1e-12, rtol=0)
+
+
+def test_pruned_reloads_with_headlab_and_plain_transformers(tmp_path):
+    inputs = _inputs()
+    model = _model()
+    masked = _pruned(model, inputs)
+    pruned = logits(model, inputs)
+    save_pruned(model, tmp_path)
+    assert json.loads((tmp_path / "headlab_pruning.json").read_text())["portable"]["how"] == "remote code"
+    reloaded = load_pruned(tmp_path).double().eval()
+    assert [b.n_heads for b in attention_blocks(reloaded)] == _LEFT
+    torch.testing.assert_close(logits(reloaded, inputs), pruned, atol=1e-12, rtol=0)
+    plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    plain = plain.double().eval()
+    assert [_attention(plain, layer).exclusive_self_attention.num_key_value_groups for layer in range(4)] == _GROUPS
+    torch.testing.assert_close(_kept(inputs, logits(plain, inputs)), _kept(inputs, masked), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("heads", [[3], [2, 3], [0, 1, 3]])  # uneven groups; a whole group; uneven
+def test_pruning_a_value_embedding_layer_that_would_lose_a_key_value_head_is_refused_before_any_work(heads):
+    model = _model()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(PruningNotExact, match=r"value_embeddings .* must keep every key/value head, each once"):
+        prune_heads(model, {("enc_self", 0): [1], ("enc_self", 1): heads})
+    assert [b.n_heads for b in attention_blocks(model)] == [4] * 5  # nothing pruned, not even layer 0
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    # layer 3, global without value embeddings, prunes the same heads
+    prune_heads(model, {("enc_self", 3): heads})
+    assert attention_blocks(model)[3].n_heads == 4 - len(heads)
