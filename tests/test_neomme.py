@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from headlab import attention_blocks, gates_attached, load_pruned, mask_heads, prune_heads, save_pruned
-from headlab.errors import PruningNotExact
+from headlab.errors import HeadlabError, PruningNotExact, RunFailed
 from headlab.gates import ConstantGates
 from support.family_matrix import check_capture_equals_output_attentions, check_gates_at_one_change_nothing, logits
 
@@ -210,3 +210,60 @@ def test_pruning_a_value_embedding_layer_that_would_lose_a_key_value_head_is_ref
     # layer 3, global without value embeddings, prunes the same heads
     prune_heads(model, {("enc_self", 3): heads})
     assert attention_blocks(model)[3].n_heads == 4 - len(heads)
+
+
+def test_lrp_conserves_through_the_exclusive_map_the_gate_and_the_value_embeddings(monkeypatch):
+    """Conserved to 1e-10 with the value embeddings counted as input relevance (rules.per_layer_embeddings); without
+    them counted, what reaches them is missing (they do take relevance)."""
+    from headlab.importance import rules
+    from support.lrp_families import assert_conserved
+
+    assert_conserved(_model(), 1e-10)
+    monkeypatch.setattr(rules, "VALUE_EMBEDDINGS", {})
+    with pytest.raises(RunFailed, match="did not conserve"):
+        assert_conserved(_model(), 1e-6)
+
+
+def test_lrp_holds_the_unit_values_of_the_exclusive_map_constant():
+    """Under lrp_rules the map's backward is that of ``o -> o - tanh(alpha) (o . v^) v^`` with ``v^`` constant: no
+    gradient reaches the values through it, and the heads' outputs get ``M^T g`` (M symmetric); forward unchanged."""
+    from headlab.importance.rules import lrp_rules
+
+    model = _model()
+    exclusive = _attention(model, 1).exclusive_self_attention
+    g = torch.Generator().manual_seed(4)
+    heads = torch.randn(2, 5, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 5, 4, 8, generator=g, dtype=torch.float64)
+    plain = exclusive(heads, values)
+    assert torch.autograd.grad((plain * upstream).sum(), values)[0].abs().max() > 0  # the map does read the values
+    with lrp_rules(model):
+        out = exclusive(heads, values)
+        d_heads, d_values = torch.autograd.grad((out * upstream).sum(), [heads, values], allow_unused=True)
+    assert torch.equal(out, plain)
+    assert d_values is None or torch.all(d_values == 0)
+    # v^ normalised in float32, as the forward does
+    unit = torch.nn.functional.normalize(values.detach().float(), dim=-1).double().repeat_interleave(2, dim=1)
+    unit = unit.transpose(1, 2)
+    scale = torch.tanh(exclusive.alpha.detach()).view(1, 1, -1, 1)
+    torch.testing.assert_close(d_heads, upstream - scale * (upstream * unit).sum(-1, keepdim=True) * unit,
+                               atol=1e-14, rtol=0)
+
+
+def test_lrp_refuses_an_exclusive_map_that_computes_something_else(monkeypatch):
+    """A forward other than the one the rule reads (here: v^ not normalised) is refused, naming the map."""
+    from transformers.models.neomme import modeling_neomme as modeling
+
+    from headlab.importance import compute_lrp
+    from support.lrp_families import lrp_data
+
+    def forward(self, attn_output, value_states):
+        values = modeling.repeat_kv(value_states, self.num_key_value_groups).transpose(1, 2)
+        scale = torch.tanh(self.alpha).to(attn_output.dtype).view(1, 1, -1, 1)
+        return attn_output - scale * (attn_output * values).sum(-1, keepdim=True) * values
+
+    monkeypatch.setattr(modeling.NeoMMEExclusiveSelfAttention, "forward", forward)
+    model = _model()
+    data, info = lrp_data(model)
+    with pytest.raises(HeadlabError, match=r"NeoMMEExclusiveSelfAttention computed something other than"):
+        compute_lrp(model, data, info, bootstrap=0)

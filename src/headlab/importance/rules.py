@@ -117,10 +117,11 @@ import torch
 from torch import nn
 
 from headlab.adapters import AttentionBlock, attention_blocks, out_features
-from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES
+from headlab.adapters.families import CLIPPED_QKV, FUSED_REFUSED, OUTPUT_GATES, VALUE_EMBEDDINGS
 from headlab.capture import HookHandles
 from headlab.errors import HeadlabError
 from headlab.importance import cca_rule, mixer_rules
+from headlab.importance.head_map_rule import head_map_hooks, head_map_problem
 from headlab.importance.residual_streams import residual_stream_problem
 from headlab.surgery import head_row_modules
 
@@ -553,6 +554,8 @@ def _check_rules(model: nn.Module) -> dict[str, tuple[str, str | None]]:
         refused = block.family.refused or FUSED_REFUSED.get(type(block.core).__name__)
         if block.n_heads and block.q is None and block.qkv is None and refused:
             raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {refused}")
+        if block.n_heads and (problem := head_map_problem(block)):  # a per-head map before o_proj without a rule
+            raise HeadlabError(f"LRP: no rule for the attention of {block.name} ({block.family.name}): {problem}")
         if block.n_heads and block.q is None and block.qkv is None:  # found at run time, projections not tied
             raise HeadlabError(
                 f"LRP: no rule for the attention of {block.name} ({block.family.name}): its query and key projections "
@@ -996,9 +999,18 @@ def per_layer_input_layers(model: nn.Module) -> list[nn.Module]:
 def per_layer_embeddings(model: nn.Module) -> list[nn.Module]:
     """The per-layer token embeddings of ``model`` (Gemma 3n's and Gemma 4's ``embed_tokens_per_layer``): an input
     of their own, whose output is where relevance sent into the per-layer inputs ends beside the input embeddings
-    (lrp.py counts it in the input relevance)."""
-    return [embedding for module in model.modules()
-            if isinstance(embedding := getattr(module, "embed_tokens_per_layer", None), nn.Embedding)]
+    (lrp.py counts it in the input relevance); and, likewise, the value embeddings of a model type of
+    :data:`~headlab.adapters.families.VALUE_EMBEDDINGS` (NeoMME's ``value_embeddings``, a token embedding added to
+    some layers' values: the relevance of those values that is the embedding's ends there)."""
+    names = ("embed_tokens_per_layer", *(entry[0] for entry in VALUE_EMBEDDINGS.values()))
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    found: list[nn.Module] = []
+    for module in model.modules():
+        for name in names:
+            embedding = getattr(module, name, None)
+            if isinstance(embedding, nn.Embedding) and (name == names[0] or model_type in VALUE_EMBEDDINGS):
+                found.append(embedding)
+    return found
 
 
 class _PerLayerInputProduct:
@@ -2235,7 +2247,8 @@ def lrp_rules(model: nn.Module, *, blocks: list[AttentionBlock] | None = None) -
         for block in blocks:
             if block.n_heads == 0 or block.idle:  # idle: never runs (check_rules)
                 continue
-            for module, hook in _attention_hooks(block):
+            # NeoMME's exclusive map (HEAD_MAPS): v^ held constant, :mod:`headlab.importance.head_map_rule`
+            for module, hook in (*_attention_hooks(block), *head_map_hooks(block)):
                 handles.append(module.register_forward_hook(hook))
         for path, module in model.named_modules():
             if path not in unruled and (mixer := mixer_rules.rule_for(module)) is not None:
