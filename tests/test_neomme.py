@@ -147,19 +147,19 @@ def test_a_gate_commutes_with_the_map_and_gates_at_one_change_nothing():
     torch.testing.assert_close(gated, reference, atol=1e-12, rtol=0)
 
 
-# layer 0 (sliding): uneven groups, each kept query head its own key/value copy; layer 1 (value embeddings): one head of
-# each group; layer 2 (sliding, long window): a whole group; layer 3 (global, no value embeddings): uneven; layer 4
-# (value embeddings): no head left
-_SPEC = {("enc_self", 0): [3], ("enc_self", 1): [1, 3], ("enc_self", 2): [2, 3], ("enc_self", 3): [0],
-         ("enc_self", 4): [0, 1, 2, 3]}
-_LEFT = [3, 2, 2, 3, 0]
-_GROUPS = [1, 1, 2, 1]  # the exclusive maps' num_key_value_groups after pruning, layers 0-3
+# layer 0 (sliding): uneven groups, each kept query head its own key/value copy; layer 1 (value embeddings): uneven, its
+# embedding's columns repeated with its values; layer 2 (sliding, long window): no head left; layer 3 (global, no value
+# embeddings): uneven; layer 4 (value embeddings): a whole group, one key/value head left
+_SPEC = {("enc_self", 0): [3], ("enc_self", 1): [3], ("enc_self", 2): [0, 1, 2, 3], ("enc_self", 3): [0],
+         ("enc_self", 4): [0, 1]}
+_LEFT = [3, 3, 0, 3, 2]
+_GROUPS = {0: 1, 1: 1, 3: 1, 4: 2}  # the exclusive maps' num_key_value_groups after pruning
 
 
-def _pruned(model, inputs) -> torch.Tensor:
-    with mask_heads(model, _SPEC):
+def _pruned(model, inputs, spec=None) -> torch.Tensor:
+    with mask_heads(model, spec or _SPEC):
         masked = logits(model, inputs)
-    prune_heads(model, _SPEC)  # checks itself against masking
+    prune_heads(model, spec or _SPEC)  # checks itself against masking
     return masked
 
 
@@ -168,13 +168,15 @@ def test_pruning_equals_masking_and_keeps_the_maps_groups():
     model = _model()
     masked = _pruned(model, inputs)
     assert [b.n_heads for b in attention_blocks(model)] == _LEFT
-    for layer, groups in enumerate(_GROUPS):
+    for layer, groups in _GROUPS.items():
         attention = _attention(model, layer)
         exclusive = attention.exclusive_self_attention
         assert exclusive.num_key_value_groups == attention.num_key_value_groups == groups, layer
         assert exclusive.alpha.shape == (_LEFT[layer],)
         assert attention.output_projection.gate_proj.weight.shape == (_LEFT[layer] * 8, 32)
         assert attention.output_projection.o_proj.weight.shape == (32, _LEFT[layer] * 8)
+    assert _attention(model, 1).v_proj.weight.shape[0] == 3 * 8 and _attention(model, 4).v_proj.weight.shape[0] == 8
+    assert model.model.value_embeddings.weight.shape == (99, 2 * 8)  # the model's, whole
     # the kept heads' alphas, in order (layer 3 kept heads 1, 2, 3)
     fresh = _model()
     torch.testing.assert_close(_attention(model, 3).exclusive_self_attention.alpha,
@@ -195,21 +197,40 @@ def test_pruned_reloads_with_headlab_and_plain_transformers(tmp_path):
     plain, info = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     plain = plain.double().eval()
-    assert [_attention(plain, layer).exclusive_self_attention.num_key_value_groups for layer in range(4)] == _GROUPS
+    assert {layer: _attention(plain, layer).exclusive_self_attention.num_key_value_groups for layer in _GROUPS} == \
+        _GROUPS
     torch.testing.assert_close(_kept(inputs, logits(plain, inputs)), _kept(inputs, masked), atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("heads", [[3], [2, 3], [0, 1, 3]])  # uneven groups; a whole group; uneven
-def test_pruning_a_value_embedding_layer_that_would_lose_a_key_value_head_is_refused_before_any_work(heads):
+def test_a_value_embedding_layer_pruned_twice_reads_its_kept_heads_columns(tmp_path):
+    """Layer 1 pruned to heads 0, 1, 2 (key/value heads 0, 0, 1), then to its heads 1 and 2 (original 1 and 2: key/value
+    heads 0 and 1, each once); layer 4 to head 3 alone (key/value head 1): each step equals masking the heads gone, and
+    the plain transformers reload computes the same."""
+    inputs = _inputs()
+    model = _model()
+    with mask_heads(model, {("enc_self", 1): [0, 3], ("enc_self", 4): [0, 1, 2]}):
+        masked = logits(model, inputs)
+    _pruned(model, inputs, {("enc_self", 1): [3], ("enc_self", 4): [0]})
+    _pruned(model, inputs, {("enc_self", 1): [0], ("enc_self", 4): [0, 1]})
+    assert [b.n_heads for b in attention_blocks(model)] == [4, 2, 4, 4, 1]
+    torch.testing.assert_close(_kept(inputs, logits(model, inputs)), _kept(inputs, masked), atol=1e-12, rtol=0)
+    save_pruned(model, tmp_path)
+    plain = tf.AutoModelForMaskedLM.from_pretrained(tmp_path, trust_remote_code=True).double().eval()
+    torch.testing.assert_close(_kept(inputs, logits(plain, inputs)), _kept(inputs, masked), atol=1e-12, rtol=0)
+
+
+def test_without_the_narrowed_value_embeddings_the_prune_is_not_exact(monkeypatch):
+    """The value embeddings do matter to a pruned layer: without its kept heads' columns (the hook a no-op) the pruned
+    layer 1 cannot even add them to its three value heads, and pruning is undone, refused."""
+    from headlab import portable_code
+
+    monkeypatch.setattr(portable_code.ValueEmbedsHook, "__call__", lambda self, module, args, kwargs: None)
     model = _model()
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    with pytest.raises(PruningNotExact, match=r"value_embeddings .* must keep every key/value head, each once"):
-        prune_heads(model, {("enc_self", 0): [1], ("enc_self", 1): heads})
-    assert [b.n_heads for b in attention_blocks(model)] == [4] * 5  # nothing pruned, not even layer 0
+    with pytest.raises(PruningNotExact, match=r"fails in enc_self layer 1"):
+        prune_heads(model, {("enc_self", 1): [3]})
+    assert [b.n_heads for b in attention_blocks(model)] == [4] * 5
     assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
-    # layer 3, global without value embeddings, prunes the same heads
-    prune_heads(model, {("enc_self", 3): heads})
-    assert attention_blocks(model)[3].n_heads == 4 - len(heads)
 
 
 def test_lrp_conserves_through_the_exclusive_map_the_gate_and_the_value_embeddings(monkeypatch):

@@ -701,6 +701,35 @@ def local_bias_hook(source: nn.Module, attr: str = KEPT_ATTR) -> StackBiasHook:
     return StackBiasHook(source, attr, local=True)
 
 
+VALUE_EMBEDS_ATTR = "_headlab_value_embeds_kept"
+"""On a pruned attention layer handed the model's value embeddings (NeoMME's ``value_embeds``): the key/value heads
+whose columns it reads, in the original numbering (a repeated one where each kept query head has its own copy)."""
+
+
+class ValueEmbedsHook:
+    """A forward pre-hook for a pruned attention layer that adds the model's value embeddings to its values, key/value
+    head by key/value head (NeoMME's first and last full-attention layers: ``value_states + value_embeds.view(...,
+    -1, head_dim)``, ``value_embeds`` ``[batch, seq, kv heads x head_dim]`` from the model's one embedding of every
+    key/value head, transformers 5.24). The layer is handed the columns of the key/value heads it kept
+    (``module.<VALUE_EMBEDS_ATTR>``, original numbering, repeats where the kept groups are uneven), in the order of its
+    pruned value projection's heads, so that each kept value head gets its own embedding as before. An object, not a
+    closure: a deep copy or pickle of the model carries it."""
+
+    def __init__(self, n_kv_heads: int) -> None:
+        self.n_kv_heads = n_kv_heads
+
+    def __call__(self, module, args, kwargs):
+        positional = len(args) > 3  # forward(hidden_states, position_embeddings, attention_mask, value_embeds)
+        embeds = args[3] if positional else kwargs.get("value_embeds")
+        if embeds is None:
+            return None
+        kept = torch.tensor(getattr(module, VALUE_EMBEDS_ATTR), dtype=torch.long, device=embeds.device)
+        narrowed = embeds.view(*embeds.shape[:-1], self.n_kv_heads, -1).index_select(-2, kept).flatten(-2)
+        if positional:
+            return (*args[:3], narrowed, *args[4:]), kwargs
+        return args, {**kwargs, "value_embeds": narrowed}
+
+
 STACK_BIAS_HOOKS = {"t5": t5_bias_hook, "local": local_bias_hook}
 """The plan's ``shared_bias`` kinds (headlab's ``Family.shared_bias``): the hook a pruned layer of such a stack gets."""
 
@@ -739,6 +768,10 @@ def apply_plan(model: nn.Module, plan: dict) -> None:
             embedding = model.get_submodule(path)
             embedding.weight = nn.Parameter(embedding.weight.new_empty(rows, columns))
             embedding.embedding_dim = columns
+        for path, (kept, n_kv_heads) in plan.get("value_embeds", {}).items():  # NeoMME's value embeddings, narrowed
+            module = model.get_submodule(path)
+            setattr(module, VALUE_EMBEDS_ATTR, list(kept))
+            module.register_forward_pre_hook(ValueEmbedsHook(n_kv_heads), with_kwargs=True)
         for path, selected in plan.get("selected", {}).items():  # a norm over a whole query/key projection
             select_after_norm(model.get_submodule(path), selected)
         for path, (o_name, n_outputs, d_head, *rest) in plan["no_head"].items():  # [residual[, norm[, selection]]]

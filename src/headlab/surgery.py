@@ -67,9 +67,11 @@ from headlab.portable_code import (
     KEPT_ATTR,
     ORIGINAL_ATTR,
     SELECTED_ATTR,
+    VALUE_EMBEDS_ATTR,
     LayerConfig,
     NoHeadAttention,
     NoInputConv1d,
+    ValueEmbedsHook,
     alibi_hook,
     load_checked_adapter,
     local_bias_hook,
@@ -298,26 +300,30 @@ def kv_dynamic_mask_reason(block: AttentionBlock, keep: list[int], kv_keep: list
             "(mask the heads instead: headlab.mask_heads)")
 
 
-def value_embedding_reason(model: nn.Module, block: AttentionBlock, keep: list[int], kv_keep: list[int]) -> str | None:
-    """Why pruning ``block`` to query heads ``keep`` and key/value heads ``kv_keep`` (current numbering, repeats where
-    the groups are uneven: :func:`_kv_plan`) is not exact for a layer that adds the model's value embeddings to its
-    values (:data:`~headlab.adapters.families.VALUE_EMBEDDINGS`: NeoMME), or None: the embedding is the model's, of
-    every key/value head, and the layer adds it head by head, so a layer there that keeps a head must keep every
-    key/value head, each once (every group the same number of query heads)."""
+def _reads_value_embeddings(model: nn.Module, block: AttentionBlock) -> bool:
+    """Whether ``block``'s layer adds the model's value embeddings to its values
+    (:data:`~headlab.adapters.families.VALUE_EMBEDDINGS`: NeoMME's first and last full-attention layers)."""
     entry = VALUE_EMBEDDINGS.get(_model_type(model))
-    if entry is None or not keep or kv_keep == list(range(block.n_kv_heads)):
-        return None
+    if entry is None:
+        return False
     owner = next((m for m in model.modules() if isinstance(getattr(m, entry[0], None), nn.Embedding)
                   and isinstance(getattr(m, entry[1], None), (set, frozenset, list, tuple))), None)
-    layer = getattr(block.core, "layer_idx", block.layer)
-    if owner is not None and layer not in getattr(owner, entry[1]):
-        return None
-    group = block.n_heads // max(block.n_kv_heads, 1)
-    return (f"{block.name} adds the model's {entry[0]} (one embedding of all {block.n_kv_heads} key/value heads, read "
-            f"by this layer head by head) to its values, so it must keep every key/value head, each once; keeping "
-            f"query heads {keep} of {block.n_heads} (groups of {group}) keeps key/value heads {kv_keep}. Physical "
-            "pruning of this layer is exact only where each key/value group keeps the same number of query heads "
-            "(at least one), or no head at all (mask the heads instead: headlab.mask_heads)")
+    return owner is not None and getattr(block.core, "layer_idx", block.layer) in getattr(owner, entry[1])
+
+
+def _narrow_value_embeddings(model: nn.Module, block: AttentionBlock, kv_kept: list[int], journal: _Journal) -> None:
+    """A layer that adds the model's value embeddings (of every key/value head) to its values and keeps other
+    key/value heads than all of them, each once: handed its kept heads' columns (:class:`ValueEmbedsHook`, which
+    pruned_heads.py installs likewise: the plan's ``value_embeds``)."""
+    if not _reads_value_embeddings(model, block) or isinstance(block.core, ZeroHeadAttention):
+        return
+    hooked = getattr(block.core, "_headlab_value_embeds_hooked", None)
+    if hooked is None and kv_kept == list(range(block.n_kv_heads)):
+        return  # every key/value head, in order: the embedding fits as it is
+    journal.set(block.core, VALUE_EMBEDS_ATTR, list(kv_kept))
+    if hooked is None:  # the original count: no earlier pruning changed this layer's key/value heads
+        journal.hooks.append(block.core.register_forward_pre_hook(ValueEmbedsHook(block.n_kv_heads), with_kwargs=True))
+        journal.set(block.core, "_headlab_value_embeds_hooked", block.n_kv_heads)
 
 
 # -- the plan for one block ----------------------------------------------------------------
@@ -572,7 +578,9 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     journal.set(core, KEPT_ATTR, [kept[h] for h in keep])
     journal.set(core, KV_KEPT_ATTR, [kv_kept[j] for j in kv_keep])
     journal.set(core, ORIGINAL_ATTR, original)
-    if not keep:
+    if keep:  # NeoMME's value embeddings: the kept key/value heads' columns
+        _narrow_value_embeddings(model, block, [kv_kept[j] for j in kv_keep], journal)
+    else:
         _replace_with_zero_heads(model, block, journal)
 
 
@@ -1166,9 +1174,6 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         _check_sharing_layer_kept(block, keep, kv_keep)
     _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
-        if (embedded := value_embedding_reason(model, block, keep, kv_keep)) is not None:
-            raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {embedded}",
-                                  model_type=_model_type(model), block=block.key)
         dynamic = kv_dynamic_mask_reason(block, keep, kv_keep)
         if dynamic is not None:
             raise PruningNotExact(f"{_model_type(model)}: {block.kind} layer {block.layer}: {dynamic}",
@@ -1604,6 +1609,20 @@ def _plan_sub_norm(block: AttentionBlock, names: dict[int, str], plan: dict) -> 
                 plan.setdefault("vectors", {})[f"{names[id(child)]}.weight"] = int(cast(torch.Tensor, child.weight).shape[0])
 
 
+def _plan_neomme(block: AttentionBlock, names: dict[int, str], plan: dict) -> None:
+    """The plan's entries of a pruned NeoMME layer: its exclusive map's ``num_key_value_groups`` (``attributes``,
+    ``Family.group_holders``) and the kept key/value heads whose value-embedding columns it reads (``value_embeds``:
+    :class:`ValueEmbedsHook`); none for a layer with no head."""
+    core = block.core
+    if isinstance(core, ZeroHeadAttention):
+        return
+    hooked = getattr(core, "_headlab_value_embeds_hooked", None)
+    if hooked is not None:
+        plan.setdefault("value_embeds", {})[_core_path(block)] = [list(getattr(core, VALUE_EMBEDS_ATTR)), hooked]
+    for holder in group_holders(block):
+        plan["attributes"][names[id(holder)]] = {_GROUP_ATTRS[0]: int(getattr(holder, _GROUP_ATTRS[0]))}
+
+
 def pruning_plan(model: nn.Module) -> dict:
     """What :mod:`headlab.portable_code` needs to rebuild ``model``'s pruned shapes from the
     original config: ``projections`` (path -> (kind, in, out)), ``attributes`` (attention
@@ -1615,7 +1634,9 @@ def pruning_plan(model: nn.Module) -> dict:
     (norm path -> its projection's name, the heads kept, the head size) where a query/key norm spans the whole
     projection, kept whole (:func:`headlab.portable_code.selection_hook`); ``shared_bias`` (layer path -> [kept
     heads, the path of its stack's first layer, whose table gives the bias, ``Family.shared_bias``]) for the layers of
-    a pruned T5 stack (:func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``); ``kept``
+    a pruned T5 stack (:func:`headlab.portable_code.t5_bias_hook`, ``local_bias_hook``); ``value_embeds`` (layer path ->
+    [the key/value heads whose columns of the model's value embeddings it reads, original numbering; their original
+    count]) for a pruned NeoMME layer that adds them (:class:`headlab.portable_code.ValueEmbedsHook`); ``kept``
     (block path -> [kept heads, kept key/value heads, original count], the original numbering, which
     pruned_heads.py does not need but a directory re-saved through it keeps in config.json:
     :func:`headlab.checkpoint.record_from_weights` reads it)."""
@@ -1655,8 +1676,7 @@ def pruning_plan(model: nn.Module) -> dict:
                 attrs[name] = int(getattr(core, name))
         if attrs:
             plan["attributes"][_core_path(block)] = attrs
-        for holder in group_holders(block) if not isinstance(core, ZeroHeadAttention) else ():
-            plan["attributes"][names[id(holder)]] = {_GROUP_ATTRS[0]: int(getattr(holder, _GROUP_ATTRS[0]))}
+        _plan_neomme(block, names, plan)
         # pruned_heads.py does not read it: a directory re-saved through it keeps the original numbering in config.json
         plan.setdefault("kept", {})[block.name] = [list(getattr(core, KEPT_ATTR)),
                                                     list(getattr(core, KV_KEPT_ATTR)), int(getattr(core, ORIGINAL_ATTR))]

@@ -513,8 +513,9 @@ VALUE_EMBEDDINGS: dict[str, tuple[str, str]] = {"neomme": ("value_embeddings", "
 embedding, ``[vocab, kv heads x head_dim]``, the model's set of the layer indices that get it), read off transformers
 5.24: NeoMME's ``NeoMMEModel.value_embeddings``, handed to its first and last full-attention layers
 (``value_embedding_layers``), whose attention adds ``value_embeds.view(..., -1, head_dim)`` to its value states, key/value
-head by key/value head. The embedding is the model's, one for those layers, so a layer there that keeps heads must keep
-every key/value head it had, each once (:func:`headlab.surgery.value_embedding_reason`)."""
+head by key/value head. The embedding is the model's, one for those layers (left whole), so a pruned layer there that
+keeps other key/value heads than all of them, each once, is handed its kept heads' columns of it, repeated as its value
+heads are (:class:`headlab.portable_code.ValueEmbedsHook`, which pruned_heads.py installs too)."""
 
 LINEAR_MIXERS: frozenset[str] = frozenset({"KimiLinearDeltaAttention", "Glm5NextTextLinearAttention"})
 """Classes of transformers' own linear-attention layers that hold query/key/value/output projections but compute no
