@@ -28,7 +28,11 @@ the probe also sees
   the model types whose forwards headlab checked (``adapters.families.OUTPUT_GATES``). Such a
   product keeps each head's slice apart (``0 * g = 0``), so masking a slice is masking a head. The
   block is the calling module, or the closest ancestor that also holds the
-  output projection (BERT's ``attention`` around ``attention.self``);
+  output projection (BERT's ``attention`` around ``attention.self``). The heads' outputs may also pass,
+  before the projection, through a norm or map of each head's output alone, whose output is traced on as
+  theirs (``adapters.families.HEAD_NORMS``: Muse Spark's ``o_norm``; ``HEAD_MAPS``: NeoMME's
+  ``exclusive_self_attention``, which ``Discovered.head_maps`` names) or a norm over all of them
+  (``SUB_NORMS``: BitNet's);
 * where the calling module's output tuple holds the weights the function returned, which capture
   reads in eager mode (a module that drops them is refused).
 

@@ -506,7 +506,7 @@ another's output: :mod:`headlab.adapters.discovery` lets the heads' outputs pass
 :data:`HEAD_NORMS` (only at one head's width, its parameter one entry per query head), masking at the output
 projection's input equals zeroing the head's output before the map, and physical pruning keeps the kept heads' entries
 of the parameter (``Family.head_vectors``) and sets the attribute to the layer's new group size
-(``Family.group_holders``). LRP holds ``v^`` constant: :func:`headlab.importance.rules.head_map_rule`."""
+(``Family.group_holders``). LRP holds ``v^`` constant: :mod:`headlab.importance.head_map_rule`."""
 
 VALUE_EMBEDDINGS: dict[str, tuple[str, str]] = {"neomme": ("value_embeddings", "value_embedding_layers")}
 """Model types whose model adds a token embedding of its own to the values of some attention layers: (the model's
