@@ -288,3 +288,14 @@ def test_lrp_refuses_an_exclusive_map_that_computes_something_else(monkeypatch):
     data, info = lrp_data(model)
     with pytest.raises(HeadlabError, match=r"NeoMMEExclusiveSelfAttention computed something other than"):
         compute_lrp(model, data, info, bootstrap=0)
+
+
+def test_analyze_end_to_end(tmp_path, capsys):
+    """headlab analyze on a saved tiny NeoMME: every stage runs (LRP's conservation check included)."""
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    save_tiny(_model().float(), tmp_path / "neomme", treebank_files(tmp_path), "bert")
+    code, stages = analyze(tmp_path / "neomme", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    for name in (*ANALYZE_STAGES, "lrp"):
+        assert stages[name]["status"] == "done", stages[name]

@@ -92,6 +92,14 @@ The other rules become ordinary backward passes once the right factors are detac
   detached with the queries and keys; its residual short convolutions ``u + conv(u)`` are linear
   (:mod:`headlab.importance.mixer_rules.inkling`).
 
+* a map of each head's output between the attention function and the output projection
+  (``adapters.families.HEAD_MAPS``: NeoMME's exclusive self-attention, ``y_i = o_i - tanh(alpha_h) (o_i . v^_i) v^_i``
+  with ``v^_i`` the unit vector of position i's own value): ``v^`` is held constant, as the attention weights and the
+  output gates are, so ``y_i = (I - tanh(alpha_h) v^_i v^_i^T) o_i`` is a weighted sum of the head's output and all
+  of its relevance reaches ``o`` (:mod:`headlab.importance.head_map_rule`); a map without a rule is refused before any
+  work. NeoMME's value embeddings, added to some layers' values, are an input of their own, counted with the input
+  embeddings (:func:`per_layer_embeddings`).
+
 * token mixers beside the attention (state-space models, delta rules, gated convolutions of hybrid models): the
   rules of :mod:`headlab.importance.mixer_rules`, one plugin per kind of mixer, which hold the factors a mixer
   computes from its input constant as the attention weights are; a mixer none of them matches is refused.
