@@ -100,6 +100,36 @@ def test_blocks_are_found_with_the_map_and_the_gate():
     assert model.model.value_embedding_layers == {1, 4}
 
 
+class _Transposed(torch.nn.Module):
+    """The exclusive map handed the heads' outputs transposed, ``[batch, seq, head_dim, heads]``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, attn_output, value_states):
+        return self.inner(attn_output.transpose(-1, -2), value_states).transpose(-1, -2)
+
+
+def test_the_map_on_features_that_are_not_one_heads_is_not_let_through():
+    """The same map given the heads' outputs transposed (each of its "heads" a feature of every head: a head's zeros no
+    longer its own slice) is refused, naming it, as before session 39."""
+    config = tf.NeoMMEConfig(  # heads of 4 features, 4 heads: the transposed map runs
+        vocab_size=99, embedding_rank=16, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64, sliding_window=2,
+        patch_size=2, pad_token_id=2, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+                         "sliding_attention": {"rope_theta": 1000.0, "partial_rotary_factor": 1.0}})
+    model = tf.NeoMMEForMaskedLM(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.exclusive_self_attention = _Transposed(layer.self_attn.exclusive_self_attention)
+    with torch.no_grad():
+        logits(model, _inputs())  # it runs
+    with pytest.raises(HeadlabError, match=r"exclusive_self_attention.inner through operations other than reshapes "
+                                           r"and casts \(transpose\)"):
+        attention_blocks(model)
+
+
 def test_capture_equals_output_attentions_with_padding_and_windows():
     inputs = _inputs()
     _, record = check_capture_equals_output_attentions(_model, "enc_self", inputs, n_layers=5)
