@@ -240,7 +240,7 @@ def head_vectors(block: AttentionBlock) -> list[tuple[nn.Module, str]]:
 
 def group_holders(block: AttentionBlock) -> list[nn.Module]:
     """The children of ``block.core`` of ``block.family.group_holders`` that hold ``num_key_value_groups`` (NeoMME's
-    ``exclusive_self_attention``); none in a layer left with no head (its stand-in has no such child)."""
+    ``exclusive_self_attention``; a layer left with no head keeps it, unused, as a child of its stand-in)."""
     found = []
     for path in block.family.group_holders:
         try:
