@@ -68,6 +68,7 @@ from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attenti
 from headlab.adapters import is_linear
 from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS, rows_per_head
 from headlab.importance.lrp import lrp_precision
+from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -923,6 +924,15 @@ def check_lrp(model, blocks) -> str | None:
     return None
 
 
+def as_analysed(model):
+    """The model the checks run on: a multimodal wrapper headlab refuses whole but whose language model it supports
+    gives that language model (headlab.language_model.analysed_model, as load_model does); any other, itself."""
+    try:
+        return analysed_model(model)[0]
+    except HeadlabError:
+        return model
+
+
 def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     """(outcome, check, message)."""
     cls = model_class(config_class)
@@ -954,9 +964,12 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
 
     def make(impl: str = implementation):
-        return build(config_class, cls, impl, dtype)[0]
+        return as_analysed(build(config_class, cls, impl, dtype)[0])
 
+    eager = as_analysed(eager)
     notes: list[str | None] = [] if dtype == torch.float64 else ["float32"]
+    if eager is not None and not isinstance(eager, cls):  # MiniCPM-V's: what load_model gives for its checkpoint
+        notes.append(f"the language model of {cls.__name__} (headlab.language_model_of)")
     step = "blocks"
     try:
         model = make()

@@ -104,6 +104,7 @@ def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
         model, why = sweep.build(config_class, cls, "eager", dtype)
     if model is None:
         return "skipped", f"build: {why[:120]}"
+    model = sweep.as_analysed(model)  # MiniCPM-V's language model, as load_model gives it
     for module in model.modules():  # the experts' grouped matmuls take no float64: their eager loop does
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_experts_implementation"):

@@ -1052,8 +1052,8 @@ def _language_model_hint(model: nn.Module) -> str | None:
                         model_type not in LATENT_ATTENTION):
         return None
     return (f"{type(model).__name__} is a multimodal model around a {model_type!r} language model, which "
-            "headlab supports on its own: pass that causal LM (headlab.loading.load_model(path) or transformers' "
-            "AutoModelForCausalLM.from_pretrained(path) loads it from the checkpoint)")
+            "headlab supports on its own: pass that causal LM (headlab.language_model_of(model) gives it, sharing the "
+            "model's weights; headlab.loading.load_model(path) loads it from the checkpoint)")
 
 
 def family_for(config: Any) -> Family | None:
