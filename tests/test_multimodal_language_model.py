@@ -130,3 +130,12 @@ def test_a_wrapper_that_does_more_than_its_language_model_on_text_is_refused():
 def test_a_model_without_a_language_model_inside_gives_none():
     _, text = qwen3_next("qwen3_5_text", ["full_attention"])
     assert language_model_of(tf.Qwen3_5ForCausalLM(text)) is None
+
+
+def test_analyze_end_to_end_on_the_checkpoint(tmp_path):
+    """`headlab analyze --ablation` on a saved tiny MiniCPM-V 4.6: every stage done on its language model."""
+    from support.family_matrix import ANALYZE_STAGES, analyze, save_tiny, treebank_files
+
+    save_tiny(minicpm_v(torch.float32), tmp_path / "model", treebank_files(tmp_path))
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    assert code == 0 and all(stages[name]["status"] == "done" for name in ANALYZE_STAGES), stages
