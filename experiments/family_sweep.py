@@ -1011,6 +1011,40 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     return "pass", "", "; ".join([head] + [n for n in notes if n])
 
 
+def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, skip=None) -> None:
+    """The sweep's loop, shared by experiments/fused_sweep.py: ``check(model_type, config_class)`` -> ``(outcome,
+    *columns, message)`` for each type that has a class (``outcome`` "" leaves the type out), under a ``timeout`` of
+    seconds each; a line per type, then the counts. ``skip(model_type)`` names a count a type goes to unchecked."""
+    counts: Counter = Counter()
+
+    def alarm(*_):
+        raise Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for model_type, config_class in model_types(only):
+        if model_class(config_class) is None:
+            continue
+        if skip is not None and (count := skip(model_type)):
+            counts[count] += 1
+            continue
+        start = time.perf_counter()
+        signal.alarm(timeout)
+        try:
+            outcome, *middle, message = check(model_type, config_class)
+        except Timeout:
+            outcome, middle, message = "timeout", [""] * (columns - 1), f"over {timeout} s"
+        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
+            outcome, middle, message = "skipped", ["build"][:columns - 1], f"{type(error).__name__}: {error}"[:200]
+        finally:
+            signal.alarm(0)
+        if not outcome:
+            continue
+        counts[outcome] += 1
+        cells = f"{outcome:{12 if columns > 1 else 8}s} " + "".join(f"{cell:8s} " for cell in middle)
+        print(f"{model_type:26s} {cells}{time.perf_counter() - start:5.1f}s {message}", flush=True)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="also the types of the test matrix")
@@ -1026,33 +1060,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()
-    counts: Counter = Counter()
-
-    def alarm(*_):
-        raise Timeout()
-
-    signal.signal(signal.SIGALRM, alarm)
-    for model_type, config_class in model_types(args.only):
-        if model_class(config_class) is None:
-            continue
-        if model_type in in_matrix and not args.all and not args.only:
-            counts["matrix"] += 1
-            continue
-        start = time.perf_counter()
-        signal.alarm(args.timeout)
-        try:
-            outcome, check, message = sweep(model_type, config_class, args.timeout)
-        except Timeout:
-            outcome, check, message = "timeout", "", f"over {args.timeout} s"
-        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
-            outcome, check, message = "skipped", "build", f"{type(error).__name__}: {error}"[:200]
-        finally:
-            signal.alarm(0)
-        if not outcome:
-            continue
-        counts[outcome] += 1
-        print(f"{model_type:26s} {outcome:12s} {check:8s} {time.perf_counter() - start:5.1f}s {message}", flush=True)
-    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout), only=args.only,
+              timeout=args.timeout, columns=2,
+              skip=lambda model_type: "matrix" if model_type in in_matrix and not args.all and not args.only else "")
 
 
 if __name__ == "__main__":
