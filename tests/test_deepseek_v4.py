@@ -116,6 +116,20 @@ def test_capture_is_eager_output_attentions_over_the_tokens():
                                atol=1e-12, rtol=0)
 
 
+def test_a_right_padded_rows_maps_are_its_own():
+    """A sentence's maps in a right-padded batch are those it gets alone (its compressed entries pool its own windows:
+    an entry whose window holds padding is visible to padded queries only), to 1e-12."""
+    inputs = tiny_inputs()  # row 1: 5 tokens, 2 padded
+    model = build()
+    with capture_attention(model) as record:
+        logits(model, inputs)
+    batch = {key: value[1] for key, value in record.items()}
+    with capture_attention(model) as record:
+        logits(model, {name: value[1:, :5] for name, value in inputs.items()})
+    for key, probs in record.items():
+        torch.testing.assert_close(batch[key][:, :5, :5], probs[0], atol=1e-12, rtol=0)
+
+
 def test_capture_over_a_cache_of_earlier_tokens_is_refused():
     """A decoding step (one query over the cached tokens' keys) is no map over one pass's tokens: refused, naming it,
     not cut to the wrong columns."""
