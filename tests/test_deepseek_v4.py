@@ -201,6 +201,34 @@ def test_masking_equals_zeroed_head_outputs(layer, heads):
     torch.testing.assert_close(masked, reference, atol=1e-12, rtol=0)
 
 
+def test_masking_in_cached_generation_equals_zeroed_head_outputs():
+    """Greedy cached generation (left-padded rows, each step one query over the cache and the compressor's running
+    entries) with heads 0 and 3 of every layer masked equals generation with their outputs zeroed by hand, scores to
+    1e-12, the same tokens."""
+    from support.family_matrix import greedy_generation, padded_inputs
+
+    ids, mask = padded_inputs()
+    model = build()
+    with mask_heads(model, {("dec_self", layer): [0, 3] for layer in range(3)}):
+        tokens, scores = greedy_generation(model, ids, mask)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(_ZEROED, _zeroing_eager)
+    AttentionMaskInterface.register(_ZEROED, eager_mask)
+    for layer in model.model.layers:
+        layer.self_attn.zeroed = {0: 0.0, 3: 0.0}
+    model.config._attn_implementation = _ZEROED
+    reference_tokens, reference_scores = greedy_generation(model, ids, mask)
+    assert torch.equal(tokens, reference_tokens)
+    torch.testing.assert_close(scores, reference_scores, atol=1e-12, rtol=0)
+    model.config._attn_implementation = "eager"
+    for layer in model.model.layers:
+        del layer.self_attn.zeroed
+    _, unmasked = greedy_generation(model, ids, mask)
+    assert not torch.allclose(unmasked, scores)  # the masking did something
+
+
 def test_a_heads_gate_scales_that_head_only_and_gates_at_one_change_nothing():
     """A constant gate of 0.25 on head 2 of the compressed sparse layer equals scaling its output rows by it by hand
     (the grouped input read per head, not per group); scalar gates at one change nothing."""
@@ -216,12 +244,16 @@ def test_a_heads_gate_scales_that_head_only_and_gates_at_one_change_nothing():
 
 
 def test_pruning_is_refused_before_any_work_naming_the_grouped_output_projection():
-    """prune_heads refuses, naming o_a_proj's groups, and changes nothing."""
+    """prune_heads refuses, naming o_a_proj's groups, and changes nothing; so does check_prunable."""
+    from headlab.surgery import check_prunable
+
     model = build()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(HeadlabError, match=r"physical pruning is refused: .*o_a_proj, DeepseekV4GroupedLinear: "
                                            r"o_groups groups of one width each"):
         prune_heads(model, {("dec_self", 1): [0]})
+    with pytest.raises(HeadlabError, match=r"physical pruning is refused: .*o_a_proj"):
+        check_prunable(model)  # what `headlab prune train` runs before its training
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, before[name]), name
     assert [b.n_heads for b in attention_blocks(model)] == [HEADS] * 3
