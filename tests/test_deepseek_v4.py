@@ -1,4 +1,4 @@
-"""DeepSeek-V4: analysed and masked (session 39, branch dsv4); physical pruning and LRP refused before any work.
+"""DeepSeek-V4: analysed, masked and pruned (session 39, branch dsv4); LRP refused before any work.
 
 Before, refused before any work (``adapters.families.UNSUPPORTED["deepseek_v4"]``: "attends over [the tokens' keys |
 compressed key-value entries] ..."; tests/test_deepseek_v4_refused.py). Read in transformers 5.24
@@ -18,9 +18,9 @@ compressed key-value entries] ..."; tests/test_deepseek_v4_refused.py). Read in 
 So: capture is the map over the input's tokens (eager's ``output_attentions`` cut to the tokens' columns); what a row
 lacks to one is the mass on the compressed entries and the sink, as any sink type's rows (the sinks' share left out).
 Masking a head zeroes its output at ``o_a_proj``'s input, which equals zeroing its output before the inverse rotation
-(a rotation of its own features) by hand. Physical pruning is refused: ``o_a_proj`` has one width for every group, and
-removing heads unevenly from the groups has no exact slicing. LRP is refused: no rule for the compressor, the indexer or
-the inverse rotation.
+(a rotation of its own features) by hand. Physical pruning slices each group of ``o_a_proj`` where every group keeps as
+many heads (or the layer none): the groups have one width, so any other plan (and prune train's free gates) is refused
+before any work. LRP is refused: no rule for the compressor, the indexer or the inverse rotation.
 """
 
 from __future__ import annotations
@@ -243,20 +243,90 @@ def test_a_heads_gate_scales_that_head_only_and_gates_at_one_change_nothing():
     check_gates_at_one_change_nothing(build(), inputs)
 
 
-def test_pruning_is_refused_before_any_work_naming_the_grouped_output_projection():
-    """prune_heads refuses, naming o_a_proj's groups, and changes nothing; so does check_prunable."""
-    from headlab.surgery import check_prunable
+def test_pruning_slices_each_heads_rows_and_sinks_and_each_groups_columns():
+    """Heads 1 and 2 of the sliding layer pruned (one from each group): q_b_proj keeps heads 0 and 3's rows, sinks
+    their entries, o_a_proj group 0's rows head 0's columns and group 1's rows head 3's (its second head there); what
+    all heads share (the query latent, kv_proj, the compressors, the hyper-connections, o_b_proj) is untouched. Before:
+    refused (session 39's first commit: "physical pruning is refused: ... o_a_proj ...")."""
+    model = build()
+    attention = model.model.layers[1].self_attn
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert prune_heads(model, {("dec_self", 1): [1, 2]}) == {("dec_self", 1): [0, 3]}
+    rows = [r for h in (0, 3) for r in range(h * D, (h + 1) * D)]
+    prefix = "model.layers.1.self_attn."
+    o = before[prefix + "o_a_proj.weight"]  # [2 groups x 8, 2 heads x 16]
+    expected = {"q_b_proj.weight": before[prefix + "q_b_proj.weight"][rows], "sinks": before[prefix + "sinks"][[0, 3]],
+                "o_a_proj.weight": torch.cat([o[:8, :D], o[8:, D:]])}
+    for name, value in expected.items():
+        assert torch.equal(attention.get_parameter(name), value), name
+    for name, parameter in model.named_parameters():
+        if name.removeprefix(prefix) not in expected:
+            assert torch.equal(parameter, before[name]), name
+    assert (attention.num_heads, attention.num_key_value_groups, attention.o_a_proj.in_features) == (2, 2, D)
+    assert [(b.n_heads, b.n_kv_heads) for b in attention_blocks(model)] == [(HEADS, 1), (2, 1), (HEADS, 1)]
+
+
+def test_uneven_groups_are_refused_before_any_work_and_gates_over_them_too():
+    """Heads 0 and 1 (all of group 0) pruned from a layer: its groups would keep 0 and 2 heads, which o_a_proj (one
+    width per group) cannot take; refused before any change, naming the counts. The gates of `headlab prune train`
+    (free picks) are refused before its training (check_prunable, which it runs first, and check_gates_free, which
+    `analyze --prune` runs), as Gemma 4's key/value-sharing layers are."""
+    from headlab.surgery import check_gates_free, check_prunable
 
     model = build()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with pytest.raises(HeadlabError, match=r"physical pruning is refused: .*o_a_proj, DeepseekV4GroupedLinear: "
-                                           r"o_groups groups of one width each"):
-        prune_heads(model, {("dec_self", 1): [0]})
-    with pytest.raises(HeadlabError, match=r"physical pruning is refused: .*o_a_proj"):
-        check_prunable(model)  # what `headlab prune train` runs before its training
+    with pytest.raises(HeadlabError, match=r"dec_self layer 2: pruning heads \[0, 1\] would leave \[0, 2\] heads in "
+                                           r"the 2 groups of its grouped output projection "
+                                           r"\(model\.layers\.2\.self_attn\.o_a_proj"):
+        prune_heads(model, {("dec_self", 2): [0, 1]})
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, before[name]), name
     assert [b.n_heads for b in attention_blocks(model)] == [HEADS] * 3
+    for check in (lambda: check_prunable(model), lambda: check_gates_free(attention_blocks(model))):
+        with pytest.raises(HeadlabError, match=r"dec_self:0, dec_self:1, dec_self:2: their heads meet a grouped output "
+                                               r"projection"):
+            check()
+
+
+def test_heads_spanning_groups_are_masked_and_their_pruning_refused():
+    """With 8 groups for 4 heads (each head's output read by two groups of o_a_proj) masking a head still equals
+    zeroing its output by hand (the grouped input read in head order), and pruning one is refused before any work:
+    removing it would take whole groups away (transformers reads their count from the config). Found by the family
+    sweep's tiny model (o_groups 8 by default): the pruning divided by zero heads per group."""
+    inputs = tiny_inputs()
+    model = build(o_groups=8, o_lora_rank=4)
+    with mask_heads(model, {("dec_self", 2): [1]}):
+        masked = logits(model, inputs)
+    torch.testing.assert_close(masked, _by_hand(model, inputs, 2, {1: 0.0}), atol=1e-12, rtol=0)
+    with pytest.raises(HeadlabError, match=r"its 4 heads do not split into the 8 groups of its grouped output "
+                                           r"projection \(model\.layers\.2\.self_attn\.o_a_proj\)"):
+        prune_heads(model, {("dec_self", 2): [1]})
+    assert [b.n_heads for b in attention_blocks(model)] == [HEADS] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_pruning_equals_masking_in_generation_empties_a_layer_and_reloads(dtype, tmp_path):
+    """The compressed sparse layer emptied, heads 1 and 2 of the sliding layer and 0 and 3 of the heavily compressed
+    one removed: the pruned model equals the masked one on right- and left-padded rows and in greedy cached generation
+    (the emptied layer keeps its cache in step, so positions still count; its compressor, which only its heads read,
+    runs no more), in float64 to 1e-10. In float32, as saved and reloaded, the directory reloads with load_pruned and
+    with plain transformers (remote code: o_a_proj rebuilt as a DeepseekV4GroupedLinear of the kept width)."""
+    from support.family_matrix import check_pruned_generates_as_masked, check_pruned_reloads, padded_inputs
+
+    ids, mask = padded_inputs()
+    model = build().to(dtype)
+    spec = {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1, 2], ("dec_self", 2): [0, 3]}
+    atol = 1e-10 if dtype == torch.float64 else 1e-5
+    expected, tokens = check_pruned_generates_as_masked(model, spec, [0, 2, 2], ids, mask, atol=atol)
+    if dtype == torch.float32:
+        model.set_experts_implementation("grouped_mm")  # as a plain load runs them
+        record = check_pruned_reloads(model, tmp_path, [0, 2, 2], ids, mask, expected, tokens)
+        assert {layer: entry["kept_heads"] for layer, entry in record["blocks"]["dec_self"].items()} == \
+            {"0": [], "1": [0, 3], "2": [1, 2]}
+        import json
+
+        plan = json.loads((tmp_path / "config.json").read_text())["headlab_pruned"]
+        assert plan["projections"]["model.layers.1.self_attn.o_a_proj"] == ["grouped_linear", D, 16, 2]
 
 
 def test_lrp_is_refused_before_any_work_naming_the_compressor():

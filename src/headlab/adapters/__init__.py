@@ -799,6 +799,8 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
         q_width, kv_width = in_features(o), family.kv_heads * d_head
         if family.head_rows and not family.shared_kv:  # latent attention: each head its own key and value (the
             kv_width = q_width  # probe's count may be stale)
+        elif family.shared_kv and not q_width:  # a layer pruned to no head (its stand-in): no key/value head read
+            kv_width = 0
         if q_width % d_head == 0:
             _check_head_rows(where, module, core, family, q_width // d_head)
     elif family.kv_from:  # keys and values from another layer (Gemma 4's key/value sharing): the query's width

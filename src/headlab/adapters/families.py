@@ -196,6 +196,13 @@ class Family:
     tokens' columns out. headlab's own attention function (the fused and chunked engines) would count the appended
     columns as keys, so these blocks run on the eager path (:func:`headlab.capture.unregistrable`), whose maps the
     reader cuts; '' elsewhere."""
+    output_after: str = ""
+    """The projection (path relative to ``core``) that reads the output projection's output and gives the layer's
+    (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
+    projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
+    lrp_refused: str = ""
+    """Why LRP refuses this block where physical pruning does not (DeepSeek-V4: no rule for its compressor, indexer
+    and inverse rotation); '' elsewhere (``refused`` refuses both)."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
     (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
@@ -1370,13 +1377,12 @@ DEEPSEEK_V4 = Family(
     probs_reader=deepseek_v4_probs,
     appended_keys="compressed key-value entries (its compressor's, appended after the tokens' keys in its "
                   "compressed_sparse_attention and heavily_compressed_attention layers)",
-    refused="DeepSeek-V4's attention (DeepseekV4Attention) appends to the tokens' keys compressed key-value entries "
-            "pooled from the layer's input by a softmax-gated compressor (its sparse layers' entries picked per query "
-            "by an indexer's top-k), its one key-value head is both key and value, each head's output is rotated back "
-            "per query (the conjugate rotary embedding) and its heads meet a grouped output projection (o_a_proj, "
-            "DeepseekV4GroupedLinear: o_groups groups of one width each, then o_b_proj); headlab has no slicing that "
-            "removes heads from those groups (a group losing more heads than another has no exact narrower "
-            "o_a_proj) and no LRP rule for the compressor, the indexer or the inverse rotation")
+    head_count_attrs=("num_heads",), kv_groups_attr="num_key_value_groups", output_after="o_b_proj",
+    lrp_refused="DeepSeek-V4's attention (DeepseekV4Attention) appends to the tokens' keys compressed key-value "
+                "entries pooled from the layer's input by a softmax-gated compressor (its sparse layers' entries "
+                "picked per query by an indexer's top-k), and rotates each head's output back per query (the "
+                "conjugate rotary embedding) before its grouped output projection: headlab has no LRP rule for the "
+                "compressor, the indexer or the inverse rotation")
 
 
 FAMILIES: dict[str, Family] = {
