@@ -68,6 +68,7 @@ from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attenti
 from headlab.adapters import is_linear
 from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS, rows_per_head
 from headlab.importance.lrp import lrp_precision
+from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -931,6 +932,15 @@ def check_lrp(model, blocks) -> str | None:
     return None
 
 
+def as_analysed(model):
+    """The model the checks run on: a multimodal wrapper headlab refuses whole but whose language model it supports
+    gives that language model (headlab.language_model.analysed_model, as load_model does); any other, itself."""
+    try:
+        return analysed_model(model)[0]
+    except HeadlabError:
+        return model
+
+
 def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     """(outcome, check, message)."""
     cls = model_class(config_class)
@@ -962,9 +972,12 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
             return "skipped", "forward", f"its own forward fails at these sizes ({type(error).__name__}: {error})"[:200]
 
     def make(impl: str = implementation):
-        return build(config_class, cls, impl, dtype)[0]
+        return as_analysed(build(config_class, cls, impl, dtype)[0])
 
+    eager = as_analysed(eager)
     notes: list[str | None] = [] if dtype == torch.float64 else ["float32"]
+    if eager is not None and not isinstance(eager, cls):  # MiniCPM-V's: what load_model gives for its checkpoint
+        notes.append(f"the language model of {cls.__name__} (headlab.language_model_of)")
     step = "blocks"
     try:
         model = make()
@@ -1006,6 +1019,40 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     return "pass", "", "; ".join([head] + [n for n in notes if n])
 
 
+def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, skip=None) -> None:
+    """The sweep's loop, shared by experiments/fused_sweep.py: ``check(model_type, config_class)`` -> ``(outcome,
+    *columns, message)`` for each type that has a class (``outcome`` "" leaves the type out), under a ``timeout`` of
+    seconds each; a line per type, then the counts. ``skip(model_type)`` names a count a type goes to unchecked."""
+    counts: Counter = Counter()
+
+    def alarm(*_):
+        raise Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    for model_type, config_class in model_types(only):
+        if model_class(config_class) is None:
+            continue
+        if skip is not None and (count := skip(model_type)):
+            counts[count] += 1
+            continue
+        start = time.perf_counter()
+        signal.alarm(timeout)
+        try:
+            outcome, *middle, message = check(model_type, config_class)
+        except Timeout:
+            outcome, middle, message = "timeout", [""] * (columns - 1), f"over {timeout} s"
+        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
+            outcome, middle, message = "skipped", ["build"][:columns - 1], f"{type(error).__name__}: {error}"[:200]
+        finally:
+            signal.alarm(0)
+        if not outcome:
+            continue
+        counts[outcome] += 1
+        cells = f"{outcome:{12 if columns > 1 else 8}s} " + "".join(f"{cell:8s} " for cell in middle)
+        print(f"{model_type:26s} {cells}{time.perf_counter() - start:5.1f}s {message}", flush=True)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help="also the types of the test matrix")
@@ -1021,33 +1068,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     in_matrix = matrix_types()
-    counts: Counter = Counter()
-
-    def alarm(*_):
-        raise Timeout()
-
-    signal.signal(signal.SIGALRM, alarm)
-    for model_type, config_class in model_types(args.only):
-        if model_class(config_class) is None:
-            continue
-        if model_type in in_matrix and not args.all and not args.only:
-            counts["matrix"] += 1
-            continue
-        start = time.perf_counter()
-        signal.alarm(args.timeout)
-        try:
-            outcome, check, message = sweep(model_type, config_class, args.timeout)
-        except Timeout:
-            outcome, check, message = "timeout", "", f"over {args.timeout} s"
-        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
-            outcome, check, message = "skipped", "build", f"{type(error).__name__}: {error}"[:200]
-        finally:
-            signal.alarm(0)
-        if not outcome:
-            continue
-        counts[outcome] += 1
-        print(f"{model_type:26s} {outcome:12s} {check:8s} {time.perf_counter() - start:5.1f}s {message}", flush=True)
-    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    run_types(lambda model_type, config_class: sweep(model_type, config_class, args.timeout), only=args.only,
+              timeout=args.timeout, columns=2,
+              skip=lambda model_type: "matrix" if model_type in in_matrix and not args.all and not args.only else "")
 
 
 if __name__ == "__main__":

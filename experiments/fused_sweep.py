@@ -22,13 +22,10 @@ analysable block: family_sweep's outcome).
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import tempfile
-import time
 import traceback
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import family_sweep as sweep  # noqa: E402 - beside this script
-from survey_families import model_types  # noqa: E402
 
 from headlab import HeadlabError, attention_blocks  # noqa: E402
 from headlab.data.frequencies import TokenFrequencies  # noqa: E402
@@ -104,6 +100,7 @@ def _check(config_class, cls, dtype: torch.dtype) -> tuple[str, str]:
         model, why = sweep.build(config_class, cls, "eager", dtype)
     if model is None:
         return "skipped", f"build: {why[:120]}"
+    model = sweep.as_analysed(model)  # MiniCPM-V's language model, as load_model gives it
     for module in model.modules():  # the experts' grouped matmuls take no float64: their eager loop does
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_experts_implementation"):
@@ -163,30 +160,7 @@ def main() -> None:
     sweep.MULTIMODAL = args.multimodal
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    counts: Counter = Counter()
-
-    def alarm(*_):
-        raise sweep.Timeout()
-
-    signal.signal(signal.SIGALRM, alarm)
-    for model_type, config_class in model_types(args.only):
-        if sweep.model_class(config_class) is None:
-            continue
-        start = time.perf_counter()
-        signal.alarm(args.timeout)
-        try:
-            outcome, message = check(model_type, config_class)
-        except sweep.Timeout:
-            outcome, message = "timeout", f"over {args.timeout} s"
-        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
-            outcome, message = "skipped", f"{type(error).__name__}: {error}"[:200]
-        finally:
-            signal.alarm(0)
-        if not outcome:
-            continue
-        counts[outcome] += 1
-        print(f"{model_type:26s} {outcome:8s} {time.perf_counter() - start:5.1f}s {message}", flush=True)
-    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    sweep.run_types(check, only=args.only, timeout=args.timeout)
 
 
 if __name__ == "__main__":

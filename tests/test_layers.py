@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("headlab.adapters",),
     # Hard Concrete gates are gates (headlab exports them) that live with the pruning they serve.
     ("headlab.capture", "headlab.attention", "headlab.gates", "headlab.surgery", "headlab.prune_check", "headlab.loading",
+     "headlab.language_model",
      "headlab.headspec", "headlab.checkpoint", "headlab.device_options", "headlab.portable", "headlab.portable_code",
      "headlab.pruning.hard_concrete", "headlab.model_description"),
     # What the features share: data and batches, and the training engine (every trainer's loop and losses).

@@ -20,10 +20,14 @@ import transformers as tf
 
 from headlab.errors import HeadlabError, RunFailed
 from headlab.importance import ImportanceData, compute_lrp, describe_model, lrp_rules
-from headlab.importance.lrp import _KeptWide
 from headlab.importance.mixer_rules import gated_delta
 from support.family_matrix import _gqa, perturbed_model
 from support.family_matrix import tiny_model as matrix_model
+from support.lrp_families import (
+    check_lrp_refused_before_any_work,
+    check_mixer_rule_written_out,
+    check_rules_leave_the_forward_unchanged,
+)
 
 
 def _lara_mini() -> torch.nn.Module:
@@ -159,53 +163,20 @@ def _reference(mixer, x):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_relevance_is_that_of_the_rule_written_out(family):
     model = BUILDERS[family]().to(torch.float64)
-    mixer = _mixer(model)
-    seen = {}
-    mixer.register_forward_hook(lambda m, args, kwargs, out: seen.update(
-        x=kwargs.get("hidden_states", args[0] if args else None), y=out), with_kwargs=True)
-    ids = torch.tensor([[5, 17, 33, 8, 61, 4, 9, 12, 40]])
-    with torch.enable_grad(), lrp_rules(model), _KeptWide(torch.float64):
-        model(input_ids=ids, use_cache=False)
-    x, y = seen["x"], seen["y"]
-    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
-    grad, = torch.autograd.grad((y * w).sum(), x)
-    relevance = x.detach() * grad
-    x_ref = x.detach().requires_grad_(True)
-    with torch.enable_grad():
-        y_ref = _reference(mixer, x_ref)
-        grad_ref, = torch.autograd.grad((y_ref * w).sum(), x_ref)
-    torch.testing.assert_close(y_ref.detach(), y.detach(), rtol=0, atol=1e-12)  # the same forward
-    torch.testing.assert_close(relevance, x_ref.detach() * grad_ref, rtol=0, atol=1e-10)
-    assert abs(float(relevance.sum() - (y * w).sum().detach())) < 1e-12  # and it conserves, bias-free
+    check_mixer_rule_written_out(model, _mixer(model), _reference, rtol=0, atol=1e-10, forward_atol=1e-12,
+                                 conserved=1e-12)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_forward_is_unchanged_under_the_rules(family):
-    model = BUILDERS[family]()
-    ids = torch.tensor([[5, 17, 33, 8, 61, 4, 9]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
-    with torch.no_grad():
-        plain = model(input_ids=ids, attention_mask=mask).logits
-    with torch.enable_grad(), lrp_rules(model):
-        ruled = model(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(plain, ruled.detach())
+    check_rules_leave_the_forward_unchanged(BUILDERS[family](), padded=True)
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------------
 
 
-def _forwards(model):
-    seen = []  # the input ids of every forward: discovery's probe runs zeros, the data must not run
-    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
-                                    with_kwargs=True)
-    return seen
-
-
 def _refused(model, match):
-    seen = _forwards(model)
-    with pytest.raises(HeadlabError, match=match):
-        compute_lrp(model, ImportanceData.from_ids([[5, 6, 7, 1]]), describe_model(model))
-    assert all(ids == [[0, 0, 0, 0]] for ids in seen)
+    check_lrp_refused_before_any_work(model, match)
 
 
 def test_a_gated_delta_net_of_another_class_is_refused_before_any_work():

@@ -414,10 +414,12 @@ def test_a_refused_attention_names_the_operations_on_its_output(model_type, monk
     slice rotated back; JetMoE: the heads' outputs indexed into attention experts). Beam's gate, seen as a gate
     once view_as lent a shape only, is now accepted (tests/test_output_gates.py, whose refusal without its table
     entry keeps that check). JetMoE is refused by name since session 32 (a mixture of attention heads:
-    tests/test_refused_families.py); without that entry the operations are still named."""
+    tests/test_refused_families.py); without that entry the operations are still named. DeepSeek-V4 has a table entry
+    since session 39 (tests/test_deepseek_v4.py): without it, discovery names the operations as before."""
     from headlab.adapters import families
 
     monkeypatch.delitem(families.UNSUPPORTED, model_type, raising=False)
+    monkeypatch.delitem(families.FAMILIES, model_type, raising=False)
     sizes, pattern = OPERATIONS_NAMED[model_type]
     config = tf.AutoConfig.for_model(model_type, **{**_GQA, **sizes})
     torch.manual_seed(0)

@@ -67,7 +67,7 @@ class NoInputConv1d(nn.Conv1d):
 
 def _resized(old: nn.Module, kind: str, n_in: int, n_out: int, *extra) -> nn.Module:
     """A projection of the pruned shape, on the old one's device and dtype (the weights follow); ``extra``: a 1x1
-    convolution's groups."""
+    convolution's groups, a grouped linear map's."""
     weight = old.weight
     if kind == "conv1d_k1":  # SqueezeBERT's 1x1 nn.Conv1d over [batch, channels, seq], (groups,) in extra
         cls = NoInputConv1d if n_in == 0 else nn.Conv1d
@@ -77,6 +77,9 @@ def _resized(old: nn.Module, kind: str, n_in: int, n_out: int, *extra) -> nn.Mod
         from transformers.pytorch_utils import Conv1D
 
         new = Conv1D(n_out, n_in)
+        return new.to(device=weight.device, dtype=weight.dtype)
+    if kind == "grouped_linear":  # DeepSeek-V4's o_a_proj (DeepseekV4GroupedLinear): in per group, out, (groups,)
+        new = type(old)(n_in, n_out, int(extra[0]), bias=old.bias is not None)
         return new.to(device=weight.device, dtype=weight.dtype)
     if kind == "quant_linear":  # I-BERT's QuantLinear (quant_mode=False): its own class, its integer buffers resized
         new = type(old)(n_in, n_out, bias=old.bias is not None, weight_bit=old.weight_bit, bias_bit=old.bias_bit,

@@ -8,7 +8,8 @@ The foundation every analysis plugs into:
   :class:`HardConcreteGates` - the stochastic gates of the paper's pruning (Louizos et al. 2018);
 * :func:`prune_heads`, :func:`save_pruned`, :func:`load_pruned` - physical removal; :func:`save_adapter`,
   :func:`load_adapter` - a PEFT adapter of a pruned model, with the heads it was trained on;
-* :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind.
+* :class:`HeadScores` - one ``[n_layers, n_heads]`` table per attention kind;
+* :func:`language_model_of` - the language model inside a multimodal wrapper headlab refuses as a whole.
 
 The one-call API (:mod:`headlab.api`), on a model already loaded and data in memory:
 :func:`analyze` -> :class:`Analysis`, and the single steps :func:`importance`, :func:`functions`,
@@ -29,6 +30,7 @@ _EXPORTS = {  # module -> the names it exports
     "headlab.gates": ("ConstantGates", "HeadGates", "ScalarGates", "attach_gates", "detach_gates", "gates_attached",
                       "mask_heads"),
     "headlab.heads": ("KINDS", "HeadScores"),
+    "headlab.language_model": ("language_model_of",),
     "headlab.pruning.hard_concrete": ("HardConcreteGates",),
     "headlab.surgery": ("count_parameters", "load_adapter", "load_pruned", "prune_heads", "pruning_record", "save_adapter",
                         "save_pruned"),

@@ -32,6 +32,7 @@ from headlab.adapters import (
     attention_blocks,
     attention_configs,
     check_sink_eager,
+    grouped,
     head_input,
     refuse_mask_skip,
 )
@@ -293,6 +294,9 @@ def capture_attention(
     weights each head applies to its values, the sink's share left out (a row sums to less than 1):
     what GPT-OSS's eager returns, and, unlike ``output_attentions``, Granite-SWA's too
     (:data:`~headlab.adapters.families.SINKS_SCALE_OUTPUT`: its softmax times the scale it applies after).
+    Where a layer appends keys of its own after the tokens' (``Family.appended_keys``: DeepSeek-V4's compressed
+    key-value entries) the map is over the tokens' keys only, and their share is left out as a sink's is: a row
+    sums to one less the mass on the appended keys and the sink (:func:`headlab.adapters.families.deepseek_v4_probs`).
     """
     from headlab.portable import check_pruned_numbering
 
@@ -357,8 +361,10 @@ ChunkCallback = Callable[[AttentionBlock, AttentionChunk], None]
 
 
 def unregistrable(blocks: list[AttentionBlock]) -> list[AttentionBlock]:
-    """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can)."""
-    return [block for block in blocks if block.n_heads and not dispatches(block.core)]
+    """The blocks whose attention cannot go through :mod:`headlab.attention` (empty: all can): those whose module
+    does not dispatch through transformers' registry, and those that append keys of their own to the tokens'
+    (``Family.appended_keys``: DeepSeek-V4's compressed entries, which the function would count as keys)."""
+    return [block for block in blocks if block.n_heads and (block.family.appended_keys or not dispatches(block.core))]
 
 
 def not_streamable(model: nn.Module) -> str | None:
@@ -369,6 +375,9 @@ def not_streamable(model: nn.Module) -> str | None:
     function (the fused statistics, confidence) run the eager path instead."""
     blocks = attention_blocks(model)
     unable = unregistrable(blocks)
+    if unable and unable[0].family.appended_keys:
+        return (f"its attention appends {unable[0].family.appended_keys} to the tokens' keys ({unable[0].name}), "
+                "which headlab's attention function would count as keys")
     if unable:
         return f"attention does not dispatch through transformers' AttentionInterface ({unable[0].name})"
     for block in blocks:
@@ -570,7 +579,8 @@ def stream_attention(
 
     Inside, the model runs headlab's registered attention function; every attention module of
     the model computes in chunks, and only ``blocks`` (default: all) report. A model whose
-    attention does not dispatch through transformers' ``AttentionInterface`` falls back to
+    attention does not dispatch through transformers' ``AttentionInterface`` (or appends keys of its own,
+    ``Family.appended_keys``: DeepSeek-V4) falls back to
     :func:`capture_attention` (logged): its blocks hand over the whole map as one chunk, cut
     into ``query_chunk`` rows afterwards, so the callback sees the same sequence of chunks.
     ``record.calls`` counts each block's forward calls; a block that was expected to report and
@@ -594,9 +604,10 @@ def stream_attention(
     blocks = every if blocks is None else blocks
     unable = unregistrable(every)
     if unable:
-        logger.warning("%s: attention does not dispatch through transformers' AttentionInterface (%s); "
-                       "falling back to eager capture (the whole [batch, heads, q, k] map per block)",
-                       type(model).__name__, unable[0].name)
+        why = (f"its attention appends {unable[0].family.appended_keys} to the tokens' keys" if
+               unable[0].family.appended_keys else "attention does not dispatch through transformers' AttentionInterface")
+        logger.warning("%s: %s (%s); falling back to eager capture (the whole [batch, heads, q, k] map per block)",
+                       type(model).__name__, why, unable[0].name)
 
         def whole(block: AttentionBlock, probs: torch.Tensor) -> None:
             q_len = probs.shape[2]
@@ -709,6 +720,9 @@ def register_head_output_hooks(blocks: list[AttentionBlock], fn: HeadOutputFn) -
             if block.family.channels_first:  # SqueezeBERT's [batch, heads x d, seq]: fn sees (and returns) [b, s, h, d]
                 heads = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], block.n_heads, block.d_head)
                 return (fn(block, heads).reshape(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2), *args[1:])
+            if grouped(module):  # DeepSeek-V4's o_a_proj: [batch, pos, groups, heads / groups x d], heads in order
+                heads = x.reshape(*x.shape[:-2], block.n_heads, block.d_head)
+                return (fn(block, heads).reshape(x.shape), *args[1:])
             heads = x.view(*x.shape[:-1], block.n_heads, block.d_head)  # [batch, pos, n_heads, d_head]
             if block.family.time_first:  # FSMT's [pos, batch, ...]: fn sees (and returns) it batch-first
                 return (fn(block, heads.transpose(0, 1)).transpose(0, 1).reshape(x.shape), *args[1:])

@@ -52,7 +52,7 @@ _AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModelForM
 # sequence-to-sequence ones (Whisper: refused by the adapters, naming why). A checkpoint's class listed in these
 # for its config is the class it loads as.
 _ANALYSED = (*_AUTO_CLASSES, "AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForSpeechSeq2Seq")
-_MULTIMODAL = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM")
+MULTIMODAL_TABLES = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM")
 
 # Tensors a checkpoint may hold that the class headlab builds leaves out on purpose: BERT-style
 # pre-training checkpoints carry a pooler and a next-sentence head that the masked-LM class lacks.
@@ -73,7 +73,7 @@ def one_line(error: BaseException) -> str:
 
 
 # -- classes and configs ----------------------------------------------------------------------
-def _listed(table: str, config) -> tuple[type, ...]:
+def listed_classes(table: str, config) -> tuple[type, ...]:
     """The classes transformers' auto class ``table`` has for ``config``'s type (an entry may be a tuple:
     AutoModel's FunnelModel, FunnelBaseModel); none where its entry cannot be imported."""
     import transformers
@@ -104,7 +104,7 @@ def _saved_class(config) -> type | None:
             continue
         wanted = getattr(found, "config_class", None)
         if (isinstance(wanted, type) and isinstance(config_for(found, config), wanted)) or \
-                any(found in _listed(table, config) for table in _ANALYSED):
+                any(found in listed_classes(table, config) for table in _ANALYSED):
             return found
     return None
 
@@ -135,22 +135,22 @@ def model_class_for(config, source: str | Path = "config.json") -> type:
             mapping = getattr(getattr(transformers, str(auto), None), "_model_mapping", {})
             if str(target).endswith(f".{CLASS_NAME}") and type(config) in mapping:
                 return mapping[type(config)]
-    classes = [cls for table in _AUTO_CLASSES for cls in _listed(table, config)]
+    classes = [cls for table in _AUTO_CLASSES for cls in listed_classes(table, config)]
     saved = _saved_class(config)
     if saved is not None:
-        causal = _listed("AutoModelForCausalLM", config)
+        causal = listed_classes("AutoModelForCausalLM", config)
         if causal and causal[0] is not saved and config_for(causal[0], config) is not config \
-                and any(saved in _listed(table, config) for table in _MULTIMODAL):
+                and any(saved in listed_classes(table, config) for table in MULTIMODAL_TABLES):
             return causal[0]  # the language model of a multimodal checkpoint, as AutoModelForCausalLM loads it
-        if any(saved in _listed(table, config) for table in _ANALYSED):
+        if any(saved in listed_classes(table, config) for table in _ANALYSED):
             return saved
-        if saved in _listed("AutoModelForPreTraining", config) and classes:
-            return (_listed("AutoModelForMaskedLM", config) or classes)[0]
+        if saved in listed_classes("AutoModelForPreTraining", config) and classes:
+            return (listed_classes("AutoModelForMaskedLM", config) or classes)[0]
         from transformers.models.auto import modeling_auto  # every auto class (dir(transformers) takes a second)
 
         kinds = [table[len("AutoModelFor"):] for table, value in vars(modeling_auto).items()
                  if table.startswith("AutoModelFor") and isinstance(value, type) and table not in _ANALYSED
-                 and saved in _listed(table, config)]
+                 and saved in listed_classes(table, config)]
         if kinds:
             raise HeadlabError(
                 f"{source}: architectures names {saved.__name__}, a {_kind(kinds[0])} model (transformers' "

@@ -24,11 +24,13 @@ from torch import nn
 from headlab.adapters import text_config
 from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS
 from headlab.checkpoint import (
+    MULTIMODAL_TABLES,
     build_model,
     check_complete,
     check_fits_weights,
     check_text_of_multimodal,
     config_for,
+    listed_classes,
     model_class_for,
     one_line,
     read_config,
@@ -149,12 +151,17 @@ def load_model(
         shapes = tensor_shapes(path)
         structure = build_model(cls, config, path, meta=True)
         try:
+            structure, shapes, wrapped = _analysed_structure(structure, shapes)
             record = _record_from_weights(structure, shapes)
         except HeadlabError as error:  # its blocks unfound: UDOP's and PI0's name-based view ("two modules claim")
             problem = token_ids_problem(structure)  # where the reason is the image its forward needs, say that
             if problem:
                 raise HeadlabError(f"{name_or_path} (model_type {config.model_type!r}): {problem}") from error
             raise
+        if record is not None and wrapped:
+            raise HeadlabError(f"{name_or_path}: the weights of the language model of this multimodal "
+                               f"{config.model_type!r} checkpoint have fewer heads than its config says, a layout "
+                               "headlab never saves (it saves a pruned language model alone)")
         if record is not None:  # a pruned directory re-saved by transformers: heads from the weights' shapes
             model = load_pruned(path, cls, trust_remote_code=trust_remote_code, record=record)
             return _place(model, path, dtype, device, device_map)
@@ -179,7 +186,48 @@ def load_model(
     check_complete(name_or_path, info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
     if device is not None:
         model = model.to(device)
+    if any(cls in listed_classes(table, config) for table in MULTIMODAL_TABLES):
+        model = _language_model_if_refused(model.eval(), name_or_path)
     return model.eval()
+
+
+def _analysed_structure(structure: nn.Module, shapes: dict) -> tuple[nn.Module, dict, bool]:
+    """The structure headlab analyses (:func:`headlab.language_model.analysed_model`: a refused multimodal wrapper's
+    language model), with the weights' shapes under its own tensors' names, and whether it is the language model."""
+    from headlab.language_model import analysed_model
+
+    if not any(type(structure) in listed_classes(table, structure.config) for table in MULTIMODAL_TABLES):
+        return structure, shapes, False
+    analysed, wrapped = analysed_model(structure)
+    if not wrapped:
+        return structure, shapes, False
+    return analysed, _shapes_as_named_in(analysed, structure, shapes), True
+
+
+def _shapes_as_named_in(part: nn.Module, whole: nn.Module, shapes: dict) -> dict:
+    """``shapes`` (of ``whole``'s tensors, by name) for the tensors ``part`` shares with ``whole``, under their names
+    in ``part`` (a tied tensor: whichever of its names the weights store)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in (*whole.named_parameters(remove_duplicate=False),
+                         *whole.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    renamed = {}
+    for name, tensor in (*part.named_parameters(remove_duplicate=False), *part.named_buffers(remove_duplicate=False)):
+        stored = next((n for n in names.get(id(tensor), ()) if n in shapes), None)
+        if stored is not None:
+            renamed[name] = shapes[stored]
+    return renamed
+
+
+def _language_model_if_refused(model: nn.Module, source: str) -> nn.Module:
+    """A loaded multimodal wrapper that headlab refuses as a whole, around a language model it supports: that
+    language model (:func:`headlab.language_model.language_model_of`), checked to give the wrapper's logits."""
+    from headlab.language_model import analysed_model, check_same_logits
+
+    analysed, wrapped = analysed_model(model)
+    if wrapped:
+        check_same_logits(model, analysed, source)
+    return analysed
 
 
 @contextmanager
@@ -228,12 +276,13 @@ def build_from_config(name_or_path: str, trust_remote_code: bool = False) -> nn.
     model = build_model(model_class_for(config, f"{name_or_path}/config.json"), config, name_or_path, meta=True)
     path = Path(name_or_path)
     if path.is_dir() and any(path.glob("*.safetensors")):  # a config alone lists the config's heads
-        shapes = tensor_shapes(path)
-        record = _record_from_weights(model, shapes)
+        model, shapes, wrapped = _analysed_structure(model, tensor_shapes(path))
+        record = None if wrapped else _record_from_weights(model, shapes)
         if record is not None:  # re-saved by transformers: the loaded model (load_pruned checks the pruning)
             return load_pruned(path, type(model), trust_remote_code=trust_remote_code, record=record)
         check_fits_weights(model, shapes, f"{path}/config.json")
-    return model
+        return model
+    return _analysed_structure(model, {})[0]
 
 
 def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: str = "model", *,
@@ -265,7 +314,9 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
     problem = token_ids_problem(model)
     if problem:
         raise HeadlabError(f"{flag} {name_or_path} (model_type {config.model_type!r}): {problem}")
+    wrapper = model
     try:
+        model, _, wrapped = _analysed_structure(model, {})  # a refused wrapper's language model: what load_model gives
         for block in attention_blocks(model):
             if prune and not block.idle:  # an idle block's heads are refused if named (surgery.check_checkable)
                 check_block_sliceable(block)
@@ -276,6 +327,8 @@ def check_supported(name_or_path: str, trust_remote_code: bool = False, flag: st
         # a corrupt file or shapes that do not fit the config are refused here, not when a stage
         # loads the model (analyze failed every stage and wrote an empty report).
         shapes = tensor_shapes(path)
+        if wrapped:
+            shapes = _shapes_as_named_in(model, wrapper, shapes)
         if not (path / PRUNING_FILE).is_file() and _record_from_weights(model, shapes) is None:
             check_fits_weights(model, shapes, f"{path}/config.json")
 

@@ -37,6 +37,7 @@ from headlab.adapters import (
     AttentionBlock,
     attention_blocks,
     find_block,
+    grouped,
     idle_blocks,
     is_linear,
     out_features,
@@ -531,7 +532,10 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         width = rows_per_head(core, attrs)
         assert width is not None  # checked when the block was made (adapters._check_head_rows)
         _slice_outputs(block.module.get_submodule(path), _head_index(keep, width, device), journal)
-    _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
+    if grouped(block.o):  # DeepSeek-V4's o_a_proj: each group's kept heads, as many in each (_check_groups_kept)
+        _slice_grouped_inputs(block, keep, journal)
+    else:
+        _slice_inputs(block.o, q_index, journal)  # the heads' outputs: value-sized
     _slice_sub_norm(block, q_index, journal)  # a norm over them before o_proj (BitNet's attn_sub_norm)
     # one entry per query head: Mistral Large 4's query scale and bias, attention sinks (GPT-OSS, ...)
     for owner, name in head_vectors(block):
@@ -567,11 +571,7 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
     if family.config_head_count_attrs and getattr(core, "config", None) is not None:
         base = core.config.base if isinstance(core.config, LayerConfig) else core.config
         journal.set(core, "config", LayerConfig(base, dict.fromkeys(family.config_head_count_attrs, len(keep))))
-    for attr in dict.fromkeys((family.kv_groups_attr or "", *_GROUP_ATTRS)):
-        if attr and hasattr(core, attr):
-            journal.set(core, attr, groups)
-    for holder in group_holders(block):  # NeoMME's exclusive_self_attention repeats the values itself
-        journal.set(holder, _GROUP_ATTRS[0], groups)
+    _set_groups(block, groups, journal)
 
     _give_pruned_forward(block, keep, journal)
     kept, kv_kept, original = _original(block)
@@ -582,6 +582,66 @@ def _prune_block(model: nn.Module, block: AttentionBlock, keep: list[int], kv_ke
         _narrow_value_embeddings(model, block, [kv_kept[j] for j in kv_keep], journal)
     else:
         _replace_with_zero_heads(model, block, journal)
+
+
+def _set_groups(block: AttentionBlock, groups: int, journal: _Journal) -> None:
+    """The query heads per key/value head a pruned layer repeats its keys and values by (``num_key_value_groups``,
+    ``Family.kv_groups_attr``), on its core and on the children that repeat them themselves (NeoMME's
+    ``exclusive_self_attention``: ``Family.group_holders``)."""
+    for attr in dict.fromkeys((block.family.kv_groups_attr or "", *_GROUP_ATTRS)):
+        if attr and hasattr(block.core, attr):
+            journal.set(block.core, attr, groups)
+    for holder in group_holders(block):
+        journal.set(holder, _GROUP_ATTRS[0], groups)
+
+
+def _slice_grouped_inputs(block: AttentionBlock, keep: list[int], journal: _Journal) -> None:
+    """A grouped output projection (``adapters.GROUPED_LINEARS``: weight ``[groups x out, in]``, group g's rows
+    reading the heads ``g x heads / groups ..``, ``in`` their outputs side by side) keeps, for each group, its rows'
+    columns of that group's kept heads: ``in`` becomes the kept heads per group (the same in each) x the head size."""
+    o, d = block.o, block.d_head
+    groups = int(getattr(o, "n_groups"))  # noqa: B009 (typed as Tensor | Module for mypy)
+    per_group = block.n_heads // groups
+    weight = cast(torch.Tensor, o.weight).detach()
+    rows = weight.shape[0] // groups
+    parts = []
+    for g in range(groups):
+        local = [h - g * per_group for h in keep if h // per_group == g]
+        columns = _head_index(local, d, weight.device)
+        parts.append(weight[g * rows:(g + 1) * rows].index_select(1, columns))
+    _replace(o, "weight", torch.cat(parts, dim=0), journal)
+    journal.set(o, "in_features", len(keep) // groups * d)
+
+
+def _check_groups_kept(model: nn.Module, block: AttentionBlock, keep: list[int]) -> None:
+    """Refuse, before any work, a pruning that leaves the groups of a grouped output projection
+    (``adapters.GROUPED_LINEARS``: DeepSeek-V4's ``o_a_proj``) unequal: every group has one width, so each must keep
+    as many heads as the others (or all lose every head: a layer with no head), and each group must read whole heads
+    (as many groups as heads or fewer, dividing them)."""
+    if not grouped(block.o) or not keep:
+        return
+    groups = int(getattr(block.o, "n_groups"))  # noqa: B009
+    if block.n_heads % groups:  # a head's output spans groups: removing it would remove a group's whole input
+        raise PruningNotExact(
+            f"{_model_type(model)}: {block.kind} layer {block.layer}: its {block.n_heads} heads do not split into the "
+            f"{groups} groups of its grouped output projection ({block.name}.{_child_name(block, block.o)}), so a head's "
+            "output spans several groups and removing it would take whole groups away, whose count the forward reads "
+            "from the config (o_groups); physical pruning has no exact slicing for it: mask the heads instead "
+            "(mask_heads)", model_type=_model_type(model), block=block.key)
+    per_group = block.n_heads // groups
+    counts = [sum(h // per_group == g for h in keep) for g in range(groups)]
+    if len(set(counts)) > 1:
+        raise PruningNotExact(
+            f"{_model_type(model)}: {block.kind} layer {block.layer}: pruning heads "
+            f"{sorted(set(range(block.n_heads)) - set(keep))} would leave {counts} heads in the {groups} groups of "
+            f"its grouped output projection ({block.name}.{_child_name(block, block.o)}: each group of "
+            f"{per_group} heads read by its own block of one width, heads g x {per_group} ..), which has no exact "
+            "narrower form with groups of different widths; remove as many heads from every group (or every head "
+            "of the layer), or mask the heads instead (mask_heads)", model_type=_model_type(model), block=block.key)
+
+
+def _child_name(block: AttentionBlock, module: nn.Module) -> str:
+    return next((name for name, child in block.module.named_modules() if child is module), "?")
 
 
 def _slice_sub_norm(block: AttentionBlock, index: torch.Tensor, journal: _Journal) -> None:
@@ -719,8 +779,9 @@ class ZeroHeadAttention(NoHeadAttention):
 def _replace_with_zero_heads(model: nn.Module, block: AttentionBlock, journal: _Journal) -> None:
     parent_path, _, attr = _core_path(block).rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    # its path from the core: a child (o_proj), or deeper (NeoMME's output_projection.o_proj)
-    o_name = next((name for name, child in block.core.named_modules() if child is block.o and name), None)
+    # its path from the core: a child (o_proj), or deeper (NeoMME's output_projection.o_proj); DeepSeek-V4's o_b_proj
+    o_name = block.family.output_after or next((name for name, child in block.core.named_modules()
+                                                if child is block.o and name), None)
     n_outputs = (block.family.probs_index + 1 if block.family.probs_index >= 0 else 2) + block.family.extra_outputs
     selection = block.family.selection_argument
     n_outputs += bool(selection)  # (output, probs, selection)
@@ -1172,6 +1233,7 @@ def _refuse_inexact(model: nn.Module, plans: list[tuple]) -> None:
         check_block_sliceable(block)
     for block, keep, kv_keep, _ in plans:
         _check_sharing_layer_kept(block, keep, kv_keep)
+        _check_groups_kept(model, block, keep)
     _refuse_tied(model, [block for block, *_ in plans])
     for block, keep, kv_keep, _ in plans:
         dynamic = kv_dynamic_mask_reason(block, keep, kv_keep)
@@ -1245,11 +1307,20 @@ def check_prunable(model: nn.Module, kinds: tuple[str, ...] | None = None) -> No
 
 
 def check_gates_free(blocks: list[AttentionBlock], kinds: tuple[str, ...] | None = None) -> None:
-    """Refuse, before any work, gates (``headlab prune train``, ``analyze --prune``) over a layer that attends with
+    """Refuse, before any work, gates (``headlab prune train``, ``analyze --prune``) over a layer whose heads meet a
+    grouped output projection (DeepSeek-V4's, :func:`_check_groups_kept`) or that attends with
     another layer's keys and values or computes them for one (``family.kv_from``: Gemma 4's and Gemma 3n's key/value
     sharing): the gates pick each layer's heads freely, but those layers prune exactly only while every shared
     key/value head keeps the same number of query heads (:func:`_check_sharing_layer_kept`, :func:`_check_shared_kv_kept`),
     so the export after training would be refused for most picks."""
+    uneven = [b for b in blocks if (kinds is None or b.kind in kinds) and b.n_heads and grouped(b.o)]
+    if uneven:
+        names = ", ".join(f"{b.kind}:{b.layer}" for b in uneven)
+        raise HeadlabError(
+            f"{names}: their heads meet a grouped output projection (DeepSeek-V4's o_a_proj: groups of one width), "
+            "and prune exactly only while every group keeps as many heads as the others (or the layer none); the "
+            "gates of headlab prune train pick heads freely, so the pruned model could not be exported. Prune these "
+            "layers with headlab prune --heads (a plan that keeps the groups even), or mask their heads")
     sources = {b.family.kv_from.rsplit(".", 1)[0] for b in blocks if b.family.kv_from}
     tied = [b for b in blocks if (kinds is None or b.kind in kinds) and b.n_heads and (b.family.kv_from or b.name in sources)]
     if tied:
@@ -1583,6 +1654,9 @@ def _core_path(block: AttentionBlock) -> str:
 
 
 def _projection(module: nn.Module) -> tuple:
+    if grouped(module):  # DeepSeek-V4's o_a_proj: (kind, in per group, out, groups), rebuilt as its own class
+        return "grouped_linear", int(cast(Any, module).in_features), int(cast(Any, module).out_features), \
+            int(cast(Any, module).n_groups)
     if isinstance(module, nn.Linear):
         return "linear", module.in_features, module.out_features
     if is_linear(module):  # I-BERT's QuantLinear, rebuilt as one (its forward returns (output, None))

@@ -165,17 +165,53 @@ def check_probed_widened_and_left_as_it_was(model) -> None:
     assert_conserved(model, 1e-6)
 
 
-def check_rules_leave_the_forward_unchanged(model) -> None:
-    """Under lrp_rules (with gradients), the logits of two rows of random ids are the plain forward's, bit for bit."""
+def check_rules_leave_the_forward_unchanged(model, *, padded: bool = False) -> None:
+    """Under lrp_rules (with gradients), the logits of two rows of random ids are the plain forward's, bit for bit
+    (with ``padded``, the first row's first two tokens padding)."""
     from headlab.capture import eager_attention
     from headlab.importance import lrp_rules
 
     ids = torch.randint(4, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids}
+    if padded:
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["attention_mask"][0, :2] = 0
     with torch.no_grad(), eager_attention(model):
-        before = model(input_ids=ids).logits
+        before = model(**inputs).logits
     with torch.enable_grad(), eager_attention(model), lrp_rules(model):
-        during = model(input_ids=ids).logits
+        during = model(**inputs).logits
     assert torch.equal(during.detach(), before)
+
+
+def check_mixer_rule_written_out(model, mixer, reference, *, rtol: float, atol: float, forward_atol: float,
+                                 conserved: float) -> None:
+    """A float64 ``model`` run under lrp_rules on one sentence: the relevance of ``mixer``'s input for a random weighting
+    ``w`` of its output (gradient x input) is that of ``reference(mixer, x)``, the rule written out by hand (every
+    factor computed from the input held constant), to ``rtol`` / ``atol``; the reference computes the mixer's forward
+    (to ``rtol`` / ``forward_atol``), and the relevance sums to ``w . y`` within ``conserved`` (the rule is bias-free)."""
+    from headlab.importance import lrp_rules
+    from headlab.importance.lrp import _KeptWide
+
+    seen = {}
+    handle = mixer.register_forward_hook(lambda m, args, kwargs, out: seen.update(
+        x=kwargs.get("hidden_states", args[0] if args else None), y=out), with_kwargs=True)
+    ids = torch.tensor([[5, 17, 33, 8, 61, 4, 9, 12, 40]])
+    try:
+        with torch.enable_grad(), lrp_rules(model), _KeptWide(torch.float64):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    x, y = seen["x"], seen["y"]
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
+    grad, = torch.autograd.grad((y * w).sum(), x)
+    relevance = x.detach() * grad
+    x_ref = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        y_ref = reference(mixer, x_ref)
+        grad_ref, = torch.autograd.grad((y_ref * w).sum(), x_ref)
+    torch.testing.assert_close(y_ref.detach(), y.detach(), rtol=rtol, atol=forward_atol)  # the same forward
+    torch.testing.assert_close(relevance, x_ref.detach() * grad_ref, rtol=rtol, atol=atol)
+    assert abs(float(relevance.sum() - (y * w).sum().detach())) < conserved  # and it conserves, bias-free
 
 
 def check_strategies_agree(model, data, info, strategy: str) -> None:
@@ -193,21 +229,23 @@ def check_strategies_agree(model, data, info, strategy: str) -> None:
 
 
 def check_lrp_refused_before_any_work(model, match: str, *, longest: int = 8) -> None:
-    """compute_lrp on :func:`lrp_data`'s sentences raises a HeadlabError matching ``match`` after discovery's probe
-    pass and before any other forward of ``model`` (nothing explained)."""
+    """compute_lrp on :func:`lrp_data`'s sentences raises a HeadlabError matching ``match`` before any forward of
+    ``model`` on them: every forward it ran is a probe (discovery's, the rules' checks: token ids all 0), nothing
+    explained."""
     import pytest
 
     from headlab import HeadlabError
     from headlab.importance import compute_lrp
 
-    calls: list = []
-    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    seen: list = []  # the input ids of every forward
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("input_ids")),
+                                             with_kwargs=True)
     try:
         with pytest.raises(HeadlabError, match=match):
             compute_lrp(model, *lrp_data(model, longest=longest), bootstrap=0)
     finally:
         handle.remove()
-    assert calls == [1]  # discovery's probe pass only, nothing explained
+    assert seen and all(ids is not None and not ids.any() for ids in seen), seen  # probes only
 
 
 def check_lrp_refused_under_pre_hook(model, module: torch.nn.Module, hook, match: str, *, n: int = 4,

@@ -191,7 +191,22 @@ def out_features(module: nn.Module) -> int:
     raise _unreadable(module, "output")
 
 
+GROUPED_LINEARS = frozenset({"DeepseekV4GroupedLinear"})
+"""Classes of transformers' grouped linear maps (their names) that an attention's heads meet as its output projection:
+``weight`` ``[groups x out, in]`` applied to an input ``[.., groups, in]``, group g by its own ``out`` rows
+(transformers 5.24, DeepSeek-V4's ``o_a_proj``: ``n_groups`` groups of ``in_features`` each). Their input, the heads'
+outputs in head order, is ``groups x in`` wide: :func:`in_features` says so, and headlab's per-head hooks read it
+with the group axis flattened (:func:`headlab.capture.register_head_output_hooks`)."""
+
+
+def grouped(module: nn.Module) -> bool:
+    """A grouped linear map of :data:`GROUPED_LINEARS` (its input ``[.., groups, in]``)."""
+    return type(module).__name__ in GROUPED_LINEARS and isinstance(getattr(module, "n_groups", None), int)
+
+
 def in_features(module: nn.Module) -> int:
+    if grouped(module):  # DeepSeek-V4's o_a_proj: every group's input, the heads' outputs side by side
+        return int(getattr(module, "in_features")) * int(getattr(module, "n_groups"))  # noqa: B009
     if is_linear(module):
         return int(getattr(module, "in_features"))  # noqa: B009 (typed as Tensor | Module for mypy)
     if isinstance(module, nn.Conv1d) and module.kernel_size == (1,):
@@ -788,8 +803,10 @@ def _make_block(kind: str, layer: int, name: str, module: nn.Module, family: Fam
     elif family.q is None:  # discovered, no projection tied to the queries/keys/values: the output's width
         qkv = q = k = v = None
         q_width, kv_width = in_features(o), family.kv_heads * d_head
-        if family.head_rows:  # latent attention: each head its own key and value (the probe's count may be stale)
-            kv_width = q_width
+        if family.head_rows and not family.shared_kv:  # latent attention: each head its own key and value (the
+            kv_width = q_width  # probe's count may be stale)
+        elif family.shared_kv and not q_width:  # a layer pruned to no head (its stand-in): no key/value head read
+            kv_width = 0
         if q_width % d_head == 0:
             _check_head_rows(where, module, core, family, q_width // d_head)
     elif family.kv_from:  # keys and values from another layer (Gemma 4's key/value sharing): the query's width
@@ -1058,8 +1075,8 @@ def _language_model_hint(model: nn.Module) -> str | None:
                         model_type not in LATENT_ATTENTION):
         return None
     return (f"{type(model).__name__} is a multimodal model around a {model_type!r} language model, which "
-            "headlab supports on its own: pass that causal LM (headlab.loading.load_model(path) or transformers' "
-            "AutoModelForCausalLM.from_pretrained(path) loads it from the checkpoint)")
+            "headlab supports on its own: pass that causal LM (headlab.language_model_of(model) gives it, sharing the "
+            "model's weights; headlab.loading.load_model(path) loads it from the checkpoint)")
 
 
 def family_for(config: Any) -> Family | None:

@@ -190,6 +190,23 @@ class Family:
     """Children of ``core`` (paths relative to it) that repeat the key/value heads over their query heads themselves,
     from an attribute set at init (NeoMME's ``exclusive_self_attention``, :data:`HEAD_MAPS`: ``num_key_value_groups``
     from the config): physical pruning sets that attribute to the layer's new group size, as it does the core's."""
+    shared_kv: bool = False
+    """One key-value head, read by every query head as both its key and its value (DeepSeek-V4's ``kv_proj``), beside
+    ``head_rows`` that are the queries' only: the block has ``kv_heads`` (1) key/value heads, not one per head as a
+    latent attention's ``head_rows`` give."""
+    appended_keys: str = ""
+    """What ``core`` appends to the tokens' keys before its attention function runs, where it does (DeepSeek-V4's
+    compressed key-value entries): the function's weights span ``[tokens | appended]`` and ``probs_reader`` cuts the
+    tokens' columns out. headlab's own attention function (the fused and chunked engines) would count the appended
+    columns as keys, so these blocks run on the eager path (:func:`headlab.capture.unregistrable`), whose maps the
+    reader cuts; '' elsewhere."""
+    output_after: str = ""
+    """The projection (path relative to ``core``) that reads the output projection's output and gives the layer's
+    (DeepSeek-V4's ``o_b_proj`` after its grouped ``o_a_proj``), where the layer's output is not the output
+    projection's: a layer left with no head returns its output on zeros (its bias, or zeros); '' elsewhere."""
+    lrp_refused: str = ""
+    """Why LRP refuses this block where physical pruning does not (DeepSeek-V4: no rule for its compressor, indexer
+    and inverse rotation); '' elsewhere (``refused`` refuses both)."""
     refused: str = ""
     """Why physical pruning and LRP refuse this block, where a table of layouts discovery does not tie
     (:data:`QKV_ADAPTERS`) read the attention and found it laid out otherwise ('' elsewhere): said instead of
@@ -1360,6 +1377,52 @@ XLNET = Family(
 )
 
 
+def deepseek_v4_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """DeepSeek-V4's map over the input's tokens from ``DeepseekV4Attention``'s output (transformers 5.24, its
+    forward read): its eager attention returns ``[batch, heads, q, keys + entries]``, the softmax over [the tokens'
+    keys | the compressor's entries | the head's sink] without the sink's column. The tokens' keys are the columns of
+    the mask the layer was called with (built for the keys before the entries were appended, and extended by the
+    compressor's block bias after): those columns are the map; what a row of it lacks to one is the mass on the
+    compressed entries and the sink, left out as the sinks' share of any sink type (:data:`ATTENTION_SINKS`).
+    Refused without a tensor mask (no causal mask on the entries: transformers' forward pads none) and over a cache
+    of earlier tokens (a map over more keys than queries: not one pass's tokens)."""
+    import torch
+
+    from headlab.errors import HeadlabError
+
+    probs = output[1]
+    mask = kwargs.get("attention_mask", args[3] if len(args) > 3 else None)
+    if not isinstance(mask, torch.Tensor) or probs is None:
+        raise HeadlabError(f"{type(core).__name__}: called without a tensor attention mask (or returned no weights), "
+                           "so headlab cannot tell the tokens' keys from the compressed entries appended after them")
+    tokens = int(mask.shape[-1])
+    if tokens != probs.shape[2] or probs.shape[-1] < tokens:
+        raise HeadlabError(f"{type(core).__name__}: {probs.shape[2]} queries over {tokens} token keys (a cache of "
+                           "earlier tokens): headlab reads maps over one forward pass's tokens; run without a cache")
+    return probs[..., :tokens]
+
+
+DEEPSEEK_V4 = Family(
+    name="deepseek-v4",
+    patterns=(("dec_self", r"(?:^|\.)layers\.(\d+)\.self_attn$"),),
+    # q_b_proj viewed [.., -1, head_dim] (head h: rows h * head_dim ..); one key-value head (kv_proj), both key and
+    # value, shared by every head; the heads' outputs, rotated back per query on their rope slice (a rotation of
+    # each head's own features), reshaped [batch, seq, o_groups, heads / o_groups x head_dim] into the grouped
+    # o_a_proj (DeepseekV4GroupedLinear: group g reads heads g x heads / o_groups ..), then o_b_proj
+    q=None, k=None, v=None, o="o_a_proj", d_head_attr="head_dim", kv_heads=1, shared_kv=True,
+    head_rows=(("q_b_proj", ("head_dim",)),),
+    head_vectors=("sinks",),
+    probs_reader=deepseek_v4_probs,
+    appended_keys="compressed key-value entries (its compressor's, appended after the tokens' keys in its "
+                  "compressed_sparse_attention and heavily_compressed_attention layers)",
+    head_count_attrs=("num_heads",), kv_groups_attr="num_key_value_groups", output_after="o_b_proj",
+    lrp_refused="DeepSeek-V4's attention (DeepseekV4Attention) appends to the tokens' keys compressed key-value "
+                "entries pooled from the layer's input by a softmax-gated compressor (its sparse layers' entries "
+                "picked per query by an indexer's top-k), and rotates each head's output back per query (the "
+                "conjugate rotary embedding) before its grouped output projection: headlab has no LRP rule for the "
+                "compressor, the indexer or the inverse rotation")
+
+
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert", "rembert", "roformer"],
@@ -1395,6 +1458,7 @@ FAMILIES: dict[str, Family] = {
     "deberta-v2": DEBERTA_V2,
     "albert": ALBERT,
     "xlnet": XLNET,
+    "deepseek_v4": DEEPSEEK_V4,
 }
 """Model types with a declarative entry; any other goes through generic discovery."""
 
@@ -1497,19 +1561,6 @@ UNSUPPORTED: dict[str, str] = {
                 "a cross-attention map of its own, and masking or pruning it removes both at once; headlab's block "
                 "kinds (dec_self, dec_cross) are one softmax each, and an analysis without the decoder would leave "
                 "its heads out",
-    # session 36, read in transformers 5.24 (models/deepseek_v4): before, discovery's generic "the attention function's
-    # output reaches o_a_proj through operations other than reshapes" (the inverse rotation of its output), true but
-    # not why. DeepseekV4Attention with a compressor (every layer type but sliding_attention, every layer of the
-    # published configs) concatenates compressed entries onto the key axis after the tokens' keys
-    "deepseek_v4": "DeepSeek-V4's attention (DeepseekV4Attention) attends over [the tokens' keys | compressed "
-                   "key-value entries]: in its compressed_sparse_attention and heavily_compressed_attention layers "
-                   "(every layer of the published configs) a compressor pools each window of compress_rates[layer "
-                   "type] tokens (4 and 128) into one entry, gated by a softmax computed from the layer's input, and "
-                   "appends those entries to the keys (the sparse layers' entries picked per query by an indexer), so "
-                   "a head's map is not a [query, key] map over the input's tokens and its rows over the tokens do not "
-                   "sum to one; its one key-value head is both key and value, and each head's output is rotated back "
-                   "per query (the conjugate rotary embedding) before a grouped output projection, and its layers are "
-                   "joined by hyper-connections, none of which headlab's adapters describe",
     # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
     # (PegasusXAttention) goes through the attention interface, the encoder's does not
     "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "
