@@ -16,7 +16,7 @@ Outcomes: ``equal``; ``DIFFER`` (a silent wrong result of the default engine: th
 analysable block: family_sweep's outcome).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
-        .venv/bin/python experiments/fused_sweep.py [--multimodal] [--only TYPE ...] [--timeout 60]
+        .venv/bin/python experiments/fused_sweep.py [--multimodal | --causal-first] [--only TYPE ...] [--timeout 60]
 """
 
 from __future__ import annotations
@@ -156,8 +156,10 @@ def main() -> None:
     parser = sweep.arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=int, default=60, help="seconds per type")
     parser.add_argument("--multimodal", action="store_true", help="the image-text-to-text wrappers (family_sweep's)")
+    parser.add_argument("--causal-first", action="store_true",
+                        help="the causal-LM class of a type that has several (family_sweep's)")
     args = parser.parse_args()
-    sweep.MULTIMODAL = args.multimodal
+    sweep.MULTIMODAL, sweep.CAUSAL_FIRST = args.multimodal, args.causal_first
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     sweep.run_types(check, only=args.only, timeout=args.timeout)
