@@ -377,3 +377,23 @@ def test_analyze_end_to_end(tmp_path):
     assert "no LRP rule for the compressor" in stages["lrp"]["reason"]
     rows = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]["dec_self"]
     assert [all(v is None for v in row) for row in rows] == [False] * 3
+
+
+def test_a_pruned_model_resaved_under_the_checkpoints_names_is_refused_naming_the_tensors(tmp_path):
+    """transformers saves DeepSeek-V4 under its checkpoint's tensor names (attn.wo_a, ...): a pruned model reloaded with
+    plain transformers and re-saved has weights whose names headlab cannot read its kept heads from. load_model names
+    the tensors whose shapes differ (before: transformers' RuntimeError pointing to a report headlab had filtered)."""
+    import transformers as tf
+
+    from headlab import save_pruned
+    from headlab.loading import load_model
+
+    model = build().float()
+    prune_heads(model, {("dec_self", 1): [1, 2], ("dec_self", 2): [0, 3]})
+    save_pruned(model, tmp_path / "pruned")
+    tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True).save_pretrained(
+        tmp_path / "resaved")
+    with pytest.raises(HeadlabError, match=r"resaved: the weights do not match its config\.json: .*"
+                                           r"self_attn\.q_b_proj\.weight: weights \[32, 16\], model \[64, 16\].* "
+                                           r"\(if it is a pruned model re-saved by transformers"):
+        load_model(str(tmp_path / "resaved"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from contextlib import contextmanager
 from functools import lru_cache
@@ -175,8 +176,17 @@ def load_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        with _quiet_load_report():
+        with _quiet_load_report() as reports:
             model, info = cast(Any, cls).from_pretrained(name_or_path, **kwargs)
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        # transformers' own check of the shapes, after headlab's (which reads the weights' tensors under the model's
+        # names): tensors it renames when it loads (DeepSeek-V4's attn.wo_a, saved by transformers under those names)
+        raise HeadlabError(f"{name_or_path}: the weights do not match its config.json: "
+                           f"{'; '.join(_mismatches(reports)) or one_line(error)} (if it is a pruned model re-saved by "
+                           "transformers under the original checkpoint's tensor names, headlab cannot read its heads "
+                           "back from them: load the directory headlab saved, headlab.save_pruned's)") from None
     except (OSError, SafetensorError) as error:  # a hub model's cached file too
         raise HeadlabError(f"{name_or_path}: cannot load safetensors weights ({one_line(error)})") from error
     except ValueError as error:  # a config transformers cannot build (heads that do not divide the width)
@@ -234,17 +244,33 @@ def _language_model_if_refused(model: nn.Module, source: str) -> nn.Module:
 def _quiet_load_report():
     """transformers' table of missing and unexpected tensors stays off stderr: check_complete
     refuses such a load in one line naming them (the allowed ones are not worth a table). A
-    filter, not a level: transformers reads its logger's level to decide other warnings."""
+    filter, not a level: transformers reads its logger's level to decide other warnings. The
+    tables are kept in the list it yields (:func:`_mismatches` reads them)."""
     logger = logging.getLogger("transformers.modeling_utils")
+    reports: list[str] = []
 
     def no_report(record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in str(record.msg)
+        if "LOAD REPORT" not in str(record.msg):
+            return True
+        reports.append(record.getMessage())
+        return False
 
     logger.addFilter(no_report)
     try:
-        yield
+        yield reports
     finally:
         logger.removeFilter(no_report)
+
+
+def _mismatches(reports: list[str]) -> list[str]:
+    """The MISMATCH rows of transformers' load reports, each ``name: checkpoint [..] vs model [..]``."""
+    rows = []
+    for line in "\n".join(reports).splitlines():
+        cells = [cell.strip() for cell in re.sub(r"\x1b\[[0-9;]*m", "", line).split("|")]
+        if len(cells) == 3 and cells[1] == "MISMATCH":
+            shapes = re.findall(r"torch\.Size\(\[([^]]*)\]\)", cells[2])
+            rows.append(f"{cells[0]}: weights [{shapes[0]}], model [{shapes[1]}]" if len(shapes) == 2 else cells[0])
+    return rows
 
 
 def _record_from_weights(structure: nn.Module, shapes: dict) -> dict | None:
