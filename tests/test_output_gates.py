@@ -633,6 +633,23 @@ def test_gated_types_with_unchecked_parts_are_refused_naming_them(model_type):
         attention_blocks(model)
 
 
+@pytest.mark.parametrize("model_type", tuple(UNCHECKED))
+def test_in_float64_where_their_forward_fails_the_refusal_still_names_the_unchecked_parts(model_type):
+    """Inkling2's forward does not run in float64 (a float32 product inside), so discovery's probe fails; the refusal
+    still names what headlab has not checked (before: "cannot read the output width of Inkling2QueryProjection", from
+    the name-based fallback)."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    extra, _ = UNCHECKED[model_type]
+    config = CONFIG_MAPPING[model_type](**{**_UNCHECKED, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_class_for(config)(config).double().eval()
+    with pytest.raises(HeadlabError, match=rf"model_type '{model_type}'\): its o_proj\.gate_proj gate .* headlab has "
+                                           "not checked these"):
+        attention_blocks(model)
+
+
 @pytest.mark.parametrize("model_type", ["inkling2", "inkling2_loop"])
 def test_their_multimodal_models_are_refused_for_the_same_parts(model_type):
     """The vision-language wrappers (a tiny vision tower around the text model above): refused before any work

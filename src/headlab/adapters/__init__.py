@@ -337,6 +337,8 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
     except ModelChanged as error:
         raise HeadlabError(f"{where}: {error}") from None
     except HeadlabError as error:
+        if model_type in OUTPUT_GATES_REFUSED:  # refused whatever the probe finds (Inkling2's forward fails in float64)
+            raise HeadlabError(f"{where}: {OUTPUT_GATES_REFUSED[model_type]}") from None
         if named and _ships_with_transformers(model):
             return named
         raise HeadlabError(f"{where}: {'' if named else 'found no attention block: '}{error}") from None
