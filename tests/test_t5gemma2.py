@@ -244,3 +244,76 @@ def test_pruning_equals_masking_in_generation_empties_a_layer_and_reloads(dtype,
     plain.eval()
     torch.testing.assert_close(_logits(plain, inputs), expected, atol=1e-5, rtol=0)
     assert torch.equal(_generate(plain, inputs)[0], expected_tokens)
+
+
+def test_dec_cross_plans_are_refused_there_being_no_such_block():
+    """The heads' cross part is no block of its own: a mask or pruning plan naming dec_cross is refused before any work,
+    naming the kinds the model has."""
+    model = build()
+    for act in (lambda: prune_heads(model, {("dec_cross", 0): [1]}),
+                lambda: mask_heads(model, {("dec_cross", 0): [1]}).__enter__()):
+        with pytest.raises(HeadlabError, match=r"the model has no dec_cross attention \(it has enc_self, dec_self\)"):
+            act()
+    assert [b.n_heads for b in attention_blocks(model) if not b.idle] == [HEADS] * 4
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_lrp_conserves_in_float64(pruned):
+    """compute_lrp on the model's own translations conserves every sentence's logit to 1e-9 in float64 (relevance
+    through the merged attention's values reaches both the decoder's tokens and the encoder's), pruned too (a layer
+    emptied)."""
+    from headlab.importance import ImportanceData, compute_lrp, describe_model, translate_data
+
+    model = build()
+    if pruned:
+        prune_heads(model, {("dec_self", 0): [0, 1, 2, 3], ("dec_self", 1): [1, 2], ("enc_self", 0): [3]})
+    info = describe_model(model)
+    g = torch.Generator().manual_seed(0)
+    data = ImportanceData.from_ids([torch.randint(3, 99, (k,), generator=g).tolist() + [1] for k in (3, 6, 9)])
+    data = translate_data(model, data, info, max_length_a=0, max_length_b=6)
+    record = compute_lrp(model, data, info, bootstrap=0).signature["conservation"]
+    assert record["n_sentences"] == 3 and record["n_outside"] == 0, record
+    assert abs(record["with_biases"]["min"] - 1) < 1e-9 and abs(record["with_biases"]["max"] - 1) < 1e-9, record
+
+
+def test_confidence_is_the_same_on_every_engine():
+    """The fused and chunked engines cannot run headlab's attention function on the decoder (it would count the
+    encoder's tokens as the decoder's keys): they take the eager maps (stream_attention's fallback, in float32) and give
+    eager's scores to float32's rounding."""
+    import numpy as np
+
+    from headlab.capture import not_streamable
+    from headlab.importance import ImportanceData, compute_confidence, describe_model, translate_data
+
+    model = build()
+    assert "appends the encoder's tokens" in not_streamable(model)
+    info = describe_model(model)
+    data = ImportanceData.from_ids([[5, 17, 33, 41, 8, 1], [9, 60, 22, 1], [70, 12, 45, 31, 28, 90, 3, 1]])
+    data = translate_data(model, data, info, max_length_a=0, max_length_b=6)
+    eager = compute_confidence(model, data, info, batch_size=2, engine="eager")
+    for engine, query_chunk in (("fused", None), ("chunked", 2), (None, 3)):
+        streamed = compute_confidence(model, data, info, batch_size=2, engine=engine, query_chunk=query_chunk)
+        for kind in eager.kinds:
+            np.testing.assert_allclose(streamed[kind], eager[kind], rtol=1e-6, atol=1e-12)
+
+
+def test_analyze_end_to_end(tmp_path, capsys):
+    """Every stage of ``headlab analyze --ablation`` on a saved tiny T5Gemma 2 (a word tokenizer with Marian's special
+    ids), LRP's too; a score row per layer of each kind. Before: every stage refused with the model."""
+    import json
+
+    from support.family_matrix import analyze, treebank_files
+    from support.treebank import word_tokenizer
+
+    model = build(dtype=torch.float32)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    model.config.decoder.pad_token_id = model.config.decoder.bos_token_id = 0
+    word_tokenizer(treebank_files(tmp_path), style="marian").save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    code, stages = analyze(tmp_path / "model", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    assert {name for name, stage in stages.items() if stage["status"] != "done"} <= {"prune", "figures"}, stages
+    assert stages["lrp"]["status"] == "done"
+    scores = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]
+    assert sorted(scores) == ["dec_self", "enc_self"] and len(scores["dec_self"]) == 2
+    assert all(v is not None for row in scores["dec_self"] for v in row)
