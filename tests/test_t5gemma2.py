@@ -38,8 +38,8 @@ _VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_at
 
 
 def build(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """The tiny model, eager attention, its norms moved off their initial values; the encoder's window of 7 (4 keys
-    each side: so that no padded query of the padded batch has none to attend to), the decoder's of 3."""
+    """The tiny model, eager attention, its norms moved off their initial values; the encoder's window of 7 (its own
+    key, 3 each side: so that no padded query of the padded batch has none to attend to), the decoder's of 3."""
     encoder = dict(text_config=dict(_SIZES, sliding_window=7), vision_config=_VISION, mm_tokens_per_image=4)
     config = tf.T5Gemma2Config(encoder=encoder, decoder=_SIZES, vocab_size=99, pad_token_id=2, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(seed)
