@@ -317,3 +317,21 @@ def test_analyze_end_to_end(tmp_path, capsys):
     scores = json.loads((tmp_path / "out" / "importance" / "confidence.json").read_text())["scores"]
     assert sorted(scores) == ["dec_self", "enc_self"] and len(scores["dec_self"]) == 2
     assert all(v is not None for row in scores["dec_self"] for v in row)
+
+
+def test_pruning_an_uneven_group_equals_masking_in_generation():
+    """One head of a key/value group pruned in each decoder layer (the group's key/value head copied for the kept head
+    that shares it, as for any grouped-query attention), the self and cross keys alike: equal to masking on the padded
+    batch and in greedy cached generation, float64, to 1e-10."""
+    model = build()
+    inputs = _inputs()
+    spec = {("dec_self", 0): [1], ("dec_self", 1): [2]}
+    with mask_heads(model, spec):
+        expected = _logits(model, inputs)
+        expected_tokens, expected_scores = _generate(model, inputs)
+    prune_heads(model, spec)
+    assert [(b.n_heads, b.n_kv_heads) for b in attention_blocks(model) if b.kind == "dec_self"] == [(3, 3), (3, 3)]
+    torch.testing.assert_close(_logits(model, inputs), expected, atol=1e-10, rtol=0)
+    tokens, scores = _generate(model, inputs)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(scores, expected_scores, atol=1e-10, rtol=0)
