@@ -107,6 +107,11 @@ TIME_FIRST = frozenset({"transformers.models.fsmt.modeling_fsmt.Attention"})
 encoder's output from its ``key`` argument, ``[S, B, C]``): a layer of theirs with no head left keeps the cache in
 step with ``[B, 1, T, 1]`` placeholders all the same."""
 
+MERGED_CACHES = frozenset({"transformers.models.t5gemma2.modeling_t5gemma2.T5Gemma2MergedAttention"})
+"""Attention classes that attend over [their own tokens | the encoder's] in one softmax and cache both, the self part
+in the cache's ``self_attention_cache`` and the encoder's in its ``cross_attention_cache`` (T5Gemma 2's decoder,
+handed ``encoder_hidden_states`` at every step): a layer of theirs with no head left keeps both in step."""
+
 OUTPUT_BIASES = {"transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention":
                  "dense_bias"}
 """Attention classes that return last a bias of their own (a parameter, or None) that their caller adds to their
@@ -373,6 +378,7 @@ class NoHeadAttention(nn.Module):
         self.channels_first = qualified in CHANNELS_FIRST or getattr(original, "channels_first", False) is True
         self.time_first = qualified in TIME_FIRST or getattr(original, "time_first", False) is True
         self.second_stream = SECOND_STREAMS.get(qualified) or getattr(original, "second_stream", None)
+        self.merged_cache = qualified in MERGED_CACHES or getattr(original, "merged_cache", False) is True
         self.output_bias = output_bias_name(original)
         if self.output_bias:  # GPT-NeoX-Japanese's dense_bias: a parameter of the attention itself, or None
             bias = getattr(original, self.output_bias)
@@ -494,6 +500,9 @@ class NoHeadAttention(nn.Module):
         if self.time_first:  # FSMT: the encoder's output is the cross-attention's key, [S, B, C]
             memory = kwargs.get("key") if getattr(self, "encoder_decoder_attention", False) else None
         is_cross = memory is not None
+        if self.merged_cache and is_cross and hasattr(cache, "self_attention_cache"):  # T5Gemma 2: both parts cached
+            placeholder = hidden_states.new_zeros(hidden_states.shape[0], 1, hidden_states.shape[1], 1)
+            cache.self_attention_cache.update(placeholder, placeholder, layer_idx)
         target = cache
         if hasattr(cache, "self_attention_cache"):
             if is_cross and cache.is_updated.get(layer_idx):

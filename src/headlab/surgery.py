@@ -1878,7 +1878,9 @@ def load_pruned(path: str | os.PathLike, model_class: type | None = None, *, tru
         except RuntimeError as error:
             raise HeadlabError(f"{path}: weights do not match {PRUNING_FILE}: {error}") from error
     cast(Any, model).tie_weights()
-    loaded = {p.data_ptr() for name, p in model.state_dict().items() if name in state}
+    # what loaded is every tensor of the model not missing: under transformers' conversion the file's names are not the
+    # model's (T5Gemma 2's encoder embedding, saved as model.encoder.embed_tokens), and the tied ones share its memory
+    loaded = {p.data_ptr() for name, p in model.state_dict().items() if name not in set(missing)}
     # Missing is fine for tied weights and for what the class itself rebuilds (sinusoidal tables).
     rebuilt = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
     untied = [

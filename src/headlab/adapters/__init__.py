@@ -43,6 +43,7 @@ from headlab.adapters.families import (
     KV_DYNAMIC_MASKS,
     LATENT_ATTENTION,
     LINEAR_MIXERS,
+    MERGED_ATTENTION,
     OUTPUT_GATES,
     OUTPUT_GATES_REFUSED,
     QKV_ADAPTERS,
@@ -53,6 +54,7 @@ from headlab.adapters.families import (
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
+    merged_attention_probs,
     rows_per_head,
 )
 from headlab.errors import HeadlabError
@@ -366,6 +368,7 @@ def _discovered_candidates(model: nn.Module, idle: set[str] | None = None) -> li
         elif item.problem and item.gates and model_type in OUTPUT_GATES_REFUSED:
             item = dataclasses.replace(item, problem=f"an output gate from {', '.join(item.gates)}: "
                                                      f"{OUTPUT_GATES_REFUSED[model_type]}")
+        item = _merged(model, item)
         if item.problem:
             raise HeadlabError(f"{where}: {item.name}{'.' + item.core if item.core else ''}: {item.problem}")
         candidates.append(_discovered(model, config, item_type, item))
@@ -437,6 +440,22 @@ def _table_type(model: nn.Module, model_type: str, item: Discovered) -> str:
     return own if isinstance(own, str) and any(own in table for table in _TYPE_TABLES) else model_type
 
 
+def _merged(model: nn.Module, item: Discovered) -> Discovered:
+    """A merged attention (:data:`MERGED_ATTENTION`) as discovery found it: its only problem that its forward returns
+    the function's weights split in two (the decoder's columns, then the encoder's), which ``probs_index`` 1 and
+    :func:`merged_attention_probs` read; its q/k/v the single projections the probe traced (the keys and values of
+    both parts from the same two). Anything else discovery found wrong stays refused."""
+    module = model.get_submodule(item.name)
+    core = module.get_submodule(item.core) if item.core else module
+    if type(core).__name__ not in MERGED_ATTENTION or item.problem is None or item.probs_index >= 0 or item.gates \
+            or item.kv_from or len(item.sources) != 3 or any(len(paths) != 1 for paths in item.sources):
+        return item
+    if not item.problem.startswith("its forward does not return the attention function's weights"):
+        return item
+    q, k, v = (paths[0] for paths in item.sources)
+    return dataclasses.replace(item, problem=None, q=q, k=k, v=v, probs_index=1)
+
+
 def _known_gates(model_type: str, item: Discovered) -> bool:
     """The output gate discovery saw comes from the projections :data:`OUTPUT_GATES` lists for this model
     type (relative to the attention module), the ones whose rows its ``head_rows`` slice per head."""
@@ -505,6 +524,9 @@ def _discovered(model: nn.Module, config: Any, model_type: str, item: Discovered
     )
     core = module.get_submodule(item.core) if item.core else module
     prefix = f"{item.core}." if item.core else ""
+    if type(core).__name__ in MERGED_ATTENTION:  # T5Gemma 2's decoder: a map over its tokens, the encoder's share out
+        family = dataclasses.replace(family, appended_keys=MERGED_ATTENTION[type(core).__name__],
+                                     probs_reader=merged_attention_probs, extra_outputs=1)
     tabled = _tabled_fused(item, module, core)
     if tabled is not None:  # a tabled family's fused projection (ModernVBERT's ModernBERT): its layout, as the table's
         family = dataclasses.replace(tabled, name=family.name, patterns=(), probs_index=item.probs_index)

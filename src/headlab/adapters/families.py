@@ -1423,6 +1423,39 @@ DEEPSEEK_V4 = Family(
                 "compressor, the indexer or the inverse rotation")
 
 
+def merged_attention_probs(core: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """A merged attention's map over the decoder's tokens (:data:`MERGED_ATTENTION`): ``T5Gemma2MergedAttention``
+    (transformers 5.24, its forward read) takes one softmax per head over ``[the decoder's keys | the encoder's]`` and
+    returns that map split at the decoder's last key: ``(output, self_attn_weights, cross_attn_weights)``, the first
+    being transformers' ``decoder_attentions``. That is the map; what a row of it lacks to one is the mass on the
+    encoder's tokens, left out as a sink's share is (``Family.appended_keys``). Refused over a cache of earlier tokens
+    (a map over more keys than queries: not one pass's tokens)."""
+    from headlab.errors import HeadlabError
+
+    probs = output[1] if isinstance(output, tuple) and len(output) > 2 else None
+    if probs is None or output[2] is None:
+        raise HeadlabError(f"{type(core).__name__}: returned no weights over the decoder's and the encoder's tokens")
+    if probs.shape[2] != probs.shape[3]:
+        raise HeadlabError(f"{type(core).__name__}: {probs.shape[2]} queries over {probs.shape[3]} decoder keys (a cache "
+                           "of earlier tokens): headlab reads maps over one forward pass's tokens; run without a cache")
+    return probs
+
+
+MERGED_ATTENTION: dict[str, str] = {
+    # session 39, branch t5g2, read in transformers 5.24 (models/t5gemma2): q_proj, k_proj, v_proj, o_proj as Gemma 3's
+    # (q_norm/k_norm per head, GQA); the encoder's keys and values come from the same k_proj/v_proj (k_norm, no
+    # rotation), concatenated after the decoder's; the weights returned split in two, the decoder's columns second
+    "T5Gemma2MergedAttention": "the encoder's tokens (T5Gemma 2's merged attention: one softmax per head over [the "
+                               "decoder's tokens | the encoder's tokens], the same heads' cross-attention)",
+}
+"""Attention classes whose one softmax per head spans the decoder's tokens and, appended after them, the encoder's
+(``Family.appended_keys``, with what it says): analysed as ``dec_self`` blocks over the decoder's tokens
+(:func:`merged_attention_probs`), the encoder's share of each row left out. No ``dec_cross`` block is made of the same
+heads: headlab keys a block, its gates, masks, scores and pruning plans on (kind, layer), so two blocks of one module's
+heads would let a plan switch off a head under one kind and keep it under the other, while the head is one (masking or
+pruning it removes both parts at once)."""
+
+
 FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["marian", "bart", "mbart", "pegasus", "m2m_100", "blenderbot", "blenderbot-small"], BART_LIKE),
     **dict.fromkeys(["bert", "roberta", "xlm-roberta", "camembert", "electra", "megatron-bert", "rembert", "roformer"],
@@ -1553,14 +1586,6 @@ UNSUPPORTED: dict[str, str] = {
                   "head) that pruning would have to slice; its encoder and cross attention (ProphetNetAttention, BART's "
                   "old one outside transformers' attention interface) have no adapter entry either, and an analysis "
                   "without the decoder's self-attention would leave its heads out",
-    # session 35, read in transformers 5.24 (models/t5gemma2): before, discovery's generic "its forward does not
-    # return the attention function's weights" (T5Gemma2MergedAttention returns them split in two, a third output)
-    "t5gemma2": "T5Gemma 2's decoder attends with merged attention (T5Gemma2MergedAttention): each head takes one "
-                "softmax over [the decoder's tokens | the encoder's tokens], with the same q, k, v and output "
-                "projections for both, so a decoder head has neither a self-attention map whose rows sum to one nor "
-                "a cross-attention map of its own, and masking or pruning it removes both at once; headlab's block "
-                "kinds (dec_self, dec_cross) are one softmax each, and an analysis without the decoder would leave "
-                "its heads out",
     # fam31b, read in transformers 5.24 (models/pegasus_x): PegasusXGlobalLocalAttention; the decoder's attention
     # (PegasusXAttention) goes through the attention interface, the encoder's does not
     "pegasus_x": "PEGASUS-X's encoder attention (PegasusXGlobalLocalAttention, block-local with global tokens, outside "

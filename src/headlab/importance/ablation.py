@@ -264,6 +264,15 @@ def _correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 _MEASURES = {"loss": lambda logits, labels: sequence_nll(logits, labels)[0], "accuracy": _correct}
 
 
+def _encoded(hidden: torch.Tensor) -> object:
+    """The encoder's output as a seq2seq model's forward takes it back: transformers' ``BaseModelOutput``, which reads
+    as the 1-tuple older forwards index (``encoder_outputs[0]``) and has the ``last_hidden_state`` newer ones read
+    (T5Gemma 2's; a bare tuple there raises)."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    return BaseModelOutput(last_hidden_state=hidden)
+
+
 def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, metrics=("loss",)):
     """Loss (and, for a classifier, accuracy) of every variant: ``{metric: (values, signature)}``."""
     if info.is_seq2seq and data.references is None and data.translations is None:
@@ -288,7 +297,7 @@ def _ablate_loss(model, data, info, variants, batch_size, max_rows, progress, me
                     encoder_out = model.get_encoder()(
                         input_ids=batch.inputs["input_ids"], attention_mask=batch.inputs["attention_mask"]
                     ).last_hidden_state
-                    logits = model(encoder_outputs=(encoder_out,), **batch.inputs, use_cache=False).logits
+                    logits = model(encoder_outputs=_encoded(encoder_out), **batch.inputs, use_cache=False).logits
                 else:
                     logits = forward_logits(model, batch.inputs, info)
             finally:
@@ -339,7 +348,8 @@ def _loss_group(model, info: ModelInfo, batch: Batch, group: list[Variant], enco
     decoder_only = encoder_out is not None and all(block.kind != "enc_self" for block, _ in group)
     with gates_attached(model, gates), recorder.start_at(group[0][0], copies):
         if decoder_only:  # the encoder is unchanged by decoder heads: reuse its output
-            logits = model(encoder_outputs=(encoder_out.repeat(copies, 1, 1),), **inputs, use_cache=False).logits
+            logits = model(encoder_outputs=_encoded(encoder_out.repeat(copies, 1, 1)), **inputs,
+                           use_cache=False).logits
         else:
             logits = forward_logits(model, inputs, info)
     totals = {m: measure(logits, labels).view(copies, rows).sum(-1) for m, measure in measures.items()}
