@@ -453,6 +453,7 @@ AUTOS = (tf.AutoModelForSeq2SeqLM, tf.AutoModelForMaskedLM, tf.AutoModelForCausa
 ZERO = "sweep_zero_heads"  # the attention function of the mask check's reference
 
 
+VARIANT: dict = {}  # config attributes every build sets (experiments/variant_sweep.py: one flag at a time)
 CAUSAL_FIRST = False  # --causal-first: the causal-LM class where a type has several
 MULTIMODAL = False  # --multimodal: the types whose only text-generating class is an image-text-to-text wrapper
 
@@ -514,6 +515,25 @@ def _text_defaults(config_class) -> dict:
     return found
 
 
+def with_variant(config_class, sizes: dict) -> dict:
+    """``sizes`` with ``VARIANT`` (experiments/variant_sweep.py) set in them, in a composite config's text_config."""
+    if not VARIANT:
+        return sizes
+    if "text_config" not in getattr(config_class, "sub_configs", {}):
+        return {**sizes, **VARIANT}
+    text = sizes.get("text_config")
+    return {**sizes, "text_config": {**(text if isinstance(text, dict) else {}), **VARIANT}}
+
+
+def variant_kept(model) -> None:
+    """A ValueError where the config the model runs on does not hold ``VARIANT`` (Qwen2's sliding_window is None
+    without use_sliding_window): a variant the config dropped would be the baseline, counted as its pass."""
+    config = model.config.get_text_config()
+    for key, value in VARIANT.items():
+        if getattr(config, key, UNSET) != value:
+            raise ValueError(f"the config keeps {key}={getattr(config, key, None)!r}, not {value!r}")
+
+
 def build(config_class, cls, implementation: str, dtype: torch.dtype):
     """The tiny model, biases, norm weights and learned attention sinks moved off their initial values (so that
     they count)."""
@@ -532,8 +552,11 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
                   {**SIZES, **SEQ2SEQ_SIZES, **GPT_SIZES}, {**SIZES, **SEQ2SEQ_SIZES}, SIZES,
                   {**no_head_dim, **SEQ2SEQ_SIZES, **GPT_SIZES}, no_head_dim, *wrapped):
         sizes = {k: v for k, v in {**sizes, **OVERRIDES.get(config_class.model_type, {})}.items() if v is not UNSET}
+        sizes = with_variant(config_class, sizes)
         try:
             model = tiny(config_class, cls, sizes, implementation)
+            if model is not None:
+                variant_kept(model)
         except Exception as error:  # noqa: BLE001 - any config: reported
             errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
             continue
@@ -1021,10 +1044,12 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
     return "pass", "", "; ".join([head] + [n for n in notes if n])
 
 
-def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, skip=None) -> None:
+def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, skip=None, variants=None) -> None:
     """The sweep's loop, shared by experiments/fused_sweep.py: ``check(model_type, config_class)`` -> ``(outcome,
     *columns, message)`` for each type that has a class (``outcome`` "" leaves the type out), under a ``timeout`` of
-    seconds each; a line per type, then the counts. ``skip(model_type)`` names a count a type goes to unchecked."""
+    seconds each; a line per type, then the counts. ``skip(model_type)`` names a count a type goes to unchecked.
+    ``variants(model_type, config_class)`` (experiments/variant_sweep.py): labels, a row and a ``check(model_type,
+    config_class, label)`` for each instead of one per type."""
     counts: Counter = Counter()
 
     def alarm(*_):
@@ -1037,21 +1062,23 @@ def run_types(check, *, only: list[str] | None, timeout: int, columns: int = 1, 
         if skip is not None and (count := skip(model_type)):
             counts[count] += 1
             continue
-        start = time.perf_counter()
-        signal.alarm(timeout)
-        try:
-            outcome, *middle, message = check(model_type, config_class)
-        except Timeout:
-            outcome, middle, message = "timeout", [""] * (columns - 1), f"over {timeout} s"
-        except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
-            outcome, middle, message = "skipped", ["build"][:columns - 1], f"{type(error).__name__}: {error}"[:200]
-        finally:
-            signal.alarm(0)
-        if not outcome:
-            continue
-        counts[outcome] += 1
-        cells = f"{outcome:{12 if columns > 1 else 8}s} " + "".join(f"{cell:8s} " for cell in middle)
-        print(f"{model_type:26s} {cells}{time.perf_counter() - start:5.1f}s {message}", flush=True)
+        for label in variants(model_type, config_class) if variants is not None else [None]:
+            start = time.perf_counter()
+            signal.alarm(timeout)
+            try:
+                outcome, *middle, message = check(model_type, config_class, *([] if label is None else [label]))
+            except Timeout:
+                outcome, middle, message = "timeout", [""] * (columns - 1), f"over {timeout} s"
+            except Exception as error:  # noqa: BLE001 - outside the checks (building): reported
+                outcome, middle, message = "skipped", ["build"][:columns - 1], f"{type(error).__name__}: {error}"[:200]
+            finally:
+                signal.alarm(0)
+            if not outcome:
+                continue
+            counts[outcome] += 1
+            cells = f"{outcome:{12 if columns > 1 else 8}s} " + "".join(f"{cell:8s} " for cell in middle)
+            name = model_type if label is None else f"{model_type:26s} {label:34s}"
+            print(f"{name:26s} {cells}{time.perf_counter() - start:5.1f}s {message}", flush=True)
     print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
 
