@@ -66,7 +66,7 @@ import transformers as tf
 
 from headlab import HeadlabError, ScalarGates, attention_blocks, capture_attention, gates_attached, mask_heads
 from headlab.adapters import is_linear
-from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS, rows_per_head
+from headlab.adapters.families import causal_on_token_ids, rows_per_head
 from headlab.importance.lrp import lrp_precision
 from headlab.language_model import analysed_model
 from headlab.loading import required_inputs, token_ids_problem
@@ -982,7 +982,7 @@ def sweep(model_type: str, config_class, timeout: int) -> tuple[str, str, str]:
         return "refused", "inputs", problem[:300]
     # SDPA where the class has it and every sub-model takes it (Gemma 4's audio tower does not)
     # eager where headlab's load_model takes it (PaliGemma: its SDPA skips the causal mask, refused)
-    implementation = "sdpa" if cls._supports_sdpa and model_type not in CAUSAL_ON_TOKEN_IDS \
+    implementation = "sdpa" if cls._supports_sdpa and not causal_on_token_ids(eager.config) \
         and build(config_class, cls, "sdpa", torch.float64)[0] else "eager"
     dtype, atol = torch.float64, 1e-9
     inputs = inputs_for(eager)

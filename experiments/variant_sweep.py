@@ -35,6 +35,7 @@ KNOWN: dict[str, tuple] = {
     "partial_rotary_factor": (0.5, 0.25), "rotary_pct": (0.5, 0.25), "attn_logit_softcapping": (50.0, 20.0),
     "final_logit_softcapping": (30.0, 10.0), "query_pre_attn_scalar": (16, 32), "clip_qkv": (1.0, 2.0),
     "attention_multiplier": (0.5, 0.25), "sliding_window": (4, 3),
+    "use_bidirectional_attention": ("all",),  # Gemma 4's (None, "all" or "vision"; a boolean elsewhere)
 }
 # set with a sliding window where the config has them (without, Qwen2's window is off, or no layer uses it)
 WITH_WINDOW = {"use_sliding_window": True, "layer_types": fs.LOCAL_GLOBAL}
@@ -52,11 +53,14 @@ def text_config_class(config_class):
 
 
 def defaults(config_class) -> dict:
+    """The config's parameters and their defaults; a flag that defaults to None (``bool | None``: Gemma 2's
+    use_bidirectional_attention) as False, so that it is flipped too."""
     try:
         parameters = inspect.signature(config_class.__init__).parameters
     except (TypeError, ValueError):
         return {}
-    return {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    return {name: False if p.default is None and str(p.annotation).replace(" ", "") == "bool|None" else p.default
+            for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 def variants(model_type: str, config_class) -> list[dict]:

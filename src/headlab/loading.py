@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from headlab.adapters import text_config
-from headlab.adapters.families import CAUSAL_ON_TOKEN_IDS
+from headlab.adapters.families import causal_on_token_ids
 from headlab.checkpoint import (
     MULTIMODAL_TABLES,
     build_model,
@@ -171,7 +171,7 @@ def load_model(
               "output_loading_info": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if attn_implementation is None and getattr(config, "model_type", None) in CAUSAL_ON_TOKEN_IDS:
+    if attn_implementation is None and causal_on_token_ids(config):
         attn_implementation = "eager"  # its SDPA attends bidirectionally over a batch without padding
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

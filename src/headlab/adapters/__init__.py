@@ -54,6 +54,7 @@ from headlab.adapters.families import (
     UNSUPPORTED,
     UNSUPPORTED_CONFIGS,
     Family,
+    causal_on_token_ids,
     merged_attention_probs,
     rows_per_head,
 )
@@ -704,7 +705,7 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
     measurements start (:func:`headlab.capture.eager_attention`, :func:`headlab.gates.refuse_gated`), beside
     :func:`headlab.adapters.eager_alibi.refuse_alibi_twice`."""
     config: Any = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in CAUSAL_ON_TOKEN_IDS:
+    if not causal_on_token_ids(config):
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     implementation = getattr(text, "_attn_implementation", None)
@@ -712,8 +713,8 @@ def refuse_mask_skip(model: nn.Module, what: str) -> None:
         raise HeadlabError(
             f"{what}: {type(model).__name__} (model_type {config.model_type!r}) with attn_implementation="
             f"{implementation!r}: "
-            "its language model's attention is not causal by its flag (use_bidirectional_attention, for the "
-            "image and prompt prefix that token_type_ids marks) but its mask is causal on token ids; "
+            "its language model's attention is not causal by its flag (use_bidirectional_attention, in PaliGemma "
+            "for the image and prompt prefix that token_type_ids marks) but its mask is causal on token ids; "
             f"{implementation} skips that mask on a batch without padding, so the model would attend bidirectionally "
             "over such a batch and causally over a padded one, two models in one run: load it with "
             "attn_implementation='eager' (headlab's load_model does for this model type)")

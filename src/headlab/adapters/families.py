@@ -350,14 +350,27 @@ and applies the sink after, scaling head h's output by ``sigmoid(logsumexp(logit
 5.24, ``eager_attention_forward`` of their modeling modules): the weights the values get are those rows times the
 scale, which headlab's capture returns (:func:`headlab.capture.capture_attention`), as the others' eager returns them."""
 
-CAUSAL_ON_TOKEN_IDS = frozenset({"paligemma"})
-"""Model types (of the wrapper) whose language model's attention says it is not causal (``is_causal`` False: its text
-config's ``use_bidirectional_attention``, for the prefix of image and prompt tokens that ``token_type_ids`` marks)
-but is causal on token ids alone, as headlab runs it: PaliGemma (transformers 5.24, ``PaliGemmaModel.forward``: without
-``token_type_ids``, ``create_causal_mask``). Their blocks are ``dec_self``. Under an implementation that skips that
-mask on a batch without padding (SDPA: ``is_causal`` False then attends bidirectionally, and a padded batch causally)
-the model is refused before any work, naming the way out: eager attention, which always builds it
-(:func:`headlab.adapters.refuse_mask_skip`)."""
+CAUSAL_ON_TOKEN_IDS = frozenset({"paligemma", "gemma", "gemma2", "gemma3"})
+"""Model types (of the wrapper) whose language model's attention says it is not causal where its text config sets
+``use_bidirectional_attention`` (``is_causal`` False, for the prefix of image and prompt tokens that ``token_type_ids``
+marks) but is causal on token ids alone, as headlab runs it: PaliGemma (transformers 5.24, ``PaliGemmaModel.forward``:
+without ``token_type_ids``, ``create_causal_mask``; its config sets the flag), and Gemma, Gemma 2 and Gemma 3's
+multimodal wrapper with the flag set (their masks ignore it; Gemma 3's text model, ``gemma3_text``, honours it: its
+blocks are ``enc_self`` there). Their blocks are ``dec_self`` (:func:`causal_on_token_ids`; before session 39 Gemma,
+Gemma 2 and Gemma 3's were ``enc_self`` with the flag set, a masked LM's objective: experiments/variant_sweep.py).
+Under an implementation that skips that mask on a batch without padding (SDPA: ``is_causal`` False then attends
+bidirectionally, and a padded batch causally) the model is refused before any work, naming the way out: eager
+attention, which always builds it (:func:`headlab.adapters.refuse_mask_skip`)."""
+
+
+def causal_on_token_ids(config: Any) -> bool:
+    """The model of ``config`` is one of :data:`CAUSAL_ON_TOKEN_IDS` with its text config's
+    ``use_bidirectional_attention`` set (True): its attention's ``is_causal`` is False, its mask causal."""
+    if getattr(config, "model_type", None) not in CAUSAL_ON_TOKEN_IDS:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "use_bidirectional_attention", None) is True
+
 
 CLIPPED_QKV: dict[str, str] = {
     "DbrxAttention": "clip_qkv", "MptAttention": "clip_qkv",
