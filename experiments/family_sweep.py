@@ -933,6 +933,9 @@ def check_lrp(model, blocks) -> str | None:
     # Gemma 3n's and Gemma 4's per-layer token embeddings: an input of their own, counted with the first layer's
     handles += [e.register_forward_hook(lambda module, args, output: per_layer.append(output))
                 for e in per_layer_embeddings(model)]
+    head_out: list[torch.Tensor] = []  # the LM head's output: a cap in the config that the class never applies
+    if isinstance(head := model.get_output_embeddings(), torch.nn.Module):
+        handles.append(head.register_forward_hook(lambda module, args, output: head_out.append(output)))
     ids = torch.randint(3, 99, (1, 7), generator=torch.Generator().manual_seed(1))
     try:
         with torch.enable_grad(), eager_attention(model), lrp_rules(model):
@@ -949,6 +952,10 @@ def check_lrp(model, blocks) -> str | None:
     configs = (model.config, model.config.get_text_config())
     cap = next((getattr(c, name) for c in configs for name in ("final_logit_softcapping", "logits_soft_cap")
                 if getattr(c, name, None)), None)
+    # Gemma 3's multimodal wrapper leaves its text config's final_logit_softcapping unapplied (transformers 5.24): the
+    # logit is the head's output
+    if head_out and head_out[-1][0, -1, target].item() == out[0, -1, target].item():
+        cap = None
     if cap:  # logit = cap * tanh(z / cap): z's relevance, every share scaled by dy/dz = 1 - tanh(z / cap)^2
         z = cap * math.atanh(want / cap)
         want = z * (1 - math.tanh(z / cap) ** 2)
