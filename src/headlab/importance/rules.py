@@ -958,7 +958,7 @@ class _GatedProduct:
         self.a = self.b = None
         if a is None or b is None or a.shape != v.shape or b.shape != v.shape:
             raise HeadlabError(f"LRP: cannot find the two factors of the gated MLP before {type(module).__name__}")
-        return (_swap_backward(v, _product(a, b).to(v.dtype)), *args[1:])
+        return (_swap_backward(v, _as_computed(_product(a, b).to(v.dtype), v)), *args[1:])
 
 
 class _CheckedGatedProduct(_GatedProduct):
@@ -1239,6 +1239,18 @@ def _sparsity_is_homogeneous(module: nn.Module) -> bool:
     # all zeros (a sparsity near one on a small probe) is homogeneous too, and conserves
     return isinstance(once, torch.Tensor) and once.shape == x.shape \
         and torch.allclose(twice, 2 * once, rtol=1e-9, atol=1e-12)
+
+
+def _as_computed(surrogate: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``surrogate`` scaled by a detached ``v / surrogate``, so that its value is the product the MLP really computed
+    (Beam's in float32 within a float64 model, session 39): all of ``v``'s relevance passes to the two factors, as the
+    norms' rules pass the factor the module applied. Before, the rounding's share was lost, which relevances that
+    cancel across a layer (Beam's sandwich norms: shares of +-2000 summing to 2.5) made 5e-4 of the logit."""
+    with torch.no_grad():
+        nonzero = surrogate != 0
+        ratio = torch.where(nonzero, v / torch.where(nonzero, surrogate, torch.ones_like(surrogate)),
+                            torch.ones_like(surrogate))
+    return surrogate * ratio
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
