@@ -42,6 +42,7 @@ builder and the walk over the model types are benchmarks/survey_families.py's, i
 ``--multimodal`` (session 37) sweeps instead the types whose only text-generating class is an
 ``AutoModelForImageTextToText`` wrapper (Qwen3-VL, Mistral3, PaliGemma, Idefics3, InternVL, ...), on token ids, their
 towers idle: a composite config gets the tiny sizes in its ``text_config`` and its vision tower at its smallest.
+experiments/variant_sweep.py (session 39) runs these checks per config variant (``VARIANT``: flags set in every build).
 
     cd <checkout> && PYTHONPATH=src:tests OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
         .venv/bin/python experiments/family_sweep.py [--all] [--only TYPE ...] [--timeout 30] [--causal-first]
