@@ -535,6 +535,14 @@ def variant_kept(model) -> None:
             raise ValueError(f"the config keeps {key}={getattr(config, key, None)!r}, not {value!r}")
 
 
+def _gist(error: Exception) -> str:
+    """An error's first line, and its last where it has several (a config validator's reason, after a module's repr)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0][:100] if lines else ""
+    return f"{lines[0][:60]} ... {lines[-1][:120]}"
+
+
 def build(config_class, cls, implementation: str, dtype: torch.dtype):
     """The tiny model, biases, norm weights and learned attention sinks moved off their initial values (so that
     they count)."""
@@ -559,7 +567,7 @@ def build(config_class, cls, implementation: str, dtype: torch.dtype):
             if model is not None:
                 variant_kept(model)
         except Exception as error:  # noqa: BLE001 - any config: reported
-            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}")
+            errors.append(f"{type(error).__name__}: {_gist(error)}")
             continue
         if model is not None:
             break
